@@ -1,0 +1,237 @@
+"""`mimo-shard build`: raw inputs → validated, indexed WebDataset shards.
+
+Everything is written into ``OUTPUT/.staging`` first, moved into place at the end, and
+``index.json`` comes last (atomically): a build killed at any point leaves no index, and the
+next build of the same output starts clean. The output order, keys and bytes depend only on the
+inputs and options (not on ``--workers``): workers validate in parallel, results are consumed
+in task order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import random
+import re
+import shutil
+import sys
+from dataclasses import asdict, dataclass, field
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from mimo_data.index import dumps, write_atomic
+from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.prepare import MediaPolicy, Prepared, Rejected, prepare
+from mimo_data.report import BuildReport
+from mimo_data.shard_format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key)
+from mimo_data.shard_writer import ShardSet
+from mimo_data.sources import open_source
+
+
+class BuildError(Exception):
+    """The build stopped (bad output dir, unreadable input, or --strict on a bad record)."""
+
+
+@dataclass
+class BuildOptions:
+    name: str = "data"
+    max_samples_per_shard: int = 5000
+    max_shard_bytes: int = 1 << 30
+    workers: int = 1
+    shuffle: bool = False
+    seed: int = 0
+    strict: bool = False
+    overwrite: bool = False
+    media_root: str | None = None
+    input_format: str = "auto"
+    instruction: str = "Transcribe the audio."
+    columns: dict = field(default_factory=dict)
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    check: str = "decode"
+    progress: bool = True
+
+
+_OWN_FILE = re.compile(r"^(index\.json|samples\.parquet|report\.json|\.staging|.+-\d{6}\.tar)$")
+
+
+def _prepare_output(output: str, overwrite: bool) -> bool:
+    """Make ``output`` ready for a fresh build; return whether this call created it."""
+    if not os.path.exists(output):
+        os.makedirs(output)
+        return True
+    if not os.path.isdir(output):
+        raise BuildError(f"{output} exists and is not a directory")
+    if os.path.exists(os.path.join(output, INDEX_FILE)) and not overwrite:
+        raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
+                         "it or choose another --output")
+    foreign = sorted(n for n in os.listdir(output) if not _OWN_FILE.match(n))
+    if foreign:
+        raise BuildError(f"{output} contains files a build did not write ({', '.join(foreign[:5])}"
+                         f"{' ...' if len(foreign) > 5 else ''}); use an empty or new directory")
+    index = os.path.join(output, INDEX_FILE)
+    if os.path.exists(index):
+        os.remove(index)    # first: from here on the old dataset no longer looks complete
+    for name in os.listdir(output):
+        path = os.path.join(output, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    return False
+
+
+class _SamplesTable:
+    """Streams rows of ``samples.parquet`` (SAMPLES_SCHEMA) to disk in batches."""
+
+    BATCH = 8192
+
+    def __init__(self, path: str):
+        self._writer = pq.ParquetWriter(path, SAMPLES_SCHEMA)
+        self._rows: list[dict] = []
+
+    def add(self, key: str, shard: str, sample: Prepared, members: list[dict]) -> None:
+        images = [m for m in sample.media if m["modality"] == "image"]
+        audios = [m for m in sample.media if m["modality"] == "audio"]
+        self._rows.append({
+            "key": key, "shard": shard, "id": sample.id, "source": sample.location,
+            "members": members, "num_turns": len(sample.messages),
+            "text_chars": sum(len(m["content"]) for m in sample.messages),
+            "image_width": [m["width"] for m in images],
+            "image_height": [m["height"] for m in images],
+            "audio_duration": [m["duration"] for m in audios]})
+        if len(self._rows) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            self._writer.write_table(pa.Table.from_pylist(self._rows, schema=SAMPLES_SCHEMA))
+            self._rows = []
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+
+# Worker-process state, set once per process by _init_worker (sources hold open-file metadata).
+_WORKER: dict = {}
+
+
+def _init_worker(sources, policy) -> None:
+    _WORKER["sources"], _WORKER["policy"] = sources, policy
+
+
+def _prepare_task(task):
+    return prepare(task, _WORKER["sources"][task.source], _WORKER["policy"])
+
+
+def _results(tasks, sources, policy, workers):
+    """Prepared/Rejected results in task order, from ``workers`` processes (1 = in-process)."""
+    if workers <= 1:
+        _init_worker(sources, policy)
+        yield from map(_prepare_task, tasks)
+        return
+    context = multiprocessing.get_context("fork")
+    with context.Pool(workers, initializer=_init_worker, initargs=(sources, policy)) as pool:
+        yield from pool.imap(_prepare_task, tasks, chunksize=8)
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as data:
+        for block in iter(lambda: data.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _modality_stats(table_path: str) -> dict:
+    table = pq.read_table(table_path, columns=["image_width", "audio_duration"])
+    images = [len(x) for x in table.column("image_width").to_pylist()]
+    audios = [len(x) for x in table.column("audio_duration").to_pylist()]
+    return {"image": {"samples": sum(1 for n in images if n), "items": sum(images)},
+            "audio": {"samples": sum(1 for n in audios if n), "items": sum(audios)},
+            "text_only": {"samples": sum(1 for i, a in zip(images, audios) if not i and not a)}}
+
+
+def build(inputs: list[str], output: str, options: BuildOptions) -> dict:
+    """Build the dataset; return the index. Raises BuildError (nothing is left behind then)."""
+    if not inputs:
+        raise BuildError("no inputs given")
+    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1:
+        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive")
+    sources = [open_source(path, input_format=options.input_format,
+                           media_root=options.media_root, instruction=options.instruction,
+                           columns=options.columns) for path in inputs]
+    created = _prepare_output(output, options.overwrite)
+    staging = os.path.join(output, STAGING_DIR)
+    os.makedirs(staging)
+    try:
+        index = _build_into(staging, output, inputs, sources, options)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(output):
+            os.rmdir(output)
+        raise
+    return index
+
+
+def _build_into(staging, output, inputs, sources, options) -> dict:
+    tasks = [task for number, source in enumerate(sources) for task in source.tasks(number)]
+    if options.shuffle:
+        random.Random(options.seed).shuffle(tasks)
+    policy = MediaPolicy(options.max_image_pixels, options.check)
+    report = BuildReport()
+    shards = ShardSet(staging, options.name, options.max_samples_per_shard,
+                      options.max_shard_bytes)
+    table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
+    seen_ids: dict[str, str] = {}
+    progress = tqdm(total=len(tasks), unit="rec", desc="build", disable=not options.progress,
+                    file=sys.stderr)
+    for result in _results(tasks, sources, policy, options.workers):
+        progress.update()
+        if isinstance(result, Prepared) and result.id is not None and result.id in seen_ids:
+            result = Rejected("duplicate_id", result.location,
+                              f"id {result.id!r} was already taken by {seen_ids[result.id]}")
+        if isinstance(result, Rejected):
+            if options.strict:
+                raise BuildError(f"{result.location}: {result.reason}: {result.detail} "
+                                 "(--strict stops at the first bad record)")
+            report.skip(result.reason, result.location, result.detail)
+            continue
+        if result.id is not None:
+            seen_ids[result.id] = result.location
+        key = sample_key(report.written)
+        sample = {"key": key, "id": result.id, "source": result.source,
+                  "messages": result.messages, "media": result.media}
+        members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
+        members.update((m["member"], data) for m, data in zip(result.media, result.payloads))
+        shard, member_records = shards.add(key, members)
+        table.add(key, shard, result, member_records)
+        report.wrote()
+    progress.close()
+    shard_list = shards.close()
+    table.close()
+    write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
+    index = {
+        "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
+        "shards": shard_list,
+        "totals": {"samples": report.written, "shards": len(shard_list),
+                   "bytes": sum(s["bytes"] for s in shard_list)},
+        "modalities": _modality_stats(os.path.join(staging, SAMPLES_FILE)),
+        "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
+                         "sha256": _sha256_file(os.path.join(staging, name))}
+                  for name in (SAMPLES_FILE, REPORT_FILE)},
+        "report": {"records_read": report.read, "records_skipped": report.skipped_total},
+        "build": {"inputs": list(inputs),
+                  **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
+                                                                           "overwrite")}},
+    }
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
+    os.rmdir(staging)
+    write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
+    print(f"mimo-shard: {report.summary()} in {len(shard_list)} shard(s) → {output}"
+          f"{f' (see {os.path.join(output, REPORT_FILE)})' if report.skipped else ''}",
+          file=sys.stderr)
+    return index

@@ -1,0 +1,51 @@
+"""``index.json``: read it (the only proof a dataset is complete) and write it atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mimo_data.shard_format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
+
+
+class DatasetError(Exception):
+    """A dataset directory that is missing, incomplete or not of our format."""
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``path`` so that readers see either the old file or the whole new one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
+def dumps(value) -> bytes:
+    """Canonical JSON bytes (sorted keys, 2-space indent) so equal content is equal bytes."""
+    return (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def read_index(directory: str) -> dict:
+    """The index of a complete dataset; DatasetError says what is wrong and what to do."""
+    path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isdir(directory):
+        raise DatasetError(f"{directory}: no such dataset directory")
+    if not os.path.isfile(path):
+        raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
+                           "(an interrupted build?); run `mimo-shard build` again")
+    try:
+        index = json.loads(open(path, "rb").read())
+    except ValueError as exc:
+        raise DatasetError(f"{path}: unreadable index ({exc}); rebuild the dataset") from None
+    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
+        raise DatasetError(f"{path}: format {index.get('format')!r} version "
+                           f"{index.get('version')!r}; this mimo reads {FORMAT_NAME!r} "
+                           f"version {FORMAT_VERSION}")
+    return index

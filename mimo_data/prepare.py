@@ -1,0 +1,97 @@
+"""Turn one source task into a validated sample (messages + media bytes + metadata) or a skip.
+
+Runs in build worker processes: reads media, probes them, and returns everything the writer
+needs, so the main process only assigns keys and writes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mimo_data.media import MediaError, probe_audio, probe_image
+from mimo_data.records import RecordError, check_marker_counts, marker_order, normalize_messages
+from mimo_data.shard_format import media_member
+from mimo_data.sources import Task
+
+
+@dataclass
+class Prepared:
+    """A record that passed validation; ``media`` is in marker order, like ``payloads``."""
+    id: str | None
+    location: str
+    source: dict
+    messages: list[dict]
+    media: list[dict]
+    payloads: list[bytes]
+
+
+@dataclass
+class Rejected:
+    reason: str
+    location: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    max_image_pixels: int
+    check: str  # "decode" | "header"
+
+
+def _read_media(ref, media_root: str) -> tuple[bytes, str | None]:
+    """Bytes and original path of a media reference (path, bytes or ``{bytes, path}``)."""
+    path = None
+    if isinstance(ref, dict):
+        if ref.get("bytes"):
+            return bytes(ref["bytes"]), ref.get("path")
+        path = ref.get("path")
+    elif isinstance(ref, (bytes, bytearray)):
+        return bytes(ref), None
+    elif isinstance(ref, str):
+        path = ref
+    if not path:
+        raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
+                          "bytes nor a path")
+    full = path if os.path.isabs(path) else os.path.join(media_root, path)
+    try:
+        with open(full, "rb") as media:
+            return media.read(), path
+    except FileNotFoundError:
+        raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
+                          "to the input file's folder, or to --media-root)") from None
+    except OSError as exc:
+        raise RecordError("missing_media", f"cannot read media file {full}: {exc}") from None
+
+
+def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
+    """Load, normalize and validate one record; never raises for bad input."""
+    try:
+        raw = source.load(task)
+        messages = normalize_messages(raw.turns)
+        order = marker_order(messages)
+        refs = {"image": raw.images, "audio": raw.audios}
+        check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
+        media, payloads, seen = [], [], {"image": 0, "audio": 0}
+        for modality in order:
+            index = seen[modality]
+            seen[modality] += 1
+            data, path = _read_media(refs[modality][index], source.media_root)
+            try:
+                if modality == "image":
+                    meta = probe_image(data, policy.max_image_pixels, policy.check)
+                else:
+                    meta = probe_audio(data)
+            except MediaError as exc:
+                where = f"{modality} {index}" + (f" ({path})" if path else "")
+                raise RecordError(exc.reason, f"{where}: {exc.detail}") from None
+            media.append({"modality": modality,
+                          "member": media_member(modality, index, meta["format"]),
+                          "bytes": len(data), "path": path, **meta})
+            payloads.append(data)
+    except RecordError as exc:
+        return Rejected(exc.reason, task.location, exc.detail)
+    kind, number = task.origin
+    return Prepared(id=raw.id, location=task.location,
+                    source={"file": source.path, kind: number},
+                    messages=messages, media=media, payloads=payloads)

@@ -1,0 +1,81 @@
+"""The on-disk shard format written by `mimo-shard build` (see DESIGN.md, "Shard format").
+
+A dataset directory holds:
+
+- ``NAME-000000.tar`` ... : standard WebDataset tars. One sample = ``KEY.json`` plus media
+  members ``KEY.img0.jpg``, ``KEY.aud0.wav`` ... holding the original media bytes. Keys are
+  zero-padded output ordinals (no dots), unique within the dataset.
+- ``samples.parquet``: one row per sample (see ``SAMPLES_SCHEMA``): key, shard, byte offset and
+  size of every member's data inside its tar, media metadata. Random access and exact counts
+  without opening a tar.
+- ``report.json``: the build report (records read / written / skipped by reason).
+- ``index.json``: written last and atomically. No index means no dataset.
+
+``KEY.json`` (the sample record)::
+
+    {"key": "000000042", "id": "<source id or null>",
+     "source": {"file": "data/llava.jsonl", "line": 17}      # or {"file": ..., "row": 5}
+     "messages": [{"role": "system"|"user"|"assistant", "content": "... <image> ..."}],
+     "media": [                                              # in marker order across messages
+        {"modality": "image", "member": "img0.jpg", "format": "jpeg", "bytes": 51234,
+         "width": 512, "height": 384, "mode": "RGB"},        # size after EXIF orientation
+        {"modality": "audio", "member": "aud0.wav", "format": "wav", "bytes": 96044,
+         "sample_rate": 16000, "channels": 1, "frames": 48000, "duration": 3.0}]}
+
+The i-th ``<image>`` marker in reading order (messages in order, left to right) is the i-th
+image item; the same holds for ``<audio>``. Media items are listed in marker order.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+FORMAT_NAME = "mimo-shards"
+FORMAT_VERSION = 1
+
+INDEX_FILE = "index.json"
+SAMPLES_FILE = "samples.parquet"
+REPORT_FILE = "report.json"
+STAGING_DIR = ".staging"
+
+ROLES = ("system", "user", "assistant")
+MARKERS = {"image": "<image>", "audio": "<audio>"}
+MEMBER_PREFIX = {"image": "img", "audio": "aud"}
+
+# Extension used for the tar member of each container format we keep byte-for-byte.
+IMAGE_EXTENSIONS = {"jpeg": "jpg", "png": "png", "webp": "webp", "gif": "gif", "bmp": "bmp",
+                    "tiff": "tiff"}
+AUDIO_EXTENSIONS = {"wav": "wav", "flac": "flac", "ogg": "ogg", "mp3": "mp3"}
+
+
+def shard_name(name: str, index: int) -> str:
+    """File name of shard ``index`` of dataset ``name``."""
+    return f"{name}-{index:06d}.tar"
+
+
+def sample_key(ordinal: int) -> str:
+    """Key of the ``ordinal``-th sample written (no dots, sorts in write order)."""
+    return f"{ordinal:09d}"
+
+
+def media_member(modality: str, item_index: int, fmt: str) -> str:
+    """Member suffix (after ``KEY.``) of the ``item_index``-th item of ``modality``."""
+    ext = (IMAGE_EXTENSIONS if modality == "image" else AUDIO_EXTENSIONS)[fmt]
+    return f"{MEMBER_PREFIX[modality]}{item_index}.{ext}"
+
+
+MEMBER_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
+
+# One row per sample in samples.parquet, in write order (shard by shard, key order).
+SAMPLES_SCHEMA = pa.schema([
+    ("key", pa.string()),
+    ("shard", pa.string()),
+    ("id", pa.string()),
+    ("source", pa.string()),                   # "file:line" or "file#row"
+    ("members", pa.list_(MEMBER_STRUCT)),      # json first, then media in item order
+    ("num_turns", pa.int32()),
+    ("text_chars", pa.int64()),
+    ("image_width", pa.list_(pa.int32())),
+    ("image_height", pa.list_(pa.int32())),
+    ("audio_duration", pa.list_(pa.float64())),
+])

@@ -1,0 +1,240 @@
+"""Input readers: LLaVA/ShareGPT JSON and JSONL, Parquet tables, NeMo speech manifests.
+
+Every source splits into cheap ``Task``s in the main process (one per record, in file order)
+and turns a task into a ``RawRecord`` in whichever process validates it. Parquet is read with
+pyarrow one row group at a time, so embedded media never sit in memory all at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from mimo_data.records import RecordError
+
+
+class SourceError(Exception):
+    """A whole input that cannot be read (not one bad record): the build stops."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One record to read: ``locator`` is what its source needs to load it."""
+    source: int
+    locator: object
+    location: str          # human readable: "file:line", "file[index]", "file#row"
+    origin: tuple          # ("line", n) | ("index", i) | ("row", r), stored in the sample JSON
+
+
+@dataclass
+class RawRecord:
+    """A record before normalization. Media refs are paths, bytes or ``{bytes, path}``."""
+    id: str | None
+    turns: object
+    images: list = field(default_factory=list)
+    audios: list = field(default_factory=list)
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _record_id(value) -> str | None:
+    return None if value is None else str(value)
+
+
+def _json_object(raw: bytes, what: str) -> dict:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError("invalid_utf8", f"{what} is not UTF-8: {exc}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RecordError("malformed_json", f"{what} is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise RecordError("malformed_json", f"{what} is a JSON {type(value).__name__}, "
+                          "expected an object")
+    return value
+
+
+class ConversationFile:
+    """LLaVA/ShareGPT records: a JSON array (``.json``) or one object per line (``.jsonl``).
+
+    Keys: ``id``, ``image``/``images``, ``audio``/``audios``, and ``conversations``
+    (``from``/``value``) or ``messages`` (``role``/``content``).
+    """
+
+    def __init__(self, path: str, media_root: str | None = None):
+        self.path = path
+        self.media_root = media_root or os.path.dirname(os.path.abspath(path))
+
+    def tasks(self, source: int):
+        if self.path.endswith(".jsonl"):
+            yield from _line_tasks(self.path, source)
+            return
+        try:
+            records = json.loads(Path(self.path).read_bytes().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise SourceError(f"{self.path}: not a valid UTF-8 JSON file ({exc}); fix it, or "
+                              "convert it to JSONL so that bad records can be skipped "
+                              "one by one") from None
+        if not isinstance(records, list):
+            raise SourceError(f"{self.path}: expected a JSON array of records, "
+                              f"got a {type(records).__name__}")
+        for i, record in enumerate(records):
+            yield Task(source, record, f"{self.path}[{i}]", ("index", i))
+
+    def load(self, task: Task) -> RawRecord:
+        record = task.locator
+        if isinstance(record, bytes):
+            record = _json_object(record, "the line")
+        elif not isinstance(record, dict):
+            raise RecordError("malformed_json", f"record is a JSON {type(record).__name__}, "
+                              "expected an object")
+        return RawRecord(
+            id=_record_id(record.get("id")),
+            turns=record.get("conversations", record.get("messages")),
+            images=_as_list(record.get("images", record.get("image"))),
+            audios=_as_list(record.get("audios", record.get("audio"))))
+
+
+class SpeechManifest:
+    """NeMo-style JSONL (``audio_filepath``, ``text``, ``duration``): one user/assistant turn each."""
+
+    def __init__(self, path: str, instruction: str, media_root: str | None = None):
+        self.path = path
+        self.instruction = instruction
+        self.media_root = media_root or os.path.dirname(os.path.abspath(path))
+
+    def tasks(self, source: int):
+        yield from _line_tasks(self.path, source)
+
+    def load(self, task: Task) -> RawRecord:
+        record = _json_object(task.locator, "the line")
+        audio, text = record.get("audio_filepath"), record.get("text")
+        if not isinstance(audio, str) or not isinstance(text, str):
+            raise RecordError("malformed_record", "a manifest line needs string fields "
+                              "'audio_filepath' and 'text'")
+        if record.get("offset"):
+            raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
+                              "supported; cut the clip into its own file first")
+        turns = [{"role": "user", "content": f"<audio>\n{self.instruction}"},
+                 {"role": "assistant", "content": text}]
+        return RawRecord(id=_record_id(record.get("id")), turns=turns, audios=[audio])
+
+
+class ParquetTable:
+    """Hugging Face style tables: image/audio columns of ``{bytes, path}`` structs (or lists of
+    them) or path strings; the conversation as a list of turns or a JSON string."""
+
+    def __init__(self, path: str, media_root: str | None = None, columns: dict | None = None):
+        self.path = path
+        self.media_root = media_root or os.path.dirname(os.path.abspath(path))
+        names = set(pq.ParquetFile(path).schema_arrow.names)
+        wanted = columns or {}
+        self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
+                        for role, candidates, required in (
+                            ("id", ("id",), False),
+                            ("conversation", ("messages", "conversations"), True),
+                            ("images", ("images", "image"), False),
+                            ("audios", ("audios", "audio"), False))}
+
+    def tasks(self, source: int):
+        metadata = pq.ParquetFile(self.path).metadata
+        row = 0
+        for group in range(metadata.num_row_groups):
+            for offset in range(metadata.row_group(group).num_rows):
+                yield Task(source, (group, offset), f"{self.path}#{row}", ("row", row))
+                row += 1
+
+    def load(self, task: Task) -> RawRecord:
+        group, offset = task.locator
+        record = _read_row_group(self.path, group, tuple(c for c in self.columns.values() if c))[offset]
+        turns = record[self.columns["conversation"]]
+        if isinstance(turns, (str, bytes)):
+            turns = _json_value(turns)
+        column = self.columns
+        return RawRecord(
+            id=_record_id(record.get(column["id"])) if column["id"] else None,
+            turns=turns,
+            images=_as_list(record.get(column["images"])) if column["images"] else [],
+            audios=_as_list(record.get(column["audios"])) if column["audios"] else [])
+
+
+def _json_value(raw):
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        return json.loads(text)
+    except UnicodeDecodeError as exc:
+        raise RecordError("invalid_utf8", f"the conversation is not UTF-8: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise RecordError("malformed_json", f"the conversation is not valid JSON: {exc}") from None
+
+
+def _pick_column(path, names, wanted, candidates, required):
+    if wanted:
+        if wanted not in names:
+            raise SourceError(f"{path}: no column {wanted!r}; columns are {sorted(names)}")
+        return wanted
+    found = next((c for c in candidates if c in names), None)
+    if found is None and required:
+        raise SourceError(f"{path}: none of the columns {list(candidates)} found (columns are "
+                          f"{sorted(names)}); name the column with a --*-column flag")
+    return found
+
+
+@functools.lru_cache(maxsize=2)
+def _read_row_group(path: str, group: int, columns: tuple) -> list[dict]:
+    # Records of one row group, cached: consecutive tasks usually hit the same group.
+    return pq.ParquetFile(path).read_row_group(group, columns=list(columns)).to_pylist()
+
+
+def _line_tasks(path: str, source: int):
+    with open(path, "rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                yield Task(source, line, f"{path}:{number}", ("line", number))
+
+
+def open_source(path: str, *, input_format: str = "auto", media_root: str | None = None,
+                instruction: str = "Transcribe the audio.", columns: dict | None = None):
+    """The reader for ``path``; ``auto`` picks by extension and, for JSONL, by first record."""
+    if not os.path.isfile(path):
+        raise SourceError(f"{path}: input file not found")
+    fmt = input_format
+    if fmt == "auto":
+        if path.endswith(".parquet"):
+            fmt = "parquet"
+        elif path.endswith(".jsonl") and _first_line_has(path, "audio_filepath"):
+            fmt = "manifest"
+        elif path.endswith((".json", ".jsonl")):
+            fmt = "llava"
+        else:
+            raise SourceError(f"{path}: cannot tell the input format from the extension; "
+                              "pass --input-format llava|manifest|parquet")
+    if fmt == "parquet":
+        return ParquetTable(path, media_root, columns)
+    if fmt == "manifest":
+        return SpeechManifest(path, instruction, media_root)
+    if fmt == "llava":
+        return ConversationFile(path, media_root)
+    raise SourceError(f"unknown input format {fmt!r}")
+
+
+def _first_line_has(path: str, key: str) -> bool:
+    with open(path, "rb") as lines:
+        for line in lines:
+            if line.strip():
+                try:
+                    return key in json.loads(line)
+                except (ValueError, TypeError):
+                    return False
+    return False

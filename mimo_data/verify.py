@@ -1,0 +1,152 @@
+"""`mimo-shard verify`: re-read every shard and check it against the index and sample table.
+
+Checks each file's size and sha256, every member's key, name, byte offset and size against
+``samples.parquet``, and decodes every media item fully, comparing it with its JSON metadata.
+The tar is walked with ``tarfile`` because webdataset's iterators do not expose member offsets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import multiprocessing
+import os
+import tarfile
+from collections import defaultdict
+
+import pyarrow.parquet as pq
+from PIL import Image
+from tqdm import tqdm
+
+from mimo_data.index import read_index
+from mimo_data.media import MediaError, probe_audio, probe_image
+from mimo_data.shard_format import SAMPLES_FILE
+
+MAX_PROBLEMS_PER_SHARD = 20
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as data:
+        for block in iter(lambda: data.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _check_file(path: str, expected: dict) -> list[str]:
+    name = os.path.basename(path)
+    if not os.path.isfile(path):
+        return [f"{name}: missing"]
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        return [f"{name}: {size} bytes, the index says {expected['bytes']}"]
+    if _sha256(path) != expected["sha256"]:
+        return [f"{name}: sha256 differs from the index (the file changed after the build)"]
+    return []
+
+
+def _check_media(where: str, item: dict, data: bytes) -> list[str]:
+    try:
+        if item["modality"] == "image":
+            found = probe_image(data, max_pixels=1 << 62, check="header")
+            Image.open(io.BytesIO(data)).load()          # full decode
+            keys = ("format", "width", "height", "mode", "orientation")
+        else:
+            found = probe_audio(data)
+            keys = ("format", "sample_rate", "channels", "frames")
+    except (MediaError, OSError, ValueError, SyntaxError) as exc:
+        return [f"{where}: {item['member']} does not decode: {exc}"]
+    return [f"{where}: {item['member']} {key} is {found[key]!r}, the JSON says {item[key]!r}"
+            for key in keys if found[key] != item.get(key)]
+
+
+def verify_shard(directory: str, shard: dict, rows: list[dict]) -> list[str]:
+    """Problems found in one shard (empty list: the shard is intact)."""
+    path = os.path.join(directory, shard["name"])
+    problems = _check_file(path, shard)
+    if problems:
+        return problems
+    expected = iter(rows)
+    members: dict[str, bytes] = {}
+    samples = 0
+    current, row = None, None
+
+    def finish():
+        nonlocal samples
+        samples += 1
+        return _check_sample(shard["name"], current, row, members)
+
+    with tarfile.open(path, "r") as tar:
+        for info in tar:
+            key, _, suffix = info.name.partition(".")
+            if key != current:
+                if current is not None:
+                    problems += finish()
+                current, row, members = key, next(expected, None), {}
+                if row is None or row["key"] != key:
+                    problems.append(f"{shard['name']}: key {key} found where the table expects "
+                                    f"{row and row['key']}")
+                    return problems
+            record = next((m for m in row["members"] if m["name"] == suffix), None)
+            if record is None or (record["offset"], record["size"]) != (info.offset_data, info.size):
+                problems.append(f"{shard['name']}: {key}.{suffix} at offset {info.offset_data} "
+                                f"size {info.size} does not match the table ({record})")
+            members[suffix] = tar.extractfile(info).read()
+            if len(problems) >= MAX_PROBLEMS_PER_SHARD:
+                return problems
+        if current is not None:
+            problems += finish()
+    if samples != shard["samples"] or samples != len(rows):
+        problems.append(f"{shard['name']}: {samples} samples, the index says {shard['samples']} "
+                        f"and the table {len(rows)}")
+    return problems
+
+
+def _check_sample(shard_name, key, row, members) -> list[str]:
+    where = f"{shard_name}: {key}"
+    if set(members) != {m["name"] for m in row["members"]}:
+        return [f"{where}: members {sorted(members)}, the table lists "
+                f"{sorted(m['name'] for m in row['members'])}"]
+    try:
+        sample = json.loads(members["json"])
+    except (KeyError, ValueError) as exc:
+        return [f"{where}: unreadable JSON ({exc})"]
+    problems = [] if sample.get("key") == key else [f"{where}: JSON key is {sample.get('key')!r}"]
+    for item in sample.get("media", []):
+        if item["member"] not in members:
+            problems.append(f"{where}: JSON lists {item['member']} but the tar has no such member")
+        else:
+            problems += _check_media(where, item, members[item["member"]])
+    return problems
+
+
+def _verify_one(args):
+    return verify_shard(*args)
+
+
+def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]:
+    """All problems found in the dataset at ``directory`` (empty list: it verifies)."""
+    index = read_index(directory)
+    problems = []
+    for name, expected in index["files"].items():
+        problems += _check_file(os.path.join(directory, name), expected)
+    if problems:
+        return problems
+    rows_by_shard = defaultdict(list)
+    for row in pq.read_table(os.path.join(directory, SAMPLES_FILE)).to_pylist():
+        rows_by_shard[row["shard"]].append(row)
+    jobs = [(directory, shard, rows_by_shard.get(shard["name"], [])) for shard in index["shards"]]
+    bar = tqdm(total=len(jobs), unit="shard", desc="verify", disable=not progress)
+    if workers <= 1:
+        results = map(_verify_one, jobs)
+    else:
+        pool = multiprocessing.get_context("fork").Pool(workers)
+        results = pool.imap(_verify_one, jobs)
+    for shard_problems in results:
+        problems += shard_problems
+        bar.update()
+    bar.close()
+    if workers > 1:
+        pool.close()
+    return problems

@@ -1,0 +1,1 @@
+"""mimo_train: heterogeneous-parallel MIMO training on megatron-core (see DESIGN.md)."""
