@@ -26,6 +26,7 @@ from tqdm import tqdm
 from mimo_data.index import dumps, write_atomic
 from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.prepare import MediaPolicy, Prepared, Rejected, prepare
+from mimo_data.records import RecordError
 from mimo_data.report import BuildReport
 from mimo_data.shard_format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
                                     SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key)
@@ -127,8 +128,9 @@ def _prepare_task(task):
 
 
 def _results(tasks, sources, policy, workers):
-    """Prepared/Rejected results in task order, from ``workers`` processes (1 = in-process)."""
-    if workers <= 1:
+    """Prepared/Rejected results in task order, from ``workers`` processes validating while
+    this one writes (0 = validate in this process too)."""
+    if workers <= 0:
         _init_worker(sources, policy)
         yield from map(_prepare_task, tasks)
         return
@@ -158,8 +160,9 @@ def build(inputs: list[str], output: str, options: BuildOptions) -> dict:
     """Build the dataset; return the index. Raises BuildError (nothing is left behind then)."""
     if not inputs:
         raise BuildError("no inputs given")
-    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1:
-        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive")
+    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
+        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive, "
+                         "--workers at least 0")
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
@@ -180,7 +183,8 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
     tasks = [task for number, source in enumerate(sources) for task in source.tasks(number)]
     if options.shuffle:
         random.Random(options.seed).shuffle(tasks)
-    policy = MediaPolicy(options.max_image_pixels, options.check)
+    policy = MediaPolicy(options.max_image_pixels, options.check,
+                         defer_files=options.workers > 0)
     report = BuildReport()
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                       options.max_shard_bytes)
@@ -193,6 +197,11 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
         if isinstance(result, Prepared) and result.id is not None and result.id in seen_ids:
             result = Rejected("duplicate_id", result.location,
                               f"id {result.id!r} was already taken by {seen_ids[result.id]}")
+        if isinstance(result, Prepared):
+            try:
+                payloads = result.media_bytes()
+            except RecordError as exc:
+                result = Rejected(exc.reason, result.location, exc.detail)
         if isinstance(result, Rejected):
             if options.strict:
                 raise BuildError(f"{result.location}: {result.reason}: {result.detail} "
@@ -205,7 +214,7 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
         sample = {"key": key, "id": result.id, "source": result.source,
                   "messages": result.messages, "media": result.media}
         members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
-        members.update((m["member"], data) for m, data in zip(result.media, result.payloads))
+        members.update((m["member"], data) for m, data in zip(result.media, payloads))
         shard, member_records = shards.add(key, members)
         table.add(key, shard, result, member_records)
         report.wrote()

@@ -92,11 +92,12 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
             "orientation": orientation}
 
 
-def probe_audio(data: bytes) -> dict:
+def probe_audio(data: bytes, check: str = "decode") -> dict:
     """Validate encoded audio; return ``{format, sample_rate, channels, frames, duration}``.
 
-    ``frames`` counts what actually decodes (a truncated file reports fewer frames than its
-    header). Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
+    With ``check="decode"`` ``frames`` counts what actually decodes (a truncated file reports
+    fewer frames than its header); ``"header"`` takes the header's count.
+    Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
     if not data:
         raise MediaError("empty_audio", "empty audio file (0 bytes)")
@@ -104,7 +105,8 @@ def probe_audio(data: bytes) -> dict:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
             fmt = sound.format.lower()
             sample_rate, channels = sound.samplerate, sound.channels
-            frames = sum(len(block) for block in sound.blocks(blocksize=1 << 16))
+            frames = (sound.frames if check == "header" else
+                      sum(len(block) for block in sound.blocks(blocksize=1 << 16)))
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
         raise MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}") from None
     if fmt not in AUDIO_EXTENSIONS:

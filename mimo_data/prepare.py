@@ -15,6 +15,25 @@ from mimo_data.shard_format import media_member
 from mimo_data.sources import Task
 
 
+@dataclass(frozen=True)
+class MediaFile:
+    """A validated media file to be read again by the writer (instead of piping its bytes)."""
+    path: str
+    size: int
+
+    def read(self) -> bytes:
+        """The file's bytes; RecordError if it changed size since validation."""
+        try:
+            with open(self.path, "rb") as media:
+                data = media.read()
+        except OSError as exc:
+            raise RecordError("missing_media", f"{self.path} vanished during the build: {exc}")
+        if len(data) != self.size:
+            raise RecordError("missing_media", f"{self.path} changed during the build "
+                              f"({self.size} bytes when validated, {len(data)} now)")
+        return data
+
+
 @dataclass
 class Prepared:
     """A record that passed validation; ``media`` is in marker order, like ``payloads``."""
@@ -23,7 +42,11 @@ class Prepared:
     source: dict
     messages: list[dict]
     media: list[dict]
-    payloads: list[bytes]
+    payloads: list[bytes | MediaFile]
+
+    def media_bytes(self) -> list[bytes]:
+        """The payloads as bytes (reading back deferred files)."""
+        return [p.read() if isinstance(p, MediaFile) else p for p in self.payloads]
 
 
 @dataclass
@@ -36,18 +59,20 @@ class Rejected:
 @dataclass(frozen=True)
 class MediaPolicy:
     max_image_pixels: int
-    check: str  # "decode" | "header"
+    check: str                 # "decode" | "header"
+    defer_files: bool = False  # return MediaFile for files: worker processes pipe no bytes
 
 
-def _read_media(ref, media_root: str) -> tuple[bytes, str | None]:
-    """Bytes and original path of a media reference (path, bytes or ``{bytes, path}``)."""
+def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
+    """Bytes, original path and resolved file (None for embedded bytes) of a media reference
+    (a path, bytes or ``{bytes, path}``)."""
     path = None
     if isinstance(ref, dict):
         if ref.get("bytes"):
-            return bytes(ref["bytes"]), ref.get("path")
+            return bytes(ref["bytes"]), ref.get("path"), None
         path = ref.get("path")
     elif isinstance(ref, (bytes, bytearray)):
-        return bytes(ref), None
+        return bytes(ref), None, None
     elif isinstance(ref, str):
         path = ref
     if not path:
@@ -56,7 +81,7 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None]:
     full = path if os.path.isabs(path) else os.path.join(media_root, path)
     try:
         with open(full, "rb") as media:
-            return media.read(), path
+            return media.read(), path, full
     except FileNotFoundError:
         raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
                           "to the input file's folder, or to --media-root)") from None
@@ -76,19 +101,19 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         for modality in order:
             index = seen[modality]
             seen[modality] += 1
-            data, path = _read_media(refs[modality][index], source.media_root)
+            data, path, file = _read_media(refs[modality][index], source.media_root)
             try:
                 if modality == "image":
                     meta = probe_image(data, policy.max_image_pixels, policy.check)
                 else:
-                    meta = probe_audio(data)
+                    meta = probe_audio(data, policy.check)
             except MediaError as exc:
                 where = f"{modality} {index}" + (f" ({path})" if path else "")
                 raise RecordError(exc.reason, f"{where}: {exc.detail}") from None
             media.append({"modality": modality,
                           "member": media_member(modality, index, meta["format"]),
                           "bytes": len(data), "path": path, **meta})
-            payloads.append(data)
+            payloads.append(MediaFile(file, len(data)) if file and policy.defer_files else data)
     except RecordError as exc:
         return Rejected(exc.reason, task.location, exc.detail)
     kind, number = task.origin

