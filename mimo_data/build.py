@@ -27,7 +27,7 @@ from mimo_data.index import dumps, write_atomic
 from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.prepare import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.records import RecordError
-from mimo_data.report import BuildReport
+from mimo_data.report import Tally
 from mimo_data.shard_format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
                                     SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key)
 from mimo_data.shard_writer import ShardSet
@@ -57,7 +57,9 @@ class BuildOptions:
     progress: bool = True
 
 
-_OWN_FILE = re.compile(r"^(index\.json|samples\.parquet|report\.json|\.staging|.+-\d{6}\.tar)$")
+# index.json.tmp-PID: left by a build killed inside the atomic write of its index
+_OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
+                       r"|.+-\d{6}\.tar)$")
 
 
 def _prepare_output(output: str, overwrite: bool) -> bool:
@@ -185,7 +187,7 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
         random.Random(options.seed).shuffle(tasks)
     policy = MediaPolicy(options.max_image_pixels, options.check,
                          defer_files=options.workers > 0)
-    report = BuildReport()
+    report = Tally("records_read", "samples_written", "records_skipped")
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                       options.max_shard_bytes)
     table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
@@ -210,14 +212,14 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
             continue
         if result.id is not None:
             seen_ids[result.id] = result.location
-        key = sample_key(report.written)
+        key = sample_key(report.kept)
         sample = {"key": key, "id": result.id, "source": result.source,
                   "messages": result.messages, "media": result.media}
         members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
         members.update((m["member"], data) for m, data in zip(result.media, payloads))
         shard, member_records = shards.add(key, members)
         table.add(key, shard, result, member_records)
-        report.wrote()
+        report.keep()
     progress.close()
     shard_list = shards.close()
     table.close()
@@ -225,13 +227,13 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
         "shards": shard_list,
-        "totals": {"samples": report.written, "shards": len(shard_list),
+        "totals": {"samples": report.kept, "shards": len(shard_list),
                    "bytes": sum(s["bytes"] for s in shard_list)},
         "modalities": _modality_stats(os.path.join(staging, SAMPLES_FILE)),
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                          "sha256": _sha256_file(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, REPORT_FILE)},
-        "report": {"records_read": report.read, "records_skipped": report.skipped_total},
+        "report": {"records_read": report.seen, "records_skipped": report.skipped_total},
         "build": {"inputs": list(inputs),
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},

@@ -56,7 +56,11 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """
     if not data:
         raise MediaError("corrupt_image", "empty image file (0 bytes)")
+    saved_limit = Image.MAX_IMAGE_PIXELS
     try:
+        # Pillow's own bomb check reads a global: at its default it would refuse images that a
+        # raised --max-image-pixels allows (warning above it, error above twice it).
+        Image.MAX_IMAGE_PIXELS = max_pixels
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
@@ -88,6 +92,8 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         raise MediaError("image_too_large", str(exc)) from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
         raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved_limit
     return {"format": fmt, "width": width, "height": height, "mode": mode,
             "orientation": orientation}
 

@@ -75,9 +75,14 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
         return bytes(ref), None, None
     elif isinstance(ref, str):
         path = ref
-    if not path:
+    if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as exc:   # a lone surrogate from a "\ud800" escape
+        raise RecordError("invalid_utf8", f"media path {path!r} is not valid Unicode: "
+                          f"{exc}") from None
     full = path if os.path.isabs(path) else os.path.join(media_root, path)
     try:
         with open(full, "rb") as media:
@@ -85,8 +90,8 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
     except FileNotFoundError:
         raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
                           "to the input file's folder, or to --media-root)") from None
-    except OSError as exc:
-        raise RecordError("missing_media", f"cannot read media file {full}: {exc}") from None
+    except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
+        raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
 
 
 def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:

@@ -1,24 +1,33 @@
-"""The build report: every record read is either written or skipped for a counted reason."""
+"""Counting what a pass over records kept and what it skipped, by reason, with first locations.
+
+Used for the build report (records read / samples written / skipped) and for preprocessing
+drops, so that nothing is ever lost without a count.
+"""
 
 from __future__ import annotations
 
 FIRST_LOCATIONS = 5  # offending locations kept per reason
 
 
-class BuildReport:
-    """Counts records read / written / skipped, with the first locations of each skip reason."""
+class Tally:
+    """Items seen = kept + skipped; skips are counted by reason with their first locations.
 
-    def __init__(self):
-        self.read = 0
-        self.written = 0
+    ``names`` label the three totals in ``to_dict`` and ``summary`` (e.g. records read,
+    samples written, records skipped).
+    """
+
+    def __init__(self, seen: str = "seen", kept: str = "kept", skipped: str = "skipped"):
+        self.names = (seen, kept, skipped)
+        self.seen = 0
+        self.kept = 0
         self.skipped: dict[str, dict] = {}
 
-    def wrote(self) -> None:
-        self.read += 1
-        self.written += 1
+    def keep(self) -> None:
+        self.seen += 1
+        self.kept += 1
 
     def skip(self, reason: str, location: str, detail: str) -> None:
-        self.read += 1
+        self.seen += 1
         entry = self.skipped.setdefault(reason, {"count": 0, "first": []})
         entry["count"] += 1
         if len(entry["first"]) < FIRST_LOCATIONS:
@@ -29,15 +38,16 @@ class BuildReport:
         return sum(entry["count"] for entry in self.skipped.values())
 
     def to_dict(self) -> dict:
-        return {"records_read": self.read, "samples_written": self.written,
-                "records_skipped": self.skipped_total,
+        seen, kept, skipped = self.names
+        return {seen: self.seen, kept: self.kept, skipped: self.skipped_total,
                 "skipped_by_reason": dict(sorted(self.skipped.items()))}
 
     def summary(self) -> str:
         """One line for people: totals and skip counts by reason."""
-        line = f"read {self.read} records, wrote {self.written} samples"
+        seen, kept, skipped = (name.replace("_", " ") for name in self.names)
+        line = f"{self.seen} {seen}, {self.kept} {kept}"
         if self.skipped:
             reasons = ", ".join(f"{reason} {entry['count']}"
                                 for reason, entry in sorted(self.skipped.items()))
-            line += f", skipped {self.skipped_total} ({reasons})"
+            line += f", {self.skipped_total} {skipped} ({reasons})"
         return line

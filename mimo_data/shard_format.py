@@ -72,7 +72,7 @@ SAMPLES_SCHEMA = pa.schema([
     ("shard", pa.string()),
     ("id", pa.string()),
     ("source", pa.string()),                   # "file:line" or "file#row"
-    ("members", pa.list_(MEMBER_STRUCT)),      # json first, then media in item order
+    ("members", pa.list_(MEMBER_STRUCT)),      # all members, in tar order (sorted by name)
     ("num_turns", pa.int32()),
     ("text_chars", pa.int64()),
     ("image_width", pa.list_(pa.int32())),

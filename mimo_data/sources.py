@@ -47,7 +47,14 @@ def _as_list(value) -> list:
 
 
 def _record_id(value) -> str | None:
-    return None if value is None else str(value)
+    if value is None:
+        return None
+    text = str(value)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:   # e.g. a lone surrogate from a "\ud800" escape
+        raise RecordError("invalid_utf8", f"the id is not valid Unicode: {exc}") from None
+    return text
 
 
 def _json_object(raw: bytes, what: str) -> dict:

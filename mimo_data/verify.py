@@ -50,7 +50,11 @@ def _check_media(where: str, item: dict, data: bytes) -> list[str]:
     try:
         if item["modality"] == "image":
             found = probe_image(data, max_pixels=1 << 62, check="header")
-            Image.open(io.BytesIO(data)).load()          # full decode
+            limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # size passed the build
+            try:
+                Image.open(io.BytesIO(data)).load()          # full decode
+            finally:
+                Image.MAX_IMAGE_PIXELS = limit
             keys = ("format", "width", "height", "mode", "orientation")
         else:
             found = probe_audio(data)

@@ -1,0 +1,316 @@
+"""Shared fixtures for the `mimo-shard` tests.
+
+Everything here reads the sample corpus (``assets/corpus``, built by ``tools/setup.sh``) with
+json / pyarrow / Pillow / soundfile directly, never through ``mimo_data``: the tests compare
+what ``mimo-shard build`` wrote against these independent readings of the inputs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CORPUS_DIR = REPO / "assets" / "corpus"
+
+# The five inputs of the sample corpus, in the order the tests pass them to a build.
+CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
+                 "speech_manifest.jsonl")
+DEFAULT_INSTRUCTION = "Transcribe the audio."
+
+# ShareGPT speaker names -> stored roles (DESIGN.md: roles system/user/assistant).
+SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
+                "user": "user", "assistant": "assistant"}
+
+
+# ----------------------------------------------------------------------------------- corpus
+
+@pytest.fixture(scope="session")
+def corpus() -> Path:
+    """The real sample corpus; fails (not skips) when it has not been built."""
+    if not (CORPUS_DIR / ".complete").is_file():
+        pytest.fail(f"the sample corpus {CORPUS_DIR} is missing or incomplete (no .complete "
+                    "marker): run tools/setup.sh", pytrace=False)
+    return CORPUS_DIR
+
+
+@pytest.fixture(scope="session")
+def corpus_inputs(corpus) -> list[str]:
+    """Absolute paths of all corpus input files."""
+    return [str(corpus / name) for name in CORPUS_INPUTS]
+
+
+@dataclass
+class Expected:
+    """One input record as the tests read it themselves."""
+    file: str                 # absolute input path (as passed to the build)
+    kind: str                 # "line" | "index" | "row"
+    number: int
+    id: str | None
+    messages: list[dict]
+    images: list[bytes] = field(default_factory=list)
+    audios: list[bytes] = field(default_factory=list)
+
+    @property
+    def origin(self) -> tuple:
+        return (self.file, self.kind, self.number)
+
+
+def expected_messages(turns) -> list[dict]:
+    """ShareGPT (from/value) or chat (role/content) turns in the stored form."""
+    return [{"role": SPEAKER_ROLE[t["from"] if "from" in t else t["role"]],
+             "content": t["value"] if "value" in t else t["content"]} for t in turns]
+
+
+def _listed(value) -> list:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list) else [value]
+
+
+def _conversation_record(path: str, kind: str, number: int, record: dict, root: Path) -> Expected:
+    turns = record.get("conversations", record.get("messages"))
+    images = _listed(record.get("images", record.get("image")))
+    audios = _listed(record.get("audios", record.get("audio")))
+    return Expected(path, kind, number, record.get("id"), expected_messages(turns),
+                    [(root / p).read_bytes() for p in images],
+                    [(root / p).read_bytes() for p in audios])
+
+
+def _struct_bytes(item, root: Path) -> bytes:
+    if isinstance(item, dict):
+        return item["bytes"] if item.get("bytes") else (root / item["path"]).read_bytes()
+    return (root / item).read_bytes()
+
+
+def read_expected(path: str, instruction: str = DEFAULT_INSTRUCTION) -> list[Expected]:
+    """The records of one input file (JSON, JSONL, Parquet or speech manifest)."""
+    root = Path(path).parent
+    records = []
+    if path.endswith(".parquet"):
+        table = pq.read_table(path).to_pylist()
+        for row, record in enumerate(table):
+            turns = record.get("messages", record.get("conversations"))
+            if isinstance(turns, str):
+                turns = json.loads(turns)
+            images = _listed(record.get("images", record.get("image")))
+            audios = _listed(record.get("audios", record.get("audio")))
+            records.append(Expected(path, "row", row, record.get("id"), expected_messages(turns),
+                                    [_struct_bytes(i, root) for i in images],
+                                    [_struct_bytes(a, root) for a in audios]))
+    elif path.endswith(".json"):
+        for index, record in enumerate(json.loads(Path(path).read_text("utf-8"))):
+            records.append(_conversation_record(path, "index", index, record, root))
+    else:
+        for number, line in enumerate(Path(path).read_text("utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if "audio_filepath" in record:
+                records.append(Expected(
+                    path, "line", number, record.get("id"),
+                    [{"role": "user", "content": f"<audio>\n{instruction}"},
+                     {"role": "assistant", "content": record["text"]}],
+                    [], [(root / record["audio_filepath"]).read_bytes()]))
+            else:
+                records.append(_conversation_record(path, "line", number, record, root))
+    return records
+
+
+@pytest.fixture(scope="session")
+def corpus_expected(corpus_inputs) -> list[Expected]:
+    """Every record of the corpus, read independently of mimo_data."""
+    return [record for path in corpus_inputs for record in read_expected(path)]
+
+
+# ---------------------------------------------------------------------------- built output
+
+def build_dataset(inputs, output, **options) -> dict:
+    """``build()`` in this process (``workers=0``: no fork of the test process) unless told."""
+    from mimo_data.build import BuildOptions, build
+
+    options = {"progress": False, "workers": 0, **options}
+    return build([str(i) for i in inputs], str(output), BuildOptions(**options))
+
+
+@pytest.fixture(scope="session")
+def corpus_build(tmp_path_factory, corpus_inputs) -> Path:
+    """The whole corpus built once, in-process, with default options."""
+    out = tmp_path_factory.mktemp("corpus-build") / "dataset"
+    build_dataset(corpus_inputs, out)
+    return out
+
+
+def read_json(path) -> dict:
+    return json.loads(Path(path).read_bytes())
+
+
+def shard_paths(directory) -> list[Path]:
+    """The shard tars in a dataset directory, by name (not from the index)."""
+    return sorted(Path(directory).glob("*.tar"))
+
+
+def tar_samples(path) -> list[tuple[str, dict[str, bytes]]]:
+    """``[(key, {suffix: bytes})]`` of one tar, in member order, read with ``tarfile``."""
+    samples: list[tuple[str, dict[str, bytes]]] = []
+    with tarfile.open(path) as tar:
+        for info in tar:
+            key, _, suffix = info.name.partition(".")
+            if not samples or samples[-1][0] != key:
+                samples.append((key, {}))
+            samples[-1][1][suffix] = tar.extractfile(info).read()
+    return samples
+
+
+def all_samples(directory) -> list[tuple[str, str, dict[str, bytes]]]:
+    """``[(shard name, key, members)]`` over all shards of a dataset."""
+    return [(path.name, key, members) for path in shard_paths(directory)
+            for key, members in tar_samples(path)]
+
+
+def sample_records(directory) -> list[dict]:
+    """The decoded ``KEY.json`` of every sample, in shard/key order."""
+    return [json.loads(members["json"]) for _, _, members in all_samples(directory)]
+
+
+def samples_table(directory) -> list[dict]:
+    return pq.read_table(Path(directory) / "samples.parquet").to_pylist()
+
+
+def origin_of(sample: dict) -> tuple:
+    """``(file, kind, number)`` of a sample's ``source`` (kind: line, index or row)."""
+    source = sample["source"]
+    kind = next(k for k in ("line", "index", "row") if k in source)
+    return (source["file"], kind, source[kind])
+
+
+def marker_modalities(messages: list[dict]) -> list[str]:
+    """Modalities of the <image>/<audio> markers in reading order."""
+    return [m.group(1) for message in messages
+            for m in re.finditer(r"<(image|audio)>", message["content"])]
+
+
+# ------------------------------------------------------------------------ writing inputs
+
+def write_jsonl(path, records) -> Path:
+    """One record per line; a ``bytes`` item is written as is (for malformed lines)."""
+    path = Path(path)
+    with open(path, "wb") as out:
+        for record in records:
+            line = record if isinstance(record, bytes) else json.dumps(record).encode()
+            out.write(line.rstrip(b"\n") + b"\n")
+    return path
+
+
+def write_json(path, records) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(records, indent=1))
+    return path
+
+
+def chat(user: str, answer: str) -> list[dict]:
+    """ShareGPT turns of one question and its answer."""
+    return [{"from": "human", "value": user}, {"from": "gpt", "value": answer}]
+
+
+@pytest.fixture(scope="session")
+def assets(corpus):
+    """Real media files of the corpus, picked by what they are (not by hard-coded names)."""
+    from PIL import Image
+
+    jpegs, pngs = [], []
+    for path in sorted((corpus / "images").iterdir()):
+        with Image.open(path) as image:
+            entry = (path, image.width * image.height)
+            (jpegs if image.format == "JPEG" else pngs if image.format == "PNG" else []).append(entry)
+    wavs = sorted((corpus / "audio").glob("*.wav"))
+    flacs = sorted((corpus / "audio").glob("*.flac"))
+    assert jpegs and pngs and wavs and flacs, "the corpus needs JPEG, PNG, WAV and FLAC files"
+    return {
+        "jpeg": min(jpegs, key=lambda e: e[1])[0],      # smallest photo: fast to probe
+        "jpeg_large": max(jpegs, key=lambda e: e[1])[0],
+        "png": min(pngs, key=lambda e: e[1])[0],
+        "wav": wavs[0],
+        "flac": flacs[0],
+    }
+
+
+@pytest.fixture
+def good_records(assets):
+    """Three valid records (image, audio, text-only) with absolute media paths: ids good-1..3."""
+    return [
+        {"id": "good-1", "image": str(assets["jpeg"]),
+         "conversations": chat("<image>\nDescribe the image.", "A photo.")},
+        {"id": "good-2", "audio": str(assets["flac"]),
+         "conversations": chat("<audio>\nTranscribe the audio.", "Some words.")},
+        {"id": "good-3", "conversations": chat("What is a tar file?", "An archive.")},
+    ]
+
+
+# --------------------------------------------------------------------------------- running
+
+def mimo_shard_command() -> list[str]:
+    """The installed console script, or the module when the script is not beside Python."""
+    script = Path(sys.executable).parent / "mimo-shard"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mimo_data.cli_shard"]
+
+
+def run_cli(*args, check_rc: int | None = None, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``mimo-shard ARGS`` in a subprocess, capturing text output."""
+    result = subprocess.run([*mimo_shard_command(), *map(str, args)], capture_output=True,
+                            text=True, timeout=300, **kwargs)
+    if check_rc is not None:
+        assert result.returncode == check_rc, (
+            f"mimo-shard {' '.join(map(str, args))} exited {result.returncode}, "
+            f"expected {check_rc}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}")
+    return result
+
+
+def cli_main(capsys, *args) -> tuple[int, str, str]:
+    """Run the CLI entry point in-process: ``(exit code, stdout, stderr)``.
+
+    A build gets ``--workers 0`` unless told otherwise: no fork of the (threaded) test process.
+    """
+    from mimo_data.cli_shard import main
+
+    argv = [str(a) for a in args]
+    if argv[0] == "build" and "--workers" not in argv:
+        argv += ["--workers", "0"]
+    capsys.readouterr()
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def flip_byte(path, offset: int) -> None:
+    """Invert one byte of a file in place."""
+    with open(path, "r+b") as data:
+        data.seek(offset)
+        byte = data.read(1)
+        data.seek(offset)
+        data.write(bytes([byte[0] ^ 0xFF]))
+
+
+def file_bytes(directory) -> dict[str, bytes]:
+    """``{relative path: bytes}`` of every file under a directory."""
+    directory = Path(directory)
+    return {str(p.relative_to(directory)): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def image_size_after_exif(data: bytes) -> tuple[int, int, str]:
+    """(width, height, mode) of an encoded image as Pillow shows it after EXIF orientation."""
+    from PIL import Image, ImageOps
+
+    with Image.open(io.BytesIO(data)) as image:
+        shown = ImageOps.exif_transpose(image)
+        return shown.width, shown.height, shown.mode

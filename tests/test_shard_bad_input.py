@@ -1,0 +1,341 @@
+"""Bad records: each is skipped with a counted reason and its location, the good records around
+it are all written; ``--strict`` stops at the first one and leaves nothing behind."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+from PIL import Image
+
+from conftest import (chat, cli_main, file_bytes, read_json, run_cli, samples_table, write_jsonl)
+
+BAD_LINE = 3  # the bad record sits between good-2 and good-3
+
+
+@dataclass
+class Case:
+    record: object                  # dict, or raw bytes for a line that is not valid JSON
+    reason: str
+    args: list = field(default_factory=list)
+
+
+def _image_record(path, text="<image>\nWhat is this?") -> dict:
+    return {"id": "bad", "image": str(path), "conversations": chat(text, "Something.")}
+
+
+def _audio_record(path) -> dict:
+    return {"id": "bad", "audio": str(path), "conversations": chat("<audio>\nTranscribe.", "Words.")}
+
+
+def _scan_span(jpeg: bytes) -> tuple[int, int]:
+    """Start and end of the entropy-coded data of a baseline JPEG's (first) scan."""
+    sos = jpeg.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(jpeg[sos + 2:sos + 4], "big")
+    return start, jpeg.rindex(b"\xff\xd9")
+
+
+def _png_idat_span(png: bytes) -> tuple[int, int]:
+    """Start and end of the first IDAT chunk's data."""
+    tag = png.index(b"IDAT")
+    length = int.from_bytes(png[tag - 4:tag], "big")
+    return tag + 4, tag + 4 + length
+
+
+def _flipped(data: bytes, start: int, count: int) -> bytes:
+    out = bytearray(data)
+    for i in range(start, start + count):
+        out[i] ^= 0xFF
+    return bytes(out)
+
+
+def _bomb(directory, side: int) -> Path:
+    """A real decompression bomb: a side x side bilevel PNG of zeros (a few KB on disk)."""
+    path = directory / f"bomb-{side}.png"
+    Image.new("1", (side, side)).save(path)
+    assert path.stat().st_size < 100_000
+    return path
+
+
+@pytest.fixture(scope="session")
+def bomb_png(tmp_path_factory) -> Path:
+    """144 Mpx: above Pillow's default limit (89 Mpx), below twice it."""
+    return _bomb(tmp_path_factory.mktemp("bomb"), 12000)
+
+
+@pytest.fixture(scope="session")
+def huge_png(tmp_path_factory) -> Path:
+    """196 Mpx: above twice Pillow's default limit (where Pillow raises instead of warning)."""
+    return _bomb(tmp_path_factory.mktemp("bomb"), 14000)
+
+
+def _pixels(path) -> int:
+    data = Path(path).read_bytes()
+    if data.startswith(b"\x89PNG\r\n\x1a\n"):     # IHDR width, height: no Pillow limit here
+        width, height = struct.unpack(">II", data[16:24])
+        return width * height
+    with Image.open(path) as image:
+        return image.width * image.height
+
+
+def case_missing_media(tmp_path, assets):
+    return Case(_image_record(tmp_path / "no-such-photo.jpg"), "missing_media")
+
+
+def case_corrupt_png(tmp_path, assets):
+    png = assets["png"].read_bytes()
+    start, end = _png_idat_span(png)
+    path = tmp_path / "corrupt.png"
+    path.write_bytes(_flipped(png, (start + end) // 2, 1))
+    return Case(_image_record(path), "corrupt_image")
+
+
+def case_corrupt_jpeg(tmp_path, assets):
+    jpeg = assets["jpeg_large"].read_bytes()
+    start, end = _scan_span(jpeg)
+    path = tmp_path / "corrupt.jpg"
+    path.write_bytes(_flipped(jpeg, (start + end) // 2, 64))
+    return Case(_image_record(path), "corrupt_image")
+
+
+def case_truncated_jpeg(tmp_path, assets):
+    jpeg = assets["jpeg_large"].read_bytes()
+    path = tmp_path / "truncated.jpg"
+    path.write_bytes(jpeg[: len(jpeg) * 6 // 10])
+    return Case(_image_record(path), "corrupt_image")
+
+
+def case_truncated_png(tmp_path, assets):
+    png = assets["png"].read_bytes()
+    path = tmp_path / "truncated.png"
+    path.write_bytes(png[: len(png) * 6 // 10])
+    return Case(_image_record(path), "corrupt_image")
+
+
+def case_undecodable_audio(tmp_path, assets):
+    path = tmp_path / "noise.wav"
+    path.write_bytes(random.Random(0).randbytes(16_000))
+    return Case(_audio_record(path), "corrupt_audio")
+
+
+def case_zero_byte_audio(tmp_path, assets):
+    path = tmp_path / "empty.wav"
+    path.write_bytes(b"")
+    return Case(_audio_record(path), "empty_audio")
+
+
+def case_zero_frame_wav(tmp_path, assets):
+    info = soundfile.info(assets["wav"])
+    path = tmp_path / "no-frames.wav"
+    soundfile.write(path, np.zeros((0, info.channels), dtype="int16"), info.samplerate,
+                    subtype=info.subtype)
+    header = soundfile.info(path)
+    assert (header.format, header.frames, header.samplerate) == ("WAV", 0, info.samplerate)
+    return Case(_audio_record(path), "empty_audio")
+
+
+def case_more_markers_than_images(tmp_path, assets):
+    return Case(_image_record(assets["jpeg"], "<image>\n<image>\nCompare them."),
+                "marker_mismatch")
+
+
+def case_more_images_than_markers(tmp_path, assets):
+    record = _image_record(assets["jpeg"], "<image>\nWhat is this?")
+    record.pop("image")
+    record["images"] = [str(assets["jpeg"]), str(assets["png"])]
+    return Case(record, "marker_mismatch")
+
+
+def case_malformed_json(tmp_path, assets):
+    line = json.dumps(_image_record(assets["jpeg"])).encode()
+    return Case(line[: len(line) // 2], "malformed_json")
+
+
+def case_unknown_role(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1]["from"] = "robot"
+    return Case(record, "unknown_role")
+
+
+def case_invalid_utf8_bytes(tmp_path, assets):
+    line = json.dumps({"id": "bad", "conversations": chat("Caf__E9__ au lait?", "Yes.")}).encode()
+    return Case(line.replace(b"__E9__", b"\xe9"), "invalid_utf8")   # Latin-1 byte, not UTF-8
+
+
+def case_lone_surrogate_text(tmp_path, assets):
+    line = json.dumps({"id": "bad", "conversations": chat("half a pair: \ud800", "Hm.")})
+    assert "\\ud800" in line
+    return Case(line.encode(), "invalid_utf8")
+
+
+def case_lone_surrogate_id(tmp_path, assets):
+    line = json.dumps({"id": "bad-\ud800", "conversations": chat("Hello?", "Hi.")})
+    return Case(line.encode(), "invalid_utf8")
+
+
+def case_lone_surrogate_media_path(tmp_path, assets):
+    line = json.dumps(_image_record(f"{tmp_path}/photo-\ud800.jpg"))
+    return Case(line.encode(), "invalid_utf8")
+
+
+def case_escaped_byte_media_path(tmp_path, assets):
+    # "\udc80" is how Python spells the undecodable file-name byte 0x80 (surrogateescape)
+    line = json.dumps(_image_record(f"{tmp_path}/photo-\udc80.jpg"))
+    return Case(line.encode(), "invalid_utf8")
+
+
+def case_nul_in_media_path(tmp_path, assets):
+    return Case(_image_record(f"{tmp_path}/photo\x00.jpg"), "missing_media")
+
+
+def case_decompression_bomb(tmp_path, assets, bomb_png):
+    assert _pixels(bomb_png) > Image.MAX_IMAGE_PIXELS   # above Pillow's (and the default) limit
+    return Case(_image_record(bomb_png), "image_too_large")
+
+
+def case_lowered_pixel_limit(tmp_path, assets):
+    large, small = _pixels(assets["jpeg_large"]), _pixels(assets["jpeg"])
+    assert small < large
+    return Case(_image_record(assets["jpeg_large"]), "image_too_large",
+                ["--max-image-pixels", str(large - 1)])
+
+
+def case_media_path_not_a_string(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["image"] = {"path": 42}
+    return Case(record, "malformed_record")
+
+
+def case_duplicate_id(tmp_path, assets):
+    return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
+                "duplicate_id")
+
+
+CASES = {name[len("case_"):]: func for name, func in globals().items()
+         if name.startswith("case_")}
+KNOWN_BUGS: dict[str, str] = {}
+
+
+def _make_case(name, tmp_path, assets, request) -> Case:
+    func = CASES[name]
+    if "bomb_png" in func.__code__.co_varnames[:func.__code__.co_argcount]:
+        return func(tmp_path, assets, request.getfixturevalue("bomb_png"))
+    return func(tmp_path, assets)
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(reason=KNOWN_BUGS[name], strict=True))
+    if name in KNOWN_BUGS else name for name in CASES])
+def test_bad_record_is_skipped_and_counted(capsys, request, tmp_path, assets, good_records, name):
+    case = _make_case(name, tmp_path, assets, request)
+    records = [good_records[0], good_records[1], case.record, good_records[2]]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    out = tmp_path / "out"
+
+    code, _, err = cli_main(capsys, "build", path, "-o", out, "--no-progress", *case.args)
+    assert code == 0, err
+
+    report = read_json(out / "report.json")
+    assert report["records_read"] == len(records)
+    assert report["records_read"] == report["samples_written"] + report["records_skipped"]
+    assert list(report["skipped_by_reason"]) == [case.reason], report["skipped_by_reason"]
+    entry = report["skipped_by_reason"][case.reason]
+    assert entry["count"] == 1
+    assert [first["location"] for first in entry["first"]] == [f"{path}:{BAD_LINE}"]
+    assert entry["first"][0]["detail"]
+
+    assert [row["id"] for row in samples_table(out)] == [r["id"] for r in good_records]
+    assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
+
+    summary = [line for line in err.splitlines() if line.startswith("mimo-shard:")]
+    assert len(summary) == 1, err
+    assert f"{case.reason} 1" in summary[0]
+    numbers = [int(n) for n in re.findall(r"\b\d+\b", summary[0].split("→")[0])]
+    assert {len(records), len(good_records), 1} <= set(numbers), summary[0]
+
+
+def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_records):
+    cases = [case_missing_media(tmp_path, assets), case_unknown_role(tmp_path, assets),
+             case_missing_media(tmp_path, assets), case_truncated_png(tmp_path, assets)]
+    records = [cases[0].record, good_records[0], cases[1].record, good_records[1],
+               cases[2].record, cases[3].record, good_records[2]]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    report = read_json(tmp_path / "out" / "report.json")
+    skipped = report["skipped_by_reason"]
+    assert {reason: entry["count"] for reason, entry in skipped.items()} == {
+        "missing_media": 2, "unknown_role": 1, "corrupt_image": 1}
+    assert [f["location"] for f in skipped["missing_media"]["first"]] == [f"{path}:1", f"{path}:5"]
+    assert report["records_skipped"] == 4 and report["samples_written"] == 3
+    assert [row["id"] for row in samples_table(tmp_path / "out")] == ["good-1", "good-2", "good-3"]
+
+
+# ----------------------------------------------------------------------------------- strict
+
+@pytest.mark.parametrize("existing_dir", [False, True])
+def test_strict_stops_at_the_first_bad_record_and_leaves_nothing(tmp_path, assets, good_records,
+                                                                 existing_dir):
+    bad = case_missing_media(tmp_path, assets).record
+    later_bad = case_unknown_role(tmp_path, assets).record
+    path = write_jsonl(tmp_path / "input.jsonl",
+                       [good_records[0], good_records[1], bad, good_records[2], later_bad])
+    out = tmp_path / "out"
+    if existing_dir:
+        out.mkdir()
+
+    result = run_cli("build", path, "-o", out, "--strict", "--no-progress", check_rc=1)
+    assert f"{path}:{BAD_LINE}" in result.stderr
+    assert "missing_media" in result.stderr
+    assert f"{path}:5" not in result.stderr        # it stopped at the first bad record
+    assert "Traceback" not in result.stderr
+    if existing_dir:
+        assert out.is_dir() and file_bytes(out) == {} and list(out.iterdir()) == []
+    else:
+        assert not out.exists()
+
+
+def test_strict_passes_a_clean_input(capsys, tmp_path, good_records):
+    path = write_jsonl(tmp_path / "input.jsonl", good_records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--strict",
+                            "--no-progress")
+    assert code == 0, err
+    assert [row["id"] for row in samples_table(tmp_path / "out")] == [
+        r["id"] for r in good_records]
+
+
+# ------------------------------------------------------------------------ pixel-limit knob
+
+def test_raising_max_image_pixels_keeps_large_images(capsys, tmp_path, assets, bomb_png,
+                                                     huge_png, good_records):
+    records = [good_records[0], _image_record(bomb_png, "<image>\nAll black?"),
+               _image_record(huge_png, "<image>\nStill black?") | {"id": "huge"}]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    out = tmp_path / "out"
+    code, _, err = cli_main(capsys, "build", path, "-o", out, "--no-progress",
+                            "--max-image-pixels", str(_pixels(huge_png)))
+    assert code == 0, err
+    report = read_json(out / "report.json")
+    assert report["records_skipped"] == 0, report["skipped_by_reason"]
+    rows = samples_table(out)
+    assert [(r["image_width"], r["image_height"]) for r in rows[1:]] == [
+        ([12000], [12000]), ([14000], [14000])]
+
+    code, _, err = cli_main(capsys, "verify", out, "--no-progress")
+    assert code == 0, err
+
+    # one pixel less and the largest is skipped again
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "lower", "--no-progress",
+                            "--max-image-pixels", str(_pixels(huge_png) - 1))
+    assert code == 0, err
+    skipped = read_json(tmp_path / "lower" / "report.json")["skipped_by_reason"]
+    assert {k: v["count"] for k, v in skipped.items()} == {"image_too_large": 1}
+    assert skipped["image_too_large"]["first"][0]["location"] == f"{path}:3"

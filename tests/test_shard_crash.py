@@ -1,0 +1,117 @@
+"""Crash safety: a build killed at any point leaves no index (so no dataset), and the next build
+of the same output starts clean and gives the same bytes as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import (build_dataset, file_bytes, mimo_shard_command, read_json, run_cli,
+                      shard_paths, write_jsonl)
+
+COPIES = 30          # the corpus' LLaVA records, 30 times: ~1,200 samples, ~25 shards of 50
+
+
+def _absolute(record: dict, root: Path) -> dict:
+    record = dict(record)
+    for key in ("image", "images", "audio", "audios"):
+        if key in record:
+            value = record[key]
+            record[key] = (str(root / value) if isinstance(value, str)
+                           else [str(root / v) for v in value])
+    return record
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory, corpus) -> Path:
+    records = json.loads((corpus / "llava.json").read_text())
+    records += [json.loads(line) for line in (corpus / "llava.jsonl").read_text().splitlines()
+                if line.strip()]
+    copies = [_absolute(r, corpus) | {"id": f"{r['id']}-copy{k}"}
+              for k in range(COPIES) for r in records]
+    return write_jsonl(tmp_path_factory.mktemp("big") / "big.jsonl", copies)
+
+
+def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input):
+    from mimo_data.index import DatasetError, read_index
+
+    out = tmp_path / "out"
+    args = ["build", str(big_input), "-o", str(out), "--max-samples-per-shard", "50",
+            "--no-progress"]
+    process = subprocess.Popen([*mimo_shard_command(), *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+    staging = out / ".staging"
+    deadline = time.monotonic() + 120
+    try:
+        while not list(staging.glob("*.tar")):
+            assert process.poll() is None, (
+                f"the build ended (exit {process.returncode}) before a shard appeared: "
+                f"{process.stderr.read().decode()}")
+            assert time.monotonic() < deadline, "no shard appeared in .staging"
+            time.sleep(0.01)
+        assert process.poll() is None, "the build finished before it could be killed"
+        os.kill(process.pid, signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
+        process.stderr.close()
+    assert process.returncode == -signal.SIGKILL
+
+    assert out.is_dir() and not (out / "index.json").exists()
+    with pytest.raises(DatasetError, match="index.json"):
+        read_index(str(out))
+    info = run_cli("info", out, check_rc=1)
+    assert "index.json" in info.stderr and "Traceback" not in info.stderr
+
+    rerun = run_cli(*args, check_rc=0)
+    assert "Traceback" not in rerun.stderr
+    assert not staging.exists()
+
+    build_dataset([big_input], tmp_path / "reference", max_samples_per_shard=50)
+    recovered, reference = file_bytes(out), file_bytes(tmp_path / "reference")
+    assert sorted(recovered) == sorted(reference)
+    assert len(shard_paths(out)) > 10
+    for name in reference:
+        assert recovered[name] == reference[name], f"{name} differs from an uninterrupted build"
+
+
+def _complete_copy(source: Path, target: Path) -> Path:
+    shutil.copytree(source, target)
+    return target
+
+
+def test_rebuild_after_a_kill_between_moving_files_and_writing_the_index(
+        capsys, tmp_path, corpus_build, good_records):
+    """Shards and tables already moved out of .staging, index.json not yet written."""
+    from conftest import cli_main
+
+    out = _complete_copy(corpus_build, tmp_path / "out")
+    (out / "index.json").unlink()
+    source = write_jsonl(tmp_path / "small.jsonl", good_records)
+    code, _, err = cli_main(capsys, "build", source, "-o", out, "--no-progress")
+    assert code == 0, err
+    assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
+    assert len(shard_paths(out)) == 1
+
+
+def test_rebuild_after_a_kill_while_writing_the_index(capsys, tmp_path, corpus_build,
+                                                       good_records):
+    """Killed inside the atomic write of index.json: its temporary file is left behind."""
+    from conftest import cli_main
+
+    out = _complete_copy(corpus_build, tmp_path / "out")
+    index = (out / "index.json").read_bytes()
+    (out / "index.json").unlink()
+    (out / "index.json.tmp-4242").write_bytes(index[: len(index) // 2])
+    source = write_jsonl(tmp_path / "small.jsonl", good_records)
+    code, _, err = cli_main(capsys, "build", source, "-o", out, "--no-progress")
+    assert code == 0, err
+    assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
+    assert not (out / "index.json.tmp-4242").exists()

@@ -1,0 +1,144 @@
+"""Build options: shard sizing, determinism (workers, shuffle seeds), overwrite protection."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+
+from conftest import (all_samples, build_dataset, cli_main, file_bytes, origin_of, read_json,
+                      sample_records, shard_paths, tar_samples, write_jsonl)
+
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+
+
+def test_max_samples_per_shard(tmp_path, corpus_inputs, corpus_expected):
+    n = len(corpus_expected)
+    index = build_dataset(corpus_inputs, tmp_path / "out", max_samples_per_shard=3)
+    shards = shard_paths(tmp_path / "out")
+    assert len(shards) == math.ceil(n / 3) == len(index["shards"])
+    counts = [len(tar_samples(path)) for path in shards]
+    assert counts == [3] * (n // 3) + ([n % 3] if n % 3 else [])
+    assert [s["samples"] for s in index["shards"]] == counts
+    assert sum(s["samples"] for s in index["shards"]) == n == index["totals"]["samples"]
+
+
+@pytest.mark.parametrize("limit", [150_000, 200_000, 300_000, 500_000])
+def test_max_shard_bytes_bounds_every_shard_file(tmp_path, corpus_inputs, corpus_expected, limit):
+    build_dataset(corpus_inputs, tmp_path / "out", max_shard_bytes=limit)
+    shards = shard_paths(tmp_path / "out")
+    counts = {path.name: len(tar_samples(path)) for path in shards}
+    assert sum(counts.values()) == len(corpus_expected)
+    assert len(shards) > 1 and max(counts.values()) > 1, "the limit should group some samples"
+    for path in shards:
+        size = os.path.getsize(path)
+        assert size <= limit or counts[path.name] == 1, (
+            f"{path.name}: {size} bytes > --max-shard-bytes {limit} with {counts[path.name]} samples")
+
+
+def test_a_sample_larger_than_max_shard_bytes_gets_its_own_shard(tmp_path, corpus_inputs,
+                                                                  corpus_expected):
+    build_dataset(corpus_inputs, tmp_path / "out", max_shard_bytes=1)
+    counts = [len(tar_samples(path)) for path in shard_paths(tmp_path / "out")]
+    assert counts == [1] * len(corpus_expected)
+
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_builds_are_byte_identical_whatever_the_workers(tmp_path, corpus_inputs, corpus_build):
+    build_dataset(corpus_inputs, tmp_path / "w1", workers=1, max_samples_per_shard=20)
+    build_dataset(corpus_inputs, tmp_path / "w2", workers=2, max_samples_per_shard=20)
+    one, two = file_bytes(tmp_path / "w1"), file_bytes(tmp_path / "w2")
+    assert sorted(one) == sorted(two)
+    assert sum(name.endswith(".tar") for name in one) > 1
+    for name in one:
+        assert one[name] == two[name], f"{name} differs between --workers 1 and 2"
+    # The index must not depend on where the dataset was written.
+    for directory in (tmp_path / "w1", tmp_path / "w2", corpus_build):
+        text = (directory / "index.json").read_text()
+        assert str(directory) not in text
+    # Same inputs and options as the session build, other directory: same bytes.
+    build_dataset(corpus_inputs, tmp_path / "again")
+    assert file_bytes(tmp_path / "again") == file_bytes(corpus_build)
+
+
+def test_shuffle_seed_changes_the_order_not_the_samples(tmp_path, corpus_inputs, corpus_build):
+    orders = {}
+    for seed in (1, 2):
+        build_dataset(corpus_inputs, tmp_path / f"seed{seed}", shuffle=True, seed=seed)
+        orders[seed] = [origin_of(s) for s in sample_records(tmp_path / f"seed{seed}")]
+    plain = [origin_of(s) for s in sample_records(corpus_build)]
+    assert orders[1] != orders[2]
+    assert orders[1] != plain and orders[2] != plain
+    assert sorted(orders[1]) == sorted(orders[2]) == sorted(plain)
+    assert len(set(orders[1])) == len(plain)
+    # keys still follow the write order, so a shuffled dataset stays sorted by key
+    keys = [key for _, key, _ in all_samples(tmp_path / "seed1")]
+    assert keys == sorted(keys)
+
+
+# ------------------------------------------------------------------------- overwrite rules
+
+@pytest.fixture
+def small_input(tmp_path, good_records):
+    return write_jsonl(tmp_path / "small.jsonl", good_records)
+
+
+def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_input,
+                                          good_records):
+    out = tmp_path / "dataset"
+    shutil.copytree(corpus_build, out)
+    before = file_bytes(out)
+
+    code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress")
+    assert code == 1
+    assert "--overwrite" in err and str(out) in err
+    assert file_bytes(out) == before, "a refused build changed the existing dataset"
+
+    code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
+                            "--overwrite")
+    assert code == 0, err
+    assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
+    assert [s["id"] for s in sample_records(out)] == [r["id"] for r in good_records]
+    assert len(shard_paths(out)) == 1
+
+
+def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
+    out = tmp_path / "not-a-dataset"
+    (out / "notes").mkdir(parents=True)
+    (out / "README.txt").write_text("my notes\n")
+    (out / "notes" / "todo.txt").write_text("keep me\n")
+    before = file_bytes(out)
+
+    for extra in ((), ("--overwrite",)):
+        code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress", *extra)
+        assert code == 1
+        assert "README.txt" in err
+        assert file_bytes(out) == before
+        assert sorted(os.listdir(out)) == ["README.txt", "notes"]
+
+
+def test_header_check_writes_the_same_samples_on_clean_input(tmp_path, corpus_inputs,
+                                                              corpus_build):
+    build_dataset(corpus_inputs, tmp_path / "header", check="header")
+    header, decode = file_bytes(tmp_path / "header"), file_bytes(corpus_build)
+    assert sorted(header) == sorted(decode)
+    for name in decode:
+        if name != "index.json":           # the index records the option itself
+            assert header[name] == decode[name], name
+    assert read_json(tmp_path / "header" / "index.json")["build"]["check"] == "header"
+
+
+def test_header_check_still_catches_truncated_media(tmp_path, assets, good_records):
+    jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
+    (tmp_path / "cut.jpg").write_bytes(jpeg[: len(jpeg) // 2])
+    (tmp_path / "cut.wav").write_bytes(wav[:44])
+    bad_image = good_records[0] | {"id": "cut-image", "image": str(tmp_path / "cut.jpg")}
+    bad_audio = good_records[1] | {"id": "cut-audio", "audio": str(tmp_path / "cut.wav")}
+    source = write_jsonl(tmp_path / "input.jsonl", [bad_image, *good_records, bad_audio])
+    build_dataset([source], tmp_path / "out", check="header")
+    report = read_json(tmp_path / "out" / "report.json")
+    assert {k: v["count"] for k, v in report["skipped_by_reason"].items()} == {
+        "corrupt_image": 1, "empty_audio": 1}
+    assert [r["id"] for r in sample_records(tmp_path / "out")] == [r["id"] for r in good_records]

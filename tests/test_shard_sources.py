@@ -1,0 +1,186 @@
+"""Input forms: Hugging Face style Parquet (embedded media, JSON-string conversations, renamed
+columns, row-group streaming) and NeMo speech manifests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import (all_samples, build_dataset, chat, cli_main, origin_of, read_json,
+                      samples_table)
+
+MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
+
+
+def _samples_by_id(directory) -> dict[str, tuple[dict, dict[str, bytes]]]:
+    out = {}
+    for _, _, members in all_samples(directory):
+        record = json.loads(members["json"])
+        out[record["id"]] = (record, members)
+    return out
+
+
+def _media(record, members, modality) -> list[bytes]:
+    return [members[m["member"]] for m in record["media"] if m["modality"] == modality]
+
+
+def test_parquet_embedded_bytes_win_over_paths(tmp_path, assets):
+    jpeg, png = assets["jpeg"].read_bytes(), assets["png"].read_bytes()
+    (tmp_path / "pics").mkdir()
+    shutil.copy(assets["png"], tmp_path / "pics" / "on-disk.png")
+    table = pa.table({
+        "id": ["embedded", "by-path", "both"],
+        "images": pa.array([
+            [{"bytes": jpeg, "path": "no/such/file.jpg"}],       # bytes only count
+            [{"bytes": None, "path": "pics/on-disk.png"}],       # relative to the table's folder
+            [{"bytes": png, "path": None}, {"bytes": jpeg, "path": "x.jpg"}],
+        ], pa.list_(MEDIA)),
+        "messages": pa.array([
+            [{"role": "user", "content": "<image>\nWhat is it?"},
+             {"role": "assistant", "content": "A photo."}],
+            [{"role": "user", "content": "Describe <image>"},
+             {"role": "assistant", "content": "Text."}],
+            [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "<image> vs <image>?"},
+             {"role": "assistant", "content": "Different."}],
+        ], pa.list_(MESSAGE)),
+    })
+    path = tmp_path / "table.parquet"
+    pq.write_table(table, path)
+    build_dataset([path], tmp_path / "out")
+
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["samples_written"] == 3 and report["records_skipped"] == 0
+    samples = _samples_by_id(tmp_path / "out")
+    assert _media(*samples["embedded"], "image") == [jpeg]
+    assert _media(*samples["by-path"], "image") == [png]
+    assert _media(*samples["both"], "image") == [png, jpeg]
+    record, _ = samples["both"]
+    assert [m["role"] for m in record["messages"]] == ["system", "user", "assistant"]
+    assert record["source"] == {"file": str(path), "row": 2}
+
+
+def test_parquet_json_string_conversation(tmp_path, assets):
+    flac = assets["flac"].read_bytes()
+    turns = chat("<audio>\nWhat is said?", "Hello there.")
+    table = pa.table({
+        "id": ["s1", "s2"],
+        "audio": pa.array([{"bytes": flac, "path": "clip.flac"}, None], MEDIA),
+        "conversations": [json.dumps(turns), json.dumps(chat("Just text?", "Yes."))],
+    })
+    path = tmp_path / "speech.parquet"
+    pq.write_table(table, path)
+    build_dataset([path], tmp_path / "out")
+
+    samples = _samples_by_id(tmp_path / "out")
+    record, members = samples["s1"]
+    assert record["messages"] == [{"role": "user", "content": "<audio>\nWhat is said?"},
+                                  {"role": "assistant", "content": "Hello there."}]
+    assert _media(record, members, "audio") == [flac]
+    record, members = samples["s2"]
+    assert record["media"] == [] and set(members) == {"json"}
+    assert record["messages"][1] == {"role": "assistant", "content": "Yes."}
+
+
+def test_parquet_column_flags(capsys, tmp_path, assets):
+    jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
+    table = pa.table({
+        "uid": ["r0", "r1"],
+        "dialog": pa.array([
+            [{"role": "user", "content": "<image><audio>"}, {"role": "assistant", "content": "A."}],
+            [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "B."}],
+        ], pa.list_(MESSAGE)),
+        "pics": pa.array([[{"bytes": jpeg, "path": None}], []], pa.list_(MEDIA)),
+        "clips": pa.array([[{"bytes": wav, "path": None}], []], pa.list_(MEDIA)),
+        "id": ["ignored-0", "ignored-1"],
+    })
+    path = tmp_path / "renamed.parquet"
+    pq.write_table(table, path)
+
+    # Without the flags the conversation column cannot be found: the whole input is refused.
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "refused", "--no-progress")
+    assert code == 1
+    assert "dialog" in err and "column" in err
+    assert not (tmp_path / "refused").exists()
+
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
+                            "--id-column", "uid", "--messages-column", "dialog",
+                            "--image-column", "pics", "--audio-column", "clips")
+    assert code == 0, err
+    samples = _samples_by_id(tmp_path / "out")
+    assert sorted(samples) == ["r0", "r1"]
+    record, members = samples["r0"]
+    assert [m["modality"] for m in record["media"]] == ["image", "audio"]
+    assert _media(record, members, "image") == [jpeg]
+    assert _media(record, members, "audio") == [wav]
+    assert record["messages"][0] == {"role": "user", "content": "<image><audio>"}
+
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "missing", "--no-progress",
+                            "--messages-column", "no_such_column")
+    assert code == 1 and "no_such_column" in err
+
+
+def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
+    png = assets["png"].read_bytes()
+    bad_row = 5
+    rows = 7
+    images = [[{"bytes": png, "path": f"p{i}.png"}] for i in range(rows)]
+    images[bad_row] = [{"bytes": png[: len(png) // 2], "path": "truncated.png"}]
+    table = pa.table({
+        "id": [f"row-{i}" for i in range(rows)],
+        "images": pa.array(images, pa.list_(MEDIA)),
+        "conversations": [json.dumps(chat(f"<image>\nImage {i}?", f"Answer {i}."))
+                          for i in range(rows)],
+    })
+    path = tmp_path / "grouped.parquet"
+    pq.write_table(table, path, row_group_size=2)
+    assert pq.ParquetFile(path).metadata.num_row_groups == 4
+
+    build_dataset([path], tmp_path / "out")
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["records_read"] == rows == report["samples_written"] + report["records_skipped"]
+    assert list(report["skipped_by_reason"]) == ["corrupt_image"]
+    entry = report["skipped_by_reason"]["corrupt_image"]
+    assert entry["count"] == 1
+    assert [f["location"] for f in entry["first"]] == [f"{path}#{bad_row}"]
+    written = samples_table(tmp_path / "out")
+    assert [r["id"] for r in written] == [f"row-{i}" for i in range(rows) if i != bad_row]
+    assert [r["source"] for r in written] == [f"{path}#{i}" for i in range(rows) if i != bad_row]
+    # every good row kept its own conversation (no row-group mix-up)
+    for record, _ in _samples_by_id(tmp_path / "out").values():
+        i = int(record["id"].split("-")[1])
+        assert record["source"] == {"file": str(path), "row": i}
+        assert record["messages"][1]["content"] == f"Answer {i}."
+
+
+def _manifest_lines(corpus):
+    return [json.loads(line) for line in
+            (corpus / "speech_manifest.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("instruction", [None, "Write down what the speaker says."])
+def test_speech_manifest_lines_become_asr_samples(capsys, tmp_path, corpus, instruction):
+    manifest = corpus / "speech_manifest.jsonl"
+    extra = ["--instruction", instruction] if instruction else []
+    code, _, err = cli_main(capsys, "build", manifest, "-o", tmp_path / "out", "--no-progress",
+                            *extra)
+    assert code == 0, err
+    lines = _manifest_lines(corpus)
+    samples = [json.loads(m["json"]) | {"_audio": m} for _, _, m in all_samples(tmp_path / "out")]
+    assert len(samples) == len(lines)
+    prompt = instruction or "Transcribe the audio."
+    for sample in samples:
+        _, kind, number = origin_of(sample)
+        assert kind == "line"
+        line = lines[number - 1]
+        assert sample["messages"] == [{"role": "user", "content": f"<audio>\n{prompt}"},
+                                      {"role": "assistant", "content": line["text"]}]
+        [item] = sample["media"]
+        assert item["modality"] == "audio"
+        assert sample["_audio"][item["member"]] == (corpus / line["audio_filepath"]).read_bytes()
+        assert item["duration"] == pytest.approx(line["duration"], abs=0.01)

@@ -1,0 +1,96 @@
+"""`mimo-shard verify`: a clean build verifies; a changed byte or a missing shard fails it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from conftest import build_dataset, cli_main, flip_byte, read_json, run_cli, samples_table
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory, corpus_inputs):
+    """The corpus in shards of 10 samples, built once for this module."""
+    out = tmp_path_factory.mktemp("verify") / "dataset"
+    build_dataset(corpus_inputs, out, max_samples_per_shard=10)
+    return out
+
+
+@pytest.fixture
+def dataset(tmp_path, sharded):
+    """A private copy to damage."""
+    return shutil.copytree(sharded, tmp_path / "dataset")
+
+
+def _member(directory, suffix: str) -> tuple[dict, dict]:
+    """(row, member) of the first media member ending in ``suffix`` past the first shard."""
+    rows = samples_table(directory)
+    first_shard = rows[0]["shard"]
+    for row in rows:
+        for member in row["members"]:
+            if row["shard"] != first_shard and member["name"].endswith(suffix):
+                return row, member
+    raise AssertionError(f"no {suffix} member outside the first shard")
+
+
+def _other_shards(directory, shard: str) -> list[str]:
+    return [s["name"] for s in read_json(directory / "index.json")["shards"] if s["name"] != shard]
+
+
+def test_verify_passes_on_a_clean_build(sharded):
+    assert len(read_json(sharded / "index.json")["shards"]) > 2
+    result = run_cli("verify", sharded, "--no-progress", check_rc=0)
+    assert "OK" in result.stdout
+    assert "FAILED" not in result.stderr
+
+
+def test_verify_fails_on_one_flipped_byte_in_a_media_member(dataset):
+    row, member = _member(dataset, ".jpg")
+    flip_byte(dataset / row["shard"], member["offset"] + member["size"] // 2)
+    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
+    assert row["shard"] in result.stderr
+    assert "FAILED" in result.stderr
+    for other in _other_shards(dataset, row["shard"]):
+        assert other not in result.stderr, f"{other} was not damaged"
+
+
+def test_verify_fails_when_a_shard_is_deleted(dataset):
+    row, _ = _member(dataset, ".jpg")
+    (dataset / row["shard"]).unlink()
+    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
+    assert row["shard"] in result.stderr and "missing" in result.stderr
+    for other in _other_shards(dataset, row["shard"]):
+        assert other not in result.stderr
+
+
+def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset):
+    """A member corrupted before the checksums were taken (the index agrees with the bytes):
+    only decoding the media finds it."""
+    row, member = _member(dataset, ".png")
+    shard = dataset / row["shard"]
+    data = bytearray(shard.read_bytes())
+    start = member["offset"]
+    png = bytes(data[start:start + member["size"]])
+    idat = png.index(b"IDAT") + 4 + int.from_bytes(png[png.index(b"IDAT") - 4:png.index(b"IDAT")],
+                                                   "big") // 2
+    data[start + idat] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    index = read_json(dataset / "index.json")
+    for entry in index["shards"]:
+        if entry["name"] == row["shard"]:
+            entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+    (dataset / "index.json").write_text(json.dumps(index))
+
+    code, _, err = cli_main(capsys, "verify", dataset, "--no-progress")
+    assert code == 1
+    assert f"{row['shard']}: {row['key']}" in err and member["name"] in err
+
+
+def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    code, _, err = cli_main(capsys, "verify", tmp_path / "empty", "--no-progress")
+    assert code == 1
+    assert "index.json" in err
