@@ -1,0 +1,80 @@
+"""Samples → one batch in exactly the form megatron-core's ``MimoModel.forward`` takes.
+
+``batch``: ``input_ids``, ``labels``, ``loss_mask``, ``position_ids``, ``attention_mask``
+(all ``[B, seq_length]``), ``modality_inputs = {modality: {encoder: {kwarg: tensor}}}`` with the
+encoder inputs concatenated sample by sample, item by item (matching placeholder order), and
+``packing_kwargs``. Everything else (keys, per-item token counts) goes in a separate metadata
+dict. Every batch is checked: placeholders per sample == token counts == encoder-input rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo_data.audio_inputs import audio_rows_to_tokens
+from mimo_data.image_inputs import image_rows_to_tokens
+from mimo_data.preprocess import IGNORE_INDEX, Preprocessor, Sample
+
+_ROWS_TO_TOKENS = {"image": image_rows_to_tokens, "audio": audio_rows_to_tokens}
+
+
+class BatchError(RuntimeError):
+    """A batch whose placeholders, token counts and encoder inputs disagree."""
+
+
+class Collator:
+    """Pads samples to ``seq_length`` and concatenates their encoder inputs."""
+
+    def __init__(self, preprocessor: Preprocessor):
+        self.config = preprocessor.config
+        self.pad_token_id = preprocessor.text.pad_token_id
+        self.modality_token_ids = preprocessor.text.modality_token_ids
+
+    def __call__(self, samples: list[Sample]) -> tuple[dict, dict]:
+        length = self.config.seq_length
+        size = len(samples)
+        input_ids = torch.full((size, length), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((size, length), IGNORE_INDEX, dtype=torch.int64)
+        loss_mask = torch.zeros((size, length), dtype=torch.float32)
+        attention_mask = torch.zeros((size, length), dtype=torch.bool)
+        for row, sample in enumerate(samples):
+            n = len(sample.input_ids)
+            input_ids[row, :n] = sample.input_ids
+            labels[row, :n] = sample.labels
+            loss_mask[row, :n] = sample.loss_mask
+            attention_mask[row, :n] = True
+        modality_inputs = {}
+        for modality, config in self.config.modalities.items():
+            parts = [s.encoder_inputs[modality] for s in samples if modality in s.encoder_inputs]
+            if parts:
+                modality_inputs[modality] = {config.encoder: {
+                    kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
+        batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
+                 "position_ids": torch.arange(length).expand(size, length).contiguous(),
+                 "attention_mask": attention_mask, "modality_inputs": modality_inputs,
+                 "packing_kwargs": None}
+        metadata = {"keys": [s.key for s in samples],
+                    "token_counts": {m: [s.token_counts[m] for s in samples]
+                                     for m in self.config.modalities},
+                    "removed_turns": [s.removed_turns for s in samples]}
+        self.check(batch, metadata)
+        return batch, metadata
+
+    def check(self, batch: dict, metadata: dict) -> None:
+        """Raise BatchError unless, per modality, placeholders in each row == its token counts
+        == what the batch's encoder inputs produce, item by item."""
+        for modality, config in self.config.modalities.items():
+            counts = metadata["token_counts"][modality]
+            placeholders = (batch["input_ids"] == self.modality_token_ids[modality]).sum(1)
+            for key, row_count, item_counts in zip(metadata["keys"], placeholders.tolist(),
+                                                   counts):
+                if row_count != sum(item_counts):
+                    raise BatchError(f"sample {key}: {row_count} {modality} placeholders, token "
+                                     f"counts {item_counts} (sum {sum(item_counts)})")
+            inputs = batch["modality_inputs"].get(modality, {}).get(config.encoder)
+            if inputs is not None:
+                rows = _ROWS_TO_TOKENS[modality](inputs, config)
+                flat = [n for item_counts in counts for n in item_counts]
+                if rows != flat:
+                    raise BatchError(f"batch {metadata['keys']}: {modality} encoder inputs give "
+                                     f"{rows} tokens per item, the samples' counts are {flat}")

@@ -1,0 +1,134 @@
+"""Decode images and build the vision encoder's inputs as uint8 tensors.
+
+The reference is transformers' ``Qwen2VLImageProcessorPil`` (dynamic policy) and
+``SiglipImageProcessorPil`` (fixed policy). Both resize a uint8 image with Pillow, then
+rescale, normalize and patchify in float32 on the CPU; that float work is most of the
+preprocessing time (DESIGN.md, "Where the time goes"). Here the same Pillow resize is followed
+by a pure-reshape patchify of the uint8 array, and ``normalize_pixels`` does the float step on
+the encoder's device (a quarter of the bytes to move). The tests check that
+``normalize_pixels(image_encoder_inputs(...))`` equals the reference processors' output.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mimo_data.media import MediaError
+from mimo_data.preprocess_config import ImageConfig
+from mimo_data.token_counts import image_resized_size
+
+# What ImageOps.exif_transpose does for each EXIF orientation; we apply the orientation stored
+# in the shard metadata, so pixels and metadata width/height agree by construction.
+_ORIENTATION_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
+
+
+def decode_image(data: bytes, orientation: int, cfg: ImageConfig) -> Image.Image:
+    """Decode encoded image bytes into an RGB image, transposed by EXIF ``orientation`` (1-8).
+
+    Transparency is composited onto white, as transformers' ``convert_to_rgb`` does.
+    Raises MediaError(``image_too_large`` | ``corrupt_image``).
+    """
+    try:
+        with warnings.catch_warnings():   # the pixel limit is cfg.max_image_pixels, checked below
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > cfg.max_image_pixels:
+            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels is "
+                             f"above max_image_pixels = {cfg.max_image_pixels}; raise "
+                             "modalities.image.max_image_pixels to keep such images")
+        image.load()
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise MediaError("image_too_large", str(exc)) from None
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
+        raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+    if orientation in _ORIENTATION_TRANSPOSE:
+        image = image.transpose(_ORIENTATION_TRANSPOSE[orientation])
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        white = Image.new("RGBA", image.size, (255, 255, 255, 255))
+        return Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _patchify_into(pixels: np.ndarray, out: np.ndarray, cfg: ImageConfig) -> None:
+    """Write ``[H, W, C]`` uint8 pixels into ``out`` = ``[grid_h * grid_w, C * T * P * P]``.
+
+    The row/column layout of ``Qwen2VLImageProcessorPil.patchify``: rows in merge-block order
+    (block row, block column, row in block, column in block), columns (channel, frame, patch
+    row, patch column) with the single frame repeated ``temporal_patch_size`` times. uint8
+    copies instead of the reference's float32 ones: the block transpose, then the frame repeat
+    as contiguous ``P * P`` runs (faster than one strided copy).
+    """
+    height, width, channels = pixels.shape
+    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    blocks = pixels.reshape(height // (p * m), m, p, width // (p * m), m, p, channels)
+    blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)      # (gh/m, gw/m, mh, mw, C, ph, pw)
+    out.reshape(len(out), channels, t, p * p)[...] = np.ascontiguousarray(blocks).reshape(
+        len(out), channels, 1, p * p)
+
+
+def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[str, torch.Tensor]:
+    """Encoder kwargs for RGB images, image by image, pixels as uint8.
+
+    dynamic: ``{"pixel_values": [Σ patches, C*T*P*P], "image_grid_thw": int64 [n, 3]}``;
+    fixed: ``{"pixel_values": [n, 3, S, S]}`` (squash resize, as SigLIP).
+    Resizing is Pillow's BICUBIC, the same call the reference processors make.
+    """
+    if cfg.policy == "fixed":
+        size = (cfg.image_size, cfg.image_size)
+        pixels = np.empty((len(images), 3, *size), np.uint8)
+        for out, image in zip(pixels, images):
+            out[...] = np.asarray(image.resize(size, Image.Resampling.BICUBIC)).transpose(2, 0, 1)
+        return {"pixel_values": torch.from_numpy(pixels)}
+    sizes = [image_resized_size(image.width, image.height, cfg) for image in images]
+    grids = [(1, height // cfg.patch_size, width // cfg.patch_size) for width, height in sizes]
+    rows = [h * w for _, h, w in grids]
+    pixels = np.empty((sum(rows), 3 * cfg.temporal_patch_size * cfg.patch_size ** 2), np.uint8)
+    start = 0
+    for image, size, count in zip(images, sizes, rows):
+        resized = image if image.size == size else image.resize(size, Image.Resampling.BICUBIC)
+        _patchify_into(np.asarray(resized), pixels[start:start + count], cfg)
+        start += count
+    return {"pixel_values": torch.from_numpy(pixels),
+            "image_grid_thw": torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)}
+
+
+def image_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: ImageConfig) -> list[int]:
+    """Per-image token counts the encoder emits for ``image_encoder_inputs`` output."""
+    if cfg.policy == "fixed":
+        return [(cfg.image_size // cfg.patch_size) ** 2] * len(inputs["pixel_values"])
+    return [int(t * h * w) // cfg.merge_size ** 2 for t, h, w in inputs["image_grid_thw"].tolist()]
+
+
+def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tensor:
+    """uint8 pixels (either layout) → float32 ``(x / 255 - mean[c]) / std[c]``, on their device.
+
+    Same operations in the same order as the reference processors (rescale, then subtract the
+    mean and divide by the std in float32).
+    """
+    mean = torch.tensor(cfg.mean, dtype=torch.float32, device=pixel_values.device)
+    std = torch.tensor(cfg.std, dtype=torch.float32, device=pixel_values.device)
+    channels = len(cfg.mean)
+    if cfg.policy == "fixed":      # [n, C, S, S]
+        shape = (1, channels, 1, 1)
+        values = pixel_values
+    else:                          # [rows, C*T*P*P]: columns are channel-major
+        shape = (1, channels, 1)
+        values = pixel_values.reshape(len(pixel_values), channels, -1)
+    values = (values.to(torch.float32) / 255 - mean.view(shape)) / std.view(shape)
+    return values.reshape(pixel_values.shape)

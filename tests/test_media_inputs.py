@@ -1,0 +1,413 @@
+"""Encoder inputs and token counts against transformers' reference processors, on real assets.
+
+The uint8 fast path (Pillow resize + reshape patchify, float normalization on the device) must
+give the reference processors' float32 output up to float rounding (DESIGN.md, "Where the time
+goes"), and the token counts computed from metadata alone must equal what the encoder inputs
+produce (DESIGN.md, "Sample and batch contract").
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+import torchaudio.functional
+from PIL import Image, ImageOps
+from transformers import WhisperFeatureExtractor
+from transformers.image_transforms import convert_to_rgb
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil, smart_resize)
+from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+from mimo_data.audio_inputs import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_features,
+                                    audio_rows_to_tokens, decode_audio)
+from mimo_data.image_inputs import (decode_image, image_encoder_inputs, image_rows_to_tokens,
+                                    normalize_pixels)
+from mimo_data.media import MediaError, probe_audio, probe_image
+from mimo_data.preprocess_config import AudioConfig, ImageConfig
+from mimo_data.token_counts import (audio_frames, audio_tokens, audio_too_long,
+                                    image_resized_size, image_tokens, resampled_length)
+
+# (min_pixels, max_pixels, patch, merge, temporal): downscale hard, the default cap, upscale
+# small images through min_pixels, and a Qwen2.5/3-VL-like 16 px patch.
+DYNAMIC_SETTINGS = [
+    (4 * 28 * 28, 64 * 28 * 28, 14, 2, 2),
+    (56 * 56, 256 * 28 * 28, 14, 2, 2),
+    (512 * 28 * 28, 1024 * 28 * 28, 14, 2, 2),
+    (64 * 32 * 32, 256 * 32 * 32, 16, 2, 2),
+]
+ORIENTATION_TAG = 0x0112
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def images(corpus):
+    """Every corpus image: (name, bytes, shard metadata, the reference processors' input).
+
+    The reference input is Pillow's own EXIF transpose of the file in its stored mode, so the
+    reference does its own RGB conversion (``convert_to_rgb``) too.
+    """
+    entries = []
+    for path in sorted((corpus / "images").iterdir()):
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as opened:
+            reference = ImageOps.exif_transpose(opened)
+            reference.load()
+        entries.append((path.name, data, probe_image(data), reference))
+    assert {"L", "RGB", "RGBA"} <= {meta["mode"] for _, _, meta, _ in entries}
+    return entries
+
+
+@pytest.fixture(scope="module")
+def clips(corpus):
+    """Every corpus audio clip: (name, bytes, shard metadata)."""
+    entries = [(p.name, p.read_bytes()) for p in sorted((corpus / "audio").iterdir())]
+    entries = [(name, data, probe_audio(data)) for name, data in entries]
+    assert len({meta["sample_rate"] for _, _, meta in entries}) > 1, "need several rates"
+    return entries
+
+
+def dynamic_config(setting) -> ImageConfig:
+    min_pixels, max_pixels, patch, merge, temporal = setting
+    return ImageConfig(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch,
+                       merge_size=merge, temporal_patch_size=temporal)
+
+
+@pytest.fixture(scope="module", params=DYNAMIC_SETTINGS, ids=lambda s: f"{s[0]}-{s[1]}-p{s[2]}")
+def dynamic_run(request, images):
+    """Our inputs and Qwen2VLImageProcessorPil's output for all corpus images at one setting."""
+    cfg = dynamic_config(request.param)
+    reference = Qwen2VLImageProcessorPil(
+        min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size, temporal_patch_size=cfg.temporal_patch_size)
+    expected = reference([ref for *_, ref in images], return_tensors="pt")
+    decoded = [decode_image(data, meta["orientation"], cfg) for _, data, meta, _ in images]
+    return cfg, image_encoder_inputs(decoded, cfg), expected
+
+
+def image_named(images, name):
+    return next(entry for entry in images if entry[0] == name)
+
+
+def stored_orientation(data: bytes) -> int:
+    with Image.open(io.BytesIO(data)) as image:
+        return int(image.getexif().get(ORIENTATION_TAG, 1))
+
+
+# ------------------------------------------------------------------------------- images
+
+def test_dynamic_inputs_equal_qwen2vl_processor(dynamic_run):
+    cfg, ours, expected = dynamic_run
+    assert ours["pixel_values"].dtype == torch.uint8
+    assert ours["image_grid_thw"].dtype == torch.int64
+    assert torch.equal(ours["image_grid_thw"], expected["image_grid_thw"])
+    normalized = normalize_pixels(ours["pixel_values"], cfg)
+    assert normalized.dtype == torch.float32
+    torch.testing.assert_close(normalized, expected["pixel_values"], rtol=0, atol=1e-5)
+
+
+def test_dynamic_token_counts_agree_with_inputs_and_reference(dynamic_run, images):
+    cfg, ours, expected = dynamic_run
+    from_reference = [int(t * h * w) // cfg.merge_size ** 2
+                      for t, h, w in expected["image_grid_thw"].tolist()]
+    from_metadata = [image_tokens(meta["width"], meta["height"], cfg)
+                     for _, _, meta, _ in images]
+    assert image_rows_to_tokens(ours, cfg) == from_reference == from_metadata
+    sizes = [image_resized_size(meta["width"], meta["height"], cfg) for _, _, meta, _ in images]
+    assert [(w // cfg.patch_size, h // cfg.patch_size) for w, h in sizes] == \
+        [(w, h) for _, h, w in expected["image_grid_thw"].tolist()]
+    rows = [h * w for _, h, w in expected["image_grid_thw"].tolist()]
+    assert len(ours["pixel_values"]) == sum(rows)
+
+
+def test_settings_change_the_token_counts(images):
+    """The settings above really exercise downscaling and upscaling of the corpus images."""
+    counts = [[image_tokens(meta["width"], meta["height"], dynamic_config(setting))
+               for _, _, meta, _ in images] for setting in DYNAMIC_SETTINGS[:3]]
+    assert max(counts[0]) <= 64 < max(counts[1]) <= 256 < min(counts[2])
+
+
+@pytest.mark.parametrize("size", [224, 112])
+def test_fixed_inputs_equal_siglip_processor(images, size):
+    cfg = ImageConfig(policy="fixed", image_size=size)
+    reference = SiglipImageProcessorPil(size={"height": size, "width": size},
+                                        image_mean=list(cfg.mean), image_std=list(cfg.std))
+    expected = reference([ref for *_, ref in images], return_tensors="pt")["pixel_values"]
+    decoded = [decode_image(data, meta["orientation"], cfg) for _, data, meta, _ in images]
+    ours = image_encoder_inputs(decoded, cfg)
+    assert ours["pixel_values"].dtype == torch.uint8
+    assert ours["pixel_values"].shape == expected.shape == (len(images), 3, size, size)
+    torch.testing.assert_close(normalize_pixels(ours["pixel_values"], cfg), expected,
+                               rtol=0, atol=1e-5)
+    tokens = (expected.shape[-1] // cfg.patch_size) ** 2
+    assert image_rows_to_tokens(ours, cfg) == [tokens] * len(images)
+    assert {image_tokens(meta["width"], meta["height"], cfg)
+            for _, _, meta, _ in images} == {tokens}
+
+
+def test_empty_image_list_gives_empty_inputs():
+    cfg = ImageConfig()
+    inputs = image_encoder_inputs([], cfg)
+    assert inputs["pixel_values"].shape == (0, 3 * 2 * 14 * 14)
+    assert inputs["image_grid_thw"].shape == (0, 3)
+    assert image_rows_to_tokens(inputs, cfg) == []
+
+
+def test_rocket_is_turned_upright_as_its_metadata_says(images):
+    name, data, meta, _ = image_named(images, "rocket.jpg")
+    with Image.open(io.BytesIO(data)) as stored:
+        stored_size = stored.size
+        upright = np.asarray(ImageOps.exif_transpose(stored).convert("RGB"))
+    assert meta["orientation"] == stored_orientation(data) == 6
+    assert (meta["width"], meta["height"]) == stored_size[::-1] != stored_size
+    decoded = decode_image(data, meta["orientation"], ImageConfig())
+    assert decoded.mode == "RGB"
+    assert decoded.size == (meta["width"], meta["height"])
+    assert np.array_equal(np.asarray(decoded), upright)
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_every_exif_orientation_matches_pillow(images, orientation):
+    """The rocket's pixels saved losslessly with each EXIF orientation tag."""
+    _, data, _, _ = image_named(images, "rocket.jpg")
+    with Image.open(io.BytesIO(data)) as stored:
+        exif = Image.Exif()
+        exif[ORIENTATION_TAG] = orientation
+        buffer = io.BytesIO()
+        stored.save(buffer, format="PNG", exif=exif)
+    tagged = buffer.getvalue()
+    meta = probe_image(tagged)
+    assert meta["orientation"] == orientation
+    with Image.open(io.BytesIO(tagged)) as image:
+        expected = np.asarray(ImageOps.exif_transpose(image).convert("RGB"))
+    decoded = decode_image(tagged, meta["orientation"], ImageConfig())
+    assert decoded.size == (meta["width"], meta["height"])
+    assert np.array_equal(np.asarray(decoded), expected)
+
+
+def png_bytes(image: Image.Image, **options) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", **options)
+    return buffer.getvalue()
+
+
+def test_transparency_is_composited_on_white_like_transformers(images):
+    """The corpus logo's alpha is opaque everywhere, so the horse silhouette serves as the
+    alpha of a photo (RGBA) and as the transparent key of a grayscale PNG (tRNS)."""
+    cfg = ImageConfig()
+    _, _, _, logo = image_named(images, "logo.png")
+    _, _, _, horse = image_named(images, "horse.png")
+    _, _, _, photo = image_named(images, "astronaut.jpg")
+    mask = np.asarray(horse)
+    assert logo.mode == "RGBA" and horse.mode == "L"
+    assert (mask == 0).any() and (mask == 255).any()
+
+    rgba = photo.crop((0, 0, *horse.size)).convert("RGBA")
+    rgba.putalpha(horse)
+    keyed = png_bytes(horse, transparency=0)
+    for data, covered in ((png_bytes(rgba), np.asarray(rgba)[..., :3]), (keyed, mask[..., None])):
+        with Image.open(io.BytesIO(data)) as opened:
+            assert "A" in opened.getbands() or opened.info.get("transparency") == 0
+            expected = convert_to_rgb(opened, return_numpy=True)
+        decoded = np.asarray(decode_image(data, 1, cfg))
+        assert np.array_equal(decoded, expected)
+        assert (decoded[mask == 0] == 255).all()                   # white, not black
+        opaque = mask == 255
+        assert np.array_equal(decoded[opaque], np.broadcast_to(covered, decoded.shape)[opaque])
+
+
+def test_grayscale_becomes_three_equal_channels(images):
+    _, camera, meta, reference = image_named(images, "camera.png")
+    assert meta["mode"] == "L"
+    decoded = np.asarray(decode_image(camera, 1, ImageConfig()))
+    assert decoded.shape == (meta["height"], meta["width"], 3)
+    assert all(np.array_equal(decoded[..., c], np.asarray(reference)) for c in range(3))
+
+
+def test_image_above_the_pixel_limit_is_refused(images):
+    _, data, meta, _ = image_named(images, "retina.jpg")
+    pixels = meta["width"] * meta["height"]
+    limit = f"{pixels} pixels.*max_image_pixels = {pixels - 1}"
+    with pytest.raises(MediaError, match=limit) as info:
+        decode_image(data, 1, ImageConfig(max_image_pixels=pixels - 1))
+    assert info.value.reason == "image_too_large"
+    assert decode_image(data, 1, ImageConfig(max_image_pixels=pixels)).size == (
+        meta["width"], meta["height"])
+
+
+@pytest.mark.parametrize("name", ["coffee.jpg", "horse.png"])
+def test_corrupt_image_bytes_raise_a_clear_error(images, name):
+    _, data, _, _ = image_named(images, name)
+    for broken in (data[:len(data) // 2], b"not an image at all", b""):
+        with pytest.raises(MediaError, match="cannot decode image") as info:
+            decode_image(broken, 1, ImageConfig())
+        assert info.value.reason == "corrupt_image"
+
+
+def test_extreme_aspect_ratio_is_refused_like_smart_resize():
+    cfg = ImageConfig()
+    with pytest.raises(ValueError):
+        smart_resize(40, 40 * 201, factor=28)
+    with pytest.raises(ValueError, match=r"8040x40 pixels.*aspect ratio above 200"):
+        image_tokens(40 * 201, 40, cfg)
+    assert image_tokens(40 * 200, 40, cfg) > 0     # exactly 200:1 is accepted, as upstream
+    smart_resize(40, 40 * 200, factor=28)
+
+
+# -------------------------------------------------------------------------------- audio
+
+def whisper_reference(waveform: np.ndarray, cfg: AudioConfig, **kwargs):
+    extractor = WhisperFeatureExtractor(feature_size=cfg.n_mels, sampling_rate=cfg.sample_rate,
+                                        hop_length=cfg.hop_length)
+    return extractor(waveform, sampling_rate=cfg.sample_rate, return_attention_mask=True,
+                     return_tensors="pt", **kwargs)
+
+
+def reference_waveform(data: bytes, cfg: AudioConfig) -> np.ndarray:
+    """soundfile + torchaudio resample, written out here independently of decode_audio."""
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")
+    waveform = torch.from_numpy(samples if samples.ndim == 1 else samples.mean(axis=1))
+    if rate != cfg.sample_rate:
+        waveform = torchaudio.functional.resample(waveform, rate, cfg.sample_rate)
+    return waveform.numpy()
+
+
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_audio_features_and_tokens_match_whisper(clips, n_mels):
+    cfg = AudioConfig(n_mels=n_mels)
+    waveforms = [decode_audio(data, cfg) for _, data, _ in clips]
+    inputs = audio_encoder_inputs(waveforms, cfg)
+    assert inputs["input_features"].dtype == torch.float32
+    assert inputs["input_features"].shape == (int(inputs["feature_lens"].sum()), n_mels)
+    start = 0
+    for (name, data, meta), waveform, frames in zip(clips, waveforms,
+                                                    inputs["feature_lens"].tolist()):
+        assert np.array_equal(waveform, reference_waveform(data, cfg)), name
+        unpadded = whisper_reference(waveform, cfg, padding="longest", truncation=False)
+        assert frames == int(unpadded["attention_mask"].sum()) == audio_frames(len(waveform), cfg)
+        torch.testing.assert_close(inputs["input_features"][start:start + frames],
+                                   unpadded["input_features"][0].T, rtol=0, atol=1e-6)
+        start += frames
+    from_metadata = [audio_tokens(meta["frames"], meta["sample_rate"], cfg)
+                     for _, _, meta in clips]
+    assert audio_rows_to_tokens(inputs, cfg) == from_metadata
+
+
+def test_audio_tokens_are_the_encoder_convolutions_output_length(clips):
+    """ceil(frames / 2) per reduction is the output length of Whisper's stride-2 convolution."""
+    cfg = AudioConfig()
+    assert cfg.reductions == (2, 2)
+    inputs = audio_encoder_inputs([decode_audio(data, cfg) for _, data, _ in clips], cfg)
+    lengths = inputs["feature_lens"].tolist()
+    assert len({frames % 4 for frames in lengths}) > 1
+    conv = torch.nn.Conv1d(cfg.n_mels, cfg.n_mels, kernel_size=3, stride=2, padding=1)
+    expected = []
+    with torch.no_grad():
+        for features in inputs["input_features"].split(lengths):
+            hidden = features.T[None]
+            for _ in cfg.reductions:
+                hidden = conv(hidden)
+            expected.append(hidden.shape[-1])
+    assert audio_rows_to_tokens(inputs, cfg) == expected
+
+
+def test_resampled_length_is_torchaudios(clips):
+    """Including lengths where torchaudio's float32 ceil is one below the exact ceiling."""
+    _, data, meta = next(c for c in clips if c[2]["sample_rate"] == 22050)
+    samples, _ = soundfile.read(io.BytesIO(data), dtype="float32")
+    exact_is_off = 0
+    for frames in (meta["frames"], 99_830, 300_044, 441 * 1000 + 1, 1):
+        audio = torch.from_numpy(np.resize(samples, frames))
+        produced = len(torchaudio.functional.resample(audio, 22050, 16000))
+        assert resampled_length(frames, 22050, 16000) == produced, frames
+        exact_is_off += produced != -(-frames * 16000 // 22050)
+    assert exact_is_off >= 2
+    assert resampled_length(meta["frames"], 16000, 16000) == meta["frames"]
+
+
+def test_truncate_policy_cuts_long_clips(clips):
+    cfg = AudioConfig(max_duration=1.5, long_audio="truncate")
+    limit = int(1.5 * cfg.sample_rate)
+    waveforms = [decode_audio(data, cfg) for _, data, _ in clips]
+    full = [reference_waveform(data, cfg) for _, data, _ in clips]
+    assert any(len(f) > limit for f in full) and any(len(f) <= limit for f in full)
+    for waveform, reference in zip(waveforms, full):
+        assert np.array_equal(waveform, reference[:limit])
+    inputs = audio_encoder_inputs(waveforms, cfg)
+    assert max(inputs["feature_lens"].tolist()) == limit // cfg.hop_length
+    assert audio_rows_to_tokens(inputs, cfg) == [
+        audio_tokens(meta["frames"], meta["sample_rate"], cfg) for _, _, meta in clips]
+    assert not any(audio_too_long(meta["frames"], meta["sample_rate"], cfg)
+                   for _, _, meta in clips)
+
+
+def test_drop_policy_refuses_exactly_the_long_clips(clips):
+    cfg = AudioConfig(max_duration=2.0, long_audio="drop")
+    kept = 0
+    for name, data, meta in clips:
+        too_long = audio_too_long(meta["frames"], meta["sample_rate"], cfg)
+        assert too_long == (len(reference_waveform(data, cfg)) > 2 * cfg.sample_rate), name
+        if too_long:
+            with pytest.raises(MediaError, match="longer than max_duration = 2.0 s") as info:
+                decode_audio(data, cfg)
+            assert info.value.reason == "audio_too_long"
+        else:
+            kept += 1
+            assert len(decode_audio(data, cfg)) == len(reference_waveform(data, cfg))
+    assert 0 < kept < len(clips)
+
+
+def test_max_duration_boundary_is_inclusive(clips):
+    _, data, meta = next(c for c in clips if c[2]["sample_rate"] == 16000)
+    exact = AudioConfig(max_duration=meta["frames"] / 16000)
+    shorter = AudioConfig(max_duration=(meta["frames"] - 1) / 16000)
+    assert not audio_too_long(meta["frames"], 16000, exact)
+    assert len(decode_audio(data, exact)) == meta["frames"]
+    assert audio_too_long(meta["frames"], 16000, shorter)
+    with pytest.raises(MediaError):
+        decode_audio(data, shorter)
+
+
+def test_stereo_is_downmixed_then_resampled(clips):
+    cfg = AudioConfig()
+    pair = [c for c in clips if c[2]["sample_rate"] == 22050][:2]
+    left, right = (soundfile.read(io.BytesIO(data), dtype="float32")[0] for _, data, _ in pair)
+    frames = min(len(left), len(right))
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.stack([left[:frames], right[:frames]], axis=1), 22050,
+                    format="WAV", subtype="FLOAT")
+    stereo = buffer.getvalue()
+    assert probe_audio(stereo)["channels"] == 2
+    mono = (left[:frames] + right[:frames]) / 2
+    expected = torchaudio.functional.resample(torch.from_numpy(mono), 22050, 16000).numpy()
+    decoded = decode_audio(stereo, cfg)
+    np.testing.assert_allclose(decoded, expected, rtol=0, atol=1e-6)
+    assert audio_rows_to_tokens(audio_encoder_inputs([decoded], cfg), cfg) == [
+        audio_tokens(frames, 22050, cfg)]
+
+
+def test_corrupt_and_too_short_audio_raise_clear_errors(clips):
+    cfg = AudioConfig()
+    _, data, _ = next(c for c in clips if c[0].endswith(".flac"))
+    for broken in (data[:40], b"RIFF\x00\x00not audio", b""):
+        with pytest.raises(MediaError, match="soundfile cannot decode") as info:
+            decode_audio(broken, cfg)
+        assert info.value.reason == "corrupt_audio"
+    waveform = decode_audio(data, cfg)
+    with pytest.raises(MediaError, match=f"shorter than the {MIN_AUDIO_SAMPLES} samples") as info:
+        audio_features(waveform[:MIN_AUDIO_SAMPLES - 1], cfg)
+    assert info.value.reason == "audio_too_short"
+    assert audio_features(waveform[:MIN_AUDIO_SAMPLES], cfg).shape == (1, cfg.n_mels)
+
+
+def test_empty_clip_list_gives_empty_inputs():
+    cfg = replace(AudioConfig(), n_mels=128)
+    inputs = audio_encoder_inputs([], cfg)
+    assert inputs["input_features"].shape == (0, 128)
+    assert inputs["feature_lens"].shape == (0,)
+    assert audio_rows_to_tokens(inputs, cfg) == []

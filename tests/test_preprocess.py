@@ -1,0 +1,291 @@
+"""Preprocessing on the real corpus with the real SmolLM2 tokenizer: masks, placeholders,
+metadata-only equality, length policy, drops, collate.
+
+Expected values come from the input records (assistant texts) and from transformers'
+``apply_chat_template`` directly, never from mimo's own rendering.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from mimo_data.build import BuildOptions, build
+from mimo_data.chat_tokens import TextEncoder
+from mimo_data.collate import BatchError, Collator
+from mimo_data.preprocess import Preprocessor, SampleDropped, preprocess_dataset
+from mimo_data.preprocess_config import ImageConfig, PreprocessConfig
+from mimo_data.report import Tally
+from mimo_data.shard_reader import ShardReader
+
+from conftest import CORPUS_INPUTS, REPO
+
+TOKENIZER = str(REPO / "assets" / "tokenizer" / "smollm2")
+EOT = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def dataset(corpus, tmp_path_factory) -> ShardReader:
+    out = tmp_path_factory.mktemp("pre") / "shards"
+    build([str(corpus / name) for name in CORPUS_INPUTS], str(out),
+          BuildOptions(progress=False, max_samples_per_shard=20, workers=0))
+    return ShardReader(str(out))
+
+
+@pytest.fixture(scope="module")
+def records(dataset) -> list[dict]:
+    return [dataset.record(i) for i in range(len(dataset))]
+
+
+def config(**changes) -> PreprocessConfig:
+    base = PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess.yaml"))
+    return dataclasses.replace(base, tokenizer=TOKENIZER, **changes)
+
+
+@pytest.fixture(scope="module")
+def reference_tokenizer():
+    """The tokenizer as transformers loads it, untouched by mimo."""
+    return AutoTokenizer.from_pretrained(TOKENIZER)
+
+
+def trained_text(tokenizer, sample) -> str:
+    return tokenizer.decode(sample.labels[sample.labels != -100].tolist())
+
+
+def assistant_text(record) -> str:
+    return "".join(m["content"] + EOT for m in record["messages"] if m["role"] == "assistant")
+
+
+def test_corpus_covers_the_golden_cases(records):
+    kinds = {
+        "multi_turn": any(sum(m["role"] == "assistant" for m in r["messages"]) >= 2
+                          for r in records),
+        "system": any(r["messages"][0]["role"] == "system" for r in records),
+        "multi_image": any(sum(i["modality"] == "image" for i in r["media"]) >= 2
+                           for r in records),
+        "image_audio": any({i["modality"] for i in r["media"]} == {"image", "audio"}
+                           for r in records),
+        "text_only": any(not r["media"] for r in records),
+    }
+    assert all(kinds.values()), kinds
+
+
+@pytest.mark.parametrize("mode", ["chat", "caption"])
+def test_trained_tokens_are_exactly_assistant_text_and_eot(records, mode, reference_tokenizer):
+    preprocessor = Preprocessor(config(mode=mode), with_media=False)
+    for record in records:
+        sample = preprocessor(record)
+        assert trained_text(preprocessor.text.tokenizer, sample) == assistant_text(record), \
+            record["key"]
+        assert torch.equal(sample.loss_mask.bool(), sample.labels != -100)
+        # No modality placeholder is ever a target.
+        placeholder_ids = list(preprocessor.text.modality_token_ids.values())
+        assert not torch.isin(sample.labels, torch.tensor(placeholder_ids)).any()
+
+
+def test_chat_tokens_equal_the_reference_template_with_markers_expanded(records,
+                                                                         reference_tokenizer):
+    preprocessor = Preprocessor(config(), with_media=False)
+    tokenizer = preprocessor.text.tokenizer
+    marker = {"image": "<image>", "audio": "<audio>"}
+    for record in records:
+        sample = preprocessor(record)
+        reference = reference_tokenizer.apply_chat_template(record["messages"], tokenize=False)
+        # input_ids stop one token short (the last token is only a target): take it from the
+        # reference tokenization of the reference rendering.
+        last = reference_tokenizer(reference, add_special_tokens=False).input_ids[-1]
+        ids = sample.input_ids.tolist() + [last]
+        # Collapse each run of placeholders back into its marker, then compare the text with
+        # transformers' own rendering of the conversation.
+        pieces, previous = [], None
+        for token in ids:
+            modality = next((m for m, t in preprocessor.text.modality_token_ids.items()
+                             if t == token), None)
+            if modality is None:
+                pieces.append(tokenizer.decode([token]))
+            elif previous != token:
+                pieces.append(marker[modality])
+            previous = token
+        assert "".join(pieces) == reference, record["key"]
+
+
+def test_placeholder_runs_match_token_counts_in_item_order(records):
+    preprocessor = Preprocessor(config(), with_media=False)
+    ids_of = preprocessor.text.modality_token_ids
+    for record in records:
+        sample = preprocessor(record)
+        runs, ids = [], sample.input_ids.tolist()
+        for i, token in enumerate(ids):
+            for modality, token_id in ids_of.items():
+                if token == token_id:
+                    if i and ids[i - 1] == token_id:
+                        runs[-1][1] += 1
+                    else:
+                        runs.append([modality, 1])
+        expected = [[item["modality"], None] for item in record["media"]]
+        assert [m for m, _ in runs] == [m for m, _ in expected], record["key"]
+        for modality in ids_of:
+            assert [n for m, n in runs if m == modality] == sample.token_counts[modality]
+
+
+@pytest.mark.parametrize("max_pixels", [64 * 28 * 28, 256 * 28 * 28, 1024 * 28 * 28])
+def test_metadata_only_equals_full_mode_on_the_whole_corpus(dataset, max_pixels):
+    image = dataclasses.replace(config().modalities["image"], max_pixels=max_pixels)
+    cfg = config(modalities={**config().modalities, "image": image}, seq_length=4096)
+    full, meta = Preprocessor(cfg), Preprocessor(cfg, with_media=False)
+    full_tally, meta_tally = Tally(), Tally()
+    full_samples = list(preprocess_dataset(dataset, full, full_tally))
+    meta_samples = list(preprocess_dataset(dataset, meta, meta_tally))
+    assert full_tally.kept == meta_tally.kept == len(dataset)
+    collate = Collator(full)
+    for a, b in zip(full_samples, meta_samples):
+        assert a.key == b.key
+        for name in ("input_ids", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (a.key, name)
+        assert a.token_counts == b.token_counts
+        assert not b.encoder_inputs
+        collate([a])        # checks placeholders == counts == encoder rows for this sample
+    assert any(s.encoder_inputs for s in full_samples)
+
+
+def test_too_long_samples_are_dropped_and_counted(dataset, records):
+    lengths = [len(Preprocessor(config(), with_media=False)(r).input_ids) for r in records]
+    limit = sorted(lengths)[len(lengths) // 2]
+    preprocessor = Preprocessor(config(seq_length=limit), with_media=False)
+    tally = Tally()
+    kept = list(preprocess_dataset(dataset, preprocessor, tally))
+    too_long = sum(n > limit for n in lengths)
+    assert too_long > 0
+    assert tally.skipped["too_long"]["count"] == too_long
+    assert len(kept) + too_long == len(records)
+    assert all(len(s.input_ids) <= limit for s in kept)
+
+
+def test_truncate_turns_removes_whole_trailing_turns(records):
+    base = Preprocessor(config(), with_media=False)
+    record = next(r for r in records
+                  if sum(m["role"] == "assistant" for m in r["messages"]) >= 2 and r["media"])
+    full_length = len(base(record).input_ids)
+    first = record["messages"][:[m["role"] for m in record["messages"]].index("assistant") + 1]
+    short_record = dict(record, messages=first,
+                        media=record["media"][:sum(m["content"].count("<image>") +
+                                                   m["content"].count("<audio>")
+                                                   for m in first)])
+    first_length = len(base(short_record).input_ids)
+    assert first_length < full_length
+    truncating = Preprocessor(config(seq_length=first_length, length_policy="truncate_turns"),
+                              with_media=False)
+    sample = truncating(record)
+    assert sample.removed_turns == len(record["messages"]) - len(first)
+    assert torch.equal(sample.input_ids, base(short_record).input_ids)
+    assert trained_text(truncating.text.tokenizer, sample) == assistant_text(short_record)
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(config(seq_length=first_length), with_media=False)(record)
+    assert dropped.value.reason == "too_long"
+
+
+def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records):
+    preprocessor = Preprocessor(config(), with_media=False)
+    record = next(r for r in records if not r["media"])
+    prompt_only = dict(record, messages=[m for m in record["messages"]
+                                         if m["role"] != "assistant"])
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(prompt_only)
+    assert dropped.value.reason == "no_trained_tokens"
+    literal = copy.deepcopy(record)
+    literal["messages"][-1]["content"] += " <|image_pad|>"
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(literal)
+    assert dropped.value.reason == "literal_special_token"
+
+
+def test_corrupt_media_is_dropped_and_counted(dataset, records):
+    position = next(i for i, r in enumerate(records)
+                    if r["media"] and r["media"][0]["format"] == "jpeg")
+    record = records[position]
+    media = dataset.media(position, record)
+    member = record["media"][0]["member"]
+    media[member] = media[member][: len(media[member]) // 3]
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(config())(record, media)
+    assert dropped.value.reason == "corrupt_media"
+    assert member in dropped.value.detail
+
+
+def test_generation_block_template_gives_the_same_masks_as_incremental_rendering(records):
+    plain = Preprocessor(config(), with_media=False)
+    template = plain.text.template.replace(
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}",
+        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+        "{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'\n'}}{% else %}"
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+        "{% endif %}")
+    assert "generation" in template
+    marked = Preprocessor(config(chat_template=template), with_media=False)
+    assert marked.text.has_generation_blocks and not plain.text.has_generation_blocks
+    for record in records:
+        a, b = plain(record), marked(record)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+
+
+def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(records):
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "{% if loop.last %} (final){% endif %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    preprocessor = Preprocessor(config(chat_template=template), with_media=False)
+    record = next(r for r in records if sum(m["role"] == "assistant"
+                                            for m in r["messages"]) >= 2)
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(record)
+    assert dropped.value.reason == "template_mismatch"
+
+
+def test_special_tokens_are_added_and_the_vocab_size_reported(reference_tokenizer):
+    text = TextEncoder(config())
+    assert text.vocab_size == len(reference_tokenizer) + 2
+    assert set(text.modality_token_ids.values()) == {len(reference_tokenizer),
+                                                     len(reference_tokenizer) + 1}
+
+
+def test_collate_mixes_text_only_and_media_samples(dataset, records):
+    preprocessor = Preprocessor(config())
+    collate = Collator(preprocessor)
+    picks = [next(i for i, r in enumerate(records) if not r["media"]),
+             next(i for i, r in enumerate(records)
+                  if sum(m["modality"] == "image" for m in r["media"]) >= 2),
+             next(i for i, r in enumerate(records)
+                  if {m["modality"] for m in r["media"]} == {"image", "audio"})]
+    samples = [preprocessor(records[i], dataset.media(i, records[i])) for i in picks]
+    batch, metadata = collate(samples)
+    seq = preprocessor.config.seq_length
+    for name in ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask"):
+        assert batch[name].shape == (3, seq), name
+    assert metadata["keys"] == [records[i]["key"] for i in picks]
+    assert set(batch) == {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask",
+                          "modality_inputs", "packing_kwargs"}
+    images = batch["modality_inputs"]["image"]["vision"]
+    expected_grids = torch.cat([s.encoder_inputs["image"]["image_grid_thw"]
+                                for s in samples if "image" in s.encoder_inputs])
+    assert torch.equal(images["image_grid_thw"], expected_grids)
+    assert batch["attention_mask"].sum(1).tolist() == [len(s.input_ids) for s in samples]
+    assert (batch["labels"][~batch["attention_mask"]] == -100).all()
+    # A batch whose counts disagree with its placeholders is refused.
+    metadata["token_counts"]["image"][1][0] += 1
+    with pytest.raises(BatchError):
+        collate.check(batch, metadata)
+
+
+def test_fixed_resolution_images_have_constant_token_counts(dataset, records):
+    image = ImageConfig(policy="fixed", image_size=224, patch_size=14)
+    cfg = config(modalities={**config().modalities, "image": image})
+    preprocessor = Preprocessor(cfg)
+    position = next(i for i, r in enumerate(records)
+                    if sum(m["modality"] == "image" for m in r["media"]) >= 2)
+    sample = preprocessor(records[position], dataset.media(position, records[position]))
+    assert sample.token_counts["image"] == [(224 // 14) ** 2] * len(sample.token_counts["image"])
+    assert sample.encoder_inputs["image"]["pixel_values"].shape[1:] == (3, 224, 224)
+    Collator(preprocessor)([sample])

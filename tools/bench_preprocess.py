@@ -1,0 +1,120 @@
+"""Benchmark preprocessing per worker process on the sample corpus replicated to >= 2k samples.
+
+Three passes over the same shards, in the same run, one process with one torch thread:
+- decode-only baseline: read the media, open, decode and resize images to the size the
+  processor uses, decode and resample audio; no tokenization, no features, nothing else;
+- full mode: the Preprocessor with media (tokens, masks, patches, log-mels);
+- metadata-only mode: the Preprocessor without media (what language ranks run).
+Prints samples/s and the ratios full / decode-only and metadata-only / full.
+
+    python tools/bench_preprocess.py [--samples 2000] [--config configs/preprocess.yaml]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+import time
+
+import torch
+from PIL import Image
+
+from mimo_data.audio_inputs import decode_audio
+from mimo_data.build import BuildOptions, build
+from mimo_data.image_inputs import decode_image
+from mimo_data.preprocess import Preprocessor, preprocess_dataset
+from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.report import Tally
+from mimo_data.shard_reader import ShardReader
+from mimo_data.token_counts import image_resized_size
+
+CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
+                 "speech_manifest.jsonl")
+
+
+def _replicated_dataset(corpus: str, samples: int, work: str) -> str:
+    """Build the corpus once, then a dataset of its records repeated to ``samples``."""
+    once = os.path.join(work, "once")
+    build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
+          BuildOptions(progress=False))
+    reader = ShardReader(once)
+    jsonl = os.path.join(work, "replicated.jsonl")
+    media_dir = os.path.join(work, "media")
+    os.makedirs(media_dir)
+    with open(jsonl, "w") as out:
+        for i in range(samples):
+            position = i % len(reader)
+            record = reader.record(position)
+            paths = {}
+            for item in record["media"]:
+                path = os.path.join(media_dir, f"{record['key']}.{item['member']}")
+                if not os.path.exists(path):
+                    with open(path, "wb") as media:
+                        media.write(reader.read_member(position, item["member"]))
+                paths.setdefault(item["modality"], []).append(path)
+            out.write(json.dumps({"id": f"r{i}", "messages": record["messages"],
+                                  "images": paths.get("image", []),
+                                  "audios": paths.get("audio", [])}) + "\n")
+    dataset = os.path.join(work, "replicated")
+    build([jsonl], dataset, BuildOptions(progress=False, check="header"))
+    return dataset
+
+
+def _decode_only(reader: ShardReader, config: PreprocessConfig) -> None:
+    images, audio = config.modalities.get("image"), config.modalities.get("audio")
+    for position in range(len(reader)):
+        record = reader.record(position)
+        for item in record["media"]:
+            data = reader.read_member(position, item["member"])
+            if item["modality"] == "image":
+                image = decode_image(data, item["orientation"], images)
+                image.resize(image_resized_size(image.width, image.height, images),
+                             Image.Resampling.BICUBIC)
+            else:
+                decode_audio(data, audio)
+
+
+def _timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", default="assets/corpus")
+    parser.add_argument("--config", default="configs/preprocess.yaml")
+    parser.add_argument("--samples", type=int, default=2000)
+    args = parser.parse_args()
+    config = PreprocessConfig.from_yaml(args.config)
+    torch.set_num_threads(1)   # as in a DataLoader worker: one process is one core
+    work = tempfile.mkdtemp(prefix="bench_preprocess_")
+    try:
+        reader = ShardReader(_replicated_dataset(args.corpus, args.samples, work))
+        full, meta = Preprocessor(config), Preprocessor(config, with_media=False)
+        tallies = {"full": Tally(), "metadata-only": Tally()}
+        seconds = {
+            "decode-only": _timed(lambda: _decode_only(reader, config)),
+            "full": _timed(lambda: sum(1 for _ in preprocess_dataset(reader, full,
+                                                                    tallies["full"]))),
+            "metadata-only": _timed(lambda: sum(1 for _ in preprocess_dataset(
+                reader, meta, tallies["metadata-only"]))),
+        }
+        n = len(reader)
+        print(f"{n} samples ({args.config}), one process")
+        for name, value in seconds.items():
+            kept = f", {tallies[name].summary()}" if name in tallies else ""
+            print(f"{name:14s} {n / value:9.0f} samples/s{kept}")
+        print(f"full / decode-only:    {seconds['decode-only'] / seconds['full']:.2f}x  "
+              "(target >= 0.85)")
+        print(f"metadata-only / full:  {seconds['full'] / seconds['metadata-only']:.1f}x  "
+              "(target >= 20)")
+    finally:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
