@@ -212,7 +212,7 @@ def test_corrupt_media_is_dropped_and_counted(dataset, records):
     media[member] = media[member][: len(media[member]) // 3]
     with pytest.raises(SampleDropped) as dropped:
         Preprocessor(config())(record, media)
-    assert dropped.value.reason == "corrupt_media"
+    assert dropped.value.reason == "corrupt_image"
     assert member in dropped.value.detail
 
 
