@@ -4,8 +4,9 @@ The text is rendered once (the chat template in ``chat`` mode, plain concatenati
 ``caption`` mode) with ``<image>``/``<audio>`` markers still in it. The trained character spans
 come from the template itself: its ``{% generation %}`` blocks when it has them, otherwise
 incremental rendering (the text an assistant turn adds after the generation prompt). Each span
-runs to its end-of-turn token, inclusive. The text between markers is tokenized with offsets;
-each marker becomes N copies of its modality token. A token that straddles a span boundary, a
+runs to its end-of-turn token, inclusive. The text is tokenized once, with offsets, by a copy
+of the tokenizer in which the markers are atomic; each marker becomes N copies of its modality
+token. A token that straddles a span boundary, a
 template that does not re-render the same prefix, or a modality token typed literally in the
 text is an error naming the sample — never a silently wrong mask.
 """
@@ -16,15 +17,16 @@ import os
 import re
 from dataclasses import dataclass
 
-from tokenizers import AddedToken
+import numpy as np
+
+from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
-from transformers.utils.chat_template_utils import render_jinja_template
+from transformers.utils.chat_template_utils import (_compile_jinja_template,
+                                                   render_jinja_template)
 
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.shard_format import MARKERS
 
-_MARKER_PATTERN = re.compile("|".join(re.escape(m) for m in MARKERS.values()))
-_MARKER_MODALITY = {marker: modality for modality, marker in MARKERS.items()}
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -40,8 +42,8 @@ class TextError(Exception):
 @dataclass
 class Encoded:
     """Token ids of a whole conversation and which of them are trained (targets of the loss)."""
-    ids: list[int]
-    trained: list[bool]
+    ids: np.ndarray        # int64
+    trained: np.ndarray    # bool
 
 
 def load_tokenizer(config: PreprocessConfig):
@@ -77,10 +79,18 @@ class TextEncoder:
     def __init__(self, config: PreprocessConfig, tokenizer=None):
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config)
-        self.backend = self.tokenizer.backend_tokenizer
+        # A private copy of the fast tokenizer in which the markers are atomic added tokens:
+        # one encode per sample, identical to encoding the text between markers piece by piece
+        # (added tokens split the text before the model's pre-tokenizer runs).
+        self.backend = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        self.backend.add_special_tokens([AddedToken(m, special=True, normalized=False)
+                                         for m in MARKERS.values()])
+        self._marker_ids = {self.backend.token_to_id(m): modality
+                            for modality, m in MARKERS.items()}
         self.vocab_size = len(self.tokenizer)
         self.modality_token_ids = {name: self.tokenizer.convert_tokens_to_ids(m.token)
                                    for name, m in config.modalities.items()}
+        self._reserved_ids = np.array(list(self.modality_token_ids.values()), dtype=np.int64)
         self.eot = self.tokenizer.eos_token
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
@@ -90,31 +100,42 @@ class TextEncoder:
             self.template = _chat_template(config, self.tokenizer)
             self.has_generation_blocks = bool(_GENERATION_BLOCK.search(self.template))
             self.template_kwargs = dict(self.tokenizer.special_tokens_map)
+            # transformers' own compiled (cached) template: render_jinja_template's per-call
+            # conversion of the messages costs a third of each render; ours are plain dicts.
+            self._compiled = _compile_jinja_template(self.template)
 
     # -- rendering ---------------------------------------------------------------------------
 
-    def _render(self, messages, generation_prompt=False, with_spans=False):
+    def _render(self, messages, generation_prompt=False):
         try:
-            rendered, spans = render_jinja_template(
-                [messages], chat_template=self.template, add_generation_prompt=generation_prompt,
-                return_assistant_tokens_mask=with_spans, **self.template_kwargs)
+            return self._compiled.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=generation_prompt,
+                                         **self.template_kwargs)
         except Exception as exc:  # the template's own raise_exception(), jinja errors
             raise TextError("template_error", f"the chat template failed: {exc}") from None
-        return rendered[0], (spans[0] if with_spans else None)
+
+    def _render_with_generation_spans(self, messages):
+        try:
+            rendered, spans = render_jinja_template(
+                [messages], chat_template=self.template, return_assistant_tokens_mask=True,
+                **self.template_kwargs)
+        except Exception as exc:
+            raise TextError("template_error", f"the chat template failed: {exc}") from None
+        return rendered[0], spans[0]
 
     def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         """The text and its trained character spans (each ending with the end-of-turn token)."""
         if self.config.mode == "caption":
             return self._render_caption(messages)
         if self.has_generation_blocks:
-            text, spans = self._render(messages, with_spans=True)
+            text, spans = self._render_with_generation_spans(messages)
         else:
-            text, spans = self._render(messages)[0], []
+            text, spans = self._render(messages), []
             for i, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
-                before = self._render(messages[:i], generation_prompt=True)[0]
-                after = self._render(messages[:i + 1])[0]
+                before = self._render(messages[:i], generation_prompt=True)
+                after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
                 if not (after.startswith(before) and text.startswith(after)):
                     raise TextError("template_mismatch", f"the chat template does not render "
                                     f"turn {i} as an extension of the turns before it, so the "
@@ -154,53 +175,45 @@ class TextEncoder:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
         count) copies of that modality's token."""
         text, spans = self.render(messages)
-        markers = list(_MARKER_PATTERN.finditer(text))
-        found = [_MARKER_MODALITY[m.group()] for m in markers]
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids = np.array(encoding.ids, dtype=np.int64)
+        offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        if np.isin(ids, self._reserved_ids).any():
+            raise TextError("literal_special_token", "the text contains a modality token "
+                            "typed literally; remove it from the source text")
+        trained = _inside_spans(offsets, np.array([a for a, _ in spans], dtype=np.int64),
+                                np.array([b for _, b in spans], dtype=np.int64), text)
+        marker_at = np.flatnonzero(np.isin(ids, list(self._marker_ids)))
+        found = [self._marker_ids[int(ids[i])] for i in marker_at]
         expected = [modality for modality, _ in item_tokens]
         if found != expected:
             raise TextError("template_mismatch", f"the rendered text has markers {found}, the "
                             f"sample's media are {expected}")
-        bounds = [0] + [x for m in markers for x in m.span()] + [len(text)]
-        pieces = [(bounds[2 * i], bounds[2 * i + 1]) for i in range(len(markers) + 1)]
-        encodings = self.backend.encode_batch([text[a:b] for a, b in pieces],
-                                              add_special_tokens=False)
-        ids, trained = [], []
-        span_iter = _SpanCursor(spans)
-        reserved = set(self.modality_token_ids.values())
-        for index, ((base, _), encoding) in enumerate(zip(pieces, encodings)):
-            for token_id, (start, end) in zip(encoding.ids, encoding.offsets):
-                if token_id in reserved:
-                    raise TextError("literal_special_token", f"the text contains a modality "
-                                    f"token ({self.tokenizer.convert_ids_to_tokens(token_id)}) "
-                                    "typed literally; remove it from the source text")
-                ids.append(token_id)
-                trained.append(span_iter.inside(base + start, base + end, text))
-            if index < len(markers):
-                modality, count = item_tokens[index]
-                ids.extend([self.modality_token_ids[modality]] * count)
-                trained.extend([False] * count)
-        return Encoded(ids, trained)
+        # Each marker token becomes its item's run of modality tokens (never trained).
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[marker_at] = [count for _, count in item_tokens]
+        ids[marker_at] = [self.modality_token_ids[modality] for modality in found]
+        trained[marker_at] = False
+        return Encoded(np.repeat(ids, repeats), np.repeat(trained, repeats))
 
 
-class _SpanCursor:
-    """Classifies token character ranges (visited in order) against sorted trained spans."""
-
-    def __init__(self, spans):
-        self.spans = sorted(spans)
-        self.position = 0
-
-    def inside(self, start: int, end: int, text: str) -> bool:
-        if start >= end:
-            return False
-        while self.position < len(self.spans) and self.spans[self.position][1] <= start:
-            self.position += 1
-        if self.position == len(self.spans):
-            return False
-        span_start, span_end = self.spans[self.position]
-        if span_start <= start and end <= span_end:
-            return True
-        if end <= span_start:
-            return False
-        raise TextError("template_mismatch", f"token {text[start:end]!r} at characters "
-                        f"{start}-{end} crosses the edge of a trained span "
-                        f"({span_start}-{span_end}); the loss mask would be ambiguous")
+def _inside_spans(offsets: np.ndarray, starts: np.ndarray, ends: np.ndarray, text: str):
+    """Per token (character ``offsets`` [N, 2]): inside one of the sorted, disjoint spans?
+    A token that only partly overlaps a span makes the mask ambiguous: TextError."""
+    token_start, token_end = offsets[:, 0], offsets[:, 1]
+    if not len(starts):
+        return np.zeros(len(offsets), dtype=bool)
+    nearest = np.searchsorted(ends, token_start, side="right")   # first span ending after
+    has_span = nearest < len(starts)
+    nearest = np.minimum(nearest, len(starts) - 1)
+    span_start, span_end = starts[nearest], ends[nearest]
+    real = has_span & (token_start < token_end)
+    inside = real & (span_start <= token_start) & (token_end <= span_end)
+    crossing = real & ~inside & (token_end > span_start)
+    if crossing.any():
+        i = int(np.argmax(crossing))
+        a, b = int(token_start[i]), int(token_end[i])
+        raise TextError("template_mismatch", f"token {text[a:b]!r} at characters {a}-{b} "
+                        f"crosses the edge of a trained span ({span_start[i]}-{span_end[i]}); "
+                        "the loss mask would be ambiguous")
+    return inside

@@ -61,8 +61,8 @@ class Preprocessor:
         encoded, kept_messages = self._fit(record["messages"], counts)
         removed_turns = len(record["messages"]) - len(kept_messages)
         kept_items = items[:len(marker_order(kept_messages))]
-        ids = torch.tensor(encoded.ids, dtype=torch.int64)
-        trained = torch.tensor(encoded.trained, dtype=torch.bool)[1:]
+        ids = torch.from_numpy(encoded.ids)
+        trained = torch.from_numpy(encoded.trained)[1:]
         labels = torch.where(trained, ids[1:], IGNORE_INDEX)
         if not trained.any():
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"

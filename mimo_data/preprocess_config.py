@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import yaml
 
+from mimo_data.shard_format import MARKERS
+
 # OpenAI CLIP normalization, the default of Qwen2-VL and CLIP image processors.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -113,6 +115,9 @@ class PreprocessConfig:
         tokens = [m.token for m in self.modalities.values()]
         if len(set(tokens)) != len(tokens):
             raise ConfigError("each modality needs its own special token")
+        if set(tokens) & set(MARKERS.values()):
+            raise ConfigError(f"a modality token cannot be a text marker {sorted(MARKERS.values())}"
+                              "; use e.g. <|image_pad|>")
         for modality in self.modalities.values():
             modality.validate()
 
