@@ -25,18 +25,14 @@ from transformers.utils.chat_template_utils import (_compile_jinja_template,
                                                    render_jinja_template)
 
 from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.report import CountedError
 from mimo_data.shard_format import MARKERS
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-class TextError(Exception):
+class TextError(CountedError):
     """A conversation whose tokens or mask cannot be built; ``reason`` is its report category."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass

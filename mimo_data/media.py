@@ -15,6 +15,7 @@ import warnings
 import soundfile
 from PIL import Image
 
+from mimo_data.report import CountedError
 from mimo_data.shard_format import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS
 
 # EXIF orientations 5-8 rotate by 90 degrees: the decoded image has width and height swapped.
@@ -24,13 +25,8 @@ _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
 
 
-class MediaError(Exception):
+class MediaError(CountedError):
     """A media item that cannot go into a shard; ``reason`` is the report category."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 def image_orientation(image: Image.Image) -> int:

@@ -19,18 +19,14 @@ from mimo_data.image_inputs import decode_image, image_encoder_inputs, image_row
 from mimo_data.media import MediaError
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.records import marker_order
+from mimo_data.report import CountedError
 from mimo_data.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
 
 
-class SampleDropped(Exception):
+class SampleDropped(CountedError):
     """A sample that cannot be trained on; ``reason`` is its drop category (counted, not lost)."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mimo_data.report import CountedError
 from mimo_data.shard_format import MARKERS
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the three roles we store.
@@ -9,13 +10,8 @@ ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
                 "gpt": "assistant", "assistant": "assistant"}
 
 
-class RecordError(Exception):
+class RecordError(CountedError):
     """A record that cannot become a sample; ``reason`` is its report category."""
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
 
 
 def _content_text(content) -> str:

@@ -9,6 +9,16 @@ from __future__ import annotations
 FIRST_LOCATIONS = 5  # offending locations kept per reason
 
 
+class CountedError(Exception):
+    """An item that is skipped and counted rather than crashing the pass: ``reason`` is its
+    report category, ``detail`` says what is wrong and what to do."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
 class Tally:
     """Items seen = kept + skipped; skips are counted by reason with their first locations.
 
