@@ -86,7 +86,11 @@ class TextEncoder:
         self.vocab_size = len(self.tokenizer)
         self.modality_token_ids = {name: self.tokenizer.convert_tokens_to_ids(m.token)
                                    for name, m in config.modalities.items()}
-        self._reserved_ids = np.array(list(self.modality_token_ids.values()), dtype=np.int64)
+        # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers.
+        self._token_kind = np.zeros(self.backend.get_vocab_size(with_added_tokens=True) + 1,
+                                    dtype=np.int8)
+        self._token_kind[list(self.modality_token_ids.values())] = 1
+        self._token_kind[list(self._marker_ids)] = 2
         self.eot = self.tokenizer.eos_token
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
@@ -99,6 +103,9 @@ class TextEncoder:
             # transformers' own compiled (cached) template: render_jinja_template's per-call
             # conversion of the messages costs a third of each render; ours are plain dicts.
             self._compiled = _compile_jinja_template(self.template)
+
+    def is_modality_token(self, token_id: int) -> bool:
+        return self._token_kind[token_id] == 1
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -174,12 +181,13 @@ class TextEncoder:
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = np.array(encoding.ids, dtype=np.int64)
         offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-        if np.isin(ids, self._reserved_ids).any():
+        kind = self._token_kind[ids]
+        if (kind == 1).any():
             raise TextError("literal_special_token", "the text contains a modality token "
                             "typed literally; remove it from the source text")
         trained = _inside_spans(offsets, np.array([a for a, _ in spans], dtype=np.int64),
                                 np.array([b for _, b in spans], dtype=np.int64), text)
-        marker_at = np.flatnonzero(np.isin(ids, list(self._marker_ids)))
+        marker_at = np.flatnonzero(kind == 2)
         found = [self._marker_ids[int(ids[i])] for i in marker_at]
         expected = [modality for modality, _ in item_tokens]
         if found != expected:
@@ -195,7 +203,11 @@ class TextEncoder:
 
 def _inside_spans(offsets: np.ndarray, starts: np.ndarray, ends: np.ndarray, text: str):
     """Per token (character ``offsets`` [N, 2]): inside one of the sorted, disjoint spans?
-    A token that only partly overlaps a span makes the mask ambiguous: TextError."""
+
+    A token reaching into a span from before it is left untrained when what it covers of the
+    span is whitespace (an answer starting with a newline merges with the header's newline);
+    any other partial overlap makes the mask ambiguous: TextError.
+    """
     token_start, token_end = offsets[:, 0], offsets[:, 1]
     if not len(starts):
         return np.zeros(len(offsets), dtype=bool)
@@ -205,11 +217,11 @@ def _inside_spans(offsets: np.ndarray, starts: np.ndarray, ends: np.ndarray, tex
     span_start, span_end = starts[nearest], ends[nearest]
     real = has_span & (token_start < token_end)
     inside = real & (span_start <= token_start) & (token_end <= span_end)
-    crossing = real & ~inside & (token_end > span_start)
-    if crossing.any():
-        i = int(np.argmax(crossing))
-        a, b = int(token_start[i]), int(token_end[i])
+    for i in np.flatnonzero(real & ~inside & (token_end > span_start)):
+        a, b, edge = int(token_start[i]), int(token_end[i]), int(span_start[i])
+        if a < edge and b <= span_end[i] and text[edge:b].isspace():
+            continue
         raise TextError("template_mismatch", f"token {text[a:b]!r} at characters {a}-{b} "
-                        f"crosses the edge of a trained span ({span_start[i]}-{span_end[i]}); "
+                        f"crosses the edge of a trained span ({edge}-{span_end[i]}); "
                         "the loss mask would be ambiguous")
     return inside

@@ -52,9 +52,14 @@ class Preprocessor:
         self.text = text or TextEncoder(config)
 
     def __call__(self, record: dict, media: dict[str, bytes] | None = None) -> Sample:
+        _check_record(record)
         items = record["media"]
         counts = [(item["modality"], self._item_tokens(item)) for item in items]
         encoded, kept_messages = self._fit(record["messages"], counts)
+        if self.text.is_modality_token(encoded.ids[-1]):
+            raise SampleDropped("ends_with_media", "the conversation ends with a media item, "
+                                "whose last placeholder the next-token shift would cut; end "
+                                "it with an assistant turn")
         removed_turns = len(record["messages"]) - len(kept_messages)
         kept_items = items[:len(marker_order(kept_messages))]
         ids = torch.from_numpy(encoded.ids)
@@ -78,6 +83,7 @@ class Preprocessor:
         return sample
 
     def _item_tokens(self, item: dict) -> int:
+        """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""
         modality = item["modality"]
         config = self.config.modalities.get(modality)
         if config is None:
@@ -155,6 +161,29 @@ class Preprocessor:
                                    f"tokens per item but the text has {token_counts[modality]} "
                                    "placeholders; this is a bug in mimo, please report it")
         return inputs
+
+
+_ITEM_FIELDS = {"image": ("member", "width", "height", "orientation"),
+                "audio": ("member", "frames", "sample_rate", "duration")}
+
+
+def _check_record(record) -> None:
+    """SampleDropped("malformed_record") unless ``record`` has the shard JSON's fields (a record
+    written by another tool or edited by hand must not crash a worker)."""
+    try:
+        problems = [] if isinstance(record["key"], str) else ["key is not a string"]
+        for message in record["messages"]:
+            if not (isinstance(message["content"], str) and
+                    message["role"] in ("system", "user", "assistant")):
+                problems.append(f"bad message {str(message)[:60]}")
+        for item in record["media"]:
+            missing = [f for f in _ITEM_FIELDS[item["modality"]] if f not in item]
+            if missing:
+                problems.append(f"media item {item.get('member')} lacks {missing}")
+    except (KeyError, TypeError) as exc:
+        problems = [f"missing or mistyped field {exc}"]
+    if problems:
+        raise SampleDropped("malformed_record", "; ".join(problems))
 
 
 def preprocess_dataset(reader, preprocessor: Preprocessor, tally, positions=None):

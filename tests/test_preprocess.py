@@ -289,3 +289,42 @@ def test_fixed_resolution_images_have_constant_token_counts(dataset, records):
     assert sample.token_counts["image"] == [(224 // 14) ** 2] * len(sample.token_counts["image"])
     assert sample.encoder_inputs["image"]["pixel_values"].shape[1:] == (3, 224, 224)
     Collator(preprocessor)([sample])
+
+
+def test_answer_starting_with_blank_lines_is_kept_with_only_the_blank_lines_untrained(records):
+    preprocessor = Preprocessor(config(), with_media=False)
+    record = copy.deepcopy(next(r for r in records if not r["media"]))
+    answer = next(m for m in record["messages"] if m["role"] == "assistant")
+    answer["content"] = "\n\n" + answer["content"]
+    sample = preprocessor(record)
+    trained = trained_text(preprocessor.text.tokenizer, sample)
+    assert trained.lstrip("\n") == assistant_text(record).lstrip("\n")
+    assert trained.endswith(EOT)
+
+
+def test_caption_sample_ending_with_media_is_dropped_not_cut(records):
+    preprocessor = Preprocessor(config(mode="caption"), with_media=False)
+    record = copy.deepcopy(next(r for r in records
+                                if [m["modality"] for m in r["media"]] == ["image"]))
+    image_turn = {"role": "user", "content": "<image>"}
+    record["messages"].append(image_turn)
+    record["media"].append(copy.deepcopy(record["media"][0]))
+    record["media"][1]["member"] = "img1.jpg"
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(record)
+    assert dropped.value.reason == "ends_with_media"
+
+
+@pytest.mark.parametrize("damage", ["no_messages", "bad_role", "item_without_size"])
+def test_malformed_records_are_dropped_with_a_reason(records, damage):
+    preprocessor = Preprocessor(config(), with_media=False)
+    record = copy.deepcopy(next(r for r in records if r["media"]))
+    if damage == "no_messages":
+        del record["messages"]
+    elif damage == "bad_role":
+        record["messages"][0]["role"] = "narrator"
+    else:
+        del record["media"][0]["frames" if record["media"][0]["modality"] == "audio" else "width"]
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(record)
+    assert dropped.value.reason == "malformed_record"
