@@ -32,9 +32,9 @@ class Tally:
         self.kept = 0
         self.skipped: dict[str, dict] = {}
 
-    def keep(self) -> None:
-        self.seen += 1
-        self.kept += 1
+    def keep(self, count: int = 1) -> None:
+        self.seen += count
+        self.kept += count
 
     def skip(self, reason: str, location: str, detail: str) -> None:
         self.seen += 1

@@ -314,3 +314,26 @@ def image_size_after_exif(data: bytes) -> tuple[int, int, str]:
     with Image.open(io.BytesIO(data)) as image:
         shown = ImageOps.exif_transpose(image)
         return shown.width, shown.height, shown.mode
+
+
+# --------------------------------------------------------------------------------- loader
+
+@pytest.fixture(scope="session")
+def loader_corpus(tmp_path_factory, corpus_inputs) -> Path:
+    """The whole corpus built once in shards of 16 samples (several shards, blocks, windows)."""
+    out = tmp_path_factory.mktemp("loader-corpus") / "shards"
+    build_dataset(corpus_inputs, out, max_samples_per_shard=16)
+    return out
+
+
+def preprocess_config_file(path, **modalities) -> Path:
+    """A preprocessing YAML with the corpus tokenizer and the given ``modalities`` section
+    (e.g. ``image={"policy": "fixed", "image_size": 224}``); no modalities: the default file."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())
+    data["tokenizer"] = str(REPO / "assets" / "tokenizer" / "smollm2")
+    if modalities:
+        data["modalities"] = modalities
+    Path(path).write_text(yaml.safe_dump(data))
+    return Path(path)

@@ -1,0 +1,173 @@
+"""Dry run of the loader: every rank's micro-batches (sample keys, token counts) for a layout,
+from the real loader code in metadata-only mode (no media decoded), plus the cross-module checks
+the bridge depends on. Used by tests and by ``mimo-inspect plan``.
+
+    python -m mimo_data.dry_run shards/ --config configs/preprocess.yaml \\
+        --layout 'language=dp2;images=dp1' --global-batch-size 8 --micro-batch-size 2 \\
+        [--steps 2] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from mimo_data.index import DatasetError
+from mimo_data.layout import LANGUAGE, Layout
+from mimo_data.loader import DataSource, build_loader
+
+_MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys")
+
+
+def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
+            micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
+            epoch: int = 0, steps: int | None = None, remainder: str = "drop",
+            weights=None, num_workers: int = 0) -> dict:
+    """Per rank and step, the keys and token counts each micro-batch holds (JSON-ready).
+
+    ``checks``: every rank has the same number of micro-batches; for every module, the
+    concatenation of its DP ranks' parts equals the language module's global micro-batch, and
+    all ranks of one DP rank (tp, cp, pp) get the same samples."""
+    layout = Layout.parse(layout)
+    world_size = world_size or layout.world_size
+    source = datasets if isinstance(datasets, DataSource) else \
+        DataSource(datasets, preprocess_config, weights, num_workers)
+    ranks, plan = [], None
+    for rank in range(world_size):
+        loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
+                              micro_batch_size, seed, remainder=remainder, decode_media=False)
+        entry = {"rank": rank, "role": layout.role(rank).to_dict(), "steps": None}
+        if loader is not None:
+            loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
+            plan = plan or {"steps_per_epoch": loader.steps_per_epoch,
+                            "micro_batches_per_step": loader.micro_batches_per_step,
+                            "global_micro_batch_size": loader.global_micro_batch_size,
+                            **loader.report()}
+            count = loader.micro_batches_per_epoch if steps is None else \
+                min(steps, loader.steps_per_epoch) * loader.micro_batches_per_step
+            entry["steps"] = []
+            for _, (_, metadata) in zip(range(count), loader):
+                if metadata["micro_batch"] == 0:
+                    entry["steps"].append({"step": metadata["step"], "micro_batches": []})
+                entry["steps"][-1]["micro_batches"].append(
+                    {"micro_batch": metadata["micro_batch"],
+                     **{k: metadata[k] for k in _MICRO_BATCH_FIELDS if k in metadata}})
+            loader.close()
+        ranks.append(entry)
+    return {"datasets": source.directories, "weights": source.weights,
+            "fingerprint": source.fingerprint, "layout": str(layout),
+            "colocated": layout.colocated, "world_size": world_size, "seed": seed,
+            "epoch": epoch, "global_batch_size": global_batch_size,
+            "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
+            "checks": _checks(layout, ranks)}
+
+
+def _flat(entry: dict) -> list[list[str]]:
+    return [mb["keys"] for step in entry["steps"] for mb in step["micro_batches"]]
+
+
+def _checks(layout: Layout, ranks: list[dict]) -> dict:
+    problems = []
+    loaded = [r for r in ranks if r["steps"] is not None]
+    counts = {r["rank"]: len(_flat(r)) for r in loaded}
+    if len(set(counts.values())) > 1:
+        problems.append(f"micro-batches per rank differ: {counts}")
+    by_module: dict[str, dict[int, list]] = {}
+    for entry in loaded:
+        for part in entry["role"]["modules"]:
+            if part["module"] != LANGUAGE and part["pp_rank"]:
+                continue
+            if part["module"] == LANGUAGE or entry["role"]["text_module"] == part["module"]:
+                keys = _flat(entry)
+            else:   # a colocated encoder whose slice differs from the rank's text slice
+                modality = next(m for m, n in entry["role"]["media"].items()
+                                if n == part["module"])
+                keys = [mb["encoder_keys"][modality] for step in entry["steps"]
+                        for mb in step["micro_batches"]]
+            seen = by_module.setdefault(part["module"], {}).setdefault(part["dp_rank"], keys)
+            if seen != keys:
+                problems.append(f"rank {entry['rank']} ({part['module']} dp rank "
+                                f"{part['dp_rank']}) gets other samples than its DP peers")
+    if by_module:
+        global_batches = {name: [sum(parts, []) for parts in
+                                 zip(*(dp[r] for r in sorted(dp)))]
+                          for name, dp in by_module.items()}
+        reference = global_batches.get(LANGUAGE)
+        for name, batches in global_batches.items():
+            if batches != reference:
+                problems.append(f"module {name!r}'s global micro-batches differ from "
+                                f"{LANGUAGE!r}'s")
+    return {"ok": not problems, "problems": problems}
+
+
+def format_dry_run(result: dict) -> str:
+    """The dry run for people: the plan, each rank's role and micro-batches, the checks."""
+    lines = [f"layout {result['layout']} ({'colocated' if result['colocated'] else 'non-colocated'}"
+             f", {result['world_size']} ranks), global batch {result['global_batch_size']}, "
+             f"micro batch {result['micro_batch_size']}, seed {result['seed']}, "
+             f"epoch {result['epoch']}"]
+    if "steps_per_epoch" in result:
+        samples = result["samples"]
+        reasons = ", ".join(f"{reason} {entry['count']}"
+                            for reason, entry in samples["skipped_by_reason"].items())
+        lines.append(f"{result['steps_per_epoch']} steps/epoch x "
+                     f"{result['micro_batches_per_step']} global micro-batches of "
+                     f"{result['global_micro_batch_size']} samples; {samples['samples']} "
+                     f"samples, {samples['kept']} kept, {samples['dropped']} dropped"
+                     f"{f' ({reasons})' if reasons else ''}; remainder {result['remainder']}: "
+                     f"{result['remainder_samples']} samples")
+    for entry in result["ranks"]:
+        role = entry["role"]
+        parts = ", ".join(f"{m['module']} dp {m['dp_rank']}/{m['dp_size']} pp "
+                          f"{m['pp_rank']}/{m['pp_size']} tp {m['tp_rank']}"
+                          for m in role["modules"])
+        if entry["steps"] is None:
+            lines.append(f"rank {entry['rank']}: {parts}: no data")
+            continue
+        needs = ", ".join(role["text_keys"] + [f"{m} inputs" for m in role["media"]])
+        lines.append(f"rank {entry['rank']}: {parts}: {needs}")
+        for step in entry["steps"]:
+            for mb in step["micro_batches"]:
+                samples = " ".join(f"{key}({tokens})" for key, tokens in
+                                   zip(mb["keys"], mb["tokens"]))
+                others = "".join(f" | {modality} inputs: {' '.join(keys)}" for modality, keys
+                                 in mb.get("encoder_keys", {}).items() if keys != mb["keys"])
+                lines.append(f"  step {step['step']} mb {mb['micro_batch']}: {samples}{others}")
+    checks = result["checks"]
+    lines.append("checks: ok" if checks["ok"] else
+                 "checks FAILED:\n" + "\n".join(f"  {p}" for p in checks["problems"]))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mimo_data.dry_run",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("datasets", nargs="+", help="dataset directories (mimo-shard build)")
+    parser.add_argument("--config", required=True, help="preprocessing config (YAML)")
+    parser.add_argument("--layout", required=True,
+                        help="'language=dp2;images=dp1' or a layout YAML file")
+    parser.add_argument("--global-batch-size", type=int, required=True)
+    parser.add_argument("--micro-batch-size", type=int, required=True)
+    parser.add_argument("--world-size", type=int, help="default: the layout's ranks")
+    parser.add_argument("--weights", type=float, nargs="+", help="blend weights, one a dataset")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epoch", type=int, default=0)
+    parser.add_argument("--steps", type=int, help="first N steps only (default: the epoch)")
+    parser.add_argument("--remainder", choices=("drop", "wrap"), default="drop")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    try:
+        result = dry_run(args.datasets, args.config, args.layout, args.global_batch_size,
+                         args.micro_batch_size, world_size=args.world_size, seed=args.seed,
+                         epoch=args.epoch, steps=args.steps, remainder=args.remainder,
+                         weights=args.weights)
+    except (ValueError, RuntimeError, OSError, DatasetError) as exc:
+        print(f"dry run: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=1) if args.json else format_dry_run(result))
+    return 0 if result["checks"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,438 @@
+"""Layouts: which ranks run which module (language model, encoders) with what parallelism, and
+what data each rank needs. Pure Python, no torch.distributed: shared by the loader, the trainer
+and ``mimo-inspect`` (DESIGN.md, "Layouts and data placement").
+
+A layout names each module with its tp, cp, pp, dp and rank_offset (size = tp*cp*pp*dp)::
+
+    language=tp1,pp2,dp1;images=dp2          # compact string; offsets follow in order
+    language=dp2,off0;images=dp2,off0        # colocated: every module on ranks 0..1
+
+    modules:                                  # YAML / dict
+      language: {tp: 1, pp: 2, dp: 1}
+      images: {dp: 2}                         # rank_offset 2 (after language)
+    modalities: {image: images}               # optional: modality -> encoder module
+
+Modalities: a module named ``images``, ``image`` or ``vision`` serves images and one named
+``audio`` serves audio, unless said otherwise (``modalities:`` in YAML, a bare ``image`` /
+``audio`` field in the compact string, e.g. ``vit=dp2,image``).
+
+Rank order inside a module is megatron-core's ``HyperCommGrid(shape=[tp, cp, dp, pp],
+dim_names=["tp", "cp", "dp", "pp"], rank_offset=offset)``, i.e. the order "tp-cp-ep-dp-pp"
+with ep=1 and tp fastest::
+
+    rank = offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
+
+so the trainer builds its grids with exactly these shapes and names and gets the same groups.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+
+import yaml
+
+LANGUAGE = "language"          # megatron-core's fixed key for the language module
+DIMS = ("tp", "cp", "pp", "dp")
+GRID_DIM_NAMES = ("tp", "cp", "dp", "pp")   # HyperCommGrid dim_names, fastest first
+DEFAULT_MODALITY_MODULES = {"images": "image", "image": "image", "vision": "image",
+                            "audio": "audio"}
+MODALITIES = ("image", "audio")
+
+# Batch keys (collate.Collator) by what reads them in megatron-core's MimoModel: the language
+# model's first stage embeds input_ids, every stage takes position_ids / attention_mask /
+# packing_kwargs, the last stage computes the loss; encoders need input_ids to split their
+# output per sample (placeholder counts) for the bridge.
+LANGUAGE_ALL_STAGES = frozenset({"position_ids", "attention_mask", "packing_kwargs"})
+LANGUAGE_FIRST_STAGE = frozenset({"input_ids"})
+LANGUAGE_LAST_STAGE = frozenset({"labels", "loss_mask"})
+ENCODER_FIRST_STAGE = frozenset({"input_ids"})
+
+
+class LayoutError(ValueError):
+    """A layout that cannot work; the message names the module, the numbers and the fix."""
+
+
+@dataclass(frozen=True)
+class ModuleLayout:
+    """One module's parallelism and where its ranks start."""
+    name: str
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    rank_offset: int = 0
+
+    def __post_init__(self):
+        for dim in (*DIMS, "rank_offset"):
+            value = getattr(self, dim)
+            if not isinstance(value, int) or isinstance(value, bool) or \
+                    value < (0 if dim == "rank_offset" else 1):
+                raise LayoutError(f"module {self.name!r}: {dim} is {value!r}; it must be an "
+                                  f"integer >= {0 if dim == 'rank_offset' else 1}")
+
+    @property
+    def size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def ranks(self) -> range:
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """``{tp, cp, dp, pp}`` ranks of global ``rank`` in this module's grid."""
+        if rank not in self.ranks:
+            raise LayoutError(f"rank {rank} is not in module {self.name!r} (ranks "
+                              f"{self.rank_offset}..{self.ranks.stop - 1})")
+        local, coords = rank - self.rank_offset, {}
+        for dim in GRID_DIM_NAMES:
+            coords[dim] = local % getattr(self, dim)
+            local //= getattr(self, dim)
+        return coords
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        """Global rank at these grid coordinates (inverse of ``coordinates``)."""
+        return self.rank_offset + tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def spec(self) -> str:
+        return (f"{self.name}=tp{self.tp},cp{self.cp},pp{self.pp},dp{self.dp},"
+                f"off{self.rank_offset}")
+
+
+@dataclass(frozen=True)
+class ModuleRank:
+    """A rank's place in one module: grid coordinates and sizes."""
+    module: ModuleLayout
+    tp_rank: int
+    cp_rank: int
+    dp_rank: int
+    pp_rank: int
+
+    @property
+    def name(self) -> str:
+        return self.module.name
+
+    @property
+    def dp_size(self) -> int:
+        return self.module.dp
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.module.pp - 1
+
+
+@dataclass(frozen=True)
+class RankRole:
+    """What one rank runs and which data it needs.
+
+    ``text_keys``: batch keys the rank needs (empty: no text). ``media``: modalities whose
+    encoder inputs it needs. ``text_module``: the module whose DP slice the text tensors follow
+    (the language module where the rank has one, else its encoder). A rank that needs neither
+    text nor media gets no loader.
+    """
+    rank: int
+    modules: tuple[ModuleRank, ...]
+    text_keys: frozenset[str]
+    media: dict[str, str]              # modality -> encoder module feeding it on this rank
+    text_module: str | None
+
+    @property
+    def needs_data(self) -> bool:
+        return bool(self.text_keys or self.media)
+
+    def module(self, name: str) -> ModuleRank:
+        return next(m for m in self.modules if m.name == name)
+
+    def to_dict(self) -> dict:
+        return {"rank": self.rank, "needs_data": self.needs_data,
+                "modules": [{"module": m.name, "tp_rank": m.tp_rank, "cp_rank": m.cp_rank,
+                             "dp_rank": m.dp_rank, "dp_size": m.dp_size, "pp_rank": m.pp_rank,
+                             "pp_size": m.module.pp} for m in self.modules],
+                "text_keys": sorted(self.text_keys), "media": dict(sorted(self.media.items())),
+                "text_module": self.text_module}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """All modules of a run; ``modalities`` maps each modality to the encoder module serving it."""
+    modules: tuple[ModuleLayout, ...]
+    modalities: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "modules", tuple(self.modules))
+        names = [m.name for m in self.modules]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise LayoutError(f"module(s) {duplicates} named twice; give each module once")
+        if LANGUAGE not in names:
+            raise LayoutError(f"no {LANGUAGE!r} module in {names}: megatron-core's MimoModel "
+                              f"needs exactly one module named {LANGUAGE!r}")
+        mapping = {DEFAULT_MODALITY_MODULES[n]: n for n in names
+                   if n in DEFAULT_MODALITY_MODULES}
+        mapping.update(self.modalities)
+        for modality, module in mapping.items():
+            if modality not in MODALITIES:
+                raise LayoutError(f"modality {modality!r} unknown; use one of {MODALITIES}")
+            if module not in names or module == LANGUAGE:
+                raise LayoutError(f"modality {modality!r} is mapped to {module!r}, which is "
+                                  f"not an encoder module of this layout ({names})")
+        object.__setattr__(self, "modalities", dict(sorted(mapping.items())))
+
+    # ----------------------------------------------------------------------------- parsing
+
+    @classmethod
+    def parse(cls, value) -> "Layout":
+        """A Layout from a Layout, a dict, a YAML file path or a compact string."""
+        if isinstance(value, Layout):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        if isinstance(value, str) and (value.endswith((".yaml", ".yml")) or
+                                       os.path.isfile(value)):
+            return cls.from_yaml(value)
+        if isinstance(value, str):
+            return cls.from_string(value)
+        raise LayoutError(f"cannot make a layout of {type(value).__name__} {value!r}")
+
+    @classmethod
+    def from_string(cls, text: str) -> "Layout":
+        """``language=tp1,pp1,dp2;images=dp1,off2`` (missing fields 1, offsets in order)."""
+        modules, modalities, offset = [], {}, 0
+        for part in filter(None, (p.strip() for p in text.split(";"))):
+            name, equals, fields_text = part.partition("=")
+            name = name.strip()
+            if not equals or not re.fullmatch(r"[A-Za-z_][\w-]*", name):
+                raise LayoutError(f"layout part {part!r}: write NAME=FIELD,... with fields "
+                                  "tpN, cpN, ppN, dpN, offN, image, audio")
+            values = {}
+            for item in filter(None, (f.strip() for f in fields_text.split(","))):
+                if item in MODALITIES:
+                    modalities[item] = name
+                    continue
+                match = re.fullmatch(r"(tp|cp|pp|dp|off)(\d+)", item)
+                if not match:
+                    raise LayoutError(f"module {name!r}: field {item!r} unknown; use tpN, cpN, "
+                                      "ppN, dpN, offN (rank offset), image or audio")
+                key = "rank_offset" if match[1] == "off" else match[1]
+                values[key] = int(match[2])
+            module = ModuleLayout(name, **{"rank_offset": offset, **values})
+            modules.append(module)
+            offset = module.ranks.stop
+        if not modules:
+            raise LayoutError(f"empty layout {text!r}: e.g. 'language=dp2;images=dp1'")
+        return cls(tuple(modules), modalities)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Layout":
+        """``{"modules": {name: {tp, cp, pp, dp, rank_offset}} | [{name, ...}],
+        "modalities": {modality: module}}``; offsets in order where omitted."""
+        unknown = set(data) - {"modules", "modalities"}
+        if unknown or "modules" not in data:
+            raise LayoutError(f"layout keys {sorted(data)}: expected 'modules' (and optionally "
+                              "'modalities')")
+        entries = data["modules"]
+        if isinstance(entries, dict):
+            entries = [{"name": name, **(values or {})} for name, values in entries.items()]
+        modules, offset = [], 0
+        for entry in entries:
+            entry = dict(entry)
+            name = entry.pop("name", None)
+            extra = set(entry) - {*DIMS, "rank_offset"}
+            if not name or extra:
+                raise LayoutError(f"module entry {entry}: needs a name and only "
+                                  f"{[*DIMS, 'rank_offset']} (unknown: {sorted(extra)})")
+            module = ModuleLayout(name, **{"rank_offset": offset, **entry})
+            modules.append(module)
+            offset = module.ranks.stop
+        return cls(tuple(modules), dict(data.get("modalities") or {}))
+
+    @classmethod
+    def from_yaml(cls, path: str) -> "Layout":
+        with open(path) as handle:
+            data = yaml.safe_load(handle) or {}
+        if "layout" in data and isinstance(data["layout"], (dict, str)):
+            data = data["layout"]          # a layout nested in a larger config file
+        return cls.parse(data)
+
+    def to_dict(self) -> dict:
+        return {"modules": {m.name: {d: getattr(m, d) for d in (*DIMS, "rank_offset")}
+                            for m in self.modules},
+                "modalities": dict(self.modalities)}
+
+    def __str__(self) -> str:
+        return ";".join(",".join([m.spec(), *self.modalities_of(m.name)]) for m in self.modules)
+
+    # --------------------------------------------------------------------------- structure
+
+    @property
+    def language(self) -> ModuleLayout:
+        return self.module(LANGUAGE)
+
+    def module(self, name: str) -> ModuleLayout:
+        for module in self.modules:
+            if module.name == name:
+                return module
+        raise LayoutError(f"no module {name!r} in layout {self}")
+
+    @property
+    def encoders(self) -> tuple[ModuleLayout, ...]:
+        return tuple(m for m in self.modules if m.name != LANGUAGE)
+
+    @property
+    def colocated(self) -> bool:
+        """All modules on the same ranks (megatron-core's COLOCATED mode)."""
+        return len({(m.rank_offset, m.size) for m in self.modules}) == 1
+
+    @property
+    def world_size(self) -> int:
+        return max(m.ranks.stop for m in self.modules)
+
+    def modalities_of(self, module: str) -> list[str]:
+        return [modality for modality, name in self.modalities.items() if name == module]
+
+    def global_micro_batch_size(self, micro_batch_size: int) -> int:
+        """Samples per global micro-batch: the language module's micro-batch over all its DP
+        ranks. Every module splits this same set of samples among its own DP ranks."""
+        return micro_batch_size * self.language.dp
+
+    # -------------------------------------------------------------------------- validation
+
+    def validate(self, world_size: int, global_batch_size: int, micro_batch_size: int,
+                 variable_count_modalities=(), modalities=None) -> None:
+        """Raise LayoutError unless this layout can run on ``world_size`` ranks with these
+        batch sizes. ``variable_count_modalities``: modalities whose per-sample token count
+        varies (e.g. dynamic-resolution images, audio). ``modalities``: the modalities the
+        preprocessing config expands (each needs an encoder module)."""
+        self._validate_ranks(world_size)
+        language = self.language
+        for module in self.encoders:
+            if not self.modalities_of(module.name):
+                raise LayoutError(f"encoder module {module.name!r} serves no modality: name it "
+                                  f"images/vision/audio or tag it (e.g. '{module.name}=dp"
+                                  f"{module.dp},image'; YAML 'modalities: {{image: "
+                                  f"{module.name}}}')")
+            small, large = sorted((module.dp, language.dp))
+            if large % small:
+                raise LayoutError(f"module {module.name!r} has dp {module.dp} and "
+                                  f"{LANGUAGE!r} has dp {language.dp}: one must divide the "
+                                  "other (the bridge fans each encoder DP rank out to, or in "
+                                  "from, a whole number of language DP ranks); change either dp")
+        for modality in modalities or ():
+            if modality not in self.modalities:
+                raise LayoutError(f"the preprocessing config expands {modality} markers but no "
+                                  f"module serves {modality}: add an encoder module (e.g. "
+                                  f"'{'images' if modality == 'image' else 'audio'}=dp1') or "
+                                  f"remove modalities.{modality} from the config (such samples "
+                                  "are then dropped and counted)")
+        self._validate_batches(global_batch_size, micro_batch_size)
+        for modality in variable_count_modalities:
+            name = self.modalities.get(modality)
+            if name is None:
+                continue
+            encoder = self.module(name)
+            if not self.colocated and encoder.dp > language.dp:
+                raise LayoutError(
+                    f"module {name!r} (dp {encoder.dp}) feeds {modality} with a variable token "
+                    f"count per sample into {LANGUAGE!r} (dp {language.dp}): megatron-core "
+                    "0.19's bridge cannot route per-sample sizes when fanning in (encoder dp > "
+                    f"language dp). Make {name}'s dp <= {language.dp}, or use fixed-resolution "
+                    f"{modality} inputs (e.g. modalities.image.policy: fixed)")
+            if self.colocated and encoder.dp != language.dp:
+                raise LayoutError(
+                    f"colocated module {name!r} (dp {encoder.dp}) feeds {modality} with a "
+                    f"variable token count per sample into {LANGUAGE!r} (dp {language.dp}): "
+                    "megatron-core 0.19's colocated bridge splits encoder output evenly, which "
+                    f"needs equal token counts per sample. Give {name} dp {language.dp}, or "
+                    f"use fixed-resolution {modality} inputs (modalities.image.policy: fixed)")
+
+    def _validate_ranks(self, world_size: int) -> None:
+        if self.colocated:
+            if self.language.rank_offset != 0 or self.language.size != world_size:
+                raise LayoutError(f"colocated layout {self} spans ranks "
+                                  f"{self.language.rank_offset}..{self.language.ranks.stop - 1}"
+                                  f" but the world has {world_size} ranks: make every module's "
+                                  f"tp*cp*pp*dp = {world_size} with offset 0")
+            staged = [m for m in self.modules if m.pp > 1]
+            if len(self.modules) > 1 and staged:
+                raise LayoutError(f"colocated module {staged[0].name!r} has pp "
+                                  f"{staged[0].pp}: megatron-core 0.19 runs colocated modules "
+                                  "whole on every rank (no pipeline stages); use pp1, or put "
+                                  "the modules on separate ranks (non-colocated)")
+            return
+        spans = sorted(self.modules, key=lambda m: m.rank_offset)
+        expected = 0
+        for module in spans:
+            if module.rank_offset < expected:
+                other = next(m for m in spans if m is not module and
+                             module.rank_offset in m.ranks)
+                raise LayoutError(
+                    f"module {module.name!r} (ranks {module.rank_offset}..{module.ranks.stop - 1}"
+                    f") overlaps {other.name!r} (ranks {other.rank_offset}.."
+                    f"{other.ranks.stop - 1}): non-colocated modules need disjoint rank ranges;"
+                    f" set {module.name}'s offset to {expected}, or put every module on the "
+                    "same ranks (colocated)")
+            if module.rank_offset > expected:
+                raise LayoutError(f"ranks {expected}..{module.rank_offset - 1} are in no module "
+                                  f"(gap before {module.name!r} at offset {module.rank_offset}); "
+                                  f"set its offset to {expected}")
+            expected = module.ranks.stop
+        if expected != world_size:
+            sizes = " + ".join(f"{m.name} {m.size}" for m in spans)
+            if expected < world_size:
+                raise LayoutError(f"ranks {expected}..{world_size - 1} are in no module: the "
+                                  f"modules hold {sizes} = {expected} ranks, the world has "
+                                  f"{world_size}; grow a module or run {expected} ranks")
+            raise LayoutError(f"the modules need {sizes} = {expected} ranks, the world has "
+                              f"{world_size}; shrink a module or run {expected} ranks")
+
+    def _validate_batches(self, global_batch_size: int, micro_batch_size: int) -> None:
+        if micro_batch_size < 1 or global_batch_size < 1:
+            raise LayoutError(f"global batch {global_batch_size} and micro batch "
+                              f"{micro_batch_size} must be >= 1")
+        group = self.global_micro_batch_size(micro_batch_size)
+        if global_batch_size % group:
+            raise LayoutError(
+                f"global batch {global_batch_size} is not a multiple of micro batch "
+                f"{micro_batch_size} x {LANGUAGE} dp {self.language.dp} = {group} (the global "
+                f"micro-batch): use a global batch that is a multiple of {group}")
+        for module in self.encoders:
+            if group % module.dp:
+                raise LayoutError(
+                    f"module {module.name!r} has dp {module.dp}, which does not divide the "
+                    f"global micro-batch of {group} samples (micro batch {micro_batch_size} x "
+                    f"{LANGUAGE} dp {self.language.dp}): every module splits each global "
+                    f"micro-batch evenly among its DP ranks; make the micro batch a multiple "
+                    f"of {module.dp // math.gcd(module.dp, self.language.dp)} or change {module.name}'s dp")
+
+    # ------------------------------------------------------------------------------- roles
+
+    def role(self, rank: int) -> RankRole:
+        """What ``rank`` runs and which data it needs (call ``validate`` first)."""
+        parts = tuple(ModuleRank(m, **{f"{d}_rank": c for d, c in m.coordinates(rank).items()})
+                      for m in self.modules if rank in m.ranks)
+        if not parts:
+            raise LayoutError(f"rank {rank} is in no module of layout {self}")
+        text_keys: set[str] = set()
+        media: dict[str, str] = {}
+        text_module = None
+        for part in parts:
+            if part.name == LANGUAGE:
+                text_keys |= LANGUAGE_ALL_STAGES
+                text_keys |= LANGUAGE_FIRST_STAGE if part.first_stage else set()
+                text_keys |= LANGUAGE_LAST_STAGE if part.last_stage else set()
+                text_module = LANGUAGE
+            elif part.first_stage:
+                text_keys |= ENCODER_FIRST_STAGE
+                media.update({m: part.name for m in self.modalities_of(part.name)})
+                text_module = text_module or part.name
+        return RankRole(rank, parts, frozenset(text_keys), media, text_module)
+
+    def roles(self, world_size: int | None = None) -> list[RankRole]:
+        return [self.role(rank) for rank in range(world_size or self.world_size)]
+

@@ -1,0 +1,424 @@
+"""The layout-aware loader: each rank gets exactly its part of each global micro-batch, in
+order, with only the tensors its role needs (DESIGN.md, "Layouts and data placement").
+
+    loader = build_loader(["shards/"], "configs/preprocess.yaml", "language=dp2;images=dp1",
+                          rank, world_size, global_batch_size=32, micro_batch_size=4, seed=1)
+    if loader is not None:                  # ranks that need no data get None
+        for batch, metadata in loader:      # one epoch of micro-batches, resumable
+            ...
+        checkpoint["loader"] = loader.state_dict()
+
+Which samples: step s, global micro-batch m is a fixed slice of ``sample_order.SampleOrder``
+(a function of seed and epoch); a module with DP size d gives DP rank r the contiguous part r
+of d. Language ranks run the metadata-only Preprocessor (never decode media); encoder ranks of
+pipeline stage 0 decode their samples and get the encoder inputs plus ``input_ids`` and token
+counts. Reads are ``pread`` by byte offset (``ShardReader``).
+
+Drops: the kept mask (``drops.py``) is computed from metadata on every rank, so all modules skip
+the same samples. A sample whose media fails to decode at load time cannot be skipped (the
+language ranks keep it): that is a ``LoaderError``, never a silent desynchronisation.
+
+Workers: a ``torch.utils.data.IterableDataset`` cuts the rank's micro-batches (counted from where
+iteration starts) into items (one micro-batch on decoding ranks, enough for ~16 samples on
+metadata-only ranks) and gives item i to worker ``i mod W``; ``DataLoader`` returns worker results
+round-robin, so the sequence is the same for any W. A worker sends an item's tensors packed into
+one buffer (``tensor_pack``); batches arrive as views of it. The stream runs on across epochs and the DataLoader
+iterator lives as long as the loader (workers stay up and prefetch across epoch ends, what
+``persistent_workers`` would give); it restarts only when a state is loaded.
+
+State: ``state_dict()`` = seed, epoch, position in the epoch (samples, step, micro-batch),
+global batch size and the data fingerprint (sha256 of the datasets' index.json, the blend
+weights and the kept masks). Positions are in samples of the global order, so a state restores
+under any layout, micro batch or worker count with the same global batch size.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+import json
+import os
+
+import numpy as np
+import torch.utils.data
+
+from mimo_data.collate import Collator
+from mimo_data.drops import kept_mask
+from mimo_data.layout import Layout, RankRole
+from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
+from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.report import Tally
+from mimo_data.sample_order import DatasetShape, SampleOrder, micro_batch_slice
+from mimo_data.shard_format import INDEX_FILE
+from mimo_data.shard_reader import ShardReader
+from mimo_data.tensor_pack import pack, unpack
+
+STATE_FORMAT = "mimo-loader-state"
+ITEM_SAMPLES = 16           # text samples per worker item on metadata-only ranks (see chunk)
+STATE_VERSION = 1
+
+
+class LoaderError(RuntimeError):
+    """The loader cannot go on without breaking exactly-once or cross-module agreement."""
+
+
+def variable_token_modalities(config: PreprocessConfig) -> list[str]:
+    """Modalities whose token count varies per sample: dynamic-resolution images, audio
+    (tokens follow the clip's duration)."""
+    return [name for name, modality in config.modalities.items()
+            if name == "audio" or modality.policy == "dynamic"]
+
+
+def _shard_sizes(reader: ShardReader) -> tuple[int, ...]:
+    """Samples per shard, in write order, from the per-sample table."""
+    sizes, previous = [], None
+    for shard in reader.shards:
+        if shard != previous:
+            sizes.append(0)
+            previous = shard
+        sizes[-1] += 1
+    return tuple(sizes)
+
+
+class DataSource:
+    """The datasets of a run, opened once per process: readers, the metadata-only Preprocessor,
+    kept masks with their drop tally, and the fingerprint a loader state is checked against."""
+
+    def __init__(self, directories, preprocess_config, weights=None, num_workers: int = 0,
+                 progress: bool = False):
+        directories = [directories] if isinstance(directories, (str, os.PathLike)) \
+            else list(directories)
+        if not directories:
+            raise ValueError("no dataset given")
+        self.directories = [str(d) for d in directories]
+        self.config = (preprocess_config if isinstance(preprocess_config, PreprocessConfig)
+                       else PreprocessConfig.from_yaml(str(preprocess_config)))
+        if weights is not None and len(weights) != len(self.directories):
+            raise ValueError(f"{len(weights)} blend weights for {len(self.directories)} "
+                             "datasets: give one weight per dataset")
+        if weights is not None and (min(weights) < 0 or not sum(weights) > 0):
+            raise ValueError(f"blend weights {list(weights)} must be >= 0 with a positive sum")
+        self.weights = None if weights is None else [float(w) for w in weights]
+        self.readers = [ShardReader(d) for d in self.directories]
+        self.metadata = Preprocessor(self.config, with_media=False)
+        self.tally = Tally("samples", "kept", "dropped")
+        self.shapes = [DatasetShape(_shard_sizes(reader),
+                                    kept_mask(reader, self.metadata, self.tally, num_workers,
+                                              progress))
+                       for reader in self.readers]
+        digest = hashlib.sha256()
+        for directory, shape in zip(self.directories, self.shapes):
+            with open(os.path.join(directory, INDEX_FILE), "rb") as index:
+                digest.update(hashlib.sha256(index.read()).digest())
+            digest.update(np.packbits(shape.kept).tobytes())
+        digest.update(json.dumps(None if self.weights is None else
+                                 [w / sum(self.weights) for w in self.weights]).encode())
+        self.fingerprint = digest.hexdigest()
+
+    # Preprocessors hold compiled chat templates that do not pickle: a spawned DataLoader
+    # worker gets the config and builds its own.
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "metadata": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.metadata = Preprocessor(self.config, with_media=False)
+
+    def order(self, seed: int, global_batch_size: int, remainder: str = "drop",
+              block_size: int = 64, window_blocks: int = 4) -> SampleOrder:
+        return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
+                           block_size, window_blocks)
+
+
+def _as_is(item):
+    return item
+
+
+class _RankStream(torch.utils.data.IterableDataset):
+    """This rank's micro-batches from ``start`` on, across epochs, split round-robin over
+    DataLoader workers."""
+
+    def __init__(self, source: DataSource, order: SampleOrder, role: RankRole,
+                 global_micro_batch_size: int, decode_media: bool, start: tuple[int, int]):
+        self.source = source
+        self.order = order
+        self.role = role
+        self.group = global_micro_batch_size
+        self.per_step = order.global_batch_size // global_micro_batch_size
+        self.per_epoch = order.steps_per_epoch * self.per_step
+        self.start = start
+        self.dp = {part.name: (part.dp_size, part.dp_rank) for part in role.modules}
+        self.decode_media = decode_media and bool(role.media)
+        # A worker's item costs ~1 ms to hand over whatever its size, as much as preprocessing
+        # a text-only micro-batch of a few samples: metadata-only ranks send a few micro-batches
+        # per item. Decoding ranks send one (their micro-batches take tens of ms each).
+        text_samples = global_micro_batch_size // self.dp[role.text_module][0]
+        self.chunk = 1 if self.decode_media else -(-ITEM_SAMPLES // text_samples)
+        self._build_preprocessing()
+
+    def _build_preprocessing(self) -> None:
+        self.full = (Preprocessor(self.source.config, text=self.source.metadata.text)
+                     if self.decode_media else None)
+        self.collate = Collator(self.source.metadata)
+
+    def __getstate__(self) -> dict:          # see DataSource.__getstate__
+        return {**self.__dict__, "full": None, "collate": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._build_preprocessing()
+
+    def __iter__(self):
+        """Items of ``chunk`` consecutive micro-batches: ``(batches, metadata list)``, the
+        batches packed (``tensor_pack``) when made by a worker."""
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        chunk = 1 if info is None else self.chunk
+        epoch, index = self.start
+        for count in itertools.count():
+            positions = []
+            for _ in range(chunk):
+                positions.append((epoch, index))
+                index += 1
+                if index == self.per_epoch:
+                    epoch, index = epoch + 1, 0
+            if count % workers == worker:
+                items = [self.micro_batch(*position) for position in positions]
+                batches = {str(n): batch for n, (batch, _) in enumerate(items)}
+                yield (batches if info is None else pack(batches)), [m for _, m in items]
+
+    def _slice(self, module: str, step: int, micro: int) -> slice:
+        dp_size, dp_rank = self.dp[module]
+        return micro_batch_slice(step, micro, self.order.global_batch_size, self.group,
+                                 dp_size, dp_rank)
+
+    def _sample(self, datasets, positions, at: int, full: bool) -> Sample:
+        dataset, position = int(datasets[at]), int(positions[at])
+        reader = self.source.readers[dataset]
+        record = reader.record(position)
+        record["key"] = f"{dataset}/{record['key']}"
+        try:
+            if full:
+                return self.full(record, reader.media(position, record))
+            return self.source.metadata(record)
+        except SampleDropped as exc:
+            raise LoaderError(
+                f"{reader.directory}: sample {record['key']} ({record.get('source')}) is dropped "
+                f"at load time ({exc.reason}: {exc.detail}) but the metadata-only pass kept it, "
+                "so other modules will train on it; skipping it here would desynchronise the "
+                "modules. Run `mimo-shard verify`, rebuild the dataset with `--check decode` "
+                "(drops undecodable media at build time), then restart") from None
+
+    def micro_batch(self, epoch: int, index: int) -> tuple[dict, dict]:
+        """This rank's part of global micro-batch ``index`` (counted over the epoch)."""
+        step, micro = divmod(index, self.per_step)
+        datasets, positions = self.order.epoch(epoch)
+        text = self._slice(self.role.text_module, step, micro)
+        media = {modality: self._slice(module, step, micro)
+                 for modality, module in self.role.media.items()}
+        full_at = {at for part in media.values() for at in range(part.start, part.stop)} \
+            if self.full else set()
+        needed = {at for part in (text, *media.values()) for at in range(part.start, part.stop)}
+        samples = {at: self._sample(datasets, positions, at, at in full_at)
+                   for at in sorted(needed)}
+        collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
+        batch = {key: value for key, value in collated.items() if key in self.role.text_keys}
+        metadata.update(epoch=epoch, step=step, micro_batch=micro,
+                        tokens=collated["attention_mask"].sum(1).tolist(),
+                        trained_tokens=collated["loss_mask"].sum(1).to(torch.int64).tolist())
+        if self.role.media:
+            batch["modality_inputs"] = {}
+            metadata["encoder_keys"] = {}
+            for modality, part in media.items():
+                if part != text:
+                    part_batch, part_metadata = self.collate(
+                        [samples[at] for at in range(part.start, part.stop)])
+                else:
+                    part_batch, part_metadata = collated, metadata
+                if modality in part_batch["modality_inputs"]:
+                    batch["modality_inputs"][modality] = part_batch["modality_inputs"][modality]
+                metadata["encoder_keys"][modality] = list(part_metadata["keys"])
+        return batch, metadata
+
+
+class RankLoader:
+    """One rank's micro-batches: iterate for the rest of the current epoch; resumable.
+
+    Each item is ``(batch, metadata)``. ``batch`` holds the role's keys of collate.Collator's
+    batch (``role.text_keys``; ``modality_inputs`` with only this rank's modalities on encoder
+    ranks). ``metadata``: ``epoch``, ``step``, ``micro_batch`` (global micro-batch index in the
+    step); for the samples of the text tensors, ``keys`` (sample ids ``"D/KEY"``: D the
+    dataset's index in the datasets list), ``token_counts``, ``removed_turns``, ``tokens`` and
+    ``trained_tokens``; on encoder ranks ``encoder_keys`` ``{modality: ids}`` of the samples
+    whose encoder inputs the batch holds (the text samples unless a colocated encoder's DP
+    slice differs from the language model's). TP/CP ranks of one DP rank get the same data.
+    """
+
+    def __init__(self, source: DataSource, layout: Layout, role: RankRole, order: SampleOrder,
+                 micro_batch_size: int, decode_media: bool = True, num_workers: int = 0,
+                 prefetch_factor: int | None = 2, pin_memory: bool = False,
+                 multiprocessing_context=None):
+        self.source = source
+        self.layout = layout
+        self.role = role
+        self.order = order
+        self.micro_batch_size = micro_batch_size
+        self.global_micro_batch_size = layout.global_micro_batch_size(micro_batch_size)
+        self.micro_batches_per_step = order.global_batch_size // self.global_micro_batch_size
+        self.decode_media = decode_media
+        self._loader_options = {"num_workers": num_workers, "pin_memory": pin_memory,
+                                "multiprocessing_context": multiprocessing_context if
+                                num_workers else None,
+                                "prefetch_factor": prefetch_factor if num_workers else None}
+        self.epoch, self.index = 0, 0
+        self._stream = None
+        self._pending: collections.deque = collections.deque()   # received, not yet consumed
+
+    # ------------------------------------------------------------------------- positions
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.order.steps_per_epoch
+
+    @property
+    def micro_batches_per_epoch(self) -> int:
+        return self.steps_per_epoch * self.micro_batches_per_step
+
+    @property
+    def step(self) -> int:
+        """Steps of the current epoch fully consumed by this rank."""
+        return self.index // self.micro_batches_per_step
+
+    def __len__(self) -> int:
+        return self.micro_batches_per_epoch
+
+    def _next(self) -> tuple[dict, dict]:
+        if self._stream is None:
+            dataset = _RankStream(self.source, self.order, self.role,
+                                  self.global_micro_batch_size, self.decode_media,
+                                  (self.epoch, self.index))
+            self._stream = iter(torch.utils.data.DataLoader(
+                dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
+        if not self._pending:
+            batches, metadata = next(self._stream)
+            if isinstance(batches, tuple):                   # packed by a worker
+                batches = unpack(*batches)
+            self._pending.extend((batches[str(n)], m) for n, m in enumerate(metadata))
+        batch, metadata = self._pending.popleft()
+        step, micro = divmod(self.index, self.micro_batches_per_step)
+        if (metadata["epoch"], metadata["step"], metadata["micro_batch"]) != \
+                (self.epoch, step, micro):
+            raise LoaderError(f"rank {self.role.rank}: expected epoch {self.epoch} step {step} "
+                              f"micro-batch {micro}, got {metadata['epoch']}/{metadata['step']}"
+                              f"/{metadata['micro_batch']}; this is a bug in mimo, report it")
+        self.index += 1
+        if self.index == self.micro_batches_per_epoch:
+            self.epoch, self.index = self.epoch + 1, 0
+        return batch, metadata
+
+    def __iter__(self):
+        """``(batch, metadata)`` micro-batches until the end of the current epoch."""
+        epoch = self.epoch
+        while self.epoch == epoch:
+            yield self._next()
+
+    def close(self) -> None:
+        """Stop the workers; the next iteration starts them again where this one stopped."""
+        self._stream = None
+        self._pending.clear()
+
+    # ----------------------------------------------------------------------------- state
+
+    def state_dict(self) -> dict:
+        """Where this rank stands: restoring it continues after the last consumed micro-batch."""
+        return {"format": STATE_FORMAT, "version": STATE_VERSION, "seed": self.order.seed,
+                "epoch": self.epoch, "sample_offset": self.index * self.global_micro_batch_size,
+                "step": self.step, "micro_batch": self.index % self.micro_batches_per_step,
+                "global_batch_size": self.order.global_batch_size,
+                "fingerprint": self.source.fingerprint}
+
+    def load_state_dict(self, state: dict, allow_fingerprint_mismatch: bool = False) -> None:
+        """Continue after ``state``'s last consumed micro-batch; LoaderError when ``state``
+        belongs to other data (unless allowed), another seed or another global batch size."""
+        if state.get("format") != STATE_FORMAT or state.get("version") != STATE_VERSION:
+            raise LoaderError(f"not a {STATE_FORMAT} version {STATE_VERSION} state: "
+                              f"{state.get('format')!r} version {state.get('version')!r}")
+        if state["fingerprint"] != self.source.fingerprint and not allow_fingerprint_mismatch:
+            raise LoaderError(
+                f"the loader state was saved for other data (fingerprint "
+                f"{state['fingerprint'][:12]}..., these datasets give "
+                f"{self.source.fingerprint[:12]}...: different shards, blend weights or "
+                "preprocessing drops), so the order would not continue where it stopped. Use "
+                "the same datasets and config, or pass allow_fingerprint_mismatch=True to resume "
+                "at the same epoch and position in the new order")
+        if state["global_batch_size"] != self.order.global_batch_size:
+            raise LoaderError(f"the loader state has global batch {state['global_batch_size']}, "
+                              f"this loader {self.order.global_batch_size}: resuming exactly "
+                              "needs the same global batch size")
+        if state["seed"] != self.order.seed:
+            raise LoaderError(f"the loader state has seed {state['seed']}, this loader "
+                              f"{self.order.seed}: build the loader with seed={state['seed']} "
+                              "to continue the same order")
+        offset = state["sample_offset"]
+        if offset % self.global_micro_batch_size or offset >= self.order.samples_per_epoch:
+            raise LoaderError(
+                f"the loader state stopped {offset} samples into epoch {state['epoch']}, which "
+                f"is not a whole number of global micro-batches of "
+                f"{self.global_micro_batch_size} within this epoch's "
+                f"{self.order.samples_per_epoch} samples; resume from a state saved at a step "
+                "boundary (always possible for any layout with the same global batch size)")
+        self.epoch = state["epoch"]
+        self.index = offset // self.global_micro_batch_size
+        self.close()
+
+    def report(self) -> dict:
+        """Drops by reason, epoch length, steps and the remainder dropped or padded."""
+        return {"samples": self.source.tally.to_dict(),
+                "epoch_samples": self.order.epoch_length,
+                "steps_per_epoch": self.steps_per_epoch,
+                "remainder": self.order.remainder,
+                "remainder_samples": self.order.remainder_samples}
+
+
+def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int,
+                 global_batch_size: int, micro_batch_size: int, seed: int,
+                 num_workers: int = 0, remainder: str = "drop", state: dict | None = None, *,
+                 weights=None, decode_media: bool = True, allow_fingerprint_mismatch=False,
+                 prefetch_factor: int | None = 2, pin_memory: bool = False,
+                 multiprocessing_context=None, block_size: int = 64, window_blocks: int = 4,
+                 progress: bool = False) -> RankLoader | None:
+    """The loader of ``rank``, or None when its role needs no data (nothing is opened then).
+
+    ``datasets``: dataset directories (or a ``DataSource`` already opened in this process, e.g.
+    to build several ranks' loaders); ``weights``: blend weights (None: every kept sample once
+    per epoch); ``decode_media=False`` gives encoder ranks token counts without encoder inputs
+    (dry runs). The layout is validated against the world and batch sizes first.
+    """
+    layout = Layout.parse(layout)
+    if isinstance(datasets, DataSource):
+        source = datasets
+        config = source.config if preprocess_config is None else (
+            preprocess_config if isinstance(preprocess_config, PreprocessConfig)
+            else PreprocessConfig.from_yaml(str(preprocess_config)))
+        if config != source.config or (weights is not None and
+                                       [float(w) for w in weights] != source.weights):
+            raise ValueError("the DataSource was opened with another preprocessing config or "
+                             "other weights than this loader asks for")
+    else:
+        source, config = None, (preprocess_config if isinstance(preprocess_config,
+                                                                PreprocessConfig)
+                                else PreprocessConfig.from_yaml(str(preprocess_config)))
+    layout.validate(world_size, global_batch_size, micro_batch_size,
+                    variable_token_modalities(config), modalities=list(config.modalities))
+    role = layout.role(rank)
+    if not role.needs_data:
+        return None
+    if source is None:
+        source = DataSource(datasets, config, weights, num_workers, progress)
+    order = source.order(seed, global_batch_size, remainder, block_size, window_blocks)
+    loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
+                        num_workers, prefetch_factor, pin_memory, multiprocessing_context)
+    if state is not None:
+        loader.load_state_dict(state, allow_fingerprint_mismatch)
+    return loader

@@ -1,0 +1,191 @@
+"""The deterministic global sample order: a pure function of the datasets' shapes (shard sizes,
+kept samples), blend weights, seed and epoch. Pure numpy, identical on every rank, no
+communication (DESIGN.md, "Layouts and data placement").
+
+Per dataset and dataset-epoch, reads stay mostly sequential:
+
+1. every shard is cut into blocks of ``block_size`` consecutive samples (byte-contiguous in
+   the tar); the blocks of all shards are shuffled together (which shuffles shards too);
+2. consecutive runs of ``window_blocks`` blocks in that order form a window, and the samples
+   of a window are shuffled together: a reader has at most ``window_blocks`` regions open at
+   once, each read front to back;
+3. samples that preprocessing drops (the kept mask) are removed.
+
+Blends: an epoch holds ``L = sum of kept samples of all datasets`` samples. Without weights
+each dataset contributes all its kept samples once (exactly once, interleaved). With
+weights, dataset i contributes ``n_i`` = its weight's share of L (largest remainder), read from
+its own endless stream of dataset-epochs: a dataset with fewer kept samples than n_i repeats
+(with a fresh order each pass), one with more continues where the previous epoch stopped, so no
+sample repeats before all were seen. The n_i samples of each dataset are spread evenly through
+the epoch (dataset i's j-th sample at time (j + phase_i) / n_i, phase seeded), so every stretch
+of the epoch has the blend's proportions.
+
+Steps: ``floor(L / global_batch)`` per epoch with ``remainder="drop"`` (the last ``L mod B``
+samples are dropped, counted in ``remainder_samples``) or ``ceil(L / B)`` with ``"wrap"`` (the
+last step is completed with the epoch's first samples, counted likewise). Step s, global
+micro-batch m covers epoch positions ``s*B + m*G ... s*B + (m+1)*G`` (G the global
+micro-batch size); a module with DP size d gives DP rank r the contiguous part r of d.
+
+Random keys come from a hand-written splitmix64 hash rather than numpy's Generator, whose
+streams may change between numpy versions: a checkpoint must resume to the same order after
+an upgrade.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+_BLOCKS, _SAMPLES, _PHASE = 1, 2, 3     # hash domains
+
+
+class OrderError(ValueError):
+    """Datasets, weights or batch sizes that give no usable order; says what to change."""
+
+
+def _splitmix64(values: np.ndarray) -> np.ndarray:
+    """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def hash_keys(values: np.ndarray, *tags: int) -> np.ndarray:
+    """Pseudo-random uint64 keys of ``values`` (non-negative ints) under ``tags``."""
+    salt = np.zeros(1, dtype=np.uint64)
+    for tag in tags:
+        salt = _splitmix64(salt ^ np.uint64(tag & _MASK64))
+    return _splitmix64(np.asarray(values, dtype=np.uint64) ^ salt)
+
+
+@dataclass(frozen=True)
+class DatasetShape:
+    """What the order needs of one dataset: samples per shard (write order) and the kept mask."""
+    shard_sizes: tuple[int, ...]
+    kept: np.ndarray                   # bool, one per sample in write order
+
+    @property
+    def kept_count(self) -> int:
+        return int(self.kept.sum())
+
+
+def micro_batch_slice(step: int, micro_batch: int, global_batch_size: int,
+                      global_micro_batch_size: int, dp_size: int = 1, dp_rank: int = 0) -> slice:
+    """Epoch positions of DP rank ``dp_rank``'s part of global micro-batch ``micro_batch`` of
+    ``step``: the contiguous part ``dp_rank`` of ``dp_size``."""
+    part = global_micro_batch_size // dp_size
+    start = step * global_batch_size + micro_batch * global_micro_batch_size + dp_rank * part
+    return slice(start, start + part)
+
+
+class SampleOrder:
+    """Epoch orders of (dataset, position) pairs cut into steps of ``global_batch_size``."""
+
+    def __init__(self, datasets: list[DatasetShape], seed: int, global_batch_size: int,
+                 weights: list[float] | None = None, remainder: str = "drop",
+                 block_size: int = 64, window_blocks: int = 4):
+        if remainder not in ("drop", "wrap"):
+            raise OrderError(f"remainder is {remainder!r}: use drop or wrap")
+        if not 0 <= seed <= _MASK64:
+            raise OrderError(f"seed {seed} must be in 0..2**64-1")
+        if block_size < 1 or window_blocks < 1 or global_batch_size < 1:
+            raise OrderError("block_size, window_blocks and global_batch_size must be >= 1")
+        self.datasets = list(datasets)
+        self.seed = seed
+        self.global_batch_size = global_batch_size
+        self.remainder = remainder
+        self.block_size = block_size
+        self.window_blocks = window_blocks
+        kept = [d.kept_count for d in self.datasets]
+        self.epoch_length = sum(kept)
+        self.quotas = kept if weights is None else _quotas(weights, kept)
+        for i, (count, quota) in enumerate(zip(kept, self.quotas)):
+            if quota and not count:
+                raise OrderError(f"dataset {i} has weight {weights[i]} but preprocessing keeps "
+                                 "none of its samples: give it weight 0 or fix its data/config")
+        if remainder == "drop":
+            self.steps_per_epoch = self.epoch_length // global_batch_size
+        else:
+            self.steps_per_epoch = -(-self.epoch_length // global_batch_size)
+        if not self.steps_per_epoch:
+            raise OrderError(f"an epoch holds {self.epoch_length} kept samples, fewer than one "
+                             f"global batch of {global_batch_size}: use a smaller global batch, "
+                             "more data, or remainder='wrap'")
+        self.samples_per_epoch = self.steps_per_epoch * global_batch_size
+        self.remainder_samples = abs(self.samples_per_epoch - self.epoch_length)
+        self._cached: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
+
+    def dataset_order(self, dataset: int, dataset_epoch: int) -> np.ndarray:
+        """Kept positions of one dataset in the order of one of its own epochs."""
+        shape = self.datasets[dataset]
+        sizes = np.asarray(shape.shard_sizes, dtype=np.int64)
+        total = int(sizes.sum())
+        positions = np.arange(total, dtype=np.int64)
+        shard_starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        blocks_per_shard = -(-sizes // self.block_size)
+        block_base = np.concatenate([[0], np.cumsum(blocks_per_shard)[:-1]])
+        shard_of = np.repeat(np.arange(len(sizes)), sizes)
+        block_of = block_base[shard_of] + (positions - shard_starts[shard_of]) // self.block_size
+        num_blocks = int(blocks_per_shard.sum())
+        tags = (self.seed, dataset, dataset_epoch)
+        block_rank = np.empty(num_blocks, dtype=np.int64)
+        block_rank[np.argsort(hash_keys(np.arange(num_blocks), *tags, _BLOCKS),
+                              kind="stable")] = np.arange(num_blocks)
+        window_of = block_rank[block_of] // self.window_blocks
+        order = np.lexsort((hash_keys(positions, *tags, _SAMPLES), window_of))
+        return order[shape.kept[order]]
+
+    def _dataset_stream(self, dataset: int, start: int, count: int) -> np.ndarray:
+        """Positions ``start .. start+count`` of a dataset's endless stream of its epochs."""
+        kept = self.datasets[dataset].kept_count
+        first, last = start // kept, (start + count - 1) // kept
+        stream = np.concatenate([self.dataset_order(dataset, e) for e in range(first, last + 1)])
+        offset = start - first * kept
+        return stream[offset:offset + count]
+
+    def epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(dataset, position)`` arrays of the ``samples_per_epoch`` samples of ``epoch``."""
+        if self._cached is not None and self._cached[0] == epoch:
+            return self._cached[1]
+        active = [i for i, quota in enumerate(self.quotas) if quota]
+        datasets = np.concatenate([np.full(self.quotas[i], i, dtype=np.int32) for i in active])
+        positions = np.concatenate([self._dataset_stream(i, epoch * self.quotas[i],
+                                                         self.quotas[i]) for i in active])
+        if len(active) > 1:
+            times = np.concatenate([
+                (np.arange(self.quotas[i]) + _unit(self.seed, epoch, _PHASE, i)) / self.quotas[i]
+                for i in active])
+            order = np.lexsort((datasets, times))
+            datasets, positions = datasets[order], positions[order]
+        if self.remainder == "drop":
+            datasets = datasets[:self.samples_per_epoch]
+            positions = positions[:self.samples_per_epoch]
+        else:
+            datasets = np.resize(datasets, self.samples_per_epoch)
+            positions = np.resize(positions, self.samples_per_epoch)
+        self._cached = (epoch, (datasets, positions))
+        return datasets, positions
+
+
+def _unit(*tags: int) -> float:
+    """A seeded number in [0, 1)."""
+    return float(hash_keys(np.zeros(1), *tags)[0] >> np.uint64(11)) / float(1 << 53)
+
+
+def _quotas(weights: list[float], kept: list[int]) -> list[int]:
+    """Samples per dataset per epoch: each weight's share of sum(kept), largest remainder."""
+    if len(weights) != len(kept):
+        raise OrderError(f"{len(weights)} weights for {len(kept)} datasets: give one per dataset")
+    if any(w < 0 for w in weights) or not sum(weights) > 0:
+        raise OrderError(f"blend weights {weights} must be >= 0 with a positive sum")
+    total = sum(kept)
+    shares = [w * total / sum(weights) for w in weights]
+    quotas = [int(s) for s in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: (quotas[i] - shares[i], i))
+    for i in by_remainder[:total - sum(quotas)]:
+        quotas[i] += 1
+    return quotas

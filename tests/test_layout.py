@@ -1,0 +1,174 @@
+"""Layouts: parsing (compact string, YAML, dict), every validation error, rank roles, and the rank
+order checked against megatron-core's own HyperCommGrid."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from mimo_data.layout import Layout, LayoutError, ModuleLayout
+
+
+def test_compact_string_defaults_offsets_and_modalities():
+    layout = Layout.from_string("language=tp2,pp2,dp2; images=dp1 ;vit=cp2,image;audio=off9")
+    language, images, vit, audio = layout.modules
+    assert (language.tp, language.cp, language.pp, language.dp) == (2, 1, 2, 2)
+    assert language.size == 8 and language.rank_offset == 0
+    assert (images.rank_offset, images.size) == (8, 1)
+    assert (vit.rank_offset, vit.cp, vit.size) == (9, 2, 2)
+    assert audio.rank_offset == 9             # an explicit offset wins
+    assert layout.modalities == {"image": "vit", "audio": "audio"}   # the tag beats the name
+    assert Layout.from_string(str(layout)) == layout
+
+
+def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
+    path = tmp_path / "layout.yaml"
+    path.write_text("modules:\n  language: {pp: 2, dp: 1}\n  encoder: {dp: 2}\n"
+                    "modalities: {image: encoder}\n")
+    from_yaml = Layout.parse(str(path))
+    from_list = Layout.from_dict({"modules": [{"name": "language", "pp": 2},
+                                              {"name": "encoder", "dp": 2, "rank_offset": 2}],
+                                  "modalities": {"image": "encoder"}})
+    assert from_yaml == from_list == Layout.parse("language=pp2;encoder=dp2,image")
+    assert from_yaml.module("encoder").rank_offset == 2
+    assert Layout.from_dict(from_yaml.to_dict()) == from_yaml
+    nested = tmp_path / "run.yaml"
+    nested.write_text("layout: 'language=pp2;encoder=dp2,image'\n")
+    assert Layout.parse(str(nested)) == from_yaml
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", ["empty"]),
+    ("language=dp2;images=xx3", ["images", "xx3"]),
+    ("language=dp0", ["language", "dp", "0"]),
+    ("images=dp1", ["language"]),
+    ("language=dp1;language=dp1", ["language", "twice"]),
+    ("language dp1", ["NAME=FIELD"]),
+])
+def test_malformed_layouts_are_refused_with_what_to_write(text, words):
+    with pytest.raises(LayoutError) as error:
+        Layout.from_string(text)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_colocated_versus_non_colocated():
+    assert Layout.parse("language=dp2;images=dp2,off0").colocated
+    assert not Layout.parse("language=dp2;images=dp2").colocated
+    assert Layout.parse("language=dp1").colocated
+
+
+def _error(layout, world, global_batch=8, micro=1, variable=(), modalities=None) -> str:
+    with pytest.raises(LayoutError) as error:
+        Layout.parse(layout).validate(world, global_batch, micro, variable, modalities)
+    return str(error.value)
+
+
+def test_ranks_in_no_module():
+    message = _error("language=dp2;images=dp1", 5)
+    assert "ranks 3..4 are in no module" in message and "5" in message
+    message = _error("language=dp2;images=dp1,off3", 4)
+    assert "ranks 2..2 are in no module" in message and "images" in message
+    assert "set its offset to 2" in message
+
+
+def test_overlapping_ranges():
+    message = _error("language=dp2;images=dp2,off1", 3)
+    assert "'images'" in message and "overlaps 'language'" in message
+    assert "set images's offset to 2" in message
+
+
+def test_more_ranks_than_the_world():
+    message = _error("language=dp4;images=dp2", 4)
+    assert "language 4 + images 2 = 6" in message and "world has 4" in message
+    assert "colocated" in _error("language=dp2,off0;images=dp2,off0", 4)
+    message = _error("language=pp2,off0;images=dp2,off0", 2, micro=2)
+    assert "'language' has pp 2" in message and "non-colocated" in message
+
+
+def test_dp_sizes_must_divide_each_other():
+    message = _error("language=dp2;images=dp3", 5, global_batch=12, micro=3)
+    assert "'images' has dp 3" in message and "'language' has dp 2" in message
+    assert "divide" in message
+
+
+def test_global_batch_must_be_a_multiple_of_the_global_micro_batch():
+    message = _error("language=dp2;images=dp1", 3, global_batch=10, micro=4)
+    assert "global batch 10" in message and "4 x language dp 2 = 8" in message
+
+
+def test_every_module_dp_must_divide_the_global_micro_batch():
+    message = _error("language=dp1;images=dp2", 3, global_batch=8, micro=1)
+    assert "'images' has dp 2" in message and "global micro-batch of 1" in message
+    assert "multiple of 2" in message
+    Layout.parse("language=dp1;images=dp2").validate(3, 8, 2)      # micro 2: fine
+
+
+def test_fan_in_with_variable_token_counts_is_refused_with_the_reason():
+    message = _error("language=dp1;images=dp2", 3, micro=2, variable=["image"])
+    assert "'images' (dp 2)" in message and "language' (dp 1)" in message
+    assert "fanning in" in message and "fixed" in message and "<= 1" in message
+    Layout.parse("language=dp1;images=dp2").validate(3, 8, 2, ["audio"])   # images fixed
+    Layout.parse("language=dp2;images=dp1").validate(3, 8, 2, ["image"])   # fan-out: fine
+
+
+def test_colocated_heterogeneous_dp_with_variable_token_counts_is_refused():
+    message = _error("language=dp2,off0;images=tp2,dp1,off0", 2, micro=2, variable=["image"])
+    assert "colocated" in message and "'images' (dp 1)" in message
+
+
+def test_modalities_need_an_encoder_and_encoders_need_a_modality():
+    message = _error("language=dp1;images=dp1", 2, modalities=["image", "audio"])
+    assert "audio" in message and "no module serves audio" in message
+    message = _error("language=dp1;tower=dp1", 2)
+    assert "'tower' serves no modality" in message and "tower=dp1,image" in message
+
+
+def test_roles_of_a_non_colocated_pipeline_layout():
+    layout = Layout.parse("language=tp2,pp2,dp1;images=pp2,dp2")
+    layout.validate(8, 8, 2, [], ["image"])        # fan-in: fixed-resolution images
+    roles = layout.roles()
+    first, last = roles[0], roles[2]
+    assert first.module("language").pp_rank == 0 and last.module("language").pp_rank == 1
+    assert "input_ids" in first.text_keys and "labels" not in first.text_keys
+    assert {"labels", "loss_mask"} <= last.text_keys and "input_ids" not in last.text_keys
+    assert all("position_ids" in roles[r].text_keys for r in range(4))
+    assert all(not roles[r].media for r in range(4))
+    encoder_stage0 = [r for r in roles[4:] if r.module("images").pp_rank == 0]
+    encoder_stage1 = [r for r in roles[4:] if r.module("images").pp_rank == 1]
+    assert [r.rank for r in encoder_stage0] == [4, 5] and [r.rank for r in encoder_stage1] == [6, 7]
+    assert all(r.media == {"image": "images"} and r.text_keys == {"input_ids"}
+               for r in encoder_stage0)
+    assert not any(r.needs_data for r in encoder_stage1)
+    assert [r.module("images").dp_rank for r in encoder_stage0] == [0, 1]
+
+
+def test_colocated_roles_hold_every_module():
+    layout = Layout.parse("language=dp2,off0;images=dp1,tp2,off0")
+    role = layout.role(1)
+    assert [m.name for m in role.modules] == ["language", "images"]
+    assert role.module("language").dp_rank == 1 and role.module("images").tp_rank == 1
+    assert role.text_module == "language" and role.media == {"image": "images"}
+
+
+@pytest.mark.parametrize("spec", [dict(tp=2, cp=1, dp=2, pp=2, rank_offset=3),
+                                  dict(tp=1, cp=2, dp=3, pp=2, rank_offset=0),
+                                  dict(tp=3, cp=2, dp=1, pp=1, rank_offset=5)])
+def test_rank_order_is_megatron_hyper_comm_grid_order(spec, monkeypatch):
+    hyper_comm_grid = pytest.importorskip("megatron.core.hyper_comm_grid")
+    module = ModuleLayout("language", **spec)
+    monkeypatch.setenv("WORLD_SIZE", str(module.ranks.stop))
+    grid = hyper_comm_grid.HyperCommGrid([spec["tp"], spec["cp"], spec["dp"], spec["pp"]],
+                                         ["tp", "cp", "dp", "pp"],
+                                         rank_offset=spec["rank_offset"])
+    for dim in ("tp", "cp", "dp", "pp"):
+        for group in grid.get_rank_enum(dim):
+            coords = [module.coordinates(rank) for rank in group]
+            # One group varies exactly ``dim``, in order, and holds the other coordinates.
+            assert [c[dim] for c in coords] == list(range(spec[dim]))
+            others = {tuple(v for k, v in c.items() if k != dim) for c in coords}
+            assert len(others) == 1
+    for rank in module.ranks:
+        assert module.rank_of(**module.coordinates(rank)) == rank
+    assert sorted(itertools.chain.from_iterable(grid.get_rank_enum("dp"))) == list(module.ranks)

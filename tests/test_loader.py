@@ -1,0 +1,383 @@
+"""The layout-aware loader on the real corpus: exactly-once per module, the same ordered global
+micro-batches for every module, equal step counts on uneven data, exact resume (same layout,
+other layout, other worker count), fingerprint checks, load-time drops, the dry run.
+
+Expected sample sets come from samples.parquet read with pyarrow and from the corpus inputs,
+never from the loader's own order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from mimo_data.dry_run import dry_run, main as dry_run_main
+from mimo_data.index import DatasetError
+from mimo_data.layout import LANGUAGE, Layout
+from mimo_data.loader import DataSource, LoaderError, build_loader
+
+from conftest import CORPUS_DIR, build_dataset, preprocess_config_file, write_jsonl
+
+GLOBAL_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict:
+    """full: images (dynamic) + audio; image: dynamic images only (audio samples dropped);
+    fixed: fixed-resolution images only (allows encoder dp > language dp)."""
+    folder = tmp_path_factory.mktemp("configs")
+    return {"full": preprocess_config_file(folder / "full.yaml"),
+            "image": preprocess_config_file(folder / "image.yaml", image={"max_pixels": 50176}),
+            "fixed": preprocess_config_file(folder / "fixed.yaml",
+                                            image={"policy": "fixed", "image_size": 112})}
+
+
+@pytest.fixture(scope="module")
+def sources(loader_corpus, configs) -> dict:
+    return {name: DataSource(str(loader_corpus), path) for name, path in configs.items()}
+
+
+@pytest.fixture(scope="module")
+def table(loader_corpus) -> list[dict]:
+    return pq.read_table(loader_corpus / "samples.parquet").to_pylist()
+
+
+def expected_kept(table, config: str) -> set[str]:
+    """Sample ids the config keeps: all for full; without audio for image-only configs."""
+    return {f"0/{row['key']}" for row in table if config == "full" or not row["audio_duration"]}
+
+
+def item_count(table, modality: str) -> dict[str, int]:
+    column = "image_width" if modality == "image" else "audio_duration"
+    return {f"0/{row['key']}": len(row[column]) for row in table}
+
+
+def encoder_items(inputs: dict, modality: str) -> int:
+    (kwargs,) = inputs.values()
+    if modality == "audio":
+        return len(kwargs["feature_lens"])
+    return len(kwargs["image_grid_thw"]) if "image_grid_thw" in kwargs else \
+        len(kwargs["pixel_values"])
+
+
+def run_epoch(source, layout, micro, seed=11, **options) -> dict[int, list]:
+    """Every rank's ``(batch, metadata)`` micro-batches over one epoch."""
+    layout = Layout.parse(layout)
+    streams = {}
+    for rank in range(layout.world_size):
+        loader = build_loader(source, None, layout, rank, layout.world_size, GLOBAL_BATCH,
+                              micro, seed, **options)
+        if loader is not None:
+            streams[rank] = list(loader)
+            loader.close()
+    return streams
+
+
+def module_parts(layout: Layout, streams) -> dict[str, dict[int, list[list[str]]]]:
+    """module -> dp rank -> the keys of each micro-batch, asserting that all ranks of one DP
+    rank (tp, cp, pipeline stages) got the same samples."""
+    parts: dict[str, dict[int, list]] = defaultdict(dict)
+    for rank, stream in streams.items():
+        role = layout.role(rank)
+        for part in role.modules:
+            if part.name != LANGUAGE and not part.first_stage:
+                continue
+            modality = next((m for m, n in role.media.items() if n == part.name), None)
+            keys = [meta["keys"] if part.name == role.text_module
+                    else meta["encoder_keys"][modality] for _, meta in stream]
+            assert parts[part.name].setdefault(part.dp_rank, keys) == keys, (rank, part.name)
+    return parts
+
+
+LAYOUTS = [
+    ("language=dp1;images=dp1,off0;audio=dp1,off0", "full", 2),   # one rank, colocated
+    ("language=dp2;images=dp1", "image", 2),
+    ("language=dp1;images=dp2", "fixed", 2),
+    ("language=pp2,dp1;images=dp2", "fixed", 2),
+    ("language=dp2;images=dp2;audio=dp1", "full", 1),
+]
+
+
+@pytest.mark.parametrize("layout_text, config, micro", LAYOUTS)
+def test_every_module_gets_every_kept_sample_once_in_the_same_order(
+        sources, table, layout_text, config, micro):
+    layout = Layout.parse(layout_text)
+    streams = run_epoch(sources[config], layout, micro)
+    assert sorted(streams) == list(range(layout.world_size))       # every rank needs data
+    kept = expected_kept(table, config)
+    group = micro * layout.language.dp
+    per_epoch = (len(kept) // GLOBAL_BATCH) * (GLOBAL_BATCH // group)
+    assert {len(stream) for stream in streams.values()} == {per_epoch}
+    parts = module_parts(layout, streams)
+    assert set(parts) == {m.name for m in layout.modules}
+    sequences = {}
+    for name, by_dp in parts.items():
+        dp = layout.module(name).dp
+        assert sorted(by_dp) == list(range(dp))
+        assert all(len(keys) == group // dp for r in by_dp for keys in by_dp[r])
+        sequences[name] = [sum(micro_parts, []) for micro_parts in
+                           zip(*(by_dp[r] for r in range(dp)))]
+        served = sum(sequences[name], [])
+        assert len(served) == len(set(served)), f"{name} repeats samples"
+        assert set(served) <= kept
+        assert len(kept - set(served)) == len(kept) % GLOBAL_BATCH     # the dropped remainder
+    reference = sequences[LANGUAGE]
+    assert all(sequence == reference for sequence in sequences.values())
+    # Text agreement: an encoder rank's input_ids row of a sample is the language rank's row.
+    rows = {}
+    counts = {m: item_count(table, m) for m in ("image", "audio")}
+    for rank, stream in streams.items():
+        role = layout.role(rank)
+        for batch, meta in stream:
+            if "input_ids" in batch:
+                for key, row in zip(meta["keys"], batch["input_ids"]):
+                    assert torch.equal(rows.setdefault(key, row), row), key
+            for modality in role.media:
+                expected = sum(counts[modality][k] for k in meta["encoder_keys"][modality])
+                inputs = batch["modality_inputs"].get(modality)
+                assert (encoder_items(inputs, modality) if inputs else 0) == expected
+
+
+def test_ranks_that_need_no_data_build_nothing(tmp_path):
+    layout = "language=dp1;images=pp2,dp1"
+    missing = str(tmp_path / "no-such-dataset")
+    config = preprocess_config_file(tmp_path / "image.yaml", image={})
+    assert build_loader(missing, config, layout, 2, 3, 8, 2, seed=0) is None
+    with pytest.raises(DatasetError):
+        build_loader(missing, config, layout, 0, 3, 8, 2, seed=0)
+
+
+def flatten(batch) -> list:
+    """Every tensor of a batch, in key order (nested modality inputs included)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        return [t for key in sorted(batch) for t in flatten(batch[key])]
+    return []
+
+
+def assert_same_stream(a: list, b: list):
+    assert [meta["keys"] for _, meta in a] == [meta["keys"] for _, meta in b]
+    for (batch_a, meta_a), (batch_b, meta_b) in zip(a, b):
+        assert meta_a == meta_b
+        assert sorted(batch_a) == sorted(batch_b)
+        tensors_a, tensors_b = flatten(batch_a), flatten(batch_b)
+        assert len(tensors_a) == len(tensors_b)
+        assert all(torch.equal(x, y) for x, y in zip(tensors_a, tensors_b))
+
+
+@pytest.mark.parametrize("workers", [(0, 0, 0), (0, 1, 2)])
+def test_resume_mid_step_continues_exactly(sources, workers):
+    """uninterrupted / first part / resumed part with these DataLoader worker counts."""
+    layout = Layout.parse("language=dp2;images=dp1")
+    whole, first_workers, rest_workers = workers
+    consumed = 5                                        # step 1, micro-batch 1 of 4
+    for rank in range(layout.world_size):
+        options = dict(layout=layout, rank=rank, world_size=3, global_batch_size=GLOBAL_BATCH,
+                       micro_batch_size=1, seed=4, datasets=sources["image"],
+                       preprocess_config=None)
+        uninterrupted = list(build_loader(**options, num_workers=whole))
+        first = build_loader(**options, num_workers=first_workers)
+        head = [item for _, item in zip(range(consumed), first)]
+        state = first.state_dict()
+        assert (state["step"], state["micro_batch"]) == (1, 1)
+        first.close()
+        resumed = build_loader(**options, num_workers=rest_workers, state=state)
+        tail = list(resumed)
+        resumed.close()
+        assert len(head) + len(tail) == len(uninterrupted)
+        assert_same_stream(head + tail, uninterrupted)
+
+
+def leaves(value, path: str = "") -> dict[str, torch.Tensor]:
+    """``{path: tensor}`` of a tensor or a nested dict of tensors."""
+    if isinstance(value, torch.Tensor):
+        return {path: value}
+    return {name: tensor for key in sorted(value)
+            for name, tensor in leaves(value[key], f"{path}/{key}").items()}
+
+
+def step_view(layout: Layout, streams, module: str, key: str) -> list[tuple]:
+    """Per step: the global batch's keys and ``key``'s tensors of one module, concatenated over
+    micro-batches and DP ranks (the same for any layout when the data is the same)."""
+    by_dp = {}
+    for rank, stream in streams.items():
+        role = layout.role(rank)
+        if not any(p.name == module and p.tp_rank == p.cp_rank == 0 for p in role.modules):
+            continue
+        part = role.module(module)
+        if key == "modality_inputs" and module in role.media.values():
+            modality = next(m for m, n in role.media.items() if n == module)
+            by_dp[part.dp_rank] = [(meta["step"], meta["encoder_keys"][modality],
+                                    batch["modality_inputs"].get(modality, {}))
+                                   for batch, meta in stream]
+        elif role.text_module == module and key in stream[0][0]:
+            by_dp[part.dp_rank] = [(meta["step"], meta["keys"], batch[key])
+                                   for batch, meta in stream]
+    steps = defaultdict(lambda: ([], defaultdict(list)))
+    for micro in zip(*(by_dp[r] for r in sorted(by_dp))):
+        for step, keys, value in micro:
+            steps[step][0].extend(keys)
+            for path, tensor in leaves(value).items():
+                steps[step][1][path].append(tensor)
+    return [(step, keys, {path: torch.cat(tensors) for path, tensors in values.items()})
+            for step, (keys, values) in sorted(steps.items())]
+
+
+@pytest.mark.parametrize("other, other_micro", [("language=dp1;images=dp1", 2),
+                                                ("language=dp2,off0;images=dp2,off0", 1),
+                                                ("language=pp2,dp2;images=dp1", 2)])
+def test_resume_under_another_layout_continues_the_same_global_batches(sources, other,
+                                                                      other_micro):
+    source = sources["image"]
+    layout, other = Layout.parse("language=dp2;images=dp1"), Layout.parse(other)
+    whole = run_epoch(source, layout, 2, seed=9)
+    consumed_steps = 2
+    states = []
+    first = {}
+    for rank in range(layout.world_size):
+        loader = build_loader(source, None, layout, rank, 3, GLOBAL_BATCH, 2, 9)
+        count = consumed_steps * loader.micro_batches_per_step
+        first[rank] = [item for _, item in zip(range(count), loader)]
+        states.append(loader.state_dict())
+        loader.close()
+    assert all(state == states[0] for state in states)     # every rank stopped at one point
+    rest = {}
+    for rank in range(other.world_size):
+        loader = build_loader(source, None, other, rank, other.world_size, GLOBAL_BATCH,
+                              other_micro, 9, state=states[0])
+        rest[rank] = list(loader)
+        loader.close()
+    for module, key in ((LANGUAGE, "input_ids"), (LANGUAGE, "labels"),
+                        ("images", "modality_inputs")):
+        expected = step_view(layout, whole, module, key)
+        got = step_view(layout, first, module, key) + step_view(other, rest, module, key)
+        assert [step for step, _, _ in got] == list(range(len(expected)))
+        for (_, keys_a, values_a), (_, keys_b, values_b) in zip(expected, got):
+            assert keys_a == keys_b
+            assert sorted(values_a) == sorted(values_b) and values_a
+            assert all(torch.equal(values_a[path], values_b[path]) for path in values_a)
+
+
+def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, corpus_inputs,
+                                                         configs):
+    layout = "language=dp2;images=dp1"
+    loader = build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 1, seed=3)
+    for _ in zip(range(3), loader):
+        pass
+    state = loader.state_dict()
+    assert len(json.dumps(state)) < 400                       # tiny
+    other = tmp_path / "other"
+    build_dataset(corpus_inputs, other, max_samples_per_shard=20, check="header")
+    with pytest.raises(LoaderError, match="fingerprint"):
+        build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3, state=state)
+    allowed = build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
+                           state=state, allow_fingerprint_mismatch=True)
+    assert (allowed.epoch, allowed.state_dict()["sample_offset"]) == (0, 6)
+    with pytest.raises(LoaderError, match="seed 3"):
+        build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 1, 4, state=state)
+    with pytest.raises(LoaderError, match="global batch 8"):
+        build_loader(sources["image"], None, layout, 0, 3, 16, 1, 3, state=state)
+    with pytest.raises(LoaderError, match="6 samples into epoch 0"):   # 6 is not a multiple of 4
+        build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 2, 3, state=state)
+
+
+def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, configs):
+    records = [{"id": f"r{i}", "image": str(assets["png"]),
+                "conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
+                                  {"from": "gpt", "value": f"Picture {i}."}]} for i in range(2)]
+    dataset = tmp_path / "ds"
+    build_dataset([write_jsonl(tmp_path / "in.jsonl", records)], dataset)
+    # Damage the second sample's image inside its tar (as a disk error would): its metadata
+    # stays valid, so only decoding can tell.
+    row = pq.read_table(dataset / "samples.parquet").to_pylist()[1]
+    member = next(m for m in row["members"] if m["name"].startswith("img"))
+    with open(dataset / row["shard"], "r+b") as shard:
+        shard.seek(member["offset"])
+        shard.write(bytes(16))
+    layout = "language=dp1;images=dp1"
+    language = build_loader(str(dataset), configs["image"], layout, 0, 2, 2, 2, 0)
+    assert sorted(sum((meta["keys"] for _, meta in language), [])) == [
+        f"0/{r['key']}" for r in pq.read_table(dataset / "samples.parquet").to_pylist()]
+    images = build_loader(str(dataset), configs["image"], layout, 1, 2, 2, 2, 0)
+    with pytest.raises(LoaderError) as error:
+        list(images)
+    assert f"0/{row['key']}" in str(error.value) and "mimo-shard verify" in str(error.value)
+
+
+def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs):
+    parallel = DataSource(str(loader_corpus), configs["image"], num_workers=2)
+    assert parallel.fingerprint == sources["image"].fingerprint
+    assert parallel.tally.to_dict() == sources["image"].tally.to_dict()
+    options = dict(layout="language=dp2;images=dp1", rank=2, world_size=3,
+                   global_batch_size=GLOBAL_BATCH, micro_batch_size=2, seed=5,
+                   preprocess_config=None)
+    inline = list(build_loader(sources["image"], **options))
+    spawned = build_loader(parallel, **options, num_workers=2, multiprocessing_context="spawn")
+    assert_same_stream(list(spawned), inline)
+    spawned.close()
+
+
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    """Datasets of 303 samples (shards of 300 and 3) and of 3 samples, from corpus records."""
+    folder = tmp_path_factory.mktemp("uneven")
+    lines = [json.loads(line) for line in (CORPUS_DIR / "llava.jsonl").read_text().splitlines()
+             if line.strip()]
+    records = [dict(lines[i % len(lines)], id=f"r{i}") for i in range(303)]
+    build_dataset([write_jsonl(folder / "big.jsonl", records)], folder / "big",
+                        max_samples_per_shard=300, check="header", media_root=str(CORPUS_DIR))
+    build_dataset([write_jsonl(folder / "small.jsonl", records[:3])], folder / "small",
+                  check="header", media_root=str(CORPUS_DIR))
+    index = json.loads((folder / "big" / "index.json").read_text())
+    assert [shard["samples"] for shard in index["shards"]] == [300, 3]
+    return folder
+
+
+@pytest.mark.parametrize("datasets, weights", [(["big"], None), (["small", "big"], None),
+                                               (["small", "big"], [1, 1])])
+def test_uneven_shards_and_blends_give_equal_step_counts(uneven, configs, datasets, weights):
+    layout = Layout.parse("language=dp2;images=dp1;audio=dp1")
+    source = DataSource([str(uneven / d) for d in datasets], configs["full"], weights)
+    total = 303 + 3 * (len(datasets) - 1)
+    assert source.tally.kept == total                     # the records are all trainable
+    streams = run_epoch(source, layout, 2, decode_media=False)
+    counts = {rank: len(stream) for rank, stream in streams.items()}
+    assert set(counts.values()) == {(total // GLOBAL_BATCH) * (GLOBAL_BATCH // 4)}, counts
+    served = [key for _, meta in streams[3] for key in meta["keys"]]
+    if weights is None:
+        assert len(served) == len(set(served))
+    else:        # half the epoch from the 3-sample dataset, every pass over it whole
+        small = [key for key in served if key.startswith("0/")]
+        assert abs(len(small) - len(served) / 2) <= GLOBAL_BATCH
+        counts = [small.count(key) for key in set(small)]
+        assert len(counts) == 3 and max(counts) - min(counts) <= 1
+
+
+def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus, configs,
+                                                         capsys):
+    layout = "language=dp2;images=dp1"
+    result = dry_run(sources["image"], None, layout, GLOBAL_BATCH, 2, seed=11)
+    assert result["checks"] == {"ok": True, "problems": []}
+    json.dumps(result)
+    decoded = run_epoch(sources["image"], layout, 2)
+    for entry in result["ranks"]:
+        planned = [mb["keys"] for step in entry["steps"] for mb in step["micro_batches"]]
+        assert planned == [meta["keys"] for _, meta in decoded[entry["rank"]]]
+        tokens = [mb["tokens"] for step in entry["steps"] for mb in step["micro_batches"]]
+        if entry["role"]["text_module"] == LANGUAGE:
+            assert tokens == [batch["attention_mask"].sum(1).tolist()
+                              for batch, _ in decoded[entry["rank"]]]
+    code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",
+                         layout, "--global-batch-size", "8", "--micro-batch-size", "2",
+                         "--steps", "1", "--seed", "11", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    assert code == 0 and printed["ranks"][2]["steps"] == result["ranks"][2]["steps"][:1]
+    code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",
+                         "language=dp1;images=dp2", "--global-batch-size", "8",
+                         "--micro-batch-size", "2"])
+    assert code == 2 and "fanning in" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""The global sample order on synthetic dataset shapes: a permutation of the kept samples,
+deterministic, block/window locality, blends by weight, equal step counts, DP slices."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from mimo_data.sample_order import DatasetShape, OrderError, SampleOrder, micro_batch_slice
+
+
+def shape(*shard_sizes, dropped=()) -> DatasetShape:
+    kept = np.ones(sum(shard_sizes), dtype=bool)
+    kept[list(dropped)] = False
+    return DatasetShape(tuple(shard_sizes), kept)
+
+
+def test_an_epoch_is_a_permutation_of_the_kept_samples_and_depends_on_seed_and_epoch():
+    data = shape(100, 37, 64, dropped=[0, 5, 150])
+    order = SampleOrder([data], seed=7, global_batch_size=1)
+    _, positions = order.epoch(0)
+    assert sorted(positions.tolist()) == sorted(set(range(201)) - {0, 5, 150})
+    again = SampleOrder([data], seed=7, global_batch_size=1).epoch(0)[1]
+    assert np.array_equal(positions, again)
+    assert not np.array_equal(positions, order.epoch(1)[1])
+    assert not np.array_equal(positions, SampleOrder([data], 8, 1).epoch(0)[1])
+    assert not np.array_equal(positions, np.sort(positions))
+
+
+def test_reads_stay_within_a_few_consecutive_blocks():
+    sizes = (50, 20, 90)
+    order = SampleOrder([shape(*sizes)], seed=3, global_batch_size=1, block_size=8,
+                        window_blocks=2)
+    _, positions = order.epoch(0)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    shard_of = np.searchsorted(starts, positions, side="right") - 1
+    blocks = list(zip(shard_of.tolist(), ((positions - starts[shard_of]) // 8).tolist()))
+    # Consecutive samples come from at most ``window_blocks`` blocks per window, and every
+    # block is read in one window (so each shard region is visited once, front to back).
+    windows, current = [], []
+    for block in blocks:
+        if block not in current and len(current) == 2:
+            windows.append(current)
+            current = []
+        if block not in current:
+            current.append(block)
+    windows.append(current)
+    flat = [block for window in windows for block in window]
+    assert len(flat) == len(set(flat)) == sum(-(-s // 8) for s in sizes)
+
+
+def test_steps_are_decided_by_counts_and_the_remainder_is_dropped_or_wrapped():
+    data = shape(30, 3)
+    dropping = SampleOrder([data], 0, global_batch_size=8)
+    assert dropping.steps_per_epoch == 33 // 8 and dropping.remainder_samples == 33 % 8
+    assert len(set(dropping.epoch(0)[1].tolist())) == 32
+    wrapping = SampleOrder([data], 0, global_batch_size=8, remainder="wrap")
+    assert wrapping.steps_per_epoch == 5 and wrapping.remainder_samples == 40 - 33
+    positions = wrapping.epoch(0)[1]
+    assert set(positions.tolist()) == set(range(33))
+    assert positions[33:].tolist() == positions[:7].tolist()
+    with pytest.raises(OrderError, match="fewer than one global batch of 64"):
+        SampleOrder([data], 0, global_batch_size=64)
+
+
+def test_unweighted_blend_serves_every_kept_sample_once():
+    a, b = shape(3), shape(300, 50, dropped=[299])
+    datasets, positions = SampleOrder([a, b], 1, global_batch_size=1).epoch(0)
+    pairs = list(zip(datasets.tolist(), positions.tolist()))
+    assert len(pairs) == len(set(pairs)) == 3 + 349
+    # The small dataset is spread through the epoch, not bunched at one end.
+    at = np.flatnonzero(datasets == 0)
+    assert at.min() < 352 / 2 < at.max()
+
+
+def test_weighted_blend_gives_each_dataset_its_share_with_fresh_passes():
+    small, large = shape(3), shape(200, 100)
+    order = SampleOrder([small, large], 5, global_batch_size=1, weights=[1.0, 1.0])
+    datasets, positions = order.epoch(0)
+    counts = Counter(datasets.tolist())
+    assert counts[0] + counts[1] == 303 and abs(counts[0] - counts[1]) <= 1
+    stream = positions[datasets == 0].tolist()
+    for start in range(0, len(stream) - 2, 3):       # each pass over the 3 samples is whole
+        assert sorted(stream[start:start + 3]) == [0, 1, 2]
+    # Proportions hold in every stretch of the epoch.
+    for start in range(0, 300, 50):
+        share = np.mean(datasets[start:start + 50] == 0)
+        assert 0.4 <= share <= 0.6
+
+
+def test_a_downsampled_dataset_continues_across_epochs_without_repeats():
+    small, large = shape(50), shape(100)
+    order = SampleOrder([small, large], 2, global_batch_size=1, weights=[3, 1])
+    seen = []
+    for epoch in range(3):
+        datasets, positions = order.epoch(epoch)
+        assert Counter(datasets.tolist()) == {0: 113, 1: 37}   # 112.5 / 37.5, tie: first
+        seen += positions[datasets == 1].tolist()
+    assert len(set(seen[:100])) == 100          # a full pass before any repeat
+    assert sorted(seen[:100]) == list(range(100))
+
+
+def test_bad_weights_are_refused():
+    with pytest.raises(OrderError, match="keeps none"):
+        SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 1])
+    with pytest.raises(OrderError, match="one per dataset"):
+        SampleOrder([shape(4)], 0, 1, weights=[1, 1])
+
+
+def test_dp_parts_tile_each_global_micro_batch():
+    global_batch, group = 12, 6
+    for dp in (1, 2, 3, 6):
+        covered = []
+        for step in range(2):
+            for micro in range(global_batch // group):
+                parts = [micro_batch_slice(step, micro, global_batch, group, dp, r)
+                         for r in range(dp)]
+                covered += [i for part in parts for i in range(part.start, part.stop)]
+        assert covered == list(range(2 * global_batch))
