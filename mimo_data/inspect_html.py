@@ -1,0 +1,304 @@
+"""The HTML report of ``mimo-inspect report --html``: one self-contained file.
+
+Plots are matplotlib PNGs embedded as ``data:`` URIs; the gallery shows the flagged samples (and
+a few kept examples) with image thumbnails and log-mel spectrograms (the encoder's own features)
+next to their tokens coloured by class. Only the gallery decodes media, from the shards.
+The page sets ``data-images-total`` / ``data-images-loaded`` on ``<body>`` once loaded, so a
+headless browser can check that every image rendered.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+
+from mimo_data.audio_inputs import audio_features, decode_audio
+from mimo_data.image_inputs import decode_image
+from mimo_data.inspect_report import inspect_position
+from mimo_data.inspect_sample import sample_problems, token_view
+from mimo_data.inspect_stats import (IndexTable, SampleInspector, SampleStats,
+                                     expected_item_tokens)
+from mimo_data.shard_reader import ShardReader
+
+THUMBNAIL = (192, 192)
+COLORS = {"trained": "#1a7f37", "prompt": "#57606a", "image": "#8250df", "audio": "#0969da",
+          "padding": "#afb8c1"}
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #1f2328; max-width: 1200px; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 2em; }
+table { border-collapse: collapse; } td, th { padding: 2px 10px; text-align: left; }
+tr:nth-child(even) { background: #f6f8fa; }
+.pass { color: #1a7f37; font-weight: bold; } .fail { color: #cf222e; font-weight: bold; }
+.plots img { margin: 4px; border: 1px solid #d0d7de; }
+.sample { border: 1px solid #d0d7de; border-radius: 6px; padding: 10px; margin: 12px 0; }
+.media { display: flex; flex-wrap: wrap; gap: 10px; margin: 6px 0; }
+.media figure { margin: 0; } figcaption { font-size: 0.8em; color: #57606a; }
+.tokens { font-family: ui-monospace, monospace; font-size: 0.85em; white-space: pre-wrap;
+          background: #f6f8fa; padding: 8px; max-height: 24em; overflow: auto; }
+.problem { color: #cf222e; } .note { color: #57606a; font-style: italic; }
+.t-trained { color: #1a7f37; background: #dafbe1; }
+.t-prompt { color: #57606a; }
+.t-image { color: #fff; background: #8250df; border-radius: 3px; padding: 0 2px; }
+.t-audio { color: #fff; background: #0969da; border-radius: 3px; padding: 0 2px; }
+.t-padding { color: #6e7781; background: #eaeef2; border-radius: 3px; padding: 0 2px; }
+"""
+
+_SCRIPT = """
+window.addEventListener('load', function () {
+  var images = Array.prototype.slice.call(document.images);
+  var loaded = images.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  document.body.setAttribute('data-images-total', String(images.length));
+  document.body.setAttribute('data-images-loaded', String(loaded.length));
+});
+"""
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("mimo-inspect report --html needs matplotlib: pip install matplotlib") \
+            from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _png_uri(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def _figure_uri(plt, figure) -> str:
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+    plt.close(figure)
+    return _png_uri(buffer.getvalue())
+
+
+def _bar_plot(plt, histogram: list[dict], title: str, xlabel: str, color: str,
+              vline: float | None = None) -> str:
+    figure, axis = plt.subplots(figsize=(5, 3))
+    if histogram:
+        lows = [b["lo"] for b in histogram]
+        widths = [b["hi"] - b["lo"] for b in histogram]
+        axis.bar(lows, [b["count"] for b in histogram], width=widths, align="edge",
+                 color=color, edgecolor="white")
+    if vline is not None:
+        axis.axvline(vline, color="#cf222e", linestyle="--", linewidth=1)
+    axis.set_title(title)
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel("samples")
+    return _figure_uri(plt, figure)
+
+
+def plots(report: dict) -> list[tuple[str, str]]:
+    """(title, PNG data URI) of each plot of the report."""
+    plt = _pyplot()
+    found = [
+        ("Trained-token fraction per sample", _bar_plot(
+            plt, report["trained_fraction"]["histogram"], "Trained-token fraction per sample",
+            "trained tokens / sample length", COLORS["trained"])),
+        ("Sequence length", _bar_plot(
+            plt, report["sequence_length"]["histogram"], "Sequence length (kept samples)",
+            "tokens (red: seq_length)", COLORS["prompt"], vline=report["seq_length"])),
+    ]
+    for modality, data in report["modalities"].items():
+        if data["items"]:
+            title = f"{modality} tokens per item"
+            found.append((title, _bar_plot(plt, data["tokens_per_item"]["histogram"], title,
+                                           "placeholder tokens", COLORS.get(modality, "#333"))))
+    reasons = {r: d["count"] for r, d in report["drop_reasons"].items()}
+    if reasons:
+        figure, axis = plt.subplots(figsize=(5, 3))
+        axis.barh(list(reasons), list(reasons.values()), color="#cf222e")
+        axis.set_title("Dropped samples by reason")
+        axis.set_xlabel("samples")
+        found.append(("Dropped samples by reason", _figure_uri(plt, figure)))
+    return found
+
+
+def _thumbnail(reader: ShardReader, position: int, item: dict, inspector) -> tuple[str, str]:
+    """PNG data URI of the decoded image's thumbnail, and a problem line if the decoded size
+    is not the metadata's (the token counts come from the metadata)."""
+    config = inspector.config.modalities["image"]
+    image = decode_image(reader.read_member(position, item["member"]),
+                         item.get("orientation", 1), config)
+    problem = ""
+    if image.size != (item.get("width"), item.get("height")):
+        problem = (f"decodes to {image.width}x{image.height}, the metadata says "
+                   f"{item.get('width')}x{item.get('height')}")
+    image.thumbnail(THUMBNAIL)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return _png_uri(buffer.getvalue()), problem
+
+
+def _spectrogram(plt, reader: ShardReader, position: int, item: dict, inspector) -> str:
+    config = inspector.config.modalities["audio"]
+    features = audio_features(decode_audio(reader.read_member(position, item["member"]), config),
+                              config).numpy()
+    figure, axis = plt.subplots(figsize=(3.2, 1.4))
+    axis.imshow(features.T, origin="lower", aspect="auto", cmap="magma",
+                extent=(0, len(features) * config.hop_length / config.sample_rate, 0,
+                        config.n_mels))
+    axis.set_xlabel("s", fontsize=7)
+    axis.set_ylabel("mel", fontsize=7)
+    axis.tick_params(labelsize=6)
+    return _figure_uri(plt, figure)
+
+
+def _media_html(plt, reader, stats: SampleStats, record: dict, inspector) -> str:
+    parts = []
+    for item in record.get("media") or []:
+        modality = item.get("modality")
+        tokens = expected_item_tokens(item, inspector.config)
+        if modality == "image":
+            caption = f"{item.get('member')}: {item.get('width')}x{item.get('height')}"
+        else:
+            caption = f"{item.get('member')}: {item.get('duration', 0):.2f} s"
+        caption += f", {tokens if tokens is not None else '?'} tokens"
+        problem = ""
+        try:
+            if modality == "image" and "image" in inspector.config.modalities:
+                uri, problem = _thumbnail(reader, stats.position, item, inspector)
+            elif modality == "audio" and "audio" in inspector.config.modalities:
+                uri = _spectrogram(plt, reader, stats.position, item, inspector)
+            else:
+                raise ValueError(f"modality {modality!r} is not configured")
+        except Exception as exc:   # a bad item is what the gallery is for: say so, go on
+            member = html.escape(str(item.get("member")))
+            parts.append(f'<figure><div class="problem">cannot show {member}: '
+                         f"{html.escape(str(exc))[:300]}</div></figure>")
+            continue
+        problem = f'<div class="problem">{html.escape(problem)}</div>' if problem else ""
+        parts.append(f'<figure><img src="{uri}" alt="{html.escape(caption)}">'
+                     f"<figcaption>{html.escape(caption)}</figcaption>{problem}</figure>")
+    return f'<div class="media">{"".join(parts)}</div>' if parts else ""
+
+
+def _tokens_html(inspector, stats: SampleStats, record: dict, sample) -> str:
+    view = token_view(inspector, record, stats, sample)
+    spans = "".join(f'<span class="t-{run.cls}" title="{run.cls}, {run.count} tokens">'
+                    f"{html.escape(run.text)}</span>" for run in view.runs)
+    note = f'<div class="note">{html.escape(view.note)}</div>' if view.note else ""
+    return f'{note}<div class="tokens">{spans}</div>'
+
+
+def _sample_html(plt, reader, inspector, entry) -> str:
+    stats, record, sample, labels = entry
+    title = f"{html.escape(stats.key)} (position {stats.position})"
+    tags = " ".join(f'<span class="fail">{html.escape(label)}</span>' for label in labels)
+    if record is None:
+        return (f'<div class="sample"><b>{title}</b> {tags}<div class="problem">'
+                f"{html.escape(stats.detail)}</div></div>")
+    source = " ".join(f"{k} {v}" for k, v in (record.get("source") or {}).items())
+    if stats.dropped:
+        status = f"dropped ({html.escape(stats.dropped)})"
+    else:
+        status = (f"{stats.length} tokens, {stats.trained} trained, "
+                  f"{stats.removed_turns} turn(s) removed")
+    problems = "".join(f'<div class="problem">{html.escape(p)}</div>'
+                       for p in sample_problems(stats))
+    return (f'<div class="sample" id="sample-{html.escape(stats.key)}"><b>{title}</b> {tags}'
+            f"<div>{html.escape(source)} · {status}</div>{problems}"
+            f"{_media_html(plt, reader, stats, record, inspector)}"
+            f"{_tokens_html(inspector, stats, record, sample)}</div>")
+
+
+class Gallery:
+    """Picks the samples to show while the report runs: the first ``per_check`` of each kind
+    of problem, and kept examples with distinct sets of modalities."""
+
+    def __init__(self, per_check: int = 6, examples: int = 3):
+        self.per_check = per_check
+        self.examples = examples
+        self.counts: dict[str, int] = {}
+        self.flagged: dict[int, list[str]] = {}      # position -> labels
+        self.example_positions: list[int] = []
+        self._example_kinds: set = set()
+
+    def __call__(self, stats: SampleStats) -> None:
+        labels = self.labels(stats)
+        wanted = [label for label in labels if self.counts.get(label, 0) < self.per_check]
+        if wanted:
+            for label in wanted:
+                self.counts[label] = self.counts.get(label, 0) + 1
+            self.flagged[stats.position] = labels
+        elif not labels and stats.media and len(self.example_positions) < self.examples:
+            kinds = frozenset(stats.media)
+            if kinds not in self._example_kinds:
+                self._example_kinds.add(kinds)
+                self.example_positions.append(stats.position)
+
+    @staticmethod
+    def labels(stats: SampleStats) -> list[str]:
+        labels = []
+        if stats.dropped:
+            labels.append("zero_trained" if stats.dropped == "no_trained_tokens"
+                          else f"dropped: {stats.dropped}")
+        if stats.template_failure:
+            labels.append("template_failure")
+        if stats.removed_turns:
+            labels.append("truncated")
+        if stats.marker_mismatch:
+            labels.append("marker_mismatch")
+        if stats.placeholder_mismatch:
+            labels.append("placeholder_mismatch")
+        if stats.index_problems:
+            labels.append("index_mismatch")
+        return labels
+
+
+def write_html(report: dict, gallery: Gallery, directory: str, inspector: SampleInspector,
+               path: str, config_path: str = "") -> None:
+    """Write the self-contained HTML report."""
+    plt = _pyplot()
+    reader = ShardReader(directory)
+    index = IndexTable(directory)
+
+    def shown(position: int, labels: list[str]) -> str:
+        stats, record, sample = inspect_position(reader, inspector, index, position)
+        return _sample_html(plt, reader, inspector, (stats, record, sample, labels))
+
+    try:
+        flagged = [shown(p, labels) for p, labels in sorted(gallery.flagged.items())]
+        examples = [shown(p, []) for p in gallery.example_positions]
+    finally:
+        reader.close()
+    rows = "".join(
+        f"<tr><td class=\"{'pass' if c['passed'] else 'fail'}\">"
+        f"{'PASS' if c['passed'] else 'FAIL'}</td><td>{html.escape(c['name'])}</td>"
+        f"<td>{html.escape(c['message'])}</td></tr>" for c in report["checks"])
+    tokens = report["tokens"]
+    summary = (f"{report['samples']} of {report['total_samples']} samples inspected, "
+               f"{report['kept']} kept, {report['dropped']} dropped; {tokens['real']} real "
+               f"tokens, {tokens['trained']} trained ({tokens['trained_fraction']:.1%}); "
+               f"seq_length {report['seq_length']}, {report['length_policy']}")
+    plot_html = "".join(f'<img src="{uri}" alt="{html.escape(title)}" title="{html.escape(title)}">'
+                        for title, uri in plots(report))
+    legend = " ".join(f'<span class="t-{cls}">{cls}</span>'
+                      for cls in ("trained", "prompt", *inspector.config.modalities, "padding"))
+    verdict = ('<span class="pass">all checks pass</span>' if report["passed"]
+               else '<span class="fail">some checks fail</span>')
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>mimo-inspect report: {html.escape(directory)}</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>mimo-inspect report: {verdict}</h1>
+<p>{html.escape(directory)} · config {html.escape(config_path)}<br>{html.escape(summary)}</p>
+<h2>Checks</h2><table>{rows}</table>
+<h2>Distributions</h2><div class="plots">{plot_html}</div>
+<h2>Flagged samples ({len(flagged)} shown, up to {gallery.per_check} per kind)</h2>
+<p>Tokens: {legend}</p>
+{''.join(flagged) or '<p>No flagged samples.</p>'}
+<h2>Examples of kept samples</h2>
+{''.join(examples) or '<p>None.</p>'}
+<script>{_SCRIPT}</script>
+</body></html>
+"""
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(page)
+

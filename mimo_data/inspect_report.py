@@ -1,0 +1,383 @@
+"""``mimo-inspect report``: dataset-wide checks on what training will get, metadata only.
+
+Every sample goes through ``SampleInspector`` (the metadata-only preprocessor plus independent
+checks, see ``inspect_stats``). The report gives distributions (trained-token fraction, sequence
+length, tokens per media item) and the samples that fail a check, by key. Checks and their
+default limits (flags of the CLI); a demanding default, since the report gates a launch:
+
+==========================  =================================================  ==============
+check                       a sample is counted when                           default limit
+==========================  =================================================  ==============
+zero_trained                it has no trained token (e.g. prompt only)          fraction 0
+dropped                     the preprocessor drops it (any reason)              fraction 0
+truncated                   trailing turns are removed to fit ``seq_length``    fraction 0
+template_failures           the template cannot render / round-trip it          count 0
+marker_mismatches           ``<image>``/``<audio>`` markers ≠ its media list    count 0
+placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
+index_mismatches            its media list ≠ its row of samples.parquet         count 0
+trained_token_fraction      (dataset) trained / real tokens of kept samples     min 0 (off)
+kept_samples                (dataset) fails when no sample is kept              always on
+==========================  =================================================  ==============
+
+Drops are counted under ``dropped`` with their reason *and* under the specific check they
+fall in, so allowing a few corrupt samples (``--max-dropped-fraction 0.001``) still fails on
+a prompt-only one. Media decoding errors are not visible without media: ``mimo-shard build``
+and ``mimo-shard verify`` check those.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from tqdm import tqdm
+
+from mimo_data.inspect_stats import IndexTable, SampleInspector, SampleStats
+from mimo_data.segment_tokenizer import SegmentCachedTokenizer
+from mimo_data.shard_reader import ShardReader
+
+KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)
+KEYS_IN_MESSAGE = 5     # first keys named in a failed check's line
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits of the report's checks (see the module docstring)."""
+    max_zero_trained_fraction: float = 0.0
+    max_dropped_fraction: float = 0.0
+    max_truncated_fraction: float = 0.0
+    max_template_failures: int = 0
+    max_marker_mismatches: int = 0
+    max_placeholder_mismatches: int = 0
+    max_index_mismatches: int = 0
+    min_trained_token_fraction: float = 0.0
+
+
+# check name -> (threshold field, kind, what is counted)
+CHECKS = {
+    "zero_trained": ("max_zero_trained_fraction", "fraction", "samples with no trained token"),
+    "dropped": ("max_dropped_fraction", "fraction", "samples dropped by the preprocessor"),
+    "truncated": ("max_truncated_fraction", "fraction",
+                  "samples with turns removed to fit seq_length"),
+    "template_failures": ("max_template_failures", "count",
+                          "samples the chat template cannot render or round-trip"),
+    "marker_mismatches": ("max_marker_mismatches", "count",
+                          "samples whose <image>/<audio> markers disagree with their media"),
+    "placeholder_mismatches": ("max_placeholder_mismatches", "count",
+                               "samples whose placeholder tokens disagree with metadata counts"),
+    "index_mismatches": ("max_index_mismatches", "count",
+                         "samples whose media disagree with samples.parquet"),
+}
+
+
+@dataclass
+class Flagged:
+    """Samples counted by one check: (position, key, detail), in dataset order."""
+    entries: list[tuple[int, str, str]] = field(default_factory=list)
+
+    def add(self, stats: SampleStats, detail: str) -> None:
+        self.entries.append((stats.position, stats.key, detail))
+
+    @property
+    def keys(self) -> list[str]:
+        return [key for _, key, _ in self.entries]
+
+
+def _stats(values) -> dict | None:
+    if not len(values):
+        return None
+    array = np.asarray(values, dtype=np.float64)
+    p10, p50, p90 = np.percentile(array, [10, 50, 90])
+    return {"min": float(array.min()), "p10": float(p10), "p50": float(p50), "p90": float(p90),
+            "max": float(array.max()), "mean": float(array.mean())}
+
+
+def _histogram(values, edges) -> list[dict]:
+    counts, edges = np.histogram(np.asarray(values, dtype=np.float64), bins=edges)
+    return [{"lo": float(lo), "hi": float(hi), "count": int(c)}
+            for lo, hi, c in zip(edges, edges[1:], counts)]
+
+
+def _integer_edges(values, bins: int = 16) -> np.ndarray:
+    top = max(values) if len(values) else 1
+    step = max(1, int(np.ceil((top + 1) / bins)))
+    return np.arange(0, top + step + 1, step)
+
+
+class ReportBuilder:
+    """Accumulates per-sample stats into the report."""
+
+    def __init__(self, inspector: SampleInspector):
+        self.inspector = inspector
+        self.lengths: list[int] = []
+        self.trained: list[int] = []
+        self.item_tokens = {m: [] for m in inspector.config.modalities}
+        self.sample_tokens = {m: [] for m in inspector.config.modalities}
+        self.drop_reasons: dict[str, Flagged] = {}
+        self.flagged = {name: Flagged() for name in CHECKS}
+        self.seen = 0
+        self.total_samples = 0
+
+    def add(self, stats: SampleStats) -> None:
+        self.seen += 1
+        flagged = self.flagged
+        if stats.dropped:
+            flagged["dropped"].add(stats, f"{stats.dropped}: {stats.detail}")
+            self.drop_reasons.setdefault(stats.dropped, Flagged()).add(stats, stats.detail)
+            if stats.dropped == "no_trained_tokens":
+                flagged["zero_trained"].add(stats, stats.detail)
+            if stats.template_failure:
+                flagged["template_failures"].add(stats, f"{stats.dropped}: {stats.detail}")
+        else:
+            self.lengths.append(stats.length)
+            self.trained.append(stats.trained)
+            for modality, counts in stats.expected.items():
+                if counts:
+                    self.item_tokens[modality].extend(counts)
+                    self.sample_tokens[modality].append(sum(counts))
+            if stats.removed_turns:
+                flagged["truncated"].add(stats, f"{stats.removed_turns} trailing turn(s) removed")
+            if stats.placeholder_mismatch:
+                flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
+        if stats.marker_mismatch:
+            flagged["marker_mismatches"].add(stats, stats.describe_markers())
+        if stats.index_problems:
+            flagged["index_mismatches"].add(stats, "; ".join(stats.index_problems))
+
+    def checks(self, thresholds: Thresholds) -> list[dict]:
+        results = []
+        total = self.seen
+        for name, (limit_name, kind, what) in CHECKS.items():
+            flagged = self.flagged[name]
+            count = len(flagged.entries)
+            limit = getattr(thresholds, limit_name)
+            fraction = count / total if total else 0.0
+            passed = (fraction <= limit) if kind == "fraction" else (count <= limit)
+            result = {"name": name, "passed": passed, "count": count, "of": total,
+                      "fraction": fraction, "limit": limit, "limit_kind": kind,
+                      "flag": "--" + limit_name.replace("_", "-"), "what": what,
+                      "keys": flagged.keys[:KEYS_IN_JSON]}
+            if name == "dropped":
+                result["by_reason"] = {r: len(f.entries) for r, f in
+                                       sorted(self.drop_reasons.items())}
+            result["message"] = _check_message(result, flagged)
+            results.append(result)
+        kept = len(self.lengths)
+        results.append({
+            "name": "kept_samples", "passed": kept > 0, "count": kept, "of": total,
+            "fraction": kept / total if total else 0.0, "limit": 1, "limit_kind": "min_count",
+            "flag": None, "what": "samples training would get", "keys": [],
+            "message": f"kept_samples: {kept} of {total} samples would be trained on"
+                       + ("" if kept else " (nothing to train on)")})
+        real, trained = sum(self.lengths), sum(self.trained)
+        fraction = trained / real if real else 0.0
+        passed = fraction >= thresholds.min_trained_token_fraction
+        results.append({
+            "name": "trained_token_fraction", "passed": passed, "count": trained, "of": real,
+            "fraction": fraction, "limit": thresholds.min_trained_token_fraction,
+            "limit_kind": "min_fraction", "flag": "--min-trained-token-fraction",
+            "what": "trained tokens among the real (unpadded) tokens of kept samples",
+            "keys": [],
+            "message": (f"trained_token_fraction: {trained} of {real} real tokens are trained "
+                        f"({fraction:.2%}), " + ("at least" if passed else "below") +
+                        " --min-trained-token-fraction "
+                        f"{thresholds.min_trained_token_fraction:g}")})
+        return results
+
+    def to_dict(self, thresholds: Thresholds) -> dict:
+        config = self.inspector.config
+        kept = len(self.lengths)
+        real, trained = sum(self.lengths), sum(self.trained)
+        fractions = [t / n for t, n in zip(self.trained, self.lengths) if n]
+        report = {
+            "samples": self.seen, "kept": kept, "dropped": self.seen - kept,
+            "seq_length": config.seq_length, "length_policy": config.length_policy,
+            "mode": config.mode,
+            "tokens": {"real": real, "trained": trained,
+                       "trained_fraction": trained / real if real else 0.0,
+                       "padding": kept * config.seq_length - real,
+                       "padding_fraction": (1 - real / (kept * config.seq_length))
+                       if kept else 0.0},
+            "trained_fraction": {"stats": _stats(fractions),
+                                 "histogram": _histogram(fractions, np.linspace(0, 1, 11))},
+            "sequence_length": {"stats": _stats(self.lengths), "histogram": _histogram(
+                self.lengths, np.linspace(0, config.seq_length, 17).round())},
+            "modalities": {m: {"items": len(self.item_tokens[m]),
+                               "samples": len(self.sample_tokens[m]),
+                               "tokens": sum(self.item_tokens[m]),
+                               "tokens_per_item": {
+                                   "stats": _stats(self.item_tokens[m]),
+                                   "histogram": _histogram(self.item_tokens[m],
+                                                           _integer_edges(self.item_tokens[m]))},
+                               "tokens_per_sample": {"stats": _stats(self.sample_tokens[m])}}
+                           for m in config.modalities},
+            "drop_reasons": {reason: {"count": len(f.entries),
+                                      "first": [{"key": k, "detail": d}
+                                                for _, k, d in f.entries[:KEYS_IN_MESSAGE]]}
+                             for reason, f in sorted(self.drop_reasons.items())},
+            "flagged": {name: [{"key": k, "position": p, "detail": d}
+                               for p, k, d in f.entries[:KEYS_IN_JSON]]
+                        for name, f in self.flagged.items()},
+        }
+        checks = self.checks(thresholds)
+        report["checks"] = checks
+        report["passed"] = all(c["passed"] for c in checks)
+        report["thresholds"] = asdict(thresholds)
+        return report
+
+
+def _check_message(result: dict, flagged: Flagged) -> str:
+    kind = result["limit_kind"]
+    count, total = result["count"], result["of"]
+    if kind == "fraction":
+        head = (f"{result['name']}: {count} of {total} samples ({result['fraction']:.2%}) "
+                f"{result['what'].removeprefix('samples ')}, "
+                + ("within" if result["passed"] else "above") +
+                f" {result['flag']} {result['limit']:g}")
+    else:
+        head = (f"{result['name']}: {count} {result['what']}, "
+                + ("within" if result["passed"] else "above") +
+                f" {result['flag']} {result['limit']:g}")
+    if "by_reason" in result and result["by_reason"]:
+        head += " (" + ", ".join(f"{r} {n}" for r, n in result["by_reason"].items()) + ")"
+    if count:
+        first = flagged.entries[:KEYS_IN_MESSAGE]
+        head += "; first: " + ", ".join(f"{key} ({detail[:120]})" for _, key, detail in first)
+    return head
+
+
+def inspect_position(reader: ShardReader, inspector: SampleInspector, index: IndexTable,
+                     position: int):
+    """(SampleStats, record or None, Sample or None) of the sample at ``position``."""
+    try:
+        record = reader.record(position)
+    except (ValueError, UnicodeDecodeError) as exc:      # JSON the loader could not read
+        return SampleStats(position, reader.keys[position], dropped="unreadable_record",
+                           detail=f"the sample's JSON cannot be parsed: {exc}"), None, None
+    stats, sample = inspector(position, record, index)
+    return stats, record, sample
+
+
+# One inspector per worker process, built once by _init_worker.
+_WORKER: dict = {}
+
+
+def _init_worker(directory: str, config, cache_tokens: bool) -> None:
+    import torch
+    torch.set_num_threads(1)
+    _WORKER.update(reader=ShardReader(directory), index=IndexTable(directory),
+                   inspector=SampleInspector(config, cache_tokens=cache_tokens))
+
+
+def _inspect_chunk(bounds: tuple[int, int]) -> list[SampleStats]:
+    reader, index, inspector = _WORKER["reader"], _WORKER["index"], _WORKER["inspector"]
+    return [inspect_position(reader, inspector, index, p)[0] for p in range(*bounds)]
+
+
+def _parallel_stats(directory: str, inspector: SampleInspector, total: int, workers: int):
+    """SampleStats in dataset order, computed by ``workers`` processes (forkserver: the caller
+    may be threaded) in chunks."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    chunk = max(1, min(1000, -(-total // (workers * 4))))
+    bounds = [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+    cache = isinstance(inspector.text.backend, SegmentCachedTokenizer)
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
+                             initializer=_init_worker,
+                             initargs=(directory, inspector.config, cache)) as pool:
+        for stats_list in pool.map(_inspect_chunk, bounds):
+            yield from stats_list
+
+
+def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | None = None,
+                    progress: bool = True, workers: int = 1, on_stats=None) -> ReportBuilder:
+    """Run every sample (the first ``limit``) through the inspector into a ReportBuilder, in
+    this process or in ``workers`` processes. ``on_stats(stats)`` sees each sample's stats
+    in dataset order (e.g. to pick the HTML gallery)."""
+    builder = ReportBuilder(inspector)
+    reader = ShardReader(directory)
+    try:
+        total = len(reader) if limit is None else min(limit, len(reader))
+        if workers > 1 and total > 1:
+            stream = _parallel_stats(directory, inspector, total, workers)
+        else:
+            index = IndexTable(directory)
+            stream = (inspect_position(reader, inspector, index, p)[0] for p in range(total))
+        for stats in tqdm(stream, total=total, desc="mimo-inspect report", unit=" samples",
+                          disable=not progress, mininterval=0.5, dynamic_ncols=True):
+            builder.add(stats)
+            if on_stats:
+                on_stats(stats)
+    finally:
+        reader.close()
+    builder.total_samples = len(reader)
+    return builder
+
+
+def build_report(directory: str, inspector: SampleInspector, thresholds: Thresholds, *,
+                 limit: int | None = None, progress: bool = True, workers: int = 1,
+                 on_stats=None) -> dict:
+    """The report dict (see ``ReportBuilder.to_dict``) of a dataset directory."""
+    start = time.perf_counter()
+    builder = inspect_dataset(directory, inspector, limit=limit, progress=progress,
+                              workers=workers, on_stats=on_stats)
+    seconds = time.perf_counter() - start
+    report = {"dataset": directory, "total_samples": builder.total_samples, "limit": limit,
+              "workers": workers, **builder.to_dict(thresholds), "seconds": seconds,
+              "samples_per_second": builder.seen / seconds if seconds else None}
+    backend = inspector.text.backend
+    if isinstance(backend, SegmentCachedTokenizer) and workers <= 1:
+        report["token_cache"] = {"pieces_cached": backend.hits, "pieces_encoded": backend.misses}
+    return report
+
+
+def format_report(report: dict) -> str:
+    """A short text summary of the report for people."""
+    def fmt(stats, digits=0):
+        if stats is None:
+            return "-"
+        return "  ".join(f"{k} {stats[k]:.{digits}f}" for k in ("min", "p10", "p50", "p90",
+                                                                "max"))
+    tokens = report["tokens"]
+    lines = [
+        f"dataset     {report['dataset']}: {report['samples']} of {report['total_samples']} "
+        f"samples inspected, seq_length {report['seq_length']}, {report['length_policy']}",
+        f"samples     {report['kept']} kept, {report['dropped']} dropped"
+        + (" (" + ", ".join(f"{r} {d['count']}" for r, d in report["drop_reasons"].items()) + ")"
+           if report["drop_reasons"] else ""),
+        f"tokens      {tokens['real']} real, {tokens['trained']} trained "
+        f"({tokens['trained_fraction']:.1%}), padding {tokens['padding_fraction']:.1%} of "
+        "the kept samples' seq_length",
+        f"length      {fmt(report['sequence_length']['stats'])}",
+        f"trained     fraction per sample  {fmt(report['trained_fraction']['stats'], 2)}",
+    ]
+    for modality, data in report["modalities"].items():
+        lines.append(f"{modality:11s} {data['items']} items in {data['samples']} samples, "
+                     f"{data['tokens']} tokens; per item {fmt(data['tokens_per_item']['stats'])}")
+    lines.append("length histogram (tokens: samples)")
+    top = max((b["count"] for b in report["sequence_length"]["histogram"]), default=0)
+    for b in report["sequence_length"]["histogram"]:
+        bar = "#" * (round(40 * b["count"] / top) if top else 0)
+        lines.append(f"  {int(b['lo']):6d}-{int(b['hi']):<6d} {b['count']:7d} {bar}")
+    lines.append("checks")
+    for check in report["checks"]:
+        lines.append(f"  {'PASS' if check['passed'] else 'FAIL'}  {check['message']}")
+    rate = report.get("samples_per_second")
+    if rate:
+        lines.append(f"time        {report['seconds']:.2f} s, {rate:.0f} samples/s")
+    return "\n".join(lines)
+
+
+def failure_lines(report: dict) -> list[str]:
+    """One line per failed check, for stderr."""
+    return [f"mimo-inspect report: FAIL {c['message']}" for c in report["checks"]
+            if not c["passed"]]
+
+
+def write_json(report: dict, path: str) -> None:
+    with open(path, "w") as out:
+        json.dump(report, out, indent=2)
+        out.write("\n")

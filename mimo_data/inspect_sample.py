@@ -1,0 +1,222 @@
+"""One sample as training sees it: tokens by class, placeholder counts, media summary.
+
+Token classes: ``trained`` (a target of the loss), ``prompt`` (in the sequence, masked out of
+the loss), one class per modality for the placeholder tokens (shown collapsed, e.g.
+``<|image_pad|>×64``) and ``padding`` (what the collator adds up to ``seq_length``). Token j is
+trained when ``loss_mask[j-1]`` is 1, i.e. when the model is trained to predict it; the last
+target of a sample, which is not in ``input_ids``, is shown too.
+
+A dropped sample has no training tokens; it is shown as the text encoder tokenizes it (without
+the ``seq_length`` limit) when that is possible, so that one sees why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from mimo_data.chat_tokens import TextError
+from mimo_data.inspect_stats import SampleInspector, SampleStats, expected_item_tokens
+from mimo_data.preprocess import Sample
+
+ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m", "image": "\033[1;35m",
+        "audio": "\033[1;36m", "padding": "\033[90m"}
+ANSI_RESET = "\033[0m"
+CLASS_NAMES = {"trained": "trained", "prompt": "prompt (masked)", "image": "image placeholders",
+               "audio": "audio placeholders", "padding": "padding"}
+
+
+@dataclass
+class TokenRun:
+    """Consecutive tokens of one class: ``text`` is their decoded text (or a collapsed form)."""
+    cls: str
+    text: str
+    count: int
+    collapsed: bool = False
+
+
+@dataclass
+class TokenView:
+    """A sample's tokens by class, ready to print or to put in HTML."""
+    runs: list[TokenRun]
+    note: str = ""          # why the tokens differ from a kept sample's, if they do
+
+
+def _sequence_of(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
+    """Full token sequence and per-token "is a target" flags of a kept sample."""
+    ids = sample.input_ids.numpy()
+    mask = sample.loss_mask.numpy() > 0
+    trained = np.concatenate([[False], mask[:-1]]) if len(ids) else np.zeros(0, bool)
+    if len(mask) and mask[-1]:               # the last target is not an input token
+        ids = np.append(ids, int(sample.labels[-1]))
+        trained = np.append(trained, True)
+    return ids, trained
+
+
+def token_view(inspector: SampleInspector, record: dict, stats: SampleStats,
+               sample: Sample | None) -> TokenView:
+    """The tokens of a sample by class (kept), or as far as they can be built (dropped)."""
+    note = ""
+    if sample is not None:
+        ids, trained = _sequence_of(sample)
+    else:
+        counts = [(item.get("modality"), expected_item_tokens(item, inspector.config))
+                  for item in record.get("media") or []]
+        if any(n is None for _, n in counts):
+            return _messages_view(record, "no tokens: a media item's token count cannot be "
+                                  "computed; the messages as stored")
+        try:
+            encoded = inspector.text.encode(record["messages"], counts)
+        except TextError as exc:
+            return _messages_view(record, f"no tokens: {exc.detail}; the messages as stored")
+        except Exception as exc:     # a malformed record: show what is known, not a traceback
+            return _messages_view(record, f"no tokens: {type(exc).__name__}: {exc}")
+        ids, trained = encoded.ids, encoded.trained.copy()
+        if len(trained):
+            trained[0] = False       # the first token is never a target
+        note = (f"dropped ({stats.dropped}): shown as tokenized without the seq_length limit; "
+                "none of it is trained")
+    runs = _runs(inspector, ids, trained)
+    if sample is not None and inspector.config.seq_length > stats.length:
+        pad = inspector.config.seq_length - stats.length
+        pad_token = inspector.text.tokenizer.convert_ids_to_tokens(inspector.text.pad_token_id)
+        runs.append(TokenRun("padding", f"{pad_token}×{pad}", pad, collapsed=True))
+    return TokenView(runs, note)
+
+
+def _messages_view(record: dict, note: str) -> TokenView:
+    """The stored messages as plain text, for a sample whose tokens cannot be built."""
+    try:
+        text = "\n".join(f"[{m.get('role')}] {m.get('content')}"
+                         for m in record.get("messages") or [])
+    except AttributeError:
+        text = repr(record.get("messages"))
+    return TokenView([TokenRun("prompt", text, 0)], note)
+
+
+def _runs(inspector: SampleInspector, ids: np.ndarray, trained: np.ndarray) -> list[TokenRun]:
+    classes = np.where(trained, 1, 0)
+    names = ["prompt", "trained"]
+    for modality, token_id in inspector.token_ids.items():
+        names.append(modality)
+        classes[ids == token_id] = len(names) - 1
+    if not len(ids):
+        return []
+    starts = np.flatnonzero(np.concatenate([[True], classes[1:] != classes[:-1]]))
+    ends = np.append(starts[1:], len(ids))
+    runs = []
+    for start, end in zip(starts.tolist(), ends.tolist()):
+        cls = names[classes[start]]
+        if cls in inspector.token_ids:
+            token = inspector.config.modalities[cls].token
+            runs.append(TokenRun(cls, f"{token}×{end - start}", end - start, collapsed=True))
+        else:
+            text = inspector.text.backend.decode(ids[start:end].tolist(),
+                                                 skip_special_tokens=False)
+            runs.append(TokenRun(cls, text, end - start))
+    return runs
+
+
+def format_runs(view: TokenView, color: bool) -> str:
+    """The token runs as terminal text: ANSI colours, or «» around trained text and [] around
+    collapsed runs when colours are off."""
+    parts = []
+    for run in view.runs:
+        text = f"[{run.text}]" if run.collapsed else run.text
+        if color:
+            parts.append(f"{ANSI[run.cls]}{text}{ANSI_RESET}")
+        elif run.cls == "trained":
+            parts.append(f"«{text}»")
+        else:
+            parts.append(text)
+    return "".join(parts)
+
+
+def _media_line(item: dict, tokens: int | None) -> str:
+    size = f"{item.get('bytes', 0) / 1000:.1f} kB"
+    if item.get("modality") == "image":
+        what = f"{item.get('width')}x{item.get('height')} {item.get('mode', '')}".strip()
+    else:
+        what = (f"{item.get('sample_rate')} Hz {item.get('channels')} ch "
+                f"{item.get('duration', 0):.2f} s")
+    shown = "?" if tokens is None else tokens
+    return (f"{item.get('member', '?'):10s} {item.get('modality', '?'):6s} "
+            f"{item.get('format', '?'):5s} {what:24s} {size:>9s}  -> {shown} tokens")
+
+
+def sample_problems(stats: SampleStats) -> list[str]:
+    """One line per thing that makes this sample fail a report check."""
+    problems = []
+    if stats.dropped:
+        problems.append(f"dropped ({stats.dropped}): {stats.detail}")
+    if stats.removed_turns:
+        problems.append(f"truncated: {stats.removed_turns} trailing turn(s) removed to fit "
+                        "seq_length")
+    if stats.marker_mismatch:
+        problems.append(f"marker/media mismatch: {stats.describe_markers()}")
+    if stats.placeholder_mismatch:
+        problems.append(f"placeholder mismatch: {stats.describe_placeholders()}")
+    for problem in stats.index_problems:
+        problems.append(f"index mismatch: {problem}")
+    return problems
+
+
+def format_sample(inspector: SampleInspector, record: dict, stats: SampleStats,
+                  sample: Sample | None, total: int, color: bool) -> str:
+    """Header (status, placeholder counts, media), legend and coloured tokens of one sample."""
+    config = inspector.config
+    source = record.get("source") or {}
+    where = " ".join(f"{k} {v}" for k, v in source.items())
+    lines = [f"sample {stats.key}  (position {stats.position} of {total})  source {where}"
+             + (f"  id {record['id']}" if record.get("id") else "")]
+    if stats.dropped:
+        lines.append(f"status      DROPPED ({stats.dropped}): {stats.detail}")
+    else:
+        fraction = stats.trained / stats.length if stats.length else 0.0
+        lines.append(f"status      kept: {stats.length} tokens of seq_length {config.seq_length}"
+                     f" ({config.seq_length - stats.length} padding), {stats.trained} trained "
+                     f"({fraction:.1%}), {stats.removed_turns} turn(s) removed")
+    media = record.get("media") or []
+    for modality in config.modalities:
+        items = [item for item in media if item.get("modality") == modality]
+        if not items and not stats.placeholders.get(modality):
+            continue
+        expected = [expected_item_tokens(item, config) for item in items]
+        if stats.dropped:
+            lines.append(f"{modality:11s} expected {expected} tokens per item from metadata "
+                         "(no input_ids: the sample is dropped)")
+            continue
+        kept = stats.expected.get(modality, [])
+        placeholders = stats.placeholders.get(modality, 0)
+        verdict = "OK" if (placeholders == sum(kept) and None not in kept) else "MISMATCH"
+        lines.append(f"{modality:11s} {placeholders} placeholder tokens in input_ids, expected "
+                     f"{sum(n for n in kept if n is not None)} from metadata {kept}"
+                     + (f" ({len(items) - len(kept)} item(s) in removed turns)"
+                        if len(items) > len(kept) else "") + f"  {verdict}")
+    for i, item in enumerate(media):
+        label = "media" if i == 0 else ""
+        lines.append(f"{label:11s} {_media_line(item, expected_item_tokens(item, config))}")
+    counts = {m: (stats.markers.count(m), stats.media.count(m))
+              for m in sorted(set(stats.markers) | set(stats.media))}
+    if counts:
+        lines.append("markers     " + ", ".join(f"{m}: {a} in the text / {b} items"
+                                                for m, (a, b) in counts.items())
+                     + ("  OK" if not stats.marker_mismatch else "  MISMATCH (order or count)"))
+    for problem in sample_problems(stats):
+        lines.append(f"PROBLEM     {problem}")
+    view = token_view(inspector, record, stats, sample)
+    legend = []
+    for cls in ("trained", "prompt", *config.modalities, "padding"):
+        name = CLASS_NAMES.get(cls, cls)
+        if color:
+            legend.append(f"{ANSI[cls]}{name}{ANSI_RESET}")
+        else:
+            legend.append({"trained": "«trained»", "padding": "[padding]"}.get(
+                cls, f"[{name}]" if cls in config.modalities else name))
+    lines.append("legend      " + "  ".join(legend))
+    if view.note:
+        lines.append(f"note        {view.note}")
+    lines.append("-" * 80)
+    lines.append(format_runs(view, color))
+    return "\n".join(lines)

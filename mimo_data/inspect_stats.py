@@ -1,0 +1,195 @@
+"""Per-sample facts for ``mimo-inspect``, computed by the training code path without media.
+
+Each record goes through the metadata-only ``Preprocessor`` (what language ranks run), so a
+sample's length, trained tokens, truncation and drop reason are exactly what training gets.
+Around that, checks that do not trust the preprocessor:
+
+- markers vs media: the ``<image>``/``<audio>`` markers of the messages, in reading order,
+  against the record's media list (a JSON edited by hand or written by another tool may
+  disagree; the preprocessor then drops the sample as ``template_mismatch``);
+- placeholders vs metadata: the modality tokens actually in ``input_ids`` against the counts
+  computed here from each kept item's metadata with ``token_counts`` (what the encoder emits);
+- record vs index: the record's media against ``samples.parquet`` (member present in the tar,
+  image size, audio duration), the table the loader trusts for counts and offsets.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from mimo_data.chat_tokens import TextEncoder
+from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
+from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reason
+from mimo_data.shard_format import MARKERS, SAMPLES_FILE
+from mimo_data.token_counts import audio_tokens, image_tokens
+
+_MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
+_MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
+
+# Drop reasons that mean "the chat template could not be rendered / round-tripped".
+TEMPLATE_REASONS = ("template_mismatch", "template_error")
+
+
+@dataclass
+class SampleStats:
+    """What one sample becomes in training, and what is wrong with it."""
+    position: int
+    key: str
+    dropped: str | None = None            # SampleDropped reason
+    detail: str = ""
+    length: int = 0                       # tokens in input_ids (0 when dropped)
+    trained: int = 0                      # tokens with loss_mask 1
+    removed_turns: int = 0
+    placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
+    expected: dict[str, list[int]] = field(default_factory=dict)  # per kept item, from metadata
+    counted: dict[str, list[int]] = field(default_factory=dict)   # the preprocessor's counts
+    markers: list[str] = field(default_factory=list)    # marker modalities in reading order
+    media: list[str] = field(default_factory=list)      # media item modalities in list order
+    index_problems: list[str] = field(default_factory=list)
+
+    @property
+    def marker_mismatch(self) -> bool:
+        return self.markers != self.media
+
+    @property
+    def placeholder_mismatch(self) -> bool:
+        return self.dropped is None and any(
+            None in counts or self.placeholders.get(m, 0) != sum(counts)
+            or self.counted.get(m) != counts for m, counts in self.expected.items())
+
+    @property
+    def template_failure(self) -> bool:
+        """A template drop that the markers/media disagreement does not explain."""
+        return self.dropped in TEMPLATE_REASONS and not self.marker_mismatch
+
+    def describe_markers(self) -> str:
+        modalities = sorted(set(self.markers + self.media))
+
+        def count(kinds):
+            return ", ".join(f"{kinds.count(m)} {m}" for m in modalities)
+        return f"markers in the text: {count(self.markers)}; media items: {count(self.media)}"
+
+    def describe_placeholders(self) -> str:
+        return "; ".join(f"{m}: {self.placeholders.get(m, 0)} placeholder tokens in input_ids, "
+                         f"the preprocessor counts {self.counted.get(m)}, the metadata gives "
+                         f"{counts}" for m, counts in self.expected.items()
+                         if None in counts or self.placeholders.get(m, 0) != sum(counts)
+                         or self.counted.get(m) != counts)
+
+
+def markers_of(messages: list[dict]) -> list[str]:
+    """Modalities of the ``<image>``/``<audio>`` markers in reading order (as
+    ``records.marker_order``, with one regex scan per message)."""
+    return [_MODALITY_OF[m] for message in messages if isinstance(message, dict)
+            for m in _MARKER.findall(str(message.get("content", "")))]
+
+
+def expected_item_tokens(item: dict, config: PreprocessConfig) -> int | None:
+    """Tokens the encoder emits for a media item, from its metadata (None: not computable)."""
+    modality_config = config.modalities.get(item.get("modality"))
+    try:
+        if item["modality"] == "image":
+            return image_tokens(item["width"], item["height"], modality_config)
+        return audio_tokens(item["frames"], item["sample_rate"], modality_config)
+    except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
+        return None
+
+
+class IndexTable:
+    """The per-sample columns of ``samples.parquet`` the record is checked against."""
+
+    def __init__(self, directory: str):
+        table = pq.read_table(os.path.join(directory, SAMPLES_FILE),
+                              columns=["members", "image_width", "image_height",
+                                       "audio_duration"])
+        self.members = [{m["name"] for m in row} for row in table.column("members").to_pylist()]
+        self.widths = table.column("image_width").to_pylist()
+        self.heights = table.column("image_height").to_pylist()
+        self.durations = table.column("audio_duration").to_pylist()
+
+    def problems(self, position: int, record: dict) -> list[str]:
+        """How the record's media list disagrees with its row of the table."""
+        found = []
+        media = record.get("media") or []
+        for item in media:
+            if item.get("member") not in self.members[position]:
+                found.append(f"media member {item.get('member')!r} is not in the shard")
+        images = [i for i in media if i.get("modality") == "image"]
+        audio = [i for i in media if i.get("modality") == "audio"]
+        sizes = [(i.get("width"), i.get("height")) for i in images]
+        indexed = list(zip(self.widths[position] or [], self.heights[position] or []))
+        if sizes != indexed:
+            found.append(f"image sizes {sizes} in the record, {indexed} in {SAMPLES_FILE}")
+        durations = [i.get("duration") for i in audio]
+        if durations != list(self.durations[position] or []):
+            found.append(f"audio durations {durations} in the record, "
+                         f"{self.durations[position]} in {SAMPLES_FILE}")
+        return found
+
+
+def inspection_text_encoder(config: PreprocessConfig, cache_tokens: bool = True) -> TextEncoder:
+    """The training TextEncoder, with the piece cache of ``segment_tokenizer`` when exact."""
+    text = TextEncoder(config)
+    if cache_tokens and unsupported_reason(text.backend) is None:
+        text.backend = SegmentCachedTokenizer(text.backend)
+    return text
+
+
+class SampleInspector:
+    """Record → (SampleStats, Sample or None), metadata-only, on the training code path."""
+
+    def __init__(self, config: PreprocessConfig, *, text: TextEncoder | None = None,
+                 cache_tokens: bool = True):
+        self.config = config
+        self.text = text or inspection_text_encoder(config, cache_tokens)
+        self.preprocessor = Preprocessor(config, with_media=False, text=self.text)
+        self.token_ids = self.text.modality_token_ids
+        self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
+
+    def item_tokens(self, item: dict) -> int | None:
+        """``expected_item_tokens`` memoized on the metadata it depends on."""
+        if item.get("modality") == "image":
+            signature = ("image", item.get("width"), item.get("height"))
+        else:
+            signature = (item.get("modality"), item.get("frames"), item.get("sample_rate"))
+        tokens = self._item_tokens.get(signature, self)
+        if tokens is self:
+            tokens = self._item_tokens[signature] = expected_item_tokens(item, self.config)
+        return tokens
+
+    def __call__(self, position: int, record: dict,
+                 index: IndexTable | None = None) -> tuple[SampleStats, Sample | None]:
+        media = record.get("media") or []
+        stats = SampleStats(position, record.get("key", f"#{position}"),
+                            markers=markers_of(record.get("messages") or []),
+                            media=[item.get("modality") for item in media])
+        if index is not None:
+            stats.index_problems = index.problems(position, record)
+        try:
+            sample = self.preprocessor(record)
+        except SampleDropped as exc:
+            stats.dropped, stats.detail = exc.reason, exc.detail
+            return stats, None
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:   # missing fields
+            stats.dropped, stats.detail = "malformed_record", f"{type(exc).__name__}: {exc}"
+            return stats, None
+        ids = sample.input_ids.numpy()
+        stats.length = len(ids)
+        stats.trained = int(sample.loss_mask.sum())
+        stats.removed_turns = sample.removed_turns
+        stats.placeholders = {m: int(np.count_nonzero(ids == token_id))
+                              for m, token_id in self.token_ids.items()}
+        kept_items = media
+        if sample.removed_turns:
+            kept = record["messages"][:len(record["messages"]) - sample.removed_turns]
+            kept_items = media[:len(markers_of(kept))]
+        stats.expected = {m: [self.item_tokens(item) for item in kept_items
+                              if item["modality"] == m] for m in self.config.modalities}
+        stats.counted = sample.token_counts
+        return stats, sample

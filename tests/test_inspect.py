@@ -1,0 +1,583 @@
+"""`mimo-inspect` on the real corpus, clean and with planted faults.
+
+Expected keys come from the planted records' ids (looked up in samples.parquet), expected
+numbers from the records' own metadata and texts, the token counts from ``token_counts`` (tested
+against transformers' processors in test_media_inputs) and the aggregate numbers from the plain
+metadata-only Preprocessor, never from the report's own code.
+"""
+
+from __future__ import annotations
+
+import copy
+import html.parser
+import json
+import re
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from mimo_data.chat_tokens import TextEncoder
+from mimo_data.cli_inspect import main
+from mimo_data.preprocess import Preprocessor, SampleDropped
+from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.records import marker_order
+from mimo_data.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
+                                         unsupported_reason)
+from mimo_data.shard_reader import ShardReader
+from mimo_data.token_counts import audio_tokens, image_tokens
+
+from conftest import REPO, build_dataset, samples_table, write_jsonl
+
+EOT = "<|im_end|>"
+LONG_ANSWER = " ".join(f"Point {i}: the picture shows one more detail." for i in range(200))
+
+
+def write_config(path: Path, **changes) -> Path:
+    data = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())
+    data["tokenizer"] = str(REPO / "assets" / "tokenizer" / "smollm2")
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("inspect-configs")
+    return {"default": write_config(root / "default.yaml"),
+            "truncate": write_config(root / "truncate.yaml", length_policy="truncate_turns"),
+            "caption": write_config(root / "caption.yaml", mode="caption"),
+            "fixed": write_config(root / "fixed.yaml", modalities={
+                "image": {"policy": "fixed", "image_size": 224, "patch_size": 14},
+                "audio": {}})}
+
+
+@pytest.fixture(scope="module")
+def clean(corpus_inputs, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("inspect-clean") / "shards"
+    build_dataset(corpus_inputs, out)
+    return out
+
+
+def _planted_records(assets) -> list[dict]:
+    image, audio = str(assets["jpeg"]), str(assets["flac"])
+
+    def turns(*pairs):
+        return [{"role": role, "content": content} for role, content in pairs]
+    return [
+        # An assistant turn longer than seq_length, after a first question and answer.
+        {"id": "fault-long", "images": [image], "messages": turns(
+            ("user", "<image>\nWhat is this?"), ("assistant", "A photo."),
+            ("user", "Describe every detail."), ("assistant", LONG_ANSWER))},
+        # A prompt without an answer: nothing to train on.
+        {"id": "fault-prompt-only", "images": [image],
+         "messages": turns(("user", "<image>\nDescribe the image."))},
+        # An answer starting with newlines: a token straddles the trained span's edge.
+        {"id": "fault-template", "messages": turns(("user", "Hi"), ("assistant", "\n\nHello."))},
+        # Fine in chat mode; in caption mode its last placeholder is only a target.
+        {"id": "fault-trailing-image", "images": [image], "messages": turns(
+            ("user", "What is a cat?"), ("assistant", "An animal."), ("user", "<image>"))},
+        # Patched after the build (see _patch_member): <image> -> <audio>.
+        {"id": "fault-swap", "images": [image],
+         "messages": turns(("user", "<image>\nDescribe the image."), ("assistant", "A photo."))},
+        # Patched after the build: "picture" -> "<image>" (2 markers, 1 image).
+        {"id": "fault-extra-marker", "images": [image], "messages": turns(
+            ("user", "<image>\nDescribe the picture."), ("assistant", "A photo."))},
+        # Patched after the build: the record's image width no longer matches samples.parquet.
+        {"id": "fault-index", "images": [image], "audios": [audio], "messages": turns(
+            ("user", "<image>\n<audio>\nWhat do you see and hear?"),
+            ("assistant", "A photo and a voice."))},
+    ]
+
+
+def _patch_member(directory: Path, key: str, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (same length) in the JSON member of ``key``, in place: the
+    tar stays valid (only member data changes), offsets and sizes stay right."""
+    assert len(old) == len(new)
+    reader = ShardReader(str(directory))
+    position = reader.keys.index(key)
+    offset, size = reader.members[position]["json"]
+    shard = directory / reader.shards[position]
+    reader.close()
+    data = shard.read_bytes()
+    member = data[offset:offset + size]
+    assert member.count(old) == 1, (key, old, member)
+    shard.write_bytes(data[:offset] + member.replace(old, new) + data[offset + size:])
+
+
+@pytest.fixture(scope="module")
+def faulty(corpus_inputs, assets, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """The corpus plus the planted faults; returns (directory, {fault id: key})."""
+    root = tmp_path_factory.mktemp("inspect-faulty")
+    faults = write_jsonl(root / "faults.jsonl", _planted_records(assets))
+    out = root / "shards"
+    build_dataset([*corpus_inputs, faults], out)
+    keys = {row["id"]: row["key"] for row in samples_table(out)
+            if (row["id"] or "").startswith("fault-")}
+    assert len(keys) == 7, keys
+    _patch_member(out, keys["fault-swap"], b"<image>\\nDescribe the image.",
+                  b"<audio>\\nDescribe the image.")
+    _patch_member(out, keys["fault-extra-marker"], b"the picture.", b"the <image>.")
+    reader = ShardReader(str(out))
+    record = reader.record(reader.keys.index(keys["fault-index"]))
+    width = record["media"][0]["width"]
+    _patch_member(out, keys["fault-index"], f'"width": {width},'.encode(),
+                  f'"width": {width + 1 if width % 10 != 9 else width - 1},'.encode())
+    return out, keys
+
+
+def run(capsys, *args) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = main([str(a) for a in args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def report_json(capsys, tmp_path, directory, config, *extra) -> tuple[int, dict, str]:
+    out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    code, _, err = run(capsys, "report", directory, "--config", config, "--json", out,
+                       "--no-progress", *extra)
+    return code, json.loads(out.read_text()), err
+
+
+def flagged_keys(report: dict, check: str) -> set[str]:
+    return {entry["key"] for entry in report["flagged"][check]}
+
+
+# ------------------------------------------------------------------------------------ report
+
+def test_clean_corpus_passes_every_check(capsys, tmp_path, clean, configs):
+    code, report, err = report_json(capsys, tmp_path, clean, configs["default"])
+    assert code == 0, err
+    assert "FAIL" not in err
+    assert report["passed"] and all(check["passed"] for check in report["checks"])
+    assert report["samples"] == report["kept"] == len(ShardReader(str(clean)))
+    assert not any(report["flagged"].values())
+
+
+def test_report_numbers_are_the_preprocessors(capsys, tmp_path, faulty, configs):
+    """Totals of the report == a plain loop of the metadata-only Preprocessor (whole-text
+    tokenization, no piece cache) over the same dataset."""
+    directory, _ = faulty
+    code, report, _ = report_json(capsys, tmp_path, directory, configs["default"])
+    assert code == 1
+    preprocessor = Preprocessor(PreprocessConfig.from_yaml(str(configs["default"])),
+                                with_media=False)
+    reader = ShardReader(str(directory))
+    lengths, trained, drops = [], 0, {}
+    placeholders = {m: 0 for m in preprocessor.text.modality_token_ids}
+    for position in range(len(reader)):
+        try:
+            sample = preprocessor(reader.record(position))
+        except SampleDropped as exc:
+            drops[reader.keys[position]] = exc.reason
+            continue
+        lengths.append(len(sample.input_ids))
+        trained += int(sample.loss_mask.sum())
+        for modality, token_id in preprocessor.text.modality_token_ids.items():
+            placeholders[modality] += int((sample.input_ids == token_id).sum())
+    assert report["kept"] == len(lengths)
+    assert report["tokens"]["real"] == sum(lengths)
+    assert report["tokens"]["trained"] == trained
+    assert report["sequence_length"]["stats"]["max"] == max(lengths)
+    assert sum(b["count"] for b in report["sequence_length"]["histogram"]) == len(lengths)
+    assert {m: d["tokens"] for m, d in report["modalities"].items()} == placeholders
+    assert {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]} == drops
+
+
+def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
+    directory, keys = faulty
+    code, report, err = report_json(capsys, tmp_path, directory, configs["default"])
+    assert code == 1
+    expected = {
+        "dropped": {keys[k] for k in ("fault-long", "fault-prompt-only", "fault-swap",
+                                      "fault-extra-marker")},
+        "zero_trained": {keys["fault-prompt-only"]},
+        # An answer starting with blank lines is trained without them, not a failure.
+        "template_failures": set(),
+        "marker_mismatches": {keys["fault-swap"], keys["fault-extra-marker"]},
+        "index_mismatches": {keys["fault-index"]},
+        "truncated": set(),
+        "placeholder_mismatches": set(),
+    }
+    assert {check: flagged_keys(report, check) for check in expected} == expected
+    reasons = {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]}
+    assert reasons[keys["fault-long"]] == "too_long"
+    assert reasons[keys["fault-prompt-only"]] == "no_trained_tokens"
+    # One stderr line per failed check, naming its keys; nothing else fails.
+    lines = err.strip().splitlines()
+    failed = {re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1) for line in lines}
+    assert failed == {check for check, found in expected.items() if found}
+    for line in lines:
+        check = re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1)
+        for key in sorted(expected[check])[:5]:
+            assert key in line, (key, line)
+    assert {c["name"]: c["passed"] for c in report["checks"]} == {
+        **{check: not found for check, found in expected.items()},
+        "trained_token_fraction": True, "kept_samples": True}
+
+
+def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, faulty, configs):
+    directory, keys = faulty
+    code, report, err = report_json(capsys, tmp_path, directory, configs["truncate"])
+    assert code == 1
+    assert flagged_keys(report, "truncated") == {keys["fault-long"]}
+    assert keys["fault-long"] not in flagged_keys(report, "dropped")
+    line = next(l for l in err.splitlines() if "FAIL truncated" in l)
+    assert keys["fault-long"] in line
+
+
+def test_caption_mode_trailing_image_is_reported_as_dropped(capsys, tmp_path, faulty, configs):
+    """In caption mode a conversation ending with a marker would lose its last placeholder to
+    the next-token shift: the preprocessor drops it (ends_with_media) and the report says so."""
+    directory, keys = faulty
+    code, report, err = report_json(capsys, tmp_path, directory, configs["caption"])
+    assert code == 1
+    reasons = {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]}
+    assert reasons[keys["fault-trailing-image"]] == "ends_with_media"
+    assert flagged_keys(report, "placeholder_mismatches") == set()
+    assert "FAIL dropped" in err and keys["fault-trailing-image"] in err
+
+
+def test_thresholds_are_flags(capsys, tmp_path, faulty, configs):
+    directory, keys = faulty
+    relaxed = ["--max-dropped-fraction", "0.5", "--max-zero-trained-fraction", "0.5",
+               "--max-template-failures", "1", "--max-index-mismatches", "1"]
+    code, report, err = report_json(capsys, tmp_path, directory, configs["default"], *relaxed)
+    assert code == 1
+    assert [line.split(":")[1].split()[-1] for line in err.strip().splitlines()] == \
+        ["marker_mismatches"]
+    code, report, err = report_json(capsys, tmp_path, directory, configs["default"], *relaxed,
+                                    "--max-marker-mismatches", "2")
+    assert code == 0 and err == "" and report["passed"]
+    code, _, err = report_json(capsys, tmp_path, directory, configs["default"], *relaxed,
+                               "--max-marker-mismatches", "2",
+                               "--min-trained-token-fraction", "0.9")
+    assert code == 1 and "FAIL trained_token_fraction" in err
+
+
+def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
+    code, report, _ = report_json(capsys, tmp_path, clean, configs["default"], "--limit", "7")
+    assert code == 0 and report["samples"] == 7
+    code, report, err = report_json(capsys, tmp_path, clean, configs["default"], "--limit", "0")
+    assert code == 1 and "FAIL kept_samples" in err
+    code, _, err = run(capsys, "report", tmp_path / "missing", "--config", configs["default"])
+    assert code == 2 and "error" in err
+    code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--key", "nope")
+    assert code == 2 and "nope" in err
+
+
+def test_workers_give_the_same_report(capsys, tmp_path, faulty, configs):
+    directory, _ = faulty
+    _, one, _ = report_json(capsys, tmp_path, directory, configs["default"])
+    _, two, _ = report_json(capsys, tmp_path, directory, configs["default"], "--workers", "2")
+    volatile = {"seconds", "samples_per_second", "workers", "token_cache"}
+    assert {k: v for k, v in one.items() if k not in volatile} == \
+        {k: v for k, v in two.items() if k not in volatile}
+
+
+# -------------------------------------------------------------------------------------- html
+
+class _Images(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.body: dict = {}
+        self.images: list[tuple[str | None, str]] = []     # (enclosing sample id, alt)
+        self.token_classes: dict[str, set] = {}             # sample id -> token span classes
+        self._sample = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "body":
+            self.body = attrs
+        elif tag == "div" and (attrs.get("id") or "").startswith("sample-"):
+            self._sample = attrs["id"]
+        elif tag == "img":
+            self.images.append((self._sample, attrs.get("alt") or ""))
+        elif tag == "span" and self._sample and (attrs.get("class") or "").startswith("t-"):
+            self.token_classes.setdefault(self._sample, set()).add(attrs["class"])
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+def test_html_report_renders_in_headless_chromium(capsys, tmp_path, faulty, configs):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (tools/setup.sh installs the Debian package "
+                    "'chromium')")
+    directory, keys = faulty
+    page = tmp_path / "report.html"
+    code, _, _ = run(capsys, "report", directory, "--config", configs["default"], "--html", page,
+                     "--no-progress")
+    assert code == 1
+    profile = tempfile.mkdtemp(prefix="chromium-")
+    try:
+        dom = subprocess.run(
+            [browser, "--headless", "--no-sandbox", "--disable-gpu",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             "--no-first-run", f"--user-data-dir={profile}", "--virtual-time-budget=5000",
+             "--dump-dom", page.as_uri()],
+            capture_output=True, text=True, timeout=120).stdout
+    finally:
+        shutil.rmtree(profile, ignore_errors=True)
+    parsed = _Images()
+    parsed.feed(dom)
+    total = int(parsed.body["data-images-total"])
+    assert total == len(parsed.images) and total >= 8
+    assert int(parsed.body["data-images-loaded"]) == total     # every image decoded
+    alts = [alt for _, alt in parsed.images]
+    for plot in ("Trained-token fraction per sample", "Sequence length", "image tokens per item",
+                 "audio tokens per item", "Dropped samples by reason"):
+        assert plot in alts
+    # Thumbnails and spectrograms of flagged samples, next to their tokens.
+    in_sample = {}
+    for sample, alt in parsed.images:
+        in_sample.setdefault(sample, []).append(alt)
+    assert any(a.startswith("img0.") for a in in_sample[f"sample-{keys['fault-swap']}"])
+    assert any(a.startswith("aud0.") for a in in_sample[f"sample-{keys['fault-index']}"])
+    # Coloured tokens: the too-long sample shown whole, the answer-less one without targets.
+    assert {"t-trained", "t-prompt", "t-image"} <= parsed.token_classes[
+        f"sample-{keys['fault-long']}"]
+    assert "t-trained" not in parsed.token_classes[f"sample-{keys['fault-prompt-only']}"]
+
+
+# ------------------------------------------------------------------------------------ sample
+
+def _record_with_image_and_audio(directory: Path) -> tuple[int, dict]:
+    reader = ShardReader(str(directory))
+    for position in range(len(reader)):
+        record = reader.record(position)
+        modalities = [item["modality"] for item in record["media"]]
+        if modalities.count("audio") >= 2 and "image" in modalities:
+            return position, record
+    raise AssertionError("the corpus has no sample with an image and two audio clips")
+
+
+def test_sample_shows_counts_from_metadata_and_trained_text(capsys, clean, configs):
+    position, record = _record_with_image_and_audio(clean)
+    code, out, err = run(capsys, "sample", clean, "--config", configs["default"],
+                         "--key", record["key"], "--color", "never")
+    assert code == 0, err
+    tokens = out.split("-" * 80 + "\n", 1)[1]       # below the header and legend
+    config = PreprocessConfig.from_yaml(str(configs["default"]))
+    expected = {
+        "image": [image_tokens(i["width"], i["height"], config.modalities["image"])
+                  for i in record["media"] if i["modality"] == "image"],
+        "audio": [audio_tokens(i["frames"], i["sample_rate"], config.modalities["audio"])
+                  for i in record["media"] if i["modality"] == "audio"]}
+    for modality, counts in expected.items():
+        match = re.search(rf"^{modality}\s+(\d+) placeholder tokens in input_ids, expected "
+                          rf"(\d+) from metadata \[([\d, ]+)\]\s+OK$", out, re.M)
+        assert match, out
+        assert int(match.group(1)) == int(match.group(2)) == sum(counts)
+        assert [int(n) for n in match.group(3).split(",")] == counts
+        # The collapsed runs in the token text, in item order.
+        token = config.modalities[modality].token
+        assert [int(n) for n in re.findall(rf"\[{re.escape(token)}×(\d+)\]", tokens)] == counts
+    for item in record["media"]:
+        assert item["member"] in out
+    trained = "".join(re.findall(r"«(.*?)»", tokens, re.S))
+    assert trained == "".join(m["content"] + EOT for m in record["messages"]
+                              if m["role"] == "assistant")
+    assert "\033[" not in out
+
+
+def test_sample_colours_and_random(capsys, clean, configs):
+    code, out, _ = run(capsys, "sample", clean, "--config", configs["default"], "--index", "1",
+                       "--color", "always")
+    assert code == 0 and "\033[1;32m" in out and "\033[1;35m" in out and "«" not in out
+    code, out, _ = run(capsys, "sample", clean, "--config", configs["default"], "--index", "1")
+    assert "\033[" not in out                      # auto: captured stdout is no terminal
+    _, first, _ = run(capsys, "sample", clean, "--config", configs["default"], "--random", "3",
+                      "--seed", "5", "--color", "never")
+    _, again, _ = run(capsys, "sample", clean, "--config", configs["default"], "--random", "3",
+                      "--seed", "5", "--color", "never")
+    headers = re.findall(r"^sample (\d+) ", first, re.M)
+    assert len(set(headers)) == 3 and first == again
+
+
+def test_sample_of_a_dropped_or_mismatched_sample_fails(capsys, faulty, configs):
+    directory, keys = faulty
+    code, out, err = run(capsys, "sample", directory, "--config", configs["default"],
+                         "--key", keys["fault-prompt-only"], "--color", "never")
+    assert code == 1
+    assert "DROPPED (no_trained_tokens)" in out
+    assert "«" not in out.split("-" * 80 + "\n", 1)[1]
+    assert "[<|image_pad|>×" in out                 # its tokens are still shown
+    assert keys["fault-prompt-only"] in err
+    code, out, err = run(capsys, "sample", directory, "--config", configs["default"],
+                         "--key", keys["fault-swap"], "--color", "never")
+    assert code == 1 and "marker/media mismatch" in err and "MISMATCH" in out
+
+
+# --------------------------------------------------------------------------- token pieces
+
+@pytest.fixture(scope="module")
+def text_encoder(configs) -> TextEncoder:
+    return TextEncoder(PreprocessConfig.from_yaml(str(configs["default"])))
+
+
+def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
+    backend = text_encoder.backend
+    assert unsupported_reason(backend) is None
+    cached = SegmentCachedTokenizer(backend, verify_first=0, verify_every=10 ** 9)
+    reader = ShardReader(str(clean))
+    texts = [text_encoder.render(reader.record(p)["messages"])[0] for p in range(len(reader))]
+    texts += ["", "<|im_start|>", "<image><audio>", "a<|im_end|>b", "<imag", "<<image>>",
+              "é漢字🙂 <image>\n\n  x  ", "  <|im_start|>  user\n\n", "<|im_end|><|im_end|>",
+              "word<image>word", "\n<audio>\n"]
+    for text in texts * 2:                           # the second time from the cache
+        reference = backend.encode(text, add_special_tokens=False)
+        mine = cached.encode(text)
+        assert mine.ids.tolist() == reference.ids, text
+        assert [tuple(o) for o in mine.offsets.tolist()] == list(reference.offsets), text
+    assert cached.hits > cached.misses
+
+
+def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    metaspace = Tokenizer(models.BPE())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    assert "first piece" in unsupported_reason(metaspace)
+    stripping = Tokenizer(models.BPE())
+    stripping.add_special_tokens([AddedToken("<mask>", lstrip=True)])
+    assert "whitespace" in unsupported_reason(stripping)
+    with pytest.raises(ValueError):
+        SegmentCachedTokenizer(stripping)
+    # A wrong cache entry is caught by the verification against the tokenizer.
+    cached = SegmentCachedTokenizer(text_encoder.backend)
+    cached.encode("<|im_start|>user\nHello there")
+    ids, offsets = cached._cache["user\nHello there"]
+    cached._cache["user\nHello there"] = (ids[::-1].copy(), offsets)
+    with pytest.raises(SegmentCacheError):
+        cached.encode("<|im_start|>user\nHello there")
+
+
+def test_marker_scan_equals_marker_order(clean):
+    from mimo_data.inspect_stats import markers_of
+
+    reader = ShardReader(str(clean))
+    messages = [reader.record(p)["messages"] for p in range(len(reader))]
+    messages.append([{"role": "user", "content": "<audio><image>x<image><<audio>>"},
+                     {"role": "assistant", "content": "<image"}])
+    for conversation in messages:
+        assert markers_of(conversation) == marker_order(conversation)
+
+
+def test_inspector_on_an_edited_record_reports_both_mismatches(configs):
+    """The per-sample check on a record edited in memory: markers vs media and, when the
+    preprocessor keeps it, placeholders vs metadata."""
+    from mimo_data.inspect_stats import SampleInspector
+
+    config = PreprocessConfig.from_yaml(str(configs["default"]))
+    inspector = SampleInspector(config)
+    record = {"key": "k", "messages": [{"role": "user", "content": "<image>\nWhat?"},
+                                       {"role": "assistant", "content": "A cat."}],
+              "media": [{"modality": "image", "member": "img0.jpg", "width": 451,
+                         "height": 300, "orientation": 1}]}
+    stats, sample = inspector(0, record)
+    assert sample is not None and not stats.marker_mismatch and not stats.placeholder_mismatch
+    assert stats.placeholders["image"] == image_tokens(451, 300, config.modalities["image"])
+    edited = copy.deepcopy(record)
+    edited["media"].append(dict(record["media"][0], member="img1.jpg"))
+    stats, sample = inspector(0, edited)
+    assert sample is None and stats.marker_mismatch and stats.dropped == "template_mismatch"
+    assert not stats.template_failure               # explained by the markers, not the template
+    assert np.isclose(stats.trained, 0)
+
+
+# -------------------------------------------------------------------------------------- plan
+
+PLAN_LAYOUTS = [
+    ("language=dp2;images=dp1;audio=dp1", "default"),     # fan-out: encoder dp < language dp
+    ("language=dp1;images=dp2;audio=dp1", "fixed"),       # fan-in (fixed-size image tokens)
+    ("language=dp2,off0;images=dp2,off0;audio=dp2,off0", "default"),   # colocated
+    ("language=pp2,dp1;images=dp1;audio=dp1", "default"),  # language PP2
+]
+
+
+@pytest.mark.parametrize("layout, config_name", PLAN_LAYOUTS)
+def test_plan_matches_what_each_ranks_loader_delivers(capsys, clean, configs, layout,
+                                                      config_name):
+    """Every rank's real loader (media decoded) against ``plan --json``: the same sample keys
+    per step and micro-batch, and the plan's tokens per step equal the real batches' (language:
+    attention-mask tokens; encoders: the tokens their actual inputs produce)."""
+    from mimo_data.audio_inputs import audio_rows_to_tokens
+    from mimo_data.image_inputs import image_rows_to_tokens
+    from mimo_data.layout import Layout
+    from mimo_data.loader import DataSource, build_loader
+
+    code, out, err = run(capsys, "plan", clean, "--config", configs[config_name], "--layout",
+                         layout, "--global-batch-size", "8", "--micro-batch-size", "2", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    config = PreprocessConfig.from_yaml(str(configs[config_name]))
+    rows_to_tokens = {"image": image_rows_to_tokens, "audio": audio_rows_to_tokens}
+    parsed = Layout.parse(layout)
+    assert [entry["rank"] for entry in result["ranks"]] == list(range(parsed.world_size))
+    source = DataSource([str(clean)], config)        # opened once for all ranks' loaders
+    for entry in result["ranks"]:
+        loader = build_loader(source, None, layout, entry["rank"], parsed.world_size, 8, 2,
+                              seed=0)
+        if loader is None:
+            assert entry["steps"] is None
+            continue
+        delivered: dict = {}
+        tokens: dict = {}
+        for batch, metadata in loader:
+            step = delivered.setdefault(metadata["step"], [])
+            step.append({"keys": metadata["keys"], **(
+                {"encoder_keys": metadata["encoder_keys"]} if "encoder_keys" in metadata else {})})
+            per_step = tokens.setdefault(metadata["step"], {})
+            if "attention_mask" in batch:
+                per_step["language"] = (per_step.get("language", 0)
+                                        + int(batch["attention_mask"].sum()))
+            for modality, by_encoder in batch.get("modality_inputs", {}).items():
+                inputs = by_encoder[config.modalities[modality].encoder]
+                per_step[modality] = (per_step.get(modality, 0) + sum(
+                    rows_to_tokens[modality](inputs, config.modalities[modality])))
+        loader.close()
+        planned = {step["step"]: [{"keys": mb["keys"], **(
+            {"encoder_keys": mb["encoder_keys"]} if "encoder_keys" in mb else {})}
+            for mb in step["micro_batches"]] for step in entry["steps"]}
+        assert planned == delivered, entry["rank"]
+        assert len(planned) == result["steps_per_epoch"]
+        rows = [r for r in result["plan"]["ranks"] if r["rank"] == entry["rank"]]
+        assert {r["module"] for r in rows} == {p["module"] for p in entry["role"]["modules"]}
+        for row in rows:
+            modality = next((m for m, module in entry["role"]["media"].items()
+                             if module == row["module"]), "language")
+            assert [s["tokens"] for s in row["steps"]] == \
+                [tokens[s]["language"] if modality == "language" else tokens[s].get(modality, 0)
+                 for s in sorted(tokens)], (entry["rank"], modality)
+
+
+def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                         "language=dp3;images=dp1;audio=dp1", "--global-batch-size", "8",
+                         "--micro-batch-size", "2")
+    assert code == 1 and "INVALID" in out
+    assert "FAIL layout" in err and "8" in err and "6" in err
+    # Fan-in of variable-size image tokens: the bridge cannot route it.
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                         "language=dp1;images=dp2;audio=dp1", "--global-batch-size", "8",
+                         "--micro-batch-size", "2")
+    assert code == 1 and "INVALID" in out and "images" in err
+
+
+def test_plan_text_summary(capsys, clean, configs):
+    code, out, _ = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                       "language=dp2;images=dp1;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2")
+    assert code == 0
+    samples = len(ShardReader(str(clean)))
+    assert f"{samples // 8} steps x 2 global micro-batches of 4 samples" in out
+    assert f"remainder drop: {samples % 8} samples" in out
+    assert re.search(r"language\s+dp 2: mean \d\.\d\d, worst \d\.\d\d", out)
