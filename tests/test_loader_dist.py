@@ -5,6 +5,7 @@ ranks gather what they consumed and rank 0 checks exactly-once and cross-module 
 Run 2: 4 ranks, language pp2 dp1 + images dp2 (another layout, another micro-batch), resumed
 from the state run 1 saved after two steps: its steps must be run 1's remaining steps, keys
 and tensors alike.
+`mimo-inspect plan --json` for run 1's layout must predict exactly what run 1 consumed.
 """
 
 from __future__ import annotations
@@ -53,11 +54,29 @@ def runs(loader_corpus, tmp_path_factory):
     second = torchrun(4, folder / "second.json", *common, "--layout",
                       "language=pp2,dp1;images=dp2", "--micro-batch-size", 2,
                       "--state", folder / "state.json")
-    return first, second
+    return first, second, config
+
+
+def plan_per_module(plan: dict) -> dict:
+    """Per module, per step: the keys of its global micro-batches (DP parts concatenated, in
+    micro-batch order) as `mimo-inspect plan --json` predicts them."""
+    parts: dict[str, dict[int, list]] = {}
+    for rank in plan["ranks"]:
+        for module in rank["role"]["modules"]:
+            if module["tp_rank"] or module["cp_rank"] or module["pp_rank"] or not rank["steps"]:
+                continue
+            modality = next((m for m, name in rank["role"]["media"].items()
+                             if name == module["module"]), None)
+            parts.setdefault(module["module"], {})[module["dp_rank"]] = [
+                [mb["encoder_keys"][modality] if modality else mb["keys"]
+                 for mb in step["micro_batches"]] for step in rank["steps"]]
+    return {name: [[key for mb in range(len(by_dp[0][step])) for dp in sorted(by_dp)
+                    for key in by_dp[dp][step][mb]] for step in range(len(by_dp[0]))]
+            for name, by_dp in parts.items()}
 
 
 def test_one_epoch_on_three_ranks_serves_every_kept_sample_once(runs, loader_corpus):
-    first, _ = runs
+    first, _, _ = runs
     assert first["problems"] == [] and first["world_size"] == 3
     kept = {f"0/{row['key']}" for row in pq.read_table(loader_corpus / "samples.parquet")
             .to_pylist() if not row["audio_duration"]}           # image-only config
@@ -75,7 +94,24 @@ def test_one_epoch_on_three_ranks_serves_every_kept_sample_once(runs, loader_cor
 
 
 def test_resume_on_four_ranks_with_another_layout_continues_exactly(runs):
-    first, second = runs
+    first, second, _ = runs
     assert second["problems"] == [] and second["world_size"] == 4
     for module in ("language", "images"):
         assert second["modules"][module] == first["modules"][module][SAVE_AFTER:], module
+
+
+def test_inspect_plan_predicts_what_the_torchrun_job_consumed(runs, loader_corpus, tmp_path):
+    first, _, config = runs
+    out = tmp_path / "plan.json"
+    command = [str(Path(sys.executable).parent / "mimo-inspect"), "plan", str(loader_corpus),
+               "--config", str(config), "--layout", "language=dp2;images=dp1",
+               "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2",
+               "--seed", "21", "--json"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out.write_text(result.stdout)
+    predicted = plan_per_module(json.loads(out.read_text()))
+    consumed = {name: [step["keys"] for step in steps]
+                for name, steps in first["modules"].items()}
+    assert set(predicted) == set(consumed) == {"language", "images"}
+    assert predicted == consumed
