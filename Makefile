@@ -8,6 +8,8 @@ DEMO := runs/demo
 setup:
 	@bash tools/setup.sh
 
+# Until mimo_train exists: shards, their check, what training would see (masks, counts,
+# drops) and where each sample would go for a non-colocated 4-rank layout.
 demo: setup
 	.venv/bin/mimo-shard build assets/corpus/llava.json assets/corpus/llava.jsonl \
 	    assets/corpus/conversations.parquet assets/corpus/speech.parquet \
@@ -15,6 +17,12 @@ demo: setup
 	    --max-samples-per-shard 16 --workers 2
 	.venv/bin/mimo-shard verify $(DEMO)/shards
 	.venv/bin/mimo-shard info $(DEMO)/shards
+	.venv/bin/mimo-inspect report $(DEMO)/shards --config configs/preprocess.yaml \
+	    --html $(DEMO)/report.html
+	.venv/bin/mimo-inspect sample $(DEMO)/shards --config configs/preprocess.yaml --index 0
+	.venv/bin/mimo-inspect plan $(DEMO)/shards --config configs/preprocess.yaml \
+	    --layout "language=dp2;images=dp1;audio=dp1" --global-batch-size 8 --micro-batch-size 2
+	@echo "demo: shards in $(DEMO)/shards, HTML report in $(DEMO)/report.html"
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup
