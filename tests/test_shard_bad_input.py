@@ -3,7 +3,6 @@ it are all written; ``--strict`` stops at the first one and leaves nothing behin
 
 from __future__ import annotations
 
-import io
 import json
 import random
 import re

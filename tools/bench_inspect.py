@@ -19,7 +19,6 @@ Prints samples/s and the ratios to the baseline.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
@@ -27,50 +26,15 @@ import time
 
 import torch
 
-from mimo_data.build import BuildOptions, build
 from mimo_data.inspect_report import Thresholds, build_report
 from mimo_data.inspect_stats import SampleInspector
 from mimo_data.preprocess import Preprocessor, preprocess_dataset
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import Tally
 from mimo_data.shard_reader import ShardReader
-
-CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
-                 "speech_manifest.jsonl")
+from replicate_corpus import replicated_dataset
 
 
-def _replicated_dataset(corpus: str, samples: int, modalities: str, work: str) -> str:
-    """Build the corpus once, then a dataset of its records repeated to ``samples``, each
-    copy's answers made unique."""
-    once = os.path.join(work, "once")
-    build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
-          BuildOptions(progress=False))
-    reader = ShardReader(once)
-    records = [reader.record(i) for i in range(len(reader))]
-    positions = [i for i, r in enumerate(records)
-                 if modalities == "all" or all(m["modality"] == "image" for m in r["media"])]
-    jsonl = os.path.join(work, "replicated.jsonl")
-    media_dir = os.path.join(work, "media")
-    os.makedirs(media_dir)
-    with open(jsonl, "w") as out:
-        for i in range(samples):
-            position = positions[i % len(positions)]
-            record = records[position]
-            paths = {}
-            for item in record["media"]:
-                path = os.path.join(media_dir, f"{record['key']}.{item['member']}")
-                if not os.path.exists(path):
-                    with open(path, "wb") as media:
-                        media.write(reader.read_member(position, item["member"]))
-                paths.setdefault(item["modality"], []).append(path)
-            messages = [dict(m, content=f"(Copy {i}.) {m['content']}")
-                        if m["role"] == "assistant" else m for m in record["messages"]]
-            out.write(json.dumps({"id": f"r{i}", "messages": messages,
-                                  "images": paths.get("image", []),
-                                  "audios": paths.get("audio", [])}) + "\n")
-    dataset = os.path.join(work, "replicated")
-    build([jsonl], dataset, BuildOptions(progress=False, check="header"))
-    return dataset
 
 
 def main() -> None:
@@ -87,7 +51,9 @@ def main() -> None:
     config = PreprocessConfig.from_yaml(args.config)
     work = tempfile.mkdtemp(prefix="bench_inspect_")
     try:
-        dataset = _replicated_dataset(args.corpus, args.samples, args.modalities, work)
+        images_only = (lambda r: all(m["modality"] == "image" for m in r["media"]))
+        dataset = replicated_dataset(args.corpus, args.samples, work, unique_answers=True,
+                                     keep=None if args.modalities == "all" else images_only)
         reader = ShardReader(dataset)
         n = len(reader)
         baseline = Preprocessor(config, with_media=False)

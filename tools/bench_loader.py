@@ -32,47 +32,13 @@ import torch
 import torch.utils.data
 import webdataset as wds
 
-from mimo_data.build import BuildOptions, build
 from mimo_data.collate import Collator
 from mimo_data.loader import DataSource, build_loader
 from mimo_data.preprocess import Preprocessor, SampleDropped
-from mimo_data.shard_reader import ShardReader
+from replicate_corpus import replicated_dataset
 
-CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
-                 "speech_manifest.jsonl")
 LAYOUT = "language=dp1;images=dp1;audio=dp1"
 LANGUAGE_RANK, ENCODER_RANK = 0, 1
-
-
-def replicated_dataset(corpus: str, samples: int, work: str) -> str:
-    """The corpus records repeated to ``samples`` samples, in 8 shards."""
-    once = os.path.join(work, "once")
-    if not os.path.isdir(once):
-        build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
-              BuildOptions(progress=False, workers=0))
-    reader = ShardReader(once)
-    media_dir = os.path.join(work, "media")
-    os.makedirs(media_dir, exist_ok=True)
-    jsonl = os.path.join(work, f"replicated-{samples}.jsonl")
-    with open(jsonl, "w") as out:
-        for i in range(samples):
-            position = i % len(reader)
-            record = reader.record(position)
-            paths: dict[str, list[str]] = {}
-            for item in record["media"]:
-                path = os.path.join(media_dir, f"{record['key']}.{item['member']}")
-                if not os.path.exists(path):
-                    with open(path, "wb") as media:
-                        media.write(reader.read_member(position, item["member"]))
-                paths.setdefault(item["modality"], []).append(path)
-            out.write(json.dumps({"id": f"r{i}", "messages": record["messages"],
-                                  "images": paths.get("image", []),
-                                  "audios": paths.get("audio", [])}) + "\n")
-    dataset = os.path.join(work, f"replicated-{samples}")
-    build([jsonl], dataset, BuildOptions(progress=False, check="header", workers=2,
-                                         max_samples_per_shard=max(1, samples // 8)))
-    os.remove(jsonl)
-    return dataset
 
 
 class _Plain(torch.utils.data.IterableDataset):
@@ -205,13 +171,13 @@ def main() -> None:
     torch.set_num_threads(1)      # as in a DataLoader worker: one process is one core
     work = tempfile.mkdtemp(prefix="bench_loader_")
     try:
-        dataset = replicated_dataset(args.corpus, args.samples, work)
+        dataset = replicated_dataset(args.corpus, args.samples, work, shards=8)
         throughput(dataset, args.config, args.micro_batch_size, args.global_batch_size,
                    args.workers, args.repeat)
         if args.rss_samples:
             small = dataset if args.samples == 1000 else replicated_dataset(args.corpus, 1000,
-                                                                             work)
-            large = replicated_dataset(args.corpus, args.rss_samples, work)
+                                                                             work, shards=8)
+            large = replicated_dataset(args.corpus, args.rss_samples, work, shards=8)
             rss(small, large, args.config, args.micro_batch_size, args.global_batch_size)
     finally:
         shutil.rmtree(work)

@@ -13,8 +13,6 @@ Prints samples/s and the ratios full / decode-only and metadata-only / full.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
 import tempfile
 import time
@@ -23,44 +21,15 @@ import torch
 from PIL import Image
 
 from mimo_data.audio_inputs import decode_audio
-from mimo_data.build import BuildOptions, build
 from mimo_data.image_inputs import decode_image
 from mimo_data.preprocess import Preprocessor, preprocess_dataset
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import Tally
 from mimo_data.shard_reader import ShardReader
 from mimo_data.token_counts import image_resized_size
-
-CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
-                 "speech_manifest.jsonl")
+from replicate_corpus import replicated_dataset
 
 
-def _replicated_dataset(corpus: str, samples: int, work: str) -> str:
-    """Build the corpus once, then a dataset of its records repeated to ``samples``."""
-    once = os.path.join(work, "once")
-    build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
-          BuildOptions(progress=False))
-    reader = ShardReader(once)
-    jsonl = os.path.join(work, "replicated.jsonl")
-    media_dir = os.path.join(work, "media")
-    os.makedirs(media_dir)
-    with open(jsonl, "w") as out:
-        for i in range(samples):
-            position = i % len(reader)
-            record = reader.record(position)
-            paths = {}
-            for item in record["media"]:
-                path = os.path.join(media_dir, f"{record['key']}.{item['member']}")
-                if not os.path.exists(path):
-                    with open(path, "wb") as media:
-                        media.write(reader.read_member(position, item["member"]))
-                paths.setdefault(item["modality"], []).append(path)
-            out.write(json.dumps({"id": f"r{i}", "messages": record["messages"],
-                                  "images": paths.get("image", []),
-                                  "audios": paths.get("audio", [])}) + "\n")
-    dataset = os.path.join(work, "replicated")
-    build([jsonl], dataset, BuildOptions(progress=False, check="header"))
-    return dataset
 
 
 def _decode_only(reader: ShardReader, config: PreprocessConfig) -> None:
@@ -93,7 +62,7 @@ def main() -> None:
     torch.set_num_threads(1)   # as in a DataLoader worker: one process is one core
     work = tempfile.mkdtemp(prefix="bench_preprocess_")
     try:
-        reader = ShardReader(_replicated_dataset(args.corpus, args.samples, work))
+        reader = ShardReader(replicated_dataset(args.corpus, args.samples, work))
         full, meta = Preprocessor(config), Preprocessor(config, with_media=False)
         tallies = {"full": Tally(), "metadata-only": Tally()}
         seconds = {

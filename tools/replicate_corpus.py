@@ -1,0 +1,59 @@
+"""A dataset of the sample corpus's records repeated to any size, for the benchmarks.
+
+The corpus is built once into ``WORK/once``; its records are written to a JSONL with their
+media as files (so the builder reads real files), ``samples`` records long, and built.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from mimo_data.build import BuildOptions, build
+from mimo_data.shard_reader import ShardReader
+
+CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
+                 "speech_manifest.jsonl")
+
+
+def replicated_dataset(corpus: str, samples: int, work: str, *, keep=None,
+                       unique_answers: bool = False, shards: int | None = None) -> str:
+    """Build and return a dataset directory of ``samples`` corpus records (cycled in order).
+
+    ``keep(record) -> bool`` selects which corpus records are cycled; ``unique_answers``
+    prefixes each copy's assistant turns with its number (no two texts alike); ``shards``
+    splits the result into about that many shards.
+    """
+    once = os.path.join(work, "once")
+    if not os.path.isdir(once):
+        build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
+              BuildOptions(progress=False, workers=0))
+    reader = ShardReader(once)
+    positions = [i for i in range(len(reader)) if keep is None or keep(reader.record(i))]
+    media_dir = os.path.join(work, "media")
+    os.makedirs(media_dir, exist_ok=True)
+    jsonl = os.path.join(work, f"replicated-{samples}.jsonl")
+    with open(jsonl, "w") as out:
+        for i in range(samples):
+            position = positions[i % len(positions)]
+            record = reader.record(position)
+            paths: dict[str, list[str]] = {}
+            for item in record["media"]:
+                path = os.path.join(media_dir, f"{record['key']}.{item['member']}")
+                if not os.path.exists(path):
+                    with open(path, "wb") as media:
+                        media.write(reader.read_member(position, item["member"]))
+                paths.setdefault(item["modality"], []).append(path)
+            messages = [dict(m, content=f"(Copy {i}.) {m['content']}")
+                        if unique_answers and m["role"] == "assistant" else m
+                        for m in record["messages"]]
+            out.write(json.dumps({"id": f"r{i}", "messages": messages,
+                                  "images": paths.get("image", []),
+                                  "audios": paths.get("audio", [])}) + "\n")
+    dataset = os.path.join(work, f"replicated-{samples}")
+    options = BuildOptions(progress=False, check="header", overwrite=True)
+    if shards:
+        options.max_samples_per_shard = max(1, samples // shards)
+    build([jsonl], dataset, options)
+    os.remove(jsonl)
+    return dataset
