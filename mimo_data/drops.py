@@ -28,15 +28,6 @@ class _Chunks(torch.utils.data.Dataset):
         self.reader = reader
         self.preprocessor = preprocessor
 
-    # A Preprocessor holds compiled chat templates that do not pickle: a spawned worker gets
-    # the config and builds its own.
-    def __getstate__(self) -> dict:
-        return {"reader": self.reader, "config": self.preprocessor.config}
-
-    def __setstate__(self, state: dict) -> None:
-        self.reader = state["reader"]
-        self.preprocessor = Preprocessor(state["config"], with_media=False)
-
     def __len__(self) -> int:
         return -(-len(self.reader) // CHUNK)
 

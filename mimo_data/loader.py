@@ -116,15 +116,6 @@ class DataSource:
                                  [w / sum(self.weights) for w in self.weights]).encode())
         self.fingerprint = digest.hexdigest()
 
-    # Preprocessors hold compiled chat templates that do not pickle: a spawned DataLoader
-    # worker gets the config and builds its own.
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "metadata": None}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self.metadata = Preprocessor(self.config, with_media=False)
-
     def order(self, seed: int, global_batch_size: int, remainder: str = "drop",
               block_size: int = 64, window_blocks: int = 4) -> SampleOrder:
         return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
@@ -155,19 +146,10 @@ class _RankStream(torch.utils.data.IterableDataset):
         # per item. Decoding ranks send one (their micro-batches take tens of ms each).
         text_samples = global_micro_batch_size // self.dp[role.text_module][0]
         self.chunk = 1 if self.decode_media else -(-ITEM_SAMPLES // text_samples)
-        self._build_preprocessing()
-
-    def _build_preprocessing(self) -> None:
-        self.full = (Preprocessor(self.source.config, text=self.source.metadata.text)
-                     if self.decode_media else None)
-        self.collate = Collator(self.source.metadata)
-
-    def __getstate__(self) -> dict:          # see DataSource.__getstate__
-        return {**self.__dict__, "full": None, "collate": None}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._build_preprocessing()
+        # An encoder rank decodes only the modalities of its own encoders.
+        self.full = (Preprocessor(source.config, with_media=set(role.media),
+                                  text=source.metadata.text) if self.decode_media else None)
+        self.collate = Collator(source.metadata)
 
     def __iter__(self):
         """Items of ``chunk`` consecutive micro-batches: ``(batches, metadata list)``, the
@@ -200,7 +182,8 @@ class _RankStream(torch.utils.data.IterableDataset):
         record["key"] = f"{dataset}/{record['key']}"
         try:
             if full:
-                return self.full(record, reader.media(position, record))
+                return self.full(record, reader.media(position, record,
+                                                      self.full.media_modalities))
             return self.source.metadata(record)
         except SampleDropped as exc:
             raise LoaderError(

@@ -43,13 +43,29 @@ class Sample:
 
 
 class Preprocessor:
-    """Callable turning a shard record (+ its media bytes in full mode) into a Sample."""
+    """Callable turning a shard record (+ its media bytes in full mode) into a Sample.
 
-    def __init__(self, config: PreprocessConfig, *, with_media: bool = True,
+    ``with_media``: True decodes every configured modality into encoder inputs, False none
+    (metadata-only), or the modalities to decode (an encoder rank decodes only its own).
+    Pickles as its config and modalities (a spawned DataLoader worker rebuilds the rest).
+    """
+
+    def __init__(self, config: PreprocessConfig, *, with_media=True,
                  text: TextEncoder | None = None):
         self.config = config
-        self.with_media = with_media
+        self.media_modalities = (frozenset(config.modalities) if with_media is True else
+                                 frozenset(with_media or ()))
+        unknown = self.media_modalities - set(config.modalities)
+        if unknown:
+            raise ValueError(f"with_media names {sorted(unknown)}, not configured modalities")
+        self.with_media = bool(self.media_modalities)
         self.text = text or TextEncoder(config)
+
+    def __getstate__(self) -> dict:
+        return {"config": self.config, "with_media": self.media_modalities}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["config"], with_media=state["with_media"])
 
     def __call__(self, record: dict, media: dict[str, bytes] | None = None) -> Sample:
         _check_record(record)
@@ -75,10 +91,11 @@ class Preprocessor:
                         loss_mask=trained.float(), position_ids=torch.arange(len(ids) - 1),
                         token_counts=token_counts,
                         removed_turns=removed_turns)
-        if self.with_media:
+        decoded = [item for item in kept_items if item["modality"] in self.media_modalities]
+        if decoded:
             if media is None:
                 raise ValueError("full-mode preprocessing needs the sample's media bytes")
-            sample.encoder_inputs = self._encoder_inputs(record["key"], kept_items, media,
+            sample.encoder_inputs = self._encoder_inputs(record["key"], decoded, media,
                                                          token_counts)
         return sample
 
@@ -191,7 +208,8 @@ def preprocess_dataset(reader, preprocessor: Preprocessor, tally, positions=None
     (a report.Tally) by reason with the sample key, never lost silently."""
     for position in range(len(reader)) if positions is None else positions:
         record = reader.record(position)
-        media = reader.media(position, record) if preprocessor.with_media else None
+        media = (reader.media(position, record, preprocessor.media_modalities)
+                 if preprocessor.with_media else None)
         try:
             sample = preprocessor(record, media)
         except SampleDropped as exc:

@@ -57,10 +57,10 @@ class ShardReader:
         """The sample's JSON record (messages, media metadata, source)."""
         return json.loads(self.read_member(position, "json"))
 
-    def media(self, position: int, record: dict) -> dict[str, bytes]:
-        """The bytes of every media item of ``record``, by member name."""
+    def media(self, position: int, record: dict, modalities=None) -> dict[str, bytes]:
+        """The bytes of every media item of ``record`` (of ``modalities`` if given), by member."""
         return {item["member"]: self.read_member(position, item["member"])
-                for item in record["media"]}
+                for item in record["media"] if modalities is None or item["modality"] in modalities}
 
     def close(self) -> None:
         for fd in self._files.values():

@@ -328,3 +328,29 @@ def test_malformed_records_are_dropped_with_a_reason(records, damage):
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(record)
     assert dropped.value.reason == "malformed_record"
+
+
+def test_an_encoder_rank_decodes_only_its_own_modality(dataset, records):
+    position = next(i for i, r in enumerate(records)
+                    if {m["modality"] for m in r["media"]} == {"image", "audio"})
+    record = records[position]
+    media = dataset.media(position, record)
+    audio = next(m["member"] for m in record["media"] if m["modality"] == "audio")
+    media[audio] = b"not audio at all"          # an images rank must not even look at it
+    images_only = Preprocessor(config(), with_media={"image"})
+    sample = images_only(record, media)
+    assert set(sample.encoder_inputs) == {"image"}
+    assert sample.token_counts["audio"]         # the text still holds the audio placeholders
+    with pytest.raises(SampleDropped):
+        Preprocessor(config())(record, media)
+
+
+def test_preprocessor_pickles_as_its_config_and_modalities(records):
+    import pickle
+    original = Preprocessor(config(), with_media={"image"})
+    copy_ = pickle.loads(pickle.dumps(original))
+    assert copy_.media_modalities == {"image"} and copy_.config == original.config
+    for record in records[:10]:
+        a, b = Preprocessor(config(), with_media=False)(record), \
+            pickle.loads(pickle.dumps(Preprocessor(config(), with_media=False)))(record)
+        assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
