@@ -1,0 +1,252 @@
+"""Run megatron-core 0.19.2 on CPU with gloo: the one place that knows about it.
+
+megatron-core assumes CUDA in a handful of places (DESIGN.md, "CPU (gloo) and GPU (NCCL)").
+``activate()`` patches exactly those, and only when CUDA is absent
+(``torch.cuda.is_available()`` is False); with a GPU it does nothing, so NCCL runs use
+megatron-core unchanged. Nothing else in mimo_train knows about this module beyond calling
+``activate()`` once, before building models or process groups, and before importing
+megatron-core functions by name (``from ...schedules import forward_backward_no_pipelining``
+would keep the unpatched function; ``get_forward_backward_func()`` returns the patched one).
+
+Each patch is one entry of ``PATCHES``: a name, what fails without it (file:line in
+megatron-core 0.19.2 and the exception) and the function that applies it. Patches are
+idempotent and can be applied one by one (``activate(only=[...])``), which is how
+``tests/test_train_cpu_compat.py`` shows each failure and its fix separately.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    failure: str          # where megatron-core fails on CPU, and how
+    apply: Callable[[], None]
+
+
+_applied: set[str] = set()
+
+
+def _is_cuda(device) -> bool:
+    return (isinstance(device, str) and device.startswith("cuda")) or \
+        (isinstance(device, torch.device) and device.type == "cuda")
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Inside this mode, tensors asked for on "cuda" are made on the CPU and ``Tensor.cuda()``
+    is the identity; with ``type_strings``, ``Tensor.type()`` names the CUDA type the caller
+    checks for. Used only around the megatron-core functions that hard-code "cuda"."""
+
+    def __init__(self, type_strings: bool = True):
+        super().__init__()
+        self.type_strings = type_strings
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if self.type_strings and func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor', the type checks' expectation
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = CPU
+        if func is torch.Tensor.to and args[1:2] and _is_cuda(args[1]):
+            args = (args[0], CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+def _scoped(owner, name: str, type_strings: bool = True) -> None:
+    """Run ``owner.name`` (a function or method) under ``_CudaToCpu``."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with _CudaToCpu(type_strings):
+            return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+class _NullStream:
+    """A stream on a device that runs everything in order: waiting is a no-op."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _patch_streams() -> None:
+    # DDP's grad sync takes torch.cuda.current_stream() (param_and_grad_buffer.py:632) to wait
+    # on CUDA-graph events; CPU work is synchronous, so a stream that never waits is exact.
+    torch.cuda.current_stream = lambda device=None: _NullStream()
+    torch.cuda.Stream = _NullStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+
+
+def _patch_schedules() -> None:
+    # Every schedule starts with total_num_tokens = torch.zeros(..., device="cuda")
+    # (schedules.py:749, :1121, :2292). The schedule functions run under _CudaToCpu without
+    # the type-string rewrite (the model's forward and backward run inside them).
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("forward_backward_no_pipelining",
+                 "forward_backward_pipelining_with_interleaving",
+                 "forward_backward_pipelining_without_interleaving"):
+        _scoped(schedules, name, type_strings=False)
+
+
+def _patch_rng_tracker() -> None:
+    # CudaRNGStatesTracker.add() stores CUDA generator states (random.py:104-133,
+    # torch.cuda.default_generators). The inference tracker keeps no state and forks on the
+    # default generator, which on CPU is torch's CPU generator: every tracked stream
+    # (data-parallel, model-parallel, expert) then draws from it.
+    from megatron.core.tensor_parallel import random
+
+    original = random.initialize_rng_tracker
+
+    @functools.wraps(original)
+    def initialize_rng_tracker(use_te_rng_tracker=False, inference_rng_tracker=False,
+                               use_cudagraphable_rng=False, force_reset=False):
+        return original(use_te_rng_tracker, True, use_cudagraphable_rng, force_reset)
+
+    random.initialize_rng_tracker = initialize_rng_tracker
+
+
+def _patch_optimizers() -> None:
+    # Loss-scale / found-inf / norm tensors are made with device='cuda', gradients are checked
+    # with Tensor.type() == 'torch.cuda.FloatTensor' (optimizer.py, clip_grads.py, which only
+    # the optimizers call): every method the optimizer classes define runs under _CudaToCpu.
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+    from megatron.core.optimizer import optimizer
+
+    classes = [cls for cls in vars(optimizer).values()
+               if isinstance(cls, type) and issubclass(cls, optimizer.MegatronOptimizer)]
+    for cls in [*classes, MimoOptimizer]:
+        for name, value in list(vars(cls).items()):
+            if inspect.isfunction(value):
+                _scoped(cls, name)
+
+
+def _patch_current_device() -> None:
+    # ``torch.cuda.current_device()`` initializes CUDA and raises "Found no NVIDIA driver"
+    # without a GPU. megatron-core only uses its result as a ``device=`` argument, so the
+    # CPU device is the faithful replacement.
+    torch.cuda.current_device = lambda: CPU
+
+
+def _patch_nccl_groups() -> None:
+    # The bridge communicator asks for NCCL groups explicitly; NCCL needs CUDA.
+    def _to_gloo(function):
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            if kwargs.get("backend") == "nccl":
+                kwargs["backend"] = "gloo"
+            return function(*args, **kwargs)
+        return wrapper
+
+    dist.new_group = _to_gloo(dist.new_group)
+    dist.new_subgroups_by_enumeration = _to_gloo(dist.new_subgroups_by_enumeration)
+
+
+def _patch_causal_masks() -> None:
+    # transformer/utils.py builds the softmax masks with a literal device="cuda";
+    # fused_softmax.py imported the functions by name, so both bindings are replaced.
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.transformer import utils
+
+    @functools.lru_cache(maxsize=32)
+    def get_default_causal_mask(sq: int) -> torch.Tensor:
+        return torch.triu(torch.ones(sq, sq, device=CPU), diagonal=1).bool()
+
+    def get_sliding_window_causal_mask(sq, skv, window_size):
+        mask = torch.ones(sq, skv, dtype=torch.bool, device=CPU)
+        upper = torch.triu(mask, diagonal=skv - sq - window_size[0])
+        return ~torch.tril(upper, diagonal=skv - sq + window_size[1])
+
+    for module in (utils, fused_softmax):
+        module.get_default_causal_mask = get_default_causal_mask
+        module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
+
+
+PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
+    Patch("current_device",
+          "torch.cuda.current_device() for allocations, e.g. rotary_pos_embedding.py:162 "
+          "(RuntimeError: Found no NVIDIA driver on your system)",
+          _patch_current_device),
+    Patch("nccl_groups",
+          "backend='nccl' groups in pipeline_parallel/bridge_communicator.py:199,209 "
+          "(RuntimeError: ProcessGroupNCCL is only supported with GPUs)",
+          _patch_nccl_groups),
+    Patch("causal_masks",
+          "device=\"cuda\" in transformer/utils.py:39 get_default_causal_mask and :44 "
+          "get_sliding_window_causal_mask, used by fused_softmax.py:327 (RuntimeError: Found no "
+          "NVIDIA driver)",
+          _patch_causal_masks),
+    Patch("streams",
+          "torch.cuda.current_stream() in distributed/param_and_grad_buffer.py:632 "
+          "start_grad_sync (DDP finish_grad_sync), torch.cuda.Stream in "
+          "distributed_data_parallel.py:297, torch.cuda.synchronize() in "
+          "p2p_communication.py:263,419 (RuntimeError: Found no NVIDIA driver)",
+          _patch_streams),
+    Patch("rng_tracker",
+          "model_parallel_cuda_manual_seed() -> CudaRNGStatesTracker.add() reads CUDA "
+          "generator states, tensor_parallel/random.py:104-133 (RuntimeError: Found no NVIDIA "
+          "driver); without a seeded tracker DotProductAttention.forward fails at "
+          "get_cuda_rng_tracker().fork() ('cuda rng state model-parallel-rng is not added')",
+          _patch_rng_tracker),
+    Patch("schedules",
+          "device=\"cuda\" for the token count in pipeline_parallel/schedules.py:749, :1121, "
+          ":2292 (every forward_backward_* function; RuntimeError: Found no NVIDIA driver)",
+          _patch_schedules),
+    Patch("optimizers",
+          "device='cuda' in optimizer/optimizer.py:1249 FP32Optimizer.__init__ (loss scale), "
+          ":315, :690-702, models/mimo/optimizer.py:65,82,103 MimoOptimizer.get_grad_norm/step, "
+          "clip_grads.py:96-231 (RuntimeError: Found no NVIDIA driver); Tensor.type() == "
+          "'torch.cuda.FloatTensor' in clip_grads.py:174 and optimizer.py:1009-1028 "
+          "(AssertionError / TypeError)",
+          _patch_optimizers),
+)}
+
+
+def needed() -> bool:
+    """True when CUDA is absent, i.e. when the patches must be applied."""
+    return not torch.cuda.is_available()
+
+
+def activate(only=None, force: bool = False) -> list[str]:
+    """Apply the patches (all, or the names in ``only``) when CUDA is absent; return the names
+    applied by this call. ``force`` applies them even with CUDA (tests only)."""
+    if not (force or needed()):
+        return []
+    names = list(PATCHES) if only is None else list(only)
+    unknown = sorted(set(names) - set(PATCHES))
+    if unknown:
+        raise ValueError(f"unknown cpu_compat patch(es) {unknown}; known: {sorted(PATCHES)}")
+    done = []
+    for name in names:
+        if name not in _applied:
+            PATCHES[name].apply()
+            _applied.add(name)
+            done.append(name)
+    return done
