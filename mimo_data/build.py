@@ -9,7 +9,6 @@ in task order.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing
 import os
@@ -23,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.index import dumps, write_atomic
+from mimo_data.index import dumps, file_sha256, write_atomic
 from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.prepare import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.records import RecordError
@@ -93,10 +92,16 @@ class _SamplesTable:
     def __init__(self, path: str):
         self._writer = pq.ParquetWriter(path, SAMPLES_SCHEMA)
         self._rows: list[dict] = []
+        self.modalities = {"image": {"samples": 0, "items": 0},
+                           "audio": {"samples": 0, "items": 0}, "text_only": {"samples": 0}}
 
     def add(self, key: str, shard: str, sample: Prepared, members: list[dict]) -> None:
         images = [m for m in sample.media if m["modality"] == "image"]
         audios = [m for m in sample.media if m["modality"] == "audio"]
+        for modality, items in (("image", images), ("audio", audios)):
+            self.modalities[modality]["samples"] += bool(items)
+            self.modalities[modality]["items"] += len(items)
+        self.modalities["text_only"]["samples"] += not sample.media
         self._rows.append({
             "key": key, "shard": shard, "id": sample.id, "source": sample.location,
             "members": members, "num_turns": len(sample.messages),
@@ -139,23 +144,6 @@ def _results(tasks, sources, policy, workers):
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(sources, policy)) as pool:
         yield from pool.imap(_prepare_task, tasks, chunksize=8)
-
-
-def _sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as data:
-        for block in iter(lambda: data.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _modality_stats(table_path: str) -> dict:
-    table = pq.read_table(table_path, columns=["image_width", "audio_duration"])
-    images = [len(x) for x in table.column("image_width").to_pylist()]
-    audios = [len(x) for x in table.column("audio_duration").to_pylist()]
-    return {"image": {"samples": sum(1 for n in images if n), "items": sum(images)},
-            "audio": {"samples": sum(1 for n in audios if n), "items": sum(audios)},
-            "text_only": {"samples": sum(1 for i, a in zip(images, audios) if not i and not a)}}
 
 
 def build(inputs: list[str], output: str, options: BuildOptions) -> dict:
@@ -229,9 +217,9 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
         "shards": shard_list,
         "totals": {"samples": report.kept, "shards": len(shard_list),
                    "bytes": sum(s["bytes"] for s in shard_list)},
-        "modalities": _modality_stats(os.path.join(staging, SAMPLES_FILE)),
+        "modalities": table.modalities,
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
-                         "sha256": _sha256_file(os.path.join(staging, name))}
+                         "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, REPORT_FILE)},
         "report": {"records_read": report.seen, "records_skipped": report.skipped_total},
         "build": {"inputs": list(inputs),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -25,6 +26,12 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def file_sha256(path: str) -> str:
+    """Hex sha256 of a file's bytes, as the index records them."""
+    with open(path, "rb") as data:
+        return hashlib.file_digest(data, "sha256").hexdigest()
 
 
 def dumps(value) -> bytes:

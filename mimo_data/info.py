@@ -9,18 +9,10 @@ import pyarrow.parquet as pq
 
 from mimo_data.index import read_index
 from mimo_data.shard_format import SAMPLES_FILE
+from mimo_data.stats import summary
 
 _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest image side, pixels
 _DURATION_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # audio clip duration, seconds
-
-
-def _stats(values) -> dict | None:
-    if not len(values):
-        return None
-    array = np.asarray(values, dtype=np.float64)
-    p10, p50, p90 = np.percentile(array, [10, 50, 90])
-    return {"min": float(array.min()), "p10": float(p10), "p50": float(p50),
-            "p90": float(p90), "max": float(array.max()), "mean": float(array.mean())}
 
 
 def _histogram(values, edges) -> dict:
@@ -42,10 +34,10 @@ def dataset_info(directory: str) -> dict:
     return {
         "name": index["name"], "directory": directory, **index["totals"],
         "modalities": index["modalities"], "report": index["report"],
-        "image": {"width": _stats(widths), "height": _stats(heights),
-                  "megapixels": _stats(widths * heights / 1e6) if len(widths) else None,
+        "image": {"width": summary(widths), "height": summary(heights),
+                  "megapixels": summary(widths * heights / 1e6) if len(widths) else None,
                   "longest_side_histogram": _histogram(longest, _SIDE_BUCKETS)},
-        "audio": {"duration_s": _stats(durations), "total_hours": sum(durations) / 3600,
+        "audio": {"duration_s": summary(durations), "total_hours": sum(durations) / 3600,
                   "duration_histogram_s": _histogram(durations, _DURATION_BUCKETS)},
     }
 

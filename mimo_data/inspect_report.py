@@ -37,6 +37,7 @@ from tqdm import tqdm
 from mimo_data.inspect_stats import IndexTable, SampleInspector, SampleStats
 from mimo_data.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shard_reader import ShardReader
+from mimo_data.stats import summary
 
 KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)
 KEYS_IN_MESSAGE = 5     # first keys named in a failed check's line
@@ -83,15 +84,6 @@ class Flagged:
     @property
     def keys(self) -> list[str]:
         return [key for _, key, _ in self.entries]
-
-
-def _stats(values) -> dict | None:
-    if not len(values):
-        return None
-    array = np.asarray(values, dtype=np.float64)
-    p10, p50, p90 = np.percentile(array, [10, 50, 90])
-    return {"min": float(array.min()), "p10": float(p10), "p50": float(p50), "p90": float(p90),
-            "max": float(array.max()), "mean": float(array.mean())}
 
 
 def _histogram(values, edges) -> list[dict]:
@@ -200,18 +192,18 @@ class ReportBuilder:
                        "padding": kept * config.seq_length - real,
                        "padding_fraction": (1 - real / (kept * config.seq_length))
                        if kept else 0.0},
-            "trained_fraction": {"stats": _stats(fractions),
+            "trained_fraction": {"stats": summary(fractions),
                                  "histogram": _histogram(fractions, np.linspace(0, 1, 11))},
-            "sequence_length": {"stats": _stats(self.lengths), "histogram": _histogram(
+            "sequence_length": {"stats": summary(self.lengths), "histogram": _histogram(
                 self.lengths, np.linspace(0, config.seq_length, 17).round())},
             "modalities": {m: {"items": len(self.item_tokens[m]),
                                "samples": len(self.sample_tokens[m]),
                                "tokens": sum(self.item_tokens[m]),
                                "tokens_per_item": {
-                                   "stats": _stats(self.item_tokens[m]),
+                                   "stats": summary(self.item_tokens[m]),
                                    "histogram": _histogram(self.item_tokens[m],
                                                            _integer_edges(self.item_tokens[m]))},
-                               "tokens_per_sample": {"stats": _stats(self.sample_tokens[m])}}
+                               "tokens_per_sample": {"stats": summary(self.sample_tokens[m])}}
                            for m in config.modalities},
             "drop_reasons": {reason: {"count": len(f.entries),
                                       "first": [{"key": k, "detail": d}

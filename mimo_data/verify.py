@@ -7,7 +7,6 @@ The tar is walked with ``tarfile`` because webdataset's iterators do not expose 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import multiprocessing
@@ -19,19 +18,11 @@ import pyarrow.parquet as pq
 from PIL import Image
 from tqdm import tqdm
 
-from mimo_data.index import read_index
+from mimo_data.index import file_sha256, read_index
 from mimo_data.media import MediaError, probe_audio, probe_image
 from mimo_data.shard_format import SAMPLES_FILE
 
 MAX_PROBLEMS_PER_SHARD = 20
-
-
-def _sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as data:
-        for block in iter(lambda: data.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _check_file(path: str, expected: dict) -> list[str]:
@@ -41,7 +32,7 @@ def _check_file(path: str, expected: dict) -> list[str]:
     size = os.path.getsize(path)
     if size != expected["bytes"]:
         return [f"{name}: {size} bytes, the index says {expected['bytes']}"]
-    if _sha256(path) != expected["sha256"]:
+    if file_sha256(path) != expected["sha256"]:
         return [f"{name}: sha256 differs from the index (the file changed after the build)"]
     return []
 
