@@ -12,13 +12,12 @@ the encoder's device (a quarter of the bytes to move). The tests check that
 from __future__ import annotations
 
 import io
-import warnings
 
 import numpy as np
 import torch
 from PIL import Image
 
-from mimo_data.media import MediaError
+from mimo_data.media import MediaError, pixel_limit
 from mimo_data.preprocess_config import ImageConfig
 from mimo_data.token_counts import image_resized_size
 
@@ -42,15 +41,14 @@ def decode_image(data: bytes, orientation: int, cfg: ImageConfig) -> Image.Image
     Raises MediaError(``image_too_large`` | ``corrupt_image``).
     """
     try:
-        with warnings.catch_warnings():   # the pixel limit is cfg.max_image_pixels, checked below
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with pixel_limit(cfg.max_image_pixels):
             image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > cfg.max_image_pixels:
-            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels is "
-                             f"above max_image_pixels = {cfg.max_image_pixels}; raise "
-                             "modalities.image.max_image_pixels to keep such images")
-        image.load()
+            width, height = image.size
+            if width * height > cfg.max_image_pixels:
+                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                                 f"is above max_image_pixels = {cfg.max_image_pixels}; raise "
+                                 "modalities.image.max_image_pixels to keep such images")
+            image.load()
     except MediaError:
         raise
     except Image.DecompressionBombError as exc:

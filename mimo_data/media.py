@@ -9,6 +9,7 @@ read for audio.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
@@ -23,6 +24,25 @@ _EXIF_ORIENTATION = 0x0112
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
 DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+@contextlib.contextmanager
+def pixel_limit(max_pixels: int | None):
+    """Pillow's decompression-bomb limit set to ``max_pixels`` (None: off) for the block.
+
+    Pillow reads a process-wide global: left at its default it warns above 89 Mpx and refuses
+    twice that, whatever limit the caller allows. Callers check ``max_pixels`` themselves (with
+    a message that says what to raise), so Pillow's warning is silenced; above twice the limit
+    Pillow still refuses to decode. The global is restored afterwards.
+    """
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
 
 
 class MediaError(CountedError):
@@ -52,44 +72,39 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """
     if not data:
         raise MediaError("corrupt_image", "empty image file (0 bytes)")
-    saved_limit = Image.MAX_IMAGE_PIXELS
     try:
-        # Pillow's own bomb check reads a global: at its default it would refuse images that a
-        # raised --max-image-pixels allows (warning above it, error above twice it).
-        Image.MAX_IMAGE_PIXELS = max_pixels
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with pixel_limit(max_pixels):
             image = Image.open(io.BytesIO(data))
-        fmt = (image.format or "").lower()
-        width, height = image.size
-        if width * height > max_pixels:
-            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels is "
-                             f"above the limit of {max_pixels} (raise --max-image-pixels to keep it)")
-        if fmt not in IMAGE_EXTENSIONS:
-            raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is not one "
-                             f"of {sorted(IMAGE_EXTENSIONS)}; convert it first")
-        mode = image.mode
-        orientation = image_orientation(image)
-        if orientation in _TRANSPOSING_ORIENTATIONS:
-            width, height = height, width
-        if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
-            Image.open(io.BytesIO(data)).verify()   # must come right after open()
-        elif fmt == "jpeg" and check == "header":
-            if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
-                raise MediaError("corrupt_image", "JPEG has no end-of-image marker (truncated)")
-        elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
-            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
-            image.load()
-        elif check == "decode":
-            image.load()
+            fmt = (image.format or "").lower()
+            width, height = image.size
+            if width * height > max_pixels:
+                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                                 f"is above the limit of {max_pixels} (raise "
+                                 "--max-image-pixels to keep it)")
+            if fmt not in IMAGE_EXTENSIONS:
+                raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
+                                 f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+            mode = image.mode
+            orientation = image_orientation(image)
+            if orientation in _TRANSPOSING_ORIENTATIONS:
+                width, height = height, width
+            if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
+                Image.open(io.BytesIO(data)).verify()   # must come right after open()
+            elif fmt == "jpeg" and check == "header":
+                if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+                    raise MediaError("corrupt_image",
+                                     "JPEG has no end-of-image marker (truncated)")
+            elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
+                image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+                image.load()
+            elif check == "decode":
+                image.load()
     except MediaError:
         raise
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+    except Image.DecompressionBombError as exc:
         raise MediaError("image_too_large", str(exc)) from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
         raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
-    finally:
-        Image.MAX_IMAGE_PIXELS = saved_limit
     return {"format": fmt, "width": width, "height": height, "mode": mode,
             "orientation": orientation}
 

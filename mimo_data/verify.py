@@ -19,7 +19,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from mimo_data.index import file_sha256, read_index
-from mimo_data.media import MediaError, probe_audio, probe_image
+from mimo_data.media import MediaError, pixel_limit, probe_audio, probe_image
 from mimo_data.shard_format import SAMPLES_FILE
 
 MAX_PROBLEMS_PER_SHARD = 20
@@ -41,11 +41,8 @@ def _check_media(where: str, item: dict, data: bytes) -> list[str]:
     try:
         if item["modality"] == "image":
             found = probe_image(data, max_pixels=1 << 62, check="header")
-            limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # size passed the build
-            try:
+            with pixel_limit(None):                          # its size passed the build
                 Image.open(io.BytesIO(data)).load()          # full decode
-            finally:
-                Image.MAX_IMAGE_PIXELS = limit
             keys = ("format", "width", "height", "mode", "orientation")
         else:
             found = probe_audio(data)
