@@ -1,0 +1,245 @@
+"""The one training config: a YAML file plus ``key.path=value`` overrides (issue 5, item 1).
+
+    cfg = TrainConfig.load("configs/train/images_audio_noncolocated.yaml", ["train.steps=50"])
+
+Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a validation set),
+``layout`` (as the loader takes it: a string such as ``"images=dp1;audio=dp1;language=dp1"`` or a
+dict), ``model`` (language-model dims, one entry per encoder module, projections, frozen
+modules), ``optimizer`` (with warmup + cosine LR), ``train`` (batches, steps, eval, logging, seed,
+device, precision) and ``checkpoint``. Unknown keys are errors naming the key, so a typo never
+falls back silently to a default. Relative paths are taken from the current directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+import yaml
+
+
+class TrainConfigError(ValueError):
+    """A training config that cannot run; the message names the key and what to do."""
+
+
+@dataclass
+class DataConfig:
+    datasets: list = field(default_factory=list)      # shard directories (mimo-shard build)
+    weights: list | None = None                       # blend weights, one per dataset
+    preprocess: str = "configs/preprocess.yaml"       # PreprocessConfig YAML
+    valid: list = field(default_factory=list)         # shard directories for evaluation
+    num_workers: int = 0                              # loader worker processes per rank
+
+
+@dataclass
+class LanguageConfig:
+    num_layers: int = 2
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None                # default 4 * hidden_size
+    vocab_size: int | None = None                     # default: tokenizer size, padded
+    vocab_multiple: int = 128                         # padding of the default vocab size
+
+
+@dataclass
+class EncoderConfig:
+    """One encoder module. ``kind``: ``qwen2_vl`` (dynamic-resolution patches), ``siglip``
+    (fixed-size images) or ``whisper`` (log-mel frames); default from the modality and the
+    preprocessing policy. ``pretrained``: a transformers model directory (or hub name) whose
+    weights replace the random init; its geometry must match the preprocessing config."""
+    kind: str | None = None
+    hidden_size: int = 32
+    num_layers: int = 1
+    num_attention_heads: int = 2
+    pretrained: str | None = None
+
+
+@dataclass
+class ModelConfig:
+    language: LanguageConfig = field(default_factory=LanguageConfig)
+    encoders: dict = field(default_factory=dict)      # module name -> EncoderConfig
+    projection: str = "linear"                        # linear | mlp (Linear-GELU-Linear)
+    freeze: list = field(default_factory=list)        # module names whose weights stay fixed
+    init_from: str | None = None                      # weights.pt of a mimo_train checkpoint
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    clip_grad: float = 1.0
+
+
+@dataclass
+class RunConfig:
+    global_batch_size: int = 8
+    micro_batch_size: int = 2                         # per language DP rank
+    steps: int = 20
+    eval_interval: int = 0                            # 0: no evaluation
+    eval_steps: int = 1
+    log_interval: int = 1
+    seed: int = 1
+    device: str = "auto"                              # auto | cuda | cpu
+    precision: str = "fp32"                           # fp32 | bf16
+    tensorboard_dir: str | None = None
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    interval: int = 0                                 # 0: only at the end
+    resume: bool = True                               # continue from dir's latest checkpoint
+
+
+@dataclass
+class TrainConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    layout: object = "language=dp1"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    train: RunConfig = field(default_factory=RunConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @classmethod
+    def load(cls, path: str | None, overrides=()) -> "TrainConfig":
+        """Read ``path`` (YAML; None: defaults only), apply ``key.path=value`` overrides
+        (values parsed as YAML), validate."""
+        data: dict = {}
+        if path is not None:
+            try:
+                with open(path) as f:
+                    data = yaml.safe_load(f) or {}
+            except OSError as error:
+                raise TrainConfigError(f"cannot read training config {path}: {error}") from None
+            except yaml.YAMLError as error:
+                raise TrainConfigError(f"{path} is not valid YAML: {error}") from None
+            if not isinstance(data, dict):
+                raise TrainConfigError(f"{path}: the top level must be a mapping")
+        for override in overrides:
+            _apply_override(data, override)
+        config = _build(cls, data, "")
+        config.validate()
+        return config
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> None:
+        run, opt = self.train, self.optimizer
+        if not self.data.datasets:
+            raise TrainConfigError("data.datasets is empty: list the shard directories written "
+                                   "by mimo-shard build")
+        if self.data.weights is not None and len(self.data.weights) != len(self.data.datasets):
+            raise TrainConfigError(f"data.weights has {len(self.data.weights)} entries for "
+                                   f"{len(self.data.datasets)} datasets: give one per dataset")
+        for name, value in (("train.steps", run.steps), ("train.global_batch_size",
+                            run.global_batch_size), ("train.micro_batch_size",
+                            run.micro_batch_size), ("train.log_interval", run.log_interval),
+                            ("train.eval_steps", run.eval_steps)):
+            if value < 1:
+                raise TrainConfigError(f"{name} is {value}: it must be >= 1")
+        if run.device not in ("auto", "cuda", "cpu"):
+            raise TrainConfigError(f"train.device is {run.device!r}: use auto, cuda or cpu")
+        if run.precision not in ("fp32", "bf16"):
+            raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
+        if not 0 <= opt.min_lr <= opt.lr:
+            raise TrainConfigError(f"optimizer.min_lr {opt.min_lr} must be in [0, lr={opt.lr}]")
+        if opt.warmup_steps >= run.steps and opt.warmup_steps:
+            raise TrainConfigError(f"optimizer.warmup_steps {opt.warmup_steps} leaves no decay "
+                                   f"in {run.steps} steps: lower it below train.steps")
+        if self.model.projection not in ("linear", "mlp"):
+            raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear "
+                                   "or mlp")
+        if self.data.valid and run.eval_interval < 1:
+            raise TrainConfigError("data.valid is set but train.eval_interval is 0: set an "
+                                   "interval (steps) or drop data.valid")
+        if run.eval_interval and not self.data.valid:
+            raise TrainConfigError("train.eval_interval is set but data.valid lists no shard "
+                                   "directory to evaluate on")
+
+
+def _apply_override(data: dict, override: str) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise TrainConfigError(f"override {override!r} is not key.path=value "
+                               "(e.g. train.steps=50)")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if node.get(part) is None:                    # absent, or an empty YAML section
+            node[part] = {}
+        child = node[part]
+        if not isinstance(child, dict):
+            raise TrainConfigError(f"override {override!r}: {part} is not a section")
+        node = child
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as error:
+        raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
+                               f"({error.__class__.__name__}); quote it or fix the brackets"
+                               ) from None
+
+
+def _build(cls, data, where: str):
+    """Dataclass ``cls`` from a mapping, recursively; unknown keys are errors."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise TrainConfigError(f"{where.rstrip('.') or 'the config'} must be a mapping, "
+                               f"got {data!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; "
+                               f"known under {where or 'the top level'}: {', '.join(fields)}")
+    values = {}
+    for name, value in data.items():
+        kind = _SECTIONS.get((cls, name))
+        if kind is EncoderConfig:
+            if not isinstance(value or {}, dict):
+                raise TrainConfigError(f"{where}{name} must be a mapping of module name to "
+                                       f"encoder settings, got {value!r}")
+            value = {module: _build(EncoderConfig, spec, f"{where}{name}.{module}.")
+                     for module, spec in (value or {}).items()}
+        elif kind is not None:
+            value = _build(kind, value, f"{where}{name}.")
+        else:
+            value = _typed(fields[name].type, value, where + name)
+        values[name] = copy.deepcopy(value)
+    return cls(**values)
+
+
+# Field annotations (strings: ``from __future__ import annotations``) -> accepted types.
+_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "list": list}
+
+
+def _typed(annotation: str, value, key: str):
+    """``value`` if it fits the field's annotation (e.g. ``int``, ``list | None``); a float
+    field also takes text such as ``1e-4``, which YAML 1.1 does not read as a number."""
+    names = [name.strip() for name in annotation.split("|")]
+    if value is None and "None" in names:
+        return value
+    for name in names:
+        kinds = _TYPES.get(name)
+        if kinds is None:                             # e.g. object: anything goes
+            return value
+        if isinstance(value, kinds) and not (isinstance(value, bool) and name != "bool"):
+            return float(value) if name == "float" else value
+        if name == "float" and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
+                           f"{' or '.join(names)}")
+
+
+_SECTIONS = {(TrainConfig, "data"): DataConfig, (TrainConfig, "model"): ModelConfig,
+             (TrainConfig, "optimizer"): OptimizerConfig, (TrainConfig, "train"): RunConfig,
+             (TrainConfig, "checkpoint"): CheckpointConfig,
+             (ModelConfig, "language"): LanguageConfig, (ModelConfig, "encoders"): EncoderConfig}

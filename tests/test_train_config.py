@@ -1,0 +1,366 @@
+"""The training config: YAML plus ``key.path=value`` overrides, strict keys, validation rules.
+
+A typo or a value that cannot run must stop ``mimo-train`` with a ``TrainConfigError`` that
+names the full dotted key (the CLI prints those and exits 2; anything else would be a
+traceback), never fall back silently to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mimo_data.layout import Layout
+from mimo_data.preprocess_config import PreprocessConfig
+from mimo_train.config import EncoderConfig, LanguageConfig, TrainConfig, TrainConfigError
+
+from conftest import REPO
+
+# A complete, valid config touching every section.
+FULL = """
+data:
+  datasets: [shards/a, shards/b]
+  weights: [3, 1]
+  preprocess: my/preprocess.yaml
+  valid: [shards/valid]
+  num_workers: 2
+layout: "images=dp2;audio=dp1,off2;language=dp1,off3"
+model:
+  language: {num_layers: 4, hidden_size: 128, num_attention_heads: 8, vocab_size: 49280}
+  encoders:
+    images: {kind: qwen2_vl, hidden_size: 48, num_layers: 2, pretrained: some/dir}
+    audio: {num_attention_heads: 4}
+  projection: mlp
+  freeze: [images]
+optimizer: {lr: 2.0e-3, min_lr: 1.0e-4, warmup_steps: 5, weight_decay: 0.1}
+train:
+  global_batch_size: 16
+  micro_batch_size: 4
+  steps: 40
+  eval_interval: 10
+  eval_steps: 2
+  seed: 7
+  device: cpu
+  precision: bf16
+checkpoint: {dir: runs/x, interval: 20, resume: false}
+"""
+
+# The least a config needs: one dataset.
+MINIMAL = "data: {datasets: [shards/a]}\n"
+
+
+def write(tmp_path: Path, text: str, name: str = "train.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def load(tmp_path, text=MINIMAL, *overrides) -> TrainConfig:
+    return TrainConfig.load(write(tmp_path, text), list(overrides))
+
+
+def load_error(tmp_path, text=MINIMAL, *overrides) -> str:
+    with pytest.raises(TrainConfigError) as error:
+        load(tmp_path, text, *overrides)
+    return str(error.value)
+
+
+# ------------------------------------------------------------------------------- YAML file
+
+def test_yaml_file_fills_every_section(tmp_path):
+    cfg = load(tmp_path, FULL)
+    assert cfg.data.datasets == ["shards/a", "shards/b"] and cfg.data.weights == [3, 1]
+    assert cfg.data.preprocess == "my/preprocess.yaml" and cfg.data.valid == ["shards/valid"]
+    assert cfg.data.num_workers == 2
+    assert cfg.layout == "images=dp2;audio=dp1,off2;language=dp1,off3"
+    assert cfg.model.language == LanguageConfig(num_layers=4, hidden_size=128,
+                                                num_attention_heads=8, vocab_size=49280)
+    assert cfg.model.encoders == {
+        "images": EncoderConfig(kind="qwen2_vl", hidden_size=48, num_layers=2,
+                                pretrained="some/dir"),
+        "audio": EncoderConfig(num_attention_heads=4)}
+    assert cfg.model.projection == "mlp" and cfg.model.freeze == ["images"]
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
+            cfg.optimizer.weight_decay) == (2e-3, 1e-4, 5, 0.1)
+    run = cfg.train
+    assert (run.global_batch_size, run.micro_batch_size, run.steps, run.eval_interval,
+            run.eval_steps, run.seed, run.device, run.precision) == (16, 4, 40, 10, 2, 7, "cpu",
+                                                                      "bf16")
+    assert (cfg.checkpoint.dir, cfg.checkpoint.interval, cfg.checkpoint.resume) == (
+        "runs/x", 20, False)
+
+
+def test_missing_keys_take_the_dataclass_defaults(tmp_path):
+    cfg = load(tmp_path, MINIMAL)
+    defaults = TrainConfig()
+    assert cfg.data.datasets == ["shards/a"]
+    for section in ("model", "optimizer", "train", "checkpoint"):
+        assert getattr(cfg, section) == getattr(defaults, section), section
+    assert cfg.layout == defaults.layout
+    assert dataclasses.replace(cfg.data, datasets=[]) == defaults.data
+
+
+def test_empty_sections_are_defaults(tmp_path):
+    cfg = load(tmp_path, MINIMAL + "train:\nmodel:\n  encoders:\n    images:\n")
+    assert cfg.train == TrainConfig().train
+    assert cfg.model.encoders == {"images": EncoderConfig()}
+
+
+def test_layout_may_be_a_mapping(tmp_path):
+    layout = {"modules": {"language": {"dp": 2}}}
+    cfg = load(tmp_path, MINIMAL + yaml.safe_dump({"layout": layout}))
+    assert cfg.layout == layout
+
+
+def test_to_dict_round_trips_through_yaml(tmp_path):
+    cfg = load(tmp_path, FULL)
+    again = load(tmp_path, yaml.safe_dump(cfg.to_dict()))
+    assert again == cfg
+    assert isinstance(again.model.encoders["images"], EncoderConfig)
+
+
+def test_unreadable_or_non_mapping_files(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(TrainConfigError, match="nope.yaml"):
+        TrainConfig.load(str(missing))
+    assert "top level must be a mapping" in load_error(tmp_path, "- data\n- train\n")
+    message = load_error(tmp_path, "data: {datasets: [a]\ntrain: {steps: 3}\n")
+    assert "train.yaml" in message
+
+
+def test_empty_file_falls_to_the_datasets_rule(tmp_path):
+    assert "data.datasets is empty" in load_error(tmp_path, "")
+
+
+def test_no_file_only_overrides(tmp_path):
+    cfg = TrainConfig.load(None, ["data.datasets=[x, y]", "train.steps=3"])
+    assert cfg.data.datasets == ["x", "y"] and cfg.train.steps == 3
+
+
+# ------------------------------------------------------------------------------- overrides
+
+@pytest.mark.parametrize("override, get, expected", [
+    ("train.steps=50", lambda c: c.train.steps, 50),
+    ("optimizer.lr=0.05", lambda c: c.optimizer.lr, 0.05),
+    ("optimizer.lr=2.5e-2", lambda c: c.optimizer.lr, 0.025),
+    ("optimizer.lr=1e-2", lambda c: c.optimizer.lr, 0.01),      # YAML 1.1 reads this as text
+    ("data.datasets=[x, 'y z']", lambda c: c.data.datasets, ["x", "y z"]),
+    ("model.freeze=[images, audio]", lambda c: c.model.freeze, ["images", "audio"]),
+    ("train.tensorboard_dir=runs/tb", lambda c: c.train.tensorboard_dir, "runs/tb"),
+    ("checkpoint.dir=null", lambda c: c.checkpoint.dir, None),
+    ("checkpoint.dir=", lambda c: c.checkpoint.dir, None),
+    ("checkpoint.resume=false", lambda c: c.checkpoint.resume, False),
+    ("model.language.vocab_size=~", lambda c: c.model.language.vocab_size, None),
+    ("layout=images=dp1;language=dp2", lambda c: c.layout, "images=dp1;language=dp2"),
+    ("layout={modules: {language: {dp: 2}}}", lambda c: c.layout,
+     {"modules": {"language": {"dp": 2}}}),
+    ("model.projection=mlp", lambda c: c.model.projection, "mlp"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_override_values_are_parsed_as_yaml(tmp_path, override, get, expected):
+    base = MINIMAL + "checkpoint: {dir: runs/base}\nmodel: {language: {vocab_size: 512}}\n"
+    value = get(load(tmp_path, base, override))
+    assert value == expected and type(value) is type(expected)
+
+
+def test_override_replaces_file_value_and_keeps_its_neighbours(tmp_path):
+    cfg = load(tmp_path, FULL, "train.steps=100", "model.encoders.images.num_layers=5")
+    assert cfg.train.steps == 100 and cfg.train.micro_batch_size == 4
+    assert cfg.model.encoders["images"] == EncoderConfig(kind="qwen2_vl", hidden_size=48,
+                                                         num_layers=5, pretrained="some/dir")
+
+
+def test_override_creates_new_nested_encoder(tmp_path):
+    cfg = load(tmp_path, MINIMAL, "model.encoders.images.num_layers=3",
+               "model.encoders.images.pretrained=/models/vit")
+    assert cfg.model.encoders == {"images": EncoderConfig(num_layers=3,
+                                                          pretrained="/models/vit")}
+    cfg = load(tmp_path, FULL, "model.encoders.extra.kind=siglip")
+    assert set(cfg.model.encoders) == {"images", "audio", "extra"}
+    assert cfg.model.encoders["extra"] == EncoderConfig(kind="siglip")
+
+
+def test_override_into_empty_section(tmp_path):
+    """``train:`` with nothing under it is an empty section, and overrides can fill it."""
+    cfg = load(tmp_path, MINIMAL + "train:\ncheckpoint:\n", "train.steps=7",
+               "checkpoint.dir=runs/y")
+    assert cfg.train.steps == 7 and cfg.checkpoint.dir == "runs/y"
+
+
+def test_later_override_wins(tmp_path):
+    cfg = load(tmp_path, MINIMAL, "train.steps=5", "train.steps=9")
+    assert cfg.train.steps == 9
+
+
+def test_whole_section_override(tmp_path):
+    cfg = load(tmp_path, FULL, "checkpoint={dir: runs/z}")
+    assert cfg.checkpoint.dir == "runs/z" and cfg.checkpoint.interval == 0
+
+
+# ------------------------------------------------------------------------ unknown keys
+
+@pytest.mark.parametrize("key", [
+    "trian", "train.stpes", "model.language.hiden_size", "model.encoders.images.depth",
+    "optimizer.betas", "checkpoint.every", "data.shards"])
+def test_unknown_key_in_file_names_the_full_key(tmp_path, key):
+    data = {"data": {"datasets": ["a"]}}
+    node = data
+    *sections, name = key.split(".")
+    for part in sections:
+        node = node.setdefault(part, {})
+    node[name] = 1
+    message = load_error(tmp_path, yaml.safe_dump(data))
+    assert key in message
+    assert "unknown" in message
+
+
+@pytest.mark.parametrize("key", [
+    "trian.steps", "train.stpes", "model.language.hiden_size", "model.encoders.images.depth",
+    "model.encoders.audio.num_layer", "optimizer.betas"])
+def test_unknown_key_in_override_names_the_full_key(tmp_path, key):
+    message = load_error(tmp_path, FULL, f"{key}=3")
+    expected = key if not key.startswith("trian") else "trian"
+    assert expected in message and "unknown" in message
+
+
+def test_unknown_key_message_lists_the_known_ones(tmp_path):
+    message = load_error(tmp_path, MINIMAL, "train.stpes=3")
+    assert "steps" in message and "micro_batch_size" in message
+
+
+# -------------------------------------------------------------------- malformed overrides
+
+@pytest.mark.parametrize("override", ["train.steps", "=5", ""])
+def test_override_without_key_or_equals(tmp_path, override):
+    assert "key.path=value" in load_error(tmp_path, MINIMAL, override)
+
+
+def test_override_through_a_value_is_not_a_section(tmp_path):
+    message = load_error(tmp_path, FULL, "train.steps.max=3")
+    assert "train.steps.max=3" in message and "steps is not a section" in message
+
+
+def test_override_with_invalid_yaml_value_names_the_override(tmp_path):
+    message = load_error(tmp_path, MINIMAL, "data.datasets=[a, b")
+    assert "data.datasets" in message
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.steps=abc", "train.steps"),
+    ("train.steps=2.5", "train.steps"),
+    ("train.steps=true", "train.steps"),
+    ("train.steps={max: 3}", "train.steps"),
+    ("optimizer.lr=fast", "optimizer.lr"),
+    ("data.datasets=shards/a", "data.datasets"),
+    ("model.freeze=images", "model.freeze"),
+    ("train.device=[cpu]", "train.device"),
+    ("checkpoint.resume=maybe", "checkpoint.resume"),
+    ("model.encoders.images.num_layers=two", "model.encoders.images.num_layers"),
+])
+def test_override_of_the_wrong_type_names_the_key(tmp_path, override, key):
+    message = load_error(tmp_path, MINIMAL, override)
+    assert key in message
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train=5", "train"),
+    ("model.language=[1, 2]", "model.language"),
+    ("model.encoders=[images]", "model.encoders"),
+    ("model.encoders.images=3", "model.encoders.images"),
+])
+def test_section_that_is_not_a_mapping_names_the_key(tmp_path, override, key):
+    message = load_error(tmp_path, MINIMAL, override)
+    assert key in message and "mapping" in message
+
+
+# ---------------------------------------------------------------------- validation rules
+
+VALID = """
+data: {datasets: [a, b]}
+optimizer: {lr: 1.0e-3, min_lr: 1.0e-4, warmup_steps: 2}
+train: {steps: 20}
+"""
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["data.datasets=[]"], "data.datasets is empty"),
+    (["data.weights=[1]"], "data.weights has 1 entries for 2 datasets"),
+    (["data.weights=[1, 2, 3]"], "data.weights has 3 entries for 2 datasets"),
+    (["train.steps=0"], "train.steps is 0"),
+    (["train.global_batch_size=0"], "train.global_batch_size is 0"),
+    (["train.micro_batch_size=-1"], "train.micro_batch_size is -1"),
+    (["train.log_interval=0"], "train.log_interval is 0"),
+    (["train.eval_steps=0"], "train.eval_steps is 0"),
+    (["train.device=gpu"], "train.device is 'gpu'"),
+    (["train.precision=fp16"], "train.precision is 'fp16'"),
+    (["optimizer.min_lr=0.01"], "optimizer.min_lr 0.01"),
+    (["optimizer.min_lr=-0.0001"], "optimizer.min_lr -0.0001"),
+    (["optimizer.warmup_steps=20"], "optimizer.warmup_steps 20"),
+    (["optimizer.warmup_steps=50"], "optimizer.warmup_steps 50"),
+    (["data.valid=[v]"], "data.valid is set but train.eval_interval is 0"),
+    (["train.eval_interval=5"], "train.eval_interval is set but data.valid"),
+    (["model.projection=conv"], "model.projection is 'conv'"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_validate_rule(tmp_path, overrides, fragment):
+    assert fragment in load_error(tmp_path, VALID, *overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["data.weights=[1, 3]"],
+    ["data.weights=null"],
+    ["optimizer.warmup_steps=19"],
+    ["optimizer.warmup_steps=0", "train.steps=1"],
+    ["optimizer.min_lr=0.001"],
+    ["optimizer.min_lr=0"],
+    ["data.valid=[v]", "train.eval_interval=5"],
+    ["train.device=cuda", "train.precision=bf16"],
+    ["train.device=auto", "model.projection=linear"],
+], ids=lambda v: " ".join(v) or "base")
+def test_validate_accepts_the_boundaries(tmp_path, overrides):
+    """Just inside each rule: the rules above fail for the value, not for being set."""
+    cfg = load(tmp_path, VALID, *overrides)
+    for override in overrides:
+        key, _, text = override.partition("=")
+        section, name = key.split(".")
+        assert getattr(getattr(cfg, section), name) == yaml.safe_load(text), override
+
+
+def test_validate_applies_to_a_config_built_in_code(tmp_path):
+    cfg = load(tmp_path, VALID)
+    cfg.validate()
+    cfg.train.steps = 2
+    with pytest.raises(TrainConfigError, match="optimizer.warmup_steps 2"):
+        cfg.validate()
+    cfg.optimizer.warmup_steps = 1
+    cfg.validate()
+    cfg.train.precision = "fp8"
+    with pytest.raises(TrainConfigError, match="train.precision"):
+        cfg.validate()
+
+
+# ------------------------------------------------------------------- the shipped configs
+
+SHIPPED = sorted((REPO / "configs" / "train").glob("*.y*ml"))
+
+
+def test_there_are_shipped_training_configs():
+    assert SHIPPED, "configs/train/ should hold at least one training config"
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_loads_and_is_coherent(path, monkeypatch):
+    monkeypatch.chdir(REPO)          # relative paths are taken from the current directory
+    cfg = TrainConfig.load(str(path))
+    assert cfg.data.datasets
+    preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
+    layout = Layout.parse(cfg.layout)
+    layout.validate(layout.world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                    modalities=list(preprocess.modalities))
+    assert set(cfg.model.encoders) <= {module.name for module in layout.encoders}
+    assert set(cfg.model.freeze) <= {module.name for module in layout.modules}
+    # The file's overrides work on it too, e.g. the demo's shorter run.
+    shorter = TrainConfig.load(str(path), ["train.steps=5", "optimizer.warmup_steps=1"])
+    assert shorter.train.steps == 5
