@@ -5,10 +5,17 @@ The text is rendered once (the chat template in ``chat`` mode, plain concatenati
 come from the template itself: its ``{% generation %}`` blocks when it has them, otherwise
 incremental rendering (the text an assistant turn adds after the generation prompt). Each span
 runs to its end-of-turn token, inclusive. The text is tokenized once, with offsets, by a copy
-of the tokenizer in which the markers are atomic; each marker becomes N copies of its modality
-token. A token that straddles a span boundary, a
-template that does not re-render the same prefix, or a modality token typed literally in the
-text is an error naming the sample — never a silently wrong mask.
+of the tokenizer in which the markers are atomic (through ``segment_tokenizer``'s piece cache
+when that is exact for the tokenizer); each marker becomes N copies of its modality token. A
+token that straddles a span boundary, a template that does not re-render the same prefix, or a
+modality token typed literally in the text is an error naming the sample — never a silently
+wrong mask.
+
+Incremental rendering costs one render per assistant turn and one more per turn before it, so
+it runs once per conversation *shape* (its roles), on a skeleton whose contents are
+placeholders; a sample then renders once, and its text must equal the skeleton with its
+contents filled in (the template inserted every content verbatim, once). Otherwise, e.g. for a
+template that trims or branches on contents, the sample takes the per-sample incremental path.
 """
 
 from __future__ import annotations
@@ -26,9 +33,14 @@ from transformers.utils.chat_template_utils import (_compile_jinja_template,
 
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import CountedError
+from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reason
 from mimo_data.shard_format import MARKERS
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+# Placeholder for the content of message k in a skeleton render (private-use code points).
+_SLOT = "\ue000{}\ue001"
+_SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")
+_MAX_SKELETONS = 256
 
 
 class TextError(CountedError):
@@ -69,25 +81,51 @@ def _chat_template(config: PreprocessConfig, tokenizer) -> str:
                          f"configured (chat_template:), or use mode: caption ({exc})") from None
 
 
-class TextEncoder:
-    """Renders conversations and tokenizes them, for one config and tokenizer."""
+@dataclass(frozen=True)
+class _Skeleton:
+    """A conversation shape rendered with placeholder contents: the text is ``parts[0]``, the
+    content of message ``order[0]``, ``parts[1]``, ...; trained spans as (part, offset) pairs."""
+    parts: tuple[str, ...]
+    order: tuple[int, ...]
+    spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
 
-    def __init__(self, config: PreprocessConfig, tokenizer=None):
+    def fill(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The skeleton's text and spans with ``messages``' contents in place."""
+        contents = [messages[k]["content"] for k in self.order]
+        pieces, starts, position = [self.parts[0]], [0], len(self.parts[0])
+        for content, part in zip(contents, self.parts[1:]):
+            position += len(content)
+            starts.append(position)
+            position += len(part)
+            pieces += (content, part)
+        return "".join(pieces), [(starts[a] + i, starts[b] + j)
+                                 for (a, i), (b, j) in self.spans]
+
+
+class TextEncoder:
+    """Renders conversations and tokenizes them, for one config and tokenizer.
+
+    ``cache_tokens``: tokenize through ``SegmentCachedTokenizer`` when it is exact for the
+    tokenizer (it checks itself against the tokenizer now and then); False: always the tokenizer.
+    """
+
+    def __init__(self, config: PreprocessConfig, tokenizer=None, *, cache_tokens: bool = True):
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config)
         # A private copy of the fast tokenizer in which the markers are atomic added tokens:
         # one encode per sample, identical to encoding the text between markers piece by piece
         # (added tokens split the text before the model's pre-tokenizer runs).
-        self.backend = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
-        self.backend.add_special_tokens([AddedToken(m, special=True, normalized=False)
-                                         for m in MARKERS.values()])
-        self._marker_ids = {self.backend.token_to_id(m): modality
-                            for modality, m in MARKERS.items()}
+        backend = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        backend.add_special_tokens([AddedToken(m, special=True, normalized=False)
+                                    for m in MARKERS.values()])
+        self.backend = (SegmentCachedTokenizer(backend)
+                        if cache_tokens and unsupported_reason(backend) is None else backend)
+        self._marker_ids = {backend.token_to_id(m): modality for modality, m in MARKERS.items()}
         self.vocab_size = len(self.tokenizer)
         self.modality_token_ids = {name: self.tokenizer.convert_tokens_to_ids(m.token)
                                    for name, m in config.modalities.items()}
         # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers.
-        self._token_kind = np.zeros(self.backend.get_vocab_size(with_added_tokens=True) + 1,
+        self._token_kind = np.zeros(backend.get_vocab_size(with_added_tokens=True) + 1,
                                     dtype=np.int8)
         self._token_kind[list(self.modality_token_ids.values())] = 1
         self._token_kind[list(self._marker_ids)] = 2
@@ -103,6 +141,7 @@ class TextEncoder:
             # transformers' own compiled (cached) template: render_jinja_template's per-call
             # conversion of the messages costs a third of each render; ours are plain dicts.
             self._compiled = _compile_jinja_template(self.template)
+            self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
 
     def is_modality_token(self, token_id: int) -> bool:
         return self._token_kind[token_id] == 1
@@ -133,19 +172,58 @@ class TextEncoder:
         if self.has_generation_blocks:
             text, spans = self._render_with_generation_spans(messages)
         else:
-            text, spans = self._render(messages), []
-            for i, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                before = self._render(messages[:i], generation_prompt=True)
-                after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
-                if not (after.startswith(before) and text.startswith(after)):
-                    raise TextError("template_mismatch", f"the chat template does not render "
-                                    f"turn {i} as an extension of the turns before it, so the "
-                                    "assistant span cannot be located; give a chat_template with "
-                                    "{% generation %} blocks")
-                spans.append((len(before), len(after)))
+            text = self._render(messages)
+            skeleton = self._skeleton(tuple(message["role"] for message in messages))
+            filled = skeleton.fill(messages) if skeleton is not None else None
+            if filled is not None and filled[0] == text:
+                spans = filled[1]
+            else:
+                spans = self._incremental_spans(messages, text)
         return text, [self._through_eot(text, start, end) for start, end in spans]
+
+    def _incremental_spans(self, messages, text):
+        """Per assistant turn, the characters it adds to ``text`` (the conversation's render)
+        after the generation prompt; TextError if the template re-renders earlier turns."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], generation_prompt=True)
+            after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
+            if not (after.startswith(before) and text.startswith(after)):
+                raise TextError("template_mismatch", f"the chat template does not render "
+                                f"turn {i} as an extension of the turns before it, so the "
+                                "assistant span cannot be located; give a chat_template with "
+                                "{% generation %} blocks")
+            spans.append((len(before), len(after)))
+        return spans
+
+    def _skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        """The skeleton of conversations with these roles (None: the template does not insert
+        each content once, or fails on placeholders: every sample renders incrementally)."""
+        if roles in self._skeletons:
+            return self._skeletons[roles]
+        if len(self._skeletons) >= _MAX_SKELETONS:
+            self._skeletons.clear()
+        self._skeletons[roles] = skeleton = self._build_skeleton(roles)
+        return skeleton
+
+    def _build_skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        messages = [{"role": role, "content": _SLOT.format(k)} for k, role in enumerate(roles)]
+        try:
+            text = self._render(messages)
+            spans = self._incremental_spans(messages, text)
+        except TextError:
+            return None
+        pieces = _SLOT_PATTERN.split(text)
+        parts, order = tuple(pieces[0::2]), tuple(int(k) for k in pieces[1::2])
+        if sorted(order) != list(range(len(roles))):
+            return None
+        slots = [len(_SLOT.format(k)) for k in order]
+        ends = [_part_offset(position, parts, slots) for span in spans for position in span]
+        if None in ends:
+            return None
+        return _Skeleton(parts, order, tuple(zip(ends[0::2], ends[1::2])))
 
     def _through_eot(self, text: str, start: int, end: int) -> tuple[int, int]:
         # Train up to and including the end-of-turn token; what the template adds after it
@@ -179,20 +257,21 @@ class TextEncoder:
         count) copies of that modality's token."""
         text, spans = self.render(messages)
         encoding = self.backend.encode(text, add_special_tokens=False)
-        ids = np.array(encoding.ids, dtype=np.int64)
-        offsets = np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
         kind = self._token_kind[ids]
         if (kind == 1).any():
             raise TextError("literal_special_token", "the text contains a modality token "
                             "typed literally; remove it from the source text")
-        trained = _inside_spans(offsets, np.array([a for a, _ in spans], dtype=np.int64),
-                                np.array([b for _, b in spans], dtype=np.int64), text)
+        trained = _inside_spans(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2),
+                                spans, text)
         marker_at = np.flatnonzero(kind == 2)
-        found = [self._marker_ids[int(ids[i])] for i in marker_at]
+        found = [self._marker_ids[i] for i in ids[marker_at].tolist()]
         expected = [modality for modality, _ in item_tokens]
         if found != expected:
             raise TextError("template_mismatch", f"the rendered text has markers {found}, the "
                             f"sample's media are {expected}")
+        if not found:
+            return Encoded(ids, trained)
         # Each marker token becomes its item's run of modality tokens (never trained).
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[marker_at] = [count for _, count in item_tokens]
@@ -201,27 +280,44 @@ class TextEncoder:
         return Encoded(np.repeat(ids, repeats), np.repeat(trained, repeats))
 
 
-def _inside_spans(offsets: np.ndarray, starts: np.ndarray, ends: np.ndarray, text: str):
-    """Per token (character ``offsets`` [N, 2]): inside one of the sorted, disjoint spans?
+def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
+    """(part, offset) of a skeleton character position; None inside a placeholder."""
+    start = 0
+    for part, text in enumerate(parts):
+        if start <= position <= start + len(text):
+            return part, position - start
+        start += len(text) + (slots[part] if part < len(slots) else 0)
+    return None
+
+
+def _inside_spans(offsets: np.ndarray, spans: list[tuple[int, int]], text: str) -> np.ndarray:
+    """Per token (character ``offsets`` [N, 2], in text order): inside one of the sorted,
+    disjoint ``spans``? Empty tokens never are.
 
     A token reaching into a span from before it is left untrained when what it covers of the
     span is whitespace (an answer starting with a newline merges with the header's newline);
     any other partial overlap makes the mask ambiguous: TextError.
     """
+    inside = np.zeros(len(offsets), dtype=bool)
+    if not spans:
+        return inside
     token_start, token_end = offsets[:, 0], offsets[:, 1]
-    if not len(starts):
-        return np.zeros(len(offsets), dtype=bool)
-    nearest = np.searchsorted(ends, token_start, side="right")   # first span ending after
-    has_span = nearest < len(starts)
-    nearest = np.minimum(nearest, len(starts) - 1)
-    span_start, span_end = starts[nearest], ends[nearest]
-    real = has_span & (token_start < token_end)
-    inside = real & (span_start <= token_start) & (token_end <= span_end)
-    for i in np.flatnonzero(real & ~inside & (token_end > span_start)):
-        a, b, edge = int(token_start[i]), int(token_end[i]), int(span_start[i])
-        if a < edge and b <= span_end[i] and text[edge:b].isspace():
-            continue
-        raise TextError("template_mismatch", f"token {text[a:b]!r} at characters {a}-{b} "
-                        f"crosses the edge of a trained span ({edge}-{span_end[i]}); "
-                        "the loss mask would be ambiguous")
+    bounds = np.array(spans, dtype=np.int64)
+    firsts = np.searchsorted(token_end, bounds[:, 0], side="right").tolist()   # ends after start
+    stops = np.searchsorted(token_start, bounds[:, 1], side="left").tolist()   # starts at/after end
+    for (start, end), first, stop in zip(spans, firsts, stops):
+        if first < stop and token_start[first] < start:
+            reach = int(token_end[first])
+            if not (reach <= end and text[start:reach].isspace()):
+                _crossing(text, int(token_start[first]), reach, start, end)
+            first += 1
+        if first < stop and token_end[stop - 1] > end:
+            _crossing(text, int(token_start[stop - 1]), int(token_end[stop - 1]), start, end)
+        inside[first:stop] = token_start[first:stop] < token_end[first:stop]
     return inside
+
+
+def _crossing(text: str, a: int, b: int, start: int, end: int):
+    raise TextError("template_mismatch", f"token {text[a:b]!r} at characters {a}-{b} crosses "
+                    f"the edge of a trained span ({start}-{end}); the loss mask would be "
+                    "ambiguous")

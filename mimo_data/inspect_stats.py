@@ -25,7 +25,6 @@ import pyarrow.parquet as pq
 from mimo_data.chat_tokens import TextEncoder
 from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
 from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reason
 from mimo_data.shard_format import MARKERS, SAMPLES_FILE
 from mimo_data.token_counts import audio_tokens, image_tokens
 
@@ -133,21 +132,13 @@ class IndexTable:
         return found
 
 
-def inspection_text_encoder(config: PreprocessConfig, cache_tokens: bool = True) -> TextEncoder:
-    """The training TextEncoder, with the piece cache of ``segment_tokenizer`` when exact."""
-    text = TextEncoder(config)
-    if cache_tokens and unsupported_reason(text.backend) is None:
-        text.backend = SegmentCachedTokenizer(text.backend)
-    return text
-
-
 class SampleInspector:
     """Record → (SampleStats, Sample or None), metadata-only, on the training code path."""
 
     def __init__(self, config: PreprocessConfig, *, text: TextEncoder | None = None,
                  cache_tokens: bool = True):
         self.config = config
-        self.text = text or inspection_text_encoder(config, cache_tokens)
+        self.text = text or TextEncoder(config, cache_tokens=cache_tokens)
         self.preprocessor = Preprocessor(config, with_media=False, text=self.text)
         self.token_ids = self.text.modality_token_ids
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized

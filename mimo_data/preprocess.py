@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mimo_data.audio_inputs import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_rows_to_tokens,
@@ -20,6 +21,7 @@ from mimo_data.media import MediaError
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.records import marker_order
 from mimo_data.report import CountedError
+from mimo_data.segment_tokenizer import SegmentCacheError
 from mimo_data.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
@@ -71,26 +73,29 @@ class Preprocessor:
         _check_record(record)
         items = record["media"]
         counts = [(item["modality"], self._item_tokens(item)) for item in items]
-        encoded, kept_messages = self._fit(record["messages"], counts)
-        if self.text.is_modality_token(encoded.ids[-1]):
+        try:
+            encoded, kept_messages = self._fit(record["messages"], counts)
+        except SegmentCacheError as exc:
+            raise SegmentCacheError(f"sample {record['key']}: {exc}") from None
+        ids, trained = encoded.ids, encoded.trained[1:]
+        if self.text.is_modality_token(ids[-1]):
             raise SampleDropped("ends_with_media", "the conversation ends with a media item, "
                                 "whose last placeholder the next-token shift would cut; end "
                                 "it with an assistant turn")
         removed_turns = len(record["messages"]) - len(kept_messages)
-        kept_items = items[:len(marker_order(kept_messages))]
-        ids = torch.from_numpy(encoded.ids)
-        trained = torch.from_numpy(encoded.trained)[1:]
-        labels = torch.where(trained, ids[1:], IGNORE_INDEX)
+        kept_items = items[:len(marker_order(kept_messages))] if removed_turns else items
         if not trained.any():
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
         token_counts = {name: [n for (modality, n), _ in zip(counts, kept_items)
                                if modality == name] for name in self.config.modalities}
-        sample = Sample(key=record["key"], input_ids=ids[:-1], labels=labels,
-                        loss_mask=trained.float(), position_ids=torch.arange(len(ids) - 1),
-                        token_counts=token_counts,
-                        removed_turns=removed_turns)
+        # numpy until here: a torch op on a short tensor costs more than the numpy one.
+        sample = Sample(key=record["key"], input_ids=torch.from_numpy(ids[:-1]),
+                        labels=torch.from_numpy(np.where(trained, ids[1:], IGNORE_INDEX)),
+                        loss_mask=torch.from_numpy(trained.astype(np.float32)),
+                        position_ids=torch.from_numpy(np.arange(len(ids) - 1)),
+                        token_counts=token_counts, removed_turns=removed_turns)
         decoded = [item for item in kept_items if item["modality"] in self.media_modalities]
         if decoded:
             if media is None:

@@ -6,8 +6,8 @@ runs the model on each piece between them on its own. So the encoding of a rende
 is the concatenation of the encodings of its pieces, and the pieces repeat a lot across a
 dataset: the template's system prompt, ``user\\n``, ``assistant\\n``, fixed instructions such as
 ``\\nDescribe the image.``. ``SegmentCachedTokenizer`` encodes each distinct piece once and
-concatenates cached ids and offsets; it stands in for ``TextEncoder.backend`` so that everything
-else (rendering, trained spans, marker expansion, the length policy) runs the training code.
+concatenates cached ids and offsets. ``TextEncoder`` tokenizes through it (training and
+mimo-inspect alike) unless told not to.
 
 The decomposition holds for the tokenizer families mimo supports (byte-level BPE such as
 SmolLM2, Llama 3, Qwen2; sentencepiece-style with ``prepend_scheme: always``). It does not hold
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from itertools import accumulate
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -71,7 +72,9 @@ class SegmentCachedTokenizer:
     """``encode(text)`` → ``.ids`` / ``.offsets`` (numpy) equal to ``backend.encode(text,
     add_special_tokens=False)``, from cached encodings of the pieces between added tokens."""
 
-    def __init__(self, backend: Tokenizer, *, max_entries: int = 1 << 16,
+    # A piece that never repeats (an answer) costs a few kB here until the cache is full and
+    # starts over: 4096 entries keep a DataLoader worker's share to about 10 MB.
+    def __init__(self, backend: Tokenizer, *, max_entries: int = 1 << 12,
                  verify_first: int = 64, verify_every: int = 256):
         reason = unsupported_reason(backend)
         if reason is not None:
@@ -82,54 +85,52 @@ class SegmentCachedTokenizer:
         # Leftmost match, longest first at a position: the added vocabulary's own rule.
         self._split = (re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
                        if contents else lambda text: [text])
+        # Added tokens are pieces too, never evicted: a text piece never equals one (the split
+        # would have cut it out), so one lookup serves both.
         self._added = {token.content: (np.array([token_id], dtype=np.int64),
                                        np.array([[0, len(token.content)]], dtype=np.int64))
                        for token_id, token in added.items()}
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = dict(self._added)
         self.max_entries = max_entries
         self.verify_first = verify_first
         self.verify_every = verify_every
         self.calls = 0
-        self.hits = 0
+        self.pieces = 0
         self.misses = 0
+
+    @property
+    def hits(self) -> int:
+        """Pieces served from the cache (added tokens included)."""
+        return self.pieces - self.misses
 
     def __getattr__(self, name):          # token_to_id, decode, ...: the tokenizer's own
         return getattr(self.backend, name)
 
-    def _piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        cached = self._cache.get(text)
-        if cached is not None:
-            self.hits += 1
-            return cached
+    def _encode_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         self.misses += 1
         encoding = self.backend.encode(text, add_special_tokens=False)
-        cached = (np.array(encoding.ids, dtype=np.int64),
-                  np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2))
-        if len(self._cache) >= self.max_entries:
-            self._cache.clear()
-        self._cache[text] = cached
-        return cached
+        encoded = (np.array(encoding.ids, dtype=np.int64),
+                   np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2))
+        if len(self._cache) >= self.max_entries + len(self._added):
+            self._cache = dict(self._added)
+        self._cache[text] = encoded
+        return encoded
 
     def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
         if add_special_tokens:
             raise ValueError("SegmentCachedTokenizer encodes with add_special_tokens=False only")
         # split() with a capturing group: [piece, added token, piece, added token, ..., piece]
-        parts = self._split(text)
-        ids, offsets, starts, lengths = [], [], [], []
-        position = 0
-        added = self._added
-        for i, part in enumerate(parts):
-            if not part:
-                continue
-            piece_ids, piece_offsets = added[part] if i % 2 else self._piece(part)
-            ids.append(piece_ids)
-            offsets.append(piece_offsets)
-            starts.append(position)
-            lengths.append(len(piece_ids))
-            position += len(part)
-        if ids:
-            result = _Encoding(np.concatenate(ids), np.concatenate(offsets) +
-                               np.repeat(np.array(starts, dtype=np.int64), lengths)[:, None])
+        parts = [part for part in self._split(text) if part]
+        cache = self._cache
+        entries = [cache.get(part) or self._encode_piece(part) for part in parts]
+        self.pieces += len(parts)
+        if entries:
+            # Each piece's offsets are relative to the piece: shift them by its start.
+            starts = np.fromiter(accumulate(map(len, parts[:-1]), initial=0), np.int64,
+                                 count=len(parts))
+            offsets = np.concatenate([entry[1] for entry in entries])
+            offsets += np.repeat(starts, [len(entry[0]) for entry in entries])[:, None]
+            result = _Encoding(np.concatenate([entry[0] for entry in entries]), offsets)
         else:
             result = _Encoding(np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64))
         self.calls += 1
@@ -144,4 +145,5 @@ class SegmentCachedTokenizer:
                                                           result.offsets.tolist()]):
             raise SegmentCacheError(
                 f"cached tokenization differs from the tokenizer's own for the text "
-                f"{text[:80]!r}...; rerun with --no-token-cache and report this as a mimo bug")
+                f"{text[:80]!r}...; please report this as a mimo bug (TextEncoder(cache_tokens="
+                f"False), or mimo-inspect --no-token-cache, avoids the cache meanwhile)")

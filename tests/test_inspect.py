@@ -420,7 +420,8 @@ def test_sample_of_a_dropped_or_mismatched_sample_fails(capsys, faulty, configs)
 
 @pytest.fixture(scope="module")
 def text_encoder(configs) -> TextEncoder:
-    return TextEncoder(PreprocessConfig.from_yaml(str(configs["default"])))
+    """The training encoder with the plain tokenizer as its backend (the reference)."""
+    return TextEncoder(PreprocessConfig.from_yaml(str(configs["default"])), cache_tokens=False)
 
 
 def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):

@@ -20,6 +20,7 @@ from mimo_data.collate import BatchError, Collator
 from mimo_data.preprocess import Preprocessor, SampleDropped, preprocess_dataset
 from mimo_data.preprocess_config import ImageConfig, PreprocessConfig
 from mimo_data.report import Tally
+from mimo_data.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shard_reader import ShardReader
 
 from conftest import CORPUS_INPUTS, REPO
@@ -242,6 +243,60 @@ def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(reco
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch"
+
+
+def test_template_that_changes_contents_masks_what_it_renders(records, reference_tokenizer):
+    # The template trims contents, so the conversation-shape skeleton (contents inserted
+    # verbatim) does not stand for the padded samples: they must take the per-sample renders.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}"
+                "<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    preprocessor = Preprocessor(config(chat_template=template), with_media=False)
+    for i, record in enumerate(records):
+        record = copy.deepcopy(record)
+        for message in record["messages"]:
+            if message["role"] == "assistant" and i % 2:
+                message["content"] = "  " + message["content"] + " \n"
+        sample = preprocessor(record)
+        expected = "".join(m["content"].strip() + EOT for m in record["messages"]
+                           if m["role"] == "assistant")
+        assert trained_text(preprocessor.text.tokenizer, sample) == expected, record["key"]
+
+
+def test_contents_looking_like_skeleton_placeholders_are_plain_text(records):
+    preprocessor = Preprocessor(config(), with_media=False)
+    record = copy.deepcopy(next(r for r in records if not r["media"]))
+    answer = next(m for m in record["messages"] if m["role"] == "assistant")
+    answer["content"] = "\ue0000\ue001 and \ue0001\ue001" + answer["content"]
+    sample = preprocessor(record)
+    assert trained_text(preprocessor.text.tokenizer, sample) == assistant_text(record)
+
+
+def test_token_crossing_into_the_answer_is_a_template_mismatch(records):
+    # The generation prompt ends inside a word the answer completes: "Reply" + "ing ..." is
+    # one token, half prompt and half answer.
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% if m['role'] == 'assistant' %}Reply{% endif %}{{ m['content'] }}<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\nReply{% endif %}")
+    preprocessor = Preprocessor(config(chat_template=template), with_media=False)
+    record = copy.deepcopy(next(r for r in records if not r["media"]))
+    answer = next(m for m in record["messages"] if m["role"] == "assistant")
+    answer["content"] = "ing now: " + answer["content"]
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(record)
+    assert dropped.value.reason == "template_mismatch" and "crosses" in dropped.value.detail
+
+
+def test_piece_cached_tokenization_gives_the_tokenizers_samples(records):
+    cached = Preprocessor(config(), with_media=False)
+    plain = Preprocessor(config(), with_media=False,
+                         text=TextEncoder(config(), cache_tokens=False))
+    assert isinstance(cached.text.backend, SegmentCachedTokenizer)
+    assert not isinstance(plain.text.backend, SegmentCachedTokenizer)
+    for record in records * 2:                       # the second time from the cache
+        a, b = cached(record), plain(record)
+        for name in ("input_ids", "labels", "loss_mask", "position_ids"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (record["key"], name)
 
 
 def test_special_tokens_are_added_and_the_vocab_size_reported(reference_tokenizer):
