@@ -45,12 +45,12 @@ import torch.utils.data
 
 from mimo_data.collate import Collator
 from mimo_data.drops import kept_mask
-from mimo_data.layout import Layout, RankRole
+from mimo_data.layout import LANGUAGE, Layout, LayoutError, RankRole
 from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import Tally
 from mimo_data.sample_order import DatasetShape, SampleOrder, micro_batch_slice
-from mimo_data.shard_format import INDEX_FILE
+from mimo_data.shard_format import INDEX_FILE, MEMBER_PREFIX
 from mimo_data.shard_reader import ShardReader
 from mimo_data.tensor_pack import pack, unpack
 
@@ -68,6 +68,37 @@ def variable_token_modalities(config: PreprocessConfig) -> list[str]:
     (tokens follow the clip's duration)."""
     return [name for name, modality in config.modalities.items()
             if name == "audio" or modality.policy == "dynamic"]
+
+
+def check_even_split(source: DataSource, layout: Layout) -> None:
+    """Raise LayoutError when an encoder's output must be split evenly but the data's token
+    counts per sample differ.
+
+    megatron-core 0.19 splits a module's output evenly (``tensor_split``) when encoder DP ranks
+    fan in to fewer language DP ranks, and between colocated modules of different DP sizes.
+    That is exact only if every sample has the same token count for that modality: a fixed
+    count per item (``Layout.validate`` already refuses variable-count modalities there) *and*
+    the same number of items in every kept sample, which only the data can tell.
+    """
+    language = layout.language
+    for encoder in layout.encoders:
+        if encoder.dp == language.dp or (encoder.dp < language.dp and not layout.colocated):
+            continue
+        for modality in layout.modalities_of(encoder.name):
+            prefix = "." + MEMBER_PREFIX[modality]
+            items = collections.Counter()
+            for reader, shape in zip(source.readers, source.shapes):
+                for members, kept in zip(reader.members, shape.kept):
+                    if kept:
+                        items[sum(prefix in name for name in members)] += 1
+            if len(items) > 1:
+                counts = ", ".join(f"{n} sample(s) with {k}" for k, n in sorted(items.items()))
+                raise LayoutError(
+                    f"module {encoder.name!r} (dp {encoder.dp}) feeds {modality} into "
+                    f"{LANGUAGE!r} (dp {language.dp}) through an even split, which needs the "
+                    f"same number of {modality} items in every sample; the data has {counts} "
+                    f"{modality} item(s). Give {encoder.name} dp {language.dp} or less "
+                    f"(non-colocated), or filter the dataset to one count per sample")
 
 
 def _shard_sizes(reader: ShardReader) -> tuple[int, ...]:
@@ -399,6 +430,7 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
         return None
     if source is None:
         source = DataSource(datasets, config, weights, num_workers, progress)
+    check_even_split(source, layout)
     order = source.order(seed, global_batch_size, remainder, block_size, window_blocks)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context)

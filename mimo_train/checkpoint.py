@@ -1,0 +1,102 @@
+"""Checkpoints: model, optimizer, LR schedulers, loader position and RNG, per rank.
+
+Layout on disk::
+
+    DIR/step_0000040/rank_00000.pt ...   one file per rank, written by that rank
+    DIR/step_0000040/meta.json           step, layout, world size, config (rank 0, last)
+    DIR/latest                           "step_0000040", replaced atomically once every rank
+                                         has written its file
+
+A rank file holds ``model`` (this rank's modules, weights with *global* layer numbers, see
+``model.module_state``), ``optimizer`` (``MimoOptimizer.state_dict()``), ``schedulers``,
+``loader`` (``RankLoader.state_dict()``, None on ranks without data), ``step`` and the RNG state.
+Resuming needs the same layout (optimizer state is per rank); ``model.init_from`` loads only the
+weights of any checkpoint into any layout, since the ``model`` entries of all rank files together
+hold every module whole. Plain ``torch.save`` per rank rather than megatron-core's distributed
+checkpointing: the MIMO modules here are not tensor-parallel sharded (encoders run whole, TP is
+left to the language model's own groups) and this keeps a checkpoint readable with torch alone.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed here; the message says why and what to do."""
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step_{step:07d}")
+
+
+def latest(root: str | None) -> str | None:
+    """The newest complete checkpoint directory under ``root``, or None."""
+    if not root:
+        return None
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    return os.path.join(root, name)
+
+
+def save(root: str, step: int, rank_state: dict, meta: dict) -> str:
+    """Write this rank's state; rank 0 writes ``meta.json`` and moves ``latest`` once all ranks
+    are done (collective: every rank calls it)."""
+    directory = step_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    rank = dist.get_rank()
+    path = os.path.join(directory, f"rank_{rank:05d}.pt")
+    torch.save(rank_state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    dist.barrier()
+    if rank == 0:
+        _write_atomic(os.path.join(directory, "meta.json"), json.dumps(meta, indent=1))
+        _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
+    dist.barrier()
+    return directory
+
+
+def load_rank(directory: str, meta_expected: dict) -> dict:
+    """This rank's state from ``directory``, after checking it was saved for this layout."""
+    with open(os.path.join(directory, "meta.json")) as f:
+        meta = json.load(f)
+    for key in ("layout", "world_size", "global_batch_size"):
+        if meta.get(key) != meta_expected[key]:
+            raise CheckpointError(
+                f"checkpoint {directory} was saved with {key} {meta.get(key)!r}, this run has "
+                f"{meta_expected[key]!r}: resuming (optimizer and loader state) needs the same "
+                f"{key}; to start a new run from its weights under another layout use "
+                f"model.init_from={directory} and a new checkpoint.dir")
+    path = os.path.join(directory, f"rank_{dist.get_rank():05d}.pt")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_weights(directory: str) -> dict:
+    """module name -> whole-module weights, merged from every rank file of a checkpoint."""
+    files = sorted(glob.glob(os.path.join(directory, "rank_*.pt")))
+    if not files:
+        raise CheckpointError(f"model.init_from {directory} holds no rank_*.pt file: point it "
+                              "at a step_* directory written by mimo_train")
+    weights: dict = {}
+    for path in files:
+        for name, state in torch.load(path, map_location="cpu", weights_only=False)["model"].items():
+            weights.setdefault(name, {}).update(state)
+    return weights
+
+
+def _write_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

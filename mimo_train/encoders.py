@@ -1,0 +1,169 @@
+"""Encoders that take exactly the inputs ``mimo_data`` produces and emit exactly the token counts
+it computed: one row per placeholder token, item by item (DESIGN.md, "Sample and batch contract").
+
+- ``Qwen2VLVision``: dynamic-resolution uint8 patches ``[Σ patches, C·T·P·P]`` + ``image_grid_thw``
+  → one row per merged ``merge × merge`` patch group (transformers' Qwen2-VL vision tower).
+- ``SiglipVision``: fixed-size uint8 images ``[n, 3, S, S]`` → ``(S / P)²`` rows per image.
+- ``WhisperAudio``: log-mel frames ``[Σ frames, n_mels]`` + ``feature_lens`` → Whisper's encoder
+  (its stride-2 conv is the first reduction) then average pooling for each further reduction,
+  ``ceil`` at every step, as ``token_counts.audio_tokens_from_frames`` counts.
+
+Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
+Each class is built from a transformers config (random init) or ``from_pretrained(path)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mimo_data.image_inputs import normalize_pixels
+from mimo_data.preprocess_config import AudioConfig, ImageConfig
+
+
+class EncoderBuildError(ValueError):
+    """An encoder config that cannot produce the preprocessor's token counts."""
+
+
+def _param_dtype(module: torch.nn.Module) -> torch.dtype:
+    return next(module.parameters()).dtype
+
+
+class Qwen2VLVision(torch.nn.Module):
+    """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
+
+    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel)
+        if pretrained:
+            self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(pretrained)
+        else:
+            self.model = Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(
+                depth=num_layers, embed_dim=hidden_size, hidden_size=hidden_size,
+                num_heads=num_attention_heads, mlp_ratio=2, in_channels=3,
+                patch_size=image.patch_size, spatial_merge_size=image.merge_size,
+                temporal_patch_size=image.temporal_patch_size))
+        config = self.model.config
+        geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,
+                    "temporal_patch_size": image.temporal_patch_size}
+        wrong = {k: (getattr(config, k), v) for k, v in geometry.items() if getattr(config, k) != v}
+        if wrong:
+            raise EncoderBuildError(f"vision encoder {pretrained or ''} geometry "
+                                    f"{ {k: a for k, (a, _) in wrong.items()} } differs from the "
+                                    f"preprocessing config { {k: b for k, (_, b) in wrong.items()} }"
+                                    ": the token counts would not match; align modalities.image")
+        self.image = image
+        self.output_size = config.hidden_size
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        pixels = normalize_pixels(pixel_values, self.image).to(_param_dtype(self))
+        return self.model(hidden_states=pixels, grid_thw=image_grid_thw).pooler_output
+
+
+class SiglipVision(torch.nn.Module):
+    """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
+
+    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        from transformers import SiglipVisionConfig, SiglipVisionModel
+        if pretrained:
+            # the pooling head is not used (one row per patch): leave it out
+            self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False)
+        else:
+            self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
+                hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+                image_size=image.image_size, patch_size=image.patch_size,
+                vision_use_head=False))
+        config = self.model.config
+        if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
+            raise EncoderBuildError(
+                f"vision encoder {pretrained or ''} takes {config.image_size}px images in "
+                f"{config.patch_size}px patches; the preprocessing config gives "
+                f"{image.image_size}px / {image.patch_size}px: align modalities.image")
+        self.image = image
+        self.output_size = config.hidden_size
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        pixels = normalize_pixels(pixel_values, self.image).to(_param_dtype(self))
+        hidden = self.model(pixel_values=pixels).last_hidden_state
+        return hidden.reshape(-1, hidden.size(-1))
+
+
+class WhisperAudio(torch.nn.Module):
+    """Whisper encoder on per-clip log-mels → ``[Σ tokens, hidden]``, clip by clip.
+
+    Whisper's encoder takes exactly ``2 * max_source_positions`` frames, so each clip is padded
+    to ``max_duration`` with its own floor value (what the log-mel of the silence Whisper pads
+    with becomes after its clamp) and the outputs past the clip's frames are dropped.
+    """
+
+    def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        if not audio.reductions or audio.reductions[0] != 2:
+            raise EncoderBuildError(f"modalities.audio.reductions is {list(audio.reductions)}: "
+                                    "the Whisper encoder's first reduction is its stride-2 conv; "
+                                    "start the list with 2")
+        frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
+        from transformers import AutoModel, WhisperConfig
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+        if pretrained:
+            self.model = AutoModel.from_pretrained(pretrained).get_encoder()
+        else:
+            self.model = WhisperEncoder(WhisperConfig(
+                num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
+                encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
+                max_source_positions=math.ceil(frames / 2), dropout=0.0))
+        config = self.model.config
+        if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:
+            raise EncoderBuildError(
+                f"audio encoder {pretrained or ''} takes {config.num_mel_bins} mel bins and "
+                f"{2 * config.max_source_positions} frames; the preprocessing config gives "
+                f"{audio.n_mels} bins and up to {frames} frames (max_duration "
+                f"{audio.max_duration}s): align modalities.audio")
+        self.audio = audio
+        self.window = 2 * config.max_source_positions
+        self.output_size = config.d_model
+
+    def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+        lengths = feature_lens.tolist()
+        clips = torch.split(input_features, lengths)
+        padded = input_features.new_empty(len(clips), self.audio.n_mels, self.window)
+        for out, clip in zip(padded, clips):
+            out[:, :len(clip)] = clip.T
+            out[:, len(clip):] = clip.min()
+        hidden = self.model(padded.to(_param_dtype(self))).last_hidden_state
+        rows = []
+        for states, frames in zip(hidden, lengths):
+            states = states[:-(-frames // 2)]
+            for reduction in self.audio.reductions[1:]:
+                states = F.avg_pool1d(states.T[None], reduction, reduction, ceil_mode=True)[0].T
+            rows.append(states)
+        if not rows:
+            return hidden.new_empty(0, self.output_size)
+        return torch.cat(rows)
+
+
+def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
+                  num_attention_heads: int, pretrained: str | None) -> torch.nn.Module:
+    """The encoder class named by ``kind`` (see the module docstring)."""
+    classes = {"qwen2_vl": Qwen2VLVision, "siglip": SiglipVision, "whisper": WhisperAudio}
+    if kind not in classes:
+        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(classes)}")
+    return classes[kind](modality_config, hidden_size, num_layers, num_attention_heads,
+                         pretrained)
+
+
+def default_kind(modality: str, modality_config) -> str:
+    """Encoder kind that consumes this modality's preprocessing output."""
+    if modality == "audio":
+        return "whisper"
+    return "qwen2_vl" if modality_config.policy == "dynamic" else "siglip"
+

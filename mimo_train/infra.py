@@ -1,0 +1,96 @@
+"""Per-module ``HyperCommGrid``s and process-group collections, built from a ``Layout``.
+
+Every module (``language`` and each encoder) gets a grid of shape ``[tp, cp, dp, pp]`` with
+dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.layout`` uses for data
+placement, so the trainer's DP groups are the loader's DP slices. Group creation is collective
+over the whole world, so every rank builds every module's groups, in layout order; each rank then
+keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each encoder feeds
+``language``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from mimo_data.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
+
+# Groups megatron-core reads from a module's ProcessGroupCollection: the models (tp, cp, pp,
+# tp_cp, mp, ...), DDP (dp, dp_cp, intra_dp_cp), finalize_model_grads and the optimizer
+# (tp_dp_cp, intra_dist_opt = all dims), plus an expert view the optimizer asks for.
+_BASE_GROUPS = (("tp",), ("cp",), ("pp",), ("dp",), ("dp", "cp"), ("tp", "cp"), ("tp", "pp"),
+                ("tp", "dp", "cp"), ("tp", "cp", "dp", "pp"))
+_EXPERT_GROUPS = (("ep",), ("expt_tp",), ("expt_dp",), ("expt_tp", "ep"),
+                  ("expt_tp", "ep", "pp"))
+
+
+@dataclass
+class ModuleInfra:
+    """One module's grid and, on ranks inside it, its process groups."""
+    name: str
+    grid: object                        # megatron.core.hyper_comm_grid.HyperCommGrid
+    pgs: object | None                  # ProcessGroupCollection, None on ranks outside
+
+
+@dataclass
+class Infra:
+    """Grids for every module, this rank's role and topology."""
+    layout: Layout
+    role: RankRole
+    modules: dict                       # name -> ModuleInfra, layout order
+
+    @property
+    def grids(self) -> dict:
+        return {name: module.grid for name, module in self.modules.items()}
+
+    @property
+    def topology(self) -> dict:
+        """megatron-core's module dependency map: each encoder feeds the language model."""
+        return {**{e.name: [LANGUAGE] for e in self.layout.encoders}, LANGUAGE: []}
+
+    @property
+    def local(self) -> dict:
+        """Modules this rank runs: name -> ModuleInfra."""
+        return {name: m for name, m in self.modules.items() if m.pgs is not None}
+
+
+def build_infra(layout: Layout, backend: str) -> Infra:
+    """Create every module's grid and groups (collective: call on all ranks, same layout)."""
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    rank = dist.get_rank()
+    modules = {}
+    for module in layout.modules:
+        shape = [getattr(module, dim) for dim in GRID_DIM_NAMES]
+        grid = HyperCommGrid(shape, list(GRID_DIM_NAMES), rank_offset=module.rank_offset,
+                             backend=backend)
+        # No expert parallelism: the expert view mirrors the dense one (expt_dp = dp).
+        grid.register_view("expert", shape=[module.tp, 1, module.cp * module.dp, module.pp],
+                           dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
+        for dims in _BASE_GROUPS:
+            grid.create_pg(list(dims))
+        for dims in _EXPERT_GROUPS:
+            grid.create_pg(list(dims), view="expert")
+        pgs = _collection(grid) if rank in module.ranks else None
+        modules[module.name] = ModuleInfra(module.name, grid, pgs)
+    return Infra(layout, layout.role(rank), modules)
+
+
+def _collection(grid):
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    def expert(dims):
+        return grid.get_pg(dims, view="expert")
+
+    return ProcessGroupCollection(
+        tp=grid.get_pg("tp"), cp=grid.get_pg("cp"), pp=grid.get_pg("pp"),
+        dp=grid.get_pg("dp"), dp_cp=grid.get_pg(["dp", "cp"]),
+        intra_dp_cp=grid.get_pg(["dp", "cp"]), tp_cp=grid.get_pg(["tp", "cp"]),
+        mp=grid.get_pg(["tp", "pp"]), tp_dp_cp=grid.get_pg(["tp", "dp", "cp"]),
+        intra_dist_opt=grid.get_pg(["tp", "cp", "dp", "pp"]),
+        ep=expert("ep"), expt_tp=expert("expt_tp"), expt_dp=expert("expt_dp"),
+        intra_expt_dp=expert("expt_dp"), tp_ep=expert(["expt_tp", "ep"]),
+        tp_ep_pp=expert(["expt_tp", "ep", "pp"]),
+        # untied input/output embeddings (see model.py): no embedding-sync groups
+        embd=None, pos_embd=None)

@@ -1,0 +1,261 @@
+"""megatron-core ``MimoModel`` from the training config: a GPT language model, one encoder module
+per encoder in the layout (encoder + projection to the language hidden size), per-module
+megatron-core DDP and ``MimoOptimizer`` (issue 5, item 3).
+
+Weights are initialized on the CPU from the seed (``use_cpu_initialization``), then moved to the
+device. ``module_state`` / ``load_module_state`` read and write a module's weights with *global*
+layer numbers, so weights saved under one layout load under another (pipeline stages hold
+``decoder.layers.<local>``; the global index is ``local + first layer of the stage``).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from mimo_data.layout import LANGUAGE
+from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
+from mimo_train.encoders import build_encoder, default_kind
+from mimo_train.infra import Infra
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    lm = cfg.model.language
+    language = layout.language
+    if lm.num_layers % language.pp:
+        raise TrainConfigError(f"model.language.num_layers {lm.num_layers} does not split into "
+                               f"{language.pp} pipeline stages: make it a multiple of pp")
+    bf16 = cfg.train.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=lm.num_layers, hidden_size=lm.hidden_size,
+        num_attention_heads=lm.num_attention_heads, ffn_hidden_size=lm.ffn_hidden_size,
+        tensor_model_parallel_size=language.tp, pipeline_model_parallel_size=language.pp,
+        context_parallel_size=language.cp, use_cpu_initialization=True,
+        perform_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        # per-token loss: the loss function returns (sum, tokens); gradients are divided by the
+        # global token count (step.finalize_grads), never by DP size
+        calculate_per_token_loss=True,
+        # MIMO sequences vary in length between modules and micro-batches; megatron-core then
+        # needs the all-to-all MoE dispatcher even without experts
+        variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
+        attention_dropout=0.0, hidden_dropout=0.0,
+        gradient_accumulation_fusion=False, bias_activation_fusion=device.type == "cuda",
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+
+
+def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
+    """The language model's vocabulary: the config's, or the tokenizer's padded up."""
+    lm = cfg.model.language
+    if lm.vocab_size is None:
+        return -(-tokenizer_size // lm.vocab_multiple) * lm.vocab_multiple
+    if lm.vocab_size < tokenizer_size:
+        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
+                               f"tokenizer's {tokenizer_size} tokens (modality tokens included):"
+                               f" token ids would index past the embedding; set it >= "
+                               f"{tokenizer_size} or leave it unset")
+    return lm.vocab_size
+
+
+def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
+    """module name -> (modality, its preprocessing config, EncoderConfig, kind), validated."""
+    layout = infra.layout
+    settings = {}
+    unknown = sorted(set(cfg.model.encoders) - {m.name for m in layout.encoders})
+    if unknown:
+        raise TrainConfigError(f"model.encoders has {unknown}, which the layout {layout} does "
+                               "not name: rename them to the layout's encoder modules")
+    for module in layout.encoders:
+        modalities = layout.modalities_of(module.name)
+        if len(modalities) != 1:
+            raise TrainConfigError(f"encoder module {module.name!r} serves {modalities}: give "
+                                   "each modality its own encoder module")
+        modality = modalities[0]
+        if modality not in preprocess.modalities:
+            raise TrainConfigError(f"layout module {module.name!r} serves {modality}, which the "
+                                   "preprocessing config does not expand: add "
+                                   f"modalities.{modality} to it or drop the module")
+        for dim in ("tp", "cp", "pp"):
+            if getattr(module, dim) != 1:
+                raise TrainConfigError(
+                    f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
+                    "transformers encoders run whole on each rank; use dp only for encoders")
+        modality_config = preprocess.modalities[modality]
+        spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        kind = spec.kind or default_kind(modality, modality_config)
+        if kind != default_kind(modality, modality_config):
+            raise TrainConfigError(
+                f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
+                f"gives {modality} inputs for {default_kind(modality, modality_config)!r}")
+        settings[module.name] = (modality, modality_config, spec, kind)
+    return settings
+
+
+class _Projection(torch.nn.Sequential):
+    """Encoder hidden size → language hidden size: one Linear, or Linear-GELU-Linear."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str):
+        if kind == "mlp":
+            super().__init__(torch.nn.Linear(in_features, out_features), torch.nn.GELU(),
+                             torch.nn.Linear(out_features, out_features))
+        else:
+            super().__init__(torch.nn.Linear(in_features, out_features))
+
+
+class _SeededEncoder(torch.nn.Module):
+    """Builds the encoder right after seeding the RNG from (seed, module name), so an encoder
+    and its projection start from the same weights whichever ranks build them."""
+
+    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig):
+        super().__init__()
+        torch.manual_seed(_module_seed(seed, name))
+        self.encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
+                                     spec.num_attention_heads, spec.pretrained)
+
+    def forward(self, **inputs):
+        return self.encoder(**inputs)
+
+
+def _module_seed(seed: int, name: str) -> int:
+    return seed * 1_000_003 + sum(ord(c) * 31 ** i for i, c in enumerate(name)) % 1_000_003
+
+
+def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
+                special_token_ids: dict, device: torch.device):
+    """``MimoModel`` with this rank's modules DDP-wrapped, and its ``MimoOptimizer``."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
+                                           VisionModalitySubmodules)
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    layout, seed = infra.layout, cfg.train.seed
+    transformer = language_transformer_config(cfg, layout, device)
+    settings = encoder_settings(cfg, infra, preprocess)
+    role = infra.role
+    modality_specs, token_ids = {}, {}
+    for name, (modality, modality_config, spec, kind) in settings.items():
+        encoder_size = _encoder_output_size(spec, kind)
+        submodules = AudioModalitySubmodules if modality == "audio" else VisionModalitySubmodules
+        modality_specs[name] = ModuleSpec(
+            module=submodules,
+            params=dict(pg_collection=infra.modules[name].pgs),
+            submodules=dict(
+                encoders={modality_config.encoder: ModuleSpec(
+                    module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
+                                                       modality_config=modality_config,
+                                                       spec=spec))},
+                input_projections=[ModuleSpec(module=_Projection, params=dict(
+                    in_features=encoder_size, out_features=cfg.model.language.hidden_size,
+                    kind=cfg.model.projection))]))
+        token_ids[name] = special_token_ids[modality]
+    language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
+    language_spec = ModuleSpec(module=GPTModel, params=dict(
+        config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab_size(cfg, tokenizer_size), max_sequence_length=preprocess.seq_length,
+        position_embedding_type="rope", share_embeddings_and_output_weights=False,
+        pre_process=language is None or language.first_stage,
+        post_process=language is None or language.last_stage,
+        pg_collection=infra.modules[LANGUAGE].pgs))
+    if language is not None:
+        torch.manual_seed(_module_seed(seed, LANGUAGE))
+    model = MimoModel(MimoModelConfig(
+        language_model_spec=language_spec, modality_submodules_spec=modality_specs,
+        special_token_ids=token_ids, module_to_grid_map=infra.grids))
+    model.model_type = ModelType.encoder_or_decoder
+    for name in cfg.model.freeze:
+        if name not in infra.modules:
+            raise TrainConfigError(f"model.freeze names {name!r}, not a module of the layout "
+                                   f"{layout}: use one of {list(infra.modules)}")
+    model.to(device)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    for name, module_infra in infra.local.items():
+        module = _get(model, name)
+        frozen = name in cfg.model.freeze
+        for parameter in module.parameters():
+            parameter.requires_grad_(not frozen)
+        _set(model, name, DistributedDataParallel(transformer, ddp, module,
+                                                  pg_collection=module_infra.pgs))
+    return model
+
+
+def build_optimizer(cfg: TrainConfig, model):
+    from megatron.core.models.mimo import get_mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    opt = cfg.optimizer
+    bf16 = cfg.train.precision == "bf16"
+    return get_mimo_optimizer(model, OptimizerConfig(
+        optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
+
+
+def _encoder_output_size(spec: EncoderConfig, kind: str) -> int:
+    if spec.pretrained is None:
+        return spec.hidden_size
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(spec.pretrained)
+    config = getattr(config, "vision_config", None) or config
+    return getattr(config, "d_model", None) or config.hidden_size
+
+
+def unwrap(module):
+    """The module inside megatron-core DDP."""
+    from megatron.core.distributed import DistributedDataParallel
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def _get(model, name: str):
+    return model.language_model if name == LANGUAGE else model.modality_submodules[name]
+
+
+def _set(model, name: str, module) -> None:
+    if name == LANGUAGE:
+        model.language_model = module
+    else:
+        model.modality_submodules[name] = module
+
+
+def local_modules(model, infra: Infra) -> dict:
+    """This rank's modules (DDP-wrapped), by name."""
+    return {name: _get(model, name) for name in infra.local}
+
+
+def layer_offset(infra: Infra, name: str, num_layers: int) -> int:
+    """Global index of this rank's first layer of module ``name``."""
+    if name != LANGUAGE:
+        return 0
+    language = infra.role.module(LANGUAGE)
+    return language.pp_rank * (num_layers // language.module.pp)
+
+
+def global_key(key: str, offset: int) -> str:
+    """State-dict key with the layer number of the whole model (``offset``: stage's first)."""
+    match = _LAYER.match(key)
+    return f"{match[1]}{int(match[2]) + offset}{match[3]}" if match else key
+
+
+def module_state(module, offset: int) -> dict:
+    """Weights of one module (unwrapped from DDP) with global layer numbers, on the CPU."""
+    return {global_key(key, offset): value.detach().cpu().clone()
+            for key, value in unwrap(module).state_dict().items()
+            if not key.endswith("._extra_state")}
+
+
+def load_module_state(module, state: dict, offset: int, where: str) -> None:
+    """Load weights saved by ``module_state`` into this rank's part of the module."""
+    inner = unwrap(module)
+    own = {global_key(k, offset): k for k in inner.state_dict() if not k.endswith("._extra_state")}
+    missing = sorted(set(own) - set(state))
+    if missing:
+        raise TrainConfigError(f"{where} lacks {len(missing)} weights this rank needs, e.g. "
+                               f"{missing[:3]}: it was saved for another model configuration")
+    inner.load_state_dict({own[key]: state[key] for key in own}, strict=False)

@@ -1,0 +1,119 @@
+"""One training step's pieces, given to megatron-core's schedules (issue 5, item 4).
+
+- ``model_inputs``: a loader batch → ``MimoModel.forward`` kwargs on the device. The loader
+  gives each rank only the keys its role needs; ``modality_inputs`` are re-keyed from modality
+  (``image``) to the encoder module serving it (``images``), as ``MimoModel`` expects.
+- ``forward_step`` / ``loss_func``: loss on the last language stage as ``(sum, tokens,
+  report)`` (per-token loss); other stages return their activations dict for the schedule.
+- ``GradientFinalizer``: after the backward passes, each local module's DDP reduces its
+  gradients over its own DP group (summing: ``calculate_per_token_loss``), then every module is
+  scaled by 1 / the *global* count of trained tokens of the step. That count exists only on the
+  last language stage, so it is summed over the world and every rank, encoders included, divides
+  by the same number: gradients do not depend on the layout (DESIGN.md, "Gradients must not
+  depend on the layout").
+- ``no_sync``: all local modules' DDP ``no_sync`` at once, for micro-batch accumulation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from mimo_data.layout import LANGUAGE
+from mimo_train.infra import Infra
+
+
+def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
+    """Loader batch → ``MimoModel`` kwargs for this rank, tensors on ``device``."""
+    inputs = {key: value.to(device, non_blocking=True) for key, value in batch.items()
+              if isinstance(value, torch.Tensor) and key != "attention_mask"}
+    # Padding is on the right and never trained, so the causal mask alone is right for every
+    # real token; megatron-core's non-colocated path would read a dense mask as True = masked.
+    inputs["attention_mask"] = None
+    inputs.setdefault("input_ids", None)         # later pipeline stages get no token ids
+    modules = infra.layout.modalities
+    inputs["modality_inputs"] = {
+        modules[modality]: {encoder: {k: v.to(device, non_blocking=True) for k, v in kw.items()}
+                            for encoder, kw in by_encoder.items()}
+        for modality, by_encoder in (batch.get("modality_inputs") or {}).items()} or None
+    return inputs
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Per-token loss: ``(sum over trained tokens, their count, report [sum, count])``."""
+    mask = loss_mask.reshape(-1).float()
+    total = (output.float().reshape(-1) * mask).sum()
+    tokens = mask.sum().to(torch.int)
+    return total, tokens, {"lm loss": torch.stack([total.detach(), mask.sum().detach()])}
+
+
+class ForwardStep:
+    """``forward_step_func`` for the schedules; also times this rank's forward passes."""
+
+    def __init__(self, infra: Infra, device: torch.device):
+        self.infra = infra
+        self.device = device
+        self.last_stage = _language_last_stage(infra)
+        self.forward_seconds = 0.0
+
+    def __call__(self, data_iterator, model):
+        batch = next(data_iterator) if data_iterator is not None else None
+        inputs = model_inputs(batch, self.infra, self.device) if batch is not None else \
+            {"input_ids": None}
+        start = time.perf_counter()
+        output, loss_mask = model(**inputs)
+        self.forward_seconds += time.perf_counter() - start
+        if self.last_stage:
+            return output, partial(loss_func, loss_mask)
+        return output, None
+
+
+def _language_last_stage(infra: Infra) -> bool:
+    return any(p.name == LANGUAGE and p.last_stage for p in infra.role.modules)
+
+
+def _token_counter(infra: Infra) -> bool:
+    """Whether this rank's trained-token count enters the global count: language last stage,
+    one rank per tensor-parallel group (TP ranks see the same tokens; CP ranks see parts)."""
+    return any(p.name == LANGUAGE and p.last_stage and p.tp_rank == 0 for p in infra.role.modules)
+
+
+def global_sum(values: list[float], infra: Infra, device: torch.device) -> list[float]:
+    """Sum over the world of values that only language last-stage ranks hold (TP rank 0)."""
+    tensor = torch.tensor(values if _token_counter(infra) else [0.0] * len(values),
+                          dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+class GradientFinalizer:
+    """``finalize_model_grads_func``: per-module DP reduction, then 1 / global tokens."""
+
+    def __init__(self, infra: Infra, modules: dict, device: torch.device):
+        self.infra = infra
+        self.modules = modules          # name -> DDP module on this rank
+        self.device = device
+        self.global_tokens = 0
+
+    def __call__(self, model_list, num_tokens, pg_collection=None, force_all_reduce=False):
+        from megatron.core.distributed import finalize_model_grads
+
+        local = float(num_tokens.item()) if num_tokens is not None else 0.0
+        (self.global_tokens,) = global_sum([local], self.infra, self.device)
+        for name, module in self.modules.items():
+            finalize_model_grads([module], num_tokens=None,
+                                 pg_collection=self.infra.modules[name].pgs)
+            module.scale_gradients(1.0 / max(self.global_tokens, 1.0))
+
+
+@contextlib.contextmanager
+def no_sync(modules: dict):
+    """Every local module's DDP ``no_sync()`` (gradient accumulation over micro-batches)."""
+    with contextlib.ExitStack() as stack:
+        for module in modules.values():
+            stack.enter_context(module.no_sync())
+        yield

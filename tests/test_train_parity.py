@@ -1,0 +1,133 @@
+"""The trainer's most important property (DESIGN.md, "Gradients must not depend on the layout"):
+from the same weights and the same global batch, one step's loss and every parameter's gradient
+agree (fp32, 1e-5) between one colocated process and each non-colocated layout, run for real under
+``torchrun`` with gloo:
+
+- fan-out: images dp1 and audio dp1 → language dp2, with images of different sizes, audio clips
+  of different lengths and a text-only sample in the batch (variable per-sample token counts);
+- fan-in: images dp2 → language dp1, fixed-size images (uniform counts);
+- language pp2 (two pipeline stages, two micro-batches).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, build_dataset, preprocess_config_file
+
+RUNNER = str(REPO / "tests" / "train_parity_run.py")
+GLOBAL_BATCH = 4
+MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
+         "model.language.num_attention_heads=2", "optimizer.warmup_steps=0", "train.steps=1",
+         f"train.global_batch_size={GLOBAL_BATCH}", "train.seed=3"]
+TOLERANCE = 1e-5
+
+
+def _run(command, out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    ranks = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
+    merged = {"loss_sum": ranks[0]["loss_sum"], "tokens": ranks[0]["tokens"], "grads": {}}
+    for rank in ranks:
+        assert (rank["loss_sum"], rank["tokens"]) == (merged["loss_sum"], merged["tokens"])
+        for module, grads in rank["grads"].items():
+            for name, grad in grads.items():
+                seen = merged["grads"].setdefault(module, {}).get(name)
+                if seen is not None:        # DP replicas hold the same reduced gradient
+                    torch.testing.assert_close(grad, seen, atol=0, rtol=0)
+                merged["grads"][module][name] = grad
+    return merged
+
+
+def _reference(tmp_path: Path, layout: str, common: list[str]) -> tuple[dict, str]:
+    """One colocated process; also saves the initial weights every other layout starts from."""
+    out, init = tmp_path / "colocated", tmp_path / "init"
+    merged = _run([sys.executable, RUNNER, str(out), "--save-init", str(init),
+                   f"layout={layout}", f"train.micro_batch_size={GLOBAL_BATCH}", *common], out)
+    return merged, str(init / "step_0000000")
+
+
+def _compare(reference: dict, other: dict, what: str) -> None:
+    assert other["tokens"] == reference["tokens"] > 0, what
+    loss, expected = other["loss_sum"] / other["tokens"], \
+        reference["loss_sum"] / reference["tokens"]
+    assert abs(loss - expected) <= TOLERANCE, f"{what}: loss {loss} vs {expected}"
+    assert set(other["grads"]) == set(reference["grads"]), what
+    for module, grads in reference["grads"].items():
+        assert set(other["grads"][module]) == set(grads), f"{what}: {module} parameters differ"
+        for name, grad in grads.items():
+            assert grad.abs().sum() > 0, f"{module}.{name} got no gradient in the reference"
+            difference = (other["grads"][module][name] - grad).abs().max().item()
+            assert difference <= TOLERANCE, f"{what}: {module}.{name} differs by {difference}"
+
+
+def _torchrun(tmp_path: Path, name: str, nproc: int, layout: str, micro_batch: int,
+              common: list[str], init: str) -> dict:
+    out = tmp_path / name
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                 "--standalone", RUNNER, str(out), f"layout={layout}",
+                 f"train.micro_batch_size={micro_batch}", f"model.init_from={init}", *common],
+                out)
+
+
+@pytest.fixture(scope="module")
+def dynamic_setup(loader_corpus, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity-dynamic")
+    preprocess = preprocess_config_file(tmp / "preprocess.yaml")
+    common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
+              "model.encoders.audio.hidden_size=16", *MODEL]
+    reference, init = _reference(tmp, "language=dp1;images=dp1,off0;audio=dp1,off0", common)
+    return tmp, common, reference, init, preprocess
+
+
+def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader_corpus):
+    """The parity batch is the hard case: variable per-sample counts, a sample without media."""
+    from mimo_data.loader import build_loader
+
+    _, _, _, _, preprocess = dynamic_setup
+    loader = build_loader([loader_corpus], preprocess, "language=dp1;images=dp1,off0;"
+                          "audio=dp1,off0", 0, 1, GLOBAL_BATCH, GLOBAL_BATCH, seed=3)
+    _, metadata = next(iter(loader))
+    loader.close()
+    images = [n for counts in metadata["token_counts"]["image"] for n in counts]
+    audio = [n for counts in metadata["token_counts"]["audio"] for n in counts]
+    text_only = [i for i in range(GLOBAL_BATCH)
+                 if not metadata["token_counts"]["image"][i]
+                 and not metadata["token_counts"]["audio"][i]]
+    assert len(set(images)) >= 2, images
+    assert audio, "no audio clip in the parity batch"
+    assert text_only, "no text-only sample in the parity batch"
+
+
+def test_fan_out_matches_colocated(dynamic_setup):
+    tmp, common, reference, init, _ = dynamic_setup
+    fan_out = _torchrun(tmp, "fan-out", 4, "images=dp1;audio=dp1;language=dp2", 2, common, init)
+    _compare(reference, fan_out, "images dp1 + audio dp1 -> language dp2")
+
+
+def test_language_pp2_matches_colocated(dynamic_setup):
+    tmp, common, reference, init, _ = dynamic_setup
+    staged = _torchrun(tmp, "pp2", 4, "images=dp1;audio=dp1;language=pp2", 2, common, init)
+    _compare(reference, staged, "language pp2")
+
+
+def test_fan_in_matches_colocated(corpus, tmp_path):
+    """Fan-in splits gradients evenly, so every sample has one fixed-size image here (the
+    loader refuses data with other counts: tests/test_train_startup.py)."""
+    records = [dict(r, image=str(corpus / r["image"])) for r in
+               json.loads((corpus / "llava.json").read_text()) if isinstance(r.get("image"), str)]
+    (tmp_path / "single_image.json").write_text(json.dumps(records))
+    build_dataset([tmp_path / "single_image.json"], tmp_path / "shards")
+    preprocess = preprocess_config_file(tmp_path / "preprocess.yaml", image={
+        "policy": "fixed", "image_size": 28, "patch_size": 14})
+    common = [f"data.datasets=[{tmp_path / 'shards'}]", f"data.preprocess={preprocess}", *MODEL]
+    reference, init = _reference(tmp_path, "language=dp1;images=dp1,off0", common)
+    fan_in = _torchrun(tmp_path, "fan-in", 3, "images=dp2;language=dp1", 2, common, init)
+    _compare(reference, fan_in, "images dp2 -> language dp1")
