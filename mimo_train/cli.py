@@ -30,8 +30,12 @@ def main(argv=None) -> int:
         records = train(cfg)
         if args.records:
             dump_records(records, args.records)
-    except StartupError as error:
+    except (StartupError, TrainConfigError) as error:
         print(f"mimo-train: {error}", file=sys.stderr, flush=True)
+        # Every rank gets here from the same agreement (trainer._agree). Exit only once all
+        # have printed: torchrun stops the other ranks as soon as the first one exits.
+        if dist.is_initialized():
+            dist.barrier()
         return 2
     finally:
         if dist.is_initialized():

@@ -80,6 +80,7 @@ class RunConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 2                         # per language DP rank
     steps: int = 20
+    exit_interval: int = 0                            # stop once step % this == 0 (0: never)
     eval_interval: int = 0                            # 0: no evaluation
     eval_steps: int = 1
     log_interval: int = 1

@@ -121,6 +121,17 @@ class _SeededEncoder(torch.nn.Module):
         return self.encoder(**inputs)
 
 
+def _seeded_gpt_class(gpt_model):
+    class SeededGPTModel(gpt_model):
+        """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights
+        with or without encoders on the rank; pipeline stages each draw only their layers)."""
+
+        def __init__(self, *, seed: int, **kwargs):
+            torch.manual_seed(seed)
+            super().__init__(**kwargs)
+    return SeededGPTModel
+
+
 def _module_seed(seed: int, name: str) -> int:
     return seed * 1_000_003 + sum(ord(c) * 31 ** i for i, c in enumerate(name)) % 1_000_003
 
@@ -142,7 +153,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     role = infra.role
     modality_specs, token_ids = {}, {}
     for name, (modality, modality_config, spec, kind) in settings.items():
-        encoder_size = _encoder_output_size(spec, kind)
+        encoder_size = _encoder_output_size(spec, kind, name)
         submodules = AudioModalitySubmodules if modality == "audio" else VisionModalitySubmodules
         modality_specs[name] = ModuleSpec(
             module=submodules,
@@ -157,15 +168,13 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                     kind=cfg.model.projection))]))
         token_ids[name] = special_token_ids[modality]
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
-    language_spec = ModuleSpec(module=GPTModel, params=dict(
-        config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(),
+    language_spec = ModuleSpec(module=_seeded_gpt_class(GPTModel), params=dict(
+        seed=_module_seed(seed, LANGUAGE), config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size(cfg, tokenizer_size), max_sequence_length=preprocess.seq_length,
         position_embedding_type="rope", share_embeddings_and_output_weights=False,
         pre_process=language is None or language.first_stage,
         post_process=language is None or language.last_stage,
         pg_collection=infra.modules[LANGUAGE].pgs))
-    if language is not None:
-        torch.manual_seed(_module_seed(seed, LANGUAGE))
     model = MimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids))
@@ -174,6 +183,10 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name not in infra.modules:
             raise TrainConfigError(f"model.freeze names {name!r}, not a module of the layout "
                                    f"{layout}: use one of {list(infra.modules)}")
+    if cfg.train.precision == "bf16":
+        # every weight in bf16, as megatron-core's Float16Module would cast it (norms included);
+        # the optimizer keeps fp32 main weights
+        model.to(torch.bfloat16)
     model.to(device)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     for name, module_infra in infra.local.items():
@@ -198,11 +211,18 @@ def build_optimizer(cfg: TrainConfig, model):
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
-def _encoder_output_size(spec: EncoderConfig, kind: str) -> int:
+def _encoder_output_size(spec: EncoderConfig, kind: str, name: str) -> int:
     if spec.pretrained is None:
         return spec.hidden_size
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(spec.pretrained)
+    try:
+        config = AutoConfig.from_pretrained(spec.pretrained)
+    except (OSError, ValueError) as error:
+        raise TrainConfigError(
+            f"model.encoders.{name}.pretrained is {spec.pretrained!r}, from which transformers "
+            f"cannot read a model config ({error}): give a model directory holding config.json "
+            "(or a hub name already in the local cache), or unset it for a random init"
+        ) from None
     config = getattr(config, "vision_config", None) or config
     return getattr(config, "d_model", None) or config.hidden_size
 

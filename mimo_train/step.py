@@ -27,9 +27,25 @@ from mimo_data.layout import LANGUAGE
 from mimo_train.infra import Infra
 
 
+# Sequences are cut to the batch's longest sample, rounded up to this many tokens.
+LENGTH_MULTIPLE = 64
+
+
 def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
-    """Loader batch → ``MimoModel`` kwargs for this rank, tensors on ``device``."""
-    inputs = {key: value.to(device, non_blocking=True) for key, value in batch.items()
+    """Loader batch → ``MimoModel`` kwargs for this rank, tensors on ``device``.
+
+    The loader pads every sample to ``seq_length``; columns past the batch's longest sample
+    (rounded up to ``LENGTH_MULTIPLE``) are dropped first. They hold only padding, which is
+    never trained and, on the right under a causal mask, never attended to by real tokens, so
+    loss and gradients are unchanged while the language model skips most of the padding.
+    """
+    real = batch.get("attention_mask")
+    length = None
+    if real is not None:
+        longest = int(real.sum(1).max())
+        length = min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+    inputs = {key: value[:, :length].to(device, non_blocking=True)
+              for key, value in batch.items()       # the [B, seq_length] tensors
               if isinstance(value, torch.Tensor) and key != "attention_mask"}
     # Padding is on the right and never trained, so the causal mask alone is right for every
     # real token; megatron-core's non-colocated path would read a dense mask as True = masked.

@@ -67,6 +67,10 @@ def _device(setting: str) -> torch.device:
             raise TrainConfigError("train.device is cuda but no CUDA device is visible: use "
                                    "train.device=cpu or auto")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.cuda.is_available():
+        # cpu_compat (megatron-core on CPU) switches on only without CUDA (DESIGN.md)
+        raise TrainConfigError("train.device is cpu but CUDA devices are visible: hide them "
+                               "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
     return torch.device("cpu")
 
 
@@ -323,10 +327,14 @@ class Trainer:
                 result = self.evaluate()
                 records.append(result)
                 self._report(result)
-            if cfg.checkpoint.dir and (self.step == cfg.train.steps or (
+            stop = bool(cfg.train.exit_interval) and self.step % cfg.train.exit_interval == 0
+            if cfg.checkpoint.dir and (self.step == cfg.train.steps or stop or (
                     cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)):
                 where = self.save()
                 _log(f"checkpoint: {where}")
+            if stop and self.step < cfg.train.steps:
+                _log(f"exit_interval {cfg.train.exit_interval}: stopping at step {self.step}")
+                break
         if self.writer is not None:
             self.writer.close()
         return records
