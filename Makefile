@@ -8,8 +8,9 @@ DEMO := runs/demo
 setup:
 	@bash tools/setup.sh
 
-# Until mimo_train exists: shards, their check, what training would see (masks, counts,
-# drops) and where each sample would go for a non-colocated 4-rank layout.
+# The main job: shard the sample corpus, check it (verify, inspect report: masks, token counts,
+# drops), show where each sample goes, then train a tiny images + audio + language model for
+# 30 steps under torchrun: 3 CPU processes, one per module (non-colocated), printing the loss.
 demo: setup
 	.venv/bin/mimo-shard build assets/corpus/llava.json assets/corpus/llava.jsonl \
 	    assets/corpus/conversations.parquet assets/corpus/speech.parquet \
@@ -19,10 +20,13 @@ demo: setup
 	.venv/bin/mimo-shard info $(DEMO)/shards
 	.venv/bin/mimo-inspect report $(DEMO)/shards --config configs/preprocess.yaml \
 	    --html $(DEMO)/report.html
-	.venv/bin/mimo-inspect sample $(DEMO)/shards --config configs/preprocess.yaml --index 0
 	.venv/bin/mimo-inspect plan $(DEMO)/shards --config configs/preprocess.yaml \
-	    --layout "language=dp2;images=dp1;audio=dp1" --global-batch-size 8 --micro-batch-size 2
-	@echo "demo: shards in $(DEMO)/shards, HTML report in $(DEMO)/report.html"
+	    --layout "images=dp1;audio=dp1;language=dp1" --global-batch-size 8 --micro-batch-size 4
+	rm -rf $(DEMO)/checkpoints
+	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 3 -m mimo_train \
+	    --config configs/train/images_audio_noncolocated.yaml checkpoint.dir=$(DEMO)/checkpoints
+	@echo "demo: shards in $(DEMO)/shards, HTML report in $(DEMO)/report.html," \
+	    "checkpoints in $(DEMO)/checkpoints"
 
 # pytest exits 5 when it collected no test: that is a failure here, not a pass.
 test: setup

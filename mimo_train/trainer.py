@@ -337,6 +337,11 @@ class Trainer:
                 break
         if self.writer is not None:
             self.writer.close()
+        losses = [r["loss"] for r in records if "loss" in r]
+        if losses:
+            k = min(3, len(losses))
+            _log(f"loss over this run's {len(losses)} steps: {sum(losses[:k]) / k:.4f} (mean of "
+                 f"the first {k}) -> {sum(losses[-k:]) / k:.4f} (mean of the last {k})")
         return records
 
     def _report(self, record: dict) -> None:
