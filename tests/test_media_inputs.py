@@ -150,6 +150,20 @@ def test_fixed_inputs_equal_siglip_processor(images, size):
             for _, _, meta, _ in images} == {tokens}
 
 
+def test_image_above_pillows_memory_block_equals_siglip_processor(images):
+    # Pillow lends the pixels of an image held in one memory block; a larger image is copied.
+    size = 2100
+    assert size * size * 4 > Image.core.get_block_size()
+    cfg = ImageConfig(policy="fixed", image_size=size)
+    reference = SiglipImageProcessorPil(size={"height": size, "width": size},
+                                        image_mean=list(cfg.mean), image_std=list(cfg.std))
+    name, data, meta, original = next(entry for entry in images if entry[2]["mode"] == "RGB")
+    expected = reference([original], return_tensors="pt")["pixel_values"]
+    ours = image_encoder_inputs([decode_image(data, meta["orientation"], cfg)], cfg)
+    torch.testing.assert_close(normalize_pixels(ours["pixel_values"], cfg), expected,
+                               rtol=0, atol=1e-5)
+
+
 def test_empty_image_list_gives_empty_inputs():
     cfg = ImageConfig()
     inputs = image_encoder_inputs([], cfg)
