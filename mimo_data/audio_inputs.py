@@ -68,8 +68,8 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
         raise MediaError("audio_too_short", f"clip of {len(waveform)} samples is shorter than the "
                          f"{MIN_AUDIO_SAMPLES} samples the log-mel features need")
     window, filters = _log_mel_constants(cfg.n_mels, cfg.sample_rate, cfg.hop_length)
-    stft = torch.stft(torch.from_numpy(waveform), _WHISPER_N_FFT, cfg.hop_length, window=window,
-                      return_complex=True)[:, :-1]
+    stft = torch.stft(torch.from_numpy(np.asarray(waveform, np.float32)), _WHISPER_N_FFT,
+                      cfg.hop_length, window=window, return_complex=True)[:, :-1]
     power = (stft * stft.conj()).real
     features = (power.T @ filters).clamp_(min=1e-10).log10_()
     features = torch.maximum(features, features.max() - 8.0, out=features)
