@@ -9,6 +9,7 @@ dict. Every batch is checked: placeholders per sample == token counts == encoder
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mimo_data.audio_inputs import audio_rows_to_tokens
@@ -33,15 +34,16 @@ class Collator:
     def __call__(self, samples: list[Sample]) -> tuple[dict, dict]:
         length = self.config.seq_length
         size = len(samples)
-        input_ids = torch.full((size, length), self.pad_token_id, dtype=torch.int64)
-        labels = torch.full((size, length), IGNORE_INDEX, dtype=torch.int64)
-        loss_mask = torch.zeros((size, length), dtype=torch.float32)
-        attention_mask = torch.zeros((size, length), dtype=torch.bool)
+        # numpy, then torch.from_numpy: a torch op on these small tensors costs several numpy ones.
+        input_ids = np.full((size, length), self.pad_token_id, dtype=np.int64)
+        labels = np.full((size, length), IGNORE_INDEX, dtype=np.int64)
+        loss_mask = np.zeros((size, length), dtype=np.float32)
+        attention_mask = np.zeros((size, length), dtype=bool)
         for row, sample in enumerate(samples):
             n = len(sample.input_ids)
-            input_ids[row, :n] = sample.input_ids
-            labels[row, :n] = sample.labels
-            loss_mask[row, :n] = sample.loss_mask
+            input_ids[row, :n] = sample.input_ids.numpy()
+            labels[row, :n] = sample.labels.numpy()
+            loss_mask[row, :n] = sample.loss_mask.numpy()
             attention_mask[row, :n] = True
         modality_inputs = {}
         for modality, config in self.config.modalities.items():
@@ -49,10 +51,12 @@ class Collator:
             if parts:
                 modality_inputs[modality] = {config.encoder: {
                     kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
-        batch = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask,
-                 "position_ids": torch.arange(length).expand(size, length).contiguous(),
-                 "attention_mask": attention_mask, "modality_inputs": modality_inputs,
-                 "packing_kwargs": None}
+        position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
+        batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
+                 "loss_mask": torch.from_numpy(loss_mask),
+                 "position_ids": torch.from_numpy(position_ids),
+                 "attention_mask": torch.from_numpy(attention_mask),
+                 "modality_inputs": modality_inputs, "packing_kwargs": None}
         metadata = {"keys": [s.key for s in samples],
                     "token_counts": {m: [s.token_counts[m] for s in samples]
                                      for m in self.config.modalities},
@@ -65,7 +69,8 @@ class Collator:
         == what the batch's encoder inputs produce, item by item."""
         for modality, config in self.config.modalities.items():
             counts = metadata["token_counts"][modality]
-            placeholders = (batch["input_ids"] == self.modality_token_ids[modality]).sum(1)
+            placeholders = (batch["input_ids"].numpy() ==
+                            self.modality_token_ids[modality]).sum(1)
             for key, row_count, item_counts in zip(metadata["keys"], placeholders.tolist(),
                                                    counts):
                 if row_count != sum(item_counts):

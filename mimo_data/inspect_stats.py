@@ -172,7 +172,7 @@ class SampleInspector:
             return stats, None
         ids = sample.input_ids.numpy()
         stats.length = len(ids)
-        stats.trained = int(sample.loss_mask.sum())
+        stats.trained = int(np.count_nonzero(sample.loss_mask.numpy()))
         stats.removed_turns = sample.removed_turns
         stats.placeholders = {m: int(np.count_nonzero(ids == token_id))
                               for m, token_id in self.token_ids.items()}

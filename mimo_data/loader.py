@@ -239,8 +239,8 @@ class _RankStream(torch.utils.data.IterableDataset):
         collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
         batch = {key: value for key, value in collated.items() if key in self.role.text_keys}
         metadata.update(epoch=epoch, step=step, micro_batch=micro,
-                        tokens=collated["attention_mask"].sum(1).tolist(),
-                        trained_tokens=collated["loss_mask"].sum(1).to(torch.int64).tolist())
+                        tokens=collated["attention_mask"].numpy().sum(1).tolist(),
+                        trained_tokens=np.count_nonzero(collated["loss_mask"].numpy(), 1).tolist())
         if self.role.media:
             batch["modality_inputs"] = {}
             metadata["encoder_keys"] = {}
