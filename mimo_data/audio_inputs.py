@@ -61,17 +61,19 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
 
     The steps of ``WhisperFeatureExtractor._torch_extract_fbank_features`` with its window and
     filter bank (equal up to float rounding, tested), minus its per-call set-up and batching,
-    with the power as ``z * conj(z)`` instead of the slower complex ``abs() ** 2``, and the
+    with the power as ``re² + im²`` instead of the slower complex ``abs() ** 2``, and the
     product ordered to come out time-major.
     """
     if len(waveform) < MIN_AUDIO_SAMPLES:
         raise MediaError("audio_too_short", f"clip of {len(waveform)} samples is shorter than the "
                          f"{MIN_AUDIO_SAMPLES} samples the log-mel features need")
     window, filters = _log_mel_constants(cfg.n_mels, cfg.sample_rate, cfg.hop_length)
+    # Frame-major: the order torch.stft's result has in memory, so the product reads it in rows.
     stft = torch.stft(torch.from_numpy(np.asarray(waveform, np.float32)), _WHISPER_N_FFT,
-                      cfg.hop_length, window=window, return_complex=True)[:, :-1]
-    power = (stft * stft.conj()).real
-    features = (power.T @ filters).clamp_(min=1e-10).log10_()
+                      cfg.hop_length, window=window, return_complex=True).numpy().T[:-1]
+    power = np.square(stft.real)
+    power += np.square(stft.imag)
+    features = (torch.from_numpy(power) @ filters).clamp_(min=1e-10).log10_()
     features = torch.maximum(features, features.max() - 8.0, out=features)
     return features.add_(4.0).div_(4.0)
 
