@@ -174,12 +174,17 @@ class Trainer:
 
         opt, steps = self.cfg.optimizer, self.cfg.train.steps
         return {name: OptimizerParamScheduler(
-            info.optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
+            optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
             lr_warmup_steps=opt.warmup_steps, lr_decay_steps=steps, lr_decay_style="cosine",
             start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=steps,
             wd_incr_style="constant")
-            for name, info in self.optimizer.module_infos.items()
-            if info.is_active and info.optimizer is not None}
+            for name, optimizer in self._trained_optimizers().items()}
+
+    def _trained_optimizers(self) -> dict:
+        """This rank's module optimizers, frozen modules left out (they have no state)."""
+        return {name: info.optimizer for name, info in self.optimizer.module_infos.items()
+                if info.is_active and info.optimizer is not None
+                and name not in self.cfg.model.freeze}
 
     def _loaders(self):
         cfg = self.cfg
@@ -378,7 +383,7 @@ class Trainer:
         state = {"step": self.step,
                  "model": {name: module_state(module, self.layer_offset(name))
                            for name, module in self.modules.items()},
-                 "optimizer": self.optimizer.state_dict(),
+                 "optimizer": {n: o.state_dict() for n, o in self._trained_optimizers().items()},
                  "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
                  "loader": self.loader.state_dict() if self.loader is not None else None,
                  "rng": torch.get_rng_state()}

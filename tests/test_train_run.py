@@ -106,3 +106,34 @@ def test_resume_continues_the_exact_sample_stream(setup):
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
+
+
+def test_frozen_module_keeps_its_weights_under_another_layout(setup):
+    """``model.init_from`` loads a 3-rank checkpoint into one colocated process; with
+    ``model.freeze=[images]`` a step leaves the vision module's weights exactly as loaded and
+    changes the others."""
+    import torch
+
+    tmp, common, _ = setup
+    start = tmp / "full-ckpt" / "step_0000003"
+    overrides = [c for c in common if not c.startswith(("layout=", "train.eval", "data.valid"))]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", "-m", "mimo_train", "--config",
+               str(REPO / "configs" / "train" / "images_audio_colocated.yaml"), *overrides,
+               f"checkpoint.dir={tmp / 'frozen'}", f"model.init_from={start}",
+               "model.freeze=[images]", "train.steps=1", "optimizer.warmup_steps=0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    before = {}
+    for path in start.glob("rank_*.pt"):
+        before.update(torch.load(path, weights_only=False)["model"])
+    after = torch.load(tmp / "frozen" / "step_0000001" / "rank_00000.pt",
+                       weights_only=False)["model"]
+    assert set(after) == {"images", "audio", "language"}
+    for name, weights in after["images"].items():
+        assert torch.equal(weights, before["images"][name]), name
+    for module in ("audio", "language"):
+        changed = [n for n, w in after[module].items() if not torch.equal(w, before[module][n])]
+        assert changed, f"{module} did not train"

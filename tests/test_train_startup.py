@@ -9,9 +9,6 @@ key=value ...`` with gloo on the CPU. torchrun writes each rank's stderr to its 
 ``mimo-train: mimo_train start-up failed (PHASE)`` message naming the ranks, the numbers or
 paths involved and the fix, and no Python traceback. A hang would run into the subprocess
 timeout, which kills the whole process group and fails the test.
-
-The fixed-size fan-in case is an expected failure (strict) until mimo_data.loader's
-check_even_split counts image members again (see its xfail reason); it passes with that fixed.
 """
 
 from __future__ import annotations
@@ -133,11 +130,7 @@ CASES = [
         ["layout=images=dp2;language=dp1"], "data",
         ["LayoutError", "module 'images' (dp 2)", "'language' (dp 1)", "even split",
          "sample(s) with 0", "sample(s) with 1", "sample(s) with 2",
-         "Give images dp 1 or less"],
-        marks=pytest.mark.xfail(strict=True, reason=(
-            "mimo_data.loader.check_even_split counts members containing '.img', but the "
-            "per-sample table names them 'img0.jpg' (no dot), so every sample counts 0 items, "
-            "the check never fires and the job crashes in the first backward pass instead"))),
+         "Give images dp 1 or less"]),
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
