@@ -85,12 +85,12 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
         if encoder.dp == language.dp or (encoder.dp < language.dp and not layout.colocated):
             continue
         for modality in layout.modalities_of(encoder.name):
-            prefix = "." + MEMBER_PREFIX[modality]
             items = collections.Counter()
             for reader, shape in zip(source.readers, source.shapes):
                 for members, kept in zip(reader.members, shape.kept):
                     if kept:
-                        items[sum(prefix in name for name in members)] += 1
+                        items[sum(name.startswith(MEMBER_PREFIX[modality])
+                                  for name in members)] += 1
             if len(items) > 1:
                 counts = ", ".join(f"{n} sample(s) with {k}" for k, n in sorted(items.items()))
                 raise LayoutError(
