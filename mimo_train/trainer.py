@@ -278,7 +278,9 @@ class Trainer:
                 scheduler.step(1)
         seconds = time.perf_counter() - start
         self.step += 1
-        lr = self.optimizer.param_groups[0]["lr"] if self.optimizer.param_groups else 0.0
+        trained = [o.param_groups[0]["lr"] for o in self._trained_optimizers().values()
+                   if o.param_groups]
+        lr = trained[0] if trained else 0.0
         return {"step": self.step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
                 "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
                 "lr": float(_world_max(lr, self.device)), "skipped": not success,
