@@ -258,13 +258,12 @@ class TextEncoder:
         text, spans = self.render(messages)
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.int64)
-        kind = self._token_kind[ids]
-        if (kind == 1).any():
+        marker_at = np.flatnonzero(self._token_kind[ids])    # markers, or modality tokens
+        if (self._token_kind[ids[marker_at]] == 1).any():
             raise TextError("literal_special_token", "the text contains a modality token "
                             "typed literally; remove it from the source text")
         trained = _inside_spans(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2),
                                 spans, text)
-        marker_at = np.flatnonzero(kind == 2)
         found = [self._marker_ids[i] for i in ids[marker_at].tolist()]
         expected = [modality for modality, _ in item_tokens]
         if found != expected:
@@ -302,9 +301,8 @@ def _inside_spans(offsets: np.ndarray, spans: list[tuple[int, int]], text: str) 
     if not spans:
         return inside
     token_start, token_end = offsets[:, 0], offsets[:, 1]
-    bounds = np.array(spans, dtype=np.int64)
-    firsts = np.searchsorted(token_end, bounds[:, 0], side="right").tolist()   # ends after start
-    stops = np.searchsorted(token_start, bounds[:, 1], side="left").tolist()   # starts at/after end
+    firsts = np.searchsorted(token_end, [start for start, _ in spans], side="right").tolist()
+    stops = np.searchsorted(token_start, [end for _, end in spans], side="left").tolist()
     for (start, end), first, stop in zip(spans, firsts, stops):
         if first < stop and token_start[first] < start:
             reach = int(token_end[first])
@@ -313,8 +311,8 @@ def _inside_spans(offsets: np.ndarray, spans: list[tuple[int, int]], text: str) 
             first += 1
         if first < stop and token_end[stop - 1] > end:
             _crossing(text, int(token_start[stop - 1]), int(token_end[stop - 1]), start, end)
-        inside[first:stop] = token_start[first:stop] < token_end[first:stop]
-    return inside
+        inside[first:stop] = True
+    return inside & (token_start < token_end)
 
 
 def _crossing(text: str, a: int, b: int, start: int, end: int):
