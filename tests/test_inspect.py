@@ -497,16 +497,37 @@ def test_inspector_on_an_edited_record_reports_both_mismatches(configs):
 # -------------------------------------------------------------------------------------- plan
 
 PLAN_LAYOUTS = [
-    ("language=dp2;images=dp1;audio=dp1", "default"),     # fan-out: encoder dp < language dp
-    ("language=dp1;images=dp2;audio=dp1", "fixed"),       # fan-in (fixed-size image tokens)
-    ("language=dp2,off0;images=dp2,off0;audio=dp2,off0", "default"),   # colocated
-    ("language=pp2,dp1;images=dp1;audio=dp1", "default"),  # language PP2
+    ("language=dp2;images=dp1;audio=dp1", "default", "clean"),   # fan-out: encoder dp < language dp
+    # fan-in splits evenly: fixed-size image tokens and one image in every sample
+    ("language=dp1;images=dp2;audio=dp1", "fixed", "single_image"),
+    ("language=dp2,off0;images=dp2,off0;audio=dp2,off0", "default", "clean"),   # colocated
+    ("language=pp2,dp1;images=dp1;audio=dp1", "default", "clean"),  # language PP2
 ]
 
 
-@pytest.mark.parametrize("layout, config_name", PLAN_LAYOUTS)
-def test_plan_matches_what_each_ranks_loader_delivers(capsys, clean, configs, layout,
-                                                      config_name):
+@pytest.fixture(scope="module")
+def single_image(corpus, tmp_path_factory) -> Path:
+    """The LLaVA records of the corpus that hold exactly one image, as shards."""
+    root = tmp_path_factory.mktemp("inspect-single-image")
+    records = [dict(r, image=str(corpus / r["image"])) for r in
+               json.loads((corpus / "llava.json").read_text()) if isinstance(r.get("image"), str)]
+    (root / "single_image.json").write_text(json.dumps(records))
+    build_dataset([root / "single_image.json"], root / "shards")
+    return root / "shards"
+
+
+def test_plan_refuses_fan_in_on_data_with_unequal_item_counts(capsys, clean, configs):
+    code, _, err = run(capsys, "plan", clean, "--config", configs["fixed"], "--layout",
+                       "language=dp1;images=dp2;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2")
+    assert code != 0
+    assert "module 'images' (dp 2)" in err and "sample(s) with 0" in err \
+        and "sample(s) with 2" in err
+
+
+@pytest.mark.parametrize("layout, config_name, dataset", PLAN_LAYOUTS)
+def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, layout,
+                                                      config_name, dataset):
     """Every rank's real loader (media decoded) against ``plan --json``: the same sample keys
     per step and micro-batch, and the plan's tokens per step equal the real batches' (language:
     attention-mask tokens; encoders: the tokens their actual inputs produce)."""
@@ -514,6 +535,8 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, clean, configs, la
     from mimo_data.image_inputs import image_rows_to_tokens
     from mimo_data.layout import Layout
     from mimo_data.loader import DataSource, build_loader
+
+    clean = request.getfixturevalue(dataset)
 
     code, out, err = run(capsys, "plan", clean, "--config", configs[config_name], "--layout",
                          layout, "--global-batch-size", "8", "--micro-batch-size", "2", "--json")
