@@ -14,8 +14,10 @@ wrong mask.
 Incremental rendering costs one render per assistant turn and one more per turn before it, so
 it runs once per conversation *shape* (its roles), on a skeleton whose contents are
 placeholders; a sample then renders once, and its text must equal the skeleton with its
-contents filled in (the template inserted every content verbatim, once). Otherwise, e.g. for a
-template that trims or branches on contents, the sample takes the per-sample incremental path.
+contents filled in (the template inserted every content verbatim, once), which makes its spans
+the skeleton's (a template that does so for the whole conversation is taken to do so for its
+prefixes too). Otherwise, e.g. for a template that trims or branches on contents, the sample
+takes the per-sample incremental path.
 """
 
 from __future__ import annotations
