@@ -14,8 +14,8 @@ import json
 import sys
 
 from mimo_data.index import DatasetError
-from mimo_data.layout import LANGUAGE, Layout
-from mimo_data.loader import DataSource, build_loader
+from mimo_data.layout import LANGUAGE, Layout, LayoutError
+from mimo_data.loader import DataSource, build_loader, check_even_split
 
 _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys")
 
@@ -60,15 +60,19 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
             "colocated": layout.colocated, "world_size": world_size, "seed": seed,
             "epoch": epoch, "global_batch_size": global_batch_size,
             "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
-            "checks": _checks(layout, ranks)}
+            "checks": _checks(layout, ranks, source)}
 
 
 def _flat(entry: dict) -> list[list[str]]:
     return [mb["keys"] for step in entry["steps"] for mb in step["micro_batches"]]
 
 
-def _checks(layout: Layout, ranks: list[dict]) -> dict:
+def _checks(layout: Layout, ranks: list[dict], source: DataSource) -> dict:
     problems = []
+    try:
+        check_even_split(source, layout)
+    except LayoutError as error:
+        problems.append(str(error))
     loaded = [r for r in ranks if r["steps"] is not None]
     counts = {r["rank"]: len(_flat(r)) for r in loaded}
     if len(set(counts.values())) > 1:

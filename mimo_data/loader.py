@@ -72,7 +72,8 @@ def variable_token_modalities(config: PreprocessConfig) -> list[str]:
 
 def check_even_split(source: DataSource, layout: Layout) -> None:
     """Raise LayoutError when an encoder's output must be split evenly but the data's token
-    counts per sample differ.
+    counts per sample differ (the trainer and ``mimo-inspect plan`` check this; the loader
+    itself delivers any layout's slices correctly).
 
     megatron-core 0.19 splits a module's output evenly (``tensor_split``) when encoder DP ranks
     fan in to fewer language DP ranks, and between colocated modules of different DP sizes.
@@ -430,7 +431,6 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
         return None
     if source is None:
         source = DataSource(datasets, config, weights, num_workers, progress)
-    check_even_split(source, layout)
     order = source.order(seed, global_batch_size, remainder, block_size, window_blocks)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.layout import LANGUAGE, Layout
-from mimo_data.loader import build_loader, variable_token_modalities
+from mimo_data.loader import build_loader, check_even_split, variable_token_modalities
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.shard_format import INDEX_FILE
 from mimo_train import checkpoint
@@ -197,6 +197,8 @@ class Trainer:
                                 else None)
 
         train = loader(cfg.data.datasets, cfg.train.seed)
+        if train is not None:      # every rank has one: encoders run whole (pp1) on stage 0
+            check_even_split(train.source, self.layout)
         valid = loader(cfg.data.valid, cfg.train.seed) if cfg.data.valid else None
         return train, valid
 
@@ -346,7 +348,7 @@ class Trainer:
             self.writer.close()
         losses = [r["loss"] for r in records if "loss" in r]
         if losses:
-            k = min(3, len(losses))
+            k = max(1, min(3, len(losses) // 2))
             _log(f"loss over this run's {len(losses)} steps: {sum(losses[:k]) / k:.4f} (mean of "
                  f"the first {k}) -> {sum(losses[-k:]) / k:.4f} (mean of the last {k})")
         return records
