@@ -153,7 +153,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     role = infra.role
     modality_specs, token_ids = {}, {}
     for name, (modality, modality_config, spec, kind) in settings.items():
-        encoder_size = _encoder_output_size(spec, kind, name)
+        encoder_size = _encoder_output_size(spec, name)
         submodules = AudioModalitySubmodules if modality == "audio" else VisionModalitySubmodules
         modality_specs[name] = ModuleSpec(
             module=submodules,
@@ -211,7 +211,7 @@ def build_optimizer(cfg: TrainConfig, model):
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
-def _encoder_output_size(spec: EncoderConfig, kind: str, name: str) -> int:
+def _encoder_output_size(spec: EncoderConfig, name: str) -> int:
     if spec.pretrained is None:
         return spec.hidden_size
     from transformers import AutoConfig
