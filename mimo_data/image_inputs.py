@@ -5,8 +5,11 @@ The reference is transformers' ``Qwen2VLImageProcessorPil`` (dynamic policy) and
 rescale, normalize and patchify in float32 on the CPU; that float work is most of the
 preprocessing time (DESIGN.md, "Where the time goes"). Here the same Pillow resize is followed
 by a pure-reshape patchify of the uint8 array, and ``normalize_pixels`` does the float step on
-the encoder's device (a quarter of the bytes to move). The tests check that
-``normalize_pixels(image_encoder_inputs(...))`` equals the reference processors' output.
+the encoder's device (a quarter of the bytes to move). A still image's patches are stored once,
+``[Σ patches, C·P·P]``: the reference repeats the frame ``temporal_patch_size`` times in its
+``C·T·P·P`` columns, and ``normalize_pixels`` does that repeat on the device (half the bytes
+again). The tests check that ``normalize_pixels(image_encoder_inputs(...))`` equals the
+reference processors' output.
 """
 
 from __future__ import annotations
@@ -79,26 +82,26 @@ def _rgb_pixels(image: Image.Image) -> np.ndarray:
 
 
 def _patchify_into(pixels: np.ndarray, out: np.ndarray, cfg: ImageConfig) -> None:
-    """Write ``[H, W, C]`` uint8 pixels into ``out`` = ``[grid_h * grid_w, C * T * P * P]``.
+    """Write ``[H, W, C]`` uint8 pixels into ``out`` = ``[grid_h * grid_w, C * P * P]``.
 
-    The row/column layout of ``Qwen2VLImageProcessorPil.patchify``: rows in merge-block order
-    (block row, block column, row in block, column in block), columns (channel, frame, patch
-    row, patch column) with the single frame repeated ``temporal_patch_size`` times. uint8
-    copies instead of the reference's float32 ones: the block transpose, then the frame repeat
-    as contiguous ``P * P`` runs (faster than one strided copy).
+    The row/column layout of ``Qwen2VLImageProcessorPil.patchify`` for one frame: rows in
+    merge-block order (block row, block column, row in block, column in block), columns
+    (channel, patch row, patch column); the reference's repeat of that frame over
+    ``temporal_patch_size`` is left to ``normalize_pixels``. One strided uint8 copy instead of
+    the reference's float32 ones.
     """
     height, width, channels = pixels.shape
-    p, m, t = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    p, m = cfg.patch_size, cfg.merge_size
     blocks = pixels.reshape(height // (p * m), m, p, width // (p * m), m, p, channels)
     blocks = blocks.transpose(0, 3, 1, 4, 6, 2, 5)      # (gh/m, gw/m, mh, mw, C, ph, pw)
-    out.reshape(len(out), channels, t, p * p)[...] = np.ascontiguousarray(blocks).reshape(
-        len(out), channels, 1, p * p)
+    out.reshape(blocks.shape)[...] = blocks
 
 
 def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[str, torch.Tensor]:
     """Encoder kwargs for RGB images, image by image, pixels as uint8.
 
-    dynamic: ``{"pixel_values": [Σ patches, C*T*P*P], "image_grid_thw": int64 [n, 3]}``;
+    dynamic: ``{"pixel_values": [Σ patches, C*P*P], "image_grid_thw": int64 [n, 3]}``, one
+    frame per patch (``normalize_pixels`` repeats it into the encoder's ``C*T*P*P`` columns);
     fixed: ``{"pixel_values": [n, 3, S, S]}`` (squash resize, as SigLIP).
     Resizing is Pillow's BICUBIC, the same call the reference processors make.
     """
@@ -112,7 +115,7 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
     sizes = [image_resized_size(image.width, image.height, cfg) for image in images]
     grids = [(1, height // cfg.patch_size, width // cfg.patch_size) for width, height in sizes]
     rows = [h * w for _, h, w in grids]
-    pixels = np.empty((sum(rows), 3 * cfg.temporal_patch_size * cfg.patch_size ** 2), np.uint8)
+    pixels = np.empty((sum(rows), 3 * cfg.patch_size ** 2), np.uint8)
     start = 0
     for image, size, count in zip(images, sizes, rows):
         resized = image if image.size == size else image.resize(size, Image.Resampling.BICUBIC)
@@ -130,19 +133,27 @@ def image_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: ImageConfig) -> l
 
 
 def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tensor:
-    """uint8 pixels (either layout) → float32 ``(x / 255 - mean[c]) / std[c]``, on their device.
+    """uint8 pixels → float32 ``(x / 255 - mean[c]) / std[c]``, on their device: exactly the
+    reference processors' ``pixel_values``.
 
-    Same operations in the same order as the reference processors (rescale, then subtract the
-    mean and divide by the std in float32).
+    fixed: ``[n, C, S, S]`` → the same shape. dynamic: ``[rows, C*P*P]`` → ``[rows, C*T*P*P]``,
+    each patch's single frame repeated ``temporal_patch_size`` times after normalizing, as
+    ``Qwen2VLImageProcessorPil`` does for a still image. Same operations in the same order as
+    the reference processors (rescale, then subtract the mean and divide by the std in float32).
     """
     mean = torch.tensor(cfg.mean, dtype=torch.float32, device=pixel_values.device)
     std = torch.tensor(cfg.std, dtype=torch.float32, device=pixel_values.device)
     channels = len(cfg.mean)
     if cfg.policy == "fixed":      # [n, C, S, S]
         shape = (1, channels, 1, 1)
-        values = pixel_values
-    else:                          # [rows, C*T*P*P]: columns are channel-major
-        shape = (1, channels, 1)
-        values = pixel_values.reshape(len(pixel_values), channels, -1)
-    values = (values.to(torch.float32) / 255 - mean.view(shape)) / std.view(shape)
-    return values.reshape(pixel_values.shape)
+        return (pixel_values.to(torch.float32) / 255 - mean.view(shape)) / std.view(shape)
+    columns = channels * cfg.patch_size ** 2
+    if pixel_values.dim() != 2 or pixel_values.shape[1] != columns:
+        raise ValueError(f"image pixel_values of shape {tuple(pixel_values.shape)}: the dynamic "
+                         f"policy expects [patches, {columns}] (C={channels} x patch_size="
+                         f"{cfg.patch_size} squared), as image_encoder_inputs writes them")
+    rows = len(pixel_values)
+    values = pixel_values.reshape(rows, channels, 1, cfg.patch_size ** 2).to(torch.float32)
+    values = (values / 255 - mean.view(1, channels, 1, 1)) / std.view(1, channels, 1, 1)
+    return values.expand(rows, channels, cfg.temporal_patch_size, cfg.patch_size ** 2).reshape(
+        rows, channels * cfg.temporal_patch_size * cfg.patch_size ** 2)

@@ -1,8 +1,9 @@
 """Encoders that take exactly the inputs ``mimo_data`` produces and emit exactly the token counts
 it computed: one row per placeholder token, item by item (DESIGN.md, "Sample and batch contract").
 
-- ``Qwen2VLVision``: dynamic-resolution uint8 patches ``[Σ patches, C·T·P·P]`` + ``image_grid_thw``
-  → one row per merged ``merge × merge`` patch group (transformers' Qwen2-VL vision tower).
+- ``Qwen2VLVision``: dynamic-resolution uint8 patches ``[Σ patches, C·P·P]`` (one frame; the
+  tower's ``C·T·P·P`` columns are made by ``normalize_pixels``) + ``image_grid_thw`` → one row
+  per merged ``merge × merge`` patch group (transformers' Qwen2-VL vision tower).
 - ``SiglipVision``: fixed-size uint8 images ``[n, 3, S, S]`` → ``(S / P)²`` rows per image.
 - ``WhisperAudio``: log-mel frames ``[Σ frames, n_mels]`` + ``feature_lens`` → Whisper's encoder
   (its stride-2 conv is the first reduction) then average pooling for each further reduction,

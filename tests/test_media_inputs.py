@@ -104,6 +104,10 @@ def stored_orientation(data: bytes) -> int:
 def test_dynamic_inputs_equal_qwen2vl_processor(dynamic_run):
     cfg, ours, expected = dynamic_run
     assert ours["pixel_values"].dtype == torch.uint8
+    # one frame per patch: the reference's temporal repeat happens in normalize_pixels
+    assert ours["pixel_values"].shape == (len(expected["pixel_values"]), 3 * cfg.patch_size ** 2)
+    assert expected["pixel_values"].shape[1] == \
+        3 * cfg.temporal_patch_size * cfg.patch_size ** 2
     assert ours["image_grid_thw"].dtype == torch.int64
     assert torch.equal(ours["image_grid_thw"], expected["image_grid_thw"])
     normalized = normalize_pixels(ours["pixel_values"], cfg)
@@ -167,9 +171,16 @@ def test_image_above_pillows_memory_block_equals_siglip_processor(images):
 def test_empty_image_list_gives_empty_inputs():
     cfg = ImageConfig()
     inputs = image_encoder_inputs([], cfg)
-    assert inputs["pixel_values"].shape == (0, 3 * 2 * 14 * 14)
+    assert inputs["pixel_values"].shape == (0, 3 * 14 * 14)
     assert inputs["image_grid_thw"].shape == (0, 3)
     assert image_rows_to_tokens(inputs, cfg) == []
+    assert normalize_pixels(inputs["pixel_values"], cfg).shape == (0, 3 * 2 * 14 * 14)
+
+
+def test_normalize_refuses_pixels_of_another_layout():
+    cfg = ImageConfig()
+    with pytest.raises(ValueError, match=r"expects \[patches, 588\]"):
+        normalize_pixels(torch.zeros(4, 3 * 2 * 14 * 14, dtype=torch.uint8), cfg)
 
 
 def test_rocket_is_turned_upright_as_its_metadata_says(images):
