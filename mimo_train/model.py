@@ -122,6 +122,7 @@ class _SeededEncoder(torch.nn.Module):
 
 
 def _seeded_gpt_class(gpt_model):
+    # a factory: megatron-core is imported only after cpu_compat.activate() (see trainer.py)
     class SeededGPTModel(gpt_model):
         """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights
         with or without encoders on the rank; pipeline stages each draw only their layers)."""
@@ -138,7 +139,8 @@ def _module_seed(seed: int, name: str) -> int:
 
 def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                 special_token_ids: dict, device: torch.device):
-    """``MimoModel`` with this rank's modules DDP-wrapped, and its ``MimoOptimizer``."""
+    """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
+    ``MimoOptimizer``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
