@@ -21,7 +21,7 @@ import pyarrow
 import torch
 from PIL import Image
 
-from mimo_data.media import MediaError, pixel_limit
+from mimo_data.media import MediaError, pillow_decoding
 from mimo_data.preprocess_config import ImageConfig
 from mimo_data.token_counts import image_resized_size
 
@@ -44,21 +44,14 @@ def decode_image(data: bytes, orientation: int, cfg: ImageConfig) -> Image.Image
     Transparency is composited onto white, as transformers' ``convert_to_rgb`` does.
     Raises MediaError(``image_too_large`` | ``corrupt_image``).
     """
-    try:
-        with pixel_limit(cfg.max_image_pixels):
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > cfg.max_image_pixels:
-                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
-                                 f"is above max_image_pixels = {cfg.max_image_pixels}; raise "
-                                 "modalities.image.max_image_pixels to keep such images")
-            image.load()
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as exc:
-        raise MediaError("image_too_large", str(exc)) from None
-    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
-        raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+    with pillow_decoding(cfg.max_image_pixels):
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > cfg.max_image_pixels:
+            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                             f"is above max_image_pixels = {cfg.max_image_pixels}; raise "
+                             "modalities.image.max_image_pixels to keep such images")
+        image.load()
     if orientation in _ORIENTATION_TRANSPOSE:
         image = image.transpose(_ORIENTATION_TRANSPOSE[orientation])
     if "A" in image.getbands() or image.info.get("transparency") is not None:

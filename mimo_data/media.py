@@ -61,6 +61,21 @@ def image_orientation(image: Image.Image) -> int:
     return int(image.getexif().get(_EXIF_ORIENTATION, 1))
 
 
+@contextlib.contextmanager
+def pillow_decoding(max_pixels: int | None):
+    """``pixel_limit(max_pixels)``, with what Pillow raises inside as MediaError: a
+    decompression bomb is ``image_too_large``, anything else ``corrupt_image``."""
+    try:
+        with pixel_limit(max_pixels):
+            yield
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise MediaError("image_too_large", str(exc)) from None
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
+        raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+
+
 def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 check: str = "decode") -> dict:
     """Validate an encoded image; return ``{format, width, height, mode, orientation}``.
@@ -72,39 +87,32 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """
     if not data:
         raise MediaError("corrupt_image", "empty image file (0 bytes)")
-    try:
-        with pixel_limit(max_pixels):
-            image = Image.open(io.BytesIO(data))
-            fmt = (image.format or "").lower()
-            width, height = image.size
-            if width * height > max_pixels:
-                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
-                                 f"is above the limit of {max_pixels} (raise "
-                                 "--max-image-pixels to keep it)")
-            if fmt not in IMAGE_EXTENSIONS:
-                raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
-                                 f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
-            mode = image.mode
-            orientation = image_orientation(image)
-            if orientation in _TRANSPOSING_ORIENTATIONS:
-                width, height = height, width
-            if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
-                Image.open(io.BytesIO(data)).verify()   # must come right after open()
-            elif fmt == "jpeg" and check == "header":
-                if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
-                    raise MediaError("corrupt_image",
-                                     "JPEG has no end-of-image marker (truncated)")
-            elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
-                image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
-                image.load()
-            elif check == "decode":
-                image.load()
-    except MediaError:
-        raise
-    except Image.DecompressionBombError as exc:
-        raise MediaError("image_too_large", str(exc)) from None
-    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
-        raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+    with pillow_decoding(max_pixels):
+        image = Image.open(io.BytesIO(data))
+        fmt = (image.format or "").lower()
+        width, height = image.size
+        if width * height > max_pixels:
+            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                             f"is above the limit of {max_pixels} (raise "
+                             "--max-image-pixels to keep it)")
+        if fmt not in IMAGE_EXTENSIONS:
+            raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
+                             f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+        mode = image.mode
+        orientation = image_orientation(image)
+        if orientation in _TRANSPOSING_ORIENTATIONS:
+            width, height = height, width
+        if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
+            Image.open(io.BytesIO(data)).verify()   # must come right after open()
+        elif fmt == "jpeg" and check == "header":
+            if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+                raise MediaError("corrupt_image",
+                                 "JPEG has no end-of-image marker (truncated)")
+        elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
+            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+            image.load()
+        elif check == "decode":
+            image.load()
     return {"format": fmt, "width": width, "height": height, "mode": mode,
             "orientation": orientation}
 
