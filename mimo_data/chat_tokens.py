@@ -37,6 +37,7 @@ from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import CountedError
 from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reason
 from mimo_data.shard_format import MARKERS
+from mimo_data.template_contents import contents_inserted_verbatim
 
 _GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
 # Placeholder for the content of message k in a skeleton render (private-use code points).
@@ -136,6 +137,7 @@ class TextEncoder:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.eos_token_id)
+        self.contents_verbatim = True       # caption mode joins the contents as they are
         if config.mode == "chat":
             self.template = _chat_template(config, self.tokenizer)
             self.has_generation_blocks = bool(_GENERATION_BLOCK.search(self.template))
@@ -144,6 +146,11 @@ class TextEncoder:
             # conversion of the messages costs a third of each render; ours are plain dicts.
             self._compiled = _compile_jinja_template(self.template)
             self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
+            # Proven from the template's syntax: a conversation's text is its skeleton filled
+            # with the contents, so jinja runs once per role shape instead of once per sample.
+            self.contents_verbatim = (not self.has_generation_blocks and
+                                      contents_inserted_verbatim(self._compiled.environment,
+                                                                 self.template))
 
     def is_modality_token(self, token_id: int) -> bool:
         return self._token_kind[token_id] == 1
@@ -174,13 +181,16 @@ class TextEncoder:
         if self.has_generation_blocks:
             text, spans = self._render_with_generation_spans(messages)
         else:
-            text = self._render(messages)
             skeleton = self._skeleton(tuple(message["role"] for message in messages))
             filled = skeleton.fill(messages) if skeleton is not None else None
-            if filled is not None and filled[0] == text:
-                spans = filled[1]
+            if filled is not None and self.contents_verbatim:
+                text, spans = filled
             else:
-                spans = self._incremental_spans(messages, text)
+                text = self._render(messages)
+                if filled is not None and filled[0] == text:
+                    spans = filled[1]
+                else:
+                    spans = self._incremental_spans(messages, text)
         return text, [self._through_eot(text, start, end) for start, end in spans]
 
     def _incremental_spans(self, messages, text):
@@ -253,6 +263,21 @@ class TextEncoder:
         return "".join(parts), spans
 
     # -- tokenizing --------------------------------------------------------------------------
+
+    def warm(self, conversations) -> None:
+        """Tokenize the new pieces of these conversations in one batch ahead of their
+        ``encode`` calls (see ``SegmentCachedTokenizer.warm``). Only when rendering is cheap
+        (a skeleton fill, or caption mode): a second jinja render per sample would cost more
+        than the batching saves."""
+        if not (isinstance(self.backend, SegmentCachedTokenizer) and self.contents_verbatim):
+            return
+        texts = []
+        for messages in conversations:
+            try:
+                texts.append(self.render(messages)[0])
+            except (TextError, KeyError, TypeError, AttributeError, IndexError):
+                pass    # encode() reports it for the sample
+        self.backend.warm(texts)
 
     def encode(self, messages: list[dict], item_tokens: list[tuple[str, int]]) -> Encoded:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
