@@ -240,16 +240,41 @@ def _check_message(result: dict, flagged: Flagged) -> str:
     return head
 
 
+# Samples whose new text pieces are tokenized in one batch (TextEncoder.warm).
+WARM_CHUNK = 256
+
+
+def _read_record(reader: ShardReader, position: int) -> dict | SampleStats:
+    """The record at ``position``, or the stats of a record the loader could not read."""
+    try:
+        return reader.record(position)
+    except (ValueError, UnicodeDecodeError) as exc:      # JSON the loader could not read
+        return SampleStats(position, reader.keys[position], dropped="unreadable_record",
+                           detail=f"the sample's JSON cannot be parsed: {exc}")
+
+
 def inspect_position(reader: ShardReader, inspector: SampleInspector, index: IndexTable,
                      position: int):
     """(SampleStats, record or None, Sample or None) of the sample at ``position``."""
-    try:
-        record = reader.record(position)
-    except (ValueError, UnicodeDecodeError) as exc:      # JSON the loader could not read
-        return SampleStats(position, reader.keys[position], dropped="unreadable_record",
-                           detail=f"the sample's JSON cannot be parsed: {exc}"), None, None
+    record = _read_record(reader, position)
+    if isinstance(record, SampleStats):
+        return record, None, None
     stats, sample = inspector(position, record, index)
     return stats, record, sample
+
+
+def inspect_range(reader: ShardReader, inspector: SampleInspector, index: IndexTable,
+                  start: int, stop: int):
+    """SampleStats of the samples at positions [start, stop), in order, their new text pieces
+    tokenized a chunk at a time."""
+    for chunk in range(start, stop, WARM_CHUNK):
+        records = [_read_record(reader, p) for p in range(chunk, min(stop, chunk + WARM_CHUNK))]
+        inspector.text.warm(record["messages"] for record in records
+                            if isinstance(record, dict) and isinstance(record.get("messages"),
+                                                                       list))
+        for position, record in enumerate(records, chunk):
+            yield record if isinstance(record, SampleStats) else \
+                inspector(position, record, index)[0]
 
 
 # One inspector per worker process, built once by _init_worker.
@@ -265,7 +290,7 @@ def _init_worker(directory: str, config, cache_tokens: bool) -> None:
 
 def _inspect_chunk(bounds: tuple[int, int]) -> list[SampleStats]:
     reader, index, inspector = _WORKER["reader"], _WORKER["index"], _WORKER["inspector"]
-    return [inspect_position(reader, inspector, index, p)[0] for p in range(*bounds)]
+    return list(inspect_range(reader, inspector, index, *bounds))
 
 
 def _parallel_stats(directory: str, inspector: SampleInspector, total: int, workers: int):
@@ -297,7 +322,7 @@ def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | 
             stream = _parallel_stats(directory, inspector, total, workers)
         else:
             index = IndexTable(directory)
-            stream = (inspect_position(reader, inspector, index, p)[0] for p in range(total))
+            stream = inspect_range(reader, inspector, index, 0, total)
         for stats in tqdm(stream, total=total, desc="mimo-inspect report", unit=" samples",
                           disable=not progress, mininterval=0.5, dynamic_ncols=True):
             builder.add(stats)

@@ -106,15 +106,36 @@ class SegmentCachedTokenizer:
     def __getattr__(self, name):          # token_to_id, decode, ...: the tokenizer's own
         return getattr(self.backend, name)
 
-    def _encode_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+    def _store(self, piece: str, encoding) -> tuple[np.ndarray, np.ndarray]:
         self.misses += 1
-        encoding = self.backend.encode(text, add_special_tokens=False)
         encoded = (np.array(encoding.ids, dtype=np.int64),
                    np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2))
-        if len(self._cache) >= self.max_entries + len(self._added):
-            self._cache = dict(self._added)
-        self._cache[text] = encoded
+        self._cache[piece] = encoded
         return encoded
+
+    def _make_room(self, entries: int) -> None:
+        if len(self._cache) + entries > self.max_entries + len(self._added):
+            self._cache = dict(self._added)
+
+    def _encode_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        self._make_room(1)
+        return self._store(text, self.backend.encode(text, add_special_tokens=False))
+
+    def warm(self, texts) -> None:
+        """Encode the pieces of ``texts`` missing from the cache, in one batch call.
+
+        One call for many pieces runs the tokenizer with its tables in the CPU caches: about
+        half the time per piece of single calls amid other work (measured with SmolLM2). Call
+        it with the texts about to be encoded (e.g. a chunk of samples)."""
+        cache = self._cache
+        missing = list(dict.fromkeys(piece for text in texts for piece in self._split(text)
+                                     if piece and piece not in cache))
+        missing = missing[:self.max_entries]
+        if missing:
+            self._make_room(len(missing))
+            for piece, encoding in zip(missing, self.backend.encode_batch(
+                    missing, add_special_tokens=False)):
+                self._store(piece, encoding)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
         if add_special_tokens:

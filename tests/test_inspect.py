@@ -441,6 +441,29 @@ def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     assert cached.hits > cached.misses
 
 
+def test_warmed_pieces_are_the_tokenizers_and_encoded_once(text_encoder, clean):
+    backend = text_encoder.backend
+    reader = ShardReader(str(clean))
+    texts = [text_encoder.render(reader.record(p)["messages"])[0] for p in range(len(reader))]
+    cached = SegmentCachedTokenizer(backend, verify_first=0, verify_every=10 ** 9)
+    cached.warm(texts[:40])
+    cached.warm(texts)                   # the first 40 texts' pieces are cached already
+    pieces = {piece for text in texts for piece in cached._split(text) if piece}
+    new = pieces - set(cached._added)
+    assert cached.misses == len(new)
+    for text in texts:
+        reference = backend.encode(text, add_special_tokens=False)
+        mine = cached.encode(text)
+        assert mine.ids.tolist() == reference.ids, text
+        assert [tuple(o) for o in mine.offsets.tolist()] == list(reference.offsets), text
+    assert cached.misses == len(new)     # every piece came from the warmed cache
+    small = SegmentCachedTokenizer(backend, max_entries=8)
+    small.warm(texts)                    # more new pieces than fit: the first 8 are kept
+    assert small.misses == 8 and all(small.encode(t).ids.tolist() ==
+                                     backend.encode(t, add_special_tokens=False).ids
+                                     for t in texts)
+
+
 def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
