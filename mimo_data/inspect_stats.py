@@ -104,9 +104,8 @@ class IndexTable:
     """The per-sample columns of ``samples.parquet`` the record is checked against."""
 
     def __init__(self, directory: str):
-        table = pq.read_table(os.path.join(directory, SAMPLES_FILE),
-                              columns=["members", "image_width", "image_height",
-                                       "audio_duration"])
+        table = pq.ParquetFile(os.path.join(directory, SAMPLES_FILE)).read(
+            columns=["members", "image_width", "image_height", "audio_duration"])
         self.members = [{m["name"] for m in row} for row in table.column("members").to_pylist()]
         self.widths = table.column("image_width").to_pylist()
         self.heights = table.column("image_height").to_pylist()
