@@ -17,7 +17,9 @@ placeholders; a sample then renders once, and its text must equal the skeleton w
 contents filled in (the template inserted every content verbatim, once), which makes its spans
 the skeleton's (a template that does so for the whole conversation is taken to do so for its
 prefixes too). Otherwise, e.g. for a template that trims or branches on contents, the sample
-takes the per-sample incremental path.
+takes the per-sample incremental path. When ``template_contents`` proves from the template's
+syntax that it outputs contents as they are, a sample is not rendered at all: its text is the
+filled skeleton.
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ class _Chunks(torch.utils.data.Dataset):
         stop = min(start + CHUNK, len(self.reader))
         kept = np.ones(stop - start, dtype=bool)
         drops = []
-        for position in range(start, stop):
-            record = self.reader.record(position)
+        records = [self.reader.record(position) for position in range(start, stop)]
+        self.preprocessor.warm(records)
+        for position, record in enumerate(records, start):
             try:
                 self.preprocessor(record)
             except SampleDropped as exc:

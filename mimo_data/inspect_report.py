@@ -35,6 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mimo_data.inspect_stats import IndexTable, SampleInspector, SampleStats
+from mimo_data.preprocess import WARM_CHUNK
 from mimo_data.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shard_reader import ShardReader
 from mimo_data.stats import summary
@@ -240,10 +241,6 @@ def _check_message(result: dict, flagged: Flagged) -> str:
     return head
 
 
-# Samples whose new text pieces are tokenized in one batch (TextEncoder.warm).
-WARM_CHUNK = 256
-
-
 def _read_record(reader: ShardReader, position: int) -> dict | SampleStats:
     """The record at ``position``, or the stats of a record the loader could not read."""
     try:
@@ -269,9 +266,7 @@ def inspect_range(reader: ShardReader, inspector: SampleInspector, index: IndexT
     tokenized a chunk at a time."""
     for chunk in range(start, stop, WARM_CHUNK):
         records = [_read_record(reader, p) for p in range(chunk, min(stop, chunk + WARM_CHUNK))]
-        inspector.text.warm(record["messages"] for record in records
-                            if isinstance(record, dict) and isinstance(record.get("messages"),
-                                                                       list))
+        inspector.preprocessor.warm(records)
         for position, record in enumerate(records, chunk):
             yield record if isinstance(record, SampleStats) else \
                 inspector(position, record, index)[0]

@@ -207,11 +207,15 @@ class _RankStream(torch.utils.data.IterableDataset):
         return micro_batch_slice(step, micro, self.order.global_batch_size, self.group,
                                  dp_size, dp_rank)
 
-    def _sample(self, datasets, positions, at: int, full: bool) -> Sample:
+    def _record(self, datasets, positions, at: int) -> dict:
+        dataset, position = int(datasets[at]), int(positions[at])
+        record = self.source.readers[dataset].record(position)
+        record["key"] = f"{dataset}/{record['key']}"
+        return record
+
+    def _sample(self, datasets, positions, at: int, record: dict, full: bool) -> Sample:
         dataset, position = int(datasets[at]), int(positions[at])
         reader = self.source.readers[dataset]
-        record = reader.record(position)
-        record["key"] = f"{dataset}/{record['key']}"
         try:
             if full:
                 return self.full(record, reader.media(position, record,
@@ -235,8 +239,10 @@ class _RankStream(torch.utils.data.IterableDataset):
         full_at = {at for part in media.values() for at in range(part.start, part.stop)} \
             if self.full else set()
         needed = {at for part in (text, *media.values()) for at in range(part.start, part.stop)}
-        samples = {at: self._sample(datasets, positions, at, at in full_at)
-                   for at in sorted(needed)}
+        records = {at: self._record(datasets, positions, at) for at in sorted(needed)}
+        self.source.metadata.warm(records.values())
+        samples = {at: self._sample(datasets, positions, at, record, at in full_at)
+                   for at, record in records.items()}
         collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
         batch = {key: value for key, value in collated.items() if key in self.role.text_keys}
         metadata.update(epoch=epoch, step=step, micro_batch=micro,

@@ -25,6 +25,7 @@ from mimo_data.segment_tokenizer import SegmentCacheError
 from mimo_data.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
+WARM_CHUNK = 256    # records whose new text pieces are tokenized in one batch (warm)
 
 
 class SampleDropped(CountedError):
@@ -103,6 +104,12 @@ class Preprocessor:
             sample.encoder_inputs = self._encoder_inputs(record["key"], decoded, media,
                                                          token_counts)
         return sample
+
+    def warm(self, records) -> None:
+        """Tokenize the new text pieces of these records in one batch ahead of their calls
+        (``TextEncoder.warm``); malformed records are left for the calls to report."""
+        self.text.warm(record["messages"] for record in records
+                       if isinstance(record, dict) and isinstance(record.get("messages"), list))
 
     def _item_tokens(self, item: dict) -> int:
         """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""
@@ -211,14 +218,18 @@ def _check_record(record) -> None:
 def preprocess_dataset(reader, preprocessor: Preprocessor, tally, positions=None):
     """Samples of a ShardReader in order (or at ``positions``); drops are counted in ``tally``
     (a report.Tally) by reason with the sample key, never lost silently."""
-    for position in range(len(reader)) if positions is None else positions:
-        record = reader.record(position)
-        media = (reader.media(position, record, preprocessor.media_modalities)
-                 if preprocessor.with_media else None)
-        try:
-            sample = preprocessor(record, media)
-        except SampleDropped as exc:
-            tally.skip(exc.reason, record["key"], exc.detail)
-            continue
-        tally.keep()
-        yield sample
+    positions = list(range(len(reader)) if positions is None else positions)
+    for chunk in range(0, len(positions), WARM_CHUNK):
+        batch = positions[chunk:chunk + WARM_CHUNK]
+        records = [reader.record(position) for position in batch]
+        preprocessor.warm(records)
+        for position, record in zip(batch, records):
+            media = (reader.media(position, record, preprocessor.media_modalities)
+                     if preprocessor.with_media else None)
+            try:
+                sample = preprocessor(record, media)
+            except SampleDropped as exc:
+                tally.skip(exc.reason, record["key"], exc.detail)
+                continue
+            tally.keep()
+            yield sample

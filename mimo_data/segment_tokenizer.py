@@ -22,11 +22,18 @@ in ``verify_every`` afterwards are checked against the plain tokenizer: a differ
 from __future__ import annotations
 
 import json
+import os
 import re
 from itertools import accumulate
 
 import numpy as np
 from tokenizers import Tokenizer
+
+
+# warm() batches for cache locality, not for threads: preprocessing runs one core per
+# DataLoader worker, and a tokenizers thread pool started before a DataLoader forks its workers
+# leaves threads behind the fork (Python warns of deadlocks). An explicit setting is kept.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class SegmentCacheError(RuntimeError):
