@@ -10,7 +10,9 @@ issue's target (>= 5k samples/s) is about; ``all`` keeps the audio records too.
 Passes over the same dataset, in the same process, pinned to one CPU, one torch thread:
 - baseline: ``preprocess_dataset`` with the metadata-only Preprocessor (what language ranks run);
 - report: ``build_report`` (every check, piece-cached tokenization);
-- report --no-token-cache: the same with whole-conversation tokenization.
+- report --no-token-cache: the same with whole-conversation tokenization;
+- tokenizer alone: only the tokenizer's batch calls on the text pieces the report encodes
+  (the texts rendered beforehand), the floor under any report on this path.
 Prints samples/s and the ratios to the baseline.
 
     python tools/bench_inspect.py [--samples 10000] [--modalities text+image|all] [--cpu 0]
@@ -28,13 +30,28 @@ import torch
 
 from mimo_data.inspect_report import Thresholds, build_report
 from mimo_data.inspect_stats import SampleInspector
-from mimo_data.preprocess import Preprocessor, preprocess_dataset
+from mimo_data.preprocess import WARM_CHUNK, Preprocessor, preprocess_dataset
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import Tally
 from mimo_data.shard_reader import ShardReader
 from replicate_corpus import replicated_dataset
 
 
+
+
+def _new_pieces(reader: ShardReader, text) -> list[list[str]]:
+    """Per chunk of WARM_CHUNK samples, the text pieces not seen before (what warm encodes)."""
+    seen, chunks = set(), []
+    for chunk in range(0, len(reader), WARM_CHUNK):
+        batch = []
+        for position in range(chunk, min(len(reader), chunk + WARM_CHUNK)):
+            rendered = text.render(reader.record(position)["messages"])[0]
+            for piece in text.backend._split(rendered):
+                if piece and piece not in seen:
+                    seen.add(piece)
+                    batch.append(piece)
+        chunks.append(batch)
+    return chunks
 
 
 def main() -> None:
@@ -69,6 +86,14 @@ def main() -> None:
             start = time.perf_counter()
             reports[name] = build_report(dataset, inspector, Thresholds(), progress=False)
             seconds[name] = time.perf_counter() - start
+        # The floor set by the tokenizer itself: the same new pieces the report encodes,
+        # in the same batches, with nothing around them (texts rendered beforehand, untimed).
+        floor = Preprocessor(config, with_media=False).text
+        pieces = _new_pieces(reader, floor)
+        start = time.perf_counter()
+        for batch in pieces:
+            floor.backend.backend.encode_batch(batch, add_special_tokens=False)
+        seconds["tokenizer alone (new pieces)"] = time.perf_counter() - start
         same = all(reports["report"][k] == reports["report --no-token-cache"][k]
                    for k in ("tokens", "sequence_length", "modalities", "flagged"))
         pinned = f"CPU {args.cpu}" if args.cpu >= 0 else "not pinned"
