@@ -168,6 +168,24 @@ def test_image_above_pillows_memory_block_equals_siglip_processor(images):
                                rtol=0, atol=1e-5)
 
 
+def test_image_above_pillows_memory_block_equals_qwen2vl_processor(images):
+    """The copied pixels of a large image go through the same patchify as lent ones."""
+    pixels = 2100 * 2100
+    assert pixels * 4 > Image.core.get_block_size()
+    cfg = ImageConfig(min_pixels=pixels, max_pixels=pixels)
+    reference = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                         patch_size=cfg.patch_size, merge_size=cfg.merge_size,
+                                         temporal_patch_size=cfg.temporal_patch_size)
+    _, data, meta, original = next(entry for entry in images if entry[2]["mode"] == "RGB")
+    expected = reference([original], return_tensors="pt")
+    ours = image_encoder_inputs([decode_image(data, meta["orientation"], cfg)], cfg)
+    width, height = image_resized_size(meta["width"], meta["height"], cfg)
+    assert width * height * 4 > Image.core.get_block_size()
+    assert torch.equal(ours["image_grid_thw"], expected["image_grid_thw"])
+    torch.testing.assert_close(normalize_pixels(ours["pixel_values"], cfg),
+                               expected["pixel_values"], rtol=0, atol=1e-5)
+
+
 def test_empty_image_list_gives_empty_inputs():
     cfg = ImageConfig()
     inputs = image_encoder_inputs([], cfg)
