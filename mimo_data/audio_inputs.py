@@ -68,23 +68,35 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
         raise MediaError("audio_too_short", f"clip of {len(waveform)} samples is shorter than the "
                          f"{MIN_AUDIO_SAMPLES} samples the log-mel features need")
     window, filters = _log_mel_constants(cfg.n_mels, cfg.sample_rate, cfg.hop_length)
-    # Frame-major: the order torch.stft's result has in memory, so the product reads it in rows.
-    stft = torch.stft(torch.from_numpy(np.asarray(waveform, np.float32)), _WHISPER_N_FFT,
-                      cfg.hop_length, window=window, return_complex=True).numpy().T[:-1]
-    power = np.square(stft.real)
-    power += np.square(stft.imag)
+    # torch.stft(center=True)'s own steps, the same floats: its reflect pad kernel (and np.pad's
+    # Python set-up) costs several times these three copies, and it transforms a last frame
+    # that the extractor drops. Frames come out frame-major, so the product is time-major.
+    waveform = np.asarray(waveform, np.float32)
+    half = _WHISPER_N_FFT // 2
+    padded = np.empty(len(waveform) + 2 * half, np.float32)
+    padded[half:-half] = waveform
+    padded[:half] = waveform[half:0:-1]
+    padded[-half:] = waveform[-2:-half - 2:-1]
+    frames = torch.from_numpy(padded).unfold(0, _WHISPER_N_FFT, cfg.hop_length)[:-1] * window
+    spectrum = torch.fft.rfft(frames).numpy()
+    power = np.square(spectrum.real)
+    power += np.square(spectrum.imag)
     features = (torch.from_numpy(power) @ filters).clamp_(min=1e-10).log10_()
-    features = torch.maximum(features, features.max() - 8.0, out=features)
-    return features.add_(4.0).div_(4.0)
+    return features.clamp_(min=features.max().item() - 8.0).add_(4.0).div_(4.0)
 
 
 def audio_encoder_inputs(clips: list[np.ndarray], cfg: AudioConfig) -> dict[str, torch.Tensor]:
     """``{"input_features": float32 [Σ frames, n_mels], "feature_lens": int64 [n]}``,
     clip by clip."""
     features = [audio_features(clip, cfg) for clip in clips]
+    # numpy, not torch.tensor, and no copy of a single clip: torch calls cost several times more
+    # amid the media work.
+    lens = torch.from_numpy(np.array([len(f) for f in features], np.int64))
+    if len(features) == 1:
+        return {"input_features": features[0], "feature_lens": lens}
     return {"input_features": (torch.cat(features) if features
                                else torch.empty(0, cfg.n_mels, dtype=torch.float32)),
-            "feature_lens": torch.tensor([len(f) for f in features], dtype=torch.int64)}
+            "feature_lens": lens}
 
 
 def audio_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: AudioConfig) -> list[int]:
