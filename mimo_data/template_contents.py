@@ -4,15 +4,17 @@ When it does, and the rest of the render depends only on the conversation's role
 conversation's text is its role-shape's skeleton (``chat_tokens._Skeleton``) with the contents
 put in place, and jinja need not run per sample. The proof walks the template's jinja AST:
 
-- names that hold messages are ``messages``, the targets of ``for`` loops over them and of
-  ``set`` from them, and indexes/slices of those;
+- lists of messages are ``messages``, its slices, and names bound to those by ``set``; a
+  message is a list indexed by anything (itself checked), the target of a ``for`` over a list,
+  or a name ``set`` to a message;
 - a message may only be read as ``m['role']`` / ``m.role`` (the skeleton's key) or as
-  ``m['content']`` / ``m.content`` where that value is output as is: directly in ``{{ }}`` or
-  joined there with ``+`` / ``~``; type tests that are constant on string contents
-  (``is string``, ``is defined``, ...) are allowed too;
-- ``messages | length`` is allowed (it is part of the shape);
-- any other use (a filter or test on the content, a condition on it, ``tojson``, passing a
-  message to a macro or a namespace, ``loop.previtem``, other message keys) fails the proof.
+  ``m['content']`` / ``m.content`` where that value is output as is: directly in ``{{ }}``, or
+  joined there with ``~`` or with ``+`` between plain strings (``+`` with a Markup value would
+  escape it); argument-free type tests that are constant on string contents (``is string``,
+  ``is defined``, ...) and ``list | length`` are allowed too;
+- any other use fails the proof: a filter, test, condition or index on a content, ``tojson``, a
+  message passed to a macro or a namespace, ``loop.previtem``, other message keys, blocks and
+  ``self``, ``{% autoescape %}``, includes and imports.
 
 A template the proof rejects is not wrong: the caller renders it per sample and compares.
 jinja2 has no dataflow analysis of its own, hence this walk.
@@ -22,9 +24,21 @@ from __future__ import annotations
 
 from jinja2 import Environment, nodes
 
-# Tests whose result is the same for every string content (contents are checked to be str).
+# Argument-free tests whose result is the same for every string content (contents are checked
+# to be str before rendering).
 _CONSTANT_TESTS = frozenset({"string", "defined", "undefined", "none", "mapping", "sequence",
                              "iterable"})
+# Bodies whose output is captured (and may be transformed) instead of written out.
+_CAPTURING = (nodes.AssignBlock, nodes.FilterBlock, nodes.Macro, nodes.CallBlock)
+# Code out of the proof's sight (other templates, blocks re-rendered through ``self``) or
+# changing how values are written (``{% autoescape %}``).
+_OPAQUE = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends, nodes.Block,
+           nodes.ScopedEvalContextModifier, nodes.EvalContextModifier)
+LIST, MESSAGE = "list", "message"
+
+
+class _Unproven(Exception):
+    """A use of messages the proof does not allow."""
 
 
 def contents_inserted_verbatim(environment: Environment, source: str) -> bool:
@@ -36,85 +50,122 @@ def contents_inserted_verbatim(environment: Environment, source: str) -> bool:
         tree = environment.parse(source)
     except Exception:   # a syntax the environment cannot parse: no proof
         return False
-    holders = {"messages"}
-    while True:     # names bound (directly or through other names) to messages, to a fixpoint
-        bound = {name for node in tree.find_all((nodes.For, nodes.Assign))
-                 if _is_holder(node.iter if isinstance(node, nodes.For) else node.node, holders)
-                 for name in _target_names(node.target)}
-        if bound <= holders:
-            break
-        holders |= bound
-    return _safe(tree, holders, outputting=False)
+    try:
+        return _Proof(tree).safe(tree, outputting=False)
+    except _Unproven:
+        return False
 
 
-def _target_names(target) -> set[str]:
+def _target_names(target) -> list[str] | None:
+    """Names a ``for``/``set`` target binds (None: not plain names, e.g. ``ns.attr``)."""
     if isinstance(target, nodes.Name):
-        return {target.name}
-    if isinstance(target, nodes.Tuple):
-        return {name for item in target.items for name in _target_names(item)}
-    return set()    # ns.attr: a holder assigned there fails the proof in _safe
-
-
-def _is_holder(node, holders: set[str]) -> bool:
-    """Is ``node`` a message or a list of messages: a name of ``holders``, indexed or sliced
-    by anything but a constant string (that reads a key)?"""
-    if isinstance(node, nodes.Name):
-        return node.name in holders
-    if isinstance(node, nodes.Getitem):
-        reads_key = isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str)
-        return not reads_key and _is_holder(node.node, holders)
-    return False
-
-
-def _message_key(node, holders: set[str]) -> str | None:
-    """The key of ``m['key']`` / ``m.key`` on a message holder ``m``, else None."""
-    if isinstance(node, nodes.Getattr) and _is_holder(node.node, holders):
-        return node.attr
-    if (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
-            and isinstance(node.arg.value, str) and _is_holder(node.node, holders)):
-        return node.arg.value
+        return [target.name]
     return None
 
 
-# Bodies whose output is captured (and may be transformed) instead of written out.
-_CAPTURING = (nodes.AssignBlock, nodes.FilterBlock, nodes.Macro, nodes.CallBlock)
-# Other templates' code is out of the proof's sight.
-_FOREIGN = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends)
+def _no_arguments(node) -> bool:
+    return not (node.args or node.kwargs or node.dyn_args or node.dyn_kwargs)
 
 
-def _safe(node, holders: set[str], outputting: bool) -> bool:
-    """No use of a message under ``node`` other than the allowed ones (module docstring);
-    ``outputting``: ``node``'s value goes to the output as is."""
-    key = _message_key(node, holders)
-    if key is not None:
-        return key == "role" or (key == "content" and outputting)
-    if isinstance(node, _FOREIGN):
-        return False
-    if isinstance(node, _CAPTURING):
-        return not any(name.name in holders or name.name == "loop"
-                       for name in node.find_all(nodes.Name))
-    if isinstance(node, nodes.Test) and node.name in _CONSTANT_TESTS and not node.args:
-        if _message_key(node.node, holders) == "content" or _is_holder(node.node, holders):
+class _Proof:
+    def __init__(self, tree):
+        self.kinds: dict[str, str] = {"messages": LIST}
+        self.stored = {name.name for name in tree.find_all(nodes.Name)
+                       if name.ctx in ("store", "param")}
+        while True:     # names bound to lists/messages, through other names, to a fixpoint
+            before = dict(self.kinds)
+            for node in tree.find_all((nodes.For, nodes.Assign)):
+                kind = self.kind(node.iter if isinstance(node, nodes.For) else node.node,
+                                 checked=False)
+                if isinstance(node, nodes.For) and kind is not None:
+                    kind = MESSAGE if kind == LIST else None      # None: a for over a message
+                    if kind is None:
+                        raise _Unproven
+                names = _target_names(node.target)
+                if kind is not None and names is None:
+                    raise _Unproven
+                for name in names or ():
+                    if kind is not None and self.kinds.get(name, kind) != kind:
+                        raise _Unproven
+                    if kind is not None:
+                        self.kinds[name] = kind
+            if self.kinds == before:
+                break
+
+    def kind(self, node, checked: bool = True) -> str | None:
+        """LIST or MESSAGE for an expression holding messages, None for anything else; an
+        index on a message, or (when ``checked``) an unsafe index, raises _Unproven."""
+        if isinstance(node, nodes.Name):
+            return self.kinds.get(node.name)
+        if isinstance(node, nodes.Getitem):
+            if isinstance(node.arg, nodes.Const) and isinstance(node.arg.value, str):
+                return None                                   # a key: see key()
+            inner = self.kind(node.node, checked)
+            if inner is None:
+                return None
+            if inner != LIST or (checked and not self.safe(node.arg, outputting=False)):
+                raise _Unproven
+            return LIST if isinstance(node.arg, nodes.Slice) else MESSAGE
+        return None
+
+    def key(self, node) -> str | None:
+        """The key of ``m['key']`` / ``m.key`` on a message ``m``, else None."""
+        if isinstance(node, nodes.Getattr) and self.kind(node.node) == MESSAGE:
+            return node.attr
+        if (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const)
+                and isinstance(node.arg.value, str) and self.kind(node.node) == MESSAGE):
+            return node.arg.value
+        return None
+
+    def plain(self, node) -> bool:
+        """Statically a plain str, never Markup (which escapes what ``+`` joins to it)."""
+        if isinstance(node, nodes.Const | nodes.TemplateData):
+            return isinstance(node.value, str)
+        if isinstance(node, nodes.Concat) or self.key(node) in ("role", "content"):
             return True
-    if (isinstance(node, nodes.Filter) and node.name in ("length", "count") and not node.args
-            and node.node is not None and _is_holder(node.node, holders)):
-        return True
-    if isinstance(node, nodes.For) and _is_holder(node.iter, holders):
-        children = [*node.body, *node.else_] + ([node.test] if node.test else [])
-        return not node.recursive and all(_safe(child, holders, False) for child in children)
-    if isinstance(node, nodes.Assign) and _is_holder(node.node, holders):
-        return isinstance(node.target, nodes.Name)
-    if isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name) \
-            and node.node.name == "loop":
-        return node.attr not in ("previtem", "nextitem")
-    if isinstance(node, nodes.Name):
-        return node.name not in holders and node.name != "loop"
-    if _is_holder(node, holders):
+        if isinstance(node, nodes.Name):    # a render argument (bos_token, ...), never set
+            return node.name not in self.stored and node.name not in self.kinds
+        if isinstance(node, nodes.Add):
+            return self.plain(node.left) and self.plain(node.right)
+        if isinstance(node, nodes.CondExpr):
+            return self.plain(node.expr1) and (node.expr2 is None or self.plain(node.expr2))
         return False
-    if isinstance(node, nodes.Output):
-        return all(_safe(child, holders, True) for child in node.nodes)
-    if isinstance(node, nodes.CondExpr):
-        return (_safe(node.test, holders, False) and _safe(node.expr1, holders, outputting)
-                and (node.expr2 is None or _safe(node.expr2, holders, outputting)))
-    passes = outputting and isinstance(node, nodes.Add | nodes.Concat)
-    return all(_safe(child, holders, passes) for child in node.iter_child_nodes())
+
+    def safe(self, node, outputting: bool) -> bool:
+        """No use of a message under ``node`` other than the allowed ones (module docstring);
+        ``outputting``: ``node``'s value goes to the output as is."""
+        key = self.key(node)
+        if key is not None:
+            return key == "role" or (key == "content" and outputting)
+        if isinstance(node, _OPAQUE):
+            return False
+        if isinstance(node, _CAPTURING):
+            return not any(name.name in self.kinds or name.name in ("loop", "self", "super")
+                           for name in node.find_all(nodes.Name))
+        if isinstance(node, nodes.Test) and node.name in _CONSTANT_TESTS and _no_arguments(node):
+            if self.key(node.node) == "content" or self.kind(node.node) is not None:
+                return True
+        if (isinstance(node, nodes.Filter) and node.name in ("length", "count")
+                and _no_arguments(node) and node.node is not None
+                and self.kind(node.node) == LIST):
+            return True
+        if isinstance(node, nodes.For) and self.kind(node.iter) is not None:
+            children = [*node.body, *node.else_] + ([node.test] if node.test else [])
+            return not node.recursive and all(self.safe(child, False) for child in children)
+        if isinstance(node, nodes.Assign) and self.kind(node.node) is not None:
+            return True                 # target checked when the names were collected
+        if (isinstance(node, nodes.Getattr) and isinstance(node.node, nodes.Name)
+                and node.node.name == "loop"):
+            return node.attr not in ("previtem", "nextitem")
+        if isinstance(node, nodes.Name):
+            return node.name not in self.kinds and node.name not in ("loop", "self", "super")
+        if self.kind(node) is not None:
+            return False                # a list or message used as a whole
+        if isinstance(node, nodes.Output):
+            return all(self.safe(child, True) for child in node.nodes)
+        if isinstance(node, nodes.CondExpr):
+            return (self.safe(node.test, False) and self.safe(node.expr1, outputting)
+                    and (node.expr2 is None or self.safe(node.expr2, outputting)))
+        passes = outputting and (isinstance(node, nodes.Concat) or (
+            isinstance(node, nodes.Add) and self.plain(node.left) and self.plain(node.right)))
+        return all(self.safe(child, passes) for child in node.iter_child_nodes())

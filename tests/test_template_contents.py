@@ -55,6 +55,18 @@ NOT_VERBATIM = {
     "other key": LOOP + "{{ m.name }}{{ m.content }}" + END,
     "get method": LOOP + "{{ m.get('content') }}" + END,
     "loop object": LOOP + "{{ loop | string }}" + END,
+    # Found by review: ways around earlier versions of the proof.
+    "block through self": "{% if false %}{% block b %}" + LOOP + "{{ m.content }}" + END
+                          + "{% endblock %}{% endif %}{{ self.b() | replace('x', 'Y') }}",
+    "scoped autoescape": "{% autoescape true %}" + LOOP + "{{ m.content }}" + END
+                         + "{% endautoescape %}",
+    "markup joined by +": LOOP + "{{ '' | e + m.content }}" + END,
+    "computed key": LOOP + "{{ m['con' ~ 'tent'] | length }}{{ m.content }}" + END,
+    "index from a content": "{{ messages[(messages[0].content == 'x') | int].role }}",
+    "arguments to an allowed test": "{% set j = joiner('J') %}" + LOOP
+                                    + "{% if m.content is defined(**({} if 'x' in m.content "
+                                      "and j() == '' else {})) %}{% endif %}" + END + "{{ j() }}",
+    "loop over a message": LOOP + "{% for k in m %}{{ k }}{% endfor %}{{ m.content }}" + END,
 }
 
 
