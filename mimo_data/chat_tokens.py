@@ -41,7 +41,7 @@ from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reas
 from mimo_data.shard_format import MARKERS
 from mimo_data.template_contents import contents_inserted_verbatim
 
-_GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_GENERATION_BLOCK = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 # Placeholder for the content of message k in a skeleton render (private-use code points).
 _SLOT = "\ue000{}\ue001"
 _SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")

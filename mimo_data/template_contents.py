@@ -14,7 +14,8 @@ put in place, and jinja need not run per sample. The proof walks the template's 
   ``is defined``, ...) and ``list | length`` are allowed too;
 - any other use fails the proof: a filter, test, condition or index on a content, ``tojson``, a
   message passed to a macro or a namespace, ``loop.previtem``, other message keys, blocks and
-  ``self``, ``{% autoescape %}``, includes and imports.
+  ``self``, rebinding ``loop``, ``{% autoescape %}``, includes and imports, and calls whose
+  output varies between renders (``strftime_now``, ``lipsum``: a skeleton would freeze it).
 
 A template the proof rejects is not wrong: the caller renders it per sample and compares.
 jinja2 has no dataflow analysis of its own, hence this walk.
@@ -34,6 +35,10 @@ _CAPTURING = (nodes.AssignBlock, nodes.FilterBlock, nodes.Macro, nodes.CallBlock
 # changing how values are written (``{% autoescape %}``).
 _OPAQUE = (nodes.Include, nodes.Import, nodes.FromImport, nodes.Extends, nodes.Block,
            nodes.ScopedEvalContextModifier, nodes.EvalContextModifier)
+# Names the proof gives a meaning (the loop object, blocks) or refuses (calls whose output
+# changes between renders: a skeleton would freeze it).
+_SPECIAL_NAMES = frozenset({"loop", "self", "super"})
+_VARYING_CALLS = frozenset({"strftime_now", "lipsum"})
 LIST, MESSAGE = "list", "message"
 
 
@@ -72,6 +77,8 @@ class _Proof:
         self.kinds: dict[str, str] = {"messages": LIST}
         self.stored = {name.name for name in tree.find_all(nodes.Name)
                        if name.ctx in ("store", "param")}
+        if self.stored & _SPECIAL_NAMES:    # e.g. {% set loop = messages %}: loop.count(...)
+            raise _Unproven
         while True:     # names bound to lists/messages, through other names, to a fixpoint
             before = dict(self.kinds)
             for node in tree.find_all((nodes.For, nodes.Assign)):
@@ -140,7 +147,7 @@ class _Proof:
         if isinstance(node, _OPAQUE):
             return False
         if isinstance(node, _CAPTURING):
-            return not any(name.name in self.kinds or name.name in ("loop", "self", "super")
+            return not any(name.name in self.kinds or name.name in _SPECIAL_NAMES
                            for name in node.find_all(nodes.Name))
         if isinstance(node, nodes.Test) and node.name in _CONSTANT_TESTS and _no_arguments(node):
             if self.key(node.node) == "content" or self.kind(node.node) is not None:
@@ -158,7 +165,8 @@ class _Proof:
                 and node.node.name == "loop"):
             return node.attr not in ("previtem", "nextitem")
         if isinstance(node, nodes.Name):
-            return node.name not in self.kinds and node.name not in ("loop", "self", "super")
+            return not (node.name in self.kinds or node.name in _SPECIAL_NAMES
+                        or node.name in _VARYING_CALLS)
         if self.kind(node) is not None:
             return False                # a list or message used as a whole
         if isinstance(node, nodes.Output):

@@ -67,6 +67,9 @@ NOT_VERBATIM = {
                                     + "{% if m.content is defined(**({} if 'x' in m.content "
                                       "and j() == '' else {})) %}{% endif %}" + END + "{{ j() }}",
     "loop over a message": LOOP + "{% for k in m %}{{ k }}{% endfor %}{{ m.content }}" + END,
+    "loop rebound": "{% set loop = messages %}{{ loop.count({'role': 'user', 'content': 'x'}) }}"
+                    + LOOP + "{{ m.content }}" + END,
+    "date of the render": "{{ strftime_now('%d %b %Y') }}" + LOOP + "{{ m.content }}" + END,
 }
 
 
