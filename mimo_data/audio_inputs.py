@@ -89,14 +89,15 @@ def audio_encoder_inputs(clips: list[np.ndarray], cfg: AudioConfig) -> dict[str,
     """``{"input_features": float32 [Σ frames, n_mels], "feature_lens": int64 [n]}``,
     clip by clip."""
     features = [audio_features(clip, cfg) for clip in clips]
-    # numpy, not torch.tensor, and no copy of a single clip: torch calls cost several times more
-    # amid the media work.
-    lens = torch.from_numpy(np.array([len(f) for f in features], np.int64))
+    # A single clip's features as they are (torch.cat copies) and the lengths through numpy:
+    # torch calls cost several times more amid the media work.
     if len(features) == 1:
-        return {"input_features": features[0], "feature_lens": lens}
-    return {"input_features": (torch.cat(features) if features
-                               else torch.empty(0, cfg.n_mels, dtype=torch.float32)),
-            "feature_lens": lens}
+        stacked = features[0]
+    else:
+        stacked = (torch.cat(features) if features
+                   else torch.empty(0, cfg.n_mels, dtype=torch.float32))
+    return {"input_features": stacked,
+            "feature_lens": torch.from_numpy(np.array([len(f) for f in features], np.int64))}
 
 
 def audio_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: AudioConfig) -> list[int]:
