@@ -61,11 +61,10 @@ def contents_inserted_verbatim(environment: Environment, source: str) -> bool:
         return False
 
 
-def _target_names(target) -> list[str] | None:
-    """Names a ``for``/``set`` target binds (None: not plain names, e.g. ``ns.attr``)."""
-    if isinstance(target, nodes.Name):
-        return [target.name]
-    return None
+def _target_name(target) -> str | None:
+    """The name a ``for``/``set`` target binds (None: a tuple or ``ns.attr`` target, which the
+    proof does not follow)."""
+    return target.name if isinstance(target, nodes.Name) else None
 
 
 def _no_arguments(node) -> bool:
@@ -73,6 +72,8 @@ def _no_arguments(node) -> bool:
 
 
 class _Proof:
+    """One template's names bound to lists and messages, and the walk over its tree."""
+
     def __init__(self, tree):
         self.kinds: dict[str, str] = {"messages": LIST}
         self.stored = {name.name for name in tree.find_all(nodes.Name)
@@ -84,18 +85,16 @@ class _Proof:
             for node in tree.find_all((nodes.For, nodes.Assign)):
                 kind = self.kind(node.iter if isinstance(node, nodes.For) else node.node,
                                  checked=False)
-                if isinstance(node, nodes.For) and kind is not None:
-                    kind = MESSAGE if kind == LIST else None      # None: a for over a message
-                    if kind is None:
-                        raise _Unproven
-                names = _target_names(node.target)
-                if kind is not None and names is None:
+                if kind is None:
+                    continue
+                if isinstance(node, nodes.For):
+                    if kind != LIST:
+                        raise _Unproven                 # a loop over a message's keys
+                    kind = MESSAGE
+                name = _target_name(node.target)
+                if name is None or self.kinds.get(name, kind) != kind:
                     raise _Unproven
-                for name in names or ():
-                    if kind is not None and self.kinds.get(name, kind) != kind:
-                        raise _Unproven
-                    if kind is not None:
-                        self.kinds[name] = kind
+                self.kinds[name] = kind
             if self.kinds == before:
                 break
 
