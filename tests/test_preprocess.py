@@ -57,6 +57,14 @@ def trained_text(tokenizer, sample) -> str:
     return tokenizer.decode(sample.labels[sample.labels != -100].tolist())
 
 
+def text_record_with_answer_prefix(records, prefix: str) -> dict:
+    """A copy of the first text-only record with ``prefix`` put before its first answer."""
+    record = copy.deepcopy(next(r for r in records if not r["media"]))
+    answer = next(m for m in record["messages"] if m["role"] == "assistant")
+    answer["content"] = prefix + answer["content"]
+    return record
+
+
 def assistant_text(record) -> str:
     return "".join(m["content"] + EOT for m in record["messages"] if m["role"] == "assistant")
 
@@ -265,9 +273,7 @@ def test_template_that_changes_contents_masks_what_it_renders(records, reference
 
 def test_contents_looking_like_skeleton_placeholders_are_plain_text(records):
     preprocessor = Preprocessor(config(), with_media=False)
-    record = copy.deepcopy(next(r for r in records if not r["media"]))
-    answer = next(m for m in record["messages"] if m["role"] == "assistant")
-    answer["content"] = "\ue0000\ue001 and \ue0001\ue001" + answer["content"]
+    record = text_record_with_answer_prefix(records, "\ue0000\ue001 and \ue0001\ue001")
     sample = preprocessor(record)
     assert trained_text(preprocessor.text.tokenizer, sample) == assistant_text(record)
 
@@ -279,9 +285,7 @@ def test_token_crossing_into_the_answer_is_a_template_mismatch(records):
                 "{% if m['role'] == 'assistant' %}Reply{% endif %}{{ m['content'] }}<|im_end|>\n"
                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\nReply{% endif %}")
     preprocessor = Preprocessor(config(chat_template=template), with_media=False)
-    record = copy.deepcopy(next(r for r in records if not r["media"]))
-    answer = next(m for m in record["messages"] if m["role"] == "assistant")
-    answer["content"] = "ing now: " + answer["content"]
+    record = text_record_with_answer_prefix(records, "ing now: ")
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(record)
     assert dropped.value.reason == "template_mismatch" and "crosses" in dropped.value.detail
@@ -348,9 +352,7 @@ def test_fixed_resolution_images_have_constant_token_counts(dataset, records):
 
 def test_answer_starting_with_blank_lines_is_kept_with_only_the_blank_lines_untrained(records):
     preprocessor = Preprocessor(config(), with_media=False)
-    record = copy.deepcopy(next(r for r in records if not r["media"]))
-    answer = next(m for m in record["messages"] if m["role"] == "assistant")
-    answer["content"] = "\n\n" + answer["content"]
+    record = text_record_with_answer_prefix(records, "\n\n")
     sample = preprocessor(record)
     trained = trained_text(preprocessor.text.tokenizer, sample)
     assert trained.lstrip("\n") == assistant_text(record).lstrip("\n")

@@ -269,17 +269,23 @@ def test_whisper_pretrained_loads_the_saved_encoder(tmp_path, corpus_clips):
 
 # ------------------------------------------------------------------- refused geometry
 
+def assert_refused_naming(build, names) -> None:
+    """``build()`` raises EncoderBuildError whose message names every one of ``names``."""
+    with pytest.raises(EncoderBuildError) as error:
+        build()
+    message = str(error.value)
+    for name in names:
+        assert name in message, message
+
+
 @pytest.mark.parametrize("geometry, names", [
     ({"patch_size": 16}, ("patch_size", "16", "14")),
     ({"spatial_merge_size": 1}, ("spatial_merge_size", "1", "2")),
 ], ids=["patch", "merge"])
 def test_qwen2vl_pretrained_with_other_geometry_is_refused(tmp_path, geometry, names):
     directory = saved(tiny_qwen2vl(**geometry), tmp_path / "qwen2vl")
-    with pytest.raises(EncoderBuildError) as error:
-        Qwen2VLVision(REPO_IMAGE, HIDDEN, 1, 2, pretrained=directory)
-    message = str(error.value)
-    for name in names:
-        assert name in message, message
+    assert_refused_naming(
+        lambda: Qwen2VLVision(REPO_IMAGE, HIDDEN, 1, 2, pretrained=directory), names)
 
 
 @pytest.mark.parametrize("geometry, names", [
@@ -288,11 +294,7 @@ def test_qwen2vl_pretrained_with_other_geometry_is_refused(tmp_path, geometry, n
 ], ids=["image_size", "patch_size"])
 def test_siglip_pretrained_with_other_geometry_is_refused(tmp_path, geometry, names):
     directory = saved(tiny_siglip(**geometry), tmp_path / "siglip")
-    with pytest.raises(EncoderBuildError) as error:
-        SiglipVision(FIXED, HIDDEN, 1, 2, pretrained=directory)
-    message = str(error.value)
-    for name in names:
-        assert name in message, message
+    assert_refused_naming(lambda: SiglipVision(FIXED, HIDDEN, 1, 2, pretrained=directory), names)
 
 
 @pytest.mark.parametrize("overrides, names", [
@@ -301,11 +303,7 @@ def test_siglip_pretrained_with_other_geometry_is_refused(tmp_path, geometry, na
 ], ids=["n_mels", "window"])
 def test_whisper_pretrained_with_other_geometry_is_refused(tmp_path, overrides, names):
     directory = saved(tiny_whisper(**overrides), tmp_path / "whisper")
-    with pytest.raises(EncoderBuildError) as error:
-        WhisperAudio(AUDIO, HIDDEN, 1, 2, pretrained=directory)
-    message = str(error.value)
-    for name in names:
-        assert name in message, message
+    assert_refused_naming(lambda: WhisperAudio(AUDIO, HIDDEN, 1, 2, pretrained=directory), names)
 
 
 @pytest.mark.parametrize("reductions", [(4,), (), (3, 2)], ids=str)
