@@ -80,12 +80,21 @@ class ForwardStep:
         batch = next(data_iterator) if data_iterator is not None else None
         inputs = model_inputs(batch, self.infra, self.device) if batch is not None else \
             {"input_ids": None}
+        synchronize(self.device)
         start = time.perf_counter()
         output, loss_mask = model(**inputs)
+        synchronize(self.device)
         self.forward_seconds += time.perf_counter() - start
         if self.last_stage:
             return output, partial(loss_func, loss_mask)
         return output, None
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so wall-clock timings cover it (CUDA runs kernels
+    asynchronously: without this a forward pass would be timed by its kernel launches)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _language_last_stage(infra: Infra) -> bool:

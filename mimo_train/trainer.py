@@ -31,7 +31,7 @@ from mimo_train.config import TrainConfig, TrainConfigError
 from mimo_train.infra import Infra, build_infra
 from mimo_train.model import (build_model, build_optimizer, layer_offset, load_module_state,
                               local_modules, module_state, vocab_size)
-from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
+from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync, synchronize
 
 
 class StartupError(RuntimeError):
@@ -79,16 +79,19 @@ def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves) which
+    # device to use instead of guessing (torch warns at every barrier otherwise).
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kwargs)
     else:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1)
+                                world_size=1, **kwargs)
 
 
 def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
@@ -272,12 +275,14 @@ class Trainer:
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.forward.forward_seconds = 0.0
+        synchronize(self.device)
         start = time.perf_counter()
         loss_sum, tokens = self.forward_backward(iterator, forward_only=False)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
+        synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
         trained = [o.param_groups[0]["lr"] for o in self._trained_optimizers().values()
