@@ -37,7 +37,8 @@ from transformers.utils.chat_template_utils import (_compile_jinja_template,
 
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import CountedError
-from mimo_data.segment_tokenizer import SegmentCachedTokenizer, unsupported_reason
+from mimo_data.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
+                                         TokenBatch, encode_texts, unsupported_reason)
 from mimo_data.shard_format import MARKERS
 from mimo_data.template_contents import contents_inserted_verbatim
 
@@ -266,46 +267,81 @@ class TextEncoder:
 
     # -- tokenizing --------------------------------------------------------------------------
 
-    def warm(self, conversations) -> None:
-        """Tokenize the new pieces of these conversations in one batch ahead of their
-        ``encode`` calls (see ``SegmentCachedTokenizer.warm``). Only when rendering is cheap
-        (a skeleton fill, or caption mode): a second jinja render per sample would cost more
-        than the batching saves."""
-        if not (isinstance(self.backend, SegmentCachedTokenizer) and self.contents_verbatim):
-            return
-        texts = []
-        for messages in conversations:
-            try:
-                texts.append(self.render(messages)[0])
-            except (TextError, KeyError, TypeError, AttributeError, IndexError):
-                pass    # encode() reports it for the sample
-        self.backend.warm(texts)
-
     def encode(self, messages: list[dict], item_tokens: list[tuple[str, int]]) -> Encoded:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
-        count) copies of that modality's token."""
-        text, spans = self.render(messages)
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        ids = np.asarray(encoding.ids, dtype=np.int64)
-        marker_at = np.flatnonzero(self._token_kind[ids])    # markers, or modality tokens
-        if (self._token_kind[ids[marker_at]] == 1).any():
-            raise TextError("literal_special_token", "the text contains a modality token "
-                            "typed literally; remove it from the source text")
-        trained = _inside_spans(np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2),
-                                spans, text)
-        found = [self._marker_ids[i] for i in ids[marker_at].tolist()]
-        expected = [modality for modality, _ in item_tokens]
-        if found != expected:
-            raise TextError("template_mismatch", f"the rendered text has markers {found}, the "
-                            f"sample's media are {expected}")
-        if not found:
-            return Encoded(ids, trained)
-        # Each marker token becomes its item's run of modality tokens (never trained).
-        repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[marker_at] = [count for _, count in item_tokens]
-        ids[marker_at] = [self.modality_token_ids[modality] for modality in found]
-        trained[marker_at] = False
-        return Encoded(np.repeat(ids, repeats), np.repeat(trained, repeats))
+        count) copies of that modality's token; TextError if they cannot be built."""
+        encoded = self.encode_batch([(messages, item_tokens)])[0]
+        if isinstance(encoded, TextError):
+            raise encoded
+        return encoded
+
+    def encode_batch(self, conversations: list[tuple[list[dict], list[tuple[str, int]]]]
+                     ) -> list[Encoded | TextError]:
+        """``encode`` of each (messages, item_tokens), or the TextError of that conversation.
+
+        The texts are tokenized in one call and their markers, masks and expansions computed
+        on the concatenated tokens: per-sample numpy calls on a few hundred tokens cost more
+        than the work itself."""
+        results: list[Encoded | TextError | None] = [None] * len(conversations)
+        texts, which, starts, spans = [], [], [0], _Spans()
+        for i, (messages, _) in enumerate(conversations):
+            try:
+                text, text_spans = self.render(messages)
+            except TextError as exc:
+                results[i] = exc
+                continue
+            spans.add(len(texts), starts[-1], text_spans)
+            texts.append(text)
+            which.append(i)
+            starts.append(starts[-1] + len(text))
+        try:
+            tokens = encode_texts(self.backend, texts)
+        except SegmentCacheError as exc:
+            raise SegmentCacheError(which[exc.index], str(exc)) from None
+        failed: dict[int, TextError] = {}
+        marker_at, counts, modality_tokens = self._markers(
+            tokens, [conversations[i][1] for i in which], failed)
+        trained = spans.inside(tokens.offsets, "".join(texts), starts, failed)
+        ids, bounds = tokens.ids, tokens.bounds
+        if len(marker_at):
+            # Each marker token becomes its item's run of modality tokens (never trained).
+            repeats = np.ones(len(ids), dtype=np.int64)
+            repeats[marker_at] = counts
+            ids = ids.copy()
+            ids[marker_at] = modality_tokens
+            trained[marker_at] = False
+            ids, trained = np.repeat(ids, repeats), np.repeat(trained, repeats)
+            bounds = np.concatenate(([0], np.cumsum(repeats)))[bounds]
+        for j, i in enumerate(which):
+            a, b = bounds[j], bounds[j + 1]
+            results[i] = failed[j] if j in failed else Encoded(ids[a:b], trained[a:b])
+        return results
+
+    def _markers(self, tokens: TokenBatch, item_tokens: list[list[tuple[str, int]]],
+                 failed: dict[int, TextError]) -> tuple[np.ndarray, list[int], list[int]]:
+        """Positions of the marker (and modality) tokens, each one's item token count and
+        modality token; texts with a literal modality token or markers that are not their
+        items' go to ``failed`` (their markers then keep count 1)."""
+        marker_at = np.flatnonzero(self._token_kind[tokens.ids])
+        found = tokens.ids[marker_at].tolist()
+        cuts = np.searchsorted(marker_at, tokens.bounds).tolist()
+        counts, modality_tokens = [1] * len(found), list(found)
+        for j, items in enumerate(item_tokens):
+            a, b = cuts[j], cuts[j + 1]
+            if a == b and not items:
+                continue
+            markers = [self._marker_ids.get(token) for token in found[a:b]]
+            expected = [modality for modality, _ in items]
+            if None in markers:
+                failed[j] = TextError("literal_special_token", "the text contains a modality "
+                                      "token typed literally; remove it from the source text")
+            elif markers != expected:
+                failed[j] = TextError("template_mismatch", f"the rendered text has markers "
+                                      f"{markers}, the sample's media are {expected}")
+            else:
+                counts[a:b] = [count for _, count in items]
+                modality_tokens[a:b] = [self.modality_token_ids[m] for m in markers]
+        return marker_at, counts, modality_tokens
 
 
 def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
@@ -318,33 +354,58 @@ def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
     return None
 
 
-def _inside_spans(offsets: np.ndarray, spans: list[tuple[int, int]], text: str) -> np.ndarray:
-    """Per token (character ``offsets`` [N, 2], in text order): inside one of the sorted,
-    disjoint ``spans``? Empty tokens never are.
+class _Spans:
+    """The trained character spans of several texts, in the concatenation of the texts."""
 
-    A token reaching into a span from before it is left untrained when what it covers of the
-    span is whitespace (an answer starting with a newline merges with the header's newline);
-    any other partial overlap makes the mask ambiguous: TextError.
-    """
-    inside = np.zeros(len(offsets), dtype=bool)
-    if not spans:
-        return inside
-    token_start, token_end = offsets[:, 0], offsets[:, 1]
-    firsts = np.searchsorted(token_end, [start for start, _ in spans], side="right").tolist()
-    stops = np.searchsorted(token_start, [end for _, end in spans], side="left").tolist()
-    for (start, end), first, stop in zip(spans, firsts, stops):
-        if first < stop and token_start[first] < start:
-            reach = int(token_end[first])
-            if not (reach <= end and text[start:reach].isspace()):
-                _crossing(text, int(token_start[first]), reach, start, end)
-            first += 1
-        if first < stop and token_end[stop - 1] > end:
-            _crossing(text, int(token_start[stop - 1]), int(token_end[stop - 1]), start, end)
-        inside[first:stop] = True
-    return inside & (token_start < token_end)
+    def __init__(self):
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.texts: list[int] = []
 
+    def add(self, text: int, offset: int, spans: list[tuple[int, int]]) -> None:
+        for start, end in spans:
+            self.starts.append(offset + start)
+            self.ends.append(offset + end)
+            self.texts.append(text)
 
-def _crossing(text: str, a: int, b: int, start: int, end: int):
-    raise TextError("template_mismatch", f"token {text[a:b]!r} at characters {a}-{b} crosses "
-                    f"the edge of a trained span ({start}-{end}); the loss mask would be "
-                    "ambiguous")
+    def inside(self, offsets: np.ndarray, text: str, text_starts: list[int],
+               failed: dict[int, TextError]) -> np.ndarray:
+        """Per token (character ``offsets`` [N, 2] into ``text``, in text order): inside one of
+        the sorted, disjoint spans? Empty tokens never are.
+
+        A token reaching into a span from before it is left untrained when what it covers of
+        the span is whitespace (an answer starting with a newline merges with the header's
+        newline); any other partial overlap makes the mask ambiguous: a TextError in
+        ``failed`` for that span's text (``text_starts``: where each text starts).
+        """
+        if not self.starts or not len(offsets):
+            return np.zeros(len(offsets), dtype=bool)
+        token_start, token_end = offsets[:, 0], offsets[:, 1]
+        starts, ends = np.array(self.starts), np.array(self.ends)
+        firsts = np.searchsorted(token_end, starts, side="right")
+        stops = np.searchsorted(token_start, ends, side="left")
+        last = len(offsets) - 1
+        entering = (firsts < stops) & (token_start[np.minimum(firsts, last)] < starts)
+        for k in np.flatnonzero(entering).tolist():
+            start, end, reach = self.starts[k], self.ends[k], int(token_end[firsts[k]])
+            if reach <= end and text[start:reach].isspace():
+                firsts[k] += 1
+            else:
+                self._crossing(k, int(token_start[firsts[k]]), reach, text, text_starts, failed)
+        leaving = (firsts < stops) & (token_end[np.maximum(stops - 1, 0)] > ends)
+        for k in np.flatnonzero(leaving).tolist():
+            self._crossing(k, int(token_start[stops[k] - 1]), int(token_end[stops[k] - 1]),
+                           text, text_starts, failed)
+        kept = firsts < stops
+        edges = (np.bincount(firsts[kept], minlength=len(offsets) + 1) -
+                 np.bincount(stops[kept], minlength=len(offsets) + 1))
+        return (np.cumsum(edges[:-1]) > 0) & (token_start < token_end)
+
+    def _crossing(self, k: int, a: int, b: int, text: str, text_starts: list[int],
+                  failed: dict[int, TextError]) -> None:
+        owner = self.texts[k]
+        origin = text_starts[owner]
+        failed.setdefault(owner, TextError(
+            "template_mismatch", f"token {text[a:b]!r} at characters {a - origin}-{b - origin} "
+            f"crosses the edge of a trained span ({self.starts[k] - origin}-"
+            f"{self.ends[k] - origin}); the loss mask would be ambiguous"))

@@ -37,13 +37,10 @@ class _Chunks(torch.utils.data.Dataset):
         kept = np.ones(stop - start, dtype=bool)
         drops = []
         records = [self.reader.record(position) for position in range(start, stop)]
-        self.preprocessor.warm(records)
-        for position, record in enumerate(records, start):
-            try:
-                self.preprocessor(record)
-            except SampleDropped as exc:
-                kept[position - start] = False
-                drops.append((exc.reason, record["key"], exc.detail))
+        for offset, text in enumerate(self.preprocessor.text_batch(records)):
+            if isinstance(text, SampleDropped):
+                kept[offset] = False
+                drops.append((text.reason, records[offset]["key"], text.detail))
         return start, kept, drops
 
 

@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mimo_data.inspect_stats import IndexTable, SampleInspector, SampleStats
-from mimo_data.preprocess import WARM_CHUNK
+from mimo_data.preprocess import TEXT_BATCH
 from mimo_data.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shard_reader import ShardReader
 from mimo_data.stats import summary
@@ -262,14 +262,16 @@ def inspect_position(reader: ShardReader, inspector: SampleInspector, index: Ind
 
 def inspect_range(reader: ShardReader, inspector: SampleInspector, index: IndexTable,
                   start: int, stop: int):
-    """SampleStats of the samples at positions [start, stop), in order, their new text pieces
-    tokenized a chunk at a time."""
-    for chunk in range(start, stop, WARM_CHUNK):
-        records = [_read_record(reader, p) for p in range(chunk, min(stop, chunk + WARM_CHUNK))]
-        inspector.preprocessor.warm(records)
-        for position, record in enumerate(records, chunk):
-            yield record if isinstance(record, SampleStats) else \
-                inspector(position, record, index)[0]
+    """SampleStats of the samples at positions [start, stop), in order, their text prepared
+    a batch at a time."""
+    for chunk in range(start, stop, TEXT_BATCH):
+        positions = range(chunk, min(stop, chunk + TEXT_BATCH))
+        records = [_read_record(reader, p) for p in positions]
+        readable = [(p, r) for p, r in zip(positions, records)
+                    if not isinstance(r, SampleStats)]
+        stats = iter(inspector.batch([p for p, _ in readable], [r for _, r in readable], index))
+        for record in records:
+            yield record if isinstance(record, SampleStats) else next(stats)
 
 
 # One inspector per worker process, built once by _init_worker.

@@ -23,7 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from mimo_data.chat_tokens import TextEncoder
-from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
+from mimo_data.preprocess import Preprocessor, Sample, SampleDropped, TextSample
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.shard_format import MARKERS, SAMPLES_FILE
 from mimo_data.token_counts import audio_tokens, image_tokens
@@ -155,31 +155,36 @@ class SampleInspector:
 
     def __call__(self, position: int, record: dict,
                  index: IndexTable | None = None) -> tuple[SampleStats, Sample | None]:
+        """The stats of one sample, and its Sample unless dropped."""
+        text = self.preprocessor.text_batch([record])[0]
+        stats = self.stats(position, record, text, index)
+        return stats, None if stats.dropped else self.preprocessor.sample(text)
+
+    def batch(self, positions: list[int], records: list[dict],
+              index: IndexTable | None = None) -> list[SampleStats]:
+        """The stats of several samples, their text prepared together (``text_batch``)."""
+        return [self.stats(position, record, text, index) for position, record, text in
+                zip(positions, records, self.preprocessor.text_batch(records))]
+
+    def stats(self, position: int, record: dict, text: TextSample | SampleDropped,
+              index: IndexTable | None = None) -> SampleStats:
+        """SampleStats of a record from what the preprocessor made of it."""
         media = record.get("media") or []
         stats = SampleStats(position, record.get("key", f"#{position}"),
                             markers=markers_of(record.get("messages") or []),
                             media=[item.get("modality") for item in media])
         if index is not None:
             stats.index_problems = index.problems(position, record)
-        try:
-            sample = self.preprocessor(record)
-        except SampleDropped as exc:
-            stats.dropped, stats.detail = exc.reason, exc.detail
-            return stats, None
-        except (KeyError, TypeError, AttributeError, IndexError) as exc:   # missing fields
-            stats.dropped, stats.detail = "malformed_record", f"{type(exc).__name__}: {exc}"
-            return stats, None
-        ids = sample.input_ids.numpy()
+        if isinstance(text, SampleDropped):
+            stats.dropped, stats.detail = text.reason, text.detail
+            return stats
+        ids = text.ids[:-1]
         stats.length = len(ids)
-        stats.trained = int(np.count_nonzero(sample.loss_mask.numpy()))
-        stats.removed_turns = sample.removed_turns
+        stats.trained = int(np.count_nonzero(text.targets))
+        stats.removed_turns = text.removed_turns
         stats.placeholders = {m: int(np.count_nonzero(ids == token_id))
                               for m, token_id in self.token_ids.items()}
-        kept_items = media
-        if sample.removed_turns:
-            kept = record["messages"][:len(record["messages"]) - sample.removed_turns]
-            kept_items = media[:len(markers_of(kept))]
-        stats.expected = {m: [self.item_tokens(item) for item in kept_items
+        stats.expected = {m: [self.item_tokens(item) for item in text.items
                               if item["modality"] == m] for m in self.config.modalities}
-        stats.counted = sample.token_counts
-        return stats, sample
+        stats.counted = text.token_counts
+        return stats

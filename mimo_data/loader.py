@@ -213,14 +213,17 @@ class _RankStream(torch.utils.data.IterableDataset):
         record["key"] = f"{dataset}/{record['key']}"
         return record
 
-    def _sample(self, datasets, positions, at: int, record: dict, full: bool) -> Sample:
+    def _sample(self, datasets, positions, at: int, record: dict, text, full: bool) -> Sample:
+        """The sample at ``at`` from its record and TextSample (or drop)."""
         dataset, position = int(datasets[at]), int(positions[at])
         reader = self.source.readers[dataset]
         try:
+            if isinstance(text, SampleDropped):
+                raise text
             if full:
-                return self.full(record, reader.media(position, record,
-                                                      self.full.media_modalities))
-            return self.source.metadata(record)
+                return self.full.sample(text, reader.media(position, record,
+                                                           self.full.media_modalities))
+            return self.source.metadata.sample(text)
         except SampleDropped as exc:
             raise LoaderError(
                 f"{reader.directory}: sample {record['key']} ({record.get('source')}) is dropped "
@@ -240,9 +243,9 @@ class _RankStream(torch.utils.data.IterableDataset):
             if self.full else set()
         needed = {at for part in (text, *media.values()) for at in range(part.start, part.stop)}
         records = {at: self._record(datasets, positions, at) for at in sorted(needed)}
-        self.source.metadata.warm(records.values())
-        samples = {at: self._sample(datasets, positions, at, record, at in full_at)
-                   for at, record in records.items()}
+        texts = self.source.metadata.text_batch(list(records.values()))
+        samples = {at: self._sample(datasets, positions, at, record, text, at in full_at)
+                   for (at, record), text in zip(records.items(), texts)}
         collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
         batch = {key: value for key, value in collated.items() if key in self.role.text_keys}
         metadata.update(epoch=epoch, step=step, micro_batch=micro,

@@ -25,11 +25,23 @@ from mimo_data.segment_tokenizer import SegmentCacheError
 from mimo_data.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
-WARM_CHUNK = 256    # records whose new text pieces are tokenized in one batch (warm)
+TEXT_BATCH = 256    # records whose text is tokenized and masked together (text_batch)
+_MAX_MEMO = 1 << 16  # image sizes whose token counts are remembered
 
 
 class SampleDropped(CountedError):
     """A sample that cannot be trained on; ``reason`` is its drop category (counted, not lost)."""
+
+
+@dataclass
+class TextSample:
+    """What metadata alone decides of a sample: its tokens and which of them are trained."""
+    key: str
+    ids: np.ndarray                  # [L + 1] int64, markers expanded to modality tokens
+    targets: np.ndarray              # [L] bool, ids[1:] trained
+    token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
+    items: list[dict]                # the media items of the kept turns
+    removed_turns: int = 0
 
 
 @dataclass
@@ -46,11 +58,14 @@ class Sample:
 
 
 class Preprocessor:
-    """Callable turning a shard record (+ its media bytes in full mode) into a Sample.
+    """Turns shard records (+ their media bytes in full mode) into Samples.
 
     ``with_media``: True decodes every configured modality into encoder inputs, False none
     (metadata-only), or the modalities to decode (an encoder rank decodes only its own).
-    Pickles as its config and modalities (a spawned DataLoader worker rebuilds the rest).
+    Records go through ``text_batch`` many at a time (the text of a batch is tokenized and
+    masked in one pass), then ``sample`` one at a time; ``preprocessor(record, media)`` does
+    both for one record. Pickles as its config and modalities (a spawned DataLoader worker
+    rebuilds the rest).
     """
 
     def __init__(self, config: PreprocessConfig, *, with_media=True,
@@ -63,6 +78,7 @@ class Preprocessor:
             raise ValueError(f"with_media names {sorted(unknown)}, not configured modalities")
         self.with_media = bool(self.media_modalities)
         self.text = text or TextEncoder(config)
+        self._image_tokens: dict[tuple[int, int], int | ValueError] = {}
 
     def __getstate__(self) -> dict:
         return {"config": self.config, "with_media": self.media_modalities}
@@ -71,13 +87,43 @@ class Preprocessor:
         self.__init__(state["config"], with_media=state["with_media"])
 
     def __call__(self, record: dict, media: dict[str, bytes] | None = None) -> Sample:
-        _check_record(record)
-        items = record["media"]
-        counts = [(item["modality"], self._item_tokens(item)) for item in items]
+        """The Sample of one record (SampleDropped if it cannot be trained on)."""
+        text = self.text_batch([record])[0]
+        if isinstance(text, SampleDropped):
+            raise text
+        return self.sample(text, media)
+
+    def text_batch(self, records: list) -> list[TextSample | SampleDropped]:
+        """Per record, its TextSample or why it is dropped; no media are read."""
+        results: list = [None] * len(records)
+        pending = []
+        for i, record in enumerate(records):
+            try:
+                _check_record(record)
+                pending.append((i, [(item["modality"], self._item_tokens(item))
+                                    for item in record["media"]]))
+            except SampleDropped as exc:
+                results[i] = exc
+            except _MALFORMED as exc:
+                results[i] = _malformed(exc)
         try:
-            encoded, kept_messages = self._fit(record["messages"], counts)
+            encoded = self.text.encode_batch([(records[i]["messages"], counts)
+                                              for i, counts in pending])
         except SegmentCacheError as exc:
-            raise SegmentCacheError(f"sample {record['key']}: {exc}") from None
+            i = pending[exc.index][0]
+            raise SegmentCacheError(i, f"sample {records[i]['key']}: {exc}") from None
+        for (i, counts), text in zip(pending, encoded):
+            try:
+                results[i] = self._text_sample(records[i], counts, text)
+            except SampleDropped as exc:
+                results[i] = exc
+            except _MALFORMED as exc:
+                results[i] = _malformed(exc)
+        return results
+
+    def _text_sample(self, record: dict, counts, encoded: Encoded | TextError) -> TextSample:
+        items = record["media"]
+        encoded, kept_messages = self._fit(record["messages"], counts, encoded)
         ids, trained = encoded.ids, encoded.trained[1:]
         if self.text.is_modality_token(ids[-1]):
             raise SampleDropped("ends_with_media", "the conversation ends with a media item, "
@@ -91,25 +137,25 @@ class Preprocessor:
                                    else ""))
         token_counts = {name: [n for (modality, n), _ in zip(counts, kept_items)
                                if modality == name] for name in self.config.modalities}
+        return TextSample(record["key"], ids, trained, token_counts, kept_items, removed_turns)
+
+    def sample(self, text: TextSample, media: dict[str, bytes] | None = None) -> Sample:
+        """The tensors of a TextSample, with its encoder inputs decoded from ``media`` (the
+        sample's member bytes) in full mode; SampleDropped if a media item cannot be used."""
+        ids, trained = text.ids, text.targets
         # numpy until here: a torch op on a short tensor costs more than the numpy one.
-        sample = Sample(key=record["key"], input_ids=torch.from_numpy(ids[:-1]),
+        sample = Sample(key=text.key, input_ids=torch.from_numpy(ids[:-1]),
                         labels=torch.from_numpy(np.where(trained, ids[1:], IGNORE_INDEX)),
                         loss_mask=torch.from_numpy(trained.astype(np.float32)),
                         position_ids=torch.from_numpy(np.arange(len(ids) - 1)),
-                        token_counts=token_counts, removed_turns=removed_turns)
-        decoded = [item for item in kept_items if item["modality"] in self.media_modalities]
+                        token_counts=text.token_counts, removed_turns=text.removed_turns)
+        decoded = [item for item in text.items if item["modality"] in self.media_modalities]
         if decoded:
             if media is None:
                 raise ValueError("full-mode preprocessing needs the sample's media bytes")
-            sample.encoder_inputs = self._encoder_inputs(record["key"], decoded, media,
-                                                         token_counts)
+            sample.encoder_inputs = self._encoder_inputs(text.key, decoded, media,
+                                                         text.token_counts)
         return sample
-
-    def warm(self, records) -> None:
-        """Tokenize the new text pieces of these records in one batch ahead of their calls
-        (``TextEncoder.warm``); malformed records are left for the calls to report."""
-        self.text.warm(record["messages"] for record in records
-                       if isinstance(record, dict) and isinstance(record.get("messages"), list))
 
     def _item_tokens(self, item: dict) -> int:
         """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""
@@ -119,10 +165,19 @@ class Preprocessor:
             raise SampleDropped("unconfigured_modality", f"the sample has {modality} but the "
                                 f"config has no modalities.{modality}")
         if modality == "image":
-            try:
-                return image_tokens(item["width"], item["height"], config)
-            except ValueError as exc:   # an aspect ratio the resize rule cannot handle
-                raise SampleDropped("bad_image_shape", f"{item['member']}: {exc}") from None
+            size = (item["width"], item["height"])
+            tokens = self._image_tokens.get(size)
+            if tokens is None:          # a dataset has few distinct sizes: computed once each
+                if len(self._image_tokens) >= _MAX_MEMO:
+                    self._image_tokens.clear()
+                try:
+                    tokens = image_tokens(*size, config)
+                except ValueError as exc:   # an aspect ratio the resize rule cannot handle
+                    tokens = exc
+                self._image_tokens[size] = tokens
+            if isinstance(tokens, ValueError):
+                raise SampleDropped("bad_image_shape", f"{item['member']}: {tokens}")
+            return tokens
         if audio_too_long(item["frames"], item["sample_rate"], config):
             raise SampleDropped("audio_too_long", f"{item['member']} lasts {item['duration']} s, "
                                 f"above max_duration {config.max_duration} s")
@@ -133,17 +188,13 @@ class Preprocessor:
                                 f"{config.sample_rate} Hz log-mel features need")
         return audio_tokens(item["frames"], item["sample_rate"], config)
 
-    def _encode(self, messages, counts) -> Encoded:
-        try:
-            return self.text.encode(messages, counts)
-        except TextError as exc:
-            raise SampleDropped(exc.reason, exc.detail) from None
-
-    def _fit(self, messages: list[dict], counts) -> tuple[Encoded, list[dict]]:
-        """Tokens of the conversation within seq_length (+1 for the shifted target), removing
-        trailing turns if the length policy allows; never cuts inside a turn or a media span."""
+    def _fit(self, messages: list[dict], counts, encoded: Encoded | TextError
+             ) -> tuple[Encoded, list[dict]]:
+        """The conversation's tokens (``encoded``) within seq_length (+1 for the shifted
+        target), removing trailing turns if the length policy allows; never cuts inside a turn
+        or a media span."""
         limit = self.config.seq_length + 1
-        encoded = self._encode(messages, counts)
+        encoded = _dropped_if_error(encoded)
         if len(encoded.ids) <= limit:
             return encoded, messages
         if self.config.length_policy == "truncate_turns":
@@ -151,7 +202,8 @@ class Preprocessor:
                 if messages[end - 1]["role"] != "assistant":
                     continue
                 kept = messages[:end]
-                shorter = self._encode(kept, counts[:len(marker_order(kept))])
+                shorter = _dropped_if_error(self.text.encode_batch(
+                    [(kept, counts[:len(marker_order(kept))])])[0])
                 if len(shorter.ids) <= limit:
                     return shorter, kept
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
@@ -196,6 +248,20 @@ _ITEM_FIELDS = {"image": ("member", "width", "height", "orientation"),
                 "audio": ("member", "frames", "sample_rate", "duration")}
 
 
+# What a record with a missing or mistyped field raises past _check_record's checks.
+_MALFORMED = (KeyError, TypeError, AttributeError, IndexError)
+
+
+def _malformed(exc: Exception) -> SampleDropped:
+    return SampleDropped("malformed_record", f"{type(exc).__name__}: {exc}")
+
+
+def _dropped_if_error(encoded: Encoded | TextError) -> Encoded:
+    if isinstance(encoded, TextError):
+        raise SampleDropped(encoded.reason, encoded.detail)
+    return encoded
+
+
 def _check_record(record) -> None:
     """SampleDropped("malformed_record") unless ``record`` has the shard JSON's fields (a record
     written by another tool or edited by hand must not crash a worker)."""
@@ -219,15 +285,16 @@ def preprocess_dataset(reader, preprocessor: Preprocessor, tally, positions=None
     """Samples of a ShardReader in order (or at ``positions``); drops are counted in ``tally``
     (a report.Tally) by reason with the sample key, never lost silently."""
     positions = list(range(len(reader)) if positions is None else positions)
-    for chunk in range(0, len(positions), WARM_CHUNK):
-        batch = positions[chunk:chunk + WARM_CHUNK]
+    for chunk in range(0, len(positions), TEXT_BATCH):
+        batch = positions[chunk:chunk + TEXT_BATCH]
         records = [reader.record(position) for position in batch]
-        preprocessor.warm(records)
-        for position, record in zip(batch, records):
-            media = (reader.media(position, record, preprocessor.media_modalities)
-                     if preprocessor.with_media else None)
+        for position, record, text in zip(batch, records, preprocessor.text_batch(records)):
             try:
-                sample = preprocessor(record, media)
+                if isinstance(text, SampleDropped):
+                    raise text
+                sample = preprocessor.sample(text, reader.media(
+                    position, record, preprocessor.media_modalities)
+                    if preprocessor.with_media else None)
             except SampleDropped as exc:
                 tally.skip(exc.reason, record["key"], exc.detail)
                 continue

@@ -24,7 +24,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from itertools import accumulate
+from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -37,15 +38,42 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 class SegmentCacheError(RuntimeError):
-    """The cached encoding of a text differs from the tokenizer's own (a bug to report)."""
+    """The cached encoding of a text differs from the tokenizer's own (a bug to report);
+    ``index``: which of the texts encoded together."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
 
 
-class _Encoding:
-    __slots__ = ("ids", "offsets")
+@dataclass
+class TokenBatch:
+    """The tokens of several texts, concatenated: text ``i`` has tokens ``bounds[i]:bounds[i +
+    1]``; ``offsets`` are character offsets into the concatenation of the texts."""
+    ids: np.ndarray        # [N] int64
+    offsets: np.ndarray    # [N, 2] int64
+    bounds: np.ndarray     # [texts + 1] int64
 
-    def __init__(self, ids: np.ndarray, offsets: np.ndarray):
-        self.ids = ids
-        self.offsets = offsets
+    def text(self, i: int, start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Ids and offsets of text ``i`` (which starts at character ``start``)."""
+        a, b = self.bounds[i], self.bounds[i + 1]
+        return self.ids[a:b], self.offsets[a:b] - start
+
+
+def encode_texts(backend, texts: list[str]) -> TokenBatch:
+    """``texts`` tokenized by ``backend`` (a ``SegmentCachedTokenizer`` or a ``tokenizers``
+    Tokenizer), without special tokens, as one TokenBatch."""
+    if isinstance(backend, SegmentCachedTokenizer):
+        return backend.encode_texts(texts)
+    encodings = backend.encode_batch(texts, add_special_tokens=False)
+    counts = [len(encoding.ids) for encoding in encodings]
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, count=sum(counts))
+    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)),
+                          np.int64, count=2 * sum(counts)).reshape(-1, 2)
+    starts = np.fromiter(accumulate(map(len, texts[:-1]), initial=0), np.int64, count=len(texts))
+    offsets += np.repeat(starts, counts)[:, None]
+    return TokenBatch(ids, offsets, np.fromiter(accumulate(counts, initial=0), np.int64,
+                                                count=len(texts) + 1))
 
 
 def _walk(node):
@@ -76,8 +104,8 @@ def unsupported_reason(backend: Tokenizer) -> str | None:
 
 
 class SegmentCachedTokenizer:
-    """``encode(text)`` → ``.ids`` / ``.offsets`` (numpy) equal to ``backend.encode(text,
-    add_special_tokens=False)``, from cached encodings of the pieces between added tokens."""
+    """``encode_texts(texts)`` equal to ``backend.encode(text, add_special_tokens=False)`` for
+    each text, from cached encodings of the pieces between added tokens."""
 
     # A piece that never repeats (an answer) costs a few kB here until the cache is full and
     # starts over: 4096 entries keep a DataLoader worker's share to about 10 MB.
@@ -92,12 +120,13 @@ class SegmentCachedTokenizer:
         # Leftmost match, longest first at a position: the added vocabulary's own rule.
         self._split = (re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
                        if contents else lambda text: [text])
+        # A piece's entry: [tokens, 3] rows (id, start, end), offsets relative to the piece.
         # Added tokens are pieces too, never evicted: a text piece never equals one (the split
         # would have cut it out), so one lookup serves both.
-        self._added = {token.content: (np.array([token_id], dtype=np.int64),
-                                       np.array([[0, len(token.content)]], dtype=np.int64))
+        self._added = {token.content: np.array([[token_id, 0, len(token.content)]],
+                                               dtype=np.int64)
                        for token_id, token in added.items()}
-        self._cache: dict[str, tuple[np.ndarray, np.ndarray]] = dict(self._added)
+        self._cache: dict[str, np.ndarray] = dict(self._added)
         self.max_entries = max_entries
         self.verify_first = verify_first
         self.verify_every = verify_every
@@ -113,65 +142,62 @@ class SegmentCachedTokenizer:
     def __getattr__(self, name):          # token_to_id, decode, ...: the tokenizer's own
         return getattr(self.backend, name)
 
-    def _store(self, piece: str, encoding) -> tuple[np.ndarray, np.ndarray]:
-        self.misses += 1
-        encoded = (np.array(encoding.ids, dtype=np.int64),
-                   np.array(encoding.offsets, dtype=np.int64).reshape(-1, 2))
-        self._cache[piece] = encoded
-        return encoded
-
-    def _make_room(self, entries: int) -> None:
-        if len(self._cache) + entries > self.max_entries + len(self._added):
+    def _encode_new(self, pieces: list[str]) -> dict[str, np.ndarray]:
+        """Entries of pieces missing from the cache, in one batch call (a batch runs the
+        tokenizer with its tables in the CPU caches: about half the time per piece of single
+        calls amid other work, measured with SmolLM2); cached while there is room."""
+        self.misses += len(pieces)
+        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
+        ids = [encoding.ids for encoding in encodings]
+        offsets = [encoding.offsets for encoding in encodings]
+        lengths = list(map(len, ids))
+        rows = np.empty((sum(lengths), 3), dtype=np.int64)
+        rows[:, 0] = np.fromiter(chain.from_iterable(ids), np.int64, count=len(rows))
+        rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
+                                  count=2 * len(rows)).reshape(-1, 2)
+        new = dict(zip(pieces, np.split(rows, np.cumsum(lengths[:-1]))))
+        if len(self._cache) + len(new) > self.max_entries + len(self._added):
             self._cache = dict(self._added)
+        for piece in pieces[:self.max_entries]:
+            self._cache[piece] = new[piece]
+        return new
 
-    def _encode_piece(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        self._make_room(1)
-        return self._store(text, self.backend.encode(text, add_special_tokens=False))
-
-    def warm(self, texts) -> None:
-        """Encode the pieces of ``texts`` missing from the cache, in one batch call.
-
-        One call for many pieces runs the tokenizer with its tables in the CPU caches: about
-        half the time per piece of single calls amid other work (measured with SmolLM2). Call
-        it with the texts about to be encoded (e.g. a chunk of samples)."""
-        cache = self._cache
-        missing = list(dict.fromkeys(piece for text in texts for piece in self._split(text)
-                                     if piece and piece not in cache))
-        missing = missing[:self.max_entries]
+    def encode_texts(self, texts: list[str]) -> TokenBatch:
+        """The tokens of ``texts`` as one TokenBatch, each text's equal to the tokenizer's."""
+        # split() with a capturing group: [piece, added token, piece, ..., piece] per text.
+        splits = [[part for part in self._split(text) if part] for text in texts]
+        parts = [part for split in splits for part in split]
+        entries = list(map(self._cache.get, parts))
+        missing = [part for part, entry in zip(parts, entries) if entry is None]
         if missing:
-            self._make_room(len(missing))
-            for piece, encoding in zip(missing, self.backend.encode_batch(
-                    missing, add_special_tokens=False)):
-                self._store(piece, encoding)
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> _Encoding:
-        if add_special_tokens:
-            raise ValueError("SegmentCachedTokenizer encodes with add_special_tokens=False only")
-        # split() with a capturing group: [piece, added token, piece, added token, ..., piece]
-        parts = [part for part in self._split(text) if part]
-        cache = self._cache
-        entries = [cache.get(part) or self._encode_piece(part) for part in parts]
+            new = self._encode_new(list(dict.fromkeys(missing)))
+            entries = [new[part] if entry is None else entry
+                       for part, entry in zip(parts, entries)]
         self.pieces += len(parts)
-        if entries:
-            # Each piece's offsets are relative to the piece: shift them by its start.
-            starts = np.fromiter(accumulate(map(len, parts[:-1]), initial=0), np.int64,
-                                 count=len(parts))
-            offsets = np.concatenate([entry[1] for entry in entries])
-            offsets += np.repeat(starts, [len(entry[0]) for entry in entries])[:, None]
-            result = _Encoding(np.concatenate([entry[0] for entry in entries]), offsets)
-        else:
-            result = _Encoding(np.zeros(0, dtype=np.int64), np.zeros((0, 2), dtype=np.int64))
-        self.calls += 1
-        if self.calls <= self.verify_first or self.calls % self.verify_every == 0:
-            self._verify(text, result)
-        return result
+        lengths = [len(entry) for entry in entries]
+        rows = (np.concatenate(entries) if entries else np.zeros((0, 3), dtype=np.int64))
+        # Each piece's offsets are relative to the piece: shift them by its start (in the
+        # concatenation of the texts, whose pieces follow each other without a gap).
+        starts = np.fromiter(accumulate(map(len, parts), initial=0), np.int64,
+                             count=len(parts) + 1)
+        offsets = rows[:, 1:] + np.repeat(starts[:-1], lengths)[:, None]
+        ends = np.fromiter(accumulate(lengths, initial=0), np.int64, count=len(parts) + 1)
+        bounds = ends[np.fromiter(accumulate(map(len, splits), initial=0), np.int64,
+                                  count=len(texts) + 1)]
+        batch = TokenBatch(np.ascontiguousarray(rows[:, 0]), offsets, bounds)
+        text_start = 0
+        for i, text in enumerate(texts):
+            self.calls += 1
+            if self.calls <= self.verify_first or self.calls % self.verify_every == 0:
+                self._verify(i, text, *batch.text(i, text_start))
+            text_start += len(text)
+        return batch
 
-    def _verify(self, text: str, result: _Encoding) -> None:
+    def _verify(self, i: int, text: str, ids: np.ndarray, offsets: np.ndarray) -> None:
         reference = self.backend.encode(text, add_special_tokens=False)
-        if (reference.ids != result.ids.tolist() or
-                [tuple(o) for o in reference.offsets] != [tuple(o) for o in
-                                                          result.offsets.tolist()]):
+        if (reference.ids != ids.tolist() or
+                [tuple(o) for o in reference.offsets] != [tuple(o) for o in offsets.tolist()]):
             raise SegmentCacheError(
-                f"cached tokenization differs from the tokenizer's own for the text "
+                i, f"cached tokenization differs from the tokenizer's own for the text "
                 f"{text[:80]!r}...; please report this as a mimo bug (TextEncoder(cache_tokens="
                 f"False), or mimo-inspect --no-token-cache, avoids the cache meanwhile)")

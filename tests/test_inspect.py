@@ -27,7 +27,7 @@ from mimo_data.preprocess import Preprocessor, SampleDropped
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.records import marker_order
 from mimo_data.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
-                                         unsupported_reason)
+                                         encode_texts, unsupported_reason)
 from mimo_data.shard_reader import ShardReader
 from mimo_data.token_counts import audio_tokens, image_tokens
 
@@ -424,6 +424,20 @@ def text_encoder(configs) -> TextEncoder:
     return TextEncoder(PreprocessConfig.from_yaml(str(configs["default"])), cache_tokens=False)
 
 
+def _per_text(batch, texts) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """(ids, offsets) of each text of a TokenBatch, offsets relative to the text."""
+    starts = [0]
+    for text in texts:
+        starts.append(starts[-1] + len(text))
+    return [(ids.tolist(), [tuple(o) for o in offsets.tolist()])
+            for ids, offsets in (batch.text(i, starts[i]) for i in range(len(texts)))]
+
+
+def _reference(backend, texts) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    return [(e.ids, list(e.offsets)) for e in (backend.encode(t, add_special_tokens=False)
+                                               for t in texts)]
+
+
 def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     backend = text_encoder.backend
     assert unsupported_reason(backend) is None
@@ -433,35 +447,32 @@ def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     texts += ["", "<|im_start|>", "<image><audio>", "a<|im_end|>b", "<imag", "<<image>>",
               "é漢字🙂 <image>\n\n  x  ", "  <|im_start|>  user\n\n", "<|im_end|><|im_end|>",
               "word<image>word", "\n<audio>\n"]
-    for text in texts * 2:                           # the second time from the cache
-        reference = backend.encode(text, add_special_tokens=False)
-        mine = cached.encode(text)
-        assert mine.ids.tolist() == reference.ids, text
-        assert [tuple(o) for o in mine.offsets.tolist()] == list(reference.offsets), text
+    reference = _reference(backend, texts)
+    assert _per_text(cached.encode_texts(texts), texts) == reference      # one batch
+    for text, expected in zip(texts, reference):                          # one at a time,
+        assert _per_text(cached.encode_texts([text]), [text]) == [expected], text  # cached
     assert cached.hits > cached.misses
+    # The plain tokenizer's batch has the same layout.
+    assert _per_text(encode_texts(backend, texts), texts) == reference
 
 
-def test_warmed_pieces_are_the_tokenizers_and_encoded_once(text_encoder, clean):
+def test_new_pieces_are_encoded_once_and_kept_while_there_is_room(text_encoder, clean):
     backend = text_encoder.backend
     reader = ShardReader(str(clean))
     texts = [text_encoder.render(reader.record(p)["messages"])[0] for p in range(len(reader))]
+    reference = _reference(backend, texts)
     cached = SegmentCachedTokenizer(backend, verify_first=0, verify_every=10 ** 9)
-    cached.warm(texts[:40])
-    cached.warm(texts)                   # the first 40 texts' pieces are cached already
+    cached.encode_texts(texts[:40])
+    assert _per_text(cached.encode_texts(texts), texts) == reference
     pieces = {piece for text in texts for piece in cached._split(text) if piece}
     new = pieces - set(cached._added)
-    assert cached.misses == len(new)
-    for text in texts:
-        reference = backend.encode(text, add_special_tokens=False)
-        mine = cached.encode(text)
-        assert mine.ids.tolist() == reference.ids, text
-        assert [tuple(o) for o in mine.offsets.tolist()] == list(reference.offsets), text
-    assert cached.misses == len(new)     # every piece came from the warmed cache
+    assert cached.misses == len(new)     # each piece encoded once, over both batches
+    cached.encode_texts(texts)
+    assert cached.misses == len(new)     # the third time, every piece from the cache
     small = SegmentCachedTokenizer(backend, max_entries=8)
-    small.warm(texts)                    # more new pieces than fit: the first 8 are kept
-    assert small.misses == 8 and all(small.encode(t).ids.tolist() ==
-                                     backend.encode(t, add_special_tokens=False).ids
-                                     for t in texts)
+    assert _per_text(small.encode_texts(texts), texts) == reference
+    assert small.misses == len(new)      # more new pieces than fit: all encoded once,
+    assert len(small._cache) - len(small._added) == 8     # the first 8 kept
 
 
 def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
@@ -477,11 +488,12 @@ def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
         SegmentCachedTokenizer(stripping)
     # A wrong cache entry is caught by the verification against the tokenizer.
     cached = SegmentCachedTokenizer(text_encoder.backend)
-    cached.encode("<|im_start|>user\nHello there")
-    ids, offsets = cached._cache["user\nHello there"]
-    cached._cache["user\nHello there"] = (ids[::-1].copy(), offsets)
-    with pytest.raises(SegmentCacheError):
-        cached.encode("<|im_start|>user\nHello there")
+    cached.encode_texts(["<|im_start|>user\nHello there"])
+    entry = cached._cache["user\nHello there"]
+    entry[:, 0] = entry[::-1, 0].copy()
+    with pytest.raises(SegmentCacheError) as caught:
+        cached.encode_texts(["<|im_start|>user\nHi", "<|im_start|>user\nHello there"])
+    assert caught.value.index == 1
 
 
 def test_marker_scan_equals_marker_order(clean):

@@ -30,7 +30,7 @@ import torch
 
 from mimo_data.inspect_report import Thresholds, build_report
 from mimo_data.inspect_stats import SampleInspector
-from mimo_data.preprocess import WARM_CHUNK, Preprocessor, preprocess_dataset
+from mimo_data.preprocess import TEXT_BATCH, Preprocessor, preprocess_dataset
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.report import Tally
 from mimo_data.shard_reader import ShardReader
@@ -40,11 +40,11 @@ from replicate_corpus import replicated_dataset
 
 
 def _new_pieces(reader: ShardReader, text) -> list[list[str]]:
-    """Per chunk of WARM_CHUNK samples, the text pieces not seen before (what warm encodes)."""
+    """Per chunk of TEXT_BATCH samples, the text pieces not seen before (what one text_batch encodes)."""
     seen, chunks = set(), []
-    for chunk in range(0, len(reader), WARM_CHUNK):
+    for chunk in range(0, len(reader), TEXT_BATCH):
         batch = []
-        for position in range(chunk, min(len(reader), chunk + WARM_CHUNK)):
+        for position in range(chunk, min(len(reader), chunk + TEXT_BATCH)):
             rendered = text.render(reader.record(position)["messages"])[0]
             for piece in text.backend._split(rendered):
                 if piece and piece not in seen:
