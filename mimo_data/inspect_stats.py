@@ -106,28 +106,27 @@ class IndexTable:
     def __init__(self, directory: str):
         table = pq.ParquetFile(os.path.join(directory, SAMPLES_FILE)).read(
             columns=["members", "image_width", "image_height", "audio_duration"])
-        self.members = [{m["name"] for m in row} for row in table.column("members").to_pylist()]
-        self.widths = table.column("image_width").to_pylist()
-        self.heights = table.column("image_height").to_pylist()
-        self.durations = table.column("audio_duration").to_pylist()
+        widths = table.column("image_width").to_pylist()
+        heights = table.column("image_height").to_pylist()
+        durations = table.column("audio_duration").to_pylist()
+        # Per row: member names, image (width, height) pairs, audio durations.
+        self.rows = [({m["name"] for m in members}, list(zip(w or [], h or [])), list(d or []))
+                     for members, w, h, d in zip(table.column("members").to_pylist(), widths,
+                                                 heights, durations)]
 
     def problems(self, position: int, record: dict) -> list[str]:
         """How the record's media list disagrees with its row of the table."""
-        found = []
+        members, indexed_sizes, indexed_durations = self.rows[position]
         media = record.get("media") or []
-        for item in media:
-            if item.get("member") not in self.members[position]:
-                found.append(f"media member {item.get('member')!r} is not in the shard")
-        images = [i for i in media if i.get("modality") == "image"]
-        audio = [i for i in media if i.get("modality") == "audio"]
-        sizes = [(i.get("width"), i.get("height")) for i in images]
-        indexed = list(zip(self.widths[position] or [], self.heights[position] or []))
-        if sizes != indexed:
-            found.append(f"image sizes {sizes} in the record, {indexed} in {SAMPLES_FILE}")
-        durations = [i.get("duration") for i in audio]
-        if durations != list(self.durations[position] or []):
-            found.append(f"audio durations {durations} in the record, "
-                         f"{self.durations[position]} in {SAMPLES_FILE}")
+        found = [f"media member {item.get('member')!r} is not in the shard" for item in media
+                 if item.get("member") not in members]
+        sizes = [(i.get("width"), i.get("height")) for i in media if i.get("modality") == "image"]
+        if sizes != indexed_sizes:
+            found.append(f"image sizes {sizes} in the record, {indexed_sizes} in {SAMPLES_FILE}")
+        durations = [i.get("duration") for i in media if i.get("modality") == "audio"]
+        if durations != indexed_durations:
+            found.append(f"audio durations {durations} in the record, {indexed_durations} in "
+                         f"{SAMPLES_FILE}")
         return found
 
 
@@ -140,6 +139,12 @@ class SampleInspector:
         self.text = text or TextEncoder(config, cache_tokens=cache_tokens)
         self.preprocessor = Preprocessor(config, with_media=False, text=self.text)
         self.token_ids = self.text.modality_token_ids
+        # Token id -> 1 + index of its modality in token_ids, 0 for text: one bincount counts
+        # every modality's placeholders.
+        self._modality_of_token = np.zeros(
+            self.text.backend.get_vocab_size(with_added_tokens=True) + 1, dtype=np.int64)
+        for number, token_id in enumerate(self.token_ids.values(), 1):
+            self._modality_of_token[token_id] = number
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
 
     def item_tokens(self, item: dict) -> int | None:
@@ -172,9 +177,8 @@ class SampleInspector:
         media = record.get("media") or []
         stats = SampleStats(position, record.get("key", f"#{position}"),
                             markers=markers_of(record.get("messages") or []),
-                            media=[item.get("modality") for item in media])
-        if index is not None:
-            stats.index_problems = index.problems(position, record)
+                            media=[item.get("modality") for item in media],
+                            index_problems=index.problems(position, record) if index else [])
         if isinstance(text, SampleDropped):
             stats.dropped, stats.detail = text.reason, text.detail
             return stats
@@ -182,8 +186,8 @@ class SampleInspector:
         stats.length = len(ids)
         stats.trained = int(np.count_nonzero(text.targets))
         stats.removed_turns = text.removed_turns
-        stats.placeholders = {m: int(np.count_nonzero(ids == token_id))
-                              for m, token_id in self.token_ids.items()}
+        placeholders = np.bincount(self._modality_of_token[ids], minlength=len(self.token_ids) + 1)
+        stats.placeholders = dict(zip(self.token_ids, placeholders[1:].tolist()))
         stats.expected = {m: [self.item_tokens(item) for item in text.items
                               if item["modality"] == m] for m in self.config.modalities}
         stats.counted = text.token_counts

@@ -103,7 +103,7 @@ class Preprocessor:
                 pending.append((i, [(item["modality"], self._item_tokens(item))
                                     for item in record["media"]]))
             except SampleDropped as exc:
-                results[i] = exc
+                results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
                 results[i] = _malformed(exc)
         try:
@@ -116,7 +116,7 @@ class Preprocessor:
             try:
                 results[i] = self._text_sample(records[i], counts, text)
             except SampleDropped as exc:
-                results[i] = exc
+                results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
                 results[i] = _malformed(exc)
         return results

@@ -17,6 +17,14 @@ pre-tokenizer that prepends only to the first piece; ``unsupported_reason`` dete
 the caller then uses the tokenizer as is. Besides, the first ``verify_first`` encodings and one
 in ``verify_every`` afterwards are checked against the plain tokenizer: a difference raises
 ``SegmentCacheError`` instead of producing different tokens than training would.
+
+New pieces are encoded in one batch call. For byte-level BPE tokenizers (``byte_level_lengths``)
+an ASCII piece's character offsets are the running sum of its tokens' lengths, so those pieces
+go through the tokenizer's ``encode_batch_fast``, which computes no offsets, and the offsets
+are summed here: building the offsets as Python tuples costs about as much as a third of the
+tokenizer's own work, and the tokenizer has no array output. Every such batch is checked to sum
+to its pieces' lengths, the tokenizer is probed at construction, and the sampled verification
+above compares offsets too.
 """
 
 from __future__ import annotations
@@ -76,6 +84,18 @@ def encode_texts(backend, texts: list[str]) -> TokenBatch:
                                                 count=len(texts) + 1))
 
 
+def _rows(ids: list[list[int]]) -> np.ndarray:
+    """[tokens, 3] rows (id, start, end) of several pieces' ids, offsets left to fill."""
+    rows = np.empty((sum(map(len, ids)), 3), dtype=np.int64)
+    rows[:, 0] = np.fromiter(chain.from_iterable(ids), np.int64, count=len(rows))
+    return rows
+
+
+def _entries(pieces: list[str], ids: list[list[int]], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Each piece's rows, by piece."""
+    return dict(zip(pieces, np.split(rows, np.cumsum(list(map(len, ids[:-1]))))))
+
+
 def _walk(node):
     """Every dict inside a tokenizer.json component (Sequence members included)."""
     if isinstance(node, dict):
@@ -103,6 +123,39 @@ def unsupported_reason(backend: Tokenizer) -> str | None:
     return None
 
 
+# Pre-tokenizers that cut a piece into words without dropping or changing characters.
+_CUTTING = {"ByteLevel", "Digits", "Split", "Sequence"}
+_ASCII_PROBE = "Hello, world!  It's 2024:\n\n\tx = [1, 22, 333]  # done...   \n"
+
+
+def byte_level_lengths(backend: Tokenizer) -> np.ndarray | None:
+    """Characters per token id when ``backend`` is byte-level BPE whose ASCII offsets are the
+    running sum of its tokens' lengths (no normalizer that could change ASCII, no offset
+    trimming, no subword prefixes); None otherwise, or if a probe text says otherwise."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model") or {}
+    normalizers = [node.get("type") for node in _walk(spec.get("normalizer"))]
+    pre_tokenizers = list(_walk(spec.get("pre_tokenizer")))
+    if (model.get("type") != "BPE" or model.get("byte_fallback") or
+            model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or
+            not set(normalizers) <= {"NFC", "NFD", "NFKC", "NFKD", "Sequence"} or
+            "ByteLevel" not in [node.get("type") for node in pre_tokenizers] or
+            any(node.get("type") not in _CUTTING or node.get("behavior") == "Removed"
+                for node in pre_tokenizers if "type" in node) or
+            any(node.get("type") == "ByteLevel" and node.get("trim_offsets")
+                for node in _walk(spec.get("post_processor")))):
+        return None
+    lengths = np.zeros(backend.get_vocab_size(with_added_tokens=True), dtype=np.int64)
+    for token, token_id in backend.get_vocab(with_added_tokens=True).items():
+        lengths[token_id] = len(token)
+    probe = backend.encode(_ASCII_PROBE, add_special_tokens=False)
+    ends = np.cumsum(lengths[probe.ids])
+    if [tuple(o) for o in probe.offsets] != list(zip((ends - lengths[probe.ids]).tolist(),
+                                                     ends.tolist())):
+        return None
+    return lengths
+
+
 class SegmentCachedTokenizer:
     """``encode_texts(texts)`` equal to ``backend.encode(text, add_special_tokens=False)`` for
     each text, from cached encodings of the pieces between added tokens."""
@@ -127,6 +180,7 @@ class SegmentCachedTokenizer:
                                                dtype=np.int64)
                        for token_id, token in added.items()}
         self._cache: dict[str, np.ndarray] = dict(self._added)
+        self._token_lengths = byte_level_lengths(backend)
         self.max_entries = max_entries
         self.verify_first = verify_first
         self.verify_every = verify_every
@@ -143,24 +197,48 @@ class SegmentCachedTokenizer:
         return getattr(self.backend, name)
 
     def _encode_new(self, pieces: list[str]) -> dict[str, np.ndarray]:
-        """Entries of pieces missing from the cache, in one batch call (a batch runs the
-        tokenizer with its tables in the CPU caches: about half the time per piece of single
-        calls amid other work, measured with SmolLM2); cached while there is room."""
+        """Entries of pieces missing from the cache, in batch calls (a batch runs the tokenizer
+        with its tables in the CPU caches: about half the time per piece of single calls amid
+        other work, measured with SmolLM2); cached while there is room."""
         self.misses += len(pieces)
-        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
-        ids = [encoding.ids for encoding in encodings]
-        offsets = [encoding.offsets for encoding in encodings]
-        lengths = list(map(len, ids))
-        rows = np.empty((sum(lengths), 3), dtype=np.int64)
-        rows[:, 0] = np.fromiter(chain.from_iterable(ids), np.int64, count=len(rows))
-        rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
-                                  count=2 * len(rows)).reshape(-1, 2)
-        new = dict(zip(pieces, np.split(rows, np.cumsum(lengths[:-1]))))
+        summed = ([piece for piece in pieces if piece.isascii()]
+                  if self._token_lengths is not None else [])
+        new = self._encode_summing_offsets(summed) if summed else {}
+        if len(new) < len(pieces):
+            new.update(self._encode_with_offsets([p for p in pieces if p not in new]))
         if len(self._cache) + len(new) > self.max_entries + len(self._added):
             self._cache = dict(self._added)
         for piece in pieces[:self.max_entries]:
             self._cache[piece] = new[piece]
         return new
+
+    def _encode_with_offsets(self, pieces: list[str]) -> dict[str, np.ndarray]:
+        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
+        ids = [encoding.ids for encoding in encodings]
+        offsets = [encoding.offsets for encoding in encodings]
+        rows = _rows(ids)
+        rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
+                                  count=2 * len(rows)).reshape(-1, 2)
+        return _entries(pieces, ids, rows)
+
+    def _encode_summing_offsets(self, pieces: list[str]) -> dict[str, np.ndarray]:
+        """ASCII pieces of a byte-level tokenizer: ids from ``encode_batch_fast``, offsets
+        summed from the tokens' lengths (see the module docstring)."""
+        ids = [encoding.ids for encoding in
+               self.backend.encode_batch_fast(pieces, add_special_tokens=False)]
+        rows = _rows(ids)
+        lengths = self._token_lengths[rows[:, 0]]
+        ends = np.cumsum(lengths)
+        # Where each piece's characters start in the concatenation of the pieces.
+        piece_starts = np.fromiter(accumulate(map(len, pieces), initial=0), np.int64,
+                                   count=len(pieces) + 1)
+        counts = np.fromiter(map(len, ids), np.int64, count=len(ids))
+        last = np.cumsum(counts)[counts > 0] - 1         # each piece's last token
+        if not np.array_equal(ends[last], piece_starts[1:][counts > 0]):
+            return {}       # lengths that do not add up: the tokenizer's own offsets instead
+        rows[:, 2] = ends - np.repeat(piece_starts[:-1], counts)
+        rows[:, 1] = rows[:, 2] - lengths
+        return _entries(pieces, ids, rows)
 
     def encode_texts(self, texts: list[str]) -> TokenBatch:
         """The tokens of ``texts`` as one TokenBatch, each text's equal to the tokenizer's."""

@@ -27,7 +27,7 @@ from mimo_data.preprocess import Preprocessor, SampleDropped
 from mimo_data.preprocess_config import PreprocessConfig
 from mimo_data.records import marker_order
 from mimo_data.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
-                                         encode_texts, unsupported_reason)
+                                         byte_level_lengths, encode_texts, unsupported_reason)
 from mimo_data.shard_reader import ShardReader
 from mimo_data.token_counts import audio_tokens, image_tokens
 
@@ -446,7 +446,8 @@ def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     texts = [text_encoder.render(reader.record(p)["messages"])[0] for p in range(len(reader))]
     texts += ["", "<|im_start|>", "<image><audio>", "a<|im_end|>b", "<imag", "<<image>>",
               "é漢字🙂 <image>\n\n  x  ", "  <|im_start|>  user\n\n", "<|im_end|><|im_end|>",
-              "word<image>word", "\n<audio>\n"]
+              "word<image>word", "\n<audio>\n", "  \t\r\n  x\r\n", "1234567890 " * 3, "a" * 300,
+              "x" + " " * 40 + "y", "it's (ok)!?...--", "~`@#$%^&*_+={}[]|\\:;\"'<>,./"]
     reference = _reference(backend, texts)
     assert _per_text(cached.encode_texts(texts), texts) == reference      # one batch
     for text, expected in zip(texts, reference):                          # one at a time,
@@ -454,6 +455,28 @@ def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     assert cached.hits > cached.misses
     # The plain tokenizer's batch has the same layout.
     assert _per_text(encode_texts(backend, texts), texts) == reference
+
+
+def test_offsets_are_summed_only_for_byte_level_tokenizers_that_allow_it(text_encoder):
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    assert byte_level_lengths(text_encoder.backend) is not None      # SmolLM2: byte-level BPE
+    assert SegmentCachedTokenizer(text_encoder.backend)._token_lengths is not None
+    spec = json.loads(text_encoder.backend.to_str())
+    trimming = Tokenizer.from_str(json.dumps(dict(spec, post_processor={
+        "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True})))
+    assert byte_level_lengths(trimming) is None          # GPT-2 style: offsets trimmed
+    lowercase = Tokenizer.from_str(text_encoder.backend.to_str())
+    lowercase.normalizer = normalizers.Lowercase()
+    assert byte_level_lengths(lowercase) is None
+    metaspace = Tokenizer(models.BPE())
+    metaspace.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert byte_level_lengths(metaspace) is None
+    # Removing characters in a Split: offsets skip them, a running sum would not.
+    removing = Tokenizer.from_str(text_encoder.backend.to_str())
+    removing.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(" ", behavior="removed"), pre_tokenizers.ByteLevel()])
+    assert byte_level_lengths(removing) is None
 
 
 def test_new_pieces_are_encoded_once_and_kept_while_there_is_room(text_encoder, clean):
