@@ -48,7 +48,8 @@ def read_index(directory: str) -> dict:
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build?); run `mimo-shard build` again")
     try:
-        index = json.loads(open(path, "rb").read())
+        with open(path, "rb") as handle:
+            index = json.loads(handle.read())
     except ValueError as exc:
         raise DatasetError(f"{path}: unreadable index ({exc}); rebuild the dataset") from None
     if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
