@@ -55,7 +55,8 @@ class TextError(CountedError):
 
 @dataclass
 class Encoded:
-    """Token ids of a whole conversation and which of them are trained (targets of the loss)."""
+    """Token ids of a whole conversation and which of them are trained (targets of the loss);
+    from ``encode_batch``, views into arrays shared with the other conversations of the batch."""
     ids: np.ndarray        # int64
     trained: np.ndarray    # bool
 
@@ -307,7 +308,6 @@ class TextEncoder:
             # Each marker token becomes its item's run of modality tokens (never trained).
             repeats = np.ones(len(ids), dtype=np.int64)
             repeats[marker_at] = counts
-            ids = ids.copy()
             ids[marker_at] = modality_tokens
             trained[marker_at] = False
             ids, trained = np.repeat(ids, repeats), np.repeat(trained, repeats)
