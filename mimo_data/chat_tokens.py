@@ -123,6 +123,11 @@ class TextEncoder:
         # one encode per sample, identical to encoding the text between markers piece by piece
         # (added tokens split the text before the model's pre-tokenizer runs).
         backend = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        # A tokenizer.json saved with padding or truncation on keeps it (transformers too):
+        # batches would be padded to their longest text and texts cut at its max_length. A
+        # conversation is tokenized whole; seq_length and length_policy decide what is kept.
+        backend.no_padding()
+        backend.no_truncation()
         backend.add_special_tokens([AddedToken(m, special=True, normalized=False)
                                     for m in MARKERS.values()])
         self.backend = (SegmentCachedTokenizer(backend)

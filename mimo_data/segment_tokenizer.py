@@ -70,9 +70,11 @@ class TokenBatch:
 
 def encode_texts(backend, texts: list[str]) -> TokenBatch:
     """``texts`` tokenized by ``backend`` (a ``SegmentCachedTokenizer`` or a ``tokenizers``
-    Tokenizer), without special tokens, as one TokenBatch."""
+    Tokenizer that does not pad), without special tokens, as one TokenBatch."""
     if isinstance(backend, SegmentCachedTokenizer):
         return backend.encode_texts(texts)
+    if backend.padding is not None:     # a batch would be padded to its longest text
+        raise ValueError("cannot tokenize texts in a batch with a tokenizer that pads")
     encodings = backend.encode_batch(texts, add_special_tokens=False)
     counts = [len(encoding.ids) for encoding in encodings]
     ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, count=sum(counts))
@@ -109,6 +111,12 @@ def _walk(node):
 
 def unsupported_reason(backend: Tokenizer) -> str | None:
     """Why piece-by-piece encoding could differ from ``backend.encode`` (None: it cannot)."""
+    # A tokenizer.json saved with padding or truncation on keeps it (transformers too): a batch
+    # of pieces would be padded to its longest, and each piece cut instead of the whole text.
+    if backend.padding is not None:
+        return "the tokenizer pads its encodings"
+    if backend.truncation is not None:
+        return "the tokenizer truncates its encodings"
     spec = json.loads(backend.to_str())
     for token in spec.get("added_tokens", []):
         if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):

@@ -303,6 +303,105 @@ def test_piece_cached_tokenization_gives_the_tokenizers_samples(records):
             assert torch.equal(getattr(a, name), getattr(b, name)), (record["key"], name)
 
 
+def _text_result(result):
+    """What text_batch made of a record, comparable with ==."""
+    if isinstance(result, SampleDropped):
+        return result.reason, result.detail
+    return (result.key, result.ids.tolist(), result.targets.tolist(), result.token_counts,
+            result.items, result.removed_turns)
+
+
+def _faulty_records(records) -> list:
+    """The corpus with damaged copies of its records mixed in (one fault each)."""
+    text_only = text_record_with_answer_prefix(records, "")
+    with_image = next(r for r in records if [m["modality"] for m in r["media"]] == ["image"])
+    faults = {
+        "literal": lambda r: r["messages"][0].update(content="<|image_pad|> " +
+                                                     r["messages"][0]["content"]),
+        "extra_item": lambda r: r["media"].append(dict(r["media"][0], member="x.jpg")),
+        "no_items": lambda r: r["media"].clear(),
+        "x_prefix": lambda r: r["messages"][-1].update(content="x" + r["messages"][-1]["content"]),
+        "blank_lines": lambda r: r["messages"][-1].update(content="\n\n" +
+                                                          r["messages"][-1]["content"]),
+        "long": lambda r: r.update(messages=r["messages"] * 40, media=r["media"] * 40),
+        "prompt_only": lambda r: r.update(messages=r["messages"][:1]),
+        "no_messages": lambda r: r.update(messages=[]),
+        "bad_role": lambda r: r["messages"][0].update(role="narrator"),
+        "bad_width": lambda r: r["media"][0].update(width=[1]),
+        "bad_shape": lambda r: r["media"][0].update(width=1),
+    }
+    mixed = []
+    for n, (name, damage) in enumerate(faults.items()):
+        needs_image = name in ("extra_item", "no_items", "bad_width", "bad_shape")
+        record = copy.deepcopy(with_image if needs_image else [text_only, with_image][n % 2])
+        record["key"] = f"fault-{name}"
+        damage(record)
+        mixed += [record, *records[n::len(faults)]]
+    return mixed + [None, "not a record"]
+
+
+@pytest.mark.parametrize("changes", [{}, {"mode": "caption"}, {"seq_length": 200,
+                                                              "length_policy": "truncate_turns"},
+                                     {"chat_template": "generation"}], ids=str)
+def test_a_batch_of_records_gives_each_record_its_own_result(records, changes):
+    """text_batch on a batch mixing good and faulty records equals each record alone (through
+    the plain tokenizer): no fault, length policy or cache state leaks into another record."""
+    if changes.get("chat_template") == "generation":
+        plain_template = Preprocessor(config(), with_media=False).text.template
+        changes = {"chat_template": plain_template.replace(
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+            "'\n'}}", "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}"
+            "{% generation %}{{message['content'] + '<|im_end|>'}}{% endgeneration %}"
+            "{{'\n'}}{% else %}{{'<|im_start|>' + message['role'] + '\n' + message['content']"
+            " + '<|im_end|>' + '\n'}}{% endif %}")}
+        assert "generation" in changes["chat_template"]
+    batched = Preprocessor(config(**changes), with_media=False)
+    alone = Preprocessor(config(**changes), with_media=False,
+                         text=TextEncoder(config(**changes), cache_tokens=False))
+    mixed = _faulty_records(records)
+    expected = [_text_result(alone.text_batch([record])[0]) for record in mixed]
+    assert len({r[0] for r in expected if len(r) == 2}) >= 5     # several drop reasons
+    for batch in (mixed, mixed[::-1]):                           # cold and warm cache
+        got = [_text_result(result) for result in batched.text_batch(batch)]
+        assert got == (expected if batch is mixed else expected[::-1])
+
+
+@pytest.mark.parametrize("setting", ["padding", "truncation"])
+@pytest.mark.parametrize("cache_tokens", [True, False])
+def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
+        records, tmp_path, setting, cache_tokens):
+    """A tokenizer.json saved with padding or truncation on (transformers keeps both) must
+    not pad a batch of texts to its longest or cut a conversation at max_length."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from mimo_data.segment_tokenizer import encode_texts, unsupported_reason
+
+    directory = tmp_path / "tokenizer"
+    shutil.copytree(TOKENIZER, directory)
+    spec = json.loads((directory / "tokenizer.json").read_text())
+    spec[setting] = ({"strategy": "BatchLongest", "direction": "Right", "pad_to_multiple_of": None,
+                      "pad_id": 2, "pad_type_id": 0, "pad_token": EOT} if setting == "padding"
+                     else {"direction": "Right", "max_length": 64, "strategy": "LongestFirst",
+                           "stride": 0})
+    (directory / "tokenizer.json").write_text(json.dumps(spec))
+    changed = dataclasses.replace(config(), tokenizer=str(directory))
+    preprocessor = Preprocessor(changed, with_media=False,
+                                text=TextEncoder(changed, cache_tokens=cache_tokens))
+    assert isinstance(preprocessor.text.backend, SegmentCachedTokenizer) == cache_tokens
+    reference = Preprocessor(config(), with_media=False)
+    assert ([_text_result(r) for r in preprocessor.text_batch(records)] ==
+            [_text_result(r) for r in reference.text_batch(records)])
+    # The piece cache refuses such a tokenizer, the plain batch call a padding one.
+    backend = Tokenizer.from_str(json.dumps(spec))
+    assert {"padding": "pads", "truncation": "truncates"}[setting] in unsupported_reason(backend)
+    if setting == "padding":
+        with pytest.raises(ValueError, match="pads"):
+            encode_texts(backend, ["a", "longer text"])
+
+
 def test_special_tokens_are_added_and_the_vocab_size_reported(reference_tokenizer):
     text = TextEncoder(config())
     assert text.vocab_size == len(reference_tokenizer) + 2
