@@ -164,6 +164,29 @@ def byte_level_lengths(backend: Tokenizer) -> np.ndarray | None:
     return lengths
 
 
+def _added_token_split(tokens):
+    """``split(text)`` → [piece, added token, piece, ...] as the added vocabulary cuts a text:
+    leftmost match, longest first at a position, of the tokens matched before normalization,
+    then of the normalized ones in the pieces between those (unsupported_reason: there is no
+    normalizer then, so both passes see the raw text)."""
+    def splitter(contents):
+        contents = sorted(contents, key=len, reverse=True)
+        return (re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
+                if contents else None)
+
+    tokens = list(tokens)
+    first = {token.content for token in tokens if not token.normalized}
+    first_split = splitter(first)
+    then_split = splitter({token.content for token in tokens if token.normalized} - first)
+    if then_split is None:
+        return first_split or (lambda text: [text])
+    if first_split is None:
+        return then_split
+    # The second pass cuts only the pieces between the first pass's tokens (even positions).
+    return lambda text: [part for k, piece in enumerate(first_split(text))
+                         for part in (then_split(piece) if k % 2 == 0 else (piece,))]
+
+
 class SegmentCachedTokenizer:
     """``encode_texts(texts)`` equal to ``backend.encode(text, add_special_tokens=False)`` for
     each text, from cached encodings of the pieces between added tokens."""
@@ -177,10 +200,7 @@ class SegmentCachedTokenizer:
             raise ValueError(f"piece-by-piece encoding would differ: {reason}")
         self.backend = backend
         added = backend.get_added_tokens_decoder()
-        contents = sorted({token.content for token in added.values()}, key=len, reverse=True)
-        # Leftmost match, longest first at a position: the added vocabulary's own rule.
-        self._split = (re.compile("(" + "|".join(map(re.escape, contents)) + ")").split
-                       if contents else lambda text: [text])
+        self._split = _added_token_split(added.values())
         # A piece's entry: [tokens, 3] rows (id, start, end), offsets relative to the piece.
         # Added tokens are pieces too, never evicted: a text piece never equals one (the split
         # would have cut it out), so one lookup serves both.

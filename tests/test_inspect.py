@@ -457,6 +457,22 @@ def test_piece_cache_gives_the_tokenizers_tokens(text_encoder, clean):
     assert _per_text(encode_texts(backend, texts), texts) == reference
 
 
+def test_piece_cache_cuts_at_added_tokens_as_the_tokenizer_does(text_encoder):
+    """Added tokens matched before normalization are cut first, the normalized ones (tokens
+    added with ``tokenizer.add_tokens``) only in the text between them."""
+    from tokenizers import AddedToken, Tokenizer
+
+    backend = Tokenizer.from_str(text_encoder.backend.to_str())
+    backend.add_tokens([AddedToken(token, normalized=True)
+                        for token in ("<|im_start|>user", "xa", "im_st")])
+    backend.add_special_tokens([AddedToken("ab", special=True, normalized=False)])
+    assert unsupported_reason(backend) is None
+    cached = SegmentCachedTokenizer(backend, verify_first=0, verify_every=10 ** 9)
+    texts = ["<|im_start|>user\nhi", "xab", "zz xa ab", "<|im_start|>", "<|im_st",
+             "baxauser<|im_start|>userim_stx"]
+    assert _per_text(cached.encode_texts(texts), texts) == _reference(backend, texts)
+
+
 def test_offsets_are_summed_only_for_byte_level_tokenizers_that_allow_it(text_encoder):
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
