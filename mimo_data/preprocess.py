@@ -110,8 +110,7 @@ class Preprocessor:
             encoded = self.text.encode_batch([(records[i]["messages"], counts)
                                               for i, counts in pending])
         except SegmentCacheError as exc:
-            i = pending[exc.index][0]
-            raise SegmentCacheError(i, f"sample {records[i]['key']}: {exc}") from None
+            raise _naming_sample(exc, records, pending[exc.index][0]) from None
         for (i, counts), text in zip(pending, encoded):
             try:
                 results[i] = self._text_sample(records[i], counts, text)
@@ -119,6 +118,8 @@ class Preprocessor:
                 results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
                 results[i] = _malformed(exc)
+            except SegmentCacheError as exc:    # from a truncate_turns re-encode
+                raise _naming_sample(exc, records, i) from None
         return results
 
     def _text_sample(self, record: dict, counts, encoded: Encoded | TextError) -> TextSample:
@@ -254,6 +255,10 @@ _MALFORMED = (KeyError, TypeError, AttributeError, IndexError)
 
 def _malformed(exc: Exception) -> SampleDropped:
     return SampleDropped("malformed_record", f"{type(exc).__name__}: {exc}")
+
+
+def _naming_sample(exc: SegmentCacheError, records: list, i: int) -> SegmentCacheError:
+    return SegmentCacheError(i, f"sample {records[i]['key']}: {exc}")
 
 
 def _dropped_if_error(encoded: Encoded | TextError) -> Encoded:

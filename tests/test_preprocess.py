@@ -197,6 +197,29 @@ def test_truncate_turns_removes_whole_trailing_turns(records):
     assert dropped.value.reason == "too_long"
 
 
+def test_a_token_cache_error_while_truncating_names_its_sample(records, monkeypatch):
+    from mimo_data.segment_tokenizer import SegmentCacheError
+
+    def answers(record):
+        return sum(m["role"] == "assistant" for m in record["messages"])
+    record = next(r for r in records if answers(r) >= 2)
+    single = next(r for r in records if answers(r) == 1)     # too long, nothing to re-encode
+    preprocessor = Preprocessor(config(seq_length=8, length_policy="truncate_turns"),
+                                with_media=False)
+    encode_batch, calls = preprocessor.text.encode_batch, []
+
+    def failing_after_the_first_call(conversations):     # the re-encodes of kept turns fail
+        calls.append(len(conversations))
+        if len(calls) > 1:
+            raise SegmentCacheError(0, "cached tokenization differs")
+        return encode_batch(conversations)
+
+    monkeypatch.setattr(preprocessor.text, "encode_batch", failing_after_the_first_call)
+    with pytest.raises(SegmentCacheError) as caught:
+        preprocessor.text_batch([single, record])
+    assert caught.value.index == 1 and record["key"] in str(caught.value)
+
+
 def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records):
     preprocessor = Preprocessor(config(), with_media=False)
     record = next(r for r in records if not r["media"])
