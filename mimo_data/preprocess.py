@@ -37,7 +37,7 @@ class SampleDropped(CountedError):
 class TextSample:
     """What metadata alone decides of a sample: its tokens and which of them are trained."""
     key: str
-    ids: np.ndarray                  # [L + 1] int64, markers expanded to modality tokens
+    ids: np.ndarray                  # [L + 1] int64, markers expanded (a view: see sample())
     targets: np.ndarray              # [L] bool, ids[1:] trained
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
     items: list[dict]                # the media items of the kept turns
@@ -144,8 +144,10 @@ class Preprocessor:
         """The tensors of a TextSample, with its encoder inputs decoded from ``media`` (the
         sample's member bytes) in full mode; SampleDropped if a media item cannot be used."""
         ids, trained = text.ids, text.targets
-        # numpy until here: a torch op on a short tensor costs more than the numpy one.
-        sample = Sample(key=text.key, input_ids=torch.from_numpy(ids[:-1]),
+        # numpy until here: a torch op on a short tensor costs more than the numpy one. Every
+        # tensor is the sample's own (ids are a view into the text batch's array): a Sample
+        # pickled or kept alone holds no other sample's tokens.
+        sample = Sample(key=text.key, input_ids=torch.from_numpy(ids[:-1].copy()),
                         labels=torch.from_numpy(np.where(trained, ids[1:], IGNORE_INDEX)),
                         loss_mask=torch.from_numpy(trained.astype(np.float32)),
                         position_ids=torch.from_numpy(np.arange(len(ids) - 1)),
