@@ -106,13 +106,17 @@ class IndexTable:
     def __init__(self, directory: str):
         table = pq.ParquetFile(os.path.join(directory, SAMPLES_FILE)).read(
             columns=["members", "image_width", "image_height", "audio_duration"])
+        # Member names flat with each row's count: no dict per member.
+        members = table.column("members").combine_chunks()
+        names = members.flatten().field("name").to_pylist()
+        offsets = members.offsets.to_pylist()
+        bounds = [offset - offsets[0] for offset in offsets]
         widths = table.column("image_width").to_pylist()
         heights = table.column("image_height").to_pylist()
         durations = table.column("audio_duration").to_pylist()
         # Per row: member names, image (width, height) pairs, audio durations.
-        self.rows = [({m["name"] for m in members}, list(zip(w or [], h or [])), list(d or []))
-                     for members, w, h, d in zip(table.column("members").to_pylist(), widths,
-                                                 heights, durations)]
+        self.rows = [(set(names[a:b]), list(zip(w or [], h or [])), list(d or []))
+                     for a, b, w, h, d in zip(bounds, bounds[1:], widths, heights, durations)]
 
     def problems(self, position: int, record: dict) -> list[str]:
         """How the record's media list disagrees with its row of the table."""
