@@ -535,6 +535,25 @@ def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
     assert caught.value.index == 1
 
 
+def test_fewer_gc_passes_restores_the_collector_and_a_freeze_of_the_caller():
+    import gc
+
+    from mimo_data.inspect_report import fewer_gc_passes
+
+    before = gc.get_threshold(), gc.get_freeze_count()
+    with fewer_gc_passes(young=50_000):
+        assert gc.get_threshold()[0] == 50_000 and gc.get_freeze_count() > 0
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
+    gc.freeze()                          # a process that froze objects itself keeps them frozen
+    try:
+        frozen = gc.get_freeze_count()
+        with fewer_gc_passes():
+            pass
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
 def test_marker_scan_equals_marker_order(clean):
     from mimo_data.inspect_stats import markers_of
 
