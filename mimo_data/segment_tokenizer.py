@@ -150,8 +150,7 @@ def byte_level_lengths(backend: Tokenizer) -> np.ndarray | None:
             "ByteLevel" not in [node.get("type") for node in pre_tokenizers] or
             any(node.get("type") not in _CUTTING or node.get("behavior") == "Removed"
                 for node in pre_tokenizers if "type" in node) or
-            any(node.get("type") == "ByteLevel" and node.get("trim_offsets")
-                for node in _walk(spec.get("post_processor")))):
+            any(node.get("trim_offsets") for node in _walk(spec.get("post_processor")))):
         return None
     lengths = np.zeros(backend.get_vocab_size(with_added_tokens=True), dtype=np.int64)
     for token, token_id in backend.get_vocab(with_added_tokens=True).items():

@@ -482,6 +482,10 @@ def test_offsets_are_summed_only_for_byte_level_tokenizers_that_allow_it(text_en
     trimming = Tokenizer.from_str(json.dumps(dict(spec, post_processor={
         "type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True})))
     assert byte_level_lengths(trimming) is None          # GPT-2 style: offsets trimmed
+    roberta = Tokenizer.from_str(json.dumps(dict(spec, post_processor={
+        "type": "RobertaProcessing", "sep": ["<|im_end|>", 2], "cls": ["<|im_start|>", 1],
+        "trim_offsets": True, "add_prefix_space": False})))
+    assert byte_level_lengths(roberta) is None
     lowercase = Tokenizer.from_str(text_encoder.backend.to_str())
     lowercase.normalizer = normalizers.Lowercase()
     assert byte_level_lengths(lowercase) is None
