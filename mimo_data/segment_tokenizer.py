@@ -75,15 +75,37 @@ def encode_texts(backend, texts: list[str]) -> TokenBatch:
         return backend.encode_texts(texts)
     if backend.padding is not None:     # a batch would be padded to its longest text
         raise ValueError("cannot tokenize texts in a batch with a tokenizer that pads")
+    rows, counts = _tokenizer_rows(backend, texts)
+    return _token_batch(rows, counts, texts, [1] * len(texts))
+
+
+def _tokenizer_rows(backend: Tokenizer, texts: list[str]) -> tuple[np.ndarray, list[int]]:
+    """[tokens, 3] rows (id, start, end) of ``texts`` as the tokenizer encodes them (offsets
+    relative to each text), and each text's token count."""
     encodings = backend.encode_batch(texts, add_special_tokens=False)
-    counts = [len(encoding.ids) for encoding in encodings]
-    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), np.int64, count=sum(counts))
-    offsets = np.fromiter(chain.from_iterable(chain.from_iterable(e.offsets for e in encodings)),
-                          np.int64, count=2 * sum(counts)).reshape(-1, 2)
-    starts = np.fromiter(accumulate(map(len, texts[:-1]), initial=0), np.int64, count=len(texts))
-    offsets += np.repeat(starts, counts)[:, None]
-    return TokenBatch(ids, offsets, np.fromiter(accumulate(counts, initial=0), np.int64,
-                                                count=len(texts) + 1))
+    ids = [encoding.ids for encoding in encodings]
+    offsets = [encoding.offsets for encoding in encodings]
+    rows = _rows(ids)
+    rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
+                              count=2 * len(rows)).reshape(-1, 2)
+    return rows, list(map(len, ids))
+
+
+def _char_starts(strings: list[str]) -> np.ndarray:
+    """Where each string starts in their concatenation, and the total length at the end."""
+    return np.fromiter(accumulate(map(len, strings), initial=0), np.int64,
+                       count=len(strings) + 1)
+
+
+def _token_batch(rows: np.ndarray, counts: list[int], pieces: list[str],
+                 per_text: list[int]) -> TokenBatch:
+    """The TokenBatch of consecutive pieces' rows (``counts`` tokens each, offsets relative to
+    the piece), texts made of ``per_text`` pieces each."""
+    offsets = rows[:, 1:] + np.repeat(_char_starts(pieces)[:-1], counts)[:, None]
+    ends = np.fromiter(accumulate(counts, initial=0), np.int64, count=len(counts) + 1)
+    bounds = ends[np.fromiter(accumulate(per_text, initial=0), np.int64,
+                              count=len(per_text) + 1)]
+    return TokenBatch(np.ascontiguousarray(rows[:, 0]), offsets, bounds)
 
 
 def _rows(ids: list[list[int]]) -> np.ndarray:
@@ -93,9 +115,9 @@ def _rows(ids: list[list[int]]) -> np.ndarray:
     return rows
 
 
-def _entries(pieces: list[str], ids: list[list[int]], rows: np.ndarray) -> dict[str, np.ndarray]:
-    """Each piece's rows, by piece."""
-    return dict(zip(pieces, np.split(rows, np.cumsum(list(map(len, ids[:-1]))))))
+def _entries(pieces: list[str], counts: list[int], rows: np.ndarray) -> dict[str, np.ndarray]:
+    """Each piece's rows (``counts`` each), by piece."""
+    return dict(zip(pieces, np.split(rows, np.cumsum(counts[:-1]))))
 
 
 def _walk(node):
@@ -240,13 +262,8 @@ class SegmentCachedTokenizer:
         return new
 
     def _encode_with_offsets(self, pieces: list[str]) -> dict[str, np.ndarray]:
-        encodings = self.backend.encode_batch(pieces, add_special_tokens=False)
-        ids = [encoding.ids for encoding in encodings]
-        offsets = [encoding.offsets for encoding in encodings]
-        rows = _rows(ids)
-        rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
-                                  count=2 * len(rows)).reshape(-1, 2)
-        return _entries(pieces, ids, rows)
+        rows, counts = _tokenizer_rows(self.backend, pieces)
+        return _entries(pieces, counts, rows)
 
     def _encode_summing_offsets(self, pieces: list[str]) -> dict[str, np.ndarray]:
         """ASCII pieces of a byte-level tokenizer: ids from ``encode_batch_fast``, offsets
@@ -256,16 +273,15 @@ class SegmentCachedTokenizer:
         rows = _rows(ids)
         lengths = self._token_lengths[rows[:, 0]]
         ends = np.cumsum(lengths)
-        # Where each piece's characters start in the concatenation of the pieces.
-        piece_starts = np.fromiter(accumulate(map(len, pieces), initial=0), np.int64,
-                                   count=len(pieces) + 1)
-        counts = np.fromiter(map(len, ids), np.int64, count=len(ids))
-        last = np.cumsum(counts)[counts > 0] - 1         # each piece's last token
-        if not np.array_equal(ends[last], piece_starts[1:][counts > 0]):
+        piece_starts = _char_starts(pieces)
+        counts = list(map(len, ids))
+        tokens = np.array(counts, dtype=np.int64)
+        last = np.cumsum(tokens)[tokens > 0] - 1         # each piece's last token
+        if not np.array_equal(ends[last], piece_starts[1:][tokens > 0]):
             return {}       # lengths that do not add up: the tokenizer's own offsets instead
         rows[:, 2] = ends - np.repeat(piece_starts[:-1], counts)
         rows[:, 1] = rows[:, 2] - lengths
-        return _entries(pieces, ids, rows)
+        return _entries(pieces, counts, rows)
 
     def encode_texts(self, texts: list[str]) -> TokenBatch:
         """The tokens of ``texts`` as one TokenBatch, each text's equal to the tokenizer's."""
@@ -279,17 +295,9 @@ class SegmentCachedTokenizer:
             entries = [new[part] if entry is None else entry
                        for part, entry in zip(parts, entries)]
         self.pieces += len(parts)
-        lengths = [len(entry) for entry in entries]
         rows = (np.concatenate(entries) if entries else np.zeros((0, 3), dtype=np.int64))
-        # Each piece's offsets are relative to the piece: shift them by its start (in the
-        # concatenation of the texts, whose pieces follow each other without a gap).
-        starts = np.fromiter(accumulate(map(len, parts), initial=0), np.int64,
-                             count=len(parts) + 1)
-        offsets = rows[:, 1:] + np.repeat(starts[:-1], lengths)[:, None]
-        ends = np.fromiter(accumulate(lengths, initial=0), np.int64, count=len(parts) + 1)
-        bounds = ends[np.fromiter(accumulate(map(len, splits), initial=0), np.int64,
-                                  count=len(texts) + 1)]
-        batch = TokenBatch(np.ascontiguousarray(rows[:, 0]), offsets, bounds)
+        # The pieces of the texts follow each other without a gap in their concatenation.
+        batch = _token_batch(rows, list(map(len, entries)), parts, list(map(len, splits)))
         text_start = 0
         for i, text in enumerate(texts):
             self.calls += 1
