@@ -84,8 +84,10 @@ def _tokenizer_rows(backend: Tokenizer, texts: list[str]) -> tuple[np.ndarray, l
     relative to each text), and each text's token count."""
     encodings = backend.encode_batch(texts, add_special_tokens=False)
     ids = [encoding.ids for encoding in encodings]
-    offsets = [encoding.offsets for encoding in encodings]
     rows = _rows(ids)
+    # Read through a generator: each text's offset tuples are freed once read (a list of them
+    # all keeps tens of thousands of tuples alive for the garbage collector to walk).
+    offsets = (encoding.offsets for encoding in encodings)
     rows[:, 1:] = np.fromiter(chain.from_iterable(chain.from_iterable(offsets)), np.int64,
                               count=2 * len(rows)).reshape(-1, 2)
     return rows, list(map(len, ids))
