@@ -20,8 +20,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mimo_data.image_inputs import normalize_pixels
-from mimo_data.preprocess_config import AudioConfig, ImageConfig
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import AudioConfig, ImageConfig
 
 
 class EncoderBuildError(ValueError):

@@ -1,7 +1,7 @@
 """Per-module ``HyperCommGrid``s and process-group collections, built from a ``Layout``.
 
 Every module (``language`` and each encoder) gets a grid of shape ``[tp, cp, dp, pp]`` with
-dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.layout`` uses for data
+dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.loading.layout`` uses for data
 placement, so the trainer's DP groups are the loader's DP slices. Group creation is collective
 over the whole world, so every rank builds every module's groups, in layout order; each rank then
 keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each encoder feeds
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mimo_data.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
+from mimo_data.loading.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
 
 # Groups megatron-core reads from a module's ProcessGroupCollection: the models (tp, cp, pp,
 # tp_cp, mp, ...), DDP (dp, dp_cp, intra_dp_cp), finalize_model_grads and the optimizer

@@ -14,7 +14,7 @@ import re
 
 import torch
 
-from mimo_data.layout import LANGUAGE
+from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
 from mimo_train.encoders import build_encoder, default_kind
 from mimo_train.infra import Infra

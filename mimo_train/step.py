@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from mimo_data.layout import LANGUAGE
+from mimo_data.loading.layout import LANGUAGE
 from mimo_train.infra import Infra
 
 

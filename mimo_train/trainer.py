@@ -22,10 +22,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from mimo_data.layout import LANGUAGE, Layout
-from mimo_data.loader import build_loader, check_even_split, variable_token_modalities
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.shard_format import INDEX_FILE
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.loader import build_loader, check_even_split, variable_token_modalities
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards.format import INDEX_FILE
 from mimo_train import checkpoint
 from mimo_train.config import TrainConfig, TrainConfigError
 from mimo_train.infra import Infra, build_infra
@@ -135,7 +135,7 @@ class Trainer:
     # ------------------------------------------------------------------------------ set-up
 
     def _read_config(self):
-        from mimo_data.chat_tokens import TextEncoder
+        from mimo_data.preprocess.chat_tokens import TextEncoder
 
         preprocess = PreprocessConfig.from_yaml(self.cfg.data.preprocess)
         layout = Layout.parse(self.cfg.layout)

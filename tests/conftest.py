@@ -136,7 +136,7 @@ def corpus_expected(corpus_inputs) -> list[Expected]:
 
 def build_dataset(inputs, output, **options) -> dict:
     """``build()`` in this process (``workers=0``: no fork of the test process) unless told."""
-    from mimo_data.build import BuildOptions, build
+    from mimo_data.shards.build import BuildOptions, build
 
     options = {"progress": False, "workers": 0, **options}
     return build([str(i) for i in inputs], str(output), BuildOptions(**options))
@@ -261,7 +261,7 @@ def good_records(assets):
 def mimo_shard_command() -> list[str]:
     """The installed console script, or the module when the script is not beside Python."""
     script = Path(sys.executable).parent / "mimo-shard"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "mimo_data.cli_shard"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "mimo_data.shards.cli"]
 
 
 def run_cli(*args, check_rc: int | None = None, **kwargs) -> subprocess.CompletedProcess:
@@ -280,7 +280,7 @@ def cli_main(capsys, *args) -> tuple[int, str, str]:
 
     A build gets ``--workers 0`` unless told otherwise: no fork of the (threaded) test process.
     """
-    from mimo_data.cli_shard import main
+    from mimo_data.shards.cli import main
 
     argv = [str(a) for a in args]
     if argv[0] == "build" and "--workers" not in argv:

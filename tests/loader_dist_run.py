@@ -20,8 +20,8 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from mimo_data.layout import LANGUAGE, Layout
-from mimo_data.loader import build_loader
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.loader import build_loader
 
 
 def leaves(value, path: str = "") -> dict:

@@ -21,15 +21,15 @@ import numpy as np
 import pytest
 import yaml
 
-from mimo_data.chat_tokens import TextEncoder
-from mimo_data.cli_inspect import main
-from mimo_data.preprocess import Preprocessor, SampleDropped
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.records import marker_order
-from mimo_data.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
+from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.inspect.cli import main
+from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards.records import marker_order
+from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                          byte_level_lengths, encode_texts, unsupported_reason)
-from mimo_data.shard_reader import ShardReader
-from mimo_data.token_counts import audio_tokens, image_tokens
+from mimo_data.shards.reader import ShardReader
+from mimo_data.modalities.token_counts import audio_tokens, image_tokens
 
 from conftest import REPO, build_dataset, samples_table, write_jsonl
 
@@ -542,7 +542,7 @@ def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):
 def test_fewer_gc_passes_restores_the_collector_and_a_freeze_of_the_caller():
     import gc
 
-    from mimo_data.inspect_report import fewer_gc_passes
+    from mimo_data.inspect.report import fewer_gc_passes
 
     before = gc.get_threshold(), gc.get_freeze_count()
     with fewer_gc_passes(young=50_000):
@@ -559,7 +559,7 @@ def test_fewer_gc_passes_restores_the_collector_and_a_freeze_of_the_caller():
 
 
 def test_marker_scan_equals_marker_order(clean):
-    from mimo_data.inspect_stats import markers_of
+    from mimo_data.inspect.stats import markers_of
 
     reader = ShardReader(str(clean))
     messages = [reader.record(p)["messages"] for p in range(len(reader))]
@@ -572,7 +572,7 @@ def test_marker_scan_equals_marker_order(clean):
 def test_inspector_on_an_edited_record_reports_both_mismatches(configs):
     """The per-sample check on a record edited in memory: markers vs media and, when the
     preprocessor keeps it, placeholders vs metadata."""
-    from mimo_data.inspect_stats import SampleInspector
+    from mimo_data.inspect.stats import SampleInspector
 
     config = PreprocessConfig.from_yaml(str(configs["default"]))
     inspector = SampleInspector(config)
@@ -628,10 +628,10 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, 
     """Every rank's real loader (media decoded) against ``plan --json``: the same sample keys
     per step and micro-batch, and the plan's tokens per step equal the real batches' (language:
     attention-mask tokens; encoders: the tokens their actual inputs produce)."""
-    from mimo_data.audio_inputs import audio_rows_to_tokens
-    from mimo_data.image_inputs import image_rows_to_tokens
-    from mimo_data.layout import Layout
-    from mimo_data.loader import DataSource, build_loader
+    from mimo_data.modalities.audio import audio_rows_to_tokens
+    from mimo_data.modalities.image import image_rows_to_tokens
+    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.loader import DataSource, build_loader
 
     clean = request.getfixturevalue(dataset)
 

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from mimo_data.layout import Layout, LayoutError, ModuleLayout
+from mimo_data.loading.layout import Layout, LayoutError, ModuleLayout
 
 
 def test_compact_string_defaults_offsets_and_modalities():

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from mimo_data.dry_run import dry_run, main as dry_run_main
-from mimo_data.index import DatasetError
-from mimo_data.layout import LANGUAGE, Layout
-from mimo_data.loader import DataSource, LoaderError, build_loader
+from mimo_data.loading.dry_run import dry_run, main as dry_run_main
+from mimo_data.shards.index import DatasetError
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.loader import DataSource, LoaderError, build_loader
 
 from conftest import CORPUS_DIR, build_dataset, preprocess_config_file, write_jsonl
 

@@ -23,13 +23,13 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil, smart_resize)
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from mimo_data.audio_inputs import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_features,
+from mimo_data.modalities.audio import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_features,
                                     audio_rows_to_tokens, decode_audio)
-from mimo_data.image_inputs import (decode_image, image_encoder_inputs, image_rows_to_tokens,
+from mimo_data.modalities.image import (decode_image, image_encoder_inputs, image_rows_to_tokens,
                                     normalize_pixels)
-from mimo_data.media import MediaError, probe_audio, probe_image
-from mimo_data.preprocess_config import AudioConfig, ImageConfig
-from mimo_data.token_counts import (audio_frames, audio_tokens, audio_too_long,
+from mimo_data.modalities.media import MediaError, probe_audio, probe_image
+from mimo_data.preprocess.config import AudioConfig, ImageConfig
+from mimo_data.modalities.token_counts import (audio_frames, audio_tokens, audio_too_long,
                                     image_resized_size, image_tokens, resampled_length)
 
 # (min_pixels, max_pixels, patch, merge, temporal): downscale hard, the default cap, upscale

@@ -14,14 +14,14 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from mimo_data.build import BuildOptions, build
-from mimo_data.chat_tokens import TextEncoder
-from mimo_data.collate import BatchError, Collator
-from mimo_data.preprocess import Preprocessor, SampleDropped, preprocess_dataset
-from mimo_data.preprocess_config import ImageConfig, PreprocessConfig
-from mimo_data.report import Tally
-from mimo_data.segment_tokenizer import SegmentCachedTokenizer
-from mimo_data.shard_reader import ShardReader
+from mimo_data.shards.build import BuildOptions, build
+from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.preprocess.collate import BatchError, Collator
+from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped, preprocess_dataset
+from mimo_data.preprocess.config import ImageConfig, PreprocessConfig
+from mimo_data.tally import Tally
+from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
+from mimo_data.shards.reader import ShardReader
 
 from conftest import CORPUS_INPUTS, REPO
 
@@ -198,7 +198,7 @@ def test_truncate_turns_removes_whole_trailing_turns(records):
 
 
 def test_a_token_cache_error_while_truncating_names_its_sample(records, monkeypatch):
-    from mimo_data.segment_tokenizer import SegmentCacheError
+    from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 
     def answers(record):
         return sum(m["role"] == "assistant" for m in record["messages"])
@@ -400,7 +400,7 @@ def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
 
     from tokenizers import Tokenizer
 
-    from mimo_data.segment_tokenizer import encode_texts, unsupported_reason
+    from mimo_data.preprocess.segment_tokenizer import encode_texts, unsupported_reason
 
     directory = tmp_path / "tokenizer"
     shutil.copytree(TOKENIZER, directory)

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from mimo_data.sample_order import DatasetShape, OrderError, SampleOrder, micro_batch_slice
+from mimo_data.loading.sample_order import DatasetShape, OrderError, SampleOrder, micro_batch_slice
 
 
 def shape(*shard_sizes, dropped=()) -> DatasetShape:

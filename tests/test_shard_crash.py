@@ -40,7 +40,7 @@ def big_input(tmp_path_factory, corpus) -> Path:
 
 
 def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input):
-    from mimo_data.index import DatasetError, read_index
+    from mimo_data.shards.index import DatasetError, read_index
 
     out = tmp_path / "out"
     args = ["build", str(big_input), "-o", str(out), "--max-samples-per-shard", "50",

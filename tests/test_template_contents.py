@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import _compile_jinja_template
 
-from mimo_data.chat_tokens import TextEncoder
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.template_contents import contents_inserted_verbatim
+from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.template_contents import contents_inserted_verbatim
 
 from conftest import REPO
 

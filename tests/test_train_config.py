@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mimo_data.layout import Layout
-from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.loading.layout import Layout
+from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import EncoderConfig, LanguageConfig, TrainConfig, TrainConfigError
 
 from conftest import REPO

@@ -17,11 +17,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mimo_data.audio_inputs import audio_encoder_inputs, decode_audio
-from mimo_data.image_inputs import decode_image, image_encoder_inputs, normalize_pixels
-from mimo_data.media import probe_audio, probe_image
-from mimo_data.preprocess_config import AudioConfig, ImageConfig, PreprocessConfig
-from mimo_data.token_counts import audio_tokens, audio_tokens_from_frames, image_tokens
+from mimo_data.modalities.audio import audio_encoder_inputs, decode_audio
+from mimo_data.modalities.image import decode_image, image_encoder_inputs, normalize_pixels
+from mimo_data.modalities.media import probe_audio, probe_image
+from mimo_data.preprocess.config import AudioConfig, ImageConfig, PreprocessConfig
+from mimo_data.modalities.token_counts import audio_tokens, audio_tokens_from_frames, image_tokens
 from mimo_train.encoders import (EncoderBuildError, Qwen2VLVision, SiglipVision, WhisperAudio,
                                  build_encoder, default_kind)
 

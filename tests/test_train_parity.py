@@ -89,7 +89,7 @@ def dynamic_setup(loader_corpus, tmp_path_factory):
 
 def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader_corpus):
     """The parity batch is the hard case: variable per-sample counts, a sample without media."""
-    from mimo_data.loader import build_loader
+    from mimo_data.loading.loader import build_loader
 
     _, _, _, _, preprocess = dynamic_setup
     loader = build_loader([loader_corpus], preprocess, "language=dp1;images=dp1,off0;"

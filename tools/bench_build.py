@@ -19,7 +19,7 @@ import time
 
 import webdataset
 
-from mimo_data.build import BuildOptions, build
+from mimo_data.shards.build import BuildOptions, build
 
 
 def _media_records(corpus: str) -> list[dict]:

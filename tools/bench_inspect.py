@@ -30,12 +30,12 @@ import time
 
 import torch
 
-from mimo_data.inspect_report import Thresholds, build_report
-from mimo_data.inspect_stats import SampleInspector
-from mimo_data.preprocess import TEXT_BATCH, Preprocessor, preprocess_dataset
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.report import Tally
-from mimo_data.shard_reader import ShardReader
+from mimo_data.inspect.report import Thresholds, build_report
+from mimo_data.inspect.stats import SampleInspector
+from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, preprocess_dataset
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.tally import Tally
+from mimo_data.shards.reader import ShardReader
 from replicate_corpus import replicated_dataset
 
 

@@ -32,9 +32,9 @@ import torch
 import torch.utils.data
 import webdataset as wds
 
-from mimo_data.collate import Collator
-from mimo_data.loader import DataSource, build_loader
-from mimo_data.preprocess import Preprocessor, SampleDropped
+from mimo_data.preprocess.collate import Collator
+from mimo_data.loading.loader import DataSource, build_loader
+from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
 from replicate_corpus import replicated_dataset
 
 LAYOUT = "language=dp1;images=dp1;audio=dp1"

@@ -21,13 +21,13 @@ import time
 import torch
 from PIL import Image
 
-from mimo_data.audio_inputs import decode_audio
-from mimo_data.image_inputs import decode_image
-from mimo_data.preprocess import Preprocessor, preprocess_dataset
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.report import Tally
-from mimo_data.shard_reader import ShardReader
-from mimo_data.token_counts import image_resized_size
+from mimo_data.modalities.audio import decode_audio
+from mimo_data.modalities.image import decode_image
+from mimo_data.preprocess.preprocessor import Preprocessor, preprocess_dataset
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.tally import Tally
+from mimo_data.shards.reader import ShardReader
+from mimo_data.modalities.token_counts import image_resized_size
 from replicate_corpus import replicated_dataset
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from mimo_data.build import BuildOptions, build
-from mimo_data.shard_reader import ShardReader
+from mimo_data.shards.build import BuildOptions, build
+from mimo_data.shards.reader import ShardReader
 
 CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
                  "speech_manifest.jsonl")

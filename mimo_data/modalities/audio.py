@@ -16,9 +16,9 @@ import torch
 import torchaudio.functional
 from transformers import WhisperFeatureExtractor
 
-from mimo_data.media import MediaError
-from mimo_data.preprocess_config import AudioConfig
-from mimo_data.token_counts import audio_too_long, audio_tokens_from_frames, max_audio_samples
+from mimo_data.modalities.media import MediaError
+from mimo_data.preprocess.config import AudioConfig
+from mimo_data.modalities.token_counts import audio_too_long, audio_tokens_from_frames, max_audio_samples
 
 # The extractor's centered STFT reflect-pads by n_fft // 2 and needs more samples than that.
 _WHISPER_N_FFT = 400

@@ -15,7 +15,7 @@ import tarfile
 
 import webdataset
 
-from mimo_data.shard_format import shard_name
+from mimo_data.shards.format import shard_name
 
 _BLOCK = 512  # tar header and data alignment (USTAR)
 

@@ -22,15 +22,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.index import dumps, file_sha256, write_atomic
-from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.prepare import MediaPolicy, Prepared, Rejected, prepare
-from mimo_data.records import RecordError
-from mimo_data.report import Tally
-from mimo_data.shard_format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
+from mimo_data.shards.index import dumps, file_sha256, write_atomic
+from mimo_data.modalities.media import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
+from mimo_data.shards.records import RecordError
+from mimo_data.tally import Tally
+from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
                                     SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key)
-from mimo_data.shard_writer import ShardSet
-from mimo_data.sources import open_source
+from mimo_data.shards.writer import ShardSet
+from mimo_data.shards.sources import open_source
 
 
 class BuildError(Exception):

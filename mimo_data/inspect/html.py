@@ -13,13 +13,13 @@ import base64
 import html
 import io
 
-from mimo_data.audio_inputs import audio_features, decode_audio
-from mimo_data.image_inputs import decode_image
-from mimo_data.inspect_report import inspect_position
-from mimo_data.inspect_sample import sample_problems, token_view
-from mimo_data.inspect_stats import (IndexTable, SampleInspector, SampleStats,
+from mimo_data.modalities.audio import audio_features, decode_audio
+from mimo_data.modalities.image import decode_image
+from mimo_data.inspect.report import inspect_position
+from mimo_data.inspect.sample import sample_problems, token_view
+from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
-from mimo_data.shard_reader import ShardReader
+from mimo_data.shards.reader import ShardReader
 
 THUMBNAIL = (192, 192)
 COLORS = {"trained": "#1a7f37", "prompt": "#57606a", "image": "#8250df", "audio": "#0969da",

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mimo_data.chat_tokens import TextError
-from mimo_data.inspect_stats import SampleInspector, SampleStats, expected_item_tokens
-from mimo_data.preprocess import Sample
+from mimo_data.preprocess.chat_tokens import TextError
+from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
+from mimo_data.preprocess.preprocessor import Sample
 
 ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m", "image": "\033[1;35m",
         "audio": "\033[1;36m", "padding": "\033[90m"}

@@ -12,7 +12,7 @@ import math
 import numpy as np
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mimo_data.preprocess_config import AudioConfig, ImageConfig
+from mimo_data.preprocess.config import AudioConfig, ImageConfig
 
 # smart_resize refuses images whose long side is more than this many times the short side.
 MAX_ASPECT_RATIO = 200

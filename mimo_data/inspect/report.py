@@ -36,10 +36,10 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from mimo_data.inspect_stats import IndexTable, SampleInspector, SampleStats
-from mimo_data.preprocess import TEXT_BATCH
-from mimo_data.segment_tokenizer import SegmentCachedTokenizer
-from mimo_data.shard_reader import ShardReader
+from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
+from mimo_data.preprocess.preprocessor import TEXT_BATCH
+from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
+from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
 KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)

@@ -18,9 +18,9 @@ import pyarrow.parquet as pq
 from PIL import Image
 from tqdm import tqdm
 
-from mimo_data.index import file_sha256, read_index
-from mimo_data.media import MediaError, pixel_limit, probe_audio, probe_image
-from mimo_data.shard_format import SAMPLES_FILE
+from mimo_data.shards.index import file_sha256, read_index
+from mimo_data.modalities.media import MediaError, pixel_limit, probe_audio, probe_image
+from mimo_data.shards.format import SAMPLES_FILE
 
 MAX_PROBLEMS_PER_SHARD = 20
 

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow.parquet as pq
 
-from mimo_data.chat_tokens import TextEncoder
-from mimo_data.preprocess import Preprocessor, Sample, SampleDropped, TextSample
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.shard_format import MARKERS, SAMPLES_FILE
-from mimo_data.token_counts import audio_tokens, image_tokens
+from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped, TextSample
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards.format import MARKERS, SAMPLES_FILE
+from mimo_data.modalities.token_counts import audio_tokens, image_tokens
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
 _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}

@@ -43,16 +43,16 @@ import os
 import numpy as np
 import torch.utils.data
 
-from mimo_data.collate import Collator
-from mimo_data.drops import kept_mask
-from mimo_data.layout import LANGUAGE, Layout, LayoutError, RankRole
-from mimo_data.preprocess import Preprocessor, Sample, SampleDropped
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.report import Tally
-from mimo_data.sample_order import DatasetShape, SampleOrder, micro_batch_slice
-from mimo_data.shard_format import INDEX_FILE, MEMBER_PREFIX
-from mimo_data.shard_reader import ShardReader
-from mimo_data.tensor_pack import pack, unpack
+from mimo_data.preprocess.collate import Collator
+from mimo_data.loading.kept_samples import kept_mask
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
+from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.tally import Tally
+from mimo_data.loading.sample_order import DatasetShape, SampleOrder, micro_batch_slice
+from mimo_data.shards.format import INDEX_FILE, MEMBER_PREFIX
+from mimo_data.shards.reader import ShardReader
+from mimo_data.loading.tensor_pack import pack, unpack
 
 STATE_FORMAT = "mimo-loader-state"
 ITEM_SAMPLES = 16           # text samples per worker item on metadata-only ranks (see chunk)

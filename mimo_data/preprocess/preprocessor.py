@@ -13,16 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mimo_data.audio_inputs import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_rows_to_tokens,
+from mimo_data.modalities.audio import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_rows_to_tokens,
                                     decode_audio)
-from mimo_data.chat_tokens import Encoded, TextEncoder, TextError
-from mimo_data.image_inputs import decode_image, image_encoder_inputs, image_rows_to_tokens
-from mimo_data.media import MediaError
-from mimo_data.preprocess_config import PreprocessConfig
-from mimo_data.records import marker_order
-from mimo_data.report import CountedError
-from mimo_data.segment_tokenizer import SegmentCacheError
-from mimo_data.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
+from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
+from mimo_data.modalities.image import decode_image, image_encoder_inputs, image_rows_to_tokens
+from mimo_data.modalities.media import MediaError
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards.records import marker_order
+from mimo_data.tally import CountedError
+from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
+from mimo_data.modalities.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
 TEXT_BATCH = 256    # records whose text is tokenized and masked together (text_batch)

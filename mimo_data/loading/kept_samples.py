@@ -14,9 +14,9 @@ import numpy as np
 import torch.utils.data
 from tqdm import tqdm
 
-from mimo_data.preprocess import Preprocessor, SampleDropped
-from mimo_data.report import Tally
-from mimo_data.shard_reader import ShardReader
+from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
+from mimo_data.tally import Tally
+from mimo_data.shards.reader import ShardReader
 
 CHUNK = 256   # samples per worker task
 

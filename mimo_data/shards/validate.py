@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mimo_data.media import MediaError, probe_audio, probe_image
-from mimo_data.records import RecordError, check_marker_counts, marker_order, normalize_messages
-from mimo_data.shard_format import media_member
-from mimo_data.sources import Task
+from mimo_data.modalities.media import MediaError, probe_audio, probe_image
+from mimo_data.shards.records import RecordError, check_marker_counts, marker_order, normalize_messages
+from mimo_data.shards.format import media_member
+from mimo_data.shards.sources import Task
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ import sys
 
 import numpy as np
 
-from mimo_data.dry_run import dry_run
-from mimo_data.layout import LANGUAGE, Layout, LayoutError
-from mimo_data.loader import variable_token_modalities
-from mimo_data.preprocess_config import PreprocessConfig
+from mimo_data.loading.dry_run import dry_run
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_data.loading.loader import variable_token_modalities
+from mimo_data.preprocess.config import PreprocessConfig
 
 
 def _sample_table(result: dict) -> dict[str, dict]:

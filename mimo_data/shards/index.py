@@ -6,7 +6,7 @@ import hashlib
 import json
 import os
 
-from mimo_data.shard_format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
+from mimo_data.shards.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
 
 
 class DatasetError(Exception):

@@ -2,7 +2,7 @@
 from the real loader code in metadata-only mode (no media decoded), plus the cross-module checks
 the bridge depends on. Used by tests and by ``mimo-inspect plan``.
 
-    python -m mimo_data.dry_run shards/ --config configs/preprocess.yaml \\
+    python -m mimo_data.loading.dry_run shards/ --config configs/preprocess.yaml \\
         --layout 'language=dp2;images=dp1' --global-batch-size 8 --micro-batch-size 2 \\
         [--steps 2] [--json]
 """
@@ -13,9 +13,9 @@ import argparse
 import json
 import sys
 
-from mimo_data.index import DatasetError
-from mimo_data.layout import LANGUAGE, Layout, LayoutError
-from mimo_data.loader import DataSource, build_loader, check_even_split
+from mimo_data.shards.index import DatasetError
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_data.loading.loader import DataSource, build_loader, check_even_split
 
 _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys")
 
@@ -145,7 +145,7 @@ def format_dry_run(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mimo_data.dry_run",
+    parser = argparse.ArgumentParser(prog="python -m mimo_data.loading.dry_run",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("datasets", nargs="+", help="dataset directories (mimo-shard build)")
     parser.add_argument("--config", required=True, help="preprocessing config (YAML)")

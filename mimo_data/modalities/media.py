@@ -16,8 +16,8 @@ import warnings
 import soundfile
 from PIL import Image
 
-from mimo_data.report import CountedError
-from mimo_data.shard_format import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS
+from mimo_data.tally import CountedError
+from mimo_data.shards.format import AUDIO_EXTENSIONS, IMAGE_EXTENSIONS
 
 # EXIF orientations 5-8 rotate by 90 degrees: the decoded image has width and height swapped.
 _EXIF_ORIENTATION = 0x0112

@@ -12,8 +12,8 @@ import os
 
 import pyarrow.parquet as pq
 
-from mimo_data.index import DatasetError, read_index
-from mimo_data.shard_format import SAMPLES_FILE
+from mimo_data.shards.index import DatasetError, read_index
+from mimo_data.shards.format import SAMPLES_FILE
 
 
 class ShardReader:

@@ -7,12 +7,12 @@ import json
 import re
 import sys
 
-from mimo_data.build import BuildError, BuildOptions, build
-from mimo_data.index import DatasetError
-from mimo_data.info import dataset_info, format_info
-from mimo_data.media import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.sources import SourceError
-from mimo_data.verify import verify
+from mimo_data.shards.build import BuildError, BuildOptions, build
+from mimo_data.shards.index import DatasetError
+from mimo_data.shards.info import dataset_info, format_info
+from mimo_data.modalities.media import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.shards.sources import SourceError
+from mimo_data.shards.verify import verify
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

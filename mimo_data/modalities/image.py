@@ -21,9 +21,9 @@ import pyarrow
 import torch
 from PIL import Image
 
-from mimo_data.media import MediaError, pillow_decoding
-from mimo_data.preprocess_config import ImageConfig
-from mimo_data.token_counts import image_resized_size
+from mimo_data.modalities.media import MediaError, pillow_decoding
+from mimo_data.preprocess.config import ImageConfig
+from mimo_data.modalities.token_counts import image_resized_size
 
 # What ImageOps.exif_transpose does for each EXIF orientation; we apply the orientation stored
 # in the shard metadata, so pixels and metadata width/height agree by construction.

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 
 import yaml
 
-from mimo_data.shard_format import MARKERS
+from mimo_data.shards.format import MARKERS
 
 # OpenAI CLIP normalization, the default of Qwen2-VL and CLIP image processors.
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from mimo_data.records import RecordError
+from mimo_data.shards.records import RecordError
 
 
 class SourceError(Exception):

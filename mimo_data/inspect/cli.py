@@ -19,14 +19,14 @@ import json
 import random
 import sys
 
-from mimo_data.index import DatasetError
-from mimo_data.inspect_report import (CHECKS, Thresholds, build_report, failure_lines,
+from mimo_data.shards.index import DatasetError
+from mimo_data.inspect.report import (CHECKS, Thresholds, build_report, failure_lines,
                                       format_report, write_json)
-from mimo_data.inspect_sample import format_sample, sample_problems
-from mimo_data.inspect_stats import IndexTable, SampleInspector
-from mimo_data.preprocess_config import ConfigError, PreprocessConfig
-from mimo_data.segment_tokenizer import SegmentCacheError
-from mimo_data.shard_reader import ShardReader
+from mimo_data.inspect.sample import format_sample, sample_problems
+from mimo_data.inspect.stats import IndexTable, SampleInspector
+from mimo_data.preprocess.config import ConfigError, PreprocessConfig
+from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
+from mimo_data.shards.reader import ShardReader
 
 _DEFAULTS = Thresholds()
 
@@ -153,7 +153,7 @@ def _report(args, config: PreprocessConfig) -> int:
     inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
     gallery = None
     if args.html:
-        from mimo_data.inspect_html import Gallery
+        from mimo_data.inspect.html import Gallery
         gallery = Gallery(per_check=args.gallery_per_check, examples=args.examples)
     report = build_report(args.directory, inspector, thresholds, limit=args.limit,
                           progress=not args.no_progress, workers=args.workers,
@@ -166,7 +166,7 @@ def _report(args, config: PreprocessConfig) -> int:
         if args.json:
             write_json(report, args.json)
     if args.html:
-        from mimo_data.inspect_html import write_html
+        from mimo_data.inspect.html import write_html
         write_html(report, gallery, args.directory, inspector, args.html, args.config)
     failures = failure_lines(report)
     for line in failures:
@@ -176,7 +176,7 @@ def _report(args, config: PreprocessConfig) -> int:
 
 def _plan(args, config: PreprocessConfig) -> int:
     try:
-        from mimo_data.inspect_plan import run_plan
+        from mimo_data.inspect.plan import run_plan
     except ImportError as exc:
         print(f"mimo-inspect plan: not available in this installation ({exc})", file=sys.stderr)
         return 2

@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pyarrow.parquet as pq
 
-from mimo_data.index import read_index
-from mimo_data.shard_format import SAMPLES_FILE
+from mimo_data.shards.index import read_index
+from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.stats import summary
 
 _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest image side, pixels

@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mimo_data.audio_inputs import audio_rows_to_tokens
-from mimo_data.image_inputs import image_rows_to_tokens
-from mimo_data.preprocess import IGNORE_INDEX, Preprocessor, Sample
+from mimo_data.modalities.audio import audio_rows_to_tokens
+from mimo_data.modalities.image import image_rows_to_tokens
+from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
 
 _ROWS_TO_TOKENS = {"image": image_rows_to_tokens, "audio": audio_rows_to_tokens}
 
