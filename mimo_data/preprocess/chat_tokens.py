@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import (_compile_jinja_template,
                                                    render_jinja_template)
 
-from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.config import ConfigError, PreprocessConfig, looks_like_path
 from mimo_data.tally import CountedError
 from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                          TokenBatch, encode_texts, unsupported_reason)
@@ -63,11 +63,17 @@ class Encoded:
 
 def load_tokenizer(config: PreprocessConfig):
     """The configured tokenizer with each modality's special token added if missing."""
+    name = config.tokenizer
+    if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
+        # Not a hub name either: say so instead of the hub's "Repo id must be in the form".
+        raise ConfigError(f"tokenizer: {name!r} is {os.path.abspath(os.path.expanduser(name))}, "
+                          "which is not a directory (in a YAML, paths are relative to its "
+                          "folder)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # hub errors, missing files, bad configs all surface here
-        raise ValueError(f"cannot load tokenizer {config.tokenizer!r}: {exc} (give a local "
-                         "tokenizer directory, or a hub name reachable from here)") from None
+        raise ConfigError(f"tokenizer: cannot load {name!r}: {exc} (give a local tokenizer "
+                          "directory, or a hub name reachable from here)") from None
     missing = [m.token for m in config.modalities.values()
                if m.token not in tokenizer.get_vocab()]
     if missing:

@@ -2,7 +2,7 @@
 
 Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
 
-    tokenizer: assets/tokenizer/smollm2      # local HF tokenizer dir or hub name
+    tokenizer: ../assets/tokenizer/smollm2   # local HF tokenizer dir or hub name
     chat_template: null                      # override: inline Jinja or a path to a .jinja file
     mode: chat                               # chat | caption
     seq_length: 1024
@@ -12,11 +12,18 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
               patch_size: 14, merge_size: 2, temporal_patch_size: 2,
               min_pixels: 3136, max_pixels: 200704}
       audio: {token: "<|audio_pad|>", encoder: whisper, n_mels: 80, max_duration: 30.0}
+
+In a YAML, ``tokenizer:`` and a ``chat_template:`` file are relative to the YAML's folder, not
+to the working directory. A value is a path when it starts with ``.``, ``/`` or ``~``, has
+more than one ``/`` (a hub name has one at most) or exists beside the YAML; otherwise the
+tokenizer is a hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) and the template inline Jinja.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields, replace
+
+import os
 
 import yaml
 
@@ -136,8 +143,15 @@ class PreprocessConfig:
 
     @classmethod
     def from_yaml(cls, path: str) -> "PreprocessConfig":
+        """Load a YAML; its tokenizer and chat_template paths resolve against its folder."""
         with open(path) as handle:
-            return cls.from_dict(yaml.safe_load(handle) or {})
+            data = yaml.safe_load(handle) or {}
+        if isinstance(data, dict):
+            data = dict(data)
+            for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
+                if isinstance(data.get(key), str):
+                    data[key] = _resolve(data[key], key, kind, path)
+        return cls.from_dict(data)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -150,3 +164,26 @@ def _make(kind, values: dict, where: str):
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
     return kind(**values)
+
+
+def looks_like_path(value: str, base: str = ".") -> bool:
+    """Whether a tokenizer or chat_template value is a path (see the module docstring)."""
+    if "\n" in value or "{" in value:                  # inline Jinja
+        return False
+    return (value.startswith((".", "/", "~")) or value.count("/") > 1 or value.endswith(".jinja")
+            or os.path.exists(os.path.join(base, os.path.expanduser(value))))
+
+
+def _resolve(value: str, key: str, kind: str, yaml_path: str) -> str:
+    """``value`` of ``key`` as an absolute path when it is one (against the YAML's folder)."""
+    base = os.path.dirname(os.path.abspath(yaml_path))
+    if not looks_like_path(value, base):
+        return value
+    resolved = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    exists = os.path.isdir(resolved) if kind == "directory" else os.path.isfile(resolved)
+    if not exists:
+        raise ConfigError(f"{key}: {value!r} in {yaml_path} is {resolved}, which is not a "
+                          f"{kind}; paths are relative to the YAML's folder"
+                          + (" (or give a hub name such as HuggingFaceTB/SmolLM2-135M-Instruct)"
+                             if key == "tokenizer" else ""))
+    return resolved

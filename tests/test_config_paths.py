@@ -1,0 +1,91 @@
+"""Paths in a preprocessing YAML are relative to the YAML's folder, not the working directory;
+hub names stay hub names; a wrong tokenizer path is a ConfigError naming ``tokenizer:``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import yaml
+
+from mimo_data.preprocess.chat_tokens import TextEncoder, load_tokenizer
+from mimo_data.preprocess.config import ConfigError, PreprocessConfig
+
+from conftest import REPO
+
+TOKENIZER = REPO / "assets" / "tokenizer" / "smollm2"
+
+
+def _write(path, **values):
+    data = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())
+    data.update(values)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_shipped_configs_load_from_any_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("preprocess.yaml", "preprocess_audio.yaml", "preprocess_images.yaml"):
+        config = PreprocessConfig.from_yaml(str(REPO / "configs" / name))
+        assert config.tokenizer == str(TOKENIZER)
+
+
+def test_relative_paths_resolve_against_the_yaml_folder(tmp_path, monkeypatch):
+    shutil.copytree(TOKENIZER, tmp_path / "project" / "tok")
+    template = (TOKENIZER / "chat_template.jinja").read_text()
+    (tmp_path / "project" / "templates").mkdir()
+    (tmp_path / "project" / "templates" / "chatml.jinja").write_text(template)
+    path = _write(tmp_path / "project" / "configs" / "pre.yaml", tokenizer="../tok",
+                  chat_template="../templates/chatml.jinja")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = PreprocessConfig.from_yaml(os.path.relpath(path, elsewhere))
+    assert config.tokenizer == str(tmp_path / "project" / "tok")
+    assert config.chat_template == str(tmp_path / "project" / "templates" / "chatml.jinja")
+    encoder = TextEncoder(config, cache_tokens=False)
+    assert encoder.template == template
+    text, _ = encoder.render([{"role": "user", "content": "Hi"},
+                              {"role": "assistant", "content": "Hello."}])
+    assert "<|im_start|>assistant\nHello.<|im_end|>" in text
+
+
+def test_a_name_beside_the_yaml_is_a_path_and_inline_jinja_stays_inline(tmp_path):
+    shutil.copytree(TOKENIZER, tmp_path / "smollm2")
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    config = PreprocessConfig.from_yaml(str(_write(tmp_path / "pre.yaml", tokenizer="smollm2",
+                                                   chat_template=inline)))
+    assert config.tokenizer == str(tmp_path / "smollm2")
+    assert config.chat_template == inline
+
+
+def test_hub_names_stay_hub_names(tmp_path):
+    config = PreprocessConfig.from_yaml(str(_write(
+        tmp_path / "pre.yaml", tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")))
+    assert config.tokenizer == "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("value", ["assets/tokenizer/smollm2", "./tok", "../no/tokenizer"])
+def test_a_wrong_tokenizer_path_names_the_key_the_yaml_and_the_path(tmp_path, value):
+    path = _write(tmp_path / "configs" / "pre.yaml", tokenizer=value)
+    with pytest.raises(ConfigError) as caught:
+        PreprocessConfig.from_yaml(str(path))
+    message = str(caught.value)
+    resolved = os.path.normpath(os.path.join(tmp_path / "configs", value))
+    assert message.startswith("tokenizer:") and str(path) in message and resolved in message
+    assert "Repo id" not in message
+
+
+def test_a_wrong_tokenizer_path_from_a_dict_names_the_key(tmp_path):
+    config = PreprocessConfig(tokenizer=str(tmp_path / "no" / "such" / "tokenizer"))
+    with pytest.raises(ConfigError, match=r"^tokenizer: .*no/such/tokenizer.*not a directory"):
+        load_tokenizer(config)
+
+
+def test_a_missing_template_file_names_the_key(tmp_path):
+    path = _write(tmp_path / "pre.yaml", tokenizer=str(TOKENIZER),
+                  chat_template="templates/missing.jinja")
+    with pytest.raises(ConfigError, match=r"^chat_template: .*missing\.jinja"):
+        PreprocessConfig.from_yaml(str(path))
