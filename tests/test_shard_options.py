@@ -92,7 +92,7 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
     before = file_bytes(out)
 
     code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress")
-    assert code == 1
+    assert code == 2
     assert "--overwrite" in err and str(out) in err
     assert file_bytes(out) == before, "a refused build changed the existing dataset"
 
@@ -113,7 +113,7 @@ def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
 
     for extra in ((), ("--overwrite",)):
         code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress", *extra)
-        assert code == 1
+        assert code == 2
         assert "README.txt" in err
         assert file_bytes(out) == before
         assert sorted(os.listdir(out)) == ["README.txt", "notes"]

@@ -104,7 +104,7 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
 
     # Without the flags the conversation column cannot be found: the whole input is refused.
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "refused", "--no-progress")
-    assert code == 1
+    assert code == 2
     assert "dialog" in err and "column" in err
     assert not (tmp_path / "refused").exists()
 
@@ -122,7 +122,7 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
 
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "missing", "--no-progress",
                             "--messages-column", "no_such_column")
-    assert code == 1 and "no_such_column" in err
+    assert code == 2 and "no_such_column" in err
 
 
 def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):

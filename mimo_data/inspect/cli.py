@@ -7,26 +7,22 @@
 Everything runs the training code path (the metadata-only preprocessor) without decoding
 media, except the HTML gallery's thumbnails and spectrograms.
 
-Exit status: 0 when every check passes; 1 when a check fails (one line per failed check on
-stderr: reason, count, first keys), so it can gate a launch in CI; 2 when it cannot run (bad
-arguments, no dataset, bad config).
+Exit status (the same for every mimo CLI):
+  0  ok: every check passes
+  1  a check or the data failed (one line per failed check on stderr: reason, count, first
+     keys), so it can gate a launch in CI; also a damaged or incomplete dataset
+  2  usage or config error: bad arguments, a bad config, no such dataset directory
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import random
+import os
 import sys
 
-from mimo_data.shards.index import DatasetError
-from mimo_data.inspect.report import (CHECKS, Thresholds, build_report, failure_lines,
-                                      format_report, write_json)
-from mimo_data.inspect.sample import format_sample, sample_problems
-from mimo_data.inspect.stats import IndexTable, SampleInspector
-from mimo_data.preprocess.config import ConfigError, PreprocessConfig
-from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
-from mimo_data.shards.reader import ShardReader
+# Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
+# arguments are parsed, so that --help answers at once.
+from mimo_data.inspect.checks import CHECKS, Thresholds
 
 _DEFAULTS = Thresholds()
 
@@ -57,7 +53,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mimo-inspect", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True,
+                                     help="what to do (each has its own --help)")
 
     s = commands.add_parser("sample", help="one sample's tokens by class, counts and media")
     _common(s)
@@ -100,8 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--layout", required=True, metavar="L",
                    help="layout: YAML file or compact string, e.g. 'language=dp2;images=dp1'")
-    p.add_argument("--global-batch-size", type=int, required=True, metavar="B")
-    p.add_argument("--micro-batch-size", type=int, required=True, metavar="M")
+    p.add_argument("--global-batch-size", type=int, required=True, metavar="B",
+                   help="samples per optimizer step, over all data-parallel ranks")
+    p.add_argument("--micro-batch-size", type=int, required=True, metavar="M",
+                   help="samples per forward pass on one rank")
     p.add_argument("--seed", type=int, default=0, help="sample-order seed (default 0)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
     p.add_argument("--json", action="store_true",
@@ -109,7 +108,12 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _sample(args, config: PreprocessConfig) -> int:
+def _sample(args, config) -> int:
+    import random
+
+    from mimo_data.inspect.sample import format_sample, sample_problems
+    from mimo_data.inspect.stats import IndexTable, SampleInspector
+    from mimo_data.shards.reader import ShardReader
     reader = ShardReader(args.directory)
     if args.key is not None:
         try:
@@ -147,7 +151,11 @@ def _sample(args, config: PreprocessConfig) -> int:
     return 1 if failed else 0
 
 
-def _report(args, config: PreprocessConfig) -> int:
+def _report(args, config) -> int:
+    import json
+
+    from mimo_data.inspect.report import build_report, failure_lines, format_report, write_json
+    from mimo_data.inspect.stats import SampleInspector
     thresholds = Thresholds(**{name: getattr(args, name)
                                for name in Thresholds.__dataclass_fields__})
     inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
@@ -174,7 +182,7 @@ def _report(args, config: PreprocessConfig) -> int:
     return 1 if failures else 0
 
 
-def _plan(args, config: PreprocessConfig) -> int:
+def _plan(args, config) -> int:
     try:
         from mimo_data.inspect.plan import run_plan
     except ImportError as exc:
@@ -185,12 +193,18 @@ def _plan(args, config: PreprocessConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mimo_data.preprocess.config import ConfigError, PreprocessConfig
+    from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
+    from mimo_data.shards.index import DatasetError
     try:
         config = PreprocessConfig.from_yaml(args.config)
         return {"sample": _sample, "report": _report, "plan": _plan}[args.command](args, config)
-    except (ConfigError, DatasetError, OSError, ValueError, SegmentCacheError) as exc:
-        print(f"mimo-inspect {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
+        error, status = exc, 1 if os.path.isdir(args.directory) else 2
+    except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
+        error, status = exc, 2
+    print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

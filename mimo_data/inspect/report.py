@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
+from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
@@ -44,36 +45,6 @@ from mimo_data.stats import summary
 
 KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)
 KEYS_IN_MESSAGE = 5     # first keys named in a failed check's line
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Limits of the report's checks (see the module docstring)."""
-    max_zero_trained_fraction: float = 0.0
-    max_dropped_fraction: float = 0.0
-    max_truncated_fraction: float = 0.0
-    max_template_failures: int = 0
-    max_marker_mismatches: int = 0
-    max_placeholder_mismatches: int = 0
-    max_index_mismatches: int = 0
-    min_trained_token_fraction: float = 0.0
-
-
-# check name -> (threshold field, kind, what is counted)
-CHECKS = {
-    "zero_trained": ("max_zero_trained_fraction", "fraction", "samples with no trained token"),
-    "dropped": ("max_dropped_fraction", "fraction", "samples dropped by the preprocessor"),
-    "truncated": ("max_truncated_fraction", "fraction",
-                  "samples with turns removed to fit seq_length"),
-    "template_failures": ("max_template_failures", "count",
-                          "samples the chat template cannot render or round-trip"),
-    "marker_mismatches": ("max_marker_mismatches", "count",
-                          "samples whose <image>/<audio> markers disagree with their media"),
-    "placeholder_mismatches": ("max_placeholder_mismatches", "count",
-                               "samples whose placeholder tokens disagree with metadata counts"),
-    "index_mismatches": ("max_index_mismatches", "count",
-                         "samples whose media disagree with samples.parquet"),
-}
 
 
 @dataclass

@@ -37,6 +37,10 @@ class BuildError(Exception):
     """The build stopped (bad output dir, unreadable input, or --strict on a bad record)."""
 
 
+class StrictStop(BuildError):
+    """``--strict`` stopped the build at a bad record (the data failed, not the call)."""
+
+
 @dataclass
 class BuildOptions:
     name: str = "data"
@@ -194,7 +198,7 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
                 result = Rejected(exc.reason, result.location, exc.detail)
         if isinstance(result, Rejected):
             if options.strict:
-                raise BuildError(f"{result.location}: {result.reason}: {result.detail} "
+                raise StrictStop(f"{result.location}: {result.reason}: {result.detail} "
                                  "(--strict stops at the first bad record)")
             report.skip(result.reason, result.location, result.detail)
             continue

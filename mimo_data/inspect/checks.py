@@ -1,0 +1,38 @@
+"""The checks of ``mimo-inspect report`` and their limits (see ``report``'s docstring).
+
+Light on purpose: the CLI builds its flags from ``CHECKS`` before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Limits of the report's checks (see ``mimo_data.inspect.report``)."""
+    max_zero_trained_fraction: float = 0.0
+    max_dropped_fraction: float = 0.0
+    max_truncated_fraction: float = 0.0
+    max_template_failures: int = 0
+    max_marker_mismatches: int = 0
+    max_placeholder_mismatches: int = 0
+    max_index_mismatches: int = 0
+    min_trained_token_fraction: float = 0.0
+
+
+# check name -> (threshold field, kind, what is counted)
+CHECKS = {
+    "zero_trained": ("max_zero_trained_fraction", "fraction", "samples with no trained token"),
+    "dropped": ("max_dropped_fraction", "fraction", "samples dropped by the preprocessor"),
+    "truncated": ("max_truncated_fraction", "fraction",
+                  "samples with turns removed to fit seq_length"),
+    "template_failures": ("max_template_failures", "count",
+                          "samples the chat template cannot render or round-trip"),
+    "marker_mismatches": ("max_marker_mismatches", "count",
+                          "samples whose <image>/<audio> markers disagree with their media"),
+    "placeholder_mismatches": ("max_placeholder_mismatches", "count",
+                               "samples whose placeholder tokens disagree with metadata counts"),
+    "index_mismatches": ("max_index_mismatches", "count",
+                         "samples whose media disagree with samples.parquet"),
+}

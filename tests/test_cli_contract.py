@@ -1,0 +1,139 @@
+"""What every mimo CLI promises: one exit-status table (0 ok, 1 a check or the data failed,
+2 usage or config error), help text for every option, and a light import for ``--help``."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import REPO, build_dataset, write_jsonl
+
+CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
+
+
+def _parser(module: str) -> argparse.ArgumentParser:
+    return __import__(module, fromlist=["_parser"])._parser()
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def _main(module: str, capsys, *args) -> tuple[int, str]:
+    """(exit status, stderr) of the CLI's main in-process; argparse's exits count too."""
+    main = __import__(module, fromlist=["main"]).main
+    capsys.readouterr()
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("cli", sorted(CLIS))
+def test_every_option_of_every_subcommand_has_help(cli):
+    parser = _parser(CLIS[cli])
+    commands = _subparsers(parser)
+    assert commands, f"{cli} has no subcommands"
+    missing = [f"{name}: {action.option_strings or action.dest}"
+               for name, sub in [("", parser), *commands.items()] for action in sub._actions
+               if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
+    assert not missing, f"{cli} options without help: {missing}"
+
+
+def test_importing_the_clis_imports_nothing_heavy():
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in CLIS.values()) +
+            "print(sorted(m for m in ('torch', 'transformers', 'pyarrow', 'webdataset', "
+            "'megatron', 'PIL') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, cwd=REPO)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+@pytest.mark.parametrize("cli", sorted(CLIS))
+def test_usage_errors_exit_2(capsys, tmp_path, cli):
+    module = CLIS[cli]
+    code, err = _main(module, capsys, "no-such-command")
+    assert code == 2 and "invalid choice" in err
+    sub = "build" if cli == "mimo-shard" else "report"
+    code, err = _main(module, capsys, sub)                      # required arguments missing
+    assert code == 2 and "required" in err
+    code, err = _main(module, capsys, "info" if cli == "mimo-shard" else "report",
+                      tmp_path / "missing", *(() if cli == "mimo-shard" else
+                                              ("--config", REPO / "configs" / "preprocess.yaml")))
+    assert code == 2 and "missing" in err
+
+
+def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
+    source = write_jsonl(tmp_path / "in.jsonl", good_records)
+    module = CLIS["mimo-shard"]
+    code, err = _main(module, capsys, "build", source, "-o", tmp_path / "a",
+                      "--max-samples-per-shard", "0", "--no-progress", "--workers", "0")
+    assert code == 2 and "--max-samples-per-shard" in err
+    code, err = _main(module, capsys, "build", tmp_path / "nope.jsonl", "-o", tmp_path / "b",
+                      "--no-progress", "--workers", "0")
+    assert code == 2 and "not found" in err
+    code, err = _main(module, capsys, "build", source, "-o", tmp_path / "c",
+                      "--max-shard-bytes", "lots")
+    assert code == 2 and "lots" in err
+
+
+def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):
+    module = CLIS["mimo-shard"]
+    bad = [*good_records, {"id": "bad", "image": str(tmp_path / "gone.jpg"),
+                           "conversations": good_records[0]["conversations"]}]
+    source = write_jsonl(tmp_path / "in.jsonl", bad)
+    code, err = _main(module, capsys, "build", source, "-o", tmp_path / "strict", "--strict",
+                      "--no-progress", "--workers", "0")
+    assert code == 1 and "--strict" in err
+    (tmp_path / "incomplete").mkdir()                           # an interrupted build
+    code, err = _main(module, capsys, "verify", tmp_path / "incomplete", "--no-progress")
+    assert code == 1 and "index.json" in err
+
+
+@pytest.fixture(scope="module")
+def text_dataset(tmp_path_factory):
+    """Three text-only chats, built in-process (no media: cheap)."""
+    root = tmp_path_factory.mktemp("cli-contract")
+    records = [{"id": f"t{i}", "conversations": [{"from": "human", "value": f"Question {i}?"},
+                                                 {"from": "gpt", "value": f"Answer {i}."}]}
+               for i in range(3)]
+    build_dataset([write_jsonl(root / "text.jsonl", records)], root / "shards")
+    return root / "shards"
+
+
+def _config(path, **changes):
+    data = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())
+    data["tokenizer"] = str(REPO / "assets" / "tokenizer" / "smollm2")
+    data.update(changes)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("changes, named", [({"mode": "poem"}, "mode"),
+                                            ({"seq_len": 8}, "seq_len"),
+                                            ({"tokenizer": "./no/such/dir"}, "tokenizer:")])
+def test_inspect_bad_config_exits_2(capsys, tmp_path, text_dataset, changes, named):
+    config = _config(tmp_path / "bad.yaml", **changes)
+    code, err = _main(CLIS["mimo-inspect"], capsys, "report", text_dataset, "--config", config,
+                      "--no-progress")
+    assert code == 2 and named in err
+
+
+def test_inspect_failed_check_exits_1(capsys, tmp_path, text_dataset):
+    config = _config(tmp_path / "good.yaml")
+    module = CLIS["mimo-inspect"]
+    code, err = _main(module, capsys, "report", text_dataset, "--config", config,
+                      "--no-progress")
+    assert code == 0, err
+    code, err = _main(module, capsys, "report", text_dataset, "--config", config,
+                      "--no-progress", "--min-trained-token-fraction", "0.99")
+    assert code == 1 and "FAIL trained_token_fraction" in err
