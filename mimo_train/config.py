@@ -1,4 +1,4 @@
-"""The one training config: a YAML file plus ``key.path=value`` overrides (issue 5, item 1).
+"""The one training config: a YAML file plus ``key.path=value`` overrides.
 
     cfg = TrainConfig.load("configs/train/images_audio_noncolocated.yaml", ["train.steps=50"])
 
@@ -7,13 +7,25 @@ Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a valid
 dict), ``model`` (language-model dims, one entry per encoder module, projections, frozen
 modules), ``optimizer`` (with warmup + cosine LR), ``train`` (batches, steps, eval, logging, seed,
 device, precision) and ``checkpoint``. Unknown keys are errors naming the key, so a typo never
-falls back silently to a default. Relative paths are taken from the current directory.
+falls back silently to a default.
+
+Paths: a relative path written in the YAML file is taken from the file's folder (``datasets:
+[../../runs/demo/shards]``), one given as an override from the current directory; both are
+stored absolute. ``PATH_KEYS`` lists the path keys. ``model.encoders.<name>.pretrained`` also
+takes a hub name (``org/model``): a value there is a path when it is absolute, starts with
+``.`` or ``~``, or exists relative to the base folder; otherwise it is kept as a hub name.
+``check_inputs`` reports a missing input path with its key and resolved path.
+
+Warmup: ``optimizer.warmup_steps`` longer than the run is clamped to ``train.steps - 1`` (the
+cosine decay needs one step), with a one-line note, so a short smoke run (``train.steps=3``)
+needs no other override; the decay always spans ``train.steps``.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import yaml
@@ -27,7 +39,7 @@ class TrainConfigError(ValueError):
 class DataConfig:
     datasets: list = field(default_factory=list)      # shard directories (mimo-shard build)
     weights: list | None = None                       # blend weights, one per dataset
-    preprocess: str = "configs/preprocess.yaml"       # PreprocessConfig YAML
+    preprocess: str | None = None                     # PreprocessConfig YAML (required)
     valid: list = field(default_factory=list)         # shard directories for evaluation
     num_workers: int = 0                              # loader worker processes per rank
 
@@ -61,7 +73,7 @@ class ModelConfig:
     encoders: dict = field(default_factory=dict)      # module name -> EncoderConfig
     projection: str = "linear"                        # linear | mlp (Linear-GELU-Linear)
     freeze: list = field(default_factory=list)        # module names whose weights stay fixed
-    init_from: str | None = None                      # weights.pt of a mimo_train checkpoint
+    init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
 
 
 @dataclass
@@ -112,6 +124,7 @@ class TrainConfig:
         (values parsed as YAML), validate."""
         data: dict = {}
         if path is not None:
+            path = os.path.abspath(path)
             try:
                 with open(path) as f:
                     data = yaml.safe_load(f) or {}
@@ -121,8 +134,9 @@ class TrainConfig:
                 raise TrainConfigError(f"{path} is not valid YAML: {error}") from None
             if not isinstance(data, dict):
                 raise TrainConfigError(f"{path}: the top level must be a mapping")
+            _resolve_paths(data, os.path.dirname(path))
         for override in overrides:
-            _apply_override(data, override)
+            _apply_override(data, override, os.getcwd())
         config = _build(cls, data, "")
         config.validate()
         return config
@@ -150,9 +164,9 @@ class TrainConfig:
             raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
         if not 0 <= opt.min_lr <= opt.lr:
             raise TrainConfigError(f"optimizer.min_lr {opt.min_lr} must be in [0, lr={opt.lr}]")
-        if opt.warmup_steps >= run.steps and opt.warmup_steps:
-            raise TrainConfigError(f"optimizer.warmup_steps {opt.warmup_steps} leaves no decay "
-                                   f"in {run.steps} steps: lower it below train.steps")
+        if opt.warmup_steps < 0:
+            raise TrainConfigError(f"optimizer.warmup_steps is {opt.warmup_steps}: it must be "
+                                   ">= 0")
         if self.model.projection not in ("linear", "mlp"):
             raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear "
                                    "or mlp")
@@ -163,8 +177,72 @@ class TrainConfig:
             raise TrainConfigError("train.eval_interval is set but data.valid lists no shard "
                                    "directory to evaluate on")
 
+    def warmup_steps(self) -> tuple[int, str | None]:
+        """The LR warmup of this run, and a note when ``optimizer.warmup_steps`` was clamped
+        to ``train.steps - 1``."""
+        warmup, steps = self.optimizer.warmup_steps, self.train.steps
+        if warmup < steps:
+            return warmup, None
+        return steps - 1, (f"optimizer.warmup_steps {warmup} clamped to {steps - 1} for a "
+                           f"{steps}-step run")
 
-def _apply_override(data: dict, override: str) -> None:
+    def check_inputs(self) -> None:
+        """The input files exist (the shard directories are the trainer's check)."""
+        if self.data.preprocess is None:
+            raise TrainConfigError("data.preprocess is not set: give the preprocessing YAML "
+                                   "(e.g. configs/preprocess.yaml)")
+        wanted = [("data.preprocess", self.data.preprocess, os.path.isfile, "no such file")]
+        if self.model.init_from:
+            wanted.append(("model.init_from", self.model.init_from, os.path.isdir,
+                           "no such directory"))
+        for key, path, exists, what in wanted:
+            if not exists(path):
+                raise TrainConfigError(
+                    f"{key}: {what}: {path} (paths in the YAML are taken from its folder, "
+                    "paths in key=value overrides from the current directory)")
+
+
+# (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
+PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"),
+             ("model", "init_from"), ("model", "encoders", "*", "pretrained"),
+             ("train", "tensorboard_dir"), ("checkpoint", "dir"))
+_HUB_KEYS = {("model", "encoders", "*", "pretrained")}
+
+
+def _resolve(value: str, base: str, hub: bool) -> str:
+    expanded = os.path.expanduser(value)
+    path = os.path.normpath(os.path.join(base, expanded))
+    if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))
+                    or os.path.exists(path)):
+        return value                                  # a hub name, e.g. org/model
+    return path
+
+
+def _resolve_paths(data: dict, base: str) -> None:
+    """Make the path values in a raw config mapping absolute, relative ones taken from
+    ``base``; values of the wrong type are left for the type checks."""
+    def walk(node, keys: tuple, pattern: tuple):
+        if not isinstance(node, dict):
+            return
+        head, rest = keys[0], keys[1:]
+        names = list(node) if head == "*" else [head] if head in node else []
+        for name in names:
+            if rest:
+                walk(node[name], rest, pattern)
+                continue
+            value, hub = node[name], pattern in _HUB_KEYS
+            if isinstance(value, str) and value:
+                node[name] = _resolve(value, base, hub)
+            elif isinstance(value, list):
+                node[name] = [_resolve(v, base, hub) if isinstance(v, str) and v else v
+                              for v in value]
+
+    for pattern in PATH_KEYS:
+        walk(data, pattern, pattern)
+
+
+def _apply_override(data: dict, override: str, base: str) -> None:
+    """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``."""
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise TrainConfigError(f"override {override!r} is not key.path=value "
@@ -179,11 +257,18 @@ def _apply_override(data: dict, override: str) -> None:
             raise TrainConfigError(f"override {override!r}: {part} is not a section")
         node = child
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text else None
+        value = yaml.safe_load(text) if text else None
     except yaml.YAMLError as error:
         raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
                                f"({error.__class__.__name__}); quote it or fix the brackets"
                                ) from None
+    alone: dict = value                               # the override as a mapping of its own
+    for part in reversed(parts):
+        alone = {part: alone}
+    _resolve_paths(alone, base)
+    for part in parts:
+        alone = alone[part]
+    node[parts[-1]] = alone
 
 
 def _build(cls, data, where: str):

@@ -8,6 +8,7 @@ traceback), never fall back silently to a default.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -72,8 +73,10 @@ def load_error(tmp_path, text=MINIMAL, *overrides) -> str:
 
 def test_yaml_file_fills_every_section(tmp_path):
     cfg = load(tmp_path, FULL)
-    assert cfg.data.datasets == ["shards/a", "shards/b"] and cfg.data.weights == [3, 1]
-    assert cfg.data.preprocess == "my/preprocess.yaml" and cfg.data.valid == ["shards/valid"]
+    assert cfg.data.datasets == [str(tmp_path / "shards/a"), str(tmp_path / "shards/b")]
+    assert cfg.data.weights == [3, 1]
+    assert cfg.data.preprocess == str(tmp_path / "my/preprocess.yaml")
+    assert cfg.data.valid == [str(tmp_path / "shards/valid")]
     assert cfg.data.num_workers == 2
     assert cfg.layout == "images=dp2;audio=dp1,off2;language=dp1,off3"
     assert cfg.model.language == LanguageConfig(num_layers=4, hidden_size=128,
@@ -90,13 +93,13 @@ def test_yaml_file_fills_every_section(tmp_path):
             run.eval_steps, run.seed, run.device, run.precision) == (16, 4, 40, 10, 2, 7, "cpu",
                                                                       "bf16")
     assert (cfg.checkpoint.dir, cfg.checkpoint.interval, cfg.checkpoint.resume) == (
-        "runs/x", 20, False)
+        str(tmp_path / "runs/x"), 20, False)
 
 
 def test_missing_keys_take_the_dataclass_defaults(tmp_path):
     cfg = load(tmp_path, MINIMAL)
     defaults = TrainConfig()
-    assert cfg.data.datasets == ["shards/a"]
+    assert cfg.data.datasets == [str(tmp_path / "shards/a")]
     for section in ("model", "optimizer", "train", "checkpoint"):
         assert getattr(cfg, section) == getattr(defaults, section), section
     assert cfg.layout == defaults.layout
@@ -135,9 +138,11 @@ def test_empty_file_falls_to_the_datasets_rule(tmp_path):
     assert "data.datasets is empty" in load_error(tmp_path, "")
 
 
-def test_no_file_only_overrides(tmp_path):
+def test_no_file_only_overrides(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     cfg = TrainConfig.load(None, ["data.datasets=[x, y]", "train.steps=3"])
-    assert cfg.data.datasets == ["x", "y"] and cfg.train.steps == 3
+    assert cfg.data.datasets == [str(tmp_path / "x"), str(tmp_path / "y")]
+    assert cfg.train.steps == 3
 
 
 # ------------------------------------------------------------------------------- overrides
@@ -147,9 +152,9 @@ def test_no_file_only_overrides(tmp_path):
     ("optimizer.lr=0.05", lambda c: c.optimizer.lr, 0.05),
     ("optimizer.lr=2.5e-2", lambda c: c.optimizer.lr, 0.025),
     ("optimizer.lr=1e-2", lambda c: c.optimizer.lr, 0.01),      # YAML 1.1 reads this as text
-    ("data.datasets=[x, 'y z']", lambda c: c.data.datasets, ["x", "y z"]),
+    ("data.datasets=[/x, '/y z']", lambda c: c.data.datasets, ["/x", "/y z"]),
     ("model.freeze=[images, audio]", lambda c: c.model.freeze, ["images", "audio"]),
-    ("train.tensorboard_dir=runs/tb", lambda c: c.train.tensorboard_dir, "runs/tb"),
+    ("train.tensorboard_dir=/runs/tb", lambda c: c.train.tensorboard_dir, "/runs/tb"),
     ("checkpoint.dir=null", lambda c: c.checkpoint.dir, None),
     ("checkpoint.dir=", lambda c: c.checkpoint.dir, None),
     ("checkpoint.resume=false", lambda c: c.checkpoint.resume, False),
@@ -185,8 +190,8 @@ def test_override_creates_new_nested_encoder(tmp_path):
 def test_override_into_empty_section(tmp_path):
     """``train:`` with nothing under it is an empty section, and overrides can fill it."""
     cfg = load(tmp_path, MINIMAL + "train:\ncheckpoint:\n", "train.steps=7",
-               "checkpoint.dir=runs/y")
-    assert cfg.train.steps == 7 and cfg.checkpoint.dir == "runs/y"
+               "checkpoint.dir=/runs/y")
+    assert cfg.train.steps == 7 and cfg.checkpoint.dir == "/runs/y"
 
 
 def test_later_override_wins(tmp_path):
@@ -195,8 +200,8 @@ def test_later_override_wins(tmp_path):
 
 
 def test_whole_section_override(tmp_path):
-    cfg = load(tmp_path, FULL, "checkpoint={dir: runs/z}")
-    assert cfg.checkpoint.dir == "runs/z" and cfg.checkpoint.interval == 0
+    cfg = load(tmp_path, FULL, "checkpoint={dir: /runs/z}")
+    assert cfg.checkpoint.dir == "/runs/z" and cfg.checkpoint.interval == 0
 
 
 # ------------------------------------------------------------------------ unknown keys
@@ -297,8 +302,7 @@ train: {steps: 20}
     (["train.precision=fp16"], "train.precision is 'fp16'"),
     (["optimizer.min_lr=0.01"], "optimizer.min_lr 0.01"),
     (["optimizer.min_lr=-0.0001"], "optimizer.min_lr -0.0001"),
-    (["optimizer.warmup_steps=20"], "optimizer.warmup_steps 20"),
-    (["optimizer.warmup_steps=50"], "optimizer.warmup_steps 50"),
+    (["optimizer.warmup_steps=-1"], "optimizer.warmup_steps is -1"),
     (["data.valid=[v]"], "data.valid is set but train.eval_interval is 0"),
     (["train.eval_interval=5"], "train.eval_interval is set but data.valid"),
     (["model.projection=conv"], "model.projection is 'conv'"),
@@ -312,6 +316,8 @@ def test_validate_rule(tmp_path, overrides, fragment):
     ["data.weights=[1, 3]"],
     ["data.weights=null"],
     ["optimizer.warmup_steps=19"],
+    ["optimizer.warmup_steps=20"],                   # clamped at run time (warmup_steps())
+    ["optimizer.warmup_steps=50"],
     ["optimizer.warmup_steps=0", "train.steps=1"],
     ["optimizer.min_lr=0.001"],
     ["optimizer.min_lr=0"],
@@ -325,16 +331,19 @@ def test_validate_accepts_the_boundaries(tmp_path, overrides):
     for override in overrides:
         key, _, text = override.partition("=")
         section, name = key.split(".")
-        assert getattr(getattr(cfg, section), name) == yaml.safe_load(text), override
+        expected = yaml.safe_load(text)
+        if key == "data.valid":                       # a path list, taken from the cwd
+            expected = [os.path.abspath(v) for v in expected]
+        assert getattr(getattr(cfg, section), name) == expected, override
 
 
 def test_validate_applies_to_a_config_built_in_code(tmp_path):
     cfg = load(tmp_path, VALID)
     cfg.validate()
-    cfg.train.steps = 2
-    with pytest.raises(TrainConfigError, match="optimizer.warmup_steps 2"):
+    cfg.train.steps = 0
+    with pytest.raises(TrainConfigError, match="train.steps is 0"):
         cfg.validate()
-    cfg.optimizer.warmup_steps = 1
+    cfg.train.steps = 2
     cfg.validate()
     cfg.train.precision = "fp8"
     with pytest.raises(TrainConfigError, match="train.precision"):
@@ -351,10 +360,12 @@ def test_there_are_shipped_training_configs():
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_shipped_config_loads_and_is_coherent(path, monkeypatch):
-    monkeypatch.chdir(REPO)          # relative paths are taken from the current directory
+def test_shipped_config_loads_and_is_coherent(path, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)      # paths in the YAML are taken from its folder, not the cwd
     cfg = TrainConfig.load(str(path))
-    assert cfg.data.datasets
+    assert cfg.data.datasets == [str(REPO / "runs" / "demo" / "shards")]
+    assert cfg.checkpoint.dir == str(REPO / "runs" / path.stem / "checkpoints")
+    cfg.check_inputs()
     preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
     layout = Layout.parse(cfg.layout)
     layout.validate(layout.world_size, cfg.train.global_batch_size, cfg.train.micro_batch_size,
@@ -364,3 +375,101 @@ def test_shipped_config_loads_and_is_coherent(path, monkeypatch):
     # The file's overrides work on it too, e.g. the demo's shorter run.
     shorter = TrainConfig.load(str(path), ["train.steps=5", "optimizer.warmup_steps=1"])
     assert shorter.train.steps == 5
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_config_three_step_smoke_run_clamps_the_warmup(path):
+    """``train.steps=3`` alone: the shipped warmup (3) becomes 2 with a note; megatron-core's
+    scheduler then warms up over 2 steps and decays on the third."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    import torch
+
+    cfg = TrainConfig.load(str(path), ["train.steps=3"])
+    assert cfg.optimizer.warmup_steps == 3
+    warmup, note = cfg.warmup_steps()
+    assert warmup == 2 and note == "optimizer.warmup_steps 3 clamped to 2 for a 3-step run"
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    opt = cfg.optimizer
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=cfg.train.steps, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+        wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
+    lrs = []
+    for _ in range(cfg.train.steps):
+        scheduler.step(1)
+        lrs.append(optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([opt.lr / 2, opt.lr, opt.min_lr])
+
+
+def test_warmup_within_the_run_is_kept(tmp_path):
+    assert load(tmp_path, VALID).warmup_steps() == (2, None)
+    assert load(tmp_path, VALID, "train.steps=1", "optimizer.warmup_steps=0"
+                ).warmup_steps() == (0, None)
+    assert load(tmp_path, VALID, "train.steps=1").warmup_steps()[0] == 0
+
+
+# ----------------------------------------------------------------------------------- paths
+
+def test_yaml_paths_are_taken_from_the_yaml_folder(tmp_path, monkeypatch):
+    (tmp_path / "configs" / "train").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    path = write(tmp_path / "configs" / "train", """
+data: {datasets: [../../shards, /abs/shards], preprocess: ../p.yaml, valid: [v]}
+model:
+  init_from: ../../ckpt/step_0000003
+  encoders: {images: {pretrained: ../../models/vit}}
+train: {tensorboard_dir: tb, eval_interval: 1}
+checkpoint: {dir: ../../runs/x}
+""")
+    cfg = TrainConfig.load(path)
+    assert cfg.data.datasets == [str(tmp_path / "shards"), "/abs/shards"]
+    assert cfg.data.preprocess == str(tmp_path / "configs" / "p.yaml")
+    assert cfg.data.valid == [str(tmp_path / "configs" / "train" / "v")]
+    assert cfg.model.init_from == str(tmp_path / "ckpt" / "step_0000003")
+    assert cfg.model.encoders["images"].pretrained == str(tmp_path / "models" / "vit")
+    assert cfg.train.tensorboard_dir == str(tmp_path / "configs" / "train" / "tb")
+    assert cfg.checkpoint.dir == str(tmp_path / "runs" / "x")
+
+
+def test_override_paths_are_taken_from_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path / "cfg", "data: {datasets: [a], preprocess: p.yaml}\n")
+    cfg = TrainConfig.load(path, ["data.datasets=[runs/s]", "checkpoint.dir=ck",
+                                  "data={preprocess: q.yaml, datasets: [b]}",
+                                  "model.encoders.images.pretrained=./vit"])
+    assert cfg.data.datasets == [str(tmp_path / "b")]
+    assert cfg.data.preprocess == str(tmp_path / "q.yaml")
+    assert cfg.checkpoint.dir == str(tmp_path / "ck")
+    assert cfg.model.encoders["images"].pretrained == str(tmp_path / "vit")
+    # the YAML's own value, not overridden, still comes from the YAML's folder
+    cfg = TrainConfig.load(path, ["checkpoint.dir=ck"])
+    assert cfg.data.preprocess == str(tmp_path / "cfg" / "p.yaml")
+
+
+def test_hub_names_stay_hub_names(tmp_path):
+    (tmp_path / "local" / "vit").mkdir(parents=True)
+    cfg = load(tmp_path, MINIMAL + "model: {encoders: {images: {pretrained: "
+               "HuggingFaceTB/SmolLM2-135M}, audio: {pretrained: local/vit}}}\n")
+    assert cfg.model.encoders["images"].pretrained == "HuggingFaceTB/SmolLM2-135M"
+    assert cfg.model.encoders["audio"].pretrained == str(tmp_path / "local" / "vit")
+
+
+@pytest.mark.parametrize("text, overrides, fragment", [
+    ("data: {datasets: [a], preprocess: nope.yaml}\n", [], "data.preprocess: no such file: "
+     "{tmp}/nope.yaml"),
+    ("data: {datasets: [a]}\n", [], "data.preprocess is not set"),
+    ("data: {datasets: [a], preprocess: p.yaml}\nmodel: {init_from: ../gone}\n", [],
+     "model.init_from: no such directory: {parent}/gone"),
+    ("data: {datasets: [a], preprocess: p.yaml}\n", ["model.init_from=gone"],
+     "model.init_from: no such directory: {cwd}/gone"),
+], ids=["preprocess", "preprocess unset", "init_from in yaml", "init_from override"])
+def test_missing_input_path_names_the_key_and_the_resolved_path(tmp_path, text, overrides,
+                                                                 fragment):
+    (tmp_path / "p.yaml").write_text("{}\n")
+    cfg = load(tmp_path, text, *overrides)
+    with pytest.raises(TrainConfigError) as error:
+        cfg.check_inputs()
+    assert fragment.format(tmp=tmp_path, parent=tmp_path.parent, cwd=os.getcwd()) in \
+        str(error.value)
