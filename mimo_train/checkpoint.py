@@ -10,6 +10,8 @@ Layout on disk::
 A rank file holds ``model`` (this rank's modules, weights with *global* layer numbers, see
 ``model.module_state``), ``optimizer`` (``MimoOptimizer.state_dict()``), ``schedulers``,
 ``loader`` (``RankLoader.state_dict()``, None on ranks without data), ``step`` and the RNG state.
+``save`` and ``load`` take those parts as objects with ``state_dict()`` / ``load_state_dict()``
+(``Parts`` groups several into one, ``TorchRNG`` is the generator's).
 Resuming needs the same layout (optimizer state is per rank); ``model.init_from`` loads only the
 weights of any checkpoint into any layout, since the ``model`` entries of all rank files together
 hold every module whole. Plain ``torch.save`` per rank rather than megatron-core's distributed
@@ -49,9 +51,34 @@ def latest(root: str | None) -> str | None:
     return os.path.join(root, name)
 
 
-def save(root: str, step: int, rank_state: dict, meta: dict) -> str:
-    """Write this rank's state; rank 0 writes ``meta.json`` and moves ``latest`` once all ranks
-    are done (collective: every rank calls it)."""
+class Parts(dict):
+    """Named parts with ``state_dict()`` / ``load_state_dict()`` that are one part together
+    (e.g. the per-module LR schedulers)."""
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, part in self.items():
+            part.load_state_dict(state[name])
+
+
+class TorchRNG:
+    """torch's CPU generator as a checkpoint part."""
+
+    def state_dict(self) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def load_state_dict(self, state: torch.Tensor) -> None:
+        torch.set_rng_state(state)
+
+
+def save(root: str, step: int, parts: dict, meta: dict) -> str:
+    """Write this rank's file: ``step`` and each part's ``state_dict()`` (None for a part that
+    is None on this rank, e.g. the loader of a rank without data); rank 0 writes ``meta.json``
+    and moves ``latest`` once all ranks are done (collective: every rank calls it)."""
+    rank_state = {"step": step, **{name: part.state_dict() if part is not None else None
+                                   for name, part in parts.items()}}
     directory = step_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     rank = dist.get_rank()
@@ -66,8 +93,9 @@ def save(root: str, step: int, rank_state: dict, meta: dict) -> str:
     return directory
 
 
-def load_rank(directory: str, meta_expected: dict) -> dict:
-    """This rank's state from ``directory``, after checking it was saved for this layout."""
+def load(directory: str, parts: dict, meta_expected: dict) -> int:
+    """Load this rank's file from ``directory`` into ``parts`` (in their order), after checking
+    it was saved for this layout; returns the checkpoint's step."""
     with open(os.path.join(directory, "meta.json")) as f:
         meta = json.load(f)
     for key in ("layout", "world_size", "global_batch_size"):
@@ -78,7 +106,11 @@ def load_rank(directory: str, meta_expected: dict) -> dict:
                 f"{key}; to start a new run from its weights under another layout use "
                 f"model.init_from={directory} and a new checkpoint.dir")
     path = os.path.join(directory, f"rank_{dist.get_rank():05d}.pt")
-    return torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    for name, part in parts.items():
+        if part is not None:
+            part.load_state_dict(state[name])
+    return state["step"]
 
 
 def load_weights(directory: str) -> dict:

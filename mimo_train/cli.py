@@ -1,43 +1,70 @@
-"""``mimo-train`` / ``torchrun --nproc-per-node N -m mimo_train --config CFG [key=value ...]``."""
+"""``mimo-train`` / ``torchrun --nproc-per-node N -m mimo_train --config CFG [key=value ...]``.
+
+Exit codes (of each rank; torchrun itself exits non-zero when any rank does):
+
+- 0: trained to ``train.steps`` (or ``train.exit_interval``);
+- 1: a check or the data failed: the shards do not suit the layout (start-up ``data`` phase),
+  or training itself raised (with its traceback);
+- 2: usage or config error: a bad option, key or value, a missing input path, a layout that
+  does not fit the world, a checkpoint saved for another layout.
+
+A start-up failure is printed once, by rank 0, naming the ranks that failed; every rank exits.
+Nothing heavy is imported before the arguments are parsed: ``--help`` answers at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
-import torch.distributed as dist
-
+from mimo_train import console
 from mimo_train.config import TrainConfig, TrainConfigError
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mimo-train", description="Train a MIMO model (megatron-core MimoModel) on shards "
-        "from mimo-shard build; run one process per rank under torchrun.")
-    parser.add_argument("--config", required=True, help="training config YAML")
+        "from mimo-shard build; run one process per rank under torchrun.",
+        epilog="Exit codes: 0 done, 1 a check or the data failed, 2 usage or config error. "
+        "Relative paths in the YAML are taken from its folder, those in overrides from the "
+        "current directory.")
+    parser.add_argument("--config", required=True, metavar="YAML",
+                        help="training config YAML (see mimo_train/config.py and "
+                        "configs/train/)")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
-                        help="config overrides, e.g. train.steps=50 checkpoint.dir=runs/x")
-    parser.add_argument("--records", help="write every logged record as JSON lines here "
-                        "(rank 0)")
-    args = parser.parse_args(argv)
+                        help="config overrides, values parsed as YAML, e.g. train.steps=50 "
+                        "checkpoint.dir=runs/x")
+    parser.add_argument("--records", metavar="JSONL",
+                        help="write every train and eval record as JSON lines here (rank 0)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    console.quiet_third_party()
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
     except TrainConfigError as error:
-        print(f"mimo-train: {error}", file=sys.stderr)
-        return 2
-    from mimo_train.trainer import StartupError, dump_records, train
+        return console.fail_before_setup("config", error)
+    start = time.perf_counter()
+    import torch.distributed as dist
+
+    from mimo_train.metrics import dump
+    from mimo_train.trainer import train
+    console.say(f"{console.PREFIX}torch and megatron-core loaded "
+                f"({time.perf_counter() - start:.1f} s)")
     try:
         records = train(cfg)
         if args.records:
-            dump_records(records, args.records)
-    except (StartupError, TrainConfigError) as error:
-        print(f"mimo-train: {error}", file=sys.stderr, flush=True)
-        # Every rank gets here from the same agreement (trainer._agree). Exit only once all
-        # have printed: torchrun stops the other ranks as soon as the first one exits.
-        if dist.is_initialized():
-            dist.barrier()
-        return 2
+            dump(records, args.records)
+    except console.StartupError as error:
+        return console.report_failure(error)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,10 +3,9 @@
 megatron-core assumes CUDA in a handful of places (DESIGN.md, "CPU (gloo) and GPU (NCCL)").
 ``activate()`` patches exactly those, and only when CUDA is absent
 (``torch.cuda.is_available()`` is False); with a GPU it does nothing, so NCCL runs use
-megatron-core unchanged. Nothing else in mimo_train knows about this module beyond calling
-``activate()`` once, before building models or process groups, and before importing
-megatron-core functions by name (``from ...schedules import forward_backward_no_pipelining``
-would keep the unpatched function; ``get_forward_backward_func()`` returns the patched one).
+megatron-core unchanged. ``mimo_train.mcore`` calls ``activate()`` at its import, before it
+imports megatron-core's names (taking a function by name before the patch would keep the
+unpatched one), and is the only module of mimo_train that uses this one.
 
 Each patch is one entry of ``PATCHES``: a name, what fails without it (file:line in
 megatron-core 0.19.2 and the exception) and the function that applies it. Patches are

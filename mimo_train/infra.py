@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mimo_data.loading.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
+from mimo_train.mcore import HyperCommGrid, ProcessGroupCollection
 
 # Groups megatron-core reads from a module's ProcessGroupCollection: the models (tp, cp, pp,
 # tp_cp, mp, ...), DDP (dp, dp_cp, intra_dp_cp), finalize_model_grads and the optimizer
@@ -29,8 +30,8 @@ _EXPERT_GROUPS = (("ep",), ("expt_tp",), ("expt_dp",), ("expt_tp", "ep"),
 class ModuleInfra:
     """One module's grid and, on ranks inside it, its process groups."""
     name: str
-    grid: object                        # megatron.core.hyper_comm_grid.HyperCommGrid
-    pgs: object | None                  # ProcessGroupCollection, None on ranks outside
+    grid: HyperCommGrid
+    pgs: ProcessGroupCollection | None  # None on ranks outside the module
 
 
 @dataclass
@@ -57,8 +58,6 @@ class Infra:
 
 def build_infra(layout: Layout, backend: str) -> Infra:
     """Create every module's grid and groups (collective: call on all ranks, same layout)."""
-    from megatron.core.hyper_comm_grid import HyperCommGrid
-
     rank = dist.get_rank()
     modules = {}
     for module in layout.modules:
@@ -78,8 +77,6 @@ def build_infra(layout: Layout, backend: str) -> Infra:
 
 
 def _collection(grid):
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
     def expert(dims):
         return grid.get_pg(dims, view="expert")
 

@@ -1,11 +1,12 @@
 """megatron-core ``MimoModel`` from the training config: a GPT language model, one encoder module
 per encoder in the layout (encoder + projection to the language hidden size), per-module
-megatron-core DDP and ``MimoOptimizer`` (issue 5, item 3).
+megatron-core DDP and ``MimoOptimizer``.
 
 Weights are initialized on the CPU from the seed (``use_cpu_initialization``), then moved to the
 device. ``module_state`` / ``load_module_state`` read and write a module's weights with *global*
 layer numbers, so weights saved under one layout load under another (pipeline stages hold
 ``decoder.layers.<local>``; the global index is ``local + first layer of the stage``).
+``ModuleWeights`` and ``TrainedOptimizers`` are the model's and the optimizer's checkpoint parts.
 """
 
 from __future__ import annotations
@@ -18,13 +19,16 @@ from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
 from mimo_train.encoders import build_encoder, default_kind
 from mimo_train.infra import Infra
+from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
+                              DistributedDataParallelConfig, GPTModel, MegatronOptimizerConfig,
+                              MimoModel, MimoModelConfig, ModelType, ModuleSpec,
+                              TransformerConfig, VisionModalitySubmodules,
+                              get_gpt_layer_local_spec, get_mimo_optimizer)
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 
 def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     lm = cfg.model.language
     language = layout.language
     if lm.num_layers % language.pp:
@@ -121,16 +125,13 @@ class _SeededEncoder(torch.nn.Module):
         return self.encoder(**inputs)
 
 
-def _seeded_gpt_class(gpt_model):
-    # a factory: megatron-core is imported only after cpu_compat.activate() (see trainer.py)
-    class SeededGPTModel(gpt_model):
-        """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights
-        with or without encoders on the rank; pipeline stages each draw only their layers)."""
+class _SeededGPTModel(GPTModel):
+    """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
+    or without encoders on the rank; pipeline stages each draw only their layers)."""
 
-        def __init__(self, *, seed: int, **kwargs):
-            torch.manual_seed(seed)
-            super().__init__(**kwargs)
-    return SeededGPTModel
+    def __init__(self, *, seed: int, **kwargs):
+        torch.manual_seed(seed)
+        super().__init__(**kwargs)
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -141,14 +142,6 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                 special_token_ids: dict, device: torch.device):
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.enums import ModelType
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
-                                           VisionModalitySubmodules)
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
     layout, seed = infra.layout, cfg.train.seed
     transformer = language_transformer_config(cfg, layout, device)
     settings = encoder_settings(cfg, infra, preprocess)
@@ -170,8 +163,9 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                     kind=cfg.model.projection))]))
         token_ids[name] = special_token_ids[modality]
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
-    language_spec = ModuleSpec(module=_seeded_gpt_class(GPTModel), params=dict(
-        seed=_module_seed(seed, LANGUAGE), config=transformer, transformer_layer_spec=get_gpt_layer_local_spec(),
+    language_spec = ModuleSpec(module=_SeededGPTModel, params=dict(
+        seed=_module_seed(seed, LANGUAGE), config=transformer,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=vocab_size(cfg, tokenizer_size), max_sequence_length=preprocess.seq_length,
         position_embedding_type="rope", share_embeddings_and_output_weights=False,
         pre_process=language is None or language.first_stage,
@@ -202,12 +196,9 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
 
 
 def build_optimizer(cfg: TrainConfig, model):
-    from megatron.core.models.mimo import get_mimo_optimizer
-    from megatron.core.optimizer import OptimizerConfig
-
     opt = cfg.optimizer
     bf16 = cfg.train.precision == "bf16"
-    return get_mimo_optimizer(model, OptimizerConfig(
+    return get_mimo_optimizer(model, MegatronOptimizerConfig(
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
@@ -231,7 +222,6 @@ def _encoder_output_size(spec: EncoderConfig, name: str) -> int:
 
 def unwrap(module):
     """The module inside megatron-core DDP."""
-    from megatron.core.distributed import DistributedDataParallel
     return module.module if isinstance(module, DistributedDataParallel) else module
 
 
@@ -281,3 +271,46 @@ def load_module_state(module, state: dict, offset: int, where: str) -> None:
         raise TrainConfigError(f"{where} lacks {len(missing)} weights this rank needs, e.g. "
                                f"{missing[:3]}: it was saved for another model configuration")
     inner.load_state_dict({own[key]: state[key] for key in own}, strict=False)
+
+
+class ModuleWeights:
+    """This rank's modules as a checkpoint part: weights with global layer numbers, by module
+    (``load`` also takes the merged weights of any checkpoint: ``model.init_from``)."""
+
+    def __init__(self, modules: dict, offsets: dict):
+        self.modules = modules          # name -> DDP module on this rank
+        self.offsets = offsets          # name -> global index of this rank's first layer
+
+    def state_dict(self) -> dict:
+        return {name: module_state(module, self.offsets[name])
+                for name, module in self.modules.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.load(state, "the checkpoint")
+
+    def load(self, weights: dict, where: str) -> None:
+        for name, module in self.modules.items():
+            if name not in weights:
+                raise TrainConfigError(f"{where} has no weights for module {name!r} (it has "
+                                       f"{sorted(weights)})")
+            load_module_state(module, weights[name], self.offsets[name], f"{where} ({name})")
+
+
+def trained_optimizers(optimizer, freeze) -> dict:
+    """This rank's module optimizers, frozen modules left out (they have no state)."""
+    return {name: info.optimizer for name, info in optimizer.module_infos.items()
+            if info.is_active and info.optimizer is not None and name not in freeze}
+
+
+class TrainedOptimizers:
+    """The ``MimoOptimizer`` as a checkpoint part: the state of its trained modules."""
+
+    def __init__(self, optimizer, freeze):
+        self.optimizer = optimizer
+        self.trained = trained_optimizers(optimizer, freeze)
+
+    def state_dict(self) -> dict:
+        return {name: optimizer.state_dict() for name, optimizer in self.trained.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

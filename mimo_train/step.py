@@ -1,4 +1,4 @@
-"""One training step's pieces, given to megatron-core's schedules (issue 5, item 4).
+"""One training step's pieces, given to megatron-core's schedules.
 
 - ``model_inputs``: a loader batch → ``MimoModel.forward`` kwargs on the device. The loader
   gives each rank only the keys its role needs; ``modality_inputs`` are re-keyed from modality
@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.infra import Infra
+from mimo_train.mcore import finalize_model_grads
 
 
 # Sequences are cut to the batch's longest sample, rounded up to this many tokens.
@@ -125,8 +126,6 @@ class GradientFinalizer:
         self.global_tokens = 0
 
     def __call__(self, model_list, num_tokens, pg_collection=None, force_all_reduce=False):
-        from megatron.core.distributed import finalize_model_grads
-
         local = float(num_tokens.item()) if num_tokens is not None else 0.0
         (self.global_tokens,) = global_sum([local], self.infra, self.device)
         for name, module in self.modules.items():

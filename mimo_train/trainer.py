@@ -1,20 +1,20 @@
-"""Set-up and training loop: ``train(cfg)`` on every rank of a ``torchrun`` job (issue 5, item 5).
+"""Set-up and training loop: ``train(cfg)`` on every rank of a ``torchrun`` job.
 
-Set-up runs in phases; each phase ends with every rank agreeing on success (``_agree``), so a
-bad config, missing shards or a vocab smaller than the tokenizer stops every rank with the same
-message instead of leaving the healthy ranks waiting in a collective.
+Set-up runs in phases (``console.phase``: device, config, process groups, model, data, resume);
+each ends with every rank agreeing on success, so a bad config, missing shards or a vocab
+smaller than the tokenizer stops every rank with one gathered message instead of leaving the
+healthy ranks waiting in a collective. Rank 0 prints one line per phase with its seconds.
 
-The loop: megatron-core's multimodule 1F1B schedule (``forward_backward_pipelining_without_
-interleaving`` with ``MultiModulePipelineCommunicator``) for non-colocated layouts, and
-``forward_backward_no_pipelining`` for colocated ones (one process per rank holds every module);
-``MimoOptimizer`` step; per-module warmup + cosine LR (``OptimizerParamScheduler``); logging to
-stdout and TensorBoard; evaluation; checkpoints with the loader state.
+The loop (``Trainer.run``): megatron-core's multimodule 1F1B schedule
+(``forward_backward_pipelining_without_interleaving`` with ``MultiModulePipelineCommunicator``)
+for non-colocated layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
+rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
+(``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; checkpoints
+(``checkpoint``) of the parts that carry state.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import socket
 import time
@@ -24,54 +24,36 @@ import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_data.loading.loader import build_loader, check_even_split, variable_token_modalities
+from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards.format import INDEX_FILE
 from mimo_train import checkpoint
+from mimo_train.console import PREFIX, phase, say
 from mimo_train.config import TrainConfig, TrainConfigError
 from mimo_train.infra import Infra, build_infra
-from mimo_train.model import (build_model, build_optimizer, layer_offset, load_module_state,
-                              local_modules, module_state, vocab_size)
+from mimo_train.mcore import (MultiModulePipelineCommunicator, MultiModuleProcessGroupCollection,
+                              OptimizerParamScheduler, get_forward_backward_func,
+                              model_parallel_cuda_manual_seed, parallel_state)
+from mimo_train.metrics import Metrics, eval_record, forward_seconds, train_record, world_max
+from mimo_train.model import (ModuleWeights, TrainedOptimizers, build_model, build_optimizer,
+                              layer_offset, local_modules, trained_optimizers, vocab_size)
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync, synchronize
 
 
-class StartupError(RuntimeError):
-    """Set-up failed on at least one rank; the message gathers every rank's reason."""
-
-
-def _log(message: str) -> None:
-    if dist.get_rank() == 0:
-        print(message, flush=True)
-
-
-def _agree(phase: str, function):
-    """Run ``function`` on every rank; if it fails anywhere, raise on every rank."""
-    try:
-        result, error = function(), None
-    except (TrainConfigError, ValueError, OSError, RuntimeError, KeyError) as exc:
-        result, error = None, f"{type(exc).__name__}: {exc}"
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    failed = {}
-    for rank, message in enumerate(errors):
-        if message is not None:
-            failed.setdefault(message, []).append(rank)
-    if failed:
-        lines = [f"  rank(s) {ranks}: {message}" for message, ranks in failed.items()]
-        raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines))
-    return result
-
-
-def _device(setting: str) -> torch.device:
-    if setting == "cuda" or (setting == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise TrainConfigError("train.device is cuda but no CUDA device is visible: use "
-                                   "train.device=cpu or auto")
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if torch.cuda.is_available():
+def _device(setting: str) -> tuple[torch.device, Exception | None]:
+    """The device for ``train.device``, and the error to report once the ranks have joined."""
+    cuda = torch.cuda.is_available()
+    if setting == "cuda" and not cuda:
+        return torch.device("cpu"), TrainConfigError(
+            "train.device is cuda but no CUDA device is visible: use train.device=cpu or auto")
+    if setting == "cpu" and cuda:
         # cpu_compat (megatron-core on CPU) switches on only without CUDA (DESIGN.md)
-        raise TrainConfigError("train.device is cpu but CUDA devices are visible: hide them "
-                               "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
-    return torch.device("cpu")
+        return torch.device("cpu"), TrainConfigError(
+            "train.device is cpu but CUDA devices are visible: hide them "
+            "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
+    if cuda:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), None
+    return torch.device("cpu"), None
 
 
 def init_distributed(device: torch.device) -> None:
@@ -94,11 +76,18 @@ def init_distributed(device: torch.device) -> None:
                                 world_size=1, **kwargs)
 
 
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
 def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
-    for directory in [*cfg.data.datasets, *cfg.data.valid]:
-        if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
-            raise TrainConfigError(f"no shards at {directory}: {INDEX_FILE} is missing; build "
-                                   f"them with mimo-shard build ... --output {directory}")
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        for directory in directories:
+            if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
+                raise TrainConfigError(
+                    f"{key}: no shards at {directory}: {INDEX_FILE} is missing; build them "
+                    f"with mimo-shard build ... --output {directory}")
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                     cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                     modalities=list(preprocess.modalities))
@@ -109,34 +98,31 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.device = _device(cfg.train.device)
+        start = time.perf_counter()
+        self.device, problem = _device(cfg.train.device)
         init_distributed(self.device)
-        if self.device.type == "cpu":
-            from mimo_train import cpu_compat
-            cpu_compat.activate()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.preprocess, self.layout, text = _agree("config", self._read_config)
-        self.infra: Infra = _agree("process groups", lambda: build_infra(
+        phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
+              lambda: _raise(problem), start)
+        self.preprocess, self.layout, text = phase(
+            "config", "config, tokenizer and shards checked", self._read_config)
+        self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo"))
-        self.model = _agree("model", lambda: self._build_model(text))
-        self.modules = local_modules(self.model, self.infra)
-        self.optimizer = build_optimizer(cfg, self.model)
-        self.schedulers = self._schedulers()
-        self.loader, self.valid_loader = _agree("data", self._loaders)
+        phase("model", "model and optimizer built", lambda: self._build(text))
+        self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
-        self.forward = ForwardStep(self.infra, self.device)
-        self._wire_schedule()
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if resume:
-            _agree("resume", lambda: self._resume(resume))
-            _log(f"resumed from {resume} at step {self.step}")
-        self.writer = self._tensorboard()
+            self.step = phase("resume", lambda step: f"resumed from {resume} at step {step}",
+                              lambda: checkpoint.load(resume, self.checkpoint_parts(),
+                                                      self._meta()))
+        self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
+                               cfg.train.steps)
 
     # ------------------------------------------------------------------------------ set-up
 
     def _read_config(self):
-        from mimo_data.preprocess.chat_tokens import TextEncoder
-
+        self.cfg.check_inputs()
         preprocess = PreprocessConfig.from_yaml(self.cfg.data.preprocess)
         layout = Layout.parse(self.cfg.layout)
         _check_data(self.cfg, preprocess, layout)
@@ -144,50 +130,38 @@ class Trainer:
         vocab_size(self.cfg, text.vocab_size)
         return preprocess, layout, text
 
-    def _build_model(self, text):
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
+    def _build(self, text) -> None:
+        """Model, its checkpoint part, optimizer, LR schedulers, the schedule's wiring."""
+        cfg = self.cfg
         parallel_state._set_global_memory_buffer()     # initialize_model_parallel is not used
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
-        tp_rank = language.tp_rank if language else 0
-        torch.manual_seed(self.cfg.train.seed)
-        model_parallel_cuda_manual_seed(self.cfg.train.seed, tp_rank=tp_rank, ep_rank=0,
-                                        etp_rank=0)
-        model = build_model(self.cfg, self.infra, self.preprocess, text.vocab_size,
-                            text.modality_token_ids, self.device)
-        if self.cfg.model.init_from:
-            weights = checkpoint.load_weights(self.cfg.model.init_from)
-            self._load_weights(model, weights, self.cfg.model.init_from)
-        return model
-
-    def _load_weights(self, model, weights: dict, where: str) -> None:
-        for name, module in local_modules(model, self.infra).items():
-            if name not in weights:
-                raise TrainConfigError(f"{where} has no weights for module {name!r} (it has "
-                                       f"{sorted(weights)})")
-            load_module_state(module, weights[name], self.layer_offset(name), f"{where} ({name})")
+        torch.manual_seed(cfg.train.seed)
+        model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language
+                                        else 0, ep_rank=0, etp_rank=0)
+        self.model = build_model(cfg, self.infra, self.preprocess, text.vocab_size,
+                                 text.modality_token_ids, self.device)
+        self.modules = local_modules(self.model, self.infra)
+        self.weights = ModuleWeights(self.modules, {name: self.layer_offset(name)
+                                                    for name in self.modules})
+        if cfg.model.init_from:
+            self.weights.load(checkpoint.load_weights(cfg.model.init_from), cfg.model.init_from)
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
+        warmup, note = cfg.warmup_steps()
+        if note:
+            say(PREFIX + note)
+        self.schedulers = {name: OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
+            lr_warmup_steps=warmup, lr_decay_steps=cfg.train.steps, lr_decay_style="cosine",
+            start_wd=cfg.optimizer.weight_decay, end_wd=cfg.optimizer.weight_decay,
+            wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
+            for name, optimizer in self.trained.items()}
+        self.forward = ForwardStep(self.infra, self.device)
+        self._wire_schedule()
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
         return layer_offset(self.infra, name, self.cfg.model.language.num_layers)
-
-    def _schedulers(self) -> dict:
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        opt, steps = self.cfg.optimizer, self.cfg.train.steps
-        return {name: OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr,
-            lr_warmup_steps=opt.warmup_steps, lr_decay_steps=steps, lr_decay_style="cosine",
-            start_wd=opt.weight_decay, end_wd=opt.weight_decay, wd_incr_steps=steps,
-            wd_incr_style="constant")
-            for name, optimizer in self._trained_optimizers().items()}
-
-    def _trained_optimizers(self) -> dict:
-        """This rank's module optimizers, frozen modules left out (they have no state)."""
-        return {name: info.optimizer for name, info in self.optimizer.module_infos.items()
-                if info.is_active and info.optimizer is not None
-                and name not in self.cfg.model.freeze}
 
     def _loaders(self):
         cfg = self.cfg
@@ -206,9 +180,6 @@ class Trainer:
         return train, valid
 
     def _wire_schedule(self) -> None:
-        from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-        from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
-
         config = self.model.config
         self.finalizer = GradientFinalizer(self.infra, self.modules, self.device)
         config.finalize_model_grads_func = self.finalizer
@@ -221,8 +192,6 @@ class Trainer:
             self.communicator = None
             self.schedule = get_forward_backward_func(pp_size=1, vp_size=None)
             return
-        from megatron.core.pipeline_parallel.multimodule_communicator import (
-            MultiModulePipelineCommunicator)
         self.communicator = MultiModulePipelineCommunicator(
             self.infra.grids, self.infra.topology, config, dim_mapping={"s": 0, "b": 1, "h": 2},
             module_output_ndim={m.name: 2 for m in self.layout.encoders})
@@ -231,14 +200,29 @@ class Trainer:
             module_pgs=local, language_model_module_name=LANGUAGE if LANGUAGE in local else None)
         self.schedule = get_forward_backward_func(schedule_pg_collection=self.pg_collection)
 
-    def _tensorboard(self):
-        directory = self.cfg.train.tensorboard_dir
-        if not directory or self.rank != 0:
-            return None
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(directory)
-
     # -------------------------------------------------------------------------------- loop
+
+    def run(self) -> list[dict]:
+        """Train to ``train.steps``; returns the records (every rank has them)."""
+        run, every = self.cfg.train, self.cfg.checkpoint.interval
+        say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
+            f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
+            f"{run.micro_batch_size} per language DP rank per step")
+        iterator = self.batches(self.loader)
+        while self.step < run.steps:
+            self.metrics.log(self.train_step(iterator))
+            if run.eval_interval and self.step % run.eval_interval == 0:
+                self.metrics.log(self.evaluate())
+            stop = bool(run.exit_interval) and self.step % run.exit_interval == 0
+            last = self.step == run.steps
+            if self.cfg.checkpoint.dir and (last or stop or (every and self.step % every == 0)):
+                say(f"{PREFIX}checkpoint {self.save()}")
+            if stop and not last:
+                say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
+                    f"{self.step}")
+                break
+        self.metrics.close()
+        return self.metrics.records
 
     def batches(self, loader):
         """Micro-batches on ranks with data (across epochs), None elsewhere."""
@@ -261,9 +245,8 @@ class Trainer:
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
             kwargs["p2p_communicator"] = self.communicator
-        reports = self.schedule(**kwargs)
         local = [0.0, 0.0]
-        for report in reports or ():
+        for report in self.schedule(**kwargs) or ():
             total, tokens = report["lm loss"].tolist()
             local[0] += total
             local[1] += tokens
@@ -285,27 +268,12 @@ class Trainer:
         synchronize(self.device)
         seconds = time.perf_counter() - start
         self.step += 1
-        trained = [o.param_groups[0]["lr"] for o in self._trained_optimizers().values()
-                   if o.param_groups]
-        lr = trained[0] if trained else 0.0
-        return {"step": self.step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
-                "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-                "lr": float(_world_max(lr, self.device)), "skipped": not success,
-                "seconds": seconds,
-                "tokens_per_s": tokens / seconds,
-                "samples_per_s": self.cfg.train.global_batch_size / seconds,
-                "forward_s": self._forward_seconds_by_module()}
-
-    def _forward_seconds_by_module(self) -> dict:
-        """Forward compute seconds of the step, per module (max over the module's ranks)."""
-        names = [m.name for m in self.layout.modules]
-        values = torch.zeros(len(names), dtype=torch.float64, device=self.device)
-        for name in self.infra.local:
-            values[names.index(name)] = self.forward.forward_seconds
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        if self.layout.colocated:
-            return {"+".join(names): float(values.max())}
-        return dict(zip(names, values.tolist()))
+        lrs = [o.param_groups[0]["lr"] for o in self.trained.values() if o.param_groups]
+        (lr,) = world_max([lrs[0] if lrs else 0.0], self.device)
+        forward_s = forward_seconds(self.layout, self.infra.local, self.forward.forward_seconds,
+                                    self.device)
+        return train_record(self.step, loss_sum, tokens, grad_norm, lr, not success, seconds,
+                            self.cfg.train.global_batch_size, forward_s)
 
     def evaluate(self) -> dict:
         """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``."""
@@ -322,66 +290,16 @@ class Trainer:
             module.train()
         if self.valid_loader is not None:
             self.valid_loader.load_state_dict(state)        # same batches at every evaluation
-        return {"step": self.step, "eval_loss": total / max(tokens, 1), "eval_tokens": int(tokens)}
-
-    def run(self) -> list[dict]:
-        """Train to ``train.steps``; returns the logged records (every rank has them)."""
-        cfg = self.cfg
-        _log(f"mimo_train: layout {self.layout} on {self.world} rank(s), device "
-             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
-             f"{cfg.train.micro_batch_size} per language DP rank per step")
-        iterator = self.batches(self.loader)
-        records = []
-        while self.step < cfg.train.steps:
-            record = self.train_step(iterator)
-            records.append(record)
-            if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
-                self._report(record)
-            if cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
-                result = self.evaluate()
-                records.append(result)
-                self._report(result)
-            stop = bool(cfg.train.exit_interval) and self.step % cfg.train.exit_interval == 0
-            if cfg.checkpoint.dir and (self.step == cfg.train.steps or stop or (
-                    cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0)):
-                where = self.save()
-                _log(f"checkpoint: {where}")
-            if stop and self.step < cfg.train.steps:
-                _log(f"exit_interval {cfg.train.exit_interval}: stopping at step {self.step}")
-                break
-        if self.writer is not None:
-            self.writer.close()
-        losses = [r["loss"] for r in records if "loss" in r]
-        if losses:
-            k = max(1, min(3, len(losses) // 2))
-            _log(f"loss over this run's {len(losses)} steps: {sum(losses[:k]) / k:.4f} (mean of "
-                 f"the first {k}) -> {sum(losses[-k:]) / k:.4f} (mean of the last {k})")
-        return records
-
-    def _report(self, record: dict) -> None:
-        if self.rank != 0:
-            return
-        if "eval_loss" in record:
-            print(f"eval step {record['step']}: loss {record['eval_loss']:.4f} over "
-                  f"{record['eval_tokens']} tokens", flush=True)
-        else:
-            forward = " ".join(f"{k} {v * 1000:.0f}ms" for k, v in record["forward_s"].items())
-            print(f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
-                  f"{record['grad_norm']:.3f}  lr {record['lr']:.2e}  tokens {record['tokens']}"
-                  f"  {record['tokens_per_s']:.0f} tok/s  {record['samples_per_s']:.1f} "
-                  f"samples/s  step {record['seconds']:.2f}s  forward: {forward}"
-                  f"{'  (skipped: non-finite gradients)' if record['skipped'] else ''}",
-                  flush=True)
-        if self.writer is not None:
-            for key, value in record.items():
-                if key == "forward_s":
-                    for module, seconds in value.items():
-                        self.writer.add_scalar(f"forward_s/{module}", seconds, record["step"])
-                elif key != "step" and isinstance(value, (int, float)):
-                    self.writer.add_scalar(f"train/{key}" if "eval" not in key else key, value,
-                                           record["step"])
+        return eval_record(self.step, total, tokens)
 
     # -------------------------------------------------------------------------- checkpoints
+
+    def checkpoint_parts(self) -> dict:
+        """What a checkpoint holds for this rank, in loading order (see ``checkpoint``)."""
+        return {"model": self.weights,
+                "optimizer": TrainedOptimizers(self.optimizer, self.cfg.model.freeze),
+                "schedulers": checkpoint.Parts(self.schedulers), "loader": self.loader,
+                "rng": checkpoint.TorchRNG()}
 
     def _meta(self) -> dict:
         return {"step": self.step, "layout": str(self.layout), "world_size": self.world,
@@ -389,46 +307,14 @@ class Trainer:
                 "config": self.cfg.to_dict()}
 
     def save(self) -> str:
-        state = {"step": self.step,
-                 "model": {name: module_state(module, self.layer_offset(name))
-                           for name, module in self.modules.items()},
-                 "optimizer": {n: o.state_dict() for n, o in self._trained_optimizers().items()},
-                 "schedulers": {n: s.state_dict() for n, s in self.schedulers.items()},
-                 "loader": self.loader.state_dict() if self.loader is not None else None,
-                 "rng": torch.get_rng_state()}
-        return checkpoint.save(self.cfg.checkpoint.dir, self.step, state, self._meta())
-
-    def _resume(self, directory: str) -> None:
-        state = checkpoint.load_rank(directory, self._meta())
-        self._load_weights(self.model, state["model"], directory)
-        self.optimizer.load_state_dict(state["optimizer"])
-        for name, scheduler in self.schedulers.items():
-            scheduler.load_state_dict(state["schedulers"][name])
-        if self.loader is not None:
-            self.loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"])
-        self.step = state["step"]
-
-
-def _world_max(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.item()
+        return checkpoint.save(self.cfg.checkpoint.dir, self.step, self.checkpoint_parts(),
+                               self._meta())
 
 
 def train(cfg: TrainConfig) -> list[dict]:
-    """Build the trainer on this rank and train; returns the logged records."""
-    trainer = Trainer(cfg)
-    records = trainer.run()
+    """Build the trainer on this rank and train; returns the records."""
+    records = Trainer(cfg).run()
     if cfg.checkpoint.dir:
-        _log(f"checkpoint dir: {os.path.abspath(cfg.checkpoint.dir)} "
-             f"(latest: {checkpoint.latest(cfg.checkpoint.dir)})")
+        say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "
+            f"(latest: {checkpoint.latest(cfg.checkpoint.dir)})")
     return records
-
-
-def dump_records(records: list[dict], path: str) -> None:
-    """Write the logged records as JSON lines (rank 0)."""
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")

@@ -1,0 +1,170 @@
+"""What training prints besides the step lines: start-up phases, failures, third-party noise.
+
+- ``quiet_third_party()``: the one place where known, harmless warnings of megatron-core, torch
+  and transformers are filtered, each by its exact message (and category or logger), so any
+  other warning still shows. Called on every rank before megatron-core is imported.
+- ``phase(name, done, function)``: one start-up phase on every rank; all ranks agree on success,
+  rank 0 prints ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
+  on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).
+
+Nothing here imports torch at module level: the CLI uses it before parsing arguments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+import warnings
+
+PREFIX = "mimo-train: "
+
+# (category, message regex, module regex) for warnings.filterwarnings: each one is printed by
+# every rank of every run and says nothing a user can act on.
+_WARNINGS = (
+    # megatron-core without TransformerEngine / Apex (CPU runs, plain GPU installs)
+    (UserWarning, r"Transformer Engine and Apex are not installed\. Falling back to ",
+     r"megatron\."),
+    (UserWarning, r"Apex is not installed\. Falling back to Torch Norm", r"megatron\."),
+    # MimoModel and its parts are marked experimental (the warning points at the caller)
+    (UserWarning, r"(MimoModel|MimoModelConfig|ModalitySubmodules|MimoOptimizer) is "
+     r"experimental and still under active development\.", r""),
+    # megatron-core's own default of TransformerConfig.cuda_graph_scope
+    (UserWarning, r"full scope is deprecated\. Use empty cuda_graph_modules", r"megatron\."),
+    # the pipeline communicator's broadcast inside autograd (megatron-core, gloo and NCCL)
+    (UserWarning, r"c10d::broadcast_: an autograd kernel was not registered to the Autograd "
+     r"key\(s\)", r"torch\.autograd"),
+    # torch and megatron-core deprecations that only their next versions act on
+    (FutureWarning, r"`torch\.cuda\.amp\.custom_(fwd|bwd)\(args\.\.\.\)` is deprecated",
+     r"megatron\."),
+    (FutureWarning, r"`torch\.distributed\._(all_gather_base|reduce_scatter_base)` is a private "
+     r"function and will be deprecated", r"megatron\."),
+    (DeprecationWarning, r"`torch\.jit\.script(_method)?` is deprecated", r""),
+    (DeprecationWarning, r"The following imports from `dynamic_context\.py` will be removed",
+     r"megatron\."),
+)
+
+# logger name -> message regexes dropped from it (warnings sent through ``logging``)
+_LOG_RECORDS = {
+    "torch.utils.cpp_extension": (r"No CUDA runtime is found, using CUDA_HOME=",),
+    "megatron.core.utils": (r"is not installed", r"Transformer Engine"),
+    "megatron.core.transformer.transformer_config": (r"cuda_graph", r"is not installed"),
+    "megatron.core.models.mimo": (r"experimental",),
+}
+
+_quiet = False
+
+
+class _DropKnown(logging.Filter):
+    def __init__(self, patterns):
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.patterns)
+
+
+def quiet_third_party() -> None:
+    """Filter the known third-party warnings (idempotent)."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+    for category, message, module in _WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, patterns in _LOG_RECORDS.items():
+        logging.getLogger(name).addFilter(_DropKnown(patterns))
+
+
+def rank() -> int:
+    """This process's rank: the process group's, else torchrun's ``RANK``, else 0."""
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def say(message: str) -> None:
+    """Print one line on rank 0."""
+    if rank() == 0:
+        print(message, flush=True)
+
+
+class StartupError(RuntimeError):
+    """Set-up failed on at least one rank; the message gathers every rank's reason.
+
+    ``exit_code``: 1 when the data failed a check (the ``data`` phase), 2 for a config error."""
+
+    def __init__(self, message: str, phase: str):
+        super().__init__(message)
+        self.phase = phase
+        self.exit_code = 1 if phase == "data" else 2
+
+
+# Exceptions a start-up phase turns into a gathered message; others are bugs (traceback).
+EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
+
+
+def agree(phase: str, function):
+    """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere."""
+    import torch.distributed as dist
+    try:
+        result, error = function(), None
+    except EXPECTED as exc:
+        result, error = None, f"{type(exc).__name__}: {exc}"
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed: dict[str, list[int]] = {}
+    for index, message in enumerate(errors):
+        if message is not None:
+            failed.setdefault(message, []).append(index)
+    if failed:
+        lines = [f"  rank(s) {ranks}: {message}" for message, ranks in failed.items()]
+        raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines), phase)
+    return result
+
+
+def phase(name: str, done, function, start: float | None = None):
+    """``agree(name, function)``, then rank 0 prints ``done`` (text, or a function of the result)
+    with the seconds since ``start`` (``time.perf_counter()``; default: now)."""
+    start = time.perf_counter() if start is None else start
+    result = agree(name, function)
+    text = done(result) if callable(done) else done
+    say(f"{PREFIX}{text} ({time.perf_counter() - start:.1f} s)")
+    return result
+
+
+def report_failure(error: StartupError) -> int:
+    """Print a start-up failure once (rank 0) and wait for every rank; returns the exit code.
+
+    Ranks exit only after rank 0 has printed: torchrun stops the others as soon as one exits."""
+    import torch.distributed as dist
+    if rank() == 0:
+        print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return error.exit_code
+
+
+def fail_before_setup(phase_name: str, error: Exception) -> int:
+    """A failure before the trainer's process group exists (e.g. the config file): under
+    torchrun the ranks still join a gloo group to print the gathered message once."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
+        return StartupError("", phase_name).exit_code
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+    def fail():
+        raise error
+    try:
+        agree(phase_name, fail)
+    except StartupError as startup:
+        return report_failure(startup)
+    finally:
+        dist.destroy_process_group()
+    return 2                                         # not reached: fail() always raises

@@ -1,0 +1,44 @@
+"""megatron-core, as mimo_train uses it: the only module of mimo_train that imports it.
+
+Importing this module first filters the known third-party warnings (``console``), then, when
+CUDA is absent, applies ``cpu_compat`` (megatron-core 0.19.2 on CPU with gloo), and only then
+imports megatron-core: every name below is the patched one. ``cpu_compat`` itself reaches into
+megatron-core internals to patch them and is imported by this module alone.
+"""
+
+from __future__ import annotations
+
+from mimo_train import console, cpu_compat
+
+console.quiet_third_party()
+CPU_PATCHES = cpu_compat.activate()           # [] with CUDA: megatron-core runs unchanged
+
+# ruff: noqa: E402  (the imports must follow the patches)
+from megatron.core import parallel_state
+from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                       finalize_model_grads)
+from megatron.core.enums import ModelType
+from megatron.core.hyper_comm_grid import HyperCommGrid
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
+                                       VisionModalitySubmodules, get_mimo_optimizer)
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.multimodule_communicator import (
+    MultiModulePipelineCommunicator)
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.process_groups_config import (MultiModuleProcessGroupCollection,
+                                                 ProcessGroupCollection)
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+__all__ = [
+    "CPU_PATCHES", "AudioModalitySubmodules", "DistributedDataParallel",
+    "DistributedDataParallelConfig", "GPTModel", "HyperCommGrid", "MegatronOptimizerConfig",
+    "MimoModel", "MimoModelConfig", "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
+    "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
+    "TransformerConfig", "VisionModalitySubmodules", "finalize_model_grads",
+    "get_forward_backward_func", "get_gpt_layer_local_spec", "get_mimo_optimizer",
+    "model_parallel_cuda_manual_seed", "parallel_state"]
