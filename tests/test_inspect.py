@@ -203,6 +203,8 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "index_mismatches": {keys["fault-index"]},
         "truncated": set(),
         "placeholder_mismatches": set(),
+        # The blank lines before that answer are not content: its loss mask covers it.
+        "loss_mask_coverage": set(),
     }
     assert {check: flagged_keys(report, check) for check in expected} == expected
     reasons = {e["key"]: e["detail"].split(":")[0] for e in report["flagged"]["dropped"]}

@@ -18,6 +18,7 @@ class Thresholds:
     max_marker_mismatches: int = 0
     max_placeholder_mismatches: int = 0
     max_index_mismatches: int = 0
+    max_loss_mask_coverage_failures: int = 0
     min_trained_token_fraction: float = 0.0
 
 
@@ -35,4 +36,7 @@ CHECKS = {
                                "samples whose placeholder tokens disagree with metadata counts"),
     "index_mismatches": ("max_index_mismatches", "count",
                          "samples whose media disagree with samples.parquet"),
+    "loss_mask_coverage": ("max_loss_mask_coverage_failures", "count",
+                           "samples whose trained tokens leave out assistant content or take "
+                           "in user/system content"),
 }

@@ -248,6 +248,8 @@ class Gallery:
             labels.append("placeholder_mismatch")
         if stats.index_problems:
             labels.append("index_mismatch")
+        if stats.coverage_failure:
+            labels.append("loss_mask_coverage")
         return labels
 
 

@@ -15,6 +15,8 @@ template_failures           the template cannot render / round-trip it          
 marker_mismatches           ``<image>``/``<audio>`` markers ≠ its media list    count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
 index_mismatches            its media list ≠ its row of samples.parquet         count 0
+loss_mask_coverage          an assistant content character is not trained, or   count 0
+                            a user/system one is (located in the decoded tokens)
 trained_token_fraction      (dataset) trained / real tokens of kept samples     min 0 (off)
 kept_samples                (dataset) fails when no sample is kept              always on
 ==========================  =================================================  ==============
@@ -107,6 +109,8 @@ class ReportBuilder:
                 flagged["truncated"].add(stats, f"{stats.removed_turns} trailing turn(s) removed")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
+            if stats.coverage_failure:
+                flagged["loss_mask_coverage"].add(stats, "; ".join(stats.coverage_problems))
         if stats.marker_mismatch:
             flagged["marker_mismatches"].add(stats, stats.describe_markers())
         if stats.index_problems:

@@ -159,6 +159,8 @@ def sample_problems(stats: SampleStats) -> list[str]:
         problems.append(f"placeholder mismatch: {stats.describe_placeholders()}")
     for problem in stats.index_problems:
         problems.append(f"index mismatch: {problem}")
+    if stats.coverage_failure:
+        problems.append("loss mask coverage: " + "; ".join(stats.coverage_problems))
     return problems
 
 

@@ -10,11 +10,16 @@ Around that, checks that do not trust the preprocessor:
 - placeholders vs metadata: the modality tokens actually in ``input_ids`` against the counts
   computed here from each kept item's metadata with ``token_counts`` (what the encoder emits);
 - record vs index: the record's media against ``samples.parquet`` (member present in the tar,
-  image size, audio duration), the table the loader trusts for counts and offsets.
+  image size, audio duration), the table the loader trusts for counts and offsets;
+- loss mask vs roles: each kept message's content located in the decoded tokens (not through
+  the preprocessor's spans): an assistant content character that is not trained, or a user or
+  system one that is, counts (whitespace aside). A template whose ``{% generation %}`` blocks
+  leave out the answers, or wrap user turns, fails here.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from dataclasses import dataclass, field
@@ -51,6 +56,9 @@ class SampleStats:
     markers: list[str] = field(default_factory=list)    # marker modalities in reading order
     media: list[str] = field(default_factory=list)      # media item modalities in list order
     index_problems: list[str] = field(default_factory=list)
+    assistant_chars_not_trained: int = 0  # non-whitespace content characters, kept turns
+    other_chars_trained: int = 0          # of user/system contents
+    coverage_problems: list[str] = field(default_factory=list)   # one line per turn at fault
 
     @property
     def marker_mismatch(self) -> bool:
@@ -61,6 +69,10 @@ class SampleStats:
         return self.dropped is None and any(
             None in counts or self.placeholders.get(m, 0) != sum(counts)
             or self.counted.get(m) != counts for m, counts in self.expected.items())
+
+    @property
+    def coverage_failure(self) -> bool:
+        return bool(self.assistant_chars_not_trained or self.other_chars_trained)
 
     @property
     def template_failure(self) -> bool:
@@ -150,6 +162,7 @@ class SampleInspector:
         for number, token_id in enumerate(self.token_ids.values(), 1):
             self._modality_of_token[token_id] = number
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
+        self._decoder = self.text.tokenizer.backend_tokenizer
 
     def item_tokens(self, item: dict) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
@@ -195,4 +208,77 @@ class SampleInspector:
         stats.expected = {m: [self.item_tokens(item) for item in text.items
                               if item["modality"] == m] for m in self.config.modalities}
         stats.counted = text.token_counts
+        messages = record["messages"]
+        self.coverage(stats, messages[:len(messages) - text.removed_turns], text.ids,
+                      np.concatenate(([False], text.targets)))
         return stats
+
+    def coverage(self, stats: SampleStats, messages: list[dict], ids: np.ndarray,
+                 trained: np.ndarray) -> None:
+        """Fill the loss-mask-vs-roles facts of ``stats`` from the tokens ``ids`` (all of
+        them, the last target included) and which are trained: decode them in runs of one
+        class, find each message's content in that text, in order, and count its characters
+        in runs of the wrong class."""
+        kind = trained.astype(np.int8)
+        kind[self._modality_of_token[ids] > 0] = 2          # placeholders: neither
+        bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), len(ids)]
+        kinds = kind[bounds[:-1]].tolist()
+        decoded = iter(self._decoder.decode_batch(
+            [ids[a:b].tolist() for a, b, k in zip(bounds, bounds[1:], kinds) if k != 2],
+            skip_special_tokens=False))
+        pieces = [next(decoded) if k != 2 else _PLACEHOLDER for k in kinds]
+        starts = [0]
+        for piece in pieces:
+            starts.append(starts[-1] + len(piece))
+        text, cursor = "".join(pieces), 0
+        for turn, message in enumerate(messages):
+            role = message.get("role")
+            content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
+                _PLACEHOLDER, str(message.get("content", "")))).strip()
+            if not content.replace(_PLACEHOLDER, "").strip():
+                continue
+            found = _locate(text, content, cursor)
+            wrong = 0 if role == "assistant" else 1         # the class its characters must not be
+            if found is None:
+                if role == "assistant":
+                    count = _visible(content)
+                    stats.assistant_chars_not_trained += count
+                    stats.coverage_problems.append(f"turn {turn} (assistant): its content "
+                                                   f"({count} characters) is not in the tokens")
+                continue
+            a, b = found
+            cursor = b
+            count = 0
+            for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
+                if starts[k] >= b:
+                    break
+                if kinds[k] == wrong:
+                    count += _visible(text[max(a, starts[k]):min(b, starts[k + 1])])
+            if count:
+                if role == "assistant":
+                    stats.assistant_chars_not_trained += count
+                else:
+                    stats.other_chars_trained += count
+                stats.coverage_problems.append(
+                    f"turn {turn} ({role}): {count} of {_visible(content)} content characters "
+                    + ("not trained" if role == "assistant" else "trained"))
+
+
+# A media item's placeholder tokens in the decoded text, and its marker in a content.
+_PLACEHOLDER = "\x00"
+_PLACEHOLDERS = re.compile("\x00+")
+
+
+def _visible(text: str) -> int:
+    """Characters that are neither whitespace nor placeholders."""
+    return sum(len(word) for word in text.split()) - text.count(_PLACEHOLDER)
+
+
+def _locate(text: str, content: str, start: int) -> tuple[int, int] | None:
+    """[a, b) of ``content`` in ``text`` from ``start``; whitespace may differ (tokenizers
+    that do not decode it back exactly); None when absent."""
+    found = text.find(content, start)
+    if found >= 0:
+        return found, found + len(content)
+    match = re.compile(r"\s*".join(map(re.escape, content.split()))).search(text, start)
+    return match.span() if match else None

@@ -1,0 +1,117 @@
+"""`mimo-inspect report` fails ``loss_mask_coverage`` when the trained tokens leave out the
+assistant contents or take in user/system contents: templates built here from the shipped
+SmolLM2 (ChatML) one, with ``{% generation %}`` blocks in the wrong places."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from mimo_data.inspect.cli import main
+
+from conftest import REPO, build_dataset, write_jsonl
+
+TOKENIZER = REPO / "assets" / "tokenizer" / "smollm2"
+TURN = """{{'<|im_start|>' + message['role'] + '
+' + message['content'] + '<|im_end|>' + '
+'}}"""
+# Only the end-of-turn token of an assistant turn is trained.
+EOT_ONLY = """{{'<|im_start|>' + message['role'] + '
+' + message['content']}}{% if message['role'] == 'assistant' %}{% generation %}\
+{{'<|im_end|>'}}{% endgeneration %}{% else %}{{'<|im_end|>'}}{% endif %}{{'
+'}}"""
+# The user turns are trained as well as the assistant ones.
+USER_TOO = """{% if message['role'] in ['assistant', 'user'] %}{{'<|im_start|>' + \
+message['role'] + '
+'}}{% generation %}{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'
+'}}{% else %}""" + TURN + "{% endif %}"
+# The shipped template with generation blocks around the assistant turns: right.
+ASSISTANT = """{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant
+'}}{% generation %}{{message['content'] + '<|im_end|>'}}{% endgeneration %}{{'
+'}}{% else %}""" + TURN + "{% endif %}"
+
+
+def _template(turn: str) -> str:
+    shipped = (TOKENIZER / "chat_template.jinja").read_text()
+    assert shipped.count(TURN) == 1, "the shipped template changed: update TURN"
+    return shipped.replace(TURN, turn)
+
+
+@pytest.fixture(scope="module")
+def chats(tmp_path_factory):
+    """Text-only chats (one with a system turn, one with two exchanges), built once."""
+    root = tmp_path_factory.mktemp("coverage")
+    records = [
+        {"id": "plain", "conversations": [
+            {"from": "human", "value": "What is the capital of France?"},
+            {"from": "gpt", "value": "Paris is the capital of France."}]},
+        {"id": "system", "conversations": [
+            {"from": "system", "value": "You answer in one short sentence."},
+            {"from": "human", "value": "Why is the sky blue?"},
+            {"from": "gpt", "value": "Air scatters blue light more than red light."}]},
+        {"id": "two", "conversations": [
+            {"from": "human", "value": "Name a prime number."},
+            {"from": "gpt", "value": "Seven is prime."},
+            {"from": "human", "value": "And an even one?"},
+            {"from": "gpt", "value": "Two is the only even prime."}]},
+    ]
+    build_dataset([write_jsonl(root / "chats.jsonl", records)], root / "shards")
+    return root / "shards"
+
+
+def _config(path, template: str | None):
+    data = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())
+    data["tokenizer"] = str(TOKENIZER)
+    if template is not None:
+        (path.parent / "template.jinja").write_text(template)
+        data["chat_template"] = "template.jinja"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _report(capsys, tmp_path, directory, template, *extra):
+    config = _config(tmp_path / "config.yaml", template)
+    capsys.readouterr()
+    code = main(["report", str(directory), "--config", str(config), "--no-progress",
+                 "--json", str(tmp_path / "report.json"), *map(str, extra)])
+    out, err = capsys.readouterr()
+    report = json.loads((tmp_path / "report.json").read_text())
+    check = next(c for c in report["checks"] if c["name"] == "loss_mask_coverage")
+    return code, out, err, report, check
+
+
+@pytest.mark.parametrize("template", [None, "assistant"])
+def test_shipped_and_right_templates_pass(capsys, tmp_path, chats, template):
+    code, out, err, report, check = _report(
+        capsys, tmp_path, chats, template and _template(ASSISTANT))
+    assert code == 0, err
+    assert check["passed"] and check["count"] == 0
+    assert "PASS  loss_mask_coverage" in out
+
+
+def test_generation_block_around_only_the_end_of_turn_fails(capsys, tmp_path, chats):
+    code, out, err, report, check = _report(capsys, tmp_path, chats, _template(EOT_ONLY),
+                                            "--html", tmp_path / "report.html")
+    assert code == 1
+    assert "FAIL loss_mask_coverage" in err and "FAIL  loss_mask_coverage" in out
+    assert not check["passed"] and check["count"] == 3 and check["of"] == 3
+    details = [entry["detail"] for entry in report["flagged"]["loss_mask_coverage"]]
+    assert all("(assistant)" in d and "not trained" in d for d in details), details
+    # The other checks do not see it: the samples are kept and have trained tokens.
+    assert all(c["passed"] for c in report["checks"] if c["name"] != "loss_mask_coverage")
+    page = (tmp_path / "report.html").read_text()
+    assert "loss_mask_coverage" in page
+
+
+def test_generation_block_around_user_turns_fails(capsys, tmp_path, chats):
+    code, out, err, report, check = _report(capsys, tmp_path, chats, _template(USER_TOO))
+    assert code == 1 and "FAIL loss_mask_coverage" in err
+    assert check["count"] == 3
+    details = [entry["detail"] for entry in report["flagged"]["loss_mask_coverage"]]
+    assert all("(user)" in d and "(assistant)" not in d for d in details), details
+    # A limit lets it pass, as for the other checks.
+    code, _, err, _, check = _report(capsys, tmp_path, chats, _template(USER_TOO),
+                                     "--max-loss-mask-coverage-failures", "3")
+    assert code == 0 and check["passed"], err
