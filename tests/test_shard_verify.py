@@ -86,7 +86,24 @@ def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset
 
     code, _, err = cli_main(capsys, "verify", dataset, "--no-progress")
     assert code == 1
-    assert f"{row['shard']}: {row['key']}" in err and member["name"] in err
+    assert (f"shard {row['shard']}: sample {row['key']} member {row['key']}.{member['name']}: "
+            "does not decode") in err
+
+
+@pytest.mark.parametrize("suffix", [".jpg", ".png", "json"])
+def test_verify_names_the_sample_and_member_of_a_changed_byte(dataset, suffix):
+    """One byte inside one member (a JPEG still decodes with it): the shard's sha256 fails and
+    the member's crc32 names it."""
+    row, member = _member(dataset, suffix)
+    flip_byte(dataset / row["shard"], member["offset"] + member["size"] * 3 // 4)
+    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
+    assert f"{row['shard']}: sha256 differs" in result.stderr
+    named = (f"shard {row['shard']}: sample {row['key']} member "
+             f"{row['key']}.{member['name']}: its bytes changed")
+    assert named in result.stderr, result.stderr
+    others = [line for line in result.stderr.splitlines()
+              if line.startswith("verify: ") and row["key"] not in line and "sha256" not in line]
+    assert not others, others
 
 
 def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):

@@ -64,7 +64,10 @@ def media_member(modality: str, item_index: int, fmt: str) -> str:
     return f"{MEMBER_PREFIX[modality]}{item_index}.{ext}"
 
 
-MEMBER_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64())])
+# crc32 of the member's bytes: lets verify name the member a changed shard byte is in (absent
+# from datasets built before it was added).
+MEMBER_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
+                           ("crc32", pa.int64())])
 
 # One row per sample in samples.parquet, in write order (shard by shard, key order).
 SAMPLES_SCHEMA = pa.schema([

@@ -1,8 +1,13 @@
 """`mimo-shard verify`: re-read every shard and check it against the index and sample table.
 
-Checks each file's size and sha256, every member's key, name, byte offset and size against
-``samples.parquet``, and decodes every media item fully, comparing it with its JSON metadata.
+Checks each file's size and sha256, every member's key, name, byte offset, size and crc32
+against ``samples.parquet``, and decodes every media item fully, comparing it with its JSON
+metadata.
 The tar is walked with ``tarfile`` because webdataset's iterators do not expose member offsets.
+A shard whose size or sha256 differs is walked too, to name the sample and member at fault
+(``shard NAME: sample KEY member KEY.img0.jpg: ...``): one whose crc32 differs, that no longer
+decodes, sits elsewhere than the table says or disagrees with the JSON. (A dataset built before
+members had a crc32 has only the decoding to go by.)
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import json
 import multiprocessing
 import os
 import tarfile
+import zlib
 from collections import defaultdict
 
 import pyarrow.parquet as pq
@@ -48,17 +54,36 @@ def _check_media(where: str, item: dict, data: bytes) -> list[str]:
             found = probe_audio(data)
             keys = ("format", "sample_rate", "channels", "frames")
     except (MediaError, OSError, ValueError, SyntaxError) as exc:
-        return [f"{where}: {item['member']} does not decode: {exc}"]
-    return [f"{where}: {item['member']} {key} is {found[key]!r}, the JSON says {item[key]!r}"
-            for key in keys if found[key] != item.get(key)]
+        return [f"{where} member {_member(where, item)}: does not decode: {exc}"]
+    return [f"{where} member {_member(where, item)}: {key} is {found[key]!r}, the JSON says "
+            f"{item[key]!r}" for key in keys if found[key] != item.get(key)]
+
+
+def _member(where: str, item: dict) -> str:
+    """``KEY.img0.jpg`` of a media item, from ``where`` (``shard NAME: sample KEY``)."""
+    return f"{where.rpartition(' ')[2]}.{item['member']}"
 
 
 def verify_shard(directory: str, shard: dict, rows: list[dict]) -> list[str]:
     """Problems found in one shard (empty list: the shard is intact)."""
     path = os.path.join(directory, shard["name"])
     problems = _check_file(path, shard)
-    if problems:
+    if not os.path.isfile(path):
         return problems
+    try:
+        located = _walk_shard(path, shard, rows)
+    except (tarfile.TarError, OSError, EOFError) as exc:
+        located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
+    if problems and not located:
+        problems.append(f"shard {shard['name']}: every member sits where {SAMPLES_FILE} says, "
+                        "matches its crc32 (where recorded) and decodes: the changed bytes are "
+                        "in tar headers or padding, or in media without a recorded crc32")
+    return problems + located
+
+
+def _walk_shard(path: str, shard: dict, rows: list[dict]) -> list[str]:
+    """Problems of the members of one shard, each naming its sample and member."""
+    problems = []
     expected = iter(rows)
     members: dict[str, bytes] = {}
     samples = 0
@@ -77,34 +102,41 @@ def verify_shard(directory: str, shard: dict, rows: list[dict]) -> list[str]:
                     problems += finish()
                 current, row, members = key, next(expected, None), {}
                 if row is None or row["key"] != key:
-                    problems.append(f"{shard['name']}: key {key} found where the table expects "
-                                    f"{row and row['key']}")
+                    problems.append(f"shard {shard['name']}: sample {key} found where the table "
+                                    f"expects {row and row['key']}")
                     return problems
             record = next((m for m in row["members"] if m["name"] == suffix), None)
-            if record is None or (record["offset"], record["size"]) != (info.offset_data, info.size):
-                problems.append(f"{shard['name']}: {key}.{suffix} at offset {info.offset_data} "
-                                f"size {info.size} does not match the table ({record})")
-            members[suffix] = tar.extractfile(info).read()
+            data = tar.extractfile(info).read()
+            if record is None or (record["offset"], record["size"]) != (info.offset_data,
+                                                                         info.size):
+                problems.append(f"shard {shard['name']}: sample {key} member {key}.{suffix}: at "
+                                f"offset {info.offset_data} size {info.size}, the table says "
+                                f"{record}")
+            elif record.get("crc32") is not None and zlib.crc32(data) != record["crc32"]:
+                problems.append(f"shard {shard['name']}: sample {key} member {key}.{suffix}: "
+                                f"its bytes changed (crc32 differs from {SAMPLES_FILE})")
+            members[suffix] = data
             if len(problems) >= MAX_PROBLEMS_PER_SHARD:
                 return problems
         if current is not None:
             problems += finish()
     if samples != shard["samples"] or samples != len(rows):
-        problems.append(f"{shard['name']}: {samples} samples, the index says {shard['samples']} "
-                        f"and the table {len(rows)}")
+        problems.append(f"shard {shard['name']}: {samples} samples, the index says "
+                        f"{shard['samples']} and the table {len(rows)}")
     return problems
 
 
 def _check_sample(shard_name, key, row, members) -> list[str]:
-    where = f"{shard_name}: {key}"
+    where = f"shard {shard_name}: sample {key}"
     if set(members) != {m["name"] for m in row["members"]}:
         return [f"{where}: members {sorted(members)}, the table lists "
                 f"{sorted(m['name'] for m in row['members'])}"]
     try:
         sample = json.loads(members["json"])
     except (KeyError, ValueError) as exc:
-        return [f"{where}: unreadable JSON ({exc})"]
-    problems = [] if sample.get("key") == key else [f"{where}: JSON key is {sample.get('key')!r}"]
+        return [f"{where} member {key}.json: unreadable JSON ({exc})"]
+    problems = ([] if sample.get("key") == key else
+                [f"{where} member {key}.json: JSON key is {sample.get('key')!r}"])
     for item in sample.get("media", []):
         if item["member"] not in members:
             problems.append(f"{where}: JSON lists {item['member']} but the tar has no such member")

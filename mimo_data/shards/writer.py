@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tarfile
+import zlib
 
 import webdataset
 
@@ -75,7 +76,8 @@ class ShardSet:
         records, offset = [], start
         for suffix in sorted(members):
             length = len(members[suffix])
-            records.append({"name": suffix, "offset": offset + _BLOCK, "size": length})
+            records.append({"name": suffix, "offset": offset + _BLOCK, "size": length,
+                            "crc32": zlib.crc32(members[suffix])})
             offset += _BLOCK + _padded(length)
         if offset != self._tar.tarstream.offset:
             raise RuntimeError(f"tar layout changed: computed end {offset}, "
