@@ -200,9 +200,9 @@ def main(argv: list[str] | None = None) -> int:
         config = PreprocessConfig.from_yaml(args.config)
         return {"sample": _sample, "report": _report, "plan": _plan}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = exc, 1 if os.path.isdir(args.directory) else 2
+        error, status = str(exc), 1 if os.path.isdir(args.directory) else 2
     except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
-        error, status = exc, 2
+        error, status = str(exc), 2
     print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)
     return status
 

@@ -88,11 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args)
     except StrictStop as exc:
-        error, status = exc, 1
+        error, status = str(exc), 1
     except (BuildError, SourceError) as exc:
-        error, status = exc, 2
+        error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = exc, 1 if os.path.isdir(args.directory) else 2
+        error, status = str(exc), 1 if os.path.isdir(args.directory) else 2
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status
 
