@@ -36,6 +36,9 @@ _WARNINGS = (
     # the pipeline communicator's broadcast inside autograd (megatron-core, gloo and NCCL)
     (UserWarning, r"c10d::broadcast_: an autograd kernel was not registered to the Autograd "
      r"key\(s\)", r"torch\.autograd"),
+    # a frozen module's optimizer has no parameters (model.freeze)
+    (UserWarning, r"WARNING: there is no optimizer on RANK \d+\. This may be expected if you "
+     r"have frozen sub-models", r"megatron\."),
     # torch and megatron-core deprecations that only their next versions act on
     (FutureWarning, r"`torch\.cuda\.amp\.custom_(fwd|bwd)\(args\.\.\.\)` is deprecated",
      r"megatron\."),
@@ -52,6 +55,8 @@ _LOG_RECORDS = {
     "megatron.core.utils": (r"is not installed", r"Transformer Engine"),
     "megatron.core.transformer.transformer_config": (r"cuda_graph", r"is not installed"),
     "megatron.core.models.mimo": (r"experimental",),
+    # GPTModel is what MimoModel's language model is in megatron-core 0.19
+    "megatron.core.models.gpt.gpt_model": (r"^GPTModel IS DEPRECATED\.",),
 }
 
 _quiet = False
