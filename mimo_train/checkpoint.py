@@ -121,7 +121,8 @@ def load_weights(directory: str) -> dict:
                               "at a step_* directory written by mimo_train")
     weights: dict = {}
     for path in files:
-        for name, state in torch.load(path, map_location="cpu", weights_only=False)["model"].items():
+        rank_state = torch.load(path, map_location="cpu", weights_only=False)
+        for name, state in rank_state["model"].items():
             weights.setdefault(name, {}).update(state)
     return weights
 

@@ -2,7 +2,7 @@
 
 - ``quiet_third_party()``: the one place where known, harmless warnings of megatron-core, torch
   and transformers are filtered, each by its exact message (and category or logger), so any
-  other warning still shows. Called on every rank before megatron-core is imported.
+  other warning still shows. Called on every rank first thing (``cli``, ``mcore``).
 - ``phase(name, done, function)``: one start-up phase on every rank; all ranks agree on success,
   rank 0 prints ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
   on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).

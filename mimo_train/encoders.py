@@ -56,7 +56,8 @@ class Qwen2VLVision(torch.nn.Module):
         if wrong:
             raise EncoderBuildError(f"vision encoder {pretrained or ''} geometry "
                                     f"{ {k: a for k, (a, _) in wrong.items()} } differs from the "
-                                    f"preprocessing config { {k: b for k, (_, b) in wrong.items()} }"
+                                    "preprocessing config "
+                                    f"{ {k: b for k, (_, b) in wrong.items()} }"
                                     ": the token counts would not match; align modalities.image")
         self.image = image
         self.output_size = config.hidden_size

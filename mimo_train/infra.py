@@ -1,11 +1,11 @@
 """Per-module ``HyperCommGrid``s and process-group collections, built from a ``Layout``.
 
 Every module (``language`` and each encoder) gets a grid of shape ``[tp, cp, dp, pp]`` with
-dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.loading.layout`` uses for data
-placement, so the trainer's DP groups are the loader's DP slices. Group creation is collective
-over the whole world, so every rank builds every module's groups, in layout order; each rank then
-keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each encoder feeds
-``language``.
+dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.loading.layout``
+uses for data placement, so the trainer's DP groups are the loader's DP slices. Group creation
+is collective over the whole world, so every rank builds every module's groups, in layout order;
+each rank then keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each
+encoder feeds ``language``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
-"""Bad configs fail at start-up with a clear message on every rank, never a hang (issue 5
-acceptance): stub ranks, non-divisible batches, unsupported fan-in with variable counts, missing
-shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules and a missing
-pretrained encoder.
+"""Bad configs fail at start-up with one clear message, never a hang: config errors before the
+process groups exist, stub ranks, non-divisible batches, unsupported fan-in with variable counts,
+missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules and a
+missing pretrained encoder.
 
 Each case runs for real: ``torchrun --standalone --nproc-per-node 3 -m mimo_train --config CFG
 key=value ...`` with gloo on the CPU. torchrun writes each rank's stderr to its own file
