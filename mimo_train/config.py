@@ -26,7 +26,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -119,7 +121,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @classmethod
-    def load(cls, path: str | None, overrides=()) -> "TrainConfig":
+    def load(cls, path: str | None, overrides=()) -> TrainConfig:
         """Read ``path`` (YAML; None: defaults only), apply ``key.path=value`` overrides
         (values parsed as YAML), validate."""
         data: dict = {}
@@ -191,7 +193,8 @@ class TrainConfig:
         if self.data.preprocess is None:
             raise TrainConfigError("data.preprocess is not set: give the preprocessing YAML "
                                    "(e.g. configs/preprocess.yaml)")
-        wanted = [("data.preprocess", self.data.preprocess, os.path.isfile, "no such file")]
+        wanted: list[tuple[str, str, Callable[[str], bool], str]] = [
+            ("data.preprocess", self.data.preprocess, os.path.isfile, "no such file")]
         if self.model.init_from:
             wanted.append(("model.init_from", self.model.init_from, os.path.isdir,
                            "no such directory"))
@@ -262,7 +265,7 @@ def _apply_override(data: dict, override: str, base: str) -> None:
         raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
                                f"({error.__class__.__name__}); quote it or fix the brackets"
                                ) from None
-    alone: dict = value                               # the override as a mapping of its own
+    alone: Any = value                                # the override as a mapping of its own
     for part in reversed(parts):
         alone = {part: alone}
     _resolve_paths(alone, base)
@@ -295,16 +298,17 @@ def _build(cls, data, where: str):
         elif kind is not None:
             value = _build(kind, value, f"{where}{name}.")
         else:
-            value = _typed(fields[name].type, value, where + name)
+            value = _typed(str(fields[name].type), value, where + name)
         values[name] = copy.deepcopy(value)
     return cls(**values)
 
 
 # Field annotations (strings: ``from __future__ import annotations``) -> accepted types.
-_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "list": list}
+_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str,
+                                              "bool": bool, "list": list}
 
 
-def _typed(annotation: str, value, key: str):
+def _typed(annotation: str, value: Any, key: str) -> Any:
     """``value`` if it fits the field's annotation (e.g. ``int``, ``list | None``); a float
     field also takes text such as ``1e-4``, which YAML 1.1 does not read as a number."""
     names = [name.strip() for name in annotation.split("|")]
