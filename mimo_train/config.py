@@ -3,7 +3,7 @@
     cfg = TrainConfig.load("configs/train/images_audio_noncolocated.yaml", ["train.steps=50"])
 
 Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a validation set),
-``layout`` (as the loader takes it: a string such as ``"images=dp1;audio=dp1;language=dp1"`` or a
+``layout`` (as the loader takes it: a string such as ``"image=dp1;audio=dp1;language=dp1"`` or a
 dict), ``model`` (language-model dims, one entry per encoder module, projections, frozen
 modules), ``optimizer`` (with warmup + cosine LR), ``train`` (batches, steps, eval, logging, seed,
 device, precision) and ``checkpoint``. Unknown keys are errors naming the key, so a typo never

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from mimo_data.modalities.image import normalize_pixels
-from mimo_data.preprocess.config import AudioConfig, ImageConfig
+from mimo_data.modalities.audio import AudioConfig
+from mimo_data.modalities.image import ImageConfig
 
 
 class EncoderBuildError(ValueError):

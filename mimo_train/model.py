@@ -25,6 +25,9 @@ from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               TransformerConfig, VisionModalitySubmodules,
                               get_gpt_layer_local_spec, get_mimo_optimizer)
 
+# megatron-core's submodule class of each modality (how it splices embeddings in)
+_SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
+
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 
 
@@ -149,12 +152,12 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     modality_specs, token_ids = {}, {}
     for name, (modality, modality_config, spec, kind) in settings.items():
         encoder_size = _encoder_output_size(spec, name)
-        submodules = AudioModalitySubmodules if modality == "audio" else VisionModalitySubmodules
+        submodules = _SUBMODULES[modality]
         modality_specs[name] = ModuleSpec(
             module=submodules,
             params=dict(pg_collection=infra.modules[name].pgs),
             submodules=dict(
-                encoders={modality_config.encoder: ModuleSpec(
+                encoders={modality: ModuleSpec(
                     module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
                                                        modality_config=modality_config,
                                                        spec=spec))},

@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from mimo_data.preprocess.chat_tokens import TextEncoder, load_tokenizer
-from mimo_data.preprocess.config import ConfigError, PreprocessConfig
+from mimo_data.errors import ConfigError
+from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import REPO
 

@@ -29,7 +29,8 @@ from mimo_data.shards.records import marker_order
 from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                          byte_level_lengths, encode_texts, unsupported_reason)
 from mimo_data.shards.reader import ShardReader
-from mimo_data.modalities.token_counts import audio_tokens, image_tokens
+from mimo_data.modalities.audio import audio_tokens
+from mimo_data.modalities.image import image_tokens
 
 from conftest import REPO, build_dataset, samples_table, write_jsonl
 
@@ -596,11 +597,11 @@ def test_inspector_on_an_edited_record_reports_both_mismatches(configs):
 # -------------------------------------------------------------------------------------- plan
 
 PLAN_LAYOUTS = [
-    ("language=dp2;images=dp1;audio=dp1", "default", "clean"),   # fan-out: encoder dp < language dp
+    ("language=dp2;image=dp1;audio=dp1", "default", "clean"),   # fan-out: encoder dp < language dp
     # fan-in splits evenly: fixed-size image tokens and one image in every sample
-    ("language=dp1;images=dp2;audio=dp1", "fixed", "single_image"),
-    ("language=dp2,off0;images=dp2,off0;audio=dp2,off0", "default", "clean"),   # colocated
-    ("language=pp2,dp1;images=dp1;audio=dp1", "default", "clean"),  # language PP2
+    ("language=dp1;image=dp2;audio=dp1", "fixed", "single_image"),
+    ("language=dp2,off0;image=dp2,off0;audio=dp2,off0", "default", "clean"),   # colocated
+    ("language=pp2,dp1;image=dp1;audio=dp1", "default", "clean"),  # language PP2
 ]
 
 
@@ -617,10 +618,10 @@ def single_image(corpus, tmp_path_factory) -> Path:
 
 def test_plan_refuses_fan_in_on_data_with_unequal_item_counts(capsys, clean, configs):
     code, _, err = run(capsys, "plan", clean, "--config", configs["fixed"], "--layout",
-                       "language=dp1;images=dp2;audio=dp1", "--global-batch-size", "8",
+                       "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
                        "--micro-batch-size", "2")
     assert code != 0
-    assert "module 'images' (dp 2)" in err and "sample(s) with 0" in err \
+    assert "module 'image' (dp 2)" in err and "sample(s) with 0" in err \
         and "sample(s) with 2" in err
 
 
@@ -663,7 +664,7 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, 
                 per_step["language"] = (per_step.get("language", 0)
                                         + int(batch["attention_mask"].sum()))
             for modality, by_encoder in batch.get("modality_inputs", {}).items():
-                inputs = by_encoder[config.modalities[modality].encoder]
+                inputs = by_encoder[modality]
                 per_step[modality] = (per_step.get(modality, 0) + sum(
                     rows_to_tokens[modality](inputs, config.modalities[modality])))
         loader.close()
@@ -684,20 +685,20 @@ def test_plan_matches_what_each_ranks_loader_delivers(capsys, request, configs, 
 
 def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
-                         "language=dp3;images=dp1;audio=dp1", "--global-batch-size", "8",
+                         "language=dp3;image=dp1;audio=dp1", "--global-batch-size", "8",
                          "--micro-batch-size", "2")
     assert code == 1 and "INVALID" in out
     assert "FAIL layout" in err and "8" in err and "6" in err
     # Fan-in of variable-size image tokens: the bridge cannot route it.
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
-                         "language=dp1;images=dp2;audio=dp1", "--global-batch-size", "8",
+                         "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
                          "--micro-batch-size", "2")
-    assert code == 1 and "INVALID" in out and "images" in err
+    assert code == 1 and "INVALID" in out and "image" in err
 
 
 def test_plan_text_summary(capsys, clean, configs):
     code, out, _ = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
-                       "language=dp2;images=dp1;audio=dp1", "--global-batch-size", "8",
+                       "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",
                        "--micro-batch-size", "2")
     assert code == 0
     samples = len(ShardReader(str(clean)))

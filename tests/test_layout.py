@@ -11,7 +11,7 @@ from mimo_data.loading.layout import Layout, LayoutError, ModuleLayout
 
 
 def test_compact_string_defaults_offsets_and_modalities():
-    layout = Layout.from_string("language=tp2,pp2,dp2; images=dp1 ;vit=cp2,image;audio=off9")
+    layout = Layout.from_string("language=tp2,pp2,dp2; image=dp1 ;vit=cp2,image;audio=off9")
     language, images, vit, audio = layout.modules
     assert (language.tp, language.cp, language.pp, language.dp) == (2, 1, 2, 2)
     assert language.size == 8 and language.rank_offset == 0
@@ -40,9 +40,9 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("", ["empty"]),
-    ("language=dp2;images=xx3", ["images", "xx3"]),
+    ("language=dp2;image=xx3", ["image", "xx3"]),
     ("language=dp0", ["language", "dp", "0"]),
-    ("images=dp1", ["language"]),
+    ("image=dp1", ["language"]),
     ("language=dp1;language=dp1", ["language", "twice"]),
     ("language dp1", ["NAME=FIELD"]),
 ])
@@ -54,8 +54,8 @@ def test_malformed_layouts_are_refused_with_what_to_write(text, words):
 
 
 def test_colocated_versus_non_colocated():
-    assert Layout.parse("language=dp2;images=dp2,off0").colocated
-    assert not Layout.parse("language=dp2;images=dp2").colocated
+    assert Layout.parse("language=dp2;image=dp2,off0").colocated
+    assert not Layout.parse("language=dp2;image=dp2").colocated
     assert Layout.parse("language=dp1").colocated
 
 
@@ -66,67 +66,67 @@ def _error(layout, world, global_batch=8, micro=1, variable=(), modalities=None)
 
 
 def test_ranks_in_no_module():
-    message = _error("language=dp2;images=dp1", 5)
+    message = _error("language=dp2;image=dp1", 5)
     assert "ranks 3..4 are in no module" in message and "5" in message
-    message = _error("language=dp2;images=dp1,off3", 4)
-    assert "ranks 2..2 are in no module" in message and "images" in message
+    message = _error("language=dp2;image=dp1,off3", 4)
+    assert "ranks 2..2 are in no module" in message and "image" in message
     assert "set its offset to 2" in message
 
 
 def test_overlapping_ranges():
-    message = _error("language=dp2;images=dp2,off1", 3)
-    assert "'images'" in message and "overlaps 'language'" in message
-    assert "set images's offset to 2" in message
+    message = _error("language=dp2;image=dp2,off1", 3)
+    assert "'image'" in message and "overlaps 'language'" in message
+    assert "set image's offset to 2" in message
 
 
 def test_more_ranks_than_the_world():
-    message = _error("language=dp4;images=dp2", 4)
-    assert "language 4 + images 2 = 6" in message and "world has 4" in message
-    assert "colocated" in _error("language=dp2,off0;images=dp2,off0", 4)
-    message = _error("language=pp2,off0;images=dp2,off0", 2, micro=2)
+    message = _error("language=dp4;image=dp2", 4)
+    assert "language 4 + image 2 = 6" in message and "world has 4" in message
+    assert "colocated" in _error("language=dp2,off0;image=dp2,off0", 4)
+    message = _error("language=pp2,off0;image=dp2,off0", 2, micro=2)
     assert "'language' has pp 2" in message and "non-colocated" in message
 
 
 def test_dp_sizes_must_divide_each_other():
-    message = _error("language=dp2;images=dp3", 5, global_batch=12, micro=3)
-    assert "'images' has dp 3" in message and "'language' has dp 2" in message
+    message = _error("language=dp2;image=dp3", 5, global_batch=12, micro=3)
+    assert "'image' has dp 3" in message and "'language' has dp 2" in message
     assert "divide" in message
 
 
 def test_global_batch_must_be_a_multiple_of_the_global_micro_batch():
-    message = _error("language=dp2;images=dp1", 3, global_batch=10, micro=4)
+    message = _error("language=dp2;image=dp1", 3, global_batch=10, micro=4)
     assert "global batch 10" in message and "4 x language dp 2 = 8" in message
 
 
 def test_every_module_dp_must_divide_the_global_micro_batch():
-    message = _error("language=dp1;images=dp2", 3, global_batch=8, micro=1)
-    assert "'images' has dp 2" in message and "global micro-batch of 1" in message
+    message = _error("language=dp1;image=dp2", 3, global_batch=8, micro=1)
+    assert "'image' has dp 2" in message and "global micro-batch of 1" in message
     assert "multiple of 2" in message
-    Layout.parse("language=dp1;images=dp2").validate(3, 8, 2)      # micro 2: fine
+    Layout.parse("language=dp1;image=dp2").validate(3, 8, 2)      # micro 2: fine
 
 
 def test_fan_in_with_variable_token_counts_is_refused_with_the_reason():
-    message = _error("language=dp1;images=dp2", 3, micro=2, variable=["image"])
-    assert "'images' (dp 2)" in message and "language' (dp 1)" in message
+    message = _error("language=dp1;image=dp2", 3, micro=2, variable=["image"])
+    assert "'image' (dp 2)" in message and "language' (dp 1)" in message
     assert "fanning in" in message and "fixed" in message and "<= 1" in message
-    Layout.parse("language=dp1;images=dp2").validate(3, 8, 2, ["audio"])   # images fixed
-    Layout.parse("language=dp2;images=dp1").validate(3, 8, 2, ["image"])   # fan-out: fine
+    Layout.parse("language=dp1;image=dp2").validate(3, 8, 2, ["audio"])   # images fixed
+    Layout.parse("language=dp2;image=dp1").validate(3, 8, 2, ["image"])   # fan-out: fine
 
 
 def test_colocated_heterogeneous_dp_with_variable_token_counts_is_refused():
-    message = _error("language=dp2,off0;images=tp2,dp1,off0", 2, micro=2, variable=["image"])
-    assert "colocated" in message and "'images' (dp 1)" in message
+    message = _error("language=dp2,off0;image=tp2,dp1,off0", 2, micro=2, variable=["image"])
+    assert "colocated" in message and "'image' (dp 1)" in message
 
 
 def test_modalities_need_an_encoder_and_encoders_need_a_modality():
-    message = _error("language=dp1;images=dp1", 2, modalities=["image", "audio"])
+    message = _error("language=dp1;image=dp1", 2, modalities=["image", "audio"])
     assert "audio" in message and "no module serves audio" in message
     message = _error("language=dp1;tower=dp1", 2)
     assert "'tower' serves no modality" in message and "tower=dp1,image" in message
 
 
 def test_roles_of_a_non_colocated_pipeline_layout():
-    layout = Layout.parse("language=tp2,pp2,dp1;images=pp2,dp2")
+    layout = Layout.parse("language=tp2,pp2,dp1;image=pp2,dp2")
     layout.validate(8, 8, 2, [], ["image"])        # fan-in: fixed-resolution images
     roles = layout.roles()
     first, last = roles[0], roles[2]
@@ -135,21 +135,21 @@ def test_roles_of_a_non_colocated_pipeline_layout():
     assert {"labels", "loss_mask"} <= last.text_keys and "input_ids" not in last.text_keys
     assert all("position_ids" in roles[r].text_keys for r in range(4))
     assert all(not roles[r].media for r in range(4))
-    encoder_stage0 = [r for r in roles[4:] if r.module("images").pp_rank == 0]
-    encoder_stage1 = [r for r in roles[4:] if r.module("images").pp_rank == 1]
+    encoder_stage0 = [r for r in roles[4:] if r.module("image").pp_rank == 0]
+    encoder_stage1 = [r for r in roles[4:] if r.module("image").pp_rank == 1]
     assert [r.rank for r in encoder_stage0] == [4, 5] and [r.rank for r in encoder_stage1] == [6, 7]
-    assert all(r.media == {"image": "images"} and r.text_keys == {"input_ids"}
+    assert all(r.media == {"image": "image"} and r.text_keys == {"input_ids"}
                for r in encoder_stage0)
     assert not any(r.needs_data for r in encoder_stage1)
-    assert [r.module("images").dp_rank for r in encoder_stage0] == [0, 1]
+    assert [r.module("image").dp_rank for r in encoder_stage0] == [0, 1]
 
 
 def test_colocated_roles_hold_every_module():
-    layout = Layout.parse("language=dp2,off0;images=dp1,tp2,off0")
+    layout = Layout.parse("language=dp2,off0;image=dp1,tp2,off0")
     role = layout.role(1)
-    assert [m.name for m in role.modules] == ["language", "images"]
-    assert role.module("language").dp_rank == 1 and role.module("images").tp_rank == 1
-    assert role.text_module == "language" and role.media == {"image": "images"}
+    assert [m.name for m in role.modules] == ["language", "image"]
+    assert role.module("language").dp_rank == 1 and role.module("image").tp_rank == 1
+    assert role.text_module == "language" and role.media == {"image": "image"}
 
 
 @pytest.mark.parametrize("spec", [dict(tp=2, cp=1, dp=2, pp=2, rank_offset=3),

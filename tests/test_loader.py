@@ -94,11 +94,11 @@ def module_parts(layout: Layout, streams) -> dict[str, dict[int, list[list[str]]
 
 
 LAYOUTS = [
-    ("language=dp1;images=dp1,off0;audio=dp1,off0", "full", 2),   # one rank, colocated
-    ("language=dp2;images=dp1", "image", 2),
-    ("language=dp1;images=dp2", "fixed", 2),
-    ("language=pp2,dp1;images=dp2", "fixed", 2),
-    ("language=dp2;images=dp2;audio=dp1", "full", 1),
+    ("language=dp1;image=dp1,off0;audio=dp1,off0", "full", 2),   # one rank, colocated
+    ("language=dp2;image=dp1", "image", 2),
+    ("language=dp1;image=dp2", "fixed", 2),
+    ("language=pp2,dp1;image=dp2", "fixed", 2),
+    ("language=dp2;image=dp2;audio=dp1", "full", 1),
 ]
 
 
@@ -143,7 +143,7 @@ def test_every_module_gets_every_kept_sample_once_in_the_same_order(
 
 
 def test_ranks_that_need_no_data_build_nothing(tmp_path):
-    layout = "language=dp1;images=pp2,dp1"
+    layout = "language=dp1;image=pp2,dp1"
     missing = str(tmp_path / "no-such-dataset")
     config = preprocess_config_file(tmp_path / "image.yaml", image={})
     assert build_loader(missing, config, layout, 2, 3, 8, 2, seed=0) is None
@@ -173,7 +173,7 @@ def assert_same_stream(a: list, b: list):
 @pytest.mark.parametrize("workers", [(0, 0, 0), (0, 1, 2)])
 def test_resume_mid_step_continues_exactly(sources, workers):
     """uninterrupted / first part / resumed part with these DataLoader worker counts."""
-    layout = Layout.parse("language=dp2;images=dp1")
+    layout = Layout.parse("language=dp2;image=dp1")
     whole, first_workers, rest_workers = workers
     consumed = 5                                        # step 1, micro-batch 1 of 4
     for rank in range(layout.world_size):
@@ -228,13 +228,13 @@ def step_view(layout: Layout, streams, module: str, key: str) -> list[tuple]:
             for step, (keys, values) in sorted(steps.items())]
 
 
-@pytest.mark.parametrize("other, other_micro", [("language=dp1;images=dp1", 2),
-                                                ("language=dp2,off0;images=dp2,off0", 1),
-                                                ("language=pp2,dp2;images=dp1", 2)])
+@pytest.mark.parametrize("other, other_micro", [("language=dp1;image=dp1", 2),
+                                                ("language=dp2,off0;image=dp2,off0", 1),
+                                                ("language=pp2,dp2;image=dp1", 2)])
 def test_resume_under_another_layout_continues_the_same_global_batches(sources, other,
                                                                       other_micro):
     source = sources["image"]
-    layout, other = Layout.parse("language=dp2;images=dp1"), Layout.parse(other)
+    layout, other = Layout.parse("language=dp2;image=dp1"), Layout.parse(other)
     whole = run_epoch(source, layout, 2, seed=9)
     consumed_steps = 2
     states = []
@@ -253,7 +253,7 @@ def test_resume_under_another_layout_continues_the_same_global_batches(sources, 
         rest[rank] = list(loader)
         loader.close()
     for module, key in ((LANGUAGE, "input_ids"), (LANGUAGE, "labels"),
-                        ("images", "modality_inputs")):
+                        ("image", "modality_inputs")):
         expected = step_view(layout, whole, module, key)
         got = step_view(layout, first, module, key) + step_view(other, rest, module, key)
         assert [step for step, _, _ in got] == list(range(len(expected)))
@@ -265,7 +265,7 @@ def test_resume_under_another_layout_continues_the_same_global_batches(sources, 
 
 def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, corpus_inputs,
                                                          configs):
-    layout = "language=dp2;images=dp1"
+    layout = "language=dp2;image=dp1"
     loader = build_loader(sources["image"], None, layout, 0, 3, GLOBAL_BATCH, 1, seed=3)
     for _ in zip(range(3), loader):
         pass
@@ -299,7 +299,7 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
     with open(dataset / row["shard"], "r+b") as shard:
         shard.seek(member["offset"])
         shard.write(bytes(16))
-    layout = "language=dp1;images=dp1"
+    layout = "language=dp1;image=dp1"
     language = build_loader(str(dataset), configs["image"], layout, 0, 2, 2, 2, 0)
     assert sorted(sum((meta["keys"] for _, meta in language), [])) == [
         f"0/{r['key']}" for r in pq.read_table(dataset / "samples.parquet").to_pylist()]
@@ -313,7 +313,7 @@ def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpu
     parallel = DataSource(str(loader_corpus), configs["image"], num_workers=2)
     assert parallel.fingerprint == sources["image"].fingerprint
     assert parallel.tally.to_dict() == sources["image"].tally.to_dict()
-    options = dict(layout="language=dp2;images=dp1", rank=2, world_size=3,
+    options = dict(layout="language=dp2;image=dp1", rank=2, world_size=3,
                    global_batch_size=GLOBAL_BATCH, micro_batch_size=2, seed=5,
                    preprocess_config=None)
     inline = list(build_loader(sources["image"], **options))
@@ -341,7 +341,7 @@ def uneven(tmp_path_factory):
 @pytest.mark.parametrize("datasets, weights", [(["big"], None), (["small", "big"], None),
                                                (["small", "big"], [1, 1])])
 def test_uneven_shards_and_blends_give_equal_step_counts(uneven, configs, datasets, weights):
-    layout = Layout.parse("language=dp2;images=dp1;audio=dp1")
+    layout = Layout.parse("language=dp2;image=dp1;audio=dp1")
     source = DataSource([str(uneven / d) for d in datasets], configs["full"], weights)
     total = 303 + 3 * (len(datasets) - 1)
     assert source.tally.kept == total                     # the records are all trainable
@@ -360,7 +360,7 @@ def test_uneven_shards_and_blends_give_equal_step_counts(uneven, configs, datase
 
 def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus, configs,
                                                          capsys):
-    layout = "language=dp2;images=dp1"
+    layout = "language=dp2;image=dp1"
     result = dry_run(sources["image"], None, layout, GLOBAL_BATCH, 2, seed=11)
     assert result["checks"] == {"ok": True, "problems": []}
     json.dumps(result)
@@ -378,6 +378,6 @@ def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus,
     printed = json.loads(capsys.readouterr().out)
     assert code == 0 and printed["ranks"][2]["steps"] == result["ranks"][2]["steps"][:1]
     code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",
-                         "language=dp1;images=dp2", "--global-batch-size", "8",
+                         "language=dp1;image=dp2", "--global-batch-size", "8",
                          "--micro-batch-size", "2"])
     assert code == 2 and "fanning in" in capsys.readouterr().err

@@ -48,11 +48,11 @@ def runs(loader_corpus, tmp_path_factory):
     config = preprocess_config_file(folder / "fixed.yaml",
                                     image={"policy": "fixed", "image_size": 112})
     common = ["--dataset", loader_corpus, "--config", config]
-    first = torchrun(3, folder / "first.json", *common, "--layout", "language=dp2;images=dp1",
+    first = torchrun(3, folder / "first.json", *common, "--layout", "language=dp2;image=dp1",
                      "--micro-batch-size", 2, "--workers", 1, "--save-after-steps", SAVE_AFTER)
     (folder / "state.json").write_text(json.dumps(first["state"]))
     second = torchrun(4, folder / "second.json", *common, "--layout",
-                      "language=pp2,dp1;images=dp2", "--micro-batch-size", 2,
+                      "language=pp2,dp1;image=dp2", "--micro-batch-size", 2,
                       "--state", folder / "state.json")
     return first, second, config
 
@@ -80,23 +80,23 @@ def test_one_epoch_on_three_ranks_serves_every_kept_sample_once(runs, loader_cor
     assert first["problems"] == [] and first["world_size"] == 3
     kept = {f"0/{row['key']}" for row in pq.read_table(loader_corpus / "samples.parquet")
             .to_pylist() if not row["audio_duration"]}           # image-only config
-    for module in ("language", "images"):
+    for module in ("language", "image"):
         steps = first["modules"][module]
         assert [s["step"] for s in steps] == list(range(len(kept) // GLOBAL_BATCH))
         served = [key for step in steps for key in step["keys"]]
         assert len(served) == len(set(served)) and set(served) <= kept
         assert len(kept - set(served)) == len(kept) % GLOBAL_BATCH
     assert [s["keys"] for s in first["modules"]["language"]] == \
-        [s["keys"] for s in first["modules"]["images"]]
+        [s["keys"] for s in first["modules"]["image"]]
     assert {"/input_ids", "/labels"} <= set(first["modules"]["language"][0]["digests"])
-    assert any(s["digests"] for s in first["modules"]["images"])
+    assert any(s["digests"] for s in first["modules"]["image"])
     assert (first["state"]["step"], first["state"]["micro_batch"]) == (SAVE_AFTER, 0)
 
 
 def test_resume_on_four_ranks_with_another_layout_continues_exactly(runs):
     first, second, _ = runs
     assert second["problems"] == [] and second["world_size"] == 4
-    for module in ("language", "images"):
+    for module in ("language", "image"):
         assert second["modules"][module] == first["modules"][module][SAVE_AFTER:], module
 
 
@@ -104,7 +104,7 @@ def test_inspect_plan_predicts_what_the_torchrun_job_consumed(runs, loader_corpu
     first, _, config = runs
     out = tmp_path / "plan.json"
     command = [str(Path(sys.executable).parent / "mimo-inspect"), "plan", str(loader_corpus),
-               "--config", str(config), "--layout", "language=dp2;images=dp1",
+               "--config", str(config), "--layout", "language=dp2;image=dp1",
                "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2",
                "--seed", "21", "--json"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -113,5 +113,5 @@ def test_inspect_plan_predicts_what_the_torchrun_job_consumed(runs, loader_corpu
     predicted = plan_per_module(json.loads(out.read_text()))
     consumed = {name: [step["keys"] for step in steps]
                 for name, steps in first["modules"].items()}
-    assert set(predicted) == set(consumed) == {"language", "images"}
+    assert set(predicted) == set(consumed) == {"language", "image"}
     assert predicted == consumed

@@ -27,10 +27,13 @@ from mimo_data.modalities.audio import (MIN_AUDIO_SAMPLES, audio_encoder_inputs,
                                     audio_rows_to_tokens, decode_audio)
 from mimo_data.modalities.image import (decode_image, image_encoder_inputs, image_rows_to_tokens,
                                     normalize_pixels)
-from mimo_data.modalities.media import MediaError, probe_audio, probe_image
-from mimo_data.preprocess.config import AudioConfig, ImageConfig
-from mimo_data.modalities.token_counts import (audio_frames, audio_tokens, audio_too_long,
-                                    image_resized_size, image_tokens, resampled_length)
+from mimo_data.modalities.base import MediaError
+from mimo_data.modalities.audio import probe_audio
+from mimo_data.modalities.image import probe_image
+from mimo_data.modalities.audio import AudioConfig
+from mimo_data.modalities.image import ImageConfig
+from mimo_data.modalities.audio import audio_frames, audio_tokens, audio_too_long, resampled_length
+from mimo_data.modalities.image import image_resized_size, image_tokens
 
 # (min_pixels, max_pixels, patch, merge, temporal): downscale hard, the default cap, upscale
 # small images through min_pixels, and a Qwen2.5/3-VL-like 16 px patch.

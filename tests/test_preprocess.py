@@ -18,7 +18,8 @@ from mimo_data.shards.build import BuildOptions, build
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.collate import BatchError, Collator
 from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped, preprocess_dataset
-from mimo_data.preprocess.config import ImageConfig, PreprocessConfig
+from mimo_data.modalities.image import ImageConfig
+from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards.reader import ShardReader
@@ -449,7 +450,7 @@ def test_collate_mixes_text_only_and_media_samples(dataset, records):
     assert metadata["keys"] == [records[i]["key"] for i in picks]
     assert set(batch) == {"input_ids", "labels", "loss_mask", "position_ids", "attention_mask",
                           "modality_inputs", "packing_kwargs"}
-    images = batch["modality_inputs"]["image"]["vision"]
+    images = batch["modality_inputs"]["image"]["image"]
     expected_grids = torch.cat([s.encoder_inputs["image"]["image_grid_thw"]
                                 for s in samples if "image" in s.encoder_inputs])
     assert torch.equal(images["image_grid_thw"], expected_grids)

@@ -28,14 +28,14 @@ data:
   preprocess: my/preprocess.yaml
   valid: [shards/valid]
   num_workers: 2
-layout: "images=dp2;audio=dp1,off2;language=dp1,off3"
+layout: "image=dp2;audio=dp1,off2;language=dp1,off3"
 model:
   language: {num_layers: 4, hidden_size: 128, num_attention_heads: 8, vocab_size: 49280}
   encoders:
-    images: {kind: qwen2_vl, hidden_size: 48, num_layers: 2, pretrained: some/dir}
+    image: {kind: qwen2_vl, hidden_size: 48, num_layers: 2, pretrained: some/dir}
     audio: {num_attention_heads: 4}
   projection: mlp
-  freeze: [images]
+  freeze: [image]
 optimizer: {lr: 2.0e-3, min_lr: 1.0e-4, warmup_steps: 5, weight_decay: 0.1}
 train:
   global_batch_size: 16
@@ -78,14 +78,14 @@ def test_yaml_file_fills_every_section(tmp_path):
     assert cfg.data.preprocess == str(tmp_path / "my/preprocess.yaml")
     assert cfg.data.valid == [str(tmp_path / "shards/valid")]
     assert cfg.data.num_workers == 2
-    assert cfg.layout == "images=dp2;audio=dp1,off2;language=dp1,off3"
+    assert cfg.layout == "image=dp2;audio=dp1,off2;language=dp1,off3"
     assert cfg.model.language == LanguageConfig(num_layers=4, hidden_size=128,
                                                 num_attention_heads=8, vocab_size=49280)
     assert cfg.model.encoders == {
-        "images": EncoderConfig(kind="qwen2_vl", hidden_size=48, num_layers=2,
+        "image": EncoderConfig(kind="qwen2_vl", hidden_size=48, num_layers=2,
                                 pretrained="some/dir"),
         "audio": EncoderConfig(num_attention_heads=4)}
-    assert cfg.model.projection == "mlp" and cfg.model.freeze == ["images"]
+    assert cfg.model.projection == "mlp" and cfg.model.freeze == ["image"]
     assert (cfg.optimizer.lr, cfg.optimizer.min_lr, cfg.optimizer.warmup_steps,
             cfg.optimizer.weight_decay) == (2e-3, 1e-4, 5, 0.1)
     run = cfg.train
@@ -109,7 +109,7 @@ def test_missing_keys_take_the_dataclass_defaults(tmp_path):
 def test_empty_sections_are_defaults(tmp_path):
     cfg = load(tmp_path, MINIMAL + "train:\nmodel:\n  encoders:\n    images:\n")
     assert cfg.train == TrainConfig().train
-    assert cfg.model.encoders == {"images": EncoderConfig()}
+    assert cfg.model.encoders == {"image": EncoderConfig()}
 
 
 def test_layout_may_be_a_mapping(tmp_path):
@@ -122,7 +122,7 @@ def test_to_dict_round_trips_through_yaml(tmp_path):
     cfg = load(tmp_path, FULL)
     again = load(tmp_path, yaml.safe_dump(cfg.to_dict()))
     assert again == cfg
-    assert isinstance(again.model.encoders["images"], EncoderConfig)
+    assert isinstance(again.model.encoders["image"], EncoderConfig)
 
 
 def test_unreadable_or_non_mapping_files(tmp_path):
@@ -153,13 +153,13 @@ def test_no_file_only_overrides(tmp_path, monkeypatch):
     ("optimizer.lr=2.5e-2", lambda c: c.optimizer.lr, 0.025),
     ("optimizer.lr=1e-2", lambda c: c.optimizer.lr, 0.01),      # YAML 1.1 reads this as text
     ("data.datasets=[/x, '/y z']", lambda c: c.data.datasets, ["/x", "/y z"]),
-    ("model.freeze=[images, audio]", lambda c: c.model.freeze, ["images", "audio"]),
+    ("model.freeze=[image, audio]", lambda c: c.model.freeze, ["image", "audio"]),
     ("train.tensorboard_dir=/runs/tb", lambda c: c.train.tensorboard_dir, "/runs/tb"),
     ("checkpoint.dir=null", lambda c: c.checkpoint.dir, None),
     ("checkpoint.dir=", lambda c: c.checkpoint.dir, None),
     ("checkpoint.resume=false", lambda c: c.checkpoint.resume, False),
     ("model.language.vocab_size=~", lambda c: c.model.language.vocab_size, None),
-    ("layout=images=dp1;language=dp2", lambda c: c.layout, "images=dp1;language=dp2"),
+    ("layout=image=dp1;language=dp2", lambda c: c.layout, "image=dp1;language=dp2"),
     ("layout={modules: {language: {dp: 2}}}", lambda c: c.layout,
      {"modules": {"language": {"dp": 2}}}),
     ("model.projection=mlp", lambda c: c.model.projection, "mlp"),
@@ -171,19 +171,19 @@ def test_override_values_are_parsed_as_yaml(tmp_path, override, get, expected):
 
 
 def test_override_replaces_file_value_and_keeps_its_neighbours(tmp_path):
-    cfg = load(tmp_path, FULL, "train.steps=100", "model.encoders.images.num_layers=5")
+    cfg = load(tmp_path, FULL, "train.steps=100", "model.encoders.image.num_layers=5")
     assert cfg.train.steps == 100 and cfg.train.micro_batch_size == 4
-    assert cfg.model.encoders["images"] == EncoderConfig(kind="qwen2_vl", hidden_size=48,
+    assert cfg.model.encoders["image"] == EncoderConfig(kind="qwen2_vl", hidden_size=48,
                                                          num_layers=5, pretrained="some/dir")
 
 
 def test_override_creates_new_nested_encoder(tmp_path):
-    cfg = load(tmp_path, MINIMAL, "model.encoders.images.num_layers=3",
-               "model.encoders.images.pretrained=/models/vit")
-    assert cfg.model.encoders == {"images": EncoderConfig(num_layers=3,
+    cfg = load(tmp_path, MINIMAL, "model.encoders.image.num_layers=3",
+               "model.encoders.image.pretrained=/models/vit")
+    assert cfg.model.encoders == {"image": EncoderConfig(num_layers=3,
                                                           pretrained="/models/vit")}
     cfg = load(tmp_path, FULL, "model.encoders.extra.kind=siglip")
-    assert set(cfg.model.encoders) == {"images", "audio", "extra"}
+    assert set(cfg.model.encoders) == {"image", "audio", "extra"}
     assert cfg.model.encoders["extra"] == EncoderConfig(kind="siglip")
 
 
@@ -207,7 +207,7 @@ def test_whole_section_override(tmp_path):
 # ------------------------------------------------------------------------ unknown keys
 
 @pytest.mark.parametrize("key", [
-    "trian", "train.stpes", "model.language.hiden_size", "model.encoders.images.depth",
+    "trian", "train.stpes", "model.language.hiden_size", "model.encoders.image.depth",
     "optimizer.betas", "checkpoint.every", "data.shards"])
 def test_unknown_key_in_file_names_the_full_key(tmp_path, key):
     data = {"data": {"datasets": ["a"]}}
@@ -222,7 +222,7 @@ def test_unknown_key_in_file_names_the_full_key(tmp_path, key):
 
 
 @pytest.mark.parametrize("key", [
-    "trian.steps", "train.stpes", "model.language.hiden_size", "model.encoders.images.depth",
+    "trian.steps", "train.stpes", "model.language.hiden_size", "model.encoders.image.depth",
     "model.encoders.audio.num_layer", "optimizer.betas"])
 def test_unknown_key_in_override_names_the_full_key(tmp_path, key):
     message = load_error(tmp_path, FULL, f"{key}=3")
@@ -262,7 +262,7 @@ def test_override_with_invalid_yaml_value_names_the_override(tmp_path):
     ("model.freeze=images", "model.freeze"),
     ("train.device=[cpu]", "train.device"),
     ("checkpoint.resume=maybe", "checkpoint.resume"),
-    ("model.encoders.images.num_layers=two", "model.encoders.images.num_layers"),
+    ("model.encoders.image.num_layers=two", "model.encoders.image.num_layers"),
 ])
 def test_override_of_the_wrong_type_names_the_key(tmp_path, override, key):
     message = load_error(tmp_path, MINIMAL, override)
@@ -273,7 +273,7 @@ def test_override_of_the_wrong_type_names_the_key(tmp_path, override, key):
     ("train=5", "train"),
     ("model.language=[1, 2]", "model.language"),
     ("model.encoders=[images]", "model.encoders"),
-    ("model.encoders.images=3", "model.encoders.images"),
+    ("model.encoders.image=3", "model.encoders.image"),
 ])
 def test_section_that_is_not_a_mapping_names_the_key(tmp_path, override, key):
     message = load_error(tmp_path, MINIMAL, override)
@@ -418,7 +418,7 @@ def test_yaml_paths_are_taken_from_the_yaml_folder(tmp_path, monkeypatch):
 data: {datasets: [../../shards, /abs/shards], preprocess: ../p.yaml, valid: [v]}
 model:
   init_from: ../../ckpt/step_0000003
-  encoders: {images: {pretrained: ../../models/vit}}
+  encoders: {image: {pretrained: ../../models/vit}}
 train: {tensorboard_dir: tb, eval_interval: 1}
 checkpoint: {dir: ../../runs/x}
 """)
@@ -427,7 +427,7 @@ checkpoint: {dir: ../../runs/x}
     assert cfg.data.preprocess == str(tmp_path / "configs" / "p.yaml")
     assert cfg.data.valid == [str(tmp_path / "configs" / "train" / "v")]
     assert cfg.model.init_from == str(tmp_path / "ckpt" / "step_0000003")
-    assert cfg.model.encoders["images"].pretrained == str(tmp_path / "models" / "vit")
+    assert cfg.model.encoders["image"].pretrained == str(tmp_path / "models" / "vit")
     assert cfg.train.tensorboard_dir == str(tmp_path / "configs" / "train" / "tb")
     assert cfg.checkpoint.dir == str(tmp_path / "runs" / "x")
 
@@ -438,11 +438,11 @@ def test_override_paths_are_taken_from_the_working_directory(tmp_path, monkeypat
     path = write(tmp_path / "cfg", "data: {datasets: [a], preprocess: p.yaml}\n")
     cfg = TrainConfig.load(path, ["data.datasets=[runs/s]", "checkpoint.dir=ck",
                                   "data={preprocess: q.yaml, datasets: [b]}",
-                                  "model.encoders.images.pretrained=./vit"])
+                                  "model.encoders.image.pretrained=./vit"])
     assert cfg.data.datasets == [str(tmp_path / "b")]
     assert cfg.data.preprocess == str(tmp_path / "q.yaml")
     assert cfg.checkpoint.dir == str(tmp_path / "ck")
-    assert cfg.model.encoders["images"].pretrained == str(tmp_path / "vit")
+    assert cfg.model.encoders["image"].pretrained == str(tmp_path / "vit")
     # the YAML's own value, not overridden, still comes from the YAML's folder
     cfg = TrainConfig.load(path, ["checkpoint.dir=ck"])
     assert cfg.data.preprocess == str(tmp_path / "cfg" / "p.yaml")
@@ -450,9 +450,9 @@ def test_override_paths_are_taken_from_the_working_directory(tmp_path, monkeypat
 
 def test_hub_names_stay_hub_names(tmp_path):
     (tmp_path / "local" / "vit").mkdir(parents=True)
-    cfg = load(tmp_path, MINIMAL + "model: {encoders: {images: {pretrained: "
+    cfg = load(tmp_path, MINIMAL + "model: {encoders: {image: {pretrained: "
                "HuggingFaceTB/SmolLM2-135M}, audio: {pretrained: local/vit}}}\n")
-    assert cfg.model.encoders["images"].pretrained == "HuggingFaceTB/SmolLM2-135M"
+    assert cfg.model.encoders["image"].pretrained == "HuggingFaceTB/SmolLM2-135M"
     assert cfg.model.encoders["audio"].pretrained == str(tmp_path / "local" / "vit")
 
 

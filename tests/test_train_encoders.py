@@ -19,9 +19,13 @@ import torch
 
 from mimo_data.modalities.audio import audio_encoder_inputs, decode_audio
 from mimo_data.modalities.image import decode_image, image_encoder_inputs, normalize_pixels
-from mimo_data.modalities.media import probe_audio, probe_image
-from mimo_data.preprocess.config import AudioConfig, ImageConfig, PreprocessConfig
-from mimo_data.modalities.token_counts import audio_tokens, audio_tokens_from_frames, image_tokens
+from mimo_data.modalities.audio import probe_audio
+from mimo_data.modalities.image import probe_image
+from mimo_data.modalities.audio import AudioConfig
+from mimo_data.modalities.image import ImageConfig
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.modalities.audio import audio_tokens, audio_tokens_from_frames
+from mimo_data.modalities.image import image_tokens
 from mimo_train.encoders import (EncoderBuildError, Qwen2VLVision, SiglipVision, WhisperAudio,
                                  build_encoder, default_kind)
 

@@ -83,7 +83,7 @@ def dynamic_setup(loader_corpus, tmp_path_factory):
     preprocess = preprocess_config_file(tmp / "preprocess.yaml")
     common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
               "model.encoders.audio.hidden_size=16", *MODEL]
-    reference, init = _reference(tmp, "language=dp1;images=dp1,off0;audio=dp1,off0", common)
+    reference, init = _reference(tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
     return tmp, common, reference, init, preprocess
 
 
@@ -92,7 +92,7 @@ def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader
     from mimo_data.loading.loader import build_loader
 
     _, _, _, _, preprocess = dynamic_setup
-    loader = build_loader([loader_corpus], preprocess, "language=dp1;images=dp1,off0;"
+    loader = build_loader([loader_corpus], preprocess, "language=dp1;image=dp1,off0;"
                           "audio=dp1,off0", 0, 1, GLOBAL_BATCH, GLOBAL_BATCH, seed=3)
     _, metadata = next(iter(loader))
     loader.close()
@@ -108,13 +108,13 @@ def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader
 
 def test_fan_out_matches_colocated(dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    fan_out = _torchrun(tmp, "fan-out", 4, "images=dp1;audio=dp1;language=dp2", 2, common, init)
+    fan_out = _torchrun(tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
     _compare(reference, fan_out, "images dp1 + audio dp1 -> language dp2")
 
 
 def test_language_pp2_matches_colocated(dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    staged = _torchrun(tmp, "pp2", 4, "images=dp1;audio=dp1;language=pp2", 2, common, init)
+    staged = _torchrun(tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common, init)
     _compare(reference, staged, "language pp2")
 
 
@@ -128,6 +128,6 @@ def test_fan_in_matches_colocated(corpus, tmp_path):
     preprocess = preprocess_config_file(tmp_path / "preprocess.yaml", image={
         "policy": "fixed", "image_size": 28, "patch_size": 14})
     common = [f"data.datasets=[{tmp_path / 'shards'}]", f"data.preprocess={preprocess}", *MODEL]
-    reference, init = _reference(tmp_path, "language=dp1;images=dp1,off0", common)
-    fan_in = _torchrun(tmp_path, "fan-in", 3, "images=dp2;language=dp1", 2, common, init)
+    reference, init = _reference(tmp_path, "language=dp1;image=dp1,off0", common)
+    fan_in = _torchrun(tmp_path, "fan-in", 3, "image=dp2;language=dp1", 2, common, init)
     _compare(reference, fan_in, "images dp2 -> language dp1")

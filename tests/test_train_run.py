@@ -18,7 +18,7 @@ import pytest
 from conftest import REPO, preprocess_config_file
 
 STEPS = 6
-LAYOUT = "images=dp1;audio=dp1;language=dp1"
+LAYOUT = "image=dp1;audio=dp1;language=dp1"
 
 
 def _train(tmp: Path, name: str, checkpoints: Path, *overrides) -> list[dict]:
@@ -63,7 +63,7 @@ def test_loss_goes_down_and_evaluation_follows(setup):
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
     # the same validation batches each time
     assert evals[0]["eval_tokens"] == evals[1]["eval_tokens"] > 0
-    assert all(set(r["forward_s"]) == {"images", "audio", "language"} for r in train)
+    assert all(set(r["forward_s"]) == {"image", "audio", "language"} for r in train)
 
 
 def test_checkpoints_at_interval_and_end(setup):
@@ -110,7 +110,7 @@ def test_resume_continues_the_exact_sample_stream(setup):
 
 def test_frozen_module_keeps_its_weights_under_another_layout(setup):
     """``model.init_from`` loads a 3-rank checkpoint into one colocated process; with
-    ``model.freeze=[images]`` a step leaves the vision module's weights exactly as loaded and
+    ``model.freeze=[image]`` a step leaves the vision module's weights exactly as loaded and
     changes the others. The shipped warmup (3 steps) is clamped to this 1-step run."""
     import torch
 
@@ -122,7 +122,7 @@ def test_frozen_module_keeps_its_weights_under_another_layout(setup):
                "--nproc-per-node", "1", "-m", "mimo_train", "--config",
                str(REPO / "configs" / "train" / "images_audio_colocated.yaml"), *overrides,
                f"checkpoint.dir={tmp / 'frozen'}", f"model.init_from={start}",
-               "model.freeze=[images]", "train.steps=1"]
+               "model.freeze=[image]", "train.steps=1"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=400)
@@ -138,9 +138,9 @@ def test_frozen_module_keeps_its_weights_under_another_layout(setup):
         before.update(torch.load(path, weights_only=False)["model"])
     after = torch.load(tmp / "frozen" / "step_0000001" / "rank_00000.pt",
                        weights_only=False)["model"]
-    assert set(after) == {"images", "audio", "language"}
-    for name, weights in after["images"].items():
-        assert torch.equal(weights, before["images"][name]), name
+    assert set(after) == {"image", "audio", "language"}
+    for name, weights in after["image"].items():
+        assert torch.equal(weights, before["image"][name]), name
     for module in ("audio", "language"):
         changed = [n for n, w in after[module].items() if not torch.equal(w, before[module][n])]
         assert changed, f"{module} did not train"

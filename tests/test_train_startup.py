@@ -48,7 +48,7 @@ def _base_config(tmp_path: Path, datasets, preprocess_file) -> Path:
     """A small model that would train as is with the default 3-rank layout."""
     config = {
         "data": {"datasets": [str(d) for d in datasets], "preprocess": str(preprocess_file)},
-        "layout": "images=dp1;audio=dp1;language=dp1",
+        "layout": "image=dp1;audio=dp1;language=dp1",
         "model": {"language": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2}},
         "optimizer": {"warmup_steps": 0},
         "train": {"steps": 1, "global_batch_size": 4, "micro_batch_size": 2, "device": "cpu"},
@@ -112,30 +112,30 @@ CASES = [
      ["train.stpes=3"], "config",
      ["TrainConfigError: unknown key(s) train.stpes", "known under train.: "]),
         ("two-rank layout on three ranks", "default",
-     ["layout=images=dp1;language=dp1"], "config",
+     ["layout=image=dp1;language=dp1"], "config",
      ["ranks 2..2 are in no module", "images 1 + language 1 = 2 ranks", "the world has 3",
       "run 2 ranks"]),
     ("layout with a gap", "default",
-     ["layout=images=dp1;audio=dp1,off2;language=dp1"], "config",
+     ["layout=image=dp1;audio=dp1,off2;language=dp1"], "config",
      ["ranks 1..1 are in no module", "gap before 'audio' at offset 2", "set its offset to 1"]),
     # -- non-divisible batches
     ("global batch not a multiple of micro batch x language dp", "image",
-     ["layout=images=dp1;language=dp2", "train.global_batch_size=6"], "config",
+     ["layout=image=dp1;language=dp2", "train.global_batch_size=6"], "config",
      ["global batch 6 is not a multiple of micro batch 2 x language dp 2 = 4",
       "use a global batch that is a multiple of 4"]),
     ("encoder dp does not divide the global micro-batch", "image",
-     ["layout=images=dp2;language=dp1", "train.micro_batch_size=1"], "config",
-     ["module 'images' has dp 2", "global micro-batch of 1 samples",
+     ["layout=image=dp2;language=dp1", "train.micro_batch_size=1"], "config",
+     ["module 'image' has dp 2", "global micro-batch of 1 samples",
       "micro batch 1 x language dp 1", "make the micro batch a multiple of 2"]),
     # -- fan-in (encoder dp > language dp) with variable counts
     ("fan-in of dynamic-resolution images", "image",
-     ["layout=images=dp2;language=dp1"], "config",
-     ["module 'images' (dp 2)", "variable token count", "'language' (dp 1)",
-      "Make images's dp <= 1", "policy: fixed"]),
+     ["layout=image=dp2;language=dp1"], "config",
+     ["module 'image' (dp 2)", "variable token count", "'language' (dp 1)",
+      "Make image's dp <= 1", "policy: fixed"]),
     pytest.param(
         "fan-in of fixed-size images, 0 to 2 per sample", "fixed",
-        ["layout=images=dp2;language=dp1"], "data",
-        ["LayoutError", "module 'images' (dp 2)", "'language' (dp 1)", "even split",
+        ["layout=image=dp2;language=dp1"], "data",
+        ["LayoutError", "module 'image' (dp 2)", "'language' (dp 1)", "even split",
          "sample(s) with 0", "sample(s) with 1", "sample(s) with 2",
          "Give images dp 1 or less"]),
     # -- missing shards
@@ -154,14 +154,14 @@ CASES = [
       "set it >= 49154 or leave it unset"]),
     # -- encoder modules the trainer cannot build
     ("encoder with tp2", "image",
-     ["layout=images=tp2;language=dp1"], "model",
-     ["encoder module 'images' has tp 2", "use dp only for encoders"]),
+     ["layout=image=tp2;language=dp1"], "model",
+     ["encoder module 'image' has tp 2", "use dp only for encoders"]),
     ("model.encoders names a module the layout lacks", "default",
      ["model.encoders.foo.hidden_size=16"], "model",
      ["model.encoders has ['foo']", "does not name", "rename them"]),
     ("pretrained encoder path does not exist", "default",
-     ["model.encoders.images.pretrained=/nonexistent"], "model",
-     ["model.encoders.images.pretrained", "/nonexistent"]),
+     ["model.encoders.image.pretrained=/nonexistent"], "model",
+     ["model.encoders.image.pretrained", "/nonexistent"]),
 ]
 
 

@@ -1,7 +1,7 @@
 """Benchmark the layout-aware loader against a plain webdataset pipeline, in the same run.
 
 On the sample corpus replicated to ``--samples`` (shards of samples/8, so webdataset can split
-shards over workers), layout ``language=dp1;images=dp1;audio=dp1``:
+shards over workers), layout ``language=dp1;image=dp1;audio=dp1``:
 
 - plain: ``webdataset.WebDataset`` over the shards → the same full Preprocessor → the same
   Collator in micro-batches, through a DataLoader with 0/1/2 workers (the baseline);
@@ -37,7 +37,7 @@ from mimo_data.loading.loader import DataSource, build_loader
 from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
 from replicate_corpus import replicated_dataset
 
-LAYOUT = "language=dp1;images=dp1;audio=dp1"
+LAYOUT = "language=dp1;image=dp1;audio=dp1"
 LANGUAGE_RANK, ENCODER_RANK = 0, 1
 
 

@@ -27,7 +27,7 @@ from mimo_data.preprocess.preprocessor import Preprocessor, preprocess_dataset
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.shards.reader import ShardReader
-from mimo_data.modalities.token_counts import image_resized_size
+from mimo_data.modalities.image import image_resized_size
 from replicate_corpus import replicated_dataset
 
 

@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
     _common(p)
     p.add_argument("--layout", required=True, metavar="L",
-                   help="layout: YAML file or compact string, e.g. 'language=dp2;images=dp1'")
+                   help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1'")
     p.add_argument("--global-batch-size", type=int, required=True, metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, required=True, metavar="M",
@@ -193,7 +193,8 @@ def _plan(args, config) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from mimo_data.preprocess.config import ConfigError, PreprocessConfig
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.config import PreprocessConfig
     from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
     from mimo_data.shards.index import DatasetError
     try:

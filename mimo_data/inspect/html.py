@@ -13,15 +13,13 @@ import base64
 import html
 import io
 
-from mimo_data.modalities.audio import audio_features, decode_audio
-from mimo_data.modalities.image import decode_image
+from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.report import inspect_position
 from mimo_data.inspect.sample import sample_problems, token_view
 from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
 from mimo_data.shards.reader import ShardReader
 
-THUMBNAIL = (192, 192)
 COLORS = {"trained": "#1a7f37", "prompt": "#57606a", "image": "#8250df", "audio": "#0969da",
           "padding": "#afb8c1"}
 
@@ -119,54 +117,20 @@ def plots(report: dict) -> list[tuple[str, str]]:
     return found
 
 
-def _thumbnail(reader: ShardReader, position: int, item: dict, inspector) -> tuple[str, str]:
-    """PNG data URI of the decoded image's thumbnail, and a problem line if the decoded size
-    is not the metadata's (the token counts come from the metadata)."""
-    config = inspector.config.modalities["image"]
-    image = decode_image(reader.read_member(position, item["member"]),
-                         item.get("orientation", 1), config)
-    problem = ""
-    if image.size != (item.get("width"), item.get("height")):
-        problem = (f"decodes to {image.width}x{image.height}, the metadata says "
-                   f"{item.get('width')}x{item.get('height')}")
-    image.thumbnail(THUMBNAIL)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return _png_uri(buffer.getvalue()), problem
-
-
-def _spectrogram(plt, reader: ShardReader, position: int, item: dict, inspector) -> str:
-    config = inspector.config.modalities["audio"]
-    features = audio_features(decode_audio(reader.read_member(position, item["member"]), config),
-                              config).numpy()
-    figure, axis = plt.subplots(figsize=(3.2, 1.4))
-    axis.imshow(features.T, origin="lower", aspect="auto", cmap="magma",
-                extent=(0, len(features) * config.hop_length / config.sample_rate, 0,
-                        config.n_mels))
-    axis.set_xlabel("s", fontsize=7)
-    axis.set_ylabel("mel", fontsize=7)
-    axis.tick_params(labelsize=6)
-    return _figure_uri(plt, figure)
-
-
 def _media_html(plt, reader, stats: SampleStats, record: dict, inspector) -> str:
     parts = []
     for item in record.get("media") or []:
         modality = item.get("modality")
         tokens = expected_item_tokens(item, inspector.config)
-        if modality == "image":
-            caption = f"{item.get('member')}: {item.get('width')}x{item.get('height')}"
-        else:
-            caption = f"{item.get('member')}: {item.get('duration', 0):.2f} s"
+        kind = MODALITIES.get(modality)                      # type: ignore[arg-type]
+        caption = f"{item.get('member')}: {kind.describe(item) if kind else modality}"
         caption += f", {tokens if tokens is not None else '?'} tokens"
-        problem = ""
         try:
-            if modality == "image" and "image" in inspector.config.modalities:
-                uri, problem = _thumbnail(reader, stats.position, item, inspector)
-            elif modality == "audio" and "audio" in inspector.config.modalities:
-                uri = _spectrogram(plt, reader, stats.position, item, inspector)
-            else:
+            if kind is None or modality not in inspector.config.modalities:
                 raise ValueError(f"modality {modality!r} is not configured")
+            png, problem = kind.preview_png(reader.read_member(stats.position, item["member"]),
+                                            item, inspector.config.modalities[modality])
+            uri = _png_uri(png)
         except Exception as exc:   # a bad item is what the gallery is for: say so, go on
             member = html.escape(str(item.get("member")))
             parts.append(f'<figure><div class="problem">cannot show {member}: '

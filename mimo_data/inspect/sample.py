@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mimo_data.preprocess.chat_tokens import TextError
+from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
 from mimo_data.preprocess.preprocessor import Sample
 
@@ -135,11 +136,8 @@ def format_runs(view: TokenView, color: bool) -> str:
 
 def _media_line(item: dict, tokens: int | None) -> str:
     size = f"{item.get('bytes', 0) / 1000:.1f} kB"
-    if item.get("modality") == "image":
-        what = f"{item.get('width')}x{item.get('height')} {item.get('mode', '')}".strip()
-    else:
-        what = (f"{item.get('sample_rate')} Hz {item.get('channels')} ch "
-                f"{item.get('duration', 0):.2f} s")
+    kind = MODALITIES.get(item.get("modality"))               # type: ignore[arg-type]
+    what = kind.describe(item) if kind else "?"
     shown = "?" if tokens is None else tokens
     return (f"{item.get('member', '?'):10s} {item.get('modality', '?'):6s} "
             f"{item.get('format', '?'):5s} {what:24s} {size:>9s}  -> {shown} tokens")

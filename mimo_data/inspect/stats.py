@@ -30,8 +30,8 @@ import pyarrow.parquet as pq
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped, TextSample
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_data.shards.format import MARKERS, SAMPLES_FILE
-from mimo_data.modalities.token_counts import audio_tokens, image_tokens
+from mimo_data.modalities import MARKERS, MODALITIES
+from mimo_data.shards.format import SAMPLES_FILE
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
 _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
@@ -103,11 +103,8 @@ def markers_of(messages: list[dict]) -> list[str]:
 
 def expected_item_tokens(item: dict, config: PreprocessConfig) -> int | None:
     """Tokens the encoder emits for a media item, from its metadata (None: not computable)."""
-    modality_config = config.modalities.get(item.get("modality"))
     try:
-        if item["modality"] == "image":
-            return image_tokens(item["width"], item["height"], modality_config)
-        return audio_tokens(item["frames"], item["sample_rate"], modality_config)
+        return MODALITIES[item["modality"]].tokens(item, config.modalities[item["modality"]])
     except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError):
         return None
 
@@ -166,10 +163,9 @@ class SampleInspector:
 
     def item_tokens(self, item: dict) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
-        if item.get("modality") == "image":
-            signature = ("image", item.get("width"), item.get("height"))
-        else:
-            signature = (item.get("modality"), item.get("frames"), item.get("sample_rate"))
+        modality = MODALITIES.get(item.get("modality"))      # type: ignore[arg-type]
+        signature = (item.get("modality"), *(item.get(name) for name in modality.item_fields
+                                             if name != "member")) if modality else ()
         tokens = self._item_tokens.get(signature, self)
         if tokens is self:
             tokens = self._item_tokens[signature] = expected_item_tokens(item, self.config)

@@ -3,7 +3,7 @@ from the real loader code in metadata-only mode (no media decoded), plus the cro
 the bridge depends on. Used by tests and by ``mimo-inspect plan``.
 
     python -m mimo_data.loading.dry_run shards/ --config configs/preprocess.yaml \\
-        --layout 'language=dp2;images=dp1' --global-batch-size 8 --micro-batch-size 2 \\
+        --layout 'language=dp2;image=dp1' --global-batch-size 8 --micro-batch-size 2 \\
         [--steps 2] [--json]
 """
 
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("datasets", nargs="+", help="dataset directories (mimo-shard build)")
     parser.add_argument("--config", required=True, help="preprocessing config (YAML)")
     parser.add_argument("--layout", required=True,
-                        help="'language=dp2;images=dp1' or a layout YAML file")
+                        help="'language=dp2;image=dp1' or a layout YAML file")
     parser.add_argument("--global-batch-size", type=int, required=True)
     parser.add_argument("--micro-batch-size", type=int, required=True)
     parser.add_argument("--world-size", type=int, help="default: the layout's ranks")

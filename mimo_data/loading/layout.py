@@ -4,12 +4,12 @@ and ``mimo-inspect`` (DESIGN.md, "Layouts and data placement").
 
 A layout names each module with its tp, cp, pp, dp and rank_offset (size = tp*cp*pp*dp)::
 
-    language=tp1,pp2,dp1;images=dp2          # compact string; offsets follow in order
-    language=dp2,off0;images=dp2,off0        # colocated: every module on ranks 0..1
+    language=tp1,pp2,dp1;image=dp2          # compact string; offsets follow in order
+    language=dp2,off0;image=dp2,off0        # colocated: every module on ranks 0..1
 
     modules:                                  # YAML / dict
       language: {tp: 1, pp: 2, dp: 1}
-      images: {dp: 2}                         # rank_offset 2 (after language)
+      image: {dp: 2}                         # rank_offset 2 (after language)
     modalities: {image: images}               # optional: modality -> encoder module
 
 Modalities: a module named ``images``, ``image`` or ``vision`` serves images and one named
@@ -30,16 +30,32 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 import yaml
 
+from mimo_data.modalities import MODALITIES as REGISTERED
+
 LANGUAGE = "language"          # megatron-core's fixed key for the language module
 DIMS = ("tp", "cp", "pp", "dp")
 GRID_DIM_NAMES = ("tp", "cp", "dp", "pp")   # HyperCommGrid dim_names, fastest first
-DEFAULT_MODALITY_MODULES = {"images": "image", "image": "image", "vision": "image",
-                            "audio": "audio"}
-MODALITIES = ("image", "audio")
+MODALITIES = tuple(REGISTERED)
+# Former default module names, still mapped to their modality (with a deprecation message).
+DEPRECATED_MODULE_NAMES = {"images": "image", "vision": "image"}
+_warned: set[str] = set()
+
+
+def _default_modality(module: str) -> str | None:
+    """The modality a module serves by its name: the modality's own name (``image``)."""
+    if module in REGISTERED:
+        return module
+    modality = DEPRECATED_MODULE_NAMES.get(module)
+    if modality and module not in _warned:
+        _warned.add(module)
+        print(f"mimo: the module name {module!r} is deprecated: name the module {modality!r} "
+              f"(or tag it, e.g. '{module}=dp1,{modality}')", file=sys.stderr)
+    return modality
 
 # Batch keys (collate.Collator) by what reads them in megatron-core's MimoModel: the language
 # model's first stage embeds input_ids, every stage takes position_ids / attention_mask /
@@ -173,8 +189,8 @@ class Layout:
         if LANGUAGE not in names:
             raise LayoutError(f"no {LANGUAGE!r} module in {names}: megatron-core's MimoModel "
                               f"needs exactly one module named {LANGUAGE!r}")
-        mapping = {DEFAULT_MODALITY_MODULES[n]: n for n in names
-                   if n in DEFAULT_MODALITY_MODULES}
+        defaults = {n: _default_modality(n) for n in names if n != LANGUAGE}
+        mapping = {modality: n for n, modality in defaults.items() if modality}
         mapping.update(self.modalities)
         for modality, module in mapping.items():
             if modality not in MODALITIES:
@@ -202,7 +218,7 @@ class Layout:
 
     @classmethod
     def from_string(cls, text: str) -> "Layout":
-        """``language=tp1,pp1,dp2;images=dp1,off2`` (missing fields 1, offsets in order)."""
+        """``language=tp1,pp1,dp2;image=dp1,off2`` (missing fields 1, offsets in order)."""
         modules, modalities, offset = [], {}, 0
         for part in filter(None, (p.strip() for p in text.split(";"))):
             name, equals, fields_text = part.partition("=")
@@ -225,7 +241,7 @@ class Layout:
             modules.append(module)
             offset = module.ranks.stop
         if not modules:
-            raise LayoutError(f"empty layout {text!r}: e.g. 'language=dp2;images=dp1'")
+            raise LayoutError(f"empty layout {text!r}: e.g. 'language=dp2;image=dp1'")
         return cls(tuple(modules), modalities)
 
     @classmethod
@@ -314,7 +330,7 @@ class Layout:
         for module in self.encoders:
             if not self.modalities_of(module.name):
                 raise LayoutError(f"encoder module {module.name!r} serves no modality: name it "
-                                  f"images/vision/audio or tag it (e.g. '{module.name}=dp"
+                                  f"after its modality ({'/'.join(MODALITIES)}) or tag it (e.g. '{module.name}=dp"
                                   f"{module.dp},image'; YAML 'modalities: {{image: "
                                   f"{module.name}}}')")
             small, large = sorted((module.dp, language.dp))
@@ -327,7 +343,7 @@ class Layout:
             if modality not in self.modalities:
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
                                   f"module serves {modality}: add an encoder module (e.g. "
-                                  f"'{'images' if modality == 'image' else 'audio'}=dp1') or "
+                                  f"'{modality}=dp1') or "
                                   f"remove modalities.{modality} from the config (such samples "
                                   "are then dropped and counted)")
         self._validate_batches(global_batch_size, micro_batch_size)

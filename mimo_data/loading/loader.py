@@ -1,7 +1,7 @@
 """The layout-aware loader: each rank gets exactly its part of each global micro-batch, in
 order, with only the tensors its role needs (DESIGN.md, "Layouts and data placement").
 
-    loader = build_loader(["shards/"], "configs/preprocess.yaml", "language=dp2;images=dp1",
+    loader = build_loader(["shards/"], "configs/preprocess.yaml", "language=dp2;image=dp1",
                           rank, world_size, global_batch_size=32, micro_batch_size=4, seed=1)
     if loader is not None:                  # ranks that need no data get None
         for batch, metadata in loader:      # one epoch of micro-batches, resumable
@@ -50,7 +50,8 @@ from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDroppe
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import DatasetShape, SampleOrder, micro_batch_slice
-from mimo_data.shards.format import INDEX_FILE, MEMBER_PREFIX
+from mimo_data.modalities import MODALITIES
+from mimo_data.shards.format import INDEX_FILE
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
@@ -66,8 +67,8 @@ class LoaderError(RuntimeError):
 def variable_token_modalities(config: PreprocessConfig) -> list[str]:
     """Modalities whose token count varies per sample: dynamic-resolution images, audio
     (tokens follow the clip's duration)."""
-    return [name for name, modality in config.modalities.items()
-            if name == "audio" or modality.policy == "dynamic"]
+    return [name for name, modality_config in config.modalities.items()
+            if MODALITIES[name].variable_tokens(modality_config)]
 
 
 def check_even_split(source: DataSource, layout: Layout) -> None:
@@ -90,7 +91,7 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
             for reader, shape in zip(source.readers, source.shapes):
                 for members, kept in zip(reader.members, shape.kept):
                     if kept:
-                        items[sum(name.startswith(MEMBER_PREFIX[modality])
+                        items[sum(name.startswith(MODALITIES[modality].member_prefix)
                                   for name in members)] += 1
             if len(items) > 1:
                 counts = ", ".join(f"{n} sample(s) with {k}" for k, n in sorted(items.items()))

@@ -1,0 +1,25 @@
+"""The modalities mimo knows, by name: one module each behind ``base.Modality``.
+
+Adding one (e.g. video) is a new module implementing ``Modality`` plus its line here.
+"""
+
+from __future__ import annotations
+
+from mimo_data.errors import ConfigError
+from mimo_data.modalities.audio import AUDIO
+from mimo_data.modalities.base import MediaError, Modality
+from mimo_data.modalities.image import IMAGE
+
+MODALITIES: dict[str, Modality] = {m.name: m for m in (IMAGE, AUDIO)}
+MARKERS: dict[str, str] = {name: m.marker for name, m in MODALITIES.items()}
+
+
+def modality(name: str) -> Modality:
+    """The registered modality ``name`` (ConfigError naming the known ones otherwise)."""
+    try:
+        return MODALITIES[name]
+    except KeyError:
+        raise ConfigError(f"modality {name!r} unknown: use one of {sorted(MODALITIES)}") from None
+
+
+__all__ = ["MARKERS", "MODALITIES", "MediaError", "Modality", "modality"]

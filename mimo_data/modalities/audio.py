@@ -1,14 +1,18 @@
-"""Decode audio clips and build the audio encoder's inputs (Whisper log-mel features).
+"""The audio modality: probing at build time, token counts, decoding, encoder inputs, views.
 
-Clips are decoded with soundfile (torchaudio.load needs extra libraries), downmixed, resampled
-with ``torchaudio.functional.resample`` and featurized as transformers' WhisperFeatureExtractor
-does without its 30 s padding; the frame and token counts match ``token_counts.audio_tokens``.
+Clips are probed and decoded with soundfile (torchaudio.load needs extra libraries), downmixed,
+resampled with ``torchaudio.functional.resample`` and featurized as transformers'
+WhisperFeatureExtractor does without its 30 s padding. Token counts are pure functions of the
+probed metadata (frames, sample rate) and the config, and match what the features give.
 """
 
 from __future__ import annotations
 
 import functools
 import io
+import math
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import soundfile
@@ -16,12 +20,121 @@ import torch
 import torchaudio.functional
 from transformers import WhisperFeatureExtractor
 
-from mimo_data.modalities.media import MediaError
-from mimo_data.preprocess.config import AudioConfig
-from mimo_data.modalities.token_counts import audio_too_long, audio_tokens_from_frames, max_audio_samples
+from mimo_data.errors import ConfigError
+from mimo_data.modalities.base import MediaError, Modality
+
+
+AUDIO_EXTENSIONS = {"wav": "wav", "flac": "flac", "ogg": "ogg", "mp3": "mp3"}
+
+
+@dataclass(frozen=True)
+class AudioConfig:
+    """Audio decoding and Whisper-style log-mel features.
+
+    Clips are downmixed and resampled to ``sample_rate``; features have one frame per
+    ``hop_length`` samples; the encoder reduces the frame count by each of ``reductions``
+    (ceil division), so tokens = a pure function of duration. Longer than ``max_duration``:
+    ``long_audio`` drop (the sample) or truncate (the clip).
+    """
+    token: str = "<|audio_pad|>"
+    sample_rate: int = 16000
+    n_mels: int = 80
+    hop_length: int = 160
+    reductions: tuple = (2, 2)
+    max_duration: float = 30.0
+    long_audio: str = "drop"
+
+    def validate(self) -> None:
+        if self.n_mels not in (80, 128):
+            raise ConfigError(f"modalities.audio.n_mels is {self.n_mels}: Whisper uses 80 or 128")
+        if self.long_audio not in ("drop", "truncate"):
+            raise ConfigError(f"modalities.audio.long_audio is {self.long_audio!r}: "
+                              "use drop or truncate")
+
+
+def probe_audio(data: bytes, check: str = "decode") -> dict:
+    """Validate encoded audio; return ``{format, sample_rate, channels, frames, duration}``.
+
+    With ``check="decode"`` ``frames`` counts what actually decodes (a truncated file reports
+    fewer frames than its header); ``"header"`` takes the header's count.
+    Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
+    """
+    if not data:
+        raise MediaError("empty_audio", "empty audio file (0 bytes)")
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as sound:
+            fmt = sound.format.lower()
+            sample_rate, channels = sound.samplerate, sound.channels
+            frames = (sound.frames if check == "header" else
+                      sum(len(block) for block in sound.blocks(blocksize=1 << 16)))
+    except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
+        raise MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}") from None
+    if fmt not in AUDIO_EXTENSIONS:
+        raise MediaError("unsupported_format", f"audio format {fmt!r} is not one of "
+                         f"{sorted(AUDIO_EXTENSIONS)}; convert it first")
+    if frames == 0:
+        raise MediaError("empty_audio", "audio decodes to 0 frames")
+    return {"format": fmt, "sample_rate": sample_rate, "channels": channels, "frames": frames,
+            "duration": round(frames / sample_rate, 6)}
+
+
+def resampled_length(frames: int, sample_rate: int, target_rate: int) -> int:
+    """Samples ``torchaudio.functional.resample`` returns for ``frames`` samples.
+
+    torchaudio computes ``ceil(new * frames / orig)`` (rates divided by their gcd) on a float32
+    tensor, so for long clips the result can be one below the exact ceiling (e.g. 99830 frames
+    at 22050 Hz give 72439 samples at 16 kHz, not 72440); we repeat its float32 arithmetic.
+    """
+    if sample_rate == target_rate:
+        return frames
+    gcd = math.gcd(sample_rate, target_rate)
+    orig, new = sample_rate // gcd, target_rate // gcd
+    return int(np.ceil(np.float32(new * frames / orig)))
+
+
+def max_audio_samples(cfg: AudioConfig) -> int:
+    """Longest clip kept, in samples at ``cfg.sample_rate``."""
+    return round(cfg.max_duration * cfg.sample_rate)
+
+
+def audio_too_long(frames: int, sample_rate: int, cfg: AudioConfig) -> bool:
+    """Whether a clip (source frames and rate) makes its sample be dropped.
+
+    True when it resamples to more than ``max_duration`` and ``long_audio`` is ``drop``; with
+    ``truncate`` the clip is cut instead (``audio_tokens`` counts the cut clip).
+    """
+    return (cfg.long_audio == "drop" and
+            resampled_length(frames, sample_rate, cfg.sample_rate) > max_audio_samples(cfg))
+
+
+def audio_frames(num_samples: int, cfg: AudioConfig) -> int:
+    """Log-mel frames for ``num_samples`` samples at ``cfg.sample_rate``.
+
+    WhisperFeatureExtractor's centered STFT gives ``num_samples // hop + 1`` frames and drops
+    the last one.
+    """
+    return num_samples // cfg.hop_length
+
+
+def audio_tokens_from_frames(frames: int, cfg: AudioConfig) -> int:
+    """Tokens the audio encoder emits for ``frames`` feature frames (ceil by each reduction)."""
+    for reduction in cfg.reductions:
+        frames = -(-frames // reduction)
+    return frames
+
+
+def audio_tokens(frames: int, sample_rate: int, cfg: AudioConfig) -> int:
+    """Tokens for a clip of ``frames`` source frames at ``sample_rate`` (shard metadata)."""
+    samples = resampled_length(frames, sample_rate, cfg.sample_rate)
+    if cfg.long_audio == "truncate":
+        samples = min(samples, max_audio_samples(cfg))
+    return audio_tokens_from_frames(audio_frames(samples, cfg), cfg)
+
 
 # The extractor's centered STFT reflect-pads by n_fft // 2 and needs more samples than that.
 _WHISPER_N_FFT = 400
+
+
 MIN_AUDIO_SAMPLES = _WHISPER_N_FFT // 2 + 1
 
 
@@ -103,3 +216,69 @@ def audio_encoder_inputs(clips: list[np.ndarray], cfg: AudioConfig) -> dict[str,
 def audio_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: AudioConfig) -> list[int]:
     """Per-clip token counts the encoder emits for ``audio_encoder_inputs`` output."""
     return [audio_tokens_from_frames(frames, cfg) for frames in inputs["feature_lens"].tolist()]
+
+
+class AudioModality(Modality):
+    name = "audio"
+    marker = "<audio>"
+    member_prefix = "aud"
+    extensions = AUDIO_EXTENSIONS
+    config_class = AudioConfig
+    item_fields = ("member", "frames", "sample_rate", "duration")
+    verified_fields = ("format", "sample_rate", "channels", "frames")
+
+    def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
+        return probe_audio(data, check)
+
+    def decoded_metadata(self, data: bytes) -> dict[str, Any]:
+        return probe_audio(data)
+
+    def tokens(self, item: dict, config: AudioConfig) -> int:
+        return audio_tokens(item["frames"], item["sample_rate"], config)
+
+    def item_tokens(self, item: dict, config: AudioConfig) -> int:
+        if audio_too_long(item["frames"], item["sample_rate"], config):
+            raise MediaError("audio_too_long", f"{item['member']} lasts {item['duration']} s, "
+                             f"above max_duration {config.max_duration} s")
+        if resampled_length(item["frames"], item["sample_rate"],
+                            config.sample_rate) < MIN_AUDIO_SAMPLES:
+            raise MediaError("audio_too_short", f"{item['member']} has {item['frames']} "
+                             f"frames, fewer than the {MIN_AUDIO_SAMPLES} samples at "
+                             f"{config.sample_rate} Hz log-mel features need")
+        return self.tokens(item, config)
+
+    def variable_tokens(self, config: AudioConfig) -> bool:
+        return True
+
+    def decode(self, data: bytes, item: dict, config: AudioConfig) -> np.ndarray:
+        return decode_audio(data, config)
+
+    def encoder_inputs(self, decoded: list, config: AudioConfig) -> dict[str, torch.Tensor]:
+        return audio_encoder_inputs(decoded, config)
+
+    def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: AudioConfig) -> list[int]:
+        return audio_rows_to_tokens(inputs, config)
+
+    def describe(self, item: dict) -> str:
+        return (f"{item.get('sample_rate')} Hz {item.get('channels')} ch "
+                f"{item.get('duration', 0):.2f} s")
+
+    def preview_png(self, data: bytes, item: dict, config: AudioConfig) -> tuple[bytes, str]:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        features = audio_features(decode_audio(data, config), config).numpy()
+        figure, axis = plt.subplots(figsize=(3.2, 1.4))
+        axis.imshow(features.T, origin="lower", aspect="auto", cmap="magma",
+                    extent=(0, len(features) * config.hop_length / config.sample_rate, 0,
+                            config.n_mels))
+        axis.set_xlabel("s", fontsize=7)
+        axis.set_ylabel("mel", fontsize=7)
+        axis.tick_params(labelsize=6)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=80, bbox_inches="tight")
+        plt.close(figure)
+        return buffer.getvalue(), ""
+
+
+AUDIO = AudioModality()

@@ -1,29 +1,202 @@
-"""Decode images and build the vision encoder's inputs as uint8 tensors.
+"""The image modality: probing at build time, token counts, decoding, encoder inputs, views.
 
-The reference is transformers' ``Qwen2VLImageProcessorPil`` (dynamic policy) and
-``SiglipImageProcessorPil`` (fixed policy). Both resize a uint8 image with Pillow, then
-rescale, normalize and patchify in float32 on the CPU; that float work is most of the
-preprocessing time (DESIGN.md, "Where the time goes"). Here the same Pillow resize is followed
-by a copy-only patchify of the uint8 pixels, and ``normalize_pixels`` does the float step on
-the encoder's device (a quarter of the bytes to move). A still image's patches are stored once,
+Probing (``probe_image``) records what the decoder will produce (size after EXIF orientation,
+mode). Token counts are pure functions of that metadata and the config, so language ranks expand
+``<image>`` markers without decoding. The encoder inputs follow transformers'
+``Qwen2VLImageProcessorPil`` (dynamic policy) and ``SiglipImageProcessorPil`` (fixed policy):
+both resize a uint8 image with Pillow, then rescale, normalize and patchify in float32 on the
+CPU, which is most of their time. Here the same Pillow resize is followed by a copy-only
+patchify of the uint8 pixels, and ``normalize_pixels`` does the float step on the encoder's
+device (a quarter of the bytes to move). A still image's patches are stored once,
 ``[Σ patches, C·P·P]``: the reference repeats the frame ``temporal_patch_size`` times in its
 ``C·T·P·P`` columns, and ``normalize_pixels`` does that repeat on the device (half the bytes
-again). The tests check that ``normalize_pixels(image_encoder_inputs(...))`` equals the
-reference processors' output.
+again). The tests check ``normalize_pixels(image_encoder_inputs(...))`` against the reference
+processors' output.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
+import warnings
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow
 import torch
 from PIL import Image
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from mimo_data.modalities.media import MediaError, pillow_decoding
-from mimo_data.preprocess.config import ImageConfig
-from mimo_data.modalities.token_counts import image_resized_size
+from mimo_data.errors import ConfigError
+from mimo_data.modalities.base import MediaError, Modality
+
+
+# Extension used for the tar member of each container format we keep byte-for-byte.
+IMAGE_EXTENSIONS = {"jpeg": "jpg", "png": "png", "webp": "webp", "gif": "gif", "bmp": "bmp",
+                    "tiff": "tiff"}
+THUMBNAIL = (192, 192)
+_MAX_MEMO = 1 << 16  # image sizes whose token counts are remembered
+
+
+# OpenAI CLIP normalization, the default of Qwen2-VL and CLIP image processors.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class ImageConfig:
+    """Image decoding and the encoder's input layout.
+
+    ``dynamic`` (Qwen2-VL): resize so both sides are multiples of ``patch_size * merge_size``
+    within [min_pixels, max_pixels]; ``(h/(patch*merge)) * (w/(patch*merge))`` tokens.
+    ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square; ``(image_size/patch)^2`` tokens.
+    """
+    token: str = "<|image_pad|>"
+    policy: str = "dynamic"
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 256 * 28 * 28
+    image_size: int = 224
+    mean: tuple = CLIP_MEAN
+    std: tuple = CLIP_STD
+    max_image_pixels: int = 89_478_485   # decode refuses larger images (decompression bombs)
+
+    def validate(self) -> None:
+        if self.policy not in ("dynamic", "fixed"):
+            raise ConfigError(f"modalities.image.policy is {self.policy!r}: use dynamic or fixed")
+        if self.policy == "fixed" and self.image_size % self.patch_size:
+            raise ConfigError(f"modalities.image.image_size {self.image_size} is not a multiple "
+                              f"of patch_size {self.patch_size}")
+        if self.policy == "dynamic" and self.min_pixels > self.max_pixels:
+            raise ConfigError("modalities.image.min_pixels is above max_pixels")
+
+
+# EXIF orientations 5-8 rotate by 90 degrees: the decoded image has width and height swapped.
+_EXIF_ORIENTATION = 0x0112
+
+
+_TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
+
+
+DEFAULT_MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS or 89_478_485
+
+
+@contextlib.contextmanager
+def pixel_limit(max_pixels: int | None):
+    """Pillow's decompression-bomb limit set to ``max_pixels`` (None: off) for the block.
+
+    Pillow reads a process-wide global: left at its default it warns above 89 Mpx and refuses
+    twice that, whatever limit the caller allows. Callers check ``max_pixels`` themselves (with
+    a message that says what to raise), so Pillow's warning is silenced; above twice the limit
+    Pillow still refuses to decode. The global is restored afterwards.
+    """
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max_pixels
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def image_orientation(image: Image.Image) -> int:
+    """EXIF orientation (1-8) from the header Pillow read at ``open``; 1 when absent.
+
+    For PNG, ``getexif()`` would decode the whole image to find an eXIf chunk placed after the
+    pixel data; we read only what precedes it. The shard JSON stores this value and the
+    preprocessor transposes by it, so metadata and decoded pixels agree by construction.
+    """
+    if image.format == "PNG" and "exif" not in image.info:
+        return 1
+    return int(image.getexif().get(_EXIF_ORIENTATION, 1))
+
+
+@contextlib.contextmanager
+def pillow_decoding(max_pixels: int | None):
+    """``pixel_limit(max_pixels)``, with what Pillow raises inside as MediaError: a
+    decompression bomb is ``image_too_large``, anything else ``corrupt_image``."""
+    try:
+        with pixel_limit(max_pixels):
+            yield
+    except MediaError:
+        raise
+    except Image.DecompressionBombError as exc:
+        raise MediaError("image_too_large", str(exc)) from None
+    except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
+        raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
+
+
+def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
+                check: str = "decode") -> dict:
+    """Validate an encoded image; return ``{format, width, height, mode, orientation}``.
+
+    Width/height are after EXIF orientation is applied, ``mode`` is Pillow's decoded mode.
+    ``check="decode"`` walks all image data; ``"header"`` only parses headers and checks that
+    the stream is complete (JPEG end marker; PNG chunk CRCs).
+    Raises MediaError(``corrupt_image`` | ``image_too_large`` | ``unsupported_format``).
+    """
+    if not data:
+        raise MediaError("corrupt_image", "empty image file (0 bytes)")
+    with pillow_decoding(max_pixels):
+        image = Image.open(io.BytesIO(data))
+        fmt = (image.format or "").lower()
+        width, height = image.size
+        if width * height > max_pixels:
+            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                             f"is above the limit of {max_pixels} (raise "
+                             "--max-image-pixels to keep it)")
+        if fmt not in IMAGE_EXTENSIONS:
+            raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
+                             f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+        mode = image.mode
+        orientation = image_orientation(image)
+        if orientation in _TRANSPOSING_ORIENTATIONS:
+            width, height = height, width
+        if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
+            Image.open(io.BytesIO(data)).verify()   # must come right after open()
+        elif fmt == "jpeg" and check == "header":
+            if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+                raise MediaError("corrupt_image",
+                                 "JPEG has no end-of-image marker (truncated)")
+        elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
+            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+            image.load()
+        elif check == "decode":
+            image.load()
+    return {"format": fmt, "width": width, "height": height, "mode": mode,
+            "orientation": orientation}
+
+
+# smart_resize refuses images whose long side is more than this many times the short side.
+MAX_ASPECT_RATIO = 200
+
+
+def image_resized_size(width: int, height: int, cfg: ImageConfig) -> tuple[int, int]:
+    """``(width, height)`` the encoder input is resized to (size after EXIF orientation in)."""
+    if cfg.policy == "fixed":
+        return cfg.image_size, cfg.image_size
+    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise ValueError(f"image of {width}x{height} pixels has an aspect ratio above "
+                         f"{MAX_ASPECT_RATIO}:1, which the dynamic resize (smart_resize) refuses; "
+                         "drop or crop the image")
+    height, width = smart_resize(height, width, factor=cfg.patch_size * cfg.merge_size,
+                                 min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    return width, height
+
+
+def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
+    """Tokens the vision encoder emits for a ``width`` x ``height`` image."""
+    if cfg.policy == "fixed":
+        return (cfg.image_size // cfg.patch_size) ** 2
+    resized_width, resized_height = image_resized_size(width, height, cfg)
+    unit = cfg.patch_size * cfg.merge_size
+    return (resized_height // unit) * (resized_width // unit)
+
 
 # What ImageOps.exif_transpose does for each EXIF orientation; we apply the orientation stored
 # in the shard metadata, so pixels and metadata width/height agree by construction.
@@ -165,3 +338,73 @@ def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tens
     values = (values / 255 - mean.view(1, channels, 1, 1)) / std.view(1, channels, 1, 1)
     return values.expand(rows, channels, cfg.temporal_patch_size, cfg.patch_size ** 2).reshape(
         rows, channels * cfg.temporal_patch_size * cfg.patch_size ** 2)
+
+
+@functools.lru_cache(maxsize=_MAX_MEMO)
+def _tokens_or_error(width: int, height: int, config: ImageConfig) -> int | ValueError:
+    """``image_tokens``, remembered: a dataset has few distinct image sizes."""
+    try:
+        return image_tokens(width, height, config)
+    except ValueError as exc:   # an aspect ratio the resize rule cannot handle
+        return exc
+
+
+class ImageModality(Modality):
+    name = "image"
+    marker = "<image>"
+    member_prefix = "img"
+    extensions = IMAGE_EXTENSIONS
+    config_class = ImageConfig
+    item_fields = ("member", "width", "height", "orientation")
+    verified_fields = ("format", "width", "height", "mode", "orientation")
+
+    def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
+        return probe_image(data, max_image_pixels, check)
+
+    def decoded_metadata(self, data: bytes) -> dict[str, Any]:
+        found = probe_image(data, max_pixels=1 << 62, check="header")
+        with pixel_limit(None):                          # its size passed the build
+            Image.open(io.BytesIO(data)).load()          # full decode
+        return found
+
+    def tokens(self, item: dict, config: ImageConfig) -> int:
+        return image_tokens(item["width"], item["height"], config)
+
+    def item_tokens(self, item: dict, config: ImageConfig) -> int:
+        tokens = _tokens_or_error(item["width"], item["height"], config)
+        if isinstance(tokens, ValueError):
+            raise MediaError("bad_image_shape", f"{item['member']}: {tokens}")
+        return tokens
+
+    def variable_tokens(self, config: ImageConfig) -> bool:
+        return config.policy == "dynamic"
+
+    def decode(self, data: bytes, item: dict, config: ImageConfig) -> Image.Image:
+        image = decode_image(data, item["orientation"], config)
+        if image.size != (item["width"], item["height"]):
+            raise ValueError(f"decodes to {image.size[0]}x{image.size[1]}, the metadata says "
+                             f"{item['width']}x{item['height']}")
+        return image
+
+    def encoder_inputs(self, decoded: list, config: ImageConfig) -> dict[str, torch.Tensor]:
+        return image_encoder_inputs(decoded, config)
+
+    def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: ImageConfig) -> list[int]:
+        return image_rows_to_tokens(inputs, config)
+
+    def describe(self, item: dict) -> str:
+        return f"{item.get('width')}x{item.get('height')} {item.get('mode', '')}".strip()
+
+    def preview_png(self, data: bytes, item: dict, config: ImageConfig) -> tuple[bytes, str]:
+        image = decode_image(data, item.get("orientation", 1), config)
+        problem = ""
+        if image.size != (item.get("width"), item.get("height")):
+            problem = (f"decodes to {image.width}x{image.height}, the metadata says "
+                       f"{item.get('width')}x{item.get('height')}")
+        image.thumbnail(THUMBNAIL)
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue(), problem
+
+
+IMAGE = ImageModality()

@@ -35,11 +35,12 @@ from transformers import AutoTokenizer
 from transformers.utils.chat_template_utils import (_compile_jinja_template,
                                                    render_jinja_template)
 
-from mimo_data.preprocess.config import ConfigError, PreprocessConfig, looks_like_path
+from mimo_data.errors import ConfigError
+from mimo_data.preprocess.config import PreprocessConfig, looks_like_path
 from mimo_data.tally import CountedError
 from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                          TokenBatch, encode_texts, unsupported_reason)
-from mimo_data.shards.format import MARKERS
+from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.template_contents import contents_inserted_verbatim
 
 _GENERATION_BLOCK = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")

@@ -12,11 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mimo_data.modalities.audio import audio_rows_to_tokens
-from mimo_data.modalities.image import image_rows_to_tokens
+from mimo_data.modalities import MODALITIES
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
-
-_ROWS_TO_TOKENS = {"image": image_rows_to_tokens, "audio": audio_rows_to_tokens}
 
 
 class BatchError(RuntimeError):
@@ -46,10 +43,10 @@ class Collator:
             loss_mask[row, :n] = sample.loss_mask.numpy()
             attention_mask[row, :n] = True
         modality_inputs = {}
-        for modality, config in self.config.modalities.items():
+        for modality in self.config.modalities:
             parts = [s.encoder_inputs[modality] for s in samples if modality in s.encoder_inputs]
             if parts:
-                modality_inputs[modality] = {config.encoder: {
+                modality_inputs[modality] = {modality: {
                     kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
         position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
         batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
@@ -76,9 +73,9 @@ class Collator:
                 if row_count != sum(item_counts):
                     raise BatchError(f"sample {key}: {row_count} {modality} placeholders, token "
                                      f"counts {item_counts} (sum {sum(item_counts)})")
-            inputs = batch["modality_inputs"].get(modality, {}).get(config.encoder)
+            inputs = batch["modality_inputs"].get(modality, {}).get(modality)
             if inputs is not None:
-                rows = _ROWS_TO_TOKENS[modality](inputs, config)
+                rows = MODALITIES[modality].rows_to_tokens(inputs, config)
                 flat = [n for item_counts in counts for n in item_counts]
                 if rows != flat:
                     raise BatchError(f"batch {metadata['keys']}: {modality} encoder inputs give "

@@ -13,20 +13,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from mimo_data.modalities.audio import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_rows_to_tokens,
-                                    decode_audio)
+from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
-from mimo_data.modalities.image import decode_image, image_encoder_inputs, image_rows_to_tokens
-from mimo_data.modalities.media import MediaError
 from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.shards.records import marker_order
 from mimo_data.tally import CountedError
-from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
-from mimo_data.modalities.token_counts import audio_too_long, audio_tokens, image_tokens, resampled_length
 
 IGNORE_INDEX = -100
 TEXT_BATCH = 256    # records whose text is tokenized and masked together (text_batch)
-_MAX_MEMO = 1 << 16  # image sizes whose token counts are remembered
 
 
 class SampleDropped(CountedError):
@@ -78,7 +73,6 @@ class Preprocessor:
             raise ValueError(f"with_media names {sorted(unknown)}, not configured modalities")
         self.with_media = bool(self.media_modalities)
         self.text = text or TextEncoder(config)
-        self._image_tokens: dict[tuple[int, int], int | ValueError] = {}
 
     def __getstate__(self) -> dict:
         return {"config": self.config, "with_media": self.media_modalities}
@@ -167,29 +161,10 @@ class Preprocessor:
         if config is None:
             raise SampleDropped("unconfigured_modality", f"the sample has {modality} but the "
                                 f"config has no modalities.{modality}")
-        if modality == "image":
-            size = (item["width"], item["height"])
-            tokens = self._image_tokens.get(size)
-            if tokens is None:          # a dataset has few distinct sizes: computed once each
-                if len(self._image_tokens) >= _MAX_MEMO:
-                    self._image_tokens.clear()
-                try:
-                    tokens = image_tokens(*size, config)
-                except ValueError as exc:   # an aspect ratio the resize rule cannot handle
-                    tokens = exc
-                self._image_tokens[size] = tokens
-            if isinstance(tokens, ValueError):
-                raise SampleDropped("bad_image_shape", f"{item['member']}: {tokens}")
-            return tokens
-        if audio_too_long(item["frames"], item["sample_rate"], config):
-            raise SampleDropped("audio_too_long", f"{item['member']} lasts {item['duration']} s, "
-                                f"above max_duration {config.max_duration} s")
-        if resampled_length(item["frames"], item["sample_rate"],
-                            config.sample_rate) < MIN_AUDIO_SAMPLES:
-            raise SampleDropped("audio_too_short", f"{item['member']} has {item['frames']} "
-                                f"frames, fewer than the {MIN_AUDIO_SAMPLES} samples at "
-                                f"{config.sample_rate} Hz log-mel features need")
-        return audio_tokens(item["frames"], item["sample_rate"], config)
+        try:
+            return MODALITIES[modality].item_tokens(item, config)
+        except MediaError as exc:
+            raise SampleDropped(exc.reason, exc.detail) from None
 
     def _fit(self, messages: list[dict], counts, encoded: Encoded | TextError
              ) -> tuple[Encoded, list[dict]]:
@@ -217,38 +192,26 @@ class Preprocessor:
     def _encoder_inputs(self, key, items, media, token_counts) -> dict:
         decoded: dict[str, list] = {}
         for item in items:
-            config = self.config.modalities[item["modality"]]
+            name = item["modality"]
             try:
-                if item["modality"] == "image":
-                    value = decode_image(media[item["member"]], item["orientation"], config)
-                    if value.size != (item["width"], item["height"]):
-                        raise ValueError(f"decodes to {value.size[0]}x{value.size[1]}, the "
-                                         f"metadata says {item['width']}x{item['height']}")
-                else:
-                    value = decode_audio(media[item["member"]], config)
+                value = MODALITIES[name].decode(media[item["member"]], item,
+                                                self.config.modalities[name])
             except MediaError as exc:
                 raise SampleDropped(exc.reason, f"{item['member']}: {exc.detail}") from None
             except Exception as exc:  # decoder errors of any kind: count the sample, go on
                 raise SampleDropped("corrupt_media", f"{item['member']}: {exc}") from None
-            decoded.setdefault(item["modality"], []).append(value)
+            decoded.setdefault(name, []).append(value)
         inputs = {}
-        for modality, values in decoded.items():
-            config = self.config.modalities[modality]
-            if modality == "image":
-                inputs[modality] = image_encoder_inputs(values, config)
-                rows = image_rows_to_tokens(inputs[modality], config)
-            else:
-                inputs[modality] = audio_encoder_inputs(values, config)
-                rows = audio_rows_to_tokens(inputs[modality], config)
-            if rows != token_counts[modality]:
-                raise RuntimeError(f"sample {key}: the {modality} encoder inputs give {rows} "
-                                   f"tokens per item but the text has {token_counts[modality]} "
+        for name, values in decoded.items():
+            modality, config = MODALITIES[name], self.config.modalities[name]
+            inputs[name] = modality.encoder_inputs(values, config)
+            rows = modality.rows_to_tokens(inputs[name], config)
+            if rows != token_counts[name]:
+                raise RuntimeError(f"sample {key}: the {name} encoder inputs give {rows} "
+                                   f"tokens per item but the text has {token_counts[name]} "
                                    "placeholders; this is a bug in mimo, please report it")
         return inputs
 
-
-_ITEM_FIELDS = {"image": ("member", "width", "height", "orientation"),
-                "audio": ("member", "frames", "sample_rate", "duration")}
 
 
 # What a record with a missing or mistyped field raises past _check_record's checks.
@@ -279,7 +242,7 @@ def _check_record(record) -> None:
                     message["role"] in ("system", "user", "assistant")):
                 problems.append(f"bad message {str(message)[:60]}")
         for item in record["media"]:
-            missing = [f for f in _ITEM_FIELDS[item["modality"]] if f not in item]
+            missing = [f for f in MODALITIES[item["modality"]].item_fields if f not in item]
             if missing:
                 problems.append(f"media item {item.get('member')} lacks {missing}")
     except (KeyError, TypeError) as exc:

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from mimo_data.shards.index import dumps, file_sha256, write_atomic
-from mimo_data.modalities.media import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally

@@ -39,15 +39,6 @@ REPORT_FILE = "report.json"
 STAGING_DIR = ".staging"
 
 ROLES = ("system", "user", "assistant")
-MARKERS = {"image": "<image>", "audio": "<audio>"}
-MEMBER_PREFIX = {"image": "img", "audio": "aud"}
-
-# Extension used for the tar member of each container format we keep byte-for-byte.
-IMAGE_EXTENSIONS = {"jpeg": "jpg", "png": "png", "webp": "webp", "gif": "gif", "bmp": "bmp",
-                    "tiff": "tiff"}
-AUDIO_EXTENSIONS = {"wav": "wav", "flac": "flac", "ogg": "ogg", "mp3": "mp3"}
-
-
 def shard_name(name: str, index: int) -> str:
     """File name of shard ``index`` of dataset ``name``."""
     return f"{name}-{index:06d}.tar"
@@ -56,12 +47,6 @@ def shard_name(name: str, index: int) -> str:
 def sample_key(ordinal: int) -> str:
     """Key of the ``ordinal``-th sample written (no dots, sorts in write order)."""
     return f"{ordinal:09d}"
-
-
-def media_member(modality: str, item_index: int, fmt: str) -> str:
-    """Member suffix (after ``KEY.``) of the ``item_index``-th item of ``modality``."""
-    ext = (IMAGE_EXTENSIONS if modality == "image" else AUDIO_EXTENSIONS)[fmt]
-    return f"{MEMBER_PREFIX[modality]}{item_index}.{ext}"
 
 
 # crc32 of the member's bytes: lets verify name the member a changed shard byte is in (absent

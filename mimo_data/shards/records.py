@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mimo_data.tally import CountedError
-from mimo_data.shards.format import MARKERS
+from mimo_data.modalities import MARKERS
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the three roles we store.
 ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",

@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from mimo_data.modalities.media import MediaError, probe_audio, probe_image
+from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards.records import RecordError, check_marker_counts, marker_order, normalize_messages
-from mimo_data.shards.format import media_member
 from mimo_data.shards.sources import Task
 
 
@@ -102,21 +101,18 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         order = marker_order(messages)
         refs = {"image": raw.images, "audio": raw.audios}
         check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
-        media, payloads, seen = [], [], {"image": 0, "audio": 0}
+        media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:
             index = seen[modality]
             seen[modality] += 1
             data, path, file = _read_media(refs[modality][index], source.media_root)
             try:
-                if modality == "image":
-                    meta = probe_image(data, policy.max_image_pixels, policy.check)
-                else:
-                    meta = probe_audio(data, policy.check)
+                meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
             except MediaError as exc:
                 where = f"{modality} {index}" + (f" ({path})" if path else "")
                 raise RecordError(exc.reason, f"{where}: {exc.detail}") from None
             media.append({"modality": modality,
-                          "member": media_member(modality, index, meta["format"]),
+                          "member": MODALITIES[modality].member(index, meta["format"]),
                           "bytes": len(data), "path": path, **meta})
             payloads.append(MediaFile(file, len(data)) if file and policy.defer_files else data)
     except RecordError as exc:

@@ -1,0 +1,81 @@
+"""The interface every modality implements, from build-time probing to inspection.
+
+A modality (``image``, ``audio``; video next) owns everything that differs between kinds of
+media: the text marker and member names, its config section, probing the encoded bytes at build
+time, the token count of an item from its metadata alone, decoding, the encoder's inputs, and
+how ``mimo-inspect`` shows an item. The rest of mimo reaches it through the registry in
+``mimo_data.modalities`` and never branches on a modality's name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from mimo_data.tally import CountedError
+
+
+class MediaError(CountedError):
+    """A media item that cannot be used; ``reason`` is the report category."""
+
+
+class Modality(ABC):
+    """One kind of media. Subclasses are stateless: one instance each, in the registry."""
+
+    name: ClassVar[str]                    # "image": config key, batch key, default module name
+    marker: ClassVar[str]                  # "<image>": the marker in conversation text
+    member_prefix: ClassVar[str]           # "img": members are KEY.img0.jpg, KEY.img1.png, ...
+    extensions: ClassVar[dict[str, str]]   # container format -> member file extension
+    config_class: ClassVar[type]           # the dataclass of ``modalities.<name>``
+    item_fields: ClassVar[tuple[str, ...]]  # metadata an item of the shard JSON must have
+    verified_fields: ClassVar[tuple[str, ...]]  # metadata ``verify`` re-derives from the bytes
+
+    def member(self, item_index: int, fmt: str) -> str:
+        """Member suffix (after ``KEY.``) of this modality's ``item_index``-th item."""
+        return f"{self.member_prefix}{item_index}.{self.extensions[fmt]}"
+
+    @abstractmethod
+    def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
+        """Build time: validate encoded bytes, return the item's metadata (MediaError if not
+        usable). ``check``: ``decode`` walks all data, ``header`` only headers."""
+
+    @abstractmethod
+    def decoded_metadata(self, data: bytes) -> dict[str, Any]:
+        """``verify``: the metadata of a full decode, without size limits (any error raised)."""
+
+    @abstractmethod
+    def tokens(self, item: dict, config: Any) -> int:
+        """Placeholder tokens of an item, from its metadata alone (ValueError/KeyError if the
+        metadata cannot give one)."""
+
+    @abstractmethod
+    def item_tokens(self, item: dict, config: Any) -> int:
+        """``tokens`` for training: MediaError (reason = the drop category) for an item the
+        config cannot use (too long, an unsupported shape, ...)."""
+
+    @abstractmethod
+    def variable_tokens(self, config: Any) -> bool:
+        """Whether items can give different token counts under ``config``."""
+
+    @abstractmethod
+    def decode(self, data: bytes, item: dict, config: Any) -> Any:
+        """Decode an item's bytes as the encoder inputs need them (MediaError if unusable)."""
+
+    @abstractmethod
+    def encoder_inputs(self, decoded: list, config: Any) -> dict[str, torch.Tensor]:
+        """The encoder's keyword arguments for decoded items, item by item."""
+
+    @abstractmethod
+    def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: Any) -> list[int]:
+        """Tokens the encoder emits per item for ``inputs`` (must equal ``item_tokens``)."""
+
+    @abstractmethod
+    def describe(self, item: dict) -> str:
+        """A short human description of an item's metadata (``mimo-inspect sample``)."""
+
+    @abstractmethod
+    def preview_png(self, data: bytes, item: dict, config: Any) -> tuple[bytes, str]:
+        """A small PNG of the item for the HTML report (thumbnail, spectrogram) and a problem
+        line ("" if none) when the decoded item disagrees with its metadata."""
