@@ -315,7 +315,7 @@ def _typed(annotation: str, value: Any, key: str) -> Any:
     if value is None and "None" in names:
         return value
     for name in names:
-        kinds = _TYPES.get(name)
+        kinds: Any = _TYPES.get(name)
         if kinds is None:                             # e.g. object: anything goes
             return value
         if isinstance(value, kinds) and not (isinstance(value, bool) and name != "bool"):

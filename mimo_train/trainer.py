@@ -307,6 +307,7 @@ class Trainer:
                 "config": self.cfg.to_dict()}
 
     def save(self) -> str:
+        assert self.cfg.checkpoint.dir                 # run() saves only with a directory
         return checkpoint.save(self.cfg.checkpoint.dir, self.step, self.checkpoint_parts(),
                                self._meta())
 

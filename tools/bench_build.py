@@ -11,11 +11,13 @@ file and writes it with the record's JSON, nothing else; the build also normaliz
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 
 import webdataset
 
@@ -103,13 +105,15 @@ def main() -> None:
                 shutil.rmtree(out)
             return best, size
 
-        variants = {"plain webdataset.ShardWriter": lambda out: _plain_writer(jsonl, out, 1000)}
+        variants: dict[str, Callable[[str], object]] = {
+            "plain webdataset.ShardWriter": lambda out: _plain_writer(jsonl, out, 1000)}
         for check in ("header", "decode"):
             for workers in (0, 1, 2):
                 options = BuildOptions(max_samples_per_shard=1000, workers=workers, check=check,
                                        progress=False, overwrite=True)
                 variants[f"mimo-shard build --check {check} --workers {workers}"] = (
-                    lambda out, o=options: _checked_build(jsonl, out, o, args.records))
+                    functools.partial(_checked_build, jsonl, options=options,
+                                      expected=args.records))
         results = {name: timed(run) for name, run in variants.items()}
 
         base_time = results["plain webdataset.ShardWriter"][0]

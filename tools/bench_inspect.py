@@ -33,6 +33,7 @@ import torch
 from mimo_data.inspect.report import Thresholds, build_report
 from mimo_data.inspect.stats import SampleInspector
 from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, preprocess_dataset
+from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.shards.reader import ShardReader
@@ -42,7 +43,8 @@ from replicate_corpus import replicated_dataset
 
 
 def _new_pieces(reader: ShardReader, text) -> list[list[str]]:
-    """Per chunk of TEXT_BATCH samples, the text pieces not seen before (what one text_batch encodes)."""
+    """Per chunk of TEXT_BATCH samples, the text pieces not seen before (what one text_batch
+    encodes)."""
     seen, chunks = set(), []
     for chunk in range(0, len(reader), TEXT_BATCH):
         batch = []
@@ -76,6 +78,7 @@ def _round(dataset: str, reader: ShardReader, config: PreprocessConfig) -> tuple
     # same batches and calls, with nothing around them (texts rendered beforehand, untimed).
     floor = Preprocessor(config, with_media=False).text
     pieces = _new_pieces(reader, floor)
+    assert isinstance(floor.backend, SegmentCachedTokenizer)   # the report's (cached) path
     tokenizer, summed = floor.backend.backend, floor.backend._token_lengths is not None
     start = time.perf_counter()
     for batch in pieces:     # as the report calls it: no offsets for ASCII (summed) pieces
@@ -107,7 +110,8 @@ def main() -> None:
     config = PreprocessConfig.from_yaml(args.config)
     work = tempfile.mkdtemp(prefix="bench_inspect_")
     try:
-        images_only = (lambda r: all(m["modality"] == "image" for m in r["media"]))
+        def images_only(r):
+            return all(m["modality"] == "image" for m in r["media"])
         dataset = replicated_dataset(args.corpus, args.samples, work, unique_answers=True,
                                      keep=None if args.modalities == "all" else images_only)
         reader = ShardReader(dataset)

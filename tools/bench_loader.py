@@ -9,7 +9,8 @@ shards over workers), layout ``language=dp1;image=dp1;audio=dp1``:
 - language rank (rank 0): ``build_loader``, metadata-only, 0/1/2 workers.
 
 Prints medians of ``--repeat`` interleaved runs: steps/s, samples/s and the main process's CPU
-time per micro-batch (what the training process pays; workers take the rest), the ratios encoder / plain (target >= 0.9) and
+time per micro-batch (what the training process pays; workers take the rest), the ratios
+encoder / plain (target >= 0.9) and
 language / encoder (target >= 10), then the language rank's RSS while it iterates a dataset
 of ``--rss-samples`` samples (target: flat within 10% from 1k samples to the end), with the
 loader build time and RSS over a 1k-sample dataset for comparison. DataLoader workers run one
@@ -109,6 +110,7 @@ def throughput(dataset: str, config: str, micro: int, global_batch: int, workers
             for name, rank in (("encoder rank", ENCODER_RANK), ("language rank", LANGUAGE_RANK)):
                 loader = build_loader(source, None, LAYOUT, rank, 3, global_batch, micro, seed=0,
                                       num_workers=count)
+                assert loader is not None          # both ranks need data
                 runs.setdefault((name, count), []).append(_rate(loader))
                 loader.close()
     micro_per_step = global_batch // micro
@@ -124,7 +126,8 @@ def throughput(dataset: str, config: str, micro: int, global_batch: int, workers
               f"{samples / seconds:10.0f}  {1000 * cpu / batches:10.2f}")
     for count in workers:
         encoder = rates[("encoder rank", count)]
-        print(f"{count} workers: encoder / plain {encoder / rates[('plain webdataset', count)]:.2f}x"
+        plain = rates[('plain webdataset', count)]
+        print(f"{count} workers: encoder / plain {encoder / plain:.2f}x"
               f" (target >= 0.9), language / encoder "
               f"{rates[('language rank', count)] / encoder:.1f}x (target >= 10)")
 
@@ -136,6 +139,7 @@ def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> N
         source = DataSource(dataset, config)
         loader = build_loader(source, None, LAYOUT, LANGUAGE_RANK, 3, global_batch, micro,
                               seed=0)
+        assert loader is not None                  # the language rank needs data
         print(f"{name} dataset ({len(source.readers[0])} samples): loader built in "
               f"{time.perf_counter() - start:.1f} s (drop decisions included), RSS "
               f"{before:.0f} -> {_rss_mb():.0f} MB")

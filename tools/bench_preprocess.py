@@ -8,7 +8,8 @@ Three passes over the same shards, in the same run, one process with one torch t
 - metadata-only mode: the Preprocessor without media (what language ranks run).
 Prints samples/s and the ratios full / decode-only and metadata-only / full.
 
-    python tools/bench_preprocess.py [--samples 2000] [--rounds 3] [--config configs/preprocess.yaml]
+    python tools/bench_preprocess.py [--samples 2000] [--rounds 3] \\
+        [--config configs/preprocess.yaml]
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from replicate_corpus import replicated_dataset
 
 
 def _decode_only(reader: ShardReader, config: PreprocessConfig) -> None:
-    images, audio = config.modalities.get("image"), config.modalities.get("audio")
+    images, audio = config.modalities["image"], config.modalities["audio"]
     for position in range(len(reader)):
         record = reader.record(position)
         for item in record["media"]:

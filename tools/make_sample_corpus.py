@@ -27,6 +27,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 import matplotlib.cbook
@@ -251,9 +252,10 @@ def build_photos(out: Path) -> dict[str, Photo]:
         else:
             img.save(out / path)
         photos[name] = Photo(name, path, docstring_caption(func),
-                             f"scikit-image {skimage.__version__} skimage.data.{name}()")
-    with matplotlib.cbook.get_sample_data("grace_hopper.jpg") as src:
-        (out / "images/grace_hopper.jpg").write_bytes(src.read())  # original bytes, 512x600
+                             f"scikit-image {importlib.metadata.version('scikit-image')} "
+                             f"skimage.data.{name}()")
+    grace_hopper = matplotlib.cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)
+    shutil.copyfile(grace_hopper, out / "images/grace_hopper.jpg")  # original bytes, 512x600
     photos["grace_hopper"] = Photo(
         "grace_hopper", "images/grace_hopper.jpg", GRACE_HOPPER_CAPTION,
         f"matplotlib {matplotlib.__version__} sample_data/grace_hopper.jpg")
@@ -326,7 +328,7 @@ def _record(rid: str, turns: list[tuple[str, str]], images: list[str], audios: l
             messages_form: bool) -> dict:
     """A LLaVA/ShareGPT record (``conversations`` with from/value, ``image``/``audio`` for a
     single item) or, with messages_form, a ``messages`` record (role/content, media lists)."""
-    rec = {"id": rid}
+    rec: dict[str, Any] = {"id": rid}
     for key, items in (("image", images), ("audio", audios)):
         if len(items) == 1 and not messages_form:
             rec[key] = items[0]
@@ -353,7 +355,7 @@ def llava_records(photos: dict[str, Photo], speech: list[Clip],
     """All LLaVA-style records by kind. Within a kind, record i is in the ``messages`` form
     when i % 3 == 1 (the others in the ShareGPT form)."""
     cards = [clip for clip in speech if clip.id.startswith("cards")]
-    kinds = {  # kind -> [(id, turns, image paths, audio paths)]
+    kinds: dict[str, list[tuple]] = {  # kind -> [(id, turns, image paths, audio paths)]
         "caption": [
             (f"caption-{p.name}", _qa_turns([(CAPTION_PROMPTS[i % len(CAPTION_PROMPTS)],
                                               p.caption)]), [p.path], [])
@@ -381,15 +383,16 @@ def llava_records(photos: dict[str, Photo], speech: list[Clip],
             for i, clip in enumerate(cards)],
         "text_only": [(rid, _qa_turns(pairs, system), [], []) for rid, system, pairs in TEXT_ONLY],
     }
-    return {kind: [_record(*item, messages_form=i % 3 == 1) for i, item in enumerate(items)]
+    return {kind: [_record(rid, turns, images, audios, messages_form=i % 3 == 1)
+                   for i, (rid, turns, images, audios) in enumerate(items)]
             for kind, items in kinds.items()}
 
 
 def write_llava(out: Path, kinds: dict[str, list[dict]]) -> dict[str, dict[str, int]]:
     """Split every kind between ``llava.json`` (even positions) and ``llava.jsonl`` (odd ones);
     return the record counts by file and kind."""
-    files = {"llava.json": [], "llava.jsonl": []}
-    counts = {name: {} for name in files}
+    files: dict[str, list[dict]] = {"llava.json": [], "llava.jsonl": []}
+    counts: dict[str, dict[str, int]] = {name: {} for name in files}
     for kind, records in kinds.items():
         for name, part in zip(files, (records[0::2], records[1::2])):
             files[name] += part
@@ -533,7 +536,7 @@ def _smollm2_gguf() -> Path:
     ggufs = [f for f in dist.files or () if f.suffix == ".gguf"]
     if len(ggufs) != 1:
         raise SystemExit(f"expected one .gguf file in {TOKENIZER_PACKAGE}, found {len(ggufs)}")
-    return Path(dist.locate_file(ggufs[0]))
+    return Path(str(dist.locate_file(ggufs[0])))
 
 
 def _check_tokenizer(tok, where: Path) -> None:

@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--examples", type=_count, default=3, metavar="N",
                    help="HTML: kept samples with media shown as examples (default 3)")
     limits = r.add_argument_group("check limits (defaults: nothing tolerated)")
-    for name, (field_name, kind, what) in CHECKS.items():
+    for field_name, kind, what in CHECKS.values():
         default = getattr(_DEFAULTS, field_name)
         limits.add_argument("--" + field_name.replace("_", "-"),
                             type=_fraction if kind == "fraction" else _count, default=default,
@@ -137,7 +137,7 @@ def _sample(args, config) -> int:
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
     inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
     index = IndexTable(args.directory)
-    failed = []
+    failed: list[str] = []
     for n, position in enumerate(positions):
         record = reader.record(position)
         stats, sample = inspector(position, record, index)
@@ -175,6 +175,7 @@ def _report(args, config) -> int:
             write_json(report, args.json)
     if args.html:
         from mimo_data.inspect.html import write_html
+        assert gallery is not None                    # made above when --html is given
         write_html(report, gallery, args.directory, inspector, args.html, args.config)
     failures = failure_lines(report)
     for line in failures:

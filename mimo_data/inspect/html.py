@@ -122,7 +122,7 @@ def _media_html(plt, reader, stats: SampleStats, record: dict, inspector) -> str
     for item in record.get("media") or []:
         modality = item.get("modality")
         tokens = expected_item_tokens(item, inspector.config)
-        kind = MODALITIES.get(modality)                      # type: ignore[arg-type]
+        kind = MODALITIES.get(modality)
         caption = f"{item.get('member')}: {kind.describe(item) if kind else modality}"
         caption += f", {tokens if tokens is not None else '?'} tokens"
         try:

@@ -62,7 +62,8 @@ def _part_steps(entry: dict, part: dict, table: dict) -> list[dict]:
 def plan_summary(result: dict) -> dict:
     """Per rank and module: samples/tokens per step; per module: DP imbalance."""
     table = _sample_table(result)
-    rows, by_module = [], {}
+    rows: list = []
+    by_module: dict = {}
     for entry in result["ranks"]:
         if entry["steps"] is None:
             rows.append({"rank": entry["rank"], "module": None, "needs_data": False})

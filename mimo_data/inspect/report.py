@@ -42,6 +42,7 @@ from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
+from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
@@ -81,8 +82,8 @@ class ReportBuilder:
         self.inspector = inspector
         self.lengths: list[int] = []
         self.trained: list[int] = []
-        self.item_tokens = {m: [] for m in inspector.config.modalities}
-        self.sample_tokens = {m: [] for m in inspector.config.modalities}
+        self.item_tokens: dict[str, list[int]] = {m: [] for m in inspector.config.modalities}
+        self.sample_tokens: dict[str, list[int]] = {m: [] for m in inspector.config.modalities}
         self.drop_reasons: dict[str, Flagged] = {}
         self.flagged = {name: Flagged() for name in CHECKS}
         self.seen = 0
@@ -103,8 +104,9 @@ class ReportBuilder:
             self.trained.append(stats.trained)
             for modality, counts in stats.expected.items():
                 if counts:
-                    self.item_tokens[modality].extend(counts)
-                    self.sample_tokens[modality].append(sum(counts))
+                    known = [count for count in counts if count is not None]
+                    self.item_tokens[modality].extend(known)
+                    self.sample_tokens[modality].append(sum(known))
             if stats.removed_turns:
                 flagged["truncated"].add(stats, f"{stats.removed_turns} trailing turn(s) removed")
             if stats.placeholder_mismatch:
@@ -218,7 +220,7 @@ def _check_message(result: dict, flagged: Flagged) -> str:
     return head
 
 
-def _read_record(reader: ShardReader, position: int) -> dict | SampleStats:
+def _read_record(reader: ShardReader, position: int) -> ShardRecord | SampleStats:
     """The record at ``position``, or the stats of a record the loader could not read."""
     try:
         return reader.record(position)

@@ -13,13 +13,14 @@ the ``seq_length`` limit) when that is possible, so that one sees why.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from mimo_data.preprocess.chat_tokens import TextError
 from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
-from mimo_data.preprocess.preprocessor import Sample
+from mimo_data.preprocess.preprocessor import Record, Sample
 
 ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m", "image": "\033[1;35m",
         "audio": "\033[1;36m", "padding": "\033[90m"}
@@ -55,7 +56,7 @@ def _sequence_of(sample: Sample) -> tuple[np.ndarray, np.ndarray]:
     return ids, trained
 
 
-def token_view(inspector: SampleInspector, record: dict, stats: SampleStats,
+def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
                sample: Sample | None) -> TokenView:
     """The tokens of a sample by class (kept), or as far as they can be built (dropped)."""
     note = ""
@@ -68,7 +69,8 @@ def token_view(inspector: SampleInspector, record: dict, stats: SampleStats,
             return _messages_view(record, "no tokens: a media item's token count cannot be "
                                   "computed; the messages as stored")
         try:
-            encoded = inspector.text.encode(record["messages"], counts)
+            encoded = inspector.text.encode(record["messages"],
+                                            cast(list[tuple[str, int]], counts))
         except TextError as exc:
             return _messages_view(record, f"no tokens: {exc.detail}; the messages as stored")
         except Exception as exc:     # a malformed record: show what is known, not a traceback
@@ -86,7 +88,7 @@ def token_view(inspector: SampleInspector, record: dict, stats: SampleStats,
     return TokenView(runs, note)
 
 
-def _messages_view(record: dict, note: str) -> TokenView:
+def _messages_view(record: Record, note: str) -> TokenView:
     """The stored messages as plain text, for a sample whose tokens cannot be built."""
     try:
         text = "\n".join(f"[{m.get('role')}] {m.get('content')}"
@@ -162,7 +164,7 @@ def sample_problems(stats: SampleStats) -> list[str]:
     return problems
 
 
-def format_sample(inspector: SampleInspector, record: dict, stats: SampleStats,
+def format_sample(inspector: SampleInspector, record: Record, stats: SampleStats,
                   sample: Sample | None, total: int, color: bool) -> str:
     """Header (status, placeholder counts, media), legend and coloured tokens of one sample."""
     config = inspector.config
@@ -189,7 +191,8 @@ def format_sample(inspector: SampleInspector, record: dict, stats: SampleStats,
             continue
         kept = stats.expected.get(modality, [])
         placeholders = stats.placeholders.get(modality, 0)
-        verdict = "OK" if (placeholders == sum(kept) and None not in kept) else "MISMATCH"
+        verdict = ("OK" if None not in kept and placeholders == sum(k or 0 for k in kept)
+                   else "MISMATCH")
         lines.append(f"{modality:11s} {placeholders} placeholder tokens in input_ids, expected "
                      f"{sum(n for n in kept if n is not None)} from metadata {kept}"
                      + (f" ({len(items) - len(kept)} item(s) in removed turns)"

@@ -22,13 +22,16 @@ from __future__ import annotations
 import bisect
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from mimo_data.preprocess.chat_tokens import TextEncoder
-from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped, TextSample
+from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, SampleDropped,
+                                               TextSample)
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.format import SAMPLES_FILE
@@ -51,7 +54,8 @@ class SampleStats:
     trained: int = 0                      # tokens with loss_mask 1
     removed_turns: int = 0
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
-    expected: dict[str, list[int]] = field(default_factory=dict)  # per kept item, from metadata
+    # per kept item, from metadata (None: not computable)
+    expected: dict[str, list[int | None]] = field(default_factory=dict)
     counted: dict[str, list[int]] = field(default_factory=dict)   # the preprocessor's counts
     markers: list[str] = field(default_factory=list)    # marker modalities in reading order
     media: list[str] = field(default_factory=list)      # media item modalities in list order
@@ -67,7 +71,7 @@ class SampleStats:
     @property
     def placeholder_mismatch(self) -> bool:
         return self.dropped is None and any(
-            None in counts or self.placeholders.get(m, 0) != sum(counts)
+            None in counts or self.placeholders.get(m, 0) != sum(c or 0 for c in counts)
             or self.counted.get(m) != counts for m, counts in self.expected.items())
 
     @property
@@ -90,7 +94,8 @@ class SampleStats:
         return "; ".join(f"{m}: {self.placeholders.get(m, 0)} placeholder tokens in input_ids, "
                          f"the preprocessor counts {self.counted.get(m)}, the metadata gives "
                          f"{counts}" for m, counts in self.expected.items()
-                         if None in counts or self.placeholders.get(m, 0) != sum(counts)
+                         if None in counts
+                         or self.placeholders.get(m, 0) != sum(c or 0 for c in counts)
                          or self.counted.get(m) != counts)
 
 
@@ -101,7 +106,7 @@ def markers_of(messages: list[dict]) -> list[str]:
             for m in _MARKER.findall(str(message.get("content", "")))]
 
 
-def expected_item_tokens(item: dict, config: PreprocessConfig) -> int | None:
+def expected_item_tokens(item: Mapping[str, Any], config: PreprocessConfig) -> int | None:
     """Tokens the encoder emits for a media item, from its metadata (None: not computable)."""
     try:
         return MODALITIES[item["modality"]].tokens(item, config.modalities[item["modality"]])
@@ -127,7 +132,7 @@ class IndexTable:
         self.rows = [(set(names[a:b]), list(zip(w or [], h or [])), list(d or []))
                      for a, b, w, h, d in zip(bounds, bounds[1:], widths, heights, durations)]
 
-    def problems(self, position: int, record: dict) -> list[str]:
+    def problems(self, position: int, record: Record) -> list[str]:
         """How the record's media list disagrees with its row of the table."""
         members, indexed_sizes, indexed_durations = self.rows[position]
         media = record.get("media") or []
@@ -161,30 +166,29 @@ class SampleInspector:
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
         self._decoder = self.text.tokenizer.backend_tokenizer
 
-    def item_tokens(self, item: dict) -> int | None:
+    def item_tokens(self, item: Mapping[str, Any]) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
         modality = MODALITIES.get(item.get("modality"))      # type: ignore[arg-type]
         signature = (item.get("modality"), *(item.get(name) for name in modality.item_fields
                                              if name != "member")) if modality else ()
-        tokens = self._item_tokens.get(signature, self)
-        if tokens is self:
-            tokens = self._item_tokens[signature] = expected_item_tokens(item, self.config)
-        return tokens
+        if signature not in self._item_tokens:
+            self._item_tokens[signature] = expected_item_tokens(item, self.config)
+        return self._item_tokens[signature]
 
-    def __call__(self, position: int, record: dict,
+    def __call__(self, position: int, record: Record,
                  index: IndexTable | None = None) -> tuple[SampleStats, Sample | None]:
         """The stats of one sample, and its Sample unless dropped."""
         text = self.preprocessor.text_batch([record])[0]
         stats = self.stats(position, record, text, index)
-        return stats, None if stats.dropped else self.preprocessor.sample(text)
+        return stats, None if isinstance(text, SampleDropped) else self.preprocessor.sample(text)
 
-    def batch(self, positions: list[int], records: list[dict],
+    def batch(self, positions: list[int], records: list[Record],
               index: IndexTable | None = None) -> list[SampleStats]:
         """The stats of several samples, their text prepared together (``text_batch``)."""
         return [self.stats(position, record, text, index) for position, record, text in
                 zip(positions, records, self.preprocessor.text_batch(records))]
 
-    def stats(self, position: int, record: dict, text: TextSample | SampleDropped,
+    def stats(self, position: int, record: Record, text: TextSample | SampleDropped,
               index: IndexTable | None = None) -> SampleStats:
         """SampleStats of a record from what the preprocessor made of it."""
         media = record.get("media") or []

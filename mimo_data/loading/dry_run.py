@@ -94,7 +94,7 @@ def _checks(layout: Layout, ranks: list[dict], source: DataSource) -> dict:
                 problems.append(f"rank {entry['rank']} ({part['module']} dp rank "
                                 f"{part['dp_rank']}) gets other samples than its DP peers")
     if by_module:
-        global_batches = {name: [sum(parts, []) for parts in
+        global_batches: dict[str, list] = {name: [sum(parts, []) for parts in
                                  zip(*(dp[r] for r in sorted(dp)))]
                           for name, dp in by_module.items()}
         reference = global_batches.get(LANGUAGE)

@@ -203,7 +203,7 @@ class Layout:
     # ----------------------------------------------------------------------------- parsing
 
     @classmethod
-    def parse(cls, value) -> "Layout":
+    def parse(cls, value) -> Layout:
         """A Layout from a Layout, a dict, a YAML file path or a compact string."""
         if isinstance(value, Layout):
             return value
@@ -217,7 +217,7 @@ class Layout:
         raise LayoutError(f"cannot make a layout of {type(value).__name__} {value!r}")
 
     @classmethod
-    def from_string(cls, text: str) -> "Layout":
+    def from_string(cls, text: str) -> Layout:
         """``language=tp1,pp1,dp2;image=dp1,off2`` (missing fields 1, offsets in order)."""
         modules, modalities, offset = [], {}, 0
         for part in filter(None, (p.strip() for p in text.split(";"))):
@@ -245,7 +245,7 @@ class Layout:
         return cls(tuple(modules), modalities)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Layout":
+    def from_dict(cls, data: dict) -> Layout:
         """``{"modules": {name: {tp, cp, pp, dp, rank_offset}} | [{name, ...}],
         "modalities": {modality: module}}``; offsets in order where omitted."""
         unknown = set(data) - {"modules", "modalities"}
@@ -269,7 +269,7 @@ class Layout:
         return cls(tuple(modules), dict(data.get("modalities") or {}))
 
     @classmethod
-    def from_yaml(cls, path: str) -> "Layout":
+    def from_yaml(cls, path: str) -> Layout:
         with open(path) as handle:
             data = yaml.safe_load(handle) or {}
         if "layout" in data and isinstance(data["layout"], (dict, str)):
@@ -330,7 +330,8 @@ class Layout:
         for module in self.encoders:
             if not self.modalities_of(module.name):
                 raise LayoutError(f"encoder module {module.name!r} serves no modality: name it "
-                                  f"after its modality ({'/'.join(MODALITIES)}) or tag it (e.g. '{module.name}=dp"
+                                  f"after its modality ({'/'.join(MODALITIES)}) or tag it "
+                                  f"(e.g. '{module.name}=dp"
                                   f"{module.dp},image'; YAML 'modalities: {{image: "
                                   f"{module.name}}}')")
             small, large = sorted((module.dp, language.dp))
@@ -424,7 +425,8 @@ class Layout:
                     f"global micro-batch of {group} samples (micro batch {micro_batch_size} x "
                     f"{LANGUAGE} dp {self.language.dp}): every module splits each global "
                     f"micro-batch evenly among its DP ranks; make the micro batch a multiple "
-                    f"of {module.dp // math.gcd(module.dp, self.language.dp)} or change {module.name}'s dp")
+                    f"of {module.dp // math.gcd(module.dp, self.language.dp)} or change "
+                    f"{module.name}'s dp")
 
     # ------------------------------------------------------------------------------- roles
 

@@ -22,7 +22,8 @@ Workers: a ``torch.utils.data.IterableDataset`` cuts the rank's micro-batches (c
 iteration starts) into items (one micro-batch on decoding ranks, enough for ~16 samples on
 metadata-only ranks) and gives item i to worker ``i mod W``; ``DataLoader`` returns worker results
 round-robin, so the sequence is the same for any W. A worker sends an item's tensors packed into
-one buffer (``tensor_pack``); batches arrive as views of it. The stream runs on across epochs and the DataLoader
+one buffer (``tensor_pack``); batches arrive as views of it. The stream runs on across epochs and
+the DataLoader
 iterator lives as long as the loader (workers stay up and prefetch across epoch ends, what
 ``persistent_workers`` would give); it restarts only when a state is loaded.
 
@@ -40,10 +41,13 @@ import itertools
 import json
 import os
 
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import torch.utils.data
 
-from mimo_data.preprocess.collate import Collator
+from mimo_data.preprocess.collate import BatchMetadata, Collator
 from mimo_data.loading.kept_samples import kept_mask
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
@@ -51,7 +55,7 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import DatasetShape, SampleOrder, micro_batch_slice
 from mimo_data.modalities import MODALITIES
-from mimo_data.shards.format import INDEX_FILE
+from mimo_data.shards.format import INDEX_FILE, ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
@@ -87,7 +91,7 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
         if encoder.dp == language.dp or (encoder.dp < language.dp and not layout.colocated):
             continue
         for modality in layout.modalities_of(encoder.name):
-            items = collections.Counter()
+            items: collections.Counter[int] = collections.Counter()
             for reader, shape in zip(source.readers, source.shapes):
                 for members, kept in zip(reader.members, shape.kept):
                     if kept:
@@ -177,6 +181,7 @@ class _RankStream(torch.utils.data.IterableDataset):
         # A worker's item costs ~1 ms to hand over whatever its size, as much as preprocessing
         # a text-only micro-batch of a few samples: metadata-only ranks send a few micro-batches
         # per item. Decoding ranks send one (their micro-batches take tens of ms each).
+        assert role.text_module is not None             # a rank with data follows a module
         text_samples = global_micro_batch_size // self.dp[role.text_module][0]
         self.chunk = 1 if self.decode_media else -(-ITEM_SAMPLES // text_samples)
         # An encoder rank decodes only the modalities of its own encoders.
@@ -208,13 +213,14 @@ class _RankStream(torch.utils.data.IterableDataset):
         return micro_batch_slice(step, micro, self.order.global_batch_size, self.group,
                                  dp_size, dp_rank)
 
-    def _record(self, datasets, positions, at: int) -> dict:
+    def _record(self, datasets, positions, at: int) -> ShardRecord:
         dataset, position = int(datasets[at]), int(positions[at])
         record = self.source.readers[dataset].record(position)
         record["key"] = f"{dataset}/{record['key']}"
         return record
 
-    def _sample(self, datasets, positions, at: int, record: dict, text, full: bool) -> Sample:
+    def _sample(self, datasets, positions, at: int, record: ShardRecord, text,
+                full: bool) -> Sample:
         """The sample at ``at`` from its record and TextSample (or drop)."""
         dataset, position = int(datasets[at]), int(positions[at])
         reader = self.source.readers[dataset]
@@ -222,6 +228,7 @@ class _RankStream(torch.utils.data.IterableDataset):
             if isinstance(text, SampleDropped):
                 raise text
             if full:
+                assert self.full is not None
                 return self.full.sample(text, reader.media(position, record,
                                                            self.full.media_modalities))
             return self.source.metadata.sample(text)
@@ -233,10 +240,11 @@ class _RankStream(torch.utils.data.IterableDataset):
                 "modules. Run `mimo-shard verify`, rebuild the dataset with `--check decode` "
                 "(drops undecodable media at build time), then restart") from None
 
-    def micro_batch(self, epoch: int, index: int) -> tuple[dict, dict]:
+    def micro_batch(self, epoch: int, index: int) -> tuple[dict[str, Any], BatchMetadata]:
         """This rank's part of global micro-batch ``index`` (counted over the epoch)."""
         step, micro = divmod(index, self.per_step)
         datasets, positions = self.order.epoch(epoch)
+        assert self.role.text_module is not None
         text = self._slice(self.role.text_module, step, micro)
         media = {modality: self._slice(module, step, micro)
                  for modality, module in self.role.media.items()}
@@ -248,13 +256,15 @@ class _RankStream(torch.utils.data.IterableDataset):
         samples = {at: self._sample(datasets, positions, at, record, text, at in full_at)
                    for (at, record), text in zip(records.items(), texts)}
         collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
-        batch = {key: value for key, value in collated.items() if key in self.role.text_keys}
-        metadata.update(epoch=epoch, step=step, micro_batch=micro,
-                        tokens=collated["attention_mask"].numpy().sum(1).tolist(),
-                        trained_tokens=np.count_nonzero(collated["loss_mask"].numpy(), 1).tolist())
+        batch: dict[str, Any] = {key: value for key, value in collated.items()
+                                 if key in self.role.text_keys}
+        metadata["epoch"], metadata["step"], metadata["micro_batch"] = epoch, step, micro
+        metadata["tokens"] = collated["attention_mask"].numpy().sum(1).tolist()
+        metadata["trained_tokens"] = np.count_nonzero(collated["loss_mask"].numpy(), 1).tolist()
         if self.role.media:
             batch["modality_inputs"] = {}
-            metadata["encoder_keys"] = {}
+            encoder_keys: dict[str, list[str]] = {}
+            metadata["encoder_keys"] = encoder_keys
             for modality, part in media.items():
                 if part != text:
                     part_batch, part_metadata = self.collate(
@@ -263,7 +273,7 @@ class _RankStream(torch.utils.data.IterableDataset):
                     part_batch, part_metadata = collated, metadata
                 if modality in part_batch["modality_inputs"]:
                     batch["modality_inputs"][modality] = part_batch["modality_inputs"][modality]
-                metadata["encoder_keys"][modality] = list(part_metadata["keys"])
+                encoder_keys[modality] = list(part_metadata["keys"])
         return batch, metadata
 
 
@@ -297,7 +307,7 @@ class RankLoader:
                                 num_workers else None,
                                 "prefetch_factor": prefetch_factor if num_workers else None}
         self.epoch, self.index = 0, 0
-        self._stream = None
+        self._stream: Iterator[Any] | None = None
         self._pending: collections.deque = collections.deque()   # received, not yet consumed
 
     # ------------------------------------------------------------------------- positions

@@ -105,8 +105,8 @@ class SampleOrder:
         self.quotas = kept if weights is None else _quotas(weights, kept)
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             if quota and not count:
-                raise OrderError(f"dataset {i} has weight {weights[i]} but preprocessing keeps "
-                                 "none of its samples: give it weight 0 or fix its data/config")
+                raise OrderError(f"dataset {i} has weight {(weights or [])[i]} but preprocessing "
+                                 "keeps none of its samples: give it weight 0 or fix its data/config")
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:

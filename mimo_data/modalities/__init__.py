@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.audio import AUDIO
-from mimo_data.modalities.base import MediaError, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality
 from mimo_data.modalities.image import IMAGE
 
 MODALITIES: dict[str, Modality] = {m.name: m for m in (IMAGE, AUDIO)}
@@ -22,4 +22,4 @@ def modality(name: str) -> Modality:
         raise ConfigError(f"modality {name!r} unknown: use one of {sorted(MODALITIES)}") from None
 
 
-__all__ = ["MARKERS", "MODALITIES", "MediaError", "Modality", "modality"]
+__all__ = ["MARKERS", "MODALITIES", "MediaError", "MediaItem", "Modality", "modality"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ import torchaudio.functional
 from transformers import WhisperFeatureExtractor
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality
 
 
 AUDIO_EXTENSIONS = {"wav": "wav", "flac": "flac", "ogg": "ogg", "mp3": "mp3"}
@@ -233,10 +234,10 @@ class AudioModality(Modality):
     def decoded_metadata(self, data: bytes) -> dict[str, Any]:
         return probe_audio(data)
 
-    def tokens(self, item: dict, config: AudioConfig) -> int:
+    def tokens(self, item: Mapping[str, Any], config: AudioConfig) -> int:
         return audio_tokens(item["frames"], item["sample_rate"], config)
 
-    def item_tokens(self, item: dict, config: AudioConfig) -> int:
+    def item_tokens(self, item: MediaItem, config: AudioConfig) -> int:
         if audio_too_long(item["frames"], item["sample_rate"], config):
             raise MediaError("audio_too_long", f"{item['member']} lasts {item['duration']} s, "
                              f"above max_duration {config.max_duration} s")
@@ -250,7 +251,7 @@ class AudioModality(Modality):
     def variable_tokens(self, config: AudioConfig) -> bool:
         return True
 
-    def decode(self, data: bytes, item: dict, config: AudioConfig) -> np.ndarray:
+    def decode(self, data: bytes, item: MediaItem, config: AudioConfig) -> np.ndarray:
         return decode_audio(data, config)
 
     def encoder_inputs(self, decoded: list, config: AudioConfig) -> dict[str, torch.Tensor]:
@@ -259,11 +260,12 @@ class AudioModality(Modality):
     def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: AudioConfig) -> list[int]:
         return audio_rows_to_tokens(inputs, config)
 
-    def describe(self, item: dict) -> str:
+    def describe(self, item: Mapping[str, Any]) -> str:
         return (f"{item.get('sample_rate')} Hz {item.get('channels')} ch "
                 f"{item.get('duration', 0):.2f} s")
 
-    def preview_png(self, data: bytes, item: dict, config: AudioConfig) -> tuple[bytes, str]:
+    def preview_png(self, data: bytes, item: Mapping[str, Any], config: AudioConfig
+                    ) -> tuple[bytes, str]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

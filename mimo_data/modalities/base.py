@@ -10,7 +10,8 @@ how ``mimo-inspect`` shows an item. The rest of mimo reaches it through the regi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, NotRequired, TypedDict
 
 import torch
 
@@ -19,6 +20,24 @@ from mimo_data.tally import CountedError
 
 class MediaError(CountedError):
     """A media item that cannot be used; ``reason`` is the report category."""
+
+
+class MediaItem(TypedDict):
+    """One media item of ``KEY.json``; the fields after ``bytes`` are its modality's
+    (``Modality.item_fields``, written by ``Modality.probe``)."""
+    modality: str                # a registered modality: "image", "audio"
+    member: str                  # member suffix after "KEY.": "img0.jpg"
+    format: str                  # container format: "jpeg", "png", "wav", "flac", ...
+    bytes: int
+    path: NotRequired[str | None]  # the source file, when the media came from one
+    width: NotRequired[int]      # image: size after EXIF orientation, Pillow's mode
+    height: NotRequired[int]
+    mode: NotRequired[str]
+    orientation: NotRequired[int]
+    sample_rate: NotRequired[int]  # audio: as decoded, before resampling
+    channels: NotRequired[int]
+    frames: NotRequired[int]
+    duration: NotRequired[float]
 
 
 class Modality(ABC):
@@ -46,12 +65,12 @@ class Modality(ABC):
         """``verify``: the metadata of a full decode, without size limits (any error raised)."""
 
     @abstractmethod
-    def tokens(self, item: dict, config: Any) -> int:
+    def tokens(self, item: Mapping[str, Any], config: Any) -> int:
         """Placeholder tokens of an item, from its metadata alone (ValueError/KeyError if the
         metadata cannot give one)."""
 
     @abstractmethod
-    def item_tokens(self, item: dict, config: Any) -> int:
+    def item_tokens(self, item: MediaItem, config: Any) -> int:
         """``tokens`` for training: MediaError (reason = the drop category) for an item the
         config cannot use (too long, an unsupported shape, ...)."""
 
@@ -60,7 +79,7 @@ class Modality(ABC):
         """Whether items can give different token counts under ``config``."""
 
     @abstractmethod
-    def decode(self, data: bytes, item: dict, config: Any) -> Any:
+    def decode(self, data: bytes, item: MediaItem, config: Any) -> Any:
         """Decode an item's bytes as the encoder inputs need them (MediaError if unusable)."""
 
     @abstractmethod
@@ -72,10 +91,11 @@ class Modality(ABC):
         """Tokens the encoder emits per item for ``inputs`` (must equal ``item_tokens``)."""
 
     @abstractmethod
-    def describe(self, item: dict) -> str:
+    def describe(self, item: Mapping[str, Any]) -> str:
         """A short human description of an item's metadata (``mimo-inspect sample``)."""
 
     @abstractmethod
-    def preview_png(self, data: bytes, item: dict, config: Any) -> tuple[bytes, str]:
+    def preview_png(self, data: bytes, item: Mapping[str, Any], config: Any
+                    ) -> tuple[bytes, str]:
         """A small PNG of the item for the HTML report (thumbnail, spectrogram) and a problem
         line ("" if none) when the decoded item disagrees with its metadata."""

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import io
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality
 
 
 # Extension used for the tar member of each container format we keep byte-for-byte.
@@ -367,10 +368,10 @@ class ImageModality(Modality):
             Image.open(io.BytesIO(data)).load()          # full decode
         return found
 
-    def tokens(self, item: dict, config: ImageConfig) -> int:
+    def tokens(self, item: Mapping[str, Any], config: ImageConfig) -> int:
         return image_tokens(item["width"], item["height"], config)
 
-    def item_tokens(self, item: dict, config: ImageConfig) -> int:
+    def item_tokens(self, item: MediaItem, config: ImageConfig) -> int:
         tokens = _tokens_or_error(item["width"], item["height"], config)
         if isinstance(tokens, ValueError):
             raise MediaError("bad_image_shape", f"{item['member']}: {tokens}")
@@ -379,7 +380,7 @@ class ImageModality(Modality):
     def variable_tokens(self, config: ImageConfig) -> bool:
         return config.policy == "dynamic"
 
-    def decode(self, data: bytes, item: dict, config: ImageConfig) -> Image.Image:
+    def decode(self, data: bytes, item: MediaItem, config: ImageConfig) -> Image.Image:
         image = decode_image(data, item["orientation"], config)
         if image.size != (item["width"], item["height"]):
             raise ValueError(f"decodes to {image.size[0]}x{image.size[1]}, the metadata says "
@@ -392,10 +393,11 @@ class ImageModality(Modality):
     def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: ImageConfig) -> list[int]:
         return image_rows_to_tokens(inputs, config)
 
-    def describe(self, item: dict) -> str:
+    def describe(self, item: Mapping[str, Any]) -> str:
         return f"{item.get('width')}x{item.get('height')} {item.get('mode', '')}".strip()
 
-    def preview_png(self, data: bytes, item: dict, config: ImageConfig) -> tuple[bytes, str]:
+    def preview_png(self, data: bytes, item: Mapping[str, Any], config: ImageConfig
+                    ) -> tuple[bytes, str]:
         image = decode_image(data, item.get("orientation", 1), config)
         problem = ""
         if image.size != (item.get("width"), item.get("height")):

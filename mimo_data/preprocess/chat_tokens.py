@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -103,7 +105,7 @@ class _Skeleton:
     order: tuple[int, ...]
     spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
 
-    def fill(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def fill(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The skeleton's text and spans with ``messages``' contents in place."""
         contents = [messages[k]["content"] for k in self.order]
         pieces, starts, position = [self.parts[0]], [0], len(self.parts[0])
@@ -146,8 +148,8 @@ class TextEncoder:
         # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers.
         self._token_kind = np.zeros(backend.get_vocab_size(with_added_tokens=True) + 1,
                                     dtype=np.int8)
-        self._token_kind[list(self.modality_token_ids.values())] = 1
-        self._token_kind[list(self._marker_ids)] = 2
+        self._token_kind[[int(i) for i in self.modality_token_ids.values()]] = 1
+        self._token_kind[[int(i) for i in self._marker_ids if i is not None]] = 2
         self.eot = self.tokenizer.eos_token
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
@@ -190,7 +192,7 @@ class TextEncoder:
             raise TextError("template_error", f"the chat template failed: {exc}") from None
         return rendered[0], spans[0]
 
-    def render(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
         """The text and its trained character spans (each ending with the end-of-turn token)."""
         if self.config.mode == "caption":
             return self._render_caption(messages)
@@ -280,7 +282,8 @@ class TextEncoder:
 
     # -- tokenizing --------------------------------------------------------------------------
 
-    def encode(self, messages: list[dict], item_tokens: list[tuple[str, int]]) -> Encoded:
+    def encode(self, messages: Sequence[Mapping[str, Any]],
+               item_tokens: list[tuple[str, int]]) -> Encoded:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
         count) copies of that modality's token; TextError if they cannot be built."""
         encoded = self.encode_batch([(messages, item_tokens)])[0]
@@ -288,7 +291,8 @@ class TextEncoder:
             raise encoded
         return encoded
 
-    def encode_batch(self, conversations: list[tuple[list[dict], list[tuple[str, int]]]]
+    def encode_batch(self, conversations: Sequence[tuple[Sequence[Mapping[str, Any]],
+                                                         list[tuple[str, int]]]]
                      ) -> list[Encoded | TextError]:
         """``encode`` of each (messages, item_tokens), or the TextError of that conversation.
 
@@ -296,7 +300,9 @@ class TextEncoder:
         on the concatenated tokens: per-sample numpy calls on a few hundred tokens cost more
         than the work itself."""
         results: list[Encoded | TextError | None] = [None] * len(conversations)
-        texts, which, starts, spans = [], [], [0], _Spans()
+        texts: list[str] = []
+        which: list[int] = []
+        starts, spans = [0], _Spans()
         for i, (messages, _) in enumerate(conversations):
             try:
                 text, text_spans = self.render(messages)
@@ -327,7 +333,7 @@ class TextEncoder:
         for j, i in enumerate(which):
             a, b = bounds[j], bounds[j + 1]
             results[i] = failed[j] if j in failed else Encoded(ids[a:b], trained[a:b])
-        return results
+        return cast(list[Encoded | TextError], results)   # every slot is filled above
 
     def _markers(self, tokens: TokenBatch, item_tokens: list[list[tuple[str, int]]],
                  failed: dict[int, TextError]) -> tuple[np.ndarray, list[int], list[int]]:

@@ -9,11 +9,38 @@ dict. Every batch is checked: placeholders per sample == token counts == encoder
 
 from __future__ import annotations
 
+from typing import NotRequired, TypedDict
+
 import numpy as np
 import torch
 
 from mimo_data.modalities import MODALITIES
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
+
+
+class Batch(TypedDict):
+    """Exactly ``MimoModel.forward``'s keyword arguments ([B, seq_length] tensors)."""
+    input_ids: torch.Tensor
+    labels: torch.Tensor                # next-token targets, -100 where not trained
+    loss_mask: torch.Tensor             # float, 1 exactly where labels are trained
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor        # bool, True on real tokens
+    modality_inputs: dict[str, dict[str, dict[str, torch.Tensor]]]  # modality -> encoder -> kw
+    packing_kwargs: dict | None
+
+
+class BatchMetadata(TypedDict):
+    """What travels beside a batch, never into ``forward``."""
+    keys: list[str]                          # sample keys, row by row
+    token_counts: dict[str, list[list[int]]]  # modality -> per row, tokens per item
+    removed_turns: list[int]                 # trailing turns cut by truncate_turns, per row
+    # added by the loader (loading/loader.py):
+    epoch: NotRequired[int]
+    step: NotRequired[int]
+    micro_batch: NotRequired[int]            # global micro-batch index in the step
+    tokens: NotRequired[list[int]]           # real tokens per row
+    trained_tokens: NotRequired[list[int]]   # loss_mask ones per row
+    encoder_keys: NotRequired[dict[str, list[str]]]  # modality -> samples of its inputs
 
 
 class BatchError(RuntimeError):
@@ -28,7 +55,7 @@ class Collator:
         self.pad_token_id = preprocessor.text.pad_token_id
         self.modality_token_ids = preprocessor.text.modality_token_ids
 
-    def __call__(self, samples: list[Sample]) -> tuple[dict, dict]:
+    def __call__(self, samples: list[Sample]) -> tuple[Batch, BatchMetadata]:
         length = self.config.seq_length
         size = len(samples)
         # numpy, then torch.from_numpy: a torch op on these small tensors costs several numpy ones.
@@ -49,19 +76,19 @@ class Collator:
                 modality_inputs[modality] = {modality: {
                     kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
         position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
-        batch = {"input_ids": torch.from_numpy(input_ids), "labels": torch.from_numpy(labels),
-                 "loss_mask": torch.from_numpy(loss_mask),
-                 "position_ids": torch.from_numpy(position_ids),
-                 "attention_mask": torch.from_numpy(attention_mask),
-                 "modality_inputs": modality_inputs, "packing_kwargs": None}
-        metadata = {"keys": [s.key for s in samples],
-                    "token_counts": {m: [s.token_counts[m] for s in samples]
-                                     for m in self.config.modalities},
-                    "removed_turns": [s.removed_turns for s in samples]}
+        batch = Batch(input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels),
+                      loss_mask=torch.from_numpy(loss_mask),
+                      position_ids=torch.from_numpy(position_ids),
+                      attention_mask=torch.from_numpy(attention_mask),
+                      modality_inputs=modality_inputs, packing_kwargs=None)
+        metadata = BatchMetadata(keys=[s.key for s in samples],
+                                 token_counts={m: [s.token_counts[m] for s in samples]
+                                               for m in self.config.modalities},
+                                 removed_turns=[s.removed_turns for s in samples])
         self.check(batch, metadata)
         return batch, metadata
 
-    def check(self, batch: dict, metadata: dict) -> None:
+    def check(self, batch: Batch, metadata: BatchMetadata) -> None:
         """Raise BatchError unless, per modality, placeholders in each row == its token counts
         == what the batch's encoder inputs produce, item by item."""
         for modality, config in self.config.modalities.items():

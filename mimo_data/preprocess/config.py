@@ -65,7 +65,7 @@ class PreprocessConfig:
             modality.validate()
 
     @classmethod
-    def from_dict(cls, data: dict) -> "PreprocessConfig":
+    def from_dict(cls, data: dict) -> PreprocessConfig:
         """Build from plain data (e.g. parsed YAML); unknown keys are errors, not ignored."""
         data = dict(data)
         modalities = {}
@@ -85,7 +85,7 @@ class PreprocessConfig:
         return config if not modalities else replace(config, modalities=modalities)
 
     @classmethod
-    def from_yaml(cls, path: str) -> "PreprocessConfig":
+    def from_yaml(cls, path: str) -> PreprocessConfig:
         """Load a YAML; its tokenizer and chat_template paths resolve against its folder."""
         with open(path) as handle:
             data = yaml.safe_load(handle) or {}

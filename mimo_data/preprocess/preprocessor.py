@@ -8,7 +8,9 @@ decodes the media and checks that the encoder inputs produce exactly those count
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,8 +19,13 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
+from mimo_data.modalities import MediaItem
+from mimo_data.shards.format import Message
 from mimo_data.shards.records import marker_order
 from mimo_data.tally import CountedError
+
+# A shard record as read (ShardRecord when valid); malformed ones become counted drops.
+Record = Mapping[str, Any]
 
 IGNORE_INDEX = -100
 TEXT_BATCH = 256    # records whose text is tokenized and masked together (text_batch)
@@ -35,7 +42,7 @@ class TextSample:
     ids: np.ndarray                  # [L + 1] int64, markers expanded (a view: see sample())
     targets: np.ndarray              # [L] bool, ids[1:] trained
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
-    items: list[dict]                # the media items of the kept turns
+    items: list[MediaItem]           # the media items of the kept turns
     removed_turns: int = 0
 
 
@@ -78,16 +85,16 @@ class Preprocessor:
         return {"config": self.config, "with_media": self.media_modalities}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["config"], with_media=state["with_media"])
+        Preprocessor.__init__(self, state["config"], with_media=state["with_media"])
 
-    def __call__(self, record: dict, media: dict[str, bytes] | None = None) -> Sample:
+    def __call__(self, record: Record, media: dict[str, bytes] | None = None) -> Sample:
         """The Sample of one record (SampleDropped if it cannot be trained on)."""
         text = self.text_batch([record])[0]
         if isinstance(text, SampleDropped):
             raise text
         return self.sample(text, media)
 
-    def text_batch(self, records: list) -> list[TextSample | SampleDropped]:
+    def text_batch(self, records: Sequence[Record]) -> list[TextSample | SampleDropped]:
         """Per record, its TextSample or why it is dropped; no media are read."""
         results: list = [None] * len(records)
         pending = []
@@ -116,7 +123,7 @@ class Preprocessor:
                 raise _naming_sample(exc, records, i) from None
         return results
 
-    def _text_sample(self, record: dict, counts, encoded: Encoded | TextError) -> TextSample:
+    def _text_sample(self, record: Record, counts, encoded: Encoded | TextError) -> TextSample:
         items = record["media"]
         encoded, kept_messages = self._fit(record["messages"], counts, encoded)
         ids, trained = encoded.ids, encoded.trained[1:]
@@ -154,7 +161,7 @@ class Preprocessor:
                                                          text.token_counts)
         return sample
 
-    def _item_tokens(self, item: dict) -> int:
+    def _item_tokens(self, item: MediaItem) -> int:
         """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""
         modality = item["modality"]
         config = self.config.modalities.get(modality)
@@ -166,8 +173,8 @@ class Preprocessor:
         except MediaError as exc:
             raise SampleDropped(exc.reason, exc.detail) from None
 
-    def _fit(self, messages: list[dict], counts, encoded: Encoded | TextError
-             ) -> tuple[Encoded, list[dict]]:
+    def _fit(self, messages: list[Message], counts, encoded: Encoded | TextError
+             ) -> tuple[Encoded, list[Message]]:
         """The conversation's tokens (``encoded``) within seq_length (+1 for the shifted
         target), removing trailing turns if the length policy allows; never cuts inside a turn
         or a media span."""
@@ -222,7 +229,8 @@ def _malformed(exc: Exception) -> SampleDropped:
     return SampleDropped("malformed_record", f"{type(exc).__name__}: {exc}")
 
 
-def _naming_sample(exc: SegmentCacheError, records: list, i: int) -> SegmentCacheError:
+def _naming_sample(exc: SegmentCacheError, records: Sequence[Record], i: int
+                   ) -> SegmentCacheError:
     return SegmentCacheError(i, f"sample {records[i]['key']}: {exc}")
 
 

@@ -273,6 +273,7 @@ class SegmentCachedTokenizer:
         ids = [encoding.ids for encoding in
                self.backend.encode_batch_fast(pieces, add_special_tokens=False)]
         rows = _rows(ids)
+        assert self._token_lengths is not None        # only called for byte-level tokenizers
         lengths = self._token_lengths[rows[:, 0]]
         ends = np.cumsum(lengths)
         piece_starts = _char_starts(pieces)
@@ -290,12 +291,10 @@ class SegmentCachedTokenizer:
         # split() with a capturing group: [piece, added token, piece, ..., piece] per text.
         splits = [[part for part in self._split(text) if part] for text in texts]
         parts = [part for split in splits for part in split]
-        entries = list(map(self._cache.get, parts))
-        missing = [part for part, entry in zip(parts, entries) if entry is None]
-        if missing:
-            new = self._encode_new(list(dict.fromkeys(missing)))
-            entries = [new[part] if entry is None else entry
-                       for part, entry in zip(parts, entries)]
+        cached = list(map(self._cache.get, parts))
+        missing = [part for part, entry in zip(parts, cached) if entry is None]
+        new = self._encode_new(list(dict.fromkeys(missing))) if missing else {}
+        entries = [new[part] if entry is None else entry for part, entry in zip(parts, cached)]
         self.pieces += len(parts)
         rows = (np.concatenate(entries) if entries else np.zeros((0, 3), dtype=np.int64))
         # The pieces of the texts follow each other without a gap in their concatenation.

@@ -1,4 +1,4 @@
-"""The on-disk shard format written by `mimo-shard build` (see DESIGN.md, "Shard format").
+"""The on-disk shard format written by `mimo-shard build`.
 
 A dataset directory holds:
 
@@ -28,7 +28,25 @@ image item; the same holds for ``<audio>``. Media items are listed in marker ord
 
 from __future__ import annotations
 
+from typing import Literal, TypedDict
+
 import pyarrow as pa
+
+from mimo_data.modalities import MediaItem
+
+
+class Message(TypedDict):
+    role: Literal["system", "user", "assistant"]
+    content: str                 # text with <image> / <audio> markers in place
+
+
+class ShardRecord(TypedDict):
+    """``KEY.json``: one sample as the shards hold it."""
+    key: str
+    id: str | None
+    source: dict[str, str | int]  # {"file": ..., "line" | "index" | "row": n}
+    messages: list[Message]
+    media: list[MediaItem]       # in marker order across messages
 
 FORMAT_NAME = "mimo-shards"
 FORMAT_VERSION = 1

@@ -15,11 +15,11 @@ _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest image side, pixel
 _DURATION_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # audio clip duration, seconds
 
 
-def _histogram(values, edges) -> dict:
+def _histogram(values, edges) -> dict[str, int]:
     labels = [f"{lo}-{hi}" for lo, hi in zip(edges, edges[1:])] + [f">={edges[-1]}"]
     counts = np.bincount(np.searchsorted(edges, values, side="right") - 1,
                          minlength=len(edges)) if len(values) else [0] * len(edges)
-    return {label: int(count) for label, count in zip(labels, counts)}
+    return {label: int(count) for label, count in zip(labels, counts)}  # type: ignore[call-overload]
 
 
 def dataset_info(directory: str) -> dict:

@@ -13,7 +13,7 @@ import os
 import pyarrow.parquet as pq
 
 from mimo_data.shards.index import DatasetError, read_index
-from mimo_data.shards.format import SAMPLES_FILE
+from mimo_data.shards.format import SAMPLES_FILE, ShardRecord
 
 
 class ShardReader:
@@ -33,7 +33,7 @@ class ShardReader:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {len(self.keys)} rows, the "
                                f"index says {self.index['totals']['samples']} samples; rebuild")
         self._files: dict[str, int] = {}
-        self._pid = None
+        self._pid: int | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -54,11 +54,11 @@ class ShardReader:
                                f"{name} ({len(data)} of {size} bytes); run mimo-shard verify")
         return data
 
-    def record(self, position: int) -> dict:
+    def record(self, position: int) -> ShardRecord:
         """The sample's JSON record (messages, media metadata, source)."""
         return json.loads(self.read_member(position, "json"))
 
-    def media(self, position: int, record: dict, modalities=None) -> dict[str, bytes]:
+    def media(self, position: int, record: ShardRecord, modalities=None) -> dict[str, bytes]:
         """The bytes of every media item of ``record`` (of ``modalities`` if given), by member."""
         return {item["member"]: self.read_member(position, item["member"])
                 for item in record["media"] if modalities is None or item["modality"] in modalities}

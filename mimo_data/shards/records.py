@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from mimo_data.tally import CountedError
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from mimo_data.modalities import MARKERS
+from mimo_data.tally import CountedError
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the three roles we store.
 ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
@@ -58,16 +61,17 @@ def normalize_messages(turns) -> list[dict]:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
-            raise RecordError("invalid_utf8", f"turn {i} text is not valid Unicode: {exc}") from None
+            raise RecordError("invalid_utf8",
+                              f"turn {i} text is not valid Unicode: {exc}") from None
         messages.append({"role": role, "content": text})
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
     return messages
 
 
-def marker_order(messages: list[dict]) -> list[str]:
+def marker_order(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """Modalities of the markers in reading order, e.g. ``["image", "audio", "image"]``."""
-    found = []
+    found: list[str] = []
     for message in messages:
         text = message["content"]
         positions = [(pos, modality) for modality, marker in MARKERS.items()

@@ -12,6 +12,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 
@@ -26,7 +27,7 @@ class SourceError(Exception):
 class Task:
     """One record to read: ``locator`` is what its source needs to load it."""
     source: int
-    locator: object
+    locator: Any
     location: str          # human readable: "file:line", "file[index]", "file#row"
     origin: tuple          # ("line", n) | ("index", i) | ("row", r), stored in the sample JSON
 
@@ -114,7 +115,8 @@ class ConversationFile:
 
 
 class SpeechManifest:
-    """NeMo-style JSONL (``audio_filepath``, ``text``, ``duration``): one user/assistant turn each."""
+    """NeMo-style JSONL (``audio_filepath``, ``text``, ``duration``): one user/assistant turn
+    each."""
 
     def __init__(self, path: str, instruction: str, media_root: str | None = None):
         self.path = path
@@ -164,7 +166,8 @@ class ParquetTable:
 
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator
-        record = _read_row_group(self.path, group, tuple(c for c in self.columns.values() if c))[offset]
+        columns = tuple(c for c in self.columns.values() if c)
+        record = _read_row_group(self.path, group, columns)[offset]
         turns = record[self.columns["conversation"]]
         if isinstance(turns, (str, bytes)):
             turns = _json_value(turns)

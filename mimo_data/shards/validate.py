@@ -10,7 +10,8 @@ import os
 from dataclasses import dataclass
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.shards.records import RecordError, check_marker_counts, marker_order, normalize_messages
+from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
+                                      normalize_messages)
 from mimo_data.shards.sources import Task
 
 
@@ -26,7 +27,8 @@ class MediaFile:
             with open(self.path, "rb") as media:
                 data = media.read()
         except OSError as exc:
-            raise RecordError("missing_media", f"{self.path} vanished during the build: {exc}")
+            raise RecordError("missing_media",
+                              f"{self.path} vanished during the build: {exc}") from None
         if len(data) != self.size:
             raise RecordError("missing_media", f"{self.path} changed during the build "
                               f"({self.size} bytes when validated, {len(data)} now)")

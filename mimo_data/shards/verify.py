@@ -18,6 +18,7 @@ import os
 import tarfile
 import zlib
 from collections import defaultdict
+from collections.abc import Iterable
 
 import pyarrow.parquet as pq
 from tqdm import tqdm
@@ -98,8 +99,11 @@ def _walk_shard(path: str, shard: dict, rows: list[dict]) -> list[str]:
                     problems.append(f"shard {shard['name']}: sample {key} found where the table "
                                     f"expects {row and row['key']}")
                     return problems
+            assert row is not None                       # set with the sample's first member
             record = next((m for m in row["members"] if m["name"] == suffix), None)
-            data = tar.extractfile(info).read()
+            member = tar.extractfile(info)
+            assert member is not None                    # a regular file member
+            data = member.read()
             if record is None or (record["offset"], record["size"]) != (info.offset_data,
                                                                          info.size):
                 problems.append(f"shard {shard['name']}: sample {key} member {key}.{suffix}: at "
@@ -155,6 +159,7 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
         rows_by_shard[row["shard"]].append(row)
     jobs = [(directory, shard, rows_by_shard.get(shard["name"], [])) for shard in index["shards"]]
     bar = tqdm(total=len(jobs), unit="shard", desc="verify", disable=not progress)
+    results: Iterable[list[str]]
     if workers <= 1:
         results = map(_verify_one, jobs)
     else:

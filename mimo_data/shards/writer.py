@@ -60,16 +60,19 @@ class ShardSet:
         self.directory, self.name = directory, name
         self.max_samples, self.max_bytes = max_samples, max_bytes
         self.shards: list[dict] = []
-        self._file = self._tar = None
+        self._file: _HashingFile | None = None
+        self._tar: webdataset.TarWriter | None = None
         self._samples = 0
 
     def add(self, key: str, members: dict[str, bytes]) -> tuple[str, list[dict]]:
         """Write one sample (``{suffix: bytes}``); return its shard name and member records."""
         size = sum(_BLOCK + _padded(len(data)) for data in members.values())
-        if self._tar is None or self._samples >= self.max_samples or (
-                self._samples and _closed_size(self._tar.tarstream.offset + size) > self.max_bytes):
+        tar = self._tar
+        if tar is None or self._samples >= self.max_samples or (
+                self._samples and _closed_size(tar.tarstream.offset + size) > self.max_bytes):
             self._close_shard()
             self._open_shard()
+        assert self._tar is not None
         start = self._tar.tarstream.offset
         self._tar.write({"__key__": key, **members})
         # TarWriter writes members in sorted order, each a 512-byte header plus padded data.
@@ -96,6 +99,7 @@ class ShardSet:
         if self._tar is None:
             return
         self._tar.close()          # writes the end-of-archive blocks through _HashingFile
+        assert self._file is not None
         self._file.close()
         self.shards[-1].update(samples=self._samples, bytes=self._file.size,
                                sha256=self._file.sha256.hexdigest())
