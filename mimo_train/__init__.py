@@ -1,1 +1,1 @@
-"""mimo_train: heterogeneous-parallel MIMO training on megatron-core (see DESIGN.md)."""
+"""mimo_train: heterogeneous-parallel MIMO training on megatron-core (see docs/architecture.md)."""

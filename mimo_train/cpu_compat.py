@@ -1,6 +1,7 @@
 """Run megatron-core 0.19.2 on CPU with gloo: the one place that knows about it.
 
-megatron-core assumes CUDA in a handful of places (DESIGN.md, "CPU (gloo) and GPU (NCCL)").
+megatron-core assumes CUDA in a handful of places (docs/architecture.md, "Where CPU
+compatibility lives").
 ``activate()`` patches exactly those, and only when CUDA is absent
 (``torch.cuda.is_available()`` is False); with a GPU it does nothing, so NCCL runs use
 megatron-core unchanged. ``mimo_train.mcore`` calls ``activate()`` at its import, before it

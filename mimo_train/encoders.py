@@ -1,5 +1,5 @@
 """Encoders that take exactly the inputs ``mimo_data`` produces and emit exactly the token counts
-it computed: one row per placeholder token, item by item (DESIGN.md, "Sample and batch contract").
+it computed: one row per placeholder token, item by item (docs/architecture.md, "One sample").
 
 - ``Qwen2VLVision``: dynamic-resolution uint8 patches ``[Σ patches, C·P·P]`` (one frame; the
   tower's ``C·T·P·P`` columns are made by ``normalize_pixels``) + ``image_grid_thw`` → one row

@@ -1,16 +1,17 @@
 """One training step's pieces, given to megatron-core's schedules.
 
 - ``model_inputs``: a loader batch → ``MimoModel.forward`` kwargs on the device. The loader
-  gives each rank only the keys its role needs; ``modality_inputs`` are re-keyed from modality
-  (``image``) to the encoder module serving it (``images``), as ``MimoModel`` expects.
+  gives each rank only the keys its role needs; ``modality_inputs`` are re-keyed from the
+  modality to the encoder module serving it (the same name unless the layout tags a module with
+  another name), as ``MimoModel`` expects.
 - ``forward_step`` / ``loss_func``: loss on the last language stage as ``(sum, tokens,
   report)`` (per-token loss); other stages return their activations dict for the schedule.
 - ``GradientFinalizer``: after the backward passes, each local module's DDP reduces its
   gradients over its own DP group (summing: ``calculate_per_token_loss``), then every module is
   scaled by 1 / the *global* count of trained tokens of the step. That count exists only on the
   last language stage, so it is summed over the world and every rank, encoders included, divides
-  by the same number: gradients do not depend on the layout (DESIGN.md, "Gradients must not
-  depend on the layout").
+  by the same number: gradients do not depend on the layout (docs/architecture.md,
+  "One sample", step 10).
 - ``no_sync``: all local modules' DDP ``no_sync`` at once, for micro-batch accumulation.
 """
 

@@ -47,7 +47,7 @@ def _device(setting: str) -> tuple[torch.device, Exception | None]:
         return torch.device("cpu"), TrainConfigError(
             "train.device is cuda but no CUDA device is visible: use train.device=cpu or auto")
     if setting == "cpu" and cuda:
-        # cpu_compat (megatron-core on CPU) switches on only without CUDA (DESIGN.md)
+        # cpu_compat (megatron-core on CPU) switches on only without CUDA (mcore.py)
         return torch.device("cpu"), TrainConfigError(
             "train.device is cpu but CUDA devices are visible: hide them "
             "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")

@@ -27,7 +27,7 @@ CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.p
                  "speech_manifest.jsonl")
 DEFAULT_INSTRUCTION = "Transcribe the audio."
 
-# ShareGPT speaker names -> stored roles (DESIGN.md: roles system/user/assistant).
+# ShareGPT speaker names -> stored roles (the stored roles are system/user/assistant).
 SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
                 "user": "user", "assistant": "assistant"}
 

@@ -1,9 +1,8 @@
 """Encoder inputs and token counts against transformers' reference processors, on real assets.
 
 The uint8 fast path (Pillow resize + reshape patchify, float normalization on the device) must
-give the reference processors' float32 output up to float rounding (DESIGN.md, "Where the time
-goes"), and the token counts computed from metadata alone must equal what the encoder inputs
-produce (DESIGN.md, "Sample and batch contract").
+give the reference processors' float32 output up to float rounding (README, Benchmarks), and the token counts computed from metadata alone must equal what the encoder inputs
+produce (docs/architecture.md, "One sample").
 """
 
 from __future__ import annotations

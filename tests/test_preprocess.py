@@ -332,7 +332,7 @@ def _text_result(result):
     """What text_batch made of a record, comparable with ==."""
     if isinstance(result, SampleDropped):
         return result.reason, result.detail
-    return (result.key, result.ids.tolist(), result.targets.tolist(), result.token_counts,
+    return (result.key, result.ids.tolist(), result.loss_mask.tolist(), result.token_counts,
             result.items, result.removed_turns)
 
 

@@ -107,7 +107,7 @@ def test_missing_keys_take_the_dataclass_defaults(tmp_path):
 
 
 def test_empty_sections_are_defaults(tmp_path):
-    cfg = load(tmp_path, MINIMAL + "train:\nmodel:\n  encoders:\n    images:\n")
+    cfg = load(tmp_path, MINIMAL + "train:\nmodel:\n  encoders:\n    image:\n")
     assert cfg.train == TrainConfig().train
     assert cfg.model.encoders == {"image": EncoderConfig()}
 
@@ -259,7 +259,7 @@ def test_override_with_invalid_yaml_value_names_the_override(tmp_path):
     ("train.steps={max: 3}", "train.steps"),
     ("optimizer.lr=fast", "optimizer.lr"),
     ("data.datasets=shards/a", "data.datasets"),
-    ("model.freeze=images", "model.freeze"),
+    ("model.freeze=image", "model.freeze"),
     ("train.device=[cpu]", "train.device"),
     ("checkpoint.resume=maybe", "checkpoint.resume"),
     ("model.encoders.image.num_layers=two", "model.encoders.image.num_layers"),
@@ -272,7 +272,7 @@ def test_override_of_the_wrong_type_names_the_key(tmp_path, override, key):
 @pytest.mark.parametrize("override, key", [
     ("train=5", "train"),
     ("model.language=[1, 2]", "model.language"),
-    ("model.encoders=[images]", "model.encoders"),
+    ("model.encoders=[image]", "model.encoders"),
     ("model.encoders.image=3", "model.encoders.image"),
 ])
 def test_section_that_is_not_a_mapping_names_the_key(tmp_path, override, key):

@@ -1,6 +1,6 @@
 """mimo_train encoders emit exactly the rows the data pipeline counted, item by item.
 
-The contract (DESIGN.md, "Sample and batch contract"): every ``<image>``/``<audio>`` marker is
+The contract (docs/architecture.md, "One sample"): every ``<image>``/``<audio>`` marker is
 expanded into N placeholder tokens, N computed from shard metadata alone
 (``token_counts``), and the encoder's output, ordered item by item, has exactly N rows for that
 item. Here the encoders run on the real corpus media, decoded and featurized by mimo_data's own

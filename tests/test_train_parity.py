@@ -1,4 +1,4 @@
-"""The trainer's most important property (DESIGN.md, "Gradients must not depend on the layout"):
+"""The trainer's most important property (docs/architecture.md, "One sample", step 10):
 from the same weights and the same global batch, one step's loss and every parameter's gradient
 agree (fp32, 1e-5) between one colocated process and each non-colocated layout, run for real under
 ``torchrun`` with gloo:

@@ -75,7 +75,7 @@ def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
             return _messages_view(record, f"no tokens: {exc.detail}; the messages as stored")
         except Exception as exc:     # a malformed record: show what is known, not a traceback
             return _messages_view(record, f"no tokens: {type(exc).__name__}: {exc}")
-        ids, trained = encoded.ids, encoded.trained.copy()
+        ids, trained = encoded.ids, encoded.loss_mask.copy()
         if len(trained):
             trained[0] = False       # the first token is never a target
         note = (f"dropped ({stats.dropped}): shown as tokenized without the seq_length limit; "

@@ -201,7 +201,7 @@ class SampleInspector:
             return stats
         ids = text.ids[:-1]
         stats.length = len(ids)
-        stats.trained = int(np.count_nonzero(text.targets))
+        stats.trained = int(np.count_nonzero(text.loss_mask))
         stats.removed_turns = text.removed_turns
         placeholders = np.bincount(self._modality_of_token[ids], minlength=len(self.token_ids) + 1)
         stats.placeholders = dict(zip(self.token_ids, placeholders[1:].tolist()))
@@ -210,7 +210,7 @@ class SampleInspector:
         stats.counted = text.token_counts
         messages = record["messages"]
         self.coverage(stats, messages[:len(messages) - text.removed_turns], text.ids,
-                      np.concatenate(([False], text.targets)))
+                      np.concatenate(([False], text.loss_mask)))
         return stats
 
     def coverage(self, stats: SampleStats, messages: list[dict], ids: np.ndarray,

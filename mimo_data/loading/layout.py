@@ -1,6 +1,6 @@
 """Layouts: which ranks run which module (language model, encoders) with what parallelism, and
 what data each rank needs. Pure Python, no torch.distributed: shared by the loader, the trainer
-and ``mimo-inspect`` (DESIGN.md, "Layouts and data placement").
+and ``mimo-inspect`` (docs/architecture.md, "Which rank gets what").
 
 A layout names each module with its tp, cp, pp, dp and rank_offset (size = tp*cp*pp*dp)::
 

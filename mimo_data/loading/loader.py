@@ -1,5 +1,5 @@
 """The layout-aware loader: each rank gets exactly its part of each global micro-batch, in
-order, with only the tensors its role needs (DESIGN.md, "Layouts and data placement").
+order, with only the tensors its role needs (docs/architecture.md, "Which rank gets what").
 
     loader = build_loader(["shards/"], "configs/preprocess.yaml", "language=dp2;image=dp1",
                           rank, world_size, global_batch_size=32, micro_batch_size=4, seed=1)

@@ -1,6 +1,6 @@
 """The deterministic global sample order: a pure function of the datasets' shapes (shard sizes,
 kept samples), blend weights, seed and epoch. Pure numpy, identical on every rank, no
-communication (DESIGN.md, "Layouts and data placement").
+communication (docs/architecture.md, "Which rank gets what").
 
 Per dataset and dataset-epoch, reads stay mostly sequential:
 
@@ -106,7 +106,8 @@ class SampleOrder:
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             if quota and not count:
                 raise OrderError(f"dataset {i} has weight {(weights or [])[i]} but preprocessing "
-                                 "keeps none of its samples: give it weight 0 or fix its data/config")
+                                 "keeps none of its samples: give it weight 0 or fix its "
+                                 "data/config")
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:

@@ -58,10 +58,11 @@ class TextError(CountedError):
 
 @dataclass
 class Encoded:
-    """Token ids of a whole conversation and which of them are trained (targets of the loss);
-    from ``encode_batch``, views into arrays shared with the other conversations of the batch."""
+    """Token ids of a whole conversation and its loss mask (which tokens are targets of the
+    loss); from ``encode_batch``, views into arrays shared with the other conversations of the
+    batch."""
     ids: np.ndarray        # int64
-    trained: np.ndarray    # bool
+    loss_mask: np.ndarray  # bool, per token of ids
 
 
 def load_tokenizer(config: PreprocessConfig):

@@ -40,7 +40,7 @@ class TextSample:
     """What metadata alone decides of a sample: its tokens and which of them are trained."""
     key: str
     ids: np.ndarray                  # [L + 1] int64, markers expanded (a view: see sample())
-    targets: np.ndarray              # [L] bool, ids[1:] trained
+    loss_mask: np.ndarray            # [L] bool, for the targets ids[1:]
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
     items: list[MediaItem]           # the media items of the kept turns
     removed_turns: int = 0
@@ -126,7 +126,7 @@ class Preprocessor:
     def _text_sample(self, record: Record, counts, encoded: Encoded | TextError) -> TextSample:
         items = record["media"]
         encoded, kept_messages = self._fit(record["messages"], counts, encoded)
-        ids, trained = encoded.ids, encoded.trained[1:]
+        ids, trained = encoded.ids, encoded.loss_mask[1:]
         if self.text.is_modality_token(ids[-1]):
             raise SampleDropped("ends_with_media", "the conversation ends with a media item, "
                                 "whose last placeholder the next-token shift would cut; end "
@@ -144,7 +144,7 @@ class Preprocessor:
     def sample(self, text: TextSample, media: dict[str, bytes] | None = None) -> Sample:
         """The tensors of a TextSample, with its encoder inputs decoded from ``media`` (the
         sample's member bytes) in full mode; SampleDropped if a media item cannot be used."""
-        ids, trained = text.ids, text.targets
+        ids, trained = text.ids, text.loss_mask
         # numpy until here: a torch op on a short tensor costs more than the numpy one. Every
         # tensor is the sample's own (ids are a view into the text batch's array): a Sample
         # pickled or kept alone holds no other sample's tokens.
