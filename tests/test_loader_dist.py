@@ -1,8 +1,8 @@
 """The loader in real multi-process jobs: ``torchrun`` with gloo, one loader per rank.
 
-Run 1: 3 ranks, language dp2 + images dp1 (one DataLoader worker per rank), one epoch; the
+Run 1: 3 ranks, language dp2 + image dp1 (one DataLoader worker per rank), one epoch; the
 ranks gather what they consumed and rank 0 checks exactly-once and cross-module order.
-Run 2: 4 ranks, language pp2 dp1 + images dp2 (another layout, another micro-batch), resumed
+Run 2: 4 ranks, language pp2 dp1 + image dp2 (another layout, another micro-batch), resumed
 from the state run 1 saved after two steps: its steps must be run 1's remaining steps, keys
 and tensors alike.
 `mimo-inspect plan --json` for run 1's layout must predict exactly what run 1 consumed.

@@ -3,9 +3,9 @@ from the same weights and the same global batch, one step's loss and every param
 agree (fp32, 1e-5) between one colocated process and each non-colocated layout, run for real under
 ``torchrun`` with gloo:
 
-- fan-out: images dp1 and audio dp1 → language dp2, with images of different sizes, audio clips
+- fan-out: image dp1 and audio dp1 → language dp2, with images of different sizes, audio clips
   of different lengths and a text-only sample in the batch (variable per-sample token counts);
-- fan-in: images dp2 → language dp1, fixed-size images (uniform counts);
+- fan-in: image dp2 → language dp1, fixed-size images (uniform counts);
 - language pp2 (two pipeline stages, two micro-batches).
 """
 
@@ -109,7 +109,7 @@ def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader
 def test_fan_out_matches_colocated(dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
     fan_out = _torchrun(tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
-    _compare(reference, fan_out, "images dp1 + audio dp1 -> language dp2")
+    _compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2")
 
 
 def test_language_pp2_matches_colocated(dynamic_setup):
@@ -130,4 +130,4 @@ def test_fan_in_matches_colocated(corpus, tmp_path):
     common = [f"data.datasets=[{tmp_path / 'shards'}]", f"data.preprocess={preprocess}", *MODEL]
     reference, init = _reference(tmp_path, "language=dp1;image=dp1,off0", common)
     fan_in = _torchrun(tmp_path, "fan-in", 3, "image=dp2;language=dp1", 2, common, init)
-    _compare(reference, fan_in, "images dp2 -> language dp1")
+    _compare(reference, fan_in, "image dp2 -> language dp1")

@@ -87,7 +87,7 @@ def test_tensorboard_gets_the_scalars(setup):
     logged = [e.value for e in events.Scalars("train/loss")]
     assert logged == pytest.approx([r["loss"] for r in _train_records(full)], rel=1e-6)
     assert [e.step for e in events.Scalars("eval_loss")] == [3, 6]
-    assert {"forward_s/images", "forward_s/audio", "forward_s/language", "train/lr",
+    assert {"forward_s/image", "forward_s/audio", "forward_s/language", "train/lr",
             "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
 
 

@@ -113,7 +113,7 @@ CASES = [
      ["TrainConfigError: unknown key(s) train.stpes", "known under train.: "]),
         ("two-rank layout on three ranks", "default",
      ["layout=image=dp1;language=dp1"], "config",
-     ["ranks 2..2 are in no module", "images 1 + language 1 = 2 ranks", "the world has 3",
+     ["ranks 2..2 are in no module", "image 1 + language 1 = 2 ranks", "the world has 3",
       "run 2 ranks"]),
     ("layout with a gap", "default",
      ["layout=image=dp1;audio=dp1,off2;language=dp1"], "config",
@@ -137,7 +137,7 @@ CASES = [
         ["layout=image=dp2;language=dp1"], "data",
         ["LayoutError", "module 'image' (dp 2)", "'language' (dp 1)", "even split",
          "sample(s) with 0", "sample(s) with 1", "sample(s) with 2",
-         "Give images dp 1 or less"]),
+         "Give image dp 1 or less"]),
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
