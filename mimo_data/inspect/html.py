@@ -20,8 +20,8 @@ from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
 from mimo_data.shards.reader import ShardReader
 
-COLORS = {"trained": "#1a7f37", "prompt": "#57606a", "image": "#8250df", "audio": "#0969da",
-          "padding": "#afb8c1"}
+COLORS = {"trained": "#1a7f37", "prompt": "#57606a",
+          **{name: m.html_color for name, m in MODALITIES.items()}, "padding": "#afb8c1"}
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #1f2328; max-width: 1200px; }

@@ -22,11 +22,11 @@ from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
 from mimo_data.preprocess.preprocessor import Record, Sample
 
-ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m", "image": "\033[1;35m",
-        "audio": "\033[1;36m", "padding": "\033[90m"}
+ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m",
+        **{name: m.ansi_color for name, m in MODALITIES.items()}, "padding": "\033[90m"}
 ANSI_RESET = "\033[0m"
-CLASS_NAMES = {"trained": "trained", "prompt": "prompt (masked)", "image": "image placeholders",
-               "audio": "audio placeholders", "padding": "padding"}
+CLASS_NAMES = {"trained": "trained", "prompt": "prompt (masked)",
+               **{name: f"{name} placeholders" for name in MODALITIES}, "padding": "padding"}
 
 
 @dataclass

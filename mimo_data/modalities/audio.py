@@ -227,6 +227,8 @@ class AudioModality(Modality):
     config_class = AudioConfig
     item_fields = ("member", "frames", "sample_rate", "duration")
     verified_fields = ("format", "sample_rate", "channels", "frames")
+    ansi_color = "\033[1;36m"
+    html_color = "#0969da"
 
     def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
         return probe_audio(data, check)

@@ -50,6 +50,8 @@ class Modality(ABC):
     config_class: ClassVar[type]           # the dataclass of ``modalities.<name>``
     item_fields: ClassVar[tuple[str, ...]]  # metadata an item of the shard JSON must have
     verified_fields: ClassVar[tuple[str, ...]]  # metadata ``verify`` re-derives from the bytes
+    ansi_color: ClassVar[str]              # its placeholders in ``mimo-inspect sample``
+    html_color: ClassVar[str]              # ... and in the HTML report
 
     def member(self, item_index: int, fmt: str) -> str:
         """Member suffix (after ``KEY.``) of this modality's ``item_index``-th item."""

@@ -358,6 +358,8 @@ class ImageModality(Modality):
     config_class = ImageConfig
     item_fields = ("member", "width", "height", "orientation")
     verified_fields = ("format", "width", "height", "mode", "orientation")
+    ansi_color = "\033[1;35m"
+    html_color = "#8250df"
 
     def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
         return probe_image(data, max_image_pixels, check)
