@@ -376,7 +376,7 @@ def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
 class _Spans:
     """The trained character spans of several texts, in the concatenation of the texts."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.starts: list[int] = []
         self.ends: list[int] = []
         self.texts: list[int] = []
