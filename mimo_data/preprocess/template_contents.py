@@ -74,7 +74,7 @@ def _no_arguments(node) -> bool:
 class _Proof:
     """One template's names bound to lists and messages, and the walk over its tree."""
 
-    def __init__(self, tree):
+    def __init__(self, tree: nodes.Template) -> None:
         self.kinds: dict[str, str] = {"messages": LIST}
         self.stored = {name.name for name in tree.find_all(nodes.Name)
                        if name.ctx in ("store", "param")}
