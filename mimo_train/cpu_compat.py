@@ -148,6 +148,15 @@ def _patch_optimizers() -> None:
                 _scoped(cls, name)
 
 
+def _patch_tied_embeddings() -> None:
+    # With tied embeddings over pipeline stages, the last stage's copy of the word embeddings
+    # is moved with weight.data.cuda() before the all-reduce that fills it
+    # (language_module.py:291); on the CPU it stays where it is.
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    _scoped(LanguageModule, "setup_embeddings_and_output_layer", type_strings=False)
+
+
 def _patch_current_device() -> None:
     # ``torch.cuda.current_device()`` initializes CUDA and raises "Found no NVIDIA driver"
     # without a GPU. megatron-core only uses its result as a ``device=`` argument, so the
@@ -219,6 +228,11 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "device=\"cuda\" for the token count in pipeline_parallel/schedules.py:749, :1121, "
           ":2292 (every forward_backward_* function; RuntimeError: Found no NVIDIA driver)",
           _patch_schedules),
+    Patch("tied_embeddings",
+          "weight.data.cuda() in models/common/language_module/language_module.py:291 "
+          "setup_embeddings_and_output_layer, tied embeddings under pipeline stages "
+          "(RuntimeError: Found no NVIDIA driver)",
+          _patch_tied_embeddings),
     Patch("optimizers",
           "device='cuda' in optimizer/optimizer.py:1249 FP32Optimizer.__init__ (loss scale), "
           ":315, :690-702, models/mimo/optimizer.py:65,82,103 MimoOptimizer.get_grad_norm/step, "

@@ -71,12 +71,18 @@ def build_infra(layout: Layout, backend: str) -> Infra:
             grid.create_pg(list(dims))
         for dims in _EXPERT_GROUPS:
             grid.create_pg(list(dims), view="expert")
-        pgs = _collection(grid) if rank in module.ranks else None
+        embd = None
+        if module.pp > 1:
+            # first and last stage of each pipeline: megatron-core keeps tied input/output
+            # embeddings equal over this group (a pretrained language model may tie them)
+            pairs = [[ranks[0], ranks[-1]] for ranks in grid.get_rank_enum("pp")]
+            embd, _ = dist.new_subgroups_by_enumeration(pairs, backend=backend)
+        pgs = _collection(grid, embd) if rank in module.ranks else None
         modules[module.name] = ModuleInfra(module.name, grid, pgs)
     return Infra(layout, layout.role(rank), modules)
 
 
-def _collection(grid):
+def _collection(grid, embd):
     def expert(dims):
         return grid.get_pg(dims, view="expert")
 
@@ -89,5 +95,5 @@ def _collection(grid):
         ep=expert("ep"), expt_tp=expert("expt_tp"), expt_dp=expert("expt_dp"),
         intra_expt_dp=expert("expt_dp"), tp_ep=expert(["expt_tp", "ep"]),
         tp_ep_pp=expert(["expt_tp", "ep", "pp"]),
-        # untied input/output embeddings (see model.py): no embedding-sync groups
-        embd=None, pos_embd=None)
+        # embd: None without pipeline stages; no learned position embeddings (rope)
+        embd=embd, pos_embd=None)

@@ -129,6 +129,38 @@ def test_causal_masks():
     """)
 
 
+def test_tied_embeddings():
+    run("""
+    from types import SimpleNamespace
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    init_gloo()
+
+    class LastStage:            # the last of two pipeline stages, embeddings tied
+        pre_process, post_process, share_embeddings_and_output_weights = False, True, True
+        vp_stage = vp_size = None
+        config = SimpleNamespace(use_mup=False, pipeline_model_parallel_size=2,
+                                 mtp_num_layers=0, init_model_with_meta_device=False)
+        pp_group = SimpleNamespace(rank=lambda: 1, size=lambda: 2)
+        embd_group = dist.group.WORLD
+        weight = torch.nn.Parameter(torch.ones(3))
+
+        def shared_embedding_or_output_weight(self):
+            return self.weight
+
+        def _is_in_embd_group(self):
+            return True
+
+    stage = LastStage()
+    fails(lambda: LanguageModule.setup_embeddings_and_output_layer(stage), "NVIDIA driver")
+    cpu_compat.activate(only=["tied_embeddings"])
+    stage.weight = torch.nn.Parameter(torch.ones(3))
+    LanguageModule.setup_embeddings_and_output_layer(stage)
+    # zeroed, then filled by the all-reduce with the first stage (alone here: stays zero)
+    assert stage.weight.device.type == "cpu" and stage.weight.tolist() == [0.0, 0.0, 0.0]
+    assert stage.weight.shared_embedding
+    """)
+
+
 def test_streams():
     run("""
     init_gloo()
