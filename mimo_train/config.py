@@ -11,9 +11,10 @@ falls back silently to a default.
 
 Paths: a relative path written in the YAML file is taken from the file's folder (``datasets:
 [../../runs/demo/shards]``), one given as an override from the current directory; both are
-stored absolute. ``PATH_KEYS`` lists the path keys. ``model.encoders.<name>.pretrained`` also
-takes a hub name (``org/model``): a value there is a path when it is absolute, starts with
-``.`` or ``~``, or exists relative to the base folder; otherwise it is kept as a hub name.
+stored absolute. ``PATH_KEYS`` lists the path keys. ``model.encoders.<name>.pretrained`` and
+``model.language.pretrained`` also take a hub name (``org/model``): a value there is a path
+when it is absolute, starts with ``.`` or ``~``, or exists relative to the base folder;
+otherwise it is kept as a hub name.
 ``check_inputs`` reports a missing input path with its key and resolved path.
 
 Warmup: ``optimizer.warmup_steps`` longer than the run is clamped to ``train.steps - 1`` (the
@@ -48,12 +49,37 @@ class DataConfig:
 
 @dataclass
 class LanguageConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
+    """The language model: random init from these dims, or ``pretrained``: a transformers
+    Llama / Qwen2 / Qwen3 directory (or cached hub name) whose config.json gives the dims (any
+    also set here must agree) and whose weights are loaded (``mimo_train/hf_language.py``)."""
+    num_layers: int | None = None                     # default 2 (or the checkpoint's)
+    hidden_size: int | None = None                    # default 64
+    num_attention_heads: int | None = None            # default 4
     ffn_hidden_size: int | None = None                # default 4 * hidden_size
     vocab_size: int | None = None                     # default: tokenizer size, padded
     vocab_multiple: int = 128                         # padding of the default vocab size
+    pretrained: str | None = None
+
+    def resolve(self) -> None:
+        """Fill the unset dims from the checkpoint (or the defaults); refuse a set dim that
+        differs from the checkpoint's."""
+        if self.pretrained is None:
+            for name, default in _LANGUAGE_DEFAULTS.items():
+                if getattr(self, name) is None:
+                    setattr(self, name, default)
+            return
+        from mimo_train.hf_language import read_architecture
+        arch = read_architecture(self.pretrained)
+        for name in (*_LANGUAGE_DEFAULTS, "ffn_hidden_size"):
+            given, actual = getattr(self, name), getattr(arch, name)
+            if given is not None and given != actual:
+                raise TrainConfigError(
+                    f"model.language.{name} is {given}, but model.language.pretrained "
+                    f"{self.pretrained} has {name} {actual}: drop the key or make them agree")
+            setattr(self, name, actual)
+
+
+_LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 
 
 @dataclass
@@ -141,6 +167,7 @@ class TrainConfig:
             _apply_override(data, override, os.getcwd())
         config = _build(cls, data, "")
         config.validate()
+        config.model.language.resolve()
         return config
 
     def to_dict(self) -> dict:
@@ -208,8 +235,9 @@ class TrainConfig:
 # (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
 PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"),
              ("model", "init_from"), ("model", "encoders", "*", "pretrained"),
-             ("train", "tensorboard_dir"), ("checkpoint", "dir"))
-_HUB_KEYS = {("model", "encoders", "*", "pretrained")}
+             ("model", "language", "pretrained"), ("train", "tensorboard_dir"),
+             ("checkpoint", "dir"))
+_HUB_KEYS = {("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained")}
 
 
 def _resolve(value: str, base: str, hub: bool) -> str:

@@ -18,6 +18,8 @@ import torch
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
 from mimo_train.encoders import build_encoder, default_kind
+from mimo_train.hf_language import (check_parallel, gpt_fields, load_pretrained_language,
+                                    read_architecture, transformer_fields)
 from mimo_train.infra import Infra
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, GPTModel, MegatronOptimizerConfig,
@@ -39,9 +41,15 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
                                f"{language.pp} pipeline stages: make it a multiple of pp")
     bf16 = cfg.train.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    dims: dict = dict(num_layers=lm.num_layers, hidden_size=lm.hidden_size,
+                      num_attention_heads=lm.num_attention_heads,
+                      ffn_hidden_size=lm.ffn_hidden_size)
+    if lm.pretrained:                 # the checkpoint's numerics (RMSNorm, SwiGLU, GQA, ...)
+        arch = read_architecture(lm.pretrained)
+        check_parallel(arch, language.tp, language.pp, lm.pretrained)
+        dims = transformer_fields(arch)
     return TransformerConfig(
-        num_layers=lm.num_layers, hidden_size=lm.hidden_size,
-        num_attention_heads=lm.num_attention_heads, ffn_hidden_size=lm.ffn_hidden_size,
+        **dims,
         tensor_model_parallel_size=language.tp, pipeline_model_parallel_size=language.pp,
         context_parallel_size=language.cp, use_cpu_initialization=True,
         perform_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
@@ -57,15 +65,23 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
 
 
 def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
-    """The language model's vocabulary: the config's, or the tokenizer's padded up."""
+    """The language model's vocabulary: the config's, or the tokenizer's (or the pretrained
+    checkpoint's, when larger) padded up."""
     lm = cfg.model.language
+    needed = tokenizer_size
+    if lm.pretrained:
+        needed = max(needed, read_architecture(lm.pretrained).vocab_size)
     if lm.vocab_size is None:
-        return -(-tokenizer_size // lm.vocab_multiple) * lm.vocab_multiple
+        return -(-needed // lm.vocab_multiple) * lm.vocab_multiple
     if lm.vocab_size < tokenizer_size:
         raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
                                f"tokenizer's {tokenizer_size} tokens (modality tokens included):"
                                f" token ids would index past the embedding; set it >= "
                                f"{tokenizer_size} or leave it unset")
+    if lm.vocab_size < needed:
+        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
+                               f"vocabulary of model.language.pretrained ({needed}): set it >= "
+                               f"{needed} or leave it unset")
     return lm.vocab_size
 
 
@@ -148,7 +164,6 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     layout, seed = infra.layout, cfg.train.seed
     transformer = language_transformer_config(cfg, layout, device)
     settings = encoder_settings(cfg, infra, preprocess)
-    role = infra.role
     modality_specs, token_ids = {}, {}
     for name, (modality, modality_config, spec, kind) in settings.items():
         encoder_size = _encoder_output_size(spec, name)
@@ -165,19 +180,15 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
                     kind=cfg.model.projection))]))
         token_ids[name] = special_token_ids[modality]
-    language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
-    language_spec = ModuleSpec(module=_SeededGPTModel, params=dict(
-        seed=_module_seed(seed, LANGUAGE), config=transformer,
-        transformer_layer_spec=get_gpt_layer_local_spec(),
-        vocab_size=vocab_size(cfg, tokenizer_size), max_sequence_length=preprocess.seq_length,
-        position_embedding_type="rope", share_embeddings_and_output_weights=False,
-        pre_process=language is None or language.first_stage,
-        post_process=language is None or language.last_stage,
-        pg_collection=infra.modules[LANGUAGE].pgs))
+    vocab = vocab_size(cfg, tokenizer_size)
+    language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
+        cfg, infra, transformer, vocab, preprocess.seq_length))
     model = MimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids))
     model.model_type = ModelType.encoder_or_decoder
+    if cfg.model.language.pretrained and LANGUAGE in infra.local:
+        load_language_weights(model.language_model, cfg, infra, vocab)
     for name in cfg.model.freeze:
         if name not in infra.modules:
             raise TrainConfigError(f"model.freeze names {name!r}, not a module of the layout "
@@ -196,6 +207,39 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         _set(model, name, DistributedDataParallel(transformer, ddp, module,
                                                   pg_collection=module_infra.pgs))
     return model
+
+
+def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: int,
+                          max_sequence_length: int) -> dict:
+    """``_SeededGPTModel`` arguments of this rank's language model (random init or the
+    architecture of ``model.language.pretrained``)."""
+    role = infra.role
+    language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
+    pretrained = cfg.model.language.pretrained
+    arch = read_architecture(pretrained) if pretrained else None
+    return dict(
+        seed=_module_seed(cfg.train.seed, LANGUAGE), config=transformer,
+        transformer_layer_spec=get_gpt_layer_local_spec(
+            normalization="RMSNorm", qk_layernorm=arch.qk_norm) if arch
+        else get_gpt_layer_local_spec(),
+        vocab_size=vocab, max_sequence_length=max_sequence_length,
+        **(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
+                                              share_embeddings_and_output_weights=False)),
+        pre_process=language is None or language.first_stage,
+        post_process=language is None or language.last_stage,
+        pg_collection=infra.modules[LANGUAGE].pgs)
+
+
+def load_language_weights(language_model, cfg: TrainConfig, infra: Infra, vocab: int) -> None:
+    """Load this rank's part of ``model.language.pretrained`` into the built (not yet
+    DDP-wrapped) language model; a checkpoint loaded later (resume, init_from) replaces it."""
+    path = cfg.model.language.pretrained
+    assert path is not None
+    part = infra.role.module(LANGUAGE)
+    load_pretrained_language(
+        language_model, path, read_architecture(path), tp_rank=part.tp_rank,
+        tp_size=part.module.tp, vocab_size=vocab,
+        layer_offset=layer_offset(infra, LANGUAGE, cfg.model.language.num_layers))
 
 
 def build_optimizer(cfg: TrainConfig, model):
@@ -244,10 +288,12 @@ def local_modules(model, infra: Infra) -> dict:
     return {name: _get(model, name) for name in infra.local}
 
 
-def layer_offset(infra: Infra, name: str, num_layers: int) -> int:
-    """Global index of this rank's first layer of module ``name``."""
+def layer_offset(infra: Infra, name: str, num_layers: int | None) -> int:
+    """Global index of this rank's first layer of module ``name`` (``num_layers``: the
+    language model's, set once the config is loaded)."""
     if name != LANGUAGE:
         return 0
+    assert num_layers is not None, "TrainConfig.load resolves model.language.num_layers"
     language = infra.role.module(LANGUAGE)
     return language.pp_rank * (num_layers // language.module.pp)
 

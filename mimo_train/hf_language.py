@@ -1,0 +1,326 @@
+"""A transformers causal LM (Llama, Qwen2, Qwen3) as megatron-core's local-spec ``GPTModel``.
+
+``read_architecture(path)`` reads the checkpoint's ``config.json`` into a ``LanguageArch``
+(dims, rotary base and scaling, RMSNorm eps, tied embeddings, qkv bias, qk-norm), refusing what
+megatron-core's local layers cannot reproduce. ``transformer_fields`` / ``gpt_fields`` turn it
+into ``TransformerConfig`` and ``GPTModel`` arguments. ``to_megatron`` converts the transformers
+weights into one TP/PP rank's part of the megatron state dict, ``to_hf`` merges TP parts back
+(for export), and ``load_pretrained_language`` loads a rank's part into a built ``GPTModel``.
+
+Name mapping (layer ``N`` global in transformers, local to the pipeline stage in megatron):
+
+| transformers ``model.…`` | megatron-core | TP split |
+|---|---|---|
+| ``embed_tokens.weight`` | ``embedding.word_embeddings.weight`` | rows (vocab) |
+| ``layers.N.input_layernorm.weight`` | ``decoder.layers.N.input_layernorm.weight`` | none |
+| ``layers.N.self_attn.{q,k,v}_proj.{weight,bias}`` | ``….self_attention.linear_qkv.…`` | rows |
+| ``layers.N.self_attn.{q,k}_norm.weight`` (Qwen3) | ``….{q,k}_layernorm.weight`` | none |
+| ``layers.N.self_attn.o_proj.weight`` | ``….self_attention.linear_proj.weight`` | columns |
+| ``layers.N.post_attention_layernorm.weight`` | ``….pre_mlp_layernorm.weight`` | none |
+| ``layers.N.mlp.{gate,up}_proj.weight`` | ``….mlp.linear_fc1.weight`` | rows, per half |
+| ``layers.N.mlp.down_proj.weight`` | ``….mlp.linear_fc2.weight`` | columns |
+| ``norm.weight`` | ``decoder.final_layernorm.weight`` | none |
+| ``lm_head.weight`` (or the embedding, tied) | ``output_layer.weight`` | rows (vocab) |
+
+``linear_qkv`` holds, per query group, that group's query heads, then its key head, then its
+value head (``[ng, (nh/ng + 2) · d, hidden]``): the layout ``SelfAttention`` splits; TP ranks
+take whole groups. ``linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU chunks the output in
+two), so TP rank r holds ``[gate_r; up_r]``.
+
+Vocabulary: megatron's vocabulary is the tokenizer's (modality tokens included) or the
+checkpoint's, whichever is larger, padded (``model.vocab_size``). Every row past the
+checkpoint's vocabulary, in the embedding and the output layer, starts as the mean of the
+checkpoint's rows (transformers' ``resize_token_embeddings`` starts new rows at that mean too):
+a new token's input is an average token and its logit an average logit, so adding tokens does
+not shift the pretrained model's predictions. No random draw is involved.
+
+Why a module of its own: mbridge (which has these name tables) builds TransformerEngine specs
+only (fused names such as ``linear_qkv.layer_norm_weight``) and its model builder no longer runs
+with megatron-core 0.19.2; Megatron-Bridge brings a very large dependency set. Neither drives
+the local-spec layers mimo uses on CPU. This module imports no megatron-core.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from mimo_train.config import TrainConfigError
+
+# model_type -> (qkv bias, qk-norm) of the families this module maps
+FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+# megatron-core's RotaryEmbedding applies llama3 scaling with these fixed values; only the
+# factor is an argument
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+
+
+@dataclass(frozen=True)
+class LanguageArch:
+    """What megatron-core needs to rebuild a transformers causal LM."""
+    family: str                     # llama | qwen2 | qwen3
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    vocab_size: int
+    rotary_base: float
+    rope_scaling_factor: float | None   # llama3 scaling factor; None: no scaling
+    norm_eps: float
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+
+def read_architecture(path: str, key: str = "model.language.pretrained") -> LanguageArch:
+    """The architecture of the transformers checkpoint ``path`` (directory or cached hub
+    name); a ``TrainConfigError`` naming ``key`` when megatron-core cannot reproduce it."""
+    return _read_architecture(path, key)
+
+
+@lru_cache(maxsize=8)
+def _read_architecture(path: str, key: str) -> LanguageArch:
+    from transformers import AutoConfig
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise TrainConfigError(
+            f"{key} is {path!r}, from which transformers cannot read a model config ({error}):"
+            " give a model directory holding config.json (or a hub name already in the local "
+            "cache)") from None
+    family = config.model_type
+    if family not in FAMILIES:
+        raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
+                               f"be built from {sorted(FAMILIES)} checkpoints")
+    problems = []
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU with silu is mapped)")
+    if getattr(config, "attention_bias", False) and family != "qwen2":
+        problems.append("attention_bias (bias on every attention projection)")
+    if getattr(config, "mlp_bias", False):
+        problems.append("mlp_bias")
+    if getattr(config, "use_sliding_window", False):
+        problems.append("use_sliding_window")
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope_type = rope.get("rope_type", "default")
+    factor = None
+    if rope_type == "llama3":
+        fixed = {k: rope.get(k) for k in _LLAMA3_FIXED}
+        if fixed != _LLAMA3_FIXED:
+            problems.append(f"llama3 rope scaling with {fixed} (megatron-core fixes "
+                            f"{_LLAMA3_FIXED}; only the factor may vary)")
+        factor = float(rope["factor"])
+    elif rope_type != "default":
+        problems.append(f"rope scaling {rope_type!r} (default and llama3 are supported)")
+    if problems:
+        raise TrainConfigError(f"{key}: {path} uses {'; '.join(problems)}, which megatron-core's "
+                               "local layers do not reproduce")
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    qkv_bias, qk_norm = FAMILIES[family]
+    return LanguageArch(
+        family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
+        ffn_hidden_size=config.intermediate_size, num_attention_heads=heads,
+        num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
+        kv_channels=head_dim, vocab_size=config.vocab_size,
+        rotary_base=float(rope.get("rope_theta", 10000.0)), rope_scaling_factor=factor,
+        norm_eps=float(config.rms_norm_eps), tied=bool(config.tie_word_embeddings),
+        qkv_bias=qkv_bias, qk_norm=qk_norm)
+
+
+def check_parallel(arch: LanguageArch, tp: int, pp: int, path: str) -> None:
+    """``TrainConfigError`` unless the model splits into ``tp`` × ``pp``."""
+    for what, value, size in (("attention heads", arch.num_attention_heads, tp),
+                              ("query groups (key/value heads)", arch.num_query_groups, tp),
+                              ("layers", arch.num_layers, pp)):
+        if value % size:
+            dim = "tp" if size == tp else "pp"
+            raise TrainConfigError(f"model.language.pretrained {path} has {value} {what}, "
+                                   f"which do not split into language {dim}{size}")
+
+
+def transformer_fields(arch: LanguageArch) -> dict:
+    """``TransformerConfig`` fields reproducing the checkpoint's numerics."""
+    return dict(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
+                ffn_hidden_size=arch.ffn_hidden_size,
+                num_attention_heads=arch.num_attention_heads,
+                num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
+                normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
+                gated_linear_unit=True, activation_func=torch.nn.functional.silu,
+                add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm)
+
+
+def gpt_fields(arch: LanguageArch) -> dict:
+    """``GPTModel`` arguments: rotary embedding and tied embeddings."""
+    return dict(position_embedding_type="rope", rotary_base=arch.rotary_base,
+                rope_scaling=arch.rope_scaling_factor is not None,
+                rope_scaling_factor=arch.rope_scaling_factor or 8.0,
+                share_embeddings_and_output_weights=arch.tied)
+
+
+class CheckpointWeights:
+    """The tensors of a transformers checkpoint directory (safetensors), read on demand."""
+
+    def __init__(self, path: str):
+        from huggingface_hub import snapshot_download
+        from safetensors import safe_open
+        if not os.path.isdir(path):
+            path = snapshot_download(path, local_files_only=True)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise TrainConfigError(f"model.language.pretrained {path} holds no model.safetensors"
+                                   " (nor an index of safetensors shards)")
+        self.files = {}
+        for name in files:
+            handle = safe_open(os.path.join(path, name), framework="pt")
+            self.files.update({key: handle for key in handle.keys()})
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.files[name].get_tensor(name).float()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+
+def _extend_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight`` with rows appended up to ``rows``, each the mean of the existing rows."""
+    extra = rows - weight.size(0)
+    if extra < 0:
+        raise TrainConfigError(f"the language vocabulary {rows} is smaller than the "
+                               f"checkpoint's {weight.size(0)}")
+    return torch.cat([weight, weight.mean(0, keepdim=True).expand(extra, -1)])
+
+
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LanguageArch) -> torch.Tensor:
+    """q, k, v (weights or biases) in megatron's per-group [q…, k, v] layout."""
+    groups, d = arch.num_query_groups, arch.kv_channels
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(groups, -1, d, *rest), k.reshape(groups, 1, d, *rest),
+                      v.reshape(groups, 1, d, *rest)], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, arch: LanguageArch):
+    groups, d = arch.num_query_groups, arch.kv_channels
+    per_group = arch.num_attention_heads // groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(groups, per_group + 2, d, *rest).split([per_group, 1, 1], dim=1)
+    return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
+
+
+def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_rank: int,
+                tp_size: int, layers: Iterable[int], first_stage: bool, last_stage: bool,
+                vocab_size: int, has: Callable[[str], bool] | None = None) -> dict:
+    """One TP rank's megatron state dict for the global ``layers`` of its pipeline stage
+    (numbered from 0 locally), from ``hf(name)``; ``has(name)`` tells whether ``lm_head``
+    exists (tied checkpoints leave it out)."""
+    def rows(tensor):             # column-parallel: output features
+        return tensor.chunk(tp_size, dim=0)[tp_rank].clone()
+
+    def cols(tensor):             # row-parallel: input features
+        return tensor.chunk(tp_size, dim=1)[tp_rank].clone()
+
+    state = {}
+    for local, layer in enumerate(layers):
+        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        attn, mlp = src + "self_attn.", src + "mlp."
+        state[dst + "input_layernorm.weight"] = hf(src + "input_layernorm.weight")
+        state[dst + "self_attention.linear_qkv.weight"] = rows(_qkv(
+            hf(attn + "q_proj.weight"), hf(attn + "k_proj.weight"), hf(attn + "v_proj.weight"),
+            arch))
+        if arch.qkv_bias:
+            state[dst + "self_attention.linear_qkv.bias"] = rows(_qkv(
+                hf(attn + "q_proj.bias"), hf(attn + "k_proj.bias"), hf(attn + "v_proj.bias"),
+                arch))
+        if arch.qk_norm:
+            state[dst + "self_attention.q_layernorm.weight"] = hf(attn + "q_norm.weight")
+            state[dst + "self_attention.k_layernorm.weight"] = hf(attn + "k_norm.weight")
+        state[dst + "self_attention.linear_proj.weight"] = cols(hf(attn + "o_proj.weight"))
+        state[dst + "pre_mlp_layernorm.weight"] = hf(src + "post_attention_layernorm.weight")
+        state[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [rows(hf(mlp + "gate_proj.weight")), rows(hf(mlp + "up_proj.weight"))])
+        state[dst + "mlp.linear_fc2.weight"] = cols(hf(mlp + "down_proj.weight"))
+    if first_stage:
+        state["embedding.word_embeddings.weight"] = rows(
+            _extend_rows(hf("model.embed_tokens.weight"), vocab_size))
+    if last_stage:
+        state["decoder.final_layernorm.weight"] = hf("model.norm.weight")
+        untied = not arch.tied and (has is None or has("lm_head.weight"))
+        output = hf("lm_head.weight") if untied else hf("model.embed_tokens.weight")
+        state["output_layer.weight"] = rows(_extend_rows(output, vocab_size))
+    return state
+
+
+def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) -> dict:
+    """transformers weights from the megatron state dicts of all TP ranks of one or more
+    pipeline stages (``parts[r]``: TP rank r, *global* layer numbers); the vocabulary is cut
+    to ``vocab_rows`` (default: the checkpoint's)."""
+    rows = vocab_rows or arch.vocab_size
+
+    def merged(key, dim):
+        return torch.cat([part[key] for part in parts], dim=dim)
+
+    first = parts[0]
+    hf = {}
+    layers = sorted({int(k.split(".")[2]) for k in first if k.startswith("decoder.layers.")})
+    for layer in layers:
+        src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        attn, mlp = dst + "self_attn.", dst + "mlp."
+        hf[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
+        for kind in ("weight", "bias"):
+            key = f"{src}self_attention.linear_qkv.{kind}"
+            if key in first:
+                q, k, v = _split_qkv(merged(key, 0), arch)
+                hf.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k,
+                           f"{attn}v_proj.{kind}": v})
+        for norm in ("q", "k"):
+            key = f"{src}self_attention.{norm}_layernorm.weight"
+            if key in first:
+                hf[f"{attn}{norm}_norm.weight"] = first[key]
+        hf[attn + "o_proj.weight"] = merged(src + "self_attention.linear_proj.weight", 1)
+        hf[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+        halves = [part[src + "mlp.linear_fc1.weight"].chunk(2) for part in parts]
+        hf[mlp + "gate_proj.weight"] = torch.cat([gate for gate, _ in halves])
+        hf[mlp + "up_proj.weight"] = torch.cat([up for _, up in halves])
+        hf[mlp + "down_proj.weight"] = merged(src + "mlp.linear_fc2.weight", 1)
+    if "embedding.word_embeddings.weight" in first:
+        hf["model.embed_tokens.weight"] = merged("embedding.word_embeddings.weight", 0)[:rows]
+    if "decoder.final_layernorm.weight" in first:
+        hf["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+    if "output_layer.weight" in first and not arch.tied:
+        hf["lm_head.weight"] = merged("output_layer.weight", 0)[:rows]
+    return hf
+
+
+def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageArch, *,
+                             tp_rank: int, tp_size: int, layer_offset: int,
+                             vocab_size: int) -> None:
+    """Load this rank's part of the checkpoint ``path`` into ``model``, a built ``GPTModel``
+    (not DDP-wrapped) holding the stage's layers from global ``layer_offset`` on; every weight
+    of ``model`` must come from the checkpoint."""
+    own = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    num_layers = len({k.split(".")[2] for k in own if k.startswith("decoder.layers.")})
+    weights = CheckpointWeights(path)
+    state = to_megatron(weights, arch, tp_rank=tp_rank, tp_size=tp_size,
+                        layers=range(layer_offset, layer_offset + num_layers),
+                        first_stage=getattr(model, "pre_process", True),
+                        last_stage=getattr(model, "post_process", True),
+                        vocab_size=vocab_size, has=weights.__contains__)
+    missing = sorted(set(own) - set(state))
+    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+             if k in state and state[k].shape != v.shape]
+    if missing or wrong:
+        raise TrainConfigError(f"model.language.pretrained {path} does not fit the language "
+                               f"model: missing {missing[:3]}, shapes {wrong[:3]}")
+    model.load_state_dict({k: state[k] for k in own}, strict=False)
