@@ -8,7 +8,9 @@ language model (mimo_train/hf_language.py).
   SmolLM2-135M-Instruct and tiny Llama (untied, GQA, llama3 rope), Qwen2 (qkv bias, tied) and
   Qwen3 (qk-norm) checkpoints: one ``torchrun`` of two ranks runs every layout and model;
 - a training run starts from the converted weights: SmolLM2's first loss is far below a random
-  model's (ln of the vocabulary).
+  model's (ln of the vocabulary);
+- tied embeddings stay tied under pipeline stages: tiny-qwen2's gradients under language pp2
+  equal one colocated process's, the last stage's output layer getting the embedding's.
 """
 
 from __future__ import annotations
@@ -113,6 +115,17 @@ def test_a_yaml_dim_that_differs_names_both_values():
               "model.language.num_layers=4")
 
 
+def test_a_relative_path_in_the_yaml_is_taken_from_its_folder(tmp_path):
+    from mimo_train.config import TrainConfig
+    target = model_dir("tiny-llama")
+    (tmp_path / "train.yaml").write_text(
+        "data: {datasets: [x]}\n"
+        f"model: {{language: {{pretrained: {os.path.relpath(target, tmp_path)}}}}}\n")
+    cfg = TrainConfig.load(str(tmp_path / "train.yaml"))
+    assert cfg.model.language.pretrained == str(target)
+    assert cfg.model.language.num_layers == 2 and cfg.model.language.hidden_size == 64
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
      "rope scaling 'yarn'"),
@@ -184,3 +197,37 @@ def test_training_starts_from_the_pretrained_weights(loader_corpus, tmp_path):
                           f"{model_dir('smollm2-135m-instruct')}}}")
     print(f"first loss: SmolLM2 {smollm2:.3f}, random {math.log(49280):.3f}")
     assert smollm2 < math.log(49280) - 4.0
+
+
+def _step(out: Path, nproc: int, layout: str, micro_batch: int, common: list[str]) -> dict:
+    """One step of tests/train_parity_run.py: loss and the language gradients, all ranks."""
+    runner = str(REPO / "tests" / "train_parity_run.py")
+    launch = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        str(nproc)]
+    result = subprocess.run([*launch, runner, str(out), f"layout={layout}",
+                             f"train.micro_batch_size={micro_batch}", *common], cwd=REPO,
+                            env=_env(), capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    merged: dict = {}
+    for path in sorted(out.glob("rank_*.pt")):
+        rank = torch.load(path, weights_only=False)
+        merged["loss"] = rank["loss_sum"] / rank["tokens"]
+        merged.update(rank["grads"].get("language", {}))
+    return merged
+
+
+def test_tied_embeddings_stay_tied_under_pipeline_stages(loader_corpus, tmp_path):
+    preprocess = preprocess_config_file(tmp_path / "preprocess.yaml")
+    common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
+              f"model.language.pretrained={model_dir('tiny-qwen2')}", "train.steps=1",
+              "optimizer.warmup_steps=0", "train.global_batch_size=4", "train.seed=3"]
+    whole = _step(tmp_path / "pp1", 1, "language=dp1;image=dp1,off0;audio=dp1,off0", 4, common)
+    staged = _step(tmp_path / "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common)
+    assert abs(whole.pop("loss") - staged.pop("loss")) < 1e-5
+    embedding = "embedding.word_embeddings.weight"
+    assert "output_layer.weight" not in whole          # one matrix in a single stage
+    assert torch.allclose(staged.pop("output_layer.weight"), whole[embedding], atol=1e-6)
+    assert set(staged) == set(whole)
+    for key, grad in whole.items():
+        assert torch.allclose(staged[key], grad, atol=1e-6), key
