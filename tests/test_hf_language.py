@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from conftest import REPO, preprocess_config_file
 from test_hf_models import model_dir
@@ -190,7 +191,12 @@ def test_training_starts_from_the_pretrained_weights(loader_corpus, tmp_path):
     """A random language model's first loss here is ln(vocabulary) ≈ 10.8 (measured: 10.82
     with the shipped colocated config's tiny model); SmolLM2 starts near 5.2 (its text-only
     assistant turns alone give 3.9 in transformers; captions of images it cannot see more)."""
-    preprocess = preprocess_config_file(tmp_path / "preprocess.yaml")
+    # small fixed-size images: few image tokens, a cheap encoder (the loss is on text)
+    preprocess = preprocess_config_file(
+        tmp_path / "preprocess.yaml",
+        image={"policy": "fixed", "image_size": 28, "patch_size": 14},
+        audio=yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
+            "modalities"]["audio"])
     smollm2 = _first_loss(tmp_path, "smollm2", loader_corpus, preprocess,
                           # the shipped config's tiny dims give way to the checkpoint's
                           "model.language={pretrained: "
