@@ -292,6 +292,27 @@ class TextEncoder:
             raise encoded
         return encoded
 
+    def encode_prompt(self, messages: Sequence[Mapping[str, Any]],
+                      item_tokens: list[tuple[str, int]]) -> np.ndarray:
+        """Token ids of a conversation for the model to continue (generation): rendered with
+        the template's generation prompt (``caption`` mode: the turns joined by newlines, then
+        the newline an answer follows), marker i expanded to ``item_tokens[i]`` copies of its
+        modality's token as ``encode`` does; TextError if they cannot be built."""
+        if self.config.mode == "caption":
+            text = self._render_caption(messages)[0] + "\n"
+        else:
+            text = self._render(messages, generation_prompt=True)
+        tokens = encode_texts(self.backend, [text])
+        failed: dict[int, TextError] = {}
+        marker_at, counts, modality_tokens = self._markers(tokens, [item_tokens], failed)
+        if failed:
+            raise failed[0]
+        ids = tokens.ids.copy()
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[marker_at] = counts
+        ids[marker_at] = modality_tokens
+        return np.repeat(ids, repeats)
+
     def encode_batch(self, conversations: Sequence[tuple[Sequence[Mapping[str, Any]],
                                                          list[tuple[str, int]]]]
                      ) -> list[Encoded | TextError]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.modalities import MediaItem
+from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.format import Message
 from mimo_data.shards.records import marker_order
 from mimo_data.tally import CountedError
@@ -57,6 +58,23 @@ class Sample:
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
     encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     removed_turns: int = 0           # trailing turns cut by length_policy truncate_turns
+
+
+@dataclass
+class Prompt:
+    """A conversation for the model to continue, as ``Preprocessor.prompt`` builds it."""
+    input_ids: torch.Tensor          # [L] int64, ending with the generation prompt
+    token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
+    encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
+
+
+def media_item(modality: str, data: bytes, index: int) -> MediaItem:
+    """The metadata of the ``index``-th ``modality`` item of a sample from its encoded bytes,
+    as ``mimo-shard build`` records it (MediaError if it cannot be used)."""
+    meta = MODALITIES[modality].probe(data, "decode", DEFAULT_MAX_IMAGE_PIXELS)
+    return cast(MediaItem, {"modality": modality, "bytes": len(data),
+                            "member": MODALITIES[modality].member(index, meta["format"]),
+                            **meta})
 
 
 class Preprocessor:
@@ -122,6 +140,23 @@ class Preprocessor:
             except SegmentCacheError as exc:    # from a truncate_turns re-encode
                 raise _naming_sample(exc, records, i) from None
         return results
+
+    def prompt(self, messages: list[Message], media: Sequence[tuple[MediaItem, bytes]]
+               ) -> Prompt:
+        """A conversation to generate from: its tokens through the generation prompt with each
+        marker expanded to its item's token count, and the encoder inputs of ``media`` (items
+        in marker order, each with its bytes), as training builds them; SampleDropped if an
+        item cannot be used, TextError if the text cannot be tokenized."""
+        counts = [(item["modality"], self._item_tokens(item)) for item, _ in media]
+        ids = self.text.encode_prompt(messages, counts)
+        token_counts = {name: [n for modality, n in counts if modality == name]
+                        for name in self.config.modalities}
+        inputs = {}
+        if media:
+            inputs = self._encoder_inputs("prompt", [item for item, _ in media],
+                                          {item["member"]: data for item, data in media},
+                                          token_counts)
+        return Prompt(torch.from_numpy(ids), token_counts, inputs)
 
     def _text_sample(self, record: Record, counts, encoded: Encoded | TextError) -> TextSample:
         items = record["media"]
