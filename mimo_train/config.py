@@ -170,6 +170,14 @@ class TrainConfig:
         config.model.language.resolve()
         return config
 
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute."""
+        config = _build(cls, copy.deepcopy(data), "")
+        config.validate()
+        config.model.language.resolve()
+        return config
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 

@@ -10,7 +10,9 @@ it computed: one row per placeholder token, item by item (docs/architecture.md, 
   ``ceil`` at every step, as ``token_counts.audio_tokens_from_frames`` counts.
 
 Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
-Each class is built from a transformers config (random init) or ``from_pretrained(path)``.
+Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
+``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
+saved alone).
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ class WhisperAudio(torch.nn.Module):
                                     "the Whisper encoder's first reduction is its stride-2 conv; "
                                     "start the list with 2")
         frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
-        from transformers import AutoModel, WhisperConfig
+        from transformers import AutoConfig, AutoModel, WhisperConfig
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
-        if pretrained:
+        if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
+                                               .architectures or ()):
+            self.model = WhisperEncoder.from_pretrained(pretrained)    # saved alone (mimo-export)
+        elif pretrained:
             self.model = AutoModel.from_pretrained(pretrained).get_encoder()
         else:
             self.model = WhisperEncoder(WhisperConfig(
