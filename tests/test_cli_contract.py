@@ -13,6 +13,8 @@ import yaml
 from conftest import REPO, build_dataset, write_jsonl
 
 CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
+# command lines without subcommands
+SINGLE_CLIS = {"mimo-export": "mimo_train.export", "mimo-generate": "mimo_train.generate"}
 
 
 def _parser(module: str) -> argparse.ArgumentParser:
@@ -49,8 +51,29 @@ def test_every_option_of_every_subcommand_has_help(cli):
     assert not missing, f"{cli} options without help: {missing}"
 
 
+@pytest.mark.parametrize("cli", sorted(SINGLE_CLIS))
+def test_every_option_of_every_single_command_cli_has_help(cli):
+    parser = _parser(SINGLE_CLIS[cli])
+    missing = [action.option_strings or action.dest for action in parser._actions
+               if not (action.help or "").strip() or action.help == argparse.SUPPRESS]
+    assert not missing, f"{cli} options without help: {missing}"
+
+
+@pytest.mark.parametrize("cli, args", [
+    ("mimo-export", ["--checkpoint", "x"]),                      # --output missing
+    ("mimo-generate", ["--model", "x"]),                         # --prompt missing
+    ("mimo-generate", ["--model", "x", "--prompt", "Hi", "--max-new-tokens", "0"]),
+    ("mimo-generate", ["--model", "x", "--prompt", "Hi", "--temperature", "-1"]),
+    ("mimo-generate", ["--model", "x", "--prompt", "Hi", "--device", "tpu"]),
+])
+def test_single_command_usage_errors_exit_2(capsys, cli, args):
+    code, err = _main(SINGLE_CLIS[cli], capsys, *args)
+    assert code == 2 and err.strip()
+
+
 def test_importing_the_clis_imports_nothing_heavy():
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in CLIS.values()) +
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in
+                                     [*CLIS.values(), *SINGLE_CLIS.values()]) +
             "print(sorted(m for m in ('torch', 'transformers', 'pyarrow', 'webdataset', "
             "'megatron', 'PIL') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -1,0 +1,277 @@
+"""``mimo-export --checkpoint CKPT --output OUT``: a mimo_train checkpoint as transformers models.
+
+``OUT`` holds::
+
+    language/                  the language model as a transformers causal LM: weights,
+                               config.json, generation_config.json and the tokenizer with the
+                               modality tokens (AutoModelForCausalLM / AutoTokenizer load it)
+    <module>/                  each encoder's transformers model (``save_pretrained`` of its
+                               ``.model``; ``model.encoders.<module>.pretrained`` takes it back)
+    projections.safetensors    each encoder module's projection: ``<module>.<index>.<param>``
+                               (``<index>``: the layer in Linear or Linear-GELU-Linear)
+    preprocess.yaml            the run's preprocessing config, its tokenizer ``./language``
+    manifest.json              step, modules, encoder kinds, projection, modality tokens and ids
+
+The checkpoint is read only through ``checkpoint.load_weights`` (module name -> whole tensors,
+global layer numbers) and its ``meta.json`` config. The language weights are mapped back with
+``hf_language.to_hf``; the language model must come from ``model.language.pretrained`` (its
+config.json is copied, the vocabulary size set to the exported rows): a randomly initialized
+one uses megatron-core's LayerNorm/GELU layers with biases, which no Llama config reproduces.
+
+Vocabulary: megatron's embedding (and output layer) has the tokenizer's tokens, modality tokens
+included, padded to ``model.language.vocab_multiple``. Rows up to ``len(tokenizer)`` (or the
+pretrained checkpoint's vocabulary, when larger) are exported: the modality-token rows are kept
+and the saved tokenizer has those tokens, at the same ids; the padding rows past them, which no
+token id reaches, are dropped. The pretrained rows come back bit for bit when the language
+model was frozen (``model.freeze: [language]``).
+
+Everything is written to a staging directory beside ``OUT`` and renamed to ``OUT`` once
+complete: an interrupted export leaves no ``OUT``. Exit codes: 0 written; 1 the checkpoint's
+data failed a check (rank files or weights missing, shapes that do not fit); 2 usage or config
+error (no such checkpoint, ``OUT`` in the way, a config that cannot be rebuilt). Nothing heavy
+is imported before the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+PREFIX = "mimo-export: "
+MANIFEST = "manifest.json"
+PREPROCESS = "preprocess.yaml"
+PROJECTIONS = "projections.safetensors"
+LANGUAGE_DIR = "language"
+
+
+class ExportError(RuntimeError):
+    """An export that cannot be done; ``exit_code`` 1 (the checkpoint's data) or 2 (usage)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mimo-export", description="Write a mimo_train checkpoint as transformers models: "
+        "the language model with its tokenizer, each encoder, the projections, the "
+        "preprocessing config and a manifest (mimo-generate runs the result).",
+        epilog="Exit codes: 0 written, 1 the checkpoint's data failed a check, 2 usage or "
+        "config error.")
+    parser.add_argument("--checkpoint", required=True, metavar="CKPT_DIR",
+                        help="a step_* directory written by mimo_train, or a checkpoint.dir "
+                        "(its latest checkpoint is exported)")
+    parser.add_argument("--output", required=True, metavar="OUT",
+                        help="directory to create (it must not exist); written in a staging "
+                        "directory beside it and renamed when complete")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        written = export(args.checkpoint, args.output)
+    except ExportError as error:
+        print(f"{PREFIX}{error}", file=sys.stderr)
+        return error.exit_code
+    print(f"{PREFIX}wrote {written}")
+    return 0
+
+
+def step_directory(path: str) -> str:
+    """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
+    of a checkpoint.dir."""
+    from mimo_train.checkpoint import latest
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        return path
+    found = latest(path) if os.path.isdir(path) else None
+    if found is None:
+        what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
+        raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
+                          "checkpoint.dir of a mimo_train run")
+    if not os.path.isfile(os.path.join(found, "meta.json")):
+        raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
+                          "is incomplete; give an earlier step_* directory", exit_code=1)
+    return found
+
+
+def export(checkpoint: str, output: str) -> str:
+    """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``; returns
+    ``output``."""
+    output = os.path.abspath(output)
+    if os.path.lexists(output):
+        raise ExportError(f"--output {output} exists: remove it or choose another directory")
+    directory = step_directory(checkpoint)
+    parent = os.path.dirname(output)
+    if not os.path.isdir(parent):
+        raise ExportError(f"--output {output}: its folder {parent} does not exist")
+    cfg, meta = _run_config(directory)
+    preprocess = _preprocess_config(cfg, directory)
+    from mimo_train.checkpoint import CheckpointError, load_weights
+    try:
+        weights = load_weights(directory)
+    except (CheckpointError, OSError) as error:
+        raise ExportError(f"{directory}: {error}", exit_code=1) from None
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+    disable_progress_bars()                              # a bar per saved model otherwise
+    transformers_logging.disable_progress_bar()
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)                    # mkdtemp's is private (0700)
+    try:
+        _write(staging, cfg, preprocess, weights, meta["step"], directory)
+        os.rename(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return output
+
+
+def _run_config(directory: str):
+    from mimo_train.config import TrainConfig, TrainConfigError
+    path = os.path.join(directory, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+        return TrainConfig.from_dict(meta["config"]), meta
+    except (OSError, ValueError, KeyError) as error:
+        code = 2 if isinstance(error, TrainConfigError) else 1
+        raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
+                          + ("make the paths it names exist again" if code == 2 else
+                             "the checkpoint is damaged: export another step"),
+                          exit_code=code) from None
+
+
+def _preprocess_config(cfg, directory: str):
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.config import PreprocessConfig
+    path = cfg.data.preprocess
+    try:
+        return PreprocessConfig.from_yaml(path)
+    except (OSError, ConfigError) as error:
+        raise ExportError(f"the preprocessing config {path} of {directory}/meta.json cannot be "
+                          f"read ({error}): the export copies it; restore it") from None
+
+
+def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) -> None:
+    from mimo_data.loading.layout import LANGUAGE, Layout
+    from mimo_data.preprocess.chat_tokens import load_tokenizer
+
+    tokenizer = load_tokenizer(preprocess)
+    if preprocess.mode == "chat" and preprocess.chat_template:
+        from mimo_data.preprocess.chat_tokens import TextEncoder
+        tokenizer.chat_template = TextEncoder(preprocess, tokenizer).template
+    for name in [LANGUAGE, *(m.name for m in Layout.parse(cfg.layout).encoders)]:
+        if name not in weights:
+            raise ExportError(f"{directory} has no weights for module {name!r} (it has "
+                              f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
+    _write_language(os.path.join(out, LANGUAGE_DIR), cfg, tokenizer, weights[LANGUAGE],
+                    directory)
+    modules = _write_encoders(out, cfg, preprocess, weights, directory)
+    _write_preprocess(os.path.join(out, PREPROCESS), preprocess)
+    manifest = {
+        "step": step, "checkpoint": directory, "language": LANGUAGE_DIR,
+        "preprocess": PREPROCESS, "projections": PROJECTIONS,
+        "projection": cfg.model.projection, "modules": modules,
+        "modality_tokens": {name: {"token": m.token,
+                                   "id": tokenizer.convert_tokens_to_ids(m.token)}
+                            for name, m in preprocess.modalities.items()}}
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+
+
+def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> None:
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig, GenerationConfig
+
+    from mimo_train.hf_language import read_architecture, to_hf
+    pretrained = cfg.model.language.pretrained
+    if not pretrained:
+        raise ExportError(f"{directory}: the language model was initialized at random "
+                          "(no model.language.pretrained): its megatron-core layers (LayerNorm, "
+                          "GELU, biases) have no transformers Llama equivalent; export a run "
+                          "that starts from a transformers checkpoint")
+    arch = read_architecture(pretrained)
+    rows = max(arch.vocab_size, len(tokenizer))
+    embedding = state.get("embedding.word_embeddings.weight")
+    if embedding is None or embedding.size(0) < rows:
+        raise ExportError(f"{directory}: the language embedding has "
+                          f"{None if embedding is None else embedding.size(0)} rows, fewer than "
+                          f"the {rows} tokens to export", exit_code=1)
+    try:
+        hf = to_hf([state], arch, vocab_rows=rows)
+    except KeyError as error:
+        raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
+    config = AutoConfig.from_pretrained(pretrained)
+    config.vocab_size = rows
+    config.dtype = str(embedding.dtype).removeprefix("torch.")
+    os.makedirs(out)
+    save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    try:
+        generation = GenerationConfig.from_pretrained(pretrained)
+    except OSError:                                      # no generation_config.json
+        generation = GenerationConfig.from_model_config(config)
+    eos = generation.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        generation.eos_token_id = [*eos, tokenizer.eos_token_id]   # ends the chat turn
+    generation.save_pretrained(out)
+
+
+def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) -> dict:
+    """Each encoder module's transformers model and projection; the manifest's modules."""
+    from safetensors.torch import save_file
+
+    from mimo_data.loading.layout import Layout
+    from mimo_train.config import EncoderConfig
+    from mimo_train.encoders import build_encoder, default_kind
+    modules, projections = {}, {}
+    layout = Layout.parse(cfg.layout)
+    for module in layout.encoders:
+        name = module.name
+        modality = layout.modalities_of(name)[0]
+        modality_config = preprocess.modalities[modality]
+        spec = cfg.model.encoders.get(name) or EncoderConfig()
+        kind = spec.kind or default_kind(modality, modality_config)
+        encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
+                                spec.num_attention_heads, spec.pretrained)
+        state, prefix = weights[name], f"encoders.{modality}.encoder."
+        try:
+            encoder.load_state_dict({k[len(prefix):]: v for k, v in state.items()
+                                     if k.startswith(prefix)})
+        except RuntimeError as error:
+            raise ExportError(f"{directory}: the {name} encoder weights do not fit a {kind} "
+                              f"encoder built from the run's config ({error})",
+                              exit_code=1) from None
+        encoder.model.save_pretrained(os.path.join(out, name))
+        projection = "input_projections.0."
+        projections.update({f"{name}.{k[len(projection):]}": v.contiguous()
+                            for k, v in state.items() if k.startswith(projection)})
+        modules[name] = {"modality": modality, "kind": kind, "path": name,
+                         "output_size": encoder.output_size}
+    save_file(projections, os.path.join(out, PROJECTIONS))
+    return modules
+
+
+def _write_preprocess(path: str, preprocess) -> None:
+    """The preprocessing config with the exported tokenizer (which holds the chat template)."""
+    import yaml
+    data = json.loads(json.dumps(preprocess.to_dict()))        # tuples -> lists
+    data.update(tokenizer=f"./{LANGUAGE_DIR}", chat_template=None)
+    with open(path, "w") as f:
+        f.write("# Written by mimo-export: the run's preprocessing config, its tokenizer the "
+                "exported one.\n")
+        yaml.safe_dump(data, f, sort_keys=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""``mimo-generate --model OUT [--image PATH ...] [--audio PATH ...] --prompt TEXT``: answer a
+prompt with a model written by ``mimo-export``.
+
+The prompt goes through training's preprocessing (``OUT/preprocess.yaml`` through
+``Preprocessor.prompt``): one user turn holding the prompt, each ``<image>`` / ``<audio>``
+marker in it taking the next file of its modality (files without a marker in the prompt get one
+in front of it, images first), rendered with the chat template's generation prompt, each marker
+expanded to as many modality tokens as its item's encoder emits, the media decoded into the
+encoder inputs training uses. Each encoder (``OUT/<module>``) and its projection turn those
+into embeddings, which replace the language model's input embeddings at the modality tokens,
+item by item (as megatron-core's ``MimoModel`` splices them), and transformers'
+``generate(inputs_embeds=...)`` of ``OUT/language`` continues: greedy unless ``--temperature``
+is given (then sampling with ``--top-p`` from ``--seed``).
+
+Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
+2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
+model has no encoder for). Nothing heavy is imported before the arguments are parsed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mimo_train.export import MANIFEST
+
+PREFIX = "mimo-generate: "
+_MARKER = re.compile(r"<(image|audio)>")
+
+
+class GenerateError(RuntimeError):
+    """A generation that cannot run; ``exit_code`` 1 (a media check) or 2 (usage)."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Generation:
+    """What one ``Generator.generate`` call produced."""
+    text: str                         # the new tokens, decoded without special tokens
+    token_ids: list[int]              # the new tokens
+    prompt_ids: list[int]             # the prompt's tokens, modality tokens expanded
+    spliced: dict[str, int]           # modality -> encoder rows put in place of its tokens
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mimo-generate", description="Answer a prompt, with images and audio, using a "
+        "model written by mimo-export (training's preprocessing, the encoders and "
+        "projections, then the language model's generate).",
+        epilog="Exit codes: 0 answered, 1 a media file failed a check, 2 usage or config error.")
+    parser.add_argument("--model", required=True, metavar="OUT",
+                        help="directory written by mimo-export (holds manifest.json)")
+    parser.add_argument("--prompt", required=True, metavar="TEXT",
+                        help="the user's message; <image>/<audio> markers place the files, "
+                        "files without a marker go in front of it")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="an image file (repeatable, in marker order)")
+    parser.add_argument("--audio", action="append", default=[], metavar="PATH",
+                        help="an audio file (repeatable, in marker order)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                        help="most tokens to generate (default 64)")
+    parser.add_argument("--temperature", type=float, metavar="T",
+                        help="sample at this temperature (default: greedy decoding)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                        help="nucleus sampling mass, with --temperature (default 1.0)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S",
+                        help="random seed of the sampling, with --temperature (default 0)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to run: auto (cuda when available), cpu or cuda")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error(f"--max-new-tokens is {args.max_new_tokens}: it must be >= 1")
+    if args.temperature is not None and args.temperature <= 0:
+        parser.error(f"--temperature is {args.temperature}: it must be > 0 (leave it out for "
+                     "greedy decoding)")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
+    try:
+        generator = Generator(args.model, args.device)
+        result = generator.generate(args.prompt, images=args.image, audios=args.audio,
+                                    max_new_tokens=args.max_new_tokens,
+                                    temperature=args.temperature, top_p=args.top_p,
+                                    seed=args.seed)
+    except GenerateError as error:
+        print(f"{PREFIX}{error}", file=sys.stderr)
+        return error.exit_code
+    print(result.text)
+    return 0
+
+
+class Generator:
+    """An exported model loaded once (language model, encoders, projections, preprocessing)."""
+
+    def __init__(self, model_dir: str, device: str = "auto"):
+        import torch
+
+        from mimo_data.errors import ConfigError
+        from mimo_data.preprocess.config import PreprocessConfig
+        from mimo_data.preprocess.preprocessor import Preprocessor
+        path = os.path.join(model_dir, MANIFEST)
+        try:
+            with open(path) as f:
+                self.manifest = json.load(f)
+            self.preprocessor = Preprocessor(PreprocessConfig.from_yaml(
+                os.path.join(model_dir, self.manifest["preprocess"])))
+        except (OSError, ValueError, KeyError, ConfigError) as error:
+            raise GenerateError(f"--model {model_dir}: {error}; give a directory written by "
+                                "mimo-export") from None
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        elif device == "cuda" and not torch.cuda.is_available():
+            raise GenerateError("--device cuda: no CUDA device is visible; use --device cpu")
+        self.device = torch.device(device)
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as transformers_logging
+        transformers_logging.disable_progress_bar()
+        self.language = AutoModelForCausalLM.from_pretrained(
+            os.path.join(model_dir, self.manifest["language"]),
+            dtype=torch.float32).to(self.device).eval()
+        self.tokenizer = self.preprocessor.text.tokenizer
+        self.encoders = self._encoders(model_dir)
+
+    def _encoders(self, model_dir: str) -> dict:
+        """modality -> (encoder, projection), on the device."""
+        from safetensors.torch import load_file
+
+        from mimo_train.encoders import build_encoder
+        projections = load_file(os.path.join(model_dir, self.manifest["projections"]))
+        encoders = {}
+        for name, module in self.manifest["modules"].items():
+            modality = module["modality"]
+            encoder = build_encoder(module["kind"], self.preprocessor.config.modalities[modality],
+                                    0, 0, 0, os.path.join(model_dir, module["path"]))
+            state = {k[len(name) + 1:]: v for k, v in projections.items()
+                     if k.startswith(name + ".")}
+            projection = projection_module(self.manifest["projection"], state)
+            encoders[modality] = (encoder.to(self.device).eval(),
+                                  projection.to(self.device).eval())
+        return encoders
+
+    def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),
+                 max_new_tokens: int = 64, temperature: float | None = None,
+                 top_p: float = 1.0, seed: int = 0) -> Generation:
+        """Answer ``prompt`` about the ``images`` and ``audios`` (file paths)."""
+        import torch
+        files = {"image": list(images), "audio": list(audios)}
+        for modality, paths in files.items():
+            if paths and modality not in self.encoders:
+                raise GenerateError(f"--{modality} given, but the model has no {modality} "
+                                    f"encoder (it has {sorted(self.encoders) or 'none'})")
+        content, order = _place_markers(prompt, files)
+        built = self._prompt(content, order, files)
+        ids = built.input_ids.to(self.device)
+        with torch.no_grad():
+            embeds = self.language.get_input_embeddings()(ids)
+            spliced = {}
+            for modality, inputs in built.encoder_inputs.items():
+                encoder, projection = self.encoders[modality]
+                rows = projection(encoder(**{k: v.to(self.device) for k, v in inputs.items()}))
+                at = ids == self.manifest["modality_tokens"][modality]["id"]
+                if int(at.sum()) != len(rows):
+                    raise RuntimeError(f"the {modality} encoder emitted {len(rows)} rows for "
+                                       f"{int(at.sum())} placeholders; this is a bug in mimo")
+                embeds[at] = rows.to(embeds.dtype)
+                spliced[modality] = len(rows)
+            sampling: dict[str, Any] = dict(do_sample=False)
+            if temperature is not None:
+                torch.manual_seed(seed)
+                sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
+            out = self.language.generate(
+                inputs_embeds=embeds[None], attention_mask=torch.ones_like(ids)[None],
+                max_new_tokens=max_new_tokens, pad_token_id=self.preprocessor.text.pad_token_id,
+                **sampling)
+        new = out[0].tolist()
+        return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new,
+                          built.input_ids.tolist(), spliced)
+
+    def _prompt(self, content: str, order: list[str], files: dict):
+        from mimo_data.modalities import MediaError
+        from mimo_data.preprocess.chat_tokens import TextError
+        from mimo_data.preprocess.preprocessor import SampleDropped, media_item
+        media, seen = [], dict.fromkeys(files, 0)
+        for modality in order:
+            path = files[modality][seen[modality]]
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+                media.append((media_item(modality, data, seen[modality]), data))
+            except OSError as error:
+                raise GenerateError(f"--{modality} {path}: {error}") from None
+            except MediaError as error:
+                raise GenerateError(f"--{modality} {path}: {error.detail}") from None
+            seen[modality] += 1
+        try:
+            return self.preprocessor.prompt([{"role": "user", "content": content}], media)
+        except SampleDropped as error:
+            raise GenerateError(f"{error.reason}: {error.detail}", exit_code=1) from None
+        except TextError as error:
+            raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
+
+
+def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
+    """The user turn's text (a marker in front for each file the prompt does not mark, images
+    first) and its markers' modalities in order; GenerateError if the prompt marks more files
+    than were given."""
+    marked = _MARKER.findall(prompt)
+    missing = {m: len(paths) - marked.count(m) for m, paths in files.items()}
+    extra = [m for m, n in missing.items() if n < 0]
+    if extra:
+        raise GenerateError(f"the prompt has more <{extra[0]}> markers ({marked.count(extra[0])}"
+                            f") than --{extra[0]} files ({len(files[extra[0]])})")
+    front = "".join(f"<{m}>\n" * n for m, n in missing.items())
+    return front + prompt, _MARKER.findall(front + prompt)
+
+
+def projection_module(kind: str, state: dict):
+    """The projection ``model.projection`` built (``linear``: Linear; ``mlp``:
+    Linear-GELU-Linear, as mimo_train's model) with the exported ``state`` loaded."""
+    import torch
+    out_features, in_features = state["0.weight"].shape
+    layers = [torch.nn.Linear(in_features, out_features)]
+    if kind == "mlp":
+        layers += [torch.nn.GELU(), torch.nn.Linear(out_features, out_features)]
+    module = torch.nn.Sequential(*layers)
+    module.load_state_dict(state)
+    return module
+
+
+if __name__ == "__main__":
+    sys.exit(main())

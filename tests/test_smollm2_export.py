@@ -1,0 +1,240 @@
+"""SmolLM2 with image and audio encoders, non-colocated (configs/train/smollm2_images_audio.yaml),
+exported with ``mimo-export`` and run with ``mimo-generate``.
+
+One run serves every test here: 2 steps on 3 ranks (image, audio, SmolLM2) with the language
+model frozen, on the sample corpus with small fixed-size images (4 tokens each: a cheap
+encoder), then one export.
+
+- the first loss is far below a random model's (ln of the vocabulary);
+- the export gives back SmolLM2's weights bit for bit (frozen: import then export changes
+  nothing), the modality-token rows kept at the mean of the pretrained rows, the padding rows
+  dropped, the tokenizer extended with the modality tokens; encoders and projections are the
+  checkpoint's;
+- the exported, untrained model answers "Paris" through ``mimo-generate``; with an image, the
+  4 placeholders get 4 encoder rows and greedy decoding is reproducible and differs from the
+  text-only answer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from conftest import REPO, preprocess_config_file
+from test_hf_models import model_dir
+
+CONFIG = REPO / "configs" / "train" / "smollm2_images_audio.yaml"
+SMOLLM2_VOCAB = 49152                 # SmolLM2-135M-Instruct's vocabulary (config.json)
+MODALITY_TOKENS = 2                   # <|image_pad|>, <|audio_pad|> added by the preprocessing
+PADDED_VOCAB = 49280                  # 49154 rounded up to a multiple of 128
+IMAGE_SIZE, PATCH = 28, 14            # (28 / 14)² = 4 tokens per image
+IMAGE_TOKENS = 4
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    checkpoint: Path                  # the step_* directory
+    export: Path
+
+
+@pytest.fixture(scope="module")
+def smollm2(loader_corpus, tmp_path_factory) -> Run:
+    """2 steps of the shipped config (language frozen), then ``mimo-export`` of the result."""
+    tmp = tmp_path_factory.mktemp("smollm2-export")
+    preprocess = preprocess_config_file(
+        tmp / "preprocess.yaml",
+        image={"policy": "fixed", "image_size": IMAGE_SIZE, "patch_size": PATCH},
+        audio=yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
+            "modalities"]["audio"])
+    records = tmp / "records.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "3", "-m", "mimo_train", "--config", str(CONFIG),
+               "--records", str(records), f"data.datasets=[{loader_corpus}]",
+               f"data.preprocess={preprocess}", f"checkpoint.dir={tmp / 'checkpoints'}",
+               "model.freeze=[language]", "train.steps=2", "train.global_batch_size=2",
+               "train.micro_batch_size=2"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
+                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    from mimo_train.export import main
+    out = tmp / "export"
+    assert main(["--checkpoint", str(tmp / "checkpoints"), "--output", str(out)]) == 0
+    losses = [json.loads(line)["loss"] for line in records.read_text().splitlines()
+              if "loss" in json.loads(line)]
+    return Run(losses, tmp / "checkpoints" / "step_0000002", out)
+
+
+# ------------------------------------------------------------------------ A: the config
+
+def test_the_config_is_non_colocated_with_the_language_frozen():
+    config = yaml.safe_load(CONFIG.read_text())
+    assert config["layout"] == "image=dp1;audio=dp1;language=dp1"
+    assert config["model"]["freeze"] == ["language"]
+    assert Path(CONFIG.parent, config["model"]["language"]["pretrained"]).resolve() == \
+        model_dir("smollm2-135m-instruct")
+
+
+def test_first_loss_is_far_below_a_random_models(smollm2):
+    """A random language model's first loss is ln(vocabulary) = ln(49280) ≈ 10.81 (measured
+    10.82, tests/test_hf_language.py); SmolLM2 starts near 5 on these samples (measured 5.0
+    here), so 4 nats below the random model's leaves a nat of margin either way."""
+    print(f"first losses {smollm2.losses}, random {math.log(PADDED_VOCAB):.3f}")
+    assert len(smollm2.losses) == 2
+    assert smollm2.losses[0] < math.log(PADDED_VOCAB) - 4.0
+
+
+# ------------------------------------------------------------------------ B: the export
+
+def test_export_gives_back_the_pretrained_weights_exactly(smollm2):
+    from safetensors.torch import load_file
+
+    original_dir = model_dir("smollm2-135m-instruct")
+    original = load_file(original_dir / "model.safetensors")
+    exported = load_file(smollm2.export / "language" / "model.safetensors")
+    assert set(exported) == set(original)                    # tied: no lm_head either
+    rows = SMOLLM2_VOCAB + MODALITY_TOKENS
+    for key, tensor in original.items():
+        if key == "model.embed_tokens.weight":
+            assert exported[key].shape == (rows, tensor.shape[1])     # padding rows dropped
+            assert torch.equal(exported[key][:SMOLLM2_VOCAB], tensor)
+            mean = tensor.mean(0, keepdim=True).expand(MODALITY_TOKENS, -1)
+            assert torch.allclose(exported[key][SMOLLM2_VOCAB:], mean, atol=1e-7)
+        else:
+            assert torch.equal(exported[key], tensor), key
+    config = json.loads((smollm2.export / "language" / "config.json").read_text())
+    expected = json.loads((original_dir / "config.json").read_text())
+    assert config["vocab_size"] == rows
+    assert {k: v for k, v in config.items() if k not in ("vocab_size", "transformers_version")} \
+        == {k: v for k, v in expected.items() if k not in ("vocab_size", "transformers_version")}
+
+
+def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, SiglipVisionModel
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    from mimo_train.checkpoint import load_weights
+
+    manifest = json.loads((smollm2.export / "manifest.json").read_text())
+    tokenizer = AutoTokenizer.from_pretrained(smollm2.export / "language")
+    assert len(tokenizer) == SMOLLM2_VOCAB + MODALITY_TOKENS
+    tokens = {m: (t["token"], t["id"]) for m, t in manifest["modality_tokens"].items()}
+    assert {t for t, _ in tokens.values()} == {"<|image_pad|>", "<|audio_pad|>"}
+    assert {i for _, i in tokens.values()} == {SMOLLM2_VOCAB, SMOLLM2_VOCAB + 1}
+    assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in tokens.values())
+    assert manifest["step"] == 2
+    assert {n: (m["modality"], m["kind"]) for n, m in manifest["modules"].items()} == \
+        {"image": ("image", "siglip"), "audio": ("audio", "whisper")}
+    preprocess = yaml.safe_load((smollm2.export / manifest["preprocess"]).read_text())
+    assert preprocess["tokenizer"] == "./language"
+    assert preprocess["modalities"]["image"]["image_size"] == IMAGE_SIZE
+
+    weights = load_weights(str(smollm2.checkpoint))
+    for name, cls in (("image", SiglipVisionModel), ("audio", WhisperEncoder)):
+        model = cls.from_pretrained(smollm2.export / name)
+        prefix = f"encoders.{name}.encoder.model."
+        saved = {k[len(prefix):]: v for k, v in weights[name].items() if k.startswith(prefix)}
+        assert set(model.state_dict()) == set(saved), name
+        for key, tensor in model.state_dict().items():
+            assert torch.equal(tensor, saved[key]), (name, key)
+    projections = load_file(smollm2.export / "projections.safetensors")
+    assert set(projections) == {f"{m}.0.{p}" for m in ("image", "audio")
+                                for p in ("weight", "bias")}
+    for key, tensor in projections.items():
+        module, _, rest = key.partition(".")
+        assert torch.equal(tensor, weights[module][f"input_projections.0.{rest}"]), key
+
+
+def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, tmp_path,
+                                                                      capsys):
+    from mimo_train.export import main
+
+    assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                 str(smollm2.export)]) == 2
+    assert "exists" in capsys.readouterr().err
+    assert main(["--checkpoint", str(tmp_path / "nothing"), "--output",
+                 str(tmp_path / "out")]) == 2
+    assert "step_*" in capsys.readouterr().err
+    incomplete = tmp_path / "step_0000001"          # meta.json but no weights
+    incomplete.mkdir()
+    (incomplete / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
+    assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
+    from mimo_train import checkpoint, export
+
+    def fail(out, *args):
+        Path(out, "language").mkdir()
+        raise OSError("No space left on device")
+    monkeypatch.setattr(checkpoint, "load_weights", lambda directory: {})
+    monkeypatch.setattr(export, "_write", fail)
+    with pytest.raises(OSError):
+        export.export(str(smollm2.checkpoint), str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []           # neither OUT nor the staging directory
+
+
+# ------------------------------------------------------------------------ C: generation
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Generation on one thread: decoding step by step on a loaded 2-core machine, torch's
+    worker threads spin (measured: 1.5 s for 8 tokens on one thread, 5 to 12 s on two)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def generator(smollm2, one_thread):
+    from mimo_train.generate import Generator
+    return Generator(str(smollm2.export), "cpu")
+
+
+def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys):
+    from mimo_train.generate import main
+
+    capsys.readouterr()
+    assert main(["--model", str(smollm2.export), "--prompt", "What is the capital of France?",
+                 "--max-new-tokens", "8", "--device", "cpu"]) == 0
+    answer = capsys.readouterr().out
+    print(answer)
+    assert "Paris" in answer
+
+
+def test_an_image_fills_its_placeholders_and_changes_the_answer(generator, assets):
+    image = str(assets["jpeg"])
+    with_image = generator.generate("Describe the image.", images=[image], max_new_tokens=6)
+    image_id = generator.manifest["modality_tokens"]["image"]["id"]
+    assert with_image.prompt_ids.count(image_id) == IMAGE_TOKENS
+    assert with_image.spliced == {"image": IMAGE_TOKENS}
+    again = generator.generate("Describe the image.", images=[image], max_new_tokens=6)
+    assert again.token_ids == with_image.token_ids
+    text_only = generator.generate("Describe the image.", max_new_tokens=6)
+    assert text_only.spliced == {} and image_id not in text_only.prompt_ids
+    print(f"with the image: {with_image.text!r}; without: {text_only.text!r}")
+    assert text_only.token_ids != with_image.token_ids
+
+
+def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
+    from mimo_train.generate import GenerateError, main
+
+    with pytest.raises(GenerateError, match="no-such.jpg") as error:
+        generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])
+    assert error.value.exit_code == 2
+    with pytest.raises(GenerateError, match="more <image> markers"):
+        generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
+    assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2
+    assert "manifest.json" in capsys.readouterr().err
