@@ -228,6 +228,25 @@ def test_an_image_fills_its_placeholders_and_changes_the_answer(generator, asset
     assert text_only.token_ids != with_image.token_ids
 
 
+def test_audio_fills_its_placeholders(generator, assets):
+    audio_id = generator.manifest["modality_tokens"]["audio"]["id"]
+    result = generator.generate("Transcribe the audio.", audios=[str(assets["wav"])],
+                                max_new_tokens=1)
+    placeholders = result.prompt_ids.count(audio_id)
+    assert placeholders > 0 and result.spliced == {"audio": placeholders}
+
+
+def test_sampling_is_reproducible_from_its_seed(generator):
+    """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
+    only from the same seed, and never match the greedy answer by chance."""
+    prompt = "Name a colour."
+    first, again, other = (generator.generate(prompt, max_new_tokens=6, temperature=5.0,
+                                              seed=seed).token_ids for seed in (1, 1, 2))
+    greedy = generator.generate(prompt, max_new_tokens=6).token_ids
+    assert first == again
+    assert first != other and first != greedy
+
+
 def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
     from mimo_train.generate import GenerateError, main
 
