@@ -246,6 +246,15 @@ def test_siglip_pretrained_loads_the_saved_weights(tmp_path, corpus_images):
     assert torch.equal(ours, reference.reshape(48, 24))
 
 
+def test_whisper_pretrained_loads_an_encoder_saved_alone(tmp_path):
+    """mimo-export saves the Whisper encoder without its decoder; it loads back as is."""
+    original = tiny_whisper().encoder
+    encoder = WhisperAudio(AUDIO, hidden_size=64, num_layers=3, num_attention_heads=4,
+                           pretrained=saved(original, tmp_path / "encoder"))
+    assert_same_weights(encoder.model, original)
+    assert encoder.output_size == 24
+
+
 def test_whisper_pretrained_loads_the_saved_encoder(tmp_path, corpus_clips):
     original = tiny_whisper()           # 1000-frame window, longer than AUDIO's 800 frames
     encoder = WhisperAudio(AUDIO, hidden_size=64, num_layers=3, num_attention_heads=4,
