@@ -172,6 +172,25 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert not (tmp_path / "out").exists()
 
 
+def test_a_randomly_initialized_language_model_is_not_exported(smollm2, tmp_path,
+                                                               monkeypatch, capsys):
+    """megatron-core's own layers (LayerNorm, GELU, biases) have no Llama equivalent."""
+    from mimo_train import checkpoint
+    from mimo_train.export import main
+
+    meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
+    meta["config"]["model"]["language"] = {"num_layers": 2, "hidden_size": 64,
+                                           "num_attention_heads": 4}
+    directory = tmp_path / "step_0000002"
+    directory.mkdir()
+    (directory / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(checkpoint, "load_weights",
+                        lambda d: {"language": {}, "image": {}, "audio": {}})
+    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
+    assert "model.language.pretrained" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002"]
+
+
 def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
     from mimo_train import checkpoint, export
 
