@@ -125,11 +125,18 @@ def export(checkpoint: str, output: str) -> str:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)                    # mkdtemp's is private (0700)
+    from mimo_data.errors import ConfigError
+    from mimo_train.config import TrainConfigError
+    from mimo_train.encoders import EncoderBuildError
     try:
         _write(staging, cfg, preprocess, weights, meta["step"], directory)
         os.rename(staging, output)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(error, (ConfigError, TrainConfigError, EncoderBuildError)):
+            raise ExportError(f"{directory}/meta.json: the run's model cannot be rebuilt "
+                              f"({error}); make the paths its config names exist again"
+                              ) from None
         raise
     return output
 
