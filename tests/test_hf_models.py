@@ -45,3 +45,23 @@ def test_tiny_checkpoints_have_their_family_features(name, expected):
     config = json.loads((model_dir(name) / "config.json").read_text())
     config["rope_type"] = config["rope_parameters"]["rope_type"]
     assert {key: config[key] for key in expected} == expected
+
+
+@pytest.mark.parametrize("name, expected, processor", [
+    ("tiny-qwen2-vl-vision", {"model_type": "qwen2_vl_vision", "patch_size": 14,
+                              "spatial_merge_size": 2, "temporal_patch_size": 2},
+     {"image_processor_type": "Qwen2VLImageProcessor", "merge_size": 2}),
+    ("tiny-siglip-vision", {"model_type": "siglip_vision_model", "image_size": 224,
+                            "patch_size": 14},
+     {"image_processor_type": "SiglipImageProcessor", "image_mean": [0.5, 0.5, 0.5]}),
+    ("tiny-whisper", {"model_type": "whisper", "num_mel_bins": 80, "max_source_positions": 1500},
+     {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 80,
+      "sampling_rate": 16000, "hop_length": 160, "n_fft": 400}),
+])
+def test_tiny_encoders_have_their_family_features_and_processor(name, expected, processor):
+    """The geometry configs/preprocess.yaml gives (SigLIP: the fixed policy's 224 px), and the
+    family's processor config beside the model."""
+    config = json.loads((model_dir(name) / "config.json").read_text())
+    saved = json.loads((model_dir(name) / "preprocessor_config.json").read_text())
+    assert {key: config[key] for key in expected} == expected
+    assert {key: saved[key] for key in processor} == processor

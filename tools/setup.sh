@@ -17,9 +17,10 @@ TOKENIZER_VERSION=0.1.2
 TOKENIZER_DIR=assets/tokenizer/smollm2
 CORPUS_DIR=assets/corpus
 CORPUS_SCRIPT=tools/make_sample_corpus.py
-MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF) and tiny Llama/Qwen2/Qwen3
+MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF), tiny Llama/Qwen2/Qwen3, encoders
 MODELS_SCRIPT=tools/make_models.py
-MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3)
+MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vision
+        tiny-siglip-vision tiny-whisper)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
@@ -101,13 +102,14 @@ if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ]]; then
     say "sample corpus built in $CORPUS_DIR"
 fi
 
-# f. language models: the real SmolLM2-135M-Instruct dequantized from its GGUF, and tiny
-#    seeded Llama / Qwen2 / Qwen3 checkpoints (a directory is complete once it has .complete)
+# f. models: the real SmolLM2-135M-Instruct dequantized from its GGUF, tiny
+#    seeded Llama / Qwen2 / Qwen3 checkpoints and Qwen2-VL vision / SigLIP / Whisper encoders
+#    (a directory is complete once it has .complete)
 for model in "${MODELS[@]}"; do
     if [[ ! -f "$MODELS_DIR/$model/.complete" ]]; then
         "$PY" "$MODELS_SCRIPT" --out "$MODELS_DIR" --tokenizer "$TOKENIZER_DIR" \
-            || die "building the language models in $MODELS_DIR failed"
-        say "language models built in $MODELS_DIR"
+            || die "building the models in $MODELS_DIR failed"
+        say "models built in $MODELS_DIR"
         break
     fi
 done
