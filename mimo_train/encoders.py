@@ -12,18 +12,24 @@ it computed: one row per placeholder token, item by item (docs/architecture.md, 
 Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
 Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
 ``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
-saved alone).
+saved alone). A transformers processor saved beside the model (``preprocessor_config.json``)
+must agree with the preprocessing config (normalization, mel and STFT settings).
+tests/test_encoder_parity.py checks each kind against its transformers processor and model.
 """
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from mimo_data.modalities.image import normalize_pixels
-from mimo_data.modalities.audio import AudioConfig
+from mimo_data.modalities.audio import WHISPER_N_FFT, AudioConfig
 from mimo_data.modalities.image import ImageConfig
 
 
@@ -33,6 +39,32 @@ class EncoderBuildError(ValueError):
 
 def _param_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, Any]]) -> None:
+    """Refuse a local ``pretrained`` directory whose ``preprocessor_config.json`` (the
+    transformers processor saved beside the model) disagrees with mimo's preprocessing:
+    ``expected`` maps its field to (our config key, our value). Without that file, nothing to
+    check."""
+    path = Path(pretrained or "") / "preprocessor_config.json"
+    if not pretrained or not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    wrong = [f"{field} {saved[field]} (ours: {key} {value})"
+             for field, (key, value) in expected.items() if field in saved and not (
+                 np.shape(saved[field]) == np.shape(value)
+                 and np.allclose(saved[field], value, rtol=0, atol=1e-6))]
+    if wrong:
+        raise EncoderBuildError(f"{path} preprocesses differently: {'; '.join(wrong)}: the "
+                                "encoder would see other inputs than it was trained on; align "
+                                "the preprocessing config")
+
+
+def _normalization(image: ImageConfig) -> dict[str, tuple[str, Any]]:
+    """The image processor's normalization fields and ours (``normalize_pixels``)."""
+    return {"image_mean": ("modalities.image.mean", list(image.mean)),
+            "image_std": ("modalities.image.std", list(image.std)),
+            "rescale_factor": ("the uint8 scale", 1 / 255)}
 
 
 class Qwen2VLVision(torch.nn.Module):
@@ -62,6 +94,7 @@ class Qwen2VLVision(torch.nn.Module):
                                     "preprocessing config "
                                     f"{ {k: b for k, (_, b) in wrong.items()} }"
                                     ": the token counts would not match; align modalities.image")
+        check_preprocessor(pretrained, _normalization(image))
         self.image = image
         self.output_size = config.hidden_size
 
@@ -92,6 +125,7 @@ class SiglipVision(torch.nn.Module):
                 f"vision encoder {pretrained or ''} takes {config.image_size}px images in "
                 f"{config.patch_size}px patches; the preprocessing config gives "
                 f"{image.image_size}px / {image.patch_size}px: align modalities.image")
+        check_preprocessor(pretrained, _normalization(image))
         self.image = image
         self.output_size = config.hidden_size
 
@@ -101,12 +135,19 @@ class SiglipVision(torch.nn.Module):
         return hidden.reshape(-1, hidden.size(-1))
 
 
+# WhisperFeatureExtractor clamps log10 power to 8 below its maximum, then maps x -> (x + 4) / 4:
+# silence (zero samples) becomes the maximum feature minus 8 / 4.
+_LOG_MEL_FLOOR = 2.0
+
+
 class WhisperAudio(torch.nn.Module):
     """Whisper encoder on per-clip log-mels → ``[Σ tokens, hidden]``, clip by clip.
 
     Whisper's encoder takes exactly ``2 * max_source_positions`` frames, so each clip is padded
-    to ``max_duration`` with its own floor value (what the log-mel of the silence Whisper pads
-    with becomes after its clamp) and the outputs past the clip's frames are dropped.
+    to that window with the value Whisper's own padding (zero samples) takes in the clip's
+    log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
+    minimum when the clip does not reach that floor). The outputs past the clip's frames are
+    dropped.
     """
 
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
@@ -136,6 +177,11 @@ class WhisperAudio(torch.nn.Module):
                 f"{2 * config.max_source_positions} frames; the preprocessing config gives "
                 f"{audio.n_mels} bins and up to {frames} frames (max_duration "
                 f"{audio.max_duration}s): align modalities.audio")
+        check_preprocessor(pretrained, {
+            "feature_size": ("modalities.audio.n_mels", audio.n_mels),
+            "sampling_rate": ("modalities.audio.sample_rate", audio.sample_rate),
+            "hop_length": ("modalities.audio.hop_length", audio.hop_length),
+            "n_fft": ("the log-mel window", WHISPER_N_FFT)})
         self.audio = audio
         self.window = 2 * config.max_source_positions
         self.output_size = config.d_model
@@ -146,7 +192,7 @@ class WhisperAudio(torch.nn.Module):
         padded = input_features.new_empty(len(clips), self.audio.n_mels, self.window)
         for out, clip in zip(padded, clips):
             out[:, :len(clip)] = clip.T
-            out[:, len(clip):] = clip.min()
+            out[:, len(clip):] = clip.max() - _LOG_MEL_FLOOR
         hidden = self.model(padded.to(_param_dtype(self))).last_hidden_state
         rows = []
         for states, frames in zip(hidden, lengths):

@@ -133,10 +133,10 @@ def audio_tokens(frames: int, sample_rate: int, cfg: AudioConfig) -> int:
 
 
 # The extractor's centered STFT reflect-pads by n_fft // 2 and needs more samples than that.
-_WHISPER_N_FFT = 400
+WHISPER_N_FFT = 400
 
 
-MIN_AUDIO_SAMPLES = _WHISPER_N_FFT // 2 + 1
+MIN_AUDIO_SAMPLES = WHISPER_N_FFT // 2 + 1
 
 
 def decode_audio(data: bytes, cfg: AudioConfig) -> np.ndarray:
@@ -165,8 +165,8 @@ def _log_mel_constants(n_mels: int, sample_rate: int, hop_length: int):
     """The extractor's STFT window and mel filter bank ``[n_fft // 2 + 1, n_mels]``, as float32
     tensors, built once per config."""
     extractor = WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sample_rate,
-                                        hop_length=hop_length, n_fft=_WHISPER_N_FFT)
-    return (torch.hann_window(_WHISPER_N_FFT),
+                                        hop_length=hop_length, n_fft=WHISPER_N_FFT)
+    return (torch.hann_window(WHISPER_N_FFT),
             torch.from_numpy(extractor.mel_filters).to(torch.float32))
 
 
@@ -186,12 +186,12 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
     # Python set-up) costs several times these three copies, and it transforms a last frame
     # that the extractor drops. Frames come out frame-major, so the product is time-major.
     waveform = np.asarray(waveform, np.float32)
-    half = _WHISPER_N_FFT // 2
+    half = WHISPER_N_FFT // 2
     padded = np.empty(len(waveform) + 2 * half, np.float32)
     padded[half:-half] = waveform
     padded[:half] = waveform[half:0:-1]
     padded[-half:] = waveform[-2:-half - 2:-1]
-    frames = torch.from_numpy(padded).unfold(0, _WHISPER_N_FFT, cfg.hop_length)[:-1] * window
+    frames = torch.from_numpy(padded).unfold(0, WHISPER_N_FFT, cfg.hop_length)[:-1] * window
     spectrum = torch.fft.rfft(frames).numpy()
     power = np.square(spectrum.real)
     power += np.square(spectrum.imag)
