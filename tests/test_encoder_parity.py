@@ -157,7 +157,7 @@ def test_whisper_log_mels_equal_the_feature_extractor(speech, whisper):
         clip = extractor(samples, sampling_rate=16000, padding="longest",
                          return_tensors="pt").input_features[0]
         torch.testing.assert_close(ours.T, clip, rtol=0, atol=ATOL,
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_whisper_equals_transformers_on_corpus_speech(speech, whisper):
