@@ -1,22 +1,27 @@
-"""Checkpoints: model, optimizer, LR schedulers, loader position and RNG, per rank.
+"""Checkpoints on megatron-core's distributed checkpointing: they load under another layout.
 
 Layout on disk::
 
-    DIR/step_0000040/rank_00000.pt ...   one file per rank, written by that rank
-    DIR/step_0000040/meta.json           step, layout, world size, config (rank 0, last)
-    DIR/latest                           "step_0000040", replaced atomically once every rank
-                                         has written its file
+    DIR/step_0000040/              a megatron-core distributed checkpoint (torch_dist format:
+                                   metadata.json, common.pt, .metadata, __<rank>_<n>.distcp)
+    DIR/step_0000040/meta.json     step, layout, world size, global batch size, config (rank 0)
+    DIR/step_0000040/integrity.json  SHA-256 of every file above (megatron-core's manifest),
+                                   written last by rank 0
+    DIR/latest                     "step_0000040", replaced atomically after the manifest
 
-A rank file holds ``model`` (this rank's modules, weights with *global* layer numbers, see
-``model.module_state``), ``optimizer`` (``MimoOptimizer.state_dict()``), ``schedulers``,
-``loader`` (``RankLoader.state_dict()``, None on ranks without data), ``step`` and the RNG state.
-``save`` and ``load`` take those parts as objects with ``state_dict()`` / ``load_state_dict()``
-(``Parts`` groups several into one, ``TorchRNG`` is the generator's).
-Resuming needs the same layout (optimizer state is per rank); ``model.init_from`` loads only the
-weights of any checkpoint into any layout, since the ``model`` entries of all rank files together
-hold every module whole. Plain ``torch.save`` per rank rather than megatron-core's distributed
-checkpointing: the MIMO modules here are not tensor-parallel sharded (encoders run whole, TP is
-left to the language model's own groups) and this keeps a checkpoint readable with torch alone.
+What a checkpoint holds (``TrainingState``): every module's weights as *global* tensors
+(``MimoModel.sharded_state_dict``: a TP rank's slice and a pipeline stage's layers are parts of
+them), the trained modules' optimizer state sharded like their parameters,
+each trained module's LR scheduler and the loader position (one object each: the same on every
+rank that has it), the step, and each rank's RNG state. So a checkpoint resumes under any
+language TP/PP/DP and encoder DP with the same global batch size, continuing the sample stream
+(the loader position counts samples, not ranks); the RNG states are restored only under the
+same layout (nothing in training draws from them but dropout, 0 in mimo_train).
+
+A checkpoint is used only after its files match the manifest (``check`` then ``load``, two
+start-up phases so that no rank waits in a collective another rank has left): a damaged or
+partial one is refused on every rank with one message naming the file and the newest complete
+checkpoint to use instead.
 """
 
 from __future__ import annotations
@@ -24,15 +29,39 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mimo_train.mcore import (CheckpointingException, LocalNonpersistentObject, ShardedBase,
+                              ShardedObject, ShardedTensor, StrictHandling, dist_checkpointing,
+                              extract_matching_values, load_plain_tensors, merge, nested_values,
+                              save_integrity_manifest, verify_integrity_manifest)
+
 LATEST = "latest"
+META = "meta.json"
+MANIFEST = "integrity.json"          # megatron-core's name (dist_checkpointing.validation)
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be resumed here; the message says why and what to do."""
+    """A checkpoint that cannot be used here; the message says why and what to do.
+    ``exit_code``: 1 for a damaged or partial checkpoint (its data failed a check), else 2."""
+
+    def __init__(self, message: str, damaged: bool = False):
+        super().__init__(message)
+        self.exit_code = 1 if damaged else 2
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint holds for this rank."""
+    model: Any                       # MimoModel with this rank's (DDP-wrapped) modules
+    optimizers: dict                 # trained module name -> its megatron-core optimizer
+    schedulers: dict                 # trained module name -> OptimizerParamScheduler
+    loader: Any                      # RankLoader, None on ranks without data
 
 
 def step_dir(root: str, step: int) -> str:
@@ -40,7 +69,7 @@ def step_dir(root: str, step: int) -> str:
 
 
 def latest(root: str | None) -> str | None:
-    """The newest complete checkpoint directory under ``root``, or None."""
+    """The checkpoint directory ``root/latest`` names, or None."""
     if not root:
         return None
     try:
@@ -51,80 +80,217 @@ def latest(root: str | None) -> str | None:
     return os.path.join(root, name)
 
 
-class Parts(dict):
-    """Named parts with ``state_dict()`` / ``load_state_dict()`` that are one part together
-    (e.g. the per-module LR schedulers)."""
+# ------------------------------------------------------------------------------------- save
 
-    def state_dict(self) -> dict:
-        return {name: part.state_dict() for name, part in self.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        for name, part in self.items():
-            part.load_state_dict(state[name])
-
-
-class TorchRNG:
-    """torch's CPU generator as a checkpoint part."""
-
-    def state_dict(self) -> torch.Tensor:
-        return torch.get_rng_state()
-
-    def load_state_dict(self, state: torch.Tensor) -> None:
-        torch.set_rng_state(state)
-
-
-def save(root: str, step: int, parts: dict, meta: dict) -> str:
-    """Write this rank's file: ``step`` and each part's ``state_dict()`` (None for a part that
-    is None on this rank, e.g. the loader of a rank without data); rank 0 writes ``meta.json``
-    and moves ``latest`` once all ranks are done (collective: every rank calls it)."""
-    rank_state = {"step": step, **{name: part.state_dict() if part is not None else None
-                                   for name, part in parts.items()}}
+def save(root: str, step: int, state: TrainingState, meta: dict) -> str:
+    """Write ``state`` at ``step`` under ``root`` (collective: every rank calls it); rank 0
+    writes ``meta.json`` and the manifest, then moves ``latest``."""
     directory = step_dir(root, step)
-    os.makedirs(directory, exist_ok=True)
-    rank = dist.get_rank()
-    path = os.path.join(directory, f"rank_{rank:05d}.pt")
-    torch.save(rank_state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    if dist.get_rank() == 0:          # what an interrupted save at this step left
+        shutil.rmtree(directory, ignore_errors=True)
+        os.makedirs(directory)
     dist.barrier()
-    if rank == 0:
-        _write_atomic(os.path.join(directory, "meta.json"), json.dumps(meta, indent=1))
+    dist_checkpointing.save(_sharded(state, step, is_loading=False, rng=True), directory)
+    if dist.get_rank() == 0:
+        _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
+        save_integrity_manifest(directory)
         _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
     dist.barrier()
     return directory
 
 
-def load(directory: str, parts: dict, meta_expected: dict) -> int:
-    """Load this rank's file from ``directory`` into ``parts`` (in their order), after checking
-    it was saved for this layout; returns the checkpoint's step."""
-    with open(os.path.join(directory, "meta.json")) as f:
-        meta = json.load(f)
-    for key in ("layout", "world_size", "global_batch_size"):
-        if meta.get(key) != meta_expected[key]:
+def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> dict:
+    """The sharded state dict of ``state`` (collective: the single objects' writers are agreed
+    on). ``rng``: include this rank's RNG state (keyed by rank: only under the same layout).
+
+    The optimizers are the trained modules' (``MimoOptimizer.sharded_state_dict`` would also
+    ask a frozen module's, which has no state). megatron-core saves what is not sharded
+    (``common_state``) from rank 0 alone, so each optimizer's unsharded part (its step, param
+    groups), which in a non-colocated layout only the module's ranks have, becomes a single
+    object of its own (``load`` merges it back)."""
+    model = state.model.sharded_state_dict()
+    singles: dict = {f"scheduler.{name}": scheduler.state_dict()
+                     for name, scheduler in state.schedulers.items()}
+    optimizer = {}
+    for name, module_optimizer in state.optimizers.items():
+        common, optimizer[name] = extract_matching_values(
+            module_optimizer.sharded_state_dict(model, is_loading=is_loading), _unsharded)
+        if common:
+            singles[f"optimizer.{name}"] = common
+    if state.loader is not None:
+        singles["loader"] = state.loader.state_dict()
+    writers = _first_holders(sorted(singles))
+    sharded: dict = {
+        "step": step, "model": model, "optimizer": optimizer,
+        "singles": {key: ShardedObject(key, value, (1,), (0,),
+                                       replica_id=0 if writers[key] else 1)
+                    for key, value in singles.items()}}
+    if rng:
+        sharded["rng"] = ShardedObject("rng", torch.get_rng_state(), (dist.get_world_size(),),
+                                       (dist.get_rank(),), replica_id=0)
+    return sharded
+
+
+def _unsharded(value) -> bool:
+    return not isinstance(value, (ShardedBase, LocalNonpersistentObject))
+
+
+def _first_holders(keys: list[str]) -> dict[str, bool]:
+    """key -> whether this rank is the lowest rank holding it (it writes the object once)."""
+    held: list = [None] * dist.get_world_size()
+    dist.all_gather_object(held, keys)
+    return {key: next(r for r, ks in enumerate(held) if key in ks) == dist.get_rank()
+            for key in keys}
+
+
+# ------------------------------------------------------------------------------------- load
+
+def read_meta(directory: str) -> dict:
+    """``meta.json`` of a complete checkpoint (its manifest readable too): no collective, so
+    every rank can call it in a start-up phase; CheckpointError otherwise."""
+    if glob.glob(os.path.join(directory, "rank_*.pt")):
+        raise CheckpointError(
+            f"{directory} is a checkpoint of an earlier mimo_train (one rank_*.pt file per "
+            "rank), which this version does not read: train from model.language.pretrained or "
+            "from scratch")
+    for name in (META, MANIFEST):
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as f:
+                content = json.load(f)
+            if not isinstance(content, dict) or (name == MANIFEST and
+                                                 not isinstance(content.get("files"), dict)):
+                raise ValueError("not the expected JSON object")
+        except FileNotFoundError:
+            raise _damaged(directory, f"{path} is missing (the save did not finish)") from None
+        except (OSError, ValueError) as error:
+            raise _damaged(directory, f"{path} is unreadable ({error})") from None
+        if name == META:
+            meta = content
+    return meta
+
+
+def check(directory: str, model, global_batch_size: int | None) -> dict:
+    """Checks that read no tensor and need no collective (every rank, a start-up phase): the
+    checkpoint is complete, holds every weight of this rank's modules with the same global
+    shape and, to resume (``global_batch_size`` given), was saved with that global batch size;
+    returns its meta."""
+    meta = read_meta(directory)
+    if global_batch_size is not None and meta.get("global_batch_size") != global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved with train.global_batch_size "
+            f"{meta.get('global_batch_size')}, this run has {global_batch_size}: resuming the "
+            "sample stream needs the same global batch size; to start a new run from its "
+            f"weights use model.init_from={directory} and a new checkpoint.dir")
+    try:
+        saved = dist_checkpointing.load_tensors_metadata(directory)
+    except Exception as error:        # whatever unpickling a damaged index raises
+        raise _damaged(directory, f"its tensor index is unreadable "
+                                  f"({type(error).__name__}: {error})") from None
+    wanted = {t.key: t.global_shape for t in nested_values(model.sharded_state_dict())
+              if isinstance(t, ShardedTensor)}
+    missing = sorted(set(wanted) - set(saved))
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, "
+            f"e.g. {missing[:3]}: it was saved for another model (its modules: "
+            f"{sorted({k.split('.module.')[0] for k in saved if '.module.' in k})})")
+    for key, shape in wanted.items():
+        if tuple(saved[key].global_shape) != tuple(shape):
             raise CheckpointError(
-                f"checkpoint {directory} was saved with {key} {meta.get(key)!r}, this run has "
-                f"{meta_expected[key]!r}: resuming (optimizer and loader state) needs the same "
-                f"{key}; to start a new run from its weights under another layout use "
-                f"model.init_from={directory} and a new checkpoint.dir")
-    path = os.path.join(directory, f"rank_{dist.get_rank():05d}.pt")
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    for name, part in parts.items():
-        if part is not None:
-            part.load_state_dict(state[name])
-    return state["step"]
+                f"checkpoint {directory} has {key} of shape {tuple(saved[key].global_shape)}, "
+                f"this model {tuple(shape)}: it was saved for another model configuration")
+    return meta
+
+
+def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) -> int:
+    """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step."""
+    same_layout = all(meta.get(key) == meta_expected[key] for key in ("layout", "world_size"))
+    loaded = _load(_sharded(state, 0, is_loading=True, rng=same_layout), directory,
+                   "resume")
+    singles = loaded["singles"]
+    state.model.load_state_dict(loaded["model"])
+    for name, module_optimizer in state.optimizers.items():
+        optimizer = loaded["optimizer"][name]
+        if f"optimizer.{name}" in singles:
+            merge(optimizer, singles[f"optimizer.{name}"])
+        module_optimizer.load_state_dict(optimizer)
+    for name, scheduler in state.schedulers.items():
+        scheduler.load_state_dict(singles[f"scheduler.{name}"])
+    if state.loader is not None:
+        state.loader.load_state_dict(singles["loader"])
+    if same_layout:
+        torch.set_rng_state(loaded["rng"])
+    return loaded["step"]
+
+
+def load_model(directory: str, model) -> None:
+    """``model.init_from``: the weights of this rank's modules from any checkpoint, whatever
+    layout saved it (collective; ``read_meta`` first)."""
+    model.load_state_dict(_load({"model": model.sharded_state_dict()}, directory,
+                                "model.init_from")["model"])
+
+
+def _load(sharded: dict, directory: str, purpose: str) -> dict:
+    """Verify the files against the manifest (rank 0 hashes them, every rank gets the verdict)
+    and load ``sharded``; a tensor this rank asks for that the checkpoint lacks is an error
+    raised after the collective load, so no rank is left waiting."""
+    try:
+        verify_integrity_manifest(directory)
+    except CheckpointingException as error:
+        raise _damaged(directory, str(error).strip()) from None
+    loaded, _missing, unexpected = dist_checkpointing.load(
+        sharded, directory, strict=StrictHandling.RETURN_ALL)
+    if unexpected:
+        keys = sorted(unexpected)
+        raise CheckpointError(
+            f"{purpose}: checkpoint {directory} lacks {len(keys)} tensor(s) this model needs, "
+            f"e.g. {keys[:3]}: it was saved for another model (modules, frozen modules or "
+            "sizes differ)")
+    return loaded
 
 
 def load_weights(directory: str) -> dict:
-    """module name -> whole-module weights, merged from every rank file of a checkpoint."""
-    files = sorted(glob.glob(os.path.join(directory, "rank_*.pt")))
-    if not files:
-        raise CheckpointError(f"model.init_from {directory} holds no rank_*.pt file: point it "
-                              "at a step_* directory written by mimo_train")
+    """module name -> {its unwrapped state-dict key, global layer numbers -> whole tensor}, read
+    in one process from a checkpoint of any layout (mimo-export)."""
+    read_meta(directory)
+    alone = not dist.is_initialized()
+    if alone:                          # megatron-core's loading asks the process group
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        verify_integrity_manifest(directory)
+        tensors = load_plain_tensors(directory)
+    except CheckpointingException as error:
+        raise _damaged(directory, str(error).strip()) from None
+    finally:
+        if alone:
+            dist.destroy_process_group()
     weights: dict = {}
-    for path in files:
-        rank_state = torch.load(path, map_location="cpu", weights_only=False)
-        for name, state in rank_state["model"].items():
-            weights.setdefault(name, {}).update(state)
+    for key, tensor in tensors.items():
+        # language_model.module.<key> / modality_submodules.<name>.module.<key>: DDP's level
+        parts = key.split(".module.", 1)
+        if len(parts) == 2 and not key.startswith("optimizer."):
+            module = parts[0].removeprefix("modality_submodules.")
+            weights.setdefault("language" if module == "language_model" else module,
+                               {})[parts[1]] = tensor
     return weights
+
+
+def _damaged(directory: str, what: str) -> CheckpointError:
+    """The refusal of a damaged checkpoint: what is wrong and the newest complete one."""
+    root = os.path.dirname(os.path.abspath(directory))
+    others = sorted((d for d in glob.glob(os.path.join(root, "step_*"))
+                     if os.path.abspath(d) != os.path.abspath(directory)
+                     and all(os.path.isfile(os.path.join(d, n)) for n in (META, MANIFEST))),
+                    reverse=True)
+    if others:
+        instead = (f"the newest complete checkpoint is {others[0]}: resume from it with "
+                   f"'echo {os.path.basename(others[0])} > {os.path.join(root, LATEST)}' "
+                   f"(or model.init_from={others[0]} for its weights)")
+    else:
+        instead = (f"no other complete checkpoint is in {root}: start without it "
+                   "(checkpoint.resume=false or another checkpoint.dir)")
+    return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True)
 
 
 def _write_atomic(path: str, text: str) -> None:

@@ -4,9 +4,9 @@ Exit codes (of each rank; torchrun itself exits non-zero when any rank does):
 
 - 0: trained to ``train.steps`` (or ``train.exit_interval``);
 - 1: a check or the data failed: the shards do not suit the layout (start-up ``data`` phase),
-  or training itself raised (with its traceback);
+  a damaged or partial checkpoint, or training itself raised (with its traceback);
 - 2: usage or config error: a bad option, key or value, a missing input path, a layout that
-  does not fit the world, a checkpoint saved for another layout.
+  does not fit the world, a checkpoint saved for another model or global batch size.
 
 A start-up failure is printed once, by rank 0, naming the ranks that failed; every rank exits.
 Nothing heavy is imported before the arguments are parsed: ``--help`` answers at once.

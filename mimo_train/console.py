@@ -39,6 +39,15 @@ _WARNINGS = (
     # a frozen module's optimizer has no parameters (model.freeze)
     (UserWarning, r"WARNING: there is no optimizer on RANK \d+\. This may be expected if you "
      r"have frozen sub-models", r"megatron\."),
+    # torch.distributed.checkpoint under megatron-core's checkpoint loading: single-process
+    # reads (rank 0's common state, the tensor index), its own argument order and the
+    # ShardedTensor type megatron-core's torch_dist format still uses
+    (UserWarning, r"torch\.distributed is disabled, unavailable or uninitialized, assuming the "
+     r"intent is to load in a single process", r"torch\.distributed\.checkpoint"),
+    (UserWarning, r"The argument order of load has been changed\.",
+     r"torch\.distributed\.checkpoint"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor\.",
+     r"torch\.distributed\.checkpoint"),
     # torch and megatron-core deprecations that only their next versions act on
     (FutureWarning, r"`torch\.cuda\.amp\.custom_(fwd|bwd)\(args\.\.\.\)` is deprecated",
      r"megatron\."),
@@ -55,6 +64,8 @@ _LOG_RECORDS = {
     "megatron.core.utils": (r"is not installed", r"Transformer Engine"),
     "megatron.core.transformer.transformer_config": (r"cuda_graph", r"is not installed"),
     "megatron.core.models.mimo": (r"experimental",),
+    # logged whenever a checkpoint is saved, asynchronously or not
+    "megatron.core.dist_checkpointing.strategies.torch": (r"MCore's async save is deprecated",),
     # GPTModel is what MimoModel's language model is in megatron-core 0.19
     "megatron.core.models.gpt.gpt_model": (r"^GPTModel IS DEPRECATED\.",),
 }
@@ -101,12 +112,13 @@ def say(message: str) -> None:
 class StartupError(RuntimeError):
     """Set-up failed on at least one rank; the message gathers every rank's reason.
 
-    ``exit_code``: 1 when the data failed a check (the ``data`` phase), 2 for a config error."""
+    ``exit_code``: 1 when the data failed a check (the ``data`` phase, or an error with
+    ``exit_code`` 1 such as a damaged checkpoint), 2 for a config error."""
 
-    def __init__(self, message: str, phase: str):
+    def __init__(self, message: str, phase: str, exit_code: int | None = None):
         super().__init__(message)
         self.phase = phase
-        self.exit_code = 1 if phase == "data" else 2
+        self.exit_code = exit_code or (1 if phase == "data" else 2)
 
 
 # Exceptions a start-up phase turns into a gathered message; others are bugs (traceback).
@@ -119,16 +131,19 @@ def agree(phase: str, function):
     try:
         result, error = function(), None
     except EXPECTED as exc:
-        result, error = None, f"{type(exc).__name__}: {exc}"
+        result, error = None, (f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", None))
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed: dict[str, list[int]] = {}
-    for index, message in enumerate(errors):
-        if message is not None:
-            failed.setdefault(message, []).append(index)
+    codes: set[int | None] = set()
+    for index, gathered in enumerate(errors):
+        if gathered is not None:
+            failed.setdefault(gathered[0], []).append(index)
+            codes.add(gathered[1])
     if failed:
         lines = [f"  rank(s) {ranks}: {message}" for message, ranks in failed.items()]
-        raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines), phase)
+        raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines), phase,
+                           1 if 1 in codes else None)
     return result
 
 

@@ -14,7 +14,15 @@ console.quiet_third_party()
 CPU_PATCHES = cpu_compat.activate()           # [] with CUDA: megatron-core runs unchanged
 
 # ruff: noqa: E402  (the imports must follow the patches)
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from megatron.core.dist_checkpointing.dict_utils import (extract_matching_values, merge,
+                                                        nested_values)
+from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase,
+                                                     ShardedObject, ShardedTensor)
+from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+from megatron.core.dist_checkpointing.validation import (StrictHandling, save_integrity_manifest,
+                                                         verify_integrity_manifest)
 from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                        finalize_model_grads)
 from megatron.core.enums import ModelType
@@ -35,10 +43,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
-    "CPU_PATCHES", "AudioModalitySubmodules", "DistributedDataParallel",
-    "DistributedDataParallelConfig", "GPTModel", "HyperCommGrid", "MegatronOptimizerConfig",
-    "MimoModel", "MimoModelConfig", "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
+    "CPU_PATCHES", "AudioModalitySubmodules", "CheckpointingException",
+    "DistributedDataParallel", "DistributedDataParallelConfig", "GPTModel", "HyperCommGrid",
+    "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
+    "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
-    "TransformerConfig", "VisionModalitySubmodules", "finalize_model_grads",
-    "get_forward_backward_func", "get_gpt_layer_local_spec", "get_mimo_optimizer",
-    "model_parallel_cuda_manual_seed", "parallel_state"]
+    "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
+    "VisionModalitySubmodules", "dist_checkpointing", "extract_matching_values",
+    "finalize_model_grads", "get_forward_backward_func", "get_gpt_layer_local_spec",
+    "get_mimo_optimizer", "load_plain_tensors", "merge", "model_parallel_cuda_manual_seed",
+    "nested_values", "parallel_state", "save_integrity_manifest", "verify_integrity_manifest"]

@@ -3,10 +3,10 @@ per encoder in the layout (encoder + projection to the language hidden size), pe
 megatron-core DDP and ``MimoOptimizer``.
 
 Weights are initialized on the CPU from the seed (``use_cpu_initialization``), then moved to the
-device. ``module_state`` / ``load_module_state`` read and write a module's weights with *global*
-layer numbers, so weights saved under one layout load under another (pipeline stages hold
-``decoder.layers.<local>``; the global index is ``local + first layer of the stage``).
-``ModuleWeights`` and ``TrainedOptimizers`` are the model's and the optimizer's checkpoint parts.
+device. Checkpoints (``checkpoint``) use megatron-core's sharded state dicts of the model and
+optimizer built here; ``global_key`` names a pipeline stage's layer by its index in the whole
+model (stages hold ``decoder.layers.<local>``; the global index is ``local + first layer of the
+stage``).
 """
 
 from __future__ import annotations
@@ -304,62 +304,7 @@ def global_key(key: str, offset: int) -> str:
     return f"{match[1]}{int(match[2]) + offset}{match[3]}" if match else key
 
 
-def module_state(module, offset: int) -> dict:
-    """Weights of one module (unwrapped from DDP) with global layer numbers, on the CPU."""
-    return {global_key(key, offset): value.detach().cpu().clone()
-            for key, value in unwrap(module).state_dict().items()
-            if not key.endswith("._extra_state")}
-
-
-def load_module_state(module, state: dict, offset: int, where: str) -> None:
-    """Load weights saved by ``module_state`` into this rank's part of the module."""
-    inner = unwrap(module)
-    own = {global_key(k, offset): k for k in inner.state_dict() if not k.endswith("._extra_state")}
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise TrainConfigError(f"{where} lacks {len(missing)} weights this rank needs, e.g. "
-                               f"{missing[:3]}: it was saved for another model configuration")
-    inner.load_state_dict({own[key]: state[key] for key in own}, strict=False)
-
-
-class ModuleWeights:
-    """This rank's modules as a checkpoint part: weights with global layer numbers, by module
-    (``load`` also takes the merged weights of any checkpoint: ``model.init_from``)."""
-
-    def __init__(self, modules: dict, offsets: dict):
-        self.modules = modules          # name -> DDP module on this rank
-        self.offsets = offsets          # name -> global index of this rank's first layer
-
-    def state_dict(self) -> dict:
-        return {name: module_state(module, self.offsets[name])
-                for name, module in self.modules.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.load(state, "the checkpoint")
-
-    def load(self, weights: dict, where: str) -> None:
-        for name, module in self.modules.items():
-            if name not in weights:
-                raise TrainConfigError(f"{where} has no weights for module {name!r} (it has "
-                                       f"{sorted(weights)})")
-            load_module_state(module, weights[name], self.offsets[name], f"{where} ({name})")
-
-
 def trained_optimizers(optimizer, freeze) -> dict:
     """This rank's module optimizers, frozen modules left out (they have no state)."""
     return {name: info.optimizer for name, info in optimizer.module_infos.items()
             if info.is_active and info.optimizer is not None and name not in freeze}
-
-
-class TrainedOptimizers:
-    """The ``MimoOptimizer`` as a checkpoint part: the state of its trained modules."""
-
-    def __init__(self, optimizer, freeze):
-        self.optimizer = optimizer
-        self.trained = trained_optimizers(optimizer, freeze)
-
-    def state_dict(self) -> dict:
-        return {name: optimizer.state_dict() for name, optimizer in self.trained.items()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)

@@ -35,8 +35,8 @@ from mimo_train.mcore import (MultiModulePipelineCommunicator, MultiModuleProces
                               OptimizerParamScheduler, get_forward_backward_func,
                               model_parallel_cuda_manual_seed, parallel_state)
 from mimo_train.metrics import Metrics, eval_record, forward_seconds, train_record, world_max
-from mimo_train.model import (ModuleWeights, TrainedOptimizers, build_model, build_optimizer,
-                              layer_offset, local_modules, trained_optimizers, vocab_size)
+from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
+                              trained_optimizers, vocab_size)
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync, synchronize
 
 
@@ -109,13 +109,13 @@ class Trainer:
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo"))
         phase("model", "model and optimizer built", lambda: self._build(text))
+        if cfg.model.init_from:
+            self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if resume:
-            self.step = phase("resume", lambda step: f"resumed from {resume} at step {step}",
-                              lambda: checkpoint.load(resume, self.checkpoint_parts(),
-                                                      self._meta()))
+            self._resume(resume)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps)
 
@@ -141,10 +141,6 @@ class Trainer:
         self.model = build_model(cfg, self.infra, self.preprocess, text.vocab_size,
                                  text.modality_token_ids, self.device)
         self.modules = local_modules(self.model, self.infra)
-        self.weights = ModuleWeights(self.modules, {name: self.layer_offset(name)
-                                                    for name in self.modules})
-        if cfg.model.init_from:
-            self.weights.load(checkpoint.load_weights(cfg.model.init_from), cfg.model.init_from)
         self.optimizer = build_optimizer(cfg, self.model)
         self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
         warmup, note = cfg.warmup_steps()
@@ -158,6 +154,25 @@ class Trainer:
             for name, optimizer in self.trained.items()}
         self.forward = ForwardStep(self.infra, self.device)
         self._wire_schedule()
+
+    def _init_from(self, directory: str) -> None:
+        """This rank's weights from a checkpoint of any layout (two phases: the checks need
+        no collective, the load is one)."""
+        phase("init_from check", f"model.init_from {directory} checked",
+              lambda: checkpoint.check(directory, self.model, None))
+
+        def load():
+            checkpoint.load_model(directory, self.model)
+            self.optimizer.reload_model_params()        # bf16: the fp32 main weights
+        phase("init_from", f"weights loaded from {directory}", load)
+
+    def _resume(self, directory: str) -> None:
+        meta = phase("checkpoint check", f"checkpoint {directory} checked",
+                     lambda: checkpoint.check(directory, self.model,
+                                              self.cfg.train.global_batch_size))
+        self.step = phase("resume", lambda step: f"resumed from {directory} at step {step}",
+                          lambda: checkpoint.load(directory, self.training_state(), meta,
+                                                  self._meta()))
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
@@ -294,12 +309,9 @@ class Trainer:
 
     # -------------------------------------------------------------------------- checkpoints
 
-    def checkpoint_parts(self) -> dict:
-        """What a checkpoint holds for this rank, in loading order (see ``checkpoint``)."""
-        return {"model": self.weights,
-                "optimizer": TrainedOptimizers(self.optimizer, self.cfg.model.freeze),
-                "schedulers": checkpoint.Parts(self.schedulers), "loader": self.loader,
-                "rng": checkpoint.TorchRNG()}
+    def training_state(self) -> checkpoint.TrainingState:
+        """What a checkpoint holds for this rank (see ``checkpoint``)."""
+        return checkpoint.TrainingState(self.model, self.trained, self.schedulers, self.loader)
 
     def _meta(self) -> dict:
         return {"step": self.step, "layout": str(self.layout), "world_size": self.world,
@@ -308,7 +320,7 @@ class Trainer:
 
     def save(self) -> str:
         assert self.cfg.checkpoint.dir                 # run() saves only with a directory
-        return checkpoint.save(self.cfg.checkpoint.dir, self.step, self.checkpoint_parts(),
+        return checkpoint.save(self.cfg.checkpoint.dir, self.step, self.training_state(),
                                self._meta())
 
 

@@ -4,11 +4,17 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
 - the loss goes down; evaluation runs every N steps on a validation set, the same batches each
   time; TensorBoard gets the logged scalars; checkpoints land at the interval and at the end;
 - resume: a run stopped at a mid-run checkpoint (``train.exit_interval``) and started again
-  gives exactly the losses of the uninterrupted run for the following steps.
+  gives exactly the losses of the uninterrupted run for the following steps; started under
+  language dp2 or tp2 instead, the same losses within 1e-5 (distributed checkpoints reshard);
+- ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
+  of tp1 into tp1 (one colocated process);
+- a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
+  every rank with one message naming the file and the newest complete checkpoint.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +27,10 @@ STEPS = 6
 LAYOUT = "image=dp1;audio=dp1;language=dp1"
 
 
-def _train(tmp: Path, name: str, checkpoints: Path, *overrides) -> list[dict]:
+def _train(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3) -> list[dict]:
     records = tmp / f"{name}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "3", "-m", "mimo_train", "--config",
+               "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
                str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"),
                "--records", str(records), f"checkpoint.dir={checkpoints}", *overrides]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -72,10 +78,15 @@ def test_checkpoints_at_interval_and_end(setup):
     assert sorted(p.name for p in root.glob("step_*")) == ["step_0000003", "step_0000006"]
     assert (root / "latest").read_text() == "step_0000006"
     for step in ("step_0000003", "step_0000006"):
-        assert sorted(p.name for p in (root / step).glob("rank_*.pt")) == \
-            [f"rank_{r:05d}.pt" for r in range(3)]
+        # megatron-core's torch_dist files, one .distcp per rank, then ours and the manifest
+        assert sorted(p.name for p in (root / step).iterdir()) == [
+            ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "integrity.json",
+            "meta.json", "metadata.json"]
         meta = json.loads((root / step / "meta.json").read_text())
         assert meta["step"] == int(step[-7:]) and meta["world_size"] == 3
+        manifest = json.loads((root / step / "integrity.json").read_text())
+        assert sorted(manifest["files"]) == sorted(
+            p.name for p in (root / step).iterdir() if p.name != "integrity.json")
 
 
 def test_tensorboard_gets_the_scalars(setup):
@@ -91,11 +102,19 @@ def test_tensorboard_gets_the_scalars(setup):
             "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
 
 
+def _copy_checkpoint(source: Path, root: Path) -> Path:
+    """A checkpoint.dir whose latest is a copy of the checkpoint ``source``."""
+    shutil.copytree(source, root / source.name)
+    (root / "latest").write_text(source.name)
+    return root
+
+
 def test_resume_continues_the_exact_sample_stream(setup):
+    """The step-3 checkpoint resumed under the same layout: steps 4-6 and the evaluation at 6
+    are exactly the uninterrupted run's."""
     tmp, common, full = setup
-    stopped = _train(tmp, "stopped", tmp / "resume-ckpt", *common, "train.exit_interval=3")
-    assert [r["step"] for r in _train_records(stopped)] == [1, 2, 3]
-    resumed = _train(tmp, "resumed", tmp / "resume-ckpt", *common)
+    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "resume")
+    resumed = _train(tmp, "resumed", root, *common)
     assert [r["step"] for r in _train_records(resumed)] == [4, 5, 6]
     expected = {r["step"]: r for r in _train_records(full)}
     for record in _train_records(resumed):
@@ -108,39 +127,182 @@ def test_resume_continues_the_exact_sample_stream(setup):
                                           and r["step"] == 6], abs=1e-6)
 
 
-def test_frozen_module_keeps_its_weights_under_another_layout(setup):
+@pytest.mark.parametrize("language", ["dp2", "tp2"])
+def test_resume_under_another_language_layout(setup, language):
+    """Saved under image dp1 + audio dp1 + language dp1, resumed with the language model over
+    two data-parallel or two tensor-parallel ranks: the same samples and losses. The dp2 run
+    also stops at step 5 (``train.exit_interval``), checkpointing there."""
+    tmp, common, full = setup
+    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
+    layout = f"layout=image=dp1;audio=dp1;language={language}"
+    stop = ["train.exit_interval=5"] if language == "dp2" else []
+    resumed = _train(tmp, f"resumed-{language}", root, *common, layout, *stop, nproc=4)
+    steps = [4, 5] if stop else [4, 5, 6]
+    assert [r["step"] for r in _train_records(resumed)] == steps
+    assert (root / "latest").read_text() == f"step_{steps[-1]:07d}"
+    expected = {r["step"]: r for r in _train_records(full)}
+    for record in _train_records(resumed):
+        reference = expected[record["step"]]
+        assert record["tokens"] == reference["tokens"]
+        assert record["loss"] == pytest.approx(reference["loss"], abs=1e-5)
+        # tp2 sums each matmul's halves in another order: ~2e-5 relative on the norm
+        assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
+def _first_loss(records) -> float:
+    (first,) = [r for r in _train_records(records) if r["step"] == 1]
+    return first["loss"]
+
+
+def test_init_from_into_tensor_parallel_language(setup, frozen):
+    """tp1 -> tp2 and tp2 -> tp2 give the first-step loss of tp1 -> tp1 (the colocated
+    frozen run). The tp2 checkpoint holds the same weights: its run trains with lr 0."""
+    tmp, common, _ = setup
+    tp2 = [*[c for c in common if not c.startswith(("train.eval", "data.valid"))],
+           "layout=image=dp1;audio=dp1;language=tp2", "train.steps=1", "optimizer.lr=0",
+           "optimizer.min_lr=0"]
+    start = tmp / "full-ckpt" / "step_0000003"
+    from_tp1 = _train(tmp, "init-tp1-tp2", tmp / "init-tp2", *tp2, f"model.init_from={start}",
+                      nproc=4)
+    from_tp2 = _train(tmp, "init-tp2-tp2", tmp / "init-tp2-again", *tp2,
+                      f"model.init_from={tmp / 'init-tp2' / 'step_0000001'}", nproc=4)
+    reference = _first_loss(frozen["records"])
+    assert _first_loss(from_tp1) == pytest.approx(reference, abs=1e-5)
+    assert _first_loss(from_tp2) == pytest.approx(reference, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def frozen(setup):
+    """``model.init_from`` of the 3-rank step-3 checkpoint into one colocated process (language
+    tp1), one step with ``model.freeze=[image]``: its output, records and checkpoint."""
+    tmp, common, _ = setup
+    start = tmp / "full-ckpt" / "step_0000003"
+    overrides = [c for c in common if not c.startswith(("layout=", "train.eval", "data.valid",
+                                                        "optimizer.warmup_steps"))]
+    records = tmp / "frozen.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "1", "-m", "mimo_train", "--config",
+               str(REPO / "configs" / "train" / "images_audio_colocated.yaml"),
+               "--records", str(records), *overrides, f"checkpoint.dir={tmp / 'frozen'}",
+               f"model.init_from={start}", "model.freeze=[image]", "train.steps=1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-5000:]
+    return {"result": result, "start": start, "after": tmp / "frozen" / "step_0000001",
+            "records": [json.loads(line) for line in records.read_text().splitlines()]}
+
+
+def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
     """``model.init_from`` loads a 3-rank checkpoint into one colocated process; with
     ``model.freeze=[image]`` a step leaves the vision module's weights exactly as loaded and
     changes the others. The shipped warmup (3 steps) is clamped to this 1-step run."""
     import torch
 
-    tmp, common, _ = setup
-    start = tmp / "full-ckpt" / "step_0000003"
-    overrides = [c for c in common if not c.startswith(("layout=", "train.eval", "data.valid",
-                                                        "optimizer.warmup_steps"))]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_colocated.yaml"), *overrides,
-               f"checkpoint.dir={tmp / 'frozen'}", f"model.init_from={start}",
-               "model.freeze=[image]", "train.steps=1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stderr[-5000:]
+    from mimo_train.checkpoint import load_weights
+
+    result = frozen["result"]
     assert "mimo-train: optimizer.warmup_steps 3 clamped to 0 for a 1-step run" in \
         result.stdout
     # start-up phases, one step, summary: no third-party warning on the way
     assert "Warning" not in result.stderr, result.stderr[-5000:]
-    for line in ("process groups ready (", "model and optimizer built (", "step    1: loss"):
+    for line in ("process groups ready (", "model and optimizer built (",
+                 f"weights loaded from {frozen['start']} (", "step    1: loss"):
         assert line in result.stdout, result.stdout
-    before = {}
-    for path in start.glob("rank_*.pt"):
-        before.update(torch.load(path, weights_only=False)["model"])
-    after = torch.load(tmp / "frozen" / "step_0000001" / "rank_00000.pt",
-                       weights_only=False)["model"]
-    assert set(after) == {"image", "audio", "language"}
+    before, after = load_weights(str(frozen["start"])), load_weights(str(frozen["after"]))
+    assert set(after) == set(before) == {"image", "audio", "language"}
     for name, weights in after["image"].items():
         assert torch.equal(weights, before["image"][name]), name
     for module in ("audio", "language"):
         changed = [n for n, w in after[module].items() if not torch.equal(w, before[module][n])]
         assert changed, f"{module} did not train"
+
+
+def _start(tmp: Path, common: list[str], root: Path, *overrides) -> tuple[int, dict]:
+    """Start the 3-rank job on checkpoint.dir ``root``: (exit code, {rank: its stderr})."""
+    logs = root.parent / f"{root.name}-logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "3", "--log-dir", str(logs), "--redirects", "3",
+               "-m", "mimo_train", "--config",
+               str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"), *common,
+               f"checkpoint.dir={root}", *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
+    return result.returncode, ranks
+
+
+def _refused(code: int, ranks: dict, phase: str) -> str:
+    """The job failed at ``phase`` on every rank, rank 0 printed it once, nobody a traceback;
+    returns the message."""
+    assert code != 0, ranks
+    for rank in range(3):
+        assert "Traceback" not in ranks[rank], ranks[rank][-3000:]
+    assert ranks[1].count("start-up failed") == ranks[2].count("start-up failed") == 0
+    assert ranks[0].count("start-up failed") == 1, ranks[0][-3000:]
+    message = ranks[0][ranks[0].index("start-up failed"):]
+    assert message.startswith(f"start-up failed ({phase}):"), message
+    assert "rank(s) [0, 1, 2]: CheckpointError: checkpoint " in message, message
+    return message
+
+
+def _damaged_copy(setup, name: str) -> Path:
+    """A copy of the full run's checkpoint.dir (latest: step 6; step 3 complete)."""
+    tmp, _, _ = setup
+    root = tmp / name
+    shutil.copytree(tmp / "full-ckpt", root)
+    return root
+
+
+def test_damaged_files_are_refused_on_every_rank(setup):
+    """Step 6 with a zero-length, a truncated and a missing rank file: every rank stops
+    before loading, one message (printed once) names each file and step 3 to use instead."""
+    tmp, common, _ = setup
+    root = _damaged_copy(setup, "damaged-files")
+    step = root / "step_0000006"
+    (step / "__0_0.distcp").write_bytes(b"")
+    data = (step / "__2_0.distcp").read_bytes()
+    (step / "__2_0.distcp").write_bytes(data[: len(data) // 2])
+    (step / "__1_0.distcp").unlink()
+    message = _refused(*_start(tmp, common, root), "resume")
+    for name in ("__0_0.distcp: hash mismatch", "__2_0.distcp: hash mismatch",
+                 "__1_0.distcp: file missing"):
+        assert name in message, message
+    assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
+    assert f"echo step_0000003 > {root / 'latest'}" in message
+
+
+@pytest.mark.parametrize("damage", ["zero-length", "truncated", "missing", "bad meta.json",
+                                    "bad index", "no manifest"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
+    """Each damage, read in one process (``load_weights``, as mimo-export does): a
+    CheckpointError naming the file and step 3 as the newest complete checkpoint."""
+    from mimo_train.checkpoint import CheckpointError, load_weights
+
+    root = _damaged_copy(setup, f"damaged-{damage.replace(' ', '-')}")
+    step = root / "step_0000006"
+    name, expected = {
+        "zero-length": ("__0_0.distcp", "__0_0.distcp: hash mismatch"),
+        "truncated": ("__2_0.distcp", "__2_0.distcp: hash mismatch"),
+        "missing": ("__1_0.distcp", "__1_0.distcp: file missing"),
+        "bad meta.json": ("meta.json", f"{step / 'meta.json'} is unreadable"),
+        "bad index": (".metadata", ".metadata: hash mismatch"),
+        "no manifest": ("integrity.json", f"{step / 'integrity.json'} is missing (the save "
+                                          "did not finish)")}[damage]
+    path = step / name
+    if damage in ("missing", "no manifest"):
+        path.unlink()
+    elif damage == "truncated":
+        path.write_bytes(path.read_bytes()[:1000])
+    elif damage == "zero-length":
+        path.write_bytes(b"")
+    else:
+        path.write_bytes(b"\0" * path.stat().st_size)          # zeroed, same size
+    with pytest.raises(CheckpointError) as refused:
+        load_weights(str(step))
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint {step} is damaged: "), message
+    assert expected in message, message
+    assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
