@@ -29,6 +29,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 from dataclasses import dataclass
 from typing import Any
@@ -38,10 +39,12 @@ import torch.distributed as dist
 
 from mimo_train.mcore import (CheckpointingException, LocalNonpersistentObject, ShardedBase,
                               ShardedObject, ShardedTensor, StrictHandling, dist_checkpointing,
-                              extract_matching_values, load_plain_tensors, merge, nested_values,
+                              extract_matching_values, get_gpt_layer_local_spec,
+                              load_plain_tensors, merge, nested_values,
                               save_integrity_manifest, verify_integrity_manifest)
 
 LATEST = "latest"
+_STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
 META = "meta.json"
 MANIFEST = "integrity.json"          # megatron-core's name (dist_checkpointing.validation)
 
@@ -272,8 +275,26 @@ def load_weights(directory: str) -> dict:
         if len(parts) == 2 and not key.startswith("optimizer."):
             module = parts[0].removeprefix("modality_submodules.")
             weights.setdefault("language" if module == "language_model" else module,
-                               {})[parts[1]] = tensor
+                               {}).update(_unstacked(parts[1], tensor))
     return weights
+
+
+def _unstacked(key: str, tensor: torch.Tensor) -> dict:
+    """A transformer block's layers are saved stacked (``decoder.layers.<param>``, the layer
+    index as the first axis of the global tensor) and under the names megatron-core's layer
+    spec maps them to (``sharded_state_dict_keys_map``: the local spec's ``input_layernorm.``
+    is saved as TransformerEngine's ``self_attention.linear_qkv.layer_norm_``): one entry per
+    layer as in the module's state dict (``decoder.layers.<i>.<param>``); other keys as they
+    are."""
+    match = _STACKED.match(key)
+    if match is None:
+        return {key: tensor}
+    param = match[2]
+    for local, saved in get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
+        if param.startswith(saved):
+            param = local + param[len(saved):]
+    return {f"{match[1]}{index}.{param}": layer.clone()
+            for index, layer in enumerate(tensor.unbind(0))}
 
 
 def _damaged(directory: str, what: str) -> CheckpointError:

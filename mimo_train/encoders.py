@@ -15,6 +15,8 @@ Each class is built from a transformers config (random init) or ``from_pretraine
 saved alone). A transformers processor saved beside the model (``preprocessor_config.json``)
 must agree with the preprocessing config (normalization, mel and STFT settings).
 tests/test_encoder_parity.py checks each kind against its transformers processor and model.
+
+``Projection`` maps an encoder's rows to the language hidden size (training and mimo-generate).
 """
 
 from __future__ import annotations
@@ -221,3 +223,14 @@ def default_kind(modality: str, modality_config) -> str:
         return "whisper"
     return "qwen2_vl" if modality_config.policy == "dynamic" else "siglip"
 
+
+class Projection(torch.nn.Sequential):
+    """Encoder hidden size -> language hidden size (``model.projection``): one Linear
+    (``linear``), or Linear-GELU-Linear (``mlp``)."""
+
+    def __init__(self, in_features: int, out_features: int, kind: str):
+        if kind == "mlp":
+            super().__init__(torch.nn.Linear(in_features, out_features), torch.nn.GELU(),
+                             torch.nn.Linear(out_features, out_features))
+        else:
+            super().__init__(torch.nn.Linear(in_features, out_features))

@@ -228,14 +228,11 @@ def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
 
 
 def projection_module(kind: str, state: dict):
-    """The projection ``model.projection`` built (``linear``: Linear; ``mlp``:
-    Linear-GELU-Linear, as mimo_train's model) with the exported ``state`` loaded."""
-    import torch
+    """The projection ``model.projection`` built as training builds it, with the exported
+    ``state`` loaded."""
+    from mimo_train.encoders import Projection
     out_features, in_features = state["0.weight"].shape
-    layers = [torch.nn.Linear(in_features, out_features)]
-    if kind == "mlp":
-        layers += [torch.nn.GELU(), torch.nn.Linear(out_features, out_features)]
-    module = torch.nn.Sequential(*layers)
+    module = Projection(in_features, out_features, kind)
     module.load_state_dict(state)
     return module
 

@@ -17,7 +17,7 @@ import torch
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
-from mimo_train.encoders import build_encoder, default_kind
+from mimo_train.encoders import Projection, build_encoder, default_kind
 from mimo_train.hf_language import (check_parallel, gpt_fields, load_pretrained_language,
                                     read_architecture, transformer_fields)
 from mimo_train.infra import Infra
@@ -119,17 +119,6 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
     return settings
 
 
-class _Projection(torch.nn.Sequential):
-    """Encoder hidden size → language hidden size: one Linear, or Linear-GELU-Linear."""
-
-    def __init__(self, in_features: int, out_features: int, kind: str):
-        if kind == "mlp":
-            super().__init__(torch.nn.Linear(in_features, out_features), torch.nn.GELU(),
-                             torch.nn.Linear(out_features, out_features))
-        else:
-            super().__init__(torch.nn.Linear(in_features, out_features))
-
-
 class _SeededEncoder(torch.nn.Module):
     """Builds the encoder right after seeding the RNG from (seed, module name), so an encoder
     and its projection start from the same weights whichever ranks build them."""
@@ -176,7 +165,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                     module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
                                                        modality_config=modality_config,
                                                        spec=spec))},
-                input_projections=[ModuleSpec(module=_Projection, params=dict(
+                input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
                     kind=cfg.model.projection))]))
         token_ids[name] = special_token_ids[modality]
