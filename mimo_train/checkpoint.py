@@ -3,7 +3,7 @@
 Layout on disk::
 
     DIR/step_0000040/              a megatron-core distributed checkpoint (torch_dist format:
-                                   metadata.json, common.pt, .metadata, __<rank>_<n>.distcp)
+                                   metadata.json, .metadata, __<rank>_<n>.distcp)
     DIR/step_0000040/meta.json     step, layout, world size, global batch size, config (rank 0)
     DIR/step_0000040/integrity.json  SHA-256 of every file above (megatron-core's manifest),
                                    written last by rank 0
@@ -11,9 +11,9 @@ Layout on disk::
 
 What a checkpoint holds (``TrainingState``): every module's weights as *global* tensors
 (``MimoModel.sharded_state_dict``: a TP rank's slice and a pipeline stage's layers are parts of
-them), the trained modules' optimizer state sharded like their parameters,
-each trained module's LR scheduler and the loader position (one object each: the same on every
-rank that has it), the step, and each rank's RNG state. So a checkpoint resumes under any
+them), the trained modules' optimizer state sharded like their parameters, each trained
+module's LR scheduler and the loader position (one object each: the same on every rank that has
+it), the step, and each rank's RNG state. So a checkpoint resumes under any
 language TP/PP/DP and encoder DP with the same global batch size, continuing the sample stream
 (the loader position counts samples, not ranks); the RNG states are restored only under the
 same layout (nothing in training draws from them but dropout, 0 in mimo_train).
@@ -44,9 +44,9 @@ from mimo_train.mcore import (CheckpointingException, LocalNonpersistentObject, 
                               save_integrity_manifest, verify_integrity_manifest)
 
 LATEST = "latest"
-_STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
 META = "meta.json"
 MANIFEST = "integrity.json"          # megatron-core's name (dist_checkpointing.validation)
+_STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
 
 
 class CheckpointError(RuntimeError):

@@ -1,16 +1,17 @@
 """Set-up and training loop: ``train(cfg)`` on every rank of a ``torchrun`` job.
 
-Set-up runs in phases (``console.phase``: device, config, process groups, model, data, resume);
-each ends with every rank agreeing on success, so a bad config, missing shards or a vocab
-smaller than the tokenizer stops every rank with one gathered message instead of leaving the
-healthy ranks waiting in a collective. Rank 0 prints one line per phase with its seconds.
+Set-up runs in phases (``console.phase``: device, config, process groups, model, init_from check
+and init_from, data, checkpoint check and resume); each ends with every rank agreeing on
+success, so a bad config, missing shards, a vocab smaller than the tokenizer or a damaged
+checkpoint stops every rank with one gathered message instead of leaving the healthy ranks
+waiting in a collective. Rank 0 prints one line per phase with its seconds.
 
 The loop (``Trainer.run``): megatron-core's multimodule 1F1B schedule
 (``forward_backward_pipelining_without_interleaving`` with ``MultiModulePipelineCommunicator``)
 for non-colocated layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
 rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
-(``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; checkpoints
-(``checkpoint``) of the parts that carry state.
+(``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; distributed
+checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader).
 """
 
 from __future__ import annotations
