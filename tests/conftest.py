@@ -44,6 +44,26 @@ def corpus() -> Path:
 
 
 @pytest.fixture(scope="session")
+def corpus_photos(corpus) -> list[tuple]:
+    """Every corpus image: (name, bytes, shard metadata, the reference processors' input).
+
+    The reference input is Pillow's own EXIF transpose of the file in its stored mode, so a
+    transformers processor does its own RGB conversion (``convert_to_rgb``) too.
+    """
+    from PIL import Image, ImageOps
+
+    from mimo_data.modalities.image import probe_image
+    entries = []
+    for path in sorted((corpus / "images").iterdir()):
+        data = path.read_bytes()
+        with Image.open(io.BytesIO(data)) as opened:
+            reference = ImageOps.exif_transpose(opened)
+            reference.load()
+        entries.append((path.name, data, probe_image(data), reference))
+    return entries
+
+
+@pytest.fixture(scope="session")
 def corpus_inputs(corpus) -> list[str]:
     """Absolute paths of all corpus input files."""
     return [str(corpus / name) for name in CORPUS_INPUTS]

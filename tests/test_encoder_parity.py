@@ -25,12 +25,10 @@ The references never go through mimo: the transformers processor saved beside th
 
 from __future__ import annotations
 
-import io
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
 from transformers import SiglipVisionModel, WhisperFeatureExtractor, WhisperModel
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
@@ -39,7 +37,6 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 from mimo_data.modalities.audio import AUDIO, AudioConfig, audio_encoder_inputs, decode_audio
 from mimo_data.modalities.audio import probe_audio
 from mimo_data.modalities.image import IMAGE, ImageConfig, decode_image, image_encoder_inputs
-from mimo_data.modalities.image import probe_image
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.encoders import EncoderBuildError, Qwen2VLVision, SiglipVision, WhisperAudio
 
@@ -62,16 +59,9 @@ def _no_grad():
 
 
 @pytest.fixture(scope="module")
-def photos(corpus):
-    """Every corpus image: (name, bytes, shard metadata, Pillow's EXIF-transposed image)."""
-    entries = []
-    for path in sorted((corpus / "images").iterdir()):
-        data = path.read_bytes()
-        with Image.open(io.BytesIO(data)) as opened:
-            reference = ImageOps.exif_transpose(opened)
-            reference.load()
-        entries.append((path.name, data, probe_image(data), reference))
-    return entries
+def photos(corpus_photos):
+    """Every corpus image (conftest's ``corpus_photos``)."""
+    return corpus_photos
 
 
 @pytest.fixture(scope="module")

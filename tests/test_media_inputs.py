@@ -48,21 +48,10 @@ ORIENTATION_TAG = 0x0112
 # ------------------------------------------------------------------------------ fixtures
 
 @pytest.fixture(scope="module")
-def images(corpus):
-    """Every corpus image: (name, bytes, shard metadata, the reference processors' input).
-
-    The reference input is Pillow's own EXIF transpose of the file in its stored mode, so the
-    reference does its own RGB conversion (``convert_to_rgb``) too.
-    """
-    entries = []
-    for path in sorted((corpus / "images").iterdir()):
-        data = path.read_bytes()
-        with Image.open(io.BytesIO(data)) as opened:
-            reference = ImageOps.exif_transpose(opened)
-            reference.load()
-        entries.append((path.name, data, probe_image(data), reference))
-    assert {"L", "RGB", "RGBA"} <= {meta["mode"] for _, _, meta, _ in entries}
-    return entries
+def images(corpus_photos):
+    """Every corpus image (conftest's ``corpus_photos``), in each mode the corpus stores."""
+    assert {"L", "RGB", "RGBA"} <= {meta["mode"] for _, _, meta, _ in corpus_photos}
+    return corpus_photos
 
 
 @pytest.fixture(scope="module")
