@@ -43,6 +43,14 @@ class Tally:
         if len(entry["first"]) < FIRST_LOCATIONS:
             entry["first"].append({"location": location, "detail": detail})
 
+    def skip_many(self, reason: str, count: int, first: list[tuple[str, str]]) -> None:
+        """``count`` skips for ``reason``, the first ones as ``(location, detail)``."""
+        self.seen += count
+        entry = self.skipped.setdefault(reason, {"count": 0, "first": []})
+        entry["count"] += count
+        entry["first"].extend({"location": location, "detail": detail} for location, detail
+                              in first[:FIRST_LOCATIONS - len(entry["first"])])
+
     @property
     def skipped_total(self) -> int:
         return sum(entry["count"] for entry in self.skipped.values())

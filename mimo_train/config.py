@@ -45,6 +45,7 @@ class DataConfig:
     preprocess: str | None = None                     # PreprocessConfig YAML (required)
     valid: list = field(default_factory=list)         # shard directories for evaluation
     num_workers: int = 0                              # loader worker processes per rank
+    cache_dir: str | None = None    # token tables of read-only datasets (MIMO_CACHE_DIR wins)
 
 
 @dataclass
@@ -241,7 +242,7 @@ class TrainConfig:
 
 
 # (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
-PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"),
+PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
              ("model", "init_from"), ("model", "encoders", "*", "pretrained"),
              ("model", "language", "pretrained"), ("train", "tensorboard_dir"),
              ("checkpoint", "dir"))

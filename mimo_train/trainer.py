@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
-from mimo_data.loading.loader import build_loader, check_even_split, variable_token_modalities
+from mimo_data.loading.loader import (DataSource, build_loader, check_even_split,
+                                      variable_token_modalities)
+from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards.format import INDEX_FILE
@@ -75,6 +77,13 @@ def init_distributed(device: torch.device) -> None:
             port = sock.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, **kwargs)
+
+
+def _gather_objects(value) -> list:
+    """``value`` of every rank, in rank order."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
 
 
 def _raise(error: Exception | None) -> None:
@@ -181,18 +190,23 @@ class Trainer:
 
     def _loaders(self):
         cfg = self.cfg
+        # Every rank opens the datasets: missing token tables are computed split over the job.
+        partition = Partition(self.rank, self.world, _gather_objects,
+                              writes=int(os.environ.get("LOCAL_RANK", 0)) == 0)
 
-        def loader(datasets, seed):
-            return build_loader(datasets, self.preprocess, self.layout, self.rank, self.world,
-                                cfg.train.global_batch_size, cfg.train.micro_batch_size, seed,
-                                num_workers=cfg.data.num_workers,
-                                weights=cfg.data.weights if datasets == cfg.data.datasets
-                                else None)
+        def loader(datasets, weights):
+            source = DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
+                                progress=self.rank == 0, cache_dir=cfg.data.cache_dir,
+                                partition=partition)
+            return build_loader(source, self.preprocess, self.layout, self.rank, self.world,
+                                cfg.train.global_batch_size, cfg.train.micro_batch_size,
+                                cfg.train.seed, num_workers=cfg.data.num_workers,
+                                weights=weights)
 
-        train = loader(cfg.data.datasets, cfg.train.seed)
+        train = loader(cfg.data.datasets, cfg.data.weights)
         if train is not None:      # every rank has one: encoders run whole (pp1) on stage 0
             check_even_split(train.source, self.layout)
-        valid = loader(cfg.data.valid, cfg.train.seed) if cfg.data.valid else None
+        valid = loader(cfg.data.valid, None) if cfg.data.valid else None
         return train, valid
 
     def _wire_schedule(self) -> None:

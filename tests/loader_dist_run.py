@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
-from mimo_data.loading.loader import build_loader
+from mimo_data.loading.loader import DataSource, build_loader
+from mimo_data.loading.token_table import Partition
 
 
 def leaves(value, path: str = "") -> dict:
@@ -33,10 +34,31 @@ def leaves(value, path: str = "") -> dict:
             for name, tensor in leaves(value[key], f"{path}/{key}").items()}
 
 
+def table_digest(table) -> str:
+    """sha256 of a token table's columns as numpy arrays (comparable across processes)."""
+    digest = hashlib.sha256()
+    for array in (table.drop, table.tokens, table.trained,
+                  *(a for pair in table.item_tokens.values() for a in pair)):
+        digest.update(array.tobytes())
+    digest.update(json.dumps([table.reasons, table.details.to_pylist()]).encode())
+    return digest.hexdigest()
+
+
+def gather(value) -> list:
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def consume(args, rank: int, world: int) -> dict:
     layout = Layout.parse(args.layout)
     state = json.loads(open(args.state).read()) if args.state else None
-    loader = build_loader(args.dataset, args.config, layout, rank, world, args.global_batch_size,
+    dataset, digest = args.dataset, None
+    if args.cache_dir:      # every rank opens the data: token tables computed split over ranks
+        dataset = DataSource(args.dataset, args.config, cache_dir=args.cache_dir,
+                             partition=Partition(rank, world, gather, writes=rank == 0))
+        digest = table_digest(dataset.tables[0])
+    loader = build_loader(dataset, args.config, layout, rank, world, args.global_batch_size,
                           args.micro_batch_size, args.seed, num_workers=args.workers,
                           state=state)
     consumed, saved = [], None
@@ -49,7 +71,8 @@ def consume(args, rank: int, world: int) -> dict:
                     meta["step"] + 1 == args.save_after_steps:
                 saved = loader.state_dict()
         loader.close()
-    return {"rank": rank, "consumed": consumed if loader is not None else None, "state": saved}
+    return {"rank": rank, "consumed": consumed if loader is not None else None, "state": saved,
+            "table_digest": digest}
 
 
 def check(layout: Layout, entries: list[dict]) -> dict:
@@ -114,6 +137,8 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--state", help="resume from this loader state (JSON)")
     parser.add_argument("--save-after-steps", type=int, default=0)
+    parser.add_argument("--cache-dir", help="compute the token table split over the ranks, "
+                        "into this cache directory")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -127,7 +152,8 @@ def main() -> int:
         states = [e["state"] for e in entries if e["consumed"] is not None]
         if args.save_after_steps and any(s != states[0] for s in states):
             result["problems"].append(f"ranks saved different states: {states}")
-        result.update(world_size=world, layout=args.layout, state=states[0])
+        result.update(world_size=world, layout=args.layout, state=states[0],
+                      table_digests=[e["table_digest"] for e in entries])
         with open(args.out, "w") as out:
             json.dump(result, out, indent=1)
         code = 1 if result["problems"] else 0

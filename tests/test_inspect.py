@@ -100,9 +100,9 @@ def _patch_member(directory: Path, key: str, old: bytes, new: bytes) -> None:
     tar stays valid (only member data changes), offsets and sizes stay right."""
     assert len(old) == len(new)
     reader = ShardReader(str(directory))
-    position = reader.keys.index(key)
-    offset, size = reader.members[position]["json"]
-    shard = directory / reader.shards[position]
+    position = reader.table.position(key)
+    offset, size = reader.table.members(position)["json"]
+    shard = directory / reader.table.shard(position)
     reader.close()
     data = shard.read_bytes()
     member = data[offset:offset + size]
@@ -124,7 +124,7 @@ def faulty(corpus_inputs, assets, tmp_path_factory) -> tuple[Path, dict[str, str
                   b"<audio>\\nDescribe the image.")
     _patch_member(out, keys["fault-extra-marker"], b"the picture.", b"the <image>.")
     reader = ShardReader(str(out))
-    record = reader.record(reader.keys.index(keys["fault-index"]))
+    record = reader.record(reader.table.position(keys["fault-index"]))
     width = record["media"][0]["width"]
     _patch_member(out, keys["fault-index"], f'"width": {width},'.encode(),
                   f'"width": {width + 1 if width % 10 != 9 else width - 1},'.encode())
@@ -175,7 +175,7 @@ def test_report_numbers_are_the_preprocessors(capsys, tmp_path, faulty, configs)
         try:
             sample = preprocessor(reader.record(position))
         except SampleDropped as exc:
-            drops[reader.keys[position]] = exc.reason
+            drops[reader.table.key(position)] = exc.reason
             continue
         lengths.append(len(sample.input_ids))
         trained += int(sample.loss_mask.sum())

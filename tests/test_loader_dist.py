@@ -1,7 +1,9 @@
 """The loader in real multi-process jobs: ``torchrun`` with gloo, one loader per rank.
 
 Run 1: 3 ranks, language dp2 + image dp1 (one DataLoader worker per rank), one epoch; the
-ranks gather what they consumed and rank 0 checks exactly-once and cross-module order.
+ranks gather what they consumed and rank 0 checks exactly-once and cross-module order. Its
+token table is computed split over the 3 ranks (into an empty cache directory): every rank
+must end with the table one process computes alone.
 Run 2: 4 ranks, language pp2 dp1 + image dp2 (another layout, another micro-batch), resumed
 from the state run 1 saved after two steps: its steps must be run 1's remaining steps, keys
 and tensors alike.
@@ -20,6 +22,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import REPO, preprocess_config_file
+from loader_dist_run import table_digest
+from mimo_data.loading.token_table import TokenTable, compute
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor
+from mimo_data.shards.reader import ShardReader
 
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCRIPT = Path(__file__).parent / "loader_dist_run.py"
@@ -49,7 +56,9 @@ def runs(loader_corpus, tmp_path_factory):
                                     image={"policy": "fixed", "image_size": 112})
     common = ["--dataset", loader_corpus, "--config", config]
     first = torchrun(3, folder / "first.json", *common, "--layout", "language=dp2;image=dp1",
-                     "--micro-batch-size", 2, "--workers", 1, "--save-after-steps", SAVE_AFTER)
+                     "--micro-batch-size", 2, "--workers", 1, "--save-after-steps", SAVE_AFTER,
+                     "--cache-dir", folder / "cache")
+    first["cache"] = folder / "cache"
     (folder / "state.json").write_text(json.dumps(first["state"]))
     second = torchrun(4, folder / "second.json", *common, "--layout",
                       "language=pp2,dp1;image=dp2", "--micro-batch-size", 2,
@@ -91,6 +100,17 @@ def test_one_epoch_on_three_ranks_serves_every_kept_sample_once(runs, loader_cor
     assert {"/input_ids", "/labels"} <= set(first["modules"]["language"][0]["digests"])
     assert any(s["digests"] for s in first["modules"]["image"])
     assert (first["state"]["step"], first["state"]["micro_batch"]) == (SAVE_AFTER, 0)
+
+
+def test_ranks_computing_parts_of_the_token_table_agree_with_one_process(runs, loader_corpus):
+    first, _, config = runs
+    alone = compute(ShardReader(str(loader_corpus)),
+                    Preprocessor(PreprocessConfig.from_yaml(str(config)), with_media=False))
+    expected = table_digest(TokenTable(alone, ["image"]))
+    assert first["table_digests"] == [expected] * 3
+    assert int((alone.column("drop").to_numpy() != 0).sum()) > 0    # drops are in it too
+    written = list(first["cache"].rglob("tokens-*.arrow"))
+    assert len(written) == 1 and not list(first["cache"].rglob("*.tmp-*"))
 
 
 def test_resume_on_four_ranks_with_another_layout_continues_exactly(runs):

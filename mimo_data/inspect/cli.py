@@ -116,10 +116,12 @@ def _sample(args, config) -> int:
     from mimo_data.shards.reader import ShardReader
     reader = ShardReader(args.directory)
     if args.key is not None:
-        try:
-            positions = [reader.keys.index(args.key)]
-        except ValueError:
-            known = (f"keys {reader.keys[0]} .. {reader.keys[-1]}" if len(reader)
+        position = reader.table.position(args.key)
+        if position is not None:
+            positions = [position]
+        else:
+            table = reader.table
+            known = (f"keys {table.key(0)} .. {table.key(len(table) - 1)}" if len(table)
                      else "empty dataset")
             print(f"mimo-inspect sample: error: no sample with key {args.key!r} in "
                   f"{args.directory} ({len(reader)} samples, {known})", file=sys.stderr)

@@ -225,7 +225,7 @@ def _read_record(reader: ShardReader, position: int) -> ShardRecord | SampleStat
     try:
         return reader.record(position)
     except (ValueError, UnicodeDecodeError) as exc:      # JSON the loader could not read
-        return SampleStats(position, reader.keys[position], dropped="unreadable_record",
+        return SampleStats(position, reader.table.key(position), dropped="unreadable_record",
                            detail=f"the sample's JSON cannot be parsed: {exc}")
 
 

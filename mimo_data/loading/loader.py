@@ -48,7 +48,7 @@ import numpy as np
 import torch.utils.data
 
 from mimo_data.preprocess.collate import BatchMetadata, Collator
-from mimo_data.loading.kept_samples import kept_mask
+from mimo_data.loading.token_table import Partition, TokenTable, token_table
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
 from mimo_data.preprocess.config import PreprocessConfig
@@ -91,39 +91,31 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
         if encoder.dp == language.dp or (encoder.dp < language.dp and not layout.colocated):
             continue
         for modality in layout.modalities_of(encoder.name):
-            items: collections.Counter[int] = collections.Counter()
-            for reader, shape in zip(source.readers, source.shapes):
-                for members, kept in zip(reader.members, shape.kept):
-                    if kept:
-                        items[sum(name.startswith(MODALITIES[modality].member_prefix)
-                                  for name in members)] += 1
-            if len(items) > 1:
-                counts = ", ".join(f"{n} sample(s) with {k}" for k, n in sorted(items.items()))
+            counts = np.concatenate([table.items(modality)[table.kept]
+                                     for table in source.tables])
+            values, samples = np.unique(counts, return_counts=True)
+            if len(values) > 1:
+                found = ", ".join(f"{n} sample(s) with {k}" for k, n in zip(values, samples))
                 raise LayoutError(
                     f"module {encoder.name!r} (dp {encoder.dp}) feeds {modality} into "
                     f"{LANGUAGE!r} (dp {language.dp}) through an even split, which needs the "
-                    f"same number of {modality} items in every sample; the data has {counts} "
+                    f"same number of {modality} items in every sample; the data has {found} "
                     f"{modality} item(s). Give {encoder.name} dp {language.dp} or less "
                     f"(non-colocated), or filter the dataset to one count per sample")
 
 
-def _shard_sizes(reader: ShardReader) -> tuple[int, ...]:
-    """Samples per shard, in write order, from the per-sample table."""
-    sizes, previous = [], None
-    for shard in reader.shards:
-        if shard != previous:
-            sizes.append(0)
-            previous = shard
-        sizes[-1] += 1
-    return tuple(sizes)
-
-
 class DataSource:
-    """The datasets of a run, opened once per process: readers, the metadata-only Preprocessor,
-    kept masks with their drop tally, and the fingerprint a loader state is checked against."""
+    """The datasets of a run, opened once per process: readers (memory-mapped sample tables),
+    the metadata-only Preprocessor, token tables (kept samples, token counts) with their drop
+    tally, and the fingerprint a loader state is checked against.
+
+    ``partition``: compute missing token tables split over the ranks of a job (a collective:
+    every rank of it opens the DataSource); ``cache_dir``: where tables go when a dataset
+    directory is read-only (``MIMO_CACHE_DIR`` overrides it)."""
 
     def __init__(self, directories, preprocess_config, weights=None, num_workers: int = 0,
-                 progress: bool = False):
+                 progress: bool = False, cache_dir: str | None = None,
+                 partition: Partition | None = None):
         directories = [directories] if isinstance(directories, (str, os.PathLike)) \
             else list(directories)
         if not directories:
@@ -137,13 +129,23 @@ class DataSource:
         if weights is not None and (min(weights) < 0 or not sum(weights) > 0):
             raise ValueError(f"blend weights {list(weights)} must be >= 0 with a positive sum")
         self.weights = None if weights is None else [float(w) for w in weights]
-        self.readers = [ShardReader(d) for d in self.directories]
-        self.metadata = Preprocessor(self.config, with_media=False)
+
+        def open_readers() -> tuple[list[ShardReader], Preprocessor]:
+            return ([ShardReader(d, cache_dir) for d in self.directories],
+                    Preprocessor(self.config, with_media=False))
+        opened: tuple[list[ShardReader], Preprocessor] = (
+            open_readers() if partition is None else partition.together(open_readers))
+        self.readers, self.metadata = opened
         self.tally = Tally("samples", "kept", "dropped")
-        self.shapes = [DatasetShape(_shard_sizes(reader),
-                                    kept_mask(reader, self.metadata, self.tally, num_workers,
-                                              progress))
-                       for reader in self.readers]
+        self.tables: list[TokenTable] = []
+        for reader in self.readers:
+            table = token_table(reader, self.metadata, cache_dir=cache_dir,
+                                num_workers=num_workers, partition=partition,
+                                progress=progress)
+            table.tally(self.tally, reader.directory, reader.table.keys)
+            self.tables.append(table)
+        self.shapes = [DatasetShape(reader.table.shard_sizes(), table.kept)
+                       for reader, table in zip(self.readers, self.tables)]
         digest = hashlib.sha256()
         for directory, shape in zip(self.directories, self.shapes):
             with open(os.path.join(directory, INDEX_FILE), "rb") as index:

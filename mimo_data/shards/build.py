@@ -22,6 +22,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
+from mimo_data.shards import sample_table
+from mimo_data.shards.cache import DATASET_CACHE
 from mimo_data.shards.index import dumps, file_sha256, write_atomic
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
@@ -62,7 +64,7 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
-                       r"|.+-\d{6}\.tar)$")
+                       r"|\.mimo-cache|.+-\d{6}\.tar)$")
 
 
 def _prepare_output(output: str, overwrite: bool) -> bool:
@@ -230,6 +232,9 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},
     }
+    os.mkdir(os.path.join(staging, DATASET_CACHE))
+    sample_table.write(os.path.join(staging, SAMPLES_FILE), os.path.join(staging, DATASET_CACHE),
+                       sample_table.table_key(index, staging))
     for name in sorted(os.listdir(staging)):
         os.replace(os.path.join(staging, name), os.path.join(output, name))
     os.rmdir(staging)

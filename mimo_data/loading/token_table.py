@@ -1,0 +1,251 @@
+"""The token table of one dataset under one preprocessing config: for every sample, kept or
+why it is dropped, its tokens, its trained tokens and each media item's token count.
+
+Every rank must agree on the drops (too long, no trained tokens, ...) without communicating,
+or modules would see different global micro-batches. The metadata-only Preprocessor is
+deterministic and decodes no media, so the table is a pure function of the dataset and the
+preprocessing; it is computed once (in DataLoader worker processes, and split over the ranks of
+a job when a ``Partition`` is given) and saved beside the dataset (``shards/cache.py``), keyed
+by everything it depends on: the dataset's index, the preprocessing config, the tokenizer's
+files, the chat template and the source of the code that computes it. A table whose key does
+not match, or that is truncated or altered, is never used: it is computed again.
+
+A drop that only full (media-decoding) preprocessing can see is an error at load time, never a
+skip (see loader.py).
+
+Columns: ``drop`` (int8: 0 kept, else 1 + index into ``mimo.reasons``), ``detail`` (string,
+why it was dropped; null when kept), ``tokens`` and ``trained`` (int32; 0 when dropped), and per
+modality ``tokens_<modality>`` (list of int32: token count per item, in item order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch.utils.data
+from tqdm import tqdm
+
+import mimo_data
+from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
+from mimo_data.shards import cache
+from mimo_data.shards.format import INDEX_FILE
+from mimo_data.shards.reader import ShardReader
+from mimo_data.tally import FIRST_LOCATIONS, Tally
+
+CHUNK = 256   # samples per worker task
+# The code whose output the table is: a change to any of these files makes a new key.
+CODE = sorted([*Path(mimo_data.__file__).parent.glob("preprocess/*.py"),
+               *Path(mimo_data.__file__).parent.glob("modalities/*.py"), Path(__file__)])
+
+
+class TableError(RuntimeError):
+    """A token table could not be made on some rank(s) of a job; the same on every rank."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """This process's share of computing a table across a job: it computes every
+    ``world``-th chunk from ``rank`` and ``gather`` (an all-gather of Python objects over every
+    rank) combines the parts; ``writes``: this process saves the table (one per machine)."""
+    rank: int
+    world: int
+    gather: Callable[[Any], list[Any]]
+    writes: bool
+
+    def together(self, function: Callable[[], Any], gather: bool = False) -> Any:
+        """``function()`` on every rank; its result here, or every rank's (``gather``). If it
+        raised anywhere, TableError on every rank naming the ranks, so that none is left
+        waiting in a later gather."""
+        try:
+            result, error = function(), None
+        except Exception as exc:            # reported on every rank just below
+            result, error = None, f"{type(exc).__name__}: {exc}"
+        gathered = self.gather((result if gather else None, error))
+        failed = {rank: error for rank, (_, error) in enumerate(gathered) if error}
+        if failed:
+            raise TableError("; ".join(f"rank {rank}: {error}" for rank, error in failed.items()))
+        return [result for result, _ in gathered] if gather else result
+
+
+class TokenTable:
+    """Numpy views of a token table (memory-mapped when read from its file)."""
+
+    def __init__(self, table: pa.Table, modalities: Sequence[str]):
+        self.reasons: list[str] = json.loads(table.schema.metadata[b"mimo.reasons"])
+        self.drop = table.column("drop").chunk(0).to_numpy()
+        self.details = table.column("detail").chunk(0)
+        self.tokens = table.column("tokens").chunk(0).to_numpy()
+        self.trained = table.column("trained").chunk(0).to_numpy()
+        self.item_tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        for modality in modalities:
+            column = table.column(f"tokens_{modality}").chunk(0)
+            self.item_tokens[modality] = (column.offsets.to_numpy(),
+                                          column.values.to_numpy())
+
+    def __len__(self) -> int:
+        return len(self.drop)
+
+    @property
+    def kept(self) -> np.ndarray:
+        return self.drop == 0
+
+    def items(self, modality: str) -> np.ndarray:
+        """Number of ``modality`` items per sample."""
+        return np.diff(self.item_tokens[modality][0])
+
+    def tally(self, tally: Tally, directory: str, keys) -> None:
+        """Add the table's kept and dropped samples to ``tally`` (drops by reason, the first
+        ones with their dataset directory, sample key and detail)."""
+        tally.keep(int(self.kept.sum()))
+        for code, reason in enumerate(self.reasons, start=1):
+            dropped = np.flatnonzero(self.drop == code)
+            if len(dropped):
+                tally.skip_many(reason, len(dropped), [
+                    (f"{directory}:{keys[int(p)].as_py()}", self.details[int(p)].as_py())
+                    for p in dropped[:FIRST_LOCATIONS]])
+
+
+def table_key(reader: ShardReader, preprocessor: Preprocessor) -> str:
+    """Everything the table of ``reader`` under ``preprocessor`` depends on, hashed."""
+    config = preprocessor.config
+    digest = hashlib.sha256()
+    with open(os.path.join(reader.directory, INDEX_FILE), "rb") as index:
+        digest.update(hashlib.sha256(index.read()).digest())
+    settings = {k: v for k, v in config.to_dict().items() if k not in ("tokenizer",
+                                                                     "chat_template")}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    digest.update(_tokenizer_digest(config.tokenizer, preprocessor))
+    digest.update(json.dumps(getattr(preprocessor.text, "template", None)).encode())
+    for path in CODE:
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _tokenizer_digest(tokenizer: str, preprocessor: Preprocessor) -> bytes:
+    """The tokenizer directory's files; for a hub name, the loaded tokenizer's definition."""
+    digest = hashlib.sha256()
+    if os.path.isdir(tokenizer):
+        for name in sorted(os.listdir(tokenizer)):
+            path = os.path.join(tokenizer, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as data:
+                    digest.update(name.encode() + hashlib.file_digest(data, "sha256").digest())
+    else:
+        digest.update(preprocessor.text.tokenizer.backend_tokenizer.to_str().encode())
+    return digest.digest()
+
+
+class _Chunks(torch.utils.data.Dataset):
+    """Chunk ``chunks[i]``: ``(start, columns)`` of samples ``chunk * CHUNK ...`` as numpy
+    arrays, drops as ``{position: (reason, detail)}``."""
+
+    def __init__(self, reader: ShardReader, preprocessor: Preprocessor, chunks: Sequence[int]):
+        self.reader = reader
+        self.preprocessor = preprocessor
+        self.chunks = chunks
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+    def __getitem__(self, index: int) -> tuple[int, dict]:
+        start = self.chunks[index] * CHUNK
+        stop = min(start + CHUNK, len(self.reader))
+        records = [self.reader.record(position) for position in range(start, stop)]
+        modalities = list(self.preprocessor.config.modalities)
+        tokens = np.zeros(stop - start, np.int32)
+        trained = np.zeros(stop - start, np.int32)
+        items = {m: np.zeros(stop - start, np.int32) for m in modalities}
+        item_tokens: dict[str, list[int]] = {m: [] for m in modalities}
+        drops = {}
+        for at, text in enumerate(self.preprocessor.text_batch(records)):
+            if isinstance(text, SampleDropped):
+                drops[start + at] = (text.reason, text.detail)
+                continue
+            tokens[at], trained[at] = len(text.ids) - 1, text.loss_mask.sum()
+            for modality, counts in text.token_counts.items():
+                items[modality][at] = len(counts)
+                item_tokens[modality].extend(counts)
+        return start, {"tokens": tokens, "trained": trained, "items": items, "drops": drops,
+                       "item_tokens": {m: np.array(c, np.int32) for m, c in item_tokens.items()}}
+
+
+def _as_is(item):
+    return item
+
+
+def compute(reader: ShardReader, preprocessor: Preprocessor, num_workers: int = 0,
+            partition: Partition | None = None, progress: bool = False) -> pa.Table:
+    """The token table of ``reader`` (this process's share of it combined with the others'
+    when ``partition`` is given)."""
+    if preprocessor.with_media:
+        raise ValueError("token tables come from a metadata-only Preprocessor "
+                         "(with_media=False), which every rank can run")
+    rank, world = (0, 1) if partition is None else (partition.rank, partition.world)
+    chunks = range(rank, -(-len(reader) // CHUNK), world)
+    loader = torch.utils.data.DataLoader(_Chunks(reader, preprocessor, chunks),
+                                         batch_size=None, num_workers=num_workers,
+                                         collate_fn=_as_is)
+
+    def part() -> list:
+        return list(tqdm(loader, desc=f"token table {reader.directory}", unit="chunk",
+                         disable=not progress, delay=1.0, file=sys.stderr))
+    parts = [part()] if partition is None else partition.together(part, gather=True)
+    columns = [c for _, c in sorted((c for p in parts for c in p), key=lambda c: c[0])]
+    drops = {p: d for c in columns for p, d in c["drops"].items()}
+    reasons = sorted({reason for reason, _ in drops.values()})
+    drop = np.zeros(len(reader), np.int8)
+    detail: list[str | None] = [None] * len(reader)
+    for position, (reason, text) in drops.items():
+        drop[position], detail[position] = reasons.index(reason) + 1, text
+    table: dict[str, Any] = {
+        "drop": drop, "detail": pa.array(detail, pa.string()),
+        "tokens": np.concatenate([c["tokens"] for c in columns]),
+        "trained": np.concatenate([c["trained"] for c in columns])}
+    for modality in preprocessor.config.modalities:
+        counts = np.concatenate([c["items"][modality] for c in columns])
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        values = np.concatenate([c["item_tokens"][modality] for c in columns])
+        table[f"tokens_{modality}"] = pa.ListArray.from_arrays(offsets, values)
+    assert len(table["tokens"]) == len(reader), (len(table["tokens"]), len(reader))
+    return pa.table(table).replace_schema_metadata({b"mimo.reasons":
+                                                    json.dumps(reasons).encode()})
+
+
+def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
+                cache_dir: str | None = None, num_workers: int = 0,
+                partition: Partition | None = None, progress: bool = False) -> TokenTable:
+    """The token table of ``reader`` under ``preprocessor``: read from its file when it is
+    there, for this key and intact; computed and saved otherwise (a collective when
+    ``partition`` is given: every rank of it must call)."""
+    here: list = []
+
+    def lookup() -> bool:
+        key = table_key(reader, preprocessor)
+        path = os.path.join(cache.cache_directory(reader.directory, cache_dir),
+                            f"tokens-{key[:24]}.arrow")
+        here.extend((key, path, cache.read_table(path, key)))
+        return here[2] is not None
+    # Ranks decide together: one that found no table (another machine, or a launch that wrote
+    # it just now) must not leave the others computing without it.
+    found = [lookup()] if partition is None else partition.together(lookup, gather=True)
+    key, path, table = here
+    if not all(found):
+        computed = compute(reader, preprocessor, num_workers, partition, progress)
+
+        def save() -> pa.Table:
+            if partition is not None and not partition.writes:
+                return computed
+            cache.write_table(path, computed, key)
+            return cache.read_table(path, key) or computed      # mapped, not held in memory
+        table = save() if partition is None else partition.together(save)
+    modalities = list(preprocessor.config.modalities)
+    return TokenTable(table, modalities)

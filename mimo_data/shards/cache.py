@@ -1,0 +1,90 @@
+"""Where tables derived from a dataset live, and how they are written and checked.
+
+A derived table (the memory-mapped sample table, a token table per preprocessing config) is an
+Arrow IPC file named after a key that covers everything it was computed from, with the sha256
+of its columns in its schema metadata. It lives in ``DATASET/.mimo-cache/`` when the dataset
+directory is writable, otherwise (or when ``MIMO_CACHE_DIR`` or a ``cache_dir`` is given) in
+``CACHE/<dataset name>-<hash of its absolute path>/``. ``MIMO_CACHE_DIR`` overrides a
+configured ``cache_dir``.
+
+Files are written to a temporary name and renamed, so readers (and concurrent writers of the
+same table) only ever see complete files; a file that does not open, whose key differs or
+whose columns do not hash to the recorded digest is not used (the caller rebuilds it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+
+import pyarrow as pa
+
+CACHE_DIR_ENV = "MIMO_CACHE_DIR"
+DATASET_CACHE = ".mimo-cache"
+DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo")
+
+
+def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
+    """The directory holding ``dataset``'s derived tables (created if missing)."""
+    root = os.environ.get(CACHE_DIR_ENV) or cache_dir
+    if root is None and os.access(dataset, os.W_OK):
+        path = os.path.join(dataset, DATASET_CACHE)
+    else:
+        absolute = os.path.abspath(dataset)
+        name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
+        path = os.path.join(root or DEFAULT_CACHE, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def columns_digest(table: pa.Table) -> str:
+    """sha256 of every column's buffers: detects a changed byte in a table file."""
+    digest = hashlib.sha256()
+    for column in table.columns:
+        for chunk in column.chunks:
+            for buffer in chunk.buffers():
+                if buffer is not None:
+                    digest.update(memoryview(buffer))
+    return digest.hexdigest()
+
+
+def write_table(path: str, table: pa.Table, key: str) -> None:
+    """Write ``table`` to ``path`` atomically, with ``key`` and its digest in its metadata."""
+    # The digest is taken of the table as read back from IPC: buffers exactly as the file holds
+    # them (a sliced array's buffers may hold more than it shows).
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table.combine_chunks())
+    table = pa.ipc.open_file(sink.getvalue()).read_all()
+    metadata = {**(table.schema.metadata or {}), b"mimo.key": key.encode(),
+                b"mimo.digest": columns_digest(table).encode()}
+    table = table.replace_schema_metadata(metadata)
+    handle, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
+                                   dir=os.path.dirname(path))
+    try:
+        with os.fdopen(handle, "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
+            writer.write_table(table)
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)                # mkstemp's 0600 would hide it from other users
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def read_table(path: str, key: str) -> pa.Table | None:
+    """The table at ``path``, memory-mapped, if it is complete, for ``key`` and undamaged;
+    None otherwise (missing, truncated, another key, changed bytes)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+    except (pa.ArrowInvalid, OSError):
+        return None
+    metadata = table.schema.metadata or {}
+    if metadata.get(b"mimo.key") != key.encode() or \
+            metadata.get(b"mimo.digest") != columns_digest(table).encode():
+        return None
+    return table

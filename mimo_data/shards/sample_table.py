@@ -1,0 +1,139 @@
+"""The sample table: every sample's key, shard and member byte ranges as flat columns that
+every process memory-maps (Arrow IPC), so opening a dataset costs no Python object per sample
+and its pages are shared by all ranks of a machine.
+
+It is derived from ``samples.parquet`` (compressed, for tools; reading it builds objects) and
+keyed by that file's sha256 from ``index.json``. ``mimo-shard build`` writes it; a dataset built
+before gets it on first use (``cache.py`` says where it goes), with a message.
+
+Columns: ``key`` (string), ``shard`` (int32 id into the ``mimo.shards`` list in the schema
+metadata), ``members`` (list of ``{name: int16 id into mimo.members, offset, size}`` in tar
+order).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from mimo_data.shards import cache
+from mimo_data.shards.format import SAMPLES_FILE
+from mimo_data.shards.index import DatasetError, file_sha256
+
+TABLE_VERSION = 1
+
+
+def table_key(index: dict, directory: str) -> str:
+    """What the sample table is computed from: samples.parquet's sha256 (from the index)."""
+    recorded = index.get("files", {}).get(SAMPLES_FILE, {}).get("sha256")
+    return f"v{TABLE_VERSION}-{recorded or file_sha256(os.path.join(directory, SAMPLES_FILE))}"
+
+
+def file_name(key: str) -> str:
+    return f"samples-{key[:19]}.arrow"
+
+
+def from_parquet(parquet: str) -> pa.Table:
+    """The sample table of ``samples.parquet`` (vectorized: no Python object per sample)."""
+    source = pq.ParquetFile(parquet).read(columns=["key", "shard", "members"])
+    shards = pc.dictionary_encode(source.column("shard")).combine_chunks()
+    members = source.column("members").combine_chunks()
+    flat = members.flatten()
+    names = pc.dictionary_encode(flat.field("name"))
+    if len(names.dictionary) > np.iinfo(np.int16).max:
+        raise DatasetError(f"{parquet}: {len(names.dictionary)} distinct member names")
+    entries = pa.StructArray.from_arrays(
+        [names.indices.cast(pa.int16()), flat.field("offset"), flat.field("size")],
+        names=["name", "offset", "size"])
+    table = pa.table({"key": source.column("key").combine_chunks(),
+                      "shard": shards.indices.cast(pa.int32()),
+                      "members": pa.ListArray.from_arrays(members.offsets, entries)})
+    return table.replace_schema_metadata({
+        b"mimo.shards": json.dumps(shards.dictionary.to_pylist()).encode(),
+        b"mimo.members": json.dumps(names.dictionary.to_pylist()).encode()})
+
+
+def write(parquet: str, folder: str, key: str) -> str:
+    """Derive the sample table of ``parquet`` and write it into ``folder``; returns its path."""
+    path = os.path.join(folder, file_name(key))
+    cache.write_table(path, from_parquet(parquet), key)
+    return path
+
+
+class SampleTable:
+    """The memory-mapped sample table of one dataset: numpy views, one Arrow string column."""
+
+    def __init__(self, path: str, table: pa.Table):
+        self.path = path
+        metadata = table.schema.metadata
+        self.shard_names: list[str] = json.loads(metadata[b"mimo.shards"])
+        self.member_names: list[str] = json.loads(metadata[b"mimo.members"])
+        self.keys = table.column("key").chunk(0)
+        self.shard_ids = table.column("shard").chunk(0).to_numpy()
+        members = table.column("members").chunk(0)
+        self.member_starts = members.offsets.to_numpy()
+        values = members.values
+        self.member_name_ids = values.field("name").to_numpy()
+        self.member_offsets = values.field("offset").to_numpy()
+        self.member_sizes = values.field("size").to_numpy()
+
+    @classmethod
+    def open(cls, directory: str, index: dict, cache_dir: str | None = None) -> SampleTable:
+        """The table of ``directory``, derived first when missing, stale or damaged."""
+        key = table_key(index, directory)
+        path = os.path.join(cache.cache_directory(directory, cache_dir), file_name(key))
+        table = cache.read_table(path, key)
+        if table is None:
+            if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun
+                print(f"mimo: {directory}: writing its sample table {path} (once per dataset "
+                      "and cache directory; `mimo-shard build` writes it beside new datasets)",
+                      file=sys.stderr, flush=True)
+            write(os.path.join(directory, SAMPLES_FILE), os.path.dirname(path), key)
+            table = cache.read_table(path, key)
+            assert table is not None, path
+        if table.num_rows != index["totals"]["samples"]:
+            raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
+                               f"index says {index['totals']['samples']} samples; rebuild")
+        return cls(path, table)
+
+    def __reduce__(self):
+        # A process that receives the table (spawned DataLoader workers) maps the file again
+        # instead of receiving a copy of its columns.
+        return _mapped, (self.path,)
+
+    def __len__(self) -> int:
+        return len(self.shard_ids)
+
+    def key(self, position: int) -> str:
+        return self.keys[position].as_py()
+
+    def position(self, key: str) -> int | None:
+        """Position of the sample with ``key``, None if there is none."""
+        found = pc.index(self.keys, key).as_py()
+        return None if found < 0 else found
+
+    def shard(self, position: int) -> str:
+        return self.shard_names[self.shard_ids[position]]
+
+    def members(self, position: int) -> dict[str, tuple[int, int]]:
+        """``{member name: (byte offset, size)}`` of the sample at ``position``."""
+        start, stop = self.member_starts[position], self.member_starts[position + 1]
+        return {self.member_names[n]: (int(o), int(s)) for n, o, s in zip(
+            self.member_name_ids[start:stop], self.member_offsets[start:stop],
+            self.member_sizes[start:stop])}
+
+    def shard_sizes(self) -> tuple[int, ...]:
+        """Samples per shard, in write order."""
+        cuts = np.flatnonzero(np.diff(self.shard_ids)) + 1
+        return tuple(np.diff(np.concatenate([[0], cuts, [len(self)]])).tolist()) \
+            if len(self) else ()
+
+
+def _mapped(path: str) -> SampleTable:
+    return SampleTable(path, pa.ipc.open_file(pa.memory_map(path)).read_all())

@@ -1,0 +1,215 @@
+"""The token table is computed once per (dataset, preprocessing) and reused; any change to what
+it depends on (tokenizer files, chat template, preprocessing config, dataset) makes a new one;
+a truncated or altered file is computed again, never used; concurrent builders leave one valid
+table. (Ranks computing parts of it: tests/test_loader_dist.py.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import yaml
+
+from conftest import REPO, build_dataset, preprocess_config_file
+from mimo_data.loading import token_table as tables
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor
+from mimo_data.shards import cache
+from mimo_data.shards.reader import ShardReader
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory, corpus_inputs) -> Path:
+    out = tmp_path_factory.mktemp("token-table") / "shards"
+    build_dataset(corpus_inputs, out, max_samples_per_shard=16)
+    return out
+
+
+@pytest.fixture
+def computes(monkeypatch) -> list:
+    """Records every computation of a table (by dataset directory)."""
+    calls: list = []
+    original = tables.compute
+
+    def counting(reader, *args, **kwargs):
+        calls.append(reader.directory)
+        return original(reader, *args, **kwargs)
+    monkeypatch.setattr(tables, "compute", counting)
+    return calls
+
+
+def open_table(dataset: Path, config: Path, cache_dir: Path) -> tables.TokenTable:
+    preprocessor = Preprocessor(PreprocessConfig.from_yaml(str(config)), with_media=False)
+    return tables.token_table(ShardReader(str(dataset), str(cache_dir)), preprocessor,
+                              cache_dir=str(cache_dir))
+
+
+def table_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.rglob("tokens-*.arrow"))
+
+
+def columns(table: tables.TokenTable) -> dict:
+    return {"drop": table.drop.copy(), "tokens": table.tokens.copy(),
+            "trained": table.trained.copy(),
+            **{m: (o.copy(), v.copy()) for m, (o, v) in table.item_tokens.items()}}
+
+
+def test_computed_once_then_reused(dataset, tmp_path, computes):
+    config = preprocess_config_file(tmp_path / "p.yaml")
+    first = columns(open_table(dataset, config, tmp_path / "cache"))
+    assert computes == [str(dataset)] and len(table_files(tmp_path / "cache")) == 1
+    again = open_table(dataset, config, tmp_path / "cache")
+    assert computes == [str(dataset)]                                # read, not computed
+    assert np.array_equal(again.tokens, first["tokens"]) and again.kept.sum() > 0
+    # what the preprocessor says of every sample, sample by sample
+    preprocessor = Preprocessor(PreprocessConfig.from_yaml(str(config)), with_media=False)
+    reader = ShardReader(str(dataset))
+    texts = preprocessor.text_batch([reader.record(p) for p in range(len(reader))])
+    for position, text in enumerate(texts):
+        if hasattr(text, "reason"):
+            assert again.reasons[again.drop[position] - 1] == text.reason
+        else:
+            assert again.drop[position] == 0
+            assert again.tokens[position] == len(text.ids) - 1
+            assert again.trained[position] == text.loss_mask.sum()
+            for modality, counts in text.token_counts.items():
+                offsets, values = again.item_tokens[modality]
+                assert list(values[offsets[position]:offsets[position + 1]]) == counts
+
+
+def _tokenizer_copy(tmp_path: Path) -> Path:
+    copy = tmp_path / "tokenizer"
+    shutil.copytree(REPO / "assets" / "tokenizer" / "smollm2", copy)
+    return copy
+
+
+def _with(config: Path, **changes) -> Path:
+    data = yaml.safe_load(config.read_text())
+    data.update(changes)
+    config.write_text(yaml.safe_dump(data))
+    return config
+
+
+def _change_tokenizer(tmp_path, dataset, config):
+    settings = tmp_path / "tokenizer" / "tokenizer_config.json"
+    data = json.loads(settings.read_text())
+    data["model_max_length"] = 12345
+    settings.write_text(json.dumps(data))
+    return dataset, config
+
+
+def _change_template(tmp_path, dataset, config):
+    template = tmp_path / "template.jinja"
+    template.write_text("{#- another comment -#}\n" + template.read_text())
+    return dataset, config
+
+
+def _change_config(tmp_path, dataset, config):
+    return dataset, _with(config, seq_length=512)
+
+
+def _change_dataset(tmp_path, dataset, config):
+    rebuilt = tmp_path / "rebuilt"
+    shutil.copytree(dataset, rebuilt)
+    index = json.loads((rebuilt / "index.json").read_text())
+    index["build"]["seed"] = 7          # another build of the same records
+    (rebuilt / "index.json").write_text(json.dumps(index))
+    return rebuilt, config
+
+
+@pytest.mark.parametrize("change", [_change_tokenizer, _change_template, _change_config,
+                                    _change_dataset],
+                         ids=["tokenizer-files", "chat-template", "preprocess-config",
+                              "dataset"])
+def test_a_change_to_what_it_depends_on_makes_a_new_table(dataset, tmp_path, computes,
+                                                          change):
+    tokenizer = _tokenizer_copy(tmp_path)
+    template = tmp_path / "template.jinja"
+    template.write_text((tokenizer / "chat_template.jinja").read_text())
+    config = _with(preprocess_config_file(tmp_path / "p.yaml"), tokenizer=str(tokenizer),
+                   chat_template=str(template))
+    cache_dir = tmp_path / "cache"
+    open_table(dataset, config, cache_dir)
+    open_table(dataset, config, cache_dir)
+    assert len(computes) == 1
+    changed_dataset, changed_config = change(tmp_path, dataset, config)
+    open_table(changed_dataset, changed_config, cache_dir)
+    assert len(computes) == 2, "a table computed under the old inputs was used"
+    assert len(table_files(cache_dir)) == 2
+
+
+def _column_bytes_in_file(path: Path, values: np.ndarray) -> int:
+    data = path.read_bytes()
+    found = data.find(values.tobytes())
+    assert found >= 0 and data.find(values.tobytes(), found + 1) < 0
+    return found
+
+
+@pytest.mark.parametrize("damage", ["truncated", "altered"])
+def test_a_damaged_table_is_computed_again_never_used(dataset, tmp_path, computes, damage):
+    config = preprocess_config_file(tmp_path / "p.yaml")
+    cache_dir = tmp_path / "cache"
+    original = columns(open_table(dataset, config, cache_dir))
+    [path] = table_files(cache_dir)
+    if damage == "truncated":
+        os.truncate(path, path.stat().st_size // 2)
+    else:       # one token count changed: the file still opens as Arrow
+        at = _column_bytes_in_file(path, original["tokens"])
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0x01
+        path.write_bytes(bytes(data))
+        opened = pa.ipc.open_file(pa.memory_map(str(path))).read_all()   # still a table
+        assert opened.column("tokens").to_numpy().tolist() != original["tokens"].tolist()
+    again = open_table(dataset, config, cache_dir)
+    assert len(computes) == 2
+    assert np.array_equal(again.tokens, original["tokens"])
+    assert table_files(cache_dir) == [path]
+    assert open_table(dataset, config, cache_dir).tokens.tolist() == original["tokens"].tolist()
+    assert len(computes) == 2                       # the rewritten file is whole again
+
+
+BUILDER = """
+import sys
+from mimo_data.loading.token_table import token_table
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor
+from mimo_data.shards.reader import ShardReader
+dataset, config = sys.argv[1:3]
+preprocessor = Preprocessor(PreprocessConfig.from_yaml(config), with_media=False)
+table = token_table(ShardReader(dataset), preprocessor)
+print(int(table.tokens.sum()))
+"""
+
+
+def test_concurrent_builders_leave_one_valid_table(dataset, tmp_path):
+    config = preprocess_config_file(tmp_path / "p.yaml")
+    cache_dir = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO), cache.CACHE_DIR_ENV: str(cache_dir)}
+    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(dataset), str(config)],
+                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(2)]
+    outputs = [b.communicate(timeout=300) for b in builders]
+    assert [b.returncode for b in builders] == [0, 0], outputs
+    files = list(cache_dir.rglob("*"))
+    tokens = [p for p in files if p.name.startswith("tokens-")]
+    assert len(tokens) == 1 and not [p for p in files if ".tmp-" in p.name], files
+    serial = open_table(dataset, config, tmp_path / "serial")
+    assert [int(out) for out, _ in outputs] == [int(serial.tokens.sum())] * 2
+    key = tables.table_key(
+        ShardReader(str(dataset)),
+        Preprocessor(PreprocessConfig.from_yaml(str(config)), with_media=False))
+    assert cache.read_table(str(tokens[0]), key) is not None
+
+
+def test_the_cache_directory_environment_variable_wins(dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "from-env"))
+    open_table(dataset, preprocess_config_file(tmp_path / "p.yaml"), tmp_path / "configured")
+    assert len(table_files(tmp_path / "from-env")) == 1
+    assert table_files(tmp_path / "configured") == []
