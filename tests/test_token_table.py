@@ -213,3 +213,36 @@ def test_the_cache_directory_environment_variable_wins(dataset, tmp_path, monkey
     open_table(dataset, preprocess_config_file(tmp_path / "p.yaml"), tmp_path / "configured")
     assert len(table_files(tmp_path / "from-env")) == 1
     assert table_files(tmp_path / "configured") == []
+
+
+def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tmp_path,
+                                                                     computes, monkeypatch):
+    from mimo_data.inspect import report as reports
+    from mimo_data.inspect.checks import Thresholds
+    from mimo_data.inspect.stats import SampleInspector
+
+    config = _with(preprocess_config_file(tmp_path / "p.yaml"), seq_length=256)  # some drops
+    cache_dir = tmp_path / "cache"
+    inspector = SampleInspector(PreprocessConfig.from_yaml(str(config)))
+    first = reports.build_report(str(dataset), inspector, Thresholds(), progress=False,
+                                 cache_dir=str(cache_dir))
+    assert first["tables"]["reused"] is False and first["kept"] > 0 and first["dropped"] > 0
+    # training's start-up finds the report's table: nothing computed, the same table
+    written = open_table(dataset, config, cache_dir)
+    assert computes == []
+    fresh = tables.compute(ShardReader(str(dataset)), Preprocessor(
+        PreprocessConfig.from_yaml(str(config)), with_media=False))
+    assert cache.columns_digest(fresh) == cache.columns_digest(
+        pa.ipc.open_file(pa.memory_map(first["tables"]["token_table"])).read_all())
+    assert written.tokens.tolist() == fresh.column("tokens").to_pylist()
+
+    def no_sample(*args, **kwargs):
+        raise AssertionError("a sample was inspected although the tables are saved")
+    monkeypatch.setattr(reports, "inspect_dataset", no_sample)
+    again = reports.build_report(str(dataset), SampleInspector(
+        PreprocessConfig.from_yaml(str(config))), Thresholds(), progress=False,
+        cache_dir=str(cache_dir))
+    assert again["tables"]["reused"] is True
+    varying = ("seconds", "samples_per_second", "tables", "token_cache")
+    assert {k: v for k, v in again.items() if k not in varying} == \
+        {k: v for k, v in first.items() if k not in varying}

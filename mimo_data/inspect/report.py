@@ -31,23 +31,31 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 from tqdm import tqdm
 
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
+from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key,
+                                           table_path)
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
+from mimo_data.shards import cache
 from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
 KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)
 KEYS_IN_MESSAGE = 5     # first keys named in a failed check's line
+DROP = "drop:"          # flags table: names of drop-reason entries (the others: check names)
 
 
 @dataclass
@@ -70,27 +78,29 @@ def _histogram(values, edges) -> list[dict]:
 
 
 def _integer_edges(values, bins: int = 16) -> np.ndarray:
-    top = max(values) if len(values) else 1
+    top = int(np.max(values)) if len(values) else 1
     step = max(1, int(np.ceil((top + 1) / bins)))
     return np.arange(0, top + step + 1, step)
 
 
 class ReportBuilder:
-    """Accumulates per-sample stats into the report."""
+    """Accumulates per-sample stats into the report: the token table's rows (``Rows``) and the
+    samples each check flags. The report's numbers come from the token table, so a report
+    rebuilt from saved tables (``from_tables``) is the same report."""
 
     def __init__(self, inspector: SampleInspector):
         self.inspector = inspector
-        self.lengths: list[int] = []
-        self.trained: list[int] = []
-        self.item_tokens: dict[str, list[int]] = {m: [] for m in inspector.config.modalities}
-        self.sample_tokens: dict[str, list[int]] = {m: [] for m in inspector.config.modalities}
+        self.modalities = list(inspector.config.modalities)
+        self.rows = Rows(self.modalities)
         self.drop_reasons: dict[str, Flagged] = {}
         self.flagged = {name: Flagged() for name in CHECKS}
         self.seen = 0
         self.total_samples = 0
+        self.table: TokenTable | None = None
 
     def add(self, stats: SampleStats) -> None:
         self.seen += 1
+        self.rows.add(stats.dropped, stats.detail, stats.length, stats.trained, stats.counted)
         flagged = self.flagged
         if stats.dropped:
             flagged["dropped"].add(stats, f"{stats.dropped}: {stats.detail}")
@@ -100,13 +110,6 @@ class ReportBuilder:
             if stats.template_failure:
                 flagged["template_failures"].add(stats, f"{stats.dropped}: {stats.detail}")
         else:
-            self.lengths.append(stats.length)
-            self.trained.append(stats.trained)
-            for modality, counts in stats.expected.items():
-                if counts:
-                    known = [count for count in counts if count is not None]
-                    self.item_tokens[modality].extend(known)
-                    self.sample_tokens[modality].append(sum(known))
             if stats.removed_turns:
                 flagged["truncated"].add(stats, f"{stats.removed_turns} trailing turn(s) removed")
             if stats.placeholder_mismatch:
@@ -117,6 +120,52 @@ class ReportBuilder:
             flagged["marker_mismatches"].add(stats, stats.describe_markers())
         if stats.index_problems:
             flagged["index_mismatches"].add(stats, "; ".join(stats.index_problems))
+
+    def finish(self) -> tuple[pa.Table, pa.Table]:
+        """The token table and the flags table of the samples added."""
+        table = assemble([self.rows.arrays()], self.modalities)
+        self.table = TokenTable(table, self.modalities)
+        entries = [(f"{DROP}{reason}", *entry) for reason, f in self.drop_reasons.items()
+                   for entry in f.entries]
+        entries += [(name, *entry) for name, f in self.flagged.items() for entry in f.entries]
+        flags = pa.table({"name": pa.array([e[0] for e in entries], pa.string()),
+                          "position": pa.array([e[1] for e in entries], pa.int64()),
+                          "key": pa.array([e[2] for e in entries], pa.string()),
+                          "detail": pa.array([e[3] for e in entries], pa.string())})
+        return table, flags
+
+    @classmethod
+    def from_tables(cls, inspector: SampleInspector, table: TokenTable,
+                    flags: pa.Table) -> ReportBuilder:
+        """The builder of a whole dataset from its saved token and flags tables."""
+        builder = cls(inspector)
+        builder.table = table
+        builder.seen = len(table)
+        for name, position, key, detail in zip(*(flags.column(c).to_pylist() for c in
+                                                 ("name", "position", "key", "detail"))):
+            target = (builder.drop_reasons.setdefault(name.removeprefix(DROP), Flagged())
+                      if name.startswith(DROP) else builder.flagged[name])
+            target.entries.append((position, key, detail))
+        return builder
+
+    def _kept(self) -> tuple[np.ndarray, np.ndarray]:
+        """Lengths and trained tokens of the kept samples (int64)."""
+        assert self.table is not None, "finish() first"
+        kept = self.table.kept
+        return (self.table.tokens[kept].astype(np.int64),
+                self.table.trained[kept].astype(np.int64))
+
+    def _media_tokens(self, modality: str) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens per item and per sample with items, of the kept samples."""
+        assert self.table is not None, "finish() first"
+        offsets, values = self.table.item_tokens[modality]
+        items = np.diff(offsets)
+        kept = self.table.kept
+        per_item = values[np.repeat(kept, items)].astype(np.int64)
+        with_items = kept & (items > 0)
+        per_sample = (np.add.reduceat(values.astype(np.int64), offsets[:-1][with_items])
+                      if with_items.any() else np.zeros(0, np.int64))
+        return per_item, per_sample
 
     def checks(self, thresholds: Thresholds) -> list[dict]:
         results = []
@@ -136,14 +185,15 @@ class ReportBuilder:
                                        sorted(self.drop_reasons.items())}
             result["message"] = _check_message(result, flagged)
             results.append(result)
-        kept = len(self.lengths)
+        lengths, trained_tokens = self._kept()
+        kept = len(lengths)
         results.append({
             "name": "kept_samples", "passed": kept > 0, "count": kept, "of": total,
             "fraction": kept / total if total else 0.0, "limit": 1, "limit_kind": "min_count",
             "flag": None, "what": "samples training would get", "keys": [],
             "message": f"kept_samples: {kept} of {total} samples would be trained on"
                        + ("" if kept else " (nothing to train on)")})
-        real, trained = sum(self.lengths), sum(self.trained)
+        real, trained = int(lengths.sum()), int(trained_tokens.sum())
         fraction = trained / real if real else 0.0
         passed = fraction >= thresholds.min_trained_token_fraction
         results.append({
@@ -160,9 +210,11 @@ class ReportBuilder:
 
     def to_dict(self, thresholds: Thresholds) -> dict:
         config = self.inspector.config
-        kept = len(self.lengths)
-        real, trained = sum(self.lengths), sum(self.trained)
-        fractions = [t / n for t, n in zip(self.trained, self.lengths) if n]
+        lengths, trained_tokens = self._kept()
+        kept = len(lengths)
+        real, trained = int(lengths.sum()), int(trained_tokens.sum())
+        fractions = trained_tokens[lengths > 0] / lengths[lengths > 0]
+        media = {m: self._media_tokens(m) for m in config.modalities}
         report = {
             "samples": self.seen, "kept": kept, "dropped": self.seen - kept,
             "seq_length": config.seq_length, "length_policy": config.length_policy,
@@ -174,17 +226,15 @@ class ReportBuilder:
                        if kept else 0.0},
             "trained_fraction": {"stats": summary(fractions),
                                  "histogram": _histogram(fractions, np.linspace(0, 1, 11))},
-            "sequence_length": {"stats": summary(self.lengths), "histogram": _histogram(
-                self.lengths, np.linspace(0, config.seq_length, 17).round())},
-            "modalities": {m: {"items": len(self.item_tokens[m]),
-                               "samples": len(self.sample_tokens[m]),
-                               "tokens": sum(self.item_tokens[m]),
+            "sequence_length": {"stats": summary(lengths), "histogram": _histogram(
+                lengths, np.linspace(0, config.seq_length, 17).round())},
+            "modalities": {m: {"items": len(per_item), "samples": len(per_sample),
+                               "tokens": int(per_item.sum()),
                                "tokens_per_item": {
-                                   "stats": summary(self.item_tokens[m]),
-                                   "histogram": _histogram(self.item_tokens[m],
-                                                           _integer_edges(self.item_tokens[m]))},
-                               "tokens_per_sample": {"stats": summary(self.sample_tokens[m])}}
-                           for m in config.modalities},
+                                   "stats": summary(per_item),
+                                   "histogram": _histogram(per_item, _integer_edges(per_item))},
+                               "tokens_per_sample": {"stats": summary(per_sample)}}
+                           for m, (per_item, per_sample) in media.items()},
             "drop_reasons": {reason: {"count": len(f.entries),
                                       "first": [{"key": k, "detail": d}
                                                 for _, k, d in f.entries[:KEYS_IN_MESSAGE]]}
@@ -337,19 +387,54 @@ def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | 
 
 def build_report(directory: str, inspector: SampleInspector, thresholds: Thresholds, *,
                  limit: int | None = None, progress: bool = True, workers: int = 1,
-                 on_stats=None) -> dict:
-    """The report dict (see ``ReportBuilder.to_dict``) of a dataset directory."""
+                 on_stats=None, cache_dir: str | None = None) -> dict:
+    """The report dict (see ``ReportBuilder.to_dict``) of a dataset directory.
+
+    A whole-dataset report saves the token table training uses (unless it is there already)
+    and the flagged samples beside it; the next report of the same dataset, preprocessing and
+    inspection code is made from those tables, without running a sample (except with
+    ``on_stats``, which needs every sample's stats)."""
     start = time.perf_counter()
-    builder = inspect_dataset(directory, inspector, limit=limit, progress=progress,
-                              workers=workers, on_stats=on_stats)
+    reader = ShardReader(directory, cache_dir)
+    modalities = list(inspector.config.modalities)
+    key = table_key(reader, inspector.preprocessor)
+    tokens_path = table_path(reader, key, cache_dir)
+    flags_key = _flags_key(key)
+    flags_path = os.path.join(os.path.dirname(tokens_path), f"report-{flags_key[:24]}.arrow")
+    builder = None
+    if limit is None and on_stats is None:
+        token_data = cache.read_table(tokens_path, key)
+        flags = cache.read_table(flags_path, flags_key)
+        if token_data is not None and flags is not None:
+            builder = ReportBuilder.from_tables(inspector, TokenTable(token_data, modalities),
+                                                flags)
+    reused = builder is not None
+    if builder is None:
+        builder = inspect_dataset(directory, inspector, limit=limit, progress=progress,
+                                  workers=workers, on_stats=on_stats)
+        token_data, flags = builder.finish()
+        if limit is None:
+            if cache.read_table(tokens_path, key) is None:
+                cache.write_table(tokens_path, token_data, key)
+            cache.write_table(flags_path, flags, flags_key)
+    builder.total_samples = len(reader)
     seconds = time.perf_counter() - start
     report = {"dataset": directory, "total_samples": builder.total_samples, "limit": limit,
               "workers": workers, **builder.to_dict(thresholds), "seconds": seconds,
-              "samples_per_second": builder.seen / seconds if seconds else None}
+              "samples_per_second": builder.seen / seconds if seconds else None,
+              "tables": {"token_table": tokens_path, "flags": flags_path, "reused": reused}}
     backend = inspector.text.backend
-    if isinstance(backend, SegmentCachedTokenizer) and workers <= 1:
+    if isinstance(backend, SegmentCachedTokenizer) and workers <= 1 and not reused:
         report["token_cache"] = {"pieces_cached": backend.hits, "pieces_encoded": backend.misses}
     return report
+
+
+def _flags_key(token_key: str) -> str:
+    """The flags table depends on the token table's inputs and the inspection code."""
+    digest = hashlib.sha256(token_key.encode())
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
 
 
 def format_report(report: dict) -> str:

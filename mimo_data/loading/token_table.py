@@ -144,9 +144,62 @@ def _tokenizer_digest(tokenizer: str, preprocessor: Preprocessor) -> bytes:
     return digest.digest()
 
 
+class Rows:
+    """Rows of a token table in sample order, from ``start``: what one worker task or a
+    ``mimo-inspect report`` pass gathers; ``assemble`` makes the table of all of them."""
+
+    def __init__(self, modalities: Sequence[str], start: int = 0):
+        self.start = start
+        self.tokens: list[int] = []
+        self.trained: list[int] = []
+        self.items: dict[str, list[int]] = {m: [] for m in modalities}
+        self.item_tokens: dict[str, list[int]] = {m: [] for m in modalities}
+        self.drops: dict[int, tuple[str, str]] = {}     # position -> (reason, detail)
+
+    def add(self, dropped: str | None, detail: str, tokens: int, trained: int,
+            token_counts: dict[str, list[int]]) -> None:
+        """The next sample: ``dropped`` its drop reason (None: kept)."""
+        if dropped is not None:
+            self.drops[self.start + len(self.tokens)] = (dropped, detail)
+            tokens, trained, token_counts = 0, 0, {}
+        self.tokens.append(tokens)
+        self.trained.append(trained)
+        for modality, counts in self.items.items():
+            counts.append(len(token_counts.get(modality, ())))
+            self.item_tokens[modality].extend(token_counts.get(modality, ()))
+
+    def arrays(self) -> dict:
+        """Compact numpy columns (what a worker sends back)."""
+        return {"start": self.start, "tokens": np.array(self.tokens, np.int32),
+                "trained": np.array(self.trained, np.int32), "drops": self.drops,
+                "items": {m: np.array(c, np.int32) for m, c in self.items.items()},
+                "item_tokens": {m: np.array(c, np.int32) for m, c in self.item_tokens.items()}}
+
+
+def assemble(parts: list[dict], modalities: Sequence[str]) -> pa.Table:
+    """The token table of ``Rows.arrays()`` parts covering samples 0... without a gap."""
+    parts = sorted(parts, key=lambda part: part["start"])
+    drops = {p: d for part in parts for p, d in part["drops"].items()}
+    reasons = sorted({reason for reason, _ in drops.values()})
+    tokens = np.concatenate([part["tokens"] for part in parts])
+    drop = np.zeros(len(tokens), np.int8)
+    detail: list[str | None] = [None] * len(tokens)
+    for position, (reason, text) in drops.items():
+        drop[position], detail[position] = reasons.index(reason) + 1, text
+    table: dict[str, Any] = {
+        "drop": drop, "detail": pa.array(detail, pa.string()), "tokens": tokens,
+        "trained": np.concatenate([part["trained"] for part in parts])}
+    for modality in modalities:
+        counts = np.concatenate([part["items"][modality] for part in parts])
+        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        values = np.concatenate([part["item_tokens"][modality] for part in parts])
+        table[f"tokens_{modality}"] = pa.ListArray.from_arrays(offsets, values)
+    return pa.table(table).replace_schema_metadata({b"mimo.reasons":
+                                                    json.dumps(reasons).encode()})
+
+
 class _Chunks(torch.utils.data.Dataset):
-    """Chunk ``chunks[i]``: ``(start, columns)`` of samples ``chunk * CHUNK ...`` as numpy
-    arrays, drops as ``{position: (reason, detail)}``."""
+    """Chunk ``chunks[i]``: ``Rows.arrays()`` of samples ``chunk * CHUNK ...``."""
 
     def __init__(self, reader: ShardReader, preprocessor: Preprocessor, chunks: Sequence[int]):
         self.reader = reader
@@ -156,26 +209,18 @@ class _Chunks(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.chunks)
 
-    def __getitem__(self, index: int) -> tuple[int, dict]:
+    def __getitem__(self, index: int) -> dict:
         start = self.chunks[index] * CHUNK
         stop = min(start + CHUNK, len(self.reader))
         records = [self.reader.record(position) for position in range(start, stop)]
-        modalities = list(self.preprocessor.config.modalities)
-        tokens = np.zeros(stop - start, np.int32)
-        trained = np.zeros(stop - start, np.int32)
-        items = {m: np.zeros(stop - start, np.int32) for m in modalities}
-        item_tokens: dict[str, list[int]] = {m: [] for m in modalities}
-        drops = {}
-        for at, text in enumerate(self.preprocessor.text_batch(records)):
+        rows = Rows(list(self.preprocessor.config.modalities), start)
+        for text in self.preprocessor.text_batch(records):
             if isinstance(text, SampleDropped):
-                drops[start + at] = (text.reason, text.detail)
-                continue
-            tokens[at], trained[at] = len(text.ids) - 1, text.loss_mask.sum()
-            for modality, counts in text.token_counts.items():
-                items[modality][at] = len(counts)
-                item_tokens[modality].extend(counts)
-        return start, {"tokens": tokens, "trained": trained, "items": items, "drops": drops,
-                       "item_tokens": {m: np.array(c, np.int32) for m, c in item_tokens.items()}}
+                rows.add(text.reason, text.detail, 0, 0, {})
+            else:
+                rows.add(None, "", len(text.ids) - 1, int(text.loss_mask.sum()),
+                         text.token_counts)
+        return rows.arrays()
 
 
 def _as_is(item):
@@ -199,25 +244,15 @@ def compute(reader: ShardReader, preprocessor: Preprocessor, num_workers: int = 
         return list(tqdm(loader, desc=f"token table {reader.directory}", unit="chunk",
                          disable=not progress, delay=1.0, file=sys.stderr))
     parts = [part()] if partition is None else partition.together(part, gather=True)
-    columns = [c for _, c in sorted((c for p in parts for c in p), key=lambda c: c[0])]
-    drops = {p: d for c in columns for p, d in c["drops"].items()}
-    reasons = sorted({reason for reason, _ in drops.values()})
-    drop = np.zeros(len(reader), np.int8)
-    detail: list[str | None] = [None] * len(reader)
-    for position, (reason, text) in drops.items():
-        drop[position], detail[position] = reasons.index(reason) + 1, text
-    table: dict[str, Any] = {
-        "drop": drop, "detail": pa.array(detail, pa.string()),
-        "tokens": np.concatenate([c["tokens"] for c in columns]),
-        "trained": np.concatenate([c["trained"] for c in columns])}
-    for modality in preprocessor.config.modalities:
-        counts = np.concatenate([c["items"][modality] for c in columns])
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        values = np.concatenate([c["item_tokens"][modality] for c in columns])
-        table[f"tokens_{modality}"] = pa.ListArray.from_arrays(offsets, values)
-    assert len(table["tokens"]) == len(reader), (len(table["tokens"]), len(reader))
-    return pa.table(table).replace_schema_metadata({b"mimo.reasons":
-                                                    json.dumps(reasons).encode()})
+    table = assemble([chunk for part in parts for chunk in part],
+                     list(preprocessor.config.modalities))
+    assert table.num_rows == len(reader), (table.num_rows, len(reader))
+    return table
+
+
+def table_path(reader: ShardReader, key: str, cache_dir: str | None = None) -> str:
+    return os.path.join(cache.cache_directory(reader.directory, cache_dir),
+                        f"tokens-{key[:24]}.arrow")
 
 
 def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
@@ -230,8 +265,7 @@ def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
 
     def lookup() -> bool:
         key = table_key(reader, preprocessor)
-        path = os.path.join(cache.cache_directory(reader.directory, cache_dir),
-                            f"tokens-{key[:24]}.arrow")
+        path = table_path(reader, key, cache_dir)
         here.extend((key, path, cache.read_table(path, key)))
         return here[2] is not None
     # Ranks decide together: one that found no table (another machine, or a launch that wrote
