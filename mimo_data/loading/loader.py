@@ -18,14 +18,14 @@ Drops: the kept mask (``drops.py``) is computed from metadata on every rank, so 
 the same samples. A sample whose media fails to decode at load time cannot be skipped (the
 language ranks keep it): that is a ``LoaderError``, never a silent desynchronisation.
 
-Workers: a ``torch.utils.data.IterableDataset`` cuts the rank's micro-batches (counted from where
-iteration starts) into items (one micro-batch on decoding ranks, enough for ~16 samples on
-metadata-only ranks) and gives item i to worker ``i mod W``; ``DataLoader`` returns worker results
-round-robin, so the sequence is the same for any W. A worker sends an item's tensors packed into
-one buffer (``tensor_pack``); batches arrive as views of it. The stream runs on across epochs and
-the DataLoader
-iterator lives as long as the loader (workers stay up and prefetch across epoch ends, what
-``persistent_workers`` would give); it restarts only when a state is loaded.
+Workers: a ``torch.utils.data.IterableDataset`` gives the rank's micro-batch i (counted from
+where iteration starts) to worker ``i mod W``; ``DataLoader`` returns worker results
+round-robin, so the sequence is the same for any W. A worker sends a micro-batch's tensors packed
+into one buffer (``tensor_pack``); batches arrive as views of it. The stream runs on across
+epochs and the DataLoader iterator lives as long as the loader (workers stay up and prefetch
+across epoch ends, what ``persistent_workers`` would give); it restarts only when a state is
+loaded. Ranks that decode no media (language ranks) work in-process whatever ``num_workers``:
+their micro-batch costs less than handing it over from a worker (``tools/bench_loader.py``).
 
 State: ``state_dict()`` = seed, epoch, position in the epoch (samples, step, micro-batch),
 global batch size and the data fingerprint (sha256 of the datasets' index.json, the blend
@@ -35,7 +35,6 @@ under any layout, micro batch or worker count with the same global batch size.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import itertools
 import json
@@ -60,7 +59,6 @@ from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
 STATE_FORMAT = "mimo-loader-state"
-ITEM_SAMPLES = 16           # text samples per worker item on metadata-only ranks (see chunk)
 STATE_VERSION = 1
 
 
@@ -180,35 +178,24 @@ class _RankStream(torch.utils.data.IterableDataset):
         self.start = start
         self.dp = {part.name: (part.dp_size, part.dp_rank) for part in role.modules}
         self.decode_media = decode_media and bool(role.media)
-        # A worker's item costs ~1 ms to hand over whatever its size, as much as preprocessing
-        # a text-only micro-batch of a few samples: metadata-only ranks send a few micro-batches
-        # per item. Decoding ranks send one (their micro-batches take tens of ms each).
-        assert role.text_module is not None             # a rank with data follows a module
-        text_samples = global_micro_batch_size // self.dp[role.text_module][0]
-        self.chunk = 1 if self.decode_media else -(-ITEM_SAMPLES // text_samples)
         # An encoder rank decodes only the modalities of its own encoders.
         self.full = (Preprocessor(source.config, with_media=set(role.media),
                                   text=source.metadata.text) if self.decode_media else None)
         self.collate = Collator(source.metadata)
 
     def __iter__(self):
-        """Items of ``chunk`` consecutive micro-batches: ``(batches, metadata list)``, the
-        batches packed (``tensor_pack``) when made by a worker."""
+        """``(batch, metadata)`` per micro-batch, the batch packed (``tensor_pack``) when made
+        by a worker."""
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        chunk = 1 if info is None else self.chunk
         epoch, index = self.start
         for count in itertools.count():
-            positions = []
-            for _ in range(chunk):
-                positions.append((epoch, index))
-                index += 1
-                if index == self.per_epoch:
-                    epoch, index = epoch + 1, 0
             if count % workers == worker:
-                items = [self.micro_batch(*position) for position in positions]
-                batches = {str(n): batch for n, (batch, _) in enumerate(items)}
-                yield (batches if info is None else pack(batches)), [m for _, m in items]
+                batch, metadata = self.micro_batch(epoch, index)
+                yield (batch if info is None else pack(batch)), metadata
+            index += 1
+            if index == self.per_epoch:
+                epoch, index = epoch + 1, 0
 
     def _slice(self, module: str, step: int, micro: int) -> slice:
         dp_size, dp_rank = self.dp[module]
@@ -304,13 +291,14 @@ class RankLoader:
         self.global_micro_batch_size = layout.global_micro_batch_size(micro_batch_size)
         self.micro_batches_per_step = order.global_batch_size // self.global_micro_batch_size
         self.decode_media = decode_media
+        if not (decode_media and role.media):
+            num_workers = 0         # in-process: see the module docstring, "Workers"
         self._loader_options = {"num_workers": num_workers, "pin_memory": pin_memory,
                                 "multiprocessing_context": multiprocessing_context if
                                 num_workers else None,
                                 "prefetch_factor": prefetch_factor if num_workers else None}
         self.epoch, self.index = 0, 0
         self._stream: Iterator[Any] | None = None
-        self._pending: collections.deque = collections.deque()   # received, not yet consumed
 
     # ------------------------------------------------------------------------- positions
 
@@ -337,12 +325,9 @@ class RankLoader:
                                   (self.epoch, self.index))
             self._stream = iter(torch.utils.data.DataLoader(
                 dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
-        if not self._pending:
-            batches, metadata = next(self._stream)
-            if isinstance(batches, tuple):                   # packed by a worker
-                batches = unpack(*batches)
-            self._pending.extend((batches[str(n)], m) for n, m in enumerate(metadata))
-        batch, metadata = self._pending.popleft()
+        batch, metadata = next(self._stream)
+        if isinstance(batch, tuple):                         # packed by a worker
+            batch = unpack(*batch)
         step, micro = divmod(self.index, self.micro_batches_per_step)
         if (metadata["epoch"], metadata["step"], metadata["micro_batch"]) != \
                 (self.epoch, step, micro):
@@ -363,7 +348,6 @@ class RankLoader:
     def close(self) -> None:
         """Stop the workers; the next iteration starts them again where this one stopped."""
         self._stream = None
-        self._pending.clear()
 
     # ----------------------------------------------------------------------------- state
 

@@ -81,13 +81,13 @@ class TokenTable:
 
     def __init__(self, table: pa.Table, modalities: Sequence[str]):
         self.reasons: list[str] = json.loads(table.schema.metadata[b"mimo.reasons"])
-        self.drop = table.column("drop").chunk(0).to_numpy()
-        self.details = table.column("detail").chunk(0)
-        self.tokens = table.column("tokens").chunk(0).to_numpy()
-        self.trained = table.column("trained").chunk(0).to_numpy()
+        self.drop = cache.column(table, "drop").to_numpy()
+        self.details = cache.column(table, "detail")
+        self.tokens = cache.column(table, "tokens").to_numpy()
+        self.trained = cache.column(table, "trained").to_numpy()
         self.item_tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         for modality in modalities:
-            column = table.column(f"tokens_{modality}").chunk(0)
+            column = cache.column(table, f"tokens_{modality}")
             self.item_tokens[modality] = (column.offsets.to_numpy(),
                                           column.values.to_numpy())
 

@@ -49,6 +49,13 @@ def columns_digest(table: pa.Table) -> str:
     return digest.hexdigest()
 
 
+def column(table: pa.Table, name: str) -> pa.Array:
+    """Column ``name`` as one array: the file's own (memory-mapped) when it holds one chunk,
+    an empty one when the table has no rows."""
+    chunked = table.column(name)
+    return chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
+
+
 def write_table(path: str, table: pa.Table, key: str) -> None:
     """Write ``table`` to ``path`` atomically, with ``key`` and its digest in its metadata."""
     # The digest is taken of the table as read back from IPC: buffers exactly as the file holds

@@ -74,9 +74,9 @@ class SampleTable:
         metadata = table.schema.metadata
         self.shard_names: list[str] = json.loads(metadata[b"mimo.shards"])
         self.member_names: list[str] = json.loads(metadata[b"mimo.members"])
-        self.keys = table.column("key").chunk(0)
-        self.shard_ids = table.column("shard").chunk(0).to_numpy()
-        members = table.column("members").chunk(0)
+        self.keys = cache.column(table, "key")
+        self.shard_ids = cache.column(table, "shard").to_numpy()
+        members = cache.column(table, "members")
         self.member_starts = members.offsets.to_numpy()
         values = members.values
         self.member_name_ids = values.field("name").to_numpy()
