@@ -44,7 +44,7 @@ class DataConfig:
     weights: list | None = None                       # blend weights, one per dataset
     preprocess: str | None = None                     # PreprocessConfig YAML (required)
     valid: list = field(default_factory=list)         # shard directories for evaluation
-    num_workers: int = 0                              # loader worker processes per rank
+    num_workers: int = 0             # loader worker processes per rank that decodes media
     cache_dir: str | None = None    # token tables of read-only datasets (MIMO_CACHE_DIR wins)
 
 

@@ -246,3 +246,6 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
     varying = ("seconds", "samples_per_second", "tables", "token_cache")
     assert {k: v for k, v in again.items() if k not in varying} == \
         {k: v for k, v in first.items() if k not in varying}
+    with pytest.raises(AssertionError, match="a sample was inspected"):
+        reports.build_report(str(dataset), SampleInspector(PreprocessConfig.from_yaml(
+            str(config))), Thresholds(), progress=False, cache_dir=str(cache_dir), reuse=False)

@@ -72,7 +72,8 @@ def _round(dataset: str, reader: ShardReader, config: PreprocessConfig) -> tuple
     reports = {}
     for name, inspector in (("report", cached), ("report --no-token-cache", uncached)):
         start = time.perf_counter()
-        reports[name] = build_report(dataset, inspector, Thresholds(), progress=False)
+        reports[name] = build_report(dataset, inspector, Thresholds(), progress=False,
+                                     reuse=False)
         seconds[name] = time.perf_counter() - start
     # The floor set by the tokenizer itself: the same new pieces the report encodes, in the
     # same batches and calls, with nothing around them (texts rendered beforehand, untimed).

@@ -1,7 +1,8 @@
 """Start-up and memory against dataset size: what one rank pays before its first batch.
 
 Datasets: the sample corpus replicated to ``--base`` samples by ``mimo-shard build``
-(``replicate_corpus.py``), then scaled to each of ``--sizes`` by hard-linking its shards
+(``replicate_corpus.py``, every copy's answers numbered so that they tokenize as new text), then
+scaled to each of ``--sizes`` by hard-linking its shards
 ``size / base`` times and renumbering the rows of ``samples.parquet`` (the same records again,
 so the same per-sample work; the sample table is derived as ``mimo-shard build`` would write it,
 before the clock starts). Each measurement runs in a fresh process, so memory and caches start
@@ -157,7 +158,8 @@ def main() -> None:
         return
     work = tempfile.mkdtemp(prefix="bench_scale_")
     try:
-        base = replicated_dataset(args.corpus, args.base, work, shards=max(1, args.base // 2500))
+        base = replicated_dataset(args.corpus, args.base, work, shards=max(1, args.base // 2500),
+                                  unique_answers=True)
         datasets = {size: scaled_dataset(base, size // args.base,
                                          os.path.join(work, f"scaled-{size}"))
                     for size in args.sizes}

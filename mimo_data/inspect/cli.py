@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
     r.add_argument("--limit", type=_count, metavar="N", help="only the first N samples")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    r.add_argument("--recompute", action="store_true",
+                   help="inspect every sample even when this dataset and config's saved tables "
+                   "are there (a whole-dataset report saves them in DIR/.mimo-cache or "
+                   "$MIMO_CACHE_DIR; the next one reads them and takes seconds)")
     r.add_argument("--workers", type=_count, default=1, metavar="N",
                    help="processes inspecting samples (default 1; each runs at about the "
                    "metadata-only preprocessor's speed)")
@@ -167,7 +171,7 @@ def _report(args, config) -> int:
         gallery = Gallery(per_check=args.gallery_per_check, examples=args.examples)
     report = build_report(args.directory, inspector, thresholds, limit=args.limit,
                           progress=not args.no_progress, workers=args.workers,
-                          on_stats=gallery)
+                          on_stats=gallery, reuse=not args.recompute)
     report["config"] = args.config
     if args.json == "-":
         print(json.dumps(report, indent=2))

@@ -387,13 +387,13 @@ def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | 
 
 def build_report(directory: str, inspector: SampleInspector, thresholds: Thresholds, *,
                  limit: int | None = None, progress: bool = True, workers: int = 1,
-                 on_stats=None, cache_dir: str | None = None) -> dict:
+                 on_stats=None, cache_dir: str | None = None, reuse: bool = True) -> dict:
     """The report dict (see ``ReportBuilder.to_dict``) of a dataset directory.
 
     A whole-dataset report saves the token table training uses (unless it is there already)
     and the flagged samples beside it; the next report of the same dataset, preprocessing and
-    inspection code is made from those tables, without running a sample (except with
-    ``on_stats``, which needs every sample's stats)."""
+    inspection code is made from those tables, without running a sample (unless ``reuse`` is
+    False, or with ``on_stats``, which needs every sample's stats)."""
     start = time.perf_counter()
     reader = ShardReader(directory, cache_dir)
     modalities = list(inspector.config.modalities)
@@ -402,7 +402,7 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     flags_key = _flags_key(key)
     flags_path = os.path.join(os.path.dirname(tokens_path), f"report-{flags_key[:24]}.arrow")
     builder = None
-    if limit is None and on_stats is None:
+    if reuse and limit is None and on_stats is None:
         token_data = cache.read_table(tokens_path, key)
         flags = cache.read_table(flags_path, flags_key)
         if token_data is not None and flags is not None:
@@ -469,7 +469,10 @@ def format_report(report: dict) -> str:
     for check in report["checks"]:
         lines.append(f"  {'PASS' if check['passed'] else 'FAIL'}  {check['message']}")
     rate = report.get("samples_per_second")
-    if rate:
+    if report["tables"]["reused"]:
+        lines.append(f"time        {report['seconds']:.2f} s, from the tables saved by an "
+                     "earlier report (--recompute inspects every sample again)")
+    elif rate:
         lines.append(f"time        {report['seconds']:.2f} s, {rate:.0f} samples/s")
     return "\n".join(lines)
 

@@ -14,9 +14,10 @@ of d. Language ranks run the metadata-only Preprocessor (never decode media); en
 pipeline stage 0 decode their samples and get the encoder inputs plus ``input_ids`` and token
 counts. Reads are ``pread`` by byte offset (``ShardReader``).
 
-Drops: the kept mask (``drops.py``) is computed from metadata on every rank, so all modules skip
-the same samples. A sample whose media fails to decode at load time cannot be skipped (the
-language ranks keep it): that is a ``LoaderError``, never a silent desynchronisation.
+Drops: every rank reads them from the same token table (``token_table.py``, computed from
+metadata), so all modules skip the same samples. A sample whose media fails to decode at load
+time cannot be skipped (the language ranks keep it): that is a ``LoaderError``, never a silent
+desynchronisation.
 
 Workers: a ``torch.utils.data.IterableDataset`` gives the rank's micro-batch i (counted from
 where iteration starts) to worker ``i mod W``; ``DataLoader`` returns worker results

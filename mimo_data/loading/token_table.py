@@ -35,13 +35,13 @@ import torch.utils.data
 from tqdm import tqdm
 
 import mimo_data
-from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
+from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, SampleDropped
 from mimo_data.shards import cache
 from mimo_data.shards.format import INDEX_FILE
 from mimo_data.shards.reader import ShardReader
 from mimo_data.tally import FIRST_LOCATIONS, Tally
 
-CHUNK = 256   # samples per worker task
+CHUNK = 4 * TEXT_BATCH   # samples per worker task: fewer hand-overs than one text batch
 # The code whose output the table is: a change to any of these files makes a new key.
 CODE = sorted([*Path(mimo_data.__file__).parent.glob("preprocess/*.py"),
                *Path(mimo_data.__file__).parent.glob("modalities/*.py"), Path(__file__)])
@@ -212,14 +212,16 @@ class _Chunks(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         start = self.chunks[index] * CHUNK
         stop = min(start + CHUNK, len(self.reader))
-        records = [self.reader.record(position) for position in range(start, stop)]
         rows = Rows(list(self.preprocessor.config.modalities), start)
-        for text in self.preprocessor.text_batch(records):
-            if isinstance(text, SampleDropped):
-                rows.add(text.reason, text.detail, 0, 0, {})
-            else:
-                rows.add(None, "", len(text.ids) - 1, int(text.loss_mask.sum()),
-                         text.token_counts)
+        for batch in range(start, stop, TEXT_BATCH):    # the text batch the token cache fits
+            records = [self.reader.record(position)
+                       for position in range(batch, min(batch + TEXT_BATCH, stop))]
+            for text in self.preprocessor.text_batch(records):
+                if isinstance(text, SampleDropped):
+                    rows.add(text.reason, text.detail, 0, 0, {})
+                else:
+                    rows.add(None, "", len(text.ids) - 1, int(text.loss_mask.sum()),
+                             text.token_counts)
         return rows.arrays()
 
 
