@@ -44,8 +44,10 @@ class DataConfig:
     weights: list | None = None                       # blend weights, one per dataset
     preprocess: str | None = None                     # PreprocessConfig YAML (required)
     valid: list = field(default_factory=list)         # shard directories for evaluation
-    num_workers: int = 0             # loader worker processes per rank that decodes media
-    cache_dir: str | None = None    # token tables of read-only datasets (MIMO_CACHE_DIR wins)
+    # worker processes per rank: the loader's on ranks that decode media, and a missing token
+    # table's share of this rank
+    num_workers: int = 0
+    cache_dir: str | None = None    # derived tables of read-only datasets (MIMO_CACHE_DIR wins)
 
 
 @dataclass

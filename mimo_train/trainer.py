@@ -79,11 +79,15 @@ def init_distributed(device: torch.device) -> None:
                                 world_size=1, **kwargs)
 
 
-def _gather_objects(value) -> list:
-    """``value`` of every rank, in rank order."""
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
-    return gathered
+def _gatherer():
+    """An all-gather of Python objects over a new gloo group of every rank (collective)."""
+    group = dist.new_group(backend="gloo")
+
+    def gather(value) -> list:
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, value, group=group)
+        return gathered
+    return gather
 
 
 def _raise(error: Exception | None) -> None:
@@ -190,24 +194,27 @@ class Trainer:
 
     def _loaders(self):
         cfg = self.cfg
-        # Every rank opens the datasets: missing token tables are computed split over the job.
-        partition = Partition(self.rank, self.world, _gather_objects,
+        # Every rank opens the datasets, all of them before any loader: missing token tables
+        # are computed split over the job, in collectives no rank may skip. Parts travel over a
+        # gloo group (CPU memory, whatever the training backend).
+        partition = Partition(self.rank, self.world, _gatherer(),
                               writes=int(os.environ.get("LOCAL_RANK", 0)) == 0)
 
-        def loader(datasets, weights):
-            source = DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
-                                progress=self.rank == 0, cache_dir=cfg.data.cache_dir,
-                                partition=partition)
-            return build_loader(source, self.preprocess, self.layout, self.rank, self.world,
+        def source(datasets, weights) -> DataSource:
+            return DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
+                              progress=self.rank == 0, cache_dir=cfg.data.cache_dir,
+                              partition=partition)
+
+        def loader(opened: DataSource):
+            return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
-                                weights=weights)
+                                weights=opened.weights)
 
-        train = loader(cfg.data.datasets, cfg.data.weights)
-        if train is not None:      # every rank has one: encoders run whole (pp1) on stage 0
-            check_even_split(train.source, self.layout)
-        valid = loader(cfg.data.valid, None) if cfg.data.valid else None
-        return train, valid
+        train_source = source(cfg.data.datasets, cfg.data.weights)
+        valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
+        check_even_split(train_source, self.layout)
+        return loader(train_source), valid_source and loader(valid_source)
 
     def _wire_schedule(self) -> None:
         config = self.model.config

@@ -309,8 +309,12 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
     assert f"0/{row['key']}" in str(error.value) and "mimo-shard verify" in str(error.value)
 
 
-def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs):
-    parallel = DataSource(str(loader_corpus), configs["image"], num_workers=2)
+def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs,
+                                                          tmp_path):
+    # an empty cache directory: the token table is computed in 2 worker processes
+    parallel = DataSource(str(loader_corpus), configs["image"], num_workers=2,
+                          cache_dir=str(tmp_path / "cache"))
+    assert list((tmp_path / "cache").rglob("tokens-*.arrow"))
     assert parallel.fingerprint == sources["image"].fingerprint
     assert parallel.tally.to_dict() == sources["image"].tally.to_dict()
     options = dict(layout="language=dp2;image=dp1", rank=2, world_size=3,

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from conftest import REPO, build_dataset, preprocess_config_file
+from conftest import REPO, build_dataset, preprocess_config_file, write_jsonl
 from mimo_data.loading import token_table as tables
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
@@ -249,3 +249,14 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
     with pytest.raises(AssertionError, match="a sample was inspected"):
         reports.build_report(str(dataset), SampleInspector(PreprocessConfig.from_yaml(
             str(config))), Thresholds(), progress=False, cache_dir=str(cache_dir), reuse=False)
+
+
+def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
+    empty = tmp_path / "empty"
+    build_dataset([write_jsonl(tmp_path / "bad.jsonl", [{"id": "no conversation"}])], empty)
+    assert json.loads((empty / "index.json").read_text())["totals"]["samples"] == 0
+    config = preprocess_config_file(tmp_path / "p.yaml")
+    for _ in range(2):
+        table = open_table(empty, config, tmp_path / "cache")
+        assert len(table) == 0 and table.items("image").tolist() == []
+    assert len(computes) == 1                       # the empty table was saved and read back

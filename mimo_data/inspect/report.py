@@ -56,6 +56,7 @@ from mimo_data.stats import summary
 KEYS_IN_JSON = 100      # keys listed per check in the JSON report (the count is always exact)
 KEYS_IN_MESSAGE = 5     # first keys named in a failed check's line
 DROP = "drop:"          # flags table: names of drop-reason entries (the others: check names)
+UNREADABLE = "unreadable_record"    # a report's own drop: training stops at such a record
 
 
 @dataclass
@@ -275,7 +276,7 @@ def _read_record(reader: ShardReader, position: int) -> ShardRecord | SampleStat
     try:
         return reader.record(position)
     except (ValueError, UnicodeDecodeError) as exc:      # JSON the loader could not read
-        return SampleStats(position, reader.table.key(position), dropped="unreadable_record",
+        return SampleStats(position, reader.table.key(position), dropped=UNREADABLE,
                            detail=f"the sample's JSON cannot be parsed: {exc}")
 
 
@@ -307,11 +308,11 @@ def inspect_range(reader: ShardReader, inspector: SampleInspector, index: IndexT
 _WORKER: dict = {}
 
 
-def _init_worker(directory: str, config, cache_tokens: bool) -> None:
+def _init_worker(directory: str, config, cache_tokens: bool, cache_dir: str | None) -> None:
     import torch
     torch.set_num_threads(1)
     with fewer_gc_passes():
-        _WORKER.update(reader=ShardReader(directory), index=IndexTable(directory),
+        _WORKER.update(reader=ShardReader(directory, cache_dir), index=IndexTable(directory),
                        inspector=SampleInspector(config, cache_tokens=cache_tokens))
 
 
@@ -343,7 +344,8 @@ def fewer_gc_passes(young: int = 20_000):
             gc.unfreeze()
 
 
-def _parallel_stats(directory: str, inspector: SampleInspector, total: int, workers: int):
+def _parallel_stats(directory: str, inspector: SampleInspector, total: int, workers: int,
+                    cache_dir: str | None):
     """SampleStats in dataset order, computed by ``workers`` processes (forkserver: the caller
     may be threaded) in chunks."""
     import multiprocessing
@@ -351,26 +353,28 @@ def _parallel_stats(directory: str, inspector: SampleInspector, total: int, work
 
     chunk = max(1, min(1000, -(-total // (workers * 4))))
     bounds = [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
-    cache = isinstance(inspector.text.backend, SegmentCachedTokenizer)
+    cache_tokens = isinstance(inspector.text.backend, SegmentCachedTokenizer)
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
                              initializer=_init_worker,
-                             initargs=(directory, inspector.config, cache)) as pool:
+                             initargs=(directory, inspector.config, cache_tokens,
+                                       cache_dir)) as pool:
         for stats_list in pool.map(_inspect_chunk, bounds):
             yield from stats_list
 
 
 def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | None = None,
-                    progress: bool = True, workers: int = 1, on_stats=None) -> ReportBuilder:
+                    progress: bool = True, workers: int = 1, on_stats=None,
+                    cache_dir: str | None = None) -> ReportBuilder:
     """Run every sample (the first ``limit``) through the inspector into a ReportBuilder, in
     this process or in ``workers`` processes. ``on_stats(stats)`` sees each sample's stats
     in dataset order (e.g. to pick the HTML gallery)."""
     builder = ReportBuilder(inspector)
     with fewer_gc_passes():
-        reader = ShardReader(directory)
+        reader = ShardReader(directory, cache_dir)
         try:
             total = len(reader) if limit is None else min(limit, len(reader))
             if workers > 1 and total > 1:
-                stream = _parallel_stats(directory, inspector, total, workers)
+                stream = _parallel_stats(directory, inspector, total, workers, cache_dir)
             else:
                 index = IndexTable(directory)
                 stream = inspect_range(reader, inspector, index, 0, total)
@@ -411,9 +415,11 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     reused = builder is not None
     if builder is None:
         builder = inspect_dataset(directory, inspector, limit=limit, progress=progress,
-                                  workers=workers, on_stats=on_stats)
+                                  workers=workers, on_stats=on_stats, cache_dir=cache_dir)
         token_data, flags = builder.finish()
-        if limit is None:
+        # Saved for training only when it is what training computes: training stops at an
+        # unreadable record, which a report counts.
+        if limit is None and UNREADABLE not in builder.drop_reasons:
             if cache.read_table(tokens_path, key) is None:
                 cache.write_table(tokens_path, token_data, key)
             cache.write_table(flags_path, flags, flags_key)

@@ -21,6 +21,7 @@ modality ``tokens_<modality>`` (list of int32: token count per item, in item ord
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -44,7 +45,10 @@ from mimo_data.tally import FIRST_LOCATIONS, Tally
 CHUNK = 4 * TEXT_BATCH   # samples per worker task: fewer hand-overs than one text batch
 # The code whose output the table is: a change to any of these files makes a new key.
 CODE = sorted([*Path(mimo_data.__file__).parent.glob("preprocess/*.py"),
-               *Path(mimo_data.__file__).parent.glob("modalities/*.py"), Path(__file__)])
+               *Path(mimo_data.__file__).parent.glob("modalities/*.py"),
+               Path(mimo_data.__file__).parent / "shards" / "records.py", Path(__file__)])
+# Libraries whose behaviour the table depends on (tokenization, template rendering).
+LIBRARIES = ("transformers", "tokenizers", "jinja2")
 
 
 class TableError(RuntimeError):
@@ -77,9 +81,11 @@ class Partition:
 
 
 class TokenTable:
-    """Numpy views of a token table (memory-mapped when read from its file)."""
+    """Numpy views of a token table (memory-mapped when read from its file ``path``)."""
 
-    def __init__(self, table: pa.Table, modalities: Sequence[str]):
+    def __init__(self, table: pa.Table, modalities: Sequence[str], path: str | None = None):
+        self.path = path
+        self.modalities = list(modalities)
         self.reasons: list[str] = json.loads(table.schema.metadata[b"mimo.reasons"])
         self.drop = cache.column(table, "drop").to_numpy()
         self.details = cache.column(table, "detail")
@@ -90,6 +96,12 @@ class TokenTable:
             column = cache.column(table, f"tokens_{modality}")
             self.item_tokens[modality] = (column.offsets.to_numpy(),
                                           column.values.to_numpy())
+
+    def __reduce__(self):
+        # A spawned DataLoader worker maps the file again instead of receiving a copy.
+        if self.path is None:
+            return super().__reduce__()
+        return _mapped, (self.path, self.modalities)
 
     def __len__(self) -> int:
         return len(self.drop)
@@ -127,12 +139,15 @@ def table_key(reader: ShardReader, preprocessor: Preprocessor) -> str:
     digest.update(json.dumps(getattr(preprocessor.text, "template", None)).encode())
     for path in CODE:
         digest.update(path.name.encode() + path.read_bytes())
+    digest.update(json.dumps({name: importlib.metadata.version(name)
+                              for name in LIBRARIES}).encode())
     return digest.hexdigest()
 
 
 def _tokenizer_digest(tokenizer: str, preprocessor: Preprocessor) -> bytes:
     """The tokenizer directory's files; for a hub name, the loaded tokenizer's definition."""
     digest = hashlib.sha256()
+    tokenizer = os.path.expanduser(tokenizer)
     if os.path.isdir(tokenizer):
         for name in sorted(os.listdir(tokenizer)):
             path = os.path.join(tokenizer, name)
@@ -140,7 +155,9 @@ def _tokenizer_digest(tokenizer: str, preprocessor: Preprocessor) -> bytes:
                 with open(path, "rb") as data:
                     digest.update(name.encode() + hashlib.file_digest(data, "sha256").digest())
     else:
-        digest.update(preprocessor.text.tokenizer.backend_tokenizer.to_str().encode())
+        loaded = preprocessor.text.tokenizer
+        digest.update(loaded.backend_tokenizer.to_str().encode())
+        digest.update(json.dumps(loaded.init_kwargs, sort_keys=True, default=str).encode())
     return digest.digest()
 
 
@@ -179,21 +196,25 @@ class Rows:
 def assemble(parts: list[dict], modalities: Sequence[str]) -> pa.Table:
     """The token table of ``Rows.arrays()`` parts covering samples 0... without a gap."""
     parts = sorted(parts, key=lambda part: part["start"])
-    drops = {p: d for part in parts for p, d in part["drops"].items()}
-    reasons = sorted({reason for reason, _ in drops.values()})
-    tokens = np.concatenate([part["tokens"] for part in parts])
+
+    def joined(name: str, modality: str | None = None) -> np.ndarray:
+        arrays = [part[name] if modality is None else part[name][modality] for part in parts]
+        return np.concatenate(arrays) if arrays else np.zeros(0, np.int32)
+    drops = sorted((p, d) for part in parts for p, d in part["drops"].items())
+    reasons = sorted({reason for _, (reason, _) in drops})
+    tokens = joined("tokens")
     drop = np.zeros(len(tokens), np.int8)
-    detail: list[str | None] = [None] * len(tokens)
-    for position, (reason, text) in drops.items():
-        drop[position], detail[position] = reasons.index(reason) + 1, text
-    table: dict[str, Any] = {
-        "drop": drop, "detail": pa.array(detail, pa.string()), "tokens": tokens,
-        "trained": np.concatenate([part["trained"] for part in parts])}
+    # detail: null for kept samples, taken from the drops' own details (no object per sample)
+    which = np.zeros(len(tokens), np.int64)
+    for n, (position, (reason, _)) in enumerate(drops, start=1):
+        drop[position], which[position] = reasons.index(reason) + 1, n
+    details = pa.array([None] + [detail for _, (_, detail) in drops], pa.string())
+    table: dict[str, Any] = {"drop": drop, "detail": details.take(pa.array(which)),
+                             "tokens": tokens, "trained": joined("trained")}
     for modality in modalities:
-        counts = np.concatenate([part["items"][modality] for part in parts])
-        offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        values = np.concatenate([part["item_tokens"][modality] for part in parts])
-        table[f"tokens_{modality}"] = pa.ListArray.from_arrays(offsets, values)
+        offsets = np.concatenate([[0], np.cumsum(joined("items", modality), dtype=np.int64)])
+        table[f"tokens_{modality}"] = pa.LargeListArray.from_arrays(
+            offsets, joined("item_tokens", modality))
     return pa.table(table).replace_schema_metadata({b"mimo.reasons":
                                                     json.dumps(reasons).encode()})
 
@@ -277,11 +298,20 @@ def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
     if not all(found):
         computed = compute(reader, preprocessor, num_workers, partition, progress)
 
-        def save() -> pa.Table:
-            if partition is not None and not partition.writes:
-                return computed
-            cache.write_table(path, computed, key)
-            return cache.read_table(path, key) or computed      # mapped, not held in memory
-        table = save() if partition is None else partition.together(save)
-    modalities = list(preprocessor.config.modalities)
-    return TokenTable(table, modalities)
+        def save() -> None:
+            if partition is None or partition.writes:
+                try:
+                    cache.write_table(path, computed, key)
+                except OSError as exc:        # the table is still good: the next start computes
+                    print(f"mimo: could not save the token table {path} ({exc}); set "
+                          f"{cache.CACHE_DIR_ENV} to a writable directory", file=sys.stderr)
+        save() if partition is None else partition.together(save)
+        # mapped from the file (shared by the machine's ranks) when it could be saved
+        table = cache.read_table(path, key)
+        if table is None:
+            return TokenTable(computed, list(preprocessor.config.modalities))
+    return TokenTable(table, list(preprocessor.config.modalities), path)
+
+
+def _mapped(path: str, modalities: list[str]) -> TokenTable:
+    return TokenTable(pa.ipc.open_file(pa.memory_map(path)).read_all(), modalities, path)

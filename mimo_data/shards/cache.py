@@ -2,9 +2,10 @@
 
 A derived table (the memory-mapped sample table, a token table per preprocessing config) is an
 Arrow IPC file named after a key that covers everything it was computed from, with the sha256
-of its columns in its schema metadata. It lives in ``DATASET/.mimo-cache/`` when the dataset
+of its columns in its schema metadata. It lives in ``DATASET/.mimo-cache/`` when that
 directory is writable, otherwise (or when ``MIMO_CACHE_DIR`` or a ``cache_dir`` is given) in
-``CACHE/<dataset name>-<hash of its absolute path>/``. ``MIMO_CACHE_DIR`` overrides a
+``CACHE/<dataset name>-<hash of its absolute path>/`` (``CACHE`` by default
+``~/.cache/mimo``). ``MIMO_CACHE_DIR`` overrides a
 configured ``cache_dir``.
 
 Files are written to a temporary name and renamed, so readers (and concurrent writers of the
@@ -28,12 +29,17 @@ DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo")
 def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
     """The directory holding ``dataset``'s derived tables (created if missing)."""
     root = os.environ.get(CACHE_DIR_ENV) or cache_dir
-    if root is None and os.access(dataset, os.W_OK):
-        path = os.path.join(dataset, DATASET_CACHE)
-    else:
-        absolute = os.path.abspath(dataset)
-        name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
-        path = os.path.join(root or DEFAULT_CACHE, name)
+    if root is None:
+        own = os.path.join(dataset, DATASET_CACHE)
+        try:
+            os.makedirs(own, exist_ok=True)
+        except OSError:         # a read-only dataset
+            pass
+        if os.access(own, os.W_OK):
+            return own
+    absolute = os.path.abspath(dataset)
+    name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
+    path = os.path.join(root or DEFAULT_CACHE, name)
     os.makedirs(path, exist_ok=True)
     return path
 

@@ -51,9 +51,11 @@ def from_parquet(parquet: str) -> pa.Table:
     entries = pa.StructArray.from_arrays(
         [names.indices.cast(pa.int16()), flat.field("offset"), flat.field("size")],
         names=["name", "offset", "size"])
-    table = pa.table({"key": source.column("key").combine_chunks(),
+    # 64-bit offsets: keys and member entries of hundreds of millions of samples fit
+    table = pa.table({"key": source.column("key").combine_chunks().cast(pa.large_string()),
                       "shard": shards.indices.cast(pa.int32()),
-                      "members": pa.ListArray.from_arrays(members.offsets, entries)})
+                      "members": pa.LargeListArray.from_arrays(
+                          members.offsets.cast(pa.int64()), entries)})
     return table.replace_schema_metadata({
         b"mimo.shards": json.dumps(shards.dictionary.to_pylist()).encode(),
         b"mimo.members": json.dumps(names.dictionary.to_pylist()).encode()})
@@ -69,8 +71,9 @@ def write(parquet: str, folder: str, key: str) -> str:
 class SampleTable:
     """The memory-mapped sample table of one dataset: numpy views, one Arrow string column."""
 
-    def __init__(self, path: str, table: pa.Table):
-        self.path = path
+    def __init__(self, path: str | None, table: pa.Table):
+        self.path = path            # None: the table lives in memory (it could not be saved)
+        self.arrow = table
         metadata = table.schema.metadata
         self.shard_names: list[str] = json.loads(metadata[b"mimo.shards"])
         self.member_names: list[str] = json.loads(metadata[b"mimo.members"])
@@ -94,17 +97,25 @@ class SampleTable:
                 print(f"mimo: {directory}: writing its sample table {path} (once per dataset "
                       "and cache directory; `mimo-shard build` writes it beside new datasets)",
                       file=sys.stderr, flush=True)
-            write(os.path.join(directory, SAMPLES_FILE), os.path.dirname(path), key)
+            try:
+                write(os.path.join(directory, SAMPLES_FILE), os.path.dirname(path), key)
+            except OSError as exc:     # usable all the same, from memory
+                print(f"mimo: could not save {path} ({exc}); set {cache.CACHE_DIR_ENV} to a "
+                      "writable directory", file=sys.stderr)
             table = cache.read_table(path, key)
-            assert table is not None, path
+        mapped = table is not None
+        if table is None:
+            table = from_parquet(os.path.join(directory, SAMPLES_FILE))
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
                                f"index says {index['totals']['samples']} samples; rebuild")
-        return cls(path, table)
+        return cls(path if mapped else None, table)
 
     def __reduce__(self):
         # A process that receives the table (spawned DataLoader workers) maps the file again
         # instead of receiving a copy of its columns.
+        if self.path is None:
+            return SampleTable, (None, self.arrow)
         return _mapped, (self.path,)
 
     def __len__(self) -> int:
