@@ -31,7 +31,7 @@ demo: setup
 # Lint and types first (rules in pyproject.toml; a few seconds), then the suite. pytest exits 5
 # when it collected no test: that is a failure here, not a pass.
 test: setup
-	.venv/bin/ruff check mimo_data mimo_train tools
+	.venv/bin/ruff check mimo_data mimo_train tools tests
 	.venv/bin/mypy
 	@$(PY) -m pytest -q; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$rc

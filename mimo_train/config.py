@@ -33,6 +33,8 @@ from typing import Any
 
 import yaml
 
+from mimo_data.loading.balance import BALANCE
+
 
 class TrainConfigError(ValueError):
     """A training config that cannot run; the message names the key and what to do."""
@@ -48,6 +50,7 @@ class DataConfig:
     # table's share of this rank
     num_workers: int = 0
     cache_dir: str | None = None    # derived tables of read-only datasets (MIMO_CACHE_DIR wins)
+    balance: str = "none"           # tokens: near-equal tokens per DP rank in every step
 
 
 @dataclass
@@ -198,6 +201,9 @@ class TrainConfig:
                             ("train.eval_steps", run.eval_steps)):
             if value < 1:
                 raise TrainConfigError(f"{name} is {value}: it must be >= 1")
+        if self.data.balance not in BALANCE:
+            raise TrainConfigError(f"data.balance is {self.data.balance!r}: use "
+                                   f"{' or '.join(BALANCE)}")
         if run.device not in ("auto", "cuda", "cpu"):
             raise TrainConfigError(f"train.device is {run.device!r}: use auto, cuda or cpu")
         if run.precision not in ("fp32", "bf16"):

@@ -209,7 +209,7 @@ class Trainer:
             return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
-                                weights=opened.weights)
+                                weights=opened.weights, balance=cfg.data.balance)
 
         train_source = source(cfg.data.datasets, cfg.data.weights)
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None

@@ -251,7 +251,8 @@ def assets(corpus):
     for path in sorted((corpus / "images").iterdir()):
         with Image.open(path) as image:
             entry = (path, image.width * image.height)
-            (jpegs if image.format == "JPEG" else pngs if image.format == "PNG" else []).append(entry)
+            kind = jpegs if image.format == "JPEG" else pngs if image.format == "PNG" else []
+            kind.append(entry)
     wavs = sorted((corpus / "audio").glob("*.wav"))
     flacs = sorted((corpus / "audio").glob("*.flac"))
     assert jpegs and pngs and wavs and flacs, "the corpus needs JPEG, PNG, WAV and FLAC files"

@@ -230,7 +230,7 @@ def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, fault
     assert code == 1
     assert flagged_keys(report, "truncated") == {keys["fault-long"]}
     assert keys["fault-long"] not in flagged_keys(report, "dropped")
-    line = next(l for l in err.splitlines() if "FAIL truncated" in l)
+    line = next(text for text in err.splitlines() if "FAIL truncated" in text)
     assert keys["fault-long"] in line
 
 

@@ -1,8 +1,9 @@
 """Encoder inputs and token counts against transformers' reference processors, on real assets.
 
 The uint8 fast path (Pillow resize + reshape patchify, float normalization on the device) must
-give the reference processors' float32 output up to float rounding (README, Benchmarks), and the token counts computed from metadata alone must equal what the encoder inputs
-produce (docs/architecture.md, "One sample").
+give the reference processors' float32 output up to float rounding (README, Benchmarks), and
+the token counts computed from metadata alone must equal what the encoder inputs produce
+(docs/architecture.md, "One sample").
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def test_audio_features_and_tokens_match_whisper(clips, n_mels):
     assert inputs["input_features"].dtype == torch.float32
     assert inputs["input_features"].shape == (int(inputs["feature_lens"].sum()), n_mels)
     start = 0
-    for (name, data, meta), waveform, frames in zip(clips, waveforms,
+    for (name, data, _), waveform, frames in zip(clips, waveforms,
                                                     inputs["feature_lens"].tolist()):
         assert np.array_equal(waveform, reference_waveform(data, cfg)), name
         unpadded = whisper_reference(waveform, cfg, padding="longest", truncation=False)

@@ -32,7 +32,8 @@ def _image_record(path, text="<image>\nWhat is this?") -> dict:
 
 
 def _audio_record(path) -> dict:
-    return {"id": "bad", "audio": str(path), "conversations": chat("<audio>\nTranscribe.", "Words.")}
+    return {"id": "bad", "audio": str(path),
+            "conversations": chat("<audio>\nTranscribe.", "Words.")}
 
 
 def _scan_span(jpeg: bytes) -> tuple[int, int]:

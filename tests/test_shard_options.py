@@ -35,7 +35,8 @@ def test_max_shard_bytes_bounds_every_shard_file(tmp_path, corpus_inputs, corpus
     for path in shards:
         size = os.path.getsize(path)
         assert size <= limit or counts[path.name] == 1, (
-            f"{path.name}: {size} bytes > --max-shard-bytes {limit} with {counts[path.name]} samples")
+            f"{path.name}: {size} bytes > --max-shard-bytes {limit} with "
+            f"{counts[path.name]} samples")
 
 
 def test_a_sample_larger_than_max_shard_bytes_gets_its_own_shard(tmp_path, corpus_inputs,

@@ -91,7 +91,8 @@ def assert_rows_match_items(batched: torch.Tensor, counts: list[int], alone: lis
     assert batched.shape[0] == sum(counts)
     for name, part, own, count in zip(names, torch.split(batched, counts), alone, counts):
         assert own.shape == (count, batched.shape[1]), name
-        torch.testing.assert_close(part, own, rtol=0, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(part, own, rtol=0, atol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 # ---------------------------------------------------------------------- Qwen2-VL (dynamic)

@@ -6,7 +6,8 @@ agree (fp32, 1e-5) between one colocated process and each non-colocated layout, 
 - fan-out: image dp1 and audio dp1 → language dp2, with images of different sizes, audio clips
   of different lengths and a text-only sample in the batch (variable per-sample token counts);
 - fan-in: image dp2 → language dp1, fixed-size images (uniform counts);
-- language pp2 (two pipeline stages, two micro-batches).
+- language pp2 (two pipeline stages, two micro-batches);
+- fan-out with ``data.balance: tokens`` (samples rearranged between DP ranks within the step).
 """
 
 import json
@@ -110,6 +111,15 @@ def test_fan_out_matches_colocated(dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
     fan_out = _torchrun(tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
     _compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2")
+
+
+def test_token_balanced_fan_out_matches_colocated(dynamic_setup):
+    """data.balance: tokens moves samples between the language DP ranks within the step; the
+    step's loss and gradients stay the colocated run's."""
+    tmp, common, reference, init, _ = dynamic_setup
+    balanced = _torchrun(tmp, "fan-out-balanced", 4, "image=dp1;audio=dp1;language=dp2", 1,
+                         [*common, "data.balance=tokens"], init)
+    _compare(reference, balanced, "image dp1 + audio dp1 -> language dp2, balanced")
 
 
 def test_language_pp2_matches_colocated(dynamic_setup):

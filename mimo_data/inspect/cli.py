@@ -107,6 +107,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="samples per forward pass on one rank")
     p.add_argument("--seed", type=int, default=0, help="sample-order seed (default 0)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
+    p.add_argument("--balance", choices=("none", "tokens"), default="none",
+                   help="the loader's data.balance (default none); the imbalance of the other "
+                   "setting is shown too")
     p.add_argument("--json", action="store_true",
                    help="print the loader's dry run (per-rank, per-step sample keys) as JSON")
     return parser

@@ -19,7 +19,7 @@ import numpy as np
 
 from mimo_data.loading.dry_run import dry_run
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
-from mimo_data.loading.loader import variable_token_modalities
+from mimo_data.loading.loader import DataSource, variable_token_modalities
 from mimo_data.preprocess.config import PreprocessConfig
 
 
@@ -125,10 +125,14 @@ def format_plan(result: dict, plan: dict) -> str:
                      f"{row['pp_size']:<2d} {row['tp_rank']:3d}  {row['samples_per_step']:12.1f}"
                      f"  {row['tokens_per_step_mean']:16.1f} {row['tokens_per_step_max']:7d}  "
                      f"{trained}{unit}")
-    lines.append("imbalance (max/mean tokens per step over a module's DP ranks)")
-    for module, data in plan["imbalance"].items():
-        lines.append(f"  {module:10s} dp {data['dp_size']}: mean {data['mean']:.2f}, worst "
-                     f"{data['max']:.2f} (step {data['worst_step']})")
+    lines.append("imbalance (max/mean tokens per step over a module's DP ranks), this plan's "
+                 f"balance {plan.get('balance', 'none')} first")
+    by_balance = plan.get("imbalance_by_balance", {"none": plan["imbalance"]})
+    for balance in sorted(by_balance, key=lambda b: b != plan.get("balance", "none")):
+        for module, data in by_balance[balance].items():
+            lines.append(f"  balance {balance:6s} {module:10s} dp {data['dp_size']}: mean "
+                         f"{data['mean']:.2f}, worst {data['max']:.2f} (step "
+                         f"{data['worst_step']})")
     checks = result["checks"]
     lines.append("checks    " + ("ok: every rank has the same number of micro-batches and every "
                                  "module's DP parts concatenate to the same global micro-batch"
@@ -146,9 +150,15 @@ def run_plan(args, config: PreprocessConfig) -> int:
         print(f"layout    {layout}: INVALID", file=sys.stdout)
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
         return 1
-    result = dry_run([args.directory], config, layout, args.global_batch_size,
-                     args.micro_batch_size, seed=args.seed, epoch=args.epoch)
+    source = DataSource([args.directory], config)
+    runs = {balance: dry_run(source, config, layout, args.global_batch_size,
+                             args.micro_batch_size, seed=args.seed, epoch=args.epoch,
+                             balance=balance) for balance in ("none", "tokens")}
+    result = runs[args.balance]
     plan = plan_summary(result)
+    plan["balance"] = args.balance
+    plan["imbalance_by_balance"] = {balance: plan_summary(run)["imbalance"]
+                                    for balance, run in runs.items()}
     if args.json:
         print(json.dumps({**result, "plan": plan}, indent=1))
     else:

@@ -23,7 +23,7 @@ _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "enco
 def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
             micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
             epoch: int = 0, steps: int | None = None, remainder: str = "drop",
-            weights=None, num_workers: int = 0) -> dict:
+            weights=None, num_workers: int = 0, balance: str = "none") -> dict:
     """Per rank and step, the keys and token counts each micro-batch holds (JSON-ready).
 
     ``checks``: every rank has the same number of micro-batches; for every module, the
@@ -36,7 +36,8 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
     ranks, plan = [], None
     for rank in range(world_size):
         loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
-                              micro_batch_size, seed, remainder=remainder, decode_media=False)
+                              micro_batch_size, seed, remainder=remainder, decode_media=False,
+                              balance=balance)
         entry = {"rank": rank, "role": layout.role(rank).to_dict(), "steps": None}
         if loader is not None:
             loader.load_state_dict({**loader.state_dict(), "epoch": epoch})

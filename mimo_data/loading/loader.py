@@ -48,6 +48,7 @@ import numpy as np
 import torch.utils.data
 
 from mimo_data.preprocess.collate import BatchMetadata, Collator
+from mimo_data.loading.balance import BALANCE, Arrangement
 from mimo_data.loading.token_table import Partition, TokenTable, token_table
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
@@ -155,9 +156,38 @@ class DataSource:
         self.fingerprint = digest.hexdigest()
 
     def order(self, seed: int, global_batch_size: int, remainder: str = "drop",
-              block_size: int = 64, window_blocks: int = 4) -> SampleOrder:
+              block_size: int = 64, window_blocks: int = 4,
+              arrangement: Arrangement | None = None) -> SampleOrder:
         return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
-                           block_size, window_blocks)
+                           block_size, window_blocks, arrangement,
+                           self.costs if arrangement is not None else None)
+
+    def costs(self, datasets: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """``[samples, 1 + modalities]``: the given samples' tokens, then their media tokens
+        per configured modality (the balance's cost columns)."""
+        modalities = list(self.config.modalities)
+        costs = np.zeros((len(positions), 1 + len(modalities)), dtype=np.int64)
+        for dataset, table in enumerate(self.tables):
+            at = datasets == dataset
+            chosen = positions[at]
+            costs[at, 0] = table.tokens[chosen]
+            for column, modality in enumerate(modalities, start=1):
+                offsets, values = table.item_tokens[modality]
+                running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+                costs[at, column] = running[offsets[chosen + 1]] - running[offsets[chosen]]
+        return costs
+
+
+def balance_arrangement(layout: Layout, micro_batch_size: int,
+                        modalities: list[str]) -> Arrangement:
+    """The balance of ``layout``: language tokens over its DP ranks, each encoder's media
+    tokens (of its modalities) over its DP ranks."""
+    column = {modality: 1 + k for k, modality in enumerate(modalities)}
+    modules = [(LANGUAGE, layout.language.dp, (0,))] + [
+        (encoder.name, encoder.dp, tuple(column[m] for m in layout.modalities_of(encoder.name)
+                                         if m in column))
+        for encoder in layout.encoders]
+    return Arrangement(layout.global_micro_batch_size(micro_batch_size), tuple(modules))
 
 
 def _as_is(item):
@@ -358,7 +388,11 @@ class RankLoader:
                 "epoch": self.epoch, "sample_offset": self.index * self.global_micro_batch_size,
                 "step": self.step, "micro_batch": self.index % self.micro_batches_per_step,
                 "global_batch_size": self.order.global_batch_size,
-                "fingerprint": self.source.fingerprint}
+                "fingerprint": self.source.fingerprint, "arrangement": self._arrangement}
+
+    @property
+    def _arrangement(self) -> str:
+        return "none" if self.order.arrangement is None else str(self.order.arrangement)
 
     def load_state_dict(self, state: dict, allow_fingerprint_mismatch: bool = False) -> None:
         """Continue after ``state``'s last consumed micro-batch; LoaderError when ``state``
@@ -390,6 +424,14 @@ class RankLoader:
                 f"{self.global_micro_batch_size} within this epoch's "
                 f"{self.order.samples_per_epoch} samples; resume from a state saved at a step "
                 "boundary (always possible for any layout with the same global batch size)")
+        if state.get("arrangement", "none") != self._arrangement and \
+                offset % self.order.global_batch_size:
+            raise LoaderError(
+                f"the loader state stopped inside a step arranged as "
+                f"{state.get('arrangement', 'none')!r}; this loader arranges steps as "
+                f"{self._arrangement!r} (balance, layout or micro batch changed), so the rest of "
+                "that step would not hold exactly its remaining samples. Resume from a state "
+                "saved at a step boundary (every checkpoint is), or keep the arrangement")
         self.epoch = state["epoch"]
         self.index = offset // self.global_micro_batch_size
         self.close()
@@ -409,14 +451,18 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                  weights=None, decode_media: bool = True, allow_fingerprint_mismatch=False,
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
                  multiprocessing_context=None, block_size: int = 64, window_blocks: int = 4,
-                 progress: bool = False) -> RankLoader | None:
+                 progress: bool = False, balance: str = "none") -> RankLoader | None:
     """The loader of ``rank``, or None when its role needs no data (nothing is opened then).
 
     ``datasets``: dataset directories (or a ``DataSource`` already opened in this process, e.g.
     to build several ranks' loaders); ``weights``: blend weights (None: every kept sample once
     per epoch); ``decode_media=False`` gives encoder ranks token counts without encoder inputs
-    (dry runs). The layout is validated against the world and batch sizes first.
+    (dry runs); ``balance="tokens"`` arranges each global batch so that every module's DP ranks
+    get near-equal tokens (``balance.py``). The layout is validated against the world and batch
+    sizes first.
     """
+    if balance not in BALANCE:
+        raise ValueError(f"balance is {balance!r}: use one of {', '.join(BALANCE)}")
     layout = Layout.parse(layout)
     if isinstance(datasets, DataSource):
         source = datasets
@@ -438,7 +484,9 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
         return None
     if source is None:
         source = DataSource(datasets, config, weights, num_workers, progress)
-    order = source.order(seed, global_batch_size, remainder, block_size, window_blocks)
+    order = source.order(seed, global_batch_size, remainder, block_size, window_blocks,
+                         balance_arrangement(layout, micro_batch_size, list(config.modalities))
+                         if balance == "tokens" else None)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context)
     if state is not None:

@@ -26,6 +26,10 @@ last step is completed with the epoch's first samples, counted likewise). Step s
 micro-batch m covers epoch positions ``s*B + m*G ... s*B + (m+1)*G`` (G the global
 micro-batch size); a module with DP size d gives DP rank r the contiguous part r of d.
 
+Balance (``balance.py``): with an ``Arrangement``, each step's samples are then reordered
+within the step so that every module's DP ranks get near-equal tokens; which samples a step
+holds does not change.
+
 Random keys come from a hand-written splitmix64 hash rather than numpy's Generator, whose
 streams may change between numpy versions: a checkpoint must resume to the same order after
 an upgrade.
@@ -33,9 +37,12 @@ an upgrade.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from mimo_data.loading.balance import Arrangement, arrange
 
 _MASK64 = (1 << 64) - 1
 _BLOCKS, _SAMPLES, _PHASE = 1, 2, 3     # hash domains
@@ -87,7 +94,13 @@ class SampleOrder:
 
     def __init__(self, datasets: list[DatasetShape], seed: int, global_batch_size: int,
                  weights: list[float] | None = None, remainder: str = "drop",
-                 block_size: int = 64, window_blocks: int = 4):
+                 block_size: int = 64, window_blocks: int = 4,
+                 arrangement: Arrangement | None = None,
+                 costs: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
+        """``arrangement``: balance each step by ``costs(datasets, positions)``, the
+        ``[samples, columns]`` costs of the given samples (``DataSource.costs``)."""
+        if (arrangement is None) != (costs is None):
+            raise OrderError("balancing needs both an arrangement and the samples' costs")
         if remainder not in ("drop", "wrap"):
             raise OrderError(f"remainder is {remainder!r}: use drop or wrap")
         if not 0 <= seed <= _MASK64:
@@ -100,6 +113,8 @@ class SampleOrder:
         self.remainder = remainder
         self.block_size = block_size
         self.window_blocks = window_blocks
+        self.arrangement = arrangement
+        self.costs = costs
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = sum(kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
@@ -168,6 +183,13 @@ class SampleOrder:
         else:
             datasets = np.resize(datasets, self.samples_per_epoch)
             positions = np.resize(positions, self.samples_per_epoch)
+        if self.arrangement is not None:
+            assert self.costs is not None
+            steps, batch = self.steps_per_epoch, self.global_batch_size
+            costs = self.costs(datasets, positions).reshape(steps, batch, -1)
+            within = arrange(costs, self.arrangement)
+            flat = (within + (np.arange(steps) * batch)[:, None]).reshape(-1)
+            datasets, positions = datasets[flat], positions[flat]
         self._cached = (epoch, (datasets, positions))
         return datasets, positions
 
