@@ -60,7 +60,7 @@ def consume(args, rank: int, world: int) -> dict:
         digest = table_digest(dataset.tables[0])
     loader = build_loader(dataset, args.config, layout, rank, world, args.global_batch_size,
                           args.micro_batch_size, args.seed, num_workers=args.workers,
-                          state=state)
+                          state=state, balance=args.balance)
     consumed, saved = [], None
     if loader is not None:
         for batch, meta in loader:
@@ -137,6 +137,7 @@ def main() -> int:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--state", help="resume from this loader state (JSON)")
     parser.add_argument("--save-after-steps", type=int, default=0)
+    parser.add_argument("--balance", default="none", choices=("none", "tokens"))
     parser.add_argument("--cache-dir", help="compute the token table split over the ranks, "
                         "into this cache directory")
     parser.add_argument("--out", required=True)

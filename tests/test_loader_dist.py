@@ -7,6 +7,8 @@ must end with the table one process computes alone.
 Run 2: 4 ranks, language pp2 dp1 + image dp2 (another layout, another micro-batch), resumed
 from the state run 1 saved after two steps: its steps must be run 1's remaining steps, keys
 and tensors alike.
+Run 1 again with ``--balance tokens``: exactly once, every step with run 1's samples,
+arranged otherwise.
 `mimo-inspect plan --json` for run 1's layout must predict exactly what run 1 consumed.
 """
 
@@ -64,6 +66,26 @@ def runs(loader_corpus, tmp_path_factory):
                       "language=pp2,dp1;image=dp2", "--micro-batch-size", 2,
                       "--state", folder / "state.json")
     return first, second, config
+
+
+@pytest.fixture(scope="module")
+def balanced(runs, loader_corpus, tmp_path_factory) -> dict:
+    """Run 1's job again with ``--balance tokens``."""
+    _, _, config = runs
+    folder = tmp_path_factory.mktemp("dist-balanced")
+    return torchrun(3, folder / "balanced.json", "--dataset", loader_corpus, "--config", config,
+                    "--layout", "language=dp2;image=dp1", "--micro-batch-size", 2,
+                    "--workers", 1, "--balance", "tokens")
+
+
+def test_balanced_epoch_serves_every_sample_once_with_each_steps_samples(runs, balanced):
+    first, _, _ = runs
+    assert balanced["problems"] == []          # exactly once, every module the same batches
+    for module in ("language", "image"):
+        plain, arranged = first["modules"][module], balanced["modules"][module]
+        assert [sorted(s["keys"]) for s in arranged] == [sorted(s["keys"]) for s in plain]
+    assert [s["keys"] for s in balanced["modules"]["language"]] != \
+        [s["keys"] for s in first["modules"]["language"]]
 
 
 def plan_per_module(plan: dict) -> dict:
