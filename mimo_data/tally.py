@@ -37,11 +37,7 @@ class Tally:
         self.kept += count
 
     def skip(self, reason: str, location: str, detail: str) -> None:
-        self.seen += 1
-        entry = self.skipped.setdefault(reason, {"count": 0, "first": []})
-        entry["count"] += 1
-        if len(entry["first"]) < FIRST_LOCATIONS:
-            entry["first"].append({"location": location, "detail": detail})
+        self.skip_many(reason, 1, [(location, detail)])
 
     def skip_many(self, reason: str, count: int, first: list[tuple[str, str]]) -> None:
         """``count`` skips for ``reason``, the first ones as ``(location, detail)``."""

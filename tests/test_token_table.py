@@ -260,3 +260,20 @@ def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
         table = open_table(empty, config, tmp_path / "cache")
         assert len(table) == 0 and table.items("image").tolist() == []
     assert len(computes) == 1                       # the empty table was saved and read back
+
+
+def test_a_table_that_cannot_be_saved_is_used_from_memory_with_a_warning(
+        dataset, tmp_path, monkeypatch, capsys):
+    config = preprocess_config_file(tmp_path / "p.yaml")
+    expected = open_table(dataset, config, tmp_path / "saved").tokens.tolist()
+    sample_table_dir = tmp_path / "full"
+    open_table(dataset, config, sample_table_dir)           # sample table saved first
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    for path in table_files(sample_table_dir):
+        path.unlink()                                       # the token table must be computed
+    monkeypatch.setattr(cache, "write_table", full_disk)
+    table = open_table(dataset, config, sample_table_dir)
+    assert table.tokens.tolist() == expected and table.path is None
+    assert "could not save" in capsys.readouterr().err and table_files(sample_table_dir) == []

@@ -96,7 +96,6 @@ class ReportBuilder:
         self.drop_reasons: dict[str, Flagged] = {}
         self.flagged = {name: Flagged() for name in CHECKS}
         self.seen = 0
-        self.total_samples = 0
         self.table: TokenTable | None = None
 
     def add(self, stats: SampleStats) -> None:
@@ -362,30 +361,25 @@ def _parallel_stats(directory: str, inspector: SampleInspector, total: int, work
             yield from stats_list
 
 
-def inspect_dataset(directory: str, inspector: SampleInspector, *, limit: int | None = None,
-                    progress: bool = True, workers: int = 1, on_stats=None,
-                    cache_dir: str | None = None) -> ReportBuilder:
-    """Run every sample (the first ``limit``) through the inspector into a ReportBuilder, in
-    this process or in ``workers`` processes. ``on_stats(stats)`` sees each sample's stats
-    in dataset order (e.g. to pick the HTML gallery)."""
+def inspect_dataset(reader: ShardReader, inspector: SampleInspector, *,
+                    limit: int | None = None, progress: bool = True, workers: int = 1,
+                    on_stats=None, cache_dir: str | None = None) -> ReportBuilder:
+    """Run every sample of ``reader`` (the first ``limit``) through the inspector into a
+    ReportBuilder, in this process or in ``workers`` processes (which open the dataset with
+    ``cache_dir``). ``on_stats(stats)`` sees each sample's stats in dataset order (e.g. to
+    pick the HTML gallery)."""
     builder = ReportBuilder(inspector)
     with fewer_gc_passes():
-        reader = ShardReader(directory, cache_dir)
-        try:
-            total = len(reader) if limit is None else min(limit, len(reader))
-            if workers > 1 and total > 1:
-                stream = _parallel_stats(directory, inspector, total, workers, cache_dir)
-            else:
-                index = IndexTable(directory)
-                stream = inspect_range(reader, inspector, index, 0, total)
-            for stats in tqdm(stream, total=total, desc="mimo-inspect report", unit=" samples",
-                              disable=not progress, mininterval=0.5, dynamic_ncols=True):
-                builder.add(stats)
-                if on_stats:
-                    on_stats(stats)
-        finally:
-            reader.close()
-    builder.total_samples = len(reader)
+        total = len(reader) if limit is None else min(limit, len(reader))
+        if workers > 1 and total > 1:
+            stream = _parallel_stats(reader.directory, inspector, total, workers, cache_dir)
+        else:
+            stream = inspect_range(reader, inspector, IndexTable(reader.directory), 0, total)
+        for stats in tqdm(stream, total=total, desc="mimo-inspect report", unit=" samples",
+                          disable=not progress, mininterval=0.5, dynamic_ncols=True):
+            builder.add(stats)
+            if on_stats:
+                on_stats(stats)
     return builder
 
 
@@ -405,27 +399,28 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     tokens_path = table_path(reader, key, cache_dir)
     flags_key = _flags_key(key)
     flags_path = os.path.join(os.path.dirname(tokens_path), f"report-{flags_key[:24]}.arrow")
+    saved = cache.read_table(tokens_path, key)
     builder = None
-    if reuse and limit is None and on_stats is None:
-        token_data = cache.read_table(tokens_path, key)
+    if reuse and limit is None and on_stats is None and saved is not None:
         flags = cache.read_table(flags_path, flags_key)
-        if token_data is not None and flags is not None:
-            builder = ReportBuilder.from_tables(inspector, TokenTable(token_data, modalities),
-                                                flags)
+        if flags is not None:
+            builder = ReportBuilder.from_tables(inspector, TokenTable(saved, modalities), flags)
     reused = builder is not None
     if builder is None:
-        builder = inspect_dataset(directory, inspector, limit=limit, progress=progress,
-                                  workers=workers, on_stats=on_stats, cache_dir=cache_dir)
+        try:
+            builder = inspect_dataset(reader, inspector, limit=limit, progress=progress,
+                                      workers=workers, on_stats=on_stats, cache_dir=cache_dir)
+        finally:
+            reader.close()
         token_data, flags = builder.finish()
         # Saved for training only when it is what training computes: training stops at an
         # unreadable record, which a report counts.
         if limit is None and UNREADABLE not in builder.drop_reasons:
-            if cache.read_table(tokens_path, key) is None:
-                cache.write_table(tokens_path, token_data, key)
-            cache.write_table(flags_path, flags, flags_key)
-    builder.total_samples = len(reader)
+            if saved is None:
+                cache.save_table(tokens_path, token_data, key)
+            cache.save_table(flags_path, flags, flags_key)
     seconds = time.perf_counter() - start
-    report = {"dataset": directory, "total_samples": builder.total_samples, "limit": limit,
+    report = {"dataset": directory, "total_samples": len(reader), "limit": limit,
               "workers": workers, **builder.to_dict(thresholds), "seconds": seconds,
               "samples_per_second": builder.seen / seconds if seconds else None,
               "tables": {"token_table": tokens_path, "flags": flags_path, "reused": reused}}

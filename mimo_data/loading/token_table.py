@@ -88,6 +88,7 @@ class TokenTable:
         self.modalities = list(modalities)
         self.reasons: list[str] = json.loads(table.schema.metadata[b"mimo.reasons"])
         self.drop = cache.column(table, "drop").to_numpy()
+        self.kept = self.drop == 0
         self.details = cache.column(table, "detail")
         self.tokens = cache.column(table, "tokens").to_numpy()
         self.trained = cache.column(table, "trained").to_numpy()
@@ -105,10 +106,6 @@ class TokenTable:
 
     def __len__(self) -> int:
         return len(self.drop)
-
-    @property
-    def kept(self) -> np.ndarray:
-        return self.drop == 0
 
     def items(self, modality: str) -> np.ndarray:
         """Number of ``modality`` items per sample."""
@@ -297,21 +294,20 @@ def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
     key, path, table = here
     if not all(found):
         computed = compute(reader, preprocessor, num_workers, partition, progress)
+        if partition is None:
+            table = cache.save_table(path, computed, key)
+        else:           # one writer per machine; then every rank maps the file it can see
+            writes = partition.writes
 
-        def save() -> None:
-            if partition is None or partition.writes:
-                try:
-                    cache.write_table(path, computed, key)
-                except OSError as exc:        # the table is still good: the next start computes
-                    print(f"mimo: could not save the token table {path} ({exc}); set "
-                          f"{cache.CACHE_DIR_ENV} to a writable directory", file=sys.stderr)
-        save() if partition is None else partition.together(save)
-        # mapped from the file (shared by the machine's ranks) when it could be saved
-        table = cache.read_table(path, key)
-        if table is None:
+            def save() -> None:
+                if writes:
+                    cache.save_table(path, computed, key)
+            partition.together(save)
+            table = cache.read_table(path, key)
+        if table is None:                   # not saved: from memory
             return TokenTable(computed, list(preprocessor.config.modalities))
     return TokenTable(table, list(preprocessor.config.modalities), path)
 
 
 def _mapped(path: str, modalities: list[str]) -> TokenTable:
-    return TokenTable(pa.ipc.open_file(pa.memory_map(path)).read_all(), modalities, path)
+    return TokenTable(cache.mapped(path), modalities, path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 
 import pyarrow as pa
@@ -87,13 +88,30 @@ def write_table(path: str, table: pa.Table, key: str) -> None:
         raise
 
 
+def save_table(path: str, table: pa.Table, key: str) -> pa.Table | None:
+    """``write_table``, then the saved file memory-mapped; None, with a warning, when it cannot
+    be saved (a read-only or full cache: the caller uses ``table`` from memory this time)."""
+    try:
+        write_table(path, table, key)
+    except OSError as exc:
+        print(f"mimo: could not save {path} ({exc}); set {CACHE_DIR_ENV} to a writable "
+              "directory", file=sys.stderr)
+        return None
+    return read_table(path, key)
+
+
+def mapped(path: str) -> pa.Table:
+    """The IPC file at ``path``, memory-mapped (no check: see ``read_table``)."""
+    return pa.ipc.open_file(pa.memory_map(path)).read_all()
+
+
 def read_table(path: str, key: str) -> pa.Table | None:
     """The table at ``path``, memory-mapped, if it is complete, for ``key`` and undamaged;
     None otherwise (missing, truncated, another key, changed bytes)."""
     if not os.path.isfile(path):
         return None
     try:
-        table = pa.ipc.open_file(pa.memory_map(path)).read_all()
+        table = mapped(path)
     except (pa.ArrowInvalid, OSError):
         return None
     metadata = table.schema.metadata or {}

@@ -61,11 +61,9 @@ def from_parquet(parquet: str) -> pa.Table:
         b"mimo.members": json.dumps(names.dictionary.to_pylist()).encode()})
 
 
-def write(parquet: str, folder: str, key: str) -> str:
-    """Derive the sample table of ``parquet`` and write it into ``folder``; returns its path."""
-    path = os.path.join(folder, file_name(key))
-    cache.write_table(path, from_parquet(parquet), key)
-    return path
+def write(parquet: str, folder: str, key: str) -> None:
+    """Derive the sample table of ``parquet`` and write it into ``folder``."""
+    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key)
 
 
 class SampleTable:
@@ -92,20 +90,16 @@ class SampleTable:
         key = table_key(index, directory)
         path = os.path.join(cache.cache_directory(directory, cache_dir), file_name(key))
         table = cache.read_table(path, key)
+        mapped = True
         if table is None:
             if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun
                 print(f"mimo: {directory}: writing its sample table {path} (once per dataset "
                       "and cache directory; `mimo-shard build` writes it beside new datasets)",
                       file=sys.stderr, flush=True)
-            try:
-                write(os.path.join(directory, SAMPLES_FILE), os.path.dirname(path), key)
-            except OSError as exc:     # usable all the same, from memory
-                print(f"mimo: could not save {path} ({exc}); set {cache.CACHE_DIR_ENV} to a "
-                      "writable directory", file=sys.stderr)
-            table = cache.read_table(path, key)
-        mapped = table is not None
-        if table is None:
-            table = from_parquet(os.path.join(directory, SAMPLES_FILE))
+            derived = from_parquet(os.path.join(directory, SAMPLES_FILE))
+            table = cache.save_table(path, derived, key)
+            if table is None:
+                table, mapped = derived, False
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
                                f"index says {index['totals']['samples']} samples; rebuild")
@@ -147,4 +141,4 @@ class SampleTable:
 
 
 def _mapped(path: str) -> SampleTable:
-    return SampleTable(path, pa.ipc.open_file(pa.memory_map(path)).read_all())
+    return SampleTable(path, cache.mapped(path))
