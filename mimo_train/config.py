@@ -51,6 +51,9 @@ class DataConfig:
     num_workers: int = 0
     cache_dir: str | None = None    # derived tables of read-only datasets (MIMO_CACHE_DIR wins)
     balance: str = "none"           # tokens: near-equal tokens per DP rank in every step
+    # pack each language DP rank's micro-batch into sequences of seq_length (no padding;
+    # attention stays inside each sample)
+    packing: bool = False
 
 
 @dataclass

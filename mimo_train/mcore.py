@@ -33,18 +33,21 @@ from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoM
                                        VisionModalitySubmodules, get_mimo_optimizer)
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 from megatron.core.pipeline_parallel.multimodule_communicator import (
     MultiModulePipelineCommunicator)
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import (MultiModuleProcessGroupCollection,
                                                  ProcessGroupCollection)
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
-    "CPU_PATCHES", "AudioModalitySubmodules", "CheckpointingException",
-    "DistributedDataParallel", "DistributedDataParallelConfig", "GPTModel", "HyperCommGrid",
+    "CPU_PATCHES", "AudioModalitySubmodules", "BridgeCommunicator", "CheckpointingException",
+    "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
+    "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",

@@ -16,14 +16,16 @@ import re
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_train.bridge_routing import RoutedMimoModel
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
 from mimo_train.encoders import Projection, build_encoder, default_kind
 from mimo_train.hf_language import (check_parallel, gpt_fields, load_pretrained_language,
                                     read_architecture, transformer_fields)
 from mimo_train.infra import Infra
+from mimo_train.packed_attention import PackedDotProductAttention
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, GPTModel, MegatronOptimizerConfig,
-                              MimoModel, MimoModelConfig, ModelType, ModuleSpec,
+                              MimoModelConfig, ModelType, ModuleSpec,
                               TransformerConfig, VisionModalitySubmodules,
                               get_gpt_layer_local_spec, get_mimo_optimizer)
 
@@ -172,7 +174,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     vocab = vocab_size(cfg, tokenizer_size)
     language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
         cfg, infra, transformer, vocab, preprocess.seq_length))
-    model = MimoModel(MimoModelConfig(
+    model = RoutedMimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids))
     model.model_type = ModelType.encoder_or_decoder
@@ -206,12 +208,15 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
     pretrained = cfg.model.language.pretrained
     arch = read_architecture(pretrained) if pretrained else None
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
+        if arch else get_gpt_layer_local_spec()
+    if cfg.data.packing:            # packed (THD) batches: see packed_attention
+        layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=PackedDotProductAttention, params=dict(capacity=max_sequence_length))
     return dict(
         seed=_module_seed(cfg.train.seed, LANGUAGE), config=transformer,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            normalization="RMSNorm", qk_layernorm=arch.qk_norm) if arch
-        else get_gpt_layer_local_spec(),
-        vocab_size=vocab, max_sequence_length=max_sequence_length,
+        transformer_layer_spec=layer_spec, vocab_size=vocab,
+        max_sequence_length=max_sequence_length,
         **(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
                                               share_embeddings_and_output_weights=False)),
         pre_process=language is None or language.first_stage,

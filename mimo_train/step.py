@@ -40,10 +40,13 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     (rounded up to ``LENGTH_MULTIPLE``) are dropped first. They hold only padding, which is
     never trained and, on the right under a causal mask, never attended to by real tokens, so
     loss and gradients are unchanged while the language model skips most of the padding.
+    A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
+    makes megatron-core's ``PackedSeqParams`` of its sample boundaries.
     """
     real = batch.get("attention_mask")
+    packing = batch.get("packing_kwargs")
     length = None
-    if real is not None:
+    if real is not None and packing is None:
         longest = int(real.sum(1).max())
         length = min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
     inputs = {key: value[:, :length].to(device, non_blocking=True)
@@ -53,6 +56,9 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     # real token; megatron-core's non-colocated path would read a dense mask as True = masked.
     inputs["attention_mask"] = None
     inputs.setdefault("input_ids", None)         # later pipeline stages get no token ids
+    if packing is not None:
+        inputs["packing_kwargs"] = {key: value.to(device) if isinstance(value, torch.Tensor)
+                                    else value for key, value in packing.items()}
     modules = infra.layout.modalities
     inputs["modality_inputs"] = {
         modules[modality]: {encoder: {k: v.to(device, non_blocking=True) for k, v in kw.items()}

@@ -7,8 +7,9 @@ checkpoint stops every rank with one gathered message instead of leaving the hea
 waiting in a collective. Rank 0 prints one line per phase with its seconds.
 
 The loop (``Trainer.run``): megatron-core's multimodule 1F1B schedule
-(``forward_backward_pipelining_without_interleaving`` with ``MultiModulePipelineCommunicator``)
-for non-colocated layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
+(``forward_backward_pipelining_without_interleaving`` with ``MultiModulePipelineCommunicator``,
+its bridges routing variable per-sample token counts: ``bridge_routing``) for non-colocated
+layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
 rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
 (``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; distributed
 checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader).
@@ -34,7 +35,8 @@ from mimo_train import checkpoint
 from mimo_train.console import PREFIX, phase, say
 from mimo_train.config import TrainConfig, TrainConfigError
 from mimo_train.infra import Infra, build_infra
-from mimo_train.mcore import (MultiModulePipelineCommunicator, MultiModuleProcessGroupCollection,
+from mimo_train.bridge_routing import SizedPipelineCommunicator
+from mimo_train.mcore import (MultiModuleProcessGroupCollection,
                               OptimizerParamScheduler, get_forward_backward_func,
                               model_parallel_cuda_manual_seed, parallel_state)
 from mimo_train.metrics import Metrics, eval_record, forward_seconds, train_record, world_max
@@ -209,7 +211,8 @@ class Trainer:
             return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
-                                weights=opened.weights, balance=cfg.data.balance)
+                                weights=opened.weights, balance=cfg.data.balance,
+                                packing=cfg.data.packing)
 
         train_source = source(cfg.data.datasets, cfg.data.weights)
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
@@ -229,7 +232,7 @@ class Trainer:
             self.communicator = None
             self.schedule = get_forward_backward_func(pp_size=1, vp_size=None)
             return
-        self.communicator = MultiModulePipelineCommunicator(
+        self.communicator = SizedPipelineCommunicator(
             self.infra.grids, self.infra.topology, config, dim_mapping={"s": 0, "b": 1, "h": 2},
             module_output_ndim={m.name: 2 for m in self.layout.encoders})
         local = {name: m.pgs for name, m in self.infra.local.items()}
@@ -281,6 +284,7 @@ class Trainer:
                       micro_batch_size=self.cfg.train.micro_batch_size,
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
+            self.communicator.reset()
             kwargs["p2p_communicator"] = self.communicator
         local = [0.0, 0.0]
         for report in self.schedule(**kwargs) or ():

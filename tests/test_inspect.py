@@ -598,8 +598,9 @@ def test_inspector_on_an_edited_record_reports_both_mismatches(configs):
 
 PLAN_LAYOUTS = [
     ("language=dp2;image=dp1;audio=dp1", "default", "clean"),   # fan-out: encoder dp < language dp
-    # fan-in splits evenly: fixed-size image tokens and one image in every sample
+    # fan-in: fixed-size image tokens and one image in every sample, and variable counts
     ("language=dp1;image=dp2;audio=dp1", "fixed", "single_image"),
+    ("language=dp1;image=dp2;audio=dp2", "default", "clean"),
     ("language=dp2,off0;image=dp2,off0;audio=dp2,off0", "default", "clean"),   # colocated
     ("language=pp2,dp1;image=dp1;audio=dp1", "default", "clean"),  # language PP2
 ]
@@ -616,12 +617,15 @@ def single_image(corpus, tmp_path_factory) -> Path:
     return root / "shards"
 
 
-def test_plan_refuses_fan_in_on_data_with_unequal_item_counts(capsys, clean, configs):
+def test_plan_refuses_colocated_fan_in_on_data_with_unequal_item_counts(capsys, clean,
+                                                                         configs):
+    """megatron-core's colocated bridge splits evenly (non-colocated fan-in routes any
+    counts): fixed-size images, but 0 to 2 of them per sample."""
     code, _, err = run(capsys, "plan", clean, "--config", configs["fixed"], "--layout",
-                       "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
-                       "--micro-batch-size", "2")
+                       "language=tp2,off0;image=dp2,off0;audio=tp2,off0",
+                       "--global-batch-size", "8", "--micro-batch-size", "2")
     assert code != 0
-    assert "module 'image' (dp 2)" in err and "sample(s) with 0" in err \
+    assert "colocated module 'image' (dp 2)" in err and "sample(s) with 0" in err \
         and "sample(s) with 2" in err
 
 
@@ -689,11 +693,12 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
                          "--micro-batch-size", "2")
     assert code == 1 and "INVALID" in out
     assert "FAIL layout" in err and "8" in err and "6" in err
-    # Fan-in of variable-size image tokens: the bridge cannot route it.
+    # Colocated fan-in of variable-size image tokens: megatron-core's colocated bridge
+    # splits evenly.
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
-                         "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
-                         "--micro-batch-size", "2")
-    assert code == 1 and "INVALID" in out and "image" in err
+                         "language=tp2,off0;image=dp2,off0;audio=tp2,off0",
+                         "--global-batch-size", "8", "--micro-batch-size", "2")
+    assert code == 1 and "INVALID" in out and "colocated module 'image'" in err
 
 
 def test_plan_text_summary(capsys, clean, configs):

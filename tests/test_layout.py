@@ -105,12 +105,11 @@ def test_every_module_dp_must_divide_the_global_micro_batch():
     Layout.parse("language=dp1;image=dp2").validate(3, 8, 2)      # micro 2: fine
 
 
-def test_fan_in_with_variable_token_counts_is_refused_with_the_reason():
-    message = _error("language=dp1;image=dp2", 3, micro=2, variable=["image"])
-    assert "'image' (dp 2)" in message and "language' (dp 1)" in message
-    assert "fanning in" in message and "fixed" in message and "<= 1" in message
-    Layout.parse("language=dp1;image=dp2").validate(3, 8, 2, ["audio"])   # images fixed
-    Layout.parse("language=dp2;image=dp1").validate(3, 8, 2, ["image"])   # fan-out: fine
+def test_fan_in_and_fan_out_take_variable_token_counts():
+    """Non-colocated bridges route per-sample counts both ways (mimo_train.bridge_routing)."""
+    Layout.parse("language=dp1;image=dp2").validate(3, 8, 2, ["image"])   # fan-in
+    Layout.parse("language=tp2;image=dp4;audio=dp2").validate(8, 8, 4, ["image", "audio"])
+    Layout.parse("language=dp2;image=dp1").validate(3, 8, 2, ["image"])   # fan-out
 
 
 def test_colocated_heterogeneous_dp_with_variable_token_counts_is_refused():

@@ -381,7 +381,15 @@ def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus,
                          "--steps", "1", "--seed", "11", "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert code == 0 and printed["ranks"][2]["steps"] == result["ranks"][2]["steps"][:1]
+    # fan-in of dynamic-resolution images: each image DP rank gets its half of the language
+    # rank's micro-batch, in order
     code = dry_run_main([str(loader_corpus), "--config", str(configs["image"]), "--layout",
                          "language=dp1;image=dp2", "--global-batch-size", "8",
-                         "--micro-batch-size", "2"])
-    assert code == 2 and "fanning in" in capsys.readouterr().err
+                         "--micro-batch-size", "2", "--steps", "2", "--json"])
+    ranks = json.loads(capsys.readouterr().out)["ranks"]
+    assert code == 0
+    language, *images = [[mb["keys"] for step in entry["steps"] for mb in step["micro_batches"]]
+                         for entry in sorted(ranks, key=lambda e: e["role"]["text_module"] !=
+                                             LANGUAGE)]
+    assert len(language) == 8 and all(len(keys) == 2 for keys in language)
+    assert [a + b for a, b in zip(*images)] == language

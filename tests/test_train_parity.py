@@ -7,7 +7,10 @@ agree (fp32, 1e-5) between one colocated process and each non-colocated layout, 
   of different lengths and a text-only sample in the batch (variable per-sample token counts);
 - fan-in: image dp2 → language dp1, fixed-size images (uniform counts);
 - language pp2 (two pipeline stages, two micro-batches);
-- fan-out with ``data.balance: tokens`` (samples rearranged between DP ranks within the step).
+- fan-out with ``data.balance: tokens`` (samples rearranged between DP ranks within the step);
+- fan-in of variable counts: image dp2 and audio dp2 → language dp1 (``bridge_routing``);
+- ``data.packing``: one process packed against the same samples unpacked, packed fan-in with
+  balance, packed language pp2 x dp2 (THD batches through the bridge and pipeline stages).
 """
 
 import json
@@ -141,3 +144,63 @@ def test_fan_in_matches_colocated(corpus, tmp_path):
     reference, init = _reference(tmp_path, "language=dp1;image=dp1,off0", common)
     fan_in = _torchrun(tmp_path, "fan-in", 3, "image=dp2;language=dp1", 2, common, init)
     _compare(reference, fan_in, "image dp2 -> language dp1")
+
+
+@pytest.fixture(scope="module")
+def packing_setup(loader_corpus, tmp_path_factory):
+    """seq_length 512: the first batch packs into two sequences of two samples, which packing
+    reorders (``test_packing_reorders_the_first_batch``); the reference is unpacked."""
+    tmp = tmp_path_factory.mktemp("parity-packing")
+    preprocess = preprocess_config_file(tmp / "preprocess.yaml")
+    preprocess.write_text(preprocess.read_text().replace("seq_length: 1024", "seq_length: 512"))
+    common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
+              "model.encoders.audio.hidden_size=16", *MODEL]
+    reference, init = _reference(tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
+    return tmp, common, reference, init, preprocess
+
+
+def test_packing_reorders_the_first_batch(packing_setup, loader_corpus):
+    from mimo_data.loading.loader import build_loader
+
+    *_, preprocess = packing_setup
+    layout = "language=dp1;image=dp1,off0;audio=dp1,off0"
+    loaders = [build_loader([loader_corpus], preprocess, layout, 0, 1, GLOBAL_BATCH,
+                            GLOBAL_BATCH, seed=3, packing=packing) for packing in (False, True)]
+    (_, padded), (batch, packed) = (next(iter(loader)) for loader in loaders)
+    assert sorted(packed["keys"]) == sorted(padded["keys"])
+    assert packed["keys"] != padded["keys"]
+    assert packed["sequences"] == [2, 2]
+    assert batch["input_ids"].shape == (1, sum(padded["tokens"]))
+    assert len({n for counts in packed["token_counts"]["image"] for n in counts}) >= 2
+
+
+def test_packed_matches_unpacked(packing_setup):
+    tmp, common, reference, init, _ = packing_setup
+    out = tmp / "packed"
+    packed = _run([sys.executable, RUNNER, str(out), "layout=language=dp1;image=dp1,off0;"
+                   "audio=dp1,off0", f"train.micro_batch_size={GLOBAL_BATCH}",
+                   f"model.init_from={init}", "data.packing=true", *common], out)
+    _compare(reference, packed, "one process, packed")
+
+
+def test_fan_in_of_variable_counts_matches_colocated(packing_setup):
+    """Each encoder DP rank holds one sample: images of different sizes, audio clips and
+    text-only samples give every rank a different count (none, for a text-only sample)."""
+    tmp, common, reference, init, _ = packing_setup
+    fan_in = _torchrun(tmp, "fan-in-variable", 5, "image=dp2;audio=dp2;language=dp1", 2,
+                       common, init)
+    _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1")
+
+
+def test_packed_balanced_fan_in_matches_colocated(packing_setup):
+    tmp, common, reference, init, _ = packing_setup
+    fan_in = _torchrun(tmp, "fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
+                       [*common, "data.packing=true", "data.balance=tokens"], init)
+    _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced")
+
+
+def test_packed_language_pp2_dp2_matches_colocated(packing_setup):
+    tmp, common, reference, init, _ = packing_setup
+    staged = _torchrun(tmp, "pp2-dp2-packed", 6, "image=dp1;audio=dp1;language=pp2,dp2", 1,
+                       [*common, "data.packing=true"], init)
+    _compare(reference, staged, "language pp2 x dp2, packed")

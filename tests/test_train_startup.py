@@ -1,5 +1,5 @@
 """Bad configs fail at start-up with one clear message, never a hang: config errors before the
-process groups exist, stub ranks, non-divisible batches, unsupported fan-in with variable counts,
+process groups exist, stub ranks, non-divisible batches, colocated fan-in with variable counts,
 missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules and a
 missing pretrained encoder.
 
@@ -127,17 +127,12 @@ CASES = [
      ["layout=image=dp2;language=dp1", "train.micro_batch_size=1"], "config",
      ["module 'image' has dp 2", "global micro-batch of 1 samples",
       "micro batch 1 x language dp 1", "make the micro batch a multiple of 2"]),
-    # -- fan-in (encoder dp > language dp) with variable counts
-    ("fan-in of dynamic-resolution images", "image",
-     ["layout=image=dp2;language=dp1"], "config",
-     ["module 'image' (dp 2)", "variable token count", "'language' (dp 1)",
-      "Make image's dp <= 1", "policy: fixed"]),
-    pytest.param(
-        "fan-in of fixed-size images, 0 to 2 per sample", "fixed",
-        ["layout=image=dp2;language=dp1"], "data",
-        ["LayoutError", "module 'image' (dp 2)", "'language' (dp 1)", "even split",
-         "sample(s) with 0", "sample(s) with 1", "sample(s) with 2",
-         "Give image dp 1 or less"]),
+    # -- colocated modules of different dp with variable counts (megatron-core's colocated
+    #    bridge splits evenly; non-colocated fan-in routes any counts)
+    ("colocated fan-in of dynamic-resolution images", "image",
+     ["layout=image=dp3,off0;language=tp3,off0"], "config",
+     ["colocated module 'image' (dp 3)", "variable token count", "'language' (dp 1)",
+      "Give image dp 1", "policy: fixed"]),
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",

@@ -353,13 +353,6 @@ class Layout:
             if name is None:
                 continue
             encoder = self.module(name)
-            if not self.colocated and encoder.dp > language.dp:
-                raise LayoutError(
-                    f"module {name!r} (dp {encoder.dp}) feeds {modality} with a variable token "
-                    f"count per sample into {LANGUAGE!r} (dp {language.dp}): megatron-core "
-                    "0.19's bridge cannot route per-sample sizes when fanning in (encoder dp > "
-                    f"language dp). Make {name}'s dp <= {language.dp}, or use fixed-resolution "
-                    f"{modality} inputs (e.g. modalities.image.policy: fixed)")
             if self.colocated and encoder.dp != language.dp:
                 raise LayoutError(
                     f"colocated module {name!r} (dp {encoder.dp}) feeds {modality} with a "

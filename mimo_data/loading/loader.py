@@ -49,6 +49,7 @@ import torch.utils.data
 
 from mimo_data.preprocess.collate import BatchMetadata, Collator
 from mimo_data.loading.balance import BALANCE, Arrangement
+from mimo_data.loading.packing import Packing, next_fit
 from mimo_data.loading.token_table import Partition, TokenTable, token_table
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
@@ -80,15 +81,18 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
     counts per sample differ (the trainer and ``mimo-inspect plan`` check this; the loader
     itself delivers any layout's slices correctly).
 
-    megatron-core 0.19 splits a module's output evenly (``tensor_split``) when encoder DP ranks
-    fan in to fewer language DP ranks, and between colocated modules of different DP sizes.
-    That is exact only if every sample has the same token count for that modality: a fixed
-    count per item (``Layout.validate`` already refuses variable-count modalities there) *and*
-    the same number of items in every kept sample, which only the data can tell.
+    megatron-core 0.19 splits a colocated module's output evenly (``tensor_split``) between
+    modules of different DP sizes. That is exact only if every sample has the same token count
+    for that modality: a fixed count per item (``Layout.validate`` already refuses
+    variable-count modalities there) *and* the same number of items in every kept sample,
+    which only the data can tell. Non-colocated bridges route any counts (fan-out by
+    megatron-core, fan-in by ``mimo_train.bridge_routing``).
     """
     language = layout.language
+    if not layout.colocated:
+        return
     for encoder in layout.encoders:
-        if encoder.dp == language.dp or (encoder.dp < language.dp and not layout.colocated):
+        if encoder.dp == language.dp:
             continue
         for modality in layout.modalities_of(encoder.name):
             counts = np.concatenate([table.items(modality)[table.kept]
@@ -97,11 +101,12 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
             if len(values) > 1:
                 found = ", ".join(f"{n} sample(s) with {k}" for k, n in zip(values, samples))
                 raise LayoutError(
-                    f"module {encoder.name!r} (dp {encoder.dp}) feeds {modality} into "
+                    f"colocated module {encoder.name!r} (dp {encoder.dp}) feeds {modality} into "
                     f"{LANGUAGE!r} (dp {language.dp}) through an even split, which needs the "
                     f"same number of {modality} items in every sample; the data has {found} "
-                    f"{modality} item(s). Give {encoder.name} dp {language.dp} or less "
-                    f"(non-colocated), or filter the dataset to one count per sample")
+                    f"{modality} item(s). Give {encoder.name} dp {language.dp}, put the modules "
+                    "on separate ranks (non-colocated), or filter the dataset to one count per "
+                    "sample")
 
 
 class DataSource:
@@ -157,10 +162,12 @@ class DataSource:
 
     def order(self, seed: int, global_batch_size: int, remainder: str = "drop",
               block_size: int = 64, window_blocks: int = 4,
-              arrangement: Arrangement | None = None) -> SampleOrder:
+              arrangement: Arrangement | None = None,
+              packing: Packing | None = None) -> SampleOrder:
+        needs_costs = arrangement is not None or packing is not None
         return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
                            block_size, window_blocks, arrangement,
-                           self.costs if arrangement is not None else None)
+                           self.costs if needs_costs else None, packing)
 
     def costs(self, datasets: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[samples, 1 + modalities]``: the given samples' tokens, then their media tokens
@@ -213,6 +220,10 @@ class _RankStream(torch.utils.data.IterableDataset):
         self.full = (Preprocessor(source.config, with_media=set(role.media),
                                   text=source.metadata.text) if self.decode_media else None)
         self.collate = Collator(source.metadata)
+        # packing shapes the language model's batch; encoder ranks keep a row per sample
+        self.packing = order.packing if role.text_module == LANGUAGE else None
+        self.collate_text = Collator(source.metadata, packed=True) if self.packing \
+            else self.collate
 
     def __iter__(self):
         """``(batch, metadata)`` per micro-batch, the batch packed (``tensor_pack``) when made
@@ -275,12 +286,16 @@ class _RankStream(torch.utils.data.IterableDataset):
         texts = self.source.metadata.text_batch(list(records.values()))
         samples = {at: self._sample(datasets, positions, at, record, text, at in full_at)
                    for (at, record), text in zip(records.items(), texts)}
-        collated, metadata = self.collate([samples[at] for at in range(text.start, text.stop)])
+        text_samples = [samples[at] for at in range(text.start, text.stop)]
+        collated, metadata = self.collate_text(text_samples)
         batch: dict[str, Any] = {key: value for key, value in collated.items()
                                  if key in self.role.text_keys}
         metadata["epoch"], metadata["step"], metadata["micro_batch"] = epoch, step, micro
-        metadata["tokens"] = collated["attention_mask"].numpy().sum(1).tolist()
-        metadata["trained_tokens"] = np.count_nonzero(collated["loss_mask"].numpy(), 1).tolist()
+        metadata["tokens"] = [len(sample.input_ids) for sample in text_samples]
+        metadata["trained_tokens"] = [int(np.count_nonzero(sample.loss_mask.numpy()))
+                                      for sample in text_samples]
+        if self.packing is not None:
+            metadata["sequences"] = next_fit(metadata["tokens"], self.packing.capacity)
         if self.role.media:
             batch["modality_inputs"] = {}
             encoder_keys: dict[str, list[str]] = {}
@@ -307,7 +322,8 @@ class RankLoader:
     dataset's index in the datasets list), ``token_counts``, ``removed_turns``, ``tokens`` and
     ``trained_tokens``; on encoder ranks ``encoder_keys`` ``{modality: ids}`` of the samples
     whose encoder inputs the batch holds (the text samples unless a colocated encoder's DP
-    slice differs from the language model's). TP/CP ranks of one DP rank get the same data.
+    slice differs from the language model's); with packing, on language ranks, ``sequences``
+    (samples per packed sequence). TP/CP ranks of one DP rank get the same data.
     """
 
     def __init__(self, source: DataSource, layout: Layout, role: RankRole, order: SampleOrder,
@@ -451,15 +467,17 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                  weights=None, decode_media: bool = True, allow_fingerprint_mismatch=False,
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
                  multiprocessing_context=None, block_size: int = 64, window_blocks: int = 4,
-                 progress: bool = False, balance: str = "none") -> RankLoader | None:
+                 progress: bool = False, balance: str = "none",
+                 packing: bool = False) -> RankLoader | None:
     """The loader of ``rank``, or None when its role needs no data (nothing is opened then).
 
     ``datasets``: dataset directories (or a ``DataSource`` already opened in this process, e.g.
     to build several ranks' loaders); ``weights``: blend weights (None: every kept sample once
     per epoch); ``decode_media=False`` gives encoder ranks token counts without encoder inputs
     (dry runs); ``balance="tokens"`` arranges each global batch so that every module's DP ranks
-    get near-equal tokens (``balance.py``). The layout is validated against the world and batch
-    sizes first.
+    get near-equal tokens (``balance.py``); ``packing=True`` packs each language DP rank's
+    micro-batch into sequences of ``seq_length`` (``packing.py``). The layout is validated
+    against the world and batch sizes first.
     """
     if balance not in BALANCE:
         raise ValueError(f"balance is {balance!r}: use one of {', '.join(BALANCE)}")
@@ -486,7 +504,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
         source = DataSource(datasets, config, weights, num_workers, progress)
     order = source.order(seed, global_batch_size, remainder, block_size, window_blocks,
                          balance_arrangement(layout, micro_batch_size, list(config.modalities))
-                         if balance == "tokens" else None)
+                         if balance == "tokens" else None,
+                         Packing(micro_batch_size, config.seq_length) if packing else None)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context)
     if state is not None:

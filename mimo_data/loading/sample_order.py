@@ -28,7 +28,9 @@ micro-batch size); a module with DP size d gives DP rank r the contiguous part r
 
 Balance (``balance.py``): with an ``Arrangement``, each step's samples are then reordered
 within the step so that every module's DP ranks get near-equal tokens; which samples a step
-holds does not change.
+holds does not change. Packing (``packing.py``): with a ``Packing``, each language DP rank's
+part of each micro-batch is then reordered so that its packed sequences are contiguous; which
+samples a micro-batch holds does not change.
 
 Random keys come from a hand-written splitmix64 hash rather than numpy's Generator, whose
 streams may change between numpy versions: a checkpoint must resume to the same order after
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mimo_data.loading.balance import Arrangement, arrange
+from mimo_data.loading.packing import Packing, pack_order
 
 _MASK64 = (1 << 64) - 1
 _BLOCKS, _SAMPLES, _PHASE = 1, 2, 3     # hash domains
@@ -96,11 +99,16 @@ class SampleOrder:
                  weights: list[float] | None = None, remainder: str = "drop",
                  block_size: int = 64, window_blocks: int = 4,
                  arrangement: Arrangement | None = None,
-                 costs: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None):
+                 costs: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
+                 packing: Packing | None = None):
         """``arrangement``: balance each step by ``costs(datasets, positions)``, the
-        ``[samples, columns]`` costs of the given samples (``DataSource.costs``)."""
-        if (arrangement is None) != (costs is None):
-            raise OrderError("balancing needs both an arrangement and the samples' costs")
+        ``[samples, columns]`` costs of the given samples (``DataSource.costs``; column 0
+        the tokens); ``packing``: then pack each language DP rank's part by its tokens."""
+        if (arrangement is None and packing is None) != (costs is None):
+            raise OrderError("balancing and packing need the samples' costs, and only they")
+        if packing is not None and global_batch_size % packing.part_size:
+            raise OrderError(f"global batch {global_batch_size} does not cut into packing "
+                             f"parts of {packing.part_size}")
         if remainder not in ("drop", "wrap"):
             raise OrderError(f"remainder is {remainder!r}: use drop or wrap")
         if not 0 <= seed <= _MASK64:
@@ -114,6 +122,7 @@ class SampleOrder:
         self.block_size = block_size
         self.window_blocks = window_blocks
         self.arrangement = arrangement
+        self.packing = packing
         self.costs = costs
         kept = [d.kept_count for d in self.datasets]
         self.epoch_length = sum(kept)
@@ -183,13 +192,16 @@ class SampleOrder:
         else:
             datasets = np.resize(datasets, self.samples_per_epoch)
             positions = np.resize(positions, self.samples_per_epoch)
-        if self.arrangement is not None:
-            assert self.costs is not None
-            steps, batch = self.steps_per_epoch, self.global_batch_size
-            costs = self.costs(datasets, positions).reshape(steps, batch, -1)
-            within = arrange(costs, self.arrangement)
-            flat = (within + (np.arange(steps) * batch)[:, None]).reshape(-1)
-            datasets, positions = datasets[flat], positions[flat]
+        if self.costs is not None:
+            costs = self.costs(datasets, positions)
+            if self.arrangement is not None:
+                steps, batch = self.steps_per_epoch, self.global_batch_size
+                within = arrange(costs.reshape(steps, batch, -1), self.arrangement)
+                flat = (within + (np.arange(steps) * batch)[:, None]).reshape(-1)
+                datasets, positions, costs = datasets[flat], positions[flat], costs[flat]
+            if self.packing is not None:
+                flat = pack_order(costs[:, 0], self.packing)
+                datasets, positions = datasets[flat], positions[flat]
         self._cached = (epoch, (datasets, positions))
         return datasets, positions
 

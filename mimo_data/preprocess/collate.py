@@ -5,6 +5,11 @@
 encoder inputs concatenated sample by sample, item by item (matching placeholder order), and
 ``packing_kwargs``. Everything else (keys, per-item token counts) goes in a separate metadata
 dict. Every batch is checked: placeholders per sample == token counts == encoder-input rows.
+
+Packed (``data.packing``, ``loading/packing.py``): the samples back to back in one row
+(``[1, tokens]``, megatron-core's THD format, no padding), position ids restarting at every
+sample, and ``packing_kwargs`` = ``cu_seqlens_q/kv`` (sample boundaries) and
+``max_seqlen_q/kv``, from which ``MimoModel`` builds ``PackedSeqParams``.
 """
 
 from __future__ import annotations
@@ -19,14 +24,15 @@ from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
 
 
 class Batch(TypedDict):
-    """Exactly ``MimoModel.forward``'s keyword arguments ([B, seq_length] tensors)."""
+    """Exactly ``MimoModel.forward``'s keyword arguments ([B, seq_length] tensors; packed:
+    [1, tokens])."""
     input_ids: torch.Tensor
     labels: torch.Tensor                # next-token targets, -100 where not trained
     loss_mask: torch.Tensor             # float, 1 exactly where labels are trained
     position_ids: torch.Tensor
     attention_mask: torch.Tensor        # bool, True on real tokens
     modality_inputs: dict[str, dict[str, dict[str, torch.Tensor]]]  # modality -> encoder -> kw
-    packing_kwargs: dict | None
+    packing_kwargs: dict | None         # packed: cu_seqlens_q/kv, max_seqlen_q/kv
 
 
 class BatchMetadata(TypedDict):
@@ -41,6 +47,7 @@ class BatchMetadata(TypedDict):
     tokens: NotRequired[list[int]]           # real tokens per row
     trained_tokens: NotRequired[list[int]]   # loss_mask ones per row
     encoder_keys: NotRequired[dict[str, list[str]]]  # modality -> samples of its inputs
+    sequences: NotRequired[list[int]]        # packed: samples per packed sequence
 
 
 class BatchError(RuntimeError):
@@ -48,14 +55,32 @@ class BatchError(RuntimeError):
 
 
 class Collator:
-    """Pads samples to ``seq_length`` and concatenates their encoder inputs."""
+    """Pads samples to ``seq_length`` (or, ``packed``, puts them back to back) and
+    concatenates their encoder inputs."""
 
-    def __init__(self, preprocessor: Preprocessor):
+    def __init__(self, preprocessor: Preprocessor, packed: bool = False):
         self.config = preprocessor.config
         self.pad_token_id = preprocessor.text.pad_token_id
         self.modality_token_ids = preprocessor.text.modality_token_ids
+        self.packed = packed
 
     def __call__(self, samples: list[Sample]) -> tuple[Batch, BatchMetadata]:
+        text = self._packed_text(samples) if self.packed else self._padded_text(samples)
+        modality_inputs = {}
+        for modality in self.config.modalities:
+            parts = [s.encoder_inputs[modality] for s in samples if modality in s.encoder_inputs]
+            if parts:
+                modality_inputs[modality] = {modality: {
+                    kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
+        batch = Batch(**text, modality_inputs=modality_inputs)
+        metadata = BatchMetadata(keys=[s.key for s in samples],
+                                 token_counts={m: [s.token_counts[m] for s in samples]
+                                               for m in self.config.modalities},
+                                 removed_turns=[s.removed_turns for s in samples])
+        self.check(batch, metadata)
+        return batch, metadata
+
+    def _padded_text(self, samples: list[Sample]) -> dict:
         length = self.config.seq_length
         size = len(samples)
         # numpy, then torch.from_numpy: a torch op on these small tensors costs several numpy ones.
@@ -69,33 +94,44 @@ class Collator:
             labels[row, :n] = sample.labels.numpy()
             loss_mask[row, :n] = sample.loss_mask.numpy()
             attention_mask[row, :n] = True
-        modality_inputs = {}
-        for modality in self.config.modalities:
-            parts = [s.encoder_inputs[modality] for s in samples if modality in s.encoder_inputs]
-            if parts:
-                modality_inputs[modality] = {modality: {
-                    kwarg: torch.cat([part[kwarg] for part in parts]) for kwarg in parts[0]}}
         position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
-        batch = Batch(input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels),
-                      loss_mask=torch.from_numpy(loss_mask),
-                      position_ids=torch.from_numpy(position_ids),
-                      attention_mask=torch.from_numpy(attention_mask),
-                      modality_inputs=modality_inputs, packing_kwargs=None)
-        metadata = BatchMetadata(keys=[s.key for s in samples],
-                                 token_counts={m: [s.token_counts[m] for s in samples]
-                                               for m in self.config.modalities},
-                                 removed_turns=[s.removed_turns for s in samples])
-        self.check(batch, metadata)
-        return batch, metadata
+        return dict(input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels),
+                    loss_mask=torch.from_numpy(loss_mask),
+                    position_ids=torch.from_numpy(position_ids),
+                    attention_mask=torch.from_numpy(attention_mask), packing_kwargs=None)
+
+    @staticmethod
+    def _packed_text(samples: list[Sample]) -> dict:
+        lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+        bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        tokens = int(bounds[-1])
+        position_ids = np.arange(tokens) - np.repeat(bounds[:-1], lengths)
+        longest = int(lengths.max())
+        return dict(input_ids=torch.cat([s.input_ids for s in samples])[None],
+                    labels=torch.cat([s.labels for s in samples])[None],
+                    loss_mask=torch.cat([s.loss_mask for s in samples]).float()[None],
+                    position_ids=torch.from_numpy(position_ids)[None],
+                    attention_mask=torch.ones((1, tokens), dtype=torch.bool),
+                    packing_kwargs={"cu_seqlens_q": torch.from_numpy(bounds),
+                                    "cu_seqlens_kv": torch.from_numpy(bounds.copy()),
+                                    "max_seqlen_q": longest, "max_seqlen_kv": longest})
+
+    def _placeholders(self, batch: Batch, token_id: int) -> list[int]:
+        """Placeholders of ``token_id`` per sample (per row, or per packed segment)."""
+        hits = (batch["input_ids"].numpy() == token_id)
+        packing = batch["packing_kwargs"]
+        if packing is None:
+            return hits.sum(1).tolist()
+        bounds = packing["cu_seqlens_q"].numpy()
+        return np.add.reduceat(hits[0].astype(np.int64), bounds[:-1]).tolist()
 
     def check(self, batch: Batch, metadata: BatchMetadata) -> None:
-        """Raise BatchError unless, per modality, placeholders in each row == its token counts
-        == what the batch's encoder inputs produce, item by item."""
+        """Raise BatchError unless, per modality, placeholders in each sample == its token
+        counts == what the batch's encoder inputs produce, item by item."""
         for modality, config in self.config.modalities.items():
             counts = metadata["token_counts"][modality]
-            placeholders = (batch["input_ids"].numpy() ==
-                            self.modality_token_ids[modality]).sum(1)
-            for key, row_count, item_counts in zip(metadata["keys"], placeholders.tolist(),
+            placeholders = self._placeholders(batch, self.modality_token_ids[modality])
+            for key, row_count, item_counts in zip(metadata["keys"], placeholders,
                                                    counts):
                 if row_count != sum(item_counts):
                     raise BatchError(f"sample {key}: {row_count} {modality} placeholders, token "
