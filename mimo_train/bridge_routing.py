@@ -32,7 +32,7 @@ from mimo_train.mcore import BridgeCommunicator, MimoModel, MultiModulePipelineC
 class SizedBridgeCommunicator(BridgeCommunicator):
     """A bridge whose receiving side returns each source its own share of the gradient."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._arrived: deque[list[int]] = deque()    # per micro-batch: sizes per source
 

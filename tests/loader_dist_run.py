@@ -60,7 +60,7 @@ def consume(args, rank: int, world: int) -> dict:
         digest = table_digest(dataset.tables[0])
     loader = build_loader(dataset, args.config, layout, rank, world, args.global_batch_size,
                           args.micro_batch_size, args.seed, num_workers=args.workers,
-                          state=state, balance=args.balance)
+                          state=state, balance=args.balance, packing=args.packing)
     consumed, saved = [], None
     if loader is not None:
         for batch, meta in loader:
@@ -112,8 +112,8 @@ def check(layout: Layout, entries: list[dict]) -> dict:
                 for path, tensor in tensors[(name, r)][index].items():
                     per_step[step]["tensors"][path].append(tensor)
         modules[name] = [{"step": step, "keys": value["keys"],
-                          "digests": {path: hashlib.sha256(torch.cat(parts).contiguous().numpy()
-                                                           .tobytes()).hexdigest()
+                          "digests": {path: hashlib.sha256(torch.cat(
+                              [part.reshape(-1) for part in parts]).numpy().tobytes()).hexdigest()
                                       for path, parts in sorted(value["tensors"].items())}}
                          for step, value in sorted(per_step.items())]
         served = [k for s in modules[name] for k in s["keys"]]
@@ -138,6 +138,7 @@ def main() -> int:
     parser.add_argument("--state", help="resume from this loader state (JSON)")
     parser.add_argument("--save-after-steps", type=int, default=0)
     parser.add_argument("--balance", default="none", choices=("none", "tokens"))
+    parser.add_argument("--packing", action="store_true")
     parser.add_argument("--cache-dir", help="compute the token table split over the ranks, "
                         "into this cache directory")
     parser.add_argument("--out", required=True)

@@ -7,8 +7,9 @@ must end with the table one process computes alone.
 Run 2: 4 ranks, language pp2 dp1 + image dp2 (another layout, another micro-batch), resumed
 from the state run 1 saved after two steps: its steps must be run 1's remaining steps, keys
 and tensors alike.
-Run 1 again with ``--balance tokens``: exactly once, every step with run 1's samples,
-arranged otherwise.
+Run 1 again with ``--balance tokens --packing``: exactly once, every step with run 1's
+samples, arranged otherwise; then resumed after two steps on 4 ranks (language dp2 + image dp2,
+balanced and packed): the rest of the epoch, every step with its samples, none twice.
 `mimo-inspect plan --json` for run 1's layout must predict exactly what run 1 consumed.
 """
 
@@ -69,23 +70,43 @@ def runs(loader_corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def balanced(runs, loader_corpus, tmp_path_factory) -> dict:
-    """Run 1's job again with ``--balance tokens``."""
+def balanced(runs, loader_corpus, tmp_path_factory) -> tuple[dict, dict]:
+    """Run 1's job again with ``--balance tokens --packing``, and its resumption on 4 ranks."""
     _, _, config = runs
     folder = tmp_path_factory.mktemp("dist-balanced")
-    return torchrun(3, folder / "balanced.json", "--dataset", loader_corpus, "--config", config,
-                    "--layout", "language=dp2;image=dp1", "--micro-batch-size", 2,
-                    "--workers", 1, "--balance", "tokens")
+    common = ["--dataset", loader_corpus, "--config", config, "--micro-batch-size", 2,
+              "--balance", "tokens", "--packing"]
+    whole = torchrun(3, folder / "balanced.json", *common, "--layout", "language=dp2;image=dp1",
+                     "--workers", 1, "--save-after-steps", SAVE_AFTER)
+    (folder / "state.json").write_text(json.dumps(whole["state"]))
+    resumed = torchrun(4, folder / "resumed.json", *common, "--layout",
+                       "language=dp2;image=dp2", "--state", folder / "state.json")
+    return whole, resumed
 
 
-def test_balanced_epoch_serves_every_sample_once_with_each_steps_samples(runs, balanced):
+def test_balanced_packed_epoch_serves_every_sample_once_with_each_steps_samples(runs,
+                                                                                balanced):
     first, _, _ = runs
-    assert balanced["problems"] == []          # exactly once, every module the same batches
+    whole, _ = balanced
+    assert whole["problems"] == []             # exactly once, every module the same batches
     for module in ("language", "image"):
-        plain, arranged = first["modules"][module], balanced["modules"][module]
+        plain, arranged = first["modules"][module], whole["modules"][module]
         assert [sorted(s["keys"]) for s in arranged] == [sorted(s["keys"]) for s in plain]
-    assert [s["keys"] for s in balanced["modules"]["language"]] != \
+    assert [s["keys"] for s in whole["modules"]["language"]] != \
         [s["keys"] for s in first["modules"]["language"]]
+
+
+def test_balanced_packed_resume_on_another_layout_serves_the_rest_once(balanced):
+    whole, resumed = balanced
+    assert resumed["problems"] == [] and resumed["world_size"] == 4
+    for module in ("language", "image"):
+        rest = whole["modules"][module][SAVE_AFTER:]
+        assert [sorted(s["keys"]) for s in resumed["modules"][module]] == \
+            [sorted(s["keys"]) for s in rest], module
+        served = [key for s in whole["modules"][module][:SAVE_AFTER]
+                  + resumed["modules"][module] for key in s["keys"]]
+        assert sorted(served) == sorted(key for s in whole["modules"][module]
+                                        for key in s["keys"]), module
 
 
 def plan_per_module(plan: dict) -> dict:

@@ -17,14 +17,18 @@ from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import DataSource, build_loader, check_even_split
 
-_MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys")
+_MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys",
+                       "sequences")
 
 
 def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
             micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
             epoch: int = 0, steps: int | None = None, remainder: str = "drop",
-            weights=None, num_workers: int = 0, balance: str = "none") -> dict:
-    """Per rank and step, the keys and token counts each micro-batch holds (JSON-ready).
+            weights=None, num_workers: int = 0, balance: str = "none",
+            packing: bool = False) -> dict:
+    """Per rank and step, the keys and token counts each micro-batch holds (JSON-ready); with
+    ``packing``, language ranks' micro-batches also hold ``sequences`` (samples per packed
+    sequence).
 
     ``checks``: every rank has the same number of micro-batches; for every module, the
     concatenation of its DP ranks' parts equals the language module's global micro-batch, and
@@ -37,7 +41,7 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
     for rank in range(world_size):
         loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
                               micro_batch_size, seed, remainder=remainder, decode_media=False,
-                              balance=balance)
+                              balance=balance, packing=packing)
         entry = {"rank": rank, "role": layout.role(rank).to_dict(), "steps": None}
         if loader is not None:
             loader.load_state_dict({**loader.state_dict(), "epoch": epoch})

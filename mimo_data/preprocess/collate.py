@@ -23,16 +23,19 @@ from mimo_data.modalities import MODALITIES
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
 
 
-class Batch(TypedDict):
-    """Exactly ``MimoModel.forward``'s keyword arguments ([B, seq_length] tensors; packed:
-    [1, tokens])."""
+class TextTensors(TypedDict):
+    """A batch's token tensors ([B, seq_length]; packed: [1, tokens])."""
     input_ids: torch.Tensor
     labels: torch.Tensor                # next-token targets, -100 where not trained
     loss_mask: torch.Tensor             # float, 1 exactly where labels are trained
     position_ids: torch.Tensor
     attention_mask: torch.Tensor        # bool, True on real tokens
-    modality_inputs: dict[str, dict[str, dict[str, torch.Tensor]]]  # modality -> encoder -> kw
     packing_kwargs: dict | None         # packed: cu_seqlens_q/kv, max_seqlen_q/kv
+
+
+class Batch(TextTensors):
+    """Exactly ``MimoModel.forward``'s keyword arguments."""
+    modality_inputs: dict[str, dict[str, dict[str, torch.Tensor]]]  # modality -> encoder -> kw
 
 
 class BatchMetadata(TypedDict):
@@ -80,7 +83,7 @@ class Collator:
         self.check(batch, metadata)
         return batch, metadata
 
-    def _padded_text(self, samples: list[Sample]) -> dict:
+    def _padded_text(self, samples: list[Sample]) -> TextTensors:
         length = self.config.seq_length
         size = len(samples)
         # numpy, then torch.from_numpy: a torch op on these small tensors costs several numpy ones.
@@ -95,26 +98,26 @@ class Collator:
             loss_mask[row, :n] = sample.loss_mask.numpy()
             attention_mask[row, :n] = True
         position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
-        return dict(input_ids=torch.from_numpy(input_ids), labels=torch.from_numpy(labels),
-                    loss_mask=torch.from_numpy(loss_mask),
-                    position_ids=torch.from_numpy(position_ids),
-                    attention_mask=torch.from_numpy(attention_mask), packing_kwargs=None)
+        return TextTensors(input_ids=torch.from_numpy(input_ids),
+                           labels=torch.from_numpy(labels), loss_mask=torch.from_numpy(loss_mask),
+                           position_ids=torch.from_numpy(position_ids),
+                           attention_mask=torch.from_numpy(attention_mask), packing_kwargs=None)
 
     @staticmethod
-    def _packed_text(samples: list[Sample]) -> dict:
+    def _packed_text(samples: list[Sample]) -> TextTensors:
         lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         tokens = int(bounds[-1])
         position_ids = np.arange(tokens) - np.repeat(bounds[:-1], lengths)
         longest = int(lengths.max())
-        return dict(input_ids=torch.cat([s.input_ids for s in samples])[None],
-                    labels=torch.cat([s.labels for s in samples])[None],
-                    loss_mask=torch.cat([s.loss_mask for s in samples]).float()[None],
-                    position_ids=torch.from_numpy(position_ids)[None],
-                    attention_mask=torch.ones((1, tokens), dtype=torch.bool),
-                    packing_kwargs={"cu_seqlens_q": torch.from_numpy(bounds),
-                                    "cu_seqlens_kv": torch.from_numpy(bounds.copy()),
-                                    "max_seqlen_q": longest, "max_seqlen_kv": longest})
+        return TextTensors(input_ids=torch.cat([s.input_ids for s in samples])[None],
+                           labels=torch.cat([s.labels for s in samples])[None],
+                           loss_mask=torch.cat([s.loss_mask for s in samples]).float()[None],
+                           position_ids=torch.from_numpy(position_ids)[None],
+                           attention_mask=torch.ones((1, tokens), dtype=torch.bool),
+                           packing_kwargs={"cu_seqlens_q": torch.from_numpy(bounds),
+                                           "cu_seqlens_kv": torch.from_numpy(bounds.copy()),
+                                           "max_seqlen_q": longest, "max_seqlen_kv": longest})
 
     def _placeholders(self, batch: Batch, token_id: int) -> list[int]:
         """Placeholders of ``token_id`` per sample (per row, or per packed segment)."""
