@@ -25,12 +25,9 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.infra import Infra
 from mimo_train.mcore import finalize_model_grads
-
-
-# Sequences are cut to the batch's longest sample, rounded up to this many tokens.
-LENGTH_MULTIPLE = 64
 
 
 def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:

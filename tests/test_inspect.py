@@ -710,3 +710,91 @@ def test_plan_text_summary(capsys, clean, configs):
     assert f"{samples // 8} steps x 2 global micro-batches of 4 samples" in out
     assert f"remainder drop: {samples % 8} samples" in out
     assert re.search(r"language\s+dp 2: mean \d\.\d\d, worst \d\.\d\d", out)
+
+
+PACKING_PLAN = ("--layout", "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",
+                "--micro-batch-size", "4")
+
+
+def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[int]:
+    """Loads of the sequences that first-fit-decreasing fills with ``lengths``."""
+    loads: list[int] = []
+    for length in sorted(lengths, reverse=True):
+        for i, load in enumerate(loads):
+            if load + length <= capacity:
+                loads[i] += length
+                break
+        else:
+            loads.append(length)
+    return loads
+
+
+def _language_micro_batches(result: dict) -> list[dict]:
+    """Every language DP rank's micro-batches of the dry run (no TP/CP/PP in PACKING_PLAN)."""
+    return [mb for entry in result["ranks"] if entry["steps"] is not None
+            and any(part["module"] == "language" for part in entry["role"]["modules"])
+            for step in entry["steps"] for mb in step["micro_batches"]]
+
+
+def test_plan_packing_efficiency_is_first_fit_decreasing_of_the_planned_tokens(
+        capsys, clean, configs):
+    """The JSON's packing figures against the dry run's per-sample tokens: sequences by a
+    first-fit-decreasing written here, padded rows of seq_length, and each micro-batch cut to
+    its longest sample rounded up to 64 tokens (what mimo_train/step.py computes unpacked)."""
+    code, out, err = run(capsys, "plan", clean, "--config", configs["default"], *PACKING_PLAN,
+                         "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    packing = result["plan"]["packing"]
+    seq_length = PreprocessConfig.from_yaml(str(configs["default"])).seq_length
+    multiple = 64
+    parts = [mb["tokens"] for mb in _language_micro_batches(result)]
+    assert len(parts) == 2 * result["steps_per_epoch"] and all(len(p) == 4 for p in parts)
+    tokens = sum(map(sum, parts))
+    sequences = sum(len(_first_fit_decreasing(part, seq_length)) for part in parts)
+    positions = sum(4 * min(seq_length, -(-max(part) // multiple) * multiple) for part in parts)
+    assert len(parts) < sequences < 4 * len(parts)          # some parts pack, none into one
+    assert packing == {
+        "enabled": False, "seq_length": seq_length, "tokens": tokens,
+        "packed": {"sequences": sequences, "efficiency": tokens / (sequences * seq_length)},
+        "padded": {"rows": 4 * len(parts), "efficiency": tokens / (4 * len(parts) * seq_length)},
+        "cut_to_longest": {"length_multiple": multiple, "positions": positions,
+                           "efficiency": tokens / positions}}
+    assert packing["packed"]["efficiency"] > packing["padded"]["efficiency"]
+
+
+def test_plan_with_packing_gives_sequences_of_at_most_seq_length(capsys, clean, configs):
+    """``--packing``: every language micro-batch holds its unpacked samples, cut into
+    ``sequences`` of at most seq_length tokens, as many as the plan's packed figure."""
+    plans = {}
+    for flags in ((), ("--packing",)):
+        code, out, err = run(capsys, "plan", clean, "--config", configs["default"],
+                             *PACKING_PLAN, "--json", *flags)
+        assert code == 0, err
+        plans[flags] = json.loads(out)
+    packed, unpacked = plans[("--packing",)], plans[()]
+    seq_length = packed["plan"]["packing"]["seq_length"]
+    counts = []
+    for mb, plain in zip(_language_micro_batches(packed), _language_micro_batches(unpacked),
+                         strict=True):
+        assert sorted(mb["keys"]) == sorted(plain["keys"]) and "sequences" not in plain
+        assert sum(mb["sequences"]) == len(mb["keys"])
+        bounds = np.cumsum([0, *mb["sequences"]])
+        loads = [sum(mb["tokens"][a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+        assert max(loads) <= seq_length, mb["keys"]
+        counts.append(len(mb["sequences"]))
+    assert max(counts) > 1 and min(counts) < 4                 # packing had something to do
+    assert sum(counts) == packed["plan"]["packing"]["packed"]["sequences"]
+    assert packed["plan"]["packing"] == {**unpacked["plan"]["packing"], "enabled": True}
+
+
+def test_plan_text_shows_packing_efficiency_this_plans_first(capsys, clean, configs):
+    for flags, first in (((), "cut_to_longest"), (("--packing",), "packed")):
+        code, out, _ = run(capsys, "plan", clean, "--config", configs["default"],
+                           *PACKING_PLAN, *flags)
+        assert code == 0
+        assert re.search(r"^packing   language real tokens / token positions \(\d+ tokens, "
+                         rf"seq_length \d+\), this plan's {first} first$", out, re.MULTILINE)
+        names = re.findall(r"^  (packed|cut_to_longest|padded) +[01]\.\d\d: ", out, re.MULTILINE)
+        assert names[0] == first and sorted(names) == ["cut_to_longest", "packed", "padded"]
+        assert re.search(r"^  packed +[01]\.\d\d: \d+ sequences of seq_length", out, re.MULTILINE)

@@ -3,6 +3,7 @@
     mimo-inspect sample DIR --config CFG [--key K | --index I | --random N [--seed S]]
     mimo-inspect report DIR --config CFG [--json OUT] [--html OUT] [--limit N] [thresholds]
     mimo-inspect plan   DIR --config CFG --layout L --global-batch-size B --micro-batch-size M
+                        [--balance none|tokens] [--packing] [--json]
 
 Everything runs the training code path (the metadata-only preprocessor) without decoding
 media, except the HTML gallery's thumbnails and spectrograms.
@@ -110,6 +111,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--balance", choices=("none", "tokens"), default="none",
                    help="the loader's data.balance (default none); the imbalance of the other "
                    "setting is shown too")
+    p.add_argument("--packing", action="store_true",
+                   help="the loader's data.packing: each language DP rank's micro-batch packed "
+                   "into sequences of seq_length (--json then lists each micro-batch's "
+                   "'sequences'); the packing efficiency is shown with and without it")
     p.add_argument("--json", action="store_true",
                    help="print the loader's dry run (per-rank, per-step sample keys) as JSON")
     return parser

@@ -6,8 +6,25 @@ micro-batches this module derives, per rank and module, samples and tokens per s
 modules: sequence tokens and trained tokens; encoders: their modality's placeholder tokens,
 i.e. what the encoder emits), the imbalance between the DP ranks of each module (max / mean
 tokens per step), steps per epoch and the remainder. ``--json`` prints the dry run itself (per
-rank, per step, per micro-batch sample keys and token counts) with this summary under
-``"plan"``.
+rank, per step, per micro-batch sample keys and token counts; with ``--packing``, language
+ranks' ``sequences``) with this summary under ``"plan"``.
+
+Packing efficiency (``plan["packing"]``, with or without ``--packing``): the language module's
+real tokens over the token positions of three layouts of the same samples, summed over every
+language DP rank's part of every micro-batch of the planned steps:
+
+- ``tokens``: the real tokens; ``seq_length``: the preprocessing config's; ``enabled``:
+  ``--packing`` (``data.packing``);
+- ``packed``: the ``sequences`` of ``seq_length`` that ``packing.pack_parts`` (the loader's
+  packing) makes of each part, ``efficiency`` = tokens / (sequences x seq_length). Which
+  samples a part holds does not depend on packing, so the figures are the same either way. A
+  packed batch carries no padding (THD), so this says how full the sequences are, not how
+  many positions are computed;
+- ``padded``: one row of ``seq_length`` per sample (the loader's unpacked tensors),
+  ``efficiency`` = tokens / (rows x seq_length);
+- ``cut_to_longest``: each part cut to its longest sample rounded up to ``length_multiple``
+  (at most ``seq_length``), what the trainer computes without packing; ``positions`` = the
+  sum over parts of rows x that length, ``efficiency`` = tokens / positions.
 """
 
 from __future__ import annotations
@@ -20,6 +37,8 @@ import numpy as np
 from mimo_data.loading.dry_run import dry_run
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import DataSource, variable_token_modalities
+from mimo_data.loading.packing import pack_parts
+from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_data.preprocess.config import PreprocessConfig
 
 
@@ -96,6 +115,37 @@ def plan_summary(result: dict) -> dict:
     return {"ranks": rows, "imbalance": imbalance}
 
 
+def _language_parts(result: dict) -> np.ndarray:
+    """Token counts ``[parts, micro_batch_size]``: each language DP rank's part of each planned
+    micro-batch (one rank per DP rank)."""
+    parts: list[list[int]] = []
+    for entry in result["ranks"]:
+        for part in entry["role"]["modules"]:
+            first_of_dp_rank = (part["tp_rank"] == 0 and part["pp_rank"] == 0
+                                and part.get("cp_rank", 0) == 0)
+            if part["module"] == LANGUAGE and first_of_dp_rank and entry["steps"] is not None:
+                parts.extend(mb["tokens"] for step in entry["steps"]
+                             for mb in step["micro_batches"])
+    return np.array(parts, dtype=np.int64).reshape(len(parts), result["micro_batch_size"])
+
+
+def packing_summary(result: dict, seq_length: int, enabled: bool) -> dict:
+    """Language tokens over the positions of the packed, padded and cut-to-longest layouts of
+    the planned micro-batches (the module docstring names the fields)."""
+    lengths = _language_parts(result)
+    tokens = int(lengths.sum())
+    sequences = int(pack_parts(lengths, seq_length)[1].sum())
+    rows = lengths.size
+    multiple = LENGTH_MULTIPLE
+    longest = np.minimum(-(-lengths.max(axis=1) // multiple) * multiple, seq_length)
+    positions = int(longest.sum()) * lengths.shape[1]
+    return {"enabled": enabled, "seq_length": seq_length, "tokens": tokens,
+            "packed": {"sequences": sequences, "efficiency": tokens / (sequences * seq_length)},
+            "padded": {"rows": rows, "efficiency": tokens / (rows * seq_length)},
+            "cut_to_longest": {"length_multiple": multiple, "positions": positions,
+                               "efficiency": tokens / positions}}
+
+
 def format_plan(result: dict, plan: dict) -> str:
     samples = result["samples"]
     reasons = ", ".join(f"{r} {e['count']}" for r, e in samples["skipped_by_reason"].items())
@@ -133,6 +183,19 @@ def format_plan(result: dict, plan: dict) -> str:
             lines.append(f"  balance {balance:6s} {module:10s} dp {data['dp_size']}: mean "
                          f"{data['mean']:.2f}, worst {data['max']:.2f} (step "
                          f"{data['worst_step']})")
+    packing = plan["packing"]
+    this_plan = "packed" if packing["enabled"] else "cut_to_longest"
+    lines.append(f"packing   language real tokens / token positions ({packing['tokens']} tokens, "
+                 f"seq_length {packing['seq_length']}), this plan's {this_plan} first")
+    layouts = {"packed": f"{packing['packed']['sequences']} sequences of seq_length (--packing; "
+               "only real tokens are computed)",
+               "cut_to_longest": f"{packing['cut_to_longest']['positions']} positions, each "
+               "micro-batch cut to its longest sample rounded up to "
+               f"{packing['cut_to_longest']['length_multiple']} (the trainer, unpacked)",
+               "padded": f"{packing['padded']['rows']} rows of seq_length (the loader's unpacked "
+               "tensors)"}
+    for name in sorted(layouts, key=lambda n: n != this_plan):
+        lines.append(f"  {name:14s} {packing[name]['efficiency']:.2f}: {layouts[name]}")
     checks = result["checks"]
     lines.append("checks    " + ("ok: every rank has the same number of micro-batches and every "
                                  "module's DP parts concatenate to the same global micro-batch"
@@ -153,12 +216,14 @@ def run_plan(args, config: PreprocessConfig) -> int:
     source = DataSource([args.directory], config)
     runs = {balance: dry_run(source, config, layout, args.global_batch_size,
                              args.micro_batch_size, seed=args.seed, epoch=args.epoch,
-                             balance=balance) for balance in ("none", "tokens")}
+                             balance=balance, packing=args.packing)
+            for balance in ("none", "tokens")}
     result = runs[args.balance]
     plan = plan_summary(result)
     plan["balance"] = args.balance
     plan["imbalance_by_balance"] = {balance: plan_summary(run)["imbalance"]
                                     for balance, run in runs.items()}
+    plan["packing"] = packing_summary(result, config.seq_length, args.packing)
     if args.json:
         print(json.dumps({**result, "plan": plan}, indent=1))
     else:

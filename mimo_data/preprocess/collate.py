@@ -23,6 +23,11 @@ from mimo_data.modalities import MODALITIES
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
 
 
+# Unpacked batches are cut to their longest sample rounded up to this many tokens before the
+# model (mimo_train/step.py); mimo-inspect plan reports what that costs.
+LENGTH_MULTIPLE = 64
+
+
 class TextTensors(TypedDict):
     """A batch's token tensors ([B, seq_length]; packed: [1, tokens])."""
     input_ids: torch.Tensor
