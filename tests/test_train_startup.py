@@ -130,7 +130,8 @@ CASES = [
     # -- colocated modules of different dp with variable counts (megatron-core's colocated
     #    bridge splits evenly; non-colocated fan-in routes any counts)
     ("colocated fan-in of dynamic-resolution images", "image",
-     ["layout=image=dp3,off0;language=tp3,off0"], "config",
+     ["layout=image=dp3,off0;language=tp3,off0", "train.micro_batch_size=3",
+      "train.global_batch_size=6"], "config",
      ["colocated module 'image' (dp 3)", "variable token count", "'language' (dp 1)",
       "Give image dp 1", "policy: fixed"]),
     # -- missing shards

@@ -14,6 +14,11 @@ of d. Language ranks run the metadata-only Preprocessor (never decode media); en
 pipeline stage 0 decode their samples and get the encoder inputs plus ``input_ids`` and token
 counts. Reads are ``pread`` by byte offset (``ShardReader``).
 
+Balance and packing (``balance.py``, ``packing.py``) only reorder samples within a step or a
+micro-batch part, in the order itself, so the rule above holds for every rank. With packing,
+language ranks get their part as one packed row (``Collator(packed=True)``); encoder ranks keep
+a row per sample.
+
 Drops: every rank reads them from the same token table (``token_table.py``, computed from
 metadata), so all modules skip the same samples. A sample whose media fails to decode at load
 time cannot be skipped (the language ranks keep it): that is a ``LoaderError``, never a silent
