@@ -536,3 +536,12 @@ def test_preprocessor_pickles_as_its_config_and_modalities(records):
     for record in records[:10]:
         a, b = metadata_only(record), unpickled(record)
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+
+
+def test_modalities_missing_means_defaults_and_empty_means_text_only():
+    assert set(PreprocessConfig.from_dict({"tokenizer": TOKENIZER}).modalities) == \
+        {"image", "audio"}
+    assert PreprocessConfig.from_dict({"tokenizer": TOKENIZER, "modalities": {}}).modalities \
+        == {}
+    assert set(PreprocessConfig.from_dict({"tokenizer": TOKENIZER,
+                                           "modalities": {"audio": {}}}).modalities) == {"audio"}

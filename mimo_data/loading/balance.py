@@ -14,8 +14,11 @@ of the module's modalities for an encoder, each divided by the module's fair sha
 Samples go largest first (summed costs) in rounds of ``L``, one per column per round, each to
 the free column that adds least to the sum of squared rank loads; then pairs of a round are
 swapped between columns while that sum drops (``PASSES`` sweeps). Rounds keep every column at
-``B / L`` samples. Hand-written because no library here does a vector-cost, equal-cardinality
-partition; it is vectorized over the steps of an epoch, so its Python loops run about
+``B / L`` samples. Round ``t`` fills micro-batch ``t // (G / L)``, so a step's longest samples
+land in its first micro-batches: unpacked, micro-batches of similar lengths pad less
+(``tools/bench_throughput.py``); the first micro-batches of a step hold the most tokens.
+Hand-written because no library here does a vector-cost, equal-cardinality partition; it is
+vectorized over the steps of an epoch, so its Python loops run about
 ``B * PASSES`` times per epoch, not per sample.
 """
 

@@ -13,6 +13,9 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
               min_pixels: 3136, max_pixels: 200704}
       audio: {token: "<|audio_pad|>", n_mels: 80, max_duration: 30.0}
 
+Without ``modalities:`` both modalities take their defaults; ``modalities: {}`` is text only
+(samples with media markers are then dropped and counted).
+
 In a YAML, ``tokenizer:`` and a ``chat_template:`` file are relative to the YAML's folder, not
 to the working directory. A value is a path when it starts with ``.``, ``/`` or ``~``, has
 more than one ``/`` (a hub name has one at most) or exists beside the YAML; otherwise the
@@ -68,6 +71,7 @@ class PreprocessConfig:
     def from_dict(cls, data: dict) -> PreprocessConfig:
         """Build from plain data (e.g. parsed YAML); unknown keys are errors, not ignored."""
         data = dict(data)
+        given = "modalities" in data          # `modalities: {}` means text only
         modalities = {}
         for name, values in (data.pop("modalities", None) or {}).items():
             if name not in MODALITIES:
@@ -82,7 +86,7 @@ class PreprocessConfig:
             modalities[name] = _make(MODALITIES[name].config_class, values,
                                      f"modalities.{name}")
         config = _make(cls, data, "preprocess")
-        return config if not modalities else replace(config, modalities=modalities)
+        return replace(config, modalities=modalities) if given else config
 
     @classmethod
     def from_yaml(cls, path: str) -> PreprocessConfig:
