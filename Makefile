@@ -21,7 +21,8 @@ demo: setup
 	.venv/bin/mimo-inspect report $(DEMO)/shards --config configs/preprocess.yaml \
 	    --html $(DEMO)/report.html
 	.venv/bin/mimo-inspect plan $(DEMO)/shards --config configs/preprocess.yaml \
-	    --layout "image=dp1;audio=dp1;language=dp1" --global-batch-size 8 --micro-batch-size 4
+	    --layout "image=dp1;audio=dp1;language=dp1" --global-batch-size 8 --micro-batch-size 4 \
+	    --packing
 	rm -rf $(DEMO)/checkpoints
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 3 -m mimo_train \
 	    --config configs/train/images_audio_noncolocated.yaml checkpoint.dir=$(DEMO)/checkpoints
