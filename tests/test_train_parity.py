@@ -83,8 +83,12 @@ def _torchrun(tmp_path: Path, name: str, nproc: int, layout: str, micro_batch: i
 
 @pytest.fixture(scope="module")
 def dynamic_setup(loader_corpus, tmp_path_factory):
+    """The colocated unpacked reference of the layouts on the whole corpus. seq_length 512:
+    the first batch packs into two sequences of two samples, which packing reorders
+    (``test_packing_reorders_the_first_batch``)."""
     tmp = tmp_path_factory.mktemp("parity-dynamic")
     preprocess = preprocess_config_file(tmp / "preprocess.yaml")
+    preprocess.write_text(preprocess.read_text().replace("seq_length: 1024", "seq_length: 512"))
     common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
               "model.encoders.audio.hidden_size=16", *MODEL]
     reference, init = _reference(tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
@@ -146,23 +150,10 @@ def test_fan_in_matches_colocated(corpus, tmp_path):
     _compare(reference, fan_in, "image dp2 -> language dp1")
 
 
-@pytest.fixture(scope="module")
-def packing_setup(loader_corpus, tmp_path_factory):
-    """seq_length 512: the first batch packs into two sequences of two samples, which packing
-    reorders (``test_packing_reorders_the_first_batch``); the reference is unpacked."""
-    tmp = tmp_path_factory.mktemp("parity-packing")
-    preprocess = preprocess_config_file(tmp / "preprocess.yaml")
-    preprocess.write_text(preprocess.read_text().replace("seq_length: 1024", "seq_length: 512"))
-    common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
-              "model.encoders.audio.hidden_size=16", *MODEL]
-    reference, init = _reference(tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
-    return tmp, common, reference, init, preprocess
-
-
-def test_packing_reorders_the_first_batch(packing_setup, loader_corpus):
+def test_packing_reorders_the_first_batch(dynamic_setup, loader_corpus):
     from mimo_data.loading.loader import build_loader
 
-    *_, preprocess = packing_setup
+    *_, preprocess = dynamic_setup
     layout = "language=dp1;image=dp1,off0;audio=dp1,off0"
     loaders = [build_loader([loader_corpus], preprocess, layout, 0, 1, GLOBAL_BATCH,
                             GLOBAL_BATCH, seed=3, packing=packing) for packing in (False, True)]
@@ -174,8 +165,8 @@ def test_packing_reorders_the_first_batch(packing_setup, loader_corpus):
     assert len({n for counts in packed["token_counts"]["image"] for n in counts}) >= 2
 
 
-def test_packed_matches_unpacked(packing_setup):
-    tmp, common, reference, init, _ = packing_setup
+def test_packed_matches_unpacked(dynamic_setup):
+    tmp, common, reference, init, _ = dynamic_setup
     out = tmp / "packed"
     packed = _run([sys.executable, RUNNER, str(out), "layout=language=dp1;image=dp1,off0;"
                    "audio=dp1,off0", f"train.micro_batch_size={GLOBAL_BATCH}",
@@ -183,24 +174,24 @@ def test_packed_matches_unpacked(packing_setup):
     _compare(reference, packed, "one process, packed")
 
 
-def test_fan_in_of_variable_counts_matches_colocated(packing_setup):
+def test_fan_in_of_variable_counts_matches_colocated(dynamic_setup):
     """Each encoder DP rank holds one sample: images of different sizes, audio clips and
     text-only samples give every rank a different count (none, for a text-only sample)."""
-    tmp, common, reference, init, _ = packing_setup
+    tmp, common, reference, init, _ = dynamic_setup
     fan_in = _torchrun(tmp, "fan-in-variable", 5, "image=dp2;audio=dp2;language=dp1", 2,
                        common, init)
     _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1")
 
 
-def test_packed_balanced_fan_in_matches_colocated(packing_setup):
-    tmp, common, reference, init, _ = packing_setup
+def test_packed_balanced_fan_in_matches_colocated(dynamic_setup):
+    tmp, common, reference, init, _ = dynamic_setup
     fan_in = _torchrun(tmp, "fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
                        [*common, "data.packing=true", "data.balance=tokens"], init)
     _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced")
 
 
-def test_packed_language_pp2_dp2_matches_colocated(packing_setup):
-    tmp, common, reference, init, _ = packing_setup
+def test_packed_language_pp2_dp2_matches_colocated(dynamic_setup):
+    tmp, common, reference, init, _ = dynamic_setup
     staged = _torchrun(tmp, "pp2-dp2-packed", 6, "image=dp1;audio=dp1;language=pp2,dp2", 1,
                        [*common, "data.packing=true"], init)
     _compare(reference, staged, "language pp2 x dp2, packed")
