@@ -211,8 +211,8 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
         if arch else get_gpt_layer_local_spec()
     if cfg.data.packing:            # packed (THD) batches: see packed_attention
-        layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=PackedDotProductAttention, params=dict(capacity=max_sequence_length))
+        layer_spec.submodules.self_attention.submodules.core_attention = \
+            PackedDotProductAttention
     return dict(
         seed=_module_seed(cfg.train.seed, LANGUAGE), config=transformer,
         transformer_layer_spec=layer_spec, vocab_size=vocab,

@@ -1,7 +1,7 @@
-"""Sequence packing (``data.packing``): the plan (first-fit-decreasing per language DP part),
-the packed batch (THD: samples back to back, positions restarting, ``cu_seqlens``), and the
-block-diagonal mask of the local attention. Training parity packed vs unpacked is in
-tests/test_train_parity.py; exactly-once and resume under torchrun in tests/test_loader_dist.py.
+"""Sequence packing (``data.packing``): the plan (first-fit-decreasing per language DP part)
+and the packed batch (THD: samples back to back, positions restarting, ``cu_seqlens``).
+Training parity packed vs unpacked (the attention included) is in tests/test_train_parity.py;
+exactly-once and resume under torchrun in tests/test_loader_dist.py.
 """
 
 from __future__ import annotations
@@ -121,14 +121,3 @@ def test_packed_placeholder_counts_are_checked_per_sample(source):
                                      "token_counts": text_only.token_counts})]
     with pytest.raises(BatchError, match="placeholders"):
         collate(wrong)
-
-
-def test_block_diagonal_causal_mask_by_hand():
-    from mimo_train.packed_attention import block_diagonal_causal_mask
-
-    allowed = ~block_diagonal_causal_mask([2, 3], torch.device("cpu"))[0, 0]
-    assert allowed.int().tolist() == [[1, 0, 0, 0, 0],
-                                      [1, 1, 0, 0, 0],
-                                      [0, 0, 1, 0, 0],
-                                      [0, 0, 1, 1, 0],
-                                      [0, 0, 1, 1, 1]]
