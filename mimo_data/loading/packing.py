@@ -10,11 +10,12 @@ micro-batch keeps exactly its samples (exactly-once and resume are unchanged), a
 module still sees the same ordered global micro-batch, so encoder outputs stay in placeholder
 order.
 
-That layout makes next-fit over the part's lengths find the same sequences again (``next_fit``):
-a sample of a later sequence did not fit into any earlier one when it was placed, so it does
-not fit into an earlier sequence's final content either. The language ranks' batch is the
-part's samples back to back (megatron-core's THD format, ``cu_seqlens`` at sample
-boundaries); the attention cuts it into those sequences again (``mimo_train.packed_attention``).
+That layout makes next-fit over the part's lengths find the same sequences again (``next_fit``;
+the loader reports them as ``sequences``): a sample of a later sequence did not fit into any
+earlier one when it was placed, so it does not fit into an earlier sequence's final content
+either. The language ranks' batch is the part's samples back to back (megatron-core's THD
+format, ``cu_seqlens`` at sample boundaries); attention stays inside each sample
+(``mimo_train.packed_attention``).
 
 First-fit-decreasing is hand-written because it must be vectorized over every part of an epoch
 (its loop runs ``micro_batch_size`` times per epoch, not per sample); no library here does a
