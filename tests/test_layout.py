@@ -126,7 +126,7 @@ def test_modalities_need_an_encoder_and_encoders_need_a_modality():
 
 def test_roles_of_a_non_colocated_pipeline_layout():
     layout = Layout.parse("language=tp2,pp2,dp1;image=pp2,dp2")
-    layout.validate(8, 8, 2, [], ["image"])        # fan-in: fixed-resolution images
+    layout.validate(8, 8, 2, [], ["image"])        # fan-in
     roles = layout.roles()
     first, last = roles[0], roles[2]
     assert first.module("language").pp_rank == 0 and last.module("language").pp_rank == 1

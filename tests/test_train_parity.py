@@ -136,8 +136,8 @@ def test_language_pp2_matches_colocated(dynamic_setup):
 
 
 def test_fan_in_matches_colocated(corpus, tmp_path):
-    """Fan-in splits gradients evenly, so every sample has one fixed-size image here (the
-    loader refuses data with other counts: tests/test_train_startup.py)."""
+    """Fan-in of uniform counts: one fixed-size image in every sample (variable counts:
+    ``test_fan_in_of_variable_counts_matches_colocated``)."""
     records = [dict(r, image=str(corpus / r["image"])) for r in
                json.loads((corpus / "llava.json").read_text()) if isinstance(r.get("image"), str)]
     (tmp_path / "single_image.json").write_text(json.dumps(records))

@@ -71,7 +71,6 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 MIN_TOKENS = 50
-LENGTH_MULTIPLE = 64        # mimo_train.step.LENGTH_MULTIPLE (not imported: it loads torch)
 MARKER = re.compile(r"(Image \d+: )?<(image|audio)>\n?")
 
 
@@ -272,6 +271,8 @@ def steps_of(loader, steps: int):
 
 def padded_tokens(tokens: list[int], seq_length: int) -> int:
     """Tokens the trainer computes for an unpacked micro-batch (``mimo_train.step``)."""
+    from mimo_data.preprocess.collate import LENGTH_MULTIPLE
+
     return len(tokens) * min(seq_length, -(-max(tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
 
 

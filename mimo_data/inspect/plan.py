@@ -188,7 +188,7 @@ def format_plan(result: dict, plan: dict) -> str:
     lines.append(f"packing   language real tokens / token positions ({packing['tokens']} tokens, "
                  f"seq_length {packing['seq_length']}), this plan's {this_plan} first")
     layouts = {"packed": f"{packing['packed']['sequences']} sequences of seq_length (--packing; "
-               "only real tokens are computed)",
+               f"only the {packing['tokens']} real tokens are computed)",
                "cut_to_longest": f"{packing['cut_to_longest']['positions']} positions, each "
                "micro-batch cut to its longest sample rounded up to "
                f"{packing['cut_to_longest']['length_multiple']} (the trainer, unpacked)",

@@ -52,8 +52,8 @@ class BatchMetadata(TypedDict):
     epoch: NotRequired[int]
     step: NotRequired[int]
     micro_batch: NotRequired[int]            # global micro-batch index in the step
-    tokens: NotRequired[list[int]]           # real tokens per row
-    trained_tokens: NotRequired[list[int]]   # loss_mask ones per row
+    tokens: NotRequired[list[int]]           # real tokens per sample
+    trained_tokens: NotRequired[list[int]]   # loss_mask ones per sample
     encoder_keys: NotRequired[dict[str, list[str]]]  # modality -> samples of its inputs
     sequences: NotRequired[list[int]]        # packed: samples per packed sequence
 

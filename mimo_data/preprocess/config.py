@@ -71,7 +71,7 @@ class PreprocessConfig:
     def from_dict(cls, data: dict) -> PreprocessConfig:
         """Build from plain data (e.g. parsed YAML); unknown keys are errors, not ignored."""
         data = dict(data)
-        given = "modalities" in data          # `modalities: {}` means text only
+        given = data.get("modalities") is not None    # `modalities: {}` means text only
         modalities = {}
         for name, values in (data.pop("modalities", None) or {}).items():
             if name not in MODALITIES:
