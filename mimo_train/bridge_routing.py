@@ -9,8 +9,9 @@ counts. Two things assume equal counts:
   sending each encoder rank its piece; ``SizedBridgeCommunicator`` cuts it at the sizes the
   pieces arrived with. The receiving leader records them per micro-batch when the shapes
   arrive and uses them, first in first out, for that micro-batch's gradient (the schedule runs
-  backward passes in forward order; ``reset`` empties the record at the start of a schedule
-  run, since forward-only runs send no gradient);
+  backward passes in forward order). ``finish`` ends a schedule run: a forward-only run sends
+  no gradient, so its record is dropped; after a training run every record must have been
+  used, or the routing is out of step and the run stops;
 - ``MimoModel`` refuses to annotate per-sample sizes when fanning in (its TODO in
   ``_attach_modality_split_sizes``); ``RoutedMimoModel`` skips the annotation there, since
   each encoder rank's whole output goes to one language rank.
@@ -36,8 +37,14 @@ class SizedBridgeCommunicator(BridgeCommunicator):
         super().__init__(*args, **kwargs)
         self._arrived: deque[list[int]] = deque()    # per micro-batch: sizes per source
 
-    def reset(self) -> None:
-        self._arrived.clear()
+    def finish(self, forward_only: bool) -> None:
+        if forward_only:
+            self._arrived.clear()
+        elif self._arrived:
+            raise RuntimeError(
+                f"bridge {self.src_module_name} -> {self.dest_module_name}: "
+                f"{len(self._arrived)} micro-batch(es) received without their gradient sent "
+                "back; this is a bug in mimo, report it")
 
     def _communicate_shapes(self, tensor_to_send_next=None, recv_next=False, recv_prev=False,
                             tensor_to_send_prev=None):
@@ -73,10 +80,10 @@ class SizedPipelineCommunicator(MultiModulePipelineCommunicator):
                     src_module_name=source, dest_module_name=destination,
                     tensor_ndim=self.module_output_ndim.get(source, 3)))
 
-    def reset(self) -> None:
-        """Forget sizes of an earlier schedule run (call before each one)."""
+    def finish(self, forward_only: bool) -> None:
+        """End a schedule run (see the module docstring)."""
         for bridge in self.bridge_comms:
-            bridge.reset()
+            bridge.finish(forward_only)
 
 
 class RoutedMimoModel(MimoModel):

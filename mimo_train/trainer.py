@@ -284,13 +284,14 @@ class Trainer:
                       micro_batch_size=self.cfg.train.micro_batch_size,
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
-            self.communicator.reset()
             kwargs["p2p_communicator"] = self.communicator
         local = [0.0, 0.0]
         for report in self.schedule(**kwargs) or ():
             total, tokens = report["lm loss"].tolist()
             local[0] += total
             local[1] += tokens
+        if self.communicator is not None:
+            self.communicator.finish(forward_only)
         loss_sum, tokens = global_sum(local, self.infra, self.device)
         return loss_sum, tokens
 
