@@ -13,7 +13,8 @@ What a checkpoint holds (``TrainingState``): every module's weights as *global* 
 (``MimoModel.sharded_state_dict``: a TP rank's slice and a pipeline stage's layers are parts of
 them), the trained modules' optimizer state sharded like their parameters, each trained
 module's LR scheduler and the loader position (one object each: the same on every rank that has
-it), the step, and each rank's RNG state. So a checkpoint resumes under any
+it), the step, and each rank's RNG states (the CPU generator's; with CUDA also the device's and
+megatron-core's tracked streams: ``rng_state``). So a checkpoint resumes under any
 language TP/PP/DP and encoder DP with the same global batch size, continuing the sample stream
 (the loader position counts samples, not ranks); the RNG states are restored only under the
 same layout (nothing in training draws from them but dropout, 0 in mimo_train).
@@ -39,8 +40,8 @@ import torch.distributed as dist
 
 from mimo_train.mcore import (CheckpointingException, LocalNonpersistentObject, ShardedBase,
                               ShardedObject, ShardedTensor, StrictHandling, dist_checkpointing,
-                              extract_matching_values, get_gpt_layer_local_spec,
-                              load_plain_tensors, merge, nested_values,
+                              extract_matching_values, get_cuda_rng_tracker,
+                              get_gpt_layer_local_spec, load_plain_tensors, merge, nested_values,
                               save_integrity_manifest, verify_integrity_manifest)
 
 LATEST = "latest"
@@ -129,9 +130,30 @@ def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> di
                                        replica_id=0 if writers[key] else 1)
                     for key, value in singles.items()}}
     if rng:
-        sharded["rng"] = ShardedObject("rng", torch.get_rng_state(), (dist.get_world_size(),),
+        sharded["rng"] = ShardedObject("rng", rng_state(), (dist.get_world_size(),),
                                        (dist.get_rank(),), replica_id=0)
     return sharded
+
+
+def rng_state() -> dict:
+    """This rank's RNG states: the CPU generator's and, with CUDA, the device generator's and
+    megatron-core's tracked CUDA streams (model-parallel, data-parallel, expert)."""
+    state: dict = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = get_cuda_rng_tracker().get_states()
+    return state
+
+
+def set_rng_state(state) -> None:
+    """Restore what ``rng_state`` returned (or the CPU state alone, which earlier versions
+    saved); CUDA states only where CUDA runs."""
+    if isinstance(state, torch.Tensor):
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _unsharded(value) -> bool:
@@ -223,7 +245,7 @@ def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) 
     if state.loader is not None:
         state.loader.load_state_dict(singles["loader"])
     if same_layout:
-        torch.set_rng_state(loaded["rng"])
+        set_rng_state(loaded["rng"])
     return loaded["step"]
 
 

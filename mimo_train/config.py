@@ -35,6 +35,9 @@ import yaml
 
 from mimo_data.loading.balance import BALANCE
 
+# model.attention values (mimo_train.attention says what each runs)
+ATTENTION = ("auto", "local", "sdpa", "varlen")
+
 
 class TrainConfigError(ValueError):
     """A training config that cannot run; the message names the key and what to do."""
@@ -111,6 +114,7 @@ class ModelConfig:
     projection: str = "linear"                        # linear | mlp (Linear-GELU-Linear)
     freeze: list = field(default_factory=list)        # module names whose weights stay fixed
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
+    attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
 
 
 @dataclass
@@ -136,6 +140,7 @@ class RunConfig:
     seed: int = 1
     device: str = "auto"                              # auto | cuda | cpu
     precision: str = "fp32"                           # fp32 | bf16
+    collective_timeout_minutes: float = 10.0          # a collective no rank completes fails
     tensorboard_dir: str | None = None
 
 
@@ -209,6 +214,9 @@ class TrainConfig:
                                    f"{' or '.join(BALANCE)}")
         if run.device not in ("auto", "cuda", "cpu"):
             raise TrainConfigError(f"train.device is {run.device!r}: use auto, cuda or cpu")
+        if not run.collective_timeout_minutes > 0:
+            raise TrainConfigError(f"train.collective_timeout_minutes is "
+                                   f"{run.collective_timeout_minutes}: it must be > 0")
         if run.precision not in ("fp32", "bf16"):
             raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
         if not 0 <= opt.min_lr <= opt.lr:
@@ -216,6 +224,9 @@ class TrainConfig:
         if opt.warmup_steps < 0:
             raise TrainConfigError(f"optimizer.warmup_steps is {opt.warmup_steps}: it must be "
                                    ">= 0")
+        if self.model.attention not in ATTENTION:
+            raise TrainConfigError(f"model.attention is {self.model.attention!r}: use "
+                                   f"{', '.join(ATTENTION)}")
         if self.model.projection not in ("linear", "mlp"):
             raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear "
                                    "or mlp")

@@ -3,8 +3,9 @@
 - ``quiet_third_party()``: the one place where known, harmless warnings of megatron-core, torch
   and transformers are filtered, each by its exact message (and category or logger), so any
   other warning still shows. Called on every rank first thing (``cli``, ``mcore``).
-- ``phase(name, done, function)``: one start-up phase on every rank; all ranks agree on success,
-  rank 0 prints ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
+- ``phase(name, done, function)``: one start-up phase on every rank; all ranks agree on success
+  (over the gloo control group: ``distributed``), rank 0 prints
+  ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
   on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).
 
 Nothing here imports torch at module level: the CLI uses it before parsing arguments.
@@ -127,13 +128,12 @@ EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
 
 def agree(phase: str, function):
     """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere."""
-    import torch.distributed as dist
+    from mimo_train import distributed
     try:
         result, error = function(), None
     except EXPECTED as exc:
         result, error = None, (f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", None))
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
+    errors = distributed.gather(error)
     failed: dict[str, list[int]] = {}
     codes: set[int | None] = set()
     for index, gathered in enumerate(errors):
@@ -162,10 +162,12 @@ def report_failure(error: StartupError) -> int:
 
     Ranks exit only after rank 0 has printed: torchrun stops the others as soon as one exits."""
     import torch.distributed as dist
+
+    from mimo_train import distributed
     if rank() == 0:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
     if dist.is_initialized():
-        dist.barrier()
+        distributed.barrier()
     return error.exit_code
 
 

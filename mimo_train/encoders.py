@@ -12,8 +12,11 @@ it computed: one row per placeholder token, item by item (docs/architecture.md, 
 Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
 Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
 ``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
-saved alone). A transformers processor saved beside the model (``preprocessor_config.json``)
-must agree with the preprocessing config (normalization, mel and STFT settings).
+saved alone). Weights are read in fp32 whatever dtype the checkpoint stores (``precision.cast``
+moves the built module to the run's dtype); ``attention`` is the transformers attention
+implementation (``attention.choose`` picks it). A transformers processor saved beside the model
+(``preprocessor_config.json``) must agree with the preprocessing config (normalization, mel and
+STFT settings).
 tests/test_encoder_parity.py checks each kind against its transformers processor and model.
 
 ``Projection`` maps an encoder's rows to the language hidden size (training and mimo-generate).
@@ -33,6 +36,12 @@ import torch.nn.functional as F
 from mimo_data.modalities.image import normalize_pixels
 from mimo_data.modalities.audio import WHISPER_N_FFT, AudioConfig
 from mimo_data.modalities.image import ImageConfig
+from mimo_train.precision import mark_fixed
+
+
+# Encoder inputs an encoder reads on the host (clip lengths that cut its batch): they stay in
+# host memory, so reading them never waits for the device.
+HOST_INPUTS = frozenset({"feature_lens"})
 
 
 class EncoderBuildError(ValueError):
@@ -73,19 +82,21 @@ class Qwen2VLVision(torch.nn.Module):
     """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
+                 num_attention_heads: int, pretrained: str | None = None,
+                 attention: str = "sdpa"):
         super().__init__()
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import (
             Qwen2VisionTransformerPretrainedModel)
         if pretrained:
-            self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(pretrained)
+            self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(
+                pretrained, dtype=torch.float32, attn_implementation=attention)
         else:
             self.model = Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(
                 depth=num_layers, embed_dim=hidden_size, hidden_size=hidden_size,
                 num_heads=num_attention_heads, mlp_ratio=2, in_channels=3,
                 patch_size=image.patch_size, spatial_merge_size=image.merge_size,
-                temporal_patch_size=image.temporal_patch_size))
+                temporal_patch_size=image.temporal_patch_size), attn_implementation=attention)
         config = self.model.config
         geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,
                     "temporal_patch_size": image.temporal_patch_size}
@@ -109,18 +120,21 @@ class SiglipVision(torch.nn.Module):
     """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
+                 num_attention_heads: int, pretrained: str | None = None,
+                 attention: str = "sdpa"):
         super().__init__()
         from transformers import SiglipVisionConfig, SiglipVisionModel
         if pretrained:
             # the pooling head is not used (one row per patch): leave it out
-            self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False)
+            self.model = SiglipVisionModel.from_pretrained(
+                pretrained, vision_use_head=False, dtype=torch.float32,
+                attn_implementation=attention)
         else:
             self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
                 hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
                 image_size=image.image_size, patch_size=image.patch_size,
-                vision_use_head=False))
+                vision_use_head=False), attn_implementation=attention)
         config = self.model.config
         if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
             raise EncoderBuildError(
@@ -150,10 +164,14 @@ class WhisperAudio(torch.nn.Module):
     log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
     minimum when the clip does not reach that floor). The outputs past the clip's frames are
     dropped.
+
+    Its position table is sinusoidal and fixed in Whisper (transformers builds it frozen, but
+    ``from_pretrained`` hands it back trainable): it is marked fixed, never trained.
     """
 
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
+                 num_attention_heads: int, pretrained: str | None = None,
+                 attention: str = "sdpa"):
         super().__init__()
         if not audio.reductions or audio.reductions[0] != 2:
             raise EncoderBuildError(f"modalities.audio.reductions is {list(audio.reductions)}: "
@@ -162,16 +180,20 @@ class WhisperAudio(torch.nn.Module):
         frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
         from transformers import AutoConfig, AutoModel, WhisperConfig
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
+        loading = dict(dtype=torch.float32, attn_implementation=attention)
         if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
                                                .architectures or ()):
-            self.model = WhisperEncoder.from_pretrained(pretrained)    # saved alone (mimo-export)
+            # saved alone (mimo-export)
+            self.model = WhisperEncoder.from_pretrained(pretrained, **loading)
         elif pretrained:
-            self.model = AutoModel.from_pretrained(pretrained).get_encoder()
+            self.model = AutoModel.from_pretrained(pretrained, **loading).get_encoder()
         else:
             self.model = WhisperEncoder(WhisperConfig(
                 num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
                 encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
-                max_source_positions=math.ceil(frames / 2), dropout=0.0))
+                max_source_positions=math.ceil(frames / 2), dropout=0.0,
+                attn_implementation=attention))
+        mark_fixed(self.model, ("embed_positions.weight",))
         config = self.model.config
         if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:
             raise EncoderBuildError(
@@ -208,13 +230,14 @@ class WhisperAudio(torch.nn.Module):
 
 
 def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
-                  num_attention_heads: int, pretrained: str | None) -> torch.nn.Module:
-    """The encoder class named by ``kind`` (see the module docstring)."""
+                  num_attention_heads: int, pretrained: str | None,
+                  attention: str = "sdpa") -> torch.nn.Module:
+    """The encoder class named by ``kind`` (see the module docstring), in fp32."""
     classes = {"qwen2_vl": Qwen2VLVision, "siglip": SiglipVision, "whisper": WhisperAudio}
     if kind not in classes:
         raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(classes)}")
     return classes[kind](modality_config, hidden_size, num_layers, num_attention_heads,
-                         pretrained)
+                         pretrained, attention)
 
 
 def default_kind(modality: str, modality_config) -> str:

@@ -39,7 +39,8 @@ from megatron.core.pipeline_parallel.multimodule_communicator import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import (MultiModuleProcessGroupCollection,
                                                  ProcessGroupCollection)
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
+                                                  model_parallel_cuda_manual_seed)
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -53,6 +54,7 @@ __all__ = [
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
     "VisionModalitySubmodules", "dist_checkpointing", "extract_matching_values",
-    "finalize_model_grads", "get_forward_backward_func", "get_gpt_layer_local_spec",
+    "finalize_model_grads", "get_cuda_rng_tracker", "get_forward_backward_func",
+    "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors", "merge", "model_parallel_cuda_manual_seed",
     "nested_values", "parallel_state", "save_integrity_manifest", "verify_integrity_manifest"]

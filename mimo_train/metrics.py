@@ -4,12 +4,22 @@ A train record: ``step, loss, tokens, grad_norm, lr, skipped, seconds, tokens_pe
 samples_per_s, forward_s`` (forward seconds per module, max over its ranks); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard.
+
+Reading a device value on the host waits for every kernel queued before it, so a train step
+hands over ``StepValues`` that are still on the device: the world's loss sum and token count (a
+device tensor), the step's and each forward pass's ``Timer`` (CUDA events on a GPU). ``Metrics``
+reads them only at a logging step (``train.log_interval``, the last step, before an evaluation
+and at the end), all pending steps at once: one host read of the sums, one reduction of the
+timings and learning rates, so a record exists for every step while the steps in between run
+without waiting for the device.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -17,18 +27,49 @@ import torch.distributed as dist
 from mimo_train.console import PREFIX
 
 
-def world_max(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise maximum over the world."""
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+class Timer:
+    """Time of the work queued on ``device`` from construction to ``stop()``: CUDA events on a
+    GPU (read without waiting only once the work is done: ``seconds`` waits for it), the
+    wall clock on the CPU, whose work is done when the call returns."""
+
+    def __init__(self, device: torch.device):
+        self.events = None
+        if device.type == "cuda":
+            self.events = (torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
+            self.events[0].record()
+        self.start, self.end = time.perf_counter(), math.nan
+
+    def stop(self) -> Timer:
+        if self.events is not None:
+            self.events[1].record()
+        self.end = time.perf_counter()
+        return self
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.end - self.start
+        self.events[1].synchronize()
+        return self.events[0].elapsed_time(self.events[1]) / 1000
 
 
-def forward_seconds(layout, local_modules, seconds: float, device: torch.device) -> dict:
-    """Forward compute seconds of a step per module (max over the module's ranks); one entry
-    ``a+b+...`` for colocated layouts, where every rank runs every module."""
+@dataclass
+class StepValues:
+    """One train step as the trainer hands it over, device values not yet read."""
+    step: int
+    sums: torch.Tensor              # [loss sum, trained tokens] of the world, on the device
+    grad_norm: float | None
+    lr: float                       # this rank's (0.0 without a trained optimizer)
+    skipped: bool
+    timer: Timer                    # the whole step
+    forward: list[Timer]            # this rank's forward passes
+    global_batch_size: int
+
+
+def forward_seconds(layout, local_modules, values: list[float]) -> dict:
+    """Forward seconds per module (``values``: the world's maximum per layout module); one
+    entry ``a+b+...`` for colocated layouts, where every rank runs every module."""
     names = [m.name for m in layout.modules]
-    values = world_max([seconds if name in local_modules else 0.0 for name in names], device)
     if layout.colocated:
         return {"+".join(names): max(values)}
     return dict(zip(names, values))
@@ -71,27 +112,56 @@ def summary(records: list[dict]) -> str | None:
 
 
 class Metrics:
-    """Keeps the run's records; ``log`` prints a record (rank 0) and writes its scalars."""
+    """Keeps the run's records; ``log`` takes a step's ``StepValues`` (read at logging steps,
+    collectively: every rank calls ``log`` and ``close`` alike) or an evaluation record, prints
+    the logged ones (rank 0) and writes their scalars."""
 
-    def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int):
+    def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
+                 layout, local_modules, device: torch.device):
         self.rank0 = dist.get_rank() == 0
         self.log_interval, self.last_step = log_interval, last_step
+        self.layout, self.local_modules, self.device = layout, local_modules, device
         self.records: list[dict] = []
+        self.pending: list[StepValues] = []
         self.writer = None
         if tensorboard_dir and self.rank0:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(tensorboard_dir)
 
-    def log(self, record: dict) -> None:
-        self.records.append(record)
-        step = record["step"]
-        if "loss" in record and step % self.log_interval and step != self.last_step:
+    def log(self, values: StepValues | dict) -> None:
+        if isinstance(values, dict):                   # an evaluation record: read already
+            self.flush()
+            self.records.append(values)
+            self._show(values)
             return
+        self.pending.append(values)
+        if values.step % self.log_interval == 0 or values.step == self.last_step:
+            self.flush()
+            self._show(self.records[-1])
+
+    def flush(self) -> None:
+        """Read the pending steps into records (collective: two reductions, one host read)."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        sums = torch.stack([p.sums for p in pending]).tolist()
+        names = [m.name for m in self.layout.modules]
+        local = [[p.lr] + [sum(t.seconds() for t in p.forward) if name in self.local_modules
+                           else 0.0 for name in names] for p in pending]
+        maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        for p, (loss_sum, tokens), (lr, *forward) in zip(pending, sums, maxima.tolist()):
+            self.records.append(train_record(
+                p.step, loss_sum, tokens, p.grad_norm, lr, p.skipped, p.timer.seconds(),
+                p.global_batch_size, forward_seconds(self.layout, self.local_modules, forward)))
+
+    def _show(self, record: dict) -> None:
         if not self.rank0:
             return
         print(line(record), flush=True)
         if self.writer is None:
             return
+        step = record["step"]
         for key, value in record.items():
             if key == "forward_s":
                 for module, seconds in value.items():
@@ -100,6 +170,7 @@ class Metrics:
                 self.writer.add_scalar(key if "eval" in key else f"train/{key}", value, step)
 
     def close(self) -> None:
+        self.flush()
         if self.writer is not None:
             self.writer.close()
         text = summary(self.records)

@@ -2,11 +2,12 @@
 per encoder in the layout (encoder + projection to the language hidden size), per-module
 megatron-core DDP and ``MimoOptimizer``.
 
-Weights are initialized on the CPU from the seed (``use_cpu_initialization``), then moved to the
-device. Checkpoints (``checkpoint``) use megatron-core's sharded state dicts of the model and
-optimizer built here; ``global_key`` names a pipeline stage's layer by its index in the whole
-model (stages hold ``decoder.layers.<local>``; the global index is ``local + first layer of the
-stage``).
+Weights are initialized on the CPU from the seed (``use_cpu_initialization``), pretrained ones
+read in fp32, then cast to the run's precision (``precision.cast``) and moved to the device.
+The attention kernels are the run's ``AttentionChoice`` (``attention``). Checkpoints
+(``checkpoint``) use megatron-core's sharded state dicts of the model and optimizer built here;
+``global_key`` names a pipeline stage's layer by its index in the whole model (stages hold
+``decoder.layers.<local>``; the global index is ``local + first layer of the stage``).
 """
 
 from __future__ import annotations
@@ -16,18 +17,19 @@ import re
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_train.attention import AttentionChoice, CoreAttention, LanguageModel
 from mimo_train.bridge_routing import RoutedMimoModel
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
 from mimo_train.encoders import Projection, build_encoder, default_kind
 from mimo_train.hf_language import (check_parallel, gpt_fields, load_pretrained_language,
                                     read_architecture, transformer_fields)
 from mimo_train.infra import Infra
-from mimo_train.packed_attention import PackedDotProductAttention
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
-                              DistributedDataParallelConfig, GPTModel, MegatronOptimizerConfig,
+                              DistributedDataParallelConfig, MegatronOptimizerConfig,
                               MimoModelConfig, ModelType, ModuleSpec,
                               TransformerConfig, VisionModalitySubmodules,
                               get_gpt_layer_local_spec, get_mimo_optimizer)
+from mimo_train.precision import cast, run_dtype, trainable
 
 # megatron-core's submodule class of each modality (how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
@@ -42,7 +44,7 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
         raise TrainConfigError(f"model.language.num_layers {lm.num_layers} does not split into "
                                f"{language.pp} pipeline stages: make it a multiple of pp")
     bf16 = cfg.train.precision == "bf16"
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    dtype = run_dtype(cfg.train.precision)
     dims: dict = dict(num_layers=lm.num_layers, hidden_size=lm.hidden_size,
                       num_attention_heads=lm.num_attention_heads,
                       ffn_hidden_size=lm.ffn_hidden_size)
@@ -125,17 +127,18 @@ class _SeededEncoder(torch.nn.Module):
     """Builds the encoder right after seeding the RNG from (seed, module name), so an encoder
     and its projection start from the same weights whichever ranks build them."""
 
-    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig):
+    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig,
+                 attention: str):
         super().__init__()
         torch.manual_seed(_module_seed(seed, name))
         self.encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
-                                     spec.num_attention_heads, spec.pretrained)
+                                     spec.num_attention_heads, spec.pretrained, attention)
 
     def forward(self, **inputs):
         return self.encoder(**inputs)
 
 
-class _SeededGPTModel(GPTModel):
+class _SeededGPTModel(LanguageModel):
     """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
     or without encoders on the rank; pipeline stages each draw only their layers)."""
 
@@ -149,7 +152,7 @@ def _module_seed(seed: int, name: str) -> int:
 
 
 def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
-                special_token_ids: dict, device: torch.device):
+                special_token_ids: dict, device: torch.device, attention: AttentionChoice):
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
     layout, seed = infra.layout, cfg.train.seed
@@ -166,14 +169,14 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                 encoders={modality: ModuleSpec(
                     module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
                                                        modality_config=modality_config,
-                                                       spec=spec))},
+                                                       spec=spec, attention=attention.encoders))},
                 input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
                     kind=cfg.model.projection))]))
         token_ids[name] = special_token_ids[modality]
     vocab = vocab_size(cfg, tokenizer_size)
     language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
-        cfg, infra, transformer, vocab, preprocess.seq_length))
+        cfg, infra, transformer, vocab, preprocess.seq_length, attention.language))
     model = RoutedMimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids))
@@ -184,37 +187,36 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name not in infra.modules:
             raise TrainConfigError(f"model.freeze names {name!r}, not a module of the layout "
                                    f"{layout}: use one of {list(infra.modules)}")
-    if cfg.train.precision == "bf16":
-        # every weight in bf16, as megatron-core's Float16Module would cast it (norms included);
-        # the optimizer keeps fp32 main weights
-        model.to(torch.bfloat16)
+    # every weight in the run's dtype, as megatron-core's Float16Module would cast it (norms
+    # included) but for the rotary frequencies; the optimizer keeps fp32 main weights
+    cast(model, run_dtype(cfg.train.precision))
     model.to(device)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     for name, module_infra in infra.local.items():
         module = _get(model, name)
         frozen = name in cfg.model.freeze
         for parameter in module.parameters():
-            parameter.requires_grad_(not frozen)
+            parameter.requires_grad_(trainable(parameter, frozen))
         _set(model, name, DistributedDataParallel(transformer, ddp, module,
                                                   pg_collection=module_infra.pgs))
     return model
 
 
 def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: int,
-                          max_sequence_length: int) -> dict:
+                          max_sequence_length: int, backend: str) -> dict:
     """``_SeededGPTModel`` arguments of this rank's language model (random init or the
-    architecture of ``model.language.pretrained``)."""
+    architecture of ``model.language.pretrained``), its core attention ``backend``."""
     role = infra.role
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
     pretrained = cfg.model.language.pretrained
     arch = read_architecture(pretrained) if pretrained else None
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
         if arch else get_gpt_layer_local_spec()
-    if cfg.data.packing:            # packed (THD) batches: see packed_attention
-        layer_spec.submodules.self_attention.submodules.core_attention = \
-            PackedDotProductAttention
+    layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=CoreAttention, params=dict(backend=backend))
     return dict(
-        seed=_module_seed(cfg.train.seed, LANGUAGE), config=transformer,
+        seed=_module_seed(cfg.train.seed, LANGUAGE), packed_rows=backend != "local",
+        config=transformer,
         transformer_layer_spec=layer_spec, vocab_size=vocab,
         max_sequence_length=max_sequence_length,
         **(gpt_fields(arch) if arch else dict(position_embedding_type="rope",

@@ -13,12 +13,15 @@
   by the same number: gradients do not depend on the layout (docs/architecture.md,
   "One sample", step 10).
 - ``no_sync``: all local modules' DDP ``no_sync`` at once, for micro-batch accumulation.
+
+Nothing here reads a device tensor on the host: the token count, the loss sums and the forward
+times stay on the device (the sums reduced over the world by device collectives) until
+``metrics`` reads them at a logging step, so a CUDA step queues its kernels without waiting.
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 from functools import partial
 
 import torch
@@ -26,8 +29,10 @@ import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
+from mimo_train.encoders import HOST_INPUTS
 from mimo_train.infra import Infra
 from mimo_train.mcore import finalize_model_grads
+from mimo_train.metrics import Timer
 
 
 def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
@@ -38,7 +43,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     never trained and, on the right under a causal mask, never attended to by real tokens, so
     loss and gradients are unchanged while the language model skips most of the padding.
     A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
-    makes megatron-core's ``PackedSeqParams`` of its sample boundaries.
+    makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Encoder inputs that an
+    encoder reads on the host (``encoders.HOST_INPUTS``) stay there.
     """
     real = batch.get("attention_mask")
     packing = batch.get("packing_kwargs")
@@ -58,7 +64,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
                                     else value for key, value in packing.items()}
     modules = infra.layout.modalities
     inputs["modality_inputs"] = {
-        modules[modality]: {encoder: {k: v.to(device, non_blocking=True) for k, v in kw.items()}
+        modules[modality]: {encoder: {k: v if k in HOST_INPUTS else
+                                      v.to(device, non_blocking=True) for k, v in kw.items()}
                             for encoder, kw in by_encoder.items()}
         for modality, by_encoder in (batch.get("modality_inputs") or {}).items()} or None
     return inputs
@@ -73,33 +80,25 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 class ForwardStep:
-    """``forward_step_func`` for the schedules; also times this rank's forward passes."""
+    """``forward_step_func`` for the schedules; also times this rank's forward passes
+    (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list)."""
 
     def __init__(self, infra: Infra, device: torch.device):
         self.infra = infra
         self.device = device
         self.last_stage = _language_last_stage(infra)
-        self.forward_seconds = 0.0
+        self.timers: list[Timer] = []
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator) if data_iterator is not None else None
         inputs = model_inputs(batch, self.infra, self.device) if batch is not None else \
             {"input_ids": None}
-        synchronize(self.device)
-        start = time.perf_counter()
+        timer = Timer(self.device)
         output, loss_mask = model(**inputs)
-        synchronize(self.device)
-        self.forward_seconds += time.perf_counter() - start
+        self.timers.append(timer.stop())
         if self.last_stage:
             return output, partial(loss_func, loss_mask)
         return output, None
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so wall-clock timings cover it (CUDA runs kernels
-    asynchronously: without this a forward pass would be timed by its kernel launches)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _language_last_stage(infra: Infra) -> bool:
@@ -112,12 +111,15 @@ def _token_counter(infra: Infra) -> bool:
     return any(p.name == LANGUAGE and p.last_stage and p.tp_rank == 0 for p in infra.role.modules)
 
 
-def global_sum(values: list[float], infra: Infra, device: torch.device) -> list[float]:
-    """Sum over the world of values that only language last-stage ranks hold (TP rank 0)."""
-    tensor = torch.tensor(values if _token_counter(infra) else [0.0] * len(values),
-                          dtype=torch.float64, device=device)
+def global_sum(values: torch.Tensor, infra: Infra, device: torch.device) -> torch.Tensor:
+    """Sum over the world of ``values`` (1-D, the same length on every rank), counted only
+    where language last-stage ranks hold them (TP rank 0): a float64 tensor on ``device``,
+    reduced by a device collective, not read on the host."""
+    tensor = values.to(device=device, dtype=torch.float64)
+    if not _token_counter(infra):
+        tensor = torch.zeros_like(tensor)
     dist.all_reduce(tensor)
-    return tensor.tolist()
+    return tensor
 
 
 class GradientFinalizer:
@@ -127,15 +129,15 @@ class GradientFinalizer:
         self.infra = infra
         self.modules = modules          # name -> DDP module on this rank
         self.device = device
-        self.global_tokens = 0
 
     def __call__(self, model_list, num_tokens, pg_collection=None, force_all_reduce=False):
-        local = float(num_tokens.item()) if num_tokens is not None else 0.0
-        (self.global_tokens,) = global_sum([local], self.infra, self.device)
+        local = num_tokens.reshape(1) if num_tokens is not None else torch.zeros(1)
+        (tokens,) = global_sum(local, self.infra, self.device)
+        scale = 1.0 / tokens.clamp(min=1.0).float()      # a device scalar: no host read
         for name, module in self.modules.items():
             finalize_model_grads([module], num_tokens=None,
                                  pg_collection=self.infra.modules[name].pgs)
-            module.scale_gradients(1.0 / max(self.global_tokens, 1.0))
+            module.scale_gradients(scale)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import torch
@@ -31,7 +30,8 @@ from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards.format import INDEX_FILE
-from mimo_train import checkpoint
+from mimo_train import checkpoint, devices, distributed
+from mimo_train.attention import available, choose
 from mimo_train.console import PREFIX, phase, say
 from mimo_train.config import TrainConfig, TrainConfigError
 from mimo_train.infra import Infra, build_infra
@@ -39,57 +39,11 @@ from mimo_train.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore import (MultiModuleProcessGroupCollection,
                               OptimizerParamScheduler, get_forward_backward_func,
                               model_parallel_cuda_manual_seed, parallel_state)
-from mimo_train.metrics import Metrics, eval_record, forward_seconds, train_record, world_max
+from mimo_train.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
                               trained_optimizers, vocab_size)
-from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync, synchronize
-
-
-def _device(setting: str) -> tuple[torch.device, Exception | None]:
-    """The device for ``train.device``, and the error to report once the ranks have joined."""
-    cuda = torch.cuda.is_available()
-    if setting == "cuda" and not cuda:
-        return torch.device("cpu"), TrainConfigError(
-            "train.device is cuda but no CUDA device is visible: use train.device=cpu or auto")
-    if setting == "cpu" and cuda:
-        # cpu_compat (megatron-core on CPU) switches on only without CUDA (mcore.py)
-        return torch.device("cpu"), TrainConfigError(
-            "train.device is cpu but CUDA devices are visible: hide them "
-            "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
-    if cuda:
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), None
-    return torch.device("cpu"), None
-
-
-def init_distributed(device: torch.device) -> None:
-    """Join the ``torchrun`` job (env://), or start a one-process group without torchrun."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves) which
-    # device to use instead of guessing (torch warns at every barrier otherwise).
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, **kwargs)
-    else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, **kwargs)
-
-
-def _gatherer():
-    """An all-gather of Python objects over a new gloo group of every rank (collective)."""
-    group = dist.new_group(backend="gloo")
-
-    def gather(value) -> list:
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, value, group=group)
-        return gathered
-    return gather
+from mimo_train.precision import run_dtype
+from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
 
 def _raise(error: Exception | None) -> None:
@@ -115,8 +69,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
         start = time.perf_counter()
-        self.device, problem = _device(cfg.train.device)
-        init_distributed(self.device)
+        self.device, problem = devices.select(cfg.train.device, devices.probe())
+        distributed.init(self.device, cfg.train.collective_timeout_minutes)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem), start)
@@ -124,7 +78,8 @@ class Trainer:
             "config", "config, tokenizer and shards checked", self._read_config)
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo"))
-        phase("model", "model and optimizer built", lambda: self._build(text))
+        phase("model", lambda _: f"model and optimizer built ({self.attention.describe()})",
+              lambda: self._build(text))
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
@@ -133,7 +88,7 @@ class Trainer:
         if resume:
             self._resume(resume)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
-                               cfg.train.steps)
+                               cfg.train.steps, self.layout, self.infra.local, self.device)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -149,13 +104,15 @@ class Trainer:
     def _build(self, text) -> None:
         """Model, its checkpoint part, optimizer, LR schedulers, the schedule's wiring."""
         cfg = self.cfg
+        self.attention = choose(cfg.model.attention, run_dtype(cfg.train.precision),
+                                available(self.device))
         parallel_state._set_global_memory_buffer()     # initialize_model_parallel is not used
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language
                                         else 0, ep_rank=0, etp_rank=0)
         self.model = build_model(cfg, self.infra, self.preprocess, text.vocab_size,
-                                 text.modality_token_ids, self.device)
+                                 text.modality_token_ids, self.device, self.attention)
         self.modules = local_modules(self.model, self.infra)
         self.optimizer = build_optimizer(cfg, self.model)
         self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
@@ -199,7 +156,7 @@ class Trainer:
         # Every rank opens the datasets, all of them before any loader: missing token tables
         # are computed split over the job, in collectives no rank may skip. Parts travel over a
         # gloo group (CPU memory, whatever the training backend).
-        partition = Partition(self.rank, self.world, _gatherer(),
+        partition = Partition(self.rank, self.world, distributed.gather,
                               writes=int(os.environ.get("LOCAL_RANK", 0)) == 0)
 
         def source(datasets, weights) -> DataSource:
@@ -275,9 +232,10 @@ class Trainer:
                     yield batch
         return stream()
 
-    def forward_backward(self, iterator, forward_only: bool) -> tuple[float, float]:
+    def forward_backward(self, iterator, forward_only: bool) -> torch.Tensor:
         """One global batch through the schedule (gradients finalized unless
-        ``forward_only``); returns the world's (loss sum over trained tokens, their count)."""
+        ``forward_only``); returns the world's [loss sum over trained tokens, their count] as a
+        device tensor (not read on the host)."""
         kwargs = dict(forward_step_func=self.forward, data_iterator=iterator, model=[self.model],
                       num_microbatches=self.micro_batches,
                       seq_length=self.preprocess.seq_length,
@@ -285,37 +243,29 @@ class Trainer:
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
             kwargs["p2p_communicator"] = self.communicator
-        local = [0.0, 0.0]
-        for report in self.schedule(**kwargs) or ():
-            total, tokens = report["lm loss"].tolist()
-            local[0] += total
-            local[1] += tokens
+        reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
-        loss_sum, tokens = global_sum(local, self.infra, self.device)
-        return loss_sum, tokens
+        local = torch.stack(reports).sum(0) if reports else torch.zeros(2)
+        return global_sum(local, self.infra, self.device)
 
-    def train_step(self, iterator) -> dict:
+    def train_step(self, iterator) -> StepValues:
         for module in self.modules.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.forward.forward_seconds = 0.0
-        synchronize(self.device)
-        start = time.perf_counter()
-        loss_sum, tokens = self.forward_backward(iterator, forward_only=False)
+        self.forward.timers = []
+        timer = Timer(self.device)
+        sums = self.forward_backward(iterator, forward_only=False)
+        # megatron-core's optimizer reads the gradient norm and its non-finite check on the
+        # host: the only waits for the device in a step that does not log
         success, grad_norm, _ = self.optimizer.step()
         if success:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
-        synchronize(self.device)
-        seconds = time.perf_counter() - start
         self.step += 1
         lrs = [o.param_groups[0]["lr"] for o in self.trained.values() if o.param_groups]
-        (lr,) = world_max([lrs[0] if lrs else 0.0], self.device)
-        forward_s = forward_seconds(self.layout, self.infra.local, self.forward.forward_seconds,
-                                    self.device)
-        return train_record(self.step, loss_sum, tokens, grad_norm, lr, not success, seconds,
-                            self.cfg.train.global_batch_size, forward_s)
+        return StepValues(self.step, sums, grad_norm, lrs[0] if lrs else 0.0, not success,
+                          timer.stop(), self.forward.timers, self.cfg.train.global_batch_size)
 
     def evaluate(self) -> dict:
         """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``."""
@@ -323,11 +273,11 @@ class Trainer:
         iterator = self.batches(self.valid_loader)
         for module in self.modules.values():
             module.eval()
-        total = tokens = 0.0
+        sums = []
         with torch.no_grad():
             for _ in range(self.cfg.train.eval_steps):
-                loss_sum, count = self.forward_backward(iterator, forward_only=True)
-                total, tokens = total + loss_sum, tokens + count
+                sums.append(self.forward_backward(iterator, forward_only=True))
+        total, tokens = torch.stack(sums).sum(0).tolist()
         for module in self.modules.values():
             module.train()
         if self.valid_loader is not None:

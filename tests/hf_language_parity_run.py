@@ -56,7 +56,7 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor) -> torch.Te
     transformer = language_transformer_config(cfg, infra.layout, torch.device("cpu"))
     vocab = -(-max(len_vocab(path), 1) // 128) * 128
     model = _SeededGPTModel(**language_model_params(cfg, infra, transformer, vocab,
-                                                    input_ids.size(1)))
+                                                    input_ids.size(1), "local"))
     load_language_weights(model, cfg, infra, vocab)
     model.eval()
     pgs = infra.modules[LANGUAGE].pgs

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import REPO, build_dataset, preprocess_config_file
 
@@ -30,6 +31,10 @@ MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
          "model.language.num_attention_heads=2", "optimizer.warmup_steps=0", "train.steps=1",
          f"train.global_batch_size={GLOBAL_BATCH}", "train.seed=3"]
 TOLERANCE = 1e-5
+# bf16 against fp32 (8 bits of mantissa): the step's loss (relative), each module's gradient
+# (relative error of the whole vector), each parameter's gradient (its cosine with fp32's: small
+# gradients made of many cancelling terms, such as norm biases', lose most to bf16 rounding)
+BF16_LOSS, BF16_MODULE_GRAD, BF16_COSINE = 1e-3, 0.1, 0.5
 
 
 def _run(command, out: Path) -> dict:
@@ -195,3 +200,55 @@ def test_packed_language_pp2_dp2_matches_colocated(dynamic_setup):
     staged = _torchrun(tmp, "pp2-dp2-packed", 6, "image=dp1;audio=dp1;language=pp2,dp2", 1,
                        [*common, "data.packing=true"], init)
     _compare(reference, staged, "language pp2 x dp2, packed")
+
+
+def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(dynamic_setup):
+    """The GPU path's attention (``model.attention=sdpa``: SDPA, packed rows as one sequence
+    with per-token rotary angles) against the local reference, unpacked and packed. The packed
+    run then trains one step that does not log: mimo_train's own code reads no tensor value on
+    the host in it but for the clip lengths the Whisper encoder keeps on the host."""
+    tmp, common, reference, init, _ = dynamic_setup
+    for packing in ("false", "true"):
+        out = tmp / f"sdpa-{packing}"
+        reads = ["--host-reads", "train.steps=3", "train.log_interval=2"] \
+            if packing == "true" else []
+        other = _run([sys.executable, RUNNER, str(out),
+                      "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
+                      f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
+                      f"data.packing={packing}", "model.attention=sdpa", *common, *reads], out)
+        _compare(reference, other, f"one process, sdpa, packing {packing}")
+    (rank,) = [torch.load(path, weights_only=False) for path in out.glob("rank_*.pt")]
+    ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
+    assert ours and all("WhisperAudio.forward" in site for site in ours), rank["host_reads"]
+
+
+def test_bf16_step_matches_fp32_non_colocated(dynamic_setup):
+    """``train.precision=bf16`` for real, image dp1 + audio dp1 -> language dp1 on 3 ranks, from
+    the reference's fp32 weights: the loss within bf16's precision of the fp32 colocated step,
+    the gradients close. The weights are bf16 but for the Qwen2-VL tower's rotary frequencies,
+    which stay fp32, and Whisper's position table is not trained."""
+    tmp, common, reference, init, _ = dynamic_setup
+    bf16 = _torchrun(tmp, "bf16", 3, "image=dp1;audio=dp1;language=dp1", 2,
+                     [*common, "train.precision=bf16"], init)
+    assert bf16["tokens"] == reference["tokens"] > 0
+    loss, expected = (run["loss_sum"] / run["tokens"] for run in (bf16, reference))
+    assert abs(loss - expected) <= BF16_LOSS * expected, (loss, expected)
+    for module, grads in reference["grads"].items():
+        assert set(bf16["grads"][module]) == set(grads), module
+        ours = torch.cat([bf16["grads"][module][name].flatten() for name in grads])
+        theirs = torch.cat([grad.flatten() for grad in grads.values()])
+        assert (ours - theirs).norm() <= BF16_MODULE_GRAD * theirs.norm(), module
+        cosines = {name: float(F.cosine_similarity(bf16["grads"][module][name].flatten(),
+                                                   grad.flatten(), dim=0))
+                   for name, grad in grads.items()}
+        assert min(cosines.values()) >= BF16_COSINE, (module, sorted(cosines.items(),
+                                                                     key=lambda kv: kv[1])[:3])
+    ranks = [torch.load(path, weights_only=False) for path in (tmp / "bf16").glob("rank_*.pt")]
+    dtypes = {module: kinds for rank in ranks for module, kinds in rank["dtypes"].items()}
+    fixed = {module: names for rank in ranks for module, names in rank["fixed"].items()}
+    rotary = {key for key in dtypes["image"] if key.endswith("inv_freq")}
+    assert rotary and all(dtypes["image"][key] == "torch.float32" for key in rotary)
+    assert {dtype for kinds in dtypes.values() for key, dtype in kinds.items()
+            if key not in rotary and "position_ids" not in key} == {"torch.bfloat16"}
+    assert fixed == {"image": [], "language": [],
+                     "audio": ["encoders.audio.encoder.model.embed_positions.weight"]}

@@ -1,24 +1,57 @@
 """One training step's loss and gradients under a given layout, for tests/test_train_parity.py.
 
-    python tests/train_parity_run.py OUT [--save-init DIR] key=value ...          # 1 process
+    python tests/train_parity_run.py OUT [--save-init DIR] [--host-reads] key=value ...  # 1 process
     torchrun --nproc-per-node N tests/train_parity_run.py OUT key=value ...
 
 Builds ``mimo_train.trainer.Trainer`` from the overrides (``model.init_from`` gives every layout
 the same weights), runs one global batch forward and backward through the real schedule and
 gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token
-count, and each local module's gradients (``main_grad``) keyed by global parameter names.
-``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
+count, each local module's gradients (``main_grad``) keyed by global parameter names, and the
+dtypes of each module's parameters and buffers and the names of the parameters it does not
+train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
+``--host-reads`` then runs one whole training step that does not log (``train.log_interval``
+above 1) and records every place that read a tensor's value on the host during it
+(``host_reads``: ``path:line function`` -> count).
 """
 
 import os
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from mimo_train.config import TrainConfig
 from mimo_train.model import global_key, unwrap
 from mimo_train.trainer import Trainer
+
+_READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
+          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the calls that read a tensor's value on the host, by the first caller outside
+    torch and mimo's CPU shim (on a GPU each one waits for the device's queued work)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: Counter = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _READS:
+            frame = sys._getframe(1)
+            while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
+                                         or frame.f_code.co_filename.endswith("cpu_compat.py")):
+                frame = frame.f_back
+            if frame is not None:
+                path = frame.f_code.co_filename
+                for root in ("mimo_train", "megatron", "transformers"):
+                    marker = f"{os.sep}{root}{os.sep}"
+                    if marker in path:
+                        path = root + os.sep + path.split(marker, 1)[1]
+                self.sites[f"{path}:{frame.f_lineno} {frame.f_code.co_qualname}"] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main(argv) -> None:
@@ -27,19 +60,32 @@ def main(argv) -> None:
     if rest and rest[0] == "--save-init":
         save_init, rest = rest[1], rest[2:]
         rest = [*rest, f"checkpoint.dir={save_init}"]
+    host_reads = "--host-reads" in rest
+    rest = [arg for arg in rest if arg != "--host-reads"]
     trainer = Trainer(TrainConfig.load(None, rest))
     if save_init:
         trainer.save()
-    loss_sum, tokens = trainer.forward_backward(trainer.batches(trainer.loader),
-                                                forward_only=False)
-    grads = {}
+    iterator = trainer.batches(trainer.loader)
+    loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    grads, dtypes, fixed = {}, {}, {}
     for name, module in trainer.modules.items():
         offset = trainer.layer_offset(name)
+        inner = unwrap(module)
         grads[name] = {global_key(key, offset): param.main_grad.detach().cpu().clone()
-                       for key, param in unwrap(module).named_parameters()
-                       if param.requires_grad}
+                       for key, param in inner.named_parameters() if param.requires_grad}
+        dtypes[name] = {key: str(t.dtype) for key, t in [*inner.named_parameters(),
+                                                          *inner.named_buffers()]}
+        fixed[name] = sorted(key for key, param in inner.named_parameters()
+                             if not param.requires_grad)
+    reads = None
+    if host_reads:
+        assert trainer.cfg.train.log_interval > 1 < trainer.cfg.train.steps
+        with HostReads() as counter:
+            trainer.metrics.log(trainer.train_step(iterator))
+        reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
-    torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads},
+    torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads, "dtypes": dtypes,
+                "fixed": fixed, "host_reads": reads},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

@@ -1,0 +1,176 @@
+"""Which attention kernels a run uses, chosen once at start-up (``model.attention``).
+
+The language model's core attention (``CoreAttention``, megatron-core's local
+``DotProductAttention`` extended) has three backends:
+
+- ``local``: megatron-core's local attention, ``[b, heads, s, s]`` scores in memory; packed,
+  each sample through it one after another (a host loop over samples, per layer), under
+  megatron-core's THD rotary, also per sample.
+- ``sdpa``: ``scaled_dot_product_attention``, causal, no score matrix kept (flash or
+  memory-efficient kernels on CUDA); packed, one SDPA call under a block-diagonal causal mask
+  built on the device.
+- ``varlen``: unpacked as ``sdpa``; packed, ``torch.nn.attention.varlen.varlen_attn`` over the
+  sample boundaries (flash or cuDNN kernels: CUDA, bf16).
+
+``local`` is the reference: the CPU default and what ``sdpa`` and ``varlen`` are checked
+against (tests/test_attention.py). ``auto`` picks ``local`` on the CPU, ``varlen`` on CUDA in
+bf16 (on GPUs with flash kernels, compute capability 8.0 and up), else ``sdpa``.
+
+Packed rows under ``sdpa`` / ``varlen`` need no per-sample loop anywhere: ``LanguageModel``
+gives every token its rotary angle from its position id (positions restart at every sample),
+and hands the row to megatron-core's attention as one sequence (``qkv_format`` sbhd, batch 1),
+so megatron-core's own rotary is one operation per layer and ``CoreAttention`` keeps attention
+inside each sample from ``cu_seqlens``. Nothing in either path reads a device tensor on the
+host. TransformerEngine's attention (megatron-core's TE layer spec) is not used: mimo builds
+local layer specs, whose parameter names its checkpoints and the transformers mapping use.
+
+The encoders' transformers towers take ``attn_implementation``: ``flash_attention_2`` on CUDA
+in bf16 when the ``flash-attn`` package is installed (Qwen2-VL's tower then attends over all
+images at once by ``cu_seqlens``), else ``sdpa``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mimo_train.config import TrainConfigError
+from mimo_train.mcore import DotProductAttention, GPTModel
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The kernels of a run: the language backend and the encoders' implementation."""
+    language: str                   # local | sdpa | varlen
+    encoders: str                   # sdpa | flash_attention_2
+
+    def describe(self) -> str:
+        return f"attention: language {self.language}, encoders {self.encoders}"
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What this machine offers (``available()``; tests pass their own)."""
+    cuda: bool
+    flash_capable: bool             # a GPU of compute capability 8.0 or more
+    varlen: bool                    # torch.nn.attention.varlen
+    flash_attn_2: bool              # the flash-attn package, for transformers
+
+
+def available(device: torch.device) -> Kernels:
+    from transformers.utils import is_flash_attn_2_available
+    cuda = device.type == "cuda"
+    return Kernels(cuda=cuda,
+                   flash_capable=cuda and torch.cuda.get_device_capability(device)[0] >= 8,
+                   varlen=importlib.util.find_spec("torch.nn.attention.varlen") is not None,
+                   flash_attn_2=cuda and is_flash_attn_2_available())
+
+
+def choose(setting: str, dtype: torch.dtype, kernels: Kernels) -> AttentionChoice:
+    """The kernels for ``model.attention`` (see the module docstring); ``TrainConfigError``
+    when the setting asks for one this machine or precision cannot run."""
+    half = dtype in (torch.bfloat16, torch.float16)
+    fast = kernels.cuda and kernels.flash_capable and half
+    if setting == "auto":
+        language = "local" if not kernels.cuda else "varlen" if fast and kernels.varlen \
+            else "sdpa"
+    elif setting == "varlen" and not (fast and kernels.varlen):
+        why = ("needs CUDA" if not kernels.cuda else "needs bf16 (train.precision=bf16)"
+               if not half else "needs a GPU of compute capability 8.0 or more"
+               if not kernels.flash_capable else "needs torch.nn.attention.varlen (torch 2.10+)")
+        raise TrainConfigError(f"model.attention is varlen, which {why}: use sdpa or auto")
+    else:
+        language = setting
+    encoders = "flash_attention_2" if fast and kernels.flash_attn_2 else "sdpa"
+    return AttentionChoice(language, encoders)
+
+
+class CoreAttention(DotProductAttention):
+    """megatron-core's local ``DotProductAttention`` with the ``backend`` of the run; also
+    takes packed batches (``packed_seq_params``): THD for ``local``, one sbhd row for the
+    others (``LanguageModel``)."""
+
+    def __init__(self, *args, backend: str = "local", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.backend = backend
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if self.backend == "local":
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type,
+                                       attention_bias)
+            return self._per_sample(query, key, value, attn_mask_type, attention_bias,
+                                    packed_seq_params.cu_seqlens_q)
+        if self.backend == "varlen" and packed_seq_params is not None:
+            return self._varlen(query, key, value, packed_seq_params)
+        return self._sdpa(query, key, value, packed_seq_params)
+
+    def _per_sample(self, query, key, value, attn_mask_type, attention_bias, cu_seqlens):
+        """THD ``[tokens, heads, dim]``: each sample as a batch of one, ``[s, 1, h, d]``, under
+        the causal mask the local attention makes for it (the CPU reference; ``tolist`` reads
+        the boundaries on the host)."""
+        bounds = cu_seqlens.tolist()
+        return torch.cat([super(CoreAttention, self).forward(
+            query[start:end, None], key[start:end, None], value[start:end, None], None,
+            attn_mask_type, attention_bias) for start, end in zip(bounds, bounds[1:])])
+
+    def _sdpa(self, query, key, value, packed_seq_params):
+        """``[s, b, heads, dim]`` through SDPA: causal, or block-diagonal causal over the
+        packed row's samples."""
+        s, b = query.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))       # [b, h, s, d]
+        mask = None if packed_seq_params is None else \
+            block_causal_mask(packed_seq_params.cu_seqlens_q, s)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=self.softmax_scale, enable_gqa=True)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _varlen(self, query, key, value, packed_seq_params):
+        """The packed row ``[tokens, 1, heads, dim]`` through the varlen kernel."""
+        from torch.nn.attention.varlen import varlen_attn
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        q, k, v = query[:, 0], key[:, 0], value[:, 0]
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
+        longest = packed_seq_params.max_seqlen_q
+        out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=self.softmax_scale,
+                          window_size=(-1, 0))                             # (-1, 0): causal
+        return out.reshape(out.size(0), 1, -1)
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """``[tokens, tokens]`` True where a token may attend: an earlier (or the same) token of
+    its own sample; built on ``cu_seqlens``'s device, without reading it on the host."""
+    position = torch.arange(tokens, device=cu_seqlens.device)
+    sample = torch.searchsorted(cu_seqlens[1:].to(torch.int64), position, right=True)
+    return (sample[:, None] == sample[None, :]) & (position[:, None] >= position[None, :])
+
+
+class LanguageModel(GPTModel):
+    """``GPTModel`` that hands packed rows to its attention as one sbhd sequence when the
+    backend is not ``local`` (``packed_rows``): every token's rotary angle comes from its
+    position id, so positions restart at each sample without megatron-core's per-sample THD
+    rotary loop, and ``CoreAttention`` keeps attention within each sample."""
+
+    def __init__(self, *, packed_rows: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.packed_rows = packed_rows
+
+    def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
+                    packed_seq_params=None, padding_mask=None):
+        out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
+                                  packed_seq_params, padding_mask)
+        if not (self.packed_rows and self.position_embedding_type == "rope"
+                and packed_seq_params is not None and packed_seq_params.qkv_format == "thd"):
+            return out
+        rotary = out[1]
+        if rotary is not None:
+            rotary = rotary[position_ids.reshape(-1)]           # [tokens, 1, 1, dim]
+        # the same object reaches every layer's attention for this micro-batch
+        packed_seq_params.qkv_format = "sbhd"
+        return (out[0], rotary, *out[2:])

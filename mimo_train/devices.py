@@ -1,0 +1,99 @@
+"""The device a rank trains on (``train.device``), and why CUDA is unusable when it is.
+
+``auto`` means CUDA when it works, the CPU when the machine has no GPU. A machine whose GPUs
+are visible (``/dev/nvidia<N>`` or ``/proc/driver/nvidia/gpus``, not hidden by
+``CUDA_VISIBLE_DEVICES``) but where CUDA does not start (the torch wheel is a CUDA build that
+needs a recent enough driver: a CUDA 13.0 wheel needs driver 580 or newer) is an error naming
+torch's reason, the driver and the wheel, and the ways out, never a silent CPU run.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from mimo_train.config import TrainConfigError
+
+# The oldest Linux driver branch each CUDA major version runs on (minor-version compatibility;
+# NVIDIA's CUDA toolkit release notes, table 3).
+_MIN_DRIVER = {"11": "450.80.02", "12": "525.60.13", "13": "580.65.06"}
+
+
+@dataclass(frozen=True)
+class CudaState:
+    """What this machine shows of CUDA (``probe()``; tests make their own)."""
+    usable: bool                    # torch.cuda.is_available()
+    gpus: tuple[str, ...]           # the GPU device nodes or driver entries seen
+    failure: str | None             # torch's reason when CUDA does not start
+    driver: str | None              # the kernel driver's version, when readable
+    wheel_cuda: str | None          # torch.version.cuda (None: a CPU-only wheel)
+
+
+def probe() -> CudaState:
+    usable = torch.cuda.is_available()
+    failure = None
+    if not usable:
+        try:
+            torch.cuda.init()
+        except (RuntimeError, AssertionError) as error:
+            failure = str(error).strip().splitlines()[0] if str(error).strip() else None
+    return CudaState(usable, _visible_gpus(), failure, _driver_version(), torch.version.cuda)
+
+
+def _visible_gpus() -> tuple[str, ...]:
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if hidden is not None and hidden.strip() in ("", "-1"):
+        return ()
+    nodes = sorted(glob.glob("/dev/nvidia[0-9]*")) or sorted(
+        glob.glob("/proc/driver/nvidia/gpus/*"))
+    return tuple(nodes)
+
+
+def _driver_version() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            found = re.search(r"Kernel Module\s+(?:for \S+\s+)?(\d+\.\d+(?:\.\d+)?)", f.read())
+    except OSError:
+        return None
+    return found[1] if found else None
+
+
+def unusable_cuda(state: CudaState) -> str | None:
+    """Why CUDA cannot be used although GPUs are visible; None when it works or none is."""
+    if state.usable or not state.gpus:
+        return None
+    wheel = (f"this torch {torch.__version__} is a CUDA {state.wheel_cuda} build, which needs "
+             f"NVIDIA driver {_MIN_DRIVER.get(state.wheel_cuda.split('.')[0], 'a recent')} or "
+             "newer" if state.wheel_cuda else f"this torch {torch.__version__} is a CPU-only "
+             "build")
+    return (f"{len(state.gpus)} NVIDIA GPU(s) are visible ({', '.join(state.gpus[:4])}) but "
+            f"CUDA does not start: {state.failure or 'torch.cuda.is_available() is False'}; "
+            f"{wheel}; the driver is {state.driver or 'unknown (no /proc/driver/nvidia)'}. Fix "
+            "one: update the NVIDIA driver; or install a torch wheel built for the CUDA your "
+            "driver supports (pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu126, for example); or train on the CPU on "
+            "purpose: CUDA_VISIBLE_DEVICES= torchrun ... train.device=cpu")
+
+
+def select(setting: str, state: CudaState) -> tuple[torch.device, Exception | None]:
+    """The device for ``train.device`` and the error to report once the ranks have joined
+    (the CPU stands in while the error travels)."""
+    problem = unusable_cuda(state)
+    if setting == "cuda" and not state.usable:
+        return torch.device("cpu"), TrainConfigError(
+            f"train.device is cuda: {problem}" if problem else
+            "train.device is cuda but no CUDA device is visible: use train.device=cpu or auto")
+    if setting == "cpu" and state.usable:
+        # cpu_compat (megatron-core on CPU) switches on only without CUDA (mcore.py)
+        return torch.device("cpu"), TrainConfigError(
+            "train.device is cpu but CUDA devices are visible: hide them "
+            "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
+    if state.usable:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), None
+    if setting == "auto" and problem:
+        return torch.device("cpu"), TrainConfigError(f"train.device is auto: {problem}")
+    return torch.device("cpu"), None
