@@ -44,18 +44,12 @@ def init(device: torch.device, timeout_minutes: float | None = None) -> None:
             port = sock.getsockname()[1]
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                                 world_size=1, **kwargs)
-    _control = None if backend == "gloo" else dist.new_group(
-        backend="gloo", timeout=kwargs.get("timeout"))
-
-
-def control() -> dist.ProcessGroup | None:
-    """The gloo group of every rank for control messages (None: the default group, which is
-    gloo itself)."""
-    return _control
+    _control = dist.new_group(backend="gloo", timeout=kwargs.get("timeout"))
 
 
 def gather(value) -> list:
-    """``value`` of every rank, in rank order, over the control group (collective)."""
+    """``value`` of every rank, in rank order, over the control group (collective; the
+    default group before ``init``, e.g. a failure before the trainer starts)."""
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, value, group=_control)
     return gathered

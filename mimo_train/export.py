@@ -7,6 +7,7 @@
                                modality tokens (AutoModelForCausalLM / AutoTokenizer load it)
     <module>/                  each encoder's transformers model (``save_pretrained`` of its
                                ``.model``; ``model.encoders.<module>.pretrained`` takes it back)
+                               in the dtype the checkpoint holds its weights in
     projections.safetensors    each encoder module's projection: ``<module>.<index>.<param>``
                                (``<index>``: the layer in Linear or Linear-GELU-Linear)
     preprocess.yaml            the run's preprocessing config, its tokenizer ``./language``
@@ -241,6 +242,7 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
     from mimo_data.loading.layout import Layout
     from mimo_train.config import EncoderConfig
     from mimo_train.encoders import build_encoder, default_kind
+    from mimo_train.precision import cast
     modules, projections = {}, {}
     layout = Layout.parse(cfg.layout)
     for module in layout.encoders:
@@ -252,6 +254,8 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
         encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
                                 spec.num_attention_heads, spec.pretrained)
         state, prefix = weights[name], f"encoders.{modality}.encoder."
+        # the checkpoint's dtype (the run's precision): the saved weights are its values
+        cast(encoder, next(v.dtype for k, v in state.items() if k.startswith(prefix)))
         try:
             encoder.load_state_dict({k[len(prefix):]: v for k, v in state.items()
                                      if k.startswith(prefix)})

@@ -10,7 +10,9 @@ encoder inputs training uses. Each encoder (``OUT/<module>``) and its projection
 into embeddings, which replace the language model's input embeddings at the modality tokens,
 item by item (as megatron-core's ``MimoModel`` splices them), and transformers'
 ``generate(inputs_embeds=...)`` of ``OUT/language`` continues: greedy unless ``--temperature``
-is given (then sampling with ``--top-p`` from ``--seed``).
+is given (then sampling with ``--top-p`` from ``--seed``). Every part runs in ``--dtype`` (fp32
+by default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
+(``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
 
 Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
 2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
@@ -76,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="random seed of the sampling, with --temperature (default 0)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto (cuda when available), cpu or cuda")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="precision of every part, whatever the export stores "
+                        "(default fp32)")
     return parser
 
 
@@ -90,7 +95,7 @@ def main(argv=None) -> int:
     if not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
     try:
-        generator = Generator(args.model, args.device)
+        generator = Generator(args.model, args.device, args.dtype)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
                                     max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p,
@@ -105,8 +110,10 @@ def main(argv=None) -> int:
 class Generator:
     """An exported model loaded once (language model, encoders, projections, preprocessing)."""
 
-    def __init__(self, model_dir: str, device: str = "auto"):
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "fp32"):
         import torch
+
+        from mimo_train.precision import run_dtype
 
         from mimo_data.errors import ConfigError
         from mimo_data.preprocess.config import PreprocessConfig
@@ -125,12 +132,13 @@ class Generator:
         elif device == "cuda" and not torch.cuda.is_available():
             raise GenerateError("--device cuda: no CUDA device is visible; use --device cpu")
         self.device = torch.device(device)
+        self.dtype = run_dtype(dtype)
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()
         self.language = AutoModelForCausalLM.from_pretrained(
             os.path.join(model_dir, self.manifest["language"]),
-            dtype=torch.float32).to(self.device).eval()
+            dtype=self.dtype).to(self.device).eval()
         self.tokenizer = self.preprocessor.text.tokenizer
         self.encoders = self._encoders(model_dir)
 
@@ -139,6 +147,7 @@ class Generator:
         from safetensors.torch import load_file
 
         from mimo_train.encoders import build_encoder
+        from mimo_train.precision import cast
         projections = load_file(os.path.join(model_dir, self.manifest["projections"]))
         encoders = {}
         for name, module in self.manifest["modules"].items():
@@ -148,8 +157,8 @@ class Generator:
             state = {k[len(name) + 1:]: v for k, v in projections.items()
                      if k.startswith(name + ".")}
             projection = projection_module(self.manifest["projection"], state)
-            encoders[modality] = (encoder.to(self.device).eval(),
-                                  projection.to(self.device).eval())
+            encoders[modality] = (cast(encoder, self.dtype).to(self.device).eval(),
+                                  cast(projection, self.dtype).to(self.device).eval())
         return encoders
 
     def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),

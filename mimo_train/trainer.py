@@ -106,7 +106,8 @@ class Trainer:
         cfg = self.cfg
         self.attention = choose(cfg.model.attention, run_dtype(cfg.train.precision),
                                 available(self.device))
-        parallel_state._set_global_memory_buffer()     # initialize_model_parallel is not used
+        if parallel_state._GLOBAL_MEMORY_BUFFER is None:    # once a process: set by
+            parallel_state._set_global_memory_buffer()     # initialize_model_parallel, unused
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language

@@ -307,6 +307,8 @@ train: {steps: 20}
     (["data.valid=[v]"], "data.valid is set but train.eval_interval is 0"),
     (["train.eval_interval=5"], "train.eval_interval is set but data.valid"),
     (["model.projection=conv"], "model.projection is 'conv'"),
+    (["model.attention=flash"], "model.attention is 'flash'"),
+    (["train.collective_timeout_minutes=0"], "train.collective_timeout_minutes is 0"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_validate_rule(tmp_path, overrides, fragment):
     assert fragment in load_error(tmp_path, VALID, *overrides)
@@ -325,6 +327,7 @@ def test_validate_rule(tmp_path, overrides, fragment):
     ["data.valid=[v]", "train.eval_interval=5"],
     ["train.device=cuda", "train.precision=bf16"],
     ["train.device=auto", "model.projection=linear"],
+    ["model.attention=sdpa", "train.collective_timeout_minutes=0.5"],
 ], ids=lambda v: " ".join(v) or "base")
 def test_validate_accepts_the_boundaries(tmp_path, overrides):
     """Just inside each rule: the rules above fail for the value, not for being set."""

@@ -1,0 +1,140 @@
+"""Where a rank trains and how it waits for the others (mimo_train/devices.py, distributed.py).
+
+- ``train.device``: auto with visible GPUs and CUDA that does not start is an error naming
+  torch's reason, the driver and the wheel's CUDA, and the ways out, never a silent CPU run;
+  no GPU at all is the CPU; cuda without CUDA and cpu with CUDA are refused as before;
+- the control group times out: a rank that never joins a control collective makes the others
+  fail after ``train.collective_timeout_minutes`` with torch's timeout error, not hang (a real
+  two-rank ``torchrun``). That start-up failures travel over the control group is what
+  tests/test_train_startup.py shows, every case of it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+from conftest import REPO
+from mimo_train import devices
+from mimo_train.config import TrainConfigError
+
+OLD_DRIVER = devices.CudaState(
+    usable=False, gpus=("/dev/nvidia0", "/dev/nvidia1"),
+    failure="The NVIDIA driver on your system is too old (found version 12020).",
+    driver="535.104.05", wheel_cuda="13.0")
+
+
+def test_auto_with_visible_gpus_and_unusable_cuda_is_an_error():
+    device, error = devices.select("auto", OLD_DRIVER)
+    assert device.type == "cpu" and isinstance(error, TrainConfigError)
+    message = str(error)
+    for part in ("train.device is auto", "2 NVIDIA GPU(s) are visible (/dev/nvidia0, /dev/nvidia1)",
+                 "The NVIDIA driver on your system is too old (found version 12020)",
+                 f"this torch {torch.__version__} is a CUDA 13.0 build, which needs NVIDIA "
+                 "driver 580.65.06 or newer", "the driver is 535.104.05",
+                 "update the NVIDIA driver", "pip install torch --index-url",
+                 "CUDA_VISIBLE_DEVICES= torchrun ... train.device=cpu"):
+        assert part in message, message
+
+
+def test_device_choices():
+    none = devices.CudaState(usable=False, gpus=(), failure="Found no NVIDIA driver",
+                             driver=None, wheel_cuda="13.0")
+    working = devices.CudaState(usable=True, gpus=("/dev/nvidia0",), failure=None,
+                                driver="580.65.06", wheel_cuda="13.0")
+    assert devices.select("auto", none) == (torch.device("cpu"), None)
+    assert devices.select("cpu", OLD_DRIVER) == (torch.device("cpu"), None)
+    assert devices.select("auto", working) == (torch.device("cuda", 0), None)
+    device, error = devices.select("cuda", OLD_DRIVER)
+    assert "train.device is cuda: 2 NVIDIA GPU(s) are visible" in str(error)
+    _, error = devices.select("cuda", none)
+    assert "no CUDA device is visible" in str(error)
+    _, error = devices.select("cpu", working)
+    assert "hide them (CUDA_VISIBLE_DEVICES= torchrun ...)" in str(error)
+
+
+def test_hidden_gpus_are_not_visible(monkeypatch):
+    monkeypatch.setattr(devices.glob, "glob", lambda pattern: ["/dev/nvidia0"])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert devices._visible_gpus() == ()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert devices._visible_gpus() == ("/dev/nvidia0",)
+
+
+def test_this_machine_probe_is_consistent():
+    state = devices.probe()
+    assert state.usable == torch.cuda.is_available()
+    assert state.wheel_cuda == torch.version.cuda
+    if not state.usable:
+        assert state.failure
+
+
+SILENT_RANK = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    from mimo_train import distributed
+    distributed.init(torch.device("cpu"), timeout_minutes=0.05)     # 3 s
+    if os.environ["RANK"] == "1":
+        time.sleep(120)                                               # never joins
+    try:
+        distributed.gather("ready")
+    except RuntimeError as error:
+        print(f"rank 0 gave up: {error}", flush=True)
+        sys.exit(3)
+    print("rank 0 gathered without rank 1", flush=True)
+""")
+
+
+def test_a_rank_that_never_joins_times_out_the_others(tmp_path):
+    script = tmp_path / "silent_rank.py"
+    script.write_text(SILENT_RANK)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node", "2", str(script)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=100)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output
+    assert "rank 0 gave up:" in output and "gathered without" not in output, output
+    assert "timed out" in output.lower() or "timeout" in output.lower(), output
+
+
+def test_checkpoint_rng_states_carry_cuda_where_it_runs(monkeypatch):
+    """A checkpoint's RNG entry: the CPU generator, plus on CUDA the device generator and
+    megatron-core's tracked streams (here a stand-in CUDA), restored as saved; the CPU state
+    alone, as earlier checkpoints hold it, still restores."""
+    from mimo_train import checkpoint
+    assert set(checkpoint.rng_state()) == ({"cpu", "cuda", "tracker"}
+                                           if torch.cuda.is_available() else {"cpu"})
+
+    class Tracker:
+        states = {"model-parallel-rng": torch.tensor([1, 2])}
+
+        def get_states(self):
+            return dict(self.states)
+
+        def set_states(self, states):
+            self.states = states
+    device = {"state": torch.tensor([7, 7])}
+    tracker = Tracker()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: device["state"].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: device.update(state=s))
+    monkeypatch.setattr(checkpoint, "get_cuda_rng_tracker", lambda: tracker)
+    torch.manual_seed(3)
+    saved = checkpoint.rng_state()
+    expected = torch.rand(2)
+    device["state"] = torch.tensor([0, 0])
+    tracker.states = {}
+    checkpoint.set_rng_state(saved)
+    assert torch.equal(torch.rand(2), expected)
+    assert torch.equal(device["state"], torch.tensor([7, 7]))
+    assert torch.equal(tracker.states["model-parallel-rng"], torch.tensor([1, 2]))
+    torch.manual_seed(3)
+    old = torch.get_rng_state()
+    torch.rand(5)
+    checkpoint.set_rng_state(old)
+    assert torch.equal(torch.rand(2), expected)
