@@ -48,8 +48,7 @@ def main(argv=None) -> int:
     except TrainConfigError as error:
         return console.fail_before_setup("config", error)
     start = time.perf_counter()
-    import torch.distributed as dist
-
+    from mimo_train import distributed
     from mimo_train.metrics import dump
     from mimo_train.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
@@ -61,8 +60,7 @@ def main(argv=None) -> int:
     except console.StartupError as error:
         return console.report_failure(error)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        distributed.destroy()
     return 0
 
 

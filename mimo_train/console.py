@@ -178,6 +178,8 @@ def fail_before_setup(phase_name: str, error: Exception) -> int:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
         return StartupError("", phase_name).exit_code
     import torch.distributed as dist
+
+    from mimo_train import distributed
     if not dist.is_initialized():
         dist.init_process_group("gloo")
 
@@ -188,5 +190,5 @@ def fail_before_setup(phase_name: str, error: Exception) -> int:
     except StartupError as startup:
         return report_failure(startup)
     finally:
-        dist.destroy_process_group()
+        distributed.destroy()
     return 2                                         # not reached: fail() always raises

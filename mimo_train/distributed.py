@@ -58,3 +58,11 @@ def gather(value) -> list:
 def barrier() -> None:
     """Wait for every rank, over the control group."""
     dist.barrier(group=_control)
+
+
+def destroy() -> None:
+    """Leave the job: the control group and the default group."""
+    global _control
+    _control = None
+    if dist.is_initialized():
+        dist.destroy_process_group()

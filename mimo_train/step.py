@@ -60,8 +60,9 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     inputs["attention_mask"] = None
     inputs.setdefault("input_ids", None)         # later pipeline stages get no token ids
     if packing is not None:
-        inputs["packing_kwargs"] = {key: value.to(device) if isinstance(value, torch.Tensor)
-                                    else value for key, value in packing.items()}
+        inputs["packing_kwargs"] = {key: value.to(device, non_blocking=True)
+                                    if isinstance(value, torch.Tensor) else value
+                                    for key, value in packing.items()}
     modules = infra.layout.modalities
     inputs["modality_inputs"] = {
         modules[modality]: {encoder: {k: v if k in HOST_INPUTS else

@@ -170,7 +170,9 @@ class Trainer:
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
                                 weights=opened.weights, balance=cfg.data.balance,
-                                packing=cfg.data.packing)
+                                packing=cfg.data.packing,
+                                # page-locked batches: copies to the GPU that do not block
+                                pin_memory=self.device.type == "cuda")
 
         train_source = source(cfg.data.datasets, cfg.data.weights)
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None

@@ -3,17 +3,21 @@ process groups exist, stub ranks, non-divisible batches, colocated fan-in with v
 missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules and a
 missing pretrained encoder.
 
-Each case runs for real: ``torchrun --standalone --nproc-per-node 3 -m mimo_train --config CFG
-key=value ...`` with gloo on the CPU. torchrun writes each rank's stderr to its own file
-(``--log-dir``, ``--redirects 3``), so the test sees exactly what every rank printed: rank 0
+Every case runs for real on 3 ranks with gloo on the CPU, all of them in one ``torchrun`` job
+(tests/startup_cases_run.py: each rank calls ``mimo_train.cli.main`` on each case in turn and
+keeps what it printed to stderr, every warning shown each time, and its exit status): rank 0
 prints one ``mimo-train: mimo_train start-up failed (PHASE)`` message naming the ranks, the
 numbers or paths involved and the fix; the other ranks print nothing of it; no rank prints a
-Python traceback or a third-party warning. A hang would run into the subprocess
-timeout, which kills the whole process group and fails the test.
+Python traceback or a third-party warning; every rank exits non-zero. Two cases also run as
+the command line itself (``torchrun --standalone --nproc-per-node 3 -m mimo_train --config CFG
+key=value ...``, each rank's whole stderr in its own file: ``--log-dir``, ``--redirects 3``),
+one failing before the process groups exist and one after. A hang would run into the
+subprocess timeout, which kills the whole process group and fails the test.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -80,11 +84,11 @@ def _torchrun(tmp_path: Path, config: Path, overrides: list[str]):
     return process.returncode, ranks, launcher
 
 
-def _check_startup_failure(tmp_path, config, overrides, phase: str, expected: list[str]):
-    code, ranks, launcher = _torchrun(tmp_path, config, overrides)
+def _check_startup_failure(codes: list[int], ranks: dict, launcher: str, phase: str,
+                           expected: list[str]):
     context = f"torchrun output:\n{launcher[-3000:]}\nrank stderr:\n" + "\n".join(
         f"--- rank {r}:\n{text[-3000:]}" for r, text in sorted(ranks.items()))
-    assert code != 0, f"the job exited 0 with a bad config\n{context}"
+    assert all(code != 0 for code in codes), f"exit codes {codes} with a bad config\n{context}"
     assert sorted(ranks) == list(range(NPROC)), f"missing rank logs\n{context}"
     for rank, text in sorted(ranks.items()):
         assert "Traceback" not in text, f"rank {rank} printed a traceback\n{context}"
@@ -166,15 +170,78 @@ def _case_id(case) -> str:
     return name.replace(" ", "-").replace(",", "")
 
 
-@pytest.mark.parametrize("name, preprocess_kind, overrides, phase, expected", CASES,
-                         ids=[_case_id(case) for case in CASES])
-def test_bad_config_fails_cleanly_on_every_rank(tmp_path, loader_corpus, preprocess, name,
-                                                 preprocess_kind, overrides, phase, expected):
-    unfinished = tmp_path / "unfinished"            # an interrupted build: shards, no index
+def _case(case, tmp: Path) -> tuple[list[str], list[str]]:
+    """A case's overrides and expected substrings with ``{tmp}`` filled in."""
+    _, _, overrides, _, expected = case
+    return ([o.format(tmp=tmp) for o in overrides], [e.format(tmp=tmp) for e in expected])
+
+
+def _unfinished(tmp: Path, loader_corpus: Path) -> None:
+    """An interrupted build: shards, no index."""
+    unfinished = tmp / "unfinished"
     unfinished.mkdir()
     for shard in sorted(loader_corpus.glob("*.tar"))[:1]:
         (unfinished / shard.name).write_bytes(shard.read_bytes())
-    config = _base_config(tmp_path, [loader_corpus], preprocess[preprocess_kind])
-    _check_startup_failure(tmp_path, config, [o.format(tmp=tmp_path) for o in overrides],
-                           phase, [e.format(tmp=tmp_path) for e in expected])
 
+
+@pytest.fixture(scope="module")
+def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict, str]:
+    """Every case in one 3-rank job: case name -> (exit codes by rank, stderr by rank)."""
+    tmp = tmp_path_factory.mktemp("startup-cases")
+    _unfinished(tmp, loader_corpus)
+    configs = {}
+    for kind, path in preprocess.items():
+        (tmp / kind).mkdir()
+        configs[kind] = _base_config(tmp / kind, [loader_corpus], path)
+    argv = [["--config", str(configs[case[1]]), *_case(case, tmp)[0]] for case in CASES]
+    (tmp / "cases.json").write_text(json.dumps(argv))
+    out = tmp / "out"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(NPROC), str(REPO / "tests" / "startup_cases_run.py"),
+               str(tmp / "cases.json"), str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        launcher, _ = process.communicate(timeout=TIMEOUT * 4)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)         # torchrun and every rank
+        launcher, _ = process.communicate()
+        pytest.fail(f"start-up hung: the cases did not end within {TIMEOUT * 4} s\n"
+                    f"{launcher[-3000:]}")
+    assert process.returncode == 0, f"the cases' job failed\n{launcher[-6000:]}"
+    results = {}
+    for index, case in enumerate(CASES):
+        folder = out / str(index)
+        results[case[0]] = ([int((folder / f"rank_{r}.code").read_text()) for r in range(NPROC)],
+                            {r: (folder / f"rank_{r}.stderr").read_text() for r in range(NPROC)})
+    return tmp, results, launcher
+
+
+@pytest.mark.parametrize("name, preprocess_kind, overrides, phase, expected", CASES,
+                         ids=[_case_id(case) for case in CASES])
+def test_bad_config_fails_cleanly_on_every_rank(shared_job, name, preprocess_kind, overrides,
+                                                 phase, expected):
+    tmp, results, launcher = shared_job
+    codes, ranks = results[name]
+    _check_startup_failure(codes, ranks, launcher, phase,
+                           _case((name, preprocess_kind, overrides, phase, expected), tmp)[1])
+
+
+# one case that fails before the process groups exist, one after
+COMMAND_LINE = [case for case in CASES if case[0] in (
+    "unknown key in an override", "dataset directory does not exist")]
+
+
+@pytest.mark.parametrize("name, preprocess_kind, overrides, phase, expected", COMMAND_LINE,
+                         ids=[_case_id(case) for case in COMMAND_LINE])
+def test_the_command_line_fails_cleanly_on_every_rank(tmp_path, loader_corpus, preprocess, name,
+                                                       preprocess_kind, overrides, phase,
+                                                       expected):
+    _unfinished(tmp_path, loader_corpus)
+    config = _base_config(tmp_path, [loader_corpus], preprocess[preprocess_kind])
+    case_overrides, case_expected = _case((name, preprocess_kind, overrides, phase, expected),
+                                          tmp_path)
+    code, ranks, launcher = _torchrun(tmp_path, config, case_overrides)
+    assert sorted(ranks) == list(range(NPROC)), f"missing rank logs\n{launcher[-3000:]}"
+    _check_startup_failure([code], ranks, launcher, phase, case_expected)
