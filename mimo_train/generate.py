@@ -113,11 +113,10 @@ class Generator:
     def __init__(self, model_dir: str, device: str = "auto", dtype: str = "fp32"):
         import torch
 
-        from mimo_train.precision import run_dtype
-
         from mimo_data.errors import ConfigError
         from mimo_data.preprocess.config import PreprocessConfig
         from mimo_data.preprocess.preprocessor import Preprocessor
+        from mimo_train.precision import run_dtype
         path = os.path.join(model_dir, MANIFEST)
         try:
             with open(path) as f:
