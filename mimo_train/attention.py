@@ -10,7 +10,7 @@ The language model's core attention (``CoreAttention``, megatron-core's local
   memory-efficient kernels on CUDA); packed, one SDPA call under a block-diagonal causal mask
   built on the device.
 - ``varlen``: unpacked as ``sdpa``; packed, ``torch.nn.attention.varlen.varlen_attn`` over the
-  sample boundaries (flash or cuDNN kernels: CUDA, bf16).
+  sample boundaries (flash kernels: CUDA, bf16).
 
 ``local`` is the reference: the CPU default and what ``sdpa`` and ``varlen`` are checked
 against (tests/test_attention.py). ``auto`` picks ``local`` on the CPU, ``varlen`` on CUDA in
@@ -74,14 +74,14 @@ def choose(setting: str, dtype: torch.dtype, kernels: Kernels) -> AttentionChoic
     when the setting asks for one this machine or precision cannot run."""
     half = dtype in (torch.bfloat16, torch.float16)
     fast = kernels.cuda and kernels.flash_capable and half
+    missing = [why for why, ok in (
+        ("needs CUDA", kernels.cuda), ("needs bf16 (train.precision=bf16)", half),
+        ("needs a GPU of compute capability 8.0 or more", kernels.flash_capable),
+        ("needs torch.nn.attention.varlen (torch 2.10+)", kernels.varlen)) if not ok]
     if setting == "auto":
-        language = "local" if not kernels.cuda else "varlen" if fast and kernels.varlen \
-            else "sdpa"
-    elif setting == "varlen" and not (fast and kernels.varlen):
-        why = ("needs CUDA" if not kernels.cuda else "needs bf16 (train.precision=bf16)"
-               if not half else "needs a GPU of compute capability 8.0 or more"
-               if not kernels.flash_capable else "needs torch.nn.attention.varlen (torch 2.10+)")
-        raise TrainConfigError(f"model.attention is varlen, which {why}: use sdpa or auto")
+        language = "local" if not kernels.cuda else "sdpa" if missing else "varlen"
+    elif setting == "varlen" and missing:
+        raise TrainConfigError(f"model.attention is varlen, which {missing[0]}: use sdpa or auto")
     else:
         language = setting
     encoders = "flash_attention_2" if fast and kernels.flash_attn_2 else "sdpa"
@@ -122,25 +122,43 @@ class CoreAttention(DotProductAttention):
         """``[s, b, heads, dim]`` through SDPA: causal, or block-diagonal causal over the
         packed row's samples."""
         s, b = query.shape[:2]
+        key, value = self._one_head_per_query(key, value)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))       # [b, h, s, d]
-        mask = None if packed_seq_params is None else \
-            block_causal_mask(packed_seq_params.cu_seqlens_q, s)
+        mask = None if packed_seq_params is None else _packed_mask(packed_seq_params, s)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=self.softmax_scale, enable_gqa=True)
+                                             scale=self.softmax_scale)
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _varlen(self, query, key, value, packed_seq_params):
         """The packed row ``[tokens, 1, heads, dim]`` through the varlen kernel."""
         from torch.nn.attention.varlen import varlen_attn
-        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        key, value = self._one_head_per_query(key, value)
         q, k, v = query[:, 0], key[:, 0], value[:, 0]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
         longest = packed_seq_params.max_seqlen_q
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=self.softmax_scale,
                           window_size=(-1, 0))                             # (-1, 0): causal
         return out.reshape(out.size(0), 1, -1)
+
+    def _one_head_per_query(self, key, value):
+        """Grouped key/value heads repeated for each query head of the group (megatron-core's
+        order; ``[..., heads, dim]``): SDPA's GQA mode runs only its math kernel under a mask
+        or in fp32, so the fused kernels get the heads spelled out."""
+        groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+        if groups == 1:
+            return key, value
+        return key.repeat_interleave(groups, dim=-2), value.repeat_interleave(groups, dim=-2)
+
+
+def _packed_mask(packed_seq_params, tokens: int) -> torch.Tensor:
+    """The micro-batch's block-diagonal causal mask, built once: every layer's attention gets
+    the same ``PackedSeqParams``, which keeps it (so backward keeps one mask, not one per
+    layer)."""
+    mask = getattr(packed_seq_params, "block_causal_mask", None)
+    if mask is None:
+        mask = block_causal_mask(packed_seq_params.cu_seqlens_q, tokens)
+        packed_seq_params.block_causal_mask = mask
+    return mask
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
@@ -159,14 +177,17 @@ class LanguageModel(GPTModel):
 
     def __init__(self, *, packed_rows: bool, **kwargs):
         super().__init__(**kwargs)
+        if packed_rows and self.position_embedding_type != "rope":
+            raise ValueError(f"packed rows need rotary positions, not "
+                             f"{self.position_embedding_type!r}: use model.attention=local")
         self.packed_rows = packed_rows
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask)
-        if not (self.packed_rows and self.position_embedding_type == "rope"
-                and packed_seq_params is not None and packed_seq_params.qkv_format == "thd"):
+        if not (self.packed_rows and packed_seq_params is not None
+                and packed_seq_params.qkv_format == "thd"):
             return out
         rotary = out[1]
         if rotary is not None:

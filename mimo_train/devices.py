@@ -66,17 +66,21 @@ def unusable_cuda(state: CudaState) -> str | None:
     """Why CUDA cannot be used although GPUs are visible; None when it works or none is."""
     if state.usable or not state.gpus:
         return None
-    wheel = (f"this torch {torch.__version__} is a CUDA {state.wheel_cuda} build, which needs "
-             f"NVIDIA driver {_MIN_DRIVER.get(state.wheel_cuda.split('.')[0], 'a recent')} or "
-             "newer" if state.wheel_cuda else f"this torch {torch.__version__} is a CPU-only "
-             "build")
+    wheel_fix = ("install a torch wheel built for the CUDA your driver supports (pip install "
+                 "torch --index-url https://download.pytorch.org/whl/cu126, for example)")
+    if state.wheel_cuda:
+        minimum = _MIN_DRIVER.get(state.wheel_cuda.split(".")[0], "a recent one")
+        wheel = (f"this torch {torch.__version__} is a CUDA {state.wheel_cuda} build, which "
+                 f"needs NVIDIA driver {minimum} or newer")
+        fixes = f"update the NVIDIA driver; or {wheel_fix}"
+    else:
+        wheel = f"this torch {torch.__version__} is a CPU-only build"
+        fixes = wheel_fix
     return (f"{len(state.gpus)} NVIDIA GPU(s) are visible ({', '.join(state.gpus[:4])}) but "
             f"CUDA does not start: {state.failure or 'torch.cuda.is_available() is False'}; "
             f"{wheel}; the driver is {state.driver or 'unknown (no /proc/driver/nvidia)'}. Fix "
-            "one: update the NVIDIA driver; or install a torch wheel built for the CUDA your "
-            "driver supports (pip install torch --index-url "
-            "https://download.pytorch.org/whl/cu126, for example); or train on the CPU on "
-            "purpose: CUDA_VISIBLE_DEVICES= torchrun ... train.device=cpu")
+            f"one: {fixes}; or train on the CPU on purpose: CUDA_VISIBLE_DEVICES= torchrun ... "
+            "train.device=cpu")
 
 
 def select(setting: str, state: CudaState) -> tuple[torch.device, Exception | None]:

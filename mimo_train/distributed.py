@@ -5,8 +5,8 @@ agreement, failure reports and the token-table parts go over a separate gloo gro
 rank (``control``): they move Python objects through CPU memory, so a rank whose GPU is in a
 CUDA error still joins them and every rank prints one message, where the NCCL default group
 would leave the others waiting for its watchdog. Both groups time out after
-``train.collective_timeout_minutes``: a collective that a rank never joins fails with an error
-instead of hanging.
+``train.collective_timeout_minutes`` (the trainer gives the modules' groups the same): a
+collective that a rank never joins fails with an error instead of hanging.
 """
 
 from __future__ import annotations
@@ -21,30 +21,37 @@ import torch.distributed as dist
 _control: dist.ProcessGroup | None = None
 
 
-def init(device: torch.device, timeout_minutes: float | None = None) -> None:
-    """Join the ``torchrun`` job (env://), or start a one-process group without torchrun;
-    then make the control group (collective)."""
+def init(device: torch.device, timeout: timedelta | None = None) -> None:
+    """Join the ``torchrun`` job (env://), or start a one-process group without torchrun,
+    unless the process is in a job already; then make the control group if it has none
+    (collective)."""
     global _control
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kwargs: dict = {}
-    if timeout_minutes is not None:
-        kwargs["timeout"] = timedelta(minutes=timeout_minutes)
+    kwargs: dict = {} if timeout is None else {"timeout": timeout}
+    if not dist.is_initialized():
+        _join("nccl" if device.type == "cuda" else "gloo", device, kwargs)
+    if _control is None:
+        _control = dist.new_group(backend="gloo", **kwargs)
+
+
+def _join(backend: str, device: torch.device, kwargs: dict) -> None:
     if device.type == "cuda":
         # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
         # which device to use instead of guessing (torch warns at every barrier otherwise).
-        kwargs["device_id"] = device
         torch.cuda.set_device(device)
+        kwargs = {**kwargs, "device_id": device}
     if "RANK" in os.environ:
         dist.init_process_group(backend, **kwargs)
-    else:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, **kwargs)
-    _control = dist.new_group(backend="gloo", timeout=kwargs.get("timeout"))
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, **kwargs)
+
+
+def control() -> dist.ProcessGroup | None:
+    """The control group (None before ``init``)."""
+    return _control
 
 
 def gather(value) -> list:

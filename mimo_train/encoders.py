@@ -13,8 +13,8 @@ Pixel normalization happens here, on the encoder's device (``image_inputs.normal
 Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
 ``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
 saved alone). Weights are read in fp32 whatever dtype the checkpoint stores (``precision.cast``
-moves the built module to the run's dtype); ``attention`` is the transformers attention
-implementation (``attention.choose`` picks it). A transformers processor saved beside the model
+moves the built module to the run's dtype; the trainer may then switch ``.model`` to another
+attention implementation). A transformers processor saved beside the model
 (``preprocessor_config.json``) must agree with the preprocessing config (normalization, mel and
 STFT settings).
 tests/test_encoder_parity.py checks each kind against its transformers processor and model.
@@ -82,21 +82,20 @@ class Qwen2VLVision(torch.nn.Module):
     """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None,
-                 attention: str = "sdpa"):
+                 num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import (
             Qwen2VisionTransformerPretrainedModel)
         if pretrained:
             self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(
-                pretrained, dtype=torch.float32, attn_implementation=attention)
+                pretrained, dtype=torch.float32)
         else:
             self.model = Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(
                 depth=num_layers, embed_dim=hidden_size, hidden_size=hidden_size,
                 num_heads=num_attention_heads, mlp_ratio=2, in_channels=3,
                 patch_size=image.patch_size, spatial_merge_size=image.merge_size,
-                temporal_patch_size=image.temporal_patch_size), attn_implementation=attention)
+                temporal_patch_size=image.temporal_patch_size))
         config = self.model.config
         geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,
                     "temporal_patch_size": image.temporal_patch_size}
@@ -120,21 +119,19 @@ class SiglipVision(torch.nn.Module):
     """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None,
-                 attention: str = "sdpa"):
+                 num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
         from transformers import SiglipVisionConfig, SiglipVisionModel
         if pretrained:
             # the pooling head is not used (one row per patch): leave it out
-            self.model = SiglipVisionModel.from_pretrained(
-                pretrained, vision_use_head=False, dtype=torch.float32,
-                attn_implementation=attention)
+            self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False,
+                                                           dtype=torch.float32)
         else:
             self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
                 hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                 num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
                 image_size=image.image_size, patch_size=image.patch_size,
-                vision_use_head=False), attn_implementation=attention)
+                vision_use_head=False))
         config = self.model.config
         if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
             raise EncoderBuildError(
@@ -170,8 +167,7 @@ class WhisperAudio(torch.nn.Module):
     """
 
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None,
-                 attention: str = "sdpa"):
+                 num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
         if not audio.reductions or audio.reductions[0] != 2:
             raise EncoderBuildError(f"modalities.audio.reductions is {list(audio.reductions)}: "
@@ -180,19 +176,17 @@ class WhisperAudio(torch.nn.Module):
         frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
         from transformers import AutoConfig, AutoModel, WhisperConfig
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
-        loading = dict(dtype=torch.float32, attn_implementation=attention)
         if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
                                                .architectures or ()):
             # saved alone (mimo-export)
-            self.model = WhisperEncoder.from_pretrained(pretrained, **loading)
+            self.model = WhisperEncoder.from_pretrained(pretrained, dtype=torch.float32)
         elif pretrained:
-            self.model = AutoModel.from_pretrained(pretrained, **loading).get_encoder()
+            self.model = AutoModel.from_pretrained(pretrained, dtype=torch.float32).get_encoder()
         else:
             self.model = WhisperEncoder(WhisperConfig(
                 num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
                 encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
-                max_source_positions=math.ceil(frames / 2), dropout=0.0,
-                attn_implementation=attention))
+                max_source_positions=math.ceil(frames / 2), dropout=0.0))
         mark_fixed(self.model, ("embed_positions.weight",))
         config = self.model.config
         if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:
@@ -230,14 +224,13 @@ class WhisperAudio(torch.nn.Module):
 
 
 def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
-                  num_attention_heads: int, pretrained: str | None,
-                  attention: str = "sdpa") -> torch.nn.Module:
+                  num_attention_heads: int, pretrained: str | None) -> torch.nn.Module:
     """The encoder class named by ``kind`` (see the module docstring), in fp32."""
     classes = {"qwen2_vl": Qwen2VLVision, "siglip": SiglipVision, "whisper": WhisperAudio}
     if kind not in classes:
         raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(classes)}")
     return classes[kind](modality_config, hidden_size, num_layers, num_attention_heads,
-                         pretrained, attention)
+                         pretrained)
 
 
 def default_kind(modality: str, modality_config) -> str:

@@ -11,6 +11,7 @@ encoder feeds ``language``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -56,8 +57,9 @@ class Infra:
         return {name: m for name, m in self.modules.items() if m.pgs is not None}
 
 
-def build_infra(layout: Layout, backend: str) -> Infra:
-    """Create every module's grid and groups (collective: call on all ranks, same layout)."""
+def build_infra(layout: Layout, backend: str, timeout: timedelta | None = None) -> Infra:
+    """Create every module's grid and groups (collective: call on all ranks, same layout);
+    ``timeout``: their collectives' (torch's default when None)."""
     rank = dist.get_rank()
     modules = {}
     for module in layout.modules:
@@ -68,15 +70,15 @@ def build_infra(layout: Layout, backend: str) -> Infra:
         grid.register_view("expert", shape=[module.tp, 1, module.cp * module.dp, module.pp],
                            dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
         for dims in _BASE_GROUPS:
-            grid.create_pg(list(dims))
+            grid.create_pg(list(dims), timeout=timeout)
         for dims in _EXPERT_GROUPS:
-            grid.create_pg(list(dims), view="expert")
+            grid.create_pg(list(dims), view="expert", timeout=timeout)
         embd = None
         if module.pp > 1:
             # first and last stage of each pipeline: megatron-core keeps tied input/output
             # embeddings equal over this group (a pretrained language model may tie them)
             pairs = [[ranks[0], ranks[-1]] for ranks in grid.get_rank_enum("pp")]
-            embd, _ = dist.new_subgroups_by_enumeration(pairs, backend=backend)
+            embd, _ = dist.new_subgroups_by_enumeration(pairs, backend=backend, timeout=timeout)
         pgs = _collection(grid, embd) if rank in module.ranks else None
         modules[module.name] = ModuleInfra(module.name, grid, pgs)
     return Infra(layout, layout.role(rank), modules)

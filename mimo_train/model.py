@@ -127,12 +127,11 @@ class _SeededEncoder(torch.nn.Module):
     """Builds the encoder right after seeding the RNG from (seed, module name), so an encoder
     and its projection start from the same weights whichever ranks build them."""
 
-    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig,
-                 attention: str):
+    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig):
         super().__init__()
         torch.manual_seed(_module_seed(seed, name))
         self.encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
-                                     spec.num_attention_heads, spec.pretrained, attention)
+                                     spec.num_attention_heads, spec.pretrained)
 
     def forward(self, **inputs):
         return self.encoder(**inputs)
@@ -169,7 +168,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                 encoders={modality: ModuleSpec(
                     module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
                                                        modality_config=modality_config,
-                                                       spec=spec, attention=attention.encoders))},
+                                                       spec=spec))},
                 input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
                     kind=cfg.model.projection))]))
@@ -194,6 +193,9 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     for name, module_infra in infra.local.items():
         module = _get(model, name)
+        if name in settings:          # in its dtype and on its device: what transformers checks
+            modality = settings[name][0]
+            module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
         frozen = name in cfg.model.freeze
         for parameter in module.parameters():
             parameter.requires_grad_(trainable(parameter, frozen))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -70,14 +71,15 @@ class Trainer:
         self.cfg = cfg
         start = time.perf_counter()
         self.device, problem = devices.select(cfg.train.device, devices.probe())
-        distributed.init(self.device, cfg.train.collective_timeout_minutes)
+        timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
+        distributed.init(self.device, timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem), start)
         self.preprocess, self.layout, text = phase(
             "config", "config, tokenizer and shards checked", self._read_config)
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
-            self.layout, "nccl" if self.device.type == "cuda" else "gloo"))
+            self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
         phase("model", lambda _: f"model and optimizer built ({self.attention.describe()})",
               lambda: self._build(text))
         if cfg.model.init_from:
@@ -249,26 +251,28 @@ class Trainer:
         reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
-        local = torch.stack(reports).sum(0) if reports else torch.zeros(2)
+        local = torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
         return global_sum(local, self.infra, self.device)
 
     def train_step(self, iterator) -> StepValues:
         for module in self.modules.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.forward.timers = []
+        self.forward.timers = []                    # this step's forward passes, no others
         timer = Timer(self.device)
         sums = self.forward_backward(iterator, forward_only=False)
         # megatron-core's optimizer reads the gradient norm and its non-finite check on the
-        # host: the only waits for the device in a step that does not log
+        # host, waiting for the device (README, "A step without host stalls", lists the rest)
         success, grad_norm, _ = self.optimizer.step()
         if success:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
         self.step += 1
         lrs = [o.param_groups[0]["lr"] for o in self.trained.values() if o.param_groups]
+        # the step keeps its timers; an evaluation before the next step adds to a new list
+        forward, self.forward.timers = self.forward.timers, []
         return StepValues(self.step, sums, grad_norm, lrs[0] if lrs else 0.0, not success,
-                          timer.stop(), self.forward.timers, self.cfg.train.global_batch_size)
+                          timer.stop(), forward, self.cfg.train.global_batch_size)
 
     def evaluate(self) -> dict:
         """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``."""

@@ -15,8 +15,6 @@ tests/test_train_parity.py.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -76,14 +74,12 @@ BOUNDS = [0, 5, 12, 20]                   # three samples packed in one row
 def attention():
     """Build ``CoreAttention(backend)`` in a one-process gloo group (megatron-core needs a
     tensor-parallel group)."""
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mimo_train import distributed
     from mimo_train.mcore import (ProcessGroupCollection, TransformerConfig,
                                   model_parallel_cuda_manual_seed, parallel_state)
-    from megatron.core.transformer.enums import AttnMaskType
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                            world_size=1)
+    distributed.init(torch.device("cpu"))
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     model_parallel_cuda_manual_seed(1, tp_rank=0, ep_rank=0, etp_rank=0)
@@ -96,7 +92,7 @@ def attention():
         return CoreAttention(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal,
                              attention_type="self", pg_collection=pgs, backend=backend)
     yield build
-    dist.destroy_process_group()
+    distributed.destroy()
 
 
 def _qkv(shape_q, shape_kv):

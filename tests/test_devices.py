@@ -3,10 +3,10 @@
 - ``train.device``: auto with visible GPUs and CUDA that does not start is an error naming
   torch's reason, the driver and the wheel's CUDA, and the ways out, never a silent CPU run;
   no GPU at all is the CPU; cuda without CUDA and cpu with CUDA are refused as before;
-- the control group times out: a rank that never joins a control collective makes the others
-  fail after ``train.collective_timeout_minutes`` with torch's timeout error, not hang (a real
-  two-rank ``torchrun``). That start-up failures travel over the control group is what
-  tests/test_train_startup.py shows, every case of it.
+- the control group is a gloo group of its own, and it times out: a rank that never joins a
+  control collective makes the others fail after ``train.collective_timeout_minutes`` with
+  torch's timeout error, not hang (a real two-rank ``torchrun``). Start-up failures travel
+  over it in every case of tests/test_train_startup.py.
 """
 
 from __future__ import annotations
@@ -75,9 +75,14 @@ def test_this_machine_probe_is_consistent():
 
 SILENT_RANK = textwrap.dedent("""
     import os, sys, time
+    from datetime import timedelta
     import torch
+    import torch.distributed as dist
     from mimo_train import distributed
-    distributed.init(torch.device("cpu"), timeout_minutes=0.05)     # 3 s
+    distributed.init(torch.device("cpu"), timedelta(seconds=3))
+    control = distributed.control()
+    assert control is not None and control is not dist.group.WORLD
+    assert dist.get_backend(control) == "gloo"
     if os.environ["RANK"] == "1":
         time.sleep(120)                                               # never joins
     try:

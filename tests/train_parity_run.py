@@ -26,8 +26,12 @@ from mimo_train.config import TrainConfig
 from mimo_train.model import global_key, unwrap
 from mimo_train.trainer import Trainer
 
+# what reads a tensor's value on the host, or needs its data to size a result
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
-          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__,
+          torch.Tensor.nonzero, torch.nonzero, torch.Tensor.masked_select, torch.masked_select,
+          torch.unique, torch.Tensor.unique}
+_SIZED_BY_DATA = {torch.repeat_interleave, torch.Tensor.repeat_interleave}
 
 
 class HostReads(TorchFunctionMode):
@@ -39,7 +43,10 @@ class HostReads(TorchFunctionMode):
         self.sites: Counter = Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _READS:
+        kwargs = kwargs or {}
+        if func in _READS or (func in _SIZED_BY_DATA and len(args) > 1 and isinstance(
+                args[1], torch.Tensor) and kwargs.get("output_size") is None) or (
+                func is torch.Tensor.__getitem__ and _bool_index(args[1])):
             frame = sys._getframe(1)
             while frame is not None and (f"{os.sep}torch{os.sep}" in frame.f_code.co_filename
                                          or frame.f_code.co_filename.endswith("cpu_compat.py")):
@@ -51,7 +58,12 @@ class HostReads(TorchFunctionMode):
                     if marker in path:
                         path = root + os.sep + path.split(marker, 1)[1]
                 self.sites[f"{path}:{frame.f_lineno} {frame.f_code.co_qualname}"] += 1
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def _bool_index(index) -> bool:
+    indices = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
 def main(argv) -> None:
