@@ -110,12 +110,17 @@ class CoreAttention(DotProductAttention):
         return self._sdpa(query, key, value, packed_seq_params)
 
     def _per_sample(self, query, key, value, attn_mask_type, attention_bias, cu_seqlens):
-        """THD ``[tokens, heads, dim]``: each sample as a batch of one, ``[s, 1, h, d]``, under
+        """THD ``[tokens, heads, dim]`` (or one row of them, M-RoPE): each sample as a batch of
+        one, ``[s, 1, h, d]``, under
         the causal mask the local attention makes for it (the CPU reference; ``tolist`` reads
         the boundaries on the host)."""
         bounds = cu_seqlens.tolist()
+
+        def part(tensor, start, end):       # THD [t, h, d], or one sbhd row [t, 1, h, d]
+            return tensor[start:end] if tensor.dim() == 4 else tensor[start:end, None]
+
         return torch.cat([super(CoreAttention, self).forward(
-            query[start:end, None], key[start:end, None], value[start:end, None], None,
+            part(query, start, end), part(key, start, end), part(value, start, end), None,
             attn_mask_type, attention_bias) for start, end in zip(bounds, bounds[1:])])
 
     def _sdpa(self, query, key, value, packed_seq_params):
@@ -177,10 +182,13 @@ class LanguageModel(GPTModel):
 
     def __init__(self, *, packed_rows: bool, **kwargs):
         super().__init__(**kwargs)
-        if packed_rows and self.position_embedding_type != "rope":
+        if packed_rows and self.position_embedding_type not in ("rope", "mrope"):
             raise ValueError(f"packed rows need rotary positions, not "
                              f"{self.position_embedding_type!r}: use model.attention=local")
-        self.packed_rows = packed_rows
+        # M-RoPE angles are computed token by token from the position ids: packed rows always
+        # go as one sequence (megatron-core's THD rotary would give every sample the first
+        # sample's angles)
+        self.packed_rows = packed_rows or self.position_embedding_type == "mrope"
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
@@ -190,7 +198,7 @@ class LanguageModel(GPTModel):
                 and packed_seq_params.qkv_format == "thd"):
             return out
         rotary = out[1]
-        if rotary is not None:
+        if rotary is not None and self.position_embedding_type == "rope":
             rotary = rotary[position_ids.reshape(-1)]           # [tokens, 1, 1, dim]
         # the same object reaches every layer's attention for this micro-batch
         packed_seq_params.qkv_format = "sbhd"

@@ -62,14 +62,18 @@ class DataConfig:
 @dataclass
 class LanguageConfig:
     """The language model: random init from these dims, or ``pretrained``: a transformers
-    Llama / Qwen2 / Qwen3 directory (or cached hub name) whose config.json gives the dims (any
-    also set here must agree) and whose weights are loaded (``mimo_train/hf_language.py``)."""
+    Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole Qwen2-VL's, whose
+    config.json gives the dims and M-RoPE section (any also set here must agree) and whose
+    weights are loaded (``mimo_train/hf_language.py``)."""
     num_layers: int | None = None                     # default 2 (or the checkpoint's)
     hidden_size: int | None = None                    # default 64
     num_attention_heads: int | None = None            # default 4
     ffn_hidden_size: int | None = None                # default 4 * hidden_size
     vocab_size: int | None = None                     # default: tokenizer size, padded
     vocab_multiple: int = 128                         # padding of the default vocab size
+    # M-RoPE: rotary pairs given to (time, height, width), summing to head_dim / 2 (Qwen2-VL's
+    # mrope_section); the preprocessing must then use positions: mrope
+    mrope_section: list | None = None
     pretrained: str | None = None
 
     def resolve(self) -> None:
@@ -79,6 +83,8 @@ class LanguageConfig:
             for name, default in _LANGUAGE_DEFAULTS.items():
                 if getattr(self, name) is None:
                     setattr(self, name, default)
+            assert self.hidden_size and self.num_attention_heads        # the defaults, at least
+            self._check_mrope(self.hidden_size // self.num_attention_heads)
             return
         from mimo_train.hf_language import read_architecture
         arch = read_architecture(self.pretrained)
@@ -89,6 +95,25 @@ class LanguageConfig:
                     f"model.language.{name} is {given}, but model.language.pretrained "
                     f"{self.pretrained} has {name} {actual}: drop the key or make them agree")
             setattr(self, name, actual)
+        if arch.mrope_section is not None:
+            if self.mrope_section is not None and \
+                    list(self.mrope_section) != list(arch.mrope_section):
+                raise TrainConfigError(
+                    f"model.language.mrope_section is {self.mrope_section}, but "
+                    f"model.language.pretrained {self.pretrained} has "
+                    f"{list(arch.mrope_section)}: drop the key or make them agree")
+            self.mrope_section = list(arch.mrope_section)
+        self._check_mrope(arch.kv_channels)
+
+    def _check_mrope(self, head_dim: int) -> None:
+        section = self.mrope_section
+        if section is None:
+            return
+        if (len(section) != 3 or not all(isinstance(n, int) and n > 0 for n in section)
+                or 2 * sum(section) != head_dim):
+            raise TrainConfigError(
+                f"model.language.mrope_section is {section}: give three positive counts of "
+                f"rotary pairs (time, height, width) summing to head_dim / 2 = {head_dim // 2}")
 
 
 _LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
@@ -109,12 +134,33 @@ class EncoderConfig:
 
 @dataclass
 class ModelConfig:
+    # a whole VLM (Qwen2-VL; mimo_train/vlm.py): the image encoder, the projection and the
+    # language model from one checkpoint, unless set below
+    pretrained: str | None = None
     language: LanguageConfig = field(default_factory=LanguageConfig)
     encoders: dict = field(default_factory=dict)      # module name -> EncoderConfig
-    projection: str = "linear"                        # linear | mlp (Linear-GELU-Linear)
+    # linear | mlp (Linear-GELU-Linear) | none (identity); default: the VLM's, else linear
+    projection: str | None = None
     freeze: list = field(default_factory=list)        # module names whose weights stay fixed
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
     attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
+
+    def resolve(self) -> None:
+        """Fill what ``pretrained`` (a whole VLM) gives, then the language model's dims."""
+        projection = "linear"
+        if self.pretrained is not None:
+            from mimo_train.vlm import read_vlm
+            vlm = read_vlm(self.pretrained)
+            if self.language.pretrained not in (None, self.pretrained):
+                raise TrainConfigError(
+                    f"model.pretrained is {self.pretrained} and model.language.pretrained "
+                    f"{self.language.pretrained}: the whole VLM brings its language model; "
+                    "drop one of the two")
+            self.language.pretrained = self.pretrained
+            projection = vlm.projection
+        if self.projection is None:
+            self.projection = projection
+        self.language.resolve()
 
 
 @dataclass
@@ -181,7 +227,7 @@ class TrainConfig:
             _apply_override(data, override, os.getcwd())
         config = _build(cls, data, "")
         config.validate()
-        config.model.language.resolve()
+        config.model.resolve()
         return config
 
     @classmethod
@@ -189,7 +235,7 @@ class TrainConfig:
         """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute."""
         config = _build(cls, copy.deepcopy(data), "")
         config.validate()
-        config.model.language.resolve()
+        config.model.resolve()
         return config
 
     def to_dict(self) -> dict:
@@ -227,9 +273,9 @@ class TrainConfig:
         if self.model.attention not in ATTENTION:
             raise TrainConfigError(f"model.attention is {self.model.attention!r}: use "
                                    f"{', '.join(ATTENTION)}")
-        if self.model.projection not in ("linear", "mlp"):
-            raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear "
-                                   "or mlp")
+        if self.model.projection not in (None, "linear", "mlp", "none"):
+            raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear, "
+                                   "mlp or none")
         if self.data.valid and run.eval_interval < 1:
             raise TrainConfigError("data.valid is set but train.eval_interval is 0: set an "
                                    "interval (steps) or drop data.valid")
@@ -265,10 +311,11 @@ class TrainConfig:
 
 # (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
 PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
-             ("model", "init_from"), ("model", "encoders", "*", "pretrained"),
-             ("model", "language", "pretrained"), ("train", "tensorboard_dir"),
-             ("checkpoint", "dir"))
-_HUB_KEYS = {("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained")}
+             ("model", "init_from"), ("model", "pretrained"),
+             ("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained"),
+             ("train", "tensorboard_dir"), ("checkpoint", "dir"))
+_HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
+             ("model", "language", "pretrained")}
 
 
 def _resolve(value: str, base: str, hub: bool) -> str:

@@ -87,7 +87,15 @@ class Qwen2VLVision(torch.nn.Module):
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
         from transformers.models.qwen2_vl.modeling_qwen2_vl import (
             Qwen2VisionTransformerPretrainedModel)
-        if pretrained:
+        from transformers import AutoConfig
+        whole = pretrained and getattr(AutoConfig.from_pretrained(pretrained), "vision_config",
+                                       None)
+        if whole:                       # a whole Qwen2-VL: its tower (merger included)
+            from mimo_train.vlm import load_tower, read_vlm
+            self.model = Qwen2VisionTransformerPretrainedModel._from_config(
+                whole, dtype=torch.float32)
+            load_tower(self.model, read_vlm(pretrained))
+        elif pretrained:
             self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(
                 pretrained, dtype=torch.float32)
         else:
@@ -242,10 +250,17 @@ def default_kind(modality: str, modality_config) -> str:
 
 class Projection(torch.nn.Sequential):
     """Encoder hidden size -> language hidden size (``model.projection``): one Linear
-    (``linear``), or Linear-GELU-Linear (``mlp``)."""
+    (``linear``), Linear-GELU-Linear (``mlp``), or nothing (``none``: the identity, for a
+    tower that already emits the language width, as Qwen2-VL's merger does)."""
 
     def __init__(self, in_features: int, out_features: int, kind: str):
-        if kind == "mlp":
+        if kind == "none":              # the tower already outputs the language width
+            if in_features != out_features:
+                raise EncoderBuildError(f"model.projection is none, but the encoder emits "
+                                        f"{in_features} features for a language width of "
+                                        f"{out_features}: use linear or mlp")
+            super().__init__()
+        elif kind == "mlp":
             super().__init__(torch.nn.Linear(in_features, out_features), torch.nn.GELU(),
                              torch.nn.Linear(out_features, out_features))
         else:

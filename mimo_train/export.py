@@ -206,6 +206,11 @@ def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> No
                           "(no model.language.pretrained): its megatron-core layers (LayerNorm, "
                           "GELU, biases) have no transformers Llama equivalent; export a run "
                           "that starts from a transformers checkpoint")
+    if cfg.model.language.mrope_section:
+        raise ExportError(f"{directory}: the language model takes M-RoPE positions "
+                          "(model.language.mrope_section), which the exported causal LM "
+                          f"({read_architecture(pretrained).family}) would drop: a whole-VLM "
+                          "export (Qwen2-VL) is not written yet")
     arch = read_architecture(pretrained)
     rows = max(arch.vocab_size, len(tokenizer))
     embedding = state.get("embedding.word_embeddings.weight")

@@ -239,6 +239,8 @@ def projection_module(kind: str, state: dict):
     """The projection ``model.projection`` built as training builds it, with the exported
     ``state`` loaded."""
     from mimo_train.encoders import Projection
+    if kind == "none":
+        return Projection(0, 0, kind)           # the identity: no weights
     out_features, in_features = state["0.weight"].shape
     module = Projection(in_features, out_features, kind)
     module.load_state_dict(state)

@@ -54,6 +54,12 @@ from mimo_train.config import TrainConfigError
 
 # model_type -> (qkv bias, qk-norm) of the families this module maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+# whole VLMs whose language model this module maps: model_type -> its family. Their decoder
+# weights are under one of VLM_PREFIXES: transformers 4.52+ keeps them in its module layout
+# (model.language_model.*), the original checkpoints (and what transformers 5 writes) in the
+# causal LM's (model.*).
+VLM_LANGUAGES = {"qwen2_vl": "qwen2"}
+VLM_PREFIXES = ("model.language_model.", "model.")
 # megatron-core's RotaryEmbedding applies llama3 scaling with these fixed values; only the
 # factor is an argument
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -77,6 +83,8 @@ class LanguageArch:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary pairs per t/h/w
+    prefix: str = "model."          # of the decoder's weight names (a VLM: its language model's)
 
 
 def read_architecture(path: str, key: str = "model.language.pretrained") -> LanguageArch:
@@ -95,10 +103,15 @@ def _read_architecture(path: str, key: str) -> LanguageArch:
             f"{key} is {path!r}, from which transformers cannot read a model config ({error}):"
             " give a model directory holding config.json (or a hub name already in the local "
             "cache)") from None
-    family = config.model_type
+    family, prefix = config.model_type, "model."
+    if family in VLM_LANGUAGES:
+        family = VLM_LANGUAGES[family]
+        prefix = CheckpointWeights(path, key).prefix_of(VLM_PREFIXES, "embed_tokens.weight")
+        config = config.text_config
     if family not in FAMILIES:
         raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
-                               f"be built from {sorted(FAMILIES)} checkpoints")
+                               f"be built from {sorted(FAMILIES)} checkpoints (or the language "
+                               f"model of a {sorted(VLM_LANGUAGES)} one)")
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU with silu is mapped)")
@@ -132,7 +145,8 @@ def _read_architecture(path: str, key: str) -> LanguageArch:
         kv_channels=head_dim, vocab_size=config.vocab_size,
         rotary_base=float(rope.get("rope_theta", 10000.0)), rope_scaling_factor=factor,
         norm_eps=float(config.rms_norm_eps), tied=bool(config.tie_word_embeddings),
-        qkv_bias=qkv_bias, qk_norm=qk_norm)
+        qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix,
+        mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None)
 
 
 def check_parallel(arch: LanguageArch, tp: int, pp: int, path: str) -> None:
@@ -166,9 +180,10 @@ def gpt_fields(arch: LanguageArch) -> dict:
 
 
 class CheckpointWeights:
-    """The tensors of a transformers checkpoint directory (safetensors), read on demand."""
+    """The tensors of a transformers checkpoint directory (safetensors), read on demand in
+    fp32; ``key``: the config key that named it (for errors)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, key: str = "model.language.pretrained"):
         from huggingface_hub import snapshot_download
         from safetensors import safe_open
         if not os.path.isdir(path):
@@ -180,8 +195,9 @@ class CheckpointWeights:
         elif os.path.isfile(os.path.join(path, "model.safetensors")):
             files = ["model.safetensors"]
         else:
-            raise TrainConfigError(f"model.language.pretrained {path} holds no model.safetensors"
-                                   " (nor an index of safetensors shards)")
+            raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
+                                   "safetensors shards)")
+        self.key, self.path = key, path
         self.files = {}
         for name in files:
             handle = safe_open(os.path.join(path, name), framework="pt")
@@ -192,6 +208,15 @@ class CheckpointWeights:
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
+
+    def prefix_of(self, prefixes: Iterable[str], name: str) -> str:
+        """The first of ``prefixes`` under which the checkpoint holds ``name``."""
+        for prefix in prefixes:
+            if prefix + name in self:
+                return prefix
+        raise TrainConfigError(f"{self.key} {self.path} holds no {name} under any of "
+                               f"{list(prefixes)}: not a checkpoint of the family its config "
+                               "names")
 
 
 def _extend_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -233,7 +258,7 @@ def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_ran
 
     state = {}
     for local, layer in enumerate(layers):
-        src, dst = f"model.layers.{layer}.", f"decoder.layers.{local}."
+        src, dst = f"{arch.prefix}layers.{layer}.", f"decoder.layers.{local}."
         attn, mlp = src + "self_attn.", src + "mlp."
         state[dst + "input_layernorm.weight"] = hf(src + "input_layernorm.weight")
         state[dst + "self_attention.linear_qkv.weight"] = rows(_qkv(
@@ -253,11 +278,11 @@ def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_ran
         state[dst + "mlp.linear_fc2.weight"] = cols(hf(mlp + "down_proj.weight"))
     if first_stage:
         state["embedding.word_embeddings.weight"] = rows(
-            _extend_rows(hf("model.embed_tokens.weight"), vocab_size))
+            _extend_rows(hf(arch.prefix + "embed_tokens.weight"), vocab_size))
     if last_stage:
-        state["decoder.final_layernorm.weight"] = hf("model.norm.weight")
+        state["decoder.final_layernorm.weight"] = hf(arch.prefix + "norm.weight")
         untied = not arch.tied and (has is None or has("lm_head.weight"))
-        output = hf("lm_head.weight") if untied else hf("model.embed_tokens.weight")
+        output = hf("lm_head.weight") if untied else hf(arch.prefix + "embed_tokens.weight")
         state["output_layer.weight"] = rows(_extend_rows(output, vocab_size))
     return state
 
@@ -275,7 +300,7 @@ def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) 
     hf = {}
     layers = sorted({int(k.split(".")[2]) for k in first if k.startswith("decoder.layers.")})
     for layer in layers:
-        src, dst = f"decoder.layers.{layer}.", f"model.layers.{layer}."
+        src, dst = f"decoder.layers.{layer}.", f"{arch.prefix}layers.{layer}."
         attn, mlp = dst + "self_attn.", dst + "mlp."
         hf[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"]
         for kind in ("weight", "bias"):
@@ -295,9 +320,10 @@ def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) 
         hf[mlp + "up_proj.weight"] = torch.cat([up for _, up in halves])
         hf[mlp + "down_proj.weight"] = merged(src + "mlp.linear_fc2.weight", 1)
     if "embedding.word_embeddings.weight" in first:
-        hf["model.embed_tokens.weight"] = merged("embedding.word_embeddings.weight", 0)[:rows]
+        hf[arch.prefix + "embed_tokens.weight"] = merged("embedding.word_embeddings.weight",
+                                                          0)[:rows]
     if "decoder.final_layernorm.weight" in first:
-        hf["model.norm.weight"] = first["decoder.final_layernorm.weight"]
+        hf[arch.prefix + "norm.weight"] = first["decoder.final_layernorm.weight"]
     if "output_layer.weight" in first and not arch.tied:
         hf["lm_head.weight"] = merged("output_layer.weight", 0)[:rows]
     return hf

@@ -12,6 +12,7 @@ The attention kernels are the run's ``AttentionChoice`` (``attention``). Checkpo
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import torch
@@ -30,6 +31,7 @@ from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               TransformerConfig, VisionModalitySubmodules,
                               get_gpt_layer_local_spec, get_mimo_optimizer)
 from mimo_train.precision import cast, run_dtype, trainable
+from mimo_train.vlm import read_vlm
 
 # megatron-core's submodule class of each modality (how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
@@ -53,7 +55,7 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
         check_parallel(arch, language.tp, language.pp, lm.pretrained)
         dims = transformer_fields(arch)
     return TransformerConfig(
-        **dims,
+        **dims, mrope_section=lm.mrope_section,
         tensor_model_parallel_size=language.tp, pipeline_model_parallel_size=language.pp,
         context_parallel_size=language.cp, use_cpu_initialization=True,
         perform_initialization=True, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
@@ -114,6 +116,15 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
                     "transformers encoders run whole on each rank; use dp only for encoders")
         modality_config = preprocess.modalities[modality]
         spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
+            vlm = read_vlm(cfg.model.pretrained)       # the whole VLM's tower
+            if default_kind(modality, modality_config) != vlm.encoder_kind:
+                raise TrainConfigError(
+                    f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, but "
+                    f"the preprocessing config gives image inputs for "
+                    f"{default_kind(modality, modality_config)!r}: use its image geometry "
+                    "(policy: dynamic)")
+            spec = dataclasses.replace(spec, pretrained=vlm.path)
         kind = spec.kind or default_kind(modality, modality_config)
         if kind != default_kind(modality, modality_config):
             raise TrainConfigError(
@@ -155,6 +166,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
     layout, seed = infra.layout, cfg.train.seed
+    check_positions(cfg, preprocess)
     transformer = language_transformer_config(cfg, layout, device)
     settings = encoder_settings(cfg, infra, preprocess)
     modality_specs, token_ids = {}, {}
@@ -204,6 +216,19 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     return model
 
 
+def check_positions(cfg: TrainConfig, preprocess) -> None:
+    """``TrainConfigError`` unless the preprocessing's position ids are what the language
+    model's rotary embedding takes (M-RoPE ids for ``mrope_section``)."""
+    mrope = cfg.model.language.mrope_section is not None
+    if mrope != (preprocess.positions == "mrope"):
+        raise TrainConfigError(
+            f"the preprocessing config ({cfg.data.preprocess}) has positions: "
+            f"{preprocess.positions}, but model.language " +
+            ("has an mrope_section: set positions: mrope there" if mrope else
+             "has no mrope_section: set model.language.mrope_section (three counts of "
+             "rotary pairs) or positions: sequential"))
+
+
 def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: int,
                           max_sequence_length: int, backend: str) -> dict:
     """``_SeededGPTModel`` arguments of this rank's language model (random init or the
@@ -212,6 +237,10 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
     pretrained = cfg.model.language.pretrained
     arch = read_architecture(pretrained) if pretrained else None
+    positions = dict(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
+                                                        share_embeddings_and_output_weights=False))
+    if cfg.model.language.mrope_section:
+        positions["position_embedding_type"] = "mrope"
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
         if arch else get_gpt_layer_local_spec()
     layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
@@ -221,8 +250,7 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
         config=transformer,
         transformer_layer_spec=layer_spec, vocab_size=vocab,
         max_sequence_length=max_sequence_length,
-        **(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
-                                              share_embeddings_and_output_weights=False)),
+        **positions,
         pre_process=language is None or language.first_stage,
         post_process=language is None or language.last_stage,
         pg_collection=infra.modules[LANGUAGE].pgs)

@@ -52,8 +52,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     if real is not None and packing is None:
         longest = int(real.sum(1).max())
         length = min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
-    inputs = {key: value[:, :length].to(device, non_blocking=True)
-              for key, value in batch.items()       # the [B, seq_length] tensors
+    inputs = {key: value[..., :length].to(device, non_blocking=True)
+              for key, value in batch.items()       # the [(3,) B, seq_length] tensors
               if isinstance(value, torch.Tensor) and key != "attention_mask"}
     # Padding is on the right and never trained, so the causal mask alone is right for every
     # real token; megatron-core's non-colocated path would read a dense mask as True = masked.

@@ -45,6 +45,7 @@ from mimo_train.model import (build_model, build_optimizer, layer_offset, local_
                               trained_optimizers, vocab_size)
 from mimo_train.precision import run_dtype
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
+from mimo_train.vlm import check_preprocessing, read_vlm
 
 
 def _raise(error: Exception | None) -> None:
@@ -101,6 +102,8 @@ class Trainer:
         _check_data(self.cfg, preprocess, layout)
         text = TextEncoder(preprocess)
         vocab_size(self.cfg, text.vocab_size)
+        if self.cfg.model.pretrained:
+            check_preprocessing(read_vlm(self.cfg.model.pretrained), preprocess, text.tokenizer)
         return preprocess, layout, text
 
     def _build(self, text) -> None:

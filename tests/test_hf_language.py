@@ -7,6 +7,8 @@ language model (mimo_train/hf_language.py).
 - logits equal transformers' (fp32, 1e-4) on real text under tp1, tp2 and pp2 for the real
   SmolLM2-135M-Instruct and tiny Llama (untied, GQA, llama3 rope), Qwen2 (qkv bias, tied) and
   Qwen3 (qk-norm) checkpoints: one ``torchrun`` of two ranks runs every layout and model;
+- with ``model.language.mrope_section`` and M-RoPE position ids, tiny-qwen2's logits equal
+  transformers' Qwen2-VL text model holding its weights, padded or packed, local or sdpa;
 - a training run starts from the converted weights: SmolLM2's first loss is far below a random
   model's (ln of the vocabulary);
 - tied embeddings stay tied under pipeline stages: tiny-qwen2's gradients under language pp2
@@ -146,18 +148,31 @@ def test_what_megatron_cannot_reproduce_is_refused(tmp_path, change, message):
 
 # ------------------------------------------------------------------------------- parity
 
-def test_logits_match_transformers_under_tp1_tp2_pp2(tmp_path):
-    layouts = ["language=dp2", "language=tp2", "language=pp2"]     # dp2: tp1 on each rank
+LAYOUTS = ["language=dp2", "language=tp2", "language=pp2"]     # dp2: tp1 on each rank
+MROPE_CASES = [f"mrope/{backend}/{rows}" for backend in ("local", "sdpa")
+               for rows in ("padded", "packed")]
+
+
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory) -> dict:
+    """One two-rank torchrun: every layout, every family, and the M-RoPE cases."""
+    out = tmp_path_factory.mktemp("parity")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", "2", str(REPO / "tests" / "hf_language_parity_run.py"),
-               str(tmp_path), "+".join(layouts), *[str(model_dir(m)) for m in FAMILIES]]
+               str(out), "+".join(LAYOUTS), "--mrope", str(model_dir("tiny-qwen2")),
+               *[str(model_dir(m)) for m in FAMILIES]]
     result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                            timeout=400)
+                            timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    results = json.loads((tmp_path / "result.json").read_text())
+    results = json.loads((out / "result.json").read_text())
     print(json.dumps(results, indent=1))
-    assert set(results) == set(layouts)
-    for layout, models in results.items():
+    assert set(results) == set(LAYOUTS)
+    return results
+
+
+def test_logits_match_transformers_under_tp1_tp2_pp2(parity):
+    for layout, cases in parity.items():
+        models = {name: value for name, value in cases.items() if name not in MROPE_CASES}
         assert set(models) == set(FAMILIES), layout
         for name, difference in models.items():
             if (layout, name) == ("language=tp2", "smollm2-135m-instruct"):
@@ -166,6 +181,15 @@ def test_logits_match_transformers_under_tp1_tp2_pp2(tmp_path):
                 continue
             assert isinstance(difference, float) and 0 <= difference <= TOLERANCE, \
                 (layout, name, difference)
+
+
+def test_mrope_logits_match_qwen2_vl_text_model_padded_or_packed(parity):
+    """megatron-core's M-RoPE fed mimo's position ids (a grid amid the text) gives the logits
+    of transformers' Qwen2-VL text model, under tp1/tp2/pp2, local and sdpa attention,
+    padded rows or the rows packed into one (every sample's own angles)."""
+    for layout, cases in parity.items():
+        for case in MROPE_CASES:
+            assert 0 <= cases[case] <= TOLERANCE, (layout, case, cases[case])
 
 
 # ------------------------------------------------------------------------------ training

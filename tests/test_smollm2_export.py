@@ -191,6 +191,24 @@ def test_a_randomly_initialized_language_model_is_not_exported(smollm2, tmp_path
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002"]
 
 
+def test_an_mrope_language_model_is_not_exported_as_a_causal_lm(smollm2, tmp_path,
+                                                                monkeypatch, capsys):
+    """A Llama written back would drop the M-RoPE positions it was trained with."""
+    from mimo_train import checkpoint
+    from mimo_train.export import main
+
+    meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
+    meta["config"]["model"]["language"]["mrope_section"] = [8, 12, 12]
+    directory = tmp_path / "step_0000002"
+    directory.mkdir()
+    (directory / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(checkpoint, "load_weights",
+                        lambda d: {"language": {}, "image": {}, "audio": {}})
+    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
+    assert "M-RoPE positions (model.language.mrope_section)" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002"]
+
+
 def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
     from mimo_train import checkpoint, export
 

@@ -99,7 +99,7 @@ def test_yaml_file_fills_every_section(tmp_path):
 def test_missing_keys_take_the_dataclass_defaults(tmp_path):
     cfg = load(tmp_path, MINIMAL)
     defaults = TrainConfig()
-    defaults.model.language.resolve()   # unset language dims: filled on load (random init)
+    defaults.model.resolve()   # unset language dims and projection: filled on load
     assert cfg.data.datasets == [str(tmp_path / "shards/a")]
     for section in ("model", "optimizer", "train", "checkpoint"):
         assert getattr(cfg, section) == getattr(defaults, section), section

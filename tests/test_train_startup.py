@@ -39,10 +39,12 @@ DYNAMIC_IMAGE = yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text(
 
 @pytest.fixture(scope="module")
 def preprocess(tmp_path_factory) -> dict:
-    """Preprocessing configs: image + audio (the default), image only (dynamic resolution),
-    image only (fixed 28 px, 4 tokens per image)."""
+    """Preprocessing configs: image + audio (the default; with M-RoPE positions), image only
+    (dynamic resolution), image only (fixed 28 px, 4 tokens per image)."""
     tmp = tmp_path_factory.mktemp("startup-preprocess")
-    return {"default": preprocess_config_file(tmp / "p.yaml"),
+    mrope = preprocess_config_file(tmp / "p_mrope.yaml")
+    mrope.write_text(yaml.safe_dump({**yaml.safe_load(mrope.read_text()), "positions": "mrope"}))
+    return {"default": preprocess_config_file(tmp / "p.yaml"), "mrope": mrope,
             "image": preprocess_config_file(tmp / "p_image.yaml", image=DYNAMIC_IMAGE),
             "fixed": preprocess_config_file(tmp / "p_fixed.yaml", image={
                 "policy": "fixed", "image_size": 28, "patch_size": 14})}
@@ -152,6 +154,17 @@ CASES = [
      ["model.language.vocab_size=1000"], "config",
      ["model.language.vocab_size 1000 is smaller than the tokenizer's 49154 tokens",
       "set it >= 49154 or leave it unset"]),
+    # -- M-RoPE: the section must fit the heads, the positions must be M-RoPE ids
+    ("mrope section that does not fit the heads", "default",
+     ["model.language.mrope_section=[2,2,2]"], "config",
+     ["model.language.mrope_section is [2, 2, 2]", "summing to head_dim / 2 = 8"]),
+    ("mrope positions for a model without an mrope section", "mrope",
+     [], "model",
+     ["has positions: mrope", "model.language has no mrope_section",
+      "set model.language.mrope_section"]),
+    ("mrope section with sequential positions", "default",
+     ["model.language.mrope_section=[2,3,3]"], "model",
+     ["has positions: sequential", "has an mrope_section: set positions: mrope"]),
     # -- encoder modules the trainer cannot build
     ("encoder with tp2", "image",
      ["layout=image=tp2;language=dp1"], "model",

@@ -6,9 +6,10 @@
 Builds ``mimo_train.trainer.Trainer`` from the overrides (``model.init_from`` gives every layout
 the same weights), runs one global batch forward and backward through the real schedule and
 gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token
-count, each local module's gradients (``main_grad``) keyed by global parameter names, and the
-dtypes of each module's parameters and buffers and the names of the parameters it does not
-train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
+count, each local module's gradients (``main_grad``, TP shards gathered) keyed by global
+parameter names, and the dtypes of each module's parameters and buffers and the names of the
+parameters it does not train. ``--save-init DIR`` first saves the freshly initialized model as
+a checkpoint in DIR.
 ``--host-reads`` then runs one whole training step that does not log (``train.log_interval``
 above 1) and records every place that read a tensor's value on the host during it
 (``host_reads``: ``path:line function`` -> count).
@@ -66,6 +67,21 @@ def _bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
+def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
+    """The parameter's gradient as one TP1 rank holds it: TP shards gathered along their
+    partition dimension (``gated``: SwiGLU's ``linear_fc1`` shards hold [gate_r; up_r],
+    regrouped)."""
+    grad = param.main_grad.detach().cpu().clone()
+    if tp is None or tp.size() == 1 or not getattr(param, "tensor_model_parallel", False):
+        return grad
+    parts = [torch.empty_like(grad) for _ in range(tp.size())]
+    dist.all_gather(parts, grad.contiguous(), group=tp)
+    if gated and key.endswith("linear_fc1.weight"):
+        halves = [part.chunk(2) for part in parts]
+        return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
+    return torch.cat(parts, dim=param.partition_dim)
+
+
 def main(argv) -> None:
     out, rest = argv[0], argv[1:]
     save_init = None
@@ -83,7 +99,9 @@ def main(argv) -> None:
     for name, module in trainer.modules.items():
         offset = trainer.layer_offset(name)
         inner = unwrap(module)
-        grads[name] = {global_key(key, offset): param.main_grad.detach().cpu().clone()
+        tp = trainer.infra.modules[name].pgs.tp
+        gated = getattr(getattr(inner, "config", None), "gated_linear_unit", False)
+        grads[name] = {global_key(key, offset): whole(key, param, tp, gated)
                        for key, param in inner.named_parameters() if param.requires_grad}
         dtypes[name] = {key: str(t.dtype) for key, t in [*inner.named_parameters(),
                                                           *inner.named_buffers()]}

@@ -18,6 +18,12 @@ transformers directories (``config.json``, ``model.safetensors``, a tokenizer or
   merged 2 x 2 over 2 frames; 80 mel bins, 30 s) and, for SigLIP, ``modalities.image``'s
   fixed-policy defaults (224 px), so each loads as ``model.encoders.<module>.pretrained``.
 
+- ``tiny-qwen2-vl``: a whole Qwen2-VL (``Qwen2VLForConditionalGeneration``: the vision tower
+  with its patch merger, the Qwen2 language model with M-RoPE, an untied ``lm_head``) scaled
+  down, stored in bf16 as the real checkpoints are, with SmolLM2's vocabulary plus Qwen2-VL's
+  special tokens (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
+  ``<|video_pad|>``) and its image processor config (``configs/preprocess.yaml``'s geometry).
+
 Each directory is written to a staging folder and renamed when complete (``.complete`` inside);
 a complete one is skipped.
 
@@ -97,6 +103,56 @@ def tiny_encoders() -> dict[str, tuple[Any, Any]]:
             WhisperFeatureExtractor(feature_size=80, sampling_rate=16000, hop_length=160,
                                     chunk_length=30, n_fft=400)),
     }
+
+
+# Qwen2-VL's special tokens, appended to SmolLM2's vocabulary in this order
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def tiny_vlms() -> dict[str, Any]:
+    """name -> transformers config of each tiny whole VLM."""
+    from transformers import Qwen2VLConfig
+
+    ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                    "video_token_id"), range(VOCAB, VOCAB + len(QWEN2_VL_TOKENS))))
+    text = {**_TINY_COMMON, "vocab_size": VOCAB + len(QWEN2_VL_TOKENS),
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
+                                "mrope_section": [2, 3, 3]}}        # head_dim 16: 8 pairs
+    return {"tiny-qwen2-vl": Qwen2VLConfig(
+        text_config=text, vision_config=dict(
+            depth=2, embed_dim=64, hidden_size=_TINY_COMMON["hidden_size"], num_heads=4,
+            mlp_ratio=2, in_channels=3, patch_size=14, spatial_merge_size=2,
+            temporal_patch_size=2),
+        tie_word_embeddings=False, **ids)}
+
+
+def build_tiny_vlm(config: Any, out: Path, tokenizer: Path) -> None:
+    """A tiny whole Qwen2-VL with seeded random weights, saved in bf16, its tokenizer (with the
+    family's special tokens) and image processor config beside it."""
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    torch.manual_seed(SEED)
+    model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    _randomize(model)
+    text = AutoTokenizer.from_pretrained(tokenizer)
+    text.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_VL_TOKENS],
+                    special_tokens=True)
+    if text.convert_tokens_to_ids(list(QWEN2_VL_TOKENS)) != [
+            config.vision_start_token_id, config.vision_end_token_id, config.image_token_id,
+            config.video_token_id]:
+        raise SystemExit("the Qwen2-VL special tokens did not land on the config's ids")
+    staging = _staging(out)
+    model.to(torch.bfloat16).save_pretrained(staging)
+    text.save_pretrained(staging)
+    # the Pillow image processor (torchvision, which the full Qwen2VLProcessor needs for its
+    # video processor, is not installed)
+    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704, patch_size=14, merge_size=2,
+                             temporal_patch_size=2).save_pretrained(staging)
+    _publish(staging, out)
 
 
 def smollm2_gguf() -> Path:
@@ -198,6 +254,8 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.disable_progress_bar()
     wanted: dict[str, Any] = {SMOLLM2: None, **tiny_configs(), **tiny_encoders()}
+    vlms = tiny_vlms()
+    wanted.update(vlms)
     for name, config in wanted.items():
         out = args.out / name
         if (out / ".complete").is_file():
@@ -205,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         if config is None:
             build_smollm2(out, args.tokenizer)
+        elif name in vlms:
+            build_tiny_vlm(config, out, args.tokenizer)
         elif isinstance(config, tuple):
             model, processor = config
             build_encoder(model, processor, out)

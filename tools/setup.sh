@@ -20,7 +20,7 @@ CORPUS_SCRIPT=tools/make_sample_corpus.py
 MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF), tiny Llama/Qwen2/Qwen3, encoders
 MODELS_SCRIPT=tools/make_models.py
 MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vision
-        tiny-siglip-vision tiny-whisper)
+        tiny-siglip-vision tiny-whisper tiny-qwen2-vl)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
@@ -103,7 +103,8 @@ if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ]]; then
 fi
 
 # f. models: the real SmolLM2-135M-Instruct dequantized from its GGUF, tiny
-#    seeded Llama / Qwen2 / Qwen3 checkpoints and Qwen2-VL vision / SigLIP / Whisper encoders
+#    seeded Llama / Qwen2 / Qwen3 checkpoints, Qwen2-VL vision / SigLIP / Whisper encoders and
+#    a whole Qwen2-VL (bf16)
 #    (a directory is complete once it has .complete)
 for model in "${MODELS[@]}"; do
     if [[ ! -f "$MODELS_DIR/$model/.complete" ]]; then

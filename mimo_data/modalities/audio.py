@@ -38,6 +38,7 @@ class AudioConfig:
     ``long_audio`` drop (the sample) or truncate (the clip).
     """
     token: str = "<|audio_pad|>"
+    wrap: tuple = ()                  # [start, end]: tokens around each clip's placeholders
     sample_rate: int = 16000
     n_mels: int = 80
     hop_length: int = 160

@@ -76,6 +76,11 @@ class Modality(ABC):
         """``tokens`` for training: MediaError (reason = the drop category) for an item the
         config cannot use (too long, an unsupported shape, ...)."""
 
+    def token_grid(self, item: Mapping[str, Any], config: Any) -> tuple[int, int, int] | None:
+        """The (time, height, width) grid the item's placeholder tokens lie on, in that order
+        (multimodal rotary positions); None: a sequence, positioned like text."""
+        return None
+
     @abstractmethod
     def variable_tokens(self, config: Any) -> bool:
         """Whether items can give different token counts under ``config``."""

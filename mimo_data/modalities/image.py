@@ -55,6 +55,7 @@ class ImageConfig:
     ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square; ``(image_size/patch)^2`` tokens.
     """
     token: str = "<|image_pad|>"
+    wrap: tuple = ()                  # [start, end]: tokens around each image's placeholders
     policy: str = "dynamic"
     patch_size: int = 14
     merge_size: int = 2
@@ -190,13 +191,21 @@ def image_resized_size(width: int, height: int, cfg: ImageConfig) -> tuple[int, 
     return width, height
 
 
-def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
-    """Tokens the vision encoder emits for a ``width`` x ``height`` image."""
+def image_token_grid(width: int, height: int, cfg: ImageConfig) -> tuple[int, int, int]:
+    """``(1, rows, columns)`` of the tokens the vision encoder emits for a ``width`` x
+    ``height`` image, in their order (row by row)."""
     if cfg.policy == "fixed":
-        return (cfg.image_size // cfg.patch_size) ** 2
+        side = cfg.image_size // cfg.patch_size
+        return 1, side, side
     resized_width, resized_height = image_resized_size(width, height, cfg)
     unit = cfg.patch_size * cfg.merge_size
-    return (resized_height // unit) * (resized_width // unit)
+    return 1, resized_height // unit, resized_width // unit
+
+
+def image_tokens(width: int, height: int, cfg: ImageConfig) -> int:
+    """Tokens the vision encoder emits for a ``width`` x ``height`` image."""
+    _, rows, columns = image_token_grid(width, height, cfg)
+    return rows * columns
 
 
 # What ImageOps.exif_transpose does for each EXIF orientation; we apply the orientation stored
@@ -342,6 +351,12 @@ def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tens
 
 
 @functools.lru_cache(maxsize=_MAX_MEMO)
+def _grid(width: int, height: int, config: ImageConfig) -> tuple[int, int, int]:
+    """``image_token_grid``, remembered (called only for items ``item_tokens`` kept)."""
+    return image_token_grid(width, height, config)
+
+
+@functools.lru_cache(maxsize=_MAX_MEMO)
 def _tokens_or_error(width: int, height: int, config: ImageConfig) -> int | ValueError:
     """``image_tokens``, remembered: a dataset has few distinct image sizes."""
     try:
@@ -378,6 +393,9 @@ class ImageModality(Modality):
         if isinstance(tokens, ValueError):
             raise MediaError("bad_image_shape", f"{item['member']}: {tokens}")
         return tokens
+
+    def token_grid(self, item: Mapping[str, Any], config: ImageConfig) -> tuple[int, int, int]:
+        return _grid(item["width"], item["height"], config)
 
     def variable_tokens(self, config: ImageConfig) -> bool:
         return config.policy == "dynamic"

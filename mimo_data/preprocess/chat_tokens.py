@@ -146,6 +146,9 @@ class TextEncoder:
         self.vocab_size = len(self.tokenizer)
         self.modality_token_ids = {name: self.tokenizer.convert_tokens_to_ids(m.token)
                                    for name, m in config.modalities.items()}
+        # modality token id -> the ids of the tokens around each item's run of it
+        self._wraps = {self.modality_token_ids[name]: self._wrap_ids(name, m.wrap)
+                       for name, m in config.modalities.items() if m.wrap}
         # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers.
         self._token_kind = np.zeros(backend.get_vocab_size(with_added_tokens=True) + 1,
                                     dtype=np.int8)
@@ -173,6 +176,36 @@ class TextEncoder:
 
     def is_modality_token(self, token_id: int) -> bool:
         return self._token_kind[token_id] == 1
+
+    def _wrap_ids(self, modality: str, wrap: Sequence[str]) -> tuple[int, int]:
+        vocabulary = self.tokenizer.get_vocab()
+        missing = [token for token in wrap if token not in vocabulary]
+        if missing:
+            raise ConfigError(f"modalities.{modality}.wrap names {missing}, which the tokenizer "
+                              f"{self.config.tokenizer!r} does not have: use the model's own "
+                              "tokens (e.g. <|vision_start|>, <|vision_end|>)")
+        return vocabulary[wrap[0]], vocabulary[wrap[1]]
+
+    def _expand(self, ids: np.ndarray, trained: np.ndarray | None, marker_at: np.ndarray,
+                counts: list[int], modality_tokens: list[int]):
+        """Each marker token → its item's run of ``count`` modality tokens, between the
+        modality's wrap tokens when it has them; ``(ids, trained, repeats)`` with the markers'
+        runs never trained (``repeats``: tokens each input token became)."""
+        wraps = [self._wraps.get(token) for token in modality_tokens]
+        wrapped = np.array([wrap is not None for wrap in wraps], dtype=bool)
+        repeats = np.ones(len(ids), dtype=np.int64)
+        repeats[marker_at] = np.asarray(counts, dtype=np.int64) + 2 * wrapped
+        ids[marker_at] = modality_tokens
+        expanded = np.repeat(ids, repeats)
+        if wrapped.any():
+            ends = np.cumsum(repeats)[marker_at[wrapped]]
+            pairs = np.array([wrap for wrap in wraps if wrap is not None], dtype=np.int64)
+            expanded[ends - repeats[marker_at[wrapped]]] = pairs[:, 0]
+            expanded[ends - 1] = pairs[:, 1]
+        if trained is not None:
+            trained[marker_at] = False
+            trained = np.repeat(trained, repeats)
+        return expanded, trained, repeats
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -286,7 +319,8 @@ class TextEncoder:
     def encode(self, messages: Sequence[Mapping[str, Any]],
                item_tokens: list[tuple[str, int]]) -> Encoded:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
-        count) copies of that modality's token; TextError if they cannot be built."""
+        count) copies of that modality's token (between its ``wrap`` tokens if it has them);
+        TextError if they cannot be built."""
         encoded = self.encode_batch([(messages, item_tokens)])[0]
         if isinstance(encoded, TextError):
             raise encoded
@@ -307,11 +341,7 @@ class TextEncoder:
         marker_at, counts, modality_tokens = self._markers(tokens, [item_tokens], failed)
         if failed:
             raise failed[0]
-        ids = tokens.ids.copy()
-        repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[marker_at] = counts
-        ids[marker_at] = modality_tokens
-        return np.repeat(ids, repeats)
+        return self._expand(tokens.ids.copy(), None, marker_at, counts, modality_tokens)[0]
 
     def encode_batch(self, conversations: Sequence[tuple[Sequence[Mapping[str, Any]],
                                                          list[tuple[str, int]]]]
@@ -345,12 +375,8 @@ class TextEncoder:
         trained = spans.inside(tokens.offsets, "".join(texts), starts, failed)
         ids, bounds = tokens.ids, tokens.bounds
         if len(marker_at):
-            # Each marker token becomes its item's run of modality tokens (never trained).
-            repeats = np.ones(len(ids), dtype=np.int64)
-            repeats[marker_at] = counts
-            ids[marker_at] = modality_tokens
-            trained[marker_at] = False
-            ids, trained = np.repeat(ids, repeats), np.repeat(trained, repeats)
+            ids, trained, repeats = self._expand(ids, trained, marker_at, counts,
+                                                 modality_tokens)
             bounds = np.concatenate(([0], np.cumsum(repeats)))[bounds]
         for j, i in enumerate(which):
             a, b = bounds[j], bounds[j + 1]

@@ -1,15 +1,17 @@
 """Samples → one batch in exactly the form megatron-core's ``MimoModel.forward`` takes.
 
 ``batch``: ``input_ids``, ``labels``, ``loss_mask``, ``position_ids``, ``attention_mask``
-(all ``[B, seq_length]``), ``modality_inputs = {modality: {encoder: {kwarg: tensor}}}`` with the
-encoder inputs concatenated sample by sample, item by item (matching placeholder order), and
+(all ``[B, seq_length]``; M-RoPE position ids ``[3, B, seq_length]``),
+``modality_inputs = {modality: {encoder: {kwarg: tensor}}}`` with the encoder inputs
+concatenated sample by sample, item by item (matching placeholder order), and
 ``packing_kwargs``. Everything else (keys, per-item token counts) goes in a separate metadata
 dict. Every batch is checked: placeholders per sample == token counts == encoder-input rows.
 
 Packed (``data.packing``, ``loading/packing.py``): the samples back to back in one row
-(``[1, tokens]``, megatron-core's THD format, no padding), position ids restarting at every
-sample, and ``packing_kwargs`` = ``cu_seqlens_q/kv`` (sample boundaries) and
-``max_seqlen_q/kv``, from which ``MimoModel`` builds ``PackedSeqParams``.
+(``[1, tokens]``, megatron-core's THD format, no padding), each sample's own position ids
+(``preprocess/positions.py``: restarting at every sample), and ``packing_kwargs`` =
+``cu_seqlens_q/kv`` (sample boundaries) and ``max_seqlen_q/kv``, from which ``MimoModel``
+builds ``PackedSeqParams``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class TextTensors(TypedDict):
     input_ids: torch.Tensor
     labels: torch.Tensor                # next-token targets, -100 where not trained
     loss_mask: torch.Tensor             # float, 1 exactly where labels are trained
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor          # the sample's own; M-RoPE: [3, B, seq_length]
     attention_mask: torch.Tensor        # bool, True on real tokens
     packing_kwargs: dict | None         # packed: cu_seqlens_q/kv, max_seqlen_q/kv
 
@@ -71,6 +73,8 @@ class Collator:
         self.pad_token_id = preprocessor.text.pad_token_id
         self.modality_token_ids = preprocessor.text.modality_token_ids
         self.packed = packed
+        # M-RoPE ids have a leading (time, height, width) dimension: [3, B, seq_length]
+        self._position_rows = (3,) if self.config.positions == "mrope" else ()
 
     def __call__(self, samples: list[Sample]) -> tuple[Batch, BatchMetadata]:
         text = self._packed_text(samples) if self.packed else self._padded_text(samples)
@@ -102,23 +106,26 @@ class Collator:
             labels[row, :n] = sample.labels.numpy()
             loss_mask[row, :n] = sample.loss_mask.numpy()
             attention_mask[row, :n] = True
-        position_ids = np.broadcast_to(np.arange(length), (size, length)).copy()
+        # padding's positions continue the row's count: never attended to by real tokens
+        position_ids = np.broadcast_to(np.arange(length), (*self._position_rows, size, length)
+                                       ).copy()
+        for row, sample in enumerate(samples):
+            position_ids[..., row, :len(sample.input_ids)] = sample.position_ids.numpy()
         return TextTensors(input_ids=torch.from_numpy(input_ids),
                            labels=torch.from_numpy(labels), loss_mask=torch.from_numpy(loss_mask),
                            position_ids=torch.from_numpy(position_ids),
                            attention_mask=torch.from_numpy(attention_mask), packing_kwargs=None)
 
-    @staticmethod
-    def _packed_text(samples: list[Sample]) -> TextTensors:
+    def _packed_text(self, samples: list[Sample]) -> TextTensors:
         lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
         bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         tokens = int(bounds[-1])
-        position_ids = np.arange(tokens) - np.repeat(bounds[:-1], lengths)
+        position_ids = torch.cat([s.position_ids for s in samples], dim=-1).unsqueeze(-2)
         longest = int(lengths.max())
         return TextTensors(input_ids=torch.cat([s.input_ids for s in samples])[None],
                            labels=torch.cat([s.labels for s in samples])[None],
                            loss_mask=torch.cat([s.loss_mask for s in samples]).float()[None],
-                           position_ids=torch.from_numpy(position_ids)[None],
+                           position_ids=position_ids,
                            attention_mask=torch.ones((1, tokens), dtype=torch.bool),
                            packing_kwargs={"cu_seqlens_q": torch.from_numpy(bounds),
                                            "cu_seqlens_kv": torch.from_numpy(bounds.copy()),

@@ -7,11 +7,15 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
     mode: chat                               # chat | caption
     seq_length: 1024
     length_policy: drop                      # drop | truncate_turns
+    positions: sequential                    # sequential | mrope (preprocess/positions.py)
     modalities:
       image: {token: "<|image_pad|>", policy: dynamic,
               patch_size: 14, merge_size: 2, temporal_patch_size: 2,
               min_pixels: 3136, max_pixels: 200704}
       audio: {token: "<|audio_pad|>", n_mels: 80, max_duration: 30.0}
+
+A modality's ``wrap: [start, end]`` puts those tokens around each item's placeholders (Qwen2-VL:
+``[<|vision_start|>, <|vision_end|>]``); they are text tokens, never trained.
 
 Without ``modalities:`` both modalities take their defaults; ``modalities: {}`` is text only
 (samples with media markers are then dropped and counted).
@@ -33,6 +37,7 @@ import yaml
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities import MARKERS, MODALITIES
+from mimo_data.preprocess.positions import POSITIONS
 
 
 
@@ -43,6 +48,7 @@ class PreprocessConfig:
     mode: str = "chat"
     chat_template: str | None = None
     length_policy: str = "drop"
+    positions: str = "sequential"
     modalities: dict = field(default_factory=lambda: {
         name: modality.config_class() for name, modality in MODALITIES.items()})
 
@@ -52,6 +58,8 @@ class PreprocessConfig:
         if self.length_policy not in ("drop", "truncate_turns"):
             raise ConfigError(f"length_policy is {self.length_policy!r}: "
                               "use drop or truncate_turns")
+        if self.positions not in POSITIONS:
+            raise ConfigError(f"positions is {self.positions!r}: use {' or '.join(POSITIONS)}")
         if self.seq_length < 2:
             raise ConfigError(f"seq_length is {self.seq_length}: it must be at least 2")
         unknown = set(self.modalities) - set(MODALITIES)
@@ -64,7 +72,11 @@ class PreprocessConfig:
         if set(tokens) & set(MARKERS.values()):
             raise ConfigError(f"a modality token cannot be a text marker {sorted(MARKERS.values())}"
                               "; use e.g. <|image_pad|>")
-        for modality in self.modalities.values():
+        for name, modality in self.modalities.items():
+            wrap = modality.wrap
+            if wrap and (len(wrap) != 2 or set(wrap) & (set(tokens) | set(MARKERS.values()))):
+                raise ConfigError(f"modalities.{name}.wrap is {list(wrap)}: give two tokens "
+                                  "(start, end) other than the modality tokens and the markers")
             modality.validate()
 
     @classmethod

@@ -18,6 +18,7 @@ import torch
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.positions import mrope_positions, sequential_positions
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.modalities import MediaItem
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
@@ -54,7 +55,7 @@ class Sample:
     input_ids: torch.Tensor          # [L] int64
     labels: torch.Tensor             # [L] int64, next-token targets, -100 where not trained
     loss_mask: torch.Tensor          # [L] float32, 1 exactly where labels are trained
-    position_ids: torch.Tensor       # [L] int64
+    position_ids: torch.Tensor       # [L] int64; M-RoPE: [3, L] (time, height, width)
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
     encoder_inputs: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     removed_turns: int = 0           # trailing turns cut by length_policy truncate_turns
@@ -186,7 +187,7 @@ class Preprocessor:
         sample = Sample(key=text.key, input_ids=torch.from_numpy(ids[:-1].copy()),
                         labels=torch.from_numpy(np.where(trained, ids[1:], IGNORE_INDEX)),
                         loss_mask=torch.from_numpy(trained.astype(np.float32)),
-                        position_ids=torch.from_numpy(np.arange(len(ids) - 1)),
+                        position_ids=torch.from_numpy(self._positions(ids[:-1], text)),
                         token_counts=text.token_counts, removed_turns=text.removed_turns)
         decoded = [item for item in text.items if item["modality"] in self.media_modalities]
         if decoded:
@@ -195,6 +196,19 @@ class Preprocessor:
             sample.encoder_inputs = self._encoder_inputs(text.key, decoded, media,
                                                          text.token_counts)
         return sample
+
+    def _positions(self, ids: np.ndarray, text: TextSample) -> np.ndarray:
+        """``[L]`` sequential or ``[3, L]`` M-RoPE position ids of the input ``ids``."""
+        if self.config.positions == "sequential":
+            return sequential_positions(len(ids))
+        seen = dict.fromkeys(text.token_counts, 0)
+        items = []
+        for item in text.items:
+            name = item["modality"]
+            items.append((self.text.modality_token_ids[name], text.token_counts[name][seen[name]],
+                          MODALITIES[name].token_grid(item, self.config.modalities[name])))
+            seen[name] += 1
+        return mrope_positions(ids, items)
 
     def _item_tokens(self, item: MediaItem) -> int:
         """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""

@@ -1,0 +1,309 @@
+"""A whole Qwen2-VL checkpoint as the model (``model.pretrained``, mimo_train/vlm.py).
+
+``assets/models/tiny-qwen2-vl`` is a seeded Qwen2-VL scaled down and stored in bf16
+(tools/make_models.py). mimo takes its vision tower (merger included) as the image encoder,
+no projection, and its language model with the checkpoint's M-RoPE section:
+
+- the logits of the model mimo builds equal transformers' ``Qwen2VLForConditionalGeneration``
+  (fp32, 1e-4) on a batch of images of different sizes over a multi-turn conversation, a
+  text-only sample and single-image samples, rows padded or packed into one;
+- a step under language tp2 with image dp2 fan-in of variable counts and packing, and under
+  language pp2, gives the colocated step's loss and gradients;
+- the shipped fine-tune config trains (the loss falls) and resumes under another layout with
+  the same losses;
+- what cannot be taken is refused: another family (with the reason), a tokenizer whose image
+  token is not the checkpoint's, an image processor config that normalizes differently, a TP
+  size the heads cannot split into.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_train.config import TrainConfig, TrainConfigError
+
+from conftest import REPO, build_dataset
+from test_train_parity import _compare, _run, _torchrun
+
+VLM = REPO / "assets" / "models" / "tiny-qwen2-vl"
+RUNNER = str(REPO / "tests" / "vlm_logits_run.py")
+PARITY_RUNNER = str(REPO / "tests" / "train_parity_run.py")
+TOLERANCE = 1e-4
+SAMPLES = 4
+MIN_PIXELS, MAX_PIXELS = 3136, 37632
+
+
+def _turns(*texts: str) -> list[dict]:
+    return [{"from": "human" if i % 2 == 0 else "gpt", "value": text}
+            for i, text in enumerate(texts)]
+
+
+@pytest.fixture(scope="module")
+def vlm_data(corpus, tmp_path_factory) -> tuple[Path, Path, list[str]]:
+    """Shards of image + text conversations, and the preprocessing config for the checkpoint:
+    its tokenizer, M-RoPE positions, each image between <|vision_start|> and <|vision_end|>,
+    its image geometry (a smaller pixel budget)."""
+    tmp = tmp_path_factory.mktemp("vlm")
+    images = corpus / "images"
+    image = "<image>"
+    records = [
+        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
+         "conversations": _turns(f"{image}What animal is this?", "A cat, lying down.",
+                                 f"And here? {image}", "A rocket on its launch pad.")},
+        {"id": "text-only", "conversations": _turns("What is a tar file?",
+                                                     "An archive of files.")},
+        {"id": "page", "image": str(images / "page.png"),
+         "conversations": _turns(f"{image}Read the page.", "A page of printed text.")},
+        {"id": "hopper", "image": str(images / "grace_hopper.jpg"),
+         "conversations": _turns(f"Who is this? {image}", "Grace Hopper, in uniform.")},
+    ]
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(f"""tokenizer: {VLM}
+seq_length: 512
+positions: mrope
+modalities:
+  image: {{token: "<|image_pad|>", wrap: ["<|vision_start|>", "<|vision_end|>"],
+          policy: dynamic, patch_size: 14, merge_size: 2, temporal_patch_size: 2,
+          min_pixels: {MIN_PIXELS}, max_pixels: {MAX_PIXELS}}}
+""")
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={VLM}", f"train.global_batch_size={SAMPLES}", "train.steps=1",
+              "train.device=cpu", "optimizer.warmup_steps=0", "train.seed=3"]
+    return tmp, preprocess, common
+
+
+def _logits(tmp: Path, name: str, common: list[str], *overrides: str) -> dict:
+    out = tmp / name
+    command = [sys.executable, RUNNER, str(out), "layout=language=dp1;image=dp1,off0",
+               f"train.micro_batch_size={SAMPLES}", f"checkpoint.dir={tmp / name}-ckpt",
+               *common, *overrides]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return torch.load(out / "logits.pt", weights_only=False)
+
+
+def _reference(batch: dict, preprocess: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits for a padded batch, and its real-token mask."""
+    from transformers import Qwen2VLForConditionalGeneration
+    model = Qwen2VLForConditionalGeneration.from_pretrained(VLM, dtype=torch.float32).eval()
+    image = batch["modality_inputs"]["image"]["image"]
+    length = int(batch["attention_mask"].sum(1).max())
+    ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
+    pixels = normalize_pixels(image["pixel_values"],
+                              PreprocessConfig.from_yaml(str(preprocess)).modalities["image"])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask.long(), pixel_values=pixels,
+                       image_grid_thw=image["image_grid_thw"],
+                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+    return logits, mask
+
+
+def test_input_ids_are_the_checkpoint_tokenizers_with_the_processors_image_tokens(vlm_data,
+                                                                                   corpus):
+    """mimo's tokens for a two-image multi-turn conversation equal the checkpoint tokenizer's
+    chat template over the text with each image written as Qwen2-VL's processor writes it
+    (``<|vision_start|>``, one ``<|image_pad|>`` per merged patch of the grid transformers'
+    image processor cuts, ``<|vision_end|>``)."""
+    from PIL import Image, ImageOps
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+    _, preprocess, _ = vlm_data
+    names = ("chelsea.jpg", "rocket.jpg")
+    data = [(corpus / "images" / name).read_bytes() for name in names]
+    items = [media_item("image", d, i) for i, d in enumerate(data)]
+    turns = [("user", "<image>What animal is this?"), ("assistant", "A cat, lying down."),
+             ("user", "And here? <image>"), ("assistant", "A rocket on its launch pad.")]
+    record = {"key": "k", "messages": [{"role": r, "content": c} for r, c in turns],
+              "media": items}
+    ours = Preprocessor(PreprocessConfig.from_yaml(str(preprocess))).text_batch([record])[0].ids
+
+    processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)) for n in names]
+    grids = processor(images=pictures, return_tensors="pt")["image_grid_thw"]
+    written = iter("<|vision_start|>" + "<|image_pad|>" * (int(g.prod()) // 4) +
+                   "<|vision_end|>" for g in grids)
+    messages = [{"role": r, "content": c.replace("<image>", next(written)) if "<image>" in c
+                 else c} for r, c in turns]
+    tokenizer = AutoTokenizer.from_pretrained(VLM)
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert ours.tolist() == list(expected)
+    assert ours.tolist().count(tokenizer.convert_tokens_to_ids("<|vision_start|>")) == 2
+
+
+def test_logits_match_transformers_padded_or_packed(vlm_data):
+    tmp, preprocess, common = vlm_data
+    padded = _logits(tmp, "padded", common)
+    batch = padded["batch"]
+    grids = batch["modality_inputs"]["image"]["image"]["image_grid_thw"]
+    assert len(grids) == 4 and len({tuple(g) for g in grids.tolist()}) >= 3   # image sizes
+    expected, mask = _reference(batch, preprocess)
+    vocab = expected.size(-1)
+    ours = padded["logits"][:, :mask.size(1), :vocab]
+    assert (ours - expected)[mask].abs().max() <= TOLERANCE
+    # packed (attention sdpa): the same samples back to back in one row, in the packed order
+    packed = _logits(tmp, "packed", common, "data.packing=true", "model.attention=sdpa")
+    bounds = packed["batch"]["packing_kwargs"]["cu_seqlens_q"].tolist()
+    lengths = mask.sum(1).tolist()
+    assert len(bounds) == SAMPLES + 1
+    for start, end in zip(bounds, bounds[1:]):
+        ids = packed["batch"]["input_ids"][0, start:end]
+        (row,) = [r for r in range(SAMPLES) if lengths[r] == end - start
+                  and torch.equal(batch["input_ids"][r, :end - start], ids)]
+        difference = packed["logits"][0, start:end, :vocab] - expected[row, :end - start]
+        assert difference.abs().max() <= TOLERANCE, row
+
+
+def test_layouts_match_the_colocated_step(vlm_data):
+    """Image dp2 fan-in (variable counts: two, none, one, one image) into language tp2 with
+    packing, and language pp2, from the same weights: the colocated step's loss and
+    gradients (the colocated model's logits are transformers' above)."""
+    tmp, _, common = vlm_data
+    out = tmp / "colocated"
+    reference = _run([sys.executable, PARITY_RUNNER, str(out), "--save-init", str(tmp / "init"),
+                      "layout=language=dp1;image=dp1,off0", f"train.micro_batch_size={SAMPLES}",
+                      *common], out)
+    init = str(tmp / "init" / "step_0000000")
+    fan_in = _torchrun(tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2", SAMPLES,
+                       [*common, "data.packing=true"], init)
+    _compare(reference, fan_in, "image dp2 -> language tp2, packed")
+    staged = _torchrun(tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
+    _compare(reference, staged, "image dp1 -> language pp2")
+
+
+def _finetune(tmp: Path, name: str, checkpoints: Path, common: list[str], *overrides: str,
+              nproc: int) -> list[dict]:
+    """``configs/train/qwen2_vl_finetune.yaml`` on the test shards; its JSONL records."""
+    records = tmp / f"{name}.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
+               str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"), "--records",
+               str(records), f"checkpoint.dir={checkpoints}", *common, *overrides]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return [json.loads(line) for line in records.read_text().splitlines()]
+
+
+def test_finetune_non_colocated_then_resume_colocated(vlm_data):
+    """The shipped fine-tune config (tower frozen) on 2 ranks: the loss falls; resumed from
+    its step-2 checkpoint on one colocated rank, steps 3 and 4 are the same within 1e-5."""
+    from test_train_run import _assert_continues, _copy_checkpoint, _train_records
+    tmp, _, common = vlm_data
+    common = [*(c for c in common if not c.startswith("train.global_batch_size")),
+              "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=4",
+              "checkpoint.interval=2", "optimizer.lr=3e-3"]
+    full = _finetune(tmp, "finetune", tmp / "finetune-ckpt", common, nproc=2)
+    losses = [r["loss"] for r in _train_records(full)]
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
+    resume = _copy_checkpoint(tmp / "finetune-ckpt" / "step_0000002", tmp / "resume-ckpt")
+    resumed = _finetune(tmp, "resumed", resume, common, "layout=language=dp1;image=dp1,off0",
+                        nproc=1)
+    _assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):
+    _, preprocess, _ = vlm_data
+    cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}"])
+    assert cfg.model.language.pretrained == str(VLM)
+    assert cfg.model.language.mrope_section == [2, 3, 3]
+    assert (cfg.model.language.num_layers, cfg.model.language.hidden_size) == (2, 64)
+    assert cfg.model.projection == "none"
+    with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
+                       "model.language.pretrained .* has \\[2, 3, 3\\]"):
+        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                "model.language.mrope_section=[4,2,2]"])
+
+
+@pytest.mark.parametrize("model_type, reason", [
+    ("qwen3_vl", "deepstack"), ("llava_onevision", "any-res"),
+    ("qwen2_5_vl", "not mapped yet"), ("llama", "not a whole vision-language model")])
+def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason):
+    from transformers import AutoConfig
+    directory = tmp_path / model_type
+    AutoConfig.for_model(model_type).save_pretrained(directory)
+    with pytest.raises(TrainConfigError, match=reason):
+        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={directory}"])
+
+
+@pytest.mark.parametrize("change, expected", [
+    # the SmolLM2 tokenizer (without Qwen2-VL's tokens) adds <|image_pad|> at another id
+    ([(f"tokenizer: {VLM}", f"tokenizer: {REPO / 'assets' / 'tokenizer' / 'smollm2'}"),
+      ('wrap: ["<|vision_start|>", "<|vision_end|>"],', "")],
+     ["expects image tokens at 49154", f"use the checkpoint's tokenizer (tokenizer: {VLM})"]),
+    ([('wrap: ["<|vision_start|>", "<|vision_end|>"],', "")],
+     ["modalities.image.wrap is [], but model.pretrained", "expects each image between the "
+      "tokens [49152, 49153]", "set modalities.image.wrap: ['<|vision_start|>', "
+      "'<|vision_end|>']"]),
+], ids=["image-token-id", "no-wrap"])
+def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_path, change,
+                                                               expected):
+    tmp, preprocess, common = vlm_data
+    text = preprocess.read_text()
+    for old, new in change:
+        text = text.replace(old, new)
+    other = tmp_path / "preprocess.yaml"
+    other.write_text(text)
+    command = [sys.executable, RUNNER, str(tmp_path / "out"), "layout=language=dp1;image=dp1,off0",
+               f"train.micro_batch_size={SAMPLES}", *common, f"data.preprocess={other}"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
+                            env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "start-up failed (config)" in result.stderr
+    for fragment in expected:
+        assert fragment in result.stderr
+
+
+def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.chat_tokens import TextEncoder
+    _, preprocess, _ = vlm_data
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    image = config.modalities["image"]
+    with pytest.raises(ConfigError, match="modalities.image.wrap is \\['<\\|vision_start"
+                       "\\|>'\\]: give two tokens"):
+        dataclasses.replace(config, modalities={"image": dataclasses.replace(
+            image, wrap=("<|vision_start|>",))})
+    unknown = dataclasses.replace(config, modalities={"image": dataclasses.replace(
+        image, wrap=("<|box_start|>", "<|box_end|>"))})
+    with pytest.raises(ConfigError, match="wrap names \\['<\\|box_start\\|>', "
+                       "'<\\|box_end\\|>'\\], which the tokenizer"):
+        TextEncoder(unknown)
+
+
+def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
+    from mimo_train.encoders import EncoderBuildError, Qwen2VLVision
+    _, preprocess, _ = vlm_data
+    image = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
+    other = dataclasses.replace(image, mean=(0.5, 0.5, 0.5))
+    with pytest.raises(EncoderBuildError,
+                       match="preprocessor_config.json preprocesses differently: image_mean"):
+        Qwen2VLVision(other, 0, 0, 0, pretrained=str(VLM))
+
+
+def test_a_tp_size_the_heads_cannot_split_into_is_refused():
+    from mimo_train.hf_language import check_parallel, read_architecture
+    arch = read_architecture(str(VLM))
+    assert (arch.num_attention_heads, arch.num_query_groups) == (4, 2)
+    with pytest.raises(TrainConfigError, match="2 query groups .* do not split into language "
+                       "tp4"):
+        check_parallel(arch, 4, 1, str(VLM))

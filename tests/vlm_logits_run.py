@@ -1,0 +1,35 @@
+"""The logits of a model built by ``mimo_train`` on its first micro-batch, for tests/test_vlm.py.
+
+    python tests/vlm_logits_run.py OUT key=value ...      # one process, a colocated layout
+
+Builds ``mimo_train.trainer.Trainer`` from the overrides, runs ``MimoModel`` forward (no
+labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: the logits
+(``[rows, tokens, vocab]``) and the batch as the loader gave it.
+"""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from mimo_train.config import TrainConfig
+from mimo_train.step import model_inputs
+from mimo_train.trainer import Trainer
+
+
+def main(argv) -> None:
+    out, overrides = argv[0], argv[1:]
+    trainer = Trainer(TrainConfig.load(None, overrides))
+    batch = next(trainer.batches(trainer.loader))
+    inputs = model_inputs(batch, trainer.infra, torch.device("cpu"))
+    inputs["labels"] = None
+    with torch.no_grad():
+        logits, _ = trainer.model(**inputs)
+    os.makedirs(out, exist_ok=True)
+    torch.save({"logits": logits, "batch": batch}, os.path.join(out, "logits.pt"))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
