@@ -12,9 +12,10 @@ it computed: one row per placeholder token, item by item (docs/architecture.md, 
 Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
 Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
 ``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
-saved alone). Weights are read in fp32 whatever dtype the checkpoint stores (``precision.cast``
-moves the built module to the run's dtype; the trainer may then switch ``.model`` to another
-attention implementation). A transformers processor saved beside the model
+saved alone) or, for ``Qwen2VLVision``, a whole Qwen2-VL (its tower, ``vlm.load_tower``).
+Weights are read in fp32 whatever dtype the checkpoint stores (``precision.cast`` moves the
+built module to the run's dtype; the trainer may then switch ``.model`` to another attention
+implementation). A transformers processor saved beside the model
 (``preprocessor_config.json``) must agree with the preprocessing config (normalization, mel and
 STFT settings).
 tests/test_encoder_parity.py checks each kind against its transformers processor and model.

@@ -13,6 +13,13 @@
     preprocess.yaml            the run's preprocessing config, its tokenizer ``./language``
     manifest.json              step, modules, encoder kinds, projection, modality tokens and ids
 
+A run from a whole VLM (``model.pretrained``, ``vlm.py``) is written back as that VLM, in
+``OUT`` itself: its transformers class (``config.json`` with the new vocabulary size, the
+trained weights under the checkpoint's own names, in the checkpoint's dtype), the tokenizer,
+the checkpoint's processor config files and generation config, plus ``preprocess.yaml``
+(tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower and the
+language model only (no other encoder module, projection ``none``).
+
 The checkpoint is read only through ``checkpoint.load_weights`` (module name -> whole tensors,
 global layer numbers) and its ``meta.json`` config. The language weights are mapped back with
 ``hf_language.to_hf``; the language model must come from ``model.language.pretrained`` (its
@@ -176,29 +183,32 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) 
     if preprocess.mode == "chat" and preprocess.chat_template:
         from mimo_data.preprocess.chat_tokens import TextEncoder
         tokenizer.chat_template = TextEncoder(preprocess, tokenizer).template
-    for name in [LANGUAGE, *(m.name for m in Layout.parse(cfg.layout).encoders)]:
+    encoders = [m.name for m in Layout.parse(cfg.layout).encoders]
+    for name in [LANGUAGE, *encoders]:
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
                               f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
-    _write_language(os.path.join(out, LANGUAGE_DIR), cfg, tokenizer, weights[LANGUAGE],
-                    directory)
-    modules = _write_encoders(out, cfg, preprocess, weights, directory)
-    _write_preprocess(os.path.join(out, PREPROCESS), preprocess)
-    manifest = {
-        "step": step, "checkpoint": directory, "language": LANGUAGE_DIR,
-        "preprocess": PREPROCESS, "projections": PROJECTIONS,
-        "projection": cfg.model.projection, "modules": modules,
-        "modality_tokens": {name: {"token": m.token,
-                                   "id": tokenizer.convert_tokens_to_ids(m.token)}
-                            for name, m in preprocess.modalities.items()}}
+    manifest: dict = {"step": step, "checkpoint": directory, "preprocess": PREPROCESS}
+    if cfg.model.pretrained:                # a whole VLM, written back as its own class
+        family = _write_vlm(out, cfg, preprocess, tokenizer, weights, directory)
+        _write_preprocess(os.path.join(out, PREPROCESS), preprocess, ".")
+        manifest.update(vlm=family, modules={}, language=".")
+    else:
+        _write_language(os.path.join(out, LANGUAGE_DIR), cfg, tokenizer, weights[LANGUAGE],
+                        directory)
+        modules = _write_encoders(out, cfg, preprocess, weights, directory)
+        _write_preprocess(os.path.join(out, PREPROCESS), preprocess, f"./{LANGUAGE_DIR}")
+        manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS,
+                        projection=cfg.model.projection, modules=modules)
+    manifest["modality_tokens"] = {name: {"token": m.token,
+                                          "id": tokenizer.convert_tokens_to_ids(m.token)}
+                                   for name, m in preprocess.modalities.items()}
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
 
 
-def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> None:
-    from huggingface_hub import save_torch_state_dict
-    from transformers import AutoConfig, GenerationConfig
-
+def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
+    """The language model's transformers weights (the checkpoint's names) and vocabulary."""
     from mimo_train.hf_language import read_architecture, to_hf
     pretrained = cfg.model.language.pretrained
     if not pretrained:
@@ -206,12 +216,12 @@ def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> No
                           "(no model.language.pretrained): its megatron-core layers (LayerNorm, "
                           "GELU, biases) have no transformers Llama equivalent; export a run "
                           "that starts from a transformers checkpoint")
-    if cfg.model.language.mrope_section:
+    arch = read_architecture(pretrained)
+    if cfg.model.language.mrope_section and not cfg.model.pretrained:
         raise ExportError(f"{directory}: the language model takes M-RoPE positions "
                           "(model.language.mrope_section), which the exported causal LM "
-                          f"({read_architecture(pretrained).family}) would drop: a whole-VLM "
-                          "export (Qwen2-VL) is not written yet")
-    arch = read_architecture(pretrained)
+                          f"({arch.family}) would drop: start from a whole VLM "
+                          "(model.pretrained), which is exported as one")
     rows = max(arch.vocab_size, len(tokenizer))
     embedding = state.get("embedding.word_embeddings.weight")
     if embedding is None or embedding.size(0) < rows:
@@ -219,16 +229,78 @@ def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> No
                           f"{None if embedding is None else embedding.size(0)} rows, fewer than "
                           f"the {rows} tokens to export", exit_code=1)
     try:
-        hf = to_hf([state], arch, vocab_rows=rows)
+        return to_hf([state], arch, vocab_rows=rows), rows
     except KeyError as error:
         raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
+
+
+def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: str) -> str:
+    """The whole VLM of ``model.pretrained`` with the trained weights, as its transformers
+    class (config, weights in the checkpoint's names and dtype, tokenizer, processor config,
+    generation config); returns its family."""
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig
+
+    from mimo_data.loading.layout import LANGUAGE, Layout
+    from mimo_train.hf_language import CheckpointWeights
+    from mimo_train.vlm import read_vlm
+    vlm = read_vlm(cfg.model.pretrained)
+    layout = Layout.parse(cfg.layout)
+    others = [m.name for m in layout.encoders if layout.modalities_of(m.name) != ["image"]]
+    if others or cfg.model.projection != vlm.projection:
+        raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower and "
+                          f"language model only, but the run also has "
+                          f"{others or f'a {cfg.model.projection} projection'}: it cannot be "
+                          "written back as one")
+    hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
+    prefix = CheckpointWeights(vlm.path, key="model.pretrained").prefix_of(
+        vlm.vision_prefixes, "patch_embed.proj.weight")
+    tower = "encoders.image.encoder.model."
+    for module in layout.encoders:
+        hf.update({prefix + k[len(tower):]: v for k, v in weights[module.name].items()
+                   if k.startswith(tower)})
+    config = AutoConfig.from_pretrained(vlm.path)
+    config.text_config.vocab_size = rows
+    config.dtype = str(hf[next(iter(hf))].dtype).removeprefix("torch.")
+    os.makedirs(out, exist_ok=True)
+    save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    _copy_processor(vlm.path, out)
+    _write_generation_config(out, vlm.path, config, tokenizer)
+    return vlm.family
+
+
+def _copy_processor(pretrained: str, out: str) -> None:
+    """The checkpoint's image processor (and processor) config files, as they are."""
+    from huggingface_hub import snapshot_download
+    if not os.path.isdir(pretrained):
+        pretrained = snapshot_download(pretrained, local_files_only=True)
+    for name in ("preprocessor_config.json", "processor_config.json",
+                 "video_preprocessor_config.json"):
+        if os.path.isfile(os.path.join(pretrained, name)):
+            shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
+
+
+def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> None:
+    from huggingface_hub import save_torch_state_dict
+    from transformers import AutoConfig
+
+    hf, rows = _language_weights(cfg, tokenizer, state, directory)
+    pretrained = cfg.model.language.pretrained
     config = AutoConfig.from_pretrained(pretrained)
     config.vocab_size = rows
-    config.dtype = str(embedding.dtype).removeprefix("torch.")
+    config.dtype = str(state["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
     os.makedirs(out)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    _write_generation_config(out, pretrained, config, tokenizer)
+
+
+def _write_generation_config(out: str, pretrained: str, config, tokenizer) -> None:
+    """The checkpoint's generation config, ending generation at the chat turn's end too."""
+    from transformers import GenerationConfig
     try:
         generation = GenerationConfig.from_pretrained(pretrained)
     except OSError:                                      # no generation_config.json
@@ -278,11 +350,12 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
     return modules
 
 
-def _write_preprocess(path: str, preprocess) -> None:
-    """The preprocessing config with the exported tokenizer (which holds the chat template)."""
+def _write_preprocess(path: str, preprocess, tokenizer: str) -> None:
+    """The preprocessing config with the exported ``tokenizer`` (which holds the chat
+    template)."""
     import yaml
     data = json.loads(json.dumps(preprocess.to_dict()))        # tuples -> lists
-    data.update(tokenizer=f"./{LANGUAGE_DIR}", chat_template=None)
+    data.update(tokenizer=tokenizer, chat_template=None)
     with open(path, "w") as f:
         f.write("# Written by mimo-export: the run's preprocessing config, its tokenizer the "
                 "exported one.\n")

@@ -10,7 +10,9 @@ encoder inputs training uses. Each encoder (``OUT/<module>``) and its projection
 into embeddings, which replace the language model's input embeddings at the modality tokens,
 item by item (as megatron-core's ``MimoModel`` splices them), and transformers'
 ``generate(inputs_embeds=...)`` of ``OUT/language`` continues: greedy unless ``--temperature``
-is given (then sampling with ``--top-p`` from ``--seed``). Every part runs in ``--dtype`` (fp32
+is given (then sampling with ``--top-p`` from ``--seed``). A whole VLM's export
+(``"vlm"`` in the manifest) runs through its own transformers class instead, on the same
+prompt tokens and training's normalized pixels. Every part runs in ``--dtype`` (fp32
 by default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
 (``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
 
@@ -108,7 +110,8 @@ def main(argv=None) -> int:
 
 
 class Generator:
-    """An exported model loaded once (language model, encoders, projections, preprocessing)."""
+    """An exported model loaded once (language model, encoders, projections, preprocessing;
+    or a whole VLM and its preprocessing)."""
 
     def __init__(self, model_dir: str, device: str = "auto", dtype: str = "fp32"):
         import torch
@@ -132,13 +135,19 @@ class Generator:
             raise GenerateError("--device cuda: no CUDA device is visible; use --device cpu")
         self.device = torch.device(device)
         self.dtype = run_dtype(dtype)
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()
+        self.tokenizer = self.preprocessor.text.tokenizer
+        self.vlm: Any = None
+        if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
+            self.vlm = AutoModelForImageTextToText.from_pretrained(
+                model_dir, dtype=self.dtype).to(self.device).eval()
+            self.encoders: dict[str, Any] = dict.fromkeys(self.preprocessor.config.modalities)
+            return
         self.language = AutoModelForCausalLM.from_pretrained(
             os.path.join(model_dir, self.manifest["language"]),
             dtype=self.dtype).to(self.device).eval()
-        self.tokenizer = self.preprocessor.text.tokenizer
         self.encoders = self._encoders(model_dir)
 
     def _encoders(self, model_dir: str) -> dict:
@@ -173,29 +182,51 @@ class Generator:
         content, order = _place_markers(prompt, files)
         built = self._prompt(content, order, files)
         ids = built.input_ids.to(self.device)
+        sampling: dict[str, Any] = dict(
+            do_sample=False, max_new_tokens=max_new_tokens,
+            attention_mask=torch.ones_like(ids)[None],
+            pad_token_id=self.preprocessor.text.pad_token_id)
+        if temperature is not None:
+            torch.manual_seed(seed)
+            sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         with torch.no_grad():
-            embeds = self.language.get_input_embeddings()(ids)
-            spliced = {}
-            for modality, inputs in built.encoder_inputs.items():
-                encoder, projection = self.encoders[modality]
-                rows = projection(encoder(**{k: v.to(self.device) for k, v in inputs.items()}))
-                at = ids == self.manifest["modality_tokens"][modality]["id"]
-                if int(at.sum()) != len(rows):
-                    raise RuntimeError(f"the {modality} encoder emitted {len(rows)} rows for "
-                                       f"{int(at.sum())} placeholders; this is a bug in mimo")
-                embeds[at] = rows.to(embeds.dtype)
-                spliced[modality] = len(rows)
-            sampling: dict[str, Any] = dict(do_sample=False)
-            if temperature is not None:
-                torch.manual_seed(seed)
-                sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
-            out = self.language.generate(
-                inputs_embeds=embeds[None], attention_mask=torch.ones_like(ids)[None],
-                max_new_tokens=max_new_tokens, pad_token_id=self.preprocessor.text.pad_token_id,
-                **sampling)
-        new = out[0].tolist()
+            new, spliced = (self._whole_vlm(ids, built.encoder_inputs, sampling) if self.vlm
+                            else self._spliced(ids, built.encoder_inputs, sampling))
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new,
                           built.input_ids.tolist(), spliced)
+
+    def _spliced(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
+        """Each encoder's projected rows in place of its modality tokens' embeddings, then the
+        language model's generate: the new tokens and the rows spliced per modality."""
+        embeds = self.language.get_input_embeddings()(ids)
+        spliced = {}
+        for modality, inputs in encoder_inputs.items():
+            encoder, projection = self.encoders[modality]
+            rows = projection(encoder(**{k: v.to(self.device) for k, v in inputs.items()}))
+            at = ids == self.manifest["modality_tokens"][modality]["id"]
+            if int(at.sum()) != len(rows):
+                raise RuntimeError(f"the {modality} encoder emitted {len(rows)} rows for "
+                                   f"{int(at.sum())} placeholders; this is a bug in mimo")
+            embeds[at] = rows.to(embeds.dtype)
+            spliced[modality] = len(rows)
+        return self.language.generate(inputs_embeds=embeds[None], **sampling)[0].tolist(), \
+            spliced
+
+    def _whole_vlm(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
+        """The whole VLM's generate on mimo's tokens and pixels (normalized as training
+        normalizes them): the new tokens and the image tokens per modality."""
+        from mimo_data.modalities.image import normalize_pixels
+        kwargs = {}
+        image = encoder_inputs.get("image")
+        token = self.manifest["modality_tokens"]["image"]["id"]
+        if image is not None:
+            kwargs = dict(pixel_values=normalize_pixels(
+                image["pixel_values"].to(self.device),
+                self.preprocessor.config.modalities["image"]).to(self.dtype),
+                image_grid_thw=image["image_grid_thw"].to(self.device))
+        out = self.vlm.generate(input_ids=ids[None], mm_token_type_ids=(ids == token).int()[None],
+                                **kwargs, **sampling)
+        return out[0, len(ids):].tolist(), {"image": int((ids == token).sum())} if image else {}
 
     def _prompt(self, content: str, order: list[str], files: dict):
         from mimo_data.modalities import MediaError

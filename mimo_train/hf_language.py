@@ -1,4 +1,5 @@
-"""A transformers causal LM (Llama, Qwen2, Qwen3) as megatron-core's local-spec ``GPTModel``.
+"""A transformers causal LM (Llama, Qwen2, Qwen3), or the language model of a whole Qwen2-VL,
+as megatron-core's local-spec ``GPTModel``.
 
 ``read_architecture(path)`` reads the checkpoint's ``config.json`` into a ``LanguageArch``
 (dims, rotary base and scaling, RMSNorm eps, tied embeddings, qkv bias, qk-norm), refusing what
@@ -21,6 +22,11 @@ Name mapping (layer ``N`` global in transformers, local to the pipeline stage in
 | ``layers.N.mlp.down_proj.weight`` | ``….mlp.linear_fc2.weight`` | columns |
 | ``norm.weight`` | ``decoder.final_layernorm.weight`` | none |
 | ``lm_head.weight`` (or the embedding, tied) | ``output_layer.weight`` | rows (vocab) |
+
+A whole Qwen2-VL holds the same names under ``model.language_model.`` (transformers 4.52+'s
+layout) or ``model.`` (the original checkpoints, and what transformers 5 writes): whichever the
+checkpoint has is ``LanguageArch.prefix``; its text config's ``mrope_section`` is
+``LanguageArch.mrope_section``.
 
 ``linear_qkv`` holds, per query group, that group's query heads, then its key head, then its
 value head (``[ng, (nh/ng + 2) · d, hidden]``): the layout ``SelfAttention`` splits; TP ranks

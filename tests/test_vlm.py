@@ -11,6 +11,9 @@ no projection, and its language model with the checkpoint's M-RoPE section:
   language pp2, gives the colocated step's loss and gradients;
 - the shipped fine-tune config trains (the loss falls) and resumes under another layout with
   the same losses;
+- ``mimo-export`` writes the same class back: untrained, every weight exactly, and
+  transformers' greedy ``generate`` on it for an image prompt gives ``mimo-generate``'s
+  tokens; fine-tuned, it loads with the frozen tower unchanged;
 - what cannot be taken is refused: another family (with the reason), a tokenizer whose image
   token is not the checkpoint's, an image processor config that normalizes differently, a TP
   size the heads cannot split into.
@@ -170,21 +173,95 @@ def test_logits_match_transformers_padded_or_packed(vlm_data):
         assert difference.abs().max() <= TOLERANCE, row
 
 
-def test_layouts_match_the_colocated_step(vlm_data):
-    """Image dp2 fan-in (variable counts: two, none, one, one image) into language tp2 with
-    packing, and language pp2, from the same weights: the colocated step's loss and
-    gradients (the colocated model's logits are transformers' above)."""
+@pytest.fixture(scope="module")
+def colocated_step(vlm_data) -> tuple[dict, str]:
+    """One colocated step's loss and gradients, and the imported model's checkpoint (step 0,
+    before any training) every other layout starts from."""
     tmp, _, common = vlm_data
     out = tmp / "colocated"
     reference = _run([sys.executable, PARITY_RUNNER, str(out), "--save-init", str(tmp / "init"),
                       "layout=language=dp1;image=dp1,off0", f"train.micro_batch_size={SAMPLES}",
                       *common], out)
-    init = str(tmp / "init" / "step_0000000")
+    return reference, str(tmp / "init" / "step_0000000")
+
+
+def test_layouts_match_the_colocated_step(vlm_data, colocated_step):
+    """Image dp2 fan-in (variable counts: two, none, one, one image) into language tp2 with
+    packing, and language pp2, from the same weights: the colocated step's loss and
+    gradients (the colocated model's logits are transformers' above)."""
+    tmp, _, common = vlm_data
+    reference, init = colocated_step
     fan_in = _torchrun(tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2", SAMPLES,
                        [*common, "data.packing=true"], init)
     _compare(reference, fan_in, "image dp2 -> language tp2, packed")
     staged = _torchrun(tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
     _compare(reference, staged, "image dp1 -> language pp2")
+
+
+@pytest.fixture(scope="module")
+def untrained_export(colocated_step, tmp_path_factory) -> Path:
+    """mimo-export of the imported model before any training."""
+    from mimo_train.export import main
+    out = tmp_path_factory.mktemp("untrained-export") / "out"
+    assert main(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
+    return out
+
+
+def test_import_then_export_gives_back_every_weight_exactly(untrained_export):
+    """The same class, every tensor of the checkpoint under its name with its value (fp32
+    now: the run's precision), its tokenizer and processor config beside them."""
+    from safetensors.torch import load_file
+    config = json.loads((untrained_export / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    original, exported = load_file(VLM / "model.safetensors"), _weights(untrained_export)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor.float()), name     # bf16 values, exactly
+    for name in ("preprocessor_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (untrained_export / name).is_file(), name
+
+
+def test_transformers_generate_on_the_export_equals_mimo_generate(untrained_export, corpus):
+    """The export loads as ``AutoModelForImageTextToText``; its greedy ``generate`` on an
+    image prompt built by transformers (image processor, the tokenizer's chat template) gives
+    ``mimo-generate``'s tokens (its own preprocessing) and prompt."""
+    from PIL import Image, ImageOps
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+
+    from mimo_train.generate import Generator
+    image = corpus / "images" / "grace_hopper.jpg"
+    ours = Generator(str(untrained_export)).generate("Who is this?", images=[str(image)],
+                                                     max_new_tokens=8)
+    model = AutoModelForImageTextToText.from_pretrained(untrained_export,
+                                                        dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(untrained_export)
+    processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
+                                         patch_size=14, merge_size=2, temporal_patch_size=2)
+    pixels = processor(images=[ImageOps.exif_transpose(Image.open(image))], return_tensors="pt")
+    tokens = int(pixels["image_grid_thw"][0].prod()) // 4
+    text = "<|vision_start|>" + "<|image_pad|>" * tokens + "<|vision_end|>\nWho is this?"
+    ids = torch.tensor([tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)])
+    assert ids[0].tolist() == ours.prompt_ids and ours.spliced == {"image": tokens}
+    with torch.no_grad():
+        theirs = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=8, pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(ids == model.config.image_token_id).int())
+    assert theirs[0, ids.size(1):].tolist() == ours.token_ids
+    assert len(ours.token_ids) == 8 and tokenizer.eos_token_id not in ours.token_ids
+
+
+def _weights(directory: Path) -> dict:
+    from safetensors.torch import load_file
+    found: dict = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        found.update(load_file(path))
+    return found
 
 
 def _finetune(tmp: Path, name: str, checkpoints: Path, common: list[str], *overrides: str,
@@ -202,21 +279,47 @@ def _finetune(tmp: Path, name: str, checkpoints: Path, common: list[str], *overr
     return [json.loads(line) for line in records.read_text().splitlines()]
 
 
-def test_finetune_non_colocated_then_resume_colocated(vlm_data):
-    """The shipped fine-tune config (tower frozen) on 2 ranks: the loss falls; resumed from
-    its step-2 checkpoint on one colocated rank, steps 3 and 4 are the same within 1e-5."""
-    from test_train_run import _assert_continues, _copy_checkpoint, _train_records
+@pytest.fixture(scope="module")
+def finetune(vlm_data) -> tuple[list[dict], list[str], Path]:
+    """The shipped fine-tune config (tower frozen) for 4 steps on 2 ranks, checkpoints at 2
+    and 4: its records, overrides and checkpoint dir."""
     tmp, _, common = vlm_data
     common = [*(c for c in common if not c.startswith("train.global_batch_size")),
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=4",
               "checkpoint.interval=2", "optimizer.lr=3e-3"]
-    full = _finetune(tmp, "finetune", tmp / "finetune-ckpt", common, nproc=2)
+    records = _finetune(tmp, "finetune", tmp / "finetune-ckpt", common, nproc=2)
+    return records, common, tmp / "finetune-ckpt"
+
+
+def test_finetune_non_colocated_then_resume_colocated(vlm_data, finetune):
+    """The loss falls; resumed from the step-2 checkpoint on one colocated rank, steps 3 and 4
+    are the same within 1e-5."""
+    from test_train_run import _assert_continues, _copy_checkpoint, _train_records
+    tmp = vlm_data[0]
+    full, common, checkpoints = finetune
     losses = [r["loss"] for r in _train_records(full)]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
-    resume = _copy_checkpoint(tmp / "finetune-ckpt" / "step_0000002", tmp / "resume-ckpt")
+    resume = _copy_checkpoint(checkpoints / "step_0000002", tmp / "resume-ckpt")
     resumed = _finetune(tmp, "resumed", resume, common, "layout=language=dp1;image=dp1,off0",
                         nproc=1)
     _assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
+
+
+def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(finetune,
+                                                                              tmp_path):
+    """mimo-export of the fine-tuned step 4 loads as ``AutoModelForImageTextToText``: the
+    frozen tower (merger included) is the checkpoint's exactly, the language model moved."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_train.export import main
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(finetune[2] / "step_0000004"), "--output", str(out)]) == 0
+    AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    original, exported = load_file(VLM / "model.safetensors"), _weights(out)
+    tower = [name for name in original if name.startswith("visual.")]
+    assert tower and all(torch.equal(exported[n], original[n].float()) for n in tower)
+    assert not torch.equal(exported["lm_head.weight"], original["lm_head.weight"].float())
 
 
 # ------------------------------------------------------------------------------- refusals
