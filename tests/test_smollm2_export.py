@@ -172,40 +172,27 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert not (tmp_path / "out").exists()
 
 
-def test_a_randomly_initialized_language_model_is_not_exported(smollm2, tmp_path,
-                                                               monkeypatch, capsys):
-    """megatron-core's own layers (LayerNorm, GELU, biases) have no Llama equivalent."""
+@pytest.mark.parametrize("language, message", [
+    # megatron-core's own layers (LayerNorm, GELU, biases) have no Llama equivalent
+    ({"pretrained": None, "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+      "ffn_hidden_size": None}, "model.language.pretrained"),
+    # a Llama written back would drop the M-RoPE positions it was trained with
+    ({"mrope_section": [8, 12, 12]}, "M-RoPE positions (model.language.mrope_section)"),
+], ids=["random-init", "mrope"])
+def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
+        smollm2, tmp_path, monkeypatch, capsys, language, message):
     from mimo_train import checkpoint
     from mimo_train.export import main
 
     meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
-    meta["config"]["model"]["language"] = {"num_layers": 2, "hidden_size": 64,
-                                           "num_attention_heads": 4}
+    meta["config"]["model"]["language"].update(language)
     directory = tmp_path / "step_0000002"
     directory.mkdir()
     (directory / "meta.json").write_text(json.dumps(meta))
     monkeypatch.setattr(checkpoint, "load_weights",
                         lambda d: {"language": {}, "image": {}, "audio": {}})
     assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
-    assert "model.language.pretrained" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002"]
-
-
-def test_an_mrope_language_model_is_not_exported_as_a_causal_lm(smollm2, tmp_path,
-                                                                monkeypatch, capsys):
-    """A Llama written back would drop the M-RoPE positions it was trained with."""
-    from mimo_train import checkpoint
-    from mimo_train.export import main
-
-    meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
-    meta["config"]["model"]["language"]["mrope_section"] = [8, 12, 12]
-    directory = tmp_path / "step_0000002"
-    directory.mkdir()
-    (directory / "meta.json").write_text(json.dumps(meta))
-    monkeypatch.setattr(checkpoint, "load_weights",
-                        lambda d: {"language": {}, "image": {}, "audio": {}})
-    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
-    assert "M-RoPE positions (model.language.mrope_section)" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000002"]
 
 

@@ -252,29 +252,3 @@ def test_bf16_step_matches_fp32_non_colocated(dynamic_setup):
             if key not in rotary and "position_ids" not in key} == {"torch.bfloat16"}
     assert fixed == {"image": [], "language": [],
                      "audio": ["encoders.audio.encoder.model.embed_positions.weight"]}
-
-
-def test_mrope_non_colocated_packed_fan_in_matches_colocated(dynamic_setup):
-    """M-RoPE position ids (``positions: mrope``, ``model.language.mrope_section``) from the
-    same initial weights: they change the step (images are positioned on their grids), and
-    image dp2 + audio dp2 -> language dp1 with packing and variable-count fan-in gives the
-    colocated unpacked step's loss and gradients."""
-    tmp, common, reference, init, preprocess = dynamic_setup
-    mrope_preprocess = tmp / "preprocess_mrope.yaml"
-    mrope_preprocess.write_text(preprocess.read_text() + "positions: mrope\n")
-    mrope = [*common, f"data.preprocess={mrope_preprocess}",
-             "model.language.mrope_section=[2,3,3]"]
-    out = tmp / "mrope-colocated"
-    colocated = _run([sys.executable, RUNNER, str(out),
-                      "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
-                      f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
-                      *mrope], out)
-    assert colocated["tokens"] == reference["tokens"]
-    # the positions reach the model: its gradients move by more than the comparison below
-    # tolerates (a layout that lost the M-RoPE ids would fail it)
-    moved = max((grad - reference["grads"]["language"][name]).abs().max().item()
-                for name, grad in colocated["grads"]["language"].items())
-    assert moved > 4 * TOLERANCE, moved
-    fan_in = _torchrun(tmp, "mrope-fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
-                       [*mrope, "data.packing=true"], init)
-    _compare(colocated, fan_in, "M-RoPE, image dp2 + audio dp2 -> language dp1, packed")

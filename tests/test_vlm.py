@@ -360,20 +360,20 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
 ], ids=["image-token-id", "no-wrap"])
 def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_path, change,
                                                                expected):
-    tmp, preprocess, common = vlm_data
+    """What the trainer checks in its config phase, before building anything."""
+    from mimo_data.preprocess.chat_tokens import load_tokenizer
+    from mimo_train.vlm import check_preprocessing, read_vlm
+    _, preprocess, _ = vlm_data
     text = preprocess.read_text()
     for old, new in change:
         text = text.replace(old, new)
     other = tmp_path / "preprocess.yaml"
     other.write_text(text)
-    command = [sys.executable, RUNNER, str(tmp_path / "out"), "layout=language=dp1;image=dp1,off0",
-               f"train.micro_batch_size={SAMPLES}", *common, f"data.preprocess={other}"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
-                            env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert result.returncode != 0
-    assert "start-up failed (config)" in result.stderr
+    config = PreprocessConfig.from_yaml(str(other))
+    with pytest.raises(TrainConfigError) as error:
+        check_preprocessing(read_vlm(str(VLM)), config, load_tokenizer(config))
     for fragment in expected:
-        assert fragment in result.stderr
+        assert fragment in str(error.value)
 
 
 def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
