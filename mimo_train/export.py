@@ -183,8 +183,7 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) 
     if preprocess.mode == "chat" and preprocess.chat_template:
         from mimo_data.preprocess.chat_tokens import TextEncoder
         tokenizer.chat_template = TextEncoder(preprocess, tokenizer).template
-    encoders = [m.name for m in Layout.parse(cfg.layout).encoders]
-    for name in [LANGUAGE, *encoders]:
+    for name in [LANGUAGE, *(m.name for m in Layout.parse(cfg.layout).encoders)]:
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
                               f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
