@@ -241,8 +241,7 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     from transformers import AutoConfig
 
     from mimo_data.loading.layout import LANGUAGE, Layout
-    from mimo_train.hf_language import CheckpointWeights
-    from mimo_train.vlm import read_vlm
+    from mimo_train.vlm import read_vlm, tower_weights
     vlm = read_vlm(cfg.model.pretrained)
     layout = Layout.parse(cfg.layout)
     others = [m.name for m in layout.encoders if layout.modalities_of(m.name) != ["image"]]
@@ -252,8 +251,7 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
                           f"{others or f'a {cfg.model.projection} projection'}: it cannot be "
                           "written back as one")
     hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
-    prefix = CheckpointWeights(vlm.path, key="model.pretrained").prefix_of(
-        vlm.vision_prefixes, "patch_embed.proj.weight")
+    _, prefix = tower_weights(vlm)
     tower = "encoders.image.encoder.model."
     for module in layout.encoders:
         hf.update({prefix + k[len(tower):]: v for k, v in weights[module.name].items()

@@ -237,10 +237,10 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
     pretrained = cfg.model.language.pretrained
     arch = read_architecture(pretrained) if pretrained else None
-    positions = dict(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
-                                                        share_embeddings_and_output_weights=False))
+    gpt = dict(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
+                                                  share_embeddings_and_output_weights=False))
     if cfg.model.language.mrope_section:
-        positions["position_embedding_type"] = "mrope"
+        gpt["position_embedding_type"] = "mrope"
     layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
         if arch else get_gpt_layer_local_spec()
     layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
@@ -250,7 +250,7 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
         config=transformer,
         transformer_layer_spec=layer_spec, vocab_size=vocab,
         max_sequence_length=max_sequence_length,
-        **positions,
+        **gpt,
         pre_process=language is None or language.first_stage,
         post_process=language is None or language.last_stage,
         pg_collection=infra.modules[LANGUAGE].pgs)

@@ -77,12 +77,18 @@ def read_vlm(path: str) -> VLM:
                projection="none")
 
 
+def tower_weights(vlm: VLM):
+    """The checkpoint's weights (``hf_language.CheckpointWeights``) and the prefix its vision
+    tower's names have in them."""
+    from mimo_train.hf_language import CheckpointWeights
+    weights = CheckpointWeights(vlm.path, key="model.pretrained")
+    return weights, weights.prefix_of(vlm.vision_prefixes, "patch_embed.proj.weight")
+
+
 def load_tower(tower: torch.nn.Module, vlm: VLM) -> None:
     """Load the vision tower's weights (in fp32) from the VLM into ``tower``, built from the
     checkpoint's ``vision_config``; every weight must come from the checkpoint."""
-    from mimo_train.hf_language import CheckpointWeights
-    weights = CheckpointWeights(vlm.path, key="model.pretrained")
-    prefix = weights.prefix_of(vlm.vision_prefixes, "patch_embed.proj.weight")
+    weights, prefix = tower_weights(vlm)
     own = tower.state_dict()
     found = {name: weights(prefix + name) for name in own if prefix + name in weights}
     missing = sorted(set(own) - set(found))

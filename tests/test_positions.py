@@ -137,5 +137,3 @@ def test_fixed_size_images_lie_on_their_patch_grid():
     from mimo_data.modalities import MODALITIES
     fixed = ImageConfig(policy="fixed", image_size=224, patch_size=14)
     assert MODALITIES["image"].token_grid({"width": 640, "height": 480}, fixed) == (1, 16, 16)
-    assert MODALITIES["audio"].token_grid({"frames": 16000, "sample_rate": 16000},
-                                          None) is None

@@ -351,16 +351,11 @@ def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tens
 
 
 @functools.lru_cache(maxsize=_MAX_MEMO)
-def _grid(width: int, height: int, config: ImageConfig) -> tuple[int, int, int]:
-    """``image_token_grid``, remembered (called only for items ``item_tokens`` kept)."""
-    return image_token_grid(width, height, config)
-
-
-@functools.lru_cache(maxsize=_MAX_MEMO)
-def _tokens_or_error(width: int, height: int, config: ImageConfig) -> int | ValueError:
-    """``image_tokens``, remembered: a dataset has few distinct image sizes."""
+def _grid_or_error(width: int, height: int, config: ImageConfig
+                   ) -> tuple[int, int, int] | ValueError:
+    """``image_token_grid``, remembered: a dataset has few distinct image sizes."""
     try:
-        return image_tokens(width, height, config)
+        return image_token_grid(width, height, config)
     except ValueError as exc:   # an aspect ratio the resize rule cannot handle
         return exc
 
@@ -389,13 +384,16 @@ class ImageModality(Modality):
         return image_tokens(item["width"], item["height"], config)
 
     def item_tokens(self, item: MediaItem, config: ImageConfig) -> int:
-        tokens = _tokens_or_error(item["width"], item["height"], config)
-        if isinstance(tokens, ValueError):
-            raise MediaError("bad_image_shape", f"{item['member']}: {tokens}")
-        return tokens
+        grid = _grid_or_error(item["width"], item["height"], config)
+        if isinstance(grid, ValueError):
+            raise MediaError("bad_image_shape", f"{item['member']}: {grid}")
+        return grid[1] * grid[2]
 
     def token_grid(self, item: Mapping[str, Any], config: ImageConfig) -> tuple[int, int, int]:
-        return _grid(item["width"], item["height"], config)
+        grid = _grid_or_error(item["width"], item["height"], config)
+        if isinstance(grid, ValueError):
+            raise grid
+        return grid
 
     def variable_tokens(self, config: ImageConfig) -> bool:
         return config.policy == "dynamic"

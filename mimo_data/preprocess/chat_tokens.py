@@ -191,11 +191,13 @@ class TextEncoder:
         """Each marker token → its item's run of ``count`` modality tokens, between the
         modality's wrap tokens when it has them; ``(ids, trained, repeats)`` with the markers'
         runs never trained (``repeats``: tokens each input token became)."""
-        wraps = [self._wraps.get(token) for token in modality_tokens]
+        wraps = [self._wraps.get(token) for token in modality_tokens] if self._wraps else []
         wrapped = np.array([wrap is not None for wrap in wraps], dtype=bool)
         repeats = np.ones(len(ids), dtype=np.int64)
-        repeats[marker_at] = np.asarray(counts, dtype=np.int64) + 2 * wrapped
+        repeats[marker_at] = counts
         ids[marker_at] = modality_tokens
+        if wrapped.any():
+            repeats[marker_at] += 2 * wrapped
         expanded = np.repeat(ids, repeats)
         if wrapped.any():
             ends = np.cumsum(repeats)[marker_at[wrapped]]

@@ -7,7 +7,9 @@ the time position of the item's start and take its start plus their row and colu
 and width; the text after the item continues from the start plus the grid's larger side.
 Items without a grid (audio) are positioned like text. This is transformers'
 ``Qwen2VLModel.get_rope_index`` (the tests check it), computed from the grids in the metadata:
-language ranks still decode no media.
+language ranks still decode no media. Written here rather than called: transformers' is a
+method of a built model and works on batched torch tensors group by group, where a sample's
+ids take a few numpy operations per item in the preprocessor.
 """
 
 from __future__ import annotations
