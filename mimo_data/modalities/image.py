@@ -28,6 +28,7 @@ import numpy as np
 import pyarrow
 import torch
 from PIL import Image
+from transformers.image_transforms import get_resize_output_image_size
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mimo_data.errors import ConfigError
@@ -52,7 +53,9 @@ class ImageConfig:
 
     ``dynamic`` (Qwen2-VL): resize so both sides are multiples of ``patch_size * merge_size``
     within [min_pixels, max_pixels]; ``(h/(patch*merge)) * (w/(patch*merge))`` tokens.
-    ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square; ``(image_size/patch)^2`` tokens.
+    ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square (squashed as SigLIP's processor
+    does, or with ``crop`` the short side to ``image_size`` then the centre square, as CLIP's);
+    ``(image_size/patch)^2`` tokens.
     """
     token: str = "<|image_pad|>"
     wrap: tuple = ()                  # [start, end]: tokens around each image's placeholders
@@ -63,6 +66,7 @@ class ImageConfig:
     min_pixels: int = 56 * 56
     max_pixels: int = 256 * 28 * 28
     image_size: int = 224
+    crop: bool = False                # fixed: short side to image_size, then the centre square
     mean: tuple = CLIP_MEAN
     std: tuple = CLIP_STD
     max_image_pixels: int = 89_478_485   # decode refuses larger images (decompression bombs)
@@ -73,6 +77,9 @@ class ImageConfig:
         if self.policy == "fixed" and self.image_size % self.patch_size:
             raise ConfigError(f"modalities.image.image_size {self.image_size} is not a multiple "
                               f"of patch_size {self.patch_size}")
+        if self.crop and self.policy != "fixed":
+            raise ConfigError("modalities.image.crop applies to the fixed policy only: drop it "
+                              "or set policy: fixed")
         if self.policy == "dynamic" and self.min_pixels > self.max_pixels:
             raise ConfigError("modalities.image.min_pixels is above max_pixels")
 
@@ -292,14 +299,18 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
 
     dynamic: ``{"pixel_values": [Σ patches, C*P*P], "image_grid_thw": int64 [n, 3]}``, one
     frame per patch (``normalize_pixels`` repeats it into the encoder's ``C*T*P*P`` columns);
-    fixed: ``{"pixel_values": [n, 3, S, S]}`` (squash resize, as SigLIP).
+    fixed: ``{"pixel_values": [n, 3, S, S]}`` (squash resize as SigLIP, or crop as CLIP).
     Resizing is Pillow's BICUBIC, the same call the reference processors make.
     """
     if cfg.policy == "fixed":
-        size = (cfg.image_size, cfg.image_size)
-        pixels = np.empty((len(images), 3, *size), np.uint8)
+        side = cfg.image_size
+        pixels = np.empty((len(images), 3, side, side), np.uint8)
         for out, image in zip(pixels, images):
-            resized = image.resize(size, Image.Resampling.BICUBIC)
+            if cfg.crop:
+                resized = _center_square(image.resize(_short_side_size(image, side),
+                                                      Image.Resampling.BICUBIC), side)
+            else:
+                resized = image.resize((side, side), Image.Resampling.BICUBIC)
             out[...] = _rgbx_pixels(resized)[..., :3].transpose(2, 0, 1)
         return {"pixel_values": torch.from_numpy(pixels)}
     sizes = [image_resized_size(image.width, image.height, cfg) for image in images]
@@ -314,6 +325,22 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
         _patchify_into(_rgbx_pixels(resized), pixels[start:start + count], cfg)
         start += count
     return {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.from_numpy(grids)}
+
+
+def _short_side_size(image: Image.Image, side: int) -> tuple[int, int]:
+    """``(width, height)`` with the short side ``side``, CLIP's processor's rounding (the
+    function transformers' processors call, on a shape-only array)."""
+    shape = np.broadcast_to(np.uint8(0), (3, image.height, image.width))
+    height, width = get_resize_output_image_size(shape, side, default_to_square=False,
+                                                 input_data_format="channels_first")
+    return width, height
+
+
+def _center_square(image: Image.Image, side: int) -> Image.Image:
+    """The centre ``side`` x ``side`` square, offsets rounded down as transformers'
+    ``center_crop``."""
+    left, top = (image.width - side) // 2, (image.height - side) // 2
+    return image.crop((left, top, left + side, top + side))
 
 
 def image_rows_to_tokens(inputs: dict[str, torch.Tensor], cfg: ImageConfig) -> list[int]:

@@ -149,11 +149,14 @@ class TextEncoder:
         # modality token id -> the ids of the tokens around each item's run of it
         self._wraps = {self.modality_token_ids[name]: self._wrap_ids(name, m.wrap)
                        for name, m in config.modalities.items() if m.wrap}
-        # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers.
-        self._token_kind = np.zeros(backend.get_vocab_size(with_added_tokens=True) + 1,
-                                    dtype=np.int8)
+        # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers (a
+        # modality token that is its own marker, as LLaVA's <image>, is a marker in text).
+        size = backend.get_vocab_size(with_added_tokens=True) + 1
+        self._token_kind = np.zeros(size, dtype=np.int8)
         self._token_kind[[int(i) for i in self.modality_token_ids.values()]] = 1
         self._token_kind[[int(i) for i in self._marker_ids if i is not None]] = 2
+        self._modality_token = np.zeros(size, dtype=bool)
+        self._modality_token[[int(i) for i in self.modality_token_ids.values()]] = True
         self.eot = self.tokenizer.eos_token
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
@@ -175,7 +178,7 @@ class TextEncoder:
                                                                  self.template))
 
     def is_modality_token(self, token_id: int) -> bool:
-        return self._token_kind[token_id] == 1
+        return bool(self._modality_token[token_id])
 
     def _wrap_ids(self, modality: str, wrap: Sequence[str]) -> tuple[int, int]:
         vocabulary = self.tokenizer.get_vocab()

@@ -69,9 +69,14 @@ class PreprocessConfig:
         tokens = [m.token for m in self.modalities.values()]
         if len(set(tokens)) != len(tokens):
             raise ConfigError("each modality needs its own special token")
-        if set(tokens) & set(MARKERS.values()):
-            raise ConfigError(f"a modality token cannot be a text marker {sorted(MARKERS.values())}"
-                              "; use e.g. <|image_pad|>")
+        # a modality's token may be its own marker (LLaVA's <image>): each marker then expands
+        # into runs of itself; another modality's marker would be read as that modality's
+        others = [(name, m.token) for name, m in self.modalities.items()
+                  if m.token in MARKERS.values() and m.token != MARKERS[name]]
+        if others:
+            name, token = others[0]
+            raise ConfigError(f"modalities.{name}.token {token!r} is another modality's text "
+                              f"marker; use e.g. <|image_pad|>")
         for name, modality in self.modalities.items():
             wrap = modality.wrap
             if wrap and (len(wrap) != 2 or set(wrap) & (set(tokens) | set(MARKERS.values()))):
