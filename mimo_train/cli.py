@@ -29,9 +29,12 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 done, 1 a check or the data failed, 2 usage or config error. "
         "Relative paths in the YAML are taken from its folder, those in overrides from the "
         "current directory.")
-    parser.add_argument("--config", required=True, metavar="YAML",
+    parser.add_argument("--config", metavar="YAML",
                         help="training config YAML (see mimo_train/config.py and "
                         "configs/train/)")
+    parser.add_argument("--preprocessing-for", metavar="VLM",
+                        help="print the preprocessing config YAML that writes images as the "
+                        "whole VLM at this directory (or cached hub name) expects, and exit")
     parser.add_argument("overrides", nargs="*", metavar="key.path=value",
                         help="config overrides, values parsed as YAML, e.g. train.steps=50 "
                         "checkpoint.dir=runs/x")
@@ -41,8 +44,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     console.quiet_third_party()
+    if args.preprocessing_for:
+        return _print_preprocessing(args.preprocessing_for)
+    if not args.config:
+        parser.error("--config is required (or --preprocessing-for)")
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
     except TrainConfigError as error:
@@ -61,6 +69,21 @@ def main(argv=None) -> int:
         return console.report_failure(error)
     finally:
         distributed.destroy()
+    return 0
+
+
+def _print_preprocessing(path: str) -> int:
+    import yaml
+
+    from mimo_train.families import preprocessing_for
+    try:
+        data = preprocessing_for(path)
+    except TrainConfigError as error:
+        print(f"{console.PREFIX}{error}", file=sys.stderr)
+        return 2
+    print(f"# The preprocessing config for {path} (mimo-train --preprocessing-for); add "
+          "seq_length and the other modalities to taste.")
+    print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
 

@@ -62,9 +62,9 @@ class DataConfig:
 @dataclass
 class LanguageConfig:
     """The language model: random init from these dims, or ``pretrained``: a transformers
-    Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole Qwen2-VL's, whose
+    Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole VLM's, whose
     config.json gives the dims and M-RoPE section (any also set here must agree) and whose
-    weights are loaded (``mimo_train/hf_language.py``)."""
+    weights are loaded (``mimo_train/families/causal_lm.py``)."""
     num_layers: int | None = None                     # default 2 (or the checkpoint's)
     hidden_size: int | None = None                    # default 64
     num_attention_heads: int | None = None            # default 4
@@ -86,7 +86,7 @@ class LanguageConfig:
             assert self.hidden_size and self.num_attention_heads        # the defaults, at least
             self._check_mrope(self.hidden_size // self.num_attention_heads)
             return
-        from mimo_train.hf_language import read_architecture
+        from mimo_train.families.causal_lm import read_architecture
         arch = read_architecture(self.pretrained)
         for name in (*_LANGUAGE_DEFAULTS, "ffn_hidden_size"):
             given, actual = getattr(self, name), getattr(arch, name)
@@ -121,10 +121,11 @@ _LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads":
 
 @dataclass
 class EncoderConfig:
-    """One encoder module. ``kind``: ``qwen2_vl`` (dynamic-resolution patches), ``siglip``
-    (fixed-size images) or ``whisper`` (log-mel frames); default from the modality and the
-    preprocessing policy. ``pretrained``: a transformers model directory (or hub name) whose
-    weights replace the random init; its geometry must match the preprocessing config."""
+    """One encoder module. ``kind``: ``qwen2_vl`` or ``qwen2_5_vl`` (dynamic-resolution
+    patches), ``siglip`` (fixed-size images) or ``whisper`` (log-mel frames); default from the
+    modality and the preprocessing policy (a whole VLM's tower: its own kind). ``pretrained``:
+    a transformers model directory (or hub name) whose weights replace the random init; its
+    geometry must match the preprocessing config."""
     kind: str | None = None
     hidden_size: int = 32
     num_layers: int = 1
@@ -134,14 +135,16 @@ class EncoderConfig:
 
 @dataclass
 class ModelConfig:
-    # a whole VLM (Qwen2-VL; mimo_train/vlm.py): the image encoder, the projection and the
-    # language model from one checkpoint, unless set below
+    # a whole VLM (Qwen2-VL, Qwen2.5-VL, LLaVA; mimo_train/families/): the image encoder, the
+    # projection and the language model from one checkpoint, unless set below
     pretrained: str | None = None
     language: LanguageConfig = field(default_factory=LanguageConfig)
     encoders: dict = field(default_factory=dict)      # module name -> EncoderConfig
     # linear | mlp (Linear-GELU-Linear) | none (identity); default: the VLM's, else linear
     projection: str | None = None
-    freeze: list = field(default_factory=list)        # module names whose weights stay fixed
+    # modules whose weights stay fixed, or an encoder module's part: image.encoder (the tower;
+    # its projection trains) or image.projection
+    freeze: list = field(default_factory=list)
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
     attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
 
@@ -149,7 +152,7 @@ class ModelConfig:
         """Fill what ``pretrained`` (a whole VLM) gives, then the language model's dims."""
         projection = "linear"
         if self.pretrained is not None:
-            from mimo_train.vlm import read_vlm
+            from mimo_train.families import read_vlm
             vlm = read_vlm(self.pretrained)
             if self.language.pretrained not in (None, self.pretrained):
                 raise TrainConfigError(

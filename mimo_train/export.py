@@ -13,16 +13,16 @@
     preprocess.yaml            the run's preprocessing config, its tokenizer ``./language``
     manifest.json              step, modules, encoder kinds, projection, modality tokens and ids
 
-A run from a whole VLM (``model.pretrained``, ``vlm.py``) is written back as that VLM, in
+A run from a whole VLM (``model.pretrained``, ``families``) is written back as that VLM, in
 ``OUT`` itself: its transformers class (``config.json`` with the new vocabulary size, the
 trained weights under the checkpoint's own names, in the checkpoint's dtype), the tokenizer,
 the checkpoint's processor config files and generation config, plus ``preprocess.yaml``
-(tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower and the
-language model only (no other encoder module, projection ``none``).
+(tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower, the
+family's projection and the language model only (no other encoder module).
 
 The checkpoint is read only through ``checkpoint.load_weights`` (module name -> whole tensors,
 global layer numbers) and its ``meta.json`` config. The language weights are mapped back with
-``hf_language.to_hf``; the language model must come from ``model.language.pretrained`` (its
+``families.causal_lm.to_hf``; the language model must come from ``model.language.pretrained`` (its
 config.json is copied, the vocabulary size set to the exported rows): a randomly initialized
 one uses megatron-core's LayerNorm/GELU layers with biases, which no Llama config reproduces.
 
@@ -135,7 +135,7 @@ def export(checkpoint: str, output: str) -> str:
     os.chmod(staging, 0o777 & ~umask)                    # mkdtemp's is private (0700)
     from mimo_data.errors import ConfigError
     from mimo_train.config import TrainConfigError
-    from mimo_train.encoders import EncoderBuildError
+    from mimo_train.families.base import EncoderBuildError
     try:
         _write(staging, cfg, preprocess, weights, meta["step"], directory)
         os.rename(staging, output)
@@ -208,7 +208,7 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) 
 
 def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
     """The language model's transformers weights (the checkpoint's names) and vocabulary."""
-    from mimo_train.hf_language import read_architecture, to_hf
+    from mimo_train.families.causal_lm import read_architecture, to_hf
     pretrained = cfg.model.language.pretrained
     if not pretrained:
         raise ExportError(f"{directory}: the language model was initialized at random "
@@ -241,24 +241,36 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     from transformers import AutoConfig
 
     from mimo_data.loading.layout import LANGUAGE, Layout
-    from mimo_train.vlm import read_vlm, tower_weights
+    from mimo_train.families import read_vlm
     vlm = read_vlm(cfg.model.pretrained)
     layout = Layout.parse(cfg.layout)
     others = [m.name for m in layout.encoders if layout.modalities_of(m.name) != ["image"]]
     if others or cfg.model.projection != vlm.projection:
-        raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower and "
-                          f"language model only, but the run also has "
-                          f"{others or f'a {cfg.model.projection} projection'}: it cannot be "
-                          "written back as one")
+        raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower, "
+                          f"{vlm.projection} projection and language model only, but the run "
+                          f"has {others or f'a {cfg.model.projection} projection'}: it cannot "
+                          "be written back as one")
     hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
-    _, prefix = tower_weights(vlm)
-    tower = "encoders.image.encoder.model."
+    checkpoint = vlm.weights()
+    # mimo's module names -> the checkpoint's: the tower, then the projector
+    renames = [("encoders.image.encoder.model.", vlm.tower_prefix(checkpoint))]
+    if vlm.projector_names:
+        prefix = vlm.projector_prefix(checkpoint)
+        renames += [(f"input_projections.0.{ours}", prefix + theirs)
+                    for ours, theirs in vlm.projector_names]
     for module in layout.encoders:
-        hf.update({prefix + k[len(tower):]: v for k, v in weights[module.name].items()
-                   if k.startswith(tower)})
+        for key, value in weights[module.name].items():
+            for ours, theirs in renames:
+                if key.startswith(ours):
+                    hf[theirs + key[len(ours):]] = value
+    # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
+    # as the checkpoint has them
+    dtype = hf[next(iter(hf))].dtype
+    hf.update({name: checkpoint(name).to(dtype) for name in checkpoint.files
+               if name.startswith(renames[0][1]) and name not in hf})
     config = AutoConfig.from_pretrained(vlm.path)
     config.text_config.vocab_size = rows
-    config.dtype = str(hf[next(iter(hf))].dtype).removeprefix("torch.")
+    config.dtype = str(dtype).removeprefix("torch.")
     os.makedirs(out, exist_ok=True)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     config.save_pretrained(out)
@@ -315,7 +327,7 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
 
     from mimo_data.loading.layout import Layout
     from mimo_train.config import EncoderConfig
-    from mimo_train.encoders import build_encoder, default_kind
+    from mimo_train.families import build_encoder, default_kind
     from mimo_train.precision import cast
     modules, projections = {}, {}
     layout = Layout.parse(cfg.layout)

@@ -154,7 +154,7 @@ class Generator:
         """modality -> (encoder, projection), on the device."""
         from safetensors.torch import load_file
 
-        from mimo_train.encoders import build_encoder
+        from mimo_train.families import build_encoder
         from mimo_train.precision import cast
         projections = load_file(os.path.join(model_dir, self.manifest["projections"]))
         encoders = {}
@@ -215,17 +215,20 @@ class Generator:
     def _whole_vlm(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
         """The whole VLM's generate on mimo's tokens and pixels (normalized as training
         normalizes them): the new tokens and the image tokens per modality."""
+        import inspect
+
         from mimo_data.modalities.image import normalize_pixels
         kwargs = {}
         image = encoder_inputs.get("image")
         token = self.manifest["modality_tokens"]["image"]["id"]
         if image is not None:
-            kwargs = dict(pixel_values=normalize_pixels(
-                image["pixel_values"].to(self.device),
-                self.preprocessor.config.modalities["image"]).to(self.dtype),
-                image_grid_thw=image["image_grid_thw"].to(self.device))
-        out = self.vlm.generate(input_ids=ids[None], mm_token_type_ids=(ids == token).int()[None],
-                                **kwargs, **sampling)
+            kwargs = {name: value.to(self.device) for name, value in image.items()}
+            kwargs["pixel_values"] = normalize_pixels(
+                kwargs["pixel_values"], self.preprocessor.config.modalities["image"]
+            ).to(self.dtype)
+        if "mm_token_type_ids" in inspect.signature(self.vlm.forward).parameters:
+            kwargs["mm_token_type_ids"] = (ids == token).int()[None]    # Qwen's image tokens
+        out = self.vlm.generate(input_ids=ids[None], **kwargs, **sampling)
         return out[0, len(ids):].tolist(), {"image": int((ids == token).sum())} if image else {}
 
     def _prompt(self, content: str, order: list[str], files: dict):
@@ -269,7 +272,7 @@ def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
 def projection_module(kind: str, state: dict):
     """The projection ``model.projection`` built as training builds it, with the exported
     ``state`` loaded."""
-    from mimo_train.encoders import Projection
+    from mimo_train.families.base import Projection
     if kind == "none":
         return Projection(0, 0, kind)           # the identity: no weights
     out_features, in_features = state["0.weight"].shape

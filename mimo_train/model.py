@@ -21,9 +21,10 @@ from mimo_data.loading.layout import LANGUAGE
 from mimo_train.attention import AttentionChoice, CoreAttention, LanguageModel
 from mimo_train.bridge_routing import RoutedMimoModel
 from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
-from mimo_train.encoders import Projection, build_encoder, default_kind
-from mimo_train.hf_language import (check_parallel, gpt_fields, load_pretrained_language,
-                                    read_architecture, transformer_fields)
+from mimo_train.families import ENCODERS, build_encoder, default_kind, read_vlm
+from mimo_train.families.base import Projection, input_form
+from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pretrained_language,
+                                           read_architecture, transformer_fields)
 from mimo_train.infra import Infra
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, MegatronOptimizerConfig,
@@ -31,7 +32,6 @@ from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               TransformerConfig, VisionModalitySubmodules,
                               get_gpt_layer_local_spec, get_mimo_optimizer)
 from mimo_train.precision import cast, run_dtype, trainable
-from mimo_train.vlm import read_vlm
 
 # megatron-core's submodule class of each modality (how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
@@ -116,20 +116,26 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
                     "transformers encoders run whole on each rank; use dp only for encoders")
         modality_config = preprocess.modalities[modality]
         spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        form = input_form(modality, modality_config)
         if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
             vlm = read_vlm(cfg.model.pretrained)       # the whole VLM's tower
-            if default_kind(modality, modality_config) != vlm.encoder_kind:
+            if spec.kind not in (None, vlm.encoder_kind):
                 raise TrainConfigError(
-                    f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, but "
-                    f"the preprocessing config gives image inputs for "
-                    f"{default_kind(modality, modality_config)!r}: use its image geometry "
-                    "(policy: dynamic)")
-            spec = dataclasses.replace(spec, pretrained=vlm.path)
+                    f"model.encoders.{module.name}.kind is {spec.kind!r}, but the tower of "
+                    f"model.pretrained {vlm.path} is a {vlm.encoder_kind}: drop the key")
+            if ENCODERS[vlm.encoder_kind].takes != form:
+                raise TrainConfigError(
+                    f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, which "
+                    f"takes {ENCODERS[vlm.encoder_kind].takes[1]} images, but the "
+                    f"preprocessing config gives {form[1]} ones: use its image geometry "
+                    f"(policy: {ENCODERS[vlm.encoder_kind].takes[1]})")
+            spec = dataclasses.replace(spec, kind=vlm.encoder_kind, pretrained=vlm.path)
         kind = spec.kind or default_kind(modality, modality_config)
-        if kind != default_kind(modality, modality_config):
+        if kind not in ENCODERS or ENCODERS[kind].takes != form:
             raise TrainConfigError(
                 f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
-                f"gives {modality} inputs for {default_kind(modality, modality_config)!r}")
+                f"gives {form[1]} {modality} inputs, for "
+                f"{default_kind(modality, modality_config)!r}")
         settings[module.name] = (modality, modality_config, spec, kind)
     return settings
 
@@ -171,7 +177,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     settings = encoder_settings(cfg, infra, preprocess)
     modality_specs, token_ids = {}, {}
     for name, (modality, modality_config, spec, kind) in settings.items():
-        encoder_size = _encoder_output_size(spec, name)
+        encoder_size = _encoder_output_size(spec, name, kind)
         submodules = _SUBMODULES[modality]
         modality_specs[name] = ModuleSpec(
             module=submodules,
@@ -183,7 +189,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
                                                        spec=spec))},
                 input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
-                    kind=cfg.model.projection))]))
+                    kind=cfg.model.projection, initial=_projector(cfg, spec)))]))
         token_ids[name] = special_token_ids[modality]
     vocab = vocab_size(cfg, tokenizer_size)
     language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
@@ -194,10 +200,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     model.model_type = ModelType.encoder_or_decoder
     if cfg.model.language.pretrained and LANGUAGE in infra.local:
         load_language_weights(model.language_model, cfg, infra, vocab)
-    for name in cfg.model.freeze:
-        if name not in infra.modules:
-            raise TrainConfigError(f"model.freeze names {name!r}, not a module of the layout "
-                                   f"{layout}: use one of {list(infra.modules)}")
+    frozen_parts = _frozen_parts(cfg.model.freeze, infra)
     # every weight in the run's dtype, as megatron-core's Float16Module would cast it (norms
     # included) but for the rotary frequencies; the optimizer keeps fp32 main weights
     cast(model, run_dtype(cfg.train.precision))
@@ -208,12 +211,38 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name in settings:          # in its dtype and on its device: what transformers checks
             modality = settings[name][0]
             module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
-        frozen = name in cfg.model.freeze
-        for parameter in module.parameters():
+        for key, parameter in module.named_parameters():
+            frozen = name in frozen_parts and key.startswith(frozen_parts[name] or "")
             parameter.requires_grad_(trainable(parameter, frozen))
+        if name not in cfg.model.freeze and not any(p.requires_grad for p in module.parameters()):
+            raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
+                                   f"freeze the whole module ({name})")
         _set(model, name, DistributedDataParallel(transformer, ddp, module,
                                                   pg_collection=module_infra.pgs))
     return model
+
+
+# model.freeze's parts of an encoder module -> the prefix of their parameter names
+_PARTS = {"encoder": "encoders.", "projection": "input_projections."}
+
+
+def _frozen_parts(freeze: list, infra: Infra) -> dict:
+    """module name -> the prefix of its frozen parameters (None: all of them; absent: none)
+    from ``model.freeze``'s entries: a module, or an encoder module's ``encoder`` or
+    ``projection`` (``image.encoder``: the tower frozen, its projection trained)."""
+    parts: dict = {}
+    for entry in freeze:
+        name, _, part = entry.partition(".")
+        if name not in infra.modules or (part and (part not in _PARTS or name == LANGUAGE)):
+            raise TrainConfigError(
+                f"model.freeze names {entry!r}, not a module of the layout {infra.layout} nor "
+                f"an encoder module's part: use one of {list(infra.modules)}, or "
+                f"<module>.encoder / <module>.projection for an encoder module")
+        if name in parts and (not part or parts[name] != _PARTS[part]):
+            raise TrainConfigError(f"model.freeze names {name!r} twice: freeze the module "
+                                   f"({name}) or one of its parts")
+        parts[name] = _PARTS[part] if part else None
+    return parts
 
 
 def check_positions(cfg: TrainConfig, preprocess) -> None:
@@ -277,7 +306,15 @@ def build_optimizer(cfg: TrainConfig, model):
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
-def _encoder_output_size(spec: EncoderConfig, name: str) -> int:
+def _projector(cfg: TrainConfig, spec: EncoderConfig) -> dict | None:
+    """The whole VLM's projector weights for the projection after its tower (None: none, or
+    not the VLM's tower)."""
+    if not cfg.model.pretrained or spec.pretrained != cfg.model.pretrained:
+        return None
+    return read_vlm(cfg.model.pretrained).projector()
+
+
+def _encoder_output_size(spec: EncoderConfig, name: str, kind: str) -> int:
     if spec.pretrained is None:
         return spec.hidden_size
     from transformers import AutoConfig
@@ -289,8 +326,7 @@ def _encoder_output_size(spec: EncoderConfig, name: str) -> int:
             f"cannot read a model config ({error}): give a model directory holding config.json "
             "(or a hub name already in the local cache), or unset it for a random init"
         ) from None
-    config = getattr(config, "vision_config", None) or config
-    return getattr(config, "d_model", None) or config.hidden_size
+    return ENCODERS[kind].pretrained_output_size(config)
 
 
 def unwrap(module):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
-from mimo_train.encoders import HOST_INPUTS
+from mimo_train.families.base import HOST_INPUTS
 from mimo_train.infra import Infra
 from mimo_train.mcore import finalize_model_grads
 from mimo_train.metrics import Timer
@@ -44,7 +44,7 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     loss and gradients are unchanged while the language model skips most of the padding.
     A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
     makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Encoder inputs that an
-    encoder reads on the host (``encoders.HOST_INPUTS``) stay there.
+    encoder reads on the host (``families.base.HOST_INPUTS``) stay there.
     """
     real = batch.get("attention_mask")
     packing = batch.get("packing_kwargs")

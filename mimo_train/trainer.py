@@ -45,7 +45,8 @@ from mimo_train.model import (build_model, build_optimizer, layer_offset, local_
                               trained_optimizers, vocab_size)
 from mimo_train.precision import run_dtype
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
-from mimo_train.vlm import check_preprocessing, read_vlm
+from mimo_train.families import read_vlm
+from mimo_train.families.base import check_preprocessing
 
 
 def _raise(error: Exception | None) -> None:

@@ -1,5 +1,5 @@
 """``model.language.pretrained``: a transformers Llama / Qwen2 / Qwen3 checkpoint as the
-language model (mimo_train/hf_language.py).
+language model (mimo_train/families/causal_lm.py).
 
 - the name mapping round-trips (transformers → megatron TP/PP parts → transformers);
 - config.json gives the dims, YAML dims that differ are errors naming both values, and what
@@ -45,7 +45,7 @@ def _env() -> dict:
 def test_mapping_round_trips_over_tp_and_pp(name):
     from safetensors.torch import load_file
 
-    from mimo_train.hf_language import read_architecture, to_hf, to_megatron
+    from mimo_train.families.causal_lm import read_architecture, to_hf, to_megatron
 
     path = str(model_dir(name))
     arch = read_architecture(path)
@@ -76,7 +76,7 @@ def test_mapping_round_trips_over_tp_and_pp(name):
 def test_rows_past_the_vocabulary_start_at_the_mean():
     from safetensors.torch import load_file
 
-    from mimo_train.hf_language import read_architecture, to_megatron
+    from mimo_train.families.causal_lm import read_architecture, to_megatron
 
     path = str(model_dir("tiny-llama"))
     arch = read_architecture(path)
@@ -104,7 +104,7 @@ def test_dims_come_from_the_checkpoint():
     lm = cfg.model.language
     assert (lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.ffn_hidden_size) == \
         (30, 576, 9, 1536)
-    from mimo_train.hf_language import read_architecture
+    from mimo_train.families.causal_lm import read_architecture
     arch = read_architecture(lm.pretrained)
     assert (arch.num_query_groups, arch.kv_channels, arch.tied, arch.rotary_base) == \
         (3, 64, True, 100000.0)

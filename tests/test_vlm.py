@@ -1,4 +1,4 @@
-"""A whole Qwen2-VL checkpoint as the model (``model.pretrained``, mimo_train/vlm.py).
+"""A whole Qwen2-VL checkpoint as the model (``model.pretrained``, mimo_train/families/).
 
 ``assets/models/tiny-qwen2-vl`` is a seeded Qwen2-VL scaled down and stored in bf16
 (tools/make_models.py). mimo takes its vision tower (merger included) as the image encoder,
@@ -265,12 +265,12 @@ def _weights(directory: Path) -> dict:
 
 
 def _finetune(tmp: Path, name: str, checkpoints: Path, common: list[str], *overrides: str,
-              nproc: int) -> list[dict]:
-    """``configs/train/qwen2_vl_finetune.yaml`` on the test shards; its JSONL records."""
+              nproc: int, config: str = "qwen2_vl_finetune.yaml") -> list[dict]:
+    """``configs/train/<config>`` on the test shards; its JSONL records."""
     records = tmp / f"{name}.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"), "--records",
+               str(REPO / "configs" / "train" / config), "--records",
                str(records), f"checkpoint.dir={checkpoints}", *common, *overrides]
     env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
@@ -338,8 +338,8 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
 
 
 @pytest.mark.parametrize("model_type, reason", [
-    ("qwen3_vl", "deepstack"), ("llava_onevision", "any-res"),
-    ("qwen2_5_vl", "not mapped yet"), ("llama", "not a whole vision-language model")])
+    ("qwen3_vl", "deepstack"), ("llava_onevision", "any-res"), ("llava_next", "any-res"),
+    ("llama", "not a whole vision-language model")])
 def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason):
     from transformers import AutoConfig
     directory = tmp_path / model_type
@@ -362,7 +362,8 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
                                                                expected):
     """What the trainer checks in its config phase, before building anything."""
     from mimo_data.preprocess.chat_tokens import load_tokenizer
-    from mimo_train.vlm import check_preprocessing, read_vlm
+    from mimo_train.families import read_vlm
+    from mimo_train.families.base import check_preprocessing
     _, preprocess, _ = vlm_data
     text = preprocess.read_text()
     for old, new in change:
@@ -394,7 +395,8 @@ def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
 
 
 def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
-    from mimo_train.encoders import EncoderBuildError, Qwen2VLVision
+    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.families.qwen2_vl import Qwen2VLVision
     _, preprocess, _ = vlm_data
     image = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
     other = dataclasses.replace(image, mean=(0.5, 0.5, 0.5))
@@ -404,7 +406,7 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
 
 
 def test_a_tp_size_the_heads_cannot_split_into_is_refused():
-    from mimo_train.hf_language import check_parallel, read_architecture
+    from mimo_train.families.causal_lm import check_parallel, read_architecture
     arch = read_architecture(str(VLM))
     assert (arch.num_attention_heads, arch.num_query_groups) == (4, 2)
     with pytest.raises(TrainConfigError, match="2 query groups .* do not split into language "

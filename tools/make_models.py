@@ -18,11 +18,15 @@ transformers directories (``config.json``, ``model.safetensors``, a tokenizer or
   merged 2 x 2 over 2 frames; 80 mel bins, 30 s) and, for SigLIP, ``modalities.image``'s
   fixed-policy defaults (224 px), so each loads as ``model.encoders.<module>.pretrained``.
 
-- ``tiny-qwen2-vl``: a whole Qwen2-VL (``Qwen2VLForConditionalGeneration``: the vision tower
-  with its patch merger, the Qwen2 language model with M-RoPE, an untied ``lm_head``) scaled
-  down, stored in bf16 as the real checkpoints are, with SmolLM2's vocabulary plus Qwen2-VL's
-  special tokens (``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``,
-  ``<|video_pad|>``) and its image processor config (``configs/preprocess.yaml``'s geometry).
+- ``tiny-qwen2-vl``, ``tiny-qwen2.5-vl``, ``tiny-llava``: whole VLMs scaled down, stored in
+  bf16 as the real checkpoints are, with SmolLM2's vocabulary plus the family's special tokens
+  and its image processor config. Qwen2-VL (``Qwen2VLForConditionalGeneration``: the vision
+  tower with its patch merger, the Qwen2 language model with M-RoPE, an untied ``lm_head``) and
+  Qwen2.5-VL (its windowed-attention tower with RMSNorm and SwiGLU) take ``<|vision_start|>``,
+  ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` and ``configs/preprocess.yaml``'s
+  geometry; LLaVA (``LlavaForConditionalGeneration``: a CLIP tower, its second-to-last layer
+  without the CLS row, a GELU MLP projector, a Llama language model) takes ``<image>`` and
+  56 px images, short side resized then centre-cropped.
 
 Each directory is written to a staging folder and renamed when complete (``.complete`` inside);
 a complete one is skipped.
@@ -105,13 +109,24 @@ def tiny_encoders() -> dict[str, tuple[Any, Any]]:
     }
 
 
-# Qwen2-VL's special tokens, appended to SmolLM2's vocabulary in this order
+# Qwen2-VL's (and Qwen2.5-VL's) special tokens, appended to SmolLM2's vocabulary in this order
 QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+LLAVA_TOKENS = ("<image>",)
+# the image geometry of the tiny VLMs' processors: configs/preprocess_qwen2_vl.yaml's, and a
+# 56 px CLIP input (4 x 4 patches of 14 px) for LLaVA
+QWEN_PIXELS = dict(min_pixels=3136, max_pixels=200704, patch_size=14, merge_size=2,
+                   temporal_patch_size=2)
+LLAVA_SIDE, LLAVA_PATCH = 56, 14
 
 
-def tiny_vlms() -> dict[str, Any]:
-    """name -> transformers config of each tiny whole VLM."""
-    from transformers import Qwen2VLConfig
+def tiny_vlms() -> dict[str, tuple[Any, tuple[str, ...], Any]]:
+    """name -> (transformers config, special tokens appended to the vocabulary, image
+    processor) of each tiny whole VLM."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, Qwen2VLConfig
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
 
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
                     "video_token_id"), range(VOCAB, VOCAB + len(QWEN2_VL_TOKENS))))
@@ -119,39 +134,61 @@ def tiny_vlms() -> dict[str, Any]:
             "tie_word_embeddings": False,
             "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0,
                                 "mrope_section": [2, 3, 3]}}        # head_dim 16: 8 pairs
-    return {"tiny-qwen2-vl": Qwen2VLConfig(
-        text_config=text, vision_config=dict(
-            depth=2, embed_dim=64, hidden_size=_TINY_COMMON["hidden_size"], num_heads=4,
-            mlp_ratio=2, in_channels=3, patch_size=14, spatial_merge_size=2,
-            temporal_patch_size=2),
-        tie_word_embeddings=False, **ids)}
+    hidden = _TINY_COMMON["hidden_size"]
+    # the Pillow image processors (torchvision, which the fast ones and the full Qwen2-VL
+    # processor's video part need, is not installed)
+    qwen_pixels = Qwen2VLImageProcessorPil(**QWEN_PIXELS)
+    clip_pixels = CLIPImageProcessorPil(size={"shortest_edge": LLAVA_SIDE},
+                                        crop_size={"height": LLAVA_SIDE, "width": LLAVA_SIDE})
+    return {
+        "tiny-qwen2-vl": (Qwen2VLConfig(
+            text_config=text, vision_config=dict(
+                depth=2, embed_dim=64, hidden_size=hidden, num_heads=4, mlp_ratio=2,
+                in_channels=3, patch_size=14, spatial_merge_size=2, temporal_patch_size=2),
+            tie_word_embeddings=False, **ids), QWEN2_VL_TOKENS, qwen_pixels),
+        # windows of 112 px (4 x 4 merged patches) in every block but the last, as the real
+        # ones attend
+        "tiny-qwen2.5-vl": (Qwen2_5_VLConfig(
+            text_config=text, vision_config=dict(
+                depth=3, hidden_size=32, intermediate_size=48, num_heads=2,
+                out_hidden_size=hidden, in_channels=3, patch_size=14, spatial_merge_size=2,
+                temporal_patch_size=2, window_size=112, fullatt_block_indexes=[2]),
+            tie_word_embeddings=False, **ids), QWEN2_VL_TOKENS, qwen_pixels),
+        # LLaVA-1.5's choices: the CLIP tower's second-to-last layer without its CLS row
+        "tiny-llava": (LlavaConfig(
+            text_config=LlamaConfig(**{**_TINY_COMMON, "vocab_size": VOCAB + 1},
+                                    tie_word_embeddings=False),
+            vision_config=CLIPVisionConfig(
+                hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                num_attention_heads=2, image_size=LLAVA_SIDE, patch_size=LLAVA_PATCH,
+                projection_dim=32),
+            image_token_index=VOCAB, vision_feature_layer=-2,
+            vision_feature_select_strategy="default", projector_hidden_act="gelu",
+            image_seq_length=(LLAVA_SIDE // LLAVA_PATCH) ** 2, tie_word_embeddings=False),
+         LLAVA_TOKENS, clip_pixels),
+    }
 
 
-def build_tiny_vlm(config: Any, out: Path, tokenizer: Path) -> None:
-    """A tiny whole Qwen2-VL with seeded random weights, saved in bf16, its tokenizer (with the
-    family's special tokens) and image processor config beside it."""
+def build_tiny_vlm(config: Any, tokens: tuple[str, ...], processor: Any, out: Path,
+                   tokenizer: Path) -> None:
+    """A tiny whole VLM with seeded random weights, saved in bf16, its tokenizer (with the
+    family's special ``tokens`` after SmolLM2's vocabulary) and image processor config beside
+    it."""
     from tokenizers import AddedToken
-    from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil)
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
 
     torch.manual_seed(SEED)
-    model = Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     _randomize(model)
     text = AutoTokenizer.from_pretrained(tokenizer)
-    text.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN2_VL_TOKENS],
+    text.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
                     special_tokens=True)
-    if text.convert_tokens_to_ids(list(QWEN2_VL_TOKENS)) != [
-            config.vision_start_token_id, config.vision_end_token_id, config.image_token_id,
-            config.video_token_id]:
-        raise SystemExit("the Qwen2-VL special tokens did not land on the config's ids")
+    if text.convert_tokens_to_ids(list(tokens)) != list(range(VOCAB, VOCAB + len(tokens))):
+        raise SystemExit(f"the special tokens {tokens} did not land after the vocabulary")
     staging = _staging(out)
     model.to(torch.bfloat16).save_pretrained(staging)
     text.save_pretrained(staging)
-    # the Pillow image processor (torchvision, which the full Qwen2VLProcessor needs for its
-    # video processor, is not installed)
-    Qwen2VLImageProcessorPil(min_pixels=3136, max_pixels=200704, patch_size=14, merge_size=2,
-                             temporal_patch_size=2).save_pretrained(staging)
+    processor.save_pretrained(staging)
     _publish(staging, out)
 
 
@@ -264,7 +301,8 @@ def main(argv: list[str] | None = None) -> None:
         if config is None:
             build_smollm2(out, args.tokenizer)
         elif name in vlms:
-            build_tiny_vlm(config, out, args.tokenizer)
+            vlm_config, tokens, processor = vlms[name]
+            build_tiny_vlm(vlm_config, tokens, processor, out, args.tokenizer)
         elif isinstance(config, tuple):
             model, processor = config
             build_encoder(model, processor, out)

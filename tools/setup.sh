@@ -20,7 +20,7 @@ CORPUS_SCRIPT=tools/make_sample_corpus.py
 MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF), tiny Llama/Qwen2/Qwen3, encoders
 MODELS_SCRIPT=tools/make_models.py
 MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vision
-        tiny-siglip-vision tiny-whisper tiny-qwen2-vl)
+        tiny-siglip-vision tiny-whisper tiny-qwen2-vl tiny-qwen2.5-vl tiny-llava)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }

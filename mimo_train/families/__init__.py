@@ -1,36 +1,45 @@
-"""Whole vision-language checkpoints (``model.pretrained``): which families mimo takes apart
-into its modules, and where each part's weights sit.
+"""Model families: one module per family of transformers models mimo builds from or reads.
 
-A Qwen2-VL checkpoint (``Qwen2VLForConditionalGeneration``) gives:
+- ``causal_lm``: Llama, Qwen2 and Qwen3 decoders (alone, or a whole VLM's language model) as
+  megatron-core's ``GPTModel``; weights in (``to_megatron``) and out (``to_hf``).
+- encoder families, each an ``Encoder`` class (``base``: built from a modality config and
+  dims or a pretrained directory, weights read in fp32, one row per placeholder token):
+  ``qwen2_vl``, ``qwen2_5_vl``, ``siglip``, ``whisper``, ``llava`` (a LLaVA's tower).
+- whole vision-language checkpoints (``model.pretrained``): a family module's ``read(config,
+  path) -> VLM`` says which encoder kind takes its tower, which projection its projector is,
+  where each part's weights sit and how its images are written, and its
+  ``image_geometry(config, processor)`` reads the image processor's settings into a
+  preprocessing config (``preprocessing_for``); its language model is ``causal_lm``'s.
+  ``qwen2_vl``, ``qwen2_5_vl``, ``llava``.
 
-- the image encoder: its vision tower with the patch merger (``model.visual.*``, or
-  ``visual.*`` as the original checkpoints and transformers 5 store it), whose output
-  already has the language model's width, so the projection is the identity
-  (``model.projection: none``);
-- the language model: ``model.language_model.*`` (or ``model.*``) and ``lm_head``
-  (``hf_language``, with the
-  checkpoint's M-RoPE section; the preprocessing must use ``positions: mrope``).
-
-Other families are refused with the reason, never approximated.
+A new family is one module here, registered below, plus its tests. Families that cannot be
+taken are refused with the reason (``REFUSED``), never approximated.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
-
 from mimo_train.config import TrainConfigError
+from mimo_train.families import llava, qwen2_5_vl, qwen2_vl, siglip, whisper
+from mimo_train.families.base import VLM, Encoder, EncoderBuildError, input_form
 
-# model_type -> why mimo does not take it (yet)
+# encoder kind -> its class
+ENCODERS: dict[str, type[Encoder]] = {
+    "qwen2_vl": qwen2_vl.Qwen2VLVision, "qwen2_5_vl": qwen2_5_vl.Qwen2_5VLVision,
+    "siglip": siglip.SiglipVision, "whisper": whisper.WhisperAudio,
+    "llava": llava.LlavaVision}
+# encoder kind for each input form, without a whole VLM
+DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
+                 ("audio", "log-mel"): "whisper"}
+# whole VLM model_type -> its family module (``read``, ``image_geometry``)
+VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "llava": llava}
+# model_type -> why mimo does not take it
 REFUSED = {
-    "qwen2_5_vl": "Qwen2.5-VL's windowed-attention tower is not mapped yet",
     "qwen3_vl": "Qwen3-VL injects vision features into inner language layers (deepstack), "
                 "which megatron-core's MimoModel cannot do: it splices them at the input "
                 "embeddings only",
     "qwen3_vl_moe": "Qwen3-VL injects vision features into inner language layers (deepstack)",
-    "llava": "LLaVA checkpoints are not mapped yet",
     "llava_next": "LLaVA-NeXT tiles images at any resolution (any-res), which mimo's image "
                   "preprocessing does not produce",
     "llava_onevision": "LLaVA-OneVision tiles images at any resolution (any-res), which mimo's "
@@ -38,16 +47,18 @@ REFUSED = {
 }
 
 
-@dataclass(frozen=True)
-class VLM:
-    """What mimo takes from a whole vision-language checkpoint."""
-    path: str
-    family: str                     # qwen2_vl
-    image_token_id: int             # the placeholder the checkpoint's language model expects
-    image_wrap_ids: tuple[int, int]   # the tokens it expects around each image's placeholders
-    vision_prefixes: tuple[str, ...]  # where the tower's weights may sit (merger included)
-    encoder_kind: str               # mimo's encoder kind for the tower
-    projection: str                 # mimo's projection between tower and language model
+def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
+                  num_attention_heads: int, pretrained: str | None) -> Encoder:
+    """The encoder class named by ``kind``, in fp32."""
+    if kind not in ENCODERS:
+        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(ENCODERS)}")
+    return ENCODERS[kind](modality_config, hidden_size, num_layers, num_attention_heads,
+                          pretrained)
+
+
+def default_kind(modality: str, modality_config) -> str:
+    """Encoder kind that consumes this modality's preprocessing output."""
+    return DEFAULT_KINDS[input_form(modality, modality_config)]
 
 
 @lru_cache(maxsize=8)
@@ -65,57 +76,37 @@ def read_vlm(path: str) -> VLM:
     family = config.model_type
     if family in REFUSED:
         raise TrainConfigError(f"model.pretrained {path} is a {family!r} model: {REFUSED[family]}")
-    if family != "qwen2_vl":
+    if family not in VLMS:
         raise TrainConfigError(f"model.pretrained {path} is a {family!r} model, not a whole "
-                               "vision-language model mimo takes (qwen2_vl); give the language "
-                               "model as model.language.pretrained and each encoder as "
-                               "model.encoders.<module>.pretrained instead")
-    return VLM(path=path, family=family, image_token_id=int(config.image_token_id),
-               image_wrap_ids=(int(config.vision_start_token_id),
-                               int(config.vision_end_token_id)),
-               vision_prefixes=("model.visual.", "visual."), encoder_kind="qwen2_vl",
-               projection="none")
+                               f"vision-language model mimo takes ({', '.join(VLMS)}); give "
+                               "the language model as model.language.pretrained and each "
+                               "encoder as model.encoders.<module>.pretrained instead")
+    return VLMS[family].read(config, path)
 
 
-def tower_weights(vlm: VLM):
-    """The checkpoint's weights (``hf_language.CheckpointWeights``) and the prefix its vision
-    tower's names have in them."""
-    from mimo_train.hf_language import CheckpointWeights
-    weights = CheckpointWeights(vlm.path, key="model.pretrained")
-    return weights, weights.prefix_of(vlm.vision_prefixes, "patch_embed.proj.weight")
+def preprocessing_for(path: str) -> dict:
+    """The preprocessing config (as YAML data) that writes images as the whole VLM at
+    ``path`` expects: its tokenizer (and chat template), image token and wrap tokens,
+    positions, and its image processor's geometry, pixel budgets and normalization."""
+    import json
+    import os
 
-
-def load_tower(tower: torch.nn.Module, vlm: VLM) -> None:
-    """Load the vision tower's weights (in fp32) from the VLM into ``tower``, built from the
-    checkpoint's ``vision_config``; every weight must come from the checkpoint."""
-    weights, prefix = tower_weights(vlm)
-    own = tower.state_dict()
-    found = {name: weights(prefix + name) for name in own if prefix + name in weights}
-    missing = sorted(set(own) - set(found))
-    wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in found.items()
-             if v.shape != own[k].shape]
-    if missing or wrong:
-        raise TrainConfigError(f"model.pretrained {vlm.path}: the vision tower's weights under "
-                               f"{prefix} do not fit it: missing {missing[:3]}, "
-                               f"shapes {wrong[:3]}")
-    tower.load_state_dict(found)
-
-
-def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
-    """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
-    image as the checkpoint expects it: its image token, between its start and end tokens."""
-    image = preprocess.modalities.get("image")
-    if image is None:
-        return
-    expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
-    ours = tokenizer.convert_tokens_to_ids(image.token)
-    if ours != vlm.image_token_id:
-        raise TrainConfigError(
-            f"the preprocessing tokenizer gives the image token {image.token!r} the id {ours}, "
-            f"but model.pretrained {vlm.path} expects image tokens at {vlm.image_token_id}: use "
-            f"the checkpoint's tokenizer (tokenizer: {vlm.path})")
-    if tuple(tokenizer.convert_tokens_to_ids(list(image.wrap))) != vlm.image_wrap_ids:
-        raise TrainConfigError(
-            f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
-            f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
-            f"set modalities.image.wrap: {expected}")
+    from huggingface_hub import snapshot_download
+    from transformers import AutoConfig, AutoTokenizer
+    vlm = read_vlm(path)
+    directory = path if os.path.isdir(path) else snapshot_download(path, local_files_only=True)
+    processor = os.path.join(directory, "preprocessor_config.json")
+    if not os.path.isfile(processor):
+        raise TrainConfigError(f"{path} holds no preprocessor_config.json: the image "
+                               "processor's settings cannot be read; write the preprocessing "
+                               "config by hand")
+    with open(processor) as f:
+        geometry = VLMS[vlm.family].image_geometry(AutoConfig.from_pretrained(path),
+                                                   json.load(f))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    image = {"token": tokenizer.convert_ids_to_tokens(vlm.image_token_id)}
+    if vlm.image_wrap_ids:
+        image["wrap"] = tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
+    return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
+            "mode": "chat", "positions": vlm.positions,
+            "modalities": {"image": {**image, **geometry}}}

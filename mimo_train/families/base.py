@@ -1,43 +1,33 @@
-"""Encoders that take exactly the inputs ``mimo_data`` produces and emit exactly the token counts
-it computed: one row per placeholder token, item by item (docs/architecture.md, "One sample").
+"""What every family module shares: the encoder contract and its errors, the projection, the
+weights of a transformers checkpoint read by name, and ``VLM``, what mimo takes from a whole
+vision-language checkpoint.
 
-- ``Qwen2VLVision``: dynamic-resolution uint8 patches ``[Σ patches, C·P·P]`` (one frame; the
-  tower's ``C·T·P·P`` columns are made by ``normalize_pixels``) + ``image_grid_thw`` → one row
-  per merged ``merge × merge`` patch group (transformers' Qwen2-VL vision tower).
-- ``SiglipVision``: fixed-size uint8 images ``[n, 3, S, S]`` → ``(S / P)²`` rows per image.
-- ``WhisperAudio``: log-mel frames ``[Σ frames, n_mels]`` + ``feature_lens`` → Whisper's encoder
-  (its stride-2 conv is the first reduction) then average pooling for each further reduction,
-  ``ceil`` at every step, as ``token_counts.audio_tokens_from_frames`` counts.
-
-Pixel normalization happens here, on the encoder's device (``image_inputs.normalize_pixels``).
-Each class is built from a transformers config (random init) or ``from_pretrained(path)``;
-``path`` may also be what ``mimo-export`` wrote for the class's ``.model`` (a Whisper encoder
-saved alone) or, for ``Qwen2VLVision``, a whole Qwen2-VL (its tower, ``vlm.load_tower``).
-Weights are read in fp32 whatever dtype the checkpoint stores (``precision.cast`` moves the
-built module to the run's dtype; the trainer may then switch ``.model`` to another attention
-implementation). A transformers processor saved beside the model
-(``preprocessor_config.json``) must agree with the preprocessing config (normalization, mel and
-STFT settings).
-tests/test_encoder_parity.py checks each kind against its transformers processor and model.
-
-``Projection`` maps an encoder's rows to the language hidden size (training and mimo-generate).
+The encoder contract (docs/architecture.md, "One sample"): an encoder class is built as
+``cls(modality_config, hidden_size, num_layers, num_attention_heads, pretrained)`` (random init
+from the dims, or the transformers model at ``pretrained``), reads its weights in fp32 whatever
+dtype the checkpoint stores (``precision.cast`` later moves it to the run's dtype), has
+``output_size``, takes exactly the inputs ``mimo_data`` produces for its modality and emits one
+row per placeholder token, item by item. ``takes`` names those inputs: ``(modality, form)``,
+the form being the image policy (``dynamic`` / ``fixed``) or ``log-mel``. Pixel normalization
+happens in the encoder, on its device (``image.normalize_pixels``). A transformers processor
+saved beside the model (``preprocessor_config.json``) must agree with the preprocessing config
+(``check_preprocessor``).
 """
 
 from __future__ import annotations
 
 import json
-import math
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from mimo_data.modalities.image import normalize_pixels
-from mimo_data.modalities.audio import WHISPER_N_FFT, AudioConfig
 from mimo_data.modalities.image import ImageConfig
-from mimo_train.precision import mark_fixed
+from mimo_train.config import TrainConfigError
 
 
 # Encoder inputs an encoder reads on the host (clip lengths that cut its batch): they stay in
@@ -49,8 +39,26 @@ class EncoderBuildError(ValueError):
     """An encoder config that cannot produce the preprocessor's token counts."""
 
 
-def _param_dtype(module: torch.nn.Module) -> torch.dtype:
+def input_form(modality: str, modality_config) -> tuple[str, str]:
+    """What the preprocessing gives an encoder of ``modality``: ``(modality, form)``."""
+    return (modality, "log-mel" if modality == "audio" else modality_config.policy)
+
+
+def param_dtype(module: torch.nn.Module) -> torch.dtype:
     return next(module.parameters()).dtype
+
+
+class Encoder(torch.nn.Module):
+    """The encoder contract (above): ``takes``, ``output_size``, and the width a pretrained
+    model's config gives before the encoder is built."""
+    takes: tuple[str, str]
+    output_size: int
+
+    @staticmethod
+    def pretrained_output_size(config) -> int:
+        """The rows' width of the encoder built from ``config`` (its transformers config)."""
+        config = getattr(config, "vision_config", None) or config
+        return getattr(config, "d_model", None) or config.hidden_size
 
 
 def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, Any]]) -> None:
@@ -72,189 +80,21 @@ def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, An
                                 "the preprocessing config")
 
 
-def _normalization(image: ImageConfig) -> dict[str, tuple[str, Any]]:
+def normalization(image: ImageConfig) -> dict[str, tuple[str, Any]]:
     """The image processor's normalization fields and ours (``normalize_pixels``)."""
     return {"image_mean": ("modalities.image.mean", list(image.mean)),
             "image_std": ("modalities.image.std", list(image.std)),
             "rescale_factor": ("the uint8 scale", 1 / 255)}
 
 
-class Qwen2VLVision(torch.nn.Module):
-    """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
-
-    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
-        super().__init__()
-        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
-            Qwen2VisionTransformerPretrainedModel)
-        from transformers import AutoConfig
-        whole = pretrained and getattr(AutoConfig.from_pretrained(pretrained), "vision_config",
-                                       None)
-        if whole:                       # a whole Qwen2-VL: its tower (merger included)
-            from mimo_train.vlm import load_tower, read_vlm
-            self.model = Qwen2VisionTransformerPretrainedModel._from_config(
-                whole, dtype=torch.float32)
-            load_tower(self.model, read_vlm(pretrained))
-        elif pretrained:
-            self.model = Qwen2VisionTransformerPretrainedModel.from_pretrained(
-                pretrained, dtype=torch.float32)
-        else:
-            self.model = Qwen2VisionTransformerPretrainedModel._from_config(Qwen2VLVisionConfig(
-                depth=num_layers, embed_dim=hidden_size, hidden_size=hidden_size,
-                num_heads=num_attention_heads, mlp_ratio=2, in_channels=3,
-                patch_size=image.patch_size, spatial_merge_size=image.merge_size,
-                temporal_patch_size=image.temporal_patch_size))
-        config = self.model.config
-        geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,
-                    "temporal_patch_size": image.temporal_patch_size}
-        wrong = {k: (getattr(config, k), v) for k, v in geometry.items() if getattr(config, k) != v}
-        if wrong:
-            raise EncoderBuildError(f"vision encoder {pretrained or ''} geometry "
-                                    f"{ {k: a for k, (a, _) in wrong.items()} } differs from the "
-                                    "preprocessing config "
-                                    f"{ {k: b for k, (_, b) in wrong.items()} }"
-                                    ": the token counts would not match; align modalities.image")
-        check_preprocessor(pretrained, _normalization(image))
-        self.image = image
-        self.output_size = config.hidden_size
-
-    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        pixels = normalize_pixels(pixel_values, self.image).to(_param_dtype(self))
-        return self.model(hidden_states=pixels, grid_thw=image_grid_thw).pooler_output
-
-
-class SiglipVision(torch.nn.Module):
-    """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
-
-    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
-        super().__init__()
-        from transformers import SiglipVisionConfig, SiglipVisionModel
-        if pretrained:
-            # the pooling head is not used (one row per patch): leave it out
-            self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False,
-                                                           dtype=torch.float32)
-        else:
-            self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
-                hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-                image_size=image.image_size, patch_size=image.patch_size,
-                vision_use_head=False))
-        config = self.model.config
-        if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
-            raise EncoderBuildError(
-                f"vision encoder {pretrained or ''} takes {config.image_size}px images in "
-                f"{config.patch_size}px patches; the preprocessing config gives "
-                f"{image.image_size}px / {image.patch_size}px: align modalities.image")
-        check_preprocessor(pretrained, _normalization(image))
-        self.image = image
-        self.output_size = config.hidden_size
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        pixels = normalize_pixels(pixel_values, self.image).to(_param_dtype(self))
-        hidden = self.model(pixel_values=pixels).last_hidden_state
-        return hidden.reshape(-1, hidden.size(-1))
-
-
-# WhisperFeatureExtractor clamps log10 power to 8 below its maximum, then maps x -> (x + 4) / 4:
-# silence (zero samples) becomes the maximum feature minus 8 / 4.
-_LOG_MEL_FLOOR = 2.0
-
-
-class WhisperAudio(torch.nn.Module):
-    """Whisper encoder on per-clip log-mels → ``[Σ tokens, hidden]``, clip by clip.
-
-    Whisper's encoder takes exactly ``2 * max_source_positions`` frames, so each clip is padded
-    to that window with the value Whisper's own padding (zero samples) takes in the clip's
-    log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
-    minimum when the clip does not reach that floor). The outputs past the clip's frames are
-    dropped.
-
-    Its position table is sinusoidal and fixed in Whisper (transformers builds it frozen, but
-    ``from_pretrained`` hands it back trainable): it is marked fixed, never trained.
-    """
-
-    def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
-        super().__init__()
-        if not audio.reductions or audio.reductions[0] != 2:
-            raise EncoderBuildError(f"modalities.audio.reductions is {list(audio.reductions)}: "
-                                    "the Whisper encoder's first reduction is its stride-2 conv; "
-                                    "start the list with 2")
-        frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
-        from transformers import AutoConfig, AutoModel, WhisperConfig
-        from transformers.models.whisper.modeling_whisper import WhisperEncoder
-        if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
-                                               .architectures or ()):
-            # saved alone (mimo-export)
-            self.model = WhisperEncoder.from_pretrained(pretrained, dtype=torch.float32)
-        elif pretrained:
-            self.model = AutoModel.from_pretrained(pretrained, dtype=torch.float32).get_encoder()
-        else:
-            self.model = WhisperEncoder(WhisperConfig(
-                num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
-                encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
-                max_source_positions=math.ceil(frames / 2), dropout=0.0))
-        mark_fixed(self.model, ("embed_positions.weight",))
-        config = self.model.config
-        if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:
-            raise EncoderBuildError(
-                f"audio encoder {pretrained or ''} takes {config.num_mel_bins} mel bins and "
-                f"{2 * config.max_source_positions} frames; the preprocessing config gives "
-                f"{audio.n_mels} bins and up to {frames} frames (max_duration "
-                f"{audio.max_duration}s): align modalities.audio")
-        check_preprocessor(pretrained, {
-            "feature_size": ("modalities.audio.n_mels", audio.n_mels),
-            "sampling_rate": ("modalities.audio.sample_rate", audio.sample_rate),
-            "hop_length": ("modalities.audio.hop_length", audio.hop_length),
-            "n_fft": ("the log-mel window", WHISPER_N_FFT)})
-        self.audio = audio
-        self.window = 2 * config.max_source_positions
-        self.output_size = config.d_model
-
-    def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
-        lengths = feature_lens.tolist()
-        clips = torch.split(input_features, lengths)
-        padded = input_features.new_empty(len(clips), self.audio.n_mels, self.window)
-        for out, clip in zip(padded, clips):
-            out[:, :len(clip)] = clip.T
-            out[:, len(clip):] = clip.max() - _LOG_MEL_FLOOR
-        hidden = self.model(padded.to(_param_dtype(self))).last_hidden_state
-        rows = []
-        for states, frames in zip(hidden, lengths):
-            states = states[:-(-frames // 2)]
-            for reduction in self.audio.reductions[1:]:
-                states = F.avg_pool1d(states.T[None], reduction, reduction, ceil_mode=True)[0].T
-            rows.append(states)
-        if not rows:
-            return hidden.new_empty(0, self.output_size)
-        return torch.cat(rows)
-
-
-def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
-                  num_attention_heads: int, pretrained: str | None) -> torch.nn.Module:
-    """The encoder class named by ``kind`` (see the module docstring), in fp32."""
-    classes = {"qwen2_vl": Qwen2VLVision, "siglip": SiglipVision, "whisper": WhisperAudio}
-    if kind not in classes:
-        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(classes)}")
-    return classes[kind](modality_config, hidden_size, num_layers, num_attention_heads,
-                         pretrained)
-
-
-def default_kind(modality: str, modality_config) -> str:
-    """Encoder kind that consumes this modality's preprocessing output."""
-    if modality == "audio":
-        return "whisper"
-    return "qwen2_vl" if modality_config.policy == "dynamic" else "siglip"
-
-
 class Projection(torch.nn.Sequential):
     """Encoder hidden size -> language hidden size (``model.projection``): one Linear
-    (``linear``), Linear-GELU-Linear (``mlp``), or nothing (``none``: the identity, for a
-    tower that already emits the language width, as Qwen2-VL's merger does)."""
+    (``linear``), Linear-GELU-Linear (``mlp``, LLaVA's projector), or nothing (``none``: the
+    identity, for a tower that already emits the language width, as Qwen2-VL's merger does).
+    ``initial``: weights to start from (a whole VLM's projector), else the seeded init."""
 
-    def __init__(self, in_features: int, out_features: int, kind: str):
+    def __init__(self, in_features: int, out_features: int, kind: str,
+                 initial: dict[str, torch.Tensor] | None = None):
         if kind == "none":              # the tower already outputs the language width
             if in_features != out_features:
                 raise EncoderBuildError(f"model.projection is none, but the encoder emits "
@@ -266,3 +106,139 @@ class Projection(torch.nn.Sequential):
                              torch.nn.Linear(out_features, out_features))
         else:
             super().__init__(torch.nn.Linear(in_features, out_features))
+        if initial is not None:
+            self.load_state_dict(initial)
+
+
+class CheckpointWeights:
+    """The tensors of a transformers checkpoint directory (safetensors), read on demand in
+    fp32; ``key``: the config key that named it (for errors)."""
+
+    def __init__(self, path: str, key: str = "model.language.pretrained"):
+        from huggingface_hub import snapshot_download
+        from safetensors import safe_open
+        if not os.path.isdir(path):
+            path = snapshot_download(path, local_files_only=True)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
+                                   "safetensors shards)")
+        self.key, self.path = key, path
+        self.files = {}
+        for name in files:
+            handle = safe_open(os.path.join(path, name), framework="pt")
+            self.files.update({key: handle for key in handle.keys()})
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.files[name].get_tensor(name).float()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def prefix_of(self, prefixes: Iterable[str], name: str) -> str:
+        """The first of ``prefixes`` under which the checkpoint holds ``name``."""
+        for prefix in prefixes:
+            if prefix + name in self:
+                return prefix
+        raise TrainConfigError(f"{self.key} {self.path} holds no {name} under any of "
+                               f"{list(prefixes)}: not a checkpoint of the family its config "
+                               "names")
+
+    def load_into(self, module: torch.nn.Module, prefix: str, what: str) -> None:
+        """Every weight of ``module`` from the checkpoint's ``prefix`` + its name."""
+        own = module.state_dict()
+        found = {name: self(prefix + name) for name in own if prefix + name in self}
+        missing = sorted(set(own) - set(found))
+        wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in found.items()
+                 if v.shape != own[k].shape]
+        if missing or wrong:
+            raise TrainConfigError(f"{self.key} {self.path}: the {what}'s weights under "
+                                   f"{prefix} do not fit it: missing {missing[:3]}, "
+                                   f"shapes {wrong[:3]}")
+        module.load_state_dict(found)
+
+
+@dataclass(frozen=True)
+class VLM:
+    """What mimo takes from a whole vision-language checkpoint, as its family module reads
+    it: the tower becomes the image encoder (``encoder_kind``), the projector mimo's
+    ``projection``, the language model ``causal_lm``'s."""
+    path: str
+    family: str                       # the checkpoint's model_type
+    architecture: str                 # its transformers class (mimo-export writes it back)
+    image_token_id: int               # the placeholder the language model expects
+    image_wrap_ids: tuple[int, ...]   # () or the (start, end) tokens around each image
+    positions: str                    # sequential | mrope
+    encoder_kind: str                 # mimo's encoder kind for the tower
+    vision_prefixes: tuple[str, ...]  # where the tower's weights may sit, in either layout
+    projection: str                   # mimo's projection: none | mlp
+    # where the language model's decoder weights may sit, and its output layer's name
+    language_prefixes: tuple[str, ...] = ("model.language_model.", "model.")
+    head_names: tuple[str, ...] = ("lm_head.weight",)
+    # mimo projection weight -> the checkpoint's name after the projector prefix
+    projector_names: tuple[tuple[str, str], ...] = ()
+    projector_prefixes: tuple[str, ...] = ()
+
+    def weights(self) -> CheckpointWeights:
+        return CheckpointWeights(self.path, key="model.pretrained")
+
+    def tower_prefix(self, weights: CheckpointWeights) -> str:
+        """The prefix the tower's names have in this checkpoint's layout."""
+        return _first_prefix(weights, self.vision_prefixes)
+
+    def projector_prefix(self, weights: CheckpointWeights) -> str:
+        return weights.prefix_of(self.projector_prefixes, self.projector_names[0][1])
+
+    def projector(self) -> dict[str, torch.Tensor] | None:
+        """The projector's weights under mimo's ``Projection`` names (None: no projector)."""
+        if not self.projector_names:
+            return None
+        weights = self.weights()
+        prefix = self.projector_prefix(weights)
+        return {ours: weights(prefix + theirs) for ours, theirs in self.projector_names}
+
+    def load_tower(self, tower: torch.nn.Module) -> None:
+        """The tower's weights (fp32) into ``tower``, built from the checkpoint's
+        ``vision_config``; every weight must come from the checkpoint."""
+        weights = self.weights()
+        weights.load_into(tower, self.tower_prefix(weights), "vision tower")
+
+
+def _first_prefix(weights: CheckpointWeights, prefixes: Iterable[str]) -> str:
+    prefixes = list(prefixes)
+    for prefix in prefixes:
+        if any(name.startswith(prefix) for name in weights.files):
+            return prefix
+    raise TrainConfigError(f"{weights.key} {weights.path} holds no weights under any of "
+                           f"{prefixes}: not a checkpoint of the family its config names")
+
+
+def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
+    """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
+    image as the checkpoint expects it: its image token, between its start and end tokens,
+    with the positions its language model takes."""
+    if preprocess.positions != vlm.positions:
+        raise TrainConfigError(f"the preprocessing config has positions: "
+                               f"{preprocess.positions}, but model.pretrained {vlm.path} (a "
+                               f"{vlm.family}) takes {vlm.positions} positions: set positions: "
+                               f"{vlm.positions}")
+    image = preprocess.modalities.get("image")
+    if image is None:
+        return
+    expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
+    ours = tokenizer.convert_tokens_to_ids(image.token)
+    if ours != vlm.image_token_id:
+        raise TrainConfigError(
+            f"the preprocessing tokenizer gives the image token {image.token!r} the id {ours}, "
+            f"but model.pretrained {vlm.path} expects image tokens at {vlm.image_token_id}: use "
+            f"the checkpoint's tokenizer (tokenizer: {vlm.path})")
+    if tuple(tokenizer.convert_tokens_to_ids(list(image.wrap))) != vlm.image_wrap_ids:
+        raise TrainConfigError(
+            f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
+            f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
+            f"set modalities.image.wrap: {expected}")

@@ -1,5 +1,5 @@
-"""A transformers causal LM (Llama, Qwen2, Qwen3), or the language model of a whole Qwen2-VL,
-as megatron-core's local-spec ``GPTModel``.
+"""The language families: a transformers causal LM (Llama, Qwen2, Qwen3), or the language model
+of a whole VLM (``families.read_vlm``), as megatron-core's local-spec ``GPTModel``.
 
 ``read_architecture(path)`` reads the checkpoint's ``config.json`` into a ``LanguageArch``
 (dims, rotary base and scaling, RMSNorm eps, tied embeddings, qkv bias, qk-norm), refusing what
@@ -23,9 +23,10 @@ Name mapping (layer ``N`` global in transformers, local to the pipeline stage in
 | ``norm.weight`` | ``decoder.final_layernorm.weight`` | none |
 | ``lm_head.weight`` (or the embedding, tied) | ``output_layer.weight`` | rows (vocab) |
 
-A whole Qwen2-VL holds the same names under ``model.language_model.`` (transformers 4.52+'s
-layout) or ``model.`` (the original checkpoints, and what transformers 5 writes): whichever the
-checkpoint has is ``LanguageArch.prefix``; its text config's ``mrope_section`` is
+A whole VLM holds the same names under one of the prefixes its family module gives
+(``VLM.language_prefixes``: ``model.language_model.`` in transformers 4.52+'s layout, the
+family's original one otherwise): whichever the checkpoint has is ``LanguageArch.prefix``, and
+its output layer's name ``LanguageArch.head``; a Qwen VL text config's ``mrope_section`` is
 ``LanguageArch.mrope_section``.
 
 ``linear_qkv`` holds, per query group, that group's query heads, then its key head, then its
@@ -48,8 +49,6 @@ the local-spec layers mimo uses on CPU. This module imports no megatron-core.
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -57,15 +56,12 @@ from functools import lru_cache
 import torch
 
 from mimo_train.config import TrainConfigError
+from mimo_train.families.base import CheckpointWeights
 
 # model_type -> (qkv bias, qk-norm) of the families this module maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
-# whole VLMs whose language model this module maps: model_type -> its family. Their decoder
-# weights are under one of VLM_PREFIXES: transformers 4.52+ keeps them in its module layout
-# (model.language_model.*), the original checkpoints (and what transformers 5 writes) in the
-# causal LM's (model.*).
-VLM_LANGUAGES = {"qwen2_vl": "qwen2"}
-VLM_PREFIXES = ("model.language_model.", "model.")
+# a whole VLM's text model_type -> the family of its decoder (Qwen2 with M-RoPE)
+TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
 # megatron-core's RotaryEmbedding applies llama3 scaling with these fixed values; only the
 # factor is an argument
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -91,6 +87,7 @@ class LanguageArch:
     qk_norm: bool
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary pairs per t/h/w
     prefix: str = "model."          # of the decoder's weight names (a VLM: its language model's)
+    head: str = "lm_head.weight"    # the output layer's weight name
 
 
 def read_architecture(path: str, key: str = "model.language.pretrained") -> LanguageArch:
@@ -109,15 +106,19 @@ def _read_architecture(path: str, key: str) -> LanguageArch:
             f"{key} is {path!r}, from which transformers cannot read a model config ({error}):"
             " give a model directory holding config.json (or a hub name already in the local "
             "cache)") from None
-    family, prefix = config.model_type, "model."
-    if family in VLM_LANGUAGES:
-        family = VLM_LANGUAGES[family]
-        prefix = CheckpointWeights(path, key).prefix_of(VLM_PREFIXES, "embed_tokens.weight")
+    prefix, head = "model.", "lm_head.weight"
+    if getattr(config, "text_config", None) is not None:        # a whole VLM
+        from mimo_train.families import read_vlm
+        vlm = read_vlm(path)
+        weights = CheckpointWeights(path, key)
+        prefix = weights.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
+        head = next((name for name in vlm.head_names if name in weights), vlm.head_names[0])
         config = config.text_config
+    family = TEXT_FAMILIES.get(config.model_type, config.model_type)
     if family not in FAMILIES:
         raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
-                               f"be built from {sorted(FAMILIES)} checkpoints (or the language "
-                               f"model of a {sorted(VLM_LANGUAGES)} one)")
+                               f"be built from {sorted(FAMILIES)} checkpoints (or a whole VLM's "
+                               "of those)")
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU with silu is mapped)")
@@ -151,7 +152,7 @@ def _read_architecture(path: str, key: str) -> LanguageArch:
         kv_channels=head_dim, vocab_size=config.vocab_size,
         rotary_base=float(rope.get("rope_theta", 10000.0)), rope_scaling_factor=factor,
         norm_eps=float(config.rms_norm_eps), tied=bool(config.tie_word_embeddings),
-        qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix,
+        qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
         mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None)
 
 
@@ -183,46 +184,6 @@ def gpt_fields(arch: LanguageArch) -> dict:
                 rope_scaling=arch.rope_scaling_factor is not None,
                 rope_scaling_factor=arch.rope_scaling_factor or 8.0,
                 share_embeddings_and_output_weights=arch.tied)
-
-
-class CheckpointWeights:
-    """The tensors of a transformers checkpoint directory (safetensors), read on demand in
-    fp32; ``key``: the config key that named it (for errors)."""
-
-    def __init__(self, path: str, key: str = "model.language.pretrained"):
-        from huggingface_hub import snapshot_download
-        from safetensors import safe_open
-        if not os.path.isdir(path):
-            path = snapshot_download(path, local_files_only=True)
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.isfile(os.path.join(path, "model.safetensors")):
-            files = ["model.safetensors"]
-        else:
-            raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
-                                   "safetensors shards)")
-        self.key, self.path = key, path
-        self.files = {}
-        for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
-            self.files.update({key: handle for key in handle.keys()})
-
-    def __call__(self, name: str) -> torch.Tensor:
-        return self.files[name].get_tensor(name).float()
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.files
-
-    def prefix_of(self, prefixes: Iterable[str], name: str) -> str:
-        """The first of ``prefixes`` under which the checkpoint holds ``name``."""
-        for prefix in prefixes:
-            if prefix + name in self:
-                return prefix
-        raise TrainConfigError(f"{self.key} {self.path} holds no {name} under any of "
-                               f"{list(prefixes)}: not a checkpoint of the family its config "
-                               "names")
 
 
 def _extend_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -287,8 +248,8 @@ def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_ran
             _extend_rows(hf(arch.prefix + "embed_tokens.weight"), vocab_size))
     if last_stage:
         state["decoder.final_layernorm.weight"] = hf(arch.prefix + "norm.weight")
-        untied = not arch.tied and (has is None or has("lm_head.weight"))
-        output = hf("lm_head.weight") if untied else hf(arch.prefix + "embed_tokens.weight")
+        untied = not arch.tied and (has is None or has(arch.head))
+        output = hf(arch.head) if untied else hf(arch.prefix + "embed_tokens.weight")
         state["output_layer.weight"] = rows(_extend_rows(output, vocab_size))
     return state
 
@@ -331,7 +292,7 @@ def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) 
     if "decoder.final_layernorm.weight" in first:
         hf[arch.prefix + "norm.weight"] = first["decoder.final_layernorm.weight"]
     if "output_layer.weight" in first and not arch.tied:
-        hf["lm_head.weight"] = merged("output_layer.weight", 0)[:rows]
+        hf[arch.head] = merged("output_layer.weight", 0)[:rows]
     return hf
 
 

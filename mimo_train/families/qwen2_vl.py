@@ -1,0 +1,108 @@
+"""Qwen2-VL: its vision tower as an encoder, and whole ``Qwen2VLForConditionalGeneration``
+checkpoints.
+
+The tower (``Qwen2VLVision``, transformers' ``Qwen2VisionTransformerPretrainedModel``) takes
+dynamic-resolution uint8 patches ``[Σ patches, C·P·P]`` (one frame; the tower's ``C·T·P·P``
+columns are made by ``normalize_pixels``) and ``image_grid_thw``, and emits one row per merged
+``merge × merge`` patch group. Its patch merger maps to the language width, so a whole
+checkpoint needs no projection (``none``).
+
+A whole checkpoint holds the tower under ``model.visual.`` (transformers 4.52+'s layout) or
+``visual.`` (the original checkpoints, and what transformers 5 writes), the language model
+(``causal_lm``, a Qwen2 decoder with the checkpoint's M-RoPE section) under
+``model.language_model.`` or ``model.``. Its images sit between ``<|vision_start|>`` and
+``<|vision_end|>``, with M-RoPE positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo_data.modalities.image import ImageConfig, normalize_pixels
+from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_preprocessor,
+                                      normalization, param_dtype)
+
+VISION_PREFIXES = ("model.visual.", "visual.")
+
+
+def read(config, path: str) -> VLM:
+    """What mimo takes from the Qwen2-VL checkpoint at ``path`` (its ``config``)."""
+    return VLM(path=path, family=config.model_type, architecture=config.architectures[0]
+               if config.architectures else "Qwen2VLForConditionalGeneration",
+               image_token_id=int(config.image_token_id),
+               image_wrap_ids=(int(config.vision_start_token_id),
+                               int(config.vision_end_token_id)),
+               positions="mrope", encoder_kind=config.model_type,
+               vision_prefixes=VISION_PREFIXES, projection="none")
+
+
+def image_geometry(config, processor: dict) -> dict:
+    """``modalities.image`` geometry, pixel budgets and normalization of the checkpoint's image
+    processor (``preprocessor_config.json``)."""
+    size = processor.get("size") or {}
+    return {"policy": "dynamic", "patch_size": processor["patch_size"],
+            "merge_size": processor["merge_size"],
+            "temporal_patch_size": processor["temporal_patch_size"],
+            "min_pixels": processor.get("min_pixels") or size["shortest_edge"],
+            "max_pixels": processor.get("max_pixels") or size["longest_edge"],
+            "mean": processor["image_mean"], "std": processor["image_std"]}
+
+
+class Qwen2VLVision(Encoder):
+    """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
+    takes = ("image", "dynamic")
+
+    @staticmethod
+    def pretrained_output_size(config) -> int:
+        config = getattr(config, "vision_config", None) or config
+        return getattr(config, "out_hidden_size", None) or config.hidden_size
+
+    @staticmethod
+    def tower_class():
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel)
+        return Qwen2VisionTransformerPretrainedModel
+
+    @staticmethod
+    def random_config(image: ImageConfig, hidden_size: int, num_layers: int,
+                      num_attention_heads: int):
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+        return Qwen2VLVisionConfig(
+            depth=num_layers, embed_dim=hidden_size, hidden_size=hidden_size,
+            num_heads=num_attention_heads, mlp_ratio=2, in_channels=3,
+            patch_size=image.patch_size, spatial_merge_size=image.merge_size,
+            temporal_patch_size=image.temporal_patch_size)
+
+    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        from transformers import AutoConfig
+        tower = self.tower_class()
+        whole = pretrained and getattr(AutoConfig.from_pretrained(pretrained), "vision_config",
+                                       None)
+        if whole:                       # a whole VLM: its tower (merger included)
+            from mimo_train.families import read_vlm
+            self.model = tower._from_config(whole, dtype=torch.float32)
+            read_vlm(pretrained).load_tower(self.model)
+        elif pretrained:
+            self.model = tower.from_pretrained(pretrained, dtype=torch.float32)
+        else:
+            self.model = tower._from_config(self.random_config(
+                image, hidden_size, num_layers, num_attention_heads))
+        config = self.model.config
+        geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,
+                    "temporal_patch_size": image.temporal_patch_size}
+        wrong = {k: (getattr(config, k), v) for k, v in geometry.items() if getattr(config, k) != v}
+        if wrong:
+            raise EncoderBuildError(f"vision encoder {pretrained or ''} geometry "
+                                    f"{ {k: a for k, (a, _) in wrong.items()} } differs from the "
+                                    "preprocessing config "
+                                    f"{ {k: b for k, (_, b) in wrong.items()} }"
+                                    ": the token counts would not match; align modalities.image")
+        check_preprocessor(pretrained, normalization(image))
+        self.image = image
+        self.output_size = getattr(config, "out_hidden_size", None) or config.hidden_size
+
+    def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
+        pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
+        return self.model(hidden_states=pixels, grid_thw=image_grid_thw).pooler_output

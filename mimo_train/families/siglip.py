@@ -1,0 +1,48 @@
+"""SigLIP: its vision tower as an encoder of fixed-size images.
+
+``SiglipVision`` takes uint8 images ``[n, 3, S, S]`` (``policy: fixed``, squashed to ``S``) and
+emits ``(S / P)²`` rows per image, the patch states of transformers' ``SiglipVisionModel``
+(its pooling head left out).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo_data.modalities.image import ImageConfig, normalize_pixels
+from mimo_train.families.base import (Encoder, EncoderBuildError, check_preprocessor,
+                                      normalization, param_dtype)
+
+
+class SiglipVision(Encoder):
+    """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
+    takes = ("image", "fixed")
+
+    def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        from transformers import SiglipVisionConfig, SiglipVisionModel
+        if pretrained:
+            # the pooling head is not used (one row per patch): leave it out
+            self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False,
+                                                           dtype=torch.float32)
+        else:
+            self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
+                hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+                image_size=image.image_size, patch_size=image.patch_size,
+                vision_use_head=False))
+        config = self.model.config
+        if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
+            raise EncoderBuildError(
+                f"vision encoder {pretrained or ''} takes {config.image_size}px images in "
+                f"{config.patch_size}px patches; the preprocessing config gives "
+                f"{image.image_size}px / {image.patch_size}px: align modalities.image")
+        check_preprocessor(pretrained, normalization(image))
+        self.image = image
+        self.output_size = config.hidden_size
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
+        hidden = self.model(pixel_values=pixels).last_hidden_state
+        return hidden.reshape(-1, hidden.size(-1))

@@ -1,0 +1,94 @@
+"""Whisper: its encoder as the audio encoder.
+
+``WhisperAudio`` takes log-mel frames ``[Σ frames, n_mels]`` and ``feature_lens``, runs
+Whisper's encoder (its stride-2 conv is the first reduction) then average pooling for each
+further reduction, ``ceil`` at every step, as ``token_counts.audio_tokens_from_frames`` counts.
+``pretrained`` may be a whole Whisper model or an encoder saved alone (``mimo-export``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mimo_data.modalities.audio import WHISPER_N_FFT, AudioConfig
+from mimo_train.families.base import Encoder, EncoderBuildError, check_preprocessor, param_dtype
+from mimo_train.precision import mark_fixed
+
+
+# WhisperFeatureExtractor clamps log10 power to 8 below its maximum, then maps x -> (x + 4) / 4:
+# silence (zero samples) becomes the maximum feature minus 8 / 4.
+_LOG_MEL_FLOOR = 2.0
+
+
+class WhisperAudio(Encoder):
+    """Whisper encoder on per-clip log-mels → ``[Σ tokens, hidden]``, clip by clip.
+
+    Whisper's encoder takes exactly ``2 * max_source_positions`` frames, so each clip is padded
+    to that window with the value Whisper's own padding (zero samples) takes in the clip's
+    log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
+    minimum when the clip does not reach that floor). The outputs past the clip's frames are
+    dropped.
+
+    Its position table is sinusoidal and fixed in Whisper (transformers builds it frozen, but
+    ``from_pretrained`` hands it back trainable): it is marked fixed, never trained.
+    """
+    takes = ("audio", "log-mel")
+
+    def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
+                 num_attention_heads: int, pretrained: str | None = None):
+        super().__init__()
+        if not audio.reductions or audio.reductions[0] != 2:
+            raise EncoderBuildError(f"modalities.audio.reductions is {list(audio.reductions)}: "
+                                    "the Whisper encoder's first reduction is its stride-2 conv; "
+                                    "start the list with 2")
+        frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
+        from transformers import AutoConfig, AutoModel, WhisperConfig
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+        if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
+                                               .architectures or ()):
+            # saved alone (mimo-export)
+            self.model = WhisperEncoder.from_pretrained(pretrained, dtype=torch.float32)
+        elif pretrained:
+            self.model = AutoModel.from_pretrained(pretrained, dtype=torch.float32).get_encoder()
+        else:
+            self.model = WhisperEncoder(WhisperConfig(
+                num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
+                encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
+                max_source_positions=math.ceil(frames / 2), dropout=0.0))
+        mark_fixed(self.model, ("embed_positions.weight",))
+        config = self.model.config
+        if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:
+            raise EncoderBuildError(
+                f"audio encoder {pretrained or ''} takes {config.num_mel_bins} mel bins and "
+                f"{2 * config.max_source_positions} frames; the preprocessing config gives "
+                f"{audio.n_mels} bins and up to {frames} frames (max_duration "
+                f"{audio.max_duration}s): align modalities.audio")
+        check_preprocessor(pretrained, {
+            "feature_size": ("modalities.audio.n_mels", audio.n_mels),
+            "sampling_rate": ("modalities.audio.sample_rate", audio.sample_rate),
+            "hop_length": ("modalities.audio.hop_length", audio.hop_length),
+            "n_fft": ("the log-mel window", WHISPER_N_FFT)})
+        self.audio = audio
+        self.window = 2 * config.max_source_positions
+        self.output_size = config.d_model
+
+    def forward(self, input_features: torch.Tensor, feature_lens: torch.Tensor) -> torch.Tensor:
+        lengths = feature_lens.tolist()
+        clips = torch.split(input_features, lengths)
+        padded = input_features.new_empty(len(clips), self.audio.n_mels, self.window)
+        for out, clip in zip(padded, clips):
+            out[:, :len(clip)] = clip.T
+            out[:, len(clip):] = clip.max() - _LOG_MEL_FLOOR
+        hidden = self.model(padded.to(param_dtype(self))).last_hidden_state
+        rows = []
+        for states, frames in zip(hidden, lengths):
+            states = states[:-(-frames // 2)]
+            for reduction in self.audio.reductions[1:]:
+                states = F.avg_pool1d(states.T[None], reduction, reduction, ceil_mode=True)[0].T
+            rows.append(states)
+        if not rows:
+            return hidden.new_empty(0, self.output_size)
+        return torch.cat(rows)
