@@ -1,0 +1,391 @@
+"""Whole Qwen2.5-VL and LLaVA checkpoints as the model (``model.pretrained``,
+``mimo_train/families/``), checked as tests/test_vlm.py checks Qwen2-VL.
+
+``assets/models/tiny-qwen2.5-vl`` (its windowed-attention tower: windows of 4 x 4 merged
+patches in two blocks of three, RMSNorm, SwiGLU; M-RoPE) and ``assets/models/tiny-llava`` (a
+CLIP tower read at its second-to-last layer without the CLS row, a GELU MLP projector, a Llama
+language model; 56 px images, short side resized then centre-cropped) are seeded, scaled down
+and stored in bf16 (tools/make_models.py). For each:
+
+- the preprocessing config derived from the checkpoint's files (``mimo-train
+  --preprocessing-for``; a smaller pixel budget for Qwen) gives, for a two-image multi-turn
+  conversation, transformers' ``input_ids`` (the checkpoint's chat template, each image as the
+  family's processor writes it) and the family's image processor's pixels;
+- the logits of the model mimo builds equal transformers' own class (fp32, 1e-4) on images of
+  different sizes over a multi-turn conversation, a text-only sample and single-image
+  samples, rows padded or packed into one;
+- image dp2 fan-in (variable counts) into language tp2 with packing, and language pp2, give
+  the colocated step's loss and gradients;
+- ``mimo-export`` of the imported model gives back every weight under its name exactly, and
+  transformers' greedy ``generate`` on it for an image prompt gives ``mimo-generate``'s tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_train.config import TrainConfigError
+
+from conftest import REPO, build_dataset
+from test_train_parity import _compare, _run, _torchrun
+from test_vlm import PARITY_RUNNER, SAMPLES, TOLERANCE, _finetune, _logits, _turns, _weights
+
+MODELS = REPO / "assets" / "models"
+MAX_PIXELS = 37632                  # a smaller budget than the processor's, for speed
+# family -> (checkpoint, transformers class)
+FAMILIES = {"qwen2.5-vl": (MODELS / "tiny-qwen2.5-vl", "Qwen2_5_VLForConditionalGeneration"),
+            "llava": (MODELS / "tiny-llava", "LlavaForConditionalGeneration")}
+NAMES = ("chelsea.jpg", "rocket.jpg")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, corpus, tmp_path_factory) -> dict:
+    return _family_data(request.param, corpus, tmp_path_factory.mktemp(request.param))
+
+
+def _family_data(name: str, corpus: Path, tmp: Path) -> dict:
+    """The family's shards of image + text conversations and preprocessing config (the
+    checkpoint's tokenizer, positions, image token and geometry), and the overrides of a run
+    on them."""
+    import yaml
+
+    from mimo_train.families import preprocessing_for
+    checkpoint, architecture = FAMILIES[name]
+    images = corpus / "images"
+    marker = "<image>"
+    records = [
+        {"id": "multi-turn", "image": [str(images / n) for n in NAMES],
+         "conversations": _turns(f"{marker}What animal is this?", "A cat, lying down.",
+                                 f"And here? {marker}", "A rocket on its launch pad.")},
+        {"id": "text-only", "conversations": _turns("What is a tar file?",
+                                                     "An archive of files.")},
+        {"id": "page", "image": str(images / "page.png"),
+         "conversations": _turns(f"{marker}Read the page.", "A page of printed text.")},
+        {"id": "hopper", "image": str(images / "grace_hopper.jpg"),
+         "conversations": _turns(f"Who is this? {marker}", "Grace Hopper, in uniform.")},
+    ]
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    preprocess = tmp / "preprocess.yaml"
+    config = preprocessing_for(str(checkpoint))      # derived from the checkpoint's files
+    if "max_pixels" in config["modalities"]["image"]:
+        config["modalities"]["image"]["max_pixels"] = MAX_PIXELS
+    preprocess.write_text(yaml.safe_dump({**config, "seq_length": 512}))
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={checkpoint}", f"train.global_batch_size={SAMPLES}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0", "train.seed=3"]
+    return dict(name=name, checkpoint=checkpoint, architecture=architecture, tmp=tmp,
+                preprocess=preprocess, common=common)
+
+
+def _model(family: dict, directory: Path):
+    import transformers
+    cls = getattr(transformers, family["architecture"])
+    return cls.from_pretrained(directory, dtype=torch.float32).eval()
+
+
+def _processor(family: dict):
+    """The family's image processor, as saved with the checkpoint, Pillow backend."""
+    from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    if family["name"] == "llava":
+        return CLIPImageProcessorPil.from_pretrained(family["checkpoint"])
+    return Qwen2VLImageProcessorPil.from_pretrained(family["checkpoint"], max_pixels=MAX_PIXELS)
+
+
+def _image_text(family: dict, pixels: dict) -> list[str]:
+    """Each image's text as the family's processor writes it."""
+    if family["name"] == "llava":             # LlavaProcessor: one <image> per patch
+        return ["<image>" * 16] * len(pixels["pixel_values"])
+    return ["<|vision_start|>" + "<|image_pad|>" * (int(grid.prod()) // 4) + "<|vision_end|>"
+            for grid in pixels["image_grid_thw"]]
+
+
+def _inputs(family: dict, model, ids: torch.Tensor, pixel_values: torch.Tensor,
+            image: dict) -> dict:
+    """transformers' forward / generate inputs besides the tokens."""
+    extra = {"pixel_values": pixel_values}
+    if "image_grid_thw" in image:
+        extra.update(image_grid_thw=image["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    return extra
+
+
+def test_input_ids_and_pixels_are_the_processors(family, corpus):
+    """With the preprocessing config derived from the checkpoint (``preprocessing_for``)."""
+    from PIL import Image, ImageOps
+    from transformers import AutoTokenizer
+
+    from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
+    turns = [("user", "<image>What animal is this?"), ("assistant", "A cat, lying down."),
+             ("user", "And here? <image>"), ("assistant", "A rocket on its launch pad.")]
+    record = {"key": "k", "messages": [{"role": r, "content": c} for r, c in turns],
+              "media": [media_item("image", d, i) for i, d in enumerate(data)]}
+    config = PreprocessConfig.from_yaml(str(family["preprocess"]))
+    preprocessor = Preprocessor(config)
+    ours = preprocessor.text_batch([record])[0].ids
+    pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")
+                for n in NAMES]
+    theirs = _processor(family)(images=pictures, return_tensors="pt")
+    written = iter(_image_text(family, theirs))
+    messages = [{"role": r, "content": c.replace("<image>", next(written)) if "<image>" in c
+                 else c} for r, c in turns]
+    tokenizer = AutoTokenizer.from_pretrained(family["checkpoint"])
+    expected = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert ours.tolist() == list(expected)
+    from mimo_data.modalities.image import decode_image, image_encoder_inputs
+    image = config.modalities["image"]
+    inputs = image_encoder_inputs([decode_image(d, item["orientation"], image)
+                                   for d, item in zip(data, record["media"])], image)
+    assert torch.equal(normalize_pixels(inputs["pixel_values"], image), theirs["pixel_values"])
+
+
+def test_logits_match_transformers_padded_or_packed(family):
+    tmp, common = family["tmp"], family["common"]
+    padded = _logits(tmp, "padded", common)
+    batch = padded["batch"]
+    image = batch["modality_inputs"]["image"]["image"]
+    model = _model(family, family["checkpoint"])
+    length = int(batch["attention_mask"].sum(1).max())
+    ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
+    pixels = normalize_pixels(image["pixel_values"], PreprocessConfig.from_yaml(
+        str(family["preprocess"])).modalities["image"])
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask.long(),
+                         **_inputs(family, model, ids, pixels, image)).logits
+    vocab = expected.size(-1)
+    ours = padded["logits"][:, :length, :vocab]
+    assert (ours - expected)[mask].abs().max() <= TOLERANCE
+    packed = _logits(tmp, "packed", common, "data.packing=true", "model.attention=sdpa")
+    bounds = packed["batch"]["packing_kwargs"]["cu_seqlens_q"].tolist()
+    lengths = mask.sum(1).tolist()
+    assert len(bounds) == SAMPLES + 1
+    for start, end in zip(bounds, bounds[1:]):
+        row_ids = packed["batch"]["input_ids"][0, start:end]
+        (row,) = [r for r in range(SAMPLES) if lengths[r] == end - start
+                  and torch.equal(batch["input_ids"][r, :end - start], row_ids)]
+        difference = packed["logits"][0, start:end, :vocab] - expected[row, :end - start]
+        assert difference.abs().max() <= TOLERANCE, row
+
+
+@pytest.fixture(scope="module")
+def colocated_step(family) -> tuple[dict, str]:
+    tmp, common = family["tmp"], family["common"]
+    out = tmp / "colocated"
+    reference = _run([sys.executable, PARITY_RUNNER, str(out), "--save-init", str(tmp / "init"),
+                      "layout=language=dp1;image=dp1,off0", f"train.micro_batch_size={SAMPLES}",
+                      *common], out)
+    return reference, str(tmp / "init" / "step_0000000")
+
+
+def test_layouts_match_the_colocated_step(family, colocated_step):
+    tmp, common = family["tmp"], family["common"]
+    reference, init = colocated_step
+    fan_in = _torchrun(tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2", SAMPLES,
+                       [*common, "data.packing=true"], init)
+    _compare(reference, fan_in, "image dp2 -> language tp2, packed")
+    staged = _torchrun(tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
+    _compare(reference, staged, "image dp1 -> language pp2")
+
+
+def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
+    """Untrained, the export is the checkpoint: its class, every weight under its name with
+    its (bf16) value; transformers' greedy generate on it equals mimo-generate's."""
+    from PIL import Image, ImageOps
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    from mimo_train.export import main
+    from mimo_train.generate import Generator
+    out = tmp_path / "out"
+    assert main(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == [family["architecture"]]
+    original, exported = load_file(family["checkpoint"] / "model.safetensors"), _weights(out)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor.float()), name
+
+    path = corpus / "images" / "grace_hopper.jpg"
+    ours = Generator(str(out)).generate("Who is this?", images=[str(path)], max_new_tokens=8)
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    pixels = _processor(family)(images=[ImageOps.exif_transpose(Image.open(path))
+                                        .convert("RGB")], return_tensors="pt")
+    (text,) = _image_text(family, pixels)
+    ids = torch.tensor([tokenizer.apply_chat_template(
+        [{"role": "user", "content": text + "\nWho is this?"}], add_generation_prompt=True,
+        tokenize=True, return_dict=False)])
+    assert ids[0].tolist() == ours.prompt_ids
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                do_sample=False, max_new_tokens=8,
+                                **_inputs(family, model, ids, pixels["pixel_values"],
+                                          dict(pixels)))
+    assert theirs[0, ids.size(1):].tolist() == ours.token_ids
+    assert len(ours.token_ids) == 8
+
+
+def test_llava_finetune_trains_the_projector_with_the_tower_frozen(corpus, tmp_path):
+    """The shipped LLaVA config (``model.freeze: [image.encoder]``), non-colocated on 2 ranks
+    for 2 steps: its export loads in transformers with the tower exactly the checkpoint's and
+    the projector and language model trained."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_train.export import main
+    from test_train_run import _train_records
+    data = _family_data("llava", corpus, tmp_path)
+    common = [*(c for c in data["common"] if not c.startswith("train.")),
+              "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=2",
+              "train.device=cpu", "optimizer.lr=3e-3"]
+    records = _finetune(tmp_path, "llava", tmp_path / "ckpt", common, nproc=2,
+                        config="llava_finetune.yaml")
+    losses = [r["loss"] for r in _train_records(records)]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out)]) == 0
+    AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    original, exported = load_file(data["checkpoint"] / "model.safetensors"), _weights(out)
+    assert set(exported) == set(original)
+    tower = [n for n in original if n.startswith("vision_tower.")]
+    assert tower and all(torch.equal(exported[n], original[n].float()) for n in tower)
+    for moved in ("multi_modal_projector.linear_1.weight", "language_model.lm_head.weight"):
+        assert not torch.equal(exported[moved], original[moved].float()), moved
+
+
+def test_freeze_names_a_module_or_an_encoder_modules_part():
+    from types import SimpleNamespace
+
+    from mimo_train.model import _frozen_parts
+    infra = SimpleNamespace(modules={"language": 0, "image": 0}, layout="image=dp1;language=dp1")
+    assert _frozen_parts(["image.encoder", "language"], infra) == {
+        "image": "encoders.", "language": None}
+    assert _frozen_parts(["image.projection"], infra) == {"image": "input_projections."}
+    for wrong, message in ((["language.encoder"], "nor an encoder module's part"),
+                           (["image.tower"], "<module>.encoder / <module>.projection"),
+                           (["audio"], "not a module of the layout"),
+                           (["image.encoder", "image.projection"], "freeze the module")):
+        with pytest.raises(TrainConfigError, match=message):
+            _frozen_parts(wrong, infra)
+
+
+# ------------------------------------------------------------------------------- refusals
+
+def test_llava_takes_its_projector_and_sequential_positions():
+    from mimo_train.config import TrainConfig
+    checkpoint = FAMILIES["llava"][0]
+    cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={checkpoint}"])
+    assert cfg.model.projection == "mlp" and cfg.model.language.mrope_section is None
+    from mimo_train.families import read_vlm
+    projector = read_vlm(str(checkpoint)).projector()
+    assert sorted(projector) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    assert projector["0.weight"].shape == (64, 32)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"projector_hidden_act": "relu"}, "a 'relu' projector \\(GELU is mapped\\)"),
+    ({"vision_feature_select_strategy": "full"}, "full on a tower with a CLS row"),
+    ({"multimodal_projector_bias": False}, "a projector without biases"),
+])
+def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(FAMILIES["llava"][0])
+    for key, value in change.items():
+        setattr(config, key, value)
+    config.save_pretrained(tmp_path)
+    with pytest.raises(TrainConfigError, match=reason):
+        from mimo_train.config import TrainConfig
+        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"])
+
+
+def test_a_modality_token_may_be_its_own_marker_only():
+    """LLaVA's image token is ``<image>``, mimo's image marker: allowed. ``<audio>`` as the
+    image token would read every audio marker as an image: refused."""
+    from mimo_data.errors import ConfigError
+    from mimo_data.modalities.image import ImageConfig
+    tokenizer = str(FAMILIES["llava"][0])
+    config = PreprocessConfig(tokenizer=tokenizer, modalities={
+        "image": ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)})
+    assert config.modalities["image"].token == "<image>"
+    with pytest.raises(ConfigError, match="modalities.image.token '<audio>' is another "
+                       "modality's text marker"):
+        PreprocessConfig(tokenizer=tokenizer, modalities={"image": ImageConfig(token="<audio>")})
+
+
+def test_a_processor_that_resizes_otherwise_is_refused():
+    """LLaVA's CLIP processor crops; squashing (crop: false) would feed the tower other
+    pixels than it was trained on."""
+    from mimo_data.modalities.image import ImageConfig
+    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.families.llava import LlavaVision
+    squashed = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)
+    with pytest.raises(EncoderBuildError, match="do_center_crop True.*crop False"):
+        LlavaVision(squashed, 0, 0, 0, pretrained=str(FAMILIES["llava"][0]))
+
+
+def test_preprocessing_for_prints_the_derived_config(capsys):
+    """``mimo-train --preprocessing-for VLM`` prints the config ``preprocessing_for`` derives;
+    a checkpoint that is not a whole VLM is refused (exit 2)."""
+    import yaml
+
+    from mimo_train.cli import main
+    from mimo_train.families import preprocessing_for
+    checkpoint = str(FAMILIES["llava"][0])
+    assert main(["--preprocessing-for", checkpoint]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == preprocessing_for(checkpoint)
+    assert printed["modalities"]["image"]["crop"] is True
+    assert main(["--preprocessing-for", str(MODELS / "tiny-llama")]) == 2
+    assert "not a whole vision-language model" in capsys.readouterr().err
+
+
+def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp_path, corpus):
+    """A LLaVA with a SigLIP tower read at its last layer (no CLS row, ``full`` selection,
+    squashed 56 px images): mimo's tower and projection give ``get_image_features``'s rows;
+    the pooling head is not held."""
+    from transformers import (LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              SiglipVisionConfig)
+
+    from mimo_data.modalities.image import ImageConfig, decode_image, image_encoder_inputs
+    from mimo_data.preprocess.preprocessor import media_item
+    from mimo_train.families import read_vlm
+    from mimo_train.families.base import Projection
+    from mimo_train.families.llava import LlavaVision
+    torch.manual_seed(0)
+    config = LlavaConfig(
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=2, num_attention_heads=2,
+                                         image_size=56, patch_size=14),
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                num_attention_heads=4, vocab_size=300),
+        image_token_index=299, vision_feature_layer=-1, vision_feature_select_strategy="full")
+    LlavaForConditionalGeneration(config).save_pretrained(tmp_path)
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    image = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14,
+                        mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5))
+    data = [(corpus / "images" / name).read_bytes() for name in NAMES]
+    pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
+                                                image) for d in data], image)["pixel_values"]
+    tower = LlavaVision(image, 0, 0, 0, pretrained=str(tmp_path)).eval()
+    assert not any("head" in name for name in tower.state_dict())
+    projection = Projection(32, 64, "mlp", initial=read_vlm(str(tmp_path)).projector())
+    with torch.no_grad():
+        ours = projection(tower(pixels))
+        theirs = model.model.get_image_features(
+            pixel_values=normalize_pixels(pixels, image), vision_feature_layer=-1,
+            vision_feature_select_strategy="full").pooler_output
+    theirs = torch.cat(list(theirs)) if isinstance(theirs, (list, tuple)) else \
+        theirs.reshape(-1, theirs.size(-1))
+    assert ours.shape == (2 * 16, 64)
+    assert (ours - theirs).abs().max() <= TOLERANCE
