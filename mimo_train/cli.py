@@ -6,7 +6,10 @@ Exit codes (of each rank; torchrun itself exits non-zero when any rank does):
 - 1: a check or the data failed: the shards do not suit the layout (start-up ``data`` phase),
   a damaged or partial checkpoint, or training itself raised (with its traceback);
 - 2: usage or config error: a bad option, key or value, a missing input path, a layout that
-  does not fit the world, a checkpoint saved for another model or global batch size.
+  does not fit the world, a checkpoint saved for another model or global batch size;
+- 128 + the signal's number (143 SIGTERM, 138 SIGUSR1): stopped by one of
+  ``train.exit_signals`` after a step, the checkpoint of that step saved (with
+  ``checkpoint.dir``); run the same command again to resume.
 
 A start-up failure is printed once, by rank 0, naming the ranks that failed; every rank exits.
 Nothing heavy is imported before the arguments are parsed: ``--help`` answers at once.
@@ -26,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mimo-train", description="Train a MIMO model (megatron-core MimoModel) on shards "
         "from mimo-shard build; run one process per rank under torchrun.",
-        epilog="Exit codes: 0 done, 1 a check or the data failed, 2 usage or config error. "
+        epilog="Exit codes: 0 done, 1 a check or the data failed, 2 usage or config error, "
+        "128 + N stopped by signal N (train.exit_signals) with a checkpoint. "
         "Relative paths in the YAML are taken from its folder, those in overrides from the "
         "current directory.")
     parser.add_argument("--config", metavar="YAML",
@@ -62,9 +66,11 @@ def main(argv=None) -> int:
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
     try:
-        records = train(cfg)
+        records, stopped_by = train(cfg)
         if args.records:
             dump(records, args.records)
+        if stopped_by:                  # preempted: checkpoint saved (mimo_train/preemption.py)
+            return 128 + stopped_by
     except console.StartupError as error:
         return console.report_failure(error)
     finally:

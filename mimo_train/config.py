@@ -190,7 +190,22 @@ class RunConfig:
     device: str = "auto"                              # auto | cuda | cpu
     precision: str = "fp32"                           # fp32 | bf16
     collective_timeout_minutes: float = 10.0          # a collective no rank completes fails
+    # signals that stop the run after the current step with a checkpoint (preemption)
+    exit_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     tensorboard_dir: str | None = None
+
+
+def _check_exit_signal(name: str) -> None:
+    import signal
+
+    from mimo_train.preemption import signal_number
+    try:
+        number = signal_number(name)
+    except AttributeError:
+        raise TrainConfigError(f"train.exit_signals names {name!r}, not a signal: use names "
+                               "such as SIGTERM or SIGUSR1") from None
+    if number in (signal.SIGKILL, signal.SIGSTOP):
+        raise TrainConfigError(f"train.exit_signals names {name}, which no process can catch")
 
 
 @dataclass
@@ -266,6 +281,8 @@ class TrainConfig:
         if not run.collective_timeout_minutes > 0:
             raise TrainConfigError(f"train.collective_timeout_minutes is "
                                    f"{run.collective_timeout_minutes}: it must be > 0")
+        for name in run.exit_signals:
+            _check_exit_signal(str(name))
         if run.precision not in ("fp32", "bf16"):
             raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
         if not 0 <= opt.min_lr <= opt.lr:

@@ -12,12 +12,14 @@ its bridges routing variable per-sample token counts: ``bridge_routing``) for no
 layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
 rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
 (``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; distributed
-checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader).
+checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader); a
+stop with a checkpoint on ``train.exit_signals`` (``preemption``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -44,6 +46,7 @@ from mimo_train.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
                               trained_optimizers, vocab_size)
 from mimo_train.precision import run_dtype
+from mimo_train.preemption import ExitSignals
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 from mimo_train.families import read_vlm
 from mimo_train.families.base import check_preprocessing
@@ -88,6 +91,7 @@ class Trainer:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
+        self.stopped_by = 0                     # the exit signal that stopped the run
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if resume:
             self._resume(resume)
@@ -215,18 +219,27 @@ class Trainer:
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
         iterator = self.batches(self.loader)
-        while self.step < run.steps:
-            self.metrics.log(self.train_step(iterator))
-            if run.eval_interval and self.step % run.eval_interval == 0:
-                self.metrics.log(self.evaluate())
-            stop = bool(run.exit_interval) and self.step % run.exit_interval == 0
-            last = self.step == run.steps
-            if self.cfg.checkpoint.dir and (last or stop or (every and self.step % every == 0)):
-                say(f"{PREFIX}checkpoint {self.save()}")
-            if stop and not last:
-                say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
-                    f"{self.step}")
-                break
+        with ExitSignals(run.exit_signals) as signals:
+            while self.step < run.steps:
+                self.metrics.log(self.train_step(iterator))
+                if run.eval_interval and self.step % run.eval_interval == 0:
+                    self.metrics.log(self.evaluate())
+                self.stopped_by = signals.agreed()
+                stop = bool(self.stopped_by) or (
+                    bool(run.exit_interval) and self.step % run.exit_interval == 0)
+                last = self.step == run.steps
+                if self.cfg.checkpoint.dir and (last or stop or
+                                                (every and self.step % every == 0)):
+                    say(f"{PREFIX}checkpoint {self.save()}")
+                if self.stopped_by:
+                    say(f"{PREFIX}{signal.Signals(self.stopped_by).name} received: stopped "
+                        f"after step {self.step}" + ("" if self.cfg.checkpoint.dir else
+                                                     " (no checkpoint.dir: nothing saved)"))
+                    break
+                if stop and not last:
+                    say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
+                        f"{self.step}")
+                    break
         self.metrics.close()
         return self.metrics.records
 
@@ -312,10 +325,12 @@ class Trainer:
                                self._meta())
 
 
-def train(cfg: TrainConfig) -> list[dict]:
-    """Build the trainer on this rank and train; returns the records."""
-    records = Trainer(cfg).run()
+def train(cfg: TrainConfig) -> tuple[list[dict], int]:
+    """Build the trainer on this rank and train; returns the records and the signal that
+    stopped the run (0: none, it trained to the end)."""
+    trainer = Trainer(cfg)
+    records = trainer.run()
     if cfg.checkpoint.dir:
         say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "
             f"(latest: {checkpoint.latest(cfg.checkpoint.dir)})")
-    return records
+    return records, trainer.stopped_by

@@ -9,7 +9,9 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
 - ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
-  every rank with one message naming the file and the newest complete checkpoint.
+  every rank with one message naming the file and the newest complete checkpoint;
+- preemption: a signal to one worker or to torchrun stops every rank after the same step with
+  that step's checkpoint, and the run started again continues the same losses.
 """
 
 import json
@@ -132,6 +134,57 @@ def test_resume_continues_the_exact_sample_stream(setup):
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (torchrun's workers)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:                 # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("target", ["one worker", "the agent"])
+def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(setup, target):
+    """Once step 1 is logged, SIGUSR1 to one worker (Slurm's ``--signal``) or SIGTERM to
+    torchrun (which forwards it to every worker): every rank stops after the same step, the
+    job saves that step's checkpoint and the workers exit 128 + the signal; started again, the
+    run continues the uninterrupted run's losses within 1e-5."""
+    import signal
+    tmp, common, full = setup
+    root = tmp / f"signal-{target.replace(' ', '-')}"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "3", "-m", "mimo_train", "--config",
+               str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"), *common,
+               f"checkpoint.dir={root}"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    lines = []
+    assert agent.stdout is not None
+    for line in agent.stdout:
+        lines.append(line)
+        if line.startswith("step    1:"):
+            break
+    sent = signal.SIGUSR1 if target == "one worker" else signal.SIGTERM
+    os.kill(_children(agent.pid)[-1] if target == "one worker" else agent.pid, sent)
+    lines += agent.stdout.readlines()
+    agent.wait(timeout=120)
+    output = "".join(lines)
+    stopped = [line for line in lines if f"{sent.name} received: stopped after step" in line]
+    assert len(stopped) == 1, output[-4000:]
+    step = int(stopped[0].split()[-1])
+    assert step < STEPS and (root / "latest").read_text() == f"step_{step:07d}"
+    if target == "one worker":        # torchrun reports each worker's exit status
+        assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
+    resumed = _train(tmp, f"resumed-{target}", root, *common)
+    _assert_continues(resumed, full, list(range(step + 1, STEPS + 1)), loss=1e-5,
+                      grad_norm_rel=1e-4)
 
 
 @pytest.mark.parametrize("language", ["dp2", "tp2"])

@@ -1,0 +1,73 @@
+"""Stopping on a signal: what a preempted job receives before it is killed.
+
+Slurm and Kubernetes send SIGTERM (Slurm also a chosen signal ahead of time, e.g.
+``--signal=USR1@120``) and kill the job after a grace period. ``train.exit_signals`` names the
+signals that ask the run to stop: the first one a rank receives only sets a flag; after every
+step the ranks agree over the control group (one small CPU all-reduce) on whether any rank got
+one, so a signal delivered to one rank stops them all after the same step. They then save one
+checkpoint together (with ``checkpoint.dir``), print where, and exit with
+``128 + the signal's number`` (143 for SIGTERM, 138 for SIGUSR1): the status a killed job would
+have, which requeue wrappers already read, but with the checkpoint written. A second signal
+ends the process at once (the default action), so a stuck save never blocks a forced stop; one
+within ``REPEAT_SECONDS`` of the first counts as the same delivery (Slurm signals every
+process of the job, and torchrun forwards its own copy to the workers). A rank that died leaves
+the others in the agreement's all-reduce only until ``train.collective_timeout_minutes``.
+
+Under ``torchrun``, a signal to the agent reaches every worker as SIGTERM; torchrun kills them
+30 s later, so the step in progress and the save must fit in that time there (a signal sent to
+the workers themselves, as Slurm's ``--signal`` does, has no such limit).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mimo_train import distributed
+
+REPEAT_SECONDS = 2.0
+
+def signal_number(name: str) -> int:
+    """``SIGTERM`` (or ``TERM``) -> its number; AttributeError for an unknown name."""
+    name = name.upper()
+    return int(getattr(signal.Signals, name if name.startswith("SIG") else "SIG" + name))
+
+
+class ExitSignals:
+    """The handlers of ``train.exit_signals`` on this rank, installed while the object is
+    open (``with``)."""
+
+    def __init__(self, names: list[str]):
+        self.numbers = [signal_number(name) for name in names]
+        self.received = 0
+        self._since = 0.0
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> ExitSignals:
+        for number in self.numbers:
+            self._previous[number] = signal.signal(number, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+
+    def _handle(self, number: int, frame: FrameType | None) -> None:
+        if not self.received:
+            self.received, self._since = number, time.monotonic()
+        elif time.monotonic() - self._since > REPEAT_SECONDS:    # a second one: die now
+            signal.signal(number, signal.SIG_DFL)
+            os.kill(os.getpid(), number)
+
+    def agreed(self) -> int:
+        """The signal some rank received (the largest number if several), 0 if none
+        (collective over the control group)."""
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=distributed.control())
+        return int(flag.item())
