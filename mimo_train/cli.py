@@ -4,7 +4,8 @@ Exit codes (of each rank; torchrun itself exits non-zero when any rank does):
 
 - 0: trained to ``train.steps`` (or ``train.exit_interval``);
 - 1: a check or the data failed: the shards do not suit the layout (start-up ``data`` phase),
-  a damaged or partial checkpoint, or training itself raised (with its traceback);
+  a damaged or partial checkpoint, more steps skipped for non-finite values than
+  ``train.max_skipped_steps``, or training itself raised (with its traceback);
 - 2: usage or config error: a bad option, key or value, a missing input path, a layout that
   does not fit the world, a checkpoint saved for another model or global batch size;
 - 128 + the signal's number (143 SIGTERM, 138 SIGUSR1): stopped by one of
@@ -66,11 +67,13 @@ def main(argv=None) -> int:
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
     try:
-        records, stopped_by = train(cfg)
+        trainer = train(cfg)
         if args.records:
-            dump(records, args.records)
-        if stopped_by:                  # preempted: checkpoint saved (mimo_train/preemption.py)
-            return 128 + stopped_by
+            dump(trainer.metrics.records, args.records)
+        if trainer.failure:             # too many skipped steps (mimo_train/anomalies.py)
+            return 1
+        if trainer.stopped_by:          # preempted: checkpoint saved (mimo_train/preemption.py)
+            return 128 + trainer.stopped_by
     except console.StartupError as error:
         return console.report_failure(error)
     finally:

@@ -190,6 +190,12 @@ class RunConfig:
     device: str = "auto"                              # auto | cuda | cpu
     precision: str = "fp32"                           # fp32 | bf16
     collective_timeout_minutes: float = 10.0          # a collective no rank completes fails
+    # steps with a non-finite loss or gradient norm are skipped; past this many the run stops
+    max_skipped_steps: int = 10
+    # a step whose loss is above spike_factor x the median of the last spike_window steps is
+    # recorded with its samples (0: off)
+    spike_factor: float = 3.0
+    spike_window: int = 50
     # signals that stop the run after the current step with a checkpoint (preemption)
     exit_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     tensorboard_dir: str | None = None
@@ -281,6 +287,11 @@ class TrainConfig:
         if not run.collective_timeout_minutes > 0:
             raise TrainConfigError(f"train.collective_timeout_minutes is "
                                    f"{run.collective_timeout_minutes}: it must be > 0")
+        if run.max_skipped_steps < 0 or run.spike_factor < 0 or run.spike_window < 1:
+            raise TrainConfigError(
+                f"train.max_skipped_steps {run.max_skipped_steps}, spike_factor "
+                f"{run.spike_factor}, spike_window {run.spike_window}: use a count >= 0, a "
+                "factor >= 0 (0: no spike records) and a window >= 1")
         for name in run.exit_signals:
             _check_exit_signal(str(name))
         if run.precision not in ("fp32", "bf16"):

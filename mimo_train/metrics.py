@@ -128,21 +128,36 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(tensorboard_dir)
 
-    def log(self, values: StepValues | dict) -> None:
+    def log(self, values: StepValues | dict) -> list[dict]:
+        """The train records read now (the pending steps' at a logging step)."""
         if isinstance(values, dict):                   # an evaluation record: read already
-            self.flush()
+            read = self.flush()
             self.records.append(values)
             self._show(values)
-            return
+            return read
         self.pending.append(values)
         if values.step % self.log_interval == 0 or values.step == self.last_step:
-            self.flush()
+            read = self.flush()
             self._show(self.records[-1])
+            return read
+        return []
 
-    def flush(self) -> None:
-        """Read the pending steps into records (collective: two reductions, one host read)."""
+    def log_anomaly(self, record: dict) -> None:
+        """A skipped or spiking step's record (``anomalies``), its samples included."""
+        self.flush()
+        self.records.append(record)
+        if self.rank0:
+            anomaly = record["anomaly"]
+            keys = ", ".join(s["key"] for s in anomaly["samples"][:8])
+            more = len(anomaly["samples"]) - 8
+            print(f"step {record['step']:>4}: {anomaly['reason']}; samples {keys}"
+                  + (f" and {more} more" if more > 0 else "") + " (in the records)", flush=True)
+
+    def flush(self) -> list[dict]:
+        """Read the pending steps into records (collective: two reductions, one host read);
+        returns them."""
         if not self.pending:
-            return
+            return []
         pending, self.pending = self.pending, []
         sums = torch.stack([p.sums for p in pending]).tolist()
         names = [m.name for m in self.layout.modules]
@@ -150,10 +165,13 @@ class Metrics:
                            else 0.0 for name in names] for p in pending]
         maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        for p, (loss_sum, tokens), (lr, *forward) in zip(pending, sums, maxima.tolist()):
-            self.records.append(train_record(
-                p.step, loss_sum, tokens, p.grad_norm, lr, p.skipped, p.timer.seconds(),
-                p.global_batch_size, forward_seconds(self.layout, self.local_modules, forward)))
+        read = [train_record(p.step, loss_sum, tokens, p.grad_norm, lr, p.skipped,
+                             p.timer.seconds(), p.global_batch_size,
+                             forward_seconds(self.layout, self.local_modules, forward))
+                for p, (loss_sum, tokens), (lr, *forward) in zip(pending, sums,
+                                                                   maxima.tolist())]
+        self.records += read
+        return read
 
     def _show(self, record: dict) -> None:
         if not self.rank0:

@@ -13,7 +13,8 @@ layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
 rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
 (``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; distributed
 checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader); a
-stop with a checkpoint on ``train.exit_signals`` (``preemption``).
+stop with a checkpoint on ``train.exit_signals`` (``preemption``); non-finite steps skipped and
+loss spikes recorded with their samples (``anomalies``).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from mimo_train.mcore import (MultiModuleProcessGroupCollection,
 from mimo_train.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
                               trained_optimizers, vocab_size)
+from mimo_train.anomalies import Guard, NonFiniteStep, Watch, step_samples
 from mimo_train.precision import run_dtype
 from mimo_train.preemption import ExitSignals
 from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
@@ -92,6 +94,12 @@ class Trainer:
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
         self.stopped_by = 0                     # the exit signal that stopped the run
+        self.failure: str | None = None         # why the run stopped early, failing
+        self.step_samples: list[dict] = []      # the current step's samples, this rank's
+        self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
+        Guard(self.optimizer)
+        run = cfg.train
+        self.watch = Watch(run.max_skipped_steps, run.spike_factor, run.spike_window)
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if resume:
             self._resume(resume)
@@ -221,9 +229,15 @@ class Trainer:
         iterator = self.batches(self.loader)
         with ExitSignals(run.exit_signals) as signals:
             while self.step < run.steps:
-                self.metrics.log(self.train_step(iterator))
+                values, skipped = self.train_step(iterator)
+                self.samples[self.step] = self.step_samples
+                read = self.metrics.log(values)
                 if run.eval_interval and self.step % run.eval_interval == 0:
-                    self.metrics.log(self.evaluate())
+                    read += self.metrics.log(self.evaluate())
+                self.failure = self._anomalies(skipped, read)
+                if self.failure:
+                    say(f"{PREFIX}{self.failure}")
+                    break
                 self.stopped_by = signals.agreed()
                 stop = bool(self.stopped_by) or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
@@ -240,8 +254,19 @@ class Trainer:
                     say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
                         f"{self.step}")
                     break
+            self._anomalies(None, self.metrics.flush())     # steps not logged yet
         self.metrics.close()
         return self.metrics.records
+
+    def _anomalies(self, skipped: dict | None, read: list[dict]) -> str | None:
+        """Log the skipped step's record and the spikes among the train records ``read``;
+        returns why the run must stop (too many skipped steps), or None."""
+        for anomaly in [*([skipped] if skipped else []),
+                        *self.watch.spikes(read, self.samples)]:
+            self.metrics.log_anomaly(anomaly)
+        if read:                                # their samples are no longer needed
+            self.samples.clear()
+        return self.watch.over_limit()
 
     def batches(self, loader):
         """Micro-batches on ranks with data (across epochs), None elsewhere."""
@@ -250,7 +275,8 @@ class Trainer:
 
         def stream():
             while True:
-                for batch, _metadata in loader:
+                for batch, metadata in loader:
+                    self.step_samples += step_samples(metadata, self.cfg.data.datasets)
                     yield batch
         return stream()
 
@@ -271,16 +297,23 @@ class Trainer:
         local = torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
         return global_sum(local, self.infra, self.device)
 
-    def train_step(self, iterator) -> StepValues:
+    def train_step(self, iterator) -> tuple[StepValues, dict | None]:
         for module in self.modules.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
         self.forward.timers = []                    # this step's forward passes, no others
+        self.step_samples = []
         timer = Timer(self.device)
         sums = self.forward_backward(iterator, forward_only=False)
         # megatron-core's optimizer reads the gradient norm and its non-finite check on the
         # host, waiting for the device (README, "A step without host stalls", lists the rest)
-        success, grad_norm, _ = self.optimizer.step()
+        anomaly = None
+        try:
+            success, grad_norm, _ = self.optimizer.step()
+        except NonFiniteStep as error:
+            success, grad_norm = False, error.grad_norm
+            anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,
+                                      self.step_samples)
         if success:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
@@ -288,8 +321,9 @@ class Trainer:
         lrs = [o.param_groups[0]["lr"] for o in self.trained.values() if o.param_groups]
         # the step keeps its timers; an evaluation before the next step adds to a new list
         forward, self.forward.timers = self.forward.timers, []
-        return StepValues(self.step, sums, grad_norm, lrs[0] if lrs else 0.0, not success,
-                          timer.stop(), forward, self.cfg.train.global_batch_size)
+        values = StepValues(self.step, sums, grad_norm, lrs[0] if lrs else 0.0, not success,
+                            timer.stop(), forward, self.cfg.train.global_batch_size)
+        return values, anomaly
 
     def evaluate(self) -> dict:
         """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``."""
@@ -325,12 +359,12 @@ class Trainer:
                                self._meta())
 
 
-def train(cfg: TrainConfig) -> tuple[list[dict], int]:
-    """Build the trainer on this rank and train; returns the records and the signal that
-    stopped the run (0: none, it trained to the end)."""
+def train(cfg: TrainConfig) -> Trainer:
+    """Build the trainer on this rank and train; returns it (its ``metrics.records``, and
+    ``stopped_by`` / ``failure`` when the run stopped early)."""
     trainer = Trainer(cfg)
-    records = trainer.run()
+    trainer.run()
     if cfg.checkpoint.dir:
         say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "
             f"(latest: {checkpoint.latest(cfg.checkpoint.dir)})")
-    return records, trainer.stopped_by
+    return trainer

@@ -111,7 +111,7 @@ def main(argv) -> None:
     if host_reads:
         assert trainer.cfg.train.log_interval > 1 < trainer.cfg.train.steps
         with HostReads() as counter:
-            trainer.metrics.log(trainer.train_step(iterator))
+            trainer.metrics.log(trainer.train_step(iterator)[0])
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads, "dtypes": dtypes,

@@ -1,0 +1,119 @@
+"""Steps whose loss or gradients go wrong, traced to their samples.
+
+- Non-finite: megatron-core's ``MimoOptimizer.step`` clips with the world's gradient norm and
+  steps even when that norm is not finite (it checks only under a loss scaler), which writes
+  NaN into every weight. ``Guard`` checks the norm where it is computed (a host float there
+  already; a non-finite loss makes it non-finite too): the step then stops before any weight,
+  optimizer state or LR schedule moves, alike on every rank (the norm is the world's). The
+  step is counted as skipped; past ``train.max_skipped_steps`` the run stops
+  (``Watch.over_limit``).
+- Spikes: a step whose loss is above ``train.spike_factor`` times the median loss of the
+  ``train.spike_window`` steps before it (0: off), once half that window is seen. Checked when
+  the metrics read the losses (each logging step), so no step waits for the device.
+
+Each such step gets a record ``{"step", "anomaly": {"reason", "skipped", "loss",
+"grad_norm", "skipped_steps", "samples"}}`` with every sample of its global batch: dataset
+directory, key (for ``mimo-inspect sample DIR --key KEY``), tokens, trained tokens and media
+token counts, gathered from the ranks that hold text over the control group (only for such a
+step: every rank decides alike from world values).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+from mimo_train import distributed
+
+
+class NonFiniteStep(Exception):
+    """Raised inside the optimizer step to stop it before any weight moves."""
+
+    def __init__(self, reason: str, grad_norm: float):
+        super().__init__(reason)
+        self.reason, self.grad_norm = reason, grad_norm
+
+
+class Guard:
+    """Wraps ``optimizer.get_grad_norm`` (the world's norm, a host float): a non-finite norm
+    raises ``NonFiniteStep`` before the optimizer clips or steps."""
+
+    def __init__(self, optimizer):
+        self._norm = optimizer.get_grad_norm
+        optimizer.get_grad_norm = self._checked
+
+    def _checked(self) -> float:
+        norm = self._norm()
+        if not math.isfinite(norm):
+            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
+        return norm
+
+
+class Watch:
+    """Counts skipped steps and finds spikes; each returns the anomaly record to log
+    (collective)."""
+
+    def __init__(self, max_skipped: int, spike_factor: float, spike_window: int):
+        self.max_skipped, self.spike_factor = max_skipped, spike_factor
+        self.recent: deque[float] = deque(maxlen=spike_window)
+        self.skipped: set[int] = set()
+
+    def skip(self, step: int, reason: str, grad_norm: float, samples: list[dict]) -> dict:
+        """The record of skipped ``step`` (``samples``: this rank's)."""
+        self.skipped.add(step)
+        return _record(step, reason, True, math.nan, grad_norm, len(self.skipped), samples)
+
+    def spikes(self, records: list[dict], samples: dict[int, list[dict]]) -> list[dict]:
+        """The spike records of the train ``records`` just read (``samples``: this rank's
+        samples by step)."""
+        found = []
+        for record in records:
+            step, loss = record["step"], record["loss"]
+            if step in self.skipped or not math.isfinite(loss):
+                continue
+            window = self.recent
+            if self.spike_factor and 2 * len(window) >= (window.maxlen or 1):
+                median = statistics.median(window)
+                if loss > self.spike_factor * median:
+                    reason = (f"loss spike: {loss:.4f} > {self.spike_factor} x the median "
+                              f"{median:.4f} of the {len(window)} steps before")
+                    found.append(_record(step, reason, False, loss, record["grad_norm"],
+                                         len(self.skipped), samples.get(step, [])))
+            window.append(loss)
+        return found
+
+    def over_limit(self) -> str | None:
+        """Why the run must stop (more skipped steps than allowed), or None."""
+        if len(self.skipped) > self.max_skipped:
+            return (
+                f"{len(self.skipped)} steps were skipped for a non-finite gradient norm (or "
+                f"loss), more than train.max_skipped_steps ({self.max_skipped}): the run stops. "
+                "Their samples are in the records' anomaly entries (mimo-inspect sample DIR "
+                "--key KEY shows one); look for broken samples, lower optimizer.lr or raise the "
+                "limit, and resume from the last checkpoint")
+        return None
+
+
+def _record(step: int, reason: str, skipped: bool, loss: float, grad_norm: float,
+            skipped_steps: int, samples: list[dict]) -> dict:
+    """An anomaly record with every rank's ``samples`` of the step (collective)."""
+    every = {(s["dataset"], s["key"]): s for part in distributed.gather(samples) for s in part}
+    return {"step": step, "anomaly": {
+        "reason": reason, "skipped": skipped, "loss": loss, "grad_norm": float(grad_norm),
+        "skipped_steps": skipped_steps, "samples": list(every.values())}}
+
+
+def step_samples(metadata: dict, datasets: list[str]) -> list[dict]:
+    """The samples of one micro-batch's text (``RankLoader`` metadata), for anomaly records;
+    empty on ranks without text."""
+    samples = []
+    counts = metadata.get("token_counts", {})
+    for i, key in enumerate(metadata.get("keys", ())):
+        dataset, _, name = key.partition("/")
+        samples.append({"dataset": datasets[int(dataset)], "key": name,
+                        "tokens": int(metadata["tokens"][i]),
+                        "trained_tokens": int(metadata["trained_tokens"][i]),
+                        "token_counts": {m: [int(c) for c in rows[i]]
+                                         for m, rows in counts.items()}})
+    return samples
