@@ -178,6 +178,16 @@ class OptimizerConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases beside TensorBoard (rank 0; ``pip install 'mimo[wandb]'``): the same
+    fields as the JSONL records, and the config."""
+    project: str | None = None
+    name: str | None = None                           # default: wandb's
+    mode: str = "online"                              # online | offline | disabled
+    dir: str | None = None                            # default: wandb's (./wandb)
+
+
+@dataclass
 class RunConfig:
     global_batch_size: int = 8
     micro_batch_size: int = 2                         # per language DP rank
@@ -199,6 +209,20 @@ class RunConfig:
     # signals that stop the run after the current step with a checkpoint (preemption)
     exit_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     tensorboard_dir: str | None = None
+    wandb: WandbConfig | None = None
+
+
+def _check_wandb(wandb: WandbConfig) -> None:
+    if not wandb.project:
+        raise TrainConfigError("train.wandb.project is not set: name the W&B project (or drop "
+                               "train.wandb)")
+    if wandb.mode not in ("online", "offline", "disabled"):
+        raise TrainConfigError(f"train.wandb.mode is {wandb.mode!r}: use online, offline or "
+                               "disabled")
+    import importlib.util
+    if importlib.util.find_spec("wandb") is None:
+        raise TrainConfigError("train.wandb is set, but the wandb package is not installed: "
+                               "pip install 'mimo[wandb]' (or drop train.wandb)")
 
 
 def _check_exit_signal(name: str) -> None:
@@ -292,6 +316,8 @@ class TrainConfig:
                 f"train.max_skipped_steps {run.max_skipped_steps}, spike_factor "
                 f"{run.spike_factor}, spike_window {run.spike_window}: use a count >= 0, a "
                 "factor >= 0 (0: no spike records) and a window >= 1")
+        if run.wandb is not None:
+            _check_wandb(run.wandb)
         for name in run.exit_signals:
             _check_exit_signal(str(name))
         if run.precision not in ("fp32", "bf16"):
@@ -344,7 +370,7 @@ class TrainConfig:
 PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
              ("model", "init_from"), ("model", "pretrained"),
              ("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained"),
-             ("train", "tensorboard_dir"), ("checkpoint", "dir"))
+             ("train", "tensorboard_dir"), ("train", "wandb", "dir"), ("checkpoint", "dir"))
 _HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
              ("model", "language", "pretrained")}
 
@@ -432,8 +458,9 @@ def _build(cls, data, where: str):
                                        f"encoder settings, got {value!r}")
             value = {module: _build(EncoderConfig, spec, f"{where}{name}.{module}.")
                      for module, spec in (value or {}).items()}
-        elif kind is not None:
-            value = _build(kind, value, f"{where}{name}.")
+        elif kind is not None:               # a section (None: an optional one left out)
+            value = None if value is None and fields[name].default is None else \
+                _build(kind, value, f"{where}{name}.")
         else:
             value = _typed(str(fields[name].type), value, where + name)
         values[name] = copy.deepcopy(value)
@@ -469,4 +496,5 @@ def _typed(annotation: str, value: Any, key: str) -> Any:
 _SECTIONS = {(TrainConfig, "data"): DataConfig, (TrainConfig, "model"): ModelConfig,
              (TrainConfig, "optimizer"): OptimizerConfig, (TrainConfig, "train"): RunConfig,
              (TrainConfig, "checkpoint"): CheckpointConfig,
-             (ModelConfig, "language"): LanguageConfig, (ModelConfig, "encoders"): EncoderConfig}
+             (ModelConfig, "language"): LanguageConfig, (ModelConfig, "encoders"): EncoderConfig,
+             (RunConfig, "wandb"): WandbConfig}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 
@@ -88,6 +89,21 @@ def eval_record(step: int, loss_sum: float, tokens: float) -> dict:
     return {"step": step, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": int(tokens)}
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """A record's numbers by TensorBoard / W&B name: ``train/…``, ``eval_…``,
+    ``forward_s/<module>``, ``anomaly/…``."""
+    found: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "forward_s":
+            found.update({f"forward_s/{module}": s for module, s in value.items()})
+        elif key == "anomaly":
+            found.update({f"anomaly/{k}": float(v) for k, v in value.items()
+                          if isinstance(v, (int, float))})
+        elif key != "step" and isinstance(value, (int, float)):
+            found[key if "eval" in key else f"train/{key}"] = float(value)
+    return found
+
+
 def line(record: dict) -> str:
     """The stdout line of a record."""
     if "eval_loss" in record:
@@ -117,7 +133,8 @@ class Metrics:
     the logged ones (rank 0) and writes their scalars."""
 
     def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
-                 layout, local_modules, device: torch.device):
+                 layout, local_modules, device: torch.device, wandb=None,
+                 config: dict | None = None):
         self.rank0 = dist.get_rank() == 0
         self.log_interval, self.last_step = log_interval, last_step
         self.layout, self.local_modules, self.device = layout, local_modules, device
@@ -127,6 +144,15 @@ class Metrics:
         if tensorboard_dir and self.rank0:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(tensorboard_dir)
+        self.wandb = None                 # train.wandb (a WandbConfig): its run, on rank 0
+        if wandb is not None and self.rank0:
+            import wandb as wandb_sdk
+            if wandb.dir:
+                os.makedirs(wandb.dir, exist_ok=True)
+            # console "off": wandb leaves stdout alone (the step lines are the run's log)
+            self.wandb = wandb_sdk.init(project=wandb.project, name=wandb.name, mode=wandb.mode,
+                                        dir=wandb.dir, config=config,
+                                        settings=wandb_sdk.Settings(console="off"))
 
     def log(self, values: StepValues | dict) -> list[dict]:
         """The train records read now (the pending steps' at a logging step)."""
@@ -152,6 +178,7 @@ class Metrics:
             more = len(anomaly["samples"]) - 8
             print(f"step {record['step']:>4}: {anomaly['reason']}; samples {keys}"
                   + (f" and {more} more" if more > 0 else "") + " (in the records)", flush=True)
+            self._write(record["step"], scalars(record))
 
     def flush(self) -> list[dict]:
         """Read the pending steps into records (collective: two reductions, one host read);
@@ -177,20 +204,22 @@ class Metrics:
         if not self.rank0:
             return
         print(line(record), flush=True)
-        if self.writer is None:
-            return
-        step = record["step"]
-        for key, value in record.items():
-            if key == "forward_s":
-                for module, seconds in value.items():
-                    self.writer.add_scalar(f"forward_s/{module}", seconds, step)
-            elif key != "step" and isinstance(value, (int, float)):
-                self.writer.add_scalar(key if "eval" in key else f"train/{key}", value, step)
+        self._write(record["step"], scalars(record))
+
+    def _write(self, step: int, values: dict[str, float]) -> None:
+        """``values`` to TensorBoard and W&B (rank 0)."""
+        if self.writer is not None:
+            for name, value in values.items():
+                self.writer.add_scalar(name, value, step)
+        if self.wandb is not None:
+            self.wandb.log(values, step=step)
 
     def close(self) -> None:
         self.flush()
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         text = summary(self.records)
         if text and self.rank0:
             print(text, flush=True)

@@ -104,7 +104,8 @@ class Trainer:
         if resume:
             self._resume(resume)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
-                               cfg.train.steps, self.layout, self.infra.local, self.device)
+                               cfg.train.steps, self.layout, self.infra.local, self.device,
+                               cfg.train.wandb, cfg.to_dict())
 
     # ------------------------------------------------------------------------------ set-up
 

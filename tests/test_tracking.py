@@ -1,0 +1,83 @@
+"""Weights & Biases beside TensorBoard (``train.wandb``), tested in offline mode: a run's W&B log
+holds the config and, at each logging step, the same numbers as its JSONL records; a config
+naming W&B without the package installed is refused with what to install."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from test_anomalies import _train, planted  # noqa: F401  (planted: the shards fixture)
+
+_BLOCK, _HEADER = 32768, 7       # the W&B log: LevelDB-log blocks, 7-byte file and chunk headers
+
+
+def _wandb_records(path: Path) -> list:
+    """The protobuf records of an offline run's ``run-*.wandb`` log (LevelDB log framing:
+    per chunk a checksum, a length and a type, FULL / FIRST / MIDDLE / LAST)."""
+    from wandb.proto import wandb_internal_pb2
+    data, records, parts, offset = path.read_bytes(), [], b"", _HEADER
+    while offset + _HEADER <= len(data):
+        left = _BLOCK - offset % _BLOCK
+        if left < _HEADER:                      # the block's tail is padding
+            offset += left
+            continue
+        length, kind = struct.unpack_from("<HB", data, offset + 4)
+        chunk = data[offset + _HEADER:offset + _HEADER + length]
+        offset += _HEADER + length
+        if kind == 0:
+            break
+        parts += chunk
+        if kind in (1, 4):                      # FULL or LAST: a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(parts)
+            records.append(record)
+            parts = b""
+    return records
+
+
+def test_wandb_offline_gets_the_records_numbers_and_the_config(planted, tmp_path):  # noqa: F811
+    import json
+    shards, preprocess, _ = planted
+    directory = tmp_path / "wb"
+    code, output, records = _train(
+        tmp_path, "wandb", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+        "layout=language=dp1", "model.encoders={}", "train.global_batch_size=2",
+        "train.micro_batch_size=2", "train.steps=4", "train.log_interval=2",
+        f"train.wandb={{project: mimo-test, name: tiny, mode: offline, dir: {directory}}}")
+    assert code == 0, output[-3000:]
+    (log,) = directory.glob("wandb/offline-run-*/run-*.wandb")
+    logged = _wandb_records(log)
+    (run,) = [r.run for r in logged if r.WhichOneof("record_type") == "run"]
+    assert (run.project, run.display_name) == ("mimo-test", "tiny")
+    config = {item.key: json.loads(item.value_json) for item in run.config.update}
+    assert config["train"]["steps"] == 4
+    assert config["data"]["datasets"] == [str(shards)]
+    history = {}
+    for record in logged:
+        if record.WhichOneof("record_type") == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                     for item in record.history.item}
+            history[items["_step"]] = items
+    train = {r["step"]: r for r in records if "loss" in r}
+    assert sorted(history) == [2, 4]              # the logging steps
+    for step, items in history.items():
+        assert items["train/loss"] == pytest.approx(train[step]["loss"], rel=1e-12)
+        assert items["train/tokens"] == train[step]["tokens"]
+        assert items["train/lr"] == pytest.approx(train[step]["lr"], rel=1e-12)
+        assert "forward_s/language" in items
+
+
+def test_wandb_without_the_package_is_refused(monkeypatch):
+    import importlib.util
+
+    from mimo_train.config import TrainConfig, TrainConfigError
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "wandb" else real(name, *a))
+    with pytest.raises(TrainConfigError, match="pip install 'mimo\\[wandb\\]'"):
+        TrainConfig.load(None, ["data.datasets=[unused]", "train.wandb={project: p}"])
+    with pytest.raises(TrainConfigError, match="train.wandb.mode is 'cloud'"):
+        TrainConfig.load(None, ["data.datasets=[unused]", "train.wandb={project: p, mode: cloud}"])
