@@ -170,7 +170,6 @@ class VLM:
     ``projection``, the language model ``causal_lm``'s."""
     path: str
     family: str                       # the checkpoint's model_type
-    architecture: str                 # its transformers class (mimo-export writes it back)
     image_token_id: int               # the placeholder the language model expects
     image_wrap_ids: tuple[int, ...]   # () or the (start, end) tokens around each image
     positions: str                    # sequential | mrope

@@ -57,11 +57,10 @@ def read(config, path: str) -> VLM:
     if problems:
         raise TrainConfigError(f"model.pretrained {path} is a LLaVA with "
                                f"{'; '.join(problems)}, which mimo does not take")
-    return VLM(path=path, family="llava", architecture="LlavaForConditionalGeneration",
-               image_token_id=int(config.image_token_id), image_wrap_ids=(),
-               positions="sequential", encoder_kind="llava", vision_prefixes=VISION_PREFIXES,
-               projection="mlp", projector_names=PROJECTOR_NAMES,
-               projector_prefixes=PROJECTOR_PREFIXES,
+    return VLM(path=path, family="llava", image_token_id=int(config.image_token_id),
+               image_wrap_ids=(), positions="sequential", encoder_kind="llava",
+               vision_prefixes=VISION_PREFIXES, projection="mlp",
+               projector_names=PROJECTOR_NAMES, projector_prefixes=PROJECTOR_PREFIXES,
                language_prefixes=("model.language_model.", "language_model.model."),
                head_names=("lm_head.weight", "language_model.lm_head.weight"))
 

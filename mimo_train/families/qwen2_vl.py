@@ -27,8 +27,7 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 
 def read(config, path: str) -> VLM:
     """What mimo takes from the Qwen2-VL checkpoint at ``path`` (its ``config``)."""
-    return VLM(path=path, family=config.model_type, architecture=config.architectures[0]
-               if config.architectures else "Qwen2VLForConditionalGeneration",
+    return VLM(path=path, family=config.model_type,
                image_token_id=int(config.image_token_id),
                image_wrap_ids=(int(config.vision_start_token_id),
                                int(config.vision_end_token_id)),
