@@ -28,6 +28,7 @@ from mimo_data.modalities.audio import audio_tokens, audio_tokens_from_frames
 from mimo_data.modalities.image import image_tokens
 from mimo_train.families import build_encoder, default_kind
 from mimo_train.families.base import EncoderBuildError
+from mimo_train.families.qwen2_5_vl import Qwen2_5VLVision
 from mimo_train.families.qwen2_vl import Qwen2VLVision
 from mimo_train.families.siglip import SiglipVision
 from mimo_train.families.whisper import WhisperAudio
@@ -101,8 +102,12 @@ def assert_rows_match_items(batched: torch.Tensor, counts: list[int], alone: lis
 # ---------------------------------------------------------------------- Qwen2-VL (dynamic)
 
 @pytest.mark.parametrize("cfg", DYNAMIC.values(), ids=DYNAMIC.keys())
-def test_qwen2vl_rows_equal_metadata_token_counts_image_by_image(corpus_images, cfg):
-    encoder = Qwen2VLVision(cfg, hidden_size=HIDDEN, num_layers=1, num_attention_heads=2)
+@pytest.mark.parametrize("tower, layers", [(Qwen2VLVision, 1), (Qwen2_5VLVision, 2)],
+                         ids=["qwen2_vl", "qwen2_5_vl"])
+def test_qwen2vl_rows_equal_metadata_token_counts_image_by_image(corpus_images, cfg, tower,
+                                                                  layers):
+    """Qwen2.5-VL's tower with a windowed block then a full one: windows stay in each image."""
+    encoder = tower(cfg, hidden_size=HIDDEN, num_layers=layers, num_attention_heads=2)
     names = [name for name, _, _ in corpus_images]
     counts = [image_tokens(meta["width"], meta["height"], cfg) for _, _, meta in corpus_images]
     assert len(set(counts)) >= 4, f"the corpus images should give different counts: {counts}"

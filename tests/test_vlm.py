@@ -160,10 +160,17 @@ def test_logits_match_transformers_padded_or_packed(vlm_data):
     vocab = expected.size(-1)
     ours = padded["logits"][:, :mask.size(1), :vocab]
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
-    # packed (attention sdpa): the same samples back to back in one row, in the packed order
+    assert_packed_logits(tmp, common, batch, expected, mask)
+
+
+def assert_packed_logits(tmp: Path, common: list[str], batch: dict, expected: torch.Tensor,
+                         mask: torch.Tensor) -> None:
+    """Packed (attention sdpa): the samples of the padded ``batch`` back to back in one row, in
+    the packed order; each sample's logits are transformers' ``expected`` row."""
     packed = _logits(tmp, "packed", common, "data.packing=true", "model.attention=sdpa")
     bounds = packed["batch"]["packing_kwargs"]["cu_seqlens_q"].tolist()
     lengths = mask.sum(1).tolist()
+    vocab = expected.size(-1)
     assert len(bounds) == SAMPLES + 1
     for start, end in zip(bounds, bounds[1:]):
         ids = packed["batch"]["input_ids"][0, start:end]

@@ -36,7 +36,8 @@ from mimo_train.config import TrainConfigError
 
 from conftest import REPO, build_dataset
 from test_train_parity import _compare, _run, _torchrun
-from test_vlm import PARITY_RUNNER, SAMPLES, TOLERANCE, _finetune, _logits, _turns, _weights
+from test_vlm import (PARITY_RUNNER, SAMPLES, TOLERANCE, _finetune, _logits, _turns, _weights,
+                      assert_packed_logits)
 
 MODELS = REPO / "assets" / "models"
 MAX_PIXELS = 37632                  # a smaller budget than the processor's, for speed
@@ -166,16 +167,7 @@ def test_logits_match_transformers_padded_or_packed(family):
     vocab = expected.size(-1)
     ours = padded["logits"][:, :length, :vocab]
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
-    packed = _logits(tmp, "packed", common, "data.packing=true", "model.attention=sdpa")
-    bounds = packed["batch"]["packing_kwargs"]["cu_seqlens_q"].tolist()
-    lengths = mask.sum(1).tolist()
-    assert len(bounds) == SAMPLES + 1
-    for start, end in zip(bounds, bounds[1:]):
-        row_ids = packed["batch"]["input_ids"][0, start:end]
-        (row,) = [r for r in range(SAMPLES) if lengths[r] == end - start
-                  and torch.equal(batch["input_ids"][r, :end - start], row_ids)]
-        difference = packed["logits"][0, start:end, :vocab] - expected[row, :end - start]
-        assert difference.abs().max() <= TOLERANCE, row
+    assert_packed_logits(tmp, common, batch, expected, mask)
 
 
 @pytest.fixture(scope="module")
@@ -335,17 +327,21 @@ def test_a_processor_that_resizes_otherwise_is_refused():
 
 
 def test_preprocessing_for_prints_the_derived_config(capsys):
-    """``mimo-train --preprocessing-for VLM`` prints the config ``preprocessing_for`` derives;
-    a checkpoint that is not a whole VLM is refused (exit 2)."""
+    """``mimo-train --preprocessing-for VLM`` prints the checkpoint's tokenizer, positions,
+    image token and its processor's geometry and normalization; a checkpoint that is not a
+    whole VLM is refused (exit 2)."""
     import yaml
 
     from mimo_train.cli import main
-    from mimo_train.families import preprocessing_for
-    checkpoint = str(FAMILIES["llava"][0])
-    assert main(["--preprocessing-for", checkpoint]) == 0
+    checkpoint = FAMILIES["llava"][0]
+    assert main(["--preprocessing-for", str(checkpoint)]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
-    assert printed == preprocessing_for(checkpoint)
-    assert printed["modalities"]["image"]["crop"] is True
+    processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
+    assert printed["tokenizer"] == str(checkpoint) and printed["positions"] == "sequential"
+    assert printed["modalities"]["image"] == {
+        "token": "<image>", "policy": "fixed", "image_size": processor["crop_size"]["height"],
+        "patch_size": 14, "crop": True, "mean": processor["image_mean"],
+        "std": processor["image_std"]}
     assert main(["--preprocessing-for", str(MODELS / "tiny-llama")]) == 2
     assert "not a whole vision-language model" in capsys.readouterr().err
 

@@ -80,6 +80,16 @@ def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, An
                                 "the preprocessing config")
 
 
+def check_fixed_geometry(image_size: int, patch_size: int, image: ImageConfig,
+                         what: str) -> None:
+    """``EncoderBuildError`` unless a fixed-size tower (``what``) takes the preprocessing's
+    image and patch sizes."""
+    if (image_size, patch_size) != (image.image_size, image.patch_size):
+        raise EncoderBuildError(
+            f"{what} takes {image_size}px images in {patch_size}px patches; the preprocessing "
+            f"config gives {image.image_size}px / {image.patch_size}px: align modalities.image")
+
+
 def normalization(image: ImageConfig) -> dict[str, tuple[str, Any]]:
     """The image processor's normalization fields and ours (``normalize_pixels``)."""
     return {"image_mean": ("modalities.image.mean", list(image.mean)),

@@ -27,8 +27,8 @@ import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
 from mimo_train.config import TrainConfigError
-from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_preprocessor,
-                                      normalization, param_dtype)
+from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_fixed_geometry,
+                                      check_preprocessor, normalization, param_dtype)
 
 TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}   # -> has a CLS row
 # the hub checkpoints hold the tower under vision_model. (transformers 5 drops that level)
@@ -109,11 +109,8 @@ class LlavaVision(Encoder):
         self.model = AutoModel.from_config(vision, dtype=torch.float32)
         self.model.post_layernorm = torch.nn.Identity()
         read_vlm(pretrained).load_tower(self.model)
-        if (vision.image_size, vision.patch_size) != (image.image_size, image.patch_size):
-            raise EncoderBuildError(
-                f"the vision tower of {pretrained} takes {vision.image_size}px images in "
-                f"{vision.patch_size}px patches; the preprocessing config gives "
-                f"{image.image_size}px / {image.patch_size}px: align modalities.image")
+        check_fixed_geometry(vision.image_size, vision.patch_size, image,
+                             f"the vision tower of {pretrained}")
         check_preprocessor(pretrained, normalization(image))
         check_resize(pretrained, image)
         self.image = image

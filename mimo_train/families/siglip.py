@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
-from mimo_train.families.base import (Encoder, EncoderBuildError, check_preprocessor,
+from mimo_train.families.base import (Encoder, check_fixed_geometry, check_preprocessor,
                                       normalization, param_dtype)
 
 
@@ -33,11 +33,8 @@ class SiglipVision(Encoder):
                 image_size=image.image_size, patch_size=image.patch_size,
                 vision_use_head=False))
         config = self.model.config
-        if (config.image_size, config.patch_size) != (image.image_size, image.patch_size):
-            raise EncoderBuildError(
-                f"vision encoder {pretrained or ''} takes {config.image_size}px images in "
-                f"{config.patch_size}px patches; the preprocessing config gives "
-                f"{image.image_size}px / {image.patch_size}px: align modalities.image")
+        check_fixed_geometry(config.image_size, config.patch_size, image,
+                             f"vision encoder {pretrained or ''}")
         check_preprocessor(pretrained, normalization(image))
         self.image = image
         self.output_size = config.hidden_size
