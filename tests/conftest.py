@@ -10,9 +10,12 @@ from __future__ import annotations
 import io
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +33,17 @@ DEFAULT_INSTRUCTION = "Transcribe the audio."
 # ShareGPT speaker names -> stored roles (the stored roles are system/user/assistant).
 SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
                 "user": "user", "assistant": "assistant"}
+
+
+@contextmanager
+def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
+    """A module fixture's folder, removed when the module is done with it: a run of the real
+    language model writes GBs of checkpoints, and the suite's disk is shared."""
+    path = tmp_path_factory.mktemp(name)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------------- corpus

@@ -22,6 +22,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, preprocess_config_file
+from conftest import REPO, preprocess_config_file, scratch
 from test_hf_models import model_dir
 
 CONFIG = REPO / "configs" / "train" / "smollm2_images_audio.yaml"
@@ -48,30 +49,30 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def smollm2(loader_corpus, tmp_path_factory) -> Run:
+def smollm2(loader_corpus, tmp_path_factory) -> Iterator[Run]:
     """2 steps of the shipped config (language frozen), then ``mimo-export`` of the result."""
-    tmp = tmp_path_factory.mktemp("smollm2-export")
-    preprocess = preprocess_config_file(
-        tmp / "preprocess.yaml",
-        image={"policy": "fixed", "image_size": IMAGE_SIZE, "patch_size": PATCH},
-        audio=yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
-            "modalities"]["audio"])
-    records = tmp / "records.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "3", "-m", "mimo_train", "--config", str(CONFIG),
-               "--records", str(records), f"data.datasets=[{loader_corpus}]",
-               f"data.preprocess={preprocess}", f"checkpoint.dir={tmp / 'checkpoints'}",
-               "model.freeze=[language]", "train.steps=2", "train.global_batch_size=2",
-               "train.micro_batch_size=2"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
-                            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    from mimo_train.export import main
-    out = tmp / "export"
-    assert main(["--checkpoint", str(tmp / "checkpoints"), "--output", str(out)]) == 0
-    losses = [json.loads(line)["loss"] for line in records.read_text().splitlines()
-              if "loss" in json.loads(line)]
-    return Run(losses, tmp / "checkpoints" / "step_0000002", out)
+    with scratch(tmp_path_factory, "smollm2-export") as tmp:
+        preprocess = preprocess_config_file(
+            tmp / "preprocess.yaml",
+            image={"policy": "fixed", "image_size": IMAGE_SIZE, "patch_size": PATCH},
+            audio=yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
+                "modalities"]["audio"])
+        records = tmp / "records.jsonl"
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", "3", "-m", "mimo_train", "--config", str(CONFIG),
+                   "--records", str(records), f"data.datasets=[{loader_corpus}]",
+                   f"data.preprocess={preprocess}", f"checkpoint.dir={tmp / 'checkpoints'}",
+                   "model.freeze=[language]", "train.steps=2", "train.global_batch_size=2",
+                   "train.micro_batch_size=2"]
+        result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
+                                env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+        from mimo_train.export import main
+        out = tmp / "export"
+        assert main(["--checkpoint", str(tmp / "checkpoints"), "--output", str(out)]) == 0
+        losses = [json.loads(line)["loss"] for line in records.read_text().splitlines()
+                  if "loss" in json.loads(line)]
+        yield Run(losses, tmp / "checkpoints" / "step_0000002", out)
 
 
 # ------------------------------------------------------------------------ A: the config
