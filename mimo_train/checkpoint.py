@@ -5,9 +5,16 @@ Layout on disk::
     DIR/step_0000040/              a megatron-core distributed checkpoint (torch_dist format:
                                    metadata.json, .metadata, __<rank>_<n>.distcp)
     DIR/step_0000040/meta.json     step, layout, world size, global batch size, config (rank 0)
-    DIR/step_0000040/integrity.json  SHA-256 of every file above (megatron-core's manifest),
-                                   written last by rank 0
+    DIR/step_0000040/integrity.json  SHA-256 of every file above (megatron-core's manifest
+                                   format), each data file hashed by the rank that wrote it
+                                   (``digests``), written last by rank 0
     DIR/latest                     "step_0000040", replaced atomically after the manifest
+
+A save is megatron-core's asynchronous request (``dist_checkpointing.save(...,
+async_sharded_save=True)``), run in place or, with ``checkpoint.async_save``, by a forked writer
+process per rank while training goes on (``Saver``); either way the manifest and ``latest``
+follow only once every rank's files and digests are complete, so ``latest`` never names a
+checkpoint still being written.
 
 What a checkpoint holds (``TrainingState``): every module's weights as *global* tensors
 (``MimoModel.sharded_state_dict``: a TP rank's slice and a pipeline stage's layers are parts of
@@ -20,13 +27,14 @@ language TP/PP/DP and encoder DP with the same global batch size, continuing the
 same layout (nothing in training draws from them but dropout, 0 in mimo_train).
 
 A checkpoint is used only after its files match the manifest (``check`` then ``load``, two
-start-up phases so that no rank waits in a collective another rank has left): a damaged or
-partial one is refused on every rank with one message naming the file and the newest complete
-checkpoint to use instead.
+start-up phases so that no rank waits in a collective another rank has left; the reading ranks
+share the hashing): a damaged or partial one is refused on every rank with one message naming
+the file and the newest complete checkpoint to use instead.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -38,15 +46,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mimo_train.mcore import (CheckpointingException, LocalNonpersistentObject, ShardedBase,
-                              ShardedObject, ShardedTensor, StrictHandling, dist_checkpointing,
+from mimo_train import digests
+from mimo_train.digests import MANIFEST, IntegrityError
+from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
+                              LocalNonpersistentObject, ShardedBase, ShardedObject,
+                              ShardedTensor, StrictHandling, dist_checkpointing,
                               extract_matching_values, get_cuda_rng_tracker,
-                              get_gpt_layer_local_spec, load_plain_tensors, merge, nested_values,
-                              save_integrity_manifest, verify_integrity_manifest)
+                              get_default_save_sharded_strategy, get_gpt_layer_local_spec,
+                              load_plain_tensors, merge, nested_values)
 
 LATEST = "latest"
 META = "meta.json"
-MANIFEST = "integrity.json"          # megatron-core's name (dist_checkpointing.validation)
 _STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
 
 
@@ -86,21 +96,86 @@ def latest(root: str | None) -> str | None:
 
 # ------------------------------------------------------------------------------------- save
 
+class Saver:
+    """Writes checkpoints (collective: every rank calls each method at the same step).
+
+    ``asynchronous``: ``save`` returns once the state is handed to a forked writer process per
+    rank (a fork is a copy-on-write snapshot: the step loop may change the weights meanwhile);
+    ``poll`` after each step finalizes a save every rank has finished writing (manifest, then
+    ``latest``). Otherwise ``save`` writes and finalizes before it returns. One save is in
+    flight at a time: the next waits for the previous."""
+
+    def __init__(self, root: str, asynchronous: bool):
+        self.root = root
+        self.queue = AsyncCallsQueue() if asynchronous else None
+        self.pending: list[str] = []       # directories being written, oldest first
+
+    def save(self, step: int, state: TrainingState, meta: dict) -> str:
+        """Start (or, synchronously, do) the save of ``state`` at ``step``; its directory."""
+        self.wait()
+        directory = step_dir(self.root, step)
+        request = _save_request(self.root, directory, step, state, meta)
+        if self.queue is None:
+            request.execute_sync()
+            return directory
+        self.queue.schedule_async_request(request)
+        self.pending.append(directory)
+        return directory
+
+    def poll(self) -> list[str]:
+        """The directories whose save completed since the last call (non-blocking)."""
+        return self._finalize(blocking=False)
+
+    def wait(self) -> list[str]:
+        """Block until the save in flight, if any, is complete; its directory."""
+        return self._finalize(blocking=True)
+
+    def _finalize(self, blocking: bool) -> list[str]:
+        if self.queue is None or not self.pending:
+            return []
+        done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        finished, self.pending = self.pending[:len(done)], self.pending[len(done):]
+        return finished
+
+
 def save(root: str, step: int, state: TrainingState, meta: dict) -> str:
-    """Write ``state`` at ``step`` under ``root`` (collective: every rank calls it); rank 0
-    writes ``meta.json`` and the manifest, then moves ``latest``."""
-    directory = step_dir(root, step)
-    if dist.get_rank() == 0:          # what an interrupted save at this step left
+    """Write ``state`` at ``step`` under ``root`` and finalize it (collective)."""
+    return Saver(root, asynchronous=False).save(step, state, meta)
+
+
+def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict):
+    """megatron-core's request for the save of ``state`` into ``directory`` (collective), its
+    write extended by the writer's digests and its finalization by ``meta.json``, the manifest
+    and ``latest`` (rank 0), in that order."""
+    rank = dist.get_rank()
+    if rank == 0:                     # what an interrupted save at this step left
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
     dist.barrier()
-    dist_checkpointing.save(_sharded(state, step, is_loading=False, rng=True), directory)
-    if dist.get_rank() == 0:
-        _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
-        save_integrity_manifest(directory)
-        _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
-    dist.barrier()
-    return directory
+    # Fully parallel: each replicated tensor (a data-parallel replica's weights and optimizer
+    # state) is written by one of its holders, spread over the world, not all by rank 0.
+    request = dist_checkpointing.save(
+        _sharded(state, step, is_loading=False, rng=True), directory,
+        FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy()),
+        async_sharded_save=True, async_strategy="mcore")
+
+    def finalize() -> None:
+        if rank == 0:
+            _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
+            digests.write_manifest(directory)
+            _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
+        dist.barrier()
+
+    request.add_finalize_fn(finalize)
+    return request._replace(async_fn=functools.partial(_write_then_digest, request.async_fn,
+                                                       directory, rank))
+
+
+def _write_then_digest(write, directory: str, rank: int, *args, **kwargs) -> None:
+    """megatron-core's write of this rank's files, then their digests (in the writer process
+    of an asynchronous save: the step loop does not wait for either)."""
+    write(*args, **kwargs)
+    digests.write_part(directory, rank)
 
 
 def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> dict:
@@ -257,13 +332,13 @@ def load_model(directory: str, model) -> None:
 
 
 def _load(sharded: dict, directory: str, purpose: str) -> dict:
-    """Verify the files against the manifest (rank 0 hashes them, every rank gets the verdict)
+    """Verify the files against the manifest (the ranks share the hashing and the verdict)
     and load ``sharded``; a tensor this rank asks for that the checkpoint lacks is an error
     raised after the collective load, so no rank is left waiting."""
     try:
-        verify_integrity_manifest(directory)
-    except CheckpointingException as error:
-        raise _damaged(directory, str(error).strip()) from None
+        digests.verify(directory)
+    except IntegrityError as error:
+        raise _damaged(directory, str(error)) from None
     loaded, _missing, unexpected = dist_checkpointing.load(
         sharded, directory, strict=StrictHandling.RETURN_ALL)
     if unexpected:
@@ -283,10 +358,10 @@ def load_weights(directory: str) -> dict:
     if alone:                          # megatron-core's loading asks the process group
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        verify_integrity_manifest(directory)
+        digests.verify(directory)
         tensors = load_plain_tensors(directory)
-    except CheckpointingException as error:
-        raise _damaged(directory, str(error).strip()) from None
+    except IntegrityError as error:
+        raise _damaged(directory, str(error)) from None
     finally:
         if alone:
             dist.destroy_process_group()

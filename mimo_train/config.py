@@ -243,6 +243,7 @@ class CheckpointConfig:
     dir: str | None = None
     interval: int = 0                                 # 0: only at the end
     resume: bool = True                               # continue from dir's latest checkpoint
+    async_save: bool = False                          # write in the background (``Saver``)
 
 
 @dataclass

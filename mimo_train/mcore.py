@@ -15,14 +15,16 @@ CPU_PATCHES = cpu_compat.activate()           # [] with CUDA: megatron-core runs
 
 # ruff: noqa: E402  (the imports must follow the patches)
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.dict_utils import (extract_matching_values, merge,
                                                         nested_values)
 from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, ShardedBase,
                                                      ShardedObject, ShardedTensor)
-from megatron.core.dist_checkpointing.serialization import load_plain_tensors
-from megatron.core.dist_checkpointing.validation import (StrictHandling, save_integrity_manifest,
-                                                         verify_integrity_manifest)
+from megatron.core.dist_checkpointing.serialization import (get_default_save_sharded_strategy,
+                                                            load_plain_tensors)
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper)
+from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                        finalize_model_grads)
 from megatron.core.enums import ModelType
@@ -46,15 +48,17 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
-    "CPU_PATCHES", "AudioModalitySubmodules", "BridgeCommunicator", "CheckpointingException",
+    "CPU_PATCHES", "AsyncCallsQueue", "AudioModalitySubmodules", "BridgeCommunicator",
     "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
+    "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
     "VisionModalitySubmodules", "dist_checkpointing", "extract_matching_values",
-    "finalize_model_grads", "get_cuda_rng_tracker", "get_forward_backward_func",
+    "finalize_model_grads", "get_cuda_rng_tracker", "get_default_save_sharded_strategy",
+    "get_forward_backward_func",
     "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors", "merge", "model_parallel_cuda_manual_seed",
-    "nested_values", "parallel_state", "save_integrity_manifest", "verify_integrity_manifest"]
+    "nested_values", "parallel_state"]

@@ -103,6 +103,8 @@ class Trainer:
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
         if resume:
             self._resume(resume)
+        self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save) \
+            if cfg.checkpoint.dir else None
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
                                cfg.train.wandb, cfg.to_dict())
@@ -231,6 +233,7 @@ class Trainer:
         with ExitSignals(run.exit_signals) as signals:
             while self.step < run.steps:
                 values, skipped = self.train_step(iterator)
+                self._saved(self.saver.poll() if self.saver else [])
                 self.samples[self.step] = self.step_samples
                 read = self.metrics.log(values)
                 if run.eval_interval and self.step % run.eval_interval == 0:
@@ -243,9 +246,10 @@ class Trainer:
                 stop = bool(self.stopped_by) or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
-                if self.cfg.checkpoint.dir and (last or stop or
-                                                (every and self.step % every == 0)):
-                    say(f"{PREFIX}checkpoint {self.save()}")
+                if self.saver and (last or stop or (every and self.step % every == 0)):
+                    self.save()
+                    if last or stop:
+                        self._saved(self.saver.wait())
                 if self.stopped_by:
                     say(f"{PREFIX}{signal.Signals(self.stopped_by).name} received: stopped "
                         f"after step {self.step}" + ("" if self.cfg.checkpoint.dir else
@@ -256,6 +260,8 @@ class Trainer:
                         f"{self.step}")
                     break
             self._anomalies(None, self.metrics.flush())     # steps not logged yet
+        if self.saver:                                       # a stop for too many skipped steps
+            self._saved(self.saver.wait())
         self.metrics.close()
         return self.metrics.records
 
@@ -355,9 +361,19 @@ class Trainer:
                 "config": self.cfg.to_dict()}
 
     def save(self) -> str:
-        assert self.cfg.checkpoint.dir                 # run() saves only with a directory
-        return checkpoint.save(self.cfg.checkpoint.dir, self.step, self.training_state(),
-                               self._meta())
+        """Save at this step (with ``checkpoint.async_save``, started: ``saver.wait()`` ends
+        it); the checkpoint's directory."""
+        assert self.saver                              # run() saves only with a directory
+        directory = self.saver.save(self.step, self.training_state(), self._meta())
+        if self.saver.queue:
+            say(f"{PREFIX}checkpoint {directory}: being written in the background")
+        else:
+            self._saved([directory])
+        return directory
+
+    def _saved(self, directories: list[str]) -> None:
+        for directory in directories:
+            say(f"{PREFIX}checkpoint {directory}" + (" complete" if self.saver.queue else ""))
 
 
 def train(cfg: TrainConfig) -> Trainer:

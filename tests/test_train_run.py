@@ -2,7 +2,8 @@
 corpus, images + audio + language in a non-colocated layout (one rank per module).
 
 - the loss goes down; evaluation runs every N steps on a validation set, the same batches each
-  time; TensorBoard gets the logged scalars; checkpoints land at the interval and at the end;
+  time; TensorBoard gets the logged scalars; checkpoints land at the interval and at the end,
+  with a manifest of each file's SHA-256; saved asynchronously, the same checkpoints;
 - resume: a run stopped at a mid-run checkpoint (``train.exit_interval``) and started again
   gives exactly the losses of the uninterrupted run for the following steps; started under
   language dp2 or tp2 instead, the same losses within 1e-5 (distributed checkpoints reshard);
@@ -14,6 +15,7 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
   that step's checkpoint, and the run started again continues the same losses.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -22,8 +24,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from conftest import REPO, preprocess_config_file
+from conftest import REPO, preprocess_config_file, scratch
 
 STEPS = 6
 LAYOUT = "image=dp1;audio=dp1;language=dp1"
@@ -44,16 +47,16 @@ def _train(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3) 
 
 @pytest.fixture(scope="module")
 def setup(loader_corpus, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("train-run")
-    preprocess = preprocess_config_file(tmp / "preprocess.yaml")
-    common = [f"data.datasets=[{loader_corpus}]", f"data.valid=[{loader_corpus}]",
-              f"data.preprocess={preprocess}", f"layout={LAYOUT}", f"train.steps={STEPS}",
-              "train.eval_interval=3", "train.eval_steps=1", "checkpoint.interval=3",
-              "optimizer.warmup_steps=1", "train.global_batch_size=4",
-              "train.micro_batch_size=2"]
-    full = _train(tmp, "full", tmp / "full-ckpt", *common,
-                  f"train.tensorboard_dir={tmp / 'tb'}")
-    return tmp, common, full
+    with scratch(tmp_path_factory, "train-run") as tmp:
+        preprocess = preprocess_config_file(tmp / "preprocess.yaml")
+        common = [f"data.datasets=[{loader_corpus}]", f"data.valid=[{loader_corpus}]",
+                  f"data.preprocess={preprocess}", f"layout={LAYOUT}", f"train.steps={STEPS}",
+                  "train.eval_interval=3", "train.eval_steps=1", "checkpoint.interval=3",
+                  "optimizer.warmup_steps=1", "train.global_batch_size=4",
+                  "train.micro_batch_size=2"]
+        full = _train(tmp, "full", tmp / "full-ckpt", *common,
+                      f"train.tensorboard_dir={tmp / 'tb'}")
+        yield tmp, common, full
 
 
 def _train_records(records):
@@ -89,6 +92,36 @@ def test_checkpoints_at_interval_and_end(setup):
         manifest = json.loads((root / step / "integrity.json").read_text())
         assert sorted(manifest["files"]) == sorted(
             p.name for p in (root / step).iterdir() if p.name != "integrity.json")
+        for name, digest in manifest["files"].items():
+            assert digest == hashlib.sha256((root / step / name).read_bytes()).hexdigest()
+
+
+def test_an_asynchronous_save_holds_the_step_it_was_started_at(setup):
+    """``checkpoint.async_save``: each rank's files are written by a forked process while the
+    next steps train. The losses are the synchronous run's, each checkpoint holds exactly the
+    weights the synchronous run saved at that step (not a later step's: the steps after it
+    changed them while it was written), its manifest is complete, and ``latest`` names the
+    last one."""
+    from mimo_train.checkpoint import load_weights
+
+    tmp, common, full = setup
+    root = tmp / "async-ckpt"
+    records = _train(tmp, "async", root, *common, "checkpoint.async_save=true")
+    assert [r["loss"] for r in _train_records(records)] == \
+        [r["loss"] for r in _train_records(full)]
+    assert (root / "latest").read_text() == "step_0000006"
+    for step in ("step_0000003", "step_0000006"):
+        assert not list((root / step).glob("integrity.*.json"))       # the parts merged
+        saved, reference = load_weights(str(root / step)), load_weights(
+            str(tmp / "full-ckpt" / step))
+        assert saved.keys() == reference.keys()
+        for module, weights in reference.items():
+            assert saved[module].keys() == weights.keys()
+            for key, tensor in weights.items():
+                assert torch.equal(saved[module][key], tensor), (step, module, key)
+    step3 = load_weights(str(root / "step_0000003"))["language"]
+    step6 = load_weights(str(root / "step_0000006"))["language"]
+    assert any(not torch.equal(step3[key], step6[key]) for key in step3)
 
 
 def test_tensorboard_gets_the_scalars(setup):

@@ -1,0 +1,147 @@
+"""A checkpoint's integrity manifest, with the hashing spread over the ranks.
+
+The manifest is megatron-core's (``integrity.json``: ``{"algorithm": "sha256", "files":
+{name: hex digest}}``), so its own ``verify_integrity_manifest`` reads ours. megatron-core has
+rank 0 hash every file, at every save and every start: O(checkpoint) on one rank while the others
+wait, growing with the model and not shrinking with the world. Here:
+
+- at save, each rank hashes the files it wrote itself (``__<rank>_<n>.distcp``, torch_dist's
+  per-rank files; in an asynchronous save, in its writer process: ``write_part``), and rank 0
+  gathers the parts and hashes only its few small files (``write_manifest``);
+- at load, the files are split into shares of about equal bytes, one per reading rank, and the
+  ranks exchange their verdicts (``verify``): every rank raises the same error naming every
+  damaged file.
+
+Hand-written because neither megatron-core nor torch.distributed.checkpoint divides the hashing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+import torch.distributed as dist
+
+ALGORITHM = "sha256"
+MANIFEST = "integrity.json"             # megatron-core's name (dist_checkpointing.validation)
+_PART = re.compile(r"^integrity\.(\d+)\.json$")              # one writing rank's digests
+_WRITTEN_BY = re.compile(r"^__(\d+)_\d+\.distcp$")           # torch_dist: __<rank>_<thread>
+
+
+class IntegrityError(RuntimeError):
+    """Files that do not match the manifest (or no manifest); the message names each one."""
+
+
+def file_digest(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, ALGORITHM).hexdigest()
+
+
+def writer(name: str) -> int:
+    """The rank that writes the checkpoint file ``name``: torch_dist's data files are named by
+    their writer; every other file (index, metadata, meta.json) is rank 0's."""
+    match = _WRITTEN_BY.match(name)
+    return int(match[1]) if match else 0
+
+
+def _data_files(directory: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory)
+                  if name != MANIFEST and not _PART.match(name)
+                  and os.path.isfile(os.path.join(directory, name)))
+
+
+def write_part(directory: str, rank: int) -> None:
+    """Hash the data files ``rank`` wrote and store their digests for ``write_manifest``
+    (``integrity.<rank>.json``): called by the process that wrote them, right after."""
+    digests = {name: file_digest(os.path.join(directory, name))
+               for name in _data_files(directory)
+               if _WRITTEN_BY.match(name) and writer(name) == rank}
+    _write_json(os.path.join(directory, f"integrity.{rank}.json"), digests)
+
+
+def write_manifest(directory: str) -> dict[str, str]:
+    """Rank 0, once every rank's ``write_part`` is done: merge the parts, hash rank 0's other
+    files, write the manifest and remove the parts. Raises IntegrityError when a data file has
+    no digest (its writer's part is missing: the save did not finish)."""
+    files: dict[str, str] = {}
+    parts = [name for name in os.listdir(directory) if _PART.match(name)]
+    for name in parts:
+        with open(os.path.join(directory, name)) as f:
+            files.update(json.load(f))
+    for name in _data_files(directory):
+        if not _WRITTEN_BY.match(name):
+            files[name] = file_digest(os.path.join(directory, name))
+        elif name not in files:
+            raise IntegrityError(f"{directory}: {name} has no digest from rank {writer(name)} "
+                                 "(its writer did not finish)")
+    _write_json(os.path.join(directory, MANIFEST),
+                {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))})
+    for name in parts:
+        os.remove(os.path.join(directory, name))
+    return files
+
+
+def shares(sizes: dict[str, int], ranks: int) -> list[list[str]]:
+    """Files split into ``ranks`` shares of about equal bytes (largest first, each to the least
+    loaded share; ties by name and rank, so every rank computes the same split)."""
+    loads = [0] * ranks
+    split: list[list[str]] = [[] for _ in range(ranks)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        split[rank].append(name)
+        loads[rank] += sizes[name]
+    return split
+
+
+def verify(directory: str) -> None:
+    """Check every file against the manifest, each rank hashing one share (collective when a
+    process group of several ranks is up; alone otherwise). Raises IntegrityError on every
+    rank, naming each missing or changed file."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        expected: dict[str, str] = manifest["files"]
+        algorithm = manifest.get("algorithm", ALGORITHM)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise IntegrityError(f"{path} is unreadable ({error})") from None
+    if algorithm != ALGORITHM:
+        raise IntegrityError(f"{path} uses {algorithm!r}, this reader knows {ALGORITHM!r}")
+    together = dist.is_initialized() and dist.get_world_size() > 1
+    rank, ranks = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    sizes = {name: _size(os.path.join(directory, name)) for name in expected}
+    problems = []
+    for name in shares(sizes, ranks)[rank]:
+        try:
+            actual = file_digest(os.path.join(directory, name))
+        except OSError as error:
+            problems.append(f"{name}: file missing or unreadable ({error.strerror})")
+            continue
+        if actual != expected[name]:
+            problems.append(f"{name}: hash mismatch (expected {expected[name][:16]}..., "
+                            f"got {actual[:16]}...)")
+    if together:
+        gathered: list = [None] * ranks
+        dist.all_gather_object(gathered, problems)
+        problems = [problem for share in gathered for problem in share]
+    if problems:
+        raise IntegrityError(f"{len(problems)} file(s) do not match {MANIFEST}: "
+                             + "; ".join(sorted(problems)))
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _write_json(path: str, content) -> None:
+    """Written whole or not at all (a reader never sees half a file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(content, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)

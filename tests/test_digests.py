@@ -1,0 +1,106 @@
+"""The integrity manifest with the hashing spread over the ranks (``mimo_train.digests``): each
+writer hashes only its own files, the readers' shares cover every file once in about equal
+bytes, and the manifest is megatron-core's, readable by its own verifier. The multi-rank paths
+(a 3-rank save, a damaged checkpoint refused on every rank) run in tests/test_train_run.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from mimo_train import digests
+from mimo_train.digests import IntegrityError
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    """A torch_dist-like directory written by 3 ranks: their data files, rank 0's index."""
+    files = {"__0_0.distcp": b"a" * 300, "__1_0.distcp": b"b" * 500, "__1_1.distcp": b"c" * 10,
+             "__2_0.distcp": b"d" * 200, ".metadata": b"index", "metadata.json": b"{}"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    return tmp_path, files
+
+
+def test_each_writer_hashes_only_its_own_files(checkpoint, monkeypatch):
+    directory, files = checkpoint
+    hashed = []
+    original = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest",
+                        lambda path: hashed.append(os.path.basename(path)) or original(path))
+    digests.write_part(str(directory), 1)
+    assert sorted(hashed) == ["__1_0.distcp", "__1_1.distcp"]
+    part = json.loads((directory / "integrity.1.json").read_text())
+    assert part == {name: _sha(files[name]) for name in ("__1_0.distcp", "__1_1.distcp")}
+
+
+def test_the_manifest_merges_the_parts_and_megatron_reads_it(checkpoint, monkeypatch):
+    from mimo_train import mcore  # noqa: F401  (megatron-core imported quietly)
+    from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+
+    directory, files = checkpoint
+    for rank in range(3):
+        digests.write_part(str(directory), rank)
+    hashed = []
+    original = digests.file_digest
+    monkeypatch.setattr(digests, "file_digest",
+                        lambda path: hashed.append(os.path.basename(path)) or original(path))
+    digests.write_manifest(str(directory))
+    assert sorted(hashed) == [".metadata", "metadata.json"]        # rank 0's own, small files
+    manifest = json.loads((directory / "integrity.json").read_text())
+    assert manifest == {"algorithm": "sha256",
+                        "files": {name: _sha(data) for name, data in sorted(files.items())}}
+    assert sorted(p.name for p in directory.iterdir()) == sorted([*files, "integrity.json"])
+    verify_integrity_manifest(str(directory))            # megatron-core's own check accepts it
+    digests.verify(str(directory))
+
+
+def test_a_data_file_without_its_writers_digests_fails_the_save(checkpoint):
+    directory, _ = checkpoint
+    digests.write_part(str(directory), 0)
+    digests.write_part(str(directory), 1)              # rank 2's writer never finished
+    with pytest.raises(IntegrityError, match=r"__2_0.distcp has no digest from rank 2"):
+        digests.write_manifest(str(directory))
+    assert not (directory / "integrity.json").exists()
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 5, 8])
+def test_the_shares_cover_every_file_once_in_about_equal_bytes(ranks):
+    sizes = {f"__{r}_0.distcp": 1000 + 37 * r for r in range(6)} | {".metadata": 40,
+                                                                    "metadata.json": 2}
+    split = digests.shares(sizes, ranks)
+    assert len(split) == ranks
+    assert sorted(name for share in split for name in share) == sorted(sizes)
+    loads = [sum(sizes[name] for name in share) for share in split]
+    # no share exceeds an equal share by more than one file (largest first, least loaded)
+    assert max(loads) <= sum(sizes.values()) / ranks + max(sizes.values())
+    assert split == digests.shares(dict(reversed(list(sizes.items()))), ranks)  # order-free
+
+
+def test_verify_names_every_changed_and_missing_file(checkpoint):
+    directory, _ = checkpoint
+    for rank in range(3):
+        digests.write_part(str(directory), rank)
+    digests.write_manifest(str(directory))
+    (directory / "__1_0.distcp").write_bytes(b"b" * 499 + b"x")      # same size, changed
+    (directory / "__2_0.distcp").unlink()
+    with pytest.raises(IntegrityError) as refused:
+        digests.verify(str(directory))
+    message = str(refused.value)
+    assert message.startswith("2 file(s) do not match integrity.json: "), message
+    assert "__1_0.distcp: hash mismatch (expected " in message
+    assert "__2_0.distcp: file missing or unreadable" in message
+
+
+def test_verify_refuses_an_unreadable_manifest(checkpoint):
+    directory, _ = checkpoint
+    (directory / "integrity.json").write_text("{not json")
+    with pytest.raises(IntegrityError, match="integrity.json is unreadable"):
+        digests.verify(str(directory))
