@@ -49,6 +49,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-token-cache", action="store_true",
                         help="tokenize every conversation whole instead of caching the pieces "
                         "between special tokens (slower; the tokens are the same)")
+    parser.add_argument("--cache-dir", metavar="CACHE",
+                        help="where the dataset's derived tables live when not beside it "
+                        "(training's data.cache_dir; MIMO_CACHE_DIR wins over both): a "
+                        "read-only dataset's report then reuses training's token table")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,7 +130,7 @@ def _sample(args, config) -> int:
     from mimo_data.inspect.sample import format_sample, sample_problems
     from mimo_data.inspect.stats import IndexTable, SampleInspector
     from mimo_data.shards.reader import ShardReader
-    reader = ShardReader(args.directory)
+    reader = ShardReader(args.directory, args.cache_dir)
     if args.key is not None:
         position = reader.table.position(args.key)
         if position is not None:
@@ -179,7 +183,8 @@ def _report(args, config) -> int:
         gallery = Gallery(per_check=args.gallery_per_check, examples=args.examples)
     report = build_report(args.directory, inspector, thresholds, limit=args.limit,
                           progress=not args.no_progress, workers=args.workers,
-                          on_stats=gallery, reuse=not args.recompute)
+                          on_stats=gallery, reuse=not args.recompute,
+                          cache_dir=args.cache_dir)
     report["config"] = args.config
     if args.json == "-":
         print(json.dumps(report, indent=2))

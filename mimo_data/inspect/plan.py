@@ -213,7 +213,7 @@ def run_plan(args, config: PreprocessConfig) -> int:
         print(f"layout    {layout}: INVALID", file=sys.stdout)
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
         return 1
-    source = DataSource([args.directory], config)
+    source = DataSource([args.directory], config, cache_dir=args.cache_dir)
     runs = {balance: dry_run(source, config, layout, args.global_batch_size,
                              args.micro_batch_size, seed=args.seed, epoch=args.epoch,
                              balance=balance, packing=args.packing)

@@ -44,7 +44,7 @@ from tqdm import tqdm
 
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
-from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key,
+from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key, table_labels,
                                            table_path)
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
@@ -417,8 +417,10 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
         # unreadable record, which a report counts.
         if limit is None and UNREADABLE not in builder.drop_reasons:
             if saved is None:
-                cache.save_table(tokens_path, token_data, key)
-            cache.save_table(flags_path, flags, flags_key)
+                cache.save_table(tokens_path, token_data, key,
+                                 table_labels(reader, inspector.preprocessor))
+            cache.save_table(flags_path, flags, flags_key,
+                             table_labels(reader, inspector.preprocessor, "report"))
     seconds = time.perf_counter() - start
     report = {"dataset": directory, "total_samples": len(reader), "limit": limit,
               "workers": workers, **builder.to_dict(thresholds), "seconds": seconds,

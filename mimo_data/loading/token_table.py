@@ -40,6 +40,7 @@ from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, SampleDr
 from mimo_data.shards import cache
 from mimo_data.shards.format import INDEX_FILE
 from mimo_data.shards.reader import ShardReader
+from mimo_data.shards.sample_table import build_digest
 from mimo_data.tally import FIRST_LOCATIONS, Tally
 
 CHUNK = 4 * TEXT_BATCH   # samples per worker task: fewer hand-overs than one text batch
@@ -123,17 +124,34 @@ class TokenTable:
                     for p in dropped[:FIRST_LOCATIONS]])
 
 
-def table_key(reader: ShardReader, preprocessor: Preprocessor) -> str:
-    """Everything the table of ``reader`` under ``preprocessor`` depends on, hashed."""
+def preprocessing_digest(preprocessor: Preprocessor) -> str:
+    """What a token table is computed for, besides the dataset and the code: the preprocessing
+    settings, the tokenizer and its chat template."""
     config = preprocessor.config
     digest = hashlib.sha256()
-    with open(os.path.join(reader.directory, INDEX_FILE), "rb") as index:
-        digest.update(hashlib.sha256(index.read()).digest())
     settings = {k: v for k, v in config.to_dict().items() if k not in ("tokenizer",
                                                                      "chat_template")}
     digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
     digest.update(_tokenizer_digest(config.tokenizer, preprocessor))
     digest.update(json.dumps(getattr(preprocessor.text, "template", None)).encode())
+    return digest.hexdigest()
+
+
+def table_labels(reader: ShardReader, preprocessor: Preprocessor,
+                 kind: str = "tokens") -> cache.Labels:
+    """The labels of a table derived from ``reader`` under ``preprocessor``."""
+    config = preprocessor.config
+    return cache.Labels(kind, build_digest(reader.index, reader.directory),
+                        preprocessing_digest(preprocessor),
+                        f"tokenizer {config.tokenizer}, seq_length {config.seq_length}")
+
+
+def table_key(reader: ShardReader, preprocessor: Preprocessor) -> str:
+    """Everything the table of ``reader`` under ``preprocessor`` depends on, hashed."""
+    digest = hashlib.sha256()
+    with open(os.path.join(reader.directory, INDEX_FILE), "rb") as index:
+        digest.update(hashlib.sha256(index.read()).digest())
+    digest.update(preprocessing_digest(preprocessor).encode())
     for path in CODE:
         digest.update(path.name.encode() + path.read_bytes())
     digest.update(json.dumps({name: importlib.metadata.version(name)
@@ -294,14 +312,15 @@ def token_table(reader: ShardReader, preprocessor: Preprocessor, *,
     key, path, table = here
     if not all(found):
         computed = compute(reader, preprocessor, num_workers, partition, progress)
+        labels = table_labels(reader, preprocessor)
         if partition is None:
-            table = cache.save_table(path, computed, key)
+            table = cache.save_table(path, computed, key, labels)
         else:           # one writer per machine; then every rank maps the file it can see
             writes = partition.writes
 
             def save() -> None:
                 if writes:
-                    cache.save_table(path, computed, key)
+                    cache.save_table(path, computed, key, labels)
             partition.together(save)
             table = cache.read_table(path, key)
         if table is None:                   # not saved: from memory

@@ -11,6 +11,10 @@ configured ``cache_dir``.
 Files are written to a temporary name and renamed, so readers (and concurrent writers of the
 same table) only ever see complete files; a file that does not open, whose key differs or
 whose columns do not hash to the recorded digest is not used (the caller rebuilds it).
+
+Besides its key, a table carries labels (``Labels``) saying what it is and what it was derived
+from, so that ``cache_entries`` can tell a table still in use from one superseded by a rebuild
+of the dataset or by a newer table for the same preprocessing.
 """
 
 from __future__ import annotations
@@ -19,12 +23,35 @@ import hashlib
 import os
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 
 CACHE_DIR_ENV = "MIMO_CACHE_DIR"
 DATASET_CACHE = ".mimo-cache"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo")
+
+
+@dataclass(frozen=True)
+class Labels:
+    """What a derived table is (schema metadata ``mimo.<field>``)."""
+    kind: str                 # "samples", "tokens" or "report"
+    dataset: str              # the build it was derived from: samples.parquet's sha256
+    purpose: str = ""         # what it was computed for besides the code (a preprocessing's
+    #                           digest; "" for the sample table): one current table per purpose
+    about: str = ""           # the purpose in words (tokenizer, sequence length)
+
+    def metadata(self) -> dict[bytes, bytes]:
+        return {f"mimo.{name}".encode(): value.encode() for name, value in asdict(self).items()}
+
+    @classmethod
+    def of(cls, metadata: dict[bytes, bytes]) -> Labels | None:
+        """The labels in a table's metadata; None for a table written without them."""
+        try:
+            return cls(**{name: metadata[f"mimo.{name}".encode()].decode()
+                          for name in cls.__dataclass_fields__})
+        except KeyError:
+            return None
 
 
 def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
@@ -38,11 +65,16 @@ def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
             pass
         if os.access(own, os.W_OK):
             return own
-    absolute = os.path.abspath(dataset)
-    name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
-    path = os.path.join(root or DEFAULT_CACHE, name)
+    path = external_directory(dataset, root)
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def external_directory(dataset: str, root: str | None) -> str:
+    """``dataset``'s directory in the cache ``root`` (None: the default cache)."""
+    absolute = os.path.abspath(dataset)
+    name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
+    return os.path.join(root or DEFAULT_CACHE, name)
 
 
 def columns_digest(table: pa.Table) -> str:
@@ -63,16 +95,17 @@ def column(table: pa.Table, name: str) -> pa.Array:
     return chunked.chunk(0) if chunked.num_chunks == 1 else chunked.combine_chunks()
 
 
-def write_table(path: str, table: pa.Table, key: str) -> None:
-    """Write ``table`` to ``path`` atomically, with ``key`` and its digest in its metadata."""
+def write_table(path: str, table: pa.Table, key: str, labels: Labels) -> None:
+    """Write ``table`` to ``path`` atomically, with ``key``, its digest and ``labels`` in its
+    metadata."""
     # The digest is taken of the table as read back from IPC: buffers exactly as the file holds
     # them (a sliced array's buffers may hold more than it shows).
     sink = pa.BufferOutputStream()
     with pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table.combine_chunks())
     table = pa.ipc.open_file(sink.getvalue()).read_all()
-    metadata = {**(table.schema.metadata or {}), b"mimo.key": key.encode(),
-                b"mimo.digest": columns_digest(table).encode()}
+    metadata = {**(table.schema.metadata or {}), **labels.metadata(),
+                b"mimo.key": key.encode(), b"mimo.digest": columns_digest(table).encode()}
     table = table.replace_schema_metadata(metadata)
     handle, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
                                    dir=os.path.dirname(path))
@@ -88,11 +121,11 @@ def write_table(path: str, table: pa.Table, key: str) -> None:
         raise
 
 
-def save_table(path: str, table: pa.Table, key: str) -> pa.Table | None:
+def save_table(path: str, table: pa.Table, key: str, labels: Labels) -> pa.Table | None:
     """``write_table``, then the saved file memory-mapped; None, with a warning, when it cannot
     be saved (a read-only or full cache: the caller uses ``table`` from memory this time)."""
     try:
-        write_table(path, table, key)
+        write_table(path, table, key, labels)
     except OSError as exc:
         print(f"mimo: could not save {path} ({exc}); set {CACHE_DIR_ENV} to a writable "
               "directory", file=sys.stderr)

@@ -77,6 +77,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--workers", type=int, default=1,
                    help="processes checking shards in parallel (default 1)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+    c = commands.add_parser(
+        "cache", help="list the tables derived from a dataset (sample table, token tables, "
+        "reports) and remove the superseded ones")
+    c.add_argument("directory", help="dataset directory written by mimo-shard build")
+    c.add_argument("--cache-dir", help="the cache directory training and mimo-inspect were "
+                   "given (data.cache_dir / --cache-dir; MIMO_CACHE_DIR wins over it)")
+    c.add_argument("--remove", action="store_true",
+                   help="delete the superseded files (never a current one)")
+    c.add_argument("--json", action="store_true", help="machine-readable output")
     return parser
 
 
@@ -119,6 +129,8 @@ def _run(args) -> int:
         from mimo_data.shards.info import dataset_info, format_info
         info = dataset_info(args.directory)
         print(json.dumps(info, indent=2) if args.json else format_info(info))
+    elif args.command == "cache":
+        return _cache(args)
     else:
         from mimo_data.shards.verify import verify
         problems = verify(args.directory, args.workers, progress=not args.no_progress)
@@ -129,6 +141,30 @@ def _run(args) -> int:
                   f"{args.directory}", file=sys.stderr)
             return 1
         print(f"mimo-shard verify: OK, {args.directory}")
+    return 0
+
+
+def _cache(args) -> int:
+    import json
+    from dataclasses import asdict
+
+    from mimo_data.shards.cache_entries import entries, remove
+    listed = entries(args.directory, args.cache_dir)
+    superseded = [entry for entry in listed if entry.superseded]
+    freed = remove(superseded) if args.remove else 0
+    if args.json:
+        print(json.dumps({"files": [asdict(e) | {"superseded": e.superseded} for e in listed],
+                          "removed_bytes": freed}, indent=2))
+        return 0
+    for entry in listed:
+        about = f" ({entry.about})" if entry.about else ""
+        print(f"{entry.size / 1e6:9.2f} MB  {entry.kind:8} {entry.status}{about}\n"
+              f"             {entry.path}")
+    total = sum(entry.size for entry in superseded)
+    print(f"mimo-shard cache: {len(listed)} file(s), {len(superseded)} superseded "
+          f"({total / 1e6:.2f} MB)" + (f", removed ({freed / 1e6:.2f} MB freed)"
+                                       if args.remove else
+                                       "; --remove deletes them" if superseded else ""))
     return 0
 
 

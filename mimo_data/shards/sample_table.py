@@ -29,10 +29,20 @@ from mimo_data.shards.index import DatasetError, file_sha256
 TABLE_VERSION = 1
 
 
-def table_key(index: dict, directory: str) -> str:
-    """What the sample table is computed from: samples.parquet's sha256 (from the index)."""
+def build_digest(index: dict, directory: str) -> str:
+    """The dataset build's fingerprint: samples.parquet's sha256 (from the index). Every table
+    derived from the dataset is labelled with it (``cache.Labels.dataset``)."""
     recorded = index.get("files", {}).get(SAMPLES_FILE, {}).get("sha256")
-    return f"v{TABLE_VERSION}-{recorded or file_sha256(os.path.join(directory, SAMPLES_FILE))}"
+    return recorded or file_sha256(os.path.join(directory, SAMPLES_FILE))
+
+
+def table_key(index: dict, directory: str) -> str:
+    """What the sample table is computed from: the build's samples.parquet."""
+    return f"v{TABLE_VERSION}-{build_digest(index, directory)}"
+
+
+def labels(key: str) -> cache.Labels:
+    return cache.Labels("samples", key.split("-", 1)[1])
 
 
 def file_name(key: str) -> str:
@@ -63,7 +73,8 @@ def from_parquet(parquet: str) -> pa.Table:
 
 def write(parquet: str, folder: str, key: str) -> None:
     """Derive the sample table of ``parquet`` and write it into ``folder``."""
-    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key)
+    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key,
+                      labels(key))
 
 
 class SampleTable:
@@ -97,7 +108,7 @@ class SampleTable:
                       "and cache directory; `mimo-shard build` writes it beside new datasets)",
                       file=sys.stderr, flush=True)
             derived = from_parquet(os.path.join(directory, SAMPLES_FILE))
-            table = cache.save_table(path, derived, key)
+            table = cache.save_table(path, derived, key, labels(key))
             if table is None:
                 table, mapped = derived, False
         if table.num_rows != index["totals"]["samples"]:
