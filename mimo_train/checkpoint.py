@@ -138,11 +138,6 @@ class Saver:
         return finished
 
 
-def save(root: str, step: int, state: TrainingState, meta: dict) -> str:
-    """Write ``state`` at ``step`` under ``root`` and finalize it (collective)."""
-    return Saver(root, asynchronous=False).save(step, state, meta)
-
-
 def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict):
     """megatron-core's request for the save of ``state`` into ``directory`` (collective), its
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
@@ -160,11 +155,18 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         async_sharded_save=True, async_strategy="mcore")
 
     def finalize() -> None:
+        problem = [None]
         if rank == 0:
-            _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
-            digests.write_manifest(directory)
-            _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
-        dist.barrier()
+            try:
+                _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
+                digests.write_manifest(directory)
+                _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
+            except (IntegrityError, OSError) as error:
+                problem = [f"{type(error).__name__}: {error}"]
+        dist.broadcast_object_list(problem, src=0)         # every rank stops, none waits
+        if problem[0]:
+            raise CheckpointError(f"checkpoint {directory} was not completed ({problem[0]}); "
+                                  f"{LATEST} still names the previous one")
 
     request.add_finalize_fn(finalize)
     return request._replace(async_fn=functools.partial(_write_then_digest, request.async_fn,

@@ -46,7 +46,7 @@ def writer(name: str) -> int:
     return int(match[1]) if match else 0
 
 
-def _data_files(directory: str) -> list[str]:
+def _checkpoint_files(directory: str) -> list[str]:
     return sorted(name for name in os.listdir(directory)
                   if name != MANIFEST and not _PART.match(name)
                   and os.path.isfile(os.path.join(directory, name)))
@@ -56,12 +56,12 @@ def write_part(directory: str, rank: int) -> None:
     """Hash the data files ``rank`` wrote and store their digests for ``write_manifest``
     (``integrity.<rank>.json``): called by the process that wrote them, right after."""
     digests = {name: file_digest(os.path.join(directory, name))
-               for name in _data_files(directory)
+               for name in _checkpoint_files(directory)
                if _WRITTEN_BY.match(name) and writer(name) == rank}
     _write_json(os.path.join(directory, f"integrity.{rank}.json"), digests)
 
 
-def write_manifest(directory: str) -> dict[str, str]:
+def write_manifest(directory: str) -> None:
     """Rank 0, once every rank's ``write_part`` is done: merge the parts, hash rank 0's other
     files, write the manifest and remove the parts. Raises IntegrityError when a data file has
     no digest (its writer's part is missing: the save did not finish)."""
@@ -70,7 +70,7 @@ def write_manifest(directory: str) -> dict[str, str]:
     for name in parts:
         with open(os.path.join(directory, name)) as f:
             files.update(json.load(f))
-    for name in _data_files(directory):
+    for name in _checkpoint_files(directory):
         if not _WRITTEN_BY.match(name):
             files[name] = file_digest(os.path.join(directory, name))
         elif name not in files:
@@ -80,7 +80,6 @@ def write_manifest(directory: str) -> dict[str, str]:
                 {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))})
     for name in parts:
         os.remove(os.path.join(directory, name))
-    return files
 
 
 def shares(sizes: dict[str, int], ranks: int) -> list[list[str]]:

@@ -233,9 +233,9 @@ class Trainer:
         with ExitSignals(run.exit_signals) as signals:
             while self.step < run.steps:
                 values, skipped = self.train_step(iterator)
-                self._saved(self.saver.poll() if self.saver else [])
                 self.samples[self.step] = self.step_samples
                 read = self.metrics.log(values)
+                self._saved(self.saver.poll() if self.saver else [])
                 if run.eval_interval and self.step % run.eval_interval == 0:
                     read += self.metrics.log(self.evaluate())
                 self.failure = self._anomalies(skipped, read)
