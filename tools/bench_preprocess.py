@@ -6,7 +6,9 @@ Three passes over the same shards, in the same run, one process with one torch t
   processor uses, decode and resample audio; no tokenization, no features, nothing else;
 - full mode: the Preprocessor with media (tokens, masks, patches, log-mels);
 - metadata-only mode: the Preprocessor without media (what language ranks run).
-Prints samples/s and the ratios full / decode-only and metadata-only / full.
+Prints samples/s and the ratios full / decode-only and metadata-only / full. Then the cost of
+the reader's crc32 check of every member (``ShardReader.read_member``, in all three passes):
+zlib's crc32 over every member's bytes, read beforehand, against the decode-only pass.
 
     python tools/bench_preprocess.py [--samples 2000] [--rounds 3] \\
         [--config configs/preprocess.yaml]
@@ -18,6 +20,7 @@ import argparse
 import shutil
 import tempfile
 import time
+import zlib
 
 import torch
 from PIL import Image
@@ -87,6 +90,12 @@ def main() -> None:
         spread = sorted(r["full"] / r["metadata-only"] for r in rounds)
         print(f"metadata-only / full:  {best['full'] / best['metadata-only']:.1f}x  "
               f"(rounds: {', '.join(f'{x:.1f}' for x in spread)}; target >= 20)")
+        members = [reader.read_member(position, name) for position in range(n)
+                   for name in reader.table.members(position)]
+        check = min(_timed(lambda: [zlib.crc32(data) for data in members])
+                    for _ in range(args.rounds))
+        print(f"crc32 of every member ({sum(map(len, members)) / 1e6:.0f} MB): "
+              f"{check / best['decode-only']:.1%} of the decode-only pass")
     finally:
         shutil.rmtree(work)
 

@@ -3,12 +3,19 @@
 Offsets come from the memory-mapped sample table (``sample_table.py``); reads are ``os.pread``
 on shard files opened lazily per process (safe across ``fork``: a child reopens its own
 descriptors). Metadata-only readers read the JSON member alone and never touch media bytes.
+
+Every member read is checked against the crc32 samples.parquet records (zlib's crc32 runs at
+GB/s, far below the cost of decoding; ``tools/bench_preprocess.py`` measures it): changed bytes
+inside a JPEG decode without a warning, so without the check they would train silently. A
+mismatch is read once more (a transient fault of the storage), then stops the reader with the
+shard, sample and member.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import zlib
 
 from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.index import DatasetError, read_index
@@ -36,14 +43,24 @@ class ShardReader:
         return self._files[shard]
 
     def read_member(self, position: int, name: str) -> bytes:
-        """Bytes of member ``name`` (e.g. ``json``, ``img0.jpg``) of the sample at ``position``."""
-        offset, size = self.table.members(position)[name]
+        """Bytes of member ``name`` (e.g. ``json``, ``img0.jpg``) of the sample at ``position``,
+        checked against their recorded crc32 (DatasetError when they differ twice)."""
+        offset, size, crc32 = self.table.members(position)[name]
         shard = self.table.shard(position)
-        data = os.pread(self._fd(shard), size, offset)
-        if len(data) != size:
-            raise DatasetError(f"{shard}: short read of {self.table.key(position)}."
-                               f"{name} ({len(data)} of {size} bytes); run mimo-shard verify")
-        return data
+        for _attempt in range(2):
+            data = os.pread(self._fd(shard), size, offset)
+            if len(data) != size:
+                raise DatasetError(f"{shard}: short read of {self.table.key(position)}."
+                                   f"{name} ({len(data)} of {size} bytes); run mimo-shard "
+                                   "verify")
+            if crc32 < 0 or zlib.crc32(data) == crc32:
+                return data
+        key = self.table.key(position)
+        raise DatasetError(
+            f"{os.path.join(self.directory, shard)}: sample {key} member {key}.{name}: its bytes "
+            f"changed since the build (crc32 differs from samples.parquet, read twice); run "
+            f"`mimo-shard verify {self.directory}` to list every damaged member, then restore "
+            "the shard from its source or rebuild the dataset")
 
     def record(self, position: int) -> ShardRecord:
         """The sample's JSON record (messages, media metadata, source)."""

@@ -7,8 +7,8 @@ keyed by that file's sha256 from ``index.json``. ``mimo-shard build`` writes it;
 before gets it on first use (``cache.py`` says where it goes), with a message.
 
 Columns: ``key`` (string), ``shard`` (int32 id into the ``mimo.shards`` list in the schema
-metadata), ``members`` (list of ``{name: int16 id into mimo.members, offset, size}`` in tar
-order).
+metadata), ``members`` (list of ``{name: int16 id into mimo.members, offset, size, crc32}`` in
+tar order; crc32 -1 where samples.parquet has none: datasets built before it was recorded).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mimo_data.shards import cache
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.shards.index import DatasetError, file_sha256
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2                    # 2: members' crc32
 
 
 def build_digest(index: dict, directory: str) -> str:
@@ -58,9 +58,11 @@ def from_parquet(parquet: str) -> pa.Table:
     names = pc.dictionary_encode(flat.field("name"))
     if len(names.dictionary) > np.iinfo(np.int16).max:
         raise DatasetError(f"{parquet}: {len(names.dictionary)} distinct member names")
+    crc32 = pc.fill_null(flat.field("crc32"), -1) if flat.type.get_field_index("crc32") >= 0 \
+        else pa.array(np.full(len(flat), -1, np.int64))
     entries = pa.StructArray.from_arrays(
-        [names.indices.cast(pa.int16()), flat.field("offset"), flat.field("size")],
-        names=["name", "offset", "size"])
+        [names.indices.cast(pa.int16()), flat.field("offset"), flat.field("size"),
+         crc32.cast(pa.int64())], names=["name", "offset", "size", "crc32"])
     # 64-bit offsets: keys and member entries of hundreds of millions of samples fit
     table = pa.table({"key": source.column("key").combine_chunks().cast(pa.large_string()),
                       "shard": shards.indices.cast(pa.int32()),
@@ -94,6 +96,7 @@ class SampleTable:
         self.member_name_ids = values.field("name").to_numpy()
         self.member_offsets = values.field("offset").to_numpy()
         self.member_sizes = values.field("size").to_numpy()
+        self.member_crcs = values.field("crc32").to_numpy()
 
     @classmethod
     def open(cls, directory: str, index: dict, cache_dir: str | None = None) -> SampleTable:
@@ -137,12 +140,12 @@ class SampleTable:
     def shard(self, position: int) -> str:
         return self.shard_names[self.shard_ids[position]]
 
-    def members(self, position: int) -> dict[str, tuple[int, int]]:
-        """``{member name: (byte offset, size)}`` of the sample at ``position``."""
+    def members(self, position: int) -> dict[str, tuple[int, int, int]]:
+        """``{member name: (byte offset, size, crc32 or -1)}`` of the sample at ``position``."""
         start, stop = self.member_starts[position], self.member_starts[position + 1]
-        return {self.member_names[n]: (int(o), int(s)) for n, o, s in zip(
+        return {self.member_names[n]: (int(o), int(s), int(c)) for n, o, s, c in zip(
             self.member_name_ids[start:stop], self.member_offsets[start:stop],
-            self.member_sizes[start:stop])}
+            self.member_sizes[start:stop], self.member_crcs[start:stop])}
 
     def shard_sizes(self) -> tuple[int, ...]:
         """Samples per shard, in write order."""
