@@ -155,7 +155,7 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         async_sharded_save=True, async_strategy="mcore")
 
     def finalize() -> None:
-        problem = [None]
+        problem: list[str | None] = [None]
         if rank == 0:
             try:
                 _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))

@@ -372,8 +372,9 @@ class Trainer:
         return directory
 
     def _saved(self, directories: list[str]) -> None:
+        background = self.saver is not None and self.saver.queue is not None
         for directory in directories:
-            say(f"{PREFIX}checkpoint {directory}" + (" complete" if self.saver.queue else ""))
+            say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
 
 
 def train(cfg: TrainConfig) -> Trainer:

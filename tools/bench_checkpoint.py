@@ -138,7 +138,8 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
     start = time.perf_counter()
     saver.save(trainer.step, state, trainer._meta())
     figures["async_call_s"] = time.perf_counter() - start
-    during, polls, done = [], 0.0, False
+    during: list[float] = []
+    polls, done = 0.0, False
     while not done and len(during) < max_steps:
         during.append(step())
         polled = time.perf_counter()
@@ -228,6 +229,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        worker(*sys.argv[2:6], int(sys.argv[6]), int(sys.argv[7]))
+        out, work, shards, preprocess, steps, max_steps = sys.argv[2:8]
+        worker(out, work, shards, preprocess, int(steps), int(max_steps))
     else:
         main()
