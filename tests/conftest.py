@@ -335,6 +335,41 @@ def flip_byte(path, offset: int) -> None:
         data.write(bytes([byte[0] ^ 0xFF]))
 
 
+def rewrite_samples_parquet(directory: Path, table) -> None:
+    """Replace ``directory``'s samples.parquet by ``table`` as a build that wrote it would have:
+    index.json records its new sha256 and size, and the sample table of the new key is
+    written beside the dataset."""
+    from mimo_data.shards import sample_table
+    from mimo_data.shards.index import dumps, file_sha256, read_index, write_atomic
+
+    parquet = directory / "samples.parquet"
+    pq.write_table(table, parquet)
+    index = read_index(str(directory))
+    index["files"]["samples.parquet"] = {"bytes": parquet.stat().st_size,
+                                         "sha256": file_sha256(str(parquet))}
+    write_atomic(str(directory / "index.json"), dumps(index))
+    sample_table.write(str(parquet), str(directory / ".mimo-cache"),
+                       sample_table.table_key(index, str(directory)))
+
+
+def rerecord_member(directory: Path, key: str, name: str) -> None:
+    """Record the crc32 of member ``name`` of sample ``key`` as its shard holds it now: the
+    member then reads as the build had written it (a record a builder wrote that way, or media
+    already damaged in the source of a ``--check header`` build)."""
+    import zlib
+
+    import pyarrow as pa
+
+    table = pq.read_table(directory / "samples.parquet")
+    rows = table.to_pylist()
+    row = next(row for row in rows if row["key"] == key)
+    member = next(m for m in row["members"] if m["name"] == name)
+    with open(directory / row["shard"], "rb") as shard:
+        shard.seek(member["offset"])
+        member["crc32"] = zlib.crc32(shard.read(member["size"]))
+    rewrite_samples_parquet(directory, pa.Table.from_pylist(rows, schema=table.schema))
+
+
 def file_bytes(directory) -> dict[str, bytes]:
     """``{relative path: bytes}`` of every file under a directory."""
     directory = Path(directory)

@@ -32,7 +32,7 @@ from mimo_data.shards.reader import ShardReader
 from mimo_data.modalities.audio import audio_tokens
 from mimo_data.modalities.image import image_tokens
 
-from conftest import REPO, build_dataset, samples_table, write_jsonl
+from conftest import REPO, build_dataset, rerecord_member, samples_table, write_jsonl
 
 EOT = "<|im_end|>"
 LONG_ANSWER = " ".join(f"Point {i}: the picture shows one more detail." for i in range(200))
@@ -96,18 +96,20 @@ def _planted_records(assets) -> list[dict]:
 
 
 def _patch_member(directory: Path, key: str, old: bytes, new: bytes) -> None:
-    """Replace ``old`` by ``new`` (same length) in the JSON member of ``key``, in place: the
-    tar stays valid (only member data changes), offsets and sizes stay right."""
+    """Replace ``old`` by ``new`` (same length) in the JSON member of ``key``, in place, as if
+    the builder had written that record: the tar stays valid (only member data changes),
+    offsets and sizes stay right, and samples.parquet records the new bytes' crc32."""
     assert len(old) == len(new)
     reader = ShardReader(str(directory))
     position = reader.table.position(key)
-    offset, size = reader.table.members(position)["json"]
+    offset, size, _ = reader.table.members(position)["json"]
     shard = directory / reader.table.shard(position)
     reader.close()
     data = shard.read_bytes()
     member = data[offset:offset + size]
     assert member.count(old) == 1, (key, old, member)
     shard.write_bytes(data[:offset] + member.replace(old, new) + data[offset + size:])
+    rerecord_member(directory, key, "json")
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,8 @@ from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_data.loading.loader import DataSource, LoaderError, build_loader
 
-from conftest import CORPUS_DIR, build_dataset, preprocess_config_file, write_jsonl
+from conftest import (CORPUS_DIR, build_dataset, preprocess_config_file, rerecord_member,
+                      write_jsonl)
 
 GLOBAL_BATCH = 8
 
@@ -292,13 +293,16 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
                                   {"from": "gpt", "value": f"Picture {i}."}]} for i in range(2)]
     dataset = tmp_path / "ds"
     build_dataset([write_jsonl(tmp_path / "in.jsonl", records)], dataset)
-    # Damage the second sample's image inside its tar (as a disk error would): its metadata
-    # stays valid, so only decoding can tell.
+    # Damage the second sample's image inside its tar and record the damaged bytes' crc32, as
+    # a `--check header` build of a file already damaged at its source would: its metadata
+    # stays valid and its bytes are what the build wrote, so only decoding can tell. (Bytes
+    # changed after the build fail the reader's crc32 check first: test_member_crc.py.)
     row = pq.read_table(dataset / "samples.parquet").to_pylist()[1]
     member = next(m for m in row["members"] if m["name"].startswith("img"))
     with open(dataset / row["shard"], "r+b") as shard:
         shard.seek(member["offset"])
         shard.write(bytes(16))
+    rerecord_member(dataset, row["key"], member["name"])
     layout = "language=dp1;image=dp1"
     language = build_loader(str(dataset), configs["image"], layout, 0, 2, 2, 2, 0)
     assert sorted(sum((meta["keys"] for _, meta in language), [])) == [

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from conftest import CORPUS_DIR, build_dataset, preprocess_config_file
+from conftest import CORPUS_DIR, build_dataset, preprocess_config_file, rewrite_samples_parquet
 from mimo_data.loading.loader import build_loader
-from mimo_data.shards.index import DatasetError, dumps, file_sha256, read_index, write_atomic
+from mimo_data.shards.index import DatasetError
 from mimo_data.shards.reader import ShardReader
 
 ZEROED = 20_000
@@ -92,11 +92,7 @@ def test_a_dataset_without_recorded_crc32_is_read_unchecked(dataset):
                              pa.ListArray.from_arrays(members.offsets, plain))
     copy = dataset.parent / "older"
     shutil.copytree(dataset, copy)
-    shutil.rmtree(copy / ".mimo-cache")
-    pq.write_table(older, copy / "samples.parquet")
-    index = read_index(str(copy))
-    index["files"]["samples.parquet"]["sha256"] = file_sha256(str(copy / "samples.parquet"))
-    write_atomic(str(copy / "index.json"), dumps(index))
+    rewrite_samples_parquet(copy, older)
     reader = ShardReader(str(copy))
     position, name, offset, size = _large_jpegs(reader, 1)[0]
     assert reader.table.members(position)[name][2] == -1
