@@ -46,6 +46,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mimo_data.shards.index import write_atomic
 from mimo_train import digests
 from mimo_train.digests import MANIFEST, IntegrityError
 from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
@@ -158,9 +159,9 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         problem: list[str | None] = [None]
         if rank == 0:
             try:
-                _write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1))
+                write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1).encode())
                 digests.write_manifest(directory)
-                _write_atomic(os.path.join(root, LATEST), os.path.basename(directory))
+                write_atomic(os.path.join(root, LATEST), os.path.basename(directory).encode())
             except (IntegrityError, OSError) as error:
                 problem = [f"{type(error).__name__}: {error}"]
         dist.broadcast_object_list(problem, src=0)         # every rank stops, none waits
@@ -411,11 +412,3 @@ def _damaged(directory: str, what: str) -> CheckpointError:
         instead = (f"no other complete checkpoint is in {root}: start without it "
                    "(checkpoint.resume=false or another checkpoint.dir)")
     return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True)
-
-
-def _write_atomic(path: str, text: str) -> None:
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)

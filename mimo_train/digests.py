@@ -24,6 +24,8 @@ import re
 
 import torch.distributed as dist
 
+from mimo_data.shards.index import write_atomic
+
 ALGORITHM = "sha256"
 MANIFEST = "integrity.json"             # megatron-core's name (dist_checkpointing.validation)
 _PART = re.compile(r"^integrity\.(\d+)\.json$")              # one writing rank's digests
@@ -58,7 +60,7 @@ def write_part(directory: str, rank: int) -> None:
     digests = {name: file_digest(os.path.join(directory, name))
                for name in _checkpoint_files(directory)
                if _WRITTEN_BY.match(name) and writer(name) == rank}
-    _write_json(os.path.join(directory, f"integrity.{rank}.json"), digests)
+    write_atomic(os.path.join(directory, f"integrity.{rank}.json"), json.dumps(digests).encode())
 
 
 def write_manifest(directory: str) -> None:
@@ -76,8 +78,8 @@ def write_manifest(directory: str) -> None:
         elif name not in files:
             raise IntegrityError(f"{directory}: {name} has no digest from rank {writer(name)} "
                                  "(its writer did not finish)")
-    _write_json(os.path.join(directory, MANIFEST),
-                {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))})
+    write_atomic(os.path.join(directory, MANIFEST), json.dumps(
+        {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1).encode())
     for name in parts:
         os.remove(os.path.join(directory, name))
 
@@ -135,12 +137,3 @@ def _size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
-
-
-def _write_json(path: str, content) -> None:
-    """Written whole or not at all (a reader never sees half a file)."""
-    with open(path + ".tmp", "w") as f:
-        json.dump(content, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)

@@ -61,6 +61,7 @@ def entries(dataset: str, cache_dir: str | None = None) -> list[Entry]:
     index = read_index(dataset)
     build = build_digest(index, dataset)
     sample_table = file_name(sample_table_key(index, dataset))
+    # (path, size, modified, labels, verdict): a verdict decided without labels, or ""
     found: list[tuple[str, int, float, cache.Labels | None, str]] = []
     for directory in directories(dataset, cache_dir):
         for name in sorted(os.listdir(directory)):
@@ -69,14 +70,14 @@ def entries(dataset: str, cache_dir: str | None = None) -> list[Entry]:
                 stat = os.stat(path)
                 found.append((path, stat.st_size, stat.st_mtime, *_read_labels(path)))
     newest: dict[tuple[str, str, str], float] = {}      # per directory: each is a cache
-    for path, _, modified, labels, problem in found:
-        if labels and not problem and labels.dataset == build:
+    for path, _, modified, labels, verdict in found:
+        if labels and not verdict and labels.dataset == build:
             group = (os.path.dirname(path), labels.kind, labels.purpose)
             newest[group] = max(newest.get(group, modified), modified)
     result = []
-    for path, size, modified, labels, problem in found:
-        if problem:
-            status = problem
+    for path, size, modified, labels, verdict in found:
+        if verdict:
+            status = verdict
         elif labels is None:
             status = CURRENT if os.path.basename(path) == sample_table else \
                 "written by an earlier mimo under a key this version does not compute"
@@ -94,8 +95,9 @@ def entries(dataset: str, cache_dir: str | None = None) -> list[Entry]:
 
 
 def _read_labels(path: str) -> tuple[cache.Labels | None, str]:
-    """(labels, "") of a table file; (None, why it is superseded) for a temporary or damaged
-    file; (None, "") for a table written without labels."""
+    """(labels, "") of a table file; (None, its status) for a temporary or damaged file (a
+    recent temporary file is CURRENT: a write in progress, maybe); (None, "") for a table
+    written without labels."""
     if ".tmp-" in os.path.basename(path):
         if time.time() - os.path.getmtime(path) < STALE_TEMPORARY_S:
             return None, CURRENT                   # a write in progress, maybe
