@@ -34,6 +34,7 @@ from typing import Any
 import yaml
 
 from mimo_data.loading.balance import BALANCE
+from mimo_data.shards.storage import is_remote, redacted
 
 # model.attention values (mimo_train.attention says what each runs)
 ATTENTION = ("auto", "local", "sdpa", "varlen")
@@ -45,7 +46,7 @@ class TrainConfigError(ValueError):
 
 @dataclass
 class DataConfig:
-    datasets: list = field(default_factory=list)      # shard directories (mimo-shard build)
+    datasets: list = field(default_factory=list)      # shard directories or URLs (s3://...)
     weights: list | None = None                       # blend weights, one per dataset
     preprocess: str | None = None                     # PreprocessConfig YAML (required)
     valid: list = field(default_factory=list)         # shard directories for evaluation
@@ -53,6 +54,9 @@ class DataConfig:
     # table's share of this rank
     num_workers: int = 0
     cache_dir: str | None = None    # derived tables of read-only datasets (MIMO_CACHE_DIR wins)
+    # fsspec options of URL datasets (e.g. {client_kwargs: {endpoint_url: ...}}); credentials
+    # belong in the environment or the client's config, not here: the YAML is copied into runs
+    storage_options: dict = field(default_factory=dict)
     balance: str = "none"           # tokens: near-equal tokens per DP rank in every step
     # pack each language DP rank's micro-batch into sequences of seq_length (no padding;
     # attention stays inside each sample)
@@ -288,7 +292,11 @@ class TrainConfig:
         return config
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The config as written into checkpoints and logs: secrets in
+        ``data.storage_options`` redacted."""
+        data = dataclasses.asdict(self)
+        data["data"]["storage_options"] = redacted(data["data"]["storage_options"])
+        return data
 
     def validate(self) -> None:
         run, opt = self.train, self.optimizer
@@ -377,6 +385,8 @@ _HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
 
 
 def _resolve(value: str, base: str, hub: bool) -> str:
+    if is_remote(value):
+        return value                                  # a URL: s3://bucket/prefix ...
     expanded = os.path.expanduser(value)
     path = os.path.normpath(os.path.join(base, expanded))
     if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))

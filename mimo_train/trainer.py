@@ -33,6 +33,7 @@ from mimo_data.loading.loader import (DataSource, build_loader, check_even_split
 from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE
 from mimo_train import checkpoint, devices, distributed
 from mimo_train.attention import available, choose
@@ -62,7 +63,8 @@ def _raise(error: Exception | None) -> None:
 def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         for directory in directories:
-            if not os.path.isfile(os.path.join(directory, INDEX_FILE)):
+            if not storage.exists(storage.join(directory, INDEX_FILE),
+                                  cfg.data.storage_options):
                 raise TrainConfigError(
                     f"{key}: no shards at {directory}: {INDEX_FILE} is missing; build them "
                     f"with mimo-shard build ... --output {directory}")
@@ -184,7 +186,8 @@ class Trainer:
         def source(datasets, weights) -> DataSource:
             return DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
                               progress=self.rank == 0, cache_dir=cfg.data.cache_dir,
-                              partition=partition)
+                              partition=partition,
+                              storage_options=cfg.data.storage_options)
 
         def loader(opened: DataSource):
             return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,

@@ -43,7 +43,8 @@ def _count(text: str) -> int:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", metavar="DIR", help="dataset built by mimo-shard build")
+    parser.add_argument("directory", metavar="DIR",
+                        help="dataset (directory or URL) built by mimo-shard build")
     parser.add_argument("--config", required=True, metavar="CFG",
                         help="preprocessing config YAML (the one training uses)")
     parser.add_argument("--no-token-cache", action="store_true",
@@ -195,7 +196,8 @@ def _report(args, config) -> int:
     if args.html:
         from mimo_data.inspect.html import write_html
         assert gallery is not None                    # made above when --html is given
-        write_html(report, gallery, args.directory, inspector, args.html, args.config)
+        write_html(report, gallery, args.directory, inspector, args.html, args.config,
+                   args.cache_dir)
     failures = failure_lines(report)
     for line in failures:
         print(line, file=sys.stderr)
@@ -217,11 +219,15 @@ def main(argv: list[str] | None = None) -> int:
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
     from mimo_data.shards.index import DatasetError
+    from mimo_data.shards.storage import StorageError, is_remote
     try:
         config = PreprocessConfig.from_yaml(args.config)
         return {"sample": _sample, "report": _report, "plan": _plan}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = str(exc), 1 if os.path.isdir(args.directory) else 2
+        error, status = str(exc), 1 if is_remote(args.directory) or \
+            os.path.isdir(args.directory) else 2
+    except StorageError as exc:     # the storage kept failing (retried already)
+        error, status = str(exc), 1
     except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
         error, status = str(exc), 2
     print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)

@@ -218,10 +218,10 @@ class Gallery:
 
 
 def write_html(report: dict, gallery: Gallery, directory: str, inspector: SampleInspector,
-               path: str, config_path: str = "") -> None:
+               path: str, config_path: str = "", cache_dir: str | None = None) -> None:
     """Write the self-contained HTML report."""
     plt = _pyplot()
-    reader = ShardReader(directory)
+    reader = ShardReader(directory, cache_dir)
     index = IndexTable(directory)
 
     def shown(position: int, labels: list[str]) -> str:

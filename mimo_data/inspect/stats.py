@@ -20,7 +20,6 @@ Around that, checks that do not trust the preprocessor:
 from __future__ import annotations
 
 import bisect
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, Sam
                                                TextSample)
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities import MARKERS, MODALITIES
+from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
@@ -118,7 +118,7 @@ class IndexTable:
     """The per-sample columns of ``samples.parquet`` the record is checked against."""
 
     def __init__(self, directory: str):
-        table = pq.ParquetFile(os.path.join(directory, SAMPLES_FILE)).read(
+        table = pq.ParquetFile(storage.readable(storage.join(directory, SAMPLES_FILE))).read(
             columns=["members", "image_width", "image_height", "audio_duration"])
         # Member names flat with each row's count: no dict per member.
         members = table.column("members").combine_chunks()

@@ -62,7 +62,7 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import DatasetShape, SampleOrder, micro_batch_slice
 from mimo_data.modalities import MODALITIES
-from mimo_data.shards.format import INDEX_FILE, ShardRecord
+from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
@@ -121,11 +121,12 @@ class DataSource:
 
     ``partition``: compute missing token tables split over the ranks of a job (a collective:
     every rank of it opens the DataSource); ``cache_dir``: where tables go when a dataset
-    directory is read-only (``MIMO_CACHE_DIR`` overrides it)."""
+    directory is read-only or remote (``MIMO_CACHE_DIR`` overrides it); ``storage_options``:
+    the fsspec options of datasets given as URLs."""
 
     def __init__(self, directories, preprocess_config, weights=None, num_workers: int = 0,
                  progress: bool = False, cache_dir: str | None = None,
-                 partition: Partition | None = None):
+                 partition: Partition | None = None, storage_options: dict | None = None):
         directories = [directories] if isinstance(directories, (str, os.PathLike)) \
             else list(directories)
         if not directories:
@@ -141,7 +142,7 @@ class DataSource:
         self.weights = None if weights is None else [float(w) for w in weights]
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
-            return ([ShardReader(d, cache_dir) for d in self.directories],
+            return ([ShardReader(d, cache_dir, storage_options) for d in self.directories],
                     Preprocessor(self.config, with_media=False))
         opened: tuple[list[ShardReader], Preprocessor] = (
             open_readers() if partition is None else partition.together(open_readers))
@@ -157,9 +158,8 @@ class DataSource:
         self.shapes = [DatasetShape(reader.table.shard_sizes(), table.kept)
                        for reader, table in zip(self.readers, self.tables)]
         digest = hashlib.sha256()
-        for directory, shape in zip(self.directories, self.shapes):
-            with open(os.path.join(directory, INDEX_FILE), "rb") as index:
-                digest.update(hashlib.sha256(index.read()).digest())
+        for reader, shape in zip(self.readers, self.shapes):
+            digest.update(reader.index_digest)
             digest.update(np.packbits(shape.kept).tobytes())
         digest.update(json.dumps(None if self.weights is None else
                                  [w / sum(self.weights) for w in self.weights]).encode())
@@ -238,11 +238,29 @@ class _RankStream(torch.utils.data.IterableDataset):
         epoch, index = self.start
         for count in itertools.count():
             if count % workers == worker:
+                self.prefetch(epoch, index, ahead=workers)
                 batch, metadata = self.micro_batch(epoch, index)
                 yield (batch if info is None else pack(batch)), metadata
             index += 1
             if index == self.per_epoch:
                 epoch, index = epoch + 1, 0
+
+    def prefetch(self, epoch: int, index: int, ahead: int) -> None:
+        """Start reading the media of micro-batch ``index`` and of the one ``ahead`` after it
+        (this worker's next) from remote datasets (``ShardReader.prefetch``)."""
+        if not self.decode_media:
+            return
+        datasets, positions = self.order.epoch(epoch)
+        for number in (index, index + ahead):
+            if number >= self.per_epoch:        # the next epoch's order is not made yet
+                break
+            step, micro = divmod(number, self.per_step)
+            chosen = np.unique(np.concatenate([
+                np.arange(part.start, part.stop) for part in
+                (self._slice(module, step, micro) for module in self.role.media.values())]))
+            for dataset, reader in enumerate(self.source.readers):
+                reader.prefetch(positions[chosen[datasets[chosen] == dataset]].tolist(),
+                                lambda name: name != "json")
 
     def _slice(self, module: str, step: int, micro: int) -> slice:
         dp_size, dp_rank = self.dp[module]

@@ -38,7 +38,6 @@ from tqdm import tqdm
 import mimo_data
 from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, SampleDropped
 from mimo_data.shards import cache
-from mimo_data.shards.format import INDEX_FILE
 from mimo_data.shards.reader import ShardReader
 from mimo_data.shards.sample_table import build_digest
 from mimo_data.tally import FIRST_LOCATIONS, Tally
@@ -149,8 +148,7 @@ def table_labels(reader: ShardReader, preprocessor: Preprocessor,
 def table_key(reader: ShardReader, preprocessor: Preprocessor) -> str:
     """Everything the table of ``reader`` under ``preprocessor`` depends on, hashed."""
     digest = hashlib.sha256()
-    with open(os.path.join(reader.directory, INDEX_FILE), "rb") as index:
-        digest.update(hashlib.sha256(index.read()).digest())
+    digest.update(reader.index_digest)
     digest.update(preprocessing_digest(preprocessor).encode())
     for path in CODE:
         digest.update(path.name.encode() + path.read_bytes())

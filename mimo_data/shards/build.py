@@ -2,9 +2,13 @@
 
 Everything is written into ``OUTPUT/.staging`` first, moved into place at the end, and
 ``index.json`` comes last (atomically): a build killed at any point leaves no index, and the
-next build of the same output starts clean. The output order, keys and bytes depend only on the
-inputs and options (not on ``--workers``): workers validate in parallel, results are consumed
-in task order.
+next build of the same output starts clean. An output URL (``s3://bucket/prefix``, any fsspec
+location) is built the same way: staging is a local temporary directory, each shard is
+uploaded as soon as it is complete (local disk holds one shard at a time), the other files
+follow, and ``index.json`` is the last object written.
+
+The output order, keys and bytes depend only on the inputs and options (not on
+``--workers``): workers validate in parallel, results are consumed in task order.
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import random
 import re
 import shutil
 import sys
+import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.shards import sample_table
+from mimo_data.shards import sample_table, storage
+from mimo_data.shards.record_table import RecordWriter
 from mimo_data.shards.cache import DATASET_CACHE
 from mimo_data.shards.index import dumps, file_sha256, write_atomic
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
@@ -152,8 +159,10 @@ def _results(tasks, sources, policy, workers):
         yield from pool.imap(_prepare_task, tasks, chunksize=8)
 
 
-def build(inputs: list[str], output: str, options: BuildOptions) -> dict:
-    """Build the dataset; return the index. Raises BuildError (nothing is left behind then)."""
+def build(inputs: list[str], output: str, options: BuildOptions,
+          storage_options: dict | None = None) -> dict:
+    """Build the dataset; return the index. Raises BuildError (nothing is left behind then:
+    no index, so nothing a reader takes for a dataset)."""
     if not inputs:
         raise BuildError("no inputs given")
     if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
@@ -162,20 +171,80 @@ def build(inputs: list[str], output: str, options: BuildOptions) -> dict:
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
+    if storage.is_remote(output):
+        return _build_remote(inputs, output, sources, options,
+                             storage.Remote(output, storage_options))
+    output = storage.local_path(output)
     created = _prepare_output(output, options.overwrite)
     staging = os.path.join(output, STAGING_DIR)
     os.makedirs(staging)
     try:
-        index = _build_into(staging, output, inputs, sources, options)
+        index, summary = _build_into(staging, inputs, sources, options)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not os.listdir(output):
             os.rmdir(output)
         raise
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
+    os.rmdir(staging)
+    write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
+    _say_built(index, summary, output)
     return index
 
 
-def _build_into(staging, output, inputs, sources, options) -> dict:
+def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
+    """``_prepare_output`` for an output URL: the same refusals, the old index removed
+    first."""
+    names = remote.names(output)
+    if INDEX_FILE in names and not overwrite:
+        raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
+                         "it or choose another --output")
+    foreign = sorted(n for n in names if not _OWN_FILE.match(n))
+    if foreign:
+        raise BuildError(f"{output} holds objects a build did not write ({', '.join(foreign[:5])}"
+                         f"{' ...' if len(foreign) > 5 else ''}); use an empty or new prefix")
+    if INDEX_FILE in names:
+        remote.remove(storage.join(output, INDEX_FILE))
+    for name in names:
+        if name != INDEX_FILE:
+            remote.remove(storage.join(output, name), recursive=True)
+
+
+def _build_remote(inputs, output: str, sources, options: BuildOptions,
+                  remote: storage.Remote) -> dict:
+    _prepare_remote_output(remote, output, options.overwrite)
+    staging = tempfile.mkdtemp(prefix="mimo-build-")
+
+    def upload(path: str) -> None:          # a complete shard: to the bucket, off the disk
+        remote.put(path, storage.join(output, os.path.basename(path)))
+        os.remove(path)
+
+    try:
+        index, summary = _build_into(staging, inputs, sources, options, upload)
+        for folder, _, files in os.walk(staging):
+            for name in sorted(files):
+                path = os.path.join(folder, name)
+                remote.put(path, storage.join(output, os.path.relpath(path, staging)))
+        remote.write(storage.join(output, INDEX_FILE), dumps(index))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _say_built(index, summary, output)
+    return index
+
+
+def _say_built(index: dict, summary: str, output: str) -> None:
+    see = f" (see {storage.join(output, REPORT_FILE)})" \
+        if index["report"]["records_skipped"] else ""
+    print(f"mimo-shard: {summary} in {index['totals']['shards']} shard(s) → {output}{see}",
+          file=sys.stderr)
+
+
+def _build_into(staging: str, inputs, sources, options: BuildOptions,
+                shard_done: Callable[[str], None] | None = None) -> tuple[dict, str]:
+    """Write the dataset into ``staging``; return its index (not written: the caller publishes
+    the files, then the index) and the build's summary line. ``shard_done`` gets each
+    complete shard's path."""
     tasks = [task for number, source in enumerate(sources) for task in source.tasks(number)]
     if options.shuffle:
         random.Random(options.seed).shuffle(tasks)
@@ -183,8 +252,9 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
                          defer_files=options.workers > 0)
     report = Tally("records_read", "samples_written", "records_skipped")
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
-                      options.max_shard_bytes)
+                      options.max_shard_bytes, shard_done)
     table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
+    records = RecordWriter(os.path.join(staging, "records.arrows"))
     seen_ids: dict[str, str] = {}
     progress = tqdm(total=len(tasks), unit="rec", desc="build", disable=not options.progress,
                     file=sys.stderr)
@@ -213,6 +283,7 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
         members.update((m["member"], data) for m, data in zip(result.media, payloads))
         shard, member_records = shards.add(key, members)
         table.add(key, shard, result, member_records)
+        records.add(members["json"])
         report.keep()
     progress.close()
     shard_list = shards.close()
@@ -232,14 +303,9 @@ def _build_into(staging, output, inputs, sources, options) -> dict:
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},
     }
-    os.mkdir(os.path.join(staging, DATASET_CACHE))
-    sample_table.write(os.path.join(staging, SAMPLES_FILE), os.path.join(staging, DATASET_CACHE),
-                       sample_table.table_key(index, staging))
-    for name in sorted(os.listdir(staging)):
-        os.replace(os.path.join(staging, name), os.path.join(output, name))
-    os.rmdir(staging)
-    write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
-    print(f"mimo-shard: {report.summary()} in {len(shard_list)} shard(s) → {output}"
-          f"{f' (see {os.path.join(output, REPORT_FILE)})' if report.skipped else ''}",
-          file=sys.stderr)
-    return index
+    cache_folder = os.path.join(staging, DATASET_CACHE)
+    os.mkdir(cache_folder)
+    key = sample_table.table_key(index, staging)
+    sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
+    records.finish(cache_folder, key)
+    return index, report.summary()

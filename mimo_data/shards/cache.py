@@ -4,9 +4,11 @@ A derived table (the memory-mapped sample table, a token table per preprocessing
 Arrow IPC file named after a key that covers everything it was computed from, with the sha256
 of its columns in its schema metadata. It lives in ``DATASET/.mimo-cache/`` when that
 directory is writable, otherwise (or when ``MIMO_CACHE_DIR`` or a ``cache_dir`` is given) in
-``CACHE/<dataset name>-<hash of its absolute path>/`` (``CACHE`` by default
-``~/.cache/mimo``). ``MIMO_CACHE_DIR`` overrides a
-configured ``cache_dir``.
+``CACHE/<dataset name>-<hash of its absolute path or URL>/`` (``CACHE`` by default
+``~/.cache/mimo``). ``MIMO_CACHE_DIR`` overrides a configured ``cache_dir``. A remote
+dataset's tables always live in the local cache (they are memory-mapped): on first use they are
+downloaded from the dataset's own ``.mimo-cache/`` (where ``mimo-shard build`` puts them), or
+derived when it has none.
 
 Files are written to a temporary name and renamed, so readers (and concurrent writers of the
 same table) only ever see complete files; a file that does not open, whose key differs or
@@ -23,9 +25,12 @@ import hashlib
 import os
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import pyarrow as pa
+
+from mimo_data.shards import storage
 
 CACHE_DIR_ENV = "MIMO_CACHE_DIR"
 DATASET_CACHE = ".mimo-cache"
@@ -57,8 +62,8 @@ class Labels:
 def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
     """The directory holding ``dataset``'s derived tables (created if missing)."""
     root = os.environ.get(CACHE_DIR_ENV) or cache_dir
-    if root is None:
-        own = os.path.join(dataset, DATASET_CACHE)
+    if root is None and not storage.is_remote(dataset):
+        own = os.path.join(storage.local_path(dataset), DATASET_CACHE)
         try:
             os.makedirs(own, exist_ok=True)
         except OSError:         # a read-only dataset
@@ -72,8 +77,9 @@ def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
 
 def external_directory(dataset: str, root: str | None) -> str:
     """``dataset``'s directory in the cache ``root`` (None: the default cache)."""
-    absolute = os.path.abspath(dataset)
-    name = f"{os.path.basename(absolute)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
+    absolute = dataset.rstrip("/") if storage.is_remote(dataset) else \
+        os.path.abspath(storage.local_path(dataset))
+    name = f"{storage.name_of(dataset)}-{hashlib.sha256(absolute.encode()).hexdigest()[:12]}"
     return os.path.join(root or DEFAULT_CACHE, name)
 
 
@@ -152,3 +158,26 @@ def read_table(path: str, key: str) -> pa.Table | None:
             metadata.get(b"mimo.digest") != columns_digest(table).encode():
         return None
     return table
+
+
+def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[], pa.Table],
+           cache_dir: str | None = None,
+           remote: storage.Remote | None = None) -> tuple[pa.Table, str | None]:
+    """The derived table ``name`` of ``dataset`` for ``key``, memory-mapped from the cache, and
+    its path: downloaded from a remote dataset's own cache, or ``derive()``d and saved, when
+    the cache has none (path None: it could not be saved, the table is in memory)."""
+    path = os.path.join(cache_directory(dataset, cache_dir), name)
+    table = read_table(path, key)
+    if table is None and remote is not None:
+        published = storage.join(dataset, DATASET_CACHE, name)
+        if remote.exists(published):
+            remote.fetch(published, path)
+            table = read_table(path, key)
+    if table is not None:
+        return table, path
+    if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun
+        print(f"mimo: {dataset}: writing {path} ({labels.kind} table; once per dataset and "
+              "cache directory)", file=sys.stderr, flush=True)
+    derived = derive()
+    table = save_table(path, derived, key, labels)
+    return (derived, None) if table is None else (table, path)

@@ -3,7 +3,7 @@
 Exit status (the same for every mimo CLI):
   0  ok
   1  a check or the data failed: verify found a problem, --strict stopped at a bad record,
-     the dataset directory is incomplete or damaged
+     the dataset directory is incomplete or damaged, remote storage failed after retries
   2  usage or config error: bad arguments, an input that cannot be opened or read as given,
      an output directory in the way, no such dataset directory
 """
@@ -16,7 +16,8 @@ import re
 import sys
 
 # Nothing heavy here: pyarrow, PIL and webdataset (torch) are imported once the arguments are
-# parsed, so that --help answers at once.
+# parsed, so that --help answers at once. A URL's credentials and endpoint come from the
+# environment or the client's config (AWS_* variables, ~/.aws, FSSPEC_S3_* for s3fs).
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -37,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     b = commands.add_parser("build", help="turn raw datasets into indexed WebDataset shards")
     b.add_argument("inputs", nargs="+", metavar="INPUT",
                    help="LLaVA/ShareGPT .json/.jsonl, .parquet, or speech manifest .jsonl")
-    b.add_argument("--output", "-o", required=True, help="dataset directory to create")
+    b.add_argument("--output", "-o", required=True,
+                   help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
     b.add_argument("--name", default="data", help="shard name prefix (default: data)")
     b.add_argument("--max-samples-per-shard", type=int, default=5000,
                    help="start a new shard after this many samples (default 5000)")
@@ -69,11 +71,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     i = commands.add_parser("info", help="summarize a built dataset")
-    i.add_argument("directory", help="dataset directory written by mimo-shard build")
+    i.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
     i.add_argument("--json", action="store_true", help="machine-readable output")
 
     v = commands.add_parser("verify", help="re-read and check every shard against the index")
-    v.add_argument("directory", help="dataset directory written by mimo-shard build")
+    v.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
     v.add_argument("--workers", type=int, default=1,
                    help="processes checking shards in parallel (default 1)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -81,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     c = commands.add_parser(
         "cache", help="list the tables derived from a dataset (sample table, token tables, "
         "reports) and remove the superseded ones")
-    c.add_argument("directory", help="dataset directory written by mimo-shard build")
+    c.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
     c.add_argument("--cache-dir", help="the cache directory training and mimo-inspect were "
                    "given (data.cache_dir / --cache-dir; MIMO_CACHE_DIR wins over it)")
     c.add_argument("--remove", action="store_true",
@@ -95,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     from mimo_data.shards.build import BuildError, StrictStop
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.sources import SourceError
+    from mimo_data.shards.storage import StorageError, is_remote
     try:
         return _run(args)
     except StrictStop as exc:
@@ -102,7 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, SourceError) as exc:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = str(exc), 1 if os.path.isdir(args.directory) else 2
+        error, status = str(exc), 1 if is_remote(args.directory) or \
+            os.path.isdir(args.directory) else 2
+    except StorageError as exc:     # the storage kept failing (retried already)
+        error, status = str(exc), 1
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status
 

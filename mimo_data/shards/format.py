@@ -10,8 +10,9 @@ A dataset directory holds:
   without opening a tar.
 - ``report.json``: the build report (records read / written / skipped by reason).
 - ``.mimo-cache/``: tables derived from the rest (``shards/cache.py``): the memory-mapped sample
-  table (``sample_table.py``), token tables per preprocessing config (``loading/``). Deleting
-  it loses nothing but the time to compute them again.
+  table (``sample_table.py``), the records table (``record_table.py``: every ``KEY.json``,
+  what remote readers read records from), token tables per preprocessing config
+  (``loading/``). Deleting it loses nothing but the time to compute them again.
 - ``index.json``: written last and atomically. No index means no dataset.
 
 ``KEY.json`` (the sample record)::

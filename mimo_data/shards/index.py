@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 
+from mimo_data.shards import storage
 from mimo_data.shards.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
 
 
@@ -39,17 +40,28 @@ def dumps(value) -> bytes:
     return (json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def read_index(directory: str) -> dict:
-    """The index of a complete dataset; DatasetError says what is wrong and what to do."""
-    path = os.path.join(directory, INDEX_FILE)
-    if not os.path.isdir(directory):
+def read_index(directory: str, storage_options: dict | None = None) -> dict:
+    """The index of a complete dataset (a local directory or a URL); DatasetError says what is
+    wrong and what to do."""
+    return parse_index(directory, index_bytes(directory, storage_options))
+
+
+def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
+    """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
+    if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
         raise DatasetError(f"{directory}: no such dataset directory")
-    if not os.path.isfile(path):
-        raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
-                           "(an interrupted build?); run `mimo-shard build` again")
     try:
-        with open(path, "rb") as handle:
-            index = json.loads(handle.read())
+        return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
+    except FileNotFoundError:
+        raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
+                           "(an interrupted build?); run `mimo-shard build` again") from None
+
+
+def parse_index(directory: str, data: bytes) -> dict:
+    """The index in ``data`` (``directory``'s index.json), checked to be of this format."""
+    path = storage.join(directory, INDEX_FILE)
+    try:
+        index = json.loads(data)
     except ValueError as exc:
         raise DatasetError(f"{path}: unreadable index ({exc}); rebuild the dataset") from None
     if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:

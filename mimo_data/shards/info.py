@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pyarrow.parquet as pq
 
+from mimo_data.shards import storage
 from mimo_data.shards.index import read_index
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.stats import summary
@@ -25,7 +24,7 @@ def _histogram(values, edges) -> dict[str, int]:
 def dataset_info(directory: str) -> dict:
     """Totals, per-modality counts and image-size / audio-duration distributions."""
     index = read_index(directory)
-    table = pq.read_table(os.path.join(directory, SAMPLES_FILE),
+    table = pq.read_table(storage.readable(storage.join(directory, SAMPLES_FILE)),
                           columns=["image_width", "image_height", "audio_duration"])
     widths = np.array([w for row in table.column("image_width").to_pylist() for w in row])
     heights = np.array([h for row in table.column("image_height").to_pylist() for h in row])

@@ -1,8 +1,16 @@
 """Random access to a built dataset: any sample's JSON or media by byte offset, no tar walk.
 
-Offsets come from the memory-mapped sample table (``sample_table.py``); reads are ``os.pread``
-on shard files opened lazily per process (safe across ``fork``: a child reopens its own
-descriptors). Metadata-only readers read the JSON member alone and never touch media bytes.
+Offsets come from the memory-mapped sample table (``sample_table.py``). A local dataset is read
+with ``os.pread`` on shard files opened lazily per process (safe across ``fork``: a child
+reopens its own descriptors). Metadata-only readers read the JSON member alone and never touch
+media bytes.
+
+A remote dataset (``storage.py``) is read by ranged requests. Records come from the records
+table (``record_table.py``, memory-mapped locally): no request per sample. Media bytes come in
+runs: ``prefetch`` plans, for the samples it is given, one range per run of neighbouring
+samples of a shard (their members are consecutive in the tar), issues them on a bounded thread
+pool and returns at once; ``read_member`` then takes its bytes from the run. A member nobody
+prefetched is one ranged request of its own.
 
 Every member read is checked against the crc32 samples.parquet records (zlib's crc32 runs at
 GB/s, far below the cost of decoding; ``tools/bench_preprocess.py`` measures it): changed bytes
@@ -13,57 +21,139 @@ shard, sample and member.
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import json
 import os
 import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
+from mimo_data.shards import storage
 from mimo_data.shards.format import ShardRecord
-from mimo_data.shards.index import DatasetError, read_index
-from mimo_data.shards.sample_table import SampleTable
+from mimo_data.shards.index import DatasetError, index_bytes, parse_index
+from mimo_data.shards.record_table import RecordTable
+from mimo_data.shards.sample_table import SampleTable, table_key
+
+MAX_GAP = 64 << 10                 # bytes between two spans still fetched as one request
+MAX_RUN = 16 << 20                 # bytes of one request at most
+THREADS = 8                        # requests in flight per reader and process
+KEEP_BATCHES = 4                   # prefetched batches held (older ones are dropped unread)
 
 
 class ShardReader:
-    """Samples of one dataset directory, addressed by position in write order."""
+    """Samples of one dataset (a directory or URL), addressed by position in write order."""
 
-    def __init__(self, directory: str, cache_dir: str | None = None):
+    def __init__(self, directory: str, cache_dir: str | None = None,
+                 storage_options: dict | None = None):
         self.directory = directory
-        self.index = read_index(directory)
-        self.table = SampleTable.open(directory, self.index, cache_dir)
+        self.remote = storage.Remote(directory, storage_options) \
+            if storage.is_remote(directory) else None
+        data = index_bytes(directory, storage_options)
+        self.index = parse_index(directory, data)
+        # sha256 of index.json's bytes: what tables computed from the dataset are keyed by
+        self.index_digest = hashlib.sha256(data).digest()
+        self.table = SampleTable.open(directory, self.index, cache_dir, self.remote)
+        self.table_key = table_key(self.index, directory, self.remote)   # the build's key
         self._files: dict[str, int] = {}
         self._pid: int | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        # position -> (its run's bytes, the run's first byte offset)
+        self._runs: dict[int, tuple[Future[bytes], int]] = {}
+        self._batches: collections.deque[list[int]] = collections.deque()
+        self.records = RecordTable.open(self, cache_dir) if self.remote else None
 
     def __len__(self) -> int:
         return len(self.table)
 
-    def _fd(self, shard: str) -> int:
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": {}, "_pid": None, "_pool": None, "_runs": {},
+                "_batches": collections.deque()}
+
+    def _this_process(self) -> None:
         if self._pid != os.getpid():     # first use in this process (e.g. a DataLoader worker)
-            self._files, self._pid = {}, os.getpid()
+            self._files, self._pid, self._pool = {}, os.getpid(), None
+            self._runs, self._batches = {}, collections.deque()
+
+    def _fd(self, shard: str) -> int:
+        self._this_process()
         if shard not in self._files:
-            self._files[shard] = os.open(os.path.join(self.directory, shard), os.O_RDONLY)
+            self._files[shard] = os.open(os.path.join(storage.local_path(self.directory),
+                                                      shard), os.O_RDONLY)
         return self._files[shard]
+
+    def _read(self, shard: str, offset: int, size: int) -> bytes:
+        if self.remote is not None:
+            return self.remote.read_range(storage.join(self.directory, shard), offset, size)
+        data = os.pread(self._fd(shard), size, offset)
+        if len(data) != size:
+            raise DatasetError(f"{shard}: short read at byte {offset} ({len(data)} of {size} "
+                               "bytes); run mimo-shard verify")
+        return data
+
+    def prefetch(self, positions: Iterable[int],
+                 members: Callable[[str], bool] | None = None) -> None:
+        """Start reading the members of the samples at ``positions`` (those whose name
+        ``members`` accepts, all when None) of a remote dataset; a no-op for a local one.
+        The last ``KEEP_BATCHES`` calls' bytes are held until read."""
+        if self.remote is None:
+            return
+        self._this_process()
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="mimo-read")
+        spans = []
+        for position in sorted(set(positions) - set(self._runs)):
+            chosen = [(offset, offset + size) for name, (offset, size, _) in
+                      self.table.members(position).items() if members is None or members(name)]
+            if chosen:
+                spans.append((self.table.shard(position), min(s for s, _ in chosen),
+                              max(e for _, e in chosen), position))
+        batch: list[int] = []
+        for shard, start, end, run_positions in _runs(spans):
+            url = storage.join(self.directory, shard)
+            future = self._pool.submit(self.remote.read_range, url, start, end - start)
+            for position in run_positions:
+                self._runs[position] = (future, start)
+            batch += run_positions
+        if batch:
+            self._batches.append(batch)
+        while len(self._batches) > KEEP_BATCHES:
+            for position in self._batches.popleft():
+                self._runs.pop(position, None)
 
     def read_member(self, position: int, name: str) -> bytes:
         """Bytes of member ``name`` (e.g. ``json``, ``img0.jpg``) of the sample at ``position``,
         checked against their recorded crc32 (DatasetError when they differ twice)."""
         offset, size, crc32 = self.table.members(position)[name]
         shard = self.table.shard(position)
-        for _attempt in range(2):
-            data = os.pread(self._fd(shard), size, offset)
-            if len(data) != size:
-                raise DatasetError(f"{shard}: short read of {self.table.key(position)}."
-                                   f"{name} ({len(data)} of {size} bytes); run mimo-shard "
-                                   "verify")
-            if crc32 < 0 or zlib.crc32(data) == crc32:
-                return data
+        self._this_process()
+        run = self._runs.get(position)
+        data = None
+        try:
+            if run is not None:
+                future, start = run
+                data = future.result()[offset - start:offset - start + size]
+            for _attempt in range(2):
+                if data is None or len(data) != size:
+                    data = self._read(shard, offset, size)
+                if crc32 < 0 or zlib.crc32(data) == crc32:
+                    return data
+                data = None
+        except FileNotFoundError:
+            raise DatasetError(f"{storage.join(self.directory, shard)}: missing (the dataset is "
+                               f"incomplete); run `mimo-shard verify {self.directory}`, then "
+                               "restore the shard or rebuild the dataset") from None
         key = self.table.key(position)
         raise DatasetError(
-            f"{os.path.join(self.directory, shard)}: sample {key} member {key}.{name}: its bytes "
-            f"changed since the build (crc32 differs from samples.parquet, read twice); run "
-            f"`mimo-shard verify {self.directory}` to list every damaged member, then restore "
-            "the shard from its source or rebuild the dataset")
+            f"{storage.join(self.directory, shard)}: sample {key} member {key}.{name}: its "
+            f"bytes changed since the build (crc32 differs from samples.parquet, read twice); "
+            f"run `mimo-shard verify {self.directory}` to list every damaged member, then "
+            "restore the shard from its source or rebuild the dataset")
 
     def record(self, position: int) -> ShardRecord:
         """The sample's JSON record (messages, media metadata, source)."""
+        if self.records is not None:
+            return json.loads(self.records[position])
         return json.loads(self.read_member(position, "json"))
 
     def media(self, position: int, record: ShardRecord, modalities=None) -> dict[str, bytes]:
@@ -75,3 +165,24 @@ class ShardReader:
         for fd in self._files.values():
             os.close(fd)
         self._files = {}
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._runs, self._batches = {}, collections.deque()
+
+
+def _runs(spans: list[tuple[str, int, int, int]]) -> list[tuple[str, int, int, list[int]]]:
+    """``(shard, start, end, positions)`` requests covering ``spans`` (``(shard, start, end,
+    position)`` sorted by position): neighbours in a shard merge while the gap between them is
+    at most MAX_GAP and the request at most MAX_RUN bytes."""
+    runs: list[tuple[str, int, int, list[int]]] = []
+    for shard, start, end, position in sorted(spans, key=lambda span: (span[0], span[1])):
+        if runs:
+            last_shard, last_start, last_end, positions = runs[-1]
+            if last_shard == shard and 0 <= start - last_end <= MAX_GAP \
+                    and end - last_start <= MAX_RUN:
+                positions.append(position)
+                runs[-1] = (shard, last_start, end, positions)
+                continue
+        runs.append((shard, start, end, [position]))
+    return runs

@@ -13,32 +13,36 @@ tar order; crc32 -1 where samples.parquet has none: datasets built before it was
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import sys
+from typing import IO
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from mimo_data.shards import cache
+from mimo_data.shards import cache, storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.shards.index import DatasetError, file_sha256
 
 TABLE_VERSION = 2                    # 2: members' crc32
 
 
-def build_digest(index: dict, directory: str) -> str:
+def build_digest(index: dict, directory: str, remote: storage.Remote | None = None) -> str:
     """The dataset build's fingerprint: samples.parquet's sha256 (from the index). Every table
     derived from the dataset is labelled with it (``cache.Labels.dataset``)."""
     recorded = index.get("files", {}).get(SAMPLES_FILE, {}).get("sha256")
-    return recorded or file_sha256(os.path.join(directory, SAMPLES_FILE))
+    if recorded:
+        return recorded
+    parquet = storage.join(directory, SAMPLES_FILE)
+    return hashlib.sha256(remote.read(parquet)).hexdigest() if remote else file_sha256(parquet)
 
 
-def table_key(index: dict, directory: str) -> str:
+def table_key(index: dict, directory: str, remote: storage.Remote | None = None) -> str:
     """What the sample table is computed from: the build's samples.parquet."""
-    return f"v{TABLE_VERSION}-{build_digest(index, directory)}"
+    return f"v{TABLE_VERSION}-{build_digest(index, directory, remote)}"
 
 
 def labels(key: str) -> cache.Labels:
@@ -49,7 +53,7 @@ def file_name(key: str) -> str:
     return f"samples-{key[:19]}.arrow"
 
 
-def from_parquet(parquet: str) -> pa.Table:
+def from_parquet(parquet: str | IO[bytes]) -> pa.Table:
     """The sample table of ``samples.parquet`` (vectorized: no Python object per sample)."""
     source = pq.ParquetFile(parquet).read(columns=["key", "shard", "members"])
     shards = pc.dictionary_encode(source.column("shard")).combine_chunks()
@@ -99,25 +103,19 @@ class SampleTable:
         self.member_crcs = values.field("crc32").to_numpy()
 
     @classmethod
-    def open(cls, directory: str, index: dict, cache_dir: str | None = None) -> SampleTable:
+    def open(cls, directory: str, index: dict, cache_dir: str | None = None,
+             remote: storage.Remote | None = None) -> SampleTable:
         """The table of ``directory``, derived first when missing, stale or damaged."""
-        key = table_key(index, directory)
-        path = os.path.join(cache.cache_directory(directory, cache_dir), file_name(key))
-        table = cache.read_table(path, key)
-        mapped = True
-        if table is None:
-            if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun
-                print(f"mimo: {directory}: writing its sample table {path} (once per dataset "
-                      "and cache directory; `mimo-shard build` writes it beside new datasets)",
-                      file=sys.stderr, flush=True)
-            derived = from_parquet(os.path.join(directory, SAMPLES_FILE))
-            table = cache.save_table(path, derived, key, labels(key))
-            if table is None:
-                table, mapped = derived, False
+        key = table_key(index, directory, remote)
+        parquet = storage.join(directory, SAMPLES_FILE)
+        table, path = cache.obtain(
+            directory, file_name(key), key, labels(key),
+            lambda: from_parquet(storage.readable(parquet, remote.options if remote else None)),
+            cache_dir, remote)
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
                                f"index says {index['totals']['samples']} samples; rebuild")
-        return cls(path if mapped else None, table)
+        return cls(path, table)
 
     def __reduce__(self):
         # A process that receives the table (spawned DataLoader workers) maps the file again

@@ -1,5 +1,8 @@
 """`mimo-shard verify`: re-read every shard and check it against the index and sample table.
 
+A remote dataset's files are downloaded one at a time to a temporary local copy and checked
+there (one request per file).
+
 Checks each file's size and sha256, every member's key, name, byte offset, size and crc32
 against ``samples.parquet``, and decodes every media item fully, comparing it with its JSON
 metadata.
@@ -24,6 +27,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.shards.index import file_sha256, read_index
 
@@ -31,9 +35,8 @@ MAX_PROBLEMS_PER_SHARD = 20
 
 
 def _check_file(path: str, expected: dict) -> list[str]:
+    """Problems of the local file (or local copy) at ``path``."""
     name = os.path.basename(path)
-    if not os.path.isfile(path):
-        return [f"{name}: missing"]
     size = os.path.getsize(path)
     if size != expected["bytes"]:
         return [f"{name}: {size} bytes, the index says {expected['bytes']}"]
@@ -60,14 +63,15 @@ def _member(where: str, item: dict) -> str:
 
 def verify_shard(directory: str, shard: dict, rows: list[dict]) -> list[str]:
     """Problems found in one shard (empty list: the shard is intact)."""
-    path = os.path.join(directory, shard["name"])
-    problems = _check_file(path, shard)
-    if not os.path.isfile(path):
-        return problems
-    try:
-        located = _walk_shard(path, shard, rows)
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
+    location = storage.join(directory, shard["name"])
+    if not storage.exists(location):
+        return [f"{shard['name']}: missing"]
+    with storage.local_copy(location) as path:
+        problems = _check_file(path, shard)
+        try:
+            located = _walk_shard(path, shard, rows)
+        except (tarfile.TarError, OSError, EOFError) as exc:
+            located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
     if problems and not located:
         problems.append(f"shard {shard['name']}: every member sits where {SAMPLES_FILE} says, "
                         "matches its crc32 (where recorded) and decodes: the changed bytes are "
@@ -151,11 +155,16 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     index = read_index(directory)
     problems = []
     for name, expected in index["files"].items():
-        problems += _check_file(os.path.join(directory, name), expected)
+        location = storage.join(directory, name)
+        if not storage.exists(location):
+            problems.append(f"{name}: missing")
+            continue
+        with storage.local_copy(location) as path:
+            problems += _check_file(path, expected)
     if problems:
         return problems
     rows_by_shard = defaultdict(list)
-    for row in pq.read_table(os.path.join(directory, SAMPLES_FILE)).to_pylist():
+    for row in pq.read_table(storage.readable(storage.join(directory, SAMPLES_FILE))).to_pylist():
         rows_by_shard[row["shard"]].append(row)
     jobs = [(directory, shard, rows_by_shard.get(shard["name"], [])) for shard in index["shards"]]
     bar = tqdm(total=len(jobs), unit="shard", desc="verify", disable=not progress)

@@ -13,6 +13,7 @@ import hashlib
 import os
 import tarfile
 import zlib
+from collections.abc import Callable
 
 import webdataset
 
@@ -56,8 +57,10 @@ class ShardSet:
     Output is byte-reproducible: fixed mtime, owner and mode in every header.
     """
 
-    def __init__(self, directory: str, name: str, max_samples: int, max_bytes: int):
+    def __init__(self, directory: str, name: str, max_samples: int, max_bytes: int,
+                 shard_done: Callable[[str], None] | None = None):
         self.directory, self.name = directory, name
+        self.shard_done = shard_done       # called with each complete shard's path
         self.max_samples, self.max_bytes = max_samples, max_bytes
         self.shards: list[dict] = []
         self._file: _HashingFile | None = None
@@ -104,6 +107,8 @@ class ShardSet:
         self.shards[-1].update(samples=self._samples, bytes=self._file.size,
                                sha256=self._file.sha256.hexdigest())
         self._tar = self._file = None
+        if self.shard_done is not None:
+            self.shard_done(os.path.join(self.directory, self.shards[-1]["name"]))
 
     def close(self) -> list[dict]:
         """Finish the last shard; return ``[{name, samples, bytes, sha256}]``."""

@@ -1,0 +1,230 @@
+"""Where a dataset lives: a local directory or a URL of object storage, through fsspec.
+
+Local paths (and ``file://``) keep plain OS I/O: ``pread``, atomic rename, fsync. Any other
+``scheme://`` location (``s3://``, ``gs://``, ``az://``, ``https://``) goes through the fsspec
+filesystem of its scheme (s3fs, gcsfs, adlfs, HTTP): the ecosystem's common layer, so
+credentials and endpoints come the usual way (the environment, the client's own config files,
+``storage_options`` given to the calls below), and mimo never sees, prints or stores a secret.
+
+Every remote call runs under ``retried``: transient faults (timeouts, 5xx, throttling, a
+connection reset, a body shorter than asked for) are retried with exponential backoff and
+counted in ``RETRIES``; what still fails raises ``StorageError`` naming the URL and what to do.
+The clients' own retries (botocore's, s3fs's) run first; ours catch what they pass on, which
+includes a reset mid-body.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import posixpath
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+ATTEMPTS = 6                      # tries of one remote call, the first included
+BACKOFF_S = 0.2                   # first wait; doubled per retry (jittered), at most MAX_WAIT_S
+MAX_WAIT_S = 8.0
+RETRIES: Counter[str] = Counter()  # retried calls by cause, in this process
+_RETRIES_LOCK = threading.Lock()
+
+# Errors that no retry mends: the object or bucket is missing, access is denied, a bad call.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+              ValueError, TypeError, KeyError, NotImplementedError)
+
+
+class StorageError(OSError):
+    """A remote read or write that failed after every retry."""
+
+
+class ShortRead(OSError):
+    """Fewer bytes than asked for arrived (a connection cut mid-body)."""
+
+
+def is_remote(location: str) -> bool:
+    """Whether ``location`` is a URL served by fsspec (not a local path or ``file://``)."""
+    scheme, found, _ = location.partition("://")
+    return bool(found) and scheme not in ("", "file")
+
+
+def local_path(location: str) -> str:
+    """A local location as an OS path (``file://`` stripped)."""
+    return location[len("file://"):] if location.startswith("file://") else location
+
+
+def join(location: str, *names: str) -> str:
+    return posixpath.join(location, *names) if is_remote(location) else \
+        os.path.join(local_path(location), *names)
+
+
+def name_of(location: str) -> str:
+    """The last component of ``location`` (a dataset's name)."""
+    return posixpath.basename(location.rstrip("/")) if is_remote(location) else \
+        os.path.basename(os.path.abspath(local_path(location)))
+
+
+def _transient(exc: BaseException) -> bool:
+    if isinstance(exc, _PERMANENT):
+        return False
+    if isinstance(exc, (OSError, TimeoutError, ConnectionError)):
+        return True
+    # client libraries' own error types (aiohttp, botocore, urllib3, requests)
+    return type(exc).__module__.split(".")[0] in ("aiohttp", "botocore", "aiobotocore",
+                                                  "urllib3", "requests", "asyncio")
+
+
+def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) -> T:
+    """``call()``, tried ``attempts`` times (``ATTEMPTS``) on transient faults; StorageError
+    naming ``what`` when it keeps failing, the permanent error itself at once."""
+    attempts = attempts or ATTEMPTS
+    for attempt in range(1, attempts + 1):
+        try:
+            return call()
+        except Exception as exc:         # noqa: BLE001 -- classified just below
+            if not _transient(exc):
+                raise
+            with _RETRIES_LOCK:
+                RETRIES[type(exc).__name__] += 1
+            if attempt == attempts:
+                raise StorageError(
+                    f"{what}: failed {attempts} times, last with {type(exc).__name__}: {exc}. "
+                    "Check the endpoint, the credentials and the network (a run resumes from "
+                    "its last checkpoint when restarted)") from exc
+            wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_WAIT_S) * (0.5 + random.random())
+            print(f"mimo: {what}: {type(exc).__name__} ({exc}); retry {attempt} of "
+                  f"{attempts - 1} in {wait:.1f}s", file=sys.stderr, flush=True)
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+class Remote:
+    """The fsspec filesystem of one remote location, made on first use in each process
+    (fsspec's async clients do not survive ``fork``; DataLoader workers make their own)."""
+
+    def __init__(self, location: str, storage_options: dict | None = None):
+        self.protocol = location.partition("://")[0]
+        self.options = dict(storage_options or {})
+        self._fs: Any = None
+        self._pid: int | None = None
+
+    @property
+    def fs(self) -> Any:
+        if self._pid != os.getpid():
+            import fsspec                # only remote datasets pay for the import
+            self._fs = fsspec.filesystem(self.protocol,
+                                         **{"skip_instance_cache": True, **self.options})
+            self._pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self) -> dict:
+        return {"protocol": self.protocol, "options": self.options, "_fs": None, "_pid": None}
+
+    def read(self, url: str) -> bytes:
+        return retried(f"reading {url}", lambda: self.fs.cat_file(url))
+
+    def read_range(self, url: str, start: int, size: int) -> bytes:
+        """Bytes ``[start, start + size)`` of ``url``: exactly ``size`` of them, or an error."""
+        def call() -> bytes:
+            data = self.fs.cat_file(url, start=start, end=start + size)
+            if len(data) != size:
+                raise ShortRead(f"{len(data)} of {size} bytes arrived")
+            return data
+        return retried(f"reading {url} bytes {start}-{start + size}", call)
+
+    def exists(self, url: str) -> bool:
+        return retried(f"looking up {url}", lambda: self.fs.exists(url))
+
+    def size(self, url: str) -> int:
+        return retried(f"looking up {url}", lambda: self.fs.size(url))
+
+    def names(self, url: str) -> list[str]:
+        """Names directly under ``url`` (files and prefixes); [] when there are none."""
+        def call() -> list[str]:
+            try:
+                return [posixpath.basename(p.rstrip("/")) for p in self.fs.ls(url, detail=False)]
+            except FileNotFoundError:
+                return []
+        return retried(f"listing {url}", call)
+
+    def put(self, path: str, url: str) -> None:
+        """Upload the local file ``path`` to ``url`` (one object: readers see all or none)."""
+        retried(f"writing {url}", lambda: self.fs.put_file(path, url))
+
+    def write(self, url: str, data: bytes) -> None:
+        retried(f"writing {url}", lambda: self.fs.pipe_file(url, data))
+
+    def remove(self, url: str, recursive: bool = False) -> None:
+        def call() -> None:
+            try:
+                self.fs.rm(url, recursive=recursive)
+            except FileNotFoundError:
+                pass
+        retried(f"removing {url}", call)
+
+    def fetch(self, url: str, path: str) -> None:
+        """Download ``url`` to the local ``path`` atomically."""
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            retried(f"reading {url}", lambda: self.fs.get_file(url, tmp))
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+
+
+_SECRET_WORDS = ("secret", "key", "token", "password", "credential", "sas", "signature")
+
+
+def redacted(options: Any) -> Any:
+    """``options`` with the value of every secret-looking key (``key``, ``secret``,
+    ``token``...) replaced: what may be written into a checkpoint or a log."""
+    if isinstance(options, dict):
+        return {name: "<redacted>" if any(word in str(name).lower() for word in _SECRET_WORDS)
+                else redacted(value) for name, value in options.items()}
+    if isinstance(options, list):
+        return [redacted(value) for value in options]
+    return options
+
+
+def read_bytes(location: str, storage_options: dict | None = None) -> bytes:
+    """The whole file at ``location``."""
+    if is_remote(location):
+        return Remote(location, storage_options).read(location)
+    with open(local_path(location), "rb") as handle:
+        return handle.read()
+
+
+def exists(location: str, storage_options: dict | None = None) -> bool:
+    if is_remote(location):
+        return Remote(location, storage_options).exists(location)
+    return os.path.exists(local_path(location))
+
+
+@contextmanager
+def local_copy(location: str, storage_options: dict | None = None) -> Iterator[str]:
+    """A local path holding ``location``'s bytes: the file itself when local, else a
+    temporary download removed on exit."""
+    if not is_remote(location):
+        yield local_path(location)
+        return
+    folder = tempfile.mkdtemp(prefix="mimo-")
+    try:
+        path = os.path.join(folder, name_of(location))
+        Remote(location, storage_options).fetch(location, path)
+        yield path
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def readable(location: str, storage_options: dict | None = None) -> str | IO[bytes]:
+    """What pyarrow opens for ``location``: a local path itself, a remote file's bytes in
+    memory (for the files of a dataset's own: samples.parquet, the index, a report)."""
+    return io.BytesIO(read_bytes(location, storage_options)) if is_remote(location) else \
+        local_path(location)
