@@ -83,8 +83,11 @@ def test_lists_every_file_and_removes_only_the_superseded(caches, capsys):
     superseded = {caches[n] for n in ("replaced", "earlier", "damaged", "stale")}
     kept = {caches[n] for n in ("current", "other", "fresh")}
     samples = {path for path, (kind, _) in status.items() if kind == "samples"}
+    records = {path for path, (kind, _) in status.items() if kind == "records"}
     assert {path for path, (_, gone) in status.items() if gone} == superseded
-    assert {path for path, (_, gone) in status.items() if not gone} == kept | samples
+    assert {path for path, (_, gone) in status.items() if not gone} == kept | samples | records
+    # the build writes the records table beside the dataset (remote readers download it)
+    assert {path.parent.name for path in records} == {".mimo-cache"}
     assert status[caches["current"]][0] == status[caches["other"]][0] == "tokens"
     # the sample table the build wrote beside the dataset, and the one in the external cache
     assert {path.parent.name for path in samples} == {".mimo-cache", caches["current"].parent.name}
@@ -145,5 +148,5 @@ def test_inspect_and_training_share_a_cache_dir(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     status = _status(_listing(capsys, dataset, cache_dir))
     assert status[saved[0]] == ("tokens", False)
-    assert sorted(kind for kind, _ in status.values()) == ["report", "samples", "samples",
-                                                           "tokens"]
+    assert sorted(kind for kind, _ in status.values()) == ["records", "report", "samples",
+                                                           "samples", "tokens"]

@@ -7,6 +7,7 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
 - resume: a run stopped at a mid-run checkpoint (``train.exit_interval``) and started again
   gives exactly the losses of the uninterrupted run for the following steps; started under
   language dp2 or tp2 instead, the same losses within 1e-5 (distributed checkpoints reshard);
+  reading the dataset from S3 through injected faults instead, exactly the same losses;
 - ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
@@ -18,6 +19,7 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -32,17 +34,23 @@ STEPS = 6
 LAYOUT = "image=dp1;audio=dp1;language=dp1"
 
 
-def _train(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3) -> list[dict]:
-    records = tmp / f"{name}.jsonl"
+def _run(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3,
+         env: dict | None = None) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
                str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"),
-               "--records", str(records), f"checkpoint.dir={checkpoints}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
+               "--records", str(tmp / f"{name}.jsonl"), f"checkpoint.dir={checkpoints}",
+               *overrides]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=400)
+
+
+def _train(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3,
+           env: dict | None = None) -> list[dict]:
+    result = _run(tmp, name, checkpoints, *overrides, nproc=nproc, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [json.loads(line) for line in records.read_text().splitlines()]
+    return [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -167,6 +175,39 @@ def test_resume_continues_the_exact_sample_stream(setup):
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
+
+
+def test_training_from_a_bucket_gives_the_local_losses(setup, loader_corpus):
+    """The dataset copied to S3 (moto behind a proxy that answers 500, resets the connection or
+    cuts the body short on 5% of GETs), the local run's step-3 checkpoint resumed reading the
+    bucket, with an empty cache (tables downloaded, token tables computed): steps 4-6 and the
+    evaluation at 6 have the local run's tokens and losses."""
+    import fsspec
+
+    from tools.object_store import Faults, LocalS3
+
+    tmp, common, full = setup
+    with LocalS3() as s3:
+        s3.make_bucket("train-run")
+        fs = fsspec.filesystem("s3", **s3.storage_options)
+        fs.put(str(loader_corpus), "train-run/shards", recursive=True)
+        url = "s3://train-run/shards"
+        remote = [c.replace(str(loader_corpus), url) for c in common]
+        env = {**s3.env(), "MIMO_CACHE_DIR": str(tmp / "bucket-cache")}
+        s3.faults = Faults(rate=0.05, kinds=("500", "reset", "truncate"), seed=3)
+        root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "bucket-resume")
+        resumed = _train(tmp, "bucket-resumed", root, *remote, env=env)
+        assert sum(s3.injected.values()) > 0        # the faults happened, and were survived
+        # the shards gone from the bucket: an encoder rank stops the run naming one (no hang)
+        s3.faults = None
+        fs.rm(fs.glob("train-run/shards/*.tar"))
+        failed = _run(tmp, "bucket-failed", tmp / "bucket-failed-ckpt", *remote, env=env)
+    assert failed.returncode != 0
+    assert re.search(rf"{url}/data-\d+\.tar: missing", failed.stderr), failed.stderr[-3000:]
+    assert f"mimo-shard verify {url}" in failed.stderr
+    _assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
+    assert [r["eval_loss"] for r in resumed if "eval_loss" in r] == pytest.approx(
+        [r["eval_loss"] for r in full if "eval_loss" in r and r["step"] == 6], abs=1e-6)
 
 
 def _children(pid: int) -> list[int]:

@@ -1,0 +1,369 @@
+"""Datasets at an object-store URL (the local S3 of tools/object_store.py: moto behind a proxy
+that counts requests and injects faults).
+
+Asserted: ``mimo-shard build --output s3://...`` puts in the bucket exactly the files (names and
+bytes) that a local build of the same inputs and options writes, and ``info`` / ``verify`` on
+the URL agree with the local copy; a shard object with one changed byte fails ``verify``, which
+names it. A build that dies midway leaves no index.json (readers refuse the prefix), and the
+next build into the prefix leaves no object of the dead one. ShardReader on the URL gives the
+records and member bytes that ``tarfile`` reads from the local build's tars; its records cost
+no request, and a prefetch of every sample costs one GET per shard. Without the bucket's
+``.mimo-cache/`` the records are derived from the shards. Injected 500s, resets and truncated
+bodies are retried to the exact bytes; a read that keeps failing raises StorageError naming the
+shard's URL. ``mimo-inspect report`` on the URL counts what it counts on the local copy, and a
+training config keeps URLs as given and redacts secrets of ``data.storage_options`` when
+written out.
+
+Expected values come from the local build read with ``tarfile`` / pyarrow, or from the same
+command run on the local build, never from the remote code path itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import (CORPUS_DIR, all_samples, build_dataset, cli_main, file_bytes,
+                      preprocess_config_file, run_cli, shard_paths)
+from mimo_data.shards import storage
+from mimo_data.shards.build import BuildOptions, build
+from mimo_data.shards.index import DatasetError, read_index
+from mimo_data.shards.reader import ShardReader
+from mimo_data.shards.storage import StorageError
+from tools.object_store import Faults, LocalS3
+
+BUCKET = "mimo-test-remote-dataset"     # moto's buckets are process-wide: a name of its own
+INPUTS = ("llava.jsonl", "speech_manifest.jsonl")
+PER_SHARD = 8
+
+
+@dataclass
+class Built:
+    local: Path                   # the local build of INPUTS
+    files: dict[str, bytes]       # its files right after the build, by relative path
+    samples: list                 # [(shard, key, {member: bytes})] read with tarfile
+    url: str                      # the same inputs built by the CLI into the bucket
+    stderr: str                   # that build's stderr
+
+
+def _fs(s3: LocalS3):
+    return fsspec.filesystem("s3", **s3.storage_options)
+
+
+def _objects(s3: LocalS3, prefix: str) -> dict[str, bytes]:
+    """``{path relative to prefix: bytes}`` of every object under ``BUCKET/prefix``."""
+    fs = _fs(s3)
+    root = f"{BUCKET}/{prefix}/"
+    return {path[len(root):]: fs.cat_file(path) for path in fs.find(root)}
+
+
+def _upload(s3: LocalS3, files: dict[str, bytes], prefix: str) -> str:
+    fs = _fs(s3)
+    for name, data in files.items():
+        fs.pipe_file(f"{BUCKET}/{prefix}/{name}", data)
+    return f"s3://{BUCKET}/{prefix}"
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[LocalS3]:
+    with LocalS3() as s3:
+        s3.make_bucket(BUCKET)
+        yield s3
+
+
+@pytest.fixture
+def s3(store: LocalS3) -> Iterator[LocalS3]:
+    store.faults = None
+    store.latency_s = 0.0
+    store.reset_counters()
+    yield store
+    store.faults = None
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch) -> Path:
+    """Every test's derived tables in a cache of its own: a reader starts from nothing."""
+    cache = tmp_path / "mimo-cache"
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(cache))
+    return cache
+
+
+@pytest.fixture(scope="module")
+def built(store, corpus, tmp_path_factory) -> Built:
+    inputs = [str(corpus / name) for name in INPUTS]
+    local = tmp_path_factory.mktemp("remote-local") / "ds"
+    build_dataset(inputs, local, max_samples_per_shard=PER_SHARD)
+    files = file_bytes(local)
+    url = f"s3://{BUCKET}/ds"
+    env = {**os.environ, **store.env(),
+           "MIMO_CACHE_DIR": str(tmp_path_factory.mktemp("remote-build-cache"))}
+    result = run_cli("build", *inputs, "--output", url, "--max-samples-per-shard", PER_SHARD,
+                     "--no-progress", env=env, check_rc=0)
+    return Built(local, files, all_samples(local), url, result.stderr)
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch) -> LocalS3:
+    """The store's endpoint and credentials in this process's environment (what the CLIs and
+    readers opened without storage options use)."""
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    return s3
+
+
+# ------------------------------------------------------------------------------------ build
+
+def test_bucket_holds_the_files_of_a_local_build(s3, built):
+    objects = _objects(s3, "ds")
+    assert set(objects) == set(built.files), "objects differ from the local build's files"
+    assert any(name.startswith(".mimo-cache/records-") for name in objects)
+    assert any(name.startswith(".mimo-cache/samples-") for name in objects)
+    shards = len(shard_paths(built.local))
+    assert shards == -(-len(built.samples) // PER_SHARD) > 1
+    for name, data in objects.items():
+        if name != "index.json":
+            assert data == built.files[name], f"{name}: bytes differ from the local build's"
+    remote_index, local_index = json.loads(objects["index.json"]), \
+        json.loads(built.files["index.json"])
+    remote_build, local_build = remote_index.pop("build"), local_index.pop("build")
+    assert remote_index == local_index                   # shards, totals, files' sha256 ...
+    assert remote_build["inputs"] == local_build["inputs"]
+    assert {k: v for k, v in remote_build.items() if "output" not in k} == \
+        {k: v for k, v in local_build.items() if "output" not in k}
+    assert built.url in built.stderr                     # the build's summary names it
+
+
+def test_info_and_verify_on_the_url_agree_with_the_local_copy(capsys, s3_env, built):
+    code, out, err = cli_main(capsys, "info", built.url, "--json")
+    assert code == 0, err
+    remote = json.loads(out)
+    code, out, err = cli_main(capsys, "info", built.local, "--json")
+    assert code == 0, err
+    local = json.loads(out)
+    assert remote.pop("directory") == built.url
+    local.pop("directory")
+    assert remote == local
+    assert remote["samples"] == len(built.samples)
+    assert remote["shards"] == len(shard_paths(built.local))
+    assert remote["bytes"] == sum(p.stat().st_size for p in shard_paths(built.local))
+
+    for directory in (built.url, built.local):
+        code, out, err = cli_main(capsys, "verify", directory, "--no-progress")
+        assert code == 0, err
+        assert "OK" in out
+
+
+def test_verify_names_the_shard_object_with_a_changed_byte(capsys, s3_env, built):
+    shard = shard_paths(built.local)[1].name
+    row = next(r for r in pq.read_table(built.local / "samples.parquet").to_pylist()
+               if r["shard"] == shard)
+    member = next(m for m in row["members"] if m["name"] == "json")
+    files = dict(built.files)
+    data = bytearray(files[shard])
+    data[member["offset"] + member["size"] // 2] ^= 0xFF
+    files[shard] = bytes(data)
+    url = _upload(s3_env, files, "damaged")
+
+    code, out, err = cli_main(capsys, "verify", url, "--no-progress")
+    assert code == 1
+    assert "FAILED" in err and "OK" not in out
+    problems = [line for line in err.splitlines() if line.startswith("verify: ")]
+    assert problems and all(shard in line for line in problems), err
+    assert any(f"sample {row['key']} member {row['key']}.json" in line for line in problems), err
+
+
+def test_a_build_that_dies_midway_leaves_no_dataset_and_the_next_one_cleans_up(
+        s3, built, tmp_path, monkeypatch):
+    url = f"s3://{BUCKET}/atomic"
+    inputs = [str(CORPUS_DIR / name) for name in INPUTS]
+    staging_root = tmp_path / "tmp"
+    staging_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(staging_root))
+    real_put = storage.Remote.put
+    uploaded: list[str] = []
+
+    def put_until_the_sixth(self, path, target):
+        if len(uploaded) == 5:
+            raise StorageError(f"writing {target}: the network went away (test)")
+        real_put(self, path, target)
+        uploaded.append(target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "put", put_until_the_sixth)
+        # 2 samples per shard: more shards than the next build writes
+        with pytest.raises(StorageError):
+            build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False),
+                  s3.storage_options)
+    left = set(_objects(s3, "atomic"))
+    assert left == {f"data-00000{i}.tar" for i in range(5)}     # shards uploaded as completed
+    assert list(staging_root.iterdir()) == []                   # local staging removed
+    with pytest.raises(DatasetError, match="no index.json"):
+        read_index(url, s3.storage_options)
+    with pytest.raises(DatasetError, match="no index.json"):
+        ShardReader(url, storage_options=s3.storage_options)
+
+    build(inputs, url, BuildOptions(max_samples_per_shard=PER_SHARD, workers=0, progress=False),
+          s3.storage_options)
+    objects = _objects(s3, "atomic")
+    assert set(objects) == set(built.files)
+    index = json.loads(objects["index.json"])
+    assert {n for n in objects if n.endswith(".tar")} == {s["name"] for s in index["shards"]}
+    for name in objects:
+        if name.endswith(".tar") or name == "samples.parquet":
+            assert objects[name] == built.files[name], name
+
+
+# ----------------------------------------------------------------------------------- reader
+
+def test_remote_reader_gives_the_local_tars_records_and_members(s3, built):
+    reader = ShardReader(built.url, storage_options=s3.storage_options)
+    assert len(reader) == len(built.samples)
+    for position, (shard, key, members) in enumerate(built.samples):
+        assert (reader.table.shard(position), reader.table.key(position)) == (shard, key)
+        assert reader.record(position) == json.loads(members["json"])
+        assert set(reader.table.members(position)) == set(members)
+        for name, data in members.items():
+            assert reader.read_member(position, name) == data, (key, name)
+    reader.close()
+
+
+def test_remote_records_cost_no_request_after_opening(s3, built):
+    reader = ShardReader(built.url, storage_options=s3.storage_options)
+    s3.reset_counters()
+    records = [reader.record(position) for position in range(len(reader))]
+    assert sum(s3.requests.values()) == 0, dict(s3.requests)
+    assert records == [json.loads(members["json"]) for _, _, members in built.samples]
+    reader.close()
+
+
+def test_prefetch_reads_each_shard_in_one_request(s3, built):
+    reader = ShardReader(built.url, storage_options=s3.storage_options)
+    s3.reset_counters()
+    reader.prefetch(range(len(reader)))
+    for position, (_, key, members) in enumerate(built.samples):
+        for name, data in members.items():
+            assert reader.read_member(position, name) == data, (key, name)
+    shards = len(shard_paths(built.local))
+    assert s3.requests["GET"] == shards, dict(s3.requests)
+    assert sum(s3.requests.values()) == shards, dict(s3.requests)
+    reader.close()
+
+
+def test_records_are_derived_from_the_shards_without_the_bucket_cache(s3, built, fresh_cache):
+    url = _upload(s3, {name: data for name, data in built.files.items()
+                       if not name.startswith(".mimo-cache/")}, "nocache")
+    reader = ShardReader(url, storage_options=s3.storage_options)
+    assert [reader.record(p) for p in range(len(reader))] == \
+        [json.loads(members["json"]) for _, _, members in built.samples]
+    assert list(fresh_cache.glob("*/records-*.arrow")), "no records table was saved"
+    assert not any(name.startswith(".mimo-cache") for name in _objects(s3, "nocache"))
+    position = len(reader) - 1
+    _, _, members = built.samples[position]
+    for name, data in members.items():
+        assert reader.read_member(position, name) == data
+    reader.close()
+
+
+# ----------------------------------------------------------------------------------- faults
+
+def test_injected_faults_are_retried_to_the_exact_bytes(s3, built):
+    s3.faults = Faults(rate=0.2, kinds=("500", "reset", "truncate"), seed=7)
+    reader = ShardReader(built.url, storage_options=s3.storage_options)
+    for position, (_, key, members) in enumerate(built.samples):
+        assert reader.record(position) == json.loads(members["json"])
+        for name, data in members.items():
+            assert reader.read_member(position, name) == data, (key, name)
+    reader.close()
+    assert sum(s3.injected.values()) > 0, "no fault was injected: the retries went untested"
+
+
+def test_a_read_that_keeps_failing_raises_storage_error_naming_the_shard(
+        s3, built, monkeypatch):
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(storage, "ATTEMPTS", 2)
+    reader = ShardReader(built.url, storage_options=s3.storage_options)
+    reader.remote.fs.retries = 1                # s3fs's own retries of a short body: none
+    position = len(reader) - 1
+    s3.faults = Faults(rate=1.0, kinds=("truncate",))
+    with pytest.raises(StorageError) as failed:
+        reader.read_member(position, "json")
+    shard_url = f"{built.url}/{built.samples[position][0]}"
+    assert shard_url in str(failed.value)
+    assert s3.injected["truncate"] >= 2
+    reader.close()
+
+
+def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
+    url = _upload(s3, built.files, "gone")
+    reader = ShardReader(url, storage_options=s3.storage_options)
+    shard = built.samples[-1][0]
+    _fs(s3).rm_file(f"{BUCKET}/gone/{shard}")
+    with pytest.raises(DatasetError) as failed:
+        reader.read_member(len(reader) - 1, "json")
+    message = str(failed.value)
+    assert f"{url}/{shard}: missing" in message
+    assert f"mimo-shard verify {url}" in message
+    reader.close()
+
+
+# ---------------------------------------------------------------------------------- inspect
+
+def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_env, built,
+                                                                    tmp_path):
+    from mimo_data.inspect.cli import main
+
+    config = preprocess_config_file(tmp_path / "preprocess.yaml")
+    reports = []
+    for directory in (built.url, built.local):
+        out = tmp_path / f"report-{len(reports)}.json"
+        capsys.readouterr()
+        code = main(["report", str(directory), "--config", str(config), "--json", str(out),
+                     "--no-progress"])
+        err = capsys.readouterr().err
+        reports.append((code, json.loads(out.read_text()), err))
+    (remote_code, remote, err), (local_code, local, _) = reports
+    assert remote_code == local_code, err
+    assert remote["samples"] == local["samples"] == len(built.samples)
+    for field in ("kept", "dropped", "tokens", "drop_reasons", "modalities", "flagged"):
+        assert remote[field] == local[field], field
+    assert remote["dataset"] == built.url
+
+
+# ----------------------------------------------------------------------------------- config
+
+def test_train_config_redacts_storage_secrets_and_keeps_urls(tmp_path, monkeypatch):
+    from mimo_train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "conf").mkdir()
+    path = tmp_path / "conf" / "train.yaml"
+    path.write_text("data:\n"
+                    "  datasets: [s3://bucket/ds, gs://other/set, shards]\n"
+                    "  storage_options:\n"
+                    "    key: AKIAEXAMPLEKEY\n"
+                    "    secret: s3cr3t-value\n"
+                    "    client_kwargs: {endpoint_url: 'http://x:9000', region_name: r1}\n")
+    config = TrainConfig.load(str(path), ["data.valid=[s3://bucket/valid]",
+                                          "train.eval_interval=10"])
+    assert config.data.datasets == ["s3://bucket/ds", "gs://other/set",
+                                    str(tmp_path / "conf" / "shards")]
+    assert config.data.valid == ["s3://bucket/valid"]
+
+    written = config.to_dict()
+    options = written["data"]["storage_options"]
+    text = json.dumps(written)
+    assert "AKIAEXAMPLEKEY" not in text and "s3cr3t-value" not in text
+    assert set(options) == {"key", "secret", "client_kwargs"}
+    assert options["client_kwargs"] == {"endpoint_url": "http://x:9000", "region_name": "r1"}
+    # the live config keeps what the reader needs
+    assert config.data.storage_options["secret"] == "s3cr3t-value"
+    assert TrainConfig.from_dict(written).data.datasets[:2] == ["s3://bucket/ds",
+                                                                 "gs://other/set"]
