@@ -10,6 +10,11 @@ proxy that can add per-request latency and inject faults.
 
 moto keeps its state in process-global backends, so two LocalS3 in one process see the same
 buckets.
+
+LocalHTTP serves a local directory read-only over HTTP (GET/HEAD with byte ranges, no listing):
+
+    with LocalHTTP(directory) as http:
+        reader = ShardReader(f"{http.url}/dataset")
 """
 
 from __future__ import annotations
@@ -18,14 +23,18 @@ import functools
 import http.client
 import io
 import logging
+import os
 import random
+import re
 import socket
 import struct
 import threading
 import time
+import urllib.parse
 from collections import Counter
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from types import TracebackType
 from typing import Any, BinaryIO, cast
 
@@ -291,3 +300,121 @@ class _Handler(BaseHTTPRequestHandler):
         if self._upstream is not None:
             self._upstream.close()
             self._upstream = None
+
+
+class LocalHTTP:
+    """A local directory served read-only over HTTP/1.1 on 127.0.0.1 (GET and HEAD, single
+    byte ranges answered 206); a context manager. `requests` counts requests by method,
+    `paths` by "METHOD /path".
+
+        with LocalHTTP(directory) as http:
+            fsspec.filesystem("http").cat_file(f"{http.url}/name", start=0, end=10)
+    """
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+        self.requests: Counter[str] = Counter()
+        self.paths: Counter[str] = Counter()
+        self.url = ""
+        self._lock = threading.Lock()
+        self._server: _FileServer | None = None
+
+    def start(self) -> LocalHTTP:
+        """Start serving (what `with` does)."""
+        self._server = _FileServer(("127.0.0.1", 0), _FileHandler, self)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        serve = functools.partial(self._server.serve_forever, poll_interval=0.05)
+        threading.Thread(target=serve, daemon=True, name="local-http").start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving."""
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> LocalHTTP:
+        return self.start()
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def reset_counters(self) -> None:
+        """Zero `requests` and `paths`."""
+        with self._lock:
+            self.requests.clear()
+            self.paths.clear()
+
+    def _count(self, method: str, path: str) -> None:
+        with self._lock:
+            self.requests[method] += 1
+            self.paths[f"{method} {path}"] += 1
+
+    def _file(self, url_path: str) -> Path | None:
+        """The served file at `url_path`; None when it is missing or outside the root."""
+        relative = urllib.parse.unquote(urllib.parse.urlsplit(url_path).path).lstrip("/")
+        path = (self.root / relative).resolve()
+        return path if path.is_file() and path.is_relative_to(self.root) else None
+
+
+class _FileServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, addr: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 owner: LocalHTTP) -> None:
+        self.owner = owner
+        super().__init__(addr, handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # a client that hangs up mid-body (fsspec's `exists` GETs, then closes)
+
+
+class _FileHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    def _reply(self, status: int, length: int, headers: dict[str, str]) -> None:
+        self.send_response(status)
+        for name, value in {"Accept-Ranges": "bytes", **headers}.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", str(length))
+        self.end_headers()
+
+    def _serve(self) -> None:
+        owner = cast(_FileServer, self.server).owner
+        owner._count(self.command, self.path)
+        path = owner._file(self.path)
+        if path is None:
+            body = b"not found\n"
+            self._reply(404, len(body), {"Content-Type": "text/plain"})
+            if self.command != "HEAD":
+                self.wfile.write(body)
+            return
+        size = path.stat().st_size
+        start, end, status = 0, size, 200
+        headers = {"Content-Type": "application/octet-stream"}
+        if match := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "").strip()):
+            start = int(match[1])
+            end = min(size, int(match[2]) + 1) if match[2] else size
+            if start >= size or start >= end:
+                self._reply(416, 0, {"Content-Range": f"bytes */{size}"})
+                return
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end - 1}/{size}"
+        self._reply(status, end - start, headers)
+        if self.command == "HEAD":
+            return
+        with path.open("rb") as handle:
+            handle.seek(start)
+            left = end - start
+            while left > 0 and (chunk := handle.read(min(left, _CHUNK))):
+                self.wfile.write(chunk)
+                left -= len(chunk)
+
+    do_GET = do_HEAD = _serve

@@ -69,12 +69,13 @@ class RecordWriter:
 
 def derive(reader: ShardReader) -> pa.Table:
     """The records table of ``reader``'s dataset, read from its shards."""
-    records: list[bytes] = []
+    chunks = []                      # one Arrow array per batch: no Python object per sample
     for first in range(0, len(reader), _DERIVE_BATCH):
         positions = range(first, min(first + _DERIVE_BATCH, len(reader)))
         reader.prefetch(positions, lambda name: name == "json")
-        records += [reader.read_member(position, "json") for position in positions]
-    return pa.table([pa.array(records, pa.large_binary())], schema=SCHEMA)
+        chunks.append(pa.array([reader.read_member(position, "json") for position in positions],
+                               pa.large_binary()))
+    return pa.Table.from_batches([pa.record_batch([chunk], SCHEMA) for chunk in chunks], SCHEMA)
 
 
 class RecordTable:

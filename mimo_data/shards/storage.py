@@ -7,10 +7,11 @@ credentials and endpoints come the usual way (the environment, the client's own 
 ``storage_options`` given to the calls below), and mimo never sees, prints or stores a secret.
 
 Every remote call runs under ``retried``: transient faults (timeouts, 5xx, throttling, a
-connection reset, a body shorter than asked for) are retried with exponential backoff and
-counted in ``RETRIES``; what still fails raises ``StorageError`` naming the URL and what to do.
-The clients' own retries (botocore's, s3fs's) run first; ours catch what they pass on, which
-includes a reset mid-body.
+connection reset, a body shorter than asked for) are retried with exponential backoff, counted
+in ``RETRIES`` and logged; what still fails raises ``StorageError`` naming the URL and what to
+do. For S3 the client's own retry loops (botocore's and s3fs's, which nest: a 503 could cost 25
+requests) are turned off, so one policy decides and every retry is counted; other clients
+(gcsfs, adlfs, HTTP) keep theirs, and ours catch what they pass on.
 """
 
 from __future__ import annotations
@@ -118,8 +119,15 @@ class Remote:
     def fs(self) -> Any:
         if self._pid != os.getpid():
             import fsspec                # only remote datasets pay for the import
-            self._fs = fsspec.filesystem(self.protocol,
-                                         **{"skip_instance_cache": True, **self.options})
+            options = {"skip_instance_cache": True, **self.options}
+            s3 = self.protocol in ("s3", "s3a")
+            if s3:                       # botocore's retries off: ``retried`` does them all
+                options["config_kwargs"] = {
+                    "retries": {"total_max_attempts": 1, "mode": "standard"},
+                    **options.get("config_kwargs", {})}
+            self._fs = fsspec.filesystem(self.protocol, **options)
+            if s3:
+                self._fs.retries = 1     # s3fs's own retry loop too (a class attribute)
             self._pid = os.getpid()
         return self._fs
 
@@ -139,10 +147,13 @@ class Remote:
         return retried(f"reading {url} bytes {start}-{start + size}", call)
 
     def exists(self, url: str) -> bool:
-        return retried(f"looking up {url}", lambda: self.fs.exists(url))
-
-    def size(self, url: str) -> int:
-        return retried(f"looking up {url}", lambda: self.fs.size(url))
+        def call() -> bool:
+            try:
+                self.fs.info(url)           # a HEAD (fsspec's HTTP ``exists`` GETs the body)
+            except FileNotFoundError:
+                return False
+            return True
+        return retried(f"looking up {url}", call)
 
     def names(self, url: str) -> list[str]:
         """Names directly under ``url`` (files and prefixes); [] when there are none."""
