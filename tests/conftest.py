@@ -46,6 +46,24 @@ def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def local_s3():
+    """The suite's local S3 server (tools/object_store.py), started once. moto's buckets are
+    process-wide: each module makes a bucket of its own."""
+    from tools.object_store import LocalS3
+    with LocalS3() as s3:
+        yield s3
+
+
+@pytest.fixture
+def s3(local_s3):
+    """The local S3 with no faults, no added latency and its request counters at zero."""
+    local_s3.faults, local_s3.latency_s = None, 0.0
+    local_s3.reset_counters()
+    yield local_s3
+    local_s3.faults, local_s3.latency_s = None, 0.0
+
+
 # ----------------------------------------------------------------------------------- corpus
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import http.client
 import os
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import boto3
@@ -16,19 +15,9 @@ from tools.object_store import Faults, LocalS3
 BUCKET = "test-object-store"  # moto's state is process-wide: a name no other test uses
 
 
-@pytest.fixture(scope="module")
-def store() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        s3.make_bucket(BUCKET)
-        yield s3
-
-
-@pytest.fixture
-def s3(store: LocalS3) -> Iterator[LocalS3]:
-    store.faults = None
-    store.reset_counters()
-    yield store
-    store.faults = None
+@pytest.fixture(scope="module", autouse=True)
+def bucket(local_s3) -> None:
+    local_s3.make_bucket(BUCKET)
 
 
 def _get(s3: LocalS3, key: str) -> http.client.HTTPResponse:

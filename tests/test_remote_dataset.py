@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,19 +74,9 @@ def _upload(s3: LocalS3, files: dict[str, bytes], prefix: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[LocalS3]:
-    with LocalS3() as s3:
-        s3.make_bucket(BUCKET)
-        yield s3
-
-
-@pytest.fixture
-def s3(store: LocalS3) -> Iterator[LocalS3]:
-    store.faults = None
-    store.latency_s = 0.0
-    store.reset_counters()
-    yield store
-    store.faults = None
+def store(local_s3) -> LocalS3:
+    local_s3.make_bucket(BUCKET)
+    return local_s3
 
 
 @pytest.fixture(autouse=True)

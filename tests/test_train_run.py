@@ -177,31 +177,30 @@ def test_resume_continues_the_exact_sample_stream(setup):
                                           and r["step"] == 6], abs=1e-6)
 
 
-def test_training_from_a_bucket_gives_the_local_losses(setup, loader_corpus):
+def test_training_from_a_bucket_gives_the_local_losses(setup, loader_corpus, s3):
     """The dataset copied to S3 (moto behind a proxy that answers 500, resets the connection or
     cuts the body short on 5% of GETs), the local run's step-3 checkpoint resumed reading the
     bucket, with an empty cache (tables downloaded, token tables computed): steps 4-6 and the
     evaluation at 6 have the local run's tokens and losses."""
     import fsspec
 
-    from tools.object_store import Faults, LocalS3
+    from tools.object_store import Faults
 
     tmp, common, full = setup
-    with LocalS3() as s3:
-        s3.make_bucket("train-run")
-        fs = fsspec.filesystem("s3", **s3.storage_options)
-        fs.put(str(loader_corpus), "train-run/shards", recursive=True)
-        url = "s3://train-run/shards"
-        remote = [c.replace(str(loader_corpus), url) for c in common]
-        env = {**s3.env(), "MIMO_CACHE_DIR": str(tmp / "bucket-cache")}
-        s3.faults = Faults(rate=0.05, kinds=("500", "reset", "truncate"), seed=3)
-        root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "bucket-resume")
-        resumed = _train(tmp, "bucket-resumed", root, *remote, env=env)
-        assert sum(s3.injected.values()) > 0        # the faults happened, and were survived
-        # the shards gone from the bucket: an encoder rank stops the run naming one (no hang)
-        s3.faults = None
-        fs.rm(fs.glob("train-run/shards/*.tar"))
-        failed = _run(tmp, "bucket-failed", tmp / "bucket-failed-ckpt", *remote, env=env)
+    s3.make_bucket("train-run")
+    fs = fsspec.filesystem("s3", **s3.storage_options)
+    fs.put(str(loader_corpus), "train-run/shards", recursive=True)
+    url = "s3://train-run/shards"
+    remote = [c.replace(str(loader_corpus), url) for c in common]
+    env = {**s3.env(), "MIMO_CACHE_DIR": str(tmp / "bucket-cache")}
+    s3.faults = Faults(rate=0.05, kinds=("500", "reset", "truncate"), seed=3)
+    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "bucket-resume")
+    resumed = _train(tmp, "bucket-resumed", root, *remote, env=env)
+    assert sum(s3.injected.values()) > 0        # the faults happened, and were survived
+    # the shards gone from the bucket: an encoder rank stops the run naming one (no hang)
+    s3.faults = None
+    fs.rm(fs.glob("train-run/shards/*.tar"))
+    failed = _run(tmp, "bucket-failed", tmp / "bucket-failed-ckpt", *remote, env=env)
     assert failed.returncode != 0
     assert re.search(rf"{url}/data-\d+\.tar: missing", failed.stderr), failed.stderr[-3000:]
     assert f"mimo-shard verify {url}" in failed.stderr
