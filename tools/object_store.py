@@ -9,7 +9,8 @@ proxy that can add per-request latency and inject faults.
         subprocess.run([...], env={**os.environ, **s3.env()})
 
 moto keeps its state in process-global backends, so two LocalS3 in one process see the same
-buckets.
+buckets. The proxy is written by hand: moto injects neither faults nor latency, and the tools
+that do (toxiproxy and the like) are not Python packages.
 
 LocalHTTP serves a local directory read-only over HTTP (GET/HEAD with byte ranges, no listing):
 

@@ -12,7 +12,9 @@ Which samples: step s, global micro-batch m is a fixed slice of ``sample_order.S
 (a function of seed and epoch); a module with DP size d gives DP rank r the contiguous part r
 of d. Language ranks run the metadata-only Preprocessor (never decode media); encoder ranks of
 pipeline stage 0 decode their samples and get the encoder inputs plus ``input_ids`` and token
-counts. Reads are ``pread`` by byte offset (``ShardReader``).
+counts. Reads are ``pread`` by byte offset (``ShardReader``); from a dataset at a URL, an
+encoder rank's worker plans the media of its next ``PREFETCH_MICRO_BATCHES`` micro-batches at a
+time, a plan ahead, so that neighbouring samples share ranged requests.
 
 Balance and packing (``balance.py``, ``packing.py``) only reorder samples within a step or a
 micro-batch part, in the order itself, so the rule above holds for every rank. With packing,
@@ -66,6 +68,9 @@ from mimo_data.shards.format import ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
+# A worker's micro-batches whose media one prefetch plans (remote datasets): enough samples
+# for neighbours in a shard to share a request (``tools/bench_remote.py``).
+PREFETCH_MICRO_BATCHES = 8
 STATE_FORMAT = "mimo-loader-state"
 STATE_VERSION = 1
 
@@ -236,31 +241,38 @@ class _RankStream(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         epoch, index = self.start
+        planned = index              # micro-batches of the epoch before this one are planned
         for count in itertools.count():
             if count % workers == worker:
-                self.prefetch(epoch, index, ahead=workers)
+                if index >= planned - PREFETCH_MICRO_BATCHES * workers:
+                    planned = self.prefetch(epoch, max(index, planned), index + 2 *
+                                            PREFETCH_MICRO_BATCHES * workers, workers)
                 batch, metadata = self.micro_batch(epoch, index)
                 yield (batch if info is None else pack(batch)), metadata
             index += 1
             if index == self.per_epoch:
-                epoch, index = epoch + 1, 0
+                epoch, index, planned = epoch + 1, 0, 0
 
-    def prefetch(self, epoch: int, index: int, ahead: int) -> None:
-        """Start reading the media of micro-batch ``index`` and of the one ``ahead`` after it
-        (this worker's next) from remote datasets (``ShardReader.prefetch``)."""
-        if not self.decode_media:
-            return
+    def prefetch(self, epoch: int, start: int, stop: int, every: int) -> int:
+        """Start reading, from remote datasets, this rank's media members of micro-batches
+        ``start, start + every, ...`` before ``stop`` of ``epoch``, as one plan
+        (``ShardReader.prefetch``: the more samples a plan holds, the more of them share a
+        request); return where the plan ends. A no-op for ranks that decode nothing."""
+        stop = min(stop, self.per_epoch)      # the next epoch's order is not made yet
+        if not self.decode_media or start >= stop or \
+                not any(reader.remote for reader in self.source.readers):
+            return stop
+        assert self.full is not None
         datasets, positions = self.order.epoch(epoch)
-        for number in (index, index + ahead):
-            if number >= self.per_epoch:        # the next epoch's order is not made yet
-                break
-            step, micro = divmod(number, self.per_step)
-            chosen = np.unique(np.concatenate([
-                np.arange(part.start, part.stop) for part in
-                (self._slice(module, step, micro) for module in self.role.media.values())]))
-            for dataset, reader in enumerate(self.source.readers):
-                reader.prefetch(positions[chosen[datasets[chosen] == dataset]].tolist(),
-                                lambda name: name != "json")
+        chosen = np.unique(np.concatenate([
+            np.arange(part.start, part.stop) for number in range(start, stop, every)
+            for part in (self._slice(module, *divmod(number, self.per_step))
+                         for module in self.role.media.values())]))
+        prefixes = tuple(MODALITIES[name].member_prefix for name in self.full.media_modalities)
+        for dataset, reader in enumerate(self.source.readers):
+            reader.prefetch(positions[chosen[datasets[chosen] == dataset]].tolist(),
+                            lambda name: name.startswith(prefixes))
+        return stop
 
     def _slice(self, module: str, step: int, micro: int) -> slice:
         dp_size, dp_rank = self.dp[module]

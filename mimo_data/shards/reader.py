@@ -35,7 +35,7 @@ from mimo_data.shards.index import DatasetError, index_bytes, parse_index
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
 
-MAX_GAP = 64 << 10                 # bytes between two spans still fetched as one request
+MAX_GAP = 256 << 10                # bytes between two spans still fetched as one request
 MAX_RUN = 16 << 20                 # bytes of one request at most
 THREADS = 8                        # requests in flight per reader and process
 KEEP_BATCHES = 4                   # prefetched batches held (older ones are dropped unread)
