@@ -88,16 +88,16 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
     for attempt in range(1, attempts + 1):
         try:
             return call()
-        except Exception as exc:         # noqa: BLE001 -- classified just below
+        except Exception as exc:         # classified just below
             if not _transient(exc):
                 raise
-            with _RETRIES_LOCK:
-                RETRIES[type(exc).__name__] += 1
             if attempt == attempts:
                 raise StorageError(
                     f"{what}: failed {attempts} times, last with {type(exc).__name__}: {exc}. "
                     "Check the endpoint, the credentials and the network (a run resumes from "
                     "its last checkpoint when restarted)") from exc
+            with _RETRIES_LOCK:
+                RETRIES[type(exc).__name__] += 1
             wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_WAIT_S) * (0.5 + random.random())
             print(f"mimo: {what}: {type(exc).__name__} ({exc}); retry {attempt} of "
                   f"{attempts - 1} in {wait:.1f}s", file=sys.stderr, flush=True)
