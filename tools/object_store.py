@@ -52,6 +52,17 @@ _ERRORS = {
 _CHUNK = 1 << 20
 
 
+def _serve(server: ThreadingHTTPServer, name: str) -> None:
+    """Serve ``server`` on a daemon thread."""
+    serve = functools.partial(server.serve_forever, poll_interval=0.05)
+    threading.Thread(target=serve, daemon=True, name=name).start()
+
+
+def _close(server: ThreadingHTTPServer) -> None:
+    server.shutdown()
+    server.server_close()
+
+
 @dataclass(frozen=True)
 class Faults:
     """Inject one of `kinds` into a request whose method is in `methods`, with probability
@@ -82,7 +93,6 @@ class LocalS3:
         self._rng = random.Random(0)
         self._moto: ThreadedMotoServer | None = None
         self._proxy: _ProxyServer | None = None
-        self._proxy_thread: threading.Thread | None = None
         self._moto_addr = ("127.0.0.1", 0)
         self.moto_url = ""
         self.endpoint_url = ""
@@ -99,16 +109,13 @@ class LocalS3:
         self.moto_url = f"http://{host}:{port}"
         self._proxy = _ProxyServer(("127.0.0.1", 0), _Handler, self)
         self.endpoint_url = f"http://127.0.0.1:{self._proxy.server_address[1]}"
-        serve = functools.partial(self._proxy.serve_forever, poll_interval=0.05)
-        self._proxy_thread = threading.Thread(target=serve, daemon=True, name="local-s3-proxy")
-        self._proxy_thread.start()
+        _serve(self._proxy, "local-s3-proxy")
         return self
 
     def stop(self) -> None:
         """Stop the proxy and moto."""
         if self._proxy is not None:
-            self._proxy.shutdown()
-            self._proxy.server_close()
+            _close(self._proxy)
             self._proxy = None
         if self._moto is not None:
             self._moto.stop()
@@ -324,15 +331,13 @@ class LocalHTTP:
         """Start serving (what `with` does)."""
         self._server = _FileServer(("127.0.0.1", 0), _FileHandler, self)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        serve = functools.partial(self._server.serve_forever, poll_interval=0.05)
-        threading.Thread(target=serve, daemon=True, name="local-http").start()
+        _serve(self._server, "local-http")
         return self
 
     def stop(self) -> None:
         """Stop serving."""
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            _close(self._server)
             self._server = None
 
     def __enter__(self) -> LocalHTTP:

@@ -169,10 +169,11 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
     path = os.path.join(cache_directory(dataset, cache_dir), name)
     table = read_table(path, key)
     if table is None and remote is not None:
-        published = storage.join(dataset, DATASET_CACHE, name)
-        if remote.exists(published):
-            remote.fetch(published, path)
+        try:
+            remote.fetch(storage.join(dataset, DATASET_CACHE, name), path)
             table = read_table(path, key)
+        except FileNotFoundError:        # the dataset publishes no such table
+            pass
     if table is not None:
         return table, path
     if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun

@@ -53,8 +53,9 @@ class ShardReader:
         self.index = parse_index(directory, data)
         # sha256 of index.json's bytes: what tables computed from the dataset are keyed by
         self.index_digest = hashlib.sha256(data).digest()
-        self.table = SampleTable.open(directory, self.index, cache_dir, self.remote)
         self.table_key = table_key(self.index, directory, self.remote)   # the build's key
+        self.table = SampleTable.open(directory, self.index, self.table_key, cache_dir,
+                                      self.remote)
         self._files: dict[str, int] = {}
         self._pid: int | None = None
         self._pool: ThreadPoolExecutor | None = None

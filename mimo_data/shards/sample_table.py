@@ -103,10 +103,10 @@ class SampleTable:
         self.member_crcs = values.field("crc32").to_numpy()
 
     @classmethod
-    def open(cls, directory: str, index: dict, cache_dir: str | None = None,
+    def open(cls, directory: str, index: dict, key: str, cache_dir: str | None = None,
              remote: storage.Remote | None = None) -> SampleTable:
-        """The table of ``directory``, derived first when missing, stale or damaged."""
-        key = table_key(index, directory, remote)
+        """The table of ``directory`` for ``key`` (``table_key``), derived first when missing,
+        stale or damaged."""
         parquet = storage.join(directory, SAMPLES_FILE)
         table, path = cache.obtain(
             directory, file_name(key), key, labels(key),
