@@ -1,6 +1,6 @@
 """The modalities mimo knows, by name: one module each behind ``base.Modality``.
 
-Adding one (e.g. video) is a new module implementing ``Modality`` plus its line here.
+Adding one is a new module implementing ``Modality`` plus its line here.
 """
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from mimo_data.errors import ConfigError
 from mimo_data.modalities.audio import AUDIO
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
 from mimo_data.modalities.image import IMAGE
+from mimo_data.modalities.video import VIDEO
 
-MODALITIES: dict[str, Modality] = {m.name: m for m in (IMAGE, AUDIO)}
+MODALITIES: dict[str, Modality] = {m.name: m for m in (IMAGE, AUDIO, VIDEO)}
 MARKERS: dict[str, str] = {name: m.marker for name, m in MODALITIES.items()}
 
 

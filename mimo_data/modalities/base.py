@@ -1,6 +1,6 @@
 """The interface every modality implements, from build-time probing to inspection.
 
-A modality (``image``, ``audio``; video next) owns everything that differs between kinds of
+A modality (``image``, ``audio``, ``video``) owns everything that differs between kinds of
 media: the text marker and member names, its config section, probing the encoded bytes at build
 time, the token count of an item from its metadata alone, decoding, the encoder's inputs, and
 how ``mimo-inspect`` shows an item. The rest of mimo reaches it through the registry in
@@ -25,9 +25,9 @@ class MediaError(CountedError):
 class MediaItem(TypedDict):
     """One media item of ``KEY.json``; the fields after ``bytes`` are its modality's
     (``Modality.item_fields``, written by ``Modality.probe``)."""
-    modality: str                # a registered modality: "image", "audio"
+    modality: str                # a registered modality: "image", "audio", "video"
     member: str                  # member suffix after "KEY.": "img0.jpg"
-    format: str                  # container format: "jpeg", "png", "wav", "flac", ...
+    format: str                  # container format: "jpeg", "png", "wav", "flac", "mp4", ...
     bytes: int
     path: NotRequired[str | None]  # the source file, when the media came from one
     width: NotRequired[int]      # image: size after EXIF orientation, Pillow's mode
@@ -36,8 +36,11 @@ class MediaItem(TypedDict):
     orientation: NotRequired[int]
     sample_rate: NotRequired[int]  # audio: as decoded, before resampling
     channels: NotRequired[int]
-    frames: NotRequired[int]
+    frames: NotRequired[int]     # audio and video
     duration: NotRequired[float]
+    codec: NotRequired[str]      # video: FFmpeg's codec name, average frame rate, display
+    fps: NotRequired[float]      # rotation (counter-clockwise degrees; width and height are
+    rotation: NotRequired[int]   # after it)
 
 
 class Modality(ABC):
