@@ -195,17 +195,8 @@ def sampled_frame_count(frames: int, fps: float, cfg: VideoConfig) -> int:
 
     Its rule: ``n = frames / fps * cfg.fps`` clamped to [min_frames, max_frames] and to the
     clip's frames (max_frames first rounded down to a multiple of temporal_patch_size, with
-    the clip's frames), then rounded down to a multiple of temporal_patch_size. It then takes
-    ``torch.arange(0, frames, frames / n)``, whose length is computed in double precision as
-    ``ceil(frames / (frames / n))``: that is ``n + 1`` for some (frames, n) pairs (e.g. 17
-    frames, n = 14), and the processor keeps the extra frame; so does this count.
+    the clip's frames), then rounded down to a multiple of temporal_patch_size.
     """
-    n = _requested_frames(frames, fps, cfg)
-    return math.ceil(frames / (frames / n)) if n > 0 else 0
-
-
-def _requested_frames(frames: int, fps: float, cfg: VideoConfig) -> int:
-    """The processor's ``num_frames`` for a clip (0: too short for one temporal patch)."""
     tps = cfg.temporal_patch_size
     max_frames = math.floor(min(cfg.max_frames, frames) / tps) * tps
     wanted = min(max(frames / fps * cfg.fps, cfg.min_frames), max_frames, frames)
@@ -213,18 +204,21 @@ def _requested_frames(frames: int, fps: float, cfg: VideoConfig) -> int:
 
 
 def sample_indices(frames: int, fps: float, cfg: VideoConfig) -> list[int]:
-    """Indices of the frames ``Qwen2VLVideoProcessor`` samples from a clip of ``frames``
-    frames at ``fps`` (ValueError if too short): ``torch.arange(0, frames, frames / n).int()``,
-    the same call, whose float32 values truncate below the exact ``i * frames // n`` for some
-    long clips."""
+    """Indices of the ``sampled_frame_count`` frames ``Qwen2VLVideoProcessor`` samples from a
+    clip of ``frames`` frames at ``fps`` (ValueError if too short).
+
+    The processor takes ``torch.arange(0, frames, frames / n).int()``; so does this, for the
+    same values: torch computes them in float32, which for clips of more than 2^13 frames can
+    give one frame off the exact ``i * frames // n``. Its length, computed in double
+    precision as ``ceil(frames / (frames / n))``, is ``n + 1`` for some pairs (e.g. 17 frames,
+    n = 14; 506 frames at 10 fps): the extra index is then ``frames`` itself, past the clip,
+    and the processor fails indexing the clip with it. It is dropped here: always n frames.
+    """
     count = sampled_frame_count(frames, fps, cfg)
     if count == 0:
         raise ValueError(f"a clip of {frames} frames is shorter than temporal_patch_size = "
                          f"{cfg.temporal_patch_size} frames")
-    n = _requested_frames(frames, fps, cfg)
-    indices = torch.arange(0, frames, frames / n).int().tolist()
-    assert len(indices) == count
-    return indices
+    return torch.arange(0, frames, frames / count).int().tolist()[:count]
 
 
 def video_resized_size(width: int, height: int, sampled: int, cfg: VideoConfig

@@ -1,0 +1,377 @@
+"""The video modality against clips made here with PyAV from real photos, and against
+transformers' ``Qwen2VLVideoProcessor`` (frame sampling, grid, pixels).
+
+The clips are written at test time (pans and a zoom over scikit-image photos; h264, mpeg4 and
+vp9; 10, 24 and 30 fps; two sizes; one with a display rotation, one with an audio track) and
+the probe is checked against what was written. The processor needs torchvision (its only
+backend): the tests that call it are skipped where torchvision is not installed.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import pytest
+import torch
+from skimage import data as photos
+
+from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.modalities import video as video_module
+from mimo_data.modalities.video import (
+    VIDEO, VideoConfig, decode_frames, normalize_video_pixels, probe_video, sample_indices,
+    sampled_frame_count)
+
+
+@dataclass(frozen=True)
+class Clip:
+    name: str
+    data: bytes
+    format: str
+    codec: str
+    fps: int
+    frames: int
+    width: int           # as displayed (after rotation)
+    height: int
+    rotation: int = 0
+
+
+def _frames(kind: str, photo: np.ndarray, count: int, width: int, height: int):
+    """A pan across ``photo`` or a zoom into it, ``count`` RGB frames of ``width`` x ``height``."""
+    from PIL import Image
+    source = Image.fromarray(photo)
+    for i in range(count):
+        if kind == "pan":
+            x = int(i * (photo.shape[1] - width * 2) / count)
+            box = (x, 60, x + width * 2, 60 + height * 2)
+        else:                                   # zoom: a shrinking centred box
+            scale = 1 - 0.6 * i / count
+            w, h = photo.shape[1] * scale, photo.shape[0] * scale
+            cx, cy = photo.shape[1] / 2, photo.shape[0] / 2
+            box = (int(cx - w / 2), int(cy - h / 2), int(cx + w / 2), int(cy + h / 2))
+        yield np.asarray(source.crop(box).resize((width, height), Image.Resampling.BILINEAR))
+
+
+def _write(kind, photo, *, fmt, codec, fps, seconds, width, height, rotation=0,
+           audio=False, faststart=None, gop=None) -> tuple[bytes, int]:
+    """A clip's bytes and frame count; ``faststart``: a file path to write it to with the
+    mp4 index first (the muxer moves it there by rewriting the file)."""
+    buffer: io.BytesIO | str = faststart or io.BytesIO()
+    count = round(fps * seconds)
+    options = {"movflags": "faststart"} if faststart else {}
+    with av.open(buffer, "w", format=fmt, options=options) as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        if gop:
+            stream.codec_context.gop_size = gop
+        if rotation:
+            stream.set_display_rotation(rotation)      # counter-clockwise degrees
+        sound = container.add_stream("aac", rate=16000, layout="mono") if audio else None
+        for frame in _frames(kind, photo, count, width, height):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+        if sound is not None:
+            samples = (np.sin(np.arange(int(16000 * seconds)) / 10) * 0.3).astype(np.float32)
+            chunk = av.AudioFrame.from_ndarray(samples[None], format="fltp", layout="mono")
+            chunk.sample_rate = 16000
+            for packet in sound.encode(chunk):
+                container.mux(packet)
+            for packet in sound.encode():
+                container.mux(packet)
+    if isinstance(buffer, str):
+        with open(buffer, "rb") as handle:
+            return handle.read(), count
+    return buffer.getvalue(), count
+
+
+def _clip(name, kind, photo, *, fmt, codec, fps, seconds, width, height, rotation=0, **kw):
+    data, count = _write(kind, photo, fmt=fmt, codec=codec, fps=fps, seconds=seconds,
+                         width=width, height=height, rotation=rotation, **kw)
+    shown = (height, width) if rotation in (90, 270) else (width, height)
+    return Clip(name, data, "webm" if fmt == "webm" else fmt,
+                {"libx264": "h264", "libvpx-vp9": "vp9"}.get(codec, codec), fps, count,
+                *shown, rotation)
+
+
+@pytest.fixture(scope="module")
+def clips() -> dict[str, Clip]:
+    astronaut, chelsea, coffee = photos.astronaut(), photos.chelsea(), photos.coffee()
+    made = [
+        _clip("pan_h264_24", "pan", astronaut, fmt="mp4", codec="libx264", fps=24,
+              seconds=2.5, width=128, height=96, gop=10),
+        _clip("zoom_mpeg4_10", "zoom", chelsea, fmt="mp4", codec="mpeg4", fps=10,
+              seconds=3, width=96, height=64),
+        _clip("pan_vp9_30", "pan", coffee, fmt="webm", codec="libvpx-vp9", fps=30,
+              seconds=2, width=128, height=96),
+        _clip("rotated_h264_24", "pan", astronaut, fmt="mp4", codec="libx264", fps=24,
+              seconds=2.5, width=128, height=96, gop=10, rotation=90),
+        _clip("audio_h264_30", "zoom", coffee, fmt="mp4", codec="libx264", fps=30,
+              seconds=2, width=96, height=64, audio=True),
+    ]
+    return {clip.name: clip for clip in made}
+
+
+CLIP_NAMES = ["pan_h264_24", "zoom_mpeg4_10", "pan_vp9_30", "rotated_h264_24", "audio_h264_30"]
+
+
+def _full_decode(clip: Clip) -> np.ndarray:
+    """Every frame in order, plain PyAV, rotated as the display matrix says."""
+    with av.open(io.BytesIO(clip.data)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    return np.rot90(frames, clip.rotation // 90, axes=(1, 2)) if clip.rotation else frames
+
+
+def _item(clip: Clip, check: str = "decode") -> dict:
+    return {"modality": "video", "member": "vid0.mp4", "bytes": len(clip.data),
+            **probe_video(clip.data, check)}
+
+
+def test_registered():
+    assert MODALITIES["video"] is VIDEO and VIDEO.marker == "<video>"
+
+
+# ------------------------------------------------------------------------------------ probe
+
+@pytest.mark.parametrize("name", CLIP_NAMES)
+@pytest.mark.parametrize("check", ["header", "decode"])
+def test_probe_reports_what_was_written(clips, name, check):
+    clip = clips[name]
+    meta = probe_video(clip.data, check)
+    assert {k: meta[k] for k in ("format", "codec", "width", "height", "rotation", "frames")} == {
+        "format": clip.format, "codec": clip.codec, "width": clip.width,
+        "height": clip.height, "rotation": clip.rotation, "frames": clip.frames}
+    assert meta["fps"] == clip.fps
+    assert meta["duration"] == pytest.approx(clip.frames / clip.fps, abs=1.5 / clip.fps)
+    assert VIDEO.decoded_metadata(clip.data) == probe_video(clip.data, "decode")
+
+
+def test_bad_clips_raise_their_reasons(clips, tmp_path):
+    astronaut = photos.astronaut()
+    kept, _ = _write("pan", astronaut, fmt="mp4", codec="libx264", fps=24, seconds=2,
+                     width=128, height=96, faststart=str(tmp_path / "kept.mp4"))  # index first
+    for check in ("header", "decode"):
+        with pytest.raises(MediaError) as caught:
+            probe_video(kept[:len(kept) * 2 // 3], check)
+        assert caught.value.reason == "corrupt_video"
+    tail_index = clips["pan_h264_24"].data                        # index (moov) last
+    with pytest.raises(MediaError) as caught:
+        probe_video(tail_index[:len(tail_index) // 2], "header")
+    assert caught.value.reason == "corrupt_video"
+    for junk in (b"", b"\x00" * 1000):
+        with pytest.raises(MediaError) as caught:
+            probe_video(junk)
+        assert caught.value.reason == "corrupt_video"
+
+    sound = io.BytesIO()
+    with av.open(sound, "w", format="wav") as container:
+        stream = container.add_stream("pcm_s16le", rate=16000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.zeros((1, 8000), np.int16), format="s16",
+                                           layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode()]:
+            container.mux(packet)
+    with pytest.raises(MediaError) as caught:
+        probe_video(sound.getvalue())
+    assert caught.value.reason == "no_video_stream"
+
+    ffv1, _ = _write("pan", astronaut, fmt="matroska", codec="ffv1", fps=10, seconds=1,
+                     width=64, height=48)
+    with pytest.raises(MediaError) as caught:
+        probe_video(ffv1)
+    assert caught.value.reason == "unsupported_codec"
+
+    with pytest.raises(MediaError) as caught:
+        probe_video(clips["pan_h264_24"].data, max_seconds=1.0)
+    assert caught.value.reason == "video_too_long"
+    item = _item(clips["pan_h264_24"])
+    with pytest.raises(MediaError) as caught:
+        VIDEO.item_tokens(item, VideoConfig(max_duration=1.0))
+    assert caught.value.reason == "video_too_long"
+
+
+# --------------------------------------------------------------------------------- sampling
+
+def documented_indices(total: int, video_fps: float, cfg: VideoConfig) -> list[int]:
+    """Qwen2VLVideoProcessor.sample_frames, from its description: fps * duration frames,
+    clamped to [min_frames, max_frames rounded down to temporal patches (and to the clip)],
+    rounded down to temporal patches, spread as ``i * total / n`` rounded down. (The processor
+    computes these with a float32 ``arange``, which for clips of more than 2^13 frames can
+    come out one off: ``LONG_CLIPS``.)"""
+    tps = cfg.temporal_patch_size
+    cap = min(cfg.max_frames, total) // tps * tps
+    n = min(max(total / video_fps * cfg.fps, cfg.min_frames), cap, total)
+    n = int(n // tps) * tps
+    return [i * total // n for i in range(n)]
+
+
+SAMPLING_GRID = [(total, video_fps) for video_fps in (10, 23.976, 24, 25, 30, 60)
+                 for total in (1, 2, 3, 5, 17, 30, 49, 75, 506, 1213, 2000, 8000)]
+LONG_CLIPS = [(total, video_fps) for video_fps in (10, 30) for total in (17887, 30000, 99991)]
+
+
+@pytest.mark.parametrize("cfg", [VideoConfig(), VideoConfig(fps=1.0, min_frames=2),
+                                 VideoConfig(fps=8.0, max_frames=64, temporal_patch_size=1)])
+def test_sampling_follows_the_documented_rules(cfg):
+    for total, video_fps in SAMPLING_GRID:
+        expected = documented_indices(total, video_fps, cfg)
+        assert sampled_frame_count(total, video_fps, cfg) == len(expected), (total, video_fps)
+        if expected:
+            assert sample_indices(total, video_fps, cfg) == expected, (total, video_fps)
+        else:
+            with pytest.raises(ValueError):
+                sample_indices(total, video_fps, cfg)
+    for total, video_fps in LONG_CLIPS:                 # float32 arange: one off at most
+        expected = documented_indices(total, video_fps, cfg)
+        got = sample_indices(total, video_fps, cfg)
+        assert len(got) == len(expected)
+        assert all(abs(e - g) <= 1 for e, g in zip(expected, got)), (total, video_fps)
+    # arange's double-precision length is n + 1 here, the last index the clip's length
+    assert len(torch.arange(0, 506, 506 / 100)) == 101
+    assert sample_indices(506, 10, VideoConfig())[-1] == 500
+
+
+def _processor(cfg: VideoConfig):
+    pytest.importorskip("torchvision")
+    from transformers import Qwen2VLVideoProcessor
+    return Qwen2VLVideoProcessor(
+        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+        merge_size=cfg.merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+        min_frames=cfg.min_frames, max_frames=cfg.max_frames,
+        cap_pixels_per_frame=cfg.cap_pixels_per_frame, max_video_tokens=cfg.max_video_tokens,
+        image_mean=list(cfg.mean), image_std=list(cfg.std), fps=cfg.fps, do_sample_frames=True)
+
+
+def test_sampling_equals_the_processors():
+    from transformers.video_utils import VideoMetadata
+    for cfg in (VideoConfig(), VideoConfig(fps=1.0, min_frames=2)):
+        processor = _processor(cfg)
+        for total, video_fps in SAMPLING_GRID + LONG_CLIPS:
+            if not documented_indices(total, video_fps, cfg):
+                continue
+            theirs = processor.sample_frames(VideoMetadata(total_num_frames=total,
+                                                           fps=video_fps)).tolist()
+            if theirs[-1] == total:     # the processor's extra index, past the clip (dropped)
+                theirs = theirs[:-1]
+            assert sample_indices(total, video_fps, cfg) == theirs, (total, video_fps)
+    # such an index makes the processor itself fail: 17 frames at 17/7 fps ask for 14 frames
+    processor = _processor(VideoConfig())
+    with pytest.raises(IndexError):
+        processor(videos=[np.zeros((17, 56, 56, 3), np.uint8)],
+                  video_metadata=[{"total_num_frames": 17, "fps": 17 / 7}], return_tensors="pt")
+
+
+# ------------------------------------------------------------------ decode and encoder inputs
+
+CONFIGS = {
+    "default": VideoConfig(),                                   # frames upscaled
+    "small": VideoConfig(min_pixels=28 * 28 * 2, max_pixels=28 * 28 * 8, fps=4.0),  # downscaled
+    "capped": VideoConfig(cap_pixels_per_frame=True, max_video_tokens=300),  # budget binds
+}
+
+
+@pytest.mark.parametrize("name", CLIP_NAMES)
+def test_decode_gives_the_sampled_frames(clips, name):
+    clip = clips[name]
+    item = _item(clip, "header")
+    for cfg in CONFIGS.values():
+        full = _full_decode(clip)
+        indices = documented_indices(len(full), clip.fps, cfg)
+        decoded = VIDEO.decode(clip.data, item, cfg)
+        assert decoded.dtype == np.uint8 and decoded.shape == (len(indices), clip.height,
+                                                               clip.width, 3)
+        np.testing.assert_array_equal(decoded, full[indices])
+
+
+def test_rotation_turns_the_pixels(clips):
+    plain, turned = clips["pan_h264_24"], clips["rotated_h264_24"]   # the same frames
+    indices = list(range(0, plain.frames, 7))
+    upright = decode_frames(plain.data, indices, 0)
+    shown = decode_frames(turned.data, indices, 90)
+    for a, b in zip(upright, shown):
+        np.testing.assert_array_equal(b, np.rot90(a, 1))        # 90 degrees counter-clockwise
+
+
+def test_decode_stops_short_of_the_whole_clip(clips, monkeypatch):
+    """The sparse frames of a clip with keyframes every 10 frames are reached by seeking."""
+    decoded = [0]
+    real_open = video_module._open
+
+    class Counting:
+        def __init__(self, container):
+            self.container = container
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.container.close()
+
+        def __getattr__(self, name):
+            return getattr(self.container, name)
+
+        def decode(self, *args, **kwargs):
+            for frame in self.container.decode(*args, **kwargs):
+                decoded[0] += 1
+                yield frame
+
+    monkeypatch.setattr(video_module, "_open", lambda data: Counting(real_open(data)))
+    clip = clips["pan_h264_24"]
+    frames = VIDEO.decode(clip.data, _item(clip, "header"), VideoConfig())
+    assert len(frames) == 4
+    assert decoded[0] <= clip.frames // 2 + 1   # header probe decodes 1 frame
+
+
+@pytest.mark.parametrize("name", CLIP_NAMES)
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_encoder_inputs_equal_the_processors(clips, name, config):
+    cfg, clip = CONFIGS[config], clips[name]
+    processor = _processor(cfg)
+    item = _item(clip)
+    full = _full_decode(clip)
+    reference = processor(videos=[full], video_metadata=[{"total_num_frames": len(full),
+                                                          "fps": clip.fps}],
+                          return_tensors="pt", return_metadata=True)
+    indices = reference["video_metadata"][0].frames_indices
+    assert list(indices) == documented_indices(len(full), clip.fps, cfg)
+
+    inputs = VIDEO.encoder_inputs([VIDEO.decode(clip.data, item, cfg)], cfg)
+    assert inputs["pixel_values_videos"].dtype == torch.uint8
+    assert torch.equal(inputs["video_grid_thw"], reference["video_grid_thw"])
+    grid = reference["video_grid_thw"]
+    tokens = int(grid.prod()) // cfg.merge_size ** 2
+    assert VIDEO.tokens(item, cfg) == VIDEO.item_tokens(item, cfg) == tokens  # type: ignore
+    assert VIDEO.rows_to_tokens(inputs, cfg) == [tokens]
+    t, h, w = grid[0].tolist()
+    assert VIDEO.token_grid(item, cfg) == (t, h // cfg.merge_size, w // cfg.merge_size)
+    pixels = normalize_video_pixels(inputs["pixel_values_videos"], cfg)
+    assert torch.equal(pixels, reference["pixel_values_videos"])
+
+
+def test_several_clips_in_one_batch(clips):
+    cfg = CONFIGS["small"]
+    chosen = [clips["pan_h264_24"], clips["zoom_mpeg4_10"]]
+    decoded = [VIDEO.decode(c.data, _item(c), cfg) for c in chosen]   # type: ignore[arg-type]
+    inputs = VIDEO.encoder_inputs(decoded, cfg)
+    single = [VIDEO.encoder_inputs([d], cfg) for d in decoded]
+    assert torch.equal(inputs["pixel_values_videos"],
+                       torch.cat([s["pixel_values_videos"] for s in single]))
+    assert VIDEO.rows_to_tokens(inputs, cfg) == [VIDEO.tokens(_item(c), cfg) for c in chosen]
+
+
+def test_too_short_and_views(clips):
+    one, _ = _write("pan", photos.astronaut(), fmt="mp4", codec="libx264", fps=10,
+                    seconds=0.1, width=64, height=48)
+    item = {"member": "vid0.mp4", **probe_video(one)}
+    assert item["frames"] == 1
+    with pytest.raises(MediaError) as caught:
+        VIDEO.item_tokens(item, VideoConfig())                  # type: ignore[arg-type]
+    assert caught.value.reason == "video_too_short"
+    clip = clips["rotated_h264_24"]
+    item = _item(clip)
+    assert VIDEO.describe(item).startswith("96x128 h264 24 fps 2.50 s")
+    png, problem = VIDEO.preview_png(clip.data, item, VideoConfig())
+    assert png.startswith(b"\x89PNG") and problem == ""
