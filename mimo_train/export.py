@@ -241,10 +241,13 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     from transformers import AutoConfig
 
     from mimo_data.loading.layout import LANGUAGE, Layout
-    from mimo_train.families import read_vlm
+    from mimo_train.families import ENCODERS, read_vlm
     vlm = read_vlm(cfg.model.pretrained)
     layout = Layout.parse(cfg.layout)
-    others = [m.name for m in layout.encoders if layout.modalities_of(m.name) != ["image"]]
+    tower = {"image", *ENCODERS[vlm.encoder_kind].also_takes}    # what its one tower takes
+    others = [m.name for m in layout.encoders
+              if "image" not in layout.modalities_of(m.name)
+              or not set(layout.modalities_of(m.name)) <= tower]
     if others or cfg.model.projection != vlm.projection:
         raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower, "
                           f"{vlm.projection} projection and language model only, but the run "
@@ -333,7 +336,7 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
     layout = Layout.parse(cfg.layout)
     for module in layout.encoders:
         name = module.name
-        modality = layout.modalities_of(name)[0]
+        modality, *also = layout.modalities_of(name)     # the encoder's own modality first
         modality_config = preprocess.modalities[modality]
         spec = cfg.model.encoders.get(name) or EncoderConfig()
         kind = spec.kind or default_kind(modality, modality_config)
@@ -353,7 +356,7 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
         projection = "input_projections.0."
         projections.update({f"{name}.{k[len(projection):]}": v.contiguous()
                             for k, v in state.items() if k.startswith(projection)})
-        modules[name] = {"modality": modality, "kind": kind, "path": name,
+        modules[name] = {"modality": modality, "also": also, "kind": kind, "path": name,
                          "output_size": encoder.output_size}
     save_file(projections, os.path.join(out, PROJECTIONS))
     return modules

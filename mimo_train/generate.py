@@ -1,20 +1,22 @@
-"""``mimo-generate --model OUT [--image PATH ...] [--audio PATH ...] --prompt TEXT``: answer a
-prompt with a model written by ``mimo-export``.
+"""``mimo-generate --model OUT [--image PATH ...] [--video PATH ...] [--audio PATH ...] --prompt
+TEXT``: answer a prompt with a model written by ``mimo-export``.
 
 The prompt goes through training's preprocessing (``OUT/preprocess.yaml`` through
-``Preprocessor.prompt``): one user turn holding the prompt, each ``<image>`` / ``<audio>``
-marker in it taking the next file of its modality (files without a marker in the prompt get one
-in front of it, images first), rendered with the chat template's generation prompt, each marker
-expanded to as many modality tokens as its item's encoder emits, the media decoded into the
-encoder inputs training uses. Each encoder (``OUT/<module>``) and its projection turn those
-into embeddings, which replace the language model's input embeddings at the modality tokens,
-item by item (as megatron-core's ``MimoModel`` splices them), and transformers'
-``generate(inputs_embeds=...)`` of ``OUT/language`` continues: greedy unless ``--temperature``
-is given (then sampling with ``--top-p`` from ``--seed``). A whole VLM's export
-(``"vlm"`` in the manifest) runs through its own transformers class instead, on the same
-prompt tokens and training's normalized pixels. Every part runs in ``--dtype`` (fp32
-by default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
-(``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
+``Preprocessor.prompt``): one user turn holding the prompt, each ``<image>`` / ``<video>`` /
+``<audio>`` marker in it taking the next file of its modality (files without a marker in the
+prompt get one in front of it, images first, then videos), rendered with the chat template's
+generation prompt, each marker expanded to as many modality tokens as its item's encoder emits,
+the media decoded into the encoder inputs training uses (a video: its sampled frames only). Each
+encoder (``OUT/<module>``) and its projection turn those into embeddings, which replace the
+language model's input embeddings at the modality tokens, item by item (as megatron-core's
+``MimoModel`` splices them), and transformers' ``generate(inputs_embeds=...)`` of
+``OUT/language`` continues: greedy unless ``--temperature`` is given (then sampling with
+``--top-p`` from ``--seed``). A whole VLM's export (``"vlm"`` in the manifest) runs through its
+own transformers class instead, on the same prompt tokens and training's normalized pixels
+(videos with their grids and, for Qwen2.5-VL, the seconds each temporal patch spans). Every part
+runs in ``--dtype`` (fp32 by default, or bf16) whatever dtype the export stores: the encoders
+are read in fp32 and cast (``precision.cast``: rotary frequencies stay fp32), the language model
+is loaded in it.
 
 Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
 2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
@@ -35,7 +37,7 @@ from typing import Any
 from mimo_train.export import MANIFEST
 
 PREFIX = "mimo-generate: "
-_MARKER = re.compile(r"<(image|audio)>")
+_MARKER = re.compile(r"<(image|video|audio)>")
 
 
 class GenerateError(RuntimeError):
@@ -64,10 +66,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True, metavar="OUT",
                         help="directory written by mimo-export (holds manifest.json)")
     parser.add_argument("--prompt", required=True, metavar="TEXT",
-                        help="the user's message; <image>/<audio> markers place the files, "
+                        help="the user's message; <image>/<video>/<audio> markers place the "
+                        "files, "
                         "files without a marker go in front of it")
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="an image file (repeatable, in marker order)")
+    parser.add_argument("--video", action="append", default=[], metavar="PATH",
+                        help="a video file (repeatable, in marker order); its frames are "
+                        "sampled as training samples them")
     parser.add_argument("--audio", action="append", default=[], metavar="PATH",
                         help="an audio file (repeatable, in marker order)")
     parser.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
@@ -99,6 +105,7 @@ def main(argv=None) -> int:
     try:
         generator = Generator(args.model, args.device, args.dtype)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
+                                    videos=args.video,
                                     max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p,
                                     seed=args.seed)
@@ -151,7 +158,8 @@ class Generator:
         self.encoders = self._encoders(model_dir)
 
     def _encoders(self, model_dir: str) -> dict:
-        """modality -> (encoder, projection), on the device."""
+        """modality -> (encoder, projection), on the device (a module serving several
+        modalities: the same pair for each)."""
         from safetensors.torch import load_file
 
         from mimo_train.families import build_encoder
@@ -165,22 +173,26 @@ class Generator:
             state = {k[len(name) + 1:]: v for k, v in projections.items()
                      if k.startswith(name + ".")}
             projection = projection_module(self.manifest["projection"], state)
-            encoders[modality] = (cast(encoder, self.dtype).to(self.device).eval(),
-                                  cast(projection, self.dtype).to(self.device).eval())
+            pair = (cast(encoder, self.dtype).to(self.device).eval(),
+                    cast(projection, self.dtype).to(self.device).eval())
+            for served in [modality, *module.get("also", [])]:   # one encoder, its modalities
+                if served != modality:
+                    encoder.take_also(served, self.preprocessor.config.modalities[served])
+                encoders[served] = pair
         return encoders
 
     def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                  max_new_tokens: int = 64, temperature: float | None = None,
-                 top_p: float = 1.0, seed: int = 0) -> Generation:
-        """Answer ``prompt`` about the ``images`` and ``audios`` (file paths)."""
+                 top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = ()) -> Generation:
+        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths)."""
         import torch
-        files = {"image": list(images), "audio": list(audios)}
+        files = {"image": list(images), "video": list(videos), "audio": list(audios)}
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
                                     f"encoder (it has {sorted(self.encoders) or 'none'})")
         content, order = _place_markers(prompt, files)
-        built = self._prompt(content, order, files)
+        built, items = self._prompt(content, order, files)
         ids = built.input_ids.to(self.device)
         sampling: dict[str, Any] = dict(
             do_sample=False, max_new_tokens=max_new_tokens,
@@ -190,8 +202,8 @@ class Generator:
             torch.manual_seed(seed)
             sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
         with torch.no_grad():
-            new, spliced = (self._whole_vlm(ids, built.encoder_inputs, sampling) if self.vlm
-                            else self._spliced(ids, built.encoder_inputs, sampling))
+            new, spliced = (self._whole_vlm(ids, built.encoder_inputs, items, sampling)
+                            if self.vlm else self._spliced(ids, built.encoder_inputs, sampling))
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new,
                           built.input_ids.tolist(), spliced)
 
@@ -202,7 +214,8 @@ class Generator:
         spliced = {}
         for modality, inputs in encoder_inputs.items():
             encoder, projection = self.encoders[modality]
-            rows = projection(encoder(**{k: v.to(self.device) for k, v in inputs.items()}))
+            rows = projection(encoder.encode(modality, **{k: v.to(self.device)
+                                                          for k, v in inputs.items()}))
             at = ids == self.manifest["modality_tokens"][modality]["id"]
             if int(at.sum()) != len(rows):
                 raise RuntimeError(f"the {modality} encoder emitted {len(rows)} rows for "
@@ -212,24 +225,41 @@ class Generator:
         return self.language.generate(inputs_embeds=embeds[None], **sampling)[0].tolist(), \
             spliced
 
-    def _whole_vlm(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
+    def _whole_vlm(self, ids, encoder_inputs: dict, items: list, sampling: dict
+                   ) -> tuple[list[int], dict]:
         """The whole VLM's generate on mimo's tokens and pixels (normalized as training
-        normalizes them): the new tokens and the image tokens per modality."""
+        normalizes them): the new tokens and the media tokens per modality."""
         import inspect
 
+        import torch
+
         from mimo_data.modalities.image import normalize_pixels
-        kwargs = {}
-        image = encoder_inputs.get("image")
-        token = self.manifest["modality_tokens"]["image"]["id"]
-        if image is not None:
-            kwargs = {name: value.to(self.device) for name, value in image.items()}
-            kwargs["pixel_values"] = normalize_pixels(
-                kwargs["pixel_values"], self.preprocessor.config.modalities["image"]
-            ).to(self.dtype)
-        if "mm_token_type_ids" in inspect.signature(self.vlm.forward).parameters:
-            kwargs["mm_token_type_ids"] = (ids == token).int()[None]    # Qwen's image tokens
+        from mimo_data.modalities.video import normalize_video_pixels, seconds_per_grid
+        configs, tokens = self.preprocessor.config.modalities, self.manifest["modality_tokens"]
+        kwargs: dict[str, Any] = {}
+        for inputs in encoder_inputs.values():
+            kwargs.update({name: value.to(self.device) for name, value in inputs.items()})
+        if "pixel_values" in kwargs:
+            kwargs["pixel_values"] = normalize_pixels(kwargs["pixel_values"],
+                                                      configs["image"]).to(self.dtype)
+        parameters = inspect.signature(self.vlm.forward).parameters
+        if "pixel_values_videos" in kwargs:
+            video = configs["video"]
+            kwargs["pixel_values_videos"] = normalize_video_pixels(
+                kwargs["pixel_values_videos"], video).to(self.dtype)
+            if "second_per_grid_ts" in parameters:           # Qwen2.5-VL's time scaling
+                kwargs["second_per_grid_ts"] = torch.tensor(
+                    [seconds_per_grid(item["frames"], item["fps"], video)
+                     for item in items if item["modality"] == "video"], device=self.device)
+        kinds = torch.zeros_like(ids, dtype=torch.int)
+        for value, modality in ((1, "image"), (2, "video")):    # Qwen's token types
+            if modality in tokens:
+                kinds[ids == tokens[modality]["id"]] = value
+        if "mm_token_type_ids" in parameters:
+            kwargs["mm_token_type_ids"] = kinds[None]
         out = self.vlm.generate(input_ids=ids[None], **kwargs, **sampling)
-        return out[0, len(ids):].tolist(), {"image": int((ids == token).sum())} if image else {}
+        return out[0, len(ids):].tolist(), {
+            modality: int((ids == tokens[modality]["id"]).sum()) for modality in encoder_inputs}
 
     def _prompt(self, content: str, order: list[str], files: dict):
         from mimo_data.modalities import MediaError
@@ -248,7 +278,8 @@ class Generator:
                 raise GenerateError(f"--{modality} {path}: {error.detail}") from None
             seen[modality] += 1
         try:
-            return self.preprocessor.prompt([{"role": "user", "content": content}], media)
+            return (self.preprocessor.prompt([{"role": "user", "content": content}], media),
+                    [item for item, _ in media])
         except SampleDropped as error:
             raise GenerateError(f"{error.reason}: {error.detail}", exit_code=1) from None
         except TextError as error:
@@ -257,8 +288,8 @@ class Generator:
 
 def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
     """The user turn's text (a marker in front for each file the prompt does not mark, images
-    first) and its markers' modalities in order; GenerateError if the prompt marks more files
-    than were given."""
+    first, then videos) and its markers' modalities in order; GenerateError if the prompt
+    marks more files than were given."""
     marked = _MARKER.findall(prompt)
     missing = {m: len(paths) - marked.count(m) for m, paths in files.items()}
     extra = [m for m, n in missing.items() if n < 0]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any, NamedTuple
 
 import torch
 
@@ -91,8 +92,17 @@ def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
     return lm.vocab_size
 
 
-def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
-    """module name -> (modality, its preprocessing config, EncoderConfig, kind), validated."""
+class EncoderSetting(NamedTuple):
+    """What an encoder module is built from."""
+    modality: str                  # the modality its encoder ``takes``
+    config: Any                    # that modality's preprocessing config
+    spec: EncoderConfig
+    kind: str
+    also: dict[str, Any]           # further modalities it serves (``Encoder.also_takes``)
+
+
+def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict[str, EncoderSetting]:
+    """module name -> its ``EncoderSetting``, validated."""
     layout = infra.layout
     settings = {}
     unknown = sorted(set(cfg.model.encoders) - {m.name for m in layout.encoders})
@@ -100,22 +110,31 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
         raise TrainConfigError(f"model.encoders has {unknown}, which the layout {layout} does "
                                "not name: rename them to the layout's encoder modules")
     for module in layout.encoders:
-        modalities = layout.modalities_of(module.name)
-        if len(modalities) != 1:
-            raise TrainConfigError(f"encoder module {module.name!r} serves {modalities}: give "
-                                   "each modality its own encoder module")
-        modality = modalities[0]
-        if modality not in preprocess.modalities:
-            raise TrainConfigError(f"layout module {module.name!r} serves {modality}, which the "
-                                   "preprocessing config does not expand: add "
-                                   f"modalities.{modality} to it or drop the module")
+        served = layout.modalities_of(module.name)
+        for modality in served:
+            if modality not in preprocess.modalities:
+                raise TrainConfigError(
+                    f"layout module {module.name!r} serves {modality}, which the "
+                    "preprocessing config does not expand: add "
+                    f"modalities.{modality} to it or drop the module")
         for dim in ("tp", "cp", "pp"):
             if getattr(module, dim) != 1:
                 raise TrainConfigError(
                     f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
                     "transformers encoders run whole on each rank; use dp only for encoders")
-        modality_config = preprocess.modalities[modality]
         spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        own = [m for m in served if m in _SUBMODULES]      # modalities with encoders of their own
+        if len(own) > 1:
+            raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
+                                   "its own encoder module")
+        primary = own[0] if own else None
+        if primary is None:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, which no encoder takes on "
+                "its own: serve them from the module of an encoder that also takes them (the "
+                "Qwen2-VL towers take video beside images: image=dp1,video)")
+        modality = primary
+        modality_config = preprocess.modalities[modality]
         form = input_form(modality, modality_config)
         if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
             vlm = read_vlm(cfg.model.pretrained)       # the whole VLM's tower
@@ -136,22 +155,57 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict:
                 f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
                 f"gives {form[1]} {modality} inputs, for "
                 f"{default_kind(modality, modality_config)!r}")
-        settings[module.name] = (modality, modality_config, spec, kind)
+        also = [m for m in served if m != modality]
+        refused = [m for m in also if m not in ENCODERS[kind].also_takes]
+        if refused:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, but its {kind} encoder "
+                f"encodes {[modality, *ENCODERS[kind].also_takes]} only: give {refused} "
+                "their own encoder module")
+        settings[module.name] = EncoderSetting(modality, modality_config, spec, kind,
+                                               {m: preprocess.modalities[m] for m in also})
     return settings
+
+
+def shared_placeholders(cfg: TrainConfig, infra: Infra, preprocess,
+                        special_token_ids: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Per encoder module serving several modalities, ``{modality: placeholder token id}``,
+    its encoder's modality first (``step.model_inputs``)."""
+    return {name: {m: special_token_ids[m] for m in (setting.modality, *setting.also)}
+            for name, setting in encoder_settings(cfg, infra, preprocess).items()
+            if setting.also}
 
 
 class _SeededEncoder(torch.nn.Module):
     """Builds the encoder right after seeding the RNG from (seed, module name), so an encoder
-    and its projection start from the same weights whichever ranks build them."""
+    and its projection start from the same weights whichever ranks build them.
 
-    def __init__(self, seed: int, name: str, kind: str, modality_config, spec: EncoderConfig):
+    A module serving several modalities (``setting.also``) takes ``{modality: inputs}`` and
+    ``placeholders``, the modality index (0: ``setting.modality``, then ``also``'s) of each
+    of the batch's placeholders in token order, and returns the rows of all items in that
+    order (``step.module_placeholders`` makes it), as transformers scatters image and video
+    features into their placeholders.
+    """
+
+    def __init__(self, seed: int, name: str, setting: EncoderSetting):
         super().__init__()
         torch.manual_seed(_module_seed(seed, name))
-        self.encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
-                                     spec.num_attention_heads, spec.pretrained)
+        spec = setting.spec
+        self.encoder = build_encoder(setting.kind, setting.config, spec.hidden_size,
+                                     spec.num_layers, spec.num_attention_heads, spec.pretrained)
+        for modality, config in setting.also.items():
+            self.encoder.take_also(modality, config)
+        self.modalities = (setting.modality, *setting.also)
 
-    def forward(self, **inputs):
-        return self.encoder(**inputs)
+    def forward(self, placeholders: torch.Tensor | None = None, **inputs):
+        if placeholders is None:
+            return self.encoder(**inputs)
+        rows, targets = [], []
+        for index, modality in enumerate(self.modalities):
+            if modality in inputs:
+                rows.append(self.encoder.encode(modality, **inputs[modality]))
+                targets.append(torch.nonzero(placeholders == index).squeeze(1))
+        return torch.cat(rows)[torch.argsort(torch.cat(targets))]
 
 
 class _SeededGPTModel(LanguageModel):
@@ -176,21 +230,20 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     transformer = language_transformer_config(cfg, layout, device)
     settings = encoder_settings(cfg, infra, preprocess)
     modality_specs, token_ids = {}, {}
-    for name, (modality, modality_config, spec, kind) in settings.items():
-        encoder_size = _encoder_output_size(spec, name, kind)
-        submodules = _SUBMODULES[modality]
+    for name, setting in settings.items():
+        encoder_size = _encoder_output_size(setting.spec, name, setting.kind)
         modality_specs[name] = ModuleSpec(
-            module=submodules,
+            module=_SUBMODULES[setting.modality],
             params=dict(pg_collection=infra.modules[name].pgs),
             submodules=dict(
-                encoders={modality: ModuleSpec(
-                    module=_SeededEncoder, params=dict(seed=seed, name=name, kind=kind,
-                                                       modality_config=modality_config,
-                                                       spec=spec))},
+                encoders={setting.modality: ModuleSpec(
+                    module=_SeededEncoder, params=dict(seed=seed, name=name, setting=setting))},
                 input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=encoder_size, out_features=cfg.model.language.hidden_size,
-                    kind=cfg.model.projection, initial=_projector(cfg, spec)))]))
-        token_ids[name] = special_token_ids[modality]
+                    kind=cfg.model.projection, initial=_projector(cfg, setting.spec)))]))
+        # the module's placeholders (a module serving several modalities: its first one's,
+        # step.model_inputs rewrites the others' to it)
+        token_ids[name] = special_token_ids[setting.modality]
     vocab = vocab_size(cfg, tokenizer_size)
     language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
         cfg, infra, transformer, vocab, preprocess.seq_length, attention.language))
@@ -209,7 +262,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     for name, module_infra in infra.local.items():
         module = _get(model, name)
         if name in settings:          # in its dtype and on its device: what transformers checks
-            modality = settings[name][0]
+            modality = settings[name].modality
             module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
         for key, parameter in module.named_parameters():
             frozen = name in frozen_parts and key.startswith(frozen_parts[name] or "")

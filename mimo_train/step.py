@@ -35,7 +35,8 @@ from mimo_train.mcore import finalize_model_grads
 from mimo_train.metrics import Timer
 
 
-def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
+def model_inputs(batch: dict, infra: Infra, device: torch.device,
+                 shared: dict[str, dict[str, int]] | None = None) -> dict:
     """Loader batch → ``MimoModel`` kwargs for this rank, tensors on ``device``.
 
     The loader pads every sample to ``seq_length``; columns past the batch's longest sample
@@ -45,7 +46,21 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
     A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
     makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Encoder inputs that an
     encoder reads on the host (``families.base.HOST_INPUTS``) stay there.
+
+    ``shared``: per encoder module serving several modalities (``model.shared_placeholders``),
+    ``{modality: its placeholder token id}``, its encoder's own modality first. That module
+    gets ``{first modality: {modality: inputs, ..., "placeholders": modality index of each
+    placeholder in token order}}``, and its other modalities' placeholders become the first
+    one's in ``input_ids``: megatron-core splices one token id per module.
     """
+    shared = shared or {}
+    ids = batch.get("input_ids")
+    placeholders = {}
+    for module, tokens in shared.items():
+        if ids is not None:
+            placeholders[module], ids = _shared_placeholders(ids, list(tokens.values()))
+    if ids is not None:
+        batch = {**batch, "input_ids": ids}
     real = batch.get("attention_mask")
     packing = batch.get("packing_kwargs")
     length = None
@@ -64,12 +79,31 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device) -> dict:
                                     if isinstance(value, torch.Tensor) else value
                                     for key, value in packing.items()}
     modules = infra.layout.modalities
-    inputs["modality_inputs"] = {
-        modules[modality]: {encoder: {k: v if k in HOST_INPUTS else
-                                      v.to(device, non_blocking=True) for k, v in kw.items()}
-                            for encoder, kw in by_encoder.items()}
-        for modality, by_encoder in (batch.get("modality_inputs") or {}).items()} or None
+    module_inputs: dict = {}
+    for modality, by_encoder in (batch.get("modality_inputs") or {}).items():
+        module = modules[modality]
+        on_device = {encoder: {k: v if k in HOST_INPUTS else v.to(device, non_blocking=True)
+                               for k, v in kw.items()} for encoder, kw in by_encoder.items()}
+        if module in shared:
+            first = next(iter(shared[module]))
+            merged = module_inputs.setdefault(module, {first: {
+                "placeholders": placeholders[module].to(device, non_blocking=True)}})
+            merged[first].update(on_device)
+        else:
+            module_inputs[module] = on_device
+    inputs["modality_inputs"] = module_inputs or None
     return inputs
+
+
+def _shared_placeholders(ids: torch.Tensor, tokens: list[int]
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The index in ``tokens`` of each of ``ids``' placeholders of any of them, in token
+    order (rows one after another), and ``ids`` with all of them written as ``tokens[0]``."""
+    table = torch.tensor(tokens)
+    hits = torch.isin(ids, table)
+    found = ids[hits]
+    kinds = (found[:, None] == table).int().argmax(1)
+    return kinds, torch.where(hits, tokens[0], ids)
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
@@ -84,15 +118,18 @@ class ForwardStep:
     """``forward_step_func`` for the schedules; also times this rank's forward passes
     (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list)."""
 
-    def __init__(self, infra: Infra, device: torch.device):
+    def __init__(self, infra: Infra, device: torch.device,
+                 shared: dict[str, dict[str, int]] | None = None):
         self.infra = infra
         self.device = device
+        self.shared = shared
         self.last_stage = _language_last_stage(infra)
         self.timers: list[Timer] = []
 
     def __call__(self, data_iterator, model):
         batch = next(data_iterator) if data_iterator is not None else None
-        inputs = model_inputs(batch, self.infra, self.device) if batch is not None else \
+        inputs = model_inputs(batch, self.infra, self.device, self.shared) \
+            if batch is not None else \
             {"input_ids": None}
         timer = Timer(self.device)
         output, loss_mask = model(**inputs)

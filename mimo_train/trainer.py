@@ -46,7 +46,7 @@ from mimo_train.mcore import (MultiModuleProcessGroupCollection,
                               model_parallel_cuda_manual_seed, parallel_state)
 from mimo_train.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
-                              trained_optimizers, vocab_size)
+                              shared_placeholders, trained_optimizers, vocab_size)
 from mimo_train.anomalies import Guard, NonFiniteStep, Watch, step_samples
 from mimo_train.precision import run_dtype
 from mimo_train.preemption import ExitSignals
@@ -149,7 +149,9 @@ class Trainer:
             start_wd=cfg.optimizer.weight_decay, end_wd=cfg.optimizer.weight_decay,
             wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
             for name, optimizer in self.trained.items()}
-        self.forward = ForwardStep(self.infra, self.device)
+        self.placeholders = shared_placeholders(cfg, self.infra, self.preprocess,
+                                                text.modality_token_ids)
+        self.forward = ForwardStep(self.infra, self.device, self.placeholders)
         self._wire_schedule()
 
     def _init_from(self, directory: str) -> None:

@@ -105,7 +105,7 @@ def mrope_positions_of(input_ids: torch.Tensor) -> torch.Tensor:
     grid = np.zeros(input_ids.size(1), bool)
     grid[3:9] = True
     return torch.stack([torch.from_numpy(mrope_positions(np.where(grid, -1, row.numpy()),
-                                                         [(-1, 6, (1, 2, 3))]))
+                                                         [(-1, 6, (1, 2, 3), 1.0)]))
                         for row in input_ids], dim=1)
 
 

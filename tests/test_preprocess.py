@@ -540,7 +540,7 @@ def test_preprocessor_pickles_as_its_config_and_modalities(records):
 
 def test_modalities_missing_means_defaults_and_empty_means_text_only():
     assert set(PreprocessConfig.from_dict({"tokenizer": TOKENIZER}).modalities) == \
-        {"image", "audio", "video"}
+        {"image", "audio"}
     assert PreprocessConfig.from_dict({"tokenizer": TOKENIZER, "modalities": {}}).modalities \
         == {}
     assert set(PreprocessConfig.from_dict({"tokenizer": TOKENIZER,

@@ -77,6 +77,7 @@ def _family_data(name: str, corpus: Path, tmp: Path) -> dict:
     build_dataset([tmp / "records.json"], tmp / "shards")
     preprocess = tmp / "preprocess.yaml"
     config = preprocessing_for(str(checkpoint))      # derived from the checkpoint's files
+    config["modalities"].pop("video", None)          # images only (tests/test_vlm_video.py)
     if "max_pixels" in config["modalities"]["image"]:
         config["modalities"]["image"]["max_pixels"] = MAX_PIXELS
     preprocess.write_text(yaml.safe_dump({**config, "seq_length": 512}))

@@ -22,7 +22,7 @@ def main(argv) -> None:
     out, overrides = argv[0], argv[1:]
     trainer = Trainer(TrainConfig.load(None, overrides))
     batch = next(trainer.batches(trainer.loader))
-    inputs = model_inputs(batch, trainer.infra, torch.device("cpu"))
+    inputs = model_inputs(batch, trainer.infra, torch.device("cpu"), trainer.placeholders)
     inputs["labels"] = None
     with torch.no_grad():
         logits, _ = trainer.model(**inputs)

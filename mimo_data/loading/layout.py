@@ -344,7 +344,8 @@ class Layout:
             if modality not in self.modalities:
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
                                   f"module serves {modality}: add an encoder module (e.g. "
-                                  f"'{modality}=dp1') or "
+                                  f"'{modality}=dp1'; video: the Qwen2-VL tower's module "
+                                  "serves it beside images, 'image=dp1,video') or "
                                   f"remove modalities.{modality} from the config (such samples "
                                   "are then dropped and counted)")
         self._validate_batches(global_batch_size, micro_batch_size)

@@ -84,6 +84,11 @@ class Modality(ABC):
         (multimodal rotary positions); None: a sequence, positioned like text."""
         return None
 
+    def time_interval(self, item: Mapping[str, Any], config: Any) -> float:
+        """Multimodal rotary positions: the time position step between the grid's time
+        slices (1: one per slice)."""
+        return 1.0
+
     @abstractmethod
     def variable_tokens(self, config: Any) -> bool:
         """Whether items can give different token counts under ``config``."""

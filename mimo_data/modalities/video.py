@@ -77,6 +77,9 @@ class VideoConfig:
     mean: tuple = CLIP_MEAN
     std: tuple = CLIP_STD
     max_duration: float = MAX_VIDEO_SECONDS   # longer clips are dropped (video_too_long)
+    # Qwen2.5-VL: M-RoPE time positions per second of video (its vision config's
+    # tokens_per_second); None: one time position per temporal patch (Qwen2-VL)
+    tokens_per_second: float | None = None
 
     def validate(self) -> None:
         if self.fps <= 0:
@@ -261,6 +264,23 @@ def video_token_grid(frames: int, fps: float, width: int, height: int, cfg: Vide
 def video_tokens(frames: int, fps: float, width: int, height: int, cfg: VideoConfig) -> int:
     t, rows, columns = video_token_grid(frames, fps, width, height, cfg)
     return t * rows * columns
+
+
+def video_time_interval(frames: int, fps: float, cfg: VideoConfig) -> float:
+    """The M-RoPE time step between temporal patches: 1, or with ``tokens_per_second``
+    (Qwen2.5-VL) that many per second of the seconds a temporal patch spans at the sampled
+    frame rate (the processor's ``second_per_grid_ts``: ``temporal_patch_size`` over
+    ``sampled / frames * fps``), in float32 as transformers multiplies them."""
+    if cfg.tokens_per_second is None:
+        return 1.0
+    second_per_grid = np.float32(seconds_per_grid(frames, fps, cfg))
+    return float(np.float32(cfg.tokens_per_second) * second_per_grid)
+
+
+def seconds_per_grid(frames: int, fps: float, cfg: VideoConfig) -> float:
+    """Seconds of the clip one temporal patch spans at the sampled frame rate (Qwen2.5-VL's
+    ``second_per_grid_ts``)."""
+    return cfg.temporal_patch_size / (sampled_frame_count(frames, fps, cfg) / frames * fps)
 
 
 @functools.lru_cache(maxsize=_MAX_MEMO)
@@ -466,6 +486,9 @@ class VideoModality(Modality):
         if isinstance(grid, ValueError):
             raise grid
         return grid
+
+    def time_interval(self, item: Mapping[str, Any], config: VideoConfig) -> float:
+        return video_time_interval(item["frames"], item["fps"], config)
 
     def variable_tokens(self, config: VideoConfig) -> bool:
         return True

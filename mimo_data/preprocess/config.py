@@ -17,8 +17,9 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
 A modality's ``wrap: [start, end]`` puts those tokens around each item's placeholders (Qwen2-VL:
 ``[<|vision_start|>, <|vision_end|>]``); they are text tokens, never trained.
 
-Without ``modalities:`` both modalities take their defaults; ``modalities: {}`` is text only
-(samples with media markers are then dropped and counted).
+Without ``modalities:`` images and audio take their defaults (video is configured by name: its
+encoder is a Qwen2-VL tower); ``modalities: {}`` is text only (samples with media markers of
+a modality the config lacks are then dropped and counted).
 
 In a YAML, ``tokenizer:`` and a ``chat_template:`` file are relative to the YAML's folder, not
 to the working directory. A value is a path when it starts with ``.``, ``/`` or ``~``, has
@@ -39,6 +40,9 @@ from mimo_data.errors import ConfigError
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.preprocess.positions import POSITIONS
 
+# What a config without ``modalities:`` expands.
+DEFAULT_MODALITIES = ("image", "audio")
+
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,7 @@ class PreprocessConfig:
     length_policy: str = "drop"
     positions: str = "sequential"
     modalities: dict = field(default_factory=lambda: {
-        name: modality.config_class() for name, modality in MODALITIES.items()})
+        name: MODALITIES[name].config_class() for name in DEFAULT_MODALITIES})
 
     def __post_init__(self):
         if self.mode not in ("chat", "caption"):

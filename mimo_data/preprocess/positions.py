@@ -26,19 +26,19 @@ def sequential_positions(length: int) -> np.ndarray:
     return np.arange(length, dtype=np.int64)
 
 
-def mrope_positions(ids: np.ndarray, items: Sequence[tuple[int, int, tuple | None]]
-                    ) -> np.ndarray:
+def mrope_positions(ids: np.ndarray,
+                    items: Sequence[tuple[int, int, tuple | None, float]]) -> np.ndarray:
     """``[3, len(ids)]`` int64 (time, height, width) positions of ``ids``.
 
     ``items``: per media item in placeholder order, ``(placeholder token id, token count,
-    (t, h, w) grid or None)``; each item's placeholders are the next ``count`` occurrences of
-    its token id.
+    (t, h, w) grid or None, time interval)``; each item's placeholders are the next ``count``
+    occurrences of its token id.
     """
     positions = np.empty((3, len(ids)), np.int64)
     hits = {token: np.flatnonzero(ids == token) for token in {item[0] for item in items}}
     used = dict.fromkeys(hits, 0)
     cursor = start = 0                          # next token to place; its position
-    for token, count, grid in items:
+    for token, count, grid, interval in items:
         first = used[token]
         used[token] += count
         if grid is None:
@@ -50,7 +50,8 @@ def mrope_positions(ids: np.ndarray, items: Sequence[tuple[int, int, tuple | Non
         if t * h * w != count:
             raise ValueError(f"a grid of {t}x{h}x{w} for {count} tokens")
         block = positions[:, at:at + count].reshape(3, t, h, w)
-        block[0] = start + np.arange(t)[:, None, None]
+        steps = np.arange(t, dtype=np.float32) * np.float32(interval)
+        block[0] = start + steps.astype(np.int64)[:, None, None]
         block[1] = start + np.arange(h)[None, :, None]
         block[2] = start + np.arange(w)[None, None, :]
         start += max(h, w)

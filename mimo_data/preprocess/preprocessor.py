@@ -205,8 +205,9 @@ class Preprocessor:
         items = []
         for item in text.items:
             name = item["modality"]
+            modality, config = MODALITIES[name], self.config.modalities[name]
             items.append((self.text.modality_token_ids[name], text.token_counts[name][seen[name]],
-                          MODALITIES[name].token_grid(item, self.config.modalities[name])))
+                          modality.token_grid(item, config), modality.time_interval(item, config)))
             seen[name] += 1
         return mrope_positions(ids, items)
 

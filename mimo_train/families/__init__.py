@@ -85,9 +85,11 @@ def read_vlm(path: str) -> VLM:
 
 
 def preprocessing_for(path: str) -> dict:
-    """The preprocessing config (as YAML data) that writes images as the whole VLM at
-    ``path`` expects: its tokenizer (and chat template), image token and wrap tokens,
-    positions, and its image processor's geometry, pixel budgets and normalization."""
+    """The preprocessing config (as YAML data) that writes images (and videos) as the whole
+    VLM at ``path`` expects: its tokenizer (and chat template), image and video tokens and
+    wrap tokens, positions, its image processor's geometry, pixel budgets and normalization,
+    and its video processor's frame sampling where it has one."""
+    import copy
     import json
     import os
 
@@ -100,13 +102,24 @@ def preprocessing_for(path: str) -> dict:
         raise TrainConfigError(f"{path} holds no preprocessor_config.json: the image "
                                "processor's settings cannot be read; write the preprocessing "
                                "config by hand")
+    config = AutoConfig.from_pretrained(path)
+    family = VLMS[vlm.family]
     with open(processor) as f:
-        geometry = VLMS[vlm.family].image_geometry(AutoConfig.from_pretrained(path),
-                                                   json.load(f))
+        image_processor = json.load(f)
+    geometry = family.image_geometry(config, image_processor)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    image = {"token": tokenizer.convert_ids_to_tokens(vlm.image_token_id)}
-    if vlm.image_wrap_ids:
-        image["wrap"] = tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
+    wrap = {"wrap": tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
+            } if vlm.image_wrap_ids else {}
+    modalities = {"image": {"token": tokenizer.convert_ids_to_tokens(vlm.image_token_id),
+                            **wrap, **geometry}}
+    if vlm.video_token_id is not None:
+        # the video processor's own settings where the checkpoint saves them
+        video_processor = os.path.join(directory, "video_preprocessor_config.json")
+        if os.path.isfile(video_processor):
+            with open(video_processor) as f:
+                image_processor = json.load(f)
+        modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
+            {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
+             **family.video_settings(config, image_processor)})
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
-            "mode": "chat", "positions": vlm.positions,
-            "modalities": {"image": {**image, **geometry}}}
+            "mode": "chat", "positions": vlm.positions, "modalities": modalities}

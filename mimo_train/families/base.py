@@ -50,9 +50,23 @@ def param_dtype(module: torch.nn.Module) -> torch.dtype:
 
 class Encoder(torch.nn.Module):
     """The encoder contract (above): ``takes``, ``output_size``, and the width a pretrained
-    model's config gives before the encoder is built."""
+    model's config gives before the encoder is built. An encoder whose weights also encode
+    other modalities (Qwen2-VL's tower: video) lists them in ``also_takes``; one encoder
+    module then serves them all (``take_also`` gives it their configs, ``encode`` their
+    inputs)."""
     takes: tuple[str, str]
+    also_takes: tuple[str, ...] = ()
     output_size: int
+
+    def take_also(self, modality: str, modality_config) -> None:
+        """Serve ``modality`` (one of ``also_takes``) as preprocessed by ``modality_config``
+        (EncoderBuildError if its geometry cannot give the preprocessor's token counts)."""
+        raise EncoderBuildError(f"{type(self).__name__} encodes {self.takes[0]} only, "
+                                f"not {modality}")
+
+    def encode(self, modality: str, **inputs: torch.Tensor) -> torch.Tensor:
+        """One row per placeholder token of the ``modality`` items in ``inputs``."""
+        return self(**inputs)
 
     @staticmethod
     def pretrained_output_size(config) -> int:
@@ -192,6 +206,9 @@ class VLM:
     # mimo projection weight -> the checkpoint's name after the projector prefix
     projector_names: tuple[tuple[str, str], ...] = ()
     projector_prefixes: tuple[str, ...] = ()
+    # videos through the same tower (Qwen2-VL): their placeholder, between image_wrap_ids
+    video_token_id: int | None = None
+    tokens_per_second: float | None = None  # Qwen2.5-VL's M-RoPE time positions per second
 
     def weights(self) -> CheckpointWeights:
         return CheckpointWeights(self.path, key="model.pretrained")
@@ -236,6 +253,7 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
                                f"{preprocess.positions}, but model.pretrained {vlm.path} (a "
                                f"{vlm.family}) takes {vlm.positions} positions: set positions: "
                                f"{vlm.positions}")
+    _check_video(vlm, preprocess, tokenizer)
     image = preprocess.modalities.get("image")
     if image is None:
         return
@@ -251,3 +269,29 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
             f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
             f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
             f"set modalities.image.wrap: {expected}")
+
+
+def _check_video(vlm: VLM, preprocess, tokenizer) -> None:
+    """``check_preprocessing`` of ``modalities.video``: the checkpoint's video token and wrap
+    tokens, and its M-RoPE time scaling (``tokens_per_second``)."""
+    video = preprocess.modalities.get("video")
+    if video is None:
+        return
+    if vlm.video_token_id is None:
+        raise TrainConfigError(f"model.pretrained {vlm.path} (a {vlm.family}) takes no video: "
+                               "drop modalities.video")
+    if tokenizer.convert_tokens_to_ids(video.token) != vlm.video_token_id:
+        raise TrainConfigError(
+            f"modalities.video.token is {video.token!r}, but model.pretrained {vlm.path} expects "
+            f"video tokens {tokenizer.convert_ids_to_tokens(vlm.video_token_id)!r}: use it")
+    if tuple(tokenizer.convert_tokens_to_ids(list(video.wrap))) != vlm.image_wrap_ids:
+        expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
+        raise TrainConfigError(f"modalities.video.wrap is {list(video.wrap)}, but "
+                               f"model.pretrained {vlm.path} expects each video between "
+                               f"{expected}: set modalities.video.wrap: {expected}")
+    if video.tokens_per_second != vlm.tokens_per_second:
+        raise TrainConfigError(
+            f"modalities.video.tokens_per_second is {video.tokens_per_second}, but "
+            f"model.pretrained {vlm.path} positions videos with "
+            f"{vlm.tokens_per_second} (its vision config): set tokens_per_second: "
+            f"{'null' if vlm.tokens_per_second is None else vlm.tokens_per_second}")

@@ -1,18 +1,37 @@
 """Qwen2.5-VL: ``Qwen2_5_VLForConditionalGeneration`` checkpoints.
 
-Laid out as Qwen2-VL's (``qwen2_vl``: the same weight prefixes, image tokens, M-RoPE
-positions, no projection); its tower (transformers' ``Qwen2_5_VisionTransformerPretrainedModel``)
-attends within windows except in its ``fullatt_block_indexes`` blocks, with RMSNorm and SwiGLU,
-and its merger maps to ``out_hidden_size``, the language width. For still images its M-RoPE
-positions are Qwen2-VL's (the seconds-per-grid scaling concerns video only).
-"""
+Laid out as Qwen2-VL's (``qwen2_vl``: the same weight prefixes, image tokens, M-RoPE positions,
+no projection, one tower for images and videos); its tower (transformers'
+``Qwen2_5_VisionTransformerPretrainedModel``) attends within windows except in its
+``fullatt_block_indexes`` blocks, with RMSNorm and SwiGLU, and its merger maps to
+``out_hidden_size``, the language width. For still images its M-RoPE positions are Qwen2-VL's; a
+video's time positions step by ``tokens_per_second`` (its vision config) times the seconds each
+temporal patch spans. """
 
 from __future__ import annotations
 
+import dataclasses
+
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl
+from mimo_train.families.base import VLM
 
-read, image_geometry = qwen2_vl.read, qwen2_vl.image_geometry
+image_geometry = qwen2_vl.image_geometry
+
+
+def read(config, path: str) -> VLM:
+    """Qwen2-VL's reading, with the M-RoPE time scaling of videos (``tokens_per_second``)."""
+    return dataclasses.replace(qwen2_vl.read(config, path),
+                               tokens_per_second=tokens_per_second(config))
+
+
+def tokens_per_second(config) -> float:
+    return float(config.vision_config.tokens_per_second)
+
+
+def video_settings(config, processor: dict) -> dict:
+    return {**qwen2_vl.video_settings(config, processor),
+            "tokens_per_second": tokens_per_second(config)}
 
 
 class Qwen2_5VLVision(qwen2_vl.Qwen2VLVision):

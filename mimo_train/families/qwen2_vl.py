@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
+from mimo_data.modalities.video import VideoConfig, normalize_video_pixels
 from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_preprocessor,
                                       normalization, param_dtype)
 
@@ -32,7 +33,25 @@ def read(config, path: str) -> VLM:
                image_wrap_ids=(int(config.vision_start_token_id),
                                int(config.vision_end_token_id)),
                positions="mrope", encoder_kind=config.model_type,
-               vision_prefixes=VISION_PREFIXES, projection="none")
+               vision_prefixes=VISION_PREFIXES, projection="none",
+               video_token_id=int(config.video_token_id),
+               tokens_per_second=tokens_per_second(config))
+
+
+def tokens_per_second(config) -> float | None:
+    """Qwen2.5-VL's M-RoPE time positions per second of video; Qwen2-VL has none (one per
+    temporal patch)."""
+    return None
+
+
+def video_settings(config, processor: dict) -> dict:
+    """``modalities.video``: the image geometry (one tower, ``image_geometry``), the video
+    processor's frame sampling where the checkpoint saves one, and the time scaling."""
+    geometry = image_geometry(config, processor)
+    del geometry["policy"]
+    sampling = {key: processor[key] for key in ("fps", "min_frames", "max_frames")
+                if processor.get(key) is not None}
+    return {**geometry, **sampling, "tokens_per_second": tokens_per_second(config)}
 
 
 def image_geometry(config, processor: dict) -> dict:
@@ -48,8 +67,12 @@ def image_geometry(config, processor: dict) -> dict:
 
 
 class Qwen2VLVision(Encoder):
-    """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``."""
+    """Qwen2-VL vision tower: patches → merged-patch embeddings ``[Σ tokens, hidden]``, for
+    images and (``take_also("video", ...)``) videos with the same weights, as transformers'
+    ``get_image_features`` and ``get_video_features`` call the one tower."""
     takes = ("image", "dynamic")
+    also_takes = ("video",)
+    video: VideoConfig | None = None
 
     @staticmethod
     def pretrained_output_size(config) -> int:
@@ -101,6 +124,27 @@ class Qwen2VLVision(Encoder):
         check_preprocessor(pretrained, normalization(image))
         self.image = image
         self.output_size = getattr(config, "out_hidden_size", None) or config.hidden_size
+
+    def take_also(self, modality: str, modality_config) -> None:
+        if modality != "video":
+            super().take_also(modality, modality_config)
+        fields = ("patch_size", "merge_size", "temporal_patch_size")
+        wrong = {f: (getattr(modality_config, f), getattr(self.image, f)) for f in fields
+                 if getattr(modality_config, f) != getattr(self.image, f)}
+        if wrong:
+            raise EncoderBuildError(
+                "modalities.video " + ", ".join(f"{f} {v} differs from modalities.image's {i}"
+                                                for f, (v, i) in wrong.items())
+                + ": one tower encodes both; align them")
+        self.video = modality_config
+
+    def encode(self, modality: str, **inputs: torch.Tensor) -> torch.Tensor:
+        if modality != "video":
+            return self(**inputs)
+        assert self.video is not None, "take_also('video', ...) first"
+        pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
+        return self.model(hidden_states=pixels.to(param_dtype(self)),
+                          grid_thw=inputs["video_grid_thw"]).pooler_output
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
