@@ -95,6 +95,34 @@ def corpus_photos(corpus) -> list[tuple]:
     return entries
 
 
+@dataclass(frozen=True)
+class VideoClip:
+    """A corpus clip: its bytes and its entry of ``videos/catalog.json`` (what was written;
+    ``width``/``height`` as displayed, after ``rotation``; ``frames`` before any cut)."""
+    name: str
+    path: str
+    data: bytes
+    format: str
+    codec: str
+    fps: int
+    frames: int
+    width: int
+    height: int
+    rotation: int
+    has_audio: bool
+    truncated: bool
+
+
+@pytest.fixture(scope="session")
+def corpus_videos(corpus) -> dict[str, VideoClip]:
+    """The corpus clips by name, from the catalog ``tools/make_video_clips.py`` wrote."""
+    catalog = json.loads((corpus / "videos" / "catalog.json").read_text())
+    fields = set(VideoClip.__dataclass_fields__) - {"data"}
+    return {e["name"]: VideoClip(data=(corpus / e["path"]).read_bytes(),
+                                 **{k: v for k, v in e.items() if k in fields})
+            for e in catalog}
+
+
 @pytest.fixture(scope="session")
 def corpus_inputs(corpus) -> list[str]:
     """Absolute paths of all corpus input files."""
