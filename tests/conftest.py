@@ -274,9 +274,9 @@ def origin_of(sample: dict) -> tuple:
 
 
 def marker_modalities(messages: list[dict]) -> list[str]:
-    """Modalities of the <image>/<audio> markers in reading order."""
+    """Modalities of the <image>/<audio>/<video> markers in reading order."""
     return [m.group(1) for message in messages
-            for m in re.finditer(r"<(image|audio)>", message["content"])]
+            for m in re.finditer(r"<(image|audio|video)>", message["content"])]
 
 
 # ------------------------------------------------------------------------ writing inputs
