@@ -229,3 +229,56 @@ def test_inspect_sample_shows_the_sampled_timestamps(capsys, tmp_path, built, co
     shown = [line.split("frames at ")[1] for line in out.splitlines() if "frames at " in line]
     assert shown == [f"{' '.join(times)} s ({len(times)} sampled)" for times in
                      (documented_times(c.frames, c.fps, VIDEO_CONFIG) for c in clips)]
+
+
+def documented_tokens(clip: VideoClip, cfg: dict) -> int:
+    """Qwen2-VL's video tokens: sampled frames / temporal patch × the frame's 14 px patches
+    after transformers' ``smart_resize`` (sides multiples of 28) / merge² (4)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    height, width = smart_resize(clip.height, clip.width, factor=28,
+                                 min_pixels=cfg["min_pixels"], max_pixels=cfg["max_pixels"])
+    frames = len(documented_times(clip.frames, clip.fps, cfg))
+    return frames // cfg["temporal_patch_size"] * (height // 14) * (width // 14) // 4
+
+
+def test_inspect_report_counts_video_tokens_drops_and_shows_frame_strips(
+        tmp_path, built, inputs, expected):
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    from mimo_data.inspect.cli import main as inspect_main
+
+    config = preprocess_config_file(tmp_path / "video.yaml", video=VIDEO_CONFIG,
+                                    image={"policy": "dynamic", "min_pixels": 3136,
+                                           "max_pixels": 200704})
+    inspect_main(["report", str(built), "--config", str(config), "--cache-dir",
+                  str(tmp_path / "cache"), "--json", str(tmp_path / "report.json"),
+                  "--html", str(tmp_path / "report.html"), "--no-progress"])
+    report = read_json(tmp_path / "report.json")
+    kept = [rid for rid, reason in expected["reasons"].items() if reason is None]
+    clips = {rid: [expected["by_bytes"][r] if isinstance(r, bytes) else expected["by_path"][r]
+                   for r in inputs["records"][rid]] for rid in kept}
+    short = {rid for rid, chosen in clips.items()
+             if any(c.frames < VIDEO_CONFIG["temporal_patch_size"] for c in chosen)}
+    assert {r: d["count"] for r, d in report["drop_reasons"].items()} == {
+        "video_too_short": len(short)}
+    trained = [c for rid, chosen in clips.items() if rid not in short for c in chosen]
+    video = report["modalities"]["video"]
+    assert video["items"] == len(trained)
+    assert video["tokens"] == sum(documented_tokens(c, VIDEO_CONFIG) for c in trained)
+
+    page = (tmp_path / "report.html").read_text()
+    strips = {alt: Image.open(io.BytesIO(base64.b64decode(data))).size for data, alt in
+              re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="(vid\d\.\w+: [^"]*)"',
+                         page)}
+    assert strips, "no video preview in the HTML report"
+    for alt, (width, height) in strips.items():
+        shown = tuple(map(int, re.search(r": (\d+)x(\d+) ", alt).groups()))
+        frames = (width + 4) / (shown[0] + 4)             # frames side by side, 4 px apart
+        assert height == shown[1] and frames == int(frames) and frames >= 1, alt
+    assert any((w + 4) // (int(re.search(r": (\d+)x", a).group(1)) + 4) > 1
+               for a, (w, _) in strips.items()), "no strip of several frames"
