@@ -51,8 +51,9 @@ def dataset_info(directory: str) -> dict:
     table = pq.read_table(path, columns=list(columns.values()))
     values: dict[str, dict[str, np.ndarray]] = {}
     for (name, field), column in columns.items():
-        flat = [v for row in table.column(column).to_pylist() for v in row]
-        values.setdefault(name, {})[field] = np.array(flat, dtype=np.float64)
+        flat = table.column(column).combine_chunks().flatten()
+        values.setdefault(name, {})[field] = flat.to_numpy(zero_copy_only=False).astype(
+            np.float64)
     return {"name": index["name"], "directory": directory, **index["totals"],
             "modalities": index["modalities"], "report": index["report"],
             **{name: _modality_stats(fields) for name, fields in values.items()}}
