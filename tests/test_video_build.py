@@ -21,7 +21,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import (VideoClip, all_samples, cli_main, flip_byte, preprocess_config_file,
-                      read_json, run_cli, samples_table, scratch)
+                      read_json, rewrite_samples_parquet, run_cli, samples_table,
+                      scratch)
 
 MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 # The video item fields the probe must report as the catalog has them.
@@ -282,3 +283,20 @@ def test_inspect_report_counts_video_tokens_drops_and_shows_frame_strips(
         assert height == shown[1] and frames == int(frames) and frames >= 1, alt
     assert any((w + 4) // (int(re.search(r": (\d+)x", a).group(1)) + 4) > 1
                for a, (w, _) in strips.items()), "no strip of several frames"
+
+
+def test_inspect_index_check_compares_the_video_columns(tmp_path, built):
+    from mimo_data.inspect.stats import IndexTable
+
+    records = [json.loads(members["json"]) for _, _, members in all_samples(built)]
+    index = IndexTable(str(built))
+    assert [index.problems(p, r) for p, r in enumerate(records)] == [[]] * len(records)
+    patched = shutil.copytree(built, tmp_path / "patched")
+    table = pq.read_table(patched / "samples.parquet")
+    rows = table.to_pylist()
+    position = next(p for p, row in enumerate(rows) if row["video_width"])
+    rows[position]["video_width"][0] += 2
+    rewrite_samples_parquet(patched, pa.Table.from_pylist(rows, schema=table.schema))
+    problems = [IndexTable(str(patched)).problems(p, r) for p, r in enumerate(records)]
+    assert [p for p, found in enumerate(problems) if found] == [position]
+    assert problems[position][0].startswith("video width/height/duration")
