@@ -87,11 +87,6 @@ class Modality(ABC):
         (multimodal rotary positions); None: a sequence, positioned like text."""
         return None
 
-    def frame_times(self, item: Mapping[str, Any], config: Any) -> list[float] | None:
-        """Seconds from the start of the frames the encoder gets of the item (clips), from its
-        metadata; None: the modality has no frames (ValueError if none can be sampled)."""
-        return None
-
     @abstractmethod
     def variable_tokens(self, config: Any) -> bool:
         """Whether items can give different token counts under ``config``."""
@@ -111,6 +106,11 @@ class Modality(ABC):
     @abstractmethod
     def describe(self, item: Mapping[str, Any]) -> str:
         """A short human description of an item's metadata (``mimo-inspect sample``)."""
+
+    def frame_times(self, item: Mapping[str, Any], config: Any) -> list[float] | None:
+        """Seconds from the start of the frames the encoder gets of the item (clips), from its
+        metadata; None: the modality has no frames (ValueError if none can be sampled)."""
+        return None
 
     @abstractmethod
     def preview_png(self, data: bytes, item: Mapping[str, Any], config: Any
