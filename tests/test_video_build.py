@@ -300,3 +300,10 @@ def test_inspect_index_check_compares_the_video_columns(tmp_path, built):
     problems = [IndexTable(str(patched)).problems(p, r) for p, r in enumerate(records)]
     assert [p for p, found in enumerate(problems) if found] == [position]
     assert problems[position][0].startswith("video width/height/duration")
+
+
+def test_the_cli_has_a_column_option_per_registered_modality():
+    from mimo_data.modalities import MODALITIES
+    from mimo_data.shards.cli import MEDIA_COLUMNS
+
+    assert sorted(MEDIA_COLUMNS) == sorted(MODALITIES)
