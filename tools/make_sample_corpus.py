@@ -575,14 +575,14 @@ def write_corpus_md(out: Path, photos: dict[str, Photo], audio: list[Clip],
 
 def add_videos(out: Path) -> str:
     """Add the clips, ``video.jsonl`` and their ``corpus.md`` section to the corpus in ``out``
-    (the clips are kept when their catalog is there; the section is replaced); return a
-    summary line."""
+    (the clips are kept when their catalog is there; the section is replaced); return what
+    was added, for a summary line."""
     catalog = write_videos(out)
     records = write_video_jsonl(out, catalog)
     text = (out / "corpus.md").read_text()
     text = text.split("\n## Videos (")[0].rstrip("\n") + "\n"
     (out / "corpus.md").write_text(text + "\n".join(video_section(catalog, records)) + "\n")
-    return f"videos: {len(catalog)} clips, video.jsonl {records} -> {out}"
+    return f"{len(catalog)} video clips, video.jsonl {records}"
 
 
 def _staging(out: Path) -> Path:
@@ -614,12 +614,13 @@ def build_corpus(out: Path) -> str:
                     "speech.parquet": write_speech_parquet(staging, speech)}
     write_speech_manifest(staging, speech)
     write_corpus_md(staging, photos, speech + list(questions.values()), llava_counts, parquet_rows)
-    add_videos(staging)
+    videos = add_videos(staging)
     (staging / ".complete").touch()
     _publish(staging, out, "corpus.md")
     records = {name: sum(counts.values()) for name, counts in llava_counts.items()} | parquet_rows
     return (f"corpus: {len(photos)} photos, {len(speech)} speech clips, {len(questions)} spoken "
-            f"questions; {', '.join(f'{name} {n}' for name, n in records.items())} -> {out}")
+            f"questions, {videos}; {', '.join(f'{name} {n}' for name, n in records.items())} "
+            f"-> {out}")
 
 
 def _smollm2_gguf() -> Path:
@@ -686,7 +687,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokenizer_only:
         return
     if (args.out / ".complete").exists() and not (args.out / VIDEO_CATALOG).exists():
-        print(add_videos(args.out))      # a corpus built before it had videos
+        print(f"corpus: {add_videos(args.out)} -> {args.out}")   # built before it had videos
         (args.out / ".complete").touch()
     else:
         print(build_corpus(args.out))
