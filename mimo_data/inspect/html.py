@@ -38,10 +38,9 @@ tr:nth-child(even) { background: #f6f8fa; }
 .problem { color: #cf222e; } .note { color: #57606a; font-style: italic; }
 .t-trained { color: #1a7f37; background: #dafbe1; }
 .t-prompt { color: #57606a; }
-.t-image { color: #fff; background: #8250df; border-radius: 3px; padding: 0 2px; }
-.t-audio { color: #fff; background: #0969da; border-radius: 3px; padding: 0 2px; }
 .t-padding { color: #6e7781; background: #eaeef2; border-radius: 3px; padding: 0 2px; }
-"""
+""" + "".join(f".t-{name} {{ color: #fff; background: {m.html_color}; border-radius: 3px; "
+            "padding: 0 2px; }\n" for name, m in MODALITIES.items())
 
 _SCRIPT = """
 window.addEventListener('load', function () {

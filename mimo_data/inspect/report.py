@@ -12,7 +12,7 @@ zero_trained                it has no trained token (e.g. prompt only)          
 dropped                     the preprocessor drops it (any reason)              fraction 0
 truncated                   trailing turns are removed to fit ``seq_length``    fraction 0
 template_failures           the template cannot render / round-trip it          count 0
-marker_mismatches           ``<image>``/``<audio>`` markers ≠ its media list    count 0
+marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
 index_mismatches            its media list ≠ its row of samples.parquet         count 0
 loss_mask_coverage          an assistant content character is not trained, or   count 0

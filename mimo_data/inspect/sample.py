@@ -145,6 +145,21 @@ def _media_line(item: dict, tokens: int | None) -> str:
             f"{item.get('format', '?'):5s} {what:24s} {size:>9s}  -> {shown} tokens")
 
 
+def _frame_times_line(item: dict, config) -> str:
+    """``frames at 0.00 0.50 ... s`` of an item with frames (the seconds of those the
+    encoder gets, by its modality's sampling), "" otherwise."""
+    kind = MODALITIES.get(item.get("modality"))               # type: ignore[arg-type]
+    if kind is None or kind.name not in config.modalities:
+        return ""
+    try:
+        times = kind.frame_times(item, config.modalities[kind.name])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
+        return f"frames: none sampled ({exc})"
+    if times is None:
+        return ""
+    return f"frames at {' '.join(f'{t:.2f}' for t in times)} s ({len(times)} sampled)"
+
+
 def sample_problems(stats: SampleStats) -> list[str]:
     """One line per thing that makes this sample fail a report check."""
     problems = []
@@ -200,6 +215,9 @@ def format_sample(inspector: SampleInspector, record: Record, stats: SampleStats
     for i, item in enumerate(media):
         label = "media" if i == 0 else ""
         lines.append(f"{label:11s} {_media_line(item, expected_item_tokens(item, config))}")
+        times = _frame_times_line(item, config)
+        if times:
+            lines.append(f"{'':11s} {times}")
     counts = {m: (stats.markers.count(m), stats.media.count(m))
               for m in sorted(set(stats.markers) | set(stats.media))}
     if counts:

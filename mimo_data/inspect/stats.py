@@ -10,7 +10,8 @@ Around that, checks that do not trust the preprocessor:
 - placeholders vs metadata: the modality tokens actually in ``input_ids`` against the counts
   computed here from each kept item's metadata with ``token_counts`` (what the encoder emits);
 - record vs index: the record's media against ``samples.parquet`` (member present in the tar,
-  image size, audio duration), the table the loader trusts for counts and offsets;
+  each modality's summary fields: image size, audio duration, video size and duration), the
+  table the loader trusts for counts and offsets;
 - loss mask vs roles: each kept message's content located in the decoded tokens (not through
   the preprocessor's spans): an assistant content character that is not trained, or a user or
   system one that is, counts (whitespace aside). A template whose ``{% generation %}`` blocks
@@ -34,7 +35,7 @@ from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, Sam
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards import storage
-from mimo_data.shards.format import SAMPLES_FILE
+from mimo_data.shards.format import SAMPLES_FILE, summary_column
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
 _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
@@ -100,7 +101,7 @@ class SampleStats:
 
 
 def markers_of(messages: list[dict]) -> list[str]:
-    """Modalities of the ``<image>``/``<audio>`` markers in reading order (as
+    """Modalities of the media markers (``<image>``, ``<video>`` ...) in reading order (as
     ``records.marker_order``, with one regex scan per message)."""
     return [_MODALITY_OF[m] for message in messages if isinstance(message, dict)
             for m in _MARKER.findall(str(message.get("content", "")))]
@@ -115,36 +116,43 @@ def expected_item_tokens(item: Mapping[str, Any], config: PreprocessConfig) -> i
 
 
 class IndexTable:
-    """The per-sample columns of ``samples.parquet`` the record is checked against."""
+    """The per-sample columns of ``samples.parquet`` the record is checked against: its
+    members, and each modality's summary fields (``Modality.summary_fields``: image size,
+    audio duration, ...) where the table has them (a dataset built before a modality has
+    not). Held as Arrow arrays, read row by row."""
 
     def __init__(self, directory: str):
-        table = pq.ParquetFile(storage.readable(storage.join(directory, SAMPLES_FILE))).read(
-            columns=["members", "image_width", "image_height", "audio_duration"])
-        # Member names flat with each row's count: no dict per member.
+        path = storage.readable(storage.join(directory, SAMPLES_FILE))
+        present = set(pq.read_schema(path).names)
+        self.fields = {name: [field for field in modality.summary_fields
+                              if summary_column(name, field) in present]
+                       for name, modality in MODALITIES.items()}
+        table = pq.ParquetFile(path).read(columns=["members", *(
+            summary_column(name, field) for name, fields in self.fields.items()
+            for field in fields)])
+        # Member names flat with each row's bounds: no object per member or row.
         members = table.column("members").combine_chunks()
-        names = members.flatten().field("name").to_pylist()
-        offsets = members.offsets.to_pylist()
-        bounds = [offset - offsets[0] for offset in offsets]
-        widths = table.column("image_width").to_pylist()
-        heights = table.column("image_height").to_pylist()
-        durations = table.column("audio_duration").to_pylist()
-        # Per row: member names, image (width, height) pairs, audio durations.
-        self.rows = [(set(names[a:b]), list(zip(w or [], h or [])), list(d or []))
-                     for a, b, w, h, d in zip(bounds, bounds[1:], widths, heights, durations)]
+        self.names = members.flatten().field("name")
+        self.bounds = np.asarray(members.offsets) - members.offsets[0].as_py()
+        self.columns = {column: table.column(column).combine_chunks()
+                        for column in table.column_names if column != "members"}
 
     def problems(self, position: int, record: Record) -> list[str]:
         """How the record's media list disagrees with its row of the table."""
-        members, indexed_sizes, indexed_durations = self.rows[position]
+        members = set(self.names[self.bounds[position]:self.bounds[position + 1]].to_pylist())
         media = record.get("media") or []
         found = [f"media member {item.get('member')!r} is not in the shard" for item in media
                  if item.get("member") not in members]
-        sizes = [(i.get("width"), i.get("height")) for i in media if i.get("modality") == "image"]
-        if sizes != indexed_sizes:
-            found.append(f"image sizes {sizes} in the record, {indexed_sizes} in {SAMPLES_FILE}")
-        durations = [i.get("duration") for i in media if i.get("modality") == "audio"]
-        if durations != indexed_durations:
-            found.append(f"audio durations {durations} in the record, {indexed_durations} in "
-                         f"{SAMPLES_FILE}")
+        for name, fields in self.fields.items():
+            if not fields:
+                continue
+            items = [item for item in media if item.get("modality") == name]
+            recorded = [tuple(item.get(field) for field in fields) for item in items]
+            indexed = list(zip(*(self.columns[summary_column(name, field)][position].as_py()
+                                 or [] for field in fields)))
+            if recorded != indexed:
+                found.append(f"{name} {'/'.join(fields)} {recorded} in the record, {indexed} "
+                             f"in {SAMPLES_FILE}")
         return found
 
 

@@ -228,6 +228,7 @@ class AudioModality(Modality):
     config_class = AudioConfig
     item_fields = ("member", "frames", "sample_rate", "duration")
     verified_fields = ("format", "sample_rate", "channels", "frames")
+    summary_fields = {"duration": "float64"}
     ansi_color = "\033[1;36m"
     html_color = "#0969da"
 

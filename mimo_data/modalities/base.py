@@ -53,6 +53,9 @@ class Modality(ABC):
     config_class: ClassVar[type]           # the dataclass of ``modalities.<name>``
     item_fields: ClassVar[tuple[str, ...]]  # metadata an item of the shard JSON must have
     verified_fields: ClassVar[tuple[str, ...]]  # metadata ``verify`` re-derives from the bytes
+    # metadata kept per item in samples.parquet (column ``<name>_<field>``), by Arrow type
+    # name: what ``mimo-shard info`` summarizes without opening a shard
+    summary_fields: ClassVar[dict[str, str]]
     ansi_color: ClassVar[str]              # its placeholders in ``mimo-inspect sample``
     html_color: ClassVar[str]              # ... and in the HTML report
 
@@ -108,6 +111,11 @@ class Modality(ABC):
     @abstractmethod
     def describe(self, item: Mapping[str, Any]) -> str:
         """A short human description of an item's metadata (``mimo-inspect sample``)."""
+
+    def frame_times(self, item: Mapping[str, Any], config: Any) -> list[float] | None:
+        """Seconds from the start of the frames the encoder gets of the item (clips), from its
+        metadata; None: the modality has no frames (ValueError if none can be sampled)."""
+        return None
 
     @abstractmethod
     def preview_png(self, data: bytes, item: Mapping[str, Any], config: Any

@@ -395,6 +395,7 @@ class ImageModality(Modality):
     config_class = ImageConfig
     item_fields = ("member", "width", "height", "orientation")
     verified_fields = ("format", "width", "height", "mode", "orientation")
+    summary_fields = {"width": "int32", "height": "int32"}
     ansi_color = "\033[1;35m"
     html_color = "#8250df"
 

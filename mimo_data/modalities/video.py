@@ -457,6 +457,7 @@ class VideoModality(Modality):
     config_class = VideoConfig
     item_fields = ("member", "width", "height", "rotation", "fps", "frames", "duration")
     verified_fields = ("format", "codec", "width", "height", "rotation", "fps", "frames")
+    summary_fields = {"width": "int32", "height": "int32", "duration": "float64"}
     ansi_color = "\033[1;33m"
     html_color = "#bf8700"
 
@@ -492,6 +493,11 @@ class VideoModality(Modality):
 
     def variable_tokens(self, config: VideoConfig) -> bool:
         return True
+
+    def frame_times(self, item: Mapping[str, Any], config: VideoConfig) -> list[float]:
+        """``sample_indices`` over the average frame rate: frame i is shown at i / fps."""
+        return [index / item["fps"] for index in
+                sample_indices(item["frames"], item["fps"], config)]
 
     def decode(self, data: bytes, item: MediaItem, config: VideoConfig) -> np.ndarray:
         return decode_video(data, item, config)

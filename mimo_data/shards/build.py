@@ -32,12 +32,14 @@ from mimo_data.shards import sample_table, storage
 from mimo_data.shards.record_table import RecordWriter
 from mimo_data.shards.cache import DATASET_CACHE
 from mimo_data.shards.index import dumps, file_sha256, write_atomic
+from mimo_data.modalities import MODALITIES
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key)
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key,
+                                    summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.shards.sources import open_source
 
@@ -105,23 +107,22 @@ class _SamplesTable:
     def __init__(self, path: str):
         self._writer = pq.ParquetWriter(path, SAMPLES_SCHEMA)
         self._rows: list[dict] = []
-        self.modalities = {"image": {"samples": 0, "items": 0},
-                           "audio": {"samples": 0, "items": 0}, "text_only": {"samples": 0}}
+        self.modalities: dict[str, dict[str, int]] = {
+            **{name: {"samples": 0, "items": 0} for name in MODALITIES},
+            "text_only": {"samples": 0}}
 
     def add(self, key: str, shard: str, sample: Prepared, members: list[dict]) -> None:
-        images = [m for m in sample.media if m["modality"] == "image"]
-        audios = [m for m in sample.media if m["modality"] == "audio"]
-        for modality, items in (("image", images), ("audio", audios)):
-            self.modalities[modality]["samples"] += bool(items)
-            self.modalities[modality]["items"] += len(items)
+        row = {"key": key, "shard": shard, "id": sample.id, "source": sample.location,
+               "members": members, "num_turns": len(sample.messages),
+               "text_chars": sum(len(m["content"]) for m in sample.messages)}
+        for name, modality in MODALITIES.items():
+            items = [m for m in sample.media if m["modality"] == name]
+            self.modalities[name]["samples"] += bool(items)
+            self.modalities[name]["items"] += len(items)
+            row.update((summary_column(name, field), [m[field] for m in items])
+                       for field in modality.summary_fields)
         self.modalities["text_only"]["samples"] += not sample.media
-        self._rows.append({
-            "key": key, "shard": shard, "id": sample.id, "source": sample.location,
-            "members": members, "num_turns": len(sample.messages),
-            "text_chars": sum(len(m["content"]) for m in sample.messages),
-            "image_width": [m["width"] for m in images],
-            "image_height": [m["height"] for m in images],
-            "audio_duration": [m["duration"] for m in audios]})
+        self._rows.append(row)
         if len(self._rows) >= self.BATCH:
             self._flush()
 

@@ -20,6 +20,9 @@ import sys
 # environment or the client's config (AWS_* variables, ~/.aws, FSSPEC_S3_* for s3fs).
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+# The registered modalities (mimo_data.modalities.MODALITIES, which imports torch): one
+# --NAME-column option each.
+MEDIA_COLUMNS = ("image", "audio", "video")
 
 
 def _byte_size(text: str) -> int:
@@ -59,9 +62,9 @@ def _parser() -> argparse.ArgumentParser:
                    "file extension)")
     b.add_argument("--instruction", default="Transcribe the audio.",
                    help="user turn for speech-manifest records")
-    for role in ("id", "messages", "image", "audio"):
+    for role in ("id", "messages", *MEDIA_COLUMNS):
         b.add_argument(f"--{role}-column", help=f"Parquet column holding the {role}"
-                       f"{'s' if role in ('image', 'audio') else ''}")
+                       f"{'s' if role in MEDIA_COLUMNS else ''}")
     b.add_argument("--max-image-pixels", type=int,
                    help="skip images with more pixels (decompression bombs; default: "
                    "Pillow's limit, 89478485)")
@@ -116,9 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args) -> int:
     if args.command == "build":
         from mimo_data.shards.build import BuildOptions, build
-        columns = {role: getattr(args, f"{attr}_column") for role, attr in
-                   (("id", "id"), ("conversation", "messages"), ("images", "image"),
-                    ("audios", "audio")) if getattr(args, f"{attr}_column")}
+        from mimo_data.shards.sources import media_field
+        roles = [("id", "id"), ("conversation", "messages"),
+                 *((media_field(name), name) for name in MEDIA_COLUMNS)]
+        columns = {role: getattr(args, f"{attr}_column") for role, attr in roles
+                   if getattr(args, f"{attr}_column")}
         limits = ({} if args.max_image_pixels is None
                   else {"max_image_pixels": args.max_image_pixels})
         options = BuildOptions(

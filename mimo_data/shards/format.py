@@ -27,7 +27,8 @@ A dataset directory holds:
          "sample_rate": 16000, "channels": 1, "frames": 48000, "duration": 3.0}]}
 
 The i-th ``<image>`` marker in reading order (messages in order, left to right) is the i-th
-image item; the same holds for ``<audio>``. Media items are listed in marker order.
+image item; the same holds for ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec,
+frame rate, frame count and display rotation). Media items are listed in marker order.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Literal, TypedDict
 
 import pyarrow as pa
 
-from mimo_data.modalities import MediaItem
+from mimo_data.modalities import MODALITIES, MediaItem
 
 
 class Message(TypedDict):
     role: Literal["system", "user", "assistant"]
-    content: str                 # text with <image> / <audio> markers in place
+    content: str                 # text with <image> / <audio> / <video> markers in place
 
 
 class ShardRecord(TypedDict):
@@ -76,7 +77,15 @@ def sample_key(ordinal: int) -> str:
 MEMBER_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size", pa.int64()),
                            ("crc32", pa.int64())])
 
-# One row per sample in samples.parquet, in write order (shard by shard, key order).
+
+def summary_column(modality: str, field: str) -> str:
+    """The samples.parquet column of a modality's summary field: ``image_width``."""
+    return f"{modality}_{field}"
+
+
+# One row per sample in samples.parquet, in write order (shard by shard, key order); then per
+# modality its items' summary fields (``Modality.summary_fields``) in marker order:
+# image_width, image_height, audio_duration, video_width, video_height, video_duration.
 SAMPLES_SCHEMA = pa.schema([
     ("key", pa.string()),
     ("shard", pa.string()),
@@ -85,7 +94,6 @@ SAMPLES_SCHEMA = pa.schema([
     ("members", pa.list_(MEMBER_STRUCT)),      # all members, in tar order (sorted by name)
     ("num_turns", pa.int32()),
     ("text_chars", pa.int64()),
-    ("image_width", pa.list_(pa.int32())),
-    ("image_height", pa.list_(pa.int32())),
-    ("audio_duration", pa.list_(pa.float64())),
+    *((summary_column(name, field), pa.list_(pa.type_for_alias(kind)))
+      for name, modality in MODALITIES.items() for field, kind in modality.summary_fields.items()),
 ])

@@ -5,13 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.parquet as pq
 
+from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.index import read_index
-from mimo_data.shards.format import SAMPLES_FILE
+from mimo_data.shards.format import SAMPLES_FILE, summary_column
 from mimo_data.stats import summary
 
-_SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest image side, pixels
-_DURATION_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # audio clip duration, seconds
+_SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest side, pixels
+_DURATION_BUCKETS = (0.0, 1.0, 2.0, 5.0, 10.0, 30.0)  # clip duration, seconds
 
 
 def _histogram(values, edges) -> dict[str, int]:
@@ -21,24 +22,41 @@ def _histogram(values, edges) -> dict[str, int]:
     return {label: int(count) for label, count in zip(labels, counts)}  # type: ignore[call-overload]
 
 
+def _modality_stats(values: dict[str, np.ndarray]) -> dict:
+    """Distributions of one modality's summary fields: sizes (``width``/``height``: their
+    summaries, megapixels, longest side) and durations (summary, total, histogram)."""
+    stats: dict = {}
+    if "width" in values and "height" in values:
+        widths, heights = values["width"], values["height"]
+        stats.update(width=summary(widths), height=summary(heights),
+                     megapixels=summary(widths * heights / 1e6) if len(widths) else None,
+                     longest_side_histogram=_histogram(np.maximum(widths, heights),
+                                                       _SIDE_BUCKETS))
+    if "duration" in values:
+        durations = values["duration"]
+        stats.update(duration_s=summary(durations), total_hours=float(durations.sum()) / 3600,
+                     duration_histogram_s=_histogram(durations, _DURATION_BUCKETS))
+    return stats
+
+
 def dataset_info(directory: str) -> dict:
-    """Totals, per-modality counts and image-size / audio-duration distributions."""
+    """Totals, per-modality counts and, per modality, size / duration distributions (of a
+    modality its samples.parquet has columns for: a dataset built before it has none)."""
     index = read_index(directory)
-    table = pq.read_table(storage.readable(storage.join(directory, SAMPLES_FILE)),
-                          columns=["image_width", "image_height", "audio_duration"])
-    widths = np.array([w for row in table.column("image_width").to_pylist() for w in row])
-    heights = np.array([h for row in table.column("image_height").to_pylist() for h in row])
-    durations = [d for row in table.column("audio_duration").to_pylist() for d in row]
-    longest = np.maximum(widths, heights) if len(widths) else widths
-    return {
-        "name": index["name"], "directory": directory, **index["totals"],
-        "modalities": index["modalities"], "report": index["report"],
-        "image": {"width": summary(widths), "height": summary(heights),
-                  "megapixels": summary(widths * heights / 1e6) if len(widths) else None,
-                  "longest_side_histogram": _histogram(longest, _SIDE_BUCKETS)},
-        "audio": {"duration_s": summary(durations), "total_hours": sum(durations) / 3600,
-                  "duration_histogram_s": _histogram(durations, _DURATION_BUCKETS)},
-    }
+    path = storage.readable(storage.join(directory, SAMPLES_FILE))
+    present = set(pq.read_schema(path).names)
+    columns = {(name, field): summary_column(name, field) for name, modality in
+               MODALITIES.items() for field in modality.summary_fields}
+    columns = {key: column for key, column in columns.items() if column in present}
+    table = pq.read_table(path, columns=list(columns.values()))
+    values: dict[str, dict[str, np.ndarray]] = {}
+    for (name, field), column in columns.items():
+        flat = table.column(column).combine_chunks().flatten()
+        values.setdefault(name, {})[field] = flat.to_numpy(zero_copy_only=False).astype(
+            np.float64)
+    return {"name": index["name"], "directory": directory, **index["totals"],
+            "modalities": index["modalities"], "report": index["report"],
+            **{name: _modality_stats(fields) for name, fields in values.items()}}
 
 
 def _fmt(stats: dict | None, unit: str = "") -> str:
@@ -55,16 +73,21 @@ def format_info(info: dict) -> str:
         f"dataset   {info['name']}  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
         f"build     {report['records_read']} records read, {report['records_skipped']} skipped",
-        f"images    {mods['image']['items']} in {mods['image']['samples']} samples",
-        f"audio     {mods['audio']['items']} clips in {mods['audio']['samples']} samples, "
-        f"{info['audio']['total_hours'] * 60:.1f} min",
-        f"text-only {mods['text_only']['samples']} samples",
-        f"width     {_fmt(info['image']['width'], 'px')}",
-        f"height    {_fmt(info['image']['height'], 'px')}",
-        "longest side  " + "  ".join(f"{k}: {v}" for k, v in
-                                    info["image"]["longest_side_histogram"].items()),
-        f"duration  {_fmt(info['audio']['duration_s'], 's')}",
-        "duration  " + "  ".join(f"{k}s: {v}" for k, v in
-                                info["audio"]["duration_histogram_s"].items()),
     ]
+    for name, counts in mods.items():
+        if name == "text_only":
+            lines.append(f"text-only {counts['samples']} samples")
+            continue
+        stats = info.get(name, {})
+        total = (f", {stats['total_hours'] * 60:.1f} min" if "total_hours" in stats else "")
+        lines.append(f"{name:<9} {counts['items']} items in {counts['samples']} samples{total}")
+        if "width" in stats:
+            lines += [f"  width     {_fmt(stats['width'], 'px')}",
+                      f"  height    {_fmt(stats['height'], 'px')}",
+                      "  longest side  " + "  ".join(
+                          f"{k}: {v}" for k, v in stats["longest_side_histogram"].items())]
+        if "duration_s" in stats:
+            lines += [f"  duration  {_fmt(stats['duration_s'], 's')}",
+                      "  duration  " + "  ".join(
+                          f"{k}s: {v}" for k, v in stats["duration_histogram_s"].items())]
     return "\n".join(lines)

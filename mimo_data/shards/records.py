@@ -18,7 +18,8 @@ class RecordError(CountedError):
 
 
 def _content_text(content) -> str:
-    """Message content as text: a string, or HF-style parts with image/audio parts as markers."""
+    """Message content as text: a string, or HF-style parts with media parts (``{"type":
+    "image"}``, ``"audio"``, ``"video"``) as their markers."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -30,8 +31,9 @@ def _content_text(content) -> str:
             elif kind in MARKERS:
                 pieces.append(MARKERS[kind])
             else:
+                kinds = "|".join(repr(k) for k in ("text", *MARKERS))
                 raise RecordError("malformed_record", f"unsupported content part {part!r}: "
-                                  "expected {'type': 'text'|'image'|'audio', ...}")
+                                  f"expected {{'type': {kinds}, ...}}")
         return "\n".join(pieces)
     raise RecordError("malformed_record", f"message content must be a string or a list of "
                       f"parts, got {type(content).__name__}")

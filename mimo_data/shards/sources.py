@@ -16,6 +16,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from mimo_data.modalities import MODALITIES
 from mimo_data.shards.records import RecordError
 
 
@@ -34,11 +35,17 @@ class Task:
 
 @dataclass
 class RawRecord:
-    """A record before normalization. Media refs are paths, bytes or ``{bytes, path}``."""
+    """A record before normalization: ``media`` maps a modality name to its items' refs
+    (paths, bytes or ``{bytes, path}``) in marker order."""
     id: str | None
     turns: object
-    images: list = field(default_factory=list)
-    audios: list = field(default_factory=list)
+    media: dict[str, list] = field(default_factory=dict)
+
+
+def media_field(modality: str) -> str:
+    """The record key and Parquet column role of a modality's item list: ``images``; a
+    single item may also come under the modality's own name (``image``)."""
+    return f"{modality}s"
 
 
 def _as_list(value) -> list:
@@ -76,8 +83,9 @@ def _json_object(raw: bytes, what: str) -> dict:
 class ConversationFile:
     """LLaVA/ShareGPT records: a JSON array (``.json``) or one object per line (``.jsonl``).
 
-    Keys: ``id``, ``image``/``images``, ``audio``/``audios``, and ``conversations``
-    (``from``/``value``) or ``messages`` (``role``/``content``).
+    Keys: ``id``, per modality ``image``/``images``, ``audio``/``audios``,
+    ``video``/``videos`` (one item or a list), and ``conversations`` (``from``/``value``) or
+    ``messages`` (``role``/``content``).
     """
 
     def __init__(self, path: str, media_root: str | None = None):
@@ -110,8 +118,8 @@ class ConversationFile:
         return RawRecord(
             id=_record_id(record.get("id")),
             turns=record.get("conversations", record.get("messages")),
-            images=_as_list(record.get("images", record.get("image"))),
-            audios=_as_list(record.get("audios", record.get("audio"))))
+            media={name: _as_list(record.get(media_field(name), record.get(name)))
+                   for name in MODALITIES})
 
 
 class SpeechManifest:
@@ -137,12 +145,13 @@ class SpeechManifest:
                               "supported; cut the clip into its own file first")
         turns = [{"role": "user", "content": f"<audio>\n{self.instruction}"},
                  {"role": "assistant", "content": text}]
-        return RawRecord(id=_record_id(record.get("id")), turns=turns, audios=[audio])
+        return RawRecord(id=_record_id(record.get("id")), turns=turns, media={"audio": [audio]})
 
 
 class ParquetTable:
-    """Hugging Face style tables: image/audio columns of ``{bytes, path}`` structs (or lists of
-    them) or path strings; the conversation as a list of turns or a JSON string."""
+    """Hugging Face style tables: a media column per modality (``images``/``image``,
+    ``audios``/``audio``, ``videos``/``video``) of ``{bytes, path}`` structs (or lists of them)
+    or path strings; the conversation as a list of turns or a JSON string."""
 
     def __init__(self, path: str, media_root: str | None = None, columns: dict | None = None):
         self.path = path
@@ -153,8 +162,8 @@ class ParquetTable:
                         for role, candidates, required in (
                             ("id", ("id",), False),
                             ("conversation", ("messages", "conversations"), True),
-                            ("images", ("images", "image"), False),
-                            ("audios", ("audios", "audio"), False))}
+                            *((media_field(name), (media_field(name), name), False)
+                              for name in MODALITIES))}
 
     def tasks(self, source: int):
         metadata = pq.ParquetFile(self.path).metadata
@@ -175,8 +184,8 @@ class ParquetTable:
         return RawRecord(
             id=_record_id(record.get(column["id"])) if column["id"] else None,
             turns=turns,
-            images=_as_list(record.get(column["images"])) if column["images"] else [],
-            audios=_as_list(record.get(column["audios"])) if column["audios"] else [])
+            media={name: _as_list(record.get(column[media_field(name)]))
+                   for name in MODALITIES if column[media_field(name)]})
 
 
 def _json_value(raw):

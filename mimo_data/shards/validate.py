@@ -101,7 +101,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         raw = source.load(task)
         messages = normalize_messages(raw.turns)
         order = marker_order(messages)
-        refs = {"image": raw.images, "audio": raw.audios}
+        refs = raw.media
         check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:

@@ -1,0 +1,309 @@
+"""Videos through `mimo-shard build`, `verify`, `info` and `mimo-inspect sample`.
+
+The inputs are the corpus's ``video.jsonl`` (clip paths, two clips in a record, clips beside a
+photo, and clips the build must refuse) and Parquet tables written here: ``{bytes, path}``
+structs in a ``videos`` column, and path strings in a ``video`` column (or one named with
+``--video-column``).
+Every expectation comes from the inputs and ``videos/catalog.json`` (what the clip tool
+wrote), read with json / pyarrow / tarfile: the stored bytes against the source files, the
+item metadata against the catalog, the skips per reason against the clips known to be bad.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import (VideoClip, all_samples, cli_main, flip_byte, preprocess_config_file,
+                      read_json, rewrite_samples_parquet, run_cli, samples_table,
+                      scratch)
+
+MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+# The video item fields the probe must report as the catalog has them.
+CATALOG_FIELDS = ("format", "codec", "fps", "frames", "width", "height", "rotation")
+VIDEO_CONFIG = {"token": "<|video_pad|>", "fps": 2.0, "min_frames": 4, "max_frames": 768,
+                "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 50176}
+
+
+def _turns(user: str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+
+
+def _struct(clip: VideoClip) -> dict:
+    return {"bytes": clip.data, "path": Path(clip.path).name}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, corpus, corpus_videos) -> dict:
+    """The input files and, per input record, its id and video paths (or bytes)."""
+    with scratch(tmp_path_factory, "video-inputs") as folder:
+        clips = corpus_videos
+        embedded = [  # (id, clips, user turn)
+            ("pq-rotated", [clips["rotated_h264_24"]], "<video>\nWho is in this clip?"),
+            ("pq-two", [clips["pan_vp9_30"], clips["zoom_h264_10"]],
+             "<video>\n<video>\nWhat do these clips show?"),
+            ("pq-truncated", [clips["truncated_h264_24"]], "<video>\nDescribe it."),
+            ("pq-one-for-two", [clips["zoom_mpeg4_10"]], "<video> and <video>: compare them."),
+        ]
+        structs = folder / "embedded.parquet"
+        pq.write_table(pa.table({
+            "id": [rid for rid, _, _ in embedded],
+            "videos": pa.array([[_struct(c) for c in chosen] for _, chosen, _ in embedded],
+                               pa.list_(MEDIA)),
+            "messages": [json.dumps(_turns(user, "A short clip.")) for _, _, user in embedded],
+        }), structs)
+        named = [("pq-path-audio", clips["audio_h264_30"]),
+                 ("pq-path-mpeg4", clips["zoom_mpeg4_10"])]
+        paths = folder / "paths.parquet"
+        pq.write_table(pa.table({
+            "id": [rid for rid, _ in named],
+            "video": [str(corpus / clip.path) for _, clip in named],
+            "messages": [json.dumps(_turns("<video>\nWhat is shown?", "A clip."))
+                         for _ in named],
+        }), paths)
+        jsonl = corpus / "video.jsonl"
+        records = {}
+        for line in jsonl.read_text().splitlines():
+            record = json.loads(line)
+            listed = record.get("videos", [record["video"]] if "video" in record else [])
+            records[record["id"]] = [corpus / p for p in listed]
+        records.update({rid: [c.data for c in chosen] for rid, chosen, _ in embedded})
+        records.update({rid: [corpus / clip.path] for rid, clip in named})
+        yield {"files": [jsonl, structs, paths], "records": records,
+               "markers": {"pq-one-for-two": 2}}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, inputs) -> Path:
+    """The three inputs built once, by the CLI."""
+    out = tmp_path_factory.mktemp("video-build") / "dataset"
+    run_cli("build", *inputs["files"], "--output", out, "--no-progress", check_rc=0)
+    return out
+
+
+def _catalog_by_path(corpus: Path, clips: dict[str, VideoClip]) -> dict:
+    return {corpus / clip.path: clip for clip in clips.values()}
+
+
+def _expected_reason(refs: list, markers: int | None, by_path: dict, by_bytes: dict
+                     ) -> str | None:
+    """Why the build must skip a record, from the catalog (None: kept). A path the catalog
+    does not list is the corpus's WAV file, given as a video."""
+    if markers is not None and markers != len(refs):
+        return "marker_mismatch"
+    for ref in refs:
+        clip = by_bytes.get(ref) if isinstance(ref, bytes) else by_path.get(ref)
+        if clip is None:
+            return "no_video_stream"
+        if clip.truncated:
+            return "corrupt_video"
+        if clip.codec == "ffv1":
+            return "unsupported_codec"
+    return None
+
+
+@pytest.fixture(scope="module")
+def expected(inputs, corpus, corpus_videos) -> dict:
+    by_path = _catalog_by_path(corpus, corpus_videos)
+    by_bytes = {clip.data: clip for clip in corpus_videos.values()}
+    reasons = {rid: _expected_reason(refs, inputs["markers"].get(rid), by_path, by_bytes)
+               for rid, refs in inputs["records"].items()}
+    return {"reasons": reasons, "by_path": by_path, "by_bytes": by_bytes}
+
+
+def test_bad_videos_are_counted_by_reason(built, expected):
+    report = read_json(built / "report.json")
+    wanted = Counter(r for r in expected["reasons"].values() if r)
+    assert {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()} \
+        == dict(wanted)
+    assert wanted["corrupt_video"] == 2 and wanted["no_video_stream"] == 1 \
+        and wanted["unsupported_codec"] == 1 and wanted["marker_mismatch"] == 1
+    assert report["records_read"] == len(expected["reasons"])
+    assert report["samples_written"] == sum(r is None for r in expected["reasons"].values())
+
+
+def test_videos_are_stored_as_read_with_the_catalogs_metadata(built, inputs, expected, corpus):
+    kept = {rid for rid, reason in expected["reasons"].items() if reason is None}
+    seen = set()
+    for _, _, members in all_samples(built):
+        record = json.loads(members["json"])
+        seen.add(record["id"])
+        refs = inputs["records"][record["id"]]
+        videos = [item for item in record["media"] if item["modality"] == "video"]
+        assert len(videos) == len(refs)
+        for number, (item, ref) in enumerate(zip(videos, refs)):
+            source = ref if isinstance(ref, bytes) else ref.read_bytes()
+            clip = (expected["by_bytes"][ref] if isinstance(ref, bytes)
+                    else expected["by_path"][ref])
+            extension = Path(clip.path).suffix
+            assert item["member"] == f"vid{number}{extension}"
+            assert members[item["member"]] == source          # the original bytes
+            assert item["bytes"] == len(source)
+            assert {f: item[f] for f in CATALOG_FIELDS} == {f: getattr(clip, f)
+                                                            for f in CATALOG_FIELDS}
+            assert item["duration"] == pytest.approx(clip.frames / clip.fps, abs=1.5 / clip.fps)
+        others = {name for name in members if name != "json"} - {v["member"] for v in videos}
+        assert others == {item["member"] for item in record["media"]
+                          if item["modality"] != "video"}
+    assert seen == kept
+
+
+def test_samples_table_and_info_count_the_videos(capsys, built, inputs, expected):
+    kept = [rid for rid, reason in expected["reasons"].items() if reason is None]
+    clips = [expected["by_bytes"][r] if isinstance(r, bytes) else expected["by_path"][r]
+             for rid in kept for r in inputs["records"][rid]]
+    rows = samples_table(built)
+    assert sorted(w for row in rows for w in row["video_width"]) == sorted(c.width for c in clips)
+    assert sorted(h for row in rows for h in row["video_height"]) == \
+        sorted(c.height for c in clips)
+    code, out, err = cli_main(capsys, "info", built, "--json")
+    assert code == 0, err
+    info = json.loads(out)
+    assert info["modalities"]["video"] == {"items": len(clips),
+                                           "samples": sum(1 for rid in kept
+                                                          if inputs["records"][rid])}
+    assert info["video"]["total_hours"] * 3600 == pytest.approx(
+        sum(c.frames / c.fps for c in clips), abs=0.1)
+    assert sum(info["video"]["longest_side_histogram"].values()) == len(clips)
+    code, out, _ = cli_main(capsys, "info", built)
+    assert f"video     {len(clips)} items" in out
+
+
+def test_verify_passes_and_names_a_damaged_video_member(capsys, tmp_path, built):
+    code, out, err = cli_main(capsys, "verify", built, "--no-progress")
+    assert code == 0 and "OK" in out, err
+    damaged = shutil.copytree(built, tmp_path / "damaged")
+    row = next(r for r in samples_table(damaged) if r["video_width"])
+    member = next(m for m in row["members"] if m["name"].startswith("vid0."))
+    flip_byte(damaged / row["shard"], member["offset"] + member["size"] // 2)
+    code, _, err = cli_main(capsys, "verify", damaged, "--no-progress")
+    assert code == 1
+    assert f"{row['key']}.{member['name']}" in err and "FAILED" in err
+
+
+def test_video_column_option_names_the_column(capsys, tmp_path, corpus, corpus_videos):
+    clip = corpus_videos["zoom_h264_10"]
+    table = tmp_path / "clips.parquet"
+    pq.write_table(pa.table({"clip": [str(corpus / clip.path)],
+                             "messages": [json.dumps(_turns("<video>\nWho?", "Grace Hopper."))]}),
+                   table)
+    code, _, err = cli_main(capsys, "build", table, "--output", tmp_path / "out",
+                            "--video-column", "clip", "--no-progress")
+    assert code == 0, err
+    (_, _, members), = all_samples(tmp_path / "out")
+    assert members["vid0.mp4"] == clip.data
+
+
+def documented_times(frames: int, fps: int, cfg: dict) -> list[str]:
+    """Seconds of the frames Qwen2VLVideoProcessor samples (its documented rule): fps * duration
+    frames, clamped to [min_frames, max_frames rounded down to temporal patches (and to the
+    clip)], rounded down to temporal patches, frame ``i * frames // n`` shown at index / fps."""
+    tps = cfg["temporal_patch_size"]
+    cap = min(cfg["max_frames"], frames) // tps * tps
+    n = int(min(max(frames / fps * cfg["fps"], cfg["min_frames"]), cap, frames) // tps) * tps
+    return [f"{i * frames // n / fps:.2f}" for i in range(n)]
+
+
+def test_inspect_sample_shows_the_sampled_timestamps(capsys, tmp_path, built, corpus,
+                                                     corpus_videos):
+    from mimo_data.inspect.cli import main as inspect_main
+
+    config = preprocess_config_file(tmp_path / "video.yaml", video=VIDEO_CONFIG,
+                                    image={"policy": "dynamic", "min_pixels": 3136,
+                                           "max_pixels": 200704})
+    records = {row["id"]: row["key"] for row in samples_table(built)}
+    record = next(json.loads(line) for line in (corpus / "video.jsonl").read_text().splitlines()
+                  if json.loads(line)["id"] == "video-photo-and-clips")
+    clips = [next(c for c in corpus_videos.values() if c.path == p) for p in record["videos"]]
+    capsys.readouterr()
+    code = inspect_main(["sample", str(built), "--config", str(config), "--cache-dir",
+                         str(tmp_path / "cache"), "--key", records["video-photo-and-clips"],
+                         "--color", "never"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    shown = [line.split("frames at ")[1] for line in out.splitlines() if "frames at " in line]
+    assert shown == [f"{' '.join(times)} s ({len(times)} sampled)" for times in
+                     (documented_times(c.frames, c.fps, VIDEO_CONFIG) for c in clips)]
+
+
+def documented_tokens(clip: VideoClip, cfg: dict) -> int:
+    """Qwen2-VL's video tokens: sampled frames / temporal patch × the frame's 14 px patches
+    after transformers' ``smart_resize`` (sides multiples of 28) / merge² (4)."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+    height, width = smart_resize(clip.height, clip.width, factor=28,
+                                 min_pixels=cfg["min_pixels"], max_pixels=cfg["max_pixels"])
+    frames = len(documented_times(clip.frames, clip.fps, cfg))
+    return frames // cfg["temporal_patch_size"] * (height // 14) * (width // 14) // 4
+
+
+def test_inspect_report_counts_video_tokens_drops_and_shows_frame_strips(
+        tmp_path, built, inputs, expected):
+    import base64
+    import io
+    import re
+
+    from PIL import Image
+
+    from mimo_data.inspect.cli import main as inspect_main
+
+    config = preprocess_config_file(tmp_path / "video.yaml", video=VIDEO_CONFIG,
+                                    image={"policy": "dynamic", "min_pixels": 3136,
+                                           "max_pixels": 200704})
+    inspect_main(["report", str(built), "--config", str(config), "--cache-dir",
+                  str(tmp_path / "cache"), "--json", str(tmp_path / "report.json"),
+                  "--html", str(tmp_path / "report.html"), "--no-progress"])
+    report = read_json(tmp_path / "report.json")
+    kept = [rid for rid, reason in expected["reasons"].items() if reason is None]
+    clips = {rid: [expected["by_bytes"][r] if isinstance(r, bytes) else expected["by_path"][r]
+                   for r in inputs["records"][rid]] for rid in kept}
+    short = {rid for rid, chosen in clips.items()
+             if any(c.frames < VIDEO_CONFIG["temporal_patch_size"] for c in chosen)}
+    assert {r: d["count"] for r, d in report["drop_reasons"].items()} == {
+        "video_too_short": len(short)}
+    trained = [c for rid, chosen in clips.items() if rid not in short for c in chosen]
+    video = report["modalities"]["video"]
+    assert video["items"] == len(trained)
+    assert video["tokens"] == sum(documented_tokens(c, VIDEO_CONFIG) for c in trained)
+
+    page = (tmp_path / "report.html").read_text()
+    strips = {alt: Image.open(io.BytesIO(base64.b64decode(data))).size for data, alt in
+              re.findall(r'<img src="data:image/png;base64,([^"]+)" alt="(vid\d\.\w+: [^"]*)"',
+                         page)}
+    assert strips, "no video preview in the HTML report"
+    for alt, (width, height) in strips.items():
+        shown = tuple(map(int, re.search(r": (\d+)x(\d+) ", alt).groups()))
+        frames = (width + 4) / (shown[0] + 4)             # frames side by side, 4 px apart
+        assert height == shown[1] and frames == int(frames) and frames >= 1, alt
+    assert any((w + 4) // (int(re.search(r": (\d+)x", a).group(1)) + 4) > 1
+               for a, (w, _) in strips.items()), "no strip of several frames"
+
+
+def test_inspect_index_check_compares_the_video_columns(tmp_path, built):
+    from mimo_data.inspect.stats import IndexTable
+
+    records = [json.loads(members["json"]) for _, _, members in all_samples(built)]
+    index = IndexTable(str(built))
+    assert [index.problems(p, r) for p, r in enumerate(records)] == [[]] * len(records)
+    patched = shutil.copytree(built, tmp_path / "patched")
+    table = pq.read_table(patched / "samples.parquet")
+    rows = table.to_pylist()
+    position = next(p for p, row in enumerate(rows) if row["video_width"])
+    rows[position]["video_width"][0] += 2
+    rewrite_samples_parquet(patched, pa.Table.from_pylist(rows, schema=table.schema))
+    problems = [IndexTable(str(patched)).problems(p, r) for p, r in enumerate(records)]
+    assert [p for p, found in enumerate(problems) if found] == [position]
+    assert problems[position][0].startswith("video width/height/duration")
+
+
+def test_the_cli_has_a_column_option_per_registered_modality():
+    from mimo_data.modalities import MODALITIES
+    from mimo_data.shards.cli import MEDIA_COLUMNS
+
+    assert sorted(MEDIA_COLUMNS) == sorted(MODALITIES)
