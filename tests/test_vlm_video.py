@@ -7,14 +7,24 @@
 - the tower mimo builds from the checkpoint encodes a video as transformers'
   ``get_video_features`` does, with the image weights (one module serves both);
 - a module serving images and videos returns their rows in placeholder order, and the
-  language model sees one placeholder id per module.
+  language model sees one placeholder id per module;
+- end to end (shards of video, image + video, two-video and text-only conversations from the
+  corpus clips), the logits of the model mimo builds from each checkpoint equal transformers'
+  own class (fp32, 1e-4), colocated; the non-colocated step (the tower on its own rank, its
+  rows through the bridge) gives the colocated step's loss and gradients;
+- what the checkpoint does not take is refused: another video token, wrap or time scaling, a
+  module serving video whose encoder cannot encode it, a tower cut into other patches.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,7 +36,9 @@ from mimo_data.preprocess.preprocessor import Preprocessor, media_item
 from mimo_train.families import preprocessing_for
 from mimo_train.step import _shared_placeholders
 
-from conftest import REPO
+from conftest import REPO, build_dataset
+from test_train_parity import _compare, _run, _torchrun
+from test_vlm import PARITY_RUNNER, RUNNER, TOLERANCE
 
 MODELS = REPO / "assets" / "models"
 CHECKPOINTS = {"qwen2-vl": MODELS / "tiny-qwen2-vl", "qwen2.5-vl": MODELS / "tiny-qwen2.5-vl"}
@@ -49,20 +61,9 @@ def config_for(checkpoint) -> PreprocessConfig:
 
 
 @pytest.fixture(scope="module")
-def video_clips():
-    from skimage import data as photos
-    from test_video_modality import _clip
-    made = [_clip("pan_h264_24", "pan", photos.astronaut(), fmt="mp4", codec="libx264", fps=24,
-                  seconds=2.5, width=128, height=96, gop=10),
-            _clip("zoom_mpeg4_10", "zoom", photos.chelsea(), fmt="mp4", codec="mpeg4", fps=10,
-                  seconds=3, width=96, height=64)]
-    return {clip.name: clip for clip in made}
-
-
-@pytest.fixture(scope="module")
-def media(corpus, video_clips) -> dict[str, bytes]:
+def media(corpus, corpus_videos) -> dict[str, bytes]:
     return {"cat": (corpus / "images" / "chelsea.jpg").read_bytes(),
-            "pan": video_clips["pan_h264_24"].data, "zoom": video_clips["zoom_mpeg4_10"].data}
+            "pan": corpus_videos["pan_h264_24"].data, "zoom": corpus_videos["zoom_mpeg4_10"].data}
 
 
 def _records(media: dict[str, bytes]) -> list[tuple[dict, dict]]:
@@ -103,7 +104,7 @@ def second_per_grid(frames: int, fps: float, config: VideoConfig) -> float:
     return patch / (sampled / frames * fps)
 
 
-def test_mrope_positions_equal_the_familys_get_rope_index(family, video_clips):
+def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos):
     from transformers import AutoConfig, Qwen2_5_VLModel, Qwen2VLModel
     config = AutoConfig.from_pretrained(family["checkpoint"])
     model = (Qwen2_5_VLModel if family["name"] == "qwen2.5-vl" else Qwen2VLModel)(config)
@@ -112,7 +113,7 @@ def test_mrope_positions_equal_the_familys_get_rope_index(family, video_clips):
     ids = batch["input_ids"]
     kinds = ((ids == tokens["image"]).int() + 2 * (ids == tokens["video"]).int())
     video = family["config"].modalities["video"]
-    clips = [video_clips[name] for name in ("pan_h264_24", "zoom_mpeg4_10", "zoom_mpeg4_10",
+    clips = [corpus_videos[name] for name in ("pan_h264_24", "zoom_mpeg4_10", "zoom_mpeg4_10",
                                             "pan_h264_24")]
     extra = {}
     if family["name"] == "qwen2.5-vl":
@@ -233,3 +234,186 @@ def test_a_tower_refuses_video_cut_into_other_patches():
     with pytest.raises(EncoderBuildError, match="modalities.video temporal_patch_size 4 "
                        "differs from modalities.image's 2"):
         tower.take_also("video", dataclasses.replace(VideoConfig(), temporal_patch_size=4))
+
+
+# id -> (conversation, clips, images): what the end-to-end shards hold
+CONVERSATIONS = {
+    "one-video": (["<video>\nWhat moves?", "The camera pans across an astronaut."],
+                  ["pan_h264_24"], []),
+    # a video before an image: their rows must be put back in placeholder order
+    "video-then-image": (["<video> What is shown? Compare with <image>.", "The same cat."],
+                         ["zoom_mpeg4_10"], ["chelsea.jpg"]),
+    "two-videos": (["First <video> then <video>: the same scene?", "No: a person, then a cup."],
+                   ["pan_vp9_30", "rotated_h264_24"], []),
+    "text-only": (["What is a tar file?", "An archive of files."], [], []),
+}
+SAMPLES = len(CONVERSATIONS)
+
+
+@pytest.fixture(scope="module")
+def run_data(family, corpus, corpus_videos, tmp_path_factory) -> dict:
+    """The family's shards of the conversations above, its preprocessing config, and the
+    overrides of a run on them."""
+    import yaml
+    tmp = tmp_path_factory.mktemp(f"video-{family['name']}")
+    records = []
+    for key, (turns, clips, images) in CONVERSATIONS.items():
+        record = {"id": key, "conversations": [
+            {"from": "human" if i % 2 == 0 else "gpt", "value": t} for i, t in enumerate(turns)]}
+        if clips:
+            record["videos"] = [str(corpus / corpus_videos[c].path) for c in clips]
+        if images:
+            record["image"] = [str(corpus / "images" / name) for name in images]
+        records.append(record)
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    data = preprocessing_for(str(family["checkpoint"]))
+    for name in ("image", "video"):
+        data["modalities"][name].update(PIXELS)
+    data["modalities"]["video"].update(fps=4.0)
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump({**data, "seq_length": 1024}))
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={family['checkpoint']}", f"train.global_batch_size={SAMPLES}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0", "train.seed=3",
+              "model.freeze=[]"]
+    return {**family, "tmp": tmp, "common": common}
+
+
+def _hf_logits(run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits for the run's padded batch (its own class, fp32), and the batch's
+    real-token mask."""
+    from transformers import AutoModelForImageTextToText
+    from mimo_data.modalities.image import normalize_pixels
+    model = AutoModelForImageTextToText.from_pretrained(run["checkpoint"],
+                                                        dtype=torch.float32).eval()
+    batch, config = out["batch"], run["config"]
+    length = int(batch["attention_mask"].sum(1).max())
+    ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
+    image = batch["modality_inputs"]["image"]["image"]
+    video = batch["modality_inputs"]["video"]["video"]
+    tokens = run["tokens"]
+    kwargs = {}
+    if run["name"] == "qwen2.5-vl":
+        videos = config.modalities["video"]
+        clips = [clip for key in out["keys"] for clip in out["clips"][key]]
+        kwargs["second_per_grid_ts"] = torch.tensor(
+            [second_per_grid(c.frames, c.fps, videos) for c in clips])
+    with torch.no_grad():
+        logits = model(
+            input_ids=ids, attention_mask=mask.long(),
+            pixel_values=normalize_pixels(image["pixel_values"], config.modalities["image"]),
+            image_grid_thw=image["image_grid_thw"],
+            pixel_values_videos=normalize_video_pixels(video["pixel_values_videos"],
+                                                       config.modalities["video"]),
+            video_grid_thw=video["video_grid_thw"],
+            mm_token_type_ids=((ids == tokens["image"]).int() + 2 * (ids == tokens["video"])),
+            **kwargs).logits
+    return logits, mask
+
+
+def test_logits_match_transformers_on_videos_and_images(run_data, corpus_videos):
+    """Colocated, one process: a batch of the four conversations, padded."""
+    tmp = run_data["tmp"]
+    command = [sys.executable, RUNNER, str(tmp / "logits"),
+               "layout=language=dp1;image=dp1,off0,video", f"train.micro_batch_size={SAMPLES}",
+               f"checkpoint.dir={tmp / 'logits-ckpt'}", *run_data["common"]]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    out = torch.load(tmp / "logits" / "logits.pt", weights_only=False)
+    ids_of = _ids_by_key(tmp / "shards")
+    # loader keys are "<dataset index>/<shard key>"
+    out["clips"] = {key: [corpus_videos[c] for c in
+                          CONVERSATIONS[ids_of[key.split("/")[-1]]][1]] for key in out["keys"]}
+    batch = out["batch"]
+    assert len(batch["modality_inputs"]["video"]["video"]["video_grid_thw"]) == 4
+    assert set(batch["input_ids"].unique().tolist()) >= {run_data["tokens"]["image"],
+                                                         run_data["tokens"]["video"]}
+    expected, mask = _hf_logits(run_data, out)
+    ours = out["logits"][:, :mask.size(1), :expected.size(-1)]
+    assert (ours - expected)[mask].abs().max() <= TOLERANCE
+
+
+def _ids_by_key(shards: Path) -> dict[str, str]:
+    import pyarrow.parquet as pq
+    table = pq.read_table(shards / "samples.parquet", columns=["key", "id"]).to_pydict()
+    return dict(zip(table["key"], table["id"]))
+
+
+@pytest.fixture(scope="module")
+def colocated_step(run_data) -> tuple[dict, str]:
+    """One colocated step's loss and gradients, and the imported model's checkpoint (step 0)
+    the other runs start from."""
+    tmp = run_data["tmp"]
+    reference = _run([sys.executable, PARITY_RUNNER, str(tmp / "colocated"), "--save-init",
+                      str(tmp / "init"), "layout=language=dp1;image=dp1,off0,video",
+                      f"train.micro_batch_size={SAMPLES}", *run_data["common"]],
+                     tmp / "colocated")
+    return reference, str(tmp / "init" / "step_0000000")
+
+
+def test_the_non_colocated_step_equals_the_colocated_one(run_data, colocated_step):
+    """The tower (images and videos) on rank 0, the language model on rank 1, from the
+    colocated run's initial weights: the same loss, and the same gradients for every
+    weight, the tower's included."""
+    reference, init = colocated_step
+    apart = _torchrun(run_data["tmp"], "non-colocated", 2, "image=dp1,video;language=dp1", 2,
+                      run_data["common"], init)
+    _compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
+
+
+def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
+        run_data, colocated_step, corpus, corpus_videos):
+    """``mimo-export`` of the imported model, then ``mimo-generate --video``: its prompt and
+    greedy tokens are transformers' (its PyAV video loading, its video processor sampling the
+    clip at the config's fps, the chat template) through the exported class."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+    from transformers.video_utils import load_video
+
+    from mimo_train.export import main as export
+    from mimo_train.generate import main as generate
+    out = run_data["tmp"] / "export"
+    assert export(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
+    clip = corpus_videos["zoom_mpeg4_10"]
+    video = run_data["config"].modalities["video"]
+    frames, metadata = load_video(str(corpus / clip.path), backend="pyav")
+    processed = _video_processor(video)(videos=[frames], video_metadata=[metadata],
+                                        return_tensors="pt")
+    grid = processed["video_grid_thw"]
+    tokens = int(grid.prod()) // video.merge_size ** 2
+    text = "<|vision_start|>" + "<|video_pad|>" * tokens + "<|vision_end|>\nWhat is shown?"
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = torch.tensor([tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)])
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    extra = {}
+    if run_data["name"] == "qwen2.5-vl":
+        extra["second_per_grid_ts"] = torch.tensor([second_per_grid(clip.frames, clip.fps,
+                                                                    video)])
+    with torch.no_grad():
+        theirs = model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+            max_new_tokens=8, pixel_values_videos=processed["pixel_values_videos"],
+            video_grid_thw=grid, mm_token_type_ids=2 * (ids == model.config.video_token_id),
+            **extra)
+    from mimo_train.generate import Generator
+    ours = Generator(str(out)).generate("What is shown?", videos=[str(corpus / clip.path)],
+                                        max_new_tokens=8)
+    assert ours.prompt_ids == ids[0].tolist() and ours.spliced == {"video": tokens}
+    assert ours.token_ids == theirs[0, ids.size(1):].tolist()
+    assert len(ours.token_ids) == 8
+    # the command line: the same answer
+    assert generate(["--model", str(out), "--video", str(corpus / clip.path), "--prompt",
+                     "What is shown?", "--max-new-tokens", "8"]) == 0
+
+
+def _video_processor(cfg: VideoConfig):
+    from transformers import Qwen2VLVideoProcessor
+    return Qwen2VLVideoProcessor(
+        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
+        merge_size=cfg.merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+        min_frames=cfg.min_frames, max_frames=cfg.max_frames, image_mean=list(cfg.mean),
+        image_std=list(cfg.std), fps=cfg.fps, do_sample_frames=True)

@@ -4,7 +4,7 @@
 
 Builds ``mimo_train.trainer.Trainer`` from the overrides, runs ``MimoModel`` forward (no
 labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: the logits
-(``[rows, tokens, vocab]``) and the batch as the loader gave it.
+(``[rows, tokens, vocab]``), the batch as the loader gave it and its samples' keys.
 """
 
 import os
@@ -21,13 +21,14 @@ from mimo_train.trainer import Trainer
 def main(argv) -> None:
     out, overrides = argv[0], argv[1:]
     trainer = Trainer(TrainConfig.load(None, overrides))
-    batch = next(trainer.batches(trainer.loader))
+    batch, metadata = next(iter(trainer.loader))
     inputs = model_inputs(batch, trainer.infra, torch.device("cpu"), trainer.placeholders)
     inputs["labels"] = None
     with torch.no_grad():
         logits, _ = trainer.model(**inputs)
     os.makedirs(out, exist_ok=True)
-    torch.save({"logits": logits, "batch": batch}, os.path.join(out, "logits.pt"))
+    torch.save({"logits": logits, "batch": batch, "keys": metadata["keys"]},
+               os.path.join(out, "logits.pt"))
     dist.destroy_process_group()
 
 
