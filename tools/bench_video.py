@@ -8,7 +8,8 @@ sizes, frame rates and GOPs (keyframe interval) cycled from ``--sizes``, ``--rat
 (``do_sample_frames=True``) with the same min/max frames and min/max pixels (``VideoConfig``'s
 defaults otherwise), and end with the float32 ``pixel_values_videos`` the encoder gets:
 
-- mimo: read the clip's bytes → ``decode_video`` (only the sampled frames, seeking to the
+- mimo: read the clip's bytes → ``decode_video`` (only the sampled frames, skipping the
+  non-reference frames between them and seeking to the
   keyframe before each when that skips decoding) → ``video_encoder_inputs`` (uint8 patches,
   ``video_grid_thw``) in the DataLoader; ``normalize_video_pixels`` in the main process, on
   ``--device`` (the encoder's). The clip metadata it needs (frames, fps, size) is the build's
@@ -245,6 +246,26 @@ class _Counting:
 
     def decode(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
         for frame in self._container.decode(*args, **kwargs):
+            _Counting.counts["frames"] += 1
+            yield frame
+
+    def demux(self, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for packet in self._container.demux(*args, **kwargs):
+            yield _CountingPacket(packet)
+
+
+class _CountingPacket:
+    """A demuxed packet whose ``decode`` counts the frames it yields (frames the decoder
+    skips are not decoded, hence not counted)."""
+
+    def __init__(self, packet: Any):
+        self._packet = packet
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._packet, name)
+
+    def decode(self) -> Iterator[Any]:
+        for frame in self._packet.decode():
             _Counting.counts["frames"] += 1
             yield frame
 

@@ -304,6 +304,7 @@ def _sequential(data: bytes, indices: list[int], rotation: int) -> list[np.ndarr
     wanted = set(indices)
     found: dict[int, np.ndarray] = {}
     with _open(data) as container:
+        _single_threaded(container.streams.video[0])
         for index, frame in enumerate(container.decode(container.streams.video[0])):
             if index in wanted:
                 found[index] = _rgb(frame, rotation)
@@ -315,13 +316,32 @@ def _sequential(data: bytes, indices: list[int], rotation: int) -> list[np.ndarr
     return [found[index] for index in indices]
 
 
+def _single_threaded(stream: av.video.stream.VideoStream) -> None:
+    """Decode on the calling thread: a data worker is the unit of parallelism, and FFmpeg's
+    decoder threads in a process that later forks hang the forked workers that decode."""
+    stream.codec_context.thread_count = 1
+
+
+def _decoded(container: av.container.InputContainer, stream: av.video.stream.VideoStream,
+             targets: set[int]) -> Iterator[av.VideoFrame]:
+    """The stream's frames from the container's position on, without decoding the
+    non-reference frames (FFmpeg's ``skip_frame`` NONREF: B-frames no other frame predicts
+    from) other than ``targets`` (timestamps): skipping them changes no other frame."""
+    context = stream.codec_context
+    for packet in container.demux(stream):
+        context.skip_frame = "NONREF" if packet.pts is not None and packet.pts not in targets \
+            else "DEFAULT"
+        yield from packet.decode()
+
+
 def decode_frames(data: bytes, indices: list[int], rotation: int) -> list[np.ndarray]:
     """Frames ``indices`` (in presentation order, as a full decode numbers them) as RGB uint8
     ``[H, W, 3]``, rotated for display.
 
     The packets are demuxed once (no decoding) to know each frame's timestamp and the
     keyframes; then for each wanted frame the decoder seeks to the last keyframe at or before
-    it when that keyframe lies past what is already decoded, and decodes forward to it. Clips
+    it when that keyframe lies past what is already decoded, and decodes forward to it,
+    skipping the unwanted frames no other frame is predicted from (``_decoded``). Clips
     whose packets lack timestamps (or that hold discarded packets) are decoded in order up to
     the last wanted frame instead.
     """
@@ -341,6 +361,7 @@ def decode_frames(data: bytes, indices: list[int], rotation: int) -> list[np.nda
             if len(set(order)) != len(order):
                 return _sequential(data, indices, rotation)
             targets = {order[index] for index in indices}
+            _single_threaded(stream)
             keyframes = sorted(pts for pts, key in packets if key)
             found: dict[int, np.ndarray] = {}
             position: int | None = None          # pts of the last decoded frame
@@ -352,7 +373,7 @@ def decode_frames(data: bytes, indices: list[int], rotation: int) -> list[np.nda
                 key = keyframes[slot] if slot >= 0 else order[0]
                 if position is None or key > position or target <= position:
                     container.seek(key, backward=True, any_frame=False, stream=stream)
-                    frames = container.decode(stream)
+                    frames = _decoded(container, stream, targets)
                 for frame in frames:
                     pts = frame.pts
                     if pts is None:
