@@ -1,4 +1,4 @@
-"""Videos through `mimo-shard build`, `verify`, `info` and `mimo-inspect sample`.
+"""Videos through `mimo-shard build`, `verify` and `info`, and `mimo-inspect sample` and `report`.
 
 The inputs are the corpus's ``video.jsonl`` (clip paths, two clips in a record, clips beside a
 photo, and clips the build must refuse) and Parquet tables written here: ``{bytes, path}``
