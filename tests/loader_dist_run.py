@@ -91,8 +91,8 @@ def check(layout: Layout, entries: list[dict]) -> dict:
         for part in role.modules:
             if part.tp_rank or part.cp_rank or (part.name != LANGUAGE and part.pp_rank):
                 continue
-            modality = next((m for m, n in role.media.items() if n == part.name), None)
-            own = [c["keys"] if role.text_module == part.name else c["encoder_keys"][modality]
+            served = [m for m, n in role.media.items() if n == part.name]   # all its modalities
+            own = [c["keys"] if role.text_module == part.name else c["encoder_keys"][served[0]]
                    for c in entry["consumed"]]
             if keys.setdefault((part.name, part.dp_rank), own) != own:
                 problems.append(f"rank {entry['rank']}: {part.name} dp rank {part.dp_rank} "
@@ -100,7 +100,7 @@ def check(layout: Layout, entries: list[dict]) -> dict:
             slots = tensors.setdefault((part.name, part.dp_rank), [{} for _ in own])
             for slot, c in zip(slots, entry["consumed"]):
                 slot.update({path: tensor for path, tensor in c["tensors"].items()
-                             if path.startswith(f"/modality_inputs/{modality}/") or
+                             if any(path.startswith(f"/modality_inputs/{m}/") for m in served) or
                              (role.text_module == part.name and
                               not path.startswith("/modality_inputs/"))})
     modules = {}

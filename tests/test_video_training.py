@@ -24,8 +24,6 @@ loader's token table.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -34,11 +32,10 @@ import pytest
 import yaml
 
 from conftest import CORPUS_DIR, REPO, build_dataset, scratch
-from test_loader_dist import SCRIPT as LOADER_SCRIPT
+from test_loader_dist import GLOBAL_BATCH as LOADER_BATCH, torchrun
 from test_train_parity import MODEL, _compare, _reference, _torchrun
 from test_train_run import _assert_continues, _copy_checkpoint, _train, _train_records
 
-LOADER_BATCH = 8            # test_loader_dist's global batch (its runner's --global-batch-size)
 SAVE_AFTER = 2
 PARITY_BATCH = 4
 # train.seed 2: the first global batch of 4 holds an image, a video and an audio sample; steps
@@ -49,21 +46,7 @@ VIDEO = {"token": "<|video_pad|>", "patch_size": 14, "merge_size": 2,
          "temporal_patch_size": TEMPORAL_PATCH, "fps": 2.0, "min_frames": 4, "max_frames": 16,
          "min_pixels": 3136, "max_pixels": 12544}
 COLOCATED = "language=dp1;image=dp1,off0,video;audio=dp1,off0"
-# loader_dist_run.py digests, per module, the tensors of the first modality it serves only
-# (/modality_inputs/image/ for the image module): this wrapper files the video inputs under
-# the image module too (/modality_inputs/image/+video/...), so they are compared as well
-VIDEO_UNDER_IMAGE = """
-import sys
-import loader_dist_run as runner
-_leaves = runner.leaves
-def leaves(value, path=""):
-    return {("/modality_inputs/image/+" + key[len("/modality_inputs/"):]
-             if key.startswith("/modality_inputs/video/") else key): tensor
-            for key, tensor in _leaves(value, path).items()}
-runner.leaves = leaves
-sys.exit(runner.main())
-"""
-VIDEO_PIXELS = "/modality_inputs/image/+video/video/pixel_values_videos"
+VIDEO_PIXELS = "/modality_inputs/video/video/pixel_values_videos"
 
 
 @pytest.fixture(scope="module")
@@ -136,31 +119,15 @@ def test_smollm2_gets_a_video_token_beside_the_image_token(video_config):
 
 # ------------------------------------------------------------------------------ exactly once
 
-def loader_torchrun(ranks: int, out: Path, *args) -> dict:
-    """test_loader_dist's torchrun (its global batch and seed) through VIDEO_UNDER_IMAGE."""
-    script = out.parent / "video_loader_dist_run.py"
-    script.write_text(VIDEO_UNDER_IMAGE)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={ranks}", str(script), "--out", str(out),
-               "--global-batch-size", str(LOADER_BATCH), "--seed", "21", *map(str, args)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), str(LOADER_SCRIPT.parent)])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
-                            cwd=REPO)
-    assert result.returncode == 0, (f"torchrun exited {result.returncode}\n"
-                                    f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
 def loader_runs(video_corpus, video_config, tmp_path_factory):
     folder = tmp_path_factory.mktemp("video-dist")
     common = ["--dataset", video_corpus, "--config", video_config, "--micro-batch-size", 2]
-    first = loader_torchrun(3, folder / "first.json", *common, "--layout",
+    first = torchrun(3, folder / "first.json", *common, "--layout",
                             "image=dp1,video;audio=dp1;language=dp1", "--workers", 1,
                             "--save-after-steps", SAVE_AFTER)
     (folder / "state.json").write_text(json.dumps(first["state"]))
-    second = loader_torchrun(4, folder / "second.json", *common, "--layout",
+    second = torchrun(4, folder / "second.json", *common, "--layout",
                              "image=dp2,video;audio=dp1;language=dp1", "--state",
                              folder / "state.json")
     return first, second
