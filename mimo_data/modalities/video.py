@@ -463,8 +463,8 @@ def normalize_video_pixels(pixel_values: torch.Tensor, cfg: VideoConfig) -> torc
     mean = torch.tensor(cfg.mean, device=pixel_values.device) * (1.0 / rescale)
     std = torch.tensor(cfg.std, device=pixel_values.device) * (1.0 / rescale)
     rows = len(pixel_values)
-    values = pixel_values.reshape(rows, channels, -1).to(torch.float32)
-    values = (values - mean.view(1, channels, 1)) / std.view(1, channels, 1)
+    values = pixel_values.reshape(rows, channels, -1).to(torch.float32)   # a new tensor:
+    values.sub_(mean.view(1, channels, 1)).div_(std.view(1, channels, 1))  # in place on it
     return values.reshape(rows, -1)
 
 
