@@ -127,13 +127,12 @@ def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict[str, En
         if len(own) > 1:
             raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
                                    "its own encoder module")
-        primary = own[0] if own else None
-        if primary is None:
+        if not own:
             raise TrainConfigError(
                 f"encoder module {module.name!r} serves {served}, which no encoder takes on "
                 "its own: serve them from the module of an encoder that also takes them (the "
                 "Qwen2-VL towers take video beside images: image=dp1,video)")
-        modality = primary
+        modality = own[0]
         modality_config = preprocess.modalities[modality]
         form = input_form(modality, modality_config)
         if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
@@ -183,7 +182,7 @@ class _SeededEncoder(torch.nn.Module):
     A module serving several modalities (``setting.also``) takes ``{modality: inputs}`` and
     ``placeholders``, the modality index (0: ``setting.modality``, then ``also``'s) of each
     of the batch's placeholders in token order, and returns the rows of all items in that
-    order (``step.module_placeholders`` makes it), as transformers scatters image and video
+    order (``step.model_inputs`` gives both), as transformers scatters image and video
     features into their placeholders.
     """
 
