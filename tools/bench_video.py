@@ -1,12 +1,13 @@
 """Benchmark the encoder rank's video path against transformers' own, on the same clips and
 sampling, in the same run.
 
-Clips are written at start into a temporary folder with PyAV: pans with a slow zoom over
-scikit-image photos, h264 (libx264) in mp4, ``--clips`` of them lasting ``--seconds``, their
-sizes, frame rates and GOPs (keyframe interval) cycled from ``--sizes``, ``--rates`` and
-``--gops``. Both paths sample ``--fps`` frames a second as ``Qwen2VLVideoProcessor`` does
-(``do_sample_frames=True``) with the same min/max frames and min/max pixels (``VideoConfig``'s
-defaults otherwise), and end with the float32 ``pixel_values_videos`` the encoder gets:
+Clips are written at start into a temporary folder with PyAV by the corpus's clip maker
+(``make_video_clips.encode``): zooms into scikit-image photos, h264 (libx264) in mp4,
+``--clips`` of them lasting ``--seconds``, their sizes, frame rates and GOPs (keyframe
+interval) cycled from ``--sizes``, ``--rates`` and ``--gops``. Both paths sample ``--fps``
+frames a second as ``Qwen2VLVideoProcessor`` does (``do_sample_frames=True``) with the same
+min/max frames and min/max pixels (``VideoConfig``'s defaults otherwise), and end with the
+float32 ``pixel_values_videos`` the encoder gets:
 
 - mimo: read the clip's bytes → ``decode_video`` (only the sampled frames, skipping the
   non-reference frames between them and seeking to the
@@ -58,13 +59,12 @@ import av
 import numpy as np
 import torch
 import torch.utils.data
-from PIL import Image
-from skimage import data as photos
 from transformers import Qwen2VLVideoProcessor
 from transformers.utils import is_av_available
 from transformers.utils.import_utils import is_torchcodec_usable
 from transformers.video_utils import is_torchvision_video_decoding_available, load_video
 
+import make_video_clips
 from mimo_data.modalities.video import (
     VideoConfig, decode_video, normalize_video_pixels, probe_video, sample_indices,
     video_encoder_inputs)
@@ -74,44 +74,15 @@ PHOTOS = ("astronaut", "coffee", "rocket", "hubble_deep_field", "chelsea")
 
 # --- clips -------------------------------------------------------------------------------
 
-def _frames(photo: np.ndarray, count: int, width: int, height: int) -> Iterator[np.ndarray]:
-    """``count`` RGB frames of ``width`` x ``height``: a window of the output's shape panning
-    left to right across ``photo`` while zooming in from 90% to 60% of its fitting size."""
-    source = Image.fromarray(photo)
-    fit = min(photo.shape[1] / width, photo.shape[0] / height)
-    for i in range(count):
-        progress = i / max(1, count - 1)
-        scale = fit * (0.9 - 0.3 * progress)
-        w, h = width * scale, height * scale
-        x = (photo.shape[1] - w) * progress
-        y = (photo.shape[0] - h) * (0.5 + 0.4 * np.sin(6.28 * progress)) / 1.8 + 0.05 * h
-        y = min(max(y, 0.0), photo.shape[0] - h)
-        box = (int(x), int(y), int(x + w), int(y + h))
-        yield np.asarray(source.crop(box).resize((width, height), Image.Resampling.BILINEAR))
-
-
-def make_clip(path: str, photo: np.ndarray, *, rate: int, seconds: float, width: int,
-              height: int, gop: int) -> None:
-    with av.open(path, "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=rate)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        stream.codec_context.gop_size = gop
-        stream.codec_context.options = {"preset": "fast"}
-        for frame in _frames(photo, round(rate * seconds), width, height):
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-
-
 def make_clips(folder: str, args: argparse.Namespace) -> list[str]:
     paths = []
     for i in range(args.clips):
         width, height = (int(v) for v in args.sizes[i % len(args.sizes)].split("x"))
         path = os.path.join(folder, f"clip{i}.mp4")
-        make_clip(path, getattr(photos, PHOTOS[i % len(PHOTOS)])(),
-                  rate=args.rates[i % len(args.rates)], seconds=args.seconds, width=width,
-                  height=height, gop=args.gops[i % len(args.gops)])
+        make_video_clips.encode(make_video_clips.Spec(
+            name=f"clip{i}", photo=PHOTOS[i % len(PHOTOS)], motion="zoom", muxer="mp4",
+            encoder="libx264", fps=args.rates[i % len(args.rates)], seconds=args.seconds,
+            width=width, height=height, gop=args.gops[i % len(args.gops)]), path)
         paths.append(path)
     return paths
 
