@@ -37,6 +37,7 @@ from mimo_train.families import preprocessing_for
 from mimo_train.step import _shared_placeholders
 
 from conftest import REPO, build_dataset
+from test_video_modality import _processor
 from test_train_parity import _compare, _run, _torchrun
 from test_vlm import PARITY_RUNNER, RUNNER, TOLERANCE
 
@@ -50,14 +51,18 @@ def _turns(*texts: str) -> list[dict]:
             for i, text in enumerate(texts)]
 
 
-def config_for(checkpoint) -> PreprocessConfig:
-    """The checkpoint's preprocessing config (``preprocessing_for``), smaller frames."""
+def config_data(checkpoint) -> dict:
+    """The checkpoint's preprocessing config (``preprocessing_for``), smaller frames, as YAML
+    data."""
     data = preprocessing_for(str(checkpoint))
     for name in ("image", "video"):
         data["modalities"][name].update(PIXELS)
     data["modalities"]["video"].update(fps=4.0)
-    data["seq_length"] = 1024
-    return PreprocessConfig.from_dict(data)
+    return {**data, "seq_length": 1024}
+
+
+def config_for(checkpoint) -> PreprocessConfig:
+    return PreprocessConfig.from_dict(config_data(checkpoint))
 
 
 @pytest.fixture(scope="module")
@@ -267,12 +272,8 @@ def run_data(family, corpus, corpus_videos, tmp_path_factory) -> dict:
         records.append(record)
     (tmp / "records.json").write_text(json.dumps(records))
     build_dataset([tmp / "records.json"], tmp / "shards")
-    data = preprocessing_for(str(family["checkpoint"]))
-    for name in ("image", "video"):
-        data["modalities"][name].update(PIXELS)
-    data["modalities"]["video"].update(fps=4.0)
     preprocess = tmp / "preprocess.yaml"
-    preprocess.write_text(yaml.safe_dump({**data, "seq_length": 1024}))
+    preprocess.write_text(yaml.safe_dump(config_data(family["checkpoint"])))
     common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
               f"model.pretrained={family['checkpoint']}", f"train.global_batch_size={SAMPLES}",
               "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0", "train.seed=3",
@@ -379,7 +380,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     clip = corpus_videos["zoom_mpeg4_10"]
     video = run_data["config"].modalities["video"]
     frames, metadata = load_video(str(corpus / clip.path), backend="pyav")
-    processed = _video_processor(video)(videos=[frames], video_metadata=[metadata],
+    processed = _processor(video)(videos=[frames], video_metadata=[metadata],
                                         return_tensors="pt")
     grid = processed["video_grid_thw"]
     tokens = int(grid.prod()) // video.merge_size ** 2
@@ -409,11 +410,3 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     assert generate(["--model", str(out), "--video", str(corpus / clip.path), "--prompt",
                      "What is shown?", "--max-new-tokens", "8"]) == 0
 
-
-def _video_processor(cfg: VideoConfig):
-    from transformers import Qwen2VLVideoProcessor
-    return Qwen2VLVideoProcessor(
-        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-        merge_size=cfg.merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-        min_frames=cfg.min_frames, max_frames=cfg.max_frames, image_mean=list(cfg.mean),
-        image_std=list(cfg.std), fps=cfg.fps, do_sample_frames=True)
