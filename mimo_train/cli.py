@@ -22,8 +22,9 @@ import argparse
 import sys
 import time
 
-from mimo_train import console
-from mimo_train.config import TrainConfig, TrainConfigError
+from mimo_train.runtime import console
+from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,21 +59,23 @@ def main(argv=None) -> int:
         parser.error("--config is required (or --preprocessing-for)")
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
+        from mimo_train.families.registry import resolve
+        resolve(cfg)                    # the model's dims from the checkpoints it names
     except TrainConfigError as error:
         return console.fail_before_setup("config", error)
     start = time.perf_counter()
-    from mimo_train import distributed
-    from mimo_train.metrics import dump
-    from mimo_train.trainer import train
+    from mimo_train.runtime import distributed
+    from mimo_train.components.metrics import dump
+    from mimo_train.training.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
     try:
         trainer = train(cfg)
         if args.records:
             dump(trainer.metrics.records, args.records)
-        if trainer.failure:             # too many skipped steps (mimo_train/anomalies.py)
+        if trainer.failure:             # too many skipped steps (components/anomalies.py)
             return 1
-        if trainer.stopped_by:          # preempted: checkpoint saved (mimo_train/preemption.py)
+        if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)
             return 128 + trainer.stopped_by
     except console.StartupError as error:
         return console.report_failure(error)
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
 def _print_preprocessing(path: str) -> int:
     import yaml
 
-    from mimo_train.families import preprocessing_for
+    from mimo_train.families.registry import preprocessing_for
     try:
         data = preprocessing_for(path)
     except TrainConfigError as error:

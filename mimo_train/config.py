@@ -1,6 +1,11 @@
-"""The one training config: a YAML file plus ``key.path=value`` overrides.
+"""The one training config: a YAML file plus ``key.path=value`` overrides, parsed and validated.
 
     cfg = TrainConfig.load("configs/train/images_audio_noncolocated.yaml", ["train.steps=50"])
+    resolve(cfg)        # mimo_train.families.registry: the model dims from its checkpoints
+
+This module reads no checkpoint: the language model's dims left unset here (``None``) are filled
+by the families' resolve step, from ``model.language.pretrained`` / ``model.pretrained`` or
+``LANGUAGE_DEFAULTS``; the trainer takes only a resolved config.
 
 Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a validation set),
 ``layout`` (as the loader takes it: a string such as ``"image=dp1;audio=dp1;language=dp1"`` or a
@@ -35,13 +40,10 @@ import yaml
 
 from mimo_data.loading.balance import BALANCE
 from mimo_data.shards.storage import is_remote, redacted
+from mimo_train.errors import TrainConfigError
 
-# model.attention values (mimo_train.attention says what each runs)
+# model.attention values (mimo_train.mcore.attention says what each runs)
 ATTENTION = ("auto", "local", "sdpa", "varlen")
-
-
-class TrainConfigError(ValueError):
-    """A training config that cannot run; the message names the key and what to do."""
 
 
 @dataclass
@@ -80,36 +82,8 @@ class LanguageConfig:
     mrope_section: list | None = None
     pretrained: str | None = None
 
-    def resolve(self) -> None:
-        """Fill the unset dims from the checkpoint (or the defaults); refuse a set dim that
-        differs from the checkpoint's."""
-        if self.pretrained is None:
-            for name, default in _LANGUAGE_DEFAULTS.items():
-                if getattr(self, name) is None:
-                    setattr(self, name, default)
-            assert self.hidden_size and self.num_attention_heads        # the defaults, at least
-            self._check_mrope(self.hidden_size // self.num_attention_heads)
-            return
-        from mimo_train.families.causal_lm import read_architecture
-        arch = read_architecture(self.pretrained)
-        for name in (*_LANGUAGE_DEFAULTS, "ffn_hidden_size"):
-            given, actual = getattr(self, name), getattr(arch, name)
-            if given is not None and given != actual:
-                raise TrainConfigError(
-                    f"model.language.{name} is {given}, but model.language.pretrained "
-                    f"{self.pretrained} has {name} {actual}: drop the key or make them agree")
-            setattr(self, name, actual)
-        if arch.mrope_section is not None:
-            if self.mrope_section is not None and \
-                    list(self.mrope_section) != list(arch.mrope_section):
-                raise TrainConfigError(
-                    f"model.language.mrope_section is {self.mrope_section}, but "
-                    f"model.language.pretrained {self.pretrained} has "
-                    f"{list(arch.mrope_section)}: drop the key or make them agree")
-            self.mrope_section = list(arch.mrope_section)
-        self._check_mrope(arch.kv_channels)
-
-    def _check_mrope(self, head_dim: int) -> None:
+    def check_mrope(self, head_dim: int) -> None:
+        """``TrainConfigError`` unless ``mrope_section`` (if set) splits ``head_dim``."""
         section = self.mrope_section
         if section is None:
             return
@@ -120,7 +94,8 @@ class LanguageConfig:
                 f"rotary pairs (time, height, width) summing to head_dim / 2 = {head_dim // 2}")
 
 
-_LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
+# the language model's dims without a checkpoint (``families.registry.resolve`` fills them)
+LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 
 
 @dataclass
@@ -151,23 +126,6 @@ class ModelConfig:
     freeze: list = field(default_factory=list)
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
     attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
-
-    def resolve(self) -> None:
-        """Fill what ``pretrained`` (a whole VLM) gives, then the language model's dims."""
-        projection = "linear"
-        if self.pretrained is not None:
-            from mimo_train.families import read_vlm
-            vlm = read_vlm(self.pretrained)
-            if self.language.pretrained not in (None, self.pretrained):
-                raise TrainConfigError(
-                    f"model.pretrained is {self.pretrained} and model.language.pretrained "
-                    f"{self.language.pretrained}: the whole VLM brings its language model; "
-                    "drop one of the two")
-            self.language.pretrained = self.pretrained
-            projection = vlm.projection
-        if self.projection is None:
-            self.projection = projection
-        self.language.resolve()
 
 
 @dataclass
@@ -232,7 +190,7 @@ def _check_wandb(wandb: WandbConfig) -> None:
 def _check_exit_signal(name: str) -> None:
     import signal
 
-    from mimo_train.preemption import signal_number
+    from mimo_train.runtime.preemption import signal_number
     try:
         number = signal_number(name)
     except AttributeError:
@@ -280,7 +238,6 @@ class TrainConfig:
             _apply_override(data, override, os.getcwd())
         config = _build(cls, data, "")
         config.validate()
-        config.model.resolve()
         return config
 
     @classmethod
@@ -288,7 +245,6 @@ class TrainConfig:
         """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute."""
         config = _build(cls, copy.deepcopy(data), "")
         config.validate()
-        config.model.resolve()
         return config
 
     def to_dict(self) -> dict:
@@ -348,6 +304,14 @@ class TrainConfig:
         if run.eval_interval and not self.data.valid:
             raise TrainConfigError("train.eval_interval is set but data.valid lists no shard "
                                    "directory to evaluate on")
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the families' resolve step has filled the model
+        (``mimo_train.families.registry.resolve``)."""
+        language = self.model.language
+        return None not in (language.num_layers, language.hidden_size,
+                            language.num_attention_heads, self.model.projection)
 
     def warmup_steps(self) -> tuple[int, str | None]:
         """The LR warmup of this run, and a note when ``optimizer.warmup_steps`` was clamped

@@ -386,7 +386,8 @@ def rewrite_samples_parquet(directory: Path, table) -> None:
     index.json records its new sha256 and size, and the sample table of the new key is
     written beside the dataset."""
     from mimo_data.shards import sample_table
-    from mimo_data.shards.index import dumps, file_sha256, read_index, write_atomic
+    from mimo_data.files import file_sha256, write_atomic
+    from mimo_data.shards.index import dumps, read_index
 
     parquet = directory / "samples.parquet"
     pq.write_table(table, parquet)

@@ -26,10 +26,12 @@ import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_data.preprocess.positions import mrope_positions
-from mimo_train.config import TrainConfig, TrainConfigError
-from mimo_train.infra import build_infra
+from mimo_train.config import TrainConfig
+from mimo_train.families.registry import resolve
+from mimo_train.errors import TrainConfigError
+from mimo_train.mcore.grids import build_infra
 from mimo_train.mcore import model_parallel_cuda_manual_seed, parallel_state
-from mimo_train.model import (_SeededGPTModel, language_model_params,
+from mimo_train.model.build import (_SeededGPTModel, language_model_params,
                               language_transformer_config, load_language_weights)
 
 TEXTS = ["The Eiffel Tower is in Paris, the capital of France, and it was built in 1889.",
@@ -57,8 +59,8 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor,
                     backend: str = "local", packed: bool = False) -> torch.Tensor | None:
     """The model's logits [b, s, vocab] on the last stage (TP-gathered), None elsewhere;
     ``packed``: the rows run as one packed row (THD, one sample per row)."""
-    cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"layout={layout}",
-                                  f"model.language.pretrained={path}", *overrides])
+    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"layout={layout}",
+                                  f"model.language.pretrained={path}", *overrides]))
     infra = build_infra(Layout.parse(layout), "gloo")
     part = infra.role.module(LANGUAGE)
     model_parallel_cuda_manual_seed(1, tp_rank=part.tp_rank, ep_rank=0, etp_rank=0)

@@ -17,7 +17,7 @@ import os
 import sys
 import warnings
 
-from mimo_train import distributed
+from mimo_train.runtime import distributed
 from mimo_train.cli import main as mimo_train
 
 

@@ -1,4 +1,5 @@
-"""Steps that go wrong, traced to their samples (mimo_train/anomalies.py), under torchrun:
+"""Steps that go wrong, traced to their samples (mimo_train/components/anomalies.py), under
+torchrun:
 
 - a planted sample whose text SmolLM2 finds very unlikely (150 random vocabulary words among
   short plain-English answers) makes its step's loss spike: the step's record names its

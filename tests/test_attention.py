@@ -1,4 +1,4 @@
-"""mimo_train/attention.py: which kernels a run picks, and the language attention backends
+"""mimo_train/mcore/attention.py: which kernels a run picks, and the language attention backends
 against the local reference on the same inputs.
 
 - ``choose``: ``auto`` is the local reference on the CPU, varlen on CUDA in bf16 (flash-capable
@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mimo_train.attention import (AttentionChoice, CoreAttention, Kernels, block_causal_mask,
+from mimo_train.mcore.attention import (AttentionChoice, CoreAttention, Kernels, block_causal_mask,
                                   choose)
-from mimo_train.config import TrainConfigError
+from mimo_train.errors import TrainConfigError
 
 CPU = Kernels(cuda=False, flash_capable=False, varlen=True, flash_attn_2=False)
 H100 = Kernels(cuda=True, flash_capable=True, varlen=True, flash_attn_2=True)
@@ -76,7 +76,7 @@ def attention():
     tensor-parallel group)."""
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mimo_train import distributed
+    from mimo_train.runtime import distributed
     from mimo_train.mcore import (ProcessGroupCollection, TransformerConfig,
                                   model_parallel_cuda_manual_seed, parallel_state)
     distributed.init(torch.device("cpu"))

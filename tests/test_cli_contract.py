@@ -14,7 +14,7 @@ from conftest import REPO, build_dataset, write_jsonl
 
 CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
 # command lines without subcommands
-SINGLE_CLIS = {"mimo-export": "mimo_train.export", "mimo-generate": "mimo_train.generate"}
+SINGLE_CLIS = {"mimo-export": "mimo_train.hf.export", "mimo-generate": "mimo_train.hf.generate"}
 
 
 def _parser(module: str) -> argparse.ArgumentParser:

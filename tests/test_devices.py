@@ -1,4 +1,5 @@
-"""Where a rank trains and how it waits for the others (mimo_train/devices.py, distributed.py).
+"""Where a rank trains and how it waits for the others (mimo_train/runtime/devices.py,
+distributed.py).
 
 - ``train.device``: auto with visible GPUs and CUDA that does not start is an error naming
   torch's reason, the driver and the wheel's CUDA, and the ways out, never a silent CPU run;
@@ -19,8 +20,8 @@ import textwrap
 import torch
 
 from conftest import REPO
-from mimo_train import devices
-from mimo_train.config import TrainConfigError
+from mimo_train.runtime import devices
+from mimo_train.errors import TrainConfigError
 
 OLD_DRIVER = devices.CudaState(
     usable=False, gpus=("/dev/nvidia0", "/dev/nvidia1"),
@@ -78,7 +79,7 @@ SILENT_RANK = textwrap.dedent("""
     from datetime import timedelta
     import torch
     import torch.distributed as dist
-    from mimo_train import distributed
+    from mimo_train.runtime import distributed
     distributed.init(torch.device("cpu"), timedelta(seconds=3))
     control = distributed.control()
     assert control is not None and control is not dist.group.WORLD
@@ -111,7 +112,7 @@ def test_checkpoint_rng_states_carry_cuda_where_it_runs(monkeypatch):
     """A checkpoint's RNG entry: the CPU generator, plus on CUDA the device generator and
     megatron-core's tracked streams (here a stand-in CUDA), restored as saved; the CPU state
     alone, as earlier checkpoints hold it, still restores."""
-    from mimo_train import checkpoint
+    from mimo_train.components import checkpoint
     assert set(checkpoint.rng_state()) == ({"cpu", "cuda", "tracker"}
                                            if torch.cuda.is_available() else {"cpu"})
 

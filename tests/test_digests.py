@@ -1,7 +1,8 @@
-"""The integrity manifest with the hashing spread over the ranks (``mimo_train.digests``): each
-writer hashes only its own files, the readers' shares cover every file once in about equal
-bytes, and the manifest is megatron-core's, readable by its own verifier. The multi-rank paths
-(a 3-rank save, a damaged checkpoint refused on every rank) run in tests/test_train_run.py."""
+"""The integrity manifest with the hashing spread over the ranks
+(``mimo_train.components.digests``): each writer hashes only its own files, the readers' shares
+cover every file once in about equal bytes, and the manifest is megatron-core's, readable by its own
+verifier. The multi-rank paths (a 3-rank save, a damaged checkpoint refused on every rank) run in
+tests/test_train_run.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import os
 
 import pytest
 
-from mimo_train import digests
-from mimo_train.digests import IntegrityError
+from mimo_train.components import digests
+from mimo_train.errors import IntegrityError
 
 
 def _sha(data: bytes) -> str:
@@ -32,8 +33,8 @@ def checkpoint(tmp_path):
 def test_each_writer_hashes_only_its_own_files(checkpoint, monkeypatch):
     directory, files = checkpoint
     hashed = []
-    original = digests.file_digest
-    monkeypatch.setattr(digests, "file_digest",
+    original = digests.file_sha256
+    monkeypatch.setattr(digests, "file_sha256",
                         lambda path: hashed.append(os.path.basename(path)) or original(path))
     digests.write_part(str(directory), 1)
     assert sorted(hashed) == ["__1_0.distcp", "__1_1.distcp"]
@@ -49,8 +50,8 @@ def test_the_manifest_merges_the_parts_and_megatron_reads_it(checkpoint, monkeyp
     for rank in range(3):
         digests.write_part(str(directory), rank)
     hashed = []
-    original = digests.file_digest
-    monkeypatch.setattr(digests, "file_digest",
+    original = digests.file_sha256
+    monkeypatch.setattr(digests, "file_sha256",
                         lambda path: hashed.append(os.path.basename(path)) or original(path))
     digests.write_manifest(str(directory))
     assert sorted(hashed) == [".metadata", "metadata.json"]        # rank 0's own, small files

@@ -139,7 +139,7 @@ def test_bf16_trains_from_either_stored_dtype(runs):
 
 def test_init_from_a_bf16_checkpoint_loads_its_weights_exactly(runs):
     """The fp32 run that starts from the bf16 run's checkpoint holds exactly its values."""
-    from mimo_train.checkpoint import load_weights
+    from mimo_train.components.checkpoint import load_weights
     results, checkpoint = runs
     saved = load_weights(str(checkpoint))
     start = results["init-from-bf16-run-fp32"]["start"]
@@ -152,12 +152,12 @@ def test_init_from_a_bf16_checkpoint_loads_its_weights_exactly(runs):
 
 
 def test_export_keeps_bf16_and_generate_reads_any_dtype(runs, tmp_path, capsys):
-    from mimo_train.export import main as export
-    from mimo_train.generate import Generator
+    from mimo_train.hf.export import main as export
+    from mimo_train.hf.generate import Generator
     _, checkpoint = runs
     out = tmp_path / "export"
     assert export(["--checkpoint", str(checkpoint), "--output", str(out)]) == 0
-    from mimo_train.checkpoint import load_weights
+    from mimo_train.components.checkpoint import load_weights
     saved = load_weights(str(checkpoint))
     for module in ("language", "image", "audio"):
         weights = load_file(out / module / "model.safetensors")

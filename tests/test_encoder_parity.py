@@ -38,7 +38,7 @@ from mimo_data.modalities.audio import AUDIO, AudioConfig, audio_encoder_inputs,
 from mimo_data.modalities.audio import probe_audio
 from mimo_data.modalities.image import IMAGE, ImageConfig, decode_image, image_encoder_inputs
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.families.base import EncoderBuildError
+from mimo_train.errors import EncoderBuildError
 from mimo_train.families.qwen2_vl import Qwen2VLVision
 from mimo_train.families.siglip import SiglipVision
 from mimo_train.families.whisper import WhisperAudio

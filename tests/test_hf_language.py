@@ -45,10 +45,11 @@ def _env() -> dict:
 def test_mapping_round_trips_over_tp_and_pp(name):
     from safetensors.torch import load_file
 
-    from mimo_train.families.causal_lm import read_architecture, to_hf, to_megatron
+    from mimo_train.families.causal_lm import to_hf, to_megatron
+    from mimo_train.families.registry import language_arch
 
     path = str(model_dir(name))
-    arch = read_architecture(path)
+    arch = language_arch(path)
     hf = load_file(os.path.join(path, "model.safetensors"))
     vocab = arch.vocab_size + 128
     parts = []
@@ -76,10 +77,11 @@ def test_mapping_round_trips_over_tp_and_pp(name):
 def test_rows_past_the_vocabulary_start_at_the_mean():
     from safetensors.torch import load_file
 
-    from mimo_train.families.causal_lm import read_architecture, to_megatron
+    from mimo_train.families.causal_lm import to_megatron
+    from mimo_train.families.registry import language_arch
 
     path = str(model_dir("tiny-llama"))
-    arch = read_architecture(path)
+    arch = language_arch(path)
     hf = load_file(os.path.join(path, "model.safetensors"))
     state = to_megatron(hf.__getitem__, arch, tp_rank=0, tp_size=1, layers=[],
                         first_stage=True, last_stage=True, vocab_size=arch.vocab_size + 3,
@@ -95,7 +97,8 @@ def test_rows_past_the_vocabulary_start_at_the_mean():
 
 def _load(*overrides):
     from mimo_train.config import TrainConfig
-    return TrainConfig.load(None, ["data.datasets=[x]", *overrides])
+    from mimo_train.families.registry import resolve
+    return resolve(TrainConfig.load(None, ["data.datasets=[x]", *overrides]))
 
 
 def test_dims_come_from_the_checkpoint():
@@ -104,14 +107,14 @@ def test_dims_come_from_the_checkpoint():
     lm = cfg.model.language
     assert (lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.ffn_hidden_size) == \
         (30, 576, 9, 1536)
-    from mimo_train.families.causal_lm import read_architecture
-    arch = read_architecture(lm.pretrained)
+    from mimo_train.families.registry import language_arch
+    arch = language_arch(lm.pretrained)
     assert (arch.num_query_groups, arch.kv_channels, arch.tied, arch.rotary_base) == \
         (3, 64, True, 100000.0)
 
 
 def test_a_yaml_dim_that_differs_names_both_values():
-    from mimo_train.config import TrainConfigError
+    from mimo_train.errors import TrainConfigError
     with pytest.raises(TrainConfigError, match=r"model.language.num_layers is 4, but model."
                        r"language.pretrained .*tiny-qwen3 has num_layers 2"):
         _load(f"model.language.pretrained={model_dir('tiny-qwen3')}",
@@ -120,11 +123,12 @@ def test_a_yaml_dim_that_differs_names_both_values():
 
 def test_a_relative_path_in_the_yaml_is_taken_from_its_folder(tmp_path):
     from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import resolve
     target = model_dir("tiny-llama")
     (tmp_path / "train.yaml").write_text(
         "data: {datasets: [x]}\n"
         f"model: {{language: {{pretrained: {os.path.relpath(target, tmp_path)}}}}}\n")
-    cfg = TrainConfig.load(str(tmp_path / "train.yaml"))
+    cfg = resolve(TrainConfig.load(str(tmp_path / "train.yaml")))
     assert cfg.model.language.pretrained == str(target)
     assert cfg.model.language.num_layers == 2 and cfg.model.language.hidden_size == 64
 
@@ -139,7 +143,7 @@ def test_a_relative_path_in_the_yaml_is_taken_from_its_folder(tmp_path):
     ({"mlp_bias": True}, "mlp_bias"),
 ])
 def test_what_megatron_cannot_reproduce_is_refused(tmp_path, change, message):
-    from mimo_train.config import TrainConfigError
+    from mimo_train.errors import TrainConfigError
     config = json.loads((model_dir("tiny-llama") / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(TrainConfigError, match=message):

@@ -742,7 +742,8 @@ def test_plan_packing_efficiency_is_first_fit_decreasing_of_the_planned_tokens(
         capsys, clean, configs):
     """The JSON's packing figures against the dry run's per-sample tokens: sequences by a
     first-fit-decreasing written here, padded rows of seq_length, and each micro-batch cut to
-    its longest sample rounded up to 64 tokens (what mimo_train/step.py computes unpacked)."""
+    its longest sample rounded up to 64 tokens (what mimo_train/training/step.py computes
+    unpacked)."""
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], *PACKING_PLAN,
                          "--json")
     assert code == 0, err

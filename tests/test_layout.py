@@ -106,7 +106,7 @@ def test_every_module_dp_must_divide_the_global_micro_batch():
 
 
 def test_fan_in_and_fan_out_take_variable_token_counts():
-    """Non-colocated bridges route per-sample counts both ways (mimo_train.bridge_routing)."""
+    """Non-colocated bridges route per-sample counts both ways (mimo_train.mcore.bridge_routing)."""
     Layout.parse("language=dp1;image=dp2").validate(3, 8, 2, ["image"])   # fan-in
     Layout.parse("language=tp2;image=dp4;audio=dp2").validate(8, 8, 4, ["image", "audio"])
     Layout.parse("language=dp2;image=dp1").validate(3, 8, 2, ["image"])   # fan-out

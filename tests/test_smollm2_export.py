@@ -67,7 +67,7 @@ def smollm2(loader_corpus, tmp_path_factory) -> Iterator[Run]:
         result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=400,
                                 env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-        from mimo_train.export import main
+        from mimo_train.hf.export import main
         out = tmp / "export"
         assert main(["--checkpoint", str(tmp / "checkpoints"), "--output", str(out)]) == 0
         losses = [json.loads(line)["loss"] for line in records.read_text().splitlines()
@@ -124,7 +124,7 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
     from transformers import AutoTokenizer, SiglipVisionModel
     from transformers.models.whisper.modeling_whisper import WhisperEncoder
 
-    from mimo_train.checkpoint import load_weights
+    from mimo_train.components.checkpoint import load_weights
 
     manifest = json.loads((smollm2.export / "manifest.json").read_text())
     tokenizer = AutoTokenizer.from_pretrained(smollm2.export / "language")
@@ -158,7 +158,7 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
 
 def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, tmp_path,
                                                                       capsys):
-    from mimo_train.export import main
+    from mimo_train.hf.export import main
 
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
                  str(smollm2.export)]) == 2
@@ -182,8 +182,8 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
 ], ids=["random-init", "mrope"])
 def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
         smollm2, tmp_path, monkeypatch, capsys, language, message):
-    from mimo_train import checkpoint
-    from mimo_train.export import main
+    from mimo_train.components import checkpoint
+    from mimo_train.hf.export import main
 
     meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
     meta["config"]["model"]["language"].update(language)
@@ -198,7 +198,8 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
 
 
 def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
-    from mimo_train import checkpoint, export
+    from mimo_train.components import checkpoint
+    from mimo_train.hf import export
 
     def fail(out, *args):
         Path(out, "language").mkdir()
@@ -224,12 +225,12 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def generator(smollm2, one_thread):
-    from mimo_train.generate import Generator
+    from mimo_train.hf.generate import Generator
     return Generator(str(smollm2.export), "cpu")
 
 
 def test_generate_answers_the_capital_of_france(smollm2, one_thread, capsys):
-    from mimo_train.generate import main
+    from mimo_train.hf.generate import main
 
     capsys.readouterr()
     assert main(["--model", str(smollm2.export), "--prompt", "What is the capital of France?",
@@ -273,7 +274,8 @@ def test_sampling_is_reproducible_from_its_seed(generator):
 
 
 def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
-    from mimo_train.generate import GenerateError, main
+    from mimo_train.hf.generate import main
+    from mimo_train.errors import GenerateError
 
     with pytest.raises(GenerateError, match="no-such.jpg") as error:
         generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])

@@ -73,7 +73,8 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(planted, tmp_path
 def test_wandb_without_the_package_is_refused(monkeypatch):
     import importlib.util
 
-    from mimo_train.config import TrainConfig, TrainConfigError
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == "wandb" else real(name, *a))

@@ -16,7 +16,8 @@ import yaml
 
 from mimo_data.loading.layout import Layout
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import EncoderConfig, LanguageConfig, TrainConfig, TrainConfigError
+from mimo_train.config import EncoderConfig, LanguageConfig, TrainConfig
+from mimo_train.errors import TrainConfigError
 
 from conftest import REPO
 
@@ -99,7 +100,6 @@ def test_yaml_file_fills_every_section(tmp_path):
 def test_missing_keys_take_the_dataclass_defaults(tmp_path):
     cfg = load(tmp_path, MINIMAL)
     defaults = TrainConfig()
-    defaults.model.resolve()   # unset language dims and projection: filled on load
     assert cfg.data.datasets == [str(tmp_path / "shards/a")]
     for section in ("model", "optimizer", "train", "checkpoint"):
         assert getattr(cfg, section) == getattr(defaults, section), section

@@ -1,4 +1,4 @@
-"""mimo_train.cpu_compat: one test per megatron-core CUDA assumption it covers.
+"""mimo_train.mcore.cpu_compat: one test per megatron-core CUDA assumption it covers.
 
 Each test runs in a fresh interpreter (the patches are process-wide): it makes the megatron-core
 call that fails on CPU, checks it fails the way cpu_compat documents, applies only that patch,
@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from mimo_train import cpu_compat
+from mimo_train.mcore import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the patches apply only when CUDA is absent")
@@ -24,7 +24,7 @@ PRELUDE = """
 import socket, warnings
 import torch, torch.distributed as dist
 warnings.filterwarnings("ignore")
-from mimo_train import cpu_compat
+from mimo_train.mcore import cpu_compat
 
 def init_gloo():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()

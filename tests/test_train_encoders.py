@@ -26,8 +26,8 @@ from mimo_data.modalities.image import ImageConfig
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities.audio import audio_tokens, audio_tokens_from_frames
 from mimo_data.modalities.image import image_tokens
-from mimo_train.families import build_encoder, default_kind
-from mimo_train.families.base import EncoderBuildError
+from mimo_train.families.registry import build_encoder, default_kind
+from mimo_train.errors import EncoderBuildError
 from mimo_train.families.qwen2_5_vl import Qwen2_5VLVision
 from mimo_train.families.qwen2_vl import Qwen2VLVision
 from mimo_train.families.siglip import SiglipVision

@@ -110,7 +110,7 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(setup):
     weights the synchronous run saved at that step (not a later step's: the steps after it
     changed them while it was written), its manifest is complete, and ``latest`` names the
     last one."""
-    from mimo_train.checkpoint import load_weights
+    from mimo_train.components.checkpoint import load_weights
 
     tmp, common, full = setup
     root = tmp / "async-ckpt"
@@ -326,7 +326,7 @@ def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
     changes the others. The shipped warmup (3 steps) is clamped to this 1-step run."""
     import torch
 
-    from mimo_train.checkpoint import load_weights
+    from mimo_train.components.checkpoint import load_weights
 
     result = frozen["result"]
     assert "mimo-train: optimizer.warmup_steps 3 clamped to 0 for a 1-step run" in \
@@ -406,7 +406,8 @@ def test_damaged_files_are_refused_on_every_rank(setup):
 def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     """Each damage, read in one process (``load_weights``, as mimo-export does): a
     CheckpointError naming the file and step 3 as the newest complete checkpoint."""
-    from mimo_train.checkpoint import CheckpointError, load_weights
+    from mimo_train.components.checkpoint import load_weights
+    from mimo_train.errors import CheckpointError
 
     root = _damaged_copy(setup, f"damaged-{damage.replace(' ', '-')}")
     step = root / "step_0000006"

@@ -32,7 +32,9 @@ import torch
 
 from mimo_data.modalities.image import normalize_pixels
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import TrainConfig, TrainConfigError
+from mimo_train.config import TrainConfig
+from mimo_train.families.registry import resolve
+from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
 from test_train_parity import _compare, _run, _torchrun
@@ -208,7 +210,7 @@ def test_layouts_match_the_colocated_step(vlm_data, colocated_step):
 @pytest.fixture(scope="module")
 def untrained_export(colocated_step, tmp_path_factory) -> Path:
     """mimo-export of the imported model before any training."""
-    from mimo_train.export import main
+    from mimo_train.hf.export import main
     out = tmp_path_factory.mktemp("untrained-export") / "out"
     assert main(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
     return out
@@ -237,7 +239,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(untrained_expo
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
         Qwen2VLImageProcessorPil)
 
-    from mimo_train.generate import Generator
+    from mimo_train.hf.generate import Generator
     image = corpus / "images" / "grace_hopper.jpg"
     ours = Generator(str(untrained_export)).generate("Who is this?", images=[str(image)],
                                                      max_new_tokens=8)
@@ -319,7 +321,7 @@ def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(fi
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from mimo_train.export import main
+    from mimo_train.hf.export import main
     out = tmp_path / "out"
     assert main(["--checkpoint", str(finetune[2] / "step_0000004"), "--output", str(out)]) == 0
     AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
@@ -333,15 +335,15 @@ def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(fi
 
 def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):
     _, preprocess, _ = vlm_data
-    cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}"])
+    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}"]))
     assert cfg.model.language.pretrained == str(VLM)
     assert cfg.model.language.mrope_section == [2, 3, 3]
     assert (cfg.model.language.num_layers, cfg.model.language.hidden_size) == (2, 64)
     assert cfg.model.projection == "none"
     with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
                        "model.language.pretrained .* has \\[2, 3, 3\\]"):
-        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
-                                "model.language.mrope_section=[4,2,2]"])
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                "model.language.mrope_section=[4,2,2]"]))
 
 
 @pytest.mark.parametrize("model_type, reason", [
@@ -352,7 +354,7 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
     directory = tmp_path / model_type
     AutoConfig.for_model(model_type).save_pretrained(directory)
     with pytest.raises(TrainConfigError, match=reason):
-        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={directory}"])
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={directory}"]))
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -369,7 +371,7 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
                                                                expected):
     """What the trainer checks in its config phase, before building anything."""
     from mimo_data.preprocess.chat_tokens import load_tokenizer
-    from mimo_train.families import read_vlm
+    from mimo_train.families.registry import read_vlm
     from mimo_train.families.base import check_preprocessing
     _, preprocess, _ = vlm_data
     text = preprocess.read_text()
@@ -402,7 +404,7 @@ def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
 
 
 def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
-    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.errors import EncoderBuildError
     from mimo_train.families.qwen2_vl import Qwen2VLVision
     _, preprocess, _ = vlm_data
     image = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
@@ -413,8 +415,9 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
 
 
 def test_a_tp_size_the_heads_cannot_split_into_is_refused():
-    from mimo_train.families.causal_lm import check_parallel, read_architecture
-    arch = read_architecture(str(VLM))
+    from mimo_train.families.causal_lm import check_parallel
+    from mimo_train.families.registry import language_arch
+    arch = language_arch(str(VLM))
     assert (arch.num_attention_heads, arch.num_query_groups) == (4, 2)
     with pytest.raises(TrainConfigError, match="2 query groups .* do not split into language "
                        "tp4"):

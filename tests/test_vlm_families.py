@@ -32,7 +32,7 @@ import torch
 
 from mimo_data.modalities.image import normalize_pixels
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import TrainConfigError
+from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
 from test_train_parity import _compare, _run, _torchrun
@@ -58,7 +58,7 @@ def _family_data(name: str, corpus: Path, tmp: Path) -> dict:
     on them."""
     import yaml
 
-    from mimo_train.families import preprocessing_for
+    from mimo_train.families.registry import preprocessing_for
     checkpoint, architecture = FAMILIES[name]
     images = corpus / "images"
     marker = "<image>"
@@ -198,8 +198,8 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-    from mimo_train.export import main
-    from mimo_train.generate import Generator
+    from mimo_train.hf.export import main
+    from mimo_train.hf.generate import Generator
     out = tmp_path / "out"
     assert main(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
@@ -236,7 +236,7 @@ def test_llava_finetune_trains_the_projector_with_the_tower_frozen(corpus, tmp_p
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
-    from mimo_train.export import main
+    from mimo_train.hf.export import main
     from test_train_run import _train_records
     data = _family_data("llava", corpus, tmp_path)
     common = [*(c for c in data["common"] if not c.startswith("train.")),
@@ -260,7 +260,7 @@ def test_llava_finetune_trains_the_projector_with_the_tower_frozen(corpus, tmp_p
 def test_freeze_names_a_module_or_an_encoder_modules_part():
     from types import SimpleNamespace
 
-    from mimo_train.model import _frozen_parts
+    from mimo_train.model.build import _frozen_parts
     infra = SimpleNamespace(modules={"language": 0, "image": 0}, layout="image=dp1;language=dp1")
     assert _frozen_parts(["image.encoder", "language"], infra) == {
         "image": "encoders.", "language": None}
@@ -277,10 +277,12 @@ def test_freeze_names_a_module_or_an_encoder_modules_part():
 
 def test_llava_takes_its_projector_and_sequential_positions():
     from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import resolve
     checkpoint = FAMILIES["llava"][0]
-    cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={checkpoint}"])
+    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]",
+                                          f"model.pretrained={checkpoint}"]))
     assert cfg.model.projection == "mlp" and cfg.model.language.mrope_section is None
-    from mimo_train.families import read_vlm
+    from mimo_train.families.registry import read_vlm
     projector = read_vlm(str(checkpoint)).projector()
     assert sorted(projector) == ["0.bias", "0.weight", "2.bias", "2.weight"]
     assert projector["0.weight"].shape == (64, 32)
@@ -299,7 +301,8 @@ def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
     config.save_pretrained(tmp_path)
     with pytest.raises(TrainConfigError, match=reason):
         from mimo_train.config import TrainConfig
-        TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"])
+        from mimo_train.families.registry import resolve
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"]))
 
 
 def test_a_modality_token_may_be_its_own_marker_only():
@@ -320,7 +323,7 @@ def test_a_processor_that_resizes_otherwise_is_refused():
     """LLaVA's CLIP processor crops; squashing (crop: false) would feed the tower other
     pixels than it was trained on."""
     from mimo_data.modalities.image import ImageConfig
-    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.errors import EncoderBuildError
     from mimo_train.families.llava import LlavaVision
     squashed = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)
     with pytest.raises(EncoderBuildError, match="do_center_crop True.*crop False"):
@@ -356,7 +359,7 @@ def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp
 
     from mimo_data.modalities.image import ImageConfig, decode_image, image_encoder_inputs
     from mimo_data.preprocess.preprocessor import media_item
-    from mimo_train.families import read_vlm
+    from mimo_train.families.registry import read_vlm
     from mimo_train.families.base import Projection
     from mimo_train.families.llava import LlavaVision
     torch.manual_seed(0)

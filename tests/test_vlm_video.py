@@ -33,8 +33,8 @@ from mimo_data.modalities.video import VideoConfig, normalize_video_pixels
 from mimo_data.preprocess.collate import Collator
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor, media_item
-from mimo_train.families import preprocessing_for
-from mimo_train.step import _shared_placeholders
+from mimo_train.families.registry import preprocessing_for
+from mimo_train.training.step import _shared_placeholders
 
 from conftest import REPO, build_dataset
 from test_video_modality import _processor
@@ -141,7 +141,7 @@ def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos)
 def test_the_tower_encodes_videos_as_transformers(family):
     """The checkpoint's one tower, built by mimo, on the batch's videos and images."""
     from transformers import AutoModelForImageTextToText
-    from mimo_train.families import ENCODERS, read_vlm
+    from mimo_train.families.registry import ENCODERS, read_vlm
     config = family["config"]
     vlm = read_vlm(str(family["checkpoint"]))
     tower = ENCODERS[vlm.encoder_kind](config.modalities["image"], 0, 0, 0,
@@ -173,7 +173,7 @@ def test_one_module_gets_its_placeholders_in_token_order():
 
 def test_a_module_serving_images_and_videos_interleaves_their_rows():
     from mimo_train.config import EncoderConfig
-    from mimo_train.model import EncoderSetting, _SeededEncoder
+    from mimo_train.model.build import EncoderSetting, _SeededEncoder
     image_config = PreprocessConfig(tokenizer=str(CHECKPOINTS["qwen2-vl"])).modalities["image"]
     video_config = dataclasses.replace(VideoConfig(), **PIXELS)
     module = _SeededEncoder(0, "image", EncoderSetting(
@@ -201,8 +201,8 @@ def test_a_module_serving_images_and_videos_interleaves_their_rows():
 def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, change,
                                                                           expected):
     from mimo_data.preprocess.chat_tokens import load_tokenizer
-    from mimo_train.config import TrainConfigError
-    from mimo_train.families import read_vlm
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import read_vlm
     from mimo_train.families.base import check_preprocessing
     config = config_for(CHECKPOINTS[name])
     video = dataclasses.replace(config.modalities["video"], **change)
@@ -220,8 +220,8 @@ def test_video_goes_to_a_tower_that_takes_it(layout, expected):
     from types import SimpleNamespace
 
     from mimo_data.loading.layout import Layout
-    from mimo_train.config import TrainConfigError
-    from mimo_train.model import encoder_settings
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.model.build import encoder_settings
     config = config_for(CHECKPOINTS["qwen2-vl"])
     config = dataclasses.replace(config, modalities={
         **config.modalities, "audio": PreprocessConfig(tokenizer=config.tokenizer
@@ -232,7 +232,7 @@ def test_video_goes_to_a_tower_that_takes_it(layout, expected):
 
 
 def test_a_tower_refuses_video_cut_into_other_patches():
-    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.errors import EncoderBuildError
     from mimo_train.families.qwen2_vl import Qwen2VLVision
     image = config_for(CHECKPOINTS["qwen2-vl"]).modalities["image"]
     tower = Qwen2VLVision(image, 16, 1, 2)
@@ -373,8 +373,8 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     from transformers import AutoModelForImageTextToText, AutoTokenizer
     from transformers.video_utils import load_video
 
-    from mimo_train.export import main as export
-    from mimo_train.generate import main as generate
+    from mimo_train.hf.export import main as export
+    from mimo_train.hf.generate import main as generate
     out = run_data["tmp"] / "export"
     assert export(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
     clip = corpus_videos["zoom_mpeg4_10"]
@@ -400,7 +400,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
             max_new_tokens=8, pixel_values_videos=processed["pixel_values_videos"],
             video_grid_thw=grid, mm_token_type_ids=2 * (ids == model.config.video_token_id),
             **extra)
-    from mimo_train.generate import Generator
+    from mimo_train.hf.generate import Generator
     ours = Generator(str(out)).generate("What is shown?", videos=[str(corpus / clip.path)],
                                         max_new_tokens=8)
     assert ours.prompt_ids == ids[0].tolist() and ours.spliced == {"video": tokens}

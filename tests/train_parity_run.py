@@ -3,13 +3,12 @@
     python tests/train_parity_run.py OUT [--save-init DIR] [--host-reads] key=value ...  # 1 process
     torchrun --nproc-per-node N tests/train_parity_run.py OUT key=value ...
 
-Builds ``mimo_train.trainer.Trainer`` from the overrides (``model.init_from`` gives every layout
-the same weights), runs one global batch forward and backward through the real schedule and
-gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token
-count, each local module's gradients (``main_grad``, TP shards gathered) keyed by global
-parameter names, and the dtypes of each module's parameters and buffers and the names of the
-parameters it does not train. ``--save-init DIR`` first saves the freshly initialized model as
-a checkpoint in DIR.
+Builds ``mimo_train.training.trainer.Trainer`` from the overrides (``model.init_from`` gives every
+layout the same weights), runs one global batch forward and backward through the real schedule and
+gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token count,
+each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names,
+and the dtypes of each module's parameters and buffers and the names of the parameters it does not
+train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
 ``--host-reads`` then runs one whole training step that does not log (``train.log_interval``
 above 1) and records every place that read a tensor's value on the host during it
 (``host_reads``: ``path:line function`` -> count).
@@ -24,8 +23,9 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from mimo_train.config import TrainConfig
-from mimo_train.model import global_key, unwrap
-from mimo_train.trainer import Trainer
+from mimo_train.families.registry import resolve
+from mimo_train.model.parts import global_key, unwrap
+from mimo_train.training.trainer import Trainer
 
 # what reads a tensor's value on the host, or needs its data to size a result
 _READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__,
@@ -90,7 +90,7 @@ def main(argv) -> None:
         rest = [*rest, f"checkpoint.dir={save_init}"]
     host_reads = "--host-reads" in rest
     rest = [arg for arg in rest if arg != "--host-reads"]
-    trainer = Trainer(TrainConfig.load(None, rest))
+    trainer = Trainer(resolve(TrainConfig.load(None, rest)))
     if save_init:
         trainer.save()
     iterator = trainer.batches(trainer.loader)

@@ -3,7 +3,7 @@
     python tests/train_runs_run.py RUNS.json OUT.json
 
 ``RUNS.json`` lists ``{"name": ..., "overrides": [key=value, ...]}``; each run builds
-``mimo_train.trainer.Trainer`` (one rank, so every module is on it) and trains to
+``mimo_train.training.trainer.Trainer`` (one rank, so every module is on it) and trains to
 ``train.steps``, saving checkpoints when the overrides name a ``checkpoint.dir``. ``OUT.json``
 gets, per run, its step losses and, per module, each parameter's digest (SHA-256 of its values
 as fp32, read right after set-up: what the run started from).
@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from mimo_train.config import TrainConfig
-from mimo_train.model import unwrap
-from mimo_train.trainer import Trainer
+from mimo_train.families.registry import resolve
+from mimo_train.model.parts import unwrap
+from mimo_train.training.trainer import Trainer
 
 
 def digest(tensor: torch.Tensor) -> str:
@@ -32,7 +33,7 @@ def main(runs_path: str, out_path: str) -> None:
         runs = json.load(f)
     results = {}
     for run in runs:
-        trainer = Trainer(TrainConfig.load(None, run["overrides"]))
+        trainer = Trainer(resolve(TrainConfig.load(None, run["overrides"])))
         start = {name: {key: digest(p) for key, p in unwrap(module).named_parameters()}
                  for name, module in trainer.modules.items()}
         records = trainer.run()

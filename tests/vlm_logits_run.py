@@ -2,7 +2,7 @@
 
     python tests/vlm_logits_run.py OUT key=value ...      # one process, a colocated layout
 
-Builds ``mimo_train.trainer.Trainer`` from the overrides, runs ``MimoModel`` forward (no
+Builds ``mimo_train.training.trainer.Trainer`` from the overrides, runs ``MimoModel`` forward (no
 labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: the logits
 (``[rows, tokens, vocab]``), the batch as the loader gave it and its samples' keys.
 """
@@ -14,13 +14,14 @@ import torch
 import torch.distributed as dist
 
 from mimo_train.config import TrainConfig
-from mimo_train.step import model_inputs
-from mimo_train.trainer import Trainer
+from mimo_train.families.registry import resolve
+from mimo_train.training.step import model_inputs
+from mimo_train.training.trainer import Trainer
 
 
 def main(argv) -> None:
     out, overrides = argv[0], argv[1:]
-    trainer = Trainer(TrainConfig.load(None, overrides))
+    trainer = Trainer(resolve(TrainConfig.load(None, overrides)))
     batch, metadata = next(iter(trainer.loader))
     inputs = model_inputs(batch, trainer.infra, torch.device("cpu"), trainer.placeholders)
     inputs["labels"] = None

@@ -81,20 +81,21 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
     """One rank of ``torchrun``: the figures above, written to ``out/rank_R.json``."""
     import torch.distributed as dist
 
-    from mimo_train import checkpoint, digests
+    from mimo_train.components import checkpoint, digests
     from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import resolve
     from mimo_train.mcore import dist_checkpointing
-    from mimo_train.trainer import Trainer
+    from mimo_train.training.trainer import Trainer
     from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = TrainConfig.load(None, [
+    cfg = resolve(TrainConfig.load(None, [
         f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         f"layout=language=dp{world}", f"model.language.pretrained={MODEL}",
         f"train.global_batch_size={world}", "train.micro_batch_size=1",
         f"train.steps={steps + max_steps + 2}", "train.log_interval=1000",
         "optimizer.warmup_steps=0",
-        "train.device=cpu"])
+        "train.device=cpu"]))
     trainer = Trainer(cfg)
     batches = trainer.batches(trainer.loader)
 

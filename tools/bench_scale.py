@@ -48,7 +48,8 @@ def scaled_dataset(base: str, copies: int, out: str) -> str:
     from mimo_data.shards import sample_table
     from mimo_data.shards.cache import DATASET_CACHE
     from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE, sample_key, shard_name
-    from mimo_data.shards.index import dumps, file_sha256, read_index
+    from mimo_data.files import file_sha256
+    from mimo_data.shards.index import dumps, read_index
 
     index = read_index(base)
     table = pq.read_table(os.path.join(base, SAMPLES_FILE))

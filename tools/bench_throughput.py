@@ -270,7 +270,7 @@ def steps_of(loader, steps: int):
 
 
 def padded_tokens(tokens: list[int], seq_length: int) -> int:
-    """Tokens the trainer computes for an unpacked micro-batch (``mimo_train.step``)."""
+    """Tokens the trainer computes for an unpacked micro-batch (``mimo_train.training.step``)."""
     from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 
     return len(tokens) * min(seq_length, -(-max(tokens) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)

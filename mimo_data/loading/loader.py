@@ -96,7 +96,7 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
     for that modality: a fixed count per item (``Layout.validate`` already refuses
     variable-count modalities there) *and* the same number of items in every kept sample,
     which only the data can tell. Non-colocated bridges route any counts (fan-out by
-    megatron-core, fan-in by ``mimo_train.bridge_routing``).
+    megatron-core, fan-in by ``mimo_train.mcore.bridge_routing``).
     """
     language = layout.language
     if not layout.colocated:

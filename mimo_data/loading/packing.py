@@ -15,7 +15,7 @@ the loader reports them as ``sequences``): a sample of a later sequence did not 
 earlier one when it was placed, so it does not fit into an earlier sequence's final content
 either. The language ranks' batch is the part's samples back to back (megatron-core's THD
 format, ``cu_seqlens`` at sample boundaries); attention stays inside each sample
-(``mimo_train.attention``).
+(``mimo_train.mcore.attention``).
 
 First-fit-decreasing is hand-written because it must be vectorized over every part of an epoch
 (its loop runs ``micro_batch_size`` times per epoch, not per sample); no library here does a

@@ -26,7 +26,7 @@ from mimo_data.preprocess.preprocessor import IGNORE_INDEX, Preprocessor, Sample
 
 
 # Unpacked batches are cut to their longest sample rounded up to this many tokens before the
-# model (mimo_train/step.py); mimo-inspect plan reports what that costs.
+# model (mimo_train/training/step.py); mimo-inspect plan reports what that costs.
 LENGTH_MULTIPLE = 64
 
 

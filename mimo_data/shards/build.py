@@ -31,7 +31,8 @@ from tqdm import tqdm
 from mimo_data.shards import sample_table, storage
 from mimo_data.shards.record_table import RecordWriter
 from mimo_data.shards.cache import DATASET_CACHE
-from mimo_data.shards.index import dumps, file_sha256, write_atomic
+from mimo_data.files import file_sha256, write_atomic
+from mimo_data.shards.index import dumps
 from mimo_data.modalities import MODALITIES
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare

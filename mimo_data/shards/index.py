@@ -1,8 +1,8 @@
-"""``index.json``: read it (the only proof a dataset is complete) and write it atomically."""
+"""``index.json``: read it (the only proof a dataset is complete), and the canonical JSON it is
+written in (``mimo_data.files.write_atomic`` writes it)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 
@@ -12,27 +12,6 @@ from mimo_data.shards.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
 
 class DatasetError(Exception):
     """A dataset directory that is missing, incomplete or not of our format."""
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``path`` so that readers see either the old file or the whole new one."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as out:
-        out.write(data)
-        out.flush()
-        os.fsync(out.fileno())
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
-
-
-def file_sha256(path: str) -> str:
-    """Hex sha256 of a file's bytes, as the index records them."""
-    with open(path, "rb") as data:
-        return hashlib.file_digest(data, "sha256").hexdigest()
 
 
 def dumps(value) -> bytes:

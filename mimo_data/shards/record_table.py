@@ -12,16 +12,14 @@ coalesces neighbours). Keyed by the build, as the sample table is.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
 
-from mimo_data.shards import cache
+from mimo_data.shards import cache, storage
 from mimo_data.shards.index import DatasetError
-
-if TYPE_CHECKING:
-    from mimo_data.shards.reader import ShardReader
 
 SCHEMA = pa.schema([("json", pa.large_binary())])
 _DERIVE_BATCH = 4096                 # records requested together when deriving the table
@@ -29,6 +27,21 @@ _DERIVE_BATCH = 4096                 # records requested together when deriving 
 
 def file_name(key: str) -> str:
     return f"records-{key[:19]}.arrow"
+
+
+class MemberSource(Protocol):
+    """What the table is derived from: a dataset's shards read by position
+    (``reader.ShardReader``)."""
+    directory: str
+    table_key: str
+    remote: storage.Remote | None
+
+    def __len__(self) -> int: ...
+
+    def prefetch(self, positions: Iterable[int],
+                 members: Callable[[str], bool] | None = None) -> None: ...
+
+    def read_member(self, position: int, name: str) -> bytes: ...
 
 
 def labels(key: str) -> cache.Labels:
@@ -67,7 +80,7 @@ class RecordWriter:
         os.remove(self.path)
 
 
-def derive(reader: ShardReader) -> pa.Table:
+def derive(reader: MemberSource) -> pa.Table:
     """The records table of ``reader``'s dataset, read from its shards."""
     chunks = []                      # one Arrow array per batch: no Python object per sample
     for first in range(0, len(reader), _DERIVE_BATCH):
@@ -91,7 +104,7 @@ class RecordTable:
         self._data = memoryview(data) if data else memoryview(b"")
 
     @classmethod
-    def open(cls, reader: ShardReader, cache_dir: str | None = None) -> RecordTable:
+    def open(cls, reader: MemberSource, cache_dir: str | None = None) -> RecordTable:
         key = reader.table_key
         table, path = cache.obtain(reader.directory, file_name(key), key, labels(key),
                                    lambda: derive(reader), cache_dir, reader.remote)
@@ -108,7 +121,6 @@ class RecordTable:
     def __getitem__(self, position: int) -> bytes:
         start, stop = self._offsets[position], self._offsets[position + 1]
         return bytes(self._data[start:stop])
-
 
 
 def _mapped(path: str) -> RecordTable:

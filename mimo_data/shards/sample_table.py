@@ -25,7 +25,8 @@ import pyarrow.parquet as pq
 
 from mimo_data.shards import cache, storage
 from mimo_data.shards.format import SAMPLES_FILE
-from mimo_data.shards.index import DatasetError, file_sha256
+from mimo_data.files import file_sha256
+from mimo_data.shards.index import DatasetError
 
 TABLE_VERSION = 2                    # 2: members' crc32
 

@@ -29,7 +29,8 @@ from tqdm import tqdm
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
-from mimo_data.shards.index import file_sha256, read_index
+from mimo_data.files import file_sha256
+from mimo_data.shards.index import read_index
 
 MAX_PROBLEMS_PER_SHARD = 20
 

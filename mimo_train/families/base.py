@@ -27,16 +27,12 @@ import numpy as np
 import torch
 
 from mimo_data.modalities.image import ImageConfig
-from mimo_train.config import TrainConfigError
+from mimo_train.errors import EncoderBuildError, TrainConfigError
 
 
 # Encoder inputs an encoder reads on the host (clip lengths that cut its batch): they stay in
 # host memory, so reading them never waits for the device.
 HOST_INPUTS = frozenset({"feature_lens"})
-
-
-class EncoderBuildError(ValueError):
-    """An encoder config that cannot produce the preprocessor's token counts."""
 
 
 def input_form(modality: str, modality_config) -> tuple[str, str]:
@@ -134,15 +130,22 @@ class Projection(torch.nn.Sequential):
             self.load_state_dict(initial)
 
 
+def model_directory(path: str) -> str:
+    """The local directory of the model at ``path``: ``path`` itself, or the local hub cache's
+    snapshot of the hub name ``path`` (never a download: run time has no network)."""
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+    return snapshot_download(path, local_files_only=True)
+
+
 class CheckpointWeights:
     """The tensors of a transformers checkpoint directory (safetensors), read on demand in
     fp32; ``key``: the config key that named it (for errors)."""
 
     def __init__(self, path: str, key: str = "model.language.pretrained"):
-        from huggingface_hub import snapshot_download
         from safetensors import safe_open
-        if not os.path.isdir(path):
-            path = snapshot_download(path, local_files_only=True)
+        path = model_directory(path)
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:

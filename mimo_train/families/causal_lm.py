@@ -1,5 +1,5 @@
 """The language families: a transformers causal LM (Llama, Qwen2, Qwen3), or the language model
-of a whole VLM (``families.read_vlm``), as megatron-core's local-spec ``GPTModel``.
+of a whole VLM (``registry.read_vlm``), as megatron-core's local-spec ``GPTModel``.
 
 ``read_architecture(path)`` reads the checkpoint's ``config.json`` into a ``LanguageArch``
 (dims, rotary base and scaling, RMSNorm eps, tied embeddings, qkv bias, qk-norm), refusing what
@@ -55,8 +55,8 @@ from functools import lru_cache
 
 import torch
 
-from mimo_train.config import TrainConfigError
-from mimo_train.families.base import CheckpointWeights
+from mimo_train.errors import TrainConfigError
+from mimo_train.families.base import VLM, CheckpointWeights
 
 # model_type -> (qkv bias, qk-norm) of the families this module maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
@@ -90,26 +90,21 @@ class LanguageArch:
     head: str = "lm_head.weight"    # the output layer's weight name
 
 
-def read_architecture(path: str, key: str = "model.language.pretrained") -> LanguageArch:
+def read_architecture(path: str, key: str = "model.language.pretrained",
+                      vlm: VLM | None = None) -> LanguageArch:
     """The architecture of the transformers checkpoint ``path`` (directory or cached hub
-    name); a ``TrainConfigError`` naming ``key`` when megatron-core cannot reproduce it."""
-    return _read_architecture(path, key)
+    name), the language model of the whole ``vlm`` there if given; a ``TrainConfigError``
+    naming ``key`` when megatron-core cannot reproduce it (``registry.language_arch`` reads the
+    config and says whether ``path`` is a whole VLM)."""
+    return _read_architecture(path, key, vlm)
 
 
 @lru_cache(maxsize=8)
-def _read_architecture(path: str, key: str) -> LanguageArch:
+def _read_architecture(path: str, key: str, vlm: VLM | None) -> LanguageArch:
     from transformers import AutoConfig
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError) as error:
-        raise TrainConfigError(
-            f"{key} is {path!r}, from which transformers cannot read a model config ({error}):"
-            " give a model directory holding config.json (or a hub name already in the local "
-            "cache)") from None
+    config = AutoConfig.from_pretrained(path)
     prefix, head = "model.", "lm_head.weight"
-    if getattr(config, "text_config", None) is not None:        # a whole VLM
-        from mimo_train.families import read_vlm
-        vlm = read_vlm(path)
+    if vlm is not None:
         weights = CheckpointWeights(path, key)
         prefix = weights.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
         head = next((name for name in vlm.head_names if name in weights), vlm.head_names[0])

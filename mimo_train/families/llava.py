@@ -26,9 +26,9 @@ import copy
 import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
-from mimo_train.config import TrainConfigError
-from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_fixed_geometry,
-                                      check_preprocessor, normalization, param_dtype)
+from mimo_train.errors import EncoderBuildError, TrainConfigError
+from mimo_train.families.base import (VLM, Encoder, check_fixed_geometry, check_preprocessor,
+                                      normalization, param_dtype)
 
 TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}   # -> has a CLS row
 # the hub checkpoints hold the tower under vision_model. (transformers 5 drops that level)
@@ -89,13 +89,13 @@ class LlavaVision(Encoder):
         return config.vision_config.hidden_size * len(_feature_layers(config))
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
+                 num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
         from transformers import AutoConfig, AutoModel
-        if not pretrained or AutoConfig.from_pretrained(pretrained).model_type != "llava":
+        if not isinstance(pretrained, VLM) or pretrained.family != "llava":
             raise EncoderBuildError(f"encoder kind llava takes its tower from a whole LLaVA "
                                     f"checkpoint (model.pretrained), not {pretrained!r}")
-        from mimo_train.families import read_vlm
+        vlm, pretrained = pretrained, pretrained.path
         config = AutoConfig.from_pretrained(pretrained)
         vision = copy.deepcopy(config.vision_config)
         # the hidden states read (index 0: the embeddings), counted from the front
@@ -108,7 +108,7 @@ class LlavaVision(Encoder):
             vision.vision_use_head = False
         self.model = AutoModel.from_config(vision, dtype=torch.float32)
         self.model.post_layernorm = torch.nn.Identity()
-        read_vlm(pretrained).load_tower(self.model)
+        vlm.load_tower(self.model)
         check_fixed_geometry(vision.image_size, vision.patch_size, image,
                              f"the vision tower of {pretrained}")
         check_preprocessor(pretrained, normalization(image))

@@ -20,8 +20,9 @@ import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
 from mimo_data.modalities.video import VideoConfig, normalize_video_pixels
-from mimo_train.families.base import (VLM, Encoder, EncoderBuildError, check_preprocessor,
-                                      normalization, param_dtype)
+from mimo_train.errors import EncoderBuildError
+from mimo_train.families.base import (VLM, Encoder, check_preprocessor, normalization,
+                                      param_dtype)
 
 VISION_PREFIXES = ("model.visual.", "visual.")
 
@@ -96,16 +97,15 @@ class Qwen2VLVision(Encoder):
             temporal_patch_size=image.temporal_patch_size)
 
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
-                 num_attention_heads: int, pretrained: str | None = None):
+                 num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
-        from transformers import AutoConfig
         tower = self.tower_class()
-        whole = pretrained and getattr(AutoConfig.from_pretrained(pretrained), "vision_config",
-                                       None)
-        if whole:                       # a whole VLM: its tower (merger included)
-            from mimo_train.families import read_vlm
-            self.model = tower._from_config(whole, dtype=torch.float32)
-            read_vlm(pretrained).load_tower(self.model)
+        if isinstance(pretrained, VLM):     # a whole VLM: its tower (merger included)
+            from transformers import AutoConfig
+            vision = AutoConfig.from_pretrained(pretrained.path).vision_config
+            self.model = tower._from_config(vision, dtype=torch.float32)
+            pretrained.load_tower(self.model)
+            pretrained = pretrained.path
         elif pretrained:
             self.model = tower.from_pretrained(pretrained, dtype=torch.float32)
         else:

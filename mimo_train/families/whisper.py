@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from mimo_data.modalities.audio import WHISPER_N_FFT, AudioConfig
-from mimo_train.families.base import Encoder, EncoderBuildError, check_preprocessor, param_dtype
+from mimo_train.families.base import Encoder, check_preprocessor, param_dtype
+from mimo_train.errors import EncoderBuildError
 from mimo_train.precision import mark_fixed
 
 

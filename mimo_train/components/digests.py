@@ -17,28 +17,18 @@ Hand-written because neither megatron-core nor torch.distributed.checkpoint divi
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
 
-import torch.distributed as dist
-
-from mimo_data.shards.index import write_atomic
+from mimo_data.files import file_sha256, write_atomic
+from mimo_train.errors import IntegrityError
+from mimo_train.runtime import distributed
 
 ALGORITHM = "sha256"
 MANIFEST = "integrity.json"             # megatron-core's name (dist_checkpointing.validation)
 _PART = re.compile(r"^integrity\.(\d+)\.json$")              # one writing rank's digests
 _WRITTEN_BY = re.compile(r"^__(\d+)_\d+\.distcp$")           # torch_dist: __<rank>_<thread>
-
-
-class IntegrityError(RuntimeError):
-    """Files that do not match the manifest (or no manifest); the message names each one."""
-
-
-def file_digest(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, ALGORITHM).hexdigest()
 
 
 def writer(name: str) -> int:
@@ -57,7 +47,7 @@ def _checkpoint_files(directory: str) -> list[str]:
 def write_part(directory: str, rank: int) -> None:
     """Hash the data files ``rank`` wrote and store their digests for ``write_manifest``
     (``integrity.<rank>.json``): called by the process that wrote them, right after."""
-    digests = {name: file_digest(os.path.join(directory, name))
+    digests = {name: file_sha256(os.path.join(directory, name))
                for name in _checkpoint_files(directory)
                if _WRITTEN_BY.match(name) and writer(name) == rank}
     write_atomic(os.path.join(directory, f"integrity.{rank}.json"), json.dumps(digests).encode())
@@ -74,7 +64,7 @@ def write_manifest(directory: str) -> None:
             files.update(json.load(f))
     for name in _checkpoint_files(directory):
         if not _WRITTEN_BY.match(name):
-            files[name] = file_digest(os.path.join(directory, name))
+            files[name] = file_sha256(os.path.join(directory, name))
         elif name not in files:
             raise IntegrityError(f"{directory}: {name} has no digest from rank {writer(name)} "
                                  "(its writer did not finish)")
@@ -110,13 +100,13 @@ def verify(directory: str) -> None:
         raise IntegrityError(f"{path} is unreadable ({error})") from None
     if algorithm != ALGORITHM:
         raise IntegrityError(f"{path} uses {algorithm!r}, this reader knows {ALGORITHM!r}")
-    together = dist.is_initialized() and dist.get_world_size() > 1
-    rank, ranks = (dist.get_rank(), dist.get_world_size()) if together else (0, 1)
+    together = distributed.together()
+    rank, ranks = distributed.rank_and_size()
     sizes = {name: _size(os.path.join(directory, name)) for name in expected}
     problems = []
     for name in shares(sizes, ranks)[rank]:
         try:
-            actual = file_digest(os.path.join(directory, name))
+            actual = file_sha256(os.path.join(directory, name))
         except OSError as error:
             problems.append(f"{name}: file missing or unreadable ({error.strerror})")
             continue
@@ -124,9 +114,7 @@ def verify(directory: str) -> None:
             problems.append(f"{name}: hash mismatch (expected {expected[name][:16]}..., "
                             f"got {actual[:16]}...)")
     if together:
-        gathered: list = [None] * ranks
-        dist.all_gather_object(gathered, problems)
-        problems = [problem for share in gathered for problem in share]
+        problems = [problem for share in distributed.gather(problems) for problem in share]
     if problems:
         raise IntegrityError(f"{len(problems)} file(s) do not match {MANIFEST}: "
                              + "; ".join(sorted(problems)))

@@ -34,18 +34,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mimo_train.export import MANIFEST
+from mimo_train.hf.export import MANIFEST
+from mimo_train.errors import GenerateError
 
 PREFIX = "mimo-generate: "
 _MARKER = re.compile(r"<(image|video|audio)>")
-
-
-class GenerateError(RuntimeError):
-    """A generation that cannot run; ``exit_code`` 1 (a media check) or 2 (usage)."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -162,7 +155,7 @@ class Generator:
         modalities: the same pair for each)."""
         from safetensors.torch import load_file
 
-        from mimo_train.families import build_encoder
+        from mimo_train.families.registry import build_encoder
         from mimo_train.precision import cast
         projections = load_file(os.path.join(model_dir, self.manifest["projections"]))
         encoders = {}

@@ -1,14 +1,18 @@
-"""megatron-core, as mimo_train uses it: the only module of mimo_train that imports it.
+"""megatron-core, as mimo_train uses it: the gateway. Only this package imports megatron-core.
 
-Importing this module first filters the known third-party warnings (``console``), then, when
+Importing it first filters the known third-party warnings (``runtime.console``), then, when
 CUDA is absent, applies ``cpu_compat`` (megatron-core 0.19.2 on CPU with gloo), and only then
-imports megatron-core: every name below is the patched one. ``cpu_compat`` itself reaches into
-megatron-core internals to patch them and is imported by this module alone.
+imports megatron-core: every name below is the patched one. ``cpu_compat`` reaches into
+megatron-core internals to patch them and is imported by this module alone; so does
+``ensure_global_memory_buffer``. Beside it: ``grids`` (each module's process groups),
+``attention`` (the language model's core attention), ``bridge_routing`` (variable token counts
+across module bridges).
 """
 
 from __future__ import annotations
 
-from mimo_train import console, cpu_compat
+from mimo_train.runtime import console
+from mimo_train.mcore import cpu_compat
 
 console.quiet_third_party()
 CPU_PATCHES = cpu_compat.activate()           # [] with CUDA: megatron-core runs unchanged
@@ -33,6 +37,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
                                        VisionModalitySubmodules, get_mimo_optimizer)
+from megatron.core.models.mimo.optimizer import MimoOptimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
@@ -53,6 +58,7 @@ __all__ = [
     "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
+    "MimoOptimizer", "ensure_global_memory_buffer",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
@@ -62,3 +68,11 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors", "merge", "model_parallel_cuda_manual_seed",
     "nested_values", "parallel_state"]
+
+
+def ensure_global_memory_buffer() -> None:
+    """megatron-core's global memory buffer, which its layers expect and only its
+    ``initialize_model_parallel`` sets (mimo makes each module's groups with ``HyperCommGrid``
+    instead): set once a process."""
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()

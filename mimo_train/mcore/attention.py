@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mimo_train.config import TrainConfigError
+from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import DotProductAttention, GPTModel
 
 

@@ -30,9 +30,9 @@ import torch.distributed as dist
 from mimo_data.loading.layout import LANGUAGE
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.families.base import HOST_INPUTS
-from mimo_train.infra import Infra
+from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
-from mimo_train.metrics import Timer
+from mimo_train.components.metrics import Timer
 
 
 def model_inputs(batch: dict, infra: Infra, device: torch.device,

@@ -20,10 +20,10 @@ the checkpoint's processor config files and generation config, plus ``preprocess
 (tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower, the
 family's projection and the language model only (no other encoder module).
 
-The checkpoint is read only through ``checkpoint.load_weights`` (module name -> whole tensors,
-global layer numbers) and its ``meta.json`` config. The language weights are mapped back with
-``families.causal_lm.to_hf``; the language model must come from ``model.language.pretrained`` (its
-config.json is copied, the vocabulary size set to the exported rows): a randomly initialized
+The checkpoint is read only through ``components.checkpoint.load_weights`` (module name -> whole
+tensors, global layer numbers) and its ``meta.json`` config. The language weights are mapped back
+with ``families.causal_lm.to_hf``; the language model must come from ``model.language.pretrained``
+(its config.json is copied, the vocabulary size set to the exported rows): a randomly initialized
 one uses megatron-core's LayerNorm/GELU layers with biases, which no Llama config reproduces.
 
 Vocabulary: megatron's embedding (and output layer) has the tokenizer's tokens, modality tokens
@@ -48,20 +48,13 @@ import os
 import shutil
 import sys
 import tempfile
+from mimo_train.errors import ExportError
 
 PREFIX = "mimo-export: "
 MANIFEST = "manifest.json"
 PREPROCESS = "preprocess.yaml"
 PROJECTIONS = "projections.safetensors"
 LANGUAGE_DIR = "language"
-
-
-class ExportError(RuntimeError):
-    """An export that cannot be done; ``exit_code`` 1 (the checkpoint's data) or 2 (usage)."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -94,7 +87,7 @@ def main(argv=None) -> int:
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
     of a checkpoint.dir."""
-    from mimo_train.checkpoint import latest
+    from mimo_train.components.checkpoint import latest
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = latest(path) if os.path.isdir(path) else None
@@ -120,7 +113,8 @@ def export(checkpoint: str, output: str) -> str:
         raise ExportError(f"--output {output}: its folder {parent} does not exist")
     cfg, meta = _run_config(directory)
     preprocess = _preprocess_config(cfg, directory)
-    from mimo_train.checkpoint import CheckpointError, load_weights
+    from mimo_train.components.checkpoint import load_weights
+    from mimo_train.errors import CheckpointError
     try:
         weights = load_weights(directory)
     except (CheckpointError, OSError) as error:
@@ -134,8 +128,8 @@ def export(checkpoint: str, output: str) -> str:
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)                    # mkdtemp's is private (0700)
     from mimo_data.errors import ConfigError
-    from mimo_train.config import TrainConfigError
-    from mimo_train.families.base import EncoderBuildError
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.errors import EncoderBuildError
     try:
         _write(staging, cfg, preprocess, weights, meta["step"], directory)
         os.rename(staging, output)
@@ -150,12 +144,14 @@ def export(checkpoint: str, output: str) -> str:
 
 
 def _run_config(directory: str):
-    from mimo_train.config import TrainConfig, TrainConfigError
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import resolve
     path = os.path.join(directory, "meta.json")
     try:
         with open(path) as f:
             meta = json.load(f)
-        return TrainConfig.from_dict(meta["config"]), meta
+        return resolve(TrainConfig.from_dict(meta["config"])), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
         raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
@@ -208,14 +204,15 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) 
 
 def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
     """The language model's transformers weights (the checkpoint's names) and vocabulary."""
-    from mimo_train.families.causal_lm import read_architecture, to_hf
+    from mimo_train.families.causal_lm import to_hf
+    from mimo_train.families.registry import language_arch
     pretrained = cfg.model.language.pretrained
     if not pretrained:
         raise ExportError(f"{directory}: the language model was initialized at random "
                           "(no model.language.pretrained): its megatron-core layers (LayerNorm, "
                           "GELU, biases) have no transformers Llama equivalent; export a run "
                           "that starts from a transformers checkpoint")
-    arch = read_architecture(pretrained)
+    arch = language_arch(pretrained)
     if cfg.model.language.mrope_section and not cfg.model.pretrained:
         raise ExportError(f"{directory}: the language model takes M-RoPE positions "
                           "(model.language.mrope_section), which the exported causal LM "
@@ -241,7 +238,7 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     from transformers import AutoConfig
 
     from mimo_data.loading.layout import LANGUAGE, Layout
-    from mimo_train.families import ENCODERS, read_vlm
+    from mimo_train.families.registry import ENCODERS, read_vlm
     vlm = read_vlm(cfg.model.pretrained)
     layout = Layout.parse(cfg.layout)
     tower = {"image", *ENCODERS[vlm.encoder_kind].also_takes}    # what its one tower takes
@@ -285,9 +282,8 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
 
 def _copy_processor(pretrained: str, out: str) -> None:
     """The checkpoint's image processor (and processor) config files, as they are."""
-    from huggingface_hub import snapshot_download
-    if not os.path.isdir(pretrained):
-        pretrained = snapshot_download(pretrained, local_files_only=True)
+    from mimo_train.families.base import model_directory
+    pretrained = model_directory(pretrained)
     for name in ("preprocessor_config.json", "processor_config.json",
                  "video_preprocessor_config.json"):
         if os.path.isfile(os.path.join(pretrained, name)):
@@ -330,7 +326,7 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
 
     from mimo_data.loading.layout import Layout
     from mimo_train.config import EncoderConfig
-    from mimo_train.families import build_encoder, default_kind
+    from mimo_train.families.registry import build_encoder, default_kind
     from mimo_train.precision import cast
     modules, projections = {}, {}
     layout = Layout.parse(cfg.layout)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mimo_train.config import TrainConfigError
+from mimo_train.errors import TrainConfigError
 
 # The oldest Linux driver branch each CUDA major version runs on (minor-version compatibility;
 # NVIDIA's CUDA toolkit release notes, table 3).

@@ -19,6 +19,7 @@ import re
 import sys
 import time
 import warnings
+from mimo_train.errors import StartupError
 
 PREFIX = "mimo-train: "
 
@@ -110,25 +111,13 @@ def say(message: str) -> None:
         print(message, flush=True)
 
 
-class StartupError(RuntimeError):
-    """Set-up failed on at least one rank; the message gathers every rank's reason.
-
-    ``exit_code``: 1 when the data failed a check (the ``data`` phase, or an error with
-    ``exit_code`` 1 such as a damaged checkpoint), 2 for a config error."""
-
-    def __init__(self, message: str, phase: str, exit_code: int | None = None):
-        super().__init__(message)
-        self.phase = phase
-        self.exit_code = exit_code or (1 if phase == "data" else 2)
-
-
 # Exceptions a start-up phase turns into a gathered message; others are bugs (traceback).
 EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
 
 
 def agree(phase: str, function):
     """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere."""
-    from mimo_train import distributed
+    from mimo_train.runtime import distributed
     try:
         result, error = function(), None
     except EXPECTED as exc:
@@ -163,7 +152,7 @@ def report_failure(error: StartupError) -> int:
     Ranks exit only after rank 0 has printed: torchrun stops the others as soon as one exits."""
     import torch.distributed as dist
 
-    from mimo_train import distributed
+    from mimo_train.runtime import distributed
     if rank() == 0:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
     if dist.is_initialized():
@@ -177,11 +166,10 @@ def fail_before_setup(phase_name: str, error: Exception) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
         return StartupError("", phase_name).exit_code
-    import torch.distributed as dist
+    import torch
 
-    from mimo_train import distributed
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    from mimo_train.runtime import distributed
+    distributed.init(torch.device("cpu"))
 
     def fail():
         raise error

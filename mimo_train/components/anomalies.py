@@ -1,12 +1,8 @@
 """Steps whose loss or gradients go wrong, traced to their samples.
 
-- Non-finite: megatron-core's ``MimoOptimizer.step`` clips with the world's gradient norm and
-  steps even when that norm is not finite (it checks only under a loss scaler), which writes
-  NaN into every weight. ``Guard`` checks the norm where it is computed (a host float there
-  already; a non-finite loss makes it non-finite too): the step then stops before any weight,
-  optimizer state or LR schedule moves, alike on every rank (the norm is the world's). The
-  step is counted as skipped; past ``train.max_skipped_steps`` the run stops
-  (``Watch.over_limit``).
+- Non-finite: the optimizer stops a step whose gradient norm (or loss) is not finite before any
+  weight moves (``optimizer.NonFiniteStep``); the step is counted as skipped here, and past
+  ``train.max_skipped_steps`` the run stops (``Watch.over_limit``).
 - Spikes: a step whose loss is above ``train.spike_factor`` times the median loss of the
   ``train.spike_window`` steps before it (0: off), once half that window is seen. Checked when
   the metrics read the losses (each logging step), so no step waits for the device.
@@ -24,30 +20,7 @@ import math
 import statistics
 from collections import deque
 
-from mimo_train import distributed
-
-
-class NonFiniteStep(Exception):
-    """Raised inside the optimizer step to stop it before any weight moves."""
-
-    def __init__(self, reason: str, grad_norm: float):
-        super().__init__(reason)
-        self.reason, self.grad_norm = reason, grad_norm
-
-
-class Guard:
-    """Wraps ``optimizer.get_grad_norm`` (the world's norm, a host float): a non-finite norm
-    raises ``NonFiniteStep`` before the optimizer clips or steps."""
-
-    def __init__(self, optimizer):
-        self._norm = optimizer.get_grad_norm
-        optimizer.get_grad_norm = self._checked
-
-    def _checked(self) -> float:
-        norm = self._norm()
-        if not math.isfinite(norm):
-            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
-        return norm
+from mimo_train.runtime import distributed
 
 
 class Watch:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from mimo_train.console import PREFIX
+from mimo_train.runtime.console import PREFIX
 
 
 class Timer:

@@ -1,44 +1,41 @@
 """megatron-core ``MimoModel`` from the training config: a GPT language model, one encoder module
-per encoder in the layout (encoder + projection to the language hidden size), per-module
-megatron-core DDP and ``MimoOptimizer``.
+per encoder in the layout (encoder + projection to the language hidden size), each module of
+this rank in megatron-core DDP.
 
 Weights are initialized on the CPU from the seed (``use_cpu_initialization``), pretrained ones
 read in fp32, then cast to the run's precision (``precision.cast``) and moved to the device.
-The attention kernels are the run's ``AttentionChoice`` (``attention``). Checkpoints
-(``checkpoint``) use megatron-core's sharded state dicts of the model and optimizer built here;
-``global_key`` names a pipeline stage's layer by its index in the whole model (stages hold
-``decoder.layers.<local>``; the global index is ``local + first layer of the stage``).
+The attention kernels are the run's ``AttentionChoice`` (``mcore.attention``). Checkpoints
+(``components.checkpoint``) use megatron-core's sharded state dicts of the model built here and
+of its optimizer (``components.optimizer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Any, NamedTuple
 
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
-from mimo_train.attention import AttentionChoice, CoreAttention, LanguageModel
-from mimo_train.bridge_routing import RoutedMimoModel
-from mimo_train.config import EncoderConfig, TrainConfig, TrainConfigError
-from mimo_train.families import ENCODERS, build_encoder, default_kind, read_vlm
+from mimo_train.mcore.attention import AttentionChoice, CoreAttention, LanguageModel
+from mimo_train.mcore.bridge_routing import RoutedMimoModel
+from mimo_train.config import EncoderConfig, TrainConfig
+from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import Projection, input_form
 from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pretrained_language,
-                                           read_architecture, transformer_fields)
-from mimo_train.infra import Infra
+                                           transformer_fields)
+from mimo_train.families.registry import (ENCODERS, build_encoder, default_kind, language_arch,
+                                          read_vlm)
+from mimo_train.mcore.grids import Infra
+from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
-                              DistributedDataParallelConfig, MegatronOptimizerConfig,
-                              MimoModelConfig, ModelType, ModuleSpec,
+                              DistributedDataParallelConfig, MimoModelConfig, ModelType, ModuleSpec,
                               TransformerConfig, VisionModalitySubmodules,
-                              get_gpt_layer_local_spec, get_mimo_optimizer)
+                              get_gpt_layer_local_spec)
 from mimo_train.precision import cast, run_dtype, trainable
 
 # megatron-core's submodule class of each modality (how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
-
-_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
-
 
 def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
     lm = cfg.model.language
@@ -52,7 +49,7 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
                       num_attention_heads=lm.num_attention_heads,
                       ffn_hidden_size=lm.ffn_hidden_size)
     if lm.pretrained:                 # the checkpoint's numerics (RMSNorm, SwiGLU, GQA, ...)
-        arch = read_architecture(lm.pretrained)
+        arch = language_arch(lm.pretrained)
         check_parallel(arch, language.tp, language.pp, lm.pretrained)
         dims = transformer_fields(arch)
     return TransformerConfig(
@@ -77,7 +74,7 @@ def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
     lm = cfg.model.language
     needed = tokenizer_size
     if lm.pretrained:
-        needed = max(needed, read_architecture(lm.pretrained).vocab_size)
+        needed = max(needed, language_arch(lm.pretrained).vocab_size)
     if lm.vocab_size is None:
         return -(-needed // lm.vocab_multiple) * lm.vocab_multiple
     if lm.vocab_size < tokenizer_size:
@@ -259,7 +256,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     model.to(device)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     for name, module_infra in infra.local.items():
-        module = _get(model, name)
+        module = module_of(model, name)
         if name in settings:          # in its dtype and on its device: what transformers checks
             modality = settings[name].modality
             module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
@@ -269,7 +266,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name not in cfg.model.freeze and not any(p.requires_grad for p in module.parameters()):
             raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
                                    f"freeze the whole module ({name})")
-        _set(model, name, DistributedDataParallel(transformer, ddp, module,
+        replace_module(model, name, DistributedDataParallel(transformer, ddp, module,
                                                   pg_collection=module_infra.pgs))
     return model
 
@@ -317,7 +314,7 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     role = infra.role
     language = role.module(LANGUAGE) if any(p.name == LANGUAGE for p in role.modules) else None
     pretrained = cfg.model.language.pretrained
-    arch = read_architecture(pretrained) if pretrained else None
+    arch = language_arch(pretrained) if pretrained else None
     gpt = dict(gpt_fields(arch) if arch else dict(position_embedding_type="rope",
                                                   share_embeddings_and_output_weights=False))
     if cfg.model.language.mrope_section:
@@ -344,18 +341,9 @@ def load_language_weights(language_model, cfg: TrainConfig, infra: Infra, vocab:
     assert path is not None
     part = infra.role.module(LANGUAGE)
     load_pretrained_language(
-        language_model, path, read_architecture(path), tp_rank=part.tp_rank,
+        language_model, path, language_arch(path), tp_rank=part.tp_rank,
         tp_size=part.module.tp, vocab_size=vocab,
         layer_offset=layer_offset(infra, LANGUAGE, cfg.model.language.num_layers))
-
-
-def build_optimizer(cfg: TrainConfig, model):
-    opt = cfg.optimizer
-    bf16 = cfg.train.precision == "bf16"
-    return get_mimo_optimizer(model, MegatronOptimizerConfig(
-        optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
-        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32))
 
 
 def _projector(cfg: TrainConfig, spec: EncoderConfig) -> dict | None:
@@ -379,46 +367,3 @@ def _encoder_output_size(spec: EncoderConfig, name: str, kind: str) -> int:
             "(or a hub name already in the local cache), or unset it for a random init"
         ) from None
     return ENCODERS[kind].pretrained_output_size(config)
-
-
-def unwrap(module):
-    """The module inside megatron-core DDP."""
-    return module.module if isinstance(module, DistributedDataParallel) else module
-
-
-def _get(model, name: str):
-    return model.language_model if name == LANGUAGE else model.modality_submodules[name]
-
-
-def _set(model, name: str, module) -> None:
-    if name == LANGUAGE:
-        model.language_model = module
-    else:
-        model.modality_submodules[name] = module
-
-
-def local_modules(model, infra: Infra) -> dict:
-    """This rank's modules (DDP-wrapped), by name."""
-    return {name: _get(model, name) for name in infra.local}
-
-
-def layer_offset(infra: Infra, name: str, num_layers: int | None) -> int:
-    """Global index of this rank's first layer of module ``name`` (``num_layers``: the
-    language model's, set once the config is loaded)."""
-    if name != LANGUAGE:
-        return 0
-    assert num_layers is not None, "TrainConfig.load resolves model.language.num_layers"
-    language = infra.role.module(LANGUAGE)
-    return language.pp_rank * (num_layers // language.module.pp)
-
-
-def global_key(key: str, offset: int) -> str:
-    """State-dict key with the layer number of the whole model (``offset``: stage's first)."""
-    match = _LAYER.match(key)
-    return f"{match[1]}{int(match[2]) + offset}{match[3]}" if match else key
-
-
-def trained_optimizers(optimizer, freeze) -> dict:
-    """This rank's module optimizers, frozen modules left out (they have no state)."""
-    return {name: info.optimizer for name, info in optimizer.module_infos.items()
-            if info.is_active and info.optimizer is not None and name not in freeze}

@@ -35,24 +35,27 @@ from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE
-from mimo_train import checkpoint, devices, distributed
-from mimo_train.attention import available, choose
-from mimo_train.console import PREFIX, phase, say
-from mimo_train.config import TrainConfig, TrainConfigError
-from mimo_train.infra import Infra, build_infra
-from mimo_train.bridge_routing import SizedPipelineCommunicator
-from mimo_train.mcore import (MultiModuleProcessGroupCollection,
-                              OptimizerParamScheduler, get_forward_backward_func,
-                              model_parallel_cuda_manual_seed, parallel_state)
-from mimo_train.metrics import Metrics, StepValues, Timer, eval_record
-from mimo_train.model import (build_model, build_optimizer, layer_offset, local_modules,
-                              shared_placeholders, trained_optimizers, vocab_size)
-from mimo_train.anomalies import Guard, NonFiniteStep, Watch, step_samples
-from mimo_train.precision import run_dtype
-from mimo_train.preemption import ExitSignals
-from mimo_train.step import ForwardStep, GradientFinalizer, global_sum, no_sync
-from mimo_train.families import read_vlm
+from mimo_train.components import checkpoint
+from mimo_train.components.anomalies import Watch, step_samples
+from mimo_train.components.metrics import Metrics, StepValues, Timer, eval_record
+from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
+                                             trained_optimizers)
+from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing
+from mimo_train.families.registry import read_vlm
+from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
+                              get_forward_backward_func, model_parallel_cuda_manual_seed)
+from mimo_train.mcore.attention import available, choose
+from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
+from mimo_train.mcore.grids import Infra, build_infra
+from mimo_train.model.build import build_model, shared_placeholders, vocab_size
+from mimo_train.model.parts import layer_offset, local_modules
+from mimo_train.precision import run_dtype
+from mimo_train.runtime import devices, distributed
+from mimo_train.runtime.console import PREFIX, phase, say
+from mimo_train.runtime.preemption import ExitSignals
+from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
 
 def _raise(error: Exception | None) -> None:
@@ -77,6 +80,10 @@ class Trainer:
     """Everything one rank holds for training; ``run()`` trains to ``train.steps``."""
 
     def __init__(self, cfg: TrainConfig):
+        if not cfg.resolved:
+            raise TrainConfigError("the training config's model is not resolved: call "
+                                   "mimo_train.families.registry.resolve(cfg) first (the "
+                                   "mimo-train command does)")
         self.cfg = cfg
         start = time.perf_counter()
         self.device, problem = devices.select(cfg.train.device, devices.probe())
@@ -99,7 +106,6 @@ class Trainer:
         self.failure: str | None = None         # why the run stopped early, failing
         self.step_samples: list[dict] = []      # the current step's samples, this rank's
         self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
-        Guard(self.optimizer)
         run = cfg.train
         self.watch = Watch(run.max_skipped_steps, run.spike_factor, run.spike_window)
         resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
@@ -129,8 +135,7 @@ class Trainer:
         cfg = self.cfg
         self.attention = choose(cfg.model.attention, run_dtype(cfg.train.precision),
                                 available(self.device))
-        if parallel_state._GLOBAL_MEMORY_BUFFER is None:    # once a process: set by
-            parallel_state._set_global_memory_buffer()     # initialize_model_parallel, unused
+        ensure_global_memory_buffer()
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language
@@ -143,12 +148,7 @@ class Trainer:
         warmup, note = cfg.warmup_steps()
         if note:
             say(PREFIX + note)
-        self.schedulers = {name: OptimizerParamScheduler(
-            optimizer, init_lr=0.0, max_lr=cfg.optimizer.lr, min_lr=cfg.optimizer.min_lr,
-            lr_warmup_steps=warmup, lr_decay_steps=cfg.train.steps, lr_decay_style="cosine",
-            start_wd=cfg.optimizer.weight_decay, end_wd=cfg.optimizer.weight_decay,
-            wd_incr_steps=cfg.train.steps, wd_incr_style="constant")
-            for name, optimizer in self.trained.items()}
+        self.schedulers = build_schedulers(cfg, self.trained, warmup)
         self.placeholders = shared_placeholders(cfg, self.infra, self.preprocess,
                                                 text.modality_token_ids)
         self.forward = ForwardStep(self.infra, self.device, self.placeholders)

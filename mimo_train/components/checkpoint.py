@@ -46,9 +46,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mimo_data.shards.index import write_atomic
-from mimo_train import digests
-from mimo_train.digests import MANIFEST, IntegrityError
+from mimo_data.files import write_atomic
+from mimo_train.components import digests
+from mimo_train.components.digests import MANIFEST
+from mimo_train.errors import CheckpointError, IntegrityError
+from mimo_train.runtime import distributed
 from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               LocalNonpersistentObject, ShardedBase, ShardedObject,
                               ShardedTensor, StrictHandling, dist_checkpointing,
@@ -59,15 +61,6 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
 LATEST = "latest"
 META = "meta.json"
 _STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be used here; the message says why and what to do.
-    ``exit_code``: 1 for a damaged or partial checkpoint (its data failed a check), else 2."""
-
-    def __init__(self, message: str, damaged: bool = False):
-        super().__init__(message)
-        self.exit_code = 1 if damaged else 2
 
 
 @dataclass
@@ -147,7 +140,7 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
     if rank == 0:                     # what an interrupted save at this step left
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-    dist.barrier()
+    distributed.barrier()
     # Fully parallel: each replicated tensor (a data-parallel replica's weights and optimizer
     # state) is written by one of its holders, spread over the world, not all by rank 0.
     request = dist_checkpointing.save(
@@ -156,17 +149,17 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
         async_sharded_save=True, async_strategy="mcore")
 
     def finalize() -> None:
-        problem: list[str | None] = [None]
+        problem: str | None = None
         if rank == 0:
             try:
                 write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1).encode())
                 digests.write_manifest(directory)
                 write_atomic(os.path.join(root, LATEST), os.path.basename(directory).encode())
             except (IntegrityError, OSError) as error:
-                problem = [f"{type(error).__name__}: {error}"]
-        dist.broadcast_object_list(problem, src=0)         # every rank stops, none waits
-        if problem[0]:
-            raise CheckpointError(f"checkpoint {directory} was not completed ({problem[0]}); "
+                problem = f"{type(error).__name__}: {error}"
+        problem = distributed.broadcast(problem, src=0)    # every rank stops, none waits
+        if problem:
+            raise CheckpointError(f"checkpoint {directory} was not completed ({problem}); "
                                   f"{LATEST} still names the previous one")
 
     request.add_finalize_fn(finalize)
@@ -240,8 +233,7 @@ def _unsharded(value) -> bool:
 
 def _first_holders(keys: list[str]) -> dict[str, bool]:
     """key -> whether this rank is the lowest rank holding it (it writes the object once)."""
-    held: list = [None] * dist.get_world_size()
-    dist.all_gather_object(held, keys)
+    held = distributed.gather(keys)
     return {key: next(r for r, ks in enumerate(held) if key in ks) == dist.get_rank()
             for key in keys}
 
@@ -357,17 +349,12 @@ def load_weights(directory: str) -> dict:
     """module name -> {its unwrapped state-dict key, global layer numbers -> whole tensor}, read
     in one process from a checkpoint of any layout (mimo-export)."""
     read_meta(directory)
-    alone = not dist.is_initialized()
-    if alone:                          # megatron-core's loading asks the process group
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        digests.verify(directory)
-        tensors = load_plain_tensors(directory)
+        with distributed.alone():
+            digests.verify(directory)
+            tensors = load_plain_tensors(directory)
     except IntegrityError as error:
         raise _damaged(directory, str(error)) from None
-    finally:
-        if alone:
-            dist.destroy_process_group()
     weights: dict = {}
     for key, tensor in tensors.items():
         # language_model.module.<key> / modality_submodules.<name>.module.<key>: DDP's level

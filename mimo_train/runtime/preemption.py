@@ -26,10 +26,7 @@ import time
 from types import FrameType
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from mimo_train import distributed
+from mimo_train.runtime import distributed
 
 REPEAT_SECONDS = 2.0
 
@@ -68,6 +65,4 @@ class ExitSignals:
     def agreed(self) -> int:
         """The signal some rank received (the largest number if several), 0 if none
         (collective over the control group)."""
-        flag = torch.tensor([self.received], dtype=torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=distributed.control())
-        return int(flag.item())
+        return distributed.maximum(self.received)

@@ -1,0 +1,67 @@
+"""The optimizer and its learning-rate schedules: megatron-core's ``MimoOptimizer`` (one Adam per
+module on that module's process groups) with a check of the gradient norm, and one warmup +
+cosine ``OptimizerParamScheduler`` per trained module.
+
+The check (``CheckedMimoOptimizer``): megatron-core's ``MimoOptimizer.step`` clips with the
+world's gradient norm and steps even when that norm is not finite (it checks only under a loss
+scaler), which writes NaN into every weight. The subclass checks the norm where it is computed
+(a host float there already; a non-finite loss makes it non-finite too) and raises
+``NonFiniteStep`` before any weight, optimizer state or LR schedule moves, alike on every rank
+(the norm is the world's); the trainer counts the step as skipped (``anomalies``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mimo_train.config import TrainConfig
+from mimo_train.mcore import (MegatronOptimizerConfig, MimoOptimizer, OptimizerParamScheduler,
+                              get_mimo_optimizer)
+
+
+class NonFiniteStep(Exception):
+    """Raised inside the optimizer step to stop it before any weight moves."""
+
+    def __init__(self, reason: str, grad_norm: float):
+        super().__init__(reason)
+        self.reason, self.grad_norm = reason, grad_norm
+
+
+class CheckedMimoOptimizer(MimoOptimizer):
+    """``MimoOptimizer`` whose world gradient norm is checked before it clips or steps."""
+
+    def get_grad_norm(self) -> float:
+        norm = super().get_grad_norm()
+        if not math.isfinite(norm):
+            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
+        return norm
+
+
+def build_optimizer(cfg: TrainConfig, model) -> CheckedMimoOptimizer:
+    """The optimizer of this rank's modules of ``model`` (``MimoModel``; collective)."""
+    opt = cfg.optimizer
+    bf16 = cfg.train.precision == "bf16"
+    config = MegatronOptimizerConfig(
+        optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    return CheckedMimoOptimizer(get_mimo_optimizer(model, config).module_infos, config)
+
+
+def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
+    """This rank's module optimizers, frozen modules left out (they have no state)."""
+    return {name: info.optimizer for name, info in optimizer.module_infos.items()
+            if info.is_active and info.optimizer is not None and name not in freeze}
+
+
+def build_schedulers(cfg: TrainConfig, trained: dict, warmup: int) -> dict:
+    """module name -> the warmup + cosine LR (constant weight decay) of its optimizer in
+    ``trained``; the decay spans ``train.steps``."""
+    opt, steps = cfg.optimizer, cfg.train.steps
+    return {name: OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
+        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
+        for name, optimizer in trained.items()}

@@ -1,0 +1,187 @@
+"""The families by encoder kind and checkpoint ``model_type``, and resolving checkpoints to them:
+``read_vlm`` and ``language_arch`` read a checkpoint's config into what mimo takes from it (or
+refuse it with the reason), ``resolve`` fills a training config's model dims from the
+checkpoints it names, ``build_encoder`` builds an encoder module, ``preprocessing_for`` writes
+the preprocessing config a whole VLM expects. Family modules never import this module.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from mimo_train.config import LANGUAGE_DEFAULTS, LanguageConfig, TrainConfig
+from mimo_train.errors import EncoderBuildError, TrainConfigError
+from mimo_train.families import causal_lm, llava, qwen2_5_vl, qwen2_vl, siglip, whisper
+from mimo_train.families.base import VLM, Encoder, input_form, model_directory
+from mimo_train.families.causal_lm import LanguageArch
+
+# encoder kind -> its class
+ENCODERS: dict[str, type[Encoder]] = {
+    "qwen2_vl": qwen2_vl.Qwen2VLVision, "qwen2_5_vl": qwen2_5_vl.Qwen2_5VLVision,
+    "siglip": siglip.SiglipVision, "whisper": whisper.WhisperAudio,
+    "llava": llava.LlavaVision}
+# encoder kind for each input form, without a whole VLM
+DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
+                 ("audio", "log-mel"): "whisper"}
+# whole VLM model_type -> its family module (``read``, ``image_geometry``)
+VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "llava": llava}
+# model_type -> why mimo does not take it
+REFUSED = {
+    "qwen3_vl": "Qwen3-VL injects vision features into inner language layers (deepstack), "
+                "which megatron-core's MimoModel cannot do: it splices them at the input "
+                "embeddings only",
+    "qwen3_vl_moe": "Qwen3-VL injects vision features into inner language layers (deepstack)",
+    "llava_next": "LLaVA-NeXT tiles images at any resolution (any-res), which mimo's image "
+                  "preprocessing does not produce",
+    "llava_onevision": "LLaVA-OneVision tiles images at any resolution (any-res), which mimo's "
+                       "image preprocessing does not produce",
+}
+
+
+def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
+                  num_attention_heads: int, pretrained: str | None) -> Encoder:
+    """The encoder class named by ``kind``, in fp32; ``pretrained`` a model directory (or
+    cached hub name), a whole VLM's among them (the encoder then gets its ``VLM``)."""
+    if kind not in ENCODERS:
+        raise EncoderBuildError(f"encoder kind {kind!r} is unknown: use one of {sorted(ENCODERS)}")
+    source: str | VLM | None = pretrained
+    if pretrained and _model_type(pretrained, "model.encoders.*.pretrained") in VLMS:
+        source = read_vlm(pretrained)
+    return ENCODERS[kind](modality_config, hidden_size, num_layers, num_attention_heads,
+                          source)
+
+
+def default_kind(modality: str, modality_config) -> str:
+    """Encoder kind that consumes this modality's preprocessing output."""
+    return DEFAULT_KINDS[input_form(modality, modality_config)]
+
+
+@lru_cache(maxsize=8)
+def read_vlm(path: str) -> VLM:
+    """The whole VLM at ``path`` (directory or cached hub name), or ``TrainConfigError``
+    naming why mimo cannot take it."""
+    config = checkpoint_config(path, "model.pretrained")
+    family = config.model_type
+    if family in REFUSED:
+        raise TrainConfigError(f"model.pretrained {path} is a {family!r} model: {REFUSED[family]}")
+    if family not in VLMS:
+        raise TrainConfigError(f"model.pretrained {path} is a {family!r} model, not a whole "
+                               f"vision-language model mimo takes ({', '.join(VLMS)}); give "
+                               "the language model as model.language.pretrained and each "
+                               "encoder as model.encoders.<module>.pretrained instead")
+    return VLMS[family].read(config, path)
+
+
+def preprocessing_for(path: str) -> dict:
+    """The preprocessing config (as YAML data) that writes images (and videos) as the whole
+    VLM at ``path`` expects: its tokenizer (and chat template), image and video tokens and
+    wrap tokens, positions, its image processor's geometry, pixel budgets and normalization,
+    and its video processor's frame sampling where it has one."""
+    import copy
+    import json
+    import os
+
+    from transformers import AutoTokenizer
+    vlm = read_vlm(path)
+    directory = model_directory(path)
+    processor = os.path.join(directory, "preprocessor_config.json")
+    if not os.path.isfile(processor):
+        raise TrainConfigError(f"{path} holds no preprocessor_config.json: the image "
+                               "processor's settings cannot be read; write the preprocessing "
+                               "config by hand")
+    config = checkpoint_config(path, "model.pretrained")
+    family = VLMS[vlm.family]
+    with open(processor) as f:
+        image_processor = json.load(f)
+    geometry = family.image_geometry(config, image_processor)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    wrap = {"wrap": tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
+            } if vlm.image_wrap_ids else {}
+    modalities = {"image": {"token": tokenizer.convert_ids_to_tokens(vlm.image_token_id),
+                            **wrap, **geometry}}
+    if vlm.video_token_id is not None:
+        # the video processor's own settings where the checkpoint saves them
+        video_processor = os.path.join(directory, "video_preprocessor_config.json")
+        if os.path.isfile(video_processor):
+            with open(video_processor) as f:
+                image_processor = json.load(f)
+        modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
+            {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
+             **family.video_settings(config, image_processor)})
+    return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
+            "mode": "chat", "positions": vlm.positions, "modalities": modalities}
+
+
+@lru_cache(maxsize=16)
+def checkpoint_config(path: str, key: str):
+    """transformers' config of the checkpoint at ``path`` (directory or cached hub name), or
+    ``TrainConfigError`` naming ``key``."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise TrainConfigError(
+            f"{key} is {path!r}, from which transformers cannot read a model config ({error}): "
+            "give a model directory holding config.json (or a hub name already in the local "
+            "cache)") from None
+
+
+def _model_type(path: str, key: str) -> str:
+    return checkpoint_config(path, key).model_type
+
+
+def language_arch(path: str, key: str = "model.language.pretrained") -> LanguageArch:
+    """The architecture of the language model at ``path``: a causal LM's, or a whole VLM's
+    language model (``read_vlm`` says where its weights sit)."""
+    config = checkpoint_config(path, key)
+    vlm = read_vlm(path) if getattr(config, "text_config", None) is not None else None
+    return causal_lm.read_architecture(path, key, vlm)
+
+
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Fill ``cfg``'s model from the checkpoints it names (in place; returns it): a whole VLM
+    (``model.pretrained``) gives the language model and the projection kind; the language
+    model's dims and M-RoPE section come from its checkpoint (a dim also set in the config must
+    agree), else from the defaults. Reads checkpoint configs only, no weights; idempotent."""
+    model = cfg.model
+    projection = "linear"
+    if model.pretrained is not None:
+        vlm = read_vlm(model.pretrained)
+        if model.language.pretrained not in (None, model.pretrained):
+            raise TrainConfigError(
+                f"model.pretrained is {model.pretrained} and model.language.pretrained "
+                f"{model.language.pretrained}: the whole VLM brings its language model; drop "
+                "one of the two")
+        model.language.pretrained = model.pretrained
+        projection = vlm.projection
+    if model.projection is None:
+        model.projection = projection
+    _resolve_language(model.language)
+    return cfg
+
+
+def _resolve_language(language: LanguageConfig) -> None:
+    if language.pretrained is None:
+        for name, default in LANGUAGE_DEFAULTS.items():
+            if getattr(language, name) is None:
+                setattr(language, name, default)
+        assert language.hidden_size and language.num_attention_heads    # the defaults, at least
+        language.check_mrope(language.hidden_size // language.num_attention_heads)
+        return
+    arch = language_arch(language.pretrained)
+    for name in (*LANGUAGE_DEFAULTS, "ffn_hidden_size"):
+        given, actual = getattr(language, name), getattr(arch, name)
+        if given is not None and given != actual:
+            raise TrainConfigError(
+                f"model.language.{name} is {given}, but model.language.pretrained "
+                f"{language.pretrained} has {name} {actual}: drop the key or make them agree")
+        setattr(language, name, actual)
+    if arch.mrope_section is not None:
+        if language.mrope_section is not None and \
+                list(language.mrope_section) != list(arch.mrope_section):
+            raise TrainConfigError(
+                f"model.language.mrope_section is {language.mrope_section}, but "
+                f"model.language.pretrained {language.pretrained} has "
+                f"{list(arch.mrope_section)}: drop the key or make them agree")
+        language.mrope_section = list(arch.mrope_section)
+    language.check_mrope(arch.kv_channels)

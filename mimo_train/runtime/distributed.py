@@ -1,0 +1,117 @@
+"""Joining the ``torchrun`` job, and the CPU group that carries control messages: the one place
+mimo_train makes process groups besides the modules' grids (``mcore.grids``).
+
+Training collectives run on the default group: NCCL on GPUs, gloo on the CPU. Control traffic
+(start-up agreement, failure reports, the token-table parts, checkpoint coordination and
+verdicts, anomaly samples, exit signals) goes over a separate gloo group of every rank
+(``control``): it moves Python objects through CPU memory, so a rank whose GPU is in a CUDA
+error still joins it and every rank prints one message, where the NCCL default group would
+leave the others waiting for its watchdog (and make each object a device round trip). Both
+groups time out after ``train.collective_timeout_minutes`` (the trainer gives the modules'
+groups the same): a collective that a rank never joins fails with an error instead of hanging.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_control: dist.ProcessGroup | None = None
+
+
+def init(device: torch.device, timeout: timedelta | None = None) -> None:
+    """Join the ``torchrun`` job (env://), or start a one-process group without torchrun,
+    unless the process is in a job already; then make the control group if it has none
+    (collective)."""
+    global _control
+    kwargs: dict = {} if timeout is None else {"timeout": timeout}
+    if not dist.is_initialized():
+        _join("nccl" if device.type == "cuda" else "gloo", device, kwargs)
+    if _control is None:
+        _control = dist.new_group(backend="gloo", **kwargs)
+
+
+def _join(backend: str, device: torch.device, kwargs: dict) -> None:
+    if device.type == "cuda":
+        # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
+        # which device to use instead of guessing (torch warns at every barrier otherwise).
+        torch.cuda.set_device(device)
+        kwargs = {**kwargs, "device_id": device}
+    if "RANK" in os.environ:
+        dist.init_process_group(backend, **kwargs)
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1, **kwargs)
+
+
+def control() -> dist.ProcessGroup | None:
+    """The control group (None before ``init``)."""
+    return _control
+
+
+def together() -> bool:
+    """Whether this process is one rank of a job of several (collectives have peers)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_size() -> tuple[int, int]:
+    """(this rank, the world size); (0, 1) outside a process group."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def gather(value) -> list:
+    """``value`` of every rank, in rank order, over the control group (collective; the
+    default group before ``init``, e.g. a failure before the trainer starts)."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value, group=_control)
+    return gathered
+
+
+def broadcast(value, src: int = 0):
+    """Rank ``src``'s ``value`` on every rank, over the control group (collective)."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=src, group=_control)
+    return holder[0]
+
+
+def barrier() -> None:
+    """Wait for every rank, over the control group."""
+    dist.barrier(group=_control)
+
+
+def maximum(value: int) -> int:
+    """The largest ``value`` of any rank, over the control group (collective)."""
+    largest = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=_control)
+    return int(largest.item())
+
+
+@contextmanager
+def alone() -> Iterator[None]:
+    """A one-process group for the duration, unless the process is in one already (megatron-core's
+    checkpoint reading asks the process group even in a single process: mimo-export)."""
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def destroy() -> None:
+    """Leave the job: the control group and the default group."""
+    global _control
+    _control = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
