@@ -24,7 +24,7 @@ import time
 
 from mimo_train.runtime import console
 from mimo_train.config import TrainConfig
-from mimo_train.errors import TrainConfigError
+from mimo_train.errors import RunError, StartupError, TrainConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,8 +77,10 @@ def main(argv=None) -> int:
             return 1
         if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)
             return 128 + trainer.stopped_by
-    except console.StartupError as error:
+    except StartupError as error:
         return console.report_failure(error)
+    except RunError as error:
+        return console.report_run_failure(error)
     finally:
         distributed.destroy()
     return 0

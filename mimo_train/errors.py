@@ -50,9 +50,12 @@ class StartupError(MimoTrainError, RuntimeError):
 
 
 class RunError(MimoTrainError, RuntimeError):
-    """Training stopped in the middle of the run: the message names the rank(s), the step and
-    the cause, gathered once for every rank (``runtime.console.report_run_failure``)."""
+    """Training stopped in the middle of the run: the message names the rank, the step and the
+    cause (``runtime.console.run_failure``); printed once in the job. ``peer_lost``: this rank
+    only lost a peer that left the job; ``details``: a bug's traceback, printed after it."""
     exit_code = 1
+    peer_lost = False
+    details = ""
 
 
 class ExportError(MimoTrainError, RuntimeError):

@@ -7,19 +7,27 @@
   (over the gloo control group: ``distributed``), rank 0 prints
   ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
   on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).
+- ``run_failure(error, ...)`` / ``report_run_failure``: a failure in the middle of the run
+  (a damaged sample, storage, a checkpoint save, a peer rank that died, a bug) as one message
+  naming the rank, the step and the cause, printed once in the job (the first rank to record
+  its failure in torchrun's store: ``distributed.claim_failure``), also as the root cause of
+  torchrun's own report; ranks that only lost their peers print nothing after it.
 
 Nothing here imports torch at module level: the CLI uses it before parsing arguments.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
+import signal
 import sys
 import time
+import traceback
 import warnings
-from mimo_train.errors import StartupError
+from mimo_train.errors import RunError, StartupError
 
 PREFIX = "mimo-train: "
 
@@ -180,3 +188,74 @@ def fail_before_setup(phase_name: str, error: Exception) -> int:
     finally:
         distributed.destroy()
     return 2                                         # not reached: fail() always raises
+
+
+# What a rank whose collective failed because a peer left waits for that peer's own report.
+PEER_WAIT_S = 5.0
+# A collective that failed because a peer rank left (gloo: the peer's sockets closed; NCCL:
+# the watchdog's abort); torch raises these as DistError subclasses or RuntimeError.
+_PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was "
+                        r"aborted|ProcessGroupNCCL.*(timeout|Timeout)|Socket Timeout")
+# DataLoader re-raises a worker's exception with the worker's traceback in the message
+_WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+
+
+def run_failure(error: Exception, rank_: int, doing: str, where: str) -> RunError:
+    """``error``, raised on rank ``rank_`` (holding ``where``) while ``doing`` (e.g. "step 4"),
+    as the one message the job prints. mimo's own errors and OSError name their cause in
+    their message; any other error is a bug and keeps its traceback."""
+    import torch.distributed as dist
+    cause = f"{type(error).__name__}: {_message(error)}"
+    if isinstance(error, dist.DistError) or _PEER_LOST.search(str(error)):
+        failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
+                           f"failed ({cause.splitlines()[0]}): another rank left the job "
+                           "without a message (killed, or out of memory?); torchrun's report "
+                           "names it")
+        failure.peer_lost = True
+        return failure
+    ours = type(error).__module__.split(".")[0] in ("mimo_data", "mimo_train") or \
+        isinstance(error, OSError)
+    failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): {cause}")
+    if not ours:
+        failure.details = "".join(traceback.format_exception(error))
+    return failure
+
+
+def _message(error: Exception) -> str:
+    """The error's own message, without a DataLoader worker's traceback around it."""
+    text = str(error)
+    if _WORKER_TRACEBACK in text:
+        marker = f"\n{type(error).__name__}: "
+        text = text[text.rfind(marker) + len(marker):] if marker in text else text
+    return text.strip()
+
+
+def report_run_failure(error: RunError) -> int:
+    """Print ``error`` unless another rank's failure was recorded first (then this rank exits
+    quietly: its own failure follows from that one); returns the exit status. A rank that lost
+    its peers first waits a little for the failing peer's record."""
+    from mimo_train.runtime import distributed
+    # torchrun stops the other ranks once one exits: this rank finishes its report first
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        first = distributed.claim_failure(str(error), PEER_WAIT_S if error.peer_lost else 0.0)
+        if first:
+            print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
+            if error.details:
+                print(error.details, file=sys.stderr, end="", flush=True)
+            _torchrun_error_file(str(error))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return error.exit_code
+
+
+def _torchrun_error_file(message: str) -> None:
+    """The failure as torchrun's root cause: its error file in torchelastic's JSON format
+    (torchrun names the file in ``TORCHELASTIC_ERROR_FILE`` and prints the message in its
+    report instead of "<N/A>")."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    with open(path, "w") as f:
+        json.dump({"message": {"message": f"{PREFIX}{message}", "extraInfo": {
+            "py_callstack": f"{PREFIX}{message}", "timestamp": str(int(time.time()))}}}, f)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -115,3 +116,28 @@ def destroy() -> None:
     _control = None
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# torchrun's store key of the job's first failure, per attempt (``--max-restarts`` starts a new
+# attempt in the same store)
+_FAILURE_KEY = "mimo_train/failure/{attempt}"
+
+
+def claim_failure(message: str, wait_s: float = 0.0) -> bool:
+    """Record ``message`` as the job's failure in torchrun's store (a ``TCPStore`` that outlives
+    every rank; no collective, so a rank that failed alone can call it): True when it is the
+    first recorded, False when another rank's came first. ``wait_s``: wait that long for another
+    rank's record first (a rank that only lost its peers gives the failing one time to record
+    its cause). Always True outside a torchrun job of several ranks."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
+        return True
+    try:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                              is_master=False, timeout=timedelta(seconds=10))
+        key = _FAILURE_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not store.check([key]):
+            time.sleep(0.1)
+        return store.compare_set(key, "", message) == message.encode()
+    except (RuntimeError, OSError):       # the store is gone (the agent stopped): say it here
+        return True

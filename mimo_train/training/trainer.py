@@ -53,7 +53,7 @@ from mimo_train.model.build import build_model, shared_placeholders, vocab_size
 from mimo_train.model.parts import layer_offset, local_modules
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
-from mimo_train.runtime.console import PREFIX, phase, say
+from mimo_train.runtime.console import PREFIX, phase, run_failure, say
 from mimo_train.runtime.preemption import ExitSignals
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
@@ -102,6 +102,7 @@ class Trainer:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
+        self.doing = "step 1"                   # what run() is doing: named if it fails
         self.stopped_by = 0                     # the exit signal that stopped the run
         self.failure: str | None = None         # why the run stopped early, failing
         self.step_samples: list[dict] = []      # the current step's samples, this rank's
@@ -229,7 +230,16 @@ class Trainer:
     # -------------------------------------------------------------------------------- loop
 
     def run(self) -> list[dict]:
-        """Train to ``train.steps``; returns the records (every rank has them)."""
+        """Train to ``train.steps``; returns the records (every rank has them). A failure on the
+        way is raised as ``RunError`` naming this rank, the step and the cause."""
+        try:
+            return self._train()
+        except Exception as error:
+            where = ", ".join(f"{m.name} dp{m.dp_rank} tp{m.tp_rank} pp{m.pp_rank}"
+                              for m in self.infra.role.modules)
+            raise run_failure(error, self.rank, self.doing, where or "no module") from error
+
+    def _train(self) -> list[dict]:
         run, every = self.cfg.train, self.cfg.checkpoint.interval
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
@@ -237,11 +247,13 @@ class Trainer:
         iterator = self.batches(self.loader)
         with ExitSignals(run.exit_signals) as signals:
             while self.step < run.steps:
+                self.doing = f"step {self.step + 1}"
                 values, skipped = self.train_step(iterator)
                 self.samples[self.step] = self.step_samples
                 read = self.metrics.log(values)
                 self._saved(self.saver.poll() if self.saver else [])
                 if run.eval_interval and self.step % run.eval_interval == 0:
+                    self.doing = f"the evaluation at step {self.step}"
                     read += self.metrics.log(self.evaluate())
                 self.failure = self._anomalies(skipped, read)
                 if self.failure:
@@ -252,6 +264,7 @@ class Trainer:
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
                 if self.saver and (last or stop or (every and self.step % every == 0)):
+                    self.doing = f"the checkpoint of step {self.step}"
                     self.save()
                     if last or stop:
                         self._saved(self.saver.wait())
