@@ -3,10 +3,10 @@
 Importing it first filters the known third-party warnings (``runtime.console``), then, when
 CUDA is absent, applies ``cpu_compat`` (megatron-core 0.19.2 on CPU with gloo), and only then
 imports megatron-core: every name below is the patched one. ``cpu_compat`` reaches into
-megatron-core internals to patch them and is imported by this module alone; so does
-``ensure_global_memory_buffer``. Beside it: ``grids`` (each module's process groups),
-``attention`` (the language model's core attention), ``bridge_routing`` (variable token counts
-across module bridges).
+megatron-core internals to patch them and is imported by this module alone; so do
+``ensure_global_memory_buffer`` and the checkpoint writer's results queue (below). Beside it:
+``grids`` (each module's process groups), ``attention`` (the language model's core attention),
+``bridge_routing`` (variable token counts across module bridges).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
                                                      ShardedObject, ShardedTensor)
 from megatron.core.dist_checkpointing.serialization import (get_default_save_sharded_strategy,
                                                             load_plain_tensors)
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper)
@@ -76,3 +77,13 @@ def ensure_global_memory_buffer() -> None:
     instead): set once a process."""
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
+
+
+# megatron-core's checkpoint writer reports each file written through a queue it makes on first
+# use from a ``multiprocessing.Manager`` of the "spawn" context: a server process that starts a
+# fresh interpreter, seconds per rank at the first save. Its writers run in this process
+# (``execute_sync``) or in one forked by ``AsyncCallsQueue`` (the "fork" context), so a plain
+# queue of the fork context, inherited by the forked writer, carries the same results.
+if filesystem_async._results_queue is None:
+    import multiprocessing
+    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
