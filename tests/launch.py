@@ -1,0 +1,260 @@
+"""The suite's one launcher of multi-rank (and one-process) jobs. Tests import it; no test module
+imports another.
+
+- ``Ranks`` (the session fixture ``ranks`` in conftest.py): a pre-imported parent that forks
+  ranks. One process imports torch, transformers and megatron-core once for the whole session
+  (``serve``); each job forks ``nproc`` children from it with torchrun's environment (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: rank 0 hosts the store, as
+  ``env://`` does without torchrun's agent) and runs a script or module as ``python`` would
+  (``__main__``, ``sys.argv``). A rank's start-up costs a fork instead of several seconds of
+  imports. Each rank's stdout and stderr go to files of the job's folder. For every run where
+  torchrun itself is not what is tested.
+- ``torchrun(...)``: real ``torchrun --standalone`` for what must go through its agent: signals
+  and preemption, several nodes, the CLI's start-up and failure reports as users see them.
+- ``python(...)``: a fresh interpreter, for what must not share the parent's imports.
+
+Each returns a ``Job``: exit statuses and output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+# what a job's processes need whatever the test: the repository and tests/ importable, one
+# intra-op thread per rank (2 cores for all ranks)
+BASE_ENV = {"PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "OMP_NUM_THREADS": "1"}
+# imported once by the parent of forked ranks: what every job's ranks would import again
+PRELOAD = ("torch", "torch.distributed", "transformers", "mimo_train.mcore",
+           "mimo_train.training.trainer", "mimo_train.families.registry", "mimo_train.cli",
+           "mimo_train.hf.export", "mimo_train.hf.generate", "mimo_data.loading.loader",
+           "tensorboard", "transformers.models.qwen2_vl.modeling_qwen2_vl",
+           "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+           "transformers.models.llava.modeling_llava", "transformers.models.siglip",
+           "transformers.models.whisper.modeling_whisper", "transformers.models.llama",
+           "transformers.models.qwen2", "transformers.models.qwen3")
+
+
+@dataclass
+class Job:
+    """A finished job: ``codes[r]`` is rank r's exit status (torchrun, python: one code, the
+    process's), ``stdout`` / ``stderr`` what it printed (forked ranks: rank 0's), ``ranks``
+    each rank's stderr (forked ranks; torchrun with ``log_dir``)."""
+    codes: list[int]
+    stdout: str = ""
+    stderr: str = ""
+    ranks: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        return all(code == 0 for code in self.codes)
+
+    def explain(self) -> str:
+        """What to show when the job failed: exit codes and the end of each output."""
+        parts = [f"exit codes {self.codes}", self.stdout[-3000:], self.stderr[-5000:]]
+        parts += [f"--- rank {r} stderr ---\n{text[-3000:]}" for r, text in self.ranks.items()]
+        return "\n".join(parts)
+
+    def check(self) -> Job:
+        """This job, asserted to have succeeded on every rank."""
+        assert self.ok, self.explain()
+        return self
+
+
+class Ranks:
+    """The pre-imported parent of forked ranks (``serve`` runs in it); one job at a time."""
+
+    def __init__(self):
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), "--serve"], cwd=REPO,
+            env={**os.environ, **BASE_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, bufsize=1)
+        self._expect("ready", timeout=600)
+
+    def run(self, nproc: int, argv: list, logs: Path, env: dict | None = None,
+            timeout: float = 600) -> Job:
+        """Run ``python ARGV`` (a script and its arguments, or ``-m MODULE ...``) as ranks
+        0..nproc-1 of one job, each rank's output in ``logs/rank_R.out|err``. A job still
+        running after ``timeout`` seconds is killed (its codes then read -9)."""
+        logs = Path(logs)
+        logs.mkdir(parents=True, exist_ok=True)
+        request = {"nproc": nproc, "argv": [str(a) for a in argv], "logs": str(logs),
+                   "env": {k: str(v) for k, v in (env or {}).items()}}
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        pids = self._expect("pids", timeout=60)["pids"]
+        try:
+            codes = self._expect("codes", timeout=timeout)["codes"]
+        except TimeoutError:
+            for pid in pids:
+                _kill(pid)
+            codes = self._expect("codes", timeout=60)["codes"]
+        read = {r: (logs / f"rank_{r}.err").read_text(errors="replace") for r in range(nproc)}
+        return Job(codes, (logs / "rank_0.out").read_text(errors="replace"), read[0], read)
+
+    def _expect(self, key: str, timeout: float) -> dict:
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        if not ready:
+            raise TimeoutError(f"the rank parent gave no {key!r} in {timeout} s")
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the rank parent exited ({self.process.wait()}) before {key!r}")
+        message = json.loads(line)
+        assert key in message, message
+        return message
+
+    def close(self) -> None:
+        if self.process.stdin:
+            self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def torchrun(nproc: int, argv: list, env: dict | None = None, timeout: float = 600,
+             log_dir: Path | None = None) -> Job:
+    """``torchrun --standalone --nproc-per-node NPROC ARGV``; ``log_dir``: torchrun's own
+    per-rank log files (``--log-dir --redirects 3``), read into ``Job.ranks``."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(nproc)]
+    if log_dir is not None:
+        command += ["--log-dir", str(log_dir), "--redirects", "3"]
+    result = subprocess.run([*command, *map(str, argv)], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout,
+                            env={**os.environ, **BASE_ENV, **(env or {})})
+    ranks = {} if log_dir is None else {
+        int(p.parent.name): p.read_text() for p in Path(log_dir).glob("*/attempt_0/*/stderr.log")}
+    return Job([result.returncode], result.stdout, result.stderr, ranks)
+
+
+def torchrun_command(nproc: int, argv: list) -> list[str]:
+    """The command line ``torchrun`` runs (for tests that start it themselves: signals)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(nproc), *map(str, argv)]
+
+
+def python(argv: list, env: dict | None = None, timeout: float = 600) -> Job:
+    """``python ARGV`` in a fresh process."""
+    result = subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout,
+                            env={**os.environ, **BASE_ENV, **(env or {})})
+    return Job([result.returncode], result.stdout, result.stderr)
+
+
+# --------------------------------------------------------------------------- the parent
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank(request: dict, rank: int, port: int) -> None:
+    """In a forked child: become rank ``rank`` of the job and run it; never returns."""
+    import runpy
+    import traceback
+    nproc, logs = request["nproc"], Path(request["logs"])
+    code = 1
+    try:
+        os.setpgid(0, 0)               # a job's ranks can be signalled without the parent
+        for fd, name in ((1, f"rank_{rank}.out"), (2, f"rank_{rank}.err")):
+            target = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(target, fd)
+            os.close(target)
+        sys.stdin = open(os.devnull)
+        sys.stdout = sys.__stdout__           # the parent's protocol stream: now this rank's file
+        os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
+                           "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+                           "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                           "MASTER_PORT": str(port), **request["env"]})
+        import torch
+        torch.set_num_threads(1)
+        argv = request["argv"]
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+            runpy.run_path(argv[0], run_name="__main__")
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:                                    # noqa: B036 (a rank reports all)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
+    """Each child's exit status; once one fails, the rest get ``grace`` seconds to exit before
+    they are killed (as torchrun stops a job one of whose ranks failed)."""
+    codes: dict[int, int] = {}
+    deadline = None
+    while len(codes) < len(pids):
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                for other in pids:
+                    if other not in codes:
+                        _kill(other)
+                deadline = None
+            time.sleep(0.05)
+            continue
+        if pid in pids:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0 and deadline is None:
+                deadline = time.monotonic() + grace
+    return [codes[pid] for pid in pids]
+
+
+def serve() -> None:
+    """The parent: import once, then for each request line on stdin fork its ranks and answer
+    ``{"pids": [...]}`` then ``{"codes": [...]}`` on stdout."""
+    import importlib
+    import warnings
+    for name in PRELOAD:
+        importlib.import_module(name)
+    # The only other thread here is pyarrow's idle jemalloc background thread, whose allocator
+    # takes fork in its stride (pthread_atfork); the loader's DataLoader workers fork after the
+    # same import. Python warns at every fork of a process with any other thread.
+    warnings.filterwarnings("ignore", "This process .* is multi-threaded, use of fork",
+                            DeprecationWarning)
+    reply = sys.stdout
+    sys.stdout = sys.stderr                   # anything else printed stays off the protocol
+    print(json.dumps({"ready": True}), file=reply, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        port = _free_port()
+        pids = []
+        for rank in range(request["nproc"]):
+            pid = os.fork()
+            if pid == 0:
+                _rank(request, rank, port)
+            pids.append(pid)
+        print(json.dumps({"pids": pids}), file=reply, flush=True)
+        print(json.dumps({"codes": _wait(pids)}), file=reply, flush=True)
+
+
+if __name__ == "__main__":
+    assert sys.argv[1:] == ["--serve"], "tests/launch.py --serve (started by tests/conftest.py)"
+    serve()
