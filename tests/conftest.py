@@ -1,4 +1,5 @@
-"""Shared fixtures for the `mimo-shard` tests.
+"""Shared fixtures: the sample corpus read independently of mimo_data, built datasets, the
+models set-up made, and the session's parent of forked ranks (``ranks``: tests/launch.py).
 
 Everything here reads the sample corpus (``assets/corpus``, built by ``tools/setup.sh``) with
 json / pyarrow / Pillow / soundfile directly, never through ``mimo_data``: the tests compare
@@ -24,6 +25,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "assets" / "corpus"
+MODELS = REPO / "assets" / "models"
 
 # The five inputs of the sample corpus, in the order the tests pass them to a build.
 CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",
@@ -44,6 +46,24 @@ def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """The session's parent of forked ranks (``launch.Ranks``): torch, transformers and
+    megatron-core imported once, every multi-rank job forked from it."""
+    from launch import Ranks
+    parent = Ranks()
+    yield parent
+    parent.close()
+
+
+def model_dir(name: str) -> Path:
+    """A checkpoint directory built by tools/setup.sh; fails (not skips) when missing."""
+    path = MODELS / name
+    if not (path / ".complete").is_file():
+        pytest.fail(f"{path} is missing or incomplete: run tools/setup.sh", pytrace=False)
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -27,8 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import REPO, preprocess_config_file
-from test_hf_models import model_dir
+from conftest import REPO, model_dir, preprocess_config_file
 from train_runs_run import digest
 
 MODELS = ("tiny-qwen2", "tiny-qwen2-vl-vision", "tiny-siglip-vision", "tiny-whisper")

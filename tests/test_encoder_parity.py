@@ -43,8 +43,7 @@ from mimo_train.families.qwen2_vl import Qwen2VLVision
 from mimo_train.families.siglip import SiglipVision
 from mimo_train.families.whisper import WhisperAudio
 
-from conftest import REPO
-from test_hf_models import model_dir
+from conftest import REPO, model_dir
 
 ATOL = 1e-4
 DYNAMIC = PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess.yaml")).modalities

@@ -28,8 +28,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, preprocess_config_file
-from test_hf_models import model_dir
+from conftest import REPO, model_dir, preprocess_config_file
 
 FAMILIES = ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 TOLERANCE = 1e-4

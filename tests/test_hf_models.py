@@ -7,17 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO
-
-MODELS = REPO / "assets" / "models"
-
-
-def model_dir(name: str):
-    """A checkpoint directory built by tools/setup.sh; fails (not skips) when missing."""
-    path = MODELS / name
-    if not (path / ".complete").is_file():
-        pytest.fail(f"{path} is missing or incomplete: run tools/setup.sh", pytrace=False)
-    return path
+from conftest import model_dir
 
 
 def test_smollm2_answers_the_capital_of_france():

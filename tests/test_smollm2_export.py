@@ -30,8 +30,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, preprocess_config_file, scratch
-from test_hf_models import model_dir
+from conftest import REPO, model_dir, preprocess_config_file, scratch
 
 CONFIG = REPO / "configs" / "train" / "smollm2_images_audio.yaml"
 SMOLLM2_VOCAB = 49152                 # SmolLM2-135M-Instruct's vocabulary (config.json)

@@ -14,80 +14,41 @@ agree (fp32, 1e-5) between one colocated process and each non-colocated layout, 
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, build_dataset, preprocess_config_file
+from conftest import build_dataset, preprocess_config_file
+from runs import compare, step
 
-RUNNER = str(REPO / "tests" / "train_parity_run.py")
 GLOBAL_BATCH = 4
 MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
          "model.language.num_attention_heads=2", "optimizer.warmup_steps=0", "train.steps=1",
          f"train.global_batch_size={GLOBAL_BATCH}", "train.seed=3"]
-TOLERANCE = 1e-5
 # bf16 against fp32 (8 bits of mantissa): the step's loss (relative), each module's gradient
 # (relative error of the whole vector), each parameter's gradient (its cosine with fp32's: small
 # gradients made of many cancelling terms, such as norm biases', lose most to bf16 rounding)
 BF16_LOSS, BF16_MODULE_GRAD, BF16_COSINE = 1e-3, 0.1, 0.5
 
 
-def _run(command, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
-    ranks = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
-    merged = {"loss_sum": ranks[0]["loss_sum"], "tokens": ranks[0]["tokens"], "grads": {}}
-    for rank in ranks:
-        assert (rank["loss_sum"], rank["tokens"]) == (merged["loss_sum"], merged["tokens"])
-        for module, grads in rank["grads"].items():
-            for name, grad in grads.items():
-                seen = merged["grads"].setdefault(module, {}).get(name)
-                if seen is not None:        # DP replicas hold the same reduced gradient
-                    torch.testing.assert_close(grad, seen, atol=0, rtol=0)
-                merged["grads"][module][name] = grad
-    return merged
-
-
-def _reference(tmp_path: Path, layout: str, common: list[str]) -> tuple[dict, str]:
+def _reference(ranks, tmp_path: Path, layout: str, common: list[str]) -> tuple[dict, str]:
     """One colocated process; also saves the initial weights every other layout starts from."""
-    out, init = tmp_path / "colocated", tmp_path / "init"
-    merged = _run([sys.executable, RUNNER, str(out), "--save-init", str(init),
-                   f"layout={layout}", f"train.micro_batch_size={GLOBAL_BATCH}", *common], out)
-    return merged, str(init / "step_0000000")
+    init = tmp_path / "init"
+    reference = step(ranks, tmp_path / "colocated", 1, f"layout={layout}",
+                     f"train.micro_batch_size={GLOBAL_BATCH}", *common, save_init=init)
+    return reference, str(init / "step_0000000")
 
 
-def _compare(reference: dict, other: dict, what: str) -> None:
-    assert other["tokens"] == reference["tokens"] > 0, what
-    loss, expected = other["loss_sum"] / other["tokens"], \
-        reference["loss_sum"] / reference["tokens"]
-    assert abs(loss - expected) <= TOLERANCE, f"{what}: loss {loss} vs {expected}"
-    assert set(other["grads"]) == set(reference["grads"]), what
-    for module, grads in reference["grads"].items():
-        assert set(other["grads"][module]) == set(grads), f"{what}: {module} parameters differ"
-        for name, grad in grads.items():
-            assert grad.abs().sum() > 0, f"{module}.{name} got no gradient in the reference"
-            difference = (other["grads"][module][name] - grad).abs().max().item()
-            assert difference <= TOLERANCE, f"{what}: {module}.{name} differs by {difference}"
-
-
-def _torchrun(tmp_path: Path, name: str, nproc: int, layout: str, micro_batch: int,
-              common: list[str], init: str) -> dict:
-    out = tmp_path / name
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                 "--standalone", RUNNER, str(out), f"layout={layout}",
-                 f"train.micro_batch_size={micro_batch}", f"model.init_from={init}", *common],
-                out)
+def _layout(ranks, tmp_path: Path, name: str, nproc: int, layout: str, micro_batch: int,
+            common: list[str], init: str) -> dict:
+    return step(ranks, tmp_path / name, nproc, f"layout={layout}",
+                f"train.micro_batch_size={micro_batch}", f"model.init_from={init}", *common)
 
 
 @pytest.fixture(scope="module")
-def dynamic_setup(loader_corpus, tmp_path_factory):
+def dynamic_setup(ranks, loader_corpus, tmp_path_factory):
     """The colocated unpacked reference of the layouts on the whole corpus. seq_length 512:
     the first batch packs into two sequences of two samples, which packing reorders
     (``test_packing_reorders_the_first_batch``)."""
@@ -96,7 +57,7 @@ def dynamic_setup(loader_corpus, tmp_path_factory):
     preprocess.write_text(preprocess.read_text().replace("seq_length: 1024", "seq_length: 512"))
     common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
               "model.encoders.audio.hidden_size=16", *MODEL]
-    reference, init = _reference(tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
+    reference, init = _reference(ranks, tmp, "language=dp1;image=dp1,off0;audio=dp1,off0", common)
     return tmp, common, reference, init, preprocess
 
 
@@ -119,28 +80,28 @@ def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader
     assert text_only, "no text-only sample in the parity batch"
 
 
-def test_fan_out_matches_colocated(dynamic_setup):
+def test_fan_out_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    fan_out = _torchrun(tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
-    _compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2")
+    fan_out = _layout(ranks, tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
+    compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2")
 
 
-def test_token_balanced_fan_out_matches_colocated(dynamic_setup):
+def test_token_balanced_fan_out_matches_colocated(ranks, dynamic_setup):
     """data.balance: tokens moves samples between the language DP ranks within the step; the
     step's loss and gradients stay the colocated run's."""
     tmp, common, reference, init, _ = dynamic_setup
-    balanced = _torchrun(tmp, "fan-out-balanced", 4, "image=dp1;audio=dp1;language=dp2", 1,
+    balanced = _layout(ranks, tmp, "fan-out-balanced", 4, "image=dp1;audio=dp1;language=dp2", 1,
                          [*common, "data.balance=tokens"], init)
-    _compare(reference, balanced, "image dp1 + audio dp1 -> language dp2, balanced")
+    compare(reference, balanced, "image dp1 + audio dp1 -> language dp2, balanced")
 
 
-def test_language_pp2_matches_colocated(dynamic_setup):
+def test_language_pp2_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    staged = _torchrun(tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common, init)
-    _compare(reference, staged, "language pp2")
+    staged = _layout(ranks, tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common, init)
+    compare(reference, staged, "language pp2")
 
 
-def test_fan_in_matches_colocated(corpus, tmp_path):
+def test_fan_in_matches_colocated(ranks, corpus, tmp_path):
     """Fan-in of uniform counts: one fixed-size image in every sample (variable counts:
     ``test_fan_in_of_variable_counts_matches_colocated``)."""
     records = [dict(r, image=str(corpus / r["image"])) for r in
@@ -150,9 +111,9 @@ def test_fan_in_matches_colocated(corpus, tmp_path):
     preprocess = preprocess_config_file(tmp_path / "preprocess.yaml", image={
         "policy": "fixed", "image_size": 28, "patch_size": 14})
     common = [f"data.datasets=[{tmp_path / 'shards'}]", f"data.preprocess={preprocess}", *MODEL]
-    reference, init = _reference(tmp_path, "language=dp1;image=dp1,off0", common)
-    fan_in = _torchrun(tmp_path, "fan-in", 3, "image=dp2;language=dp1", 2, common, init)
-    _compare(reference, fan_in, "image dp2 -> language dp1")
+    reference, init = _reference(ranks, tmp_path, "language=dp1;image=dp1,off0", common)
+    fan_in = _layout(ranks, tmp_path, "fan-in", 3, "image=dp2;language=dp1", 2, common, init)
+    compare(reference, fan_in, "image dp2 -> language dp1")
 
 
 def test_packing_reorders_the_first_batch(dynamic_setup, loader_corpus):
@@ -170,65 +131,63 @@ def test_packing_reorders_the_first_batch(dynamic_setup, loader_corpus):
     assert len({n for counts in packed["token_counts"]["image"] for n in counts}) >= 2
 
 
-def test_packed_matches_unpacked(dynamic_setup):
+def test_packed_matches_unpacked(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    out = tmp / "packed"
-    packed = _run([sys.executable, RUNNER, str(out), "layout=language=dp1;image=dp1,off0;"
-                   "audio=dp1,off0", f"train.micro_batch_size={GLOBAL_BATCH}",
-                   f"model.init_from={init}", "data.packing=true", *common], out)
-    _compare(reference, packed, "one process, packed")
+    packed = step(ranks, tmp / "packed", 1, "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
+                  f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
+                  "data.packing=true", *common)
+    compare(reference, packed, "one process, packed")
 
 
-def test_fan_in_of_variable_counts_matches_colocated(dynamic_setup):
+def test_fan_in_of_variable_counts_matches_colocated(ranks, dynamic_setup):
     """Each encoder DP rank holds one sample: images of different sizes, audio clips and
     text-only samples give every rank a different count (none, for a text-only sample)."""
     tmp, common, reference, init, _ = dynamic_setup
-    fan_in = _torchrun(tmp, "fan-in-variable", 5, "image=dp2;audio=dp2;language=dp1", 2,
+    fan_in = _layout(ranks, tmp, "fan-in-variable", 5, "image=dp2;audio=dp2;language=dp1", 2,
                        common, init)
-    _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1")
+    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1")
 
 
-def test_packed_balanced_fan_in_matches_colocated(dynamic_setup):
+def test_packed_balanced_fan_in_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    fan_in = _torchrun(tmp, "fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
+    fan_in = _layout(ranks, tmp, "fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
                        [*common, "data.packing=true", "data.balance=tokens"], init)
-    _compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced")
+    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced")
 
 
-def test_packed_language_pp2_dp2_matches_colocated(dynamic_setup):
+def test_packed_language_pp2_dp2_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
-    staged = _torchrun(tmp, "pp2-dp2-packed", 6, "image=dp1;audio=dp1;language=pp2,dp2", 1,
+    staged = _layout(ranks, tmp, "pp2-dp2-packed", 6, "image=dp1;audio=dp1;language=pp2,dp2", 1,
                        [*common, "data.packing=true"], init)
-    _compare(reference, staged, "language pp2 x dp2, packed")
+    compare(reference, staged, "language pp2 x dp2, packed")
 
 
-def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(dynamic_setup):
+def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynamic_setup):
     """The GPU path's attention (``model.attention=sdpa``: SDPA, packed rows as one sequence
     with per-token rotary angles) against the local reference, unpacked and packed. The packed
     run then trains one step that does not log: mimo_train's own code reads no tensor value on
     the host in it but for the clip lengths the Whisper encoder keeps on the host."""
     tmp, common, reference, init, _ = dynamic_setup
     for packing in ("false", "true"):
-        out = tmp / f"sdpa-{packing}"
-        reads = ["--host-reads", "train.steps=3", "train.log_interval=2"] \
-            if packing == "true" else []
-        other = _run([sys.executable, RUNNER, str(out),
-                      "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
-                      f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
-                      f"data.packing={packing}", "model.attention=sdpa", *common, *reads], out)
-        _compare(reference, other, f"one process, sdpa, packing {packing}")
-    (rank,) = [torch.load(path, weights_only=False) for path in out.glob("rank_*.pt")]
+        reads = ["train.steps=3", "train.log_interval=2"] if packing == "true" else []
+        other = step(ranks, tmp / f"sdpa-{packing}", 1,
+                     "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
+                     f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
+                     f"data.packing={packing}", "model.attention=sdpa", *common, *reads,
+                     host_reads=packing == "true")
+        compare(reference, other, f"one process, sdpa, packing {packing}")
+    (rank,) = other["ranks"]
     ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
     assert ours and all("WhisperAudio.forward" in site for site in ours), rank["host_reads"]
 
 
-def test_bf16_step_matches_fp32_non_colocated(dynamic_setup):
+def test_bf16_step_matches_fp32_non_colocated(ranks, dynamic_setup):
     """``train.precision=bf16`` for real, image dp1 + audio dp1 -> language dp1 on 3 ranks, from
     the reference's fp32 weights: the loss within bf16's precision of the fp32 colocated step,
     the gradients close. The weights are bf16 but for the Qwen2-VL tower's rotary frequencies,
     which stay fp32, and Whisper's position table is not trained."""
     tmp, common, reference, init, _ = dynamic_setup
-    bf16 = _torchrun(tmp, "bf16", 3, "image=dp1;audio=dp1;language=dp1", 2,
+    bf16 = _layout(ranks, tmp, "bf16", 3, "image=dp1;audio=dp1;language=dp1", 2,
                      [*common, "train.precision=bf16"], init)
     assert bf16["tokens"] == reference["tokens"] > 0
     loss, expected = (run["loss_sum"] / run["tokens"] for run in (bf16, reference))
@@ -243,9 +202,8 @@ def test_bf16_step_matches_fp32_non_colocated(dynamic_setup):
                    for name, grad in grads.items()}
         assert min(cosines.values()) >= BF16_COSINE, (module, sorted(cosines.items(),
                                                                      key=lambda kv: kv[1])[:3])
-    ranks = [torch.load(path, weights_only=False) for path in (tmp / "bf16").glob("rank_*.pt")]
-    dtypes = {module: kinds for rank in ranks for module, kinds in rank["dtypes"].items()}
-    fixed = {module: names for rank in ranks for module, names in rank["fixed"].items()}
+    dtypes = {module: kinds for rank in bf16["ranks"] for module, kinds in rank["dtypes"].items()}
+    fixed = {module: names for rank in bf16["ranks"] for module, names in rank["fixed"].items()}
     rotary = {key for key in dtypes["image"] if key.endswith("inv_freq")}
     assert rotary and all(dtypes["image"][key] == "torch.float32" for key in rotary)
     assert {dtype for kinds in dtypes.values() for key, dtype in kinds.items()

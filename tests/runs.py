@@ -1,0 +1,119 @@
+"""What several test modules do with training runs, in one place (no test module imports another):
+
+- one step under a layout (``tests/train_parity_run.py``: loss and every gradient) and its
+  comparison with the colocated step (``step`` / ``compare``): the parity checks;
+- ``mimo-train`` runs on forked ranks (``train``), their JSONL records, and a resumed run's
+  agreement with the uninterrupted one (``assert_continues``).
+
+Every job goes through ``launch.Ranks`` (the session's pre-imported parent of forked ranks).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch import REPO, TESTS, Job, Ranks
+
+PARITY_RUNNER = TESTS / "train_parity_run.py"
+TOLERANCE = 1e-5                        # fp32 parity of losses and gradients across layouts
+CONFIGS = REPO / "configs" / "train"
+
+
+# ---------------------------------------------------------------------- one step's parity
+
+def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None = None,
+         host_reads: bool = False) -> dict:
+    """One step of ``tests/train_parity_run.py`` on ``nproc`` ranks: the world's loss sum and
+    trained tokens, and every module's gradients by global parameter name (DP replicas
+    checked equal), each rank's dtypes and fixed parameters; ``save_init``: save the initial
+    weights there first (``step_0000000``)."""
+    flags = [*(["--save-init", save_init] if save_init else []),
+             *(["--host-reads"] if host_reads else [])]
+    ranks.run(nproc, [PARITY_RUNNER, out, *flags, *overrides], out / "logs").check()
+    return merged(out)
+
+
+def merged(out: Path) -> dict:
+    """The ranks' ``rank_R.pt`` of one parity step, merged (see ``step``)."""
+    per_rank = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
+    result = {"loss_sum": per_rank[0]["loss_sum"], "tokens": per_rank[0]["tokens"],
+              "grads": {}, "ranks": per_rank}
+    for rank in per_rank:
+        assert (rank["loss_sum"], rank["tokens"]) == (result["loss_sum"], result["tokens"])
+        for module, grads in rank["grads"].items():
+            for name, grad in grads.items():
+                seen = result["grads"].setdefault(module, {}).get(name)
+                if seen is not None:        # DP replicas hold the same reduced gradient
+                    torch.testing.assert_close(grad, seen, atol=0, rtol=0)
+                result["grads"][module][name] = grad
+    return result
+
+
+def compare(reference: dict, other: dict, what: str, tolerance: float = TOLERANCE) -> None:
+    """``other``'s step has ``reference``'s trained tokens, loss and every gradient (each
+    non-zero in the reference) within ``tolerance``."""
+    assert other["tokens"] == reference["tokens"] > 0, what
+    loss, expected = other["loss_sum"] / other["tokens"], \
+        reference["loss_sum"] / reference["tokens"]
+    assert abs(loss - expected) <= tolerance, f"{what}: loss {loss} vs {expected}"
+    assert set(other["grads"]) == set(reference["grads"]), what
+    for module, grads in reference["grads"].items():
+        assert set(other["grads"][module]) == set(grads), f"{what}: {module} parameters differ"
+        for name, grad in grads.items():
+            assert grad.abs().sum() > 0, f"{module}.{name} got no gradient in the reference"
+            difference = (other["grads"][module][name] - grad).abs().max().item()
+            assert difference <= tolerance, f"{what}: {module}.{name} differs by {difference}"
+
+
+# --------------------------------------------------------------------------- mimo-train
+
+def train_job(ranks: Ranks, tmp: Path, name: str, config: str, *overrides, nproc: int,
+              env: dict | None = None) -> Job:
+    """``mimo-train --config configs/train/CONFIG --records TMP/NAME.jsonl OVERRIDES`` on
+    ``nproc`` forked ranks (``python -m mimo_train`` on each), whatever its exit status."""
+    records = tmp / f"{name}.jsonl"
+    records.unlink(missing_ok=True)
+    return ranks.run(nproc, ["-m", "mimo_train", "--config", CONFIGS / config, "--records",
+                             records, *overrides], tmp / f"{name}-logs", env=env)
+
+
+def train(ranks: Ranks, tmp: Path, name: str, config: str, *overrides, nproc: int,
+          env: dict | None = None) -> list[dict]:
+    """``train_job`` that must succeed; its records."""
+    train_job(ranks, tmp, name, config, *overrides, nproc=nproc, env=env).check()
+    return read_records(tmp / f"{name}.jsonl")
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() \
+        else []
+
+
+def train_records(records: list[dict]) -> list[dict]:
+    """The step records (not evaluation or anomaly records)."""
+    return [r for r in records if "loss" in r]
+
+
+def copy_checkpoint(source: Path, root: Path) -> Path:
+    """A checkpoint.dir whose latest is a copy of the checkpoint ``source``."""
+    shutil.copytree(source, root / source.name)
+    (root / "latest").write_text(source.name)
+    return root
+
+
+def assert_continues(resumed: list[dict], full: list[dict], steps: list[int], loss: float,
+                     grad_norm_rel: float) -> None:
+    """The resumed run's steps are ``steps`` with the uninterrupted run's tokens, its loss
+    within ``loss`` and its grad norm within ``grad_norm_rel`` (relative)."""
+    assert [r["step"] for r in train_records(resumed)] == steps
+    expected = {r["step"]: r for r in train_records(full)}
+    for record in train_records(resumed):
+        reference = expected[record["step"]]
+        assert record["tokens"] == reference["tokens"]
+        assert record["loss"] == pytest.approx(reference["loss"], abs=loss)
+        assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=grad_norm_rel)
