@@ -24,6 +24,7 @@ from mimo_data.modalities.video import (
     VIDEO, VideoConfig, decode_frames, normalize_video_pixels, probe_video, sample_indices,
     sampled_frame_count)
 from conftest import VideoClip
+from vlm_runs import video_processor
 
 
 # The clips (the corpus's, ``tools/make_video_clips.py``) that decode.
@@ -143,21 +144,10 @@ def test_sampling_follows_the_documented_rules(cfg):
     assert sample_indices(506, 10, VideoConfig())[-1] == 500
 
 
-def _processor(cfg: VideoConfig):
-    pytest.importorskip("torchvision")
-    from transformers import Qwen2VLVideoProcessor
-    return Qwen2VLVideoProcessor(
-        patch_size=cfg.patch_size, temporal_patch_size=cfg.temporal_patch_size,
-        merge_size=cfg.merge_size, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
-        min_frames=cfg.min_frames, max_frames=cfg.max_frames,
-        cap_pixels_per_frame=cfg.cap_pixels_per_frame, max_video_tokens=cfg.max_video_tokens,
-        image_mean=list(cfg.mean), image_std=list(cfg.std), fps=cfg.fps, do_sample_frames=True)
-
-
 def test_sampling_equals_the_processors():
     from transformers.video_utils import VideoMetadata
     for cfg in (VideoConfig(), VideoConfig(fps=1.0, min_frames=2)):
-        processor = _processor(cfg)
+        processor = video_processor(cfg)
         for total, video_fps in SAMPLING_GRID + LONG_CLIPS:
             if not documented_indices(total, video_fps, cfg):
                 continue
@@ -167,7 +157,7 @@ def test_sampling_equals_the_processors():
                 theirs = theirs[:-1]
             assert sample_indices(total, video_fps, cfg) == theirs, (total, video_fps)
     # such an index makes the processor itself fail: 17 frames at 17/7 fps ask for 14 frames
-    processor = _processor(VideoConfig())
+    processor = video_processor(VideoConfig())
     with pytest.raises(IndexError):
         processor(videos=[np.zeros((17, 56, 56, 3), np.uint8)],
                   video_metadata=[{"total_num_frames": 17, "fps": 17 / 7}], return_tensors="pt")
@@ -238,7 +228,7 @@ def test_decode_stops_short_of_the_whole_clip(clips, monkeypatch):
 @pytest.mark.parametrize("config", sorted(CONFIGS))
 def test_encoder_inputs_equal_the_processors(clips, name, config):
     cfg, clip = CONFIGS[config], clips[name]
-    processor = _processor(cfg)
+    processor = video_processor(cfg)
     item = _item(clip)
     full = _full_decode(clip)
     reference = processor(videos=[full], video_metadata=[{"total_num_frames": len(full),
