@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,19 +35,12 @@ from mimo_train.families.registry import resolve
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from test_train_parity import _compare, _run, _torchrun
+from runs import assert_continues, compare, copy_checkpoint, train_records
+from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated_step as run_colocated,
+                      finetune as run_finetune, layout_step, logits, turns, weights)
 
 VLM = REPO / "assets" / "models" / "tiny-qwen2-vl"
-RUNNER = str(REPO / "tests" / "vlm_logits_run.py")
-PARITY_RUNNER = str(REPO / "tests" / "train_parity_run.py")
-TOLERANCE = 1e-4
-SAMPLES = 4
 MIN_PIXELS, MAX_PIXELS = 3136, 37632
-
-
-def _turns(*texts: str) -> list[dict]:
-    return [{"from": "human" if i % 2 == 0 else "gpt", "value": text}
-            for i, text in enumerate(texts)]
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +53,14 @@ def vlm_data(corpus, tmp_path_factory) -> tuple[Path, Path, list[str]]:
     image = "<image>"
     records = [
         {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
-         "conversations": _turns(f"{image}What animal is this?", "A cat, lying down.",
-                                 f"And here? {image}", "A rocket on its launch pad.")},
-        {"id": "text-only", "conversations": _turns("What is a tar file?",
-                                                     "An archive of files.")},
+         "conversations": turns(f"{image}What animal is this?", "A cat, lying down.",
+                                f"And here? {image}", "A rocket on its launch pad.")},
+        {"id": "text-only", "conversations": turns("What is a tar file?",
+                                                    "An archive of files.")},
         {"id": "page", "image": str(images / "page.png"),
-         "conversations": _turns(f"{image}Read the page.", "A page of printed text.")},
+         "conversations": turns(f"{image}Read the page.", "A page of printed text.")},
         {"id": "hopper", "image": str(images / "grace_hopper.jpg"),
-         "conversations": _turns(f"Who is this? {image}", "Grace Hopper, in uniform.")},
+         "conversations": turns(f"Who is this? {image}", "Grace Hopper, in uniform.")},
     ]
     (tmp / "records.json").write_text(json.dumps(records))
     build_dataset([tmp / "records.json"], tmp / "shards")
@@ -86,18 +77,6 @@ modalities:
               f"model.pretrained={VLM}", f"train.global_batch_size={SAMPLES}", "train.steps=1",
               "train.device=cpu", "optimizer.warmup_steps=0", "train.seed=3"]
     return tmp, preprocess, common
-
-
-def _logits(tmp: Path, name: str, common: list[str], *overrides: str) -> dict:
-    out = tmp / name
-    command = [sys.executable, RUNNER, str(out), "layout=language=dp1;image=dp1,off0",
-               f"train.micro_batch_size={SAMPLES}", f"checkpoint.dir={tmp / name}-ckpt",
-               *common, *overrides]
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return torch.load(out / "logits.pt", weights_only=False)
 
 
 def _reference(batch: dict, preprocess: Path) -> tuple[torch.Tensor, torch.Tensor]:
@@ -152,9 +131,9 @@ def test_input_ids_are_the_checkpoint_tokenizers_with_the_processors_image_token
     assert ours.tolist().count(tokenizer.convert_tokens_to_ids("<|vision_start|>")) == 2
 
 
-def test_logits_match_transformers_padded_or_packed(vlm_data):
+def test_logits_match_transformers_padded_or_packed(ranks, vlm_data):
     tmp, preprocess, common = vlm_data
-    padded = _logits(tmp, "padded", common)
+    padded = logits(ranks, tmp, "padded", common)
     batch = padded["batch"]
     grids = batch["modality_inputs"]["image"]["image"]["image_grid_thw"]
     assert len(grids) == 4 and len({tuple(g) for g in grids.tolist()}) >= 3   # image sizes
@@ -162,49 +141,28 @@ def test_logits_match_transformers_padded_or_packed(vlm_data):
     vocab = expected.size(-1)
     ours = padded["logits"][:, :mask.size(1), :vocab]
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
-    assert_packed_logits(tmp, common, batch, expected, mask)
-
-
-def assert_packed_logits(tmp: Path, common: list[str], batch: dict, expected: torch.Tensor,
-                         mask: torch.Tensor) -> None:
-    """Packed (attention sdpa): the samples of the padded ``batch`` back to back in one row, in
-    the packed order; each sample's logits are transformers' ``expected`` row."""
-    packed = _logits(tmp, "packed", common, "data.packing=true", "model.attention=sdpa")
-    bounds = packed["batch"]["packing_kwargs"]["cu_seqlens_q"].tolist()
-    lengths = mask.sum(1).tolist()
-    vocab = expected.size(-1)
-    assert len(bounds) == SAMPLES + 1
-    for start, end in zip(bounds, bounds[1:]):
-        ids = packed["batch"]["input_ids"][0, start:end]
-        (row,) = [r for r in range(SAMPLES) if lengths[r] == end - start
-                  and torch.equal(batch["input_ids"][r, :end - start], ids)]
-        difference = packed["logits"][0, start:end, :vocab] - expected[row, :end - start]
-        assert difference.abs().max() <= TOLERANCE, row
+    assert_packed_logits(ranks, tmp, common, batch, expected, mask)
 
 
 @pytest.fixture(scope="module")
-def colocated_step(vlm_data) -> tuple[dict, str]:
+def colocated_step(ranks, vlm_data) -> tuple[dict, str]:
     """One colocated step's loss and gradients, and the imported model's checkpoint (step 0,
     before any training) every other layout starts from."""
     tmp, _, common = vlm_data
-    out = tmp / "colocated"
-    reference = _run([sys.executable, PARITY_RUNNER, str(out), "--save-init", str(tmp / "init"),
-                      "layout=language=dp1;image=dp1,off0", f"train.micro_batch_size={SAMPLES}",
-                      *common], out)
-    return reference, str(tmp / "init" / "step_0000000")
+    return run_colocated(ranks, tmp, "language=dp1;image=dp1,off0", common)
 
 
-def test_layouts_match_the_colocated_step(vlm_data, colocated_step):
+def test_layouts_match_the_colocated_step(ranks, vlm_data, colocated_step):
     """Image dp2 fan-in (variable counts: two, none, one, one image) into language tp2 with
     packing, and language pp2, from the same weights: the colocated step's loss and
     gradients (the colocated model's logits are transformers' above)."""
     tmp, _, common = vlm_data
     reference, init = colocated_step
-    fan_in = _torchrun(tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2", SAMPLES,
-                       [*common, "data.packing=true"], init)
-    _compare(reference, fan_in, "image dp2 -> language tp2, packed")
-    staged = _torchrun(tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
-    _compare(reference, staged, "image dp1 -> language pp2")
+    fan_in = layout_step(ranks, tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2",
+                         SAMPLES, [*common, "data.packing=true"], init)
+    compare(reference, fan_in, "image dp2 -> language tp2, packed")
+    staged = layout_step(ranks, tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
+    compare(reference, staged, "image dp1 -> language pp2")
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +180,7 @@ def test_import_then_export_gives_back_every_weight_exactly(untrained_export):
     from safetensors.torch import load_file
     config = json.loads((untrained_export / "config.json").read_text())
     assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
-    original, exported = load_file(VLM / "model.safetensors"), _weights(untrained_export)
+    original, exported = load_file(VLM / "model.safetensors"), weights(untrained_export)
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor.float()), name     # bf16 values, exactly
@@ -265,53 +223,29 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(untrained_expo
     assert len(ours.token_ids) == 8 and tokenizer.eos_token_id not in ours.token_ids
 
 
-def _weights(directory: Path) -> dict:
-    from safetensors.torch import load_file
-    found: dict = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        found.update(load_file(path))
-    return found
-
-
-def _finetune(tmp: Path, name: str, checkpoints: Path, common: list[str], *overrides: str,
-              nproc: int, config: str = "qwen2_vl_finetune.yaml") -> list[dict]:
-    """``configs/train/<config>`` on the test shards; its JSONL records."""
-    records = tmp / f"{name}.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / config), "--records",
-               str(records), f"checkpoint.dir={checkpoints}", *common, *overrides]
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [json.loads(line) for line in records.read_text().splitlines()]
-
-
 @pytest.fixture(scope="module")
-def finetune(vlm_data) -> tuple[list[dict], list[str], Path]:
+def finetune(ranks, vlm_data) -> tuple[list[dict], list[str], Path]:
     """The shipped fine-tune config (tower frozen) for 4 steps on 2 ranks, checkpoints at 2
     and 4: its records, overrides and checkpoint dir."""
     tmp, _, common = vlm_data
     common = [*(c for c in common if not c.startswith("train.global_batch_size")),
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=4",
               "checkpoint.interval=2", "optimizer.lr=3e-3"]
-    records = _finetune(tmp, "finetune", tmp / "finetune-ckpt", common, nproc=2)
+    records = run_finetune(ranks, tmp, "finetune", tmp / "finetune-ckpt", common, nproc=2)
     return records, common, tmp / "finetune-ckpt"
 
 
-def test_finetune_non_colocated_then_resume_colocated(vlm_data, finetune):
+def test_finetune_non_colocated_then_resume_colocated(ranks, vlm_data, finetune):
     """The loss falls; resumed from the step-2 checkpoint on one colocated rank, steps 3 and 4
     are the same within 1e-5."""
-    from test_train_run import _assert_continues, _copy_checkpoint, _train_records
     tmp = vlm_data[0]
     full, common, checkpoints = finetune
-    losses = [r["loss"] for r in _train_records(full)]
+    losses = [r["loss"] for r in train_records(full)]
     assert len(losses) == 4 and losses[-1] < losses[0] - 0.1, losses
-    resume = _copy_checkpoint(checkpoints / "step_0000002", tmp / "resume-ckpt")
-    resumed = _finetune(tmp, "resumed", resume, common, "layout=language=dp1;image=dp1,off0",
-                        nproc=1)
-    _assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
+    resume = copy_checkpoint(checkpoints / "step_0000002", tmp / "resume-ckpt")
+    resumed = run_finetune(ranks, tmp, "resumed", resume, common,
+                           "layout=language=dp1;image=dp1,off0", nproc=1)
+    assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
 
 
 def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(finetune,
@@ -325,7 +259,7 @@ def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(fi
     out = tmp_path / "out"
     assert main(["--checkpoint", str(finetune[2] / "step_0000004"), "--output", str(out)]) == 0
     AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-    original, exported = load_file(VLM / "model.safetensors"), _weights(out)
+    original, exported = load_file(VLM / "model.safetensors"), weights(out)
     tower = [name for name in original if name.startswith("visual.")]
     assert tower and all(torch.equal(exported[n], original[n].float()) for n in tower)
     assert not torch.equal(exported["lm_head.weight"], original["lm_head.weight"].float())
