@@ -3,16 +3,17 @@
 The sample corpus with ``video.jsonl`` beside its five inputs (built once, shards of 16), a
 preprocessing config that expands images (small), audio and videos (small frames) with the
 SmolLM2 tokenizer, sequential positions; the random-init ``qwen2_vl`` image tower serves video
-beside images (``image=dp1,video``). Reusing the runners of the video-less tests:
+beside images (``image=dp1,video``). Reusing the runners of the video-less tests, every job on
+forked ranks (``tests/launch.py``):
 
-- ``tests/loader_dist_run.py`` under torchrun: one epoch on 3 ranks (the image/video encoder on
+- ``tests/loader_dist_run.py``: one epoch on 3 ranks (the image/video encoder on
   its own rank, decoding the clips) serves every kept sample once, video samples included; the
   state saved after two steps resumed on 4 ranks under another layout (image/video dp2 fan-in)
   gives exactly the remaining steps, keys and tensors;
 - ``tests/train_parity_run.py``: the colocated step and image/video dp2 + audio dp1 -> language
   dp1 (variable counts fanned in) give the same loss and gradients (1e-5); the batch holds an
   image, a video, an audio clip;
-- ``mimo_train`` under torchrun: the step-2 checkpoint of a colocated 4-step run, resumed on 3
+- ``mimo_train``: the step-2 checkpoint of a colocated 4-step run, resumed on 3
   ranks (image/video, audio and language each on its own rank), gives the uninterrupted run's
   tokens and losses (1e-5) for steps 3-4, which hold video samples.
 
@@ -32,11 +33,15 @@ import pytest
 import yaml
 
 from conftest import CORPUS_DIR, REPO, build_dataset, scratch
-from test_loader_dist import GLOBAL_BATCH as LOADER_BATCH, torchrun
-from test_train_parity import MODEL, _compare, _reference, _torchrun
-from test_train_run import _assert_continues, _copy_checkpoint, _train, _train_records
+from launch import TESTS
+from runs import assert_continues, compare, copy_checkpoint, step, train, train_records
 
+LOADER_RUNNER = TESTS / "loader_dist_run.py"
+LOADER_BATCH = 8                # the loader jobs' global batch (tests/test_loader_dist.py's)
 SAVE_AFTER = 2
+# the parity step's model (tests/test_train_parity.py's, its batch and seed set below)
+MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
+         "model.language.num_attention_heads=2", "optimizer.warmup_steps=0", "train.steps=1"]
 PARITY_BATCH = 4
 # train.seed 2: the first global batch of 4 holds an image, a video and an audio sample; steps
 # 3-4 (the resumed ones) hold video samples (both asserted below)
@@ -47,6 +52,7 @@ VIDEO = {"token": "<|video_pad|>", "patch_size": 14, "merge_size": 2,
          "min_pixels": 3136, "max_pixels": 12544}
 COLOCATED = "language=dp1;image=dp1,off0,video;audio=dp1,off0"
 VIDEO_PIXELS = "/modality_inputs/video/video/pixel_values_videos"
+CONFIG = "images_audio_noncolocated.yaml"      # the trainer's config (tests/test_train_run.py's)
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +125,25 @@ def test_smollm2_gets_a_video_token_beside_the_image_token(video_config):
 
 # ------------------------------------------------------------------------------ exactly once
 
+def _loader_job(ranks, nproc: int, out: Path, *args) -> dict:
+    """``tests/loader_dist_run.py`` on ``nproc`` ranks (as tests/test_loader_dist.py runs it:
+    its global batch, seed 21); the JSON result rank 0 wrote to ``out``."""
+    ranks.run(nproc, [LOADER_RUNNER, "--out", out, "--global-batch-size", LOADER_BATCH,
+                      "--seed", 21, *args], out.with_name(f"{out.stem}-logs")).check()
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
-def loader_runs(video_corpus, video_config, tmp_path_factory):
+def loader_runs(ranks, video_corpus, video_config, tmp_path_factory):
     folder = tmp_path_factory.mktemp("video-dist")
     common = ["--dataset", video_corpus, "--config", video_config, "--micro-batch-size", 2]
-    first = torchrun(3, folder / "first.json", *common, "--layout",
-                            "image=dp1,video;audio=dp1;language=dp1", "--workers", 1,
-                            "--save-after-steps", SAVE_AFTER)
+    first = _loader_job(ranks, 3, folder / "first.json", *common, "--layout",
+                        "image=dp1,video;audio=dp1;language=dp1", "--workers", 1,
+                        "--save-after-steps", SAVE_AFTER)
     (folder / "state.json").write_text(json.dumps(first["state"]))
-    second = torchrun(4, folder / "second.json", *common, "--layout",
-                             "image=dp2,video;audio=dp1;language=dp1", "--state",
-                             folder / "state.json")
+    second = _loader_job(ranks, 4, folder / "second.json", *common, "--layout",
+                         "image=dp2,video;audio=dp1;language=dp1", "--state",
+                         folder / "state.json")
     return first, second
 
 
@@ -166,16 +180,16 @@ def test_resume_with_video_on_another_layout_continues_exactly(loader_runs):
 # ---------------------------------------------------------------------------- step parity
 
 @pytest.fixture(scope="module")
-def parity(video_corpus, video_config, tmp_path_factory):
+def parity(ranks, video_corpus, video_config, tmp_path_factory):
     """The colocated step on the video corpus, and the initial weights other layouts load."""
     with scratch(tmp_path_factory, "video-parity") as tmp:
         common = [f"data.datasets=[{video_corpus}]", f"data.preprocess={video_config}",
-                  "model.encoders.audio.hidden_size=16",
-                  *[m for m in MODEL if not m.startswith(("train.seed",
-                                                          "train.global_batch_size"))],
+                  "model.encoders.audio.hidden_size=16", *MODEL,
                   f"train.global_batch_size={PARITY_BATCH}", f"train.seed={SEED}"]
-        reference, init = _reference(tmp, COLOCATED, common)
-        yield tmp, common, reference, init
+        reference = step(ranks, tmp / "colocated", 1, f"layout={COLOCATED}",
+                         f"train.micro_batch_size={PARITY_BATCH}", *common,
+                         save_init=tmp / "init")
+        yield tmp, common, reference, str(tmp / "init" / "step_0000000")
 
 
 def test_parity_batch_holds_video_image_and_audio(video_corpus, video_config, video_keys):
@@ -201,19 +215,19 @@ def test_parity_batch_holds_video_image_and_audio(video_corpus, video_config, vi
     assert batch["modality_inputs"]["video"]
 
 
-def test_video_fan_in_step_matches_colocated(parity):
+def test_video_fan_in_step_matches_colocated(ranks, parity):
     """Images and videos of variable counts over two encoder DP ranks, audio on one, into
     language dp1."""
     tmp, common, reference, init = parity
-    fan_in = _torchrun(tmp, "fan-in", 4, "image=dp2,video;audio=dp1;language=dp1", 2, common,
-                       init)
-    _compare(reference, fan_in, "image+video dp2 + audio dp1 -> language dp1")
+    fan_in = step(ranks, tmp / "fan-in", 4, "layout=image=dp2,video;audio=dp1;language=dp1",
+                  "train.micro_batch_size=2", f"model.init_from={init}", *common)
+    compare(reference, fan_in, "image+video dp2 + audio dp1 -> language dp1")
     assert {"image", "audio", "language"} == set(reference["grads"])
 
 
 # --------------------------------------------------------------------------------- resume
 
-def test_resume_with_video_gives_the_uninterrupted_losses(video_corpus, video_config,
+def test_resume_with_video_gives_the_uninterrupted_losses(ranks, video_corpus, video_config,
                                                           video_keys, tmp_path_factory):
     from mimo_data.loading.loader import build_loader
 
@@ -232,16 +246,17 @@ def test_resume_with_video_gives_the_uninterrupted_losses(video_corpus, video_co
                   f"train.global_batch_size={PARITY_BATCH}", "train.micro_batch_size=2",
                   f"train.seed={SEED}"]
         # uninterrupted: one colocated process (one start-up instead of three)
-        full = _train(tmp, "full", tmp / "full-ckpt", *common, f"layout={COLOCATED}", nproc=1)
-        assert [r["step"] for r in _train_records(full)] == [1, 2, 3, 4]
+        full = train(ranks, tmp, "full", CONFIG, f"checkpoint.dir={tmp / 'full-ckpt'}",
+                     *common, f"layout={COLOCATED}", nproc=1)
+        assert [r["step"] for r in train_records(full)] == [1, 2, 3, 4]
         # its step-2 checkpoint resumed non-colocated: the tower decodes and encodes the clips
         # on its own rank, its rows through the bridge
-        root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000002", tmp / "resume")
-        resumed = _train(tmp, "resumed", root, *common,
-                         "layout=image=dp1,video;audio=dp1;language=dp1")
+        root = copy_checkpoint(tmp / "full-ckpt" / "step_0000002", tmp / "resume")
+        resumed = train(ranks, tmp, "resumed", CONFIG, f"checkpoint.dir={root}", *common,
+                        "layout=image=dp1,video;audio=dp1;language=dp1", nproc=3)
         # another layout sums in another order: test_train_run's cross-layout tolerances
-        _assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
-        assert _train_records(resumed)[-1]["loss"] != _train_records(full)[1]["loss"]
+        assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
+        assert train_records(resumed)[-1]["loss"] != train_records(full)[1]["loss"]
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
