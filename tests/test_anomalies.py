@@ -1,5 +1,5 @@
-"""Steps that go wrong, traced to their samples (mimo_train/components/anomalies.py), under
-torchrun:
+"""Steps that go wrong, traced to their samples (mimo_train/components/anomalies.py), in
+``mimo-train`` runs on forked ranks (the shards and the launcher: tests/anomaly_runs.py):
 
 - a planted sample whose text SmolLM2 finds very unlikely (150 random vocabulary words among
   short plain-English answers) makes its step's loss spike: the step's record names its
@@ -11,70 +11,20 @@ torchrun:
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import REPO, build_dataset, preprocess_config_file
-
-SMOLLM2 = REPO / "assets" / "models" / "smollm2-135m-instruct"
-ANSWERS = ["Paris is the capital of France.", "Water boils at one hundred degrees.",
-           "The sun rises in the east.", "Cats like to sleep in the sun.",
-           "A week has seven days.", "Bread is made from flour.", "Snow is cold and white.",
-           "Bees make honey from flowers.", "The moon goes around the earth.",
-           "Trees grow from seeds.", "Rain falls from the clouds."]
+from anomaly_runs import SMOLLM2, planted, train_planted  # noqa: F401  (planted: a fixture)
 
 
-def _train(tmp: Path, name: str, *overrides: str, nproc: int = 1) -> tuple[int, str, list]:
-    records = tmp / f"{name}.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_language_colocated.yaml"),
-               "--records", str(records), "train.device=cpu", "checkpoint.dir=null",
-               *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    lines = records.read_text().splitlines() if records.is_file() else []
-    return result.returncode, result.stdout + result.stderr, [json.loads(x) for x in lines]
-
-
-@pytest.fixture(scope="module")
-def planted(tmp_path_factory) -> tuple[Path, Path, str]:
-    """Text-only shards: eleven short answers and one long random one (the planted key)."""
-    tmp = tmp_path_factory.mktemp("anomalies")
-    from transformers import AutoTokenizer
-    rng = random.Random(0)
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)      # 150 random words: loss ~13
-    garbage = tokenizer.decode([rng.randrange(1000, 49000) for _ in range(150)])
-    records = [{"id": f"plain-{i:02d}", "conversations": [
-        {"from": "human", "value": "Tell me a fact."}, {"from": "gpt", "value": answer}]}
-        for i, answer in enumerate(ANSWERS)]
-    records.append({"id": "planted", "conversations": [
-        {"from": "human", "value": "Tell me a fact."}, {"from": "gpt", "value": garbage}]})
-    (tmp / "records.json").write_text(json.dumps(records))
-    build_dataset([tmp / "records.json"], tmp / "shards")
-    preprocess = preprocess_config_file(tmp / "preprocess.yaml")
-    import yaml
-    config = yaml.safe_load(preprocess.read_text())
-    config.update(tokenizer=str(SMOLLM2), modalities={})
-    preprocess.write_text(yaml.safe_dump(config))
-    return tmp / "shards", preprocess, f"{len(ANSWERS):09d}"     # keys follow record order
-
-
-def test_a_planted_sample_spikes_its_step_and_is_named(planted, tmp_path):
+def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path):  # noqa: F811
     """SmolLM2 (learning rate 0: its own losses) over two epochs of batches of two: every
     step holding the planted sample after the first few is recorded as a spike, its samples
     (dataset, key, tokens) in the record; no other step is."""
     shards, preprocess, key = planted
-    code, output, records = _train(
-        tmp_path, "spike", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+    code, output, records = train_planted(
+        ranks, tmp_path, "spike", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=dp1", f"model.language.pretrained={SMOLLM2}", "model.encoders={}",
         "model.language.num_layers=null", "model.language.hidden_size=null",
         "model.language.num_attention_heads=null", "optimizer.lr=0", "optimizer.min_lr=0",
@@ -99,13 +49,14 @@ def test_a_planted_sample_spikes_its_step_and_is_named(planted, tmp_path):
     assert main(["sample", str(shards), "--config", str(preprocess), "--key", key]) == 0
 
 
-def test_non_finite_steps_are_skipped_then_the_run_stops(planted, tmp_path):
+def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa: F811
+                                                         tmp_path):
     """A learning rate of 1e30 makes the second step's activations overflow: steps 2, 3 and 4
     are skipped (each recorded with its two samples), and with train.max_skipped_steps=2 the
     third skip stops the run: exit 1, one message, the records written."""
     shards, preprocess, _ = planted
-    code, output, records = _train(
-        tmp_path, "nan", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+    code, output, records = train_planted(
+        ranks, tmp_path, "nan", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=dp1", "model.encoders={}", "optimizer.lr=1e30", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
         "train.steps=8", "train.max_skipped_steps=2")

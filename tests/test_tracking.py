@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from test_anomalies import _train, planted  # noqa: F401  (planted: the shards fixture)
+from anomaly_runs import planted, train_planted  # noqa: F401  (planted: the shards fixture)
 
 _BLOCK, _HEADER = 32768, 7       # the W&B log: LevelDB-log blocks, 7-byte file and chunk headers
 
@@ -38,12 +38,13 @@ def _wandb_records(path: Path) -> list:
     return records
 
 
-def test_wandb_offline_gets_the_records_numbers_and_the_config(planted, tmp_path):  # noqa: F811
+def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  # noqa: F811
+                                                               tmp_path):
     import json
     shards, preprocess, _ = planted
     directory = tmp_path / "wb"
-    code, output, records = _train(
-        tmp_path, "wandb", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+    code, output, records = train_planted(
+        ranks, tmp_path, "wandb", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=dp1", "model.encoders={}", "train.global_batch_size=2",
         "train.micro_batch_size=2", "train.steps=4", "train.log_interval=2",
         f"train.wandb={{project: mimo-test, name: tiny, mode: offline, dir: {directory}}}")
