@@ -6,20 +6,16 @@ distributed.py).
   no GPU at all is the CPU; cuda without CUDA and cpu with CUDA are refused as before;
 - the control group is a gloo group of its own, and it times out: a rank that never joins a
   control collective makes the others fail after ``train.collective_timeout_minutes`` with
-  torch's timeout error, not hang (a real two-rank ``torchrun``). Start-up failures travel
-  over it in every case of tests/test_train_startup.py.
+  torch's timeout error, not hang (two ranks forked as torchrun would start them). Start-up
+  failures travel over it in every case of tests/test_train_startup.py.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import torch
 
-from conftest import REPO
 from mimo_train.runtime import devices
 from mimo_train.errors import TrainConfigError
 
@@ -77,35 +73,41 @@ def test_this_machine_probe_is_consistent():
 SILENT_RANK = textwrap.dedent("""
     import os, sys, time
     from datetime import timedelta
+    from pathlib import Path
     import torch
     import torch.distributed as dist
     from mimo_train.runtime import distributed
+    done = Path(sys.argv[1])
     distributed.init(torch.device("cpu"), timedelta(seconds=3))
     control = distributed.control()
     assert control is not None and control is not dist.group.WORLD
     assert dist.get_backend(control) == "gloo"
     if os.environ["RANK"] == "1":
-        time.sleep(120)                                               # never joins
+        deadline = time.monotonic() + 120                             # never joins: waits
+        while not done.exists() and time.monotonic() < deadline:     # for rank 0 to be done
+            time.sleep(0.1)
+        os._exit(0)
     try:
         distributed.gather("ready")
     except RuntimeError as error:
         print(f"rank 0 gave up: {error}", flush=True)
         sys.exit(3)
+    finally:
+        done.touch()
     print("rank 0 gathered without rank 1", flush=True)
 """)
 
 
-def test_a_rank_that_never_joins_times_out_the_others(tmp_path):
+def test_a_rank_that_never_joins_times_out_the_others(ranks, tmp_path):
+    """Two forked ranks (the control group's timeout is mimo's, not torchrun's): rank 1 never
+    joins the control collective (it waits until rank 0 is done, so the job ends then)."""
     script = tmp_path / "silent_rank.py"
     script.write_text(SILENT_RANK)
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             "--nproc-per-node", "2", str(script)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=100)
-    output = result.stdout + result.stderr
-    assert result.returncode != 0, output
-    assert "rank 0 gave up:" in output and "gathered without" not in output, output
-    assert "timed out" in output.lower() or "timeout" in output.lower(), output
+    job = ranks.run(2, [script, tmp_path / "rank-0-done"], tmp_path / "logs", timeout=100)
+    output = job.stdout + job.stderr
+    assert job.codes[0] != 0, job.explain()
+    assert "rank 0 gave up:" in output and "gathered without" not in output, job.explain()
+    assert "timed out" in output.lower() or "timeout" in output.lower(), job.explain()
 
 
 def test_checkpoint_rng_states_carry_cuda_where_it_runs(monkeypatch):
