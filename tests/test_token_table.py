@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -188,15 +186,17 @@ print(int(table.tokens.sum()))
 """
 
 
-def test_concurrent_builders_leave_one_valid_table(dataset, tmp_path):
+def test_concurrent_builders_leave_one_valid_table(ranks, dataset, tmp_path):
+    """Two builder processes at once (two forked ranks of one job, each its own process)."""
     config = preprocess_config_file(tmp_path / "p.yaml")
     cache_dir = tmp_path / "cache"
-    env = {**os.environ, "PYTHONPATH": str(REPO), cache.CACHE_DIR_ENV: str(cache_dir)}
-    builders = [subprocess.Popen([sys.executable, "-c", BUILDER, str(dataset), str(config)],
-                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for _ in range(2)]
-    outputs = [b.communicate(timeout=300) for b in builders]
-    assert [b.returncode for b in builders] == [0, 0], outputs
+    builder = tmp_path / "builder.py"
+    builder.write_text(BUILDER)
+    logs = tmp_path / "logs"
+    job = ranks.run(2, [builder, dataset, config], logs,
+                    env={cache.CACHE_DIR_ENV: cache_dir}, timeout=300)
+    assert job.codes == [0, 0], job.explain()
+    outputs = [((logs / f"rank_{r}.out").read_text(), job.ranks[r]) for r in range(2)]
     files = list(cache_dir.rglob("*"))
     tokens = [p for p in files if p.name.startswith("tokens-")]
     assert len(tokens) == 1 and not [p for p in files if ".tmp-" in p.name], files
