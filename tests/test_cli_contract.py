@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
 import pytest
 import yaml
 
 from conftest import REPO, build_dataset, write_jsonl
+from launch import python
 
 CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
 # command lines without subcommands
@@ -72,12 +71,12 @@ def test_single_command_usage_errors_exit_2(capsys, cli, args):
 
 
 def test_importing_the_clis_imports_nothing_heavy():
+    """In a fresh interpreter (what a process imports: not a forked rank's)."""
     code = ("import sys\n" + "".join(f"import {m}\n" for m in
                                      [*CLIS.values(), *SINGLE_CLIS.values()]) +
             "print(sorted(m for m in ('torch', 'transformers', 'pyarrow', 'webdataset', "
             "'megatron', 'PIL') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            check=True, cwd=REPO)
+    result = python(["-c", code]).check()
     assert result.stdout.strip() == "[]", result.stdout
 
 
