@@ -1,30 +1,35 @@
 """mimo_train.mcore.cpu_compat: one test per megatron-core CUDA assumption it covers.
 
-Each test runs in a fresh interpreter (the patches are process-wide): it makes the megatron-core
-call that fails on CPU, checks it fails the way cpu_compat documents, applies only that patch,
-makes the same call again and checks the result against a plain-torch reference.
+Each test runs in a process of its own without any patch (the patches are process-wide): it
+makes the megatron-core call that fails on CPU, checks it fails the way cpu_compat documents,
+applies only that patch, makes the same call again and checks the result against a plain-torch
+reference. The processes are forked, one per test, from one fresh interpreter that imported
+torch and megatron-core but not ``mimo_train.mcore`` (whose import applies every patch): its
+scripts load ``cpu_compat.py`` by its path (tests/cpu_compat_run.py).
 """
 
-import os
-import subprocess
-import sys
+import json
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
+from launch import TESTS, python
 from mimo_train.mcore import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
                                 reason="the patches apply only when CUDA is absent")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 PRELUDE = """
-import socket, warnings
+import importlib.util, socket, sys, warnings
 import torch, torch.distributed as dist
 warnings.filterwarnings("ignore")
-from mimo_train.mcore import cpu_compat
+assert "mimo_train.mcore" not in sys.modules, "mimo_train.mcore's import applies every patch"
+_spec = importlib.util.spec_from_file_location("cpu_compat", CPU_COMPAT_PY)
+cpu_compat = importlib.util.module_from_spec(_spec)
+sys.modules["cpu_compat"] = cpu_compat
+_spec.loader.exec_module(cpu_compat)
 
 def init_gloo():
     s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
@@ -59,30 +64,8 @@ def ddp_linear():
 """
 
 
-def run(body: str) -> None:
-    script = PRELUDE + textwrap.dedent(body) + "\nprint('OK')\n"
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0 and result.stdout.strip().endswith("OK"), \
-        f"stdout:\n{result.stdout}\nstderr:\n{result.stderr[-4000:]}"
-
-
-def test_every_patch_is_documented_and_tested():
-    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
-    assert set(cpu_compat.PATCHES) <= tested
-    assert all(patch.failure for patch in cpu_compat.PATCHES.values())
-
-
-def test_activate_does_nothing_with_cuda(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert cpu_compat.activate() == []
-    with pytest.raises(ValueError, match="unknown cpu_compat patch"):
-        cpu_compat.activate(only=["nope"], force=True)
-
-
-def test_current_device():
-    run("""
+SCRIPTS = {      # each test's script after the prelude, by the patch it shows
+    "current_device": """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     rope = RotaryEmbedding(kv_channels=8, rotary_percent=1.0, use_cpu_initialization=True)
     fails(lambda: rope(6), "NVIDIA driver")
@@ -92,11 +75,8 @@ def test_current_device():
     freqs = torch.outer(torch.arange(6, dtype=torch.float32), inv_freq)
     expected = torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
     assert emb.device.type == "cpu" and torch.allclose(emb, expected)
-    """)
-
-
-def test_nccl_groups():
-    run("""
+    """,
+    "nccl_groups": """
     init_gloo()
     fails(lambda: dist.new_group([0], backend="nccl"), "only supported with GPUs")
     cpu_compat.activate(only=["nccl_groups"])
@@ -106,11 +86,8 @@ def test_nccl_groups():
     value = torch.tensor([2.0, 3.0])
     dist.all_reduce(value, group=groups)
     assert value.tolist() == [2.0, 3.0]
-    """)
-
-
-def test_causal_masks():
-    run("""
+    """,
+    "causal_masks": """
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.utils import attention_mask_func
@@ -126,11 +103,8 @@ def test_causal_masks():
     window = utils.get_sliding_window_causal_mask(4, 4, (1, 0))
     assert window.tolist() == [[False, True, True, True], [False, False, True, True],
                                [True, False, False, True], [True, True, False, False]]
-    """)
-
-
-def test_tied_embeddings():
-    run("""
+    """,
+    "tied_embeddings": """
     from types import SimpleNamespace
     from megatron.core.models.common.language_module.language_module import LanguageModule
     init_gloo()
@@ -158,11 +132,8 @@ def test_tied_embeddings():
     # zeroed, then filled by the all-reduce with the first stage (alone here: stays zero)
     assert stage.weight.device.type == "cpu" and stage.weight.tolist() == [0.0, 0.0, 0.0]
     assert stage.weight.shared_embedding
-    """)
-
-
-def test_streams():
-    run("""
+    """,
+    "streams": """
     init_gloo()
     cpu_compat.activate(only=["current_device"])
     ddp, reference, _ = ddp_linear()
@@ -174,11 +145,8 @@ def test_streams():
     ddp.finish_grad_sync()
     assert torch.allclose(ddp.module.weight.main_grad, reference.weight.grad)
     assert torch.allclose(ddp.module.bias.main_grad, reference.bias.grad)
-    """)
-
-
-def test_optimizers():
-    run("""
+    """,
+    "optimizers": """
     init_gloo()
     cpu_compat.activate(only=["current_device", "streams"])
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -202,11 +170,8 @@ def test_optimizers():
     assert not torch.allclose(reference.weight, initial)
     assert torch.allclose(ddp.module.weight, reference.weight, atol=1e-6)
     assert torch.allclose(ddp.module.bias, reference.bias, atol=1e-6)
-    """)
-
-
-def test_schedules():
-    run("""
+    """,
+    "schedules": """
     init_gloo()
     cpu_compat.activate(only=["current_device", "streams"])
     from megatron.core.enums import ModelType
@@ -232,11 +197,8 @@ def test_schedules():
     expected.backward()
     assert torch.allclose(losses[0]["loss"], expected.detach())
     assert torch.allclose(ddp.module.weight.main_grad, reference.weight.grad)
-    """)
-
-
-def test_rng_tracker():
-    run("""
+    """,
+    "rng_tracker": """
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     seed = lambda: model_parallel_cuda_manual_seed(5, tp_rank=0, ep_rank=0, etp_rank=0,
@@ -249,4 +211,71 @@ def test_rng_tracker():
         forked = torch.rand(4)
     torch.manual_seed(3)
     assert torch.equal(forked, torch.rand(4))                 # = the CPU generator
-    """)
+    """,
+}
+
+
+@pytest.fixture(scope="module")
+def compat(tmp_path_factory):
+    """Every test's script run once, each in its own process (tests/cpu_compat_run.py); the
+    fixture is the check of one of them by name: it exited 0 and printed OK last."""
+    tmp = tmp_path_factory.mktemp("cpu-compat")
+    prelude = PRELUDE.replace("CPU_COMPAT_PY", repr(str(Path(cpu_compat.__file__))))
+    scripts = {}
+    for name, body in SCRIPTS.items():
+        scripts[name] = tmp / f"{name}.py"
+        scripts[name].write_text(prelude + textwrap.dedent(body) + "\nprint('OK')\n")
+    python([TESTS / "cpu_compat_run.py", tmp / "results.json", *scripts.values()],
+           timeout=600).check()
+    results = json.loads((tmp / "results.json").read_text())
+
+    def check(name: str) -> None:
+        result = results[str(scripts[name])]
+        assert result["code"] == 0 and result["stdout"].strip().endswith("OK"), \
+            f"stdout:\n{result['stdout']}\nstderr:\n{result['stderr'][-4000:]}"
+    return check
+
+
+def test_every_patch_is_documented_and_tested():
+    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    assert set(cpu_compat.PATCHES) <= tested
+    assert all(patch.failure for patch in cpu_compat.PATCHES.values())
+
+
+def test_activate_does_nothing_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cpu_compat.activate() == []
+    with pytest.raises(ValueError, match="unknown cpu_compat patch"):
+        cpu_compat.activate(only=["nope"], force=True)
+
+
+def test_current_device(compat):
+    compat("current_device")
+
+
+def test_nccl_groups(compat):
+    compat("nccl_groups")
+
+
+def test_causal_masks(compat):
+    compat("causal_masks")
+
+
+def test_tied_embeddings(compat):
+    compat("tied_embeddings")
+
+
+def test_streams(compat):
+    compat("streams")
+
+
+def test_optimizers(compat):
+    compat("optimizers")
+
+
+def test_schedules(compat):
+    compat("schedules")
+
+
+def test_rng_tracker(compat):
+    compat("rng_tracker")
