@@ -3,6 +3,8 @@ for tests/test_hf_language.py.
 
     torchrun --nproc-per-node N tests/hf_language_parity_run.py OUT LAYOUTS [--mrope DIR] DIR...
 
+(the tests run it on forked ranks: ``ranks.run``, tests/launch.py)
+
 For each layout in ``LAYOUTS`` (``;``-free layouts joined by ``+``, e.g.
 ``language=dp2+language=tp2+language=pp2``) and each model directory: builds the language
 model as training does (``TrainConfig`` with ``model.language.pretrained``, the layout's
@@ -13,7 +15,8 @@ checkpoint ``DIR`` also with ``model.language.mrope_section`` and M-RoPE positio
 tokens amid the text), against transformers' Qwen2-VL text model holding the same weights,
 under the local and sdpa attention, padded rows and the rows packed into one. Rank 0 writes
 ``OUT/result.json``: ``{layout: {model: max |difference| or the error message}}``, the M-RoPE
-cases as ``mrope/BACKEND/padded|packed``.
+cases as ``mrope/BACKEND/padded|packed``. Each transformers reference is computed once, on a rank
+that has logits, and reused by every layout.
 """
 
 import argparse
@@ -133,11 +136,18 @@ def len_vocab(path: str) -> int:
         return json.load(f)["vocab_size"]
 
 
+_REFERENCES: dict = {}
+
+
 def compare(logits: torch.Tensor | None, expected, *args) -> float:
-    """Max |logits - expected(*args)| over the ranks (only the last stage has logits)."""
+    """Max |logits - expected(*args)| over the ranks (only the last stage has logits);
+    ``expected(*args)`` is computed once per process (args: a path, then tensors)."""
     difference = torch.tensor(-1.0)
     if logits is not None:
-        reference_logits = expected(*args)
+        key = (expected.__name__, args[0])
+        if key not in _REFERENCES:
+            _REFERENCES[key] = expected(*args)
+        reference_logits = _REFERENCES[key]
         difference = (logits[..., :reference_logits.size(-1)] - reference_logits).abs().max()
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
     return difference.item()
