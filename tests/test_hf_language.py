@@ -6,11 +6,11 @@ language model (mimo_train/families/causal_lm.py).
   megatron-core cannot reproduce is refused;
 - logits equal transformers' (fp32, 1e-4) on real text under tp1, tp2 and pp2 for the real
   SmolLM2-135M-Instruct and tiny Llama (untied, GQA, llama3 rope), Qwen2 (qkv bias, tied) and
-  Qwen3 (qk-norm) checkpoints: one ``torchrun`` of two ranks runs every layout and model;
+  Qwen3 (qk-norm) checkpoints: one job of two ranks runs every layout and model;
 - with ``model.language.mrope_section`` and M-RoPE position ids, tiny-qwen2's logits equal
   transformers' Qwen2-VL text model holding its weights, padded or packed, local or sdpa;
-- a training run starts from the converted weights: SmolLM2's first loss is far below a random
-  model's (ln of the vocabulary);
+- (a training run starts from the converted weights, SmolLM2's first loss far below a random
+  model's: tests/test_smollm2_export.py, whose run serves that check too);
 - tied embeddings stay tied under pipeline stages: tiny-qwen2's gradients under language pp2
   equal one colocated process's, the last stage's output layer getting the embedding's.
 """
@@ -18,24 +18,17 @@ language model (mimo_train/families/causal_lm.py).
 from __future__ import annotations
 
 import json
-import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from conftest import REPO, model_dir, preprocess_config_file
+from runs import step
 
 FAMILIES = ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 TOLERANCE = 1e-4
-
-
-def _env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
 # ------------------------------------------------------------------------------ mapping
@@ -157,16 +150,12 @@ MROPE_CASES = [f"mrope/{backend}/{rows}" for backend in ("local", "sdpa")
 
 
 @pytest.fixture(scope="module")
-def parity(tmp_path_factory) -> dict:
-    """One two-rank torchrun: every layout, every family, and the M-RoPE cases."""
+def parity(ranks, tmp_path_factory) -> dict:
+    """One job of two forked ranks: every layout, every family, and the M-RoPE cases."""
     out = tmp_path_factory.mktemp("parity")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", str(REPO / "tests" / "hf_language_parity_run.py"),
-               str(out), "+".join(LAYOUTS), "--mrope", str(model_dir("tiny-qwen2")),
-               *[str(model_dir(m)) for m in FAMILIES]]
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                            timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    ranks.run(2, [REPO / "tests" / "hf_language_parity_run.py", out, "+".join(LAYOUTS),
+                  "--mrope", model_dir("tiny-qwen2"), *[model_dir(m) for m in FAMILIES]],
+              out / "logs").check()
     results = json.loads((out / "result.json").read_text())
     print(json.dumps(results, indent=1))
     assert set(results) == set(LAYOUTS)
@@ -197,66 +186,22 @@ def test_mrope_logits_match_qwen2_vl_text_model_padded_or_packed(parity):
 
 # ------------------------------------------------------------------------------ training
 
-def _first_loss(tmp: Path, name: str, corpus: Path, preprocess: Path, *overrides) -> float:
-    records = tmp / f"{name}.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_colocated.yaml"),
-               "--records", str(records), f"data.datasets=[{corpus}]",
-               f"data.preprocess={preprocess}", f"checkpoint.dir={tmp / name}",
-               "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=4",
-               *overrides]
-    result = subprocess.run(command, cwd=REPO, env=_env(), capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    losses = [json.loads(line)["loss"] for line in records.read_text().splitlines()
-              if "loss" in json.loads(line)]
-    return losses[0]
-
-
-def test_training_starts_from_the_pretrained_weights(loader_corpus, tmp_path):
-    """A random language model's first loss here is ln(vocabulary) ≈ 10.8 (measured: 10.82
-    with the shipped colocated config's tiny model); SmolLM2 starts near 5.2 (its text-only
-    assistant turns alone give 3.9 in transformers; captions of images it cannot see more)."""
-    # small fixed-size images: few image tokens, a cheap encoder (the loss is on text)
-    preprocess = preprocess_config_file(
-        tmp_path / "preprocess.yaml",
-        image={"policy": "fixed", "image_size": 28, "patch_size": 14},
-        audio=yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
-            "modalities"]["audio"])
-    smollm2 = _first_loss(tmp_path, "smollm2", loader_corpus, preprocess,
-                          # the shipped config's tiny dims give way to the checkpoint's
-                          "model.language={pretrained: "
-                          f"{model_dir('smollm2-135m-instruct')}}}")
-    print(f"first loss: SmolLM2 {smollm2:.3f}, random {math.log(49280):.3f}")
-    assert smollm2 < math.log(49280) - 4.0
-
-
-def _step(out: Path, nproc: int, layout: str, micro_batch: int, common: list[str]) -> dict:
+def _step(ranks, out: Path, nproc: int, layout: str, micro_batch: int,
+          common: list[str]) -> dict:
     """One step of tests/train_parity_run.py: loss and the language gradients, all ranks."""
-    runner = str(REPO / "tests" / "train_parity_run.py")
-    launch = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-        str(nproc)]
-    result = subprocess.run([*launch, runner, str(out), f"layout={layout}",
-                             f"train.micro_batch_size={micro_batch}", *common], cwd=REPO,
-                            env=_env(), capture_output=True, text=True, timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    merged: dict = {}
-    for path in sorted(out.glob("rank_*.pt")):
-        rank = torch.load(path, weights_only=False)
-        merged["loss"] = rank["loss_sum"] / rank["tokens"]
-        merged.update(rank["grads"].get("language", {}))
-    return merged
+    result = step(ranks, out, nproc, f"layout={layout}", f"train.micro_batch_size={micro_batch}",
+                  *common)
+    return {"loss": result["loss_sum"] / result["tokens"], **result["grads"].get("language", {})}
 
 
-def test_tied_embeddings_stay_tied_under_pipeline_stages(loader_corpus, tmp_path):
+def test_tied_embeddings_stay_tied_under_pipeline_stages(ranks, loader_corpus, tmp_path):
     preprocess = preprocess_config_file(tmp_path / "preprocess.yaml")
     common = [f"data.datasets=[{loader_corpus}]", f"data.preprocess={preprocess}",
               f"model.language.pretrained={model_dir('tiny-qwen2')}", "train.steps=1",
               "optimizer.warmup_steps=0", "train.global_batch_size=4", "train.seed=3"]
-    whole = _step(tmp_path / "pp1", 1, "language=dp1;image=dp1,off0;audio=dp1,off0", 4, common)
-    staged = _step(tmp_path / "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common)
+    whole = _step(ranks, tmp_path / "pp1", 1, "language=dp1;image=dp1,off0;audio=dp1,off0", 4,
+                  common)
+    staged = _step(ranks, tmp_path / "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common)
     assert abs(whole.pop("loss") - staged.pop("loss")) < 1e-5
     embedding = "embedding.word_embeddings.weight"
     assert "output_layer.weight" not in whole          # one matrix in a single stage
