@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -81,8 +78,9 @@ def _overrides(stored: dict, label: str, corpus: Path, preprocess: Path, image: 
 
 
 @pytest.fixture(scope="module")
-def runs(stored, loader_corpus, tmp_path_factory) -> tuple[dict, Path]:
-    """Every run's losses and starting checksums, and the bf16 run's checkpoint directory."""
+def runs(ranks, stored, loader_corpus, tmp_path_factory) -> tuple[dict, Path]:
+    """Every run's losses and starting checksums, and the bf16 run's checkpoint directory (the
+    runs one after another in one forked process)."""
     tmp = tmp_path_factory.mktemp("dtype-runs")
     preprocess = preprocess_config_file(tmp / "preprocess.yaml")
     # at most 16 tokens per image: bf16 matrix products are slow on CPUs without bf16 units
@@ -109,11 +107,8 @@ def runs(stored, loader_corpus, tmp_path_factory) -> tuple[dict, Path]:
                                  f"model.init_from={checkpoints / 'step_0000002'}")},
     ]
     (tmp / "runs.json").write_text(json.dumps(listed))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "train_runs_run.py"),
-                             str(tmp / "runs.json"), str(tmp / "out.json")], cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    ranks.run(1, [REPO / "tests" / "train_runs_run.py", tmp / "runs.json", tmp / "out.json"],
+              tmp / "logs", timeout=900).check()
     return json.loads((tmp / "out.json").read_text()), checkpoints / "step_0000002"
 
 

@@ -1,6 +1,6 @@
 """Several short training runs one after another in one process, for tests/test_dtypes.py.
 
-    python tests/train_runs_run.py RUNS.json OUT.json
+    python tests/train_runs_run.py RUNS.json OUT.json        # the tests: one forked rank
 
 ``RUNS.json`` lists ``{"name": ..., "overrides": [key=value, ...]}``; each run builds
 ``mimo_train.training.trainer.Trainer`` (one rank, so every module is on it) and trains to
