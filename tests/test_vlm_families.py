@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,9 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from test_train_parity import _compare, _run, _torchrun
-from test_vlm import (PARITY_RUNNER, SAMPLES, TOLERANCE, _finetune, _logits, _turns, _weights,
-                      assert_packed_logits)
+from runs import compare, train_records
+from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated_step as run_colocated,
+                      finetune, layout_step, logits, turns, weights)
 
 MODELS = REPO / "assets" / "models"
 MAX_PIXELS = 37632                  # a smaller budget than the processor's, for speed
@@ -64,14 +63,14 @@ def _family_data(name: str, corpus: Path, tmp: Path) -> dict:
     marker = "<image>"
     records = [
         {"id": "multi-turn", "image": [str(images / n) for n in NAMES],
-         "conversations": _turns(f"{marker}What animal is this?", "A cat, lying down.",
-                                 f"And here? {marker}", "A rocket on its launch pad.")},
-        {"id": "text-only", "conversations": _turns("What is a tar file?",
-                                                     "An archive of files.")},
+         "conversations": turns(f"{marker}What animal is this?", "A cat, lying down.",
+                                f"And here? {marker}", "A rocket on its launch pad.")},
+        {"id": "text-only", "conversations": turns("What is a tar file?",
+                                                    "An archive of files.")},
         {"id": "page", "image": str(images / "page.png"),
-         "conversations": _turns(f"{marker}Read the page.", "A page of printed text.")},
+         "conversations": turns(f"{marker}Read the page.", "A page of printed text.")},
         {"id": "hopper", "image": str(images / "grace_hopper.jpg"),
-         "conversations": _turns(f"Who is this? {marker}", "Grace Hopper, in uniform.")},
+         "conversations": turns(f"Who is this? {marker}", "Grace Hopper, in uniform.")},
     ]
     (tmp / "records.json").write_text(json.dumps(records))
     build_dataset([tmp / "records.json"], tmp / "shards")
@@ -152,9 +151,9 @@ def test_input_ids_and_pixels_are_the_processors(family, corpus):
     assert torch.equal(normalize_pixels(inputs["pixel_values"], image), theirs["pixel_values"])
 
 
-def test_logits_match_transformers_padded_or_packed(family):
+def test_logits_match_transformers_padded_or_packed(ranks, family):
     tmp, common = family["tmp"], family["common"]
-    padded = _logits(tmp, "padded", common)
+    padded = logits(ranks, tmp, "padded", common)
     batch = padded["batch"]
     image = batch["modality_inputs"]["image"]["image"]
     model = _model(family, family["checkpoint"])
@@ -168,27 +167,22 @@ def test_logits_match_transformers_padded_or_packed(family):
     vocab = expected.size(-1)
     ours = padded["logits"][:, :length, :vocab]
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
-    assert_packed_logits(tmp, common, batch, expected, mask)
+    assert_packed_logits(ranks, tmp, common, batch, expected, mask)
 
 
 @pytest.fixture(scope="module")
-def colocated_step(family) -> tuple[dict, str]:
-    tmp, common = family["tmp"], family["common"]
-    out = tmp / "colocated"
-    reference = _run([sys.executable, PARITY_RUNNER, str(out), "--save-init", str(tmp / "init"),
-                      "layout=language=dp1;image=dp1,off0", f"train.micro_batch_size={SAMPLES}",
-                      *common], out)
-    return reference, str(tmp / "init" / "step_0000000")
+def colocated_step(ranks, family) -> tuple[dict, str]:
+    return run_colocated(ranks, family["tmp"], "language=dp1;image=dp1,off0", family["common"])
 
 
-def test_layouts_match_the_colocated_step(family, colocated_step):
+def test_layouts_match_the_colocated_step(ranks, family, colocated_step):
     tmp, common = family["tmp"], family["common"]
     reference, init = colocated_step
-    fan_in = _torchrun(tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2", SAMPLES,
-                       [*common, "data.packing=true"], init)
-    _compare(reference, fan_in, "image dp2 -> language tp2, packed")
-    staged = _torchrun(tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
-    _compare(reference, staged, "image dp1 -> language pp2")
+    fan_in = layout_step(ranks, tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2",
+                         SAMPLES, [*common, "data.packing=true"], init)
+    compare(reference, fan_in, "image dp2 -> language tp2, packed")
+    staged = layout_step(ranks, tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
+    compare(reference, staged, "image dp1 -> language pp2")
 
 
 def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
@@ -204,7 +198,7 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
     assert main(["--checkpoint", colocated_step[1], "--output", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [family["architecture"]]
-    original, exported = load_file(family["checkpoint"] / "model.safetensors"), _weights(out)
+    original, exported = load_file(family["checkpoint"] / "model.safetensors"), weights(out)
     assert set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor.float()), name
@@ -229,7 +223,7 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
     assert len(ours.token_ids) == 8
 
 
-def test_llava_finetune_trains_the_projector_with_the_tower_frozen(corpus, tmp_path):
+def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):
     """The shipped LLaVA config (``model.freeze: [image.encoder]``), non-colocated on 2 ranks
     for 2 steps: its export loads in transformers with the tower exactly the checkpoint's and
     the projector and language model trained."""
@@ -237,19 +231,18 @@ def test_llava_finetune_trains_the_projector_with_the_tower_frozen(corpus, tmp_p
     from transformers import AutoModelForImageTextToText
 
     from mimo_train.hf.export import main
-    from test_train_run import _train_records
     data = _family_data("llava", corpus, tmp_path)
     common = [*(c for c in data["common"] if not c.startswith("train.")),
               "train.global_batch_size=4", "train.micro_batch_size=2", "train.steps=2",
               "train.device=cpu", "optimizer.lr=3e-3"]
-    records = _finetune(tmp_path, "llava", tmp_path / "ckpt", common, nproc=2,
-                        config="llava_finetune.yaml")
-    losses = [r["loss"] for r in _train_records(records)]
+    records = finetune(ranks, tmp_path, "llava", tmp_path / "ckpt", common, nproc=2,
+                       config="llava_finetune.yaml")
+    losses = [r["loss"] for r in train_records(records)]
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     out = tmp_path / "out"
     assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out)]) == 0
     AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
-    original, exported = load_file(data["checkpoint"] / "model.safetensors"), _weights(out)
+    original, exported = load_file(data["checkpoint"] / "model.safetensors"), weights(out)
     assert set(exported) == set(original)
     tower = [n for n in original if n.startswith("vision_tower.")]
     assert tower and all(torch.equal(exported[n], original[n].float()) for n in tower)
@@ -325,9 +318,10 @@ def test_a_processor_that_resizes_otherwise_is_refused():
     from mimo_data.modalities.image import ImageConfig
     from mimo_train.errors import EncoderBuildError
     from mimo_train.families.llava import LlavaVision
+    from mimo_train.families.registry import read_vlm
     squashed = ImageConfig(token="<image>", policy="fixed", image_size=56, patch_size=14)
     with pytest.raises(EncoderBuildError, match="do_center_crop True.*crop False"):
-        LlavaVision(squashed, 0, 0, 0, pretrained=str(FAMILIES["llava"][0]))
+        LlavaVision(squashed, 0, 0, 0, pretrained=read_vlm(str(FAMILIES["llava"][0])))
 
 
 def test_preprocessing_for_prints_the_derived_config(capsys):
@@ -377,7 +371,7 @@ def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp
     data = [(corpus / "images" / name).read_bytes() for name in NAMES]
     pixels = image_encoder_inputs([decode_image(d, media_item("image", d, 0)["orientation"],
                                                 image) for d in data], image)["pixel_values"]
-    tower = LlavaVision(image, 0, 0, 0, pretrained=str(tmp_path)).eval()
+    tower = LlavaVision(image, 0, 0, 0, pretrained=read_vlm(str(tmp_path))).eval()
     assert not any("head" in name for name in tower.state_dict())
     projection = Projection(32, 64, "mlp", initial=read_vlm(str(tmp_path)).projector())
     with torch.no_grad():
