@@ -22,8 +22,6 @@ import dataclasses
 import json
 import math
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,9 +35,9 @@ from mimo_train.families.registry import preprocessing_for
 from mimo_train.training.step import _shared_placeholders
 
 from conftest import REPO, build_dataset
-from test_video_modality import _processor
-from test_train_parity import _compare, _run, _torchrun
-from test_vlm import PARITY_RUNNER, RUNNER, TOLERANCE
+from runs import compare
+from vlm_runs import (TOLERANCE, colocated_step as run_colocated, layout_step, logits,
+                      video_processor)
 
 MODELS = REPO / "assets" / "models"
 CHECKPOINTS = {"qwen2-vl": MODELS / "tiny-qwen2-vl", "qwen2.5-vl": MODELS / "tiny-qwen2.5-vl"}
@@ -92,11 +90,20 @@ def _records(media: dict[str, bytes]) -> list[tuple[dict, dict]]:
 def family(request, media) -> dict:
     checkpoint = CHECKPOINTS[request.param]
     config = config_for(checkpoint)
-    samples = [Preprocessor(config)(record, member_bytes)
-               for record, member_bytes in _records(media)]
+    preprocessor = Preprocessor(config)         # one: its tokenizer takes seconds to load
+    samples = [preprocessor(record, member_bytes) for record, member_bytes in _records(media)]
     return {"name": request.param, "checkpoint": checkpoint, "config": config,
-            "batch": Collator(Preprocessor(config))(samples)[0],
-            "tokens": Preprocessor(config).text.modality_token_ids}
+            "batch": Collator(preprocessor)(samples)[0],
+            "tokens": preprocessor.text.modality_token_ids}
+
+
+@pytest.fixture(scope="module")
+def reference(family):
+    """transformers' own class for the family's checkpoint (fp32), loaded once for the tower
+    and the logits checks."""
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(family["checkpoint"],
+                                                       dtype=torch.float32).eval()
 
 
 def second_per_grid(frames: int, fps: float, config: VideoConfig) -> float:
@@ -138,17 +145,13 @@ def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos)
         assert steps[1] - steps[0] > 1
 
 
-def test_the_tower_encodes_videos_as_transformers(family):
+def test_the_tower_encodes_videos_as_transformers(family, reference):
     """The checkpoint's one tower, built by mimo, on the batch's videos and images."""
-    from transformers import AutoModelForImageTextToText
     from mimo_train.families.registry import ENCODERS, read_vlm
     config = family["config"]
     vlm = read_vlm(str(family["checkpoint"]))
-    tower = ENCODERS[vlm.encoder_kind](config.modalities["image"], 0, 0, 0,
-                                       str(family["checkpoint"])).eval()
+    tower = ENCODERS[vlm.encoder_kind](config.modalities["image"], 0, 0, 0, vlm).eval()
     tower.take_also("video", config.modalities["video"])
-    reference = AutoModelForImageTextToText.from_pretrained(family["checkpoint"],
-                                                            dtype=torch.float32).eval()
     videos = family["batch"]["modality_inputs"]["video"]["video"]
     with torch.no_grad():
         ours = tower.encode("video", **videos)
@@ -281,13 +284,10 @@ def run_data(family, corpus, corpus_videos, tmp_path_factory) -> dict:
     return {**family, "tmp": tmp, "common": common}
 
 
-def _hf_logits(run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' logits for the run's padded batch (its own class, fp32), and the batch's
-    real-token mask."""
-    from transformers import AutoModelForImageTextToText
+def _hf_logits(model, run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' logits for the run's padded batch (``model``: its own class, fp32), and
+    the batch's real-token mask."""
     from mimo_data.modalities.image import normalize_pixels
-    model = AutoModelForImageTextToText.from_pretrained(run["checkpoint"],
-                                                        dtype=torch.float32).eval()
     batch, config = out["batch"], run["config"]
     length = int(batch["attention_mask"].sum(1).max())
     ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
@@ -313,17 +313,12 @@ def _hf_logits(run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logits, mask
 
 
-def test_logits_match_transformers_on_videos_and_images(run_data, corpus_videos):
+def test_logits_match_transformers_on_videos_and_images(ranks, run_data, reference,
+                                                        corpus_videos):
     """Colocated, one process: a batch of the four conversations, padded."""
     tmp = run_data["tmp"]
-    command = [sys.executable, RUNNER, str(tmp / "logits"),
-               "layout=language=dp1;image=dp1,off0,video", f"train.micro_batch_size={SAMPLES}",
-               f"checkpoint.dir={tmp / 'logits-ckpt'}", *run_data["common"]]
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    out = torch.load(tmp / "logits" / "logits.pt", weights_only=False)
+    out = logits(ranks, tmp, "logits", run_data["common"],
+                 layout="language=dp1;image=dp1,off0,video", micro_batch=SAMPLES)
     ids_of = _ids_by_key(tmp / "shards")
     # loader keys are "<dataset index>/<shard key>"
     out["clips"] = {key: [corpus_videos[c] for c in
@@ -332,7 +327,7 @@ def test_logits_match_transformers_on_videos_and_images(run_data, corpus_videos)
     assert len(batch["modality_inputs"]["video"]["video"]["video_grid_thw"]) == 4
     assert set(batch["input_ids"].unique().tolist()) >= {run_data["tokens"]["image"],
                                                          run_data["tokens"]["video"]}
-    expected, mask = _hf_logits(run_data, out)
+    expected, mask = _hf_logits(reference, run_data, out)
     ours = out["logits"][:, :mask.size(1), :expected.size(-1)]
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
 
@@ -344,25 +339,21 @@ def _ids_by_key(shards: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def colocated_step(run_data) -> tuple[dict, str]:
+def colocated_step(ranks, run_data) -> tuple[dict, str]:
     """One colocated step's loss and gradients, and the imported model's checkpoint (step 0)
     the other runs start from."""
-    tmp = run_data["tmp"]
-    reference = _run([sys.executable, PARITY_RUNNER, str(tmp / "colocated"), "--save-init",
-                      str(tmp / "init"), "layout=language=dp1;image=dp1,off0,video",
-                      f"train.micro_batch_size={SAMPLES}", *run_data["common"]],
-                     tmp / "colocated")
-    return reference, str(tmp / "init" / "step_0000000")
+    return run_colocated(ranks, run_data["tmp"], "language=dp1;image=dp1,off0,video",
+                         run_data["common"], micro_batch=SAMPLES)
 
 
-def test_the_non_colocated_step_equals_the_colocated_one(run_data, colocated_step):
+def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, colocated_step):
     """The tower (images and videos) on rank 0, the language model on rank 1, from the
     colocated run's initial weights: the same loss, and the same gradients for every
     weight, the tower's included."""
     reference, init = colocated_step
-    apart = _torchrun(run_data["tmp"], "non-colocated", 2, "image=dp1,video;language=dp1", 2,
-                      run_data["common"], init)
-    _compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
+    apart = layout_step(ranks, run_data["tmp"], "non-colocated", 2,
+                        "image=dp1,video;language=dp1", 2, run_data["common"], init)
+    compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
 
 
 def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
@@ -380,8 +371,8 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     clip = corpus_videos["zoom_mpeg4_10"]
     video = run_data["config"].modalities["video"]
     frames, metadata = load_video(str(corpus / clip.path), backend="pyav")
-    processed = _processor(video)(videos=[frames], video_metadata=[metadata],
-                                        return_tensors="pt")
+    processed = video_processor(video)(videos=[frames], video_metadata=[metadata],
+                                       return_tensors="pt")
     grid = processed["video_grid_thw"]
     tokens = int(grid.prod()) // video.merge_size ** 2
     text = "<|vision_start|>" + "<|video_pad|>" * tokens + "<|vision_end|>\nWhat is shown?"
