@@ -4,8 +4,8 @@ imports another.
 - ``Ranks`` (the session fixture ``ranks`` in conftest.py): a pre-imported parent that forks
   ranks. One process imports torch, transformers and megatron-core once for the whole session
   (``serve``); each job forks ``nproc`` children from it with torchrun's environment (``RANK``,
-  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``: rank 0 hosts the store, as
-  ``env://`` does without torchrun's agent) and runs a script or module as ``python`` would
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT`` of a store kept by a forked
+  keeper, as torchrun's agent keeps its own) and runs a script or module as ``python`` would
   (``__main__``, ``sys.argv``). A rank's start-up costs a fork instead of several seconds of
   imports. Each rank's stdout and stderr go to files of the job's folder. For every run where
   torchrun itself is not what is tested.
@@ -183,7 +183,8 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
                            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
                            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                           "MASTER_PORT": str(port), **request["env"]})
+                           "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
+                           **request["env"]})
         import torch
         torch.set_num_threads(1)
         argv = request["argv"]
@@ -203,6 +204,22 @@ def _rank(request: dict, rank: int, port: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _store(port: int) -> int:
+    """Fork the job's store keeper: the ``TCPStore`` every rank joins, outliving the ranks as
+    torchrun's agent store does (so a rank can record a failure after rank 0 has left); its
+    pid."""
+    pid = os.fork()
+    if pid == 0:
+        try:
+            import torch.distributed as dist
+            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            signal.pause()                                  # until the parent ends the job
+            del store
+        finally:
+            os._exit(0)
+    return pid
 
 
 def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
@@ -245,6 +262,7 @@ def serve() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         port = _free_port()
+        keeper = _store(port)
         pids = []
         for rank in range(request["nproc"]):
             pid = os.fork()
@@ -252,7 +270,10 @@ def serve() -> None:
                 _rank(request, rank, port)
             pids.append(pid)
         print(json.dumps({"pids": pids}), file=reply, flush=True)
-        print(json.dumps({"codes": _wait(pids)}), file=reply, flush=True)
+        codes = _wait(pids)
+        _kill(keeper)
+        os.waitpid(keeper, 0)
+        print(json.dumps({"codes": codes}), file=reply, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
-"""Training runs for real: ``torchrun --nproc-per-node 3 -m mimo_train`` with gloo on the sample
-corpus, images + audio + language in a non-colocated layout (one rank per module).
+"""Training runs for real: ``python -m mimo_train`` on 3 ranks with gloo on the sample corpus,
+images + audio + language in a non-colocated layout (one rank per module); forked ranks
+(tests/launch.py) but where torchrun's own behaviour is the point (signals, what a user sees of
+a failure).
 
 - the loss goes down; evaluation runs every N steps on a validation set, the same batches each
   time; TensorBoard gets the logged scalars; checkpoints land at the interval and at the end,
@@ -12,6 +14,9 @@ corpus, images + audio + language in a non-colocated layout (one rank per module
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
   every rank with one message naming the file and the newest complete checkpoint;
+- a failure in the middle of the run (a shard member whose bytes changed, shards gone from the
+  bucket, a rank killed) reaches the user as one message naming the rank, the step and the
+  cause, under real torchrun as its root cause too, with no rank's traceback;
 - preemption: a signal to one worker or to torchrun stops every rank after the same step with
   that step's checkpoint, and the run started again continues the same losses.
 """
@@ -22,39 +27,29 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, preprocess_config_file, scratch
+from launch import BASE_ENV, torchrun, torchrun_command
+from runs import (assert_continues, copy_checkpoint, read_records, train, train_job,
+                  train_records)
 
 STEPS = 6
 LAYOUT = "image=dp1;audio=dp1;language=dp1"
+CONFIG = "images_audio_noncolocated.yaml"
 
 
-def _run(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3,
-         env: dict | None = None) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc), "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"),
-               "--records", str(tmp / f"{name}.jsonl"), f"checkpoint.dir={checkpoints}",
-               *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=400)
-
-
-def _train(tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3,
+def _train(ranks, tmp: Path, name: str, checkpoints: Path, *overrides, nproc: int = 3,
            env: dict | None = None) -> list[dict]:
-    result = _run(tmp, name, checkpoints, *overrides, nproc=nproc, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
-    return [json.loads(line) for line in (tmp / f"{name}.jsonl").read_text().splitlines()]
+    return train(ranks, tmp, name, CONFIG, f"checkpoint.dir={checkpoints}", *overrides,
+                 nproc=nproc, env=env)
 
 
 @pytest.fixture(scope="module")
-def setup(loader_corpus, tmp_path_factory):
+def setup(ranks, loader_corpus, tmp_path_factory):
     with scratch(tmp_path_factory, "train-run") as tmp:
         preprocess = preprocess_config_file(tmp / "preprocess.yaml")
         common = [f"data.datasets=[{loader_corpus}]", f"data.valid=[{loader_corpus}]",
@@ -62,18 +57,14 @@ def setup(loader_corpus, tmp_path_factory):
                   "train.eval_interval=3", "train.eval_steps=1", "checkpoint.interval=3",
                   "optimizer.warmup_steps=1", "train.global_batch_size=4",
                   "train.micro_batch_size=2"]
-        full = _train(tmp, "full", tmp / "full-ckpt", *common,
+        full = _train(ranks, tmp, "full", tmp / "full-ckpt", *common,
                       f"train.tensorboard_dir={tmp / 'tb'}")
         yield tmp, common, full
 
 
-def _train_records(records):
-    return [r for r in records if "loss" in r]
-
-
 def test_loss_goes_down_and_evaluation_follows(setup):
     _, _, full = setup
-    train = _train_records(full)
+    train = train_records(full)
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     losses = [r["loss"] for r in train]
     assert sum(losses[-2:]) / 2 < sum(losses[:2]) / 2 - 0.2, losses
@@ -104,7 +95,7 @@ def test_checkpoints_at_interval_and_end(setup):
             assert digest == hashlib.sha256((root / step / name).read_bytes()).hexdigest()
 
 
-def test_an_asynchronous_save_holds_the_step_it_was_started_at(setup):
+def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
     """``checkpoint.async_save``: each rank's files are written by a forked process while the
     next steps train. The losses are the synchronous run's, each checkpoint holds exactly the
     weights the synchronous run saved at that step (not a later step's: the steps after it
@@ -114,9 +105,9 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(setup):
 
     tmp, common, full = setup
     root = tmp / "async-ckpt"
-    records = _train(tmp, "async", root, *common, "checkpoint.async_save=true")
-    assert [r["loss"] for r in _train_records(records)] == \
-        [r["loss"] for r in _train_records(full)]
+    records = _train(ranks, tmp, "async", root, *common, "checkpoint.async_save=true")
+    assert [r["loss"] for r in train_records(records)] == \
+        [r["loss"] for r in train_records(full)]
     assert (root / "latest").read_text() == "step_0000006"
     for step in ("step_0000003", "step_0000006"):
         assert not list((root / step).glob("integrity.*.json"))       # the parts merged
@@ -139,45 +130,25 @@ def test_tensorboard_gets_the_scalars(setup):
     events = EventAccumulator(str(tmp / "tb"))
     events.Reload()
     logged = [e.value for e in events.Scalars("train/loss")]
-    assert logged == pytest.approx([r["loss"] for r in _train_records(full)], rel=1e-6)
+    assert logged == pytest.approx([r["loss"] for r in train_records(full)], rel=1e-6)
     assert [e.step for e in events.Scalars("eval_loss")] == [3, 6]
     assert {"forward_s/image", "forward_s/audio", "forward_s/language", "train/lr",
             "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
 
 
-def _copy_checkpoint(source: Path, root: Path) -> Path:
-    """A checkpoint.dir whose latest is a copy of the checkpoint ``source``."""
-    shutil.copytree(source, root / source.name)
-    (root / "latest").write_text(source.name)
-    return root
-
-
-def _assert_continues(resumed: list[dict], full: list[dict], steps: list[int], loss: float,
-                      grad_norm_rel: float) -> None:
-    """The resumed run's steps are ``steps`` with the uninterrupted run's tokens, its loss
-    within ``loss`` and its grad norm within ``grad_norm_rel`` (relative)."""
-    assert [r["step"] for r in _train_records(resumed)] == steps
-    expected = {r["step"]: r for r in _train_records(full)}
-    for record in _train_records(resumed):
-        reference = expected[record["step"]]
-        assert record["tokens"] == reference["tokens"]
-        assert record["loss"] == pytest.approx(reference["loss"], abs=loss)
-        assert record["grad_norm"] == pytest.approx(reference["grad_norm"], rel=grad_norm_rel)
-
-
-def test_resume_continues_the_exact_sample_stream(setup):
+def test_resume_continues_the_exact_sample_stream(ranks, setup):
     """The step-3 checkpoint resumed under the same layout: steps 4-6 and the evaluation at 6
     are exactly the uninterrupted run's."""
     tmp, common, full = setup
-    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "resume")
-    resumed = _train(tmp, "resumed", root, *common)
-    _assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
+    root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "resume")
+    resumed = _train(ranks, tmp, "resumed", root, *common)
+    assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
 
 
-def test_training_from_a_bucket_gives_the_local_losses(setup, loader_corpus, s3):
+def test_training_from_a_bucket_gives_the_local_losses(ranks, setup, loader_corpus, s3):
     """The dataset copied to S3 (moto behind a proxy that answers 500, resets the connection or
     cuts the body short on 5% of GETs), the local run's step-3 checkpoint resumed reading the
     bucket, with an empty cache (tables downloaded, token tables computed): steps 4-6 and the
@@ -194,19 +165,42 @@ def test_training_from_a_bucket_gives_the_local_losses(setup, loader_corpus, s3)
     remote = [c.replace(str(loader_corpus), url) for c in common]
     env = {**s3.env(), "MIMO_CACHE_DIR": str(tmp / "bucket-cache")}
     s3.faults = Faults(rate=0.05, kinds=("500", "reset", "truncate"), seed=3)
-    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "bucket-resume")
-    resumed = _train(tmp, "bucket-resumed", root, *remote, env=env)
+    root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "bucket-resume")
+    resumed = _train(ranks, tmp, "bucket-resumed", root, *remote, env=env)
     assert sum(s3.injected.values()) > 0        # the faults happened, and were survived
     # the shards gone from the bucket: an encoder rank stops the run naming one (no hang)
     s3.faults = None
     fs.rm(fs.glob("train-run/shards/*.tar"))
-    failed = _run(tmp, "bucket-failed", tmp / "bucket-failed-ckpt", *remote, env=env)
-    assert failed.returncode != 0
-    assert re.search(rf"{url}/data-\d+\.tar: missing", failed.stderr), failed.stderr[-3000:]
-    assert f"mimo-shard verify {url}" in failed.stderr
-    _assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
+    failed = train_job(ranks, tmp, "bucket-failed", CONFIG, *remote,
+                       f"checkpoint.dir={tmp / 'bucket-failed-ckpt'}", nproc=3, env=env)
+    assert failed.codes[0] == 1, failed.explain()
+    reports = [text for text in failed.ranks.values() if "training stopped in" in text]
+    assert len(reports) == 1 and "Traceback" not in "".join(failed.ranks.values()), \
+        failed.explain()
+    assert re.search(rf"on rank [01] \((image|audio) dp0 tp0 pp0\): DatasetError: "
+                     rf"{url}/data-\d+\.tar: missing", reports[0]), reports[0]
+    assert f"mimo-shard verify {url}" in reports[0]
+    assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
     assert [r["eval_loss"] for r in resumed if "eval_loss" in r] == pytest.approx(
         [r["eval_loss"] for r in full if "eval_loss" in r and r["step"] == 6], abs=1e-6)
+
+
+def _failed_run(tmp: Path, name: str, *overrides, env: dict | None = None) -> str:
+    """Run the 3-rank job under real torchrun, as a user would, expecting it to fail in the
+    middle of the run: exit status 1, one message naming the rank, the step and the cause
+    (printed once, also as torchrun's root cause), no traceback from any rank; the message."""
+    job = torchrun(3, ["-m", "mimo_train", "--config", REPO / "configs" / "train" / CONFIG,
+                       f"checkpoint.dir={tmp / name}", *overrides], env=env)
+    output = job.stdout + job.stderr
+    print(output)
+    assert job.codes == [1], job.explain()
+    messages = re.findall(r"^mimo-train: training stopped in .*$", output, re.MULTILINE)
+    assert len(messages) == 1, output
+    assert re.match(r"mimo-train: training stopped in (step \d+|the evaluation at step \d+) "
+                    r"on rank \d \(", messages[0]), messages[0]
+    assert "[rank" not in output and output.count("Traceback") <= 1, output  # torchrun's own
+    assert "error_file:" in output and messages[0] in output.split("Root Cause")[-1], output
+    return messages[0]
 
 
 def _children(pid: int) -> list[int]:
@@ -222,8 +216,58 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def test_a_damaged_member_mid_run_is_one_message_naming_rank_step_and_member(setup,
+                                                                            loader_corpus):
+    """Every image member of a copy of the shards changed after the build (bytes zeroed
+    inside, the recorded crc32 kept): the image rank stops the run in its first step with
+    images, and the user sees one message naming that rank, the step, the member and
+    ``mimo-shard verify`` (as torchrun's root cause too), no rank's traceback, exit status 1."""
+    import pyarrow.parquet as pq
+
+    tmp, common, _ = setup
+    damaged = tmp / "damaged-shards"
+    shutil.copytree(loader_corpus, damaged, ignore=shutil.ignore_patterns(".mimo-cache"))
+    for row in pq.read_table(damaged / "samples.parquet").to_pylist():
+        for member in row["members"]:
+            if member["name"].endswith((".jpg", ".png")):
+                with open(damaged / row["shard"], "r+b") as shard:
+                    shard.seek(member["offset"] + member["size"] // 2)
+                    shard.write(b"\0" * 64)
+    overrides = [c.replace(str(loader_corpus), str(damaged)) for c in common]
+    message = _failed_run(tmp, "damaged-member", *overrides)
+    assert "on rank 0 (image dp0 tp0 pp0): DatasetError: " in message, message
+    assert re.search(r"sample \d+ member \d+\.img0\.(jpg|png): its bytes changed", message)
+    assert f"mimo-shard verify {damaged}" in message
+
+
+def test_a_rank_that_dies_is_reported_once(setup):
+    """SIGKILL to one worker once step 1 is logged (the kernel's out-of-memory killer does
+    that): the job stops with one message saying a rank left without a message, exit status
+    1, no traceback from the ranks left waiting for it."""
+    import signal
+    tmp, common, _ = setup
+    command = torchrun_command(3, ["-m", "mimo_train", "--config", REPO / "configs" / "train" /
+                                   CONFIG, *common, f"checkpoint.dir={tmp / 'killed'}"])
+    agent = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert agent.stdout is not None
+    lines = []
+    for line in agent.stdout:
+        lines.append(line)
+        if line.startswith("step    1:"):
+            break
+    os.kill(_children(agent.pid)[1], signal.SIGKILL)              # the audio rank
+    lines += agent.stdout.readlines()
+    assert agent.wait(timeout=120) == 1
+    output = "".join(lines)
+    messages = re.findall(r"^mimo-train: training stopped in .*$", output, re.MULTILINE)
+    assert len(messages) == 1, output
+    assert "another rank left the job without a message" in messages[0], messages[0]
+    assert "[rank" not in output and output.count("Traceback") <= 1, output
+
+
 @pytest.mark.parametrize("target", ["one worker", "the agent"])
-def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(setup, target):
+def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, setup, target):
     """Once step 1 is logged, SIGUSR1 to one worker (Slurm's ``--signal``) or SIGTERM to
     torchrun (which forwards it to every worker): every rank stops after the same step, the
     job saves that step's checkpoint and the workers exit 128 + the signal; started again, the
@@ -231,13 +275,10 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(setup, 
     import signal
     tmp, common, full = setup
     root = tmp / f"signal-{target.replace(' ', '-')}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "3", "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"), *common,
-               f"checkpoint.dir={root}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    agent = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    command = torchrun_command(3, ["-m", "mimo_train", "--config", REPO / "configs" / "train" /
+                                   CONFIG, *common, f"checkpoint.dir={root}"])
+    agent = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV},
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     assert agent.stdout is not None
     for line in agent.stdout:
@@ -255,33 +296,33 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(setup, 
     assert step < STEPS and (root / "latest").read_text() == f"step_{step:07d}"
     if target == "one worker":        # torchrun reports each worker's exit status
         assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
-    resumed = _train(tmp, f"resumed-{target}", root, *common)
-    _assert_continues(resumed, full, list(range(step + 1, STEPS + 1)), loss=1e-5,
+    resumed = _train(ranks, tmp, f"resumed-{target}", root, *common)
+    assert_continues(resumed, full, list(range(step + 1, STEPS + 1)), loss=1e-5,
                       grad_norm_rel=1e-4)
 
 
 @pytest.mark.parametrize("language", ["dp2", "tp2"])
-def test_resume_under_another_language_layout(setup, language):
+def test_resume_under_another_language_layout(ranks, setup, language):
     """Saved under image dp1 + audio dp1 + language dp1, resumed with the language model over
     two data-parallel or two tensor-parallel ranks: the same samples and losses. The dp2 run
     also stops at step 5 (``train.exit_interval``), checkpointing there."""
     tmp, common, full = setup
-    root = _copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
+    root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
     layout = f"layout=image=dp1;audio=dp1;language={language}"
     stop = ["train.exit_interval=5"] if language == "dp2" else []
-    resumed = _train(tmp, f"resumed-{language}", root, *common, layout, *stop, nproc=4)
+    resumed = _train(ranks, tmp, f"resumed-{language}", root, *common, layout, *stop, nproc=4)
     steps = [4, 5] if stop else [4, 5, 6]
     # tp2 sums each matmul's halves in another order: ~2e-5 relative on the grad norm
-    _assert_continues(resumed, full, steps, loss=1e-5, grad_norm_rel=1e-4)
+    assert_continues(resumed, full, steps, loss=1e-5, grad_norm_rel=1e-4)
     assert (root / "latest").read_text() == f"step_{steps[-1]:07d}"
 
 
 def _first_loss(records) -> float:
-    (first,) = [r for r in _train_records(records) if r["step"] == 1]
+    (first,) = [r for r in train_records(records) if r["step"] == 1]
     return first["loss"]
 
 
-def test_init_from_into_tensor_parallel_language(setup, frozen):
+def test_init_from_into_tensor_parallel_language(ranks, setup, frozen):
     """tp1 -> tp2 and tp2 -> tp2 give the first-step loss of tp1 -> tp1 (the colocated
     frozen run). The tp2 checkpoint holds the same weights: its run trains with lr 0."""
     tmp, common, _ = setup
@@ -289,9 +330,9 @@ def test_init_from_into_tensor_parallel_language(setup, frozen):
            "layout=image=dp1;audio=dp1;language=tp2", "train.steps=1", "optimizer.lr=0",
            "optimizer.min_lr=0"]
     start = tmp / "full-ckpt" / "step_0000003"
-    from_tp1 = _train(tmp, "init-tp1-tp2", tmp / "init-tp2", *tp2, f"model.init_from={start}",
-                      nproc=4)
-    from_tp2 = _train(tmp, "init-tp2-tp2", tmp / "init-tp2-again", *tp2,
+    from_tp1 = _train(ranks, tmp, "init-tp1-tp2", tmp / "init-tp2", *tp2,
+                      f"model.init_from={start}", nproc=4)
+    from_tp2 = _train(ranks, tmp, "init-tp2-tp2", tmp / "init-tp2-again", *tp2,
                       f"model.init_from={tmp / 'init-tp2' / 'step_0000001'}", nproc=4)
     reference = _first_loss(frozen["records"])
     assert _first_loss(from_tp1) == pytest.approx(reference, abs=1e-5)
@@ -299,25 +340,18 @@ def test_init_from_into_tensor_parallel_language(setup, frozen):
 
 
 @pytest.fixture(scope="module")
-def frozen(setup):
+def frozen(ranks, setup):
     """``model.init_from`` of the 3-rank step-3 checkpoint into one colocated process (language
     tp1), one step with ``model.freeze=[image]``: its output, records and checkpoint."""
     tmp, common, _ = setup
     start = tmp / "full-ckpt" / "step_0000003"
     overrides = [c for c in common if not c.startswith(("layout=", "train.eval", "data.valid",
                                                         "optimizer.warmup_steps"))]
-    records = tmp / "frozen.jsonl"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_colocated.yaml"),
-               "--records", str(records), *overrides, f"checkpoint.dir={tmp / 'frozen'}",
-               f"model.init_from={start}", "model.freeze=[image]", "train.steps=1"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    assert result.returncode == 0, result.stderr[-5000:]
-    return {"result": result, "start": start, "after": tmp / "frozen" / "step_0000001",
-            "records": [json.loads(line) for line in records.read_text().splitlines()]}
+    job = train_job(ranks, tmp, "frozen", "images_audio_colocated.yaml", *overrides,
+                    f"checkpoint.dir={tmp / 'frozen'}", f"model.init_from={start}",
+                    "model.freeze=[image]", "train.steps=1", nproc=1).check()
+    return {"result": job, "start": start, "after": tmp / "frozen" / "step_0000001",
+            "records": read_records(tmp / "frozen.jsonl")}
 
 
 def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
@@ -345,20 +379,11 @@ def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
         assert changed, f"{module} did not train"
 
 
-def _start(tmp: Path, common: list[str], root: Path, *overrides) -> tuple[int, dict]:
+def _start(ranks, common: list[str], root: Path, *overrides) -> tuple[int, dict]:
     """Start the 3-rank job on checkpoint.dir ``root``: (exit code, {rank: its stderr})."""
-    logs = root.parent / f"{root.name}-logs"
-    shutil.rmtree(logs, ignore_errors=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "3", "--log-dir", str(logs), "--redirects", "3",
-               "-m", "mimo_train", "--config",
-               str(REPO / "configs" / "train" / "images_audio_noncolocated.yaml"), *common,
-               f"checkpoint.dir={root}", *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=400)
-    ranks = {int(p.parent.name): p.read_text() for p in logs.glob("*/attempt_0/*/stderr.log")}
-    return result.returncode, ranks
+    job = train_job(ranks, root.parent, f"{root.name}-start", CONFIG, *common,
+                    f"checkpoint.dir={root}", *overrides, nproc=3)
+    return job.codes[0], job.ranks
 
 
 def _refused(code: int, ranks: dict, phase: str) -> str:
@@ -383,7 +408,7 @@ def _damaged_copy(setup, name: str) -> Path:
     return root
 
 
-def test_damaged_files_are_refused_on_every_rank(setup):
+def test_damaged_files_are_refused_on_every_rank(ranks, setup):
     """Step 6 with a zero-length, a truncated and a missing rank file: every rank stops
     before loading, one message (printed once) names each file and step 3 to use instead."""
     tmp, common, _ = setup
@@ -393,7 +418,7 @@ def test_damaged_files_are_refused_on_every_rank(setup):
     data = (step / "__2_0.distcp").read_bytes()
     (step / "__2_0.distcp").write_bytes(data[: len(data) // 2])
     (step / "__1_0.distcp").unlink()
-    message = _refused(*_start(tmp, common, root), "resume")
+    message = _refused(*_start(ranks, common, root), "resume")
     for name in ("__0_0.distcp: hash mismatch", "__2_0.distcp: hash mismatch",
                  "__1_0.distcp: file missing"):
         assert name in message, message

@@ -56,6 +56,7 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               ShardedTensor, StrictHandling, dist_checkpointing,
                               extract_matching_values, get_cuda_rng_tracker,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
+                              use_forked_write_results,
                               load_plain_tensors, merge, nested_values)
 
 LATEST = "latest"
@@ -100,6 +101,7 @@ class Saver:
     flight at a time: the next waits for the previous."""
 
     def __init__(self, root: str, asynchronous: bool):
+        use_forked_write_results()
         self.root = root
         self.queue = AsyncCallsQueue() if asynchronous else None
         self.pending: list[str] = []       # directories being written, oldest first

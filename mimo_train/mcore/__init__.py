@@ -4,12 +4,14 @@ Importing it first filters the known third-party warnings (``runtime.console``),
 CUDA is absent, applies ``cpu_compat`` (megatron-core 0.19.2 on CPU with gloo), and only then
 imports megatron-core: every name below is the patched one. ``cpu_compat`` reaches into
 megatron-core internals to patch them and is imported by this module alone; so do
-``ensure_global_memory_buffer`` and the checkpoint writer's results queue (below). Beside it:
+``ensure_global_memory_buffer`` and ``use_forked_write_results``. Beside it:
 ``grids`` (each module's process groups), ``attention`` (the language model's core attention),
 ``bridge_routing`` (variable token counts across module bridges).
 """
 
 from __future__ import annotations
+
+import multiprocessing
 
 from mimo_train.runtime import console
 from mimo_train.mcore import cpu_compat
@@ -59,7 +61,7 @@ __all__ = [
     "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
-    "MimoOptimizer", "ensure_global_memory_buffer",
+    "MimoOptimizer", "ensure_global_memory_buffer", "use_forked_write_results",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
@@ -79,11 +81,13 @@ def ensure_global_memory_buffer() -> None:
         parallel_state._set_global_memory_buffer()
 
 
-# megatron-core's checkpoint writer reports each file written through a queue it makes on first
-# use from a ``multiprocessing.Manager`` of the "spawn" context: a server process that starts a
-# fresh interpreter, seconds per rank at the first save. Its writers run in this process
-# (``execute_sync``) or in one forked by ``AsyncCallsQueue`` (the "fork" context), so a plain
-# queue of the fork context, inherited by the forked writer, carries the same results.
-if filesystem_async._results_queue is None:
-    import multiprocessing
-    filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
+
+def use_forked_write_results() -> None:
+    """Give megatron-core's checkpoint writer a results queue of the "fork" context (once a
+    process, before its first save). It makes one on first use from a ``multiprocessing.Manager``
+    of the "spawn" context: a server process starting a fresh interpreter, seconds per rank at
+    the first save. Its writers run in this process (``execute_sync``) or in one forked by
+    ``AsyncCallsQueue``, which inherits the queue. Not at import: a process forked from one that
+    imported this module must not share its queue."""
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()
