@@ -1,5 +1,6 @@
-"""One epoch (or its rest, from a saved state) of the loader on every rank of a real
-``torchrun`` job with gloo; run by tests/test_loader_dist.py.
+"""One epoch (or its rest, from a saved state) of the loader on every rank of a real multi-process
+job with gloo; run by tests/test_loader_dist.py and tests/test_video_training.py. Several cases
+(argument lists separated by ``+``) run one after another in the same job.
 
 Every rank builds its own loader and iterates; the ranks all_gather what they consumed; rank 0
 checks, per module, that its DP parts tile each global micro-batch, that all modules got the
@@ -126,7 +127,7 @@ def check(layout: Layout, entries: list[dict]) -> dict:
     return {"problems": problems, "modules": modules}
 
 
-def main() -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--config", required=True)
@@ -142,26 +143,43 @@ def main() -> int:
     parser.add_argument("--cache-dir", help="compute the token table split over the ranks, "
                         "into this cache directory")
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    return parser
+
+
+def run_case(args, rank: int, world: int) -> int:
+    """One case: every rank consumes, rank 0 checks and writes ``--out``; 1 if a problem."""
     entry = consume(args, rank, world)
     entries = [None] * world
     dist.all_gather_object(entries, entry)
+    if rank != 0:
+        return 0
+    result = check(Layout.parse(args.layout), entries)
+    states = [e["state"] for e in entries if e["consumed"] is not None]
+    if args.save_after_steps and any(s != states[0] for s in states):
+        result["problems"].append(f"ranks saved different states: {states}")
+    result.update(world_size=world, layout=args.layout, state=states[0],
+                  table_digests=[e["table_digest"] for e in entries])
+    with open(args.out, "w") as out:
+        json.dump(result, out, indent=1)
+    return 1 if result["problems"] else 0
+
+
+def main(argv: list[str]) -> int:
+    """Each case of ``argv`` (cases separated by ``+``) in turn, in one process group."""
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cases: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == "+":
+            cases.append([])
+        else:
+            cases[-1].append(arg)
     code = 0
-    if rank == 0:
-        result = check(Layout.parse(args.layout), entries)
-        states = [e["state"] for e in entries if e["consumed"] is not None]
-        if args.save_after_steps and any(s != states[0] for s in states):
-            result["problems"].append(f"ranks saved different states: {states}")
-        result.update(world_size=world, layout=args.layout, state=states[0],
-                      table_digests=[e["table_digest"] for e in entries])
-        with open(args.out, "w") as out:
-            json.dump(result, out, indent=1)
-        code = 1 if result["problems"] else 0
+    for case in cases:
+        code |= run_case(_parser().parse_args(case), rank, world)
     dist.destroy_process_group()
     return code
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,5 @@
-"""The loader in real multi-process jobs: ``torchrun`` with gloo, one loader per rank.
+"""The loader in real multi-process jobs (forked ranks, gloo), one loader per rank: two jobs, of
+two cases each (tests/loader_dist_run.py).
 
 Run 1: 3 ranks, language dp2 + image dp1 (one DataLoader worker per rank), one epoch; the
 ranks gather what they consumed and rank 0 checks exactly-once and cross-module order. Its
@@ -16,72 +17,74 @@ balanced and packed): the rest of the epoch, every step with its samples, none t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import REPO, preprocess_config_file
+from conftest import preprocess_config_file
 from loader_dist_run import table_digest
 from mimo_data.loading.token_table import TokenTable, compute
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
 from mimo_data.shards.reader import ShardReader
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
 SCRIPT = Path(__file__).parent / "loader_dist_run.py"
 GLOBAL_BATCH = 8
 SAVE_AFTER = 2
 
 
-def torchrun(ranks: int, out: Path, *args) -> dict:
-    command = [str(TORCHRUN) if TORCHRUN.exists() else sys.executable, *(
-        [] if TORCHRUN.exists() else ["-m", "torch.distributed.run"]),
-        "--standalone", f"--nproc-per-node={ranks}", str(SCRIPT), "--out", str(out),
-        "--global-batch-size", str(GLOBAL_BATCH), "--seed", "21", *map(str, args)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(SCRIPT.parent)]),
-           "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env,
-                            cwd=REPO)
-    assert result.returncode == 0, (f"torchrun exited {result.returncode}\n"
-                                    f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
-    return json.loads(out.read_text())
+def loader_job(ranks, nproc: int, logs: Path, *cases: list) -> None:
+    """One job of tests/loader_dist_run.py running ``cases`` (argument lists) in turn."""
+    argv: list = [SCRIPT]
+    for case in cases:
+        argv += [*(["+"] if len(argv) > 1 else []), "--global-batch-size", GLOBAL_BATCH,
+                 "--seed", 21, *case]
+    ranks.run(nproc, argv, logs).check()
 
 
 @pytest.fixture(scope="module")
-def runs(loader_corpus, tmp_path_factory):
+def jobs(ranks, loader_corpus, tmp_path_factory) -> dict:
+    """Two jobs of two cases each. On 3 ranks: run 1 (language dp2 + image dp1, a token
+    table computed split over the ranks into an empty cache) and run 1 balanced and packed.
+    On 4 ranks, each resumed from the state its run saved after two steps: run 2 (language pp2
+    + image dp2) and the balanced, packed resumption (language dp2 + image dp2)."""
     folder = tmp_path_factory.mktemp("dist")
     # Fixed-resolution images: the only way encoder dp > language dp (run 2) is allowed.
     config = preprocess_config_file(folder / "fixed.yaml",
                                     image={"policy": "fixed", "image_size": 112})
-    common = ["--dataset", loader_corpus, "--config", config]
-    first = torchrun(3, folder / "first.json", *common, "--layout", "language=dp2;image=dp1",
-                     "--micro-batch-size", 2, "--workers", 1, "--save-after-steps", SAVE_AFTER,
-                     "--cache-dir", folder / "cache")
-    first["cache"] = folder / "cache"
-    (folder / "state.json").write_text(json.dumps(first["state"]))
-    second = torchrun(4, folder / "second.json", *common, "--layout",
-                      "language=pp2,dp1;image=dp2", "--micro-batch-size", 2,
-                      "--state", folder / "state.json")
-    return first, second, config
+    common = ["--dataset", loader_corpus, "--config", config, "--micro-batch-size", 2]
+    balanced = ["--balance", "tokens", "--packing"]
+    loader_job(ranks, 3, folder / "job-3",
+               [*common, "--out", folder / "first.json", "--layout", "language=dp2;image=dp1",
+                "--workers", 1, "--save-after-steps", SAVE_AFTER, "--cache-dir",
+                folder / "cache"],
+               [*common, *balanced, "--out", folder / "balanced.json", "--layout",
+                "language=dp2;image=dp1", "--workers", 1, "--save-after-steps", SAVE_AFTER])
+    results = {name: json.loads((folder / f"{name}.json").read_text())
+               for name in ("first", "balanced")}
+    for name in ("first", "balanced"):
+        (folder / f"{name}-state.json").write_text(json.dumps(results[name]["state"]))
+    loader_job(ranks, 4, folder / "job-4",
+               [*common, "--out", folder / "second.json", "--layout",
+                "language=pp2,dp1;image=dp2", "--state", folder / "first-state.json"],
+               [*common, *balanced, "--out", folder / "resumed.json", "--layout",
+                "language=dp2;image=dp2", "--state", folder / "balanced-state.json"])
+    for name in ("second", "resumed"):
+        results[name] = json.loads((folder / f"{name}.json").read_text())
+    results["first"]["cache"] = folder / "cache"
+    return {**results, "config": config}
 
 
 @pytest.fixture(scope="module")
-def balanced(runs, loader_corpus, tmp_path_factory) -> tuple[dict, dict]:
+def runs(jobs):
+    return jobs["first"], jobs["second"], jobs["config"]
+
+
+@pytest.fixture(scope="module")
+def balanced(jobs) -> tuple[dict, dict]:
     """Run 1's job again with ``--balance tokens --packing``, and its resumption on 4 ranks."""
-    _, _, config = runs
-    folder = tmp_path_factory.mktemp("dist-balanced")
-    common = ["--dataset", loader_corpus, "--config", config, "--micro-batch-size", 2,
-              "--balance", "tokens", "--packing"]
-    whole = torchrun(3, folder / "balanced.json", *common, "--layout", "language=dp2;image=dp1",
-                     "--workers", 1, "--save-after-steps", SAVE_AFTER)
-    (folder / "state.json").write_text(json.dumps(whole["state"]))
-    resumed = torchrun(4, folder / "resumed.json", *common, "--layout",
-                       "language=dp2;image=dp2", "--state", folder / "state.json")
-    return whole, resumed
+    return jobs["balanced"], jobs["resumed"]
 
 
 def test_balanced_packed_epoch_serves_every_sample_once_with_each_steps_samples(runs,
@@ -163,17 +166,16 @@ def test_resume_on_four_ranks_with_another_layout_continues_exactly(runs):
         assert second["modules"][module] == first["modules"][module][SAVE_AFTER:], module
 
 
-def test_inspect_plan_predicts_what_the_torchrun_job_consumed(runs, loader_corpus, tmp_path):
+def test_inspect_plan_predicts_what_the_torchrun_job_consumed(runs, loader_corpus, capsys):
+    from mimo_data.inspect.cli import main
     first, _, config = runs
-    out = tmp_path / "plan.json"
-    command = [str(Path(sys.executable).parent / "mimo-inspect"), "plan", str(loader_corpus),
-               "--config", str(config), "--layout", "language=dp2;image=dp1",
-               "--global-batch-size", str(GLOBAL_BATCH), "--micro-batch-size", "2",
-               "--seed", "21", "--json"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out.write_text(result.stdout)
-    predicted = plan_per_module(json.loads(out.read_text()))
+    capsys.readouterr()
+    code = main(["plan", str(loader_corpus), "--config", str(config), "--layout",
+                 "language=dp2;image=dp1", "--global-batch-size", str(GLOBAL_BATCH),
+                 "--micro-batch-size", "2", "--seed", "21", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    predicted = plan_per_module(json.loads(out))
     consumed = {name: [step["keys"] for step in steps]
                 for name, steps in first["modules"].items()}
     assert set(predicted) == set(consumed) == {"language", "image"}
