@@ -132,30 +132,40 @@ def torchrun(nproc: int, argv: list, env: dict | None = None, timeout: float = 6
              log_dir: Path | None = None) -> Job:
     """``torchrun --standalone --nproc-per-node NPROC ARGV``; ``log_dir``: torchrun's own
     per-rank log files (``--log-dir --redirects 3``), read into ``Job.ranks``."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(nproc)]
+    logs = ["--log-dir", str(log_dir), "--redirects", "3"] if log_dir is not None else []
+    job = _process(torchrun_command(nproc, [*logs, *argv]), env, timeout)
     if log_dir is not None:
-        command += ["--log-dir", str(log_dir), "--redirects", "3"]
-    result = subprocess.run([*command, *map(str, argv)], cwd=REPO, capture_output=True,
-                            text=True, timeout=timeout,
-                            env={**os.environ, **BASE_ENV, **(env or {})})
-    ranks = {} if log_dir is None else {
-        int(p.parent.name): p.read_text() for p in Path(log_dir).glob("*/attempt_0/*/stderr.log")}
-    return Job([result.returncode], result.stdout, result.stderr, ranks)
+        job.ranks = {int(p.parent.name): p.read_text(errors="replace")
+                     for p in Path(log_dir).glob("*/attempt_0/*/stderr.log")}
+    return job
 
 
 def torchrun_command(nproc: int, argv: list) -> list[str]:
-    """The command line ``torchrun`` runs (for tests that start it themselves: signals)."""
+    """The command line of ``torchrun --standalone --nproc-per-node NPROC ARGV`` (for tests
+    that start it themselves: signals)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
             str(nproc), *map(str, argv)]
 
 
 def python(argv: list, env: dict | None = None, timeout: float = 600) -> Job:
     """``python ARGV`` in a fresh process."""
-    result = subprocess.run([sys.executable, *map(str, argv)], cwd=REPO, capture_output=True,
-                            text=True, timeout=timeout,
-                            env={**os.environ, **BASE_ENV, **(env or {})})
-    return Job([result.returncode], result.stdout, result.stderr)
+    return _process([sys.executable, *map(str, argv)], env, timeout)
+
+
+def _process(command: list[str], env: dict | None, timeout: float) -> Job:
+    """Run ``command`` in its own session; one still running after ``timeout`` seconds is
+    killed with everything it started (a hang fails the test instead of the suite)."""
+    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV, **(env or {})},
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"{' '.join(command[:6])} ... did not exit within {timeout} s\n"
+                             f"{stdout[-3000:]}\n{stderr[-5000:]}") from None
+    return Job([process.returncode], stdout, stderr)
 
 
 # --------------------------------------------------------------------------- the parent

@@ -12,22 +12,19 @@ Python traceback or a third-party warning; every rank exits non-zero. Two cases 
 the command line itself (``torchrun --standalone --nproc-per-node 3 -m mimo_train --config CFG
 key=value ...``, each rank's whole stderr in its own file: ``--log-dir``, ``--redirects 3``),
 one failing before the process groups exist and one after. A hang would run into the
-subprocess timeout, which kills the whole process group and fails the test.
+launcher's timeout, which kills torchrun and every rank and fails the test.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from conftest import REPO, preprocess_config_file
+from launch import torchrun
 
 NPROC = 3
 TIMEOUT = 120          # seconds: a hang fails the test instead of blocking the suite
@@ -66,24 +63,9 @@ def _base_config(tmp_path: Path, datasets, preprocess_file) -> Path:
 
 def _torchrun(tmp_path: Path, config: Path, overrides: list[str]):
     """Run the job; returns (exit code, {rank: its stderr}, torchrun's own output)."""
-    logs = tmp_path / "logs"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(NPROC), "--log-dir", str(logs), "--redirects", "3",
-               "-m", "mimo_train", "--config", str(config), *overrides]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        launcher, _ = process.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)         # torchrun and every rank
-        launcher, _ = process.communicate()
-        ranks = {p.parent.name: p.read_text(errors="replace")[-2000:]
-                 for p in logs.glob("*/attempt_0/*/stderr.log")}
-        pytest.fail(f"start-up hung: no exit within {TIMEOUT} s\n{launcher[-3000:]}\n{ranks}")
-    ranks = {int(p.parent.name): p.read_text(errors="replace")
-             for p in logs.glob("*/attempt_0/*/stderr.log")}
-    return process.returncode, ranks, launcher
+    job = torchrun(NPROC, ["-m", "mimo_train", "--config", config, *overrides],
+                   timeout=TIMEOUT, log_dir=tmp_path / "logs")
+    return job.codes[0], job.ranks, job.stdout + job.stderr
 
 
 def _check_startup_failure(codes: list[int], ranks: dict, launcher: str, phase: str,
@@ -209,20 +191,10 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     argv = [["--config", str(configs[case[1]]), *_case(case, tmp)[0]] for case in CASES]
     (tmp / "cases.json").write_text(json.dumps(argv))
     out = tmp / "out"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", str(NPROC), str(REPO / "tests" / "startup_cases_run.py"),
-               str(tmp / "cases.json"), str(out)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        launcher, _ = process.communicate(timeout=TIMEOUT * 4)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)         # torchrun and every rank
-        launcher, _ = process.communicate()
-        pytest.fail(f"start-up hung: the cases did not end within {TIMEOUT * 4} s\n"
-                    f"{launcher[-3000:]}")
-    assert process.returncode == 0, f"the cases' job failed\n{launcher[-6000:]}"
+    job = torchrun(NPROC, [REPO / "tests" / "startup_cases_run.py", tmp / "cases.json", out],
+                   timeout=TIMEOUT * 4)
+    launcher = job.stdout + job.stderr
+    assert job.ok, f"the cases' job failed\n{launcher[-6000:]}"
     results = {}
     for index, case in enumerate(CASES):
         folder = out / str(index)
