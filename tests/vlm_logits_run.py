@@ -1,4 +1,6 @@
-"""The logits of a model built by ``mimo_train`` on its first micro-batch, for tests/test_vlm.py.
+"""The logits of a model built by ``mimo_train`` on its first micro-batch, for the VLM tests
+(``vlm_runs.logits``: one forked rank of tests/launch.py; tests/test_vlm.py,
+tests/test_vlm_families.py, tests/test_vlm_video.py).
 
     python tests/vlm_logits_run.py OUT key=value ...      # one process, a colocated layout
 
