@@ -140,11 +140,12 @@ def torchrun(nproc: int, argv: list, env: dict | None = None, timeout: float = 6
     return job
 
 
-def torchrun_command(nproc: int, argv: list) -> list[str]:
+def torchrun_command(nproc: int, argv: list, rendezvous: list | None = None) -> list[str]:
     """The command line of ``torchrun --standalone --nproc-per-node NPROC ARGV`` (for tests
-    that start it themselves: signals)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-            str(nproc), *map(str, argv)]
+    that start it themselves: signals, several agents), ``rendezvous`` arguments instead of
+    ``--standalone`` if given (``--nnodes 2 --node-rank R --rdzv-backend c10d ...``)."""
+    return [sys.executable, "-m", "torch.distributed.run", *(rendezvous or ["--standalone"]),
+            "--nproc-per-node", str(nproc), *map(str, argv)]
 
 
 def python(argv: list, env: dict | None = None, timeout: float = 600) -> Job:

@@ -26,14 +26,13 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from conftest import REPO, preprocess_config_file
-from launch import BASE_ENV
+from launch import BASE_ENV, torchrun_command
 from runs import train
 
 NODES, PER_NODE = 2, 2
@@ -51,18 +50,18 @@ def _free_port() -> int:
 
 
 def _launch(tmp: Path, name: str, agents: list[list[str]], overrides: list[str]) -> dict:
-    """Start every agent at once (``python -m torch.distributed.run AGENT_ARGS -m mimo_train
-    ...``) and wait for all; each must exit 0. Returns every agent's output (stdout and stderr
-    together), rank 0's records (``--records``) and the checkpoint dir."""
+    """Start every agent at once (``torchrun RENDEZVOUS_ARGS -m mimo_train ...``) and wait
+    for all; each must exit 0. Returns every agent's output (stdout and stderr together), rank
+    0's records (``--records``) and the checkpoint dir."""
     checkpoints = tmp / f"{name}-ckpt"
     records = tmp / f"{name}.jsonl"
     env = {**os.environ, **BASE_ENV, "CUDA_VISIBLE_DEVICES": ""}
     processes, logs = [], []
     for index, agent in enumerate(agents):
         log = tmp / f"{name}-agent{index}.log"
-        command = [sys.executable, "-m", "torch.distributed.run", *agent, "-m", "mimo_train",
-                   "--config", str(CONFIG), "--records", str(records), *overrides,
-                   f"checkpoint.dir={checkpoints}"]
+        command = torchrun_command(PER_NODE, ["-m", "mimo_train", "--config", CONFIG,
+                                              "--records", records, *overrides,
+                                              f"checkpoint.dir={checkpoints}"], agent)
         with open(log, "w") as out:
             processes.append(subprocess.Popen(command, cwd=REPO, env=env, stdout=out,
                                               stderr=subprocess.STDOUT, text=True,
@@ -102,9 +101,9 @@ def runs(ranks, loader_corpus, tmp_path_factory) -> dict:
                  "model.language.hidden_size=32", "model.language.num_attention_heads=2",
                  "optimizer.warmup_steps=0", "checkpoint.interval=0"]
     port, run_id = _free_port(), f"mimo-multinode-{os.getpid()}"
-    nodes = [["--nnodes", str(NODES), "--nproc-per-node", str(PER_NODE), "--node-rank", str(r),
-              "--rdzv-backend", "c10d", "--rdzv-endpoint", f"localhost:{port}",
-              "--rdzv-id", run_id] for r in range(NODES)]
+    nodes = [["--nnodes", str(NODES), "--node-rank", str(r), "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", run_id]
+             for r in range(NODES)]
     multi = _launch(tmp, "multinode", nodes, overrides)
     # the reference: the same job on one node (forked ranks: the rendezvous is the difference)
     single = {"records": train(ranks, tmp, "single", CONFIG.name, *overrides,
