@@ -15,8 +15,9 @@ a failure).
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
   every rank with one message naming the file and the newest complete checkpoint;
 - a failure in the middle of the run (a shard member whose bytes changed, shards gone from the
-  bucket, a rank killed) reaches the user as one message naming the rank, the step and the
-  cause, under real torchrun as its root cause too, with no rank's traceback;
+  bucket, a checkpoint that cannot be written, a rank killed) reaches the user as one message
+  naming the rank, the step and the cause, under real torchrun as its root cause too, with no
+  rank's traceback;
 - preemption: a signal to one worker or to torchrun stops every rank after the same step with
   that step's checkpoint, and the run started again continues the same losses.
 """
@@ -238,6 +239,24 @@ def test_a_damaged_member_mid_run_is_one_message_naming_rank_step_and_member(set
     assert "on rank 0 (image dp0 tp0 pp0): DatasetError: " in message, message
     assert re.search(r"sample \d+ member \d+\.img0\.(jpg|png): its bytes changed", message)
     assert f"mimo-shard verify {damaged}" in message
+
+
+def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(ranks, setup):
+    """A file in the place of step 3's checkpoint directory: the run stops at that save with
+    one message (rank 0's, which writes the directory) naming the step's checkpoint and the
+    path, exit status 1; the other ranks, left waiting for rank 0, print nothing."""
+    tmp, common, _ = setup
+    root = tmp / "unwritable"
+    root.mkdir()
+    (root / "step_0000003").write_text("in the way")
+    job = train_job(ranks, tmp, "unwritable", CONFIG, *common, f"checkpoint.dir={root}",
+                    nproc=3)
+    assert job.codes[0] == 1, job.explain()
+    reports = [text for text in job.ranks.values() if "training stopped in" in text]
+    assert len(reports) == 1 and "Traceback" not in "".join(job.ranks.values()), job.explain()
+    assert "training stopped in the checkpoint of step 3 on rank 0 (image dp0 tp0 pp0): " \
+        f"FileExistsError: [Errno 17] File exists: '{root / 'step_0000003'}'" in reports[0], \
+        reports[0]
 
 
 def test_a_rank_that_dies_is_reported_once(setup):
