@@ -22,7 +22,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -171,12 +170,6 @@ def _process(command: list[str], env: dict | None, timeout: float) -> Job:
 
 # --------------------------------------------------------------------------- the parent
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _rank(request: dict, rank: int, port: int) -> None:
     """In a forked child: become rank ``rank`` of the job and run it; never returns."""
     import runpy
@@ -217,20 +210,28 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os._exit(code)
 
 
-def _store(port: int) -> int:
+def _store() -> tuple[int, int]:
     """Fork the job's store keeper: the ``TCPStore`` every rank joins, outliving the ranks as
     torchrun's agent store does (so a rank can record a failure after rank 0 has left); its
-    pid."""
+    (pid, port). It binds a port of its own choosing and reports it through a pipe."""
+    read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
+            os.close(read)
             import torch.distributed as dist
-            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            os.write(write, str(store.port).encode())
+            os.close(write)
             signal.pause()                                  # until the parent ends the job
-            del store
         finally:
             os._exit(0)
-    return pid
+    os.close(write)
+    with os.fdopen(read) as reply:
+        port = reply.read()
+    if not port:
+        raise RuntimeError("the job's store keeper did not start")
+    return pid, int(port)
 
 
 def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
@@ -272,8 +273,7 @@ def serve() -> None:
     print(json.dumps({"ready": True}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        port = _free_port()
-        keeper = _store(port)
+        keeper, port = _store()
         pids = []
         for rank in range(request["nproc"]):
             pid = os.fork()
@@ -285,6 +285,7 @@ def serve() -> None:
         _kill(keeper)
         os.waitpid(keeper, 0)
         print(json.dumps({"codes": codes}), file=reply, flush=True)
+    os._exit(0)                       # no exit-time collection over every module imported
 
 
 if __name__ == "__main__":
