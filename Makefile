@@ -44,10 +44,11 @@ demo: setup
 	    "$(DEMO)/report.html and $(DEMO)/video_report.html, checkpoints in" \
 	    "$(DEMO)/checkpoints and $(DEMO)/video_checkpoints"
 
-# Lint and types first (rules in pyproject.toml; a few seconds), then the suite. pytest exits 5
-# when it collected no test: that is a failure here, not a pass.
+# Lint and types first (rules in pyproject.toml; a few seconds), then the suite on two workers
+# (pytest-xdist), each taking whole test files (tests/README.md). pytest exits 5 when it
+# collected no test: that is a failure here, not a pass.
 test: setup
 	.venv/bin/ruff check mimo_data mimo_train tools tests
 	.venv/bin/mypy
-	@$(PY) -m pytest -q; rc=$$?; \
+	@$(PY) -m pytest -q -n 2 --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "test: pytest collected no tests" >&2; exit 1; fi; exit $$rc

@@ -37,6 +37,19 @@ SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
                 "user": "user", "assistant": "assistant"}
 
 
+# The files that take longest (multi-rank runs), collected first: the two xdist workers of
+# ``make test`` take whole files in collection order, and a long file started last would run
+# alone at the end. The durations the suite prints say which these are.
+LONGEST_FIRST = ("test_train_run.py", "test_anomalies.py", "test_train_parity.py",
+                 "test_vlm_families.py", "test_train_startup.py", "test_multinode.py",
+                 "test_dtypes.py", "test_vlm_video.py", "test_vlm.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: file order
+
+
 @contextmanager
 def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
     """A module fixture's folder, removed when the module is done with it: a run of the real

@@ -558,7 +558,9 @@ def test_fewer_gc_passes_restores_the_collector_and_a_freeze_of_the_caller():
         frozen = gc.get_freeze_count()
         with fewer_gc_passes():
             pass
-        assert gc.get_freeze_count() == frozen
+        # still frozen (an unfreeze empties the permanent generation), nothing frozen on top;
+        # frozen objects that die meanwhile leave it
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 

@@ -40,30 +40,38 @@ def _other_shards(directory, shard: str) -> list[str]:
     return [s["name"] for s in read_json(directory / "index.json")["shards"] if s["name"] != shard]
 
 
+def _verify(capsys, directory) -> str:
+    """``mimo-shard verify`` in this process (its ``main``), expected to fail: its stderr."""
+    code, _, err = cli_main(capsys, "verify", directory, "--no-progress")
+    assert code == 1, err
+    return err
+
+
 def test_verify_passes_on_a_clean_build(sharded):
+    """The console script itself, in a process of its own; the other checks call ``main``."""
     assert len(read_json(sharded / "index.json")["shards"]) > 2
     result = run_cli("verify", sharded, "--no-progress", check_rc=0)
     assert "OK" in result.stdout
     assert "FAILED" not in result.stderr
 
 
-def test_verify_fails_on_one_flipped_byte_in_a_media_member(dataset):
+def test_verify_fails_on_one_flipped_byte_in_a_media_member(capsys, dataset):
     row, member = _member(dataset, ".jpg")
     flip_byte(dataset / row["shard"], member["offset"] + member["size"] // 2)
-    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
-    assert row["shard"] in result.stderr
-    assert "FAILED" in result.stderr
+    err = _verify(capsys, dataset)
+    assert row["shard"] in err
+    assert "FAILED" in err
     for other in _other_shards(dataset, row["shard"]):
-        assert other not in result.stderr, f"{other} was not damaged"
+        assert other not in err, f"{other} was not damaged"
 
 
-def test_verify_fails_when_a_shard_is_deleted(dataset):
+def test_verify_fails_when_a_shard_is_deleted(capsys, dataset):
     row, _ = _member(dataset, ".jpg")
     (dataset / row["shard"]).unlink()
-    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
-    assert row["shard"] in result.stderr and "missing" in result.stderr
+    err = _verify(capsys, dataset)
+    assert row["shard"] in err and "missing" in err
     for other in _other_shards(dataset, row["shard"]):
-        assert other not in result.stderr
+        assert other not in err
 
 
 def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset):
@@ -84,24 +92,23 @@ def test_verify_decodes_media_even_when_the_checksum_was_updated(capsys, dataset
             entry["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
     (dataset / "index.json").write_text(json.dumps(index))
 
-    code, _, err = cli_main(capsys, "verify", dataset, "--no-progress")
-    assert code == 1
+    err = _verify(capsys, dataset)
     assert (f"shard {row['shard']}: sample {row['key']} member {row['key']}.{member['name']}: "
             "does not decode") in err
 
 
 @pytest.mark.parametrize("suffix", [".jpg", ".png", "json"])
-def test_verify_names_the_sample_and_member_of_a_changed_byte(dataset, suffix):
+def test_verify_names_the_sample_and_member_of_a_changed_byte(capsys, dataset, suffix):
     """One byte inside one member (a JPEG still decodes with it): the shard's sha256 fails and
     the member's crc32 names it."""
     row, member = _member(dataset, suffix)
     flip_byte(dataset / row["shard"], member["offset"] + member["size"] * 3 // 4)
-    result = run_cli("verify", dataset, "--no-progress", check_rc=1)
-    assert f"{row['shard']}: sha256 differs" in result.stderr
+    err = _verify(capsys, dataset)
+    assert f"{row['shard']}: sha256 differs" in err
     named = (f"shard {row['shard']}: sample {row['key']} member "
              f"{row['key']}.{member['name']}: its bytes changed")
-    assert named in result.stderr, result.stderr
-    others = [line for line in result.stderr.splitlines()
+    assert named in err, err
+    others = [line for line in err.splitlines()
               if line.startswith("verify: ") and row["key"] not in line and "sha256" not in line]
     assert not others, others
 
