@@ -130,6 +130,20 @@ class Projection(torch.nn.Sequential):
             self.load_state_dict(initial)
 
 
+def checkpoint_value(config, name: str, path: str, key: str):
+    """The checkpoint config's value ``name``, read where its format keeps it: the text
+    config a whole VLM's transformers config holds (built from the top-level keys of a flat
+    config, as Qwen2-VL publishes it), else the top config; with transformers' defaults. A
+    value neither has is a ``TrainConfigError`` naming the file and the key."""
+    for where in (config.get_text_config(), config):
+        value = getattr(where, name, None)
+        if value is not None:
+            return value
+    raise TrainConfigError(f"{key}: {os.path.join(path, 'config.json')} has no {name!r} (at "
+                           "the top level or in text_config), and transformers gives it no "
+                           "default: add it to the checkpoint's config.json")
+
+
 def model_directory(path: str) -> str:
     """The local directory of the model at ``path``: ``path`` itself, or the local hub cache's
     snapshot of the hub name ``path`` (never a download: run time has no network)."""

@@ -35,7 +35,8 @@ take whole groups. ``linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU chunks th
 two), so TP rank r holds ``[gate_r; up_r]``.
 
 Vocabulary: megatron's vocabulary is the tokenizer's (modality tokens included) or the
-checkpoint's, whichever is larger, padded (``model.vocab_size``). Every row past the
+checkpoint's, whichever is larger, padded (``model.build.vocab_size``; the padding rows are
+masked out of every softmax). Every row past the
 checkpoint's vocabulary, in the embedding and the output layer, starts as the mean of the
 checkpoint's rows (transformers' ``resize_token_embeddings`` starts new rows at that mean too):
 a new token's input is an average token and its logit an average logit, so adding tokens does
@@ -56,7 +57,7 @@ from functools import lru_cache
 import torch
 
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM, CheckpointWeights
+from mimo_train.families.base import VLM, CheckpointWeights, checkpoint_value
 
 # model_type -> (qkv bias, qk-norm) of the families this module maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
@@ -102,18 +103,22 @@ def read_architecture(path: str, key: str = "model.language.pretrained",
 @lru_cache(maxsize=8)
 def _read_architecture(path: str, key: str, vlm: VLM | None) -> LanguageArch:
     from transformers import AutoConfig
-    config = AutoConfig.from_pretrained(path)
-    prefix, head = "model.", "lm_head.weight"
+    top = AutoConfig.from_pretrained(path)
+    config, prefix, head = top, "model.", "lm_head.weight"
     if vlm is not None:
         weights = CheckpointWeights(path, key)
         prefix = weights.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
         head = next((name for name in vlm.head_names if name in weights), vlm.head_names[0])
-        config = config.text_config
+        config = top.get_text_config()
     family = TEXT_FAMILIES.get(config.model_type, config.model_type)
     if family not in FAMILIES:
         raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
                                f"be built from {sorted(FAMILIES)} checkpoints (or a whole VLM's "
                                "of those)")
+
+    def value(name: str):
+        return checkpoint_value(top, name, path, key)
+
     problems = []
     if getattr(config, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act {config.hidden_act!r} (SwiGLU with silu is mapped)")
@@ -137,16 +142,19 @@ def _read_architecture(path: str, key: str, vlm: VLM | None) -> LanguageArch:
     if problems:
         raise TrainConfigError(f"{key}: {path} uses {'; '.join(problems)}, which megatron-core's "
                                "local layers do not reproduce")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads = value("num_attention_heads")
+    head_dim = getattr(config, "head_dim", None) or value("hidden_size") // heads
     qkv_bias, qk_norm = FAMILIES[family]
     return LanguageArch(
-        family=family, num_layers=config.num_hidden_layers, hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size, num_attention_heads=heads,
+        family=family, num_layers=value("num_hidden_layers"), hidden_size=value("hidden_size"),
+        ffn_hidden_size=value("intermediate_size"), num_attention_heads=heads,
         num_query_groups=getattr(config, "num_key_value_heads", None) or heads,
-        kv_channels=head_dim, vocab_size=config.vocab_size,
+        kv_channels=head_dim, vocab_size=value("vocab_size"),
         rotary_base=float(rope.get("rope_theta", 10000.0)), rope_scaling_factor=factor,
-        norm_eps=float(config.rms_norm_eps), tied=bool(config.tie_word_embeddings),
+        norm_eps=float(value("rms_norm_eps")),
+        # tying is the whole model's: transformers 5 ties a VLM's output layer by its top
+        # config's flag (which it sets from a text config that asks for it)
+        tied=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
         mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None)
 
