@@ -69,8 +69,8 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor,
     model_parallel_cuda_manual_seed(1, tp_rank=part.tp_rank, ep_rank=0, etp_rank=0)
     transformer = language_transformer_config(cfg, infra.layout, torch.device("cpu"))
     vocab = -(-max(len_vocab(path), 1) // 128) * 128
-    model = _SeededGPTModel(**language_model_params(cfg, infra, transformer, vocab,
-                                                    input_ids.size(1), backend))
+    model = _SeededGPTModel(vocabulary=vocab, **language_model_params(
+        cfg, infra, transformer, vocab, input_ids.size(1), backend))
     load_language_weights(model, cfg, infra, vocab)
     model.eval()
     pgs = infra.modules[LANGUAGE].pgs

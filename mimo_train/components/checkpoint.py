@@ -294,9 +294,15 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
             f"{sorted({k.split('.module.')[0] for k in saved if '.module.' in k})})")
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
+            rows = key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
+                tuple(saved[key].global_shape)[1:] == tuple(shape)[1:]
             raise CheckpointError(
                 f"checkpoint {directory} has {key} of shape {tuple(saved[key].global_shape)}, "
-                f"this model {tuple(shape)}: it was saved for another model configuration")
+                f"this model {tuple(shape)}: " + (
+                    "the vocabulary rows differ: another tokenizer, model.language.vocab_size "
+                    "or vocab_multiple, or a TP size that does not divide vocab_multiple; set "
+                    "model.language.vocab_size to the checkpoint's rows" if rows
+                    else "it was saved for another model configuration"))
     return meta
 
 

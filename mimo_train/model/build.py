@@ -69,12 +69,13 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
 
 
 def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
-    """The language model's vocabulary: the config's, or the tokenizer's (or the pretrained
-    checkpoint's, when larger) padded up."""
+    """The language model's embedding and output rows (before ``vocab_rows``): the config's
+    ``model.language.vocab_size``, else the tokenizer's vocabulary (a pretrained checkpoint's,
+    when larger) padded to ``model.language.vocab_multiple`` as megatron-core pads it. The
+    same rows under every layout, so a checkpoint loads under any TP size; a pretrained
+    model's rows past its vocabulary never enter a softmax (``predicted_vocabulary``)."""
     lm = cfg.model.language
-    needed = tokenizer_size
-    if lm.pretrained:
-        needed = max(needed, language_arch(lm.pretrained).vocab_size)
+    needed = predicted_vocabulary(cfg, tokenizer_size) or tokenizer_size
     if lm.vocab_size is None:
         return -(-needed // lm.vocab_multiple) * lm.vocab_multiple
     if lm.vocab_size < tokenizer_size:
@@ -87,6 +88,23 @@ def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
                                f"vocabulary of model.language.pretrained ({needed}): set it >= "
                                f"{needed} or leave it unset")
     return lm.vocab_size
+
+
+def predicted_vocabulary(cfg: TrainConfig, tokenizer_size: int) -> int | None:
+    """The entries a pretrained language model predicts: its checkpoint's vocabulary, or the
+    tokenizer's when larger; rows past it (``model.language.vocab_size``, TP padding) never
+    enter a softmax. None for a model trained from scratch: all its rows are its own."""
+    pretrained = cfg.model.language.pretrained
+    if not pretrained:
+        return None
+    return max(tokenizer_size, language_arch(pretrained).vocab_size)
+
+
+def vocab_rows(rows: int, tp: int) -> int:
+    """The embedding and output rows split over ``tp`` ranks: ``rows`` padded up to a multiple
+    of ``tp`` (megatron-core splits them evenly; a TP size dividing ``vocab_multiple`` adds
+    none)."""
+    return -(-rows // tp) * tp
 
 
 class EncoderSetting(NamedTuple):
@@ -206,11 +224,28 @@ class _SeededEncoder(torch.nn.Module):
 
 class _SeededGPTModel(LanguageModel):
     """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
-    or without encoders on the rank; pipeline stages each draw only their layers)."""
+    or without encoders on the rank; pipeline stages each draw only their layers). Its output
+    rows past ``vocabulary`` (``predicted_vocabulary``) get a logit no softmax can weigh, so
+    they never enter the loss nor come out of generation."""
 
-    def __init__(self, *, seed: int, **kwargs):
+    def __init__(self, *, seed: int, vocabulary: int, **kwargs):
         torch.manual_seed(seed)
         super().__init__(**kwargs)
+        if self.post_process and self.vocab_size > vocabulary:
+            self.output_layer.register_forward_hook(_mask_rows_past(vocabulary))
+
+
+def _mask_rows_past(vocabulary: int):
+    """A forward hook of the output layer (``ColumnParallelLinear``): the logits of rows
+    ``vocabulary`` and up, whether the output holds this TP rank's rows or all of them, at
+    the dtype's lowest value (not -inf: no inf - inf in what reads the logits)."""
+    def hook(layer, inputs, output):
+        logits, bias = output
+        local = layer.output_size_per_partition
+        first = 0 if logits.size(-1) != local else layer.tp_group.rank() * local
+        rows = torch.arange(first, first + logits.size(-1), device=logits.device)
+        return logits.masked_fill(rows >= vocabulary, torch.finfo(logits.dtype).min), bias
+    return hook
 
 
 def _module_seed(seed: int, name: str) -> int:
@@ -240,9 +275,10 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         # the module's placeholders (a module serving several modalities: its first one's,
         # step.model_inputs rewrites the others' to it)
         token_ids[name] = special_token_ids[setting.modality]
-    vocab = vocab_size(cfg, tokenizer_size)
-    language_spec = ModuleSpec(module=_SeededGPTModel, params=language_model_params(
-        cfg, infra, transformer, vocab, preprocess.seq_length, attention.language))
+    vocab = vocab_rows(vocab_size(cfg, tokenizer_size), layout.module(LANGUAGE).tp)
+    language_spec = ModuleSpec(module=_SeededGPTModel, params=dict(
+        vocabulary=predicted_vocabulary(cfg, tokenizer_size) or vocab, **language_model_params(
+            cfg, infra, transformer, vocab, preprocess.seq_length, attention.language)))
     model = RoutedMimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids))
