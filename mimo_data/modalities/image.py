@@ -55,7 +55,7 @@ class ImageConfig:
     within [min_pixels, max_pixels]; ``(h/(patch*merge)) * (w/(patch*merge))`` tokens.
     ``fixed`` (CLIP/SigLIP): resize to ``image_size`` square (squashed as SigLIP's processor
     does, or with ``crop`` the short side to ``image_size`` then the centre square, as CLIP's);
-    ``(image_size/patch)^2`` tokens.
+    ``(image_size // patch)^2`` tokens.
     """
     token: str = "<|image_pad|>"
     wrap: tuple = ()                  # [start, end]: tokens around each image's placeholders
@@ -74,9 +74,11 @@ class ImageConfig:
     def validate(self) -> None:
         if self.policy not in ("dynamic", "fixed"):
             raise ConfigError(f"modalities.image.policy is {self.policy!r}: use dynamic or fixed")
-        if self.policy == "fixed" and self.image_size % self.patch_size:
-            raise ConfigError(f"modalities.image.image_size {self.image_size} is not a multiple "
-                              f"of patch_size {self.patch_size}")
+        # (image_size // patch_size)^2 tokens: the tower's stride-patch convolution drops the
+        # remainder, as SigLIP's 384 px images in 14 px patches give 27 x 27
+        if self.policy == "fixed" and self.image_size < self.patch_size:
+            raise ConfigError(f"modalities.image.image_size {self.image_size} is smaller than "
+                              f"patch_size {self.patch_size}")
         if self.crop and self.policy != "fixed":
             raise ConfigError("modalities.image.crop applies to the fixed policy only: drop it "
                               "or set policy: fixed")

@@ -94,8 +94,29 @@ def _chat_template(config: PreprocessConfig, tokenizer) -> str:
     try:
         return tokenizer.get_chat_template(override)
     except ValueError as exc:
+        kept = _processor_chat_template(config.tokenizer)
+        if kept is not None:
+            return kept
         raise ValueError(f"tokenizer {config.tokenizer!r} has no chat template and none is "
                          f"configured (chat_template:), or use mode: caption ({exc})") from None
+
+
+def _processor_chat_template(name: str) -> str | None:
+    """The chat template a processor keeps beside the tokenizer (``chat_template.jinja``, or
+    ``chat_template.json``'s ``chat_template``), where the tokenizer has none: llava-hf
+    repositories keep theirs there only. A local directory, or a hub name's cached files."""
+    import json
+
+    from huggingface_hub import try_to_load_from_cache
+    directory = os.path.expanduser(name)
+    for file in ("chat_template.jinja", "chat_template.json"):
+        path = (os.path.join(directory, file) if os.path.isdir(directory)
+                else try_to_load_from_cache(name, file))
+        if isinstance(path, str) and os.path.isfile(path):
+            with open(path) as handle:
+                text = handle.read()
+            return text if file.endswith(".jinja") else json.loads(text)["chat_template"]
+    return None
 
 
 @dataclass(frozen=True)
@@ -176,6 +197,9 @@ class TextEncoder:
             self.contents_verbatim = (not self.has_generation_blocks and
                                       contents_inserted_verbatim(self._compiled.environment,
                                                                  self.template))
+            # A template that renders contents only from typed parts (llava-hf's: a message's
+            # images, then its text) gets each content as those parts (``typed_parts``)
+            self.typed_contents = self._takes_typed_contents()
 
     def is_modality_token(self, token_id: int) -> bool:
         return bool(self._modality_token[token_id])
@@ -214,7 +238,26 @@ class TextEncoder:
 
     # -- rendering ---------------------------------------------------------------------------
 
+    def _takes_typed_contents(self) -> bool:
+        """Whether the template drops a plain string content but writes a typed text part."""
+        probe = "\ue002probe\ue003"
+
+        def writes(content) -> bool:
+            try:
+                return probe in self._compiled.render(
+                    messages=[{"role": "user", "content": content}], tools=None,
+                    documents=None, add_generation_prompt=False, **self.template_kwargs)
+            except Exception:  # a template that refuses the probe: no evidence either way
+                return False
+        return not writes(probe) and writes([{"type": "text", "text": probe}])
+
+    def _for_template(self, messages):
+        if not self.typed_contents:
+            return messages
+        return [{"role": m["role"], "content": typed_parts(m["content"])} for m in messages]
+
     def _render(self, messages, generation_prompt=False):
+        messages = self._for_template(messages)
         try:
             return self._compiled.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=generation_prompt,
@@ -225,7 +268,8 @@ class TextEncoder:
     def _render_with_generation_spans(self, messages):
         try:
             rendered, spans = render_jinja_template(
-                [messages], chat_template=self.template, return_assistant_tokens_mask=True,
+                [self._for_template(messages)], chat_template=self.template,
+                return_assistant_tokens_mask=True,
                 **self.template_kwargs)
         except Exception as exc:
             raise TextError("template_error", f"the chat template failed: {exc}") from None
@@ -298,10 +342,21 @@ class TextEncoder:
         # Train up to and including the end-of-turn token; what the template adds after it
         # (a newline before the next turn) is not something the model must generate.
         stop = text.rfind(self.eot, start, end)
-        if stop == -1:
+        if stop != -1:
+            return start, stop + len(self.eot)
+        if not self.has_generation_blocks:
             raise TextError("template_mismatch", f"an assistant turn does not end with the "
                             f"end-of-turn token {self.eot!r}: {text[start:end][-60:]!r}")
-        return start, stop + len(self.eot)
+        # A {% generation %} block holding the assistant's text only: that text, without the
+        # template's whitespace around it, and the end-of-turn token right after it if the
+        # template writes one there (llava-hf's Qwen template); LLaVA-1.5's writes none (its
+        # turns end with a space)
+        inner = text[start:end]
+        start += len(inner) - len(inner.lstrip())
+        end = start + len(inner.strip())
+        if text.startswith(self.eot, end):
+            end += len(self.eot)
+        return start, end
 
     def _render_caption(self, messages):
         # Caption mode: no template; turns joined by newlines, each assistant text followed by
@@ -415,6 +470,23 @@ class TextEncoder:
         return marker_at, counts, modality_tokens
 
 
+_MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")
+_MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
+
+
+def typed_parts(content: str) -> list[dict]:
+    """A content as typed parts, in its order: ``{"type": modality}`` per marker and
+    ``{"type": "text", "text": ...}`` for the text between markers, stripped of the whitespace
+    around it (an image marker, a newline and a question: an image, then the question)."""
+    parts: list[dict] = []
+    for piece in _MARKER_SPLIT.split(content):
+        if piece in _MODALITY_OF:
+            parts.append({"type": _MODALITY_OF[piece]})
+        elif piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
+    return parts
+
+
 def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
     """(part, offset) of a skeleton character position; None inside a placeholder."""
     start = 0
@@ -446,7 +518,9 @@ class _Spans:
 
         A token reaching into a span from before it is left untrained when what it covers of
         the span is whitespace (an answer starting with a newline merges with the header's
-        newline); any other partial overlap makes the mask ambiguous: a TextError in
+        newline), and trained when what it covers before the span is whitespace (the answer's
+        first word with the space after LLaVA-1.5's ``ASSISTANT:``: the token the model
+        predicts there); any other partial overlap makes the mask ambiguous: a TextError in
         ``failed`` for that span's text (``text_starts``: where each text starts).
         """
         if not self.starts or not len(offsets):
@@ -459,10 +533,11 @@ class _Spans:
         entering = (firsts < stops) & (token_start[np.minimum(firsts, last)] < starts)
         for k in np.flatnonzero(entering).tolist():
             start, end, reach = self.starts[k], self.ends[k], int(token_end[firsts[k]])
+            entry = int(token_start[firsts[k]])
             if reach <= end and text[start:reach].isspace():
                 firsts[k] += 1
-            else:
-                self._crossing(k, int(token_start[firsts[k]]), reach, text, text_starts, failed)
+            elif not text[entry:start].isspace():
+                self._crossing(k, entry, reach, text, text_starts, failed)
         leaving = (firsts < stops) & (token_end[np.maximum(stops - 1, 0)] > ends)
         for k in np.flatnonzero(leaving).tolist():
             self._crossing(k, int(token_start[stops[k] - 1]), int(token_end[stops[k] - 1]),
