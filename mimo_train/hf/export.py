@@ -14,7 +14,8 @@
     manifest.json              step, modules, encoder kinds, projection, modality tokens and ids
 
 A run from a whole VLM (``model.pretrained``, ``families``) is written back as that VLM, in
-``OUT`` itself: its transformers class (``config.json`` with the new vocabulary size, the
+``OUT`` itself: its transformers class (the checkpoint's ``config.json`` in its own layout,
+flat or nested, with the new vocabulary size and dtype, the
 trained weights under the checkpoint's own names, in the checkpoint's dtype), the tokenizer,
 the checkpoint's processor config files and generation config, plus ``preprocess.yaml``
 (tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower, the
@@ -26,12 +27,12 @@ with ``families.causal_lm.to_hf``; the language model must come from ``model.lan
 (its config.json is copied, the vocabulary size set to the exported rows): a randomly initialized
 one uses megatron-core's LayerNorm/GELU layers with biases, which no Llama config reproduces.
 
-Vocabulary: megatron's embedding (and output layer) has the tokenizer's tokens, modality tokens
-included, padded to ``model.language.vocab_multiple``. Rows up to ``len(tokenizer)`` (or the
-pretrained checkpoint's vocabulary, when larger) are exported: the modality-token rows are kept
-and the saved tokenizer has those tokens, at the same ids; the padding rows past them, which no
-token id reaches, are dropped. The pretrained rows come back bit for bit when the language
-model was frozen (``model.freeze: [language]``).
+Vocabulary: megatron's embedding (and output layer) has the pretrained vocabulary or the
+tokenizer's tokens (modality tokens included), padded to ``model.language.vocab_multiple``.
+Rows up to ``len(tokenizer)`` (or the pretrained checkpoint's vocabulary, when larger) are
+exported: the modality-token rows are kept and the saved tokenizer has those tokens, at the
+same ids; the padding rows past them, which no token id reaches, are dropped. The pretrained
+rows come back bit for bit when the language model was frozen (``model.freeze: [language]``).
 
 Everything is written to a staging directory beside ``OUT`` and renamed to ``OUT`` once
 complete: an interrupted export leaves no ``OUT``. Exit codes: 0 written; 1 the checkpoint's
@@ -268,24 +269,45 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     dtype = hf[next(iter(hf))].dtype
     hf.update({name: checkpoint(name).to(dtype) for name in checkpoint.files
                if name.startswith(renames[0][1]) and name not in hf})
-    config = AutoConfig.from_pretrained(vlm.path)
-    config.text_config.vocab_size = rows
-    config.dtype = str(dtype).removeprefix("torch.")
     os.makedirs(out, exist_ok=True)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
-    config.save_pretrained(out)
+    _write_config_as_published(vlm.path, out, rows, str(dtype).removeprefix("torch."))
+    config = AutoConfig.from_pretrained(out)
     tokenizer.save_pretrained(out)
     _copy_processor(vlm.path, out)
     _write_generation_config(out, vlm.path, config, tokenizer)
     return vlm.family
 
 
+def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
+    """The checkpoint's ``config.json`` in the layout it came in (flat as Qwen2-VL publishes
+    it stays flat, nested stays nested, every key kept), the vocabulary size and dtype set
+    where it keeps them. transformers' ``save_pretrained`` would write its own layout."""
+    from mimo_train.families.base import model_directory
+    with open(os.path.join(model_directory(pretrained), "config.json")) as f:
+        config = json.load(f)
+    sections = [config, *([config["text_config"]] if config.get("text_config") else [])]
+    holders = [section for section in sections if "vocab_size" in section] or [sections[-1]]
+    for section in holders:
+        section["vocab_size"] = vocab_rows
+    for section in sections:
+        for key in ("torch_dtype", "dtype"):
+            if key in section:
+                section[key] = dtype
+    if "torch_dtype" not in config and "dtype" not in config:
+        config["dtype"] = dtype
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+
+
 def _copy_processor(pretrained: str, out: str) -> None:
-    """The checkpoint's image processor (and processor) config files, as they are."""
+    """The checkpoint's image processor (and processor) config files and the chat template a
+    processor keeps (llava-hf's only copy of theirs), as they are."""
     from mimo_train.families.base import model_directory
     pretrained = model_directory(pretrained)
     for name in ("preprocessor_config.json", "processor_config.json",
-                 "video_preprocessor_config.json"):
+                 "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
 
