@@ -42,7 +42,8 @@ SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
 # alone at the end. The durations the suite prints say which these are.
 LONGEST_FIRST = ("test_train_run.py", "test_anomalies.py", "test_train_parity.py",
                  "test_vlm_families.py", "test_train_startup.py", "test_multinode.py",
-                 "test_dtypes.py", "test_vlm_video.py", "test_vlm.py")
+                 "test_dtypes.py", "test_published_checkpoints.py", "test_vlm_video.py",
+                 "test_vlm.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

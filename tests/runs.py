@@ -27,13 +27,14 @@ CONFIGS = REPO / "configs" / "train"
 # ---------------------------------------------------------------------- one step's parity
 
 def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None = None,
-         host_reads: bool = False) -> dict:
+         host_reads: bool = False, save_batches: bool = False) -> dict:
     """One step of ``tests/train_parity_run.py`` on ``nproc`` ranks: the world's loss sum and
     trained tokens, and every module's gradients by global parameter name (DP replicas
     checked equal), each rank's dtypes and fixed parameters; ``save_init``: save the initial
     weights there first (``step_0000000``)."""
     flags = [*(["--save-init", save_init] if save_init else []),
-             *(["--host-reads"] if host_reads else [])]
+             *(["--host-reads"] if host_reads else []),
+             *(["--save-batches"] if save_batches else [])]
     ranks.run(nproc, [PARITY_RUNNER, out, *flags, *overrides], out / "logs").check()
     return merged(out)
 

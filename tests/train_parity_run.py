@@ -1,6 +1,6 @@
 """One training step's loss and gradients under a given layout, for tests/test_train_parity.py.
 
-    python tests/train_parity_run.py OUT [--save-init DIR] [--host-reads] key=value ...  # 1 process
+    python tests/train_parity_run.py OUT [--save-init DIR] [--host-reads] [--save-batches] k=v ...
     torchrun --nproc-per-node N tests/train_parity_run.py OUT key=value ...
 
 Builds ``mimo_train.training.trainer.Trainer`` from the overrides (``model.init_from`` gives every
@@ -9,8 +9,10 @@ gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and tr
 each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names,
 and the dtypes of each module's parameters and buffers and the names of the parameters it does not
 train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
-``--host-reads`` then runs one whole training step that does not log (``train.log_interval``
-above 1) and records every place that read a tensor's value on the host during it
+``--save-batches`` adds the micro-batches the step trained on (as the loader gave them) to
+``rank_R.pt``. ``--host-reads`` then runs one whole training step that does not log
+(``train.log_interval`` above 1) and records every place that read a tensor's value on the
+host during it
 (``host_reads``: ``path:line function`` -> count).
 """
 
@@ -82,18 +84,28 @@ def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
+def _recorded(iterator, into: list):
+    """``iterator``, each micro-batch it gives also appended to ``into``."""
+    for batch in iterator:
+        into.append(batch)
+        yield batch
+
+
 def main(argv) -> None:
     out, rest = argv[0], argv[1:]
     save_init = None
     if rest and rest[0] == "--save-init":
         save_init, rest = rest[1], rest[2:]
         rest = [*rest, f"checkpoint.dir={save_init}"]
-    host_reads = "--host-reads" in rest
-    rest = [arg for arg in rest if arg != "--host-reads"]
+    host_reads, save_batches = "--host-reads" in rest, "--save-batches" in rest
+    rest = [arg for arg in rest if arg not in ("--host-reads", "--save-batches")]
     trainer = Trainer(resolve(TrainConfig.load(None, rest)))
     if save_init:
         trainer.save()
     iterator = trainer.batches(trainer.loader)
+    batches: list = []
+    if save_batches and iterator is not None:
+        iterator = _recorded(iterator, batches)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
     grads, dtypes, fixed = {}, {}, {}
     for name, module in trainer.modules.items():
@@ -115,7 +127,7 @@ def main(argv) -> None:
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads, "dtypes": dtypes,
-                "fixed": fixed, "host_reads": reads},
+                "fixed": fixed, "host_reads": reads, "batches": batches},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

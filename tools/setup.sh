@@ -19,8 +19,13 @@ CORPUS_DIR=assets/corpus
 CORPUS_SCRIPT=tools/make_sample_corpus.py
 MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF), tiny Llama/Qwen2/Qwen3, encoders
 MODELS_SCRIPT=tools/make_models.py
+PUBLISHED_DIR=assets/models/published  # replicas of published VLM repositories' files
+PUBLISHED_SCRIPT=tools/make_published.py
 MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vision
         tiny-siglip-vision tiny-whisper tiny-qwen2-vl tiny-qwen2.5-vl tiny-llava)
+PUBLISHED=(Qwen--Qwen2-VL-2B-Instruct Qwen--Qwen2-VL-7B-Instruct Qwen--Qwen2.5-VL-3B-Instruct
+           Qwen--Qwen2.5-VL-7B-Instruct llava-hf--llava-1.5-7b-hf
+           llava-hf--llava-interleave-qwen-0.5b-hf)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
@@ -111,6 +116,17 @@ for model in "${MODELS[@]}"; do
         "$PY" "$MODELS_SCRIPT" --out "$MODELS_DIR" --tokenizer "$TOKENIZER_DIR" \
             || die "building the models in $MODELS_DIR failed"
         say "models built in $MODELS_DIR"
+        break
+    fi
+done
+#    scaled-down replicas of published VLM repositories, in their published file formats
+#    (rebuilt when the script is newer)
+for model in "${PUBLISHED[@]}"; do
+    if [[ ! "$PUBLISHED_DIR/$model/.complete" -nt "$PUBLISHED_SCRIPT" ]]; then
+        rm -rf "$PUBLISHED_DIR"
+        "$PY" "$PUBLISHED_SCRIPT" --out "$PUBLISHED_DIR" --tokenizer "$TOKENIZER_DIR" \
+            || die "building the published-format replicas in $PUBLISHED_DIR failed"
+        say "published-format replicas built in $PUBLISHED_DIR"
         break
     fi
 done

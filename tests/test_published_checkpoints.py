@@ -1,0 +1,334 @@
+"""Checkpoints in the formats their repositories publish (``assets/models/published``, built by
+tools/make_published.py: each file as the repository has it, dims shrunk; flat Qwen2-VL /
+Qwen2.5-VL configs as transformers 4.41 wrote them, llava-hf's nested ones, weights under the
+published names, sharded where the repository is) as ``model.pretrained``:
+
+- the preprocessing config ``mimo-train --preprocessing-for`` derives from the repository's
+  files gives transformers' ``input_ids`` (the published chat template, each image as the
+  published processor writes it) for a conversation with a system turn, two images over two
+  turns, and a text-only one;
+- step 1's loss is transformers' own loss on the same micro-batches (its ``labels=`` path,
+  fp32) within 1e-5, on the same trained-token count, for every repository colocated and, for
+  one repository per family, packed and under a non-colocated layout with fan-in (image dp2
+  into language tp2): the pretrained vocabulary is kept as it is, nothing padded enters the
+  softmax;
+- the export writes ``config.json`` back in the layout it came in (flat stays flat) and
+  transformers loads it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+
+from conftest import MODELS, build_dataset
+from runs import step
+
+PUBLISHED = MODELS / "published"
+# repository -> its transformers class
+REPOSITORIES = {
+    "Qwen/Qwen2-VL-2B-Instruct": "Qwen2VLForConditionalGeneration",
+    "Qwen/Qwen2-VL-7B-Instruct": "Qwen2VLForConditionalGeneration",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "Qwen2_5_VLForConditionalGeneration",
+    "Qwen/Qwen2.5-VL-7B-Instruct": "Qwen2_5_VLForConditionalGeneration",
+    "llava-hf/llava-1.5-7b-hf": "LlavaForConditionalGeneration",
+    "llava-hf/llava-interleave-qwen-0.5b-hf": "LlavaForConditionalGeneration",
+}
+# one repository per family also runs packed and under the fan-in layout
+PER_FAMILY = ("Qwen/Qwen2-VL-2B-Instruct", "Qwen/Qwen2.5-VL-7B-Instruct",
+              "llava-hf/llava-1.5-7b-hf", "llava-hf/llava-interleave-qwen-0.5b-hf")
+MAX_PIXELS = 37632                  # a smaller budget than Qwen's published one, for speed
+TOLERANCE = 1e-5                    # on the mean loss per trained token
+SAMPLES = 4
+NAMES = ("chelsea.jpg", "rocket.jpg")
+
+
+def _directory(repo: str) -> Path:
+    return PUBLISHED / repo.replace("/", "--")
+
+
+def _conversations(images: Path, marker: str) -> list[dict]:
+    """A system turn and two images over two turns; text only; one image each. Each image
+    starts its message, as in LLaVA's data: llava-hf's templates write a message's images
+    before its text wherever the marker is."""
+    return [
+        {"id": "multi-turn", "image": [str(images / n) for n in NAMES], "conversations": [
+            {"from": "system", "value": "You describe pictures in a few words."},
+            {"from": "human", "value": f"{marker}What animal is this?"},
+            {"from": "gpt", "value": "A cat, lying down."},
+            {"from": "human", "value": f"{marker}And here?"},
+            {"from": "gpt", "value": "A rocket on its launch pad."}]},
+        {"id": "text-only", "conversations": [
+            {"from": "human", "value": "What is a tar file?"},
+            {"from": "gpt", "value": "An archive of files."}]},
+        {"id": "page", "image": str(images / "page.png"), "conversations": [
+            {"from": "human", "value": f"{marker}Read the page."},
+            {"from": "gpt", "value": "A page of printed text."}]},
+        {"id": "hopper", "image": str(images / "grace_hopper.jpg"), "conversations": [
+            {"from": "human", "value": f"{marker}Who is this?"},
+            {"from": "gpt", "value": "Grace Hopper, in uniform."}]},
+    ]
+
+
+@pytest.fixture(scope="module", params=sorted(REPOSITORIES))
+def published(request, corpus, tmp_path_factory) -> dict:
+    """The repository's shards of the conversations, the preprocessing config derived from
+    its files, and the overrides of a step on them."""
+    import yaml
+
+    from mimo_train.families.registry import preprocessing_for
+    repo = request.param
+    checkpoint = _directory(repo)
+    if not (checkpoint / ".complete").is_file():
+        pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
+    tmp = tmp_path_factory.mktemp(repo.replace("/", "--"))
+    records = _conversations(corpus / "images", "<image>")
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    config = preprocessing_for(str(checkpoint))
+    config["modalities"].pop("video", None)
+    if "max_pixels" in config["modalities"]["image"]:
+        config["modalities"]["image"]["max_pixels"] = MAX_PIXELS
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump({**config, "seq_length": 2048}))
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={checkpoint}", f"train.global_batch_size={SAMPLES}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
+              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3"]
+    return dict(repo=repo, checkpoint=checkpoint, architecture=REPOSITORIES[repo], tmp=tmp,
+                preprocess=preprocess, common=common, records=records)
+
+
+def _model(published: dict):
+    import transformers
+    cls = getattr(transformers, published["architecture"])
+    return cls.from_pretrained(published["checkpoint"], dtype=torch.float32).eval()
+
+
+def transformers_loss(model, preprocess: Path, batches: list[dict]) -> tuple[float, int]:
+    """transformers' loss on mimo's micro-batches: the mean over their trained tokens of its
+    own ``labels=`` loss (each micro-batch's mean times its token count), and that count.
+    Where mimo's ``loss_mask`` is set at position t, its label is token t + 1 (checked); the
+    same target is transformers' label at t + 1, which its loss shifts back."""
+    image_config = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
+    total, count = 0.0, 0
+    for batch in batches:
+        length = int(batch["attention_mask"].sum(1).max())
+        ids = batch["input_ids"][:, :length]
+        mask = batch["attention_mask"][:, :length]
+        trained = batch["loss_mask"][:, :length].bool()
+        assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
+                           ids[:, 1:][trained[:, :-1]])
+        assert not trained[:, -1].any()
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
+        extra = {}
+        images = batch["modality_inputs"].get("image", {}).get("image")
+        if images is not None:
+            extra["pixel_values"] = normalize_pixels(images["pixel_values"], image_config)
+            if "image_grid_thw" in images:
+                extra.update(image_grid_thw=images["image_grid_thw"],
+                             mm_token_type_ids=(ids == model.config.image_token_id).int())
+        with torch.no_grad():
+            loss = model(input_ids=ids, attention_mask=mask.long(), labels=labels,
+                         **extra).loss
+        tokens = int((labels[:, 1:] != -100).sum())
+        total += float(loss) * tokens
+        count += tokens
+    return total / count, count
+
+
+@pytest.fixture(scope="module")
+def colocated(ranks, published) -> dict:
+    """Step 1 colocated, one sample per micro-batch, the micro-batches it trained on, and the
+    imported model saved first (``init/step_0000000``)."""
+    tmp = published["tmp"]
+    return step(ranks, tmp / "colocated", 1, "layout=language=dp1;image=dp1,off0",
+                "train.micro_batch_size=1", *published["common"], save_batches=True,
+                save_init=tmp / "init")
+
+
+@pytest.fixture(scope="module")
+def reference(published, colocated) -> tuple[float, int]:
+    """transformers' loss and trained tokens on the colocated step's micro-batches."""
+    return transformers_loss(_model(published), published["preprocess"],
+                             colocated["ranks"][0]["batches"])
+
+
+def _assert_loss(result: dict, reference: tuple[float, int], what: str) -> None:
+    loss, tokens = reference
+    assert result["tokens"] == tokens, what
+    assert math.isclose(result["loss_sum"] / result["tokens"], loss, rel_tol=0,
+                        abs_tol=TOLERANCE), (what, result["loss_sum"] / result["tokens"], loss)
+
+
+def test_step_one_loss_is_transformers_loss(published, colocated, reference):
+    assert len(colocated["ranks"][0]["batches"]) == SAMPLES
+    _assert_loss(colocated, reference, "colocated")
+
+
+@pytest.mark.parametrize("published", PER_FAMILY, indirect=True)
+def test_packed_and_fan_in_give_transformers_loss(ranks, published, reference):
+    tmp, common = published["tmp"], published["common"]
+    packed = step(ranks, tmp / "packed", 1, "layout=language=dp1;image=dp1,off0",
+                  f"train.micro_batch_size={SAMPLES}", "data.packing=true",
+                  "model.attention=sdpa", *common)
+    _assert_loss(packed, reference, "packed")
+    fan_in = step(ranks, tmp / "fan-in", 4, "layout=image=dp2;language=tp2",
+                  f"train.micro_batch_size={SAMPLES}", "data.packing=true", *common)
+    _assert_loss(fan_in, reference, "image dp2 -> language tp2, packed")
+
+
+def test_input_ids_are_the_published_processor_and_template(published, corpus):
+    """The multi-turn record with its system turn and two images, and the text-only one: the
+    published template rendered from typed contents, each image expanded by the published
+    processor (its special tokens not added: the template writes the turns' own)."""
+    from PIL import Image, ImageOps
+    from transformers import AutoProcessor
+
+    from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+    checkpoint = published["checkpoint"]
+    config = PreprocessConfig.from_yaml(str(published["preprocess"]))
+    preprocessor = Preprocessor(config)
+    processor = AutoProcessor.from_pretrained(checkpoint, **_pixels(published))
+    roles = {"system": "system", "human": "user", "gpt": "assistant"}
+    for record in published["records"][:2]:
+        names = [Path(p).name for p in record.get("image", [])]
+        data = [(corpus / "images" / n).read_bytes() for n in names]
+        turns = [(roles[t["from"]], t["value"]) for t in record["conversations"]]
+        sample = preprocessor.text_batch([{
+            "key": "k", "messages": [{"role": r, "content": c} for r, c in turns],
+            "media": [media_item("image", d, i) for i, d in enumerate(data)]}])[0]
+        ours = sample.ids
+        # the trained targets: each answer and the end-of-turn token the template writes
+        # after it (Qwen's and llava-interleave's <|im_end|>; llava-1.5's template writes none)
+        targets, trained = sample.ids[1:], sample.loss_mask
+        runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
+        answers = [processor.tokenizer.decode(targets[run]).strip() for run in runs
+                   if trained[run[0]]]
+        end = "" if "llava-1.5" in published["repo"] else "<|im_end|>"
+        assert answers == [c + end for r, c in turns if r == "assistant"], record["id"]
+        # the processor's template: llava-hf repositories keep theirs beside the processor
+        text = processor.apply_chat_template(
+            [{"role": r, "content": _content(c)} for r, c in turns], tokenize=False)
+        pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")
+                    for n in names]
+        expected = processor(text=[text], images=pictures or None,
+                             add_special_tokens=False)["input_ids"][0]
+        assert ours.tolist() == list(expected), record["id"]
+
+
+def _content(text: str) -> list[dict]:
+    """A message's content as the published templates take it: its images, then its text."""
+    parts = text.split("<image>")
+    return [*({"type": "image"} for _ in parts[1:]),
+            {"type": "text", "text": "".join(parts)}]
+
+
+def _pixels(published: dict) -> dict:
+    return {"max_pixels": MAX_PIXELS} if "Qwen" in published["repo"] else {}
+
+
+def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_path):
+    """The imported model exported: ``config.json`` has the published keys where the published
+    file has them (flat stays flat), every weight under its published name with its value;
+    transformers loads it, and its greedy tokens for an image prompt are mimo-generate's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_train.hf.export import main
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(published["tmp"] / "init" / "step_0000000"),
+                 "--output", str(out)]) == 0
+    original = json.loads((published["checkpoint"] / "config.json").read_text())
+    exported = json.loads((out / "config.json").read_text())
+    assert list(exported) == list(original)
+    for section in ("text_config", "vision_config"):
+        if section in original:
+            assert list(exported[section]) == list(original[section])
+    assert ("text_config" in exported) == ("text_config" in original)
+    theirs = {}
+    for path in published["checkpoint"].glob("*.safetensors"):
+        theirs.update(load_file(path))
+    ours = {}
+    for path in out.glob("*.safetensors"):
+        ours.update(load_file(path))
+    assert set(ours) == set(theirs)
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name].to(tensor.dtype), tensor), name
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    assert type(model).__name__ == published["architecture"]
+
+    # transformers' greedy tokens on mimo-generate's prompt, the image as the published
+    # processor gives it
+    from PIL import Image, ImageOps
+    from transformers import AutoProcessor
+
+    from mimo_train.hf.generate import Generator
+    path = corpus / "images" / "grace_hopper.jpg"
+    ours = Generator(str(out)).generate("Who is this?", images=[str(path)], max_new_tokens=8)
+    image = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
+    pixels = AutoProcessor.from_pretrained(out, **_pixels(published)).image_processor(
+        images=[image], return_tensors="pt")
+    ids = torch.tensor([ours.prompt_ids])
+    extra = {"pixel_values": pixels["pixel_values"]}
+    if "image_grid_thw" in pixels:
+        extra.update(image_grid_thw=pixels["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    with torch.no_grad():
+        theirs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                do_sample=False, max_new_tokens=8, **extra)
+    assert theirs[0, ids.size(1):].tolist() == ours.token_ids
+    assert len(ours.token_ids) == 8
+
+
+# repository -> its language model as published (layers, hidden, heads, key/value heads,
+# vocabulary, tied, M-RoPE section): llava-1.5's text config leaves the dims to LlamaConfig's
+# defaults (Vicuna-7B's); Qwen's flat configs hold them at the top level
+PUBLISHED_LANGUAGE = {
+    "Qwen/Qwen2-VL-2B-Instruct": (28, 1536, 12, 2, 151936, True, (16, 24, 24)),
+    "Qwen/Qwen2-VL-7B-Instruct": (28, 3584, 28, 4, 152064, False, (16, 24, 24)),
+    "Qwen/Qwen2.5-VL-3B-Instruct": (36, 2048, 16, 2, 151936, True, (16, 24, 24)),
+    "Qwen/Qwen2.5-VL-7B-Instruct": (28, 3584, 28, 4, 152064, False, (16, 24, 24)),
+    "llava-hf/llava-1.5-7b-hf": (32, 4096, 32, 32, 32064, False, None),
+    "llava-hf/llava-interleave-qwen-0.5b-hf": (24, 1024, 16, 16, 152000, True, None),
+}
+
+
+@pytest.mark.parametrize("repo", sorted(PUBLISHED_LANGUAGE))
+def test_a_published_config_is_read_where_its_format_keeps_each_value(repo, tmp_path):
+    """The full-size published ``config.json`` beside the replica's weights (whose names say
+    where the language model sits): its language model as published, tying included (top
+    level for Qwen2-VL-2B and llava-1.5, only in text_config for llava-interleave)."""
+    import shutil
+
+    from mimo_train.families.registry import language_arch
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(_directory(repo), directory)
+    shutil.copy(Path(__file__).parents[1] / "tools" / "published" / repo.replace("/", "--") /
+                "config.json", directory / "config.json")
+    arch = language_arch(str(directory), "model.pretrained")
+    layers, hidden, heads, groups, vocab, tied, mrope = PUBLISHED_LANGUAGE[repo]
+    assert (arch.num_layers, arch.hidden_size, arch.num_attention_heads, arch.num_query_groups,
+            arch.vocab_size, arch.tied, arch.mrope_section) == (
+                layers, hidden, heads, groups, vocab, tied, mrope)
+
+
+def test_a_value_missing_from_a_checkpoint_config_names_the_file_and_the_key():
+    from transformers import AutoConfig
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.base import checkpoint_value
+    path = str(_directory("Qwen/Qwen2-VL-2B-Instruct"))
+    config = AutoConfig.from_pretrained(path)
+    assert checkpoint_value(config, "tie_word_embeddings", path, "model.pretrained") is True
+    with pytest.raises(TrainConfigError, match=r"config\.json has no 'no_such_key'"):
+        checkpoint_value(config, "no_such_key", path, "model.pretrained")

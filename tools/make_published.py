@@ -1,0 +1,279 @@
+"""Scaled-down replicas of published vision-language repositories, in the files and formats
+those repositories publish, built offline (``tools/published/`` holds the published small
+files and where each came from):
+
+- ``config.json``: the published file, key for key and in its structure (Qwen2-VL and
+  Qwen2.5-VL flat as transformers 4.41 wrote them; llava-hf nested, with the keys the text
+  config leaves to transformers' defaults left out), only the dims replaced by tiny ones
+  (``SHRINK``). Token ids, ``rope_scaling``, window sizes, ``fullatt_block_indexes``,
+  ``tokens_per_second``, ``vision_feature_layer``, ``vision_feature_select_strategy``, image
+  sizes and vocabulary sizes stay the published values.
+- the processor, tokenizer, template and generation files as published (copied).
+- ``tokenizer.json``: the published special tokens at their published ids, around a byte-level
+  BPE made from SmolLM2's (the only tokenizer installed offline): its merges truncated where
+  the published base vocabulary is smaller (LLaVA-1.5's 32000), unreachable filler entries
+  where it is larger (Qwen's 151643).
+- weights under the published names (``visual.`` / ``model.`` / ``lm_head.`` for Qwen;
+  ``vision_tower.`` / ``multi_modal_projector.`` / ``language_model.model.`` /
+  ``language_model.lm_head.`` for llava-hf), no output layer where the embeddings are tied,
+  in the published dtype, sharded with an index where the published repository is sharded.
+  The build loads each replica back with transformers and checks that every weight arrives.
+
+    python tools/make_published.py --out assets/models/published \
+        --tokenizer assets/tokenizer/smollm2
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PUBLISHED = Path(__file__).resolve().parent / "published"
+SEED = 1234
+_TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
+_QWEN2_VL_VISION = {"vision_config.depth": 2, "vision_config.embed_dim": 32,
+                    "vision_config.num_heads": 2, "vision_config.mlp_ratio": 2,
+                    "vision_config.hidden_size": 64}
+_QWEN2_5_VL_VISION = {"vision_config.depth": 4, "vision_config.hidden_size": 32,
+                      "vision_config.intermediate_size": 48, "vision_config.num_heads": 2,
+                      "vision_config.out_hidden_size": 64,
+                      # every fourth block attends the whole image, as every eighth of 32 does
+                      "vision_config.fullatt_block_indexes": [1, 3]}
+# head_dim 16: 8 rotary pairs, split over time / height / width as 16 / 24 / 24 of 64 are
+_MROPE = {"rope_scaling.mrope_section": [2, 3, 3], "max_window_layers": 2}
+# published repository -> (dotted config key -> tiny value, shards of the published weights)
+SHRINK: dict[str, tuple[dict[str, Any], int]] = {
+    "Qwen/Qwen2-VL-2B-Instruct": (
+        {**_TEXT, "num_key_value_heads": 2, **_MROPE, **_QWEN2_VL_VISION}, 1),
+    "Qwen/Qwen2-VL-7B-Instruct": (
+        {**_TEXT, "num_key_value_heads": 2, **_MROPE, **_QWEN2_VL_VISION}, 2),
+    "Qwen/Qwen2.5-VL-3B-Instruct": (
+        {**_TEXT, "num_key_value_heads": 2, **_MROPE, **_QWEN2_5_VL_VISION}, 2),
+    "Qwen/Qwen2.5-VL-7B-Instruct": (
+        {**_TEXT, "num_key_value_heads": 2, **_MROPE, **_QWEN2_5_VL_VISION}, 2),
+    # llava-1.5's text config names only what differs from LlamaConfig's defaults; the tiny
+    # dims join it (no key/value heads: multi-head attention, as the default gives)
+    "llava-hf/llava-1.5-7b-hf": (
+        {**{f"text_config.{k}": v for k, v in _TEXT.items()},
+         "vision_config.hidden_size": 32, "vision_config.intermediate_size": 48,
+         "vision_config.num_attention_heads": 2, "vision_config.num_hidden_layers": 3,
+         "vision_config.projection_dim": 32}, 3),
+    "llava-hf/llava-interleave-qwen-0.5b-hf": (
+        {**{f"text_config.{k}": v for k, v in _TEXT.items()},
+         "text_config.num_key_value_heads": 4, "text_config.max_window_layers": 2,
+         "vision_config.hidden_size": 32, "vision_config.intermediate_size": 48,
+         "vision_config.num_attention_heads": 2, "vision_config.num_hidden_layers": 2}, 1),
+}
+# transformers 5's parameter prefix -> the published one, by config model_type
+PUBLISHED_NAMES = {
+    "qwen2_vl": (("model.visual.", "visual."), ("model.language_model.", "model."),
+                 ("lm_head.", "lm_head.")),
+    "llava": (("model.vision_tower.", "vision_tower.vision_model."),
+              ("model.multi_modal_projector.", "multi_modal_projector."),
+              ("model.language_model.", "language_model.model."),
+              ("lm_head.", "language_model.lm_head.")),
+}
+PUBLISHED_NAMES["qwen2_5_vl"] = PUBLISHED_NAMES["qwen2_vl"]
+# dtype of the published weights
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def directory_name(repo: str) -> str:
+    return repo.replace("/", "--")
+
+
+def shrunk_config(published: dict, shrink: dict[str, Any]) -> dict:
+    """``published`` with each dotted key of ``shrink`` set (order and structure kept; a key
+    the published file leaves to the defaults is added at the end of its section)."""
+    config = copy.deepcopy(published)
+    for dotted, value in shrink.items():
+        *parents, key = dotted.split(".")
+        section = config
+        for parent in parents:
+            section = section[parent]
+        section[key] = value
+    return config
+
+
+def replica_tokenizer(smollm2: dict, base: int, specials: dict[str, int]) -> dict:
+    """A ``tokenizer.json`` whose BPE has ``base`` entries (SmolLM2's merges, truncated or
+    padded with unreachable fillers) and the published ``specials`` (content -> id) as added
+    special tokens; SmolLM2's own special tokens become fillers."""
+    tokenizer = copy.deepcopy(smollm2)
+    by_id = {i: t for t, i in tokenizer["model"]["vocab"].items()}
+    for added in tokenizer["added_tokens"]:
+        by_id[added["id"]] = f"<|filler_{added['id']}|>"
+    for index in range(len(by_id), base):
+        # a filler is one BPE entry no merge produces: the pre-tokenizer splits it apart
+        by_id[index] = f"<|filler_{index}|>"
+    for content, index in specials.items():
+        if index < base:
+            by_id[index] = content
+    vocab = {by_id[i]: i for i in range(base)}
+    merges = [pair for pair in tokenizer["model"]["merges"]
+              if all(part in vocab for part in pair) and "".join(pair) in vocab]
+    tokenizer["model"]["vocab"], tokenizer["model"]["merges"] = vocab, merges
+    tokenizer["added_tokens"] = [
+        dict(id=index, content=content, single_word=False, lstrip=False, rstrip=False,
+             normalized=False, special=True)
+        for content, index in sorted(specials.items(), key=lambda item: item[1])]
+    return tokenizer
+
+
+def _specials(files: Path) -> dict[str, int]:
+    """The published special tokens (content -> id), from ``tokenizer_config.json``'s
+    ``added_tokens_decoder`` or ``added_tokens.json``."""
+    config = files / "tokenizer_config.json"
+    if config.is_file() and "added_tokens_decoder" in json.loads(config.read_text()):
+        decoder = json.loads(config.read_text())["added_tokens_decoder"]
+        return {entry["content"]: int(index) for index, entry in decoder.items()}
+    return json.loads((files / "added_tokens.json").read_text())
+
+
+def _bos_template(tokenizer: dict, bos: str, bos_id: int) -> None:
+    """Prepend ``bos`` to every encoding, as LLaMA tokenizers' ``add_bos_token`` does."""
+    tokenizer["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                   {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                 {"Sequence": {"id": "A", "type_id": 0}},
+                 {"SpecialToken": {"id": bos, "type_id": 1}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+
+
+def _published_name(name: str, model_type: str) -> str:
+    for ours, theirs in PUBLISHED_NAMES[model_type]:
+        if name.startswith(ours):
+            return theirs + name[len(ours):]
+    raise SystemExit(f"no published name for the parameter {name}")
+
+
+def _randomize(model: torch.nn.Module) -> None:
+    """Seeded random weights for every parameter (norm weights near 1, biases too)."""
+    generator = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for key, parameter in model.named_parameters():
+            noise = torch.randn(parameter.shape, generator=generator)
+            if parameter.dim() == 1 and key.endswith(".weight"):     # norms
+                parameter.copy_(1.0 + 0.2 * noise)
+            elif key.endswith(".bias"):
+                parameter.copy_(0.2 * noise)
+            else:
+                parameter.copy_(0.05 * noise)
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
+    """``model.safetensors``, or ``shards`` files and their index, as the Hub writes them."""
+    from safetensors.torch import save_file
+    if shards == 1:
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    weight_map = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::shards]}
+        save_file(part, out / file, metadata={"format": "pt"})
+        weight_map.update({name: file for name in part})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+        indent=2) + "\n")
+
+
+def _check_names(written: set[str], files: Path) -> None:
+    """Where the published weight names are recorded (``weights.txt``: the names outside
+    numbered layers and those of layer 0), the replica has exactly those."""
+    listing = files / "weights.txt"
+    if not listing.is_file():
+        return
+    published = set(listing.read_text().split())
+    numbered = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
+    ours = {n for n in written if all(m == "0" for m in numbered.findall(n))}
+    if ours != published:
+        raise SystemExit(f"{files.name}: weight names differ from the published ones: "
+                         f"only ours {sorted(ours - published)[:5]}, only published "
+                         f"{sorted(published - ours)[:5]}")
+
+
+def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
+    """The replica of ``repo`` in ``out`` (staged, then renamed when complete)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    files = PUBLISHED / directory_name(repo)
+    shrink, shards = SHRINK[repo]
+    staging = out.with_name(out.name + ".partial")
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
+    for path in sorted(files.iterdir()):
+        if path.name not in ("config.json", "weights.txt"):
+            shutil.copy(path, staging / path.name)
+    published = json.loads((files / "config.json").read_text())
+    (staging / "config.json").write_text(json.dumps(shrunk_config(published, shrink),
+                                                    indent=2) + "\n")
+    config = AutoConfig.from_pretrained(staging)
+    specials = _specials(files)
+    # the base vocabulary ends where the added tokens past it begin (LLaMA's <unk> <s> </s>
+    # are inside it, at 0 1 2)
+    base = min(i for i in specials.values() if i > 2)
+    tokenizer = replica_tokenizer(json.loads(smollm2_tokenizer.read_text()), base, specials)
+    if "<s>" in specials:               # LLaMA's tokenizer: a BOS before every text
+        _bos_template(tokenizer, "<s>", specials["<s>"])
+    (staging / "tokenizer.json").write_text(json.dumps(tokenizer, ensure_ascii=False))
+
+    torch.manual_seed(SEED)
+    model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
+    _randomize(model)
+    model.tie_weights()
+    dtype = DTYPES[published["torch_dtype"]]
+    tied = {id(p) for p in model.get_input_embeddings().parameters()}
+    tensors = {_published_name(name, config.model_type): p.detach().to(dtype).contiguous()
+               for name, p in model.named_parameters(remove_duplicate=False)
+               if not (name.startswith("lm_head.") and id(p) in tied)}
+    _write_weights(tensors, staging, shards)
+    _check_names(set(tensors), files)
+
+    loaded = AutoModelForImageTextToText.from_pretrained(staging, dtype=torch.float32)
+    expected = {n: p.detach().to(dtype).float() for n, p in model.named_parameters()}
+    got = dict(loaded.named_parameters())
+    wrong = [n for n, t in expected.items() if n not in got or not torch.equal(got[n], t)]
+    if wrong or set(got) != set(expected):
+        raise SystemExit(f"{repo}: transformers does not load the replica's weights as "
+                         f"written: {wrong[:5]}")
+    (staging / ".complete").touch()
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("assets/models/published"))
+    parser.add_argument("--tokenizer", type=Path, default=Path("assets/tokenizer/smollm2"))
+    args = parser.parse_args(argv)
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    for repo in SHRINK:
+        out = args.out / directory_name(repo)
+        if (out / ".complete").is_file():
+            continue
+        start = time.perf_counter()
+        build_replica(repo, out, args.tokenizer / "tokenizer.json")
+        print(f"models: {repo} (published format) -> {out} "
+              f"({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()
