@@ -189,8 +189,9 @@ def test_packed_and_fan_in_give_transformers_loss(ranks, published, reference):
 
 def test_input_ids_are_the_published_processor_and_template(published, corpus):
     """The multi-turn record with its system turn and two images, and the text-only one: the
-    published template rendered from typed contents, each image expanded by the published
-    processor (its special tokens not added: the template writes the turns' own)."""
+    published template rendered from typed contents, encoded by the published processor as its
+    documentation does (LLaVA-1.5's tokenizer adds its <s>), each image expanded by it; the
+    trained tokens are each answer and the end-of-turn token the template writes after it."""
     from PIL import Image, ImageOps
     from transformers import AutoProcessor
 
@@ -221,8 +222,7 @@ def test_input_ids_are_the_published_processor_and_template(published, corpus):
             [{"role": r, "content": _content(c)} for r, c in turns], tokenize=False)
         pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")
                     for n in names]
-        expected = processor(text=[text], images=pictures or None,
-                             add_special_tokens=False)["input_ids"][0]
+        expected = processor(text=[text], images=pictures or None)["input_ids"][0]
         assert ours.tolist() == list(expected), record["id"]
 
 

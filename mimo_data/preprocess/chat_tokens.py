@@ -200,6 +200,9 @@ class TextEncoder:
             # A template that renders contents only from typed parts (llava-hf's: a message's
             # images, then its text) gets each content as those parts (``typed_parts``)
             self.typed_contents = self._takes_typed_contents()
+            # the BOS a tokenizer puts before every text it encodes (LLaMA's <s>) where the
+            # template does not write it: the published processors encode the chat with it
+            self.bos_text = _added_bos(self.tokenizer)
 
     def is_modality_token(self, token_id: int) -> bool:
         return bool(self._modality_token[token_id])
@@ -292,7 +295,12 @@ class TextEncoder:
                     spans = filled[1]
                 else:
                     spans = self._incremental_spans(messages, text)
-        return text, [self._through_eot(text, start, end) for start, end in spans]
+        spans = [self._through_eot(text, start, end) for start, end in spans]
+        bos = self._bos(text)
+        return bos + text, [(start + len(bos), end + len(bos)) for start, end in spans]
+
+    def _bos(self, text: str) -> str:
+        return "" if text.startswith(self.bos_text) else self.bos_text
 
     def _incremental_spans(self, messages, text):
         """Per assistant turn, the characters it adds to ``text`` (the conversation's render)
@@ -396,6 +404,7 @@ class TextEncoder:
             text = self._render_caption(messages)[0] + "\n"
         else:
             text = self._render(messages, generation_prompt=True)
+            text = self._bos(text) + text
         tokens = encode_texts(self.backend, [text])
         failed: dict[int, TextError] = {}
         marker_at, counts, modality_tokens = self._markers(tokens, [item_tokens], failed)
@@ -468,6 +477,15 @@ class TextEncoder:
                 counts[a:b] = [count for _, count in items]
                 modality_tokens[a:b] = [self.modality_token_ids[m] for m in markers]
         return marker_at, counts, modality_tokens
+
+
+def _added_bos(tokenizer) -> str:
+    """The BOS token's text if the tokenizer puts it before every text it encodes, else ""."""
+    if tokenizer.bos_token is None:
+        return ""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    added = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token if added == [tokenizer.bos_token_id, *plain] else ""
 
 
 _MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")
