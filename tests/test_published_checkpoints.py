@@ -12,8 +12,8 @@ published names, sharded where the repository is) as ``model.pretrained``:
   one repository per family, packed and under a non-colocated layout with fan-in (image dp2
   into language tp2): the pretrained vocabulary is kept as it is, nothing padded enters the
   softmax;
-- the export writes ``config.json`` back in the layout it came in (flat stays flat) and
-  transformers loads it.
+- the export (one repository per family) writes ``config.json`` back in the layout it came
+  in (flat stays flat), transformers loads it and its greedy tokens are mimo-generate's.
 """
 
 from __future__ import annotations
@@ -237,6 +237,7 @@ def _pixels(published: dict) -> dict:
     return {"max_pixels": MAX_PIXELS} if "Qwen" in published["repo"] else {}
 
 
+@pytest.mark.parametrize("published", PER_FAMILY, indirect=True)
 def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_path):
     """The imported model exported: ``config.json`` has the published keys where the published
     file has them (flat stays flat), every weight under its published name with its value;
