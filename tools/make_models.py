@@ -179,17 +179,17 @@ def build_tiny_vlm(config: Any, tokens: tuple[str, ...], processor: Any, out: Pa
 
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    _randomize(model)
+    randomize(model)
     text = AutoTokenizer.from_pretrained(tokenizer)
     text.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
                     special_tokens=True)
     if text.convert_tokens_to_ids(list(tokens)) != list(range(VOCAB, VOCAB + len(tokens))):
         raise SystemExit(f"the special tokens {tokens} did not land after the vocabulary")
-    staging = _staging(out)
+    staging = staging_folder(out)
     model.to(torch.bfloat16).save_pretrained(staging)
     text.save_pretrained(staging)
     processor.save_pretrained(staging)
-    _publish(staging, out)
+    publish(staging, out)
 
 
 def smollm2_gguf() -> Path:
@@ -205,7 +205,7 @@ def smollm2_gguf() -> Path:
     return Path(str(dist.locate_file(ggufs[0])))
 
 
-def _publish(staging: Path, out: Path) -> None:
+def publish(staging: Path, out: Path) -> None:
     """Mark ``staging`` complete and move it to ``out`` (replacing an incomplete ``out``)."""
     (staging / ".complete").touch()
     if out.exists():
@@ -213,7 +213,7 @@ def _publish(staging: Path, out: Path) -> None:
     staging.rename(out)
 
 
-def _staging(out: Path) -> Path:
+def staging_folder(out: Path) -> Path:
     staging = out.with_name(out.name + ".partial")
     if staging.exists():
         shutil.rmtree(staging)
@@ -238,13 +238,13 @@ def build_smollm2(out: Path, tokenizer: Path) -> None:
         raise SystemExit(f"GGUF weights do not fit the model: missing {missing}, "
                          f"unexpected {unexpected}")
     model.tie_weights()
-    staging = _staging(out)
+    staging = staging_folder(out)
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(staging)
-    _publish(staging, out)
+    publish(staging, out)
 
 
-def _randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module) -> None:
     """Seeded random weights for every parameter (norm weights near 1, biases too)."""
     generator = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
@@ -264,20 +264,20 @@ def build_tiny(name: str, config: Any, out: Path, tokenizer: Path) -> None:
 
     torch.manual_seed(SEED)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model)
-    staging = _staging(out)
+    randomize(model)
+    staging = staging_folder(out)
     model.save_pretrained(staging)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(staging)
-    _publish(staging, out)
+    publish(staging, out)
 
 
 def build_encoder(model: torch.nn.Module, processor: Any, out: Path) -> None:
     """A tiny encoder checkpoint with seeded random weights, its preprocessor config beside it."""
-    _randomize(model)
-    staging = _staging(out)
+    randomize(model)
+    staging = staging_folder(out)
     model.save_pretrained(staging)
     processor.save_pretrained(staging)
-    _publish(staging, out)
+    publish(staging, out)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,8 +36,10 @@ from typing import Any
 
 import torch
 
+# the tiny checkpoints' seeded init and staging (a sibling script, as tools/ runs them)
+from make_models import SEED, publish, randomize, staging_folder
+
 PUBLISHED = Path(__file__).resolve().parent / "published"
-SEED = 1234
 _TEXT = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4)
 _QWEN2_VL_VISION = {"vision_config.depth": 2, "vision_config.embed_dim": 32,
                     "vision_config.num_heads": 2, "vision_config.mlp_ratio": 2,
@@ -158,20 +160,6 @@ def _published_name(name: str, model_type: str) -> str:
     raise SystemExit(f"no published name for the parameter {name}")
 
 
-def _randomize(model: torch.nn.Module) -> None:
-    """Seeded random weights for every parameter (norm weights near 1, biases too)."""
-    generator = torch.Generator().manual_seed(SEED)
-    with torch.no_grad():
-        for key, parameter in model.named_parameters():
-            noise = torch.randn(parameter.shape, generator=generator)
-            if parameter.dim() == 1 and key.endswith(".weight"):     # norms
-                parameter.copy_(1.0 + 0.2 * noise)
-            elif key.endswith(".bias"):
-                parameter.copy_(0.2 * noise)
-            else:
-                parameter.copy_(0.05 * noise)
-
-
 def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
     """``model.safetensors``, or ``shards`` files and their index, as the Hub writes them."""
     from safetensors.torch import save_file
@@ -212,10 +200,7 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
 
     files = PUBLISHED / directory_name(repo)
     shrink, shards = SHRINK[repo]
-    staging = out.with_name(out.name + ".partial")
-    if staging.exists():
-        shutil.rmtree(staging)
-    staging.mkdir(parents=True)
+    staging = staging_folder(out)
     for path in sorted(files.iterdir()):
         if path.name not in ("config.json", "weights.txt"):
             shutil.copy(path, staging / path.name)
@@ -234,7 +219,7 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
 
     torch.manual_seed(SEED)
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
-    _randomize(model)
+    randomize(model)
     model.tie_weights()
     dtype = DTYPES[published["torch_dtype"]]
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
@@ -251,10 +236,7 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
     if wrong or set(got) != set(expected):
         raise SystemExit(f"{repo}: transformers does not load the replica's weights as "
                          f"written: {wrong[:5]}")
-    (staging / ".complete").touch()
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
+    publish(staging, out)
 
 
 def main(argv: list[str] | None = None) -> None:
