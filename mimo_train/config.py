@@ -126,6 +126,42 @@ class ModelConfig:
     freeze: list = field(default_factory=list)
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
     attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
+    # LoRA adapters, by part as model.freeze names them (language, <module>, <module>.encoder,
+    # <module>.projection) -> LoraConfig; the part's own weights stay fixed
+    lora: dict = field(default_factory=dict)
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on a part's linear layers (``mimo_train.model.lora``): W x + alpha / rank * B A x,
+    A random, B zero (``init_lora_weights: false``: B random too, as PEFT's option)."""
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # layer names (linear_qkv, q_proj, ...), dotted paths or fnmatch patterns over the part's
+    # linear layers (decoder.layers.*.mlp.linear_fc1), or all-linear (all but the output layer)
+    targets: list = field(default_factory=lambda: ["all-linear"])
+    init_lora_weights: bool = True
+
+    def check(self, part: str) -> None:
+        if self.rank < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:
+            raise TrainConfigError(f"model.lora.{part}: rank {self.rank}, alpha {self.alpha}, "
+                                   f"dropout {self.dropout}: use a rank >= 1, an alpha > 0 and "
+                                   "a dropout in [0, 1)")
+        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
+            raise TrainConfigError(f"model.lora.{part}.targets is {self.targets!r}: list layer "
+                                   "names or patterns, or [all-linear]")
+
+
+@dataclass
+class ModuleOptimizerConfig:
+    """One module's own settings (``optimizer.modules.<module>``); unset ones are the
+    optimizer's, but for ``min_lr`` with ``lr`` set: the optimizer's ``min_lr`` scaled as
+    ``lr`` is (the same decay, from the module's rate)."""
+    lr: float | None = None
+    min_lr: float | None = None
+    warmup_steps: int | None = None
+    weight_decay: float | None = None
 
 
 @dataclass
@@ -137,6 +173,28 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
+    # module name -> ModuleOptimizerConfig (e.g. image: {lr: 1e-4}: the tower at a tenth)
+    modules: dict = field(default_factory=dict)
+
+    def of(self, module: str) -> OptimizerConfig:
+        """The settings of ``module``: its own where ``modules`` sets them, else these."""
+        own = self.modules.get(module) or ModuleOptimizerConfig()
+        values = {f.name: getattr(own, f.name) for f in dataclasses.fields(own)
+                  if getattr(own, f.name) is not None}
+        if "lr" in values and "min_lr" not in values:
+            values["min_lr"] = self.min_lr * values["lr"] / self.lr if self.lr else 0.0
+        return dataclasses.replace(self, modules={}, **values)
+
+    def check(self, module: str | None = None) -> None:
+        where = f"optimizer.modules.{module}." if module else "optimizer."
+        if not 0 <= self.min_lr <= self.lr:
+            raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
+        if self.warmup_steps < 0:
+            raise TrainConfigError(f"{where}warmup_steps is {self.warmup_steps}: it must be "
+                                   ">= 0")
+        if self.weight_decay < 0:
+            raise TrainConfigError(f"{where}weight_decay is {self.weight_decay}: it must be "
+                                   ">= 0")
 
 
 @dataclass
@@ -287,11 +345,11 @@ class TrainConfig:
             _check_exit_signal(str(name))
         if run.precision not in ("fp32", "bf16"):
             raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
-        if not 0 <= opt.min_lr <= opt.lr:
-            raise TrainConfigError(f"optimizer.min_lr {opt.min_lr} must be in [0, lr={opt.lr}]")
-        if opt.warmup_steps < 0:
-            raise TrainConfigError(f"optimizer.warmup_steps is {opt.warmup_steps}: it must be "
-                                   ">= 0")
+        opt.check()
+        for module in opt.modules:
+            opt.of(module).check(module)
+        for part, lora in self.model.lora.items():
+            lora.check(part)
         if self.model.attention not in ATTENTION:
             raise TrainConfigError(f"model.attention is {self.model.attention!r}: use "
                                    f"{', '.join(ATTENTION)}")
@@ -313,13 +371,14 @@ class TrainConfig:
         return None not in (language.num_layers, language.hidden_size,
                             language.num_attention_heads, self.model.projection)
 
-    def warmup_steps(self) -> tuple[int, str | None]:
-        """The LR warmup of this run, and a note when ``optimizer.warmup_steps`` was clamped
-        to ``train.steps - 1``."""
-        warmup, steps = self.optimizer.warmup_steps, self.train.steps
+    def warmup_steps(self, module: str | None = None) -> tuple[int, str | None]:
+        """The LR warmup of this run (of ``module``'s optimizer), and a note when its
+        ``warmup_steps`` was clamped to ``train.steps - 1``."""
+        warmup, steps = self.optimizer.of(module or "").warmup_steps, self.train.steps
         if warmup < steps:
             return warmup, None
-        return steps - 1, (f"optimizer.warmup_steps {warmup} clamped to {steps - 1} for a "
+        key = f"optimizer.modules.{module}" if module in self.optimizer.modules else "optimizer"
+        return steps - 1, (f"{key}.warmup_steps {warmup} clamped to {steps - 1} for a "
                            f"{steps}-step run")
 
     def check_inputs(self) -> None:
@@ -427,11 +486,11 @@ def _build(cls, data, where: str):
     values = {}
     for name, value in data.items():
         kind = _SECTIONS.get((cls, name))
-        if kind is EncoderConfig:
+        if kind in _NAMED:
             if not isinstance(value or {}, dict):
                 raise TrainConfigError(f"{where}{name} must be a mapping of module name to "
-                                       f"encoder settings, got {value!r}")
-            value = {module: _build(EncoderConfig, spec, f"{where}{name}.{module}.")
+                                       f"settings, got {value!r}")
+            value = {module: _build(kind, spec, f"{where}{name}.{module}.")
                      for module, spec in (value or {}).items()}
         elif kind is not None:               # a section (None: an optional one left out)
             value = None if value is None and fields[name].default is None else \
@@ -472,4 +531,7 @@ _SECTIONS = {(TrainConfig, "data"): DataConfig, (TrainConfig, "model"): ModelCon
              (TrainConfig, "optimizer"): OptimizerConfig, (TrainConfig, "train"): RunConfig,
              (TrainConfig, "checkpoint"): CheckpointConfig,
              (ModelConfig, "language"): LanguageConfig, (ModelConfig, "encoders"): EncoderConfig,
+             (ModelConfig, "lora"): LoraConfig, (OptimizerConfig, "modules"): ModuleOptimizerConfig,
              (RunConfig, "wandb"): WandbConfig}
+# sections that map names (modules, parts) to settings of one kind
+_NAMED = (EncoderConfig, LoraConfig, ModuleOptimizerConfig)

@@ -50,6 +50,7 @@ from mimo_data.files import write_atomic
 from mimo_train.components import digests
 from mimo_train.components.digests import MANIFEST
 from mimo_train.errors import CheckpointError, IntegrityError
+from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
 from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               LocalNonpersistentObject, ShardedBase, ShardedObject,
@@ -284,8 +285,11 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
     except Exception as error:        # whatever unpickling a damaged index raises
         raise _damaged(directory, f"its tensor index is unreadable "
                                   f"({type(error).__name__}: {error})") from None
-    wanted = {t.key: t.global_shape for t in nested_values(model.sharded_state_dict())
-              if isinstance(t, ShardedTensor)}
+    sharded = list(nested_values(model.sharded_state_dict()))
+    wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
+    _check_adapters(directory, {getattr(t, "key", None) for t in sharded}, saved, meta)
+    if global_batch_size is None:          # init_from: adapters it lacks keep their init
+        wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     missing = sorted(set(wanted) - set(saved))
     if missing:
         raise CheckpointError(
@@ -304,6 +308,21 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
                     "model.language.vocab_size to the checkpoint's rows" if rows
                     else "it was saved for another model configuration"))
     return meta
+
+
+def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
+    """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
+    adapt is refused: its weights without them are not the model it saved."""
+    for key in saved:
+        if is_adapter(key) and key not in wanted:
+            layer = key[:key.index("lora.")]
+            if any(k and k.startswith(layer) and not is_adapter(k) for k in wanted):
+                lora = (meta.get("config") or {}).get("model", {}).get("lora")
+                raise CheckpointError(
+                    f"checkpoint {directory} holds LoRA adapters (model.lora: {lora}) on "
+                    f"layers this run does not adapt, e.g. {key}: give this run the same "
+                    "model.lora, or start from its merged export (mimo-export) as "
+                    "model.pretrained")
 
 
 def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) -> int:
@@ -329,9 +348,16 @@ def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) 
 
 def load_model(directory: str, model) -> None:
     """``model.init_from``: the weights of this rank's modules from any checkpoint, whatever
-    layout saved it (collective; ``read_meta`` first)."""
-    model.load_state_dict(_load({"model": model.sharded_state_dict()}, directory,
-                                "model.init_from")["model"])
+    layout saved it (collective; ``check`` first); LoRA adapters it does not hold (a full
+    checkpoint starting a LoRA run) keep their init."""
+    saved = dist_checkpointing.load_tensors_metadata(directory)
+    sharded = model.sharded_state_dict()
+    kept = [key for key, value in sharded.items()
+            if is_adapter(key) and getattr(value, "key", None) not in saved]
+    loaded = _load({"model": {k: v for k, v in sharded.items() if k not in kept}}, directory,
+                   "model.init_from")["model"]
+    current = model.state_dict()
+    model.load_state_dict({**loaded, **{key: current[key] for key in kept}})
 
 
 def _load(sharded: dict, directory: str, purpose: str) -> dict:

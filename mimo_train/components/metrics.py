@@ -1,7 +1,9 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
-A train record: ``step, loss, tokens, grad_norm, lr, skipped, seconds, tokens_per_s,
-samples_per_s, forward_s`` (forward seconds per module, max over its ranks); an evaluation
+A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
+samples_per_s, forward_s`` (``lrs``: each trained module's learning rate, ``lr`` the language
+model's, else the first trained module's; forward seconds per module, max over its ranks); an
+evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard.
 
@@ -60,7 +62,7 @@ class StepValues:
     step: int
     sums: torch.Tensor              # [loss sum, trained tokens] of the world, on the device
     grad_norm: float | None
-    lr: float                       # this rank's (0.0 without a trained optimizer)
+    lrs: dict[str, float]           # this rank's trained modules' learning rates
     skipped: bool
     timer: Timer                    # the whole step
     forward: list[Timer]            # this rank's forward passes
@@ -76,11 +78,12 @@ def forward_seconds(layout, local_modules, values: list[float]) -> dict:
     return dict(zip(names, values))
 
 
-def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lr: float,
+def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
                  skipped: bool, seconds: float, global_batch_size: int, forward_s: dict) -> dict:
+    lr = lrs.get("language", next(iter(lrs.values()), 0.0))
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
-            "lr": float(lr), "skipped": skipped, "seconds": seconds,
+            "lr": float(lr), "lrs": lrs, "skipped": skipped, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
             "forward_s": forward_s}
 
@@ -94,8 +97,8 @@ def scalars(record: dict) -> dict[str, float]:
     ``forward_s/<module>``, ``anomaly/…``."""
     found: dict[str, float] = {}
     for key, value in record.items():
-        if key == "forward_s":
-            found.update({f"forward_s/{module}": s for module, s in value.items()})
+        if key in ("forward_s", "lrs"):
+            found.update({f"{key}/{module}": s for module, s in value.items()})
         elif key == "anomaly":
             found.update({f"anomaly/{k}": float(v) for k, v in value.items()
                           if isinstance(v, (int, float))})
@@ -111,8 +114,11 @@ def line(record: dict) -> str:
                 f"{record['eval_tokens']} tokens")
     forward = " ".join(f"{k} {v * 1000:.0f}ms" for k, v in record["forward_s"].items())
     skipped = "  (skipped: non-finite gradients)" if record["skipped"] else ""
+    lrs = record["lrs"]
+    lr = f"lr {record['lr']:.2e}" if len(set(lrs.values())) <= 1 else \
+        "lr " + " ".join(f"{module} {value:.2e}" for module, value in lrs.items())
     return (f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
-            f"{record['grad_norm']:.3f}  lr {record['lr']:.2e}  tokens {record['tokens']}  "
+            f"{record['grad_norm']:.3f}  {lr}  tokens {record['tokens']}  "
             f"{record['tokens_per_s']:.0f} tok/s  {record['samples_per_s']:.1f} samples/s  "
             f"step {record['seconds']:.2f}s  forward: {forward}{skipped}")
 
@@ -188,15 +194,20 @@ class Metrics:
         pending, self.pending = self.pending, []
         sums = torch.stack([p.sums for p in pending]).tolist()
         names = [m.name for m in self.layout.modules]
-        local = [[p.lr] + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                           else 0.0 for name in names] for p in pending]
+        # per module: its learning rate (-1 where this rank does not train it), its forward
+        # seconds; the world's maxima
+        local = [[p.lrs.get(name, -1.0) for name in names]
+                 + [sum(t.seconds() for t in p.forward) if name in self.local_modules
+                    else 0.0 for name in names] for p in pending]
         maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
-        read = [train_record(p.step, loss_sum, tokens, p.grad_norm, lr, p.skipped,
-                             p.timer.seconds(), p.global_batch_size,
-                             forward_seconds(self.layout, self.local_modules, forward))
-                for p, (loss_sum, tokens), (lr, *forward) in zip(pending, sums,
-                                                                   maxima.tolist())]
+        read = []
+        for p, (loss_sum, tokens), row in zip(pending, sums, maxima.tolist()):
+            lrs = {name: lr for name, lr in zip(names, row) if lr >= 0}
+            read.append(train_record(
+                p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
+                p.global_batch_size,
+                forward_seconds(self.layout, self.local_modules, row[len(names):])))
         self.records += read
         return read
 

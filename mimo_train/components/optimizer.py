@@ -1,6 +1,7 @@
 """The optimizer and its learning-rate schedules: megatron-core's ``MimoOptimizer`` (one Adam per
 module on that module's process groups) with a check of the gradient norm, and one warmup +
-cosine ``OptimizerParamScheduler`` per trained module.
+cosine ``OptimizerParamScheduler`` per trained module, from that module's settings
+(``optimizer.modules.<module>``: learning rate, minimum, warmup, weight decay).
 
 The check (``CheckedMimoOptimizer``): megatron-core's ``MimoOptimizer.step`` clips with the
 world's gradient norm and steps even when that norm is not finite (it checks only under a loss
@@ -17,6 +18,7 @@ import math
 import torch
 
 from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import (MegatronOptimizerConfig, MimoOptimizer, OptimizerParamScheduler,
                               get_mimo_optimizer)
 
@@ -56,12 +58,26 @@ def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
             if info.is_active and info.optimizer is not None and name not in freeze}
 
 
-def build_schedulers(cfg: TrainConfig, trained: dict, warmup: int) -> dict:
+def check_modules(cfg: TrainConfig, modules) -> None:
+    """``optimizer.modules`` names only the layout's ``modules``."""
+    unknown = sorted(set(cfg.optimizer.modules) - set(modules))
+    if unknown:
+        raise TrainConfigError(f"optimizer.modules has {unknown}, which the layout does not "
+                               f"name: use its modules {list(modules)}")
+
+
+def build_schedulers(cfg: TrainConfig, trained: dict) -> tuple[dict, list[str]]:
     """module name -> the warmup + cosine LR (constant weight decay) of its optimizer in
-    ``trained``; the decay spans ``train.steps``."""
-    opt, steps = cfg.optimizer, cfg.train.steps
-    return {name: OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
-        lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
-        end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
-        for name, optimizer in trained.items()}
+    ``trained``, from the module's settings; the decay spans ``train.steps``. Also the notes
+    of warmups clamped to the run."""
+    steps, schedulers, notes = cfg.train.steps, {}, []
+    for name, optimizer in trained.items():
+        opt = cfg.optimizer.of(name)
+        warmup, note = cfg.warmup_steps(name)
+        if note and note not in notes:
+            notes.append(note)
+        schedulers[name] = OptimizerParamScheduler(
+            optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
+            lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
+            end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
+    return schedulers, notes

@@ -299,6 +299,33 @@ def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) 
     return hf
 
 
+def adapters_to_hf(state: dict, arch: LanguageArch) -> dict[str, tuple]:
+    """The LoRA adapters of a whole language model's state dict (one process, global layer
+    numbers; ``mimo_train.model.lora``) by the transformers layer they apply to:
+    ``{layer path: (A, B)}``. A fused megatron-core layer's adapter is one per transformers
+    layer it holds, with the same A and its rows of B: ``linear_qkv``'s B split as the weight
+    is (``q_proj``, ``k_proj``, ``v_proj``), ``linear_fc1``'s into ``gate_proj`` and
+    ``up_proj``."""
+    found: dict[str, tuple] = {}
+    for key in state:
+        if not key.endswith(".lora.a.weight") or not key.startswith("decoder.layers."):
+            continue
+        layer_key = key[:-len(".lora.a.weight")]
+        a, b = state[key], state[layer_key + ".lora.b.weight"]
+        _, _, index, block, name = layer_key.split(".")
+        dst = f"{arch.prefix}layers.{index}." + ("self_attn." if block == "self_attention"
+                                                 else "mlp.")
+        if name == "linear_qkv":
+            found.update({dst + n: (a, rows) for n, rows in
+                          zip(("q_proj", "k_proj", "v_proj"), _split_qkv(b, arch))})
+        elif name == "linear_fc1":
+            found.update({dst + n: (a, rows) for n, rows in
+                          zip(("gate_proj", "up_proj"), b.chunk(2))})
+        else:
+            found[dst + {"linear_proj": "o_proj", "linear_fc2": "down_proj"}[name]] = (a, b)
+    return found
+
+
 def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageArch, *,
                              tp_rank: int, tp_size: int, layer_offset: int,
                              vocab_size: int) -> None:

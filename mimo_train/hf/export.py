@@ -71,13 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, metavar="OUT",
                         help="directory to create (it must not exist); written in a staging "
                         "directory beside it and renamed when complete")
+    parser.add_argument("--adapters", action="store_true",
+                        help="a LoRA run of a whole VLM: write its adapters alone in PEFT's "
+                        "format (peft.PeftModel.from_pretrained(base, OUT)) instead of the "
+                        "model with the adapters merged into its weights")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        written = export(args.checkpoint, args.output)
+        written = export(args.checkpoint, args.output, adapters=args.adapters)
     except ExportError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -102,9 +106,10 @@ def step_directory(path: str) -> str:
     return found
 
 
-def export(checkpoint: str, output: str) -> str:
-    """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``; returns
-    ``output``."""
+def export(checkpoint: str, output: str, adapters: bool = False) -> str:
+    """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``, a LoRA
+    run's adapters merged into its weights (``adapters``: the adapters alone, in PEFT's
+    format); returns ``output``."""
     output = os.path.abspath(output)
     if os.path.lexists(output):
         raise ExportError(f"--output {output} exists: remove it or choose another directory")
@@ -120,6 +125,12 @@ def export(checkpoint: str, output: str) -> str:
         weights = load_weights(directory)
     except (CheckpointError, OSError) as error:
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
+    if adapters and not (cfg.model.lora and cfg.model.pretrained):
+        raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
+                          "(model.lora and model.pretrained): export it without --adapters")
+    if cfg.model.lora and not adapters:
+        from mimo_train.model.lora import merged
+        weights = {name: merged(name, state, cfg.model.lora) for name, state in weights.items()}
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as transformers_logging
     disable_progress_bars()                              # a bar per saved model otherwise
@@ -132,7 +143,7 @@ def export(checkpoint: str, output: str) -> str:
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
     try:
-        _write(staging, cfg, preprocess, weights, meta["step"], directory)
+        _write(staging, cfg, preprocess, weights, meta["step"], directory, adapters)
         os.rename(staging, output)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -172,7 +183,8 @@ def _preprocess_config(cfg, directory: str):
                           f"read ({error}): the export copies it; restore it") from None
 
 
-def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) -> None:
+def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str,
+           adapters: bool) -> None:
     from mimo_data.loading.layout import LANGUAGE, Layout
     from mimo_data.preprocess.chat_tokens import load_tokenizer
 
@@ -186,7 +198,9 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str) 
                               f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
     manifest: dict = {"step": step, "checkpoint": directory, "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class
-        family = _write_vlm(out, cfg, preprocess, tokenizer, weights, directory)
+        family = _write_vlm(out, cfg, preprocess, tokenizer, weights, directory, adapters)
+        if adapters:
+            manifest["adapters"] = {"base": cfg.model.pretrained}
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, ".")
         manifest.update(vlm=family, modules={}, language=".")
     else:
@@ -231,10 +245,12 @@ def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict
         raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
 
 
-def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: str) -> str:
+def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: str,
+               adapters: bool) -> str:
     """The whole VLM of ``model.pretrained`` with the trained weights, as its transformers
     class (config, weights in the checkpoint's names and dtype, tokenizer, processor config,
-    generation config); returns its family."""
+    generation config), or (``adapters``) its LoRA adapters in PEFT's format beside the
+    tokenizer and processor files; returns its family."""
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
@@ -252,6 +268,19 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
                           f"has {others or f'a {cfg.model.projection} projection'}: it cannot "
                           "be written back as one")
     hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
+    if adapters:
+        from mimo_train.families.registry import language_arch
+        from mimo_train.hf.adapters import write_adapters
+        arch = language_arch(cfg.model.language.pretrained)
+        if rows != arch.vocab_size:
+            raise ExportError(f"--adapters: the run's vocabulary has {rows} rows, the base "
+                              f"checkpoint's {arch.vocab_size}: the adapters alone do not give "
+                              "the trained model; export it merged (without --adapters)")
+        image = next(m.name for m in layout.encoders if "image" in layout.modalities_of(m.name))
+        write_adapters(out, cfg, weights, vlm, arch, image, directory)
+        tokenizer.save_pretrained(out)
+        _copy_processor(vlm.path, out)
+        return vlm.family
     checkpoint = vlm.weights()
     # mimo's module names -> the checkpoint's: the tower, then the projector
     renames = [("encoders.image.encoder.model.", vlm.tower_prefix(checkpoint))]

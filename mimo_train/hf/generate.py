@@ -141,8 +141,12 @@ class Generator:
         self.tokenizer = self.preprocessor.text.tokenizer
         self.vlm: Any = None
         if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
+            adapters = self.manifest.get("adapters")
             self.vlm = AutoModelForImageTextToText.from_pretrained(
-                model_dir, dtype=self.dtype).to(self.device).eval()
+                adapters["base"] if adapters else model_dir, dtype=self.dtype)
+            if adapters:                    # LoRA adapters (PEFT's files) on their base
+                self.vlm = _with_adapters(self.vlm, model_dir)
+            self.vlm = self.vlm.to(self.device).eval()
             self.encoders: dict[str, Any] = dict.fromkeys(self.preprocessor.config.modalities)
             return
         self.language = AutoModelForCausalLM.from_pretrained(
@@ -235,7 +239,8 @@ class Generator:
         if "pixel_values" in kwargs:
             kwargs["pixel_values"] = normalize_pixels(kwargs["pixel_values"],
                                                       configs["image"]).to(self.dtype)
-        parameters = inspect.signature(self.vlm.forward).parameters
+        model = getattr(self.vlm, "get_base_model", lambda: self.vlm)()     # under PEFT's
+        parameters = inspect.signature(model.forward).parameters
         if "pixel_values_videos" in kwargs:
             video = configs["video"]
             kwargs["pixel_values_videos"] = normalize_video_pixels(
@@ -277,6 +282,17 @@ class Generator:
             raise GenerateError(f"{error.reason}: {error.detail}", exit_code=1) from None
         except TextError as error:
             raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
+
+
+def _with_adapters(model, model_dir: str):
+    """``model`` under the PEFT adapters in ``model_dir`` (``mimo-export --adapters``)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise GenerateError(f"--model {model_dir} holds LoRA adapters, which need the peft "
+                            "package: pip install 'mimo[lora]' (or export the run merged)"
+                            ) from None
+    return PeftModel.from_pretrained(model, model_dir)
 
 
 def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:

@@ -49,6 +49,8 @@ from megatron.core.pipeline_parallel.multimodule_communicator import (
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import (MultiModuleProcessGroupCollection,
                                                  ProcessGroupCollection)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
                                                   model_parallel_cuda_manual_seed)
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -57,6 +59,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AudioModalitySubmodules", "BridgeCommunicator",
+    "ColumnParallelLinear", "RowParallelLinear", "apply_swiglu_sharded_factory",
     "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
     "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",

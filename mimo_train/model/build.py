@@ -27,6 +27,7 @@ from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pret
 from mimo_train.families.registry import (ENCODERS, build_encoder, default_kind, language_arch,
                                           read_vlm)
 from mimo_train.mcore.grids import Infra
+from mimo_train.model.lora import add_adapters, is_adapter, parts
 from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, MimoModelConfig, ModelType, ModuleSpec,
@@ -286,6 +287,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     if cfg.model.language.pretrained and LANGUAGE in infra.local:
         load_language_weights(model.language_model, cfg, infra, vocab)
     frozen_parts = _frozen_parts(cfg.model.freeze, infra)
+    adapted = _adapt(model, cfg, infra, frozen_parts)
     # every weight in the run's dtype, as megatron-core's Float16Module would cast it (norms
     # included) but for the rotary frequencies; the optimizer keeps fp32 main weights
     cast(model, run_dtype(cfg.train.precision))
@@ -296,15 +298,37 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name in settings:          # in its dtype and on its device: what transformers checks
             modality = settings[name].modality
             module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
+        # a frozen part's weights, and those of a part under LoRA but for its adapters
+        fixed = [found[name] or "" for found in (frozen_parts, adapted) if name in found]
         for key, parameter in module.named_parameters():
-            frozen = name in frozen_parts and key.startswith(frozen_parts[name] or "")
-            parameter.requires_grad_(trainable(parameter, frozen))
+            frozen = any(key.startswith(prefix) for prefix in fixed)
+            parameter.requires_grad_(is_adapter(key) or trainable(parameter, frozen))
         if name not in cfg.model.freeze and not any(p.requires_grad for p in module.parameters()):
             raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
                                    f"freeze the whole module ({name})")
         replace_module(model, name, DistributedDataParallel(transformer, ddp, module,
                                                   pg_collection=module_infra.pgs))
     return model
+
+
+def _adapt(model, cfg: TrainConfig, infra: Infra, frozen: dict) -> dict[str, str]:
+    """Put ``model.lora``'s adapters on this rank's modules; module name -> the prefix of the
+    parameters that adapters replace in training (their part's, "": the whole module)."""
+    adapted: dict[str, str] = {}
+    for part in parts(cfg.model.lora, infra.modules):
+        clash = part.module in frozen and (frozen[part.module] in (None, part.prefix)
+                                           or not part.prefix)
+        if clash:
+            raise TrainConfigError(
+                f"model.lora adapts {part.name!r}, which model.freeze freezes: LoRA already "
+                "keeps the part's own weights fixed; drop it from model.freeze")
+        if part.module not in infra.local:
+            continue
+        add_adapters(module_of(model, part.module), part, cfg.train.seed,
+                     layer_offset(infra, part.module, cfg.model.language.num_layers),
+                     cfg.model.language.num_layers)
+        adapted[part.module] = part.prefix if part.module not in adapted else ""
+    return adapted
 
 
 # model.freeze's parts of an encoder module -> the prefix of their parameter names

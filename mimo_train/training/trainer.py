@@ -39,7 +39,7 @@ from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
-                                             trained_optimizers)
+                                             check_modules, trained_optimizers)
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing
@@ -146,10 +146,10 @@ class Trainer:
         self.modules = local_modules(self.model, self.infra)
         self.optimizer = build_optimizer(cfg, self.model)
         self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
-        warmup, note = cfg.warmup_steps()
-        if note:
+        check_modules(cfg, self.infra.modules)
+        self.schedulers, notes = build_schedulers(cfg, self.trained)
+        for note in notes:
             say(PREFIX + note)
-        self.schedulers = build_schedulers(cfg, self.trained, warmup)
         self.placeholders = shared_placeholders(cfg, self.infra, self.preprocess,
                                                 text.modality_token_ids)
         self.forward = ForwardStep(self.infra, self.device, self.placeholders)
@@ -343,10 +343,11 @@ class Trainer:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
         self.step += 1
-        lrs = [o.param_groups[0]["lr"] for o in self.trained.values() if o.param_groups]
+        lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
+               if o.param_groups}
         # the step keeps its timers; an evaluation before the next step adds to a new list
         forward, self.forward.timers = self.forward.timers, []
-        values = StepValues(self.step, sums, grad_norm, lrs[0] if lrs else 0.0, not success,
+        values = StepValues(self.step, sums, grad_norm, lrs, not success,
                             timer.stop(), forward, self.cfg.train.global_batch_size)
         return values, anomaly
 

@@ -1,0 +1,132 @@
+"""``mimo-export --adapters``: a LoRA run's adapters alone, in PEFT's file format, for the whole
+VLM it fine-tuned (``model.pretrained``).
+
+``OUT`` holds ``adapter_config.json`` and ``adapter_model.safetensors`` (PEFT's names:
+``base_model.model.<layer>.lora_A.weight`` / ``lora_B.weight``, each layer named as the
+transformers model has it, so ``peft.PeftModel.from_pretrained(base, OUT)`` applies them), the
+tokenizer, the processor files, ``preprocess.yaml`` and ``manifest.json`` (``"adapters"``: the
+base checkpoint, which ``mimo-generate --model OUT`` loads under them). Written by hand: the
+adapters come from megatron-core layers PEFT does not know, so PEFT's own save cannot write them.
+
+Layer names: a fused megatron-core layer's adapter becomes one per transformers layer it holds
+(``families.causal_lm.adapters_to_hf``); the checkpoint's names become the model's through
+transformers' own conversion of checkpoint names (``get_model_conversion_mapping``), as
+``from_pretrained`` converts weights. Parts with other ranks or alphas than the language
+model's go in ``rank_pattern`` / ``alpha_pattern``.
+
+Refused (use the merged export instead): a run that also trained weights outside the adapters
+(a part neither frozen nor adapted), whose adapters alone are not the trained model, and a run
+whose vocabulary differs from the checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from mimo_train.errors import ExportError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def trained_outside_adapters(cfg, vlm, image: str) -> list[str]:
+    """The parts of the whole VLM that trained their own weights (neither in ``model.freeze``
+    nor adapted by ``model.lora``); ``image``: the encoder module of its tower."""
+    lora, freeze = cfg.model.lora, set(cfg.model.freeze)
+    parts = {"language": ["language"], f"{image}.encoder": [image, f"{image}.encoder"]}
+    if vlm.projector_names:                     # LLaVA's projector (Qwen's merger is the tower's)
+        parts[f"{image}.projection"] = [image, f"{image}.projection"]
+    return [part for part, names in parts.items()
+            if not any(name in lora or name in freeze for name in names)]
+
+
+def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
+                   directory: str) -> dict:
+    """The adapters of ``weights`` (module name -> whole tensors, ``load_weights``) as PEFT
+    files in ``out`` (``image``: the encoder module of the VLM's tower); returns the adapter
+    config written."""
+    from huggingface_hub import save_torch_state_dict
+
+    from mimo_train.families.causal_lm import adapters_to_hf
+    from mimo_train.model.lora import spec_of
+    trained = trained_outside_adapters(cfg, vlm, image)
+    if trained:
+        raise ExportError(f"{directory}: the run also trained {trained} outside its adapters "
+                          "(not in model.freeze nor model.lora): adapters alone are not the "
+                          "trained model; export it merged (without --adapters)")
+    # layer path in the checkpoint's names -> (A, B, model.lora entry)
+    found = {path: (a, b, cfg.model.lora.get("language"))
+             for path, (a, b) in adapters_to_hf(weights["language"], language_arch).items()}
+    checkpoint = vlm.weights()
+    renames = [("encoders.image.encoder.model.", vlm.tower_prefix(checkpoint))]
+    if vlm.projector_names:
+        prefix = vlm.projector_prefix(checkpoint)
+        renames += [(f"input_projections.0.{ours.removesuffix('weight')}",
+                     prefix + theirs.removesuffix("weight"))
+                    for ours, theirs in vlm.projector_names if ours.endswith("weight")]
+    tower = weights[image]
+    for key in tower:
+        if not key.endswith("lora.a.weight"):
+            continue
+        layer = key[:-len("lora.a.weight")]
+        for ours, theirs in renames:
+            if layer.startswith(ours):
+                found[(theirs + layer[len(ours):]).rstrip(".")] = (
+                    tower[key], tower[layer + "lora.b.weight"],
+                    spec_of(cfg.model.lora, image, key))
+    if not found:
+        raise ExportError(f"{directory}: the run has no LoRA adapters (model.lora) to export")
+    names = _model_names(vlm.path, list(found))
+    default = cfg.model.lora.get("language") or next(s for _, _, s in found.values())
+    tensors, ranks, alphas = {}, {}, {}
+    for path, (a, b, spec) in found.items():
+        name = names[path]
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a.contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b.contiguous()
+        if spec.rank != default.rank:
+            ranks[name] = spec.rank
+        if spec.alpha != default.alpha:
+            alphas[name] = spec.alpha
+    config = {
+        "peft_type": "LORA", "task_type": None, "base_model_name_or_path": vlm.path,
+        "r": default.rank, "lora_alpha": default.alpha, "lora_dropout": default.dropout,
+        "target_modules": sorted(names.values()), "rank_pattern": ranks,
+        "alpha_pattern": alphas, "bias": "none", "fan_in_fan_out": False,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "inference_mode": True}
+    os.makedirs(out, exist_ok=True)
+    save_torch_state_dict({k: v.clone() for k, v in tensors.items()}, out,
+                          filename_pattern=ADAPTER_WEIGHTS.replace(".safetensors",
+                                                                   "{suffix}.safetensors"))
+    with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    return config
+
+
+def _model_names(pretrained: str, paths: list[str]) -> dict[str, str]:
+    """Layer paths in the checkpoint's names -> as the transformers model names them,
+    converted as ``from_pretrained`` converts the weights' names."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import (WeightConverter, WeightRenaming,
+                                                 rename_source_key)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(pretrained))
+    mapping = get_model_conversion_mapping(model)
+    renamings = [t for t in mapping if isinstance(t, WeightRenaming)]
+    converters = [t for t in mapping if isinstance(t, WeightConverter)]
+    state = model.state_dict()
+    names = {}
+    for path in paths:
+        key, converted = rename_source_key(f"{path}.weight", renamings, converters,
+                                           model.base_model_prefix, state)
+        if converted is not None or key not in state:
+            raise ExportError(f"the adapter of {path} has no layer of its own in "
+                              f"{type(model).__name__} (transformers fuses or renames it "
+                              "otherwise): export the run merged")
+        names[path] = key.removesuffix(".weight")
+    return names

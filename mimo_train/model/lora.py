@@ -1,0 +1,283 @@
+"""LoRA adapters (``model.lora``): ``W x + alpha / rank * B A x`` on chosen linear layers of a
+module's part, the part's own weights fixed (no gradient buffer, no optimizer state).
+
+Hand-written: megatron-core has no adapters, and PEFT's layers wrap torch's ``nn.Linear`` only
+(no tensor-parallel layers, no megatron-core sharded state dicts); Megatron-Bridge, which has
+them, is not a dependency. Exported adapters take PEFT's file format (``hf.export``).
+
+Parts are named as ``model.freeze`` names them: ``language``, an encoder module (its tower and
+projection), ``<module>.encoder`` (the tower), ``<module>.projection``. A part's layers are named
+from its root: the language model's as megatron-core names them, with global layer numbers
+(``decoder.layers.3.self_attention.linear_qkv``), the tower's as transformers does
+(``blocks.0.attn.qkv``), the projection's by index (``0``, ``2``). A target is a layer name
+(``linear_qkv``: every layer of that name), a dotted path, an fnmatch pattern
+(``decoder.layers.*.mlp.linear_fc1``) or ``all-linear`` (every linear layer but the language
+model's output layer, as PEFT's ``all-linear``).
+
+Tensor parallelism (the language model; encoders run whole on each rank): megatron-core's own
+parallel layers hold A and B, so their communication gives each rank the gradients of the TP1
+model's adapters:
+
+- a column-parallel layer (``linear_qkv``, ``linear_fc1``: input whole, output split over TP):
+  A is a ``ColumnParallelLinear`` split by its ``rank`` rows, its output gathered (so ``rank``
+  must be a multiple of TP), B a ``ColumnParallelLinear`` split by output rows as the layer is;
+- a row-parallel layer (``linear_proj``, ``linear_fc2``: input split, output reduced): A is a
+  ``RowParallelLinear`` split along its input as the layer is, B a ``ColumnParallelLinear``
+  split by output rows with its output gathered.
+
+Checkpoint names: a layer's own weights keep theirs (``...linear_qkv.weight``); its adapter's are
+``...linear_qkv.lora.a.weight`` and ``...lora.b.weight``, global tensors ([rank, in] and
+[out, rank]; SwiGLU's ``linear_fc1`` B stored as its gate and up halves, as megatron-core stores
+the layer), so a LoRA checkpoint resumes under any TP and PP.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+import zlib
+from typing import NamedTuple
+
+import torch
+
+from mimo_data.loading.layout import LANGUAGE
+from mimo_train.config import LoraConfig
+from mimo_train.errors import TrainConfigError
+from mimo_train.mcore import ColumnParallelLinear, RowParallelLinear, apply_swiglu_sharded_factory
+from mimo_train.model.parts import global_key
+
+ALL_LINEAR = "all-linear"
+_ADAPTER = re.compile(r"(^|\.)lora\.[ab]\.")
+# an encoder module's parts -> where they sit in it, and the prefix of their layers' names
+_ENCODER_PARTS = {"encoder": "encoders.", "projection": "input_projections."}
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter (or state-dict key) ``name`` is a LoRA adapter's."""
+    return _ADAPTER.search(name) is not None
+
+
+class Part(NamedTuple):
+    """A part of a module under LoRA."""
+    module: str                # layout module name
+    prefix: str                # its parameters' name prefix in the module ("" : all)
+    spec: LoraConfig
+    name: str                  # as model.lora names it
+
+
+def parts(lora: dict, modules) -> list[Part]:
+    """The parts ``model.lora`` names, checked against the layout's ``modules``."""
+    found = []
+    for entry, spec in lora.items():
+        module, _, part = entry.partition(".")
+        if module not in modules or (part and (part not in _ENCODER_PARTS or module == LANGUAGE)):
+            raise TrainConfigError(
+                f"model.lora names {entry!r}, not a module of the layout nor an encoder "
+                f"module's part: use one of {list(modules)}, or <module>.encoder / "
+                "<module>.projection for an encoder module")
+        found.append(Part(module, _ENCODER_PARTS[part] if part else "", spec, entry))
+    for one in found:
+        for other in found:
+            if one is not other and one.module == other.module and \
+                    (not one.prefix or not other.prefix):
+                raise TrainConfigError(f"model.lora names {one.name!r} and {other.name!r}: "
+                                       "adapt the whole module or its parts, not both")
+    return found
+
+
+class LoraAdapter(torch.nn.Module):
+    """``x -> scale * B(A(dropout(x)))`` beside a torch ``Linear`` (towers, projections)."""
+
+    def __init__(self, in_features: int, out_features: int, spec: LoraConfig, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = torch.nn.Linear(in_features, spec.rank, bias=False)
+        self.b = torch.nn.Linear(spec.rank, out_features, bias=False)
+        _init(self.a.weight, self.b.weight, spec)
+        self.dropout = torch.nn.Dropout(spec.dropout)
+        self.scale = spec.alpha / spec.rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.dropout(x))) * self.scale
+
+
+def _init(a: torch.Tensor, b: torch.Tensor, spec: LoraConfig) -> None:
+    """PEFT's initialization: A as torch's Linear (Kaiming uniform), B zero (or as A)."""
+    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+    if spec.init_lora_weights:
+        torch.nn.init.zeros_(b)
+    else:
+        torch.nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+
+
+def _add_adapter_output(linear, args, output):
+    """Forward hook of a torch ``Linear`` holding ``lora``."""
+    return output + linear.lora(args[0])
+
+
+class ParallelLoraAdapter(torch.nn.Module):
+    """The adapter of a megatron-core parallel linear layer (see the module docstring)."""
+
+    def __init__(self, base, spec: LoraConfig, seed: int):
+        super().__init__()
+        column = isinstance(base, ColumnParallelLinear)
+        tp = base.tp_group.size() if base.tp_group is not None else 1
+        if column and spec.rank % tp:
+            raise TrainConfigError(f"model.lora: rank {spec.rank} does not split over the "
+                                   f"language model's tp {tp}: make it a multiple of {tp}")
+        torch.manual_seed(seed)       # the master weights are drawn whole, then split: any TP
+        a_init = _initializer(lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
+        b_init = _initializer(torch.nn.init.zeros_ if spec.init_lora_weights else
+                              (lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))))
+        common = dict(config=base.config, bias=False, tp_group=base.tp_group)
+        if column:
+            self.a = ColumnParallelLinear(base.input_size, spec.rank, init_method=a_init,
+                                          gather_output=True, **common)
+        else:
+            self.a = RowParallelLinear(base.input_size, spec.rank, init_method=a_init,
+                                       input_is_parallel=True, skip_bias_add=True, **common)
+        self.b = ColumnParallelLinear(spec.rank, base.output_size, init_method=b_init,
+                                      gather_output=not column, **common)
+        self.dropout = torch.nn.Dropout(spec.dropout)
+        self.scale = spec.alpha / spec.rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(self.dropout(x))[0])[0] * self.scale
+
+
+def _initializer(init):
+    def initialize(weight: torch.Tensor) -> None:
+        with torch.no_grad():
+            init(weight)
+    return initialize
+
+
+class LoraParallelLinear(torch.nn.Module):
+    """A megatron-core parallel linear layer and its adapter, in the layer's place; its state
+    dict keeps the layer's own names (``weight``, not ``base.weight``)."""
+
+    def __init__(self, base, adapter: ParallelLoraAdapter, gated: bool):
+        super().__init__()
+        self.base, self.lora, self.gated = base, adapter, gated
+        self.register_state_dict_post_hook(_without_base)
+        self.register_load_state_dict_pre_hook(_with_base)
+
+    def forward(self, x: torch.Tensor, *args, **kwargs):
+        output, bias = self.base(x, *args, **kwargs)
+        return output + self.lora(x), bias
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        state = self.base.sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in ("a", "b"):
+            part = getattr(self.lora, name).sharded_state_dict(f"{prefix}lora.{name}.",
+                                                               sharded_offsets, metadata)
+            key = f"{prefix}lora.b.weight"
+            if self.gated and key in part:           # [gate rows; up rows] per TP rank
+                part[key] = apply_swiglu_sharded_factory(
+                    part[key], sharded_offsets,
+                    (metadata or {}).get("singleton_local_shards", False))
+            state.update(part)
+        return state
+
+
+def _without_base(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + "base.")]:
+        state_dict[prefix + key[len(prefix) + len("base."):]] = state_dict.pop(key)
+
+
+def _with_base(module, state_dict, prefix, *args) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix)
+                and not k.startswith((prefix + "lora.", prefix + "base."))]:
+        state_dict[prefix + "base." + key[len(prefix):]] = state_dict.pop(key)
+
+
+def _seed(seed: int, name: str) -> int:
+    """The seed of one layer's adapter: the same whichever rank builds it."""
+    return seed * 1_000_003 + zlib.crc32(name.encode())
+
+
+def _linears(root: torch.nn.Module, language: bool) -> dict[str, torch.nn.Module]:
+    """The part's linear layers by name from ``root``."""
+    kinds = (ColumnParallelLinear, RowParallelLinear) if language else (torch.nn.Linear,)
+    return {name: module for name, module in root.named_modules()
+            if isinstance(module, kinds) and name and not name.startswith("output_layer")
+            and ".lora." not in f".{name}."}
+
+
+def matches(target: str, name: str) -> bool:
+    return target == ALL_LINEAR or name == target or name.endswith("." + target) or \
+        fnmatch.fnmatchcase(name, target)
+
+
+def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int,
+                 num_layers: int | None) -> list[str]:
+    """Put adapters on the targeted linear layers of ``part`` of ``module`` (this rank's,
+    not yet DDP-wrapped); returns their names (global). ``layer_offset``: the global number of
+    the stage's first layer; ``num_layers``: the language model's (to check the targets)."""
+    language = part.module == LANGUAGE
+    root = module
+    if part.prefix == "encoders.":
+        root = module.encoders[next(iter(module.encoders))].encoder.model
+    elif part.prefix == "input_projections.":
+        root = module.input_projections[0]
+    layers = _linears(root, language)
+    names = {(global_key(f"{n}.w", layer_offset)[:-2] if language else n): n for n in layers}
+    everywhere = _all_layer_names(names, num_layers) if language else set(names)
+    for target in part.spec.targets:
+        if not any(matches(target, n) for n in everywhere):
+            shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in everywhere})
+            raise TrainConfigError(f"model.lora.{part.name}.targets has {target!r}, which names "
+                                   f"none of its linear layers: {shown[:12]}")
+    adapted = []
+    for name, local in names.items():
+        if not any(matches(t, name) for t in part.spec.targets):
+            continue
+        layer = layers[local]
+        key = f"{part.name}:{name}"
+        if language:
+            gated = local.endswith("linear_fc1") and layer.config.gated_linear_unit
+            parent, _, child = local.rpartition(".")
+            root.get_submodule(parent).register_module(child, LoraParallelLinear(
+                layer, ParallelLoraAdapter(layer, part.spec, _seed(seed, key)), gated))
+        else:
+            layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
+                                                      part.spec, _seed(seed, key)))
+            layer.register_forward_hook(_add_adapter_output)
+        adapted.append(name)
+    return adapted
+
+
+def _all_layer_names(names: dict, num_layers: int | None) -> set[str]:
+    """The layer names of the whole language model from one stage's (every stage holds the
+    same layers)."""
+    found = set()
+    for name in names:
+        match = re.match(r"^(decoder\.layers\.)\d+(\..*)$", name)
+        found |= {f"{match[1]}{i}{match[2]}" for i in range(num_layers or 0)} if match else {name}
+    return found
+
+
+def spec_of(lora: dict, module: str, key: str) -> LoraConfig:
+    """The ``model.lora`` entry of the adapter at state-dict key ``key`` of ``module``."""
+    for part, prefix in _ENCODER_PARTS.items():
+        if key.startswith(prefix) and f"{module}.{part}" in lora:
+            return lora[f"{module}.{part}"]
+    return lora[module]
+
+
+def merged(module: str, state: dict, lora: dict) -> dict:
+    """A module's state dict (one process, whole tensors) with each adapter folded into its
+    layer's weight, ``W + alpha / rank * B @ A`` computed in fp32 and stored in W's dtype, and
+    the adapter keys dropped (``lora``: ``model.lora``)."""
+    out = {k: v for k, v in state.items() if not is_adapter(k)}
+    for key in state:
+        if not key.endswith("lora.a.weight"):
+            continue
+        layer = key[:-len("lora.a.weight")]
+        spec = spec_of(lora, module, key)
+        a, b = state[key].float(), state[layer + "lora.b.weight"].float()
+        weight = out[layer + "weight"]
+        out[layer + "weight"] = (weight.float() + spec.alpha / spec.rank * (b @ a)
+                                 ).to(weight.dtype)
+    return out
