@@ -1,8 +1,9 @@
 """What tests/test_anomalies.py and tests/test_tracking.py share (no test module imports another):
 
 - ``planted``: text-only shards of eleven short plain-English answers and one long random one
-  (the planted key), with a preprocessing config of SmolLM2's tokenizer and no modalities (a
-  module fixture: a test module uses it by importing the name);
+  (the planted key: 80 random vocabulary words, on which SmolLM2's loss is ~12), with a
+  preprocessing config of SmolLM2's tokenizer and no modalities (a module fixture: a test
+  module uses it by importing the name);
 - ``train_planted``: ``mimo-train`` on forked ranks (``runs.train_job``) from the shipped
   ``images_language_colocated.yaml`` on the CPU without checkpoints: its exit status, its
   output and its records.
@@ -48,8 +49,8 @@ def planted(tmp_path_factory) -> tuple[Path, Path, str]:
     import yaml
     from transformers import AutoTokenizer
     rng = random.Random(0)
-    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)      # 150 random words: loss ~13
-    garbage = tokenizer.decode([rng.randrange(1000, 49000) for _ in range(150)])
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)      # 80 random words: loss ~12
+    garbage = tokenizer.decode([rng.randrange(1000, 49000) for _ in range(80)])
     records = [{"id": f"plain-{i:02d}", "conversations": [
         {"from": "human", "value": "Tell me a fact."}, {"from": "gpt", "value": answer}]}
         for i, answer in enumerate(ANSWERS)]

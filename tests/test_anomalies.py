@@ -1,7 +1,7 @@
 """Steps that go wrong, traced to their samples (mimo_train/components/anomalies.py), in
 ``mimo-train`` runs on forked ranks (the shards and the launcher: tests/anomaly_runs.py):
 
-- a planted sample whose text SmolLM2 finds very unlikely (150 random vocabulary words among
+- a planted sample whose text SmolLM2 finds very unlikely (80 random vocabulary words among
   short plain-English answers) makes its step's loss spike: the step's record names its
   samples, the planted one among them, and ``mimo-inspect sample`` finds it by that key;
 - an exploding learning rate makes the gradient norm non-finite: each such step is skipped
@@ -19,9 +19,11 @@ from anomaly_runs import SMOLLM2, planted, train_planted  # noqa: F401  (planted
 
 
 def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path):  # noqa: F811
-    """SmolLM2 (learning rate 0: its own losses) over two epochs of batches of two: every
-    step holding the planted sample after the first few is recorded as a spike, its samples
-    (dataset, key, tokens) in the record; no other step is."""
+    """SmolLM2 (learning rate 0: its own losses) over one epoch of batches of two, whose
+    seed puts the planted sample in the last of its 6 steps (the spike window's first half
+    seen two steps before, with spike-free steps checked on either side of a logging step):
+    that step, and no other, is recorded as a spike, its samples (dataset, key, tokens) in
+    the record."""
     shards, preprocess, key = planted
     code, output, records = train_planted(
         ranks, tmp_path, "spike", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
@@ -29,7 +31,7 @@ def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path)
         "model.language.num_layers=null", "model.language.hidden_size=null",
         "model.language.num_attention_heads=null", "optimizer.lr=0", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-        "train.steps=12", "train.log_interval=4", "train.spike_factor=2.5",
+        "train.seed=6", "train.steps=6", "train.log_interval=4", "train.spike_factor=2.5",
         "train.spike_window=4")
     assert code == 0, output[-4000:]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
@@ -43,8 +45,8 @@ def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path)
         assert len(anomaly["samples"]) == 2
         assert {s["dataset"] for s in anomaly["samples"]} == {str(shards)}
         assert all(s["tokens"] > s["trained_tokens"] > 0 for s in anomaly["samples"])
-    # the planted sample is in 2 of the 12 steps (one per epoch); at most those spike
-    assert len(spikes) <= 2
+    # seed 6: the planted sample is in step 6 of the 6 (one epoch); only that step spikes
+    assert [spike["step"] for spike in spikes] == [6], (losses, spikes)
     from mimo_data.inspect.cli import main
     assert main(["sample", str(shards), "--config", str(preprocess), "--key", key]) == 0
 
