@@ -56,6 +56,7 @@ from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AudioModalitySubmodules", "BridgeCommunicator",
@@ -72,7 +73,8 @@ __all__ = [
     "finalize_model_grads", "get_cuda_rng_tracker", "get_default_save_sharded_strategy",
     "get_forward_backward_func",
     "get_gpt_layer_local_spec",
-    "get_mimo_optimizer", "load_plain_tensors", "merge", "model_parallel_cuda_manual_seed",
+    "get_mimo_optimizer", "load_plain_tensors",
+    "make_tp_sharded_tensor_for_checkpoint", "merge", "model_parallel_cuda_manual_seed",
     "nested_values", "parallel_state"]
 
 

@@ -38,7 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from mimo_train.errors import TrainConfigError
-from mimo_train.mcore import DotProductAttention, GPTModel
+from mimo_train.mcore import (DotProductAttention, GPTModel,
+                              make_tp_sharded_tensor_for_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,25 @@ class LanguageModel(GPTModel):
         # go as one sequence (megatron-core's THD rotary would give every sample the first
         # sample's angles)
         self.packed_rows = packed_rows or self.position_embedding_type == "mrope"
+
+    def tie_embeddings_and_output_weights_state_dict(
+            self, sharded_state_dict: dict, output_layer_weight_key: str,
+            first_stage_word_emb_key: str, metadata: dict | None = None) -> None:
+        """megatron-core's, with the last stage's replica id from this model's own
+        data-parallel group (``metadata["dp_cp_group"]``): megatron-core's reads parallel_state's
+        global groups, which mimo never initializes (each module's groups come from its
+        ``HyperCommGrid``), so a model with tied embeddings under pipeline stages could not be
+        checkpointed."""
+        if not self.post_process or self.pre_process or getattr(self, "mtp_process", False):
+            super().tie_embeddings_and_output_weights_state_dict(
+                sharded_state_dict, output_layer_weight_key, first_stage_word_emb_key,
+                metadata or {})
+            return
+        group = (metadata or {})["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+            replica_id=(1, 0, group.rank()), allow_shape_mismatch=True,
+            tp_group=self.tp_group, dp_cp_group=group)
 
     def _preprocess(self, input_ids, position_ids, decoder_input=None, inference_context=None,
                     packed_seq_params=None, padding_mask=None):
