@@ -157,6 +157,25 @@ CASES = [
     ("pretrained encoder path does not exist", "default",
      ["model.encoders.image.pretrained=/nonexistent"], "model",
      ["model.encoders.image.pretrained", "/nonexistent"]),
+    # -- LoRA and per-module optimizer settings
+    ("lora rank 0", "default",
+     ["model.lora={language: {rank: 0}}"], "config",
+     ["model.lora.language: rank 0", "use a rank >= 1"]),
+    ("lora target that names no layer", "default",
+     ["model.lora={language: {targets: [linear_qkvv]}}"], "model",
+     ["model.lora.language.targets has 'linear_qkvv'", "names none of its linear layers",
+      "decoder.layers.*.self_attention.linear_qkv"]),
+    ("lora on a frozen part", "default",
+     ["model.lora={image.encoder: {}}", "model.freeze=[image]"], "model",
+     ["model.lora adapts 'image.encoder', which model.freeze freezes",
+      "drop it from model.freeze"]),
+    ("lora rank that does not split over tp", "image",
+     ["layout=image=dp1;language=tp2", "model.lora={language: {rank: 3}}"], "model",
+     ["model.lora: rank 3 does not split over the language model's tp 2",
+      "make it a multiple of 2"]),
+    ("optimizer.modules names a module the layout lacks", "default",
+     ["optimizer.modules={vision: {lr: 0.1}}"], "model",
+     ["optimizer.modules has ['vision']", "use its modules"]),
 ]
 
 

@@ -71,14 +71,14 @@ def _bool_index(index) -> bool:
 
 def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
     """The parameter's gradient as one TP1 rank holds it: TP shards gathered along their
-    partition dimension (``gated``: SwiGLU's ``linear_fc1`` shards hold [gate_r; up_r],
-    regrouped)."""
+    partition dimension (``gated``: SwiGLU's ``linear_fc1`` shards, and those of its LoRA B,
+    hold [gate_r; up_r], regrouped)."""
     grad = param.main_grad.detach().cpu().clone()
     if tp is None or tp.size() == 1 or not getattr(param, "tensor_model_parallel", False):
         return grad
     parts = [torch.empty_like(grad) for _ in range(tp.size())]
     dist.all_gather(parts, grad.contiguous(), group=tp)
-    if gated and key.endswith("linear_fc1.weight"):
+    if gated and key.endswith(("linear_fc1.weight", "linear_fc1.lora.b.weight")):
         halves = [part.chunk(2) for part in parts]
         return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
     return torch.cat(parts, dim=param.partition_dim)

@@ -356,8 +356,11 @@ def load_model(directory: str, model) -> None:
             if is_adapter(key) and getattr(value, "key", None) not in saved]
     loaded = _load({"model": {k: v for k, v in sharded.items() if k not in kept}}, directory,
                    "model.init_from")["model"]
-    current = model.state_dict()
-    model.load_state_dict({**loaded, **{key: current[key] for key in kept}})
+    result = model.load_state_dict(loaded, strict=not kept)
+    missing = [key for key in result.missing_keys if not is_adapter(key)]
+    if missing or result.unexpected_keys:
+        raise CheckpointError(f"model.init_from: {directory} does not fit this model: missing "
+                              f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
 
 def _load(sharded: dict, directory: str, purpose: str) -> dict:

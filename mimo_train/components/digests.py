@@ -17,6 +17,7 @@ Hand-written because neither megatron-core nor torch.distributed.checkpoint divi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -125,3 +126,17 @@ def _size(path: str) -> int:
         return os.path.getsize(path)
     except OSError:
         return 0
+
+
+def weights_digest(path: str) -> str:
+    """One SHA-256 naming the weights at ``path``: a mimo_train checkpoint's is its
+    manifest's (which holds every file's), a transformers model directory's (or cached hub
+    name's) that of its weight files' names and digests."""
+    from mimo_train.families.base import model_directory
+    if os.path.isfile(os.path.join(path, MANIFEST)):
+        return file_sha256(os.path.join(path, MANIFEST))
+    directory = model_directory(path)
+    listing = "".join(f"{name}:{file_sha256(os.path.join(directory, name))}\n"
+                      for name in sorted(os.listdir(directory))
+                      if name.endswith((".safetensors", ".bin")))
+    return hashlib.sha256(listing.encode()).hexdigest()

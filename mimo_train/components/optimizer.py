@@ -49,7 +49,14 @@ def build_optimizer(cfg: TrainConfig, model) -> CheckedMimoOptimizer:
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    return CheckedMimoOptimizer(get_mimo_optimizer(model, config).module_infos, config)
+    optimizer = CheckedMimoOptimizer(get_mimo_optimizer(model, config).module_infos, config)
+    # megatron-core's schedulers take each parameter group's own rates over theirs: the
+    # module's (get_mimo_optimizer gives every module the one config's)
+    for name, info in optimizer.module_infos.items():
+        own = opt.of(name)
+        for group in info.optimizer.param_groups if info.optimizer is not None else ():
+            group["max_lr"], group["min_lr"] = own.lr, own.min_lr
+    return optimizer
 
 
 def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:

@@ -258,6 +258,21 @@ def _all_layer_names(names: dict, num_layers: int | None) -> set[str]:
     return found
 
 
+def bases(cfg) -> list[tuple[str, str]]:
+    """Where a LoRA run's fixed weights come from: ``(config key, path)`` of
+    ``model.init_from`` (which replaces the others), else of each pretrained checkpoint."""
+    model = cfg.model
+    if model.init_from:
+        return [("model.init_from", model.init_from)]
+    found = [("model.pretrained", model.pretrained)] if model.pretrained else []
+    if model.language.pretrained and model.language.pretrained != model.pretrained:
+        found.append(("model.language.pretrained", model.language.pretrained))
+    found += [(f"model.encoders.{name}.pretrained", spec.pretrained)
+              for name, spec in model.encoders.items()
+              if spec.pretrained and spec.pretrained != model.pretrained]
+    return found
+
+
 def spec_of(lora: dict, module: str, key: str) -> LoraConfig:
     """The ``model.lora`` entry of the adapter at state-dict key ``key`` of ``module``."""
     for part, prefix in _ENCODER_PARTS.items():

@@ -37,6 +37,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
+from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import Metrics, StepValues, Timer, eval_record
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
                                              check_modules, trained_optimizers)
@@ -50,6 +51,7 @@ from mimo_train.mcore.attention import available, choose
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
 from mimo_train.model.build import build_model, shared_placeholders, vocab_size
+from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
@@ -102,6 +104,7 @@ class Trainer:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
         self.step = 0
+        self.lora_bases: list[dict] | None = None  # a LoRA run's fixed weights: path, digest
         self.doing = "step 1"                   # what run() is doing: named if it fails
         self.stopped_by = 0                     # the exit signal that stopped the run
         self.failure: str | None = None         # why the run stopped early, failing
@@ -375,9 +378,15 @@ class Trainer:
         return checkpoint.TrainingState(self.model, self.trained, self.schedulers, self.loader)
 
     def _meta(self) -> dict:
-        return {"step": self.step, "layout": str(self.layout), "world_size": self.world,
+        meta = {"step": self.step, "layout": str(self.layout), "world_size": self.world,
                 "global_batch_size": self.cfg.train.global_batch_size,
                 "config": self.cfg.to_dict()}
+        if self.cfg.model.lora and self.rank == 0:       # rank 0 writes meta.json
+            if self.lora_bases is None:                  # hashed once, at the first save
+                self.lora_bases = [{"key": key, "path": path, "sha256": weights_digest(path)}
+                                   for key, path in bases(self.cfg)]
+            meta["lora_base"] = self.lora_bases
+        return meta
 
     def save(self) -> str:
         """Save at this step (with ``checkpoint.async_save``, started: ``saver.wait()`` ends

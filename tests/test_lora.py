@@ -1,0 +1,267 @@
+"""LoRA (``model.lora``) and per-module optimizer settings on a published checkpoint's replica
+(Qwen2-VL-2B's files, dims shrunk): adapters on every linear layer of the language model
+(megatron-core's fused ``linear_qkv`` / ``linear_fc1`` included) and on two kinds of the vision
+tower's layers (with random B, so that they change the model), the tower's optimizer at lr 0.
+
+- a LoRA run started (``model.init_from``) from a full checkpoint has step 1's loss of the model
+  without adapters (B zero) and trains only its adapters: every other weight is fixed;
+- a short LoRA fine-tune's loss falls, the records give each module's learning rate, the
+  checkpoint's fixed weights (base and the lr-0 tower's adapters) are bitwise those it started
+  from, and it resumes under another layout (tower on its own rank, language tp2) with the
+  uninterrupted losses;
+- the adapters' gradients of a colocated step equal those under language tp2 and under
+  language pp2, each with the tower on its own rank (fp32, 1e-5);
+- the export with the adapters merged gives mimo's logits (1e-4); the adapters alone, in
+  PEFT's format, loaded by ``peft.PeftModel.from_pretrained`` on the published base give the
+  same logits; ``mimo-generate`` gives the same tokens from either.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+
+from conftest import MODELS, build_dataset
+from runs import assert_continues, compare, copy_checkpoint, step, train
+from vlm_runs import logits
+
+BASE = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
+SAMPLES = 4
+LAYOUT = "layout=language=dp1;image=dp1,off0"
+LORA = ("model.lora={language: {rank: 4, alpha: 8}, image: {rank: 2, alpha: 4, "
+        "targets: [attn.qkv, mlp.fc2], init_lora_weights: false}}")
+TRAIN_STEPS = 6
+LOGITS_TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(corpus, tmp_path_factory) -> dict:
+    """Shards of four conversations (two images over two turns, text only, one image each)
+    and the overrides every run shares."""
+    import yaml
+
+    from mimo_train.families.registry import preprocessing_for
+    tmp = tmp_path_factory.mktemp("lora")
+    images = corpus / "images"
+    records = [
+        {"id": "two", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
+         "conversations": [
+             {"from": "human", "value": "<image>What animal is this?"},
+             {"from": "gpt", "value": "A cat, lying down."},
+             {"from": "human", "value": "<image>And here?"},
+             {"from": "gpt", "value": "A rocket on its launch pad."}]},
+        {"id": "text", "conversations": [
+            {"from": "human", "value": "What is a tar file?"},
+            {"from": "gpt", "value": "An archive of files."}]},
+        {"id": "page", "image": str(images / "page.png"), "conversations": [
+            {"from": "human", "value": "<image>Read the page."},
+            {"from": "gpt", "value": "A page of printed text."}]},
+        {"id": "hopper", "image": str(images / "grace_hopper.jpg"), "conversations": [
+            {"from": "human", "value": "<image>Who is this?"},
+            {"from": "gpt", "value": "Grace Hopper, in uniform."}]}]
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    config = preprocessing_for(str(BASE))
+    config["modalities"].pop("video", None)
+    config["modalities"]["image"]["max_pixels"] = 37632
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump({**config, "seq_length": 2048}))
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={BASE}", "model.freeze=[]",
+              f"train.global_batch_size={SAMPLES}", "train.device=cpu",
+              "optimizer.warmup_steps=0", "train.seed=3"]
+    return dict(tmp=tmp, preprocess=preprocess, common=common)
+
+
+def _step(ranks, setup, name: str, *overrides, nproc: int = 1, layout: str = LAYOUT,
+          **flags) -> dict:
+    """One step at lr 0 (``runs.step``), one sample per micro-batch."""
+    return step(ranks, setup["tmp"] / name, nproc, layout, "train.micro_batch_size=1",
+                *setup["common"], "train.steps=1", "optimizer.lr=0", "optimizer.min_lr=0",
+                *overrides, **flags)
+
+
+@pytest.fixture(scope="module")
+def full_init(ranks, setup) -> tuple[dict, str]:
+    """The imported model's step without adapters, and its checkpoint (step 0, no adapters)."""
+    result = _step(ranks, setup, "full", save_init=setup["tmp"] / "full-init")
+    return result, str(setup["tmp"] / "full-init" / "step_0000000")
+
+
+@pytest.fixture(scope="module")
+def finetune(ranks, setup) -> tuple[list[dict], Path]:
+    """The LoRA fine-tune (colocated, one rank): its records and checkpoint.dir (steps 3, 6)."""
+    checkpoints = setup["tmp"] / "checkpoints"
+    records = train(ranks, setup["tmp"], "finetune", "qwen2_vl_finetune.yaml", LAYOUT,
+                    f"checkpoint.dir={checkpoints}", "checkpoint.interval=3",
+                    *setup["common"], LORA, f"train.steps={TRAIN_STEPS}",
+                    "train.micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.min_lr=1e-3",
+                    "optimizer.modules={image: {lr: 0}}", nproc=1)
+    return records, checkpoints
+
+
+def test_a_lora_run_from_a_full_checkpoint_starts_at_its_loss(ranks, setup, full_init):
+    """B is zero at the start: the adapted model is the model; only adapters train."""
+    full, init = full_init
+    lora = _step(ranks, setup, "lora-start", LORA, "model.lora.image.init_lora_weights=true",
+                 f"model.init_from={init}")
+    assert lora["tokens"] == full["tokens"] > 0
+    assert lora["loss_sum"] / lora["tokens"] == pytest.approx(
+        full["loss_sum"] / full["tokens"], abs=1e-6)
+    for module, grads in lora["grads"].items():
+        assert grads and all(".lora." in name for name in grads), module
+    fixed = lora["ranks"][0]["fixed"]
+    assert len(fixed["language"]) == len(full["grads"]["language"])   # every weight of its own
+    assert all(".lora." not in name for names in fixed.values() for name in names)
+    # B zero: A's gradients are zero, B's are not
+    language = lora["grads"]["language"]
+    assert all(g.abs().sum() == 0 for n, g in language.items() if n.endswith("lora.a.weight"))
+    assert all(g.abs().sum() > 0 for n, g in language.items() if n.endswith("lora.b.weight"))
+
+
+def test_lora_finetune_loss_falls_with_each_modules_learning_rate(finetune):
+    records, _ = finetune
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == TRAIN_STEPS
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [r["loss"] for r in steps]
+    for record in steps:
+        assert set(record["lrs"]) == {"language", "image"}
+        assert record["lrs"]["image"] == 0.0
+        assert record["lrs"]["language"] == record["lr"] > 0
+
+
+def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, finetune):
+    """Against the run's starting weights (the same config's step 0, saved): the base and the
+    lr-0 tower (its adapters included) unchanged, the language adapters moved; the
+    checkpoint names its base by path and digest."""
+    from mimo_train.components.checkpoint import load_weights
+    from mimo_train.components.digests import weights_digest
+    _, checkpoints = finetune
+    _step(ranks, setup, "lora-init", LORA, save_init=setup["tmp"] / "lora-init")
+    start = load_weights(str(setup["tmp"] / "lora-init" / "step_0000000"))
+    end = load_weights(str(checkpoints / f"step_{TRAIN_STEPS:07d}"))
+    moved = []
+    for module, tensors in start.items():
+        assert set(end[module]) == set(tensors)
+        for key, tensor in tensors.items():
+            if torch.equal(end[module][key], tensor):
+                continue
+            assert module == "language" and ".lora." in key, f"{module}.{key} changed"
+            moved.append(key)
+    assert sorted(moved) == sorted(k for k in start["language"] if ".lora." in k)
+    assert any(".lora." in k for k in start["image"])
+    meta = json.loads((checkpoints / f"step_{TRAIN_STEPS:07d}" / "meta.json").read_text())
+    assert meta["lora_base"] == [{"key": "model.pretrained", "path": str(BASE),
+                                  "sha256": weights_digest(str(BASE))}]
+
+
+def test_lora_resumes_under_another_layout(ranks, setup, finetune):
+    records, checkpoints = finetune
+    resumed_dir = copy_checkpoint(checkpoints / "step_0000003", setup["tmp"] / "resumed")
+    resumed = train(ranks, setup["tmp"], "resumed", "qwen2_vl_finetune.yaml",
+                    "layout=image=dp1;language=tp2", f"checkpoint.dir={resumed_dir}",
+                    *setup["common"], LORA, f"train.steps={TRAIN_STEPS}",
+                    "train.micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.min_lr=1e-3",
+                    "optimizer.modules={image: {lr: 0}}", nproc=3)
+    assert_continues(resumed, records, [4, 5, 6], loss=1e-4, grad_norm_rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def trained_step(ranks, setup, finetune) -> tuple[dict, str]:
+    """A colocated step from the fine-tune's step 3 (adapters A and B both non-zero)."""
+    _, checkpoints = finetune
+    init = str(checkpoints / "step_0000003")
+    return _step(ranks, setup, "trained-colocated", LORA, f"model.init_from={init}"), init
+
+
+@pytest.mark.parametrize("language", ["tp2", "pp2"])
+def test_lora_gradients_match_under_language_parallelism(ranks, setup, trained_step, language):
+    reference, init = trained_step
+    other = _step(ranks, setup, f"trained-{language}", LORA, f"model.init_from={init}",
+                  nproc=3, layout=f"layout=image=dp1;language={language}")
+    compare(reference, other, f"image dp1 -> language {language}")
+
+
+def _transformers_logits(model, batch: dict, preprocess: Path) -> torch.Tensor:
+    """transformers' logits on a padded micro-batch of mimo's loader."""
+    config = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
+    length = int(batch["attention_mask"].sum(1).max())
+    ids = batch["input_ids"][:, :length]
+    images = batch["modality_inputs"]["image"]["image"]
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
+                     pixel_values=normalize_pixels(images["pixel_values"], config),
+                     image_grid_thw=images["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
+
+
+def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpus):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mimo_train.hf.export import main
+    from mimo_train.hf.generate import Generator
+    _, checkpoints = finetune
+    final = checkpoints / f"step_{TRAIN_STEPS:07d}"
+    merged, adapters = setup["tmp"] / "merged", setup["tmp"] / "adapters"
+    assert main(["--checkpoint", str(final), "--output", str(merged)]) == 0
+    assert main(["--checkpoint", str(final), "--output", str(adapters), "--adapters"]) == 0
+    ours = logits(ranks, setup["tmp"], "lora-logits", setup["common"], LORA,
+                  f"model.init_from={final}")
+    batch = ours["batch"]
+    model = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).eval()
+    expected = _transformers_logits(model, batch, setup["preprocess"])
+    length, vocab = expected.shape[1:]
+    mask = batch["attention_mask"][:, :length].bool()
+    assert (ours["logits"][:, :length, :vocab] - expected)[mask].abs().max() <= LOGITS_TOLERANCE
+    base = AutoModelForImageTextToText.from_pretrained(BASE, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, adapters).eval()
+    assert (_transformers_logits(peft, batch, setup["preprocess"]) - expected)[mask].abs().max() \
+        <= LOGITS_TOLERANCE
+    plain = AutoModelForImageTextToText.from_pretrained(BASE, dtype=torch.float32).eval()
+    assert (_transformers_logits(plain, batch, setup["preprocess"]) - expected)[mask].abs(
+        ).max() > 100 * LOGITS_TOLERANCE                  # the adapters change the model
+    config = json.loads((adapters / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and (config["r"], config["lora_alpha"]) == (4, 8)
+    assert set(config["rank_pattern"].values()) == {2}
+
+    image = str(corpus / "images" / "grace_hopper.jpg")
+    tokens = [Generator(str(path)).generate("Who is this?", images=[image],
+                                            max_new_tokens=6).token_ids
+              for path in (merged, adapters)]
+    assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+
+
+def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
+    """Its weights without the adapters are not the model it saved."""
+    from mimo_train.components.checkpoint import _check_adapters
+    from mimo_train.errors import CheckpointError
+    layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
+    saved = {layer + "weight", layer + "lora.a.weight", layer + "lora.b.weight"}
+    meta = {"config": {"model": {"lora": {"language": {"rank": 4}}}}}
+    _check_adapters(str(tmp_path), set(saved), saved, meta)          # the same adapters
+    with pytest.raises(CheckpointError, match="holds LoRA adapters .* on layers this run does "
+                       "not adapt, e.g. .*linear_qkv.lora.a.weight: give this run the same "
+                       "model.lora"):
+        _check_adapters(str(tmp_path), {layer + "weight"}, saved, meta)
+
+
+def test_module_settings_inherit_and_scale_min_lr(tmp_path):
+    from mimo_train.config import TrainConfig
+    cfg = TrainConfig.load(None, ["data.datasets=[x]", "optimizer.lr=1e-3",
+                                  "optimizer.min_lr=1e-4", "optimizer.warmup_steps=2",
+                                  "optimizer.modules={image: {lr: 1e-4}, audio: {lr: 0}, "
+                                  "language: {weight_decay: 0.1, min_lr: 0}}"])
+    image, audio, language = (cfg.optimizer.of(m) for m in ("image", "audio", "language"))
+    assert (image.lr, image.min_lr, image.warmup_steps) == (1e-4, pytest.approx(1e-5), 2)
+    assert (audio.lr, audio.min_lr) == (0, 0)
+    assert (language.lr, language.min_lr, language.weight_decay) == (1e-3, 0, 0.1)
+    assert cfg.optimizer.of("other") == cfg.optimizer.of("")
+    with pytest.raises(Exception, match="optimizer.modules.image.min_lr 0.1 must be in"):
+        TrainConfig.load(None, ["data.datasets=[x]", "optimizer.modules.image.min_lr=0.1"])
