@@ -49,6 +49,21 @@ def config(**changes) -> PreprocessConfig:
 
 
 @pytest.fixture(scope="module")
+def plain() -> Preprocessor:
+    """The default config's metadata-only preprocessor, shared by the tests that only call it
+    (each build loads and analyses the tokenizer: over a second). Its piece cache warms up
+    across them, which must not change a result (the tests of the cache itself, cold then
+    warm, build their own)."""
+    return Preprocessor(config(), with_media=False)
+
+
+@pytest.fixture(scope="module")
+def with_media() -> Preprocessor:
+    """The default config's preprocessor decoding media, shared likewise."""
+    return Preprocessor(config())
+
+
+@pytest.fixture(scope="module")
 def reference_tokenizer():
     """The tokenizer as transformers loads it, untouched by mimo."""
     return AutoTokenizer.from_pretrained(TOKENIZER)
@@ -97,9 +112,9 @@ def test_trained_tokens_are_exactly_assistant_text_and_eot(records, mode, refere
         assert not torch.isin(sample.labels, torch.tensor(placeholder_ids)).any()
 
 
-def test_chat_tokens_equal_the_reference_template_with_markers_expanded(records,
+def test_chat_tokens_equal_the_reference_template_with_markers_expanded(records, plain,
                                                                          reference_tokenizer):
-    preprocessor = Preprocessor(config(), with_media=False)
+    preprocessor = plain
     tokenizer = preprocessor.text.tokenizer
     marker = {"image": "<image>", "audio": "<audio>"}
     for record in records:
@@ -123,8 +138,8 @@ def test_chat_tokens_equal_the_reference_template_with_markers_expanded(records,
         assert "".join(pieces) == reference, record["key"]
 
 
-def test_placeholder_runs_match_token_counts_in_item_order(records):
-    preprocessor = Preprocessor(config(), with_media=False)
+def test_placeholder_runs_match_token_counts_in_item_order(records, plain):
+    preprocessor = plain
     ids_of = preprocessor.text.modality_token_ids
     for record in records:
         sample = preprocessor(record)
@@ -162,8 +177,8 @@ def test_metadata_only_equals_full_mode_on_the_whole_corpus(dataset, max_pixels)
     assert any(s.encoder_inputs for s in full_samples)
 
 
-def test_too_long_samples_are_dropped_and_counted(dataset, records):
-    unlimited = Preprocessor(config(), with_media=False)
+def test_too_long_samples_are_dropped_and_counted(dataset, records, plain):
+    unlimited = plain
     lengths = [len(unlimited(r).input_ids) for r in records]
     limit = sorted(lengths)[len(lengths) // 2]
     preprocessor = Preprocessor(config(seq_length=limit), with_media=False)
@@ -176,8 +191,8 @@ def test_too_long_samples_are_dropped_and_counted(dataset, records):
     assert all(len(s.input_ids) <= limit for s in kept)
 
 
-def test_truncate_turns_removes_whole_trailing_turns(records):
-    base = Preprocessor(config(), with_media=False)
+def test_truncate_turns_removes_whole_trailing_turns(records, plain):
+    base = plain
     record = next(r for r in records
                   if sum(m["role"] == "assistant" for m in r["messages"]) >= 2 and r["media"])
     full_length = len(base(record).input_ids)
@@ -222,8 +237,8 @@ def test_a_token_cache_error_while_truncating_names_its_sample(records, monkeypa
     assert caught.value.index == 1 and record["key"] in str(caught.value)
 
 
-def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records):
-    preprocessor = Preprocessor(config(), with_media=False)
+def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, plain):
+    preprocessor = plain
     record = next(r for r in records if not r["media"])
     prompt_only = dict(record, messages=[m for m in record["messages"]
                                          if m["role"] != "assistant"])
@@ -237,7 +252,7 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records):
     assert dropped.value.reason == "literal_special_token"
 
 
-def test_corrupt_media_is_dropped_and_counted(dataset, records):
+def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media):
     position = next(i for i, r in enumerate(records)
                     if r["media"] and r["media"][0]["format"] == "jpeg")
     record = records[position]
@@ -245,13 +260,13 @@ def test_corrupt_media_is_dropped_and_counted(dataset, records):
     member = record["media"][0]["member"]
     media[member] = media[member][: len(media[member]) // 3]
     with pytest.raises(SampleDropped) as dropped:
-        Preprocessor(config())(record, media)
+        with_media(record, media)
     assert dropped.value.reason == "corrupt_image"
     assert member in dropped.value.detail
 
 
-def test_generation_block_template_gives_the_same_masks_as_incremental_rendering(records):
-    plain = Preprocessor(config(), with_media=False)
+def test_generation_block_template_gives_the_same_masks_as_incremental_rendering(records,
+                                                                                   plain):
     template = plain.text.template.replace(
         "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}",
         "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
@@ -296,8 +311,8 @@ def test_template_that_changes_contents_masks_what_it_renders(records, reference
         assert trained_text(preprocessor.text.tokenizer, sample) == expected, record["key"]
 
 
-def test_contents_looking_like_skeleton_placeholders_are_plain_text(records):
-    preprocessor = Preprocessor(config(), with_media=False)
+def test_contents_looking_like_skeleton_placeholders_are_plain_text(records, plain):
+    preprocessor = plain
     record = text_record_with_answer_prefix(records, "\ue0000\ue001 and \ue0001\ue001")
     sample = preprocessor(record)
     assert trained_text(preprocessor.text.tokenizer, sample) == assistant_text(record)
@@ -368,11 +383,11 @@ def _faulty_records(records) -> list:
 @pytest.mark.parametrize("changes", [{}, {"mode": "caption"}, {"seq_length": 200,
                                                               "length_policy": "truncate_turns"},
                                      {"chat_template": "generation"}], ids=str)
-def test_a_batch_of_records_gives_each_record_its_own_result(records, changes):
+def test_a_batch_of_records_gives_each_record_its_own_result(records, plain, changes):
     """text_batch on a batch mixing good and faulty records equals each record alone (through
     the plain tokenizer): no fault, length policy or cache state leaks into another record."""
     if changes.get("chat_template") == "generation":
-        plain_template = Preprocessor(config(), with_media=False).text.template
+        plain_template = plain.text.template
         changes = {"chat_template": plain_template.replace(
             "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
             "'\n'}}", "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}"
@@ -394,7 +409,7 @@ def test_a_batch_of_records_gives_each_record_its_own_result(records, changes):
 @pytest.mark.parametrize("setting", ["padding", "truncation"])
 @pytest.mark.parametrize("cache_tokens", [True, False])
 def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
-        records, tmp_path, setting, cache_tokens):
+        records, plain, tmp_path, setting, cache_tokens):
     """A tokenizer.json saved with padding or truncation on (transformers keeps both) must
     not pad a batch of texts to its longest or cut a conversation at max_length."""
     import json
@@ -416,7 +431,7 @@ def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
     preprocessor = Preprocessor(changed, with_media=False,
                                 text=TextEncoder(changed, cache_tokens=cache_tokens))
     assert isinstance(preprocessor.text.backend, SegmentCachedTokenizer) == cache_tokens
-    reference = Preprocessor(config(), with_media=False)
+    reference = plain
     assert ([_text_result(r) for r in preprocessor.text_batch(records)] ==
             [_text_result(r) for r in reference.text_batch(records)])
     # The piece cache refuses such a tokenizer, the plain batch call a padding one.
@@ -434,8 +449,8 @@ def test_special_tokens_are_added_and_the_vocab_size_reported(reference_tokenize
                                                      len(reference_tokenizer) + 1}
 
 
-def test_collate_mixes_text_only_and_media_samples(dataset, records):
-    preprocessor = Preprocessor(config())
+def test_collate_mixes_text_only_and_media_samples(dataset, records, with_media):
+    preprocessor = with_media
     collate = Collator(preprocessor)
     picks = [next(i for i, r in enumerate(records) if not r["media"]),
              next(i for i, r in enumerate(records)
@@ -474,8 +489,9 @@ def test_fixed_resolution_images_have_constant_token_counts(dataset, records):
     Collator(preprocessor)([sample])
 
 
-def test_answer_starting_with_blank_lines_is_kept_with_only_the_blank_lines_untrained(records):
-    preprocessor = Preprocessor(config(), with_media=False)
+def test_answer_starting_with_blank_lines_is_kept_with_only_the_blank_lines_untrained(records,
+                                                                                      plain):
+    preprocessor = plain
     record = text_record_with_answer_prefix(records, "\n\n")
     sample = preprocessor(record)
     trained = trained_text(preprocessor.text.tokenizer, sample)
@@ -497,8 +513,8 @@ def test_caption_sample_ending_with_media_is_dropped_not_cut(records):
 
 
 @pytest.mark.parametrize("damage", ["no_messages", "bad_role", "item_without_size"])
-def test_malformed_records_are_dropped_with_a_reason(records, damage):
-    preprocessor = Preprocessor(config(), with_media=False)
+def test_malformed_records_are_dropped_with_a_reason(records, plain, damage):
+    preprocessor = plain
     record = copy.deepcopy(next(r for r in records if r["media"]))
     if damage == "no_messages":
         del record["messages"]
@@ -511,7 +527,7 @@ def test_malformed_records_are_dropped_with_a_reason(records, damage):
     assert dropped.value.reason == "malformed_record"
 
 
-def test_an_encoder_rank_decodes_only_its_own_modality(dataset, records):
+def test_an_encoder_rank_decodes_only_its_own_modality(dataset, records, with_media):
     position = next(i for i, r in enumerate(records)
                     if {m["modality"] for m in r["media"]} == {"image", "audio"})
     record = records[position]
@@ -523,15 +539,15 @@ def test_an_encoder_rank_decodes_only_its_own_modality(dataset, records):
     assert set(sample.encoder_inputs) == {"image"}
     assert sample.token_counts["audio"]         # the text still holds the audio placeholders
     with pytest.raises(SampleDropped):
-        Preprocessor(config())(record, media)
+        with_media(record, media)
 
 
-def test_preprocessor_pickles_as_its_config_and_modalities(records):
+def test_preprocessor_pickles_as_its_config_and_modalities(records, plain):
     import pickle
     original = Preprocessor(config(), with_media={"image"})
     copy_ = pickle.loads(pickle.dumps(original))
     assert copy_.media_modalities == {"image"} and copy_.config == original.config
-    metadata_only = Preprocessor(config(), with_media=False)
+    metadata_only = plain
     unpickled = pickle.loads(pickle.dumps(metadata_only))
     for record in records[:10]:
         a, b = metadata_only(record), unpickled(record)
