@@ -24,10 +24,11 @@ from mimo_data.shards.reader import ShardReader
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory, corpus_inputs) -> Path:
-    out = tmp_path_factory.mktemp("token-table") / "shards"
-    build_dataset(corpus_inputs, out, max_samples_per_shard=16)
-    return out
+def dataset(loader_corpus) -> Path:
+    """The session's corpus in shards of 16 (conftest.py), not a build of its own: the token
+    tables counted here are in each test's own cache directory, never the dataset's (where
+    the readers without one, here as in other modules, keep its sample table)."""
+    return loader_corpus
 
 
 @pytest.fixture
