@@ -36,8 +36,8 @@ from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
 from runs import assert_continues, compare, copy_checkpoint, train_records
-from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated_step as run_colocated,
-                      finetune as run_finetune, layout_step, logits, turns, weights)
+from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
+                      finetune as run_finetune, layout_step, turns, weights)
 
 VLM = REPO / "assets" / "models" / "tiny-qwen2-vl"
 MIN_PIXELS, MAX_PIXELS = 3136, 37632
@@ -131,9 +131,18 @@ def test_input_ids_are_the_checkpoint_tokenizers_with_the_processors_image_token
     assert ours.tolist().count(tokenizer.convert_tokens_to_ids("<|vision_start|>")) == 2
 
 
-def test_logits_match_transformers_padded_or_packed(ranks, vlm_data):
+@pytest.fixture(scope="module")
+def colocated(ranks, vlm_data) -> tuple[dict, dict, str]:
+    """One colocated job: the model's logits on its first micro-batch, padded (``logits``), the
+    step's loss and gradients on it, and the imported model's checkpoint (step 0, before any
+    training) every other layout starts from."""
+    tmp, _, common = vlm_data
+    return run_colocated(ranks, tmp, "language=dp1;image=dp1,off0", common)
+
+
+def test_logits_match_transformers_padded_or_packed(ranks, vlm_data, colocated):
     tmp, preprocess, common = vlm_data
-    padded = logits(ranks, tmp, "padded", common)
+    padded = colocated[0]
     batch = padded["batch"]
     grids = batch["modality_inputs"]["image"]["image"]["image_grid_thw"]
     assert len(grids) == 4 and len({tuple(g) for g in grids.tolist()}) >= 3   # image sizes
@@ -145,11 +154,9 @@ def test_logits_match_transformers_padded_or_packed(ranks, vlm_data):
 
 
 @pytest.fixture(scope="module")
-def colocated_step(ranks, vlm_data) -> tuple[dict, str]:
-    """One colocated step's loss and gradients, and the imported model's checkpoint (step 0,
-    before any training) every other layout starts from."""
-    tmp, _, common = vlm_data
-    return run_colocated(ranks, tmp, "language=dp1;image=dp1,off0", common)
+def colocated_step(colocated) -> tuple[dict, str]:
+    """The colocated job's step (loss and gradients), and the imported model's checkpoint."""
+    return colocated[1], colocated[2]
 
 
 def test_layouts_match_the_colocated_step(ranks, vlm_data, colocated_step):

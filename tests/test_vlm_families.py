@@ -35,8 +35,8 @@ from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
 from runs import compare, train_records
-from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated_step as run_colocated,
-                      finetune, layout_step, logits, turns, weights)
+from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
+                      finetune, layout_step, turns, weights)
 
 MODELS = REPO / "assets" / "models"
 MAX_PIXELS = 37632                  # a smaller budget than the processor's, for speed
@@ -151,9 +151,16 @@ def test_input_ids_and_pixels_are_the_processors(family, corpus):
     assert torch.equal(normalize_pixels(inputs["pixel_values"], image), theirs["pixel_values"])
 
 
-def test_logits_match_transformers_padded_or_packed(ranks, family):
+@pytest.fixture(scope="module")
+def colocated(ranks, family) -> tuple[dict, dict, str]:
+    """One colocated job: the model's logits on its first micro-batch, padded, the step's
+    loss and gradients on it, and the imported model's checkpoint (step 0)."""
+    return run_colocated(ranks, family["tmp"], "language=dp1;image=dp1,off0", family["common"])
+
+
+def test_logits_match_transformers_padded_or_packed(ranks, family, colocated):
     tmp, common = family["tmp"], family["common"]
-    padded = logits(ranks, tmp, "padded", common)
+    padded = colocated[0]
     batch = padded["batch"]
     image = batch["modality_inputs"]["image"]["image"]
     model = _model(family, family["checkpoint"])
@@ -171,8 +178,8 @@ def test_logits_match_transformers_padded_or_packed(ranks, family):
 
 
 @pytest.fixture(scope="module")
-def colocated_step(ranks, family) -> tuple[dict, str]:
-    return run_colocated(ranks, family["tmp"], "language=dp1;image=dp1,off0", family["common"])
+def colocated_step(colocated) -> tuple[dict, str]:
+    return colocated[1], colocated[2]
 
 
 def test_layouts_match_the_colocated_step(ranks, family, colocated_step):

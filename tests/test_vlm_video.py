@@ -36,8 +36,7 @@ from mimo_train.training.step import _shared_placeholders
 
 from conftest import REPO, build_dataset
 from runs import compare
-from vlm_runs import (TOLERANCE, colocated_step as run_colocated, layout_step, logits,
-                      video_processor)
+from vlm_runs import TOLERANCE, colocated as run_colocated, layout_step, video_processor
 
 MODELS = REPO / "assets" / "models"
 CHECKPOINTS = {"qwen2-vl": MODELS / "tiny-qwen2-vl", "qwen2.5-vl": MODELS / "tiny-qwen2.5-vl"}
@@ -313,12 +312,20 @@ def _hf_logits(model, run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]
     return logits, mask
 
 
-def test_logits_match_transformers_on_videos_and_images(ranks, run_data, reference,
+@pytest.fixture(scope="module")
+def colocated(ranks, run_data) -> tuple[dict, dict, str]:
+    """One colocated job: the model's logits on its first micro-batch (the four conversations,
+    padded), the step's loss and gradients on it, and the imported model's checkpoint (step 0)
+    the other runs start from."""
+    return run_colocated(ranks, run_data["tmp"], "language=dp1;image=dp1,off0,video",
+                         run_data["common"], micro_batch=SAMPLES)
+
+
+def test_logits_match_transformers_on_videos_and_images(run_data, colocated, reference,
                                                         corpus_videos):
     """Colocated, one process: a batch of the four conversations, padded."""
     tmp = run_data["tmp"]
-    out = logits(ranks, tmp, "logits", run_data["common"],
-                 layout="language=dp1;image=dp1,off0,video", micro_batch=SAMPLES)
+    out = dict(colocated[0])
     ids_of = _ids_by_key(tmp / "shards")
     # loader keys are "<dataset index>/<shard key>"
     out["clips"] = {key: [corpus_videos[c] for c in
@@ -339,11 +346,9 @@ def _ids_by_key(shards: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def colocated_step(ranks, run_data) -> tuple[dict, str]:
-    """One colocated step's loss and gradients, and the imported model's checkpoint (step 0)
-    the other runs start from."""
-    return run_colocated(ranks, run_data["tmp"], "language=dp1;image=dp1,off0,video",
-                         run_data["common"], micro_batch=SAMPLES)
+def colocated_step(colocated) -> tuple[dict, str]:
+    """The colocated job's step (loss and gradients), and the imported model's checkpoint."""
+    return colocated[1], colocated[2]
 
 
 def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, colocated_step):

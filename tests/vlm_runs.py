@@ -5,9 +5,12 @@ module imports another:
 - ``logits``: the model mimo builds, forward on its loader's first micro-batch
   (``tests/vlm_logits_run.py`` on one forked rank), and ``assert_packed_logits``: packed rows
   against transformers' padded ones;
+- ``colocated``: in one job, those logits and the colocated step on the same micro-batch (its
+  loss and gradients, as ``runs.step`` gives them), the imported model saved first (the
+  weights every other layout starts from);
 - ``colocated_step`` / ``layout_step``: one step of ``tests/train_parity_run.py`` colocated
-  (the imported model saved first: the weights every other layout starts from) and under
-  another layout (``runs.step``), compared with ``runs.compare``;
+  (the imported model saved first) and under another layout (``runs.step``), compared with
+  ``runs.compare``;
 - ``finetune``: a shipped fine-tune config on the test shards (``runs.train``);
 - ``weights``: an export's tensors; ``turns``: ShareGPT turns; ``video_processor``:
   transformers' Qwen2-VL video processor for a ``VideoConfig``.
@@ -21,7 +24,7 @@ import pytest
 import torch
 
 from launch import TESTS, Ranks
-from runs import step, train
+from runs import merged, step, train
 
 LOGITS_RUNNER = TESTS / "vlm_logits_run.py"
 TOLERANCE = 1e-4                # fp32 logits of mimo's model against transformers' class
@@ -60,6 +63,18 @@ def assert_packed_logits(ranks: Ranks, tmp: Path, common: list[str], batch: dict
                   and torch.equal(batch["input_ids"][r, :end - start], ids)]
         difference = packed["logits"][0, start:end, :vocab] - expected[row, :end - start]
         assert difference.abs().max() <= TOLERANCE, row
+
+
+def colocated(ranks: Ranks, tmp: Path, layout: str, common: list[str],
+              micro_batch: int = SAMPLES) -> tuple[dict, dict, str]:
+    """``logits``' output (colocated, ``layout``), the colocated step's loss and gradients on
+    that micro-batch (``tmp/colocated``, as ``colocated_step``'s) and the imported model's
+    checkpoint (step 0: ``tmp/init``), from one job: the one-rank Trainer is built once."""
+    out = tmp / "colocated"
+    ranks.run(1, [LOGITS_RUNNER, out, "--save-init", tmp / "init", "--step", f"layout={layout}",
+                  f"train.micro_batch_size={micro_batch}", *common], out / "logs").check()
+    return (torch.load(out / "logits.pt", weights_only=False), merged(out),
+            str(tmp / "init" / "step_0000000"))
 
 
 def colocated_step(ranks: Ranks, tmp: Path, layout: str, common: list[str],
