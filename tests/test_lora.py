@@ -10,7 +10,8 @@ tower's layers (with random B, so that they change the model), the tower's optim
   from, and it resumes under another layout (tower on its own rank, language tp2) with the
   uninterrupted losses;
 - the adapters' gradients of a colocated step equal those under language tp2 and under
-  language pp2, each with the tower on its own rank (fp32, 1e-5);
+  language pp2, each with the tower on its own rank, and under the tower's fan-in (image dp2
+  into language dp1) (fp32, 1e-5);
 - the export with the adapters merged gives mimo's logits (1e-4); the adapters alone, in
   PEFT's format, loaded by ``peft.PeftModel.from_pretrained`` on the published base give the
   same logits; ``mimo-generate`` gives the same tokens from either.
@@ -180,12 +181,15 @@ def trained_step(ranks, setup, finetune) -> tuple[dict, str]:
     return _step(ranks, setup, "trained-colocated", LORA, f"model.init_from={init}"), init
 
 
-@pytest.mark.parametrize("language", ["tp2", "pp2"])
-def test_lora_gradients_match_under_language_parallelism(ranks, setup, trained_step, language):
+@pytest.mark.parametrize("layout", ["image=dp1;language=tp2", "image=dp1;language=pp2",
+                                    "image=dp2;language=dp1"])
+def test_lora_gradients_match_under_other_layouts(ranks, setup, trained_step, layout):
+    """Language tp2 and pp2 with the tower on its own rank; the tower's fan-in (dp2)."""
     reference, init = trained_step
-    other = _step(ranks, setup, f"trained-{language}", LORA, f"model.init_from={init}",
-                  nproc=3, layout=f"layout=image=dp1;language={language}")
-    compare(reference, other, f"image dp1 -> language {language}")
+    other = _step(ranks, setup, layout.replace(";", "-"), LORA, f"model.init_from={init}",
+                  "train.micro_batch_size=2" if "image=dp2" in layout else
+                  "train.micro_batch_size=1", nproc=3, layout=f"layout={layout}")
+    compare(reference, other, layout)
 
 
 def _transformers_logits(model, batch: dict, preprocess: Path) -> torch.Tensor:

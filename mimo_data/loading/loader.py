@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.collate import BatchMetadata, Collator
 from mimo_data.loading.balance import BALANCE, Arrangement
 from mimo_data.loading.packing import Packing, next_fit
@@ -127,11 +128,13 @@ class DataSource:
     ``partition``: compute missing token tables split over the ranks of a job (a collective:
     every rank of it opens the DataSource); ``cache_dir``: where tables go when a dataset
     directory is read-only or remote (``MIMO_CACHE_DIR`` overrides it); ``storage_options``:
-    the fsspec options of datasets given as URLs."""
+    the fsspec options of datasets given as URLs; ``text``: the config's ``TextEncoder`` when
+    the caller has one already (building one loads and analyses the tokenizer: seconds)."""
 
     def __init__(self, directories, preprocess_config, weights=None, num_workers: int = 0,
                  progress: bool = False, cache_dir: str | None = None,
-                 partition: Partition | None = None, storage_options: dict | None = None):
+                 partition: Partition | None = None, storage_options: dict | None = None,
+                 text: TextEncoder | None = None):
         directories = [directories] if isinstance(directories, (str, os.PathLike)) \
             else list(directories)
         if not directories:
@@ -148,7 +151,7 @@ class DataSource:
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
             return ([ShardReader(d, cache_dir, storage_options) for d in self.directories],
-                    Preprocessor(self.config, with_media=False))
+                    Preprocessor(self.config, with_media=False, text=text))
         opened: tuple[list[ShardReader], Preprocessor] = (
             open_readers() if partition is None else partition.together(open_readers))
         self.readers, self.metadata = opened

@@ -315,7 +315,7 @@ def _adapt(model, cfg: TrainConfig, infra: Infra, frozen: dict) -> dict[str, str
     """Put ``model.lora``'s adapters on this rank's modules; module name -> the prefix of the
     parameters that adapters replace in training (their part's, "": the whole module)."""
     adapted: dict[str, str] = {}
-    for part in parts(cfg.model.lora, infra.modules):
+    for part in parts(cfg.model.lora, infra.layout, cfg.model.language.num_layers):
         clash = part.module in frozen and (frozen[part.module] in (None, part.prefix)
                                            or not part.prefix)
         if clash:
@@ -325,8 +325,7 @@ def _adapt(model, cfg: TrainConfig, infra: Infra, frozen: dict) -> dict[str, str
         if part.module not in infra.local:
             continue
         add_adapters(module_of(model, part.module), part, cfg.train.seed,
-                     layer_offset(infra, part.module, cfg.model.language.num_layers),
-                     cfg.model.language.num_layers)
+                     layer_offset(infra, part.module, cfg.model.language.num_layers))
         adapted[part.module] = part.prefix if part.module not in adapted else ""
     return adapted
 

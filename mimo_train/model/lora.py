@@ -48,6 +48,9 @@ from mimo_train.mcore import ColumnParallelLinear, RowParallelLinear, apply_swig
 from mimo_train.model.parts import global_key
 
 ALL_LINEAR = "all-linear"
+# the linear layers of each decoder layer of mimo's language model (megatron-core's local spec)
+LANGUAGE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                    "mlp.linear_fc1", "mlp.linear_fc2")
 _ADAPTER = re.compile(r"(^|\.)lora\.[ab]\.")
 # an encoder module's parts -> where they sit in it, and the prefix of their layers' names
 _ENCODER_PARTS = {"encoder": "encoders.", "projection": "input_projections."}
@@ -66,17 +69,27 @@ class Part(NamedTuple):
     name: str                  # as model.lora names it
 
 
-def parts(lora: dict, modules) -> list[Part]:
-    """The parts ``model.lora`` names, checked against the layout's ``modules``."""
+def parts(lora: dict, layout, num_layers: int | None) -> list[Part]:
+    """The parts ``model.lora`` names, checked against the layout (on every rank, the
+    language model's targets and TP split too: a rank's model may lack the module)."""
+    modules = [m.name for m in layout.modules]
     found = []
     for entry, spec in lora.items():
         module, _, part = entry.partition(".")
         if module not in modules or (part and (part not in _ENCODER_PARTS or module == LANGUAGE)):
             raise TrainConfigError(
                 f"model.lora names {entry!r}, not a module of the layout nor an encoder "
-                f"module's part: use one of {list(modules)}, or <module>.encoder / "
+                f"module's part: use one of {modules}, or <module>.encoder / "
                 "<module>.projection for an encoder module")
         found.append(Part(module, _ENCODER_PARTS[part] if part else "", spec, entry))
+        if module == LANGUAGE:
+            names = {f"decoder.layers.{i}.{n}" for i in range(num_layers or 0)
+                     for n in LANGUAGE_LINEARS}
+            _check_targets(found[-1], names)
+            tp = layout.module(LANGUAGE).tp
+            if spec.rank % tp:          # A of a column-parallel layer is split by its rows
+                raise TrainConfigError(f"model.lora: rank {spec.rank} does not split over the "
+                                       f"language model's tp {tp}: make it a multiple of {tp}")
     for one in found:
         for other in found:
             if one is not other and one.module == other.module and \
@@ -122,10 +135,6 @@ class ParallelLoraAdapter(torch.nn.Module):
     def __init__(self, base, spec: LoraConfig, seed: int):
         super().__init__()
         column = isinstance(base, ColumnParallelLinear)
-        tp = base.tp_group.size() if base.tp_group is not None else 1
-        if column and spec.rank % tp:
-            raise TrainConfigError(f"model.lora: rank {spec.rank} does not split over the "
-                                   f"language model's tp {tp}: make it a multiple of {tp}")
         torch.manual_seed(seed)       # the master weights are drawn whole, then split: any TP
         a_init = _initializer(lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
         b_init = _initializer(torch.nn.init.zeros_ if spec.init_lora_weights else
@@ -210,11 +219,11 @@ def matches(target: str, name: str) -> bool:
         fnmatch.fnmatchcase(name, target)
 
 
-def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int,
-                 num_layers: int | None) -> list[str]:
+def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int
+                 ) -> list[str]:
     """Put adapters on the targeted linear layers of ``part`` of ``module`` (this rank's,
     not yet DDP-wrapped); returns their names (global). ``layer_offset``: the global number of
-    the stage's first layer; ``num_layers``: the language model's (to check the targets)."""
+    the stage's first layer."""
     language = part.module == LANGUAGE
     root = module
     if part.prefix == "encoders.":
@@ -223,12 +232,8 @@ def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: i
         root = module.input_projections[0]
     layers = _linears(root, language)
     names = {(global_key(f"{n}.w", layer_offset)[:-2] if language else n): n for n in layers}
-    everywhere = _all_layer_names(names, num_layers) if language else set(names)
-    for target in part.spec.targets:
-        if not any(matches(target, n) for n in everywhere):
-            shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in everywhere})
-            raise TrainConfigError(f"model.lora.{part.name}.targets has {target!r}, which names "
-                                   f"none of its linear layers: {shown[:12]}")
+    if not language:                  # the language model's: checked by parts on every rank
+        _check_targets(part, set(names))
     adapted = []
     for name, local in names.items():
         if not any(matches(t, name) for t in part.spec.targets):
@@ -248,14 +253,13 @@ def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: i
     return adapted
 
 
-def _all_layer_names(names: dict, num_layers: int | None) -> set[str]:
-    """The layer names of the whole language model from one stage's (every stage holds the
-    same layers)."""
-    found = set()
-    for name in names:
-        match = re.match(r"^(decoder\.layers\.)\d+(\..*)$", name)
-        found |= {f"{match[1]}{i}{match[2]}" for i in range(num_layers or 0)} if match else {name}
-    return found
+def _check_targets(part: Part, names: set[str]) -> None:
+    """Every target of ``part`` names one of its linear layers ``names``."""
+    for target in part.spec.targets:
+        if not any(matches(target, n) for n in names):
+            shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
+            raise TrainConfigError(f"model.lora.{part.name}.targets has {target!r}, which names "
+                                   f"none of its linear layers: {shown[:12]}")
 
 
 def bases(cfg) -> list[tuple[str, str]]:

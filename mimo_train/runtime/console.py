@@ -66,6 +66,9 @@ _WARNINGS = (
     (DeprecationWarning, r"`torch\.jit\.script(_method)?` is deprecated", r""),
     (DeprecationWarning, r"The following imports from `dynamic_context\.py` will be removed",
      r"megatron\."),
+    # megatron-core's MLP built from the local spec, which passes no ffn_hidden_size
+    (DeprecationWarning, r"MLP requires ffn_hidden_size, but it was not provided",
+     r"megatron\."),
 )
 
 # logger name -> message regexes dropped from it (warnings sent through ``logging``)

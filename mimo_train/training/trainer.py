@@ -1,9 +1,9 @@
 """Set-up and training loop: ``train(cfg)`` on every rank of a ``torchrun`` job.
 
-Set-up runs in phases (``console.phase``: device, config, process groups, model, init_from check
-and init_from, data, checkpoint check and resume); each ends with every rank agreeing on
-success, so a bad config, missing shards, a vocab smaller than the tokenizer or a damaged
-checkpoint stops every rank with one gathered message instead of leaving the healthy ranks
+Set-up runs in phases (``console.phase``: device, config, process groups, model, optimizer,
+init_from check and init_from, data, checkpoint check and resume); each ends with every rank
+agreeing on success, so a bad config, missing shards, a vocab smaller than the tokenizer or a
+damaged checkpoint stops every rank with one gathered message instead of leaving the healthy ranks
 waiting in a collective. Rank 0 prints one line per phase with its seconds.
 
 The loop (``Trainer.run``): megatron-core's multimodule 1F1B schedule
@@ -94,12 +94,16 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem), start)
-        self.preprocess, self.layout, text = phase(
+        self.preprocess, self.layout, self.text = phase(
             "config", "config, tokenizer and shards checked", self._read_config)
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
-        phase("model", lambda _: f"model and optimizer built ({self.attention.describe()})",
-              lambda: self._build(text))
+        # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
+        # optimizer's and schedule's set-up holds collectives of the whole world
+        phase("model", lambda _: f"model built ({self.attention.describe()})",
+              lambda: self._build_model(self.text))
+        phase("optimizer", "optimizer and schedule ready", lambda: self._build_optimizer(
+            self.text))
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
@@ -134,8 +138,8 @@ class Trainer:
             check_preprocessing(read_vlm(self.cfg.model.pretrained), preprocess, text.tokenizer)
         return preprocess, layout, text
 
-    def _build(self, text) -> None:
-        """Model, its checkpoint part, optimizer, LR schedulers, the schedule's wiring."""
+    def _build_model(self, text) -> None:
+        """This rank's modules of the model (no collective spanning modules)."""
         cfg = self.cfg
         self.attention = choose(cfg.model.attention, run_dtype(cfg.train.precision),
                                 available(self.device))
@@ -147,9 +151,13 @@ class Trainer:
         self.model = build_model(cfg, self.infra, self.preprocess, text.vocab_size,
                                  text.modality_token_ids, self.device, self.attention)
         self.modules = local_modules(self.model, self.infra)
+        check_modules(cfg, self.infra.modules)
+
+    def _build_optimizer(self, text) -> None:
+        """Optimizer, LR schedulers, the schedule's wiring."""
+        cfg = self.cfg
         self.optimizer = build_optimizer(cfg, self.model)
         self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
-        check_modules(cfg, self.infra.modules)
         self.schedulers, notes = build_schedulers(cfg, self.trained)
         for note in notes:
             say(PREFIX + note)
@@ -193,7 +201,7 @@ class Trainer:
             return DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
                               progress=self.rank == 0, cache_dir=cfg.data.cache_dir,
                               partition=partition,
-                              storage_options=cfg.data.storage_options)
+                              storage_options=cfg.data.storage_options, text=self.text)
 
         def loader(opened: DataSource):
             return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,
