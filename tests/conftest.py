@@ -40,10 +40,10 @@ SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
 # The files that take longest (multi-rank runs), collected first: the two xdist workers of
 # ``make test`` take whole files in collection order, and a long file started last would run
 # alone at the end. The durations the suite prints say which these are.
-LONGEST_FIRST = ("test_train_run.py", "test_anomalies.py", "test_train_parity.py",
-                 "test_vlm_families.py", "test_train_startup.py", "test_multinode.py",
-                 "test_dtypes.py", "test_published_checkpoints.py", "test_vlm_video.py",
-                 "test_vlm.py")
+LONGEST_FIRST = ("test_train_run.py", "test_published_checkpoints.py", "test_lora.py",
+                 "test_train_parity.py", "test_vlm_families.py", "test_vlm_video.py",
+                 "test_train_startup.py", "test_dtypes.py", "test_multinode.py", "test_vlm.py",
+                 "test_anomalies.py")
 
 
 def pytest_collection_modifyitems(items) -> None:
