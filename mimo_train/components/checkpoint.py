@@ -313,7 +313,7 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
     adapt is refused: its weights without them are not the model it saved."""
-    for key in saved:
+    for key in sorted(saved):
         if is_adapter(key) and key not in wanted:
             layer = key[:key.index("lora.")]
             if any(k and k.startswith(layer) and not is_adapter(k) for k in wanted):

@@ -219,11 +219,9 @@ def matches(target: str, name: str) -> bool:
         fnmatch.fnmatchcase(name, target)
 
 
-def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int
-                 ) -> list[str]:
+def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int) -> None:
     """Put adapters on the targeted linear layers of ``part`` of ``module`` (this rank's,
-    not yet DDP-wrapped); returns their names (global). ``layer_offset``: the global number of
-    the stage's first layer."""
+    not yet DDP-wrapped). ``layer_offset``: the global number of the stage's first layer."""
     language = part.module == LANGUAGE
     root = module
     if part.prefix == "encoders.":
@@ -234,7 +232,6 @@ def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: i
     names = {(global_key(f"{n}.w", layer_offset)[:-2] if language else n): n for n in layers}
     if not language:                  # the language model's: checked by parts on every rank
         _check_targets(part, set(names))
-    adapted = []
     for name, local in names.items():
         if not any(matches(t, name) for t in part.spec.targets):
             continue
@@ -249,8 +246,6 @@ def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: i
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
                                                       part.spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
-        adapted.append(name)
-    return adapted
 
 
 def _check_targets(part: Part, names: set[str]) -> None:
