@@ -15,6 +15,9 @@ tower's layers (with random B, so that they change the model), the tower's optim
 - the export with the adapters merged gives mimo's logits (1e-4); the adapters alone, in
   PEFT's format, loaded by ``peft.PeftModel.from_pretrained`` on the published base give the
   same logits; ``mimo-generate`` gives the same tokens from either.
+
+Its jobs are its own (no existing run builds adapters): one fine-tune, whose checkpoints every
+later job starts from (``model.init_from``), and one-step jobs at lr 0 (``runs.step``).
 """
 
 from __future__ import annotations
