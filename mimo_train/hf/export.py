@@ -21,6 +21,10 @@ the checkpoint's processor config files and generation config, plus ``preprocess
 (tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower, the
 family's projection and the language model only (no other encoder module).
 
+A LoRA run (``model.lora``) is written with its adapters merged into the weights
+(``model.lora.merged``); ``--adapters`` writes a whole VLM's adapters alone in PEFT's format
+instead (``hf.adapters``).
+
 The checkpoint is read only through ``components.checkpoint.load_weights`` (module name -> whole
 tensors, global layer numbers) and its ``meta.json`` config. The language weights are mapped back
 with ``families.causal_lm.to_hf``; the language model must come from ``model.language.pretrained``
