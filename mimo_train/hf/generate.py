@@ -292,7 +292,11 @@ def _with_adapters(model, model_dir: str):
         raise GenerateError(f"--model {model_dir} holds LoRA adapters, which need the peft "
                             "package: pip install 'mimo[lora]' (or export the run merged)"
                             ) from None
-    return PeftModel.from_pretrained(model, model_dir)
+    import warnings
+    with warnings.catch_warnings():                 # peft asks transformers' deprecated name
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                category=FutureWarning)
+        return PeftModel.from_pretrained(model, model_dir)
 
 
 def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
