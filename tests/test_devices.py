@@ -3,7 +3,8 @@ distributed.py).
 
 - ``train.device``: auto with visible GPUs and CUDA that does not start is an error naming
   torch's reason, the driver and the wheel's CUDA, and the ways out, never a silent CPU run;
-  no GPU at all is the CPU; cuda without CUDA and cpu with CUDA are refused as before;
+  no GPU at all is the CPU; cuda without CUDA and cpu with CUDA are refused as before; more
+  ranks on a node than it has GPUs is an error on every rank of the node;
 - the control group is a gloo group of its own, and it times out: a rank that never joins a
   control collective makes the others fail after ``train.collective_timeout_minutes`` with
   torch's timeout error, not hang (two ranks forked as torchrun would start them). Start-up
@@ -52,6 +53,23 @@ def test_device_choices():
     assert "no CUDA device is visible" in str(error)
     _, error = devices.select("cpu", working)
     assert "hide them (CUDA_VISIBLE_DEVICES= torchrun ...)" in str(error)
+
+
+def test_more_ranks_on_a_node_than_gpus_is_an_error(monkeypatch):
+    """NCCL refuses two ranks on one GPU: every rank of the node stops at start-up instead."""
+    two = devices.CudaState(usable=True, gpus=("/dev/nvidia0", "/dev/nvidia1"), failure=None,
+                            driver="580.65.06", wheel_cuda="13.0", count=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert devices.select("auto", two) == (torch.device("cuda", 1), None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    for rank in ("0", "2"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        device, error = devices.select("cuda", two)
+        assert device.type == "cpu" and isinstance(error, TrainConfigError)
+        assert str(error) == ("this node runs 3 ranks but has 2 visible GPU(s): one rank per "
+                              "GPU; start at most 2 ranks per node (torchrun --nproc-per-node "
+                              "2) with a layout of that many ranks, or more nodes")
 
 
 def test_hidden_gpus_are_not_visible(monkeypatch):

@@ -31,6 +31,7 @@ class CudaState:
     failure: str | None             # torch's reason when CUDA does not start
     driver: str | None              # the kernel driver's version, when readable
     wheel_cuda: str | None          # torch.version.cuda (None: a CPU-only wheel)
+    count: int = 1                  # torch.cuda.device_count() where CUDA works
 
 
 def probe() -> CudaState:
@@ -41,7 +42,8 @@ def probe() -> CudaState:
             torch.cuda.init()
         except (RuntimeError, AssertionError) as error:
             failure = str(error).strip().splitlines()[0] if str(error).strip() else None
-    return CudaState(usable, _visible_gpus(), failure, _driver_version(), torch.version.cuda)
+    return CudaState(usable, _visible_gpus(), failure, _driver_version(), torch.version.cuda,
+                     torch.cuda.device_count() if usable else 0)
 
 
 def _visible_gpus() -> tuple[str, ...]:
@@ -97,6 +99,15 @@ def select(setting: str, state: CudaState) -> tuple[torch.device, Exception | No
             "train.device is cpu but CUDA devices are visible: hide them "
             "(CUDA_VISIBLE_DEVICES= torchrun ...) to train on the CPU")
     if state.usable:
+        # every rank of the node sees the same count, so they all stop together (NCCL refuses
+        # two ranks on one GPU; a rank past the last GPU would have no device)
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        if per_node > state.count:
+            return torch.device("cpu"), TrainConfigError(
+                f"this node runs {per_node} ranks but has {state.count} visible GPU(s): one "
+                f"rank per GPU; start at most {state.count} ranks per node (torchrun "
+                f"--nproc-per-node {state.count}) with a layout of that many ranks, or more "
+                "nodes")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))), None
     if setting == "auto" and problem:
         return torch.device("cpu"), TrainConfigError(f"train.device is auto: {problem}")
