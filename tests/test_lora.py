@@ -28,12 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_data.modalities.image import normalize_pixels
-from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
 from runs import assert_continues, compare, copy_checkpoint, step, train
-from vlm_runs import logits
+from vlm_runs import logits, transformers_logits
 
 BASE = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
 SAMPLES = 4
@@ -195,19 +193,6 @@ def test_lora_gradients_match_under_other_layouts(ranks, setup, trained_step, la
     compare(reference, other, layout)
 
 
-def _transformers_logits(model, batch: dict, preprocess: Path) -> torch.Tensor:
-    """transformers' logits on a padded micro-batch of mimo's loader."""
-    config = PreprocessConfig.from_yaml(str(preprocess)).modalities["image"]
-    length = int(batch["attention_mask"].sum(1).max())
-    ids = batch["input_ids"][:, :length]
-    images = batch["modality_inputs"]["image"]["image"]
-    with torch.no_grad():
-        return model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
-                     pixel_values=normalize_pixels(images["pixel_values"], config),
-                     image_grid_thw=images["image_grid_thw"],
-                     mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
-
-
 def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpus):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
@@ -223,16 +208,15 @@ def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpu
                   f"model.init_from={final}")
     batch = ours["batch"]
     model = AutoModelForImageTextToText.from_pretrained(merged, dtype=torch.float32).eval()
-    expected = _transformers_logits(model, batch, setup["preprocess"])
+    expected, mask = transformers_logits(model, batch, setup["preprocess"])
     length, vocab = expected.shape[1:]
-    mask = batch["attention_mask"][:, :length].bool()
     assert (ours["logits"][:, :length, :vocab] - expected)[mask].abs().max() <= LOGITS_TOLERANCE
     base = AutoModelForImageTextToText.from_pretrained(BASE, dtype=torch.float32)
     peft = PeftModel.from_pretrained(base, adapters).eval()
-    assert (_transformers_logits(peft, batch, setup["preprocess"]) - expected)[mask].abs().max() \
-        <= LOGITS_TOLERANCE
+    assert (transformers_logits(peft, batch, setup["preprocess"])[0] - expected)[mask].abs(
+        ).max() <= LOGITS_TOLERANCE
     plain = AutoModelForImageTextToText.from_pretrained(BASE, dtype=torch.float32).eval()
-    assert (_transformers_logits(plain, batch, setup["preprocess"]) - expected)[mask].abs(
+    assert (transformers_logits(plain, batch, setup["preprocess"])[0] - expected)[mask].abs(
         ).max() > 100 * LOGITS_TOLERANCE                  # the adapters change the model
     config = json.loads((adapters / "adapter_config.json").read_text())
     assert config["peft_type"] == "LORA" and (config["r"], config["lora_alpha"]) == (4, 8)

@@ -28,7 +28,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_data.modalities.image import normalize_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import TrainConfig
 from mimo_train.families.registry import resolve
@@ -37,7 +36,8 @@ from mimo_train.errors import TrainConfigError
 from conftest import REPO, build_dataset
 from runs import assert_continues, compare, copy_checkpoint, train_records
 from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
-                      finetune as run_finetune, layout_step, turns, weights)
+                      finetune as run_finetune, layout_step, transformers_logits, turns,
+                      weights)
 
 VLM = REPO / "assets" / "models" / "tiny-qwen2-vl"
 MIN_PIXELS, MAX_PIXELS = 3136, 37632
@@ -83,16 +83,7 @@ def _reference(batch: dict, preprocess: Path) -> tuple[torch.Tensor, torch.Tenso
     """transformers' logits for a padded batch, and its real-token mask."""
     from transformers import Qwen2VLForConditionalGeneration
     model = Qwen2VLForConditionalGeneration.from_pretrained(VLM, dtype=torch.float32).eval()
-    image = batch["modality_inputs"]["image"]["image"]
-    length = int(batch["attention_mask"].sum(1).max())
-    ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
-    pixels = normalize_pixels(image["pixel_values"],
-                              PreprocessConfig.from_yaml(str(preprocess)).modalities["image"])
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask.long(), pixel_values=pixels,
-                       image_grid_thw=image["image_grid_thw"],
-                       mm_token_type_ids=(ids == model.config.image_token_id).int()).logits
-    return logits, mask
+    return transformers_logits(model, batch, preprocess)
 
 
 def test_input_ids_are_the_checkpoint_tokenizers_with_the_processors_image_tokens(vlm_data,

@@ -12,6 +12,8 @@ module imports another:
   (the imported model saved first) and under another layout (``runs.step``), compared with
   ``runs.compare``;
 - ``finetune``: a shipped fine-tune config on the test shards (``runs.train``);
+- ``transformers_logits``: a transformers model's logits on a padded image micro-batch of
+  mimo's loader;
 - ``weights``: an export's tensors; ``turns``: ShareGPT turns; ``video_processor``:
   transformers' Qwen2-VL video processor for a ``VideoConfig``.
 """
@@ -91,6 +93,25 @@ def layout_step(ranks: Ranks, tmp: Path, name: str, nproc: int, layout: str, mic
     """One step under ``layout`` on ``nproc`` ranks (``tmp/name``) from the weights ``init``."""
     return step(ranks, tmp / name, nproc, f"layout={layout}",
                 f"train.micro_batch_size={micro_batch}", f"model.init_from={init}", *common)
+
+
+def transformers_logits(model, batch: dict, preprocess: Path
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``model``'s (a transformers VLM's, or PEFT's around one) logits on a padded image
+    micro-batch of mimo's loader, cut to its longest sample, and its real-token mask; pixels
+    normalized as the preprocessing config says, Qwen's grids and token types where given."""
+    from mimo_data.modalities.image import normalize_pixels
+    from mimo_data.preprocess.config import PreprocessConfig
+    length = int(batch["attention_mask"].sum(1).max())
+    ids, mask = batch["input_ids"][:, :length], batch["attention_mask"][:, :length]
+    image = batch["modality_inputs"]["image"]["image"]
+    extra = {"pixel_values": normalize_pixels(
+        image["pixel_values"], PreprocessConfig.from_yaml(str(preprocess)).modalities["image"])}
+    if "image_grid_thw" in image:
+        extra.update(image_grid_thw=image["image_grid_thw"],
+                     mm_token_type_ids=(ids == model.config.image_token_id).int())
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask.long(), **extra).logits, mask.bool()
 
 
 def weights(directory: Path) -> dict:

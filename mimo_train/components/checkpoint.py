@@ -287,7 +287,7 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
                                   f"({type(error).__name__}: {error})") from None
     sharded = list(nested_values(model.sharded_state_dict()))
     wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
-    _check_adapters(directory, {getattr(t, "key", None) for t in sharded}, saved, meta)
+    _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")}, saved, meta)
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     missing = sorted(set(wanted) - set(saved))
@@ -316,7 +316,7 @@ def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
     for key in sorted(saved):
         if is_adapter(key) and key not in wanted:
             layer = key[:key.index("lora.")]
-            if any(k and k.startswith(layer) and not is_adapter(k) for k in wanted):
+            if any(k.startswith(layer) and not is_adapter(k) for k in wanted):
                 lora = (meta.get("config") or {}).get("model", {}).get("lora")
                 raise CheckpointError(
                     f"checkpoint {directory} holds LoRA adapters (model.lora: {lora}) on "

@@ -237,6 +237,16 @@ class VLM:
     def projector_prefix(self, weights: CheckpointWeights) -> str:
         return weights.prefix_of(self.projector_prefixes, self.projector_names[0][1])
 
+    def checkpoint_names(self, weights: CheckpointWeights) -> list[tuple[str, str]]:
+        """mimo's image encoder module's parameter-name prefixes -> the checkpoint's: the
+        tower, then each projector weight."""
+        renames = [("encoders.image.encoder.model.", self.tower_prefix(weights))]
+        if self.projector_names:
+            prefix = self.projector_prefix(weights)
+            renames += [(f"input_projections.0.{ours}", prefix + theirs)
+                        for ours, theirs in self.projector_names]
+        return renames
+
     def projector(self) -> dict[str, torch.Tensor] | None:
         """The projector's weights under mimo's ``Projection`` names (None: no projector)."""
         if not self.projector_names:

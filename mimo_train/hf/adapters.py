@@ -60,21 +60,16 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
     # layer path in the checkpoint's names -> (A, B, model.lora entry)
     found = {path: (a, b, cfg.model.lora.get("language"))
              for path, (a, b) in adapters_to_hf(weights["language"], language_arch).items()}
-    checkpoint = vlm.weights()
-    renames = [("encoders.image.encoder.model.", vlm.tower_prefix(checkpoint))]
-    if vlm.projector_names:
-        prefix = vlm.projector_prefix(checkpoint)
-        renames += [(f"input_projections.0.{ours.removesuffix('weight')}",
-                     prefix + theirs.removesuffix("weight"))
-                    for ours, theirs in vlm.projector_names if ours.endswith("weight")]
+    renames = vlm.checkpoint_names(vlm.weights())      # parameter names, as the merge's
     tower = weights[image]
     for key in tower:
         if not key.endswith("lora.a.weight"):
             continue
         layer = key[:-len("lora.a.weight")]
         for ours, theirs in renames:
-            if layer.startswith(ours):
-                found[(theirs + layer[len(ours):]).rstrip(".")] = (
+            if (layer + "weight").startswith(ours):
+                name = theirs + (layer + "weight")[len(ours):]
+                found[name.removesuffix(".weight")] = (
                     tower[key], tower[layer + "lora.b.weight"],
                     spec_of(cfg.model.lora, image, key))
     if not found:

@@ -271,11 +271,11 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
                           f"{vlm.projection} projection and language model only, but the run "
                           f"has {others or f'a {cfg.model.projection} projection'}: it cannot "
                           "be written back as one")
-    hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
     if adapters:
         from mimo_train.families.registry import language_arch
         from mimo_train.hf.adapters import write_adapters
         arch = language_arch(cfg.model.language.pretrained)
+        rows = max(arch.vocab_size, len(tokenizer))       # the rows a merged export writes
         if rows != arch.vocab_size:
             raise ExportError(f"--adapters: the run's vocabulary has {rows} rows, the base "
                               f"checkpoint's {arch.vocab_size}: the adapters alone do not give "
@@ -285,13 +285,9 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
         tokenizer.save_pretrained(out)
         _copy_processor(vlm.path, out)
         return vlm.family
+    hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
-    # mimo's module names -> the checkpoint's: the tower, then the projector
-    renames = [("encoders.image.encoder.model.", vlm.tower_prefix(checkpoint))]
-    if vlm.projector_names:
-        prefix = vlm.projector_prefix(checkpoint)
-        renames += [(f"input_projections.0.{ours}", prefix + theirs)
-                    for ours, theirs in vlm.projector_names]
+    renames = vlm.checkpoint_names(checkpoint)
     for module in layout.encoders:
         for key, value in weights[module.name].items():
             for ours, theirs in renames:

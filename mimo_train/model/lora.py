@@ -107,7 +107,8 @@ class LoraAdapter(torch.nn.Module):
         torch.manual_seed(seed)
         self.a = torch.nn.Linear(in_features, spec.rank, bias=False)
         self.b = torch.nn.Linear(spec.rank, out_features, bias=False)
-        _init(self.a.weight, self.b.weight, spec)
+        _kaiming(self.a.weight)
+        _b_init(spec)(self.b.weight)
         self.dropout = torch.nn.Dropout(spec.dropout)
         self.scale = spec.alpha / spec.rank
 
@@ -115,13 +116,14 @@ class LoraAdapter(torch.nn.Module):
         return self.b(self.a(self.dropout(x))) * self.scale
 
 
-def _init(a: torch.Tensor, b: torch.Tensor, spec: LoraConfig) -> None:
-    """PEFT's initialization: A as torch's Linear (Kaiming uniform), B zero (or as A)."""
-    torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-    if spec.init_lora_weights:
-        torch.nn.init.zeros_(b)
-    else:
-        torch.nn.init.kaiming_uniform_(b, a=math.sqrt(5))
+def _kaiming(weight: torch.Tensor) -> None:
+    """torch's Linear initialization, PEFT's for A."""
+    torch.nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+
+
+def _b_init(spec: LoraConfig):
+    """PEFT's initialization of B: zero, or as A (``init_lora_weights: false``)."""
+    return torch.nn.init.zeros_ if spec.init_lora_weights else _kaiming
 
 
 def _add_adapter_output(linear, args, output):
@@ -136,9 +138,7 @@ class ParallelLoraAdapter(torch.nn.Module):
         super().__init__()
         column = isinstance(base, ColumnParallelLinear)
         torch.manual_seed(seed)       # the master weights are drawn whole, then split: any TP
-        a_init = _initializer(lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5)))
-        b_init = _initializer(torch.nn.init.zeros_ if spec.init_lora_weights else
-                              (lambda w: torch.nn.init.kaiming_uniform_(w, a=math.sqrt(5))))
+        a_init, b_init = _kaiming, _b_init(spec)
         common = dict(config=base.config, bias=False, tp_group=base.tp_group)
         if column:
             self.a = ColumnParallelLinear(base.input_size, spec.rank, init_method=a_init,
@@ -153,13 +153,6 @@ class ParallelLoraAdapter(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.b(self.a(self.dropout(x))[0])[0] * self.scale
-
-
-def _initializer(init):
-    def initialize(weight: torch.Tensor) -> None:
-        with torch.no_grad():
-            init(weight)
-    return initialize
 
 
 class LoraParallelLinear(torch.nn.Module):
