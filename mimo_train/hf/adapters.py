@@ -48,7 +48,7 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
     """The adapters of ``weights`` (module name -> whole tensors, ``load_weights``) as PEFT
     files in ``out`` (``image``: the encoder module of the VLM's tower); returns the adapter
     config written."""
-    from huggingface_hub import save_torch_state_dict
+    from safetensors.torch import save_file
 
     from mimo_train.families.causal_lm import adapters_to_hf
     from mimo_train.model.lora import spec_of
@@ -66,10 +66,10 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
         if not key.endswith("lora.a.weight"):
             continue
         layer = key[:-len("lora.a.weight")]
+        param = layer + "weight"
         for ours, theirs in renames:
-            if (layer + "weight").startswith(ours):
-                name = theirs + (layer + "weight")[len(ours):]
-                found[name.removesuffix(".weight")] = (
+            if param.startswith(ours):
+                found[(theirs + param[len(ours):]).removesuffix(".weight")] = (
                     tower[key], tower[layer + "lora.b.weight"],
                     spec_of(cfg.model.lora, image, key))
     if not found:
@@ -93,9 +93,8 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "modules_to_save": None, "inference_mode": True}
     os.makedirs(out, exist_ok=True)
-    save_torch_state_dict({k: v.clone() for k, v in tensors.items()}, out,
-                          filename_pattern=ADAPTER_WEIGHTS.replace(".safetensors",
-                                                                   "{suffix}.safetensors"))
+    # one file, as PEFT reads it; own storage (q/k/v adapters share their A)
+    save_file({k: v.clone() for k, v in tensors.items()}, os.path.join(out, ADAPTER_WEIGHTS))
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
