@@ -245,6 +245,7 @@ def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
 
 def test_module_settings_inherit_and_scale_min_lr(tmp_path):
     from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
     cfg = TrainConfig.load(None, ["data.datasets=[x]", "optimizer.lr=1e-3",
                                   "optimizer.min_lr=1e-4", "optimizer.warmup_steps=2",
                                   "optimizer.modules={image: {lr: 1e-4}, audio: {lr: 0}, "
@@ -254,5 +255,5 @@ def test_module_settings_inherit_and_scale_min_lr(tmp_path):
     assert (audio.lr, audio.min_lr) == (0, 0)
     assert (language.lr, language.min_lr, language.weight_decay) == (1e-3, 0, 0.1)
     assert cfg.optimizer.of("other") == cfg.optimizer.of("")
-    with pytest.raises(Exception, match="optimizer.modules.image.min_lr 0.1 must be in"):
+    with pytest.raises(TrainConfigError, match="optimizer.modules.image.min_lr 0.1 must be in"):
         TrainConfig.load(None, ["data.datasets=[x]", "optimizer.modules.image.min_lr=0.1"])
