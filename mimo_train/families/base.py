@@ -65,6 +65,12 @@ class Encoder(torch.nn.Module):
         return self(**inputs)
 
     @staticmethod
+    def random_config(modality_config, hidden_size: int, num_layers: int,
+                      num_attention_heads: int):
+        """The transformers config of a randomly initialised encoder of these dims."""
+        raise EncoderBuildError("this encoder kind is built from a checkpoint only")
+
+    @staticmethod
     def pretrained_output_size(config) -> int:
         """The rows' width of the encoder built from ``config`` (its transformers config)."""
         config = getattr(config, "vision_config", None) or config

@@ -92,23 +92,25 @@ class LanguageArch:
 
 
 def read_architecture(path: str, key: str = "model.language.pretrained",
-                      vlm: VLM | None = None) -> LanguageArch:
+                      vlm: VLM | None = None, weights: bool = True) -> LanguageArch:
     """The architecture of the transformers checkpoint ``path`` (directory or cached hub
     name), the language model of the whole ``vlm`` there if given; a ``TrainConfigError``
     naming ``key`` when megatron-core cannot reproduce it (``registry.language_arch`` reads the
-    config and says whether ``path`` is a whole VLM)."""
-    return _read_architecture(path, key, vlm)
+    config and says whether ``path`` is a whole VLM). ``weights=False``: from ``config.json``
+    alone, the dims only (a VLM's ``prefix`` and ``head`` are left at their defaults)."""
+    return _read_architecture(path, key, vlm, weights)
 
 
 @lru_cache(maxsize=8)
-def _read_architecture(path: str, key: str, vlm: VLM | None) -> LanguageArch:
+def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> LanguageArch:
     from transformers import AutoConfig
     top = AutoConfig.from_pretrained(path)
     config, prefix, head = top, "model.", "lm_head.weight"
     if vlm is not None:
-        weights = CheckpointWeights(path, key)
-        prefix = weights.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
-        head = next((name for name in vlm.head_names if name in weights), vlm.head_names[0])
+        if weights:
+            held = CheckpointWeights(path, key)
+            prefix = held.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
+            head = next((name for name in vlm.head_names if name in held), vlm.head_names[0])
         config = top.get_text_config()
     family = TEXT_FAMILIES.get(config.model_type, config.model_type)
     if family not in FAMILIES:

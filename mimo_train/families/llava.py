@@ -22,6 +22,7 @@ image modality counts).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 
@@ -80,6 +81,19 @@ def _feature_layers(config) -> list[int]:
     return [layer] if isinstance(layer, int) else list(layer)
 
 
+def tower_config(config) -> tuple[Any, list[int]]:
+    """The tower's transformers config as ``LlavaVision`` builds it from the whole LLaVA
+    ``config``, and the hidden states it reads (index 0: the embeddings), counted from the
+    front. The tower holds only what it reads: the layers past the deepest one read, the final
+    norm and SigLIP's pooling head would take compute and never a gradient."""
+    vision = copy.deepcopy(config.vision_config)
+    layers = [layer % (vision.num_hidden_layers + 1) for layer in _feature_layers(config)]
+    vision.num_hidden_layers = max(layers)
+    if hasattr(vision, "vision_use_head"):
+        vision.vision_use_head = False
+    return vision, layers
+
+
 class LlavaVision(Encoder):
     """A LLaVA checkpoint's tower: fixed-size images → ``[n · (S/P)², hidden · layers]``."""
     takes = ("image", "fixed")
@@ -97,15 +111,7 @@ class LlavaVision(Encoder):
                                     f"checkpoint (model.pretrained), not {pretrained!r}")
         vlm, pretrained = pretrained, pretrained.path
         config = AutoConfig.from_pretrained(pretrained)
-        vision = copy.deepcopy(config.vision_config)
-        # the hidden states read (index 0: the embeddings), counted from the front
-        self.layers = [layer % (vision.num_hidden_layers + 1)
-                       for layer in _feature_layers(config)]
-        # the tower holds only what it reads: the layers past the deepest one read, the final
-        # norm and SigLIP's pooling head would take compute and never a gradient
-        vision.num_hidden_layers = max(self.layers)
-        if hasattr(vision, "vision_use_head"):
-            vision.vision_use_head = False
+        vision, self.layers = tower_config(config)
         self.model = AutoModel.from_config(vision, dtype=torch.float32)
         self.model.post_layernorm = torch.nn.Identity()
         vlm.load_tower(self.model)

@@ -130,12 +130,14 @@ def _model_type(path: str, key: str) -> str:
     return checkpoint_config(path, key).model_type
 
 
-def language_arch(path: str, key: str = "model.language.pretrained") -> LanguageArch:
+def language_arch(path: str, key: str = "model.language.pretrained",
+                  weights: bool = True) -> LanguageArch:
     """The architecture of the language model at ``path``: a causal LM's, or a whole VLM's
-    language model (``read_vlm`` says where its weights sit)."""
+    language model (``read_vlm`` says where its weights sit; ``weights=False``: the dims from
+    ``config.json`` alone, where the weights sit not read)."""
     config = checkpoint_config(path, key)
     vlm = read_vlm(path) if getattr(config, "text_config", None) is not None else None
-    return causal_lm.read_architecture(path, key, vlm)
+    return causal_lm.read_architecture(path, key, vlm, weights)
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
@@ -168,7 +170,7 @@ def _resolve_language(language: LanguageConfig) -> None:
         assert language.hidden_size and language.num_attention_heads    # the defaults, at least
         language.check_mrope(language.hidden_size // language.num_attention_heads)
         return
-    arch = language_arch(language.pretrained)
+    arch = language_arch(language.pretrained, weights=False)
     for name in (*LANGUAGE_DEFAULTS, "ffn_hidden_size"):
         given, actual = getattr(language, name), getattr(arch, name)
         if given is not None and given != actual:

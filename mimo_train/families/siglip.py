@@ -18,20 +18,27 @@ class SiglipVision(Encoder):
     """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
     takes = ("image", "fixed")
 
+    @staticmethod
+    def random_config(image: ImageConfig, hidden_size: int, num_layers: int,
+                      num_attention_heads: int):
+        """The transformers config of a randomly initialised tower of these dims."""
+        from transformers import SiglipVisionConfig
+        return SiglipVisionConfig(
+            hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+            image_size=image.image_size, patch_size=image.patch_size, vision_use_head=False)
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
-        from transformers import SiglipVisionConfig, SiglipVisionModel
+        from transformers import SiglipVisionModel
         if pretrained:
             # the pooling head is not used (one row per patch): leave it out
             self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False,
                                                            dtype=torch.float32)
         else:
-            self.model = SiglipVisionModel._from_config(SiglipVisionConfig(
-                hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-                image_size=image.image_size, patch_size=image.patch_size,
-                vision_use_head=False))
+            self.model = SiglipVisionModel._from_config(self.random_config(
+                image, hidden_size, num_layers, num_attention_heads))
         config = self.model.config
         check_fixed_geometry(config.image_size, config.patch_size, image,
                              f"vision encoder {pretrained or ''}")

@@ -38,6 +38,18 @@ class WhisperAudio(Encoder):
     """
     takes = ("audio", "log-mel")
 
+    @staticmethod
+    def random_config(audio: AudioConfig, hidden_size: int, num_layers: int,
+                      num_attention_heads: int):
+        """The transformers config of a randomly initialised encoder of these dims, its window
+        the longest clip ``audio`` gives."""
+        from transformers import WhisperConfig
+        frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
+        return WhisperConfig(
+            num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
+            encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
+            max_source_positions=math.ceil(frames / 2), dropout=0.0)
+
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
@@ -46,7 +58,7 @@ class WhisperAudio(Encoder):
                                     "the Whisper encoder's first reduction is its stride-2 conv; "
                                     "start the list with 2")
         frames = math.ceil(audio.max_duration * audio.sample_rate / audio.hop_length)
-        from transformers import AutoConfig, AutoModel, WhisperConfig
+        from transformers import AutoConfig, AutoModel
         from transformers.models.whisper.modeling_whisper import WhisperEncoder
         if pretrained and "WhisperEncoder" in (AutoConfig.from_pretrained(pretrained)
                                                .architectures or ()):
@@ -55,10 +67,8 @@ class WhisperAudio(Encoder):
         elif pretrained:
             self.model = AutoModel.from_pretrained(pretrained, dtype=torch.float32).get_encoder()
         else:
-            self.model = WhisperEncoder(WhisperConfig(
-                num_mel_bins=audio.n_mels, d_model=hidden_size, encoder_layers=num_layers,
-                encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
-                max_source_positions=math.ceil(frames / 2), dropout=0.0))
+            self.model = WhisperEncoder(self.random_config(audio, hidden_size, num_layers,
+                                                           num_attention_heads))
         mark_fixed(self.model, ("embed_positions.weight",))
         config = self.model.config
         if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:

@@ -1,0 +1,306 @@
+"""The model's dims as the FLOPs and memory formulas need them (``flops``, the layout advisor):
+frozen dataclasses, read from a ``TrainConfig`` without building anything (``from_config``: the
+checkpoints' ``config.json`` through the families' own readers) or from the built model
+(``from_model``: what a rank holding every module has at run time).
+
+- ``Stack``: a transformer stack (layers, hidden width, heads, query groups, kv channels, MLP
+  width, gated MLP or not; the language model's output rows and tying).
+- ``Tower``: an encoder's transformer with what surrounds it: the patch embedding (matmuls per
+  patch; Whisper's two convolutions per position), the spatial merge and the merger's matmuls
+  per merged token (Qwen2-VL / Qwen2.5-VL), extra positions per frame (CLIP's CLS), window
+  attention (Qwen2.5-VL: windows of ``window`` merged tokens a side, full attention in
+  ``full_attention_layers``), and the patch grid of fixed-size items (a SigLIP / CLIP image, a
+  Whisper clip's padded window).
+- ``EncoderModule``: a tower, the modalities its module serves, the projection's matmuls per
+  output token; ``ModelDims``: the language ``Stack`` and the encoder modules by layout name.
+
+How a tower is read from its transformers config is ``tower_from_hf`` (one branch per encoder
+kind); the transformers configs themselves come from the family modules (their
+``random_config`` for a randomly initialised tower, the checkpoint's config otherwise), and the
+language model's dims from ``families.registry`` (``resolve``, ``language_arch``).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
+
+
+class Linear(NamedTuple):
+    """A matmul of ``inputs`` -> ``outputs`` features, ``times`` applications per position it
+    is counted on (Whisper's first convolution: 2 frames per encoder position)."""
+    inputs: int
+    outputs: int
+    times: int = 1
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A transformer stack; ``vocab``: the output layer's rows (0: none, an encoder)."""
+    layers: int
+    hidden: int
+    heads: int
+    query_groups: int
+    kv_channels: int
+    ffn_hidden: int
+    gated: bool                       # gated MLP (SwiGLU: gate and up projections)
+    vocab: int = 0
+    tied: bool = False                # output layer shares the embedding's weights
+
+    @property
+    def attention_width(self) -> int:
+        """Query heads × kv channels: the width attention scores and values run over."""
+        return self.heads * self.kv_channels
+
+    def layer_linears(self) -> tuple[Linear, ...]:
+        """The matmuls of one layer, per token: qkv, attention output, the MLP's."""
+        kv = 2 * self.query_groups * self.kv_channels
+        return (Linear(self.hidden, self.attention_width + kv),
+                Linear(self.attention_width, self.hidden),
+                Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1)),
+                Linear(self.ffn_hidden, self.hidden))
+
+    def parameters(self) -> int:
+        """Weights of the stack's matmuls, norms (two per layer, one final) and, with a
+        vocabulary, the embedding and (untied) output layer; biases not counted."""
+        layer = sum(lin.inputs * lin.outputs for lin in self.layer_linears()) + 2 * self.hidden
+        embedding = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * layer + self.hidden + embedding
+
+
+@dataclass(frozen=True)
+class Tower:
+    """An encoder tower (see the module docstring)."""
+    kind: str                         # mimo's encoder kind (families.registry.ENCODERS)
+    stack: Stack
+    patch_embed: tuple[Linear, ...]   # per patch
+    output_size: int                  # width of the rows it emits
+    merge: int = 1                    # spatial merge side: a merged token is merge² patches
+    merger: tuple[Linear, ...] = ()   # per merged token
+    extra_positions: int = 0          # per frame, without a patch (CLIP's CLS)
+    window: int = 0                   # window side in merged tokens (0: full attention)
+    full_attention_layers: tuple[int, ...] = ()   # with windows: the full-attention layers
+    fixed_grid: tuple[int, int] | None = None     # (h, w) patches of every item; None: dynamic
+
+    def parameters(self) -> int:
+        linears = (*self.patch_embed, *self.merger)
+        return self.stack.parameters() + sum(lin.inputs * lin.outputs for lin in linears)
+
+
+@dataclass(frozen=True)
+class EncoderModule:
+    """An encoder module: its tower, the modalities it serves, the projection to the language
+    width (matmuls per output token; () for none)."""
+    tower: Tower
+    modalities: tuple[str, ...]
+    projection: tuple[Linear, ...]
+
+    def parameters(self) -> int:
+        return self.tower.parameters() + sum(lin.inputs * lin.outputs
+                                             for lin in self.projection)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    language: Stack
+    encoders: Mapping[str, EncoderModule] = field(default_factory=dict)
+
+    def module_of(self, modality: str) -> str | None:
+        """The encoder module serving ``modality`` (None: none)."""
+        return next((name for name, module in self.encoders.items()
+                     if modality in module.modalities), None)
+
+
+# ------------------------------------------------------------------------- transformers
+
+def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tower:
+    """The ``Tower`` of encoder ``kind`` from the transformers config it is built from (a
+    whole model's config: its ``vision_config``); ``output_size``: the rows' width where the
+    encoder widens them (LLaVA's concatenated feature layers)."""
+    if kind == "whisper":
+        return _whisper(config)
+    config = getattr(config, "vision_config", None) or config
+    if kind == "qwen2_vl":
+        width, merge = config.embed_dim, config.spatial_merge_size
+        stack = Stack(config.depth, width, config.num_heads, config.num_heads,
+                      width // config.num_heads, int(width * config.mlp_ratio), gated=False)
+        return Tower(kind, stack, _qwen_patch(config, width), config.hidden_size, merge,
+                     (Linear(width * merge ** 2, width * merge ** 2),
+                      Linear(width * merge ** 2, config.hidden_size)))
+    if kind == "qwen2_5_vl":
+        width, merge = config.hidden_size, config.spatial_merge_size
+        stack = Stack(config.depth, width, config.num_heads, config.num_heads,
+                      width // config.num_heads, config.intermediate_size, gated=True)
+        return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
+                     (Linear(width * merge ** 2, width * merge ** 2),
+                      Linear(width * merge ** 2, config.out_hidden_size)),
+                     window=config.window_size // merge // config.patch_size,
+                     full_attention_layers=tuple(config.fullatt_block_indexes))
+    if kind in ("siglip", "llava"):
+        width, side = config.hidden_size, config.image_size // config.patch_size
+        stack = Stack(config.num_hidden_layers, width, config.num_attention_heads,
+                      config.num_attention_heads, width // config.num_attention_heads,
+                      config.intermediate_size, gated=False)
+        return Tower(kind, stack,
+                     (Linear(config.num_channels * config.patch_size ** 2, width),),
+                     output_size or width,
+                     extra_positions=1 if config.model_type == "clip_vision_model" else 0,
+                     fixed_grid=(side, side))
+    raise TrainConfigError(f"encoder kind {kind!r} has no FLOPs reading (mimo_train/planning/"
+                           "dims.py tower_from_hf)")
+
+
+def _qwen_patch(config, width: int) -> tuple[Linear, ...]:
+    """Qwen's patch embedding: a Conv3d over C × T × P × P, one patch at a time."""
+    return (Linear(config.in_channels * config.temporal_patch_size * config.patch_size ** 2,
+                   width),)
+
+
+def _whisper(config) -> Tower:
+    width, positions = config.d_model, config.max_source_positions
+    stack = Stack(config.encoder_layers, width, config.encoder_attention_heads,
+                  config.encoder_attention_heads, width // config.encoder_attention_heads,
+                  config.encoder_ffn_dim, gated=False)
+    # conv1 (k3) on the 2 · positions frames of the padded window, conv2 (k3, stride 2)
+    return Tower("whisper", stack, (Linear(3 * config.num_mel_bins, width, 2),
+                                    Linear(3 * width, width)), width,
+                 fixed_grid=(1, positions))
+
+
+def projection_linears(kind: str | None, inputs: int, outputs: int) -> tuple[Linear, ...]:
+    """``model.projection``'s matmuls per token (``families.base.Projection``)."""
+    if kind == "none":
+        return ()
+    if kind == "mlp":
+        return (Linear(inputs, outputs), Linear(outputs, outputs))
+    return (Linear(inputs, outputs),)
+
+
+# ------------------------------------------------------------------------- from a config
+
+def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = None
+                ) -> ModelDims:
+    """The dims of the model ``cfg`` builds, without building it: the language model from its
+    resolved dims (``families.registry.resolve`` on a copy when ``cfg`` is not resolved; a
+    checkpoint's architecture through ``language_arch``), each encoder module of the layout
+    from its family's transformers config (a checkpoint's, or the family's ``random_config``
+    of the ``model.encoders`` dims and the preprocessing geometry). ``preprocess``: the
+    ``PreprocessConfig`` (default: read ``data.preprocess``); ``tokenizer_size``: the
+    tokenizer's vocabulary with modality tokens (sizes the output layer as
+    ``model.build.vocab_size`` does; without it, ``model.language.vocab_size`` or the
+    checkpoint's vocabulary)."""
+    from mimo_train.families.registry import resolve
+    if not cfg.resolved:
+        cfg = resolve(copy.deepcopy(cfg))
+    if preprocess is None:
+        from mimo_data.preprocess.config import PreprocessConfig
+        if cfg.data.preprocess is None:
+            raise TrainConfigError("data.preprocess is not set: the encoders' geometry is in "
+                                   "the preprocessing config")
+        preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
+    layout = Layout.parse(cfg.layout)
+    language = language_stack(cfg, tokenizer_size, layout.module(LANGUAGE).tp)
+    encoders = {}
+    for module in layout.encoders:
+        served = tuple(layout.modalities_of(module.name))
+        tower = _configured_tower(cfg, module.name, served, preprocess)
+        encoders[module.name] = EncoderModule(tower, served, projection_linears(
+            cfg.model.projection, tower.output_size, language.hidden))
+    return ModelDims(language, encoders)
+
+
+def language_stack(cfg: TrainConfig, tokenizer_size: int | None = None, tp: int = 1) -> Stack:
+    """The language model's ``Stack`` of the resolved ``cfg``; its output rows padded to
+    ``tp`` as ``model.build.vocab_rows`` pads them."""
+    from mimo_train.families.registry import language_arch
+    lm = cfg.model.language
+    arch = language_arch(lm.pretrained, weights=False) if lm.pretrained else None
+    if lm.vocab_size is not None:
+        rows = lm.vocab_size
+    elif tokenizer_size is not None or arch is not None:
+        needed = max(tokenizer_size or 0, arch.vocab_size if arch else 0)
+        rows = -(-needed // lm.vocab_multiple) * lm.vocab_multiple
+    else:
+        raise TrainConfigError("the language model's vocabulary is unknown: set "
+                               "model.language.vocab_size or give the tokenizer's size")
+    rows = -(-rows // tp) * tp
+    if arch is not None:
+        return Stack(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
+                     arch.num_query_groups, arch.kv_channels, arch.ffn_hidden_size, gated=True,
+                     vocab=rows, tied=arch.tied)
+    assert lm.num_layers and lm.hidden_size and lm.num_attention_heads   # resolved
+    return Stack(lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.num_attention_heads,
+                 lm.hidden_size // lm.num_attention_heads,
+                 lm.ffn_hidden_size or 4 * lm.hidden_size, gated=False, vocab=rows)
+
+
+def _configured_tower(cfg: TrainConfig, name: str, served: tuple[str, ...],
+                      preprocess) -> Tower:
+    """The tower of encoder module ``name`` serving ``served``: its kind and transformers
+    config decided as ``model.build.encoder_settings`` and the family's encoder class do."""
+    from mimo_train.config import EncoderConfig
+    from mimo_train.families import llava
+    from mimo_train.families.base import input_form
+    from mimo_train.families.registry import (ENCODERS, checkpoint_config, default_kind,
+                                              read_vlm)
+    spec = cfg.model.encoders.get(name) or EncoderConfig()
+    modality = next((m for m in served if m in ("image", "audio")), served[0])
+    modality_config = preprocess.modalities[modality]
+    kind, pretrained = spec.kind, spec.pretrained
+    if modality == "image" and cfg.model.pretrained and pretrained is None:
+        kind, pretrained = read_vlm(cfg.model.pretrained).encoder_kind, cfg.model.pretrained
+    kind = kind or default_kind(modality, modality_config)
+    if kind not in ENCODERS or ENCODERS[kind].takes != input_form(modality, modality_config):
+        raise TrainConfigError(f"model.encoders.{name}.kind is {kind!r}, which does not take "
+                               f"the preprocessing's {modality} inputs")
+    if pretrained:
+        config = checkpoint_config(pretrained, f"model.encoders.{name}.pretrained")
+        if kind == "llava":
+            vision, _ = llava.tower_config(config)
+            return tower_from_hf(kind, vision, llava.LlavaVision.pretrained_output_size(config))
+        return tower_from_hf(kind, config)
+    return tower_from_hf(kind, ENCODERS[kind].random_config(
+        modality_config, spec.hidden_size, spec.num_layers, spec.num_attention_heads))
+
+
+# ----------------------------------------------------------------------- from the model
+
+def from_model(model, layout: Layout) -> ModelDims:
+    """The dims of a built ``MimoModel`` holding every module of ``layout`` (a colocated
+    rank): the language model's megatron-core config and rows, each encoder module's built
+    encoder (its transformers model's config) and projection."""
+    from mimo_train.families.registry import ENCODERS
+    kinds = {cls: kind for kind, cls in ENCODERS.items()}
+    language = _unwrapped(model.language_model)
+    config = language.config
+    stack = Stack(config.num_layers, config.hidden_size, config.num_attention_heads,
+                  config.num_query_groups or config.num_attention_heads,
+                  config.kv_channels or config.hidden_size // config.num_attention_heads,
+                  config.ffn_hidden_size, gated=bool(config.gated_linear_unit),
+                  vocab=language.vocab_size, tied=language.share_embeddings_and_output_weights)
+    encoders = {}
+    for module in layout.encoders:
+        submodule = _unwrapped(model.modality_submodules[module.name])
+        (seeded,) = submodule.encoders.values()
+        encoder = seeded.encoder
+        kind = kinds[type(encoder)]
+        tower = tower_from_hf(kind, encoder.model.config, encoder.output_size)
+        projection = tuple(Linear(layer.in_features, layer.out_features)
+                           for layer in submodule.input_projections[0]
+                           if hasattr(layer, "in_features"))
+        encoders[module.name] = EncoderModule(tower, tuple(layout.modalities_of(module.name)),
+                                              projection)
+    return ModelDims(stack, encoders)
+
+
+def _unwrapped(module):
+    while hasattr(module, "module"):           # DDP (and Float16Module) wrappers
+        module = module.module
+    return module
+

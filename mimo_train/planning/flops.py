@@ -1,0 +1,188 @@
+"""Training FLOPs of a step, per module, from the model's dims (``dims``) and the step's real
+work: each sample's tokens, each media item's grid. Pure functions of integers (exact Python
+ints); no torch.
+
+Conventions: a matmul of ``m × k`` by ``k × n`` is ``2·m·n·k`` FLOPs; training is ``passes``
+times the forward (3: forward, input gradients, weight gradients; a part that trains nothing
+but sits after one that does needs its input gradients only: 2; a frozen part with nothing
+trained before it runs forward only: 1; ``training_passes``). Norms, activations, softmax,
+rotary and embedding lookups are not counted. These are model FLOPs: padding is not work,
+and attention is counted over the whole ``s × s`` square of each sample (the convention of
+Megatron-LM's and PaLM's MFU; a causal kernel computes about half of it).
+
+Language model (``Stack``: L layers, width h, a = heads · kv channels, g = query groups ·
+kv channels, MLP width f, V output rows), a sample of s tokens, forward::
+
+    dense      s · (L · 2·(h·(a + 2g) + a·h + h·f·(3 if gated else 2)) + 2·h·V)
+    attention  L · 4·a·s²                         (scores Q·Kᵀ and the weighted sum, per sample)
+
+i.e. 2 · (matmul weights) · tokens plus the attention; × 3 it is "6 · params · tokens +
+12 · L · h · Σ s²". Packed or not, attention stays inside each sample, so a step's figure
+is the sum over its samples: Σ s over the dense part, Σ s² over attention.
+
+Encoder tower (``Tower``), an item (an image, a video, a clip) of grid (t, h, w) patches
+before merging: t frames of n = h·w patches, p = n + extra positions (CLIP's CLS) each::
+
+    patch embed  t · n · Σ 2·in·out·times         (Qwen's Conv3d, SigLIP's/CLIP's Conv2d,
+                                                   Whisper's two Conv1d: in = channels · kernel)
+    dense        t · p · L · 2·(layer matmuls)    (as the language model's, no output layer)
+    attention    t · 4·a · (L_full · p² + L_window · Σ_windows w_i²)
+    merger       t · n / m² · Σ 2·in·out           (Qwen: merge m × m patches, then an MLP)
+
+Attention is per frame: Qwen2-VL's and Qwen2.5-VL's towers attend within each temporal
+slice; Qwen2.5-VL's windowed layers (all but ``full_attention_layers``) within windows of
+``window`` × ``window`` merged tokens tiled from the frame's top-left corner, the edge
+windows cut (w_i: a window's patches). A Whisper clip is its padded window: the encoder runs
+all ``max_source_positions`` positions whatever the clip's length. Projection (``model.
+projection``), per output token (the item's placeholders): Σ 2·in·out.
+
+``peak_tflops``: the dense peak of known GPUs by name and precision (``train.peak_tflops``
+overrides it); MFU = achieved / peak.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+from mimo_data.loading.layout import LANGUAGE
+from mimo_train.planning.dims import Linear, ModelDims, Stack, Tower
+
+Grid = tuple[int, int, int]
+
+
+def _linears(linears: Iterable[Linear]) -> int:
+    """Forward FLOPs of ``linears`` applied once (per position)."""
+    return sum(2 * lin.inputs * lin.outputs * lin.times for lin in linears)
+
+
+def layer_flops_per_token(stack: Stack) -> int:
+    """Forward FLOPs of one layer's matmuls for one token."""
+    return _linears(stack.layer_linears())
+
+
+def language_flops(stack: Stack, lengths: Iterable[int], passes: int = 3) -> int:
+    """Training FLOPs of the language model on samples of ``lengths`` real tokens (each its
+    own attention, packed or padded: padding is not counted; for the positions a padded batch
+    computes, give the padded lengths)."""
+    lengths = [int(s) for s in lengths]
+    per_token = stack.layers * layer_flops_per_token(stack) + 2 * stack.hidden * stack.vocab
+    attention = stack.layers * 4 * stack.attention_width * sum(s * s for s in lengths)
+    return passes * (per_token * sum(lengths) + attention)
+
+
+def window_sizes(tower: Tower, h: int, w: int) -> list[int]:
+    """Patches of each attention window of a frame of ``h`` × ``w`` patches (Qwen2.5-VL:
+    ``window`` × ``window`` merged tokens from the top-left, the edge ones cut)."""
+    side, m = tower.window, tower.merge
+    rows, cols = h // m, w // m
+    return [min(side, rows - i) * min(side, cols - j) * m * m
+            for i in range(0, rows, side) for j in range(0, cols, side)]
+
+
+def tower_flops(tower: Tower, grids: Iterable[Grid], passes: int = 3) -> int:
+    """Training FLOPs of ``tower`` on items of ``grids``: (t, h, w) patches before merging."""
+    stack = tower.stack
+    windowed = 0
+    if tower.window:
+        windowed = stack.layers - len({i for i in tower.full_attention_layers
+                                       if 0 <= i < stack.layers})
+    dense = layer_flops_per_token(stack) * stack.layers
+    total = 0
+    for t, h, w in grids:
+        patches = h * w
+        positions = patches + tower.extra_positions
+        square = positions * positions
+        attention = (stack.layers - windowed) * square
+        if windowed:
+            attention += windowed * sum(n * n for n in window_sizes(tower, h, w))
+        total += t * (patches * _linears(tower.patch_embed) + positions * dense
+                      + 4 * stack.attention_width * attention
+                      + patches // tower.merge ** 2 * _linears(tower.merger))
+    return passes * total
+
+
+def projection_flops(linears: Sequence[Linear], tokens: int, passes: int = 3) -> int:
+    """Training FLOPs of a projection on ``tokens`` output rows."""
+    return passes * tokens * _linears(linears)
+
+
+def item_grid(tower: Tower, token_grid: Sequence[int] | None) -> Grid:
+    """The patch grid a tower runs for an item whose placeholder tokens lie on
+    ``token_grid`` (t, h, w merged tokens; ``modalities.*.token_grid``): a fixed-size tower's
+    own grid, else the token grid unmerged."""
+    if tower.fixed_grid is not None:
+        return (1, *tower.fixed_grid)
+    if token_grid is None:
+        raise ValueError(f"a {tower.kind} tower needs each item's token grid")
+    t, h, w = token_grid
+    return (int(t), int(h) * tower.merge, int(w) * tower.merge)
+
+
+def training_passes(dims: ModelDims, frozen: Iterable[str] = (), adapted: Iterable[str] = ()
+           ) -> dict[str, int]:
+    """Passes of each part (``language``, ``<module>.encoder``, ``<module>.projection``)
+    given ``model.freeze``'s entries ``frozen`` and the parts under LoRA ``adapted`` (those
+    train: 3, weight gradients of the adapters only, counted as a whole pass): 3 where the
+    part trains, 2 where only a part before it does (input gradients flow through it), 1
+    where nothing up to it trains (forward only). Data flows tower -> projection ->
+    language."""
+    frozen, adapted = set(frozen), set(adapted)
+
+    def trains(module: str, part: str | None = None) -> bool:
+        name = f"{module}.{part}" if part else module
+        return name in adapted or module in adapted or \
+            not (module in frozen or (part is not None and name in frozen))
+
+    found: dict[str, int] = {}
+    upstream = False
+    for name in dims.encoders:
+        tower, projection = trains(name, "encoder"), trains(name, "projection")
+        found[f"{name}.encoder"] = 3 if tower else 1
+        found[f"{name}.projection"] = 3 if projection else 2 if tower else 1
+        upstream |= tower or projection
+    found[LANGUAGE] = 3 if trains(LANGUAGE) else 2 if upstream else 1
+    return found
+
+
+def step_flops(dims: ModelDims, tokens: Iterable[int],
+               token_counts: Mapping[str, Iterable[Iterable[int]]],
+               token_grids: Mapping[str, Iterable[Iterable[Sequence[int] | None]]],
+               part_passes: Mapping[str, int] | None = None) -> dict[str, int]:
+    """Training FLOPs per module (``language`` and each encoder module, layout names) of
+    samples with ``tokens`` real tokens each, their media items' placeholder counts by
+    modality (``token_counts``: per sample, per item) and token grids (``token_grids``,
+    likewise; a loader micro-batch's metadata holds all three). ``part_passes``:
+    ``training_passes`` (default 3 everywhere)."""
+    part_passes = part_passes or {}
+    found = {LANGUAGE: language_flops(dims.language, tokens, part_passes.get(LANGUAGE, 3))}
+    found.update(dict.fromkeys(dims.encoders, 0))
+    for modality, rows in token_counts.items():
+        module = dims.module_of(modality)
+        if module is None:
+            continue
+        encoder = dims.encoders[module]
+        counts = [int(n) for row in rows for n in row]
+        grid_rows = token_grids.get(modality) if encoder.tower.fixed_grid is None else None
+        grids = [item_grid(encoder.tower, g) for row in grid_rows for g in row] \
+            if grid_rows is not None else [item_grid(encoder.tower, None)] * len(counts)
+        found[module] += tower_flops(encoder.tower, grids,
+                                     part_passes.get(f"{module}.encoder", 3)) + \
+            projection_flops(encoder.projection, sum(counts),
+                             part_passes.get(f"{module}.projection", 3))
+    return found
+
+
+# dense bf16 / fp32 peaks (TFLOP/s) by a name part, the first that matches (NVIDIA's data
+# sheets, SXM unless named; fp32: the plain fp32 rate, TF32 being off in torch by default)
+PEAKS = (("H100 PCIe", 756.0, 51.0), ("H100 NVL", 835.0, 60.0), ("H100", 989.0, 67.0),
+         ("H200", 989.0, 67.0), ("H800", 989.0, 67.0), ("A100", 312.0, 19.5),
+         ("A800", 312.0, 19.5), ("L40S", 362.0, 91.6))
+
+
+def peak_tflops(device_name: str | None, precision: str) -> float | None:
+    """The dense peak TFLOP/s of the GPU named ``device_name`` at ``precision`` (bf16 /
+    fp32); None for a CPU or a GPU not in ``PEAKS``."""
+    for part, bf16, fp32 in PEAKS:
+        if device_name and part.lower() in device_name.lower():
+            return bf16 if precision == "bf16" else fp32
+    return None

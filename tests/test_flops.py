@@ -1,0 +1,166 @@
+"""Training FLOPs (``mimo_train.planning.flops``) against hand counts written out here, the
+dims read from configs (``planning.dims``) against the built encoders and a published
+checkpoint's config.json, Qwen2.5-VL's windows against transformers' own tiling. In process, no
+job (the trainer's records: ``test_train_parity.py``, ``test_train_run.py``)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from conftest import REPO
+from mimo_data.modalities.audio import AudioConfig
+from mimo_data.modalities.image import ImageConfig
+from mimo_train.planning.dims import Linear, Stack, Tower, projection_linears, tower_from_hf
+from mimo_train.planning.flops import (language_flops, peak_tflops, projection_flops,
+                                       step_flops, tower_flops, training_passes, window_sizes)
+
+PUBLISHED = REPO / "tools" / "published" / "Qwen--Qwen2.5-VL-7B-Instruct"
+
+# 2 layers, h 64, 4 heads of 16, ffn 256 (GELU), 128 output rows: a random-init language model
+LANGUAGE = Stack(layers=2, hidden=64, heads=4, query_groups=4, kv_channels=16, ffn_hidden=256,
+                 gated=False, vocab=128)
+
+
+def test_language_model_hand_count():
+    # per token and layer: qkv 2·64·192 = 24576, out 2·64·64 = 8192, MLP 2·64·256·2 = 65536
+    #   -> 98304; 2 layers 196608; logits 2·64·128 = 16384: 212992 per token
+    # samples of 5 and 9 tokens: 14 · 212992 = 2981888
+    # attention: 2 layers · 4 · 64 · (5² + 9²) = 54272 (each sample its own square)
+    # forward 3036160, training (x3) 9108480
+    assert language_flops(LANGUAGE, [5, 9]) == 9_108_480
+    # one sample of 14 tokens has the same dense part, a larger square: 2·4·64·196 = 100352
+    assert language_flops(LANGUAGE, [14]) == 3 * (2_981_888 + 100_352)
+    assert language_flops(LANGUAGE, [5, 9], passes=1) == 3_036_160
+
+
+def test_qwen2_vl_tower_and_projection_hand_count():
+    tower = tower_from_hf("qwen2_vl", _qwen2_vl_config())
+    # an image of 4 x 6 patches (14 px), merged 2 x 2 into 6 tokens; tower width 32, 2 heads,
+    # MLP 64, merger 128 -> 128 -> 32, projection linear 32 -> 64:
+    # patch embed 24 · 2·1176·32 = 1806336; layer 24 · (6144 + 2048 + 8192) = 393216;
+    # attention 4 · 32 · 24² = 73728; merger 6 · (32768 + 8192) = 245760;
+    # projection 6 · 2·32·64 = 24576. Forward 2543616, training 7630848
+    projection = projection_linears("linear", 32, 64)
+    assert tower_flops(tower, [(1, 4, 6)]) + projection_flops(projection, 6) == 7_630_848
+
+
+def test_qwen2_5_vl_windows_and_frames_hand_count():
+    # 2 layers of width 32 (2 heads), SwiGLU MLP 64, windows of 2 x 2 merged tokens but in
+    # layer 1; a video of 2 frames of 6 x 10 patches (3 x 5 merged tokens a frame)
+    tower = Tower("qwen2_5_vl", Stack(2, 32, 2, 2, 16, 64, gated=True),
+                  (Linear(1176, 32),), 32, merge=2,
+                  merger=(Linear(128, 128), Linear(128, 32)), window=2,
+                  full_attention_layers=(1,))
+    # windows of a frame: rows 2+1, columns 2+2+1 merged tokens -> 16 16 8 8 8 4 patches
+    assert sorted(window_sizes(tower, 6, 10)) == [4, 8, 8, 8, 16, 16]
+    # patch embed 120 · 75264 = 9031680; layers 120 · 2 · (6144 + 2048 + 8192 + 4096) =
+    # 4915200; attention per frame 4 · 32 · (60² + 720) = 552960, 2 frames 1105920;
+    # merger 30 · 40960 = 1228800. Forward 16281600, training 48844800
+    assert tower_flops(tower, [(2, 6, 10)]) == 48_844_800
+
+
+def test_windows_tile_as_transformers_does():
+    import torch
+    from transformers.vision_utils import get_vision_window_index
+    tower = Tower("qwen2_5_vl", Stack(1, 32, 2, 2, 16, 64, gated=True), (), 32, merge=2,
+                  window=4)                         # Qwen2.5-VL's: 112 px of 14 px, merge 2
+    for h, w in [(8, 8), (6, 10), (34, 50), (16, 8), (2, 2), (18, 30)]:
+        _, bounds = get_vision_window_index(torch.tensor([[1, h, w]]), 2, 112, 14)
+        assert sorted(window_sizes(tower, h, w)) == sorted(torch.diff(bounds).tolist())
+
+
+def test_whisper_clip_is_its_padded_window():
+    from mimo_train.families.whisper import WhisperAudio
+    tower = tower_from_hf("whisper", WhisperAudio.random_config(AudioConfig(), 16, 1, 2))
+    # 30 s of 10 ms frames: 3000 frames, 1500 positions, whatever the clip's length
+    # conv1 2 · 2·240·16 = 15360 and conv2 2·48·16 = 1536 per position: 25344000;
+    # layer 1500 · (1536 + 512 + 2048) = 6144000; attention 4 · 16 · 1500² = 144000000
+    # projection linear 16 -> 64 on the clip's 7 tokens: 7 · 2048 = 14336
+    dims = SimpleNamespace(
+        language=LANGUAGE, module_of=lambda modality: "audio" if modality == "audio" else None,
+        encoders={"audio": SimpleNamespace(tower=tower,
+                                           projection=projection_linears("linear", 16, 64))})
+    found = step_flops(dims, [5, 9], {"audio": [[7], []]}, {"audio": [[None], []]})
+    assert found == {"language": 9_108_480, "audio": 3 * (175_488_000 + 14_336)}
+
+
+def test_frozen_parts_count_the_passes_they_run():
+    dims = SimpleNamespace(encoders={"image": None, "audio": None})
+    assert training_passes(dims) == {"image.encoder": 3, "image.projection": 3,
+                                     "audio.encoder": 3, "audio.projection": 3, "language": 3}
+    found = training_passes(dims, ["image", "audio.encoder", "language"])
+    assert found == {"image.encoder": 1, "image.projection": 1, "audio.encoder": 1,
+                     "audio.projection": 3, "language": 2}
+    assert training_passes(dims, ["image", "audio", "language"], ["language"])["language"] == 3
+    assert training_passes(SimpleNamespace(encoders={}), ["language"]) == {"language": 1}
+
+
+def test_peaks_by_gpu_name():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_tflops("NVIDIA H200", "fp32") == 67.0
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert peak_tflops("Some GPU", "bf16") is None and peak_tflops(None, "bf16") is None
+
+
+def test_published_qwen2_5_vl_7b_dims(tmp_path):
+    """From the published config.json alone (no weights): its dims and its ~8.3B weights."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.planning.dims import from_config
+    preprocess = tmp_path / "preprocess.yaml"
+    preprocess.write_text(f"tokenizer: {PUBLISHED}\nseq_length: 4096\npositions: mrope\n"
+                          "modalities:\n  image: {policy: dynamic}\n")
+    cfg = TrainConfig.load(None, ["data.datasets=[x]", f"data.preprocess={preprocess}",
+                                  f"model.pretrained={PUBLISHED}",
+                                  "layout=image=dp1;language=dp1"])
+    dims = from_config(cfg, tokenizer_size=151665)
+    assert dims.language == Stack(28, 3584, 28, 4, 128, 18944, gated=True, vocab=152064)
+    image = dims.encoders["image"]
+    assert image.tower.stack == Stack(32, 1280, 16, 16, 80, 3420, gated=True)
+    assert (image.tower.window, image.tower.full_attention_layers, image.tower.output_size,
+            image.projection) == (4, (7, 15, 23, 31), 3584, ())
+    total = dims.language.parameters() + image.parameters()
+    assert total == pytest.approx(8.29e9, rel=0.01)
+
+
+def test_config_dims_are_the_built_encoders(tmp_path):
+    """``from_config`` (nothing built) and ``from_model`` (what was built) agree."""
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.base import Projection
+    from mimo_train.families.registry import build_encoder
+    from mimo_train.planning.dims import from_config, from_model
+    preprocess = tmp_path / "preprocess.yaml"
+    preprocess.write_text(f"tokenizer: {PUBLISHED}\nseq_length: 256\nmodalities:\n"
+                          "  image: {policy: fixed, image_size: 56, patch_size: 14}\n"
+                          "  audio: {max_duration: 4.0}\n")
+    cfg = TrainConfig.load(None, [
+        "data.datasets=[x]", f"data.preprocess={preprocess}", "layout=image=dp1;audio=dp1;"
+        "language=dp1", "model.encoders.audio.hidden_size=16", "model.projection=mlp",
+        "model.language.vocab_size=256", "model.language.hidden_size=64"])
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    expected = from_config(cfg, config)
+    submodules = {}
+    for name, modality, kind in (("image", "image", "siglip"), ("audio", "audio", "whisper")):
+        spec = cfg.model.encoders.get(name)
+        hidden = spec.hidden_size if spec else 32
+        encoder = build_encoder(kind, config.modalities[modality], hidden, 1, 2, None)
+        submodules[name] = SimpleNamespace(
+            encoders={modality: SimpleNamespace(encoder=encoder)},
+            input_projections=[Projection(encoder.output_size, 64, "mlp")])
+    language = SimpleNamespace(config=SimpleNamespace(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=None,
+        kv_channels=None, ffn_hidden_size=256, gated_linear_unit=False), vocab_size=256,
+        share_embeddings_and_output_weights=False)
+    from mimo_data.loading.layout import Layout
+    built = from_model(SimpleNamespace(language_model=language,
+                                       modality_submodules=submodules),
+                       Layout.parse(cfg.layout))
+    assert built == expected
+    assert expected.encoders["audio"].tower.fixed_grid == (1, 200)
+    assert expected.encoders["image"].tower.fixed_grid == (4, 4)
+
+
+def _qwen2_vl_config():
+    from mimo_train.families.qwen2_vl import Qwen2VLVision
+    return Qwen2VLVision.random_config(ImageConfig(), 32, 1, 2)
