@@ -13,7 +13,8 @@ from conftest import REPO
 
 # mimo_train's layers from the bottom up; a module may import its own layer's and lower ones'
 LAYERS = [("errors", "precision"), ("runtime",), ("config",), ("mcore",), ("families",),
-          ("components", "model", "planning"), ("training", "hf"), ("cli", "__main__")]
+          ("components", "model", "planning"), ("training", "hf"),
+          ("cli", "__main__", "inspect_cli")]
 
 
 def _module_name(path: Path) -> str:

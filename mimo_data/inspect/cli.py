@@ -4,6 +4,9 @@
     mimo-inspect report DIR --config CFG [--json OUT] [--html OUT] [--limit N] [thresholds]
     mimo-inspect plan   DIR --config CFG --layout L --global-batch-size B --micro-batch-size M
                         [--balance none|tokens] [--packing] [--json]
+    mimo-inspect plan   DIR --config CFG --model MODEL --gpus N --global-batch-size B
+                        --micro-batch-size M [--gpu h100|h200|a100] [--json] ...
+                        (the layout advisor: needs mimo_train, see docs/inspect.md)
 
 Everything runs the training code path (the metadata-only preprocessor) without decoding
 media, except the HTML gallery's thumbnails and spectrograms.
@@ -105,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
     _common(p)
-    p.add_argument("--layout", required=True, metavar="L",
-                   help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1'")
+    p.add_argument("--layout", metavar="L",
+                   help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
+                   "(required without --gpus; with it, this layout is ranked too)")
     p.add_argument("--global-batch-size", type=int, required=True, metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, required=True, metavar="M",
@@ -121,8 +125,44 @@ def _parser() -> argparse.ArgumentParser:
                    "into sequences of seq_length (--json then lists each micro-batch's "
                    "'sequences'); the packing efficiency is shown with and without it")
     p.add_argument("--json", action="store_true",
-                   help="print the loader's dry run (per-rank, per-step sample keys) as JSON")
+                   help="print the loader's dry run (per-rank, per-step sample keys) as JSON; "
+                   "with --gpus, the advisor's ranking")
+    _advisor_arguments(p)
     return parser
+
+
+def _advisor_arguments(p: argparse.ArgumentParser) -> None:
+    """The layout advisor's options (``plan --model M --gpus N``); mimo_train's advisor reads
+    them, this module only parses them (mimo_data never imports mimo_train)."""
+    a = p.add_argument_group("layout advisor (needs mimo_train; docs/inspect.md)")
+    a.add_argument("--gpus", type=int, metavar="N",
+                   help="rank the layouts of the config's modules on N GPUs: memory per rank, "
+                   "predicted step time, why")
+    a.add_argument("--model", metavar="MODEL",
+                   help="the model: a training config YAML (model dims, precision, frozen "
+                   "modules), a transformers checkpoint directory or its config.json")
+    a.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100",
+                   help="GPU kind for memory and peak throughput (default h100: 80 GB, 989 "
+                   "dense bf16 TFLOP/s)")
+    a.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+                   help="memory per GPU (default: the --gpu kind's)")
+    a.add_argument("--gpu-tflops", type=float, metavar="TF",
+                   help="peak dense TFLOP/s per GPU at the run's precision (default: the "
+                   "--gpu kind's)")
+    a.add_argument("--mfu", type=float, metavar="F",
+                   help="assumed model FLOPs utilisation: achieved / peak (default 0.4)")
+    a.add_argument("--precision", choices=("bf16", "fp32"),
+                   help="weights and activations (default: the training config's, else bf16)")
+    a.add_argument("--distributed-optimizer", choices=("both", "yes", "no"), default="both",
+                   help="candidates with the distributed optimizer, without, or both (default)")
+    a.add_argument("--recompute", choices=("any", "none", "selective", "full"), default="any",
+                   help="activation recompute of the candidates (default: any of the three)")
+    a.add_argument("--no-sequence-parallel", action="store_true",
+                   help="no sequence parallelism with tp > 1 (default: on where tp > 1)")
+    a.add_argument("--top", type=_count, default=5, metavar="K",
+                   help="layouts shown with their reasons (default 5)")
+    a.add_argument("--steps", type=_count, default=8, metavar="S",
+                   help="global steps of the dataset read for the per-step work (default 8)")
 
 
 def _sample(args, config) -> int:
@@ -204,16 +244,42 @@ def _report(args, config) -> int:
     return 1 if failures else 0
 
 
-def _plan(args, config) -> int:
+def _plan(args, config, advisor=None) -> int:
     try:
         from mimo_data.inspect.plan import run_plan
     except ImportError as exc:
         print(f"mimo-inspect plan: not available in this installation ({exc})", file=sys.stderr)
         return 2
-    return run_plan(args, config)
+    if args.gpus is None and args.model is None:
+        if args.layout is None:
+            print("mimo-inspect plan: error: give --layout L (or --model M --gpus N for the "
+                  "layout advisor)", file=sys.stderr)
+            return 2
+        return run_plan(args, config)
+    if advisor is None:
+        print("mimo-inspect plan: error: --model/--gpus (the layout advisor) need mimo_train: "
+              "run the mimo-inspect command of a full install (mimo_train.inspect_cli), not "
+              "python -m mimo_data.inspect.cli", file=sys.stderr)
+        return 2
+    if args.gpus is None or args.model is None or args.gpus < 1:
+        print("mimo-inspect plan: error: the layout advisor needs both --model M and --gpus N "
+              "(N >= 1)", file=sys.stderr)
+        return 2
+    from mimo_data.inspect.workload import workload
+    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.loader import DataSource
+    layout = Layout.parse(args.layout) if args.layout else None
+    source = DataSource([args.directory], config, cache_dir=args.cache_dir)
+    work = workload(source, config, args.global_batch_size, args.micro_batch_size,
+                    layout=layout, seed=args.seed, epoch=args.epoch, steps=max(1, args.steps),
+                    packing=args.packing)
+    return advisor(args, config, work)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, advisor=None) -> int:
+    """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(args,
+    config, workload) -> exit status`` (``mimo_train.inspect_cli`` passes mimo_train's; the
+    import runs one way: mimo_data never imports mimo_train)."""
     args = _parser().parse_args(argv)
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.config import PreprocessConfig
@@ -222,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     from mimo_data.shards.storage import StorageError, is_remote
     try:
         config = PreprocessConfig.from_yaml(args.config)
-        return {"sample": _sample, "report": _report, "plan": _plan}[args.command](args, config)
+        if args.command == "plan":
+            return _plan(args, config, advisor)
+        return {"sample": _sample, "report": _report}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         error, status = str(exc), 1 if is_remote(args.directory) or \
             os.path.isdir(args.directory) else 2

@@ -1,0 +1,217 @@
+"""Memory of one rank in training, predicted from the model's dims (``dims``), the rank's share of
+each module (TP / PP / DP), the run's settings (precision, distributed optimizer, recompute,
+sequence parallel) and the tokens of its micro-batches. Pure functions of numbers; no torch.
+The layout advisor (``advisor``) sums them per rank; ``tests/test_planning.py`` checks the
+formulas against a hand count and ``tests/test_anomalies.py`` against a real run's peak.
+
+Model state per parameter a rank holds (megatron-core's DDP with ``grad_reduce_in_fp32``, Adam,
+as ``mimo_train.model.build`` and ``components.optimizer`` set them up)::
+
+    weights     w = 2 (bf16) or 4 (fp32)
+    gradients   4                              (the fp32 grad buffer)
+    optimizer   8 (two fp32 moments) + 4 (fp32 main weights, bf16 only)
+                ÷ DP with the distributed optimizer (the shard of this DP rank)
+
+bf16: 2 + 4 + 12 = 18 bytes, 2 + 4 + 12/DP distributed; fp32: 4 + 4 + 8 = 16. A frozen part
+holds its weights only. Parameters per rank: the language model's layers ÷ PP (the fullest
+stage: ceil(L / PP) layers), their matmuls ÷ TP, the embedding rows ÷ TP on the first stage,
+the output rows ÷ TP on the last (also with tied embeddings when PP > 1: megatron-core keeps a
+copy there); an encoder module (DP only) holds its whole tower and projection.
+
+Activations kept for the backward pass, per layer, for a micro-batch of T token positions
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+table 2, generalised to grouped-query attention and gated MLPs), in bytes at bf16 (× w / 2 at
+another precision)::
+
+    outside the TP regions    10·h·T            (÷ TP with sequence parallel)
+      two norms' inputs 2·2h, the QKV and first MLP matmuls' inputs 2·2h, two dropout masks 2h
+    inside the TP regions     (4·a + 4·g + c·f)·T ÷ TP
+      Q 2a, K and V 2·2g (their product and the weighted sum), the output projection's input
+      2a; the MLP: c = 4 (2f activation input, 2f second matmul input), gated c = 6 (the gate
+      and up outputs 2·2f, the second matmul's input 2f)
+    attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
+      only where the kernel keeps them (megatron-core's local attention; flash, sdpa and
+      varlen kernels do not) and recompute is none
+
+with h the width, a = heads · kv channels, g = query groups · kv channels, f the MLP width, s
+each sample's length (MHA with f = 4h: 34·h·T + 5·heads·Σ s², the paper's formula). Recompute
+``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T, ÷ TP with
+sequence parallel) plus one layer's whole set, recomputed in the backward pass. The language
+model's last stage adds the logits, T · V ÷ TP · (w + 4) (the output in the run's precision and
+the cross entropy's fp32 softmax). An encoder tower counts its patches before merging (plus
+per-frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
+
+In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
+language model's PP stages follow; or a language model with PP > 1) the stage at position p of
+S holds min(m, S - p) micro-batches (1F1B's warm-up), m micro-batches per step; colocated and
+unpipelined, one.
+
+Not counted: the CUDA context, NCCL and allocator buffers and fragmentation (the advisor keeps
+a headroom for them), temporary buffers of one op, the data loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+from mimo_train.planning.dims import Stack, Tower
+
+BYTES = {"bf16": 2, "fp32": 4}
+GRAD_BYTES = 4                    # megatron-core's DDP: grad_reduce_in_fp32
+MOMENT_BYTES = 8                  # Adam's two fp32 moments
+MAIN_BYTES = 4                    # fp32 main weights of a bf16 run
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run sets that changes its memory: the precision, megatron-core's distributed
+    optimizer, activation recompute (none, selective: the attention core, full: every layer;
+    a tower has none or full, selective counts as none there), sequence parallel (the
+    language model at TP > 1) and whether the attention kernel keeps the score matrices."""
+    precision: str = "bf16"
+    distributed_optimizer: bool = False
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    attention_scores: bool = False
+
+    def __post_init__(self):
+        if self.precision not in BYTES or self.recompute not in RECOMPUTE:
+            raise ValueError(f"precision {self.precision!r} (bf16 / fp32), recompute "
+                             f"{self.recompute!r} ({' / '.join(RECOMPUTE)})")
+
+    @property
+    def width(self) -> int:
+        return BYTES[self.precision]
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds of one module (or of several, summed)."""
+    weights: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def __add__(self, other: Memory) -> Memory:
+        return Memory(self.weights + other.weights, self.gradients + other.gradients,
+                      self.optimizer + other.optimizer, self.activations + other.activations)
+
+    def gib(self) -> dict[str, float]:
+        return {k: v / 2**30 for k, v in {**asdict(self), "total": self.total}.items()}
+
+
+def state_bytes(parameters: float, settings: Settings, dp: int = 1,
+                trained: bool = True) -> Memory:
+    """Weights, gradients and optimizer state of ``parameters`` on one rank (the module
+    docstring's table); ``dp``: the DP size the distributed optimizer shards over."""
+    weights = parameters * settings.width
+    if not trained:
+        return Memory(weights=weights)
+    optimizer = parameters * (MOMENT_BYTES + (MAIN_BYTES if settings.precision == "bf16" else 0))
+    if settings.distributed_optimizer:
+        optimizer /= dp
+    return Memory(weights, parameters * GRAD_BYTES, optimizer)
+
+
+# --------------------------------------------------------------------------- parameters
+
+def layer_parameters(stack: Stack) -> tuple[int, int]:
+    """One layer's (matmul weights, norm weights): the matmuls split over TP, the norms not."""
+    return sum(lin.inputs * lin.outputs for lin in stack.layer_linears()), 2 * stack.hidden
+
+
+def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
+    """Parameters of pipeline ``stage`` of the language model on one TP rank: its layers (the
+    first stages take the extra ones of an uneven split), the embedding on the first stage, the
+    output layer and final norm on the last."""
+    layers = stack.layers // pp + (1 if stage < stack.layers % pp else 0)
+    matmuls, norms = layer_parameters(stack)
+    found = layers * (matmuls / tp + norms)
+    rows = stack.vocab * stack.hidden / tp
+    if stage == 0:
+        found += rows
+    if stage == pp - 1:
+        found += stack.hidden + (rows if not stack.tied or pp > 1 else 0)
+    return found
+
+
+# -------------------------------------------------------------------------- activations
+
+def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings: Settings,
+                           tp: int = 1, sequence_parallel: bool = False) -> float:
+    """Bytes one layer keeps for a micro-batch of ``tokens`` positions whose samples' squared
+    lengths sum to ``squares``, without recompute (the module docstring's formula)."""
+    h, f = stack.hidden, stack.ffn_hidden
+    a = stack.heads * stack.kv_channels
+    g = stack.query_groups * stack.kv_channels
+    outside = 10 * h * tokens / (tp if sequence_parallel else 1)
+    inside = (4 * a + 4 * g + (6 if stack.gated else 4) * f) * tokens / tp
+    scores = 5 * stack.heads * squares / tp \
+        if settings.attention_scores and settings.recompute == "none" else 0
+    return (outside + inside + scores) * settings.width / 2
+
+
+def stack_activation_bytes(stack: Stack, layers: int, tokens: float, squares: float,
+                           settings: Settings, tp: int = 1, sequence_parallel: bool = False,
+                           recompute: str | None = None) -> float:
+    """``layers`` layers' activations for one micro-batch under ``recompute`` (default the
+    settings')."""
+    recompute = recompute or settings.recompute
+    if layers <= 0:
+        return 0.0
+    whole = layer_activation_bytes(stack, tokens, squares, settings, tp, sequence_parallel)
+    if recompute == "full":
+        inputs = 2 * stack.hidden * tokens / (tp if sequence_parallel else 1) * \
+            settings.width / 2
+        return layers * inputs + whole
+    return layers * whole
+
+
+def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: Settings,
+                              tp: int = 1, pp: int = 1, stage: int = 0,
+                              in_flight: int = 1) -> float:
+    """A language stage's activations: ``in_flight`` micro-batches of samples of
+    ``lengths`` positions each (packed: the real tokens; padded: the padded length), its
+    layers', and the logits on the last stage (one micro-batch: its loss is taken at once)."""
+    tokens, squares = float(sum(lengths)), float(sum(s * s for s in lengths))
+    sp = settings.sequence_parallel and tp > 1
+    layers = stack.layers // pp + (1 if stage < stack.layers % pp else 0)
+    found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp)
+    if stage == pp - 1:
+        found += tokens * stack.vocab / tp * (settings.width + 4)
+    return found
+
+
+def tower_positions(tower: Tower, grids: Iterable[Sequence[int]]) -> tuple[float, float]:
+    """(positions, Σ squared frame lengths) of a tower over items of patch ``grids`` (t, h, w
+    before merging)."""
+    positions = squares = 0.0
+    for t, h, w in grids:
+        frame = h * w + tower.extra_positions
+        positions += t * frame
+        squares += t * frame * frame
+    return positions, squares
+
+
+def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], settings: Settings,
+                           in_flight: int = 1) -> float:
+    """An encoder tower's activations for ``in_flight`` micro-batches of items of patch
+    ``grids``: its layers' (recompute none or full) and the patch embedding's inputs."""
+    grids = list(grids)
+    positions, squares = tower_positions(tower, grids)
+    recompute = "full" if settings.recompute == "full" else "none"
+    pixels = sum(t * h * w for t, h, w in grids) * \
+        sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width
+    return in_flight * (stack_activation_bytes(tower.stack, tower.stack.layers, positions,
+                                               squares, settings, recompute=recompute) + pixels)
+
+
+def in_flight(micro_batches: int, stages: int, position: int) -> int:
+    """Micro-batches a pipeline stage at ``position`` of ``stages`` holds at once (1F1B)."""
+    return max(1, min(micro_batches, stages - position))
