@@ -1,9 +1,9 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
 A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
-samples_per_s, forward_s`` (``lrs``: each trained module's learning rate, ``lr`` the language
-model's, else the first trained module's; forward seconds per module, max over its ranks); an
-evaluation
+samples_per_s, forward_s, memory_mib`` (``lrs``: each trained module's learning rate, ``lr`` the
+language model's, else the first trained module's; forward seconds per module, max over its
+ranks; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard.
 
@@ -56,6 +56,46 @@ class Timer:
         return self.events[0].elapsed_time(self.events[1]) / 1000
 
 
+class PeakMemory:
+    """A rank's peak memory growth since construction (the trainer makes it before the model is
+    built), in MiB: what ``mimo_train.planning.memory`` predicts (weights, gradients, optimizer
+    state, activations). On a GPU the allocator's peak (``max_memory_allocated``) over what was
+    allocated at the start; on the CPU the peak resident set (``VmHWM``, its high-water mark
+    reset at the start through ``/proc/self/clear_refs``) over the resident set at the start;
+    elsewhere the process's ``ru_maxrss`` over the start's."""
+
+    def __init__(self, device: torch.device):
+        self.device = device if device.type == "cuda" else None
+        if self.device is not None:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+            return
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self.base = self._resident()[0]
+
+    @staticmethod
+    def _resident() -> tuple[int, int]:
+        """(resident, peak resident) bytes of this process."""
+        try:
+            with open("/proc/self/status") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+            return (int(fields["VmRSS"].split()[0]) * 1024,
+                    int(fields["VmHWM"].split()[0]) * 1024)
+        except (OSError, KeyError, ValueError):
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            return peak, peak
+
+    def mib(self) -> float:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device is not None \
+            else self._resident()[1]
+        return max(0, peak - self.base) / 2**20
+
+
 @dataclass
 class StepValues:
     """One train step as the trainer hands it over, device values not yet read."""
@@ -79,13 +119,15 @@ def forward_seconds(layout, local_modules, values: list[float]) -> dict:
 
 
 def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
-                 skipped: bool, seconds: float, global_batch_size: int, forward_s: dict) -> dict:
+                 skipped: bool, seconds: float, global_batch_size: int, forward_s: dict,
+                 memory_mib: float | None = None) -> dict:
     lr = lrs.get("language", next(iter(lrs.values()), 0.0))
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": float(lr), "lrs": lrs, "skipped": skipped, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
-            "forward_s": forward_s}
+            "forward_s": forward_s,
+            **({"memory_mib": memory_mib} if memory_mib is not None else {})}
 
 
 def eval_record(step: int, loss_sum: float, tokens: float) -> dict:
@@ -140,10 +182,11 @@ class Metrics:
 
     def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
                  layout, local_modules, device: torch.device, wandb=None,
-                 config: dict | None = None):
+                 config: dict | None = None, memory: PeakMemory | None = None):
         self.rank0 = dist.get_rank() == 0
         self.log_interval, self.last_step = log_interval, last_step
         self.layout, self.local_modules, self.device = layout, local_modules, device
+        self.memory = memory
         self.records: list[dict] = []
         self.pending: list[StepValues] = []
         self.writer = None
@@ -195,10 +238,11 @@ class Metrics:
         sums = torch.stack([p.sums for p in pending]).tolist()
         names = [m.name for m in self.layout.modules]
         # per module: its learning rate (-1 where this rank does not train it), its forward
-        # seconds; the world's maxima
+        # seconds, the rank's peak memory; the world's maxima
+        memory = self.memory.mib() if self.memory is not None else 0.0
         local = [[p.lrs.get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                    else 0.0 for name in names] for p in pending]
+                    else 0.0 for name in names] + [memory] for p in pending]
         maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         read = []
@@ -207,7 +251,8 @@ class Metrics:
             read.append(train_record(
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
                 p.global_batch_size,
-                forward_seconds(self.layout, self.local_modules, row[len(names):])))
+                forward_seconds(self.layout, self.local_modules, row[len(names):2 * len(names)]),
+                row[-1] if self.memory is not None else None))
         self.records += read
         return read
 

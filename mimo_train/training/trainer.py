@@ -38,7 +38,8 @@ from mimo_data.shards.format import INDEX_FILE
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
-from mimo_train.components.metrics import Metrics, StepValues, Timer, eval_record
+from mimo_train.components.metrics import (Metrics, PeakMemory, StepValues, Timer,
+                                           eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
                                              check_modules, trained_optimizers)
 from mimo_train.config import TrainConfig
@@ -100,6 +101,7 @@ class Trainer:
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
         # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
         # optimizer's and schedule's set-up holds collectives of the whole world
+        self.peak_memory = PeakMemory(self.device)      # the records' memory_mib from here
         phase("model", lambda _: f"model built ({self.attention.describe()})",
               lambda: self._build_model(self.text))
         phase("optimizer", "optimizer and schedule ready", lambda: self._build_optimizer(
@@ -123,7 +125,7 @@ class Trainer:
             if cfg.checkpoint.dir else None
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
-                               cfg.train.wandb, cfg.to_dict())
+                               cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory)
 
     # ------------------------------------------------------------------------------ set-up
 
