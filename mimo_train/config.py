@@ -44,6 +44,10 @@ from mimo_train.errors import TrainConfigError
 
 # model.attention values (mimo_train.mcore.attention says what each runs)
 ATTENTION = ("auto", "local", "sdpa", "varlen")
+# activation recomputation (docs/training.md, "Memory at real sizes"): the language model's
+# model.language.recompute, an encoder module's model.encoders.<module>.recompute
+LANGUAGE_RECOMPUTE = ("none", "selective", "full")
+ENCODER_RECOMPUTE = ("none", "full")
 
 
 @dataclass
@@ -81,6 +85,12 @@ class LanguageConfig:
     # mrope_section); the preprocessing must then use positions: mrope
     mrope_section: list | None = None
     pretrained: str | None = None
+    # activation recomputation: none, selective (core attention recomputed in the backward
+    # pass) or full (each layer's input kept, the layer recomputed)
+    recompute: str = "none"
+    # sequence parallel over the language model's tensor-parallel ranks (TP > 1; at TP 1
+    # there is nothing to split and the setting is refused)
+    sequence_parallel: bool = False
 
     def check_mrope(self, head_dim: int) -> None:
         """``TrainConfigError`` unless ``mrope_section`` (if set) splits ``head_dim``."""
@@ -110,6 +120,9 @@ class EncoderConfig:
     num_layers: int = 1
     num_attention_heads: int = 2
     pretrained: str | None = None
+    # activation recomputation of the tower: none, or full (transformers' gradient
+    # checkpointing: each layer's input kept, the layer recomputed in the backward pass)
+    recompute: str = "none"
 
 
 @dataclass
@@ -162,6 +175,9 @@ class ModuleOptimizerConfig:
     min_lr: float | None = None
     warmup_steps: int | None = None
     weight_decay: float | None = None
+    distributed: bool | None = None
+    overlap_grad_reduce: bool | None = None
+    bucket_size: int | None = None
 
 
 @dataclass
@@ -173,6 +189,13 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     clip_grad: float = 1.0
+    # megatron-core's distributed optimizer: the fp32 main weights and Adam moments sharded
+    # over the module's DP group (gradients reduce-scattered, weights all-gathered)
+    distributed: bool = False
+    # start each bucket's gradient reduction during the backward pass (CUDA only), buckets of
+    # bucket_size elements (None: megatron-core's default, max(40M, 1M x DP size))
+    overlap_grad_reduce: bool = False
+    bucket_size: int | None = None
     # module name -> ModuleOptimizerConfig (e.g. image: {lr: 1e-4}: the tower at a tenth)
     modules: dict = field(default_factory=dict)
 
@@ -195,6 +218,9 @@ class OptimizerConfig:
         if self.weight_decay < 0:
             raise TrainConfigError(f"{where}weight_decay is {self.weight_decay}: it must be "
                                    ">= 0")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise TrainConfigError(f"{where}bucket_size is {self.bucket_size}: give a number "
+                                   "of elements >= 1, or leave it unset")
 
 
 @dataclass

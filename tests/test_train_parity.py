@@ -33,6 +33,56 @@ MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
 BF16_LOSS, BF16_MODULE_GRAD, BF16_COSINE = 1e-3, 0.1, 0.5
 
 
+# the memory settings of real sizes (docs/training.md, "Memory at real sizes"), as overrides
+MEMORY = {"distributed": ["optimizer.distributed=true"],
+          "full": ["model.language.recompute=full"],
+          "selective": ["model.language.recompute=selective"],
+          "towers": ["model.encoders.image.recompute=full", "model.encoders.audio.recompute=full"]}
+# a module's layer and the call that runs it once per micro-batch; recomputed: twice
+_RECOMPUTED = {"full": ("decoder.layers.0.mlp", "decoder"),
+               "selective": ("decoder.layers.0.self_attention.core_attention", "decoder")}
+
+
+def _calls(run: dict, module: str) -> dict:
+    """``module``'s forward calls by submodule path (``train_parity_run.count_calls``), on
+    the first rank holding it."""
+    return next(rank["calls"][module] for rank in run["ranks"] if module in rank["calls"])
+
+
+def _tower_layer(calls: dict) -> tuple[str, str]:
+    """A part of an encoder module's first transformer layer (transformers recomputes the
+    layer's forward, inside its hooks: its parts' hooks run again), and the tower."""
+    layer = min(path for path in calls if path.endswith((".layers.0", ".blocks.0")))
+    return min(path for path in calls if path.startswith(layer + ".")), layer.rsplit(".", 2)[0]
+
+
+def assert_recomputed(reference: dict, run: dict, expected: dict[str, str]) -> None:
+    """Each module of ``expected`` recomputes what it says (``none``: nothing), counted as
+    forward calls per micro-batch, where the reference runs each layer once."""
+    for module, how in expected.items():
+        calls, plain = _calls(run, module), _calls(reference, module)
+        if module == "language":
+            pairs = [_RECOMPUTED["full"], _RECOMPUTED["selective"]]
+            wanted = [2 if how == "full" else 1, 2 if how in ("full", "selective") else 1]
+        else:
+            pairs, wanted = [_tower_layer(calls)], [2 if how == "full" else 1]
+        for (layer, once), times in zip(pairs, wanted):
+            assert plain[layer][0] == plain[once][0], (module, layer, plain[layer])
+            assert calls[layer][0] == times * calls[once][0], (module, how, layer,
+                                                               calls[layer], calls[once])
+
+
+def assert_sharded(run: dict, dp: dict[str, int]) -> None:
+    """Each module's optimizer is megatron-core's distributed one, each rank holding its
+    1 / ``dp[module]`` share of the module's trained weights (DP ranks together: all)."""
+    for module, size in dp.items():
+        held = [rank["sharded"][module] for rank in run["ranks"] if module in rank["sharded"]]
+        kinds = {kind for kind, _, _ in held}
+        assert kinds == {"DistributedOptimizer"}, (module, kinds)
+        assert sum(mine for _, mine, _ in held) * size == sum(whole for _, _, whole in held)
+        assert all(mine < whole or size == 1 for _, mine, whole in held), (module, held)
+
+
 def _reference(ranks, tmp_path: Path, layout: str, common: list[str]) -> tuple[dict, str]:
     """One colocated process; also saves the initial weights every other layout starts from."""
     init = tmp_path / "init"
@@ -141,11 +191,35 @@ def test_packed_matches_unpacked(ranks, dynamic_setup):
 
 def test_fan_in_of_variable_counts_matches_colocated(ranks, dynamic_setup):
     """Each encoder DP rank holds one sample: images of different sizes, audio clips and
-    text-only samples give every rank a different count (none, for a text-only sample)."""
+    text-only samples give every rank a different count (none, for a text-only sample).
+    With the memory settings of real sizes: the distributed optimizer (each encoder's state
+    split over its two DP ranks), full recomputation of the language model and of both
+    towers."""
     tmp, common, reference, init, _ = dynamic_setup
     fan_in = _layout(ranks, tmp, "fan-in-variable", 5, "image=dp2;audio=dp2;language=dp1", 2,
-                       common, init)
-    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1")
+                       [*common, *MEMORY["distributed"], *MEMORY["full"],
+                        *MEMORY["towers"]], init)
+    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, distributed optimizer, "
+            "full recompute")
+    assert_sharded(fan_in, {"image": 2, "audio": 2, "language": 1})
+    assert_recomputed(reference, fan_in, {"language": "full", "image": "full", "audio": "full"})
+
+
+def test_sequence_parallel_fan_in_matches_colocated(ranks, dynamic_setup):
+    """Language tp2 with sequence parallelism, selective recomputation and the distributed
+    optimizer, fed by image dp2 and audio dp1 (fan-in): the colocated step's loss and
+    gradients; the layer norms see half the sequence."""
+    tmp, common, reference, init, _ = dynamic_setup
+    tp2 = _layout(ranks, tmp, "tp2-sequence-parallel", 5, "image=dp2;audio=dp1;language=tp2", 2,
+                  [*common, *MEMORY["distributed"], *MEMORY["selective"],
+                   "model.language.sequence_parallel=true"], init)
+    compare(reference, tp2, "image dp2 + audio dp1 -> language tp2, sequence parallel")
+    assert_sharded(tp2, {"image": 2, "audio": 1, "language": 1})
+    assert_recomputed(reference, tp2, {"language": "selective", "image": "none"})
+    calls = _calls(tp2, "language")
+    norm = calls["decoder.layers.0.input_layernorm"][1]
+    attention = calls["decoder.layers.0.self_attention.core_attention"][1]
+    assert 2 * norm == attention, (norm, attention)
 
 
 def test_packed_balanced_fan_in_matches_colocated(ranks, dynamic_setup):

@@ -10,7 +10,10 @@ each local module's gradients (``main_grad``, TP shards gathered) keyed by globa
 and the dtypes of each module's parameters and buffers and the names of the parameters it does not
 train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
 ``--save-batches`` adds the micro-batches the step trained on (as the loader gave them) to
-``rank_R.pt``. ``--host-reads`` then runs one whole training step that does not log
+``rank_R.pt``. Also recorded: each module's forward calls by submodule (``calls``: a
+recomputed layer runs twice) and its optimizer's share of the weights (``sharded``); under the
+distributed optimizer the reduced gradients' shards are all-gathered before they are read.
+``--host-reads`` then runs one whole training step that does not log
 (``train.log_interval`` above 1) and records every place that read a tensor's value on the
 host during it
 (``host_reads``: ``path:line function`` -> count).
@@ -84,6 +87,53 @@ def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
+def gather_sharded_grads(module) -> None:
+    """Under the distributed optimizer each DP rank holds only its shard of every bucket's
+    reduced gradient (reduce-scatter): all-gather the shards, so that ``main_grad`` reads
+    the whole reduced gradient as without it."""
+    if not module.ddp_config.use_distributed_optimizer:
+        return
+    for group in module.bucket_groups:
+        dp = group.intra_distributed_optimizer_instance_group
+        for bucket in group.buckets:
+            shard = bucket.grad_data.numel() // dp.size()
+            mine = bucket.grad_data[dp.rank() * shard:(dp.rank() + 1) * shard].clone()
+            dist.all_gather_into_tensor(bucket.grad_data, mine, group=dp)
+
+
+def count_calls(modules: dict) -> tuple[dict, list]:
+    """name -> {submodule path: [forward calls, the first input's first dimension]}, filled
+    while the hooks (returned) stay registered: a recomputed layer runs its forward twice
+    per micro-batch, a sequence-parallel layer norm sees 1 / TP of the sequence."""
+    calls: dict = {}
+    hooks = []
+    for name, module in modules.items():
+        calls[name] = {}
+        for path, sub in unwrap(module).named_modules():
+            def hook(sub, args, path=path, seen=calls[name]):
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                entry = seen.setdefault(path, [0, None if first is None or first.dim() == 0
+                                               else first.shape[0]])
+                entry[0] += 1
+            hooks.append(sub.register_forward_pre_hook(hook))
+    return calls, hooks
+
+
+def optimizer_shares(trainer) -> dict:
+    """module -> (its optimizer's class names, the fp32 main weights this rank's optimizer
+    holds, the module's trained weights on this rank): under the distributed optimizer a
+    DP rank holds its share only."""
+    shares = {}
+    for name, module in trainer.modules.items():
+        optimizer = trainer.optimizer.module_infos[name].optimizer
+        inner = getattr(optimizer, "chained_optimizers", [optimizer])
+        groups = optimizer.param_groups if optimizer is not None else []
+        shares[name] = ("+".join(sorted({type(o).__name__ for o in inner})),
+                        sum(p.numel() for group in groups for p in group["params"]),
+                        sum(p.numel() for p in module.parameters() if p.requires_grad))
+    return shares
+
+
 def _recorded(iterator, into: list):
     """``iterator``, each micro-batch it gives also appended to ``into``."""
     for batch in iterator:
@@ -106,9 +156,13 @@ def main(argv) -> None:
     batches: list = []
     if save_batches and iterator is not None:
         iterator = _recorded(iterator, batches)
+    calls, hooks = count_calls(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    for hook in hooks:
+        hook.remove()
     grads, dtypes, fixed = {}, {}, {}
     for name, module in trainer.modules.items():
+        gather_sharded_grads(module)
         offset = trainer.layer_offset(name)
         inner = unwrap(module)
         tp = trainer.infra.modules[name].pgs.tp
@@ -127,7 +181,8 @@ def main(argv) -> None:
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads, "dtypes": dtypes,
-                "fixed": fixed, "host_reads": reads, "batches": batches},
+                "fixed": fixed, "host_reads": reads, "batches": batches, "calls": calls,
+                "sharded": optimizer_shares(trainer)},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

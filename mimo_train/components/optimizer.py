@@ -13,14 +13,17 @@ scaler), which writes NaN into every weight. The subclass checks the norm where 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.mcore import (MegatronOptimizerConfig, MimoOptimizer, OptimizerParamScheduler,
-                              get_mimo_optimizer)
+from mimo_train.mcore import (MegatronOptimizerConfig, MimoOptimizer, ModuleOptimizerInfo,
+                              OptimizerParamScheduler, _get_pg_collection_for_optimizer,
+                              get_megatron_optimizer)
+from mimo_train.model.parts import module_of
 
 
 class NonFiniteStep(Exception):
@@ -49,14 +52,33 @@ def build_optimizer(cfg: TrainConfig, model) -> CheckedMimoOptimizer:
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    optimizer = CheckedMimoOptimizer(get_mimo_optimizer(model, config).module_infos, config)
+    optimizer = CheckedMimoOptimizer(module_optimizers(model, config, opt), config)
     # megatron-core's schedulers take each parameter group's own rates over theirs: the
-    # module's (get_mimo_optimizer gives every module the one config's)
+    # module's (the optimizers are built with the optimizer's)
     for name, info in optimizer.module_infos.items():
         own = opt.of(name)
         for group in info.optimizer.param_groups if info.optimizer is not None else ():
             group["max_lr"], group["min_lr"] = own.lr, own.min_lr
     return optimizer
+
+
+def module_optimizers(model, config, opt) -> dict:
+    """megatron-core's ``get_mimo_optimizer`` with each module's own
+    ``optimizer.distributed`` (its DDP was built with the same: ``model.build.ddp_config``):
+    module name -> ``ModuleOptimizerInfo`` (no optimizer where this rank holds no part of
+    the module)."""
+    infos = {}
+    for name, grid in model.mimo_config.module_to_grid_map.items():
+        active = grid.is_current_rank_in_grid()
+        optimizer, pgs = None, None
+        if active and module_of(model, name) is not None:
+            pgs = _get_pg_collection_for_optimizer(grid)
+            own = dataclasses.replace(config, use_distributed_optimizer=opt.of(name).distributed)
+            optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
+                                               pg_collection=pgs, use_gloo_process_groups=False)
+        infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pgs,
+                                          is_active=active)
+    return infos
 
 
 def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:

@@ -40,7 +40,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
                                        VisionModalitySubmodules, get_mimo_optimizer)
-from megatron.core.models.mimo.optimizer import MimoOptimizer
+from megatron.core.models.mimo.optimizer import (MimoOptimizer, ModuleOptimizerInfo,
+                                                 _get_pg_collection_for_optimizer)
+from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
@@ -65,7 +67,8 @@ __all__ = [
     "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
-    "MimoOptimizer", "ensure_global_memory_buffer", "use_forked_write_results",
+    "MimoOptimizer", "ModuleOptimizerInfo", "_get_pg_collection_for_optimizer",
+    "get_megatron_optimizer", "ensure_global_memory_buffer", "use_forked_write_results",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",

@@ -59,7 +59,10 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if self.type_strings and func is torch.Tensor.type and len(args) == 1 and not kwargs:
             # 'torch.FloatTensor' -> 'torch.cuda.FloatTensor', the type checks' expectation
-            return func(*args).replace("torch.", "torch.cuda.", 1)
+            # (once: an enclosing mode may have rewritten it already)
+            name = func(*args)
+            return name if name.startswith("torch.cuda.") else \
+                name.replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = CPU
         if func is torch.Tensor.to and args[1:2] and _is_cuda(args[1]):
@@ -133,19 +136,35 @@ def _patch_rng_tracker() -> None:
     random.initialize_rng_tracker = initialize_rng_tracker
 
 
+def _scoped_method(cls, name: str, value) -> None:
+    """``_scoped`` for a method as the class defines it: plain, static or class method."""
+    if inspect.isfunction(value):
+        _scoped(cls, name)
+    elif isinstance(value, (staticmethod, classmethod)):
+        function = value.__func__
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            with _CudaToCpu():
+                return function(*args, **kwargs)
+
+        setattr(cls, name, type(value)(wrapper))
+
+
 def _patch_optimizers() -> None:
     # Loss-scale / found-inf / norm tensors are made with device='cuda', gradients are checked
-    # with Tensor.type() == 'torch.cuda.FloatTensor' (optimizer.py, clip_grads.py, which only
-    # the optimizers call): every method the optimizer classes define runs under _CudaToCpu.
+    # with Tensor.type() == 'torch.cuda.FloatTensor' (optimizer.py, distrib_optimizer.py,
+    # clip_grads.py, which only the optimizers call): every method the optimizer classes
+    # define, the distributed optimizer's static and class methods included, runs under
+    # _CudaToCpu.
     from megatron.core.models.mimo.optimizer import MimoOptimizer
-    from megatron.core.optimizer import optimizer
+    from megatron.core.optimizer import distrib_optimizer, optimizer
 
-    classes = [cls for cls in vars(optimizer).values()
-               if isinstance(cls, type) and issubclass(cls, optimizer.MegatronOptimizer)]
+    classes = {cls for module in (optimizer, distrib_optimizer) for cls in vars(module).values()
+               if isinstance(cls, type) and issubclass(cls, optimizer.MegatronOptimizer)}
     for cls in [*classes, MimoOptimizer]:
         for name, value in list(vars(cls).items()):
-            if inspect.isfunction(value):
-                _scoped(cls, name)
+            _scoped_method(cls, name, value)
 
 
 def _patch_tied_embeddings() -> None:
@@ -176,6 +195,18 @@ def _patch_nccl_groups() -> None:
 
     dist.new_group = _to_gloo(dist.new_group)
     dist.new_subgroups_by_enumeration = _to_gloo(dist.new_subgroups_by_enumeration)
+
+
+def _patch_recompute_rng() -> None:
+    # Activation recomputation (tensor_parallel.checkpoint, CheckpointFunction) saves and
+    # restores the CUDA generator's state around the recomputed forward
+    # (random.py:528 _get_all_rng_states -> _get_cuda_rng_state, :538 _set_cuda_rng_state).
+    # On the CPU there is no CUDA generator: the CPU generator's state, which the same
+    # function saves and restores beside it, is all the recomputation draws from.
+    from megatron.core.tensor_parallel import random
+
+    random._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: None
+    random._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: None
 
 
 def _patch_causal_masks() -> None:
@@ -224,6 +255,12 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "driver); without a seeded tracker DotProductAttention.forward fails at "
           "get_cuda_rng_tracker().fork() ('cuda rng state model-parallel-rng is not added')",
           _patch_rng_tracker),
+    Patch("recompute_rng",
+          "torch.cuda.random.get_rng_state() in tensor_parallel/random.py:118 "
+          "_get_cuda_rng_state, from CheckpointFunction.forward (:604, activation "
+          "recomputation: model.language.recompute) (RuntimeError: Found no NVIDIA driver / "
+          "Cannot re-initialize CUDA in forked subprocess)",
+          _patch_recompute_rng),
     Patch("schedules",
           "device=\"cuda\" for the token count in pipeline_parallel/schedules.py:749, :1121, "
           ":2292 (every forward_backward_* function; RuntimeError: Found no NVIDIA driver)",
@@ -238,7 +275,9 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           ":315, :690-702, models/mimo/optimizer.py:65,82,103 MimoOptimizer.get_grad_norm/step, "
           "clip_grads.py:96-231 (RuntimeError: Found no NVIDIA driver); Tensor.type() == "
           "'torch.cuda.FloatTensor' in clip_grads.py:174 and optimizer.py:1009-1028 "
-          "(AssertionError / TypeError)",
+          "(AssertionError / TypeError), and in distrib_optimizer.py:401-481 "
+          "_build_model_and_main_param_groups (TypeError: Wrapped parameters must be one of "
+          "torch.cuda.FloatTensor, ...), device=torch.cuda.current_device() at :998",
           _patch_optimizers),
 )}
 

@@ -27,6 +27,7 @@ from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pret
 from mimo_train.families.registry import (ENCODERS, build_encoder, default_kind, language_arch,
                                           read_vlm)
 from mimo_train.mcore.grids import Infra
+from mimo_train.mcore.norms import block_spec
 from mimo_train.model.lora import add_adapters, is_adapter, parts
 from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
@@ -66,7 +67,54 @@ def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         attention_dropout=0.0, hidden_dropout=0.0,
         gradient_accumulation_fusion=False, bias_activation_fusion=device.type == "cuda",
-        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
+        masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        **language_memory(cfg, language.tp))
+
+
+# model.language.recompute -> megatron-core's TransformerConfig fields: selective recomputes
+# the core attention (the s x s scores, softmax and dropout) in the backward pass; full keeps
+# each layer's input and recomputes the whole layer (uniform method, one layer per checkpoint)
+_RECOMPUTE: dict[str, dict[str, Any]] = {"none": {},
+              "selective": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+              "full": dict(recompute_granularity="full", recompute_method="uniform",
+                           recompute_num_layers=1)}
+
+
+def language_memory(cfg: TrainConfig, tp: int) -> dict:
+    """The language model's memory settings as ``TransformerConfig`` fields
+    (``model.language.recompute`` and ``sequence_parallel``); ``TrainConfigError`` where the
+    layout cannot take them."""
+    lm = cfg.model.language
+    if lm.sequence_parallel and tp < 2:
+        raise TrainConfigError(
+            "model.language.sequence_parallel needs the language model's tensor parallelism: "
+            f"the layout gives it tp{tp}, and sequence parallelism splits the sequence over the "
+            "TP ranks for the layer norms and dropout between the TP regions; set tp >= 2 "
+            "(e.g. language=tp2) or drop it")
+    if lm.sequence_parallel and cfg.data.packing:
+        raise TrainConfigError(
+            "model.language.sequence_parallel with data.packing: a packed micro-batch's rows "
+            "are not padded to a multiple of the TP size, which sequence parallelism splits "
+            "them by; drop one of the two")
+    return dict(_RECOMPUTE[lm.recompute], sequence_parallel=lm.sequence_parallel)
+
+
+def ddp_config(cfg: TrainConfig, module: str, device: torch.device
+               ) -> DistributedDataParallelConfig:
+    """megatron-core's DDP settings of ``module`` (``optimizer.distributed``,
+    ``overlap_grad_reduce``, ``bucket_size``, each settable per module). Gradients are reduced
+    in fp32 whatever the weights' dtype."""
+    own = cfg.optimizer.of(module)
+    if own.overlap_grad_reduce and device.type != "cuda":
+        key = f"optimizer.modules.{module}" if module in cfg.optimizer.modules and \
+            cfg.optimizer.modules[module].overlap_grad_reduce else "optimizer"
+        raise TrainConfigError(
+            f"{key}.overlap_grad_reduce needs CUDA: megatron-core overlaps the gradient "
+            "reduction with the backward pass on a CUDA communication stream, which a CPU "
+            f"run ({device.type}, gloo) has not; drop it for CPU runs")
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=own.distributed,
+        overlap_grad_reduce=own.overlap_grad_reduce, bucket_size=own.bucket_size)
 
 
 def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
@@ -260,6 +308,10 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     layout, seed = infra.layout, cfg.train.seed
     check_positions(cfg, preprocess)
     transformer = language_transformer_config(cfg, layout, device)
+    encoder_ddp_config = dataclasses.replace(transformer, **{
+        key: TransformerConfig.__dataclass_fields__[key].default
+        for key in language_memory(cfg, layout.language.tp)}) \
+        if transformer.recompute_granularity or transformer.sequence_parallel else transformer
     settings = encoder_settings(cfg, infra, preprocess)
     modality_specs, token_ids = {}, {}
     for name, setting in settings.items():
@@ -282,7 +334,10 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
             cfg, infra, transformer, vocab, preprocess.seq_length, attention.language)))
     model = RoutedMimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
-        special_token_ids=token_ids, module_to_grid_map=infra.grids))
+        special_token_ids=token_ids, module_to_grid_map=infra.grids),
+        # sequence parallel: MimoModel splits the spliced embeddings over the language TP group
+        **(dict(tp_group=infra.modules[LANGUAGE].pgs.tp, cp_group=infra.modules[LANGUAGE].pgs.cp)
+           if transformer.sequence_parallel and LANGUAGE in infra.local else {}))
     model.model_type = ModelType.encoder_or_decoder
     if cfg.model.language.pretrained and LANGUAGE in infra.local:
         load_language_weights(model.language_model, cfg, infra, vocab)
@@ -292,12 +347,14 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     # included) but for the rotary frequencies; the optimizer keeps fp32 main weights
     cast(model, run_dtype(cfg.train.precision))
     model.to(device)
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     for name, module_infra in infra.local.items():
         module = module_of(model, name)
         if name in settings:          # in its dtype and on its device: what transformers checks
             modality = settings[name].modality
-            module.encoders[modality].encoder.model.set_attn_implementation(attention.encoders)
+            tower = module.encoders[modality].encoder.model
+            tower.set_attn_implementation(attention.encoders)
+            if settings[name].spec.recompute == "full":
+                recompute_tower(tower, name)
         # a frozen part's weights, and those of a part under LoRA but for its adapters
         fixed = [found[name] or "" for found in (frozen_parts, adapted) if name in found]
         for key, parameter in module.named_parameters():
@@ -306,9 +363,25 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if name not in cfg.model.freeze and not any(p.requires_grad for p in module.parameters()):
             raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
                                    f"freeze the whole module ({name})")
-        replace_module(model, name, DistributedDataParallel(transformer, ddp, module,
-                                                  pg_collection=module_infra.pgs))
+        # encoders: the language model's config without its own memory settings
+        config = transformer if name == LANGUAGE else encoder_ddp_config
+        replace_module(model, name, DistributedDataParallel(
+            config, ddp_config(cfg, name, device), module, pg_collection=module_infra.pgs))
     return model
+
+
+def recompute_tower(tower, module: str) -> None:
+    """transformers' gradient checkpointing on an encoder module's tower (non-reentrant:
+    the recomputed layers' weights get their gradients through megatron-core DDP's hooks)."""
+    if not getattr(tower, "supports_gradient_checkpointing", False):
+        raise TrainConfigError(f"model.encoders.{module}.recompute is full, but its "
+                               f"{type(tower).__name__} does not support transformers' "
+                               "gradient checkpointing: set recompute: none")
+    kwargs = {"use_reentrant": False}
+    if hasattr(tower, "activation_checkpointing_enable"):        # transformers >= 5.2x
+        tower.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _adapt(model, cfg: TrainConfig, infra: Infra, frozen: dict) -> dict[str, str]:
@@ -385,9 +458,12 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
     return dict(
         seed=_module_seed(cfg.train.seed, LANGUAGE), packed_rows=backend != "local",
         config=transformer,
-        transformer_layer_spec=layer_spec, vocab_size=vocab,
+        transformer_layer_spec=block_spec(layer_spec, transformer), vocab_size=vocab,
         max_sequence_length=max_sequence_length,
         **gpt,
+        # MimoModel scatters the spliced embeddings over the TP ranks itself (sequence
+        # parallel); the embedding layer must not scatter the text's first
+        scatter_embedding_sequence_parallel=False,
         pre_process=language is None or language.first_stage,
         post_process=language is None or language.last_stage,
         pg_collection=infra.modules[LANGUAGE].pgs)
