@@ -376,6 +376,16 @@ class TrainConfig:
             opt.of(module).check(module)
         for part, lora in self.model.lora.items():
             lora.check(part)
+        if self.model.language.recompute not in LANGUAGE_RECOMPUTE:
+            raise TrainConfigError(f"model.language.recompute is "
+                                   f"{self.model.language.recompute!r}: use "
+                                   f"{', '.join(LANGUAGE_RECOMPUTE)}")
+        for name, encoder in self.model.encoders.items():
+            if encoder.recompute not in ENCODER_RECOMPUTE:
+                raise TrainConfigError(f"model.encoders.{name}.recompute is "
+                                       f"{encoder.recompute!r}: use "
+                                       f"{' or '.join(ENCODER_RECOMPUTE)} (a transformers "
+                                       "tower has no selective recomputation)")
         if self.model.attention not in ATTENTION:
             raise TrainConfigError(f"model.attention is {self.model.attention!r}: use "
                                    f"{', '.join(ATTENTION)}")
