@@ -245,6 +245,9 @@ class RunConfig:
     seed: int = 1
     device: str = "auto"                              # auto | cuda | cpu
     precision: str = "fp32"                           # fp32 | bf16
+    # the MFU's denominator: dense peak TFLOP/s of one GPU (default: the GPU's, by its name and
+    # train.precision, planning.flops.peak_tflops; none on a CPU or an unknown GPU: no MFU)
+    peak_tflops: float | None = None
     collective_timeout_minutes: float = 10.0          # a collective no rank completes fails
     # steps with a non-finite loss or gradient norm are skipped; past this many the run stops
     max_skipped_steps: int = 10
@@ -371,6 +374,9 @@ class TrainConfig:
             _check_exit_signal(str(name))
         if run.precision not in ("fp32", "bf16"):
             raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
+        if run.peak_tflops is not None and not run.peak_tflops > 0:
+            raise TrainConfigError(f"train.peak_tflops is {run.peak_tflops}: give the GPU's "
+                                   "peak TFLOP/s (> 0) or leave it unset")
         opt.check()
         for module in opt.modules:
             opt.of(module).check(module)

@@ -43,6 +43,7 @@ def merged(out: Path) -> dict:
     """The ranks' ``rank_R.pt`` of one parity step, merged (see ``step``)."""
     per_rank = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
     result = {"loss_sum": per_rank[0]["loss_sum"], "tokens": per_rank[0]["tokens"],
+              "flops": per_rank[0]["flops"],
               "grads": {}, "ranks": per_rank}
     for rank in per_rank:
         assert (rank["loss_sum"], rank["tokens"]) == (result["loss_sum"], result["tokens"])
@@ -59,6 +60,8 @@ def compare(reference: dict, other: dict, what: str, tolerance: float = TOLERANC
     """``other``'s step has ``reference``'s trained tokens, loss and every gradient (each
     non-zero in the reference) within ``tolerance``."""
     assert other["tokens"] == reference["tokens"] > 0, what
+    # the step's model FLOPs are the global batch's, whichever ranks count them
+    assert other["flops"] == pytest.approx(reference["flops"], rel=1e-12), what
     loss, expected = other["loss_sum"] / other["tokens"], \
         reference["loss_sum"] / reference["tokens"]
     assert abs(loss - expected) <= tolerance, f"{what}: loss {loss} vs {expected}"

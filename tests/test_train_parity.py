@@ -130,6 +130,38 @@ def test_first_batch_mixes_image_sizes_audio_and_text_only(dynamic_setup, loader
     assert text_only, "no text-only sample in the parity batch"
 
 
+def test_step_flops_are_the_batch_s(dynamic_setup, loader_corpus):
+    """The step's model FLOPs (what its records get; ``compare`` checks every layout's step
+    gives the same) are those of the batch's samples and media: each sample's real tokens
+    (the padded batch's mask), each image's patch grid as the tower gets it, each clip's
+    window, through the formulas ``test_flops.py`` checks against hand counts."""
+    from mimo_data.loading.loader import build_loader
+    from mimo_train.config import TrainConfig
+    from mimo_train.planning.dims import from_config
+    from mimo_train.planning.flops import language_flops, projection_flops, tower_flops
+
+    _, common, reference, _, preprocess = dynamic_setup
+    layout = "language=dp1;image=dp1,off0;audio=dp1,off0"
+    loader = build_loader([loader_corpus], preprocess, layout, 0, 1, GLOBAL_BATCH, GLOBAL_BATCH,
+                          seed=3)
+    batch, metadata = next(iter(loader))
+    loader.close()
+    rows = reference["grads"]["language"]["output_layer.weight"].shape[0]
+    dims = from_config(TrainConfig.load(None, [*common, f"layout={layout}"]),
+                       tokenizer_size=rows)
+    image, audio = dims.encoders["image"], dims.encoders["audio"]
+    grids = batch["modality_inputs"]["image"]["image"]["image_grid_thw"].tolist()
+    clips = len(batch["modality_inputs"]["audio"]["audio"]["feature_lens"])
+    audio_tokens = sum(n for counts in metadata["token_counts"]["audio"] for n in counts)
+    expected = {
+        "language": language_flops(dims.language, batch["attention_mask"].sum(1).tolist()),
+        "image": tower_flops(image.tower, grids) + projection_flops(
+            image.projection, sum(t * h * w for t, h, w in grids) // 4),
+        "audio": tower_flops(audio.tower, [(1, *audio.tower.fixed_grid)] * clips)
+        + projection_flops(audio.projection, audio_tokens)}
+    assert reference["flops"] == pytest.approx(expected, rel=1e-12)
+
+
 def test_fan_out_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
     fan_out = _layout(ranks, tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)

@@ -137,6 +137,29 @@ def test_tensorboard_gets_the_scalars(setup):
             "train/grad_norm", "train/tokens_per_s"} <= set(events.Tags()["scalars"])
 
 
+def test_records_and_step_lines_carry_the_model_flops(setup):
+    """Each step's record: its model FLOPs per module (the global batch's, checked in
+    ``test_train_parity.py``), TFLOP/s per rank of the world, no MFU on a CPU without
+    ``train.peak_tflops``; the step lines show the TFLOP/s, TensorBoard gets them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tmp, _, full = setup
+    for record in train_records(full):
+        assert set(record["flops"]) == {"image", "audio", "language"}
+        assert min(record["flops"].values()) > 0
+        assert record["tflops_per_gpu"] == pytest.approx(
+            sum(record["flops"].values()) / record["seconds"] / 3 / 1e12)
+        assert record["mfu"] is None
+    lines = [line for line in (tmp / "full-logs" / "rank_0.out").read_text().splitlines()
+             if line.startswith("step ")]
+    assert len(lines) == STEPS and all(" TFLOP/s " in line and "MFU" not in line
+                                       for line in lines)
+    events = EventAccumulator(str(tmp / "tb"))
+    events.Reload()
+    assert {"train/tflops_per_gpu", "flops/language", "flops/image"} <= set(
+        events.Tags()["scalars"])
+
+
 def test_resume_continues_the_exact_sample_stream(ranks, setup):
     """The step-3 checkpoint resumed under the same layout: steps 4-6 and the evaluation at 6
     are exactly the uninterrupted run's."""

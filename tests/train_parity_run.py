@@ -158,6 +158,8 @@ def main(argv) -> None:
         iterator = _recorded(iterator, batches)
     calls, hooks = count_calls(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    # the step's model FLOPs per module, as the trainer's records get them
+    flops = dict(zip([m.name for m in trainer.layout.modules], trainer.step_flops.tolist()))
     for hook in hooks:
         hook.remove()
     grads, dtypes, fixed = {}, {}, {}
@@ -180,7 +182,8 @@ def main(argv) -> None:
             trainer.metrics.log(trainer.train_step(iterator)[0])
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
-    torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads, "dtypes": dtypes,
+    torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
+                "dtypes": dtypes,
                 "fixed": fixed, "host_reads": reads, "batches": batches, "calls": calls,
                 "sharded": optimizer_shares(trainer)},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))

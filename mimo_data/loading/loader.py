@@ -309,6 +309,20 @@ class _RankStream(torch.utils.data.IterableDataset):
                 "modules. Run `mimo-shard verify`, rebuild the dataset with `--check decode` "
                 "(drops undecodable media at build time), then restart") from None
 
+    def _token_grids(self, texts) -> dict[str, list[list[tuple[int, int, int] | None]]]:
+        """modality -> per sample, the (t, h, w) grid of each item's placeholder tokens (None:
+        a sequence), from the metadata (what an encoder's FLOPs depend on)."""
+        config = self.source.config.modalities
+        grids: dict[str, list[list[tuple[int, int, int] | None]]] = {m: [] for m in config}
+        for text in texts:
+            for rows in grids.values():
+                rows.append([])
+            for item in text.items:
+                name = item["modality"]
+                if name in grids:
+                    grids[name][-1].append(MODALITIES[name].token_grid(item, config[name]))
+        return grids
+
     def micro_batch(self, epoch: int, index: int) -> tuple[dict[str, Any], BatchMetadata]:
         """This rank's part of global micro-batch ``index`` (counted over the epoch)."""
         step, micro = divmod(index, self.per_step)
@@ -332,6 +346,9 @@ class _RankStream(torch.utils.data.IterableDataset):
         metadata["tokens"] = [len(sample.input_ids) for sample in text_samples]
         metadata["trained_tokens"] = [int(np.count_nonzero(sample.loss_mask.numpy()))
                                       for sample in text_samples]
+        by_at = dict(zip(records, texts))
+        metadata["token_grids"] = self._token_grids(
+            [by_at[at] for at in range(text.start, text.stop)])
         if self.packing is not None:
             metadata["sequences"] = next_fit(metadata["tokens"], self.packing.capacity)
         if self.role.media:

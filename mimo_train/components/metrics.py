@@ -14,6 +14,12 @@ reads them only at a logging step (``train.log_interval``, the last step, before
 and at the end), all pending steps at once: one host read of the sums, one reduction of the
 timings and learning rates, so a record exists for every step while the steps in between run
 without waiting for the device.
+
+FLOPs (``FlopsCounter``, ``planning.flops``): a train record's ``flops`` are the step's model
+FLOPs per layout module (the whole global batch: forward and backward, from each sample's real
+tokens and each media item's grid; recomputation not counted), ``tflops_per_gpu`` their sum
+per second and per rank of the world, ``mfu`` that over the peak (``train.peak_tflops`` or the
+GPU's; null without one).
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ class StepValues:
     timer: Timer                    # the whole step
     forward: list[Timer]            # this rank's forward passes
     global_batch_size: int
+    flops: torch.Tensor | None = None   # the world's model FLOPs per layout module (device)
 
 
 def forward_seconds(layout, local_modules, values: list[float]) -> dict:
@@ -130,6 +137,47 @@ def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict
             **({"memory_mib": memory_mib} if memory_mib is not None else {})}
 
 
+class FlopsCounter:
+    """The model FLOPs of the micro-batches given to ``add`` (the loader's metadata: each
+    sample's tokens, each media item's token count and grid), per layout module, until
+    ``take``. Only ranks whose micro-batches together hold the global batch once count
+    (``counts``: language last stage, TP and CP rank 0, one per language DP rank, as
+    ``step.global_sum`` counts tokens), so the world sum the step makes of its loss gives the
+    step's figure with no collective of its own. ``peak_tflops``: the MFU's denominator."""
+
+    def __init__(self, dims, names: list[str], passes: dict[str, int], counts: bool,
+                 peak_tflops: float | None):
+        self.dims, self.names, self.passes, self.counts = dims, names, passes, counts
+        self.peak_tflops = peak_tflops
+        self.pending = dict.fromkeys(names, 0)
+
+    def add(self, metadata: dict) -> None:
+        if not self.counts:
+            return
+        from mimo_train.planning.flops import step_flops
+        found = step_flops(self.dims, metadata["tokens"], metadata.get("token_counts", {}),
+                           metadata.get("token_grids", {}), self.passes)
+        for name, value in found.items():
+            self.pending[name] += value
+
+    def take(self, device: torch.device) -> torch.Tensor:
+        """The FLOPs added since the last ``take``, per module of ``names``: float64 on
+        ``device`` (copied without waiting for the device's queued work)."""
+        values = torch.tensor([float(self.pending[n]) for n in self.names], dtype=torch.float64)
+        self.pending = dict.fromkeys(self.names, 0)
+        if device.type == "cuda":
+            return values.pin_memory().to(device, non_blocking=True)
+        return values.to(device)
+
+
+def flops_fields(flops: dict[str, float], seconds: float, world_size: int,
+                 peak_tflops: float | None) -> dict:
+    """A train record's FLOPs entries (see the module docstring)."""
+    rate = sum(flops.values()) / max(seconds, 1e-12) / world_size / 1e12
+    return {"flops": flops, "tflops_per_gpu": rate,
+            "mfu": rate / peak_tflops if peak_tflops else None}
+
+
 def eval_record(step: int, loss_sum: float, tokens: float) -> dict:
     return {"step": step, "eval_loss": loss_sum / max(tokens, 1), "eval_tokens": int(tokens)}
 
@@ -139,7 +187,7 @@ def scalars(record: dict) -> dict[str, float]:
     ``forward_s/<module>``, ``anomaly/…``."""
     found: dict[str, float] = {}
     for key, value in record.items():
-        if key in ("forward_s", "lrs"):
+        if key in ("forward_s", "lrs", "flops"):
             found.update({f"{key}/{module}": s for module, s in value.items()})
         elif key == "anomaly":
             found.update({f"anomaly/{k}": float(v) for k, v in value.items()
@@ -162,7 +210,15 @@ def line(record: dict) -> str:
     return (f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
             f"{record['grad_norm']:.3f}  {lr}  tokens {record['tokens']}  "
             f"{record['tokens_per_s']:.0f} tok/s  {record['samples_per_s']:.1f} samples/s  "
-            f"step {record['seconds']:.2f}s  forward: {forward}{skipped}")
+            f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}{skipped}")
+
+
+def _rate(record: dict) -> str:
+    """The step line's TFLOP/s per GPU and MFU, where the record has them."""
+    if record.get("tflops_per_gpu") is None:
+        return ""
+    mfu = f"  MFU {100 * record['mfu']:.1f}%" if record.get("mfu") is not None else ""
+    return f"  {record['tflops_per_gpu']:.3g} TFLOP/s{mfu}"
 
 
 def summary(records: list[dict]) -> str | None:
@@ -188,6 +244,7 @@ class Metrics:
         self.layout, self.local_modules, self.device = layout, local_modules, device
         self.memory = memory
         self.records: list[dict] = []
+        self.peak_tflops: float | None = None      # MFU's denominator (the trainer's)
         self.pending: list[StepValues] = []
         self.writer = None
         if tensorboard_dir and self.rank0:
@@ -253,6 +310,12 @@ class Metrics:
                 p.global_batch_size,
                 forward_seconds(self.layout, self.local_modules, row[len(names):2 * len(names)]),
                 row[-1] if self.memory is not None else None))
+        if all(p.flops is not None for p in pending):
+            world = dist.get_world_size()
+            flops = torch.stack([p.flops for p in pending if p.flops is not None]).tolist()
+            for record, values in zip(read, flops):
+                record.update(flops_fields(dict(zip(names, values)), record["seconds"], world,
+                                           self.peak_tflops))
         self.records += read
         return read
 

@@ -38,6 +38,7 @@ from mimo_data.shards.format import INDEX_FILE
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
+from mimo_train.components.metrics import FlopsCounter
 from mimo_train.components.metrics import (Metrics, PeakMemory, StepValues, Timer,
                                            eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
@@ -54,6 +55,8 @@ from mimo_train.mcore.grids import Infra, build_infra
 from mimo_train.model.build import build_model, shared_placeholders, vocab_size
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules
+from mimo_train.planning.dims import from_config
+from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import PREFIX, phase, run_failure, say
@@ -126,6 +129,7 @@ class Trainer:
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
                                cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory)
+        self.metrics.peak_tflops = self.flops.peak_tflops
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -154,6 +158,22 @@ class Trainer:
                                  text.modality_token_ids, self.device, self.attention)
         self.modules = local_modules(self.model, self.infra)
         check_modules(cfg, self.infra.modules)
+        self.flops = self._flops_counter(text)
+
+    def _flops_counter(self, text) -> FlopsCounter:
+        """The step's model FLOPs (``planning``): the dims read from the config (every
+        module's, whichever this rank holds), counted on the ranks ``FlopsCounter`` says."""
+        cfg = self.cfg
+        dims = from_config(cfg, self.preprocess, text.vocab_size)
+        language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
+        counts = language is not None and language.last_stage and language.tp_rank == 0 \
+            and language.cp_rank == 0
+        peak = cfg.train.peak_tflops
+        if peak is None and self.device.type == "cuda":
+            peak = peak_tflops(torch.cuda.get_device_name(self.device), cfg.train.precision)
+        return FlopsCounter(dims, [m.name for m in self.layout.modules],
+                            training_passes(dims, cfg.model.freeze, cfg.model.lora),
+                            counts, peak)
 
     def _build_optimizer(self, text) -> None:
         """Optimizer, LR schedulers, the schedule's wiring."""
@@ -315,6 +335,7 @@ class Trainer:
             while True:
                 for batch, metadata in loader:
                     self.step_samples += step_samples(metadata, self.cfg.data.datasets)
+                    self.flops.add(metadata)
                     yield batch
         return stream()
 
@@ -333,7 +354,11 @@ class Trainer:
         if self.communicator is not None:
             self.communicator.finish(forward_only)
         local = torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
-        return global_sum(local, self.infra, self.device)
+        # the micro-batches' FLOPs ride on the same sum (no collective of their own)
+        local = torch.cat([local.to(self.device, torch.float64), self.flops.take(self.device)])
+        sums = global_sum(local, self.infra, self.device)
+        self.step_flops = sums[2:]         # the world's FLOPs per module, on the device
+        return sums[:2]
 
     def train_step(self, iterator) -> tuple[StepValues, dict | None]:
         for module in self.modules.values():
@@ -361,7 +386,8 @@ class Trainer:
         # the step keeps its timers; an evaluation before the next step adds to a new list
         forward, self.forward.timers = self.forward.timers, []
         values = StepValues(self.step, sums, grad_norm, lrs, not success,
-                            timer.stop(), forward, self.cfg.train.global_batch_size)
+                            timer.stop(), forward, self.cfg.train.global_batch_size,
+                            self.step_flops)
         return values, anomaly
 
     def evaluate(self) -> dict:
