@@ -11,8 +11,8 @@ labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: 
 ``--save-init DIR`` first saves the imported model as a checkpoint in DIR (``step_0000000``).
 ``--step`` then runs one global batch, that micro-batch first, forward and backward through the
 real schedule and gradient finalization (no optimizer step), as tests/train_parity_run.py does
-on one rank, and writes its ``OUT/rank_0.pt``: the loss sum, the trained tokens and every
-module's gradients by global parameter name (``runs.merged`` reads it). One process for the
+on one rank, and writes its ``OUT/rank_0.pt``: the loss sum, the trained tokens, the step's
+model FLOPs per module and every module's gradients by global parameter name (``runs.merged`` reads it). One process for the
 logits and the colocated reference step: the Trainer (tokenizer, model, loader) is built once.
 """
 
@@ -44,6 +44,8 @@ def main(argv) -> None:
     stream = iter(trainer.loader)
     batch, metadata = next(stream)
     untouched = copy.deepcopy(batch) if step else None
+    if step:
+        trainer.flops.add(metadata)             # the step's model FLOPs, as in the trainer
     inputs = model_inputs(batch, trainer.infra, torch.device("cpu"), trainer.placeholders)
     inputs["labels"] = None
     with torch.no_grad():
@@ -64,16 +66,18 @@ def _step(trainer: Trainer, first: dict, stream, out: str) -> None:
 
     def micro_batches():
         yield first
-        for batch, _ in stream:
+        for batch, metadata in stream:
+            trainer.flops.add(metadata)
             yield batch
     loss_sum, tokens = trainer.forward_backward(micro_batches(), forward_only=False).tolist()
+    flops = dict(zip([m.name for m in trainer.layout.modules], trainer.step_flops.tolist()))
     grads = {}
     for name, module in trainer.modules.items():
         offset = trainer.layer_offset(name)
         grads[name] = {global_key(key, offset): param.main_grad.detach().cpu().clone()
                        for key, param in unwrap(module).named_parameters()
                        if param.requires_grad}
-    torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": grads},
+    torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads},
                os.path.join(out, "rank_0.pt"))
 
 
