@@ -11,6 +11,15 @@ agree (fp32, 1e-5) between one colocated process and each non-colocated layout, 
 - fan-in of variable counts: image dp2 and audio dp2 → language dp1 (``bridge_routing``);
 - ``data.packing``: one process packed against the same samples unpacked, packed fan-in with
   balance, packed language pp2 x dp2 (THD batches through the bridge and pipeline stages).
+
+The memory settings of real sizes ride on these layouts, against the plain colocated step
+(``MEMORY``): the distributed optimizer (fan-out, fan-in of variable counts, tp2), the language
+model's full (fan-in of variable counts, pp2) and selective recomputation (fan-out, tp2), the
+towers' (fan-out, fan-in of variable counts), sequence parallelism (language tp2 fed by image
+dp2: a step of its own) and the overlapped gradient reduction in buckets (fan-out). Each run
+also shows its setting at work: each DP rank's optimizer holds its share of the weights, a
+recomputed layer runs twice per micro-batch, a sequence-parallel layer norm sees half the
+sequence, the reductions start from the backward pass.
 """
 
 import json
@@ -163,9 +172,25 @@ def test_step_flops_are_the_batch_s(dynamic_setup, loader_corpus):
 
 
 def test_fan_out_matches_colocated(ranks, dynamic_setup):
+    """With the settings of real sizes: the language model's optimizer state split over its
+    two DP ranks, selective recomputation of the language model, full recomputation of the
+    image tower, the gradient reductions overlapped with the backward pass in buckets."""
     tmp, common, reference, init, _ = dynamic_setup
-    fan_out = _layout(ranks, tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2, common, init)
-    compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2")
+    fan_out = _layout(ranks, tmp, "fan-out", 4, "image=dp1;audio=dp1;language=dp2", 2,
+                      [*common, *MEMORY["distributed"], *MEMORY["selective"],
+                       "model.encoders.image.recompute=full", "optimizer.overlap_grad_reduce=true",
+                       "optimizer.bucket_size=5000"], init)
+    compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2, distributed optimizer, "
+            "selective recompute")
+    assert_sharded(fan_out, {"image": 1, "audio": 1, "language": 2})
+    assert_recomputed(reference, fan_out, {"language": "selective", "image": "full",
+                                           "audio": "none"})
+    # overlap_grad_reduce: buckets of 5000 elements, each reduced from the backward pass
+    for run, overlapped in ((reference, False), (fan_out, True)):
+        for rank in run["ranks"]:
+            for module, (after, during) in rank["reductions"].items():
+                assert (after == 0 < during) if overlapped else (during == 0 < after), \
+                    (module, after, during)
 
 
 def test_token_balanced_fan_out_matches_colocated(ranks, dynamic_setup):
@@ -178,9 +203,12 @@ def test_token_balanced_fan_out_matches_colocated(ranks, dynamic_setup):
 
 
 def test_language_pp2_matches_colocated(ranks, dynamic_setup):
+    """With full recomputation of each stage's layers."""
     tmp, common, reference, init, _ = dynamic_setup
-    staged = _layout(ranks, tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common, init)
-    compare(reference, staged, "language pp2")
+    staged = _layout(ranks, tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2,
+                     [*common, *MEMORY["full"]], init)
+    compare(reference, staged, "language pp2, full recompute")
+    assert_recomputed(reference, staged, {"language": "full", "image": "none", "audio": "none"})
 
 
 def test_fan_in_matches_colocated(ranks, corpus, tmp_path):

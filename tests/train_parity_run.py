@@ -11,7 +11,9 @@ and the dtypes of each module's parameters and buffers and the names of the para
 train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
 ``--save-batches`` adds the micro-batches the step trained on (as the loader gave them) to
 ``rank_R.pt``. Also recorded: each module's forward calls by submodule (``calls``: a
-recomputed layer runs twice) and its optimizer's share of the weights (``sharded``); under the
+recomputed layer runs twice), its optimizer's share of the weights (``sharded``) and where
+its gradient reductions started (``reductions``: after or during the backward pass; with
+``optimizer.overlap_grad_reduce`` the step runs once before, see ``warm_up``); under the
 distributed optimizer the reduced gradients' shards are all-gathered before they are read.
 ``--host-reads`` then runs one whole training step that does not log
 (``train.log_interval`` above 1) and records every place that read a tensor's value on the
@@ -19,6 +21,7 @@ host during it
 (``host_reads``: ``path:line function`` -> count).
 """
 
+import itertools
 import os
 import sys
 from collections import Counter
@@ -119,6 +122,21 @@ def count_calls(modules: dict) -> tuple[dict, list]:
     return calls, hooks
 
 
+def watch_reductions(modules: dict) -> dict:
+    """name -> [gradient reductions started after the backward pass, during it]: megatron-core
+    DDP's bucket groups start theirs from the backward hooks under ``overlap_grad_reduce``,
+    else all at once when the schedule finishes the gradients."""
+    started: dict = {}
+    for name, module in modules.items():
+        seen = started[name] = [0, 0]
+        for group in module.bucket_groups:
+            def start(*args, original=group.start_grad_sync, seen=seen, **kwargs):
+                seen[torch._C._current_graph_task_id() != -1] += 1
+                return original(*args, **kwargs)
+            group.start_grad_sync = start
+    return started
+
+
 def optimizer_shares(trainer) -> dict:
     """module -> (its optimizer's class names, the fp32 main weights this rank's optimizer
     holds, the module's trained weights on this rank): under the distributed optimizer a
@@ -132,6 +150,22 @@ def optimizer_shares(trainer) -> dict:
                         sum(p.numel() for group in groups for p in group["params"]),
                         sum(p.numel() for p in module.parameters() if p.requires_grad))
     return shares
+
+
+def warm_up(trainer, iterator):
+    """Under ``overlap_grad_reduce`` megatron-core's DDP learns which gradients fill each
+    bucket in the first step and starts reductions from the backward pass from the second one
+    on: the step's micro-batches go through once first (their gradients dropped), and the
+    iterator given back replays them (the step's FLOPs, counted as the loader gives the
+    micro-batches, are the first pass's). Without it, ``iterator`` unchanged."""
+    if not any(m.ddp_config.overlap_grad_reduce for m in trainer.modules.values()):
+        return iterator, None
+    first = None if iterator is None else list(itertools.islice(iterator,
+                                                                trainer.micro_batches))
+    trainer.forward_backward(None if first is None else iter(first), forward_only=False)
+    for module in trainer.modules.values():
+        module.zero_grad_buffer()
+    return (None if first is None else itertools.chain(first, iterator)), trainer.step_flops
 
 
 def _recorded(iterator, into: list):
@@ -152,12 +186,15 @@ def main(argv) -> None:
     trainer = Trainer(resolve(TrainConfig.load(None, rest)))
     if save_init:
         trainer.save()
-    iterator = trainer.batches(trainer.loader)
+    iterator, warm_flops = warm_up(trainer, trainer.batches(trainer.loader))
     batches: list = []
     if save_batches and iterator is not None:
         iterator = _recorded(iterator, batches)
     calls, hooks = count_calls(trainer.modules)
+    reductions = watch_reductions(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    if warm_flops is not None:
+        trainer.step_flops = warm_flops
     # the step's model FLOPs per module, as the trainer's records get them
     flops = dict(zip([m.name for m in trainer.layout.modules], trainer.step_flops.tolist()))
     for hook in hooks:
@@ -185,7 +222,7 @@ def main(argv) -> None:
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
                 "dtypes": dtypes,
                 "fixed": fixed, "host_reads": reads, "batches": batches, "calls": calls,
-                "sharded": optimizer_shares(trainer)},
+                "sharded": optimizer_shares(trainer), "reductions": reductions},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

@@ -99,19 +99,13 @@ def language_memory(cfg: TrainConfig, tp: int) -> dict:
     return dict(_RECOMPUTE[lm.recompute], sequence_parallel=lm.sequence_parallel)
 
 
-def ddp_config(cfg: TrainConfig, module: str, device: torch.device
-               ) -> DistributedDataParallelConfig:
+def ddp_config(cfg: TrainConfig, module: str) -> DistributedDataParallelConfig:
     """megatron-core's DDP settings of ``module`` (``optimizer.distributed``,
     ``overlap_grad_reduce``, ``bucket_size``, each settable per module). Gradients are reduced
-    in fp32 whatever the weights' dtype."""
+    in fp32 whatever the weights' dtype. The overlapped reduction runs on the CPU too: gloo's
+    asynchronous collectives, started from the backward hooks, and ``cpu_compat``'s streams
+    that never wait (CPU work is in order)."""
     own = cfg.optimizer.of(module)
-    if own.overlap_grad_reduce and device.type != "cuda":
-        key = f"optimizer.modules.{module}" if module in cfg.optimizer.modules and \
-            cfg.optimizer.modules[module].overlap_grad_reduce else "optimizer"
-        raise TrainConfigError(
-            f"{key}.overlap_grad_reduce needs CUDA: megatron-core overlaps the gradient "
-            "reduction with the backward pass on a CUDA communication stream, which a CPU "
-            f"run ({device.type}, gloo) has not; drop it for CPU runs")
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=own.distributed,
         overlap_grad_reduce=own.overlap_grad_reduce, bucket_size=own.bucket_size)
@@ -366,7 +360,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         # encoders: the language model's config without its own memory settings
         config = transformer if name == LANGUAGE else encoder_ddp_config
         replace_module(model, name, DistributedDataParallel(
-            config, ddp_config(cfg, name, device), module, pg_collection=module_infra.pgs))
+            config, ddp_config(cfg, name), module, pg_collection=module_infra.pgs))
     return model
 
 
