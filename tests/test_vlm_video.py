@@ -339,6 +339,24 @@ def test_logits_match_transformers_on_videos_and_images(run_data, colocated, ref
     assert (ours - expected)[mask].abs().max() <= TOLERANCE
 
 
+def test_the_step_flops_count_each_image_and_video_slice(run_data, colocated):
+    """The tower's model FLOPs in the step's record (its one micro-batch): the grids the tower
+    got, each video's temporal slices attending on their own (Qwen2.5-VL: in windows but
+    in its full-attention layers), counted from the loader's metadata."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.planning.dims import from_config
+    from mimo_train.planning.flops import tower_flops
+    out, step, _ = colocated
+    inputs = out["batch"]["modality_inputs"]
+    grids = [*inputs["image"]["image"]["image_grid_thw"].tolist(),
+             *inputs["video"]["video"]["video_grid_thw"].tolist()]
+    assert any(t > 1 for t, _, _ in grids)
+    cfg = TrainConfig.load(None, [*run_data["common"], "layout=language=dp1;image=dp1,off0,video"])
+    module = from_config(cfg).encoders["image"]
+    assert module.projection == () and module.modalities == ("image", "video")
+    assert step["flops"]["image"] == pytest.approx(tower_flops(module.tower, grids), rel=1e-12)
+
+
 def _ids_by_key(shards: Path) -> dict[str, str]:
     import pyarrow.parquet as pq
     table = pq.read_table(shards / "samples.parquet", columns=["key", "id"]).to_pydict()
