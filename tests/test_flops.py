@@ -164,3 +164,16 @@ def test_config_dims_are_the_built_encoders(tmp_path):
 def _qwen2_vl_config():
     from mimo_train.families.qwen2_vl import Qwen2VLVision
     return Qwen2VLVision.random_config(ImageConfig(), 32, 1, 2)
+
+
+def test_record_rate_mfu_and_step_line():
+    from mimo_train.components.metrics import flops_fields, line, train_record
+    # 8e14 FLOPs in 2 s on 4 ranks: 100 TFLOP/s per GPU, of a 989 peak
+    fields = flops_fields({"language": 6e14, "image": 2e14}, 2.0, 4, 989.0)
+    assert fields["tflops_per_gpu"] == pytest.approx(100.0)
+    assert fields["mfu"] == pytest.approx(100 / 989)
+    record = {**train_record(1, 2.0, 1.0, 0.5, {"language": 1e-3}, False, 2.0, 8,
+                             {"language": 0.1}), **fields}
+    assert "  100 TFLOP/s  MFU 10.1%  forward:" in line(record)
+    record.update(flops_fields({"language": 1e12}, 1.0, 1, None))
+    assert record["mfu"] is None and "  1 TFLOP/s  forward:" in line(record)
