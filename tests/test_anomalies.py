@@ -6,7 +6,9 @@
   samples, the planted one among them, and ``mimo-inspect sample`` finds it by that key;
 - an exploding learning rate makes the gradient norm non-finite: each such step is skipped
   (recorded with its samples, no weight moves), and past ``train.max_skipped_steps`` the run
-  stops on every rank with one message and exit status 1, the records written.
+  stops on every rank with one message and exit status 1, the records written;
+- the spike run's peak memory (``memory_mib``: the rank's growth from before the model build)
+  is what ``mimo_train.planning.memory`` predicts for it, within 25%.
 """
 
 from __future__ import annotations
@@ -17,22 +19,32 @@ import pytest
 
 from anomaly_runs import SMOLLM2, planted, train_planted  # noqa: F401  (planted: a fixture)
 
+SPIKE_SEED = 6
 
-def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path):  # noqa: F811
-    """SmolLM2 (learning rate 0: its own losses) over one epoch of batches of two, whose
-    seed puts the planted sample in the last of its 6 steps (the spike window's first half
-    seen two steps before, with spike-free steps checked on either side of a logging step):
-    that step, and no other, is recorded as a spike, its samples (dataset, key, tokens) in
-    the record."""
-    shards, preprocess, key = planted
-    code, output, records = train_planted(
-        ranks, tmp_path, "spike", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+
+@pytest.fixture(scope="module")
+def spike(ranks, planted, tmp_path_factory):  # noqa: F811
+    """SmolLM2 (learning rate 0: its own losses) over one epoch of batches of two, fp32, one
+    rank: (exit status, output, records)."""
+    shards, preprocess, _ = planted
+    return train_planted(
+        ranks, tmp_path_factory.mktemp("spike"), "spike", f"data.datasets=[{shards}]",
+        f"data.preprocess={preprocess}",
         "layout=language=dp1", f"model.language.pretrained={SMOLLM2}", "model.encoders={}",
         "model.language.num_layers=null", "model.language.hidden_size=null",
         "model.language.num_attention_heads=null", "optimizer.lr=0", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-        "train.seed=6", "train.steps=6", "train.log_interval=4", "train.spike_factor=2.5",
-        "train.spike_window=4")
+        f"train.seed={SPIKE_SEED}", "train.steps=6", "train.log_interval=4",
+        "train.spike_factor=2.5", "train.spike_window=4", "train.precision=fp32")
+
+
+def test_a_planted_sample_spikes_its_step_and_is_named(spike, planted):  # noqa: F811
+    """The spike run (``spike``), whose seed puts the planted sample in the last of its 6
+    steps (the spike window's first half seen two steps before, with spike-free steps checked
+    on either side of a logging step): that step, and no other, is recorded as a spike, its
+    samples (dataset, key, tokens) in the record."""
+    shards, preprocess, key = planted
+    code, output, records = spike
     assert code == 0, output[-4000:]
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     spikes = [r for r in records if "anomaly" in r]
@@ -49,6 +61,37 @@ def test_a_planted_sample_spikes_its_step_and_is_named(ranks, planted, tmp_path)
     assert [spike["step"] for spike in spikes] == [6], (losses, spikes)
     from mimo_data.inspect.cli import main
     assert main(["sample", str(shards), "--config", str(preprocess), "--key", key]) == 0
+
+
+def test_the_memory_model_predicts_the_peak_of_the_run(spike, planted):  # noqa: F811
+    """``mimo_train.planning.memory`` (through the layout advisor's evaluation of this run's
+    layout, settings and micro-batches: the loader's dry run of the same seed) predicts the
+    spike run's peak memory growth (``memory_mib``: from before the model build to the peak
+    of the steps, VmHWM) within 25%. SmolLM2-135M in fp32 with Adam: 4 + 4 + 8 bytes per
+    parameter (2.0 GiB) dominate; the activations of a micro-batch of two short samples
+    (and their logits over 49152 rows) add about a tenth."""
+    from types import SimpleNamespace
+
+    from mimo_data.inspect.workload import workload
+    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.loader import DataSource
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.planning.memory import Settings
+    shards, preprocess, _ = planted
+    code, output, records = spike
+    assert code == 0, output[-4000:]
+    measured = max(r["memory_mib"] for r in records if "loss" in r)
+    config = PreprocessConfig.from_yaml(preprocess)
+    work = workload(DataSource([str(shards)], config), config, 2, 2, seed=SPIKE_SEED)
+    model = read_model(str(SMOLLM2), str(preprocess), config, {}, "fp32")
+    advisor = Advisor(model, read_work(model, work), GPU("cpu", 1e6, 1.0, 1.0, 1.0))
+    result = advisor.evaluate(Candidate(Layout.parse("language=dp1"), Settings("fp32")))
+    predicted = result.memory["language"]
+    assert predicted.weights == pytest.approx(4 * model.dims.language.parameters())
+    assert predicted.optimizer == 2 * predicted.gradients == 2 * predicted.weights
+    assert predicted.total / 2**20 == pytest.approx(measured, rel=0.25), \
+        (SimpleNamespace(**predicted.gib()), measured)
 
 
 def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa: F811

@@ -73,7 +73,8 @@ def test_single_command_usage_errors_exit_2(capsys, cli, args):
 def test_importing_the_clis_imports_nothing_heavy():
     """In a fresh interpreter (what a process imports: not a forked rank's)."""
     code = ("import sys\n" + "".join(f"import {m}\n" for m in
-                                     [*CLIS.values(), *SINGLE_CLIS.values()]) +
+                                     [*CLIS.values(), *SINGLE_CLIS.values(),
+                                      "mimo_train.inspect_cli"]) +
             "print(sorted(m for m in ('torch', 'transformers', 'pyarrow', 'webdataset', "
             "'megatron', 'PIL') if m in sys.modules))")
     result = python(["-c", code]).check()

@@ -14,13 +14,14 @@ corpus: 69 samples).
 A workload (JSON-ready)::
 
     {"global_batch_size": B, "micro_batch_size": M, "seq_length": S, "packing": bool,
-     "epochs": E, "modalities": {modality: module},
+     "epochs": E, "vocab_size": V, "modalities": {modality: module},
      "steps": [[{"key": ..., "tokens": n, "trained": n, "items": {modality: [n, ...]},
                  "grids": {modality: [[t, h, w], ...]}}, ...]]}
 
 ``items``: the tokens each image / clip / audio item of the sample takes in the sequence (what
 the encoder emits, after any patch merging); ``grids``: each item's (t, h, w) token grid where
-the loader's metadata has one (``token_grids``), else empty.
+the loader's metadata has one (``token_grids``), else empty; ``vocab_size``: the tokenizer's
+with the modality tokens (what sizes a randomly initialised language model's output layer).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ def workload(source: DataSource, config: PreprocessConfig, global_batch_size: in
                          f"not fill one global batch of {global_batch_size}")
     return {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
             "seq_length": config.seq_length, "packing": packing, "epochs": epochs,
+            "vocab_size": source.metadata.text.vocab_size,
             "modalities": dict(reference.modalities),
             "steps": [order[s * global_batch_size:(s + 1) * global_batch_size]
                       for s in range(steps)]}

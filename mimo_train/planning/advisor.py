@@ -108,10 +108,11 @@ class Model:
 
 
 def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str, str],
-               precision: str | None = None) -> Model:
+               precision: str | None = None, vocab_size: int | None = None) -> Model:
     """``path``: a training config YAML, a transformers checkpoint directory or its
     config.json (a whole VLM, or a language model alone); its modules named as
-    ``modalities`` (modality -> module) names them, the geometry from ``preprocess``."""
+    ``modalities`` (modality -> module) names them, the geometry from ``preprocess``;
+    ``vocab_size``: the tokenizer's (with modality tokens; else read when needed)."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.planning.dims import from_config
@@ -133,9 +134,9 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     cfg.train.precision = precision or (cfg.train.precision if path.endswith(
         (".yaml", ".yml")) else "bf16")
     try:
-        dims = from_config(copy.deepcopy(cfg), preprocess)
+        dims = from_config(copy.deepcopy(cfg), preprocess, vocab_size)
     except TrainConfigError as error:
-        if "vocabulary" not in str(error):
+        if "vocabulary" not in str(error) or vocab_size is not None:
             raise
         from mimo_data.preprocess.chat_tokens import TextEncoder
         dims = from_config(copy.deepcopy(cfg), preprocess, TextEncoder(preprocess).vocab_size)
@@ -314,6 +315,10 @@ class Advisor:
                             mem.in_flight(m, stages, lang_first + stage)) \
                             if self.model.passes.get(LANGUAGE, 3) > 1 else 0.0
                         act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0), a)
+                        act[f"temporary{stage}"] = max(
+                            act.get(f"temporary{stage}", 0.0), mem.language_temporary_bytes(
+                                dims.language, sum(positions), settings, lang.tp, lang.pp,
+                                stage) if self.model.passes.get(LANGUAGE, 3) > 1 else 0.0)
             if colocated:
                 per_rank = [[row[rank // lang.tp] + sum(
                     enc_t[e.name][j][rank * e.dp // layout.world_size] for e in layout.encoders)
@@ -424,7 +429,8 @@ class Advisor:
         language = {}
         for stage in sorted({0, lang.pp - 1}):
             language[stage] = self._state(LANGUAGE, lang, stage, settings) + \
-                mem.Memory(activations=act.get(f"{LANGUAGE}{stage}", 0.0))
+                mem.Memory(activations=act.get(f"{LANGUAGE}{stage}", 0.0),
+                           temporary=act.get(f"temporary{stage}", 0.0))
         worst = max(language.values(), key=lambda x: x.total)
         encoders = {e.name: self._state(e.name, e, 0, settings) +
                     mem.Memory(activations=act.get(e.name, 0.0)) for e in layout.encoders}
@@ -571,7 +577,8 @@ def why(r: Result, device: GPU, gpus: int) -> str:
     memory = "; ".join(
         f"{name} {m.total / 2**30:.1f} GiB (weights {m.weights / 2**30:.1f}, grads "
         f"{m.gradients / 2**30:.1f}, optimizer {m.optimizer / 2**30:.1f}, activations "
-        f"{m.activations / 2**30:.1f})" for name, m in r.memory.items())
+        f"{m.activations / 2**30:.1f}, temporary {m.temporary / 2**30:.1f})"
+        for name, m in r.memory.items())
     busy = ", ".join(f"{k} {v:.3f} s" for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
     mfu = r.flops / (r.step_s * gpus * device.tflops * 1e12)
     return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
@@ -586,7 +593,7 @@ def advise(args, config, workload: dict) -> int:
     from mimo_train.errors import TrainConfigError
     try:
         model = read_model(args.model, args.config, config, workload["modalities"],
-                           args.precision)
+                           args.precision, workload.get("vocab_size"))
     except (TrainConfigError, OSError, ValueError) as error:
         print(f"mimo-inspect plan: error: --model {args.model}: {error}", file=sys.stderr)
         return 2

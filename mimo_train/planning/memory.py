@@ -41,6 +41,13 @@ model's last stage adds the logits, T · V ÷ TP · (w + 4) (the output in the r
 the cross entropy's fp32 softmax). An encoder tower counts its patches before merging (plus
 per-frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
 
+Temporaries at the peak (the backward pass's end on the stage with the output layer): the
+output layer's weight gradient before megatron-core's hook adds it to the fp32 buffer (V·h ÷ TP
+at w bytes; tied embeddings at PP 1: the embedding's as well) and two more copies of the logits
+(the cross entropy's fp32 working tensors, T · V ÷ TP · 4 each); the first stage of a pipeline
+holds the embedding's gradient. Measured on the CPU (SmolLM2-135M, fp32, tests/test_anomalies.py)
+they are most of what the states and activations leave out.
+
 In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
 language model's PP stages follow; or a language model with PP > 1) the stage at position p of
 S holds min(m, S - p) micro-batches (1F1B's warm-up), m micro-batches per step; colocated and
@@ -93,14 +100,17 @@ class Memory:
     gradients: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0
+    temporary: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + \
+            self.temporary
 
     def __add__(self, other: Memory) -> Memory:
         return Memory(self.weights + other.weights, self.gradients + other.gradients,
-                      self.optimizer + other.optimizer, self.activations + other.activations)
+                      self.optimizer + other.optimizer, self.activations + other.activations,
+                      self.temporary + other.temporary)
 
     def gib(self) -> dict[str, float]:
         return {k: v / 2**30 for k, v in {**asdict(self), "total": self.total}.items()}
@@ -185,6 +195,20 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp)
     if stage == pp - 1:
         found += tokens * stack.vocab / tp * (settings.width + 4)
+    return found
+
+
+def language_temporary_bytes(stack: Stack, tokens: float, settings: Settings, tp: int = 1,
+                             pp: int = 1, stage: int = 0) -> float:
+    """A language stage's temporaries at its peak (the module docstring): the output layer's
+    (and tied embedding's) weight gradient and two fp32 copies of the logits on the last stage
+    of a micro-batch of ``tokens`` positions; the embedding's gradient on a first stage."""
+    rows = stack.vocab * stack.hidden / tp * settings.width
+    found = 0.0
+    if stage == pp - 1:
+        found += rows * (2 if stack.tied and pp == 1 else 1) + 2 * tokens * stack.vocab / tp * 4
+    elif stage == 0:
+        found += rows
     return found
 
 
