@@ -149,6 +149,9 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--gpu-tflops", type=float, metavar="TF",
                    help="peak dense TFLOP/s per GPU at the run's precision (default: the "
                    "--gpu kind's)")
+    a.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                   help="GPUs per node (default 8): a module's gradient reduction runs over the "
+                   "node's links when its ranks fit in one node, else over the network")
     a.add_argument("--mfu", type=float, metavar="F",
                    help="assumed model FLOPs utilisation: achieved / peak (default 0.4)")
     a.add_argument("--precision", choices=("bf16", "fp32"),

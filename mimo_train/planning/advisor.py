@@ -299,26 +299,27 @@ class Advisor:
                                   for part in row] for row in ranges]
                 if self.model.passes.get(f"{e.name}.encoder", 3) == 1:
                     continue                    # forward only: nothing kept for a backward
-                for row in ranges:
-                    for part in row:
-                        grids = [g for i in part for g in work.grids[e.name][s][i]]
-                        act[e.name] = max(act.get(e.name, 0.0), mem.tower_activation_bytes(
-                            dims.encoders[e.name].tower, grids, settings,
-                            1 if colocated else mem.in_flight(m, stages, 0)))
-            for lang_row in language:
-                for _, positions in lang_row:
-                    for stage in (0, lang.pp - 1):
-                        a = mem.language_activation_bytes(
-                            dims.language, positions, replace(settings, sequence_parallel=sp),
-                            lang.tp, lang.pp, stage,
-                            1 if colocated or stages == 1 else
-                            mem.in_flight(m, stages, lang_first + stage)) \
-                            if self.model.passes.get(LANGUAGE, 3) > 1 else 0.0
-                        act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0), a)
-                        act[f"temporary{stage}"] = max(
-                            act.get(f"temporary{stage}", 0.0), mem.language_temporary_bytes(
-                                dims.language, sum(positions), settings, lang.tp, lang.pp,
-                                stage) if self.model.passes.get(LANGUAGE, 3) > 1 else 0.0)
+                tower = dims.encoders[e.name].tower
+                for q in range(e.dp):           # each DP rank's micro-batches, k in flight
+                    kept = [mem.tower_activation_bytes(tower, [
+                        g for i in row[q] for g in work.grids[e.name][s][i]], settings)
+                        for row in ranges]
+                    act[e.name] = max(act.get(e.name, 0.0), _window(
+                        kept, 1 if colocated else mem.in_flight(m, stages, 0)))
+            trains = self.model.passes.get(LANGUAGE, 3) > 1
+            for stage in sorted({0, lang.pp - 1}) if trains else ():
+                k = 1 if colocated or stages == 1 else \
+                    mem.in_flight(m, stages, lang_first + stage)
+                for r in range(lang.dp):
+                    kept = [mem.language_activation_bytes(
+                        dims.language, row[r][1], replace(settings, sequence_parallel=sp),
+                        lang.tp, lang.pp, stage) for row in language]
+                    act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
+                                                    _window(kept, k))
+                    act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
+                        mem.language_temporary_bytes(dims.language, sum(row[r][1]), settings,
+                                                     lang.tp, lang.pp, stage)
+                        for row in language))
             if colocated:
                 per_rank = [[row[rank // lang.tp] + sum(
                     enc_t[e.name][j][rank * e.dp // layout.world_size] for e in layout.encoders)
@@ -356,8 +357,8 @@ class Advisor:
                     lang.tp * lang.pp
             step_times.append(compute + sync)
             busy_totals.append(total_busy)
-            for k, v in busy_step.items():
-                busy[k] = busy.get(k, 0.0) + v / steps
+            for name, seconds in busy_step.items():
+                busy[name] = busy.get(name, 0.0) + seconds / steps
         step_s = sum(step_times) / steps
         idle = 1 - sum(busy_totals) / steps / (layout.world_size * step_s) if step_s else 0.0
         memory = self._memory(layout, settings, act, colocated)
@@ -440,6 +441,12 @@ class Advisor:
                 total = total + value
             return {"+".join(x.name for x in layout.modules): total}
         return {LANGUAGE: worst, **encoders}
+
+
+def _window(values: list[float], k: int) -> float:
+    """The most ``k`` consecutive ``values`` sum to (micro-batches held at once)."""
+    k = max(1, min(k, len(values)))
+    return max((sum(values[i:i + k]) for i in range(len(values) - k + 1)), default=0.0)
 
 
 # ----------------------------------------------------------------------------- candidates
@@ -579,7 +586,8 @@ def why(r: Result, device: GPU, gpus: int) -> str:
         f"{m.gradients / 2**30:.1f}, optimizer {m.optimizer / 2**30:.1f}, activations "
         f"{m.activations / 2**30:.1f}, temporary {m.temporary / 2**30:.1f})"
         for name, m in r.memory.items())
-    busy = ", ".join(f"{k} {v:.3f} s" for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
+    busy = ", ".join(f"{k} {_seconds(v)} s"
+                     for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
     mfu = r.flops / (r.step_s * gpus * device.tflops * 1e12)
     return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
             f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}; memory per rank: "
@@ -661,7 +669,8 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
 
 def format_report(report: dict) -> str:
     g, w, p = report["gpu"], report["workload"], report["model"]["parameters"]
-    params = ", ".join(f"{m} {n / 1e9:.2f}B" for m, n in p.items())
+    params = ", ".join(f"{m} {n / 1e9:.2f}B" if n >= 1e8 else f"{m} {n / 1e6:.2f}M"
+                       for m, n in p.items())
     items = ", ".join(f"{m} {n:.1f}" for m, n in w["items_per_step"].items())
     lines = [
         f"model     {report['model']['source']}: {params} parameters, "
@@ -680,7 +689,7 @@ def format_report(report: dict) -> str:
         f"layout  (settings)"]
     for r in report["ranked"]:
         mark = "  <- yours" if r["layout"] == report["yours"] else ""
-        lines.append(f"{r['rank']:4d} {r['step_s']:8.3f} {r['samples_per_s']:9.2f} "
+        lines.append(f"{r['rank']:4d} {_seconds(r['step_s']):>8s} {r['samples_per_s']:9.2f} "
                      f"{r['mfu']:5.2f} {r['peak_memory_gib']:8.1f}  {r['layout']}  "
                      f"({_settings_text(r['settings'])}){mark}")
     if report["ranked"]:
@@ -696,6 +705,10 @@ def format_report(report: dict) -> str:
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
                          f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
     return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}" if value >= 0.01 else f"{value:.2e}"
 
 
 def _settings_text(settings: dict) -> str:

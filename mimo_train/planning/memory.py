@@ -51,7 +51,8 @@ they are most of what the states and activations leave out.
 In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
 language model's PP stages follow; or a language model with PP > 1) the stage at position p of
 S holds min(m, S - p) micro-batches (1F1B's warm-up), m micro-batches per step; colocated and
-unpipelined, one.
+unpipelined, one. The advisor takes the fullest run of that many consecutive micro-batches of
+each DP rank.
 
 Not counted: the CUDA context, NCCL and allocator buffers and fragmentation (the advisor keeps
 a headroom for them), temporary buffers of one op, the data loader.
