@@ -17,8 +17,8 @@ from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import DataSource, build_loader, check_even_split
 
-_MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "encoder_keys",
-                       "sequences")
+_MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "token_grids",
+                       "encoder_keys", "sequences")
 
 
 def dry_run(datasets, preprocess_config, layout, global_batch_size: int,

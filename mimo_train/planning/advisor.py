@@ -675,7 +675,8 @@ def format_report(report: dict) -> str:
     lines = [
         f"model     {report['model']['source']}: {params} parameters, "
         f"{report['model']['precision']}",
-        f"workload  {w['steps']} steps of {w['global_batch_size']} samples (micro batch "
+        f"workload  {w['steps']} step{'s' if w['steps'] != 1 else ''} of "
+        f"{w['global_batch_size']} samples (micro batch "
         f"{w['micro_batch_size']}{', packed' if w['packing'] else ''}): "
         f"{w['tokens_per_step']:.0f} tokens per step" + (f", items per step: {items}"
                                                           if items else ""),
