@@ -200,11 +200,19 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     assert all(set(r["memory_gib"]) and r["bottleneck"] and 0 <= r["idle_fraction"] < 1
                for r in ranked)
     assert report["model"]["precision"] == "fp32"
+    # each comes with the overrides that train it, which the training config takes
+    from mimo_train.config import TrainConfig
+    for r in ranked:
+        cfg = TrainConfig.load(str(path), r["overrides"])
+        assert Layout.parse(cfg.layout).colocated == r["colocated"]
+        assert cfg.optimizer.distributed == r["settings"]["distributed_optimizer"]
+        assert cfg.model.language.recompute == r["settings"]["recompute"]
     # the text form: the table and the reasons, the user's layout marked
     code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--layout",
                            LAYOUTS["language dp2"], main=main)
     assert code == 0, err
     assert "<- yours" in out and "why" in out and "bottleneck" in out
+    assert "train the first with: mimo-train --config ... 'layout=" in out
     assert out.count("\n  1. ") == 1
 
 

@@ -565,9 +565,24 @@ def rank(results: list[Result]) -> list[Result]:
 
 # ----------------------------------------------------------------------------- reporting
 
+def overrides(candidate: Candidate) -> list[str]:
+    """The training config's ``key=value`` overrides that run ``candidate`` (``mimo-train``'s
+    layout, optimizer.distributed, recompute and sequence parallel keys)."""
+    settings, layout = candidate.settings, candidate.layout
+    found = [f"layout={compact(layout)}",
+             f"optimizer.distributed={str(settings.distributed_optimizer).lower()}",
+             f"model.language.recompute={settings.recompute}"]
+    found += [f"model.encoders.{e.name}.recompute="
+              f"{'full' if settings.recompute == 'full' else 'none'}" for e in layout.encoders]
+    if settings.sequence_parallel:
+        found.append("model.language.sequence_parallel=true")
+    return found
+
+
 def result_json(r: Result, gpus: int, device: GPU, work: Work) -> dict:
     settings = r.candidate.settings
     return {"layout": compact(r.candidate.layout), "layout_full": str(r.candidate.layout),
+            "overrides": overrides(r.candidate),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
                          "distributed_optimizer": settings.distributed_optimizer,
@@ -697,6 +712,9 @@ def format_report(report: dict) -> str:
         lines.append("why")
         for r in report["ranked"]:
             lines.append(f"  {r['rank']}. {r['layout']}: {r['why']}")
+        best = report["ranked"][0]
+        lines.append("train the first with: mimo-train --config ... " +
+                     " ".join(f"'{o}'" if ";" in o else o for o in best["overrides"]))
     else:
         lines.append("no layout fits: more GPUs, a GPU with more memory, or a smaller micro "
                      "batch")
