@@ -8,7 +8,9 @@ a failure).
   with a manifest of each file's SHA-256; saved asynchronously, the same checkpoints;
 - resume: a run stopped at a mid-run checkpoint (``train.exit_interval``) and started again
   gives exactly the losses of the uninterrupted run for the following steps; started under
-  language dp2 or tp2 instead, the same losses within 1e-5 (distributed checkpoints reshard);
+  language dp2 or tp2 instead, the same losses within 1e-5 (distributed checkpoints reshard),
+  also with the memory settings changed (distributed optimizer, recomputation, sequence
+  parallelism, overlapped reduction) and then back to the plain run under the first layout;
   reading the dataset from S3 through injected faults instead, exactly the same losses;
 - ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
   of tp1 into tp1 (one colocated process);
@@ -343,20 +345,46 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
                       grad_norm_rel=1e-4)
 
 
+# the memory settings of real sizes each resumed run adds (docs/training.md, "Memory at real
+# sizes"), and the start-up line that names them
+MEMORY = {
+    "dp2": (["optimizer.distributed=true", "model.language.recompute=full",
+             "model.encoders.image.recompute=full"],
+            "memory: image: distributed optimizer, recompute full; audio: distributed "
+            "optimizer; language: distributed optimizer, recompute full)"),
+    # sequence parallelism takes no packed rows (unpacked: the same samples and losses)
+    "tp2": (["data.packing=false", "model.language.sequence_parallel=true",
+             "model.language.recompute=selective",
+             "optimizer.modules={language: {distributed: true, overlap_grad_reduce: true}}"],
+            "memory: image: -; audio: -; language: distributed optimizer, recompute "
+            "selective, sequence parallel, overlapped grad reduce)")}
+
+
 @pytest.mark.parametrize("language", ["dp2", "tp2"])
 def test_resume_under_another_language_layout(ranks, setup, language):
     """Saved under image dp1 + audio dp1 + language dp1, resumed with the language model over
-    two data-parallel or two tensor-parallel ranks: the same samples and losses. The dp2 run
-    also stops at step 5 (``train.exit_interval``), checkpointing there."""
+    two data-parallel or two tensor-parallel ranks: the same samples and losses. The resumed
+    runs also change the memory settings (``MEMORY``: the distributed optimizer, the language
+    model's and the image tower's recomputation, sequence parallelism, the overlapped
+    reduction), which the start-up line shows. The dp2 run also stops at step 5
+    (``train.exit_interval``), checkpointing there with the distributed optimizer's state, which
+    the plain run under the first layout resumes for step 6."""
     tmp, common, full = setup
     root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
     layout = f"layout=image=dp1;audio=dp1;language={language}"
     stop = ["train.exit_interval=5"] if language == "dp2" else []
-    resumed = _train(ranks, tmp, f"resumed-{language}", root, *common, layout, *stop, nproc=4)
+    overrides, line = MEMORY[language]
+    job = train_job(ranks, tmp, f"resumed-{language}", CONFIG, f"checkpoint.dir={root}", *common,
+                    layout, *stop, *overrides, nproc=4).check()
+    assert line in job.stdout, job.stdout
+    resumed = read_records(tmp / f"resumed-{language}.jsonl")
     steps = [4, 5] if stop else [4, 5, 6]
     # tp2 sums each matmul's halves in another order: ~2e-5 relative on the grad norm
     assert_continues(resumed, full, steps, loss=1e-5, grad_norm_rel=1e-4)
     assert (root / "latest").read_text() == f"step_{steps[-1]:07d}"
+    if stop:
+        plain = _train(ranks, tmp, f"plain-after-{language}", root, *common)
+        assert_continues(plain, full, [6], loss=1e-5, grad_norm_rel=1e-4)
 
 
 def _first_loss(records) -> float:

@@ -49,6 +49,7 @@ import torch.distributed as dist
 from mimo_data.files import write_atomic
 from mimo_train.components import digests
 from mimo_train.components.digests import MANIFEST
+from mimo_train.components.optimizer import unshare_steps
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
@@ -177,6 +178,15 @@ def _write_then_digest(write, directory: str, rank: int, *args, **kwargs) -> Non
     digests.write_part(directory, rank)
 
 
+# megatron-core's distributed optimizer (``optimizer.distributed``) saves its state as a plain
+# optimizer's, one tensor per parameter, gathered on its DP rank 0 ("fully_reshardable"): it
+# loads under any layout and with or without the distributed optimizer. Its default format
+# ("fully_sharded_model_space", deprecated) writes flattened ranges, which megatron-core 0.19's
+# distributed checkpoints refuse ("ShardedTensor.flattened_range is not supported").
+# The other optimizers ignore it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
 def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> dict:
     """The sharded state dict of ``state`` (collective: the single objects' writers are agreed
     on). ``rng``: include this rank's RNG state (keyed by rank: only under the same layout).
@@ -192,7 +202,8 @@ def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> di
     optimizer = {}
     for name, module_optimizer in state.optimizers.items():
         common, optimizer[name] = extract_matching_values(
-            module_optimizer.sharded_state_dict(model, is_loading=is_loading), _unsharded)
+            module_optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                metadata=OPTIMIZER_METADATA), _unsharded)
         if common:
             singles[f"optimizer.{name}"] = common
     if state.loader is not None:
@@ -328,15 +339,20 @@ def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
 def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) -> int:
     """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step."""
     same_layout = all(meta.get(key) == meta_expected[key] for key in ("layout", "world_size"))
-    loaded = _load(_sharded(state, 0, is_loading=True, rng=same_layout), directory,
-                   "resume")
+    sharded = _sharded(state, 0, is_loading=True, rng=same_layout)
+    reload = _main_weights_from(sharded["optimizer"],
+                                dist_checkpointing.load_tensors_metadata(directory))
+    loaded = _load(sharded, directory, "resume")
     singles = loaded["singles"]
     state.model.load_state_dict(loaded["model"])
     for name, module_optimizer in state.optimizers.items():
         optimizer = loaded["optimizer"][name]
         if f"optimizer.{name}" in singles:
-            merge(optimizer, singles[f"optimizer.{name}"])
+            merge(optimizer, _common_as(singles[f"optimizer.{name}"], optimizer))
         module_optimizer.load_state_dict(optimizer)
+        unshare_steps(module_optimizer)
+        if name in reload:
+            module_optimizer.reload_model_params()
     for name, scheduler in state.schedulers.items():
         scheduler.load_state_dict(singles[f"scheduler.{name}"])
     if state.loader is not None:
@@ -344,6 +360,74 @@ def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) 
     if same_layout:
         set_rng_state(loaded["rng"])
     return loaded["step"]
+
+
+# Where the optimizers keep their fp32 main weights: megatron-core's distributed optimizer
+# ("fully_reshardable") as optimizer.state.param.KEY, its mixed-precision optimizer as
+# optimizer.state.fp32_param.KEY, the fp32 optimizer in the model weights (KEY) themselves.
+_MAIN_WEIGHTS = ("optimizer.state.param.", "optimizer.state.fp32_param.")
+
+
+def _main_weights_from(optimizers: dict, saved) -> list[str]:
+    """Let this run's optimizers read their main weights from where the saving run's kept
+    them (``_MAIN_WEIGHTS``), so a checkpoint resumes with or without the distributed
+    optimizer (``optimizer.distributed``): a main weight the checkpoint lacks under its own
+    key is read from the other optimizer's key; without one (the saving run's optimizer kept
+    them in the weights: fp32), it is left out and the optimizer takes the loaded weights
+    (``reload_model_params``). Returns the names of the modules whose optimizers must."""
+    reload = []
+    for name, optimizer in optimizers.items():
+        for node in _dicts(optimizer):
+            for field, tensor in list(node.items()):
+                key = getattr(tensor, "key", None)
+                prefix = next((p for p in _MAIN_WEIGHTS if key and key.startswith(p)), None)
+                if key is None or prefix is None or key in saved:
+                    continue
+                weight = key[len(prefix):]
+                other = next((f"{p}{weight}" for p in _MAIN_WEIGHTS if f"{p}{weight}" in saved),
+                             None)
+                if other is not None:
+                    tensor.key = other
+                    continue
+                del node[field]
+                if name not in reload:
+                    reload.append(name)
+    return reload
+
+
+def _common_as(common: dict, loading: dict) -> dict:
+    """An optimizer's unsharded state (param groups, step) as saved, in the form the loading
+    optimizer takes (``loading``: its loaded sharded state): megatron-core's distributed
+    optimizer keeps torch's param groups under ``optimizer`` with the step in each group and
+    names its format; the fp32 optimizer keeps them at the top with the step in
+    ``state.common_step``, the mixed-precision one the same under ``optimizer``."""
+    saved_distributed = "param_state_sharding_type" in common
+    if saved_distributed == ("param_state" in loading):
+        return common
+    if not saved_distributed:                       # plain -> distributed
+        torch_state = common.get("optimizer", common)
+        step = (torch_state.get("state") or {}).get("common_step", 0)
+        groups = [{**group, "step": int(step)} for group in torch_state["param_groups"]]
+        return {"optimizer": {"param_groups": groups},
+                "param_state_sharding_type": OPTIMIZER_METADATA["distrib_optim_sharding_type"]}
+    groups = [dict(group) for group in common["optimizer"]["param_groups"]]   # -> plain
+    steps = {group.pop("step") for group in groups if "step" in group}
+    torch_state = {"param_groups": groups,
+                   "state": {"common_step": torch.tensor(float(steps.pop()))} if steps else {}}
+    return {"optimizer": torch_state} if "optimizer" in loading else torch_state
+
+
+def _dicts(node):
+    """``node`` and every dict nested in it (through dicts and lists)."""
+    if isinstance(node, dict):
+        yield node
+        children = node.values()
+    elif isinstance(node, (list, tuple)):
+        children = node
+    else:
+        return
+    for child in children:
+        yield from _dicts(child)
 
 
 def load_model(directory: str, model) -> None:

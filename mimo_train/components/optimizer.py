@@ -76,9 +76,65 @@ def module_optimizers(model, config, opt) -> dict:
             own = dataclasses.replace(config, use_distributed_optimizer=opt.of(name).distributed)
             optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
                                                pg_collection=pgs, use_gloo_process_groups=False)
+            start_adam_states(optimizer)
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pgs,
                                           is_active=active)
     return infos
+
+
+def start_adam_states(optimizer) -> None:
+    """Give every torch Adam under megatron-core's ``DistributedOptimizer`` the state its first
+    step would start from (zero moments, step 0): the distributed optimizer's ``state_dict``
+    reads Adam's step from that state when neither TransformerEngine nor apex is installed
+    (``distrib_optimizer.py:837``, ``assert len(steps) == 1``), so resuming a checkpoint, or
+    saving one before the first step, would fail on an optimizer that has not stepped yet. The
+    first update is torch's from a fresh state, unchanged."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if type(inner).__name__ != "DistributedOptimizer" or \
+                not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        inner._set_main_param_and_optimizer_states = _tolerant(
+            inner._set_main_param_and_optimizer_states)
+        for group in adam.param_groups:
+            for param in group["params"]:
+                if not adam.state[param]:
+                    adam.state[param].update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
+                        exp_avg_sq=torch.zeros_like(param))
+
+
+class _Absent(dict):
+    """A parameter's loaded state whose absent entries read as None (not a tensor: skipped)."""
+
+    def __missing__(self, key):
+        return None
+
+
+def _tolerant(set_states):
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that skips what the
+    checkpoint does not give: it copies every entry of torch Adam's state, ``step`` included,
+    from the loaded ones, which never hold ``step`` (``load_parameter_state_from_fully_
+    reshardable`` leaves it out: KeyError without TransformerEngine or apex), nor ``param``
+    when the checkpoint was saved without the distributed optimizer (the main weights are then
+    the loaded weights: ``checkpoint.load``)."""
+    def set_main_param_and_optimizer_states(model_param, tensors):
+        return set_states(model_param, _Absent(tensors))
+    return set_main_param_and_optimizer_states
+
+
+def unshare_steps(optimizer) -> None:
+    """After a load: each parameter's own Adam step under megatron-core's
+    ``DistributedOptimizer``. Without TransformerEngine or apex its ``load_state_dict`` gives
+    every parameter's state one and the same step tensor (``distrib_optimizer.py:1027``), which
+    torch's Adam then increments in place once per parameter at each step: from the second
+    parameter on, the bias correction would use a step far too large."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        adam = getattr(inner, "optimizer", None)
+        if type(inner).__name__ == "DistributedOptimizer" and adam is not None:
+            for state in adam.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
 
 
 def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:

@@ -364,6 +364,26 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     return model
 
 
+def memory_summary(cfg: TrainConfig, layout) -> str:
+    """The memory settings of each module of ``layout``, for the start-up line, e.g.
+    ``language: distributed optimizer, recompute full, sequence parallel; image: recompute
+    full; audio: -``."""
+    parts = []
+    for module in layout.modules:
+        own = cfg.optimizer.of(module.name)
+        recompute = cfg.model.language.recompute if module.name == LANGUAGE else \
+            (cfg.model.encoders.get(module.name) or EncoderConfig()).recompute
+        settings = [*(["distributed optimizer"] if own.distributed else []),
+                    *([f"recompute {recompute}"] if recompute != "none" else []),
+                    *(["sequence parallel"] if module.name == LANGUAGE
+                      and cfg.model.language.sequence_parallel else []),
+                    *(["overlapped grad reduce" + (f" (buckets of {own.bucket_size})"
+                                                   if own.bucket_size else "")]
+                      if own.overlap_grad_reduce else [])]
+        parts.append(f"{module.name}: {', '.join(settings) or '-'}")
+    return "; ".join(parts)
+
+
 def recompute_tower(tower, module: str) -> None:
     """transformers' gradient checkpointing on an encoder module's tower (non-reentrant:
     the recomputed layers' weights get their gradients through megatron-core DDP's hooks)."""

@@ -52,7 +52,8 @@ from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_m
 from mimo_train.mcore.attention import available, choose
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
-from mimo_train.model.build import build_model, shared_placeholders, vocab_size
+from mimo_train.model.build import (build_model, memory_summary, shared_placeholders,
+                                    vocab_size)
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules
 from mimo_train.planning.dims import from_config
@@ -105,7 +106,8 @@ class Trainer:
         # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
         # optimizer's and schedule's set-up holds collectives of the whole world
         self.peak_memory = PeakMemory(self.device)      # the records' memory_mib from here
-        phase("model", lambda _: f"model built ({self.attention.describe()})",
+        phase("model", lambda _: f"model built ({self.attention.describe()}; memory: "
+              f"{memory_summary(cfg, self.layout)})",
               lambda: self._build_model(self.text))
         phase("optimizer", "optimizer and schedule ready", lambda: self._build_optimizer(
             self.text))
