@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run here, from the project's root (set-up done): download into .whl/ the wheels the GPU
+# machine lacks (it has torch 2.11 and transformers 5.x, no network), the versions this
+# environment has, and keep .whl/ out of git. About 4 MiB: the device call carries 64 MiB.
+set -euo pipefail
+[ -f pyproject.toml ] && [ -d mimo_train ] || { echo "run this from the project's root" >&2; exit 2; }
+PY=${PY:-.venv/bin/python}
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
+rm -rf .whl && mkdir -p .whl
+version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
+for name in megatron-core webdataset braceexpand soundfile cffi pycparser; do
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+    -d .whl "$name==$(version "$name")"
+done
+du -sh .whl assets/tokenizer assets/corpus
+echo "then on the GPU machine: python3 tools/gpu_check/run.py --out DIR" \
+     "(carrying .whl, assets/tokenizer, assets/corpus)"
