@@ -198,6 +198,24 @@ SCRIPTS = {      # each test's script after the prelude, by the patch it shows
     assert torch.allclose(losses[0]["loss"], expected.detach())
     assert torch.allclose(ddp.module.weight.main_grad, reference.weight.grad)
     """,
+    "recompute_rng": """
+    from megatron.core import tensor_parallel
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    recomputed = lambda: tensor_parallel.checkpoint(lambda t: torch.tanh(layer(t)), False, x)
+    try:
+        recomputed()
+        raise AssertionError("expected a failure without the patch")
+    except RuntimeError as exc:
+        assert "NVIDIA driver" in str(exc) or "CUDA" in str(exc), exc
+    cpu_compat.activate(only=["recompute_rng"])
+    recomputed().sum().backward()
+    grad = layer.weight.grad.clone()
+    layer.weight.grad = None
+    torch.tanh(layer(x)).sum().backward()
+    assert torch.equal(grad, layer.weight.grad)
+    """,
     "rng_tracker": """
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -279,3 +297,7 @@ def test_schedules(compat):
 
 def test_rng_tracker(compat):
     compat("rng_tracker")
+
+
+def test_recompute_rng(compat):
+    compat("recompute_rng")
