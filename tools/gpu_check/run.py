@@ -119,7 +119,7 @@ class Check:
 
 
 def child_env(device: str) -> dict[str, str]:
-    path = [str(ROOT)] + ([str(STUB)] if _missing("av") else [])
+    path = [str(ROOT)] + ([str(STUB)] if AV_MISSING else [])
     env = {"PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if device == "cpu":
@@ -134,11 +134,15 @@ def _missing(module: str) -> bool:
         return True
 
 
+# read before this process puts the stub on its own path (the shard build)
+AV_MISSING = _missing("av")
+
+
 def install_packages() -> dict:
     """pip-install the carried wheels whose packages are missing (no index, no dependencies)."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
     missing = [m for m in ("megatron.core", "webdataset", "soundfile") if _missing(m)]
-    result: dict = {"missing": missing, "av": "stub" if _missing("av") else "installed"}
+    result: dict = {"missing": missing, "av": "stub" if AV_MISSING else "installed"}
     if missing:
         if not wheels:
             raise RuntimeError(f"{missing} missing and no wheels in .whl/: run "
@@ -174,7 +178,7 @@ def build_shards(check: Check) -> dict:
     """``mimo-shard build`` of the corpus's image and text conversations, in this process."""
     if (check.shards / "index.json").exists():
         return {"reused": str(check.shards)}
-    sys.path[:0] = [str(ROOT)] + ([str(STUB)] if _missing("av") else [])
+    sys.path[:0] = [str(ROOT)] + ([str(STUB)] if AV_MISSING else [])
     from mimo_data.shards.cli import main as shard
     corpus = ROOT / "assets" / "corpus"
     rc = shard(["build", *[str(corpus / s) for s in SOURCES], "--output", str(check.shards),
