@@ -12,8 +12,9 @@ labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: 
 ``--step`` then runs one global batch, that micro-batch first, forward and backward through the
 real schedule and gradient finalization (no optimizer step), as tests/train_parity_run.py does
 on one rank, and writes its ``OUT/rank_0.pt``: the loss sum, the trained tokens, the step's
-model FLOPs per module and every module's gradients by global parameter name (``runs.merged`` reads it). One process for the
-logits and the colocated reference step: the Trainer (tokenizer, model, loader) is built once.
+model FLOPs per module and every module's gradients by global parameter name (``runs.merged``
+reads it). One process for the logits and the colocated reference step: the Trainer
+(tokenizer, model, loader) is built once.
 """
 
 import copy
