@@ -79,8 +79,8 @@ def varlen() -> dict:
                       window_size=(-1, 0))                     # (-1, 0): causal
     reference, at = [], 0
     for n in lengths:
-        parts = [t[at:at + n].transpose(0, 1)[None] for t in (q, k, v)]
-        reference.append(F.scaled_dot_product_attention(*parts, is_causal=True)[0]
+        one_q, one_k, one_v = (t[at:at + n].transpose(0, 1)[None] for t in (q, k, v))
+        reference.append(F.scaled_dot_product_attention(one_q, one_k, one_v, is_causal=True)[0]
                          .transpose(0, 1))
         at += n
     diff = (out.float() - torch.cat(reference).float()).abs().max().item()

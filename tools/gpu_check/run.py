@@ -33,6 +33,7 @@ launcher (forked ranks) so that the CPU run costs no new interpreter per trainin
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -43,6 +44,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = Path(__file__).resolve().parent / "stub"
@@ -50,14 +52,17 @@ PROBES = Path(__file__).resolve().parent / "probes.py"
 PREPROCESS = ROOT / "configs" / "preprocess_images.yaml"
 SOURCES = ["llava.json", "llava.jsonl", "conversations.parquet"]
 LAYOUT = "language=dp1;image=dp1,off0"          # colocated on one rank
-TINY = {"language": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
-        "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 32, "num_layers": 1,
-                               "num_attention_heads": 2}}}
+Dims = dict[str, dict[str, Any]]                 # the model section's language and encoders
+TINY: Dims = {
+    "language": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
+    "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 32, "num_layers": 1,
+                           "num_attention_heads": 2}}}
 # Qwen2-VL-2B's shapes (its published config.json), random weights, no GQA
-BIG = {"language": {"num_layers": 28, "hidden_size": 1536, "num_attention_heads": 12,
-                    "ffn_hidden_size": 8960},
-       "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 1280, "num_layers": 32,
-                              "num_attention_heads": 16}}}
+BIG: Dims = {
+    "language": {"num_layers": 28, "hidden_size": 1536, "num_attention_heads": 12,
+                 "ffn_hidden_size": 8960},
+    "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 1280, "num_layers": 32,
+                           "num_attention_heads": 16}}}
 # (attention backend, packed, recompute), run in this order while time is left: the fast
 # kernels first, then sdpa packed again with every layer recomputed (language and tower: what
 # full recomputation saves and costs), then megatron-core's local attention
@@ -204,13 +209,14 @@ def write_config(check: Check, name: str, device: str, config: dict) -> Path:
     """The whole training config of one run, self-contained (absolute paths; no checkpoint:
     a 2B model's is 40 GB of writing); also what the memory prediction reads."""
     import yaml
-    whole = {"data": {"datasets": [str(check.shards)], "preprocess": str(PREPROCESS),
-                      "num_workers": 0 if check.tiny else 2, "packing": False},
-             "layout": LAYOUT,
-             "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 1, "clip_grad": 1.0},
-             "train": {"seed": 3, "log_interval": 1, "device": device}}
-    for section, values in config.items():
-        whole[section] = {**whole.get(section, {}), **values} if section != "layout" else values
+    data = {"datasets": [str(check.shards)], "preprocess": str(PREPROCESS),
+            "num_workers": 0 if check.tiny else 2, "packing": False}
+    whole: dict[str, Any] = {
+        "data": data, "layout": LAYOUT,
+        "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 1, "clip_grad": 1.0},
+        "train": {"seed": 3, "log_interval": 1, "device": device}}
+    for section, values in config.items():       # the sections' keys, replaced one by one
+        whole[section] = {**whole.get(section, {}), **values}
     path = check.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(whole, sort_keys=False))
     return path
@@ -244,7 +250,7 @@ class GpuMemory:
     """Peak used GPU memory over a training (nvidia-smi, twice a second): the child's own
     allocator figures are not visible from here."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.peak: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -353,8 +359,8 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
         if check.left(60) < 60:
             cases[name] = {"skipped": "out of time"}
             continue
-        check.step(name, lambda a=attention, p=packed, r=recompute: case(
-            check, device, a, p, r, 2 if tiny else 6))
+        check.step(name, functools.partial(case, check, device, attention, packed, recompute,
+                                           2 if tiny else 6))
         cases[name] = check.summary.pop(name)
     check.summary["cases"] = cases
     (out / "summary.json").write_text(json.dumps(check.summary, indent=1))
