@@ -222,6 +222,45 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     assert out.count("\n  1. ") == 1
 
 
+def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_yaml):
+    """Packed data (the YAML's data.packing: true, no --packing given): no candidate takes
+    sequence parallel, which the trainer refuses with packing; unpacked, those with tp > 1
+    do. Each recommendation's overrides, on a YAML whose optimizer.modules.image sets its
+    own ``distributed``, give every module the recommended distributed optimizer and the
+    recommended sequence parallel, and the trainer's memory settings accept them."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.inspect_cli import main
+    from mimo_train.model.build import language_memory
+    tmp, path, preprocess = model_yaml
+    for packing in (True, False):
+        config = yaml.safe_load(path.read_text())
+        config["data"]["packing"] = packing
+        config["optimizer"]["modules"] = {"image": {"distributed": not packing}}
+        variant = tmp / f"model-packing-{packing}.yaml"
+        variant.write_text(yaml.safe_dump(config))
+        # 5 GPUs: image=dp3;language=tp2 is a layout (the micro-batches of 3 split in 3)
+        code, out, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 5,
+                               "--json", "--top", 50, main=main)
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["workload"]["packing"] is packing
+        ranked = report["ranked"]
+        assert any(Layout.parse(r["layout"]).language.tp > 1 for r in ranked)
+        for r in ranked:
+            tp = Layout.parse(r["layout"]).language.tp
+            assert r["settings"]["sequence_parallel"] is (tp > 1 and not packing)
+            cfg = TrainConfig.load(str(variant), r["overrides"])
+            assert cfg.model.language.sequence_parallel is r["settings"]["sequence_parallel"]
+            for module in ("language", "image"):
+                assert cfg.optimizer.of(module).distributed is \
+                    r["settings"]["distributed_optimizer"]
+            language_memory(cfg, tp)                  # raises where the trainer refuses
+    # --packing against the YAML's data.packing: false
+    code, _, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 4, "--packing",
+                         main=main)
+    assert code == 2 and "data.packing: false" in err
+
+
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     """A GPU with memory between the layouts' peaks (one setting each): the ranked ones fit,
     the dropped ones are over the usable memory; with less than any needs, none fits (exit

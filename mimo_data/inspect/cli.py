@@ -123,7 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", action="store_true",
                    help="the loader's data.packing: each language DP rank's micro-batch packed "
                    "into sequences of seq_length (--json then lists each micro-batch's "
-                   "'sequences'); the packing efficiency is shown with and without it")
+                   "'sequences'); the packing efficiency is shown with and without it. The "
+                   "advisor (--gpus) with a training YAML as --model takes the YAML's "
+                   "data.packing (--packing against data.packing: false is an error)")
     p.add_argument("--json", action="store_true",
                    help="print the loader's dry run (per-rank, per-step sample keys) as JSON; "
                    "with --gpus, the advisor's ranking")

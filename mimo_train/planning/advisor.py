@@ -53,6 +53,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -100,6 +101,8 @@ class Model:
     passes: dict = field(default_factory=dict)        # flops.training_passes
     trained: dict = field(default_factory=dict)       # part -> its weights train
     attention_scores: bool = False                    # model.attention local
+    packing: bool | None = None                       # a training YAML's data.packing
+    optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -150,7 +153,9 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                **{f"{m}.{p}": trains(f"{m}.{p}") for m in dims.encoders
                   for p in ("encoder", "projection")}}
     return Model(dims, path, cfg.train.precision, passes, trained,
-                 cfg.model.attention == "local")
+                 cfg.model.attention == "local",
+                 cfg.data.packing if path.endswith((".yaml", ".yml")) else None,
+                 tuple(cfg.optimizer.modules))
 
 
 # ---------------------------------------------------------------------------- the work
@@ -517,7 +522,10 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
     return found
 
 
-def settings_of(model: Model, layout: Layout, args) -> list[mem.Settings]:
+def settings_of(model: Model, layout: Layout, args, packing: bool = False
+                ) -> list[mem.Settings]:
+    """The settings tried on ``layout``: sequence parallel only where tp > 1 and the data is
+    not packed (the trainer refuses sequence_parallel with data.packing)."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if args.recompute == "any" else \
         (args.recompute,)
     if not model.attention_scores:
@@ -527,7 +535,7 @@ def settings_of(model: Model, layout: Layout, args) -> list[mem.Settings]:
         args.distributed_optimizer]
     if not multi_dp:
         distributed = distributed[:1]
-    sp = not args.no_sequence_parallel and layout.language.tp > 1
+    sp = not args.no_sequence_parallel and layout.language.tp > 1 and not packing
     return [mem.Settings(model.precision, d, r, sp, model.attention_scores)
             for d in distributed for r in recompute]
 
@@ -565,24 +573,28 @@ def rank(results: list[Result]) -> list[Result]:
 
 # ----------------------------------------------------------------------------- reporting
 
-def overrides(candidate: Candidate) -> list[str]:
+def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = ()) -> list[str]:
     """The training config's ``key=value`` overrides that run ``candidate`` (``mimo-train``'s
-    layout, optimizer.distributed, recompute and sequence parallel keys)."""
+    layout, optimizer.distributed, recompute and sequence parallel keys): the distributed
+    optimizer's setting also for each module of ``optimizer_modules`` (those the training
+    YAML's ``optimizer.modules`` names, whose own ``distributed`` would win over the global
+    key), sequence parallel always (true or false, whatever the YAML says)."""
     settings, layout = candidate.settings, candidate.layout
-    found = [f"layout={compact(layout)}",
-             f"optimizer.distributed={str(settings.distributed_optimizer).lower()}",
-             f"model.language.recompute={settings.recompute}"]
+    distributed = str(settings.distributed_optimizer).lower()
+    found = [f"layout={compact(layout)}", f"optimizer.distributed={distributed}"]
+    found += [f"optimizer.modules.{m}.distributed={distributed}" for m in optimizer_modules]
+    found.append(f"model.language.recompute={settings.recompute}")
     found += [f"model.encoders.{e.name}.recompute="
               f"{'full' if settings.recompute == 'full' else 'none'}" for e in layout.encoders]
-    if settings.sequence_parallel:
-        found.append("model.language.sequence_parallel=true")
+    found.append(f"model.language.sequence_parallel={str(settings.sequence_parallel).lower()}")
     return found
 
 
-def result_json(r: Result, gpus: int, device: GPU, work: Work) -> dict:
+def result_json(r: Result, gpus: int, device: GPU, work: Work,
+                optimizer_modules: Sequence[str] = ()) -> dict:
     settings = r.candidate.settings
     return {"layout": compact(r.candidate.layout), "layout_full": str(r.candidate.layout),
-            "overrides": overrides(r.candidate),
+            "overrides": overrides(r.candidate, optimizer_modules),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
                          "distributed_optimizer": settings.distributed_optimizer,
@@ -620,6 +632,13 @@ def advise(args, config, workload: dict) -> int:
     except (TrainConfigError, OSError, ValueError) as error:
         print(f"mimo-inspect plan: error: --model {args.model}: {error}", file=sys.stderr)
         return 2
+    if model.packing is not None:       # a training YAML: its data.packing is the run's
+        if getattr(args, "packing", False) and not model.packing:
+            print(f"mimo-inspect plan: error: --packing, but --model {args.model} says "
+                  "data.packing: false (the YAML's setting is the one used: drop --packing or "
+                  "set data.packing in the YAML)", file=sys.stderr)
+            return 2
+        workload = {**workload, "packing": model.packing}
     report = run_advisor(model, workload, args, variable_token_modalities(config),
                          list(config.modalities))
     if args.json:
@@ -644,8 +663,8 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
     if yours is not None and yours.world_size == args.gpus and \
             str(yours) not in {str(x) for x in candidates}:
         candidates.append(yours)
-    results = [advisor.evaluate(Candidate(layout, settings))
-               for layout in candidates for settings in settings_of(model, layout, args)]
+    results = [advisor.evaluate(Candidate(layout, settings)) for layout in candidates
+               for settings in settings_of(model, layout, args, work.packing)]
     ranked = rank(results)
     dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)
     dropped_layouts = {str(r.candidate.layout) for r in dropped} - \
@@ -676,9 +695,11 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
         "candidates": len(results), "layouts": len(candidates),
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
         "yours": compact(yours) if yours is not None else None,
-        "ranked": [{**result_json(r, args.gpus, device, work), "rank": ranked.index(r) + 1,
-                    "why": why(r, device, args.gpus)} for r in shown],
-        "dropped": [{**result_json(r, args.gpus, device, work)} for r in dropped[:3]],
+        "ranked": [{**result_json(r, args.gpus, device, work, model.optimizer_modules),
+                    "rank": ranked.index(r) + 1, "why": why(r, device, args.gpus)}
+                   for r in shown],
+        "dropped": [result_json(r, args.gpus, device, work, model.optimizer_modules)
+                    for r in dropped[:3]],
     }
 
 
