@@ -12,7 +12,8 @@ from mimo_data.modalities.audio import AudioConfig
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.planning.dims import Linear, Stack, Tower, projection_linears, tower_from_hf
 from mimo_train.planning.flops import (language_flops, peak_tflops, projection_flops,
-                                       step_flops, tower_flops, training_passes, window_sizes)
+                                       step_flops, tower_flops, trains, training_passes,
+                                       window_sizes)
 
 PUBLISHED = REPO / "tools" / "published" / "Qwen--Qwen2.5-VL-7B-Instruct"
 
@@ -93,6 +94,18 @@ def test_frozen_parts_count_the_passes_they_run():
                      "audio.projection": 3, "language": 2}
     assert training_passes(dims, ["image", "audio", "language"], ["language"])["language"] == 3
     assert training_passes(SimpleNamespace(encoders={}), ["language"]) == {"language": 1}
+
+
+def test_one_trains_for_flops_and_memory():
+    """``trains``: the passes' view (a LoRA part computes weight gradients) and, with the LoRA
+    parts counted as fixed, the memory view (its own weights keep no gradients or state)."""
+    assert trains("image.encoder") and not trains("image.encoder", ["image"])
+    assert not trains("image.projection", ["image.projection"])
+    assert trains("image.encoder", ["image.projection"])
+    assert trains("language", ["language"], ["language"])             # LoRA over a freeze
+    assert trains("image.encoder", ["image"], ["image"])
+    assert not trains("language", ["language"] + ["language"])        # its base weights
+    assert not trains("image.encoder", ["image.encoder"])
 
 
 def test_peaks_by_gpu_name():

@@ -186,6 +186,36 @@ def test_the_predicted_order_of_three_layouts_is_the_measured_one(timed, model_y
     assert predicted["language dp1"].bottleneck == "language"
 
 
+def test_model_flops_count_the_passes_the_trainer_counts(model_yaml):
+    """A frozen language model after a trained tower runs 2 passes (input gradients only):
+    the advisor's model FLOPs (its MFU) count 2, as the trainer's FlopsCounter does
+    (``flops.training_passes``), not 3; its own weights keep no gradients."""
+    from mimo_data.inspect.workload import workload
+    from mimo_data.loading.loader import DataSource
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.planning.flops import language_flops
+    tmp, path, preprocess = model_yaml
+    config = yaml.safe_load(path.read_text())
+    config["model"]["freeze"] = ["language"]
+    frozen = tmp / "model-frozen-language.yaml"
+    frozen.write_text(yaml.safe_dump(config))
+    preprocessing = PreprocessConfig.from_yaml(preprocess)
+    work = workload(DataSource([str(config["data"]["datasets"][0])], preprocessing),
+                    preprocessing, BATCH, MICRO, seed=SEED, steps=2)
+    model = read_model(str(frozen), str(preprocess), preprocessing, work["modalities"])
+    assert model.passes["language"] == 2 and model.passes["image.encoder"] == 3
+    assert model.trained == {"language": False, "image.encoder": True,
+                             "image.projection": True}
+    steps = read_work(model, work)
+    result = Advisor(model, steps, GPU("cpu", 1e3, 0.02, 1e3, 1e3)).evaluate(
+        Candidate(Layout.parse(LAYOUTS["language dp1"]), mem.Settings("fp32")))
+    language = sum(language_flops(model.dims.language, lengths, 2)
+                   for lengths in steps.lengths) / len(steps.lengths)
+    encoders = sum(map(sum, steps.encoder_flops["image"])) / len(steps.lengths)
+    assert language > 0 and result.flops == pytest.approx(language + encoders)
+
+
 # ------------------------------------------------------------------------------ the command
 
 def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):

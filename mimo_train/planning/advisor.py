@@ -60,7 +60,7 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.planning import memory as mem
 from mimo_train.planning.dims import ModelDims, Tower
-from mimo_train.planning.flops import (language_flops, peak_tflops, step_flops,
+from mimo_train.planning.flops import (language_flops, peak_tflops, step_flops, trains,
                                        training_passes)
 
 
@@ -99,7 +99,7 @@ class Model:
     source: str
     precision: str = "bf16"
     passes: dict = field(default_factory=dict)        # flops.training_passes
-    trained: dict = field(default_factory=dict)       # part -> its weights train
+    trained: dict = field(default_factory=dict)       # part -> its own weights train
     attention_scores: bool = False                    # model.attention local
     packing: bool | None = None                       # a training YAML's data.packing
     optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
@@ -145,12 +145,9 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         dims = from_config(copy.deepcopy(cfg), preprocess, TextEncoder(preprocess).vocab_size)
     frozen, adapted = list(cfg.model.freeze), list(cfg.model.lora)
     passes = training_passes(dims, frozen, adapted)
-    fixed = set(frozen) | set(adapted)
-
-    def trains(part: str) -> bool:
-        return part not in fixed and part.split(".")[0] not in fixed
-    trained = {LANGUAGE: trains(LANGUAGE),
-               **{f"{m}.{p}": trains(f"{m}.{p}") for m in dims.encoders
+    fixed = frozen + adapted                # a LoRA part's own weights stay fixed
+    trained = {LANGUAGE: trains(LANGUAGE, fixed),
+               **{f"{m}.{p}": trains(f"{m}.{p}", fixed) for m in dims.encoders
                   for p in ("encoder", "projection")}}
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local",
@@ -311,8 +308,8 @@ class Advisor:
                         for row in ranges]
                     act[e.name] = max(act.get(e.name, 0.0), _window(
                         kept, 1 if colocated else mem.in_flight(m, stages, 0)))
-            trains = self.model.passes.get(LANGUAGE, 3) > 1
-            for stage in sorted({0, lang.pp - 1}) if trains else ():
+            lang_backward = self.model.passes.get(LANGUAGE, 3) > 1
+            for stage in sorted({0, lang.pp - 1}) if lang_backward else ():
                 k = 1 if colocated or stages == 1 else \
                     mem.in_flight(m, stages, lang_first + stage)
                 for r in range(lang.dp):
@@ -368,7 +365,8 @@ class Advisor:
         idle = 1 - sum(busy_totals) / steps / (layout.world_size * step_s) if step_s else 0.0
         memory = self._memory(layout, settings, act, colocated)
         bottleneck = max(busy, key=lambda k: busy[k])
-        model_flops = sum(language_flops(dims.language, lengths, 3) +
+        model_flops = sum(language_flops(dims.language, lengths,
+                                         self.model.passes.get(LANGUAGE, 3)) +
                           sum(sum(work.encoder_flops[e][s]) for e in work.encoder_flops)
                           for s, lengths in enumerate(work.lengths)) / steps
         usable = self.usable_bytes

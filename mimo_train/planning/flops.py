@@ -118,29 +118,35 @@ def item_grid(tower: Tower, token_grid: Sequence[int] | None) -> Grid:
     return (int(t), int(h) * tower.merge, int(w) * tower.merge)
 
 
+def trains(part: str, frozen: Iterable[str] = (), adapted: Iterable[str] = ()) -> bool:
+    """Whether ``part`` (``language``, ``<module>.encoder``, ``<module>.projection``) computes
+    weight gradients given ``model.freeze``'s entries ``frozen`` and the parts under LoRA
+    ``adapted`` (entries name a part or its whole module): under LoRA it trains (its
+    adapters), else it trains unless frozen. Whether its own (base) weights train, with
+    gradients and optimizer state: ``trains(part, frozen + adapted)``."""
+    frozen, adapted = set(frozen), set(adapted)
+    module = part.split(".")[0]
+    return part in adapted or module in adapted or not (part in frozen or module in frozen)
+
+
 def training_passes(dims: ModelDims, frozen: Iterable[str] = (), adapted: Iterable[str] = ()
-           ) -> dict[str, int]:
+                    ) -> dict[str, int]:
     """Passes of each part (``language``, ``<module>.encoder``, ``<module>.projection``)
     given ``model.freeze``'s entries ``frozen`` and the parts under LoRA ``adapted`` (those
-    train: 3, weight gradients of the adapters only, counted as a whole pass): 3 where the
-    part trains, 2 where only a part before it does (input gradients flow through it), 1
-    where nothing up to it trains (forward only). Data flows tower -> projection ->
+    train: 3, weight gradients of the adapters only, counted as a whole pass; ``trains``): 3
+    where the part trains, 2 where only a part before it does (input gradients flow through
+    it), 1 where nothing up to it trains (forward only). Data flows tower -> projection ->
     language."""
-    frozen, adapted = set(frozen), set(adapted)
-
-    def trains(module: str, part: str | None = None) -> bool:
-        name = f"{module}.{part}" if part else module
-        return name in adapted or module in adapted or \
-            not (module in frozen or (part is not None and name in frozen))
-
+    frozen, adapted = list(frozen), list(adapted)
     found: dict[str, int] = {}
     upstream = False
     for name in dims.encoders:
-        tower, projection = trains(name, "encoder"), trains(name, "projection")
+        tower = trains(f"{name}.encoder", frozen, adapted)
+        projection = trains(f"{name}.projection", frozen, adapted)
         found[f"{name}.encoder"] = 3 if tower else 1
         found[f"{name}.projection"] = 3 if projection else 2 if tower else 1
         upstream |= tower or projection
-    found[LANGUAGE] = 3 if trains(LANGUAGE) else 2 if upstream else 1
+    found[LANGUAGE] = 3 if trains(LANGUAGE, frozen, adapted) else 2 if upstream else 1
     return found
 
 
