@@ -90,6 +90,19 @@ def test_activation_bytes_by_hand():
     assert mem.language_temporary_bytes(STACK, 100, bf16) == 16384 + 102400
 
 
+def test_a_tower_under_selective_recompute_keeps_its_scores():
+    """A transformers tower has no selective recompute: under the run's ``selective`` it
+    keeps what it keeps under ``none``, the attention scores (a local kernel's) included."""
+    from mimo_train.planning.dims import Tower
+    tower = Tower("siglip", STACK, (), 64)
+    grids = [(1, 10, 10)]
+    kept = {r: mem.tower_activation_bytes(tower, grids, mem.Settings(
+        "bf16", recompute=r, attention_scores=True)) for r in mem.RECOMPUTE}
+    assert kept["selective"] == kept["none"] > kept["full"]
+    # 2 layers of 100 positions, each with its 5 heads s^2 of scores (as by hand above)
+    assert kept["none"] == 2 * 417600
+
+
 # ------------------------------------------------------------------- the model, the data
 
 @pytest.fixture(scope="module")

@@ -61,7 +61,7 @@ a headroom for them), temporary buffers of one op, the data loader.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from mimo_train.planning.dims import Stack, Tower
 
@@ -169,11 +169,10 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
 
 
 def stack_activation_bytes(stack: Stack, layers: int, tokens: float, squares: float,
-                           settings: Settings, tp: int = 1, sequence_parallel: bool = False,
-                           recompute: str | None = None) -> float:
-    """``layers`` layers' activations for one micro-batch under ``recompute`` (default the
-    settings')."""
-    recompute = recompute or settings.recompute
+                           settings: Settings, tp: int = 1, sequence_parallel: bool = False
+                           ) -> float:
+    """``layers`` layers' activations for one micro-batch under the settings' recompute."""
+    recompute = settings.recompute
     if layers <= 0:
         return 0.0
     whole = layer_activation_bytes(stack, tokens, squares, settings, tp, sequence_parallel)
@@ -230,11 +229,14 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
     ``grids``: its layers' (recompute none or full) and the patch embedding's inputs."""
     grids = list(grids)
     positions, squares = tower_positions(tower, grids)
-    recompute = "full" if settings.recompute == "full" else "none"
+    # a transformers tower recomputes all or nothing: selective keeps everything, the
+    # attention scores too where the kernel keeps them
+    tower_settings = replace(settings, recompute="full" if settings.recompute == "full"
+                             else "none")
     pixels = sum(t * h * w for t, h, w in grids) * \
         sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width
     return in_flight * (stack_activation_bytes(tower.stack, tower.stack.layers, positions,
-                                               squares, settings, recompute=recompute) + pixels)
+                                               squares, tower_settings) + pixels)
 
 
 def in_flight(micro_batches: int, stages: int, position: int) -> int:
