@@ -175,7 +175,8 @@ def test_one_module_gets_its_placeholders_in_token_order():
 
 def test_a_module_serving_images_and_videos_interleaves_their_rows():
     from mimo_train.config import EncoderConfig
-    from mimo_train.model.build import EncoderSetting, _SeededEncoder
+    from mimo_train.families.registry import EncoderSetting
+    from mimo_train.model.build import _SeededEncoder
     image_config = PreprocessConfig(tokenizer=str(CHECKPOINTS["qwen2-vl"])).modalities["image"]
     video_config = dataclasses.replace(VideoConfig(), **PIXELS)
     module = _SeededEncoder(0, "image", EncoderSetting(
@@ -223,14 +224,14 @@ def test_video_goes_to_a_tower_that_takes_it(layout, expected):
 
     from mimo_data.loading.layout import Layout
     from mimo_train.errors import TrainConfigError
-    from mimo_train.model.build import encoder_settings
+    from mimo_train.families.registry import encoder_settings
     config = config_for(CHECKPOINTS["qwen2-vl"])
     config = dataclasses.replace(config, modalities={
         **config.modalities, "audio": PreprocessConfig(tokenizer=config.tokenizer
                                                        ).modalities["audio"]})
     cfg = SimpleNamespace(model=SimpleNamespace(encoders={}, pretrained=None))
     with pytest.raises(TrainConfigError, match=re.escape(expected)):
-        encoder_settings(cfg, SimpleNamespace(layout=Layout.parse(layout)), config)
+        encoder_settings(cfg, Layout.parse(layout), config)
 
 
 def test_a_tower_refuses_video_cut_into_other_patches():

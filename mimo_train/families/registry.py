@@ -1,15 +1,20 @@
 """The families by encoder kind and checkpoint ``model_type``, and resolving checkpoints to them:
 ``read_vlm`` and ``language_arch`` read a checkpoint's config into what mimo takes from it (or
 refuse it with the reason), ``resolve`` fills a training config's model dims from the
-checkpoints it names, ``build_encoder`` builds an encoder module, ``preprocessing_for`` writes
-the preprocessing config a whole VLM expects. Family modules never import this module.
+checkpoints it names, ``encoder_settings`` decides each encoder module's modality, kind and
+checkpoint (what ``model.build`` builds and ``planning.dims`` counts), ``build_encoder`` builds
+an encoder module, ``preprocessing_for`` writes the preprocessing config a whole VLM expects.
+Family modules never import this module.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
+from typing import Any, NamedTuple
 
-from mimo_train.config import LANGUAGE_DEFAULTS, LanguageConfig, TrainConfig
+from mimo_data.loading.layout import Layout
+from mimo_train.config import LANGUAGE_DEFAULTS, EncoderConfig, LanguageConfig, TrainConfig
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families import causal_lm, llava, qwen2_5_vl, qwen2_vl, siglip, whisper
 from mimo_train.families.base import VLM, Encoder, input_form, model_directory
@@ -23,6 +28,8 @@ ENCODERS: dict[str, type[Encoder]] = {
 # encoder kind for each input form, without a whole VLM
 DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
                  ("audio", "log-mel"): "whisper"}
+# the modalities an encoder takes on its own (the others ride along: ``Encoder.also_takes``)
+OWN_MODALITIES = tuple(dict.fromkeys(modality for modality, _ in DEFAULT_KINDS))
 # whole VLM model_type -> its family module (``read``, ``image_geometry``)
 VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "llava": llava}
 # model_type -> why mimo does not take it
@@ -54,6 +61,80 @@ def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
 def default_kind(modality: str, modality_config) -> str:
     """Encoder kind that consumes this modality's preprocessing output."""
     return DEFAULT_KINDS[input_form(modality, modality_config)]
+
+
+class EncoderSetting(NamedTuple):
+    """What an encoder module is built from."""
+    modality: str                  # the modality its encoder ``takes``
+    config: Any                    # that modality's preprocessing config
+    spec: EncoderConfig            # a whole VLM's tower: its kind and pretrained filled in
+    kind: str
+    also: dict[str, Any]           # further modalities it serves (``Encoder.also_takes``)
+
+
+def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess) -> dict[str, EncoderSetting]:
+    """module name -> its ``EncoderSetting``, validated: what ``model.build`` builds and
+    ``planning.dims`` counts."""
+    settings = {}
+    unknown = sorted(set(cfg.model.encoders) - {m.name for m in layout.encoders})
+    if unknown:
+        raise TrainConfigError(f"model.encoders has {unknown}, which the layout {layout} does "
+                               "not name: rename them to the layout's encoder modules")
+    for module in layout.encoders:
+        served = layout.modalities_of(module.name)
+        for modality in served:
+            if modality not in preprocess.modalities:
+                raise TrainConfigError(
+                    f"layout module {module.name!r} serves {modality}, which the "
+                    "preprocessing config does not expand: add "
+                    f"modalities.{modality} to it or drop the module")
+        for dim in ("tp", "cp", "pp"):
+            if getattr(module, dim) != 1:
+                raise TrainConfigError(
+                    f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
+                    "transformers encoders run whole on each rank; use dp only for encoders")
+        spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        own = [m for m in served if m in OWN_MODALITIES]
+        if len(own) > 1:
+            raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
+                                   "its own encoder module")
+        if not own:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, which no encoder takes on "
+                "its own: serve them from the module of an encoder that also takes them (the "
+                "Qwen2-VL towers take video beside images: image=dp1,video)")
+        modality = own[0]
+        modality_config = preprocess.modalities[modality]
+        form = input_form(modality, modality_config)
+        if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
+            vlm = read_vlm(cfg.model.pretrained)       # the whole VLM's tower
+            if spec.kind not in (None, vlm.encoder_kind):
+                raise TrainConfigError(
+                    f"model.encoders.{module.name}.kind is {spec.kind!r}, but the tower of "
+                    f"model.pretrained {vlm.path} is a {vlm.encoder_kind}: drop the key")
+            if ENCODERS[vlm.encoder_kind].takes != form:
+                raise TrainConfigError(
+                    f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, which "
+                    f"takes {ENCODERS[vlm.encoder_kind].takes[1]} images, but the "
+                    f"preprocessing config gives {form[1]} ones: use its image geometry "
+                    f"(policy: {ENCODERS[vlm.encoder_kind].takes[1]})")
+            spec = dataclasses.replace(spec, kind=vlm.encoder_kind, pretrained=vlm.path)
+        kind = spec.kind or default_kind(modality, modality_config)
+        if kind not in ENCODERS or ENCODERS[kind].takes != form:
+            raise TrainConfigError(
+                f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
+                f"gives {form[1]} {modality} inputs, for "
+                f"{default_kind(modality, modality_config)!r}")
+        also = [m for m in served if m != modality]
+        refused = [m for m in also if m not in ENCODERS[kind].also_takes]
+        if refused:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, but its {kind} encoder "
+                f"encodes {[modality, *ENCODERS[kind].also_takes]} only: give {refused} "
+                "their own encoder module")
+        settings[module.name] = EncoderSetting(modality, modality_config, spec, kind,
+                                               {m: preprocess.modalities[m] for m in also})
+    return settings
 
 
 @lru_cache(maxsize=8)

@@ -12,7 +12,7 @@ of its optimizer (``components.optimizer``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -21,11 +21,11 @@ from mimo_train.mcore.attention import AttentionChoice, CoreAttention, LanguageM
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
 from mimo_train.config import EncoderConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import Projection, input_form
+from mimo_train.families.base import Projection
 from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pretrained_language,
                                            transformer_fields)
-from mimo_train.families.registry import (ENCODERS, build_encoder, default_kind, language_arch,
-                                          read_vlm)
+from mimo_train.families.registry import (ENCODERS, EncoderSetting, build_encoder,
+                                          encoder_settings, language_arch, read_vlm)
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.norms import block_spec
 from mimo_train.model.lora import add_adapters, is_adapter, parts
@@ -36,7 +36,8 @@ from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               get_gpt_layer_local_spec)
 from mimo_train.precision import cast, run_dtype, trainable
 
-# megatron-core's submodule class of each modality (how it splices embeddings in)
+# megatron-core's submodule class of each modality an encoder takes on its own
+# (registry.OWN_MODALITIES; how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
 
 def language_transformer_config(cfg: TrainConfig, layout, device: torch.device):
@@ -150,86 +151,12 @@ def vocab_rows(rows: int, tp: int) -> int:
     return -(-rows // tp) * tp
 
 
-class EncoderSetting(NamedTuple):
-    """What an encoder module is built from."""
-    modality: str                  # the modality its encoder ``takes``
-    config: Any                    # that modality's preprocessing config
-    spec: EncoderConfig
-    kind: str
-    also: dict[str, Any]           # further modalities it serves (``Encoder.also_takes``)
-
-
-def encoder_settings(cfg: TrainConfig, infra: Infra, preprocess) -> dict[str, EncoderSetting]:
-    """module name -> its ``EncoderSetting``, validated."""
-    layout = infra.layout
-    settings = {}
-    unknown = sorted(set(cfg.model.encoders) - {m.name for m in layout.encoders})
-    if unknown:
-        raise TrainConfigError(f"model.encoders has {unknown}, which the layout {layout} does "
-                               "not name: rename them to the layout's encoder modules")
-    for module in layout.encoders:
-        served = layout.modalities_of(module.name)
-        for modality in served:
-            if modality not in preprocess.modalities:
-                raise TrainConfigError(
-                    f"layout module {module.name!r} serves {modality}, which the "
-                    "preprocessing config does not expand: add "
-                    f"modalities.{modality} to it or drop the module")
-        for dim in ("tp", "cp", "pp"):
-            if getattr(module, dim) != 1:
-                raise TrainConfigError(
-                    f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
-                    "transformers encoders run whole on each rank; use dp only for encoders")
-        spec = cfg.model.encoders.get(module.name) or EncoderConfig()
-        own = [m for m in served if m in _SUBMODULES]      # modalities with encoders of their own
-        if len(own) > 1:
-            raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
-                                   "its own encoder module")
-        if not own:
-            raise TrainConfigError(
-                f"encoder module {module.name!r} serves {served}, which no encoder takes on "
-                "its own: serve them from the module of an encoder that also takes them (the "
-                "Qwen2-VL towers take video beside images: image=dp1,video)")
-        modality = own[0]
-        modality_config = preprocess.modalities[modality]
-        form = input_form(modality, modality_config)
-        if modality == "image" and cfg.model.pretrained and spec.pretrained is None:
-            vlm = read_vlm(cfg.model.pretrained)       # the whole VLM's tower
-            if spec.kind not in (None, vlm.encoder_kind):
-                raise TrainConfigError(
-                    f"model.encoders.{module.name}.kind is {spec.kind!r}, but the tower of "
-                    f"model.pretrained {vlm.path} is a {vlm.encoder_kind}: drop the key")
-            if ENCODERS[vlm.encoder_kind].takes != form:
-                raise TrainConfigError(
-                    f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, which "
-                    f"takes {ENCODERS[vlm.encoder_kind].takes[1]} images, but the "
-                    f"preprocessing config gives {form[1]} ones: use its image geometry "
-                    f"(policy: {ENCODERS[vlm.encoder_kind].takes[1]})")
-            spec = dataclasses.replace(spec, kind=vlm.encoder_kind, pretrained=vlm.path)
-        kind = spec.kind or default_kind(modality, modality_config)
-        if kind not in ENCODERS or ENCODERS[kind].takes != form:
-            raise TrainConfigError(
-                f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
-                f"gives {form[1]} {modality} inputs, for "
-                f"{default_kind(modality, modality_config)!r}")
-        also = [m for m in served if m != modality]
-        refused = [m for m in also if m not in ENCODERS[kind].also_takes]
-        if refused:
-            raise TrainConfigError(
-                f"encoder module {module.name!r} serves {served}, but its {kind} encoder "
-                f"encodes {[modality, *ENCODERS[kind].also_takes]} only: give {refused} "
-                "their own encoder module")
-        settings[module.name] = EncoderSetting(modality, modality_config, spec, kind,
-                                               {m: preprocess.modalities[m] for m in also})
-    return settings
-
-
 def shared_placeholders(cfg: TrainConfig, infra: Infra, preprocess,
                         special_token_ids: dict[str, int]) -> dict[str, dict[str, int]]:
     """Per encoder module serving several modalities, ``{modality: placeholder token id}``,
     its encoder's modality first (``step.model_inputs``)."""
     return {name: {m: special_token_ids[m] for m in (setting.modality, *setting.also)}
-            for name, setting in encoder_settings(cfg, infra, preprocess).items()
+            for name, setting in encoder_settings(cfg, infra.layout, preprocess).items()
             if setting.also}
 
 
@@ -306,7 +233,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         key: TransformerConfig.__dataclass_fields__[key].default
         for key in language_memory(cfg, layout.language.tp)}) \
         if transformer.recompute_granularity or transformer.sequence_parallel else transformer
-    settings = encoder_settings(cfg, infra, preprocess)
+    settings = encoder_settings(cfg, layout, preprocess)
     modality_specs, token_ids = {}, {}
     for name, setting in settings.items():
         encoder_size = _encoder_output_size(setting.spec, name, setting.kind)

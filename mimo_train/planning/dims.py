@@ -25,11 +25,14 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
+
+if TYPE_CHECKING:
+    from mimo_train.families.registry import EncoderSetting
 
 
 class Linear(NamedTuple):
@@ -195,7 +198,7 @@ def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = 
     tokenizer's vocabulary with modality tokens (sizes the output layer as
     ``model.build.vocab_size`` does; without it, ``model.language.vocab_size`` or the
     checkpoint's vocabulary)."""
-    from mimo_train.families.registry import resolve
+    from mimo_train.families.registry import encoder_settings, resolve
     if not cfg.resolved:
         cfg = resolve(copy.deepcopy(cfg))
     if preprocess is None:
@@ -207,11 +210,11 @@ def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = 
     layout = Layout.parse(cfg.layout)
     language = language_stack(cfg, tokenizer_size, layout.module(LANGUAGE).tp)
     encoders = {}
-    for module in layout.encoders:
-        served = tuple(layout.modalities_of(module.name))
-        tower = _configured_tower(cfg, module.name, served, preprocess)
-        encoders[module.name] = EncoderModule(tower, served, projection_linears(
-            cfg.model.projection, tower.output_size, language.hidden))
+    for name, setting in encoder_settings(cfg, layout, preprocess).items():
+        tower = _configured_tower(name, setting)
+        encoders[name] = EncoderModule(tower, tuple(layout.modalities_of(name)),
+                                       projection_linears(cfg.model.projection,
+                                                          tower.output_size, language.hidden))
     return ModelDims(language, encoders)
 
 
@@ -240,33 +243,21 @@ def language_stack(cfg: TrainConfig, tokenizer_size: int | None = None, tp: int 
                  lm.ffn_hidden_size or 4 * lm.hidden_size, gated=False, vocab=rows)
 
 
-def _configured_tower(cfg: TrainConfig, name: str, served: tuple[str, ...],
-                      preprocess) -> Tower:
-    """The tower of encoder module ``name`` serving ``served``: its kind and transformers
-    config decided as ``model.build.encoder_settings`` and the family's encoder class do."""
-    from mimo_train.config import EncoderConfig
+def _configured_tower(name: str, setting: EncoderSetting) -> Tower:
+    """The tower of encoder module ``name`` built from ``setting``
+    (``families.registry.encoder_settings``), its transformers config read as the family's
+    encoder class reads it."""
     from mimo_train.families import llava
-    from mimo_train.families.base import input_form
-    from mimo_train.families.registry import (ENCODERS, checkpoint_config, default_kind,
-                                              read_vlm)
-    spec = cfg.model.encoders.get(name) or EncoderConfig()
-    modality = next((m for m in served if m in ("image", "audio")), served[0])
-    modality_config = preprocess.modalities[modality]
-    kind, pretrained = spec.kind, spec.pretrained
-    if modality == "image" and cfg.model.pretrained and pretrained is None:
-        kind, pretrained = read_vlm(cfg.model.pretrained).encoder_kind, cfg.model.pretrained
-    kind = kind or default_kind(modality, modality_config)
-    if kind not in ENCODERS or ENCODERS[kind].takes != input_form(modality, modality_config):
-        raise TrainConfigError(f"model.encoders.{name}.kind is {kind!r}, which does not take "
-                               f"the preprocessing's {modality} inputs")
-    if pretrained:
-        config = checkpoint_config(pretrained, f"model.encoders.{name}.pretrained")
+    from mimo_train.families.registry import ENCODERS, checkpoint_config
+    kind, spec = setting.kind, setting.spec
+    if spec.pretrained:
+        config = checkpoint_config(spec.pretrained, f"model.encoders.{name}.pretrained")
         if kind == "llava":
             vision, _ = llava.tower_config(config)
             return tower_from_hf(kind, vision, llava.LlavaVision.pretrained_output_size(config))
         return tower_from_hf(kind, config)
     return tower_from_hf(kind, ENCODERS[kind].random_config(
-        modality_config, spec.hidden_size, spec.num_layers, spec.num_attention_heads))
+        setting.config, spec.hidden_size, spec.num_layers, spec.num_attention_heads))
 
 
 # ----------------------------------------------------------------------- from the model
