@@ -336,6 +336,14 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--gpus",
                         2, "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--model" in err
+    # a language model alone for a config with images: no encoder dims to guess
+    language_only = path.parent / "language-only"
+    language_only.mkdir(exist_ok=True)
+    (language_only / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    code, _, err = _plan(capsys, loader_corpus, preprocess, language_only, "--gpus", 2,
+                         main=main)
+    assert code == 2 and "language model alone" in err and "image" in err, err
+    assert "model.encoders" in err
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err

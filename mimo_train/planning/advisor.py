@@ -132,6 +132,13 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
             whole = json.load(f)
         key = "model.pretrained" if "vision_config" in whole or "text_config" in whole \
             else "model.language.pretrained"
+        if key == "model.language.pretrained" and modalities:
+            # nothing says what the encoders are: their dims would be EncoderConfig's defaults
+            raise TrainConfigError(
+                f"{directory} is a language model alone, and the preprocessing config has "
+                f"{', '.join(sorted(modalities))}, which no encoder of it serves: give a "
+                "training config YAML whose model.encoders sets each module (e.g. "
+                "model.encoders.<module>.pretrained), or a whole VLM checkpoint")
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
                                       *overrides])
     cfg.train.precision = precision or (cfg.train.precision if path.endswith(
