@@ -344,6 +344,25 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                          main=main)
     assert code == 2 and "language model alone" in err and "image" in err, err
     assert "model.encoders" in err
+    # numbers that cannot be: refused by argparse (exit 2), no silent default for 0
+    for option, value in (("--mfu", 0), ("--mfu", 1.5), ("--gpu-memory-gib", 0),
+                          ("--gpu-tflops", -1), ("--gpus-per-node", 0), ("--gpus", 0)):
+        with pytest.raises(SystemExit) as exit_:
+            _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, option, value,
+                  main=main)
+        assert exit_.value.code == 2 and option in capsys.readouterr().err
+    # your layout on another number of GPUs, or one its check refuses: said, not ranked
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 5, "--layout",
+                           LAYOUTS["language dp1"], main=main)
+    assert code == 0, err
+    assert f"yours     {LAYOUTS['language dp1']}: not ranked: uses 4 GPUs, not 5" in out
+    assert "<- yours" not in out
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                           "--layout", "image=dp1;language=dp3", main=main)
+    report = json.loads(out)
+    assert code == 0 and report["yours_not_ranked"].startswith("not ranked: ")
+    assert "global" in report["yours_not_ranked"]       # the LayoutError's own words
+    assert "image=dp1;language=dp3" not in [r["layout"] for r in report["ranked"]]
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err

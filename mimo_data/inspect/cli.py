@@ -45,6 +45,24 @@ def _count(text: str) -> int:
     return value
 
 
+def _positive(kind):
+    """An argparse type: a number of ``kind`` > 0."""
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def _utilisation(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in (0, 1]")
+    return value
+
+
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", metavar="DIR",
                         help="dataset (directory or URL) built by mimo-shard build")
@@ -110,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--layout", metavar="L",
                    help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
-                   "(required without --gpus; with it, this layout is ranked too)")
+                   "(required without --gpus; with it, this layout is ranked too, or the "
+                   "report says why not: another number of GPUs, or its check's error)")
     p.add_argument("--global-batch-size", type=int, required=True, metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks")
     p.add_argument("--micro-batch-size", type=int, required=True, metavar="M",
@@ -137,7 +156,7 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     """The layout advisor's options (``plan --model M --gpus N``); mimo_train's advisor reads
     them, this module only parses them (mimo_data never imports mimo_train)."""
     a = p.add_argument_group("layout advisor (needs mimo_train; docs/inspect.md)")
-    a.add_argument("--gpus", type=int, metavar="N",
+    a.add_argument("--gpus", type=_positive(int), metavar="N",
                    help="rank the layouts of the config's modules on N GPUs: memory per rank, "
                    "predicted step time, why")
     a.add_argument("--model", metavar="MODEL",
@@ -146,15 +165,15 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100",
                    help="GPU kind for memory and peak throughput (default h100: 80 GB, 989 "
                    "dense bf16 TFLOP/s)")
-    a.add_argument("--gpu-memory-gib", type=float, metavar="GIB",
+    a.add_argument("--gpu-memory-gib", type=_positive(float), metavar="GIB",
                    help="memory per GPU (default: the --gpu kind's)")
-    a.add_argument("--gpu-tflops", type=float, metavar="TF",
+    a.add_argument("--gpu-tflops", type=_positive(float), metavar="TF",
                    help="peak dense TFLOP/s per GPU at the run's precision (default: the "
                    "--gpu kind's)")
-    a.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+    a.add_argument("--gpus-per-node", type=_positive(int), default=8, metavar="G",
                    help="GPUs per node (default 8): a module's gradient reduction runs over the "
                    "node's links when its ranks fit in one node, else over the network")
-    a.add_argument("--mfu", type=float, metavar="F",
+    a.add_argument("--mfu", type=_utilisation, metavar="F",
                    help="assumed model FLOPs utilisation: achieved / peak (default 0.4)")
     a.add_argument("--precision", choices=("bf16", "fp32"),
                    help="weights and activations (default: the training config's, else bf16)")

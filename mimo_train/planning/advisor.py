@@ -85,9 +85,11 @@ HEADROOM, RESERVED_GIB = 0.9, 1.0
 
 def gpu(args, precision: str) -> GPU:
     name, memory_gib, peak_name, node, network = GPUS[args.gpu]
-    tflops = args.gpu_tflops or peak_tflops(peak_name, precision) or 0.0
-    return GPU(name, args.gpu_memory_gib or memory_gib, float(tflops), node, network,
-               getattr(args, "gpus_per_node", None) or 8)
+    tflops = args.gpu_tflops if args.gpu_tflops is not None else \
+        peak_tflops(peak_name, precision) or 0.0
+    per_node = getattr(args, "gpus_per_node", None)
+    return GPU(name, args.gpu_memory_gib if args.gpu_memory_gib is not None else memory_gib,
+               float(tflops), node, network, per_node if per_node is not None else 8)
 
 
 # ------------------------------------------------------------------------------- the model
@@ -661,13 +663,22 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
     device = gpu(args, model.precision)
     work = read_work(model, workload)
     advisor = Advisor(model, work, device)
-    advisor.mfu = args.mfu or MFU
+    advisor.mfu = args.mfu if args.mfu is not None else MFU
     candidates = layouts(model, args.gpus, workload["modalities"], work.global_batch_size,
                          work.micro_batch_size, variable, expanded)
     yours = Layout.parse(args.layout) if getattr(args, "layout", None) else None
-    if yours is not None and yours.world_size == args.gpus and \
-            str(yours) not in {str(x) for x in candidates}:
-        candidates.append(yours)
+    not_ranked = None               # why your layout is not ranked, where it cannot be
+    if yours is not None and yours.world_size != args.gpus:
+        not_ranked = f"not ranked: uses {yours.world_size} GPUs, not {args.gpus}"
+    elif yours is not None:
+        try:
+            yours.validate(args.gpus, work.global_batch_size, work.micro_batch_size, variable,
+                           modalities=expanded)
+        except LayoutError as error:
+            not_ranked = f"not ranked: {error}"
+        else:
+            if str(yours) not in {str(x) for x in candidates}:
+                candidates.append(yours)
     results = [advisor.evaluate(Candidate(layout, settings)) for layout in candidates
                for settings in settings_of(model, layout, args, work.packing)]
     ranked = rank(results)
@@ -700,6 +711,7 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
         "candidates": len(results), "layouts": len(candidates),
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
         "yours": compact(yours) if yours is not None else None,
+        "yours_not_ranked": not_ranked,
         "ranked": [{**result_json(r, args.gpus, device, work, model.optimizer_modules),
                     "rank": ranked.index(r) + 1, "why": why(r, device, args.gpus)}
                    for r in shown],
@@ -727,6 +739,8 @@ def format_report(report: dict) -> str:
         "across",
         f"layouts   {report['layouts']} ({report['candidates']} with settings): "
         f"{report['fitting_layouts']} fit, {report['dropped_layouts']} do not fit in memory",
+        *([f"yours     {report['yours']}: {report['yours_not_ranked']}"]
+          if report.get("yours_not_ranked") else []),
         f"{'rank':>4s} {'step s':>8s} {'samples/s':>9s} {'MFU':>5s} {'GiB/rank':>8s}  "
         f"layout  (settings)"]
     for r in report["ranked"]:
