@@ -322,6 +322,18 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     assert code == 0 and report["dropped_layouts"] >= 1
     assert all(r["peak_memory_gib"] <= usable + 1e-6 for r in report["ranked"])
     assert all(r["peak_memory_gib"] > usable - 1e-6 for r in report["dropped"])
+    # the text: the layouts that fit with no settings counted, the settings that do not
+    # fit listed as settings (with all settings tried, each layout fits with some here)
+    memory = ("--gpu-memory-gib", (usable + 1) / 0.9)
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                         *memory, main=main)
+    every = json.loads(out)
+    assert every["dropped"]
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, *memory,
+                         main=main)
+    assert code == 0 and "smallest settings that do not fit (a layout may fit" in out
+    assert f"{every['fitting_layouts']} fit, {every['dropped_layouts']} do not fit in memory "\
+        "with any settings" in out
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
                          "--gpu-memory-gib", 1.0, main=main)
     assert code == 1 and "no layout fits" in out

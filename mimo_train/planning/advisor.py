@@ -738,7 +738,8 @@ def format_report(report: dict) -> str:
         f"{g['node_gbs']:.0f} GB/s in a node of {g['per_node']}, {g['network_gbs']:.0f} GB/s "
         "across",
         f"layouts   {report['layouts']} ({report['candidates']} with settings): "
-        f"{report['fitting_layouts']} fit, {report['dropped_layouts']} do not fit in memory",
+        f"{report['fitting_layouts']} fit, {report['dropped_layouts']} do not fit in memory "
+        "with any settings",
         *([f"yours     {report['yours']}: {report['yours_not_ranked']}"]
           if report.get("yours_not_ranked") else []),
         f"{'rank':>4s} {'step s':>8s} {'samples/s':>9s} {'MFU':>5s} {'GiB/rank':>8s}  "
@@ -759,7 +760,7 @@ def format_report(report: dict) -> str:
         lines.append("no layout fits: more GPUs, a GPU with more memory, or a smaller micro "
                      "batch")
     if report["dropped"]:
-        lines.append("smallest that do not fit")
+        lines.append("smallest settings that do not fit (a layout may fit with others, above)")
         for r in report["dropped"]:
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
                          f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
