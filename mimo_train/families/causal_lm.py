@@ -35,7 +35,7 @@ take whole groups. ``linear_fc1`` is ``[gate; up]`` (megatron's SwiGLU chunks th
 two), so TP rank r holds ``[gate_r; up_r]``.
 
 Vocabulary: megatron's vocabulary is the tokenizer's (modality tokens included) or the
-checkpoint's, whichever is larger, padded (``model.build.vocab_size``; the padding rows are
+checkpoint's, whichever is larger, padded (``registry.vocab_size``; the padding rows are
 masked out of every softmax). Every row past the
 checkpoint's vocabulary, in the embedding and the output layer, starts as the mean of the
 checkpoint's rows (transformers' ``resize_token_embeddings`` starts new rows at that mean too):

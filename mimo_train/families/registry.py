@@ -2,9 +2,9 @@
 ``read_vlm`` and ``language_arch`` read a checkpoint's config into what mimo takes from it (or
 refuse it with the reason), ``resolve`` fills a training config's model dims from the
 checkpoints it names, ``encoder_settings`` decides each encoder module's modality, kind and
-checkpoint (what ``model.build`` builds and ``planning.dims`` counts), ``build_encoder`` builds
-an encoder module, ``preprocessing_for`` writes the preprocessing config a whole VLM expects.
-Family modules never import this module.
+checkpoint and ``vocab_size`` the language model's rows (what ``model.build`` builds and
+``planning.dims`` counts), ``build_encoder`` builds an encoder module, ``preprocessing_for``
+writes the preprocessing config a whole VLM expects. Family modules never import this module.
 """
 
 from __future__ import annotations
@@ -61,6 +61,45 @@ def build_encoder(kind: str, modality_config, hidden_size: int, num_layers: int,
 def default_kind(modality: str, modality_config) -> str:
     """Encoder kind that consumes this modality's preprocessing output."""
     return DEFAULT_KINDS[input_form(modality, modality_config)]
+
+
+def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
+    """The language model's embedding and output rows (before ``vocab_rows``): the config's
+    ``model.language.vocab_size``, else the tokenizer's vocabulary (a pretrained checkpoint's,
+    when larger) padded to ``model.language.vocab_multiple`` as megatron-core pads it. The
+    same rows under every layout, so a checkpoint loads under any TP size; a pretrained
+    model's rows past its vocabulary never enter a softmax (``predicted_vocabulary``)."""
+    lm = cfg.model.language
+    needed = predicted_vocabulary(cfg, tokenizer_size) or tokenizer_size
+    if lm.vocab_size is None:
+        return -(-needed // lm.vocab_multiple) * lm.vocab_multiple
+    if lm.vocab_size < tokenizer_size:
+        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
+                               f"tokenizer's {tokenizer_size} tokens (modality tokens included):"
+                               f" token ids would index past the embedding; set it >= "
+                               f"{tokenizer_size} or leave it unset")
+    if lm.vocab_size < needed:
+        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
+                               f"vocabulary of model.language.pretrained ({needed}): set it >= "
+                               f"{needed} or leave it unset")
+    return lm.vocab_size
+
+
+def predicted_vocabulary(cfg: TrainConfig, tokenizer_size: int) -> int | None:
+    """The entries a pretrained language model predicts: its checkpoint's vocabulary, or the
+    tokenizer's when larger; rows past it (``model.language.vocab_size``, TP padding) never
+    enter a softmax. None for a model trained from scratch: all its rows are its own."""
+    pretrained = cfg.model.language.pretrained
+    if not pretrained:
+        return None
+    return max(tokenizer_size, language_arch(pretrained, weights=False).vocab_size)
+
+
+def vocab_rows(rows: int, tp: int) -> int:
+    """The embedding and output rows split over ``tp`` ranks: ``rows`` padded up to a multiple
+    of ``tp`` (megatron-core splits them evenly; a TP size dividing ``vocab_multiple`` adds
+    none)."""
+    return -(-rows // tp) * tp
 
 
 class EncoderSetting(NamedTuple):

@@ -25,7 +25,9 @@ from mimo_train.families.base import Projection
 from mimo_train.families.causal_lm import (check_parallel, gpt_fields, load_pretrained_language,
                                            transformer_fields)
 from mimo_train.families.registry import (ENCODERS, EncoderSetting, build_encoder,
-                                          encoder_settings, language_arch, read_vlm)
+                                          encoder_settings, language_arch,
+                                          predicted_vocabulary, read_vlm, vocab_rows,
+                                          vocab_size)
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.norms import block_spec
 from mimo_train.model.lora import add_adapters, is_adapter, parts
@@ -110,45 +112,6 @@ def ddp_config(cfg: TrainConfig, module: str) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=own.distributed,
         overlap_grad_reduce=own.overlap_grad_reduce, bucket_size=own.bucket_size)
-
-
-def vocab_size(cfg: TrainConfig, tokenizer_size: int) -> int:
-    """The language model's embedding and output rows (before ``vocab_rows``): the config's
-    ``model.language.vocab_size``, else the tokenizer's vocabulary (a pretrained checkpoint's,
-    when larger) padded to ``model.language.vocab_multiple`` as megatron-core pads it. The
-    same rows under every layout, so a checkpoint loads under any TP size; a pretrained
-    model's rows past its vocabulary never enter a softmax (``predicted_vocabulary``)."""
-    lm = cfg.model.language
-    needed = predicted_vocabulary(cfg, tokenizer_size) or tokenizer_size
-    if lm.vocab_size is None:
-        return -(-needed // lm.vocab_multiple) * lm.vocab_multiple
-    if lm.vocab_size < tokenizer_size:
-        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
-                               f"tokenizer's {tokenizer_size} tokens (modality tokens included):"
-                               f" token ids would index past the embedding; set it >= "
-                               f"{tokenizer_size} or leave it unset")
-    if lm.vocab_size < needed:
-        raise TrainConfigError(f"model.language.vocab_size {lm.vocab_size} is smaller than the "
-                               f"vocabulary of model.language.pretrained ({needed}): set it >= "
-                               f"{needed} or leave it unset")
-    return lm.vocab_size
-
-
-def predicted_vocabulary(cfg: TrainConfig, tokenizer_size: int) -> int | None:
-    """The entries a pretrained language model predicts: its checkpoint's vocabulary, or the
-    tokenizer's when larger; rows past it (``model.language.vocab_size``, TP padding) never
-    enter a softmax. None for a model trained from scratch: all its rows are its own."""
-    pretrained = cfg.model.language.pretrained
-    if not pretrained:
-        return None
-    return max(tokenizer_size, language_arch(pretrained).vocab_size)
-
-
-def vocab_rows(rows: int, tp: int) -> int:
-    """The embedding and output rows split over ``tp`` ranks: ``rows`` padded up to a multiple
-    of ``tp`` (megatron-core splits them evenly; a TP size dividing ``vocab_multiple`` adds
-    none)."""
-    return -(-rows // tp) * tp
 
 
 def shared_placeholders(cfg: TrainConfig, infra: Infra, preprocess,

@@ -196,7 +196,7 @@ def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = 
     of the ``model.encoders`` dims and the preprocessing geometry). ``preprocess``: the
     ``PreprocessConfig`` (default: read ``data.preprocess``); ``tokenizer_size``: the
     tokenizer's vocabulary with modality tokens (sizes the output layer as
-    ``model.build.vocab_size`` does; without it, ``model.language.vocab_size`` or the
+    ``families.registry.vocab_size`` does; without it, ``model.language.vocab_size`` or the
     checkpoint's vocabulary)."""
     from mimo_train.families.registry import encoder_settings, resolve
     if not cfg.resolved:
@@ -219,20 +219,16 @@ def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = 
 
 
 def language_stack(cfg: TrainConfig, tokenizer_size: int | None = None, tp: int = 1) -> Stack:
-    """The language model's ``Stack`` of the resolved ``cfg``; its output rows padded to
-    ``tp`` as ``model.build.vocab_rows`` pads them."""
-    from mimo_train.families.registry import language_arch
+    """The language model's ``Stack`` of the resolved ``cfg``; its output rows those
+    ``families.registry.vocab_size`` and ``vocab_rows`` give the build (without
+    ``tokenizer_size``: the config's or the checkpoint's vocabulary)."""
+    from mimo_train.families.registry import language_arch, vocab_rows, vocab_size
     lm = cfg.model.language
-    arch = language_arch(lm.pretrained, weights=False) if lm.pretrained else None
-    if lm.vocab_size is not None:
-        rows = lm.vocab_size
-    elif tokenizer_size is not None or arch is not None:
-        needed = max(tokenizer_size or 0, arch.vocab_size if arch else 0)
-        rows = -(-needed // lm.vocab_multiple) * lm.vocab_multiple
-    else:
+    if tokenizer_size is None and lm.vocab_size is None and not lm.pretrained:
         raise TrainConfigError("the language model's vocabulary is unknown: set "
                                "model.language.vocab_size or give the tokenizer's size")
-    rows = -(-rows // tp) * tp
+    rows = vocab_rows(vocab_size(cfg, tokenizer_size or 0), tp)
+    arch = language_arch(lm.pretrained, weights=False) if lm.pretrained else None
     if arch is not None:
         return Stack(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
                      arch.num_query_groups, arch.kv_channels, arch.ffn_hidden_size, gated=True,

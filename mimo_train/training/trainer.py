@@ -46,14 +46,13 @@ from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, bui
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing
-from mimo_train.families.registry import read_vlm
+from mimo_train.families.registry import read_vlm, vocab_size
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
                               get_forward_backward_func, model_parallel_cuda_manual_seed)
 from mimo_train.mcore.attention import available, choose
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
-from mimo_train.model.build import (build_model, memory_summary, shared_placeholders,
-                                    vocab_size)
+from mimo_train.model.build import build_model, memory_summary, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules
 from mimo_train.planning.dims import from_config
