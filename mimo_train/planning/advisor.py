@@ -54,14 +54,14 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.planning import memory as mem
-from mimo_train.planning.dims import ModelDims, Tower
-from mimo_train.planning.flops import (language_flops, peak_tflops, step_flops, trains,
-                                       training_passes)
+from mimo_train.planning.dims import ModelDims
+from mimo_train.planning.flops import (item_grid, language_flops, peak_tflops, step_flops,
+                                       trains, training_passes)
 
 
 @dataclass(frozen=True)
@@ -207,15 +207,10 @@ def read_work(model: Model, workload: dict) -> Work:
             for m in encoders:
                 flops[m][-1].append(found[m])
                 tower = dims.encoders[m].tower
-                grids[m][-1].append([_patch_grid(tower, g) for mod, rows in token_grids.items()
+                grids[m][-1].append([item_grid(tower, g) for mod, rows in token_grids.items()
                                      if dims.module_of(mod) == m for g in rows[0]])
     return Work(lengths, flops, grids, workload["micro_batch_size"],
                 workload["global_batch_size"], workload["seq_length"], workload["packing"])
-
-
-def _patch_grid(tower: Tower, token_grid) -> tuple[int, int, int]:
-    from mimo_train.planning.flops import item_grid
-    return item_grid(tower, token_grid)
 
 
 # ---------------------------------------------------------------------------- a candidate
@@ -245,10 +240,10 @@ class Result:
 class Advisor:
     """Evaluates candidates of one model and workload on one kind of GPU."""
 
-    def __init__(self, model: Model, work: Work, device: GPU, sequence_parallel: bool = True):
-        self.model, self.work, self.device = model, work, device
-        self.sp = sequence_parallel
-        self.rate = 0.0                         # FLOP/s of one GPU: set by ``evaluate``
+    def __init__(self, model: Model, work: Work, device: GPU, mfu: float = MFU):
+        """``mfu``: the assumed fraction of the peak (``--mfu``)."""
+        self.model, self.work, self.device, self.mfu = model, work, device, mfu
+        self.rate = device.tflops * 1e12 * mfu  # FLOP/s of one GPU
         self._language_cache: dict = {}
 
     # -- per part ------------------------------------------------------------------------
@@ -258,7 +253,7 @@ class Advisor:
         cut = min(self.work.seq_length, -(-max(lengths) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
         return [cut] * len(lengths)
 
-    def _parts(self, step: int, group: int, parts: int) -> list[list[range]]:
+    def _parts(self, group: int, parts: int) -> list[list[range]]:
         """Sample index ranges of each global micro-batch of ``group`` samples split in
         ``parts`` contiguous parts."""
         size = group // parts
@@ -275,14 +270,13 @@ class Advisor:
                 [(float(language_flops(self.model.dims.language, self._positions(
                     [lengths[i] for i in part]), passes)), self._positions(
                     [lengths[i] for i in part])) for part in parts]
-                for parts in self._parts(step, group, dp)]
+                for parts in self._parts(group, dp)]
         return self._language_cache[key]
 
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self, candidate: Candidate) -> Result:
         layout, settings = candidate.layout, candidate.settings
-        device, dims, work = self.device, self.model.dims, self.work
-        self.rate = device.tflops * 1e12 * self.mfu
+        dims, work = self.model.dims, self.work
         lang = layout.language
         group = work.micro_batch_size * lang.dp
         m = work.global_batch_size // group
@@ -291,7 +285,6 @@ class Advisor:
         lang_first = 1 if layout.encoders and not colocated else 0
         recompute = settings.recompute
         lang_factor = self._recompute_factor(LANGUAGE, recompute)
-        sp = settings.sequence_parallel and lang.tp > 1
         steps = len(work.lengths)
         step_times, busy_totals = [], []
         busy: dict[str, float] = {}
@@ -299,12 +292,12 @@ class Advisor:
         for s in range(steps):
             language = self._language(s, group, lang.dp)        # [j][r]
             lang_t = [[f * lang_factor / (lang.tp * lang.pp) / self.rate
-                       + self._tp_comm(sum(pos), lang.tp, lang.pp, sp) for f, pos in row]
+                       + self._tp_comm(sum(pos), lang.tp, lang.pp) for f, pos in row]
                       for row in language]
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
                 factor = self._recompute_factor(e.name, recompute)
-                ranges = self._parts(s, group, e.dp)
+                ranges = self._parts(group, e.dp)
                 flops = work.encoder_flops[e.name][s]
                 enc_t[e.name] = [[sum(flops[i] for i in part) * factor / self.rate
                                   for part in row] for row in ranges]
@@ -323,8 +316,8 @@ class Advisor:
                     mem.in_flight(m, stages, lang_first + stage)
                 for r in range(lang.dp):
                     kept = [mem.language_activation_bytes(
-                        dims.language, row[r][1], replace(settings, sequence_parallel=sp),
-                        lang.tp, lang.pp, stage) for row in language]
+                        dims.language, row[r][1], settings, lang.tp, lang.pp, stage)
+                        for row in language]
                     act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
                                                     _window(kept, k))
                     act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
@@ -382,8 +375,6 @@ class Advisor:
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
                       float(model_flops), max(x.total for x in memory.values()) <= usable)
 
-    mfu = MFU
-
     @property
     def usable_bytes(self) -> float:
         return (self.device.memory_gib * HEADROOM - RESERVED_GIB) * 2**30
@@ -393,7 +384,7 @@ class Advisor:
         passes = self.model.passes.get(part, 3)
         return (passes + 1) / passes if recompute == "full" and passes > 1 else 1.0
 
-    def _tp_comm(self, positions: float, tp: int, pp: int, sp: bool) -> float:
+    def _tp_comm(self, positions: float, tp: int, pp: int) -> float:
         if tp == 1:
             return 0.0
         stack = self.model.dims.language
@@ -597,6 +588,11 @@ def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = ()) -> li
     return found
 
 
+def achieved_mfu(r: Result, gpus: int, device: GPU) -> float:
+    """The model FLOPs per second of ``r``'s step over the ``gpus`` GPUs' peak."""
+    return r.flops / (r.step_s * gpus * device.tflops * 1e12)
+
+
 def result_json(r: Result, gpus: int, device: GPU, work: Work,
                 optimizer_modules: Sequence[str] = ()) -> dict:
     settings = r.candidate.settings
@@ -608,7 +604,7 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
                          "recompute": settings.recompute,
                          "sequence_parallel": settings.sequence_parallel},
             "step_s": r.step_s, "samples_per_s": work.global_batch_size / r.step_s,
-            "mfu": r.flops / (r.step_s * gpus * device.tflops * 1e12),
+            "mfu": achieved_mfu(r, gpus, device),
             "memory_gib": {k: v.gib() for k, v in r.memory.items()},
             "peak_memory_gib": r.peak_bytes / 2**30, "fits": r.fits,
             "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle}
@@ -622,7 +618,7 @@ def why(r: Result, device: GPU, gpus: int) -> str:
         for name, m in r.memory.items())
     busy = ", ".join(f"{k} {_seconds(v)} s"
                      for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
-    mfu = r.flops / (r.step_s * gpus * device.tflops * 1e12)
+    mfu = achieved_mfu(r, gpus, device)
     return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
             f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}; memory per rank: "
             f"{memory}")
@@ -662,8 +658,7 @@ def run_advisor(model: Model, workload: dict, args, variable: list[str],
     no_sequence_parallel, top, layout)."""
     device = gpu(args, model.precision)
     work = read_work(model, workload)
-    advisor = Advisor(model, work, device)
-    advisor.mfu = args.mfu if args.mfu is not None else MFU
+    advisor = Advisor(model, work, device, args.mfu if args.mfu is not None else MFU)
     candidates = layouts(model, args.gpus, workload["modalities"], work.global_batch_size,
                          work.micro_batch_size, variable, expanded)
     yours = Layout.parse(args.layout) if getattr(args, "layout", None) else None
