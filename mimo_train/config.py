@@ -192,8 +192,9 @@ class OptimizerConfig:
     # megatron-core's distributed optimizer: the fp32 main weights and Adam moments sharded
     # over the module's DP group (gradients reduce-scattered, weights all-gathered)
     distributed: bool = False
-    # start each bucket's gradient reduction during the backward pass (CUDA only), buckets of
-    # bucket_size elements (None: megatron-core's default, max(40M, 1M x DP size))
+    # start each bucket's gradient reduction during the backward pass (on the CPU too: gloo's
+    # asynchronous collectives), buckets of bucket_size elements (None: megatron-core's
+    # default, max(40M, 1M x DP size))
     overlap_grad_reduce: bool = False
     bucket_size: int | None = None
     # module name -> ModuleOptimizerConfig (e.g. image: {lr: 1e-4}: the tower at a tenth)
