@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimo_train.planning.flops import step_flops
 from mimo_train.runtime.console import PREFIX
 
 
@@ -154,7 +155,6 @@ class FlopsCounter:
     def add(self, metadata: dict) -> None:
         if not self.counts:
             return
-        from mimo_train.planning.flops import step_flops
         found = step_flops(self.dims, metadata["tokens"], metadata.get("token_counts", {}),
                            metadata.get("token_grids", {}), self.passes)
         for name, value in found.items():

@@ -38,9 +38,8 @@ from mimo_data.shards.format import INDEX_FILE
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
-from mimo_train.components.metrics import FlopsCounter
-from mimo_train.components.metrics import (Metrics, PeakMemory, StepValues, Timer,
-                                           eval_record)
+from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, StepValues,
+                                           Timer, eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
                                              check_modules, trained_optimizers)
 from mimo_train.config import TrainConfig
