@@ -18,11 +18,11 @@ import math
 
 import torch
 
-from mimo_train.config import TrainConfig
+from mimo_train.config import OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.mcore import (MegatronOptimizerConfig, MimoOptimizer, ModuleOptimizerInfo,
-                              OptimizerParamScheduler, _get_pg_collection_for_optimizer,
-                              get_megatron_optimizer)
+from mimo_train.mcore import (MegatronOptimizerConfig, MimoModel, MimoOptimizer,
+                              ModuleOptimizerInfo, OptimizerParamScheduler,
+                              _get_pg_collection_for_optimizer, get_megatron_optimizer)
 from mimo_train.model.parts import module_of
 
 
@@ -62,7 +62,8 @@ def build_optimizer(cfg: TrainConfig, model) -> CheckedMimoOptimizer:
     return optimizer
 
 
-def module_optimizers(model, config, opt) -> dict:
+def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
+                      opt: OptimizerConfig) -> dict[str, ModuleOptimizerInfo]:
     """megatron-core's ``get_mimo_optimizer`` with each module's own
     ``optimizer.distributed`` (its DDP was built with the same: ``model.build.ddp_config``):
     module name -> ``ModuleOptimizerInfo`` (no optimizer where this rank holds no part of
@@ -72,6 +73,10 @@ def module_optimizers(model, config, opt) -> dict:
         active = grid.is_current_rank_in_grid()
         optimizer, pgs = None, None
         if active and module_of(model, name) is not None:
+            # megatron-core's private helper, the one its get_mimo_optimizer calls: the
+            # module grid's process groups as the optimizer takes them (expert views and the
+            # distributed optimizer's group included), used rather than rebuilt so they stay
+            # the ones megatron-core would give (there is no public equivalent)
             pgs = _get_pg_collection_for_optimizer(grid)
             own = dataclasses.replace(config, use_distributed_optimizer=opt.of(name).distributed)
             optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
