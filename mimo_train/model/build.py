@@ -192,7 +192,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     layout, seed = infra.layout, cfg.train.seed
     check_positions(cfg, preprocess)
     transformer = language_transformer_config(cfg, layout, device)
-    encoder_ddp_config = dataclasses.replace(transformer, **{
+    encoder_transformer_config = dataclasses.replace(transformer, **{
         key: TransformerConfig.__dataclass_fields__[key].default
         for key in language_memory(cfg, layout.language.tp)}) \
         if transformer.recompute_granularity or transformer.sequence_parallel else transformer
@@ -248,7 +248,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
             raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
                                    f"freeze the whole module ({name})")
         # encoders: the language model's config without its own memory settings
-        config = transformer if name == LANGUAGE else encoder_ddp_config
+        config = transformer if name == LANGUAGE else encoder_transformer_config
         replace_module(model, name, DistributedDataParallel(
             config, ddp_config(cfg, name), module, pg_collection=module_infra.pgs))
     return model
