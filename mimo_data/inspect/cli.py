@@ -163,8 +163,8 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    help="the model: a training config YAML (model dims, precision, frozen "
                    "modules), a transformers checkpoint directory or its config.json")
     a.add_argument("--gpu", choices=("h100", "h200", "a100"), default="h100",
-                   help="GPU kind for memory and peak throughput (default h100: 80 GB, 989 "
-                   "dense bf16 TFLOP/s)")
+                   help="GPU kind for memory and peak throughput (default h100: 79.6 GiB, 989 "
+                   "dense bf16 TFLOP/s; h200 140.4 GiB, a100 80.0 GiB)")
     a.add_argument("--gpu-memory-gib", type=_positive(float), metavar="GIB",
                    help="memory per GPU (default: the --gpu kind's)")
     a.add_argument("--gpu-tflops", type=_positive(float), metavar="TF",

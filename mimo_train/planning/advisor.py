@@ -20,8 +20,9 @@ Candidates (each checked with ``Layout.validate``, the loader's and trainer's ch
 Step time (seconds), from per micro-batch work. R = peak FLOP/s x MFU of one GPU. A part's time
 is its training FLOPs (``flops.step_flops``; the language model's positions as the trainer
 computes them: packed, the real tokens; unpacked, each micro-batch cut to its longest sample
-rounded up to 64) / R, the language model's / (tp x pp) plus its TP collectives (4 per layer,
-each 2 (tp-1)/tp x positions x h x w bytes over the node's bandwidth); full recompute adds a
+rounded up to 64, at most seq_length) / R, the language model's / (tp x pp) plus its TP
+collectives (4 per layer, each 2 (tp-1)/tp x positions x h x w bytes over the node's
+bandwidth); full recompute adds a
 forward (x (passes + 1) / passes of a trained part; selective recompute's attention-core
 forward is not counted). Then:
 
