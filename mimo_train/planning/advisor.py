@@ -22,9 +22,8 @@ is its training FLOPs (``flops.step_flops``; the language model's positions as t
 computes them: packed, the real tokens; unpacked, each micro-batch cut to its longest sample
 rounded up to 64, at most seq_length) / R, the language model's / (tp x pp) plus its TP
 collectives (4 per layer, each 2 (tp-1)/tp x positions x h x w bytes over the node's
-bandwidth); full recompute adds a
-forward (x (passes + 1) / passes of a trained part; selective recompute's attention-core
-forward is not counted). Then:
+bandwidth); full recompute adds a forward (x (passes + 1) / passes of a trained part;
+selective recompute's attention-core forward is not counted). Then:
 
 - non-colocated, a pipeline of S = 1 + pp stages (the encoders, then the language stages), m
   global micro-batches per step: T_k(j) the slowest rank of stage k on micro-batch j (the
