@@ -137,12 +137,13 @@ def test_published_qwen2_5_vl_7b_dims(tmp_path):
 
 
 def test_config_dims_are_the_built_encoders(tmp_path):
-    """``from_config`` (nothing built) and ``from_model`` (what was built) agree."""
+    """``from_config`` (nothing built: the trainer's FLOPs dims) gives the towers and
+    projections the build makes."""
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_train.config import TrainConfig
     from mimo_train.families.base import Projection
     from mimo_train.families.registry import build_encoder
-    from mimo_train.planning.dims import from_config, from_model
+    from mimo_train.planning.dims import from_config
     preprocess = tmp_path / "preprocess.yaml"
     preprocess.write_text(f"tokenizer: {PUBLISHED}\nseq_length: 256\nmodalities:\n"
                           "  image: {policy: fixed, image_size: 56, patch_size: 14}\n"
@@ -153,23 +154,18 @@ def test_config_dims_are_the_built_encoders(tmp_path):
         "model.language.vocab_size=256", "model.language.hidden_size=64"])
     config = PreprocessConfig.from_yaml(str(preprocess))
     expected = from_config(cfg, config)
-    submodules = {}
+    assert expected.language == Stack(2, 64, 4, 4, 16, 256, gated=False, vocab=256)
     for name, modality, kind in (("image", "image", "siglip"), ("audio", "audio", "whisper")):
         spec = cfg.model.encoders.get(name)
         hidden = spec.hidden_size if spec else 32
         encoder = build_encoder(kind, config.modalities[modality], hidden, 1, 2, None)
-        submodules[name] = SimpleNamespace(
-            encoders={modality: SimpleNamespace(encoder=encoder)},
-            input_projections=[Projection(encoder.output_size, 64, "mlp")])
-    language = SimpleNamespace(config=SimpleNamespace(
-        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=None,
-        kv_channels=None, ffn_hidden_size=256, gated_linear_unit=False), vocab_size=256,
-        share_embeddings_and_output_weights=False)
-    from mimo_data.loading.layout import Layout
-    built = from_model(SimpleNamespace(language_model=language,
-                                       modality_submodules=submodules),
-                       Layout.parse(cfg.layout))
-    assert built == expected
+        projection = Projection(encoder.output_size, 64, "mlp")
+        module = expected.encoders[name]
+        assert module.modalities == (modality,)
+        assert module.tower == tower_from_hf(kind, encoder.model.config, encoder.output_size)
+        assert module.projection == tuple(Linear(layer.in_features, layer.out_features)
+                                          for layer in projection
+                                          if hasattr(layer, "in_features"))
     assert expected.encoders["audio"].tower.fixed_grid == (1, 200)
     assert expected.encoders["image"].tower.fixed_grid == (4, 4)
 

@@ -1,7 +1,7 @@
 """The model's dims as the FLOPs and memory formulas need them (``flops``, the layout advisor):
 frozen dataclasses, read from a ``TrainConfig`` without building anything (``from_config``: the
-checkpoints' ``config.json`` through the families' own readers) or from the built model
-(``from_model``: what a rank holding every module has at run time).
+checkpoints' ``config.json`` through the families' own readers; the trainer's FLOPs count and
+the advisor both read them so).
 
 - ``Stack``: a transformer stack (layers, hidden width, heads, query groups, kv channels, MLP
   width, gated MLP or not; the language model's output rows and tying).
@@ -254,40 +254,3 @@ def _configured_tower(name: str, setting: EncoderSetting) -> Tower:
         return tower_from_hf(kind, config)
     return tower_from_hf(kind, ENCODERS[kind].random_config(
         setting.config, spec.hidden_size, spec.num_layers, spec.num_attention_heads))
-
-
-# ----------------------------------------------------------------------- from the model
-
-def from_model(model, layout: Layout) -> ModelDims:
-    """The dims of a built ``MimoModel`` holding every module of ``layout`` (a colocated
-    rank): the language model's megatron-core config and rows, each encoder module's built
-    encoder (its transformers model's config) and projection."""
-    from mimo_train.families.registry import ENCODERS
-    kinds = {cls: kind for kind, cls in ENCODERS.items()}
-    language = _unwrapped(model.language_model)
-    config = language.config
-    stack = Stack(config.num_layers, config.hidden_size, config.num_attention_heads,
-                  config.num_query_groups or config.num_attention_heads,
-                  config.kv_channels or config.hidden_size // config.num_attention_heads,
-                  config.ffn_hidden_size, gated=bool(config.gated_linear_unit),
-                  vocab=language.vocab_size, tied=language.share_embeddings_and_output_weights)
-    encoders = {}
-    for module in layout.encoders:
-        submodule = _unwrapped(model.modality_submodules[module.name])
-        (seeded,) = submodule.encoders.values()
-        encoder = seeded.encoder
-        kind = kinds[type(encoder)]
-        tower = tower_from_hf(kind, encoder.model.config, encoder.output_size)
-        projection = tuple(Linear(layer.in_features, layer.out_features)
-                           for layer in submodule.input_projections[0]
-                           if hasattr(layer, "in_features"))
-        encoders[module.name] = EncoderModule(tower, tuple(layout.modalities_of(module.name)),
-                                              projection)
-    return ModelDims(stack, encoders)
-
-
-def _unwrapped(module):
-    while hasattr(module, "module"):           # DDP (and Float16Module) wrappers
-        module = module.module
-    return module
-
