@@ -309,18 +309,20 @@ class _RankStream(torch.utils.data.IterableDataset):
                 "modules. Run `mimo-shard verify`, rebuild the dataset with `--check decode` "
                 "(drops undecodable media at build time), then restart") from None
 
-    def _token_grids(self, texts) -> dict[str, list[list[tuple[int, int, int] | None]]]:
-        """modality -> per sample, the (t, h, w) grid of each item's placeholder tokens (None:
-        a sequence), from the metadata (what an encoder's FLOPs depend on)."""
+    def _token_grids(self, texts) -> dict[str, list[list[list[int] | None]]]:
+        """modality -> per sample, the [t, h, w] grid of each item's placeholder tokens (None:
+        a sequence), from the metadata (what an encoder's FLOPs depend on); lists, as the
+        rest of the metadata, so that it is the same after a JSON round trip (the dry run)."""
         config = self.source.config.modalities
-        grids: dict[str, list[list[tuple[int, int, int] | None]]] = {m: [] for m in config}
+        grids: dict[str, list[list[list[int] | None]]] = {m: [] for m in config}
         for text in texts:
             for rows in grids.values():
                 rows.append([])
             for item in text.items:
                 name = item["modality"]
                 if name in grids:
-                    grids[name][-1].append(MODALITIES[name].token_grid(item, config[name]))
+                    grid = MODALITIES[name].token_grid(item, config[name])
+                    grids[name][-1].append(None if grid is None else list(grid))
         return grids
 
     def micro_batch(self, epoch: int, index: int) -> tuple[dict[str, Any], BatchMetadata]:

@@ -56,8 +56,8 @@ class BatchMetadata(TypedDict):
     micro_batch: NotRequired[int]            # global micro-batch index in the step
     tokens: NotRequired[list[int]]           # real tokens per sample
     trained_tokens: NotRequired[list[int]]   # loss_mask ones per sample
-    # modality -> per row, the (t, h, w) grid of each item's placeholders (None: a sequence)
-    token_grids: NotRequired[dict[str, list[list[tuple[int, int, int] | None]]]]
+    # modality -> per row, the [t, h, w] grid of each item's placeholders (None: a sequence)
+    token_grids: NotRequired[dict[str, list[list[list[int] | None]]]]
     encoder_keys: NotRequired[dict[str, list[str]]]  # modality -> samples of its inputs
     sequences: NotRequired[list[int]]        # packed: samples per packed sequence
 
