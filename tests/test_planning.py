@@ -3,7 +3,7 @@ and advisor.py):
 
 - the memory formulas against a hand count (numbers written out below);
 - its ranking of three layouts of one model on 4 ranks against their measured runs (one job
-  of forked ranks, ``tests/layout_timing_run.py``: the three runs one after another in one
+  of forked ranks, ``tests/train_runs_run.py``: the three runs one after another in one
   process group): the predicted order of the step times is the order of the busiest rank's
   CPU seconds per step (its main thread's work: on this 2-core machine, shared with the
   other pytest worker, the ranks' wall-clock times mix with each other's; the least over
@@ -158,7 +158,7 @@ def timed(ranks, model_yaml):
     runs = [{"name": name, "config": str(path), "overrides": [f"layout={layout}"]}
             for name, layout in LAYOUTS.items()]
     (tmp / "runs.json").write_text(json.dumps(runs))
-    ranks.run(4, [REPO / "tests" / "layout_timing_run.py", tmp / "runs.json",
+    ranks.run(4, [REPO / "tests" / "train_runs_run.py", tmp / "runs.json",
                   tmp / "out.json"], tmp / "logs", timeout=900).check()
     return json.loads((tmp / "out.json").read_text())
 

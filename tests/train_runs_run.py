@@ -1,18 +1,22 @@
-"""Several short training runs one after another in one process, for tests/test_dtypes.py.
+"""Several training runs one after another in one process group, for tests/test_dtypes.py
+(one forked rank) and tests/test_planning.py (the layout advisor's ranking: four).
 
-    python tests/train_runs_run.py RUNS.json OUT.json        # the tests: one forked rank
+    python tests/train_runs_run.py RUNS.json OUT.json        # the tests: N forked ranks
 
-``RUNS.json`` lists ``{"name": ..., "overrides": [key=value, ...]}``; each run builds
-``mimo_train.training.trainer.Trainer`` (one rank, so every module is on it) and trains to
+``RUNS.json`` lists ``{"name": ..., "config": YAML (optional), "overrides": [key=value, ...]}``,
+every run on the job's ranks; each builds ``mimo_train.training.trainer.Trainer`` and trains to
 ``train.steps``, saving checkpoints when the overrides name a ``checkpoint.dir``. ``OUT.json``
-gets, per run, its step losses and, per module, each parameter's digest (SHA-256 of its values
-as fp32, read right after set-up: what the run started from).
-One process for all of them: megatron-core and the models load once.
+(rank 0) gets, per run: its step ``losses`` and ``records``; ``start``, rank 0's parameters'
+digests per module (SHA-256 of their values as fp32, read right after set-up: what the run
+started from); ``step_cpu_s[rank][step]``, every rank's CPU seconds of its main thread in each
+train step (``Trainer.train_step``: the work a rank did, whatever else shared the machine's
+cores); ``wall_s``. One process group for all of them: megatron-core and the models load once.
 """
 
 import hashlib
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,14 +37,29 @@ def main(runs_path: str, out_path: str) -> None:
         runs = json.load(f)
     results = {}
     for run in runs:
-        trainer = Trainer(resolve(TrainConfig.load(None, run["overrides"])))
+        trainer = Trainer(resolve(TrainConfig.load(run.get("config"), run["overrides"])))
         start = {name: {key: digest(p) for key, p in unwrap(module).named_parameters()}
                  for name, module in trainer.modules.items()}
-        records = trainer.run()
-        results[run["name"]] = {"losses": [r["loss"] for r in records if "loss" in r],
-                                "start": start}
-    with open(out_path, "w") as f:
-        json.dump(results, f)
+        steps: list[float] = []
+        step = trainer.train_step
+
+        def timed(iterator, step=step, steps=steps):
+            started = time.thread_time()
+            try:
+                return step(iterator)
+            finally:
+                steps.append(time.thread_time() - started)
+        trainer.train_step = timed
+        wall = time.perf_counter()
+        records = [r for r in trainer.run() if "loss" in r]
+        wall = time.perf_counter() - wall
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, steps)
+        results[run["name"]] = {"losses": [r["loss"] for r in records], "records": records,
+                                "start": start, "step_cpu_s": gathered, "wall_s": wall}
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(results, f)
     dist.destroy_process_group()
 
 
