@@ -46,7 +46,7 @@ STACK = Stack(layers=2, hidden=64, heads=4, query_groups=4, kv_channels=16, ffn_
 
 def test_parameters_and_state_bytes_by_hand():
     # a layer: qkv 64 x 192 = 12288, out 64 x 64 = 4096, MLP 64 x 256 x 2 = 32768, norms 128
-    assert mem.layer_parameters(STACK) == (49152, 128)
+    assert STACK.layer_parameters() == (49152, 128)
     # 2 layers 98560 + final norm 64 + embedding and output 128 x 64 x 2 = 16384
     assert mem.language_stage_parameters(STACK) == 115008 == STACK.parameters()
     # tp2 pp2, first stage: one layer 49152 / 2 + 128, embedding 8192 / 2

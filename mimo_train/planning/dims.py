@@ -69,12 +69,15 @@ class Stack:
                 Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1)),
                 Linear(self.ffn_hidden, self.hidden))
 
+    def layer_parameters(self) -> tuple[int, int]:
+        """One layer's (matmul weights, norm weights): TP splits the matmuls, not the norms."""
+        return sum(lin.inputs * lin.outputs for lin in self.layer_linears()), 2 * self.hidden
+
     def parameters(self) -> int:
         """Weights of the stack's matmuls, norms (two per layer, one final) and, with a
         vocabulary, the embedding and (untied) output layer; biases not counted."""
-        layer = sum(lin.inputs * lin.outputs for lin in self.layer_linears()) + 2 * self.hidden
         embedding = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * layer + self.hidden + embedding
+        return self.layers * sum(self.layer_parameters()) + self.hidden + embedding
 
 
 @dataclass(frozen=True)

@@ -132,17 +132,12 @@ def state_bytes(parameters: float, settings: Settings, dp: int = 1,
 
 # --------------------------------------------------------------------------- parameters
 
-def layer_parameters(stack: Stack) -> tuple[int, int]:
-    """One layer's (matmul weights, norm weights): the matmuls split over TP, the norms not."""
-    return sum(lin.inputs * lin.outputs for lin in stack.layer_linears()), 2 * stack.hidden
-
-
 def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
     """Parameters of pipeline ``stage`` of the language model on one TP rank: its layers (the
     first stages take the extra ones of an uneven split), the embedding on the first stage, the
     output layer and final norm on the last."""
     layers = stack.layers // pp + (1 if stage < stack.layers % pp else 0)
-    matmuls, norms = layer_parameters(stack)
+    matmuls, norms = stack.layer_parameters()
     found = layers * (matmuls / tp + norms)
     rows = stack.vocab * stack.hidden / tp
     if stage == 0:
