@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import step_flops
 from mimo_train.runtime.console import PREFIX
 
@@ -146,7 +147,7 @@ class FlopsCounter:
     ``step.global_sum`` counts tokens), so the world sum the step makes of its loss gives the
     step's figure with no collective of its own. ``peak_tflops``: the MFU's denominator."""
 
-    def __init__(self, dims, names: list[str], passes: dict[str, int], counts: bool,
+    def __init__(self, dims: ModelDims, names: list[str], passes: dict[str, int], counts: bool,
                  peak_tflops: float | None):
         self.dims, self.names, self.passes, self.counts = dims, names, passes, counts
         self.peak_tflops = peak_tflops
