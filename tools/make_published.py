@@ -3,17 +3,19 @@ those repositories publish, built offline (``tools/published/`` holds the publis
 files and where each came from):
 
 - ``config.json``: the published file, key for key and in its structure (Qwen2-VL and
-  Qwen2.5-VL flat as transformers 4.41 wrote them; llava-hf nested, with the keys the text
-  config leaves to transformers' defaults left out), only the dims replaced by tiny ones
-  (``SHRINK``). Token ids, ``rope_scaling``, window sizes, ``fullatt_block_indexes``,
+  Qwen2.5-VL flat as transformers 4.41 wrote them; Qwen3-VL and llava-hf nested, llava-hf
+  with the keys the text config leaves to transformers' defaults left out), only the dims
+  replaced by tiny ones (``SHRINK``). Token ids, ``rope_scaling`` (but Qwen3-VL's
+  ``mrope_section``, scaled with the head), window sizes, ``fullatt_block_indexes``,
   ``tokens_per_second``, ``vision_feature_layer``, ``vision_feature_select_strategy``, image
-  sizes and vocabulary sizes stay the published values.
+  sizes, ``num_position_embeddings`` and vocabulary sizes stay the published values.
 - the processor, tokenizer, template and generation files as published (copied).
 - ``tokenizer.json``: the published special tokens at their published ids, around a byte-level
   BPE made from SmolLM2's (the only tokenizer installed offline): its merges truncated where
   the published base vocabulary is smaller (LLaVA-1.5's 32000), unreachable filler entries
   where it is larger (Qwen's 151643).
-- weights under the published names (``visual.`` / ``model.`` / ``lm_head.`` for Qwen;
+- weights under the published names (``visual.`` / ``model.`` / ``lm_head.`` for Qwen2-VL
+  and Qwen2.5-VL; ``model.visual.`` / ``model.language_model.`` / ``lm_head.`` for Qwen3-VL;
   ``vision_tower.`` / ``multi_modal_projector.`` / ``language_model.model.`` /
   ``language_model.lm_head.`` for llava-hf), no output layer where the embeddings are tied,
   in the published dtype, sharded with an index where the published repository is sharded.
@@ -51,6 +53,18 @@ _QWEN2_5_VL_VISION = {"vision_config.depth": 4, "vision_config.hidden_size": 32,
                       "vision_config.fullatt_block_indexes": [1, 3]}
 # head_dim 16: 8 rotary pairs, split over time / height / width as 16 / 24 / 24 of 64 are
 _MROPE = {"rope_scaling.mrope_section": [2, 3, 3], "max_window_layers": 2}
+# Qwen3-VL (nested text_config / vision_config): four text layers, so that with two pipeline
+# stages the third DeepStack layer lands on the second; head_dim 16 gives 8 rotary pairs, split
+# over time / height / width as 24 / 20 / 20 of 64 are (3 / 2.5 / 2.5: the nearest whole split)
+_QWEN3_VL = {"text_config.hidden_size": 64, "text_config.intermediate_size": 96,
+             "text_config.num_hidden_layers": 4, "text_config.num_attention_heads": 4,
+             "text_config.num_key_value_heads": 2, "text_config.head_dim": 16,
+             "text_config.rope_scaling.mrope_section": [3, 3, 2],
+             "vision_config.depth": 4, "vision_config.hidden_size": 32,
+             "vision_config.intermediate_size": 48, "vision_config.num_heads": 2,
+             "vision_config.out_hidden_size": 64,
+             # three DeepStack taps, as the published [5, 11, 17] of 24 blocks
+             "vision_config.deepstack_visual_indexes": [0, 1, 2]}
 # published repository -> (dotted config key -> tiny value, shards of the published weights)
 SHRINK: dict[str, tuple[dict[str, Any], int]] = {
     "Qwen/Qwen2-VL-2B-Instruct": (
@@ -73,6 +87,8 @@ SHRINK: dict[str, tuple[dict[str, Any], int]] = {
          "text_config.num_key_value_heads": 4, "text_config.max_window_layers": 2,
          "vision_config.hidden_size": 32, "vision_config.intermediate_size": 48,
          "vision_config.num_attention_heads": 2, "vision_config.num_hidden_layers": 2}, 1),
+    # one model.safetensors, no index (the published repository is not sharded)
+    "Qwen/Qwen3-VL-2B-Instruct": (_QWEN3_VL, 1),
 }
 # transformers 5's parameter prefix -> the published one, by config model_type
 PUBLISHED_NAMES = {
@@ -84,6 +100,10 @@ PUBLISHED_NAMES = {
               ("lm_head.", "language_model.lm_head.")),
 }
 PUBLISHED_NAMES["qwen2_5_vl"] = PUBLISHED_NAMES["qwen2_vl"]
+# Qwen3-VL checkpoints publish transformers' own nesting
+PUBLISHED_NAMES["qwen3_vl"] = (("model.visual.", "model.visual."),
+                               ("model.language_model.", "model.language_model."),
+                               ("lm_head.", "lm_head."))
 # dtype of the published weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -151,6 +171,16 @@ def _bos_template(tokenizer: dict, bos: str, bos_id: int) -> None:
                  {"SpecialToken": {"id": bos, "type_id": 1}},
                  {"Sequence": {"id": "B", "type_id": 1}}],
         "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}}}
+
+
+def _published_dtype(published: dict) -> str:
+    """The weights' dtype as the published config names it (``torch_dtype`` at the top level;
+    Qwen3-VL's only in ``text_config.dtype``)."""
+    for section in (published, published.get("text_config", {})):
+        for key in ("torch_dtype", "dtype"):
+            if key in section:
+                return str(section[key])
+    raise SystemExit("the published config names no dtype")
 
 
 def _published_name(name: str, model_type: str) -> str:
@@ -221,7 +251,7 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     randomize(model)
     model.tie_weights()
-    dtype = DTYPES[published["torch_dtype"]]
+    dtype = DTYPES[_published_dtype(published)]
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
     tensors = {_published_name(name, config.model_type): p.detach().to(dtype).contiguous()
                for name, p in model.named_parameters(remove_duplicate=False)
