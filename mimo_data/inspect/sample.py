@@ -17,7 +17,7 @@ from typing import cast
 
 import numpy as np
 
-from mimo_data.preprocess.chat_tokens import TextError
+from mimo_data.preprocess.chat_tokens import ItemTokens, TextError
 from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
 from mimo_data.preprocess.preprocessor import Record, Sample
@@ -63,14 +63,17 @@ def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
     if sample is not None:
         ids, trained = _sequence_of(sample)
     else:
-        counts = [(item.get("modality"), expected_item_tokens(item, inspector.config))
-                  for item in record.get("media") or []]
-        if any(n is None for _, n in counts):
+        media = record.get("media") or []
+        counts = [expected_item_tokens(item, inspector.config) for item in media]
+        if None in counts:
             return _messages_view(record, "no tokens: a media item's token count cannot be "
                                   "computed; the messages as stored")
         try:
-            encoded = inspector.text.encode(record["messages"],
-                                            cast(list[tuple[str, int]], counts))
+            configs = inspector.config.modalities
+            items = [ItemTokens(item["modality"], cast(int, n), MODALITIES[
+                item["modality"]].placeholder_texts(item, configs[item["modality"]]))
+                for item, n in zip(media, counts)]
+            encoded = inspector.text.encode(record["messages"], items)
         except TextError as exc:
             return _messages_view(record, f"no tokens: {exc.detail}; the messages as stored")
         except Exception as exc:     # a malformed record: show what is known, not a traceback
@@ -147,17 +150,21 @@ def _media_line(item: dict, tokens: int | None) -> str:
 
 def _frame_times_line(item: dict, config) -> str:
     """``frames at 0.00 0.50 ... s`` of an item with frames (the seconds of those the
-    encoder gets, by its modality's sampling), "" otherwise."""
+    encoder gets, by its modality's sampling), then the texts the model reads before each run
+    of its placeholders (Qwen3-VL's ``<0.3 seconds>`` per temporal patch) if it has them; ""
+    otherwise."""
     kind = MODALITIES.get(item.get("modality"))               # type: ignore[arg-type]
     if kind is None or kind.name not in config.modalities:
         return ""
     try:
         times = kind.frame_times(item, config.modalities[kind.name])
+        texts = kind.placeholder_texts(item, config.modalities[kind.name])
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:
         return f"frames: none sampled ({exc})"
     if times is None:
         return ""
-    return f"frames at {' '.join(f'{t:.2f}' for t in times)} s ({len(times)} sampled)"
+    line = f"frames at {' '.join(f'{t:.2f}' for t in times)} s ({len(times)} sampled)"
+    return line + (f", timestamps {' '.join(texts)}" if texts else "")
 
 
 def sample_problems(stats: SampleStats) -> list[str]:

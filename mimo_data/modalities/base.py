@@ -92,6 +92,12 @@ class Modality(ABC):
         slices (1: one per slice)."""
         return 1.0
 
+    def placeholder_texts(self, item: Mapping[str, Any], config: Any) -> tuple[str, ...]:
+        """Texts before each run of the item's placeholders when they are cut into runs along
+        the grid's time (one per slice, each between the modality's wrap tokens, all of them
+        between the wrap tokens again: Qwen3-VL's video timestamps); (): one run."""
+        return ()
+
     @abstractmethod
     def variable_tokens(self, config: Any) -> bool:
         """Whether items can give different token counts under ``config``."""

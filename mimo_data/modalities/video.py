@@ -4,7 +4,8 @@ Decoding is PyAV's (``av``): its wheel bundles FFmpeg, so nothing outside the Py
 environment is needed; torchcodec, transformers' default video decoder, needs a system FFmpeg.
 
 The encoder inputs follow transformers' ``Qwen2VLVideoProcessor`` with its own frame sampling
-(``do_sample_frames=True`` and ``fps``): ``sample_indices`` picks the frames by its rules,
+(``do_sample_frames=True`` and ``fps``), or with ``sampling: qwen3_vl`` its
+``Qwen3VLVideoProcessor``: ``sample_indices`` picks the frames by its rules,
 ``video_resized_size`` is its ``smart_resize`` of each frame (optionally capped by its total
 pixel budget, ``cap_pixels_per_frame``), the resize is the call torchvision makes for it
 (``torch.nn.functional.interpolate``, bicubic, antialiased, native uint8 on the CPU) and the
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import (
+    smart_resize as smart_resize_clip)
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
@@ -48,6 +51,7 @@ MAX_VIDEO_SECONDS = 3600.0
 THUMBNAIL = (160, 160)
 PREVIEW_FRAMES = 4
 _MAX_MEMO = 1 << 16
+SAMPLINGS = ("qwen2_vl", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,17 @@ class VideoConfig:
     ``max_video_tokens * 0.9`` tokens' pixels over the sampled frames, floored at
     ``1.05 * min_pixels``); ``(t / temporal_patch_size) * (h / patch) * (w / patch) / merge²``
     tokens.
+
+    ``sampling: qwen3_vl`` follows ``Qwen3VLVideoProcessor`` instead: ``int(duration * fps)``
+    frames within [min_frames, max_frames] and the clip's, spread evenly from the first frame
+    to the last (any count: the last frame is repeated up to a multiple of
+    temporal_patch_size); [min_pixels, max_pixels] bound the pixels of the whole sampled clip
+    (its ``size``), and with ``cap_pixels_per_frame`` each frame's are held to
+    ``max_video_tokens`` tokens' and an even share of max_pixels, floored at
+    ``1.05 * min_pixels``. ``timestamps`` (Qwen3-VL): each temporal patch's tokens sit between
+    their own wrap tokens after the text ``<{t:.1f} seconds>`` (the mean time of its frames),
+    the whole between the wrap tokens again, and each temporal patch is positioned (M-RoPE) as
+    an image of its own.
     """
     token: str = "<|video_pad|>"
     wrap: tuple = ()                  # [start, end]: tokens around each clip's placeholders
@@ -80,8 +95,21 @@ class VideoConfig:
     # Qwen2.5-VL: M-RoPE time positions per second of video (its vision config's
     # tokens_per_second); None: one time position per temporal patch (Qwen2-VL)
     tokens_per_second: float | None = None
+    sampling: str = "qwen2_vl"        # frame sampling and resize: qwen2_vl | qwen3_vl
+    timestamps: bool = False          # Qwen3-VL: a timestamp text and a wrap per temporal patch
 
     def validate(self) -> None:
+        if self.sampling not in SAMPLINGS:
+            raise ConfigError(f"modalities.video.sampling is {self.sampling!r}: use "
+                              f"{' or '.join(SAMPLINGS)} (the checkpoint's video processor)")
+        if self.timestamps and not self.wrap:
+            raise ConfigError("modalities.video.timestamps puts each temporal patch between the "
+                              "wrap tokens: give wrap too (e.g. [<|vision_start|>, "
+                              "<|vision_end|>])")
+        if self.timestamps and self.tokens_per_second is not None:
+            raise ConfigError("modalities.video.timestamps and tokens_per_second: with "
+                              "timestamps the time is in the text and each temporal patch is "
+                              "positioned on its own (Qwen3-VL); drop tokens_per_second")
         if self.fps <= 0:
             raise ConfigError(f"modalities.video.fps is {self.fps}: it must be positive")
         if self.min_pixels > self.max_pixels:
@@ -194,44 +222,84 @@ def probe_video(data: bytes, check: str = "decode",
 # --- sampling and token counts -----------------------------------------------------------
 
 def sampled_frame_count(frames: int, fps: float, cfg: VideoConfig) -> int:
-    """How many frames ``Qwen2VLVideoProcessor.sample_frames`` picks (0: too short).
+    """How many frames the video processor's ``sample_frames`` picks (0: too short).
 
-    Its rule: ``n = frames / fps * cfg.fps`` clamped to [min_frames, max_frames] and to the
-    clip's frames (max_frames first rounded down to a multiple of temporal_patch_size, with
-    the clip's frames), then rounded down to a multiple of temporal_patch_size.
+    ``Qwen2VLVideoProcessor``'s rule: ``n = frames / fps * cfg.fps`` clamped to
+    [min_frames, max_frames] and to the clip's frames (max_frames first rounded down to a
+    multiple of temporal_patch_size, with the clip's frames), then rounded down to a multiple
+    of temporal_patch_size. ``Qwen3VLVideoProcessor``'s (``sampling: qwen3_vl``):
+    ``int(frames / fps * cfg.fps)`` clamped the same way, not rounded (0 below
+    temporal_patch_size, which its resize refuses).
     """
     tps = cfg.temporal_patch_size
+    if cfg.sampling == "qwen3_vl":
+        count = min(max(int(frames / fps * cfg.fps), cfg.min_frames), cfg.max_frames, frames)
+        return count if count >= tps else 0
     max_frames = math.floor(min(cfg.max_frames, frames) / tps) * tps
     wanted = min(max(frames / fps * cfg.fps, cfg.min_frames), max_frames, frames)
     return math.floor(wanted / tps) * tps
 
 
 def sample_indices(frames: int, fps: float, cfg: VideoConfig) -> list[int]:
-    """Indices of the ``sampled_frame_count`` frames ``Qwen2VLVideoProcessor`` samples from a
-    clip of ``frames`` frames at ``fps`` (ValueError if too short).
+    """Indices of the ``sampled_frame_count`` frames the video processor samples from a clip
+    of ``frames`` frames at ``fps`` (ValueError if too short).
 
-    The processor takes ``torch.arange(0, frames, frames / n).int()``; so does this, for the
-    same values: torch computes them in float32, which for clips of more than 2^13 frames can
-    give one frame off the exact ``i * frames // n``. Its length, computed in double
-    precision as ``ceil(frames / (frames / n))``, is ``n + 1`` for some pairs (e.g. 17 frames,
-    n = 14; 506 frames at 10 fps): the extra index is then ``frames`` itself, past the clip,
-    and the processor fails indexing the clip with it. It is dropped here: always n frames.
+    ``Qwen2VLVideoProcessor`` takes ``torch.arange(0, frames, frames / n).int()``; so does
+    this, for the same values: torch computes them in float32, which for clips of more than
+    2^13 frames can give one frame off the exact ``i * frames // n``. Its length, computed in
+    double precision as ``ceil(frames / (frames / n))``, is ``n + 1`` for some pairs (e.g. 17
+    frames, n = 14; 506 frames at 10 fps): the extra index is then ``frames`` itself, past the
+    clip, and the processor fails indexing the clip with it. It is dropped here: always n
+    frames. ``Qwen3VLVideoProcessor`` takes ``np.linspace(0, frames - 1, n).round()``.
     """
     count = sampled_frame_count(frames, fps, cfg)
     if count == 0:
         raise ValueError(f"a clip of {frames} frames is shorter than temporal_patch_size = "
                          f"{cfg.temporal_patch_size} frames")
+    if cfg.sampling == "qwen3_vl":
+        return np.linspace(0, frames - 1, count).round().astype(int).tolist()
     return torch.arange(0, frames, frames / count).int().tolist()[:count]
+
+
+def patch_timestamps(frames: int, fps: float, cfg: VideoConfig) -> list[float]:
+    """Seconds of each temporal patch: the mean of its first and last sampled frame's time
+    (the last frame repeated up to a multiple of temporal_patch_size), as
+    ``Qwen3VLProcessor._calculate_timestamps``."""
+    indices = sample_indices(frames, fps, cfg)
+    tps = cfg.temporal_patch_size
+    indices += indices[-1:] * (-len(indices) % tps)
+    times = [index / fps for index in indices]
+    return [(times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps)]
+
+
+@functools.lru_cache(maxsize=_MAX_MEMO)
+def timestamp_texts(frames: int, fps: float, config: VideoConfig) -> tuple[str, ...]:
+    """``<{t:.1f} seconds>`` per temporal patch (``patch_timestamps``), as Qwen3VLProcessor
+    writes them before each patch's tokens; () without ``timestamps``."""
+    if not config.timestamps:
+        return ()
+    return tuple(f"<{t:.1f} seconds>" for t in patch_timestamps(frames, fps, config))
 
 
 def video_resized_size(width: int, height: int, sampled: int, cfg: VideoConfig
                        ) -> tuple[int, int]:
     """``(width, height)`` each of ``sampled`` frames of a ``width`` x ``height`` clip (after
     rotation) is resized to, as the processor's ``resize``."""
+    factor = cfg.patch_size * cfg.merge_size
+    if cfg.sampling == "qwen3_vl":         # its smart_resize bounds the whole clip's pixels
+        max_pixels = cfg.max_pixels
+        if cfg.cap_pixels_per_frame:
+            per_frame = max(min(cfg.max_video_tokens * factor * factor,
+                                cfg.max_pixels // sampled), int(cfg.min_pixels * 1.05))
+            max_pixels = per_frame * sampled
+        height, width = smart_resize_clip(sampled, height, width,
+                                          temporal_factor=cfg.temporal_patch_size,
+                                          factor=factor, min_pixels=cfg.min_pixels,
+                                          max_pixels=max_pixels)
+        return width, height
     if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise ValueError(f"video of {width}x{height} pixels has an aspect ratio above "
                          f"{MAX_ASPECT_RATIO}:1, which the dynamic resize (smart_resize) refuses")
-    factor = cfg.patch_size * cfg.merge_size
     max_pixels = cfg.max_pixels
     if cfg.cap_pixels_per_frame:
         total_pixels = int(cfg.max_video_tokens * factor * factor * 0.9)
@@ -519,6 +587,10 @@ class VideoModality(Modality):
         """``sample_indices`` over the average frame rate: frame i is shown at i / fps."""
         return [index / item["fps"] for index in
                 sample_indices(item["frames"], item["fps"], config)]
+
+    def placeholder_texts(self, item: Mapping[str, Any], config: VideoConfig
+                          ) -> tuple[str, ...]:
+        return timestamp_texts(item["frames"], item["fps"], config)
 
     def decode(self, data: bytes, item: MediaItem, config: VideoConfig) -> np.ndarray:
         return decode_video(data, item, config)

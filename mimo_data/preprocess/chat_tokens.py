@@ -28,7 +28,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -54,6 +54,16 @@ _MAX_SKELETONS = 256
 
 class TextError(CountedError):
     """A conversation whose tokens or mask cannot be built; ``reason`` is its report category."""
+
+
+class ItemTokens(NamedTuple):
+    """What one media marker expands into: ``tokens`` copies of its modality's token, between
+    the modality's wrap tokens; with ``texts`` (``Modality.placeholder_texts``) in
+    ``len(texts)`` equal runs, each after its text and between the wrap tokens, all of them
+    between the wrap tokens again."""
+    modality: str
+    tokens: int
+    texts: tuple[str, ...] = ()
 
 
 @dataclass
@@ -172,6 +182,20 @@ class TextEncoder:
             m.wrap for m in config.modalities.values()) else {}
         self._wraps = {self.modality_token_ids[name]: self._wrap_ids(name, m.wrap, vocabulary)
                        for name, m in config.modalities.items() if m.wrap}
+        # ``placeholder_texts`` (Qwen3-VL's timestamps) tokenized alone: in the processor's
+        # text each lies between two wrap tokens, which the tokenizer splits off before its
+        # pre-tokenizer (added tokens), so it tokenizes there exactly as alone; remembered
+        self._run_text_ids: dict[str, list[int]] = {}
+        self._plain_backend = backend
+        if any(getattr(m, "timestamps", False) for m in config.modalities.values()):
+            added = {t.content for t in backend.get_added_tokens_decoder().values()}
+            for name, m in config.modalities.items():
+                if getattr(m, "timestamps", False) and not set(m.wrap) <= added:
+                    raise ConfigError(f"modalities.{name}.timestamps: the wrap tokens "
+                                      f"{list(m.wrap)} are not added tokens of the tokenizer "
+                                      f"{config.tokenizer!r}, so the timestamp texts between "
+                                      "them would not tokenize as the processor's; use the "
+                                      "model's own (e.g. <|vision_start|>, <|vision_end|>)")
         # Token id -> 1 for modality tokens (never typed in text), 2 for the atomic markers (a
         # modality token that is its own marker, as LLaVA's <image>, is a marker in text).
         size = backend.get_vocab_size(with_added_tokens=True) + 1
@@ -219,27 +243,55 @@ class TextEncoder:
         return vocabulary[wrap[0]], vocabulary[wrap[1]]
 
     def _expand(self, ids: np.ndarray, trained: np.ndarray | None, marker_at: np.ndarray,
-                counts: list[int], modality_tokens: list[int]):
+                counts: list[int], modality_tokens: list[int], texts: list[tuple[str, ...]]):
         """Each marker token → its item's run of ``count`` modality tokens, between the
-        modality's wrap tokens when it has them; ``(ids, trained, repeats)`` with the markers'
-        runs never trained (``repeats``: tokens each input token became)."""
+        modality's wrap tokens when it has them (or, with ``texts``, ``_timed_runs``);
+        ``(ids, trained, repeats)`` with the markers' runs never trained (``repeats``: tokens
+        each input token became)."""
         wraps = [self._wraps.get(token) for token in modality_tokens] if self._wraps else []
         wrapped = np.array([wrap is not None for wrap in wraps], dtype=bool)
         repeats = np.ones(len(ids), dtype=np.int64)
         repeats[marker_at] = counts
         ids[marker_at] = modality_tokens
+        timed = {k: self._timed_runs(modality_tokens[k], counts[k], runs)
+                 for k, runs in enumerate(texts) if runs}
+        if timed:
+            at = list(timed)
+            wrapped[at] = False
+            repeats[marker_at[at]] = [len(run) for run in timed.values()]
         if wrapped.any():
             repeats[marker_at] += 2 * wrapped
         expanded = np.repeat(ids, repeats)
         if wrapped.any():
             ends = np.cumsum(repeats)[marker_at[wrapped]]
-            pairs = np.array([wrap for wrap in wraps if wrap is not None], dtype=np.int64)
+            pairs = np.array([wraps[k] for k in np.flatnonzero(wrapped)], dtype=np.int64)
             expanded[ends - repeats[marker_at[wrapped]]] = pairs[:, 0]
             expanded[ends - 1] = pairs[:, 1]
+        if timed:
+            starts = (np.cumsum(repeats) - repeats)[marker_at[list(timed)]].tolist()
+            for start, run in zip(starts, timed.values()):
+                expanded[start:start + len(run)] = run
         if trained is not None:
             trained[marker_at] = False
             trained = np.repeat(trained, repeats)
         return expanded, trained, repeats
+
+    def _timed_runs(self, token: int, count: int, texts: tuple[str, ...]) -> np.ndarray:
+        """``start, (text, start, count / len(texts) x token, end) per text, end``: a
+        Qwen3-VL video as its processor writes it (the template's wrap around the clip, a
+        timestamp and a wrap per temporal patch)."""
+        start, end = self._wraps[token]
+        if count % len(texts):
+            raise ValueError(f"{count} placeholders do not split into {len(texts)} equal runs")
+        run = [start, *[token] * (count // len(texts)), end]
+        ids = [start]
+        for text in texts:
+            if text not in self._run_text_ids:
+                self._run_text_ids[text] = self._plain_backend.encode(
+                    text, add_special_tokens=False).ids
+            ids += self._run_text_ids[text] + run
+        ids.append(end)
+        return np.array(ids, dtype=np.int64)
 
     # -- rendering ---------------------------------------------------------------------------
 
@@ -387,17 +439,17 @@ class TextEncoder:
     # -- tokenizing --------------------------------------------------------------------------
 
     def encode(self, messages: Sequence[Mapping[str, Any]],
-               item_tokens: list[tuple[str, int]]) -> Encoded:
-        """Tokens of the conversation with marker i expanded to ``item_tokens[i]`` = (modality,
-        count) copies of that modality's token (between its ``wrap`` tokens if it has them);
-        TextError if they cannot be built."""
+               item_tokens: Sequence[ItemTokens]) -> Encoded:
+        """Tokens of the conversation with marker i expanded to ``item_tokens[i]``'s ``tokens``
+        copies of its modality's token (between its ``wrap`` tokens if it has them, in runs
+        after its ``texts`` if it has them); TextError if they cannot be built."""
         encoded = self.encode_batch([(messages, item_tokens)])[0]
         if isinstance(encoded, TextError):
             raise encoded
         return encoded
 
     def encode_prompt(self, messages: Sequence[Mapping[str, Any]],
-                      item_tokens: list[tuple[str, int]]) -> np.ndarray:
+                      item_tokens: Sequence[ItemTokens]) -> np.ndarray:
         """Token ids of a conversation for the model to continue (generation): rendered with
         the template's generation prompt (``caption`` mode: the turns joined by newlines, then
         the newline an answer follows), marker i expanded to ``item_tokens[i]`` copies of its
@@ -409,13 +461,14 @@ class TextEncoder:
             text = self._bos(text) + text
         tokens = encode_texts(self.backend, [text])
         failed: dict[int, TextError] = {}
-        marker_at, counts, modality_tokens = self._markers(tokens, [item_tokens], failed)
+        marker_at, counts, modality_tokens, texts = self._markers(tokens, [item_tokens], failed)
         if failed:
             raise failed[0]
-        return self._expand(tokens.ids.copy(), None, marker_at, counts, modality_tokens)[0]
+        return self._expand(tokens.ids.copy(), None, marker_at, counts, modality_tokens,
+                            texts)[0]
 
     def encode_batch(self, conversations: Sequence[tuple[Sequence[Mapping[str, Any]],
-                                                         list[tuple[str, int]]]]
+                                                         Sequence[ItemTokens]]]
                      ) -> list[Encoded | TextError]:
         """``encode`` of each (messages, item_tokens), or the TextError of that conversation.
 
@@ -441,34 +494,36 @@ class TextEncoder:
         except SegmentCacheError as exc:
             raise SegmentCacheError(which[exc.index], str(exc)) from None
         failed: dict[int, TextError] = {}
-        marker_at, counts, modality_tokens = self._markers(
+        marker_at, counts, modality_tokens, run_texts = self._markers(
             tokens, [conversations[i][1] for i in which], failed)
         trained = spans.inside(tokens.offsets, "".join(texts), starts, failed)
         ids, bounds = tokens.ids, tokens.bounds
         if len(marker_at):
             ids, trained, repeats = self._expand(ids, trained, marker_at, counts,
-                                                 modality_tokens)
+                                                 modality_tokens, run_texts)
             bounds = np.concatenate(([0], np.cumsum(repeats)))[bounds]
         for j, i in enumerate(which):
             a, b = bounds[j], bounds[j + 1]
             results[i] = failed[j] if j in failed else Encoded(ids[a:b], trained[a:b])
         return cast(list[Encoded | TextError], results)   # every slot is filled above
 
-    def _markers(self, tokens: TokenBatch, item_tokens: list[list[tuple[str, int]]],
-                 failed: dict[int, TextError]) -> tuple[np.ndarray, list[int], list[int]]:
-        """Positions of the marker (and modality) tokens, each one's item token count and
-        modality token; texts with a literal modality token or markers that are not their
-        items' go to ``failed`` (their markers then keep count 1)."""
+    def _markers(self, tokens: TokenBatch, item_tokens: list[Sequence[ItemTokens]],
+                 failed: dict[int, TextError]
+                 ) -> tuple[np.ndarray, list[int], list[int], list[tuple[str, ...]]]:
+        """Positions of the marker (and modality) tokens, each one's item token count,
+        modality token and run texts; texts with a literal modality token or markers that are
+        not their items' go to ``failed`` (their markers then keep count 1)."""
         marker_at = np.flatnonzero(self._token_kind[tokens.ids])
         found = tokens.ids[marker_at].tolist()
         cuts = np.searchsorted(marker_at, tokens.bounds).tolist()
         counts, modality_tokens = [1] * len(found), list(found)
+        texts: list[tuple[str, ...]] = [()] * len(found)
         for j, items in enumerate(item_tokens):
             a, b = cuts[j], cuts[j + 1]
             if a == b and not items:
                 continue
             markers = [self._marker_ids.get(token) for token in found[a:b]]
-            expected = [modality for modality, _ in items]
+            expected = [item.modality for item in items]
             if None in markers:
                 failed[j] = TextError("literal_special_token", "the text contains a modality "
                                       "token typed literally; remove it from the source text")
@@ -476,9 +531,10 @@ class TextEncoder:
                 failed[j] = TextError("template_mismatch", f"the rendered text has markers "
                                       f"{markers}, the sample's media are {expected}")
             else:
-                counts[a:b] = [count for _, count in items]
+                counts[a:b] = [item.tokens for item in items]
+                texts[a:b] = [item.texts for item in items]
                 modality_tokens[a:b] = [self.modality_token_ids[m] for m in markers]
-        return marker_at, counts, modality_tokens
+        return marker_at, counts, modality_tokens, texts
 
 
 def _added_bos(tokenizer) -> str:

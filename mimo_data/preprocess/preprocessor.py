@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.preprocess.chat_tokens import Encoded, TextEncoder, TextError
+from mimo_data.preprocess.chat_tokens import Encoded, ItemTokens, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.positions import mrope_positions, sequential_positions
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
@@ -120,8 +120,7 @@ class Preprocessor:
         for i, record in enumerate(records):
             try:
                 _check_record(record)
-                pending.append((i, [(item["modality"], self._item_tokens(item))
-                                    for item in record["media"]]))
+                pending.append((i, [self._item_tokens(item) for item in record["media"]]))
             except SampleDropped as exc:
                 results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
@@ -148,9 +147,9 @@ class Preprocessor:
         marker expanded to its item's token count, and the encoder inputs of ``media`` (items
         in marker order, each with its bytes), as training builds them; SampleDropped if an
         item cannot be used, TextError if the text cannot be tokenized."""
-        counts = [(item["modality"], self._item_tokens(item)) for item, _ in media]
+        counts = [self._item_tokens(item) for item, _ in media]
         ids = self.text.encode_prompt(messages, counts)
-        token_counts = {name: [n for modality, n in counts if modality == name]
+        token_counts = {name: [n for modality, n, _ in counts if modality == name]
                         for name in self.config.modalities}
         inputs = {}
         if media:
@@ -173,7 +172,7 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
-        token_counts = {name: [n for (modality, n), _ in zip(counts, kept_items)
+        token_counts = {name: [n for (modality, n, _), _ in zip(counts, kept_items)
                                if modality == name] for name in self.config.modalities}
         return TextSample(record["key"], ids, trained, token_counts, kept_items, removed_turns)
 
@@ -202,24 +201,32 @@ class Preprocessor:
         if self.config.positions == "sequential":
             return sequential_positions(len(ids))
         seen = dict.fromkeys(text.token_counts, 0)
-        items = []
+        items: list[tuple[int, int, tuple[int, int, int] | None, float]] = []
         for item in text.items:
             name = item["modality"]
             modality, config = MODALITIES[name], self.config.modalities[name]
-            items.append((self.text.modality_token_ids[name], text.token_counts[name][seen[name]],
-                          modality.token_grid(item, config), modality.time_interval(item, config)))
+            token, count = self.text.modality_token_ids[name], text.token_counts[name][seen[name]]
+            grid = modality.token_grid(item, config)
+            runs = len(modality.placeholder_texts(item, config))
+            if runs and grid is not None:      # each time slice on its own, as an image
+                t, h, w = grid
+                items += [(token, h * w, (1, h, w), 1.0)] * t
+            else:
+                items.append((token, count, grid, modality.time_interval(item, config)))
             seen[name] += 1
         return mrope_positions(ids, items)
 
-    def _item_tokens(self, item: MediaItem) -> int:
+    def _item_tokens(self, item: MediaItem) -> ItemTokens:
         """Tokens of one media item from its metadata alone (SampleDropped if unusable)."""
         modality = item["modality"]
         config = self.config.modalities.get(modality)
         if config is None:
             raise SampleDropped("unconfigured_modality", f"the sample has {modality} but the "
                                 f"config has no modalities.{modality}")
+        kind = MODALITIES[modality]
         try:
-            return MODALITIES[modality].item_tokens(item, config)
+            return ItemTokens(modality, kind.item_tokens(item, config),
+                              kind.placeholder_texts(item, config))
         except MediaError as exc:
             raise SampleDropped(exc.reason, exc.detail) from None
 
