@@ -45,14 +45,17 @@ def param_dtype(module: torch.nn.Module) -> torch.dtype:
 
 
 class Encoder(torch.nn.Module):
-    """The encoder contract (above): ``takes``, ``output_size``, and the width a pretrained
-    model's config gives before the encoder is built. An encoder whose weights also encode
-    other modalities (Qwen2-VL's tower: video) lists them in ``also_takes``; one encoder
+    """The encoder contract (above): ``takes``, ``output_size``, ``deepstack``, and the width
+    a pretrained model's config gives before the encoder is built. An encoder whose weights
+    also encode other modalities (Qwen2-VL's tower: video) lists them in ``also_takes``; one encoder
     module then serves them all (``take_also`` gives it their configs, ``encode`` their
     inputs)."""
     takes: tuple[str, str]
     also_takes: tuple[str, ...] = ()
     output_size: int
+    # rows carry deepstack features after the main ``output_size`` columns (Qwen3-VL:
+    # ``mcore.deepstack``), which no projection but ``none`` passes on
+    deepstack: bool = False
 
     def take_also(self, modality: str, modality_config) -> None:
         """Serve ``modality`` (one of ``also_takes``) as preprocessed by ``modality_config``

@@ -62,7 +62,10 @@ from mimo_train.families.base import VLM, CheckpointWeights, checkpoint_value
 # model_type -> (qkv bias, qk-norm) of the families this module maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
 # a whole VLM's text model_type -> the family of its decoder (Qwen2 with M-RoPE)
-TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2"}
+TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+# text model_types whose M-RoPE interleaves the t/h/w frequencies (Qwen3-VL's
+# ``recomposition_frequencies``) instead of giving each a contiguous section
+INTERLEAVED_MROPE = frozenset({"qwen3_vl_text"})
 # megatron-core's RotaryEmbedding applies llama3 scaling with these fixed values; only the
 # factor is an argument
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -87,6 +90,7 @@ class LanguageArch:
     qkv_bias: bool
     qk_norm: bool
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary pairs per t/h/w
+    mrope_interleaved: bool = False                # Qwen3-VL: t/h/w frequencies interleaved
     prefix: str = "model."          # of the decoder's weight names (a VLM: its language model's)
     head: str = "lm_head.weight"    # the output layer's weight name
 
@@ -158,7 +162,8 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
         # config's flag (which it sets from a text config that asks for it)
         tied=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
-        mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None)
+        mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None,
+        mrope_interleaved=config.model_type in INTERLEAVED_MROPE)
 
 
 def check_parallel(arch: LanguageArch, tp: int, pp: int, path: str) -> None:

@@ -143,9 +143,13 @@ class Qwen2VLVision(Encoder):
             return self(**inputs)
         assert self.video is not None, "take_also('video', ...) first"
         pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
-        return self.model(hidden_states=pixels.to(param_dtype(self)),
-                          grid_thw=inputs["video_grid_thw"]).pooler_output
+        return self.rows(self.model(hidden_states=pixels.to(param_dtype(self)),
+                                    grid_thw=inputs["video_grid_thw"]))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
-        return self.model(hidden_states=pixels, grid_thw=image_grid_thw).pooler_output
+        return self.rows(self.model(hidden_states=pixels, grid_thw=image_grid_thw))
+
+    def rows(self, output) -> torch.Tensor:
+        """The placeholders' rows of the tower's ``output``: its merged patches."""
+        return output.pooler_output

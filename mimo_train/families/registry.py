@@ -16,13 +16,15 @@ from typing import Any, NamedTuple
 from mimo_data.loading.layout import Layout
 from mimo_train.config import LANGUAGE_DEFAULTS, EncoderConfig, LanguageConfig, TrainConfig
 from mimo_train.errors import EncoderBuildError, TrainConfigError
-from mimo_train.families import causal_lm, llava, qwen2_5_vl, qwen2_vl, siglip, whisper
+from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, siglip,
+                                 whisper)
 from mimo_train.families.base import VLM, Encoder, input_form, model_directory
 from mimo_train.families.causal_lm import LanguageArch
 
 # encoder kind -> its class
 ENCODERS: dict[str, type[Encoder]] = {
     "qwen2_vl": qwen2_vl.Qwen2VLVision, "qwen2_5_vl": qwen2_5_vl.Qwen2_5VLVision,
+    "qwen3_vl": qwen3_vl.Qwen3VLVision,
     "siglip": siglip.SiglipVision, "whisper": whisper.WhisperAudio,
     "llava": llava.LlavaVision}
 # encoder kind for each input form, without a whole VLM
@@ -31,13 +33,19 @@ DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
 # the modalities an encoder takes on its own (the others ride along: ``Encoder.also_takes``)
 OWN_MODALITIES = tuple(dict.fromkeys(modality for modality, _ in DEFAULT_KINDS))
 # whole VLM model_type -> its family module (``read``, ``image_geometry``)
-VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "llava": llava}
+VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "llava": llava}
 # model_type -> why mimo does not take it
 REFUSED = {
-    "qwen3_vl": "Qwen3-VL injects vision features into inner language layers (deepstack), "
-                "which megatron-core's MimoModel cannot do: it splices them at the input "
-                "embeddings only",
-    "qwen3_vl_moe": "Qwen3-VL injects vision features into inner language layers (deepstack)",
+    "qwen3_vl_moe": "Qwen3-VL-MoE's language model is a mixture of experts (128 experts, 8 "
+                    "routed per token), whose weights mimo does not map onto megatron-core's "
+                    "MoE layers yet; its dense siblings (Qwen3-VL-2B/4B/8B/32B) are taken",
+    "qwen3_5": "Qwen3.5's language model interleaves gated delta-net (linear attention) "
+               "layers with full attention; megatron-core runs them only with "
+               "flash-linear-attention's Triton kernels, which need a CUDA GPU, and mimo does "
+               "not map them yet",
+    "qwen3_5_moe": "Qwen3.5's language model interleaves gated delta-net (linear attention) "
+                   "layers, which megatron-core runs only with flash-linear-attention's Triton "
+                   "kernels on a CUDA GPU, and its experts are not mapped yet",
     "llava_next": "LLaVA-NeXT tiles images at any resolution (any-res), which mimo's image "
                   "preprocessing does not produce",
     "llava_onevision": "LLaVA-OneVision tiles images at any resolution (any-res), which mimo's "

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from mimo_train.errors import TrainConfigError
-from mimo_train.mcore import (DotProductAttention, GPTModel,
-                              make_tp_sharded_tensor_for_checkpoint)
+from mimo_train.mcore import DotProductAttention, make_tp_sharded_tensor_for_checkpoint
+from mimo_train.mcore.deepstack import DeepstackLanguage
+from mimo_train.mcore.rotary import InterleavedMultimodalRotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -175,21 +176,34 @@ def block_causal_mask(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     return (sample[:, None] == sample[None, :]) & (position[:, None] >= position[None, :])
 
 
-class LanguageModel(GPTModel):
+class LanguageModel(DeepstackLanguage):
     """``GPTModel`` that hands packed rows to its attention as one sbhd sequence when the
     backend is not ``local`` (``packed_rows``): every token's rotary angle comes from its
     position id, so positions restart at each sample without megatron-core's per-sample THD
-    rotary loop, and ``CoreAttention`` keeps attention within each sample."""
+    rotary loop, and ``CoreAttention`` keeps attention within each sample. It adds deepstack
+    features after its first layers (``mcore.deepstack``) and, with ``mrope_interleaved``,
+    lays its M-RoPE out interleaved (``mcore.rotary``)."""
 
-    def __init__(self, *, packed_rows: bool, **kwargs):
+    def __init__(self, *, packed_rows: bool, mrope_interleaved: bool = False, **kwargs):
         super().__init__(**kwargs)
         if packed_rows and self.position_embedding_type not in ("rope", "mrope"):
             raise ValueError(f"packed rows need rotary positions, not "
                              f"{self.position_embedding_type!r}: use model.attention=local")
+        if mrope_interleaved:
+            assert self.position_embedding_type == "mrope", "interleaved M-RoPE is M-RoPE"
+            self.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
+                kv_channels=self.config.kv_channels,
+                rotary_percent=kwargs.get("rotary_percent", 1.0),
+                rotary_base=kwargs.get("rotary_base", 10000))
+        self.enable_deepstack()
         # M-RoPE angles are computed token by token from the position ids: packed rows always
         # go as one sequence (megatron-core's THD rotary would give every sample the first
         # sample's angles)
         self.packed_rows = packed_rows or self.position_embedding_type == "mrope"
+
+    def forward(self, *args, **kwargs):
+        output = super().forward(*args, **kwargs)
+        return output if self.post_process else self.carry_deepstack(output)
 
     def tie_embeddings_and_output_weights_state_dict(
             self, sharded_state_dict: dict, output_layer_weight_key: str,

@@ -27,7 +27,8 @@ from collections import deque
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
-from mimo_train.mcore import BridgeCommunicator, MimoModel, MultiModulePipelineCommunicator
+from mimo_train.mcore import BridgeCommunicator, MultiModulePipelineCommunicator
+from mimo_train.mcore.deepstack import DeepstackMimoModel
 
 
 class SizedBridgeCommunicator(BridgeCommunicator):
@@ -86,8 +87,9 @@ class SizedPipelineCommunicator(MultiModulePipelineCommunicator):
             bridge.finish(forward_only)
 
 
-class RoutedMimoModel(MimoModel):
-    """``MimoModel`` that fans in variable per-sample counts (see the module docstring)."""
+class RoutedMimoModel(DeepstackMimoModel):
+    """``MimoModel`` that fans in variable per-sample counts (see the module docstring), with
+    deepstack rows (``mcore.deepstack``)."""
 
     def _attach_modality_split_sizes(self, output, input_ids, encoder_name):
         grids = self.mimo_config.module_to_grid_map

@@ -197,6 +197,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         for key in language_memory(cfg, layout.language.tp)}) \
         if transformer.recompute_granularity or transformer.sequence_parallel else transformer
     settings = encoder_settings(cfg, layout, preprocess)
+    check_deepstack(cfg, layout, settings)
     modality_specs, token_ids = {}, {}
     for name, setting in settings.items():
         encoder_size = _encoder_output_size(setting.spec, name, setting.kind)
@@ -330,6 +331,29 @@ def _frozen_parts(freeze: list, infra: Infra) -> dict:
     return parts
 
 
+def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting]) -> None:
+    """``TrainConfigError`` where an encoder with deepstack features (``mcore.deepstack``)
+    meets what cannot carry them: a projection (the rows are main + deepstack columns), rows
+    split over the sequence (sequence or context parallelism), or layers recomputed after the
+    next micro-batch's forward (full recompute under pipeline stages)."""
+    deep = [name for name, setting in settings.items() if ENCODERS[setting.kind].deepstack]
+    if not deep:
+        return
+    lm, language = cfg.model.language, layout.language
+    problems = [what for what, bad in (
+        (f"model.projection {cfg.model.projection} (the tower's rows hold its deepstack "
+         "features beside the main ones: projection none)", cfg.model.projection != "none"),
+        ("model.language.sequence_parallel", lm.sequence_parallel),
+        (f"language cp{language.cp}", language.cp > 1),
+        (f"model.language.recompute full with language pp{language.pp} (a recomputed "
+         "layer would add the next micro-batch's features; use selective)",
+         lm.recompute == "full" and language.pp > 1)) if bad]
+    if problems:
+        raise TrainConfigError(f"encoder module(s) {deep} add deepstack features to the "
+                               f"language model's first layers, which does not work with "
+                               f"{'; '.join(problems)}: drop it")
+
+
 def check_positions(cfg: TrainConfig, preprocess) -> None:
     """``TrainConfigError`` unless the preprocessing's position ids are what the language
     model's rotary embedding takes (M-RoPE ids for ``mrope_section``)."""
@@ -361,6 +385,7 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
         module=CoreAttention, params=dict(backend=backend))
     return dict(
         seed=_module_seed(cfg.train.seed, LANGUAGE), packed_rows=backend != "local",
+        mrope_interleaved=bool(arch and arch.mrope_interleaved),
         config=transformer,
         transformer_layer_spec=block_spec(layer_spec, transformer), vocab_size=vocab,
         max_sequence_length=max_sequence_length,

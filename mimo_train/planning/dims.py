@@ -7,10 +7,10 @@ the advisor both read them so).
   width, gated MLP or not; the language model's output rows and tying).
 - ``Tower``: an encoder's transformer with what surrounds it: the patch embedding (matmuls per
   patch; Whisper's two convolutions per position), the spatial merge and the merger's matmuls
-  per merged token (Qwen2-VL / Qwen2.5-VL), extra positions per frame (CLIP's CLS), window
-  attention (Qwen2.5-VL: windows of ``window`` merged tokens a side, full attention in
-  ``full_attention_layers``), and the patch grid of fixed-size items (a SigLIP / CLIP image, a
-  Whisper clip's padded window).
+  per merged token (Qwen2-VL / Qwen2.5-VL; Qwen3-VL: one merger per deepstack layer too),
+  extra positions per frame (CLIP's CLS), window attention (Qwen2.5-VL: windows of ``window``
+  merged tokens a side, full attention in ``full_attention_layers``), and the patch grid of
+  fixed-size items (a SigLIP / CLIP image, a Whisper clip's padded window).
 - ``EncoderModule``: a tower, the modalities its module serves, the projection's matmuls per
   output token; ``ModelDims``: the language ``Stack`` and the encoder modules by layout name.
 
@@ -148,6 +148,14 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
                       Linear(width * merge ** 2, config.out_hidden_size)),
                      window=config.window_size // merge // config.patch_size,
                      full_attention_layers=tuple(config.fullatt_block_indexes))
+    if kind == "qwen3_vl":           # the main merger and one per deepstack layer
+        width, merge = config.hidden_size, config.spatial_merge_size
+        stack = Stack(config.depth, width, config.num_heads, config.num_heads,
+                      width // config.num_heads, config.intermediate_size, gated=False)
+        mergers = 1 + len(config.deepstack_visual_indexes)
+        return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
+                     (Linear(width * merge ** 2, width * merge ** 2),
+                      Linear(width * merge ** 2, config.out_hidden_size)) * mergers)
     if kind in ("siglip", "llava"):
         width, side = config.hidden_size, config.image_size // config.patch_size
         stack = Stack(config.num_hidden_layers, width, config.num_attention_heads,
