@@ -1,0 +1,305 @@
+"""Qwen3-VL's data rules (``configs/preprocess_qwen3_vl.yaml``) against transformers' own
+``Qwen3VLProcessor`` (the published replica's, ``AutoProcessor``) and ``Qwen3VLModel``'s
+``get_rope_index``:
+
+- the frame sampling (``sampling: qwen3_vl``: ``np.linspace`` over the clip) and the resize
+  of the whole sampled clip equal its video processor's, from the metadata alone;
+- each video as its processor writes it (``timestamps``): the clip between the wrap tokens,
+  inside it per temporal patch ``<t seconds>`` and that patch's tokens between wrap tokens;
+  input ids, trained tokens and token counts equal the processor's through the chat template
+  for an image, a video, both, two images, several turns and text only;
+- the decoded pixels (uint8, normalized on the encoder's side) and grids equal the processor's;
+- M-RoPE positions equal ``get_rope_index`` (each temporal patch an image of its own), padded
+  and packed; a metadata-only preprocessor (language ranks) gives the same ids and positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from mimo_data.errors import ConfigError
+from mimo_data.inspect.sample import _frame_times_line
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import (
+    VIDEO, VideoConfig, normalize_video_pixels, patch_timestamps, sample_indices,
+    video_grid_thw)
+from mimo_data.preprocess.collate import Collator
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+
+from conftest import REPO
+
+REPLICA = REPO / "assets" / "models" / "published" / "Qwen--Qwen3-VL-2B-Instruct"
+CONFIG = REPO / "configs" / "preprocess_qwen3_vl.yaml"
+CLIPS = ("pan_h264_24", "zoom_mpeg4_10", "rotated_h264_24")
+PHOTOS = ("chelsea.jpg", "camera.png")
+
+
+def _turns(*texts: str) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
+            for i, text in enumerate(texts)]
+
+
+# key -> turns (markers lead each content) and the media, in marker order
+CONVERSATIONS = {
+    "image": (_turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
+    "video": (_turns("<video>\nWhat moves?", "The camera pans across a person."),
+              ["pan_h264_24"]),
+    "mixed": (_turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
+              ["chelsea.jpg", "zoom_mpeg4_10"]),
+    "two-images": (_turns("<image><image>\nCompare them.", "A cat and a camera."),
+                   ["chelsea.jpg", "camera.png"]),
+    "multi-turn": (_turns("<video>\nWhat is shown?", "A turned clip.",
+                          "<image>\nAnd here?", "A camera."), ["rotated_h264_24", "camera.png"]),
+    "text": (_turns("What is a tar file?", "An archive."), []),
+}
+
+
+@pytest.fixture(scope="module")
+def config() -> PreprocessConfig:
+    return PreprocessConfig.from_yaml(str(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def processor():
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(str(REPLICA), cap_pixels_per_frame=False)
+
+
+@pytest.fixture(scope="module")
+def media(corpus, corpus_videos) -> dict[str, bytes]:
+    found = {name: (corpus / "images" / name).read_bytes() for name in PHOTOS}
+    return found | {name: corpus_videos[name].data for name in CLIPS}
+
+
+@pytest.fixture(scope="module")
+def records(media) -> dict[str, tuple[dict, dict]]:
+    """key -> (record, member bytes)."""
+    found = {}
+    for key, (messages, names) in CONVERSATIONS.items():
+        items = [media_item("video" if name in CLIPS else "image", media[name], i)
+                 for i, name in enumerate(names)]
+        found[key] = ({"key": key, "messages": messages, "media": items},
+                      {item["member"]: media[name] for item, name in zip(items, names)})
+    return found
+
+
+@pytest.fixture(scope="module")
+def preprocessor(config) -> Preprocessor:
+    return Preprocessor(config)
+
+
+@pytest.fixture(scope="module")
+def samples(preprocessor, records) -> dict:
+    return {key: preprocessor(record, data) for key, (record, data) in records.items()}
+
+
+def _frames(data: bytes, rotation: int) -> np.ndarray:
+    """Every frame of a clip, plain PyAV, rotated for display."""
+    with av.open(io.BytesIO(data)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    return np.ascontiguousarray(np.rot90(frames, rotation // 90, axes=(1, 2)))
+
+
+@pytest.fixture(scope="module")
+def reference(processor, records, media) -> dict:
+    """key -> the processor's output for the conversation through its chat template (media
+    first in each content, as the template takes typed parts), with the video metadata."""
+    from PIL import Image, ImageOps
+    found = {}
+    for key, (record, _) in records.items():
+        messages = []
+        for message in record["messages"]:
+            text = message["content"]
+            parts = []
+            while text.startswith(("<image>", "<video>")):
+                parts.append({"type": text[1:6]})
+                text = text[7:]
+            messages.append({"role": message["role"],
+                             "content": [*parts, {"type": "text", "text": text}]})
+        prompt = processor.apply_chat_template(messages, tokenize=False)
+        images = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
+                  for name in CONVERSATIONS[key][1] if name in PHOTOS]
+        videos = [item for item in record["media"] if item["modality"] == "video"]
+        clips = [_frames(media[name], item["rotation"])
+                 for name, item in zip([n for n in CONVERSATIONS[key][1] if n in CLIPS], videos)]
+        found[key] = processor(
+            text=[prompt], images=images or None, videos=clips or None,
+            video_metadata=[{"total_num_frames": item["frames"], "fps": item["fps"]}
+                            for item in videos] or None, return_tensors="pt")
+    return found
+
+
+def test_input_ids_masks_and_counts_equal_the_processors(preprocessor, records, samples,
+                                                         reference, processor):
+    tokenizer = processor.tokenizer
+    for key, (record, _) in records.items():
+        text = preprocessor.text_batch([record])[0]
+        expected = reference[key]["input_ids"][0]
+        assert text.ids.tolist() == expected.tolist(), key
+        # trained: each answer and the <|im_end|> after it, nothing else (no placeholder,
+        # wrap or timestamp)
+        trained = text.loss_mask
+        runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
+        answers = [tokenizer.decode(text.ids[1:][run]) for run in runs if trained[run[0]]]
+        assert answers == [m["content"] + "<|im_end|>" for m in record["messages"]
+                           if m["role"] == "assistant"], key
+        for modality, grids in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
+            counts = (reference[key][grids].prod(-1) // 4).tolist() if grids in reference[key] \
+                else []
+            assert samples[key].token_counts[modality] == counts, key
+            token = preprocessor.text.modality_token_ids[modality]
+            assert int((expected == token).sum()) == sum(counts), key
+
+
+def test_videos_carry_the_processors_timestamps(records, reference, processor, config):
+    video = config.modalities["video"]
+    record = records["video"][0]
+    item = record["media"][0]
+    indices = sample_indices(item["frames"], item["fps"], video)
+    theirs = processor._calculate_timestamps(indices, item["fps"], video.temporal_patch_size)
+    assert patch_timestamps(item["frames"], item["fps"], video) == theirs
+    texts = VIDEO.placeholder_texts(item, video)   # type: ignore[arg-type]
+    assert texts == tuple(f"<{t:.1f} seconds>" for t in theirs)
+    assert len(texts) == int(reference["video"]["video_grid_thw"][0, 0]) > 1
+    decoded = processor.tokenizer.decode(reference["video"]["input_ids"][0])
+    assert decoded.count("<|vision_start|>") == len(texts) + 1
+    assert all(text + "<|vision_start|>" in decoded for text in texts)
+    # mimo-inspect's line shows the sampled frames and these timestamps
+    assert _frame_times_line(item, config).endswith("timestamps " + " ".join(texts))
+    plain = dataclasses.replace(video, timestamps=False)
+    assert VIDEO.placeholder_texts(item, plain) == ()      # type: ignore[arg-type]
+
+
+def test_pixels_and_grids_equal_the_processors(samples, reference, config, processor, media):
+    from PIL import Image, ImageOps
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    published = processor.image_processor
+    pillow = Qwen2VLImageProcessorPil(
+        patch_size=published.patch_size, merge_size=published.merge_size,
+        temporal_patch_size=published.temporal_patch_size, size=dict(published.size),
+        image_mean=published.image_mean, image_std=published.image_std)
+    pictures = {key: [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
+                      for name in CONVERSATIONS[key][1] if name in PHOTOS]
+                for key in CONVERSATIONS}
+    for key in ("mixed", "multi-turn", "video"):
+        inputs, theirs = samples[key].encoder_inputs, reference[key]
+        video = inputs["video"]
+        assert video["pixel_values_videos"].dtype == torch.uint8
+        assert torch.equal(video["video_grid_thw"], theirs["video_grid_thw"]), key
+        assert torch.equal(normalize_video_pixels(video["pixel_values_videos"],
+                                                  config.modalities["video"]),
+                           theirs["pixel_values_videos"]), key
+        if "image" in inputs:
+            # the published processor's grids, and the pixels of its Pillow backend, which
+            # mimo's images follow (its torchvision backend resizes a level or two apart)
+            image = inputs["image"]
+            assert torch.equal(image["image_grid_thw"], theirs["image_grid_thw"]), key
+            pixels = pillow(images=pictures[key], return_tensors="pt")["pixel_values"]
+            assert torch.equal(normalize_pixels(image["pixel_values"],
+                                                config.modalities["image"]), pixels), key
+
+
+# ------------------------------------------------------------------- sampling and resize
+
+SAMPLING_GRID = [(total, fps) for fps in (10, 23.976, 24, 25, 30, 60)
+                 for total in (2, 3, 5, 17, 30, 49, 75, 506, 1213, 8000, 30000)]
+
+
+@pytest.mark.parametrize("changes", [{}, {"fps": 1.0, "min_frames": 2, "max_frames": 64},
+                                     {"cap_pixels_per_frame": True, "max_video_tokens": 20}])
+def test_sampling_and_grids_equal_the_video_processors(processor, config, changes):
+    from transformers import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+    video = dataclasses.replace(config.modalities["video"], **changes)
+    theirs = Qwen3VLVideoProcessor(
+        patch_size=video.patch_size, temporal_patch_size=video.temporal_patch_size,
+        merge_size=video.merge_size, fps=video.fps, min_frames=video.min_frames,
+        max_frames=video.max_frames, cap_pixels_per_frame=video.cap_pixels_per_frame,
+        max_video_tokens=video.max_video_tokens, image_mean=list(video.mean),
+        image_std=list(video.std),
+        size={"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels})
+    assert processor.video_processor.fps == config.modalities["video"].fps
+    for total, fps in SAMPLING_GRID:
+        indices = theirs.sample_frames(VideoMetadata(total_num_frames=total, fps=fps)).tolist()
+        assert sample_indices(total, fps, video) == indices, (total, fps)
+        for width, height in ((128, 96), (96, 128), (1920, 1080), (33, 700), (20, 20)):
+            t, h, w = video_grid_thw(total, fps, width, height, video)
+            patches = theirs.get_num_of_video_patches(len(indices), height, width)
+            assert t == -(-len(indices) // video.temporal_patch_size)
+            assert t * h * w == patches, (total, fps, width, height)
+    # a clip of one frame cannot fill a temporal patch: too short, as for Qwen2-VL
+    item = {"member": "vid0.mp4", "frames": 1, "fps": 10.0, "width": 64, "height": 64,
+            "duration": 0.1}
+    with pytest.raises(Exception) as caught:
+        VIDEO.item_tokens(item, video)                      # type: ignore[arg-type]
+    assert getattr(caught.value, "reason", None) == "video_too_short"
+
+
+# ------------------------------------------------------------------------------- positions
+
+@pytest.fixture(scope="module")
+def rope_model():
+    """transformers' model class, for its ``get_rope_index``."""
+    from transformers import AutoConfig, Qwen3VLModel
+    config = AutoConfig.from_pretrained(str(REPLICA))     # the replica's tiny sizes
+    return Qwen3VLModel(config)
+
+
+def _rope_index(model, batch, tokens) -> torch.Tensor:
+    ids = batch["input_ids"]
+    inputs = batch["modality_inputs"]
+    grids = {f"{m}_grid_thw": inputs[m][m][f"{m}_grid_thw"] for m in ("image", "video")
+             if m in inputs}
+    kinds = (ids == tokens["image"]).int() + 2 * (ids == tokens["video"]).int()
+    positions, _ = model.get_rope_index(ids, mm_token_type_ids=kinds,
+                                        attention_mask=batch["attention_mask"].long(), **grids)
+    return positions
+
+
+def test_mrope_positions_equal_get_rope_index_padded_and_packed(preprocessor, samples,
+                                                                rope_model):
+    rows = list(samples.values())
+    padded, _ = Collator(preprocessor)(rows)
+    tokens = preprocessor.text.modality_token_ids
+    expected = _rope_index(rope_model, padded, tokens)
+    real = padded["attention_mask"]
+    assert torch.equal(padded["position_ids"][:, real], expected[:, real])
+    # each temporal patch is its own image: a video's time positions are not one per patch
+    # on a shared start, and no text position lies between a patch and the next
+    video = samples["video"]
+    at = video.input_ids == tokens["video"]
+    assert len(set(video.position_ids[0][at].tolist())) == \
+        int(video.encoder_inputs["video"]["video_grid_thw"][0, 0])
+    packed, _ = Collator(preprocessor, packed=True)(rows)
+    per_row = [expected[:, row, real[row]] for row in range(len(rows))]
+    assert torch.equal(packed["position_ids"][:, 0], torch.cat(per_row, dim=1))
+
+
+def test_language_ranks_build_the_same_without_decoding(config, records, samples):
+    metadata_only = Preprocessor(config, with_media=False)
+    for key, (record, _) in records.items():
+        sample = metadata_only(record, None)
+        assert sample.encoder_inputs == {}
+        assert torch.equal(sample.input_ids, samples[key].input_ids), key
+        assert torch.equal(sample.position_ids, samples[key].position_ids), key
+
+
+# ---------------------------------------------------------------------------------- config
+
+def test_config_keys_default_to_qwen2_vl_and_are_checked():
+    assert (VideoConfig().sampling, VideoConfig().timestamps) == ("qwen2_vl", False)
+    with pytest.raises(ConfigError, match="sampling is 'qwen4': use qwen2_vl or qwen3_vl"):
+        VideoConfig(sampling="qwen4").validate()
+    with pytest.raises(ConfigError, match="timestamps .* give wrap too"):
+        VideoConfig(timestamps=True).validate()
+    with pytest.raises(ConfigError, match="drop tokens_per_second"):
+        VideoConfig(timestamps=True, wrap=("<a>", "<b>"), tokens_per_second=2.0).validate()
