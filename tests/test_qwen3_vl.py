@@ -1,0 +1,282 @@
+"""Qwen3-VL through the model side: the published ``Qwen/Qwen3-VL-2B-Instruct`` files
+(``assets/models/published``, dims shrunk by tools/make_published.py: four text layers, a
+four-block tower with deepstack blocks [0, 1, 2]) as ``model.pretrained``, on conversations
+from the corpus: a system turn and two images over two turns, text only, a video, an image
+and a video.
+
+- step 1's loss at lr 0 equals transformers' own ``Qwen3VLForConditionalGeneration`` loss on
+  the same micro-batches within 1e-5 (fp32, its ``labels=`` path), on the same trained-token
+  count, one sample per micro-batch (padded) and packed;
+- the tower's module at dp2 fanning in to language tp2 (packed), and the language model in two
+  pipeline stages (the third deepstack layer's rows then cross to the second stage), give the
+  colocated step: loss and every gradient, the deepstack mergers' and the tower's inner
+  blocks' included;
+- import then export gives every weight of the checkpoint back bit for bit; transformers'
+  greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
+  ``mimo-generate`` on an image prompt and on a video prompt;
+- what mimo cannot build is refused with the reason: the MoE variant, Qwen3.5, deepstack with
+  a projection, sequence parallelism or full recompute under pipeline stages.
+
+The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
+processor) are tests/test_qwen3_vl_data.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import normalize_video_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+
+from conftest import MODELS, build_dataset
+from runs import compare, step
+
+CHECKPOINT = MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct"
+TOLERANCE = 1e-5                   # on the mean loss per trained token
+SAMPLES = 4
+IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
+VIDEO_PIXELS = {"max_pixels": 4 * 65536}                       # the clip's whole budget
+LAYOUT = "language=dp1;image=dp1,off0,video"
+
+
+def _conversations(corpus: Path, clips: dict) -> list[dict]:
+    images = corpus / "images"
+    return [
+        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
+         "conversations": [
+             {"from": "system", "value": "You describe pictures in a few words."},
+             {"from": "human", "value": "<image>What animal is this?"},
+             {"from": "gpt", "value": "A cat, lying down."},
+             {"from": "human", "value": "<image>And here?"},
+             {"from": "gpt", "value": "A rocket on its launch pad."}]},
+        {"id": "text-only", "conversations": [
+            {"from": "human", "value": "What is a tar file?"},
+            {"from": "gpt", "value": "An archive of files."}]},
+        {"id": "video", "videos": [str(corpus / clips["pan_h264_24"].path)], "conversations": [
+            {"from": "human", "value": "<video>\nWhat moves?"},
+            {"from": "gpt", "value": "The camera pans across a person."}]},
+        {"id": "mixed", "image": [str(images / "chelsea.jpg")],
+         "videos": [str(corpus / clips["zoom_mpeg4_10"].path)], "conversations": [
+             {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
+             {"from": "gpt", "value": "A cat, closer."}]},
+    ]
+
+
+def preprocessing(checkpoint: Path) -> dict:
+    """The checkpoint's preprocessing config (``mimo-train --preprocessing-for``), smaller
+    images and clips for a fast tower."""
+    from mimo_train.families.registry import preprocessing_for
+    config = preprocessing_for(str(checkpoint))
+    config["modalities"]["image"].update(IMAGE_PIXELS)
+    config["modalities"]["video"].update(VIDEO_PIXELS)
+    return {**config, "seq_length": 2048}
+
+
+@pytest.fixture(scope="module")
+def run(corpus, corpus_videos, tmp_path_factory) -> dict:
+    import yaml
+    if not (CHECKPOINT / ".complete").is_file():
+        pytest.fail(f"{CHECKPOINT} is not built: run tools/setup.sh")
+    tmp = tmp_path_factory.mktemp("qwen3-vl")
+    (tmp / "records.json").write_text(json.dumps(_conversations(corpus, corpus_videos)))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump(preprocessing(CHECKPOINT)))
+    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={CHECKPOINT}", f"train.global_batch_size={SAMPLES}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
+              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", "model.freeze=[]"]
+    return dict(tmp=tmp, preprocess=preprocess, common=common,
+                config=PreprocessConfig.from_yaml(str(preprocess)))
+
+
+@pytest.fixture(scope="module")
+def colocated(ranks, run) -> dict:
+    """Step 1 colocated, one sample per micro-batch (padded), with the micro-batches it
+    trained on; the imported model saved first (``init/step_0000000``)."""
+    tmp = run["tmp"]
+    return step(ranks, tmp / "colocated", 1, f"layout={LAYOUT}", "train.micro_batch_size=1",
+                *run["common"], save_batches=True, save_init=tmp / "init")
+
+
+def _reference_model():
+    from transformers import Qwen3VLForConditionalGeneration
+    return Qwen3VLForConditionalGeneration.from_pretrained(CHECKPOINT,
+                                                           dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def reference(run, colocated) -> tuple[float, int]:
+    """transformers' mean loss per trained token on the colocated step's micro-batches, and
+    that count. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
+    transformers' label at t + 1 (its loss shifts back)."""
+    model = _reference_model()
+    config = run["config"].modalities
+    image_id, video_id = model.config.image_token_id, model.config.video_token_id
+    total, count, kinds = 0.0, 0, set()
+    for batch in colocated["ranks"][0]["batches"]:
+        length = int(batch["attention_mask"].sum(1).max())
+        ids = batch["input_ids"][:, :length]
+        trained = batch["loss_mask"][:, :length].bool()
+        assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
+                           ids[:, 1:][trained[:, :-1]])
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
+        inputs = {modality: by_encoder[modality]
+                  for modality, by_encoder in batch["modality_inputs"].items()}
+        extra = {}
+        if "image" in inputs:
+            extra.update(pixel_values=normalize_pixels(inputs["image"]["pixel_values"],
+                                                       config["image"]),
+                         image_grid_thw=inputs["image"]["image_grid_thw"])
+        if "video" in inputs:
+            extra.update(pixel_values_videos=normalize_video_pixels(
+                inputs["video"]["pixel_values_videos"], config["video"]),
+                video_grid_thw=inputs["video"]["video_grid_thw"])
+        kinds.add(tuple(sorted(inputs)))
+        with torch.no_grad():
+            loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
+                         labels=labels, mm_token_type_ids=(ids == image_id).int()
+                         + 2 * (ids == video_id).int(), **extra).loss
+        tokens = int((labels[:, 1:] != -100).sum())
+        total, count = total + float(loss) * tokens, count + tokens
+    assert kinds == {(), ("image",), ("video",), ("image", "video")}
+    return total / count, count
+
+
+def _assert_loss(result: dict, reference: tuple[float, int], what: str) -> None:
+    loss, tokens = reference
+    assert result["tokens"] == tokens, what
+    assert math.isclose(result["loss_sum"] / result["tokens"], loss, rel_tol=0,
+                        abs_tol=TOLERANCE), (what, result["loss_sum"] / result["tokens"], loss)
+
+
+def test_step_one_loss_is_transformers_loss(colocated, reference):
+    _assert_loss(colocated, reference, "colocated, padded")
+
+
+def test_fan_in_to_tensor_parallel_packed_is_the_colocated_step(ranks, run, colocated,
+                                                                 reference):
+    """The tower's module at dp2 (each rank encodes two samples' images and clips) fanning in
+    to the language model at tp2, packed: transformers' loss, and every gradient the
+    colocated step has, deepstack mergers included."""
+    deepstack = [name for name in colocated["grads"]["image"] if "deepstack_merger" in name]
+    assert len({name.split(".")[-3] for name in deepstack}) == 3, deepstack
+    fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
+                  f"train.micro_batch_size={SAMPLES}", "data.packing=true",
+                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    _assert_loss(fan_in, reference, "image dp2 -> language tp2, packed")
+    compare(colocated, fan_in, "image dp2 -> language tp2, packed")
+
+
+def test_two_pipeline_stages_give_the_colocated_step(ranks, run, colocated):
+    """The language model in two stages of two layers: deepstack rows 0 and 1 are added on
+    the first stage, row 2 crosses to the second with the hidden states; four micro-batches
+    through the 1F1B schedule. The embeddings are tied (as the 2B publishes them)."""
+    staged = step(ranks, run["tmp"] / "pp2", 3, "layout=image=dp1,video;language=pp2",
+                  "train.micro_batch_size=1",
+                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    # the tied output layer's copy on the last stage holds the embedding's whole gradient
+    tied = staged["grads"]["language"].pop("output_layer.weight")
+    embedding = colocated["grads"]["language"]["embedding.word_embeddings.weight"]
+    assert (tied - embedding).abs().max() <= 1e-5
+    compare(colocated, staged, "image dp1 -> language pp2")
+
+
+@pytest.fixture(scope="module")
+def exported(run, colocated) -> Path:
+    """``mimo-export`` of the imported model (the colocated job's step-0 checkpoint)."""
+    from mimo_train.hf.export import main as export
+    out = run["tmp"] / "export"
+    assert export(["--checkpoint", str(run["tmp"] / "init" / "step_0000000"),
+                   "--output", str(out)]) == 0
+    return out
+
+
+def test_import_then_export_gives_every_weight_back(exported):
+    from safetensors.torch import load_file
+    published = load_file(CHECKPOINT / "model.safetensors")
+    ours: dict = {}
+    for path in sorted(exported.glob("*.safetensors")):
+        ours.update(load_file(path))
+    assert set(ours) == set(published)
+    for name, tensor in published.items():       # bf16 published, the run's fp32 exported
+        assert torch.equal(ours[name], tensor.to(ours[name].dtype)), name
+    config = json.loads((exported / "config.json").read_text())
+    assert config["vision_config"]["deepstack_visual_indexes"] == [0, 1, 2]
+    assert config["text_config"]["rope_scaling"]["mrope_interleaved"] is True
+
+
+def _processor(run):
+    """The published processor, its image and video budgets set as the run's config."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(CHECKPOINT)
+    image, video = run["config"].modalities["image"], run["config"].modalities["video"]
+    processor.image_processor.size = {"shortest_edge": image.min_pixels,
+                                      "longest_edge": image.max_pixels}
+    processor.video_processor.size = {"shortest_edge": video.min_pixels,
+                                      "longest_edge": video.max_pixels}
+    processor.video_processor.fps = video.fps
+    return processor
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported, corpus,
+                                                                  corpus_videos, kind):
+    """transformers' processor (the published chat template, its image or video processor:
+    frames sampled over the clip, ``<t seconds>`` before each temporal patch) and greedy
+    ``generate`` on the exported model give ``mimo-generate``'s prompt and tokens."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.video_utils import load_video
+
+    from mimo_train.hf.generate import Generator
+    processor = _processor(run)
+    question = "What is shown?"
+    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text",
+                                                             "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if kind == "image":
+        path = corpus / "images" / "chelsea.jpg"
+        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
+                           return_tensors="pt")
+    else:
+        path = corpus / corpus_videos["zoom_mpeg4_10"].path
+        frames, metadata = load_video(str(path), backend="pyav")
+        inputs = processor(text=[text], videos=[frames], video_metadata=[metadata],
+                           do_sample_frames=True, return_tensors="pt")
+        assert "seconds>" in processor.decode(inputs["input_ids"][0])
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
+                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
+    assert ours.prompt_ids == inputs["input_ids"][0].tolist()
+    assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
+    assert len(ours.token_ids) == 8
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["model.projection=linear"], "model.projection linear"),
+    (["layout=language=tp2;image=dp2,off0,video", "model.language.sequence_parallel=true"],
+     "model.language.sequence_parallel"),
+    (["layout=image=dp1,video;language=pp2", "model.language.recompute=full"],
+     "recompute full with language pp2"),
+])
+def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
+    from mimo_data.loading.layout import Layout
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import encoder_settings, resolve
+    from mimo_train.model.build import check_deepstack
+    cfg = resolve(TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides]))
+    layout = Layout.parse(cfg.layout)
+    settings = encoder_settings(cfg, layout, run["config"])
+    with pytest.raises(TrainConfigError, match=reason):
+        check_deepstack(cfg, layout, settings)
