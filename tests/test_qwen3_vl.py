@@ -23,6 +23,7 @@ processor) are tests/test_qwen3_vl_data.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -280,3 +281,23 @@ def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
     settings = encoder_settings(cfg, layout, run["config"])
     with pytest.raises(TrainConfigError, match=reason):
         check_deepstack(cfg, layout, settings)
+
+
+def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
+    """``mimo-inspect plan`` on Qwen3-VL: no sequence parallelism, no full recompute under
+    language pipeline stages (both refused at start-up); other models keep them."""
+    from types import SimpleNamespace
+
+    from mimo_data.loading.layout import Layout
+    from mimo_train.planning.advisor import read_model, settings_of
+    args = SimpleNamespace(recompute="any", distributed_optimizer="no",
+                           no_sequence_parallel=False)
+    model = read_model(str(CHECKPOINT), str(run["preprocess"]), run["config"],
+                       {"image": "image", "video": "image"})
+    staged = Layout.parse("language=tp2,pp2;image=dp4,video")
+    assert model.deepstack
+    tried = settings_of(model, staged, args)
+    assert tried and not any(s.sequence_parallel or s.recompute == "full" for s in tried)
+    plain = dataclasses.replace(model, deepstack=False)
+    assert any(s.sequence_parallel for s in settings_of(plain, staged, args))
+    assert any(s.recompute == "full" for s in settings_of(plain, staged, args))

@@ -105,6 +105,7 @@ class Model:
     attention_scores: bool = False                    # model.attention local
     packing: bool | None = None                       # a training YAML's data.packing
     optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
+    deepstack: bool = False                           # an encoder adds deepstack rows
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -158,10 +159,12 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     trained = {LANGUAGE: trains(LANGUAGE, fixed),
                **{f"{m}.{p}": trains(f"{m}.{p}", fixed) for m in dims.encoders
                   for p in ("encoder", "projection")}}
+    from mimo_train.families.registry import ENCODERS
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local",
                  cfg.data.packing if path.endswith((".yaml", ".yml")) else None,
-                 tuple(cfg.optimizer.modules))
+                 tuple(cfg.optimizer.modules),
+                 any(ENCODERS[e.tower.kind].deepstack for e in dims.encoders.values()))
 
 
 # ---------------------------------------------------------------------------- the work
@@ -523,17 +526,22 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
 def settings_of(model: Model, layout: Layout, args, packing: bool = False
                 ) -> list[mem.Settings]:
     """The settings tried on ``layout``: sequence parallel only where tp > 1 and the data is
-    not packed (the trainer refuses sequence_parallel with data.packing)."""
+    not packed (the trainer refuses sequence_parallel with data.packing); with deepstack rows
+    (``model.build.check_deepstack``) neither sequence parallelism nor full recompute under
+    language pipeline stages."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if args.recompute == "any" else \
         (args.recompute,)
     if not model.attention_scores:
         recompute = tuple(r for r in recompute if r != "selective") or recompute
+    if model.deepstack and layout.language.pp > 1:
+        recompute = tuple(r for r in recompute if r != "full")
     multi_dp = any(m.dp > 1 for m in layout.modules)
     distributed = {"both": (False, True), "yes": (True,), "no": (False,)}[
         args.distributed_optimizer]
     if not multi_dp:
         distributed = distributed[:1]
-    sp = not args.no_sequence_parallel and layout.language.tp > 1 and not packing
+    sp = not args.no_sequence_parallel and layout.language.tp > 1 and not packing \
+        and not model.deepstack
     return [mem.Settings(model.precision, d, r, sp, model.attention_scores)
             for d in distributed for r in recompute]
 
