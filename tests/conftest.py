@@ -43,7 +43,8 @@ SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
 LONGEST_FIRST = ("test_train_run.py", "test_published_checkpoints.py", "test_lora.py",
                  "test_train_parity.py", "test_vlm_families.py", "test_vlm_video.py",
                  "test_train_startup.py", "test_dtypes.py", "test_multinode.py", "test_vlm.py",
-                 "test_anomalies.py", "test_gpu_check.py", "test_planning.py")
+                 "test_anomalies.py", "test_gpu_check.py", "test_planning.py",
+                 "test_qwen3_vl.py")
 
 
 def pytest_collection_modifyitems(items) -> None:

@@ -19,6 +19,10 @@ and a video.
 
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.
+
+Three jobs (one, four and three forked ranks): no existing job runs this checkpoint, and each
+layout needs its own world; the colocated one is the reference the other two, the export and
+the generation read.
 """
 
 from __future__ import annotations
