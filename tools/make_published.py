@@ -15,7 +15,9 @@ files and where each came from):
   the published base vocabulary is smaller (LLaVA-1.5's 32000), unreachable filler entries
   where it is larger (Qwen's 151643).
 - weights under the published names (``visual.`` / ``model.`` / ``lm_head.`` for Qwen2-VL
-  and Qwen2.5-VL; ``model.visual.`` / ``model.language_model.`` / ``lm_head.`` for Qwen3-VL;
+  and Qwen2.5-VL; ``model.visual.`` / ``model.language_model.`` / ``lm_head.`` for Qwen3-VL
+  and Qwen3-VL-MoE, whose fused experts are written in the published layout, transposed from
+  transformers 5's);
   ``vision_tower.`` / ``multi_modal_projector.`` / ``language_model.model.`` /
   ``language_model.lm_head.`` for llava-hf), no output layer where the embeddings are tied,
   in the published dtype, sharded with an index where the published repository is sharded.
@@ -65,6 +67,13 @@ _QWEN3_VL = {"text_config.hidden_size": 64, "text_config.intermediate_size": 96,
              "vision_config.out_hidden_size": 64,
              # three DeepStack taps, as the published [5, 11, 17] of 24 blocks
              "vision_config.deepstack_visual_indexes": [0, 1, 2]}
+# Qwen3-VL-MoE: the Qwen3-VL replica's dims, every layer sparse (as published: decoder_sparse_step
+# 1, no mlp_only_layers) with 4 experts, 2 per token. moe_intermediate_size 24, not 32: with
+# hidden 64 a 32 makes the fused gate_up_proj square ([4, 64, 64]), and transformers 5's
+# Transpose(check_dims=True) on load then leaves the published [experts, hidden, 2 * moe]
+# layout untransposed (it transposes only when the shapes differ)
+_QWEN3_VL_MOE = {**_QWEN3_VL, "text_config.num_experts": 4,
+                 "text_config.num_experts_per_tok": 2, "text_config.moe_intermediate_size": 24}
 # published repository -> (dotted config key -> tiny value, shards of the published weights)
 SHRINK: dict[str, tuple[dict[str, Any], int]] = {
     "Qwen/Qwen2-VL-2B-Instruct": (
@@ -89,6 +98,8 @@ SHRINK: dict[str, tuple[dict[str, Any], int]] = {
          "vision_config.num_attention_heads": 2, "vision_config.num_hidden_layers": 2}, 1),
     # one model.safetensors, no index (the published repository is not sharded)
     "Qwen/Qwen3-VL-2B-Instruct": (_QWEN3_VL, 1),
+    # published in 13 shards with an index
+    "Qwen/Qwen3-VL-30B-A3B-Instruct": (_QWEN3_VL_MOE, 2),
 }
 # transformers 5's parameter prefix -> the published one, by config model_type
 PUBLISHED_NAMES = {
@@ -104,6 +115,13 @@ PUBLISHED_NAMES["qwen2_5_vl"] = PUBLISHED_NAMES["qwen2_vl"]
 PUBLISHED_NAMES["qwen3_vl"] = (("model.visual.", "model.visual."),
                                ("model.language_model.", "model.language_model."),
                                ("lm_head.", "lm_head."))
+PUBLISHED_NAMES["qwen3_vl_moe"] = PUBLISHED_NAMES["qwen3_vl"]
+# parameters published transposed from transformers 5's in-memory layout (dims 1 and 2), by
+# model_type: Qwen3-VL-MoE's fused experts are published as gate_up_proj [experts, hidden,
+# 2 * moe_intermediate] and down_proj [experts, moe_intermediate, hidden]; transformers 5
+# holds [experts, 2 * moe_intermediate, hidden] and [experts, hidden, moe_intermediate] and
+# transposes on load (conversion_mapping "qwen3_vl_moe")
+PUBLISHED_TRANSPOSED = {"qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")}
 # dtype of the published weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -190,6 +208,13 @@ def _published_name(name: str, model_type: str) -> str:
     raise SystemExit(f"no published name for the parameter {name}")
 
 
+def _published_tensor(name: str, tensor: torch.Tensor, model_type: str) -> torch.Tensor:
+    """``tensor`` in the published layout (``PUBLISHED_TRANSPOSED``)."""
+    if name.endswith(PUBLISHED_TRANSPOSED.get(model_type, ())):
+        return tensor.transpose(1, 2)
+    return tensor
+
+
 def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
     """``model.safetensors``, or ``shards`` files and their index, as the Hub writes them."""
     from safetensors.torch import save_file
@@ -253,7 +278,8 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
     model.tie_weights()
     dtype = DTYPES[_published_dtype(published)]
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
-    tensors = {_published_name(name, config.model_type): p.detach().to(dtype).contiguous()
+    tensors = {_published_name(name, config.model_type):
+               _published_tensor(name, p.detach().to(dtype), config.model_type).contiguous()
                for name, p in model.named_parameters(remove_duplicate=False)
                if not (name.startswith("lm_head.") and id(p) in tied)}
     _write_weights(tensors, staging, shards)

@@ -25,7 +25,8 @@ MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vis
         tiny-siglip-vision tiny-whisper tiny-qwen2-vl tiny-qwen2.5-vl tiny-llava)
 PUBLISHED=(Qwen--Qwen2-VL-2B-Instruct Qwen--Qwen2-VL-7B-Instruct Qwen--Qwen2.5-VL-3B-Instruct
            Qwen--Qwen2.5-VL-7B-Instruct llava-hf--llava-1.5-7b-hf
-           llava-hf--llava-interleave-qwen-0.5b-hf Qwen--Qwen3-VL-2B-Instruct)
+           llava-hf--llava-interleave-qwen-0.5b-hf Qwen--Qwen3-VL-2B-Instruct
+           Qwen--Qwen3-VL-30B-A3B-Instruct)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
