@@ -1,8 +1,9 @@
-"""Qwen3-VL through the model side: the published ``Qwen/Qwen3-VL-2B-Instruct`` files
-(``assets/models/published``, dims shrunk by tools/make_published.py: four text layers, a
-four-block tower with deepstack blocks [0, 1, 2]) as ``model.pretrained``, on conversations
-from the corpus: a system turn and two images over two turns, text only, a video, an image
-and a video.
+"""Qwen3-VL through the model side: the published ``Qwen/Qwen3-VL-2B-Instruct`` and
+``Qwen/Qwen3-VL-30B-A3B-Instruct`` (mixture of experts) files (``assets/models/published``,
+dims shrunk by tools/make_published.py: four text layers, a four-block tower with deepstack
+blocks [0, 1, 2]; the MoE's layers 4 experts, 2 per token) as ``model.pretrained``, on
+conversations from the corpus: a system turn and two images over two turns, text only, a
+video, an image and a video.
 
 - step 1's loss at lr 0 equals transformers' own ``Qwen3VLForConditionalGeneration`` loss on
   the same micro-batches within 1e-5 (fp32, its ``labels=`` path), on the same trained-token
@@ -14,15 +15,16 @@ and a video.
 - import then export gives every weight of the checkpoint back bit for bit; transformers'
   greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
   ``mimo-generate`` on an image prompt and on a video prompt;
-- what mimo cannot build is refused with the reason: the MoE variant, Qwen3.5, deepstack with
-  a projection, sequence parallelism or full recompute under pipeline stages.
+- what cannot carry deepstack rows is refused with the reason (a projection, context
+  parallelism, full recompute under pipeline stages), and the layout advisor does not propose
+  it; Qwen3.5's refusal is tests/test_vlm.py's.
 
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.
 
-Three jobs (one, four and three forked ranks): no existing job runs this checkpoint, and each
-layout needs its own world; the colocated one is the reference the other two, the export and
-the generation read.
+Three jobs per checkpoint (one, four and three forked ranks): no existing job runs these
+checkpoints, and each layout needs its own world; the colocated one is the reference the other
+two, the export and the generation read.
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ from mimo_data.preprocess.config import PreprocessConfig
 from conftest import MODELS, build_dataset
 from runs import compare, step
 
-CHECKPOINT = MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct"
+PUBLISHED = MODELS / "published"
+# the dense 2B (tied embeddings) and the mixture-of-experts 30B-A3B (4 experts of 24, 2 per
+# token; untied; sharded), as published, dims shrunk
+CHECKPOINTS = {"2B": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",
+               "30B-A3B": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"}
 TOLERANCE = 1e-5                   # on the mean loss per trained token
 SAMPLES = 4
 IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
@@ -84,21 +90,28 @@ def preprocessing(checkpoint: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(corpus, corpus_videos, tmp_path_factory) -> dict:
-    import yaml
-    if not (CHECKPOINT / ".complete").is_file():
-        pytest.fail(f"{CHECKPOINT} is not built: run tools/setup.sh")
-    tmp = tmp_path_factory.mktemp("qwen3-vl")
+def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("qwen3-vl-shards")
     (tmp / "records.json").write_text(json.dumps(_conversations(corpus, corpus_videos)))
     build_dataset([tmp / "records.json"], tmp / "shards")
+    return tmp / "shards"
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def run(request, shards, tmp_path_factory) -> dict:
+    import yaml
+    checkpoint = CHECKPOINTS[request.param]
+    if not (checkpoint / ".complete").is_file():
+        pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
+    tmp = tmp_path_factory.mktemp(f"qwen3-vl-{request.param}")
     preprocess = tmp / "preprocess.yaml"
-    preprocess.write_text(yaml.safe_dump(preprocessing(CHECKPOINT)))
-    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
-              f"model.pretrained={CHECKPOINT}", f"train.global_batch_size={SAMPLES}",
+    preprocess.write_text(yaml.safe_dump(preprocessing(checkpoint)))
+    common = [f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={checkpoint}", f"train.global_batch_size={SAMPLES}",
               "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
               "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", "model.freeze=[]"]
-    return dict(tmp=tmp, preprocess=preprocess, common=common,
-                config=PreprocessConfig.from_yaml(str(preprocess)))
+    return dict(name=request.param, checkpoint=checkpoint, tmp=tmp, preprocess=preprocess,
+                common=common, config=PreprocessConfig.from_yaml(str(preprocess)))
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +123,9 @@ def colocated(ranks, run) -> dict:
                 *run["common"], save_batches=True, save_init=tmp / "init")
 
 
-def _reference_model():
-    from transformers import Qwen3VLForConditionalGeneration
-    return Qwen3VLForConditionalGeneration.from_pretrained(CHECKPOINT,
-                                                           dtype=torch.float32).eval()
+def _reference_model(checkpoint: Path):
+    from transformers import AutoModelForImageTextToText
+    return AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +133,7 @@ def reference(run, colocated) -> tuple[float, int]:
     """transformers' mean loss per trained token on the colocated step's micro-batches, and
     that count. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
     transformers' label at t + 1 (its loss shifts back)."""
-    model = _reference_model()
+    model = _reference_model(run["checkpoint"])
     config = run["config"].modalities
     image_id, video_id = model.config.image_token_id, model.config.video_token_id
     total, count, kinds = 0.0, 0, set()
@@ -166,31 +178,34 @@ def test_step_one_loss_is_transformers_loss(colocated, reference):
     _assert_loss(colocated, reference, "colocated, padded")
 
 
-def test_fan_in_to_tensor_parallel_packed_is_the_colocated_step(ranks, run, colocated,
-                                                                 reference):
+def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):
     """The tower's module at dp2 (each rank encodes two samples' images and clips) fanning in
-    to the language model at tp2, packed: transformers' loss, and every gradient the
-    colocated step has, deepstack mergers included."""
+    to the language model at tp2: transformers' loss, and every gradient the colocated step
+    has, deepstack mergers included. The dense model packed; the mixture of experts with
+    sequence parallelism (megatron-core's MoE layer needs it under TP; the deepstack rows are
+    then split over the sequence as the embeddings are), padded, each expert split over TP."""
     deepstack = [name for name in colocated["grads"]["image"] if "deepstack_merger" in name]
     assert len({name.split(".")[-3] for name in deepstack}) == 3, deepstack
+    how = ["data.packing=true"] if run["name"] == "2B" else \
+        ["model.language.sequence_parallel=true"]
     fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
-                  f"train.micro_batch_size={SAMPLES}", "data.packing=true",
+                  f"train.micro_batch_size={SAMPLES}", *how,
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
-    _assert_loss(fan_in, reference, "image dp2 -> language tp2, packed")
-    compare(colocated, fan_in, "image dp2 -> language tp2, packed")
+    _assert_loss(fan_in, reference, f"image dp2 -> language tp2, {how}")
+    compare(colocated, fan_in, f"image dp2 -> language tp2, {how}")
 
 
 def test_two_pipeline_stages_give_the_colocated_step(ranks, run, colocated):
     """The language model in two stages of two layers: deepstack rows 0 and 1 are added on
     the first stage, row 2 crosses to the second with the hidden states; four micro-batches
-    through the 1F1B schedule. The embeddings are tied (as the 2B publishes them)."""
+    through the 1F1B schedule. The 2B's embeddings are tied (as published)."""
     staged = step(ranks, run["tmp"] / "pp2", 3, "layout=image=dp1,video;language=pp2",
                   "train.micro_batch_size=1",
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
-    # the tied output layer's copy on the last stage holds the embedding's whole gradient
-    tied = staged["grads"]["language"].pop("output_layer.weight")
-    embedding = colocated["grads"]["language"]["embedding.word_embeddings.weight"]
-    assert (tied - embedding).abs().max() <= 1e-5
+    if run["name"] == "2B":   # tied: the last stage's output layer holds the embedding's
+        tied = staged["grads"]["language"].pop("output_layer.weight")
+        embedding = colocated["grads"]["language"]["embedding.word_embeddings.weight"]
+        assert (tied - embedding).abs().max() <= 1e-5
     compare(colocated, staged, "image dp1 -> language pp2")
 
 
@@ -204,12 +219,15 @@ def exported(run, colocated) -> Path:
     return out
 
 
-def test_import_then_export_gives_every_weight_back(exported):
+def test_import_then_export_gives_every_weight_back(run, exported):
+    """Every tensor under its published name and shape (the MoE's fused experts as
+    published: ``[E, hidden, 2 · ffn]``, not transformers 5's in-memory transpose)."""
     from safetensors.torch import load_file
-    published = load_file(CHECKPOINT / "model.safetensors")
+    published: dict = {}
     ours: dict = {}
-    for path in sorted(exported.glob("*.safetensors")):
-        ours.update(load_file(path))
+    for directory, found in ((run["checkpoint"], published), (exported, ours)):
+        for path in sorted(directory.glob("*.safetensors")):
+            found.update(load_file(path))
     assert set(ours) == set(published)
     for name, tensor in published.items():       # bf16 published, the run's fp32 exported
         assert torch.equal(ours[name], tensor.to(ours[name].dtype)), name
@@ -221,7 +239,7 @@ def test_import_then_export_gives_every_weight_back(exported):
 def _processor(run):
     """The published processor, its image and video budgets set as the run's config."""
     from transformers import AutoProcessor
-    processor = AutoProcessor.from_pretrained(CHECKPOINT)
+    processor = AutoProcessor.from_pretrained(run["checkpoint"])
     image, video = run["config"].modalities["image"], run["config"].modalities["video"]
     processor.image_processor.size = {"shortest_edge": image.min_pixels,
                                       "longest_edge": image.max_pixels}
@@ -269,8 +287,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 
 @pytest.mark.parametrize("overrides, reason", [
     (["model.projection=linear"], "model.projection linear"),
-    (["layout=language=tp2;image=dp2,off0,video", "model.language.sequence_parallel=true"],
-     "model.language.sequence_parallel"),
+    (["layout=language=cp2;image=dp2,off0,video"], "language cp2"),
     (["layout=image=dp1,video;language=pp2", "model.language.recompute=full"],
      "recompute full with language pp2"),
 ])
@@ -288,20 +305,20 @@ def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
 
 
 def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
-    """``mimo-inspect plan`` on Qwen3-VL: no sequence parallelism, no full recompute under
-    language pipeline stages (both refused at start-up); other models keep them."""
+    """``mimo-inspect plan`` on Qwen3-VL: no full recompute under language pipeline stages
+    (refused at start-up); other models keep it."""
     from types import SimpleNamespace
 
     from mimo_data.loading.layout import Layout
     from mimo_train.planning.advisor import read_model, settings_of
     args = SimpleNamespace(recompute="any", distributed_optimizer="no",
                            no_sequence_parallel=False)
-    model = read_model(str(CHECKPOINT), str(run["preprocess"]), run["config"],
+    model = read_model(str(run["checkpoint"]), str(run["preprocess"]), run["config"],
                        {"image": "image", "video": "image"})
     staged = Layout.parse("language=tp2,pp2;image=dp4,video")
     assert model.deepstack
     tried = settings_of(model, staged, args)
-    assert tried and not any(s.sequence_parallel or s.recompute == "full" for s in tried)
+    assert tried and not any(s.recompute == "full" for s in tried)
+    assert any(s.sequence_parallel for s in tried)
     plain = dataclasses.replace(model, deepstack=False)
-    assert any(s.sequence_parallel for s in settings_of(plain, staged, args))
     assert any(s.recompute == "full" for s in settings_of(plain, staged, args))

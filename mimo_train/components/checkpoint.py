@@ -64,6 +64,9 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
 LATEST = "latest"
 META = "meta.json"
 _STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
+# megatron-core saves a MoE layer's experts (``SequentialMLP``'s ``local_experts.<e>.``) stacked
+# along the expert axis under this name
+_EXPERTS_SAVED = "mlp.experts.experts."
 
 
 @dataclass
@@ -491,9 +494,9 @@ def _unstacked(key: str, tensor: torch.Tensor) -> dict:
     """A transformer block's layers are saved stacked (``decoder.layers.<param>``, the layer
     index as the first axis of the global tensor) and under the names megatron-core's layer
     spec maps them to (``sharded_state_dict_keys_map``: the local spec's ``input_layernorm.``
-    is saved as TransformerEngine's ``self_attention.linear_qkv.layer_norm_``): one entry per
-    layer as in the module's state dict (``decoder.layers.<i>.<param>``); other keys as they
-    are."""
+    is saved as TransformerEngine's ``self_attention.linear_qkv.layer_norm_``; a MoE layer's
+    experts stacked once more, ``_EXPERTS_SAVED``): one entry per layer (and expert) as in the
+    module's state dict (``decoder.layers.<i>.<param>``); other keys as they are."""
     match = _STACKED.match(key)
     if match is None:
         return {key: tensor}
@@ -501,6 +504,11 @@ def _unstacked(key: str, tensor: torch.Tensor) -> dict:
     for local, saved in get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
         if param.startswith(saved):
             param = local + param[len(saved):]
+    if param.startswith(_EXPERTS_SAVED):   # a MoE layer's experts: stacked once more
+        name = param[len(_EXPERTS_SAVED):]
+        return {f"{match[1]}{index}.mlp.experts.local_experts.{e}.{name}": weight.clone()
+                for index, layer in enumerate(tensor.unbind(0))
+                for e, weight in enumerate(layer.unbind(0))}
     return {f"{match[1]}{index}.{param}": layer.clone()
             for index, layer in enumerate(tensor.unbind(0))}
 

@@ -190,6 +190,10 @@ class CheckpointWeights:
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The stored shape of ``name`` (its data not read)."""
+        return tuple(self.files[name].get_slice(name).get_shape())
+
     def prefix_of(self, prefixes: Iterable[str], name: str) -> str:
         """The first of ``prefixes`` under which the checkpoint holds ``name``."""
         for prefix in prefixes:

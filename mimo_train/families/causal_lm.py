@@ -60,12 +60,14 @@ from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM, CheckpointWeights, checkpoint_value
 
 # model_type -> (qkv bias, qk-norm) of the families this module maps
-FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
+            "qwen3_moe": (False, True)}
 # a whole VLM's text model_type -> the family of its decoder (Qwen2 with M-RoPE)
-TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3"}
+TEXT_FAMILIES = {"qwen2_vl_text": "qwen2", "qwen2_5_vl_text": "qwen2", "qwen3_vl_text": "qwen3",
+                 "qwen3_vl_moe_text": "qwen3_moe"}
 # text model_types whose M-RoPE interleaves the t/h/w frequencies (Qwen3-VL's
 # ``recomposition_frequencies``) instead of giving each a contiguous section
-INTERLEAVED_MROPE = frozenset({"qwen3_vl_text"})
+INTERLEAVED_MROPE = frozenset({"qwen3_vl_text", "qwen3_vl_moe_text"})
 # megatron-core's RotaryEmbedding applies llama3 scaling with these fixed values; only the
 # factor is an argument
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -91,6 +93,11 @@ class LanguageArch:
     qk_norm: bool
     mrope_section: tuple[int, ...] | None = None   # M-RoPE (Qwen2-VL): rotary pairs per t/h/w
     mrope_interleaved: bool = False                # Qwen3-VL: t/h/w frequencies interleaved
+    # a mixture of experts in every layer (Qwen3-MoE, Qwen3-VL-MoE): experts, how many each
+    # token goes through (their weights renormalized over those), each one's MLP width
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_ffn_hidden_size: int = 0
     prefix: str = "model."          # of the decoder's weight names (a VLM: its language model's)
     head: str = "lm_head.weight"    # the output layer's weight name
 
@@ -134,6 +141,13 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
         problems.append("mlp_bias")
     if getattr(config, "use_sliding_window", False):
         problems.append("use_sliding_window")
+    if family == "qwen3_moe":
+        if getattr(config, "mlp_only_layers", None) or \
+                getattr(config, "decoder_sparse_step", 1) != 1:
+            problems.append("dense MLP layers between the mixture-of-experts ones "
+                            "(mlp_only_layers, decoder_sparse_step)")
+        if getattr(config, "norm_topk_prob", True) is False:
+            problems.append("norm_topk_prob false (routing weights not renormalized)")
     rope = dict(getattr(config, "rope_parameters", None) or {})
     rope_type = rope.get("rope_type", "default")
     factor = None
@@ -163,7 +177,10 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
         tied=bool(getattr(top, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
         mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None,
-        mrope_interleaved=config.model_type in INTERLEAVED_MROPE)
+        mrope_interleaved=config.model_type in INTERLEAVED_MROPE,
+        **(dict(experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                expert_ffn_hidden_size=config.moe_intermediate_size)
+           if family == "qwen3_moe" else {}))
 
 
 def check_parallel(arch: LanguageArch, tp: int, pp: int, path: str) -> None:
@@ -185,7 +202,19 @@ def transformer_fields(arch: LanguageArch) -> dict:
                 num_query_groups=arch.num_query_groups, kv_channels=arch.kv_channels,
                 normalization="RMSNorm", layernorm_epsilon=arch.norm_eps,
                 gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-                add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm)
+                add_bias_linear=False, add_qkv_bias=arch.qkv_bias, qk_layernorm=arch.qk_norm,
+                **(_moe_fields(arch) if arch.experts else {}))
+
+
+def _moe_fields(arch: LanguageArch) -> dict:
+    """megatron-core's MoE layer as transformers' Qwen3-MoE block: softmax over the top-k
+    router logits (the same weights as transformers' softmax, top-k, renormalized), no
+    load-balancing loss (it would make gradients depend on how tokens split into
+    micro-batches), every expert whole on each rank (no expert parallelism)."""
+    return dict(num_moe_experts=arch.experts, moe_router_topk=arch.experts_per_token,
+                moe_ffn_hidden_size=arch.expert_ffn_hidden_size,
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_grouped_gemm=False)
 
 
 def gpt_fields(arch: LanguageArch) -> dict:
@@ -250,6 +279,9 @@ def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_ran
             state[dst + "self_attention.k_layernorm.weight"] = hf(attn + "k_norm.weight")
         state[dst + "self_attention.linear_proj.weight"] = cols(hf(attn + "o_proj.weight"))
         state[dst + "pre_mlp_layernorm.weight"] = hf(src + "post_attention_layernorm.weight")
+        if arch.experts:
+            state.update(_experts_to_megatron(hf, arch, mlp, dst + "mlp.", rows, cols))
+            continue
         state[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [rows(hf(mlp + "gate_proj.weight")), rows(hf(mlp + "up_proj.weight"))])
         state[dst + "mlp.linear_fc2.weight"] = cols(hf(mlp + "down_proj.weight"))
@@ -262,6 +294,55 @@ def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_ran
         output = hf(arch.head) if untied else hf(arch.prefix + "embed_tokens.weight")
         state["output_layer.weight"] = rows(_extend_rows(output, vocab_size))
     return state
+
+
+def _experts_to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, src: str,
+                         dst: str, rows: Callable, cols: Callable) -> dict:
+    """One mixture-of-experts layer: the router (``gate.weight``) and each expert's
+    ``linear_fc1`` / ``linear_fc2`` from the fused ``experts.gate_up_proj`` (gate, then up)
+    and ``experts.down_proj`` (``expert_matrices``); TP splits each expert as a dense MLP."""
+    gate_up, down = expert_matrices(hf(src + "experts.gate_up_proj"),
+                                    hf(src + "experts.down_proj"), arch)
+    state = {dst + "router.weight": hf(src + "gate.weight")}
+    for e in range(gate_up.size(0)):
+        gate, up = gate_up[e].chunk(2)
+        state[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([rows(gate),
+                                                                               rows(up)])
+        state[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = cols(down[e])
+    return state
+
+
+def expert_matrices(gate_up: torch.Tensor, down: torch.Tensor, arch: LanguageArch
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fused experts as ``[E, 2 · ffn, hidden]`` and ``[E, hidden, ffn]`` (transformers 5's
+    in-memory layout, as it saves them) from either that layout or the published one
+    (``[E, hidden, 2 · ffn]``, ``[E, ffn, hidden]``: Qwen3-VL-MoE's checkpoints, which
+    transformers transposes on load); where both fit (hidden = 2 · ffn), transformers' own
+    reading: the in-memory layout."""
+    hidden, ffn = arch.hidden_size, arch.expert_ffn_hidden_size
+    if tuple(gate_up.shape[1:]) != (2 * ffn, hidden):
+        if tuple(gate_up.shape[1:]) != (hidden, 2 * ffn):
+            raise TrainConfigError(f"fused experts of shape {tuple(gate_up.shape)} for hidden "
+                                   f"size {hidden} and expert width {ffn}")
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    return gate_up, down
+
+
+def _experts_to_hf(parts: list[dict], src: str, dst: str) -> dict:
+    """``_experts_to_megatron`` undone over the TP ranks' ``parts``, in transformers 5's
+    layout (``hf.export`` writes a checkpoint's own)."""
+    first = parts[0]
+    experts = len({k for k in first if k.startswith(src + "experts.local_experts.")
+                   and k.endswith(".linear_fc1.weight")})
+    gate_up, down = [], []
+    for e in range(experts):
+        expert = f"{src}experts.local_experts.{e}."
+        halves = [part[expert + "linear_fc1.weight"].chunk(2) for part in parts]
+        gate_up.append(torch.cat([*(g for g, _ in halves), *(u for _, u in halves)]))
+        down.append(torch.cat([part[expert + "linear_fc2.weight"] for part in parts], 1))
+    return {dst + "gate.weight": first[src + "router.weight"],
+            dst + "experts.gate_up_proj": torch.stack(gate_up).contiguous(),
+            dst + "experts.down_proj": torch.stack(down).contiguous()}
 
 
 def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) -> dict:
@@ -292,6 +373,9 @@ def to_hf(parts: list[dict], arch: LanguageArch, vocab_rows: int | None = None) 
                 hf[f"{attn}{norm}_norm.weight"] = first[key]
         hf[attn + "o_proj.weight"] = merged(src + "self_attention.linear_proj.weight", 1)
         hf[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"]
+        if arch.experts:
+            hf.update(_experts_to_hf(parts, src + "mlp.", mlp))
+            continue
         halves = [part[src + "mlp.linear_fc1.weight"].chunk(2) for part in parts]
         hf[mlp + "gate_proj.weight"] = torch.cat([gate for gate, _ in halves])
         hf[mlp + "up_proj.weight"] = torch.cat([up for _, up in halves])

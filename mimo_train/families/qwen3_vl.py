@@ -1,4 +1,6 @@
-"""Qwen3-VL (dense): ``Qwen3VLForConditionalGeneration`` checkpoints.
+"""Qwen3-VL: ``Qwen3VLForConditionalGeneration`` and ``Qwen3VLMoeForConditionalGeneration``
+checkpoints (the MoE variant: the same tower, a mixture-of-experts language model,
+``causal_lm``'s ``qwen3_moe``).
 
 Laid out as Qwen2-VL's (``qwen2_vl``: one tower for images and videos under ``model.visual.``,
 the language model under ``model.language_model.``, image and video tokens between
@@ -12,8 +14,8 @@ the language model under ``model.language_model.``, image and video tokens betwe
   row per placeholder ``[main | deepstack 0 | … | deepstack K-1]`` (``(1 + K) × width``), so
   they cross any bridge with the main rows in one transfer; ``mcore.deepstack`` adds them in
   the language model;
-- the language model is Qwen3's (qk-norm, no qkv bias) with M-RoPE laid out interleaved
-  (``causal_lm``: ``LanguageArch.mrope_interleaved``);
+- the language model is Qwen3's or Qwen3-MoE's (qk-norm, no qkv bias) with M-RoPE laid out
+  interleaved (``causal_lm``: ``LanguageArch.mrope_interleaved``);
 - videos: the video processor samples frames evenly over the clip, and the text carries
   ``<{t:.1f} seconds>`` before each temporal patch, each patch between its own wrap tokens
   (``modalities.video``: ``sampling: qwen3_vl``, ``timestamps: true``); M-RoPE time positions
@@ -69,3 +71,14 @@ class Qwen3VLVision(qwen2_vl.Qwen2VLVision):
 
     def rows(self, output) -> torch.Tensor:
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
+
+
+class Qwen3VLMoeVision(Qwen3VLVision):
+    """Qwen3-VL-MoE's vision tower: Qwen3-VL's, under its own transformers class."""
+
+    @staticmethod
+    def tower_class():
+        from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+            Qwen3VLMoeVisionModel)
+        return Qwen3VLMoeVisionModel
+

@@ -24,7 +24,7 @@ from mimo_train.families.causal_lm import LanguageArch
 # encoder kind -> its class
 ENCODERS: dict[str, type[Encoder]] = {
     "qwen2_vl": qwen2_vl.Qwen2VLVision, "qwen2_5_vl": qwen2_5_vl.Qwen2_5VLVision,
-    "qwen3_vl": qwen3_vl.Qwen3VLVision,
+    "qwen3_vl": qwen3_vl.Qwen3VLVision, "qwen3_vl_moe": qwen3_vl.Qwen3VLMoeVision,
     "siglip": siglip.SiglipVision, "whisper": whisper.WhisperAudio,
     "llava": llava.LlavaVision}
 # encoder kind for each input form, without a whole VLM
@@ -33,12 +33,10 @@ DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
 # the modalities an encoder takes on its own (the others ride along: ``Encoder.also_takes``)
 OWN_MODALITIES = tuple(dict.fromkeys(modality for modality, _ in DEFAULT_KINDS))
 # whole VLM model_type -> its family module (``read``, ``image_geometry``)
-VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl, "llava": llava}
+VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
+        "qwen3_vl_moe": qwen3_vl, "llava": llava}
 # model_type -> why mimo does not take it
 REFUSED = {
-    "qwen3_vl_moe": "Qwen3-VL-MoE's language model is a mixture of experts (128 experts, 8 "
-                    "routed per token), whose weights mimo does not map onto megatron-core's "
-                    "MoE layers yet; its dense siblings (Qwen3-VL-2B/4B/8B/32B) are taken",
     "qwen3_5": "Qwen3.5's language model interleaves gated delta-net (linear attention) "
                "layers with full attention; megatron-core runs them only with "
                "flash-linear-attention's Triton kernels, which need a CUDA GPU, and mimo does "

@@ -293,6 +293,11 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
             for ours, theirs in renames:
                 if key.startswith(ours):
                     hf[theirs + key[len(ours):]] = value
+    # fused experts in the layout the checkpoint holds them (Qwen3-VL-MoE publishes them
+    # transposed from transformers 5's in-memory layout, which causal_lm.to_hf gives)
+    for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        if tuple(hf[name].shape) != checkpoint.shape(name):
+            hf[name] = hf[name].transpose(1, 2).contiguous()
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them
     dtype = hf[next(iter(hf))].dtype

@@ -10,7 +10,8 @@ cut rows, never columns), and the language side learns K from the width alone.
   stage, colocated or not) splices the main rows as ``MimoModel`` does, and scatters each
   deepstack part to its placeholders' positions: K tensors ``[S, B, h]``, zero elsewhere
   (transformers' ``_deepstack_process`` adds the rows at the visual positions, image and video
-  tokens in token order: the same sum). It hands them to the language model.
+  tokens in token order: the same sum), split over the sequence as the embeddings are under
+  sequence parallelism. It hands them to the language model.
 - ``DeepstackLanguage`` (the ``GPTModel`` the language model is) adds part k to the output
   of its decoder layer with global index k (forward hooks). Under pipeline parallelism a stage
   sends the parts for layers past its own beside its hidden states (``[S, B, (1 + n) · h]``;
@@ -65,6 +66,8 @@ class DeepstackMimoModel(MimoModel):
                 continue
             main[name], parts = split_rows(rows, width)
             placed = scatter(parts, input_ids == special_token_ids[name])
+            if self.partition_adapter is not None:    # sequence parallel: as the embeddings
+                placed = [self.partition_adapter.shard(p, None, None)[0] for p in placed]
             added = [a + p for a, p in zip(added, placed)] if added else placed
         unwrap_model(self.language_model).take_deepstack(dict(enumerate(added)))
         return super().align_embeddings_by_token_positions(main, input_ids, special_token_ids)

@@ -198,6 +198,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
         if transformer.recompute_granularity or transformer.sequence_parallel else transformer
     settings = encoder_settings(cfg, layout, preprocess)
     check_deepstack(cfg, layout, settings)
+    check_experts(cfg, layout)
     modality_specs, token_ids = {}, {}
     for name, setting in settings.items():
         encoder_size = _encoder_output_size(setting.spec, name, setting.kind)
@@ -333,8 +334,8 @@ def _frozen_parts(freeze: list, infra: Infra) -> dict:
 
 def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting]) -> None:
     """``TrainConfigError`` where an encoder with deepstack features (``mcore.deepstack``)
-    meets what cannot carry them: a projection (the rows are main + deepstack columns), rows
-    split over the sequence (sequence or context parallelism), or layers recomputed after the
+    meets what cannot carry them: a projection (the rows are main + deepstack columns),
+    context parallelism (not split as the embeddings are), or layers recomputed after the
     next micro-batch's forward (full recompute under pipeline stages)."""
     deep = [name for name, setting in settings.items() if ENCODERS[setting.kind].deepstack]
     if not deep:
@@ -343,7 +344,6 @@ def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting
     problems = [what for what, bad in (
         (f"model.projection {cfg.model.projection} (the tower's rows hold its deepstack "
          "features beside the main ones: projection none)", cfg.model.projection != "none"),
-        ("model.language.sequence_parallel", lm.sequence_parallel),
         (f"language cp{language.cp}", language.cp > 1),
         (f"model.language.recompute full with language pp{language.pp} (a recomputed "
          "layer would add the next micro-batch's features; use selective)",
@@ -352,6 +352,27 @@ def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting
         raise TrainConfigError(f"encoder module(s) {deep} add deepstack features to the "
                                f"language model's first layers, which does not work with "
                                f"{'; '.join(problems)}: drop it")
+
+
+def check_experts(cfg: TrainConfig, layout) -> None:
+    """``TrainConfigError`` for a mixture-of-experts language model under tensor parallelism
+    without sequence parallelism (megatron-core's MoE layer refuses to train so), and for
+    LoRA on it (adapters would wrap each expert's layers, which the export does not map)."""
+    pretrained = cfg.model.language.pretrained
+    if not pretrained or not language_arch(pretrained, weights=False).experts:
+        return
+    if layout.language.tp > 1 and not cfg.model.language.sequence_parallel:
+        raise TrainConfigError(
+            f"model.language.pretrained {pretrained} is a mixture of experts, which "
+            f"megatron-core trains under tensor parallelism (the layout's language "
+            f"tp{layout.language.tp}) only with sequence parallelism: set "
+            "model.language.sequence_parallel=true (not with data.packing), or tp1")
+    adapted = [p.name for p in parts(cfg.model.lora, layout, cfg.model.language.num_layers)
+               if p.module == LANGUAGE]
+    if adapted:
+        raise TrainConfigError(f"model.lora adapts {adapted}, a mixture-of-experts language "
+                               "model: adapters on its experts are not supported; adapt the "
+                               "tower (<module>.encoder) or train the language model whole")
 
 
 def check_positions(cfg: TrainConfig, preprocess) -> None:
@@ -379,8 +400,9 @@ def language_model_params(cfg: TrainConfig, infra: Infra, transformer, vocab: in
                                                   share_embeddings_and_output_weights=False))
     if cfg.model.language.mrope_section:
         gpt["position_embedding_type"] = "mrope"
-    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=arch.qk_norm) \
-        if arch else get_gpt_layer_local_spec()
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=arch.experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+        qk_layernorm=arch.qk_norm) if arch else get_gpt_layer_local_spec()
     layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=CoreAttention, params=dict(backend=backend))
     return dict(

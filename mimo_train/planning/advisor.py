@@ -526,9 +526,10 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
 def settings_of(model: Model, layout: Layout, args, packing: bool = False
                 ) -> list[mem.Settings]:
     """The settings tried on ``layout``: sequence parallel only where tp > 1 and the data is
-    not packed (the trainer refuses sequence_parallel with data.packing); with deepstack rows
-    (``model.build.check_deepstack``) neither sequence parallelism nor full recompute under
-    language pipeline stages."""
+    not packed (the trainer refuses sequence_parallel with data.packing), and always there for
+    a mixture-of-experts language model (megatron-core's MoE layer needs it: packed, no
+    setting); with deepstack rows no full recompute under language pipeline stages
+    (``model.build.check_deepstack``)."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if args.recompute == "any" else \
         (args.recompute,)
     if not model.attention_scores:
@@ -540,8 +541,9 @@ def settings_of(model: Model, layout: Layout, args, packing: bool = False
         args.distributed_optimizer]
     if not multi_dp:
         distributed = distributed[:1]
-    sp = not args.no_sequence_parallel and layout.language.tp > 1 and not packing \
-        and not model.deepstack
+    sp = not args.no_sequence_parallel and layout.language.tp > 1 and not packing
+    if model.dims.language.experts and layout.language.tp > 1 and not sp:
+        return []
     return [mem.Settings(model.precision, d, r, sp, model.attention_scores)
             for d in distributed for r in recompute]
 

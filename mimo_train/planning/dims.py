@@ -55,6 +55,10 @@ class Stack:
     gated: bool                       # gated MLP (SwiGLU: gate and up projections)
     vocab: int = 0
     tied: bool = False                # output layer shares the embedding's weights
+    # a mixture of experts in every layer: ``experts`` MLPs of ``ffn_hidden``, each token
+    # through ``experts_per_token`` of them, chosen by a router (0: one dense MLP)
+    experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def attention_width(self) -> int:
@@ -62,16 +66,24 @@ class Stack:
         return self.heads * self.kv_channels
 
     def layer_linears(self) -> tuple[Linear, ...]:
-        """The matmuls of one layer, per token: qkv, attention output, the MLP's."""
+        """The matmuls of one layer, per token: qkv, attention output, the MLP's (each expert
+        a token goes through, and the router)."""
         kv = 2 * self.query_groups * self.kv_channels
+        used = self.experts_per_token or 1
         return (Linear(self.hidden, self.attention_width + kv),
                 Linear(self.attention_width, self.hidden),
-                Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1)),
-                Linear(self.ffn_hidden, self.hidden))
+                Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1), used),
+                Linear(self.ffn_hidden, self.hidden, used),
+                *((Linear(self.hidden, self.experts),) if self.experts else ()))
 
     def layer_parameters(self) -> tuple[int, int]:
-        """One layer's (matmul weights, norm weights): TP splits the matmuls, not the norms."""
-        return sum(lin.inputs * lin.outputs for lin in self.layer_linears()), 2 * self.hidden
+        """One layer's (matmul weights, norm weights): TP splits the matmuls, not the norms;
+        every expert's weights count."""
+        copies = (self.experts or 1, self.experts or 1)
+        linears = self.layer_linears()
+        mlp = sum(lin.inputs * lin.outputs * n for lin, n in zip(linears[2:4], copies))
+        rest = sum(lin.inputs * lin.outputs for lin in (*linears[:2], *linears[4:]))
+        return mlp + rest, 2 * self.hidden
 
     def parameters(self) -> int:
         """Weights of the stack's matmuls, norms (two per layer, one final) and, with a
@@ -148,7 +160,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
                       Linear(width * merge ** 2, config.out_hidden_size)),
                      window=config.window_size // merge // config.patch_size,
                      full_attention_layers=tuple(config.fullatt_block_indexes))
-    if kind == "qwen3_vl":           # the main merger and one per deepstack layer
+    if kind in ("qwen3_vl", "qwen3_vl_moe"):     # the main merger, one per deepstack layer
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=False)
@@ -242,8 +254,10 @@ def language_stack(cfg: TrainConfig, tokenizer_size: int | None = None, tp: int 
     arch = language_arch(lm.pretrained, weights=False) if lm.pretrained else None
     if arch is not None:
         return Stack(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
-                     arch.num_query_groups, arch.kv_channels, arch.ffn_hidden_size, gated=True,
-                     vocab=rows, tied=arch.tied)
+                     arch.num_query_groups, arch.kv_channels,
+                     arch.expert_ffn_hidden_size or arch.ffn_hidden_size, gated=True,
+                     vocab=rows, tied=arch.tied, experts=arch.experts,
+                     experts_per_token=arch.experts_per_token)
     assert lm.num_layers and lm.hidden_size and lm.num_attention_heads   # resolved
     return Stack(lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.num_attention_heads,
                  lm.hidden_size // lm.num_attention_heads,
