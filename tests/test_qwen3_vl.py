@@ -322,3 +322,21 @@ def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
     assert any(s.sequence_parallel for s in tried)
     plain = dataclasses.replace(model, deepstack=False)
     assert any(s.recompute == "full" for s in settings_of(plain, staged, args))
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["layout=image=dp2,video;language=tp2"], "only with sequence parallelism"),
+    (["model.lora.language.rank=4"], "adapters on its experts are not supported"),
+])
+def test_what_the_experts_cannot_take_is_refused(run, overrides, reason):
+    from mimo_data.loading.layout import Layout
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import resolve
+    from mimo_train.model.build import check_experts
+    cfg = resolve(TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides]))
+    if run["name"] == "2B":      # dense: nothing to refuse
+        check_experts(cfg, Layout.parse(cfg.layout))
+        return
+    with pytest.raises(TrainConfigError, match=reason):
+        check_experts(cfg, Layout.parse(cfg.layout))
