@@ -16,7 +16,7 @@ video, an image and a video.
   greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
   ``mimo-generate`` on an image prompt and on a video prompt;
 - what cannot carry deepstack rows is refused with the reason (a projection, context
-  parallelism, full recompute under pipeline stages), and the layout advisor does not propose
+  parallelism, the language model's full recompute), and the layout advisor does not propose
   it; Qwen3.5's refusal is tests/test_vlm.py's.
 
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
@@ -179,17 +179,19 @@ def test_step_one_loss_is_transformers_loss(colocated, reference):
 
 
 def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):
-    """The tower's module at dp2 (each rank encodes two samples' images and clips) fanning in
-    to the language model at tp2: transformers' loss, and every gradient the colocated step
-    has, deepstack mergers included. The dense model packed; the mixture of experts with
-    sequence parallelism (megatron-core's MoE layer needs it under TP; the deepstack rows are
-    then split over the sequence as the embeddings are), padded, each expert split over TP."""
+    """The tower's module at dp2 (each rank encodes one sample's images and clips of each
+    micro-batch of two: the text-only sample leaves one rank nothing to encode, its empty rows
+    as wide as the others) fanning in to the language model at tp2: transformers' loss, and
+    every gradient the colocated step has, deepstack mergers included. The dense model
+    packed; the mixture of experts with sequence parallelism (megatron-core's MoE layer needs
+    it under TP; the deepstack rows are then split over the sequence as the embeddings are),
+    padded, each expert split over TP."""
     deepstack = [name for name in colocated["grads"]["image"] if "deepstack_merger" in name]
     assert len({name.split(".")[-3] for name in deepstack}) == 3, deepstack
     how = ["data.packing=true"] if run["name"] == "2B" else \
         ["model.language.sequence_parallel=true"]
     fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
-                  f"train.micro_batch_size={SAMPLES}", *how,
+                  f"train.micro_batch_size={SAMPLES // 2}", *how,
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
     _assert_loss(fan_in, reference, f"image dp2 -> language tp2, {how}")
     compare(colocated, fan_in, f"image dp2 -> language tp2, {how}")
@@ -288,8 +290,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 @pytest.mark.parametrize("overrides, reason", [
     (["model.projection=linear"], "model.projection linear"),
     (["layout=language=cp2;image=dp2,off0,video"], "language cp2"),
-    (["layout=image=dp1,video;language=pp2", "model.language.recompute=full"],
-     "recompute full with language pp2"),
+    (["model.language.recompute=full"], "recompute full"),
 ])
 def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
     from mimo_data.loading.layout import Layout
@@ -305,8 +306,8 @@ def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
 
 
 def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
-    """``mimo-inspect plan`` on Qwen3-VL: no full recompute under language pipeline stages
-    (refused at start-up); other models keep it."""
+    """``mimo-inspect plan`` on Qwen3-VL: no full recompute (refused at start-up); other
+    models keep it."""
     from types import SimpleNamespace
 
     from mimo_data.loading.layout import Layout
@@ -326,7 +327,7 @@ def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
 
 @pytest.mark.parametrize("overrides, reason", [
     (["layout=image=dp2,video;language=tp2"], "only with sequence parallelism"),
-    (["model.lora.language.rank=4"], "adapters on its experts are not supported"),
+    (["model.lora.language.rank=4"], "adapters on its layers .* not supported"),
 ])
 def test_what_the_experts_cannot_take_is_refused(run, overrides, reason):
     from mimo_data.loading.layout import Layout
@@ -340,3 +341,15 @@ def test_what_the_experts_cannot_take_is_refused(run, overrides, reason):
         return
     with pytest.raises(TrainConfigError, match=reason):
         check_experts(cfg, Layout.parse(cfg.layout))
+
+
+def test_a_qwen3_moe_language_model_alone_is_refused_with_the_reason(tmp_path):
+    """Its checkpoints store each expert apart (transformers fuses them on load), which mimo
+    does not map: refused, not read as missing tensors."""
+    from transformers import AutoConfig
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.registry import language_arch
+    AutoConfig.for_model("qwen3_moe").save_pretrained(tmp_path)
+    with pytest.raises(TrainConfigError, match="Qwen3-MoE language model alone.*apart"):
+        language_arch(str(tmp_path))

@@ -272,7 +272,7 @@ def patch_timestamps(frames: int, fps: float, cfg: VideoConfig) -> list[float]:
     return [(times[i] + times[i + tps - 1]) / 2 for i in range(0, len(times), tps)]
 
 
-@functools.lru_cache(maxsize=_MAX_MEMO)
+@functools.lru_cache(maxsize=1024)     # entries of up to max_frames / 2 strings each
 def timestamp_texts(frames: int, fps: float, config: VideoConfig) -> tuple[str, ...]:
     """``<{t:.1f} seconds>`` per temporal patch (``patch_timestamps``), as Qwen3VLProcessor
     writes them before each patch's tokens; () without ``timestamps``."""
@@ -286,6 +286,8 @@ def video_resized_size(width: int, height: int, sampled: int, cfg: VideoConfig
     """``(width, height)`` each of ``sampled`` frames of a ``width`` x ``height`` clip (after
     rotation) is resized to, as the processor's ``resize``."""
     factor = cfg.patch_size * cfg.merge_size
+    if min(width, height) <= 0:
+        raise ValueError(f"video of {width}x{height} pixels has no area")
     if cfg.sampling == "qwen3_vl":         # its smart_resize bounds the whole clip's pixels
         max_pixels = cfg.max_pixels
         if cfg.cap_pixels_per_frame:
@@ -297,7 +299,7 @@ def video_resized_size(width: int, height: int, sampled: int, cfg: VideoConfig
                                           factor=factor, min_pixels=cfg.min_pixels,
                                           max_pixels=max_pixels)
         return width, height
-    if min(width, height) <= 0 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+    if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise ValueError(f"video of {width}x{height} pixels has an aspect ratio above "
                          f"{MAX_ASPECT_RATIO}:1, which the dynamic resize (smart_resize) refuses")
     max_pixels = cfg.max_pixels

@@ -57,6 +57,11 @@ class Encoder(torch.nn.Module):
     # ``mcore.deepstack``), which no projection but ``none`` passes on
     deepstack: bool = False
 
+    @property
+    def row_width(self) -> int:
+        """The width of the rows it emits (``output_size`` but with deepstack features)."""
+        return self.output_size
+
     def take_also(self, modality: str, modality_config) -> None:
         """Serve ``modality`` (one of ``also_takes``) as preprocessed by ``modality_config``
         (EncoderBuildError if its geometry cannot give the preprocessor's token counts)."""
@@ -185,6 +190,9 @@ class CheckpointWeights:
             self.files.update({key: handle for key in handle.keys()})
 
     def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise TrainConfigError(f"{self.key} {self.path} holds no tensor {name}: not a "
+                                   "checkpoint of the architecture its config.json names")
         return self.files[name].get_tensor(name).float()
 
     def __contains__(self, name: str) -> bool:

@@ -124,6 +124,11 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
             head = next((name for name in vlm.head_names if name in held), vlm.head_names[0])
         config = top.get_text_config()
     family = TEXT_FAMILIES.get(config.model_type, config.model_type)
+    if family == "qwen3_moe" and vlm is None:
+        raise TrainConfigError(f"{key}: {path} is a Qwen3-MoE language model alone, whose "
+                               "checkpoints store each expert's weights apart "
+                               "(experts.<e>.gate_proj, ...), which mimo does not map yet; "
+                               "Qwen3-VL-MoE's fused experts are mapped")
     if family not in FAMILIES:
         raise TrainConfigError(f"{key}: {path} is a {family!r} model; the language model can "
                                f"be built from {sorted(FAMILIES)} checkpoints (or a whole VLM's "
@@ -320,12 +325,19 @@ def expert_matrices(gate_up: torch.Tensor, down: torch.Tensor, arch: LanguageArc
     transformers transposes on load); where both fit (hidden = 2 · ffn), transformers' own
     reading: the in-memory layout."""
     hidden, ffn = arch.hidden_size, arch.expert_ffn_hidden_size
-    if tuple(gate_up.shape[1:]) != (2 * ffn, hidden):
-        if tuple(gate_up.shape[1:]) != (hidden, 2 * ffn):
-            raise TrainConfigError(f"fused experts of shape {tuple(gate_up.shape)} for hidden "
-                                   f"size {hidden} and expert width {ffn}")
-        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return gate_up, down
+    return (_in_memory(gate_up, (2 * ffn, hidden), "experts.gate_up_proj"),
+            _in_memory(down, (hidden, ffn), "experts.down_proj"))
+
+
+def _in_memory(fused: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
+    """``fused`` ``[E, *shape]``, transposed from ``[E, *reversed(shape)]`` if stored so."""
+    if tuple(fused.shape[1:]) == shape:
+        return fused
+    if tuple(fused.shape[1:]) == shape[::-1]:
+        return fused.transpose(1, 2)
+    raise TrainConfigError(f"the checkpoint's {name} has shape {tuple(fused.shape)}, neither "
+                           f"[experts, {shape[0]}, {shape[1]}] nor its transpose: not the "
+                           "architecture its config.json describes")
 
 
 def _experts_to_hf(parts: list[dict], src: str, dst: str) -> dict:

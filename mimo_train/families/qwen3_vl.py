@@ -69,6 +69,10 @@ class Qwen3VLVision(qwen2_vl.Qwen2VLVision):
             temporal_patch_size=image.temporal_patch_size,
             deepstack_visual_indexes=list(range(min(3, num_layers - 1))))
 
+    @property
+    def row_width(self) -> int:
+        return self.output_size * (1 + len(self.model.config.deepstack_visual_indexes))
+
     def rows(self, output) -> torch.Tensor:
         return torch.cat([output.pooler_output, *output.deepstack_features], dim=-1)
 

@@ -189,8 +189,9 @@ class LanguageModel(DeepstackLanguage):
         if packed_rows and self.position_embedding_type not in ("rope", "mrope"):
             raise ValueError(f"packed rows need rotary positions, not "
                              f"{self.position_embedding_type!r}: use model.attention=local")
-        if mrope_interleaved:
-            assert self.position_embedding_type == "mrope", "interleaved M-RoPE is M-RoPE"
+        if mrope_interleaved:       # transformers' Qwen3-VL: no interpolation, pairs split
+            assert self.position_embedding_type == "mrope" and not self.config.rotary_interleaved \
+                and kwargs.get("seq_len_interpolation_factor") is None
             self.rotary_pos_emb = InterleavedMultimodalRotaryEmbedding(
                 kv_channels=self.config.kv_channels,
                 rotary_percent=kwargs.get("rotary_percent", 1.0),

@@ -20,9 +20,10 @@ cut rows, never columns), and the language side learns K from the width alone.
   Gradients flow back the same way, into the tower's inner layers and deepstack mergers.
 
 megatron-core has no such path (its ``MimoModel`` splices at the input embeddings only), hence
-this module. The hooks read the parts of the micro-batch in flight: a layer recomputed in the
-backward pass after the next micro-batch's forward (full recompute under pipeline stages) would
-read the wrong one, so that combination is refused at build time (``model.build``).
+this module. The hooks add parts that are no input of megatron-core's (reentrant) layer
+checkpoints: under full recompute their gradient would flow through the tower twice, or under
+pipeline stages read the next micro-batch's parts, so full recompute is refused at build time
+(``model.build.check_deepstack``); selective recompute checkpoints the attention core only.
 """
 
 from __future__ import annotations
@@ -55,6 +56,15 @@ def scatter(parts: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Te
 class DeepstackMimoModel(MimoModel):
     """``MimoModel`` that splits deepstack rows off the encoder modules' rows (see the module
     docstring) and gives them to its language model."""
+
+    def _empty_encoder_output(self, encoder_name):
+        """megatron-core's rows of an encoder rank with nothing to encode, as wide as its
+        encoder's rows (``row_width`` of its encoders): the bridge concatenates them with the
+        other encoder ranks' under fan-in."""
+        empty = super()._empty_encoder_output(encoder_name)
+        module = unwrap_model(self.modality_submodules[encoder_name])
+        width = max(getattr(e, "row_width", empty.size(1)) for e in module.encoders.values())
+        return empty.new_empty((0, width)).requires_grad_() if width != empty.size(1) else empty
 
     def align_embeddings_by_token_positions(self, modality_embeddings, input_ids,
                                             special_token_ids):

@@ -19,9 +19,6 @@ class InterleavedMultimodalRotaryEmbedding(MultimodalRotaryEmbedding):
 
     def forward(self, position_ids: torch.Tensor, mrope_section: list[int],
                 cp_group=None) -> torch.Tensor:
-        if self.rotary_interleaved or self.seq_len_interpolation_factor is not None:
-            raise ValueError("interleaved M-RoPE takes neither rotary_interleaved nor a "
-                             "sequence length interpolation")
         seq = position_ids.to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
         freqs = seq[..., None] * self.inv_freq         # [3, B, S, dim / 2]
         index = torch.arange(freqs.size(-1), device=freqs.device)

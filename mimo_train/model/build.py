@@ -143,6 +143,7 @@ class _SeededEncoder(torch.nn.Module):
         for modality, config in setting.also.items():
             self.encoder.take_also(modality, config)
         self.modalities = (setting.modality, *setting.also)
+        self.row_width = self.encoder.row_width       # mcore.deepstack's empty rows
 
     def forward(self, placeholders: torch.Tensor | None = None, **inputs):
         if placeholders is None:
@@ -335,8 +336,10 @@ def _frozen_parts(freeze: list, infra: Infra) -> dict:
 def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting]) -> None:
     """``TrainConfigError`` where an encoder with deepstack features (``mcore.deepstack``)
     meets what cannot carry them: a projection (the rows are main + deepstack columns),
-    context parallelism (not split as the embeddings are), or layers recomputed after the
-    next micro-batch's forward (full recompute under pipeline stages)."""
+    context parallelism (not split as the embeddings are), or the language model's full
+    recompute (a recomputed layer adds rows that are no input of its checkpoint: their
+    gradient would run twice through the tower, or, under pipeline stages, be the next
+    micro-batch's)."""
     deep = [name for name, setting in settings.items() if ENCODERS[setting.kind].deepstack]
     if not deep:
         return
@@ -345,9 +348,8 @@ def check_deepstack(cfg: TrainConfig, layout, settings: dict[str, EncoderSetting
         (f"model.projection {cfg.model.projection} (the tower's rows hold its deepstack "
          "features beside the main ones: projection none)", cfg.model.projection != "none"),
         (f"language cp{language.cp}", language.cp > 1),
-        (f"model.language.recompute full with language pp{language.pp} (a recomputed "
-         "layer would add the next micro-batch's features; use selective)",
-         lm.recompute == "full" and language.pp > 1)) if bad]
+        ("model.language.recompute full (use selective)", lm.recompute == "full"))
+        if bad]
     if problems:
         raise TrainConfigError(f"encoder module(s) {deep} add deepstack features to the "
                                f"language model's first layers, which does not work with "
@@ -371,8 +373,9 @@ def check_experts(cfg: TrainConfig, layout) -> None:
                if p.module == LANGUAGE]
     if adapted:
         raise TrainConfigError(f"model.lora adapts {adapted}, a mixture-of-experts language "
-                               "model: adapters on its experts are not supported; adapt the "
-                               "tower (<module>.encoder) or train the language model whole")
+                               "model: adapters on its layers (its experts' among them) are "
+                               "not supported yet; adapt the tower (<module>.encoder) or train "
+                               "the language model whole")
 
 
 def check_positions(cfg: TrainConfig, preprocess) -> None:

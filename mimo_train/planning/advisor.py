@@ -159,7 +159,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     trained = {LANGUAGE: trains(LANGUAGE, fixed),
                **{f"{m}.{p}": trains(f"{m}.{p}", fixed) for m in dims.encoders
                   for p in ("encoder", "projection")}}
-    from mimo_train.families.registry import ENCODERS
+    from mimo_train.families.registry import ENCODERS    # families read at call time only
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local",
                  cfg.data.packing if path.endswith((".yaml", ".yml")) else None,
@@ -528,13 +528,12 @@ def settings_of(model: Model, layout: Layout, args, packing: bool = False
     """The settings tried on ``layout``: sequence parallel only where tp > 1 and the data is
     not packed (the trainer refuses sequence_parallel with data.packing), and always there for
     a mixture-of-experts language model (megatron-core's MoE layer needs it: packed, no
-    setting); with deepstack rows no full recompute under language pipeline stages
-    (``model.build.check_deepstack``)."""
+    setting); with deepstack rows no full recompute (``model.build.check_deepstack``)."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if args.recompute == "any" else \
         (args.recompute,)
     if not model.attention_scores:
         recompute = tuple(r for r in recompute if r != "selective") or recompute
-    if model.deepstack and layout.language.pp > 1:
+    if model.deepstack:
         recompute = tuple(r for r in recompute if r != "full")
     multi_dp = any(m.dp > 1 for m in layout.modules)
     distributed = {"both": (False, True), "yes": (True,), "no": (False,)}[

@@ -157,7 +157,11 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
     a = stack.heads * stack.kv_channels
     g = stack.query_groups * stack.kv_channels
     outside = 10 * h * tokens / (tp if sequence_parallel else 1)
-    inside = (4 * a + 4 * g + (6 if stack.gated else 4) * f) * tokens / tp
+    # a mixture of experts: each token's MLP activations in each expert it goes through, and
+    # its permuted copies into and out of them (the dispatcher's)
+    used = stack.experts_per_token or 1
+    routed = 4 * h * used if stack.experts else 0
+    inside = (4 * a + 4 * g + (6 if stack.gated else 4) * f * used + routed) * tokens / tp
     scores = 5 * stack.heads * squares / tp \
         if settings.attention_scores and settings.recompute == "none" else 0
     return (outside + inside + scores) * settings.width / 2
