@@ -59,12 +59,13 @@ class DeepstackMimoModel(MimoModel):
 
     def _empty_encoder_output(self, encoder_name):
         """megatron-core's rows of an encoder rank with nothing to encode, as wide as its
-        encoder's rows (``row_width`` of its encoders): the bridge concatenates them with the
-        other encoder ranks' under fan-in."""
+        encoder's deepstack rows where it has them (its encoders' ``deepstack_width``): the
+        bridge concatenates them with the other encoder ranks' under fan-in."""
         empty = super()._empty_encoder_output(encoder_name)
         module = unwrap_model(self.modality_submodules[encoder_name])
-        width = max(getattr(e, "row_width", empty.size(1)) for e in module.encoders.values())
-        return empty.new_empty((0, width)).requires_grad_() if width != empty.size(1) else empty
+        widths = [w for e in module.encoders.values() if (w := getattr(e, "deepstack_width",
+                                                                        None))]
+        return empty.new_empty((0, widths[0])).requires_grad_() if widths else empty
 
     def align_embeddings_by_token_positions(self, modality_embeddings, input_ids,
                                             special_token_ids):

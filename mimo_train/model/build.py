@@ -143,7 +143,9 @@ class _SeededEncoder(torch.nn.Module):
         for modality, config in setting.also.items():
             self.encoder.take_also(modality, config)
         self.modalities = (setting.modality, *setting.also)
-        self.row_width = self.encoder.row_width       # mcore.deepstack's empty rows
+        # mcore.deepstack's empty rows: as wide as the tower's deepstack rows (none: the
+        # module's rows after its projection, megatron-core's own)
+        self.deepstack_width = self.encoder.row_width if self.encoder.deepstack else None
 
     def forward(self, placeholders: torch.Tensor | None = None, **inputs):
         if placeholders is None:
