@@ -8,10 +8,10 @@ video, an image and a video.
 - step 1's loss at lr 0 equals transformers' own ``Qwen3VLForConditionalGeneration`` loss on
   the same micro-batches within 1e-5 (fp32, its ``labels=`` path), on the same trained-token
   count, one sample per micro-batch (padded) and packed;
-- the tower's module at dp2 fanning in to language tp2 (packed), and the language model in two
-  pipeline stages (the third deepstack layer's rows then cross to the second stage), give the
-  colocated step: loss and every gradient, the deepstack mergers' and the tower's inner
-  blocks' included;
+- the tower's module at dp2 fanning in to language tp2 (packed), and at dp1 fanning out to
+  language dp2 in two pipeline stages (the third deepstack layer's rows then cross to the
+  second stage), give the colocated step: loss and every gradient, the deepstack mergers' and
+  the tower's inner blocks' included;
 - import then export gives every weight of the checkpoint back bit for bit; transformers'
   greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
   ``mimo-generate`` on an image prompt and on a video prompt;
@@ -22,7 +22,7 @@ video, an image and a video.
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.
 
-Three jobs per checkpoint (one, four and three forked ranks): no existing job runs these
+Three jobs per checkpoint (one, four and five forked ranks): no existing job runs these
 checkpoints, and each layout needs its own world; the colocated one is the reference the other
 two, the export and the generation read.
 """
@@ -197,18 +197,19 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
     compare(colocated, fan_in, f"image dp2 -> language tp2, {how}")
 
 
-def test_two_pipeline_stages_give_the_colocated_step(ranks, run, colocated):
-    """The language model in two stages of two layers: deepstack rows 0 and 1 are added on
-    the first stage, row 2 crosses to the second with the hidden states; four micro-batches
-    through the 1F1B schedule. The 2B's embeddings are tied (as published)."""
-    staged = step(ranks, run["tmp"] / "pp2", 3, "layout=image=dp1,video;language=pp2",
+def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):
+    """The tower's one rank fanning out to two language DP ranks, each a pipeline of two
+    stages of two layers: deepstack rows 0 and 1 are added on the first stage, row 2 crosses
+    to the second with the hidden states; two micro-batches per pipeline through the 1F1B
+    schedule. The 2B's embeddings are tied (as published)."""
+    staged = step(ranks, run["tmp"] / "pp2", 5, "layout=image=dp1,video;language=pp2,dp2",
                   "train.micro_batch_size=1",
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
     if run["name"] == "2B":   # tied: the last stage's output layer holds the embedding's
         tied = staged["grads"]["language"].pop("output_layer.weight")
         embedding = colocated["grads"]["language"]["embedding.word_embeddings.weight"]
         assert (tied - embedding).abs().max() <= 1e-5
-    compare(colocated, staged, "image dp1 -> language pp2")
+    compare(colocated, staged, "image dp1 -> language pp2 dp2")
 
 
 @pytest.fixture(scope="module")
