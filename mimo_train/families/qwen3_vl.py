@@ -24,21 +24,13 @@ the language model under ``model.language_model.``, image and video tokens betwe
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl
-from mimo_train.families.base import VLM
 
-image_geometry = qwen2_vl.image_geometry
-
-
-def read(config, path: str) -> VLM:
-    """Qwen2-VL's reading: the same tokens, prefixes and projection; videos positioned one
-    time step per temporal patch (``tokens_per_second`` none)."""
-    return dataclasses.replace(qwen2_vl.read(config, path), tokens_per_second=None)
+# Qwen2-VL's: the same tokens, prefixes and projection; no time scaling of video positions
+image_geometry, read = qwen2_vl.image_geometry, qwen2_vl.read
 
 
 def video_settings(config, processor: dict) -> dict:
