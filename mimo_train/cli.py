@@ -60,8 +60,8 @@ def main(argv=None) -> int:
         parser.error("--config is required (or --preprocessing-for)")
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
-        from mimo_train.families.registry import resolve
-        resolve(cfg)                    # the model's dims from the checkpoints it names
+        from mimo_train.plan import resolve
+        plan = resolve(cfg)             # what the run builds, from the checkpoints it names
     except TrainConfigError as error:
         return console.fail_before_setup("config", error)
     start = time.perf_counter()
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
     try:
-        trainer = train(cfg)
+        trainer = train(plan)
         if args.records:
             dump(trainer.metrics.records, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)

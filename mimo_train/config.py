@@ -1,18 +1,26 @@
 """The one training config: a YAML file plus ``key.path=value`` overrides, parsed and validated.
 
     cfg = TrainConfig.load("configs/train/images_audio_noncolocated.yaml", ["train.steps=50"])
-    resolve(cfg)        # mimo_train.families.registry: the model dims from its checkpoints
+    plan = resolve(cfg)     # mimo_train.plan: what the run builds, from the checkpoints it names
 
-This module reads no checkpoint: the language model's dims left unset here (``None``) are filled
-by the families' resolve step, from ``model.language.pretrained`` / ``model.pretrained`` or
-``LANGUAGE_DEFAULTS``; the trainer takes only a resolved config.
+This module reads no checkpoint: the language model's dims left unset here (``None``) are
+taken by ``mimo_train.plan.resolve`` from ``model.language.pretrained`` / ``model.pretrained`` or
+``LANGUAGE_DEFAULTS``, into a frozen ``RunPlan``; the config itself is never changed.
+
+Types: each field's annotation is the whole rule for its value (``_parse``, ``validate``): a
+section is a dataclass, ``dict[str, EncoderConfig]`` a mapping of module names to sections,
+``Annotated[str, OneOf(...)]`` a choice, ``Annotated[int, Range(1)]`` a bound; errors name the
+full dotted key. Read by ``typing.get_type_hints`` rather than by a validation library:
+pydantic v2 (``extra="forbid"``) would do the same for a new dependency of every install and
+its own error wording, which the CLI would have to rewrite to name the key as it does now; the
+rules between fields (``validate``) stay code either way.
 
 Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a validation set),
 ``layout`` (as the loader takes it: a string such as ``"image=dp1;audio=dp1;language=dp1"`` or a
-dict), ``model`` (language-model dims, one entry per encoder module, projections, frozen
-modules), ``optimizer`` (with warmup + cosine LR), ``train`` (batches, steps, eval, logging, seed,
-device, precision) and ``checkpoint``. Unknown keys are errors naming the key, so a typo never
-falls back silently to a default.
+dict; checked to parse here), ``model`` (language-model dims, one entry per encoder module,
+projections, frozen modules, LoRA), ``optimizer`` (with warmup + cosine LR), ``train``
+(batches, steps, eval, logging, seed, device, precision) and ``checkpoint``. Unknown keys are
+errors naming the key, so a typo never falls back silently to a default.
 
 Paths: a relative path written in the YAML file is taken from the file's folder (``datasets:
 [../../runs/demo/shards]``), one given as an override from the current directory; both are
@@ -32,13 +40,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
 
 from mimo_data.loading.balance import BALANCE
+from mimo_data.loading.layout import Layout, LayoutError
 from mimo_data.shards.storage import is_remote, redacted
 from mimo_train.errors import TrainConfigError
 
@@ -50,20 +61,54 @@ LANGUAGE_RECOMPUTE = ("none", "selective", "full")
 ENCODER_RECOMPUTE = ("none", "full")
 
 
+@dataclass(frozen=True)
+class OneOf:
+    """A field's allowed values (``Annotated[str, OneOf(...)]``), checked by ``validate``."""
+    values: tuple
+    hint: str = ""
+
+
+@dataclass(frozen=True)
+class Range:
+    """A number field's bounds (``Annotated[int, Range(1)]``), checked by ``validate``;
+    ``open_low`` / ``open_high``: the bound itself is out."""
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    open_high: bool = False
+    hint: str = ""
+
+    def holds(self, value: float) -> bool:
+        return (self.low is None or value > self.low or (value == self.low and not self.open_low)
+                ) and (self.high is None or value < self.high
+                       or (value == self.high and not self.open_high))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.open_low else '>='} {self.low:g}"
+        return (f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.open_high else ']'}")
+
+
+Count = Annotated[int, Range(0)]            # 0 or more
+Positive = Annotated[int, Range(1)]         # 1 or more
+
+
 @dataclass
 class DataConfig:
-    datasets: list = field(default_factory=list)      # shard directories or URLs (s3://...)
-    weights: list | None = None                       # blend weights, one per dataset
-    preprocess: str | None = None                     # PreprocessConfig YAML (required)
-    valid: list = field(default_factory=list)         # shard directories for evaluation
+    datasets: list[str] = field(default_factory=list)  # shard directories or URLs (s3://...)
+    weights: list[float] | None = None                 # blend weights, one per dataset
+    preprocess: str | None = None                      # PreprocessConfig YAML (required)
+    valid: list[str] = field(default_factory=list)     # shard directories for evaluation
     # worker processes per rank: the loader's on ranks that decode media, and a missing token
     # table's share of this rank
-    num_workers: int = 0
+    num_workers: Count = 0
     cache_dir: str | None = None    # derived tables of read-only datasets (MIMO_CACHE_DIR wins)
     # fsspec options of URL datasets (e.g. {client_kwargs: {endpoint_url: ...}}); credentials
     # belong in the environment or the client's config, not here: the YAML is copied into runs
     storage_options: dict = field(default_factory=dict)
-    balance: str = "none"           # tokens: near-equal tokens per DP rank in every step
+    # tokens: near-equal tokens per DP rank in every step
+    balance: Annotated[str, OneOf(BALANCE)] = "none"
     # pack each language DP rank's micro-batch into sequences of seq_length (no padding;
     # attention stays inside each sample)
     packing: bool = False
@@ -75,36 +120,37 @@ class LanguageConfig:
     Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole VLM's, whose
     config.json gives the dims and M-RoPE section (any also set here must agree) and whose
     weights are loaded (``mimo_train/families/causal_lm.py``)."""
-    num_layers: int | None = None                     # default 2 (or the checkpoint's)
-    hidden_size: int | None = None                    # default 64
-    num_attention_heads: int | None = None            # default 4
-    ffn_hidden_size: int | None = None                # default 4 * hidden_size
-    vocab_size: int | None = None                     # default: tokenizer size, padded
-    vocab_multiple: int = 128                         # padding of the default vocab size
+    num_layers: Positive | None = None                # default 2 (or the checkpoint's)
+    hidden_size: Positive | None = None               # default 64
+    num_attention_heads: Positive | None = None       # default 4
+    ffn_hidden_size: Positive | None = None           # default 4 * hidden_size
+    vocab_size: Positive | None = None                # default: tokenizer size, padded
+    vocab_multiple: Positive = 128                    # padding of the default vocab size
     # M-RoPE: rotary pairs given to (time, height, width), summing to head_dim / 2 (Qwen2-VL's
     # mrope_section); the preprocessing must then use positions: mrope
-    mrope_section: list | None = None
+    mrope_section: list[int] | None = None
     pretrained: str | None = None
     # activation recomputation: none, selective (core attention recomputed in the backward
     # pass) or full (each layer's input kept, the layer recomputed)
-    recompute: str = "none"
+    recompute: Annotated[str, OneOf(LANGUAGE_RECOMPUTE)] = "none"
     # sequence parallel over the language model's tensor-parallel ranks (TP > 1; at TP 1
     # there is nothing to split and the setting is refused)
     sequence_parallel: bool = False
 
-    def check_mrope(self, head_dim: int) -> None:
-        """``TrainConfigError`` unless ``mrope_section`` (if set) splits ``head_dim``."""
-        section = self.mrope_section
-        if section is None:
-            return
-        if (len(section) != 3 or not all(isinstance(n, int) and n > 0 for n in section)
-                or 2 * sum(section) != head_dim):
-            raise TrainConfigError(
-                f"model.language.mrope_section is {section}: give three positive counts of "
-                f"rotary pairs (time, height, width) summing to head_dim / 2 = {head_dim // 2}")
+
+def check_mrope(section: list | None, head_dim: int) -> None:
+    """``TrainConfigError`` unless ``model.language.mrope_section`` (if set) splits
+    ``head_dim``."""
+    if section is None:
+        return
+    if (len(section) != 3 or not all(isinstance(n, int) and n > 0 for n in section)
+            or 2 * sum(section) != head_dim):
+        raise TrainConfigError(
+            f"model.language.mrope_section is {section}: give three positive counts of "
+            f"rotary pairs (time, height, width) summing to head_dim / 2 = {head_dim // 2}")
 
 
-# the language model's dims without a checkpoint (``families.registry.resolve`` fills them)
+# the language model's dims without a checkpoint (``plan.resolve`` takes them)
 LANGUAGE_DEFAULTS = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 
 
@@ -116,13 +162,27 @@ class EncoderConfig:
     a transformers model directory (or hub name) whose weights replace the random init; its
     geometry must match the preprocessing config."""
     kind: str | None = None
-    hidden_size: int = 32
-    num_layers: int = 1
-    num_attention_heads: int = 2
+    hidden_size: Positive = 32
+    num_layers: Positive = 1
+    num_attention_heads: Positive = 2
     pretrained: str | None = None
     # activation recomputation of the tower: none, or full (transformers' gradient
     # checkpointing: each layer's input kept, the layer recomputed in the backward pass)
-    recompute: str = "none"
+    recompute: Annotated[str, OneOf(ENCODER_RECOMPUTE, "a transformers tower has no "
+                                    "selective recomputation")] = "none"
+
+
+@dataclass
+class LoraConfig:
+    """LoRA on a part's linear layers (``mimo_train.model.lora``): W x + alpha / rank * B A x,
+    A random, B zero (``init_lora_weights: false``: B random too, as PEFT's option)."""
+    rank: Positive = 8
+    alpha: Annotated[float, Range(0, open_low=True)] = 16.0
+    dropout: Annotated[float, Range(0, 1, open_high=True)] = 0.0
+    # layer names (linear_qkv, q_proj, ...), dotted paths or fnmatch patterns over the part's
+    # linear layers (decoder.layers.*.mlp.linear_fc1), or all-linear (all but the output layer)
+    targets: list[str] = field(default_factory=lambda: ["all-linear"])
+    init_lora_weights: bool = True
 
 
 @dataclass
@@ -131,39 +191,18 @@ class ModelConfig:
     # projection and the language model from one checkpoint, unless set below
     pretrained: str | None = None
     language: LanguageConfig = field(default_factory=LanguageConfig)
-    encoders: dict = field(default_factory=dict)      # module name -> EncoderConfig
+    encoders: dict[str, EncoderConfig] = field(default_factory=dict)   # by module name
     # linear | mlp (Linear-GELU-Linear) | none (identity); default: the VLM's, else linear
-    projection: str | None = None
+    projection: Annotated[str, OneOf(("linear", "mlp", "none"))] | None = None
     # modules whose weights stay fixed, or an encoder module's part: image.encoder (the tower;
     # its projection trains) or image.projection
-    freeze: list = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
-    attention: str = "auto"                           # auto | local | sdpa | varlen (attention)
+    # the attention kernels (mimo_train.mcore.attention)
+    attention: Annotated[str, OneOf(ATTENTION)] = "auto"
     # LoRA adapters, by part as model.freeze names them (language, <module>, <module>.encoder,
-    # <module>.projection) -> LoraConfig; the part's own weights stay fixed
-    lora: dict = field(default_factory=dict)
-
-
-@dataclass
-class LoraConfig:
-    """LoRA on a part's linear layers (``mimo_train.model.lora``): W x + alpha / rank * B A x,
-    A random, B zero (``init_lora_weights: false``: B random too, as PEFT's option)."""
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    # layer names (linear_qkv, q_proj, ...), dotted paths or fnmatch patterns over the part's
-    # linear layers (decoder.layers.*.mlp.linear_fc1), or all-linear (all but the output layer)
-    targets: list = field(default_factory=lambda: ["all-linear"])
-    init_lora_weights: bool = True
-
-    def check(self, part: str) -> None:
-        if self.rank < 1 or not self.alpha > 0 or not 0 <= self.dropout < 1:
-            raise TrainConfigError(f"model.lora.{part}: rank {self.rank}, alpha {self.alpha}, "
-                                   f"dropout {self.dropout}: use a rank >= 1, an alpha > 0 and "
-                                   "a dropout in [0, 1)")
-        if not self.targets or not all(isinstance(t, str) and t for t in self.targets):
-            raise TrainConfigError(f"model.lora.{part}.targets is {self.targets!r}: list layer "
-                                   "names or patterns, or [all-linear]")
+    # <module>.projection); the part's own weights stay fixed
+    lora: dict[str, LoraConfig] = field(default_factory=dict)
 
 
 @dataclass
@@ -171,24 +210,24 @@ class ModuleOptimizerConfig:
     """One module's own settings (``optimizer.modules.<module>``); unset ones are the
     optimizer's, but for ``min_lr`` with ``lr`` set: the optimizer's ``min_lr`` scaled as
     ``lr`` is (the same decay, from the module's rate)."""
-    lr: float | None = None
+    lr: Annotated[float, Range(0)] | None = None
     min_lr: float | None = None
-    warmup_steps: int | None = None
-    weight_decay: float | None = None
+    warmup_steps: Count | None = None
+    weight_decay: Annotated[float, Range(0)] | None = None
     distributed: bool | None = None
     overlap_grad_reduce: bool | None = None
-    bucket_size: int | None = None
+    bucket_size: Positive | None = None
 
 
 @dataclass
 class OptimizerConfig:
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.95
-    clip_grad: float = 1.0
+    lr: Annotated[float, Range(0)] = 1e-3
+    min_lr: float = 1e-4                              # in [0, lr] (``check``)
+    warmup_steps: Count = 0
+    weight_decay: Annotated[float, Range(0)] = 0.0
+    adam_beta1: Annotated[float, Range(0, 1, open_high=True)] = 0.9
+    adam_beta2: Annotated[float, Range(0, 1, open_high=True)] = 0.95
+    clip_grad: Annotated[float, Range(0)] = 1.0
     # megatron-core's distributed optimizer: the fp32 main weights and Adam moments sharded
     # over the module's DP group (gradients reduce-scattered, weights all-gathered)
     distributed: bool = False
@@ -196,9 +235,9 @@ class OptimizerConfig:
     # asynchronous collectives), buckets of bucket_size elements (None: megatron-core's
     # default, max(40M, 1M x DP size))
     overlap_grad_reduce: bool = False
-    bucket_size: int | None = None
-    # module name -> ModuleOptimizerConfig (e.g. image: {lr: 1e-4}: the tower at a tenth)
-    modules: dict = field(default_factory=dict)
+    bucket_size: Positive | None = None
+    # module name -> its own settings (e.g. image: {lr: 1e-4}: the tower at a tenth)
+    modules: dict[str, ModuleOptimizerConfig] = field(default_factory=dict)
 
     def of(self, module: str) -> OptimizerConfig:
         """The settings of ``module``: its own where ``modules`` sets them, else these."""
@@ -210,18 +249,10 @@ class OptimizerConfig:
         return dataclasses.replace(self, modules={}, **values)
 
     def check(self, module: str | None = None) -> None:
+        """What the fields' types do not say: ``min_lr`` in [0, ``lr``]."""
         where = f"optimizer.modules.{module}." if module else "optimizer."
         if not 0 <= self.min_lr <= self.lr:
             raise TrainConfigError(f"{where}min_lr {self.min_lr} must be in [0, lr={self.lr}]")
-        if self.warmup_steps < 0:
-            raise TrainConfigError(f"{where}warmup_steps is {self.warmup_steps}: it must be "
-                                   ">= 0")
-        if self.weight_decay < 0:
-            raise TrainConfigError(f"{where}weight_decay is {self.weight_decay}: it must be "
-                                   ">= 0")
-        if self.bucket_size is not None and self.bucket_size < 1:
-            raise TrainConfigError(f"{where}bucket_size is {self.bucket_size}: give a number "
-                                   "of elements >= 1, or leave it unset")
 
 
 @dataclass
@@ -230,34 +261,36 @@ class WandbConfig:
     fields as the JSONL records, and the config."""
     project: str | None = None
     name: str | None = None                           # default: wandb's
-    mode: str = "online"                              # online | offline | disabled
+    mode: Annotated[str, OneOf(("online", "offline", "disabled"))] = "online"
     dir: str | None = None                            # default: wandb's (./wandb)
 
 
 @dataclass
 class RunConfig:
-    global_batch_size: int = 8
-    micro_batch_size: int = 2                         # per language DP rank
-    steps: int = 20
-    exit_interval: int = 0                            # stop once step % this == 0 (0: never)
-    eval_interval: int = 0                            # 0: no evaluation
-    eval_steps: int = 1
-    log_interval: int = 1
+    global_batch_size: Positive = 8
+    micro_batch_size: Positive = 2                    # per language DP rank
+    steps: Positive = 20
+    exit_interval: Count = 0                          # stop once step % this == 0 (0: never)
+    eval_interval: Count = 0                          # 0: no evaluation
+    eval_steps: Positive = 1
+    log_interval: Positive = 1
     seed: int = 1
-    device: str = "auto"                              # auto | cuda | cpu
-    precision: str = "fp32"                           # fp32 | bf16
+    device: Annotated[str, OneOf(("auto", "cuda", "cpu"))] = "auto"
+    precision: Annotated[str, OneOf(("fp32", "bf16"))] = "fp32"
     # the MFU's denominator: dense peak TFLOP/s of one GPU (default: the GPU's, by its name and
     # train.precision, planning.flops.peak_tflops; none on a CPU or an unknown GPU: no MFU)
-    peak_tflops: float | None = None
-    collective_timeout_minutes: float = 10.0          # a collective no rank completes fails
+    peak_tflops: Annotated[float, Range(0, open_low=True, hint="give the GPU's peak TFLOP/s "
+                                        "or leave it unset")] | None = None
+    # a collective no rank completes fails
+    collective_timeout_minutes: Annotated[float, Range(0, open_low=True)] = 10.0
     # steps with a non-finite loss or gradient norm are skipped; past this many the run stops
-    max_skipped_steps: int = 10
+    max_skipped_steps: Count = 10
     # a step whose loss is above spike_factor x the median of the last spike_window steps is
     # recorded with its samples (0: off)
-    spike_factor: float = 3.0
-    spike_window: int = 50
+    spike_factor: Annotated[float, Range(0)] = 3.0
+    spike_window: Positive = 50
     # signals that stop the run after the current step with a checkpoint (preemption)
-    exit_signals: list = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     tensorboard_dir: str | None = None
     wandb: WandbConfig | None = None
 
@@ -266,9 +299,6 @@ def _check_wandb(wandb: WandbConfig) -> None:
     if not wandb.project:
         raise TrainConfigError("train.wandb.project is not set: name the W&B project (or drop "
                                "train.wandb)")
-    if wandb.mode not in ("online", "offline", "disabled"):
-        raise TrainConfigError(f"train.wandb.mode is {wandb.mode!r}: use online, offline or "
-                               "disabled")
     import importlib.util
     if importlib.util.find_spec("wandb") is None:
         raise TrainConfigError("train.wandb is set, but the wandb package is not installed: "
@@ -291,7 +321,7 @@ def _check_exit_signal(name: str) -> None:
 @dataclass
 class CheckpointConfig:
     dir: str | None = None
-    interval: int = 0                                 # 0: only at the end
+    interval: Count = 0                               # 0: only at the end
     resume: bool = True                               # continue from dir's latest checkpoint
     async_save: bool = False                          # write in the background (``Saver``)
 
@@ -299,7 +329,8 @@ class CheckpointConfig:
 @dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
-    layout: object = "language=dp1"
+    # as the loader takes it: "image=dp1;language=dp1", a mapping, or a YAML file's path
+    layout: str | dict = "language=dp1"
     model: ModelConfig = field(default_factory=ModelConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     train: RunConfig = field(default_factory=RunConfig)
@@ -343,6 +374,9 @@ class TrainConfig:
         return data
 
     def validate(self) -> None:
+        """Every field's type, choices and range (its annotation), then the rules between
+        fields; ``TrainConfigError`` naming the key."""
+        _check_fields(self, "")
         run, opt = self.train, self.optimizer
         if not self.data.datasets:
             raise TrainConfigError("data.datasets is empty: list the shard directories written "
@@ -350,69 +384,27 @@ class TrainConfig:
         if self.data.weights is not None and len(self.data.weights) != len(self.data.datasets):
             raise TrainConfigError(f"data.weights has {len(self.data.weights)} entries for "
                                    f"{len(self.data.datasets)} datasets: give one per dataset")
-        for name, value in (("train.steps", run.steps), ("train.global_batch_size",
-                            run.global_batch_size), ("train.micro_batch_size",
-                            run.micro_batch_size), ("train.log_interval", run.log_interval),
-                            ("train.eval_steps", run.eval_steps)):
-            if value < 1:
-                raise TrainConfigError(f"{name} is {value}: it must be >= 1")
-        if self.data.balance not in BALANCE:
-            raise TrainConfigError(f"data.balance is {self.data.balance!r}: use "
-                                   f"{' or '.join(BALANCE)}")
-        if run.device not in ("auto", "cuda", "cpu"):
-            raise TrainConfigError(f"train.device is {run.device!r}: use auto, cuda or cpu")
-        if not run.collective_timeout_minutes > 0:
-            raise TrainConfigError(f"train.collective_timeout_minutes is "
-                                   f"{run.collective_timeout_minutes}: it must be > 0")
-        if run.max_skipped_steps < 0 or run.spike_factor < 0 or run.spike_window < 1:
-            raise TrainConfigError(
-                f"train.max_skipped_steps {run.max_skipped_steps}, spike_factor "
-                f"{run.spike_factor}, spike_window {run.spike_window}: use a count >= 0, a "
-                "factor >= 0 (0: no spike records) and a window >= 1")
         if run.wandb is not None:
             _check_wandb(run.wandb)
         for name in run.exit_signals:
             _check_exit_signal(str(name))
-        if run.precision not in ("fp32", "bf16"):
-            raise TrainConfigError(f"train.precision is {run.precision!r}: use fp32 or bf16")
-        if run.peak_tflops is not None and not run.peak_tflops > 0:
-            raise TrainConfigError(f"train.peak_tflops is {run.peak_tflops}: give the GPU's "
-                                   "peak TFLOP/s (> 0) or leave it unset")
         opt.check()
         for module in opt.modules:
             opt.of(module).check(module)
         for part, lora in self.model.lora.items():
-            lora.check(part)
-        if self.model.language.recompute not in LANGUAGE_RECOMPUTE:
-            raise TrainConfigError(f"model.language.recompute is "
-                                   f"{self.model.language.recompute!r}: use "
-                                   f"{', '.join(LANGUAGE_RECOMPUTE)}")
-        for name, encoder in self.model.encoders.items():
-            if encoder.recompute not in ENCODER_RECOMPUTE:
-                raise TrainConfigError(f"model.encoders.{name}.recompute is "
-                                       f"{encoder.recompute!r}: use "
-                                       f"{' or '.join(ENCODER_RECOMPUTE)} (a transformers "
-                                       "tower has no selective recomputation)")
-        if self.model.attention not in ATTENTION:
-            raise TrainConfigError(f"model.attention is {self.model.attention!r}: use "
-                                   f"{', '.join(ATTENTION)}")
-        if self.model.projection not in (None, "linear", "mlp", "none"):
-            raise TrainConfigError(f"model.projection is {self.model.projection!r}: use linear, "
-                                   "mlp or none")
+            if not lora.targets:
+                raise TrainConfigError(f"model.lora.{part}.targets is empty: list layer names "
+                                       "or patterns, or [all-linear]")
         if self.data.valid and run.eval_interval < 1:
             raise TrainConfigError("data.valid is set but train.eval_interval is 0: set an "
                                    "interval (steps) or drop data.valid")
         if run.eval_interval and not self.data.valid:
             raise TrainConfigError("train.eval_interval is set but data.valid lists no shard "
                                    "directory to evaluate on")
-
-    @property
-    def resolved(self) -> bool:
-        """Whether the families' resolve step has filled the model
-        (``mimo_train.families.registry.resolve``)."""
-        language = self.model.language
-        return None not in (language.num_layers, language.hidden_size,
-                            language.num_attention_heads, self.model.projection)
+        try:
+            Layout.parse(self.layout)
+        except (LayoutError, OSError) as error:
+            raise TrainConfigError(f"layout {self.layout!r}: {error}") from None
 
     def warmup_steps(self, module: str | None = None) -> tuple[int, str | None]:
         """The LR warmup of this run (of ``module``'s optimizer), and a note when its
@@ -515,66 +507,128 @@ def _apply_override(data: dict, override: str, base: str) -> None:
 
 
 def _build(cls, data, where: str):
-    """Dataclass ``cls`` from a mapping, recursively; unknown keys are errors."""
+    """Dataclass ``cls`` from a mapping, recursively, each value parsed by its field's type
+    (``_parse``); unknown keys are errors."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise TrainConfigError(f"{where.rstrip('.') or 'the config'} must be a mapping, "
                                f"got {data!r}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    hints = _hints(cls)
+    unknown = sorted(set(data) - set(hints))
     if unknown:
         raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; "
-                               f"known under {where or 'the top level'}: {', '.join(fields)}")
-    values = {}
-    for name, value in data.items():
-        kind = _SECTIONS.get((cls, name))
-        if kind in _NAMED:
-            if not isinstance(value or {}, dict):
-                raise TrainConfigError(f"{where}{name} must be a mapping of module name to "
-                                       f"settings, got {value!r}")
-            value = {module: _build(kind, spec, f"{where}{name}.{module}.")
-                     for module, spec in (value or {}).items()}
-        elif kind is not None:               # a section (None: an optional one left out)
-            value = None if value is None and fields[name].default is None else \
-                _build(kind, value, f"{where}{name}.")
-        else:
-            value = _typed(str(fields[name].type), value, where + name)
-        values[name] = copy.deepcopy(value)
-    return cls(**values)
+                               f"known under {where or 'the top level'}: {', '.join(hints)}")
+    return cls(**{name: _parse(hints[name], copy.deepcopy(value), where + name)
+                  for name, value in data.items()})
 
 
-# Field annotations (strings: ``from __future__ import annotations``) -> accepted types.
-_TYPES: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float), "str": str,
-                                              "bool": bool, "list": list}
+def _hints(cls: type) -> dict[str, Any]:
+    """The fields' types of dataclass ``cls``, their annotations evaluated (choices and
+    ranges kept; once per class)."""
+    if cls not in _HINTS:
+        _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
+    return _HINTS[cls]
 
 
-def _typed(annotation: str, value: Any, key: str) -> Any:
-    """``value`` if it fits the field's annotation (e.g. ``int``, ``list | None``); a float
-    field also takes text such as ``1e-4``, which YAML 1.1 does not read as a number."""
-    names = [name.strip() for name in annotation.split("|")]
-    if value is None and "None" in names:
-        return value
-    for name in names:
-        kinds: Any = _TYPES.get(name)
-        if kinds is None:                             # e.g. object: anything goes
-            return value
-        if isinstance(value, kinds) and not (isinstance(value, bool) and name != "bool"):
-            return float(value) if name == "float" else value
-        if name == "float" and isinstance(value, str):
+_HINTS: dict[type, dict[str, Any]] = {}
+
+
+def _parse(kind: Any, value: Any, key: str) -> Any:
+    """``value`` read as a field of type ``kind``: a section (a dataclass; an empty one is
+    its defaults), a mapping of names to sections (``dict[str, EncoderConfig]``), a list, or
+    a scalar; a float also takes text such as ``1e-4``, which YAML 1.1 does not read as a
+    number. Choices and ranges are ``validate``'s."""
+    kind = _bare(kind)
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        options = typing.get_args(kind)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in (o for o in options if o is not type(None)):
             try:
-                return float(value)
-            except ValueError:
-                pass
+                return _parse(option, value, key)
+            except TrainConfigError as error:
+                errors.append(error)
+        if len(errors) == 1:
+            raise errors[0]
+        raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
+                               f"{' or '.join(_name(o) for o in options)}")
+    if dataclasses.is_dataclass(kind):                # (built already: ``validate``)
+        return value if isinstance(value, typing.cast(type, kind)) else \
+            _build(kind, value, f"{key}.")
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin is dict and args and dataclasses.is_dataclass(_bare(args[1])):
+        if not isinstance(value or {}, dict):
+            raise TrainConfigError(f"{key} must be a mapping of module name to settings, got "
+                                   f"{value!r}")
+        return {name: _parse(args[1], spec, f"{key}.{name}")
+                for name, spec in (value or {}).items()}
+    if origin is list:
+        if not isinstance(value, list):
+            raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
+                                   f"{_name(kind)}")
+        return [_parse(args[0], item, key) for item in value] if args else value
+    return _scalar(origin or kind, value, key)
+
+
+def _scalar(kind: type, value: Any, key: str) -> Any:
+    if kind is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    elif isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool):
+        return value
     raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                           f"{' or '.join(names)}")
+                           f"{_name(kind)}")
 
 
-_SECTIONS = {(TrainConfig, "data"): DataConfig, (TrainConfig, "model"): ModelConfig,
-             (TrainConfig, "optimizer"): OptimizerConfig, (TrainConfig, "train"): RunConfig,
-             (TrainConfig, "checkpoint"): CheckpointConfig,
-             (ModelConfig, "language"): LanguageConfig, (ModelConfig, "encoders"): EncoderConfig,
-             (ModelConfig, "lora"): LoraConfig, (OptimizerConfig, "modules"): ModuleOptimizerConfig,
-             (RunConfig, "wandb"): WandbConfig}
-# sections that map names (modules, parts) to settings of one kind
-_NAMED = (EncoderConfig, LoraConfig, ModuleOptimizerConfig)
+def _bare(kind: Any) -> Any:
+    """``kind`` without its ``Annotated`` choices or range."""
+    return typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
+
+
+def _name(kind: Any) -> str:
+    kind = _bare(kind)
+    return "None" if kind is type(None) else getattr(kind, "__name__", str(kind))
+
+
+def _check_fields(config, where: str) -> None:
+    """Every field of ``config`` (recursively) of its type, in its choices and range
+    (``OneOf``, ``Range``): ``TrainConfigError`` naming the key. Run by ``validate``, so a
+    config built or changed in code is checked as a loaded one is."""
+    for name, kind in _hints(type(config)).items():
+        value, key = getattr(config, name), f"{where}{name}"
+        _parse(kind, value, key)
+        if value is None:
+            continue
+        for check in _constraints(kind):
+            if isinstance(check, OneOf) and value not in check.values:
+                raise TrainConfigError(
+                    f"{key} is {value!r}: use {_either(check.values)}"
+                    + (f" ({check.hint})" if check.hint else ""))
+            if isinstance(check, Range) and not check.holds(value):
+                raise TrainConfigError(f"{key} is {value}: it must be {check}"
+                                       + (f" ({check.hint})" if check.hint else ""))
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, f"{key}.")
+        elif isinstance(value, dict):
+            for module, section in value.items():
+                if dataclasses.is_dataclass(section):
+                    _check_fields(section, f"{key}.{module}.")
+
+
+def _either(values) -> str:
+    """``a, b or c``."""
+    *rest, last = map(str, values)
+    return f"{', '.join(rest)} or {last}" if rest else last
+
+
+def _constraints(kind: Any) -> list:
+    """The ``OneOf`` / ``Range`` of a field's type (inside an optional one too)."""
+    if typing.get_origin(kind) in (types.UnionType, typing.Union):
+        return [c for option in typing.get_args(kind) for c in _constraints(option)]
+    if typing.get_origin(kind) is Annotated:
+        return [c for c in kind.__metadata__ if isinstance(c, (OneOf, Range))]
+    return []

@@ -3,7 +3,8 @@
 mimo_data never imports mimo_train (tests/test_architecture.py): the data tools run without
 torch or megatron-core, and the model's dims and the memory and FLOPs formulas belong to the
 trainer. So the advisor is injected from this side: ``mimo_data.inspect.cli.main`` takes an
-``advisor`` callable, which ``plan --model M --gpus N`` calls with the dataset's per-step work
+``advisor`` callable, which ``plan --model M --gpus N`` calls with its request
+(``mimo_data.inspect.advice``) and the dataset's per-step work
 (``mimo_data.inspect.workload``); without one (``python -m mimo_data.inspect.cli``) those
 options say they need mimo_train. The console script points here; the advisor (and torch,
 through the families) is imported only when a plan asks for it, so ``--help`` and the other
@@ -15,9 +16,9 @@ from __future__ import annotations
 import sys
 
 
-def advisor(args, config, workload: dict) -> int:
+def advisor(request, config, workload: dict) -> int:
     from mimo_train.planning.advisor import advise
-    return advise(args, config, workload)
+    return advise(request, config, workload)
 
 
 def main(argv: list[str] | None = None) -> int:

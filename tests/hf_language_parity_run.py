@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.positions import mrope_positions
 from mimo_train.config import TrainConfig
-from mimo_train.families.registry import resolve
+from mimo_train.plan import resolve
 from mimo_train.errors import TrainConfigError
 from mimo_train.mcore.grids import build_infra
 from mimo_train.mcore import model_parallel_cuda_manual_seed, parallel_state
@@ -62,16 +63,19 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor,
                     backend: str = "local", packed: bool = False) -> torch.Tensor | None:
     """The model's logits [b, s, vocab] on the last stage (TP-gathered), None elsewhere;
     ``packed``: the rows run as one packed row (THD, one sample per row)."""
-    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"layout={layout}",
-                                  f"model.language.pretrained={path}", *overrides]))
+    text = PreprocessConfig(tokenizer=path, seq_length=input_ids.size(1), modalities={},
+                            positions="mrope" if overrides else "sequential")
+    plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"layout={layout}",
+                                           f"model.language.pretrained={path}", *overrides]),
+                   text)
     infra = build_infra(Layout.parse(layout), "gloo")
     part = infra.role.module(LANGUAGE)
     model_parallel_cuda_manual_seed(1, tp_rank=part.tp_rank, ep_rank=0, etp_rank=0)
-    transformer = language_transformer_config(cfg, infra.layout, torch.device("cpu"))
+    transformer = language_transformer_config(plan, torch.device("cpu"))
     vocab = -(-max(len_vocab(path), 1) // 128) * 128
     model = _SeededGPTModel(vocabulary=vocab, **language_model_params(
-        cfg, infra, transformer, vocab, input_ids.size(1), backend))
-    load_language_weights(model, cfg, infra, vocab)
+        plan, infra, transformer, vocab, backend))
+    load_language_weights(model, plan.language, infra, vocab)
     model.eval()
     pgs = infra.modules[LANGUAGE].pgs
     if position_ids is None:
@@ -88,8 +92,8 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor,
     pp_ranks = dist.get_process_group_ranks(pgs.pp)
     with torch.no_grad():
         if not part.first_stage:
-            hidden = torch.empty(input_ids.size(1), input_ids.size(0), cfg.model.language
-                                 .hidden_size)
+            hidden = torch.empty(input_ids.size(1), input_ids.size(0),
+                                 plan.language.hidden_size)
             dist.recv(hidden, src=pp_ranks[part.pp_rank - 1])
             model.set_input_tensor(hidden)
         out = model(input_ids if part.first_stage else None, position_ids, None,

@@ -13,7 +13,7 @@ from conftest import REPO
 
 # mimo_train's layers from the bottom up; a module may import its own layer's and lower ones'
 LAYERS = [("errors", "precision"), ("runtime",), ("config",), ("mcore",), ("families",),
-          ("components", "model", "planning"), ("training", "hf"),
+          ("plan",), ("components", "model", "planning"), ("training", "hf"),
           ("cli", "__main__", "inspect_cli")]
 
 

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import REPO
+from mimo_data.loading.layout import Layout
 from mimo_data.modalities.audio import AudioConfig
 from mimo_data.modalities.image import ImageConfig
+from mimo_train.plan.parts import Part
 from mimo_train.planning.dims import Linear, Stack, Tower, projection_linears, tower_from_hf
 from mimo_train.planning.flops import (language_flops, peak_tflops, projection_flops,
                                        step_flops, tower_flops, trains, training_passes,
@@ -85,27 +87,34 @@ def test_whisper_clip_is_its_padded_window():
     assert found == {"language": 9_108_480, "audio": 3 * (175_488_000 + 14_336)}
 
 
+def parts(*entries: str) -> list[Part]:
+    """``model.freeze`` / ``model.lora`` entries as the run's plan reads them."""
+    layout = Layout.parse("language=dp1;image=dp1;audio=dp1")
+    return [Part.parse(entry, layout, "model.freeze") for entry in entries]
+
+
 def test_frozen_parts_count_the_passes_they_run():
     dims = SimpleNamespace(encoders={"image": None, "audio": None})
     assert training_passes(dims) == {"image.encoder": 3, "image.projection": 3,
                                      "audio.encoder": 3, "audio.projection": 3, "language": 3}
-    found = training_passes(dims, ["image", "audio.encoder", "language"])
+    found = training_passes(dims, parts("image", "audio.encoder", "language"))
     assert found == {"image.encoder": 1, "image.projection": 1, "audio.encoder": 1,
                      "audio.projection": 3, "language": 2}
-    assert training_passes(dims, ["image", "audio", "language"], ["language"])["language"] == 3
-    assert training_passes(SimpleNamespace(encoders={}), ["language"]) == {"language": 1}
+    assert training_passes(dims, parts("image", "audio", "language"),
+                           parts("language"))["language"] == 3
+    assert training_passes(SimpleNamespace(encoders={}), parts("language")) == {"language": 1}
 
 
 def test_one_trains_for_flops_and_memory():
     """``trains``: the passes' view (a LoRA part computes weight gradients) and, with the LoRA
     parts counted as fixed, the memory view (its own weights keep no gradients or state)."""
-    assert trains("image.encoder") and not trains("image.encoder", ["image"])
-    assert not trains("image.projection", ["image.projection"])
-    assert trains("image.encoder", ["image.projection"])
-    assert trains("language", ["language"], ["language"])             # LoRA over a freeze
-    assert trains("image.encoder", ["image"], ["image"])
-    assert not trains("language", ["language"] + ["language"])        # its base weights
-    assert not trains("image.encoder", ["image.encoder"])
+    assert trains("image.encoder") and not trains("image.encoder", parts("image"))
+    assert not trains("image.projection", parts("image.projection"))
+    assert trains("image.encoder", parts("image.projection"))
+    assert trains("language", parts("language"), parts("language"))   # LoRA over a freeze
+    assert trains("image.encoder", parts("image"), parts("image"))
+    assert not trains("language", parts("language", "language"))      # its base weights
+    assert not trains("image.encoder", parts("image.encoder"))
 
 
 def test_peaks_by_gpu_name():
@@ -119,14 +128,15 @@ def test_peaks_by_gpu_name():
 def test_published_qwen2_5_vl_7b_dims(tmp_path):
     """From the published config.json alone (no weights): its dims and its ~8.3B weights."""
     from mimo_train.config import TrainConfig
-    from mimo_train.planning.dims import from_config
+    from mimo_train.plan import resolve
+    from mimo_train.planning.dims import from_plan
     preprocess = tmp_path / "preprocess.yaml"
     preprocess.write_text(f"tokenizer: {PUBLISHED}\nseq_length: 4096\npositions: mrope\n"
                           "modalities:\n  image: {policy: dynamic}\n")
     cfg = TrainConfig.load(None, ["data.datasets=[x]", f"data.preprocess={preprocess}",
                                   f"model.pretrained={PUBLISHED}",
                                   "layout=image=dp1;language=dp1"])
-    dims = from_config(cfg, tokenizer_size=151665)
+    dims = from_plan(resolve(cfg), tokenizer_size=151665)
     assert dims.language == Stack(28, 3584, 28, 4, 128, 18944, gated=True, vocab=152064)
     image = dims.encoders["image"]
     assert image.tower.stack == Stack(32, 1280, 16, 16, 80, 3420, gated=True)
@@ -137,13 +147,14 @@ def test_published_qwen2_5_vl_7b_dims(tmp_path):
 
 
 def test_config_dims_are_the_built_encoders(tmp_path):
-    """``from_config`` (nothing built: the trainer's FLOPs dims) gives the towers and
+    """``from_plan`` (nothing built: the trainer's FLOPs dims) gives the towers and
     projections the build makes."""
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_train.config import TrainConfig
     from mimo_train.families.base import Projection
     from mimo_train.families.registry import build_encoder
-    from mimo_train.planning.dims import from_config
+    from mimo_train.plan import resolve
+    from mimo_train.planning.dims import from_plan
     preprocess = tmp_path / "preprocess.yaml"
     preprocess.write_text(f"tokenizer: {PUBLISHED}\nseq_length: 256\nmodalities:\n"
                           "  image: {policy: fixed, image_size: 56, patch_size: 14}\n"
@@ -153,7 +164,7 @@ def test_config_dims_are_the_built_encoders(tmp_path):
         "language=dp1", "model.encoders.audio.hidden_size=16", "model.projection=mlp",
         "model.language.vocab_size=256", "model.language.hidden_size=64"])
     config = PreprocessConfig.from_yaml(str(preprocess))
-    expected = from_config(cfg, config)
+    expected = from_plan(resolve(cfg, config))
     assert expected.language == Stack(2, 64, 4, 4, 16, 256, gated=False, vocab=256)
     for name, modality, kind in (("image", "image", "siglip"), ("audio", "audio", "whisper")):
         spec = cfg.model.encoders.get(name)

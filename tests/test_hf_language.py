@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from conftest import REPO, model_dir, preprocess_config_file
+from mimo_data.preprocess.config import PreprocessConfig
 from runs import step
 
 FAMILIES = ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
@@ -87,16 +88,20 @@ def test_rows_past_the_vocabulary_start_at_the_mean():
 
 # ------------------------------------------------------------------------------- config
 
+# a text-only preprocessing config: what the plan reads of it here is that it writes no media
+TEXT_ONLY = PreprocessConfig(tokenizer="unused", modalities={})
+
+
 def _load(*overrides):
     from mimo_train.config import TrainConfig
-    from mimo_train.families.registry import resolve
-    return resolve(TrainConfig.load(None, ["data.datasets=[x]", *overrides]))
+    from mimo_train.plan import resolve
+    return resolve(TrainConfig.load(None, ["data.datasets=[x]", *overrides]), TEXT_ONLY)
 
 
 def test_dims_come_from_the_checkpoint():
-    cfg = _load(f"model.language.pretrained={model_dir('smollm2-135m-instruct')}",
-                "model.language.num_layers=30")
-    lm = cfg.model.language
+    plan = _load(f"model.language.pretrained={model_dir('smollm2-135m-instruct')}",
+                 "model.language.num_layers=30")
+    lm = plan.language
     assert (lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.ffn_hidden_size) == \
         (30, 576, 9, 1536)
     from mimo_train.families.registry import language_arch
@@ -115,14 +120,14 @@ def test_a_yaml_dim_that_differs_names_both_values():
 
 def test_a_relative_path_in_the_yaml_is_taken_from_its_folder(tmp_path):
     from mimo_train.config import TrainConfig
-    from mimo_train.families.registry import resolve
+    from mimo_train.plan import resolve
     target = model_dir("tiny-llama")
     (tmp_path / "train.yaml").write_text(
         "data: {datasets: [x]}\n"
         f"model: {{language: {{pretrained: {os.path.relpath(target, tmp_path)}}}}}\n")
-    cfg = resolve(TrainConfig.load(str(tmp_path / "train.yaml")))
-    assert cfg.model.language.pretrained == str(target)
-    assert cfg.model.language.num_layers == 2 and cfg.model.language.hidden_size == 64
+    plan = resolve(TrainConfig.load(str(tmp_path / "train.yaml")), TEXT_ONLY)
+    assert plan.config.model.language.pretrained == plan.language.pretrained == str(target)
+    assert plan.language.num_layers == 2 and plan.language.hidden_size == 64
 
 
 @pytest.mark.parametrize("change, message", [

@@ -276,7 +276,7 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     recommended sequence parallel, and the trainer's memory settings accept them."""
     from mimo_train.config import TrainConfig
     from mimo_train.inspect_cli import main
-    from mimo_train.model.build import language_memory
+    from mimo_train.plan import resolve
     tmp, path, preprocess = model_yaml
     for packing in (True, False):
         config = yaml.safe_load(path.read_text())
@@ -300,7 +300,7 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
             for module in ("language", "image"):
                 assert cfg.optimizer.of(module).distributed is \
                     r["settings"]["distributed_optimizer"]
-            language_memory(cfg, tp)                  # raises where the trainer refuses
+            resolve(cfg)                # the trainer's start-up: raises what it refuses
     # --packing against the YAML's data.packing: false
     code, _, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 4, "--packing",
                          main=main)

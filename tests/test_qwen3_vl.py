@@ -290,40 +290,35 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 
 @pytest.mark.parametrize("overrides, reason", [
     (["model.projection=linear"], "model.projection linear"),
-    (["layout=language=cp2;image=dp2,off0,video"], "language cp2"),
+    (["layout=language=cp2;image=dp2,off0,video"], "language model cp2"),
     (["model.language.recompute=full"], "recompute full"),
 ])
 def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):
-    from mimo_data.loading.layout import Layout
+    """At start-up (``plan.resolve``, the trainer's first step), before anything is built."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.families.registry import encoder_settings, resolve
-    from mimo_train.model.build import check_deepstack
-    cfg = resolve(TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides]))
-    layout = Layout.parse(cfg.layout)
-    settings = encoder_settings(cfg, layout, run["config"])
+    from mimo_train.plan import resolve
     with pytest.raises(TrainConfigError, match=reason):
-        check_deepstack(cfg, layout, settings)
+        resolve(TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides]))
 
 
 def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
     """``mimo-inspect plan`` on Qwen3-VL: no full recompute (refused at start-up); other
     models keep it."""
-    from types import SimpleNamespace
-
+    from mimo_data.inspect.advice import AdvisorRequest
     from mimo_data.loading.layout import Layout
     from mimo_train.planning.advisor import read_model, settings_of
-    args = SimpleNamespace(recompute="any", distributed_optimizer="no",
-                           no_sequence_parallel=False)
+    request = AdvisorRequest(str(run["checkpoint"]), str(run["preprocess"]), 8,
+                             distributed_optimizer="no")
     model = read_model(str(run["checkpoint"]), str(run["preprocess"]), run["config"],
                        {"image": "image", "video": "image"})
     staged = Layout.parse("language=tp2,pp2;image=dp4,video")
-    assert model.deepstack
-    tried = settings_of(model, staged, args)
+    assert model.facts is not None and model.facts.deepstack
+    tried = settings_of(model, staged, request)
     assert tried and not any(s.recompute == "full" for s in tried)
     assert any(s.sequence_parallel for s in tried)
-    plain = dataclasses.replace(model, deepstack=False)
-    assert any(s.recompute == "full" for s in settings_of(plain, staged, args))
+    plain = dataclasses.replace(model, facts=dataclasses.replace(model.facts, deepstack=False))
+    assert any(s.recompute == "full" for s in settings_of(plain, staged, request))
 
 
 @pytest.mark.parametrize("overrides, reason", [
@@ -331,17 +326,15 @@ def test_the_layout_advisor_proposes_only_what_carries_deepstack_rows(run):
     (["model.lora.language.rank=4"], "adapters on its layers .* not supported"),
 ])
 def test_what_the_experts_cannot_take_is_refused(run, overrides, reason):
-    from mimo_data.loading.layout import Layout
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.families.registry import resolve
-    from mimo_train.model.build import check_experts
-    cfg = resolve(TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides]))
+    from mimo_train.plan import resolve
+    cfg = TrainConfig.load(None, [*run["common"], f"layout={LAYOUT}", *overrides])
     if run["name"] == "2B":      # dense: nothing to refuse
-        check_experts(cfg, Layout.parse(cfg.layout))
+        resolve(cfg)
         return
     with pytest.raises(TrainConfigError, match=reason):
-        check_experts(cfg, Layout.parse(cfg.layout))
+        resolve(cfg)
 
 
 def test_a_qwen3_moe_language_model_alone_is_refused_with_the_reason(tmp_path):

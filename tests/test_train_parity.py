@@ -146,7 +146,8 @@ def test_step_flops_are_the_batch_s(dynamic_setup, loader_corpus):
     window, through the formulas ``test_flops.py`` checks against hand counts."""
     from mimo_data.loading.loader import build_loader
     from mimo_train.config import TrainConfig
-    from mimo_train.planning.dims import from_config
+    from mimo_train.plan import resolve
+    from mimo_train.planning.dims import from_plan
     from mimo_train.planning.flops import language_flops, projection_flops, tower_flops
 
     _, common, reference, _, preprocess = dynamic_setup
@@ -156,8 +157,8 @@ def test_step_flops_are_the_batch_s(dynamic_setup, loader_corpus):
     batch, metadata = next(iter(loader))
     loader.close()
     rows = reference["grads"]["language"]["output_layer.weight"].shape[0]
-    dims = from_config(TrainConfig.load(None, [*common, f"layout={layout}"]),
-                       tokenizer_size=rows)
+    dims = from_plan(resolve(TrainConfig.load(None, [*common, f"layout={layout}"])),
+                     tokenizer_size=rows)
     image, audio = dims.encoders["image"], dims.encoders["audio"]
     grids = batch["modality_inputs"]["image"]["image"]["image_grid_thw"].tolist()
     clips = len(batch["modality_inputs"]["audio"]["audio"]["feature_lens"])

@@ -30,7 +30,7 @@ import torch
 
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import TrainConfig
-from mimo_train.families.registry import resolve
+from mimo_train.plan import resolve
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
@@ -267,15 +267,17 @@ def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(fi
 
 def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):
     _, preprocess, _ = vlm_data
-    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}"]))
-    assert cfg.model.language.pretrained == str(VLM)
-    assert cfg.model.language.mrope_section == [2, 3, 3]
-    assert (cfg.model.language.num_layers, cfg.model.language.hidden_size) == (2, 64)
-    assert cfg.model.projection == "none"
+    plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                           f"data.preprocess={preprocess}"]))
+    assert plan.language.pretrained == str(VLM)
+    assert plan.language.mrope_section == (2, 3, 3)
+    assert (plan.language.num_layers, plan.language.hidden_size) == (2, 64)
+    assert plan.projection == "none"
     with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
                        "model.language.pretrained .* has \\[2, 3, 3\\]"):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
-                                "model.language.mrope_section=[4,2,2]"]))
+                                        "model.language.mrope_section=[4,2,2]",
+                                        f"data.preprocess={preprocess}"]))
 
 
 @pytest.mark.parametrize("model_type, reason", [

@@ -258,30 +258,34 @@ def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus
 
 
 def test_freeze_names_a_module_or_an_encoder_modules_part():
-    from types import SimpleNamespace
+    from mimo_data.loading.layout import Layout
+    from mimo_train.plan.parts import parse_parts
+    layout = Layout.parse("image=dp1;language=dp1")
 
-    from mimo_train.model.build import _frozen_parts
-    infra = SimpleNamespace(modules={"language": 0, "image": 0}, layout="image=dp1;language=dp1")
-    assert _frozen_parts(["image.encoder", "language"], infra) == {
-        "image": "encoders.", "language": None}
-    assert _frozen_parts(["image.projection"], infra) == {"image": "input_projections."}
+    def prefixes(entries):
+        return {p.module: p.prefix for p in parse_parts(entries, layout, "model.freeze", True)}
+    assert prefixes(["image.encoder", "language"]) == {"image": "encoders.", "language": ""}
+    assert prefixes(["image.projection"]) == {"image": "input_projections."}
     for wrong, message in ((["language.encoder"], "nor an encoder module's part"),
                            (["image.tower"], "<module>.encoder / <module>.projection"),
                            (["audio"], "not a module of the layout"),
-                           (["image.encoder", "image.projection"], "freeze the module")):
+                           (["image.encoder", "image.projection"], "name the module \\(image\\) "
+                            "or one of its parts")):
         with pytest.raises(TrainConfigError, match=message):
-            _frozen_parts(wrong, infra)
+            prefixes(wrong)
 
 
 # ------------------------------------------------------------------------------- refusals
 
 def test_llava_takes_its_projector_and_sequential_positions():
     from mimo_train.config import TrainConfig
-    from mimo_train.families.registry import resolve
+    from mimo_train.plan import resolve
     checkpoint = FAMILIES["llava"][0]
-    cfg = resolve(TrainConfig.load(None, ["data.datasets=[unused]",
-                                          f"model.pretrained={checkpoint}"]))
-    assert cfg.model.projection == "mlp" and cfg.model.language.mrope_section is None
+    from mimo_data.preprocess.config import PreprocessConfig
+    plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]",
+                                           f"model.pretrained={checkpoint}"]),
+                   PreprocessConfig(tokenizer=str(checkpoint), modalities={}))
+    assert plan.projection == "mlp" and plan.language.mrope_section is None
     from mimo_train.families.registry import read_vlm
     projector = read_vlm(str(checkpoint)).projector()
     assert sorted(projector) == ["0.bias", "0.weight", "2.bias", "2.weight"]
@@ -301,7 +305,7 @@ def test_llava_variants_mimo_cannot_take_are_refused(tmp_path, change, reason):
     config.save_pretrained(tmp_path)
     with pytest.raises(TrainConfigError, match=reason):
         from mimo_train.config import TrainConfig
-        from mimo_train.families.registry import resolve
+        from mimo_train.plan import resolve
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={tmp_path}"]))
 
 

@@ -175,14 +175,14 @@ def test_one_module_gets_its_placeholders_in_token_order():
 
 def test_a_module_serving_images_and_videos_interleaves_their_rows():
     from mimo_train.config import EncoderConfig
-    from mimo_train.families.registry import EncoderSetting
     from mimo_train.model.build import _SeededEncoder
+    from mimo_train.plan.encoders import EncoderSetting
     image_config = PreprocessConfig(tokenizer=str(CHECKPOINTS["qwen2-vl"])).modalities["image"]
     video_config = dataclasses.replace(VideoConfig(), **PIXELS)
     module = _SeededEncoder(0, "image", EncoderSetting(
         "image", image_config, EncoderConfig(hidden_size=16, num_layers=1,
                                              num_attention_heads=2), "qwen2_vl",
-        {"video": video_config}))
+        {"video": video_config}, 16))
 
     class Rows(torch.nn.Module):       # item k of a modality gives rows full of its tag
         def encode(self, modality, **inputs):
@@ -224,14 +224,14 @@ def test_video_goes_to_a_tower_that_takes_it(layout, expected):
 
     from mimo_data.loading.layout import Layout
     from mimo_train.errors import TrainConfigError
-    from mimo_train.families.registry import encoder_settings
+    from mimo_train.plan.encoders import encoder_settings
     config = config_for(CHECKPOINTS["qwen2-vl"])
     config = dataclasses.replace(config, modalities={
         **config.modalities, "audio": PreprocessConfig(tokenizer=config.tokenizer
                                                        ).modalities["audio"]})
     cfg = SimpleNamespace(model=SimpleNamespace(encoders={}, pretrained=None))
     with pytest.raises(TrainConfigError, match=re.escape(expected)):
-        encoder_settings(cfg, Layout.parse(layout), config)
+        encoder_settings(cfg, Layout.parse(layout), config, None)
 
 
 def test_a_tower_refuses_video_cut_into_other_patches():
@@ -345,7 +345,8 @@ def test_the_step_flops_count_each_image_and_video_slice(run_data, colocated):
     got, each video's temporal slices attending on their own (Qwen2.5-VL: in windows but
     in its full-attention layers), counted from the loader's metadata."""
     from mimo_train.config import TrainConfig
-    from mimo_train.planning.dims import from_config
+    from mimo_train.plan import resolve
+    from mimo_train.planning.dims import from_plan
     from mimo_train.planning.flops import tower_flops
     out, step, _ = colocated
     inputs = out["batch"]["modality_inputs"]
@@ -353,7 +354,7 @@ def test_the_step_flops_count_each_image_and_video_slice(run_data, colocated):
              *inputs["video"]["video"]["video_grid_thw"].tolist()]
     assert any(t > 1 for t, _, _ in grids)
     cfg = TrainConfig.load(None, [*run_data["common"], "layout=language=dp1;image=dp1,off0,video"])
-    module = from_config(cfg).encoders["image"]
+    module = from_plan(resolve(cfg)).encoders["image"]
     assert module.projection == () and module.modalities == ("image", "video")
     assert step["flops"]["image"] == pytest.approx(tower_flops(module.tower, grids), rel=1e-12)
 

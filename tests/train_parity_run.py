@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from mimo_train.config import TrainConfig
-from mimo_train.families.registry import resolve
+from mimo_train.plan import resolve
 from mimo_train.model.parts import global_key, unwrap
 from mimo_train.training.trainer import Trainer
 

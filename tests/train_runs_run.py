@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_train.config import TrainConfig
-from mimo_train.families.registry import resolve
+from mimo_train.plan import resolve
 from mimo_train.model.parts import unwrap
 from mimo_train.training.trainer import Trainer
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_train.config import TrainConfig
-from mimo_train.families.registry import resolve
+from mimo_train.plan import resolve
 from mimo_train.model.parts import global_key, unwrap
 from mimo_train.training.step import model_inputs
 from mimo_train.training.trainer import Trainer

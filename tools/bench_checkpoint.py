@@ -83,20 +83,20 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
 
     from mimo_train.components import checkpoint, digests
     from mimo_train.config import TrainConfig
-    from mimo_train.families.registry import resolve
+    from mimo_train.plan import resolve
     from mimo_train.mcore import dist_checkpointing
     from mimo_train.training.trainer import Trainer
     from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
 
     world = int(os.environ["WORLD_SIZE"])
-    cfg = resolve(TrainConfig.load(None, [
+    plan = resolve(TrainConfig.load(None, [
         f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         f"layout=language=dp{world}", f"model.language.pretrained={MODEL}",
         f"train.global_batch_size={world}", "train.micro_batch_size=1",
         f"train.steps={steps + max_steps + 2}", "train.log_interval=1000",
         "optimizer.warmup_steps=0",
         "train.device=cpu"]))
-    trainer = Trainer(cfg)
+    trainer = Trainer(plan)
     batches = trainer.batches(trainer.loader)
 
     def step() -> float:

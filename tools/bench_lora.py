@@ -46,7 +46,7 @@ def measure(overrides: list[str]) -> dict:
     import torch
 
     from mimo_train.config import TrainConfig
-    from mimo_train.families.registry import resolve
+    from mimo_train.plan import resolve
     from mimo_train.model.parts import unwrap
     from mimo_train.training.trainer import Trainer
     trainer = Trainer(resolve(TrainConfig.load(overrides[0], overrides[1:])))

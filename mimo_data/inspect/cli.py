@@ -153,8 +153,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _advisor_arguments(p: argparse.ArgumentParser) -> None:
-    """The layout advisor's options (``plan --model M --gpus N``); mimo_train's advisor reads
-    them, this module only parses them (mimo_data never imports mimo_train)."""
+    """The layout advisor's options (``plan --model M --gpus N``), handed to mimo_train's
+    advisor as an ``advice.AdvisorRequest`` (mimo_data never imports mimo_train)."""
     a = p.add_argument_group("layout advisor (needs mimo_train; docs/inspect.md)")
     a.add_argument("--gpus", type=_positive(int), metavar="N",
                    help="rank the layouts of the config's modules on N GPUs: memory per rank, "
@@ -289,6 +289,7 @@ def _plan(args, config, advisor=None) -> int:
         print("mimo-inspect plan: error: the layout advisor needs both --model M and --gpus N "
               "(N >= 1)", file=sys.stderr)
         return 2
+    from mimo_data.inspect.advice import AdvisorRequest
     from mimo_data.inspect.workload import workload
     from mimo_data.loading.layout import Layout
     from mimo_data.loading.loader import DataSource
@@ -297,13 +298,14 @@ def _plan(args, config, advisor=None) -> int:
     work = workload(source, config, args.global_batch_size, args.micro_batch_size,
                     layout=layout, seed=args.seed, epoch=args.epoch, steps=max(1, args.steps),
                     packing=args.packing)
-    return advisor(args, config, work)
+    return advisor(AdvisorRequest.from_args(args), config, work)
 
 
 def main(argv: list[str] | None = None, advisor=None) -> int:
-    """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(args,
-    config, workload) -> exit status`` (``mimo_train.inspect_cli`` passes mimo_train's; the
-    import runs one way: mimo_data never imports mimo_train)."""
+    """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
+    config, workload) -> exit status`` with an ``advice.AdvisorRequest``
+    (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
+    imports mimo_train)."""
     args = _parser().parse_args(argv)
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.config import PreprocessConfig

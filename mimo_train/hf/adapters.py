@@ -26,24 +26,27 @@ import os
 
 import torch
 
+from mimo_train.config import LoraConfig
 from mimo_train.errors import ExportError
+from mimo_train.plan import RunPlan
+from mimo_train.planning.flops import trains
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-def trained_outside_adapters(cfg, vlm, image: str) -> list[str]:
+def trained_outside_adapters(plan: RunPlan, image: str) -> list[str]:
     """The parts of the whole VLM that trained their own weights (neither in ``model.freeze``
     nor adapted by ``model.lora``); ``image``: the encoder module of its tower."""
-    lora, freeze = cfg.model.lora, set(cfg.model.freeze)
-    parts = {"language": ["language"], f"{image}.encoder": [image, f"{image}.encoder"]}
-    if vlm.projector_names:                     # LLaVA's projector (Qwen's merger is the tower's)
-        parts[f"{image}.projection"] = [image, f"{image}.projection"]
-    return [part for part, names in parts.items()
-            if not any(name in lora or name in freeze for name in names)]
+    assert plan.vlm is not None
+    parts = ["language", f"{image}.encoder"]
+    if plan.vlm.projector_names:                # LLaVA's projector (Qwen's merger is the tower's)
+        parts.append(f"{image}.projection")
+    fixed = (*plan.frozen, *(a.part for a in plan.adapted))
+    return [part for part in parts if trains(part, fixed)]
 
 
-def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
+def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image: str,
                    directory: str) -> dict:
     """The adapters of ``weights`` (module name -> whole tensors, ``load_weights``) as PEFT
     files in ``out`` (``image``: the encoder module of the VLM's tower); returns the adapter
@@ -52,14 +55,19 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
 
     from mimo_train.families.causal_lm import adapters_to_hf
     from mimo_train.model.lora import spec_of
-    trained = trained_outside_adapters(cfg, vlm, image)
+    vlm = plan.vlm
+    assert vlm is not None
+    trained = trained_outside_adapters(plan, image)
     if trained:
         raise ExportError(f"{directory}: the run also trained {trained} outside its adapters "
                           "(not in model.freeze nor model.lora): adapters alone are not the "
                           "trained model; export it merged (without --adapters)")
     # layer path in the checkpoint's names -> (A, B, model.lora entry)
-    found = {path: (a, b, cfg.model.lora.get("language"))
-             for path, (a, b) in adapters_to_hf(weights["language"], language_arch).items()}
+    language = next((a.spec for a in plan.adapted if a.part.module == "language"), None)
+    found: dict[str, tuple[torch.Tensor, torch.Tensor, LoraConfig]] = {}
+    if language is not None:
+        found = {path: (a, b, language) for path, (a, b)
+                 in adapters_to_hf(weights["language"], language_arch).items()}
     renames = vlm.checkpoint_names(vlm.weights())      # parameter names, as the merge's
     tower = weights[image]
     for key in tower:
@@ -71,11 +79,11 @@ def write_adapters(out: str, cfg, weights: dict, vlm, language_arch, image: str,
             if param.startswith(ours):
                 found[(theirs + param[len(ours):]).removesuffix(".weight")] = (
                     tower[key], tower[layer + "lora.b.weight"],
-                    spec_of(cfg.model.lora, image, key))
+                    spec_of(plan.adapted, image, key))
     if not found:
         raise ExportError(f"{directory}: the run has no LoRA adapters (model.lora) to export")
     names = _model_names(vlm.path, list(found))
-    default = cfg.model.lora.get("language") or next(s for _, _, s in found.values())
+    default = language or next(s for _, _, s in found.values())
     tensors, ranks, alphas = {}, {}, {}
     for path, (a, b, spec) in found.items():
         name = names[path]

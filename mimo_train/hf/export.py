@@ -121,8 +121,8 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
     parent = os.path.dirname(output)
     if not os.path.isdir(parent):
         raise ExportError(f"--output {output}: its folder {parent} does not exist")
-    cfg, meta = _run_config(directory)
-    preprocess = _preprocess_config(cfg, directory)
+    plan, meta = _run_plan(directory)
+    cfg = plan.config
     from mimo_train.components.checkpoint import load_weights
     from mimo_train.errors import CheckpointError
     try:
@@ -134,7 +134,7 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
                           "(model.lora and model.pretrained): export it without --adapters")
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
-        weights = {name: merged(name, state, cfg.model.lora) for name, state in weights.items()}
+        weights = {name: merged(name, state, plan.adapted) for name, state in weights.items()}
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils import logging as transformers_logging
     disable_progress_bars()                              # a bar per saved model otherwise
@@ -147,7 +147,7 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
     try:
-        _write(staging, cfg, preprocess, weights, meta["step"], directory, adapters)
+        _write(staging, plan, weights, meta["step"], directory, adapters)
         os.rename(staging, output)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -159,15 +159,17 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
     return output
 
 
-def _run_config(directory: str):
+def _run_plan(directory: str):
+    """The run's plan (its config resolved with its preprocessing config) and meta.json."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
-    from mimo_train.families.registry import resolve
+    from mimo_train.plan import resolve
     path = os.path.join(directory, "meta.json")
     try:
         with open(path) as f:
             meta = json.load(f)
-        return resolve(TrainConfig.from_dict(meta["config"])), meta
+        cfg = TrainConfig.from_dict(meta["config"])
+        return resolve(cfg, _preprocess_config(cfg, directory)), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
         raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
@@ -187,33 +189,34 @@ def _preprocess_config(cfg, directory: str):
                           f"read ({error}): the export copies it; restore it") from None
 
 
-def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str,
-           adapters: bool) -> None:
-    from mimo_data.loading.layout import LANGUAGE, Layout
+def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool) -> None:
+    from mimo_data.loading.layout import LANGUAGE
     from mimo_data.preprocess.chat_tokens import load_tokenizer
+
+    cfg, preprocess = plan.config, plan.preprocess
 
     tokenizer = load_tokenizer(preprocess)
     if preprocess.mode == "chat" and preprocess.chat_template:
         from mimo_data.preprocess.chat_tokens import TextEncoder
         tokenizer.chat_template = TextEncoder(preprocess, tokenizer).template
-    for name in [LANGUAGE, *(m.name for m in Layout.parse(cfg.layout).encoders)]:
+    for name in [LANGUAGE, *plan.encoders]:
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
                               f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
     manifest: dict = {"step": step, "checkpoint": directory, "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class
-        family = _write_vlm(out, cfg, preprocess, tokenizer, weights, directory, adapters)
+        family = _write_vlm(out, plan, tokenizer, weights, directory, adapters)
         if adapters:
             manifest["adapters"] = {"base": cfg.model.pretrained}
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, ".")
         manifest.update(vlm=family, modules={}, language=".")
     else:
-        _write_language(os.path.join(out, LANGUAGE_DIR), cfg, tokenizer, weights[LANGUAGE],
+        _write_language(os.path.join(out, LANGUAGE_DIR), plan, tokenizer, weights[LANGUAGE],
                         directory)
-        modules = _write_encoders(out, cfg, preprocess, weights, directory)
+        modules = _write_encoders(out, plan, weights, directory)
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, f"./{LANGUAGE_DIR}")
         manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS,
-                        projection=cfg.model.projection, modules=modules)
+                        projection=plan.projection, modules=modules)
     manifest["modality_tokens"] = {name: {"token": m.token,
                                           "id": tokenizer.convert_tokens_to_ids(m.token)}
                                    for name, m in preprocess.modalities.items()}
@@ -221,18 +224,18 @@ def _write(out: str, cfg, preprocess, weights: dict, step: int, directory: str,
         json.dump(manifest, f, indent=1)
 
 
-def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
+def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
     """The language model's transformers weights (the checkpoint's names) and vocabulary."""
     from mimo_train.families.causal_lm import to_hf
     from mimo_train.families.registry import language_arch
-    pretrained = cfg.model.language.pretrained
+    pretrained = plan.language.pretrained
     if not pretrained:
         raise ExportError(f"{directory}: the language model was initialized at random "
                           "(no model.language.pretrained): its megatron-core layers (LayerNorm, "
                           "GELU, biases) have no transformers Llama equivalent; export a run "
                           "that starts from a transformers checkpoint")
     arch = language_arch(pretrained)
-    if cfg.model.language.mrope_section and not cfg.model.pretrained:
+    if plan.language.mrope_section and plan.vlm is None:
         raise ExportError(f"{directory}: the language model takes M-RoPE positions "
                           "(model.language.mrope_section), which the exported causal LM "
                           f"({arch.family}) would drop: start from a whole VLM "
@@ -249,7 +252,7 @@ def _language_weights(cfg, tokenizer, state: dict, directory: str) -> tuple[dict
         raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
 
 
-def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: str,
+def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str,
                adapters: bool) -> str:
     """The whole VLM of ``model.pretrained`` with the trained weights, as its transformers
     class (config, weights in the checkpoint's names and dtype, tokenizer, processor config,
@@ -258,34 +261,33 @@ def _write_vlm(out: str, cfg, preprocess, tokenizer, weights: dict, directory: s
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
-    from mimo_data.loading.layout import LANGUAGE, Layout
-    from mimo_train.families.registry import ENCODERS, read_vlm
-    vlm = read_vlm(cfg.model.pretrained)
-    layout = Layout.parse(cfg.layout)
+    from mimo_data.loading.layout import LANGUAGE
+    from mimo_train.families.registry import ENCODERS
+    vlm, layout = plan.vlm, plan.layout
     tower = {"image", *ENCODERS[vlm.encoder_kind].also_takes}    # what its one tower takes
     others = [m.name for m in layout.encoders
               if "image" not in layout.modalities_of(m.name)
               or not set(layout.modalities_of(m.name)) <= tower]
-    if others or cfg.model.projection != vlm.projection:
+    if others or plan.projection != vlm.projection:
         raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower, "
                           f"{vlm.projection} projection and language model only, but the run "
-                          f"has {others or f'a {cfg.model.projection} projection'}: it cannot "
+                          f"has {others or f'a {plan.projection} projection'}: it cannot "
                           "be written back as one")
     if adapters:
         from mimo_train.families.registry import language_arch
         from mimo_train.hf.adapters import write_adapters
-        arch = language_arch(cfg.model.language.pretrained)
+        arch = language_arch(plan.language.pretrained)
         rows = max(arch.vocab_size, len(tokenizer))       # the rows a merged export writes
         if rows != arch.vocab_size:
             raise ExportError(f"--adapters: the run's vocabulary has {rows} rows, the base "
                               f"checkpoint's {arch.vocab_size}: the adapters alone do not give "
                               "the trained model; export it merged (without --adapters)")
         image = next(m.name for m in layout.encoders if "image" in layout.modalities_of(m.name))
-        write_adapters(out, cfg, weights, vlm, arch, image, directory)
+        write_adapters(out, plan, weights, arch, image, directory)
         tokenizer.save_pretrained(out)
         _copy_processor(vlm.path, out)
         return vlm.family
-    hf, rows = _language_weights(cfg, tokenizer, weights[LANGUAGE], directory)
+    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
     renames = vlm.checkpoint_names(checkpoint)
     for module in layout.encoders:
@@ -346,12 +348,12 @@ def _copy_processor(pretrained: str, out: str) -> None:
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
 
 
-def _write_language(out: str, cfg, tokenizer, state: dict, directory: str) -> None:
+def _write_language(out: str, plan, tokenizer, state: dict, directory: str) -> None:
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
-    hf, rows = _language_weights(cfg, tokenizer, state, directory)
-    pretrained = cfg.model.language.pretrained
+    hf, rows = _language_weights(plan, tokenizer, state, directory)
+    pretrained = plan.language.pretrained
     config = AutoConfig.from_pretrained(pretrained)
     config.vocab_size = rows
     config.dtype = str(state["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
@@ -376,23 +378,16 @@ def _write_generation_config(out: str, pretrained: str, config, tokenizer) -> No
     generation.save_pretrained(out)
 
 
-def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) -> dict:
+def _write_encoders(out: str, plan, weights: dict, directory: str) -> dict:
     """Each encoder module's transformers model and projection; the manifest's modules."""
     from safetensors.torch import save_file
 
-    from mimo_data.loading.layout import Layout
-    from mimo_train.config import EncoderConfig
-    from mimo_train.families.registry import build_encoder, default_kind
+    from mimo_train.families.registry import build_encoder
     from mimo_train.precision import cast
     modules, projections = {}, {}
-    layout = Layout.parse(cfg.layout)
-    for module in layout.encoders:
-        name = module.name
-        modality, *also = layout.modalities_of(name)     # the encoder's own modality first
-        modality_config = preprocess.modalities[modality]
-        spec = cfg.model.encoders.get(name) or EncoderConfig()
-        kind = spec.kind or default_kind(modality, modality_config)
-        encoder = build_encoder(kind, modality_config, spec.hidden_size, spec.num_layers,
+    for name, setting in plan.encoders.items():
+        modality, kind, spec = setting.modality, setting.kind, setting.spec
+        encoder = build_encoder(kind, setting.config, spec.hidden_size, spec.num_layers,
                                 spec.num_attention_heads, spec.pretrained)
         state, prefix = weights[name], f"encoders.{modality}.encoder."
         # the checkpoint's dtype (the run's precision): the saved weights are its values
@@ -408,7 +403,8 @@ def _write_encoders(out: str, cfg, preprocess, weights: dict, directory: str) ->
         projection = "input_projections.0."
         projections.update({f"{name}.{k[len(projection):]}": v.contiguous()
                             for k, v in state.items() if k.startswith(projection)})
-        modules[name] = {"modality": modality, "also": also, "kind": kind, "path": name,
+        modules[name] = {"modality": modality, "also": list(setting.also), "kind": kind,
+                         "path": name,
                          "output_size": encoder.output_size}
     save_file(projections, os.path.join(out, PROJECTIONS))
     return modules

@@ -37,7 +37,7 @@ import fnmatch
 import math
 import re
 import zlib
-from typing import NamedTuple
+from collections.abc import Iterable
 
 import torch
 
@@ -46,14 +46,13 @@ from mimo_train.config import LoraConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import ColumnParallelLinear, RowParallelLinear, apply_swiglu_sharded_factory
 from mimo_train.model.parts import global_key
+from mimo_train.plan import Adapted
 
 ALL_LINEAR = "all-linear"
 # the linear layers of each decoder layer of mimo's language model (megatron-core's local spec)
 LANGUAGE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj",
                     "mlp.linear_fc1", "mlp.linear_fc2")
 _ADAPTER = re.compile(r"(^|\.)lora\.[ab]\.")
-# an encoder module's parts -> where they sit in it, and the prefix of their layers' names
-_ENCODER_PARTS = {"encoder": "encoders.", "projection": "input_projections."}
 
 
 def is_adapter(name: str) -> bool:
@@ -61,42 +60,13 @@ def is_adapter(name: str) -> bool:
     return _ADAPTER.search(name) is not None
 
 
-class Part(NamedTuple):
-    """A part of a module under LoRA."""
-    module: str                # layout module name
-    prefix: str                # its parameters' name prefix in the module ("" : all)
-    spec: LoraConfig
-    name: str                  # as model.lora names it
-
-
-def parts(lora: dict, layout, num_layers: int | None) -> list[Part]:
-    """The parts ``model.lora`` names, checked against the layout (on every rank, the
-    language model's targets and TP split too: a rank's model may lack the module)."""
-    modules = [m.name for m in layout.modules]
-    found = []
-    for entry, spec in lora.items():
-        module, _, part = entry.partition(".")
-        if module not in modules or (part and (part not in _ENCODER_PARTS or module == LANGUAGE)):
-            raise TrainConfigError(
-                f"model.lora names {entry!r}, not a module of the layout nor an encoder "
-                f"module's part: use one of {modules}, or <module>.encoder / "
-                "<module>.projection for an encoder module")
-        found.append(Part(module, _ENCODER_PARTS[part] if part else "", spec, entry))
-        if module == LANGUAGE:
-            names = {f"decoder.layers.{i}.{n}" for i in range(num_layers or 0)
-                     for n in LANGUAGE_LINEARS}
-            _check_targets(found[-1], names)
-            tp = layout.module(LANGUAGE).tp
-            if spec.rank % tp:          # A of a column-parallel layer is split by its rows
-                raise TrainConfigError(f"model.lora: rank {spec.rank} does not split over the "
-                                       f"language model's tp {tp}: make it a multiple of {tp}")
-    for one in found:
-        for other in found:
-            if one is not other and one.module == other.module and \
-                    (not one.prefix or not other.prefix):
-                raise TrainConfigError(f"model.lora names {one.name!r} and {other.name!r}: "
-                                       "adapt the whole module or its parts, not both")
-    return found
+def check_language_targets(adapted: Iterable[Adapted], num_layers: int) -> None:
+    """Every target of the language model's adapters names one of its linear layers (on
+    every rank, whichever modules it holds)."""
+    for each in adapted:
+        if each.part.module == LANGUAGE:
+            _check_targets(each, {f"decoder.layers.{i}.{n}" for i in range(num_layers)
+                                  for n in LANGUAGE_LINEARS})
 
 
 class LoraAdapter(torch.nn.Module):
@@ -212,21 +182,24 @@ def matches(target: str, name: str) -> bool:
         fnmatch.fnmatchcase(name, target)
 
 
-def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: int) -> None:
-    """Put adapters on the targeted linear layers of ``part`` of ``module`` (this rank's,
-    not yet DDP-wrapped). ``layer_offset``: the global number of the stage's first layer."""
+def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
+                 layer_offset: int) -> None:
+    """Put adapters on the targeted linear layers of ``adapted``'s part of ``module`` (this
+    rank's, not yet DDP-wrapped). ``layer_offset``: the global number of the stage's first
+    layer."""
+    part, spec = adapted.part, adapted.spec
     language = part.module == LANGUAGE
     root = module
-    if part.prefix == "encoders.":
+    if part.part == "encoder":
         root = module.encoders[next(iter(module.encoders))].encoder.model
-    elif part.prefix == "input_projections.":
+    elif part.part == "projection":
         root = module.input_projections[0]
     layers = _linears(root, language)
     names = {(global_key(f"{n}.w", layer_offset)[:-2] if language else n): n for n in layers}
-    if not language:                  # the language model's: checked by parts on every rank
-        _check_targets(part, set(names))
+    if not language:      # the language model's: check_language_targets, on every rank
+        _check_targets(adapted, set(names))
     for name, local in names.items():
-        if not any(matches(t, name) for t in part.spec.targets):
+        if not any(matches(t, name) for t in spec.targets):
             continue
         layer = layers[local]
         key = f"{part.name}:{name}"
@@ -234,20 +207,20 @@ def add_adapters(module: torch.nn.Module, part: Part, seed: int, layer_offset: i
             gated = local.endswith("linear_fc1") and layer.config.gated_linear_unit
             parent, _, child = local.rpartition(".")
             root.get_submodule(parent).register_module(child, LoraParallelLinear(
-                layer, ParallelLoraAdapter(layer, part.spec, _seed(seed, key)), gated))
+                layer, ParallelLoraAdapter(layer, spec, _seed(seed, key)), gated))
         else:
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
-                                                      part.spec, _seed(seed, key)))
+                                                      spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
 
 
-def _check_targets(part: Part, names: set[str]) -> None:
-    """Every target of ``part`` names one of its linear layers ``names``."""
-    for target in part.spec.targets:
+def _check_targets(adapted: Adapted, names: set[str]) -> None:
+    """Every target of ``adapted`` names one of its part's linear layers ``names``."""
+    for target in adapted.spec.targets:
         if not any(matches(target, n) for n in names):
             shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
-            raise TrainConfigError(f"model.lora.{part.name}.targets has {target!r}, which names "
-                                   f"none of its linear layers: {shown[:12]}")
+            raise TrainConfigError(f"model.lora.{adapted.part.name}.targets has {target!r}, "
+                                   f"which names none of its linear layers: {shown[:12]}")
 
 
 def bases(cfg) -> list[tuple[str, str]]:
@@ -265,24 +238,22 @@ def bases(cfg) -> list[tuple[str, str]]:
     return found
 
 
-def spec_of(lora: dict, module: str, key: str) -> LoraConfig:
-    """The ``model.lora`` entry of the adapter at state-dict key ``key`` of ``module``."""
-    for part, prefix in _ENCODER_PARTS.items():
-        if key.startswith(prefix) and f"{module}.{part}" in lora:
-            return lora[f"{module}.{part}"]
-    return lora[module]
+def spec_of(adapted: Iterable[Adapted], module: str, key: str) -> LoraConfig:
+    """The ``model.lora`` settings of the adapter at state-dict key ``key`` of ``module``."""
+    return next(a.spec for a in adapted
+                if a.part.module == module and key.startswith(a.part.prefix))
 
 
-def merged(module: str, state: dict, lora: dict) -> dict:
+def merged(module: str, state: dict, adapted: Iterable[Adapted]) -> dict:
     """A module's state dict (one process, whole tensors) with each adapter folded into its
     layer's weight, ``W + alpha / rank * B @ A`` computed in fp32 and stored in W's dtype, and
-    the adapter keys dropped (``lora``: ``model.lora``)."""
+    the adapter keys dropped (``adapted``: the plan's parts under LoRA)."""
     out = {k: v for k, v in state.items() if not is_adapter(k)}
     for key in state:
         if not key.endswith("lora.a.weight"):
             continue
         layer = key[:-len("lora.a.weight")]
-        spec = spec_of(lora, module, key)
+        spec = spec_of(adapted, module, key)
         a, b = state[key].float(), state[layer + "lora.b.weight"].float()
         weight = out[layer + "weight"]
         out[layer + "weight"] = (weight.float() + spec.alpha / spec.rank * (b @ a)

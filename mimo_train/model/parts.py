@@ -38,12 +38,11 @@ def local_modules(model, infra: Infra) -> dict:
     return {name: module_of(model, name) for name in infra.local}
 
 
-def layer_offset(infra: Infra, name: str, num_layers: int | None) -> int:
+def layer_offset(infra: Infra, name: str, num_layers: int) -> int:
     """Global index of this rank's first layer of module ``name`` (``num_layers``: the
-    language model's, set once the config is loaded)."""
+    language model's)."""
     if name != LANGUAGE:
         return 0
-    assert num_layers is not None, "families.registry.resolve fills model.language.num_layers"
     language = infra.role.module(LANGUAGE)
     return language.pp_rank * (num_layers // language.module.pp)
 

@@ -1,5 +1,5 @@
 """The model's dims as the FLOPs and memory formulas need them (``flops``, the layout advisor):
-frozen dataclasses, read from a ``TrainConfig`` without building anything (``from_config``: the
+frozen dataclasses, read from a run's plan without building anything (``from_plan``: the
 checkpoints' ``config.json`` through the families' own readers; the trainer's FLOPs count and
 the advisor both read them so).
 
@@ -17,22 +17,19 @@ the advisor both read them so).
 How a tower is read from its transformers config is ``tower_from_hf`` (one branch per encoder
 kind); the transformers configs themselves come from the family modules (their
 ``random_config`` for a randomly initialised tower, the checkpoint's config otherwise), and the
-language model's dims from ``families.registry`` (``resolve``, ``language_arch``).
+language model's dims from the plan (``mimo_train.plan.language``).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-from mimo_data.loading.layout import LANGUAGE, Layout
-from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
-
-if TYPE_CHECKING:
-    from mimo_train.families.registry import EncoderSetting
+from mimo_train.plan import RunPlan
+from mimo_train.plan.encoders import EncoderSetting
+from mimo_train.plan.language import LanguagePlan, vocab_rows
 
 
 class Linear(NamedTuple):
@@ -210,64 +207,48 @@ def projection_linears(kind: str | None, inputs: int, outputs: int) -> tuple[Lin
 
 # ------------------------------------------------------------------------- from a config
 
-def from_config(cfg: TrainConfig, preprocess=None, tokenizer_size: int | None = None
-                ) -> ModelDims:
-    """The dims of the model ``cfg`` builds, without building it: the language model from its
-    resolved dims (``families.registry.resolve`` on a copy when ``cfg`` is not resolved; a
-    checkpoint's architecture through ``language_arch``), each encoder module of the layout
-    from its family's transformers config (a checkpoint's, or the family's ``random_config``
-    of the ``model.encoders`` dims and the preprocessing geometry). ``preprocess``: the
-    ``PreprocessConfig`` (default: read ``data.preprocess``); ``tokenizer_size``: the
-    tokenizer's vocabulary with modality tokens (sizes the output layer as
-    ``families.registry.vocab_size`` does; without it, ``model.language.vocab_size`` or the
-    checkpoint's vocabulary)."""
-    from mimo_train.families.registry import encoder_settings, resolve
-    if not cfg.resolved:
-        cfg = resolve(copy.deepcopy(cfg))
-    if preprocess is None:
-        from mimo_data.preprocess.config import PreprocessConfig
-        if cfg.data.preprocess is None:
-            raise TrainConfigError("data.preprocess is not set: the encoders' geometry is in "
-                                   "the preprocessing config")
-        preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
-    layout = Layout.parse(cfg.layout)
-    language = language_stack(cfg, tokenizer_size, layout.module(LANGUAGE).tp)
+def from_plan(plan: RunPlan, tokenizer_size: int | None = None) -> ModelDims:
+    """The dims of the model ``plan`` builds, without building it: the language model's
+    (a checkpoint's architecture read from its ``config.json``), each encoder module's from
+    its family's transformers config (a checkpoint's, or the family's ``random_config`` of
+    the ``model.encoders`` dims and the preprocessing geometry). ``tokenizer_size``: the
+    tokenizer's vocabulary with modality tokens (sizes the output layer as the build does;
+    without it, ``model.language.vocab_size`` or the checkpoint's vocabulary)."""
+    language = language_stack(plan.language, tokenizer_size, plan.layout.language.tp)
     encoders = {}
-    for name, setting in encoder_settings(cfg, layout, preprocess).items():
+    for name, setting in plan.encoders.items():
         tower = _configured_tower(name, setting)
-        encoders[name] = EncoderModule(tower, tuple(layout.modalities_of(name)),
-                                       projection_linears(cfg.model.projection,
-                                                          tower.output_size, language.hidden))
+        encoders[name] = EncoderModule(tower, tuple(plan.layout.modalities_of(name)),
+                                       projection_linears(plan.projection, tower.output_size,
+                                                          language.hidden))
     return ModelDims(language, encoders)
 
 
-def language_stack(cfg: TrainConfig, tokenizer_size: int | None = None, tp: int = 1) -> Stack:
-    """The language model's ``Stack`` of the resolved ``cfg``; its output rows those
-    ``families.registry.vocab_size`` and ``vocab_rows`` give the build (without
-    ``tokenizer_size``: the config's or the checkpoint's vocabulary)."""
-    from mimo_train.families.registry import language_arch, vocab_rows, vocab_size
-    lm = cfg.model.language
-    if tokenizer_size is None and lm.vocab_size is None and not lm.pretrained:
+def language_stack(language: LanguagePlan, tokenizer_size: int | None = None, tp: int = 1
+                   ) -> Stack:
+    """The language model's ``Stack``; its output rows those the build gives
+    (``LanguagePlan.vocabulary``, ``vocab_rows``; without ``tokenizer_size``: the config's or
+    the checkpoint's vocabulary)."""
+    if tokenizer_size is None and language.vocab_size is None and language.arch is None:
         raise TrainConfigError("the language model's vocabulary is unknown: set "
                                "model.language.vocab_size or give the tokenizer's size")
-    rows = vocab_rows(vocab_size(cfg, tokenizer_size or 0), tp)
-    arch = language_arch(lm.pretrained, weights=False) if lm.pretrained else None
+    rows = vocab_rows(language.vocabulary(tokenizer_size or 0).rows, tp)
+    arch = language.arch
     if arch is not None:
         return Stack(arch.num_layers, arch.hidden_size, arch.num_attention_heads,
                      arch.num_query_groups, arch.kv_channels,
                      arch.expert_ffn_hidden_size or arch.ffn_hidden_size, gated=True,
                      vocab=rows, tied=arch.tied, experts=arch.experts,
                      experts_per_token=arch.experts_per_token)
-    assert lm.num_layers and lm.hidden_size and lm.num_attention_heads   # resolved
-    return Stack(lm.num_layers, lm.hidden_size, lm.num_attention_heads, lm.num_attention_heads,
-                 lm.hidden_size // lm.num_attention_heads,
-                 lm.ffn_hidden_size or 4 * lm.hidden_size, gated=False, vocab=rows)
+    return Stack(language.num_layers, language.hidden_size, language.num_attention_heads,
+                 language.num_attention_heads,
+                 language.hidden_size // language.num_attention_heads,
+                 language.ffn_hidden_size or 4 * language.hidden_size, gated=False, vocab=rows)
 
 
 def _configured_tower(name: str, setting: EncoderSetting) -> Tower:
-    """The tower of encoder module ``name`` built from ``setting``
-    (``families.registry.encoder_settings``), its transformers config read as the family's
-    encoder class reads it."""
+    """The tower of encoder module ``name`` built from ``setting`` (``plan.encoders``), its
+    transformers config read as the family's encoder class reads it."""
     from mimo_train.families import llava
     from mimo_train.families.registry import ENCODERS, checkpoint_config
     kind, spec = setting.kind, setting.spec

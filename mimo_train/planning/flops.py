@@ -45,6 +45,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_train.plan.parts import Part
 from mimo_train.planning.dims import Linear, ModelDims, Stack, Tower
 
 Grid = tuple[int, int, int]
@@ -118,18 +119,16 @@ def item_grid(tower: Tower, token_grid: Sequence[int] | None) -> Grid:
     return (int(t), int(h) * tower.merge, int(w) * tower.merge)
 
 
-def trains(part: str, frozen: Iterable[str] = (), adapted: Iterable[str] = ()) -> bool:
+def trains(part: str, frozen: Iterable[Part] = (), adapted: Iterable[Part] = ()) -> bool:
     """Whether ``part`` (``language``, ``<module>.encoder``, ``<module>.projection``) computes
-    weight gradients given ``model.freeze``'s entries ``frozen`` and the parts under LoRA
-    ``adapted`` (entries name a part or its whole module): under LoRA it trains (its
-    adapters), else it trains unless frozen. Whether its own (base) weights train, with
-    gradients and optimizer state: ``trains(part, frozen + adapted)``."""
-    frozen, adapted = set(frozen), set(adapted)
-    module = part.split(".")[0]
-    return part in adapted or module in adapted or not (part in frozen or module in frozen)
+    weight gradients given ``model.freeze``'s parts ``frozen`` and the parts under LoRA
+    ``adapted`` (each a part or its whole module): under LoRA it trains (its adapters), else
+    it trains unless frozen. Whether its own (base) weights train, with gradients and
+    optimizer state: ``trains(part, (*frozen, *adapted))``."""
+    return any(p.covers(part) for p in adapted) or not any(p.covers(part) for p in frozen)
 
 
-def training_passes(dims: ModelDims, frozen: Iterable[str] = (), adapted: Iterable[str] = ()
+def training_passes(dims: ModelDims, frozen: Iterable[Part] = (), adapted: Iterable[Part] = ()
                     ) -> dict[str, int]:
     """Passes of each part (``language``, ``<module>.encoder``, ``<module>.projection``)
     given ``model.freeze``'s entries ``frozen`` and the parts under LoRA ``adapted`` (those

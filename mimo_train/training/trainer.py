@@ -41,20 +41,20 @@ from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, StepValues,
                                            Timer, eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
-                                             check_modules, trained_optimizers)
+                                             trained_optimizers)
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing
-from mimo_train.families.registry import read_vlm, vocab_size
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
                               get_forward_backward_func, model_parallel_cuda_manual_seed)
 from mimo_train.mcore.attention import available, choose
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
-from mimo_train.model.build import build_model, memory_summary, shared_placeholders
+from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules
-from mimo_train.planning.dims import from_config
+from mimo_train.plan import RunPlan
+from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
@@ -84,12 +84,9 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
 class Trainer:
     """Everything one rank holds for training; ``run()`` trains to ``train.steps``."""
 
-    def __init__(self, cfg: TrainConfig):
-        if not cfg.resolved:
-            raise TrainConfigError("the training config's model is not resolved: call "
-                                   "mimo_train.families.registry.resolve(cfg) first (the "
-                                   "mimo-train command does)")
-        self.cfg = cfg
+    def __init__(self, plan: RunPlan):
+        self.plan, self.cfg = plan, plan.config
+        cfg = self.cfg
         start = time.perf_counter()
         self.device, problem = devices.select(cfg.train.device, devices.probe())
         timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
@@ -97,7 +94,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem), start)
-        self.preprocess, self.layout, self.text = phase(
+        self.preprocess, self.layout = plan.preprocess, plan.layout
+        self.text, self.vocabulary = phase(
             "config", "config, tokenizer and shards checked", self._read_config)
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
@@ -105,7 +103,7 @@ class Trainer:
         # optimizer's and schedule's set-up holds collectives of the whole world
         self.peak_memory = PeakMemory(self.device)      # the records' memory_mib from here
         phase("model", lambda _: f"model built ({self.attention.describe()}; memory: "
-              f"{memory_summary(cfg, self.layout)})",
+              f"{plan.memory_summary()})",
               lambda: self._build_model(self.text))
         phase("optimizer", "optimizer and schedule ready", lambda: self._build_optimizer(
             self.text))
@@ -135,14 +133,12 @@ class Trainer:
 
     def _read_config(self):
         self.cfg.check_inputs()
-        preprocess = PreprocessConfig.from_yaml(self.cfg.data.preprocess)
-        layout = Layout.parse(self.cfg.layout)
-        _check_data(self.cfg, preprocess, layout)
-        text = TextEncoder(preprocess)
-        vocab_size(self.cfg, text.vocab_size)
-        if self.cfg.model.pretrained:
-            check_preprocessing(read_vlm(self.cfg.model.pretrained), preprocess, text.tokenizer)
-        return preprocess, layout, text
+        _check_data(self.cfg, self.preprocess, self.layout)
+        text = TextEncoder(self.preprocess)
+        vocabulary = self.plan.language.vocabulary(text.vocab_size)
+        if self.plan.vlm is not None:
+            check_preprocessing(self.plan.vlm, self.preprocess, text.tokenizer)
+        return text, vocabulary
 
     def _build_model(self, text) -> None:
         """This rank's modules of the model (no collective spanning modules)."""
@@ -154,17 +150,16 @@ class Trainer:
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language
                                         else 0, ep_rank=0, etp_rank=0)
-        self.model = build_model(cfg, self.infra, self.preprocess, text.vocab_size,
+        self.model = build_model(self.plan, self.infra, self.vocabulary,
                                  text.modality_token_ids, self.device, self.attention)
         self.modules = local_modules(self.model, self.infra)
-        check_modules(cfg, self.infra.modules)
         self.flops = self._flops_counter(text)
 
     def _flops_counter(self, text) -> FlopsCounter:
         """The step's model FLOPs (``planning``): the dims read from the config (every
         module's, whichever this rank holds), counted on the ranks ``FlopsCounter`` says."""
-        cfg = self.cfg
-        dims = from_config(cfg, self.preprocess, text.vocab_size)
+        cfg, plan = self.cfg, self.plan
+        dims = from_plan(plan, text.vocab_size)
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         counts = language is not None and language.last_stage and language.tp_rank == 0 \
             and language.cp_rank == 0
@@ -172,19 +167,20 @@ class Trainer:
         if peak is None and self.device.type == "cuda":
             peak = peak_tflops(torch.cuda.get_device_name(self.device), cfg.train.precision)
         return FlopsCounter(dims, [m.name for m in self.layout.modules],
-                            training_passes(dims, cfg.model.freeze, cfg.model.lora),
+                            training_passes(dims, plan.frozen,
+                                            [a.part for a in plan.adapted]),
                             counts, peak)
 
     def _build_optimizer(self, text) -> None:
         """Optimizer, LR schedulers, the schedule's wiring."""
         cfg = self.cfg
         self.optimizer = build_optimizer(cfg, self.model)
-        self.trained = trained_optimizers(self.optimizer, cfg.model.freeze)
+        self.trained = trained_optimizers(
+            self.optimizer, [p.module for p in self.plan.frozen if p.part is None])
         self.schedulers, notes = build_schedulers(cfg, self.trained)
         for note in notes:
             say(PREFIX + note)
-        self.placeholders = shared_placeholders(cfg, self.infra, self.preprocess,
-                                                text.modality_token_ids)
+        self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
         self.forward = ForwardStep(self.infra, self.device, self.placeholders)
         self._wire_schedule()
 
@@ -209,7 +205,7 @@ class Trainer:
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
-        return layer_offset(self.infra, name, self.cfg.model.language.num_layers)
+        return layer_offset(self.infra, name, self.plan.language.num_layers)
 
     def _loaders(self):
         cfg = self.cfg
@@ -441,10 +437,11 @@ class Trainer:
             say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
 
 
-def train(cfg: TrainConfig) -> Trainer:
+def train(plan: RunPlan) -> Trainer:
     """Build the trainer on this rank and train; returns it (its ``metrics.records``, and
     ``stopped_by`` / ``failure`` when the run stopped early)."""
-    trainer = Trainer(cfg)
+    cfg = plan.config
+    trainer = Trainer(plan)
     trainer.run()
     if cfg.checkpoint.dir:
         say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "

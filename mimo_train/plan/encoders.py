@@ -1,0 +1,101 @@
+"""Each encoder module of a run: the modality its encoder takes, the others it also serves, its
+kind, its checkpoint and the width of the rows it emits, decided from the layout, the
+preprocessing config and ``model.encoders`` (a whole VLM's tower: the VLM's own kind and
+weights). What ``model.build`` builds and ``planning.dims`` counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+from mimo_data.loading.layout import Layout
+from mimo_train.config import EncoderConfig, TrainConfig
+from mimo_train.errors import TrainConfigError
+from mimo_train.families.base import VLM, input_form
+from mimo_train.families.registry import ENCODERS, OWN_MODALITIES, checkpoint_config, default_kind
+
+
+class EncoderSetting(NamedTuple):
+    """What an encoder module is built from."""
+    modality: str                  # the modality its encoder ``takes``
+    config: Any                    # that modality's preprocessing config
+    spec: EncoderConfig            # a whole VLM's tower: its kind and pretrained filled in
+    kind: str
+    also: dict[str, Any]           # further modalities it serves (``Encoder.also_takes``)
+    output_size: int               # the width of its rows, before the projection
+
+    @property
+    def deepstack(self) -> bool:
+        """Whether its rows carry deepstack features beside the main ones."""
+        return ENCODERS[self.kind].deepstack
+
+
+def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | None
+                     ) -> dict[str, EncoderSetting]:
+    """module name -> its ``EncoderSetting``, validated; ``vlm``: ``model.pretrained``'s."""
+    settings = {}
+    for module in layout.encoders:
+        served = layout.modalities_of(module.name)
+        for modality in served:
+            if modality not in preprocess.modalities:
+                raise TrainConfigError(
+                    f"layout module {module.name!r} serves {modality}, which the "
+                    "preprocessing config does not expand: add "
+                    f"modalities.{modality} to it or drop the module")
+        spec = cfg.model.encoders.get(module.name) or EncoderConfig()
+        own = [m for m in served if m in OWN_MODALITIES]
+        if len(own) > 1:
+            raise TrainConfigError(f"encoder module {module.name!r} serves {own}: give each "
+                                   "its own encoder module")
+        if not own:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, which no encoder takes on "
+                "its own: serve them from the module of an encoder that also takes them (the "
+                "Qwen2-VL towers take video beside images: image=dp1,video)")
+        modality = own[0]
+        modality_config = preprocess.modalities[modality]
+        form = input_form(modality, modality_config)
+        if modality == "image" and vlm is not None and spec.pretrained is None:
+            spec = _vlm_tower(module.name, spec, vlm, form)
+        kind = spec.kind or default_kind(modality, modality_config)
+        if kind not in ENCODERS or ENCODERS[kind].takes != form:
+            raise TrainConfigError(
+                f"model.encoders.{module.name}.kind is {kind!r}, but the preprocessing config "
+                f"gives {form[1]} {modality} inputs, for "
+                f"{default_kind(modality, modality_config)!r}")
+        also = [m for m in served if m != modality]
+        refused = [m for m in also if m not in ENCODERS[kind].also_takes]
+        if refused:
+            raise TrainConfigError(
+                f"encoder module {module.name!r} serves {served}, but its {kind} encoder "
+                f"encodes {[modality, *ENCODERS[kind].also_takes]} only: give {refused} "
+                "their own encoder module")
+        settings[module.name] = EncoderSetting(
+            modality, modality_config, spec, kind, {m: preprocess.modalities[m] for m in also},
+            _output_size(module.name, spec, kind))
+    return settings
+
+
+def _vlm_tower(name: str, spec: EncoderConfig, vlm: VLM, form: tuple) -> EncoderConfig:
+    """``spec`` of the image module of a whole VLM: its tower's kind and checkpoint."""
+    if spec.kind not in (None, vlm.encoder_kind):
+        raise TrainConfigError(
+            f"model.encoders.{name}.kind is {spec.kind!r}, but the tower of model.pretrained "
+            f"{vlm.path} is a {vlm.encoder_kind}: drop the key")
+    takes = ENCODERS[vlm.encoder_kind].takes
+    if takes != form:
+        raise TrainConfigError(
+            f"model.pretrained {vlm.path} has a {vlm.encoder_kind} vision tower, which takes "
+            f"{takes[1]} images, but the preprocessing config gives {form[1]} ones: use its "
+            f"image geometry (policy: {takes[1]})")
+    return dataclasses.replace(spec, kind=vlm.encoder_kind, pretrained=vlm.path)
+
+
+def _output_size(name: str, spec: EncoderConfig, kind: str) -> int:
+    """The width of the rows encoder module ``name`` emits: a checkpoint's (its config), else
+    ``model.encoders.<name>.hidden_size``."""
+    if spec.pretrained is None:
+        return spec.hidden_size
+    config = checkpoint_config(spec.pretrained, f"model.encoders.{name}.pretrained")
+    return ENCODERS[kind].pretrained_output_size(config)

@@ -1,0 +1,185 @@
+"""What mimo refuses to train, and why: one list of rules over a model's facts, a layout and a
+run's settings. The trainer's start-up raises the first refusal (``plan.resolve``, before any
+process group exists); the layout advisor (``planning.advisor``) drops every candidate that
+any rule refuses and says why a layout you gave is not ranked. A new refusal is one function
+here, registered with ``@rule``.
+
+Pure: numbers and names in, reasons out (no torch, no megatron-core), so the advisor checks
+thousands of candidates with the trainer's own rules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_train.errors import TrainConfigError
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the rules read of the model, whatever its layout: the language model's layers,
+    attention heads, query groups and experts, whether a tower adds deepstack rows to the
+    language model's first layers, and the projection after the towers."""
+    layers: int
+    heads: int
+    query_groups: int
+    experts: int = 0
+    deepstack: bool = False
+    projection: str = "linear"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a run sets that the rules read: the language model's recompute and sequence
+    parallelism, packing, and each part under LoRA with its rank."""
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    packing: bool = False
+    lora: Mapping[str, int] = field(default_factory=dict)      # part -> rank
+
+
+class Refusal(NamedTuple):
+    rule: str                 # the rule's function name
+    reason: str               # what is refused, why, and what to change
+
+
+Rule = Callable[[Facts, Layout, Settings], "str | None"]
+RULES: dict[str, Rule] = {}
+
+
+def rule(function: Rule) -> Rule:
+    """Register ``function`` as a rule: it returns the reason it refuses, or None."""
+    RULES[function.__name__] = function
+    return function
+
+
+def refusals(facts: Facts, layout: Layout, settings: Settings) -> list[Refusal]:
+    """Every rule that refuses ``settings`` on ``layout`` for a model of ``facts``."""
+    found = [(name, check(facts, layout, settings)) for name, check in RULES.items()]
+    return [Refusal(name, reason) for name, reason in found if reason is not None]
+
+
+def check(facts: Facts, layout: Layout, settings: Settings) -> None:
+    """``TrainConfigError`` with the first refusal's reason, if any."""
+    refused = refusals(facts, layout, settings)
+    if refused:
+        raise TrainConfigError(refused[0].reason)
+
+
+# ------------------------------------------------------------------------- the layout
+
+@rule
+def language_layers_split(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    pp = layout.language.pp
+    if facts.layers % pp:
+        return (f"the language model has {facts.layers} layers, which do not split into "
+                f"language pp{pp} (pipeline stages of whole layers): make pp divide them")
+    return None
+
+
+@rule
+def language_heads_split(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    tp = layout.language.tp
+    for what, count in (("attention heads", facts.heads),
+                        ("query groups (key/value heads)", facts.query_groups)):
+        if count % tp:
+            return (f"the language model has {count} {what}, which do not split into "
+                    f"language tp{tp}: make tp divide them")
+    return None
+
+
+@rule
+def language_context_parallel(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    cp = layout.language.cp
+    if cp > 1:
+        return (f"the layout gives the language model cp{cp}: megatron-core's context "
+                "parallelism needs Transformer Engine's attention, which mimo does not run; "
+                "use cp1 (tp, pp and dp split the model and the batch)")
+    return None
+
+
+@rule
+def encoders_run_whole(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    for module in layout.encoders:
+        for dim in ("tp", "cp", "pp"):
+            if getattr(module, dim) != 1:
+                return (f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
+                        "transformers encoders run whole on each rank; use dp only for "
+                        "encoders")
+    return None
+
+
+# -------------------------------------------------------------------- the settings
+
+@rule
+def sequence_parallel_needs_tp(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    tp = layout.language.tp
+    if settings.sequence_parallel and tp < 2:
+        return ("model.language.sequence_parallel needs the language model's tensor "
+                f"parallelism: the layout gives it tp{tp}, and sequence parallelism splits the "
+                "sequence over the TP ranks for the layer norms and dropout between the TP "
+                "regions; set tp >= 2 (e.g. language=tp2) or drop it")
+    return None
+
+
+@rule
+def sequence_parallel_unpacked(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    if settings.sequence_parallel and settings.packing:
+        return ("model.language.sequence_parallel with data.packing: a packed micro-batch's "
+                "rows are not padded to a multiple of the TP size, which sequence parallelism "
+                "splits them by; drop one of the two")
+    return None
+
+
+@rule
+def lora_rank_splits_over_tp(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    tp, rank = layout.language.tp, settings.lora.get(LANGUAGE)
+    if rank is not None and rank % tp:        # A of a column-parallel layer: split by rows
+        return (f"model.lora: rank {rank} does not split over the language model's tp {tp}: "
+                f"make it a multiple of {tp}")
+    return None
+
+
+# ----------------------------------------------------------------------- the model
+
+@rule
+def deepstack_projection(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    if facts.deepstack and facts.projection != "none":
+        return (f"a tower adds deepstack features to the language model's first layers, so "
+                f"its rows hold them beside the main ones: model.projection {facts.projection} "
+                "cannot map them; use projection none")
+    return None
+
+
+@rule
+def deepstack_full_recompute(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    if facts.deepstack and settings.recompute == "full":
+        return ("a tower adds deepstack features to the language model's first layers, which "
+                "model.language.recompute full would recompute without them (their gradient "
+                "would run twice through the tower, or be the next micro-batch's under "
+                "pipeline stages): use selective")
+    return None
+
+
+@rule
+def experts_need_sequence_parallel(facts: Facts, layout: Layout, settings: Settings
+                                   ) -> str | None:
+    tp = layout.language.tp
+    if facts.experts and tp > 1 and not settings.sequence_parallel:
+        return (f"the language model is a mixture of experts, which megatron-core trains under "
+                f"tensor parallelism (the layout's language tp{tp}) only with sequence "
+                "parallelism: set model.language.sequence_parallel=true (not with "
+                "data.packing), or tp1")
+    return None
+
+
+@rule
+def experts_without_lora(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    if facts.experts and LANGUAGE in settings.lora:
+        return ("model.lora adapts the language model, a mixture of experts: adapters on its "
+                "layers (its experts' among them) are not supported yet; adapt the tower "
+                "(<module>.encoder) or train the language model whole")
+    return None

@@ -1,0 +1,161 @@
+"""``resolve(cfg, preprocess) -> RunPlan``: what a run builds, decided once per process from the
+training config, the preprocessing config and the checkpoints' ``config.json`` (no weights):
+the parsed layout, the whole VLM, the language model, each encoder module, the projection,
+the frozen and adapted parts, each module's own optimizer and memory settings. Every config
+check that needs no process group runs here, the refusals of ``rules`` last, so a config that
+cannot run stops before anything is built; the builders (``model``, ``components``), the
+FLOPs count and the layout advisor (``planning``) take the slices they need. The plan is a
+frozen value: nothing writes into the config or the plan after this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_train.config import LoraConfig, OptimizerConfig, TrainConfig
+from mimo_train.errors import TrainConfigError
+from mimo_train.families.base import VLM
+from mimo_train.families.registry import read_vlm
+from mimo_train.plan.encoders import EncoderSetting, encoder_settings
+from mimo_train.plan.language import LanguagePlan, language_plan
+from mimo_train.plan.parts import Part, check_module_names, parse_parts
+from mimo_train.plan.rules import Facts, Settings, check
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """One module's own settings: its optimizer's (``optimizer.modules.<module>`` over
+    ``optimizer``: rates, warmup, weight decay, the distributed optimizer, DDP's overlap and
+    buckets) and its activation recompute."""
+    optimizer: OptimizerConfig
+    recompute: str
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """A part under LoRA (``model.lora``) and its settings."""
+    part: Part
+    spec: LoraConfig
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run builds (see the module docstring)."""
+    config: TrainConfig
+    preprocess: PreprocessConfig
+    layout: Layout
+    vlm: VLM | None                            # model.pretrained's
+    language: LanguagePlan
+    projection: str                            # linear | mlp | none
+    encoders: Mapping[str, EncoderSetting]     # by encoder module
+    modules: Mapping[str, ModulePlan]          # by module of the layout
+    frozen: tuple[Part, ...]                   # model.freeze
+    adapted: tuple[Adapted, ...]               # model.lora
+
+    @property
+    def facts(self) -> Facts:
+        """What the rules read of the model."""
+        language = self.language
+        return Facts(language.num_layers, language.num_attention_heads,
+                           language.num_query_groups, language.experts,
+                           any(e.deepstack for e in self.encoders.values()), self.projection)
+
+    @property
+    def settings(self) -> Settings:
+        """What the rules read of the run's settings."""
+        return Settings(self.language.recompute, self.language.sequence_parallel,
+                              self.config.data.packing,
+                              {a.part.name: a.spec.rank for a in self.adapted})
+
+    def frozen_prefix(self, module: str) -> str | None:
+        """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""
+        return next((p.prefix for p in self.frozen if p.module == module), None)
+
+    def memory_summary(self) -> str:
+        """Each module's memory settings, for the start-up line, e.g. ``language:
+        distributed optimizer, recompute full, sequence parallel; image: recompute full;
+        audio: -``."""
+        parts = []
+        for name, module in self.modules.items():
+            own = module.optimizer
+            settings = [*(["distributed optimizer"] if own.distributed else []),
+                        *([f"recompute {module.recompute}"] if module.recompute != "none"
+                          else []),
+                        *(["sequence parallel"] if name == LANGUAGE
+                          and self.language.sequence_parallel else []),
+                        *(["overlapped grad reduce" + (f" (buckets of {own.bucket_size})"
+                                                       if own.bucket_size else "")]
+                          if own.overlap_grad_reduce else [])]
+            parts.append(f"{name}: {', '.join(settings) or '-'}")
+        return "; ".join(parts)
+
+
+def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> RunPlan:
+    """The plan of ``cfg`` (see the module docstring); ``preprocess``: its
+    ``PreprocessConfig`` (default: read ``data.preprocess``). ``TrainConfigError`` naming the
+    key for a config that cannot run."""
+    try:
+        layout = Layout.parse(cfg.layout)
+    except (LayoutError, OSError) as error:
+        raise TrainConfigError(f"layout {cfg.layout!r}: {error}") from None
+    model = cfg.model
+    check_module_names("model.encoders", model.encoders, layout, encoders_only=True)
+    check_module_names("optimizer.modules", cfg.optimizer.modules, layout)
+    vlm = read_vlm(model.pretrained) if model.pretrained else None
+    pretrained = model.language.pretrained
+    if vlm is not None:
+        if pretrained not in (None, model.pretrained):
+            raise TrainConfigError(
+                f"model.pretrained is {model.pretrained} and model.language.pretrained "
+                f"{pretrained}: the whole VLM brings its language model; drop one of the two")
+        pretrained = model.pretrained
+    language = language_plan(model.language, pretrained)
+    if preprocess is None:
+        preprocess = _read_preprocess(cfg)
+    _check_positions(cfg, language, preprocess)
+    frozen = parse_parts(model.freeze, layout, "model.freeze", one_per_module=True)
+    adapted = tuple(Adapted(part, model.lora[part.name])
+                    for part in parse_parts(model.lora, layout, "model.lora"))
+    for each in adapted:
+        if any(p.covers(each.part.name) or each.part.covers(p.name) for p in frozen):
+            raise TrainConfigError(
+                f"model.lora adapts {each.part.name!r}, which model.freeze freezes: LoRA "
+                "already keeps the part's own weights fixed; drop it from model.freeze")
+    modules = {m.name: ModulePlan(cfg.optimizer.of(m.name), language.recompute
+                                  if m.name == LANGUAGE else
+                                  (model.encoders[m.name].recompute
+                                   if m.name in model.encoders else "none"))
+               for m in layout.modules}
+    plan = RunPlan(cfg, preprocess, layout, vlm, language,
+                   model.projection or (vlm.projection if vlm else "linear"),
+                   encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
+    check(plan.facts, layout, plan.settings)
+    return plan
+
+
+def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:
+    """``data.preprocess``, once the config's input paths are checked (``check_inputs``)."""
+    from mimo_data.errors import ConfigError
+    cfg.check_inputs()
+    assert cfg.data.preprocess is not None              # check_inputs says so otherwise
+    try:
+        return PreprocessConfig.from_yaml(cfg.data.preprocess)
+    except (OSError, ConfigError) as error:
+        raise TrainConfigError(f"data.preprocess {cfg.data.preprocess}: {error}") from None
+
+
+def _check_positions(cfg: TrainConfig, language: LanguagePlan,
+                     preprocess: PreprocessConfig) -> None:
+    """``TrainConfigError`` unless the preprocessing's position ids are what the language
+    model's rotary embedding takes (M-RoPE ids for an ``mrope_section``)."""
+    mrope = language.mrope_section is not None
+    if mrope != (preprocess.positions == "mrope"):
+        raise TrainConfigError(
+            f"the preprocessing config ({cfg.data.preprocess}) has positions: "
+            f"{preprocess.positions}, but model.language " +
+            ("has an mrope_section: set positions: mrope there" if mrope else
+             "has no mrope_section: set model.language.mrope_section (three counts of "
+             "rotary pairs) or positions: sequential"))

@@ -1,0 +1,109 @@
+"""``mimo-inspect plan --model M --gpus N``: read the model and the work, evaluate every
+candidate the trainer's rules allow, rank them and print the answer (``advise``; the report
+itself: ``run_advisor``).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from mimo_data.inspect.advice import AdvisorRequest
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_train.planning.advisor.candidates import layouts, rank, refused, settings_of
+from mimo_train.planning.advisor.cost import MFU, Advisor, Candidate
+from mimo_train.planning.advisor.inputs import Model, gpu, read_model, read_work
+from mimo_train.planning.advisor.report import compact, format_report, result_json, why
+
+
+def advise(request: AdvisorRequest, config, workload: dict) -> int:
+    """Print the ranking (text or ``--json``); 0 when some layout fits, 1 when none does, 2
+    for a model that cannot be read."""
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_train.errors import TrainConfigError
+    try:
+        model = read_model(request.model, request.config, config, workload["modalities"],
+                           request.precision, workload.get("vocab_size"))
+    except (TrainConfigError, OSError, ValueError) as error:
+        print(f"mimo-inspect plan: error: --model {request.model}: {error}", file=sys.stderr)
+        return 2
+    if model.packing is not None:       # a training YAML: its data.packing is the run's
+        if request.packing and not model.packing:
+            print(f"mimo-inspect plan: error: --packing, but --model {request.model} says "
+                  "data.packing: false (the YAML's setting is the one used: drop --packing or "
+                  "set data.packing in the YAML)", file=sys.stderr)
+            return 2
+        workload = {**workload, "packing": model.packing}
+    report = run_advisor(model, workload, request, variable_token_modalities(config),
+                         list(config.modalities))
+    if request.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(format_report(report))
+    return 0 if report["ranked"] else 1
+
+
+def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
+                expanded: list[str]) -> dict:
+    """The advisor's report (JSON-ready) of ``model`` on ``workload`` for ``request``."""
+    device = gpu(request, model.precision)
+    work = read_work(model, workload)
+    advisor = Advisor(model, work, device, request.mfu if request.mfu is not None else MFU)
+    candidates = layouts(model, request.gpus, workload["modalities"], work.global_batch_size,
+                         work.micro_batch_size, variable, expanded)
+    yours = Layout.parse(request.layout) if request.layout else None
+    not_ranked = None               # why your layout is not ranked, where it cannot be
+    if yours is not None and yours.world_size != request.gpus:
+        not_ranked = f"not ranked: uses {yours.world_size} GPUs, not {request.gpus}"
+    elif yours is not None:
+        try:
+            yours.validate(request.gpus, work.global_batch_size, work.micro_batch_size,
+                           variable, modalities=expanded)
+        except LayoutError as error:
+            not_ranked = f"not ranked: {error}"
+        else:
+            reason = refused(model, yours, request, work.packing)
+            if reason is not None:
+                not_ranked = f"not ranked: the trainer refuses it: {reason}"
+            elif str(yours) not in {str(x) for x in candidates}:
+                candidates.append(yours)
+    tried = [Candidate(layout, settings) for layout in candidates
+             for settings in settings_of(model, layout, request, work.packing)]
+    results = [advisor.evaluate(candidate) for candidate in tried]
+    ranked = rank(results)
+    dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)
+    dropped_layouts = {str(r.candidate.layout) for r in dropped} - \
+        {str(r.candidate.layout) for r in ranked}
+    shown = ranked[:request.top]
+    if yours is not None:
+        mine = [r for r in ranked if str(r.candidate.layout) == str(yours)]
+        if mine and mine[0] not in shown:
+            shown.append(mine[0])
+    dims = model.dims
+    return {
+        "model": {"source": model.source, "precision": model.precision,
+                  "parameters": {LANGUAGE: dims.language.parameters(),
+                                 **{m: e.parameters() for m, e in dims.encoders.items()}},
+                  "trained": model.trained},
+        "gpus": request.gpus,
+        "gpu": {"name": device.name, "memory_gib": device.memory_gib,
+                "usable_gib": advisor.usable_bytes / 2**30, "tflops": device.tflops,
+                "mfu": advisor.mfu, "node_gbs": device.node_gbs,
+                "network_gbs": device.network_gbs, "per_node": device.per_node},
+        "workload": {"steps": len(work.lengths), "global_batch_size": work.global_batch_size,
+                     "micro_batch_size": work.micro_batch_size, "packing": work.packing,
+                     "epochs_read": workload.get("epochs", 1),
+                     "tokens_per_step": sum(map(sum, work.lengths)) / len(work.lengths),
+                     "items_per_step": {m: sum(len(g) for step in work.grids[m] for g in step)
+                                        / len(work.lengths) for m in work.grids}},
+        "candidates": len(results),
+        "layouts": len({str(c.layout) for c in tried}),
+        "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
+        "yours": compact(yours) if yours is not None else None,
+        "yours_not_ranked": not_ranked,
+        "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules),
+                    "rank": ranked.index(r) + 1, "why": why(r, device, request.gpus)}
+                   for r in shown],
+        "dropped": [result_json(r, request.gpus, device, work, model.optimizer_modules)
+                    for r in dropped[:3]],
+    }

@@ -1,0 +1,151 @@
+"""The candidates the layout advisor evaluates, and their order (``rank``).
+
+Layouts (each checked with ``Layout.validate``, the loader's and trainer's check):
+
+- colocated: every module on all N ranks, the language model tp x dp (pp 1: megatron-core 0.19
+  runs colocated modules whole), encoders dp N (with variable-token inputs megatron-core's
+  colocated bridge needs the encoder's dp to equal the language model's: tp 1 then);
+- non-colocated: each encoder module on its own ranks (dp only: the transformers towers run
+  whole on a rank), the language model tp x pp x dp on the rest, tp a power of two up to 8.
+
+Settings (``settings_of``): distributed optimizer off / on, recompute none / selective / full,
+sequence parallel where allowed; every (layout, settings) pair that the trainer's rules
+(``plan.rules``) refuse is left out, so the advisor never proposes what the trainer refuses.
+Ranked by step time, then less recompute, then no distributed optimizer, then memory; each
+layout shown once, with its best settings.
+"""
+
+from __future__ import annotations
+
+from mimo_data.inspect.advice import AdvisorRequest
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_train.plan import rules
+from mimo_train.planning import memory as mem
+from mimo_train.planning.advisor.cost import Result
+from mimo_train.planning.advisor.inputs import Model
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def language_shapes(size: int) -> list[tuple[int, int, int]]:
+    """(tp, pp, dp) of the language model on ``size`` ranks: tp a power of two up to 8 (a
+    TP group stays inside a node); what the model cannot split the rules refuse."""
+    return [(tp, pp, size // (tp * pp)) for tp in (1, 2, 4, 8) if size % tp == 0
+            for pp in _divisors(size // tp)]
+
+
+def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_size: int,
+            micro_batch_size: int, variable: list[str], expanded: list[str]) -> list[Layout]:
+    """Every valid layout of the model's modules on ``gpus`` ranks (the module docstring)."""
+    encoders = list(model.dims.encoders)
+    found: list[Layout] = []
+
+    def add(spec: dict) -> None:
+        try:
+            layout = Layout.from_dict({"modules": spec, "modalities": modalities})
+            layout.validate(gpus, global_batch_size, micro_batch_size, variable,
+                            modalities=expanded)
+        except LayoutError:
+            return
+        found.append(layout)
+
+    for tp, pp, dp in language_shapes(gpus):                  # colocated
+        if pp == 1 or not encoders:
+            add({LANGUAGE: {"tp": tp, "pp": pp, "dp": dp, "rank_offset": 0},
+                 **{e: {"dp": gpus, "rank_offset": 0} for e in encoders}})
+    if not encoders:
+        return found
+
+    def spread(names: list[str], ranks: int, group: int, lang_dp: int):
+        """dp of each encoder module in ``names`` summing to ``ranks``."""
+        if not names:
+            if ranks == 0:
+                yield []
+            return
+        for dp in _divisors(group):
+            if dp <= ranks - (len(names) - 1) and (dp % lang_dp == 0 or lang_dp % dp == 0):
+                for rest in spread(names[1:], ranks - dp, group, lang_dp):
+                    yield [dp, *rest]
+
+    for lang_size in range(1, gpus - len(encoders) + 1):
+        for tp, pp, dp in language_shapes(lang_size):
+            group = micro_batch_size * dp
+            if global_batch_size % group:
+                continue
+            for dps in spread(encoders, gpus - lang_size, group, dp):
+                spec: dict = {}
+                offset = 0
+                for name, edp in zip(encoders, dps):
+                    spec[name] = {"dp": edp, "rank_offset": offset}
+                    offset += edp
+                spec[LANGUAGE] = {"tp": tp, "pp": pp, "dp": dp, "rank_offset": offset}
+                add(spec)
+    return found
+
+
+def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: bool = False
+                ) -> list[mem.Settings]:
+    """The settings tried on ``layout``, those the trainer's rules (``plan.rules``) refuse
+    left out: the distributed optimizer off and on (where some DP size is over 1), each
+    recompute the request allows (selective only where the attention kernel keeps the
+    scores: with flash, sdpa or varlen kernels it saves nothing), sequence parallel where
+    the rules allow it (unless the request turns it off), else without."""
+    found = []
+    for alternatives in _tried(model, layout, request):
+        first = next((s for s in alternatives if not _refusals(model, layout, s, packing)),
+                     None)
+        if first is not None:
+            found.append(first)
+    return found
+
+
+def refused(model: Model, layout: Layout, request: AdvisorRequest, packing: bool) -> str | None:
+    """Why the trainer refuses ``layout`` with every setting ``settings_of`` would try (the
+    first reason of the first setting, without sequence parallelism where that is an
+    alternative), or None."""
+    if settings_of(model, layout, request, packing):
+        return None
+    first = _tried(model, layout, request)[0][-1]
+    return _refusals(model, layout, first, packing)[0].reason
+
+
+def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[mem.Settings]]:
+    """The settings ``settings_of`` tries, as lists of alternatives in order of preference
+    (with and without sequence parallelism)."""
+    recompute: tuple[str, ...] = mem.RECOMPUTE if request.recompute == "any" else \
+        (request.recompute,)
+    if not model.attention_scores:
+        recompute = tuple(r for r in recompute if r != "selective") or recompute
+    distributed = {"both": (False, True), "yes": (True,), "no": (False,)}[
+        request.distributed_optimizer]
+    if not any(m.dp > 1 for m in layout.modules):
+        distributed = distributed[:1]
+    parallel = (True, False) if request.sequence_parallel else (False,)
+    return [[mem.Settings(model.precision, d, r, sp, model.attention_scores) for sp in parallel]
+            for d in distributed for r in recompute]
+
+
+def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: bool
+              ) -> list[rules.Refusal]:
+    assert model.facts is not None, "read_model gives the facts"
+    return rules.refusals(model.facts, layout, rules.Settings(
+        settings.recompute, settings.sequence_parallel, packing, model.lora))
+
+
+RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def rank(results: list[Result]) -> list[Result]:
+    """Fitting results, best first, one per layout (its best settings)."""
+    ordered = sorted((r for r in results if r.fits), key=lambda r: (
+        round(r.step_s, 9), RECOMPUTE_ORDER[r.candidate.settings.recompute],
+        r.candidate.settings.distributed_optimizer, r.peak_bytes))
+    seen, found = set(), []
+    for r in ordered:
+        key = str(r.candidate.layout)
+        if key not in seen:
+            seen.add(key)
+            found.append(r)
+    return found

@@ -1,0 +1,279 @@
+"""What a candidate costs: its predicted step time, idle fraction, bottleneck and memory per
+rank (``Advisor.evaluate``), for one model and workload on one kind of GPU.
+
+Step time (seconds), from per micro-batch work. R = peak FLOP/s x MFU of one GPU. A part's time
+is its training FLOPs (``flops.step_flops``; the language model's positions as the trainer
+computes them: packed, the real tokens; unpacked, each micro-batch cut to its longest sample
+rounded up to 64, at most seq_length) / R, the language model's / (tp x pp) plus its TP
+collectives (4 per layer, each 2 (tp-1)/tp x positions x h x w bytes over the node's
+bandwidth); full recompute adds a forward (x (passes + 1) / passes of a trained part;
+selective recompute's attention-core forward is not counted). Then:
+
+- non-colocated, a pipeline of S = 1 + pp stages (the encoders, then the language stages), m
+  global micro-batches per step: T_k(j) the slowest rank of stage k on micro-batch j (the
+  encoders: the slowest module and DP rank), step = sum_j max_k T_k(j) + sum_k mean_j T_k(j)
+  - mean_j max_k T_k(j) (the bottleneck stage paced, plus the fill and drain of the others);
+  a language model alone with pp > 1 alike over its own stages;
+- colocated: each rank runs every module on each micro-batch: step = max over ranks of the
+  sum over micro-batches (or the sum of the per-micro-batch maxima where an encoder's dp
+  differs from the language model's: the bridge meets every micro-batch);
+- plus each module's gradient reduction after the backward pass (not overlapped): all-reduce
+  2 (dp-1)/dp x 4 bytes per parameter of a rank, or with the distributed optimizer
+  reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; over the node's bandwidth when
+  the module's ranks fit in a node, else the network's; modules on separate ranks reduce at
+  once (the slowest counts), colocated ones one after another.
+
+Idle fraction: 1 - (sum over ranks of busy seconds) / (N x step). Memory: the fullest rank of
+each module (``memory``), colocated ranks summing every module; a candidate fits when it is
+at most the GPU's memory x 0.9 - 1 GiB (CUDA context, NCCL buffers, allocator fragmentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.preprocess.collate import LENGTH_MULTIPLE
+from mimo_train.planning import memory as mem
+from mimo_train.planning.advisor.inputs import GPU, Model, Work
+from mimo_train.planning.flops import language_flops
+
+MFU = 0.4                          # the assumed fraction of the peak (--mfu)
+HEADROOM, RESERVED_GIB = 0.9, 1.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    settings: mem.Settings
+
+
+@dataclass
+class Result:
+    candidate: Candidate
+    step_s: float
+    memory: dict[str, mem.Memory]        # module (or "colocated") -> its fullest rank
+    busy: dict[str, float]               # module -> busy seconds of its busiest rank per step
+    idle: float
+    bottleneck: str
+    flops: float                         # model FLOPs per step (real tokens)
+    fits: bool = True
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m.total for m in self.memory.values())
+
+
+class Advisor:
+    """Evaluates candidates of one model and workload on one kind of GPU."""
+
+    def __init__(self, model: Model, work: Work, device: GPU, mfu: float = MFU):
+        """``mfu``: the assumed fraction of the peak (``--mfu``)."""
+        self.model, self.work, self.device, self.mfu = model, work, device, mfu
+        self.rate = device.tflops * 1e12 * mfu  # FLOP/s of one GPU
+        self._language_cache: dict = {}
+
+    # -- per part ------------------------------------------------------------------------
+    def _positions(self, lengths: list[int]) -> list[int]:
+        if self.work.packing or not lengths:
+            return lengths
+        cut = min(self.work.seq_length, -(-max(lengths) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+        return [cut] * len(lengths)
+
+    def _parts(self, group: int, parts: int) -> list[list[range]]:
+        """Sample index ranges of each global micro-batch of ``group`` samples split in
+        ``parts`` contiguous parts."""
+        size = group // parts
+        return [[range(j * group + q * size, j * group + (q + 1) * size) for q in range(parts)]
+                for j in range(self.work.global_batch_size // group)]
+
+    def _language(self, step: int, group: int, dp: int) -> list[list[tuple[float, list[int]]]]:
+        """(training FLOPs, positions) of each language DP part of each micro-batch."""
+        key = (step, group, dp)
+        if key not in self._language_cache:
+            lengths = self.work.lengths[step]
+            passes = self.model.passes.get(LANGUAGE, 3)
+            self._language_cache[key] = [
+                [(float(language_flops(self.model.dims.language, self._positions(
+                    [lengths[i] for i in part]), passes)), self._positions(
+                    [lengths[i] for i in part])) for part in parts]
+                for parts in self._parts(group, dp)]
+        return self._language_cache[key]
+
+    # -- evaluation ----------------------------------------------------------------------
+    def evaluate(self, candidate: Candidate) -> Result:
+        layout, settings = candidate.layout, candidate.settings
+        dims, work = self.model.dims, self.work
+        lang = layout.language
+        group = work.micro_batch_size * lang.dp
+        m = work.global_batch_size // group
+        colocated = layout.colocated and len(layout.modules) > 1
+        stages = (1 if layout.encoders and not colocated else 0) + lang.pp
+        lang_first = 1 if layout.encoders and not colocated else 0
+        recompute = settings.recompute
+        lang_factor = self._recompute_factor(LANGUAGE, recompute)
+        steps = len(work.lengths)
+        step_times, busy_totals = [], []
+        busy: dict[str, float] = {}
+        act: dict[str, float] = {}
+        for s in range(steps):
+            language = self._language(s, group, lang.dp)        # [j][r]
+            lang_t = [[f * lang_factor / (lang.tp * lang.pp) / self.rate
+                       + self._tp_comm(sum(pos), lang.tp, lang.pp) for f, pos in row]
+                      for row in language]
+            enc_t: dict[str, list[list[float]]] = {}
+            for e in layout.encoders:
+                factor = self._recompute_factor(e.name, recompute)
+                ranges = self._parts(group, e.dp)
+                flops = work.encoder_flops[e.name][s]
+                enc_t[e.name] = [[sum(flops[i] for i in part) * factor / self.rate
+                                  for part in row] for row in ranges]
+                if self.model.passes.get(f"{e.name}.encoder", 3) == 1:
+                    continue                    # forward only: nothing kept for a backward
+                tower = dims.encoders[e.name].tower
+                for q in range(e.dp):           # each DP rank's micro-batches, k in flight
+                    kept = [mem.tower_activation_bytes(tower, [
+                        g for i in row[q] for g in work.grids[e.name][s][i]], settings)
+                        for row in ranges]
+                    act[e.name] = max(act.get(e.name, 0.0), _window(
+                        kept, 1 if colocated else mem.in_flight(m, stages, 0)))
+            lang_backward = self.model.passes.get(LANGUAGE, 3) > 1
+            for stage in sorted({0, lang.pp - 1}) if lang_backward else ():
+                k = 1 if colocated or stages == 1 else \
+                    mem.in_flight(m, stages, lang_first + stage)
+                for r in range(lang.dp):
+                    kept = [mem.language_activation_bytes(
+                        dims.language, row[r][1], settings, lang.tp, lang.pp, stage)
+                        for row in language]
+                    act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
+                                                    _window(kept, k))
+                    act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
+                        mem.language_temporary_bytes(dims.language, sum(row[r][1]), settings,
+                                                     lang.tp, lang.pp, stage)
+                        for row in language))
+            if colocated:
+                per_rank = [[row[rank // lang.tp] + sum(
+                    enc_t[e.name][j][rank * e.dp // layout.world_size] for e in layout.encoders)
+                    for j, row in enumerate(lang_t)] for rank in range(layout.world_size)]
+                same_dp = all(e.dp == lang.dp for e in layout.encoders)
+                compute = max(sum(r) for r in per_rank) if same_dp else \
+                    sum(max(r[j] for r in per_rank) for j in range(m))
+                busy_step = {"+".join(x.name for x in layout.modules): max(sum(r) for r in
+                                                                            per_rank)}
+                total_busy = sum(sum(r) for r in per_rank)
+                sync = sum(self._dp_sync(name, layout, settings) for name in
+                           [x.name for x in layout.modules])
+                busy_step = {k: v + sync for k, v in busy_step.items()}
+                total_busy += sync * layout.world_size
+            else:
+                stage_t = []                              # [k][j]
+                if layout.encoders:
+                    stage_t.append([max(max(enc_t[e.name][j]) for e in layout.encoders)
+                                    for j in range(m)])
+                lang_stage = [max(row) for row in lang_t]
+                stage_t += [lang_stage] * lang.pp
+                maxima = [max(stage_t[k][j] for k in range(len(stage_t))) for j in range(m)]
+                compute = sum(maxima) + sum(sum(t) / m for t in stage_t) - sum(maxima) / m
+                syncs = {x.name: self._dp_sync(x.name, layout, settings)
+                         for x in layout.modules}
+                sync = max(syncs.values())
+                busy_step = {e.name: max(sum(row[q] for row in enc_t[e.name])
+                                         for q in range(e.dp)) + syncs[e.name]
+                             for e in layout.encoders}
+                busy_step[LANGUAGE] = max(sum(row[r] for row in lang_t)
+                                          for r in range(lang.dp)) + syncs[LANGUAGE]
+                total_busy = sum(sum(sum(row) for row in enc_t[e.name]) + syncs[e.name] * e.dp
+                                 for e in layout.encoders) + \
+                    (sum(sum(row) for row in lang_t) + syncs[LANGUAGE] * lang.dp) * \
+                    lang.tp * lang.pp
+            step_times.append(compute + sync)
+            busy_totals.append(total_busy)
+            for name, seconds in busy_step.items():
+                busy[name] = busy.get(name, 0.0) + seconds / steps
+        step_s = sum(step_times) / steps
+        idle = 1 - sum(busy_totals) / steps / (layout.world_size * step_s) if step_s else 0.0
+        memory = self._memory(layout, settings, act, colocated)
+        bottleneck = max(busy, key=lambda k: busy[k])
+        model_flops = sum(language_flops(dims.language, lengths,
+                                         self.model.passes.get(LANGUAGE, 3)) +
+                          sum(sum(work.encoder_flops[e][s]) for e in work.encoder_flops)
+                          for s, lengths in enumerate(work.lengths)) / steps
+        usable = self.usable_bytes
+        return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
+                      float(model_flops), max(x.total for x in memory.values()) <= usable)
+
+    @property
+    def usable_bytes(self) -> float:
+        return (self.device.memory_gib * HEADROOM - RESERVED_GIB) * 2**30
+
+    def _recompute_factor(self, module: str, recompute: str) -> float:
+        part = LANGUAGE if module == LANGUAGE else f"{module}.encoder"
+        passes = self.model.passes.get(part, 3)
+        return (passes + 1) / passes if recompute == "full" and passes > 1 else 1.0
+
+    def _tp_comm(self, positions: float, tp: int, pp: int) -> float:
+        if tp == 1:
+            return 0.0
+        stack = self.model.dims.language
+        volume = 2 * (tp - 1) / tp * positions * stack.hidden * \
+            mem.BYTES[self.model.precision]
+        return 4 * stack.layers / pp * volume / (self.device.node_gbs * 1e9)
+
+    def _dp_sync(self, name: str, layout: Layout, settings: mem.Settings) -> float:
+        module = layout.module(name)
+        if module.dp == 1 or not self._trains(name):
+            return 0.0
+        params = self._rank_parameters(name, module, 0)
+        share = (module.dp - 1) / module.dp
+        volume = share * params * (mem.GRAD_BYTES + settings.width) \
+            if settings.distributed_optimizer else 2 * share * params * mem.GRAD_BYTES
+        bandwidth = self.device.node_gbs if module.size <= self.device.per_node \
+            else self.device.network_gbs
+        return volume / (bandwidth * 1e9)
+
+    def _trains(self, name: str) -> bool:
+        if name == LANGUAGE:
+            return self.model.trained.get(LANGUAGE, True)
+        return self.model.trained.get(f"{name}.encoder", True) or \
+            self.model.trained.get(f"{name}.projection", True)
+
+    def _rank_parameters(self, name: str, module, stage: int) -> float:
+        if name == LANGUAGE:
+            return mem.language_stage_parameters(self.model.dims.language, module.tp,
+                                                 module.pp, stage)
+        return float(self.model.parameters(name))
+
+    def _state(self, name: str, module, stage: int, settings: mem.Settings) -> mem.Memory:
+        if name == LANGUAGE:
+            return mem.state_bytes(self._rank_parameters(name, module, stage), settings,
+                                   module.dp, self.model.trained.get(LANGUAGE, True))
+        encoder = self.model.dims.encoders[name]
+        tower = mem.state_bytes(encoder.tower.parameters(), settings, module.dp,
+                                self.model.trained.get(f"{name}.encoder", True))
+        projection = encoder.parameters() - encoder.tower.parameters()
+        return tower + mem.state_bytes(projection, settings, module.dp,
+                                       self.model.trained.get(f"{name}.projection", True))
+
+    def _memory(self, layout: Layout, settings: mem.Settings, act: dict,
+                colocated: bool) -> dict[str, mem.Memory]:
+        lang = layout.language
+        language = {}
+        for stage in sorted({0, lang.pp - 1}):
+            language[stage] = self._state(LANGUAGE, lang, stage, settings) + \
+                mem.Memory(activations=act.get(f"{LANGUAGE}{stage}", 0.0),
+                           temporary=act.get(f"temporary{stage}", 0.0))
+        worst = max(language.values(), key=lambda x: x.total)
+        encoders = {e.name: self._state(e.name, e, 0, settings) +
+                    mem.Memory(activations=act.get(e.name, 0.0)) for e in layout.encoders}
+        if colocated:
+            total = worst
+            for value in encoders.values():
+                total = total + value
+            return {"+".join(x.name for x in layout.modules): total}
+        return {LANGUAGE: worst, **encoders}
+
+
+def _window(values: list[float], k: int) -> float:
+    """The most ``k`` consecutive ``values`` sum to (micro-batches held at once)."""
+    k = max(1, min(k, len(values)))
+    return max((sum(values[i:i + k]) for i in range(len(values) - k + 1)), default=0.0)

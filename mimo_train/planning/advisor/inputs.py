@@ -1,0 +1,174 @@
+"""What the layout advisor reads: the GPU (``gpu``: its memory, peak and links), the model
+(``read_model``: a training config YAML or a checkpoint, resolved as the trainer resolves it,
+its dims, passes, trained parts and the facts the trainer's rules read) and the work
+(``read_work``: each step's samples from the dataset's token table, ``mimo_data.inspect.
+workload``: their language lengths and each encoder module's FLOPs and patch grids).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from mimo_data.inspect.advice import AdvisorRequest
+from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_train.plan import rules
+from mimo_train.planning.dims import ModelDims
+from mimo_train.planning.flops import item_grid, peak_tflops, step_flops, trains, training_passes
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    tflops: float               # dense peak at the run's precision
+    node_gbs: float             # collective bus bandwidth inside a node (NVLink), GB/s
+    network_gbs: float          # across nodes, per GPU, GB/s
+    per_node: int = 8
+
+
+# memory as the driver reports it; bandwidths: NCCL bus bandwidths of an 8-GPU NVLink node and
+# a 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU, rounded down
+GPUS = {"h100": ("H100 80GB", 79.6, "H100", 300.0, 40.0),
+        "h200": ("H200 141GB", 140.4, "H200", 300.0, 40.0),
+        "a100": ("A100 80GB", 80.0, "A100", 200.0, 20.0)}
+
+
+def gpu(request: AdvisorRequest, precision: str) -> GPU:
+    """The GPU of ``request`` (its kind, with the memory and peak it overrides)."""
+    name, memory_gib, peak_name, node, network = GPUS[request.gpu]
+    tflops = request.gpu_tflops if request.gpu_tflops is not None else \
+        peak_tflops(peak_name, precision) or 0.0
+    memory = request.gpu_memory_gib if request.gpu_memory_gib is not None else memory_gib
+    return GPU(name, memory, float(tflops), node, network, request.gpus_per_node)
+
+
+
+# ------------------------------------------------------------------------------- the model
+
+@dataclass
+class Model:
+    """The dims and what else of a training config changes memory and time."""
+    dims: ModelDims
+    source: str
+    precision: str = "bf16"
+    passes: dict = field(default_factory=dict)        # flops.training_passes
+    trained: dict = field(default_factory=dict)       # part -> its own weights train
+    attention_scores: bool = False                    # model.attention local
+    packing: bool | None = None                       # a training YAML's data.packing
+    optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
+    facts: rules.Facts | None = None                  # what the trainer's rules read of it
+    lora: Mapping[str, int] = field(default_factory=dict)    # part under LoRA -> rank
+
+    def parameters(self, module: str) -> int:
+        if module == LANGUAGE:
+            return self.dims.language.parameters()
+        return self.dims.encoders[module].parameters()
+
+
+def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str, str],
+               precision: str | None = None, vocab_size: int | None = None) -> Model:
+    """``path``: a training config YAML, a transformers checkpoint directory or its
+    config.json (a whole VLM, or a language model alone); its modules named as
+    ``modalities`` (modality -> module) names them, the geometry from ``preprocess``;
+    ``vocab_size``: the tokenizer's (with modality tokens; else read when needed)."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.plan import resolve
+    from mimo_train.planning.dims import from_plan
+    modules = list(dict.fromkeys(modalities.values()))
+    layout = Layout.from_dict({"modules": {name: {"dp": 1, "rank_offset": 0}
+                                           for name in [LANGUAGE, *modules]},
+                               "modalities": modalities})
+    yaml = path.endswith((".yaml", ".yml"))
+    # the candidates' settings replace the config's memory settings (each one the trainer's
+    # rules refuse on some layout, and this one is a layout of the modules alone)
+    overrides = [f"data.preprocess={os.path.abspath(preprocess_path)}", f"layout={layout}",
+                 "model.language.sequence_parallel=false", "model.language.recompute=none",
+                 *([f"train.precision={precision or 'bf16'}"] if precision or not yaml else [])]
+    if yaml:
+        cfg = TrainConfig.load(path, overrides)
+    else:
+        directory = os.path.dirname(os.path.abspath(path)) if path.endswith(".json") else path
+        with open(os.path.join(directory, "config.json")) as f:
+            whole = json.load(f)
+        key = "model.pretrained" if "vision_config" in whole or "text_config" in whole \
+            else "model.language.pretrained"
+        if key == "model.language.pretrained" and modalities:
+            # nothing says what the encoders are: their dims would be EncoderConfig's defaults
+            raise TrainConfigError(
+                f"{directory} is a language model alone, and the preprocessing config has "
+                f"{', '.join(sorted(modalities))}, which no encoder of it serves: give a "
+                "training config YAML whose model.encoders sets each module (e.g. "
+                "model.encoders.<module>.pretrained), or a whole VLM checkpoint")
+        cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
+                                      *overrides])
+    plan = resolve(cfg, preprocess)
+    try:
+        dims = from_plan(plan, vocab_size)
+    except TrainConfigError as error:
+        if "vocabulary" not in str(error) or vocab_size is not None:
+            raise
+        from mimo_data.preprocess.chat_tokens import TextEncoder
+        dims = from_plan(plan, TextEncoder(preprocess).vocab_size)
+    adapted = [a.part for a in plan.adapted]
+    passes = training_passes(dims, plan.frozen, adapted)
+    fixed = (*plan.frozen, *adapted)            # a LoRA part's own weights stay fixed
+    trained = {LANGUAGE: trains(LANGUAGE, fixed),
+               **{f"{m}.{p}": trains(f"{m}.{p}", fixed) for m in dims.encoders
+                  for p in ("encoder", "projection")}}
+    return Model(dims, path, cfg.train.precision, passes, trained,
+                 cfg.model.attention == "local", cfg.data.packing if yaml else None,
+                 tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora)
+
+
+# ---------------------------------------------------------------------------- the work
+
+def _near_square(n: int) -> list[int]:
+    """A (1, rows, columns) token grid holding ``n`` tokens, near square (the item's own grid
+    where the loader's metadata gives none)."""
+    rows = max(1, math.isqrt(max(n, 1)))
+    return [1, rows, -(-max(n, 1) // rows)]
+
+
+@dataclass
+class Work:
+    """Per sample of the workload's steps: its language lengths and each encoder module's
+    training FLOPs and patch grids (before merging)."""
+    lengths: list[list[int]]                     # [step][sample]
+    encoder_flops: dict[str, list[list[int]]]    # module -> [step][sample]
+    grids: dict[str, list[list[list]]]           # module -> [step][sample] -> patch grids
+    micro_batch_size: int
+    global_batch_size: int
+    seq_length: int
+    packing: bool
+
+
+def read_work(model: Model, workload: dict) -> Work:
+    dims = model.dims
+    encoders = list(dims.encoders)
+    lengths: list[list[int]] = []
+    flops: dict[str, list[list[int]]] = {m: [] for m in encoders}
+    grids: dict[str, list[list[list]]] = {m: [] for m in encoders}
+    for step in workload["steps"]:
+        lengths.append([s["tokens"] for s in step])
+        for m in encoders:
+            flops[m].append([])
+            grids[m].append([])
+        for sample in step:
+            counts = {mod: [items] for mod, items in sample["items"].items()
+                      if dims.module_of(mod)}
+            token_grids = {mod: [sample.get("grids", {}).get(mod) or
+                                 [_near_square(n) for n in items]]
+                           for mod, items in sample["items"].items() if dims.module_of(mod)}
+            found = step_flops(dims, [0], counts, token_grids, model.passes)
+            for m in encoders:
+                flops[m][-1].append(found[m])
+                tower = dims.encoders[m].tower
+                grids[m][-1].append([item_grid(tower, g) for mod, rows in token_grids.items()
+                                     if dims.module_of(mod) == m for g in rows[0]])
+    return Work(lengths, flops, grids, workload["micro_batch_size"],
+                workload["global_batch_size"], workload["seq_length"], workload["packing"])

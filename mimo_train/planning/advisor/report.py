@@ -1,0 +1,138 @@
+"""The layout advisor's answer: each ranked candidate as JSON (``result_json``: its layout,
+the ``key=value`` overrides that train it, step time, MFU, memory, bottleneck) and as text
+(``format_report``, with ``why`` each one ranks where it does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from mimo_data.loading.layout import Layout
+from mimo_train.planning.advisor.cost import Candidate, Result
+from mimo_train.planning.advisor.inputs import GPU, Work
+
+
+def compact(layout: Layout) -> str:
+    """The layout as the compact string, defaults left out."""
+    parts = []
+    colocated = layout.colocated and len(layout.modules) > 1
+    for m in layout.modules:
+        dims = [f"{d}{getattr(m, d)}" for d in ("tp", "cp", "pp", "dp")
+                if getattr(m, d) > 1] or ["dp1"]
+        if colocated:
+            dims.append("off0")
+        tags = [t for t in layout.modalities_of(m.name) if t != m.name]
+        parts.append(f"{m.name}=" + ",".join(dims + tags))
+    return ";".join(parts)
+
+
+def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = ()) -> list[str]:
+    """The training config's ``key=value`` overrides that run ``candidate`` (``mimo-train``'s
+    layout, optimizer.distributed, recompute and sequence parallel keys): the distributed
+    optimizer's setting also for each module of ``optimizer_modules`` (those the training
+    YAML's ``optimizer.modules`` names, whose own ``distributed`` would win over the global
+    key), sequence parallel always (true or false, whatever the YAML says)."""
+    settings, layout = candidate.settings, candidate.layout
+    distributed = str(settings.distributed_optimizer).lower()
+    found = [f"layout={compact(layout)}", f"optimizer.distributed={distributed}"]
+    found += [f"optimizer.modules.{m}.distributed={distributed}" for m in optimizer_modules]
+    found.append(f"model.language.recompute={settings.recompute}")
+    found += [f"model.encoders.{e.name}.recompute="
+              f"{'full' if settings.recompute == 'full' else 'none'}" for e in layout.encoders]
+    found.append(f"model.language.sequence_parallel={str(settings.sequence_parallel).lower()}")
+    return found
+
+
+def achieved_mfu(r: Result, gpus: int, device: GPU) -> float:
+    """The model FLOPs per second of ``r``'s step over the ``gpus`` GPUs' peak."""
+    return r.flops / (r.step_s * gpus * device.tflops * 1e12)
+
+
+def result_json(r: Result, gpus: int, device: GPU, work: Work,
+                optimizer_modules: Sequence[str] = ()) -> dict:
+    settings = r.candidate.settings
+    return {"layout": compact(r.candidate.layout), "layout_full": str(r.candidate.layout),
+            "overrides": overrides(r.candidate, optimizer_modules),
+            "colocated": r.candidate.layout.colocated,
+            "settings": {"precision": settings.precision,
+                         "distributed_optimizer": settings.distributed_optimizer,
+                         "recompute": settings.recompute,
+                         "sequence_parallel": settings.sequence_parallel},
+            "step_s": r.step_s, "samples_per_s": work.global_batch_size / r.step_s,
+            "mfu": achieved_mfu(r, gpus, device),
+            "memory_gib": {k: v.gib() for k, v in r.memory.items()},
+            "peak_memory_gib": r.peak_bytes / 2**30, "fits": r.fits,
+            "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle}
+
+
+def why(r: Result, device: GPU, gpus: int) -> str:
+    memory = "; ".join(
+        f"{name} {m.total / 2**30:.1f} GiB (weights {m.weights / 2**30:.1f}, grads "
+        f"{m.gradients / 2**30:.1f}, optimizer {m.optimizer / 2**30:.1f}, activations "
+        f"{m.activations / 2**30:.1f}, temporary {m.temporary / 2**30:.1f})"
+        for name, m in r.memory.items())
+    busy = ", ".join(f"{k} {_seconds(v)} s"
+                     for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
+    mfu = achieved_mfu(r, gpus, device)
+    return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
+            f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}; memory per rank: "
+            f"{memory}")
+
+
+def format_report(report: dict) -> str:
+    g, w, p = report["gpu"], report["workload"], report["model"]["parameters"]
+    params = ", ".join(f"{m} {n / 1e9:.2f}B" if n >= 1e8 else f"{m} {n / 1e6:.2f}M"
+                       for m, n in p.items())
+    items = ", ".join(f"{m} {n:.1f}" for m, n in w["items_per_step"].items())
+    lines = [
+        f"model     {report['model']['source']}: {params} parameters, "
+        f"{report['model']['precision']}",
+        f"workload  {w['steps']} step{'s' if w['steps'] != 1 else ''} of "
+        f"{w['global_batch_size']} samples (micro batch "
+        f"{w['micro_batch_size']}{', packed' if w['packing'] else ''}): "
+        f"{w['tokens_per_step']:.0f} tokens per step" + (f", items per step: {items}"
+                                                          if items else ""),
+        f"gpus      {report['gpus']} x {g['name']}: {g['memory_gib']:.1f} GiB "
+        f"({g['usable_gib']:.1f} usable), {g['tflops']:.0f} TFLOP/s x MFU {g['mfu']:.2f}, "
+        f"{g['node_gbs']:.0f} GB/s in a node of {g['per_node']}, {g['network_gbs']:.0f} GB/s "
+        "across",
+        f"layouts   {report['layouts']} ({report['candidates']} with settings): "
+        f"{report['fitting_layouts']} fit, {report['dropped_layouts']} do not fit in memory "
+        "with any settings",
+        *([f"yours     {report['yours']}: {report['yours_not_ranked']}"]
+          if report.get("yours_not_ranked") else []),
+        f"{'rank':>4s} {'step s':>8s} {'samples/s':>9s} {'MFU':>5s} {'GiB/rank':>8s}  "
+        f"layout  (settings)"]
+    for r in report["ranked"]:
+        mark = "  <- yours" if r["layout"] == report["yours"] else ""
+        lines.append(f"{r['rank']:4d} {_seconds(r['step_s']):>8s} {r['samples_per_s']:9.2f} "
+                     f"{r['mfu']:5.2f} {r['peak_memory_gib']:8.1f}  {r['layout']}  "
+                     f"({_settings_text(r['settings'])}){mark}")
+    if report["ranked"]:
+        lines.append("why")
+        for r in report["ranked"]:
+            lines.append(f"  {r['rank']}. {r['layout']}: {r['why']}")
+        best = report["ranked"][0]
+        lines.append("train the first with: mimo-train --config ... " +
+                     " ".join(f"'{o}'" if ";" in o else o for o in best["overrides"]))
+    else:
+        lines.append("no layout fits: more GPUs, a GPU with more memory, or a smaller micro "
+                     "batch")
+    if report["dropped"]:
+        lines.append("smallest settings that do not fit (a layout may fit with others, above)")
+        for r in report["dropped"]:
+            lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
+                         f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
+    return "\n".join(lines)
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}" if value >= 0.01 else f"{value:.2e}"
+
+
+def _settings_text(settings: dict) -> str:
+    words = ["dist-opt" if settings["distributed_optimizer"] else "no dist-opt",
+             f"recompute {settings['recompute']}"]
+    if settings["sequence_parallel"]:
+        words.append("SP")
+    return ", ".join(words)
