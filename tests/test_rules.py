@@ -1,0 +1,178 @@
+"""One set of rules (``mimo_train.plan.rules``): every refusal, enumerated, is refused by the
+trainer's start-up (``plan.resolve``, before any process group exists), and the layout advisor
+never proposes what the trainer refuses: each case's layout is said not to be ranked, or ranked
+only with settings the trainer takes, and every candidate the advisor reports, put into the
+training config with its own ``key=value`` overrides, starts (resolves) as it is.
+
+The models are the published replicas (``tools/make_published.py``): a dense Qwen2-VL, a
+Qwen3-VL (deepstack rows) and a Qwen3-VL mixture of experts; the advisor reads each as
+``mimo-inspect plan --model`` does, from a training YAML, on a small synthetic workload
+(nothing trains here; in process, no job).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import MODELS
+from mimo_data.inspect.advice import AdvisorRequest
+from mimo_data.loading.layout import Layout
+from mimo_data.loading.loader import variable_token_modalities
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_train.config import TrainConfig
+from mimo_train.errors import TrainConfigError
+from mimo_train.plan import resolve, rules
+from mimo_train.planning.advisor import read_model, run_advisor
+
+PUBLISHED = MODELS / "published"
+CHECKPOINTS = {"qwen2-vl": PUBLISHED / "Qwen--Qwen2-VL-2B-Instruct",          # 2 layers
+               "qwen3-vl": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",          # deepstack
+               "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"}  # 4 experts
+MODALITIES = {"image": "image", "video": "image"}       # one tower serves both
+
+
+@dataclass(frozen=True)
+class Case:
+    """A config the trainer refuses by one rule: the model, the layout, the other settings,
+    what the refusal must say, and what the advisor is asked (the settings it may try)."""
+    model: str
+    layout: str
+    overrides: tuple[str, ...] = ()
+    says: str = ""
+    request: dict = field(default_factory=dict)
+
+
+# rule -> a config only that rule refuses (each rule of plan.rules has one: a new rule without
+# a case fails test_every_rule_has_a_case)
+CASES = {
+    "language_layers_split": Case(
+        "qwen2-vl", "image=dp1,video;language=pp4", (),
+        "2 layers, which do not split into language pp4"),
+    "language_heads_split": Case(
+        "qwen2-vl", "image=dp1,video;language=tp4", (),
+        "2 query groups (key/value heads), which do not split into language tp4"),
+    "language_context_parallel": Case(
+        "qwen2-vl", "image=dp1,video;language=cp2", (),
+        "cp2: megatron-core's context parallelism needs Transformer Engine's attention"),
+    "encoders_run_whole": Case(
+        "qwen2-vl", "image=tp2,video;language=dp1", (),
+        "encoder module 'image' has tp 2"),
+    "sequence_parallel_needs_tp": Case(
+        "qwen2-vl", "image=dp1,video;language=dp1", ("model.language.sequence_parallel=true",),
+        "sequence_parallel needs the language model's tensor parallelism"),
+    "sequence_parallel_unpacked": Case(
+        "qwen2-vl", "image=dp1,video;language=tp2",
+        ("model.language.sequence_parallel=true", "data.packing=true"),
+        "sequence_parallel with data.packing"),
+    "lora_rank_splits_over_tp": Case(
+        "qwen2-vl", "image=dp1,video;language=tp2", ("model.lora.language.rank=3",),
+        "rank 3 does not split over the language model's tp 2"),
+    "deepstack_projection": Case(
+        "qwen3-vl", "image=dp1,video;language=dp1", ("model.projection=linear",),
+        "model.projection linear cannot map them"),
+    "deepstack_full_recompute": Case(
+        "qwen3-vl", "image=dp1,video;language=dp1", ("model.language.recompute=full",),
+        "model.language.recompute full would recompute without them",
+        {"recompute": "full"}),
+    "experts_need_sequence_parallel": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=tp2", (),
+        "trains under tensor parallelism (the layout's language tp2) only with sequence "
+        "parallelism", {"sequence_parallel": False}),
+    "experts_without_lora": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=dp1", ("model.lora.language.rank=4",),
+        "adapters on its layers (its experts' among them) are not supported yet"),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, tuple[Path, PreprocessConfig]]:
+    """model name -> (its preprocessing config file, the config), as mimo-train
+    --preprocessing-for writes it."""
+    from mimo_train.families.registry import preprocessing_for
+    tmp = tmp_path_factory.mktemp("rules")
+    found = {}
+    for name, checkpoint in CHECKPOINTS.items():
+        if not (checkpoint / ".complete").is_file():
+            pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump({**preprocessing_for(str(checkpoint)),
+                                        "seq_length": 1024}))
+        found[name] = (path, PreprocessConfig.from_yaml(str(path)))
+    return found
+
+
+def _training_yaml(tmp_path: Path, models: dict, case: Case) -> Path:
+    """The case's model and settings as a training YAML (its layout given apart)."""
+    preprocess, _ = models[case.model]
+    overrides = [f"data.datasets=[{tmp_path}]", f"data.preprocess={preprocess}",
+                 f"model.pretrained={CHECKPOINTS[case.model]}", *case.overrides]
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(TrainConfig.load(None, overrides).to_dict()))
+    return path
+
+
+def _workload(packing: bool) -> dict:
+    """Two steps of 8 samples of 200 to 340 tokens, each with a 4 x 4 image."""
+    return {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 1024,
+            "packing": packing, "epochs": 1, "vocab_size": 151_700, "modalities": MODALITIES,
+            "steps": [[{"tokens": 200 + 20 * i, "items": {"image": [16]},
+                        "grids": {"image": [[1, 4, 4]]}} for i in range(8)] for _ in range(2)]}
+
+
+def _advice(path: Path, models: dict, case: Case, layout: str | None, gpus: int) -> dict:
+    """The advisor's report on the case's model, asked as the case says."""
+    preprocess, config = models[case.model]
+    model = read_model(str(path), str(preprocess), config, MODALITIES, "bf16")
+    request = AdvisorRequest(str(path), str(preprocess), gpus, gpu="h200", layout=layout,
+                             top=1000, **case.request)
+    return run_advisor(model, _workload(bool(model.packing)), request,
+                       variable_token_modalities(config), list(config.modalities))
+
+
+def test_every_rule_has_a_case():
+    assert set(CASES) == set(rules.RULES)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_the_trainer_refuses_at_start_up(rule, models, tmp_path):
+    case = CASES[rule]
+    cfg = TrainConfig.load(str(_training_yaml(tmp_path, models, case)),
+                           [f"layout={case.layout}"])
+    with pytest.raises(TrainConfigError) as refused:
+        resolve(cfg)
+    assert case.says in str(refused.value)
+
+
+@pytest.mark.parametrize("rule", sorted(CASES))
+def test_the_advisor_never_proposes_what_the_trainer_refuses(rule, models, tmp_path):
+    """Asked about the case's model, with the case's layout as yours: the layout is not
+    ranked with the trainer's own reason, or ranked only with other settings; and every
+    candidate it reports (ranked or dropped for memory) starts as the trainer takes it."""
+    case = CASES[rule]
+    path = _training_yaml(tmp_path, models, case)
+    layout = Layout.parse(case.layout)
+    try:
+        report = _advice(path, models, case, case.layout, layout.world_size)
+    except TrainConfigError as error:      # the model itself is refused: nothing is proposed
+        assert case.says in str(error)
+        return
+    yours = [r for r in report["ranked"] if r["layout_full"] == str(layout)]
+    assert (case.says in (report["yours_not_ranked"] or "")) != bool(yours), report
+    for result in report["ranked"] + report["dropped"]:
+        resolve(TrainConfig.load(str(path), result["overrides"]))
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINTS))
+def test_every_proposal_on_eight_gpus_starts(name, models, tmp_path):
+    """Every ranked layout of each model on 8 GPUs, with its settings, packed or not."""
+    for packing in (False, True):
+        case = Case(name, "language=dp1", (f"data.packing={str(packing).lower()}",))
+        path = _training_yaml(tmp_path, models, case)
+        report = _advice(path, models, case, None, 8)
+        assert report["ranked"], report
+        for result in report["ranked"]:
+            resolve(TrainConfig.load(str(path), result["overrides"]))
