@@ -196,7 +196,7 @@ def build_model(cfg: TrainConfig, infra: Infra, preprocess, tokenizer_size: int,
     check_positions(cfg, preprocess)
     transformer = language_transformer_config(cfg, layout, device)
     encoder_transformer_config = dataclasses.replace(transformer, **{
-        key: TransformerConfig.__dataclass_fields__[key].default
+        key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
         for key in language_memory(cfg, layout.language.tp)}) \
         if transformer.recompute_granularity or transformer.sequence_parallel else transformer
     settings = encoder_settings(cfg, layout, preprocess)
