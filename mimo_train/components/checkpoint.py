@@ -34,7 +34,6 @@ the file and the newest complete checkpoint to use instead.
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -49,7 +48,6 @@ import torch.distributed as dist
 from mimo_data.files import write_atomic
 from mimo_train.components import digests
 from mimo_train.components.digests import MANIFEST
-from mimo_train.components.optimizer import unshare_steps
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
@@ -58,8 +56,9 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               ShardedTensor, StrictHandling, dist_checkpointing,
                               extract_matching_values, get_cuda_rng_tracker,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
-                              use_forked_write_results,
                               load_plain_tensors, merge, nested_values)
+from mimo_train.mcore.async_save import then_in_writer, use_forked_write_results
+from mimo_train.mcore.distributed_optimizer import unshare_steps
 
 LATEST = "latest"
 META = "meta.json"
@@ -170,15 +169,9 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                                   f"{LATEST} still names the previous one")
 
     request.add_finalize_fn(finalize)
-    return request._replace(async_fn=functools.partial(_write_then_digest, request.async_fn,
-                                                       directory, rank))
-
-
-def _write_then_digest(write, directory: str, rank: int, *args, **kwargs) -> None:
-    """megatron-core's write of this rank's files, then their digests (in the writer process
-    of an asynchronous save: the step loop does not wait for either)."""
-    write(*args, **kwargs)
-    digests.write_part(directory, rank)
+    # the digests of this rank's files where they were written (in the writer process of an
+    # asynchronous save: the step loop does not wait for either)
+    return then_in_writer(request, digests.write_part, directory, rank)
 
 
 # megatron-core's distributed optimizer (``optimizer.distributed``) saves its state as a plain

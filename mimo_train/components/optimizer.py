@@ -22,7 +22,9 @@ from mimo_train.config import OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import (MegatronOptimizerConfig, MimoModel, MimoOptimizer,
                               ModuleOptimizerInfo, OptimizerParamScheduler,
-                              _get_pg_collection_for_optimizer, get_megatron_optimizer)
+                              get_megatron_optimizer)
+from mimo_train.mcore.distributed_optimizer import start_adam_states, tolerate_partial_states
+from mimo_train.mcore.grids import optimizer_groups
 from mimo_train.model.parts import module_of
 
 
@@ -73,73 +75,16 @@ def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
         active = grid.is_current_rank_in_grid()
         optimizer, pgs = None, None
         if active and module_of(model, name) is not None:
-            # megatron-core's private helper, the one its get_mimo_optimizer calls: the
-            # module grid's process groups as the optimizer takes them (expert views and the
-            # distributed optimizer's group included), used rather than rebuilt so they stay
-            # the ones megatron-core would give (there is no public equivalent)
-            pgs = _get_pg_collection_for_optimizer(grid)
+            pgs = optimizer_groups(grid)
             own = dataclasses.replace(config, use_distributed_optimizer=opt.of(name).distributed)
             optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
                                                pg_collection=pgs, use_gloo_process_groups=False)
+            # saved before its first step, resumed from any checkpoint: mcore.distributed_optimizer
             start_adam_states(optimizer)
+            tolerate_partial_states(optimizer)
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pgs,
                                           is_active=active)
     return infos
-
-
-def start_adam_states(optimizer) -> None:
-    """Give every torch Adam under megatron-core's ``DistributedOptimizer`` the state its first
-    step would start from (zero moments, step 0): the distributed optimizer's ``state_dict``
-    reads Adam's step from that state when neither TransformerEngine nor apex is installed
-    (``distrib_optimizer.py:837``, ``assert len(steps) == 1``), so resuming a checkpoint, or
-    saving one before the first step, would fail on an optimizer that has not stepped yet. The
-    first update is torch's from a fresh state, unchanged."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if type(inner).__name__ != "DistributedOptimizer" or \
-                not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        inner._set_main_param_and_optimizer_states = _tolerant(
-            inner._set_main_param_and_optimizer_states)
-        for group in adam.param_groups:
-            for param in group["params"]:
-                if not adam.state[param]:
-                    adam.state[param].update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                        exp_avg_sq=torch.zeros_like(param))
-
-
-class _Absent(dict):
-    """A parameter's loaded state whose absent entries read as None (not a tensor: skipped)."""
-
-    def __missing__(self, key):
-        return None
-
-
-def _tolerant(set_states):
-    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that skips what the
-    checkpoint does not give: it copies every entry of torch Adam's state, ``step`` included,
-    from the loaded ones, which never hold ``step`` (``load_parameter_state_from_fully_
-    reshardable`` leaves it out: KeyError without TransformerEngine or apex), nor ``param``
-    when the checkpoint was saved without the distributed optimizer (the main weights are then
-    the loaded weights: ``checkpoint.load``)."""
-    def set_main_param_and_optimizer_states(model_param, tensors):
-        return set_states(model_param, _Absent(tensors))
-    return set_main_param_and_optimizer_states
-
-
-def unshare_steps(optimizer) -> None:
-    """After a load: each parameter's own Adam step under megatron-core's
-    ``DistributedOptimizer``. Without TransformerEngine or apex its ``load_state_dict`` gives
-    every parameter's state one and the same step tensor (``distrib_optimizer.py:1027``), which
-    torch's Adam then increments in place once per parameter at each step: from the second
-    parameter on, the bias correction would use a step far too large."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if type(inner).__name__ == "DistributedOptimizer" and adam is not None:
-            for state in adam.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
 
 
 def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
@@ -171,3 +116,21 @@ def build_schedulers(cfg: TrainConfig, trained: dict) -> tuple[dict, list[str]]:
             lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
             end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
     return schedulers, notes
+
+
+def with_lr_bounds_of(optimizer, saved: dict) -> None:
+    """Give the param groups in ``saved`` (``optimizer``'s state as loaded, before its
+    ``load_state_dict``) ``optimizer``'s LR bounds, the module's ``lr`` and ``min_lr``:
+    megatron-core finds each group's saved state by the group's settings, bounds included, so
+    a resume with other bounds would find none; the schedule follows this run's."""
+    (bounds,) = {(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups}
+    stack = [saved]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for group in node.get("param_groups") or ():
+                group["max_lr"], group["min_lr"] = bounds
+            stack += node.values()
+        elif isinstance(node, (list, tuple)):
+            stack += node
+
