@@ -9,6 +9,11 @@ scaler), which writes NaN into every weight. The subclass checks the norm where 
 (a host float there already; a non-finite loss makes it non-finite too) and raises
 ``NonFiniteStep`` before any weight, optimizer state or LR schedule moves, alike on every rank
 (the norm is the world's); the trainer counts the step as skipped (``anomalies``).
+
+A resumed run's schedules follow its config, not the checkpoint's (megatron-core's
+``override_opt_param_scheduler``): a longer ``train.steps`` stretches the decay, a new ``lr``,
+``min_lr``, ``warmup_steps`` or ``weight_decay`` (per module too) applies from the resumed step
+on; the step count is the checkpoint's. ``schedule_notes`` says what changed at start-up.
 """
 
 from __future__ import annotations
@@ -111,10 +116,12 @@ def build_schedulers(cfg: TrainConfig, trained: dict) -> tuple[dict, list[str]]:
         warmup, note = cfg.warmup_steps(name)
         if note and note not in notes:
             notes.append(note)
+        # a resumed run: this config's settings, the checkpoint's step count
         schedulers[name] = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
             lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
-            end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
+            end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     return schedulers, notes
 
 
@@ -134,3 +141,37 @@ def with_lr_bounds_of(optimizer, saved: dict) -> None:
         elif isinstance(node, (list, tuple)):
             stack += node
 
+
+# OptimizerParamScheduler.state_dict() keys -> the settings they come from
+_SCHEDULE = {"lr_decay_steps": "train.steps", "max_lr": "lr", "min_lr": "min_lr",
+             "lr_warmup_steps": "warmup_steps", "start_wd": "weight_decay"}
+
+
+def schedule_changes(saved: dict, scheduler: OptimizerParamScheduler) -> dict:
+    """What ``scheduler``'s settings (this run's config) change from ``saved``, its state in
+    the checkpoint: setting -> (was, now)."""
+    now = scheduler.state_dict()
+    return {setting: (saved[key], now[key]) for key, setting in _SCHEDULE.items()
+            if saved[key] != now[key]}
+
+
+def schedule_notes(step: int, changes: list[dict]) -> list[str]:
+    """The start-up lines of a resumed run's schedule changes, one per changed setting
+    (``changes``: module -> ``schedule_changes`` of each rank), modules with the same change
+    in one line."""
+    modules: dict[tuple, list[str]] = {}
+    for ranks in changes:
+        for module, changed in ranks.items():
+            for setting, (was, now) in changed.items():
+                named = modules.setdefault((setting, was, now), [])
+                if module not in named:
+                    named.append(module)
+    notes = []
+    for (setting, was, now), named in modules.items():
+        if setting == "train.steps":
+            notes.append(f"resumed from step {step} of a {was}-step schedule: LR decay now "
+                         f"spans train.steps {now} (was {was})")
+        else:
+            notes.append(f"resumed from step {step}: {', '.join(named)} {setting} now {now:g} "
+                         f"(was {was:g})")
+    return notes

@@ -203,9 +203,11 @@ class Trainer:
         meta = phase("checkpoint check", f"checkpoint {directory} checked",
                      lambda: checkpoint.check(directory, self.model,
                                               self.cfg.train.global_batch_size))
-        self.step = phase("resume", lambda step: f"resumed from {directory} at step {step}",
-                          lambda: checkpoint.load(directory, self.training_state(), meta,
-                                                  self._meta()))
+        self.step, notes = phase(
+            "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
+            lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
+        for note in notes:                    # the LR schedules follow this run's config
+            say(PREFIX + note)
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
