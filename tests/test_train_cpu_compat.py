@@ -1,15 +1,27 @@
-"""mimo_train.mcore.cpu_compat: one test per megatron-core CUDA assumption it covers.
+"""mimo_train.mcore's patches and private reaches of megatron-core, one test each.
 
-Each test runs in a process of its own without any patch (the patches are process-wide): it
-makes the megatron-core call that fails on CPU, checks it fails the way cpu_compat documents,
-applies only that patch, makes the same call again and checks the result against a plain-torch
-reference. The processes are forked, one per test, from one fresh interpreter that imported
-torch and megatron-core but not ``mimo_train.mcore`` (whose import applies every patch): its
-scripts load ``cpu_compat.py`` by its path (tests/cpu_compat_run.py).
+cpu_compat's (one per megatron-core CUDA assumption it covers): each test runs in a process of
+its own without any patch (the patches are process-wide): it makes the megatron-core call that
+fails on CPU, checks it fails the way cpu_compat documents, applies only that patch, makes the
+same call again and checks the result against a plain-torch reference. The processes are
+forked, one per test, from one fresh interpreter that imported torch and megatron-core but not
+``mimo_train.mcore`` (whose import applies every patch): its scripts load ``cpu_compat.py`` by
+its path (tests/cpu_compat_run.py).
+
+The others (``grids.optimizer_groups``, ``distributed_optimizer``, ``async_save``,
+``ensure_global_memory_buffer``), which act on the objects mimo gives them rather than process
+wide, run in this process (a one-rank gloo world, megatron-core patched as mimo runs it): each
+shows what fails without it, then the result with it.
 """
 
+import copy
+import inspect
 import json
+import multiprocessing
+import queue
+import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -301,3 +313,275 @@ def test_rng_tracker(compat):
 
 def test_recompute_rng(compat):
     compat("recompute_rng")
+
+
+# ------------------------------------------------------------- mcore's other patches and reaches
+
+@pytest.fixture(scope="module")
+def language():
+    """A one-rank gloo world in this process and the language module of a one-rank layout (its
+    grid and process groups: ``mcore.grids``), on which the checks below build megatron-core's
+    optimizers."""
+    from mimo_data.loading.layout import Layout
+    from mimo_train.mcore.grids import build_infra
+    from mimo_train.runtime import distributed
+
+    with distributed.alone():
+        yield build_infra(Layout.parse("language=dp1"), "gloo").modules["language"]
+
+
+def _ddp(language):
+    """Two seeded linear layers in megatron-core's DDP (for its distributed optimizer)."""
+    from mimo_train.mcore import (DistributedDataParallel, DistributedDataParallelConfig,
+                                  TransformerConfig)
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               use_cpu_initialization=True)
+    return DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True), layers,
+        pg_collection=language.pgs)
+
+
+def _adam(ddp, groups):
+    """megatron-core's distributed Adam over ``ddp`` on the process groups ``groups``."""
+    from mimo_train.mcore import MegatronOptimizerConfig, get_megatron_optimizer
+    config = MegatronOptimizerConfig(optimizer="adam", lr=0.1, use_distributed_optimizer=True)
+    return get_megatron_optimizer(config, [ddp], pg_collection=groups,
+                                  use_gloo_process_groups=False)
+
+
+def _optimizer(language):
+    from mimo_train.mcore.grids import optimizer_groups
+    ddp = _ddp(language)
+    return ddp, _adam(ddp, optimizer_groups(language.grid))
+
+
+def _step(ddp, optimizer) -> None:
+    ddp.zero_grad_buffer()
+    optimizer.zero_grad()
+    ddp(torch.linspace(-1, 1, 20).reshape(5, 4)).pow(2).sum().backward()
+    ddp.finish_grad_sync()
+    assert optimizer.step()[0]
+
+
+def _torch_adam(optimizer):
+    (inner,) = optimizer.chained_optimizers
+    return inner.optimizer
+
+
+def _weights(ddp) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}   # checkpoint.py's
+
+
+def _sharded(language, ddp, optimizer, is_loading: bool) -> dict:
+    model = ddp.sharded_state_dict(metadata={"dp_cp_group": language.pgs.dp_cp})
+    return {"optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
+                                                      metadata=OPTIMIZER_METADATA)}
+
+
+@pytest.fixture(scope="module")
+def saved(language):
+    """The distributed optimizer after two steps, saved as ``components.checkpoint`` saves it
+    (megatron-core's fully parallel strategy, its request run in place): the directory, and the
+    weights a third step gives."""
+    from mimo_train.mcore import (FullyParallelSaveStrategyWrapper, dist_checkpointing,
+                                  get_default_save_sharded_strategy)
+    from mimo_train.mcore.async_save import use_forked_write_results
+    from mimo_train.mcore.distributed_optimizer import start_adam_states
+
+    ddp, optimizer = _optimizer(language)
+    start_adam_states(optimizer)
+    _step(ddp, optimizer)
+    _step(ddp, optimizer)
+    use_forked_write_results()
+    with tempfile.TemporaryDirectory() as directory:
+        dist_checkpointing.save(
+            _sharded(language, ddp, optimizer, is_loading=False), directory,
+            FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy()),
+            async_sharded_save=True, async_strategy="mcore").execute_sync()
+        _step(ddp, optimizer)
+        yield directory, _weights(ddp)
+
+
+def _resumed(language, directory: str, tolerant: bool):
+    """A fresh distributed optimizer (``start_adam_states``; ``tolerate_partial_states`` if
+    ``tolerant``), its DDP and the state read back from ``directory`` for it to load."""
+    from mimo_train.mcore import dist_checkpointing
+    from mimo_train.mcore.distributed_optimizer import start_adam_states, tolerate_partial_states
+
+    ddp, optimizer = _optimizer(language)
+    start_adam_states(optimizer)
+    if tolerant:
+        tolerate_partial_states(optimizer)
+    loaded = dist_checkpointing.load(_sharded(language, ddp, optimizer, is_loading=True),
+                                     directory)
+    return ddp, optimizer, loaded["optimizer"]
+
+
+def test_every_other_patch_is_tested():
+    from mimo_train.mcore import async_save, distributed_optimizer
+    public = {name for module in (async_save, distributed_optimizer)
+              for name, value in vars(module).items() if inspect.isfunction(value)
+              and value.__module__ == module.__name__ and not name.startswith("_")}
+    tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
+    assert public and public | {"optimizer_groups", "ensure_global_memory_buffer"} <= tested
+
+
+def test_optimizer_groups(language):
+    """megatron-core's optimizer without process groups takes ``parallel_state``'s, which mimo
+    never initializes (each module has its grid); ``optimizer_groups`` gives it the module's,
+    through the helper of megatron-core's ``get_mimo_optimizer``: the grid's own groups."""
+    from mimo_train.mcore.grids import optimizer_groups
+
+    ddp = _ddp(language)
+    with pytest.raises(AssertionError, match="data parallel group is not initialized"):
+        _adam(ddp, None)
+    grid = language.grid
+    groups = optimizer_groups(grid)
+    assert groups.dp is grid.get_pg("dp") and groups.dp_cp is grid.get_pg(["dp", "cp"])
+    assert groups.intra_dist_opt is grid.get_pg(["tp", "cp", "dp", "pp"])
+    assert groups.expt_dp is grid.get_pg("expt_dp", view="expert")
+    _step(ddp, _adam(ddp, groups))
+
+
+def test_start_adam_states(language):
+    """Without TransformerEngine or apex the distributed optimizer's state dict reads Adam's
+    step from every parameter's torch state, which Adam makes at its first step: before it the
+    state dict (a save, a resume) fails. With the states started, it exists, and the first
+    step is the one from a fresh state."""
+    from mimo_train.mcore.distributed_optimizer import start_adam_states
+
+    ddp, optimizer = _optimizer(language)
+    with pytest.raises(AssertionError):                   # distrib_optimizer.py:839
+        optimizer.state_dict()
+    start_adam_states(optimizer)
+    assert {float(s["step"]) for s in _torch_adam(optimizer).state.values()} == {0.0}
+    optimizer.state_dict()
+    plain_ddp, plain = _optimizer(language)
+    _step(ddp, optimizer)
+    _step(plain_ddp, plain)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), _weights(plain_ddp)))
+
+
+def test_tolerate_partial_states(language, saved):
+    """Loading copies every entry of each parameter's torch state from the checkpoint's,
+    which has no ``step`` (KeyError), nor, from a checkpoint of the plain optimizer, ``param``
+    (``checkpoint.load`` leaves it out). Tolerant, the load takes what there is: the moments
+    saved, the main weights kept where the checkpoint has none."""
+    directory, _ = saved
+    _, optimizer, loaded = _resumed(language, directory, tolerant=False)
+    with pytest.raises(KeyError, match="step"):
+        optimizer.load_state_dict(loaded)
+    _, optimizer, loaded = _resumed(language, directory, tolerant=True)
+    expected = copy.deepcopy(loaded["param_state"])
+    optimizer.load_state_dict(loaded)
+    adam = _torch_adam(optimizer)
+    states = [adam.state[p] for group in adam.param_groups for p in group["params"]]
+    saved_moments = sorted(float(s["exp_avg"].sum()) for s in expected.values())
+    assert sorted(float(s["exp_avg"].sum()) for s in states) == saved_moments
+    _, optimizer, loaded = _resumed(language, directory, tolerant=True)
+    for state in loaded["param_state"].values():
+        del state["param"]
+    mains = [p.detach().clone() for group in _torch_adam(optimizer).param_groups
+             for p in group["params"]]
+    optimizer.load_state_dict(loaded)
+    after = [p for group in _torch_adam(optimizer).param_groups for p in group["params"]]
+    assert all(torch.equal(a, b) for a, b in zip(mains, after))
+
+
+def test_unshare_steps(language, saved):
+    """A load gives every parameter one and the same step tensor, which Adam increments once
+    per parameter: the resumed step counts four steps and its update is not the uninterrupted
+    run's. Unshared, it is exactly that."""
+    from mimo_train.mcore.distributed_optimizer import unshare_steps
+
+    directory, uninterrupted = saved
+    ddp, optimizer, loaded = _resumed(language, directory, tolerant=True)
+    optimizer.load_state_dict(loaded)
+    states = list(_torch_adam(optimizer).state.values())
+    assert len({id(s["step"]) for s in states}) == 1 and len(states) == 4
+    _step(ddp, optimizer)
+    assert {float(s["step"]) for s in states} == {6.0}
+    assert not all(torch.equal(a, b) for a, b in zip(_weights(ddp), uninterrupted))
+    ddp, optimizer, loaded = _resumed(language, directory, tolerant=True)
+    optimizer.load_state_dict(loaded)
+    unshare_steps(optimizer)
+    _step(ddp, optimizer)
+    assert {float(s["step"]) for s in _torch_adam(optimizer).state.values()} == {3.0}
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), uninterrupted))
+
+
+def test_then_in_writer():
+    """megatron-core's save request is an immutable named tuple (its write cannot be replaced
+    in place); the extended request writes, then runs the function, then finalizes."""
+    from mimo_train.mcore import AsyncRequest
+    from mimo_train.mcore.async_save import then_in_writer
+
+    calls: list = []
+    request = AsyncRequest(lambda *args, **kwargs: calls.append(("write", args, kwargs)), (1,),
+                           [lambda: calls.append("finalize")], async_fn_kwargs={"k": 2})
+    with pytest.raises(AttributeError):
+        request.async_fn = None               # type: ignore[misc]
+    then_in_writer(request, calls.append, "digests").execute_sync()
+    assert calls == [("write", (1,), {"k": 2}), "digests", "finalize"]
+
+
+_GATE = threading.Event()
+
+
+class _Slow:
+    """A write result that pickles only once ``_GATE`` is set: one still in the feeder thread
+    of the process that put it in a queue."""
+
+    def __reduce__(self):
+        _GATE.wait()
+        return (_Slow, ())
+
+
+def test_use_forked_write_results(monkeypatch):
+    """megatron-core reads a write's results with ``get_nowait`` once the write returned. Its
+    own queue is a "spawn" ``Manager``'s (a server process); a plain queue of the "fork"
+    context hands the item to a feeder thread, so in the process that wrote it may not be
+    there yet. The writer's queue: megatron-core's getter returns it (no ``Manager``), and it
+    gives an item still on its way."""
+    from mimo_train.mcore import filesystem_async
+    from mimo_train.mcore.async_save import use_forked_write_results
+
+    _GATE.clear()
+    plain = multiprocessing.get_context("fork").Queue()
+    plain.put(_Slow())
+    with pytest.raises(queue.Empty):      # megatron-core: "results_queue should not be empty"
+        plain.get_nowait()
+    _GATE.set()
+    assert isinstance(plain.get(), _Slow)
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    use_forked_write_results()
+    ours = filesystem_async._results_queue
+
+    def no_manager(*args):
+        raise AssertionError("megatron-core made its own results queue")
+    monkeypatch.setattr(filesystem_async.mp, "get_context", no_manager)
+    assert filesystem_async.get_write_results_queue() is ours
+    monkeypatch.undo()
+    _GATE.clear()
+    ours.put(_Slow())
+    threading.Timer(0.2, _GATE.set).start()
+    assert isinstance(ours.get_nowait(), _Slow)
+
+
+def test_ensure_global_memory_buffer(monkeypatch):
+    """megatron-core's layers take buffers from its global memory buffer, which only its
+    ``initialize_model_parallel`` makes (mimo makes the groups of each module's grid)."""
+    from mimo_train.mcore import ensure_global_memory_buffer, parallel_state
+
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    with pytest.raises(AssertionError, match="global memory buffer is not initialized"):
+        parallel_state.get_global_memory_buffer()
+    ensure_global_memory_buffer()
+    buffer = parallel_state.get_global_memory_buffer()
+    ensure_global_memory_buffer()
+    assert parallel_state.get_global_memory_buffer() is buffer

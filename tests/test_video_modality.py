@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.modalities import video as video_module
+from mimo_data.modalities.video import decode as video_decode
 from mimo_data.modalities.video import (
     VIDEO, VideoConfig, decode_frames, normalize_video_pixels, probe_video, sample_indices,
     sampled_frame_count)
@@ -163,6 +163,27 @@ def test_sampling_equals_the_processors():
                   video_metadata=[{"total_num_frames": 17, "fps": 17 / 7}], return_tensors="pt")
 
 
+def test_a_new_sampling_rule_is_one_entry_of_the_table(monkeypatch):
+    """A family whose processor keeps every frame (rounded down to temporal patches) at 56x56:
+    the config accepts its name, and frame counts, indices, grids and token counts follow it."""
+    from mimo_data.modalities.video import SAMPLINGS, FrameSampling, video_grid_thw
+    every_frame = FrameSampling(
+        "EveryFrameVideoProcessor",
+        frame_count=lambda frames, fps, cfg: frames // cfg.temporal_patch_size
+        * cfg.temporal_patch_size,
+        frame_indices=lambda frames, count: list(range(count)),
+        resized_size=lambda width, height, sampled, cfg: (56, 56))
+    monkeypatch.setitem(SAMPLINGS, "every_frame", every_frame)
+    cfg = VideoConfig(sampling="every_frame")
+    cfg.validate()
+    assert sampled_frame_count(11, 24.0, cfg) == 10
+    assert sample_indices(11, 24.0, cfg) == list(range(10))
+    assert video_grid_thw(11, 24.0, 320, 240, cfg) == (5, 4, 4)      # 56 / 14 patches a side
+    item = {"member": "vid0.mp4", "frames": 11, "fps": 24.0, "width": 320, "height": 240,
+            "duration": 11 / 24}
+    assert VIDEO.item_tokens(item, cfg) == 5 * 2 * 2                 # merged 2 x 2
+
+
 # ------------------------------------------------------------------ decode and encoder inputs
 
 CONFIGS = {
@@ -197,7 +218,7 @@ def test_rotation_turns_the_pixels(clips):
 def test_decode_stops_short_of_the_whole_clip(clips, monkeypatch):
     """The sparse frames of a clip with keyframes every 10 frames are reached by seeking."""
     decoded = [0]
-    real_open = video_module._open
+    real_open = video_decode._open
 
     class Counting:
         def __init__(self, container):
@@ -217,7 +238,7 @@ def test_decode_stops_short_of_the_whole_clip(clips, monkeypatch):
                 decoded[0] += 1
                 yield frame
 
-    monkeypatch.setattr(video_module, "_open", lambda data: Counting(real_open(data)))
+    monkeypatch.setattr(video_decode, "_open", lambda data: Counting(real_open(data)))
     clip = clips["pan_h264_24"]
     frames = VIDEO.decode(clip.data, _item(clip, "header"), VideoConfig())
     assert len(frames) == 4

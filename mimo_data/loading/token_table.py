@@ -45,7 +45,7 @@ from mimo_data.tally import FIRST_LOCATIONS, Tally
 CHUNK = 4 * TEXT_BATCH   # samples per worker task: fewer hand-overs than one text batch
 # The code whose output the table is: a change to any of these files makes a new key.
 CODE = sorted([*Path(mimo_data.__file__).parent.glob("preprocess/*.py"),
-               *Path(mimo_data.__file__).parent.glob("modalities/*.py"),
+               *Path(mimo_data.__file__).parent.glob("modalities/**/*.py"),
                Path(mimo_data.__file__).parent / "shards" / "records.py", Path(__file__)])
 # Libraries whose behaviour the table depends on (tokenization, template rendering).
 LIBRARIES = ("transformers", "tokenizers", "jinja2")

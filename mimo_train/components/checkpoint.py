@@ -34,7 +34,6 @@ the file and the newest complete checkpoint to use instead.
 
 from __future__ import annotations
 
-import functools
 import glob
 import json
 import os
@@ -49,7 +48,7 @@ import torch.distributed as dist
 from mimo_data.files import write_atomic
 from mimo_train.components import digests
 from mimo_train.components.digests import MANIFEST
-from mimo_train.components.optimizer import unshare_steps
+from mimo_train.components.optimizer import schedule_changes, schedule_notes
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
@@ -58,8 +57,9 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               ShardedTensor, StrictHandling, dist_checkpointing,
                               extract_matching_values, get_cuda_rng_tracker,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
-                              use_forked_write_results,
                               load_plain_tensors, merge, nested_values)
+from mimo_train.mcore.async_save import then_in_writer, use_forked_write_results
+from mimo_train.mcore.distributed_optimizer import unshare_steps
 
 LATEST = "latest"
 META = "meta.json"
@@ -170,15 +170,9 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                                   f"{LATEST} still names the previous one")
 
     request.add_finalize_fn(finalize)
-    return request._replace(async_fn=functools.partial(_write_then_digest, request.async_fn,
-                                                       directory, rank))
-
-
-def _write_then_digest(write, directory: str, rank: int, *args, **kwargs) -> None:
-    """megatron-core's write of this rank's files, then their digests (in the writer process
-    of an asynchronous save: the step loop does not wait for either)."""
-    write(*args, **kwargs)
-    digests.write_part(directory, rank)
+    # the digests of this rank's files where they were written (in the writer process of an
+    # asynchronous save: the step loop does not wait for either)
+    return then_in_writer(request, digests.write_part, directory, rank)
 
 
 # megatron-core's distributed optimizer (``optimizer.distributed``) saves its state as a plain
@@ -339,8 +333,11 @@ def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
                     "model.pretrained")
 
 
-def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) -> int:
-    """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step."""
+def load(directory: str, state: TrainingState, meta: dict,
+         meta_expected: dict) -> tuple[int, list[str]]:
+    """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step and
+    the lines saying how this run's LR schedules differ from the checkpoint's (they follow this
+    run's config: ``optimizer.build_schedulers``), on every rank."""
     same_layout = all(meta.get(key) == meta_expected[key] for key in ("layout", "world_size"))
     sharded = _sharded(state, 0, is_loading=True, rng=same_layout)
     reload = _main_weights_from(sharded["optimizer"],
@@ -352,17 +349,20 @@ def load(directory: str, state: TrainingState, meta: dict, meta_expected: dict) 
         optimizer = loaded["optimizer"][name]
         if f"optimizer.{name}" in singles:
             merge(optimizer, _common_as(singles[f"optimizer.{name}"], optimizer))
+        _lr_bounds_as(optimizer, module_optimizer)
         module_optimizer.load_state_dict(optimizer)
         unshare_steps(module_optimizer)
         if name in reload:
             module_optimizer.reload_model_params()
+    changes = {}
     for name, scheduler in state.schedulers.items():
+        changes[name] = schedule_changes(singles[f"scheduler.{name}"], scheduler)
         scheduler.load_state_dict(singles[f"scheduler.{name}"])
     if state.loader is not None:
         state.loader.load_state_dict(singles["loader"])
     if same_layout:
         set_rng_state(loaded["rng"])
-    return loaded["step"]
+    return loaded["step"], schedule_notes(loaded["step"], distributed.gather(changes))
 
 
 # Where the optimizers keep their fp32 main weights: megatron-core's distributed optimizer
@@ -418,6 +418,17 @@ def _common_as(common: dict, loading: dict) -> dict:
     torch_state = {"param_groups": groups,
                    "state": {"common_step": torch.tensor(float(steps.pop()))} if steps else {}}
     return {"optimizer": torch_state} if "optimizer" in loading else torch_state
+
+
+def _lr_bounds_as(saved: dict, optimizer) -> None:
+    """Give the param groups in ``saved`` (a module optimizer's loaded state) ``optimizer``'s
+    LR bounds, its module's ``lr`` and ``min_lr`` (``optimizer.build_optimizer``): megatron-core
+    finds each group's saved state by the group's settings, bounds included, so a run resumed
+    with other bounds would find none."""
+    (bounds,) = {(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups}
+    for node in _dicts(saved):
+        for group in node.get("param_groups") or ():
+            group["max_lr"], group["min_lr"] = bounds
 
 
 def _dicts(node):

@@ -9,6 +9,11 @@ scaler), which writes NaN into every weight. The subclass checks the norm where 
 (a host float there already; a non-finite loss makes it non-finite too) and raises
 ``NonFiniteStep`` before any weight, optimizer state or LR schedule moves, alike on every rank
 (the norm is the world's); the trainer counts the step as skipped (``anomalies``).
+
+A resumed run's schedules follow its config, not the checkpoint's (megatron-core's
+``override_opt_param_scheduler``): a longer ``train.steps`` stretches the decay, a new ``lr``,
+``min_lr``, ``warmup_steps`` or ``weight_decay`` (per module too) applies from the resumed step
+on; the step count is the checkpoint's. ``schedule_notes`` says what changed at start-up.
 """
 
 from __future__ import annotations
@@ -18,12 +23,16 @@ import math
 
 import torch
 
-from mimo_train.config import OptimizerConfig, TrainConfig
-from mimo_train.errors import TrainConfigError
+from collections.abc import Mapping
+
+from mimo_train.config import OptimizerConfig
 from mimo_train.mcore import (MegatronOptimizerConfig, MimoModel, MimoOptimizer,
                               ModuleOptimizerInfo, OptimizerParamScheduler,
-                              _get_pg_collection_for_optimizer, get_megatron_optimizer)
+                              get_megatron_optimizer)
+from mimo_train.mcore.distributed_optimizer import start_adam_states, tolerate_partial_states
+from mimo_train.mcore.grids import optimizer_groups
 from mimo_train.model.parts import module_of
+from mimo_train.plan import ModulePlan
 
 
 class NonFiniteStep(Exception):
@@ -44,26 +53,27 @@ class CheckedMimoOptimizer(MimoOptimizer):
         return norm
 
 
-def build_optimizer(cfg: TrainConfig, model) -> CheckedMimoOptimizer:
-    """The optimizer of this rank's modules of ``model`` (``MimoModel``; collective)."""
-    opt = cfg.optimizer
-    bf16 = cfg.train.precision == "bf16"
+def build_optimizer(opt: OptimizerConfig, modules: Mapping[str, ModulePlan], precision: str,
+                    model) -> CheckedMimoOptimizer:
+    """The optimizer of this rank's modules of ``model`` (``MimoModel``; collective):
+    ``opt`` the run's settings, ``modules`` each module's own (``RunPlan.modules``)."""
+    bf16 = precision == "bf16"
     config = MegatronOptimizerConfig(
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    optimizer = CheckedMimoOptimizer(module_optimizers(model, config, opt), config)
+    optimizer = CheckedMimoOptimizer(module_optimizers(model, config, modules), config)
     # megatron-core's schedulers take each parameter group's own rates over theirs: the
     # module's (the optimizers are built with the optimizer's)
     for name, info in optimizer.module_infos.items():
-        own = opt.of(name)
+        own = modules[name].optimizer
         for group in info.optimizer.param_groups if info.optimizer is not None else ():
             group["max_lr"], group["min_lr"] = own.lr, own.min_lr
     return optimizer
 
 
 def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
-                      opt: OptimizerConfig) -> dict[str, ModuleOptimizerInfo]:
+                      modules: Mapping[str, ModulePlan]) -> dict[str, ModuleOptimizerInfo]:
     """megatron-core's ``get_mimo_optimizer`` with each module's own
     ``optimizer.distributed`` (its DDP was built with the same: ``model.build.ddp_config``):
     module name -> ``ModuleOptimizerInfo`` (no optimizer where this rank holds no part of
@@ -73,73 +83,17 @@ def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
         active = grid.is_current_rank_in_grid()
         optimizer, pgs = None, None
         if active and module_of(model, name) is not None:
-            # megatron-core's private helper, the one its get_mimo_optimizer calls: the
-            # module grid's process groups as the optimizer takes them (expert views and the
-            # distributed optimizer's group included), used rather than rebuilt so they stay
-            # the ones megatron-core would give (there is no public equivalent)
-            pgs = _get_pg_collection_for_optimizer(grid)
-            own = dataclasses.replace(config, use_distributed_optimizer=opt.of(name).distributed)
+            pgs = optimizer_groups(grid)
+            own = dataclasses.replace(
+                config, use_distributed_optimizer=modules[name].optimizer.distributed)
             optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
                                                pg_collection=pgs, use_gloo_process_groups=False)
+            # saved before its first step, resumed from any checkpoint: mcore.distributed_optimizer
             start_adam_states(optimizer)
+            tolerate_partial_states(optimizer)
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pgs,
                                           is_active=active)
     return infos
-
-
-def start_adam_states(optimizer) -> None:
-    """Give every torch Adam under megatron-core's ``DistributedOptimizer`` the state its first
-    step would start from (zero moments, step 0): the distributed optimizer's ``state_dict``
-    reads Adam's step from that state when neither TransformerEngine nor apex is installed
-    (``distrib_optimizer.py:837``, ``assert len(steps) == 1``), so resuming a checkpoint, or
-    saving one before the first step, would fail on an optimizer that has not stepped yet. The
-    first update is torch's from a fresh state, unchanged."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if type(inner).__name__ != "DistributedOptimizer" or \
-                not isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        inner._set_main_param_and_optimizer_states = _tolerant(
-            inner._set_main_param_and_optimizer_states)
-        for group in adam.param_groups:
-            for param in group["params"]:
-                if not adam.state[param]:
-                    adam.state[param].update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param),
-                        exp_avg_sq=torch.zeros_like(param))
-
-
-class _Absent(dict):
-    """A parameter's loaded state whose absent entries read as None (not a tensor: skipped)."""
-
-    def __missing__(self, key):
-        return None
-
-
-def _tolerant(set_states):
-    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that skips what the
-    checkpoint does not give: it copies every entry of torch Adam's state, ``step`` included,
-    from the loaded ones, which never hold ``step`` (``load_parameter_state_from_fully_
-    reshardable`` leaves it out: KeyError without TransformerEngine or apex), nor ``param``
-    when the checkpoint was saved without the distributed optimizer (the main weights are then
-    the loaded weights: ``checkpoint.load``)."""
-    def set_main_param_and_optimizer_states(model_param, tensors):
-        return set_states(model_param, _Absent(tensors))
-    return set_main_param_and_optimizer_states
-
-
-def unshare_steps(optimizer) -> None:
-    """After a load: each parameter's own Adam step under megatron-core's
-    ``DistributedOptimizer``. Without TransformerEngine or apex its ``load_state_dict`` gives
-    every parameter's state one and the same step tensor (``distrib_optimizer.py:1027``), which
-    torch's Adam then increments in place once per parameter at each step: from the second
-    parameter on, the bias correction would use a step far too large."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if type(inner).__name__ == "DistributedOptimizer" and adam is not None:
-            for state in adam.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
 
 
 def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
@@ -148,26 +102,73 @@ def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
             if info.is_active and info.optimizer is not None and name not in freeze}
 
 
-def check_modules(cfg: TrainConfig, modules) -> None:
-    """``optimizer.modules`` names only the layout's ``modules``."""
-    unknown = sorted(set(cfg.optimizer.modules) - set(modules))
-    if unknown:
-        raise TrainConfigError(f"optimizer.modules has {unknown}, which the layout does not "
-                               f"name: use its modules {list(modules)}")
-
-
-def build_schedulers(cfg: TrainConfig, trained: dict) -> tuple[dict, list[str]]:
+def build_schedulers(modules: Mapping[str, ModulePlan], steps: int, trained: dict
+                     ) -> tuple[dict, list[str]]:
     """module name -> the warmup + cosine LR (constant weight decay) of its optimizer in
-    ``trained``, from the module's settings; the decay spans ``train.steps``. Also the notes
-    of warmups clamped to the run."""
-    steps, schedulers, notes = cfg.train.steps, {}, []
+    ``trained``, from the module's settings (``RunPlan.modules``); the decay spans ``steps``
+    (``train.steps``). Also the notes of warmups clamped to the run."""
+    schedulers, notes = {}, []
     for name, optimizer in trained.items():
-        opt = cfg.optimizer.of(name)
-        warmup, note = cfg.warmup_steps(name)
+        opt, warmup, note = modules[name].optimizer, modules[name].warmup_steps, \
+            modules[name].warmup_note
         if note and note not in notes:
             notes.append(note)
+        # a resumed run: this config's settings, the checkpoint's step count
         schedulers[name] = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
             lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
-            end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant")
+            end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
+            override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
     return schedulers, notes
+
+
+def with_lr_bounds_of(optimizer, saved: dict) -> None:
+    """Give the param groups in ``saved`` (``optimizer``'s state as loaded, before its
+    ``load_state_dict``) ``optimizer``'s LR bounds, the module's ``lr`` and ``min_lr``:
+    megatron-core finds each group's saved state by the group's settings, bounds included, so
+    a resume with other bounds would find none; the schedule follows this run's."""
+    (bounds,) = {(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups}
+    stack = [saved]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for group in node.get("param_groups") or ():
+                group["max_lr"], group["min_lr"] = bounds
+            stack += node.values()
+        elif isinstance(node, (list, tuple)):
+            stack += node
+
+
+# OptimizerParamScheduler.state_dict() keys -> the settings they come from
+_SCHEDULE = {"lr_decay_steps": "train.steps", "max_lr": "lr", "min_lr": "min_lr",
+             "lr_warmup_steps": "warmup_steps", "start_wd": "weight_decay"}
+
+
+def schedule_changes(saved: dict, scheduler: OptimizerParamScheduler) -> dict:
+    """What ``scheduler``'s settings (this run's config) change from ``saved``, its state in
+    the checkpoint: setting -> (was, now)."""
+    now = scheduler.state_dict()
+    return {setting: (saved[key], now[key]) for key, setting in _SCHEDULE.items()
+            if saved[key] != now[key]}
+
+
+def schedule_notes(step: int, changes: list[dict]) -> list[str]:
+    """The start-up lines of a resumed run's schedule changes, one per changed setting
+    (``changes``: module -> ``schedule_changes`` of each rank), modules with the same change
+    in one line."""
+    modules: dict[tuple, list[str]] = {}
+    for ranks in changes:
+        for module, changed in ranks.items():
+            for setting, (was, now) in changed.items():
+                named = modules.setdefault((setting, was, now), [])
+                if module not in named:
+                    named.append(module)
+    notes = []
+    for (setting, was, now), named in modules.items():
+        if setting == "train.steps":
+            notes.append(f"resumed from step {step} of a {was}-step schedule: LR decay now "
+                         f"spans train.steps {now} (was {was})")
+        else:
+            notes.append(f"resumed from step {step}: {', '.join(named)} {setting} now {now:g} "
+                         f"(was {was:g})")
+    return notes

@@ -2,16 +2,19 @@
 
 Importing it first filters the known third-party warnings (``runtime.console``), then, when
 CUDA is absent, applies ``cpu_compat`` (megatron-core 0.19.2 on CPU with gloo), and only then
-imports megatron-core: every name below is the patched one. ``cpu_compat`` reaches into
-megatron-core internals to patch them and is imported by this module alone; so do
-``ensure_global_memory_buffer`` and ``use_forked_write_results``. Beside it:
-``grids`` (each module's process groups), ``attention`` (the language model's core attention),
-``bridge_routing`` (variable token counts across module bridges).
+imports megatron-core: every name below is the patched one. Every patch of megatron-core and
+every reach into its private names is in this package, the patches each with a test of what
+fails without it (tests/test_train_cpu_compat.py); no module outside imports megatron-core,
+a private name from here, reads a private attribute of what it gives or patches it
+(tests/test_architecture.py). Here: ``ensure_global_memory_buffer``. Beside it:
+``cpu_compat`` (CUDA assumptions), ``grids`` (each module's process groups, its optimizer's),
+``distributed_optimizer`` (its torch Adam's states without TransformerEngine or apex),
+``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
+model's core attention), ``bridge_routing`` (variable token counts across module bridges),
+``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms).
 """
 
 from __future__ import annotations
-
-import multiprocessing
 
 from mimo_train.runtime import console
 from mimo_train.mcore import cpu_compat
@@ -28,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import (LocalNonpersistentObject, 
 from megatron.core.dist_checkpointing.serialization import (get_default_save_sharded_strategy,
                                                             load_plain_tensors)
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper)
@@ -40,9 +44,10 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoModelConfig,
                                        VisionModalitySubmodules, get_mimo_optimizer)
-from megatron.core.models.mimo.optimizer import (MimoOptimizer, ModuleOptimizerInfo,
-                                                 _get_pg_collection_for_optimizer)
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
+from megatron.core.models.mimo.optimizer import (  # noqa: F401  (for grids alone)
+    _get_pg_collection_for_optimizer)
+from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
@@ -61,14 +66,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 __all__ = [
-    "CPU_PATCHES", "AsyncCallsQueue", "AudioModalitySubmodules", "BridgeCommunicator",
+    "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",
+    "BridgeCommunicator", "DistributedOptimizer",
     "ColumnParallelLinear", "RowParallelLinear", "apply_swiglu_sharded_factory",
     "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
     "FullyParallelSaveStrategyWrapper",
     "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
-    "MimoOptimizer", "ModuleOptimizerInfo", "_get_pg_collection_for_optimizer",
-    "get_megatron_optimizer", "ensure_global_memory_buffer", "use_forked_write_results",
+    "MimoOptimizer", "ModuleOptimizerInfo", "filesystem_async",
+    "get_megatron_optimizer", "ensure_global_memory_buffer",
     "ModelType", "ModuleSpec", "MultiModulePipelineCommunicator",
     "MultiModuleProcessGroupCollection", "OptimizerParamScheduler", "ProcessGroupCollection",
     "ShardedBase", "ShardedObject", "ShardedTensor", "StrictHandling", "TransformerConfig",
@@ -87,15 +93,3 @@ def ensure_global_memory_buffer() -> None:
     instead): set once a process."""
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
-
-
-
-def use_forked_write_results() -> None:
-    """Give megatron-core's checkpoint writer a results queue of the "fork" context (once a
-    process, before its first save). It makes one on first use from a ``multiprocessing.Manager``
-    of the "spawn" context: a server process starting a fresh interpreter, seconds per rank at
-    the first save. Its writers run in this process (``execute_sync``) or in one forked by
-    ``AsyncCallsQueue``, which inherits the queue. Not at import: a process forked from one that
-    imported this module must not share its queue."""
-    if filesystem_async._results_queue is None:
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Queue()

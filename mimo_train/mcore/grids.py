@@ -5,7 +5,7 @@ dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.load
 uses for data placement, so the trainer's DP groups are the loader's DP slices. Group creation
 is collective over the whole world, so every rank builds every module's groups, in layout order;
 each rank then keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each
-encoder feeds ``language``.
+encoder feeds ``language``. ``optimizer_groups``: a module's groups as its optimizer takes them.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from mimo_data.loading.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
-from mimo_train.mcore import HyperCommGrid, ProcessGroupCollection
+from mimo_train.mcore import (HyperCommGrid, ProcessGroupCollection,
+                              _get_pg_collection_for_optimizer)
 
 # Groups megatron-core reads from a module's ProcessGroupCollection: the models (tp, cp, pp,
 # tp_cp, mp, ...), DDP (dp, dp_cp, intra_dp_cp), finalize_model_grads and the optimizer
@@ -99,3 +100,11 @@ def _collection(grid, embd):
         tp_ep_pp=expert(["expt_tp", "ep", "pp"]),
         # embd: None without pipeline stages; no learned position embeddings (rope)
         embd=embd, pos_embd=None)
+
+
+def optimizer_groups(grid: HyperCommGrid) -> ProcessGroupCollection:
+    """The process groups of the module of ``grid`` (built by ``build_infra``) as megatron-core's
+    optimizer takes them, the distributed optimizer's and the expert views' included: those its
+    ``get_mimo_optimizer`` gives each module, from its own helper (private: there is no public
+    one), so that they stay the ones megatron-core would give."""
+    return _get_pg_collection_for_optimizer(grid)

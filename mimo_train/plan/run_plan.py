@@ -29,8 +29,11 @@ from mimo_train.plan.rules import Facts, Settings, check
 class ModulePlan:
     """One module's own settings: its optimizer's (``optimizer.modules.<module>`` over
     ``optimizer``: rates, warmup, weight decay, the distributed optimizer, DDP's overlap and
-    buckets) and its activation recompute."""
+    buckets), its LR warmup in this run (clamped to ``train.steps - 1``, and the note saying
+    so) and its activation recompute."""
     optimizer: OptimizerConfig
+    warmup_steps: int
+    warmup_note: str | None
     recompute: str
 
 
@@ -124,8 +127,8 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
             raise TrainConfigError(
                 f"model.lora adapts {each.part.name!r}, which model.freeze freezes: LoRA "
                 "already keeps the part's own weights fixed; drop it from model.freeze")
-    modules = {m.name: ModulePlan(cfg.optimizer.of(m.name), language.recompute
-                                  if m.name == LANGUAGE else
+    modules = {m.name: ModulePlan(cfg.optimizer.of(m.name), *cfg.warmup_steps(m.name),
+                                  language.recompute if m.name == LANGUAGE else
                                   (model.encoders[m.name].recompute
                                    if m.name in model.encoders else "none"))
                for m in layout.modules}

@@ -174,10 +174,12 @@ class Trainer:
     def _build_optimizer(self, text) -> None:
         """Optimizer, LR schedulers, the schedule's wiring."""
         cfg = self.cfg
-        self.optimizer = build_optimizer(cfg, self.model)
+        self.optimizer = build_optimizer(cfg.optimizer, self.plan.modules, cfg.train.precision,
+                                         self.model)
         self.trained = trained_optimizers(
             self.optimizer, [p.module for p in self.plan.frozen if p.part is None])
-        self.schedulers, notes = build_schedulers(cfg, self.trained)
+        self.schedulers, notes = build_schedulers(self.plan.modules, cfg.train.steps,
+                                                  self.trained)
         for note in notes:
             say(PREFIX + note)
         self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
@@ -199,9 +201,11 @@ class Trainer:
         meta = phase("checkpoint check", f"checkpoint {directory} checked",
                      lambda: checkpoint.check(directory, self.model,
                                               self.cfg.train.global_batch_size))
-        self.step = phase("resume", lambda step: f"resumed from {directory} at step {step}",
-                          lambda: checkpoint.load(directory, self.training_state(), meta,
-                                                  self._meta()))
+        self.step, notes = phase(
+            "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
+            lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
+        for note in notes:                    # the LR schedules follow this run's config
+            say(PREFIX + note)
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
