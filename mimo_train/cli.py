@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
         "Relative paths in the YAML are taken from its folder, those in overrides from the "
         "current directory.")
     parser.add_argument("--config", metavar="YAML",
-                        help="training config YAML (see mimo_train/config.py and "
+                        help="training config YAML (see mimo_train/config/ and "
                         "configs/train/)")
     parser.add_argument("--preprocessing-for", metavar="VLM",
                         help="print the preprocessing config YAML that writes images as the "

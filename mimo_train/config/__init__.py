@@ -7,13 +7,11 @@ This module reads no checkpoint: the language model's dims left unset here (``No
 taken by ``mimo_train.plan.resolve`` from ``model.language.pretrained`` / ``model.pretrained`` or
 ``LANGUAGE_DEFAULTS``, into a frozen ``RunPlan``; the config itself is never changed.
 
-Types: each field's annotation is the whole rule for its value (``_parse``, ``validate``): a
-section is a dataclass, ``dict[str, EncoderConfig]`` a mapping of module names to sections,
-``Annotated[str, OneOf(...)]`` a choice, ``Annotated[int, Range(1)]`` a bound; errors name the
-full dotted key. Read by ``typing.get_type_hints`` rather than by a validation library:
-pydantic v2 (``extra="forbid"``) would do the same for a new dependency of every install and
-its own error wording, which the CLI would have to rewrite to name the key as it does now; the
-rules between fields (``validate``) stay code either way.
+Types: each field's annotation is the whole rule for its value (``fields``): a section is a
+dataclass, ``dict[str, EncoderConfig]`` a mapping of module names to sections,
+``Annotated[str, OneOf(...)]`` a choice, ``Annotated[int, Range(1)]`` a bound; the rules between
+fields are ``TrainConfig.validate``'s. Errors name the full dotted key. The YAML and overrides
+are read by ``sources``.
 
 Sections: ``data`` (shard dirs, blend weights, the preprocessing config, a validation set),
 ``layout`` (as the loader takes it: a string such as ``"image=dp1;audio=dp1;language=dp1"`` or a
@@ -24,7 +22,7 @@ errors naming the key, so a typo never falls back silently to a default.
 
 Paths: a relative path written in the YAML file is taken from the file's folder (``datasets:
 [../../runs/demo/shards]``), one given as an override from the current directory; both are
-stored absolute. ``PATH_KEYS`` lists the path keys. ``model.encoders.<name>.pretrained`` and
+stored absolute. ``sources.PATH_KEYS`` lists the path keys. ``model.encoders.<name>.pretrained`` and
 ``model.language.pretrained`` also take a hub name (``org/model``): a value there is a path
 when it is absolute, starts with ``.`` or ``~``, or exists relative to the base folder;
 otherwise it is kept as a hub name.
@@ -40,17 +38,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import types
-import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
 
 import yaml
 
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import Layout, LayoutError
-from mimo_data.shards.storage import is_remote, redacted
+from mimo_data.shards.storage import redacted
+from mimo_train.config.fields import Count, OneOf, Positive, Range, build, check_fields
+from mimo_train.config.sources import apply_override, resolve_paths
 from mimo_train.errors import TrainConfigError
 
 # model.attention values (mimo_train.mcore.attention says what each runs)
@@ -59,39 +57,6 @@ ATTENTION = ("auto", "local", "sdpa", "varlen")
 # model.language.recompute, an encoder module's model.encoders.<module>.recompute
 LANGUAGE_RECOMPUTE = ("none", "selective", "full")
 ENCODER_RECOMPUTE = ("none", "full")
-
-
-@dataclass(frozen=True)
-class OneOf:
-    """A field's allowed values (``Annotated[str, OneOf(...)]``), checked by ``validate``."""
-    values: tuple
-    hint: str = ""
-
-
-@dataclass(frozen=True)
-class Range:
-    """A number field's bounds (``Annotated[int, Range(1)]``), checked by ``validate``;
-    ``open_low`` / ``open_high``: the bound itself is out."""
-    low: float | None = None
-    high: float | None = None
-    open_low: bool = False
-    open_high: bool = False
-    hint: str = ""
-
-    def holds(self, value: float) -> bool:
-        return (self.low is None or value > self.low or (value == self.low and not self.open_low)
-                ) and (self.high is None or value < self.high
-                       or (value == self.high and not self.open_high))
-
-    def __str__(self) -> str:
-        if self.high is None:
-            return f"{'>' if self.open_low else '>='} {self.low:g}"
-        return (f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}"
-                f"{')' if self.open_high else ']'}")
-
-
-Count = Annotated[int, Range(0)]            # 0 or more
-Positive = Annotated[int, Range(1)]         # 1 or more
 
 
 @dataclass
@@ -352,17 +317,17 @@ class TrainConfig:
                 raise TrainConfigError(f"{path} is not valid YAML: {error}") from None
             if not isinstance(data, dict):
                 raise TrainConfigError(f"{path}: the top level must be a mapping")
-            _resolve_paths(data, os.path.dirname(path))
+            resolve_paths(data, os.path.dirname(path))
         for override in overrides:
-            _apply_override(data, override, os.getcwd())
-        config = _build(cls, data, "")
+            apply_override(data, override, os.getcwd())
+        config = build(cls, data, "")
         config.validate()
         return config
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
         """The config ``to_dict`` wrote (a checkpoint's meta.json): paths already absolute."""
-        config = _build(cls, copy.deepcopy(data), "")
+        config = build(cls, copy.deepcopy(data), "")
         config.validate()
         return config
 
@@ -376,7 +341,7 @@ class TrainConfig:
     def validate(self) -> None:
         """Every field's type, choices and range (its annotation), then the rules between
         fields; ``TrainConfigError`` naming the key."""
-        _check_fields(self, "")
+        check_fields(self, "")
         run, opt = self.train, self.optimizer
         if not self.data.datasets:
             raise TrainConfigError("data.datasets is empty: list the shard directories written "
@@ -431,204 +396,3 @@ class TrainConfig:
                 raise TrainConfigError(
                     f"{key}: {what}: {path} (paths in the YAML are taken from its folder, "
                     "paths in key=value overrides from the current directory)")
-
-
-# (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
-PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
-             ("model", "init_from"), ("model", "pretrained"),
-             ("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained"),
-             ("train", "tensorboard_dir"), ("train", "wandb", "dir"), ("checkpoint", "dir"))
-_HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
-             ("model", "language", "pretrained")}
-
-
-def _resolve(value: str, base: str, hub: bool) -> str:
-    if is_remote(value):
-        return value                                  # a URL: s3://bucket/prefix ...
-    expanded = os.path.expanduser(value)
-    path = os.path.normpath(os.path.join(base, expanded))
-    if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))
-                    or os.path.exists(path)):
-        return value                                  # a hub name, e.g. org/model
-    return path
-
-
-def _resolve_paths(data: dict, base: str) -> None:
-    """Make the path values in a raw config mapping absolute, relative ones taken from
-    ``base``; values of the wrong type are left for the type checks."""
-    def walk(node, keys: tuple, pattern: tuple):
-        if not isinstance(node, dict):
-            return
-        head, rest = keys[0], keys[1:]
-        names = list(node) if head == "*" else [head] if head in node else []
-        for name in names:
-            if rest:
-                walk(node[name], rest, pattern)
-                continue
-            value, hub = node[name], pattern in _HUB_KEYS
-            if isinstance(value, str) and value:
-                node[name] = _resolve(value, base, hub)
-            elif isinstance(value, list):
-                node[name] = [_resolve(v, base, hub) if isinstance(v, str) and v else v
-                              for v in value]
-
-    for pattern in PATH_KEYS:
-        walk(data, pattern, pattern)
-
-
-def _apply_override(data: dict, override: str, base: str) -> None:
-    """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``."""
-    key, sep, text = override.partition("=")
-    if not sep or not key:
-        raise TrainConfigError(f"override {override!r} is not key.path=value "
-                               "(e.g. train.steps=50)")
-    node = data
-    parts = key.split(".")
-    for part in parts[:-1]:
-        if node.get(part) is None:                    # absent, or an empty YAML section
-            node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
-            raise TrainConfigError(f"override {override!r}: {part} is not a section")
-        node = child
-    try:
-        value = yaml.safe_load(text) if text else None
-    except yaml.YAMLError as error:
-        raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
-                               f"({error.__class__.__name__}); quote it or fix the brackets"
-                               ) from None
-    alone: Any = value                                # the override as a mapping of its own
-    for part in reversed(parts):
-        alone = {part: alone}
-    _resolve_paths(alone, base)
-    for part in parts:
-        alone = alone[part]
-    node[parts[-1]] = alone
-
-
-def _build(cls, data, where: str):
-    """Dataclass ``cls`` from a mapping, recursively, each value parsed by its field's type
-    (``_parse``); unknown keys are errors."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise TrainConfigError(f"{where.rstrip('.') or 'the config'} must be a mapping, "
-                               f"got {data!r}")
-    hints = _hints(cls)
-    unknown = sorted(set(data) - set(hints))
-    if unknown:
-        raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; "
-                               f"known under {where or 'the top level'}: {', '.join(hints)}")
-    return cls(**{name: _parse(hints[name], copy.deepcopy(value), where + name)
-                  for name, value in data.items()})
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    """The fields' types of dataclass ``cls``, their annotations evaluated (choices and
-    ranges kept; once per class)."""
-    if cls not in _HINTS:
-        _HINTS[cls] = typing.get_type_hints(cls, include_extras=True)
-    return _HINTS[cls]
-
-
-_HINTS: dict[type, dict[str, Any]] = {}
-
-
-def _parse(kind: Any, value: Any, key: str) -> Any:
-    """``value`` read as a field of type ``kind``: a section (a dataclass; an empty one is
-    its defaults), a mapping of names to sections (``dict[str, EncoderConfig]``), a list, or
-    a scalar; a float also takes text such as ``1e-4``, which YAML 1.1 does not read as a
-    number. Choices and ranges are ``validate``'s."""
-    kind = _bare(kind)
-    if typing.get_origin(kind) in (types.UnionType, typing.Union):
-        options = typing.get_args(kind)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in (o for o in options if o is not type(None)):
-            try:
-                return _parse(option, value, key)
-            except TrainConfigError as error:
-                errors.append(error)
-        if len(errors) == 1:
-            raise errors[0]
-        raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                               f"{' or '.join(_name(o) for o in options)}")
-    if dataclasses.is_dataclass(kind):                # (built already: ``validate``)
-        return value if isinstance(value, typing.cast(type, kind)) else \
-            _build(kind, value, f"{key}.")
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin is dict and args and dataclasses.is_dataclass(_bare(args[1])):
-        if not isinstance(value or {}, dict):
-            raise TrainConfigError(f"{key} must be a mapping of module name to settings, got "
-                                   f"{value!r}")
-        return {name: _parse(args[1], spec, f"{key}.{name}")
-                for name, spec in (value or {}).items()}
-    if origin is list:
-        if not isinstance(value, list):
-            raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                                   f"{_name(kind)}")
-        return [_parse(args[0], item, key) for item in value] if args else value
-    return _scalar(origin or kind, value, key)
-
-
-def _scalar(kind: type, value: Any, key: str) -> Any:
-    if kind is float and isinstance(value, (int, float, str)) and not isinstance(value, bool):
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    elif isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool):
-        return value
-    raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                           f"{_name(kind)}")
-
-
-def _bare(kind: Any) -> Any:
-    """``kind`` without its ``Annotated`` choices or range."""
-    return typing.get_args(kind)[0] if typing.get_origin(kind) is Annotated else kind
-
-
-def _name(kind: Any) -> str:
-    kind = _bare(kind)
-    return "None" if kind is type(None) else getattr(kind, "__name__", str(kind))
-
-
-def _check_fields(config, where: str) -> None:
-    """Every field of ``config`` (recursively) of its type, in its choices and range
-    (``OneOf``, ``Range``): ``TrainConfigError`` naming the key. Run by ``validate``, so a
-    config built or changed in code is checked as a loaded one is."""
-    for name, kind in _hints(type(config)).items():
-        value, key = getattr(config, name), f"{where}{name}"
-        _parse(kind, value, key)
-        if value is None:
-            continue
-        for check in _constraints(kind):
-            if isinstance(check, OneOf) and value not in check.values:
-                raise TrainConfigError(
-                    f"{key} is {value!r}: use {_either(check.values)}"
-                    + (f" ({check.hint})" if check.hint else ""))
-            if isinstance(check, Range) and not check.holds(value):
-                raise TrainConfigError(f"{key} is {value}: it must be {check}"
-                                       + (f" ({check.hint})" if check.hint else ""))
-        if dataclasses.is_dataclass(value):
-            _check_fields(value, f"{key}.")
-        elif isinstance(value, dict):
-            for module, section in value.items():
-                if dataclasses.is_dataclass(section):
-                    _check_fields(section, f"{key}.{module}.")
-
-
-def _either(values) -> str:
-    """``a, b or c``."""
-    *rest, last = map(str, values)
-    return f"{', '.join(rest)} or {last}" if rest else last
-
-
-def _constraints(kind: Any) -> list:
-    """The ``OneOf`` / ``Range`` of a field's type (inside an optional one too)."""
-    if typing.get_origin(kind) in (types.UnionType, typing.Union):
-        return [c for option in typing.get_args(kind) for c in _constraints(option)]
-    if typing.get_origin(kind) is Annotated:
-        return [c for c in kind.__metadata__ if isinstance(c, (OneOf, Range))]
-    return []

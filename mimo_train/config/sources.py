@@ -1,0 +1,88 @@
+"""Where a training config's values come from: the YAML file and ``key.path=value`` overrides
+(values parsed as YAML), paths made absolute (a YAML's from its folder, an override's from the
+working directory; hub names kept), before the values are read by their types (``fields``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from mimo_data.shards.storage import is_remote
+from mimo_train.errors import TrainConfigError
+
+# (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
+PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
+             ("model", "init_from"), ("model", "pretrained"),
+             ("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained"),
+             ("train", "tensorboard_dir"), ("train", "wandb", "dir"), ("checkpoint", "dir"))
+_HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
+             ("model", "language", "pretrained")}
+
+
+def _resolve(value: str, base: str, hub: bool) -> str:
+    if is_remote(value):
+        return value                                  # a URL: s3://bucket/prefix ...
+    expanded = os.path.expanduser(value)
+    path = os.path.normpath(os.path.join(base, expanded))
+    if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))
+                    or os.path.exists(path)):
+        return value                                  # a hub name, e.g. org/model
+    return path
+
+
+def resolve_paths(data: dict, base: str) -> None:
+    """Make the path values in a raw config mapping absolute, relative ones taken from
+    ``base``; values of the wrong type are left for the type checks."""
+    def walk(node, keys: tuple, pattern: tuple):
+        if not isinstance(node, dict):
+            return
+        head, rest = keys[0], keys[1:]
+        names = list(node) if head == "*" else [head] if head in node else []
+        for name in names:
+            if rest:
+                walk(node[name], rest, pattern)
+                continue
+            value, hub = node[name], pattern in _HUB_KEYS
+            if isinstance(value, str) and value:
+                node[name] = _resolve(value, base, hub)
+            elif isinstance(value, list):
+                node[name] = [_resolve(v, base, hub) if isinstance(v, str) and v else v
+                              for v in value]
+
+    for pattern in PATH_KEYS:
+        walk(data, pattern, pattern)
+
+
+def apply_override(data: dict, override: str, base: str) -> None:
+    """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``."""
+    key, sep, text = override.partition("=")
+    if not sep or not key:
+        raise TrainConfigError(f"override {override!r} is not key.path=value "
+                               "(e.g. train.steps=50)")
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        if node.get(part) is None:                    # absent, or an empty YAML section
+            node[part] = {}
+        child = node[part]
+        if not isinstance(child, dict):
+            raise TrainConfigError(f"override {override!r}: {part} is not a section")
+        node = child
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as error:
+        raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
+                               f"({error.__class__.__name__}); quote it or fix the brackets"
+                               ) from None
+    alone: Any = value                                # the override as a mapping of its own
+    for part in reversed(parts):
+        alone = {part: alone}
+    resolve_paths(alone, base)
+    for part in parts:
+        alone = alone[part]
+    node[parts[-1]] = alone
+
+
