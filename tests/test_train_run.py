@@ -216,6 +216,31 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     assert min(record["lrs"].values()) > 3e-4     # the checkpoint's schedule: its min_lr
 
 
+def test_schedule_notes_name_each_changed_setting():
+    """One line per changed setting (warmup and weight decay too), the modules with the same
+    change in one line; none for what did not change."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.optimizer import schedule_changes, schedule_notes
+    from mimo_train.mcore import OptimizerParamScheduler
+
+    def scheduler(lr: float, warmup: int, steps: int, weight_decay: float):
+        return OptimizerParamScheduler(
+            SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=lr, min_lr=lr / 10,
+            lr_warmup_steps=warmup, lr_decay_steps=steps, lr_decay_style="cosine",
+            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=steps,
+            wd_incr_style="constant")
+
+    saved = scheduler(1e-3, 2, 20, 0.0).state_dict()
+    rank0 = {"image": schedule_changes(saved, scheduler(1e-3, 2, 20, 0.0))}
+    rank1 = {"audio": schedule_changes(saved, scheduler(1e-3, 4, 20, 0.1)),
+             "language": schedule_changes(saved, scheduler(1e-3, 4, 20, 0.0))}
+    assert rank0 == {"image": {}}
+    assert schedule_notes(12, [rank0, rank1]) == [
+        "resumed from step 12: audio, language warmup_steps now 4 (was 2)",
+        "resumed from step 12: audio weight_decay now 0.1 (was 0)"]
+
+
 def test_training_from_a_bucket_gives_the_local_losses(ranks, setup, loader_corpus, s3):
     """The dataset copied to S3 (moto behind a proxy that answers 500, resets the connection or
     cuts the body short on 5% of GETs), the local run's step-3 checkpoint resumed reading the
