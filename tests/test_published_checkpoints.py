@@ -194,7 +194,9 @@ def test_input_ids_are_the_published_processor_and_template(published, corpus):
     """The multi-turn record with its system turn and two images, and the text-only one: the
     published template rendered from typed contents, encoded by the published processor as its
     documentation does (LLaVA-1.5's tokenizer adds its <s>), each image expanded by it; the
-    trained tokens are each answer and the end-of-turn token the template writes after it."""
+    trained tokens are each answer and the end-of-turn token the template writes after it.
+    LLaVA-1.5's template writes none: its EOS follows each answer, as in LLaVA's own training
+    (its ``v1`` conversation's ``sep2="</s>"``), through ``append_eos: auto``."""
     from PIL import Image, ImageOps
     from transformers import AutoProcessor
 
@@ -213,20 +215,33 @@ def test_input_ids_are_the_published_processor_and_template(published, corpus):
             "media": [media_item("image", d, i) for i, d in enumerate(data)]}])[0]
         ours = sample.ids
         # the trained targets: each answer and the end-of-turn token the template writes
-        # after it (Qwen's and llava-interleave's <|im_end|>; llava-1.5's template writes none)
+        # after it (Qwen's and llava-interleave's <|im_end|>), or llava-1.5's appended </s>
         targets, trained = sample.ids[1:], sample.loss_mask
         runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
         answers = [processor.tokenizer.decode(targets[run]).strip() for run in runs
                    if trained[run[0]]]
-        end = "" if "llava-1.5" in published["repo"] else "<|im_end|>"
+        llava_1_5 = "llava-1.5" in published["repo"]
+        end = "</s>" if llava_1_5 else "<|im_end|>"
         assert answers == [c + end for r, c in turns if r == "assistant"], record["id"]
         # the processor's template: llava-hf repositories keep theirs beside the processor
         text = processor.apply_chat_template(
             [{"role": r, "content": _content(c)} for r, c in turns], tokenize=False)
+        if llava_1_5:           # LLaVA's recipe: the answer, then </s>
+            text = _after_each(text, [c for r, c in turns if r == "assistant"], "</s>")
         pictures = [ImageOps.exif_transpose(Image.open(corpus / "images" / n)).convert("RGB")
                     for n in names]
         expected = processor(text=[text], images=pictures or None)["input_ids"][0]
         assert ours.tolist() == list(expected), record["id"]
+
+
+def _after_each(text: str, answers: list[str], token: str) -> str:
+    """``text`` with ``token`` right after each of ``answers``, found in order."""
+    cursor = 0
+    for answer in answers:
+        cursor = text.index(answer, cursor) + len(answer)
+        text = text[:cursor] + token + text[cursor:]
+        cursor += len(token)
+    return text
 
 
 def _content(text: str) -> list[dict]:

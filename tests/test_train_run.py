@@ -12,6 +12,8 @@ a failure).
   also with the memory settings changed (distributed optimizer, recomputation, sequence
   parallelism, overlapped reduction) and then back to the plain run under the first layout;
   reading the dataset from S3 through injected faults instead, exactly the same losses;
+  resumed with a longer ``train.steps`` and another language LR, the schedule follows the
+  config (rank 0 says what changed) and keeps the step count;
 - ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
@@ -26,6 +28,7 @@ a failure).
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -172,6 +175,70 @@ def test_resume_continues_the_exact_sample_stream(ranks, setup):
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
+
+
+def _cosine(step: int, lr: float, min_lr: float, steps: int, warmup: int = 1) -> float:
+    """Linear warmup from 0 over ``warmup`` steps, then cosine from ``lr`` to ``min_lr`` at
+    ``steps``: the LR set after ``step`` steps."""
+    if step <= warmup:
+        return lr * step / warmup
+    return min_lr + (lr - min_lr) * 0.5 * (1 + math.cos(math.pi * (step - warmup) /
+                                                        (steps - warmup)))
+
+
+def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
+    """The last checkpoint (step 6 of a 6-step schedule, its LR at the minimum) resumed with
+    train.steps 12 and the language model's lr a third (its min_lr scaled with it): rank 0
+    (which holds the image module alone) says each change at start-up, and the LR after the
+    resumed step is the cosine schedule of the new length, with each module's own rates; the
+    full run's LRs follow the same formula over its 6 steps."""
+    tmp, common, full = setup
+    for record in train_records(full):
+        for module in ("image", "audio", "language"):
+            assert record["lrs"][module] == pytest.approx(
+                _cosine(record["step"], 3e-3, 3e-4, STEPS), rel=1e-9), record
+    root = copy_checkpoint(tmp / "full-ckpt" / f"step_{STEPS:07d}", tmp / "longer")
+    job = train_job(ranks, tmp, "longer", CONFIG, f"checkpoint.dir={root}",
+                    *[c for c in common if not c.startswith("train.steps=")], "train.steps=12",
+                    "train.exit_interval=7", "optimizer.modules={language: {lr: 1.0e-3}}",
+                    nproc=3).check()
+    for line in ("resumed from step 6 of a 6-step schedule: LR decay now spans train.steps 12 "
+                 "(was 6)", "resumed from step 6: language lr now 0.001 (was 0.003)",
+                 "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):
+        assert f"mimo-train: {line}\n" in job.stdout, job.stdout
+    assert job.stdout.count("mimo-train: resumed from step 6") == 3, job.stdout
+    (record,) = train_records(read_records(tmp / "longer.jsonl"))
+    assert record["step"] == 7
+    language_lr = 1e-3, 3e-4 * 1e-3 / 3e-3
+    expected = {"image": _cosine(7, 3e-3, 3e-4, 12), "audio": _cosine(7, 3e-3, 3e-4, 12),
+                "language": _cosine(7, *language_lr, 12)}
+    assert record["lrs"] == pytest.approx(expected, rel=1e-9)
+    assert min(record["lrs"].values()) > 3e-4     # the checkpoint's schedule: its min_lr
+
+
+def test_schedule_notes_name_each_changed_setting():
+    """One line per changed setting (warmup and weight decay too), the modules with the same
+    change in one line; none for what did not change."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.optimizer import schedule_changes, schedule_notes
+    from mimo_train.mcore import OptimizerParamScheduler
+
+    def scheduler(lr: float, warmup: int, steps: int, weight_decay: float):
+        return OptimizerParamScheduler(
+            SimpleNamespace(param_groups=[{}]), init_lr=0.0, max_lr=lr, min_lr=lr / 10,
+            lr_warmup_steps=warmup, lr_decay_steps=steps, lr_decay_style="cosine",
+            start_wd=weight_decay, end_wd=weight_decay, wd_incr_steps=steps,
+            wd_incr_style="constant")
+
+    saved = scheduler(1e-3, 2, 20, 0.0).state_dict()
+    rank0 = {"image": schedule_changes(saved, scheduler(1e-3, 2, 20, 0.0))}
+    rank1 = {"audio": schedule_changes(saved, scheduler(1e-3, 4, 20, 0.1)),
+             "language": schedule_changes(saved, scheduler(1e-3, 4, 20, 0.0))}
+    assert rank0 == {"image": {}}
+    assert schedule_notes(12, [rank0, rank1]) == [
+        "resumed from step 12: audio, language warmup_steps now 4 (was 2)",
+        "resumed from step 12: audio weight_decay now 0.1 (was 0)"]
 
 
 def test_training_from_a_bucket_gives_the_local_losses(ranks, setup, loader_corpus, s3):

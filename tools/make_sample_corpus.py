@@ -637,10 +637,14 @@ def _smollm2_gguf() -> Path:
 
 
 def _check_tokenizer(tok, where: Path) -> None:
-    """Fail unless ``tok`` has SmolLM2's vocabulary and a working ChatML chat template."""
+    """Fail unless ``tok`` has SmolLM2's vocabulary, <|im_end|> as its end-of-sequence token
+    and a working ChatML chat template."""
     problems = []
     if len(tok) != TOKENIZER_VOCAB:
         problems.append(f"vocab size {len(tok)} != {TOKENIZER_VOCAB}")
+    if tok.eos_token != "<|im_end|>":   # transformers 5.17's GGUF conversion gave <|im_start|>
+        problems.append(f"end-of-sequence token {tok.eos_token!r}, not <|im_end|> (every chat "
+                        "sample would be dropped: its turns end with <|im_end|>)")
     template = tok.chat_template or ""
     if "<|im_start|>" not in template or "<|im_end|>" not in template:
         problems.append("no ChatML chat template")

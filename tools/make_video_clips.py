@@ -30,6 +30,11 @@ CATALOG = "videos/catalog.json"
 AUDIO_RATE = 16000
 # PyAV encoder name -> FFmpeg's canonical codec name (what a probe reports).
 CODEC_NAMES = {"libx264": "h264", "mpeg4": "mpeg4", "libvpx-vp9": "vp9", "ffv1": "ffv1"}
+# The same bytes on every machine and every run (the clips feed the video demo's losses), so:
+# one encoder thread (FFmpeg's default is one per core, and mpeg4's slices, hence its bytes,
+# follow the core count), and a constant quantizer for libx264 (its default rate control, CRF
+# with macroblock-tree lookahead, gave different bytes from run to run for the zoom clips).
+ENCODER_OPTIONS = {"libx264": {"qp": "23"}}
 # PyAV muxer name -> file extension and our container format name.
 CONTAINERS = {"mp4": ("mp4", "mp4"), "webm": ("webm", "webm"), "matroska": ("mkv", "mkv")}
 
@@ -120,10 +125,12 @@ def encode(spec: Spec, target: io.BytesIO | str) -> int:
     count = max(1, round(spec.fps * spec.seconds))
     options = {"fflags": "+bitexact"} | ({"movflags": "faststart"} if spec.truncated else {})
     with av.open(target, "w", format=spec.muxer, options=options) as container:
-        stream = container.add_stream(spec.encoder, rate=spec.fps)
+        stream = container.add_stream(spec.encoder, rate=spec.fps,
+                                      options=ENCODER_OPTIONS.get(spec.encoder, {}))
         assert isinstance(stream, av.VideoStream)
         stream.width, stream.height = spec.width, spec.height
         stream.pix_fmt = "yuv420p"
+        stream.codec_context.thread_count = 1   # see ENCODER_OPTIONS
         if spec.gop:
             stream.codec_context.gop_size = spec.gop
         if spec.rotation:

@@ -219,6 +219,7 @@ class ReportBuilder:
             "samples": self.seen, "kept": kept, "dropped": self.seen - kept,
             "seq_length": config.seq_length, "length_policy": config.length_policy,
             "mode": config.mode,
+            "append_eos": self.inspector.text.eos_appending.to_dict(),
             "tokens": {"real": real, "trained": trained,
                        "trained_fraction": trained / real if real else 0.0,
                        "padding": kept * config.seq_length - real,
@@ -457,6 +458,7 @@ def format_report(report: dict) -> str:
         f"tokens      {tokens['real']} real, {tokens['trained']} trained "
         f"({tokens['trained_fraction']:.1%}), padding {tokens['padding_fraction']:.1%} of "
         "the kept samples' seq_length",
+        f"end of turn {eos_line(report['append_eos'])}",
         f"length      {fmt(report['sequence_length']['stats'])}",
         f"trained     fraction per sample  {fmt(report['trained_fraction']['stats'], 2)}",
     ]
@@ -478,6 +480,13 @@ def format_report(report: dict) -> str:
     elif rate:
         lines.append(f"time        {report['seconds']:.2f} s, {rate:.0f} samples/s")
     return "\n".join(lines)
+
+
+def eos_line(appending: dict) -> str:
+    """``append_eos`` in words: whether a trained EOS is appended after each answer, and why."""
+    action = (f"{appending['token']} appended after each answer (trained)" if appending["on"]
+              else "no EOS appended")
+    return f"append_eos {str(appending['setting']).lower()}: {action}; {appending['reason']}"
 
 
 def failure_lines(report: dict) -> list[str]:

@@ -8,11 +8,16 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
     seq_length: 1024
     length_policy: drop                      # drop | truncate_turns
     positions: sequential                    # sequential | mrope (preprocess/positions.py)
+    append_eos: auto                         # auto | true | false (preprocess/end_of_turn.py)
     modalities:
       image: {token: "<|image_pad|>", policy: dynamic,
               patch_size: 14, merge_size: 2, temporal_patch_size: 2,
               min_pixels: 3136, max_pixels: 200704}
       audio: {token: "<|audio_pad|>", n_mels: 80, max_duration: 30.0}
+
+``append_eos``: a trained EOS token after each answer whose turn the template does not end with
+it; ``auto`` does so when the chat template writes no end-of-turn token (llava-hf's LLaVA-1.5,
+as LLaVA's own training does), ``true`` always, ``false`` never.
 
 A modality's ``wrap: [start, end]`` puts those tokens around each item's placeholders (Qwen2-VL:
 ``[<|vision_start|>, <|vision_end|>]``); they are text tokens, never trained.
@@ -53,6 +58,7 @@ class PreprocessConfig:
     chat_template: str | None = None
     length_policy: str = "drop"
     positions: str = "sequential"
+    append_eos: str | bool = "auto"
     modalities: dict = field(default_factory=lambda: {
         name: MODALITIES[name].config_class() for name in DEFAULT_MODALITIES})
 
@@ -64,6 +70,8 @@ class PreprocessConfig:
                               "use drop or truncate_turns")
         if self.positions not in POSITIONS:
             raise ConfigError(f"positions is {self.positions!r}: use {' or '.join(POSITIONS)}")
+        if not (self.append_eos == "auto" or isinstance(self.append_eos, bool)):
+            raise ConfigError(f"append_eos is {self.append_eos!r}: use auto, true or false")
         if self.seq_length < 2:
             raise ConfigError(f"seq_length is {self.seq_length}: it must be at least 2")
         unknown = set(self.modalities) - set(MODALITIES)

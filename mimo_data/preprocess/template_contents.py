@@ -1,7 +1,7 @@
 """Does a chat template insert message contents verbatim? A conservative proof on its syntax tree.
 
 When it does, and the rest of the render depends only on the conversation's roles, a
-conversation's text is its role-shape's skeleton (``chat_tokens._Skeleton``) with the contents
+conversation's text is its role-shape's skeleton (``chat_render._Skeleton``) with the contents
 put in place, and jinja need not run per sample. The proof walks the template's jinja AST:
 
 - lists of messages are ``messages``, its slices, and names bound to those by ``set``; a

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from mimo_data.files import write_atomic
 from mimo_train.components import digests
 from mimo_train.components.digests import MANIFEST
-from mimo_train.components.optimizer import schedule_changes, schedule_notes
+from mimo_train.components.optimizer import schedule_changes
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
@@ -334,10 +334,10 @@ def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
 
 
 def load(directory: str, state: TrainingState, meta: dict,
-         meta_expected: dict) -> tuple[int, list[str]]:
+         meta_expected: dict) -> tuple[int, dict]:
     """Load ``state`` from the checkpoint ``check`` accepted (collective); returns its step and
-    the lines saying how this run's LR schedules differ from the checkpoint's (they follow this
-    run's config: ``optimizer.build_schedulers``), on every rank."""
+    how this rank's LR schedules differ from the checkpoint's (they follow this run's config):
+    module -> ``optimizer.schedule_changes``."""
     same_layout = all(meta.get(key) == meta_expected[key] for key in ("layout", "world_size"))
     sharded = _sharded(state, 0, is_loading=True, rng=same_layout)
     reload = _main_weights_from(sharded["optimizer"],
@@ -362,7 +362,7 @@ def load(directory: str, state: TrainingState, meta: dict,
         state.loader.load_state_dict(singles["loader"])
     if same_layout:
         set_rng_state(loaded["rng"])
-    return loaded["step"], schedule_notes(loaded["step"], distributed.gather(changes))
+    return loaded["step"], changes
 
 
 # Where the optimizers keep their fp32 main weights: megatron-core's distributed optimizer

@@ -122,23 +122,6 @@ def build_schedulers(modules: Mapping[str, ModulePlan], steps: int, trained: dic
     return schedulers, notes
 
 
-def with_lr_bounds_of(optimizer, saved: dict) -> None:
-    """Give the param groups in ``saved`` (``optimizer``'s state as loaded, before its
-    ``load_state_dict``) ``optimizer``'s LR bounds, the module's ``lr`` and ``min_lr``:
-    megatron-core finds each group's saved state by the group's settings, bounds included, so
-    a resume with other bounds would find none; the schedule follows this run's."""
-    (bounds,) = {(group["max_lr"], group["min_lr"]) for group in optimizer.param_groups}
-    stack = [saved]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            for group in node.get("param_groups") or ():
-                group["max_lr"], group["min_lr"] = bounds
-            stack += node.values()
-        elif isinstance(node, (list, tuple)):
-            stack += node
-
-
 # OptimizerParamScheduler.state_dict() keys -> the settings they come from
 _SCHEDULE = {"lr_decay_steps": "train.steps", "max_lr": "lr", "min_lr": "min_lr",
              "lr_warmup_steps": "warmup_steps", "start_wd": "weight_decay"}

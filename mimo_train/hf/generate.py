@@ -11,12 +11,13 @@ encoder (``OUT/<module>``) and its projection turn those into embeddings, which 
 language model's input embeddings at the modality tokens, item by item (as megatron-core's
 ``MimoModel`` splices them), and transformers' ``generate(inputs_embeds=...)`` of
 ``OUT/language`` continues: greedy unless ``--temperature`` is given (then sampling with
-``--top-p`` from ``--seed``). A whole VLM's export (``"vlm"`` in the manifest) runs through its
-own transformers class instead, on the same prompt tokens and training's normalized pixels
-(videos with their grids and, for Qwen2.5-VL, the seconds each temporal patch spans). Every part
-runs in ``--dtype`` (fp32 by default, or bf16) whatever dtype the export stores: the encoders
-are read in fp32 and cast (``precision.cast``: rotary frequencies stay fp32), the language model
-is loaded in it.
+``--top-p`` from ``--seed``); it stops at the training tokenizer's EOS, which ends every
+trained answer, and at the model's own end ids. A whole VLM's export (``"vlm"`` in the manifest)
+runs through its own transformers class instead, on the same prompt tokens and training's
+normalized pixels (videos with their grids and, for Qwen2.5-VL, the seconds each temporal patch
+spans). Every part runs in ``--dtype`` (fp32 by default, or bf16) whatever dtype the export
+stores: the encoders are read in fp32 and cast (``precision.cast``: rotary frequencies stay
+fp32), the language model is loaded in it.
 
 Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
 2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
@@ -194,7 +195,7 @@ class Generator:
         sampling: dict[str, Any] = dict(
             do_sample=False, max_new_tokens=max_new_tokens,
             attention_mask=torch.ones_like(ids)[None],
-            pad_token_id=self.preprocessor.text.pad_token_id)
+            pad_token_id=self.preprocessor.text.pad_token_id, eos_token_id=self._stop_ids())
         if temperature is not None:
             torch.manual_seed(seed)
             sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
@@ -203,6 +204,17 @@ class Generator:
                             if self.vlm else self._spliced(ids, built.encoder_inputs, sampling))
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new,
                           built.input_ids.tolist(), spliced)
+
+    def _stop_ids(self) -> list[int]:
+        """The ids generation stops at: the model's generation config's, and the EOS of the
+        training tokenizer, which ends every trained answer (appended where the chat template
+        writes no end-of-turn token: ``append_eos``)."""
+        model = self.vlm if self.vlm is not None else self.language
+        configured = model.generation_config.eos_token_id
+        ids = ([] if configured is None else [configured] if isinstance(configured, int)
+               else list(configured))
+        eos = self.tokenizer.eos_token_id
+        return ids if eos is None or eos in ids else [*ids, eos]
 
     def _spliced(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
         """Each encoder's projected rows in place of its modality tokens' embeddings, then the

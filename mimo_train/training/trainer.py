@@ -41,7 +41,7 @@ from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, StepValues,
                                            Timer, eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
-                                             trained_optimizers)
+                                             schedule_notes, trained_optimizers)
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import check_preprocessing
@@ -201,10 +201,11 @@ class Trainer:
         meta = phase("checkpoint check", f"checkpoint {directory} checked",
                      lambda: checkpoint.check(directory, self.model,
                                               self.cfg.train.global_batch_size))
-        self.step, notes = phase(
+        self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
-        for note in notes:                    # the LR schedules follow this run's config
+        # the LR schedules follow this run's config; gathered once every rank has loaded
+        for note in schedule_notes(self.step, distributed.gather(changes)):
             say(PREFIX + note)
 
     def layer_offset(self, name: str) -> int:

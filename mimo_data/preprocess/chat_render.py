@@ -1,0 +1,296 @@
+"""Conversation → text and its trained character spans, with the chat template (``chat`` mode) or
+plain concatenation (``caption`` mode); media markers stay in the text.
+
+The trained spans come from the template itself: its ``{% generation %}`` blocks when it has
+them, otherwise incremental rendering (the text an assistant turn adds after the generation
+prompt). Each span runs to its end-of-turn token, inclusive; where the template writes none and
+``append_eos`` is on (``end_of_turn``), to the answer's end, and the EOS token is appended
+after it. A template that does not re-render the same prefix is an error naming the sample,
+never a silently wrong mask.
+
+Incremental rendering costs one render per assistant turn and one more per turn before it, so
+it runs once per conversation *shape* (its roles), on a skeleton whose contents are
+placeholders; a sample then renders once, and its text must equal the skeleton with its
+contents filled in (the template inserted every content verbatim, once), which makes its spans
+the skeleton's (a template that does so for the whole conversation is taken to do so for its
+prefixes too). Otherwise, e.g. for a template that trims or branches on contents, the sample
+takes the per-sample incremental path. When ``template_contents`` proves from the template's
+syntax that it outputs contents as they are, a sample is not rendered at all: its text is the
+filled skeleton.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from transformers.utils.chat_template_utils import (_compile_jinja_template,
+                                                   render_jinja_template)
+
+from mimo_data.modalities import MARKERS
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.end_of_turn import (EosAppending, answer_endings, caption_appending,
+                                              end_tokens, eos_appending)
+from mimo_data.preprocess.template_contents import contents_inserted_verbatim
+from mimo_data.preprocess.tokenizer_loading import added_bos, chat_template
+from mimo_data.tally import CountedError
+
+_GENERATION_BLOCK = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+# Placeholder for the content of message k in a skeleton render (private-use code points).
+_SLOT = "\ue000{}\ue001"
+_SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")
+_MAX_SKELETONS = 256
+
+
+class TextError(CountedError):
+    """A conversation whose tokens or mask cannot be built; ``reason`` is its report category."""
+
+
+class TrainedSpan(NamedTuple):
+    """Characters of a rendered text the loss covers (an answer through its end of turn)."""
+    start: int
+    end: int
+    eos_after: bool       # the EOS token is appended after the span's tokens (append_eos)
+
+
+@dataclass(frozen=True)
+class _Skeleton:
+    """A conversation shape rendered with placeholder contents: the text is ``parts[0]``, the
+    content of message ``order[0]``, ``parts[1]``, ...; trained spans as (part, offset) pairs."""
+    parts: tuple[str, ...]
+    order: tuple[int, ...]
+    spans: tuple[tuple[tuple[int, int], tuple[int, int]], ...]
+
+    def fill(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The skeleton's text and spans with ``messages``' contents in place."""
+        contents = [messages[k]["content"] for k in self.order]
+        pieces, starts, position = [self.parts[0]], [0], len(self.parts[0])
+        for content, part in zip(contents, self.parts[1:]):
+            position += len(content)
+            starts.append(position)
+            position += len(part)
+            pieces += (content, part)
+        return "".join(pieces), [(starts[a] + i, starts[b] + j)
+                                 for (a, i), (b, j) in self.spans]
+
+
+class ChatRenderer:
+    """Renders conversations for one config and tokenizer (``mode: chat`` or ``caption``)."""
+
+    def __init__(self, config: PreprocessConfig, tokenizer):
+        self.config = config
+        self.eot = tokenizer.eos_token
+        if self.eot is None:
+            raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
+        self.template: str | None = None
+        self.has_generation_blocks = False
+        self.contents_verbatim = True       # caption mode joins the contents as they are
+        self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
+        if config.mode == "chat":
+            self.template = template = chat_template(config, tokenizer)
+            self.has_generation_blocks = bool(_GENERATION_BLOCK.search(template))
+            self.template_kwargs = dict(tokenizer.special_tokens_map)
+            # transformers' own compiled (cached) template: render_jinja_template's per-call
+            # conversion of the messages costs a third of each render; ours are plain dicts.
+            self._compiled = _compile_jinja_template(template)
+            self._skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
+            # Proven from the template's syntax: a conversation's text is its skeleton filled
+            # with the contents, so jinja runs once per role shape instead of once per sample.
+            self.contents_verbatim = (not self.has_generation_blocks and
+                                      contents_inserted_verbatim(self._compiled.environment,
+                                                                 template))
+            # A template that renders contents only from typed parts (llava-hf's: a message's
+            # images, then its text) gets each content as those parts (``typed_parts``)
+            self.typed_contents = self._takes_typed_contents()
+            # the BOS a tokenizer puts before every text it encodes (LLaMA's <s>) where the
+            # template does not write it: the published processors encode the chat with it
+            self.bos_text = added_bos(tokenizer)
+            modality_tokens = {m.token for m in config.modalities.values()}
+            self.eos_appending = eos_appending(
+                config.append_eos, self.eot, answer_endings(self._render),
+                end_tokens(tokenizer, modality_tokens | set(MARKERS.values())))
+
+    def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[TrainedSpan]]:
+        """The text and its trained character spans (each ending with the end-of-turn token,
+        or followed by an appended EOS)."""
+        if self.config.mode == "caption":
+            return self._render_caption(messages)
+        if self.has_generation_blocks:
+            text, spans = self._render_with_generation_spans(messages)
+        else:
+            skeleton = self._skeleton(tuple(message["role"] for message in messages))
+            filled = skeleton.fill(messages) if skeleton is not None else None
+            if filled is not None and self.contents_verbatim:
+                text, spans = filled
+            else:
+                text = self._render(messages)
+                if filled is not None and filled[0] == text:
+                    spans = filled[1]
+                else:
+                    spans = self._incremental_spans(messages, text)
+        bos = self._bos(text)
+        return bos + text, [TrainedSpan(start + len(bos), end + len(bos), eos_after)
+                            for start, end, eos_after in
+                            (self._through_eot(text, start, end) for start, end in spans)]
+
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The text of a conversation for the model to continue: with the template's generation
+        prompt (``caption`` mode: the turns joined by newlines, then the newline an answer
+        follows)."""
+        if self.config.mode == "caption":
+            return self._render_caption(messages)[0] + "\n"
+        text = self._render(messages, generation_prompt=True)
+        return self._bos(text) + text
+
+    def _bos(self, text: str) -> str:
+        return "" if text.startswith(self.bos_text) else self.bos_text
+
+    def _takes_typed_contents(self) -> bool:
+        """Whether the template drops a plain string content but writes a typed text part."""
+        probe = "\ue002probe\ue003"
+
+        def writes(content) -> bool:
+            try:
+                return probe in self._compiled.render(
+                    messages=[{"role": "user", "content": content}], tools=None,
+                    documents=None, add_generation_prompt=False, **self.template_kwargs)
+            except Exception:  # a template that refuses the probe: no evidence either way
+                return False
+        return not writes(probe) and writes([{"type": "text", "text": probe}])
+
+    def _for_template(self, messages):
+        if not self.typed_contents:
+            return messages
+        return [{"role": m["role"], "content": typed_parts(m["content"])} for m in messages]
+
+    def _render(self, messages, generation_prompt=False):
+        messages = self._for_template(messages)
+        try:
+            return self._compiled.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=generation_prompt,
+                                         **self.template_kwargs)
+        except Exception as exc:  # the template's own raise_exception(), jinja errors
+            raise TextError("template_error", f"the chat template failed: {exc}") from None
+
+    def _render_with_generation_spans(self, messages):
+        try:
+            rendered, spans = render_jinja_template(
+                [self._for_template(messages)], chat_template=self.template,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs)
+        except Exception as exc:
+            raise TextError("template_error", f"the chat template failed: {exc}") from None
+        return rendered[0], spans[0]
+
+    def _incremental_spans(self, messages, text):
+        """Per assistant turn, the characters it adds to ``text`` (the conversation's render)
+        after the generation prompt; TextError if the template re-renders earlier turns."""
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = self._render(messages[:i], generation_prompt=True)
+            after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
+            if not (after.startswith(before) and text.startswith(after)):
+                raise TextError("template_mismatch", f"the chat template does not render "
+                                f"turn {i} as an extension of the turns before it, so the "
+                                "assistant span cannot be located; give a chat_template with "
+                                "{% generation %} blocks")
+            spans.append((len(before), len(after)))
+        return spans
+
+    def _skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        """The skeleton of conversations with these roles (None: the template does not insert
+        each content once, or fails on placeholders: every sample renders incrementally)."""
+        if roles in self._skeletons:
+            return self._skeletons[roles]
+        if len(self._skeletons) >= _MAX_SKELETONS:
+            self._skeletons.clear()
+        self._skeletons[roles] = skeleton = self._build_skeleton(roles)
+        return skeleton
+
+    def _build_skeleton(self, roles: tuple[str, ...]) -> _Skeleton | None:
+        messages = [{"role": role, "content": _SLOT.format(k)} for k, role in enumerate(roles)]
+        try:
+            text = self._render(messages)
+            spans = self._incremental_spans(messages, text)
+        except TextError:
+            return None
+        pieces = _SLOT_PATTERN.split(text)
+        parts, order = tuple(pieces[0::2]), tuple(int(k) for k in pieces[1::2])
+        if sorted(order) != list(range(len(roles))):
+            return None
+        slots = [len(_SLOT.format(k)) for k in order]
+        ends = [_part_offset(position, parts, slots) for span in spans for position in span]
+        if None in ends:
+            return None
+        return _Skeleton(parts, order, tuple(zip(ends[0::2], ends[1::2])))
+
+    def _through_eot(self, text: str, start: int, end: int) -> TrainedSpan:
+        # Train up to and including the end-of-turn token; what the template adds after it
+        # (a newline before the next turn) is not something the model must generate.
+        stop = text.rfind(self.eot, start, end)
+        if stop != -1:
+            return TrainedSpan(start, stop + len(self.eot), False)
+        append = self.eos_appending.on
+        if not (self.has_generation_blocks or append):
+            raise TextError("template_mismatch", f"an assistant turn does not end with the "
+                            f"end-of-turn token {self.eot!r}: {text[start:end][-60:]!r} (with "
+                            "append_eos: true the EOS is appended after each answer)")
+        # The assistant's text (a {% generation %} block's, or what the turn adds), without the
+        # template's whitespace around it, and the end-of-turn token right after it if the
+        # template writes one there (llava-hf's Qwen template); else the appended EOS, if on
+        # (LLaVA-1.5's turns end with a space)
+        inner = text[start:end]
+        start += len(inner) - len(inner.lstrip())
+        end = start + len(inner.strip())
+        if text.startswith(self.eot, end):
+            return TrainedSpan(start, end + len(self.eot), False)
+        return TrainedSpan(start, end, append)
+
+    def _render_caption(self, messages) -> tuple[str, list[TrainedSpan]]:
+        # Caption mode: no template; turns joined by newlines, each assistant text followed by
+        # the eos token; the loss covers the assistant texts and their eos tokens.
+        parts: list[str] = []
+        spans: list[TrainedSpan] = []
+        position = 0
+        for message in messages:
+            if parts:
+                parts.append("\n")
+                position += 1
+            piece = message["content"]
+            if message["role"] == "assistant":
+                piece += self.eot
+                spans.append(TrainedSpan(position, position + len(piece), False))
+            parts.append(piece)
+            position += len(piece)
+        return "".join(parts), spans
+
+
+_MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")
+_MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
+
+
+def typed_parts(content: str) -> list[dict]:
+    """A content as typed parts, in its order: ``{"type": modality}`` per marker and
+    ``{"type": "text", "text": ...}`` for the text between markers, stripped of the whitespace
+    around it (an image marker, a newline and a question: an image, then the question)."""
+    parts: list[dict] = []
+    for piece in _MARKER_SPLIT.split(content):
+        if piece in _MODALITY_OF:
+            parts.append({"type": _MODALITY_OF[piece]})
+        elif piece.strip():
+            parts.append({"type": "text", "text": piece.strip()})
+    return parts
+
+
+def _part_offset(position: int, parts: tuple[str, ...], slots: list[int]):
+    """(part, offset) of a skeleton character position; None inside a placeholder."""
+    start = 0
+    for part, text in enumerate(parts):
+        if start <= position <= start + len(text):
+            return part, position - start
+        start += len(text) + (slots[part] if part < len(slots) else 0)
+    return None

@@ -1,0 +1,77 @@
+"""The configured tokenizer and its chat template, as the preprocessing loads them."""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import AddedToken
+from transformers import AutoTokenizer
+
+from mimo_data.errors import ConfigError
+from mimo_data.preprocess.config import PreprocessConfig, looks_like_path
+
+
+def load_tokenizer(config: PreprocessConfig):
+    """The configured tokenizer with each modality's special token added if missing."""
+    name = config.tokenizer
+    if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
+        # Not a hub name either: say so instead of the hub's "Repo id must be in the form".
+        raise ConfigError(f"tokenizer: {name!r} is {os.path.abspath(os.path.expanduser(name))}, "
+                          "which is not a directory (in a YAML, paths are relative to its "
+                          "folder)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # hub errors, missing files, bad configs all surface here
+        raise ConfigError(f"tokenizer: cannot load {name!r}: {exc} (give a local tokenizer "
+                          "directory, or a hub name reachable from here)") from None
+    vocabulary = tokenizer.get_vocab()                  # a new dict at each call: 0.1 s
+    missing = [m.token for m in config.modalities.values() if m.token not in vocabulary]
+    if missing:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing],
+                             special_tokens=True)
+    return tokenizer
+
+
+def chat_template(config: PreprocessConfig, tokenizer) -> str:
+    """The configured ``chat_template`` (inline or a file), else the tokenizer's, else the one
+    its processor keeps (ValueError naming the tokenizer if none)."""
+    override = config.chat_template
+    if override and os.path.isfile(override):
+        with open(override) as handle:
+            override = handle.read()
+    try:
+        return tokenizer.get_chat_template(override)
+    except ValueError as exc:
+        kept = _processor_chat_template(config.tokenizer)
+        if kept is not None:
+            return kept
+        raise ValueError(f"tokenizer {config.tokenizer!r} has no chat template and none is "
+                         f"configured (chat_template:), or use mode: caption ({exc})") from None
+
+
+def _processor_chat_template(name: str) -> str | None:
+    """The chat template a processor keeps beside the tokenizer (``chat_template.jinja``, or
+    ``chat_template.json``'s ``chat_template``), where the tokenizer has none: llava-hf
+    repositories keep theirs there only. A local directory, or a hub name's cached files."""
+    import json
+
+    from huggingface_hub import try_to_load_from_cache
+    directory = os.path.expanduser(name)
+    for file in ("chat_template.jinja", "chat_template.json"):
+        path = (os.path.join(directory, file) if os.path.isdir(directory)
+                else try_to_load_from_cache(name, file))
+        if isinstance(path, str) and os.path.isfile(path):
+            with open(path) as handle:
+                text = handle.read()
+            return text if file.endswith(".jinja") else json.loads(text)["chat_template"]
+    return None
+
+
+def added_bos(tokenizer) -> str:
+    """The BOS token's text if the tokenizer puts it before every text it encodes, else ""."""
+    if tokenizer.bos_token is None:
+        return ""
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    added = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return tokenizer.bos_token if added == [tokenizer.bos_token_id, *plain] else ""
+

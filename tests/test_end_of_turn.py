@@ -1,0 +1,263 @@
+"""``append_eos``: the EOS after each answer of a template that writes no end-of-turn token.
+
+On the published llava-1.5 replica (its template follows an answer with a space and the next
+``USER:``), every answer is followed by a trained ``</s>``, as LLaVA's own training does (its
+``v1`` conversation's ``sep2="</s>"``): the expected ids are transformers' (the processor's
+template, the tokenizer's tokens) with ``</s>`` put right after the token that ends each answer,
+found from the tokenizer's offsets. Templates that end their turns (ChatML's ``<|im_end|>``:
+SmolLM2, Qwen2-VL) get no extra EOS. ``mimo-inspect report`` shows the setting and counts the
+appended tokens; ``mimo-generate`` stops at the EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from mimo_data.errors import ConfigError
+from mimo_data.preprocess.chat_tokens import ItemTokens, TextEncoder, TextError
+from mimo_data.preprocess.config import PreprocessConfig
+
+from conftest import MODELS, REPO, build_dataset
+
+LLAVA_1_5 = MODELS / "published" / "llava-hf--llava-1.5-7b-hf"
+QWEN2_VL = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
+SMOLLM2 = REPO / "assets" / "tokenizer" / "smollm2"
+ANSWERS = ["A cat, lying down.", "It is asleep.", "Grey and white."]
+TURNS = [("system", "You describe pictures in a few words."),
+         ("user", "<image>\nWhat animal is this?"), ("assistant", ANSWERS[0]),
+         ("user", "What is it doing?"), ("assistant", ANSWERS[1]),
+         ("user", "Its colours?"), ("assistant", ANSWERS[2])]
+IMAGE_TOKENS = 3
+# a template without {% generation %} blocks that writes nothing after an answer but a newline
+PLAIN_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def _encoder(tokenizer, **changes) -> TextEncoder:
+    image = {"token": "<image>"} if tokenizer == LLAVA_1_5 else {}
+    return TextEncoder(PreprocessConfig.from_dict({
+        "tokenizer": str(tokenizer), "modalities": {"image": image}, **changes}),
+        cache_tokens=False)
+
+
+def _messages(turns=TURNS) -> list[dict]:
+    return [{"role": role, "content": content} for role, content in turns]
+
+
+def _reference_text(tokenizer_dir, turns=TURNS) -> str:
+    """transformers' render: the processor's template (llava-hf keeps it beside the processor)
+    on typed contents, or the tokenizer's on strings."""
+    if tokenizer_dir == LLAVA_1_5:
+        from transformers import AutoProcessor
+        processor = AutoProcessor.from_pretrained(tokenizer_dir)
+        typed = [{"role": role, "content": [
+            *({"type": "image"} for _ in range(content.count("<image>"))),
+            {"type": "text", "text": content.replace("<image>", "").strip()}]}
+            for role, content in turns]
+        return processor.apply_chat_template(typed, tokenize=False)
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tokenizer_dir).apply_chat_template(
+        _messages(turns), tokenize=False)
+
+
+def _reference_ids(encoder: TextEncoder, text: str, eos_after: list[str]) -> list[int]:
+    """The tokenizer's ids of ``text`` (its special tokens added as it adds them), each image
+    token repeated IMAGE_TOKENS times, and the EOS after the token that ends each answer of
+    ``eos_after`` (found in order, by the tokenizer's character offsets)."""
+    tokenizer = encoder.tokenizer
+    encoding = tokenizer(text, return_offsets_mapping=True)
+    ids, ends = encoding["input_ids"], [end for _, end in encoding["offset_mapping"]]
+    cursor, cuts = 0, []
+    for answer in eos_after:
+        cursor = text.index(answer, cursor) + len(answer)
+        cuts.append(ends.index(cursor) + 1)
+    for cut in reversed(cuts):
+        ids.insert(cut, tokenizer.eos_token_id)
+    image = tokenizer.convert_tokens_to_ids("<image>")
+    return [i for token in ids for i in ([token] * IMAGE_TOKENS if token == image else [token])]
+
+
+def _trained_runs(encoder: TextEncoder, ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    runs = np.split(np.arange(len(mask)), np.flatnonzero(np.diff(mask.astype(int))) + 1)
+    return [ids[run].tolist() for run in runs if mask[run[0]]]
+
+
+# ---------------------------------------------------------------------------- llava-1.5
+
+def test_llava_1_5_answers_are_each_followed_by_a_trained_eos():
+    encoder = _encoder(LLAVA_1_5)
+    assert encoder.eos_appending.on and encoder.eos_appending.token == "</s>"
+    encoded = encoder.encode(_messages(), [ItemTokens("image", IMAGE_TOKENS)])
+    eos = encoder.tokenizer.eos_token_id
+    assert encoded.ids.tolist() == _reference_ids(encoder, _reference_text(LLAVA_1_5), ANSWERS)
+    at = np.flatnonzero(encoded.ids == eos)
+    assert len(at) == len(ANSWERS) and encoded.loss_mask[at].all()      # one per answer
+    runs = _trained_runs(encoder, encoded.ids, encoded.loss_mask)
+    assert [run[-1] for run in runs] == [eos] * len(ANSWERS)
+    # the token before each EOS is its answer's last: each run is the answer, then the EOS
+    assert [encoder.tokenizer.decode(run[:-1]).strip() for run in runs] == ANSWERS
+
+
+def test_llava_1_5_with_append_eos_false_or_true():
+    """false: the published template's tokens as they are, nothing after an answer trained;
+    true: the same as auto."""
+    messages, items = _messages(), [ItemTokens("image", IMAGE_TOKENS)]
+    off = _encoder(LLAVA_1_5, append_eos=False)
+    assert not off.eos_appending.on
+    encoded = off.encode(messages, items)
+    assert encoded.ids.tolist() == _reference_ids(off, _reference_text(LLAVA_1_5), [])
+    assert off.tokenizer.eos_token_id not in encoded.ids
+    assert [off.tokenizer.decode(run).strip() for run in
+            _trained_runs(off, encoded.ids, encoded.loss_mask)] == ANSWERS
+    on, auto = _encoder(LLAVA_1_5, append_eos=True), _encoder(LLAVA_1_5)
+    assert on.eos_appending.on
+    assert np.array_equal(on.encode(messages, items).ids, auto.encode(messages, items).ids)
+
+
+def test_the_preprocessor_counts_the_appended_eos():
+    """Token counts (what the token table records) include one EOS per answer."""
+    from mimo_data.preprocess.preprocessor import Preprocessor
+    record = {"key": "k", "messages": _messages(TURNS[:1] + [
+        ("user", "What is a tar file?"), ("assistant", ANSWERS[0]),
+        ("user", "And a zip file?"), ("assistant", ANSWERS[1])]), "media": []}
+    counts = {}
+    for setting in ("auto", False):
+        config = PreprocessConfig.from_dict({"tokenizer": str(LLAVA_1_5), "modalities": {},
+                                             "append_eos": setting})
+        sample = Preprocessor(config, with_media=False).text_batch([record])[0]
+        counts[setting] = (len(sample.ids) - 1, int(sample.loss_mask.sum()))
+    assert counts["auto"] == (counts[False][0] + 2, counts[False][1] + 2)
+
+
+# -------------------------------------------------------- templates that end their turns
+
+@pytest.mark.parametrize("tokenizer", [SMOLLM2, QWEN2_VL], ids=["smollm2", "qwen2-vl"])
+@pytest.mark.parametrize("setting", ["auto", True])
+def test_a_template_ending_its_turns_gets_no_extra_eos(tokenizer, setting):
+    """ChatML ends every turn with <|im_end|>, the tokenizer's EOS: the ids are the template's
+    (one EOS per message), each answer trained through its <|im_end|>."""
+    turns = [(role, content.replace("<image>\n", "")) for role, content in TURNS]
+    encoder = _encoder(tokenizer, append_eos=setting)
+    assert encoder.eos_appending.on is (setting is True)
+    encoded = encoder.encode(_messages(turns), [])
+    assert encoded.ids.tolist() == _reference_ids(encoder, _reference_text(tokenizer, turns), [])
+    eos = encoder.tokenizer.eos_token_id
+    assert int((encoded.ids == eos).sum()) == len(turns)
+    runs = _trained_runs(encoder, encoded.ids, encoded.loss_mask)
+    assert [encoder.tokenizer.decode(run) for run in runs] == [
+        answer + "<|im_end|>" for answer in ANSWERS]
+    if setting == "auto":
+        assert encoder.eos_appending.reason == ("auto: the chat template ends each answer with "
+                                                "'<|im_end|>'")
+
+
+def test_a_template_without_generation_blocks_or_end_of_turn_token():
+    """Incremental rendering: each answer, without the newline after it, then the EOS; with
+    append_eos false such a turn cannot be trained to stop, and the error says what to set."""
+    turns = [("user", "What is a tar file?"), ("assistant", ANSWERS[0]),
+             ("user", "And a zip file?"), ("assistant", ANSWERS[1])]
+    encoder = _encoder(SMOLLM2, chat_template=PLAIN_TEMPLATE, modalities={})
+    assert encoder.eos_appending.on
+    encoded = encoder.encode(_messages(turns), [])
+    text = "".join(f"{role}: {content}\n" for role, content in turns)
+    assert encoded.ids.tolist() == _reference_ids(encoder, text, ANSWERS[:2])
+    runs = _trained_runs(encoder, encoded.ids, encoded.loss_mask)
+    assert [encoder.tokenizer.decode(run).strip() for run in runs] == [
+        answer + "<|im_end|>" for answer in ANSWERS[:2]]
+    off = _encoder(SMOLLM2, chat_template=PLAIN_TEMPLATE, modalities={}, append_eos=False)
+    with pytest.raises(TextError, match="append_eos: true"):
+        off.encode(_messages(turns), [])
+
+
+def test_append_eos_takes_auto_true_or_false():
+    with pytest.raises(ConfigError, match="append_eos is 'yes': use auto, true or false"):
+        PreprocessConfig(tokenizer=str(SMOLLM2), append_eos="yes")
+
+
+def test_caption_mode_writes_the_eos_itself():
+    encoder = _encoder(SMOLLM2, mode="caption", modalities={}, append_eos=True)
+    assert not encoder.eos_appending.on
+    encoded = encoder.encode(_messages(TURNS[3:5]), [])
+    assert int((encoded.ids == encoder.tokenizer.eos_token_id).sum()) == 1
+
+
+# --------------------------------------------------------------------- mimo-inspect report
+
+def test_inspect_report_shows_the_setting_and_counts_the_eos(tmp_path, capsys):
+    from mimo_data.inspect.cli import main
+    records = [{"id": f"r{n}", "conversations": [
+        {"from": "human", "value": f"Question {n}?"}, {"from": "gpt", "value": ANSWERS[0]},
+        {"from": "human", "value": "And then?"}, {"from": "gpt", "value": ANSWERS[1]}]}
+        for n in range(3)]
+    (tmp_path / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp_path / "records.json"], tmp_path / "shards")
+    reports, outputs = {}, {}
+    for setting in ("auto", False):
+        config = tmp_path / f"preprocess-{setting}.yaml"
+        config.write_text(yaml.safe_dump({"tokenizer": str(LLAVA_1_5), "modalities": {},
+                                          "append_eos": setting}))
+        out = tmp_path / f"report-{setting}.json"
+        capsys.readouterr()
+        assert main(["report", str(tmp_path / "shards"), "--config", str(config), "--json",
+                     str(out), "--no-progress"]) == 0
+        outputs[setting] = capsys.readouterr().out
+        reports[setting] = json.loads(out.read_text())
+    assert reports["auto"]["append_eos"] == {
+        "setting": "auto", "on": True, "token": "</s>",
+        "reason": "auto: the chat template writes no end-of-turn token after an answer"}
+    assert reports[False]["append_eos"]["on"] is False
+    assert ("end of turn append_eos auto: </s> appended after each answer (trained); auto: "
+            "the chat template writes no end-of-turn token after an answer") in outputs["auto"]
+    assert "end of turn append_eos false: no EOS appended" in outputs[False]
+    answers = 2 * len(records)
+    for count in ("real", "trained"):
+        assert (reports["auto"]["tokens"][count] ==
+                reports[False]["tokens"][count] + answers), count
+    assert (reports["auto"]["tables"]["token_table"] !=
+            reports[False]["tables"]["token_table"])
+
+
+# --------------------------------------------------------------------------- mimo-generate
+
+@pytest.fixture(scope="module")
+def llava_export(tmp_path_factory):
+    """The llava-1.5 replica as ``mimo-export`` lays out a whole VLM: its files, the
+    preprocessing config ``mimo-train --preprocessing-for`` derives, the manifest."""
+    from mimo_train.families.registry import preprocessing_for
+    out = tmp_path_factory.mktemp("llava-export")
+    for name in os.listdir(LLAVA_1_5):
+        if not name.startswith("."):
+            os.symlink(LLAVA_1_5 / name, out / name)
+    (out / "preprocess.yaml").write_text(yaml.safe_dump(preprocessing_for(str(LLAVA_1_5))))
+    (out / "manifest.json").write_text(json.dumps({
+        "step": 0, "checkpoint": "-", "preprocess": "preprocess.yaml", "vlm": "llava",
+        "modules": {}, "language": ".",
+        "modality_tokens": {"image": {"token": "<image>", "id": 32000}}}))
+    return out
+
+
+def test_generation_stops_at_the_eos(llava_export):
+    """The replica's output rows of </s> and of its second greedy token swapped: its answer
+    stops where that token was, with </s>; also when the model's generation config names no
+    end token."""
+    import torch
+
+    from mimo_train.hf.generate import Generator
+    generator = Generator(str(llava_export))
+    eos = generator.tokenizer.eos_token_id
+    free = generator.generate("What is a tar file?", max_new_tokens=6).token_ids
+    assert len(free) == 6 and eos not in free
+    stop = free.index(free[1])
+    with torch.no_grad():
+        rows = generator.vlm.get_output_embeddings().weight
+        rows[[free[1], eos]] = rows[[eos, free[1]]]
+    for configured in (generator.vlm.generation_config.eos_token_id, None):
+        generator.vlm.generation_config.eos_token_id = configured
+        answer = generator.generate("What is a tar file?", max_new_tokens=6)
+        assert answer.token_ids == free[:stop] + [eos], configured
+        assert answer.text == generator.tokenizer.decode(free[:stop], skip_special_tokens=True)
