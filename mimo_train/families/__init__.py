@@ -15,8 +15,8 @@ the registry that resolves a checkpoint to them.
   preprocessing config).
 - ``registry``: the families by kind and ``model_type``, ``read_vlm`` / ``language_arch``
   (a checkpoint to what mimo takes from it, or the reason it cannot), ``build_encoder``,
-  ``preprocessing_for``, and ``resolve(cfg)``: the one step that reads checkpoint configs to
-  fill a training config's model dims (the CLI, export and the tests call it once).
+  ``preprocessing_for`` (``mimo_train.plan.resolve`` reads a training config's checkpoints
+  through them).
 
 Family modules import ``base`` only, never the registry: the registry imports them.
 A new family is one module here, registered in ``registry``, plus its tests. Families that

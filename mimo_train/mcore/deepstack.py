@@ -23,7 +23,7 @@ megatron-core has no such path (its ``MimoModel`` splices at the input embedding
 this module. The hooks add parts that are no input of megatron-core's (reentrant) layer
 checkpoints: under full recompute their gradient would flow through the tower twice, or under
 pipeline stages read the next micro-batch's parts, so full recompute is refused at build time
-(``model.build.check_deepstack``); selective recompute checkpoints the attention core only.
+(``plan.rules``); selective recompute checkpoints the attention core only.
 """
 
 from __future__ import annotations
