@@ -22,7 +22,7 @@ cut rows, never columns), and the language side learns K from the width alone.
 megatron-core has no such path (its ``MimoModel`` splices at the input embeddings only), hence
 this module. The hooks add parts that are no input of megatron-core's (reentrant) layer
 checkpoints: under full recompute their gradient would flow through the tower twice, or under
-pipeline stages read the next micro-batch's parts, so full recompute is refused at build time
+pipeline stages read the next micro-batch's parts, so full recompute is refused at start-up
 (``plan.rules``); selective recompute checkpoints the attention core only.
 """
 
