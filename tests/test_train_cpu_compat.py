@@ -389,7 +389,7 @@ def saved(language):
     (megatron-core's fully parallel strategy, its request run in place): the directory, and the
     weights a third step gives."""
     from mimo_train.mcore import (FullyParallelSaveStrategyWrapper, dist_checkpointing,
-                                  get_default_save_sharded_strategy)
+                                  filesystem_async, get_default_save_sharded_strategy)
     from mimo_train.mcore.async_save import use_forked_write_results
     from mimo_train.mcore.distributed_optimizer import start_adam_states
 
@@ -397,8 +397,9 @@ def saved(language):
     start_adam_states(optimizer)
     _step(ddp, optimizer)
     _step(ddp, optimizer)
-    use_forked_write_results()
-    with tempfile.TemporaryDirectory() as directory:
+    with pytest.MonkeyPatch.context() as patch, tempfile.TemporaryDirectory() as directory:
+        patch.setattr(filesystem_async, "_results_queue", None)     # this fixture's own
+        use_forked_write_results()
         dist_checkpointing.save(
             _sharded(language, ddp, optimizer, is_loading=False), directory,
             FullyParallelSaveStrategyWrapper(get_default_save_sharded_strategy()),
