@@ -290,7 +290,7 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 
 @pytest.mark.parametrize("overrides, reason", [
     (["model.projection=linear"], "model.projection linear"),
-    (["layout=language=cp2;image=dp2,off0,video"], "language model cp2"),
+    (["layout=language=cp2;image=dp2,off0,video"], "language cp2"),
     (["model.language.recompute=full"], "recompute full"),
 ])
 def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):

@@ -57,7 +57,7 @@ CASES = {
         "2 query groups (key/value heads), which do not split into language tp4"),
     "language_context_parallel": Case(
         "qwen2-vl", "image=dp1,video;language=cp2", (),
-        "cp2: megatron-core's context parallelism needs Transformer Engine's attention"),
+        "(language cp2): megatron-core's needs Transformer Engine's attention"),
     "encoders_run_whole": Case(
         "qwen2-vl", "image=tp2,video;language=dp1", (),
         "encoder module 'image' has tp 2"),

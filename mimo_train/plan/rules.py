@@ -95,9 +95,9 @@ def language_heads_split(facts: Facts, layout: Layout, settings: Settings) -> st
 def language_context_parallel(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     cp = layout.language.cp
     if cp > 1:
-        return (f"the layout gives the language model cp{cp}: megatron-core's context "
-                "parallelism needs Transformer Engine's attention, which mimo does not run; "
-                "use cp1 (tp, pp and dp split the model and the batch)")
+        return (f"the layout gives the language model context parallelism (language cp{cp}): "
+                "megatron-core's needs Transformer Engine's attention, which mimo does not "
+                "run; use cp1 (tp, pp and dp split the model and the batch)")
     return None
 
 
