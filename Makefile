@@ -3,10 +3,16 @@
 PY := .venv/bin/python
 DEMO := runs/demo
 
-.PHONY: demo test setup
+.PHONY: demo test setup lock
 
 setup:
 	@bash tools/setup.sh
+
+# Resolve pyproject.toml's dependencies again into requirements.lock (exact pins and hashes,
+# which setup installs): after changing a dependency, or to upgrade, e.g.
+# `make lock LOCK_ARGS=--upgrade` or LOCK_ARGS="--upgrade-package transformers". Commit the lock.
+lock:
+	@bash tools/lock.sh $(LOCK_ARGS)
 
 # The main job: shard the sample corpus, check it (verify, inspect report: masks, token counts,
 # drops), show where each sample goes, then train a tiny images + audio + language model for

