@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +25,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+
+import launch
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "assets" / "corpus"
@@ -52,6 +57,74 @@ def pytest_collection_modifyitems(items) -> None:
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: file order
 
 
+# ------------------------------------------------------------ what the suite leaves behind
+# The process that starts the run (pytest itself, or the xdist controller; not a worker) is the
+# reaper of every process the suite starts whose parent ends first (``launch.adopt_orphans``),
+# and everything the suite starts writes its temporary files in pytest's own folder (TMPDIR,
+# W&B's folders): at the end of the run nothing may be left, or the run fails.
+
+# how long processes that are ending by themselves (a worker's forkserver once the worker has
+# gone) get, at the end of the run, before those left are killed and reported: they end in
+# milliseconds; what never ends (a leftover) is reported whatever the wait
+LEFTOVER_GRACE_S = 60.0
+WANDB_DIRS = ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR")
+
+
+def _starts_the_run(config) -> bool:
+    return not hasattr(config, "workerinput")          # not an xdist worker
+
+
+@pytest.hookimpl(trylast=True)                     # after the tmp_path plugin's configure
+def pytest_configure(config) -> None:
+    if not _starts_the_run(config):                 # a worker inherits the controller's set-up
+        return
+    launch.adopt_orphans()
+    folder = config._tmp_path_factory.getbasetemp() / "tmp"
+    folder.mkdir(exist_ok=True)
+    # wandb creates folders in the temporary directory at import (megatron-core imports it),
+    # which a forked rank's os._exit never removes; its core writes logs under ~/.cache
+    os.environ["TMPDIR"] = str(folder)
+    os.environ.update({name: str(folder / name.lower()) for name in WANDB_DIRS})
+    tempfile.tempdir = None                         # read TMPDIR again
+
+
+def _multiprocessing_helpers() -> tuple[int, ...]:
+    """This process's forkserver and resource tracker, if started: they end with it (each
+    waits for the end of a pipe this process holds)."""
+    from multiprocessing import forkserver, resource_tracker
+    pids = (getattr(forkserver._forkserver, "_forkserver_pid", None),
+            getattr(resource_tracker._resource_tracker, "_pid", None))
+    return tuple(pid for pid in pids if pid)
+
+
+@pytest.hookimpl(trylast=True)                     # after xdist has ended its workers
+def pytest_sessionfinish(session) -> None:
+    """Every process the suite started has ended, or the run fails: those still alive (after
+    ``LEFTOVER_GRACE_S`` for any that is ending) are killed and named."""
+    if not _starts_the_run(session.config):
+        return
+    spare = _multiprocessing_helpers()
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline and any(
+            state != "Z" for pid, state in launch.children().items() if pid not in spare):
+        time.sleep(0.1)
+    left = launch.end_children(spare)
+    if not left:
+        return
+    title = f"{len(left)} processes the suite started outlived it (killed now)"
+    lines = [f"{pid}: {command}" for pid, command in sorted(left.items())]
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        print("\n".join([title, *lines]), file=sys.stderr)
+    else:
+        reporter.ensure_newline()
+        reporter.write_sep("=", title, red=True)
+        for line in lines:
+            reporter.write_line(line, red=True)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @contextmanager
 def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
     """A module fixture's folder, removed when the module is done with it: a run of the real
@@ -66,9 +139,9 @@ def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def ranks():
     """The session's parent of forked ranks (``launch.Ranks``): torch, transformers and
-    megatron-core imported once, every multi-rank job forked from it."""
-    from launch import Ranks
-    parent = Ranks()
+    megatron-core imported once, every multi-rank job forked from it. It ends with this
+    process, and ends the job in progress with it (tests/launch.py)."""
+    parent = launch.Ranks()
     yield parent
     parent.close()
 

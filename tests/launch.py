@@ -14,10 +14,18 @@ imports another.
 - ``python(...)``: a fresh interpreter, for what must not share the parent's imports.
 
 Each returns a ``Job``: exit statuses and output.
+
+Nothing any of them starts outlives the suite (tests/README.md, "Processes and temporary
+files"): the parent ends every process a job left behind before it answers (it is their
+reaper: ``PR_SET_CHILD_SUBREAPER``), it ends with its job when its creator dies or closes its
+pipe (``PR_SET_PDEATHSIG``, end of file) or on SIGINT / SIGTERM / SIGHUP, and a torchrun or
+python run still going when the test leaves it (a timeout, a failure, Ctrl-C) is killed with
+everything in its session.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import select
@@ -25,6 +33,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +52,12 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "mimo_train.mcore",
            "transformers.models.llava.modeling_llava", "transformers.models.siglip",
            "transformers.models.whisper.modeling_whisper", "transformers.models.llama",
            "transformers.models.qwen2", "transformers.models.qwen3")
+# the parent's creator (the test process that started it), whose death ends the parent; and
+# what it imports when not PRELOAD (comma-separated: tests/test_launch.py's parents import
+# only torch.distributed, for the job's store)
+CREATOR_ENV, PRELOAD_ENV = "MIMO_TESTS_RANKS_CREATOR", "MIMO_TESTS_RANKS_PRELOAD"
+# Linux prctl(2) options
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
 
 @dataclass
@@ -71,14 +87,21 @@ class Job:
 
 
 class Ranks:
-    """The pre-imported parent of forked ranks (``serve`` runs in it); one job at a time."""
+    """The pre-imported parent of forked ranks (``serve`` runs in it); one job at a time.
+    ``preload``: the modules it imports (PRELOAD unless told). It dies with the thread that
+    made it (``PR_SET_PDEATHSIG``: make it in the main thread, as a session fixture is)."""
 
-    def __init__(self):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD):
+        env = {**os.environ, **BASE_ENV, CREATOR_ENV: str(os.getpid()),
+               PRELOAD_ENV: ",".join(preload)}
         self.process = subprocess.Popen(
-            [sys.executable, str(Path(__file__)), "--serve"], cwd=REPO,
-            env={**os.environ, **BASE_ENV}, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, bufsize=1)
-        self._expect("ready", timeout=600)
+            [sys.executable, str(Path(__file__)), "--serve"], cwd=REPO, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        try:
+            self._expect("ready", timeout=600)
+        except BaseException:
+            self.close()
+            raise
 
     def run(self, nproc: int, argv: list, logs: Path, env: dict | None = None,
             timeout: float = 600) -> Job:
@@ -97,7 +120,7 @@ class Ranks:
             codes = self._expect("codes", timeout=timeout)["codes"]
         except TimeoutError:
             for pid in pids:
-                _kill(pid)
+                _kill_group(pid)
             codes = self._expect("codes", timeout=60)["codes"]
         read = {r: (logs / f"rank_{r}.err").read_text(errors="replace") for r in range(nproc)}
         return Job(codes, (logs / "rank_0.out").read_text(errors="replace"), read[0], read)
@@ -115,9 +138,20 @@ class Ranks:
         return message
 
     def close(self) -> None:
+        """End the parent: the end of its input (it then ends a job still running); SIGTERM
+        (the same) if it has not exited a minute later, SIGKILL a minute after that."""
         if self.process.stdin:
             self.process.stdin.close()
-        self.process.wait(timeout=60)
+        for stop in (None, self.process.terminate, self.process.kill):
+            if stop:
+                stop()
+            try:
+                self.process.wait(timeout=60)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        if self.process.stdout:
+            self.process.stdout.close()
 
 
 def _kill(pid: int) -> None:
@@ -125,6 +159,101 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL to the process group ``pid`` leads (a rank and what it forked)."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ----------------------------------------------------------------- processes and their ends
+
+def prctl(option: int, value: int) -> bool:
+    """prctl(2) on Linux (False elsewhere, or when it failed)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def adopt_orphans() -> None:
+    """Make this process its descendants' reaper: a process whose parent ends before it is
+    re-parented here instead of to init, where ``end_children`` finds it."""
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Get ``sig`` when the parent ends; exit now if ``parent`` has ended already."""
+    prctl(PR_SET_PDEATHSIG, sig)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def children(pid: int | None = None) -> dict[int, str]:
+    """``{pid: state}`` of the processes whose parent is ``pid`` (this one unless told), from
+    /proc; state ``Z``: ended, not yet reaped."""
+    pid = os.getpid() if pid is None else pid
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):            # ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found[int(stat.parent.name)] = fields[0]
+    return found
+
+
+def describe(pid: int) -> str:
+    """A process's command line (for reports), or ``?`` once it has gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace").strip()[:300] or "?"
+    except OSError:
+        return "?"
+
+
+def end_children(spare: tuple[int, ...] = ()) -> dict[int, str]:
+    """SIGKILL every live child of this process but ``spare`` (with its process group when it
+    leads one of its own), reap them, and again for the processes of theirs that come here
+    (``adopt_orphans``) until none is left; ended children are only reaped. Returns
+    ``{pid: command line}`` of those that were alive."""
+    ended: dict[int, str] = {}
+    while True:
+        found = {pid: state for pid, state in children().items() if pid not in spare}
+        live = [pid for pid, state in found.items() if state != "Z"]
+        for pid in live:
+            ended.setdefault(pid, describe(pid))
+            try:
+                leads = os.getpgid(pid) == pid != os.getpgrp()
+            except ProcessLookupError:
+                leads = False
+            (_kill_group if leads else _kill)(pid)
+        for pid in found:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:                     # reaped meanwhile
+                pass
+        if not live:
+            return ended
+
+
+@contextmanager
+def session(command: list, **popen) -> Iterator[subprocess.Popen]:
+    """``subprocess.Popen(command, **popen)`` in a session of its own, SIGKILLed with every
+    process of that session when the block is left however (a failed assertion, a timeout,
+    Ctrl-C), and reaped: a torchrun agent the test signals itself, say."""
+    process = subprocess.Popen([str(c) for c in command], start_new_session=True, **popen)
+    try:
+        yield process
+    finally:
+        _kill_group(process.pid)
+        process.wait()
 
 
 def torchrun(nproc: int, argv: list, env: dict | None = None, timeout: float = 600,
@@ -154,29 +283,38 @@ def python(argv: list, env: dict | None = None, timeout: float = 600) -> Job:
 
 def _process(command: list[str], env: dict | None, timeout: float) -> Job:
     """Run ``command`` in its own session; one still running after ``timeout`` seconds is
-    killed with everything it started (a hang fails the test instead of the suite)."""
-    process = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV, **(env or {})},
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        raise AssertionError(f"{' '.join(command[:6])} ... did not exit within {timeout} s\n"
-                             f"{stdout[-3000:]}\n{stderr[-5000:]}") from None
+    killed with everything it started (a hang fails the test instead of the suite), as it is
+    when the test is interrupted."""
+    with session(command, cwd=REPO, env={**os.environ, **BASE_ENV, **(env or {})},
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            stdout, stderr = process.communicate()
+            raise AssertionError(f"{' '.join(command[:6])} ... did not exit within {timeout} s"
+                                 f"\n{stdout[-3000:]}\n{stderr[-5000:]}") from None
     return Job([process.returncode], stdout, stderr)
 
 
 # --------------------------------------------------------------------------- the parent
 
-def _rank(request: dict, rank: int, port: int) -> None:
+def _as_forked(parent: int) -> None:
+    """In a child just forked from the parent: the signal handlers a process starts with (not
+    the parent's), and death with the parent (whose end would leave it running)."""
+    for sig in _ENDS:
+        signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+    die_with_parent(parent)
+
+
+def _rank(request: dict, rank: int, port: int, parent: int) -> None:
     """In a forked child: become rank ``rank`` of the job and run it; never returns."""
     import runpy
     import traceback
     nproc, logs = request["nproc"], Path(request["logs"])
     code = 1
     try:
+        _as_forked(parent)
         os.setpgid(0, 0)               # a job's ranks can be signalled without the parent
         for fd, name in ((1, f"rank_{rank}.out"), (2, f"rank_{rank}.err")):
             target = os.open(logs / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -189,8 +327,8 @@ def _rank(request: dict, rank: int, port: int) -> None:
                            "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
                            "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True",
                            **request["env"]})
-        import torch
-        torch.set_num_threads(1)
+        if "torch" in sys.modules:                  # preloaded (tests/test_launch.py's are not)
+            sys.modules["torch"].set_num_threads(1)
         argv = request["argv"]
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -210,7 +348,7 @@ def _rank(request: dict, rank: int, port: int) -> None:
         os._exit(code)
 
 
-def _store() -> tuple[int, int]:
+def _store(parent: int) -> tuple[int, int]:
     """Fork the job's store keeper: the ``TCPStore`` every rank joins, outliving the ranks as
     torchrun's agent store does (so a rank can record a failure after rank 0 has left); its
     (pid, port). It binds a port of its own choosing and reports it through a pipe."""
@@ -218,6 +356,7 @@ def _store() -> tuple[int, int]:
     pid = os.fork()
     if pid == 0:
         try:
+            _as_forked(parent)
             os.close(read)
             import torch.distributed as dist
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -236,7 +375,8 @@ def _store() -> tuple[int, int]:
 
 def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
     """Each child's exit status; once one fails, the rest get ``grace`` seconds to exit before
-    they are killed (as torchrun stops a job one of whose ranks failed)."""
+    they are killed (as torchrun stops a job one of whose ranks failed). The end of the input
+    meanwhile (the creator closed it or died) ends the job and this process (``_abandon``)."""
     codes: dict[int, int] = {}
     deadline = None
     while len(codes) < len(pids):
@@ -245,9 +385,10 @@ def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
             if deadline is not None and time.monotonic() > deadline:
                 for other in pids:
                     if other not in codes:
-                        _kill(other)
+                        _kill_group(other)
                 deadline = None
-            time.sleep(0.05)
+            if select.select([sys.stdin], [], [], 0.05)[0]:   # no request comes during a job
+                _abandon()
             continue
         if pid in pids:
             codes[pid] = os.waitstatus_to_exitcode(status)
@@ -256,13 +397,32 @@ def _wait(pids: list[int], grace: float = 30.0) -> list[int]:
     return [codes[pid] for pid in pids]
 
 
+# what ends the parent besides the end of its input: its creator's death (PR_SET_PDEATHSIG),
+# Ctrl-C at a terminal (the whole foreground group gets SIGINT), a hangup, ``Ranks.close``
+_ENDS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _abandon(*_) -> None:
+    """End the job in progress, if any (every rank with its process group, the store keeper,
+    whatever they left) and this process."""
+    end_children()
+    os._exit(1)
+
+
 def serve() -> None:
     """The parent: import once, then for each request line on stdin fork its ranks and answer
-    ``{"pids": [...]}`` then ``{"codes": [...]}`` on stdout."""
+    ``{"pids": [...]}`` then ``{"codes": [...]}`` on stdout, once every process of the job
+    (the ranks, the store keeper, whatever they started) has ended."""
     import importlib
     import warnings
-    for name in PRELOAD:
-        importlib.import_module(name)
+    for sig in _ENDS:
+        signal.signal(sig, _abandon)
+    die_with_parent(int(os.environ.pop(CREATOR_ENV, os.getppid())), signal.SIGTERM)
+    adopt_orphans()                  # what a rank leaves (a DataLoader worker...) comes here
+    parent = os.getpid()
+    for name in os.environ.pop(PRELOAD_ENV, ",".join(PRELOAD)).split(","):
+        if name:
+            importlib.import_module(name)
     # The only other thread here is pyarrow's idle jemalloc background thread, whose allocator
     # takes fork in its stride (pthread_atfork); the loader's DataLoader workers fork after the
     # same import. Python warns at every fork of a process with any other thread.
@@ -273,18 +433,21 @@ def serve() -> None:
     print(json.dumps({"ready": True}), file=reply, flush=True)
     for line in sys.stdin:
         request = json.loads(line)
-        keeper, port = _store()
+        keeper, port = _store(parent)
         pids = []
         for rank in range(request["nproc"]):
             pid = os.fork()
             if pid == 0:
-                _rank(request, rank, port)
+                _rank(request, rank, port, parent)
             pids.append(pid)
         print(json.dumps({"pids": pids}), file=reply, flush=True)
         codes = _wait(pids)
-        _kill(keeper)
-        os.waitpid(keeper, 0)
+        # A rank ends with os._exit: whatever it started and left (a DataLoader worker, whose
+        # exit waits for a pipe no one reads any more) is this process's child now; it ends
+        # here, with the store keeper, before the job is reported done.
+        end_children()
         print(json.dumps({"codes": codes}), file=reply, flush=True)
+    end_children()
     os._exit(0)                       # no exit-time collection over every module imported
 
 
