@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from conftest import REPO, preprocess_config_file, scratch
-from launch import BASE_ENV, torchrun, torchrun_command
+from launch import BASE_ENV, TESTS, session, torchrun, torchrun_command
 from runs import (assert_continues, copy_checkpoint, read_records, train, train_job,
                   train_records)
 
@@ -351,25 +351,43 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(rank
         reports[0]
 
 
-def test_a_rank_that_dies_is_reported_once(setup):
-    """SIGKILL to one worker once step 1 is logged (the kernel's out-of-memory killer does
-    that): the job stops with one message saying a rank left without a message, exit status
-    1, no traceback from the ranks left waiting for it."""
-    import signal
-    tmp, common, _ = setup
-    command = torchrun_command(3, ["-m", "mimo_train", "--config", REPO / "configs" / "train" /
-                                   CONFIG, *common, f"checkpoint.dir={tmp / 'killed'}"])
-    agent = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _gated(tmp: Path, root: Path, common: list[str]) -> tuple[list, Path]:
+    """The command of the 3-rank job under real torchrun through tests/gated_train_run.py
+    (``mimo-train`` whose ranks wait before step 2 until the returned gate file exists or they
+    got an exit signal themselves), and the gate."""
+    gate = root.with_name(root.name + ".gate")
+    return torchrun_command(3, [TESTS / "gated_train_run.py", gate, "--config",
+                                REPO / "configs" / "train" / CONFIG, *common,
+                                f"checkpoint.dir={root}"]), gate
+
+
+def _until_step_1(agent: subprocess.Popen) -> list[str]:
+    """The agent's output up to rank 0's line of step 1."""
     assert agent.stdout is not None
     lines = []
     for line in agent.stdout:
         lines.append(line)
         if line.startswith("step    1:"):
             break
-    os.kill(_children(agent.pid)[1], signal.SIGKILL)              # the audio rank
-    lines += agent.stdout.readlines()
-    assert agent.wait(timeout=120) == 1
+    return lines
+
+
+def test_a_rank_that_dies_is_reported_once(setup):
+    """SIGKILL to one worker once step 1 is logged (the kernel's out-of-memory killer does
+    that): the job stops with one message saying a rank left without a message, exit status
+    1, no traceback from the ranks left waiting for it. The ranks wait before step 2 until it
+    is killed (tests/gated_train_run.py): the run cannot end first."""
+    import signal
+    tmp, common, _ = setup
+    command, gate = _gated(tmp, tmp / "killed", common)
+    with session(command, cwd=REPO, env={**os.environ, **BASE_ENV}, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True) as agent:
+        assert agent.stdout is not None
+        lines = _until_step_1(agent)
+        os.kill(_children(agent.pid)[1], signal.SIGKILL)          # the audio rank
+        gate.touch()
+        lines += agent.stdout.readlines()
+        assert agent.wait(timeout=120) == 1
     output = "".join(lines)
     messages = re.findall(r"^mimo-train: training stopped in .*$", output, re.MULTILINE)
     assert len(messages) == 1, output
@@ -382,29 +400,28 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     """Once step 1 is logged, SIGUSR1 to one worker (Slurm's ``--signal``) or SIGTERM to
     torchrun (which forwards it to every worker): every rank stops after the same step, the
     job saves that step's checkpoint and the workers exit 128 + the signal; started again, the
-    run continues the uninterrupted run's losses within 1e-5."""
+    run continues the uninterrupted run's losses within 1e-5. The ranks wait before step 2
+    until the signal has arrived (tests/gated_train_run.py): it stops them after step 1 or 2,
+    never after the run's end, however late the test sends it."""
     import signal
     tmp, common, full = setup
     root = tmp / f"signal-{target.replace(' ', '-')}"
-    command = torchrun_command(3, ["-m", "mimo_train", "--config", REPO / "configs" / "train" /
-                                   CONFIG, *common, f"checkpoint.dir={root}"])
-    agent = subprocess.Popen(command, cwd=REPO, env={**os.environ, **BASE_ENV},
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    assert agent.stdout is not None
-    for line in agent.stdout:
-        lines.append(line)
-        if line.startswith("step    1:"):
-            break
+    command, gate = _gated(tmp, root, common)
     sent = signal.SIGUSR1 if target == "one worker" else signal.SIGTERM
-    os.kill(_children(agent.pid)[-1] if target == "one worker" else agent.pid, sent)
-    lines += agent.stdout.readlines()
-    agent.wait(timeout=120)
+    with session(command, cwd=REPO, env={**os.environ, **BASE_ENV}, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True) as agent:
+        assert agent.stdout is not None
+        lines = _until_step_1(agent)
+        os.kill(_children(agent.pid)[-1] if target == "one worker" else agent.pid, sent)
+        if target == "one worker":        # the others go on to step 2 and wait for it there
+            gate.touch()
+        lines += agent.stdout.readlines()
+        agent.wait(timeout=120)
     output = "".join(lines)
     stopped = [line for line in lines if f"{sent.name} received: stopped after step" in line]
     assert len(stopped) == 1, output[-4000:]
     step = int(stopped[0].split()[-1])
-    assert step < STEPS and (root / "latest").read_text() == f"step_{step:07d}"
+    assert step in (1, 2) and (root / "latest").read_text() == f"step_{step:07d}", output[-4000:]
     if target == "one worker":        # torchrun reports each worker's exit status
         assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
     resumed = _train(ranks, tmp, f"resumed-{target}", root, *common)
