@@ -15,6 +15,7 @@ import pytest
 
 from conftest import (build_dataset, file_bytes, mimo_shard_command, read_json, run_cli,
                       shard_paths, write_jsonl)
+from launch import session
 
 COPIES = 30          # the corpus' LLaVA records, 30 times: ~1,200 samples, ~25 shards of 50
 
@@ -40,16 +41,25 @@ def big_input(tmp_path_factory, corpus) -> Path:
 
 
 def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input):
+    """The build is killed once its first shard is in ``.staging``. Its last record's image is
+    a named pipe until then: the build waits on it for good, so it cannot finish before the
+    kill however slowly the test gets to it; then the pipe is replaced by the image."""
     from mimo_data.shards.index import DatasetError, read_index
 
+    records = [json.loads(line) for line in big_input.read_text().splitlines()]
+    held = next(r for r in records if isinstance(r.get("image"), str))
+    image = tmp_path / f"held{Path(held['image']).suffix}"
+    os.mkfifo(image)
+    source = write_jsonl(tmp_path / "big.jsonl", [*records, {**held, "id": "held",
+                                                             "image": str(image)}])
     out = tmp_path / "out"
-    args = ["build", str(big_input), "-o", str(out), "--max-samples-per-shard", "50",
+    args = ["build", str(source), "-o", str(out), "--max-samples-per-shard", "50",
             "--no-progress"]
-    process = subprocess.Popen([*mimo_shard_command(), *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
     staging = out / ".staging"
-    deadline = time.monotonic() + 120
-    try:
+    deadline = time.monotonic() + 600                  # a hang guard: the shard takes seconds
+    with session([*mimo_shard_command(), *args], stdout=subprocess.DEVNULL,
+                 stderr=subprocess.PIPE) as process:
+        assert process.stderr is not None
         while not list(staging.glob("*.tar")):
             assert process.poll() is None, (
                 f"the build ended (exit {process.returncode}) before a shard appeared: "
@@ -58,11 +68,11 @@ def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input
             time.sleep(0.01)
         assert process.poll() is None, "the build finished before it could be killed"
         os.kill(process.pid, signal.SIGKILL)
-    finally:
-        process.kill()
         process.wait()
         process.stderr.close()
     assert process.returncode == -signal.SIGKILL
+    image.unlink()
+    image.write_bytes(Path(held["image"]).read_bytes())
 
     assert out.is_dir() and not (out / "index.json").exists()
     with pytest.raises(DatasetError, match="index.json"):
@@ -74,7 +84,7 @@ def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input
     assert "Traceback" not in rerun.stderr
     assert not staging.exists()
 
-    build_dataset([big_input], tmp_path / "reference", max_samples_per_shard=50)
+    build_dataset([source], tmp_path / "reference", max_samples_per_shard=50)
     recovered, reference = file_bytes(out), file_bytes(tmp_path / "reference")
     assert sorted(recovered) == sorted(reference)
     assert len(shard_paths(out)) > 10
