@@ -96,6 +96,11 @@ SILENT_RANK = textwrap.dedent("""
     import torch.distributed as dist
     from mimo_train.runtime import distributed
     done = Path(sys.argv[1])
+    # both ranks join (however slowly each starts) and leave the barrier together; only then
+    # the control group, whose collectives time out after 3 s (its creation is quick: both
+    # ranks are there)
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    dist.barrier()
     distributed.init(torch.device("cpu"), timedelta(seconds=3))
     control = distributed.control()
     assert control is not None and control is not dist.group.WORLD

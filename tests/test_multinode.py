@@ -38,7 +38,9 @@ from runs import train
 NODES, PER_NODE = 2, 2
 STEPS = 3
 LAYOUT = "image=dp1;language=dp2;audio=dp1"
-TIMEOUT = 240              # seconds for one launch (both agents)
+# seconds for one launch (both agents), a hang guard only: the launch takes about a minute on
+# the busy 2-core machine (six fresh interpreters), far below what any load stretches it to
+TIMEOUT = 600
 CONFIG = REPO / "configs" / "train" / "images_audio_noncolocated.yaml"
 STEP_LINE = re.compile(r"^step +(\d+): loss (\S+) ", re.MULTILINE)
 
@@ -69,18 +71,20 @@ def _launch(tmp: Path, name: str, agents: list[list[str]], overrides: list[str])
         logs.append(log)
     deadline = time.monotonic() + TIMEOUT
     codes = [None] * len(processes)
-    # until all exit, one fails (its peer would wait in the rendezvous) or the time is up
-    while time.monotonic() < deadline:
-        codes = [process.poll() for process in processes]
-        if None not in codes or any(codes):
-            break
-        time.sleep(0.5)
-    for process in processes:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)          # the agent and its ranks, if any
-        except ProcessLookupError:
-            pass
-        process.wait()
+    try:
+        # until all exit, one fails (its peer would wait in the rendezvous) or the time is up
+        while time.monotonic() < deadline:
+            codes = [process.poll() for process in processes]
+            if None not in codes or any(codes):
+                break
+            time.sleep(0.5)
+    finally:                                    # also when the test is interrupted
+        for process in processes:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)      # the agent and its ranks, if any
+            except ProcessLookupError:
+                pass
+            process.wait()
     outputs = [log.read_text(errors="replace") for log in logs]
     tails = "\n".join(f"--- agent {i}:\n{o[-4000:]}" for i, o in enumerate(outputs))
     if None in codes and not any(codes):
