@@ -183,8 +183,14 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
 
     meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
     meta["config"]["model"]["language"].update(language)
+    if "mrope_section" in language:     # a run trained so had M-RoPE positions (its start-up says)
+        preprocess = yaml.safe_load(Path(meta["config"]["data"]["preprocess"]).read_text())
+        mrope = tmp_path / "step_0000001" / "preprocess-mrope.yaml"
+        mrope.parent.mkdir()
+        mrope.write_text(yaml.safe_dump({**preprocess, "positions": "mrope"}))
+        meta["config"]["data"]["preprocess"] = str(mrope)
     directory = tmp_path / "step_0000001"
-    directory.mkdir()
+    directory.mkdir(exist_ok=True)
     (directory / "meta.json").write_text(json.dumps(meta))
     monkeypatch.setattr(checkpoint, "load_weights",
                         lambda d: {"language": {}, "image": {}, "audio": {}})
