@@ -1,5 +1,5 @@
 """Shared fixtures: the sample corpus read independently of mimo_data, built datasets, the
-models set-up made, and the session's parent of forked ranks (``ranks``: tests/launch.py).
+models set-up made, and the session's parent of forked ranks (``ranks``: tests/support/launch.py).
 
 Everything here reads the sample corpus (``assets/corpus``, built by ``tools/setup.sh``) with
 json / pyarrow / Pillow / soundfile directly, never through ``mimo_data``: the tests compare
@@ -8,6 +8,7 @@ what ``mimo-shard build`` wrote against these independent readings of the inputs
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import os
@@ -26,7 +27,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-import launch
+from support import launch
 
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "assets" / "corpus"
@@ -42,19 +43,75 @@ SPEAKER_ROLE = {"human": "user", "gpt": "assistant", "system": "system",
                 "user": "user", "assistant": "assistant"}
 
 
-# The files that take longest (multi-rank runs), collected first: the two xdist workers of
-# ``make test`` take whole files in collection order, and a long file started last would run
-# alone at the end. The durations the suite prints say which these are.
-LONGEST_FIRST = ("test_train_run.py", "test_published_checkpoints.py", "test_lora.py",
-                 "test_train_parity.py", "test_vlm_families.py", "test_vlm_video.py",
-                 "test_train_startup.py", "test_dtypes.py", "test_multinode.py", "test_vlm.py",
-                 "test_anomalies.py", "test_gpu_check.py", "test_planning.py",
-                 "test_qwen3_vl.py")
+# The files that take longest, collected first: the two xdist workers of ``make test`` take
+# whole files in collection order, and a long file started last would run alone at the end.
+# What takes long is a job (forked ranks, torchrun, a fresh interpreter), so a file's weight is
+# the number of jobs it launches, read from the code (``launches``): each of its tests that
+# launches one (each parametrization), each of its own fixtures that does (once). A function
+# launches when it calls ``ranks.run``, ``torchrun``, ``python`` or ``session`` of
+# ``support.launch``, or a function that does (in ``support/`` or in the test file itself).
+LAUNCHERS = frozenset({"torchrun", "python", "session"})
+SUPPORT = frozenset({"launch", "runs", "vlm_runs", "anomaly_runs"})     # tests/support/
+
+
+def launches(tree: ast.Module, known: frozenset[str] = LAUNCHERS) -> frozenset[str]:
+    """The module-level functions of ``tree`` that launch a job, given the names ``known`` to
+    (fixed point: a function calling one of them launches too)."""
+    found = set(known)
+    while True:
+        more = {node.name for node in tree.body
+                if isinstance(node, ast.FunctionDef) and node.name not in found
+                and any(_launch_call(call, found - {a.arg for a in node.args.args})
+                        for call in ast.walk(node) if isinstance(call, ast.Call))}
+        if not more:
+            return frozenset(found)
+        found |= more
+
+
+def _launch_call(call: ast.Call, found: set[str]) -> bool:
+    func = call.func
+    if isinstance(func, ast.Name):
+        return func.id in found
+    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+        on = func.value.id           # ranks.run(...), or a support module's: runs.step(...)
+        return (func.attr == "run" and on in ("ranks", "parent")) or \
+            (on in SUPPORT and func.attr in found)
+    return False
+
+
+def _support_launchers() -> frozenset[str]:
+    found = LAUNCHERS
+    for _ in range(3):             # support modules call each other (vlm_runs -> runs)
+        for path in sorted((Path(__file__).parent / "support").glob("*.py")):
+            found = found | launches(ast.parse(path.read_text()), found)
+    return found
 
 
 def pytest_collection_modifyitems(items) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))     # stable: file order
+    support = _support_launchers()
+    weights: dict[Path, int] = {}
+    trees: dict[Path, tuple[frozenset[str], set[str]]] = {}
+    fixtures_used: dict[Path, set[tuple]] = {}
+    for item in items:
+        path = item.path
+        if path not in trees:
+            tree = ast.parse(path.read_text())
+            fixtures = {node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+                        and any("fixture" in ast.unparse(d) for d in node.decorator_list)}
+            trees[path] = (launches(tree, support), fixtures)
+            weights[path], fixtures_used[path] = 0, set()
+        launching, fixtures = trees[path]
+        name = getattr(item, "originalname", item.name)
+        weights[path] += name in launching
+        # a fixture's instance: one per value of the parametrized fixtures the test gets
+        params = getattr(item, "callspec", None)
+        instance = tuple(sorted((k, repr(v)) for k, v in params.params.items()
+                                if k in item.fixturenames)) if params else ()
+        fixtures_used[path] |= {(f, instance) for f in
+                                set(item.fixturenames) & fixtures & launching}
+    for path, used in fixtures_used.items():
+        weights[path] += len(used)
+    items.sort(key=lambda item: -weights[item.path])        # stable: file order otherwise
 
 
 # ------------------------------------------------------------ what the suite leaves behind
@@ -140,7 +197,7 @@ def scratch(tmp_path_factory, name: str) -> Iterator[Path]:
 def ranks():
     """The session's parent of forked ranks (``launch.Ranks``): torch, transformers and
     megatron-core imported once, every multi-rank job forked from it. It ends with this
-    process, and ends the job in progress with it (tests/launch.py)."""
+    process, and ends the job in progress with it (tests/support/launch.py)."""
     parent = launch.Ranks()
     yield parent
     parent.close()

@@ -1,5 +1,5 @@
 """Steps that go wrong, traced to their samples (mimo_train/components/anomalies.py), in
-``mimo-train`` runs on forked ranks (the shards and the launcher: tests/anomaly_runs.py):
+``mimo-train`` runs on forked ranks (the shards and the launcher: tests/support/anomaly_runs.py):
 
 - a planted sample whose text SmolLM2 finds very unlikely (80 random vocabulary words among
   short plain-English answers) makes its step's loss spike: the step's record names its
@@ -17,7 +17,7 @@ import math
 
 import pytest
 
-from anomaly_runs import SMOLLM2, planted, train_planted  # noqa: F401  (planted: a fixture)
+from support.anomaly_runs import SMOLLM2, planted, train_planted  # noqa: F401  (planted: a fixture)
 
 SPIKE_SEED = 6
 

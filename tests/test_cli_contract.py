@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from conftest import REPO, build_dataset, write_jsonl
-from launch import python
+from support.launch import python
 
 CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
 # command lines without subcommands

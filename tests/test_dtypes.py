@@ -3,7 +3,7 @@
 The tiny checkpoints of ``assets/models`` (Qwen2 language model, Qwen2-VL and SigLIP vision
 towers, Whisper) are rounded to values that bf16 and fp16 both hold exactly, then saved three
 times: fp32, bf16 and fp16 (weights and ``config.json`` dtype, as real checkpoints are stored).
-One process trains from each copy (tests/train_runs_run.py):
+One process trains from each copy (tests/jobs/train_runs.py):
 
 - under fp32, the step-1 loss is the same to the last bit whatever the stored dtype: every copy
   loads as the same fp32 weights (Qwen2-VL + Whisper + Qwen2, and SigLIP + Qwen2);
@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO, model_dir, preprocess_config_file
-from train_runs_run import digest
+from jobs.train_runs import digest
 
 MODELS = ("tiny-qwen2", "tiny-qwen2-vl-vision", "tiny-siglip-vision", "tiny-whisper")
 STORED = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -107,7 +107,7 @@ def runs(ranks, stored, loader_corpus, tmp_path_factory) -> tuple[dict, Path]:
                                  f"model.init_from={checkpoints / 'step_0000002'}")},
     ]
     (tmp / "runs.json").write_text(json.dumps(listed))
-    ranks.run(1, [REPO / "tests" / "train_runs_run.py", tmp / "runs.json", tmp / "out.json"],
+    ranks.run(1, [REPO / "tests" / "jobs" / "train_runs.py", tmp / "runs.json", tmp / "out.json"],
               tmp / "logs", timeout=900).check()
     return json.loads((tmp / "out.json").read_text()), checkpoints / "step_0000002"
 

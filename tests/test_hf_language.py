@@ -26,7 +26,7 @@ import torch
 
 from conftest import REPO, model_dir, preprocess_config_file
 from mimo_data.preprocess.config import PreprocessConfig
-from runs import step
+from support.runs import step
 
 FAMILIES = ["smollm2-135m-instruct", "tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 TOLERANCE = 1e-4
@@ -158,7 +158,7 @@ MROPE_CASES = [f"mrope/{backend}/{rows}" for backend in ("local", "sdpa")
 def parity(ranks, tmp_path_factory) -> dict:
     """One job of two forked ranks: every layout, every family, and the M-RoPE cases."""
     out = tmp_path_factory.mktemp("parity")
-    ranks.run(2, [REPO / "tests" / "hf_language_parity_run.py", out, "+".join(LAYOUTS),
+    ranks.run(2, [REPO / "tests" / "jobs" / "hf_language_parity.py", out, "+".join(LAYOUTS),
                   "--mrope", model_dir("tiny-qwen2"), *[model_dir(m) for m in FAMILIES]],
               out / "logs").check()
     results = json.loads((out / "result.json").read_text())
@@ -193,7 +193,7 @@ def test_mrope_logits_match_qwen2_vl_text_model_padded_or_packed(parity):
 
 def _step(ranks, out: Path, nproc: int, layout: str, micro_batch: int,
           common: list[str]) -> dict:
-    """One step of tests/train_parity_run.py: loss and the language gradients, all ranks."""
+    """One step of tests/jobs/train_parity.py: loss and the language gradients, all ranks."""
     result = step(ranks, out, nproc, f"layout={layout}", f"train.micro_batch_size={micro_batch}",
                   *common)
     return {"loss": result["loss_sum"] / result["tokens"], **result["grads"].get("language", {})}

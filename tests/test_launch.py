@@ -1,5 +1,5 @@
-"""The suite's launcher (tests/launch.py) leaves nothing behind (tests/README.md, "Processes and
-temporary files"):
+"""The suite's launcher (tests/support/launch.py) leaves nothing behind (tests/README.md,
+"Processes and temporary files"):
 
 - a job's ranks may leave processes running when they end (a DataLoader worker waiting to
   flush a pipe no one reads, a child in a session of its own): the parent of forked ranks has
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-import launch
+from support import launch
 from conftest import WANDB_DIRS
 
 # A rank that starts what a rank may leave behind: a forked child in its process group (a
@@ -65,7 +65,7 @@ LEAVING_RANK = textwrap.dedent("""
 CREATOR = textwrap.dedent("""
     import os, sys, time
     sys.path.insert(0, sys.argv[1])
-    from launch import Ranks
+    from support.launch import Ranks
     script, out, logs, how = sys.argv[2:]
     ranks = Ranks(preload=("torch.distributed",))
     if how == "killed" and os.fork() == 0:

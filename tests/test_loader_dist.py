@@ -1,5 +1,5 @@
 """The loader in real multi-process jobs (forked ranks, gloo), one loader per rank: two jobs, of
-two cases each (tests/loader_dist_run.py).
+two cases each (tests/jobs/loader_dist.py).
 
 Run 1: 3 ranks, language dp2 + image dp1 (one DataLoader worker per rank), one epoch; the
 ranks gather what they consumed and rank 0 checks exactly-once and cross-module order. Its
@@ -23,19 +23,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import preprocess_config_file
-from loader_dist_run import table_digest
+from jobs.loader_dist import table_digest
 from mimo_data.loading.token_table import TokenTable, compute
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
 from mimo_data.shards.reader import ShardReader
 
-SCRIPT = Path(__file__).parent / "loader_dist_run.py"
+SCRIPT = Path(__file__).parent / "jobs" / "loader_dist.py"
 GLOBAL_BATCH = 8
 SAVE_AFTER = 2
 
 
 def loader_job(ranks, nproc: int, logs: Path, *cases: list) -> None:
-    """One job of tests/loader_dist_run.py running ``cases`` (argument lists) in turn."""
+    """One job of tests/jobs/loader_dist.py running ``cases`` (argument lists) in turn."""
     argv: list = [SCRIPT]
     for case in cases:
         argv += [*(["+"] if len(argv) > 1 else []), "--global-batch-size", GLOBAL_BATCH,

@@ -30,8 +30,8 @@ import torch
 
 
 from conftest import MODELS, build_dataset
-from runs import assert_continues, compare, copy_checkpoint, step, train
-from vlm_runs import logits, transformers_logits
+from support.runs import assert_continues, compare, copy_checkpoint, step, train
+from support.vlm_runs import logits, transformers_logits
 
 BASE = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
 SAMPLES = 4

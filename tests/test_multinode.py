@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, preprocess_config_file
-from launch import BASE_ENV, torchrun_command
-from runs import train
+from support.launch import BASE_ENV, torchrun_command
+from support.runs import train
 
 NODES, PER_NODE = 2, 2
 STEPS = 3

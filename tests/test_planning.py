@@ -3,7 +3,7 @@ and advisor.py):
 
 - the memory formulas against a hand count (numbers written out below);
 - its ranking of three layouts of one model on 4 ranks against their runs (one job of forked
-  ranks, ``tests/train_runs_run.py``: the three runs one after another in one process group):
+  ranks, ``tests/jobs/train_runs.py``: the three runs one after another in one process group):
   the predicted order of the step times is the order of the work the runs' busiest ranks
   did, the floating-point operations torch counted in their train steps, the layouts about 2x
   apart by design (the language model's output layer over 49152 rows is the work, packed and
@@ -159,7 +159,7 @@ def measured(ranks, model_yaml):
     runs = [{"name": name, "config": str(path), "overrides": [f"layout={layout}"],
              "count_flops": True} for name, layout in LAYOUTS.items()]
     (tmp / "runs.json").write_text(json.dumps(runs))
-    ranks.run(4, [REPO / "tests" / "train_runs_run.py", tmp / "runs.json",
+    ranks.run(4, [REPO / "tests" / "jobs" / "train_runs.py", tmp / "runs.json",
                   tmp / "out.json"], tmp / "logs", timeout=900).check()
     return json.loads((tmp / "out.json").read_text())
 

@@ -30,7 +30,7 @@ from mimo_data.modalities.image import normalize_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
-from runs import step
+from support.runs import step
 
 PUBLISHED = MODELS / "published"
 # repository -> its transformers class

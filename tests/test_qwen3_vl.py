@@ -42,7 +42,7 @@ from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
-from runs import compare, step
+from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
 # the dense 2B (tied embeddings) and the mixture-of-experts 30B-A3B (4 experts of 24, 2 per

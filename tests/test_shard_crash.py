@@ -15,7 +15,7 @@ import pytest
 
 from conftest import (build_dataset, file_bytes, mimo_shard_command, read_json, run_cli,
                       shard_paths, write_jsonl)
-from launch import session
+from support.launch import session
 
 COPIES = 30          # the corpus' LLaVA records, 30 times: ~1,200 samples, ~25 shards of 50
 

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from conftest import REPO, model_dir, preprocess_config_file, scratch
-from runs import train, train_records
+from support.runs import train, train_records
 
 CONFIG = REPO / "configs" / "train" / "smollm2_images_audio.yaml"
 SMOLLM2_VOCAB = 49152                 # SmolLM2-135M-Instruct's vocabulary (config.json)

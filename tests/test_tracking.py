@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from anomaly_runs import planted, train_planted  # noqa: F401  (planted: the shards fixture)
+from support.anomaly_runs import planted, train_planted  # noqa: F401  (planted: the shards fixture)
 
 _BLOCK, _HEADER = 32768, 7       # the W&B log: LevelDB-log blocks, 7-byte file and chunk headers
 

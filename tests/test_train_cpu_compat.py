@@ -6,7 +6,7 @@ fails on CPU, checks it fails the way cpu_compat documents, applies only that pa
 same call again and checks the result against a plain-torch reference. The processes are
 forked, one per test, from one fresh interpreter that imported torch and megatron-core but not
 ``mimo_train.mcore`` (whose import applies every patch): its scripts load ``cpu_compat.py`` by
-its path (tests/cpu_compat_run.py).
+its path (tests/jobs/cpu_compat.py).
 
 The others (``grids.optimizer_groups``, ``distributed_optimizer``, ``async_save``,
 ``ensure_global_memory_buffer``), which act on the objects mimo gives them rather than process
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import TESTS, python
+from support.launch import TESTS, python
 from mimo_train.mcore import cpu_compat
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
@@ -247,7 +247,7 @@ SCRIPTS = {      # each test's script after the prelude, by the patch it shows
 
 @pytest.fixture(scope="module")
 def compat(tmp_path_factory):
-    """Every test's script run once, each in its own process (tests/cpu_compat_run.py); the
+    """Every test's script run once, each in its own process (tests/jobs/cpu_compat.py); the
     fixture is the check of one of them by name: it exited 0 and printed OK last."""
     tmp = tmp_path_factory.mktemp("cpu-compat")
     prelude = PRELUDE.replace("CPU_COMPAT_PY", repr(str(Path(cpu_compat.__file__))))
@@ -255,7 +255,7 @@ def compat(tmp_path_factory):
     for name, body in SCRIPTS.items():
         scripts[name] = tmp / f"{name}.py"
         scripts[name].write_text(prelude + textwrap.dedent(body) + "\nprint('OK')\n")
-    python([TESTS / "cpu_compat_run.py", tmp / "results.json", *scripts.values()],
+    python([TESTS / "jobs" / "cpu_compat.py", tmp / "results.json", *scripts.values()],
            timeout=600).check()
     results = json.loads((tmp / "results.json").read_text())
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import build_dataset, preprocess_config_file
-from runs import compare, step
+from support.runs import compare, step
 
 GLOBAL_BATCH = 4
 MODEL = ["model.language.num_layers=2", "model.language.hidden_size=32",
@@ -53,7 +53,7 @@ _RECOMPUTED = {"full": ("decoder.layers.0.mlp", "decoder"),
 
 
 def _calls(run: dict, module: str) -> dict:
-    """``module``'s forward calls by submodule path (``train_parity_run.count_calls``), on
+    """``module``'s forward calls by submodule path (``jobs.train_parity.count_calls``), on
     the first rank holding it."""
     return next(rank["calls"][module] for rank in run["ranks"] if module in rank["calls"])
 

@@ -1,7 +1,7 @@
 """Training runs for real: ``python -m mimo_train`` on 3 ranks with gloo on the sample corpus,
 images + audio + language in a non-colocated layout (one rank per module); forked ranks
-(tests/launch.py) but where torchrun's own behaviour is the point (signals, what a user sees of
-a failure).
+(tests/support/launch.py) but where torchrun's own behaviour is the point (signals, what a user
+sees of a failure).
 
 - the loss goes down; evaluation runs every N steps on a validation set, the same batches each
   time; TensorBoard gets the logged scalars; checkpoints land at the interval and at the end,
@@ -39,8 +39,8 @@ import pytest
 import torch
 
 from conftest import REPO, preprocess_config_file, scratch
-from launch import BASE_ENV, TESTS, session, torchrun, torchrun_command
-from runs import (assert_continues, copy_checkpoint, read_records, train, train_job,
+from support.launch import BASE_ENV, TESTS, session, torchrun, torchrun_command
+from support.runs import (assert_continues, copy_checkpoint, read_records, train, train_job,
                   train_records)
 
 STEPS = 6
@@ -352,11 +352,11 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(rank
 
 
 def _gated(tmp: Path, root: Path, common: list[str]) -> tuple[list, Path]:
-    """The command of the 3-rank job under real torchrun through tests/gated_train_run.py
+    """The command of the 3-rank job under real torchrun through tests/jobs/gated_train.py
     (``mimo-train`` whose ranks wait before step 2 until the returned gate file exists or they
     got an exit signal themselves), and the gate."""
     gate = root.with_name(root.name + ".gate")
-    return torchrun_command(3, [TESTS / "gated_train_run.py", gate, "--config",
+    return torchrun_command(3, [TESTS / "jobs" / "gated_train.py", gate, "--config",
                                 REPO / "configs" / "train" / CONFIG, *common,
                                 f"checkpoint.dir={root}"]), gate
 
@@ -376,7 +376,7 @@ def test_a_rank_that_dies_is_reported_once(setup):
     """SIGKILL to one worker once step 1 is logged (the kernel's out-of-memory killer does
     that): the job stops with one message saying a rank left without a message, exit status
     1, no traceback from the ranks left waiting for it. The ranks wait before step 2 until it
-    is killed (tests/gated_train_run.py): the run cannot end first."""
+    is killed (tests/jobs/gated_train.py): the run cannot end first."""
     import signal
     tmp, common, _ = setup
     command, gate = _gated(tmp, tmp / "killed", common)
@@ -401,7 +401,7 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     torchrun (which forwards it to every worker): every rank stops after the same step, the
     job saves that step's checkpoint and the workers exit 128 + the signal; started again, the
     run continues the uninterrupted run's losses within 1e-5. The ranks wait before step 2
-    until the signal has arrived (tests/gated_train_run.py): it stops them after step 1 or 2,
+    until the signal has arrived (tests/jobs/gated_train.py): it stops them after step 1 or 2,
     never after the run's end, however late the test sends it."""
     import signal
     tmp, common, full = setup

@@ -4,7 +4,7 @@ missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder 
 missing pretrained encoder.
 
 Every case runs for real on 3 ranks with gloo on the CPU, all of them in one ``torchrun`` job
-(tests/startup_cases_run.py: each rank calls ``mimo_train.cli.main`` on each case in turn and
+(tests/jobs/startup_cases.py: each rank calls ``mimo_train.cli.main`` on each case in turn and
 keeps what it printed to stderr, every warning shown each time, and its exit status): rank 0
 prints one ``mimo-train: mimo_train start-up failed (PHASE)`` message naming the ranks, the
 numbers or paths involved and the fix; the other ranks print nothing of it; no rank prints a
@@ -24,7 +24,7 @@ import pytest
 import yaml
 
 from conftest import REPO, preprocess_config_file
-from launch import torchrun
+from support.launch import torchrun
 
 NPROC = 3
 # seconds: a hang fails the test instead of blocking the suite. Only a hang decides: a launch
@@ -222,7 +222,7 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     argv = [["--config", str(configs[case[1]]), *_case(case, tmp)[0]] for case in CASES]
     (tmp / "cases.json").write_text(json.dumps(argv))
     out = tmp / "out"
-    job = torchrun(NPROC, [REPO / "tests" / "startup_cases_run.py", tmp / "cases.json", out],
+    job = torchrun(NPROC, [REPO / "tests" / "jobs" / "startup_cases.py", tmp / "cases.json", out],
                    timeout=TIMEOUT * 2)
     launcher = job.stdout + job.stderr
     assert job.ok, f"the cases' job failed\n{launcher[-6000:]}"

@@ -24,7 +24,7 @@ from mimo_data.modalities.video import (
     VIDEO, VideoConfig, decode_frames, normalize_video_pixels, probe_video, sample_indices,
     sampled_frame_count)
 from conftest import VideoClip
-from vlm_runs import video_processor
+from support.vlm_runs import video_processor
 
 
 # The clips (the corpus's, ``tools/make_video_clips.py``) that decode.

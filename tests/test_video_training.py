@@ -4,13 +4,13 @@ The sample corpus with ``video.jsonl`` beside its five inputs (built once, shard
 preprocessing config that expands images (small), audio and videos (small frames) with the
 SmolLM2 tokenizer, sequential positions; the random-init ``qwen2_vl`` image tower serves video
 beside images (``image=dp1,video``). Reusing the runners of the video-less tests, every job on
-forked ranks (``tests/launch.py``):
+forked ranks (``tests/support/launch.py``):
 
-- ``tests/loader_dist_run.py``: one epoch on 3 ranks (the image/video encoder on
+- ``tests/jobs/loader_dist.py``: one epoch on 3 ranks (the image/video encoder on
   its own rank, decoding the clips) serves every kept sample once, video samples included; the
   state saved after two steps resumed on 4 ranks under another layout (image/video dp2 fan-in)
   gives exactly the remaining steps, keys and tensors;
-- ``tests/train_parity_run.py``: the colocated step and image/video dp2 + audio dp1 -> language
+- ``tests/jobs/train_parity.py``: the colocated step and image/video dp2 + audio dp1 -> language
   dp1 (variable counts fanned in) give the same loss and gradients (1e-5); the batch holds an
   image, a video, an audio clip;
 - ``mimo_train``: the step-2 checkpoint of a colocated 4-step run, resumed on 3
@@ -33,10 +33,10 @@ import pytest
 import yaml
 
 from conftest import CORPUS_DIR, REPO, build_dataset, scratch
-from launch import TESTS
-from runs import assert_continues, compare, copy_checkpoint, step, train, train_records
+from support.launch import TESTS
+from support.runs import assert_continues, compare, copy_checkpoint, step, train, train_records
 
-LOADER_RUNNER = TESTS / "loader_dist_run.py"
+LOADER_RUNNER = TESTS / "jobs" / "loader_dist.py"
 LOADER_BATCH = 8                # the loader jobs' global batch (tests/test_loader_dist.py's)
 SAVE_AFTER = 2
 # the parity step's model (tests/test_train_parity.py's, its batch and seed set below)
@@ -126,7 +126,7 @@ def test_smollm2_gets_a_video_token_beside_the_image_token(video_config):
 # ------------------------------------------------------------------------------ exactly once
 
 def _loader_job(ranks, nproc: int, out: Path, *args) -> dict:
-    """``tests/loader_dist_run.py`` on ``nproc`` ranks (as tests/test_loader_dist.py runs it:
+    """``tests/jobs/loader_dist.py`` on ``nproc`` ranks (as tests/test_loader_dist.py runs it:
     its global batch, seed 21); the JSON result rank 0 wrote to ``out``."""
     ranks.run(nproc, [LOADER_RUNNER, "--out", out, "--global-batch-size", LOADER_BATCH,
                       "--seed", 21, *args], out.with_name(f"{out.stem}-logs")).check()

@@ -34,8 +34,8 @@ from mimo_train.plan import resolve
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from runs import assert_continues, compare, copy_checkpoint, train_records
-from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
+from support.runs import assert_continues, compare, copy_checkpoint, train_records
+from support.vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
                       finetune as run_finetune, layout_step, transformers_logits, turns,
                       weights)
 

@@ -34,8 +34,8 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from runs import compare, train_records
-from vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
+from support.runs import compare, train_records
+from support.vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
                       finetune, layout_step, turns, weights)
 
 MODELS = REPO / "assets" / "models"

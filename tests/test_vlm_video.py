@@ -35,8 +35,8 @@ from mimo_train.families.registry import preprocessing_for
 from mimo_train.training.step import _shared_placeholders
 
 from conftest import REPO, build_dataset
-from runs import compare
-from vlm_runs import TOLERANCE, colocated as run_colocated, layout_step, video_processor
+from support.runs import compare
+from support.vlm_runs import TOLERANCE, colocated as run_colocated, layout_step, video_processor
 
 MODELS = REPO / "assets" / "models"
 CHECKPOINTS = {"qwen2-vl": MODELS / "tiny-qwen2-vl", "qwen2.5-vl": MODELS / "tiny-qwen2.5-vl"}

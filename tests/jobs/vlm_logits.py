@@ -1,8 +1,8 @@
 """The logits of a model built by ``mimo_train`` on its first micro-batch, for the VLM tests
-(``vlm_runs.logits`` and ``vlm_runs.colocated``: one forked rank of tests/launch.py;
+(``vlm_runs.logits`` and ``vlm_runs.colocated``: one forked rank of tests/support/launch.py;
 tests/test_vlm.py, tests/test_vlm_families.py, tests/test_vlm_video.py).
 
-    python tests/vlm_logits_run.py OUT [--save-init DIR] [--step] key=value ...   # one process
+    python tests/jobs/vlm_logits.py OUT [--save-init DIR] [--step] key=value ...   # one process
 
 Builds ``mimo_train.training.trainer.Trainer`` from the overrides, runs ``MimoModel`` forward (no
 labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: the logits
@@ -10,7 +10,7 @@ labels: logits) on the loader's first micro-batch and writes ``OUT/logits.pt``: 
 
 ``--save-init DIR`` first saves the imported model as a checkpoint in DIR (``step_0000000``).
 ``--step`` then runs one global batch, that micro-batch first, forward and backward through the
-real schedule and gradient finalization (no optimizer step), as tests/train_parity_run.py does
+real schedule and gradient finalization (no optimizer step), as tests/jobs/train_parity.py does
 on one rank, and writes its ``OUT/rank_0.pt``: the loss sum, the trained tokens, the step's
 model FLOPs per module and every module's gradients by global parameter name (``runs.merged``
 reads it). One process for the logits and the colocated reference step: the Trainer
@@ -61,7 +61,7 @@ def main(argv) -> None:
 
 def _step(trainer: Trainer, first: dict, stream, out: str) -> None:
     """The global batch whose first micro-batch is ``first`` (the loader's stream goes on
-    after it), forward and backward; its ``rank_0.pt`` as tests/train_parity_run.py writes it
+    after it), forward and backward; its ``rank_0.pt`` as tests/jobs/train_parity.py writes it
     on one rank (no TP: each gradient is the parameter's ``main_grad`` as it is)."""
     assert dist.get_world_size() == 1, "the colocated reference runs on one rank"
 

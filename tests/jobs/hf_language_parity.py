@@ -1,9 +1,9 @@
 """Logits of language models imported from transformers checkpoints, against transformers',
 for tests/test_hf_language.py.
 
-    torchrun --nproc-per-node N tests/hf_language_parity_run.py OUT LAYOUTS [--mrope DIR] DIR...
+    torchrun --nproc-per-node N tests/jobs/hf_language_parity.py OUT LAYOUTS [--mrope DIR] DIR...
 
-(the tests run it on forked ranks: ``ranks.run``, tests/launch.py)
+(the tests run it on forked ranks: ``ranks.run``, tests/support/launch.py)
 
 For each layout in ``LAYOUTS`` (``;``-free layouts joined by ``+``, e.g.
 ``language=dp2+language=tp2+language=pp2``) and each model directory: builds the language

@@ -1,7 +1,7 @@
 """``python -m mimo_train`` with a gate before the second step, for tests/test_train_run.py's
 signal and kill tests under real torchrun::
 
-    torchrun --standalone --nproc-per-node 3 tests/gated_train_run.py GATE --config ... k=v
+    torchrun --standalone --nproc-per-node 3 tests/jobs/gated_train.py GATE --config ... k=v
 
 Each rank waits before its second train step until the file GATE exists or it has received
 one of ``train.exit_signals`` itself. The test signals or kills a rank once step 1 is logged

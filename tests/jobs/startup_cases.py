@@ -1,7 +1,7 @@
 """Start-up failure cases one after another in one ``torchrun`` job, for
 tests/test_train_startup.py.
 
-    torchrun --nproc-per-node 3 tests/startup_cases_run.py CASES.json OUT
+    torchrun --nproc-per-node 3 tests/jobs/startup_cases.py CASES.json OUT
 
 ``CASES.json`` lists argument lists of ``mimo-train``; every rank runs ``mimo_train.cli.main``
 on each in turn, as the command line would, and writes ``OUT/<case>/rank_<R>.stderr`` (what

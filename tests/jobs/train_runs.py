@@ -1,7 +1,7 @@
 """Several training runs one after another in one process group, for tests/test_dtypes.py
 (one forked rank) and tests/test_planning.py (the layout advisor's ranking: four).
 
-    python tests/train_runs_run.py RUNS.json OUT.json        # the tests: N forked ranks
+    python tests/jobs/train_runs.py RUNS.json OUT.json        # the tests: N forked ranks
 
 ``RUNS.json`` lists ``{"name": ..., "config": YAML (optional), "overrides": [key=value, ...]}``,
 every run on the job's ranks; each builds ``mimo_train.training.trainer.Trainer`` and trains to

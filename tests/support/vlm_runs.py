@@ -3,12 +3,12 @@ tests/test_vlm_families.py, tests/test_vlm_video.py, tests/test_video_modality.p
 module imports another:
 
 - ``logits``: the model mimo builds, forward on its loader's first micro-batch
-  (``tests/vlm_logits_run.py`` on one forked rank), and ``assert_packed_logits``: packed rows
+  (``tests/jobs/vlm_logits.py`` on one forked rank), and ``assert_packed_logits``: packed rows
   against transformers' padded ones;
 - ``colocated``: in one job, those logits and the colocated step on the same micro-batch (its
   loss and gradients, as ``runs.step`` gives them), the imported model saved first (the
   weights every other layout starts from);
-- ``colocated_step`` / ``layout_step``: one step of ``tests/train_parity_run.py`` colocated
+- ``colocated_step`` / ``layout_step``: one step of ``tests/jobs/train_parity.py`` colocated
   (the imported model saved first) and under another layout (``runs.step``), compared with
   ``runs.compare``;
 - ``finetune``: a shipped fine-tune config on the test shards (``runs.train``);
@@ -25,10 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import TESTS, Ranks
-from runs import merged, step, train
+from support.launch import TESTS, Ranks
+from support.runs import merged, step, train
 
-LOGITS_RUNNER = TESTS / "vlm_logits_run.py"
+LOGITS_RUNNER = TESTS / "jobs" / "vlm_logits.py"
 TOLERANCE = 1e-4                # fp32 logits of mimo's model against transformers' class
 SAMPLES = 4                     # the samples of the image shards (one micro-batch)
 
@@ -41,7 +41,7 @@ def turns(*texts: str) -> list[dict]:
 
 def logits(ranks: Ranks, tmp: Path, name: str, common: list[str], *overrides: str,
            layout: str = "language=dp1;image=dp1,off0", micro_batch: int = SAMPLES) -> dict:
-    """``tests/vlm_logits_run.py`` on one rank, colocated: its ``logits.pt`` (logits, batch,
+    """``tests/jobs/vlm_logits.py`` on one rank, colocated: its ``logits.pt`` (logits, batch,
     keys)."""
     out = tmp / name
     ranks.run(1, [LOGITS_RUNNER, out, f"layout={layout}",

@@ -38,7 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TESTS = REPO / "tests"
 # what a job's processes need whatever the test: the repository and tests/ importable, one
 # intra-op thread per rank (2 cores for all ranks)
@@ -452,5 +452,6 @@ def serve() -> None:
 
 
 if __name__ == "__main__":
-    assert sys.argv[1:] == ["--serve"], "tests/launch.py --serve (started by tests/conftest.py)"
+    assert sys.argv[1:] == ["--serve"], \
+        "tests/support/launch.py --serve (started by tests/conftest.py)"
     serve()

@@ -1,6 +1,6 @@
 """What several test modules do with training runs, in one place (no test module imports another):
 
-- one step under a layout (``tests/train_parity_run.py``: loss and every gradient) and its
+- one step under a layout (``tests/jobs/train_parity.py``: loss and every gradient) and its
   comparison with the colocated step (``step`` / ``compare``): the parity checks;
 - ``mimo-train`` runs on forked ranks (``train``), their JSONL records, and a resumed run's
   agreement with the uninterrupted one (``assert_continues``).
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import REPO, TESTS, Job, Ranks
+from support.launch import REPO, TESTS, Job, Ranks
 
-PARITY_RUNNER = TESTS / "train_parity_run.py"
+PARITY_RUNNER = TESTS / "jobs" / "train_parity.py"
 TOLERANCE = 1e-5                        # fp32 parity of losses and gradients across layouts
 CONFIGS = REPO / "configs" / "train"
 
@@ -28,7 +28,7 @@ CONFIGS = REPO / "configs" / "train"
 
 def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None = None,
          host_reads: bool = False, save_batches: bool = False) -> dict:
-    """One step of ``tests/train_parity_run.py`` on ``nproc`` ranks: the world's loss sum and
+    """One step of ``tests/jobs/train_parity.py`` on ``nproc`` ranks: the world's loss sum and
     trained tokens, and every module's gradients by global parameter name (DP replicas
     checked equal), each rank's dtypes and fixed parameters; ``save_init``: save the initial
     weights there first (``step_0000000``)."""

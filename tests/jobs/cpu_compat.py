@@ -3,7 +3,7 @@ tests/test_train_cpu_compat.py: one fresh interpreter (no mimo_train.mcore impor
 applied) imports torch and megatron-core once, without probing CUDA, then forks one child per
 script.
 
-    python tests/cpu_compat_run.py OUT.json SCRIPT...
+    python tests/jobs/cpu_compat.py OUT.json SCRIPT...
 
 Each child runs its script as ``__main__`` (the patches it applies die with it), its stdout and
 stderr in files beside the script. ``OUT.json``: ``{script: {"code", "stdout", "stderr"}}``.

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, build_dataset, preprocess_config_file
-from launch import Ranks
-from runs import read_records, train_job
+from support.launch import Ranks
+from support.runs import read_records, train_job
 
 SMOLLM2 = REPO / "assets" / "models" / "smollm2-135m-instruct"
 ANSWERS = ["Paris is the capital of France.", "Water boils at one hundred degrees.",
