@@ -350,11 +350,13 @@ def test_an_image_processor_that_normalizes_differently_is_refused(vlm_data):
         Qwen2VLVision(other, 0, 0, 0, pretrained=str(VLM))
 
 
-def test_a_tp_size_the_heads_cannot_split_into_is_refused():
-    from mimo_train.families.causal_lm import check_parallel
+def test_a_tp_size_the_heads_cannot_split_into_is_refused(vlm_data):
     from mimo_train.families.registry import language_arch
+    _, preprocess, _ = vlm_data
     arch = language_arch(str(VLM))
     assert (arch.num_attention_heads, arch.num_query_groups) == (4, 2)
     with pytest.raises(TrainConfigError, match="2 query groups .* do not split into language "
                        "tp4"):
-        check_parallel(arch, 4, 1, str(VLM))
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                        f"data.preprocess={preprocess}",
+                                        "layout=image=dp1;language=tp4"]))

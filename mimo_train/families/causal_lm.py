@@ -188,17 +188,6 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
            if family == "qwen3_moe" else {}))
 
 
-def check_parallel(arch: LanguageArch, tp: int, pp: int, path: str) -> None:
-    """``TrainConfigError`` unless the model splits into ``tp`` × ``pp``."""
-    for what, value, size in (("attention heads", arch.num_attention_heads, tp),
-                              ("query groups (key/value heads)", arch.num_query_groups, tp),
-                              ("layers", arch.num_layers, pp)):
-        if value % size:
-            dim = "tp" if size == tp else "pp"
-            raise TrainConfigError(f"model.language.pretrained {path} has {value} {what}, "
-                                   f"which do not split into language {dim}{size}")
-
-
 def transformer_fields(arch: LanguageArch) -> dict:
     """``TransformerConfig`` fields reproducing the checkpoint's numerics."""
     return dict(num_layers=arch.num_layers, hidden_size=arch.hidden_size,
