@@ -5,19 +5,24 @@ files and where each came from):
 - ``config.json``: the published file, key for key and in its structure (Qwen2-VL and
   Qwen2.5-VL flat as transformers 4.41 wrote them; Qwen3-VL and llava-hf nested, llava-hf
   with the keys the text config leaves to transformers' defaults left out), only the dims
-  replaced by tiny ones (``SHRINK``). Token ids, ``rope_scaling`` (but Qwen3-VL's
+  replaced by tiny ones (``SHRINK``; Qwen3.5's ``layer_types`` cut to the four layers).
+  Token ids, ``rope_scaling`` / ``rope_parameters`` (but Qwen3-VL's and Qwen3.5's
   ``mrope_section``, scaled with the head), window sizes, ``fullatt_block_indexes``,
   ``tokens_per_second``, ``vision_feature_layer``, ``vision_feature_select_strategy``, image
   sizes, ``num_position_embeddings`` and vocabulary sizes stay the published values.
-- the processor, tokenizer, template and generation files as published (copied).
+- the processor, tokenizer, template and generation files as published (copied; Qwen3.5's
+  repositories have no generation_config.json).
 - ``tokenizer.json``: the published special tokens at their published ids, around a byte-level
   BPE made from SmolLM2's (the only tokenizer installed offline): its merges truncated where
   the published base vocabulary is smaller (LLaVA-1.5's 32000), unreachable filler entries
   where it is larger (Qwen's 151643).
 - weights under the published names (``visual.`` / ``model.`` / ``lm_head.`` for Qwen2-VL
-  and Qwen2.5-VL; ``model.visual.`` / ``model.language_model.`` / ``lm_head.`` for Qwen3-VL
-  and Qwen3-VL-MoE, whose fused experts are written in the published layout, transposed from
-  transformers 5's);
+  and Qwen2.5-VL; ``model.visual.`` / ``model.language_model.`` / ``lm_head.`` for Qwen3-VL,
+  Qwen3-VL-MoE, whose fused experts are written in the published layout, transposed from
+  transformers 5's, and Qwen3.5 / Qwen3.5-MoE, whose gated delta-net ``A_log`` and norm are
+  float32 as published and whose multi-token prediction weights ``mtp.*``, which
+  transformers drops on load, are written from a seeded init, experts one per tensor as
+  published);
   ``vision_tower.`` / ``multi_modal_projector.`` / ``language_model.model.`` /
   ``language_model.lm_head.`` for llava-hf), no output layer where the embeddings are tied,
   in the published dtype, sharded with an index where the published repository is sharded.
@@ -74,6 +79,31 @@ _QWEN3_VL = {"text_config.hidden_size": 64, "text_config.intermediate_size": 96,
 # layout untransposed (it transposes only when the shapes differ)
 _QWEN3_VL_MOE = {**_QWEN3_VL, "text_config.num_experts": 4,
                  "text_config.num_experts_per_tok": 2, "text_config.moe_intermediate_size": 24}
+# Qwen3.5 (nested text_config / vision_config, no DeepStack): four text layers, so that the
+# published pattern (three gated delta-net layers, then one full attention layer,
+# full_attention_interval 4) holds once; head_dim 64 with the published partial_rotary_factor
+# 0.25 gives 16 rotary dims = 8 pairs, split over time / height / width as 11 / 11 / 10 of 32
+# are (2.75 / 2.75 / 2.5: [3, 3, 2], every section kept; head_dim 16 or 32 would leave 2 or 4
+# pairs, too few for three non-empty sections near the published ratio). Linear attention: 2 key
+# heads and 4 value heads of 16 (the published 16 / 32 or 16 / 48: more value than key heads,
+# each key head shared by value heads); the tower outputs the decoder width (out_hidden_size 64)
+_QWEN3_5_TEXT = {"text_config.hidden_size": 64, "text_config.num_hidden_layers": 4,
+                 "text_config.layer_types": ["linear_attention"] * 3 + ["full_attention"],
+                 "text_config.num_attention_heads": 4, "text_config.num_key_value_heads": 2,
+                 "text_config.head_dim": 64,
+                 "text_config.rope_parameters.mrope_section": [3, 3, 2],
+                 "text_config.linear_num_key_heads": 2, "text_config.linear_num_value_heads": 4,
+                 "text_config.linear_key_head_dim": 16, "text_config.linear_value_head_dim": 16,
+                 "vision_config.depth": 2, "vision_config.hidden_size": 32,
+                 "vision_config.intermediate_size": 48, "vision_config.num_heads": 2,
+                 "vision_config.out_hidden_size": 64}
+_QWEN3_5 = {**_QWEN3_5_TEXT, "text_config.intermediate_size": 96}
+# Qwen3.5-MoE: every layer sparse (as published: no dense layer) with 4 experts, 2 per token,
+# and the shared expert; moe_intermediate_size 24 (fused gate_up_proj [4, 48, 64], not square,
+# as for Qwen3-VL-MoE), shared_expert_intermediate_size 32
+_QWEN3_5_MOE = {**_QWEN3_5_TEXT, "text_config.num_experts": 4,
+                "text_config.num_experts_per_tok": 2, "text_config.moe_intermediate_size": 24,
+                "text_config.shared_expert_intermediate_size": 32}
 # published repository -> (dotted config key -> tiny value, shards of the published weights)
 SHRINK: dict[str, tuple[dict[str, Any], int]] = {
     "Qwen/Qwen2-VL-2B-Instruct": (
@@ -100,7 +130,13 @@ SHRINK: dict[str, tuple[dict[str, Any], int]] = {
     "Qwen/Qwen3-VL-2B-Instruct": (_QWEN3_VL, 1),
     # published in 13 shards with an index
     "Qwen/Qwen3-VL-30B-A3B-Instruct": (_QWEN3_VL_MOE, 2),
+    # published in 2 and 14 shards with an index, multi-token prediction weights (mtp.*) beside
+    "Qwen/Qwen3.5-4B": (_QWEN3_5, 2),
+    "Qwen/Qwen3.5-35B-A3B": (_QWEN3_5_MOE, 2),
 }
+# shard file names where the repository's differ from the Hub's model-0000N-of-0000M form
+SHARD_FILES = {"Qwen/Qwen3.5-4B": "model.safetensors-{:05d}-of-{:05d}.safetensors",
+               "Qwen/Qwen3.5-35B-A3B": "model.safetensors-{:05d}-of-{:05d}.safetensors"}
 # transformers 5's parameter prefix -> the published one, by config model_type
 PUBLISHED_NAMES = {
     "qwen2_vl": (("model.visual.", "visual."), ("model.language_model.", "model."),
@@ -116,12 +152,20 @@ PUBLISHED_NAMES["qwen3_vl"] = (("model.visual.", "model.visual."),
                                ("model.language_model.", "model.language_model."),
                                ("lm_head.", "lm_head."))
 PUBLISHED_NAMES["qwen3_vl_moe"] = PUBLISHED_NAMES["qwen3_vl"]
+PUBLISHED_NAMES["qwen3_5"] = PUBLISHED_NAMES["qwen3_5_moe"] = PUBLISHED_NAMES["qwen3_vl"]
 # parameters published transposed from transformers 5's in-memory layout (dims 1 and 2), by
 # model_type: Qwen3-VL-MoE's fused experts are published as gate_up_proj [experts, hidden,
 # 2 * moe_intermediate] and down_proj [experts, moe_intermediate, hidden]; transformers 5
 # holds [experts, 2 * moe_intermediate, hidden] and [experts, hidden, moe_intermediate] and
 # transposes on load (conversion_mapping "qwen3_vl_moe")
 PUBLISHED_TRANSPOSED = {"qwen3_vl_moe": (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")}
+# parameters published in float32 whatever the config's dtype, by model_type: Qwen3.5's gated
+# delta-net A_log and its gated RMSNorm weight (mamba_ssm_dtype float32; everything else bf16)
+PUBLISHED_FP32 = {"qwen3_5": (".linear_attn.A_log", ".linear_attn.norm.weight")}
+PUBLISHED_FP32["qwen3_5_moe"] = PUBLISHED_FP32["qwen3_5"]
+# model types whose checkpoints carry multi-token prediction weights (``mtp.*``), which
+# transformers does not model (``_keys_to_ignore_on_load_unexpected``)
+WITH_MTP = ("qwen3_5", "qwen3_5_moe")
 # dtype of the published weights
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -215,8 +259,49 @@ def _published_tensor(name: str, tensor: torch.Tensor, model_type: str) -> torch
     return tensor
 
 
-def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> None:
-    """``model.safetensors``, or ``shards`` files and their index, as the Hub writes them."""
+def _published_dtype_of(name: str, model_type: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``name`` is published in (``PUBLISHED_FP32``, else the config's)."""
+    return torch.float32 if name.endswith(PUBLISHED_FP32.get(model_type, ())) else dtype
+
+
+def _mtp_tensors(config, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Seeded multi-token prediction weights under the published names and shapes: ``fc``
+    [hidden, 2 x hidden] over the normed embedding and hidden state, one full-attention decoder
+    layer ``mtp.layers.0`` (its experts one tensor per expert and projection, as published,
+    not fused), the final norm. transformers has no module for them: the shapes come from its
+    own full-attention decoder layer of the same text config."""
+    text = config.text_config
+    kind = type(text).__name__.removesuffix("TextConfig")
+    module = __import__(f"transformers.models.{config.model_type}.modeling_{config.model_type}",
+                        fromlist=["_"])
+    layer = getattr(module, f"{kind}DecoderLayer")(text, text.layer_types.index("full_attention"))
+    randomize(layer)
+    tensors = {}
+    for name, parameter in layer.named_parameters():
+        if name == "mlp.experts.gate_up_proj":           # [experts, 2 x moe, hidden]
+            gate, up = parameter.detach().chunk(2, dim=1)
+            for e in range(parameter.shape[0]):
+                tensors[f"mlp.experts.{e}.gate_proj.weight"] = gate[e]
+                tensors[f"mlp.experts.{e}.up_proj.weight"] = up[e]
+        elif name == "mlp.experts.down_proj":            # [experts, hidden, moe]
+            for e in range(parameter.shape[0]):
+                tensors[f"mlp.experts.{e}.down_proj.weight"] = parameter.detach()[e]
+        else:
+            tensors[name] = parameter.detach()
+    generator = torch.Generator().manual_seed(SEED + 1)
+    hidden = text.hidden_size
+    found = {f"mtp.layers.0.{name}": tensor for name, tensor in tensors.items()}
+    found["mtp.fc.weight"] = 0.05 * torch.randn(hidden, 2 * hidden, generator=generator)
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_embedding.weight",
+                 "mtp.pre_fc_norm_hidden.weight"):
+        found[norm] = 1.0 + 0.2 * torch.randn(hidden, generator=generator)
+    return {name: tensor.to(dtype).contiguous() for name, tensor in sorted(found.items())}
+
+
+def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int,
+                   file_name: str = "model-{:05d}-of-{:05d}.safetensors") -> None:
+    """``model.safetensors``, or ``shards`` files (``file_name``) and their index, as the
+    Hub writes them."""
     from safetensors.torch import save_file
     if shards == 1:
         save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -224,7 +309,7 @@ def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> 
     names = list(tensors)
     weight_map = {}
     for shard in range(shards):
-        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        file = file_name.format(shard + 1, shards)
         part = {name: tensors[name] for name in names[shard::shards]}
         save_file(part, out / file, metadata={"format": "pt"})
         weight_map.update({name: file for name in part})
@@ -236,13 +321,15 @@ def _write_weights(tensors: dict[str, torch.Tensor], out: Path, shards: int) -> 
 
 def _check_names(written: set[str], files: Path) -> None:
     """Where the published weight names are recorded (``weights.txt``: the names outside
-    numbered layers and those of layer 0), the replica has exactly those."""
+    numbered layers, blocks and experts, and those of the numbers it lists: layer 0, and for
+    Qwen3.5 layer 3 too, its first full-attention layer), the replica has exactly those."""
     listing = files / "weights.txt"
     if not listing.is_file():
         return
     published = set(listing.read_text().split())
-    numbered = re.compile(r"\.(?:layers|blocks)\.(\d+)\.")
-    ours = {n for n in written if all(m == "0" for m in numbered.findall(n))}
+    numbered = re.compile(r"\.(layers|blocks|experts)\.(\d+)\.")
+    listed = {found for name in published for found in numbered.findall(name)}
+    ours = {n for n in written if all(found in listed for found in numbered.findall(n))}
     if ours != published:
         raise SystemExit(f"{files.name}: weight names differ from the published ones: "
                          f"only ours {sorted(ours - published)[:5]}, only published "
@@ -277,16 +364,21 @@ def build_replica(repo: str, out: Path, smollm2_tokenizer: Path) -> None:
     randomize(model)
     model.tie_weights()
     dtype = DTYPES[_published_dtype(published)]
+    kind = config.model_type
     tied = {id(p) for p in model.get_input_embeddings().parameters()}
-    tensors = {_published_name(name, config.model_type):
-               _published_tensor(name, p.detach().to(dtype), config.model_type).contiguous()
+    tensors = {_published_name(name, kind): _published_tensor(
+                   name, p.detach().to(_published_dtype_of(name, kind, dtype)), kind).contiguous()
                for name, p in model.named_parameters(remove_duplicate=False)
                if not (name.startswith("lm_head.") and id(p) in tied)}
-    _write_weights(tensors, staging, shards)
+    if kind in WITH_MTP:
+        tensors |= _mtp_tensors(config, dtype)
+    _write_weights(tensors, staging, shards, SHARD_FILES.get(repo, "model-{:05d}-of-{:05d}"
+                                                             ".safetensors"))
     _check_names(set(tensors), files)
 
     loaded = AutoModelForImageTextToText.from_pretrained(staging, dtype=torch.float32)
-    expected = {n: p.detach().to(dtype).float() for n, p in model.named_parameters()}
+    expected = {n: p.detach().to(_published_dtype_of(n, kind, dtype)).float()
+                for n, p in model.named_parameters()}
     got = dict(loaded.named_parameters())
     wrong = [n for n, t in expected.items() if n not in got or not torch.equal(got[n], t)]
     if wrong or set(got) != set(expected):

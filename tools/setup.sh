@@ -36,7 +36,7 @@ MODELS=(smollm2-135m-instruct tiny-llama tiny-qwen2 tiny-qwen3 tiny-qwen2-vl-vis
 PUBLISHED=(Qwen--Qwen2-VL-2B-Instruct Qwen--Qwen2-VL-7B-Instruct Qwen--Qwen2.5-VL-3B-Instruct
            Qwen--Qwen2.5-VL-7B-Instruct llava-hf--llava-1.5-7b-hf
            llava-hf--llava-interleave-qwen-0.5b-hf Qwen--Qwen3-VL-2B-Instruct
-           Qwen--Qwen3-VL-30B-A3B-Instruct)
+           Qwen--Qwen3-VL-30B-A3B-Instruct Qwen--Qwen3.5-4B Qwen--Qwen3.5-35B-A3B)
 
 say() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
