@@ -1,0 +1,362 @@
+"""Qwen3.5's data rules (``configs/preprocess_qwen3_5.yaml``) against transformers' own processor
+of the published replicas (``AutoProcessor``: ``Qwen3VLProcessor``, as Qwen3.5's
+preprocessor_config.json names it) and ``Qwen3_5Model`` / ``Qwen3_5MoeModel``'s
+``get_rope_index``:
+
+- input ids and token counts equal the processor's through the published chat template for an
+  image, a video, both, two images, a system turn, several turns and text only (the dense
+  replica; the MoE replica, whose files are the same, for one conversation);
+- the training template (``configs/preprocess_qwen3_5.jinja``) renders the published
+  template's text character for character, tool calls and reasoning included; with the
+  published template itself a conversation of several turns has no placeable loss (its earlier
+  turns lose their think block), so it is dropped as ``template_mismatch``;
+- trained: in each turn after the last user query what follows the template's generation
+  prompt (``<think>\\n``): the closing ``</think>``, the answer and ``<|im_end|>``; in earlier
+  turns the answer and ``<|im_end|>``;
+- videos: the frame sampling, the resize and the ``<t seconds>`` timestamps are the replica's
+  video processor's (Qwen3-VL's ``Qwen3VLVideoProcessor``, its published settings); the decoded
+  pixels and grids are the processor's;
+- M-RoPE positions equal ``get_rope_index`` (each temporal patch an image of its own), padded
+  and packed; a metadata-only preprocessor (language ranks) gives the same ids and positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import (
+    VIDEO, normalize_video_pixels, patch_timestamps, sample_indices, video_grid_thw)
+from mimo_data.preprocess.collate import Collator
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+
+from conftest import REPO
+
+PUBLISHED = REPO / "assets" / "models" / "published"
+REPLICA = PUBLISHED / "Qwen--Qwen3.5-4B"
+MOE_REPLICA = PUBLISHED / "Qwen--Qwen3.5-35B-A3B"
+CONFIG = REPO / "configs" / "preprocess_qwen3_5.yaml"
+CLIPS = ("pan_h264_24", "zoom_mpeg4_10", "rotated_h264_24")
+PHOTOS = ("chelsea.jpg", "camera.png")
+
+
+def _turns(*texts: str) -> list[dict]:
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
+            for i, text in enumerate(texts)]
+
+
+# key -> turns (markers lead each content) and the media, in marker order
+CONVERSATIONS = {
+    "image": (_turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
+    "video": (_turns("<video>\nWhat moves?", "The camera pans across a person."),
+              ["pan_h264_24"]),
+    "mixed": (_turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
+              ["chelsea.jpg", "zoom_mpeg4_10"]),
+    "two-images": (_turns("<image><image>\nCompare them.", "A cat and a camera."),
+                   ["chelsea.jpg", "camera.png"]),
+    "system": ([{"role": "system", "content": "Answer in three words."},
+                *_turns("<image>\nWhat is it?", "A grey cat.")], ["chelsea.jpg"]),
+    "multi-turn": (_turns("<video>\nWhat is shown?", "A turned clip.",
+                          "<image>\nAnd here?", "A camera.", "Which came first?",
+                          "The clip."), ["rotated_h264_24", "camera.png"]),
+    "text": (_turns("What is a tar file?", "An archive."), []),
+}
+
+
+def _typed(messages: list[dict]) -> list[dict]:
+    """The messages as the processor's template takes them: media markers as typed parts."""
+    typed = []
+    for message in messages:
+        text, parts = message["content"], []
+        while text.startswith(("<image>", "<video>")):
+            parts.append({"type": text[1:6]})
+            text = text[7:]
+        typed.append({"role": message["role"],
+                      "content": [*parts, {"type": "text", "text": text}]})
+    return typed
+
+
+def _processor(replica: Path):
+    pytest.importorskip("torchvision")
+    from transformers import AutoProcessor
+    return AutoProcessor.from_pretrained(str(replica), cap_pixels_per_frame=False)
+
+
+@pytest.fixture(scope="module")
+def config() -> PreprocessConfig:
+    return PreprocessConfig.from_yaml(str(CONFIG))
+
+
+@pytest.fixture(scope="module")
+def processor():
+    return _processor(REPLICA)
+
+
+@pytest.fixture(scope="module")
+def media(corpus, corpus_videos) -> dict[str, bytes]:
+    found = {name: (corpus / "images" / name).read_bytes() for name in PHOTOS}
+    return found | {name: corpus_videos[name].data for name in CLIPS}
+
+
+@pytest.fixture(scope="module")
+def records(media) -> dict[str, tuple[dict, dict]]:
+    """key -> (record, member bytes)."""
+    found = {}
+    for key, (messages, names) in CONVERSATIONS.items():
+        items = [media_item("video" if name in CLIPS else "image", media[name], i)
+                 for i, name in enumerate(names)]
+        found[key] = ({"key": key, "messages": messages, "media": items},
+                      {item["member"]: media[name] for item, name in zip(items, names)})
+    return found
+
+
+@pytest.fixture(scope="module")
+def preprocessor(config) -> Preprocessor:
+    return Preprocessor(config)
+
+
+@pytest.fixture(scope="module")
+def samples(preprocessor, records) -> dict:
+    return {key: preprocessor(record, data) for key, (record, data) in records.items()}
+
+
+def _frames(data: bytes, rotation: int) -> np.ndarray:
+    """Every frame of a clip, plain PyAV, rotated for display."""
+    with av.open(io.BytesIO(data)) as container:
+        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    return np.ascontiguousarray(np.rot90(frames, rotation // 90, axes=(1, 2)))
+
+
+def _reference(processor, key: str, record: dict, media: dict) -> dict:
+    """The processor's output for the conversation through its own (published) chat template,
+    with the video metadata."""
+    from PIL import Image, ImageOps
+    prompt = processor.apply_chat_template(_typed(record["messages"]), tokenize=False)
+    names = CONVERSATIONS[key][1]
+    images = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
+              for name in names if name in PHOTOS]
+    videos = [item for item in record["media"] if item["modality"] == "video"]
+    clips = [_frames(media[name], item["rotation"])
+             for name, item in zip([n for n in names if n in CLIPS], videos)]
+    return processor(
+        text=[prompt], images=images or None, videos=clips or None,
+        video_metadata=[{"total_num_frames": item["frames"], "fps": item["fps"]}
+                        for item in videos] or None, return_tensors="pt")
+
+
+@pytest.fixture(scope="module")
+def reference(processor, records, media) -> dict:
+    return {key: _reference(processor, key, record, media)
+            for key, (record, _) in records.items()}
+
+
+def _trained_texts(tokenizer, ids: np.ndarray, trained: np.ndarray) -> list[str]:
+    runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
+    return [tokenizer.decode(ids[run]) for run in runs if len(run) and trained[run[0]]]
+
+
+def test_input_ids_and_counts_equal_the_processors(preprocessor, records, samples, reference):
+    for key, (record, _) in records.items():
+        expected = reference[key]["input_ids"][0]
+        assert preprocessor.text_batch([record])[0].ids.tolist() == expected.tolist(), key
+        # the training sample's inputs: every token but the last (labels: the next tokens)
+        assert samples[key].input_ids.tolist() == expected[:-1].tolist(), key
+        for modality, grids in (("image", "image_grid_thw"), ("video", "video_grid_thw")):
+            counts = (reference[key][grids].prod(-1) // 4).tolist() if grids in reference[key] \
+                else []
+            assert samples[key].token_counts[modality] == counts, key
+            token = preprocessor.text.modality_token_ids[modality]
+            assert int((expected == token).sum()) == sum(counts), key
+
+
+def test_the_moe_repository_gives_the_same(config, records, media):
+    """The MoE replica's own tokenizer and processor (its files are the dense one's)."""
+    moe = dataclasses.replace(config, tokenizer=str(MOE_REPLICA))
+    record, data = records["mixed"]
+    expected = _reference(_processor(MOE_REPLICA), "mixed", record, media)["input_ids"][0]
+    assert Preprocessor(moe)(record, data).input_ids.tolist() == expected[:-1].tolist()
+
+
+def test_trained_tokens_are_what_the_model_writes_after_the_generation_prompt(
+        preprocessor, records, processor):
+    """After the last user query: the text the published template adds to its generation
+    prompt (``<|im_start|>assistant\\n<think>\\n``) through ``<|im_end|>``, less the newline
+    that merges with the prompt's into one token; before it: the answer and ``<|im_end|>``,
+    which the template writes with no think block."""
+    tokenizer = processor.tokenizer
+    for key, (record, _) in records.items():
+        messages = _typed(record["messages"])
+        text = processor.apply_chat_template(messages, tokenize=False)
+        last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        expected = []
+        for i, message in enumerate(record["messages"]):
+            if message["role"] != "assistant":
+                continue
+            if i < last_query:
+                assert f"<|im_start|>assistant\n{message['content']}<|im_end|>" in text, key
+                expected.append(message["content"] + "<|im_end|>")
+                continue
+            prompt = processor.apply_chat_template(messages[:i], tokenize=False,
+                                                   add_generation_prompt=True)
+            written = processor.apply_chat_template(messages[:i + 1], tokenize=False)
+            assert prompt.endswith("<think>\n") and written.startswith(prompt), key
+            answer = written[len(prompt):]
+            answer = answer[:answer.index("<|im_end|>") + len("<|im_end|>")]
+            assert answer.startswith("\n</think>\n\n"), key
+            expected.append(answer[1:])
+        text = preprocessor.text_batch([record])[0]     # loss_mask: of the targets ids[1:]
+        assert _trained_texts(tokenizer, text.ids[1:], text.loss_mask) == expected, key
+
+
+# conversations past what the corpus records hold: reasoning, tool calls and their results
+TEMPLATE_CASES = {
+    "reasoning": [{"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "<think>\nA greeting.\n</think>\n\nHello."}],
+    "tools": [
+        {"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Call it.",
+         "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "Oslo",
+                                                                       "days": [1, 2]}}}]},
+        {"role": "tool", "content": "rain"}, {"role": "assistant", "content": "Rain."}],
+    "history": [{"role": "user", "content": "A?"},
+                {"role": "assistant", "content": "B.", "reasoning_content": "dropped"},
+                {"role": "user", "content": "C?"}, {"role": "assistant", "content": "D."}],
+}
+
+
+def test_the_training_template_renders_the_published_text(config, records, processor):
+    tagged = Path(config.chat_template).read_text()
+    assert processor.chat_template == (REPLICA / "chat_template.jinja").read_text()
+    assert "{%- generation %}" in tagged and "{%- generation %}" not in processor.chat_template
+    cases = {key: _typed(record["messages"]) for key, (record, _) in records.items()}
+    for key, messages in (cases | TEMPLATE_CASES).items():
+        for prompt in ({}, {"add_generation_prompt": True},
+                       {"add_generation_prompt": True, "enable_thinking": False}):
+            if prompt and messages[-1]["role"] == "assistant":
+                messages = messages[:-1]
+            theirs = processor.apply_chat_template(messages, tokenize=False, **prompt)
+            ours = processor.apply_chat_template(messages, tokenize=False,
+                                                 chat_template=tagged, **prompt)
+            assert ours == theirs, (key, prompt)
+
+
+def test_several_turns_need_the_training_template(config, records):
+    """The published template writes earlier answers without the think block its generation
+    prompt opens: incremental rendering cannot place them, the sample is dropped, counted."""
+    published = Preprocessor(dataclasses.replace(config, chat_template=None), with_media=False)
+    single, multi = records["image"][0], records["multi-turn"][0]
+    assert not isinstance(published.text_batch([single])[0], Exception)
+    failed = published.text_batch([multi])[0]
+    assert getattr(failed, "reason", None) == "template_mismatch"
+
+
+def test_videos_carry_the_processors_timestamps(records, reference, processor, config):
+    video = config.modalities["video"]
+    item = records["video"][0]["media"][0]
+    indices = sample_indices(item["frames"], item["fps"], video)
+    theirs = processor._calculate_timestamps(indices, item["fps"], video.temporal_patch_size)
+    assert patch_timestamps(item["frames"], item["fps"], video) == theirs
+    texts = VIDEO.placeholder_texts(item, video)
+    assert texts == tuple(f"<{t:.1f} seconds>" for t in theirs)
+    assert len(texts) == int(reference["video"]["video_grid_thw"][0, 0]) > 1
+    decoded = processor.tokenizer.decode(reference["video"]["input_ids"][0])
+    assert decoded.count("<|vision_start|>") == len(texts) + 1
+    assert all(text + "<|vision_start|>" in decoded for text in texts)
+
+
+def test_sampling_and_grids_equal_the_replicas_video_processor(processor, config):
+    """The replica's video processor, as its published files configure it, samples and
+    resizes as the config does (the config's values are the published ones)."""
+    from transformers.video_utils import VideoMetadata
+    theirs, video = processor.video_processor, config.modalities["video"]
+    assert type(theirs).__name__ == "Qwen3VLVideoProcessor"
+    assert (theirs.fps, theirs.min_frames, theirs.max_frames, theirs.do_sample_frames) == (
+        video.fps, video.min_frames, video.max_frames, True)
+    assert dict(theirs.size) == {"shortest_edge": video.min_pixels,
+                                 "longest_edge": video.max_pixels}
+    for total, fps in ((3, 24.0), (49, 23.976), (75, 25.0), (1213, 30.0), (30000, 60.0)):
+        indices = theirs.sample_frames(VideoMetadata(total_num_frames=total, fps=fps)).tolist()
+        assert sample_indices(total, fps, video) == indices, (total, fps)
+        for width, height in ((128, 96), (1920, 1080), (33, 700)):
+            t, h, w = video_grid_thw(total, fps, width, height, video)
+            assert t * h * w == theirs.get_num_of_video_patches(len(indices), height, width)
+
+
+def test_pixels_and_grids_equal_the_processors(samples, reference, config, processor, media):
+    from PIL import Image, ImageOps
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil)
+    published = processor.image_processor
+    pillow = Qwen2VLImageProcessorPil(
+        patch_size=published.patch_size, merge_size=published.merge_size,
+        temporal_patch_size=published.temporal_patch_size, size=dict(published.size),
+        image_mean=published.image_mean, image_std=published.image_std)
+    for key in ("mixed", "multi-turn"):
+        inputs, theirs = samples[key].encoder_inputs, reference[key]
+        video = inputs["video"]
+        assert video["pixel_values_videos"].dtype == torch.uint8
+        assert torch.equal(video["video_grid_thw"], theirs["video_grid_thw"]), key
+        assert torch.equal(normalize_video_pixels(video["pixel_values_videos"],
+                                                  config.modalities["video"]),
+                           theirs["pixel_values_videos"]), key
+        # the published processor's grids, and the pixels of its Pillow backend, which
+        # mimo's images follow (its torchvision backend resizes a level or two apart)
+        pictures = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
+                    for name in CONVERSATIONS[key][1] if name in PHOTOS]
+        assert torch.equal(inputs["image"]["image_grid_thw"], theirs["image_grid_thw"]), key
+        pixels = pillow(images=pictures, return_tensors="pt")["pixel_values"]
+        assert torch.equal(normalize_pixels(inputs["image"]["pixel_values"],
+                                            config.modalities["image"]), pixels), key
+
+
+# ------------------------------------------------------------------------------- positions
+
+def _rope_index(model, batch, tokens) -> torch.Tensor:
+    ids = batch["input_ids"]
+    inputs = batch["modality_inputs"]
+    grids = {f"{m}_grid_thw": inputs[m][m][f"{m}_grid_thw"] for m in ("image", "video")
+             if m in inputs}
+    kinds = (ids == tokens["image"]).int() + 2 * (ids == tokens["video"]).int()
+    positions, _ = model.get_rope_index(ids, mm_token_type_ids=kinds,
+                                        attention_mask=batch["attention_mask"].long(), **grids)
+    return positions
+
+
+@pytest.mark.parametrize("replica", [REPLICA, MOE_REPLICA], ids=["dense", "moe"])
+def test_mrope_positions_equal_get_rope_index_padded_and_packed(preprocessor, samples, replica):
+    from transformers import AutoConfig, AutoModel
+    model = AutoModel.from_config(AutoConfig.from_pretrained(str(replica)))
+    assert type(model).__name__ in ("Qwen3_5Model", "Qwen3_5MoeModel")
+    rows = list(samples.values())
+    padded, _ = Collator(preprocessor)(rows)
+    tokens = preprocessor.text.modality_token_ids
+    expected = _rope_index(model, padded, tokens)
+    real = padded["attention_mask"]
+    assert torch.equal(padded["position_ids"][:, real], expected[:, real])
+    # each temporal patch is its own image: a video's time positions are not one per patch
+    # on a shared start
+    video = samples["video"]
+    at = video.input_ids == tokens["video"]
+    assert len(set(video.position_ids[0][at].tolist())) == \
+        int(video.encoder_inputs["video"]["video_grid_thw"][0, 0])
+    packed, _ = Collator(preprocessor, packed=True)(rows)
+    per_row = [expected[:, row, real[row]] for row in range(len(rows))]
+    assert torch.equal(packed["position_ids"][:, 0], torch.cat(per_row, dim=1))
+
+
+def test_language_ranks_build_the_same_without_decoding(config, records, samples):
+    metadata_only = Preprocessor(config, with_media=False)
+    for key, (record, _) in records.items():
+        sample = metadata_only(record, None)
+        assert sample.encoder_inputs == {}
+        assert torch.equal(sample.input_ids, samples[key].input_ids), key
+        assert torch.equal(sample.loss_mask, samples[key].loss_mask), key
+        assert torch.equal(sample.position_ids, samples[key].position_ids), key
