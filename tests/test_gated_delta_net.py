@@ -1,6 +1,6 @@
-"""mimo_train/mcore/delta_rule.py: Qwen3.5's gated delta-net (linear attention) kernels exact
-per sample when sequences are packed, on the CPU; expected values from transformers' Qwen3.5
-code, never from the code under test.
+"""mimo_train/mcore/delta_rule.py and gated_delta_net.py: Qwen3.5's gated delta-net (linear
+attention) exact per sample when sequences are packed, on the CPU; expected values from
+transformers' Qwen3.5 code, never from the code under test.
 
 - the torch chunked rule equals transformers' token-by-token recurrence
   (``torch_recurrent_gated_delta_rule``, an independent formulation) on each sample, grouped
@@ -10,19 +10,28 @@ code, never from the code under test.
 - packed = each sample alone (transformers' functions, which are right on one sequence), outputs
   and every input's gradient, for the convolution and the rule; and with the reset broken (the
   packed row run as one sequence, as transformers' and megatron-core's torch fallbacks do) the
-  same check sees the leak.
+  same check sees the leak;
+- megatron-core's ``GatedDeltaNet``: each of ``gated_delta_net``'s patches, what fails without
+  it, then the layer with it; the layer, its weights mapped from a transformers
+  ``Qwen3_5GatedDeltaNet`` of a small ``Qwen3_5TextConfig``, equals transformers' on a sample
+  (output, gradients); a packed row through its ``PackedSeqParams`` (THD, and mimo's one sbhd
+  row) equals each sample alone, forward and gradients, where megatron-core's own layer leaks
+  on the sbhd row.
 
-All in this process, fp32, within 1e-5.
+All in this process (a one-rank gloo world for megatron-core), fp32, within 1e-5.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from mimo_train.mcore import delta_rule
+from mimo_train.mcore import gated_delta_net as gdn_patches
 
 LENGTHS = [1, 5, 64, 70, 130]          # off the chunk size (64) but one
 KEY_HEADS, VALUE_HEADS, K_DIM, V_DIM = 2, 4, 8, 6        # grouped value heads: 2 per q/k head
@@ -209,3 +218,245 @@ def test_l2norm_is_fla_s():
 
 def test_fla_serves_only_cuda_tensors():
     assert not delta_rule.fla_serves(torch.zeros(1))           # CPU: always the torch kernels
+
+
+# ------------------------------------------------------------ megatron-core's GatedDeltaNet
+
+HIDDEN = 32
+
+
+def _text_config() -> Qwen3_5TextConfig:
+    return Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        linear_conv_kernel_dim=4, linear_key_head_dim=K_DIM, linear_value_head_dim=V_DIM,
+        linear_num_key_heads=KEY_HEADS, linear_num_value_heads=VALUE_HEADS, rms_norm_eps=1e-6,
+        layer_types=["linear_attention"] * 3 + ["full_attention"])
+
+
+def megatron_config(text):
+    """The ``TransformerConfig`` whose GatedDeltaNet is transformers' ``Qwen3_5GatedDeltaNet``
+    of ``text`` (the decoder norms zero-centred, as Qwen3.5's: the gated norm ignores it)."""
+    from mimo_train.mcore import TransformerConfig
+
+    pattern = [int(kind == "linear_attention") for kind in text.layer_types]
+    return TransformerConfig(
+        num_layers=text.num_hidden_layers, hidden_size=text.hidden_size,
+        num_attention_heads=text.num_attention_heads, normalization="RMSNorm",
+        layernorm_epsilon=text.rms_norm_eps, layernorm_zero_centered_gamma=True,
+        activation_func=F.silu, gated_linear_unit=True, add_bias_linear=False,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=pattern,
+        linear_conv_kernel_dim=text.linear_conv_kernel_dim,
+        linear_key_head_dim=text.linear_key_head_dim,
+        linear_value_head_dim=text.linear_value_head_dim,
+        linear_num_key_heads=text.linear_num_key_heads,
+        linear_num_value_heads=text.linear_num_value_heads,
+        use_cpu_initialization=True, perform_initialization=False, bias_dropout_fusion=False)
+
+
+def mapped(tensors: dict[str, torch.Tensor], reference: hf.Qwen3_5GatedDeltaNet,
+           rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
+    """transformers' ``Qwen3_5GatedDeltaNet`` tensors (its parameters, or their gradients) by
+    megatron-core's names, as tensor-parallel rank ``rank`` of ``size`` holds them: the fused
+    ``in_proj`` is the rank's part of each section in turn, [q, k, v, z, beta, alpha] (q, k by
+    key heads, the rest by value heads); ``conv1d`` its part of q, k, v; ``A_log``,
+    ``dt_bias`` its value heads; ``out_proj`` its input columns; the gated norm whole."""
+    def part(tensor, dim=0):
+        return tensor.chunk(size, dim)[rank]
+    split = [reference.key_dim, reference.key_dim, reference.value_dim]
+    q, k, v = tensors["in_proj_qkv.weight"].split(split)
+    in_proj = [q, k, v, *(tensors[f"in_proj_{x}.weight"] for x in "zba")]
+    return {"in_proj.weight": torch.cat([part(t) for t in in_proj]),
+            "conv1d.weight": torch.cat([part(t) for t in tensors["conv1d.weight"].split(split)]),
+            "A_log": part(tensors["A_log"]), "dt_bias": part(tensors["dt_bias"]),
+            "out_norm.weight": tensors["norm.weight"],
+            "out_proj.weight": part(tensors["out_proj.weight"], dim=1)}
+
+
+def load_from_transformers(layer, reference: hf.Qwen3_5GatedDeltaNet, rank: int = 0,
+                           size: int = 1) -> None:
+    tensors = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, tensor in mapped(tensors, reference, rank, size).items():
+            layer.get_parameter(name).copy_(tensor)
+
+
+@pytest.fixture(scope="module")
+def world():
+    """A one-rank gloo world and megatron-core's process groups for a layer (TP 1, CP 1)."""
+    from mimo_train.mcore import ProcessGroupCollection
+    from mimo_train.runtime import distributed
+
+    with distributed.alone():
+        group = dist.new_group([0])
+        yield ProcessGroupCollection(tp=group, cp=group)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """transformers' layer of the small config, its parameters all random (A_log, dt_bias and
+    the gated norm's weight too: each mapping shows)."""
+    torch.manual_seed(6)
+    layer = hf.Qwen3_5GatedDeltaNet(_text_config(), layer_idx=0)
+    with torch.no_grad():
+        for name in ("dt_bias", "norm.weight"):
+            layer.get_parameter(name).uniform_(0.5, 1.5)
+    return layer
+
+
+def _build(world, layer_class=None):
+    from megatron.core.transformer.spec_utils import build_module
+
+    spec = gdn_patches.module_spec()
+    if layer_class is not None:
+        spec.module = layer_class
+    return build_module(spec, config=megatron_config(_text_config()), layer_number=1,
+                        pg_collection=world)
+
+
+@pytest.fixture(scope="module")
+def layer(world, reference):
+    built = _build(world)
+    load_from_transformers(built, reference)
+    return built
+
+
+def _packed_params(bounds, qkv_format="thd"):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(end - start for start, end in _samples(bounds))
+    return PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def _hidden(tokens, seed=7):
+    return torch.randn(tokens, 1, HIDDEN,
+                       generator=torch.Generator().manual_seed(seed)).requires_grad_()
+
+
+def test_every_patch_is_tested():
+    tested = {name[len("test_patch_"):] for name in globals() if name.startswith("test_patch_")}
+    assert set(gdn_patches.PATCHES) == tested
+    assert all(patch.failure for patch in gdn_patches.PATCHES.values())
+    if not torch.cuda.is_available():
+        assert set(gdn_patches.APPLIED) == set(gdn_patches.PATCHES)     # the CPU needs both
+
+
+def test_patch_kernels(world, reference, monkeypatch):
+    """Without fla, megatron-core's layer cannot be built (its fla check, then its kernel
+    ``gated_delta_rule`` unset), nor run (no convolution, no l2norm); with the patch it is
+    transformers' layer."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+
+    monkeypatch.setattr(common, "HAVE_FLA", False)
+    with pytest.raises(ImportError, match="FLA is not installed"):
+        _build(world)
+    monkeypatch.setattr(common, "HAVE_FLA", True)
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", None)
+    with pytest.raises(AssertionError, match="gated_delta_rule for GDN is not set"):
+        _build(world)
+    monkeypatch.setattr(gdn, "chunk_gated_delta_rule", delta_rule.chunk_gated_delta_rule)
+    for module, name in ((gdn, "causal_conv1d"), (common, "l2norm")):
+        monkeypatch.setattr(module, name, None)
+    with pytest.raises(TypeError, match="'NoneType' object is not callable"):
+        _build(world)(_hidden(9), None)
+    assert gdn_patches.activate(only=["kernels"], force=True) == ["kernels"]
+    served = _build(world)
+    load_from_transformers(served, reference)
+    x = _hidden(9)
+    out, bias = served(x, None)
+    assert bias is None
+    torch.testing.assert_close(out.transpose(0, 1), reference(x.transpose(0, 1)), **TOL)
+
+
+def test_patch_eager(layer, monkeypatch):
+    """megatron-core's fused methods are torch.compile: on the CPU their first call compiles
+    (``fail_on_recompile`` stops at the compile); run eagerly, a whole forward and backward
+    compiles nothing."""
+    from megatron.core.jit import jit_fuser
+    from megatron.core.ssm.gated_delta_net import common
+
+    plain = {name: vars(common._GDNBase)[name] for name in gdn_patches.FUSED}
+    for name, function in plain.items():
+        monkeypatch.setattr(common._GDNBase, name, jit_fuser(function))
+    alpha = torch.zeros(1, 3, VALUE_HEADS)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        with pytest.raises(RuntimeError, match="Detected recompile"):
+            layer._compute_g_and_beta(layer.A_log, layer.dt_bias, alpha, alpha)
+    assert gdn_patches.activate(only=["eager"], force=True) == ["eager"]
+    assert {name: vars(common._GDNBase)[name] for name in plain} == plain
+    with torch.compiler.set_stance("fail_on_recompile"):
+        layer(_hidden(9), None)[0].sum().backward()
+
+
+def test_layer_equals_transformers(layer, reference):
+    """Unpacked: output and the input's gradient equal transformers' layer (fp32), and the
+    mapped weights' gradients equal the gradients of what they were mapped from."""
+    x = _hidden(75)
+    out, _ = layer(x, None)
+    x_hf = x.detach().transpose(0, 1).requires_grad_()
+    expected = reference(x_hf)
+    torch.testing.assert_close(out.transpose(0, 1), expected, **TOL)
+    probe = torch.randn(expected.shape, generator=torch.Generator().manual_seed(8))
+    layer.zero_grad()
+    reference.zero_grad()
+    (out.transpose(0, 1) * probe).sum().backward()
+    (expected * probe).sum().backward()
+    torch.testing.assert_close(x.grad.transpose(0, 1), x_hf.grad, **TOL)
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    expected_grads = mapped(grads, reference)
+    assert set(expected_grads) == {name for name, _ in layer.named_parameters()}
+    for name, expected_grad in expected_grads.items():
+        torch.testing.assert_close(layer.get_parameter(name).grad, expected_grad, **TOL)
+
+
+def _layer_packed_vs_alone(layer, params, bounds) -> float:
+    """``_packed_vs_alone`` for a layer: the packed row through ``params`` against each sample
+    alone, unpacked, output and gradients (the input's, every weight's)."""
+    x = _hidden(bounds[-1], seed=10)
+    weights = list(layer.parameters())
+    out, _ = layer(x, None, packed_seq_params=params)
+    probe = torch.randn(out.shape, generator=torch.Generator().manual_seed(11))
+    grads = _gradients(out, [x, *weights], probe)
+    expected_out = torch.cat([layer(x[start:end], None)[0] for start, end in _samples(bounds)])
+    expected_grads = _gradients(expected_out, [x, *weights], probe)
+    worst = (out - expected_out).abs().max().item()
+    for grad, expected in zip(grads, expected_grads):
+        worst = max(worst, ((grad - expected).abs() / (1 + expected.abs())).max().item())
+    return worst
+
+
+def test_layer_packed_equals_each_sample_alone(layer):
+    bounds = _bounds(LENGTHS)
+    assert _layer_packed_vs_alone(layer, _packed_params(bounds), bounds) < 1e-5
+
+
+def test_layer_keeps_mimo_s_sbhd_rows_per_sample(world, reference, layer):
+    """mimo's language model hands packed rows to its layers as one sbhd sequence
+    (``mcore.attention``): megatron-core's own layer then runs the row as one sequence, state
+    leaking; mimo's keeps each sample alone."""
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet as MegatronGatedDeltaNet
+
+    bounds = _bounds([5, 64, 70])
+    assert _layer_packed_vs_alone(layer, _packed_params(bounds, "sbhd"), bounds) < 1e-5
+    plain = _build(world, MegatronGatedDeltaNet)
+    load_from_transformers(plain, reference)
+    assert _layer_packed_vs_alone(plain, _packed_params(bounds, "sbhd"), bounds) > 1e-2
+
+
+def test_gated_norm_ignores_the_decoder_norms_settings():
+    """Built from a config of zero-centred LayerNorms, the gated norm is still transformers'
+    ``Qwen3_5RMSNormGated``'s norm: an RMS norm, weight ones, ``weight · x / rms(x)``."""
+    from mimo_train.mcore import GatedNorm, TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1,
+                               normalization="LayerNorm", layernorm_zero_centered_gamma=True)
+    norm = GatedNorm(config, hidden_size=V_DIM, eps=1e-6)
+    gated = hf.Qwen3_5RMSNormGated(V_DIM, eps=1e-6)
+    assert torch.equal(norm.weight, gated.weight)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        gated.weight.copy_(norm.weight)
+    x, z = torch.randn(2, 4, V_DIM), torch.randn(2, 4, V_DIM)
+    torch.testing.assert_close(norm(x) * F.silu(z), gated(x, z), **TOL)

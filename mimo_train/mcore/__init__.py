@@ -11,7 +11,10 @@ a private name from here, reads a private attribute of what it gives or patches 
 ``distributed_optimizer`` (its torch Adam's states without TransformerEngine or apex),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),
-``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms).
+``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms),
+``delta_rule`` (the gated delta-net kernels, per sample when packed) and ``gated_delta_net``
+(megatron-core's gated delta-net layer without fla; its import, below, patches megatron-core's
+module for it where needed).
 """
 
 from __future__ import annotations
@@ -65,13 +68,15 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
+from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm
+
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",
     "BridgeCommunicator", "DistributedOptimizer",
     "ColumnParallelLinear", "RowParallelLinear", "apply_swiglu_sharded_factory",
     "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
     "FullyParallelSaveStrategyWrapper",
-    "GPTModel", "HyperCommGrid",
+    "GatedDeltaNet", "GatedNorm", "GPTModel", "HyperCommGrid",
     "LocalNonpersistentObject", "MegatronOptimizerConfig", "MimoModel", "MimoModelConfig",
     "MimoOptimizer", "ModuleOptimizerInfo", "filesystem_async",
     "get_megatron_optimizer", "ensure_global_memory_buffer",

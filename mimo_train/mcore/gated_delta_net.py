@@ -1,0 +1,161 @@
+"""megatron-core's gated delta-net layer (Qwen3.5's linear attention) on every device, exact per
+sample when sequences are packed.
+
+megatron-core 0.19.2's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (tensor-parallel
+heads, sharded checkpoints, one fused ``in_proj``) is built on flash-linear-attention (fla,
+Triton: GPU only). Two patches of its modules (``PATCHES``, each with what fails without it;
+tests/test_gated_delta_net.py shows each failure and the layer's results with them), applied at
+this module's import, which ``mimo_train.mcore`` makes, so every layer built through the gateway
+is served:
+
+- ``kernels``, when fla is absent or CUDA is: without fla the constructor raises ImportError
+  (``if not HAVE_FLA``) and the module globals its forward calls (``causal_conv1d`` and
+  ``chunk_gated_delta_rule`` bound in ``gdn.py``, ``l2norm`` in ``common.py``) are None; they
+  become ``mcore.delta_rule``'s kernels (fla's where fla serves the tensor, torch ones honouring
+  ``cu_seqlens`` elsewhere). With fla on a GPU megatron-core keeps fla's, unchanged.
+- ``eager``, when CUDA is absent: three methods are ``@jit_fuser`` (``torch.compile``), whose
+  first CPU call compiles C++; they run as written instead.
+
+Patches of module globals and methods rather than a subclass: the constructor's fla check and
+the forward's calls read those globals, so a subclass would have to copy both (about 300 lines
+of megatron-core). megatron-core's ``deterministic_mode`` torch path is left alone: it runs a
+packed row as one sequence and refuses packed input; mimo never sets it (the kernels here are
+deterministic).
+
+``GatedDeltaNet`` below is megatron-core's layer with one change for mimo's packed rows: mimo's
+language model hands a packed row to its layers as one sbhd sequence (``mcore.attention``:
+``qkv_format`` becomes "sbhd", ``cu_seqlens`` kept), which megatron-core's layer would read as
+one unpacked sequence, state leaking across samples; this one keeps the samples apart whatever
+the format. ``GatedNorm`` is its gated output norm (``out_norm``), ``module_spec()`` the layer as
+a local ``TransformerLayer``'s ``self_attention``.
+
+Packing stays per sample for the hybrid layers: every packed sample starts from a zero
+recurrent state and a zero convolution window, exactly as if it ran alone. On a GPU with fla,
+megatron-core's layer runs fla's kernels on ``cu_seqlens``; on the CPU, or a GPU without fla,
+``mcore.delta_rule``'s torch kernels do the same (the recurrence restarts at each sample's first
+chunk, the convolution sees zeros before each sample's first token); the gated full-attention
+layers keep attention inside each sample from the same ``cu_seqlens`` (``mcore.attention``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+import megatron.core.ssm.gated_delta_net as package
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules, common, gdn
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mimo_train.mcore.delta_rule import causal_conv1d, chunk_gated_delta_rule, l2norm
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    failure: str              # what fails in megatron-core 0.19.2 without it, and how
+    needed: Callable[[], bool]
+    apply: Callable[[], None]
+
+
+def _give_kernels() -> None:
+    names = {"HAVE_FLA": True, "l2norm": l2norm, "causal_conv1d": causal_conv1d,
+             "chunk_gated_delta_rule": chunk_gated_delta_rule}
+    for module in (common, gdn, package):
+        for name, value in names.items():
+            if hasattr(module, name):
+                setattr(module, name, value)
+
+
+FUSED = ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")
+
+
+def _run_eagerly() -> None:
+    # megatron-core's jit_fuser is torch.compile (jit.py): on the CPU, inductor compiles C++
+    # for each of these methods and each new shape (minutes on a small machine, and a C++
+    # compiler needed); eagerly they compute the same.
+    for name in FUSED:
+        setattr(common._GDNBase, name, inspect.unwrap(vars(common._GDNBase)[name]))
+
+
+PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
+    Patch("kernels",
+          "common.py:141 _GDNBase.__init__: ImportError: FLA is not installed; past it, "
+          "gdn.py:62 takes chunk_gated_delta_rule, None without fla (common.py:193 "
+          "AssertionError: Attribute gated_delta_rule for GDN is not set), and the forward "
+          "calls causal_conv1d (gdn.py:214) and l2norm (common.py:411), None too (TypeError: "
+          "'NoneType' object is not callable); with fla but no CUDA, fla's Triton kernels get "
+          "CPU tensors",
+          lambda: not common.HAVE_FLA or not torch.cuda.is_available(), _give_kernels),
+    Patch("eager",
+          "common.py:370, :382, :433 (_apply_gated_norm, _prepare_input_for_gated_delta_rule, "
+          "_compute_g_and_beta) are @jit_fuser, torch.compile: on the CPU the first forward "
+          "compiles them with inductor's C++ backend (90 s for one small layer on 2 cores, "
+          "again for each new shape; fails without a C++ compiler)",
+          lambda: not torch.cuda.is_available(), _run_eagerly),
+)}
+
+
+def activate(only=None, force: bool = False) -> list[str]:
+    """Apply the patches (all, or the names in ``only``) that are needed here, or all of them
+    with ``force``; return the names applied. Each is idempotent."""
+    names = list(PATCHES) if only is None else list(only)
+    unknown = sorted(set(names) - set(PATCHES))
+    if unknown:
+        raise ValueError(f"unknown gated_delta_net patch(es) {unknown}; known: {sorted(PATCHES)}")
+    done = [name for name in names if force or PATCHES[name].needed()]
+    for name in done:
+        PATCHES[name].apply()
+    return done
+
+
+class GatedNorm:
+    """The gated delta-net's output norm (``GatedDeltaNetSubmodules.out_norm``), as Qwen3.5's
+    ``Qwen3_5RMSNormGated`` has it: an RMS norm over each head, ``weight · x / rms(x)``, the
+    weight initialized to ones; megatron-core multiplies by ``silu(z)`` after it. Whatever
+    ``config.normalization`` and ``config.layernorm_zero_centered_gamma`` say (Qwen3.5's
+    decoder norms are zero-centred, ``(1 + weight)``; this one is not), so transformers'
+    ``norm.weight`` maps to it unchanged. Its weight is shared by all heads, so each
+    tensor-parallel rank's gradient is a partial sum over its heads: marked
+    ``sequence_parallel``, megatron-core's ``finalize_model_grads`` sums it over the TP ranks
+    under sequence parallelism (only then)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-6, **_) -> torch.nn.RMSNorm:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+class GatedDeltaNet(gdn.GatedDeltaNet):
+    """megatron-core's ``GatedDeltaNet`` that keeps a packed row's samples apart in any
+    ``qkv_format``: a packed row handed as one sbhd sequence (``mcore.attention``) goes to
+    megatron-core's layer as THD with the same boundaries."""
+
+    def forward(self, hidden_states, attention_mask, inference_context=None,
+                packed_seq_params=None, sequence_len_offset=None, **kwargs):
+        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
+            packed_seq_params = PackedSeqParams(
+                qkv_format="thd", cu_seqlens_q=packed_seq_params.cu_seqlens_q,
+                cu_seqlens_kv=packed_seq_params.cu_seqlens_kv,
+                cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
+                cu_seqlens_kv_padded=packed_seq_params.cu_seqlens_kv_padded,
+                max_seqlen_q=packed_seq_params.max_seqlen_q,
+                max_seqlen_kv=packed_seq_params.max_seqlen_kv)
+        return super().forward(hidden_states, attention_mask, inference_context,
+                               packed_seq_params, sequence_len_offset, **kwargs)
+
+
+def module_spec() -> ModuleSpec:
+    """The gated delta-net as a local ``TransformerLayer``'s ``self_attention``: the fused input
+    projection and the output projection megatron-core's local linear layers (the layer's own
+    ``input_layernorm`` before it: not fused), ``GatedNorm`` between."""
+    return ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=GatedNorm, out_proj=RowParallelLinear),
+        metainfo={"fuse_input_layernorm": False})
+
+
+APPLIED = activate()
