@@ -40,7 +40,7 @@ from mimo_train.model.build import (_SeededGPTModel, language_model_params,
 
 TEXTS = ["The Eiffel Tower is in Paris, the capital of France, and it was built in 1889.",
          "Photosynthesis turns sunlight, water and carbon dioxide into sugar and oxygen."]
-TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "assets", "tokenizer", "smollm2")
+TOKENIZER = os.path.join(os.path.dirname(__file__), "..", "..", "assets", "tokenizer", "smollm2")
 
 
 def tokens() -> torch.Tensor:
