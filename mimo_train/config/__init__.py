@@ -84,7 +84,7 @@ class LanguageConfig:
     """The language model: random init from these dims, or ``pretrained``: a transformers
     Llama / Qwen2 / Qwen3 directory (or cached hub name), or a whole VLM's, whose
     config.json gives the dims and M-RoPE section (any also set here must agree) and whose
-    weights are loaded (``mimo_train/families/causal_lm.py``)."""
+    weights are loaded (``mimo_train/families/causal_lm/``)."""
     num_layers: Positive | None = None                # default 2 (or the checkpoint's)
     hidden_size: Positive | None = None               # default 64
     num_attention_heads: Positive | None = None       # default 4
