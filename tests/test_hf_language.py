@@ -1,5 +1,5 @@
 """``model.language.pretrained``: a transformers Llama / Qwen2 / Qwen3 checkpoint as the
-language model (mimo_train/families/causal_lm.py).
+language model (mimo_train/families/causal_lm/).
 
 - the name mapping round-trips (transformers → megatron TP/PP parts → transformers);
 - config.json gives the dims, YAML dims that differ are errors naming both values, and what
