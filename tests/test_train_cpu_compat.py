@@ -279,6 +279,31 @@ def test_activate_does_nothing_with_cuda(monkeypatch):
         cpu_compat.activate(only=["nope"], force=True)
 
 
+def test_compiled_methods(monkeypatch):
+    """megatron-core's ``@jit_fuser`` methods of the layers mimo builds are torch.compile: on
+    the CPU their first call compiles (``fail_on_recompile`` stops at the compile); after the
+    patch each is its plain function again and runs without compiling."""
+    import importlib
+
+    from megatron.core.jit import jit_fuser
+    plain = {}
+    for module, owner, names in cpu_compat.COMPILED:
+        cls = getattr(importlib.import_module(module), owner)
+        for name in names:
+            plain[cls, name] = inspect.unwrap(vars(cls)[name])
+            monkeypatch.setattr(cls, name, jit_fuser(plain[cls, name]))
+    attention = importlib.import_module("megatron.core.transformer.attention").Attention
+    x, gate = torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        with pytest.raises(RuntimeError, match="Detected recompile"):
+            attention._apply_output_gate(None, x, gate)
+    monkeypatch.setattr(cpu_compat, "_applied", set())
+    assert cpu_compat.activate(only=["compiled_methods"], force=True) == ["compiled_methods"]
+    assert all(vars(cls)[name] is function for (cls, name), function in plain.items())
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(attention._apply_output_gate(None, x, gate), x * torch.sigmoid(gate))
+
+
 def test_current_device(compat):
     compat("current_device")
 

@@ -234,6 +234,24 @@ def _patch_causal_masks() -> None:
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
+# megatron-core's @jit_fuser (torch.compile) methods of the layers mimo builds: module, class,
+# methods
+COMPILED = (("megatron.core.transformer.attention", "Attention", ("_apply_output_gate",)),
+            ("megatron.core.ssm.gated_delta_net.common", "_GDNBase",
+             ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")))
+
+
+def _patch_compiled_methods() -> None:
+    # on the CPU, inductor compiles C++ for each of these methods and each new shape (over a
+    # minute for one small layer on 2 cores, a C++ compiler needed); as written they compute
+    # the same
+    import importlib
+    for module, owner, names in COMPILED:
+        cls = getattr(importlib.import_module(module), owner)
+        for name in names:
+            setattr(cls, name, inspect.unwrap(vars(cls)[name]))
+
+
 PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
     Patch("current_device",
           "torch.cuda.current_device() for allocations, e.g. rotary_pos_embedding.py:162 "
@@ -275,6 +293,13 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "setup_embeddings_and_output_layer, tied embeddings under pipeline stages "
           "(RuntimeError: Found no NVIDIA driver)",
           _patch_tied_embeddings),
+    Patch("compiled_methods",
+          "@jit_fuser (torch.compile) methods: transformer/attention.py:1623 "
+          "Attention._apply_output_gate (gated attention), ssm/gated_delta_net/common.py:370, "
+          ":382, :433: the first forward compiles each with inductor's C++ backend (over 90 s "
+          "for one small layer on 2 cores, again for each new shape; fails without a C++ "
+          "compiler)",
+          _patch_compiled_methods),
     Patch("optimizers",
           "device='cuda' in optimizer/optimizer.py:1249 FP32Optimizer.__init__ (loss scale), "
           ":315, :690-702, models/mimo/optimizer.py:65,82,103 MimoOptimizer.get_grad_norm/step, "

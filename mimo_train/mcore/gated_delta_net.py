@@ -3,8 +3,8 @@ sample when sequences are packed.
 
 megatron-core 0.19.2's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (tensor-parallel
 heads, sharded checkpoints, one fused ``in_proj``) is built on flash-linear-attention (fla,
-Triton: GPU only). Two patches of its modules (``PATCHES``, each with what fails without it;
-tests/test_gated_delta_net.py shows each failure and the layer's results with them), applied at
+Triton: GPU only). One patch of its modules (``PATCHES``, with what fails without it;
+tests/test_gated_delta_net.py shows the failure and the layer's results with it), applied at
 this module's import, which ``mimo_train.mcore`` makes, so every layer built through the gateway
 is served:
 
@@ -13,12 +13,11 @@ is served:
   ``chunk_gated_delta_rule`` bound in ``gdn.py``, ``l2norm`` in ``common.py``) are None; they
   become ``mcore.delta_rule``'s kernels (fla's where fla serves the tensor, torch ones honouring
   ``cu_seqlens`` elsewhere). With fla on a GPU megatron-core keeps fla's, unchanged.
-- ``eager``, when CUDA is absent: three methods are ``@jit_fuser`` (``torch.compile``), whose
-  first CPU call compiles C++; they run as written instead.
 
-Patches of module globals and methods rather than a subclass: the constructor's fla check and
-the forward's calls read those globals, so a subclass would have to copy both (about 300 lines
-of megatron-core). megatron-core's ``deterministic_mode`` torch path is left alone: it runs a
+On the CPU its ``@jit_fuser`` methods run as written (``cpu_compat``'s ``compiled_methods``).
+A patch of module globals rather than a subclass: the constructor's fla check and the
+forward's calls read those globals, so a subclass would have to copy both (about 300 lines of
+megatron-core). megatron-core's ``deterministic_mode`` torch path is left alone: it runs a
 packed row as one sequence and refuses packed input; mimo never sets it (the kernels here are
 deterministic).
 
@@ -39,7 +38,6 @@ layers keep attention inside each sample from the same ``cu_seqlens`` (``mcore.a
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,17 +69,6 @@ def _give_kernels() -> None:
                 setattr(module, name, value)
 
 
-FUSED = ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")
-
-
-def _run_eagerly() -> None:
-    # megatron-core's jit_fuser is torch.compile (jit.py): on the CPU, inductor compiles C++
-    # for each of these methods and each new shape (minutes on a small machine, and a C++
-    # compiler needed); eagerly they compute the same.
-    for name in FUSED:
-        setattr(common._GDNBase, name, inspect.unwrap(vars(common._GDNBase)[name]))
-
-
 PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
     Patch("kernels",
           "common.py:141 _GDNBase.__init__: ImportError: FLA is not installed; past it, "
@@ -91,12 +78,6 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "'NoneType' object is not callable); with fla but no CUDA, fla's Triton kernels get "
           "CPU tensors",
           lambda: not common.HAVE_FLA or not torch.cuda.is_available(), _give_kernels),
-    Patch("eager",
-          "common.py:370, :382, :433 (_apply_gated_norm, _prepare_input_for_gated_delta_rule, "
-          "_compute_g_and_beta) are @jit_fuser, torch.compile: on the CPU the first forward "
-          "compiles them with inductor's C++ backend (90 s for one small layer on 2 cores, "
-          "again for each new shape; fails without a C++ compiler)",
-          lambda: not torch.cuda.is_available(), _run_eagerly),
 )}
 
 
