@@ -6,7 +6,7 @@ preprocessor_config.json names it) and ``Qwen3_5Model`` / ``Qwen3_5MoeModel``'s
 - input ids and token counts equal the processor's through the published chat template for an
   image, a video, both, two images, a system turn, several turns and text only (the dense
   replica; the MoE replica, whose files are the same, for one conversation);
-- the training template (``configs/preprocess_qwen3_5.jinja``) renders the published
+- the training template (``mimo_data/preprocess/templates/qwen3_5.jinja``) renders the published
   template's text character for character, tool calls and reasoning included; with the
   published template itself a conversation of several turns has no placeable loss (its earlier
   turns lose their think block), so it is dropped as ``template_mismatch``;

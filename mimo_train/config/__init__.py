@@ -105,7 +105,7 @@ class LanguageConfig:
 
 def check_mrope(section: list | None, head_dim: int) -> None:
     """``TrainConfigError`` unless ``model.language.mrope_section`` (if set) splits
-    ``head_dim``."""
+    ``head_dim``, the rotating part of each head."""
     if section is None:
         return
     if (len(section) != 3 or not all(isinstance(n, int) and n > 0 for n in section)

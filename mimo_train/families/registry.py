@@ -10,8 +10,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from mimo_train.errors import EncoderBuildError, TrainConfigError
-from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_vl, siglip,
-                                 whisper)
+from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
+                                 siglip, whisper)
 from mimo_train.families.base import VLM, Encoder, input_form, model_directory
 from mimo_train.families.causal_lm import LanguageArch
 
@@ -19,6 +19,7 @@ from mimo_train.families.causal_lm import LanguageArch
 ENCODERS: dict[str, type[Encoder]] = {
     "qwen2_vl": qwen2_vl.Qwen2VLVision, "qwen2_5_vl": qwen2_5_vl.Qwen2_5VLVision,
     "qwen3_vl": qwen3_vl.Qwen3VLVision, "qwen3_vl_moe": qwen3_vl.Qwen3VLMoeVision,
+    "qwen3_5": qwen3_5.Qwen3_5Vision, "qwen3_5_moe": qwen3_5.Qwen3_5MoeVision,
     "siglip": siglip.SiglipVision, "whisper": whisper.WhisperAudio,
     "llava": llava.LlavaVision}
 # encoder kind for each input form, without a whole VLM
@@ -28,16 +29,12 @@ DEFAULT_KINDS = {("image", "dynamic"): "qwen2_vl", ("image", "fixed"): "siglip",
 OWN_MODALITIES = tuple(dict.fromkeys(modality for modality, _ in DEFAULT_KINDS))
 # whole VLM model_type -> its family module (``read``, ``image_geometry``)
 VLMS = {"qwen2_vl": qwen2_vl, "qwen2_5_vl": qwen2_5_vl, "qwen3_vl": qwen3_vl,
-        "qwen3_vl_moe": qwen3_vl, "llava": llava}
+        "qwen3_vl_moe": qwen3_vl, "qwen3_5": qwen3_5, "qwen3_5_moe": qwen3_5, "llava": llava}
+# whole VLM model_type -> the chat template mimo trains through where the published one cannot
+# place every turn's loss (the same text, with generation blocks)
+CHAT_TEMPLATES = {"qwen3_5": qwen3_5.TEMPLATE, "qwen3_5_moe": qwen3_5.TEMPLATE}
 # model_type -> why mimo does not take it
 REFUSED = {
-    "qwen3_5": "Qwen3.5's language model interleaves gated delta-net (linear attention) "
-               "layers with full attention; megatron-core runs them only with "
-               "flash-linear-attention's Triton kernels, which need a CUDA GPU, and mimo does "
-               "not map them yet",
-    "qwen3_5_moe": "Qwen3.5's language model interleaves gated delta-net (linear attention) "
-                   "layers, which megatron-core runs only with flash-linear-attention's Triton "
-                   "kernels on a CUDA GPU, and its experts are not mapped yet",
     "llava_next": "LLaVA-NeXT tiles images at any resolution (any-res), which mimo's image "
                   "preprocessing does not produce",
     "llava_onevision": "LLaVA-OneVision tiles images at any resolution (any-res), which mimo's "
@@ -115,7 +112,9 @@ def preprocessing_for(path: str) -> dict:
         modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
             {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
              **family.video_settings(config, image_processor)})
+    template = CHAT_TEMPLATES.get(vlm.family)
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
+            **({"chat_template": str(template)} if template else {}),
             "mode": "chat", "positions": vlm.positions, "modalities": modalities}
 
 

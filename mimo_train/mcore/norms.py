@@ -1,33 +1,53 @@
-"""The language model's layer norms under sequence parallelism
-(``model.language.sequence_parallel``).
+"""The language model's own layer norms: under sequence parallelism
+(``model.language.sequence_parallel``) and zero-centred (Qwen3.5's ``1 + weight``).
 
 megatron-core's local layer spec builds its norms with ``WrappedTorchNorm``, which refuses
 ``sequence_parallel`` (``transformer/torch_norm.py``: "sequence parallel not supported by
-torch LayerNorm"): with it, each tensor-parallel rank normalizes only its part of the
-sequence, so the norm weights' gradients must be summed over the TP ranks, which megatron-core's
-``finalize_model_grads`` does for parameters marked ``sequence_parallel`` (TransformerEngine's
-and apex's norms mark theirs; torch's do not exist for it). ``SequenceParallelNorm`` is torch's
-``LayerNorm`` / ``RMSNorm`` with that mark; ``block_spec`` puts it in a local layer spec, the
-block's final norm included. Neither TransformerEngine nor apex is needed (none is installed on
-CPU, nor on the GPU machines this project checks on).
+torch LayerNorm") and ``layernorm_zero_centered_gamma``. Under sequence parallelism each
+tensor-parallel rank normalizes only its part of the sequence, so the norm weights' gradients
+must be summed over the TP ranks, which megatron-core's ``finalize_model_grads`` does for
+parameters marked ``sequence_parallel`` (TransformerEngine's and apex's norms mark theirs;
+torch's do not exist for it). ``SequenceParallelNorm`` is torch's ``LayerNorm`` / ``RMSNorm``
+(``ZeroCenteredRMSNorm`` with zero-centred norms) with that mark; ``layer_specs`` puts it in the
+language model's layers, the block's final norm included. Neither TransformerEngine nor apex is
+needed (none is installed on CPU, nor on the GPU machines this project checks on).
 """
 
 from __future__ import annotations
 
 import torch
 
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm that scales by ``1 + weight`` (the weight starts at zero), computed in fp32 and
+    cast back: transformers' ``Qwen3_5RMSNorm``."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
 
 
 class SequenceParallelNorm:
-    """torch's norm of ``config.normalization``, its parameters marked ``sequence_parallel``
-    (their gradients summed over the TP group in ``finalize_model_grads``)."""
+    """torch's norm of ``config.normalization`` (zero-centred with
+    ``layernorm_zero_centered_gamma``), its parameters marked ``sequence_parallel`` (their
+    gradients summed over the TP group in ``finalize_model_grads``)."""
 
     marked = True
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
-        kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
-        norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
+        if config.layernorm_zero_centered_gamma:
+            assert config.normalization == "RMSNorm", "zero-centred norms are RMSNorms here"
+            norm: torch.nn.Module = ZeroCenteredRMSNorm(hidden_size, eps)
+        else:
+            kinds = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+            norm = kinds[config.normalization](normalized_shape=hidden_size, eps=eps)
         for parameter in norm.parameters():
             parameter.sequence_parallel = config.sequence_parallel and cls.marked
         return norm
@@ -38,23 +58,3 @@ class HeadNorm(SequenceParallelNorm):
     after the TP all-gather, so their weights are not marked (``finalize_model_grads`` sums
     their gradients over the TP ranks by name)."""
     marked = False
-
-
-def block_spec(layer_spec, config) -> TransformerBlockSubmodules | object:
-    """``layer_spec`` (a local ``TransformerLayer`` spec) as the block of this pipeline
-    stage's layers with ``SequenceParallelNorm`` norms, when ``config`` is sequence parallel;
-    otherwise ``layer_spec`` itself. The language model's layers split evenly over the
-    stages (``model.build`` checks it)."""
-    if not config.sequence_parallel:
-        return layer_spec
-    submodules = layer_spec.submodules
-    submodules.input_layernorm = SequenceParallelNorm
-    submodules.pre_mlp_layernorm = SequenceParallelNorm
-    attention = submodules.self_attention.submodules
-    for name in ("q_layernorm", "k_layernorm"):
-        if getattr(attention, name, None) is not None and \
-                getattr(getattr(attention, name), "__name__", "") != "IdentityOp":
-            setattr(attention, name, HeadNorm)
-    layers = config.num_layers // config.pipeline_model_parallel_size
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * layers,
-                                      layer_norm=SequenceParallelNorm)

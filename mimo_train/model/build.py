@@ -22,10 +22,10 @@ from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import Projection
 from mimo_train.families.causal_lm import gpt_fields, load_pretrained_language, transformer_fields
 from mimo_train.families.registry import build_encoder, language_arch
-from mimo_train.mcore.attention import AttentionChoice, CoreAttention, LanguageModel
+from mimo_train.mcore.attention import AttentionChoice, LanguageModel
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
 from mimo_train.mcore.grids import Infra
-from mimo_train.mcore.norms import block_spec
+from mimo_train.mcore.layer_specs import language_block_spec
 from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
 from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.plan import RunPlan
@@ -33,8 +33,7 @@ from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, MimoModelConfig, ModelType, ModuleSpec,
-                              TransformerConfig, VisionModalitySubmodules,
-                              get_gpt_layer_local_spec)
+                              TransformerConfig, VisionModalitySubmodules)
 from mimo_train.precision import cast, run_dtype, trainable
 
 # megatron-core's submodule class of each modality an encoder takes on its own
@@ -279,16 +278,17 @@ def language_model_params(plan: RunPlan, infra: Infra, transformer, vocab: int,
                                                   share_embeddings_and_output_weights=False))
     if plan.language.mrope_section:
         gpt["position_embedding_type"] = "mrope"
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=arch.experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
-        qk_layernorm=arch.qk_norm) if arch else get_gpt_layer_local_spec()
-    layer_spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=CoreAttention, params=dict(backend=backend))
+    first_layer = language.pp_rank * (plan.language.num_layers // language.module.pp) \
+        if language is not None else 0
+    block = language_block_spec(
+        transformer, backend=backend, experts=arch.experts if arch else 0,
+        qk_norm=bool(arch and arch.qk_norm), first_layer=first_layer,
+        linear_layers=[arch.linear_layer(i) for i in range(arch.num_layers)] if arch else ())
     return dict(
         seed=_module_seed(plan.config.train.seed, LANGUAGE), packed_rows=backend != "local",
         mrope_interleaved=bool(arch and arch.mrope_interleaved),
         config=transformer,
-        transformer_layer_spec=block_spec(layer_spec, transformer), vocab_size=vocab,
+        transformer_layer_spec=block, vocab_size=vocab,
         max_sequence_length=plan.preprocess.seq_length,
         **gpt,
         # MimoModel scatters the spliced embeddings over the TP ranks itself (sequence

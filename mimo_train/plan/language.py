@@ -98,7 +98,7 @@ def language_plan(language: LanguageConfig, pretrained: str | None) -> LanguageP
                     f"{pretrained} has {list(arch.mrope_section)}: drop the key or make them "
                     "agree")
             section = list(arch.mrope_section)
-        head_dim = arch.kv_channels
+        head_dim = round(arch.kv_channels * arch.rotary_percent)     # the part that rotates
     check_mrope(section, head_dim)
     return LanguagePlan(
         dims["num_layers"], dims["hidden_size"], dims["num_attention_heads"],
