@@ -17,7 +17,7 @@ video, an image and a video.
   ``mimo-generate`` on an image prompt and on a video prompt;
 - what cannot carry deepstack rows is refused with the reason (a projection, context
   parallelism, the language model's full recompute), and the layout advisor does not propose
-  it; Qwen3.5's refusal is tests/test_vlm.py's.
+  it.
 
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.

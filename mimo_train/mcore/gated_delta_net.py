@@ -103,12 +103,29 @@ class GatedNorm:
     ``norm.weight`` maps to it unchanged. Its weight is shared by all heads, so each
     tensor-parallel rank's gradient is a partial sum over its heads: marked
     ``sequence_parallel``, megatron-core's ``finalize_model_grads`` sums it over the TP ranks
-    under sequence parallelism (only then)."""
+    under sequence parallelism, and only then: without it ``sum_partial_gradients`` does
+    (marked ``partial_over_tensor_parallel``)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-6, **_) -> torch.nn.RMSNorm:
         norm = torch.nn.RMSNorm(hidden_size, eps=eps)
         norm.weight.sequence_parallel = config.sequence_parallel
+        norm.weight.partial_over_tensor_parallel = True
         return norm
+
+
+def sum_partial_gradients(module: torch.nn.Module, tp_group) -> None:
+    """Sum over the TP ranks the gradients (``main_grad``) of ``module``'s parameters that each
+    rank holds whole but computes only a part of (``partial_over_tensor_parallel``: the gated
+    norm's weight, shared by the heads the ranks split), where megatron-core's
+    ``finalize_model_grads`` does not (it sums those marked ``sequence_parallel`` under
+    sequence parallelism only). Linear in the gradients, so before or after their
+    data-parallel reduction alike."""
+    if tp_group.size() == 1:
+        return
+    for parameter in module.parameters():
+        if getattr(parameter, "partial_over_tensor_parallel", False) and \
+                not parameter.sequence_parallel and parameter.requires_grad:
+            torch.distributed.all_reduce(parameter.main_grad, group=tp_group)
 
 
 class GatedDeltaNet(gdn.GatedDeltaNet):

@@ -32,6 +32,7 @@ from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.families.base import HOST_INPUTS
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
+from mimo_train.mcore.gated_delta_net import sum_partial_gradients
 from mimo_train.components.metrics import Timer
 
 
@@ -173,8 +174,9 @@ class GradientFinalizer:
         (tokens,) = global_sum(local, self.infra, self.device)
         scale = 1.0 / tokens.clamp(min=1.0).float()      # a device scalar: no host read
         for name, module in self.modules.items():
-            finalize_model_grads([module], num_tokens=None,
-                                 pg_collection=self.infra.modules[name].pgs)
+            pgs = self.infra.modules[name].pgs
+            finalize_model_grads([module], num_tokens=None, pg_collection=pgs)
+            sum_partial_gradients(module, pgs.tp)
             module.scale_gradients(scale)
 
 

@@ -75,10 +75,13 @@ def _bool_index(index) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
-def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
+def whole(key: str, param, tp, gated: bool, sections: list[int] | None = None
+          ) -> torch.Tensor:
     """The parameter's gradient as one TP1 rank holds it: TP shards gathered along their
     partition dimension (``gated``: SwiGLU's ``linear_fc1`` shards, and those of its LoRA B,
-    hold [gate_r; up_r], regrouped)."""
+    hold [gate_r; up_r], regrouped; ``sections``: the rows of each section a rank holds, a
+    gated delta-net's ``in_proj`` [q_r; k_r; v_r; z_r; b_r; a_r] and ``conv1d``, regrouped
+    section by section)."""
     grad = param.main_grad.detach().cpu().clone()
     if tp is None or tp.size() == 1 or not getattr(param, "tensor_model_parallel", False):
         return grad
@@ -87,7 +90,21 @@ def whole(key: str, param, tp, gated: bool) -> torch.Tensor:
     if gated and key.endswith(("linear_fc1.weight", "linear_fc1.lora.b.weight")):
         halves = [part.chunk(2) for part in parts]
         return torch.cat([gate for gate, _ in halves] + [up for _, up in halves])
+    if sections is not None:
+        split = [part.split(sections) for part in parts]
+        return torch.cat([piece[i] for i in range(len(sections)) for piece in split])
     return torch.cat(parts, dim=param.partition_dim)
+
+
+def delta_net_sections(inner, key: str) -> list[int] | None:
+    """The per-rank sections of a gated delta-net's fused ``in_proj`` (or its LoRA B) or
+    ``conv1d`` at ``key``, None for any other parameter."""
+    for fused, count in ((".in_proj.", 6), (".conv1d.", 3)):
+        if fused in key and key.endswith("weight"):
+            layer = inner.get_submodule(key.split(fused)[0])
+            sections = getattr(layer, "in_proj_split_sections", None)
+            return list(sections[:count]) if sections is not None else None
+    return None
 
 
 def gather_sharded_grads(module) -> None:
@@ -206,7 +223,8 @@ def main(argv) -> None:
         inner = unwrap(module)
         tp = trainer.infra.modules[name].pgs.tp
         gated = getattr(getattr(inner, "config", None), "gated_linear_unit", False)
-        grads[name] = {global_key(key, offset): whole(key, param, tp, gated)
+        grads[name] = {global_key(key, offset): whole(key, param, tp, gated,
+                                                      delta_net_sections(inner, key))
                        for key, param in inner.named_parameters() if param.requires_grad}
         dtypes[name] = {key: str(t.dtype) for key, t in [*inner.named_parameters(),
                                                           *inner.named_buffers()]}
