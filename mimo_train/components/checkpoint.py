@@ -59,11 +59,14 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
                               load_plain_tensors, merge, nested_values)
 from mimo_train.mcore.async_save import then_in_writer, use_forked_write_results
+from mimo_train.mcore.gated_delta_net import joined_sections
 from mimo_train.mcore.distributed_optimizer import unshare_steps
 
 LATEST = "latest"
 META = "meta.json"
-_STACKED = re.compile(r"^(decoder\.layers\.)(\D.*)$")       # the language model's layers
+# the language model's layers: stacked (``decoder.layers.<param>``) or, where they differ (a
+# hybrid decoder's, megatron-core's ``non_homogeneous_layers``), one by one
+_LAYERS = re.compile(r"^(decoder\.layers\.)(\d+\.)?(.*)$")
 # megatron-core saves a MoE layer's experts (``SequentialMLP``'s ``local_experts.<e>.``) stacked
 # along the expert axis under this name
 _EXPERTS_SAVED = "mlp.experts.experts."
@@ -498,30 +501,30 @@ def load_weights(directory: str) -> dict:
             module = parts[0].removeprefix("modality_submodules.")
             weights.setdefault("language" if module == "language_model" else module,
                                {}).update(_unstacked(parts[1], tensor))
-    return weights
+    return {module: joined_sections(state) for module, state in weights.items()}
 
 
 def _unstacked(key: str, tensor: torch.Tensor) -> dict:
-    """A transformer block's layers are saved stacked (``decoder.layers.<param>``, the layer
-    index as the first axis of the global tensor) and under the names megatron-core's layer
-    spec maps them to (``sharded_state_dict_keys_map``: the local spec's ``input_layernorm.``
-    is saved as TransformerEngine's ``self_attention.linear_qkv.layer_norm_``; a MoE layer's
-    experts stacked once more, ``_EXPERTS_SAVED``): one entry per layer (and expert) as in the
-    module's state dict (``decoder.layers.<i>.<param>``); other keys as they are."""
-    match = _STACKED.match(key)
+    """The language model's layers as saved, stacked (``decoder.layers.<param>``, the layer
+    index as the first axis of the global tensor) or one by one (``decoder.layers.<i>.<param>``)
+    under the names megatron-core's layer spec maps them to (``sharded_state_dict_keys_map``:
+    the local spec's ``input_layernorm.`` is saved as TransformerEngine's
+    ``self_attention.linear_qkv.layer_norm_``; a MoE layer's experts stacked once more,
+    ``_EXPERTS_SAVED``): one entry per layer (and expert) as in the module's state dict
+    (``decoder.layers.<i>.<param>``); other keys as they are."""
+    match = _LAYERS.match(key)
     if match is None:
         return {key: tensor}
-    param = match[2]
+    param = match[3]
     for local, saved in get_gpt_layer_local_spec().submodules.sharded_state_dict_keys_map.items():
         if param.startswith(saved):
             param = local + param[len(saved):]
+    layers = [(int(match[2][:-1]), tensor)] if match[2] else enumerate(tensor.unbind(0))
     if param.startswith(_EXPERTS_SAVED):   # a MoE layer's experts: stacked once more
         name = param[len(_EXPERTS_SAVED):]
         return {f"{match[1]}{index}.mlp.experts.local_experts.{e}.{name}": weight.clone()
-                for index, layer in enumerate(tensor.unbind(0))
-                for e, weight in enumerate(layer.unbind(0))}
-    return {f"{match[1]}{index}.{param}": layer.clone()
-            for index, layer in enumerate(tensor.unbind(0))}
+                for index, layer in layers for e, weight in enumerate(layer.unbind(0))}
+    return {f"{match[1]}{index}.{param}": layer.clone() for index, layer in layers}
 
 
 def _damaged(directory: str, what: str) -> CheckpointError:

@@ -60,6 +60,8 @@ MANIFEST = "manifest.json"
 PREPROCESS = "preprocess.yaml"
 PROJECTIONS = "projections.safetensors"
 LANGUAGE_DIR = "language"
+# weights of the checkpoint no mimo module holds, written back as the checkpoint has them
+NOT_BUILT = ("mtp.",)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -301,10 +303,13 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str,
         if tuple(hf[name].shape) != checkpoint.shape(name):
             hf[name] = hf[name].transpose(1, 2).contiguous()
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
-    # as the checkpoint has them
+    # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
+    # prediction, ``mtp.*``) bit for bit
     dtype = hf[next(iter(hf))].dtype
     hf.update({name: checkpoint(name).to(dtype) for name in checkpoint.files
                if name.startswith(renames[0][1]) and name not in hf})
+    hf.update({name: checkpoint(name) for name in checkpoint.files
+               if name.startswith(NOT_BUILT) and name not in hf})
     os.makedirs(out, exist_ok=True)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     _write_config_as_published(vlm.path, out, rows, str(dtype).removeprefix("torch."))

@@ -147,6 +147,25 @@ class GatedDeltaNet(gdn.GatedDeltaNet):
                                packed_seq_params, sequence_len_offset, **kwargs)
 
 
+# megatron-core's ``GatedDeltaNet.sharded_state_dict`` saves these weights split into sections
+# (``<name>.<section>``, each resharded over TP on its own): their sections in the local layout
+SAVED_SECTIONS = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+                  "conv1d.weight": ("query", "key", "value"),
+                  "conv1d.bias": ("query", "key", "value")}
+
+
+def joined_sections(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (whole, as a checkpoint holds them) with each ``SAVED_SECTIONS`` weight's
+    sections joined back into the one tensor the layer holds at TP 1."""
+    joined = dict(tensors)
+    for key in tensors:
+        for name, sections in SAVED_SECTIONS.items():
+            if key.endswith(f"{name}.{sections[0]}"):
+                stem = key[:-len(sections[0]) - 1]
+                joined[stem] = torch.cat([joined.pop(f"{stem}.{s}") for s in sections])
+    return joined
+
+
 def module_spec() -> ModuleSpec:
     """The gated delta-net as a local ``TransformerLayer``'s ``self_attention``: the fused input
     projection and the output projection megatron-core's local linear layers (the layer's own
