@@ -1,7 +1,9 @@
 """Training FLOPs (``mimo_train.planning.flops``) against hand counts written out here, the
 dims read from configs (``planning.dims``) against the built encoders and a published
-checkpoint's config.json, Qwen2.5-VL's windows against transformers' own tiling. In process, no
-job (the trainer's records: ``test_train_parity.py``, ``test_train_run.py``)."""
+checkpoint's config.json, Qwen2.5-VL's windows against transformers' own tiling; Qwen3.5's
+hybrid layers (gated delta-net, gated attention, the shared expert) against hand counts and
+against what torch's FLOP counter counts in transformers' own modules. In process, no job (the
+trainer's records: ``test_train_parity.py``, ``test_train_run.py``)."""
 
 from types import SimpleNamespace
 
@@ -11,13 +13,19 @@ from conftest import REPO
 from mimo_data.loading.layout import Layout
 from mimo_data.modalities.audio import AudioConfig
 from mimo_data.modalities.image import ImageConfig
+from mimo_train.families.causal_lm import LinearAttention
 from mimo_train.plan.parts import Part
-from mimo_train.planning.dims import Linear, Stack, Tower, projection_linears, tower_from_hf
-from mimo_train.planning.flops import (language_flops, peak_tflops, projection_flops,
+from mimo_train.planning.dims import (FULL, LINEAR, Linear, Stack, Tower, projection_linears,
+                                      tower_from_hf)
+from mimo_train.planning.flops import (chunk_square, language_flops, layer_flops_per_token,
+                                       layer_square_flops, peak_tflops, projection_flops,
                                        step_flops, tower_flops, trains, training_passes,
                                        window_sizes)
 
 PUBLISHED = REPO / "tools" / "published" / "Qwen--Qwen2.5-VL-7B-Instruct"
+# tools/make_published.py's Qwen3.5 replicas: 4 layers (3 gated delta-net, 1 gated attention)
+QWEN3_5 = REPO / "assets" / "models" / "published" / "Qwen--Qwen3.5-4B"
+QWEN3_5_MOE = REPO / "assets" / "models" / "published" / "Qwen--Qwen3.5-35B-A3B"
 
 # 2 layers, h 64, 4 heads of 16, ffn 256 (GELU), 128 output rows: a random-init language model
 LANGUAGE = Stack(layers=2, hidden=64, heads=4, query_groups=4, kv_channels=16, ffn_hidden=256,
@@ -197,3 +205,158 @@ def test_record_rate_mfu_and_step_line():
     assert "  100 TFLOP/s  MFU 10.1%  forward:" in line(record)
     record.update(flops_fields({"language": 1e12}, 1.0, 1, None))
     assert record["mfu"] is None and "  1 TFLOP/s  forward:" in line(record)
+
+
+# ------------------------------------------------------------------------------ Qwen3.5
+
+# the dense replica's language model (QWEN3_5's text_config): h 64, 4 heads of 64 in 2 query
+# groups, the gated attention's q_proj twice as wide; SwiGLU MLP 96; delta-net layers of 2 key
+# heads and 4 value heads of 16 (key_dim 32, value_dim 64), a convolution of 4; 248320 rows,
+# tied to the embedding
+HYBRID = Stack(4, 64, 4, 2, 64, 96, gated=True, vocab=248320, tied=True,
+               layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+               linear=LinearAttention(conv_kernel=4, key_head_dim=16, value_head_dim=16,
+                                      num_key_heads=2, num_value_heads=4),
+               attention_gate=True)
+
+
+def test_gated_delta_net_layer_hand_count():
+    # per token: in_proj_qkv 2·64·(2·32 + 64) = 16384, in_proj_z 2·64·64 = 8192, in_proj_b and
+    # in_proj_a 2·64·4 each = 1024, out_proj 2·64·64 = 8192: 33792; MLP 2·64·96·3 = 36864;
+    # convolution 2·4·(2·32 + 64) = 1024; state reads and update 4 heads · 6·16·16 = 6144
+    assert layer_flops_per_token(HYBRID, LINEAR) == 33792 + 36864 + 1024 + 6144 == 77824
+    # per chunk and value head: k_β·kᵀ 2·C²·16, q·kᵀ 2·C²·16, the solves C²·16 + C²·16,
+    # (q·kᵀ)·v_new 2·C²·16: C²·(5·16 + 3·16) = 128·C², 4 heads: 512 per unit of chunk square
+    assert layer_square_flops(HYBRID, LINEAR) == 512
+    # a sample of 100 tokens: a chunk of 64 and one of 36 (its own tokens, not the padded 64)
+    assert chunk_square(100) == 64 * 64 + 36 * 36 == 5392
+    assert chunk_square(128) == 2 * 4096 and chunk_square(5) == 25 and chunk_square(0) == 0
+
+
+def test_gated_attention_layer_hand_count():
+    # q_proj 2·64·(2·256) = 65536 (each head's query and its gate), k_proj and v_proj
+    # 2·64·128 each = 32768, o_proj 2·256·64 = 32768: 131072; MLP 36864; attention 4·256 per s²
+    assert layer_flops_per_token(HYBRID, FULL) == 131072 + 36864 == 167936
+    assert layer_square_flops(HYBRID, FULL) == 1024
+    # without the gate q_proj is 2·64·256 = 32768 narrower
+    plain = Stack(4, 64, 4, 2, 64, 96, gated=True)
+    assert layer_flops_per_token(plain) == 167936 - 32768
+
+
+def test_hybrid_language_model_hand_count():
+    # one sample of 100 tokens, forward: per token 3 · 77824 + 167936 + logits 2·64·248320
+    # (31784960) = 32186368, × 100 = 3218636800; the delta rule's chunks 3 · 512 · 5392 =
+    # 8282112; attention 1024 · 100² = 10240000. Training (x3): 3 · 3237158912
+    assert language_flops(HYBRID, [100]) == 3 * (3_218_636_800 + 8_282_112 + 10_240_000)
+    # two samples of 64 and 36 tokens: the same tokens, each sample its own chunk and square
+    assert language_flops(HYBRID, [64, 36], passes=1) == \
+        3_218_636_800 + 3 * 512 * (4096 + 1296) + 1024 * (64 ** 2 + 36 ** 2)
+
+
+def test_shared_expert_hand_count():
+    # the MoE replica's MLP: 4 experts of 24, 2 a token, a shared expert of 32 and its gate:
+    # router 2·64·4 = 512, experts 2 · (2·64·48 + 2·24·64) = 18432, shared 2·64·64 + 2·32·64 =
+    # 12288, its gate 2·64 = 128: 31360 per token
+    moe = Stack(4, 64, 4, 2, 64, 24, gated=True, experts=4, experts_per_token=2,
+                shared_expert_ffn=32)
+    assert layer_flops_per_token(moe) - layer_flops_per_token(
+        Stack(4, 64, 4, 2, 64, 0, gated=True)) == 31360
+
+
+def test_qwen3_5_dims_from_the_checkpoint_config():
+    """The replicas' language models as the plan reads them (config.json alone)."""
+    from mimo_train.config import LanguageConfig
+    from mimo_train.plan.language import language_plan
+    from mimo_train.planning.dims import language_stack
+    assert language_stack(language_plan(LanguageConfig(), str(QWEN3_5))) == HYBRID
+    moe = language_stack(language_plan(LanguageConfig(), str(QWEN3_5_MOE)))
+    assert moe == Stack(4, 64, 4, 2, 64, 24, gated=True, vocab=248320, experts=4,
+                        experts_per_token=2, shared_expert_ffn=32,
+                        layer_types=HYBRID.layer_types, linear=HYBRID.linear,
+                        attention_gate=True)
+
+
+def test_step_records_count_the_hybrid_layers():
+    """The trainer's ``FlopsCounter`` (its step records' ``flops``) counts a hybrid stack
+    through ``step_flops``, unchanged: the hand count above."""
+    import torch
+
+    from mimo_train.components.metrics import FlopsCounter
+    from mimo_train.planning.dims import ModelDims
+    counter = FlopsCounter(ModelDims(HYBRID), ["language"], {"language": 3}, True, None)
+    counter.add({"tokens": [100]})
+    assert counter.take(torch.device("cpu")).tolist() == \
+        [3 * (3_218_636_800 + 8_282_112 + 10_240_000)]
+
+
+def _counted(module, *args, **kwargs) -> dict[str, int]:
+    """FLOPs torch's counter counts in ``module``'s forward, by aten op."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        module(*args, **kwargs)
+    return {str(op).split(".")[1]: n for op, n in counter.get_flop_counts()["Global"].items()}
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_text():
+    """The replicas' transformers text configs (eager attention: its products are counted)."""
+    from transformers import AutoConfig
+    found = []
+    for path in (QWEN3_5, QWEN3_5_MOE):
+        config = AutoConfig.from_pretrained(path).get_text_config()
+        config._attn_implementation = "eager"
+        found.append(config)
+    return found
+
+
+def test_delta_net_flops_are_what_torch_counts_in_transformers_layer(qwen3_5_text):
+    """transformers' ``Qwen3_5GatedDeltaNet`` on 128 tokens (two whole chunks: its padding
+    adds nothing): its matmuls (aten.mm) are the projections, its batched products (aten.bmm)
+    the chunked rule but its triangular solves (which the counter does not count: C²·(d_k +
+    d_v) per chunk and value head, added here), its convolution (aten.convolution) ours over
+    the s + K - 1 outputs transformers' fallback computes (padded both sides, K - 1 dropped)."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+    torch.manual_seed(0)
+    layer = Qwen3_5GatedDeltaNet(qwen3_5_text[0], layer_idx=0)
+    s, linear = 128, HYBRID.linear
+    counted = _counted(layer, torch.randn(1, s, 64))
+    mlp = 2 * 64 * 96 * 3
+    projections = sum(2 * lin.inputs * lin.outputs for lin in HYBRID.layer_linears(LINEAR))
+    assert counted["mm"] == s * (projections - mlp)
+    solves = 2 * linear.num_value_heads * 64 * 64 * (16 + 16)       # 2 chunks
+    state = 6 * 16 * 16 * linear.num_value_heads
+    assert counted["bmm"] + solves == s * state + layer_square_flops(HYBRID, LINEAR) * \
+        chunk_square(s)
+    conv = 2 * 4 * (2 * 32 + 64)
+    assert counted["convolution"] == conv * (s + 4 - 1)
+    assert layer_flops_per_token(HYBRID, LINEAR) == projections + conv + state
+
+
+def test_gated_attention_flops_are_what_torch_counts(qwen3_5_text):
+    """transformers' ``Qwen3_5Attention`` (eager: the score and value products are matmuls)
+    on 100 tokens: the projections (the gate's rows too) and the whole s² square."""
+    import torch
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5Attention
+    layer = Qwen3_5Attention(qwen3_5_text[0], layer_idx=3)
+    s, rotary = 100, 16                       # a quarter of each 64-wide head rotates
+    counted = _counted(layer, torch.randn(1, s, 64),
+                       (torch.ones(1, s, rotary), torch.zeros(1, s, rotary)), None)
+    mlp = 2 * 64 * 96 * 3
+    assert counted["mm"] == s * (layer_flops_per_token(HYBRID, FULL) - mlp)
+    assert counted["bmm"] == layer_square_flops(HYBRID, FULL) * s * s
+
+
+def test_shared_expert_flops_are_what_torch_counts(qwen3_5_text):
+    """transformers' ``Qwen3_5MoeSparseMoeBlock``: router, two experts a token, the shared
+    expert and its gate."""
+    import torch
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeSparseMoeBlock
+    torch.manual_seed(0)
+    block = Qwen3_5MoeSparseMoeBlock(qwen3_5_text[1])
+    counted = _counted(block, torch.randn(1, 100, 64))
+    moe = Stack(4, 64, 4, 2, 64, 24, gated=True, experts=4, experts_per_token=2,
+                shared_expert_ffn=32)
+    attention = Stack(4, 64, 4, 2, 64, 0, gated=True)
+    assert counted == {"mm": 100 * (layer_flops_per_token(moe)
+                                    - layer_flops_per_token(attention))}

@@ -4,7 +4,10 @@ checkpoints' ``config.json`` through the families' own readers; the trainer's FL
 the advisor both read them so).
 
 - ``Stack``: a transformer stack (layers, hidden width, heads, query groups, kv channels, MLP
-  width, gated MLP or not; the language model's output rows and tying).
+  width, gated MLP or not; the language model's output rows and tying; a mixture of experts
+  and its shared expert; Qwen3.5's hybrid decoder: each layer's kind, gated delta-net
+  (``LinearAttention``) or full attention, the latter with a sigmoid output gate that doubles
+  its query projection).
 - ``Tower``: an encoder's transformer with what surrounds it: the patch embedding (matmuls per
   patch; Whisper's two convolutions per position), the spatial merge and the merger's matmuls
   per merged token (Qwen2-VL / Qwen2.5-VL; Qwen3-VL: one merger per deepstack layer too),
@@ -27,9 +30,13 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from mimo_train.errors import TrainConfigError
+from mimo_train.families.causal_lm.architecture import FULL, LINEAR, LinearAttention
 from mimo_train.plan import RunPlan
 from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, vocab_rows
+
+
+CHUNK = 64      # the gated delta rule's chunk of tokens (transformers', fla's, mcore.delta_rule's)
 
 
 class Linear(NamedTuple):
@@ -56,37 +63,106 @@ class Stack:
     # through ``experts_per_token`` of them, chosen by a router (0: one dense MLP)
     experts: int = 0
     experts_per_token: int = 0
+    # beside the experts, a shared (gated) expert of this width every token goes through, its
+    # output scaled by a sigmoid gate (a matmul hidden -> 1; Qwen3.5-MoE); 0: none
+    shared_expert_ffn: int = 0
+    # Qwen3.5's hybrid decoder: each layer's kind, LINEAR (a gated delta-net of ``linear``'s
+    # dims) or FULL (attention); (): every layer FULL
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttention | None = None
+    # the attention output gated by a sigmoid of a second query-wide projection (Qwen3.5:
+    # q_proj gives each head's query and its gate, twice the query width)
+    attention_gate: bool = False
 
     @property
     def attention_width(self) -> int:
         """Query heads × kv channels: the width attention scores and values run over."""
         return self.heads * self.kv_channels
 
-    def layer_linears(self) -> tuple[Linear, ...]:
-        """The matmuls of one layer, per token: qkv, attention output, the MLP's (each expert
-        a token goes through, and the router)."""
-        kv = 2 * self.query_groups * self.kv_channels
-        used = self.experts_per_token or 1
-        return (Linear(self.hidden, self.attention_width + kv),
-                Linear(self.attention_width, self.hidden),
-                Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1), used),
-                Linear(self.ffn_hidden, self.hidden, used),
-                *((Linear(self.hidden, self.experts),) if self.experts else ()))
+    def kind(self, layer: int) -> str:
+        """Layer ``layer``'s kind: LINEAR or FULL."""
+        return self.layer_types[layer] if self.layer_types else FULL
 
-    def layer_parameters(self) -> tuple[int, int]:
-        """One layer's (matmul weights, norm weights): TP splits the matmuls, not the norms;
-        every expert's weights count."""
-        copies = (self.experts or 1, self.experts or 1)
-        linears = self.layer_linears()
-        mlp = sum(lin.inputs * lin.outputs * n for lin, n in zip(linears[2:4], copies))
-        rest = sum(lin.inputs * lin.outputs for lin in (*linears[:2], *linears[4:]))
-        return mlp + rest, 2 * self.hidden
+    def kinds(self, layers: range | None = None) -> dict[str, int]:
+        """How many of ``layers`` (default: all) are of each kind present (FULL, LINEAR)."""
+        found: dict[str, int] = {}
+        for i in layers if layers is not None else range(self.layers):
+            found[self.kind(i)] = found.get(self.kind(i), 0) + 1
+        return found
+
+    def stage_layers(self, pp: int = 1, stage: int = 0) -> range:
+        """The layers of pipeline ``stage`` of ``pp`` (the first stages take the extra ones of
+        an uneven split)."""
+        size, extra = divmod(self.layers, pp)
+        start = stage * size + min(stage, extra)
+        return range(start, start + size + (1 if stage < extra else 0))
+
+    def _mlp_linears(self) -> tuple[Linear, ...]:
+        """The MLP's matmuls per token: each expert a token goes through (and the router), the
+        shared expert and its gate."""
+        used = self.experts_per_token or 1
+        shared = self.shared_expert_ffn
+        return (Linear(self.hidden, self.ffn_hidden * (2 if self.gated else 1), used),
+                Linear(self.ffn_hidden, self.hidden, used),
+                *((Linear(self.hidden, self.experts),) if self.experts else ()),
+                *((Linear(self.hidden, 2 * shared), Linear(shared, self.hidden),
+                   Linear(self.hidden, 1)) if shared else ()))
+
+    def layer_linears(self, kind: str = FULL) -> tuple[Linear, ...]:
+        """The matmuls of one layer of ``kind``, per token: attention's qkv (the query twice
+        as wide with the output gate) and output, or the gated delta-net's input projections
+        (q, k, v; the output gate z; beta and alpha, one per value head) and output; then the
+        MLP's (each expert a token goes through, the router, the shared expert and its
+        gate)."""
+        if kind == LINEAR:
+            linear = self._linear_dims()
+            return (Linear(self.hidden, 2 * linear.key_dim + 2 * linear.value_dim
+                           + 2 * linear.num_value_heads),
+                    Linear(linear.value_dim, self.hidden), *self._mlp_linears())
+        kv = 2 * self.query_groups * self.kv_channels
+        query = self.attention_width * (2 if self.attention_gate else 1)
+        return (Linear(self.hidden, query + kv), Linear(self.attention_width, self.hidden),
+                *self._mlp_linears())
+
+    def _linear_dims(self) -> LinearAttention:
+        if self.linear is None:
+            raise ValueError("a gated delta-net layer without its dims (Stack.linear)")
+        return self.linear
+
+    def layer_parameters(self, kind: str = FULL) -> tuple[int, int]:
+        """One layer's (weights TP splits, weights every TP rank holds whole): the matmuls
+        (every expert's weights; the router's and the shared gate's counted as split) and, in
+        a gated delta-net, its convolution (kernel × q, k, v channels) and its per-value-head
+        decay (A_log) and time-step bias (dt_bias); the two norms, and the delta-net's gated
+        norm (one weight per value channel of a head, shared by the heads). The attention's
+        q/k norms are not counted (kv channels each)."""
+        copies = self.experts or 1
+        linears = self.layer_linears(kind)
+        matmuls = sum(lin.inputs * lin.outputs * (copies if i in (2, 3) else 1)
+                      for i, lin in enumerate(linears))
+        norms = 2 * self.hidden
+        if kind == LINEAR:
+            linear = self._linear_dims()
+            matmuls += linear.conv_kernel * (2 * linear.key_dim + linear.value_dim) + \
+                2 * linear.num_value_heads
+            norms += linear.value_head_dim
+        return matmuls, norms
 
     def parameters(self) -> int:
-        """Weights of the stack's matmuls, norms (two per layer, one final) and, with a
+        """Weights of the stack's layers (``layer_parameters``), its final norm and, with a
         vocabulary, the embedding and (untied) output layer; biases not counted."""
         embedding = self.vocab * self.hidden * (1 if self.tied else 2)
-        return self.layers * sum(self.layer_parameters()) + self.hidden + embedding
+        return sum(count * sum(self.layer_parameters(kind))
+                   for kind, count in self.kinds().items()) + self.hidden + embedding
+
+    def active_parameters(self) -> int:
+        """``parameters`` with only the experts a token goes through (a mixture's "active"
+        weights)."""
+        if not self.experts:
+            return self.parameters()
+        idle = self.experts - self.experts_per_token
+        expert = sum(lin.inputs * lin.outputs for lin in self._mlp_linears()[:2])
+        return self.parameters() - self.layers * idle * expert
 
 
 @dataclass(frozen=True)
@@ -157,11 +233,12 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
                       Linear(width * merge ** 2, config.out_hidden_size)),
                      window=config.window_size // merge // config.patch_size,
                      full_attention_layers=tuple(config.fullatt_block_indexes))
-    if kind in ("qwen3_vl", "qwen3_vl_moe"):     # the main merger, one per deepstack layer
+    if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
+        # the main merger, one per deepstack layer (Qwen3.5's tower has none)
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=False)
-        mergers = 1 + len(config.deepstack_visual_indexes)
+        mergers = 1 + len(getattr(config, "deepstack_visual_indexes", None) or ())
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.out_hidden_size)) * mergers)
@@ -239,7 +316,10 @@ def language_stack(language: LanguagePlan, tokenizer_size: int | None = None, tp
                      arch.num_query_groups, arch.kv_channels,
                      arch.expert_ffn_hidden_size or arch.ffn_hidden_size, gated=True,
                      vocab=rows, tied=arch.tied, experts=arch.experts,
-                     experts_per_token=arch.experts_per_token)
+                     experts_per_token=arch.experts_per_token,
+                     shared_expert_ffn=arch.shared_expert_ffn_hidden_size,
+                     layer_types=arch.layer_types, linear=arch.linear,
+                     attention_gate=arch.attention_gate)
     return Stack(language.num_layers, language.hidden_size, language.num_attention_heads,
                  language.num_attention_heads,
                  language.hidden_size // language.num_attention_heads,

@@ -18,7 +18,53 @@ kv channels, MLP width f, V output rows), a sample of s tokens, forward::
 
 i.e. 2 · (matmul weights) · tokens plus the attention; × 3 it is "6 · params · tokens +
 12 · L · h · Σ s²". Packed or not, attention stays inside each sample, so a step's figure
-is the sum over its samples: Σ s over the dense part, Σ s² over attention.
+is the sum over its samples: Σ s over the dense part, Σ s² over attention. A mixture of
+experts counts the router (2·h·E), the experts a token goes through (k of them) and a shared
+expert with its sigmoid gate (Qwen3.5-MoE: 2·h·3·f_s + 2·h)::
+
+    MLP        2·h·f·(3 if gated else 2)·k + 2·h·E + 2·h·3·f_s + 2·h
+
+Qwen3.5's hybrid decoder (``Stack.layer_types``): its full-attention layers as above, the
+query projection twice as wide (each head's query and its output gate: 2·h·(2a + 2g)); its
+gated delta-net layers (``Stack.linear``: key heads H_k, value heads H_v, head dims d_k, d_v,
+key_dim = H_k·d_k, value_dim = H_v·d_v, convolution kernel K; transformers'
+``Qwen3_5GatedDeltaNet``, megatron-core's ``GatedDeltaNet``) instead of attention, per token::
+
+    projections  2·h·(2·key_dim + 2·value_dim + 2·H_v) + 2·value_dim·h
+                 (in_proj_qkv, in_proj_z: the output gate, in_proj_b and in_proj_a: one per
+                 value head each; out_proj)
+    convolution  2·K·(2·key_dim + value_dim)      (depthwise, causal: K multiply-adds per
+                                                   q, k, v channel and token)
+    state        H_v · 6·d_k·d_v                  (per chunk and value head, below: the state
+                                                   read twice and updated once, per token)
+
+and per sample of s tokens, the chunked gated delta rule's products within each chunk::
+
+    chunks       H_v · (5·d_k + 3·d_v) · (⌊s/C⌋·C² + (s mod C)²)
+
+The products are those of transformers' ``torch_chunk_gated_delta_rule``
+(``models/qwen3_5/modeling_qwen3_5.py``; mimo's torch kernels, ``mcore.delta_rule``, compute
+the same ones, fla's the same in blocks), q and k repeated from H_k to H_v heads first, per
+chunk of C = 64 tokens and value head (tests/test_flops.py checks them against what torch's
+FLOP counter counts in transformers' layer, which leaves the solves out):
+
+    k_β·kᵀ (the UT system)           2·C²·d_k
+    q·kᵀ (within the chunk)          2·C²·d_k
+    triangular solves for v_β, k_β   C²·d_v + C²·d_k   (a unit lower-triangular C × C system
+                                                        solved for C × d columns: C·(C-1)·d,
+                                                        counted C²·d)
+    (q·kᵀ)·v_new                     2·C²·d_v
+    k_cumdecay·S, q·S (state reads)  2 · 2·C·d_k·d_v
+    kᵀ·v_new (state update)          2·C·d_k·d_v
+
+i.e. C²·(5·d_k + 3·d_v) + 6·C·d_k·d_v. Model FLOPs count a sample's real tokens: its last
+chunk of r = s mod C tokens as an r-token chunk (r², not the C² the padded chunk computes),
+each sample's chunks its own (packed samples start at a chunk boundary), as attention
+counts each sample's own square. A delta-net layer has no s² term. Left out, as norms,
+activations and softmax are: the gates and the other elementwise work (β = sigmoid(b), the
+decay g = -exp(A_log)·softplus(a + dt_bias), the l2 norms of q and k, the decays within a
+chunk, the gated norm of the output: O(C) per token and head; the attention output gate's
+sigmoid and product: O(a) per token).
 
 Encoder tower (``Tower``), an item (an image, a video, a clip) of grid (t, h, w) patches
 before merging: t frames of n = h·w patches, p = n + extra positions (CLIP's CLS) each::
@@ -46,7 +92,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.plan.parts import Part
-from mimo_train.planning.dims import Linear, ModelDims, Stack, Tower
+from mimo_train.planning.dims import CHUNK, FULL, LINEAR, Linear, ModelDims, Stack, Tower
 
 Grid = tuple[int, int, int]
 
@@ -56,19 +102,47 @@ def _linears(linears: Iterable[Linear]) -> int:
     return sum(2 * lin.inputs * lin.outputs * lin.times for lin in linears)
 
 
-def layer_flops_per_token(stack: Stack) -> int:
-    """Forward FLOPs of one layer's matmuls for one token."""
-    return _linears(stack.layer_linears())
+def layer_flops_per_token(stack: Stack, kind: str = FULL) -> int:
+    """Forward FLOPs of one layer of ``kind`` for one token: its matmuls; a gated delta-net's
+    convolution and state reads and update too (the module docstring)."""
+    found = _linears(stack.layer_linears(kind))
+    if kind == LINEAR:
+        linear = stack.linear
+        assert linear is not None, "a delta-net layer has its dims"
+        found += 2 * linear.conv_kernel * (2 * linear.key_dim + linear.value_dim) + \
+            linear.num_value_heads * 6 * linear.key_head_dim * linear.value_head_dim
+    return found
+
+
+def chunk_square(s: int, chunk: int = CHUNK) -> int:
+    """Σ over the chunks of a sample of ``s`` tokens of each chunk's squared length (its last
+    chunk: its own tokens)."""
+    return (s // chunk) * chunk * chunk + (s % chunk) ** 2
+
+
+def layer_square_flops(stack: Stack, kind: str = FULL) -> int:
+    """Forward FLOPs of one layer of ``kind`` per unit of a sample's square: attention's
+    4·a per s², a gated delta-net's H_v·(5·d_k + 3·d_v) per ``chunk_square``."""
+    if kind == LINEAR:
+        linear = stack.linear
+        assert linear is not None, "a delta-net layer has its dims"
+        return linear.num_value_heads * (5 * linear.key_head_dim + 3 * linear.value_head_dim)
+    return 4 * stack.attention_width
 
 
 def language_flops(stack: Stack, lengths: Iterable[int], passes: int = 3) -> int:
     """Training FLOPs of the language model on samples of ``lengths`` real tokens (each its
-    own attention, packed or padded: padding is not counted; for the positions a padded batch
-    computes, give the padded lengths)."""
+    own attention, or delta-rule chunks, packed or padded: padding is not counted; for the
+    positions a padded batch computes, give the padded lengths)."""
     lengths = [int(s) for s in lengths]
-    per_token = stack.layers * layer_flops_per_token(stack) + 2 * stack.hidden * stack.vocab
-    attention = stack.layers * 4 * stack.attention_width * sum(s * s for s in lengths)
-    return passes * (per_token * sum(lengths) + attention)
+    kinds = stack.kinds()
+    per_token = sum(count * layer_flops_per_token(stack, kind)
+                    for kind, count in kinds.items()) + 2 * stack.hidden * stack.vocab
+    squares = {FULL: sum(s * s for s in lengths),
+               LINEAR: sum(chunk_square(s) for s in lengths) if LINEAR in kinds else 0}
+    quadratic = sum(count * layer_square_flops(stack, kind) * squares[kind]
+                    for kind, count in kinds.items())
+    return passes * (per_token * sum(lengths) + quadratic)
 
 
 def window_sizes(tower: Tower, h: int, w: int) -> list[int]:
