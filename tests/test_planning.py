@@ -12,7 +12,13 @@ and advisor.py):
   with the load, and the two closer layouts measured only 1.3x to 1.7x apart, a margin a
   loaded machine can cross; the counts are the same on a busy machine as on an idle one;
 - the command in-process: text and ``--json`` output, layouts dropped for memory, a layout
-  of the user's marked, and the options' errors (``mimo_data`` alone has no advisor).
+  of the user's marked, and the options' errors (``mimo_data`` alone has no advisor);
+- Qwen3.5's hybrid decoder: one gated delta-net layer's and one gated attention layer's
+  parameters and activations by hand, the delta-net's against the tensors autograd saves in
+  megatron-core's layer with mimo's kernels (in process, a one-rank world), the parameter
+  totals of Qwen3.5-27B (its published config.json below) and Qwen3.5-35B-A3B against
+  transformers' own models (built on the meta device) and the published sizes, and the
+  advisor's ranking of both on H100s.
 
 The measured peak memory of a real run against the prediction is tests/test_anomalies.py's
 (SmolLM2-135M: weights and optimizer state dominate).
@@ -29,10 +35,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import REPO, preprocess_config_file
+from conftest import MODELS, REPO, preprocess_config_file
 from mimo_data.loading.layout import Layout
+from mimo_train.families.causal_lm import LinearAttention
 from mimo_train.planning import memory as mem
-from mimo_train.planning.dims import Stack
+from mimo_train.planning.dims import FULL, LINEAR, Stack
 
 LAYOUTS = {"language dp1": "image=dp3;language=dp1", "language dp2": "image=dp2;language=dp2",
            "colocated dp4": "language=dp4;image=dp4,off0"}
@@ -380,3 +387,344 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err
+
+
+# ------------------------------------------------------------------------------ Qwen3.5
+
+# the dense Qwen3.5 replica's language model (tools/make_published.py): h 64, 4 heads of 64 in
+# 2 query groups, the attention gate doubling q_proj; SwiGLU MLP 96; delta-net layers of 2 key
+# heads and 4 value heads of 16 (key_dim 32, value_dim 64), a convolution of 4; 248320 rows tied
+HYBRID = Stack(4, 64, 4, 2, 64, 96, gated=True, vocab=248320, tied=True,
+               layer_types=(LINEAR, LINEAR, LINEAR, FULL),
+               linear=LinearAttention(conv_kernel=4, key_head_dim=16, value_head_dim=16,
+                                      num_key_heads=2, num_value_heads=4),
+               attention_gate=True)
+
+
+def test_hybrid_parameters_by_hand():
+    # a delta-net layer: in_proj 64 x (32 + 32 + 64 + 64 + 4 + 4) = 12800, out_proj 64 x 64 =
+    # 4096, conv1d 4 x 128 = 512, A_log and dt_bias 4 each: 17416; MLP 64 x 96 x 3 = 18432;
+    # whole on every TP rank: two norms 128 and the gated norm 16
+    assert HYBRID.layer_parameters(LINEAR) == (35848, 144)
+    # a gated attention layer: q_proj 64 x 512 (queries and gates) 32768, k_proj and v_proj
+    # 64 x 128 each 16384, o_proj 256 x 64 16384: 65536; MLP 18432; norms 128
+    assert HYBRID.layer_parameters(FULL) == (83968, 128)
+    # 3 x 35992 + 84096 + final norm 64 + the tied embedding 248320 x 64 = 15892480
+    assert HYBRID.parameters() == 107976 + 84096 + 64 + 15892480 == 16084616
+    # pp2, tp2: stage 0 holds layers 0, 1 (delta-net) and the embedding, stage 1 layers 2
+    # (delta-net) and 3 (attention), the final norm and the output layer's copy
+    assert mem.language_stage_parameters(HYBRID, tp=2, pp=2, stage=0) == \
+        2 * (17924 + 144) + 7946240
+    assert mem.language_stage_parameters(HYBRID, tp=2, pp=2, stage=1) == \
+        (17924 + 144) + (41984 + 128) + 64 + 7946240
+    # a mixture: 4 experts of 24 (64 x 48 + 24 x 64 = 4608 each), the router 64 x 4, a shared
+    # expert of 32 (64 x 64 + 32 x 64 = 6144) and its gate 64: 18432 + 256 + 6144 + 64
+    moe = Stack(4, 64, 4, 2, 64, 24, gated=True, experts=4, experts_per_token=2,
+                shared_expert_ffn=32, layer_types=HYBRID.layer_types, linear=HYBRID.linear,
+                attention_gate=True)
+    assert moe.layer_parameters(LINEAR) == (17416 + 24896, 144)
+    # active: 2 of the 4 experts, 2 x 4608 fewer weights in each of 4 layers
+    assert moe.parameters() - moe.active_parameters() == 4 * 2 * 4608
+
+
+def test_hybrid_activation_bytes_by_hand():
+    bf16 = mem.Settings("bf16")
+    # a gated delta-net layer, one sample of 100 tokens (2 chunks: 128 chunked positions),
+    # bf16: outside the TP regions 10 x 64 x 100 = 64000, the MLP 6 x 96 x 100 = 57600;
+    # the delta-net, fp32 per token: convolution 3 x 128, l2 norms 2 x 32 + 2 x 2, gates
+    # 4 x 4, q k v 4 x (2 x 16 + 16), gated norm 4 x 64 + 4: 920 x 100 = 92000; per chunked
+    # position 4 x (6 x 16 + 3 x 16 + 4 + 5 x 64) + 4 x 16 x 16 / 64: 1888 x 128 = 241664;
+    # (92000 + 241664) x 4 = 1334656 bytes; bf16: beta 4, gated norm and out_proj input
+    # 2 x 64: 100 x 2 x 132 = 26400
+    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16, kind=LINEAR,
+                                      chunked=128) == 64000 + 57600 + 1334656 + 26400
+    # the gated attention layer: 64000 + (4 x 256 + 4 x 128 + 4 x 256 (the gate) + 6 x 96)
+    # x 100 = 313600; no scores kept with a flash / sdpa / varlen kernel
+    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16) == 64000 + 313600
+    # tp2 with sequence parallel: everything halves
+    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16, tp=2,
+                                      sequence_parallel=True, kind=LINEAR,
+                                      chunked=128) == (64000 + 57600 + 1334656 + 26400) / 2
+    # fp32: only the run-width parts double
+    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, mem.Settings("fp32"),
+                                      kind=LINEAR, chunked=128) == \
+        2 * (64000 + 57600) + 1334656 + 2 * 26400
+    # the stack: 3 delta-net layers, 1 attention layer, the logits 100 x 248320 x (2 + 4)
+    linear, full, logits = 1482656, 377600, 148992000
+    assert mem.language_activation_bytes(HYBRID, [100], bf16) == 3 * linear + full + logits
+    # full recompute: each layer's input 2 x 64 x 100, one layer's set, the largest kind's
+    assert mem.language_activation_bytes(HYBRID, [100], mem.Settings(
+        "bf16", recompute="full")) == 4 * 12800 + linear + logits
+    # packed samples of 64 and 36 tokens: 64 + 64 chunked positions, as one of 100 padded to
+    # 128 (each sample its own chunks: two of 10 tokens take 128, one of 20 takes 64)
+    assert mem.language_activation_bytes(HYBRID, [64, 36], bf16) == 3 * linear + full + logits
+    assert mem.chunked_positions([10, 10]) == 128 and mem.chunked_positions([20]) == 64
+
+
+def test_delta_net_bytes_are_what_the_layer_saves():
+    """megatron-core's ``GatedDeltaNet`` with mimo's kernels (``mcore.gated_delta_net``, the
+    layer the trainer builds, in bf16 as a GPU trains it; one-rank world, in process) on one
+    sample of 200 tokens (4 chunks, padded to 256): the bytes of every tensor autograd saves
+    for its backward pass (each storage once, the layer's own parameters not counted) are
+    ``delta_net_bytes`` plus its input (the in_proj input, counted outside the TP regions)
+    within 1%: what the formula leaves out (index tensors, the chunk mask, the padding of the
+    convolution's window, a bf16 copy of A_log and dt_bias) is 0.6% here."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mimo_train.mcore import ProcessGroupCollection, TransformerConfig
+    from mimo_train.mcore import gated_delta_net
+    from mimo_train.runtime import distributed
+
+    linear, tokens = HYBRID.linear, 200
+    assert linear is not None
+    config = TransformerConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=4, normalization="RMSNorm",
+        activation_func=F.silu, gated_linear_unit=True, add_bias_linear=False,
+        experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 1, 1, 0],
+        linear_conv_kernel_dim=linear.conv_kernel, linear_key_head_dim=linear.key_head_dim,
+        linear_value_head_dim=linear.value_head_dim, linear_num_key_heads=linear.num_key_heads,
+        linear_num_value_heads=linear.num_value_heads, params_dtype=torch.bfloat16,
+        use_cpu_initialization=True, perform_initialization=False, bias_dropout_fusion=False)
+    with distributed.alone():
+        group = dist.new_group([0])
+        layer = build_module(gated_delta_net.module_spec(), config=config, layer_number=1,
+                             pg_collection=ProcessGroupCollection(tp=group, cp=group))
+        layer = layer.to(torch.bfloat16)
+        own = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        saved: dict[int, int] = {}
+
+        def pack(tensor):
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in own:
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        hidden = torch.randn(tokens, 1, 64, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            layer(hidden, None)
+    predicted = mem.delta_net_bytes(HYBRID, tokens, 256, 2) + tokens * 64 * 2
+    assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
+
+
+# Qwen/Qwen3.5-27B's config.json as published on the Hugging Face hub (huggingface.co/Qwen/
+# Qwen3.5-27B/blob/main/config.json), the keys the 35B-A3B's (tools/published, README section
+# 10) has, with the 27B's values. Where they come from (found with the search tool, the hub
+# itself not reachable): the language model's dims (64 layers, hidden 5120, MLP 17408, 24
+# heads of 256 in 4 query groups, untied 248320 rows, a quarter of each head rotating, rope
+# theta 1e7, the attention output gate) in THUDM/slime's scripts/models/qwen3.5-27B.sh (commit
+# 624b824a); the delta-net's (16 key heads and 48 value heads of 128, kernel 4) in Modular
+# MAX's Qwen3_5Config (docs.modular.com/max/api/python/pipelines.architectures.qwen3_5) and in
+# the config.json of fine-tunes of it on the hub (huggingface.co/EclipseMist/hababa,
+# huggingface.co/ApolloRaines/Sharona_Q27B-R_CodeSecurity: the same text dims, the 3:1 layer
+# pattern); the layout (16 x (3 delta-net, 1 attention), 1 MTP layer, M-RoPE sections
+# [11, 11, 10]) and the tower (27 blocks of 1152, 16-pixel patches) in the model card as
+# quoted at hugingapi.com/TevunahAi/Qwen3.5-27B-TevunahAi-GPTQ; the tower's other keys are the
+# 35B-A3B's (one tower for the family), its output the 27B's width. The token ids are the
+# family's (the 35B-A3B's, README section 10).
+QWEN3_5_27B = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"], "image_token_id": 248056,
+    "model_type": "qwen3_5",
+    "text_config": {
+        "attention_bias": False, "attention_dropout": 0.0, "attn_output_gate": True,
+        "bos_token_id": None, "dtype": "bfloat16", "eos_token_id": 248044,
+        "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+        "hidden_size": 5120, "initializer_range": 0.02, "intermediate_size": 17408,
+        "layer_types": ["linear_attention"] * 3 + ["full_attention"],     # x 16, below
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48, "linear_value_head_dim": 128,
+        "mamba_ssm_dtype": "float32", "max_position_embeddings": 262144, "mlp_only_layers": [],
+        "model_type": "qwen3_5_text", "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False, "num_attention_heads": 24,
+        "num_hidden_layers": 64, "num_key_value_heads": 4, "pad_token_id": None,
+        "partial_rotary_factor": 0.25, "rms_norm_eps": 1e-06,
+        "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                            "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+                            "rope_type": "default"},
+        "tie_word_embeddings": False, "use_cache": True, "vocab_size": 248320},
+    "tie_word_embeddings": False, "transformers_version": "4.57.1", "video_token_id": 248057,
+    "vision_config": {
+        "deepstack_visual_indexes": [], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02,
+        "intermediate_size": 4304, "model_type": "qwen3_5", "num_heads": 16,
+        "num_position_embeddings": 2304, "out_hidden_size": 5120, "patch_size": 16,
+        "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "vision_end_token_id": 248054, "vision_start_token_id": 248053}
+QWEN3_5_27B["text_config"]["layer_types"] *= 16
+QWEN3_5_35B = REPO / "tools" / "published" / "Qwen--Qwen3.5-35B-A3B"
+QWEN3_5_MODALITIES = {"image": "image", "video": "image"}        # one tower serves both
+
+
+@pytest.fixture(scope="module")
+def qwen3_5(tmp_path_factory) -> dict:
+    """The two checkpoints' config.json (the 27B's written from ``QWEN3_5_27B``; the
+    35B-A3B's published one), a training YAML of each (unpacked data) and the family's
+    preprocessing config (the 35B-A3B replica's: one tokenizer and processor for the family),
+    sequences up to 2048 tokens."""
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import preprocessing_for
+    tmp = tmp_path_factory.mktemp("qwen3_5")
+    (tmp / "Qwen3.5-27B").mkdir()
+    (tmp / "Qwen3.5-27B" / "config.json").write_text(json.dumps(QWEN3_5_27B, indent=1))
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump({
+        **preprocessing_for(str(MODELS / "published" / "Qwen--Qwen3.5-35B-A3B")),
+        "seq_length": 2048}))
+    found = {"preprocess": preprocess, "config": PreprocessConfig.from_yaml(str(preprocess))}
+    for name, checkpoint in (("27B", tmp / "Qwen3.5-27B"), ("35B-A3B", QWEN3_5_35B)):
+        path = tmp / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(TrainConfig.load(None, [
+            f"data.datasets=[{tmp}]", f"data.preprocess={preprocess}",
+            f"model.pretrained={checkpoint}", "data.packing=false"]).to_dict()))
+        found[name] = {"checkpoint": checkpoint, "yaml": path}
+    return found
+
+
+def _qwen3_5_model(qwen3_5, name: str):
+    from mimo_train.planning.advisor import read_model
+    return read_model(str(qwen3_5[name]["yaml"]), str(qwen3_5["preprocess"]),
+                      qwen3_5["config"], QWEN3_5_MODALITIES, "bf16")
+
+
+def test_qwen3_5_27b_layers_by_hand(qwen3_5):
+    """The 27B as the advisor reads it, and one layer of each kind by hand."""
+    from mimo_train.planning.flops import layer_flops_per_token, layer_square_flops
+    stack = _qwen3_5_model(qwen3_5, "27B").dims.language
+    assert stack == Stack(64, 5120, 24, 4, 256, 17408, gated=True, vocab=248320,
+                          layer_types=tuple(QWEN3_5_27B["text_config"]["layer_types"]),
+                          linear=LinearAttention(4, 128, 128, 16, 48), attention_gate=True)
+    assert stack.kinds() == {LINEAR: 48, FULL: 16}
+    # a delta-net layer (key_dim 2048, value_dim 6144, 48 value heads), per token: in_proj
+    # 2·5120·(2·2048 + 2·6144 + 2·48) = 168755200, out_proj 2·6144·5120 = 62914560, MLP
+    # 2·5120·17408·3 = 534773760, convolution 2·4·10240 = 81920, state 48·6·128·128 = 4718592
+    assert layer_flops_per_token(stack, LINEAR) == 771244032
+    assert layer_square_flops(stack, LINEAR) == 48 * (5 * 128 + 3 * 128) == 49152
+    # a gated attention layer: q_proj (queries and gates) + k, v: 2·5120·(2·6144 + 2·1024) =
+    # 146800640, o_proj 62914560, MLP 534773760; its square 4·6144 per s²
+    assert layer_flops_per_token(stack, FULL) == 744488960
+    assert layer_square_flops(stack, FULL) == 24576
+    # parameters: in_proj 5120 x 16480 = 84377600, out_proj 31457280, conv 40960, A_log and
+    # dt_bias 96, MLP 267386880; norms 10240 + the gated norm's 128
+    assert stack.layer_parameters(LINEAR) == (383262816, 10368)
+    assert stack.layer_parameters(FULL) == (73400320 + 31457280 + 267386880, 10240)
+    # activations per token in bf16 (a multiple of 64 tokens): a delta-net layer: 10·5120 =
+    # 51200 outside, MLP 6·17408 = 104448, the delta-net 4·(3·10240 + 2·2048 + 2·16 + 4·48 +
+    # 48·384 + 4·6144 + 48 + 48·(6·128 + 3·128 + 4 + 5·64 + 128·128/64)) + 2·(48 + 2·6144)
+    # = 4·161232 + 24672 = 669600
+    bf16 = mem.Settings("bf16")
+    assert mem.layer_activation_bytes(stack, 64, 64 ** 2, bf16, kind=LINEAR) == \
+        64 * (51200 + 104448 + 669600)
+    # a gated attention layer: 51200 + 4·6144 + 4·1024 + 4·6144 + 6·17408 = 208896
+    assert mem.layer_activation_bytes(stack, 64, 64 ** 2, bf16) == 64 * 208896
+
+
+def test_qwen3_5_35b_a3b_layers_by_hand(qwen3_5):
+    from mimo_train.planning.flops import layer_flops_per_token
+    stack = _qwen3_5_model(qwen3_5, "35B-A3B").dims.language
+    assert stack == Stack(40, 2048, 16, 2, 256, 512, gated=True, vocab=248320, experts=256,
+                          experts_per_token=8, shared_expert_ffn=512,
+                          layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 10,
+                          linear=LinearAttention(4, 128, 128, 16, 32), attention_gate=True)
+    # the MLP per token: 8 experts 8·(2·2048·1024 + 2·512·2048) = 50331648, the router
+    # 2·2048·256 = 1048576, the shared expert 2·2048·1024 + 2·512·2048 = 6291456, its gate 4096
+    mlp = 50331648 + 1048576 + 6291456 + 4096
+    # a delta-net layer: in_proj 2·2048·(4096 + 8192 + 64) = 50593792, out_proj 2·4096·2048 =
+    # 16777216, convolution 2·4·8192 = 65536, state 32·6·128·128 = 3145728
+    assert layer_flops_per_token(stack, LINEAR) == 50593792 + 16777216 + 65536 + 3145728 + mlp
+    # gated attention: 2·2048·(2·4096 + 2·512) = 37748736, o_proj 2·4096·2048 = 16777216
+    assert layer_flops_per_token(stack, FULL) == 37748736 + 16777216 + mlp
+
+
+def _meta_parameters(checkpoint) -> dict[str, int]:
+    """transformers' own model of ``checkpoint``'s config.json, built on the meta device:
+    its parameters by what mimo counts (language, tower) and what it leaves out."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(checkpoint))
+    found = dict.fromkeys(("language", "tower", "left out"), 0)
+    for name, parameter in model.named_parameters():
+        part = "tower" if ".visual." in name else "language"
+        if name.endswith(("q_norm.weight", "k_norm.weight", ".bias", "pos_embed.weight")):
+            part = "left out"
+        found[part] += parameter.numel()
+    return found
+
+
+@pytest.mark.parametrize("name", ["27B", "35B-A3B"])
+def test_qwen3_5_parameters_are_the_published_sizes(qwen3_5, name):
+    """The advisor's parameter counts are transformers' own model's but what mimo's counts
+    leave out (the attention's q/k norms, the tower's position embedding and biases: 3M, 0.011%;
+    transformers builds no multi-token-prediction layer, nor does mimo), and the published
+    sizes within the rounding of their names to whole billions (±0.5B): 27.35B for "27B"
+    (the tower 0.46B included), 35.10B for "35B" and, of the language model's matmul weights,
+    2.95B a token goes through for "A3B" (3.45B with the embedding and output layer's)."""
+    model = _qwen3_5_model(qwen3_5, name)
+    language, tower = model.dims.language, model.dims.encoders["image"]
+    meta = _meta_parameters(qwen3_5[name]["checkpoint"])
+    assert language.parameters() == meta["language"]
+    assert tower.parameters() == meta["tower"]
+    assert meta["left out"] < 2e-4 * (meta["language"] + meta["tower"])
+    total = language.parameters() + tower.parameters()
+    published = {"27B": 27e9, "35B-A3B": 35e9}[name]
+    assert abs(total - published) <= 0.5e9, total
+    if name == "35B-A3B":
+        active = language.active_parameters() - language.vocab * language.hidden
+        assert abs(active - 3e9) <= 0.5e9, active
+
+
+def _qwen3_5_workload(packing: bool = False) -> dict:
+    """Two steps of 128 samples of 256 to 1279 tokens, each with an image of 16 x 16
+    placeholders (32 x 32 patches of 16 pixels), micro-batches of 8."""
+    return {"global_batch_size": 128, "micro_batch_size": 8, "seq_length": 2048,
+            "packing": packing, "epochs": 1, "vocab_size": 248320,
+            "modalities": QWEN3_5_MODALITIES,
+            "steps": [[{"tokens": 256 + (97 * i) % 1024, "items": {"image": [256]},
+                        "grids": {"image": [[1, 16, 16]]}} for i in range(128)]
+                      for _ in range(2)]}
+
+
+# (model, H100s, whether some layout fits): on 8 H100s neither fits, whatever the layout
+# (the 27B's weights, gradients and Adam state are 492 GB, the 35B-A3B's 632 GB, its experts
+# whole on every rank, the towers on ranks of their own); the 27B fits on 16, the 35B-A3B on 32
+QWEN3_5_CASES = [("27B", 8, False), ("27B", 16, True), ("35B-A3B", 16, False),
+                 ("35B-A3B", 32, True)]
+
+
+@pytest.mark.parametrize("name,gpus,fits", QWEN3_5_CASES)
+def test_qwen3_5_advisor_ranks_layouts(qwen3_5, name, gpus, fits):
+    """The advisor on the 27B and the 35B-A3B (as ``mimo-inspect plan --model`` reads a
+    training YAML of them): the layouts that fit, fastest first, each within the usable
+    memory and with settings the trainer's start-up takes; where none fits, each candidate's
+    fullest rank is over it."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import run_advisor
+    model = _qwen3_5_model(qwen3_5, name)
+    config = qwen3_5["config"]
+    request = AdvisorRequest(str(qwen3_5[name]["yaml"]), str(qwen3_5["preprocess"]), gpus,
+                             gpu="h100", top=50)
+    report = run_advisor(model, _qwen3_5_workload(), request,
+                         variable_token_modalities(config), list(config.modalities))
+    ranked, usable = report["ranked"], report["gpu"]["usable_gib"]
+    assert report["layouts"] >= 2
+    assert bool(ranked) is fits, [(r["layout"], r["peak_memory_gib"]) for r in
+                                   ranked + report["dropped"]]
+    if not fits:
+        assert report["dropped"] and all(r["peak_memory_gib"] > usable
+                                         for r in report["dropped"])
+        return
+    times = [r["step_s"] for r in ranked]
+    assert times == sorted(times)
+    linear = model.dims.language.linear
+    assert linear is not None
+    for r in ranked:
+        assert r["fits"] and r["peak_memory_gib"] <= usable and 0 < r["mfu"] < 1
+        tp = Layout.parse(r["layout"]).language.tp
+        assert linear.num_key_heads % tp == 0 and linear.num_value_heads % tp == 0
+        resolve(TrainConfig.load(str(qwen3_5[name]["yaml"]), r["overrides"]))

@@ -14,7 +14,9 @@ as ``mimo_train.model.build`` and ``components.optimizer`` set them up)::
 
 bf16: 2 + 4 + 12 = 18 bytes, 2 + 4 + 12/DP distributed; fp32: 4 + 4 + 8 = 16. A frozen part
 holds its weights only. Parameters per rank: the language model's layers ÷ PP (the fullest
-stage: ceil(L / PP) layers), their matmuls ÷ TP, the embedding rows ÷ TP on the first stage,
+stage: ceil(L / PP) layers, of each kind as the stage holds them), their matmuls (and a gated
+delta-net's convolution, A_log and dt_bias: per head) ÷ TP, their norms whole (the delta-net's
+gated norm too: one weight per value channel of a head), the embedding rows ÷ TP on the first stage,
 the output rows ÷ TP on the last (also with tied embeddings when PP > 1: megatron-core keeps a
 copy there); an encoder module (DP only) holds its whole tower and projection.
 
@@ -34,9 +36,48 @@ another precision)::
       varlen kernels do not) and recompute is none
 
 with h the width, a = heads · kv channels, g = query groups · kv channels, f the MLP width, s
-each sample's length (MHA with f = 4h: 34·h·T + 5·heads·Σ s², the paper's formula). Recompute
-``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T, ÷ TP with
-sequence parallel) plus one layer's whole set, recomputed in the backward pass. The language
+each sample's length (MHA with f = 4h: 34·h·T + 5·heads·Σ s², the paper's formula). A mixture
+of experts keeps each token's MLP activations in each of the k experts it goes through (c·f·k)
+and its permuted copies into and out of them (4·h·k), a shared expert of width f_s its own
+6·f_s (its gate's one value per token left out). Qwen3.5's gated attention (``Stack.
+attention_gate``) keeps 4·a more: the sigmoid of the gate and the attention output it scales.
+
+Qwen3.5's gated delta-net layers (``Stack.layer_types``, ``Stack.linear``: key heads H_k, value
+heads H_v, head dims d_k, d_v, key_dim = H_k·d_k, value_dim = H_v·d_v) keep the same 10·h·T
+outside the TP regions and the same MLP activations; in place of attention, what megatron-core's
+``GatedDeltaNet`` with mimo's torch kernels (``mcore.delta_rule``: the path of every device
+without flash-linear-attention, which mimo's lock does not install) saves for the backward
+pass, per token and ÷ TP (heads and channels split), counted from the tensors autograd saves
+(tests/test_planning.py measures them on the layer)::
+
+    convolution      3 · (2·key_dim + value_dim) fp32   its input, the input in each sample's
+                                                        zero-padded window (the K-1 zeros per
+                                                        sample left out), its output before silu
+    q, k l2 norms    (2·key_dim + 2·H_k) fp32           their inputs and norms
+    gates            4·H_v fp32 + H_v · w               softplus's input and output (the decay
+                                                        g), g and β in fp32, β = sigmoid(b)
+    delta rule       H_v·(2·d_k + d_v) fp32             q, k (repeated to H_v heads), v
+                     H_v·(6·d_k + 3·d_v + 4 + 5·C) fp32 per chunked position: the chunked q, k,
+                                                        k·β, the decayed q and k, the solve for
+                                                        k; v·β, the solved values, v_new; 4 per
+                                                        head (β, the decays applied to q and k);
+                                                        5 C × C matrices per chunk (the pairwise
+                                                        decays, the UT system, q·kᵀ ...)
+                     H_v·d_k·d_v fp32 per chunk          the recurrent state each chunk reads
+    gated norm       4·value_dim fp32 + value_dim·w      its input, the gate z and silu(z), the
+                     + H_v fp32                         normalised output; each head's rms
+    out_proj input   value_dim · w
+
+with C = 64 and w the run's width; a chunked position is a token of a sample padded to whole
+chunks (each sample its own chunks: Σ ⌈s / C⌉ · C). Left out: index tensors (24 bytes per
+token), the C × C mask and the weights' fp32 copies. With flash-linear-attention on a GPU the
+layer keeps far less (fla saves q, k, v, g, β and one C-wide matrix per token and head and
+recomputes the states in the backward pass); that path is not modelled: the figure is an upper
+bound there. A delta-net layer keeps no score matrices.
+
+Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T,
+÷ TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid
+stack), recomputed in the backward pass. The language
 model's last stage adds the logits, T · V ÷ TP · (w + 4) (the output in the run's precision and
 the cross entropy's fp32 softmax). An encoder tower counts its patches before merging (plus
 per-frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
@@ -63,7 +104,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from mimo_train.planning.dims import Stack, Tower
+from mimo_train.planning.dims import CHUNK, FULL, LINEAR, Stack, Tower
 
 BYTES = {"bf16": 2, "fp32": 4}
 GRAD_BYTES = 4                    # megatron-core's DDP: grad_reduce_in_fp32
@@ -134,11 +175,12 @@ def state_bytes(parameters: float, settings: Settings, dp: int = 1,
 
 def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
     """Parameters of pipeline ``stage`` of the language model on one TP rank: its layers (the
-    first stages take the extra ones of an uneven split), the embedding on the first stage, the
-    output layer and final norm on the last."""
-    layers = stack.layers // pp + (1 if stage < stack.layers % pp else 0)
-    matmuls, norms = stack.layer_parameters()
-    found = layers * (matmuls / tp + norms)
+    first stages take the extra ones of an uneven split; each of its kind), the embedding on
+    the first stage, the output layer and final norm on the last."""
+    found = 0.0
+    for kind, layers in stack.kinds(stack.stage_layers(pp, stage)).items():
+        matmuls, norms = stack.layer_parameters(kind)
+        found += layers * (matmuls / tp + norms)
     rows = stack.vocab * stack.hidden / tp
     if stage == 0:
         found += rows
@@ -150,36 +192,70 @@ def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int
 # -------------------------------------------------------------------------- activations
 
 def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings: Settings,
-                           tp: int = 1, sequence_parallel: bool = False) -> float:
-    """Bytes one layer keeps for a micro-batch of ``tokens`` positions whose samples' squared
-    lengths sum to ``squares``, without recompute (the module docstring's formula)."""
+                           tp: int = 1, sequence_parallel: bool = False, kind: str = FULL,
+                           chunked: float | None = None) -> float:
+    """Bytes one layer of ``kind`` keeps for a micro-batch of ``tokens`` positions whose
+    samples' squared lengths sum to ``squares`` (a gated delta-net: whose samples padded to
+    whole chunks make ``chunked`` positions; default ``tokens``), without recompute (the
+    module docstring's formulas)."""
     h, f = stack.hidden, stack.ffn_hidden
     a = stack.heads * stack.kv_channels
     g = stack.query_groups * stack.kv_channels
     outside = 10 * h * tokens / (tp if sequence_parallel else 1)
     # a mixture of experts: each token's MLP activations in each expert it goes through, and
-    # its permuted copies into and out of them (the dispatcher's)
+    # its permuted copies into and out of them (the dispatcher's); a shared expert's own
     used = stack.experts_per_token or 1
     routed = 4 * h * used if stack.experts else 0
-    inside = (4 * a + 4 * g + (6 if stack.gated else 4) * f * used + routed) * tokens / tp
+    mlp = (6 if stack.gated else 4) * f * used + routed + 6 * stack.shared_expert_ffn
+    if kind == LINEAR:
+        kept = (outside + mlp * tokens / tp) * settings.width / 2
+        return kept + delta_net_bytes(stack, tokens, tokens if chunked is None else chunked,
+                                      settings.width) / tp
+    gate = 4 * a if stack.attention_gate else 0
+    inside = (4 * a + 4 * g + gate + mlp) * tokens / tp
     scores = 5 * stack.heads * squares / tp \
         if settings.attention_scores and settings.recompute == "none" else 0
     return (outside + inside + scores) * settings.width / 2
 
 
-def stack_activation_bytes(stack: Stack, layers: int, tokens: float, squares: float,
-                           settings: Settings, tp: int = 1, sequence_parallel: bool = False
-                           ) -> float:
-    """``layers`` layers' activations for one micro-batch under the settings' recompute."""
+def delta_net_bytes(stack: Stack, tokens: float, chunked: float, width: int) -> float:
+    """What a gated delta-net keeps between its input projection and its output projection
+    (the module docstring's table) for ``tokens`` positions, ``chunked`` of them once each
+    sample is padded to whole chunks, on one TP rank of one (÷ TP for more); ``width``: the
+    run's bytes per value (fp32 tensors keep 4 whatever it is)."""
+    linear = stack.linear
+    assert linear is not None, "a delta-net layer has its dims"
+    heads, dk, dv = linear.num_value_heads, linear.key_head_dim, linear.value_head_dim
+    channels = 2 * linear.key_dim + linear.value_dim
+    fp32 = tokens * (3 * channels + 2 * linear.key_dim + 2 * linear.num_key_heads
+                     + 4 * heads + heads * (2 * dk + dv) + 4 * linear.value_dim + heads)
+    fp32 += chunked * heads * (6 * dk + 3 * dv + 4 + 5 * CHUNK + dk * dv / CHUNK)
+    return 4 * fp32 + tokens * width * (heads + 2 * linear.value_dim)
+
+
+def stack_activation_bytes(stack: Stack, layers: int | range, tokens: float, squares: float,
+                           settings: Settings, tp: int = 1, sequence_parallel: bool = False,
+                           chunked: float | None = None) -> float:
+    """``layers`` layers' activations (a count: the stack's first ones; or the range of them)
+    for one micro-batch under the settings' recompute (``chunked``: ``layer_activation_bytes``
+    's)."""
     recompute = settings.recompute
-    if layers <= 0:
+    held = range(layers) if isinstance(layers, int) else layers
+    if len(held) <= 0:
         return 0.0
-    whole = layer_activation_bytes(stack, tokens, squares, settings, tp, sequence_parallel)
+    whole = {kind: layer_activation_bytes(stack, tokens, squares, settings, tp,
+                                          sequence_parallel, kind, chunked)
+             for kind in stack.kinds(held)}
     if recompute == "full":
         inputs = 2 * stack.hidden * tokens / (tp if sequence_parallel else 1) * \
             settings.width / 2
-        return layers * inputs + whole
-    return layers * whole
+        return len(held) * inputs + max(whole.values())
+    return sum(count * whole[kind] for kind, count in stack.kinds(held).items())
+
+
+def chunked_positions(lengths: Sequence[float]) -> float:
+    """Positions of samples of ``lengths`` each padded to whole delta-rule chunks."""
+    return float(sum(-(-int(s) // CHUNK) * CHUNK for s in lengths))
 
 
 def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: Settings,
@@ -190,8 +266,10 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     layers', and the logits on the last stage (one micro-batch: its loss is taken at once)."""
     tokens, squares = float(sum(lengths)), float(sum(s * s for s in lengths))
     sp = settings.sequence_parallel and tp > 1
-    layers = stack.layers // pp + (1 if stage < stack.layers % pp else 0)
-    found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp)
+    layers = stack.stage_layers(pp, stage)
+    chunked = chunked_positions(lengths) if stack.linear is not None else None
+    found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
+                                               chunked)
     if stage == pp - 1:
         found += tokens * stack.vocab / tp * (settings.width + 4)
     return found
