@@ -70,7 +70,10 @@ pass, per token and ÷ TP (heads and channels split), counted from the tensors a
 
 with C = 64 and w the run's width; a chunked position is a token of a sample padded to whole
 chunks (each sample its own chunks: Σ ⌈s / C⌉ · C). Left out: index tensors (24 bytes per
-token), the C × C mask and the weights' fp32 copies. With flash-linear-attention on a GPU the
+token), the C × C mask and the weights' fp32 copies. Measured on the CPU, where megatron-core's
+three ``@jit_fuser`` methods of the layer run as written (``mcore.cpu_compat``); on a GPU they
+are ``torch.compile``'d, whose backward may keep less of the gates and the gated norm (not
+measured: no GPU check yet). With flash-linear-attention on a GPU the
 layer keeps far less (fla saves q, k, v, g, β and one C-wide matrix per token and head and
 recomputes the states in the backward pass); that path is not modelled: the figure is an upper
 bound there. A delta-net layer keeps no score matrices.
