@@ -1,0 +1,327 @@
+"""Qwen3.5 through the model side: the published ``Qwen/Qwen3.5-4B`` and ``Qwen/Qwen3.5-35B-A3B``
+(mixture of experts with a shared expert) files (``assets/models/published``, dims shrunk by
+tools/make_published.py: four text layers, three gated delta-net (linear attention) then one
+gated full attention; the MoE's layers 4 experts, 2 per token, and a shared expert) as
+``model.pretrained``, on conversations from the corpus: a system turn and two images over two
+turns, text only, a video, an image and a video.
+
+- step 1's loss at lr 0 equals transformers' own ``Qwen3_5ForConditionalGeneration`` /
+  ``Qwen3_5MoeForConditionalGeneration`` loss on the same micro-batches within 1e-5 (fp32,
+  unpacked: transformers' delta-net is right on one sample), on the same trained-token count;
+  and every gradient is transformers' float64 one (within 2e-4 of its largest entry: fp32's
+  rounding on these untrained models, measured);
+- packed: the four samples in one row give the same loss and every gradient as each sample
+  alone (the delta-net's recurrent state and convolution window restart at each sample:
+  ``mcore.delta_rule``);
+- the tower's module at dp2 fanning in to language tp2 (the delta-net's and the attention's
+  heads split over TP; the dense model packed, the MoE under sequence parallelism), and at dp1
+  fanning out to language dp2 in two pipeline stages (the gated attention layer on the second),
+  give the colocated step: loss and every gradient (the fan-in to 2e-4, as fp32 sums in
+  another order give; the others to 1e-5);
+- import then export gives every weight of the checkpoint back bit for bit, the
+  multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
+  ``generate`` on the export, from its own processor's tokens and pixels, equals
+  ``mimo-generate`` on an image prompt and on a video prompt.
+
+The data rules (the training template, timestamps, frame sampling, M-RoPE ids, tokens against
+the published processor) are tests/test_qwen3_5_data.py's; the delta-net layer against
+transformers' and packed against each sample alone, tests/test_gated_delta_net.py's.
+
+Four jobs per checkpoint (one, one, four and five forked ranks): no existing job runs these
+checkpoints, and each layout needs its own world; the colocated one is the reference the others,
+the export and the generation read.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import normalize_video_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+
+from conftest import MODELS, build_dataset
+from support.runs import compare, step
+
+PUBLISHED = MODELS / "published"
+# the dense 4B (tied embeddings) and the mixture-of-experts 35B-A3B (4 experts of 24, 2 per
+# token, a shared expert of 32; untied), as published, dims shrunk
+CHECKPOINTS = {"4B": PUBLISHED / "Qwen--Qwen3.5-4B",
+               "35B-A3B": PUBLISHED / "Qwen--Qwen3.5-35B-A3B"}
+TOLERANCE = 1e-5                   # on the mean loss per trained token
+# on a gradient, relative to its largest entry: these seeded (untrained) models' fp32 gradients
+# are within 6e-5 of transformers' float64 ones (measured: the MoE's delta-net layers 5.9e-5
+# colocated, 5.0e-5 at TP 2; the dense model's 1.5e-5 and 1.8e-5), so two fp32 layouts, which
+# add up in other orders, differ by as much
+GRADIENT_TOLERANCE = 2e-4
+SAMPLES = 4
+IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
+VIDEO_PIXELS = {"max_pixels": 4 * 65536}                       # the clip's whole budget
+LAYOUT = "language=dp1;image=dp1,off0,video"
+
+
+def _conversations(corpus: Path, clips: dict) -> list[dict]:
+    images = corpus / "images"
+    return [
+        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
+         "conversations": [
+             {"from": "system", "value": "You describe pictures in a few words."},
+             {"from": "human", "value": "<image>What animal is this?"},
+             {"from": "gpt", "value": "A cat, lying down."},
+             {"from": "human", "value": "<image>And here?"},
+             {"from": "gpt", "value": "A rocket on its launch pad."}]},
+        {"id": "text-only", "conversations": [
+            {"from": "human", "value": "What is a tar file?"},
+            {"from": "gpt", "value": "An archive of files."}]},
+        {"id": "video", "videos": [str(corpus / clips["pan_h264_24"].path)], "conversations": [
+            {"from": "human", "value": "<video>\nWhat moves?"},
+            {"from": "gpt", "value": "The camera pans across a person."}]},
+        {"id": "mixed", "image": [str(images / "chelsea.jpg")],
+         "videos": [str(corpus / clips["zoom_mpeg4_10"].path)], "conversations": [
+             {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
+             {"from": "gpt", "value": "A cat, closer."}]},
+    ]
+
+
+def preprocessing(checkpoint: Path) -> dict:
+    """The checkpoint's preprocessing config (``mimo-train --preprocessing-for``), smaller
+    images and clips for a fast tower."""
+    from mimo_train.families.registry import preprocessing_for
+    config = preprocessing_for(str(checkpoint))
+    config["modalities"]["image"].update(IMAGE_PIXELS)
+    config["modalities"]["video"].update(VIDEO_PIXELS)
+    return {**config, "seq_length": 2048}
+
+
+@pytest.fixture(scope="module")
+def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("qwen3-5-shards")
+    (tmp / "records.json").write_text(json.dumps(_conversations(corpus, corpus_videos)))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    return tmp / "shards"
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def run(request, shards, tmp_path_factory) -> dict:
+    import yaml
+    checkpoint = CHECKPOINTS[request.param]
+    if not (checkpoint / ".complete").is_file():
+        pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
+    tmp = tmp_path_factory.mktemp(f"qwen3-5-{request.param}")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump(preprocessing(checkpoint)))
+    common = [f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={checkpoint}", f"train.global_batch_size={SAMPLES}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
+              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", "model.freeze=[]"]
+    return dict(name=request.param, checkpoint=checkpoint, tmp=tmp, preprocess=preprocess,
+                common=common, config=PreprocessConfig.from_yaml(str(preprocess)))
+
+
+@pytest.fixture(scope="module")
+def colocated(ranks, run) -> dict:
+    """Step 1 colocated, one sample per micro-batch (padded), with the micro-batches it
+    trained on; the imported model saved first (``init/step_0000000``)."""
+    tmp = run["tmp"]
+    return step(ranks, tmp / "colocated", 1, f"layout={LAYOUT}", "train.micro_batch_size=1",
+                *run["common"], save_batches=True, save_init=tmp / "init")
+
+
+@pytest.fixture(scope="module")
+def reference(run, colocated) -> tuple[float, int, dict]:
+    """transformers' mean loss per trained token on the colocated step's micro-batches, that
+    count, and the gradients of that loss by parameter name, in float64 (the truth fp32 runs
+    are held to). Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
+    transformers' label at t + 1 (its loss shifts back)."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(   # its grouped experts take no fp64
+        run["checkpoint"], dtype=torch.float64, experts_implementation="eager").eval()
+    config = run["config"].modalities
+    image_id, video_id = model.config.image_token_id, model.config.video_token_id
+    total, count, kinds = 0.0, 0, set()
+    for batch in colocated["ranks"][0]["batches"]:
+        length = int(batch["attention_mask"].sum(1).max())
+        ids = batch["input_ids"][:, :length]
+        trained = batch["loss_mask"][:, :length].bool()
+        assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
+                           ids[:, 1:][trained[:, :-1]])
+        labels = torch.full_like(ids, -100)
+        labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
+        inputs = {modality: by_encoder[modality]
+                  for modality, by_encoder in batch["modality_inputs"].items()}
+        extra = {}
+        if "image" in inputs:
+            extra.update(pixel_values=normalize_pixels(inputs["image"]["pixel_values"],
+                                                       config["image"]).double(),
+                         image_grid_thw=inputs["image"]["image_grid_thw"])
+        if "video" in inputs:
+            extra.update(pixel_values_videos=normalize_video_pixels(
+                inputs["video"]["pixel_values_videos"], config["video"]).double(),
+                video_grid_thw=inputs["video"]["video_grid_thw"])
+        kinds.add(tuple(sorted(inputs)))
+        loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
+                     labels=labels, mm_token_type_ids=(ids == image_id).int()
+                     + 2 * (ids == video_id).int(), **extra).loss
+        tokens = int((labels[:, 1:] != -100).sum())
+        (loss * tokens).backward()
+        total, count = total + float(loss) * tokens, count + tokens
+    assert kinds == {(), ("image",), ("video",), ("image", "video")}
+    grads = {name: p.grad / count for name, p in model.named_parameters()
+             if p.grad is not None}
+    return total / count, count, grads
+
+
+def _assert_loss(result: dict, reference: tuple, what: str) -> None:
+    loss, tokens, _ = reference
+    assert result["tokens"] == tokens, what
+    assert math.isclose(result["loss_sum"] / result["tokens"], loss, rel_tol=0,
+                        abs_tol=TOLERANCE), (what, result["loss_sum"] / result["tokens"], loss)
+
+
+def test_step_one_loss_is_transformers_loss(colocated, reference):
+    _assert_loss(colocated, reference, "colocated, padded")
+
+
+def test_step_one_gradients_are_transformers_gradients(run, colocated, reference):
+    """Every gradient of the colocated fp32 step (the tower's, the delta-nets' ``A_log``,
+    ``dt_bias``, convolution and gated norm, the gated attention's, the experts', the
+    embedding's) is transformers' float64 one under its published name: the backward through
+    mimo's layers is transformers' model's."""
+    from mimo_train.families.causal_lm import to_hf
+    from mimo_train.families.registry import language_arch, read_vlm
+    truth = reference[2]
+    arch = language_arch(str(run["checkpoint"]))
+    ours = to_hf([colocated["grads"]["language"]], arch)
+    vlm = read_vlm(str(run["checkpoint"]))
+    (tower, visual), = vlm.checkpoint_names(vlm.weights())
+    ours.update({visual + name.removeprefix(tower): grad
+                 for name, grad in colocated["grads"]["image"].items()})
+    assert set(ours) == set(truth)
+    for name, grad in truth.items():
+        mine = ours[name] if ours[name].shape == grad.shape else ours[name].transpose(-1, -2)
+        scale = max(1.0, grad.abs().max().item())
+        assert (mine.double() - grad).abs().max() <= GRADIENT_TOLERANCE * scale, name
+
+
+def test_packed_samples_give_each_sample_alone(ranks, run, colocated, reference):
+    """The four samples packed in one row (one micro-batch) against each alone (the colocated
+    step's micro-batches of one): transformers' loss, and every gradient, the delta-net's
+    convolution, ``A_log`` and ``dt_bias`` included."""
+    packed = step(ranks, run["tmp"] / "packed", 1, f"layout={LAYOUT}",
+                  f"train.micro_batch_size={SAMPLES}", "data.packing=true",
+                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    _assert_loss(packed, reference, "colocated, packed")
+    delta_net = [name for name in colocated["grads"]["language"] if name.endswith(".A_log")]
+    assert len(delta_net) == 3, delta_net
+    compare(colocated, packed, "packed")
+
+
+def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):
+    """The tower's module at dp2 fanning in to the language model at tp2 (the delta-net's key
+    and value heads and the attention's heads split over the TP ranks): transformers' loss, and
+    every gradient the colocated step has. The dense model packed; the mixture of experts with
+    sequence parallelism (megatron-core's MoE layer needs it under TP), padded."""
+    how = ["data.packing=true"] if run["name"] == "4B" else \
+        ["model.language.sequence_parallel=true"]
+    fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
+                  f"train.micro_batch_size={SAMPLES // 2}", *how,
+                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    _assert_loss(fan_in, reference, f"image dp2 -> language tp2, {how}")
+    compare(colocated, fan_in, f"image dp2 -> language tp2, {how}", GRADIENT_TOLERANCE)
+
+
+def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):
+    """The tower's one rank fanning out to two language DP ranks, each a pipeline of two
+    stages of two layers (delta-net, delta-net | delta-net, gated attention); two
+    micro-batches per pipeline through the 1F1B schedule. The 4B's embeddings are tied (as
+    published)."""
+    staged = step(ranks, run["tmp"] / "pp2", 5, "layout=image=dp1,video;language=pp2,dp2",
+                  "train.micro_batch_size=1",
+                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    if run["name"] == "4B":   # tied: the last stage's output layer holds the embedding's
+        tied = staged["grads"]["language"].pop("output_layer.weight")
+        embedding = colocated["grads"]["language"]["embedding.word_embeddings.weight"]
+        assert (tied - embedding).abs().max() <= 1e-5
+    compare(colocated, staged, "image dp1 -> language pp2 dp2")
+
+
+@pytest.fixture(scope="module")
+def exported(run, colocated) -> Path:
+    """``mimo-export`` of the imported model (the colocated job's step-0 checkpoint)."""
+    from mimo_train.hf.export import main as export
+    out = run["tmp"] / "export"
+    assert export(["--checkpoint", str(run["tmp"] / "init" / "step_0000000"),
+                   "--output", str(out)]) == 0
+    return out
+
+
+def test_import_then_export_gives_every_weight_back(run, exported):
+    """Every tensor under its published name, shape and dtype (``A_log`` and the gated norm
+    float32 as published, the rest bf16), the multi-token-prediction weights included (written
+    back as the checkpoint holds them: mimo does not train them)."""
+    from safetensors.torch import load_file
+    published: dict = {}
+    ours: dict = {}
+    for directory, found in ((run["checkpoint"], published), (exported, ours)):
+        for path in sorted(directory.glob("*.safetensors")):
+            found.update(load_file(path))
+    assert any(name.startswith("mtp.") for name in published)
+    assert set(ours) == set(published)
+    for name, tensor in published.items():
+        assert torch.equal(ours[name].to(tensor.dtype), tensor), name
+    config = json.loads((exported / "config.json").read_text())
+    assert config["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+
+
+def _processor(run):
+    """The published processor, its image and video budgets set as the run's config."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(run["checkpoint"])
+    image, video = run["config"].modalities["image"], run["config"].modalities["video"]
+    processor.image_processor.size = {"shortest_edge": image.min_pixels,
+                                      "longest_edge": image.max_pixels}
+    processor.video_processor.size = {"shortest_edge": video.min_pixels,
+                                      "longest_edge": video.max_pixels}
+    processor.video_processor.fps = video.fps
+    return processor
+
+
+@pytest.mark.parametrize("kind", ["image", "video"])
+def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported, corpus,
+                                                                  corpus_videos, kind):
+    """transformers' processor (the published chat template, its image or video processor:
+    frames sampled over the clip, ``<t seconds>`` before each temporal patch) and greedy
+    ``generate`` on the exported model give ``mimo-generate``'s prompt and tokens."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.video_utils import load_video
+
+    from mimo_train.hf.generate import Generator
+    processor = _processor(run)
+    question = "What is shown?"
+    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text",
+                                                             "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if kind == "image":
+        path = corpus / "images" / "chelsea.jpg"
+        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
+                           return_tensors="pt")
+    else:
+        path = corpus / corpus_videos["zoom_mpeg4_10"].path
+        frames, metadata = load_video(str(path), backend="pyav")
+        inputs = processor(text=[text], videos=[frames], video_metadata=[metadata],
+                           do_sample_frames=True, return_tensors="pt")
+        assert "seconds>" in processor.decode(inputs["input_ids"][0])
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
+                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
+    assert ours.prompt_ids == inputs["input_ids"][0].tolist()
+    assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
+    assert len(ours.token_ids) == 8
