@@ -31,7 +31,8 @@ from mimo_train.planning.advisor import read_model, run_advisor
 PUBLISHED = MODELS / "published"
 CHECKPOINTS = {"qwen2-vl": PUBLISHED / "Qwen--Qwen2-VL-2B-Instruct",          # 2 layers
                "qwen3-vl": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",          # deepstack
-               "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"}  # 4 experts
+               "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct",  # 4 experts
+               "qwen3.5": PUBLISHED / "Qwen--Qwen3.5-4B"}     # 2 delta-net key heads
 MODALITIES = {"image": "image", "video": "image"}       # one tower serves both
 
 
@@ -55,6 +56,9 @@ CASES = {
     "language_heads_split": Case(
         "qwen2-vl", "image=dp1,video;language=tp4", (),
         "2 query groups (key/value heads), which do not split into language tp4"),
+    "linear_attention_heads_split": Case(
+        "qwen3.5", "image=dp1,video;language=tp4", (),
+        "gated delta-net layers have 2 key heads, which do not split into language tp4"),
     "language_context_parallel": Case(
         "qwen2-vl", "image=dp1,video;language=cp2", (),
         "(language cp2): megatron-core's needs Transformer Engine's attention"),

@@ -22,13 +22,15 @@ from mimo_train.errors import TrainConfigError
 class Facts:
     """What the rules read of the model, whatever its layout: the language model's layers,
     attention heads, query groups and experts, whether a tower adds deepstack rows to the
-    language model's first layers, and the projection after the towers."""
+    language model's first layers, the projection after the towers, and the key and value
+    heads of its gated delta-net layers (none: no such layers)."""
     layers: int
     heads: int
     query_groups: int
     experts: int = 0
     deepstack: bool = False
     projection: str = "linear"
+    linear_heads: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,17 @@ def language_layers_split(facts: Facts, layout: Layout, settings: Settings) -> s
     if facts.layers % pp:
         return (f"the language model has {facts.layers} layers, which do not split into "
                 f"language pp{pp} (pipeline stages of whole layers): make pp divide them")
+    return None
+
+
+@rule
+def linear_attention_heads_split(facts: Facts, layout: Layout, settings: Settings
+                                 ) -> str | None:
+    tp = layout.language.tp
+    for what, count in zip(("key", "value"), facts.linear_heads or ()):
+        if count % tp:
+            return (f"the language model's gated delta-net layers have {count} {what} heads, "
+                    f"which do not split into language tp{tp}: make tp divide them")
     return None
 
 

@@ -62,9 +62,11 @@ class RunPlan:
     def facts(self) -> Facts:
         """What the rules read of the model."""
         language = self.language
+        linear = language.arch.linear if language.arch else None
         return Facts(language.num_layers, language.num_attention_heads,
-                           language.num_query_groups, language.experts,
-                           any(e.deepstack for e in self.encoders.values()), self.projection)
+                     language.num_query_groups, language.experts,
+                     any(e.deepstack for e in self.encoders.values()), self.projection,
+                     (linear.num_key_heads, linear.num_value_heads) if linear else None)
 
     @property
     def settings(self) -> Settings:
