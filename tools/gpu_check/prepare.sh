@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run here, from the project's root (set-up done): download into .whl/ the wheels the GPU
 # machine lacks (it has torch 2.11 and transformers 5.x, no network), the versions this
-# environment has, and keep .whl/ out of git. About 4 MiB: the device call carries 64 MiB.
+# environment has, and flash-linear-attention (the gated delta-net's GPU kernels, Triton: not
+# installed here), and keep .whl/ out of git. About 6 MiB: the device call carries 64 MiB.
 set -euo pipefail
 [ -f pyproject.toml ] && [ -d mimo_train ] || { echo "run this from the project's root" >&2; exit 2; }
 PY=${PY:-.venv/bin/python}
@@ -14,6 +15,9 @@ for name in megatron-core webdataset braceexpand soundfile cffi pycparser; do
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
     -d .whl "$name==$(version "$name")"
 done
+FLA_VERSION=0.6.0        # pure Python; megatron-core 0.19.2 imports its 0.6 paths
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
+  "flash-linear-attention==$FLA_VERSION" "fla-core==$FLA_VERSION" einops
 du -sh .whl assets/tokenizer assets/corpus
 echo "then on the GPU machine: python3 tools/gpu_check/run.py --out DIR" \
      "(carrying .whl, assets/tokenizer, assets/corpus)"

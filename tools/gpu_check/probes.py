@@ -2,9 +2,19 @@
 one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 
 - ``env``: versions, the GPU, and a bf16 matmul's TFLOP/s (8192^3, the practical peak);
-- ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls, and
-  ``varlen_attn`` over three causal samples against SDPA on each sample alone; each probe's
-  failure is recorded and the next one still runs.
+- ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
+  ``varlen_attn`` over three causal samples against SDPA on each sample alone, and the gated
+  delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
+  flash-linear-attention's where installed, else mimo's torch ones); each probe's failure is
+  recorded and the next one still runs.
+
+``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
+convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
+row (``cu_seqlens``) against each sample alone: the largest difference of the convolution's and
+the delta rule's outputs and of every input's gradient, relative to the largest entry (packing
+per sample: near bf16's rounding; ``ok`` under 5e-2); the same packed row run as one sequence (a
+leaking state: far off); the packed output against mimo's fp32 torch kernels; and the
+milliseconds of a packed forward and backward.
 """
 
 from __future__ import annotations
@@ -87,12 +97,83 @@ def varlen() -> dict:
     return {"ok": diff < 2e-2, "max_abs_diff_vs_sdpa": diff}
 
 
+DELTA_NET_LENGTHS = [1000, 37, 2048, 511]
+
+
+def delta_net(device: str = "cuda", lengths: list[int] = DELTA_NET_LENGTHS) -> dict:
+    from mimo_train.mcore import delta_rule
+    torch.manual_seed(0)
+    tokens, key_heads, value_heads, dim, width = sum(lengths), 16, 32, 128, 4
+    channels = (2 * key_heads + value_heads) * dim
+    bounds = [0]
+    for n in lengths:
+        bounds.append(bounds[-1] + n)
+    cu = torch.tensor(bounds, device=device, dtype=torch.int32)
+
+    def leaf(*shape, scale=1.0):
+        return (torch.randn(*shape, device=device) * scale).bfloat16().requires_grad_()
+    x, weight = leaf(1, tokens, channels), leaf(channels, width, scale=0.5)
+    q, k = (leaf(1, tokens, key_heads, dim) for _ in range(2))
+    v = leaf(1, tokens, value_heads, dim)
+    g = (-torch.rand(1, tokens, value_heads, device=device)).bfloat16().requires_grad_()
+    beta = torch.rand(1, tokens, value_heads, device=device).bfloat16().requires_grad_()
+    inputs = (x, weight, q, k, v, g, beta)
+
+    def run(fla: bool, cu_seqlens, span=slice(None)):
+        """conv and rule outputs on tokens ``span``, and their gradients (a fixed probe)."""
+        for t in inputs:
+            t.grad = None
+        serve = delta_rule.fla_serves if fla else (lambda tensor: False)
+        saved, delta_rule.fla_serves = delta_rule.fla_serves, serve
+        try:
+            conv, _ = delta_rule.causal_conv1d(x[:, span], weight, activation="silu",
+                                               cu_seqlens=cu_seqlens)
+            rule, _ = delta_rule.chunk_gated_delta_rule(
+                *(t[:, span] for t in (q, k, v, g, beta)), cu_seqlens=cu_seqlens,
+                use_qk_l2norm_in_kernel=True)
+        finally:
+            delta_rule.fla_serves = saved
+        (conv.float().sum() + rule.float().square().sum()).backward()
+        return [conv.detach().float(), rule.detach().float()], \
+            [t.grad.float().clone() for t in inputs]
+
+    def largest(a, b):
+        """the largest difference of ``a`` from ``b``, relative to ``b``'s largest entry"""
+        return max(((u - w).abs().max() / w.abs().max()).item() for u, w in zip(a, b))
+    fla = delta_rule.fla_serves(q)
+    packed, packed_grads = run(fla, cu)
+    pieces, piece_grads = [[], []], [torch.zeros_like(t, dtype=torch.float) for t in inputs]
+    for start, end in zip(bounds, bounds[1:]):
+        outputs, grads = run(fla, None, slice(start, end))
+        for i, out in enumerate(outputs):
+            pieces[i].append(out)
+        piece_grads = [a + b for a, b in zip(piece_grads, grads)]
+    alone = [torch.cat(p, dim=1) for p in pieces]
+    leaking, _ = run(fla, None)
+    torch_kernels, _ = run(False, cu)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    for _ in range(5):
+        run(fla, cu)
+    synchronize()
+    per_sample = largest(packed, alone)
+    return {"ok": per_sample < 5e-2, "kernel": "fla" if fla else "torch",
+            "tokens": tokens, "samples": len(lengths),
+            "packed_vs_alone_max_rel": per_sample,
+            "packed_vs_alone_grad_max_rel": largest(packed_grads, piece_grads),
+            "one_sequence_vs_alone_max_rel": largest(leaking, alone),
+            "vs_torch_kernels_max_rel": largest(packed, torch_kernels),
+            "packed_fwd_bwd_ms": round((time.perf_counter() - started) / 5 * 1e3, 2)}
+
+
 def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
-                for name in ("nccl", "cuda_events", "varlen_kernel")}
+                for name in ("nccl", "cuda_events", "varlen_kernel", "delta_net")}
     found = {}
-    for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen)):
+    for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
+                        ("delta_net", delta_net)):
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end

@@ -11,12 +11,14 @@ Here, on the CPU, the same steps with tiny dims (``tests/test_gpu_check.py`` run
 
 Steps, each bounded in time; a failed one is recorded with its first error line, never fatal:
 
-1. ``packages``: megatron-core, webdataset, soundfile and their needs installed from ``.whl``
-   when missing (the GPU image has torch and transformers only); PyAV, when missing, replaced by
+1. ``packages``: megatron-core, webdataset, soundfile, flash-linear-attention (fla) and their
+   needs installed from ``.whl`` when missing (the GPU image has torch and transformers only,
+   triton with torch); PyAV, when missing, replaced by
    a stub that fails on use (only video needs it; its wheel is half the carry limit).
 2. ``env`` and ``kernels`` (one child process, ``probes.py``): versions, the GPU, a bf16
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
-   events, ``varlen_attn`` against per-sample SDPA.
+   events, ``varlen_attn`` against per-sample SDPA, the gated delta-net's kernels (fla's) on a
+   packed row of Qwen3.5-4B's shapes against each sample alone.
 3. ``shards``: ``mimo-shard build`` of the sample corpus's image and text conversations.
 4. ``parity``: a tiny model's two fp32 steps on the device against the same steps on the CPU
    (TF32 off): losses and gradient norms.
@@ -143,10 +145,12 @@ def _missing(module: str) -> bool:
 AV_MISSING = _missing("av")
 
 
-def install_packages() -> dict:
-    """pip-install the carried wheels whose packages are missing (no index, no dependencies)."""
+def install_packages(gpu: bool) -> dict:
+    """pip-install the carried wheels whose packages are missing (no index, no dependencies);
+    the GPU kernels (fla) only on the GPU machine (``gpu``)."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
-    missing = [m for m in ("megatron.core", "webdataset", "soundfile") if _missing(m)]
+    wanted = ("megatron.core", "webdataset", "soundfile") + (("fla", "einops") if gpu else ())
+    missing = [m for m in wanted if _missing(m)]
     result: dict = {"missing": missing, "av": "stub" if AV_MISSING else "installed"}
     if missing:
         if not wheels:
@@ -344,7 +348,7 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, tiny, budget_s, launch, shards)
     check.work.mkdir(exist_ok=True)
-    check.step("packages", install_packages)
+    check.step("packages", lambda: install_packages(gpu=not tiny))
     # a child process on a GPU machine: the parent holds no CUDA context while the cases run
     check.step("machine", lambda: probe_here() if tiny else probe(check, child_env("auto"), 180))
     machine = check.summary.pop("machine")           # an error: both say it
