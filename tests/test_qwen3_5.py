@@ -16,8 +16,8 @@ turns, text only, a video, an image and a video.
 - the tower's module at dp2 fanning in to language tp2 (the delta-net's and the attention's
   heads split over TP; the dense model packed, the MoE under sequence parallelism), and at dp1
   fanning out to language dp2 in two pipeline stages (the gated attention layer on the second;
-  the distributed optimizer, full recompute), give the colocated step: loss and every gradient (the fan-in to 2e-4, as fp32 sums in
-  another order give; the others to 1e-5);
+  the distributed optimizer, full recompute), give the colocated step: loss and every
+  gradient (the fan-in to 2e-4, as fp32 sums in another order give; the others to 1e-5);
 - import then export gives every weight of the checkpoint back bit for bit, the
   multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
   ``generate`` on the export, from its own processor's tokens and pixels, equals
@@ -41,11 +41,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_data.modalities.image import normalize_pixels
-from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
+from support.qwen3_5 import conversations, preprocessing, transformers_loss
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
@@ -60,48 +59,13 @@ TOLERANCE = 1e-5                   # on the mean loss per trained token
 # add up in other orders, differ by as much
 GRADIENT_TOLERANCE = 2e-4
 SAMPLES = 4
-IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
-VIDEO_PIXELS = {"max_pixels": 4 * 65536}                       # the clip's whole budget
 LAYOUT = "language=dp1;image=dp1,off0,video"
-
-
-def _conversations(corpus: Path, clips: dict) -> list[dict]:
-    images = corpus / "images"
-    return [
-        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
-         "conversations": [
-             {"from": "system", "value": "You describe pictures in a few words."},
-             {"from": "human", "value": "<image>What animal is this?"},
-             {"from": "gpt", "value": "A cat, lying down."},
-             {"from": "human", "value": "<image>And here?"},
-             {"from": "gpt", "value": "A rocket on its launch pad."}]},
-        {"id": "text-only", "conversations": [
-            {"from": "human", "value": "What is a tar file?"},
-            {"from": "gpt", "value": "An archive of files."}]},
-        {"id": "video", "videos": [str(corpus / clips["pan_h264_24"].path)], "conversations": [
-            {"from": "human", "value": "<video>\nWhat moves?"},
-            {"from": "gpt", "value": "The camera pans across a person."}]},
-        {"id": "mixed", "image": [str(images / "chelsea.jpg")],
-         "videos": [str(corpus / clips["zoom_mpeg4_10"].path)], "conversations": [
-             {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
-             {"from": "gpt", "value": "A cat, closer."}]},
-    ]
-
-
-def preprocessing(checkpoint: Path) -> dict:
-    """The checkpoint's preprocessing config (``mimo-train --preprocessing-for``), smaller
-    images and clips for a fast tower."""
-    from mimo_train.families.registry import preprocessing_for
-    config = preprocessing_for(str(checkpoint))
-    config["modalities"]["image"].update(IMAGE_PIXELS)
-    config["modalities"]["video"].update(VIDEO_PIXELS)
-    return {**config, "seq_length": 2048}
 
 
 @pytest.fixture(scope="module")
 def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("qwen3-5-shards")
-    (tmp / "records.json").write_text(json.dumps(_conversations(corpus, corpus_videos)))
+    (tmp / "records.json").write_text(json.dumps(conversations(corpus, corpus_videos)))
     build_dataset([tmp / "records.json"], tmp / "shards")
     return tmp / "shards"
 
@@ -142,34 +106,12 @@ def reference(run, colocated) -> tuple[float, int, dict]:
     model = AutoModelForImageTextToText.from_pretrained(   # its grouped experts take no fp64
         run["checkpoint"], dtype=torch.float64, experts_implementation="eager").eval()
     config = run["config"].modalities
-    image_id, video_id = model.config.image_token_id, model.config.video_token_id
     total, count, kinds = 0.0, 0, set()
     for batch in colocated["ranks"][0]["batches"]:
-        length = int(batch["attention_mask"].sum(1).max())
-        ids = batch["input_ids"][:, :length]
-        trained = batch["loss_mask"][:, :length].bool()
-        assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
-                           ids[:, 1:][trained[:, :-1]])
-        labels = torch.full_like(ids, -100)
-        labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
-        inputs = {modality: by_encoder[modality]
-                  for modality, by_encoder in batch["modality_inputs"].items()}
-        extra = {}
-        if "image" in inputs:
-            extra.update(pixel_values=normalize_pixels(inputs["image"]["pixel_values"],
-                                                       config["image"]).double(),
-                         image_grid_thw=inputs["image"]["image_grid_thw"])
-        if "video" in inputs:
-            extra.update(pixel_values_videos=normalize_video_pixels(
-                inputs["video"]["pixel_values_videos"], config["video"]).double(),
-                video_grid_thw=inputs["video"]["video_grid_thw"])
-        kinds.add(tuple(sorted(inputs)))
-        loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
-                     labels=labels, mm_token_type_ids=(ids == image_id).int()
-                     + 2 * (ids == video_id).int(), **extra).loss
-        tokens = int((labels[:, 1:] != -100).sum())
+        loss, tokens, modalities = transformers_loss(model, batch, config, torch.float64)
         (loss * tokens).backward()
         total, count = total + float(loss) * tokens, count + tokens
+        kinds.add(modalities)
     assert kinds == {(), ("image",), ("video",), ("image", "video")}
     grads = {name: p.grad / count for name, p in model.named_parameters()
              if p.grad is not None}
