@@ -129,8 +129,8 @@ def delta_net(device: str = "cuda", lengths: list[int] = DELTA_NET_LENGTHS) -> d
             conv, _ = delta_rule.causal_conv1d(x[:, span], weight, activation="silu",
                                                cu_seqlens=cu_seqlens)
             rule, _ = delta_rule.chunk_gated_delta_rule(
-                *(t[:, span] for t in (q, k, v, g, beta)), cu_seqlens=cu_seqlens,
-                use_qk_l2norm_in_kernel=True)
+                q[:, span], k[:, span], v[:, span], g[:, span], beta[:, span],
+                cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)
         finally:
             delta_rule.fla_serves = saved
         (conv.float().sum() + rule.float().square().sum()).backward()
@@ -142,7 +142,8 @@ def delta_net(device: str = "cuda", lengths: list[int] = DELTA_NET_LENGTHS) -> d
         return max(((u - w).abs().max() / w.abs().max()).item() for u, w in zip(a, b))
     fla = delta_rule.fla_serves(q)
     packed, packed_grads = run(fla, cu)
-    pieces, piece_grads = [[], []], [torch.zeros_like(t, dtype=torch.float) for t in inputs]
+    pieces: list[list[torch.Tensor]] = [[], []]
+    piece_grads = [torch.zeros_like(t, dtype=torch.float) for t in inputs]
     for start, end in zip(bounds, bounds[1:]):
         outputs, grads = run(fla, None, slice(start, end))
         for i, out in enumerate(outputs):
