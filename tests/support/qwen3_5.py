@@ -1,0 +1,84 @@
+"""What tests/test_qwen3_5.py and tests/test_qwen3_5_lora.py share (no test module imports
+another): the conversations of the Qwen3.5 runs (``conversations``), the published checkpoint's
+preprocessing config for them (``preprocessing``), and transformers' loss on one of the
+micro-batches a parity step trained on (``transformers_loss``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import normalize_video_pixels
+
+IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
+VIDEO_PIXELS = {"max_pixels": 4 * 65536}                       # the clip's whole budget
+
+
+def conversations(corpus: Path, clips: dict) -> list[dict]:
+    """A system turn and two images over two turns, text only, a video, an image and a
+    video (``clips``: the ``corpus_videos`` fixture)."""
+    images = corpus / "images"
+    return [
+        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
+         "conversations": [
+             {"from": "system", "value": "You describe pictures in a few words."},
+             {"from": "human", "value": "<image>What animal is this?"},
+             {"from": "gpt", "value": "A cat, lying down."},
+             {"from": "human", "value": "<image>And here?"},
+             {"from": "gpt", "value": "A rocket on its launch pad."}]},
+        {"id": "text-only", "conversations": [
+            {"from": "human", "value": "What is a tar file?"},
+            {"from": "gpt", "value": "An archive of files."}]},
+        {"id": "video", "videos": [str(corpus / clips["pan_h264_24"].path)], "conversations": [
+            {"from": "human", "value": "<video>\nWhat moves?"},
+            {"from": "gpt", "value": "The camera pans across a person."}]},
+        {"id": "mixed", "image": [str(images / "chelsea.jpg")],
+         "videos": [str(corpus / clips["zoom_mpeg4_10"].path)], "conversations": [
+             {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
+             {"from": "gpt", "value": "A cat, closer."}]},
+    ]
+
+
+def preprocessing(checkpoint: Path) -> dict:
+    """The checkpoint's preprocessing config (``mimo-train --preprocessing-for``), smaller
+    images and clips for a fast tower."""
+    from mimo_train.families.registry import preprocessing_for
+    config = preprocessing_for(str(checkpoint))
+    config["modalities"]["image"].update(IMAGE_PIXELS)
+    config["modalities"]["video"].update(VIDEO_PIXELS)
+    return {**config, "seq_length": 2048}
+
+
+def transformers_loss(model, batch: dict, config: dict, dtype: torch.dtype
+                      ) -> tuple[torch.Tensor, int, tuple[str, ...]]:
+    """``model``'s (transformers' Qwen3.5 VLM, or PEFT's around one) mean loss per trained
+    token on one padded micro-batch of mimo's loader, that count, and the micro-batch's
+    modalities; pixels normalized as ``config`` (the preprocessing config's modalities) says,
+    in ``dtype``. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
+    transformers' label at t + 1 (its loss shifts back)."""
+    image_id, video_id = model.config.image_token_id, model.config.video_token_id
+    length = int(batch["attention_mask"].sum(1).max())
+    ids = batch["input_ids"][:, :length]
+    trained = batch["loss_mask"][:, :length].bool()
+    assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
+                       ids[:, 1:][trained[:, :-1]])
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
+    inputs = {modality: by_encoder[modality]
+              for modality, by_encoder in batch["modality_inputs"].items()}
+    extra = {}
+    if "image" in inputs:
+        extra.update(pixel_values=normalize_pixels(inputs["image"]["pixel_values"],
+                                                   config["image"]).to(dtype),
+                     image_grid_thw=inputs["image"]["image_grid_thw"])
+    if "video" in inputs:
+        extra.update(pixel_values_videos=normalize_video_pixels(
+            inputs["video"]["pixel_values_videos"], config["video"]).to(dtype),
+            video_grid_thw=inputs["video"]["video_grid_thw"])
+    loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
+                 labels=labels, mm_token_type_ids=(ids == image_id).int()
+                 + 2 * (ids == video_id).int(), **extra).loss
+    return loss, int((labels[:, 1:] != -100).sum()), tuple(sorted(inputs))
