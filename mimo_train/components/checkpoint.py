@@ -324,8 +324,8 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:
     """A checkpoint with LoRA adapters on layers of this rank's modules that this run does not
     adapt is refused: its weights without them are not the model it saved."""
-    for key in sorted(saved):
-        if is_adapter(key) and key not in wanted:
+    for key in sorted(saved):      # (a tensor saved in sections: <wanted key>.<section>)
+        if is_adapter(key) and key not in wanted and key.rpartition(".")[0] not in wanted:
             layer = key[:key.index("lora.")]
             if any(k.startswith(layer) and not is_adapter(k) for k in wanted):
                 lora = (meta.get("config") or {}).get("model", {}).get("lora")
@@ -454,7 +454,7 @@ def load_model(directory: str, model) -> None:
     saved = dist_checkpointing.load_tensors_metadata(directory)
     sharded = model.sharded_state_dict()
     kept = [key for key, value in sharded.items()
-            if is_adapter(key) and getattr(value, "key", None) not in saved]
+            if is_adapter(key) and not _held(getattr(value, "key", None), saved)]
     loaded = _load({"model": {k: v for k, v in sharded.items() if k not in kept}}, directory,
                    "model.init_from")["model"]
     result = model.load_state_dict(loaded, strict=not kept)
@@ -462,6 +462,12 @@ def load_model(directory: str, model) -> None:
     if missing or result.unexpected_keys:
         raise CheckpointError(f"model.init_from: {directory} does not fit this model: missing "
                               f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+
+def _held(key: str | None, saved) -> bool:
+    """Whether the checkpoint's tensors ``saved`` hold ``key``, whole or in sections
+    (``<key>.<section>``: a gated delta-net's ``in_proj`` and its adapter's B)."""
+    return key in saved or any(k.startswith(f"{key}.") for k in saved)
 
 
 def _load(sharded: dict, directory: str, purpose: str) -> dict:

@@ -68,7 +68,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
-from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm
+from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm, saved_in_sections
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",
@@ -89,7 +89,7 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors",
     "make_tp_sharded_tensor_for_checkpoint", "merge", "model_parallel_cuda_manual_seed",
-    "nested_values", "parallel_state"]
+    "nested_values", "parallel_state", "saved_in_sections"]
 
 
 def ensure_global_memory_buffer() -> None:

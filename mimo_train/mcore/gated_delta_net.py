@@ -26,7 +26,9 @@ language model hands a packed row to its layers as one sbhd sequence (``mcore.at
 ``qkv_format`` becomes "sbhd", ``cu_seqlens`` kept), which megatron-core's layer would read as
 one unpacked sequence, state leaking across samples; this one keeps the samples apart whatever
 the format. ``GatedNorm`` is its gated output norm (``out_norm``), ``module_spec()`` the layer as
-a local ``TransformerLayer``'s ``self_attention``.
+a local ``TransformerLayer``'s ``self_attention``, ``saved_in_sections`` a tensor of ``in_proj``'s
+rows (a LoRA adapter's B) saved section by section as the layer saves ``in_proj.weight``
+(megatron-core's private ``_split_tensor_factory``).
 
 Packing stays per sample for the hybrid layers: every packed sample starts from a zero
 recurrent state and a zero convolution window, exactly as if it ran alone. On a GPU with fla,
@@ -46,6 +48,7 @@ import torch
 import megatron.core.ssm.gated_delta_net as package
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules, common, gdn
+from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -148,10 +151,20 @@ class GatedDeltaNet(gdn.GatedDeltaNet):
 
 
 # megatron-core's ``GatedDeltaNet.sharded_state_dict`` saves these weights split into sections
-# (``<name>.<section>``, each resharded over TP on its own): their sections in the local layout
+# (``<name>.<section>``, each resharded over TP on its own): their sections in the local layout;
+# a LoRA adapter's B on ``in_proj`` (``mimo_train.model.lora``) is saved as ``in_proj.weight`` is
 SAVED_SECTIONS = {"in_proj.weight": ("query", "key", "value", "z", "beta", "alpha"),
+                  "in_proj.lora.b.weight": ("query", "key", "value", "z", "beta", "alpha"),
                   "conv1d.weight": ("query", "key", "value"),
                   "conv1d.bias": ("query", "key", "value")}
+
+
+def saved_in_sections(tensor, sizes, names):
+    """The ``ShardedTensor`` ``tensor`` (rows of a TP rank: sections of ``sizes`` rows, one
+    after another, named ``names``) saved section by section (``<key>.<name>``, each a global
+    tensor resharded over TP on its own), as megatron-core saves ``in_proj.weight``: a
+    ``ShardedTensorFactory`` from megatron-core's ``_split_tensor_factory``."""
+    return _split_tensor_factory(tensor, list(sizes), list(names), 0)
 
 
 def joined_sections(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

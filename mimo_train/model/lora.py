@@ -8,7 +8,8 @@ them, is not a dependency. Exported adapters take PEFT's file format (``hf.expor
 Parts are named as ``model.freeze`` names them: ``language``, an encoder module (its tower and
 projection), ``<module>.encoder`` (the tower), ``<module>.projection``. A part's layers are named
 from its root: the language model's as megatron-core names them, with global layer numbers
-(``decoder.layers.3.self_attention.linear_qkv``), the tower's as transformers does
+(``decoder.layers.3.self_attention.linear_qkv``; a gated delta-net layer's are
+``self_attention.in_proj`` and ``self_attention.out_proj``), the tower's as transformers does
 (``blocks.0.attn.qkv``), the projection's by index (``0``, ``2``). A target is a layer name
 (``linear_qkv``: every layer of that name), a dotted path, an fnmatch pattern
 (``decoder.layers.*.mlp.linear_fc1``) or ``all-linear`` (every linear layer but the language
@@ -18,17 +19,25 @@ Tensor parallelism (the language model; encoders run whole on each rank): megatr
 parallel layers hold A and B, so their communication gives each rank the gradients of the TP1
 model's adapters:
 
-- a column-parallel layer (``linear_qkv``, ``linear_fc1``: input whole, output split over TP):
-  A is a ``ColumnParallelLinear`` split by its ``rank`` rows, its output gathered (so ``rank``
-  must be a multiple of TP), B a ``ColumnParallelLinear`` split by output rows as the layer is;
-- a row-parallel layer (``linear_proj``, ``linear_fc2``: input split, output reduced): A is a
-  ``RowParallelLinear`` split along its input as the layer is, B a ``ColumnParallelLinear``
-  split by output rows with its output gathered.
+- a column-parallel layer (``linear_qkv``, ``linear_fc1``, ``in_proj``: input whole, output
+  split over TP): A is a ``ColumnParallelLinear`` split by its ``rank`` rows, its output
+  gathered (so ``rank`` must be a multiple of TP), B a ``ColumnParallelLinear`` split by output
+  rows as the layer is;
+- a row-parallel layer (``linear_proj``, ``linear_fc2``, ``out_proj``: input split, output
+  reduced): A is a ``RowParallelLinear`` split along its input as the layer is, B a
+  ``ColumnParallelLinear`` split by output rows with its output gathered.
+
+A layer's rows may be sections, each split over TP on its own: a gated delta-net's ``in_proj``
+(q, k, v, z, beta, alpha: TP rank r holds ``[q_r; k_r; v_r; z_r; b_r; a_r]``), SwiGLU's
+``linear_fc1`` (``[gate_r; up_r]``); so are its B's (``Sections``): B's master weight is drawn
+in the TP-1 layout, its rows then put rank by rank in that order, so that megatron-core's split
+into TP blocks gives each rank its own (any TP draws the same B).
 
 Checkpoint names: a layer's own weights keep theirs (``...linear_qkv.weight``); its adapter's are
 ``...linear_qkv.lora.a.weight`` and ``...lora.b.weight``, global tensors ([rank, in] and
 [out, rank]; SwiGLU's ``linear_fc1`` B stored as its gate and up halves, as megatron-core stores
-the layer), so a LoRA checkpoint resumes under any TP and PP.
+the layer; ``in_proj``'s B section by section, ``...in_proj.lora.b.weight.query`` ..., as
+megatron-core stores ``in_proj.weight``), so a LoRA checkpoint resumes under any TP and PP.
 """
 
 from __future__ import annotations
@@ -38,19 +47,23 @@ import math
 import re
 import zlib
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import LoraConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.mcore import ColumnParallelLinear, RowParallelLinear, apply_swiglu_sharded_factory
+from mimo_train.mcore import (ColumnParallelLinear, RowParallelLinear,
+                              apply_swiglu_sharded_factory, saved_in_sections)
 from mimo_train.model.parts import global_key
 from mimo_train.plan import Adapted
 
 ALL_LINEAR = "all-linear"
 # the linear layers of each decoder layer of mimo's language model (megatron-core's local spec)
+# (a gated delta-net layer's ``self_attention`` has ``in_proj`` and ``out_proj`` instead)
 LANGUAGE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj",
+                    "self_attention.in_proj", "self_attention.out_proj",
                     "mlp.linear_fc1", "mlp.linear_fc2")
 _ADAPTER = re.compile(r"(^|\.)lora\.[ab]\.")
 
@@ -101,14 +114,36 @@ def _add_adapter_output(linear, args, output):
     return output + linear.lora(args[0])
 
 
-class ParallelLoraAdapter(torch.nn.Module):
-    """The adapter of a megatron-core parallel linear layer (see the module docstring)."""
+class Sections(NamedTuple):
+    """A column-parallel layer's output rows on each TP rank as sections (a gated delta-net's
+    ``in_proj``): their names and each one's rows on one rank."""
+    names: tuple[str, ...]
+    rows: tuple[int, ...]
 
-    def __init__(self, base, spec: LoraConfig, seed: int):
+
+def _rank_by_rank(init, sections: Sections, tp: int):
+    """``init`` of a master weight drawn in the TP-1 layout (each section whole, one after
+    another), its rows then ordered rank by rank, each rank's rows of every section in turn:
+    megatron-core's CPU initialization splits the master weight into ``tp`` blocks of rows."""
+    def draw(weight: torch.Tensor) -> None:
+        init(weight)
+        whole = weight.split([rows * tp for rows in sections.rows])
+        weight.copy_(torch.cat([section.chunk(tp)[rank] for rank in range(tp)
+                                for section in whole]))
+    return draw
+
+
+class ParallelLoraAdapter(torch.nn.Module):
+    """The adapter of a megatron-core parallel linear layer (see the module docstring);
+    ``sections``: the layer's output rows per TP rank as sections, B's too."""
+
+    def __init__(self, base, spec: LoraConfig, seed: int, sections: Sections | None = None):
         super().__init__()
         column = isinstance(base, ColumnParallelLinear)
         torch.manual_seed(seed)       # the master weights are drawn whole, then split: any TP
         a_init, b_init = _kaiming, _b_init(spec)
+        if sections is not None:
+            b_init = _rank_by_rank(b_init, sections, base.tp_group.size())
         common = dict(config=base.config, bias=False, tp_group=base.tp_group)
         if column:
             self.a = ColumnParallelLinear(base.input_size, spec.rank, init_method=a_init,
@@ -127,11 +162,14 @@ class ParallelLoraAdapter(torch.nn.Module):
 
 class LoraParallelLinear(torch.nn.Module):
     """A megatron-core parallel linear layer and its adapter, in the layer's place; its state
-    dict keeps the layer's own names (``weight``, not ``base.weight``)."""
+    dict keeps the layer's own names (``weight``, not ``base.weight``). ``gated``: SwiGLU's
+    ``linear_fc1`` (B saved by halves as megatron-core saves the layer); else ``sections``: the
+    layer's rows per TP rank as sections (a gated delta-net's ``in_proj``: B saved by them)."""
 
-    def __init__(self, base, adapter: ParallelLoraAdapter, gated: bool):
+    def __init__(self, base, adapter: ParallelLoraAdapter, gated: bool,
+                 sections: Sections | None = None):
         super().__init__()
-        self.base, self.lora, self.gated = base, adapter, gated
+        self.base, self.lora, self.gated, self.sections = base, adapter, gated, sections
         self.register_state_dict_post_hook(_without_base)
         self.register_load_state_dict_pre_hook(_with_base)
 
@@ -149,6 +187,9 @@ class LoraParallelLinear(torch.nn.Module):
                 part[key] = apply_swiglu_sharded_factory(
                     part[key], sharded_offsets,
                     (metadata or {}).get("singleton_local_shards", False))
+            elif self.sections is not None and key in part:
+                part[key] = saved_in_sections(part[key], self.sections.rows,
+                                              self.sections.names)
             state.update(part)
         return state
 
@@ -206,12 +247,27 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
         if language:
             gated = local.endswith("linear_fc1") and layer.config.gated_linear_unit
             parent, _, child = local.rpartition(".")
-            root.get_submodule(parent).register_module(child, LoraParallelLinear(
-                layer, ParallelLoraAdapter(layer, spec, _seed(seed, key)), gated))
+            owner = root.get_submodule(parent)
+            sections = _sections(owner) if child == "in_proj" else None
+            if gated:                                # [gate_r; up_r] on TP rank r
+                half = layer.output_size_per_partition // 2
+                sections = Sections(("gate", "up"), (half, half))
+            owner.register_module(child, LoraParallelLinear(
+                layer, ParallelLoraAdapter(layer, spec, _seed(seed, key), sections), gated,
+                sections))
         else:
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
                                                       spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
+
+
+def _sections(layer: torch.nn.Module) -> Sections | None:
+    """The sections of a gated delta-net's ``in_proj`` rows on each TP rank (megatron-core's
+    ``in_proj_split_names`` / ``in_proj_split_sections``), None for another layer."""
+    rows = getattr(layer, "in_proj_split_sections", None)
+    if rows is None:
+        return None
+    return Sections(tuple(layer.in_proj_split_names), tuple(rows))
 
 
 def _check_targets(adapted: Adapted, names: set[str]) -> None:

@@ -100,7 +100,7 @@ def delta_net_sections(inner, key: str) -> list[int] | None:
     """The per-rank sections of a gated delta-net's fused ``in_proj`` (or its LoRA B) or
     ``conv1d`` at ``key``, None for any other parameter."""
     for fused, count in ((".in_proj.", 6), (".conv1d.", 3)):
-        if fused in key and key.endswith("weight"):
+        if key.endswith((f"{fused}weight", f"{fused}lora.b.weight")):    # not A: its rank rows
             layer = inner.get_submodule(key.split(fused)[0])
             sections = getattr(layer, "in_proj_split_sections", None)
             return list(sections[:count]) if sections is not None else None
