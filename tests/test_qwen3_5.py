@@ -44,7 +44,8 @@ import torch
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
-from support.qwen3_5 import conversations, preprocessing, transformers_loss
+from support.qwen_vlm import (assert_generate_matches, conversations, preprocessing,
+                              transformers_loss)
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
@@ -227,50 +228,11 @@ def test_import_then_export_gives_every_weight_back(run, exported):
     assert config["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
 
 
-def _processor(run):
-    """The published processor, its image and video budgets set as the run's config."""
-    from transformers import AutoProcessor
-    processor = AutoProcessor.from_pretrained(run["checkpoint"])
-    image, video = run["config"].modalities["image"], run["config"].modalities["video"]
-    processor.image_processor.size = {"shortest_edge": image.min_pixels,
-                                      "longest_edge": image.max_pixels}
-    processor.video_processor.size = {"shortest_edge": video.min_pixels,
-                                      "longest_edge": video.max_pixels}
-    processor.video_processor.fps = video.fps
-    return processor
-
-
 @pytest.mark.parametrize("kind", ["image", "video"])
 def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported, corpus,
                                                                   corpus_videos, kind):
     """transformers' processor (the published chat template, its image or video processor:
     frames sampled over the clip, ``<t seconds>`` before each temporal patch) and greedy
     ``generate`` on the exported model give ``mimo-generate``'s prompt and tokens."""
-    from PIL import Image
-    from transformers import AutoModelForImageTextToText
-    from transformers.video_utils import load_video
-
-    from mimo_train.hf.generate import Generator
-    processor = _processor(run)
-    question = "What is shown?"
-    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text",
-                                                             "text": question}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if kind == "image":
-        path = corpus / "images" / "chelsea.jpg"
-        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
-                           return_tensors="pt")
-    else:
-        path = corpus / corpus_videos["zoom_mpeg4_10"].path
-        frames, metadata = load_video(str(path), backend="pyav")
-        inputs = processor(text=[text], videos=[frames], video_metadata=[metadata],
-                           do_sample_frames=True, return_tensors="pt")
-        assert "seconds>" in processor.decode(inputs["input_ids"][0])
-    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
-    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
-                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
-    assert ours.prompt_ids == inputs["input_ids"][0].tolist()
-    assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
-    assert len(ours.token_ids) == 8
+    assert_generate_matches(run["checkpoint"], run["config"].modalities, exported, corpus,
+                            corpus_videos, kind)

@@ -35,7 +35,7 @@ import pytest
 import torch
 
 from conftest import MODELS, build_dataset
-from support.qwen3_5 import conversations, preprocessing, transformers_loss
+from support.qwen_vlm import conversations, preprocessing, transformers_loss
 from support.runs import compare, step
 
 BASE = MODELS / "published" / "Qwen--Qwen3.5-4B"

@@ -37,11 +37,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_data.modalities.image import normalize_pixels
-from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
+from support.qwen_vlm import (assert_generate_matches, conversations, preprocessing,
+                              transformers_loss)
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
@@ -51,48 +51,13 @@ CHECKPOINTS = {"2B": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",
                "30B-A3B": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"}
 TOLERANCE = 1e-5                   # on the mean loss per trained token
 SAMPLES = 4
-IMAGE_PIXELS = {"min_pixels": 65536, "max_pixels": 131072}     # 64 to 128 tokens an image
-VIDEO_PIXELS = {"max_pixels": 4 * 65536}                       # the clip's whole budget
 LAYOUT = "language=dp1;image=dp1,off0,video"
-
-
-def _conversations(corpus: Path, clips: dict) -> list[dict]:
-    images = corpus / "images"
-    return [
-        {"id": "multi-turn", "image": [str(images / "chelsea.jpg"), str(images / "rocket.jpg")],
-         "conversations": [
-             {"from": "system", "value": "You describe pictures in a few words."},
-             {"from": "human", "value": "<image>What animal is this?"},
-             {"from": "gpt", "value": "A cat, lying down."},
-             {"from": "human", "value": "<image>And here?"},
-             {"from": "gpt", "value": "A rocket on its launch pad."}]},
-        {"id": "text-only", "conversations": [
-            {"from": "human", "value": "What is a tar file?"},
-            {"from": "gpt", "value": "An archive of files."}]},
-        {"id": "video", "videos": [str(corpus / clips["pan_h264_24"].path)], "conversations": [
-            {"from": "human", "value": "<video>\nWhat moves?"},
-            {"from": "gpt", "value": "The camera pans across a person."}]},
-        {"id": "mixed", "image": [str(images / "chelsea.jpg")],
-         "videos": [str(corpus / clips["zoom_mpeg4_10"].path)], "conversations": [
-             {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
-             {"from": "gpt", "value": "A cat, closer."}]},
-    ]
-
-
-def preprocessing(checkpoint: Path) -> dict:
-    """The checkpoint's preprocessing config (``mimo-train --preprocessing-for``), smaller
-    images and clips for a fast tower."""
-    from mimo_train.families.registry import preprocessing_for
-    config = preprocessing_for(str(checkpoint))
-    config["modalities"]["image"].update(IMAGE_PIXELS)
-    config["modalities"]["video"].update(VIDEO_PIXELS)
-    return {**config, "seq_length": 2048}
 
 
 @pytest.fixture(scope="module")
 def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("qwen3-vl-shards")
-    (tmp / "records.json").write_text(json.dumps(_conversations(corpus, corpus_videos)))
+    (tmp / "records.json").write_text(json.dumps(conversations(corpus, corpus_videos)))
     build_dataset([tmp / "records.json"], tmp / "shards")
     return tmp / "shards"
 
@@ -123,45 +88,19 @@ def colocated(ranks, run) -> dict:
                 *run["common"], save_batches=True, save_init=tmp / "init")
 
 
-def _reference_model(checkpoint: Path):
-    from transformers import AutoModelForImageTextToText
-    return AutoModelForImageTextToText.from_pretrained(checkpoint, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def reference(run, colocated) -> tuple[float, int]:
     """transformers' mean loss per trained token on the colocated step's micro-batches, and
-    that count. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
-    transformers' label at t + 1 (its loss shifts back)."""
-    model = _reference_model(run["checkpoint"])
-    config = run["config"].modalities
-    image_id, video_id = model.config.image_token_id, model.config.video_token_id
+    that count."""
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(run["checkpoint"],
+                                                        dtype=torch.float32).eval()
     total, count, kinds = 0.0, 0, set()
     for batch in colocated["ranks"][0]["batches"]:
-        length = int(batch["attention_mask"].sum(1).max())
-        ids = batch["input_ids"][:, :length]
-        trained = batch["loss_mask"][:, :length].bool()
-        assert torch.equal(batch["labels"][:, :length - 1][trained[:, :-1]],
-                           ids[:, 1:][trained[:, :-1]])
-        labels = torch.full_like(ids, -100)
-        labels[:, 1:][trained[:, :-1]] = ids[:, 1:][trained[:, :-1]]
-        inputs = {modality: by_encoder[modality]
-                  for modality, by_encoder in batch["modality_inputs"].items()}
-        extra = {}
-        if "image" in inputs:
-            extra.update(pixel_values=normalize_pixels(inputs["image"]["pixel_values"],
-                                                       config["image"]),
-                         image_grid_thw=inputs["image"]["image_grid_thw"])
-        if "video" in inputs:
-            extra.update(pixel_values_videos=normalize_video_pixels(
-                inputs["video"]["pixel_values_videos"], config["video"]),
-                video_grid_thw=inputs["video"]["video_grid_thw"])
-        kinds.add(tuple(sorted(inputs)))
         with torch.no_grad():
-            loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
-                         labels=labels, mm_token_type_ids=(ids == image_id).int()
-                         + 2 * (ids == video_id).int(), **extra).loss
-        tokens = int((labels[:, 1:] != -100).sum())
+            loss, tokens, modalities = transformers_loss(model, batch, run["config"].modalities,
+                                                         torch.float32)
+        kinds.add(modalities)
         total, count = total + float(loss) * tokens, count + tokens
     assert kinds == {(), ("image",), ("video",), ("image", "video")}
     return total / count, count
@@ -239,53 +178,14 @@ def test_import_then_export_gives_every_weight_back(run, exported):
     assert config["text_config"]["rope_scaling"]["mrope_interleaved"] is True
 
 
-def _processor(run):
-    """The published processor, its image and video budgets set as the run's config."""
-    from transformers import AutoProcessor
-    processor = AutoProcessor.from_pretrained(run["checkpoint"])
-    image, video = run["config"].modalities["image"], run["config"].modalities["video"]
-    processor.image_processor.size = {"shortest_edge": image.min_pixels,
-                                      "longest_edge": image.max_pixels}
-    processor.video_processor.size = {"shortest_edge": video.min_pixels,
-                                      "longest_edge": video.max_pixels}
-    processor.video_processor.fps = video.fps
-    return processor
-
-
 @pytest.mark.parametrize("kind", ["image", "video"])
 def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported, corpus,
                                                                   corpus_videos, kind):
     """transformers' processor (the published chat template, its image or video processor:
     frames sampled over the clip, ``<t seconds>`` before each temporal patch) and greedy
     ``generate`` on the exported model give ``mimo-generate``'s prompt and tokens."""
-    from PIL import Image
-    from transformers import AutoModelForImageTextToText
-    from transformers.video_utils import load_video
-
-    from mimo_train.hf.generate import Generator
-    processor = _processor(run)
-    question = "What is shown?"
-    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text",
-                                                             "text": question}]}]
-    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    if kind == "image":
-        path = corpus / "images" / "chelsea.jpg"
-        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
-                           return_tensors="pt")
-    else:
-        path = corpus / corpus_videos["zoom_mpeg4_10"].path
-        frames, metadata = load_video(str(path), backend="pyav")
-        inputs = processor(text=[text], videos=[frames], video_metadata=[metadata],
-                           do_sample_frames=True, return_tensors="pt")
-        assert "seconds>" in processor.decode(inputs["input_ids"][0])
-    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
-    with torch.no_grad():
-        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
-    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
-                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
-    assert ours.prompt_ids == inputs["input_ids"][0].tolist()
-    assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
-    assert len(ours.token_ids) == 8
+    assert_generate_matches(run["checkpoint"], run["config"].modalities, exported, corpus,
+                            corpus_videos, kind)
 
 
 @pytest.mark.parametrize("overrides, reason", [

@@ -1,7 +1,9 @@
-"""What tests/test_qwen3_5.py and tests/test_qwen3_5_lora.py share (no test module imports
-another): the conversations of the Qwen3.5 runs (``conversations``), the published checkpoint's
-preprocessing config for them (``preprocessing``), and transformers' loss on one of the
-micro-batches a parity step trained on (``transformers_loss``).
+"""What the tests of the published Qwen3-VL and Qwen3.5 checkpoints share
+(tests/test_qwen3_vl.py, tests/test_qwen3_5.py, tests/test_qwen3_5_lora.py; no test module
+imports another): the conversations of their runs (``conversations``), the published
+checkpoint's preprocessing config for them (``preprocessing``), transformers' loss on one of
+the micro-batches a parity step trained on (``transformers_loss``), and transformers' processor
+and greedy ``generate`` on an export against ``mimo-generate`` (``assert_generate_matches``).
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def preprocessing(checkpoint: Path) -> dict:
 
 def transformers_loss(model, batch: dict, config: dict, dtype: torch.dtype
                       ) -> tuple[torch.Tensor, int, tuple[str, ...]]:
-    """``model``'s (transformers' Qwen3.5 VLM, or PEFT's around one) mean loss per trained
-    token on one padded micro-batch of mimo's loader, that count, and the micro-batch's
+    """``model``'s (transformers' Qwen3-VL or Qwen3.5 VLM, or PEFT's around one) mean loss per
+    trained token on one padded micro-batch of mimo's loader, that count, and the micro-batch's
     modalities; pixels normalized as ``config`` (the preprocessing config's modalities) says,
     in ``dtype``. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
     transformers' label at t + 1 (its loss shifts back)."""
@@ -82,3 +84,53 @@ def transformers_loss(model, batch: dict, config: dict, dtype: torch.dtype
                  labels=labels, mm_token_type_ids=(ids == image_id).int()
                  + 2 * (ids == video_id).int(), **extra).loss
     return loss, int((labels[:, 1:] != -100).sum()), tuple(sorted(inputs))
+
+
+def _processor(checkpoint: Path, config: dict):
+    """The published processor, its image and video budgets set as ``config`` (the
+    preprocessing config's modalities) says."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(checkpoint)
+    image, video = config["image"], config["video"]
+    processor.image_processor.size = {"shortest_edge": image.min_pixels,
+                                      "longest_edge": image.max_pixels}
+    processor.video_processor.size = {"shortest_edge": video.min_pixels,
+                                      "longest_edge": video.max_pixels}
+    processor.video_processor.fps = video.fps
+    return processor
+
+
+def assert_generate_matches(checkpoint: Path, config: dict, exported: Path, corpus: Path,
+                            clips: dict, kind: str) -> None:
+    """transformers' processor of ``checkpoint`` (the published chat template, its image or
+    video processor: frames sampled over the clip, ``<t seconds>`` before each temporal patch)
+    and greedy ``generate`` on ``exported`` give ``mimo-generate``'s prompt and 8 tokens, on an
+    image or a video (``kind``) prompt."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+    from transformers.video_utils import load_video
+
+    from mimo_train.hf.generate import Generator
+    processor = _processor(checkpoint, config)
+    question = "What is shown?"
+    messages = [{"role": "user", "content": [{"type": kind}, {"type": "text",
+                                                             "text": question}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    if kind == "image":
+        path = corpus / "images" / "chelsea.jpg"
+        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
+                           return_tensors="pt")
+    else:
+        path = corpus / clips["zoom_mpeg4_10"].path
+        frames, metadata = load_video(str(path), backend="pyav")
+        inputs = processor(text=[text], videos=[frames], video_metadata=[metadata],
+                           do_sample_frames=True, return_tensors="pt")
+        assert "seconds>" in processor.decode(inputs["input_ids"][0])
+    model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
+                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
+    assert ours.prompt_ids == inputs["input_ids"][0].tolist()
+    assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
+    assert len(ours.token_ids) == 8
