@@ -34,8 +34,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MODELS, build_dataset
-from support.qwen_vlm import conversations, preprocessing, transformers_loss
+from conftest import MODELS
+from support.qwen_vlm import build_shards, run_setup, transformers_loss
 from support.runs import compare, step
 
 BASE = MODELS / "published" / "Qwen--Qwen3.5-4B"
@@ -52,24 +52,11 @@ GRADIENT_TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def setup(corpus, corpus_videos, tmp_path_factory) -> dict:
-    import yaml
-
-    from mimo_data.preprocess.config import PreprocessConfig
-    if not (BASE / ".complete").is_file():
-        pytest.fail(f"{BASE} is not built: run tools/setup.sh")
     tmp = tmp_path_factory.mktemp("qwen3-5-lora")
-    records = [c for c in conversations(corpus, corpus_videos) if c["id"] in SAMPLES]
-    (tmp / "records.json").write_text(json.dumps(records))
-    build_dataset([tmp / "records.json"], tmp / "shards")
-    preprocess = tmp / "preprocess.yaml"
-    preprocess.write_text(yaml.safe_dump(preprocessing(BASE)))
-    common = [f"data.datasets=[{tmp / 'shards'}]", f"data.preprocess={preprocess}",
-              f"model.pretrained={BASE}", "model.freeze=[image]",
-              f"train.global_batch_size={len(SAMPLES)}", "train.micro_batch_size=1",
-              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
-              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", LORA]
-    return dict(tmp=tmp, common=common,
-                config=PreprocessConfig.from_yaml(str(preprocess)).modalities)
+    shards = build_shards(tmp, corpus, corpus_videos, SAMPLES)
+    run = run_setup(BASE, shards, tmp, len(SAMPLES), "model.freeze=[image]",
+                    "train.micro_batch_size=1", LORA)
+    return dict(run, config=run["config"].modalities)
 
 
 @pytest.fixture(scope="module")

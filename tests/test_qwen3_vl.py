@@ -37,10 +37,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mimo_data.preprocess.config import PreprocessConfig
 
-from conftest import MODELS, build_dataset
-from support.qwen_vlm import (assert_generate_matches, conversations, preprocessing,
+from conftest import MODELS
+from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
                               transformers_loss)
 from support.runs import compare, step
 
@@ -56,27 +55,14 @@ LAYOUT = "language=dp1;image=dp1,off0,video"
 
 @pytest.fixture(scope="module")
 def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("qwen3-vl-shards")
-    (tmp / "records.json").write_text(json.dumps(conversations(corpus, corpus_videos)))
-    build_dataset([tmp / "records.json"], tmp / "shards")
-    return tmp / "shards"
+    return build_shards(tmp_path_factory.mktemp("qwen3-vl-shards"), corpus, corpus_videos)
 
 
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def run(request, shards, tmp_path_factory) -> dict:
-    import yaml
-    checkpoint = CHECKPOINTS[request.param]
-    if not (checkpoint / ".complete").is_file():
-        pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
     tmp = tmp_path_factory.mktemp(f"qwen3-vl-{request.param}")
-    preprocess = tmp / "preprocess.yaml"
-    preprocess.write_text(yaml.safe_dump(preprocessing(checkpoint)))
-    common = [f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
-              f"model.pretrained={checkpoint}", f"train.global_batch_size={SAMPLES}",
-              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
-              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", "model.freeze=[]"]
-    return dict(name=request.param, checkpoint=checkpoint, tmp=tmp, preprocess=preprocess,
-                common=common, config=PreprocessConfig.from_yaml(str(preprocess)))
+    return dict(run_setup(CHECKPOINTS[request.param], shards, tmp, SAMPLES, "model.freeze=[]"),
+                name=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -1,15 +1,18 @@
 """What the tests of the published Qwen3-VL and Qwen3.5 checkpoints share
 (tests/test_qwen3_vl.py, tests/test_qwen3_5.py, tests/test_qwen3_5_lora.py; no test module
-imports another): the conversations of their runs (``conversations``), the published
-checkpoint's preprocessing config for them (``preprocessing``), transformers' loss on one of
-the micro-batches a parity step trained on (``transformers_loss``), and transformers' processor
-and greedy ``generate`` on an export against ``mimo-generate`` (``assert_generate_matches``).
+imports another): the conversations of their runs (``conversations``) and their shards
+(``build_shards``), the published checkpoint's preprocessing config for them
+(``preprocessing``), a run's settings at lr 0 (``run_setup``), transformers' loss on one of the
+micro-batches a parity step trained on (``transformers_loss``), and transformers' processor and
+greedy ``generate`` on an export against ``mimo-generate`` (``assert_generate_matches``).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from mimo_data.modalities.image import normalize_pixels
@@ -42,6 +45,36 @@ def conversations(corpus: Path, clips: dict) -> list[dict]:
              {"from": "human", "value": "<image> A cat. Now <video> what is shown?"},
              {"from": "gpt", "value": "A cat, closer."}]},
     ]
+
+
+def build_shards(tmp: Path, corpus: Path, clips: dict, ids: tuple[str, ...] = ()) -> Path:
+    """Shards of ``conversations`` (those of ``ids``; all by default) in ``tmp/shards``."""
+    from conftest import build_dataset
+    records = [c for c in conversations(corpus, clips) if not ids or c["id"] in ids]
+    (tmp / "records.json").write_text(json.dumps(records))
+    build_dataset([tmp / "records.json"], tmp / "shards")
+    return tmp / "shards"
+
+
+def run_setup(checkpoint: Path, shards: Path, tmp: Path, samples: int, *overrides: str
+              ) -> dict:
+    """A one-step run of ``checkpoint`` at lr 0 on ``shards``, ``samples`` a step, its
+    preprocessing config written in ``tmp``: ``checkpoint``, ``tmp``, ``preprocess`` (its
+    path), ``config`` (the ``PreprocessConfig``) and ``common`` (the overrides every layout's
+    step takes, ``overrides`` last)."""
+    import yaml
+
+    from mimo_data.preprocess.config import PreprocessConfig
+    if not (checkpoint / ".complete").is_file():
+        pytest.fail(f"{checkpoint} is not built: run tools/setup.sh")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump(preprocessing(checkpoint)))
+    common = [f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
+              f"model.pretrained={checkpoint}", f"train.global_batch_size={samples}",
+              "train.steps=1", "train.device=cpu", "optimizer.warmup_steps=0",
+              "optimizer.lr=0.0", "optimizer.min_lr=0.0", "train.seed=3", *overrides]
+    return dict(checkpoint=checkpoint, tmp=tmp, preprocess=preprocess, common=common,
+                config=PreprocessConfig.from_yaml(str(preprocess)))
 
 
 def preprocessing(checkpoint: Path) -> dict:
