@@ -16,7 +16,7 @@ turns, text only, a video, an image and a video.
 - the tower's module at dp2 fanning in to language tp2 (the delta-net's and the attention's
   heads split over TP; the dense model packed, the MoE under sequence parallelism), and at dp1
   fanning out to language dp2 in two pipeline stages (the gated attention layer on the second;
-  the distributed optimizer, full recompute), give the colocated step: loss and every
+  packed, the distributed optimizer, full recompute), give the colocated step: loss and every
   gradient (the fan-in to 2e-4, as fp32 sums in another order give; the others to 1e-5);
 - import then export gives every weight of the checkpoint back bit for bit, the
   multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
@@ -166,12 +166,12 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
 
 def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):
     """The tower's one rank fanning out to two language DP ranks, each a pipeline of two
-    stages of two layers (delta-net, delta-net | delta-net, gated attention); two
-    micro-batches per pipeline through the 1F1B schedule, the distributed optimizer and full
-    recompute (each delta-net layer runs twice per micro-batch). The 4B's embeddings are tied
-    (as published)."""
+    stages of two layers (delta-net, delta-net | delta-net, gated attention), its two samples
+    packed in one row (the samples' boundaries cross the stages with the hidden states), the
+    distributed optimizer and full recompute (each delta-net layer runs twice per
+    micro-batch). The 4B's embeddings are tied (as published)."""
     staged = step(ranks, run["tmp"] / "pp2", 5, "layout=image=dp1,video;language=pp2,dp2",
-                  "train.micro_batch_size=1", "optimizer.distributed=true",
+                  "train.micro_batch_size=2", "data.packing=true", "optimizer.distributed=true",
                   "model.language.recompute=full",
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
     first_stage = next(rank["calls"]["language"] for rank in staged["ranks"]
