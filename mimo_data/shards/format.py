@@ -29,15 +29,37 @@ A dataset directory holds:
 The i-th ``<image>`` marker in reading order (messages in order, left to right) is the i-th
 image item; the same holds for ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec,
 frame rate, frame count and display rotation). Media items are listed in marker order.
+
+Record kinds (``kind``; a record without one is a conversation, as every dataset built before
+kinds were added):
+
+- ``"conversation"``: ``messages`` as above.
+- ``"caption"``: a caption pair (img2dataset's ``KEY.jpg`` + ``KEY.txt``, an audio clip and its
+  transcript): ``text`` is the caption (no markers), ``media`` holds exactly one item, and
+  there is no ``messages``. The preprocessing config says how it trains: as a conversation (a
+  configured prompt with the item's marker, the caption as the answer) or as a caption (the
+  item's tokens, then the text; only the text trained).
+- ``"document"``: an interleaved document (OBELICS / MINT-1T: a document's texts and images in
+  order): ``text`` is the whole document with each item's marker in its place, ``media`` in
+  marker order, no ``messages``; trained as language modelling over the text.
 """
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 import pyarrow as pa
 
 from mimo_data.modalities import MODALITIES, MediaItem
+
+
+RecordKind = Literal["conversation", "caption", "document"]
+RECORD_KINDS: tuple[RecordKind, ...] = ("conversation", "caption", "document")
+
+
+def record_kind(record: ShardRecord) -> RecordKind:
+    """The record's kind (``"conversation"`` for records written before kinds existed)."""
+    return record.get("kind", "conversation")
 
 
 class Message(TypedDict):
@@ -50,8 +72,10 @@ class ShardRecord(TypedDict):
     key: str
     id: str | None
     source: dict[str, str | int]  # {"file": ..., "line" | "index" | "row": n}
-    messages: list[Message]
-    media: list[MediaItem]       # in marker order across messages
+    kind: NotRequired[RecordKind]  # absent: "conversation"
+    messages: NotRequired[list[Message]]  # conversations
+    text: NotRequired[str]       # captions (no markers) and documents (markers in place)
+    media: list[MediaItem]       # in marker order across messages (or the document's text)
 
 FORMAT_NAME = "mimo-shards"
 FORMAT_VERSION = 1
