@@ -25,6 +25,7 @@ from mimo_data.preprocess.chat_render import ChatRenderer, TextError, TrainedSpa
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.end_of_turn import EosAppending
 from mimo_data.preprocess.marker_expansion import ItemTokens, MarkerExpander
+from mimo_data.preprocess.record_kinds import KindRenderer, Messages, Rendered
 from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                                     encode_texts, unsupported_reason)
 from mimo_data.preprocess.tokenizer_loading import load_tokenizer
@@ -69,6 +70,7 @@ class TextEncoder:
         self.markers = MarkerExpander(config, self.tokenizer, backend)
         self.modality_token_ids = self.markers.modality_token_ids
         self.renderer = ChatRenderer(config, self.tokenizer)
+        self.kinds = KindRenderer(config, self.tokenizer)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.eos_token_id)
 
@@ -95,11 +97,14 @@ class TextEncoder:
     def is_modality_token(self, token_id: int) -> bool:
         return self.markers.is_modality_token(token_id)
 
-    def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[TrainedSpan]]:
-        """The text and its trained character spans (``ChatRenderer.render``)."""
+    def render(self, messages: Messages | Rendered) -> tuple[str, list[TrainedSpan]]:
+        """The text and its trained character spans (``ChatRenderer.render``; a text rendered
+        already, ``record_kinds``, as it is)."""
+        if isinstance(messages, Rendered):
+            return messages.text, messages.spans
         return self.renderer.render(messages)
 
-    def encode(self, messages: Sequence[Mapping[str, Any]],
+    def encode(self, messages: Messages | Rendered,
                item_tokens: Sequence[ItemTokens]) -> Encoded:
         """Tokens of the conversation with marker i expanded to ``item_tokens[i]``'s ``tokens``
         copies of its modality's token (between its ``wrap`` tokens if it has them, in runs
@@ -124,7 +129,7 @@ class TextEncoder:
         return self.markers.expand(tokens.ids.copy(), None, marker_at, counts, modality_tokens,
                                    texts)[0]
 
-    def encode_batch(self, conversations: Sequence[tuple[Sequence[Mapping[str, Any]],
+    def encode_batch(self, conversations: Sequence[tuple[Messages | Rendered,
                                                          Sequence[ItemTokens]]]
                      ) -> list[Encoded | TextError]:
         """``encode`` of each (messages, item_tokens), or the TextError of that conversation.

@@ -9,6 +9,11 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
     length_policy: drop                      # drop | truncate_turns
     positions: sequential                    # sequential | mrope (preprocess/positions.py)
     append_eos: auto                         # auto | true | false (preprocess/end_of_turn.py)
+    captions:                                # caption records (record_kinds.py)
+      format: plain                          # plain | chat
+      prompts: {image: "<image>\nDescribe the image."}   # per modality, for format chat
+    documents:                               # interleaved document records (record_kinds.py)
+      train_media_wraps: false               # the wrap tokens around each item as targets
     modalities:
       image: {token: "<|image_pad|>", policy: dynamic,
               patch_size: 14, merge_size: 2, temporal_patch_size: 2,
@@ -18,6 +23,18 @@ Loadable from YAML (``PreprocessConfig.from_yaml``) or a dict::
 ``append_eos``: a trained EOS token after each answer whose turn the template does not end with
 it; ``auto`` does so when the chat template writes no end-of-turn token (llava-hf's LLaVA-1.5,
 as LLaVA's own training does), ``true`` always, ``false`` never.
+
+``captions.format``: how a caption record (one media item and its caption) trains. ``plain``
+(the default, as LLaVA's pre-training ``plain`` conversation and Qwen-VL's stage 1 do): the
+item's tokens, then the caption and the EOS, only the caption and the EOS trained, no chat
+template. ``chat``: as the conversation of ``captions.prompts[modality]`` (a user turn holding
+the item's marker where it is to go) and the caption as the answer, rendered as every
+conversation is (``mode``, the chat template, ``append_eos``). The default prompts:
+``DEFAULT_CAPTION_PROMPTS``; a config gives some and keeps the others.
+
+``documents.train_media_wraps``: an interleaved document trains on its whole text and the EOS
+after it; an item's placeholder tokens are never targets, and its wrap tokens are not either
+unless this is true (then the model learns where media go).
 
 A modality's ``wrap: [start, end]`` puts those tokens around each item's placeholders (Qwen2-VL:
 ``[<|vision_start|>, <|vision_end|>]``); they are text tokens, never trained.
@@ -47,6 +64,40 @@ from mimo_data.preprocess.positions import POSITIONS
 
 # What a config without ``modalities:`` expands.
 DEFAULT_MODALITIES = ("image", "audio")
+CAPTION_FORMATS = ("plain", "chat")
+# The user turn a caption answers in ``captions.format: chat`` (the speech manifests' default
+# instruction for audio).
+DEFAULT_CAPTION_PROMPTS = {"image": "<image>\nDescribe the image.",
+                           "audio": "<audio>\nTranscribe the audio.",
+                           "video": "<video>\nDescribe the video."}
+
+
+@dataclass(frozen=True)
+class CaptionConfig:
+    """How caption records train (the module docstring)."""
+    format: str = "plain"
+    prompts: dict = field(default_factory=lambda: dict(DEFAULT_CAPTION_PROMPTS))
+
+    def validate(self) -> None:
+        if self.format not in CAPTION_FORMATS:
+            raise ConfigError(f"captions.format is {self.format!r}: use "
+                              f"{' or '.join(CAPTION_FORMATS)}")
+        for name, prompt in self.prompts.items():
+            if name not in MARKERS:
+                raise ConfigError(f"captions.prompts.{name}: unknown modality (use "
+                                  f"{' or '.join(MARKERS)})")
+            found = {m: prompt.count(marker) for m, marker in MARKERS.items()
+                     if isinstance(prompt, str) and marker in prompt}
+            if found != {name: 1}:
+                raise ConfigError(f"captions.prompts.{name} is {prompt!r}: it must hold the "
+                                  f"marker {MARKERS[name]} once (where the {name} goes) and "
+                                  "no other marker")
+
+
+@dataclass(frozen=True)
+class DocumentConfig:
+    """How interleaved document records train (the module docstring)."""
+    train_media_wraps: bool = False
 
 
 
@@ -59,6 +110,8 @@ class PreprocessConfig:
     length_policy: str = "drop"
     positions: str = "sequential"
     append_eos: str | bool = "auto"
+    captions: CaptionConfig = field(default_factory=CaptionConfig)
+    documents: DocumentConfig = field(default_factory=DocumentConfig)
     modalities: dict = field(default_factory=lambda: {
         name: MODALITIES[name].config_class() for name in DEFAULT_MODALITIES})
 
@@ -95,6 +148,14 @@ class PreprocessConfig:
                 raise ConfigError(f"modalities.{name}.wrap is {list(wrap)}: give two tokens "
                                   "(start, end) other than the modality tokens and the markers")
             modality.validate()
+        self.captions.validate()
+        if not isinstance(self.documents.train_media_wraps, bool):
+            raise ConfigError(f"documents.train_media_wraps is "
+                              f"{self.documents.train_media_wraps!r}: use true or false")
+        if self.documents.train_media_wraps and not any(m.wrap for m in
+                                                        self.modalities.values()):
+            raise ConfigError("documents.train_media_wraps is true but no modality has wrap "
+                              "tokens (modalities.NAME.wrap) to train")
 
     @classmethod
     def from_dict(cls, data: dict) -> PreprocessConfig:
@@ -114,6 +175,15 @@ class PreprocessConfig:
                       "remove the key", file=sys.stderr)
             modalities[name] = _make(MODALITIES[name].config_class, values,
                                      f"modalities.{name}")
+        for key, kind in (("captions", CaptionConfig), ("documents", DocumentConfig)):
+            values = data.get(key)
+            if isinstance(values, dict):
+                values = dict(values)
+                if key == "captions" and isinstance(values.get("prompts"), dict):
+                    values["prompts"] = {**DEFAULT_CAPTION_PROMPTS, **values["prompts"]}
+                data[key] = _make(kind, values, key)
+            elif values is not None and not isinstance(values, kind):
+                raise ConfigError(f"{key} is {values!r}: give a mapping of its settings")
         config = _make(cls, data, "preprocess")
         return replace(config, modalities=modalities) if given else config
 

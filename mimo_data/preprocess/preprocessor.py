@@ -19,6 +19,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.preprocess.chat_tokens import Encoded, ItemTokens, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.positions import mrope_positions, sequential_positions
+from mimo_data.preprocess.record_kinds import Rendered, kind_of, trained_wraps
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.modalities import MediaItem
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
@@ -46,6 +47,7 @@ class TextSample:
     token_counts: dict[str, list[int]]            # modality -> tokens per item, in item order
     items: list[MediaItem]           # the media items of the kept turns
     removed_turns: int = 0
+    kind: str = "conversation"       # the record's kind (shards/format.py)
 
 
 @dataclass
@@ -99,6 +101,9 @@ class Preprocessor:
             raise ValueError(f"with_media names {sorted(unknown)}, not configured modalities")
         self.with_media = bool(self.media_modalities)
         self.text = text or TextEncoder(config)
+        tokenizer = self.text.tokenizer
+        self._wrap_ids = [tokenizer.convert_tokens_to_ids(token)
+                          for m in config.modalities.values() for token in m.wrap]
 
     def __getstate__(self) -> dict:
         return {"config": self.config, "with_media": self.media_modalities}
@@ -120,19 +125,20 @@ class Preprocessor:
         for i, record in enumerate(records):
             try:
                 _check_record(record)
-                pending.append((i, [self._item_tokens(item) for item in record["media"]]))
+                pending.append((i, [self._item_tokens(item) for item in record["media"]],
+                                self.text.kinds.encodable(record)))
             except SampleDropped as exc:
                 results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
                 results[i] = _malformed(exc)
         try:
-            encoded = self.text.encode_batch([(records[i]["messages"], counts)
-                                              for i, counts in pending])
+            encoded = self.text.encode_batch([(encodable, counts)
+                                              for _, counts, encodable in pending])
         except SegmentCacheError as exc:
             raise _naming_sample(exc, records, pending[exc.index][0]) from None
-        for (i, counts), text in zip(pending, encoded):
+        for (i, counts, encodable), text in zip(pending, encoded):
             try:
-                results[i] = self._text_sample(records[i], counts, text)
+                results[i] = self._text_sample(records[i], counts, text, encodable)
             except SampleDropped as exc:
                 results[i] = exc.with_traceback(None)     # no frame (and cycle) kept alive
             except _MALFORMED as exc:
@@ -158,15 +164,20 @@ class Preprocessor:
                                           token_counts)
         return Prompt(torch.from_numpy(ids), token_counts, inputs)
 
-    def _text_sample(self, record: Record, counts, encoded: Encoded | TextError) -> TextSample:
-        items = record["media"]
-        encoded, kept_messages = self._fit(record["messages"], counts, encoded)
+    def _text_sample(self, record: Record, counts, encoded: Encoded | TextError,
+                     encodable) -> TextSample:
+        items, kind = record["media"], kind_of(record)
+        # a conversation's (or a chat caption's) messages; a rendered text is never cut
+        messages = [] if isinstance(encodable, Rendered) else encodable
+        encoded, kept_messages = self._fit(messages, counts, encoded, kind)
+        if kind == "document" and self.config.documents.train_media_wraps:
+            trained_wraps(encoded.ids, encoded.loss_mask, self._wrap_ids)
         ids, trained = encoded.ids, encoded.loss_mask[1:]
         if self.text.is_modality_token(ids[-1]):
             raise SampleDropped("ends_with_media", "the conversation ends with a media item, "
                                 "whose last placeholder the next-token shift would cut; end "
                                 "it with an assistant turn")
-        removed_turns = len(record["messages"]) - len(kept_messages)
+        removed_turns = len(messages) - len(kept_messages)
         kept_items = items[:len(marker_order(kept_messages))] if removed_turns else items
         if not trained.any():
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
@@ -174,7 +185,8 @@ class Preprocessor:
                                    else ""))
         token_counts = {name: [n for (modality, n, _), _ in zip(counts, kept_items)
                                if modality == name] for name in self.config.modalities}
-        return TextSample(record["key"], ids, trained, token_counts, kept_items, removed_turns)
+        return TextSample(record["key"], ids, trained, token_counts, kept_items, removed_turns,
+                          kind)
 
     def sample(self, text: TextSample, media: dict[str, bytes] | None = None) -> Sample:
         """The tensors of a TextSample, with its encoder inputs decoded from ``media`` (the
@@ -230,16 +242,17 @@ class Preprocessor:
         except MediaError as exc:
             raise SampleDropped(exc.reason, exc.detail) from None
 
-    def _fit(self, messages: list[Message], counts, encoded: Encoded | TextError
+    def _fit(self, messages: list[Message], counts, encoded: Encoded | TextError, kind: str
              ) -> tuple[Encoded, list[Message]]:
         """The conversation's tokens (``encoded``) within seq_length (+1 for the shifted
         target), removing trailing turns if the length policy allows; never cuts inside a turn
-        or a media span."""
+        or a media span. A plain caption or a document (no ``messages``) is never cut: a
+        document is kept whole or dropped as ``too_long``."""
         limit = self.config.seq_length + 1
         encoded = _dropped_if_error(encoded)
         if len(encoded.ids) <= limit:
             return encoded, messages
-        if self.config.length_policy == "truncate_turns":
+        if self.config.length_policy == "truncate_turns" and messages:
             for end in range(len(messages) - 1, 0, -1):
                 if messages[end - 1]["role"] != "assistant":
                     continue
@@ -250,7 +263,9 @@ class Preprocessor:
                     return shorter, kept
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
-                            (" even with only its first turns" if
+                            (" (a document is never cut: split it, or raise seq_length)"
+                             if kind == "document" else
+                             " even with only its first turns" if messages and
                              self.config.length_policy == "truncate_turns" else ""))
 
     def _encoder_inputs(self, key, items, media, token_counts) -> dict:
@@ -302,7 +317,13 @@ def _check_record(record) -> None:
     written by another tool or edited by hand must not crash a worker)."""
     try:
         problems = [] if isinstance(record["key"], str) else ["key is not a string"]
-        for message in record["messages"]:
+        kind = kind_of(record)
+        if kind != "conversation" and not isinstance(record["text"], str):
+            problems.append(f"the {kind}'s text is not a string")
+        if kind == "caption" and len(record["media"]) != 1:
+            problems.append(f"a caption has exactly one media item, this one "
+                            f"{len(record['media'])}")
+        for message in record["messages"] if kind == "conversation" else ():
             if not (isinstance(message["content"], str) and
                     message["role"] in ("system", "user", "assistant")):
                 problems.append(f"bad message {str(message)[:60]}")
@@ -312,6 +333,8 @@ def _check_record(record) -> None:
                 problems.append(f"media item {item.get('member')} lacks {missing}")
     except (KeyError, TypeError) as exc:
         problems = [f"missing or mistyped field {exc}"]
+    except ValueError as exc:       # an unknown kind
+        problems = [str(exc)]
     if problems:
         raise SampleDropped("malformed_record", "; ".join(problems))
 
