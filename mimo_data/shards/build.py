@@ -115,7 +115,8 @@ class _SamplesTable:
     def add(self, key: str, shard: str, sample: Prepared, members: list[dict]) -> None:
         row = {"key": key, "shard": shard, "id": sample.id, "source": sample.location,
                "members": members, "num_turns": len(sample.messages),
-               "text_chars": sum(len(m["content"]) for m in sample.messages)}
+               "text_chars": (len(sample.text) if sample.text is not None else
+                              sum(len(m["content"]) for m in sample.messages))}
         for name, modality in MODALITIES.items():
             items = [m for m in sample.media if m["modality"] == name]
             self.modalities[name]["samples"] += bool(items)
@@ -280,7 +281,9 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             seen_ids[result.id] = result.location
         key = sample_key(report.kept)
         sample = {"key": key, "id": result.id, "source": result.source,
-                  "messages": result.messages, "media": result.media}
+                  **({"messages": result.messages} if result.kind == "conversation" else
+                     {"kind": result.kind, "text": result.text}),
+                  "media": result.media}
         members = {"json": json.dumps(sample, ensure_ascii=False).encode("utf-8")}
         members.update((m["member"], data) for m, data in zip(result.media, payloads))
         shard, member_records = shards.add(key, members)

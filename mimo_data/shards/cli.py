@@ -62,9 +62,11 @@ def _parser() -> argparse.ArgumentParser:
                    "file extension)")
     b.add_argument("--instruction", default="Transcribe the audio.",
                    help="user turn for speech-manifest records")
-    for role in ("id", "messages", *MEDIA_COLUMNS):
+    for role in ("id", "messages", "texts", "caption", *MEDIA_COLUMNS):
         b.add_argument(f"--{role}-column", help=f"Parquet column holding the {role}"
-                       f"{'s' if role in MEDIA_COLUMNS else ''}")
+                       f"{'s' if role in MEDIA_COLUMNS else ''}"
+                       + (" (interleaved documents)" if role == "texts" else
+                          " (caption pairs)" if role == "caption" else ""))
     b.add_argument("--max-image-pixels", type=int,
                    help="skip images with more pixels (decompression bombs; default: "
                    "Pillow's limit, 89478485)")
@@ -120,7 +122,8 @@ def _run(args) -> int:
     if args.command == "build":
         from mimo_data.shards.build import BuildOptions, build
         from mimo_data.shards.sources import media_field
-        roles = [("id", "id"), ("conversation", "messages"),
+        roles = [("id", "id"), ("conversation", "messages"), ("texts", "texts"),
+                 ("caption", "caption"),
                  *((media_field(name), name) for name in MEDIA_COLUMNS)]
         columns = {role: getattr(args, f"{attr}_column") for role, attr in roles
                    if getattr(args, f"{attr}_column")}

@@ -96,3 +96,75 @@ def check_marker_counts(order: list[str], counts: dict[str, int]) -> None:
         if markers != counts.get(modality, 0):
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
                               f"{counts.get(modality, 0)} {modality} item(s) in the record")
+
+
+def _utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RecordError("invalid_utf8", f"{what} is not valid Unicode: {exc}") from None
+
+
+def _no_markers(text: str, what: str) -> None:
+    typed = [marker for marker in MARKERS.values() if marker in text]
+    if typed:
+        raise RecordError("marker_mismatch", f"{what} holds the marker(s) {typed}, which only "
+                          "the record's media items may place")
+
+
+# What a document's pieces are joined with: each text and each media item on its own line.
+DOCUMENT_JOIN = "\n"
+
+
+def normalize_document(texts, images) -> tuple[str, list]:
+    """An interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists,
+    one of the two non-null at each position) → its text with an ``<image>`` marker in each
+    image's place (pieces joined by ``DOCUMENT_JOIN``) and its images' refs in order.
+
+    RecordError: ``malformed_record`` (lists missing, of different lengths, a position with
+    both or neither), ``invalid_utf8``, ``marker_mismatch`` (a marker typed in a text),
+    ``empty_document`` (no text, or only whitespace).
+    """
+    if not isinstance(texts, (list, tuple)) or not isinstance(images, (list, tuple)):
+        raise RecordError("malformed_record", "a document needs the lists 'texts' and "
+                          "'images' (parallel, one of the two non-null at each position)")
+    if len(texts) != len(images):
+        raise RecordError("malformed_record", f"'texts' has {len(texts)} positions and "
+                          f"'images' {len(images)}; they must be parallel")
+    pieces, refs = [], []
+    for i, (text, image) in enumerate(zip(texts, images)):
+        if (text is None) == (image is None):
+            has = "both a text and an image" if text is not None else "neither"
+            raise RecordError("malformed_record", f"position {i} has {has}; exactly one of "
+                              "'texts' and 'images' must be non-null there")
+        if text is not None:
+            if not isinstance(text, str):
+                raise RecordError("malformed_record", f"text {i} is a {type(text).__name__}, "
+                                  "not a string")
+            _utf8(text, f"text {i}")
+            _no_markers(text, f"text {i}")
+            pieces.append(text)
+        else:
+            pieces.append(MARKERS["image"])
+            refs.append(image)
+    if not any(isinstance(t, str) and t.strip() for t in texts):
+        raise RecordError("empty_document", f"the document has no text ({len(refs)} image(s) "
+                          "only): nothing to train on")
+    return DOCUMENT_JOIN.join(pieces), refs
+
+
+def normalize_caption(caption, media: dict[str, list]) -> str:
+    """A caption pair's text, checked: a non-empty string (``empty_caption``), valid UTF-8,
+    no marker in it, and exactly one media item in ``media`` (``malformed_record``)."""
+    items = sum(len(refs) for refs in media.values())
+    if items != 1:
+        raise RecordError("malformed_record", f"a caption pair has exactly one media item, "
+                          f"this record {items}")
+    if not isinstance(caption, str):
+        raise RecordError("malformed_record", f"the caption is a {type(caption).__name__}, "
+                          "not a string")
+    _utf8(caption, "the caption")
+    _no_markers(caption, "the caption")
+    if not caption.strip():
+        raise RecordError("empty_caption", "the caption is empty: nothing to train on")
+    return caption

@@ -1,5 +1,9 @@
 """Input readers: LLaVA/ShareGPT JSON and JSONL, Parquet tables, NeMo speech manifests.
 
+A JSON(L) record or Parquet table is a conversation (``conversations`` / ``messages``), an
+interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists) or a caption
+pair (``caption`` and one media item, no conversation); ``RawRecord.kind`` says which.
+
 Every source splits into cheap ``Task``s in the main process (one per record, in file order)
 and turns a task into a ``RawRecord`` in whichever process validates it. Parquet is read with
 pyarrow one row group at a time, so embedded media never sit in memory all at once.
@@ -36,10 +40,14 @@ class Task:
 @dataclass
 class RawRecord:
     """A record before normalization: ``media`` maps a modality name to its items' refs
-    (paths, bytes or ``{bytes, path}``) in marker order."""
+    (paths, bytes or ``{bytes, path}``) in marker order (a document's ``image``: its
+    ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
+    ``texts`` list."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
+    kind: str = "conversation"
+    text: object = None
 
 
 def media_field(modality: str) -> str:
@@ -115,11 +123,16 @@ class ConversationFile:
         elif not isinstance(record, dict):
             raise RecordError("malformed_json", f"record is a JSON {type(record).__name__}, "
                               "expected an object")
-        return RawRecord(
-            id=_record_id(record.get("id")),
-            turns=record.get("conversations", record.get("messages")),
-            media={name: _as_list(record.get(media_field(name), record.get(name)))
-                   for name in MODALITIES})
+        turns = record.get("conversations", record.get("messages"))
+        if "texts" in record:
+            return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
+                             text=record["texts"], media={"image": _as_list(record.get("images"))})
+        media = {name: _as_list(record.get(media_field(name), record.get(name)))
+                 for name in MODALITIES}
+        if "caption" in record and turns is None:
+            return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
+                             kind="caption", text=record["caption"])
+        return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media)
 
 
 class SpeechManifest:
@@ -151,7 +164,9 @@ class SpeechManifest:
 class ParquetTable:
     """Hugging Face style tables: a media column per modality (``images``/``image``,
     ``audios``/``audio``, ``videos``/``video``) of ``{bytes, path}`` structs (or lists of them)
-    or path strings; the conversation as a list of turns or a JSON string."""
+    or path strings; the conversation as a list of turns or a JSON string. A table with a
+    ``texts`` column holds interleaved documents (OBELICS / MINT-1T, with ``images``); one
+    with a ``caption`` column and no conversation, caption pairs."""
 
     def __init__(self, path: str, media_root: str | None = None, columns: dict | None = None):
         self.path = path
@@ -161,9 +176,18 @@ class ParquetTable:
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
                             ("id", ("id",), False),
-                            ("conversation", ("messages", "conversations"), True),
+                            ("conversation", ("messages", "conversations"), False),
+                            ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
                               for name in MODALITIES))}
+        found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
+        if not found:
+            raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
+                              f"(conversations), 'texts' (documents) or 'caption' (caption "
+                              f"pairs) found (columns are {sorted(names)}); name the column "
+                              "with a --*-column flag")
+        self.kind = {"texts": "document", "conversation": "conversation",
+                     "caption": "caption"}[found[0]]
 
     def tasks(self, source: int):
         metadata = pq.ParquetFile(self.path).metadata
@@ -177,15 +201,21 @@ class ParquetTable:
         group, offset = task.locator
         columns = tuple(c for c in self.columns.values() if c)
         record = _read_row_group(self.path, group, columns)[offset]
-        turns = record[self.columns["conversation"]]
+        column = self.columns
+        record_id = _record_id(record.get(column["id"])) if column["id"] else None
+        if self.kind == "document":
+            images = record.get(column["images"]) if column["images"] else None
+            return RawRecord(id=record_id, turns=None, kind="document",
+                             text=record[column["texts"]], media={"image": _as_list(images)})
+        media = {name: _as_list(record.get(column[media_field(name)]))
+                 for name in MODALITIES if column[media_field(name)]}
+        if self.kind == "caption":
+            return RawRecord(id=record_id, turns=None, media=media, kind="caption",
+                             text=record[column["caption"]])
+        turns = record[column["conversation"]]
         if isinstance(turns, (str, bytes)):
             turns = _json_value(turns)
-        column = self.columns
-        return RawRecord(
-            id=_record_id(record.get(column["id"])) if column["id"] else None,
-            turns=turns,
-            media={name: _as_list(record.get(column[media_field(name)]))
-                   for name in MODALITIES if column[media_field(name)]})
+        return RawRecord(id=record_id, turns=turns, media=media)
 
 
 def _json_value(raw):

@@ -1,4 +1,5 @@
-"""Turn one source task into a validated sample (messages + media bytes + metadata) or a skip.
+"""Turn one source task into a validated sample (messages, or a caption's or document's text;
+media bytes and metadata) or a skip.
 
 Runs in build worker processes: reads media, probes them, and returns everything the writer
 needs, so the main process only assigns keys and writes.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
+                                      normalize_caption, normalize_document,
                                       normalize_messages)
 from mimo_data.shards.sources import Task
 
@@ -37,13 +39,16 @@ class MediaFile:
 
 @dataclass
 class Prepared:
-    """A record that passed validation; ``media`` is in marker order, like ``payloads``."""
+    """A record that passed validation; ``media`` is in marker order, like ``payloads``.
+    ``messages`` of a conversation, ``text`` of a caption or a document (``kind``)."""
     id: str | None
     location: str
     source: dict
     messages: list[dict]
     media: list[dict]
     payloads: list[bytes | MediaFile]
+    kind: str = "conversation"
+    text: str | None = None
 
     def media_bytes(self) -> list[bytes]:
         """The payloads as bytes (reading back deferred files)."""
@@ -99,10 +104,18 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     """Load, normalize and validate one record; never raises for bad input."""
     try:
         raw = source.load(task)
-        messages = normalize_messages(raw.turns)
-        order = marker_order(messages)
-        refs = raw.media
-        check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
+        messages, text, refs = [], None, raw.media
+        if raw.kind == "document":
+            text, images = normalize_document(raw.text, raw.media.get("image"))
+            refs = {"image": images}
+            order = ["image"] * len(images)
+        elif raw.kind == "caption":
+            text = normalize_caption(raw.text, refs)
+            order = [modality for modality, items in refs.items() if items]
+        else:
+            messages = normalize_messages(raw.turns)
+            order = marker_order(messages)
+            check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:
             index = seen[modality]
@@ -122,4 +135,5 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     kind, number = task.origin
     return Prepared(id=raw.id, location=task.location,
                     source={"file": source.path, kind: number},
-                    messages=messages, media=media, payloads=payloads)
+                    messages=messages, media=media, payloads=payloads, kind=raw.kind,
+                    text=text)
