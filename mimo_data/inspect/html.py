@@ -14,7 +14,7 @@ import html
 import io
 
 from mimo_data.modalities import MODALITIES
-from mimo_data.inspect.report import eos_line, inspect_position
+from mimo_data.inspect.report import eos_line, inspect_position, kinds_line
 from mimo_data.inspect.sample import sample_problems, token_view
 from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
@@ -240,8 +240,8 @@ def write_html(report: dict, gallery: Gallery, directory: str, inspector: Sample
     summary = (f"{report['samples']} of {report['total_samples']} samples inspected, "
                f"{report['kept']} kept, {report['dropped']} dropped; {tokens['real']} real "
                f"tokens, {tokens['trained']} trained ({tokens['trained_fraction']:.1%}); "
-               f"seq_length {report['seq_length']}, {report['length_policy']}; end of turn: "
-               f"{eos_line(report['append_eos'])}")
+               f"seq_length {report['seq_length']}, {report['length_policy']}; record kinds: "
+               f"{kinds_line(report['kinds'])}; end of turn: {eos_line(report['append_eos'])}")
     plot_html = "".join(f'<img src="{uri}" alt="{html.escape(title)}" title="{html.escape(title)}">'
                         for title, uri in plots(report))
     legend = " ".join(f'<span class="t-{cls}">{cls}</span>'

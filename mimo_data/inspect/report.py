@@ -49,7 +49,8 @@ from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards import cache
-from mimo_data.shards.format import ShardRecord
+from mimo_data.preprocess.record_kinds import trains_as
+from mimo_data.shards.format import RECORD_KINDS, ShardRecord
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
@@ -100,7 +101,8 @@ class ReportBuilder:
 
     def add(self, stats: SampleStats) -> None:
         self.seen += 1
-        self.rows.add(stats.dropped, stats.detail, stats.length, stats.trained, stats.counted)
+        self.rows.add(stats.dropped, stats.detail, stats.length, stats.trained, stats.counted,
+                      stats.kind)
         flagged = self.flagged
         if stats.dropped:
             flagged["dropped"].add(stats, f"{stats.dropped}: {stats.detail}")
@@ -167,6 +169,19 @@ class ReportBuilder:
                       if with_items.any() else np.zeros(0, np.int64))
         return per_item, per_sample
 
+    def _kinds(self) -> dict:
+        """Per record kind present, what its samples train as and how many are kept."""
+        assert self.table is not None, "finish() first"
+        kinds = self.table.kinds
+        found = {}
+        for code in np.unique(kinds).tolist():
+            kind = RECORD_KINDS[code] if code >= 0 else "unknown"
+            ours = kinds == code
+            found[kind] = {"trains_as": trains_as(kind, self.inspector.config),
+                           "samples": int(ours.sum()),
+                           "kept": int((ours & self.table.kept).sum())}
+        return found
+
     def checks(self, thresholds: Thresholds) -> list[dict]:
         results = []
         total = self.seen
@@ -220,6 +235,7 @@ class ReportBuilder:
             "seq_length": config.seq_length, "length_policy": config.length_policy,
             "mode": config.mode,
             "append_eos": self.inspector.text.eos_appending.to_dict(),
+            "kinds": self._kinds(),
             "tokens": {"real": real, "trained": trained,
                        "trained_fraction": trained / real if real else 0.0,
                        "padding": kept * config.seq_length - real,
@@ -458,6 +474,7 @@ def format_report(report: dict) -> str:
         f"tokens      {tokens['real']} real, {tokens['trained']} trained "
         f"({tokens['trained_fraction']:.1%}), padding {tokens['padding_fraction']:.1%} of "
         "the kept samples' seq_length",
+        f"kinds       {kinds_line(report['kinds'])}",
         f"end of turn {eos_line(report['append_eos'])}",
         f"length      {fmt(report['sequence_length']['stats'])}",
         f"trained     fraction per sample  {fmt(report['trained_fraction']['stats'], 2)}",
@@ -480,6 +497,13 @@ def format_report(report: dict) -> str:
     elif rate:
         lines.append(f"time        {report['seconds']:.2f} s, {rate:.0f} samples/s")
     return "\n".join(lines)
+
+
+def kinds_line(kinds: dict) -> str:
+    """The record kinds in words: ``conversation 8 (8 kept), caption 3 as caption (plain)``."""
+    return ", ".join(f"{kind} {data['samples']} ({data['kept']} kept)"
+                     + (f" as {data['trains_as']}" if data["trains_as"] != kind else "")
+                     for kind, data in kinds.items())
 
 
 def eos_line(appending: dict) -> str:

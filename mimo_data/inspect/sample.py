@@ -73,7 +73,7 @@ def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
             items = [ItemTokens(item["modality"], cast(int, n), MODALITIES[
                 item["modality"]].placeholder_texts(item, configs[item["modality"]]))
                 for item, n in zip(media, counts)]
-            encoded = inspector.text.encode(record["messages"], items)
+            encoded = inspector.text.encode(inspector.text.kinds.encodable(record), items)
         except TextError as exc:
             return _messages_view(record, f"no tokens: {exc.detail}; the messages as stored")
         except Exception as exc:     # a malformed record: show what is known, not a traceback
@@ -92,7 +92,11 @@ def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
 
 
 def _messages_view(record: Record, note: str) -> TokenView:
-    """The stored messages as plain text, for a sample whose tokens cannot be built."""
+    """The stored messages (a caption's or document's text) as plain text, for a sample whose
+    tokens cannot be built."""
+    if record.get("kind") in ("caption", "document"):
+        return TokenView([TokenRun("prompt", f"[{record['kind']}] {record.get('text')}", 0)],
+                         note)
     try:
         text = "\n".join(f"[{m.get('role')}] {m.get('content')}"
                          for m in record.get("messages") or [])

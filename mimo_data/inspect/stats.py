@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,7 @@ class SampleStats:
     length: int = 0                       # tokens in input_ids (0 when dropped)
     trained: int = 0                      # tokens with loss_mask 1
     removed_turns: int = 0
+    kind: str = "conversation"            # the record's kind (shards/format.py)
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
     # per kept item, from metadata (None: not computable)
     expected: dict[str, list[int | None]] = field(default_factory=dict)
@@ -100,7 +101,7 @@ class SampleStats:
                          or self.counted.get(m) != counts)
 
 
-def markers_of(messages: list[dict]) -> list[str]:
+def markers_of(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     """Modalities of the media markers (``<image>``, ``<video>`` ...) in reading order (as
     ``records.marker_order``, with one regex scan per message)."""
     return [_MODALITY_OF[m] for message in messages if isinstance(message, dict)
@@ -201,7 +202,8 @@ class SampleInspector:
         """SampleStats of a record from what the preprocessor made of it."""
         media = record.get("media") or []
         stats = SampleStats(position, record.get("key", f"#{position}"),
-                            markers=markers_of(record.get("messages") or []),
+                            kind=str(record.get("kind", "conversation")),
+                            markers=self._markers(record),
                             media=[item.get("modality") for item in media],
                             index_problems=index.problems(position, record) if index else [])
         if isinstance(text, SampleDropped):
@@ -216,12 +218,26 @@ class SampleInspector:
         stats.expected = {m: [self.item_tokens(item) for item in text.items
                               if item["modality"] == m] for m in self.config.modalities}
         stats.counted = text.token_counts
-        messages = record["messages"]
+        messages = self.text.kinds.roles(record)
         self.coverage(stats, messages[:len(messages) - text.removed_turns], text.ids,
                       np.concatenate(([False], text.loss_mask)))
         return stats
 
-    def coverage(self, stats: SampleStats, messages: list[dict], ids: np.ndarray,
+    def _markers(self, record: Record) -> list[str]:
+        """The record's markers in reading order: its messages', its document's, or the one a
+        caption is rendered with (with any typed in the caption)."""
+        kind = record.get("kind", "conversation")
+        try:
+            if kind == "caption":
+                return markers_of(list(self.text.kinds.roles(record)))
+            if kind == "document":
+                return markers_of([{"content": record.get("text")}])
+        except (KeyError, TypeError, ValueError, IndexError):  # malformed: dropped, counted
+            return []
+        return markers_of(record.get("messages") or [])
+
+    def coverage(self, stats: SampleStats, messages: Sequence[Mapping[str, Any]],
+                 ids: np.ndarray,
                  trained: np.ndarray) -> None:
         """Fill the loss-mask-vs-roles facts of ``stats`` from the tokens ``ids`` (all of
         them, the last target included) and which are trained: decode them in runs of one

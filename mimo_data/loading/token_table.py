@@ -14,8 +14,10 @@ A drop that only full (media-decoding) preprocessing can see is an error at load
 skip (see loader.py).
 
 Columns: ``drop`` (int8: 0 kept, else 1 + index into ``mimo.reasons``), ``detail`` (string,
-why it was dropped; null when kept), ``tokens`` and ``trained`` (int32; 0 when dropped), and per
-modality ``tokens_<modality>`` (list of int32: token count per item, in item order).
+why it was dropped; null when kept), ``kind`` (int8: the record's kind, an index into
+``RECORD_KINDS``; -1 for a kind that is none of them), ``tokens`` and ``trained`` (int32; 0
+when dropped), and per modality ``tokens_<modality>`` (list of int32: token count per item, in
+item order).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import mimo_data
 from mimo_data.preprocess.preprocessor import TEXT_BATCH, Preprocessor, SampleDropped
 from mimo_data.shards import cache
 from mimo_data.shards.reader import ShardReader
+from mimo_data.shards.format import RECORD_KINDS
 from mimo_data.shards.sample_table import build_digest
 from mimo_data.tally import FIRST_LOCATIONS, Tally
 
@@ -90,6 +93,7 @@ class TokenTable:
         self.drop = cache.column(table, "drop").to_numpy()
         self.kept = self.drop == 0
         self.details = cache.column(table, "detail")
+        self.kinds = cache.column(table, "kind").to_numpy()
         self.tokens = cache.column(table, "tokens").to_numpy()
         self.trained = cache.column(table, "trained").to_numpy()
         self.item_tokens: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -182,13 +186,15 @@ class Rows:
         self.start = start
         self.tokens: list[int] = []
         self.trained: list[int] = []
+        self.kinds: list[int] = []
         self.items: dict[str, list[int]] = {m: [] for m in modalities}
         self.item_tokens: dict[str, list[int]] = {m: [] for m in modalities}
         self.drops: dict[int, tuple[str, str]] = {}     # position -> (reason, detail)
 
     def add(self, dropped: str | None, detail: str, tokens: int, trained: int,
-            token_counts: dict[str, list[int]]) -> None:
-        """The next sample: ``dropped`` its drop reason (None: kept)."""
+            token_counts: dict[str, list[int]], kind: object) -> None:
+        """The next sample: ``dropped`` its drop reason (None: kept); ``kind`` its record's."""
+        self.kinds.append(RECORD_KINDS.index(kind) if kind in RECORD_KINDS else -1)
         if dropped is not None:
             self.drops[self.start + len(self.tokens)] = (dropped, detail)
             tokens, trained, token_counts = 0, 0, {}
@@ -202,6 +208,7 @@ class Rows:
         """Compact numpy columns (what a worker sends back)."""
         return {"start": self.start, "tokens": np.array(self.tokens, np.int32),
                 "trained": np.array(self.trained, np.int32), "drops": self.drops,
+                "kinds": np.array(self.kinds, np.int8),
                 "items": {m: np.array(c, np.int32) for m, c in self.items.items()},
                 "item_tokens": {m: np.array(c, np.int32) for m, c in self.item_tokens.items()}}
 
@@ -223,6 +230,7 @@ def assemble(parts: list[dict], modalities: Sequence[str]) -> pa.Table:
         drop[position], which[position] = reasons.index(reason) + 1, n
     details = pa.array([None] + [detail for _, (_, detail) in drops], pa.string())
     table: dict[str, Any] = {"drop": drop, "detail": details.take(pa.array(which)),
+                             "kind": joined("kinds").astype(np.int8),
                              "tokens": tokens, "trained": joined("trained")}
     for modality in modalities:
         offsets = np.concatenate([[0], np.cumsum(joined("items", modality), dtype=np.int64)])
@@ -250,12 +258,13 @@ class _Chunks(torch.utils.data.Dataset):
         for batch in range(start, stop, TEXT_BATCH):    # the text batch the token cache fits
             records = [self.reader.record(position)
                        for position in range(batch, min(batch + TEXT_BATCH, stop))]
-            for text in self.preprocessor.text_batch(records):
+            for record, text in zip(records, self.preprocessor.text_batch(records)):
+                kind = record.get("kind", "conversation")
                 if isinstance(text, SampleDropped):
-                    rows.add(text.reason, text.detail, 0, 0, {})
+                    rows.add(text.reason, text.detail, 0, 0, {}, kind)
                 else:
                     rows.add(None, "", len(text.ids) - 1, int(text.loss_mask.sum()),
-                             text.token_counts)
+                             text.token_counts, kind)
         return rows.arrays()
 
 

@@ -17,6 +17,7 @@ of ``mimo-inspect`` (the caption or the document as the assistant's).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -29,6 +30,7 @@ from mimo_data.preprocess.tokenizer_loading import added_bos
 from mimo_data.shards.format import RECORD_KINDS, record_kind
 
 Messages = Sequence[Mapping[str, Any]]
+_MARKER_SPLIT = re.compile("|".join(re.escape(marker) for marker in MARKERS.values()))
 
 
 class Rendered(NamedTuple):
@@ -73,7 +75,9 @@ class KindRenderer:
                         [TrainedSpan(len(head), len(head) + len(text) + len(self.eos), False)])
 
     def roles(self, record: Mapping[str, Any]) -> Messages:
-        """The record as messages whose assistant contents are what trains."""
+        """The record as messages whose assistant contents are what trains (a document's text
+        between its markers, one message a piece: the tokens around an item are not the
+        text's)."""
         kind = kind_of(record)
         if kind == "conversation":
             return record["messages"]
@@ -82,7 +86,8 @@ class KindRenderer:
                 return self._caption_messages(record)
             return [{"role": "user", "content": MARKERS[_caption_item(record)]},
                     {"role": "assistant", "content": _text(record)}]
-        return [{"role": "assistant", "content": _text(record)}]
+        return [{"role": "assistant", "content": piece}
+                for piece in _MARKER_SPLIT.split(_text(record)) if piece.strip()]
 
     def _caption_messages(self, record: Mapping[str, Any]) -> Messages:
         modality = _caption_item(record)
