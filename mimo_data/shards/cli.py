@@ -75,6 +75,35 @@ def _parser() -> argparse.ArgumentParser:
                    "completeness only (faster, misses corruption inside the data)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
+    x = commands.add_parser(
+        "index", help="index existing WebDataset or Energon tars where they are (no rewrite)")
+    x.add_argument("sources", nargs="+", metavar="SRC",
+                   help="a folder of tars (an Energon dataset folder: its .nv-meta decides), "
+                   "tar paths, globs or brace patterns (shard-{000..099}.tar); local or URLs")
+    x.add_argument("--output", "-o", help="local directory for the index and its tables "
+                   "(default: a folder of the cache, printed); nothing is written beside the tars")
+    x.add_argument("--layout", choices=("auto", "pairs", "conversation", "energon"),
+                   default="auto", help="pairs: KEY.jpg + KEY.txt caption pairs (img2dataset); "
+                   "conversation: KEY.json with conversations/messages and its media members; "
+                   "energon: the folder's .nv-meta field_map; auto (default): detected")
+    x.add_argument("--media-member", "--image-member", dest="media_member",
+                   help="pairs: the medium's member suffix, alternatives by commas (jpg,png; "
+                   "default: the sample's one media member)")
+    x.add_argument("--text-member", default="txt",
+                   help="pairs: the caption's member (default txt; json[caption] reads a field)")
+    x.add_argument("--json-member", default="json", help="the JSON member: a conversation's, "
+                   "or a pair's metadata kept in each record's source (default json)")
+    x.add_argument("--name", help="the dataset's name (default: the tars' folder name)")
+    x.add_argument("--workers", type=int, default=1,
+                   help="processes indexing tars in parallel (0: in this one; default 1)")
+    x.add_argument("--check", choices=("decode", "header"), default="decode",
+                   help="decode: walk all media data (default); header: headers and stream "
+                   "completeness only")
+    x.add_argument("--max-image-pixels", type=int,
+                   help="skip images with more pixels (default: Pillow's limit, 89478485)")
+    x.add_argument("--overwrite", action="store_true", help="replace an existing index")
+    x.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
     i = commands.add_parser("info", help="summarize a built dataset")
     i.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
     i.add_argument("--json", action="store_true", help="machine-readable output")
@@ -110,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, SourceError) as exc:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = str(exc), 1 if is_remote(args.directory) or \
-            os.path.isdir(args.directory) else 2
+        directory = getattr(args, "directory", "")
+        error, status = str(exc), 1 if is_remote(directory) or os.path.isdir(directory) else 2
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
@@ -137,6 +166,15 @@ def _run(args) -> int:
             input_format=args.input_format, instruction=args.instruction, columns=columns,
             check=args.check, progress=not args.no_progress, **limits)
         build(args.inputs, args.output, options)
+    elif args.command == "index":
+        from mimo_data.shards.in_place import IndexOptions, index
+        indexing = IndexOptions(
+            layout=args.layout, media_member=args.media_member, text_member=args.text_member,
+            json_member=args.json_member, name=args.name, workers=args.workers,
+            check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
+            **({} if args.max_image_pixels is None
+               else {"max_image_pixels": args.max_image_pixels}))
+        index(args.sources, args.output, indexing)
     elif args.command == "info":
         import json
 

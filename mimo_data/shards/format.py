@@ -15,6 +15,14 @@ A dataset directory holds:
   (``loading/``). Deleting it loses nothing but the time to compute them again.
 - ``index.json``: written last and atomically. No index means no dataset.
 
+A dataset indexed in place (``mimo-shard index``: existing WebDataset or Energon tars, not
+rewritten) is format version 2 (``INDEXED_VERSION``): its index's ``shard_root`` (a local
+directory or URL) holds the tars, named relative to it in the index and ``samples.parquet``;
+the tars hold no ``KEY.json``, so the records are in ``records.parquet`` (column ``json``: the
+bytes a ``KEY.json`` would hold, in sample order) and each media item's ``member`` is the tar's
+own suffix (``jpg``, ``0.png``); keys are the tars' own. A mimo that reads only version 1 refuses
+it rather than look for the tars beside the index.
+
 ``KEY.json`` (the sample record)::
 
     {"key": "000000042", "id": "<source id or null>",
@@ -78,11 +86,14 @@ class ShardRecord(TypedDict):
     media: list[MediaItem]       # in marker order across messages (or the document's text)
 
 FORMAT_NAME = "mimo-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1            # what `mimo-shard build` writes
+INDEXED_VERSION = 2           # `mimo-shard index`: shard_root, records.parquet
+READ_VERSIONS = (FORMAT_VERSION, INDEXED_VERSION)
 
 INDEX_FILE = "index.json"
 SAMPLES_FILE = "samples.parquet"
 REPORT_FILE = "report.json"
+RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 
 ROLES = ("system", "user", "assistant")

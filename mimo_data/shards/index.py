@@ -7,7 +7,7 @@ import json
 import os
 
 from mimo_data.shards import storage
-from mimo_data.shards.format import FORMAT_NAME, FORMAT_VERSION, INDEX_FILE
+from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS
 
 
 class DatasetError(Exception):
@@ -43,8 +43,17 @@ def parse_index(directory: str, data: bytes) -> dict:
         index = json.loads(data)
     except ValueError as exc:
         raise DatasetError(f"{path}: unreadable index ({exc}); rebuild the dataset") from None
-    if index.get("format") != FORMAT_NAME or index.get("version") != FORMAT_VERSION:
+    if index.get("format") != FORMAT_NAME or index.get("version") not in READ_VERSIONS:
         raise DatasetError(f"{path}: format {index.get('format')!r} version "
                            f"{index.get('version')!r}; this mimo reads {FORMAT_NAME!r} "
-                           f"version {FORMAT_VERSION}")
+                           f"versions {', '.join(map(str, READ_VERSIONS))} (a newer mimo "
+                           "wrote it?)")
+    if index["version"] == INDEXED_VERSION and not isinstance(index.get("shard_root"), str):
+        raise DatasetError(f"{path}: an index of shards indexed in place without its "
+                           "shard_root; run `mimo-shard index` again")
     return index
+
+
+def shard_root(directory: str, index: dict) -> str:
+    """Where ``directory``'s shards are: its ``shard_root`` (indexed in place), else itself."""
+    return index.get("shard_root", directory)

@@ -5,7 +5,11 @@ with ``os.pread`` on shard files opened lazily per process (safe across ``fork``
 reopens its own descriptors). Metadata-only readers read the JSON member alone and never touch
 media bytes.
 
-A remote dataset (``storage.py``) is read by ranged requests. Records come from the records
+A dataset indexed in place (``mimo-shard index``) has its shards under its index's
+``shard_root``, elsewhere than the index (a local directory or a URL): they are read there, and
+its records always come from the records table (its tars hold no ``KEY.json``).
+
+Remote shards (``storage.py``) are read by ranged requests. Records come from the records
 table (``record_table.py``, memory-mapped locally): no request per sample. Media bytes come in
 runs: ``prefetch`` plans, for the samples it is given, one range per run of neighbouring
 samples of a shard (their members are consecutive in the tar), issues them on a bounded thread
@@ -31,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import ShardRecord
-from mimo_data.shards.index import DatasetError, index_bytes, parse_index
+from mimo_data.shards.index import DatasetError, index_bytes, parse_index, shard_root
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
 
@@ -56,13 +60,17 @@ class ShardReader:
         self.table_key = table_key(self.index, directory, self.remote)   # the build's key
         self.table = SampleTable.open(directory, self.index, self.table_key, cache_dir,
                                       self.remote)
+        self.shard_root = shard_root(directory, self.index)
+        self.shard_remote = storage.Remote(self.shard_root, storage_options) \
+            if storage.is_remote(self.shard_root) else None
         self._files: dict[str, int] = {}
         self._pid: int | None = None
         self._pool: ThreadPoolExecutor | None = None
         # position -> (its run's bytes, the run's first byte offset)
         self._runs: dict[int, tuple[Future[bytes], int]] = {}
         self._batches: collections.deque[list[int]] = collections.deque()
-        self.records = RecordTable.open(self, cache_dir) if self.remote else None
+        self.records = RecordTable.open(self, cache_dir) \
+            if self.shard_remote or self.shard_root != directory else None
 
     def __len__(self) -> int:
         return len(self.table)
@@ -79,13 +87,14 @@ class ShardReader:
     def _fd(self, shard: str) -> int:
         self._this_process()
         if shard not in self._files:
-            self._files[shard] = os.open(os.path.join(storage.local_path(self.directory),
+            self._files[shard] = os.open(os.path.join(storage.local_path(self.shard_root),
                                                       shard), os.O_RDONLY)
         return self._files[shard]
 
     def _read(self, shard: str, offset: int, size: int) -> bytes:
-        if self.remote is not None:
-            return self.remote.read_range(storage.join(self.directory, shard), offset, size)
+        if self.shard_remote is not None:
+            return self.shard_remote.read_range(storage.join(self.shard_root, shard), offset,
+                                                size)
         data = os.pread(self._fd(shard), size, offset)
         if len(data) != size:
             raise DatasetError(f"{shard}: short read at byte {offset} ({len(data)} of {size} "
@@ -95,9 +104,9 @@ class ShardReader:
     def prefetch(self, positions: Iterable[int],
                  members: Callable[[str], bool] | None = None) -> None:
         """Start reading the members of the samples at ``positions`` (those whose name
-        ``members`` accepts, all when None) of a remote dataset; a no-op for a local one.
+        ``members`` accepts, all when None) of remote shards; a no-op for local ones.
         The last ``KEEP_BATCHES`` calls' bytes are held until read."""
-        if self.remote is None:
+        if self.shard_remote is None:
             return
         self._this_process()
         if self._pool is None:
@@ -111,8 +120,8 @@ class ShardReader:
                               max(e for _, e in chosen), position))
         batch: list[int] = []
         for shard, start, end, run_positions in _runs(spans):
-            url = storage.join(self.directory, shard)
-            future = self._pool.submit(self.remote.read_range, url, start, end - start)
+            url = storage.join(self.shard_root, shard)
+            future = self._pool.submit(self.shard_remote.read_range, url, start, end - start)
             for position in run_positions:
                 self._runs[position] = (future, start)
             batch += run_positions
@@ -141,12 +150,12 @@ class ShardReader:
                     return data
                 data = None
         except FileNotFoundError:
-            raise DatasetError(f"{storage.join(self.directory, shard)}: missing (the dataset is "
-                               f"incomplete); run `mimo-shard verify {self.directory}`, then "
+            raise DatasetError(f"{storage.join(self.shard_root, shard)}: missing (the dataset "
+                               f"is incomplete); run `mimo-shard verify {self.directory}`, then "
                                "restore the shard or rebuild the dataset") from None
         key = self.table.key(position)
         raise DatasetError(
-            f"{storage.join(self.directory, shard)}: sample {key} member {key}.{name}: its "
+            f"{storage.join(self.shard_root, shard)}: sample {key} member {key}.{name}: its "
             f"bytes changed since the build (crc32 differs from samples.parquet, read twice); "
             f"run `mimo-shard verify {self.directory}` to list every damaged member, then "
             "restore the shard from its source or rebuild the dataset")

@@ -6,7 +6,9 @@ nothing but the records, makes no request per sample, and an encoder rank reques
 bytes only. ``mimo-shard build`` writes the table into the dataset's ``.mimo-cache/``; a remote
 reader downloads it once into its local cache (one request). A dataset built without one gets
 it derived once from the shards by ranged reads of the JSON members (``ShardReader.prefetch``
-coalesces neighbours). Keyed by the build, as the sample table is.
+coalesces neighbours). A dataset indexed in place (``mimo-shard index``) has no JSON members: its
+records are in its ``records.parquet``, which the table is derived from (for every reader, local
+ones too). Keyed by the build, as the sample table is.
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from mimo_data.shards import cache, storage
+from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.shards.index import DatasetError
 
 SCHEMA = pa.schema([("json", pa.large_binary())])
@@ -33,6 +37,7 @@ class MemberSource(Protocol):
     """What the table is derived from: a dataset's shards read by position
     (``reader.ShardReader``)."""
     directory: str
+    index: dict
     table_key: str
     remote: storage.Remote | None
 
@@ -80,8 +85,23 @@ class RecordWriter:
         os.remove(self.path)
 
 
+def from_parquet(parquet) -> pa.Table:
+    """The records table of an indexed dataset's ``records.parquet`` (a path or file)."""
+    return pq.read_table(parquet, schema=SCHEMA)
+
+
+def write(parquet: str, folder: str, key: str) -> None:
+    """Derive the records table of ``parquet`` and write it into ``folder``."""
+    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key,
+                      labels(key))
+
+
 def derive(reader: MemberSource) -> pa.Table:
-    """The records table of ``reader``'s dataset, read from its shards."""
+    """The records table of ``reader``'s dataset: from its records.parquet when it has one
+    (indexed in place), else read from its shards' JSON members."""
+    if RECORDS_FILE in reader.index.get("files", {}):
+        return from_parquet(storage.readable(storage.join(reader.directory, RECORDS_FILE),
+                                             reader.remote.options if reader.remote else None))
     chunks = []                      # one Arrow array per batch: no Python object per sample
     for first in range(0, len(reader), _DERIVE_BATCH):
         positions = range(first, min(first + _DERIVE_BATCH, len(reader)))

@@ -1,0 +1,78 @@
+"""A Megatron-Energon dataset folder as ``mimo-shard index`` reads it: ``.nv-meta/dataset.yaml``
+(the sample type and its ``field_map``) and ``.nv-meta/split.yaml`` (the train split's tars),
+as ``energon prepare`` writes them. Energon's own index (``index.sqlite``, ``*.tar.idx``) is not
+needed: mimo reads the tars once and keeps its own tables.
+"""
+
+from __future__ import annotations
+
+import braceexpand
+import yaml
+
+from mimo_data.shards import storage
+from mimo_data.shards.layouts import MemberMap
+from mimo_data.shards.sources import SourceError
+
+META = ".nv-meta"
+DATASET_YAML = "dataset.yaml"
+SPLIT_YAML = "split.yaml"
+
+
+def is_energon(root: str, storage_options: dict | None = None) -> bool:
+    return storage.exists(storage.join(root, META, DATASET_YAML), storage_options)
+
+
+def _yaml(root: str, name: str, storage_options: dict | None) -> dict:
+    location = storage.join(root, META, name)
+    try:
+        loaded = yaml.safe_load(storage.read_bytes(location, storage_options))
+    except FileNotFoundError:
+        raise SourceError(f"{location}: missing; run `energon prepare {root}` first") from None
+    except yaml.YAMLError as exc:
+        raise SourceError(f"{location}: not YAML ({exc})") from None
+    if not isinstance(loaded, dict):
+        raise SourceError(f"{location}: expected a mapping, found {type(loaded).__name__}")
+    return loaded
+
+
+def sample_type(dataset: dict) -> str:
+    """The sample class name (``CaptioningSample``), also from the older top-level
+    ``__class__: CaptioningWebdataset``."""
+    declared = dataset.get("sample_type", dataset)
+    name = str(declared.get("__class__", "")) if isinstance(declared, dict) else ""
+    return name.replace("Webdataset", "Sample")
+
+
+def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
+    """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
+    are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
+    conversation. Other sample types and ``sample_loader`` code are refused (SourceError)."""
+    dataset = _yaml(root, DATASET_YAML, storage_options)
+    where = storage.join(root, META, DATASET_YAML)
+    kind = sample_type(dataset)
+    fields = dataset.get("field_map")
+    if not isinstance(fields, dict):
+        raise SourceError(f"{where}: no field_map (a sample_loader is Python code mimo does not "
+                          "run); index the tars with --layout pairs|conversation and the "
+                          "--*-member options instead")
+    if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
+        return MemberMap("pairs", media=fields["image"], text=fields["caption"])
+    if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
+        return MemberMap("vqa", media=fields["image"], question=fields["context"],
+                         text=fields["answers"])
+    raise SourceError(f"{where}: sample type {kind or '?'} with fields {sorted(fields)}: mimo "
+                      "indexes CaptioningSample (image, caption) and VQASample (image, context, "
+                      "answers); index the tars with --layout pairs|conversation and the "
+                      "--*-member options instead")
+
+
+def train_shards(root: str, storage_options: dict | None = None) -> list[str]:
+    """The train split's tars, relative to ``root``, in split.yaml's order (less ``exclude``)."""
+    split = _yaml(root, SPLIT_YAML, storage_options)
+    parts = (split.get("split_parts") or {}).get("train")
+    if not parts:
+        raise SourceError(f"{storage.join(root, META, SPLIT_YAML)}: no train split_parts")
+    excluded = {name for pattern in split.get("exclude") or []
+                for name in braceexpand.braceexpand(pattern)}
+    return [name for pattern in parts for name in braceexpand.braceexpand(pattern)
+            if name not in excluded]

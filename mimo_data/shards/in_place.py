@@ -1,0 +1,508 @@
+"""`mimo-shard index`: existing WebDataset or Energon shards indexed where they are.
+
+Each tar is read once (``tar_walk``: every member's data offset, size and crc32, the file's size
+and sha256), each sample's members become a mimo record by its layout (``layouts``; Energon's
+``field_map``: ``energon``), each medium is probed as ``mimo-shard build`` probes it, and the
+dataset's files are written into the output directory: ``samples.parquet`` (its ``shard`` column
+names tars relative to the index's ``shard_root``), ``records.parquet`` (the records: the tars
+hold no mimo ``KEY.json``), ``report.json``, the derived tables in ``.mimo-cache/`` and, last and
+atomically, ``index.json`` (format version 2: ``shard_root`` says where the tars are). Nothing
+is ever written beside the tars, which may be read-only or in object storage.
+
+Tars are indexed in ``--workers`` processes, one tar per task, results consumed in tar order, so
+the files are byte-identical whatever the number of workers. Bad samples are counted by reason
+in ``report.json`` and left out; a truncated tar keeps the samples it holds completely.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import multiprocessing
+import os
+import posixpath
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import braceexpand
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from mimo_data.files import file_sha256, write_atomic
+from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.shards import cache, energon, sample_table, storage
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
+                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
+                                    summary_column)
+from mimo_data.shards.index import dumps
+from mimo_data.shards.layouts import LAYOUTS, MemberMap, detect, synthesize
+from mimo_data.shards import record_table
+from mimo_data.shards.records import RecordError
+from mimo_data.shards.sources import SourceError
+from mimo_data.shards.tar_walk import Walked, walk
+from mimo_data.tally import Tally
+
+DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
+_BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
+_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, STAGING_DIR, cache.DATASET_CACHE}
+
+
+class IndexInputError(SourceError):
+    """The command cannot run as asked (an input or output in the way): exit 2."""
+
+
+@dataclass
+class IndexOptions:
+    layout: str = "auto"                  # auto | pairs | conversation | energon
+    media_member: str | None = None       # pairs: the medium (default: the one media member)
+    text_member: str = "txt"
+    json_member: str = "json"
+    name: str | None = None
+    workers: int = 1
+    check: str = "decode"
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Source:
+    """The tars to index: names relative to ``root`` (a local directory or a URL)."""
+    root: str
+    shards: list[str]
+    mapping: MemberMap
+
+
+@dataclass
+class ShardResult:
+    """What indexing one tar gave (sent from a worker to the writer)."""
+    name: str
+    rows: list[dict] = field(default_factory=list)
+    records: list[bytes] = field(default_factory=list)
+    media: list[list[str]] = field(default_factory=list)      # each row's media modalities
+    skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
+    walked: Walked = field(default_factory=Walked)
+    seconds: float = 0.0
+
+
+# ------------------------------------------------------------------------------- sources
+
+def _expand(pattern: str) -> list[str]:
+    return list(braceexpand.braceexpand(pattern))
+
+
+def _is_pattern(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _list_tars(location: str, storage_options: dict | None) -> list[str]:
+    """Every ``*.tar`` under ``location`` (hidden folders left out), sorted."""
+    if storage.is_remote(location):
+        remote = storage.Remote(location, storage_options)
+        protocol = location.partition("://")[0]
+        found = storage.retried(f"listing {location}",
+                                lambda: remote.fs.find(location, detail=False))
+        paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
+    else:
+        paths = []
+        for folder, folders, names in os.walk(storage.local_path(location)):
+            folders[:] = [name for name in folders if not name.startswith(".")]
+            paths += [os.path.join(folder, name) for name in names]
+    return sorted(p for p in paths if p.endswith(".tar"))
+
+
+def _glob(pattern: str, storage_options: dict | None) -> list[str]:
+    if storage.is_remote(pattern):
+        remote = storage.Remote(pattern, storage_options)
+        protocol = pattern.partition("://")[0]
+        found = storage.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
+        return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
+    return sorted(glob.glob(storage.local_path(pattern)))
+
+
+def _is_dir(location: str, storage_options: dict | None) -> bool:
+    if storage.is_remote(location):
+        return not location.endswith(".tar") and not _is_pattern(location)
+    return os.path.isdir(storage.local_path(location))
+
+
+def _root_of(paths: list[str]) -> str:
+    """The deepest folder holding every path (a URL's or a local one)."""
+    if not storage.is_remote(paths[0]):
+        return os.path.commonpath([os.path.dirname(p) for p in paths])
+    protocol = paths[0].partition("://")[0] + "://"
+    if any(not p.startswith(protocol) for p in paths):
+        raise IndexInputError("the tars must all be local or all under one URL scheme")
+    return protocol + posixpath.commonpath([posixpath.dirname(p[len(protocol):])
+                                            for p in paths])
+
+
+def resolve(sources: list[str], options: IndexOptions,
+            storage_options: dict | None = None) -> Source:
+    """The tars ``sources`` name (a folder, an Energon dataset folder, tar paths, globs or
+    brace patterns, local or URLs) and their member map (the layout given or detected)."""
+    if len(sources) == 1 and _is_dir(sources[0], storage_options):
+        root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
+            os.path.abspath(storage.local_path(sources[0]))
+        if options.layout in ("auto", "energon") and energon.is_energon(root, storage_options):
+            mapping = energon.member_map(root, storage_options)
+            names = energon.train_shards(root, storage_options)
+            _say(f"layout energon: {storage.join(root, energon.META)} (sample type "
+                 f"{mapping.layout}: {mapping.describe()}), {len(names)} train tar(s)")
+            return Source(root, names, mapping)
+        if options.layout == "energon":
+            raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
+                              "`energon prepare` there, or choose another --layout")
+        paths = _list_tars(root, storage_options)
+        if not paths:
+            raise IndexInputError(f"{root}: no *.tar files under it")
+    else:
+        if options.layout == "energon":
+            raise IndexInputError("--layout energon takes the dataset folder (the one holding "
+                              f"{energon.META}/)")
+        paths = []
+        for given in sources:
+            for path in _expand(given):
+                if _is_pattern(path):
+                    matched = _glob(path, storage_options)
+                    if not matched:
+                        raise IndexInputError(f"{path}: matches no file")
+                    paths += matched
+                elif not storage.exists(path, storage_options):
+                    raise IndexInputError(f"{path}: no such file")
+                else:
+                    paths.append(path if storage.is_remote(path) else
+                                 os.path.abspath(storage.local_path(path)))
+        paths = list(dict.fromkeys(paths))
+        if not paths:
+            raise IndexInputError("no tars given")
+        root = _root_of(paths)
+    names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
+             for p in paths]
+    return Source(root, names, _member_map(root, names[0], options, storage_options))
+
+
+def _member_map(root: str, first: str, options: IndexOptions,
+                storage_options: dict | None) -> MemberMap:
+    """The member map of ``options``, the layout detected from the first tar's samples when
+    ``--layout auto``."""
+    layout = options.layout
+    if layout == "auto":
+        head: list[dict[str, bytes]] = []
+        with _open(storage.join(root, first), storage_options) as tar:
+            for sample in walk(tar, Walked()):
+                head.append({suffix: m.data for suffix, m in sample.members.items()})
+                if len(head) == DETECT_SAMPLES:
+                    break
+        layout = detect(head, options.json_member) or ""
+        if not layout:
+            raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
+                              "caption pairs (a medium beside KEY.txt) nor conversations (KEY."
+                              f"{options.json_member} with conversations/messages); give "
+                              "--layout and the --*-member options")
+    mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
+                        json=options.json_member)
+    how = "detected from the first samples" if options.layout == "auto" else "as given"
+    _say(f"layout {layout} ({how}): {mapping.describe()}")
+    return mapping
+
+
+def _say(line: str) -> None:
+    print(f"mimo-shard index: {line}", file=sys.stderr, flush=True)
+
+
+def _open(location: str, storage_options: dict | None):
+    if storage.is_remote(location):
+        return storage.Remote(location, storage_options).fs.open(location, "rb",
+                                                                  block_size=8 << 20)
+    return open(storage.local_path(location), "rb", buffering=4 << 20)
+
+
+# ---------------------------------------------------------------------------- one tar
+
+@dataclass(frozen=True)
+class _Job:
+    root: str
+    name: str
+    mapping: MemberMap
+    check: str
+    max_image_pixels: int
+    storage_options: dict | None
+
+
+def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
+    """Index one sample of ``job``'s tar into ``result`` (a row and a record, or a skip)."""
+    where = f"{job.name}:{key}"
+    data = {suffix: member.data for suffix, member in members.items()}
+    try:
+        made = synthesize(data, job.mapping)
+        media = []
+        for modality, member in made.media:
+            try:
+                meta = MODALITIES[modality].probe(data[member], job.check, job.max_image_pixels)
+            except MediaError as exc:
+                raise RecordError(exc.reason, f"member {key}.{member}: {exc.detail}") from None
+            media.append({"modality": modality, "member": member, "bytes": len(data[member]),
+                          **meta})
+    except RecordError as exc:
+        result.skips.append((exc.reason, where, exc.detail))
+        return
+    record: dict[str, Any] = {"key": key, "id": made.fields.pop("id"),
+              "source": {"file": job.name, "key": key, **made.source}, **made.fields,
+              "media": media}
+    messages: list[dict] = record.get("messages", [])
+    row = {"key": key, "shard": job.name, "id": record["id"], "source": where,
+           "members": [{"name": suffix, "offset": m.offset, "size": m.size, "crc32": m.crc32}
+                       for suffix, m in members.items()],
+           "num_turns": len(messages),
+           "text_chars": len(record["text"]) if "text" in record else
+           sum(len(m["content"]) for m in messages)}
+    for name, kind in MODALITIES.items():
+        items = [item for item in media if item["modality"] == name]
+        row.update((summary_column(name, f), [item[f] for item in items])
+                   for f in kind.summary_fields)
+    result.rows.append(row)
+    result.media.append([m["modality"] for m in media])
+    result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
+
+
+def index_shard(job: _Job) -> ShardResult:
+    """Index one tar: its samples' rows and records, its skips, its size and sha256."""
+    location = storage.join(job.root, job.name)
+
+    def attempt() -> ShardResult:
+        started = time.perf_counter()
+        result = ShardResult(job.name)
+        keys: set[str] = set()
+        try:
+            with _open(location, job.storage_options) as tar:
+                for sample in walk(tar, result.walked):
+                    if sample.key in keys:
+                        result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
+                                             "the key occurs twice in the tar (not one after "
+                                             "the other); the first is kept"))
+                        continue
+                    keys.add(sample.key)
+                    _sample(job, sample.key, sample.members, result)
+        except FileNotFoundError:
+            raise IndexInputError(f"{location}: no such tar") from None
+        if result.walked.truncated:
+            result.skips.append(("truncated_tar", job.name, f"{result.walked.truncated}; the "
+                                 "samples before are kept, the one being read is left out"))
+        result.skips += [("stray_member", f"{job.name}:{name}", "a member without a suffix "
+                          "(KEY.ext) belongs to no sample") for name in result.walked.stray]
+        result.seconds = time.perf_counter() - started
+        return result
+    if storage.is_remote(location):
+        return storage.retried(f"reading {location}", attempt)
+    return attempt()
+
+
+def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
+    """Each tar's result in tar order, from ``workers`` processes (0: this one)."""
+    if workers <= 0:
+        yield from map(index_shard, jobs)
+        return
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        yield from pool.imap(index_shard, jobs)
+
+
+# ------------------------------------------------------------------------------ output
+
+def default_output(sources: list[str]) -> str:
+    """Where an index goes without ``--output``: ``CACHE/indexes/<name>-<hash of the
+    sources>`` (CACHE: ``MIMO_CACHE_DIR`` or ``~/.cache/mimo``)."""
+    root = os.path.join(os.environ.get(cache.CACHE_DIR_ENV) or cache.DEFAULT_CACHE, "indexes")
+    given = sources[0] if len(sources) == 1 else "\n".join(sources)
+    return cache.external_directory(given, root)
+
+
+def _prepare_output(output: str, overwrite: bool) -> None:
+    if storage.is_remote(output):
+        raise IndexInputError(f"--output {output}: the index goes to a local directory (the tars "
+                          "may be at a URL)")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise IndexInputError(f"{output} exists and is not a directory")
+    os.makedirs(output, exist_ok=True)
+    names = set(os.listdir(output))
+    if INDEX_FILE in names and not overwrite:
+        raise IndexInputError(f"{output} already holds an index; pass --overwrite to index again "
+                          "or choose another --output")
+    foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
+    if foreign:
+        raise IndexInputError(f"{output} holds files an index did not write "
+                              f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
+                              "use an empty or new directory")
+    if INDEX_FILE in names:
+        os.remove(os.path.join(output, INDEX_FILE))   # first: the old index is gone from here on
+    for name in names - {INDEX_FILE}:
+        path = os.path.join(output, name)
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+class _Tables:
+    """samples.parquet and records.parquet written as results come; modality counts."""
+
+    def __init__(self, folder: str):
+        self._samples = pq.ParquetWriter(os.path.join(folder, SAMPLES_FILE), SAMPLES_SCHEMA)
+        self._records = pq.ParquetWriter(os.path.join(folder, RECORDS_FILE),
+                                         record_table.SCHEMA)
+        self._rows: list[dict] = []
+        self._jsons: list[bytes] = []
+        self.modalities: dict[str, dict[str, int]] = {
+            **{name: {"samples": 0, "items": 0} for name in MODALITIES},
+            "text_only": {"samples": 0}}
+
+    def add(self, result: ShardResult) -> None:
+        for kinds in result.media:
+            for name in MODALITIES:
+                self.modalities[name]["samples"] += name in kinds
+                self.modalities[name]["items"] += kinds.count(name)
+            self.modalities["text_only"]["samples"] += not kinds
+        self._rows += result.rows
+        self._jsons += result.records
+        if len(self._rows) >= _BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            self._samples.write_table(pa.Table.from_pylist(self._rows, schema=SAMPLES_SCHEMA))
+            self._records.write_table(pa.table([pa.array(self._jsons, pa.large_binary())],
+                                               schema=record_table.SCHEMA))
+            self._rows, self._jsons = [], []
+
+    def close(self) -> None:
+        self._flush()
+        self._samples.close()
+        self._records.close()
+
+
+def _drop_duplicate_keys(staging: str, report: Tally) -> None:
+    """Keep the first sample of each key across tars (a key twice in one tar is caught while
+    walking it); the others are counted ``duplicate_key``. Vectorized: no object per sample
+    unless there are duplicates."""
+    path = os.path.join(staging, SAMPLES_FILE)
+    keys = pq.read_table(path, columns=["key"]).column("key")
+    if pc.count_distinct(keys).as_py() == len(keys):
+        return
+    positions = pa.table({"key": keys, "at": pa.array(np.arange(len(keys)))})
+    first = positions.group_by("key", use_threads=False).aggregate([("at", "min")])
+    keep = np.zeros(len(keys), bool)
+    keep[first.column("at_min").to_numpy()] = True
+    samples = pq.read_table(path, schema=SAMPLES_SCHEMA)
+    dropped = samples.filter(pa.array(~keep))
+    report.kept -= len(dropped)
+    report.seen -= len(dropped)
+    report.skip_many("duplicate_key", len(dropped), [
+        (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept")
+        for shard, key in zip(dropped.column("shard").to_pylist()[:5],
+                              dropped.column("key").to_pylist()[:5])])
+    pq.write_table(samples.filter(pa.array(keep)), path)
+    records_path = os.path.join(staging, RECORDS_FILE)
+    pq.write_table(pq.read_table(records_path).filter(pa.array(keep)), records_path)
+
+
+def index(sources: list[str], output: str | None, options: IndexOptions,
+          storage_options: dict | None = None) -> dict:
+    """Index the tars of ``sources`` into ``output`` (None: ``default_output``); return the
+    index. Raises IndexInputError (nothing is left behind then: no index.json)."""
+    if options.workers < 0:
+        raise IndexInputError("--workers must be at least 0")
+    if options.layout not in ("auto", "energon", *LAYOUTS):
+        raise IndexInputError(f"--layout {options.layout}: use auto, pairs, conversation or "
+                              "energon")
+    source = resolve(sources, options, storage_options)
+    if output is None:
+        output = default_output(sources)
+        _say(f"no --output: the index goes to {output}")
+    output = os.path.abspath(storage.local_path(output))
+    if not storage.is_remote(source.root) and \
+            os.path.commonpath([output, source.root]) == source.root:
+        raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
+                          "nothing is written beside the shards; choose another directory")
+    _prepare_output(output, options.overwrite)
+    staging = os.path.join(output, STAGING_DIR)
+    os.makedirs(staging)
+    try:
+        built, summary, rate = _index_into(staging, source, options, storage_options)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
+    os.rmdir(staging)
+    write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
+    see = f" (see {os.path.join(output, REPORT_FILE)})" if built["report"]["records_skipped"] \
+        else ""
+    _say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
+    _say(rate)
+    return built
+
+
+def _index_into(staging: str, source: Source, options: IndexOptions,
+                storage_options: dict | None) -> tuple[dict, str, str]:
+    """Write the dataset's files into ``staging``; return its index (not written), the summary
+    line and the throughput line."""
+    jobs = [_Job(source.root, name, source.mapping, options.check, options.max_image_pixels,
+                 storage_options) for name in source.shards]
+    report = Tally("records_read", "samples_written", "records_skipped")
+    tables = _Tables(staging)
+    shards: list[dict[str, Any]] = []
+    busy, read = 0.0, 0
+    progress = tqdm(total=len(jobs), unit="tar", desc="index", disable=not options.progress,
+                    file=sys.stderr)
+    for result in _results(jobs, options.workers):
+        progress.update()
+        tables.add(result)
+        report.keep(len(result.rows))
+        for reason, where, detail in result.skips:
+            report.skip(reason, where, detail)
+        shards.append({"name": result.name, "samples": len(result.rows),
+                       "bytes": result.walked.bytes, "sha256": result.walked.sha256})
+        busy += result.seconds
+        read += result.walked.bytes
+    progress.close()
+    tables.close()
+    _drop_duplicate_keys(staging, report)
+    if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped
+        counts = pc.value_counts(pq.read_table(os.path.join(staging, SAMPLES_FILE),
+                                               columns=["shard"]).column("shard"))
+        per = {c["values"]: c["counts"] for c in counts.to_pylist()}
+        for shard in shards:
+            shard["samples"] = per.get(shard["name"], 0)
+    write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
+    options_used = {k: v for k, v in asdict(options).items()
+                    if k not in ("progress", "workers", "overwrite", "name")}
+    built: dict[str, Any] = {
+        "format": FORMAT_NAME, "version": INDEXED_VERSION,
+        "name": options.name or storage.name_of(source.root),
+        "shard_root": source.root,
+        "shards": shards,
+        "totals": {"samples": report.kept, "shards": len(shards),
+                   "bytes": sum(s["bytes"] for s in shards)},
+        "modalities": tables.modalities,
+        "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
+                         "sha256": file_sha256(os.path.join(staging, name))}
+                  for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
+        "report": {"records_read": report.seen, "records_skipped": report.skipped_total},
+        "build": {"command": "index", "inputs": [source.root],
+                  "members": asdict(source.mapping), **options_used},
+    }
+    cache_folder = os.path.join(staging, cache.DATASET_CACHE)
+    os.mkdir(cache_folder)
+    key = sample_table.table_key(built, staging)
+    sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
+    record_table.write(os.path.join(staging, RECORDS_FILE), cache_folder, key)
+    workers = max(options.workers, 1)
+    rate = (f"{report.seen} samples, {read / 1e6:.1f} MB read in {busy:.1f} worker-seconds: "
+            f"{report.seen / busy if busy else 0:.0f} samples/s and "
+            f"{read / 1e6 / busy if busy else 0:.1f} MB/s per worker ({workers} worker(s))")
+    return built, report.summary(), rate

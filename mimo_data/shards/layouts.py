@@ -1,0 +1,213 @@
+"""How the members of an existing WebDataset sample become a mimo record: the layouts
+``mimo-shard index`` reads, and telling them apart.
+
+- ``pairs`` (img2dataset: LAION, DataComp, CC12M, COYO): ``KEY.jpg`` + ``KEY.txt`` (+ the
+  ``KEY.json`` of its download metadata) → a caption record (``kind: "caption"``).
+- ``conversation`` (LLaVA / ShareGPT exports of other frameworks): ``KEY.json`` holding
+  ``conversations`` or ``messages`` with ``<image>`` / ``<audio>`` / ``<video>`` markers, its
+  media ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png`` ..., ``KEY.wav``, ``KEY.mp4`` in marker
+  order (numbered members by number, per modality).
+- ``vqa`` (Energon's VQAWebdataset field map): a question and an answer member → a one-turn
+  conversation about the image.
+
+A member name may read a field of a JSON member (``json[caption]``, ``json[answers][0]``) and
+list alternatives (``jpg,png``: the first present), as Energon's ``field_map`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from mimo_data.modalities import MARKERS, MODALITIES
+from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
+                                      normalize_messages)
+
+LAYOUTS = ("pairs", "conversation", "vqa")
+
+# member extension -> modality (``jpeg`` too: img2dataset and others write it)
+MEDIA_EXTENSIONS = {ext: name for name, m in MODALITIES.items()
+                    for ext in (*m.extensions, *m.extensions.values())}
+_NUMBERED = re.compile(r"^(\d+)\.([^.]+)$")            # ``0.jpg``: the first of several
+_ACCESS = re.compile(r"^(?P<member>[^[\]]+)(?P<path>(?:\[[^[\]]+\])*)$")
+
+
+@dataclass(frozen=True)
+class MemberMap:
+    """Which members a layout reads (None: found by extension)."""
+    layout: str
+    media: str | None = None        # pairs / vqa: the medium member (``jpg``)
+    text: str = "txt"               # pairs: the caption; vqa: the answer
+    json: str = "json"              # pairs: metadata kept in the record's source;
+    #                                 conversation: the conversation
+    question: str = ""              # vqa: the question member
+
+    def describe(self) -> str:
+        if self.layout == "pairs":
+            return (f"caption pairs: KEY.{self.media or '<image/audio>'} + KEY.{self.text} "
+                    f"(metadata KEY.{self.json} if present)")
+        if self.layout == "vqa":
+            return (f"question-answer: KEY.{self.media or '<image>'}, question KEY."
+                    f"{self.question}, answer KEY.{self.text}")
+        return f"conversations: KEY.{self.json} with markers, media KEY.[N.]jpg/png/wav/mp4 ..."
+
+
+@dataclass
+class Synthesized:
+    """A record's fields (no ``key``, ``source`` or ``media``), its media as ``(modality,
+    member suffix)`` in marker order (their metadata still to probe), and what the sample's
+    metadata member adds to its ``source`` (img2dataset's ``url`` and ``key``)."""
+    fields: dict[str, Any]
+    media: list[tuple[str, str]]
+    source: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _text(data: bytes, what: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecordError("invalid_utf8", f"{what} is not UTF-8: {exc}") from None
+
+
+def _json(members: dict[str, bytes], name: str) -> Any:
+    try:
+        return json.loads(members[name])
+    except ValueError as exc:
+        raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
+
+
+def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | None:
+    """The member ``spec`` names (``txt``, ``json[caption]``, ``jpg,png``) as ``(member, value:
+    bytes, or the JSON value read)``; None when no alternative is present."""
+    for option in spec.split(","):
+        match = _ACCESS.match(option.strip())
+        if match is None:
+            raise RecordError("malformed_record", f"{what}: cannot read member spec {option!r}")
+        member, path = match["member"], re.findall(r"\[([^[\]]+)\]", match["path"])
+        if member not in members:
+            continue
+        if not path:
+            return member, members[member]
+        value = _json(members, member)
+        for step in path:
+            try:
+                value = value[int(step)] if isinstance(value, list) else value[step]
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise RecordError("malformed_record", f"{what}: member KEY.{member} has no "
+                                  f"{option.strip()}") from None
+        return member, value
+    return None
+
+
+def _as_text(found: tuple[str, Any], what: str, empty: str = "empty_text") -> str:
+    member, value = found
+    if isinstance(value, bytes):
+        value = _text(value, f"member KEY.{member}")
+    if isinstance(value, list) and value and isinstance(value[0], str):
+        value = value[0]                # Energon's VQA answers: the first one trains
+    if not isinstance(value, str) or not value.strip():
+        raise RecordError(empty, f"{what} (KEY.{member}) is empty or not text")
+    return value.strip()
+
+
+def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | None:
+    """``(modality, member)`` of a pair's medium: ``spec``'s member, or the one media member."""
+    if spec is not None:
+        found = field(members, spec, "the medium")
+        return None if found is None else (_modality_of(found[0]), found[0])
+    media = [name for name in members if name.rpartition(".")[2].lower() in MEDIA_EXTENSIONS]
+    if len(media) > 1:
+        raise RecordError("malformed_record", f"several media members {sorted(media)}; name "
+                          "the pair's medium with --media-member")
+    return (_modality_of(media[0]), media[0]) if media else None
+
+
+def _modality_of(member: str) -> str:
+    extension = member.rpartition(".")[2].lower()
+    if extension not in MEDIA_EXTENSIONS:
+        raise RecordError("unsupported_format", f"member KEY.{member}: the extension "
+                          f"{extension!r} is none of {sorted(MEDIA_EXTENSIONS)}")
+    return MEDIA_EXTENSIONS[extension]
+
+
+def _conversation_media(members: dict[str, bytes]) -> dict[str, list[str]]:
+    """Media members by modality, in their order: ``jpg`` alone, or ``0.jpg``, ``1.png`` ... by
+    number."""
+    found: dict[str, list[tuple[int, str]]] = {}
+    for name in members:
+        extension = name.rpartition(".")[2].lower()
+        if extension not in MEDIA_EXTENSIONS:
+            continue
+        numbered = _NUMBERED.match(name)
+        found.setdefault(MEDIA_EXTENSIONS[extension], []).append(
+            (int(numbered[1]) if numbered else -1, name))
+    return {modality: [name for _, name in sorted(items)] for modality, items in found.items()}
+
+
+def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
+    """The record of a sample's members (RecordError, with its report reason, otherwise)."""
+    if mapping.layout == "conversation":
+        if mapping.json not in members:
+            raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
+        raw = _json(members, mapping.json)
+        turns = raw.get("conversations", raw.get("messages")) if isinstance(raw, dict) else None
+        messages = normalize_messages(turns)
+        order = marker_order(messages)
+        media = _conversation_media(members)
+        check_marker_counts(order, {modality: len(names) for modality, names in media.items()})
+        seen = dict.fromkeys(MARKERS, 0)
+        ordered = []
+        for modality in order:
+            ordered.append((modality, media[modality][seen[modality]]))
+            seen[modality] += 1
+        record_id = raw.get("id")
+        return Synthesized({"id": None if record_id is None else str(record_id),
+                            "messages": messages}, ordered)
+    medium = _medium(members, mapping.media)
+    text = field(members, mapping.text, "the text")
+    if mapping.layout == "vqa":
+        question = field(members, mapping.question, "the question")
+        if medium is None or question is None or text is None:
+            raise RecordError("missing_member", "a question-answer sample needs its medium, "
+                              f"KEY.{mapping.question} and KEY.{mapping.text}")
+        marker = MARKERS[medium[0]]
+        messages = [{"role": "user",
+                     "content": f"{marker}\n{_as_text(question, 'the question')}"},
+                    {"role": "assistant", "content": _as_text(text, "the answer")}]
+        return Synthesized({"id": None, "messages": messages}, [medium])
+    if medium is None:
+        raise RecordError("missing_media", f"KEY.{text[0] if text else mapping.text} has no "
+                          "medium beside it (a caption without its image)")
+    if text is None:
+        raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
+                          "(an image without its caption)")
+    caption = _as_text(text, "the caption", "empty_caption")
+    if any(marker in caption for marker in MARKERS.values()):
+        raise RecordError("marker_mismatch", "a caption holds a media marker")
+    source: dict[str, Any] = {}
+    if mapping.json in members and mapping.json != text[0]:
+        meta = _json(members, mapping.json)
+        if isinstance(meta, dict):      # img2dataset: url, key, status, width, height ...
+            source = {k: meta[k] for k in ("url", "key") if isinstance(meta.get(k), str | int)}
+    return Synthesized({"id": None, "kind": "caption", "text": caption}, [medium], source)
+
+
+def detect(samples: list[dict[str, bytes]], json_member: str = "json") -> str | None:
+    """The layout of a tar's first samples' members: ``conversation`` when a JSON member holds
+    a conversation, ``pairs`` when a medium sits beside a ``txt``; None: neither."""
+    for members in samples:
+        if json_member in members:
+            try:
+                raw = json.loads(members[json_member])
+            except ValueError:
+                raw = None
+            if isinstance(raw, dict) and ("conversations" in raw or "messages" in raw):
+                return "conversation"
+    for members in samples:
+        if "txt" in members and any(name.rpartition(".")[2].lower() in MEDIA_EXTENSIONS
+                                    for name in members):
+            return "pairs"
+    return None

@@ -1,0 +1,121 @@
+"""Walk an existing WebDataset tar once: its samples' members with their data offsets, sizes,
+crc32 and bytes, and the whole file's size and sha256, telling a complete tar from a truncated
+one.
+
+The walk is ``tarfile``'s stream mode (``r|``) over a reader that hashes what passes: webdataset's
+tar iterators yield member bytes but not where they sit in the file, and ``TarInfo.offset_data``
+is that position. Members are grouped into samples as webdataset groups them (its
+``base_plus_ext``: the key is the path up to the first dot of the file name, the rest the
+suffix; consecutive members of one key form a sample).
+
+A truncated tar ends either inside a member's data (``tarfile`` raises) or inside or instead of
+the next header, which ``tarfile`` takes for the end without a word; the walk checks that the
+block where the next header would start is the zero block that ends every complete archive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import tarfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import IO
+
+from webdataset.tariterators import base_plus_ext
+
+_BLOCK = 512
+_WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
+
+
+@dataclass
+class Member:
+    offset: int         # of the data in the tar
+    size: int
+    crc32: int
+    data: bytes
+
+
+@dataclass
+class Sample:
+    key: str
+    members: dict[str, Member]          # by suffix (``jpg``, ``0.png``), in tar order
+
+
+@dataclass
+class Walked:
+    """What the walk found besides the samples (filled in when it ends)."""
+    bytes: int = 0
+    sha256: str = ""
+    truncated: str = ""                 # why the tar is incomplete ("" when it is complete)
+    stray: list[str] = field(default_factory=list)   # members that belong to no sample
+
+
+class _Hashing:
+    """A read-only file that hashes and counts what goes through it and keeps its last bytes."""
+
+    def __init__(self, source: IO[bytes]):
+        self._source = source
+        self._sha256 = hashlib.sha256()
+        self.size = 0
+        self._window = bytearray()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._source.read(size)
+        self._sha256.update(data)
+        self.size += len(data)
+        self._window += data
+        del self._window[:max(0, len(self._window) - _WINDOW)]
+        return data
+
+    def at(self, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset + size)`` of the file if still held (fewer at its end)."""
+        start = self.size - len(self._window)
+        if offset < start:
+            raise RuntimeError(f"tar walk: byte {offset} is no longer held (from {start})")
+        return bytes(self._window[offset - start:offset - start + size])
+
+    def drain(self) -> str:
+        """Read to the end; the file's sha256."""
+        while self.read(1 << 20):
+            pass
+        return self._sha256.hexdigest()
+
+
+def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
+    """The complete samples of the tar read from ``source``; ``walked`` gets the file's size,
+    sha256, why it is truncated (then the sample being read when it ended is not yielded) and
+    members outside any sample (no suffix)."""
+    stream = _Hashing(source)
+    current: Sample | None = None
+    try:
+        with tarfile.open(fileobj=stream, mode="r|") as tar:   # type: ignore[call-overload]
+            for info in tar:
+                if not info.isfile():
+                    continue
+                key, suffix = base_plus_ext(info.name)
+                if key is None or suffix is None:
+                    walked.stray.append(info.name)
+                    continue
+                if current is not None and current.key != key:
+                    yield current                          # complete: the next one begins
+                    current = None
+                member = tar.extractfile(info)
+                assert member is not None                  # a regular file
+                data = member.read()
+                if len(data) != info.size:
+                    raise tarfile.ReadError(f"unexpected end of data in {info.name}")
+                if current is None:
+                    current = Sample(key, {})
+                current.members[suffix] = Member(info.offset_data, info.size, zlib.crc32(data),
+                                                 data)
+            end = tar.offset
+        if stream.at(end, _BLOCK) != bytes(_BLOCK):
+            walked.truncated = (f"the tar ends at byte {stream.size} without its end-of-archive "
+                                f"block (a header cut short or damaged at byte {end})")
+    except tarfile.ReadError as exc:
+        walked.truncated = f"the tar ends inside a member ({exc})"
+    walked.sha256 = stream.drain()
+    walked.bytes = stream.size
+    if current is not None and not walked.truncated:
+        yield current

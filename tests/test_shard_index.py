@@ -1,0 +1,395 @@
+"""``mimo-shard index``: existing WebDataset and Energon tars indexed where they are.
+
+The tars are written by webdataset's own ``ShardWriter`` with real corpus photos, in
+img2dataset's layout (``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``) and in a conversation layout
+(``KEY.json`` with a conversation, ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png``); an Energon
+folder is made by energon's own ``prepare``. Asserted:
+
+- every kept sample's record (caption pair or conversation, media in marker order) and every
+  member's bytes as the reader returns them equal the tar's own (read with ``tarfile``);
+- a corrupt image, an image without its caption and a caption without its image are counted
+  by reason and left out; a truncated tar keeps the samples it holds completely;
+- nothing is written beside the tars (a read-only folder); without ``--output`` the index goes
+  to the cache and the command says where; an interrupted run leaves no ``index.json``;
+- the files are byte-identical whatever ``--workers``, and the same from the tars in a bucket;
+- training on the conversations indexed in place gives the losses of the same conversations
+  built by ``mimo-shard build`` (within 1e-6).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import webdataset
+
+from conftest import chat, cli_main, scratch, write_jsonl
+from support.runs import train, train_records
+
+PER_TAR = 4
+FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
+BUCKET = "mimo-test-shard-index"          # moto's buckets are process-wide: a name of its own
+DATASET_FILES = ("index.json", "samples.parquet", "records.parquet", "report.json")
+
+
+@dataclass
+class Pairs:
+    src: Path                              # the img2dataset-style tars (read-only)
+    out: Path                              # their index
+    stderr: str
+    captions: dict[str, str]               # key -> caption of every good sample
+    members: dict[str, dict[str, bytes]]   # key -> its members, as the tars hold them
+    listing: dict[str, tuple[int, int]]    # src files -> (size, mtime_ns) before indexing
+
+
+def _extension(name: str) -> str:
+    return "jpg" if name.endswith(".jpg") else name.rsplit(".", 1)[1]
+
+
+def _tar_members(path: Path) -> dict[str, dict[str, bytes]]:
+    """``{key: {suffix: bytes}}`` of a complete tar, read with ``tarfile`` (not mimo)."""
+    found: dict[str, dict[str, bytes]] = {}
+    with tarfile.open(path) as tar:
+        for info in tar:
+            key, _, suffix = info.name.partition(".")
+            member = tar.extractfile(info)
+            assert member is not None
+            found.setdefault(key, {})[suffix] = member.read()
+    return found
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*"))}
+
+
+def _read_only(folder: Path) -> None:
+    for path in [*folder.rglob("*"), folder]:
+        path.chmod(stat.S_IRUSR | stat.S_IRGRP | stat.S_IROTH |
+                   (stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH if path.is_dir() else 0))
+
+
+def _writable(folder: Path) -> None:
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _pair_tars(src: Path, photos: list[tuple]) -> tuple[dict[str, str], list[str]]:
+    """img2dataset's layout: 10 good pairs, a corrupt image, an image without its caption and a
+    caption without its image in tars of PER_TAR; then a tar of 3 pairs cut inside the third
+    one's image. Returns the good samples' captions and the bad samples' keys."""
+    captions = {}
+    with webdataset.ShardWriter(str(src / "pairs-%06d.tar"), maxcount=PER_TAR,
+                                verbose=0) as writer:
+        for number, (name, data, _, _) in enumerate(photos[:13]):
+            key = f"{number:09d}"
+            caption = f"A photo of {name.rsplit('.', 1)[0].replace('_', ' ')}."
+            meta = {"url": f"https://example.com/{name}", "key": key, "status": "success"}
+            sample = {"__key__": key, _extension(name): data, "txt": caption, "json": meta}
+            if number == 10:
+                sample[_extension(name)] = data[:len(data) // 3]        # corrupt image
+            elif number == 11:
+                del sample["txt"]                                       # no caption
+            elif number == 12:
+                del sample[_extension(name)]                            # no image
+            else:
+                captions[key] = caption
+            writer.write(sample)
+    cut = src / "pairs-000004.tar"
+    with webdataset.TarWriter(str(cut)) as writer:
+        for number, (name, data, _, _) in enumerate(photos[13:16], start=13):
+            writer.write({"__key__": f"{number:09d}", _extension(name): data,
+                          "txt": f"Photo {number}."})
+    whole = cut.read_bytes()
+    last_image = whole.index(photos[15][1][:4096])
+    cut.write_bytes(whole[:last_image + 1000])                          # a truncated tar
+    captions.update({f"{n:09d}": f"Photo {n}." for n in (13, 14)})
+    return captions, [f"{n:09d}" for n in (10, 11, 12, 15)]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory, corpus_photos) -> Pairs:
+    from mimo_data.shards.in_place import IndexOptions, index
+    root = tmp_path_factory.mktemp("index-pairs")
+    src = root / "laion"
+    src.mkdir()
+    captions, _ = _pair_tars(src, corpus_photos)
+    members: dict[str, dict[str, bytes]] = {}
+    for path in sorted(src.glob("pairs-00000[0-3].tar")):
+        members.update(_tar_members(path))
+    listing = _listing(src)
+    _read_only(src)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        index([str(src)], str(root / "index"), IndexOptions(workers=0, progress=False))
+    yield Pairs(src, root / "index", err.getvalue(), captions, members, listing)
+    _writable(src)
+
+
+def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_photos):
+    from mimo_data.shards.reader import ShardReader
+
+    assert "layout pairs (detected" in pairs.stderr
+    report = json.loads((pairs.out / "report.json").read_text())
+    by_reason = {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()}
+    assert by_reason == {"corrupt_image": 1, "missing_text": 1, "missing_media": 1,
+                         "truncated_tar": 1}
+    first = {reason: entry["first"][0]["location"]
+             for reason, entry in report["skipped_by_reason"].items()}
+    assert first == {"corrupt_image": "pairs-000002.tar:000000010",
+                     "missing_text": "pairs-000002.tar:000000011",
+                     "missing_media": "pairs-000003.tar:000000012",
+                     "truncated_tar": "pairs-000004.tar"}
+    assert (report["records_read"], report["samples_written"]) == (16, 12)
+    index = json.loads((pairs.out / "index.json").read_text())
+    assert (index["version"], index["shard_root"]) == (2, str(pairs.src))
+    assert [(s["name"], s["samples"]) for s in index["shards"]] == [
+        ("pairs-000000.tar", 4), ("pairs-000001.tar", 4), ("pairs-000002.tar", 2),
+        ("pairs-000003.tar", 0), ("pairs-000004.tar", 2)]
+    assert [s["bytes"] for s in index["shards"]] == [
+        (pairs.src / s["name"]).stat().st_size for s in index["shards"]]
+    sizes = {f"{n:09d}": meta for n, (_, _, meta, _) in enumerate(corpus_photos)}
+    reader = ShardReader(str(pairs.out))
+    records = [reader.record(position) for position in range(len(reader))]
+    assert {r["key"]: r["text"] for r in records} == pairs.captions
+    for record in records:
+        assert record["kind"] == "caption" and "messages" not in record
+        [item] = record["media"]
+        assert (item["width"], item["height"]) == (sizes[record["key"]]["width"],
+                                                   sizes[record["key"]]["height"])
+        assert record["source"]["file"].startswith("pairs-")
+        if record["source"]["file"] != "pairs-000004.tar":
+            assert record["source"]["url"].startswith("https://example.com/")
+
+
+def test_the_reader_returns_the_tars_bytes(pairs):
+    from mimo_data.shards.reader import ShardReader
+
+    reader = ShardReader(str(pairs.out))
+    checked = 0
+    for position in range(len(reader)):
+        key = reader.table.key(position)
+        if key not in pairs.members:        # the truncated tar: tarfile cannot list it
+            continue
+        for suffix, data in pairs.members[key].items():
+            assert reader.read_member(position, suffix) == data, (key, suffix)
+            checked += 1
+        record = reader.record(position)
+        assert reader.media(position, record) == {
+            item["member"]: pairs.members[key][item["member"]] for item in record["media"]}
+    assert checked == 10 * 3
+
+
+def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch):
+    """The source folder is read-only: its files are the same after two indexings (the second
+    without --output: into the cache, which the command names)."""
+    assert _listing(pairs.src) == pairs.listing
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path / "cache"))
+    code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
+    assert code == 0, err
+    where = err.split("no --output: the index goes to ")[1].split("\n")[0]
+    assert Path(where).parent == tmp_path / "cache" / "indexes"
+    assert (Path(where) / "index.json").is_file()
+    assert _listing(pairs.src) == pairs.listing
+    code, _, err = cli_main(capsys, "index", pairs.src, "--output", pairs.src / "idx")
+    assert code == 2 and "nothing is written beside the shards" in err
+
+
+@pytest.mark.filterwarnings(FORK_WARNING)
+def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):
+    code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "w2",
+                            "--workers", "2", "--no-progress")
+    assert code == 0, err
+    assert "samples/s" in err and "per worker (2 worker(s))" in err
+    for name in DATASET_FILES:
+        assert (tmp_path / "w2" / name).read_bytes() == (pairs.out / name).read_bytes(), name
+    tables = sorted(p.name for p in (pairs.out / ".mimo-cache").iterdir())
+    assert [n.split("-")[0] for n in tables] == ["records", "samples"]
+    for name in tables:
+        assert (tmp_path / "w2" / ".mimo-cache" / name).read_bytes() == \
+            (pairs.out / ".mimo-cache" / name).read_bytes(), name
+
+
+def test_an_interrupted_run_leaves_no_index(pairs, tmp_path, monkeypatch):
+    from mimo_data.shards import in_place
+
+    real, calls = in_place.index_shard, []
+
+    def interrupted(job):
+        calls.append(job.name)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(job)
+    monkeypatch.setattr(in_place, "index_shard", interrupted)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        in_place.index([str(pairs.src)], str(out),
+                       in_place.IndexOptions(workers=0, progress=False))
+    assert os.listdir(out) == []
+    monkeypatch.setattr(in_place, "index_shard", real)
+    in_place.index([str(pairs.src)], str(out), in_place.IndexOptions(workers=0, progress=False))
+    assert (out / "index.json").read_bytes() == (pairs.out / "index.json").read_bytes()
+
+
+def test_readers_refuse_an_index_they_cannot_place(pairs):
+    from mimo_data.shards.index import DatasetError, parse_index
+
+    index = json.loads((pairs.out / "index.json").read_text())
+    with pytest.raises(DatasetError, match="without its shard_root"):
+        parse_index("x", json.dumps({**index, "shard_root": None}).encode())
+    with pytest.raises(DatasetError, match="version 3; this mimo reads 'mimo-shards' "
+                                           "versions 1, 2"):
+        parse_index("x", json.dumps({**index, "version": 3}).encode())
+
+
+def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeypatch):
+    import fsspec
+
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+    local_s3.make_bucket(BUCKET)
+    fs = fsspec.filesystem("s3", **local_s3.storage_options)
+    for path in sorted(pairs.src.glob("*.tar")):
+        fs.pipe_file(f"{BUCKET}/laion/{path.name}", path.read_bytes())
+    url = f"s3://{BUCKET}/laion"
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path / "cache"))
+    index([url], str(tmp_path / "idx"), IndexOptions(workers=0, progress=False),
+          local_s3.storage_options)
+    for name in ("samples.parquet", "records.parquet", "report.json"):
+        assert (tmp_path / "idx" / name).read_bytes() == (pairs.out / name).read_bytes()
+    assert json.loads((tmp_path / "idx" / "index.json").read_text())["shard_root"] == url
+    shutil.rmtree(tmp_path / "idx" / ".mimo-cache")     # derived again by the reader
+    reader = ShardReader(str(tmp_path / "idx"), storage_options=local_s3.storage_options)
+    reader.prefetch(range(len(reader)))
+    for position in range(4):
+        key = reader.table.key(position)
+        record = reader.record(position)
+        assert reader.media(position, record) == {
+            item["member"]: pairs.members[key][item["member"]] for item in record["media"]}
+    reader.close()
+
+
+def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
+    """``energon prepare`` (its own CLI, in process) on two of the good tars with a
+    CaptioningSample field map reading the caption from the JSON member."""
+    from megatron.energon.tools.prepare import command
+
+    folder = tmp_path / "energon"
+    folder.mkdir()
+    for name in ("pairs-000000.tar", "pairs-000001.tar"):
+        members = _tar_members(pairs.src / name)
+        with webdataset.TarWriter(str(folder / name)) as writer:
+            for key, sample in members.items():
+                meta = {**json.loads(sample["json"]), "caption": sample["txt"].decode()}
+                writer.write({"__key__": key, "jpg": sample["jpg"], "json": meta}
+                             if "jpg" in sample else
+                             {"__key__": key, "png": sample["png"], "json": meta})
+    command.main(args=[str(folder), "--non-interactive", "--split-ratio", "1,0,0",
+                       "--sample-type", "CaptioningSample", "--num-workers", "1",
+                       "--field-map", '{"image": "jpg,png", "caption": "json[caption]"}'],
+                 standalone_mode=False)
+    assert (folder / ".nv-meta" / "split.yaml").is_file()
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 0, err
+    assert "layout energon" in err
+    from mimo_data.shards.reader import ShardReader
+    reader = ShardReader(str(tmp_path / "idx"))
+    records = [reader.record(p) for p in range(len(reader))]
+    assert {r["key"]: r["text"] for r in records} == {
+        key: text for key, text in pairs.captions.items() if int(key) < 8}
+    assert all(r["kind"] == "caption" for r in records)
+
+
+# ------------------------------------------------------------------------- conversations
+
+def _conversations(photos: list[tuple], folder: Path) -> tuple[list[dict], list[dict]]:
+    """12 conversations (every third about two images) as ``mimo-shard build`` input records
+    and as ShardWriter samples (``KEY.json`` + ``KEY.jpg``, or ``KEY.0.jpg`` + ``KEY.1.png``)."""
+    jsonl, samples = [], []
+    images = folder / "images"
+    images.mkdir()
+    for number in range(12):
+        chosen = [photos[number]] + ([photos[(number + 5) % len(photos)]] if number % 3 == 2
+                                     else [])
+        paths = []
+        for name, data, _, _ in chosen:
+            (images / name).write_bytes(data)
+            paths.append(str(images / name))
+        question = ("<image>" * len(chosen)) + f"\nWhat is in picture {number}?"
+        turns = chat(question, f"Picture {number} shows {chosen[0][0].split('.')[0]}.")
+        jsonl.append({"id": f"c{number}", "images": paths, "conversations": turns})
+        sample = {"__key__": f"c{number:04d}", "json": {"id": f"c{number}",
+                                                        "conversations": turns}}
+        if len(chosen) == 1:
+            sample[_extension(chosen[0][0])] = chosen[0][1]
+        else:
+            for item, (name, data, _, _) in enumerate(chosen):
+                sample[f"{item}.{_extension(name)}"] = data
+        samples.append(sample)
+    return jsonl, samples
+
+
+@pytest.fixture(scope="module")
+def conversations(tmp_path_factory, corpus_photos):
+    from mimo_data.shards.build import BuildOptions, build
+    from mimo_data.shards.in_place import IndexOptions, index
+    with scratch(tmp_path_factory, "index-conversations") as root:
+        jsonl, samples = _conversations(corpus_photos, root)
+        (root / "tars").mkdir()
+        with webdataset.ShardWriter(str(root / "tars" / "chat-%06d.tar"), maxcount=PER_TAR,
+                                    verbose=0) as writer:
+            for sample in samples:
+                writer.write(sample)
+        build([str(write_jsonl(root / "chat.jsonl", jsonl))], str(root / "built"),
+              BuildOptions(max_samples_per_shard=PER_TAR, workers=0, progress=False))
+        index([str(root / "tars" / "chat-{000000..000002}.tar")], str(root / "indexed"),
+              IndexOptions(workers=0, progress=False))
+        yield root, samples
+
+
+def test_conversations_keep_their_messages_and_media_order(conversations):
+    from mimo_data.shards.reader import ShardReader
+
+    root, samples = conversations
+    built, indexed = ShardReader(str(root / "built")), ShardReader(str(root / "indexed"))
+    assert len(built) == len(indexed) == 12
+    for position, sample in enumerate(samples):
+        ours, theirs = indexed.record(position), built.record(position)
+        assert ours["key"] == sample["__key__"] and ours["id"] == sample["json"]["id"]
+        assert ours["messages"] == theirs["messages"]
+        media = [m for m in sample if m not in ("__key__", "json")]
+        assert [item["member"] for item in ours["media"]] == media     # 0.jpg before 1.png
+        assert [indexed.read_member(position, item["member"]) for item in ours["media"]] == \
+            [built.read_member(position, item["member"]) for item in theirs["media"]]
+        for item, other in zip(ours["media"], theirs["media"]):
+            assert {k: v for k, v in item.items() if k not in ("member", "path")} == \
+                {k: v for k, v in other.items() if k not in ("member", "path")}
+
+
+def test_training_on_the_index_equals_training_on_the_build(ranks, conversations):
+    """Non-colocated (the tower's rank reads media by offset, the language rank records
+    only): the same per-step losses from both datasets."""
+    root, _ = conversations
+    losses = {}
+    for name in ("built", "indexed"):
+        records = train(ranks, root, name, "images_language_noncolocated.yaml",
+                        f"data.datasets=[{root / name}]",
+                        "layout=image=dp1;language=dp1", "train.steps=3",
+                        "train.global_batch_size=4", "train.micro_batch_size=2",
+                        f"checkpoint.dir={root / name}-ckpt", "checkpoint.interval=100",
+                        nproc=2)
+        losses[name] = [(r["step"], r["tokens"], r["loss"]) for r in train_records(records)]
+    assert [step for step, _, _ in losses["indexed"]] == [1, 2, 3]
+    for (_, tokens, loss), (_, built_tokens, built_loss) in zip(losses["indexed"],
+                                                                losses["built"]):
+        assert tokens == built_tokens > 0
+        assert abs(loss - built_loss) <= 1e-6, losses
