@@ -255,6 +255,9 @@ class SampleInspector:
         for piece in pieces:
             starts.append(starts[-1] + len(piece))
         text, cursor = "".join(pieces), 0
+        # the first token is no one's target: a document's first word is never trained
+        first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
+                    ) if kinds and kinds[0] != 2 else 0
         for turn, message in enumerate(messages):
             role = message.get("role")
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
@@ -277,7 +280,8 @@ class SampleInspector:
                 if starts[k] >= b:
                     break
                 if kinds[k] == wrong:
-                    count += _visible(text[max(a, starts[k]):min(b, starts[k + 1])])
+                    count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
+                                           min(b, starts[k + 1])])
             if count:
                 if role == "assistant":
                     stats.assistant_chars_not_trained += count

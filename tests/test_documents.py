@@ -1,0 +1,323 @@
+"""Caption pairs and interleaved documents: built from JSONL and Parquet (OBELICS columns),
+bad ones counted, preprocessed against references built here by hand from the tokenizer (and
+Qwen2-VL's own processor), token counts from metadata equal to full preprocessing's, M-RoPE
+against transformers, and what ``mimo-inspect report`` says of them. All in process."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from transformers import AutoProcessor, AutoTokenizer
+
+from mimo_data.errors import ConfigError
+from mimo_data.inspect.checks import Thresholds
+from mimo_data.inspect.report import build_report, format_report
+from mimo_data.inspect.stats import SampleInspector
+from mimo_data.loading import token_table
+from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.preprocess.collate import Collator
+from mimo_data.preprocess.config import CaptionConfig, DocumentConfig, PreprocessConfig
+from mimo_data.preprocess.preprocessor import Preprocessor, media_item, preprocess_dataset
+from mimo_data.shards.reader import ShardReader
+from mimo_data.tally import Tally
+
+from conftest import REPO, build_dataset, model_dir, read_json, sample_records, write_jsonl
+
+SMOLLM2 = str(REPO / "assets" / "tokenizer" / "smollm2")
+IGNORE = -100
+
+
+def _smol(**changes) -> PreprocessConfig:
+    return dataclasses.replace(PreprocessConfig.from_yaml(str(REPO / "configs" /
+                                                              "preprocess.yaml")), **changes)
+
+
+# The caption prompt of the chat-format tests (the default's marker first; this one's not).
+PROMPT = "Look: <image>\nWhat is it?"
+
+
+@pytest.fixture(scope="module")
+def encoders() -> dict[str, TextEncoder]:
+    """The SmolLM2 text encoders of captions in plain and in chat format, shared (building
+    one analyses the tokenizer and template: seconds)."""
+    return {"plain": TextEncoder(_smol()),
+            "chat": TextEncoder(_smol(captions=CaptionConfig("chat", {"image": PROMPT})))}
+
+
+def _preprocessor(encoders, encoder: str = "plain", with_media=False, **changes
+                  ) -> Preprocessor:
+    text = encoders[encoder]
+    return Preprocessor(dataclasses.replace(text.config, **changes), with_media=with_media,
+                        text=text)
+
+
+def _image(width: int, height: int, index: int = 0) -> dict:
+    """An image item's metadata as the shards hold it (the bytes are not read here)."""
+    return {"modality": "image", "member": f"img{index}.jpg", "format": "jpeg", "bytes": 1,
+            "width": width, "height": height, "mode": "RGB", "orientation": 1}
+
+
+# The sample corpus's config: dynamic images, patch 14 merged 2x2, min 3136 / max 200704
+# pixels. 56x112 is 4x8 patches, 2x4 merged: 8 tokens; 56x56: 4 tokens.
+DOCUMENT = {"key": "d", "id": None, "source": {}, "kind": "document",
+            "text": "An essay on cats.\n<image>\nThe cat sleeps.\n<image>\nThe end.",
+            "media": [_image(56, 112, 0), _image(56, 56, 1)]}
+CAPTION = {"key": "c", "id": None, "source": {}, "kind": "caption", "text": "A red car.",
+           "media": [_image(56, 56)]}
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    tokenizer = AutoTokenizer.from_pretrained(SMOLLM2)
+    # the config's modality tokens, which SmolLM2 lacks, added as the preprocessing adds them
+    tokenizer.add_tokens(["<|image_pad|>", "<|audio_pad|>"], special_tokens=True)
+    # the references below assume no BOS is added to a text (SmolLM2's tokenizer adds none)
+    assert tokenizer("a")["input_ids"] == tokenizer("a", add_special_tokens=False)["input_ids"]
+    return tokenizer
+
+
+def _pieces(tokenizer, *pieces) -> list[int]:
+    """Token ids of text pieces (str) and token runs (list of ids), each text tokenized alone:
+    the markers are atomic tokens, which split the text as any added token does."""
+    ids: list[int] = []
+    for piece in pieces:
+        ids += piece if isinstance(piece, list) else tokenizer(
+            piece, add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def _check(sample, ids: list[int], trained_targets: list[bool]) -> None:
+    """``sample`` is the sequence ``ids`` whose target k (ids[k + 1]) is trained when
+    ``trained_targets[k]``."""
+    assert sample.input_ids.tolist() == ids[:-1]
+    labels = [t if on else IGNORE for t, on in zip(ids[1:], trained_targets)]
+    assert sample.labels.tolist() == labels
+    assert sample.loss_mask.tolist() == [float(on) for on in trained_targets]
+
+
+def test_a_document_trains_its_text_and_eos_around_its_images(smol_tokenizer, encoders):
+    tok = smol_tokenizer
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = _pieces(tok, "An essay on cats.\n", [pad] * 8, "\nThe cat sleeps.\n", [pad] * 4,
+                  "\nThe end.", [tok.eos_token_id])
+    sample = _preprocessor(encoders)(DOCUMENT)
+    _check(sample, ids, [t != pad for t in ids[1:]])
+    assert sample.token_counts["image"] == [8, 4]
+    assert int(sample.loss_mask.sum()) == len(ids) - 1 - 12
+
+
+def test_a_plain_caption_trains_the_caption_and_eos_after_its_image(smol_tokenizer, encoders):
+    tok = smol_tokenizer
+    pad = tok.convert_tokens_to_ids("<|image_pad|>")
+    ids = _pieces(tok, [pad] * 4, "A red car.", [tok.eos_token_id])
+    sample = _preprocessor(encoders)(CAPTION)
+    _check(sample, ids, [False] * 3 + [True] * (len(ids) - 4))
+
+
+def test_a_chat_caption_is_its_prompt_and_the_caption_through_the_template(smol_tokenizer,
+                                                                           encoders):
+    tok = smol_tokenizer
+    sample = _preprocessor(encoders, "chat")(CAPTION)
+    user = {"role": "user", "content": "Look: " + "<|image_pad|>" * 4 + "\nWhat is it?"}
+    answer = {"role": "assistant", "content": "A red car."}
+    ids = _pieces(tok, tok.apply_chat_template([user, answer], tokenize=False))
+    prompt = _pieces(tok, tok.apply_chat_template([user], tokenize=False,
+                                                  add_generation_prompt=True))
+    assert ids[:len(prompt)] == prompt
+    answer_ids = _pieces(tok, "A red car.", [tok.convert_tokens_to_ids("<|im_end|>")])
+    assert ids[len(prompt):len(prompt) + len(answer_ids)] == answer_ids
+    trained = [len(prompt) <= k + 1 < len(prompt) + len(answer_ids) for k in range(len(ids) - 1)]
+    _check(sample, ids, trained)
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    """The tiny Qwen2-VL's preprocessing (its text encoder), its processor and a transformers
+    Qwen2-VL model whose get_rope_index is the positions' reference."""
+    from transformers import Qwen2VLConfig, Qwen2VLModel
+
+    from mimo_train.families.registry import preprocessing_for
+    path = model_dir("tiny-qwen2-vl")
+    model = Qwen2VLModel(Qwen2VLConfig(
+        text_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=32, vocab_size=64),
+        vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=16,
+                           spatial_merge_size=2)))
+    text = TextEncoder(PreprocessConfig.from_dict(preprocessing_for(str(path))))
+    return text, AutoProcessor.from_pretrained(path), model
+
+
+@pytest.mark.parametrize("train_wraps", [False, True])
+def test_a_qwen2_vl_document_is_the_processors_tokens_and_its_mrope_positions(
+        qwen, corpus, train_wraps):
+    text, processor, model = qwen
+    preprocessor = Preprocessor(dataclasses.replace(text.config,
+                                                    documents=DocumentConfig(train_wraps)),
+                                text=text)
+    tok = processor.tokenizer
+    photos = [(corpus / "images" / name).read_bytes() for name in ("chelsea.jpg", "page.png")]
+    items = [media_item("image", data, i) for i, data in enumerate(photos)]
+    record = {"key": "q", "id": None, "source": {}, "kind": "document", "media": items,
+              "text": "Cats.\n<image>\nA page:\n<image>\nDone."}
+    media = {item["member"]: data for item, data in zip(items, photos)}
+    sample = preprocessor(record, media)
+    # the reference: Qwen2-VL's processor expands each image in its own text form
+    from PIL import Image
+    import io
+    vision = "<|vision_start|><|image_pad|><|vision_end|>"
+    expected = processor(text=[f"Cats.\n{vision}\nA page:\n{vision}\nDone.{tok.eos_token}"],
+                         images=[Image.open(io.BytesIO(data)).convert("RGB")
+                                 for data in photos], return_tensors="pt")
+    ids = expected["input_ids"][0].tolist()
+    pad, start, end = (tok.convert_tokens_to_ids(t) for t in
+                       ("<|image_pad|>", "<|vision_start|>", "<|vision_end|>"))
+    untrained = {pad} if train_wraps else {pad, start, end}
+    _check(sample, ids, [t not in untrained for t in ids[1:]])
+    grids = expected["image_grid_thw"]
+    assert sample.token_counts["image"] == (grids.prod(-1) // 4).tolist()
+    # positions: transformers' get_rope_index on the same tokens and grids
+    input_ids = sample.input_ids[None]
+    positions, _ = model.get_rope_index(input_ids, mm_token_type_ids=(input_ids == pad).int(),
+                                        image_grid_thw=grids,
+                                        attention_mask=torch.ones_like(input_ids))
+    assert torch.equal(sample.position_ids, positions[:, 0])
+    batch, _ = Collator(preprocessor)([sample, sample])
+    assert torch.equal(batch["position_ids"][:, 1, :input_ids.size(1)], positions[:, 0])
+
+
+def test_token_counts_from_metadata_equal_full_preprocessing(corpus, encoders):
+    photos = [(corpus / "images" / name).read_bytes() for name in ("astronaut.jpg", "logo.png")]
+    items = [media_item("image", data, i) for i, data in enumerate(photos)]
+    media = {item["member"]: data for item, data in zip(items, photos)}
+    records = [{**DOCUMENT, "media": items}, {**CAPTION, "media": items[1:]}]
+    for captions in ("plain", "chat"):
+        full = _preprocessor(encoders, captions, with_media=True)
+        metadata = _preprocessor(encoders, captions)
+        for record in records:
+            media_of = {item["member"]: media[item["member"]] for item in record["media"]}
+            a, b = full(record, media_of), metadata(record)
+            assert a.token_counts == b.token_counts and sum(a.token_counts["image"]) > 8
+            assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
+            rows = a.encoder_inputs["image"]["image_grid_thw"].prod(-1) // 4
+            assert rows.tolist() == a.token_counts["image"]
+
+
+def test_a_document_longer_than_seq_length_is_dropped_and_counted(encoders):
+    for policy in ("drop", "truncate_turns"):
+        preprocessor = _preprocessor(encoders, seq_length=20, length_policy=policy)
+        [dropped] = preprocessor.text_batch([DOCUMENT])
+        assert dropped.reason == "too_long" and "a document is never cut" in dropped.detail
+
+
+def test_the_caption_and_document_settings_are_checked():
+    with pytest.raises(ConfigError, match="captions.format is 'conversation'"):
+        _smol(captions=CaptionConfig("conversation"))
+    with pytest.raises(ConfigError, match="captions.prompts.image .* marker <image> once"):
+        PreprocessConfig.from_dict({"tokenizer": SMOLLM2,
+                                    "captions": {"prompts": {"image": "Describe it."}}})
+    with pytest.raises(ConfigError, match="no modality has wrap tokens"):
+        _smol(documents=DocumentConfig(True))
+    config = PreprocessConfig.from_dict({"tokenizer": SMOLLM2, "captions": {"format": "chat"}})
+    assert config.captions.prompts["audio"] == "<audio>\nTranscribe the audio."
+    assert PreprocessConfig.from_dict(config.to_dict()) == config
+
+
+# ------------------------------------------------------------------- mimo-shard build
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, corpus):
+    """Documents and captions from JSONL and an OBELICS-shaped Parquet (images as paths and as
+    HF {bytes, path} structs), with bad records of each kind, built in process."""
+    root = tmp_path_factory.mktemp("documents")
+    for name in ("chelsea.jpg", "astronaut.jpg"):
+        shutil.copy(corpus / "images" / name, root / name)
+    write_jsonl(root / "mixed.jsonl", [
+        {"texts": ["A cat:", None, "It sleeps."], "images": [None, "chelsea.jpg", None]},
+        {"image": "astronaut.jpg", "caption": "An astronaut."},
+        {"texts": [None, None], "images": ["chelsea.jpg", "astronaut.jpg"]},     # no text
+        {"texts": ["  "], "images": [None]},                                      # whitespace
+        {"texts": ["a", None], "images": [None]},                                 # not parallel
+        {"texts": ["a", "b"], "images": [None, "chelsea.jpg"]},                   # both at 1
+        {"texts": ["see <image>", None], "images": [None, "chelsea.jpg"]},        # typed marker
+        {"texts": ["fine", None], "images": [None, "absent.jpg"]},                # no such file
+        {"caption": "", "image": "chelsea.jpg"},                                  # empty caption
+        {"caption": "Two.", "images": ["chelsea.jpg", "astronaut.jpg"]},          # two items
+        b'{"texts": ["\\ud800"], "images": [null]}',                              # lone surrogate
+    ])
+    chelsea = (corpus / "images" / "chelsea.jpg").read_bytes()
+    image = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({
+        "images": pa.array([[None, {"bytes": chelsea, "path": "c.jpg"}, None],
+                            [None, {"bytes": None, "path": "astronaut.jpg"}]],
+                           pa.list_(image)),
+        "texts": pa.array([["Intro.", None, "Outro."], ["Only text then", None]]),
+        "metadata": pa.array(["{}", "{}"]),
+    }), root / "obelics.parquet")
+    out = root / "dataset"
+    build_dataset([root / "mixed.jsonl", root / "obelics.parquet"], out)
+    return out
+
+
+def test_build_writes_documents_and_captions_and_counts_the_bad_ones(built):
+    records = sample_records(built)
+    assert [(r.get("kind"), r["text"]) for r in records] == [
+        ("document", "A cat:\n<image>\nIt sleeps."), ("caption", "An astronaut."),
+        ("document", "Intro.\n<image>\nOutro."), ("document", "Only text then\n<image>")]
+    assert all("messages" not in r for r in records)
+    assert [[m["path"] for m in r["media"]] for r in records] == [
+        ["chelsea.jpg"], ["astronaut.jpg"], ["c.jpg"], ["astronaut.jpg"]]
+    report = read_json(built / "report.json")
+    assert report["records_read"] == 13 and report["samples_written"] == 4
+    assert {reason: data["count"] for reason, data in report["skipped_by_reason"].items()} == {
+        "empty_document": 2, "malformed_record": 3, "marker_mismatch": 1, "missing_media": 1,
+        "empty_caption": 1, "invalid_utf8": 1}
+    assert report["skipped_by_reason"]["invalid_utf8"]["first"][0]["location"].endswith(
+        "mixed.jsonl:11")
+
+
+def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
+    config = encoders["plain"].config
+    reader = ShardReader(str(built))
+    tally = Tally()
+    full = list(preprocess_dataset(reader, _preprocessor(encoders, with_media=True), tally))
+    assert tally.kept == 4
+    table = token_table.TokenTable(token_table.compute(reader, _preprocessor(encoders)),
+                                   list(config.modalities))
+    assert table.tokens.tolist() == [len(s.input_ids) for s in full]
+    assert table.trained.tolist() == [int(s.loss_mask.sum()) for s in full]
+    assert [table.item_tokens["image"][1].tolist()] == [
+        [n for s in full for n in s.token_counts["image"]]]
+    inspector = SampleInspector(config, text=encoders["plain"])
+    report = build_report(str(built), inspector, Thresholds(), progress=False, reuse=False)
+    assert report["kinds"] == {
+        "caption": {"trains_as": "caption (plain)", "samples": 1, "kept": 1},
+        "document": {"trains_as": "document", "samples": 3, "kept": 3}}
+    assert report["passed"], format_report(report)
+    assert "kinds       caption 1 (1 kept) as caption (plain), document 3 (3 kept)" in \
+        format_report(report)
+    again = build_report(str(built), inspector, Thresholds(), progress=False)
+    assert again["tables"]["reused"] and again["kinds"] == report["kinds"]
+
+
+def test_the_token_table_key_follows_how_captions_and_documents_train(built, encoders):
+    reader = ShardReader(str(built))
+    keys = {token_table.table_key(reader, _preprocessor(encoders, captions))
+            for captions in ("plain", "chat")}
+    keys.add(token_table.table_key(reader, _preprocessor(
+        encoders, "chat", captions=CaptionConfig("chat", {"image": "<image> Caption?"}))))
+    assert len(keys) == 3
+
+
+def test_a_record_of_an_unknown_kind_is_a_counted_drop(encoders):
+    [dropped] = _preprocessor(encoders).text_batch([{**DOCUMENT, "kind": "x"}])
+    assert dropped.reason == "malformed_record" and "kind is 'x'" in dropped.detail
+    caption = {**CAPTION, "media": CAPTION["media"] * 2}
+    [dropped] = _preprocessor(encoders).text_batch([caption])
+    assert dropped.reason == "malformed_record" and "exactly one media item" in dropped.detail
+
