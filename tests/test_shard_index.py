@@ -85,7 +85,7 @@ def _writable(folder: Path) -> None:
 def _pair_tars(src: Path, photos: list[tuple]) -> tuple[dict[str, str], list[str]]:
     """img2dataset's layout: 10 good pairs, a corrupt image, an image without its caption and a
     caption without its image in tars of PER_TAR; then a tar of 3 pairs cut inside the third
-    one's image. Returns the good samples' captions and the bad samples' keys."""
+    one's image and one of 2 pairs cut inside the header of the second one's caption. Returns the good samples' captions and the bad samples' keys."""
     captions = {}
     with webdataset.ShardWriter(str(src / "pairs-%06d.tar"), maxcount=PER_TAR,
                                 verbose=0) as writer:
@@ -110,9 +110,17 @@ def _pair_tars(src: Path, photos: list[tuple]) -> tuple[dict[str, str], list[str
                           "txt": f"Photo {number}."})
     whole = cut.read_bytes()
     last_image = whole.index(photos[15][1][:4096])
-    cut.write_bytes(whole[:last_image + 1000])                          # a truncated tar
-    captions.update({f"{n:09d}": f"Photo {n}." for n in (13, 14)})
-    return captions, [f"{n:09d}" for n in (10, 11, 12, 15)]
+    cut.write_bytes(whole[:last_image + 1000])          # cut inside the third image's data
+    cut = src / "pairs-000005.tar"
+    with webdataset.TarWriter(str(cut)) as writer:
+        for number, (name, data, _, _) in enumerate(photos[16:18], start=16):
+            writer.write({"__key__": f"{number:09d}", _extension(name): data,
+                          "txt": f"Photo {number}."})
+    with tarfile.open(cut) as tar:
+        last_caption = tar.getmember("000000017.txt").offset
+    cut.write_bytes(cut.read_bytes()[:last_caption + 256])   # inside the last caption's header
+    captions.update({f"{n:09d}": f"Photo {n}." for n in (13, 14, 16)})
+    return captions, [f"{n:09d}" for n in (10, 11, 12, 15, 17)]
 
 
 @pytest.fixture(scope="module")
@@ -141,19 +149,19 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
     report = json.loads((pairs.out / "report.json").read_text())
     by_reason = {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()}
     assert by_reason == {"corrupt_image": 1, "missing_text": 1, "missing_media": 1,
-                         "truncated_tar": 1}
+                         "truncated_tar": 2}
     first = {reason: entry["first"][0]["location"]
              for reason, entry in report["skipped_by_reason"].items()}
     assert first == {"corrupt_image": "pairs-000002.tar:000000010",
                      "missing_text": "pairs-000002.tar:000000011",
                      "missing_media": "pairs-000003.tar:000000012",
                      "truncated_tar": "pairs-000004.tar"}
-    assert (report["records_read"], report["samples_written"]) == (16, 12)
+    assert (report["records_read"], report["samples_written"]) == (18, 13)
     index = json.loads((pairs.out / "index.json").read_text())
     assert (index["version"], index["shard_root"]) == (2, str(pairs.src))
     assert [(s["name"], s["samples"]) for s in index["shards"]] == [
         ("pairs-000000.tar", 4), ("pairs-000001.tar", 4), ("pairs-000002.tar", 2),
-        ("pairs-000003.tar", 0), ("pairs-000004.tar", 2)]
+        ("pairs-000003.tar", 0), ("pairs-000004.tar", 2), ("pairs-000005.tar", 1)]
     assert [s["bytes"] for s in index["shards"]] == [
         (pairs.src / s["name"]).stat().st_size for s in index["shards"]]
     sizes = {f"{n:09d}": meta for n, (_, _, meta, _) in enumerate(corpus_photos)}
@@ -166,7 +174,7 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
         assert (item["width"], item["height"]) == (sizes[record["key"]]["width"],
                                                    sizes[record["key"]]["height"])
         assert record["source"]["file"].startswith("pairs-")
-        if record["source"]["file"] != "pairs-000004.tar":
+        if record["source"]["file"] < "pairs-000004.tar":
             assert record["source"]["url"].startswith("https://example.com/")
 
 
