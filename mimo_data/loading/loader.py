@@ -72,6 +72,10 @@ from mimo_data.loading.tensor_pack import pack, unpack
 # A worker's micro-batches whose media one prefetch plans (remote datasets): enough samples
 # for neighbours in a shard to share a request (``tools/bench_remote.py``).
 PREFETCH_MICRO_BATCHES = 8
+# Records whose text a stream renders and tokenizes in one ``text_batch``, over its next
+# micro-batches: per call, the text path's numpy and tokenizer calls cost about as much for 4
+# records as for 32 (``tools/bench_metadata.py``).
+TEXT_AHEAD = 64
 STATE_FORMAT = "mimo-loader-state"
 STATE_VERSION = 1
 
@@ -237,12 +241,17 @@ class _RankStream(torch.utils.data.IterableDataset):
         self.packing = order.packing if role.text_module == LANGUAGE else None
         self.collate_text = Collator(source.metadata, packed=True) if self.packing \
             else self.collate
+        # (epoch, position in the epoch's order) -> its record and TextSample (or drop), read
+        # and computed ahead for this worker's next micro-batches (``_text_ahead``)
+        self._ahead: dict[tuple[int, int], tuple[ShardRecord, Any]] = {}
+        self._every = 1
 
     def __iter__(self):
         """``(batch, metadata)`` per micro-batch, the batch packed (``tensor_pack``) when made
         by a worker."""
         info = torch.utils.data.get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
+        self._every = workers
         epoch, index = self.start
         planned = index              # micro-batches of the epoch before this one are planned
         for count in itertools.count():
@@ -325,21 +334,52 @@ class _RankStream(torch.utils.data.IterableDataset):
                     grids[name][-1].append(None if grid is None else list(grid))
         return grids
 
+    def _parts(self, index: int) -> tuple[slice, dict[str, slice]]:
+        """The text slice and each modality's media slice of micro-batch ``index``."""
+        step, micro = divmod(index, self.per_step)
+        assert self.role.text_module is not None
+        return (self._slice(self.role.text_module, step, micro),
+                {modality: self._slice(module, step, micro)
+                 for modality, module in self.role.media.items()})
+
+    def _needed(self, index: int) -> list[int]:
+        """Positions in the epoch's order whose records micro-batch ``index`` reads."""
+        text, media = self._parts(index)
+        return sorted({at for part in (text, *media.values())
+                       for at in range(part.start, part.stop)})
+
+    def _text_ahead(self, epoch: int, index: int) -> None:
+        """Read the records of micro-batch ``index`` and of this worker's next ones in the
+        epoch (every ``_every``-th), ``TEXT_AHEAD`` records or more, and compute their text in
+        one ``text_batch`` (a drop is the sample's result, used when its micro-batch comes)."""
+        datasets, positions = self.order.epoch(epoch)
+        self._ahead = {key: value for key, value in self._ahead.items() if key[0] == epoch}
+        ats: list[int] = []
+        for ahead in range(index, self.per_epoch, self._every):
+            ats += [at for at in self._needed(ahead) if (epoch, at) not in self._ahead]
+            if len(ats) >= TEXT_AHEAD:
+                break
+        records = [self._record(datasets, positions, at) for at in ats]
+        texts = self.source.metadata.text_batch(records)
+        self._ahead.update(((epoch, at), pair) for at, pair in zip(ats, zip(records, texts)))
+
     def micro_batch(self, epoch: int, index: int) -> tuple[dict[str, Any], BatchMetadata]:
         """This rank's part of global micro-batch ``index`` (counted over the epoch)."""
         step, micro = divmod(index, self.per_step)
         datasets, positions = self.order.epoch(epoch)
-        assert self.role.text_module is not None
-        text = self._slice(self.role.text_module, step, micro)
-        media = {modality: self._slice(module, step, micro)
-                 for modality, module in self.role.media.items()}
+        text, media = self._parts(index)
         full_at = {at for part in media.values() for at in range(part.start, part.stop)} \
             if self.full else set()
-        needed = {at for part in (text, *media.values()) for at in range(part.start, part.stop)}
-        records = {at: self._record(datasets, positions, at) for at in sorted(needed)}
-        texts = self.source.metadata.text_batch(list(records.values()))
-        samples = {at: self._sample(datasets, positions, at, record, text, at in full_at)
-                   for (at, record), text in zip(records.items(), texts)}
+        needed = self._needed(index)
+        if any((epoch, at) not in self._ahead for at in needed):
+            self._text_ahead(epoch, index)
+        records, texts = {}, []
+        for at in needed:
+            records[at], text_sample = self._ahead.pop((epoch, at))
+            texts.append(text_sample)
+        samples = {at: self._sample(datasets, positions, at, record, text_sample,
+                                    at in full_at)
+                   for (at, record), text_sample in zip(records.items(), texts)}
         text_samples = [samples[at] for at in range(text.start, text.stop)]
         collated, metadata = self.collate_text(text_samples)
         batch: dict[str, Any] = {key: value for key, value in collated.items()
