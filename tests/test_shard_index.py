@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from conftest import chat, cli_main, scratch, write_jsonl
+from conftest import chat, cli_main, flip_byte, scratch, write_jsonl
 from support.runs import train, train_records
 
 PER_TAR = 4
@@ -85,7 +85,8 @@ def _writable(folder: Path) -> None:
 def _pair_tars(src: Path, photos: list[tuple]) -> tuple[dict[str, str], list[str]]:
     """img2dataset's layout: 10 good pairs, a corrupt image, an image without its caption and a
     caption without its image in tars of PER_TAR; then a tar of 3 pairs cut inside the third
-    one's image and one of 2 pairs cut inside the header of the second one's caption. Returns the good samples' captions and the bad samples' keys."""
+    one's image and one of 2 pairs cut inside the header of the second one's caption. Returns
+    the good samples' captions and the bad samples' keys."""
     captions = {}
     with webdataset.ShardWriter(str(src / "pairs-%06d.tar"), maxcount=PER_TAR,
                                 verbose=0) as writer:
@@ -401,3 +402,25 @@ def test_training_on_the_index_equals_training_on_the_build(ranks, conversations
                                                                 losses["built"]):
         assert tokens == built_tokens > 0
         assert abs(loss - built_loss) <= 1e-6, losses
+
+
+def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
+    """The whole index verifies (its left-out samples and truncated tars as indexed); a byte
+    changed inside an indexed tar's image is named by its sample and member."""
+    from mimo_data.shards.reader import ShardReader
+
+    code, out, err = cli_main(capsys, "verify", pairs.out, "--no-progress")
+    assert code == 0 and "OK" in out, err
+    (tmp_path / "tars").mkdir()
+    shutil.copy(pairs.src / "pairs-000001.tar", tmp_path / "tars")
+    code, _, err = cli_main(capsys, "index", tmp_path / "tars" / "pairs-000001.tar", "--output",
+                            tmp_path / "idx", "--workers", "0", "--no-progress")
+    assert code == 0, err
+    reader = ShardReader(str(tmp_path / "idx"))
+    key = reader.table.key(2)
+    [item] = reader.record(2)["media"]
+    offset, size, _ = reader.table.members(2)[item["member"]]
+    flip_byte(tmp_path / "tars" / "pairs-000001.tar", offset + size // 2)
+    code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
+    assert code == 1
+    assert f"sample {key} member {key}.{item['member']}: its bytes changed" in err

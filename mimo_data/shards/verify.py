@@ -1,7 +1,9 @@
 """`mimo-shard verify`: re-read every shard and check it against the index and sample table.
 
 A remote dataset's files are downloaded one at a time to a temporary local copy and checked
-there (one request per file).
+there (one request per file). A dataset indexed in place (``mimo-shard index``) is checked where
+its tars are (its ``shard_root``), against its records (``records.parquet``); the tars' samples
+that indexing left out (counted in its report) are passed over.
 
 Checks each file's size and sha256, every member's key, name, byte offset, size and crc32
 against ``samples.parquet``, and decodes every media item fully, comparing it with its JSON
@@ -30,7 +32,9 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
-from mimo_data.shards.index import read_index
+from mimo_data.shards.format import RECORDS_FILE
+from mimo_data.shards.index import read_index, shard_root
+from mimo_data.shards.tar_walk import Walked, walk
 
 MAX_PROBLEMS_PER_SHARD = 20
 
@@ -62,15 +66,18 @@ def _member(where: str, item: dict) -> str:
     return f"{where.rpartition(' ')[2]}.{item['member']}"
 
 
-def verify_shard(directory: str, shard: dict, rows: list[dict]) -> list[str]:
-    """Problems found in one shard (empty list: the shard is intact)."""
+def verify_shard(directory: str, shard: dict, rows: list[dict],
+                 records: list[dict] | None = None) -> list[str]:
+    """Problems found in one shard (empty list: the shard is intact); ``records``: the
+    shard's records of a dataset indexed in place, ``directory`` its shard root."""
     location = storage.join(directory, shard["name"])
     if not storage.exists(location):
         return [f"{shard['name']}: missing"]
     with storage.local_copy(location) as path:
         problems = _check_file(path, shard)
         try:
-            located = _walk_shard(path, shard, rows)
+            located = _walk_shard(path, shard, rows) if records is None else \
+                _walk_indexed(path, shard, rows, records)
         except (tarfile.TarError, OSError, EOFError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
     if problems and not located:
@@ -128,6 +135,39 @@ def _walk_shard(path: str, shard: dict, rows: list[dict]) -> list[str]:
     return problems
 
 
+def _walk_indexed(path: str, shard: dict, rows: list[dict], records: list[dict]) -> list[str]:
+    """``_walk_shard`` for a tar indexed in place: its indexed samples' members where the
+    table says, with their crc32, and their media decoding as their records say."""
+    expected = {row["key"]: (row, record) for row, record in zip(rows, records)}
+    problems: list[str] = []
+    with open(path, "rb") as tar:
+        for sample in walk(tar, Walked()):
+            if sample.key not in expected:
+                continue                    # left out by the indexing (its report counts it)
+            row, record = expected.pop(sample.key)
+            where = f"shard {shard['name']}: sample {sample.key}"
+            placed = {m["name"]: m for m in row["members"]}
+            if list(placed) != list(sample.members):
+                problems.append(f"{where}: members {list(sample.members)}, the table lists "
+                                f"{list(placed)}")
+                continue
+            for suffix, member in sample.members.items():
+                if (member.offset, member.size) != (placed[suffix]["offset"],
+                                                    placed[suffix]["size"]):
+                    problems.append(f"{where} member {sample.key}.{suffix}: at offset "
+                                    f"{member.offset} size {member.size}, the table says "
+                                    f"{placed[suffix]}")
+                elif member.crc32 != placed[suffix]["crc32"]:
+                    problems.append(f"{where} member {sample.key}.{suffix}: its bytes changed "
+                                    f"(crc32 differs from {SAMPLES_FILE})")
+            for item in record["media"]:
+                problems += _check_media(where, item, sample.members[item["member"]].data)
+            if len(problems) >= MAX_PROBLEMS_PER_SHARD:
+                return problems
+    problems += [f"shard {shard['name']}: sample {key} is not in the tar" for key in expected]
+    return problems
+
+
 def _check_sample(shard_name, key, row, members) -> list[str]:
     where = f"shard {shard_name}: sample {key}"
     if set(members) != {m["name"] for m in row["members"]}:
@@ -165,9 +205,19 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     if problems:
         return problems
     rows_by_shard = defaultdict(list)
+    records_by_shard: dict[str, list[dict]] | None = None
     for row in pq.read_table(storage.readable(storage.join(directory, SAMPLES_FILE))).to_pylist():
         rows_by_shard[row["shard"]].append(row)
-    jobs = [(directory, shard, rows_by_shard.get(shard["name"], [])) for shard in index["shards"]]
+    if RECORDS_FILE in index["files"]:
+        records_by_shard = defaultdict(list)
+        jsons = pq.read_table(storage.readable(storage.join(directory, RECORDS_FILE)))
+        for record in jsons.column("json").to_pylist():
+            decoded = json.loads(record)
+            records_by_shard[decoded["source"]["file"]].append(decoded)
+    root = shard_root(directory, index)
+    jobs = [(root, shard, rows_by_shard.get(shard["name"], []),
+             None if records_by_shard is None else records_by_shard.get(shard["name"], []))
+            for shard in index["shards"]]
     bar = tqdm(total=len(jobs), unit="shard", desc="verify", disable=not progress)
     results: Iterable[list[str]]
     if workers <= 1:
