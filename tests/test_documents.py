@@ -6,6 +6,7 @@ against transformers, and what ``mimo-inspect report`` says of them. All in proc
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 
 import pyarrow as pa
@@ -25,6 +26,8 @@ from mimo_data.preprocess.config import CaptionConfig, DocumentConfig, Preproces
 from mimo_data.preprocess.preprocessor import Preprocessor, media_item, preprocess_dataset
 from mimo_data.shards.reader import ShardReader
 from mimo_data.tally import Tally
+
+from support import runs
 
 from conftest import REPO, build_dataset, model_dir, read_json, sample_records, write_jsonl
 
@@ -321,3 +324,18 @@ def test_a_record_of_an_unknown_kind_is_a_counted_drop(encoders):
     [dropped] = _preprocessor(encoders).text_batch([caption])
     assert dropped.reason == "malformed_record" and "exactly one media item" in dropped.detail
 
+
+
+def test_one_training_step_on_documents_and_captions(built, encoders, ranks, tmp_path):
+    """The tiny images + language model's first step on the built dataset (a global batch of
+    its four samples): a finite loss over exactly their trained tokens."""
+    records = runs.train(ranks, tmp_path, "documents", "images_language_colocated.yaml",
+                         f"data.datasets=[{built}]", "layout=language=dp1;image=dp1,off0",
+                         "train.steps=1", "train.global_batch_size=4",
+                         "train.micro_batch_size=2", f"checkpoint.dir={tmp_path / 'ck'}",
+                         nproc=1)
+    [record] = runs.train_records(records)
+    reader = ShardReader(str(built))
+    expected = sum(int(s.loss_mask.sum()) for s in preprocess_dataset(
+        reader, _preprocessor(encoders), Tally()))
+    assert record["tokens"] == expected and math.isfinite(record["loss"])
