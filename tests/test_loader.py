@@ -18,6 +18,7 @@ import torch
 from mimo_data.loading.dry_run import dry_run, main as dry_run_main
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading import loader as loader_module
 from mimo_data.loading.loader import DataSource, LoaderError, build_loader
 
 from conftest import (CORPUS_DIR, build_dataset, preprocess_config_file, rerecord_member,
@@ -141,6 +142,33 @@ def test_every_module_gets_every_kept_sample_once_in_the_same_order(
                 expected = sum(counts[modality][k] for k in meta["encoder_keys"][modality])
                 inputs = batch["modality_inputs"].get(modality)
                 assert (encoder_items(inputs, modality) if inputs else 0) == expected
+
+
+def test_the_language_rank_computes_its_next_micro_batches_text_together(sources, table,
+                                                                         monkeypatch):
+    """Text in one text_batch per TEXT_AHEAD records (per micro-batch it cost most of the
+    language rank's time), the micro-batches those of a text_batch per micro-batch."""
+    source = sources["full"]
+    calls: list[int] = []
+    text_batch = source.metadata.text_batch
+
+    def counted(records):
+        calls.append(len(records))
+        return text_batch(records)
+
+    monkeypatch.setattr(source.metadata, "text_batch", counted)
+    streams = {}
+    for ahead in (1, 5):
+        monkeypatch.setattr(loader_module, "TEXT_AHEAD", ahead)
+        calls.clear()
+        language = build_loader(source, None, "language=dp1;image=dp1;audio=dp1", 0, 3,
+                                GLOBAL_BATCH, 1, seed=11)
+        streams[ahead] = list(language)
+        served = len(expected_kept(table, "full")) // GLOBAL_BATCH * GLOBAL_BATCH
+        assert len(streams[ahead]) == served
+        # whole micro-batches of one sample each, up to TEXT_AHEAD, the last one what is left
+        assert calls == [ahead] * (served // ahead) + [served % ahead] * bool(served % ahead)
+    assert_same_stream(streams[5], streams[1])
 
 
 def test_ranks_that_need_no_data_build_nothing(tmp_path):
