@@ -31,13 +31,14 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from conftest import chat, cli_main, flip_byte, scratch, write_jsonl
+from conftest import REPO, chat, cli_main, flip_byte, scratch, write_jsonl
 from support.runs import train, train_records
 
 PER_TAR = 4
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 BUCKET = "mimo-test-shard-index"          # moto's buckets are process-wide: a name of its own
 DATASET_FILES = ("index.json", "samples.parquet", "records.parquet", "report.json")
+PREPROCESS = REPO / "configs" / "preprocess_images.yaml"    # the training config's own
 
 
 @dataclass
@@ -382,6 +383,27 @@ def test_conversations_keep_their_messages_and_media_order(conversations):
         for item, other in zip(ours["media"], theirs["media"]):
             assert {k: v for k, v in item.items() if k not in ("member", "path")} == \
                 {k: v for k, v in other.items() if k not in ("member", "path")}
+
+
+def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):
+    """``mimo-inspect report`` on both: the same token counts, every check passing (media
+    metadata against samples.parquet too), with the cache beside the index."""
+    from mimo_data.inspect.cli import main
+
+    root, _ = conversations
+    reports = {}
+    for name in ("built", "indexed"):
+        out = tmp_path / f"{name}.json"
+        code = main(["report", str(root / name), "--config", str(PREPROCESS), "--json",
+                     str(out), "--no-progress"])
+        assert code == 0, capsys.readouterr().err
+        reports[name] = json.loads(out.read_text())
+    indexed, built = reports["indexed"], reports["built"]
+    assert indexed["passed"] and all(check["passed"] for check in indexed["checks"])
+    assert (indexed["samples"], indexed["kept"]) == (built["samples"], built["kept"]) == (12, 12)
+    assert indexed["tokens"] == built["tokens"]
+    assert {m: d["tokens"] for m, d in indexed["modalities"].items()} == \
+        {m: d["tokens"] for m, d in built["modalities"].items()}
 
 
 def test_training_on_the_index_equals_training_on_the_build(ranks, conversations):

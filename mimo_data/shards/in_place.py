@@ -155,8 +155,8 @@ def resolve(sources: list[str], options: IndexOptions,
         if options.layout in ("auto", "energon") and energon.is_energon(root, storage_options):
             mapping = energon.member_map(root, storage_options)
             names = energon.train_shards(root, storage_options)
-            _say(f"layout energon: {storage.join(root, energon.META)} (sample type "
-                 f"{mapping.layout}: {mapping.describe()}), {len(names)} train tar(s)")
+            _say(f"layout energon: {storage.join(root, energon.META)} ({mapping.describe()}), "
+                 f"{len(names)} train tar(s)")
             return Source(root, names, mapping)
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
