@@ -125,7 +125,7 @@ def _glob(pattern: str, storage_options: dict | None) -> list[str]:
         protocol = pattern.partition("://")[0]
         found = storage.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
         return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
-    return sorted(glob.glob(storage.local_path(pattern)))
+    return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
 
 
 def _is_dir(location: str, storage_options: dict | None) -> bool:
@@ -160,14 +160,14 @@ def resolve(sources: list[str], options: IndexOptions,
             return Source(root, names, mapping)
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
-                              "`energon prepare` there, or choose another --layout")
+                                  "`energon prepare` there, or choose another --layout")
         paths = _list_tars(root, storage_options)
         if not paths:
             raise IndexInputError(f"{root}: no *.tar files under it")
     else:
         if options.layout == "energon":
             raise IndexInputError("--layout energon takes the dataset folder (the one holding "
-                              f"{energon.META}/)")
+                                  f"{energon.META}/)")
         paths = []
         for given in sources:
             for path in _expand(given):
@@ -205,9 +205,9 @@ def _member_map(root: str, first: str, options: IndexOptions,
         layout = detect(head, options.json_member) or ""
         if not layout:
             raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
-                              "caption pairs (a medium beside KEY.txt) nor conversations (KEY."
-                              f"{options.json_member} with conversations/messages); give "
-                              "--layout and the --*-member options")
+                                  "caption pairs (a medium beside KEY.txt) nor conversations (KEY."
+                                  f"{options.json_member} with conversations/messages); give "
+                                  "--layout and the --*-member options")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member)
     how = "detected from the first samples" if options.layout == "auto" else "as given"
@@ -328,14 +328,14 @@ def default_output(sources: list[str]) -> str:
 def _prepare_output(output: str, overwrite: bool) -> None:
     if storage.is_remote(output):
         raise IndexInputError(f"--output {output}: the index goes to a local directory (the tars "
-                          "may be at a URL)")
+                              "may be at a URL)")
     if os.path.exists(output) and not os.path.isdir(output):
         raise IndexInputError(f"{output} exists and is not a directory")
     os.makedirs(output, exist_ok=True)
     names = set(os.listdir(output))
     if INDEX_FILE in names and not overwrite:
         raise IndexInputError(f"{output} already holds an index; pass --overwrite to index again "
-                          "or choose another --output")
+                              "or choose another --output")
     foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
     if foreign:
         raise IndexInputError(f"{output} holds files an index did not write "
@@ -427,7 +427,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     if not storage.is_remote(source.root) and \
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
-                          "nothing is written beside the shards; choose another directory")
+                              "nothing is written beside the shards; choose another directory")
     _prepare_output(output, options.overwrite)
     staging = os.path.join(output, STAGING_DIR)
     os.makedirs(staging)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from mimo_data.shards import storage
-from mimo_data.shards.format import ShardRecord
+from mimo_data.shards.format import RECORDS_FILE, ShardRecord
 from mimo_data.shards.index import DatasetError, index_bytes, parse_index, shard_root
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
@@ -69,8 +69,9 @@ class ShardReader:
         # position -> (its run's bytes, the run's first byte offset)
         self._runs: dict[int, tuple[Future[bytes], int]] = {}
         self._batches: collections.deque[list[int]] = collections.deque()
+        indexed = RECORDS_FILE in self.index.get("files", {})   # no KEY.json in its tars
         self.records = RecordTable.open(self, cache_dir) \
-            if self.shard_remote or self.shard_root != directory else None
+            if self.remote or self.shard_remote or indexed else None
 
     def __len__(self) -> int:
         return len(self.table)

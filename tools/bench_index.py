@@ -1,0 +1,141 @@
+"""``mimo-shard index``: indexing throughput per worker, and start-up flat in dataset size for a
+dataset indexed in place.
+
+Tars in img2dataset's layout (``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``, written by webdataset's
+``ShardWriter`` from the corpus photos, cycled) of ``--samples`` samples are indexed with 1 and 2
+workers (``--check decode``, the default, and ``header``); the command's own throughput line is
+printed. That index is then scaled to each of ``--sizes`` by hard-linking its tars into more
+folders and repeating the rows of its ``samples.parquet`` and ``records.parquet`` (keys
+renumbered; derived tables written before the clock starts), and a language rank's start-up
+(open, first batch; ``bench_scale.measure``) is measured there, first start (token table
+computed) and later start (saved).
+
+Target: later start at the largest size <= 2x at the smallest.
+
+    python tools/bench_index.py [--samples 2000] [--sizes 20000 400000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bench_scale import measure
+
+
+def write_tars(corpus: str, samples: int, out: str, per_tar: int = 1000) -> None:
+    """``samples`` caption pairs of the corpus photos, img2dataset's layout."""
+    import webdataset
+
+    folder = os.path.join(corpus, "images")
+    photos = [(name, open(os.path.join(folder, name), "rb").read())
+              for name in sorted(os.listdir(folder))]
+    os.makedirs(out)
+    with webdataset.ShardWriter(os.path.join(out, "%06d.tar"), maxcount=per_tar,
+                                verbose=0) as writer:
+        for number in range(samples):
+            name, data = photos[number % len(photos)]
+            key = f"{number:09d}"
+            writer.write({"__key__": key, name.rsplit(".", 1)[1]: data,
+                          "txt": f"Photo {number}: {name.rsplit('.', 1)[0]}.",
+                          "json": {"url": f"https://example.com/{number}/{name}", "key": key,
+                                   "status": "success"}})
+
+
+def index_throughput(tars: str, out: str, workers: int, check: str) -> str:
+    """The throughput line of ``mimo-shard index`` on ``tars``."""
+    result = subprocess.run([sys.executable, "-m", "mimo_data.shards.cli", "index", tars,
+                             "--output", out, "--workers", str(workers), "--check", check,
+                             "--no-progress"], capture_output=True, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"mimo-shard index failed:\n{result.stderr[-3000:]}")
+    return [line for line in result.stderr.splitlines() if "per worker" in line][-1]
+
+
+def scaled_index(base: str, copies: int, out: str) -> str:
+    """``base``'s index (indexed in place) repeated ``copies`` times over hard-linked tars."""
+    from mimo_data.files import file_sha256
+    from mimo_data.shards import record_table, sample_table
+    from mimo_data.shards.cache import DATASET_CACHE
+    from mimo_data.shards.format import INDEX_FILE, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE
+    from mimo_data.shards.index import dumps, read_index
+
+    index = read_index(base)
+    table = pq.read_table(os.path.join(base, SAMPLES_FILE))
+    records = pq.read_table(os.path.join(base, RECORDS_FILE))
+    tars = os.path.join(out, "tars")
+    shards, parts = [], []
+    rows = table.num_rows
+    for copy in range(copies):
+        os.makedirs(os.path.join(tars, f"{copy:05d}"))
+        for shard in index["shards"]:
+            name = f"{copy:05d}/{shard['name']}"
+            os.link(os.path.join(index["shard_root"], shard["name"]), os.path.join(tars, name))
+            shards.append({**shard, "name": name})
+        keys = pa.array([f"{copy * rows + i:09d}" for i in range(rows)])
+        names = pa.array([f"{copy:05d}/{s}" for s in table.column("shard").to_pylist()])
+        parts.append(table.set_column(0, "key", keys).set_column(1, "shard", names))
+    pq.write_table(pa.concat_tables(parts), os.path.join(out, SAMPLES_FILE))
+    pq.write_table(pa.concat_tables([records] * copies), os.path.join(out, RECORDS_FILE))
+    shutil.copy(os.path.join(base, REPORT_FILE), out)
+    index.update(shard_root=tars, shards=shards,
+                 totals={"samples": rows * copies, "shards": len(shards),
+                         "bytes": index["totals"]["bytes"] * copies},
+                 files={name: {"bytes": os.path.getsize(os.path.join(out, name)),
+                               "sha256": file_sha256(os.path.join(out, name))}
+                        for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)})
+    cache = os.path.join(out, DATASET_CACHE)
+    os.makedirs(cache)
+    key = sample_table.table_key(index, out)
+    sample_table.write(os.path.join(out, SAMPLES_FILE), cache, key)
+    record_table.write(os.path.join(out, RECORDS_FILE), cache, key)
+    with open(os.path.join(out, INDEX_FILE), "wb") as handle:
+        handle.write(dumps(index))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--corpus", default="assets/corpus")
+    parser.add_argument("--config", default="configs/preprocess.yaml")
+    parser.add_argument("--samples", type=int, default=2000)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[20_000, 400_000])
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="bench_index_")
+    try:
+        tars = os.path.join(work, "tars")
+        write_tars(args.corpus, args.samples, tars)
+        for check in ("decode", "header"):
+            for workers in (1, 2):
+                line = index_throughput(tars, os.path.join(work, f"index-{check}-{workers}"),
+                                        workers, check)
+                print(f"--check {check} --workers {workers}: {line.split(': ', 1)[1]} "
+                      f"(load {os.getloadavg()[0]:.1f})")
+        base = os.path.join(work, "index-decode-1")
+        starts = {}
+        print(f"{'samples':>9s}  {'first start':>12s}  {'later start':>12s}  "
+              f"{'anonymous':>10s}  load")
+        for size in args.sizes:
+            dataset = scaled_index(base, size // args.samples, os.path.join(work, f"x{size}"))
+            first = measure("start", dataset, args.config)
+            later = measure("start", dataset, args.config)
+            starts[size] = later
+            print(f"{size:9d}  {first['seconds']:10.1f} s  {later['seconds']:10.2f} s  "
+                  f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
+                  f"{later['load']:.1f}")
+        small, large = min(starts), max(starts)
+        print(f"later start at {large} / at {small}: "
+              f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x (target <= 2)")
+    finally:
+        shutil.rmtree(work)
+
+
+if __name__ == "__main__":
+    main()
