@@ -1,11 +1,14 @@
 """Caption pairs and interleaved documents: built from JSONL and Parquet (OBELICS columns),
 bad ones counted, preprocessed against references built here by hand from the tokenizer (and
 Qwen2-VL's own processor), token counts from metadata equal to full preprocessing's, M-RoPE
-against transformers, and what ``mimo-inspect report`` says of them. All in process."""
+against transformers, what ``mimo-inspect report`` says of them (all in process), and one
+training step on them (one forked rank of the session's ``ranks`` parent: no existing job
+trains on documents)."""
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import shutil
 
@@ -13,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoProcessor, AutoTokenizer
 
 from mimo_data.errors import ConfigError
@@ -170,8 +174,6 @@ def test_a_qwen2_vl_document_is_the_processors_tokens_and_its_mrope_positions(
     media = {item["member"]: data for item, data in zip(items, photos)}
     sample = preprocessor(record, media)
     # the reference: Qwen2-VL's processor expands each image in its own text form
-    from PIL import Image
-    import io
     vision = "<|vision_start|><|image_pad|><|vision_end|>"
     expected = processor(text=[f"Cats.\n{vision}\nA page:\n{vision}\nDone.{tok.eos_token}"],
                          images=[Image.open(io.BytesIO(data)).convert("RGB")
