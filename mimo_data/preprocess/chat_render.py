@@ -130,10 +130,12 @@ class ChatRenderer:
                     spans = filled[1]
                 else:
                     spans = self._incremental_spans(messages, text)
+        trained = [self._through_eot(text, start, end) for start, end in spans]
         bos = self._bos(text)
+        if not bos:         # most tokenizers: no second span object per span (every sample)
+            return text, trained
         return bos + text, [TrainedSpan(start + len(bos), end + len(bos), eos_after)
-                            for start, end, eos_after in
-                            (self._through_eot(text, start, end) for start, end in spans)]
+                            for start, end, eos_after in trained]
 
     def render_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
         """The text of a conversation for the model to continue: with the template's generation
