@@ -12,8 +12,10 @@ folder is made by energon's own ``prepare``. Asserted:
 - nothing is written beside the tars (a read-only folder); without ``--output`` the index goes
   to the cache and the command says where; an interrupted run leaves no ``index.json``;
 - the files are byte-identical whatever ``--workers``, and the same from the tars in a bucket;
+- ``mimo-shard verify`` checks the tars where they are and names a changed member;
+  ``mimo-inspect report`` on the conversations indexed in place equals the build's;
 - training on the conversations indexed in place gives the losses of the same conversations
-  built by ``mimo-shard build`` (within 1e-6).
+  built by ``mimo-shard build`` (within 1e-6), and resumes from its checkpoint.
 """
 
 from __future__ import annotations
@@ -32,13 +34,14 @@ import pytest
 import webdataset
 
 from conftest import REPO, chat, cli_main, flip_byte, scratch, write_jsonl
-from support.runs import train, train_records
+from support.runs import assert_continues, copy_checkpoint, train, train_records
 
 PER_TAR = 4
 FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
 BUCKET = "mimo-test-shard-index"          # moto's buckets are process-wide: a name of its own
 DATASET_FILES = ("index.json", "samples.parquet", "records.parquet", "report.json")
-PREPROCESS = REPO / "configs" / "preprocess_images.yaml"    # the training config's own
+CONFIG = "images_language_noncolocated.yaml"
+PREPROCESS = REPO / "configs" / "preprocess_images.yaml"    # CONFIG's own
 
 
 @dataclass
@@ -408,22 +411,25 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path)
 
 def test_training_on_the_index_equals_training_on_the_build(ranks, conversations):
     """Non-colocated (the tower's rank reads media by offset, the language rank records
-    only): the same per-step losses from both datasets."""
+    only): the same per-step losses from both datasets; resumed from the index's step-2
+    checkpoint, step 3 again."""
     root, _ = conversations
-    losses = {}
-    for name in ("built", "indexed"):
-        records = train(ranks, root, name, "images_language_noncolocated.yaml",
-                        f"data.datasets=[{root / name}]",
-                        "layout=image=dp1;language=dp1", "train.steps=3",
-                        "train.global_batch_size=4", "train.micro_batch_size=2",
-                        f"checkpoint.dir={root / name}-ckpt", "checkpoint.interval=100",
-                        nproc=2)
-        losses[name] = [(r["step"], r["tokens"], r["loss"]) for r in train_records(records)]
+    common = ["layout=image=dp1;language=dp1", "train.steps=3", "train.global_batch_size=4",
+              "train.micro_batch_size=2", "checkpoint.interval=2"]
+    runs = {name: train(ranks, root, name, CONFIG, f"data.datasets=[{root / name}]", *common,
+                        f"checkpoint.dir={root / name}-ckpt", nproc=2)
+            for name in ("built", "indexed")}
+    losses = {name: [(r["step"], r["tokens"], r["loss"]) for r in train_records(records)]
+              for name, records in runs.items()}
     assert [step for step, _, _ in losses["indexed"]] == [1, 2, 3]
     for (_, tokens, loss), (_, built_tokens, built_loss) in zip(losses["indexed"],
                                                                 losses["built"]):
         assert tokens == built_tokens > 0
         assert abs(loss - built_loss) <= 1e-6, losses
+    resume = copy_checkpoint(root / "indexed-ckpt" / "step_0000002", root / "resume")
+    resumed = train(ranks, root, "resumed", CONFIG, f"data.datasets=[{root / 'indexed'}]",
+                    *common, f"checkpoint.dir={resume}", nproc=2)
+    assert_continues(resumed, runs["indexed"], [3], loss=1e-6, grad_norm_rel=1e-6)
 
 
 def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
