@@ -322,6 +322,36 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert all(r["kind"] == "caption" for r in records)
 
 
+def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
+    """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields, the first answer trains)
+    → a one-turn conversation about the image."""
+    from megatron.energon.tools.prepare import command
+
+    from mimo_data.shards.reader import ShardReader
+    folder = tmp_path / "vqa"
+    folder.mkdir()
+    members = _tar_members(pairs.src / "pairs-000000.tar")
+    with webdataset.TarWriter(str(folder / "vqa-000000.tar")) as writer:
+        for number, (key, sample) in enumerate(members.items()):
+            image = next(name for name in sample if name in ("jpg", "png"))
+            writer.write({"__key__": key, image: sample[image],
+                          "json": {"question": f"What is shown in {number}?",
+                                   "answers": [f"Answer {number}.", "Another."]}})
+    command.main(args=[str(folder), "--non-interactive", "--split-ratio", "1,0,0",
+                       "--sample-type", "VQASample", "--num-workers", "1", "--field-map",
+                       '{"image": "jpg,png", "context": "json[question]", '
+                       '"answers": "json[answers]"}'], standalone_mode=False)
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 0, err
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert [reader.record(p)["messages"] for p in range(len(reader))] == [
+        [{"role": "user", "content": f"<image>\nWhat is shown in {n}?"},
+         {"role": "assistant", "content": f"Answer {n}."}] for n in range(len(members))]
+    assert [reader.record(p)["media"][0]["member"] for p in range(len(reader))] == \
+        [next(name for name in sample if name in ("jpg", "png")) for sample in members.values()]
+
+
 # ------------------------------------------------------------------------- conversations
 
 def _conversations(photos: list[tuple], folder: Path) -> tuple[list[dict], list[dict]]:
