@@ -442,7 +442,7 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path)
 def test_training_on_the_index_equals_training_on_the_build(ranks, conversations):
     """Non-colocated (the tower's rank reads media by offset, the language rank records
     only): the same per-step losses from both datasets; resumed from the index's step-2
-    checkpoint, step 3 again."""
+    checkpoint, step 3 again. New jobs: no existing run reads a dataset indexed in place."""
     root, _ = conversations
     common = ["layout=image=dp1;language=dp1", "train.steps=3", "train.global_batch_size=4",
               "train.micro_batch_size=2", "checkpoint.interval=2"]

@@ -1,4 +1,4 @@
-"""`mimo-shard`: build, describe and verify indexed WebDataset shards.
+"""`mimo-shard`: build indexed WebDataset shards, index existing ones in place, describe, verify.
 
 Exit status (the same for every mimo CLI):
   0  ok
