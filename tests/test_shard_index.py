@@ -290,6 +290,7 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     reader.close()
 
 
+@pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
 def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     """``energon prepare`` (its own CLI, in process) on two of the good tars with a
     CaptioningSample field map reading the caption from the JSON member."""
@@ -322,6 +323,7 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert all(r["kind"] == "caption" for r in records)
 
 
+@pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
 def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
     """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields, the first answer trains)
     → a one-turn conversation about the image."""
