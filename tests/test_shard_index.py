@@ -15,7 +15,9 @@ folder is made by energon's own ``prepare``. Asserted:
 - ``mimo-shard verify`` checks the tars where they are and names a changed member;
   ``mimo-inspect report`` on the conversations indexed in place equals the build's;
 - training on the conversations indexed in place gives the losses of the same conversations
-  built by ``mimo-shard build`` (within 1e-6), and resumes from its checkpoint.
+  built by ``mimo-shard build`` (within 1e-6), and resumes from its checkpoint;
+- interleaved documents (``KEY.json`` with ``texts`` + ``images``) become the document records
+  ``mimo-shard build`` makes of the same documents.
 """
 
 from __future__ import annotations
@@ -439,6 +441,67 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path)
     assert indexed["tokens"] == built["tokens"]
     assert {m: d["tokens"] for m, d in indexed["modalities"].items()} == \
         {m: d["tokens"] for m, d in built["modalities"].items()}
+
+
+# ------------------------------------------------------------------------------ documents
+
+def test_documents_become_document_records_as_the_build_makes_them(corpus_photos, tmp_path):
+    """OBELICS-shaped documents as tar members (``KEY.json`` with ``texts`` + ``images``, the
+    images ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png``): each record's text is the texts and an
+    ``<image>`` per image joined by newlines (written out here by hand), its media the members
+    by number, and both equal ``mimo-shard build``'s records of the same documents; a document
+    whose image count disagrees with its members and one without text are counted."""
+    from mimo_data.shards.build import BuildOptions, build
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    (a, a_data, _, _), (b, b_data, _, _), (c, c_data, _, _) = corpus_photos[:3]
+    (tmp_path / "images").mkdir()
+    for name, data in ((a, a_data), (b, b_data), (c, c_data)):
+        (tmp_path / "images" / name).write_bytes(data)
+    documents = [  # (texts, images, members, the text expected)
+        (["A first paragraph.", None, "Between the two.", None, "The end."],
+         [None, a, None, b, None], {f"0.{_extension(a)}": a_data, f"1.{_extension(b)}": b_data},
+         "A first paragraph.\n<image>\nBetween the two.\n<image>\nThe end."),
+        ([None, "Only after an image."], [c, None], {_extension(c): c_data},
+         "<image>\nOnly after an image."),
+        (["No image at all."], [None], {}, "No image at all."),
+        (["Two images named,", None, None], [None, a, b], {_extension(a): a_data}, None),
+        ([None, None], [a, b], {"0.jpg": a_data, "1.jpg": b_data}, None),
+    ]
+    jsonl = []
+    (tmp_path / "tars").mkdir()
+    with webdataset.ShardWriter(str(tmp_path / "tars" / "docs-%06d.tar"), maxcount=PER_TAR,
+                                verbose=0) as writer:
+        for number, (texts, images, members, _) in enumerate(documents):
+            writer.write({"__key__": f"d{number:04d}",
+                          "json": {"id": f"d{number}", "texts": texts, "images": images},
+                          **members})
+            jsonl.append({"id": f"d{number}", "texts": texts,
+                          "images": [None if i is None else str(tmp_path / "images" / i)
+                                     for i in images]})
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        index([str(tmp_path / "tars" / "docs-*.tar")], str(tmp_path / "indexed"),
+              IndexOptions(workers=0, progress=False))
+    assert "layout documents (detected" in err.getvalue()
+    report = json.loads((tmp_path / "indexed" / "report.json").read_text())
+    assert {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()} \
+        == {"marker_mismatch": 1, "empty_document": 1}
+    build([str(write_jsonl(tmp_path / "docs.jsonl", jsonl[:3]))], str(tmp_path / "built"),
+          BuildOptions(workers=0, progress=False))
+    indexed, built = ShardReader(str(tmp_path / "indexed")), ShardReader(str(tmp_path / "built"))
+    assert len(indexed) == len(built) == 3
+    for position, (_, _, members, text) in enumerate(documents[:3]):
+        ours, theirs = indexed.record(position), built.record(position)
+        assert (ours["kind"], ours["text"], ours["id"]) == ("document", text, f"d{position}")
+        assert (theirs["kind"], theirs["text"]) == ("document", text)
+        assert [item["member"] for item in ours["media"]] == list(members)
+        assert [indexed.read_member(position, item["member"]) for item in ours["media"]] == \
+            list(members.values())
+        for item, other in zip(ours["media"], theirs["media"], strict=True):
+            assert {k: v for k, v in item.items() if k not in ("member", "path")} == \
+                {k: v for k, v in other.items() if k not in ("member", "path")}
 
 
 def test_training_on_the_index_equals_training_on_the_build(ranks, conversations):

@@ -82,9 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                    "tar paths, globs or brace patterns (shard-{000..099}.tar); local or URLs")
     x.add_argument("--output", "-o", help="local directory for the index and its tables "
                    "(default: a folder of the cache, printed); nothing is written beside the tars")
-    x.add_argument("--layout", choices=("auto", "pairs", "conversation", "energon"),
+    x.add_argument("--layout", choices=("auto", "pairs", "conversation", "documents", "energon"),
                    default="auto", help="pairs: KEY.jpg + KEY.txt caption pairs (img2dataset); "
                    "conversation: KEY.json with conversations/messages and its media members; "
+                   "documents: KEY.json with texts + images lists (OBELICS) and its images; "
                    "energon: the folder's .nv-meta field_map; auto (default): detected")
     x.add_argument("--media-member", "--image-member", dest="media_member",
                    help="pairs: the medium's member suffix, alternatives by commas (jpg,png; "
@@ -92,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--text-member", default="txt",
                    help="pairs: the caption's member (default txt; json[caption] reads a field)")
     x.add_argument("--json-member", default="json", help="the JSON member: a conversation's, "
-                   "or a pair's metadata kept in each record's source (default json)")
+                   "a document's, or a pair's metadata kept in each record's source (default json)")
     x.add_argument("--name", help="the dataset's name (default: the tars' folder name)")
     x.add_argument("--workers", type=int, default=1,
                    help="processes indexing tars in parallel (0: in this one; default 1)")

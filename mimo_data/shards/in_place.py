@@ -61,7 +61,7 @@ class IndexInputError(SourceError):
 
 @dataclass
 class IndexOptions:
-    layout: str = "auto"                  # auto | pairs | conversation | energon
+    layout: str = "auto"                  # auto | pairs | conversation | documents | energon
     media_member: str | None = None       # pairs: the medium (default: the one media member)
     text_member: str = "txt"
     json_member: str = "json"
@@ -205,8 +205,9 @@ def _member_map(root: str, first: str, options: IndexOptions,
         layout = detect(head, options.json_member) or ""
         if not layout:
             raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
-                                  "caption pairs (a medium beside KEY.txt) nor conversations (KEY."
-                                  f"{options.json_member} with conversations/messages); give "
+                                  "caption pairs (a medium beside KEY.txt), conversations (KEY."
+                                  f"{options.json_member} with conversations/messages) nor "
+                                  "documents (texts + images lists); give "
                                   "--layout and the --*-member options")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member)
@@ -417,8 +418,8 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     if options.workers < 0:
         raise IndexInputError("--workers must be at least 0")
     if options.layout not in ("auto", "energon", *LAYOUTS):
-        raise IndexInputError(f"--layout {options.layout}: use auto, pairs, conversation or "
-                              "energon")
+        raise IndexInputError(f"--layout {options.layout}: use auto, pairs, conversation, "
+                              "documents or energon")
     source = resolve(sources, options, storage_options)
     if output is None:
         output = default_output(sources)

@@ -7,6 +7,10 @@
   ``conversations`` or ``messages`` with ``<image>`` / ``<audio>`` / ``<video>`` markers, its
   media ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png`` ..., ``KEY.wav``, ``KEY.mp4`` in marker
   order (numbered members by number, per modality).
+- ``documents`` (interleaved documents, OBELICS / MINT-1T shape): ``KEY.json`` holding the
+  parallel ``texts`` and ``images`` lists, the images ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png``
+  ... (by number): the i-th non-null ``images`` entry is the i-th image member → a document
+  record (``kind: "document"``).
 - ``vqa`` (Energon's VQAWebdataset field map): a question and an answer member → a one-turn
   conversation about the image.
 
@@ -24,9 +28,9 @@ from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
-                                      normalize_messages)
+                                      normalize_document, normalize_messages)
 
-LAYOUTS = ("pairs", "conversation", "vqa")
+LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 
 # member extension -> modality (``jpeg`` too: img2dataset and others write it)
 MEDIA_EXTENSIONS = {ext: name for name, m in MODALITIES.items()
@@ -42,7 +46,7 @@ class MemberMap:
     media: str | None = None        # pairs / vqa: the medium member (``jpg``)
     text: str = "txt"               # pairs: the caption; vqa: the answer
     json: str = "json"              # pairs: metadata kept in the record's source;
-    #                                 conversation: the conversation
+    #                                 conversation: the conversation; documents: the document
     question: str = ""              # vqa: the question member
 
     def describe(self) -> str:
@@ -52,6 +56,9 @@ class MemberMap:
         if self.layout == "vqa":
             return (f"question-answer: KEY.{self.media or '<image>'}, question KEY."
                     f"{self.question}, answer KEY.{self.text}")
+        if self.layout == "documents":
+            return (f"interleaved documents: KEY.{self.json} with texts + images lists, images "
+                    "KEY.[N.]jpg/png ...")
         return f"conversations: KEY.{self.json} with markers, media KEY.[N.]jpg/png/wav/mp4 ..."
 
 
@@ -147,8 +154,34 @@ def _conversation_media(members: dict[str, bytes]) -> dict[str, list[str]]:
     return {modality: [name for _, name in sorted(items)] for modality, items in found.items()}
 
 
+def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
+    """An interleaved document: its JSON's ``texts`` + ``images``, the images by number."""
+    if mapping.json not in members:
+        raise RecordError("missing_json", f"no KEY.{mapping.json} member (the document)")
+    raw = _json(members, mapping.json)
+    if not isinstance(raw, dict):
+        raise RecordError("malformed_record", f"KEY.{mapping.json} is not an object with "
+                          "'texts' and 'images'")
+    text, refs = normalize_document(raw.get("texts"), raw.get("images"))
+    media = _conversation_media(members)
+    others = sorted(m for m in media if m != "image")
+    if others:
+        raise RecordError("malformed_record", f"{others} member(s) in a document: its items "
+                          "are images")
+    images = media.get("image", [])
+    if len(images) != len(refs):
+        raise RecordError("marker_mismatch", f"{len(refs)} image(s) in KEY.{mapping.json}'s "
+                          f"'images' but {len(images)} image member(s)")
+    record_id = raw.get("id")
+    return Synthesized({"id": None if record_id is None else str(record_id),
+                        "kind": "document", "text": text},
+                       [("image", name) for name in images])
+
+
 def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     """The record of a sample's members (RecordError, with its report reason, otherwise)."""
+    if mapping.layout == "documents":
+        return _document(members, mapping)
     if mapping.layout == "conversation":
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
@@ -197,7 +230,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
 
 def detect(samples: list[dict[str, bytes]], json_member: str = "json") -> str | None:
     """The layout of a tar's first samples' members: ``conversation`` when a JSON member holds
-    a conversation, ``pairs`` when a medium sits beside a ``txt``; None: neither."""
+    a conversation, ``documents`` when it holds ``texts`` and ``images``, ``pairs`` when a
+    medium sits beside a ``txt``; None: none of them."""
     for members in samples:
         if json_member in members:
             try:
@@ -206,6 +240,8 @@ def detect(samples: list[dict[str, bytes]], json_member: str = "json") -> str | 
                 raw = None
             if isinstance(raw, dict) and ("conversations" in raw or "messages" in raw):
                 return "conversation"
+            if isinstance(raw, dict) and "texts" in raw and "images" in raw:
+                return "documents"
     for members in samples:
         if "txt" in members and any(name.rpartition(".")[2].lower() in MEDIA_EXTENSIONS
                                     for name in members):
