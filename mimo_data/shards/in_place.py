@@ -1,13 +1,14 @@
 """`mimo-shard index`: existing WebDataset or Energon shards indexed where they are.
 
-Each tar is read once (``tar_walk``: every member's data offset, size and crc32, the file's size
-and sha256), each sample's members become a mimo record by its layout (``layouts``; Energon's
-``field_map``: ``energon``), each medium is probed as ``mimo-shard build`` probes it, and the
-dataset's files are written into the output directory: ``samples.parquet`` (its ``shard`` column
-names tars relative to the index's ``shard_root``), ``records.parquet`` (the records: the tars
-hold no mimo ``KEY.json``), ``report.json``, the derived tables in ``.mimo-cache/`` and, last and
-atomically, ``index.json`` (format version 2: ``shard_root`` says where the tars are). Nothing
-is ever written beside the tars, which may be read-only or in object storage.
+The tars and their layout come from ``tar_sources``. Each tar is read once (``tar_walk``: every
+member's data offset, size and crc32, the file's size and sha256), each sample's members become
+a mimo record by its layout (``layouts``; Energon's ``field_map``: ``energon``), each medium is
+probed as ``mimo-shard build`` probes it, and the dataset's files are written into the output
+directory: ``samples.parquet`` (its ``shard`` column names tars relative to the index's
+``shard_root``), ``records.parquet`` (the records: the tars hold no mimo ``KEY.json``),
+``report.json``, the derived tables in ``.mimo-cache/`` and, last and atomically, ``index.json``
+(format version 2: ``shard_root`` says where the tars are). Nothing is ever written beside the
+tars, which may be read-only or in object storage.
 
 Tars are indexed in ``--workers`` processes, one tar per task, results consumed in tar order, so
 the files are byte-identical whatever the number of workers. Bad samples are counted by reason
@@ -16,11 +17,9 @@ in ``report.json`` and left out; a truncated tar keeps the samples it holds comp
 
 from __future__ import annotations
 
-import glob
 import json
 import multiprocessing
 import os
-import posixpath
 import shutil
 import sys
 import time
@@ -28,7 +27,6 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import braceexpand
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -37,48 +35,21 @@ from tqdm import tqdm
 
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.shards import cache, energon, sample_table, storage
+from mimo_data.shards import cache, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
                                     summary_column)
 from mimo_data.shards.index import dumps
-from mimo_data.shards.layouts import LAYOUTS, MemberMap, detect, synthesize
+from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
 from mimo_data.shards.records import RecordError
-from mimo_data.shards.sources import SourceError
+from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
+                                          resolve, say)
 from mimo_data.shards.tar_walk import Walked, walk
 from mimo_data.tally import Tally
 
-DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
 _OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, STAGING_DIR, cache.DATASET_CACHE}
-
-
-class IndexInputError(SourceError):
-    """The command cannot run as asked (an input or output in the way): exit 2."""
-
-
-@dataclass
-class IndexOptions:
-    layout: str = "auto"                  # auto | pairs | conversation | documents | energon
-    media_member: str | None = None       # pairs: the medium (default: the one media member)
-    text_member: str = "txt"
-    json_member: str = "json"
-    name: str | None = None
-    workers: int = 1
-    check: str = "decode"
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-    overwrite: bool = False
-    progress: bool = True
-
-
-@dataclass(frozen=True)
-class Source:
-    """The tars to index: names relative to ``root`` (a local directory or a URL)."""
-    root: str
-    shards: list[str]
-    mapping: MemberMap
 
 
 @dataclass
@@ -91,140 +62,6 @@ class ShardResult:
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
     seconds: float = 0.0
-
-
-# ------------------------------------------------------------------------------- sources
-
-def _expand(pattern: str) -> list[str]:
-    return list(braceexpand.braceexpand(pattern))
-
-
-def _is_pattern(path: str) -> bool:
-    return any(c in path for c in "*?[")
-
-
-def _list_tars(location: str, storage_options: dict | None) -> list[str]:
-    """Every ``*.tar`` under ``location`` (hidden folders left out), sorted."""
-    if storage.is_remote(location):
-        remote = storage.Remote(location, storage_options)
-        protocol = location.partition("://")[0]
-        found = storage.retried(f"listing {location}",
-                                lambda: remote.fs.find(location, detail=False))
-        paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
-    else:
-        paths = []
-        for folder, folders, names in os.walk(storage.local_path(location)):
-            folders[:] = [name for name in folders if not name.startswith(".")]
-            paths += [os.path.join(folder, name) for name in names]
-    return sorted(p for p in paths if p.endswith(".tar"))
-
-
-def _glob(pattern: str, storage_options: dict | None) -> list[str]:
-    if storage.is_remote(pattern):
-        remote = storage.Remote(pattern, storage_options)
-        protocol = pattern.partition("://")[0]
-        found = storage.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
-        return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
-    return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
-
-
-def _is_dir(location: str, storage_options: dict | None) -> bool:
-    if storage.is_remote(location):
-        return not location.endswith(".tar") and not _is_pattern(location)
-    return os.path.isdir(storage.local_path(location))
-
-
-def _root_of(paths: list[str]) -> str:
-    """The deepest folder holding every path (a URL's or a local one)."""
-    if not storage.is_remote(paths[0]):
-        return os.path.commonpath([os.path.dirname(p) for p in paths])
-    protocol = paths[0].partition("://")[0] + "://"
-    if any(not p.startswith(protocol) for p in paths):
-        raise IndexInputError("the tars must all be local or all under one URL scheme")
-    return protocol + posixpath.commonpath([posixpath.dirname(p[len(protocol):])
-                                            for p in paths])
-
-
-def resolve(sources: list[str], options: IndexOptions,
-            storage_options: dict | None = None) -> Source:
-    """The tars ``sources`` name (a folder, an Energon dataset folder, tar paths, globs or
-    brace patterns, local or URLs) and their member map (the layout given or detected)."""
-    if len(sources) == 1 and _is_dir(sources[0], storage_options):
-        root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
-            os.path.abspath(storage.local_path(sources[0]))
-        if options.layout in ("auto", "energon") and energon.is_energon(root, storage_options):
-            mapping = energon.member_map(root, storage_options)
-            names = energon.train_shards(root, storage_options)
-            _say(f"layout energon: {storage.join(root, energon.META)} ({mapping.describe()}), "
-                 f"{len(names)} train tar(s)")
-            return Source(root, names, mapping)
-        if options.layout == "energon":
-            raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
-                                  "`energon prepare` there, or choose another --layout")
-        paths = _list_tars(root, storage_options)
-        if not paths:
-            raise IndexInputError(f"{root}: no *.tar files under it")
-    else:
-        if options.layout == "energon":
-            raise IndexInputError("--layout energon takes the dataset folder (the one holding "
-                                  f"{energon.META}/)")
-        paths = []
-        for given in sources:
-            for path in _expand(given):
-                if _is_pattern(path):
-                    matched = _glob(path, storage_options)
-                    if not matched:
-                        raise IndexInputError(f"{path}: matches no file")
-                    paths += matched
-                elif not storage.exists(path, storage_options):
-                    raise IndexInputError(f"{path}: no such file")
-                else:
-                    paths.append(path if storage.is_remote(path) else
-                                 os.path.abspath(storage.local_path(path)))
-        paths = list(dict.fromkeys(paths))
-        if not paths:
-            raise IndexInputError("no tars given")
-        root = _root_of(paths)
-    names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
-             for p in paths]
-    return Source(root, names, _member_map(root, names[0], options, storage_options))
-
-
-def _member_map(root: str, first: str, options: IndexOptions,
-                storage_options: dict | None) -> MemberMap:
-    """The member map of ``options``, the layout detected from the first tar's samples when
-    ``--layout auto``."""
-    layout = options.layout
-    if layout == "auto":
-        head: list[dict[str, bytes]] = []
-        with _open(storage.join(root, first), storage_options) as tar:
-            for sample in walk(tar, Walked()):
-                head.append({suffix: m.data for suffix, m in sample.members.items()})
-                if len(head) == DETECT_SAMPLES:
-                    break
-        layout = detect(head, options.json_member) or ""
-        if not layout:
-            raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
-                                  "caption pairs (a medium beside KEY.txt), conversations (KEY."
-                                  f"{options.json_member} with conversations/messages) nor "
-                                  "documents (texts + images lists); give "
-                                  "--layout and the --*-member options")
-    mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
-                        json=options.json_member)
-    how = "detected from the first samples" if options.layout == "auto" else "as given"
-    _say(f"layout {layout} ({how}): {mapping.describe()}")
-    return mapping
-
-
-def _say(line: str) -> None:
-    print(f"mimo-shard index: {line}", file=sys.stderr, flush=True)
-
-
-def _open(location: str, storage_options: dict | None):
-    if storage.is_remote(location):
-        return storage.Remote(location, storage_options).fs.open(location, "rb",
-                                                                  block_size=8 << 20)
-    return open(storage.local_path(location), "rb", buffering=4 << 20)
 
 
 # ---------------------------------------------------------------------------- one tar
@@ -284,7 +121,7 @@ def index_shard(job: _Job) -> ShardResult:
         result = ShardResult(job.name)
         keys: set[str] = set()
         try:
-            with _open(location, job.storage_options) as tar:
+            with open_tar(location, job.storage_options) as tar:
                 for sample in walk(tar, result.walked):
                     if sample.key in keys:
                         result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
@@ -423,7 +260,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     source = resolve(sources, options, storage_options)
     if output is None:
         output = default_output(sources)
-        _say(f"no --output: the index goes to {output}")
+        say(f"no --output: the index goes to {output}")
     output = os.path.abspath(storage.local_path(output))
     if not storage.is_remote(source.root) and \
             os.path.commonpath([output, source.root]) == source.root:
@@ -443,8 +280,8 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
     see = f" (see {os.path.join(output, REPORT_FILE)})" if built["report"]["records_skipped"] \
         else ""
-    _say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
-    _say(rate)
+    say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
+    say(rate)
     return built
 
 

@@ -1,0 +1,182 @@
+"""What ``mimo-shard index`` is asked to index: its options, the tars its sources name (a
+folder, an Energon dataset folder, tar paths, globs or brace patterns, local or URLs) and the
+member map of their layout (given, Energon's ``field_map``, or detected from the first tar)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import posixpath
+import sys
+from dataclasses import dataclass
+
+import braceexpand
+
+from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
+from mimo_data.shards import energon, storage
+from mimo_data.shards.layouts import MemberMap, detect
+from mimo_data.shards.sources import SourceError
+from mimo_data.shards.tar_walk import Walked, walk
+
+DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
+
+
+class IndexInputError(SourceError):
+    """The command cannot run as asked (an input or output in the way): exit 2."""
+
+
+@dataclass
+class IndexOptions:
+    layout: str = "auto"                  # auto | pairs | conversation | documents | energon
+    media_member: str | None = None       # pairs: the medium (default: the one media member)
+    text_member: str = "txt"
+    json_member: str = "json"
+    name: str | None = None
+    workers: int = 1
+    check: str = "decode"
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+    overwrite: bool = False
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Source:
+    """The tars to index: names relative to ``root`` (a local directory or a URL)."""
+    root: str
+    shards: list[str]
+    mapping: MemberMap
+
+
+
+
+def _expand(pattern: str) -> list[str]:
+    return list(braceexpand.braceexpand(pattern))
+
+
+def _is_pattern(path: str) -> bool:
+    return any(c in path for c in "*?[")
+
+
+def _list_tars(location: str, storage_options: dict | None) -> list[str]:
+    """Every ``*.tar`` under ``location`` (hidden folders left out), sorted."""
+    if storage.is_remote(location):
+        remote = storage.Remote(location, storage_options)
+        protocol = location.partition("://")[0]
+        found = storage.retried(f"listing {location}",
+                                lambda: remote.fs.find(location, detail=False))
+        paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
+    else:
+        paths = []
+        for folder, folders, names in os.walk(storage.local_path(location)):
+            folders[:] = [name for name in folders if not name.startswith(".")]
+            paths += [os.path.join(folder, name) for name in names]
+    return sorted(p for p in paths if p.endswith(".tar"))
+
+
+def _glob(pattern: str, storage_options: dict | None) -> list[str]:
+    if storage.is_remote(pattern):
+        remote = storage.Remote(pattern, storage_options)
+        protocol = pattern.partition("://")[0]
+        found = storage.retried(f"listing {pattern}", lambda: remote.fs.glob(pattern))
+        return sorted(p if "://" in p else f"{protocol}://{p}" for p in found)
+    return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
+
+
+def _is_dir(location: str, storage_options: dict | None) -> bool:
+    if storage.is_remote(location):
+        return not location.endswith(".tar") and not _is_pattern(location)
+    return os.path.isdir(storage.local_path(location))
+
+
+def _root_of(paths: list[str]) -> str:
+    """The deepest folder holding every path (a URL's or a local one)."""
+    if not storage.is_remote(paths[0]):
+        return os.path.commonpath([os.path.dirname(p) for p in paths])
+    protocol = paths[0].partition("://")[0] + "://"
+    if any(not p.startswith(protocol) for p in paths):
+        raise IndexInputError("the tars must all be local or all under one URL scheme")
+    return protocol + posixpath.commonpath([posixpath.dirname(p[len(protocol):])
+                                            for p in paths])
+
+
+def resolve(sources: list[str], options: IndexOptions,
+            storage_options: dict | None = None) -> Source:
+    """The tars ``sources`` name (a folder, an Energon dataset folder, tar paths, globs or
+    brace patterns, local or URLs) and their member map (the layout given or detected)."""
+    if len(sources) == 1 and _is_dir(sources[0], storage_options):
+        root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
+            os.path.abspath(storage.local_path(sources[0]))
+        if options.layout in ("auto", "energon") and energon.is_energon(root, storage_options):
+            mapping = energon.member_map(root, storage_options)
+            names = energon.train_shards(root, storage_options)
+            say(f"layout energon: {storage.join(root, energon.META)} ({mapping.describe()}), "
+                 f"{len(names)} train tar(s)")
+            return Source(root, names, mapping)
+        if options.layout == "energon":
+            raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
+                                  "`energon prepare` there, or choose another --layout")
+        paths = _list_tars(root, storage_options)
+        if not paths:
+            raise IndexInputError(f"{root}: no *.tar files under it")
+    else:
+        if options.layout == "energon":
+            raise IndexInputError("--layout energon takes the dataset folder (the one holding "
+                                  f"{energon.META}/)")
+        paths = []
+        for given in sources:
+            for path in _expand(given):
+                if _is_pattern(path):
+                    matched = _glob(path, storage_options)
+                    if not matched:
+                        raise IndexInputError(f"{path}: matches no file")
+                    paths += matched
+                elif not storage.exists(path, storage_options):
+                    raise IndexInputError(f"{path}: no such file")
+                else:
+                    paths.append(path if storage.is_remote(path) else
+                                 os.path.abspath(storage.local_path(path)))
+        paths = list(dict.fromkeys(paths))
+        if not paths:
+            raise IndexInputError("no tars given")
+        root = _root_of(paths)
+    names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
+             for p in paths]
+    return Source(root, names, _member_map(root, names[0], options, storage_options))
+
+
+def _member_map(root: str, first: str, options: IndexOptions,
+                storage_options: dict | None) -> MemberMap:
+    """The member map of ``options``, the layout detected from the first tar's samples when
+    ``--layout auto``."""
+    layout = options.layout
+    if layout == "auto":
+        head: list[dict[str, bytes]] = []
+        with open_tar(storage.join(root, first), storage_options) as tar:
+            for sample in walk(tar, Walked()):
+                head.append({suffix: m.data for suffix, m in sample.members.items()})
+                if len(head) == DETECT_SAMPLES:
+                    break
+        layout = detect(head, options.json_member) or ""
+        if not layout:
+            raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
+                                  "caption pairs (a medium beside KEY.txt), conversations (KEY."
+                                  f"{options.json_member} with conversations/messages) nor "
+                                  "documents (texts + images lists); give "
+                                  "--layout and the --*-member options")
+    mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
+                        json=options.json_member)
+    how = "detected from the first samples" if options.layout == "auto" else "as given"
+    say(f"layout {layout} ({how}): {mapping.describe()}")
+    return mapping
+
+
+def say(line: str) -> None:
+    print(f"mimo-shard index: {line}", file=sys.stderr, flush=True)
+
+
+def open_tar(location: str, storage_options: dict | None):
+    if storage.is_remote(location):
+        return storage.Remote(location, storage_options).fs.open(location, "rb",
+                                                                  block_size=8 << 20)
+    return open(storage.local_path(location), "rb", buffering=4 << 20)
+
