@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,9 +167,28 @@ def model_directory(path: str) -> str:
     return snapshot_download(path, local_files_only=True)
 
 
-class CheckpointWeights:
-    """The tensors of a transformers checkpoint directory (safetensors), read on demand in
-    fp32; ``key``: the config key that named it (for errors)."""
+class Tensors:
+    """Tensors by name, read in part: ``part(name, index)`` gives the basic slices ``index``
+    of tensor ``name`` (the whole without one), ``shape(name)`` its shape. Built on a function
+    reading a whole tensor (a dict's ``__getitem__``), a part is cut from the whole;
+    ``CheckpointWeights`` reads only the part."""
+
+    def __init__(self, read: Callable[[str], torch.Tensor]):
+        self.read = read
+
+    def part(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        # a part cut from a whole is cloned, so the whole is freed when the part is kept
+        return self.read(name)[index].clone() if index else self.read(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.read(name).shape)
+
+
+class CheckpointWeights(Tensors):
+    """The tensors of a transformers checkpoint directory (safetensors), read on demand:
+    whole in fp32 (``weights(name)``), or a part in the dtype stored (``part``: safetensors'
+    ``get_slice``, no read of the rest); ``key``: the config key that named it (for
+    errors)."""
 
     def __init__(self, path: str, key: str = "model.language.pretrained"):
         from safetensors import safe_open
@@ -183,6 +202,7 @@ class CheckpointWeights:
         else:
             raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
                                    "safetensors shards)")
+        super().__init__(self.__call__)
         self.key, self.path = key, path
         self.files = {}
         for name in files:
@@ -190,17 +210,24 @@ class CheckpointWeights:
             self.files.update({key: handle for key in handle.keys()})
 
     def __call__(self, name: str) -> torch.Tensor:
+        return self._file(name).get_tensor(name).float()
+
+    def part(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        # safetensors gives a view of the mapped file: contiguous() copies only a strided part
+        return self._file(name).get_slice(name)[index].contiguous()
+
+    def _file(self, name: str):
         if name not in self.files:
             raise TrainConfigError(f"{self.key} {self.path} holds no tensor {name}: not a "
                                    "checkpoint of the architecture its config.json names")
-        return self.files[name].get_tensor(name).float()
+        return self.files[name]
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The stored shape of ``name`` (its data not read)."""
-        return tuple(self.files[name].get_slice(name).get_shape())
+        return tuple(self._file(name).get_slice(name).get_shape())
 
     def prefix_of(self, prefixes: Iterable[str], name: str) -> str:
         """The first of ``prefixes`` under which the checkpoint holds ``name``."""
@@ -212,9 +239,10 @@ class CheckpointWeights:
                                "names")
 
     def load_into(self, module: torch.nn.Module, prefix: str, what: str) -> None:
-        """Every weight of ``module`` from the checkpoint's ``prefix`` + its name."""
+        """Every weight of ``module`` from the checkpoint's ``prefix`` + its name (read in the
+        dtype stored, copied into the module's)."""
         own = module.state_dict()
-        found = {name: self(prefix + name) for name in own if prefix + name in self}
+        found = {name: self.part(prefix + name) for name in own if prefix + name in self}
         missing = sorted(set(own) - set(found))
         wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in found.items()
                  if v.shape != own[k].shape]
@@ -269,12 +297,13 @@ class VLM:
         return renames
 
     def projector(self) -> dict[str, torch.Tensor] | None:
-        """The projector's weights under mimo's ``Projection`` names (None: no projector)."""
+        """The projector's weights under mimo's ``Projection`` names, in the dtype stored
+        (None: no projector)."""
         if not self.projector_names:
             return None
         weights = self.weights()
         prefix = self.projector_prefix(weights)
-        return {ours: weights(prefix + theirs) for ours, theirs in self.projector_names}
+        return {ours: weights.part(prefix + theirs) for ours, theirs in self.projector_names}
 
     def load_tower(self, tower: torch.nn.Module) -> None:
         """The tower's weights (fp32) into ``tower``, built from the checkpoint's

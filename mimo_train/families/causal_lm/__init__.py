@@ -10,7 +10,9 @@ Qwen3.5-MoE), as megatron-core's local-spec ``GPTModel``.
 - ``weights``: ``to_megatron`` converts the transformers weights into one TP/PP rank's part of
   the megatron state dict, ``to_hf`` merges TP parts back (for export),
   ``load_pretrained_language`` loads a rank's part into a built ``GPTModel``;
-- ``delta_net``: Qwen3.5's gated delta-net layers' weights.
+- ``delta_net``: Qwen3.5's gated delta-net layers' weights;
+- ``parts``: a TP rank's parts of the checkpoint's tensors, read as the converters cut them
+  (safetensors slices, the dtype stored), the experts a rank holds alone.
 
 Name mapping (layer ``N`` global in transformers, local to the pipeline stage in megatron):
 
@@ -70,10 +72,9 @@ from mimo_train.families.causal_lm.architecture import (FAMILIES, HYBRID, LINEAR
                                                         LanguageArch, LinearAttention,
                                                         gpt_fields, read_architecture,
                                                         transformer_fields)
-from mimo_train.families.causal_lm.weights import (adapters_to_hf, expert_matrices,
-                                                   load_pretrained_language, to_hf,
-                                                   to_megatron)
+from mimo_train.families.causal_lm.weights import (adapters_to_hf, load_pretrained_language,
+                                                   to_hf, to_megatron)
 
 __all__ = ["FAMILIES", "HYBRID", "LINEAR", "MIXTURES", "LanguageArch", "LinearAttention",
-           "adapters_to_hf", "expert_matrices", "gpt_fields", "load_pretrained_language",
+           "adapters_to_hf", "gpt_fields", "load_pretrained_language",
            "read_architecture", "to_hf", "to_megatron", "transformer_fields"]

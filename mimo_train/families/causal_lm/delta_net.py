@@ -19,11 +19,10 @@ the TP-1 layout, which ``to_hf`` takes as one part.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from mimo_train.families.causal_lm.architecture import LinearAttention
+from mimo_train.families.causal_lm.parts import RankParts
 
 
 def _sections(linear: LinearAttention, tp: int) -> list[int]:
@@ -32,22 +31,20 @@ def _sections(linear: LinearAttention, tp: int) -> list[int]:
     return [k, k, v, v, heads, heads]
 
 
-def to_megatron(hf: Callable[[str], torch.Tensor], linear: LinearAttention, src: str,
-                dst: str, tp_rank: int, tp_size: int) -> dict:
-    """One TP rank's gated delta-net weights (``dst``) from transformers' (``src``)."""
-    def rank(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
-        return tensor.chunk(tp_size, dim=dim)[tp_rank]
-
-    split = [linear.key_dim, linear.key_dim, linear.value_dim]
-    q, k, v = hf(src + "in_proj_qkv.weight").split(split)
-    extra = [hf(src + f"in_proj_{name}.weight") for name in ("z", "b", "a")]
-    conv = hf(src + "conv1d.weight").split(split)
-    return {dst + "in_proj.weight": torch.cat([rank(t) for t in (q, k, v, *extra)]),
-            dst + "conv1d.weight": torch.cat([rank(t) for t in conv]),
-            dst + "A_log": rank(hf(src + "A_log")).clone(),
-            dst + "dt_bias": rank(hf(src + "dt_bias")).clone(),
-            dst + "out_norm.weight": hf(src + "norm.weight"),
-            dst + "out_proj.weight": rank(hf(src + "out_proj.weight"), 1).clone()}
+def to_megatron(parts: RankParts, linear: LinearAttention, src: str, dst: str) -> dict:
+    """One TP rank's gated delta-net weights (``dst``) from transformers' (``src``), each
+    section's rows read apart."""
+    sections = [(linear.key_dim, 0), (linear.key_dim, linear.key_dim),
+                (linear.value_dim, 2 * linear.key_dim)]
+    qkv = [parts.rows(src + "in_proj_qkv.weight", *section) for section in sections]
+    extra = [parts.rows(src + f"in_proj_{name}.weight") for name in ("z", "b", "a")]
+    conv = [parts.rows(src + "conv1d.weight", *section) for section in sections]
+    return {dst + "in_proj.weight": torch.cat([*qkv, *extra]),
+            dst + "conv1d.weight": torch.cat(conv),
+            dst + "A_log": parts.rows(src + "A_log"),
+            dst + "dt_bias": parts.rows(src + "dt_bias"),
+            dst + "out_norm.weight": parts.whole(src + "norm.weight"),
+            dst + "out_proj.weight": parts.cols(src + "out_proj.weight")}
 
 
 def to_hf(parts: list[dict], linear: LinearAttention, src: str, dst: str) -> dict:

@@ -1,6 +1,7 @@
 """The language model's weights between transformers' names and megatron-core's: ``to_megatron``
-gives one TP/PP rank's part of the megatron state dict, ``to_hf`` merges TP parts back (for
-export), ``adapters_to_hf`` names LoRA adapters as transformers' layers,
+gives one TP/PP rank's part of the megatron state dict (reading only that part: ``parts``),
+``to_hf`` merges TP parts back (for export), ``adapters_to_hf`` names LoRA adapters as
+transformers' layers,
 ``load_pretrained_language`` loads a rank's part into a built ``GPTModel``. Qwen3.5's gated
 delta-net layers: ``delta_net``.
 """
@@ -12,25 +13,36 @@ from collections.abc import Callable, Iterable
 import torch
 
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import CheckpointWeights
+from mimo_train.families.base import CheckpointWeights, Tensors
 import mimo_train.families.causal_lm.delta_net as delta_net
 from mimo_train.families.causal_lm.architecture import LanguageArch
+from mimo_train.families.causal_lm.parts import RankParts
 
 
-def _extend_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
-    """``weight`` with rows appended up to ``rows``, each the mean of the existing rows."""
-    extra = rows - weight.size(0)
-    if extra < 0:
-        raise TrainConfigError(f"the language vocabulary {rows} is smaller than the "
-                               f"checkpoint's {weight.size(0)}")
-    return torch.cat([weight, weight.mean(0, keepdim=True).expand(extra, -1)])
+def _vocabulary_rows(parts: RankParts, name: str, vocab_size: int) -> torch.Tensor:
+    """This rank's rows of ``name`` (an embedding or output layer) extended to ``vocab_size``
+    rows, each row past the checkpoint's the mean of its rows."""
+    stored = parts.tensors.shape(name)[0]
+    if vocab_size < stored:
+        raise TrainConfigError(f"the language vocabulary {vocab_size} is smaller than the "
+                               f"checkpoint's {stored}")
+    rows = parts.span(vocab_size)
+    if rows.stop <= stored:
+        return parts.tensors.part(name, (rows,))
+    # rows past the checkpoint's: their mean needs every row, so the whole is read (in fp32,
+    # the mean's dtype)
+    weight = parts.tensors.part(name).float()
+    extra = vocab_size - stored
+    return torch.cat([weight, weight.mean(0, keepdim=True).expand(extra, -1)])[rows].clone()
 
 
-def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LanguageArch) -> torch.Tensor:
-    """q, k, v (weights or biases) in megatron's per-group layout: the group's query heads,
-    (with the attention gate) its gate heads, its key head, its value head. transformers'
-    gated ``q_proj`` holds each head's query then its gate."""
-    groups, d = arch.num_query_groups, arch.kv_channels
+def _qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: LanguageArch,
+         groups: int | None = None) -> torch.Tensor:
+    """q, k, v (weights or biases) of ``groups`` query groups (default: all) in megatron's
+    per-group layout: the group's query heads, (with the attention gate) its gate heads, its
+    key head, its value head. transformers' gated ``q_proj`` holds each head's query then its
+    gate."""
+    groups, d = groups or arch.num_query_groups, arch.kv_channels
     rest = q.shape[1:]
     if arch.attention_gate:
         heads = q.reshape(-1, 2, d, *rest)
@@ -56,107 +68,124 @@ def _split_qkv(qkv: torch.Tensor, arch: LanguageArch):
     return (q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest))
 
 
-def to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, *, tp_rank: int,
-                tp_size: int, layers: Iterable[int], first_stage: bool, last_stage: bool,
-                vocab_size: int, has: Callable[[str], bool] | None = None) -> dict:
+def to_megatron(hf: Callable[[str], torch.Tensor] | Tensors, arch: LanguageArch, *,
+                tp_rank: int, tp_size: int, layers: Iterable[int], first_stage: bool,
+                last_stage: bool, vocab_size: int, has: Callable[[str], bool] | None = None,
+                experts: range | None = None) -> dict:
     """One TP rank's megatron state dict for the global ``layers`` of its pipeline stage
-    (numbered from 0 locally), from ``hf(name)``; ``has(name)`` tells whether ``lm_head``
-    exists (tied checkpoints leave it out)."""
-    def rows(tensor):             # column-parallel: output features
-        return tensor.chunk(tp_size, dim=0)[tp_rank].clone()
-
-    def cols(tensor):             # row-parallel: input features
-        return tensor.chunk(tp_size, dim=1)[tp_rank].clone()
-
+    (numbered from 0 locally), from ``hf``: ``Tensors`` (``CheckpointWeights`` reads only the
+    rank's parts, in the dtype stored), or a function giving a whole tensor by name (the parts
+    cut from it); ``has(name)`` tells whether ``lm_head`` exists (tied checkpoints leave it
+    out); ``experts``: the experts this rank holds, numbered from 0 locally (default: all)."""
+    parts = RankParts(hf if isinstance(hf, Tensors) else Tensors(hf), tp_rank, tp_size)
     state = {}
     for local, layer in enumerate(layers):
         src, dst = f"{arch.prefix}layers.{layer}.", f"decoder.layers.{local}."
         attn, mlp = src + "self_attn.", src + "mlp."
-        state[dst + "input_layernorm.weight"] = hf(src + "input_layernorm.weight")
+        state[dst + "input_layernorm.weight"] = parts.whole(src + "input_layernorm.weight")
         if arch.linear_layer(layer):
             assert arch.linear is not None
-            state.update(delta_net.to_megatron(hf, arch.linear, src + "linear_attn.",
-                                               dst + "self_attention.", tp_rank, tp_size))
+            state.update(delta_net.to_megatron(parts, arch.linear, src + "linear_attn.",
+                                               dst + "self_attention."))
         else:
-            state.update(_attention_to_megatron(hf, arch, attn, dst + "self_attention.",
-                                                rows, cols))
-        state[dst + "pre_mlp_layernorm.weight"] = hf(src + "post_attention_layernorm.weight")
+            state.update(_attention_to_megatron(parts, arch, attn, dst + "self_attention."))
+        state[dst + "pre_mlp_layernorm.weight"] = parts.whole(
+            src + "post_attention_layernorm.weight")
         if arch.experts:
-            state.update(_experts_to_megatron(hf, arch, mlp, dst + "mlp.", rows, cols))
+            state.update(_experts_to_megatron(parts, arch, mlp, dst + "mlp.", experts))
             continue
         state[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [rows(hf(mlp + "gate_proj.weight")), rows(hf(mlp + "up_proj.weight"))])
-        state[dst + "mlp.linear_fc2.weight"] = cols(hf(mlp + "down_proj.weight"))
+            [parts.rows(mlp + "gate_proj.weight"), parts.rows(mlp + "up_proj.weight")])
+        state[dst + "mlp.linear_fc2.weight"] = parts.cols(mlp + "down_proj.weight")
     if first_stage:
-        state["embedding.word_embeddings.weight"] = rows(
-            _extend_rows(hf(arch.prefix + "embed_tokens.weight"), vocab_size))
+        state["embedding.word_embeddings.weight"] = _vocabulary_rows(
+            parts, arch.prefix + "embed_tokens.weight", vocab_size)
     if last_stage:
-        state["decoder.final_layernorm.weight"] = hf(arch.prefix + "norm.weight")
+        state["decoder.final_layernorm.weight"] = parts.whole(arch.prefix + "norm.weight")
         untied = not arch.tied and (has is None or has(arch.head))
-        output = hf(arch.head) if untied else hf(arch.prefix + "embed_tokens.weight")
-        state["output_layer.weight"] = rows(_extend_rows(output, vocab_size))
+        output = arch.head if untied else arch.prefix + "embed_tokens.weight"
+        state["output_layer.weight"] = _vocabulary_rows(parts, output, vocab_size)
     return state
 
 
-def _attention_to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, src: str,
-                           dst: str, rows: Callable, cols: Callable) -> dict:
+def _attention_to_megatron(parts: RankParts, arch: LanguageArch, src: str, dst: str) -> dict:
     """One attention block (``self_attn.``): q, k, v (with the gate) fused, the qk-norms, the
     output projection."""
-    state = {dst + "linear_qkv.weight": rows(_qkv(
-        hf(src + "q_proj.weight"), hf(src + "k_proj.weight"), hf(src + "v_proj.weight"), arch))}
+    state = {dst + "linear_qkv.weight": _qkv_rows(parts, arch, src, "weight")}
     if arch.qkv_bias:
-        state[dst + "linear_qkv.bias"] = rows(_qkv(
-            hf(src + "q_proj.bias"), hf(src + "k_proj.bias"), hf(src + "v_proj.bias"), arch))
+        state[dst + "linear_qkv.bias"] = _qkv_rows(parts, arch, src, "bias")
     if arch.qk_norm:
-        state[dst + "q_layernorm.weight"] = hf(src + "q_norm.weight")
-        state[dst + "k_layernorm.weight"] = hf(src + "k_norm.weight")
-    state[dst + "linear_proj.weight"] = cols(hf(src + "o_proj.weight"))
+        state[dst + "q_layernorm.weight"] = parts.whole(src + "q_norm.weight")
+        state[dst + "k_layernorm.weight"] = parts.whole(src + "k_norm.weight")
+    state[dst + "linear_proj.weight"] = parts.cols(src + "o_proj.weight")
     return state
 
 
-def _experts_to_megatron(hf: Callable[[str], torch.Tensor], arch: LanguageArch, src: str,
-                         dst: str, rows: Callable, cols: Callable) -> dict:
-    """One mixture-of-experts layer: the router (``gate.weight``) and each expert's
+def _qkv_rows(parts: RankParts, arch: LanguageArch, src: str, kind: str) -> torch.Tensor:
+    """This rank's rows of the fused q, k, v ``kind`` (weight or bias): its query groups'
+    heads of each."""
+    groups, d = arch.num_query_groups, arch.kv_channels
+    names = [f"{src}{proj}_proj.{kind}" for proj in "qkv"]
+    if groups % parts.tp_size:
+        # a rank's rows would cut a query group (megatron-core refuses this TP size): cut
+        # from the whole, as megatron's layout orders it
+        q, k, v = (parts.whole(name) for name in names)
+        whole = _qkv(q, k, v, arch)
+        return whole[parts.span(whole.size(0))].clone()
+    held = parts.span(groups)
+    query_rows = parts.tensors.shape(names[0])[0] // groups       # with the gate heads
+    q = parts.tensors.part(names[0], (slice(held.start * query_rows, held.stop * query_rows),))
+    k, v = (parts.tensors.part(name, (slice(held.start * d, held.stop * d),))
+            for name in names[1:])
+    return _qkv(q, k, v, arch, held.stop - held.start)
+
+
+def _experts_to_megatron(parts: RankParts, arch: LanguageArch, src: str, dst: str,
+                         experts: range | None) -> dict:
+    """One mixture-of-experts layer: the router (``gate.weight``) and each held expert's
     ``linear_fc1`` / ``linear_fc2`` from the fused ``experts.gate_up_proj`` (gate, then up)
-    and ``experts.down_proj`` (``expert_matrices``); TP splits each expert as a dense MLP.
-    Qwen3.5-MoE's shared expert (``shared_expert.*``) and its gate (``shared_expert_gate``)
-    as megatron-core's ``shared_experts``."""
-    gate_up, down = expert_matrices(hf(src + "experts.gate_up_proj"),
-                                    hf(src + "experts.down_proj"), arch)
-    state = {dst + "router.weight": hf(src + "gate.weight")}
-    for e in range(gate_up.size(0)):
-        gate, up = gate_up[e].chunk(2)
-        state[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([rows(gate),
-                                                                               rows(up)])
-        state[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = cols(down[e])
+    and ``experts.down_proj``, read as this rank's rows of each expert (``_fused_parts``); TP
+    splits each expert as a dense MLP. Qwen3.5-MoE's shared expert (``shared_expert.*``) and
+    its gate (``shared_expert_gate``) as megatron-core's ``shared_experts``."""
+    gate_up, down = src + "experts.gate_up_proj", src + "experts.down_proj"
+    held = range(parts.tensors.shape(gate_up)[0]) if experts is None else experts
+    if held.step != 1 or not 0 <= held.start <= held.stop <= parts.tensors.shape(gate_up)[0]:
+        raise ValueError(f"experts {held} are not a run of the checkpoint's "
+                         f"{parts.tensors.shape(gate_up)[0]} experts in {gate_up}")
+    ffn, hidden = arch.expert_ffn_hidden_size, arch.hidden_size
+    gate, up, down_rows = (
+        _fused_part(parts, gate_up, (2 * ffn, hidden), held, parts.span(ffn)),
+        _fused_part(parts, gate_up, (2 * ffn, hidden), held, parts.span(ffn, ffn)),
+        _fused_part(parts, down, (hidden, ffn), held, parts.span(ffn), columns=True))
+    state = {dst + "router.weight": parts.whole(src + "gate.weight")}
+    for e in range(len(held)):
+        state[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate[e], up[e]])
+        state[f"{dst}experts.local_experts.{e}.linear_fc2.weight"] = down_rows[e].contiguous()
     if arch.shared_expert_ffn_hidden_size:
         shared = src + "shared_expert."
         state[dst + "shared_experts.linear_fc1.weight"] = torch.cat(
-            [rows(hf(shared + "gate_proj.weight")), rows(hf(shared + "up_proj.weight"))])
-        state[dst + "shared_experts.linear_fc2.weight"] = cols(hf(shared + "down_proj.weight"))
-        state[dst + "shared_experts.gate_weight"] = hf(src + "shared_expert_gate.weight")
+            [parts.rows(shared + "gate_proj.weight"), parts.rows(shared + "up_proj.weight")])
+        state[dst + "shared_experts.linear_fc2.weight"] = parts.cols(shared + "down_proj.weight")
+        state[dst + "shared_experts.gate_weight"] = parts.whole(src + "shared_expert_gate.weight")
     return state
 
 
-def expert_matrices(gate_up: torch.Tensor, down: torch.Tensor, arch: LanguageArch
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused experts as ``[E, 2 · ffn, hidden]`` and ``[E, hidden, ffn]`` (transformers 5's
-    in-memory layout, as it saves them) from either that layout or the published one
-    (``[E, hidden, 2 · ffn]``, ``[E, ffn, hidden]``: Qwen3-VL-MoE's checkpoints, which
-    transformers transposes on load); where both fit (hidden = 2 · ffn), transformers' own
+def _fused_part(parts: RankParts, name: str, shape: tuple[int, int], held: range,
+                section: slice, columns: bool = False) -> torch.Tensor:
+    """The ``held`` experts' rows ``section`` (``columns``: columns) of the fused ``name``
+    in transformers 5's in-memory layout ``[E, *shape]`` (as it saves them), read from that
+    layout or the published one (``[E, *reversed(shape)]``: Qwen3-VL-MoE's checkpoints, which
+    transformers transposes on load); where both fit (a square ``shape``), transformers' own
     reading: the in-memory layout."""
-    hidden, ffn = arch.hidden_size, arch.expert_ffn_hidden_size
-    return (_in_memory(gate_up, (2 * ffn, hidden), "experts.gate_up_proj"),
-            _in_memory(down, (hidden, ffn), "experts.down_proj"))
-
-
-def _in_memory(fused: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
-    """``fused`` ``[E, *shape]``, transposed from ``[E, *reversed(shape)]`` if stored so."""
-    if tuple(fused.shape[1:]) == shape:
-        return fused
-    if tuple(fused.shape[1:]) == shape[::-1]:
-        return fused.transpose(1, 2)
-    raise TrainConfigError(f"the checkpoint's {name} has shape {tuple(fused.shape)}, neither "
+    stored = parts.tensors.shape(name)
+    experts = slice(held.start, held.stop)
+    if stored[1:] == shape:
+        index = (experts, slice(None), section) if columns else (experts, section)
+        return parts.tensors.part(name, index)
+    if stored[1:] == shape[::-1]:
+        index = (experts, section) if columns else (experts, slice(None), section)
+        return parts.tensors.part(name, index).transpose(1, 2)
+    raise TrainConfigError(f"the checkpoint's {name} has shape {stored}, neither "
                            f"[experts, {shape[0]}, {shape[1]}] nor its transpose: not the "
                            "architecture its config.json describes")
 
@@ -280,10 +309,11 @@ def adapters_to_hf(state: dict, arch: LanguageArch) -> dict[str, tuple]:
 
 def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageArch, *,
                              tp_rank: int, tp_size: int, layer_offset: int,
-                             vocab_size: int) -> None:
+                             vocab_size: int, experts: range | None = None) -> None:
     """Load this rank's part of the checkpoint ``path`` into ``model``, a built ``GPTModel``
-    (not DDP-wrapped) holding the stage's layers from global ``layer_offset`` on; every weight
-    of ``model`` must come from the checkpoint."""
+    (not DDP-wrapped) holding the stage's layers from global ``layer_offset`` on and the
+    ``experts`` of each mixture-of-experts layer (default: all); every weight of ``model``
+    must come from the checkpoint. Only the rank's parts are read, in the dtype stored."""
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     num_layers = len({k.split(".")[2] for k in own if k.startswith("decoder.layers.")})
     weights = CheckpointWeights(path)
@@ -291,7 +321,7 @@ def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageAr
                         layers=range(layer_offset, layer_offset + num_layers),
                         first_stage=getattr(model, "pre_process", True),
                         last_stage=getattr(model, "post_process", True),
-                        vocab_size=vocab_size, has=weights.__contains__)
+                        vocab_size=vocab_size, has=weights.__contains__, experts=experts)
     missing = sorted(set(own) - set(state))
     wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
              if k in state and state[k].shape != v.shape]
