@@ -8,7 +8,7 @@ delta-net layers: ``delta_net``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -77,26 +77,26 @@ def to_megatron(hf: Callable[[str], torch.Tensor] | Tensors, arch: LanguageArch,
     rank's parts, in the dtype stored), or a function giving a whole tensor by name (the parts
     cut from it); ``has(name)`` tells whether ``lm_head`` exists (tied checkpoints leave it
     out); ``experts``: the experts this rank holds, numbered from 0 locally (default: all)."""
-    parts = RankParts(hf if isinstance(hf, Tensors) else Tensors(hf), tp_rank, tp_size)
     state = {}
+    for part in to_megatron_by_layer(hf, arch, tp_rank=tp_rank, tp_size=tp_size, layers=layers,
+                                     first_stage=first_stage, last_stage=last_stage,
+                                     vocab_size=vocab_size, has=has, experts=experts):
+        state.update(part)
+    return state
+
+
+def to_megatron_by_layer(hf: Callable[[str], torch.Tensor] | Tensors, arch: LanguageArch, *,
+                         tp_rank: int, tp_size: int, layers: Iterable[int], first_stage: bool,
+                         last_stage: bool, vocab_size: int,
+                         has: Callable[[str], bool] | None = None,
+                         experts: range | None = None) -> Iterator[dict]:
+    """``to_megatron``'s state a layer at a time (each read when asked for), then the
+    embedding, final norm and output layer the stage holds: a loader holds one layer's part
+    besides the model."""
+    parts = RankParts(hf if isinstance(hf, Tensors) else Tensors(hf), tp_rank, tp_size)
     for local, layer in enumerate(layers):
-        src, dst = f"{arch.prefix}layers.{layer}.", f"decoder.layers.{local}."
-        attn, mlp = src + "self_attn.", src + "mlp."
-        state[dst + "input_layernorm.weight"] = parts.whole(src + "input_layernorm.weight")
-        if arch.linear_layer(layer):
-            assert arch.linear is not None
-            state.update(delta_net.to_megatron(parts, arch.linear, src + "linear_attn.",
-                                               dst + "self_attention."))
-        else:
-            state.update(_attention_to_megatron(parts, arch, attn, dst + "self_attention."))
-        state[dst + "pre_mlp_layernorm.weight"] = parts.whole(
-            src + "post_attention_layernorm.weight")
-        if arch.experts:
-            state.update(_experts_to_megatron(parts, arch, mlp, dst + "mlp.", experts))
-            continue
-        state[dst + "mlp.linear_fc1.weight"] = torch.cat(
-            [parts.rows(mlp + "gate_proj.weight"), parts.rows(mlp + "up_proj.weight")])
-        state[dst + "mlp.linear_fc2.weight"] = parts.cols(mlp + "down_proj.weight")
+        yield _layer_to_megatron(parts, arch, layer, f"decoder.layers.{local}.", experts)
+    state = {}
     if first_stage:
         state["embedding.word_embeddings.weight"] = _vocabulary_rows(
             parts, arch.prefix + "embed_tokens.weight", vocab_size)
@@ -105,6 +105,28 @@ def to_megatron(hf: Callable[[str], torch.Tensor] | Tensors, arch: LanguageArch,
         untied = not arch.tied and (has is None or has(arch.head))
         output = arch.head if untied else arch.prefix + "embed_tokens.weight"
         state["output_layer.weight"] = _vocabulary_rows(parts, output, vocab_size)
+    yield state
+
+
+def _layer_to_megatron(parts: RankParts, arch: LanguageArch, layer: int, dst: str,
+                       experts: range | None) -> dict:
+    """Global decoder layer ``layer`` as megatron's ``dst``."""
+    src = f"{arch.prefix}layers.{layer}."
+    attn, mlp = src + "self_attn.", src + "mlp."
+    state = {dst + "input_layernorm.weight": parts.whole(src + "input_layernorm.weight")}
+    if arch.linear_layer(layer):
+        assert arch.linear is not None
+        state.update(delta_net.to_megatron(parts, arch.linear, src + "linear_attn.",
+                                           dst + "self_attention."))
+    else:
+        state.update(_attention_to_megatron(parts, arch, attn, dst + "self_attention."))
+    state[dst + "pre_mlp_layernorm.weight"] = parts.whole(src + "post_attention_layernorm.weight")
+    if arch.experts:
+        state.update(_experts_to_megatron(parts, arch, mlp, dst + "mlp.", experts))
+        return state
+    state[dst + "mlp.linear_fc1.weight"] = torch.cat(
+        [parts.rows(mlp + "gate_proj.weight"), parts.rows(mlp + "up_proj.weight")])
+    state[dst + "mlp.linear_fc2.weight"] = parts.cols(mlp + "down_proj.weight")
     return state
 
 
@@ -313,19 +335,29 @@ def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageAr
     """Load this rank's part of the checkpoint ``path`` into ``model``, a built ``GPTModel``
     (not DDP-wrapped) holding the stage's layers from global ``layer_offset`` on and the
     ``experts`` of each mixture-of-experts layer (default: all); every weight of ``model``
-    must come from the checkpoint. Only the rank's parts are read, in the dtype stored."""
+    must come from the checkpoint. Only the rank's parts are read, in the dtype stored, a layer
+    at a time: besides the model, the host holds one layer's part."""
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
     num_layers = len({k.split(".")[2] for k in own if k.startswith("decoder.layers.")})
     weights = CheckpointWeights(path)
-    state = to_megatron(weights, arch, tp_rank=tp_rank, tp_size=tp_size,
-                        layers=range(layer_offset, layer_offset + num_layers),
-                        first_stage=getattr(model, "pre_process", True),
-                        last_stage=getattr(model, "post_process", True),
-                        vocab_size=vocab_size, has=weights.__contains__, experts=experts)
-    missing = sorted(set(own) - set(state))
-    wrong = [f"{k} {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
-             if k in state and state[k].shape != v.shape]
-    if missing or wrong:
-        raise TrainConfigError(f"model.language.pretrained {path} does not fit the language "
-                               f"model: missing {missing[:3]}, shapes {wrong[:3]}")
-    model.load_state_dict({k: state[k] for k in own}, strict=False)
+    missing = set(own)
+    for state in to_megatron_by_layer(
+            weights, arch, tp_rank=tp_rank, tp_size=tp_size,
+            layers=range(layer_offset, layer_offset + num_layers),
+            first_stage=getattr(model, "pre_process", True),
+            last_stage=getattr(model, "post_process", True), vocab_size=vocab_size,
+            has=weights.__contains__, experts=experts):
+        found = {k: v for k, v in state.items() if k in own}
+        wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in found.items()
+                 if v.shape != own[k].shape]
+        if wrong:
+            raise _does_not_fit(path, [], wrong)
+        model.load_state_dict(found, strict=False)
+        missing -= set(found)
+    if missing:
+        raise _does_not_fit(path, sorted(missing), [])
+
+
+def _does_not_fit(path: str, missing: list[str], wrong: list[str]) -> TrainConfigError:
+    return TrainConfigError(f"model.language.pretrained {path} does not fit the language "
+                            f"model: missing {missing[:3]}, shapes {wrong[:3]}")
