@@ -27,7 +27,7 @@ import tempfile
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench_scale import measure
+from bench_scale import start_table
 
 
 def write_tars(corpus: str, samples: int, out: str, per_tar: int = 1000) -> None:
@@ -119,20 +119,9 @@ def main() -> None:
                 print(f"--check {check} --workers {workers}: {line.split(': ', 1)[1]} "
                       f"(load {os.getloadavg()[0]:.1f})")
         base = os.path.join(work, "index-decode-1")
-        starts = {}
-        print(f"{'samples':>9s}  {'first start':>12s}  {'later start':>12s}  "
-              f"{'anonymous':>10s}  load")
-        for size in args.sizes:
-            dataset = scaled_index(base, size // args.samples, os.path.join(work, f"x{size}"))
-            first = measure("start", dataset, args.config)
-            later = measure("start", dataset, args.config)
-            starts[size] = later
-            print(f"{size:9d}  {first['seconds']:10.1f} s  {later['seconds']:10.2f} s  "
-                  f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
-                  f"{later['load']:.1f}")
-        small, large = min(starts), max(starts)
-        print(f"later start at {large} / at {small}: "
-              f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x (target <= 2)")
+        start_table(((size, scaled_index(base, size // args.samples,
+                                          os.path.join(work, f"x{size}")))
+                     for size in args.sizes), args.config)
     finally:
         shutil.rmtree(work)
 

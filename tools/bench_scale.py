@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -144,6 +145,26 @@ def forget_tables(dataset: str) -> None:
             os.remove(path)
 
 
+def start_table(datasets: Iterable[tuple[int, str]], config: str) -> dict[int, dict]:
+    """A language rank's start-up on each (size, dataset), twice (the first computes the
+    token table, the later one reads it), printed as a table with the ratio of the later
+    start-ups at the largest and smallest size; the later measurements by size."""
+    starts = {}
+    print(f"{'samples':>9s}  {'first start':>12s}  {'later start':>12s}  "
+          f"{'anonymous':>10s}  load")
+    for size, dataset in datasets:
+        first = measure("start", dataset, config)
+        later = measure("start", dataset, config)
+        starts[size] = later
+        print(f"{size:9d}  {first['seconds']:10.1f} s  {later['seconds']:10.2f} s  "
+              f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
+              f"{later['load']:.1f}")
+    small, large = min(starts), max(starts)
+    print(f"later start at {large} / at {small}: "
+          f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x (target <= 2)")
+    return starts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--corpus", default="assets/corpus")
@@ -164,20 +185,10 @@ def main() -> None:
         datasets = {size: scaled_dataset(base, size // args.base,
                                          os.path.join(work, f"scaled-{size}"))
                     for size in args.sizes}
-        starts = {}
-        print(f"{'samples':>9s}  {'first start':>12s}  {'later start':>12s}  "
-              f"{'anonymous':>10s}  load")
-        for size, dataset in datasets.items():
+        for dataset in datasets.values():
             forget_tables(dataset)
-            first = measure("start", dataset, args.config)
-            later = measure("start", dataset, args.config)
-            starts[size] = later
-            print(f"{size:9d}  {first['seconds']:10.1f} s  {later['seconds']:10.2f} s  "
-                  f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
-                  f"{later['load']:.1f}")
+        starts = start_table(datasets.items(), args.config)
         small, large = min(starts), max(starts)
-        print(f"later start at {large} / at {small}: "
-              f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x (target <= 2)")
         slope = (starts[large]["anonymous_kb"] - starts[small]["anonymous_kb"]) * 1024 / \
             (large - small)
         print(f"anonymous memory per sample (slope {small} -> {large}): {slope:.1f} bytes "
