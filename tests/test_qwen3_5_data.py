@@ -26,7 +26,6 @@ import dataclasses
 import io
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -36,58 +35,35 @@ from mimo_data.modalities.video import (
     VIDEO, normalize_video_pixels, patch_timestamps, sample_indices, video_grid_thw)
 from mimo_data.preprocess.collate import Collator
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+from mimo_data.preprocess.preprocessor import Preprocessor
 
 from conftest import REPO
+from support.qwen_media import PHOTOS, Conversations, media_bytes, turns, typed
+from support.qwen_media import processor as processor_of
+from support.qwen_media import records as records_of
+from support.qwen_media import reference as reference_of
 
 PUBLISHED = REPO / "assets" / "models" / "published"
 REPLICA = PUBLISHED / "Qwen--Qwen3.5-4B"
 MOE_REPLICA = PUBLISHED / "Qwen--Qwen3.5-35B-A3B"
 CONFIG = REPO / "configs" / "preprocess_qwen3_5.yaml"
-CLIPS = ("pan_h264_24", "zoom_mpeg4_10", "rotated_h264_24")
-PHOTOS = ("chelsea.jpg", "camera.png")
-
-
-def _turns(*texts: str) -> list[dict]:
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
-            for i, text in enumerate(texts)]
-
 
 # key -> turns (markers lead each content) and the media, in marker order
-CONVERSATIONS = {
-    "image": (_turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
-    "video": (_turns("<video>\nWhat moves?", "The camera pans across a person."),
+CONVERSATIONS: Conversations = {
+    "image": (turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
+    "video": (turns("<video>\nWhat moves?", "The camera pans across a person."),
               ["pan_h264_24"]),
-    "mixed": (_turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
+    "mixed": (turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
               ["chelsea.jpg", "zoom_mpeg4_10"]),
-    "two-images": (_turns("<image><image>\nCompare them.", "A cat and a camera."),
+    "two-images": (turns("<image><image>\nCompare them.", "A cat and a camera."),
                    ["chelsea.jpg", "camera.png"]),
     "system": ([{"role": "system", "content": "Answer in three words."},
-                *_turns("<image>\nWhat is it?", "A grey cat.")], ["chelsea.jpg"]),
-    "multi-turn": (_turns("<video>\nWhat is shown?", "A turned clip.",
-                          "<image>\nAnd here?", "A camera.", "Which came first?",
-                          "The clip."), ["rotated_h264_24", "camera.png"]),
-    "text": (_turns("What is a tar file?", "An archive."), []),
+                *turns("<image>\nWhat is it?", "A grey cat.")], ["chelsea.jpg"]),
+    "multi-turn": (turns("<video>\nWhat is shown?", "A turned clip.",
+                         "<image>\nAnd here?", "A camera.", "Which came first?",
+                         "The clip."), ["rotated_h264_24", "camera.png"]),
+    "text": (turns("What is a tar file?", "An archive."), []),
 }
-
-
-def _typed(messages: list[dict]) -> list[dict]:
-    """The messages as the processor's template takes them: media markers as typed parts."""
-    typed = []
-    for message in messages:
-        text, parts = message["content"], []
-        while text.startswith(("<image>", "<video>")):
-            parts.append({"type": text[1:6]})
-            text = text[7:]
-        typed.append({"role": message["role"],
-                      "content": [*parts, {"type": "text", "text": text}]})
-    return typed
-
-
-def _processor(replica: Path):
-    pytest.importorskip("torchvision")
-    from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(str(replica), cap_pixels_per_frame=False)
 
 
 @pytest.fixture(scope="module")
@@ -97,25 +73,18 @@ def config() -> PreprocessConfig:
 
 @pytest.fixture(scope="module")
 def processor():
-    return _processor(REPLICA)
+    return processor_of(REPLICA)
 
 
 @pytest.fixture(scope="module")
 def media(corpus, corpus_videos) -> dict[str, bytes]:
-    found = {name: (corpus / "images" / name).read_bytes() for name in PHOTOS}
-    return found | {name: corpus_videos[name].data for name in CLIPS}
+    return media_bytes(corpus, corpus_videos)
 
 
 @pytest.fixture(scope="module")
 def records(media) -> dict[str, tuple[dict, dict]]:
     """key -> (record, member bytes)."""
-    found = {}
-    for key, (messages, names) in CONVERSATIONS.items():
-        items = [media_item("video" if name in CLIPS else "image", media[name], i)
-                 for i, name in enumerate(names)]
-        found[key] = ({"key": key, "messages": messages, "media": items},
-                      {item["member"]: media[name] for item, name in zip(items, names)})
-    return found
+    return records_of(CONVERSATIONS, media)
 
 
 @pytest.fixture(scope="module")
@@ -128,33 +97,9 @@ def samples(preprocessor, records) -> dict:
     return {key: preprocessor(record, data) for key, (record, data) in records.items()}
 
 
-def _frames(data: bytes, rotation: int) -> np.ndarray:
-    """Every frame of a clip, plain PyAV, rotated for display."""
-    with av.open(io.BytesIO(data)) as container:
-        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    return np.ascontiguousarray(np.rot90(frames, rotation // 90, axes=(1, 2)))
-
-
-def _reference(processor, key: str, record: dict, media: dict) -> dict:
-    """The processor's output for the conversation through its own (published) chat template,
-    with the video metadata."""
-    from PIL import Image, ImageOps
-    prompt = processor.apply_chat_template(_typed(record["messages"]), tokenize=False)
-    names = CONVERSATIONS[key][1]
-    images = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
-              for name in names if name in PHOTOS]
-    videos = [item for item in record["media"] if item["modality"] == "video"]
-    clips = [_frames(media[name], item["rotation"])
-             for name, item in zip([n for n in names if n in CLIPS], videos)]
-    return processor(
-        text=[prompt], images=images or None, videos=clips or None,
-        video_metadata=[{"total_num_frames": item["frames"], "fps": item["fps"]}
-                        for item in videos] or None, return_tensors="pt")
-
-
 @pytest.fixture(scope="module")
 def reference(processor, records, media) -> dict:
-    return {key: _reference(processor, key, record, media)
+    return {key: reference_of(processor, CONVERSATIONS[key][1], record, media)
             for key, (record, _) in records.items()}
 
 
@@ -181,7 +126,8 @@ def test_the_moe_repository_gives_the_same(config, records, media):
     """The MoE replica's own tokenizer and processor (its files are the dense one's)."""
     moe = dataclasses.replace(config, tokenizer=str(MOE_REPLICA))
     record, data = records["mixed"]
-    expected = _reference(_processor(MOE_REPLICA), "mixed", record, media)["input_ids"][0]
+    expected = reference_of(processor_of(MOE_REPLICA), CONVERSATIONS["mixed"][1], record,
+                            media)["input_ids"][0]
     assert Preprocessor(moe)(record, data).input_ids.tolist() == expected[:-1].tolist()
 
 
@@ -193,7 +139,7 @@ def test_trained_tokens_are_what_the_model_writes_after_the_generation_prompt(
     which the template writes with no think block."""
     tokenizer = processor.tokenizer
     for key, (record, _) in records.items():
-        messages = _typed(record["messages"])
+        messages = typed(record["messages"])
         text = processor.apply_chat_template(messages, tokenize=False)
         last_query = max(i for i, m in enumerate(messages) if m["role"] == "user")
         expected = []
@@ -236,7 +182,7 @@ def test_the_training_template_renders_the_published_text(config, records, proce
     tagged = Path(config.chat_template).read_text()
     assert processor.chat_template == (REPLICA / "chat_template.jinja").read_text()
     assert "{%- generation %}" in tagged and "{%- generation %}" not in processor.chat_template
-    cases = {key: _typed(record["messages"]) for key, (record, _) in records.items()}
+    cases = {key: typed(record["messages"]) for key, (record, _) in records.items()}
     for key, messages in (cases | TEMPLATE_CASES).items():
         for prompt in ({}, {"add_generation_prompt": True},
                        {"add_generation_prompt": True, "enable_thinking": False}):

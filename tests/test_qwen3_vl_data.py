@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import io
 
-import av
 import numpy as np
 import pytest
 import torch
@@ -31,33 +30,29 @@ from mimo_data.modalities.video import (
     video_grid_thw)
 from mimo_data.preprocess.collate import Collator
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_data.preprocess.preprocessor import Preprocessor, media_item
+from mimo_data.preprocess.preprocessor import Preprocessor
 
 from conftest import REPO
+from support.qwen_media import PHOTOS, Conversations, media_bytes, turns
+from support.qwen_media import processor as processor_of
+from support.qwen_media import records as records_of
+from support.qwen_media import reference as reference_of
 
 REPLICA = REPO / "assets" / "models" / "published" / "Qwen--Qwen3-VL-2B-Instruct"
 CONFIG = REPO / "configs" / "preprocess_qwen3_vl.yaml"
-CLIPS = ("pan_h264_24", "zoom_mpeg4_10", "rotated_h264_24")
-PHOTOS = ("chelsea.jpg", "camera.png")
-
-
-def _turns(*texts: str) -> list[dict]:
-    return [{"role": "user" if i % 2 == 0 else "assistant", "content": text}
-            for i, text in enumerate(texts)]
-
 
 # key -> turns (markers lead each content) and the media, in marker order
-CONVERSATIONS = {
-    "image": (_turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
-    "video": (_turns("<video>\nWhat moves?", "The camera pans across a person."),
+CONVERSATIONS: Conversations = {
+    "image": (turns("<image>\nWhat animal is this?", "A cat."), ["chelsea.jpg"]),
+    "video": (turns("<video>\nWhat moves?", "The camera pans across a person."),
               ["pan_h264_24"]),
-    "mixed": (_turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
+    "mixed": (turns("<image><video>\nSame scene?", "No: a cat, then a camera zooming."),
               ["chelsea.jpg", "zoom_mpeg4_10"]),
-    "two-images": (_turns("<image><image>\nCompare them.", "A cat and a camera."),
+    "two-images": (turns("<image><image>\nCompare them.", "A cat and a camera."),
                    ["chelsea.jpg", "camera.png"]),
-    "multi-turn": (_turns("<video>\nWhat is shown?", "A turned clip.",
-                          "<image>\nAnd here?", "A camera."), ["rotated_h264_24", "camera.png"]),
-    "text": (_turns("What is a tar file?", "An archive."), []),
+    "multi-turn": (turns("<video>\nWhat is shown?", "A turned clip.",
+                         "<image>\nAnd here?", "A camera."), ["rotated_h264_24", "camera.png"]),
+    "text": (turns("What is a tar file?", "An archive."), []),
 }
 
 
@@ -68,27 +63,18 @@ def config() -> PreprocessConfig:
 
 @pytest.fixture(scope="module")
 def processor():
-    pytest.importorskip("torchvision")
-    from transformers import AutoProcessor
-    return AutoProcessor.from_pretrained(str(REPLICA), cap_pixels_per_frame=False)
+    return processor_of(REPLICA)
 
 
 @pytest.fixture(scope="module")
 def media(corpus, corpus_videos) -> dict[str, bytes]:
-    found = {name: (corpus / "images" / name).read_bytes() for name in PHOTOS}
-    return found | {name: corpus_videos[name].data for name in CLIPS}
+    return media_bytes(corpus, corpus_videos)
 
 
 @pytest.fixture(scope="module")
 def records(media) -> dict[str, tuple[dict, dict]]:
     """key -> (record, member bytes)."""
-    found = {}
-    for key, (messages, names) in CONVERSATIONS.items():
-        items = [media_item("video" if name in CLIPS else "image", media[name], i)
-                 for i, name in enumerate(names)]
-        found[key] = ({"key": key, "messages": messages, "media": items},
-                      {item["member"]: media[name] for item, name in zip(items, names)})
-    return found
+    return records_of(CONVERSATIONS, media)
 
 
 @pytest.fixture(scope="module")
@@ -101,40 +87,14 @@ def samples(preprocessor, records) -> dict:
     return {key: preprocessor(record, data) for key, (record, data) in records.items()}
 
 
-def _frames(data: bytes, rotation: int) -> np.ndarray:
-    """Every frame of a clip, plain PyAV, rotated for display."""
-    with av.open(io.BytesIO(data)) as container:
-        frames = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
-    return np.ascontiguousarray(np.rot90(frames, rotation // 90, axes=(1, 2)))
 
 
 @pytest.fixture(scope="module")
 def reference(processor, records, media) -> dict:
     """key -> the processor's output for the conversation through its chat template (media
     first in each content, as the template takes typed parts), with the video metadata."""
-    from PIL import Image, ImageOps
-    found = {}
-    for key, (record, _) in records.items():
-        messages = []
-        for message in record["messages"]:
-            text = message["content"]
-            parts = []
-            while text.startswith(("<image>", "<video>")):
-                parts.append({"type": text[1:6]})
-                text = text[7:]
-            messages.append({"role": message["role"],
-                             "content": [*parts, {"type": "text", "text": text}]})
-        prompt = processor.apply_chat_template(messages, tokenize=False)
-        images = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
-                  for name in CONVERSATIONS[key][1] if name in PHOTOS]
-        videos = [item for item in record["media"] if item["modality"] == "video"]
-        clips = [_frames(media[name], item["rotation"])
-                 for name, item in zip([n for n in CONVERSATIONS[key][1] if n in CLIPS], videos)]
-        found[key] = processor(
-            text=[prompt], images=images or None, videos=clips or None,
-            video_metadata=[{"total_num_frames": item["frames"], "fps": item["fps"]}
-                            for item in videos] or None, return_tensors="pt")
-    return found
+    return {key: reference_of(processor, CONVERSATIONS[key][1], record, media)
+            for key, (record, _) in records.items()}
 
 
 def test_input_ids_masks_and_counts_equal_the_processors(preprocessor, records, samples,
