@@ -270,7 +270,7 @@ def test_qwen3_5_dims_from_the_checkpoint_config():
     from mimo_train.planning.dims import language_stack
     assert language_stack(language_plan(LanguageConfig(), str(QWEN3_5))) == HYBRID
     moe = language_stack(language_plan(LanguageConfig(), str(QWEN3_5_MOE)))
-    assert moe == Stack(4, 64, 4, 2, 64, 24, gated=True, vocab=248320, experts=4,
+    assert moe == Stack(4, 64, 4, 2, 64, 24, gated=True, vocab=248320, experts=8,
                         experts_per_token=2, shared_expert_ffn=32,
                         layer_types=HYBRID.layer_types, linear=HYBRID.linear,
                         attention_gate=True)
@@ -355,7 +355,7 @@ def test_shared_expert_flops_are_what_torch_counts(qwen3_5_text):
     torch.manual_seed(0)
     block = Qwen3_5MoeSparseMoeBlock(qwen3_5_text[1])
     counted = _counted(block, torch.randn(1, 100, 64))
-    moe = Stack(4, 64, 4, 2, 64, 24, gated=True, experts=4, experts_per_token=2,
+    moe = Stack(4, 64, 4, 2, 64, 24, gated=True, experts=8, experts_per_token=2,
                 shared_expert_ffn=32)
     attention = Stack(4, 64, 4, 2, 64, 0, gated=True)
     assert counted == {"mm": 100 * (layer_flops_per_token(moe)

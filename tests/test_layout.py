@@ -171,3 +171,49 @@ def test_rank_order_is_megatron_hyper_comm_grid_order(spec, monkeypatch):
     for rank in module.ranks:
         assert module.rank_of(**module.coordinates(rank)) == rank
     assert sorted(itertools.chain.from_iterable(grid.get_rank_enum("dp"))) == list(module.ranks)
+
+
+def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
+    layout = Layout.from_string("language=tp2,dp4,ep4,etp1;image=dp2")
+    language = layout.language
+    assert (language.ep, language.etp, language.expert_tp, language.expert_dp) == (4, 1, 1, 2)
+    assert language.size == 8 and layout.module("image").rank_offset == 8
+    assert Layout.from_string(str(layout)) == layout == Layout.from_dict(layout.to_dict())
+    assert Layout.from_string("language=tp2,dp2").language.expert_tp == 2    # etp: tp's
+    assert "ep" not in Layout.from_string("language=dp2").to_dict()["modules"]["language"]
+
+
+@pytest.mark.parametrize("text, words", [
+    ("language=tp2,dp2,ep8", ["etp2 x ep8 = 16", "tp x cp x dp = 4"]),
+    ("language=dp4,ep3", ["ep3", "does not divide"]),
+    ("language=dp2;image=dp2,ep2", ["'image'", "encoder has none"]),
+])
+def test_expert_layouts_megatron_cannot_lay_out_are_refused(text, words):
+    with pytest.raises(LayoutError) as error:
+        Layout.from_string(text).validate(4, 8, 1)
+    for word in words:
+        assert word in str(error.value)
+
+
+@pytest.mark.parametrize("spec", [dict(tp=2, dp=2, pp=2, ep=2), dict(tp=2, dp=4, ep=4, etp=1),
+                                  dict(tp=1, cp=2, dp=2, ep=2, pp=2, rank_offset=3)])
+def test_expert_groups_are_megatron_parallel_state_groups(spec, monkeypatch):
+    """The trainer's expert view (``grids.expert_view``) gives the expert groups
+    megatron-core's own ``RankGenerator`` gives for ``order="tp-ep-dp-pp"``."""
+    hyper_comm_grid = pytest.importorskip("megatron.core.hyper_comm_grid")
+    from megatron.core.parallel_state import RankGenerator
+    from mimo_train.mcore.grids import expert_view
+    module = ModuleLayout("language", **spec)
+    monkeypatch.setenv("WORLD_SIZE", str(module.ranks.stop))
+    grid = hyper_comm_grid.HyperCommGrid([module.tp, module.cp, module.dp, module.pp],
+                                         ["tp", "cp", "dp", "pp"],
+                                         rank_offset=module.rank_offset)
+    shape, names = expert_view(module)
+    grid.register_view("expert", shape=shape, dim_names=names, shared_dims=["pp"])
+    megatron = RankGenerator(tp=module.expert_tp, ep=module.ep, dp=module.expert_dp,
+                             pp=module.pp, cp=1, order="tp-ep-dp-pp",
+                             rank_offset=module.rank_offset)
+    for ours, theirs in (("expt_tp", "tp"), ("ep", "ep"), ("expt_dp", "dp"),
+                         (["expt_tp", "ep"], "tp-ep")):
+        assert sorted(grid.get_rank_enum(ours, view="expert")) == \
+            sorted(megatron.get_ranks(theirs)), (spec, ours)

@@ -1,7 +1,7 @@
 """Qwen3.5 through the model side: the published ``Qwen/Qwen3.5-4B`` and ``Qwen/Qwen3.5-35B-A3B``
 (mixture of experts with a shared expert) files (``assets/models/published``, dims shrunk by
 tools/make_published.py: four text layers, three gated delta-net (linear attention) then one
-gated full attention; the MoE's layers 4 experts, 2 per token, and a shared expert) as
+gated full attention; the MoE's layers 8 experts, 2 per token, and a shared expert) as
 ``model.pretrained``, on conversations from the corpus: a system turn and two images over two
 turns, text only, a video, an image and a video.
 
@@ -14,9 +14,10 @@ turns, text only, a video, an image and a video.
   alone (the delta-net's recurrent state and convolution window restart at each sample:
   ``mcore.delta_rule``);
 - the tower's module at dp2 fanning in to language tp2 (the delta-net's and the attention's
-  heads split over TP; the dense model packed, the MoE under sequence parallelism), and at dp1
-  fanning out to language dp2 in two pipeline stages (the gated attention layer on the second;
-  packed, the distributed optimizer, full recompute), give the colocated step: loss and every
+  heads split over TP; the dense model packed, the MoE under sequence parallelism, its experts
+  over ep4), and at dp1 fanning out to language dp2 in two pipeline stages (the gated attention
+  layer on the second; packed, the distributed optimizer, full recompute; the MoE's experts
+  over ep2), give the colocated step: loss and every
   gradient (the fan-in to 2e-4, as fp32 sums in another order give; the others to 1e-5);
 - import then export gives every weight of the checkpoint back bit for bit, the
   multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
@@ -48,7 +49,7 @@ from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
-# the dense 4B (tied embeddings) and the mixture-of-experts 35B-A3B (4 experts of 24, 2 per
+# the dense 4B (tied embeddings) and the mixture-of-experts 35B-A3B (8 experts of 24, 2 per
 # token, a shared expert of 32; untied), as published, dims shrunk
 CHECKPOINTS = {"4B": PUBLISHED / "Qwen--Qwen3.5-4B",
                "35B-A3B": PUBLISHED / "Qwen--Qwen3.5-35B-A3B"}
@@ -154,14 +155,20 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
     """The tower's module at dp2 fanning in to the language model at tp2 (the delta-net's key
     and value heads and the attention's heads split over the TP ranks): transformers' loss, and
     every gradient the colocated step has. The dense model packed; the mixture of experts with
-    sequence parallelism (megatron-core's MoE layer needs it under TP), padded."""
-    how = ["data.packing=true"] if run["name"] == "4B" else \
-        ["model.language.sequence_parallel=true"]
-    fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
+    sequence parallelism (megatron-core's MoE layer needs it under TP), padded, at tp2 x dp2
+    with its 8 experts over ep4, whole (etp1: two per rank, the all-to-all dispatcher over
+    four ranks; the shared expert split over TP)."""
+    dense = run["name"] == "4B"
+    how = ["data.packing=true"] if dense else ["model.language.sequence_parallel=true"]
+    language = "tp2" if dense else "tp2,dp2,ep4,etp1"
+    fan_in = step(ranks, run["tmp"] / "fan-in", 4 if dense else 6,
+                  f"layout=image=dp2,video;language={language}",
                   f"train.micro_batch_size={SAMPLES // 2}", *how,
-                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
-    _assert_loss(fan_in, reference, f"image dp2 -> language tp2, {how}")
-    compare(colocated, fan_in, f"image dp2 -> language tp2, {how}", GRADIENT_TOLERANCE)
+                  # the MoE imports the checkpoint itself: each rank reads its experts' slices
+                  *([f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}"] if dense
+                    else []), *run["common"])
+    _assert_loss(fan_in, reference, f"image dp2 -> language {language}, {how}")
+    compare(colocated, fan_in, f"image dp2 -> language {language}, {how}", GRADIENT_TOLERANCE)
 
 
 def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):
@@ -169,8 +176,11 @@ def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, col
     stages of two layers (delta-net, delta-net | delta-net, gated attention), its two samples
     packed in one row (the samples' boundaries cross the stages with the hidden states), the
     distributed optimizer and full recompute (each delta-net layer runs twice per
-    micro-batch). The 4B's embeddings are tied (as published)."""
-    staged = step(ranks, run["tmp"] / "pp2", 5, "layout=image=dp1,video;language=pp2,dp2",
+    micro-batch). The 4B's embeddings are tied (as published); the 35B-A3B's experts are laid
+    over the two DP ranks (ep2)."""
+    experts = "" if run["name"] == "4B" else ",ep2"
+    staged = step(ranks, run["tmp"] / "pp2", 5,
+                  f"layout=image=dp1,video;language=pp2,dp2{experts}",
                   "train.micro_batch_size=2", "data.packing=true", "optimizer.distributed=true",
                   "model.language.recompute=full",
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])

@@ -1,16 +1,17 @@
 """Qwen3-VL through the model side: the published ``Qwen/Qwen3-VL-2B-Instruct`` and
 ``Qwen/Qwen3-VL-30B-A3B-Instruct`` (mixture of experts) files (``assets/models/published``,
 dims shrunk by tools/make_published.py: four text layers, a four-block tower with deepstack
-blocks [0, 1, 2]; the MoE's layers 4 experts, 2 per token) as ``model.pretrained``, on
+blocks [0, 1, 2]; the MoE's layers 8 experts, 2 per token) as ``model.pretrained``, on
 conversations from the corpus: a system turn and two images over two turns, text only, a
 video, an image and a video.
 
 - step 1's loss at lr 0 equals transformers' own ``Qwen3VLForConditionalGeneration`` loss on
   the same micro-batches within 1e-5 (fp32, its ``labels=`` path), on the same trained-token
   count, one sample per micro-batch (padded) and packed;
-- the tower's module at dp2 fanning in to language tp2 (packed), and at dp1 fanning out to
-  language dp2 in two pipeline stages (the third deepstack layer's rows then cross to the
-  second stage), give the colocated step: loss and every gradient, the deepstack mergers' and
+- the tower's module at dp2 fanning in to language tp2 (packed; the MoE at tp2 x dp2, its
+  experts over ep2), and at dp1 fanning out to language dp2 in two pipeline stages (the third
+  deepstack layer's rows then cross to the second stage; the MoE's experts over ep2), give the
+  colocated step: loss and every gradient, the deepstack mergers' and
   the tower's inner blocks' included;
 - import then export gives every weight of the checkpoint back bit for bit; transformers'
   greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
@@ -44,7 +45,7 @@ from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
-# the dense 2B (tied embeddings) and the mixture-of-experts 30B-A3B (4 experts of 24, 2 per
+# the dense 2B (tied embeddings) and the mixture-of-experts 30B-A3B (8 experts of 24, 2 per
 # token; untied; sharded), as published, dims shrunk
 CHECKPOINTS = {"2B": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",
                "30B-A3B": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"}
@@ -110,24 +111,32 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
     every gradient the colocated step has, deepstack mergers included. The dense model
     packed; the mixture of experts with sequence parallelism (megatron-core's MoE layer needs
     it under TP; the deepstack rows are then split over the sequence as the embeddings are),
-    padded, each expert split over TP."""
+    padded, at tp2 x dp2 with its 8 experts over ep2 (each rank 4, each expert split over TP:
+    the all-to-all dispatcher between the two expert-parallel ranks)."""
     deepstack = [name for name in colocated["grads"]["image"] if "deepstack_merger" in name]
     assert len({name.split(".")[-3] for name in deepstack}) == 3, deepstack
-    how = ["data.packing=true"] if run["name"] == "2B" else \
-        ["model.language.sequence_parallel=true"]
-    fan_in = step(ranks, run["tmp"] / "fan-in", 4, "layout=image=dp2,video;language=tp2",
+    dense = run["name"] == "2B"
+    how = ["data.packing=true"] if dense else ["model.language.sequence_parallel=true"]
+    language = "tp2" if dense else "tp2,dp2,ep2"
+    fan_in = step(ranks, run["tmp"] / "fan-in", 4 if dense else 6,
+                  f"layout=image=dp2,video;language={language}",
                   f"train.micro_batch_size={SAMPLES // 2}", *how,
-                  f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
-    _assert_loss(fan_in, reference, f"image dp2 -> language tp2, {how}")
-    compare(colocated, fan_in, f"image dp2 -> language tp2, {how}")
+                  # the MoE imports the checkpoint itself: each rank reads its experts' slices
+                  *([f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}"] if dense
+                    else []), *run["common"])
+    _assert_loss(fan_in, reference, f"image dp2 -> language {language}, {how}")
+    compare(colocated, fan_in, f"image dp2 -> language {language}, {how}")
 
 
 def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):
     """The tower's one rank fanning out to two language DP ranks, each a pipeline of two
     stages of two layers: deepstack rows 0 and 1 are added on the first stage, row 2 crosses
     to the second with the hidden states; two micro-batches per pipeline through the 1F1B
-    schedule. The 2B's embeddings are tied (as published)."""
-    staged = step(ranks, run["tmp"] / "pp2", 5, "layout=image=dp1,video;language=pp2,dp2",
+    schedule. The 2B's embeddings are tied (as published); the 30B-A3B's experts are laid
+    over the two DP ranks (ep2: each stage's rank holds 4 of each layer's 8)."""
+    experts = "" if run["name"] == "2B" else ",ep2"
+    staged = step(ranks, run["tmp"] / "pp2", 5,
+                  f"layout=image=dp1,video;language=pp2,dp2{experts}",
                   "train.micro_batch_size=1",
                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
     if run["name"] == "2B":   # tied: the last stage's output layer holds the embedding's

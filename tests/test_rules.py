@@ -31,7 +31,7 @@ from mimo_train.planning.advisor import read_model, run_advisor
 PUBLISHED = MODELS / "published"
 CHECKPOINTS = {"qwen2-vl": PUBLISHED / "Qwen--Qwen2-VL-2B-Instruct",          # 2 layers
                "qwen3-vl": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",          # deepstack
-               "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct",  # 4 experts
+               "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct",  # 8 experts
                "qwen3.5": PUBLISHED / "Qwen--Qwen3.5-4B"}     # 2 delta-net key heads
 MODALITIES = {"image": "image", "video": "image"}       # one tower serves both
 
@@ -45,6 +45,7 @@ class Case:
     overrides: tuple[str, ...] = ()
     says: str = ""
     request: dict = field(default_factory=dict)
+    batch: int = 8            # the advisor's workload: its global batch
 
 
 # rule -> a config only that rule refuses (each rule of plan.rules has one: a new rule without
@@ -86,6 +87,12 @@ CASES = {
         "qwen3-vl-moe", "image=dp1,video;language=tp2", (),
         "trains under tensor parallelism (the layout's language tp2) only with sequence "
         "parallelism", {"sequence_parallel": False}),
+    "expert_parallel_needs_experts": Case(
+        "qwen3-vl", "image=dp1,video;language=dp2,ep2", (),
+        "expert parallelism, but its layers are dense"),
+    "experts_split_over_ep": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=dp3,ep3", (),
+        "experts per layer, which do not split over the layout's language ep3", batch=6),
     "experts_without_lora": Case(
         "qwen3-vl-moe", "image=dp1,video;language=dp1", ("model.lora.language.rank=4",),
         "adapters on its layers (its experts' among them) are not supported yet"),
@@ -119,12 +126,13 @@ def _training_yaml(tmp_path: Path, models: dict, case: Case) -> Path:
     return path
 
 
-def _workload(packing: bool) -> dict:
-    """Two steps of 8 samples of 200 to 340 tokens, each with a 4 x 4 image."""
-    return {"global_batch_size": 8, "micro_batch_size": 1, "seq_length": 1024,
+def _workload(packing: bool, batch: int = 8) -> dict:
+    """Two steps of ``batch`` samples of 200 tokens and up, each with a 4 x 4 image."""
+    return {"global_batch_size": batch, "micro_batch_size": 1, "seq_length": 1024,
             "packing": packing, "epochs": 1, "vocab_size": 151_700, "modalities": MODALITIES,
             "steps": [[{"tokens": 200 + 20 * i, "items": {"image": [16]},
-                        "grids": {"image": [[1, 4, 4]]}} for i in range(8)] for _ in range(2)]}
+                        "grids": {"image": [[1, 4, 4]]}} for i in range(batch)]
+                      for _ in range(2)]}
 
 
 def _advice(path: Path, models: dict, case: Case, layout: str | None, gpus: int) -> dict:
@@ -133,7 +141,7 @@ def _advice(path: Path, models: dict, case: Case, layout: str | None, gpus: int)
     model = read_model(str(path), str(preprocess), config, MODALITIES, "bf16")
     request = AdvisorRequest(str(path), str(preprocess), gpus, gpu="h200", layout=layout,
                              top=1000, **case.request)
-    return run_advisor(model, _workload(bool(model.packing)), request,
+    return run_advisor(model, _workload(bool(model.packing), case.batch), request,
                        variable_token_modalities(config), list(config.modalities))
 
 

@@ -228,6 +228,40 @@ SCRIPTS = {      # each test's script after the prelude, by the patch it shows
     torch.tanh(layer(x)).sum().backward()
     assert torch.equal(grad, layer.weight.grad)
     """,
+    "moe_splits": """
+    from megatron.core.transformer.moe import token_dispatcher
+    init_gloo()
+    # the dispatcher's split sizes after its move to the host, given to the all-to-all as
+    # megatron-core's mappings.py gives them (one rank: all to itself)
+    splits = lambda: token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([3]), as_numpy=True)
+    tokens, out = torch.arange(6.0).reshape(3, 2), torch.empty(3, 2)
+    exchange = lambda: dist.all_to_all_single(out, tokens, splits(), splits())
+    fails(exchange, "incompatible function arguments")
+    cpu_compat.activate(only=["moe_splits"])
+    exchange()
+    assert torch.equal(out, tokens)
+    """,
+    "uneven_gathers": """
+    import os
+    from megatron.core.tensor_parallel import mappings
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+    child = os.fork()                      # two ranks: this process 0, the child 1
+    rank = 0 if child else 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    world = dist.group.WORLD
+    cpu_compat.activate(only=["current_device"])           # their buffers' device
+    # rank 0 holds one row, rank 1 two (the expert TP ranks' token counts differ)
+    mine = torch.full((rank + 1, 2), float(rank + 1))
+    gather = lambda: mappings._gather_along_first_dim(mine, world, [1, 2])
+    fails(gather, "invalid tensor size")
+    cpu_compat.activate(only=["uneven_gathers"])
+    assert torch.equal(gather(), torch.tensor([[1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]))
+    dist.barrier()
+    if child == 0:
+        os._exit(0)
+    assert os.waitpid(child, 0)[1] == 0, "rank 1 failed"
+    """,
     "rng_tracker": """
     from megatron.core import tensor_parallel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -277,6 +311,14 @@ def test_activate_does_nothing_with_cuda(monkeypatch):
     assert cpu_compat.activate() == []
     with pytest.raises(ValueError, match="unknown cpu_compat patch"):
         cpu_compat.activate(only=["nope"], force=True)
+
+
+def test_moe_splits(compat):
+    compat("moe_splits")
+
+
+def test_uneven_gathers(compat):
+    compat("uneven_gathers")
 
 
 def test_compiled_methods(monkeypatch):

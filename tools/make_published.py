@@ -73,11 +73,12 @@ _QWEN3_VL = {"text_config.hidden_size": 64, "text_config.intermediate_size": 96,
              # three DeepStack taps, as the published [5, 11, 17] of 24 blocks
              "vision_config.deepstack_visual_indexes": [0, 1, 2]}
 # Qwen3-VL-MoE: the Qwen3-VL replica's dims, every layer sparse (as published: decoder_sparse_step
-# 1, no mlp_only_layers) with 4 experts, 2 per token. moe_intermediate_size 24, not 32: with
-# hidden 64 a 32 makes the fused gate_up_proj square ([4, 64, 64]), and transformers 5's
+# 1, no mlp_only_layers) with 8 experts, 2 per token (enough to lay out over ep 2 and 4).
+# moe_intermediate_size 24, not 32: with hidden 64 a 32 makes the fused gate_up_proj square
+# ([8, 64, 64]), and transformers 5's
 # Transpose(check_dims=True) on load then leaves the published [experts, hidden, 2 * moe]
 # layout untransposed (it transposes only when the shapes differ)
-_QWEN3_VL_MOE = {**_QWEN3_VL, "text_config.num_experts": 4,
+_QWEN3_VL_MOE = {**_QWEN3_VL, "text_config.num_experts": 8,
                  "text_config.num_experts_per_tok": 2, "text_config.moe_intermediate_size": 24}
 # Qwen3.5 (nested text_config / vision_config, no DeepStack): four text layers, so that the
 # published pattern (three gated delta-net layers, then one full attention layer,
@@ -98,10 +99,10 @@ _QWEN3_5_TEXT = {"text_config.hidden_size": 64, "text_config.num_hidden_layers":
                  "vision_config.intermediate_size": 48, "vision_config.num_heads": 2,
                  "vision_config.out_hidden_size": 64}
 _QWEN3_5 = {**_QWEN3_5_TEXT, "text_config.intermediate_size": 96}
-# Qwen3.5-MoE: every layer sparse (as published: no dense layer) with 4 experts, 2 per token,
-# and the shared expert; moe_intermediate_size 24 (fused gate_up_proj [4, 48, 64], not square,
+# Qwen3.5-MoE: every layer sparse (as published: no dense layer) with 8 experts, 2 per token,
+# and the shared expert; moe_intermediate_size 24 (fused gate_up_proj [8, 48, 64], not square,
 # as for Qwen3-VL-MoE), shared_expert_intermediate_size 32
-_QWEN3_5_MOE = {**_QWEN3_5_TEXT, "text_config.num_experts": 4,
+_QWEN3_5_MOE = {**_QWEN3_5_TEXT, "text_config.num_experts": 8,
                 "text_config.num_experts_per_tok": 2, "text_config.moe_intermediate_size": 24,
                 "text_config.shared_expert_intermediate_size": 32}
 # published repository -> (dotted config key -> tiny value, shards of the published weights)

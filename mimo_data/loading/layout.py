@@ -23,6 +23,10 @@ with ep=1 and tp fastest::
     rank = offset + tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
 so the trainer builds its grids with exactly these shapes and names and gets the same groups.
+
+Expert parallelism (``language=tp2,dp4,ep4``, optionally ``etp1``) lays a mixture-of-experts
+language model's experts over the same ranks (megatron-core's expert grid
+``[etp, ep, expert dp, pp]``): it changes neither a module's size nor the data its ranks get.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from mimo_data.modalities import MODALITIES as REGISTERED
 
 LANGUAGE = "language"          # megatron-core's fixed key for the language module
 DIMS = ("tp", "cp", "pp", "dp")
+EXPERT_DIMS = ("ep", "etp")     # the expert grid's: not part of a module's size
 GRID_DIM_NAMES = ("tp", "cp", "dp", "pp")   # HyperCommGrid dim_names, fastest first
 MODALITIES = tuple(REGISTERED)
 # Former default module names, still mapped to their modality (with a deprecation message).
@@ -80,14 +85,45 @@ class ModuleLayout:
     pp: int = 1
     dp: int = 1
     rank_offset: int = 0
+    # expert parallelism (the language model's mixture-of-experts layers): ``ep`` ranks share
+    # each layer's experts, each expert split over ``etp`` ranks (None: the module's tp);
+    # megatron-core carves this expert grid out of the same tp x cp x dp ranks, so neither
+    # changes the module's size nor what data its ranks get
+    ep: int = 1
+    etp: int | None = None
 
     def __post_init__(self):
-        for dim in (*DIMS, "rank_offset"):
+        for dim in (*DIMS, "rank_offset", *EXPERT_DIMS):
             value = getattr(self, dim)
+            if dim == "etp" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or \
                     value < (0 if dim == "rank_offset" else 1):
                 raise LayoutError(f"module {self.name!r}: {dim} is {value!r}; it must be an "
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
+        spread = self.tp * self.cp * self.dp
+        if spread % (self.expert_tp * self.ep):
+            raise LayoutError(
+                f"module {self.name!r}: etp{self.expert_tp} x ep{self.ep} = "
+                f"{self.expert_tp * self.ep} does not divide tp x cp x dp = {spread}: "
+                "megatron-core lays each pipeline stage's experts over its tp x cp x dp ranks "
+                "(expert data parallelism takes the rest); choose an ep that divides it")
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert is split over (``etp``, by default the module's ``tp``)."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert in a pipeline stage: tp x cp x dp / (etp x ep)."""
+        return self.tp * self.cp * self.dp // (self.expert_tp * self.ep)
+
+    @property
+    def expert_fields(self) -> dict[str, int]:
+        """``ep`` / ``etp`` where not their defaults (what ``spec`` and ``to_dict`` add)."""
+        return {**({"ep": self.ep} if self.ep > 1 else {}),
+                **({"etp": self.etp} if self.etp is not None else {})}
 
     @property
     def size(self) -> int:
@@ -113,7 +149,8 @@ class ModuleLayout:
         return self.rank_offset + tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
 
     def spec(self) -> str:
-        return (f"{self.name}=tp{self.tp},cp{self.cp},pp{self.pp},dp{self.dp},"
+        experts = "".join(f",{k}{v}" for k, v in self.expert_fields.items())
+        return (f"{self.name}=tp{self.tp},cp{self.cp},pp{self.pp},dp{self.dp}{experts},"
                 f"off{self.rank_offset}")
 
 
@@ -133,6 +170,22 @@ class ModuleRank:
     @property
     def dp_size(self) -> int:
         return self.module.dp
+
+    @property
+    def _stage_index(self) -> int:
+        """This rank's place among its pipeline stage's tp x cp x dp ranks (tp fastest)."""
+        module = self.module
+        return self.tp_rank + module.tp * (self.cp_rank + module.cp * self.dp_rank)
+
+    @property
+    def etp_rank(self) -> int:
+        """Rank in the expert tensor-parallel group (the expert view's fastest dim)."""
+        return self._stage_index % self.module.expert_tp
+
+    @property
+    def ep_rank(self) -> int:
+        """Rank in the expert-parallel group: it holds experts ``ep_rank * E/ep`` on."""
+        return self._stage_index // self.module.expert_tp % self.module.ep
 
     @property
     def first_stage(self) -> bool:
@@ -225,16 +278,17 @@ class Layout:
             name = name.strip()
             if not equals or not re.fullmatch(r"[A-Za-z_][\w-]*", name):
                 raise LayoutError(f"layout part {part!r}: write NAME=FIELD,... with fields "
-                                  "tpN, cpN, ppN, dpN, offN, image, audio")
+                                  "tpN, cpN, ppN, dpN, epN, etpN, offN, image, audio")
             values = {}
             for item in filter(None, (f.strip() for f in fields_text.split(","))):
                 if item in MODALITIES:
                     modalities[item] = name
                     continue
-                match = re.fullmatch(r"(tp|cp|pp|dp|off)(\d+)", item)
+                match = re.fullmatch(r"(tp|cp|pp|dp|ep|etp|off)(\d+)", item)
                 if not match:
                     raise LayoutError(f"module {name!r}: field {item!r} unknown; use tpN, cpN, "
-                                      "ppN, dpN, offN (rank offset), image or audio")
+                                      "ppN, dpN, epN (expert parallel), etpN (expert tensor "
+                                      "parallel), offN (rank offset), image or audio")
                 key = "rank_offset" if match[1] == "off" else match[1]
                 values[key] = int(match[2])
             module = ModuleLayout(name, **{"rank_offset": offset, **values})
@@ -259,10 +313,11 @@ class Layout:
         for entry in entries:
             entry = dict(entry)
             name = entry.pop("name", None)
-            extra = set(entry) - {*DIMS, "rank_offset"}
+            extra = set(entry) - {*DIMS, *EXPERT_DIMS, "rank_offset"}
             if not name or extra:
                 raise LayoutError(f"module entry {entry}: needs a name and only "
-                                  f"{[*DIMS, 'rank_offset']} (unknown: {sorted(extra)})")
+                                  f"{[*DIMS, *EXPERT_DIMS, 'rank_offset']} "
+                                  f"(unknown: {sorted(extra)})")
             module = ModuleLayout(name, **{"rank_offset": offset, **entry})
             modules.append(module)
             offset = module.ranks.stop
@@ -277,8 +332,8 @@ class Layout:
         return cls.parse(data)
 
     def to_dict(self) -> dict:
-        return {"modules": {m.name: {d: getattr(m, d) for d in (*DIMS, "rank_offset")}
-                            for m in self.modules},
+        return {"modules": {m.name: {**{d: getattr(m, d) for d in (*DIMS, "rank_offset")},
+                                     **m.expert_fields} for m in self.modules},
                 "modalities": dict(self.modalities)}
 
     def __str__(self) -> str:
@@ -328,6 +383,10 @@ class Layout:
         self._validate_ranks(world_size)
         language = self.language
         for module in self.encoders:
+            if module.expert_fields:
+                raise LayoutError(f"module {module.name!r} has {module.expert_fields}: expert "
+                                  f"parallelism splits the {LANGUAGE!r} module's "
+                                  "mixture-of-experts layers; an encoder has none: remove them")
             if not self.modalities_of(module.name):
                 raise LayoutError(f"encoder module {module.name!r} serves no modality: name it "
                                   f"after its modality ({'/'.join(MODALITIES)}) or tag it "

@@ -241,6 +241,45 @@ COMPILED = (("megatron.core.transformer.attention", "Attention", ("_apply_output
              ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")))
 
 
+def _patch_moe_splits() -> None:
+    # the all-to-all token dispatcher moves its split sizes to the host as numpy arrays only
+    # when they are CUDA tensors (moe_utils.maybe_move_tensor_to_cpu); on the CPU they stay
+    # tensors, which all_to_all_single's split sizes (a sequence of ints) do not take
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        moved = original(tensor, as_numpy, record_stream)
+        return moved.numpy() if as_numpy and torch.is_tensor(moved) else moved
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+def _patch_uneven_gathers() -> None:
+    # gloo's all_gather takes parts of equal sizes only; the expert tensor-parallel ranks
+    # exchange different token counts (mappings.py's split-size path): the same rows through
+    # an all_gather of parts padded to the largest (gloo only: NCCL takes uneven parts)
+    from megatron.core.tensor_parallel import mappings
+
+    gather = mappings._gather_along_first_dim
+
+    @functools.wraps(gather)
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or dist.get_backend(group) != "gloo":
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(size) for size in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+        padded[:input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:size] for part, size in zip(parts, sizes)])
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+
+
 def _patch_compiled_methods() -> None:
     # on the CPU, inductor compiles C++ for each of these methods and each new shape (over a
     # minute for one small layer on 2 cores, a C++ compiler needed); as written they compute
@@ -300,6 +339,17 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "for one small layer on 2 cores, again for each new shape; fails without a C++ "
           "compiler)",
           _patch_compiled_methods),
+    Patch("moe_splits",
+          "token_dispatcher.py:930-937 MoEAlltoAllTokenDispatcher keeps its input/output "
+          "splits as tensors on the CPU (moe_utils.py:1184 converts CUDA ones only), then "
+          "mappings.py:460 all_to_all_single under expert parallelism (TypeError: "
+          "alltoall_base(): incompatible function arguments)",
+          _patch_moe_splits),
+    Patch("uneven_gathers",
+          "tensor_parallel/mappings.py:154 all_gather of parts of different sizes, the MoE "
+          "token dispatcher's over the expert tensor-parallel group (token_dispatcher.py:739; "
+          "RuntimeError: ProcessGroupGloo::allgather: invalid tensor size)",
+          _patch_uneven_gathers),
     Patch("optimizers",
           "device='cuda' in optimizer/optimizer.py:1249 FP32Optimizer.__init__ (loss scale), "
           ":315, :690-702, models/mimo/optimizer.py:65,82,103 MimoOptimizer.get_grad_norm/step, "

@@ -1,8 +1,9 @@
 """Per-module ``HyperCommGrid``s and process-group collections, built from a ``Layout``.
 
 Every module (``language`` and each encoder) gets a grid of shape ``[tp, cp, dp, pp]`` with
-dim names ``tp, cp, dp, pp`` at its rank offset: the rank order ``mimo_data.loading.layout``
-uses for data placement, so the trainer's DP groups are the loader's DP slices. Group creation
+dim names ``tp, cp, dp, pp`` at its rank offset (and an expert view ``[expt_tp, ep, expt_dp,
+pp]`` over the same ranks: the layout's ``etp`` and ``ep``): the rank order
+``mimo_data.loading.layout`` uses for data placement, so the trainer's DP groups are the loader's DP slices. Group creation
 is collective over the whole world, so every rank builds every module's groups, in layout order;
 each rank then keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each
 encoder feeds ``language``. ``optimizer_groups``: a module's groups as its optimizer takes them.
@@ -15,7 +16,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from mimo_data.loading.layout import GRID_DIM_NAMES, LANGUAGE, Layout, RankRole
+from mimo_data.loading.layout import GRID_DIM_NAMES, LANGUAGE, Layout, ModuleLayout, RankRole
 from mimo_train.mcore import (HyperCommGrid, ProcessGroupCollection,
                               _get_pg_collection_for_optimizer)
 
@@ -58,6 +59,14 @@ class Infra:
         return {name: m for name, m in self.modules.items() if m.pgs is not None}
 
 
+def expert_view(module: ModuleLayout) -> tuple[list[int], list[str]]:
+    """The expert view's shape and dim names: each stage's tp x cp x dp ranks as etp x ep x
+    expert dp, etp fastest (megatron-core's ``tp-ep-dp-pp`` order); without ``ep`` it mirrors
+    the dense grid."""
+    return ([module.expert_tp, module.ep, module.expert_dp, module.pp],
+            ["expt_tp", "ep", "expt_dp", "pp"])
+
+
 def build_infra(layout: Layout, backend: str, timeout: timedelta | None = None) -> Infra:
     """Create every module's grid and groups (collective: call on all ranks, same layout);
     ``timeout``: their collectives' (torch's default when None)."""
@@ -67,9 +76,8 @@ def build_infra(layout: Layout, backend: str, timeout: timedelta | None = None) 
         shape = [getattr(module, dim) for dim in GRID_DIM_NAMES]
         grid = HyperCommGrid(shape, list(GRID_DIM_NAMES), rank_offset=module.rank_offset,
                              backend=backend)
-        # No expert parallelism: the expert view mirrors the dense one (expt_dp = dp).
-        grid.register_view("expert", shape=[module.tp, 1, module.cp * module.dp, module.pp],
-                           dim_names=["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
+        shape, names = expert_view(module)
+        grid.register_view("expert", shape=shape, dim_names=names, shared_dims=["pp"])
         for dims in _BASE_GROUPS:
             grid.create_pg(list(dims), timeout=timeout)
         for dims in _EXPERT_GROUPS:

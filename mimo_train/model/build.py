@@ -55,7 +55,8 @@ def language_transformer_config(plan: RunPlan, device: torch.device):
     return TransformerConfig(
         **dims, mrope_section=list(lm.mrope_section) if lm.mrope_section else None,
         tensor_model_parallel_size=language.tp, pipeline_model_parallel_size=language.pp,
-        context_parallel_size=language.cp, use_cpu_initialization=True,
+        context_parallel_size=language.cp, expert_model_parallel_size=language.ep,
+        expert_tensor_parallel_size=language.expert_tp, use_cpu_initialization=True,
         perform_initialization=True, bf16=precision == "bf16", params_dtype=dtype,
         pipeline_dtype=dtype,
         # per-token loss: the loss function returns (sum, tokens); gradients are divided by the
@@ -306,10 +307,16 @@ def load_language_weights(language_model, language: LanguagePlan, infra: Infra,
     path = language.pretrained
     assert path is not None
     part = infra.role.module(LANGUAGE)
+    arch = language_arch(path)
+    # expert parallelism: this rank's run of each layer's experts (megatron-core's
+    # local_expert_indices), each cut over the expert tensor parallelism
+    share = arch.experts // part.module.ep
     load_pretrained_language(
-        language_model, path, language_arch(path), tp_rank=part.tp_rank,
+        language_model, path, arch, tp_rank=part.tp_rank,
         tp_size=part.module.tp, vocab_size=vocab,
-        layer_offset=layer_offset(infra, LANGUAGE, language.num_layers))
+        layer_offset=layer_offset(infra, LANGUAGE, language.num_layers),
+        experts=range(part.ep_rank * share, (part.ep_rank + 1) * share) if arch.experts
+        else None, expert_tp=(part.etp_rank, part.module.expert_tp))
 
 
 def _projector(plan: RunPlan, setting: EncoderSetting) -> dict | None:

@@ -190,6 +190,27 @@ def experts_need_sequence_parallel(facts: Facts, layout: Layout, settings: Setti
 
 
 @rule
+def expert_parallel_needs_experts(facts: Facts, layout: Layout, settings: Settings
+                                  ) -> str | None:
+    fields = layout.language.expert_fields
+    if fields and not facts.experts:
+        return (f"the layout gives the language module {fields}, expert parallelism, but its "
+                "layers are dense (no mixture of experts): remove ep/etp from the layout")
+    return None
+
+
+@rule
+def experts_split_over_ep(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    ep = layout.language.ep
+    if facts.experts and facts.experts % ep:
+        return (f"the language model has {facts.experts} experts per layer, which do not "
+                f"split over the layout's language ep{ep} (each expert-parallel rank holds "
+                "the same number of whole experts): choose an ep that divides "
+                f"{facts.experts}")
+    return None
+
+
+@rule
 def experts_without_lora(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     if facts.experts and LANGUAGE in settings.lora:
         return ("model.lora adapts the language model, a mixture of experts: adapters on its "

@@ -6,7 +6,8 @@
 Builds ``mimo_train.training.trainer.Trainer`` from the overrides (``model.init_from`` gives every
 layout the same weights), runs one global batch forward and backward through the real schedule and
 gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token count,
-each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names,
+each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names
+(an expert's by its global number under expert parallelism),
 and the dtypes of each module's parameters and buffers and the names of the parameters it does not
 train. ``--save-init DIR`` first saves the freshly initialized model as a checkpoint in DIR.
 ``--save-batches`` adds the micro-batches the step trained on (as the loader gave them) to
@@ -94,6 +95,23 @@ def whole(key: str, param, tp, gated: bool, sections: list[int] | None = None
         split = [part.split(sections) for part in parts]
         return torch.cat([piece[i] for i in range(len(sections)) for piece in split])
     return torch.cat(parts, dim=param.partition_dim)
+
+
+def tp_of(param, pgs):
+    """The group a parameter is split over: an expert's (megatron-core marks its parameters
+    ``allreduce=False``) the expert tensor-parallel group, any other the TP group."""
+    return pgs.tp if getattr(param, "allreduce", True) else pgs.expt_tp
+
+
+def expert_key(key: str, ep, inner) -> str:
+    """``key`` with a local expert's number (``local_experts.<i>.``) made the layer's global
+    one: expert-parallel rank r holds experts r·E/ep on."""
+    head, found, tail = key.partition(".local_experts.")
+    if not found or ep is None or ep.size() == 1:
+        return key
+    local, rest = tail.split(".", 1)
+    share = inner.config.num_moe_experts // ep.size()
+    return f"{head}.local_experts.{ep.rank() * share + int(local)}.{rest}"
 
 
 def delta_net_sections(inner, key: str) -> list[int] | None:
@@ -221,10 +239,10 @@ def main(argv) -> None:
         gather_sharded_grads(module)
         offset = trainer.layer_offset(name)
         inner = unwrap(module)
-        tp = trainer.infra.modules[name].pgs.tp
+        pgs = trainer.infra.modules[name].pgs
         gated = getattr(getattr(inner, "config", None), "gated_linear_unit", False)
-        grads[name] = {global_key(key, offset): whole(key, param, tp, gated,
-                                                      delta_net_sections(inner, key))
+        grads[name] = {global_key(expert_key(key, pgs.ep, inner), offset): whole(
+                           key, param, tp_of(param, pgs), gated, delta_net_sections(inner, key))
                        for key, param in inner.named_parameters() if param.requires_grad}
         dtypes[name] = {key: str(t.dtype) for key, t in [*inner.named_parameters(),
                                                           *inner.named_buffers()]}

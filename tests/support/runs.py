@@ -58,7 +58,8 @@ def merged(out: Path) -> dict:
 
 def compare(reference: dict, other: dict, what: str, tolerance: float = TOLERANCE) -> None:
     """``other``'s step has ``reference``'s trained tokens, loss and every gradient (each
-    non-zero in the reference) within ``tolerance``: absolute for the loss, and for a gradient
+    non-zero in the reference, but for an expert no token was routed to) within
+    ``tolerance``: absolute for the loss, and for a gradient
     relative to its largest entry where that is over 1 (fp32 sums in another order differ by
     a few ulp of what they add up: a gradient of entries near 8 by about 2e-5)."""
     assert other["tokens"] == reference["tokens"] > 0, what
@@ -71,7 +72,9 @@ def compare(reference: dict, other: dict, what: str, tolerance: float = TOLERANC
     for module, grads in reference["grads"].items():
         assert set(other["grads"][module]) == set(grads), f"{what}: {module} parameters differ"
         for name, grad in grads.items():
-            assert grad.abs().sum() > 0, f"{module}.{name} got no gradient in the reference"
+            # an expert the router sent no token gets none (then none in ``other`` either)
+            assert grad.abs().sum() > 0 or ".local_experts." in name, \
+                f"{module}.{name} got no gradient in the reference"
             difference = (other["grads"][module][name] - grad).abs().max().item()
             scale = max(1.0, grad.abs().max().item())
             assert difference <= tolerance * scale, \

@@ -9,6 +9,7 @@ delta-net layers: ``delta_net``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -71,16 +72,19 @@ def _split_qkv(qkv: torch.Tensor, arch: LanguageArch):
 def to_megatron(hf: Callable[[str], torch.Tensor] | Tensors, arch: LanguageArch, *,
                 tp_rank: int, tp_size: int, layers: Iterable[int], first_stage: bool,
                 last_stage: bool, vocab_size: int, has: Callable[[str], bool] | None = None,
-                experts: range | None = None) -> dict:
+                experts: range | None = None,
+                expert_tp: tuple[int, int] | None = None) -> dict:
     """One TP rank's megatron state dict for the global ``layers`` of its pipeline stage
     (numbered from 0 locally), from ``hf``: ``Tensors`` (``CheckpointWeights`` reads only the
     rank's parts, in the dtype stored), or a function giving a whole tensor by name (the parts
     cut from it); ``has(name)`` tells whether ``lm_head`` exists (tied checkpoints leave it
-    out); ``experts``: the experts this rank holds, numbered from 0 locally (default: all)."""
+    out); ``experts``: the experts this rank holds, numbered from 0 locally (default: all);
+    ``expert_tp``: its (rank, size) in the experts' tensor parallelism (default: tp's)."""
     state = {}
     for part in to_megatron_by_layer(hf, arch, tp_rank=tp_rank, tp_size=tp_size, layers=layers,
                                      first_stage=first_stage, last_stage=last_stage,
-                                     vocab_size=vocab_size, has=has, experts=experts):
+                                     vocab_size=vocab_size, has=has, experts=experts,
+                                     expert_tp=expert_tp):
         state.update(part)
     return state
 
@@ -89,13 +93,16 @@ def to_megatron_by_layer(hf: Callable[[str], torch.Tensor] | Tensors, arch: Lang
                          tp_rank: int, tp_size: int, layers: Iterable[int], first_stage: bool,
                          last_stage: bool, vocab_size: int,
                          has: Callable[[str], bool] | None = None,
-                         experts: range | None = None) -> Iterator[dict]:
+                         experts: range | None = None,
+                         expert_tp: tuple[int, int] | None = None) -> Iterator[dict]:
     """``to_megatron``'s state a layer at a time (each read when asked for), then the
     embedding, final norm and output layer the stage holds: a loader holds one layer's part
     besides the model."""
-    parts = RankParts(hf if isinstance(hf, Tensors) else Tensors(hf), tp_rank, tp_size)
+    tensors = hf if isinstance(hf, Tensors) else Tensors(hf)
+    parts = RankParts(tensors, tp_rank, tp_size)
+    held = _Experts(experts, RankParts(tensors, *expert_tp) if expert_tp else parts)
     for local, layer in enumerate(layers):
-        yield _layer_to_megatron(parts, arch, layer, f"decoder.layers.{local}.", experts)
+        yield _layer_to_megatron(parts, arch, layer, f"decoder.layers.{local}.", held)
     state = {}
     if first_stage:
         state["embedding.word_embeddings.weight"] = _vocabulary_rows(
@@ -108,8 +115,14 @@ def to_megatron_by_layer(hf: Callable[[str], torch.Tensor] | Tensors, arch: Lang
     yield state
 
 
+class _Experts(NamedTuple):
+    """The experts a rank holds (None: all) and its parts of each (expert tensor parallelism)."""
+    held: range | None
+    parts: RankParts
+
+
 def _layer_to_megatron(parts: RankParts, arch: LanguageArch, layer: int, dst: str,
-                       experts: range | None) -> dict:
+                       experts: _Experts) -> dict:
     """Global decoder layer ``layer`` as megatron's ``dst``."""
     src = f"{arch.prefix}layers.{layer}."
     attn, mlp = src + "self_attn.", src + "mlp."
@@ -163,22 +176,24 @@ def _qkv_rows(parts: RankParts, arch: LanguageArch, src: str, kind: str) -> torc
 
 
 def _experts_to_megatron(parts: RankParts, arch: LanguageArch, src: str, dst: str,
-                         experts: range | None) -> dict:
+                         experts: _Experts) -> dict:
     """One mixture-of-experts layer: the router (``gate.weight``) and each held expert's
     ``linear_fc1`` / ``linear_fc2`` from the fused ``experts.gate_up_proj`` (gate, then up)
-    and ``experts.down_proj``, read as this rank's rows of each expert (``_fused_parts``); TP
-    splits each expert as a dense MLP. Qwen3.5-MoE's shared expert (``shared_expert.*``) and
-    its gate (``shared_expert_gate``) as megatron-core's ``shared_experts``."""
+    and ``experts.down_proj``, read as this rank's rows of each expert (``_fused_parts``);
+    expert tensor parallelism splits each expert as TP splits a dense MLP. Qwen3.5-MoE's
+    shared expert (``shared_expert.*``, split by the dense TP) and its gate
+    (``shared_expert_gate``) as megatron-core's ``shared_experts``."""
     gate_up, down = src + "experts.gate_up_proj", src + "experts.down_proj"
-    held = range(parts.tensors.shape(gate_up)[0]) if experts is None else experts
-    if held.step != 1 or not 0 <= held.start <= held.stop <= parts.tensors.shape(gate_up)[0]:
+    count = parts.tensors.shape(gate_up)[0]
+    held = range(count) if experts.held is None else experts.held
+    if held.step != 1 or not 0 <= held.start <= held.stop <= count:
         raise ValueError(f"experts {held} are not a run of the checkpoint's "
-                         f"{parts.tensors.shape(gate_up)[0]} experts in {gate_up}")
-    ffn, hidden = arch.expert_ffn_hidden_size, arch.hidden_size
+                         f"{count} experts in {gate_up}")
+    ffn, hidden, mine = arch.expert_ffn_hidden_size, arch.hidden_size, experts.parts
     gate, up, down_rows = (
-        _fused_part(parts, gate_up, (2 * ffn, hidden), held, parts.span(ffn)),
-        _fused_part(parts, gate_up, (2 * ffn, hidden), held, parts.span(ffn, ffn)),
-        _fused_part(parts, down, (hidden, ffn), held, parts.span(ffn), columns=True))
+        _fused_part(mine, gate_up, (2 * ffn, hidden), held, mine.span(ffn)),
+        _fused_part(mine, gate_up, (2 * ffn, hidden), held, mine.span(ffn, ffn)),
+        _fused_part(mine, down, (hidden, ffn), held, mine.span(ffn), columns=True))
     state = {dst + "router.weight": parts.whole(src + "gate.weight")}
     for e in range(len(held)):
         state[f"{dst}experts.local_experts.{e}.linear_fc1.weight"] = torch.cat([gate[e], up[e]])
@@ -331,10 +346,12 @@ def adapters_to_hf(state: dict, arch: LanguageArch) -> dict[str, tuple]:
 
 def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageArch, *,
                              tp_rank: int, tp_size: int, layer_offset: int,
-                             vocab_size: int, experts: range | None = None) -> None:
+                             vocab_size: int, experts: range | None = None,
+                             expert_tp: tuple[int, int] | None = None) -> None:
     """Load this rank's part of the checkpoint ``path`` into ``model``, a built ``GPTModel``
     (not DDP-wrapped) holding the stage's layers from global ``layer_offset`` on and the
-    ``experts`` of each mixture-of-experts layer (default: all); every weight of ``model``
+    ``experts`` of each mixture-of-experts layer (default: all), its ``expert_tp`` (rank,
+    size) share of each (default: the TP's); every weight of ``model``
     must come from the checkpoint. Only the rank's parts are read, in the dtype stored, a layer
     at a time: besides the model, the host holds one layer's part."""
     own = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
@@ -346,7 +363,7 @@ def load_pretrained_language(model: torch.nn.Module, path: str, arch: LanguageAr
             layers=range(layer_offset, layer_offset + num_layers),
             first_stage=getattr(model, "pre_process", True),
             last_stage=getattr(model, "post_process", True), vocab_size=vocab_size,
-            has=weights.__contains__, experts=experts):
+            has=weights.__contains__, experts=experts, expert_tp=expert_tp):
         found = {k: v for k, v in state.items() if k in own}
         wrong = [f"{k} {tuple(v.shape)} vs {tuple(own[k].shape)}" for k, v in found.items()
                  if v.shape != own[k].shape]
