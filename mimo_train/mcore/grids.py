@@ -3,8 +3,9 @@
 Every module (``language`` and each encoder) gets a grid of shape ``[tp, cp, dp, pp]`` with
 dim names ``tp, cp, dp, pp`` at its rank offset (and an expert view ``[expt_tp, ep, expt_dp,
 pp]`` over the same ranks: the layout's ``etp`` and ``ep``): the rank order
-``mimo_data.loading.layout`` uses for data placement, so the trainer's DP groups are the loader's DP slices. Group creation
-is collective over the whole world, so every rank builds every module's groups, in layout order;
+``mimo_data.loading.layout`` uses for data placement, so the trainer's DP groups are the
+loader's DP slices. Group creation is collective over the whole world, so every rank builds
+every module's groups, in layout order;
 each rank then keeps a ``ProcessGroupCollection`` only for the modules it is in. Topology: each
 encoder feeds ``language``. ``optimizer_groups``: a module's groups as its optimizer takes them.
 """
