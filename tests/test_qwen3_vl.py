@@ -42,7 +42,7 @@ import torch
 from conftest import MODELS
 from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
                               transformers_loss)
-from support.runs import compare, step
+from support.runs import assert_continues, compare, copy_checkpoint, step, train
 
 PUBLISHED = MODELS / "published"
 # the dense 2B (tied embeddings) and the mixture-of-experts 30B-A3B (8 experts of 24, 2 per
@@ -242,3 +242,55 @@ def test_a_qwen3_moe_language_model_alone_is_refused_with_the_reason(tmp_path):
     AutoConfig.for_model("qwen3_moe").save_pretrained(tmp_path)
     with pytest.raises(TrainConfigError, match="Qwen3-MoE language model alone.*apart"):
         language_arch(str(tmp_path))
+
+
+# ------------------------------------------------------- the experts' checkpoints across ep
+
+@pytest.fixture(scope="module")
+def moe_training(ranks, shards, tmp_path_factory) -> dict:
+    """Three steps of the 30B-A3B at lr 1e-3 (Adam), colocated on two ranks under language
+    dp2 with its experts over ep2 (each rank 4 of each layer's 8) and the distributed
+    optimizer, checkpointed after each step: its records, its checkpoints and the overrides."""
+    tmp = tmp_path_factory.mktemp("qwen3-vl-moe-ep")
+    common = [*run_setup(CHECKPOINTS["30B-A3B"], shards, tmp, SAMPLES, "model.freeze=[]")[
+                  "common"],
+              "train.steps=3", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3",
+              "optimizer.distributed=true", "train.micro_batch_size=1", "train.log_interval=1"]
+    records = train(ranks, tmp, "ep2", "qwen3_vl_finetune.yaml", *common,
+                    "layout=language=dp2,ep2;image=dp2,off0,video",
+                    f"checkpoint.dir={tmp / 'ep2-ckpt'}", "checkpoint.interval=1", nproc=2)
+    return dict(tmp=tmp, common=common, records=records)
+
+
+@pytest.mark.parametrize("language, nproc", [("dp2", 2), ("dp4,ep4", 4)])
+def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, language, nproc):
+    """The ep2 run's step-1 checkpoint resumed with every rank holding all 8 experts (ep1) or
+    two of them on each of four ranks (ep4): steps 2 and 3 give the ep2 run's samples, losses
+    and grad norms (the experts' weights and Adam moments moved to the ranks that now hold
+    them)."""
+    tmp = moe_training["tmp"]
+    root = copy_checkpoint(tmp / "ep2-ckpt" / "step_0000001", tmp / f"resume-{nproc}")
+    resumed = train(ranks, tmp, f"resumed-{nproc}", "qwen3_vl_finetune.yaml",
+                    *moe_training["common"], f"checkpoint.dir={root}",
+                    f"layout=language={language};image=dp{nproc},off0,video", nproc=nproc)
+    assert_continues(resumed, moe_training["records"], [2, 3], loss=1e-5, grad_norm_rel=1e-4)
+    if nproc == 4:
+        # both runs' step-3 checkpoints exported: the fused experts (published layout) and
+        # every other weight alike, whichever ranks held which experts (to 1e-5: Adam turns
+        # the grads' fp32 differences into ~2e-6 on a little-used expert; another expert's
+        # weights would differ by ~0.1)
+        from safetensors.torch import load_file
+
+        from mimo_train.hf.export import main as export
+        weights = []
+        for name, checkpoint in (("ep2", tmp / "ep2-ckpt"), ("ep4", root)):
+            assert export(["--checkpoint", str(checkpoint / "step_0000003"),
+                           "--output", str(tmp / f"export-{name}")]) == 0
+            weights.append({k: v for path in sorted((tmp / f"export-{name}").glob(
+                "*.safetensors")) for k, v in load_file(path).items()})
+        assert set(weights[0]) == set(weights[1])
+        experts = [k for k in weights[0] if k.endswith("mlp.experts.gate_up_proj")]
+        assert len(experts) == 4 and weights[0][experts[0]].shape == (8, 64, 48)
+        for key, tensor in weights[0].items():
+            torch.testing.assert_close(weights[1][key], tensor, rtol=0, atol=1e-5, msg=key)
+

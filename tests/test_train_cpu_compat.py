@@ -441,10 +441,8 @@ def _weights(ddp) -> list[torch.Tensor]:
     return [p.detach().clone() for p in ddp.module.parameters()]
 
 
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}   # checkpoint.py's
-
-
 def _sharded(language, ddp, optimizer, is_loading: bool) -> dict:
+    from mimo_train.components.checkpoint import OPTIMIZER_METADATA
     model = ddp.sharded_state_dict(metadata={"dp_cp_group": language.pgs.dp_cp})
     return {"optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                       metadata=OPTIMIZER_METADATA)}

@@ -52,6 +52,7 @@ from megatron.core.models.mimo.optimizer import (  # noqa: F401  (for grids alon
     _get_pg_collection_for_optimizer)
 from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 from megatron.core.pipeline_parallel.multimodule_communicator import (
@@ -89,7 +90,7 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors",
     "make_tp_sharded_tensor_for_checkpoint", "merge", "model_parallel_cuda_manual_seed",
-    "nested_values", "parallel_state", "saved_in_sections"]
+    "nested_values", "param_group_identifier_keys", "parallel_state", "saved_in_sections"]
 
 
 def ensure_global_memory_buffer() -> None:
