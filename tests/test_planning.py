@@ -16,9 +16,14 @@ and advisor.py):
 - Qwen3.5's hybrid decoder: one gated delta-net layer's and one gated attention layer's
   parameters and activations by hand, the delta-net's against the tensors autograd saves in
   megatron-core's layer with mimo's kernels (in process, a one-rank world), the parameter
-  totals of Qwen3.5-27B (its published config.json below) and Qwen3.5-35B-A3B against
-  transformers' own models (built on the meta device) and the published sizes, and the
-  advisor's ranking of both on H100s.
+  totals of Qwen3.5-27B, Qwen3.5-35B-A3B and Qwen3.5-397B-A17B (the 27B's and 397B's
+  config.json below) against transformers' own models (built on the meta device) and the
+  published sizes, and the advisor's ranking of the first two on H100s;
+- expert parallelism: a mixture's expert weights and optimizer state per rank under ep, etp
+  and the expert data parallelism, its activations and one layer's all-to-all bytes by hand,
+  the advisor's all-to-all seconds from them within a node and across two; on
+  Qwen3-VL-30B-A3B's published dims (16 H100s) the advisor ranks an expert-parallel layout
+  first, ahead of every layout without, and tries none for a dense model.
 
 The measured peak memory of a real run against the prediction is tests/test_anomalies.py's
 (SmolLM2-135M: weights and optimizer state dominate).
@@ -109,6 +114,101 @@ def test_a_tower_under_selective_recompute_keeps_its_scores():
     assert kept["selective"] == kept["none"] > kept["full"]
     # 2 layers of 100 positions, each with its 5 heads s^2 of scores (as by hand above)
     assert kept["none"] == 2 * 417600
+
+
+# ---------------------------------------------------------- expert parallelism, by hand
+
+# a mixture of experts: 8 experts of 32 (SwiGLU), 2 a token, no shared expert
+MOE = Stack(layers=2, hidden=64, heads=4, query_groups=4, kv_channels=16, ffn_hidden=32,
+            gated=True, vocab=128, experts=8, experts_per_token=2)
+
+
+def test_expert_parameters_and_state_by_hand():
+    # a layer: qkv 64 x 192 = 12288, out 64 x 64 = 4096, router 64 x 8 = 512; each expert
+    # gate and up 64 x 64 = 4096, down 32 x 64 = 2048: 8 x 6144 = 49152; norms 128
+    assert MOE.layer_parameters() == (12288 + 4096 + 512 + 49152, 128)
+    assert MOE.layer_expert_parameters() == 49152
+    # tp2 ep4 etp1: the dense matmuls 16896 / 2 + norms 128 per layer, 2 layers: 17152; the
+    # experts 2 x 49152 / 4 (2 whole experts a layer): 24576; embedding and output 128 x 64 /
+    # 2 each, final norm 64
+    assert mem.language_stage_expert_parameters(MOE, ep=4, etp=1) == 24576
+    assert mem.language_stage_parameters(MOE, tp=2, ep=4, etp=1) == \
+        17152 + 24576 + 4096 + 64 + 4096
+    # etp defaults to tp: each of the 2 experts a rank holds split in 2: 12288
+    assert mem.language_stage_parameters(MOE, tp=2, ep=4) == 17152 + 12288 + 8256
+    # without expert parallelism the experts split over tp as a dense MLP: 49152 a rank
+    assert mem.language_stage_parameters(MOE, tp=2) == 17152 + 49152 + 8256
+    # the distributed optimizer, tp2 dp4 ep4 etp1: expert dp = 2 x 4 / (1 x 4) = 2. The dense
+    # 25408 parameters: weights 2, grads 4, Adam 12 / dp 4 = 3 bytes each; the experts' 24576:
+    # 2, 4 and 12 / 2 = 6
+    dist = mem.Settings("bf16", distributed_optimizer=True)
+    assert mem.language_state_bytes(MOE, dist, tp=2, dp=4, ep=4, etp=1) == mem.Memory(
+        2 * 49984, 4 * 49984, 3 * 25408 + 6 * 24576)
+    # ep2 (etp 2): 2 x 49152 / 4 = 24576 expert weights again, expert dp 8 / 4 = 2
+    assert mem.language_state_bytes(MOE, dist, tp=2, dp=4, ep=2) == mem.Memory(
+        2 * 49984, 4 * 49984, 3 * 25408 + 6 * 24576)
+    # the experts' Adam state is 12 x 98304 / (tp x dp) = 147456 bytes whatever ep: ep8 etp1
+    # (expert dp 1) holds 12288 expert weights and all their state
+    assert mem.language_state_bytes(MOE, dist, tp=2, dp=4, ep=8, etp=1).optimizer == \
+        3 * 25408 + 12 * 12288 == 3 * 25408 + 147456
+    # no distributed optimizer: 18 bytes each, whatever the expert layout
+    assert mem.language_state_bytes(MOE, mem.Settings("bf16"), tp=2, dp=4, ep=4,
+                                    etp=1).total == 18 * 49984
+
+
+def test_expert_activations_by_hand():
+    bf16 = mem.Settings("bf16")
+    # 100 tokens, tp2 with sequence parallel: 10 h T / 2 = 32000 outside; inside, ÷ 2: q and
+    # the output projection's input 4 x 64, k and v 4 x 64, the experts' 6 x 32 x 2 = 384 and
+    # the dispatcher's copies 2 h k (etp + 1): at etp 1, 2 x 64 x 2 x 2 = 512
+    assert mem.layer_activation_bytes(MOE, 100, 100 ** 2, bf16, tp=2, sequence_parallel=True,
+                                      etp=1) == 32000 + (512 + 384 + 512) * 50
+    # ep4: the busiest rank gets 1.1 x its share of the routed tokens
+    assert mem.layer_activation_bytes(MOE, 100, 100 ** 2, bf16, tp=2, sequence_parallel=True,
+                                      ep=4, etp=1) == \
+        pytest.approx(32000 + (512 + 1.1 * (384 + 512)) * 50)
+    # etp 2 (the default at tp2): the copy into the experts gathered over 2 ranks, 2 x 64 x 2
+    # x 3 = 768
+    assert mem.layer_activation_bytes(MOE, 100, 100 ** 2, bf16, tp=2,
+                                      sequence_parallel=True) == 32000 + (512 + 384 + 768) * 50
+
+
+def test_all_to_all_of_one_layer_by_hand():
+    """Bytes a rank sends per layer and micro-batch (forward and backward), and the advisor's
+    all-to-all seconds of a step from them, over a node's links or the network's."""
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, Model, Work
+    from mimo_train.planning.advisor.cost import layer_traffic
+    from mimo_train.planning.dims import ModelDims
+    # a micro-batch of 100 positions in bf16: hidden states 100 x 64 x 2 = 12800 bytes. tp2
+    # ep4 etp1: the attention's 2 all-reduces, 2 x 1/2 x 12800 each: 25600 (no shared expert:
+    # the MLP's none), no gather; a rank's own 50 tokens x k 2 x 64 x 2 = 12800 bytes routed,
+    # 3/4 of it leaving, x 1.1 on the busiest rank, 4 all-to-alls: 42240
+    tp_bytes, exchange = layer_traffic(MOE, 100, 2, tp=2, ep=4, etp=1)
+    assert tp_bytes == 25600 and exchange == pytest.approx(4 * 3 / 4 * 12800 * 1.1)
+    assert exchange == pytest.approx(42240)
+    # ep2 etp2: the dispatcher's gather forward and scatter backward over 2 ranks of the
+    # 12800 x 1.1 bytes a rank got (the other rank's half of each 2 x 12800 x 1.1), and the
+    # reverse of each: 4 x 14080 = 56320 more over TP; the all-to-alls 4 x 1/2 x 14080
+    tp_bytes, exchange = layer_traffic(MOE, 100, 2, tp=2, ep=2)
+    assert tp_bytes == pytest.approx(25600 + 56320) and exchange == pytest.approx(28160)
+    # no expert parallelism: no all-to-all
+    assert layer_traffic(MOE, 100, 2, tp=2)[1] == 0
+    assert layer_traffic(STACK, 100, 2, tp=2) == (4 * 2 * 1 / 2 * 100 * 64 * 2, 0.0)
+    # the advisor on 8 packed samples of 100 tokens, micro-batches of 1, language tp2 dp4: 2
+    # micro-batches a DP rank, 2 layers each: 4 x 42240 bytes over 300 GB/s when each
+    # expert-parallel group (4 ranks in a row at etp1) lies in a node of 4 GPUs
+    model = Model(ModelDims(MOE), "moe", "bf16")
+    work = Work([[100] * 8], {}, {}, 1, 8, 128, True)
+    advisor = Advisor(model, work, GPU("gpu", 80.0, 1000.0, 300.0, 40.0, per_node=4))
+    settings = mem.Settings("bf16", distributed_optimizer=True, sequence_parallel=True)
+    within = advisor.evaluate(Candidate(Layout.parse("language=tp2,dp4,ep4,etp1"), settings))
+    assert within.all_to_all == pytest.approx(4 * 42240 / 300e9)
+    # ep8 etp1: one group of all 8 ranks, over two nodes: 7/8 of the routed tokens leave, at
+    # the network's 40 GB/s
+    across = advisor.evaluate(Candidate(Layout.parse("language=tp2,dp4,ep8,etp1"), settings))
+    assert across.all_to_all == pytest.approx(4 * 4 * 7 / 8 * 12800 * 1.1 / 40e9)
+    dense = advisor.evaluate(Candidate(Layout.parse("language=tp2,dp4"), settings))
+    assert dense.all_to_all == 0 and across.step_s > within.step_s
 
 
 # ------------------------------------------------------------------- the model, the data
@@ -554,27 +654,48 @@ QWEN3_5_27B = {
     "vision_end_token_id": 248054, "vision_start_token_id": 248053}
 QWEN3_5_27B["text_config"]["layer_types"] *= 16
 QWEN3_5_35B = REPO / "tools" / "published" / "Qwen--Qwen3.5-35B-A3B"
+# Qwen/Qwen3.5-397B-A17B's config.json (huggingface.co/Qwen/Qwen3.5-397B-A17B/blob/main/
+# config.json; the hub not reachable): the 35B-A3B's published one with the 397B's text dims,
+# found with the search tool: 60 layers, 15 x (3 delta-net, 1 attention), hidden 4096, 32 heads
+# of 256 in 2 query groups, 512 experts of 1024, 10 a token, a shared expert of 1024, 248320
+# untied rows in THUDM/slime's scripts/models/qwen3.5-397B-A17B.sh (its Megatron arguments);
+# the delta-net's 16 key and 64 value heads of 128 in an MLPerf training reference's model
+# table "taken from the config.json" and a Qwen3.5-397B weight packer's model_config (the same
+# text dims); the tower the family's (27 blocks of 1152), its output the 397B's width.
+QWEN3_5_397B = json.loads((QWEN3_5_35B / "config.json").read_text())
+QWEN3_5_397B["text_config"].update({
+    "hidden_size": 4096, "num_hidden_layers": 60,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],       # x 15, below
+    "num_attention_heads": 32, "num_key_value_heads": 2, "head_dim": 256,
+    "linear_num_key_heads": 16, "linear_num_value_heads": 64, "num_experts": 512,
+    "num_experts_per_tok": 10, "moe_intermediate_size": 1024,
+    "shared_expert_intermediate_size": 1024})
+QWEN3_5_397B["text_config"]["layer_types"] *= 15
+QWEN3_5_397B["vision_config"]["out_hidden_size"] = 4096
 QWEN3_5_MODALITIES = {"image": "image", "video": "image"}        # one tower serves both
 
 
 @pytest.fixture(scope="module")
 def qwen3_5(tmp_path_factory) -> dict:
-    """The two checkpoints' config.json (the 27B's written from ``QWEN3_5_27B``; the
-    35B-A3B's published one), a training YAML of each (unpacked data) and the family's
+    """The three checkpoints' config.json (the 27B's and the 397B-A17B's written from
+    ``QWEN3_5_27B`` and ``QWEN3_5_397B``; the 35B-A3B's published one), a training YAML of
+    each (unpacked data) and the family's
     preprocessing config (the 35B-A3B replica's: one tokenizer and processor for the family),
     sequences up to 2048 tokens."""
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_train.config import TrainConfig
     from mimo_train.families.registry import preprocessing_for
     tmp = tmp_path_factory.mktemp("qwen3_5")
-    (tmp / "Qwen3.5-27B").mkdir()
-    (tmp / "Qwen3.5-27B" / "config.json").write_text(json.dumps(QWEN3_5_27B, indent=1))
+    for name, config in (("Qwen3.5-27B", QWEN3_5_27B), ("Qwen3.5-397B-A17B", QWEN3_5_397B)):
+        (tmp / name).mkdir()
+        (tmp / name / "config.json").write_text(json.dumps(config, indent=1))
     preprocess = tmp / "preprocess.yaml"
     preprocess.write_text(yaml.safe_dump({
         **preprocessing_for(str(MODELS / "published" / "Qwen--Qwen3.5-35B-A3B")),
         "seq_length": 2048}))
     found = {"preprocess": preprocess, "config": PreprocessConfig.from_yaml(str(preprocess))}
-    for name, checkpoint in (("27B", tmp / "Qwen3.5-27B"), ("35B-A3B", QWEN3_5_35B)):
+    for name, checkpoint in (("27B", tmp / "Qwen3.5-27B"), ("35B-A3B", QWEN3_5_35B),
+                             ("397B-A17B", tmp / "Qwen3.5-397B-A17B")):
         path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(TrainConfig.load(None, [
             f"data.datasets=[{tmp}]", f"data.preprocess={preprocess}",
@@ -654,14 +775,16 @@ def _meta_parameters(checkpoint) -> dict[str, int]:
     return found
 
 
-@pytest.mark.parametrize("name", ["27B", "35B-A3B"])
+@pytest.mark.parametrize("name", ["27B", "35B-A3B", "397B-A17B"])
 def test_qwen3_5_parameters_are_the_published_sizes(qwen3_5, name):
     """The advisor's parameter counts are transformers' own model's but what mimo's counts
     leave out (the attention's q/k norms, the tower's position embedding and biases: 3M, 0.011%;
     transformers builds no multi-token-prediction layer, nor does mimo), and the published
     sizes within the rounding of their names to whole billions (±0.5B): 27.35B for "27B"
     (the tower 0.46B included), 35.10B for "35B" and, of the language model's matmul weights,
-    2.95B a token goes through for "A3B" (3.45B with the embedding and output layer's)."""
+    2.95B a token goes through for "A3B" (3.45B with the embedding and output layer's);
+    396.80B for "397B", 17.35B a token goes through for "A17B" (with the embedding and output
+    layer's; 16.33B without: the "A3B" count would be 0.67B off)."""
     model = _qwen3_5_model(qwen3_5, name)
     language, tower = model.dims.language, model.dims.encoders["image"]
     meta = _meta_parameters(qwen3_5[name]["checkpoint"])
@@ -669,11 +792,13 @@ def test_qwen3_5_parameters_are_the_published_sizes(qwen3_5, name):
     assert tower.parameters() == meta["tower"]
     assert meta["left out"] < 2e-4 * (meta["language"] + meta["tower"])
     total = language.parameters() + tower.parameters()
-    published = {"27B": 27e9, "35B-A3B": 35e9}[name]
+    published = {"27B": 27e9, "35B-A3B": 35e9, "397B-A17B": 397e9}[name]
     assert abs(total - published) <= 0.5e9, total
     if name == "35B-A3B":
         active = language.active_parameters() - language.vocab * language.hidden
         assert abs(active - 3e9) <= 0.5e9, active
+    if name == "397B-A17B":
+        assert abs(language.active_parameters() - 17e9) <= 0.5e9, language.active_parameters()
 
 
 def _qwen3_5_workload(packing: bool = False) -> dict:
@@ -688,8 +813,10 @@ def _qwen3_5_workload(packing: bool = False) -> dict:
 
 
 # (model, H100s, whether some layout fits): on 8 H100s neither fits, whatever the layout
-# (the 27B's weights, gradients and Adam state are 492 GB, the 35B-A3B's 632 GB, its experts
-# whole on every rank, the towers on ranks of their own); the 27B fits on 16, the 35B-A3B on 32
+# (the 27B's weights, gradients and Adam state are 492 GB, the 35B-A3B's 632 GB, the towers on
+# ranks of their own; expert parallelism saves the experts' weights and gradients, not their
+# Adam state, which the distributed optimizer already shards over the stage's tp x dp ranks);
+# the 27B fits on 16, the 35B-A3B on 32
 QWEN3_5_CASES = [("27B", 8, False), ("27B", 16, True), ("35B-A3B", 16, False),
                  ("35B-A3B", 32, True)]
 
@@ -728,3 +855,84 @@ def test_qwen3_5_advisor_ranks_layouts(qwen3_5, name, gpus, fits):
         tp = Layout.parse(r["layout"]).language.tp
         assert linear.num_key_heads % tp == 0 and linear.num_value_heads % tp == 0
         resolve(TrainConfig.load(str(qwen3_5[name]["yaml"]), r["overrides"]))
+
+
+# ------------------------------------------------------------------ expert parallelism
+
+QWEN3_VL_30B = REPO / "tools" / "published" / "Qwen--Qwen3-VL-30B-A3B-Instruct"
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory) -> dict:
+    """Qwen3-VL-30B-A3B-Instruct's published config.json (tools/published: 48 layers of 128
+    experts of 768, 8 a token) as a training YAML (unpacked data), with the family's
+    preprocessing (the replica's tokenizer and processors), sequences up to 4096 tokens."""
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import preprocessing_for
+    tmp = tmp_path_factory.mktemp("qwen3_vl_moe")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump({
+        **preprocessing_for(str(MODELS / "published" / "Qwen--Qwen3-VL-30B-A3B-Instruct")),
+        "seq_length": 4096}))
+    path = tmp / "30B-A3B.yaml"
+    path.write_text(yaml.safe_dump(TrainConfig.load(None, [
+        f"data.datasets=[{tmp}]", f"data.preprocess={preprocess}",
+        f"model.pretrained={QWEN3_VL_30B}", "data.packing=false"]).to_dict()))
+    return {"preprocess": preprocess, "yaml": path,
+            "config": PreprocessConfig.from_yaml(str(preprocess))}
+
+
+def _moe_workload() -> dict:
+    """One step of 256 samples of 150 to 405 tokens (about the sample corpus's 271), each with
+    an image of 8 x 8 placeholders, micro-batches of 2."""
+    return {"global_batch_size": 256, "micro_batch_size": 2, "seq_length": 4096,
+            "packing": False, "epochs": 1, "vocab_size": 151_700,
+            "modalities": QWEN3_5_MODALITIES,
+            "steps": [[{"tokens": 150 + (37 * i) % 256, "items": {"image": [64]},
+                        "grids": {"image": [[1, 8, 8]]}} for i in range(256)]]}
+
+
+def test_the_advisor_lays_out_experts_of_a_mixture_only(qwen3_vl_moe, qwen3_5):
+    """Qwen3-VL-30B-A3B on 16 H100s: expert layouts are tried (each ep dividing the 128
+    experts and the stage's tp x dp / etp), the first ranked is one, faster than the best
+    layout without and with more memory to spare; its overrides start as the trainer takes
+    them. A dense model (Qwen3.5-27B) gets no expert layout; a mixture (35B-A3B) does."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import layouts, read_model, run_advisor
+    from mimo_train.planning.advisor.candidates import expert_layouts
+    config = qwen3_vl_moe["config"]
+    model = read_model(str(qwen3_vl_moe["yaml"]), str(qwen3_vl_moe["preprocess"]), config,
+                       QWEN3_5_MODALITIES, "bf16")
+    assert (model.dims.language.experts, model.dims.language.experts_per_token) == (128, 8)
+    # tp2 x dp4: etp 1; ep 2 and 4 at etp 2 (2 x ep divides 8), ep 2, 4 and 8 at etp 1
+    assert expert_layouts(model, 2, 4) == [{}, {"etp": 1}, {"ep": 2}, {"ep": 2, "etp": 1},
+                                           {"ep": 4}, {"ep": 4, "etp": 1}, {"ep": 8, "etp": 1}]
+    request = AdvisorRequest(str(qwen3_vl_moe["yaml"]), str(qwen3_vl_moe["preprocess"]), 16,
+                             gpu="h100", top=100)
+    report = run_advisor(model, _moe_workload(), request, variable_token_modalities(config),
+                         list(config.modalities))
+    ranked = report["ranked"]
+    parsed = [Layout.parse(r["layout"]).language for r in ranked]
+    assert parsed[0].ep > 1, [r["layout"] for r in ranked]
+    best_dense = next(r for r, language in zip(ranked, parsed) if language.ep == 1)
+    assert ranked[0]["step_s"] < best_dense["step_s"]
+    assert ranked[0]["peak_memory_gib"] < best_dense["peak_memory_gib"]
+    assert ranked[0]["all_to_all_s"] > 0 == best_dense["all_to_all_s"]
+    for r, language in zip(ranked, parsed):
+        assert 128 % language.ep == 0
+        assert language.tp * language.dp % (language.expert_tp * language.ep) == 0
+        assert r["layout_full"] == str(Layout.parse(r["layout"]))
+        cfg = TrainConfig.load(str(qwen3_vl_moe["yaml"]), r["overrides"])
+        assert Layout.parse(cfg.layout).language == Layout.parse(r["layout_full"]).language
+        resolve(cfg)                     # the trainer's start-up: raises what it refuses
+    # the candidates of a dense model and of a mixture (Qwen3.5, 16 GPUs)
+    preprocessing = qwen3_5["config"]
+    found = {name: layouts(_qwen3_5_model(qwen3_5, name), 16, QWEN3_5_MODALITIES, 128, 8,
+                           variable_token_modalities(preprocessing),
+                           list(preprocessing.modalities)) for name in ("27B", "35B-A3B")}
+    assert found["27B"] and not any(x.language.expert_fields for x in found["27B"])
+    assert any(x.language.ep > 1 for x in found["35B-A3B"])

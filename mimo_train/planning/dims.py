@@ -148,6 +148,15 @@ class Stack:
             norms += linear.value_head_dim
         return matmuls, norms
 
+    def layer_expert_parameters(self) -> int:
+        """One layer's routed experts' weights, every expert's (the part of
+        ``layer_parameters``' matmuls that expert parallelism splits over ep x etp ranks,
+        where the rest splits over tp); 0 for a dense MLP."""
+        if not self.experts:
+            return 0
+        first, second = self._mlp_linears()[:2]
+        return self.experts * (first.inputs * first.outputs + second.inputs * second.outputs)
+
     def parameters(self) -> int:
         """Weights of the stack's layers (``layer_parameters``), its final norm and, with a
         vocabulary, the embedding and (untied) output layer; biases not counted."""

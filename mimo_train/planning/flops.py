@@ -114,6 +114,16 @@ def layer_flops_per_token(stack: Stack, kind: str = FULL) -> int:
     return found
 
 
+def expert_flops_per_token(stack: Stack) -> int:
+    """Forward FLOPs of one layer's routed experts for one token (the k experts it goes
+    through; the router and a shared expert left out): the part of
+    ``layer_flops_per_token`` that expert parallelism moves to the ranks holding the experts;
+    0 for a dense MLP."""
+    if not stack.experts:
+        return 0
+    return _linears(stack.layer_linears()[2:4])
+
+
 def chunk_square(s: int, chunk: int = CHUNK) -> int:
     """Σ over the chunks of a sample of ``s`` tokens of each chunk's squared length (its last
     chunk: its own tokens)."""

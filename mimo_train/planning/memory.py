@@ -20,6 +20,15 @@ gated norm too: one weight per value channel of a head), the embedding rows ÷ T
 the output rows ÷ TP on the last (also with tied embeddings when PP > 1: megatron-core keeps a
 copy there); an encoder module (DP only) holds its whole tower and projection.
 
+Expert parallelism (a mixture of experts' layout ``ep``, ``etp``; etp defaults to TP):
+megatron-core carves each stage's TP x DP ranks into etp x ep x expert DP, so a rank holds E /
+ep whole experts of each layer, each split over etp: the routed experts' weights ÷ (ep x etp)
+in place of ÷ TP, their optimizer state ÷ expert DP = TP x DP / (etp x ep) with the
+distributed optimizer (``language_state_bytes``; the dense weights' ÷ DP as before). That
+makes the experts' optimizer state per rank E·12 / (TP x DP) whatever ep: expert parallelism
+saves the experts' weights and gradients (w + 4 bytes each), the distributed optimizer their
+Adam state.
+
 Activations kept for the backward pass, per layer, for a micro-batch of T token positions
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
 table 2, generalised to grouped-query attention and gated MLPs), in bytes at bf16 (× w / 2 at
@@ -38,9 +47,13 @@ another precision)::
 with h the width, a = heads · kv channels, g = query groups · kv channels, f the MLP width, s
 each sample's length (MHA with f = 4h: 34·h·T + 5·heads·Σ s², the paper's formula). A mixture
 of experts keeps each token's MLP activations in each of the k experts it goes through (c·f·k)
-and its permuted copies into and out of them (4·h·k), a shared expert of width f_s its own
-6·f_s (its gate's one value per token left out). Qwen3.5's gated attention (``Stack.
-attention_gate``) keeps 4·a more: the sigmoid of the gate and the attention output it scales.
+and the dispatcher's copies of it into the experts, gathered over the etp ranks, and out of
+them (2·h·k·(etp + 1): 4·h·k at etp 1), a shared expert of width f_s its own 6·f_s (its gate's
+one value per token left out). Under expert parallelism a rank's E / ep experts get the tokens
+of ep ranks, k / ep of each on average: as many as its own tokens' k; the busiest gets
+``ROUTED_IMBALANCE`` (1.1) times as many, and its routed terms are counted so. Qwen3.5's gated
+attention (``Stack.attention_gate``) keeps 4·a more: the sigmoid of the gate and the attention
+output it scales.
 
 Qwen3.5's gated delta-net layers (``Stack.layer_types``, ``Stack.linear``: key heads H_k, value
 heads H_v, head dims d_k, d_v, key_dim = H_k·d_k, value_dim = H_v·d_v) keep the same 10·h·T
@@ -114,6 +127,17 @@ GRAD_BYTES = 4                    # megatron-core's DDP: grad_reduce_in_fp32
 MOMENT_BYTES = 8                  # Adam's two fp32 moments
 MAIN_BYTES = 4                    # fp32 main weights of a bf16 run
 RECOMPUTE = ("none", "selective", "full")
+# expert parallelism: what the busiest of the ep ranks gets routed over the mean (tokens x k /
+# ep of the expert-parallel group's), an assumption, not a measurement: mimo trains without a
+# load-balancing loss (it would tie gradients to the micro-batching), the published routers
+# were trained with one, and each rank's E / ep experts average out a single expert's skew
+ROUTED_IMBALANCE = 1.1
+
+
+def imbalance(ep: int) -> float:
+    """The routed work of the busiest rank over the mean under ``ep``-way expert parallelism
+    (without it every rank computes its own tokens' experts: 1)."""
+    return ROUTED_IMBALANCE if ep > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -176,14 +200,18 @@ def state_bytes(parameters: float, settings: Settings, dp: int = 1,
 
 # --------------------------------------------------------------------------- parameters
 
-def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
-    """Parameters of pipeline ``stage`` of the language model on one TP rank: its layers (the
-    first stages take the extra ones of an uneven split; each of its kind), the embedding on
-    the first stage, the output layer and final norm on the last."""
+def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int = 0,
+                              ep: int = 1, etp: int | None = None) -> float:
+    """Parameters of pipeline ``stage`` of the language model on one rank: its layers (the
+    first stages take the extra ones of an uneven split; each of its kind), their matmuls ÷ tp
+    but the routed experts' ÷ (ep x etp) (``etp`` None: tp, the layout's default), the
+    embedding on the first stage, the output layer and final norm on the last."""
     found = 0.0
+    experts = stack.layer_expert_parameters()
     for kind, layers in stack.kinds(stack.stage_layers(pp, stage)).items():
         matmuls, norms = stack.layer_parameters(kind)
-        found += layers * (matmuls / tp + norms)
+        found += layers * ((matmuls - experts) / tp + norms)
+    found += language_stage_expert_parameters(stack, pp, stage, ep, tp if etp is None else etp)
     rows = stack.vocab * stack.hidden / tp
     if stage == 0:
         found += rows
@@ -192,24 +220,54 @@ def language_stage_parameters(stack: Stack, tp: int = 1, pp: int = 1, stage: int
     return found
 
 
+def language_stage_expert_parameters(stack: Stack, pp: int = 1, stage: int = 0, ep: int = 1,
+                                     etp: int = 1) -> float:
+    """The routed experts' share of ``language_stage_parameters`` on one rank: its stage's
+    layers' experts ÷ (ep x etp): E / ep whole experts of each layer, each split over etp (what
+    megatron-core's distributed optimizer shards over the expert data parallelism)."""
+    return len(stack.stage_layers(pp, stage)) * stack.layer_expert_parameters() / (ep * etp)
+
+
+def language_state_bytes(stack: Stack, settings: Settings, tp: int = 1, pp: int = 1,
+                         stage: int = 0, dp: int = 1, ep: int = 1, etp: int | None = None,
+                         expert_dp: int | None = None, trained: bool = True) -> Memory:
+    """Weights, gradients and optimizer state of pipeline ``stage`` of the language model on
+    one rank (``state_bytes``): the distributed optimizer shards the dense weights' state over
+    the ``dp`` ranks and the routed experts' over their ``expert_dp`` ranks (default tp x dp /
+    (etp x ep): megatron-core's expert data parallelism, carved from the same ranks)."""
+    split = tp if etp is None else etp
+    experts = language_stage_expert_parameters(stack, pp, stage, ep, split)
+    dense = language_stage_parameters(stack, tp, pp, stage, ep, etp) - experts
+    replicas = tp * dp // (split * ep) if expert_dp is None else expert_dp
+    return state_bytes(dense, settings, dp, trained) + \
+        state_bytes(experts, settings, replicas, trained)
+
+
 # -------------------------------------------------------------------------- activations
 
 def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings: Settings,
                            tp: int = 1, sequence_parallel: bool = False, kind: str = FULL,
-                           chunked: float | None = None) -> float:
+                           chunked: float | None = None, ep: int = 1,
+                           etp: int | None = None) -> float:
     """Bytes one layer of ``kind`` keeps for a micro-batch of ``tokens`` positions whose
     samples' squared lengths sum to ``squares`` (a gated delta-net: whose samples padded to
     whole chunks make ``chunked`` positions; default ``tokens``), without recompute (the
-    module docstring's formulas)."""
+    module docstring's formulas); a mixture of experts laid over ``ep`` x ``etp`` ranks
+    (``etp`` None: tp)."""
     h, f = stack.hidden, stack.ffn_hidden
     a = stack.heads * stack.kv_channels
     g = stack.query_groups * stack.kv_channels
     outside = 10 * h * tokens / (tp if sequence_parallel else 1)
-    # a mixture of experts: each token's MLP activations in each expert it goes through, and
-    # its permuted copies into and out of them (the dispatcher's); a shared expert's own
-    used = stack.experts_per_token or 1
-    routed = 4 * h * used if stack.experts else 0
-    mlp = (6 if stack.gated else 4) * f * used + routed + 6 * stack.shared_expert_ffn
+    c = 6 if stack.gated else 4
+    if stack.experts:
+        # each token's MLP activations in each of the k experts it goes through, and the
+        # dispatcher's copies: into the experts (gathered over the etp ranks) and out of them;
+        # the busiest expert-parallel rank gets more than its share; a shared expert's own
+        k, split = stack.experts_per_token, tp if etp is None else etp
+        mlp = (c * f * k + 2 * h * k * (split + 1)) * imbalance(ep) + \
+            6 * stack.shared_expert_ffn
+    else:
+        mlp = c * f
     if kind == LINEAR:
         kept = (outside + mlp * tokens / tp) * settings.width / 2
         return kept + delta_net_bytes(stack, tokens, tokens if chunked is None else chunked,
@@ -238,16 +296,17 @@ def delta_net_bytes(stack: Stack, tokens: float, chunked: float, width: int) -> 
 
 def stack_activation_bytes(stack: Stack, layers: int | range, tokens: float, squares: float,
                            settings: Settings, tp: int = 1, sequence_parallel: bool = False,
-                           chunked: float | None = None) -> float:
+                           chunked: float | None = None, ep: int = 1,
+                           etp: int | None = None) -> float:
     """``layers`` layers' activations (a count: the stack's first ones; or the range of them)
-    for one micro-batch under the settings' recompute (``chunked``: ``layer_activation_bytes``
-    's)."""
+    for one micro-batch under the settings' recompute (``chunked``, ``ep``, ``etp``:
+    ``layer_activation_bytes``'s)."""
     recompute = settings.recompute
     held = range(layers) if isinstance(layers, int) else layers
     if len(held) <= 0:
         return 0.0
     whole = {kind: layer_activation_bytes(stack, tokens, squares, settings, tp,
-                                          sequence_parallel, kind, chunked)
+                                          sequence_parallel, kind, chunked, ep, etp)
              for kind in stack.kinds(held)}
     if recompute == "full":
         inputs = 2 * stack.hidden * tokens / (tp if sequence_parallel else 1) * \
@@ -263,16 +322,18 @@ def chunked_positions(lengths: Sequence[float]) -> float:
 
 def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: Settings,
                               tp: int = 1, pp: int = 1, stage: int = 0,
-                              in_flight: int = 1) -> float:
+                              in_flight: int = 1, ep: int = 1,
+                              etp: int | None = None) -> float:
     """A language stage's activations: ``in_flight`` micro-batches of samples of
     ``lengths`` positions each (packed: the real tokens; padded: the padded length), its
-    layers', and the logits on the last stage (one micro-batch: its loss is taken at once)."""
+    layers' (its experts laid over ``ep`` x ``etp`` ranks), and the logits on the last stage
+    (one micro-batch: its loss is taken at once)."""
     tokens, squares = float(sum(lengths)), float(sum(s * s for s in lengths))
     sp = settings.sequence_parallel and tp > 1
     layers = stack.stage_layers(pp, stage)
     chunked = chunked_positions(lengths) if stack.linear is not None else None
     found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
-                                               chunked)
+                                               chunked, ep, etp)
     if stage == pp - 1:
         found += tokens * stack.vocab / tp * (settings.width + 4)
     return found

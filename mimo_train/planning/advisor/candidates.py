@@ -6,7 +6,10 @@ Layouts (each checked with ``Layout.validate``, the loader's and trainer's check
   runs colocated modules whole), encoders dp N (with variable-token inputs megatron-core's
   colocated bridge needs the encoder's dp to equal the language model's: tp 1 then);
 - non-colocated: each encoder module on its own ranks (dp only: the transformers towers run
-  whole on a rank), the language model tp x pp x dp on the rest, tp a power of two up to 8.
+  whole on a rank), the language model tp x pp x dp on the rest, tp a power of two up to 8;
+- a mixture-of-experts language model, each of these also with its experts laid out by
+  expert parallelism (``expert_layouts``): ep dividing the experts and tp x dp / etp, each
+  expert split over etp = tp or 1 (with ep 1 too: every expert whole on each TP rank).
 
 Settings (``settings_of``): distributed optimizer off / on, recompute none / selective / full,
 sequence parallel where allowed; every (layout, settings) pair that the trainer's rules
@@ -36,6 +39,23 @@ def language_shapes(size: int) -> list[tuple[int, int, int]]:
             for pp in _divisors(size // tp)]
 
 
+def expert_layouts(model: Model, tp: int, dp: int) -> list[dict[str, int]]:
+    """The language module's expert fields tried on a stage of tp x dp ranks: none (the
+    experts split over tp as a dense MLP, the layout's default), and for a mixture of experts
+    etp 1 where tp > 1, and each ep > 1 dividing the experts and tp x dp / etp for etp tp
+    (the default, left out) and 1 (megatron-core's expert grid carves etp x ep x expert dp
+    out of the stage's ranks)."""
+    experts = model.dims.language.experts
+    if not experts:
+        return [{}]
+    found: list[dict[str, int]] = [{}, *([{"etp": 1}] if tp > 1 else [])]
+    for ep in _divisors(experts)[1:]:
+        for etp in dict.fromkeys((tp, 1)):
+            if (tp * dp) % (etp * ep) == 0:
+                found.append({"ep": ep, **({"etp": etp} if etp != tp else {})})
+    return found
+
+
 def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_size: int,
             micro_batch_size: int, variable: list[str], expanded: list[str]) -> list[Layout]:
     """Every valid layout of the model's modules on ``gpus`` ranks (the module docstring)."""
@@ -53,8 +73,9 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
 
     for tp, pp, dp in language_shapes(gpus):                  # colocated
         if pp == 1 or not encoders:
-            add({LANGUAGE: {"tp": tp, "pp": pp, "dp": dp, "rank_offset": 0},
-                 **{e: {"dp": gpus, "rank_offset": 0} for e in encoders}})
+            for experts in expert_layouts(model, tp, dp):
+                add({LANGUAGE: {"tp": tp, "pp": pp, "dp": dp, "rank_offset": 0, **experts},
+                     **{e: {"dp": gpus, "rank_offset": 0} for e in encoders}})
     if not encoders:
         return found
 
@@ -80,8 +101,9 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
                 for name, edp in zip(encoders, dps):
                     spec[name] = {"dp": edp, "rank_offset": offset}
                     offset += edp
-                spec[LANGUAGE] = {"tp": tp, "pp": pp, "dp": dp, "rank_offset": offset}
-                add(spec)
+                for experts in expert_layouts(model, tp, dp):
+                    add({**spec, LANGUAGE: {"tp": tp, "pp": pp, "dp": dp,
+                                            "rank_offset": offset, **experts}})
     return found
 
 

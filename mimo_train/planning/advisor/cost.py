@@ -7,7 +7,17 @@ computes them: packed, the real tokens; unpacked, each micro-batch cut to its lo
 rounded up to 64, at most seq_length) / R, the language model's / (tp x pp) plus its TP
 collectives (4 per layer, each 2 (tp-1)/tp x positions x h x w bytes over the node's
 bandwidth); full recompute adds a forward (x (passes + 1) / passes of a trained part;
-selective recompute's attention-core forward is not counted). Then:
+selective recompute's attention-core forward is not counted; nor are the collectives it
+repeats). A mixture of experts (``layer_traffic``): its layers' TP collectives are the
+attention's 2 (and a shared expert's 2), plus megatron-core's dispatcher: over the etp ranks
+a gather of the routed tokens and a scatter of the experts' output, forward and backward, 4
+(etp-1)/tp x positions x k x h x w bytes over the node's bandwidth; with ep > 1, 4
+all-to-alls (dispatch and combine, forward and backward) of the rank's own routed tokens, 4
+(ep-1)/ep x positions / tp x k x h x w bytes, over the node's bandwidth where every
+expert-parallel group lies in one node, else the network's. Expert parallelism does not
+change a rank's expert FLOPs on average (its E/ep experts get the tokens of ep ranks), but
+the busiest rank gets ``memory.ROUTED_IMBALANCE`` times its share: its routed experts'
+FLOPs, traffic and activations are counted so. Then:
 
 - non-colocated, a pipeline of S = 1 + pp stages (the encoders, then the language stages), m
   global micro-batches per step: T_k(j) the slowest rank of stage k on micro-batch j (the
@@ -19,7 +29,8 @@ selective recompute's attention-core forward is not counted). Then:
   differs from the language model's: the bridge meets every micro-batch);
 - plus each module's gradient reduction after the backward pass (not overlapped): all-reduce
   2 (dp-1)/dp x 4 bytes per parameter of a rank, or with the distributed optimizer
-  reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; over the node's bandwidth when
+  reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; the language model's routed
+  experts over their expert dp (tp x dp / (etp x ep)) instead; over the node's bandwidth when
   the module's ranks fit in a node, else the network's; modules on separate ranks reduce at
   once (the slowest counts), colocated ones one after another.
 
@@ -32,11 +43,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.layout import LANGUAGE, Layout, ModuleLayout
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.planning import memory as mem
 from mimo_train.planning.advisor.inputs import GPU, Model, Work
-from mimo_train.planning.flops import language_flops
+from mimo_train.planning.dims import Stack
+from mimo_train.planning.flops import expert_flops_per_token, language_flops
 
 MFU = 0.4                          # the assumed fraction of the peak (--mfu)
 HEADROOM, RESERVED_GIB = 0.9, 1.0
@@ -58,6 +70,9 @@ class Result:
     bottleneck: str
     flops: float                         # model FLOPs per step (real tokens)
     fits: bool = True
+    all_to_all: float = 0.0              # of the busiest language rank's busy seconds per step:
+                                         # the expert dispatcher's all-to-alls
+
 
     @property
     def peak_bytes(self) -> float:
@@ -116,11 +131,14 @@ class Advisor:
         step_times, busy_totals = [], []
         busy: dict[str, float] = {}
         act: dict[str, float] = {}
+        all_to_all = 0.0
         for s in range(steps):
             language = self._language(s, group, lang.dp)        # [j][r]
-            lang_t = [[f * lang_factor / (lang.tp * lang.pp) / self.rate
-                       + self._tp_comm(sum(pos), lang.tp, lang.pp) for f, pos in row]
+            lang_t = [[self._language_seconds(f, sum(pos), lang, lang_factor) for f, pos in row]
                       for row in language]
+            exchange = [[self._language_comm(sum(pos), lang)[1] for _, pos in row]
+                        for row in language]
+            all_to_all += max(sum(row[r] for row in exchange) for r in range(lang.dp)) / steps
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
                 factor = self._recompute_factor(e.name, recompute)
@@ -143,8 +161,8 @@ class Advisor:
                     mem.in_flight(m, stages, lang_first + stage)
                 for r in range(lang.dp):
                     kept = [mem.language_activation_bytes(
-                        dims.language, row[r][1], settings, lang.tp, lang.pp, stage)
-                        for row in language]
+                        dims.language, row[r][1], settings, lang.tp, lang.pp, stage,
+                        ep=lang.ep, etp=lang.etp) for row in language]
                     act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
                                                     _window(kept, k))
                     act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
@@ -200,7 +218,8 @@ class Advisor:
                           for s, lengths in enumerate(work.lengths)) / steps
         usable = self.usable_bytes
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
-                      float(model_flops), max(x.total for x in memory.values()) <= usable)
+                      float(model_flops), max(x.total for x in memory.values()) <= usable,
+                      all_to_all)
 
     @property
     def usable_bytes(self) -> float:
@@ -211,25 +230,61 @@ class Advisor:
         passes = self.model.passes.get(part, 3)
         return (passes + 1) / passes if recompute == "full" and passes > 1 else 1.0
 
-    def _tp_comm(self, positions: float, tp: int, pp: int) -> float:
-        if tp == 1:
-            return 0.0
+    def _language_seconds(self, flops: float, positions: float, module: ModuleLayout,
+                          factor: float) -> float:
+        """Seconds of one language rank on its DP rank's part of a micro-batch (``flops``
+        over ``positions``): its share of the FLOPs, the busiest expert-parallel rank's
+        routed excess, its TP, expert TP and all-to-all traffic."""
         stack = self.model.dims.language
-        volume = 2 * (tp - 1) / tp * positions * stack.hidden * \
-            mem.BYTES[self.model.precision]
-        return 4 * stack.layers / pp * volume / (self.device.node_gbs * 1e9)
+        excess = (mem.imbalance(module.ep) - 1) * self.model.passes.get(LANGUAGE, 3) * \
+            positions * stack.layers * expert_flops_per_token(stack)
+        return (flops + excess) * factor / (module.tp * module.pp) / self.rate + \
+            sum(self._language_comm(positions, module))
+
+    def _language_comm(self, positions: float, module: ModuleLayout) -> tuple[float, float]:
+        """(TP and expert TP, all-to-all) seconds of one language rank's layers on a
+        micro-batch of ``positions`` (the module docstring)."""
+        tp_bytes, exchange = layer_traffic(self.model.dims.language, positions,
+                                           mem.BYTES[self.model.precision], module.tp,
+                                           module.ep, module.expert_tp)
+        layers = self.model.dims.language.layers / module.pp
+        return (layers * tp_bytes / (self.device.node_gbs * 1e9),
+                layers * exchange / (self._ep_gbs(module) * 1e9) if exchange else 0.0)
+
+    def _ep_gbs(self, module: ModuleLayout) -> float:
+        """The bandwidth of the module's expert-parallel groups: a node's when each lies in
+        one node, else the network's (the slowest group paces the all-to-all)."""
+        per_node, etp, ep = self.device.per_node, module.expert_tp, module.ep
+        # each stage's ranks in blocks of etp x ep, the expert view's order (etp fastest): a
+        # block holds etp groups, of ranks etp apart
+        for base in range(module.rank_offset, module.rank_offset + module.size, etp * ep):
+            for t in range(etp):
+                if len({(base + t + e * etp) // per_node for e in range(ep)}) > 1:
+                    return self.device.network_gbs
+        return self.device.node_gbs
 
     def _dp_sync(self, name: str, layout: Layout, settings: mem.Settings) -> float:
+        """Seconds of the module's gradient reduction: over its DP ranks, the language model's
+        routed experts over their expert DP ranks (megatron-core's second buffer)."""
         module = layout.module(name)
-        if module.dp == 1 or not self._trains(name):
+        if not self._trains(name):
             return 0.0
         params = self._rank_parameters(name, module, 0)
-        share = (module.dp - 1) / module.dp
-        volume = share * params * (mem.GRAD_BYTES + settings.width) \
-            if settings.distributed_optimizer else 2 * share * params * mem.GRAD_BYTES
+        experts = self._expert_parameters(name, module, 0)
         bandwidth = self.device.node_gbs if module.size <= self.device.per_node \
             else self.device.network_gbs
-        return volume / (bandwidth * 1e9)
+        return (self._reduce(params - experts, module.dp, settings) +
+                self._reduce(experts, module.expert_dp, settings)) / (bandwidth * 1e9)
+
+    @staticmethod
+    def _reduce(params: float, dp: int, settings: mem.Settings) -> float:
+        """Bytes each rank sends reducing the gradients of ``params`` over ``dp`` ranks
+        (all-reduce, or reduce-scatter and all-gather with the distributed optimizer)."""
+        if dp == 1 or not params:
+            return 0.0
+        share = (dp - 1) / dp
+        return share * params * (mem.GRAD_BYTES + settings.width) \
+            if settings.distributed_optimizer else 2 * share * params * mem.GRAD_BYTES
 
     def _trains(self, name: str) -> bool:
         if name == LANGUAGE:
@@ -240,13 +295,23 @@ class Advisor:
     def _rank_parameters(self, name: str, module, stage: int) -> float:
         if name == LANGUAGE:
             return mem.language_stage_parameters(self.model.dims.language, module.tp,
-                                                 module.pp, stage)
+                                                 module.pp, stage, module.ep, module.etp)
         return float(self.model.parameters(name))
+
+    def _expert_parameters(self, name: str, module, stage: int) -> float:
+        """The routed experts' share of ``_rank_parameters`` (0 but for the language model)."""
+        if name != LANGUAGE:
+            return 0.0
+        return mem.language_stage_expert_parameters(self.model.dims.language, module.pp, stage,
+                                                    module.ep, module.expert_tp)
 
     def _state(self, name: str, module, stage: int, settings: mem.Settings) -> mem.Memory:
         if name == LANGUAGE:
-            return mem.state_bytes(self._rank_parameters(name, module, stage), settings,
-                                   module.dp, self.model.trained.get(LANGUAGE, True))
+            # the distributed optimizer shards the dense weights' state over the DP ranks, the
+            # routed experts' over their expert DP ranks
+            return mem.language_state_bytes(
+                self.model.dims.language, settings, module.tp, module.pp, stage, module.dp,
+                module.ep, module.etp, module.expert_dp, self.model.trained.get(LANGUAGE, True))
         encoder = self.model.dims.encoders[name]
         tower = mem.state_bytes(encoder.tower.parameters(), settings, module.dp,
                                 self.model.trained.get(f"{name}.encoder", True))
@@ -271,6 +336,33 @@ class Advisor:
                 total = total + value
             return {"+".join(x.name for x in layout.modules): total}
         return {LANGUAGE: worst, **encoders}
+
+
+def layer_traffic(stack: Stack, positions: float, width: int, tp: int = 1, ep: int = 1,
+                  etp: int | None = None) -> tuple[float, float]:
+    """Bytes one rank sends per layer of ``stack`` on a micro-batch of ``positions`` (its DP
+    rank's), forward and backward, at ``width`` bytes a value: (over its TP group: the
+    attention's and a dense MLP's or shared expert's collectives, each 2 (tp-1)/tp of the
+    hidden states, and the dispatcher's gather and scatter over the etp ranks; over its
+    expert-parallel group: the all-to-alls). A mixture of experts' routed tokens are k per
+    token, the busiest expert-parallel rank's ``memory.imbalance`` times the mean."""
+    hidden = positions * stack.hidden * width
+    # a layer's attention and MLP each all-reduce (a gather and a scatter under sequence
+    # parallelism) once forward and once backward; a mixture of experts' MLP only with a
+    # shared expert
+    collectives = 2 + (2 if not stack.experts or stack.shared_expert_ffn else 0)
+    tp_bytes = collectives * 2 * (tp - 1) / tp * hidden
+    if not stack.experts:
+        return tp_bytes, 0.0
+    routed = hidden * stack.experts_per_token * mem.imbalance(ep)
+    # the dispatcher gathers the tokens its ep rank got over the etp ranks, forward, and
+    # scatters the experts' output back; backward the reverse: 4 x (etp-1)/etp of etp x the
+    # rank's routed tokens (1 / tp of the micro-batch's under sequence parallelism)
+    split = tp if etp is None else etp
+    tp_bytes += 4 * (split - 1) / tp * routed
+    # dispatch and combine all-to-alls, forward and backward, of the rank's own routed
+    # tokens, (ep-1)/ep of them to other ranks
+    return tp_bytes, 4 * (ep - 1) / ep * routed / tp
 
 
 def _window(values: list[float], k: int) -> float:

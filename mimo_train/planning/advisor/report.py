@@ -7,18 +7,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mimo_data.loading.layout import Layout
+from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.planning.advisor.cost import Candidate, Result
 from mimo_train.planning.advisor.inputs import GPU, Work
 
 
 def compact(layout: Layout) -> str:
-    """The layout as the compact string, defaults left out."""
+    """The layout as the compact string, defaults left out (expert parallelism's ep and etp
+    after the dims)."""
     parts = []
     colocated = layout.colocated and len(layout.modules) > 1
     for m in layout.modules:
         dims = [f"{d}{getattr(m, d)}" for d in ("tp", "cp", "pp", "dp")
                 if getattr(m, d) > 1] or ["dp1"]
+        dims += [f"{d}{v}" for d, v in m.expert_fields.items()]
         if colocated:
             dims.append("off0")
         tags = [t for t in layout.modalities_of(m.name) if t != m.name]
@@ -62,7 +64,8 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
             "mfu": achieved_mfu(r, gpus, device),
             "memory_gib": {k: v.gib() for k, v in r.memory.items()},
             "peak_memory_gib": r.peak_bytes / 2**30, "fits": r.fits,
-            "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle}
+            "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle,
+            "all_to_all_s": r.all_to_all}
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
@@ -74,9 +77,15 @@ def why(r: Result, device: GPU, gpus: int) -> str:
     busy = ", ".join(f"{k} {_seconds(v)} s"
                      for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
     mfu = achieved_mfu(r, gpus, device)
+    layout = r.candidate.layout
+    exchange = ""
+    if layout.language.ep > 1:
+        language = next(v for k, v in r.busy.items() if LANGUAGE in k.split("+"))
+        exchange = (f"; expert all-to-all {_seconds(r.all_to_all)} s per step "
+                    f"({100 * r.all_to_all / language:.0f}% of the busiest language rank's)")
     return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
-            f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}; memory per rank: "
-            f"{memory}")
+            f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}{exchange}; memory "
+            f"per rank: {memory}")
 
 
 def format_report(report: dict) -> str:
