@@ -41,7 +41,7 @@ import torch
 
 from conftest import MODELS
 from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
-                              transformers_loss)
+                              transformers_balance, transformers_loss)
 from support.runs import assert_continues, compare, copy_checkpoint, step, train
 
 PUBLISHED = MODELS / "published"
@@ -52,6 +52,7 @@ CHECKPOINTS = {"2B": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",
 TOLERANCE = 1e-5                   # on the mean loss per trained token
 SAMPLES = 4
 LAYOUT = "language=dp1;image=dp1,off0,video"
+BALANCE = 0.1               # the MoE's load-balancing loss coefficient (large: a real share)
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,11 @@ def shards(corpus, corpus_videos, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def run(request, shards, tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp(f"qwen3-vl-{request.param}")
-    return dict(run_setup(CHECKPOINTS[request.param], shards, tmp, SAMPLES, "model.freeze=[]"),
-                name=request.param)
+    # the mixture of experts' steps with its load-balancing loss on (its gradient is part of
+    # every comparison across layouts)
+    balance = [f"model.language.moe_aux_loss={BALANCE}"] if request.param == "30B-A3B" else []
+    return dict(run_setup(CHECKPOINTS[request.param], shards, tmp, SAMPLES, "model.freeze=[]",
+                          *balance), name=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,22 @@ def _assert_loss(result: dict, reference: tuple[float, int], what: str) -> None:
 
 def test_step_one_loss_is_transformers_loss(colocated, reference):
     _assert_loss(colocated, reference, "colocated, padded")
+
+
+def test_the_load_balancing_loss_is_transformers_on_the_global_batch(run, colocated):
+    """With ``model.language.moe_aux_loss``, the step's balancing loss is transformers' own
+    (``load_balancing_loss_func`` on its router logits) over the global batch's four
+    micro-batches together, padding left out; the dense model has none."""
+    if run["name"] == "2B":
+        assert colocated["moe_aux_loss"] is None
+        return
+    from transformers import AutoModelForImageTextToText
+    model = AutoModelForImageTextToText.from_pretrained(run["checkpoint"],
+                                                        dtype=torch.float32).eval()
+    expected = transformers_balance(model, colocated["ranks"][0]["batches"],
+                                    run["config"].modalities)
+    assert expected > 1.0          # 2 (top-k) at perfect balance: the replica is far from it
+    assert colocated["moe_aux_loss"] == pytest.approx(expected, rel=1e-6, abs=0)
 
 
 def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):

@@ -101,6 +101,11 @@ class LanguageConfig:
     # sequence parallel over the language model's tensor-parallel ranks (TP > 1; at TP 1
     # there is nothing to split and the setting is refused)
     sequence_parallel: bool = False
+    # a mixture of experts' load-balancing loss (transformers' Switch loss over all MoE
+    # layers), its coefficient (0: off; the checkpoint's router_aux_loss_coef is transformers'
+    # when it trains with router logits), computed from the global batch's expert counts
+    # (mcore.balance: one more forward pass per step)
+    moe_aux_loss: Annotated[float, Range(0)] = 0.0
 
 
 def check_mrope(section: list | None, head_dim: int) -> None:

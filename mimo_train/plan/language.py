@@ -36,6 +36,7 @@ class LanguagePlan:
     vocab_multiple: int
     recompute: str
     sequence_parallel: bool
+    moe_aux_loss: float = 0.0              # the balancing loss's coefficient (0: off)
 
     @property
     def num_query_groups(self) -> int:
@@ -104,4 +105,4 @@ def language_plan(language: LanguageConfig, pretrained: str | None) -> LanguageP
         dims["num_layers"], dims["hidden_size"], dims["num_attention_heads"],
         dims["ffn_hidden_size"], tuple(section) if section is not None else None, pretrained,
         arch, language.vocab_size, language.vocab_multiple, language.recompute,
-        language.sequence_parallel)
+        language.sequence_parallel, language.moe_aux_loss)

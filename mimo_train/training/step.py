@@ -30,6 +30,7 @@ import torch.distributed as dist
 from mimo_data.loading.layout import LANGUAGE
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_train.families.base import HOST_INPUTS
+from mimo_train.mcore.balance import GlobalBalance
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
 from mimo_train.mcore.gated_delta_net import sum_partial_gradients
@@ -62,12 +63,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
             placeholders[module], ids = _shared_placeholders(ids, list(tokens.values()))
     if ids is not None:
         batch = {**batch, "input_ids": ids}
-    real = batch.get("attention_mask")
     packing = batch.get("packing_kwargs")
-    length = None
-    if real is not None and packing is None:
-        longest = int(real.sum(1).max())
-        length = min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+    length = kept_length(batch)
     inputs = {key: value[..., :length].to(device, non_blocking=True)
               for key, value in batch.items()       # the [(3,) B, seq_length] tensors
               if isinstance(value, torch.Tensor) and key != "attention_mask"}
@@ -96,6 +93,16 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     return inputs
 
 
+def kept_length(batch: dict) -> int | None:
+    """The columns ``model_inputs`` keeps of a padded batch: its longest sample's, rounded up
+    to ``LENGTH_MULTIPLE`` (None: all, a packed batch)."""
+    real = batch.get("attention_mask")
+    if real is None or batch.get("packing_kwargs") is not None:
+        return None
+    longest = int(real.sum(1).max())
+    return min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+
+
 def _shared_placeholders(ids: torch.Tensor, tokens: list[int]
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The index in ``tokens`` of each of ``ids``' placeholders of any of them, in token
@@ -120,10 +127,12 @@ class ForwardStep:
     (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list)."""
 
     def __init__(self, infra: Infra, device: torch.device,
-                 shared: dict[str, dict[str, int]] | None = None):
+                 shared: dict[str, dict[str, int]] | None = None,
+                 balance: GlobalBalance | None = None):
         self.infra = infra
         self.device = device
         self.shared = shared
+        self.balance = balance
         self.last_stage = _language_last_stage(infra)
         self.timers: list[Timer] = []
 
@@ -132,6 +141,10 @@ class ForwardStep:
         inputs = model_inputs(batch, self.infra, self.device, self.shared) \
             if batch is not None else \
             {"input_ids": None}
+        if self.balance is not None:          # the routers' real rows (a pack has no padding)
+            length = kept_length(batch) if batch is not None else None
+            self.balance.tokens = None if length is None else \
+                batch["attention_mask"][:, :length]
         timer = Timer(self.device)
         output, loss_mask = model(**inputs)
         self.timers.append(timer.stop())

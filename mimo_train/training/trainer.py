@@ -19,9 +19,11 @@ loss spikes recorded with their samples (``anomalies``).
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -48,11 +50,12 @@ from mimo_train.families.base import check_preprocessing
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
                               get_forward_backward_func, model_parallel_cuda_manual_seed)
 from mimo_train.mcore.attention import available, choose
+from mimo_train.mcore.balance import GlobalBalance
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
 from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
-from mimo_train.model.parts import layer_offset, local_modules
+from mimo_train.model.parts import layer_offset, local_modules, unwrap
 from mimo_train.plan import RunPlan
 from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
@@ -149,7 +152,8 @@ class Trainer:
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         torch.manual_seed(cfg.train.seed)
         model_parallel_cuda_manual_seed(cfg.train.seed, tp_rank=language.tp_rank if language
-                                        else 0, ep_rank=0, etp_rank=0)
+                                        else 0, ep_rank=language.ep_rank if language else 0,
+                                        etp_rank=language.etp_rank if language else 0)
         self.model = build_model(self.plan, self.infra, self.vocabulary,
                                  text.modality_token_ids, self.device, self.attention)
         self.modules = local_modules(self.model, self.infra)
@@ -183,8 +187,19 @@ class Trainer:
         for note in notes:
             say(PREFIX + note)
         self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
-        self.forward = ForwardStep(self.infra, self.device, self.placeholders)
+        self.balance = self._balance()
+        self.forward = ForwardStep(self.infra, self.device, self.placeholders, self.balance)
         self._wire_schedule()
+
+    def _balance(self) -> GlobalBalance | None:
+        """The global-batch load-balancing loss on this rank's routers
+        (``model.language.moe_aux_loss``; None: off, or no language model here)."""
+        coefficient = self.plan.language.moe_aux_loss
+        if not coefficient or LANGUAGE not in self.modules:
+            return None
+        return GlobalBalance(unwrap(self.modules[LANGUAGE]), coefficient,
+                             self.infra.modules[LANGUAGE].pgs,
+                             self.plan.language.sequence_parallel)
 
     def _init_from(self, directory: str) -> None:
         """This rank's weights from a checkpoint of any layout (two phases: the checks need
@@ -343,7 +358,25 @@ class Trainer:
     def forward_backward(self, iterator, forward_only: bool) -> torch.Tensor:
         """One global batch through the schedule (gradients finalized unless
         ``forward_only``); returns the world's [loss sum over trained tokens, their count] as a
-        device tensor (not read on the host)."""
+        device tensor (not read on the host). With ``model.language.moe_aux_loss`` a training
+        pass is preceded by the step's counting pass (``mcore.balance``)."""
+        if forward_only or not self.plan.language.moe_aux_loss:
+            return self._through_schedule(iterator, forward_only)
+        batches = list(itertools.islice(iterator, self.micro_batches)) \
+            if iterator is not None else None
+        timers = len(self.forward.timers)
+        counting = self.balance.counting(self.device) if self.balance else nullcontext()
+        with counting:
+            reports = self._reports(iter(batches) if batches is not None else None, True)
+        del self.forward.timers[timers:]                     # the count pass is not timed
+        trained = global_sum(reports[:2], self.infra, self.device)[1]
+        applying = self.balance.applying(float(trained)) if self.balance else nullcontext()
+        with applying:
+            return self._through_schedule(iter(batches) if batches is not None else None,
+                                          False)
+
+    def _reports(self, iterator, forward_only: bool) -> torch.Tensor:
+        """This rank's [loss sum, trained tokens] of one pass through the schedule."""
         kwargs = dict(forward_step_func=self.forward, data_iterator=iterator, model=[self.model],
                       num_microbatches=self.micro_batches,
                       seq_length=self.preprocess.seq_length,
@@ -354,7 +387,12 @@ class Trainer:
         reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
-        local = torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
+        return torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
+
+    def _through_schedule(self, iterator, forward_only: bool) -> torch.Tensor:
+        """``forward_backward``'s pass: the world's [loss sum, trained tokens], and the step's
+        FLOPs per module (``step_flops``)."""
+        local = self._reports(iterator, forward_only)
         # the micro-batches' FLOPs ride on the same sum (no collective of their own)
         local = torch.cat([local.to(self.device, torch.float64), self.flops.take(self.device)])
         sums = global_sum(local, self.infra, self.device)

@@ -5,7 +5,8 @@
 
 Builds ``mimo_train.training.trainer.Trainer`` from the overrides (``model.init_from`` gives every
 layout the same weights), runs one global batch forward and backward through the real schedule and
-gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token count,
+gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token count
+(and the global batch's load-balancing loss on the language ranks, with ``moe_aux_loss``),
 each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names
 (an expert's by its global number under expert parallelism),
 and the dtypes of each module's parameters and buffers and the names of the parameters it does not
@@ -228,6 +229,8 @@ def main(argv) -> None:
     calls, hooks = count_calls(trainer.modules)
     reductions = watch_reductions(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    # the global batch's load-balancing loss (model.language.moe_aux_loss), where counted
+    balance = trainer.balance.value if trainer.balance is not None else None
     if warm_flops is not None:
         trainer.step_flops = warm_flops
     # the step's model FLOPs per module, as the trainer's records get them
@@ -256,6 +259,7 @@ def main(argv) -> None:
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
+                "moe_aux_loss": balance,
                 "dtypes": dtypes,
                 "fixed": fixed, "host_reads": reads, "batches": batches, "calls": calls,
                 "sharded": optimizer_shares(trainer), "reductions": reductions},

@@ -94,6 +94,34 @@ def transformers_loss(model, batch: dict, config: dict, dtype: torch.dtype
     modalities; pixels normalized as ``config`` (the preprocessing config's modalities) says,
     in ``dtype``. Where mimo's ``loss_mask`` is set at t, its label is token t + 1 (checked),
     transformers' label at t + 1 (its loss shifts back)."""
+    inputs, labels, modalities = _transformers_inputs(model, batch, config, dtype)
+    loss = model(**inputs, labels=labels).loss
+    return loss, int((labels[:, 1:] != -100).sum()), modalities
+
+
+def transformers_balance(model, batches: list[dict], config: dict) -> float:
+    """transformers' load-balancing loss (its ``load_balancing_loss_func``, without the
+    coefficient) of ``model`` (a mixture of experts) on ``batches`` together: every layer's
+    router logits of every micro-batch, their padding left out (fp32)."""
+    import importlib
+    module = importlib.import_module(type(model).__module__)
+    logits: list[list[torch.Tensor]] = []
+    masks = []
+    for batch in batches:
+        inputs, _, _ = _transformers_inputs(model, batch, config, torch.float32)
+        with torch.no_grad():
+            layers = model(**inputs, output_router_logits=True).router_logits
+        logits.append(list(layers))
+        masks.append(inputs["attention_mask"].reshape(-1))
+    text = model.config.text_config
+    by_layer = tuple(torch.cat(rows) for rows in zip(*logits))
+    return float(module.load_balancing_loss_func(by_layer, text.num_experts,
+                                                 text.num_experts_per_tok, torch.cat(masks)))
+
+
+def _transformers_inputs(model, batch: dict, config: dict, dtype: torch.dtype
+                         ) -> tuple[dict, torch.Tensor, tuple[str, ...]]:
+    """``transformers_loss``'s model inputs of ``batch``, its labels and its modalities."""
     image_id, video_id = model.config.image_token_id, model.config.video_token_id
     length = int(batch["attention_mask"].sum(1).max())
     ids = batch["input_ids"][:, :length]
@@ -113,10 +141,9 @@ def transformers_loss(model, batch: dict, config: dict, dtype: torch.dtype
         extra.update(pixel_values_videos=normalize_video_pixels(
             inputs["video"]["pixel_values_videos"], config["video"]).to(dtype),
             video_grid_thw=inputs["video"]["video_grid_thw"])
-    loss = model(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
-                 labels=labels, mm_token_type_ids=(ids == image_id).int()
-                 + 2 * (ids == video_id).int(), **extra).loss
-    return loss, int((labels[:, 1:] != -100).sum()), tuple(sorted(inputs))
+    return (dict(input_ids=ids, attention_mask=batch["attention_mask"][:, :length].long(),
+                 mm_token_type_ids=(ids == image_id).int() + 2 * (ids == video_id).int(),
+                 **extra), labels, tuple(sorted(inputs)))
 
 
 def _processor(checkpoint: Path, config: dict):

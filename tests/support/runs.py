@@ -42,8 +42,10 @@ def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None
 def merged(out: Path) -> dict:
     """The ranks' ``rank_R.pt`` of one parity step, merged (see ``step``)."""
     per_rank = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
+    balances = {rank["moe_aux_loss"] for rank in per_rank} - {None}
+    assert len(balances) <= 1, balances           # every language rank counts the same
     result = {"loss_sum": per_rank[0]["loss_sum"], "tokens": per_rank[0]["tokens"],
-              "flops": per_rank[0]["flops"],
+              "flops": per_rank[0]["flops"], "moe_aux_loss": next(iter(balances), None),
               "grads": {}, "ranks": per_rank}
     for rank in per_rank:
         assert (rank["loss_sum"], rank["tokens"]) == (result["loss_sum"], result["tokens"])
@@ -68,6 +70,9 @@ def compare(reference: dict, other: dict, what: str, tolerance: float = TOLERANC
     loss, expected = other["loss_sum"] / other["tokens"], \
         reference["loss_sum"] / reference["tokens"]
     assert abs(loss - expected) <= tolerance, f"{what}: loss {loss} vs {expected}"
+    if reference["moe_aux_loss"] is not None:
+        assert abs(other["moe_aux_loss"] - reference["moe_aux_loss"]) <= tolerance, \
+            f"{what}: load-balancing loss {other['moe_aux_loss']} vs {reference['moe_aux_loss']}"
     assert set(other["grads"]) == set(reference["grads"]), what
     for module, grads in reference["grads"].items():
         assert set(other["grads"][module]) == set(grads), f"{what}: {module} parameters differ"
