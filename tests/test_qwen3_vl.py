@@ -269,11 +269,12 @@ def test_a_qwen3_moe_language_model_alone_is_refused_with_the_reason(tmp_path):
 @pytest.fixture(scope="module")
 def moe_training(ranks, shards, tmp_path_factory) -> dict:
     """Three steps of the 30B-A3B at lr 1e-3 (Adam), colocated on two ranks under language
-    dp2 with its experts over ep2 (each rank 4 of each layer's 8) and the distributed
-    optimizer, checkpointed after each step: its records, its checkpoints and the overrides."""
+    dp2 with its experts over ep2 (each rank 4 of each layer's 8), the distributed optimizer
+    and the load-balancing loss, checkpointed after each step: its records, its checkpoints
+    and the overrides."""
     tmp = tmp_path_factory.mktemp("qwen3-vl-moe-ep")
-    common = [*run_setup(CHECKPOINTS["30B-A3B"], shards, tmp, SAMPLES, "model.freeze=[]")[
-                  "common"],
+    common = [*run_setup(CHECKPOINTS["30B-A3B"], shards, tmp, SAMPLES, "model.freeze=[]",
+                         f"model.language.moe_aux_loss={BALANCE}")["common"],
               "train.steps=3", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3",
               "optimizer.distributed=true", "train.micro_batch_size=1", "train.log_interval=1"]
     records = train(ranks, tmp, "ep2", "qwen3_vl_finetune.yaml", *common,
@@ -285,15 +286,18 @@ def moe_training(ranks, shards, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("language, nproc", [("dp2", 2), ("dp4,ep4", 4)])
 def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, language, nproc):
     """The ep2 run's step-1 checkpoint resumed with every rank holding all 8 experts (ep1) or
-    two of them on each of four ranks (ep4): steps 2 and 3 give the ep2 run's samples, losses
-    and grad norms (the experts' weights and Adam moments moved to the ranks that now hold
-    them)."""
+    two of them on each of four ranks (ep4): steps 2 and 3 give the ep2 run's samples, losses,
+    load-balancing losses and grad norms (the experts' weights and Adam moments moved to the
+    ranks that now hold them)."""
     tmp = moe_training["tmp"]
     root = copy_checkpoint(tmp / "ep2-ckpt" / "step_0000001", tmp / f"resume-{nproc}")
     resumed = train(ranks, tmp, f"resumed-{nproc}", "qwen3_vl_finetune.yaml",
                     *moe_training["common"], f"checkpoint.dir={root}",
                     f"layout=language={language};image=dp{nproc},off0,video", nproc=nproc)
     assert_continues(resumed, moe_training["records"], [2, 3], loss=1e-5, grad_norm_rel=1e-4)
+    balances = {r["step"]: r["moe_aux_loss"] for r in moe_training["records"] if "loss" in r}
+    for record in (r for r in resumed if "loss" in r):      # the records carry it
+        assert record["moe_aux_loss"] == pytest.approx(balances[record["step"]], rel=1e-6)
     if nproc == 4:
         # both runs' step-3 checkpoints exported: the fused experts (published layout) and
         # every other weight alike, whichever ranks held which experts (to 1e-5: Adam turns

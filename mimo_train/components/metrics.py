@@ -1,7 +1,8 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
 A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
-samples_per_s, forward_s, memory_mib`` (``lrs``: each trained module's learning rate, ``lr`` the
+samples_per_s, forward_s, memory_mib`` (and ``moe_aux_loss``, the global batch's load-balancing
+loss without its coefficient, when on) (``lrs``: each trained module's learning rate, ``lr`` the
 language model's, else the first trained module's; forward seconds per module, max over its
 ranks; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
@@ -116,6 +117,8 @@ class StepValues:
     forward: list[Timer]            # this rank's forward passes
     global_batch_size: int
     flops: torch.Tensor | None = None   # the world's model FLOPs per layout module (device)
+    # the global batch's load-balancing loss (model.language.moe_aux_loss; language ranks)
+    balance: float | None = None
 
 
 def forward_seconds(layout, local_modules, values: list[float]) -> dict:
@@ -211,7 +214,9 @@ def line(record: dict) -> str:
     return (f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
             f"{record['grad_norm']:.3f}  {lr}  tokens {record['tokens']}  "
             f"{record['tokens_per_s']:.0f} tok/s  {record['samples_per_s']:.1f} samples/s  "
-            f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}{skipped}")
+            f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}{skipped}"
+            + (f"  moe_aux_loss {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record
+               else ""))
 
 
 def _rate(record: dict) -> str:
@@ -300,7 +305,8 @@ class Metrics:
         memory = self.memory.mib() if self.memory is not None else 0.0
         local = [[p.lrs.get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                    else 0.0 for name in names] + [memory] for p in pending]
+                    else 0.0 for name in names] + [memory]
+                 + [p.balance if p.balance is not None else -1.0] for p in pending]
         maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         read = []
@@ -310,7 +316,9 @@ class Metrics:
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
                 p.global_batch_size,
                 forward_seconds(self.layout, self.local_modules, row[len(names):2 * len(names)]),
-                row[-1] if self.memory is not None else None))
+                row[-2] if self.memory is not None else None))
+            if row[-1] >= 0:                    # a value of the language ranks' (>= 0)
+                read[-1]["moe_aux_loss"] = row[-1]
         if all(p.flops is not None for p in pending):
             world = dist.get_world_size()
             flops = torch.stack([p.flops for p in pending if p.flops is not None]).tolist()

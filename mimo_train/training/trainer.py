@@ -426,7 +426,8 @@ class Trainer:
         forward, self.forward.timers = self.forward.timers, []
         values = StepValues(self.step, sums, grad_norm, lrs, not success,
                             timer.stop(), forward, self.cfg.train.global_batch_size,
-                            self.step_flops)
+                            self.step_flops,
+                            self.balance.value if self.balance is not None else None)
         return values, anomaly
 
     def evaluate(self) -> dict:
