@@ -93,9 +93,10 @@ CASES = {
     "experts_split_over_ep": Case(
         "qwen3-vl-moe", "image=dp1,video;language=dp3,ep3", (),
         "experts per layer, which do not split over the layout's language ep3", batch=6),
-    "experts_without_lora": Case(
-        "qwen3-vl-moe", "image=dp1,video;language=dp1", ("model.lora.language.rank=4",),
-        "adapters on its layers (its experts' among them) are not supported yet"),
+    "expert_lora_rank_splits_over_etp": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=dp4,etp2",
+        ("model.lora.language.rank=3", "model.lora.language.targets=[linear_fc1]"),
+        "rank 3 does not split over the experts' etp 2"),
 }
 
 
@@ -188,3 +189,19 @@ def test_every_proposal_on_eight_gpus_starts(name, models, tmp_path):
         assert report["ranked"], report
         for result in report["ranked"]:
             resolve(TrainConfig.load(str(path), result["overrides"]))
+
+
+@pytest.mark.parametrize("targets", ["[linear_qkv, shared_experts.linear_fc1]", "[all-linear]"])
+def test_lora_on_a_mixture_of_experts_is_refused_only_where_it_reaches_routed_experts(
+        targets, models, tmp_path):
+    """The expert rule's case with targets that leave the routed experts out (the attention
+    and a shared expert's layer; all-linear, PEFT's: no routed expert) starts; the rule reads
+    the part's targets."""
+    case = CASES["expert_lora_rank_splits_over_etp"]
+    case = Case(case.model, case.layout, (case.overrides[0],
+                                          f"model.lora.language.targets={targets}"))
+    cfg = TrainConfig.load(str(_training_yaml(tmp_path, models, case)),
+                           [f"layout={case.layout}"])
+    plan = resolve(cfg)
+    assert plan.settings.lora_targets == {"language": tuple(yaml.safe_load(targets))}
+    assert rules.refusals(plan.facts, plan.layout, plan.settings) == []

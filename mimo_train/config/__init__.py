@@ -150,7 +150,8 @@ class LoraConfig:
     alpha: Annotated[float, Range(0, open_low=True)] = 16.0
     dropout: Annotated[float, Range(0, 1, open_high=True)] = 0.0
     # layer names (linear_qkv, q_proj, ...), dotted paths or fnmatch patterns over the part's
-    # linear layers (decoder.layers.*.mlp.linear_fc1), or all-linear (all but the output layer)
+    # linear layers (decoder.layers.*.mlp.linear_fc1), or all-linear (all but the output layer
+    # and a mixture of experts' routed experts, as PEFT's)
     targets: list[str] = field(default_factory=lambda: ["all-linear"])
     init_lora_weights: bool = True
 

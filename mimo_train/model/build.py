@@ -176,7 +176,9 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     """``MimoModel`` with this rank's modules DDP-wrapped (``build_optimizer`` makes its
     ``MimoOptimizer``)."""
     layout, seed = plan.layout, plan.config.train.seed
-    check_language_targets(plan.adapted, plan.language.num_layers)
+    arch = plan.language.arch
+    check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
+                           bool(arch and arch.shared_expert_ffn_hidden_size))
     transformer = language_transformer_config(plan, device)
     encoder_transformer_config = dataclasses.replace(transformer, **{
         key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)

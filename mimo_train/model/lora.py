@@ -9,11 +9,17 @@ Parts are named as ``model.freeze`` names them: ``language``, an encoder module 
 projection), ``<module>.encoder`` (the tower), ``<module>.projection``. A part's layers are named
 from its root: the language model's as megatron-core names them, with global layer numbers
 (``decoder.layers.3.self_attention.linear_qkv``; a gated delta-net layer's are
-``self_attention.in_proj`` and ``self_attention.out_proj``), the tower's as transformers does
-(``blocks.0.attn.qkv``), the projection's by index (``0``, ``2``). A target is a layer name
-(``linear_qkv``: every layer of that name), a dotted path, an fnmatch pattern
-(``decoder.layers.*.mlp.linear_fc1``) or ``all-linear`` (every linear layer but the language
-model's output layer, as PEFT's ``all-linear``).
+``self_attention.in_proj`` and ``self_attention.out_proj``; a mixture of experts' shared expert's
+``mlp.shared_experts.linear_fc1`` / ``linear_fc2``, each routed expert's
+``mlp.experts.local_experts.<e>.linear_fc1`` / ``linear_fc2`` with the layer's global expert
+number e, whichever expert-parallel rank holds it; the router is no linear layer and stays
+un-adapted), the tower's as transformers does (``blocks.0.attn.qkv``), the projection's by index
+(``0``, ``2``). A target is a layer name (``linear_qkv``: every layer of that name, so
+``linear_fc1`` takes in the shared and the routed experts'), a dotted path
+(``shared_experts.linear_fc1``), an fnmatch pattern (``decoder.layers.*.mlp.linear_fc1``,
+``*.local_experts.*``) or ``all-linear`` (every linear layer but the language model's output
+layer and the routed experts', as PEFT's ``all-linear`` on the transformers model, which holds
+the routed experts as fused parameters; ``plan.parts.target_matches``).
 
 Tensor parallelism (the language model; encoders run whole on each rank): megatron-core's own
 parallel layers hold A and B, so their communication gives each rank the gradients of the TP1
@@ -22,10 +28,23 @@ model's adapters:
 - a column-parallel layer (``linear_qkv``, ``linear_fc1``, ``in_proj``: input whole, output
   split over TP): A is a ``ColumnParallelLinear`` split by its ``rank`` rows, its output
   gathered (so ``rank`` must be a multiple of TP), B a ``ColumnParallelLinear`` split by output
-  rows as the layer is;
+  rows as the layer is, its input's gradient summed over TP;
 - a row-parallel layer (``linear_proj``, ``linear_fc2``, ``out_proj``: input split, output
-  reduced): A is a ``RowParallelLinear`` split along its input as the layer is, B a
-  ``ColumnParallelLinear`` split by output rows with its output gathered.
+  reduced): A is a ``RowParallelLinear`` split along its input as the layer is, its output
+  summed over TP, B a ``ColumnParallelLinear`` split by output rows with its output gathered.
+
+Under sequence parallelism (a column-parallel layer's input split over TP along the sequence, a
+row-parallel layer's output reduce-scattered along it) A of a column-parallel layer gathers the
+sequence as the layer does, and a row-parallel layer's adapter keeps its rank's part of the
+sequence (its gradient gathered back); B never takes a split sequence.
+
+A routed expert's layers (megatron-core's ``SequentialMLP``) are split over the expert tensor
+parallelism (``etp``) and take the tokens the dispatcher sends them, whole on each etp rank;
+the dispatcher adds up the etp ranks' outputs and input gradients. Their adapters keep to that:
+a column-parallel ``linear_fc1``'s A leaves its input's gradient partial (``is_expert``; its
+rank rows split over etp, so ``rank`` must split over etp too), a row-parallel ``linear_fc2``'s
+adapter gives B A x as rank r's rows of it in place, zero elsewhere; their weights are reduced
+over the expert data parallelism as the expert's (``allreduce`` as megatron-core marks it).
 
 A layer's rows may be sections, each split over TP on its own: a gated delta-net's ``in_proj``
 (q, k, v, z, beta, alpha: TP rank r holds ``[q_r; k_r; v_r; z_r; b_r; a_r]``), SwiGLU's
@@ -37,12 +56,14 @@ Checkpoint names: a layer's own weights keep theirs (``...linear_qkv.weight``); 
 ``...linear_qkv.lora.a.weight`` and ``...lora.b.weight``, global tensors ([rank, in] and
 [out, rank]; SwiGLU's ``linear_fc1`` B stored as its gate and up halves, as megatron-core stores
 the layer; ``in_proj``'s B section by section, ``...in_proj.lora.b.weight.query`` ..., as
-megatron-core stores ``in_proj.weight``), so a LoRA checkpoint resumes under any TP and PP.
+megatron-core stores ``in_proj.weight``; a routed expert's stacked along the expert axis, as
+megatron-core stores the expert's weights), so a LoRA checkpoint resumes under any TP, PP and
+EP.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import copy
 import math
 import re
 import zlib
@@ -58,13 +79,16 @@ from mimo_train.mcore import (ColumnParallelLinear, RowParallelLinear,
                               apply_swiglu_sharded_factory, saved_in_sections)
 from mimo_train.model.parts import global_key
 from mimo_train.plan import Adapted
+from mimo_train.plan.parts import ROUTED_EXPERTS, routed_expert_layers
+from mimo_train.plan.parts import target_matches as matches
 
-ALL_LINEAR = "all-linear"
 # the linear layers of each decoder layer of mimo's language model (megatron-core's local spec)
 # (a gated delta-net layer's ``self_attention`` has ``in_proj`` and ``out_proj`` instead)
 LANGUAGE_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj",
                     "self_attention.in_proj", "self_attention.out_proj",
                     "mlp.linear_fc1", "mlp.linear_fc2")
+# a mixture-of-experts layer's shared expert (Qwen3.5-MoE), beside its routed experts
+SHARED_EXPERT_LINEARS = ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
 _ADAPTER = re.compile(r"(^|\.)lora\.[ab]\.")
 
 
@@ -73,13 +97,37 @@ def is_adapter(name: str) -> bool:
     return _ADAPTER.search(name) is not None
 
 
-def check_language_targets(adapted: Iterable[Adapted], num_layers: int) -> None:
+def language_linears(num_layers: int, experts: int = 0, shared_expert: bool = False
+                     ) -> set[str]:
+    """The linear layers of mimo's language model as LoRA targets name them (global layer
+    numbers; a mixture of experts': the shared expert's and each routed expert's by its global
+    number, no dense MLP)."""
+    names = LANGUAGE_LINEARS[:4] + ((SHARED_EXPERT_LINEARS if shared_expert else ())
+                                    if experts else LANGUAGE_LINEARS[4:])
+    return {f"decoder.layers.{i}.{n}" for i in range(num_layers) for n in names} | \
+        set(routed_expert_layers(num_layers, experts))
+
+
+def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts: int = 0,
+                           shared_expert: bool = False) -> None:
     """Every target of the language model's adapters names one of its linear layers (on
-    every rank, whichever modules it holds)."""
+    every rank, whichever modules it holds); a mixture of experts' router is none (it stays
+    un-adapted)."""
     for each in adapted:
-        if each.part.module == LANGUAGE:
-            _check_targets(each, {f"decoder.layers.{i}.{n}" for i in range(num_layers)
-                                  for n in LANGUAGE_LINEARS})
+        if each.part.module != LANGUAGE:
+            continue
+        names = language_linears(num_layers, experts, shared_expert)
+        routers = [f"decoder.layers.{i}.mlp.router" for i in range(num_layers)]
+        for target in each.spec.targets:
+            if experts and not any(matches(target, n) for n in names) and \
+                    any(matches(target, n) for n in routers):
+                raise TrainConfigError(
+                    f"model.lora.{each.part.name}.targets has {target!r}, the "
+                    "mixture-of-experts router (mlp.router): it stays un-adapted (its logits "
+                    "choose each token's experts, a plain weight, not a linear layer); "
+                    "target the attention, shared_experts.linear_fc1 / linear_fc2 or the "
+                    "routed experts (linear_fc1, linear_fc2) instead")
+        _check_targets(each, names)
 
 
 class LoraAdapter(torch.nn.Module):
@@ -140,24 +188,65 @@ class ParallelLoraAdapter(torch.nn.Module):
     def __init__(self, base, spec: LoraConfig, seed: int, sections: Sections | None = None):
         super().__init__()
         column = isinstance(base, ColumnParallelLinear)
+        expert = bool(base.is_expert)            # a routed expert's: its group the expert TP
+        tp = base.tp_group.size()
         torch.manual_seed(seed)       # the master weights are drawn whole, then split: any TP
         a_init, b_init = _kaiming, _b_init(spec)
         if sections is not None:
-            b_init = _rank_by_rank(b_init, sections, base.tp_group.size())
-        common = dict(config=base.config, bias=False, tp_group=base.tp_group)
-        if column:
+            b_init = _rank_by_rank(b_init, sections, tp)
+        # the adapter's layers take whole sequences: all but A of a column-parallel layer,
+        # which gathers a sequence-parallel input as the layer does
+        whole = copy.copy(base.config)
+        whole.sequence_parallel = False
+        common = dict(bias=False, tp_group=base.tp_group)
+        if column:              # an expert's input is whole on each rank, its dgrad partial
             self.a = ColumnParallelLinear(base.input_size, spec.rank, init_method=a_init,
-                                          gather_output=True, **common)
+                                          gather_output=True, is_expert=expert,
+                                          config=whole if expert else base.config, **common)
         else:
             self.a = RowParallelLinear(base.input_size, spec.rank, init_method=a_init,
-                                       input_is_parallel=True, skip_bias_add=True, **common)
+                                       input_is_parallel=True, skip_bias_add=True,
+                                       config=whole, **common)
         self.b = ColumnParallelLinear(spec.rank, base.output_size, init_method=b_init,
-                                      gather_output=not column, **common)
+                                      gather_output=not (column or expert), config=whole,
+                                      **common)
+        # a row-parallel layer's output: sequence parallel, this rank's part of the sequence;
+        # an expert's (each rank's partial sum, added up by the token dispatcher), its rows
+        # of B A x in place, zero elsewhere
+        self.sequence_chunk = not column and not expert and base.config.sequence_parallel \
+            and tp > 1
+        self.own_rows = not column and expert and tp > 1
+        if expert:          # reduced over the expert data parallelism, as the layer's weight
+            for parameter in self.parameters():
+                parameter.allreduce = getattr(base.weight, "allreduce", True)
         self.dropout = torch.nn.Dropout(spec.dropout)
         self.scale = spec.alpha / spec.rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.a(self.dropout(x))[0])[0] * self.scale
+        out = self.b(self.a(self.dropout(x))[0])[0] * self.scale
+        group = self.b.tp_group
+        if self.sequence_chunk:
+            return _SequenceChunk.apply(out, group)
+        if self.own_rows:
+            rows, rank = out.size(-1), group.rank()
+            return torch.nn.functional.pad(out, (rank * rows, (group.size() - 1 - rank) * rows))
+        return out
+
+
+class _SequenceChunk(torch.autograd.Function):
+    """This TP rank's part of a sequence whole on each rank (first dimension, as sequence
+    parallelism splits it); backward: the parts' gradients gathered."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.chunk(group.size())[group.rank()].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        parts = [torch.empty_like(grad) for _ in range(ctx.group.size())]
+        torch.distributed.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts), None
 
 
 class LoraParallelLinear(torch.nn.Module):
@@ -218,11 +307,6 @@ def _linears(root: torch.nn.Module, language: bool) -> dict[str, torch.nn.Module
             and ".lora." not in f".{name}."}
 
 
-def matches(target: str, name: str) -> bool:
-    return target == ALL_LINEAR or name == target or name.endswith("." + target) or \
-        fnmatch.fnmatchcase(name, target)
-
-
 def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
                  layer_offset: int) -> None:
     """Put adapters on the targeted linear layers of ``adapted``'s part of ``module`` (this
@@ -236,7 +320,7 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
     elif part.part == "projection":
         root = module.input_projections[0]
     layers = _linears(root, language)
-    names = {(global_key(f"{n}.w", layer_offset)[:-2] if language else n): n for n in layers}
+    names = {(_global_name(root, n, layer_offset) if language else n): n for n in layers}
     if not language:      # the language model's: check_language_targets, on every rank
         _check_targets(adapted, set(names))
     for name, local in names.items():
@@ -259,6 +343,20 @@ def add_adapters(module: torch.nn.Module, adapted: Adapted, seed: int,
             layer.register_module("lora", LoraAdapter(layer.in_features, layer.out_features,
                                                       spec, _seed(seed, key)))
             layer.register_forward_hook(_add_adapter_output)
+
+
+def _global_name(root: torch.nn.Module, local: str, layer_offset: int) -> str:
+    """A language model's layer ``local`` (this stage's, this rank's experts) named with its
+    global layer number and, a routed expert's, the layer's global expert number
+    (expert-parallel rank r holds experts r * E / ep on)."""
+    name = global_key(f"{local}.w", layer_offset)[:-2]
+    head, found, tail = name.partition(f".{ROUTED_EXPERTS}")
+    if not found:
+        return name
+    experts = root.get_submodule(local.partition(f".{ROUTED_EXPERTS}")[0] + ".mlp.experts")
+    index, _, rest = tail.partition(".")
+    number = experts.ep_group.rank() * experts.num_local_experts + int(index)
+    return f"{head}.{ROUTED_EXPERTS}{number}.{rest}"
 
 
 def _sections(layer: torch.nn.Module) -> Sections | None:

@@ -7,18 +7,57 @@ tower) or ``image.projection``. ``Part.parse`` reads one; ``prefix`` is where th
 parameters sit in its module (megatron-core's ``ModalitySubmodules``: ``encoders.`` and
 ``input_projections.``); ``covers`` says whether an entry takes in a part (a whole module
 takes in its tower and projection).
+
+A LoRA target (``model.lora.<part>.targets``) names linear layers of its part: a layer name
+(every layer of that name), a dotted path, an fnmatch pattern, or ``all-linear``
+(``target_matches``); ``reaches_routed_experts`` says whether targets take in a mixture of
+experts' routed experts.
 """
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.errors import TrainConfigError
 
 # an encoder module's parts -> the prefix of their parameter names in the module
 ENCODER_PARTS = {"encoder": "encoders.", "projection": "input_projections."}
+# the LoRA target of every linear layer of a part but the language model's output layer and a
+# mixture of experts' routed experts, as PEFT's all-linear (transformers holds the routed
+# experts as fused parameters, not linear layers)
+ALL_LINEAR = "all-linear"
+# where megatron-core's mixture-of-experts layer holds each routed expert's linear layers
+# (``decoder.layers.<i>.mlp.experts.local_experts.<e>.linear_fc1``, e the layer's global
+# expert number)
+ROUTED_EXPERTS = "mlp.experts.local_experts."
+
+
+def target_matches(target: str, name: str) -> bool:
+    """Whether the LoRA target ``target`` names the linear layer ``name`` (a path from its
+    part's root): ``all-linear``, the layer's name (``linear_fc1``: every layer of that name),
+    its path, or an fnmatch pattern over its path."""
+    if target == ALL_LINEAR:
+        return f".{ROUTED_EXPERTS}" not in f".{name}"
+    return name == target or name.endswith("." + target) or fnmatch.fnmatchcase(name, target)
+
+
+def routed_expert_layers(layers: int, experts: int) -> list[str]:
+    """The linear layers of the routed experts of a mixture-of-experts language model of
+    ``layers`` layers of ``experts`` experts each, named as LoRA targets name them."""
+    return [f"decoder.layers.{i}.{ROUTED_EXPERTS}{e}.linear_fc{n}" for i in range(layers)
+            for e in range(experts) for n in (1, 2)]
+
+
+@lru_cache(maxsize=64)
+def reaches_routed_experts(targets: tuple[str, ...], layers: int, experts: int) -> bool:
+    """Whether the language model's LoRA ``targets`` take in a routed expert's linear layer
+    (``layers`` layers of ``experts`` experts each)."""
+    return any(target_matches(t, name) for name in routed_expert_layers(layers, experts)
+               for t in targets)
 
 
 @dataclass(frozen=True)

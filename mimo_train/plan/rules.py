@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.errors import TrainConfigError
+from mimo_train.plan.parts import reaches_routed_experts
 
 
 @dataclass(frozen=True)
@@ -36,11 +37,13 @@ class Facts:
 @dataclass(frozen=True)
 class Settings:
     """What a run sets that the rules read: the language model's recompute and sequence
-    parallelism, packing, and each part under LoRA with its rank."""
+    parallelism, packing, each part under LoRA with its rank, and its targets (None: not
+    known, as the layout advisor asks: the rules then take every layer as targeted)."""
     recompute: str = "none"
     sequence_parallel: bool = False
     packing: bool = False
     lora: Mapping[str, int] = field(default_factory=dict)      # part -> rank
+    lora_targets: Mapping[str, tuple[str, ...]] | None = None  # part -> targets
 
 
 class Refusal(NamedTuple):
@@ -211,9 +214,18 @@ def experts_split_over_ep(facts: Facts, layout: Layout, settings: Settings) -> s
 
 
 @rule
-def experts_without_lora(facts: Facts, layout: Layout, settings: Settings) -> str | None:
-    if facts.experts and LANGUAGE in settings.lora:
-        return ("model.lora adapts the language model, a mixture of experts: adapters on its "
-                "layers (its experts' among them) are not supported yet; adapt the tower "
-                "(<module>.encoder) or train the language model whole")
-    return None
+def expert_lora_rank_splits_over_etp(facts: Facts, layout: Layout, settings: Settings
+                                     ) -> str | None:
+    etp, rank = layout.language.expert_tp, settings.lora.get(LANGUAGE)
+    if not facts.experts or rank is None or rank % etp == 0:
+        return None
+    targets = None if settings.lora_targets is None else settings.lora_targets.get(LANGUAGE)
+    if targets is not None and not reaches_routed_experts(tuple(targets), facts.layers,
+                                                          facts.experts):
+        return None
+    which = "may take in" if targets is None else f"{list(targets)} take in"
+    return (f"model.lora: rank {rank} does not split over the experts' etp {etp}: the language "
+            f"model's targets {which} its routed experts, each split over etp{etp} ranks, and "
+            "the adapter of an expert's linear_fc1 splits A by its rank rows over them as "
+            "linear_qkv's is over tp; make the rank a multiple of "
+            f"{etp}, or leave the routed experts out of the targets")

@@ -72,8 +72,9 @@ class RunPlan:
     def settings(self) -> Settings:
         """What the rules read of the run's settings."""
         return Settings(self.language.recompute, self.language.sequence_parallel,
-                              self.config.data.packing,
-                              {a.part.name: a.spec.rank for a in self.adapted})
+                        self.config.data.packing,
+                        {a.part.name: a.spec.rank for a in self.adapted},
+                        {a.part.name: tuple(a.spec.targets) for a in self.adapted})
 
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""
