@@ -32,7 +32,8 @@ PUBLISHED = MODELS / "published"
 CHECKPOINTS = {"qwen2-vl": PUBLISHED / "Qwen--Qwen2-VL-2B-Instruct",          # 2 layers
                "qwen3-vl": PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct",          # deepstack
                "qwen3-vl-moe": PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct",  # 8 experts
-               "qwen3.5": PUBLISHED / "Qwen--Qwen3.5-4B"}     # 2 delta-net key heads
+               "qwen3.5": PUBLISHED / "Qwen--Qwen3.5-4B",     # 2 delta-net key heads
+               "qwen3.5-moe": PUBLISHED / "Qwen--Qwen3.5-35B-A3B"}   # 8 experts, no deepstack
 MODALITIES = {"image": "image", "video": "image"}       # one tower serves both
 
 
@@ -90,6 +91,14 @@ CASES = {
     "expert_parallel_needs_experts": Case(
         "qwen3-vl", "image=dp1,video;language=dp2,ep2", (),
         "expert parallelism, but its layers are dense"),
+    "balancing_loss_needs_experts": Case(
+        "qwen3-vl", "image=dp1,video;language=dp1", ("model.language.moe_aux_loss=0.01",),
+        "a mixture of experts' load-balancing loss, but the language model's layers are dense"),
+    "balancing_loss_not_fully_recomputed": Case(
+        "qwen3.5-moe", "image=dp1,video;language=dp1",
+        ("model.language.moe_aux_loss=0.01", "model.language.recompute=full"),
+        "model.language.recompute full runs the layers again in the backward pass",
+        {"recompute": "full"}),
     "experts_split_over_ep": Case(
         "qwen3-vl-moe", "image=dp1,video;language=dp3,ep3", (),
         "experts per layer, which do not split over the layout's language ep3", batch=6),

@@ -38,12 +38,13 @@ class Facts:
 class Settings:
     """What a run sets that the rules read: the language model's recompute and sequence
     parallelism, packing, each part under LoRA with its rank, and its targets (None: not
-    known, as the layout advisor asks: the rules then take every layer as targeted)."""
+    known: the rules then take every layer as targeted), and the load-balancing loss."""
     recompute: str = "none"
     sequence_parallel: bool = False
     packing: bool = False
     lora: Mapping[str, int] = field(default_factory=dict)      # part -> rank
     lora_targets: Mapping[str, tuple[str, ...]] | None = None  # part -> targets
+    moe_aux_loss: float = 0.0           # model.language.moe_aux_loss (0: off)
 
 
 class Refusal(NamedTuple):
@@ -210,6 +211,27 @@ def experts_split_over_ep(facts: Facts, layout: Layout, settings: Settings) -> s
                 f"split over the layout's language ep{ep} (each expert-parallel rank holds "
                 "the same number of whole experts): choose an ep that divides "
                 f"{facts.experts}")
+    return None
+
+
+@rule
+def balancing_loss_needs_experts(facts: Facts, layout: Layout, settings: Settings
+                                 ) -> str | None:
+    if settings.moe_aux_loss and not facts.experts:
+        return (f"model.language.moe_aux_loss is {settings.moe_aux_loss}, a mixture of experts' "
+                "load-balancing loss, but the language model's layers are dense (no router): "
+                "remove it")
+    return None
+
+
+@rule
+def balancing_loss_not_fully_recomputed(facts: Facts, layout: Layout, settings: Settings
+                                        ) -> str | None:
+    if settings.moe_aux_loss and facts.experts and settings.recompute == "full":
+        return ("model.language.moe_aux_loss attaches each router's share of the loss in the "
+                "forward pass, with the micro-batch's real tokens, and model.language.recompute "
+                "full runs the layers again in the backward pass, after later micro-batches "
+                "have set theirs: use recompute selective or none, or set moe_aux_loss 0")
     return None
 
 

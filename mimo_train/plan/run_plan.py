@@ -74,7 +74,8 @@ class RunPlan:
         return Settings(self.language.recompute, self.language.sequence_parallel,
                         self.config.data.packing,
                         {a.part.name: a.spec.rank for a in self.adapted},
-                        {a.part.name: tuple(a.spec.targets) for a in self.adapted})
+                        {a.part.name: tuple(a.spec.targets) for a in self.adapted},
+                        self.language.moe_aux_loss)
 
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""

@@ -20,6 +20,8 @@ layout shown once, with its best settings.
 
 from __future__ import annotations
 
+import dataclasses
+
 from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.plan import rules
@@ -152,8 +154,9 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
 def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: bool
               ) -> list[rules.Refusal]:
     assert model.facts is not None, "read_model gives the facts"
-    return rules.refusals(model.facts, layout, rules.Settings(
-        settings.recompute, settings.sequence_parallel, packing, model.lora))
+    return rules.refusals(model.facts, layout, dataclasses.replace(
+        model.rule_settings, recompute=settings.recompute,
+        sequence_parallel=settings.sequence_parallel, packing=packing, lora=model.lora))
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}

@@ -62,6 +62,8 @@ class Model:
     optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
     facts: rules.Facts | None = None                  # what the trainer's rules read of it
     lora: Mapping[str, int] = field(default_factory=dict)    # part under LoRA -> rank
+    # the rest of the run's settings the rules read: LoRA's targets, the balancing loss
+    rule_settings: rules.Settings = field(default_factory=rules.Settings)
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -122,7 +124,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                   for p in ("encoder", "projection")}}
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
-                 tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora)
+                 tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings)
 
 
 # ---------------------------------------------------------------------------- the work
