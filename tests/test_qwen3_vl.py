@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -266,21 +267,41 @@ def test_a_qwen3_moe_language_model_alone_is_refused_with_the_reason(tmp_path):
 
 # ------------------------------------------------------- the experts' checkpoints across ep
 
+def _starved(source: Path, out: Path) -> Path:
+    """A copy of the MoE checkpoint whose routers never pick experts 4 to 7: their router rows
+    zero, rows 1 and 3 rows 0 and 2 negated, and rows 0 to 3 scaled by 1000, so that one of
+    each pair has a logit far above experts 4 to 7's (0, and after the balancing loss's
+    updates still near it), for every token."""
+    from safetensors.torch import load_file, save_file
+    shutil.copytree(source, out)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        for name, weight in tensors.items():
+            if name.startswith("model.language_model.") and name.endswith(".mlp.gate.weight"):
+                weight[1], weight[3] = -weight[0], -weight[2]
+                weight[:4] *= 1000
+                weight[4:] = 0
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out
+
+
 @pytest.fixture(scope="module")
 def moe_training(ranks, shards, tmp_path_factory) -> dict:
     """Three steps of the 30B-A3B at lr 1e-3 (Adam), colocated on two ranks under language
     dp2 with its experts over ep2 (each rank 4 of each layer's 8), the distributed optimizer
     and the load-balancing loss, checkpointed after each step: its records, its checkpoints
-    and the overrides."""
+    and the overrides. Its routers never pick experts 4 to 7 (``_starved``): the second
+    expert-parallel rank receives no token in any micro-batch."""
     tmp = tmp_path_factory.mktemp("qwen3-vl-moe-ep")
-    common = [*run_setup(CHECKPOINTS["30B-A3B"], shards, tmp, SAMPLES, "model.freeze=[]",
+    starved = _starved(CHECKPOINTS["30B-A3B"], tmp / "starved")
+    common = [*run_setup(starved, shards, tmp, SAMPLES, "model.freeze=[]",
                          f"model.language.moe_aux_loss={BALANCE}")["common"],
               "train.steps=3", "optimizer.lr=1e-3", "optimizer.min_lr=1e-3",
               "optimizer.distributed=true", "train.micro_batch_size=1", "train.log_interval=1"]
     records = train(ranks, tmp, "ep2", "qwen3_vl_finetune.yaml", *common,
                     "layout=language=dp2,ep2;image=dp2,off0,video",
                     f"checkpoint.dir={tmp / 'ep2-ckpt'}", "checkpoint.interval=1", nproc=2)
-    return dict(tmp=tmp, common=common, records=records)
+    return dict(tmp=tmp, common=common, records=records, checkpoint=starved)
 
 
 @pytest.mark.parametrize("language, nproc", [("dp2", 2), ("dp4,ep4", 4)])
@@ -288,7 +309,9 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, la
     """The ep2 run's step-1 checkpoint resumed with every rank holding all 8 experts (ep1) or
     two of them on each of four ranks (ep4): steps 2 and 3 give the ep2 run's samples, losses,
     load-balancing losses and grad norms (the experts' weights and Adam moments moved to the
-    ranks that now hold them)."""
+    ranks that now hold them). The ranks whose experts no token reaches (ep2's second, ep4's
+    last two) take part in every all-to-all with nothing: experts 4 to 7 leave the run as
+    they came, experts 0 to 3 trained."""
     tmp = moe_training["tmp"]
     root = copy_checkpoint(tmp / "ep2-ckpt" / "step_0000001", tmp / f"resume-{nproc}")
     resumed = train(ranks, tmp, f"resumed-{nproc}", "qwen3_vl_finetune.yaml",
@@ -315,6 +338,12 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, la
         assert set(weights[0]) == set(weights[1])
         experts = [k for k in weights[0] if k.endswith("mlp.experts.gate_up_proj")]
         assert len(experts) == 4 and weights[0][experts[0]].shape == (8, 64, 48)
+        published = {k: v for path in sorted(moe_training["checkpoint"].glob("*.safetensors"))
+                     for k, v in load_file(path).items()}
+        for key in experts:
+            start, trained = published[key].float(), weights[0][key]
+            assert torch.equal(trained[4:], start[4:]), key          # no token, no update
+            assert (trained[:4] - start[:4]).abs().amax(dim=(1, 2)).min() > 1e-4, key
         for key, tensor in weights[0].items():
             torch.testing.assert_close(weights[1][key], tensor, rtol=0, atol=1e-5, msg=key)
 
