@@ -1,6 +1,7 @@
 """The language model's layer specs for a pipeline stage: megatron-core's local
 ``TransformerLayer`` (``get_gpt_layer_local_spec``: the attention with mimo's ``CoreAttention``,
-a dense MLP or a mixture of experts with its shared expert), and for a hybrid decoder (Qwen3.5)
+a dense MLP or a mixture of experts with its shared expert, the experts ``GroupedExperts``),
+and for a hybrid decoder (Qwen3.5)
 the gated delta-net layer (``gated_delta_net.module_spec``) at each linear-attention layer.
 
 The norms are megatron-core's own (``WrappedTorchNorm``) where it can take them; under sequence
@@ -13,6 +14,7 @@ qk-norms), the block's final norm included; the delta-net's gated norm is its ow
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Sequence
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -21,6 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from mimo_train.mcore.attention import CoreAttention
 from mimo_train.mcore.gated_delta_net import module_spec as gated_delta_net_spec
+from mimo_train.mcore.grouped_experts import GroupedExperts
 from mimo_train.mcore.norms import HeadNorm, SequenceParallelNorm
 
 
@@ -34,6 +37,10 @@ def language_block_spec(config, *, backend: str, experts: int = 0, qk_norm: bool
     megatron-core's norms serve."""
     layer = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False,
                                      normalization=config.normalization, qk_layernorm=qk_norm)
+    if experts:                  # SequentialMLP's experts, as grouped GEMMs where exact
+        moe = layer.submodules.mlp.keywords["submodules"]
+        moe.experts = functools.partial(GroupedExperts, *moe.experts.args,
+                                        **moe.experts.keywords)
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=CoreAttention, params=dict(backend=backend))
     own_norms = config.sequence_parallel or config.layernorm_zero_centered_gamma

@@ -5,7 +5,8 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
   ``varlen_attn`` over three causal samples against SDPA on each sample alone, and the gated
   delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
-  flash-linear-attention's where installed, else mimo's torch ones); each probe's failure is
+  flash-linear-attention's where installed, else mimo's torch ones), and a rank's experts as
+  grouped GEMMs against a loop over them (``grouped_experts``); each probe's failure is
   recorded and the next one still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
@@ -168,13 +169,63 @@ def delta_net(device: str = "cuda", lengths: list[int] = DELTA_NET_LENGTHS) -> d
             "packed_fwd_bwd_ms": round((time.perf_counter() - started) / 5 * 1e3, 2)}
 
 
+def grouped_experts(device: str = "cuda") -> dict:
+    """A rank's local experts as grouped GEMMs (``mcore.grouped_experts.grouped_swiglu``)
+    against a loop over them, as megatron-core's ``SequentialMLP`` runs them (its token counts
+    read on the host, two GEMMs per expert), bf16, forward and backward: Qwen3-VL-30B-A3B's
+    experts (hidden 2048, 768 rows each) at ep 8 (16 local), 8192 routed rows spread
+    unevenly; the largest output difference relative to the largest entry and each's ms."""
+    from mimo_train.mcore.grouped_experts import _runs, grouped_swiglu
+    torch.manual_seed(0)
+    experts, hidden, ffn, rows = 16, 2048, 768, 8192
+    counts = torch.bincount(torch.multinomial(torch.rand(experts) ** 3, rows,
+                                              replacement=True), minlength=experts)
+    fc1 = [(torch.randn(2 * ffn, hidden, device=device) * 0.02).bfloat16().requires_grad_()
+           for _ in range(experts)]
+    fc2 = [(torch.randn(hidden, ffn, device=device) * 0.02).bfloat16().requires_grad_()
+           for _ in range(experts)]
+    x = torch.randn(rows, hidden, device=device).bfloat16().requires_grad_()
+    probs = torch.rand(rows, device=device).requires_grad_()
+
+    def loop():
+        sizes = counts.tolist()
+        out = []
+        for e, (part, p) in enumerate(zip(x.split(sizes), probs.split(sizes))):
+            gate, up = F.linear(part, fc1[e]).chunk(2, dim=-1)
+            out.append(F.linear((F.silu(gate) * up * p[:, None]).bfloat16(), fc2[e]))
+        return torch.cat(out)
+
+    def grouped():
+        return grouped_swiglu(x, probs, counts, fc1, fc2)
+
+    def timed(run):
+        for _ in range(2):
+            run().float().square().sum().backward()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(5):
+            out = run()
+            out.float().square().sum().backward()
+        torch.cuda.synchronize()
+        return out.detach().float(), (time.perf_counter() - started) / 5 * 1e3
+    usable = _runs(torch.device(device), torch.bfloat16)
+    expected, loop_ms = timed(loop)
+    found, grouped_ms = timed(grouped)
+    difference = ((found - expected).abs().max() / expected.abs().max()).item()
+    return {"ok": usable and difference < 2e-2, "grouped_mm_runs": usable,
+            "max_rel_diff": difference, "loop_fwd_bwd_ms": round(loop_ms, 2),
+            "grouped_fwd_bwd_ms": round(grouped_ms, 2),
+            "loop_over_grouped": round(loop_ms / grouped_ms, 2)}
+
+
 def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
-                for name in ("nccl", "cuda_events", "varlen_kernel", "delta_net")}
+                for name in ("nccl", "cuda_events", "varlen_kernel", "delta_net",
+                             "grouped_experts")}
     found = {}
     for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
-                        ("delta_net", delta_net)):
+                        ("delta_net", delta_net), ("grouped_experts", grouped_experts)):
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end

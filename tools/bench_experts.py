@@ -1,0 +1,92 @@
+"""A rank's local experts, forward and backward: megatron-core's ``SequentialMLP`` (a loop over
+experts after reading their token counts on the host) against mimo's ``GroupedExperts`` (two
+grouped GEMMs, ``mcore.grouped_experts``) with the same weights, in the same run, on the CPU
+(a one-rank gloo world in this process).
+
+Per experts x tokens: the milliseconds of one forward and backward of each (median of
+``--repeats``), the ratio loop / grouped (above 1: grouped is faster), and the largest
+difference of the outputs relative to the largest entry. Router-like token counts: the
+tokens x top-k rows spread over the experts unevenly (seeded). No figure is asserted.
+
+    python tools/bench_experts.py [--experts 8 32 128] [--tokens 512 4096] [--hidden 64]
+                                  [--ffn 32] [--topk 2] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _experts(kind, count: int, hidden: int, ffn: int, groups):
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+
+    from mimo_train.mcore import TransformerConfig
+    config = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=1,
+                               num_moe_experts=count, moe_ffn_hidden_size=ffn,
+                               ffn_hidden_size=ffn, gated_linear_unit=True,
+                               activation_func=F.silu, add_bias_linear=False,
+                               use_cpu_initialization=True)
+    torch.manual_seed(0)
+    return kind(count, config, MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                             linear_fc2=RowParallelLinear), pg_collection=groups)
+
+
+def _time(experts, tokens, probs, counts, repeats: int) -> tuple[float, torch.Tensor]:
+    times, output = [], None
+    for _ in range(repeats + 1):                  # the first is a warm-up
+        x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+        started = time.perf_counter()
+        output, _ = experts(x, counts, p)
+        output.square().sum().backward()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:]) * 1e3, output.detach()
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", type=int, nargs="+", default=[8, 32, 128])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 4096])
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--ffn", type=int, default=32)
+    parser.add_argument("--topk", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from mimo_data.loading.layout import Layout
+    from mimo_train.mcore.grids import build_infra
+    from mimo_train.mcore.grouped_experts import GroupedExperts
+    from mimo_train.runtime import distributed
+
+    print(f"{'experts':>7} {'rows':>6} {'loop ms':>8} {'grouped ms':>10} {'ratio':>6} "
+          f"{'max rel diff':>12}")
+    with distributed.alone():
+        groups = build_infra(Layout.parse("language=dp1"), "gloo").modules["language"].pgs
+        for count in args.experts:
+            loop = _experts(SequentialMLP, count, args.hidden, args.ffn, groups)
+            grouped = _experts(GroupedExperts, count, args.hidden, args.ffn, groups)
+            grouped.load_state_dict(loop.state_dict())
+            for tokens in args.tokens:
+                rows = tokens * args.topk
+                generator = torch.Generator().manual_seed(count + tokens)
+                picks = torch.multinomial(torch.rand(count, generator=generator) ** 3, rows,
+                                          replacement=True, generator=generator)
+                counts = torch.bincount(picks, minlength=count)
+                x = torch.randn(rows, args.hidden, generator=generator)
+                probs = torch.rand(rows, generator=generator)
+                loop_ms, expected = _time(loop, x, probs, counts, args.repeats)
+                grouped_ms, found = _time(grouped, x, probs, counts, args.repeats)
+                difference = ((found - expected).abs().max() / expected.abs().max()).item()
+                print(f"{count:>7} {rows:>6} {loop_ms:>8.2f} {grouped_ms:>10.2f} "
+                      f"{loop_ms / grouped_ms:>6.2f} {difference:>12.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
