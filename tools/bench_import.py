@@ -14,14 +14,15 @@ parameters (``load_pretrained_language``), or, as before, every tensor read whol
 once, one at a time: the import before held a layer's two fused expert tensors whole at once,
 so its peak was higher still), the stage's whole state converted, then copied.
 
-Printed per replica x experts x TP x read: the rank's parameters (MB), the bytes read, the peak
-RSS above the parameters, and of it the checkpoint's file pages mapped (safetensors maps the
-file: a whole read maps every page; a rank's rows only theirs; its columns every page the rows
-cross) and the rest, anonymous memory: copies, fp32 casts, the converted state. No figure is
-asserted. About two minutes on 2 cores.
+Printed per replica x experts x TP x EP (rank 0 holding the first E / EP experts) x read: the
+rank's parameters (MB), the bytes read, the peak RSS above the parameters, and of it the
+checkpoint's file pages mapped (safetensors maps the file: a whole read maps every page; a
+rank's rows only theirs; its columns every page the rows cross) and the rest, anonymous
+memory: copies, fp32 casts, the converted state. No figure is asserted. About two minutes on
+2 cores.
 
     python tools/bench_import.py [--replicas qwen3-vl-moe qwen3.5-moe] [--experts 8 64]
-                                 [--tp 1 2 4] [--ffn 768] [--scratch DIR]
+                                 [--tp 1 2 4] [--ep 1 8] [--ffn 768] [--scratch DIR]
 """
 
 from __future__ import annotations
@@ -90,24 +91,26 @@ def _status(*fields: str) -> dict[str, int]:
     return found
 
 
-def _shapes(path: str, arch, tp: int) -> dict[str, torch.Size]:
+def _shapes(path: str, arch, tp: int, ep: int) -> dict[str, torch.Size]:
     """The rank's state's shapes, from the stored shapes alone (meta tensors, nothing read)."""
     weights = CheckpointWeights(path)
     meta = Tensors(lambda name: torch.empty(weights.shape(name), device="meta"))
-    return {k: v.shape for part in _import(meta, arch, tp, weights.__contains__)
+    return {k: v.shape for part in _import(meta, arch, tp, ep, weights.__contains__)
             for k, v in part.items()}
 
 
-def _import(source, arch, tp: int, has):
+def _import(source, arch, tp: int, ep: int, has):
+    """Rank 0's import at ``tp`` and ``ep`` (its first E / ep experts)."""
     return to_megatron_by_layer(source, arch, tp_rank=0, tp_size=tp,
                                 layers=range(arch.num_layers), first_stage=True,
-                                last_stage=True, vocab_size=arch.vocab_size, has=has)
+                                last_stage=True, vocab_size=arch.vocab_size, has=has,
+                                experts=range(arch.experts // ep))
 
 
-def _measure(path: str, tp: int, read: str, results) -> None:
+def _measure(path: str, tp: int, ep: int, read: str, results) -> None:
     """One import in this (forked) process: its figures into ``results``."""
     arch = language_arch(path)
-    params = {k: torch.ones(shape) for k, shape in _shapes(path, arch, tp).items()}
+    params = {k: torch.ones(shape) for k, shape in _shapes(path, arch, tp, ep).items()}
     weights, counted = CheckpointWeights(path), [0]
     part = weights.part
 
@@ -133,11 +136,11 @@ def _measure(path: str, tp: int, read: str, results) -> None:
     with open("/proc/self/clear_refs", "w") as f:   # the peak RSS from here
         f.write("5")
     if read == "parts":                 # as load_pretrained_language: a layer at a time
-        for state in _import(weights, arch, tp, weights.__contains__):
+        for state in _import(weights, arch, tp, ep, weights.__contains__):
             for key, value in state.items():
                 params[key].copy_(value)
     else:                               # as before: the stage's whole state, then the copy
-        state = {k: v for part in _import(Whole(whole), arch, tp, weights.__contains__)
+        state = {k: v for part in _import(Whole(whole), arch, tp, ep, weights.__contains__)
                  for k, v in part.items()}
         for key, value in state.items():
             params[key].copy_(value)
@@ -153,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
                         default=sorted(REPLICAS))
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--ep", type=int, nargs="+", default=[1],
+                        help="expert-parallel sizes (rank 0 holds the first E / ep experts)")
     parser.add_argument("--ffn", type=int, default=768)
     parser.add_argument("--scratch", help="where the variants are saved (kept; default: a "
                                           "temporary folder, removed)")
@@ -163,23 +168,25 @@ def main(argv: list[str] | None = None) -> None:
     fork = multiprocessing.get_context("forkserver")
     fork.set_forkserver_preload(["torch", "mimo_train.families.causal_lm.weights",
                                  "mimo_train.families.registry"])
-    print(f"{'replica':>12} {'experts':>7} {'tp':>3} {'read':>6} {'params MB':>10} "
+    print(f"{'replica':>12} {'experts':>7} {'tp':>3} {'ep':>3} {'read':>6} {'params MB':>10} "
           f"{'read MB':>8} {'peak MB':>8} {'file MB':>8} {'anon MB':>8}")
     try:
         for replica, experts in itertools.product(args.replicas, args.experts):
             path = make_variant(REPLICAS[replica],
                                 os.path.join(scratch, f"{replica}-{experts}"), experts,
                                 args.ffn)
-            for tp, read in itertools.product(args.tp, ("whole", "parts")):
+            for tp, ep, read in itertools.product(args.tp, args.ep, ("whole", "parts")):
+                if experts % ep:
+                    continue
                 results = fork.Queue()
-                child = fork.Process(target=_measure, args=(path, tp, read, results))
+                child = fork.Process(target=_measure, args=(path, tp, ep, read, results))
                 child.start()
                 child.join()
                 if child.exitcode:
-                    raise SystemExit(f"the import of {path} at TP {tp} ({read}) failed: "
-                                     f"exit status {child.exitcode}")
+                    raise SystemExit(f"the import of {path} at TP {tp}, EP {ep} ({read}) "
+                                     f"failed: exit status {child.exitcode}")
                 got = results.get()
-                print(f"{replica:>12} {experts:>7} {tp:>3} {read:>6} "
+                print(f"{replica:>12} {experts:>7} {tp:>3} {ep:>3} {read:>6} "
                       f"{got['params'] / MB:>10.1f} {got['read'] / MB:>8.1f} "
                       f"{got['peak'] / MB:>8.1f} {got['file'] / MB:>8.1f} "
                       f"{(got['peak'] - got['file']) / MB:>8.1f}", flush=True)
