@@ -42,7 +42,7 @@ def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None
 def merged(out: Path) -> dict:
     """The ranks' ``rank_R.pt`` of one parity step, merged (see ``step``)."""
     per_rank = [torch.load(path, weights_only=False) for path in sorted(out.glob("rank_*.pt"))]
-    balances = {rank["moe_aux_loss"] for rank in per_rank} - {None}
+    balances = {rank.get("moe_aux_loss") for rank in per_rank} - {None}
     assert len(balances) <= 1, balances           # every language rank counts the same
     result = {"loss_sum": per_rank[0]["loss_sum"], "tokens": per_rank[0]["tokens"],
               "flops": per_rank[0]["flops"], "moe_aux_loss": next(iter(balances), None),
