@@ -442,7 +442,7 @@ def _weights(ddp) -> list[torch.Tensor]:
 
 
 def _sharded(language, ddp, optimizer, is_loading: bool) -> dict:
-    from mimo_train.components.checkpoint import OPTIMIZER_METADATA
+    from mimo_train.components.optimizer_state import OPTIMIZER_METADATA
     model = ddp.sharded_state_dict(metadata={"dp_cp_group": language.pgs.dp_cp})
     return {"optimizer": optimizer.sharded_state_dict(model, is_loading=is_loading,
                                                       metadata=OPTIMIZER_METADATA)}
