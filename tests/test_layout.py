@@ -217,3 +217,10 @@ def test_expert_groups_are_megatron_parallel_state_groups(spec, monkeypatch):
                          (["expt_tp", "ep"], "tp-ep")):
         assert sorted(grid.get_rank_enum(ours, view="expert")) == \
             sorted(megatron.get_ranks(theirs)), (spec, ours)
+    # a rank's ep / etp rank (which experts and which slice of each it imports) is its place
+    # in megatron-core's ep / expert-tp group
+    layout = Layout((module,))
+    for dim, field in (("ep", "ep_rank"), ("tp", "etp_rank")):
+        for group in megatron.get_ranks(dim):
+            assert [getattr(layout.role(r).module("language"), field) for r in group] == \
+                list(range(len(group))), (spec, dim, group)

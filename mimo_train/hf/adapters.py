@@ -9,8 +9,8 @@ base checkpoint, which ``mimo-generate --model OUT`` loads under them). Written 
 adapters come from megatron-core layers PEFT does not know, so PEFT's own save cannot write them.
 
 Layer names: a fused megatron-core layer's adapter becomes one per transformers layer it holds
-(``families.causal_lm.adapters_to_hf``; a mixture of experts' shared expert's as the dense
-MLP's, ``mlp.shared_expert.gate_proj`` ...: ``_moe_adapters``); the checkpoint's names become the
+(``families.causal_lm.adapters_to_hf``, a mixture of experts' shared expert's as the dense
+MLP's, ``mlp.shared_expert.gate_proj`` ...); the checkpoint's names become the
 model's through transformers' own conversion of checkpoint names
 (``get_model_conversion_mapping``), as ``from_pretrained`` converts weights. Parts with other
 ranks or alphas than the language model's go in ``rank_pattern`` / ``alpha_pattern``.
@@ -43,8 +43,6 @@ from mimo_train.planning.flops import trains
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# where a mixture-of-experts layer's experts' (shared and routed) keys of the language model are
-_EXPERTS = (".mlp.shared_experts.", ".mlp.experts.")
 
 
 def trained_outside_adapters(plan: RunPlan, image: str) -> list[str]:
@@ -80,11 +78,9 @@ def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image:
     fused: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}     # PEFT's target_parameters
     if language is not None:
         state = weights["language"]
-        moe = {k: v for k, v in state.items() if any(e in k for e in _EXPERTS)}
-        layers, fused = _moe_adapters(moe, language_arch)
-        layers.update(adapters_to_hf({k: v for k, v in state.items() if k not in moe},
-                                     language_arch))
-        found = {path: (a, b, language) for path, (a, b) in layers.items()}
+        fused = _routed_expert_adapters(state, language_arch)
+        found = {path: (a, b, language) for path, (a, b)
+                 in adapters_to_hf(state, language_arch).items()}
     renames = vlm.checkpoint_names(vlm.weights())      # parameter names, as the merge's
     tower = weights[image]
     for key in tower:
@@ -133,32 +129,21 @@ def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image:
     return config
 
 
-def _moe_adapters(state: dict, arch) -> tuple[dict[str, tuple], dict[str, tuple]]:
-    """The adapters of a mixture of experts' layers in the language model's state dict
-    ``state`` (whole tensors, global layer and expert numbers): the shared expert's by
-    transformers layer path (``linear_fc1``'s B split into ``gate_proj`` and ``up_proj`` as the
-    dense MLP's), the routed experts' by transformers' fused parameter, as PEFT holds them
-    (see the module docstring)."""
-    layers: dict[str, tuple] = {}
+def _routed_expert_adapters(state: dict, arch) -> dict[str, tuple]:
+    """The routed experts' adapters in the language model's state dict ``state`` (whole
+    tensors, global layer and expert numbers) by transformers' fused parameter, as PEFT holds
+    them (see the module docstring); the other layers' are ``adapters_to_hf``'s."""
     experts: dict[str, dict[int, tuple]] = {}
     for key in state:
-        if not key.endswith(".lora.a.weight"):
+        if not key.endswith(".lora.a.weight") or ".mlp.experts.local_experts." not in key:
             continue
         layer = key[:-len(".lora.a.weight")]
         a, b = state[key], state[layer + ".lora.b.weight"]
         head, _, inner = layer.partition(".mlp.")
-        dst = f"{arch.prefix}layers.{head.split('.')[2]}.mlp."
         kind, _, name = inner.rpartition(".")
-        if kind == "shared_experts":
-            if name == "linear_fc1":
-                layers.update({f"{dst}shared_expert.{n}": (a, rows)
-                               for n, rows in zip(("gate_proj", "up_proj"), b.chunk(2))})
-            else:
-                layers[f"{dst}shared_expert.down_proj"] = (a, b)
-        else:                                   # experts.local_experts.<e>
-            fused = dst + ("experts.gate_up_proj" if name == "linear_fc1" else
-                           "experts.down_proj")
-            experts.setdefault(fused, {})[int(kind.rsplit(".", 1)[1])] = (a, b)
+        fused = f"{arch.prefix}layers.{head.split('.')[2]}.mlp." + (
+            "experts.gate_up_proj" if name == "linear_fc1" else "experts.down_proj")
+        experts.setdefault(fused, {})[int(kind.rsplit(".", 1)[1])] = (a, b)
     parameters = {}
     for fused, held in experts.items():
         a, b = next(iter(held.values()))
@@ -166,7 +151,7 @@ def _moe_adapters(state: dict, arch) -> tuple[dict[str, tuple], dict[str, tuple]
         pairs = [held.get(e, none) for e in range(arch.experts)]
         parameters[fused] = (torch.cat([a for a, _ in pairs]),            # [E r, in]
                              torch.stack([b for _, b in pairs], -1).flatten(1))   # [out, r E]
-    return layers, parameters
+    return parameters
 
 
 def _model_names(pretrained: str, paths: list[str], parameters: list[str]

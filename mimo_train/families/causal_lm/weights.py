@@ -317,22 +317,28 @@ def adapters_to_hf(state: dict, arch: LanguageArch) -> dict[str, tuple]:
     layer it holds, with the same A and its rows of B: ``linear_qkv``'s B split as the weight
     is (``q_proj``, ``k_proj``, ``v_proj``), ``linear_fc1``'s into ``gate_proj`` and
     ``up_proj``, a gated delta-net's ``in_proj`` into ``in_proj_qkv``, ``in_proj_z``,
-    ``in_proj_b``, ``in_proj_a``."""
+    ``in_proj_b``, ``in_proj_a``; a mixture of experts' shared expert's as the dense MLP's
+    (``mlp.shared_expert.gate_proj`` ...). The routed experts' are left out: transformers
+    holds them fused, one parameter per layer (``hf.adapters`` writes them as PEFT's
+    ``target_parameters``)."""
     found: dict[str, tuple] = {}
     for key in state:
         if not key.endswith(".lora.a.weight") or not key.startswith("decoder.layers."):
             continue
         layer_key = key[:-len(".lora.a.weight")]
         a, b = state[key], state[layer_key + ".lora.b.weight"]
-        _, _, index, block, name = layer_key.split(".")
+        _, _, index, block, *inner, name = layer_key.split(".")
+        if "experts" in inner:                              # a routed expert's
+            continue
         if block == "self_attention" and arch.linear_layer(int(index)):
             assert arch.linear is not None
             dst = f"{arch.prefix}layers.{index}.linear_attn."
             found.update({dst + n: (a, rows) for n, rows in
                           delta_net.adapter_rows(name, b, arch.linear).items()})
             continue
-        dst = f"{arch.prefix}layers.{index}." + ("self_attn." if block == "self_attention"
-                                                 else "mlp.")
+        dst = f"{arch.prefix}layers.{index}." + (
+            "self_attn." if block == "self_attention" else
+            "mlp.shared_expert." if inner == ["shared_experts"] else "mlp.")
         if name == "linear_qkv":
             found.update({dst + n: (a, rows) for n, rows in
                           zip(("q_proj", "k_proj", "v_proj"), _split_qkv(b, arch))})
