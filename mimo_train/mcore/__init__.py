@@ -63,6 +63,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.process_groups_config import (MultiModuleProcessGroupCollection,
                                                  ProcessGroupCollection)
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region
 from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.tensor_parallel.random import (get_cuda_rng_tracker,
                                                   model_parallel_cuda_manual_seed)
@@ -92,7 +93,8 @@ __all__ = [
     "get_gpt_layer_local_spec",
     "get_mimo_optimizer", "load_plain_tensors",
     "make_tp_sharded_tensor_for_checkpoint", "merge", "model_parallel_cuda_manual_seed",
-    "nested_values", "param_group_identifier_keys", "parallel_state", "saved_in_sections"]
+    "nested_values", "param_group_identifier_keys", "parallel_state", "saved_in_sections",
+    "scatter_to_sequence_parallel_region"]
 
 
 def ensure_global_memory_buffer() -> None:

@@ -76,7 +76,8 @@ from mimo_data.loading.layout import LANGUAGE
 from mimo_train.config import LoraConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import (ColumnParallelLinear, RowParallelLinear,
-                              apply_swiglu_sharded_factory, saved_in_sections)
+                              apply_swiglu_sharded_factory, saved_in_sections,
+                              scatter_to_sequence_parallel_region)
 from mimo_train.model.parts import global_key
 from mimo_train.plan import Adapted
 from mimo_train.plan.parts import ROUTED_EXPERTS, routed_expert_layers
@@ -226,27 +227,11 @@ class ParallelLoraAdapter(torch.nn.Module):
         out = self.b(self.a(self.dropout(x))[0])[0] * self.scale
         group = self.b.tp_group
         if self.sequence_chunk:
-            return _SequenceChunk.apply(out, group)
+            return scatter_to_sequence_parallel_region(out, group)
         if self.own_rows:
             rows, rank = out.size(-1), group.rank()
             return torch.nn.functional.pad(out, (rank * rows, (group.size() - 1 - rank) * rows))
         return out
-
-
-class _SequenceChunk(torch.autograd.Function):
-    """This TP rank's part of a sequence whole on each rank (first dimension, as sequence
-    parallelism splits it); backward: the parts' gradients gathered."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return x.chunk(group.size())[group.rank()].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        parts = [torch.empty_like(grad) for _ in range(ctx.group.size())]
-        torch.distributed.all_gather(parts, grad.contiguous(), group=ctx.group)
-        return torch.cat(parts), None
 
 
 class LoraParallelLinear(torch.nn.Module):
