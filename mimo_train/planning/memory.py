@@ -128,9 +128,9 @@ MOMENT_BYTES = 8                  # Adam's two fp32 moments
 MAIN_BYTES = 4                    # fp32 main weights of a bf16 run
 RECOMPUTE = ("none", "selective", "full")
 # expert parallelism: what the busiest of the ep ranks gets routed over the mean (tokens x k /
-# ep of the expert-parallel group's), an assumption, not a measurement: mimo trains without a
-# load-balancing loss (it would tie gradients to the micro-batching), the published routers
-# were trained with one, and each rank's E / ep experts average out a single expert's skew
+# ep of the expert-parallel group's), an assumption, not a measurement: the load-balancing
+# loss is off by default (model.language.moe_aux_loss), the published routers were trained
+# with one, and each rank's E / ep experts average out a single expert's skew
 ROUTED_IMBALANCE = 1.1
 
 
