@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_data.preprocess.preprocessor import IGNORE_INDEX
 from mimo_train.config import OptimizerConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import Projection
@@ -24,6 +25,7 @@ from mimo_train.families.causal_lm import gpt_fields, load_pretrained_language, 
 from mimo_train.families.registry import build_encoder, language_arch
 from mimo_train.mcore.attention import AttentionChoice, LanguageModel
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
+from mimo_train.mcore.chunked_loss import language_loss
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
 from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
@@ -145,13 +147,27 @@ class _SeededGPTModel(LanguageModel):
     """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
     or without encoders on the rank; pipeline stages each draw only their layers). Its output
     rows past ``vocabulary`` (``predicted_vocabulary``) get a logit no softmax can weigh, so
-    they never enter the loss nor come out of generation."""
+    they never enter the loss nor come out of generation. With ``loss_chunk_tokens``, its
+    loss (given labels) is taken that many tokens at a time (``mcore.chunked_loss``)."""
 
-    def __init__(self, *, seed: int, vocabulary: int, **kwargs):
+    def __init__(self, *, seed: int, vocabulary: int, loss_chunk_tokens: int = 0, **kwargs):
         torch.manual_seed(seed)
         super().__init__(**kwargs)
+        self.vocabulary = vocabulary
+        self.loss_chunk_tokens = loss_chunk_tokens
         if self.post_process and self.vocab_size > vocabulary:
             self.output_layer.register_forward_hook(_mask_rows_past(vocabulary))
+
+    def forward(self, *args, **kwargs):
+        if self.loss_chunk_tokens and self.post_process and kwargs.get("labels") is not None:
+            kwargs["output_processor"] = self._loss_in_chunks
+        return super().forward(*args, **kwargs)
+
+    def _loss_in_chunks(self, *, hidden_states, output_layer, output_weight, labels, **_):
+        """megatron-core's ``output_processor``: the per-token loss in place of its
+        ``output_layer`` + ``compute_language_model_loss``."""
+        return language_loss(hidden_states, output_layer, output_weight, labels,
+                             self.loss_chunk_tokens, self.vocabulary, IGNORE_INDEX)
 
 
 def _mask_rows_past(vocabulary: int):
@@ -289,6 +305,7 @@ def language_model_params(plan: RunPlan, infra: Infra, transformer, vocab: int,
         linear_layers=[arch.linear_layer(i) for i in range(arch.num_layers)] if arch else ())
     return dict(
         seed=_module_seed(plan.config.train.seed, LANGUAGE), packed_rows=backend != "local",
+        loss_chunk_tokens=plan.language.loss_chunk_tokens,
         mrope_interleaved=bool(arch and arch.mrope_interleaved),
         config=transformer,
         transformer_layer_spec=block, vocab_size=vocab,

@@ -37,6 +37,7 @@ class LanguagePlan:
     recompute: str
     sequence_parallel: bool
     moe_aux_loss: float = 0.0              # the balancing loss's coefficient (0: off)
+    loss_chunk_tokens: int = 0             # the loss taken this many tokens at a time (0: all)
 
     @property
     def num_query_groups(self) -> int:
@@ -105,4 +106,4 @@ def language_plan(language: LanguageConfig, pretrained: str | None) -> LanguageP
         dims["num_layers"], dims["hidden_size"], dims["num_attention_heads"],
         dims["ffn_hidden_size"], tuple(section) if section is not None else None, pretrained,
         arch, language.vocab_size, language.vocab_multiple, language.recompute,
-        language.sequence_parallel, language.moe_aux_loss)
+        language.sequence_parallel, language.moe_aux_loss, language.loss_chunk_tokens)

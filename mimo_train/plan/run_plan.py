@@ -83,8 +83,8 @@ class RunPlan:
 
     def memory_summary(self) -> str:
         """Each module's memory settings, for the start-up line, e.g. ``language:
-        distributed optimizer, recompute full, sequence parallel; image: recompute full;
-        audio: -``."""
+        distributed optimizer, recompute full, sequence parallel, loss in chunks of 4096
+        tokens; image: recompute full; audio: -``."""
         parts = []
         for name, module in self.modules.items():
             own = module.optimizer
@@ -93,6 +93,8 @@ class RunPlan:
                           else []),
                         *(["sequence parallel"] if name == LANGUAGE
                           and self.language.sequence_parallel else []),
+                        *([f"loss in chunks of {self.language.loss_chunk_tokens} tokens"]
+                          if name == LANGUAGE and self.language.loss_chunk_tokens else []),
                         *(["overlapped grad reduce" + (f" (buckets of {own.bucket_size})"
                                                        if own.bucket_size else "")]
                           if own.overlap_grad_reduce else [])]
