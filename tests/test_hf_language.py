@@ -12,7 +12,8 @@ language model (mimo_train/families/causal_lm/).
 - (a training run starts from the converted weights, SmolLM2's first loss far below a random
   model's: tests/test_smollm2_export.py, whose run serves that check too);
 - tied embeddings stay tied under pipeline stages: tiny-qwen2's gradients under language pp2
-  equal one colocated process's, the last stage's output layer getting the embedding's.
+  equal one colocated process's, the last stage's output layer getting the embedding's, also
+  with the loss in chunks there (``model.language.loss_chunk_tokens``).
 """
 
 from __future__ import annotations
@@ -206,7 +207,8 @@ def test_tied_embeddings_stay_tied_under_pipeline_stages(ranks, loader_corpus, t
               "optimizer.warmup_steps=0", "train.global_batch_size=4", "train.seed=3"]
     whole = _step(ranks, tmp_path / "pp1", 1, "language=dp1;image=dp1,off0;audio=dp1,off0", 4,
                   common)
-    staged = _step(ranks, tmp_path / "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2, common)
+    staged = _step(ranks, tmp_path / "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2,
+                   [*common, "model.language.loss_chunk_tokens=97"])
     assert abs(whole.pop("loss") - staged.pop("loss")) < 1e-5
     embedding = "embedding.word_embeddings.weight"
     assert "output_layer.weight" not in whole          # one matrix in a single stage

@@ -16,10 +16,13 @@ The memory settings of real sizes ride on these layouts, against the plain coloc
 (``MEMORY``): the distributed optimizer (fan-out, fan-in of variable counts, tp2), the language
 model's full (fan-in of variable counts, pp2) and selective recomputation (fan-out, tp2), the
 towers' (fan-out, fan-in of variable counts), sequence parallelism (language tp2 fed by image
-dp2: a step of its own) and the overlapped gradient reduction in buckets (fan-out). Each run
-also shows its setting at work: each DP rank's optimizer holds its share of the weights, a
-recomputed layer runs twice per micro-batch, a sequence-parallel layer norm sees half the
-sequence, the reductions start from the backward pass.
+dp2: a step of its own), the overlapped gradient reduction in buckets (fan-out) and the loss in
+chunks of 97 tokens, none dividing a micro-batch's (tp2 with sequence parallelism: the
+vocabulary split over the TP ranks, the sequence gathered; pp2's last stage; the packed
+fan-in). Each run also shows its setting at work: each DP rank's optimizer holds its share of
+the weights, a recomputed layer runs twice per micro-batch, a sequence-parallel layer norm
+sees half the sequence, the reductions start from the backward pass, the output layer's own
+forward never runs under the chunked loss.
 """
 
 import json
@@ -46,7 +49,10 @@ BF16_LOSS, BF16_MODULE_GRAD, BF16_COSINE = 1e-3, 0.1, 0.5
 MEMORY = {"distributed": ["optimizer.distributed=true"],
           "full": ["model.language.recompute=full"],
           "selective": ["model.language.recompute=selective"],
-          "towers": ["model.encoders.image.recompute=full", "model.encoders.audio.recompute=full"]}
+          "towers": ["model.encoders.image.recompute=full", "model.encoders.audio.recompute=full"],
+          # the loss 97 tokens at a time: no micro-batch's count (a multiple of 64 unpacked)
+          # is a multiple of it, so every micro-batch ends with a shorter chunk
+          "chunked": ["model.language.loss_chunk_tokens=97"]}
 # a module's layer and the call that runs it once per micro-batch; recomputed: twice
 _RECOMPUTED = {"full": ("decoder.layers.0.mlp", "decoder"),
                "selective": ("decoder.layers.0.self_attention.core_attention", "decoder")}
@@ -79,6 +85,16 @@ def assert_recomputed(reference: dict, run: dict, expected: dict[str, str]) -> N
             assert plain[layer][0] == plain[once][0], (module, layer, plain[layer])
             assert calls[layer][0] == times * calls[once][0], (module, how, layer,
                                                                calls[layer], calls[once])
+
+
+def assert_chunked(reference: dict, run: dict) -> None:
+    """The run took its loss in chunks (``mcore.chunked_loss``): on the language model's last
+    stage (its final norm's ranks) the output layer never ran its own forward, which the
+    reference's did."""
+    assert "output_layer" in _calls(reference, "language")
+    last = [rank["calls"]["language"] for rank in run["ranks"]
+            if "decoder.final_layernorm" in rank["calls"].get("language", {})]
+    assert last and all("output_layer" not in calls for calls in last), last
 
 
 def assert_sharded(run: dict, dp: dict[str, int]) -> None:
@@ -204,12 +220,13 @@ def test_token_balanced_fan_out_matches_colocated(ranks, dynamic_setup):
 
 
 def test_language_pp2_matches_colocated(ranks, dynamic_setup):
-    """With full recomputation of each stage's layers."""
+    """With full recomputation of each stage's layers, the last stage's loss in chunks."""
     tmp, common, reference, init, _ = dynamic_setup
     staged = _layout(ranks, tmp, "pp2", 4, "image=dp1;audio=dp1;language=pp2", 2,
-                     [*common, *MEMORY["full"]], init)
-    compare(reference, staged, "language pp2, full recompute")
+                     [*common, *MEMORY["full"], *MEMORY["chunked"]], init)
+    compare(reference, staged, "language pp2, full recompute, chunked loss")
     assert_recomputed(reference, staged, {"language": "full", "image": "none", "audio": "none"})
+    assert_chunked(reference, staged)
 
 
 def test_fan_in_matches_colocated(ranks, corpus, tmp_path):
@@ -267,16 +284,19 @@ def test_fan_in_of_variable_counts_matches_colocated(ranks, dynamic_setup):
 
 
 def test_sequence_parallel_fan_in_matches_colocated(ranks, dynamic_setup):
-    """Language tp2 with sequence parallelism, selective recomputation and the distributed
-    optimizer, fed by image dp2 and audio dp1 (fan-in): the colocated step's loss and
+    """Language tp2 with sequence parallelism, selective recomputation, the distributed
+    optimizer and the loss in chunks (each TP rank's half of the vocabulary, over the gathered
+    sequence), fed by image dp2 and audio dp1 (fan-in): the colocated step's loss and
     gradients; the layer norms see half the sequence."""
     tmp, common, reference, init, _ = dynamic_setup
     tp2 = _layout(ranks, tmp, "tp2-sequence-parallel", 5, "image=dp2;audio=dp1;language=tp2", 2,
-                  [*common, *MEMORY["distributed"], *MEMORY["selective"],
+                  [*common, *MEMORY["distributed"], *MEMORY["selective"], *MEMORY["chunked"],
                    "model.language.sequence_parallel=true"], init)
-    compare(reference, tp2, "image dp2 + audio dp1 -> language tp2, sequence parallel")
+    compare(reference, tp2, "image dp2 + audio dp1 -> language tp2, sequence parallel, "
+            "chunked loss")
     assert_sharded(tp2, {"image": 2, "audio": 1, "language": 1})
     assert_recomputed(reference, tp2, {"language": "selective", "image": "none"})
+    assert_chunked(reference, tp2)
     calls = _calls(tp2, "language")
     norm = calls["decoder.layers.0.input_layernorm"][1]
     attention = calls["decoder.layers.0.self_attention.core_attention"][1]
@@ -286,8 +306,11 @@ def test_sequence_parallel_fan_in_matches_colocated(ranks, dynamic_setup):
 def test_packed_balanced_fan_in_matches_colocated(ranks, dynamic_setup):
     tmp, common, reference, init, _ = dynamic_setup
     fan_in = _layout(ranks, tmp, "fan-in-packed", 5, "image=dp2;audio=dp2;language=dp1", 4,
-                       [*common, "data.packing=true", "data.balance=tokens"], init)
-    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced")
+                       [*common, "data.packing=true", "data.balance=tokens",
+                        *MEMORY["chunked"]], init)
+    compare(reference, fan_in, "image dp2 + audio dp2 -> language dp1, packed, balanced, "
+            "chunked loss")
+    assert_chunked(reference, fan_in)
 
 
 def test_packed_language_pp2_dp2_matches_colocated(ranks, dynamic_setup):

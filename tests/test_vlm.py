@@ -7,8 +7,10 @@ no projection, and its language model with the checkpoint's M-RoPE section:
 - the logits of the model mimo builds equal transformers' ``Qwen2VLForConditionalGeneration``
   (fp32, 1e-4) on a batch of images of different sizes over a multi-turn conversation, a
   text-only sample and single-image samples, rows padded or packed into one;
-- a step under language tp2 with image dp2 fan-in of variable counts and packing, and under
-  language pp2, gives the colocated step's loss and gradients;
+- a step under language tp2 with image dp2 fan-in of variable counts, packing and the loss in
+  chunks (``model.language.loss_chunk_tokens``: the checkpoint's vocabulary padded to 128 rows,
+  the rows past it masked on the second TP rank), and under language pp2, gives the colocated
+  step's loss and gradients;
 - the shipped fine-tune config trains (the loss falls) and resumes under another layout with
   the same losses;
 - ``mimo-export`` writes the same class back: untrained, every weight exactly, and
@@ -152,13 +154,15 @@ def colocated_step(colocated) -> tuple[dict, str]:
 
 def test_layouts_match_the_colocated_step(ranks, vlm_data, colocated_step):
     """Image dp2 fan-in (variable counts: two, none, one, one image) into language tp2 with
-    packing, and language pp2, from the same weights: the colocated step's loss and
-    gradients (the colocated model's logits are transformers' above)."""
+    packing and the loss in chunks of 97 tokens (the last one shorter), and language pp2,
+    from the same weights: the colocated step's loss and gradients (the colocated model's
+    logits are transformers' above)."""
     tmp, _, common = vlm_data
     reference, init = colocated_step
     fan_in = layout_step(ranks, tmp, "fan-in-tp2-packed", 4, "image=dp2;language=tp2",
-                         SAMPLES, [*common, "data.packing=true"], init)
-    compare(reference, fan_in, "image dp2 -> language tp2, packed")
+                         SAMPLES, [*common, "data.packing=true",
+                                   "model.language.loss_chunk_tokens=97"], init)
+    compare(reference, fan_in, "image dp2 -> language tp2, packed, chunked loss")
     staged = layout_step(ranks, tmp, "pp2", 3, "image=dp1;language=pp2", 2, common, init)
     compare(reference, staged, "image dp1 -> language pp2")
 
