@@ -103,6 +103,42 @@ def test_activation_bytes_by_hand():
     assert mem.language_temporary_bytes(STACK, 100, bf16) == 16384 + 102400
 
 
+def test_the_loss_in_chunks_by_hand():
+    """``model.language.loss_chunk_tokens``: the last stage keeps the hidden states' gradient
+    (T h w) in place of the logits (T V (w + 4)), and its temporaries are the forward pass's
+    (the weight gradient summed in fp32 and one chunk's logits, each with a bf16 copy in a bf16
+    run) or, where larger, the backward pass's end's (the weight gradients)."""
+    import dataclasses
+    bf16, fp32 = mem.Settings("bf16", loss_chunk_tokens=32), mem.Settings("fp32",
+                                                                         loss_chunk_tokens=32)
+    # 2 layers + the hidden states' gradient 100 x 64 x 2 (the logits were 76800)
+    assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 12800
+    assert mem.language_activation_bytes(STACK, [100], mem.Settings(
+        "bf16", loss_chunk_tokens=0)) == 2 * 217600 + 76800
+    # a first stage has no output layer: nothing changes there
+    assert mem.language_activation_bytes(STACK, [100], bf16, pp=2) == \
+        mem.language_activation_bytes(STACK, [100], mem.Settings("bf16"), pp=2) == 217600
+    # bf16: the weight gradient summed in fp32 128 x 64 x 4 + a chunk's logits 32 x 128 x
+    # (4 + 2), over its cast to bf16 at the end 128 x 64 x (4 + 2) and the weight gradient at
+    # the backward's end 128 x 64 x 2 (unchunked: 16384 + 102400)
+    assert mem.language_temporary_bytes(STACK, 100, bf16) == 8192 * 4 + 4096 * 6 == 57344
+    # fp32: the logits are their own fp32 copy: x 4
+    assert mem.language_temporary_bytes(STACK, 100, fp32) == (8192 + 4096) * 4
+    # a chunk of 4 tokens: the cast at the end is the larger
+    assert mem.language_temporary_bytes(STACK, 100, mem.Settings(
+        "bf16", loss_chunk_tokens=4)) == 8192 * 6
+    # a chunk longer than the micro-batch is the micro-batch, its weight gradient made in
+    # bf16 (128 x 64 x 2), not summed in fp32
+    assert mem.language_temporary_bytes(STACK, 100, mem.Settings(
+        "bf16", loss_chunk_tokens=4096)) == 16384 + 12800 * 6
+    # tp2: half the rows of each
+    assert mem.language_temporary_bytes(STACK, 100, bf16, tp=2) == 4096 * 4 + 2048 * 6
+    # tied at pp1 in fp32: the two weight gradients at the backward's end, 2 x 128 x 64 x 4,
+    # are the larger
+    tied = dataclasses.replace(STACK, tied=True)
+    assert mem.language_temporary_bytes(tied, 100, fp32) == 2 * 32768
+
+
 def test_a_tower_under_selective_recompute_keeps_its_scores():
     """A transformers tower has no selective recompute: under the run's ``selective`` it
     keeps what it keeps under ``none``, the attention scores (a local kernel's) included."""
@@ -336,6 +372,39 @@ def test_model_flops_count_the_passes_the_trainer_counts(model_yaml):
                    for lengths in steps.lengths) / len(steps.lengths)
     encoders = sum(map(sum, steps.encoder_flops["image"])) / len(steps.lengths)
     assert language > 0 and result.flops == pytest.approx(language + encoders)
+
+
+def test_the_advisor_counts_a_config_s_loss_in_chunks(model_yaml):
+    """A training YAML's ``model.language.loss_chunk_tokens`` reaches every setting the
+    advisor tries, and its language rank's predicted memory then holds one chunk's logits
+    (of 49152 rows) in place of the micro-batch's."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_data.inspect.workload import workload
+    from mimo_data.loading.loader import DataSource
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.planning.advisor.candidates import settings_of
+    tmp, path, preprocess = model_yaml
+    config = yaml.safe_load(path.read_text())
+    config["model"]["language"]["loss_chunk_tokens"] = 16
+    chunked = tmp / "model-chunked-loss.yaml"
+    chunked.write_text(yaml.safe_dump(config))
+    preprocessing = PreprocessConfig.from_yaml(preprocess)
+    work = workload(DataSource([str(config["data"]["datasets"][0])], preprocessing),
+                    preprocessing, BATCH, MICRO, seed=SEED, steps=2)
+    layout = Layout.parse(LAYOUTS["language dp1"])
+    memory = {}
+    for yaml_path in (path, chunked):
+        model = read_model(str(yaml_path), str(preprocess), preprocessing, work["modalities"])
+        tried = settings_of(model, layout, AdvisorRequest(str(yaml_path), str(preprocess), 4))
+        assert tried and {s.loss_chunk_tokens for s in tried} == {model.loss_chunk_tokens}
+        memory[model.loss_chunk_tokens] = Advisor(
+            model, read_work(model, work), GPU("cpu", 1e3, 0.02, 1e3, 1e3)).evaluate(
+            Candidate(layout, tried[0])).memory["language"]
+    assert set(memory) == {0, 16}
+    assert memory[16].weights == memory[0].weights
+    assert memory[16].activations < memory[0].activations
+    assert memory[16].temporary < memory[0].temporary
 
 
 # ------------------------------------------------------------------------------ the command

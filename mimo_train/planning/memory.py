@@ -95,15 +95,26 @@ Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's 
 ÷ TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid
 stack), recomputed in the backward pass. The language
 model's last stage adds the logits, T · V ÷ TP · (w + 4) (the output in the run's precision and
-the cross entropy's fp32 softmax). An encoder tower counts its patches before merging (plus
-per-frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
+the cross entropy's fp32 softmax); with the loss in chunks (``model.language.loss_chunk_tokens``,
+``mcore.chunked_loss``) it keeps the hidden states' gradient instead, T · h · w (made in the
+forward pass with the weight's, which the temporaries count). An encoder tower counts its
+patches before merging (plus per-frame extra positions) as T and its patch embedding's inputs
+(the pixels, w bytes each).
 
 Temporaries at the peak (the backward pass's end on the stage with the output layer): the
 output layer's weight gradient before megatron-core's hook adds it to the fp32 buffer (V·h ÷ TP
 at w bytes; tied embeddings at PP 1: the embedding's as well) and two more copies of the logits
 (the cross entropy's fp32 working tensors, T · V ÷ TP · 4 each); the first stage of a pipeline
 holds the embedding's gradient. Measured on the CPU (SmolLM2-135M, fp32, tests/test_anomalies.py)
-they are most of what the states and activations leave out.
+they are most of what the states and activations leave out. With the loss in chunks of C tokens
+the output layer's temporaries are at the forward pass's end instead (the backward's end holds
+only the weight gradient, and the embedding's, as above; the larger of the two is counted): the
+weight gradient summed in fp32, V·h ÷ TP · 4, and one chunk's logits, min(C, T) · V ÷ TP · 4
+(fp32: the logits are their fp32 copy, softmax and gradient in place; bf16: · (4 + w), the
+logits and their gradient in bf16 beside the fp32 copy), or at the end the sum and its cast to
+the run's precision, V·h ÷ TP · (4 + w), whichever is larger. A micro-batch of one chunk
+(T <= C) makes its weight gradient in the run's precision, V·h ÷ TP · w, beside the chunk's
+logits, as unchunked. ``tools/bench_loss.py`` measures both on the CPU.
 
 In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
 language model's PP stages follow; or a language model with PP > 1) the stage at position p of
@@ -145,12 +156,14 @@ class Settings:
     """What a run sets that changes its memory: the precision, megatron-core's distributed
     optimizer, activation recompute (none, selective: the attention core, full: every layer;
     a tower has none or full, selective counts as none there), sequence parallel (the
-    language model at TP > 1) and whether the attention kernel keeps the score matrices."""
+    language model at TP > 1), whether the attention kernel keeps the score matrices and the
+    tokens the loss is taken at a time (0: all)."""
     precision: str = "bf16"
     distributed_optimizer: bool = False
     recompute: str = "none"
     sequence_parallel: bool = False
     attention_scores: bool = False
+    loss_chunk_tokens: int = 0          # model.language.loss_chunk_tokens (0: the loss at once)
 
     def __post_init__(self):
         if self.precision not in BYTES or self.recompute not in RECOMPUTE:
@@ -326,8 +339,9 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
                               etp: int | None = None) -> float:
     """A language stage's activations: ``in_flight`` micro-batches of samples of
     ``lengths`` positions each (packed: the real tokens; padded: the padded length), its
-    layers' (its experts laid over ``ep`` x ``etp`` ranks), and the logits on the last stage
-    (one micro-batch: its loss is taken at once)."""
+    layers' (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the logits
+    (one micro-batch: its loss is taken at once), or with the loss in chunks the hidden
+    states' gradient."""
     tokens, squares = float(sum(lengths)), float(sum(s * s for s in lengths))
     sp = settings.sequence_parallel and tp > 1
     layers = stack.stage_layers(pp, stage)
@@ -335,7 +349,8 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
                                                chunked, ep, etp)
     if stage == pp - 1:
-        found += tokens * stack.vocab / tp * (settings.width + 4)
+        found += tokens * stack.hidden * settings.width if settings.loss_chunk_tokens else \
+            tokens * stack.vocab / tp * (settings.width + 4)
     return found
 
 
@@ -343,11 +358,26 @@ def language_temporary_bytes(stack: Stack, tokens: float, settings: Settings, tp
                              pp: int = 1, stage: int = 0) -> float:
     """A language stage's temporaries at its peak (the module docstring): the output layer's
     (and tied embedding's) weight gradient and two fp32 copies of the logits on the last stage
-    of a micro-batch of ``tokens`` positions; the embedding's gradient on a first stage."""
+    of a micro-batch of ``tokens`` positions, or with the loss in chunks the larger of those
+    weight gradients and the forward pass's (the fp32 sum of the weight gradient and one
+    chunk's logits); the embedding's gradient on a first stage."""
     rows = stack.vocab * stack.hidden / tp * settings.width
     found = 0.0
     if stage == pp - 1:
-        found += rows * (2 if stack.tied and pp == 1 else 1) + 2 * tokens * stack.vocab / tp * 4
+        gradients = rows * (2 if stack.tied and pp == 1 else 1)
+        chunk = settings.loss_chunk_tokens
+        if chunk:
+            # a chunk's logits: fp32 (their own fp32 copy), or bf16 and an fp32 copy
+            width = 4 + (settings.width if settings.width != 4 else 0)
+            logits = min(chunk, tokens) * stack.vocab / tp * width
+            if tokens <= chunk:         # one chunk: its weight gradient in the run's precision
+                forward = rows + logits
+            else:                       # summed in fp32, then cast to the run's precision
+                weight = stack.vocab * stack.hidden / tp
+                forward = max(weight * 4 + logits, weight * width)
+            found += max(gradients, forward)
+        else:
+            found += gradients + 2 * tokens * stack.vocab / tp * 4
     elif stage == 0:
         found += rows
     return found

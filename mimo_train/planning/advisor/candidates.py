@@ -147,7 +147,8 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
     if not any(m.dp > 1 for m in layout.modules):
         distributed = distributed[:1]
     parallel = (True, False) if request.sequence_parallel else (False,)
-    return [[mem.Settings(model.precision, d, r, sp, model.attention_scores) for sp in parallel]
+    return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,
+                          model.loss_chunk_tokens) for sp in parallel]
             for d in distributed for r in recompute]
 
 

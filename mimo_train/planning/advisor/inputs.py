@@ -64,6 +64,7 @@ class Model:
     lora: Mapping[str, int] = field(default_factory=dict)    # part under LoRA -> rank
     # the rest of the run's settings the rules read: LoRA's targets, the balancing loss
     rule_settings: rules.Settings = field(default_factory=rules.Settings)
+    loss_chunk_tokens: int = 0                        # model.language.loss_chunk_tokens
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -124,7 +125,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                   for p in ("encoder", "projection")}}
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
-                 tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings)
+                 tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
+                 plan.language.loss_chunk_tokens)
 
 
 # ---------------------------------------------------------------------------- the work
