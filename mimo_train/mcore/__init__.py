@@ -9,6 +9,7 @@ a private name from here, reads a private attribute of what it gives or patches 
 (tests/test_architecture.py). Here: ``ensure_global_memory_buffer``. Beside it:
 ``cpu_compat`` (CUDA assumptions), ``grids`` (each module's process groups, its optimizer's),
 ``distributed_optimizer`` (its torch Adam's states without TransformerEngine or apex),
+``multi_tensor`` (its gradient norm and clipping on torch's foreach kernels without them),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),
 ``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms),
@@ -74,6 +75,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm, saved_in_sections
+from mimo_train.mcore import multi_tensor
+
+FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (always, here)
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",

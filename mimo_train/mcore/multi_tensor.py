@@ -1,0 +1,60 @@
+"""megatron-core's gradient norm and clipping without TransformerEngine or apex, on torch's
+foreach kernels.
+
+Without either package megatron-core falls back to ``local_multi_tensor_l2_norm``, which
+turns every gradient's norm into a host float (``torch.tensor`` of a list of device scalars):
+one device synchronization per parameter tensor, ~600 a step for a Qwen2-VL-2B-shaped model on
+an H200 (the GPU check's profile), each stalling the queue of kernels. ``foreach_l2_norm``
+computes the same norm with ``torch._foreach_norm`` and one ``vector_norm`` on the device (the
+optimizer then reads the one total, as before); ``foreach_scale`` clips with
+``torch._foreach_mul`` (and the optimizer copies its main weights into the model's with
+``torch._foreach_copy_``) instead of a Python loop of a multiplication and a copy per tensor.
+Both keep the fallbacks' signatures (``(chunk_size, noop_flag, tensor_lists, ...)``, as
+``amp_C``'s). torch has the kernels, megatron-core only the fallback's loop, hence these two
+functions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor,
+                    tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                    *args) -> tuple[torch.Tensor, None]:
+    """The L2 norm of all tensors of ``tensor_lists[0]`` together, ``[1]`` fp32 on their
+    device; no host read."""
+    tensors = tensor_lists[0]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float), None
+    norms = torch._foreach_norm(tensors)
+    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    return total.reshape(1), None
+
+
+def foreach_scale(chunk_size: int, noop_flag: torch.Tensor,
+                  tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """``dst = src * scale`` for each pair of ``tensor_lists[0]`` (src), ``[1]`` (dst)."""
+    sources, targets = tensor_lists[0], tensor_lists[1]
+    if not sources:
+        return
+    if all(s is t for s, t in zip(sources, targets)):
+        torch._foreach_mul_(targets, scale)
+    elif scale == 1.0:           # the main weights copied into the model's (bf16) ones
+        torch._foreach_copy_(targets, sources)
+    else:
+        torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
+
+
+def install() -> bool:
+    """Put both where megatron-core took its fallbacks (neither TransformerEngine nor apex
+    installed): ``clip_grads`` (the norm, the clipping) and ``optimizer`` (the main weights
+    copied into the model's each step); True when it did."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+    if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
+        return False
+    clip_grads.l2_norm_impl = foreach_l2_norm
+    clip_grads.multi_tensor_scale_impl = foreach_scale
+    optimizer.multi_tensor_scale_impl = foreach_scale
+    return True

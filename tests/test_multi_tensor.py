@@ -1,0 +1,63 @@
+"""mimo_train.mcore.multi_tensor: megatron-core's gradient norm, clipping and main-weight copy
+without TransformerEngine or apex, on torch's foreach kernels: the same values as
+megatron-core's own fallbacks, without reading a device value on the host (checked on the
+meta device, where any host read fails), and put in place by importing mimo_train.mcore."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import mimo_train.mcore as mcore
+from megatron.core import utils
+from megatron.core.optimizer import clip_grads, optimizer
+from mimo_train.mcore.multi_tensor import foreach_l2_norm, foreach_scale
+
+NOOP = torch.zeros(1, dtype=torch.int)
+
+
+def _grads(seed: int = 0) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(7,), (64, 48), (3, 5, 11), (1,), (151, 9)]
+    return [torch.randn(shape, generator=generator) * (i + 1) for i, shape in enumerate(shapes)]
+
+
+def test_the_norm_is_megatron_cores_fallbacks():
+    grads = _grads()
+    ours, _ = foreach_l2_norm(2048, NOOP, [grads], False)
+    theirs = torch.norm(torch.tensor([float(torch.norm(g)) for g in grads]))
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    assert torch.allclose(ours[0], theirs, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("scale", [0.37, 1.0])
+def test_scaling_and_copying_are_megatron_cores_fallbacks(scale):
+    sources = _grads(1)
+    in_place = [g.clone() for g in sources]
+    foreach_scale(2048, NOOP, [in_place, in_place], scale)
+    theirs = [g.clone() for g in sources]
+    utils.local_multi_tensor_scale(2048, NOOP, [theirs, theirs], scale)
+    assert all(torch.equal(a, b) for a, b in zip(in_place, theirs))
+    # main weights (fp32) into the model's (bf16), as the optimizer copies them each step
+    ours = [torch.zeros_like(g, dtype=torch.bfloat16) for g in sources]
+    foreach_scale(2048, NOOP, [sources, ours], scale)
+    expected = [torch.zeros_like(g, dtype=torch.bfloat16) for g in sources]
+    utils.local_multi_tensor_scale(2048, NOOP, [sources, expected], scale)
+    assert all(torch.equal(a, b) for a, b in zip(ours, expected))
+
+
+def test_no_value_is_read_on_the_host():
+    # on the meta device a tensor has no values: reading one (a host sync on a GPU) raises
+    grads = [torch.empty(shape, device="meta") for shape in [(7,), (64, 48), (3, 5)]]
+    norm, _ = foreach_l2_norm(2048, NOOP, [grads], False)
+    assert norm.device.type == "meta" and norm.shape == (1,)
+    foreach_scale(2048, NOOP, [grads, grads], 0.5)
+    with pytest.raises((RuntimeError, NotImplementedError)):   # what megatron-core does
+        utils.local_multi_tensor_l2_norm(2048, NOOP, [grads], False)
+
+
+def test_importing_mimo_train_mcore_puts_them_in_place():
+    assert mcore.FOREACH_NORM is True           # neither TransformerEngine nor apex here
+    assert clip_grads.l2_norm_impl is foreach_l2_norm
+    assert clip_grads.multi_tensor_scale_impl is foreach_scale
+    assert optimizer.multi_tensor_scale_impl is foreach_scale
