@@ -220,6 +220,46 @@ def test_fla_serves_only_cuda_tensors():
     assert not delta_rule.fla_serves(torch.zeros(1))           # CPU: always the torch kernels
 
 
+@pytest.mark.parametrize("hopper, triton_3_4, triton_3_7_1, tilelang, refused", [
+    (True, True, False, False, True),       # the H200 of the GPU check: torch 2.11's Triton
+    (True, True, False, True, False),       # fla's tilelang backend takes the kernel
+    (True, True, True, False, False),       # Triton 3.7.1+: fixed
+    (False, True, False, False, False),     # not Hopper
+])
+def test_fla_is_not_used_where_it_refuses_its_backward(monkeypatch, capsys, hopper, triton_3_4,
+                                                       triton_3_7_1, tilelang, refused):
+    """fla 0.6 raises in the gated delta rule's first backward pass on Hopper with Triton 3.4
+    to 3.7.0 (its issue #640): mimo takes its torch kernels there, and says why, instead of
+    failing step 1. fla is not installed here: its modules and flags are stand-ins."""
+    import importlib.util
+    import sys
+    import types
+    flags = types.ModuleType("fla.ops.common.chunk_o")
+    flags.IS_NVIDIA_HOPPER, flags.TRITON_ABOVE_3_4_0, flags.TRITON_ABOVE_3_7_1 = \
+        hopper, triton_3_4, triton_3_7_1
+    modules = {"fla.modules.convolution": {"causal_conv1d": object()},
+               "fla.modules.l2norm": {"l2norm": object()},
+               "fla.ops.gated_delta_rule": {"chunk_gated_delta_rule": object()}}
+    for name, values in modules.items():
+        module = types.ModuleType(name)
+        vars(module).update(values)
+        monkeypatch.setitem(sys.modules, name, module)
+    for name in ("fla", "fla.modules", "fla.ops", "fla.ops.common"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", flags)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if (
+        name == "tilelang" and tilelang) else (None if name == "tilelang" else find_spec(name, *a)))
+    delta_rule._fla.cache_clear()
+    try:
+        kernels = delta_rule._fla()
+    finally:
+        delta_rule._fla.cache_clear()
+    assert (kernels is None) == refused
+    said = capsys.readouterr().out
+    assert ("fla issue #640" in said and "triton>=3.7.1" in said) == refused, said
+
+
 # ------------------------------------------------------------ megatron-core's GatedDeltaNet
 
 HIDDEN = 32

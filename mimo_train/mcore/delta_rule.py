@@ -36,21 +36,48 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mimo_train.runtime.console import PREFIX, say
+
 CHUNK = 64
 ACTIVATIONS = (None, "silu", "swish")
 
 
 @functools.cache
 def _fla() -> dict[str, Any] | None:
-    """fla's kernels (the import paths megatron-core 0.19.2 uses), or None when fla is absent."""
+    """fla's kernels (the import paths megatron-core 0.19.2 uses), or None when fla is absent
+    or refuses its gated delta rule's backward pass here (``fla_refusal``)."""
     try:
         from fla.modules.convolution import causal_conv1d
         from fla.modules.l2norm import l2norm
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
+    if (reason := fla_refusal()) is not None:
+        say(f"{PREFIX}{reason}")
+        return None
     return {"causal_conv1d": causal_conv1d, "l2norm": l2norm,
             "chunk_gated_delta_rule": chunk_gated_delta_rule}
+
+
+def fla_refusal() -> str | None:
+    """Why fla's gated delta rule cannot train here, by fla's own flags, or None: on Hopper
+    GPUs with Triton 3.4 to 3.7.0 (torch 2.11's) fla's backward kernel gives wrong gradients,
+    so fla raises in the first backward pass unless its tilelang backend is installed
+    (fla 0.6's ``chunk_bwd_dqkwg``, its issue #640; measured on an H200)."""
+    import importlib.util
+    try:
+        from fla.ops.common import chunk_o
+    except ImportError:
+        return None
+    broken = getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and \
+        getattr(chunk_o, "TRITON_ABOVE_3_4_0", False) and \
+        not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True)
+    if not broken or importlib.util.find_spec("tilelang") is not None:
+        return None
+    return ("flash-linear-attention's gated delta rule is not used: with this Triton on a "
+            "Hopper GPU its backward pass is wrong and it refuses to run (fla issue #640); "
+            "mimo's torch kernels run instead (the same results, slower). For fla's speed: "
+            "pip install 'triton>=3.7.1' or pip install tilelang")
 
 
 def fla_serves(tensor: torch.Tensor) -> bool:
