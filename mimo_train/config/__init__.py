@@ -241,6 +241,17 @@ class WandbConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over steps ``start .. start + steps - 1`` (from 1) of every rank: a
+    summary per rank in ``dir/profile_rank{R}.json`` (``mimo_train.runtime.profile``), the
+    Chrome trace beside it with ``trace``."""
+    dir: str = ""
+    start: Positive = 3
+    steps: Positive = 2
+    trace: bool = False
+
+
+@dataclass
 class RunConfig:
     global_batch_size: Positive = 8
     micro_batch_size: Positive = 2                    # per language DP rank
@@ -268,6 +279,7 @@ class RunConfig:
     exit_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     tensorboard_dir: str | None = None
     wandb: WandbConfig | None = None
+    profile: ProfileConfig | None = None
 
 
 def _check_wandb(wandb: WandbConfig) -> None:
@@ -361,6 +373,9 @@ class TrainConfig:
                                    f"{len(self.data.datasets)} datasets: give one per dataset")
         if run.wandb is not None:
             _check_wandb(run.wandb)
+        if run.profile is not None and not run.profile.dir:
+            raise TrainConfigError("train.profile.dir is not set: name the directory the "
+                                   "profile summaries go to (or drop train.profile)")
         for name in run.exit_signals:
             _check_exit_signal(str(name))
         opt.check()

@@ -17,7 +17,8 @@ from mimo_train.errors import TrainConfigError
 PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("data", "cache_dir"),
              ("model", "init_from"), ("model", "pretrained"),
              ("model", "encoders", "*", "pretrained"), ("model", "language", "pretrained"),
-             ("train", "tensorboard_dir"), ("train", "wandb", "dir"), ("checkpoint", "dir"))
+             ("train", "tensorboard_dir"), ("train", "wandb", "dir"), ("train", "profile", "dir"),
+             ("checkpoint", "dir"))
 _HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
              ("model", "language", "pretrained")}
 

@@ -63,6 +63,7 @@ from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import PREFIX, phase, run_failure, say
 from mimo_train.runtime.preemption import ExitSignals
+from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
 
@@ -131,6 +132,7 @@ class Trainer:
                                cfg.train.steps, self.layout, self.infra.local, self.device,
                                cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory)
         self.metrics.peak_tflops = self.flops.peak_tflops
+        self.profile = Profile(run.profile, self.rank, self.device)
 
     # ------------------------------------------------------------------------------ set-up
 
@@ -297,7 +299,9 @@ class Trainer:
         with ExitSignals(run.exit_signals) as signals:
             while self.step < run.steps:
                 self.doing = f"step {self.step + 1}"
+                self.profile.before(self.step + 1)
                 values, skipped = self.train_step(iterator)
+                self.profile.after(self.step)
                 self.samples[self.step] = self.step_samples
                 read = self.metrics.log(values)
                 self._saved(self.saver.poll() if self.saver else [])
@@ -327,6 +331,7 @@ class Trainer:
                         f"{self.step}")
                     break
             self._anomalies(None, self.metrics.flush())     # steps not logged yet
+        self.profile.finish()
         if self.saver:                                       # a stop for too many skipped steps
             self._saved(self.saver.wait())
         self.metrics.close()

@@ -1,0 +1,196 @@
+"""Where a step's time goes: torch.profiler over a few steps, summarized in a small dict.
+
+``Profile`` (``train.profile``) wraps steps ``start .. start + steps - 1`` of a run in
+``torch.profiler.profile`` and writes ``profile_rank{R}.json`` (and, with ``trace``, the
+Chrome trace beside it). ``summarize`` turns a finished profiler into the figures that choose
+the next change, the same for mimo and for any other training measured beside it
+(``tools/gpu_check/peer.py``):
+
+- ``shares``: the share of device time in matmuls, attention, elementwise and norm kernels,
+  communication and copies, and ``idle``: the time between kernels in the profiled wall time
+  (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
+- ``top``: the kernels (operators on a CPU) with the most time;
+- ``host_syncs_per_step``: calls that make the host wait for the device (``.item()`` and
+  friends: ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step.
+
+torch.profiler records; nothing in it sorts kernels into these kinds, hence ``kind``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import traceback
+import warnings
+from typing import Protocol
+
+import torch
+
+# kernel or operator name -> kind; the first pattern that matches wins
+KINDS = (
+    ("communication", re.compile(r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|"
+                                 r"broadcast|all_to_all", re.I)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen|chunk_gated_delta|"
+                             r"fused_recurrent|delta_rule", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm\d\d_|addmm|aten::mm$|"
+                          r"aten::bmm|aten::baddbmm|aten::_grouped_mm|matmul|linear", re.I)),
+    ("copy", re.compile(r"memcpy|memset|aten::copy_|aten::to$|aten::_to_copy|cat", re.I)),
+)
+TORCH = os.path.dirname(torch.__file__) + os.sep     # frames inside torch are not sites
+SYNCS = re.compile(r"aten::_local_scalar_dense|cuda(Stream|Device|Event)Synchronize")
+
+
+def kind(name: str) -> str:
+    """The kind of a kernel or operator by its name; ``elementwise`` (norms, activations,
+    rotary, optimizer, reductions) where no pattern matches."""
+    for label, pattern in KINDS:
+        if pattern.search(name):
+            return label
+    return "elementwise"
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(spans):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dict:
+    """The figures of a finished profiler that covered ``steps`` steps (times in ms per
+    step)."""
+    events = profiler.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    synced = [e for e in events if SYNCS.search(e.name)]
+    if kernels:
+        device = "cuda"
+        timed = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
+        busy = _union([(s, t) for _, s, t in timed])
+        marks = [e for e in events if e.name.startswith("ProfilerStep#")]
+        window = (max(e.time_range.end for e in marks) - min(e.time_range.start for e in marks)
+                  if marks else max(t for _, _, t in timed) - min(s for _, s, _ in timed))
+        own: dict[str, float] = {}
+        for name, start, stop in timed:
+            own[name] = own.get(name, 0.0) + (stop - start)
+        idle = max(window - busy, 0.0)
+    else:           # the CPU: each operator's own time (children not counted twice)
+        device = "cpu"
+        own = {a.key: a.self_cpu_time_total for a in profiler.key_averages()
+               if a.self_cpu_time_total > 0 and not a.key.startswith("ProfilerStep")}
+        window, idle = sum(own.values()), 0.0
+    spent: dict[str, float] = {}
+    for name, microseconds in own.items():
+        label = kind(name)
+        spent[label] = spent.get(label, 0.0) + microseconds
+    whole = (sum(spent.values()) + idle) or 1.0
+    shares = {label: round(spent.get(label, 0.0) / whole, 4)
+              for label in ("matmul", "attention", "elementwise", "communication", "copy")}
+    if device == "cuda":
+        shares["idle"] = round(idle / whole, 4)
+    ranked = sorted(own.items(), key=lambda item: -item[1])[:top]
+    per_step = max(steps, 1) * 1000.0
+    return {"device": device, "steps": steps, "ms_per_step": round(window / per_step, 3),
+            "shares": shares,
+            "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
+                     round(value / per_step, 3), "share": round(value / whole, 4)}
+                    for name, value in ranked],
+            "host_syncs_per_step": round(len(synced) / max(steps, 1), 2)}
+
+
+class Window(Protocol):
+    """Which steps to profile and where to write (``train.profile``, a ``ProfileConfig``)."""
+    dir: str
+    start: int
+    steps: int
+    trace: bool
+
+
+class SyncSites:
+    """Where the host waits for the device, on CUDA: torch's sync debug mode warns at every
+    synchronizing call; each warning's innermost Python frame outside torch is counted."""
+
+    def __init__(self) -> None:
+        self.sites: dict[str, int] = {}
+        self._guard = warnings.catch_warnings()
+
+    def __enter__(self) -> SyncSites:
+        self._guard.__enter__()            # the filters and showwarning, restored at exit
+        warnings.simplefilter("always")
+        warnings.showwarning = self._seen
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        self._guard.__exit__(None, None, None)
+
+    def _seen(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if not f.filename.startswith(TORCH) and f.filename != __file__
+                  and not f.filename.endswith("warnings.py")]
+        site = f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].name}" if frames \
+            else "(no Python frame)"
+        self.sites[site] = self.sites.get(site, 0) + 1
+
+    def top(self, steps: int, count: int = 8) -> list[dict]:
+        ranked = sorted(self.sites.items(), key=lambda item: -item[1])[:count]
+        return [{"site": site[-160:], "per_step": round(n / max(steps, 1), 2)}
+                for site, n in ranked]
+
+
+class Profile:
+    """Steps ``window.start .. + window.steps - 1`` of this rank under torch.profiler:
+    ``before(step)`` before each step, ``after(step)`` after it."""
+
+    def __init__(self, window: Window | None, rank: int, device: torch.device):
+        self.window, self.rank, self.device = window, rank, device
+        self.profiler: torch.profiler.profile | None = None
+        self.syncs: SyncSites | None = None
+        self.done = 0
+
+    def before(self, step: int) -> None:
+        if self.window is None or step != self.window.start or self.profiler is not None:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            torch.cuda.synchronize(self.device)
+        self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
+        self.profiler.__enter__()
+        if self.device.type == "cuda":
+            self.syncs = SyncSites().__enter__()
+
+    def after(self, step: int) -> None:
+        if self.profiler is None or self.window is None:
+            return
+        self.profiler.step()
+        self.done += 1
+        if self.done == self.window.steps:
+            self.finish()
+
+    def finish(self) -> None:
+        """Stop and write (also when the run ends before the window's last step)."""
+        if self.profiler is None or self.window is None:
+            return
+        if self.syncs is not None:
+            self.syncs.__exit__(None, None, None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.profiler.__exit__(None, None, None)
+        os.makedirs(self.window.dir, exist_ok=True)
+        path = os.path.join(self.window.dir, f"profile_rank{self.rank}")
+        if self.window.trace:
+            self.profiler.export_chrome_trace(path + ".trace.json")
+        summary = {"rank": self.rank, "first_step": self.window.start,
+                   **summarize(self.profiler, self.done)}
+        if self.syncs is not None:
+            summary["sync_sites"] = self.syncs.top(self.done)
+            self.syncs = None
+        with open(path + ".json", "w") as out:
+            json.dump(summary, out, indent=1)
+        self.profiler = None
