@@ -18,6 +18,7 @@ done
 FLA_VERSION=0.6.0        # pure Python; megatron-core 0.19.2 imports its 0.6 paths
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .whl \
   "flash-linear-attention==$FLA_VERSION" "fla-core==$FLA_VERSION" einops
-du -sh .whl assets/tokenizer assets/corpus
-echo "then on the GPU machine: python3 tools/gpu_check/run.py --out DIR" \
-     "(carrying .whl, assets/tokenizer, assets/corpus)"
+du -sh .whl assets/tokenizer assets/corpus assets/models/published/Qwen--Qwen2-VL-2B-Instruct
+echo "then on the GPU machine: python3 tools/gpu_check/run.py --out DIR --work /tmp/gcw" \
+     "(carrying .whl, assets/tokenizer, assets/corpus," \
+     "assets/models/published/Qwen--Qwen2-VL-2B-Instruct; tools/gpu_check/README.md)"

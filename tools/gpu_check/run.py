@@ -1,9 +1,10 @@
 """The project's GPU check: one command, no network, one JSON file of figures.
 
 On the GPU machine, from a copy of the project's root that holds ``.whl/`` (made here by
-``bash tools/gpu_check/prepare.sh``), ``assets/tokenizer`` and ``assets/corpus``::
+``bash tools/gpu_check/prepare.sh``), ``assets/tokenizer``, ``assets/corpus`` and
+``assets/models/published/Qwen--Qwen2-VL-2B-Instruct``::
 
-    python3 tools/gpu_check/run.py --out DIR          # about 7 minutes, bounded by --budget-s
+    python3 tools/gpu_check/run.py --out DIR          # about 8 minutes, bounded by --budget-s
 
 Here, on the CPU, the same steps with tiny dims (``tests/test_gpu_check.py`` runs them)::
 
@@ -18,72 +19,112 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
 2. ``env`` and ``kernels`` (one child process, ``probes.py``): versions, the GPU, a bf16
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
    events, ``varlen_attn`` against per-sample SDPA, the gated delta-net's kernels (fla's) on a
-   packed row of Qwen3.5-4B's shapes against each sample alone.
-3. ``shards``: ``mimo-shard build`` of the sample corpus's image and text conversations.
-4. ``parity``: a tiny model's two fp32 steps on the device against the same steps on the CPU
+   packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts.
+3. ``shards``: the sample corpus's image and text conversations replicated
+   (``tools/replicate_corpus.py``) and built with ``mimo-shard build``.
+4. ``checkpoint``: Qwen2-VL-2B as published (``tools/published``' config.json, the replica's
+   tokenizer, template and processor files at their published ids and vocabulary), random
+   bf16 weights, saved as transformers saves it; tiny: the replica itself.
+5. ``cases``: fine-tuning workloads (``WORKLOADS``) of that checkpoint, images at its default
+   pixel budget: packed to 8k and 32k tokens a micro-batch and the unpacked short
+   conversations (the floor), with full recompute, with other attention kernels. Each trains
+   with mimo (``torchrun -m mimo_train``, one rank, colocated) and, where the workload says
+   so, with the peer (``peer.py``: transformers' own model class on the same checkpoint and the
+   same micro-batches); each reports median step seconds, trained tokens/s, TFLOP/s and MFU
+   (mimo's records), the first losses of both, mimo's tokens/s over the peer's, peak GPU
+   memory (nvidia-smi and the allocator) against ``mimo-inspect plan``'s prediction, and a
+   profile of two steps each (``mimo_train.runtime.profile``: the share of GPU time in
+   matmuls, attention, elementwise/norm, communication, copies and idle, the top kernels,
+   host syncs per step).
+6. ``parity``: a tiny model's two fp32 steps on the device against the same steps on the CPU
    (TF32 off): losses and gradient norms.
-5. ``cases``: a Qwen2-VL-2B-shaped model with random weights (language 28 x 1536, ffn 8960;
-   tower 32 x 1280, about 0.6B), bf16, colocated on one rank, for each attention backend,
-   unpacked and packed: median step seconds, trained tokens/s, TFLOP/s and MFU
-   (from the records), peak GPU memory (sampled with nvidia-smi) against ``mimo-inspect
-   plan``'s prediction for the same run.
 
-The trainings run as ``torchrun --nproc-per-node 1 -m mimo_train``; the suite passes its own
-launcher (forked ranks) so that the CPU run costs no new interpreter per training.
+How to read ``summary.json``: ``cases.NAME.mimo`` and ``cases.NAME.peer`` hold each side's
+figures (``median_*`` over the steps before the profiled ones), ``cases.NAME.speedup`` is
+mimo's trained tokens/s over the peer's (the issue's goal: >= 1.3 on ``packed_8k``), and
+``mimo.profile`` / ``peer.profile`` say where the time went (``shares``; ``idle`` is GPU time
+with no kernel running: the host is behind). ``memory_error`` is mimo's allocator peak against
+the advisor's prediction (goal: within 10%).
+
+The trainings run as ``torchrun --nproc-per-node 1 -m mimo_train`` and ``python peer.py``; the
+suite passes its own launchers (forked ranks; the peer in its process) so that the CPU run
+costs no new interpreter per training.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 STUB = Path(__file__).resolve().parent / "stub"
 PROBES = Path(__file__).resolve().parent / "probes.py"
-PREPROCESS = ROOT / "configs" / "preprocess_images.yaml"
-SOURCES = ["llava.json", "llava.jsonl", "conversations.parquet"]
+PEER = Path(__file__).resolve().parent / "peer.py"
+PREPROCESS = ROOT / "configs" / "preprocess_images.yaml"      # the parity step's
+REPLICA = ROOT / "assets" / "models" / "published" / "Qwen--Qwen2-VL-2B-Instruct"
+PUBLISHED = ROOT / "tools" / "published" / "Qwen--Qwen2-VL-2B-Instruct" / "config.json"
 LAYOUT = "language=dp1;image=dp1,off0"          # colocated on one rank
 Dims = dict[str, dict[str, Any]]                 # the model section's language and encoders
 TINY: Dims = {
     "language": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
     "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 32, "num_layers": 1,
                            "num_attention_heads": 2}}}
-# Qwen2-VL-2B's shapes (its published config.json), random weights, no GQA
-BIG: Dims = {
-    "language": {"num_layers": 28, "hidden_size": 1536, "num_attention_heads": 12,
-                 "ffn_hidden_size": 8960},
-    "encoders": {"image": {"kind": "qwen2_vl", "hidden_size": 1280, "num_layers": 32,
-                           "num_attention_heads": 16}}}
-# (attention backend, packed, recompute), run in this order while time is left: the fast
-# kernels first, then sdpa packed again with every layer recomputed (language and tower: what
-# full recomputation saves and costs), then megatron-core's local attention
-CASES = [("sdpa", False, "none"), ("varlen", True, "none"), ("sdpa", True, "none"),
-         ("sdpa", True, "full"), ("local", False, "none"), ("local", True, "none")]
 
 
-def case_name(attention: str, packed: bool, recompute: str) -> str:
-    return f"{attention}_{'packed' if packed else 'unpacked'}" + \
-        (f"_recompute_{recompute}" if recompute != "none" else "")
+@dataclass(frozen=True)
+class Workload:
+    """One case: how its micro-batches are made and trained; ``micro`` samples a
+    micro-batch (about ``seq_length`` tokens when packed: the corpus's samples hold ~330),
+    two micro-batches a step; ``peer``: the peer trains it too."""
+    name: str
+    packed: bool
+    seq_length: int
+    micro: int
+    attention: str = "auto"         # mimo's model.attention: varlen on a GPU in bf16
+    recompute: str = "none"         # the language model's and the tower's
+    tower_recompute: str = "none"   # the tower's alone (``recompute`` none)
+    peer: bool = True
 
 
-# A launcher runs ``python -m mimo_train ARGS`` as one rank: (args, env, timeout_s, log) -> rc
+# run in this order while time is left: the goal's case and the floor first
+# (an 8k micro-batch holds ~40 images at their default budget: ~52k patches through the tower,
+# four times the language model's tokens; its activations are recomputed to fit one GPU)
+WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="full"),
+             Workload("unpacked", False, 2048, 8, attention="sdpa"),
+             Workload("packed_32k", True, 32768, 96),
+             Workload("packed_8k_recompute_full", True, 8192, 24, recompute="full"),
+             Workload("packed_8k_sdpa", True, 8192, 24, attention="sdpa", peer=False),
+             Workload("packed_8k_local", True, 8192, 24, attention="local", peer=False)]
+# on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
+TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
+PROBE_AFTER = 2                         # the machine's probes run after this many cases
+TINY_MICRO = {True: 4, False: 2}        # tiny: samples a micro-batch, packed or not
+# steps of a case: the profiled ones last, the median over those between the warm-up and them
+STEPS, PROFILED, WARM = 7, 2, 2
+TINY_STEPS, TINY_PROFILED = 3, 1
+
+# A launcher runs ``python ARGV`` (``-m mimo_train ...`` as one torchrun rank, or the peer's
+# script) and returns its exit code: (argv, env, timeout_s, log) -> rc
 Launcher = Callable[[list[str], dict[str, str], float, Path], int]
 
 
-def torchrun_launcher(args: list[str], env: dict[str, str], timeout: float, log: Path) -> int:
+def torchrun_launcher(argv: list[str], env: dict[str, str], timeout: float, log: Path) -> int:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "1", "-m", "mimo_train", *args]
+               "--nproc-per-node", "1", *argv] if argv[0] == "-m" else [sys.executable, *argv]
     with open(log, "w") as out:
         try:
             return subprocess.run(command, cwd=ROOT, env={**os.environ, **env}, stdout=out,
@@ -97,11 +138,12 @@ class Check:
     """The run's state: where it writes, its deadline, what it found."""
 
     def __init__(self, out: Path, tiny: bool, budget_s: float, launch: Launcher,
-                 shards: Path | None):
+                 shards: Path | None, work: Path | None = None):
         self.out, self.tiny, self.launch = out, tiny, launch
         self.deadline = time.monotonic() + budget_s
-        self.work = out / "work"
+        self.work = work or out / "work"           # shards, checkpoint: not brought back
         self.shards = shards or self.work / "shards"
+        self.checkpoint = REPLICA            # the cases' model (``make_checkpoint``)
         self.summary: dict = {"tiny": tiny}
         self.log = open(out / "run.log", "a")
 
@@ -184,34 +226,90 @@ def probe_here() -> dict:
 
 
 def build_shards(check: Check) -> dict:
-    """``mimo-shard build`` of the corpus's image and text conversations, in this process."""
+    """The corpus's image and text conversations (no audio: the cases' model has no audio
+    tower), replicated to enough samples for two 32k micro-batches a step over several steps,
+    built by ``mimo-shard build``'s builder, in this process."""
     if (check.shards / "index.json").exists():
         return {"reused": str(check.shards)}
-    sys.path[:0] = [str(ROOT)] + ([str(STUB)] if AV_MISSING else [])
-    from mimo_data.shards.cli import main as shard
-    corpus = ROOT / "assets" / "corpus"
-    rc = shard(["build", *[str(corpus / s) for s in SOURCES], "--output", str(check.shards),
-                "--workers", "0" if check.tiny else "4", "--max-samples-per-shard", "64"])
-    if rc:
-        raise RuntimeError(f"mimo-shard build exited {rc} (its message is in the output above)")
-    return {"built": str(check.shards)}
+    sys.path[:0] = [str(ROOT), str(ROOT / "tools")] + ([str(STUB)] if AV_MISSING else [])
+    from replicate_corpus import replicated_dataset
+    samples = 64 if check.tiny else 1200
+    built = replicated_dataset(str(ROOT / "assets" / "corpus"), samples, str(check.work),
+                               keep=lambda r: all(m["modality"] == "image" for m in r["media"]))
+    Path(built).rename(check.shards)
+    return {"built": str(check.shards), "samples": samples}
+
+
+def make_checkpoint(check: Check) -> dict:
+    """Qwen2-VL-2B's published config.json with the replica's tokenizer, template and
+    processor files, random bf16 weights (seeded) saved by transformers, in a child process
+    (this one holds no CUDA memory while the cases run); tiny: the replica."""
+    if check.tiny:
+        check.checkpoint = REPLICA
+        return {"checkpoint": str(REPLICA)}
+    out = check.work / "qwen2-vl-2b"
+    if not (out / ".complete").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        for path in REPLICA.iterdir():
+            if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json" \
+                    and not path.name.startswith("."):
+                shutil.copy(path, out / path.name)
+        subprocess.run([sys.executable, "-c", SAVE_RANDOM, str(PUBLISHED.parent), str(out)],
+                       check=True, capture_output=True, text=True, timeout=check.left(240))
+        (out / ".complete").touch()
+    check.checkpoint = out
+    return {"checkpoint": str(out)}
+
+
+# argv: the published config's folder, the output folder
+SAVE_RANDOM = """
+import sys, torch, transformers
+config = transformers.AutoConfig.from_pretrained(sys.argv[1])
+torch.manual_seed(3)
+with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+    model = transformers.Qwen2VLForConditionalGeneration._from_config(config, dtype=torch.bfloat16)
+model.save_pretrained(sys.argv[2])
+"""
+
+
+def preprocessing(check: Check, seq_length: int) -> Path:
+    """The checkpoint's own preprocessing (``preprocessing_for``: its tokenizer, tokens,
+    geometry and default pixel budget) with ``seq_length``."""
+    import yaml
+
+    from mimo_train.families.registry import preprocessing_for
+    path = check.work / f"preprocess_{seq_length}.yaml"
+    if not path.exists():
+        config = preprocessing_for(str(check.checkpoint))
+        config["modalities"].pop("video", None)
+        path.write_text(yaml.safe_dump({**config, "seq_length": seq_length}, sort_keys=False))
+    return path
 
 
 def train(check: Check, name: str, device: str, limit: float, config: dict,
-          env: dict[str, str] | None = None) -> tuple[int, list[dict], Path]:
-    """One one-rank training of ``config`` (written to ``work/NAME.yaml``); its train
-    records."""
+          env: dict[str, str] | None = None, peer: bool = False) -> tuple[int, list[dict], Path]:
+    """One one-rank training of ``config`` (written to ``work/NAME.yaml``), by mimo or by the
+    peer; its train records."""
     records, log = check.work / f"{name}.jsonl", check.work / f"{name}.log"
     records.unlink(missing_ok=True)
     args = ["--config", str(write_config(check, name, device, config)), "--records", str(records)]
-    rc = check.launch(args, {**child_env(device), **(env or {})}, check.left(limit), log)
+    if peer:
+        argv = [str(PEER), *args, "--profile-dir", str(check.work / f"{name}_profile")]
+    else:
+        argv = ["-m", "mimo_train", *args]
+    rc = check.launch(argv, {**child_env(device), **(env or {})}, check.left(limit), log)
     found = [json.loads(x) for x in records.read_text().splitlines()] if records.exists() else []
+    if check.work != check.out / "work":         # the logs come back with the summary
+        (check.out / "logs").mkdir(exist_ok=True)
+        for path in (log, records, check.work / f"{name}.yaml"):
+            if path.exists():
+                shutil.copy(path, check.out / "logs" / path.name)
     return rc, [r for r in found if "loss" in r], log
 
 
 def write_config(check: Check, name: str, device: str, config: dict) -> Path:
     """The whole training config of one run, self-contained (absolute paths; no checkpoint:
-    a 2B model's is 40 GB of writing); also what the memory prediction reads."""
+    a 2B model's is 40 GB of writing); also what the memory prediction and the peer read."""
     import yaml
     data = {"datasets": [str(check.shards)], "preprocess": str(PREPROCESS),
             "num_workers": 0 if check.tiny else 2, "packing": False}
@@ -284,42 +382,78 @@ def _median(records: list[dict], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def case(check: Check, device: str, attention: str, packed: bool, recompute: str,
-         steps: int) -> dict:
-    name = case_name(attention, packed, recompute)
-    # bf16 is what GPUs train in; on the CPU it is slow and no one's choice: fp32 there
-    train_section = {"steps": steps, "precision": "bf16" if device == "cuda" else "fp32",
-                     "global_batch_size": 4 if check.tiny else 16,
-                     "micro_batch_size": 2 if check.tiny else 8}
-    dims = TINY if check.tiny else BIG
-    model = {"language": {**dims["language"], "recompute": recompute},
-             "encoders": {"image": {**dims["encoders"]["image"], "recompute": recompute}},
-             "attention": attention}
-    config = {"model": model,
-              "data": {"packing": packed}, "train": train_section}
-    memory = GpuMemory() if device == "cuda" else None
-    if memory:
-        with memory:
-            rc, records, log = train(check, name, device, 240, config)
-    else:
-        rc, records, log = train(check, name, device, 240, config)
-    result: dict = {"steps": len(records), "losses": [round(r["loss"], 4) for r in records]}
-    if rc or not records:
+def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
+             profile: Path) -> dict:
+    """One side's figures: its losses, medians over the steps between the warm-up and the
+    profiled ones, the profile summary."""
+    result: dict = {"steps": len(records), "losses": [round(r["loss"], 6) for r in records]}
+    if rc or len(records) < steps:
         result["error"] = failure(rc, log)
-    late = records[2:] or records        # the first steps warm kernels and the allocator
-    for key in ("seconds", "tokens_per_s", "samples_per_s",
-                "tflops_per_gpu", "mfu", "memory_mib"):
-        if (value := _median(late, key)) is not None:
+    timed = records[WARM:steps - profiled] or records
+    for key in ("seconds", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
+                "memory_mib"):
+        if (value := _median(timed, key)) is not None:
             result[f"median_{key}"] = value
-    result["peak_gpu_mib"] = memory.peak if memory else None
-    try:
-        result["predicted_mib"] = predicted_mib(check, name, train_section, packed)
-    except Exception as error:          # the figures above stand without it
-        result["predicted_mib"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    if records and "attention" in records[-1]:
+        result["attention"] = records[-1]["attention"]
+    found = sorted(profile.glob("profile_rank*.json")) if profile.is_dir() else []
+    result["profile"] = json.loads(found[0].read_text()) if found else None
     return result
 
 
-def predicted_mib(check: Check, name: str, train_section: dict, packed: bool) -> float:
+def case(check: Check, device: str, work: Workload) -> dict:
+    steps, profiled = (TINY_STEPS, TINY_PROFILED) if check.tiny else (STEPS, PROFILED)
+    micro = TINY_MICRO[work.packed] if check.tiny else work.micro
+    # bf16 is what GPUs train in; on the CPU it is slow and no one's choice: fp32 there
+    train_section = {"steps": steps, "precision": "bf16" if device == "cuda" else "fp32",
+                     "global_batch_size": 2 * micro, "micro_batch_size": micro,
+                     "profile": {"dir": str(check.work / f"{work.name}_profile"),
+                                 "start": steps - profiled + 1, "steps": profiled}}
+    # varlen is a CUDA kernel: the CPU run takes SDPA where the GPU run takes the default
+    attention = "sdpa" if device == "cpu" and work.attention == "auto" else work.attention
+    model = {"pretrained": str(check.checkpoint), "attention": attention,
+             "language": {"recompute": work.recompute},
+             "encoders": {"image": {"recompute": work.recompute if work.recompute != "none"
+                                    else work.tower_recompute}}}
+    preprocess = preprocessing(check, work.seq_length)
+    config = {"model": model, "data": {"packing": work.packed, "preprocess": str(preprocess)},
+              "train": train_section}
+    result: dict = {"micro_batch_size": micro, "seq_length": work.seq_length,
+                    "packed": work.packed}
+    memory = GpuMemory() if device == "cuda" else None
+    with memory or contextlib.nullcontext():
+        rc, records, log = train(check, work.name, device, 300, config)
+    result["mimo"] = _figures(records, rc, log, steps, profiled,
+                              check.work / f"{work.name}_profile")
+    result["mimo"]["peak_gpu_mib"] = memory.peak if memory else None
+    try:
+        result["mimo"]["predicted_mib"] = predicted_mib(check, work.name, train_section,
+                                                        work.packed, preprocess, work.recompute)
+        if work.tower_recompute != "none":      # the advisor recomputes all modules or none
+            result["mimo"]["predicted_note"] = "without the tower's recompute"
+        peak = result["mimo"].get("median_memory_mib")
+        if peak:
+            result["mimo"]["memory_error"] = round(
+                result["mimo"]["predicted_mib"] / peak - 1, 4)
+    except Exception as error:          # the figures above stand without it
+        result["mimo"]["predicted_mib"] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    if work.peer and check.left(60) >= 60:
+        rc, records, log = train(check, f"{work.name}_peer", device, 240, config, peer=True)
+        result["peer"] = _figures(records, rc, log, steps, profiled,
+                                  check.work / f"{work.name}_peer_profile")
+        ours, theirs = (result[side].get("median_tokens_per_s") for side in ("mimo", "peer"))
+        if ours and theirs:
+            result["speedup"] = round(ours / theirs, 3)
+        if records and result["mimo"]["losses"]:
+            result["first_loss_diff"] = round(abs(records[0]["loss"] -
+                                                  result["mimo"]["losses"][0]), 6)
+    elif work.peer:
+        result["peer"] = {"skipped": "out of time"}
+    return result
+
+
+def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
+                  preprocess_path: Path, recompute: str = "none") -> float:
     """What ``mimo-inspect plan``'s memory model predicts for the run's rank (weights,
     gradients, optimizer state, activations of its micro-batches, temporaries): the layout
     advisor's evaluation of this one layout and settings, on the loader's dry run of the
@@ -330,45 +464,66 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool) ->
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
     from mimo_train.planning.memory import Settings
-    preprocess = PreprocessConfig.from_yaml(str(PREPROCESS))
+    preprocess = PreprocessConfig.from_yaml(str(preprocess_path))
     work = workload(DataSource([str(check.shards)], preprocess), preprocess,
                     train_section["global_batch_size"], train_section["micro_batch_size"],
                     seed=3, steps=train_section["steps"], packing=packed)
-    model = read_model(str(check.work / f"{name}.yaml"), str(PREPROCESS), preprocess,
+    model = read_model(str(check.work / f"{name}.yaml"), str(preprocess_path), preprocess,
                        {"image": "image"})
     advisor = Advisor(model, read_work(model, work), GPU("any", 1e6, 1.0, 1.0, 1.0))
-    settings = Settings(model.precision, attention_scores=model.attention_scores)
+    settings = Settings(model.precision, recompute=recompute,
+                        attention_scores=model.attention_scores)
     result = advisor.evaluate(Candidate(Layout.parse(LAYOUT), settings))
     return round(result.peak_bytes / 2**20, 1)
 
 
 def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_launcher,
-        shards: Path | None = None) -> dict:
-    """Every step in order; returns the summary, also written to ``out/summary.json``."""
+        shards: Path | None = None, work: Path | None = None,
+        names: list[str] | None = None, probes: bool = True) -> dict:
+    """Every step in order; returns the summary, also written to ``out/summary.json`` after
+    each step (a run stopped from outside keeps what it measured)."""
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(out, tiny, budget_s, launch, shards)
-    check.work.mkdir(exist_ok=True)
+    check = Check(out, tiny, budget_s, launch, shards, work)
+    check.work.mkdir(parents=True, exist_ok=True)
+    saved = out / "summary.json"
+
+    def save() -> None:
+        saved.write_text(json.dumps(check.summary, indent=1))
+
     check.step("packages", lambda: install_packages(gpu=not tiny))
-    # a child process on a GPU machine: the parent holds no CUDA context while the cases run
-    check.step("machine", lambda: probe_here() if tiny else probe(check, child_env("auto"), 180))
-    machine = check.summary.pop("machine")           # an error: both say it
-    check.summary.update(env=machine.get("env", machine), kernels=machine.get("kernels", machine))
-    cuda = bool(check.summary["env"].get("cuda"))
-    device = "cuda" if cuda and not tiny else "cpu"
+    import torch                        # the driver's device count: no CUDA context
+    device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
     check.step("shards", lambda: build_shards(check))
-    check.step("parity", lambda: parity(check, device))
+    check.step("checkpoint", lambda: make_checkpoint(check))
+    save()
     cases: dict[str, dict] = {}
-    for attention, packed, recompute in CASES:
-        name = case_name(attention, packed, recompute)
-        if check.left(60) < 60:
-            cases[name] = {"skipped": "out of time"}
-            continue
-        check.step(name, functools.partial(case, check, device, attention, packed, recompute,
-                                           2 if tiny else 6))
-        cases[name] = check.summary.pop(name)
     check.summary["cases"] = cases
-    (out / "summary.json").write_text(json.dumps(check.summary, indent=1))
-    check.say(f"summary in {out / 'summary.json'}")
+    chosen = [w for w in WORKLOADS if names is None or w.name in names]
+    for index, workload in enumerate(chosen):
+        if index == PROBE_AFTER and probes:        # the goal's case and the floor come first
+            # a child process on a GPU machine: the parent holds no CUDA context
+            check.step("machine", lambda: probe_here() if tiny else probe(
+                check, child_env("auto"), 150))
+            machine = check.summary.pop("machine")           # an error: both say it
+            check.summary.update(env=machine.get("env", machine),
+                                 kernels=machine.get("kernels", machine))
+            save()
+        if check.left(90) < 90:
+            cases[workload.name] = {"skipped": "out of time"}
+            continue
+        if tiny and workload.name in TINY_SAME:
+            same = TINY_SAME[workload.name]
+            cases[workload.name] = {"skipped": f"on the CPU the same run as {same}"}
+            continue
+        check.step(workload.name, functools.partial(case, check, device, workload))
+        cases[workload.name] = check.summary.pop(workload.name)
+        save()
+    if check.left(60) >= 60:
+        check.step("parity", lambda: parity(check, device))
+    else:
+        check.summary["parity"] = {"skipped": "out of time"}
+    save()
+    check.say(f"summary in {saved}")
     return check.summary
 
 
@@ -377,13 +532,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_check")))
     parser.add_argument("--tiny", action="store_true",
                         help="tiny dims on the CPU (what the suite runs)")
-    parser.add_argument("--budget-s", type=float, default=420,
-                        help="stop starting steps after this many seconds (default 420)")
+    parser.add_argument("--budget-s", type=float, default=450,
+                        help="stop starting steps after this many seconds (default 450)")
     parser.add_argument("--shards", type=Path, help="use these shards instead of building")
+    parser.add_argument("--work", type=Path, help="where the shards, the checkpoint and the "
+                        "runs' files go (default OUT/work; elsewhere, the logs are copied "
+                        "into OUT/logs)")
+    parser.add_argument("--cases", help="only these workloads, comma-separated (default: all, "
+                        f"in this order: {', '.join(w.name for w in WORKLOADS)})")
+    parser.add_argument("--skip-probes", action="store_true", help="no machine probes")
     args = parser.parse_args(argv)
-    summary = run(args.out, args.tiny, args.budget_s, shards=args.shards)
+    summary = run(args.out, args.tiny, args.budget_s, shards=args.shards, work=args.work,
+                  names=args.cases.split(",") if args.cases else None,
+                  probes=not args.skip_probes)
     failed = [k for k, v in summary.items() if isinstance(v, dict) and "error" in v]
-    failed += [k for k, v in summary["cases"].items() if "error" in v]
+    failed += [f"{k}.{side}" for k, v in summary["cases"].items() for side in ("mimo", "peer")
+               if "error" in v.get(side, {})]
     return 1 if failed else 0
 
 

@@ -1,0 +1,172 @@
+"""The GPU check's peer: transformers' own model class, trained on mimo's batches the way a
+transformers-based fine-tuning framework trains it.
+
+    python tools/gpu_check/peer.py --config CASE.yaml --records PEER.jsonl [--profile-dir D]
+
+``CASE.yaml`` is the mimo training config of the same case (``model.pretrained``, data,
+batch sizes, seed, precision, recompute): the peer loads the same checkpoint with
+``AutoModelForImageTextToText`` and takes every micro-batch from mimo's own loader for
+rank 0 of the same colocated layout, so both train the same samples in the same order on the
+same weights. What it does is what such frameworks do with a transformers model:
+
+- weights in the run's dtype (bf16 on a GPU: no fp32 master copy, which favours the peer),
+  ``torch.optim.AdamW(fused=True)`` with the config's betas, weight decay and learning rate,
+  gradients clipped to ``optimizer.clip_grad`` with ``clip_grad_norm_``;
+- the strongest attention transformers has here: ``flash_attention_2`` where flash-attn is
+  installed, else ``sdpa``; a packed micro-batch goes as one row with per-sample text
+  positions (transformers then masks each sample to itself) and mimo's per-sample M-RoPE
+  positions, a padded one with its attention mask;
+- no key-value cache (``use_cache=False``, as training frameworks set it): with one, which
+  transformers makes by default even in training, it drops the per-sample mask of a packed
+  row without a word and every sample attends to the ones before it in the row;
+- the loss as transformers computes it from ``labels=`` (its shift, fp32 logits), each
+  micro-batch's token sum divided by the step's trained tokens (``num_items_in_batch``, as
+  the transformers Trainer accumulates), activation checkpointing
+  (``gradient_checkpointing_enable``) where the case recomputes.
+
+Each step's wall time ends with the device synchronized (reading the loss, as every
+framework's logging does). Records: one JSON line per step with ``step, loss, tokens,
+seconds, tokens_per_s, samples_per_s, memory_mib``; ``--profile-dir``: the same
+``mimo_train.runtime.profile`` summary mimo writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import inspect
+import itertools
+import json
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from mimo_data.loading.loader import build_loader
+from mimo_data.modalities.image import normalize_pixels
+from mimo_data.preprocess.config import PreprocessConfig
+from mimo_train.config import ProfileConfig
+from mimo_train.runtime.profile import Profile
+from mimo_train.training.step import kept_length
+
+LAYOUT = "language=dp1;image=dp1,off0"      # the layout mimo's case runs: one rank, all data
+
+
+def attention_choice(device: torch.device) -> str:
+    """flash-attn's varlen kernels where installed (what packing frameworks ask for), else
+    torch's SDPA: transformers' fastest attention on this machine."""
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def hf_inputs(batch: dict, image_config, image_token_id: int, total: int,
+              device: torch.device, token_types: bool = True) -> dict:
+    """One of mimo's micro-batches as transformers' model takes it (``labels=`` shifted by
+    the model itself, so mimo's target at t is transformers' label at t + 1)."""
+    packing = batch.get("packing_kwargs")
+    length = kept_length(batch)
+    ids = batch["input_ids"][:, :length]
+    trained = batch["loss_mask"][:, :length].bool()
+    labels = torch.full_like(ids, -100)
+    labels[:, 1:][trained[:, :-1]] = batch["labels"][:, :length][:, :-1][trained[:, :-1]]
+    inputs = {"input_ids": ids, "labels": labels}
+    if token_types:             # the transformers versions that take them (5.2x)
+        inputs["mm_token_type_ids"] = (ids == image_token_id).int()
+    if packing is None:
+        inputs["attention_mask"] = batch["attention_mask"][:, :length].long()
+    else:           # per-sample text positions first: transformers masks each sample alone
+        bounds = packing["cu_seqlens_q"].tolist()
+        text = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
+        inputs["position_ids"] = torch.cat([text.view(1, 1, -1),
+                                            batch["position_ids"][:, :, :length]])
+    images = (batch.get("modality_inputs") or {}).get("image", {}).get("image")
+    if images is not None:
+        inputs["pixel_values"] = normalize_pixels(images["pixel_values"].to(device),
+                                                  image_config)
+        inputs["image_grid_thw"] = images["image_grid_thw"]
+    moved = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
+    moved["num_items_in_batch"] = torch.tensor(total, device=device)
+    return moved
+
+
+def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> list[dict]:
+    """Train the case of ``config_path`` as the peer; returns (and writes) its records."""
+    from transformers import AutoModelForImageTextToText
+    config = yaml.safe_load(config_path.read_text())
+    data, run, opt, model_cfg = (config["data"], config["train"], config.get("optimizer", {}),
+                                 config["model"])
+    device = torch.device("cuda" if run.get("device") != "cpu" and torch.cuda.is_available()
+                          else "cpu")
+    dtype = torch.bfloat16 if run.get("precision") == "bf16" else torch.float32
+    torch.manual_seed(run.get("seed", 1))
+    attention = attention_choice(device)
+    model = AutoModelForImageTextToText.from_pretrained(
+        model_cfg["pretrained"], dtype=dtype, attn_implementation=attention).to(device)
+    model.train()
+    if model_cfg.get("language", {}).get("recompute", "none") != "none":
+        model.gradient_checkpointing_enable()
+    elif model_cfg.get("encoders", {}).get("image", {}).get("recompute", "none") != "none":
+        model.model.visual.gradient_checkpointing_enable()         # the tower alone
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad], lr=opt.get("lr", 1e-5),
+        betas=(opt.get("adam_beta1", 0.9), opt.get("adam_beta2", 0.95)),
+        weight_decay=opt.get("weight_decay", 0.0), fused=device.type == "cuda")
+    preprocess = PreprocessConfig.from_yaml(str(data["preprocess"]))
+    gbs, mbs = run["global_batch_size"], run["micro_batch_size"]
+    loader = build_loader(data["datasets"], preprocess, LAYOUT, 0, 1, gbs, mbs,
+                          run.get("seed", 1), num_workers=data.get("num_workers", 0),
+                          packing=data.get("packing", False))
+    assert loader is not None
+    stream = (batch for _ in itertools.count() for batch, _ in loader)     # across epochs
+    window = run.get("profile") or {}          # the steps mimo's run profiles, if it does
+    profile = Profile(ProfileConfig(str(profile_dir), window.get("start", 3),
+                                    window.get("steps", 2)) if profile_dir else None, 0, device)
+    image_config = preprocess.modalities["image"]
+    token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+    found: list[dict] = []
+    records.parent.mkdir(parents=True, exist_ok=True)
+    with open(records, "w") as out:
+        for step in range(1, run["steps"] + 1):
+            profile.before(step)
+            started = time.perf_counter()
+            batches = [next(stream) for _ in range(gbs // mbs)]
+            total = int(sum(int(b["loss_mask"].sum()) for b in batches))
+            loss = torch.zeros((), device=device)
+            for batch in batches:
+                inputs = hf_inputs(batch, image_config, model.config.image_token_id, total,
+                                   device, token_types)
+                part = model(**inputs, use_cache=False).loss
+                part.backward()
+                loss += part.detach()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt.get("clip_grad", 1.0))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            value = float(loss)                          # the host waits for the step here
+            seconds = time.perf_counter() - started
+            profile.after(step)
+            record = {"step": step, "loss": value, "tokens": total, "seconds": seconds,
+                      "tokens_per_s": total / seconds, "samples_per_s": gbs / seconds,
+                      "attention": attention,
+                      "memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                                     if device.type == "cuda" else None)}
+            out.write(json.dumps(record) + "\n")
+            out.flush()
+            found.append(record)
+    profile.finish()
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--records", type=Path, required=True)
+    parser.add_argument("--profile-dir", type=Path)
+    args = parser.parse_args(argv)
+    train(args.config, args.records, args.profile_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
