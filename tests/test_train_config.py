@@ -309,6 +309,8 @@ train: {steps: 20}
     (["model.projection=conv"], "model.projection is 'conv'"),
     (["model.attention=flash"], "model.attention is 'flash'"),
     (["train.collective_timeout_minutes=0"], "train.collective_timeout_minutes is 0"),
+    (["train.profile={start: 2}"], "train.profile.dir is not set"),
+    (["train.profile={dir: p, steps: 0}"], "train.profile.steps is 0"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_validate_rule(tmp_path, overrides, fragment):
     assert fragment in load_error(tmp_path, VALID, *overrides)

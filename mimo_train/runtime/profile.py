@@ -11,7 +11,8 @@ the next change, the same for mimo and for any other training measured beside it
   (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
 - ``top``: the kernels (operators on a CPU) with the most time;
 - ``host_syncs_per_step``: calls that make the host wait for the device (``.item()`` and
-  friends: ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step.
+  friends: ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
+  ``host_syncs_by_call`` by name; on CUDA ``sync_sites``: where the implicit ones are called.
 
 torch.profiler records; nothing in it sorts kernels into these kinds, hence ``kind``.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import traceback
+from collections import Counter
 import warnings
 from typing import Protocol
 
@@ -97,7 +99,9 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
             "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
                      round(value / per_step, 3), "share": round(value / whole, 4)}
                     for name, value in ranked],
-            "host_syncs_per_step": round(len(synced) / max(steps, 1), 2)}
+            "host_syncs_per_step": round(len(synced) / max(steps, 1), 2),
+            "host_syncs_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
+                Counter(e.name for e in synced).items(), key=lambda item: -item[1])}}
 
 
 class Window(Protocol):
