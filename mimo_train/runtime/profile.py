@@ -65,7 +65,10 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
     """The figures of a finished profiler that covered ``steps`` steps (times in ms per
     step)."""
     events = profiler.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    # kernels and copies on the device; not the ranges that annotate them there (an optimizer
+    # step's, a profiler step's), which overlap them
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and not getattr(e, "is_user_annotation", False)]
     synced = [e for e in events if SYNCS.search(e.name)]
     if kernels:
         device = "cuda"
