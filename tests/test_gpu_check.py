@@ -52,8 +52,9 @@ def test_every_step_ran_on_the_cpu(summary):
     assert len(parity["device_losses"]) == 2 and parity["max_abs_loss_diff"] == 0.0
 
 
-RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local"}
-WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full"}
+RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local",
+       "lora_7b_packed_8k"}
+WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full", "lora_7b_packed_8k"}
 
 
 def test_cases_train_the_same_batches_with_figures(summary):
@@ -70,7 +71,7 @@ def test_cases_train_the_same_batches_with_figures(summary):
         assert case["median_seconds"] > 0 and case["median_tflops_per_gpu"] > 0, (name, case)
         assert case["median_memory_mib"] > 0 and case["peak_gpu_mib"] is None
         assert case["predicted_mib"] > 0, case          # the layout advisor's memory model
-        if cases[name]["packed"]:
+        if cases[name]["packed"] and name != "lora_7b_packed_8k":     # the 2B model's
             first.append(case["losses"][0])
     # packed, every attention kernel and recompute sees the same samples: one first-step loss
     assert max(first) - min(first) <= 2e-5, cases
@@ -101,7 +102,8 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
                          if '"loss"' in line] for run in (name, f"{name}_peer"))
         assert ours == theirs and len(ours) == 3, (name, ours, theirs)
         # the same weights: transformers' own model on mimo's batches gives mimo's first loss
-        # (fp32; the later steps differ: the peer's Adam is torch's, mimo's megatron-core's)
+        # (fp32; the later steps differ: the peer's Adam is torch's, mimo's megatron-core's;
+        # with LoRA, PEFT's adapters start at zero as mimo's do)
         # (a peer with transformers' default key-value cache leaks across packed samples:
         # 5e-3 apart here)
         assert case["first_loss_diff"] <= 2e-5, (name, case["first_loss_diff"])

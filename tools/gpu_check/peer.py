@@ -9,6 +9,8 @@ batch sizes, seed, precision, recompute): the peer loads the same checkpoint wit
 rank 0 of the same colocated layout, so both train the same samples in the same order on the
 same weights. What it does is what such frameworks do with a transformers model:
 
+- a frozen tower (``model.freeze: [image]``) frozen; ``model.lora.language``: PEFT's LoRA
+  with the same rank and alpha on the language model's linear layers (``with_lora``);
 - weights in the run's dtype (bf16 on a GPU: no fp32 master copy, which favours the peer),
   ``torch.optim.AdamW(fused=True)`` with the config's betas, weight decay and learning rate,
   gradients clipped to ``optimizer.clip_grad`` with ``clip_grad_norm_``;
@@ -91,6 +93,24 @@ def hf_inputs(batch: dict, image_config, image_token_id: int, total: int,
     return moved
 
 
+# the language model's linear layers, as mimo's all-linear takes them (not the output layer)
+LANGUAGE_LINEAR = (r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|"
+                   r"mlp\.(gate|up|down)_proj)")
+
+
+def with_lora(model, lora: dict):
+    """PEFT's LoRA on the language model's linear layers with mimo's rank and alpha (PEFT
+    adapts q, k and v apart where mimo adapts their fused projection: the same matmuls' shapes
+    but three adapters); every other weight frozen, as PEFT does."""
+    from peft import LoraConfig, get_peft_model
+    targets = lora.get("targets", ["all-linear"])
+    if targets != ["all-linear"]:
+        raise ValueError(f"the peer takes LoRA targets [all-linear] only, not {targets}")
+    return get_peft_model(model, LoraConfig(
+        r=lora.get("rank", 8), lora_alpha=lora.get("alpha", 16),
+        lora_dropout=lora.get("dropout", 0.0), target_modules=LANGUAGE_LINEAR))
+
+
 def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> list[dict]:
     """Train the case of ``config_path`` as the peer; returns (and writes) its records."""
     from transformers import AutoModelForImageTextToText
@@ -104,11 +124,17 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
     attention = attention_choice(device)
     model = AutoModelForImageTextToText.from_pretrained(
         model_cfg["pretrained"], dtype=dtype, attn_implementation=attention).to(device)
+    if "image" in model_cfg.get("freeze", []):
+        model.model.visual.requires_grad_(False)
+    lora = (model_cfg.get("lora") or {}).get("language")
+    if lora:
+        model = with_lora(model, lora)
     model.train()
     if model_cfg.get("language", {}).get("recompute", "none") != "none":
         model.gradient_checkpointing_enable()
     elif model_cfg.get("encoders", {}).get("image", {}).get("recompute", "none") != "none":
-        model.model.visual.gradient_checkpointing_enable()         # the tower alone
+        tower = model.get_base_model().model.visual if lora else model.model.visual
+        tower.gradient_checkpointing_enable()                       # the tower alone
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=opt.get("lr", 1e-5),
         betas=(opt.get("adam_beta1", 0.9), opt.get("adam_beta2", 0.95)),
@@ -124,7 +150,8 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
     profile = Profile(ProfileConfig(str(profile_dir), window.get("start", 3),
                                     window.get("steps", 2)) if profile_dir else None, 0, device)
     image_config = preprocess.modalities["image"]
-    token_types = "mm_token_type_ids" in inspect.signature(model.forward).parameters
+    base = model.get_base_model() if lora else model
+    token_types = "mm_token_type_ids" in inspect.signature(base.forward).parameters
     found: list[dict] = []
     records.parent.mkdir(parents=True, exist_ok=True)
     with open(records, "w") as out:

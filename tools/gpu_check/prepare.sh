@@ -9,7 +9,7 @@ PY=${PY:-.venv/bin/python}
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >>.git/info/exclude
 rm -rf .whl && mkdir -p .whl
 version() { "$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
-for name in megatron-core webdataset braceexpand soundfile cffi pycparser; do
+for name in megatron-core webdataset braceexpand soundfile cffi pycparser peft accelerate psutil; do
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \

@@ -75,8 +75,14 @@ STUB = Path(__file__).resolve().parent / "stub"
 PROBES = Path(__file__).resolve().parent / "probes.py"
 PEER = Path(__file__).resolve().parent / "peer.py"
 PREPROCESS = ROOT / "configs" / "preprocess_images.yaml"      # the parity step's
-REPLICA = ROOT / "assets" / "models" / "published" / "Qwen--Qwen2-VL-2B-Instruct"
-PUBLISHED = ROOT / "tools" / "published" / "Qwen--Qwen2-VL-2B-Instruct" / "config.json"
+# the cases' models by size: the published config.json (tools/published), and the replica
+# (set-up's) whose tokenizer, template and processor files go beside it (Qwen2-VL-2B's and
+# -7B's are the same files: the 2B replica's serve both, one carried folder); tiny: the replica
+PUBLISHED = {size: ROOT / "tools" / "published" / f"Qwen--Qwen2-VL-{size}-Instruct"
+             for size in ("2B", "7B")}
+REPLICAS = {size: ROOT / "assets" / "models" / "published" / f"Qwen--Qwen2-VL-{size}-Instruct"
+            for size in ("2B", "7B")}
+REPLICA = REPLICAS["2B"]
 LAYOUT = "language=dp1;image=dp1,off0"          # colocated on one rank
 Dims = dict[str, dict[str, Any]]                 # the model section's language and encoders
 TINY: Dims = {
@@ -98,6 +104,8 @@ class Workload:
     recompute: str = "none"         # the language model's and the tower's
     tower_recompute: str = "none"   # the tower's alone (``recompute`` none)
     peer: bool = True
+    size: str = "2B"                # Qwen2-VL-2B (full fine-tune) or -7B (LoRA)
+    lora: bool = False              # LoRA rank 16 on the language model, the tower frozen
 
 
 # run in this order while time is left: the goal's case and the floor first
@@ -105,13 +113,14 @@ class Workload:
 # four times the language model's tokens; its activations are recomputed to fit one GPU)
 WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="full"),
              Workload("unpacked", False, 2048, 8, attention="sdpa"),
+             Workload("lora_7b_packed_8k", True, 8192, 24, size="7B", lora=True),
              Workload("packed_32k", True, 32768, 96),
              Workload("packed_8k_recompute_full", True, 8192, 24, recompute="full"),
              Workload("packed_8k_sdpa", True, 8192, 24, attention="sdpa", peer=False),
              Workload("packed_8k_local", True, 8192, 24, attention="local", peer=False)]
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
 TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
-PROBE_AFTER = 2                         # the machine's probes run after this many cases
+PROBE_AFTER = 3                         # the machine's probes run after this many cases
 TINY_MICRO = {True: 4, False: 2}        # tiny: samples a micro-batch, packed or not
 # steps of a case: the profiled ones last, the median over those between the warm-up and them
 STEPS, PROFILED, WARM = 7, 2, 2
@@ -143,7 +152,7 @@ class Check:
         self.deadline = time.monotonic() + budget_s
         self.work = work or out / "work"           # shards, checkpoint: not brought back
         self.shards = shards or self.work / "shards"
-        self.checkpoint = REPLICA            # the cases' model (``make_checkpoint``)
+        self.checkpoints: dict[str, Path] = {}       # by size (``make_checkpoint``)
         self.summary: dict = {"tiny": tiny}
         self.log = open(out / "run.log", "a")
 
@@ -191,7 +200,8 @@ def install_packages(gpu: bool) -> dict:
     """pip-install the carried wheels whose packages are missing (no index, no dependencies);
     the GPU kernels (fla) only on the GPU machine (``gpu``)."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
-    wanted = ("megatron.core", "webdataset", "soundfile") + (("fla", "einops") if gpu else ())
+    wanted = ("megatron.core", "webdataset", "soundfile", "peft", "accelerate", "psutil") + (
+        ("fla", "einops") if gpu else ())
     missing = [m for m in wanted if _missing(m)]
     result: dict = {"missing": missing, "av": "stub" if AV_MISSING else "installed"}
     if missing:
@@ -240,24 +250,24 @@ def build_shards(check: Check) -> dict:
     return {"built": str(check.shards), "samples": samples}
 
 
-def make_checkpoint(check: Check) -> dict:
-    """Qwen2-VL-2B's published config.json with the replica's tokenizer, template and
+def make_checkpoint(check: Check, size: str = "2B") -> dict:
+    """Qwen2-VL-SIZE's published config.json with the replica's tokenizer, template and
     processor files, random bf16 weights (seeded) saved by transformers, in a child process
     (this one holds no CUDA memory while the cases run); tiny: the replica."""
     if check.tiny:
-        check.checkpoint = REPLICA
-        return {"checkpoint": str(REPLICA)}
-    out = check.work / "qwen2-vl-2b"
+        check.checkpoints[size] = REPLICAS[size]
+        return {"checkpoint": str(REPLICAS[size])}
+    out = check.work / f"qwen2-vl-{size.lower()}"
     if not (out / ".complete").exists():
         out.mkdir(parents=True, exist_ok=True)
         for path in REPLICA.iterdir():
             if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json" \
                     and not path.name.startswith("."):
                 shutil.copy(path, out / path.name)
-        subprocess.run([sys.executable, "-c", SAVE_RANDOM, str(PUBLISHED.parent), str(out)],
+        subprocess.run([sys.executable, "-c", SAVE_RANDOM, str(PUBLISHED[size]), str(out)],
                        check=True, capture_output=True, text=True, timeout=check.left(240))
         (out / ".complete").touch()
-    check.checkpoint = out
+    check.checkpoints[size] = out
     return {"checkpoint": str(out)}
 
 
@@ -279,8 +289,8 @@ def preprocessing(check: Check, seq_length: int) -> Path:
 
     from mimo_train.families.registry import preprocessing_for
     path = check.work / f"preprocess_{seq_length}.yaml"
-    if not path.exists():
-        config = preprocessing_for(str(check.checkpoint))
+    if not path.exists():           # the same for every size: the same processor files
+        config = preprocessing_for(str(check.checkpoints["2B"]))
         config["modalities"].pop("video", None)
         path.write_text(yaml.safe_dump({**config, "seq_length": seq_length}, sort_keys=False))
     return path
@@ -411,10 +421,16 @@ def case(check: Check, device: str, work: Workload) -> dict:
                                  "start": steps - profiled + 1, "steps": profiled}}
     # varlen is a CUDA kernel: the CPU run takes SDPA where the GPU run takes the default
     attention = "sdpa" if device == "cpu" and work.attention == "auto" else work.attention
-    model = {"pretrained": str(check.checkpoint), "attention": attention,
-             "language": {"recompute": work.recompute},
-             "encoders": {"image": {"recompute": work.recompute if work.recompute != "none"
-                                    else work.tower_recompute}}}
+    if work.size not in check.checkpoints:
+        make_checkpoint(check, work.size)
+    model: dict[str, Any] = {
+        "pretrained": str(check.checkpoints[work.size]), "attention": attention,
+        "language": {"recompute": work.recompute},
+        "encoders": {"image": {"recompute": work.recompute if work.recompute != "none"
+                               else work.tower_recompute}}}
+    if work.lora:                   # the language model's linear layers; the tower frozen
+        model.update(lora={"language": {"rank": 16, "alpha": 32, "targets": ["all-linear"]}},
+                     freeze=["image"])
     preprocess = preprocessing(check, work.seq_length)
     config = {"model": model, "data": {"packing": work.packed, "preprocess": str(preprocess)},
               "train": train_section}
