@@ -150,6 +150,12 @@ def test_a_tower_under_selective_recompute_keeps_its_scores():
     assert kept["selective"] == kept["none"] > kept["full"]
     # 2 layers of 100 positions, each with its 5 heads s^2 of scores (as by hand above)
     assert kept["none"] == 2 * 417600
+    # the tower's own recompute, the language model's none (model.encoders.<m>.recompute)
+    alone = mem.tower_activation_bytes(tower, grids, mem.Settings(
+        "bf16", attention_scores=True, tower_recompute="full"))
+    assert alone == kept["full"]
+    assert mem.tower_activation_bytes(tower, grids, mem.Settings(
+        "bf16", recompute="full", attention_scores=True, tower_recompute="none")) == kept["none"]
 
 
 # ---------------------------------------------------------- expert parallelism, by hand

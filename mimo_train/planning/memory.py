@@ -157,18 +157,28 @@ class Settings:
     optimizer, activation recompute (none, selective: the attention core, full: every layer;
     a tower has none or full, selective counts as none there), sequence parallel (the
     language model at TP > 1), whether the attention kernel keeps the score matrices and the
-    tokens the loss is taken at a time (0: all)."""
+    tokens the loss is taken at a time (0: all). ``tower_recompute``: the encoder towers' own
+    (``model.encoders.<module>.recompute``) where it differs from the language model's (None:
+    ``recompute``)."""
     precision: str = "bf16"
     distributed_optimizer: bool = False
     recompute: str = "none"
     sequence_parallel: bool = False
     attention_scores: bool = False
     loss_chunk_tokens: int = 0          # model.language.loss_chunk_tokens (0: the loss at once)
+    tower_recompute: str | None = None
 
     def __post_init__(self):
-        if self.precision not in BYTES or self.recompute not in RECOMPUTE:
+        if self.precision not in BYTES or self.recompute not in RECOMPUTE or \
+                self.tower_recompute not in (None, *RECOMPUTE):
             raise ValueError(f"precision {self.precision!r} (bf16 / fp32), recompute "
-                             f"{self.recompute!r} ({' / '.join(RECOMPUTE)})")
+                             f"{self.recompute!r}, tower_recompute {self.tower_recompute!r} "
+                             f"({' / '.join(RECOMPUTE)})")
+
+    @property
+    def towers(self) -> str:
+        """The towers' recompute: ``tower_recompute``, else the run's."""
+        return self.tower_recompute or self.recompute
 
     @property
     def width(self) -> int:
@@ -402,7 +412,7 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
     positions, squares = tower_positions(tower, grids)
     # a transformers tower recomputes all or nothing: selective keeps everything, the
     # attention scores too where the kernel keeps them
-    tower_settings = replace(settings, recompute="full" if settings.recompute == "full"
+    tower_settings = replace(settings, recompute="full" if settings.towers == "full"
                              else "none")
     pixels = sum(t * h * w for t, h, w in grids) * \
         sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width

@@ -443,10 +443,9 @@ def case(check: Check, device: str, work: Workload) -> dict:
                               check.work / f"{work.name}_profile")
     result["mimo"]["peak_gpu_mib"] = memory.peak if memory else None
     try:
-        result["mimo"]["predicted_mib"] = predicted_mib(check, work.name, train_section,
-                                                        work.packed, preprocess, work.recompute)
-        if work.tower_recompute != "none":      # the advisor recomputes all modules or none
-            result["mimo"]["predicted_note"] = "without the tower's recompute"
+        result["mimo"]["predicted_mib"] = predicted_mib(
+            check, work.name, train_section, work.packed, preprocess, work.recompute,
+            work.tower_recompute if work.recompute == "none" else None)
         peak = result["mimo"].get("median_memory_mib")
         if peak:
             result["mimo"]["memory_error"] = round(
@@ -469,7 +468,8 @@ def case(check: Check, device: str, work: Workload) -> dict:
 
 
 def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
-                  preprocess_path: Path, recompute: str = "none") -> float:
+                  preprocess_path: Path, recompute: str = "none",
+                  tower_recompute: str | None = None) -> float:
     """What ``mimo-inspect plan``'s memory model predicts for the run's rank (weights,
     gradients, optimizer state, activations of its micro-batches, temporaries): the layout
     advisor's evaluation of this one layout and settings, on the loader's dry run of the
@@ -487,7 +487,7 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
     model = read_model(str(check.work / f"{name}.yaml"), str(preprocess_path), preprocess,
                        {"image": "image"})
     advisor = Advisor(model, read_work(model, work), GPU("any", 1e6, 1.0, 1.0, 1.0))
-    settings = Settings(model.precision, recompute=recompute,
+    settings = Settings(model.precision, recompute=recompute, tower_recompute=tower_recompute,
                         attention_scores=model.attention_scores)
     result = advisor.evaluate(Candidate(Layout.parse(LAYOUT), settings))
     return round(result.peak_bytes / 2**20, 1)

@@ -141,7 +141,7 @@ class Advisor:
             all_to_all += max(sum(row[r] for row in exchange) for r in range(lang.dp)) / steps
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
-                factor = self._recompute_factor(e.name, recompute)
+                factor = self._recompute_factor(e.name, settings.towers)
                 ranges = self._parts(group, e.dp)
                 flops = work.encoder_flops[e.name][s]
                 enc_t[e.name] = [[sum(flops[i] for i in part) * factor / self.rate
