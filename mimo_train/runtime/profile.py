@@ -37,7 +37,8 @@ KINDS = (
                              r"fused_recurrent|delta_rule", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm\d\d_|addmm|aten::mm$|"
                           r"aten::bmm|aten::baddbmm|aten::_grouped_mm|matmul|linear", re.I)),
-    ("copy", re.compile(r"memcpy|memset|aten::copy_|aten::to$|aten::_to_copy|cat", re.I)),
+    ("copy", re.compile(r"memcpy|memset|aten::copy_|aten::to$|aten::_to_copy|aten::cat$|"
+                        r"CatArray", re.I)),
 )
 TORCH = os.path.dirname(torch.__file__) + os.sep     # frames inside torch are not sites
 SYNCS = re.compile(r"aten::_local_scalar_dense|cuda(Stream|Device|Event)Synchronize")
@@ -125,6 +126,7 @@ class SyncSites:
 
     def __enter__(self) -> SyncSites:
         self._guard.__enter__()            # the filters and showwarning, restored at exit
+        self._shown = warnings.showwarning
         warnings.simplefilter("always")
         warnings.showwarning = self._seen
         torch.cuda.set_sync_debug_mode("warn")
@@ -135,7 +137,8 @@ class SyncSites:
         self._guard.__exit__(None, None, None)
 
     def _seen(self, message, category, filename, lineno, file=None, line=None) -> None:
-        if "synchroniz" not in str(message):
+        if "synchroniz" not in str(message):       # other warnings shown as before
+            self._shown(message, category, filename, lineno, file, line)
             return
         frames = [f for f in traceback.extract_stack()[:-1]
                   if not f.filename.startswith(TORCH) and f.filename != __file__

@@ -1,0 +1,47 @@
+"""mimo_train.runtime.profile's parts that the CPU run of the GPU check (test_gpu_check.py)
+cannot reach: kernel names sorted into kinds as CUDA names them, and the sync sites counted
+from torch's sync debug mode (its warnings stand in for a GPU's here), other warnings shown
+as before."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from mimo_train.runtime import profile
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("nvjet_sm90_tst_128x256_64x4_4x2_h_bz_coopA_NTN", "matmul"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+    ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+    ("Memcpy DtoD (Device -> Device)", "copy"),
+    ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copy"),
+    ("void at::native::_scatter_gather_elementwise_kernel<128, 4>", "elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<8, CUDAFunctor_add<c10::BFloat16>>",
+     "elementwise"),
+])
+def test_kernels_sort_into_kinds_by_their_cuda_names(name, kind):
+    assert profile.kind(name) == kind
+
+
+def test_sync_sites_count_syncs_by_caller_and_show_other_warnings(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    shown = []
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *rest: shown.append(
+        str(message)))
+
+    def reads_a_value():
+        warnings.warn("called a synchronizing CUDA operation", stacklevel=1)
+
+    with profile.SyncSites() as sites:
+        for _ in range(3):
+            reads_a_value()
+        warnings.warn("an unrelated warning", stacklevel=1)
+    assert modes == ["warn", "default"]
+    (top,) = sites.top(steps=3)
+    assert top["per_step"] == 1.0 and top["site"].endswith("reads_a_value"), top
+    assert shown == ["an unrelated warning"]
