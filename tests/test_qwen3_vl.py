@@ -16,9 +16,10 @@ video, an image and a video.
 - import then export gives every weight of the checkpoint back bit for bit; transformers'
   greedy ``generate`` on the export, from its own processor's tokens and pixels, equals
   ``mimo-generate`` on an image prompt and on a video prompt;
-- what cannot carry deepstack rows is refused with the reason (a projection, context
-  parallelism, the language model's full recompute), and the layout advisor does not propose
-  it.
+- the language model under context parallelism (cp2 packed, cp4 padded) gives the colocated
+  step: loss and every gradient;
+- what cannot carry deepstack rows is refused with the reason (a projection, the language
+  model's full recompute), and the layout advisor does not propose it.
 
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.
@@ -167,6 +168,34 @@ def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, col
     compare(colocated, staged, "image dp1 -> language pp2 dp2")
 
 
+@pytest.mark.parametrize("language, how, nproc", [
+    ("cp2", "data.packing=true", 4), ("cp4", "data.packing=false", 5)])
+def test_context_parallel_gives_the_colocated_step(ranks, run, colocated, reference, language,
+                                                   how, nproc):
+    """The language model's sequence split over two context-parallel ranks (packed: the
+    samples' boundaries cross the shard edge; the tower at dp2 fanning in) and over four
+    (padded, one sample per micro-batch; the tower at dp1): transformers' loss on the same
+    trained tokens, and every gradient the colocated step has, deepstack mergers and the
+    tower's inner blocks included. M-RoPE positions come from the whole sequence, the
+    deepstack rows are split with it, attention is all-to-all over heads (4 heads, 2 key/value
+    groups: cp4 repeats each group twice). The mixture of experts is refused under context
+    parallelism with the reason."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.plan import resolve
+    encoders = nproc - int(language[2:])
+    layout = f"layout=image=dp{encoders},video;language={language}"
+    if run["name"] != "2B":
+        with pytest.raises(TrainConfigError, match="mixture-of-experts layers are not checked"):
+            resolve(TrainConfig.load(None, [*run["common"], layout]))
+        return
+    sharded = step(ranks, run["tmp"] / language, nproc, layout,
+                   f"train.micro_batch_size={SAMPLES // 2 if encoders == 2 else 1}", how,
+                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    _assert_loss(sharded, reference, f"image dp{encoders} -> language {language}, {how}")
+    compare(colocated, sharded, f"image dp{encoders} -> language {language}, {how}")
+
+
 @pytest.fixture(scope="module")
 def exported(run, colocated) -> Path:
     """``mimo-export`` of the imported model (the colocated job's step-0 checkpoint)."""
@@ -206,7 +235,6 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 
 @pytest.mark.parametrize("overrides, reason", [
     (["model.projection=linear"], "model.projection linear"),
-    (["layout=language=cp2;image=dp2,off0,video"], "language cp2"),
     (["model.language.recompute=full"], "recompute full"),
 ])
 def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):

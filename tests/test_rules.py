@@ -61,9 +61,15 @@ CASES = {
     "linear_attention_heads_split": Case(
         "qwen3.5", "image=dp1,video;language=tp4", (),
         "gated delta-net layers have 2 key heads, which do not split into language tp4"),
-    "language_context_parallel": Case(
-        "qwen2-vl", "image=dp1,video;language=cp2", (),
-        "(language cp2): megatron-core's needs Transformer Engine's attention"),
+    "language_context_parallel_heads": Case(
+        "qwen2-vl", "image=dp1,video;language=cp8", (),
+        "language cp8 splits each tensor-parallel rank's 4 attention heads"),
+    "language_context_parallel_linear_attention": Case(
+        "qwen3.5", "image=dp1,video;language=cp2", (),
+        "gated delta-net layers do not run under context parallelism yet"),
+    "language_context_parallel_experts": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=cp2", (),
+        "mixture-of-experts layers are not checked under context parallelism yet"),
     "encoders_run_whole": Case(
         "qwen2-vl", "image=tp2,video;language=dp1", (),
         "encoder module 'image' has tp 2"),

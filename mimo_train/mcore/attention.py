@@ -31,6 +31,8 @@ images at once by ``cu_seqlens``), else ``sdpa``.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ import torch.nn.functional as F
 
 from mimo_train.errors import TrainConfigError
 from mimo_train.mcore import DotProductAttention, make_tp_sharded_tensor_for_checkpoint
+from mimo_train.mcore.context_parallel import (heads_for, heads_to_sequence, sequence_to_heads,
+                                               shard)
 from mimo_train.mcore.deepstack import DeepstackLanguage
 from mimo_train.mcore.rotary import InterleavedMultimodalRotaryEmbedding
 
@@ -93,14 +97,49 @@ def choose(setting: str, dtype: torch.dtype, kernels: Kernels) -> AttentionChoic
 class CoreAttention(DotProductAttention):
     """megatron-core's local ``DotProductAttention`` with the ``backend`` of the run; also
     takes packed batches (``packed_seq_params``): THD for ``local``, one sbhd row for the
-    others (``LanguageModel``)."""
+    others (``LanguageModel``). Under context parallelism the backend runs between the
+    all-to-alls over heads of ``mcore.context_parallel`` (megatron-core's class asserts cp1:
+    it gets the config at cp1, and this class does the rest)."""
 
-    def __init__(self, *args, backend: str = "local", **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, config, *args, backend: str = "local", **kwargs):
+        cp = config.context_parallel_size
+        super().__init__(dataclasses.replace(config, context_parallel_size=1) if cp > 1
+                         else config, *args, **kwargs)
         self.backend = backend
+        self.cp_group = self.pg_collection.cp if cp > 1 else None
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
+        if self.cp_group is None:
+            return self._attend(query, key, value, attention_mask, attn_mask_type,
+                                attention_bias, packed_seq_params)
+        group = self.cp_group
+        key, value = heads_for(key, value, query.size(-2), group.size())
+        query, key, value = (heads_to_sequence(t, group) for t in (query, key, value))
+        with self._heads(query.size(-2), key.size(-2)):
+            out = self._attend(query, key, value, attention_mask, attn_mask_type,
+                               attention_bias, packed_seq_params)
+        s, b = out.shape[:2]
+        return sequence_to_heads(out.reshape(s, b, query.size(-2), -1), group).flatten(2)
+
+    @contextlib.contextmanager
+    def _heads(self, heads: int, groups: int):
+        """This rank's share of the heads between the all-to-alls, as megatron-core's
+        attention reads them."""
+        names = ("num_attention_heads_per_partition", "num_query_groups_per_partition",
+                 "hidden_size_per_partition")
+        saved = [getattr(self, name) for name in names]
+        for name, value in zip(names, (heads, groups,
+                                       heads * self.hidden_size_per_attention_head)):
+            setattr(self, name, value)
+        try:
+            yield
+        finally:
+            for name, value in zip(names, saved):
+                setattr(self, name, value)
+
+    def _attend(self, query, key, value, attention_mask, attn_mask_type, attention_bias,
+                packed_seq_params):
         if self.backend == "local":
             if packed_seq_params is None:
                 return super().forward(query, key, value, attention_mask, attn_mask_type,
@@ -197,10 +236,18 @@ class LanguageModel(DeepstackLanguage):
                 rotary_percent=kwargs.get("rotary_percent", 1.0),
                 rotary_base=kwargs.get("rotary_base", 10000))
         self.enable_deepstack()
+        # context parallelism: rotary angles for the whole sequence, then this rank's part
+        # (contiguous, mcore.context_parallel; megatron-core's own cut is Transformer Engine's
+        # load-balanced one)
+        self.cp_group = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.position_embedding_type in ("rope", "mrope"):
+            self.rotary_pos_emb.cp_group = None
         # M-RoPE angles are computed token by token from the position ids: packed rows always
         # go as one sequence (megatron-core's THD rotary would give every sample the first
-        # sample's angles)
-        self.packed_rows = packed_rows or self.position_embedding_type == "mrope"
+        # sample's angles), as they do under context parallelism (attention sees the whole
+        # sequence of its heads, the rotary angles are this rank's tokens')
+        self.packed_rows = packed_rows or self.position_embedding_type == "mrope" \
+            or self.cp_group is not None
 
     def forward(self, *args, **kwargs):
         output = super().forward(*args, **kwargs)
@@ -229,12 +276,13 @@ class LanguageModel(DeepstackLanguage):
                     packed_seq_params=None, padding_mask=None):
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask)
-        if not (self.packed_rows and packed_seq_params is not None
-                and packed_seq_params.qkv_format == "thd"):
-            return out
         rotary = out[1]
-        if rotary is not None and self.position_embedding_type == "rope":
-            rotary = rotary[position_ids.reshape(-1)]           # [tokens, 1, 1, dim]
-        # the same object reaches every layer's attention for this micro-batch
-        packed_seq_params.qkv_format = "sbhd"
+        if self.packed_rows and packed_seq_params is not None \
+                and packed_seq_params.qkv_format == "thd":
+            if rotary is not None and self.position_embedding_type == "rope":
+                rotary = rotary[position_ids.reshape(-1)]           # [tokens, 1, 1, dim]
+            # the same object reaches every layer's attention for this micro-batch
+            packed_seq_params.qkv_format = "sbhd"
+        if rotary is not None and self.cp_group is not None:
+            rotary = shard(rotary, 0, self.cp_group)                # [tokens / cp, ...]
         return (out[0], rotary, *out[2:])

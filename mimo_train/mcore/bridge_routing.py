@@ -27,7 +27,8 @@ from collections import deque
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
-from mimo_train.mcore import BridgeCommunicator, MultiModulePipelineCommunicator
+from mimo_train.mcore import (BridgeCommunicator, HyperCommGrid,
+                              MultiModulePipelineCommunicator)
 from mimo_train.mcore.deepstack import DeepstackMimoModel
 
 
@@ -76,7 +77,7 @@ class SizedPipelineCommunicator(MultiModulePipelineCommunicator):
         for source, grid in self.module_to_grid_map.items():
             for destination in self.topology[source]:
                 self.bridge_comms.append(SizedBridgeCommunicator(
-                    src_grid=grid, dest_grid=self.module_to_grid_map[destination],
+                    src_grid=grid, dest_grid=_cp_in_tp(self.module_to_grid_map[destination]),
                     dim_mapping=self.dim_mapping, comm_dtype=self.config.pipeline_dtype,
                     src_module_name=source, dest_module_name=destination,
                     tensor_ndim=self.module_output_ndim.get(source, 3)))
@@ -85,6 +86,22 @@ class SizedPipelineCommunicator(MultiModulePipelineCommunicator):
         """End a schedule run (see the module docstring)."""
         for bridge in self.bridge_comms:
             bridge.finish(forward_only)
+
+
+def _cp_in_tp(grid: HyperCommGrid) -> HyperCommGrid:
+    """``grid`` with its context-parallel ranks counted as tensor-parallel ones, for the
+    bridge: megatron-core's asserts cp1 (its CP support is to come), but it addresses each DP
+    replica's tp x cp ranks as one group (the leader receives the rows and broadcasts them to
+    the group; its gradient goes back), which is what context parallelism needs: every CP rank
+    splices the whole sequence before its cut, and the rows' gradient is summed over the CP
+    group before it leaves (``mcore.context_parallel``). tp and cp are the two fastest dims, so
+    the folded grid has the same groups."""
+    shape = dict(zip(grid.dim_names, grid.shape))
+    if shape.get("cp", 1) == 1:
+        return grid
+    shape["tp"], shape["cp"] = shape["tp"] * shape["cp"], 1
+    return HyperCommGrid([shape[d] for d in grid.dim_names], list(grid.dim_names),
+                         rank_offset=grid.rank_offset, backend=grid.backend)
 
 
 class RoutedMimoModel(DeepstackMimoModel):

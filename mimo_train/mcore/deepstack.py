@@ -11,7 +11,7 @@ cut rows, never columns), and the language side learns K from the width alone.
   deepstack part to its placeholders' positions: K tensors ``[S, B, h]``, zero elsewhere
   (transformers' ``_deepstack_process`` adds the rows at the visual positions, image and video
   tokens in token order: the same sum), split over the sequence as the embeddings are under
-  sequence parallelism. It hands them to the language model.
+  sequence and context parallelism. It hands them to the language model.
 - ``DeepstackLanguage`` (the ``GPTModel`` the language model is) adds part k to the output
   of its decoder layer with global index k (forward hooks). Under pipeline parallelism a stage
   sends the parts for layers past its own beside its hidden states (``[S, B, (1 + n) · h]``;
@@ -33,6 +33,7 @@ import torch
 from megatron.core.utils import unwrap_model
 
 from mimo_train.mcore import GPTModel, MimoModel
+from mimo_train.mcore.context_parallel import SequenceShards
 
 
 def split_rows(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -72,12 +73,14 @@ class DeepstackMimoModel(MimoModel):
         width = modality_embeddings["text"].size(-1)
         main, added = {}, []
         for name, rows in modality_embeddings.items():
+            if name != "text" and isinstance(self.partition_adapter, SequenceShards):
+                rows = self.partition_adapter.rows(rows)    # each CP rank's tokens' gradient
             if name == "text" or rows.size(-1) == width:
                 main[name] = rows
                 continue
             main[name], parts = split_rows(rows, width)
             placed = scatter(parts, input_ids == special_token_ids[name])
-            if self.partition_adapter is not None:    # sequence parallel: as the embeddings
+            if self.partition_adapter is not None:    # split over the sequence as the embeddings
                 placed = [self.partition_adapter.shard(p, None, None)[0] for p in placed]
             added = [a + p for a, p in zip(added, placed)] if added else placed
         unwrap_model(self.language_model).take_deepstack(dict(enumerate(added)))

@@ -26,6 +26,7 @@ from mimo_train.families.registry import build_encoder, language_arch
 from mimo_train.mcore.attention import AttentionChoice, LanguageModel
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
 from mimo_train.mcore.chunked_loss import language_loss
+from mimo_train.mcore.context_parallel import SequenceShards
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
 from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
@@ -221,9 +222,13 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     model = RoutedMimoModel(MimoModelConfig(
         language_model_spec=language_spec, modality_submodules_spec=modality_specs,
         special_token_ids=token_ids, module_to_grid_map=infra.grids),
-        # sequence parallel: MimoModel splits the spliced embeddings over the language TP group
+        # sequence and context parallel: MimoModel splits the spliced embeddings over the
+        # language TP and CP groups (context parallel: mcore.context_parallel's cut)
         **(dict(tp_group=infra.modules[LANGUAGE].pgs.tp, cp_group=infra.modules[LANGUAGE].pgs.cp)
-           if transformer.sequence_parallel and LANGUAGE in infra.local else {}))
+           if (transformer.sequence_parallel or transformer.context_parallel_size > 1)
+           and LANGUAGE in infra.local else {}))
+    if model.partition_adapter is not None and transformer.context_parallel_size > 1:
+        model.partition_adapter = SequenceShards(model.partition_adapter.cfg)
     model.model_type = ModelType.encoder_or_decoder
     if plan.language.pretrained and LANGUAGE in infra.local:
         load_language_weights(model.language_model, plan.language, infra, vocab)

@@ -109,12 +109,37 @@ def language_heads_split(facts: Facts, layout: Layout, settings: Settings) -> st
 
 
 @rule
-def language_context_parallel(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+def language_context_parallel_heads(facts: Facts, layout: Layout, settings: Settings
+                                    ) -> str | None:
+    cp, tp = layout.language.cp, layout.language.tp
+    heads = facts.heads // tp
+    if cp > 1 and heads % cp:
+        return (f"language cp{cp} splits each tensor-parallel rank's {heads} attention heads "
+                f"(the model's {facts.heads} over tp{tp}) over its context-parallel ranks "
+                "(mimo's context parallelism is an all-to-all over heads; ring attention, for "
+                f"heads cp does not divide, is not built): make cp divide {heads}")
+    return None
+
+
+@rule
+def language_context_parallel_linear_attention(facts: Facts, layout: Layout,
+                                               settings: Settings) -> str | None:
     cp = layout.language.cp
-    if cp > 1:
-        return (f"the layout gives the language model context parallelism (language cp{cp}): "
-                "megatron-core's needs Transformer Engine's attention, which mimo does not "
-                "run; use cp1 (tp, pp and dp split the model and the batch)")
+    if cp > 1 and facts.linear_heads is not None:
+        return (f"language cp{cp}: the language model's gated delta-net layers do not run "
+                "under context parallelism yet (their convolution and recurrence would need the "
+                "all-to-all over heads too); use cp1")
+    return None
+
+
+@rule
+def language_context_parallel_experts(facts: Facts, layout: Layout, settings: Settings
+                                      ) -> str | None:
+    cp = layout.language.cp
+    if cp > 1 and facts.experts:
+        return (f"language cp{cp}: mixture-of-experts layers are not checked under context "
+                "parallelism yet (their routers' token statistics are per rank); use cp1 with "
+                "ep to split the experts")
     return None
 
 

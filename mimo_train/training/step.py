@@ -22,13 +22,16 @@ times stay on the device (the sums reduced over the world by device collectives)
 from __future__ import annotations
 
 import contextlib
+import math
 from functools import partial
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from mimo_data.loading.layout import LANGUAGE
 from mimo_data.preprocess.collate import LENGTH_MULTIPLE
+from mimo_data.preprocess.preprocessor import IGNORE_INDEX
 from mimo_train.families.base import HOST_INPUTS
 from mimo_train.mcore.balance import GlobalBalance
 from mimo_train.mcore.grids import Infra
@@ -46,8 +49,9 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     never trained and, on the right under a causal mask, never attended to by real tokens, so
     loss and gradients are unchanged while the language model skips most of the padding.
     A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
-    makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Encoder inputs that an
-    encoder reads on the host (``families.base.HOST_INPUTS``) stay there.
+    makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Under context
+    parallelism either is padded to a multiple of cp x tp (``shard_multiple``). Encoder
+    inputs that an encoder reads on the host (``families.base.HOST_INPUTS``) stay there.
 
     ``shared``: per encoder module serving several modalities (``model.shared_placeholders``),
     ``{modality: its placeholder token id}``, its encoder's own modality first. That module
@@ -64,10 +68,14 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     if ids is not None:
         batch = {**batch, "input_ids": ids}
     packing = batch.get("packing_kwargs")
-    length = kept_length(batch)
-    inputs = {key: value[..., :length].to(device, non_blocking=True)
-              for key, value in batch.items()       # the [(3,) B, seq_length] tensors
-              if isinstance(value, torch.Tensor) and key != "attention_mask"}
+    multiple = shard_multiple(infra)
+    length = kept_length(batch, multiple)
+    columns = {key: value[..., :length] for key, value in batch.items()
+               if isinstance(value, torch.Tensor) and key != "attention_mask"}
+    if multiple > 1:
+        columns, packing = _padded(columns, packing, multiple)
+    inputs = {key: value.to(device, non_blocking=True)       # the [(3,) B, length] tensors
+              for key, value in columns.items()}
     # Padding is on the right and never trained, so the causal mask alone is right for every
     # real token; megatron-core's non-colocated path would read a dense mask as True = masked.
     inputs["attention_mask"] = None
@@ -93,14 +101,44 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     return inputs
 
 
-def kept_length(batch: dict) -> int | None:
+def kept_length(batch: dict, multiple: int = 1) -> int | None:
     """The columns ``model_inputs`` keeps of a padded batch: its longest sample's, rounded up
-    to ``LENGTH_MULTIPLE`` (None: all, a packed batch)."""
+    to ``LENGTH_MULTIPLE`` and ``multiple`` (None: all, a packed batch)."""
     real = batch.get("attention_mask")
     if real is None or batch.get("packing_kwargs") is not None:
         return None
     longest = int(real.sum(1).max())
-    return min(real.size(1), -(-longest // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+    step = math.lcm(LENGTH_MULTIPLE, multiple)
+    return min(real.size(1), -(-longest // step) * step)
+
+
+def shard_multiple(infra: Infra) -> int:
+    """What the language model's sequence must be a multiple of: cp x tp under context
+    parallelism (each CP rank a contiguous part, sequence parallelism's TP parts of it), else 1
+    (no padding added)."""
+    language = infra.layout.language
+    return language.cp * language.tp if language.cp > 1 else 1
+
+
+def _padded(columns: dict, packing: dict | None, multiple: int) -> tuple[dict, dict | None]:
+    """``columns`` (``[(3,) B, length]``) padded on the right to a multiple of ``multiple``:
+    token 0, untrained (``IGNORE_INDEX``, loss mask 0), position 0. A packed row's padding joins
+    its last sample (after it: no real token attends to it), which its ``cu_seqlens`` and
+    ``max_seqlen`` say."""
+    length = next(iter(columns.values())).size(-1)
+    pad = -length % multiple
+    if not pad:
+        return columns, packing
+    columns = {key: F.pad(value, (0, pad), value=IGNORE_INDEX if key == "labels" else 0)
+               for key, value in columns.items()}
+    if packing is not None:
+        bounds = packing["cu_seqlens_q"].clone()
+        bounds[-1] += pad
+        last = int(bounds[-1] - bounds[-2])
+        packing = {**packing, "cu_seqlens_q": bounds, "cu_seqlens_kv": bounds.clone(),
+                   "max_seqlen_q": max(packing["max_seqlen_q"], last),
+                   "max_seqlen_kv": max(packing["max_seqlen_kv"], last)}
+    return columns, packing
 
 
 def _shared_placeholders(ids: torch.Tensor, tokens: list[int]
@@ -142,7 +180,8 @@ class ForwardStep:
             if batch is not None else \
             {"input_ids": None}
         if self.balance is not None:          # the routers' real rows (a pack has no padding)
-            length = kept_length(batch) if batch is not None else None
+            length = kept_length(batch, shard_multiple(self.infra)) \
+                if batch is not None else None
             self.balance.tokens = None if length is None else \
                 batch["attention_mask"][:, :length]
         timer = Timer(self.device)
