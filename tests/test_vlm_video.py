@@ -11,7 +11,8 @@
 - end to end (shards of video, image + video, two-video and text-only conversations from the
   corpus clips), the logits of the model mimo builds from each checkpoint equal transformers'
   own class (fp32, 1e-4), colocated; the non-colocated step (the tower on its own rank, its
-  rows through the bridge) gives the colocated step's loss and gradients;
+  rows through the bridge) gives the colocated step's loss and gradients, and so does
+  Qwen2.5-VL's language model under context parallelism (cp2 padded, cp4 packed);
 - what the checkpoint does not take is refused: another video token, wrap or time scaling, a
   module serving video whose encoder cannot encode it, a tower cut into other patches.
 """
@@ -379,6 +380,24 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
     apart = layout_step(ranks, run_data["tmp"], "non-colocated", 2,
                         "image=dp1,video;language=dp1", 2, run_data["common"], init)
     compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
+
+
+@pytest.mark.parametrize("language, nproc, how", [("cp2", 3, "data.packing=false"),
+                                                  ("cp4", 5, "data.packing=true")])
+def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
+                                                   nproc, how):
+    """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
+    model's sequence over two context-parallel ranks (the four conversations padded) and over
+    four (packed into one row: the shard edges fall inside samples), the tower (images and
+    videos) on its own rank: the colocated step's loss and every gradient, the tower's
+    included (its rows' gradient summed over the context-parallel ranks)."""
+    if run_data["name"] != "qwen2.5-vl":
+        return
+    reference, init = colocated_step
+    sharded = layout_step(ranks, run_data["tmp"], language, nproc,
+                          f"image=dp1,video;language={language}", SAMPLES,
+                          [*run_data["common"], how], init)
+    compare(reference, sharded, f"image+video dp1 -> language {language}, {how}")
 
 
 def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
