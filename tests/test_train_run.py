@@ -441,22 +441,27 @@ MEMORY = {
              "model.language.recompute=selective",
              "optimizer.modules={language: {distributed: true, overlap_grad_reduce: true}}"],
             "memory: image: -; audio: -; language: distributed optimizer, recompute "
-            "selective, sequence parallel, overlapped grad reduce)")}
+            "selective, sequence parallel, overlapped grad reduce)"),
+    # context parallelism: packed rows cut over two ranks (the optimizer's state sharded over
+    # dp x cp)
+    "cp2": (["optimizer.modules={language: {distributed: true}}"],
+            "memory: image: -; audio: -; language: distributed optimizer)")}
 
 
-@pytest.mark.parametrize("language", ["dp2", "tp2"])
+@pytest.mark.parametrize("language", ["dp2", "tp2", "cp2"])
 def test_resume_under_another_language_layout(ranks, setup, language):
     """Saved under image dp1 + audio dp1 + language dp1, resumed with the language model over
-    two data-parallel or two tensor-parallel ranks: the same samples and losses. The resumed
+    two data-parallel, two tensor-parallel or two context-parallel ranks: the same samples and
+    losses. The resumed
     runs also change the memory settings (``MEMORY``: the distributed optimizer, the language
     model's and the image tower's recomputation, sequence parallelism, the overlapped
-    reduction), which the start-up line shows. The dp2 run also stops at step 5
-    (``train.exit_interval``), checkpointing there with the distributed optimizer's state, which
-    the plain run under the first layout resumes for step 6."""
+    reduction), which the start-up line shows. The dp2 and cp2 runs also stop at step 5
+    (``train.exit_interval``), checkpointing there with the distributed optimizer's state
+    (sharded over dp x cp), which the plain run under the first layout resumes for step 6."""
     tmp, common, full = setup
     root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
     layout = f"layout=image=dp1;audio=dp1;language={language}"
-    stop = ["train.exit_interval=5"] if language == "dp2" else []
+    stop = ["train.exit_interval=5"] if language in ("dp2", "cp2") else []
     overrides, line = MEMORY[language]
     job = train_job(ranks, tmp, f"resumed-{language}", CONFIG, f"checkpoint.dir={root}", *common,
                     layout, *stop, *overrides, nproc=4).check()
