@@ -12,7 +12,8 @@
   corpus clips), the logits of the model mimo builds from each checkpoint equal transformers'
   own class (fp32, 1e-4), colocated; the non-colocated step (the tower on its own rank, its
   rows through the bridge) gives the colocated step's loss and gradients, and so does
-  Qwen2.5-VL's language model under context parallelism (cp2 padded, cp4 packed);
+  Qwen2.5-VL's language model under context parallelism (cp2 padded, cp4 packed, with pp2,
+  with tp2 and sequence parallelism);
 - what the checkpoint does not take is refused: another video token, wrap or time scaling, a
   module serving video whose encoder cannot encode it, a tower cut into other patches.
 """
@@ -382,15 +383,18 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
     compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
 
 
-@pytest.mark.parametrize("language, nproc, how", [("cp2", 3, "data.packing=false"),
-                                                  ("cp4", 5, "data.packing=true")])
+@pytest.mark.parametrize("language, nproc, how", [
+    ("cp2", 3, "data.packing=false"), ("cp4", 5, "data.packing=true"),
+    ("pp2,cp2", 5, "data.packing=true"), ("tp2,cp2", 5, "model.language.sequence_parallel=true")])
 def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
                                                    nproc, how):
     """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
-    model's sequence over two context-parallel ranks (the four conversations padded) and over
-    four (packed into one row: the shard edges fall inside samples), the tower (images and
-    videos) on its own rank: the colocated step's loss and every gradient, the tower's
-    included (its rows' gradient summed over the context-parallel ranks)."""
+    model's sequence over two context-parallel ranks (the four conversations padded), over
+    four (packed into one row: the shard edges fall inside samples), over two in each of two
+    pipeline stages (packed), and over two in each of two tensor-parallel groups with sequence
+    parallelism (padded: each rank a quarter of the sequence between the TP regions), the
+    tower (images and videos) on its own rank: the colocated step's loss and every gradient,
+    the tower's included (its rows' gradient summed over the context-parallel ranks)."""
     if run_data["name"] != "qwen2.5-vl":
         return
     reference, init = colocated_step
