@@ -383,6 +383,26 @@ def test_every_patch_is_tested():
         assert set(gdn_patches.APPLIED) == set(gdn_patches.PATCHES)     # the CPU needs it
 
 
+def test_patch_contiguous_cut():
+    """Under context parallelism megatron-core's layer takes its tokens in Transformer Engine's
+    load-balanced order: its all-to-alls undo and redo that order, its packed-row permutation
+    moves the tokens; under mimo's contiguous cut each would shuffle the sequence. With the
+    patch the tokens keep their order through all three (the layer at cp2 against the
+    colocated step, loss and every gradient: tests/test_qwen3_5.py)."""
+    from megatron.core.ssm.gated_delta_net import common, gdn
+    from megatron.core.ssm.mamba_context_parallel import _undo_attention_load_balancing
+    tokens = torch.arange(16)
+    cu = torch.tensor([0, 8, 16])
+    moved, _ = common._build_thd_cp_a2a_perm(cu, 2, 16)            # megatron-core's own
+    assert not torch.equal(moved, tokens)
+    assert not torch.equal(_undo_attention_load_balancing(
+        tokens[:, None, None].float(), 2).flatten(), tokens.float())
+    kept, back = gdn._build_thd_cp_a2a_perm(cu, 2, 16)              # patched
+    assert torch.equal(kept, tokens) and torch.equal(back, tokens)
+    assert gdn.tensor_a2a_cp2hp.keywords == {"undo_attention_load_balancing": False}
+    assert common.tensor_a2a_hp2cp.keywords == {"redo_attention_load_balancing": False}
+
+
 def test_patch_kernels(world, reference, monkeypatch):
     """Without fla, megatron-core's layer cannot be built (its fla check, then its kernel
     ``gated_delta_rule`` unset), nor run (no convolution, no l2norm); with the patch it is

@@ -19,6 +19,8 @@ turns, text only, a video, an image and a video.
   layer on the second; packed, the distributed optimizer, full recompute; the MoE's experts
   over ep2), give the colocated step: loss and every
   gradient (the fan-in to 2e-4, as fp32 sums in another order give; the others to 1e-5);
+- the language model's sequence cut over two context-parallel ranks (packed; the tower at dp2
+  fanning in) gives the colocated step, the delta-net layers all-to-all over their heads;
 - import then export gives every weight of the checkpoint back bit for bit, the
   multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
   ``generate`` on the export, from its own processor's tokens and pixels, equals
@@ -169,6 +171,29 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
                     else []), *run["common"])
     _assert_loss(fan_in, reference, f"image dp2 -> language {language}, {how}")
     compare(colocated, fan_in, f"image dp2 -> language {language}, {how}", GRADIENT_TOLERANCE)
+
+
+def test_context_parallel_is_the_colocated_step(ranks, run, colocated, reference):
+    """The tower's module at dp2 fanning in to the language model's sequence cut over two
+    context-parallel ranks, the four samples packed in one row (their boundaries across the
+    cut): transformers' loss and every gradient the colocated step has. The delta-net layers
+    and the gated attention each run between all-to-alls over their heads (each rank the whole
+    row of one of the two key heads, its convolution channels, ``A_log`` and ``dt_bias``);
+    the recurrent state and the convolution window still restart at each sample. The mixture
+    of experts is refused under context parallelism with the reason."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.plan import resolve
+    layout = "layout=image=dp2,video;language=cp2"
+    if run["name"] != "4B":
+        with pytest.raises(TrainConfigError, match="mixture-of-experts layers are not checked"):
+            resolve(TrainConfig.load(None, [*run["common"], layout]))
+        return
+    sharded = step(ranks, run["tmp"] / "cp2", 4, layout,
+                   f"train.micro_batch_size={SAMPLES}", "data.packing=true",
+                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+    _assert_loss(sharded, reference, "image dp2 -> language cp2, packed")
+    compare(colocated, sharded, "image dp2 -> language cp2, packed", GRADIENT_TOLERANCE)
 
 
 def test_fan_out_to_two_pipeline_stages_gives_the_colocated_step(ranks, run, colocated):

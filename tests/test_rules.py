@@ -65,8 +65,8 @@ CASES = {
         "qwen2-vl", "image=dp1,video;language=cp8", (),
         "language cp8 splits each tensor-parallel rank's 4 attention heads"),
     "language_context_parallel_linear_attention": Case(
-        "qwen3.5", "image=dp1,video;language=cp2", (),
-        "gated delta-net layers do not run under context parallelism yet"),
+        "qwen3.5", "image=dp1,video;language=cp4", (),
+        "language cp4 splits each tensor-parallel rank's 2 gated delta-net key heads"),
     "language_context_parallel_experts": Case(
         "qwen3-vl-moe", "image=dp1,video;language=cp2", (),
         "mixture-of-experts layers are not checked under context parallelism yet"),

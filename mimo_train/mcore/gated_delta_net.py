@@ -3,7 +3,7 @@ sample when sequences are packed.
 
 megatron-core 0.19.2's ``megatron.core.ssm.gated_delta_net.GatedDeltaNet`` (tensor-parallel
 heads, sharded checkpoints, one fused ``in_proj``) is built on flash-linear-attention (fla,
-Triton: GPU only). One patch of its modules (``PATCHES``, with what fails without it;
+Triton: GPU only). Two patches of its modules (``PATCHES``, with what fails without each;
 tests/test_gated_delta_net.py shows the failure and the layer's results with it), applied at
 this module's import, which ``mimo_train.mcore`` makes, so every layer built through the gateway
 is served:
@@ -20,6 +20,12 @@ forward's calls read those globals, so a subclass would have to copy both (about
 megatron-core). megatron-core's ``deterministic_mode`` torch path is left alone: it runs a
 packed row as one sequence and refuses packed input; mimo never sets it (the kernels here are
 deterministic).
+
+- ``contiguous_cut``: megatron-core's layer runs under context parallelism with all-to-alls
+  over its heads (its own ``tensor_a2a_cp2hp`` / ``hp2cp``: each rank the whole sequence of its
+  share of the heads, the convolution's and ``A_log``'s slices of them), but takes the tokens in
+  Transformer Engine's load-balanced order; mimo's cut (``mcore.context_parallel``) is
+  contiguous, so the reorderings are left out (they only run at cp > 1).
 
 ``GatedDeltaNet`` below is megatron-core's layer with one change for mimo's packed rows: mimo's
 language model hands a packed row to its layers as one sbhd sequence (``mcore.attention``:
@@ -40,6 +46,7 @@ layers keep attention inside each sample from the same ``cu_seqlens`` (``mcore.a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -72,6 +79,24 @@ def _give_kernels() -> None:
                 setattr(module, name, value)
 
 
+# megatron-core's all-to-alls, as they are before ``_contiguous_cut`` binds their arguments
+_CP_TO_HEADS, _HEADS_TO_CP = common.tensor_a2a_cp2hp, common.tensor_a2a_hp2cp
+
+
+def _same_order(cu_seqlens: torch.Tensor, cp_size: int, t_global: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_build_thd_cp_a2a_perm``'s place: the tokens stay in their order (the identity)."""
+    order = torch.arange(t_global, device=cu_seqlens.device)
+    return order, order
+
+
+def _contiguous_cut() -> None:
+    gdn.tensor_a2a_cp2hp = functools.partial(_CP_TO_HEADS, undo_attention_load_balancing=False)
+    common.tensor_a2a_hp2cp = functools.partial(_HEADS_TO_CP,
+                                                redo_attention_load_balancing=False)
+    gdn._build_thd_cp_a2a_perm = _same_order
+
+
 PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
     Patch("kernels",
           "common.py:141 _GDNBase.__init__: ImportError: FLA is not installed; past it, "
@@ -81,6 +106,14 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "'NoneType' object is not callable); with fla but no CUDA, fla's Triton kernels get "
           "CPU tensors",
           lambda: not common.HAVE_FLA or not torch.cuda.is_available(), _give_kernels),
+    Patch("contiguous_cut",
+          "under context parallelism the layer takes its tokens as Transformer Engine's "
+          "load-balanced cut (two chunks per rank, 2·cp per sequence): gdn.py:162 "
+          "tensor_a2a_cp2hp undoes it, common.py:363 tensor_a2a_hp2cp redoes it, gdn.py:157 "
+          "_build_thd_cp_a2a_perm reorders a packed row by it; mimo's cut is contiguous "
+          "(mcore.context_parallel), so those steps put the tokens out of order (the "
+          "convolution and the recurrence run over a shuffled sequence: a wrong loss, no error)",
+          lambda: True, _contiguous_cut),
 )}
 
 
@@ -148,6 +181,14 @@ class GatedDeltaNet(gdn.GatedDeltaNet):
                 max_seqlen_kv=packed_seq_params.max_seqlen_kv)
         return super().forward(hidden_states, attention_mask, inference_context,
                                packed_seq_params, sequence_len_offset, **kwargs)
+
+    def _resolve_cu_seqlens(self, cu_seqlens_padded, cu_seqlens_actual, total_seq_len, name,
+                            cp_size: int = 1) -> torch.Tensor:
+        """megatron-core's, without its demand that cp divide every sample's length (its
+        load-balanced cut's): under mimo's contiguous cut the all-to-all gives each rank the
+        whole row of its heads, whatever the samples' lengths."""
+        return super()._resolve_cu_seqlens(cu_seqlens_padded, cu_seqlens_actual, total_seq_len,
+                                           name, cp_size=1)
 
 
 # megatron-core's ``GatedDeltaNet.sharded_state_dict`` saves these weights split into sections

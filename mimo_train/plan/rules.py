@@ -124,11 +124,13 @@ def language_context_parallel_heads(facts: Facts, layout: Layout, settings: Sett
 @rule
 def language_context_parallel_linear_attention(facts: Facts, layout: Layout,
                                                settings: Settings) -> str | None:
-    cp = layout.language.cp
-    if cp > 1 and facts.linear_heads is not None:
-        return (f"language cp{cp}: the language model's gated delta-net layers do not run "
-                "under context parallelism yet (their convolution and recurrence would need the "
-                "all-to-all over heads too); use cp1")
+    cp, tp = layout.language.cp, layout.language.tp
+    for what, count in zip(("key", "value"), facts.linear_heads or ()):
+        if cp > 1 and (count // tp) % cp:
+            return (f"language cp{cp} splits each tensor-parallel rank's {count // tp} gated "
+                    f"delta-net {what} heads (the model's {count} over tp{tp}) over its "
+                    "context-parallel ranks (all-to-all over heads): make cp divide "
+                    f"{count // tp}")
     return None
 
 
