@@ -1011,3 +1011,115 @@ def test_the_advisor_lays_out_experts_of_a_mixture_only(qwen3_vl_moe, qwen3_5):
                            list(preprocessing.modalities)) for name in ("27B", "35B-A3B")}
     assert found["27B"] and not any(x.language.expert_fields for x in found["27B"])
     assert any(x.language.ep > 1 for x in found["35B-A3B"])
+
+
+# ------------------------------------------------------------------ context parallelism
+
+def test_context_parallel_memory_and_traffic_by_hand():
+    """cp2 keeps half the language activations (the scores' and the logits' too) and the
+    same weights and gradients; the distributed optimizer shards over dp x cp; one layer's
+    all-to-all bytes."""
+    from mimo_train.planning.advisor.cost import context_traffic
+    bf16 = mem.Settings("bf16", attention_scores=True)
+    lengths = [100, 60]
+    one = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1)
+    two = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1, cp=2)
+    assert two == pytest.approx(one / 2) and two < one
+    assert mem.language_temporary_bytes(STACK, 160, bf16, tp=2, cp=2) == pytest.approx(
+        128 * 64 / 2 * 2 + 2 * 80 * 128 / 2 * 4)     # the output's weight gradient, 80 tokens
+    dist = mem.Settings("bf16", distributed_optimizer=True)
+    cp1 = mem.language_state_bytes(STACK, dist, tp=2, dp=2)
+    cp2 = mem.language_state_bytes(STACK, dist, tp=2, dp=2 * 2)     # dp2 x cp2
+    assert (cp2.weights, cp2.gradients) == (cp1.weights, cp1.gradients)
+    assert cp2.optimizer == pytest.approx(cp1.optimizer / 2)
+    # 100 positions at tp1 cp2 in bf16: each rank's 50, heads 4 x 16 channels; q, out and k,
+    # v (4 groups), forward and backward, half of each to the other rank:
+    # 2 x (2 x 4 + 2 x 4) x 16 x 50 x 1/2 x 2 bytes = 25600
+    assert context_traffic(STACK, 100, 2, tp=1, cp=2) == 25600
+    assert context_traffic(STACK, 100, 2, tp=1, cp=1) == 0
+    # GQA: 2 groups over cp4 are repeated to 4 (a multiple of 4 dividing the 4 heads)
+    gqa = Stack(layers=2, hidden=64, heads=4, query_groups=2, kv_channels=16, ffn_hidden=256,
+                gated=False, vocab=128)
+    assert context_traffic(gqa, 100, 2, cp=4) == 2 * (8 + 8) * 16 * 25 * 3 / 4 * 2
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_2b(tmp_path_factory) -> dict:
+    """Qwen2-VL-2B-Instruct's published config.json (tools/published: 28 layers of 1536, 12
+    heads in 2 query groups: tp2 at most) with the family's preprocessing (the replica's)."""
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.planning.advisor import read_model
+    tmp = tmp_path_factory.mktemp("qwen2_vl_2b")
+    preprocess = tmp / "preprocess.yaml"
+    preprocess.write_text(yaml.safe_dump(
+        preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))))
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    checkpoint = REPO / "tools" / "published" / "Qwen--Qwen2-VL-2B-Instruct"
+    model = read_model(str(checkpoint), str(preprocess), config, QWEN3_5_MODALITIES, "bf16")
+    return {"model": model, "preprocess": preprocess, "checkpoint": checkpoint,
+            "variable": variable_token_modalities(config), "expanded": list(config.modalities)}
+
+
+def _long_advice(qwen2_vl_2b, tokens: int, batch: int, fewer: bool) -> list[Layout]:
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_train.planning.advisor import run_advisor
+    workload = {"global_batch_size": batch, "micro_batch_size": 1, "seq_length": tokens,
+                "packing": False, "epochs": 1, "vocab_size": 151_700,
+                "modalities": QWEN3_5_MODALITIES,
+                "steps": [[{"tokens": tokens, "items": {"image": [16]},
+                            "grids": {"image": [[1, 4, 4]]}}] * batch]}
+    request = AdvisorRequest(str(qwen2_vl_2b["checkpoint"]), str(qwen2_vl_2b["preprocess"]),
+                             8, gpu="h100", top=100, fewer_gpus=fewer)
+    report = run_advisor(qwen2_vl_2b["model"], workload, request, qwen2_vl_2b["variable"],
+                         qwen2_vl_2b["expanded"])
+    return [Layout.parse(r["layout_full"]) for r in report["ranked"]]
+
+
+def test_the_advisor_takes_context_parallelism_for_a_long_sequence_only(qwen2_vl_2b):
+    """Qwen2-VL-2B on 8 H100s: one sample of 65536 tokens fits no layout at cp1 (its
+    logits alone, ÷ tp2 at most, are 28 GiB, their temporaries 37 more), and some at cp>1
+    (the tower on a rank of its own, fewer GPUs allowed); 8 samples of 2048 tokens rank a cp1
+    layout first, faster than any with cp."""
+    long = _long_advice(qwen2_vl_2b, 65536, 1, True)
+    assert long and all(layout.language.cp > 1 for layout in long), long
+    for layout in long:                         # cp divides each TP rank's heads
+        assert (12 // layout.language.tp) % layout.language.cp == 0
+    short = _long_advice(qwen2_vl_2b, 2048, 8, False)
+    assert short and short[0].language.cp == 1, short
+
+
+def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
+    """``--clip-seconds 60 --fps 2 --clip-size 448x448``: 120 frames, in temporal patches of
+    2, each (448 / patch / 2)² tokens (no resize: 448 is a multiple of patch x merge, within
+    the pixel bounds); the sample adds the chat template, the wraps and (Qwen3-VL) a timestamp
+    text per temporal patch. The command prints the clip and ranks layouts for it."""
+    from mimo_data.inspect.clip import clip_workload
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.inspect_cli import main
+    for name, patch, per_patch_text in (("Qwen--Qwen2-VL-2B-Instruct", 14, 0),
+                                        ("Qwen--Qwen3-VL-2B-Instruct", 16, 2)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(preprocessing_for(str(MODELS / "published" / name))))
+        config = PreprocessConfig.from_yaml(str(path))
+        work = clip_workload(config, 60, 2, (448, 448))
+        temporal = 60 * 2 // 2
+        video = temporal * (448 // patch // 2) ** 2
+        sample = work["steps"][0][0]
+        assert sample["items"] == {"video": [video]}
+        assert work["clip"]["grid"] == [temporal, 448 // patch // 2, 448 // patch // 2]
+        # the wraps (2 a temporal patch with timestamps, else 2) and a timestamp text of a
+        # few tokens a patch, the template and prompt under 64
+        low = video + 2 + per_patch_text * temporal
+        assert low <= sample["tokens"] <= low + 8 * per_patch_text * temporal + 64
+        assert work["seq_length"] == sample["tokens"] and work["global_batch_size"] == 1
+    code, out, err = _run(capsys, main, "plan", "--config", path, "--model",
+                          MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct", "--gpus", 2,
+                          "--clip-seconds", 60, "--fps", 2, "--clip-size", "448x448")
+    assert code == 0, err
+    assert f"= {video} video tokens" in out and "layouts" in out and "on 1 to 2 GPUs" in out
+    code, out, err = _run(capsys, main, "plan", "DIR", "--config", path, "--model", path,
+                          "--gpus", 2, "--clip-seconds", 60)
+    assert code == 2 and "drop DIR" in err

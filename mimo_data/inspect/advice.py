@@ -29,6 +29,7 @@ class AdvisorRequest:
     layout: str | None = None             # yours: ranked too, or said why not
     packing: bool = False                 # --packing (a training YAML's data.packing wins)
     json: bool = False
+    fewer_gpus: bool = False              # also layouts on fewer than gpus (the rest idle)
 
     @classmethod
     def from_args(cls, args) -> AdvisorRequest:
@@ -36,4 +37,5 @@ class AdvisorRequest:
         return cls(args.model, args.config, args.gpus, args.gpu, args.gpu_memory_gib,
                    args.gpu_tflops, args.gpus_per_node, args.mfu, args.precision,
                    args.distributed_optimizer, args.recompute, not args.no_sequence_parallel,
-                   args.top, args.layout, args.packing, args.json)
+                   args.top, args.layout, args.packing, args.json,
+                   args.fewer_gpus or args.clip_seconds is not None)

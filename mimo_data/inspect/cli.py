@@ -7,6 +7,8 @@
     mimo-inspect plan   DIR --config CFG --model MODEL --gpus N --global-batch-size B
                         --micro-batch-size M [--gpu h100|h200|a100] [--json] ...
                         (the layout advisor: needs mimo_train, see docs/inspect.md)
+    mimo-inspect plan   --config CFG --model MODEL --gpus N --clip-seconds S [--fps F]
+                        [--clip-size WxH] ...  (the advisor on one clip, no dataset)
 
 Everything runs the training code path (the metadata-only preprocessor) without decoding
 media, except the HTML gallery's thumbnails and spectrograms.
@@ -63,9 +65,23 @@ def _utilisation(text: str) -> float:
     return value
 
 
-def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("directory", metavar="DIR",
-                        help="dataset (directory or URL) built by mimo-shard build")
+def _size(text: str) -> tuple[int, int]:
+    """An argparse type: ``WIDTHxHEIGHT`` in pixels, each > 0."""
+    try:
+        width, height = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text} is not WIDTHxHEIGHT (e.g. 1280x720)") from None
+    if width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"{text}: each side must be > 0")
+    return width, height
+
+
+def _common(parser: argparse.ArgumentParser, directory_help: str | None = None) -> None:
+    """The options every command takes (``directory_help``: the dataset is optional, so
+    said)."""
+    parser.add_argument("directory", metavar="DIR", nargs="?" if directory_help else None,
+                        help=directory_help or "dataset (directory or URL) built by "
+                        "mimo-shard build")
     parser.add_argument("--config", required=True, metavar="CFG",
                         help="preprocessing config YAML (the one training uses)")
     parser.add_argument("--no-token-cache", action="store_true",
@@ -125,15 +141,18 @@ def _parser() -> argparse.ArgumentParser:
                         "trained (default 0: not checked)")
 
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
-    _common(p)
+    _common(p, "dataset (directory or URL) built by mimo-shard build (not with --clip-seconds, "
+            "whose one clip is the workload)")
     p.add_argument("--layout", metavar="L",
                    help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
                    "(required without --gpus; with it, this layout is ranked too, or the "
                    "report says why not: another number of GPUs, or its check's error)")
-    p.add_argument("--global-batch-size", type=int, required=True, metavar="B",
-                   help="samples per optimizer step, over all data-parallel ranks")
-    p.add_argument("--micro-batch-size", type=int, required=True, metavar="M",
-                   help="samples per forward pass on one rank")
+    p.add_argument("--global-batch-size", type=_positive(int), metavar="B",
+                   help="samples per optimizer step, over all data-parallel ranks (required "
+                   "with DIR; with --clip-seconds default 1)")
+    p.add_argument("--micro-batch-size", type=_positive(int), metavar="M",
+                   help="samples per forward pass on one rank (required with DIR; with "
+                   "--clip-seconds default 1)")
     p.add_argument("--seed", type=int, default=0, help="sample-order seed (default 0)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
     p.add_argument("--balance", choices=("none", "tokens"), default="none",
@@ -187,6 +206,20 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    help="layouts shown with their reasons (default 5)")
     a.add_argument("--steps", type=_count, default=8, metavar="S",
                    help="global steps of the dataset read for the per-step work (default 8)")
+    a.add_argument("--fewer-gpus", action="store_true",
+                   help="also rank layouts on fewer than N GPUs, the others idle (on with "
+                   "--clip-seconds: one clip's tower rank and a language model of tp x cp "
+                   "ranks seldom add up to N)")
+    a.add_argument("--clip-seconds", type=_positive(float), metavar="S",
+                   help="no dataset: the work is samples of one clip of S seconds and a short "
+                   "prompt (mimo_data/inspect/clip.py), every frame at --fps sampled, sized "
+                   "by the preprocessing config's modalities.video")
+    a.add_argument("--fps", type=_positive(float), metavar="F",
+                   help="with --clip-seconds: frames a second the encoder sees (default: the "
+                   "config's modalities.video.fps)")
+    a.add_argument("--clip-size", type=_size, metavar="WxH",
+                   help="with --clip-seconds: the clip's frame size before the processor's "
+                   "resize (default 1280x720)")
 
 
 def _sample(args, config) -> int:
@@ -274,7 +307,21 @@ def _plan(args, config, advisor=None) -> int:
     except ImportError as exc:
         print(f"mimo-inspect plan: not available in this installation ({exc})", file=sys.stderr)
         return 2
-    if args.gpus is None and args.model is None:
+    clip = args.clip_seconds is not None
+    if not clip and (args.fps is not None or args.clip_size is not None):
+        print("mimo-inspect plan: error: --fps and --clip-size go with --clip-seconds",
+              file=sys.stderr)
+        return 2
+    if clip and args.directory is not None:
+        print(f"mimo-inspect plan: error: --clip-seconds makes the work one clip: drop DIR "
+              f"({args.directory})", file=sys.stderr)
+        return 2
+    if not clip and (args.directory is None or args.global_batch_size is None or
+                     args.micro_batch_size is None):
+        print("mimo-inspect plan: error: give DIR, --global-batch-size and --micro-batch-size "
+              "(or --clip-seconds S for one clip, with --model M --gpus N)", file=sys.stderr)
+        return 2
+    if args.gpus is None and args.model is None and not clip:
         if args.layout is None:
             print("mimo-inspect plan: error: give --layout L (or --model M --gpus N for the "
                   "layout advisor)", file=sys.stderr)
@@ -290,6 +337,13 @@ def _plan(args, config, advisor=None) -> int:
               "(N >= 1)", file=sys.stderr)
         return 2
     from mimo_data.inspect.advice import AdvisorRequest
+    if clip:
+        from mimo_data.inspect.clip import CLIP_SIZE, clip_workload
+        video = config.modalities.get("video")
+        fps = args.fps if args.fps is not None else video.fps if video is not None else 1.0
+        work = clip_workload(config, args.clip_seconds, fps, args.clip_size or CLIP_SIZE,
+                             args.global_batch_size or 1, args.micro_batch_size or 1)
+        return advisor(AdvisorRequest.from_args(args), config, work)
     from mimo_data.inspect.workload import workload
     from mimo_data.loading.layout import Layout
     from mimo_data.loading.loader import DataSource

@@ -116,6 +116,14 @@ the run's precision, V·h ÷ TP · (4 + w), whichever is larger. A micro-batch o
 (T <= C) makes its weight gradient in the run's precision, V·h ÷ TP · w, beside the chunk's
 logits, as unchunked. ``tools/bench_loss.py`` measures both on the CPU.
 
+Context parallelism (the language module's ``cp``, ``mcore.context_parallel``): each of the
+cp ranks of a DP replica holds a contiguous 1/cp of every micro-batch's sequence, and attention
+runs between all-to-alls over heads (the whole sequence, heads / (tp x cp) of them): every
+activation term above, the scores' (heads ÷ cp of Σ s²) and the logits' included, and the
+output layer's logits temporaries, ÷ cp. Weights and gradients are not divided: every CP rank
+holds its TP / PP share whole; the distributed optimizer shards the state over megatron-core's
+dp x cp group (``state_bytes``' ``dp`` is then dp x cp).
+
 In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
 language model's PP stages follow; or a language model with PP > 1) the stage at position p of
 S holds min(m, S - p) micro-batches (1F1B's warm-up), m micro-batches per step; colocated and
@@ -211,7 +219,8 @@ class Memory:
 def state_bytes(parameters: float, settings: Settings, dp: int = 1,
                 trained: bool = True) -> Memory:
     """Weights, gradients and optimizer state of ``parameters`` on one rank (the module
-    docstring's table); ``dp``: the DP size the distributed optimizer shards over."""
+    docstring's table); ``dp``: the ranks the distributed optimizer shards over (the DP size;
+    the language model's dp x cp under context parallelism)."""
     weights = parameters * settings.width
     if not trained:
         return Memory(weights=weights)
@@ -256,8 +265,9 @@ def language_state_bytes(stack: Stack, settings: Settings, tp: int = 1, pp: int 
                          expert_dp: int | None = None, trained: bool = True) -> Memory:
     """Weights, gradients and optimizer state of pipeline ``stage`` of the language model on
     one rank (``state_bytes``): the distributed optimizer shards the dense weights' state over
-    the ``dp`` ranks and the routed experts' over their ``expert_dp`` ranks (default tp x dp /
-    (etp x ep): megatron-core's expert data parallelism, carved from the same ranks)."""
+    the ``dp`` ranks (dp x cp under context parallelism: megatron-core's dp_cp group) and the
+    routed experts' over their ``expert_dp`` ranks (default tp x dp / (etp x ep):
+    megatron-core's expert data parallelism, carved from the same ranks)."""
     split = tp if etp is None else etp
     experts = language_stage_expert_parameters(stack, pp, stage, ep, split)
     dense = language_stage_parameters(stack, tp, pp, stage, ep, etp) - experts
@@ -346,13 +356,15 @@ def chunked_positions(lengths: Sequence[float]) -> float:
 def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: Settings,
                               tp: int = 1, pp: int = 1, stage: int = 0,
                               in_flight: int = 1, ep: int = 1,
-                              etp: int | None = None) -> float:
-    """A language stage's activations: ``in_flight`` micro-batches of samples of
-    ``lengths`` positions each (packed: the real tokens; padded: the padded length), its
-    layers' (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the logits
-    (one micro-batch: its loss is taken at once), or with the loss in chunks the hidden
-    states' gradient."""
-    tokens, squares = float(sum(lengths)), float(sum(s * s for s in lengths))
+                              etp: int | None = None, cp: int = 1) -> float:
+    """A language stage's activations on one rank: ``in_flight`` micro-batches of samples of
+    ``lengths`` positions each (packed: the real tokens; padded: the padded length; the whole
+    sequences, of which each of the ``cp`` context-parallel ranks keeps 1/cp), its layers'
+    (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the logits (one
+    micro-batch: its loss is taken at once), or with the loss in chunks the hidden states'
+    gradient."""
+    # context parallelism: 1/cp of the positions, and of the heads over the whole sequences
+    tokens, squares = float(sum(lengths)) / cp, float(sum(s * s for s in lengths)) / cp
     sp = settings.sequence_parallel and tp > 1
     layers = stack.stage_layers(pp, stage)
     chunked = chunked_positions(lengths) if stack.linear is not None else None
@@ -365,12 +377,14 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
 
 
 def language_temporary_bytes(stack: Stack, tokens: float, settings: Settings, tp: int = 1,
-                             pp: int = 1, stage: int = 0) -> float:
+                             pp: int = 1, stage: int = 0, cp: int = 1) -> float:
     """A language stage's temporaries at its peak (the module docstring): the output layer's
     (and tied embedding's) weight gradient and two fp32 copies of the logits on the last stage
-    of a micro-batch of ``tokens`` positions, or with the loss in chunks the larger of those
-    weight gradients and the forward pass's (the fp32 sum of the weight gradient and one
-    chunk's logits); the embedding's gradient on a first stage."""
+    of a micro-batch of ``tokens`` positions (1/cp of them on each context-parallel rank), or
+    with the loss in chunks the larger of those weight gradients and the forward pass's (the
+    fp32 sum of the weight gradient and one chunk's logits); the embedding's gradient on a
+    first stage."""
+    tokens /= cp
     rows = stack.vocab * stack.hidden / tp * settings.width
     found = 0.0
     if stage == pp - 1:

@@ -49,15 +49,18 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     device = gpu(request, model.precision)
     work = read_work(model, workload)
     advisor = Advisor(model, work, device, request.mfu if request.mfu is not None else MFU)
-    candidates = layouts(model, request.gpus, workload["modalities"], work.global_batch_size,
-                         work.micro_batch_size, variable, expanded)
+    sizes = range(1, request.gpus + 1) if request.fewer_gpus else [request.gpus]
+    candidates = [layout for size in sizes for layout in layouts(
+        model, size, workload["modalities"], work.global_batch_size, work.micro_batch_size,
+        variable, expanded)]
     yours = Layout.parse(request.layout) if request.layout else None
     not_ranked = None               # why your layout is not ranked, where it cannot be
-    if yours is not None and yours.world_size != request.gpus:
-        not_ranked = f"not ranked: uses {yours.world_size} GPUs, not {request.gpus}"
+    if yours is not None and yours.world_size not in sizes:
+        not_ranked = f"not ranked: uses {yours.world_size} GPUs, not {request.gpus}" + \
+            (" or fewer" if request.fewer_gpus else "")
     elif yours is not None:
         try:
-            yours.validate(request.gpus, work.global_batch_size, work.micro_batch_size,
+            yours.validate(yours.world_size, work.global_batch_size, work.micro_batch_size,
                            variable, modalities=expanded)
         except LayoutError as error:
             not_ranked = f"not ranked: {error}"
@@ -85,7 +88,7 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
                   "parameters": {LANGUAGE: dims.language.parameters(),
                                  **{m: e.parameters() for m, e in dims.encoders.items()}},
                   "trained": model.trained},
-        "gpus": request.gpus,
+        "gpus": request.gpus, "fewer_gpus": request.fewer_gpus,
         "gpu": {"name": device.name, "memory_gib": device.memory_gib,
                 "usable_gib": advisor.usable_bytes / 2**30, "tflops": device.tflops,
                 "mfu": advisor.mfu, "node_gbs": device.node_gbs,
@@ -95,7 +98,8 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
                      "epochs_read": workload.get("epochs", 1),
                      "tokens_per_step": sum(map(sum, work.lengths)) / len(work.lengths),
                      "items_per_step": {m: sum(len(g) for step in work.grids[m] for g in step)
-                                        / len(work.lengths) for m in work.grids}},
+                                        / len(work.lengths) for m in work.grids},
+                     **({"clip": workload["clip"]} if "clip" in workload else {})},
         "candidates": len(results),
         "layouts": len({str(c.layout) for c in tried}),
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),

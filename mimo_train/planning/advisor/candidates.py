@@ -2,11 +2,13 @@
 
 Layouts (each checked with ``Layout.validate``, the loader's and trainer's check):
 
-- colocated: every module on all N ranks, the language model tp x dp (pp 1: megatron-core 0.19
-  runs colocated modules whole), encoders dp N (with variable-token inputs megatron-core's
-  colocated bridge needs the encoder's dp to equal the language model's: tp 1 then);
+- colocated: every module on all N ranks, the language model tp x cp x dp (pp 1:
+  megatron-core 0.19 runs colocated modules whole), encoders dp N (with variable-token inputs
+  megatron-core's colocated bridge needs the encoder's dp to equal the language model's: tp
+  and cp 1 then);
 - non-colocated: each encoder module on its own ranks (dp only: the transformers towers run
-  whole on a rank), the language model tp x pp x dp on the rest, tp a power of two up to 8;
+  whole on a rank), the language model tp x cp x pp x dp on the rest, tp a power of two up to
+  8, cp (context parallelism: each sample's sequence cut over cp ranks) a power of two;
 - a mixture-of-experts language model, each of these also with its experts laid out by
   expert parallelism (``expert_layouts``): ep dividing the experts and tp x dp / etp, each
   expert split over etp = tp or 1 (with ep 1 too: every expert whole on each TP rank).
@@ -34,11 +36,18 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def language_shapes(size: int) -> list[tuple[int, int, int]]:
-    """(tp, pp, dp) of the language model on ``size`` ranks: tp a power of two up to 8 (a
-    TP group stays inside a node); what the model cannot split the rules refuse."""
-    return [(tp, pp, size // (tp * pp)) for tp in (1, 2, 4, 8) if size % tp == 0
-            for pp in _divisors(size // tp)]
+def language_shapes(size: int) -> list[tuple[int, int, int, int]]:
+    """(tp, cp, pp, dp) of the language model on ``size`` ranks: tp a power of two up to 8 (a
+    TP group stays inside a node), cp a power of two (each divides the heads of a Qwen model;
+    a cp the heads do not split, or a model it does not run, the rules refuse); what the model
+    cannot split the rules refuse."""
+    return [(tp, cp, pp, size // (tp * cp * pp)) for tp in (1, 2, 4, 8) if size % tp == 0
+            for cp in _powers_of_two(size // tp) for pp in _divisors(size // (tp * cp))]
+
+
+def _powers_of_two(n: int) -> list[int]:
+    """The powers of two dividing ``n``."""
+    return [1 << k for k in range(n.bit_length()) if n % (1 << k) == 0]
 
 
 def expert_layouts(model: Model, tp: int, dp: int) -> list[dict[str, int]]:
@@ -73,10 +82,11 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
             return
         found.append(layout)
 
-    for tp, pp, dp in language_shapes(gpus):                  # colocated
+    for tp, cp, pp, dp in language_shapes(gpus):              # colocated
         if pp == 1 or not encoders:
             for experts in expert_layouts(model, tp, dp):
-                add({LANGUAGE: {"tp": tp, "pp": pp, "dp": dp, "rank_offset": 0, **experts},
+                add({LANGUAGE: {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "rank_offset": 0,
+                                **experts},
                      **{e: {"dp": gpus, "rank_offset": 0} for e in encoders}})
     if not encoders:
         return found
@@ -93,7 +103,7 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
                     yield [dp, *rest]
 
     for lang_size in range(1, gpus - len(encoders) + 1):
-        for tp, pp, dp in language_shapes(lang_size):
+        for tp, cp, pp, dp in language_shapes(lang_size):
             group = micro_batch_size * dp
             if global_batch_size % group:
                 continue
@@ -104,7 +114,7 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
                     spec[name] = {"dp": edp, "rank_offset": offset}
                     offset += edp
                 for experts in expert_layouts(model, tp, dp):
-                    add({**spec, LANGUAGE: {"tp": tp, "pp": pp, "dp": dp,
+                    add({**spec, LANGUAGE: {"tp": tp, "cp": cp, "pp": pp, "dp": dp,
                                             "rank_offset": offset, **experts}})
     return found
 
@@ -112,7 +122,8 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
 def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: bool = False
                 ) -> list[mem.Settings]:
     """The settings tried on ``layout``, those the trainer's rules (``plan.rules``) refuse
-    left out: the distributed optimizer off and on (where some DP size is over 1), each
+    left out: the distributed optimizer off and on (where some DP size, or the language
+    model's dp x cp, is over 1), each
     recompute the request allows (selective only where the attention kernel keeps the
     scores: with flash, sdpa or varlen kernels it saves nothing), sequence parallel where
     the rules allow it (unless the request turns it off), else without."""
@@ -144,7 +155,7 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
         recompute = tuple(r for r in recompute if r != "selective") or recompute
     distributed = {"both": (False, True), "yes": (True,), "no": (False,)}[
         request.distributed_optimizer]
-    if not any(m.dp > 1 for m in layout.modules):
+    if not any(m.dp * m.cp > 1 for m in layout.modules):      # it shards over dp x cp
         distributed = distributed[:1]
     parallel = (True, False) if request.sequence_parallel else (False,)
     return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,

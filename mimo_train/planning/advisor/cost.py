@@ -17,7 +17,16 @@ all-to-alls (dispatch and combine, forward and backward) of the rank's own route
 expert-parallel group lies in one node, else the network's. Expert parallelism does not
 change a rank's expert FLOPs on average (its E/ep experts get the tokens of ep ranks), but
 the busiest rank gets ``memory.ROUTED_IMBALANCE`` times its share: its routed experts'
-FLOPs, traffic and activations are counted so. Then:
+FLOPs, traffic and activations are counted so. Context parallelism (the language module's
+cp, ``mcore.context_parallel``): each of the cp ranks of a DP replica computes 1/cp of its
+micro-batch's positions (the attention: the whole sequence for 1/cp of the heads), so the
+language model's FLOPs per rank are / (tp x cp x pp), its TP collectives those of 1/cp of
+the positions, and its attention adds 4 all-to-alls a layer forward and 4 backward
+(``context_traffic``: queries, keys, values and the output, each of the rank's positions /
+cp x its heads (key/value groups repeated up to a multiple of cp where fewer) x kv channels x
+w bytes, (cp-1)/cp of it to other ranks), over the node's bandwidth where every CP group lies
+in one node, else the network's; unpadded micro-batches are cut to a multiple of lcm(64, cp x
+tp), as the trainer pads them. Then:
 
 - non-colocated, a pipeline of S = 1 + pp stages (the encoders, then the language stages), m
   global micro-batches per step: T_k(j) the slowest rank of stage k on micro-batch j (the
@@ -32,7 +41,9 @@ FLOPs, traffic and activations are counted so. Then:
   reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; the language model's routed
   experts over their expert dp (tp x dp / (etp x ep)) instead; over the node's bandwidth when
   the module's ranks fit in a node, else the network's; modules on separate ranks reduce at
-  once (the slowest counts), colocated ones one after another.
+  once (the slowest counts), colocated ones one after another. The language model's dense
+  gradients reduce over dp x cp (megatron-core's dp_cp group: each CP rank's gradient is its
+  part of the sequence's).
 
 Idle fraction: 1 - (sum over ranks of busy seconds) / (N x step). Memory: the fullest rank of
 each module (``memory``), colocated ranks summing every module; a candidate fits when it is
@@ -41,6 +52,7 @@ at most the GPU's memory x 0.9 - 1 GiB (CUDA context, NCCL buffers, allocator fr
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mimo_data.loading.layout import LANGUAGE, Layout, ModuleLayout
@@ -72,6 +84,7 @@ class Result:
     fits: bool = True
     all_to_all: float = 0.0              # of the busiest language rank's busy seconds per step:
                                          # the expert dispatcher's all-to-alls
+    context_all_to_all: float = 0.0      # ... and context parallelism's (attention's)
 
 
     @property
@@ -89,10 +102,14 @@ class Advisor:
         self._language_cache: dict = {}
 
     # -- per part ------------------------------------------------------------------------
-    def _positions(self, lengths: list[int]) -> list[int]:
+    def _positions(self, lengths: list[int], multiple: int = 1) -> list[int]:
+        """The positions the trainer computes of samples of ``lengths``: packed, the real
+        tokens; unpacked, each cut to the longest rounded up to lcm(64, ``multiple``) (cp x tp
+        under context parallelism), at most seq_length."""
         if self.work.packing or not lengths:
             return lengths
-        cut = min(self.work.seq_length, -(-max(lengths) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE)
+        step = math.lcm(LENGTH_MULTIPLE, multiple)
+        cut = min(self.work.seq_length, -(-max(lengths) // step) * step)
         return [cut] * len(lengths)
 
     def _parts(self, group: int, parts: int) -> list[list[range]]:
@@ -102,16 +119,18 @@ class Advisor:
         return [[range(j * group + q * size, j * group + (q + 1) * size) for q in range(parts)]
                 for j in range(self.work.global_batch_size // group)]
 
-    def _language(self, step: int, group: int, dp: int) -> list[list[tuple[float, list[int]]]]:
-        """(training FLOPs, positions) of each language DP part of each micro-batch."""
-        key = (step, group, dp)
+    def _language(self, step: int, group: int, dp: int, multiple: int = 1
+                  ) -> list[list[tuple[float, list[int]]]]:
+        """(training FLOPs, positions) of each language DP part of each micro-batch (the
+        whole DP replica's, its cp ranks' together; ``multiple``: ``_positions``')."""
+        key = (step, group, dp, multiple)
         if key not in self._language_cache:
             lengths = self.work.lengths[step]
             passes = self.model.passes.get(LANGUAGE, 3)
             self._language_cache[key] = [
                 [(float(language_flops(self.model.dims.language, self._positions(
-                    [lengths[i] for i in part]), passes)), self._positions(
-                    [lengths[i] for i in part])) for part in parts]
+                    [lengths[i] for i in part], multiple), passes)), self._positions(
+                    [lengths[i] for i in part], multiple)) for part in parts]
                 for parts in self._parts(group, dp)]
         return self._language_cache[key]
 
@@ -131,14 +150,15 @@ class Advisor:
         step_times, busy_totals = [], []
         busy: dict[str, float] = {}
         act: dict[str, float] = {}
-        all_to_all = 0.0
+        all_to_all = context = 0.0
+        multiple = lang.cp * lang.tp if lang.cp > 1 else 1
         for s in range(steps):
-            language = self._language(s, group, lang.dp)        # [j][r]
+            language = self._language(s, group, lang.dp, multiple)        # [j][r]
             lang_t = [[self._language_seconds(f, sum(pos), lang, lang_factor) for f, pos in row]
                       for row in language]
-            exchange = [[self._language_comm(sum(pos), lang)[1] for _, pos in row]
-                        for row in language]
-            all_to_all += max(sum(row[r] for row in exchange) for r in range(lang.dp)) / steps
+            comm = [[self._language_comm(sum(pos), lang) for _, pos in row] for row in language]
+            all_to_all += max(sum(row[r][1] for row in comm) for r in range(lang.dp)) / steps
+            context += max(sum(row[r][2] for row in comm) for r in range(lang.dp)) / steps
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
                 factor = self._recompute_factor(e.name, settings.towers)
@@ -162,15 +182,15 @@ class Advisor:
                 for r in range(lang.dp):
                     kept = [mem.language_activation_bytes(
                         dims.language, row[r][1], settings, lang.tp, lang.pp, stage,
-                        ep=lang.ep, etp=lang.etp) for row in language]
+                        ep=lang.ep, etp=lang.etp, cp=lang.cp) for row in language]
                     act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
                                                     _window(kept, k))
                     act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
                         mem.language_temporary_bytes(dims.language, sum(row[r][1]), settings,
-                                                     lang.tp, lang.pp, stage)
+                                                     lang.tp, lang.pp, stage, lang.cp)
                         for row in language))
             if colocated:
-                per_rank = [[row[rank // lang.tp] + sum(
+                per_rank = [[row[rank // (lang.tp * lang.cp)] + sum(
                     enc_t[e.name][j][rank * e.dp // layout.world_size] for e in layout.encoders)
                     for j, row in enumerate(lang_t)] for rank in range(layout.world_size)]
                 same_dp = all(e.dp == lang.dp for e in layout.encoders)
@@ -203,7 +223,7 @@ class Advisor:
                 total_busy = sum(sum(sum(row) for row in enc_t[e.name]) + syncs[e.name] * e.dp
                                  for e in layout.encoders) + \
                     (sum(sum(row) for row in lang_t) + syncs[LANGUAGE] * lang.dp) * \
-                    lang.tp * lang.pp
+                    lang.tp * lang.cp * lang.pp
             step_times.append(compute + sync)
             busy_totals.append(total_busy)
             for name, seconds in busy_step.items():
@@ -219,7 +239,7 @@ class Advisor:
         usable = self.usable_bytes
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
                       float(model_flops), max(x.total for x in memory.values()) <= usable,
-                      all_to_all)
+                      all_to_all, context)
 
     @property
     def usable_bytes(self) -> float:
@@ -233,23 +253,38 @@ class Advisor:
     def _language_seconds(self, flops: float, positions: float, module: ModuleLayout,
                           factor: float) -> float:
         """Seconds of one language rank on its DP rank's part of a micro-batch (``flops``
-        over ``positions``): its share of the FLOPs, the busiest expert-parallel rank's
-        routed excess, its TP, expert TP and all-to-all traffic."""
+        over ``positions``, the whole replica's): its share of the FLOPs (/ tp x cp x pp),
+        the busiest expert-parallel rank's routed excess, its TP, expert TP, expert and
+        context all-to-all traffic."""
         stack = self.model.dims.language
         excess = (mem.imbalance(module.ep) - 1) * self.model.passes.get(LANGUAGE, 3) * \
             positions * stack.layers * expert_flops_per_token(stack)
-        return (flops + excess) * factor / (module.tp * module.pp) / self.rate + \
+        return (flops + excess) * factor / (module.tp * module.cp * module.pp) / self.rate + \
             sum(self._language_comm(positions, module))
 
-    def _language_comm(self, positions: float, module: ModuleLayout) -> tuple[float, float]:
-        """(TP and expert TP, all-to-all) seconds of one language rank's layers on a
-        micro-batch of ``positions`` (the module docstring)."""
-        tp_bytes, exchange = layer_traffic(self.model.dims.language, positions,
-                                           mem.BYTES[self.model.precision], module.tp,
+    def _language_comm(self, positions: float, module: ModuleLayout
+                       ) -> tuple[float, float, float]:
+        """(TP and expert TP, expert all-to-all, context all-to-all) seconds of one language
+        rank's layers on a micro-batch of ``positions`` (its DP replica's, 1/cp of them
+        this rank's; the module docstring)."""
+        stack, width = self.model.dims.language, mem.BYTES[self.model.precision]
+        tp_bytes, exchange = layer_traffic(stack, positions / module.cp, width, module.tp,
                                            module.ep, module.expert_tp)
-        layers = self.model.dims.language.layers / module.pp
+        heads = context_traffic(stack, positions, width, module.tp, module.cp)
+        layers = stack.layers / module.pp
         return (layers * tp_bytes / (self.device.node_gbs * 1e9),
-                layers * exchange / (self._ep_gbs(module) * 1e9) if exchange else 0.0)
+                layers * exchange / (self._ep_gbs(module) * 1e9) if exchange else 0.0,
+                layers * heads / (self._cp_gbs(module) * 1e9) if heads else 0.0)
+
+    def _cp_gbs(self, module: ModuleLayout) -> float:
+        """The bandwidth of the module's context-parallel groups: a node's when each lies in
+        one node, else the network's (ranks tp apart: the grid's order is tp, cp, dp, pp)."""
+        per_node, tp, cp = self.device.per_node, module.tp, module.cp
+        for base in range(module.rank_offset, module.rank_offset + module.size, tp * cp):
+            for t in range(tp):
+                if len({(base + t + c * tp) // per_node for c in range(cp)}) > 1:
+                    return self.device.network_gbs
+        return self.device.node_gbs
 
     def _ep_gbs(self, module: ModuleLayout) -> float:
         """The bandwidth of the module's expert-parallel groups: a node's when each lies in
@@ -273,7 +308,8 @@ class Advisor:
         experts = self._expert_parameters(name, module, 0)
         bandwidth = self.device.node_gbs if module.size <= self.device.per_node \
             else self.device.network_gbs
-        return (self._reduce(params - experts, module.dp, settings) +
+        dense = module.dp * (module.cp if name == LANGUAGE else 1)       # dp_cp
+        return (self._reduce(params - experts, dense, settings) +
                 self._reduce(experts, module.expert_dp, settings)) / (bandwidth * 1e9)
 
     @staticmethod
@@ -307,10 +343,11 @@ class Advisor:
 
     def _state(self, name: str, module, stage: int, settings: mem.Settings) -> mem.Memory:
         if name == LANGUAGE:
-            # the distributed optimizer shards the dense weights' state over the DP ranks, the
-            # routed experts' over their expert DP ranks
+            # the distributed optimizer shards the dense weights' state over the DP x CP ranks
+            # (megatron-core's dp_cp group), the routed experts' over their expert DP ranks
             return mem.language_state_bytes(
-                self.model.dims.language, settings, module.tp, module.pp, stage, module.dp,
+                self.model.dims.language, settings, module.tp, module.pp, stage,
+                module.dp * module.cp,
                 module.ep, module.etp, module.expert_dp, self.model.trained.get(LANGUAGE, True))
         encoder = self.model.dims.encoders[name]
         tower = mem.state_bytes(encoder.tower.parameters(), settings, module.dp,
@@ -363,6 +400,25 @@ def layer_traffic(stack: Stack, positions: float, width: int, tp: int = 1, ep: i
     # dispatch and combine all-to-alls, forward and backward, of the rank's own routed
     # tokens, (ep-1)/ep of them to other ranks
     return tp_bytes, 4 * (ep - 1) / ep * routed / tp
+
+
+def context_traffic(stack: Stack, positions: float, width: int, tp: int = 1,
+                    cp: int = 1) -> float:
+    """Bytes one rank sends per layer of ``stack`` on a micro-batch of ``positions`` (its DP
+    replica's: 1/cp of them this rank's) under ``cp``-way context parallelism, forward and
+    backward, at ``width`` bytes a value: the attention's all-to-alls over heads of its
+    queries, keys, values and output (``mcore.context_parallel``), each (cp-1)/cp of the
+    rank's positions / cp x its heads x kv channels; key/value groups repeated the fewest
+    times that make them a multiple of cp (``context_parallel.heads_for``). 0 at cp 1."""
+    if cp == 1:
+        return 0.0
+    heads, groups = stack.heads // tp, max(1, stack.query_groups // tp)
+    repeat = next((r for r in range(1, heads // groups + 1)
+                   if (heads // groups) % r == 0 and (groups * r) % cp == 0), heads // groups)
+    # forward: q and the output (heads each), k and v (their repeated groups each); backward
+    # the same again
+    values = 2 * (2 * heads + 2 * groups * repeat) * stack.kv_channels * positions / cp
+    return (cp - 1) / cp * values * width
 
 
 def _window(values: list[float], k: int) -> float:

@@ -46,8 +46,10 @@ def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = ()) -> li
 
 
 def achieved_mfu(r: Result, gpus: int, device: GPU) -> float:
-    """The model FLOPs per second of ``r``'s step over the ``gpus`` GPUs' peak."""
-    return r.flops / (r.step_s * gpus * device.tflops * 1e12)
+    """The model FLOPs per second of ``r``'s step over the peak of the GPUs its layout uses
+    (``gpus``, or fewer where the request allows them)."""
+    used = min(gpus, r.candidate.layout.world_size)
+    return r.flops / (r.step_s * used * device.tflops * 1e12)
 
 
 def result_json(r: Result, gpus: int, device: GPU, work: Work,
@@ -65,7 +67,7 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
             "memory_gib": {k: v.gib() for k, v in r.memory.items()},
             "peak_memory_gib": r.peak_bytes / 2**30, "fits": r.fits,
             "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle,
-            "all_to_all_s": r.all_to_all}
+            "all_to_all_s": r.all_to_all, "context_all_to_all_s": r.context_all_to_all}
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
@@ -79,11 +81,16 @@ def why(r: Result, device: GPU, gpus: int) -> str:
     mfu = achieved_mfu(r, gpus, device)
     layout = r.candidate.layout
     exchange = ""
-    if layout.language.ep > 1:
-        language = next(v for k, v in r.busy.items() if LANGUAGE in k.split("+"))
-        exchange = (f"; expert all-to-all {_seconds(r.all_to_all)} s per step "
-                    f"({100 * r.all_to_all / language:.0f}% of the busiest language rank's)")
-    return (f"bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
+    language = next(v for k, v in r.busy.items() if LANGUAGE in k.split("+"))
+    for kind, size, seconds in (("expert", layout.language.ep, r.all_to_all),
+                                (f"context (cp{layout.language.cp})", layout.language.cp,
+                                 r.context_all_to_all)):
+        if size > 1:
+            exchange += (f"; {kind} all-to-all {_seconds(seconds)} s per step "
+                         f"({100 * seconds / language:.0f}% of the busiest language rank's)")
+    used = layout.world_size
+    fewer = f"on {used} of the {gpus} GPUs; " if used < gpus else ""
+    return (f"{fewer}bottleneck {r.bottleneck} (busiest rank per step: {busy}); idle "
             f"{100 * r.idle:.0f}% of the GPU time; achieved MFU {mfu:.2f}{exchange}; memory "
             f"per rank: {memory}")
 
@@ -93,6 +100,7 @@ def format_report(report: dict) -> str:
     params = ", ".join(f"{m} {n / 1e9:.2f}B" if n >= 1e8 else f"{m} {n / 1e6:.2f}M"
                        for m, n in p.items())
     items = ", ".join(f"{m} {n:.1f}" for m, n in w["items_per_step"].items())
+    fewer = f" on 1 to {report['gpus']} GPUs" if report.get("fewer_gpus") else ""
     lines = [
         f"model     {report['model']['source']}: {params} parameters, "
         f"{report['model']['precision']}",
@@ -101,11 +109,12 @@ def format_report(report: dict) -> str:
         f"{w['micro_batch_size']}{', packed' if w['packing'] else ''}): "
         f"{w['tokens_per_step']:.0f} tokens per step" + (f", items per step: {items}"
                                                           if items else ""),
+        *([_clip_text(w["clip"])] if "clip" in w else []),
         f"gpus      {report['gpus']} x {g['name']}: {g['memory_gib']:.1f} GiB "
         f"({g['usable_gib']:.1f} usable), {g['tflops']:.0f} TFLOP/s x MFU {g['mfu']:.2f}, "
         f"{g['node_gbs']:.0f} GB/s in a node of {g['per_node']}, {g['network_gbs']:.0f} GB/s "
         "across",
-        f"layouts   {report['layouts']} ({report['candidates']} with settings): "
+        f"layouts   {report['layouts']}{fewer} ({report['candidates']} with settings): "
         f"{report['fitting_layouts']} fit, {report['dropped_layouts']} do not fit in memory "
         "with any settings",
         *([f"yours     {report['yours']}: {report['yours_not_ranked']}"]
@@ -133,6 +142,16 @@ def format_report(report: dict) -> str:
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
                          f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
     return "\n".join(lines)
+
+
+def _clip_text(clip: dict) -> str:
+    """The workload's clip (``mimo_data.inspect.clip``): what its frames and tokens became."""
+    (width, height), (rw, rh), (t, rows, columns) = clip["size"], clip["resized"], clip["grid"]
+    longer = (f"; training it needs seq_length >= {clip['tokens']} (the config's: "
+              f"{clip['seq_length']})" if clip["tokens"] > clip["seq_length"] else "")
+    return (f"clip      {clip['seconds']:g} s at {clip['fps']:g} fps: {clip['frames']} frames of "
+            f"{width}x{height} resized to {rw}x{rh}, {t} temporal patches x {rows} x {columns} "
+            f"= {clip['video_tokens']} video tokens; the sample {clip['tokens']} tokens{longer}")
 
 
 def _seconds(value: float) -> str:
