@@ -178,20 +178,20 @@ def test_context_parallel_gives_the_colocated_step(ranks, run, colocated, refere
     trained tokens, and every gradient the colocated step has, deepstack mergers and the
     tower's inner blocks included. M-RoPE positions come from the whole sequence, the
     deepstack rows are split with it, attention is all-to-all over heads (4 heads, 2 key/value
-    groups: cp4 repeats each group twice). The mixture of experts is refused under context
-    parallelism with the reason."""
-    from mimo_train.config import TrainConfig
-    from mimo_train.errors import TrainConfigError
-    from mimo_train.plan import resolve
-    encoders = nproc - int(language[2:])
+    groups: cp4 repeats each group twice). The mixture of experts with its global-batch
+    balancing loss (each router counting its own rank's real tokens: the padding the cut adds
+    to a packed row is none), its experts at cp2 over ep2 (each CP rank 4 of each layer's
+    8)."""
+    cp = int(language[2:])
+    encoders = nproc - cp
+    dense = run["name"] == "2B"
+    language += "" if dense or cp == 4 else ",ep2"
     layout = f"layout=image=dp{encoders},video;language={language}"
-    if run["name"] != "2B":
-        with pytest.raises(TrainConfigError, match="mixture-of-experts layers are not checked"):
-            resolve(TrainConfig.load(None, [*run["common"], layout]))
-        return
     sharded = step(ranks, run["tmp"] / language, nproc, layout,
                    f"train.micro_batch_size={SAMPLES // 2 if encoders == 2 else 1}", how,
-                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+                   # the MoE imports the checkpoint itself: each rank reads its experts' slices
+                   *([f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}"] if dense
+                     else []), *run["common"])
     _assert_loss(sharded, reference, f"image dp{encoders} -> language {language}, {how}")
     compare(colocated, sharded, f"image dp{encoders} -> language {language}, {how}")
 

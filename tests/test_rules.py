@@ -67,9 +67,6 @@ CASES = {
     "language_context_parallel_linear_attention": Case(
         "qwen3.5", "image=dp1,video;language=cp4", (),
         "language cp4 splits each tensor-parallel rank's 2 gated delta-net key heads"),
-    "language_context_parallel_experts": Case(
-        "qwen3-vl-moe", "image=dp1,video;language=cp2", (),
-        "mixture-of-experts layers are not checked under context parallelism yet"),
     "encoders_run_whole": Case(
         "qwen2-vl", "image=tp2,video;language=dp1", (),
         "encoder module 'image' has tp 2"),

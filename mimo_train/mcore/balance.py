@@ -20,8 +20,10 @@ micro-batches twice:
    global batch.
 
 Real rows are the micro-batch's non-padding tokens (``attention_mask``; a packed batch has no
-padding), set by the forward step before each micro-batch (``tokens``). The counting pass costs
-one more forward pass per step: the price of a loss that does not depend on the layout.
+padding but what context parallelism adds), set by the forward step before each micro-batch
+(``tokens``, the whole sequence's: each rank keeps its context- and sequence-parallel part).
+The counting pass costs one more forward pass per step: the price of a loss that does not
+depend on the layout.
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ class GlobalBalance:
         self.routers = [m for m in language.modules() if isinstance(m, TopKRouter)]
         self.experts = self.routers[0].config.num_moe_experts if self.routers else 0
         self.groups = [groups.dp_cp, groups.pp] + ([groups.tp] if sequence_parallel else [])
-        self.tp = groups.tp
+        # the groups that cut the sequence, in the order they cut it: CP, then TP under SP
+        self.cuts = [groups.cp] + ([groups.tp] if sequence_parallel else [])
         self.mode: str | None = None
         self.tokens: torch.Tensor | None = None     # the micro-batch's real-token mask [b, s]
         self.frequency: torch.Tensor | None = None  # f_e over the global batch
@@ -105,10 +108,12 @@ class GlobalBalance:
         seq, batch = router_input.shape[:2]
         if self.tokens is None:
             return router_input.new_ones(seq * batch, dtype=torch.float32)
-        mask = self.tokens.to(router_input.device).t().float()        # [s, b]
-        if mask.shape[0] != seq:             # sequence parallel: this TP rank's part
-            rank = dist.get_rank(self.tp)
-            mask = mask[rank * seq:(rank + 1) * seq]
+        mask = self.tokens.to(router_input.device).t().float()        # [S, b]
+        for group in self.cuts:      # this CP rank's part, then its TP rank's (SP) of that
+            size = mask.shape[0] // group.size()
+            rank = dist.get_rank(group)
+            mask = mask[rank * size:(rank + 1) * size]
+        assert mask.shape[0] == seq, (mask.shape, seq)
         return mask.reshape(-1)
 
     def _hook(self, router, args, output):

@@ -135,17 +135,6 @@ def language_context_parallel_linear_attention(facts: Facts, layout: Layout,
 
 
 @rule
-def language_context_parallel_experts(facts: Facts, layout: Layout, settings: Settings
-                                      ) -> str | None:
-    cp = layout.language.cp
-    if cp > 1 and facts.experts:
-        return (f"language cp{cp}: mixture-of-experts layers are not checked under context "
-                "parallelism yet (their routers' token statistics are per rank); use cp1 with "
-                "ep to split the experts")
-    return None
-
-
-@rule
 def encoders_run_whole(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     for module in layout.encoders:
         for dim in ("tp", "cp", "pp"):

@@ -112,6 +112,19 @@ def kept_length(batch: dict, multiple: int = 1) -> int | None:
     return min(real.size(1), -(-longest // step) * step)
 
 
+def real_tokens(batch: dict, multiple: int = 1) -> torch.Tensor | None:
+    """The real-token mask ``[B, length]`` of the columns ``model_inputs`` gives the model
+    (None: every column is a real token, a packed row without padding, or the batch has no
+    mask)."""
+    if batch.get("attention_mask") is None:
+        return None
+    mask = batch["attention_mask"][:, :kept_length(batch, multiple)]
+    pad = -mask.size(1) % multiple
+    if not pad and batch.get("packing_kwargs") is not None:
+        return None
+    return F.pad(mask, (0, pad), value=False)
+
+
 def shard_multiple(infra: Infra) -> int:
     """What the language model's sequence must be a multiple of: cp x tp under context
     parallelism (each CP rank a contiguous part, sequence parallelism's TP parts of it), else 1
@@ -179,11 +192,9 @@ class ForwardStep:
         inputs = model_inputs(batch, self.infra, self.device, self.shared) \
             if batch is not None else \
             {"input_ids": None}
-        if self.balance is not None:          # the routers' real rows (a pack has no padding)
-            length = kept_length(batch, shard_multiple(self.infra)) \
-                if batch is not None else None
-            self.balance.tokens = None if length is None else \
-                batch["attention_mask"][:, :length]
+        if self.balance is not None:          # the routers' real rows
+            self.balance.tokens = None if batch is None else \
+                real_tokens(batch, shard_multiple(self.infra))
         timer = Timer(self.device)
         output, loss_mask = model(**inputs)
         self.timers.append(timer.stop())
