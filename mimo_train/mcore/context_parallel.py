@@ -23,10 +23,14 @@ layers, hence this module:
   Attention heads are independent, so this is exact; the all-to-alls move 4 activations of
   ``s/cp · heads · d`` per layer each way (queries, keys, values, output).
 - The loss: each rank's tokens' sum and count; the step sums them over the world as it sums
-  data-parallel ranks' (``training.step``).
+  data-parallel ranks' (``training.step``); the routers of a mixture of experts count their own
+  rank's real tokens (``balance``).
+- Qwen3.5's gated delta-net layers run megatron-core's own all-to-alls over their heads, in
+  mimo's contiguous order (``gated_delta_net``'s patch ``contiguous_cut``).
 
 Ring attention (for heads that cp does not divide) is not built: ``plan.rules`` refuses those
-layouts with the numbers.
+layouts with the numbers. Each attention layer's all-to-alls wait for its projections (no
+overlap with compute).
 """
 
 from __future__ import annotations
