@@ -384,13 +384,14 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
 
 
 @pytest.mark.parametrize("language, nproc, how", [
-    ("cp2", 3, "data.packing=false"), ("cp4", 5, "data.packing=true"),
+    ("cp2", 3, "data.packing=false"), ("cp4", 5, "data.packing=true model.attention=sdpa"),
     ("pp2,cp2", 5, "data.packing=true"), ("tp2,cp2", 5, "model.language.sequence_parallel=true")])
 def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
                                                    nproc, how):
     """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
     model's sequence over two context-parallel ranks (the four conversations padded), over
-    four (packed into one row: the shard edges fall inside samples), over two in each of two
+    four (packed into one row: the shard edges fall inside samples; SDPA under the row's
+    block-diagonal mask, the reference's the local attention), over two in each of two
     pipeline stages (packed), and over two in each of two tensor-parallel groups with sequence
     parallelism (padded: each rank a quarter of the sequence between the TP regions), the
     tower (images and videos) on its own rank: the colocated step's loss and every gradient,
@@ -400,7 +401,7 @@ def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_st
     reference, init = colocated_step
     sharded = layout_step(ranks, run_data["tmp"], language, nproc,
                           f"image=dp1,video;language={language}", SAMPLES,
-                          [*run_data["common"], how], init)
+                          [*run_data["common"], *how.split()], init)
     compare(reference, sharded, f"image+video dp1 -> language {language}, {how}")
 
 
