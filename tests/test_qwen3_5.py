@@ -30,9 +30,9 @@ The data rules (the training template, timestamps, frame sampling, M-RoPE ids, t
 the published processor) are tests/test_qwen3_5_data.py's; the delta-net layer against
 transformers' and packed against each sample alone, tests/test_gated_delta_net.py's.
 
-Four jobs per checkpoint (one, one, four and five forked ranks): no existing job runs these
-checkpoints, and each layout needs its own world; the colocated one is the reference the others,
-the export and the generation read.
+Four jobs per checkpoint (one, one, four and five forked ranks), and the dense one's
+context-parallel step (four): no existing job runs these checkpoints, and each layout needs its
+own world; the colocated one is the reference the others, the export and the generation read.
 """
 
 from __future__ import annotations

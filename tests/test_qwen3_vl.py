@@ -24,9 +24,9 @@ video, an image and a video.
 The data rules (timestamps, frame sampling, M-RoPE ids, tokens against the published
 processor) are tests/test_qwen3_vl_data.py's.
 
-Three jobs per checkpoint (one, four and five forked ranks): no existing job runs these
-checkpoints, and each layout needs its own world; the colocated one is the reference the other
-two, the export and the generation read.
+Five jobs per checkpoint (one, four, five, and the context-parallel four and five forked
+ranks): no existing job runs these checkpoints, and each layout needs its own world; the
+colocated one is the reference the others, the export and the generation read.
 """
 
 from __future__ import annotations
