@@ -122,6 +122,17 @@ def language_context_parallel_heads(facts: Facts, layout: Layout, settings: Sett
 
 
 @rule
+def language_context_parallel_colocated(facts: Facts, layout: Layout, settings: Settings
+                                        ) -> str | None:
+    cp = layout.language.cp
+    if cp > 1 and layout.colocated and layout.encoders:
+        return (f"language cp{cp} in a colocated layout: megatron-core's colocated bridge "
+                "takes no context parallelism; put the encoders on ranks of their own (e.g. "
+                f"image=dp1;language=cp{cp}, the tower on rank 0)")
+    return None
+
+
+@rule
 def language_context_parallel_linear_attention(facts: Facts, layout: Layout,
                                                settings: Settings) -> str | None:
     cp, tp = layout.language.cp, layout.language.tp
