@@ -56,6 +56,10 @@ class Encoder(torch.nn.Module):
     # rows carry deepstack features after the main ``output_size`` columns (Qwen3-VL:
     # ``mcore.deepstack``), which no projection but ``none`` passes on
     deepstack: bool = False
+    # each temporal patch of a clip is encoded on its own (attention, positions and windows
+    # within the frame): a clip cut between temporal patches gives the same rows, so
+    # ``data.split_media`` may spread one clip over the module's ranks
+    frame_independent: bool = False
 
     @property
     def row_width(self) -> int:

@@ -74,6 +74,11 @@ class Qwen2VLVision(Encoder):
     takes = ("image", "dynamic")
     also_takes = ("video",)
     video: VideoConfig | None = None
+    # transformers' towers of this family (and its subclasses': Qwen2.5-VL, Qwen3-VL,
+    # Qwen3.5) attend per frame (``cu_seqlens`` of h x w per temporal patch), repeat the
+    # rotary and resampled position embeddings per frame and lay Qwen2.5-VL's windows within
+    # it (tests/test_media_split.py checks each)
+    frame_independent = True
 
     @staticmethod
     def pretrained_output_size(config) -> int:
