@@ -57,3 +57,160 @@ def test_a_tower_gives_a_clip_cut_at_a_temporal_patch_the_same_rows(kind):
                        rows(pixels[cut:], torch.tensor([[3, 12, 20], [1, 8, 8]]))])
     assert whole.shape == (5 * 60 + 16, parts.size(1))
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------- the loader's parts
+
+CHECKPOINT = PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct"
+SEED, GLOBAL_BATCH = 3, 4                 # test_qwen3_vl.py's fan-in step's
+
+
+@pytest.fixture(scope="module")
+def source(corpus, corpus_videos, tmp_path_factory):
+    """test_qwen3_vl.py's four conversations (two images, text only, a clip, an image and a
+    clip) under Qwen3-VL-2B's preprocessing, opened once."""
+    from mimo_data.loading.loader import DataSource
+    from mimo_data.preprocess.config import PreprocessConfig
+    from support.qwen_vlm import build_shards, preprocessing
+    tmp = tmp_path_factory.mktemp("media-split")
+    return DataSource([build_shards(tmp, corpus, corpus_videos)],
+                      PreprocessConfig.from_dict(preprocessing(CHECKPOINT)))
+
+
+def _micro_batches(source, layout: str, rank: int, micro_batch_size: int, **options):
+    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.loader import build_loader
+    loader = build_loader(source, None, layout, rank, Layout.parse(layout).world_size,
+                          GLOBAL_BATCH, micro_batch_size, SEED, **options)
+    assert loader is not None
+    return list(loader)
+
+
+def _assert_pieces(parts: list[list[list]], found: list[dict | None], whole: dict,
+                   pixels: str, grid: str) -> None:
+    """Each rank's pieces (``media_parts``) against the whole micro-batch's inputs: a piece's
+    grid is its item's with ``stop - first`` temporal patches, its rows are the item's rows of
+    those patches (in the rank's rows, one piece after the other, nothing else), and the
+    pieces, rank after rank, are every item's patches once, in order."""
+    shapes = whole[grid].tolist()
+    sizes = [t * h * w for t, h, w in shapes]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    keys: list[tuple] = []               # the whole's items, in order, as the pieces name them
+    at = 0                               # the next item's next temporal patch, over the ranks
+    patch = 0
+    for rank_parts, inputs in zip(parts, found):
+        offset = 0
+        rank_grids = inputs[grid].tolist() if inputs is not None else []
+        assert len(rank_grids) == len(rank_parts)
+        for (key, item, first, stop), piece_grid in zip(rank_parts, rank_grids):
+            if first == 0:
+                keys.append((key, item))
+                at, patch = len(keys) - 1, 0
+            assert keys[at] == (key, item) and first == patch, (key, item, first, patch)
+            t, h, w = shapes[at]
+            assert piece_grid == [stop - first, h, w]
+            rows = (stop - first) * h * w
+            torch.testing.assert_close(
+                inputs[pixels][offset:offset + rows],
+                whole[pixels][starts[at] + first * h * w:starts[at] + stop * h * w],
+                rtol=0, atol=0)
+            offset, patch = offset + rows, stop
+        assert inputs is None or offset == len(inputs[pixels])
+    assert len(keys) == len(shapes) and patch == shapes[-1][0]
+
+
+@pytest.mark.parametrize("encoders, micro_batch_size", [(2, 2), (4, 4)])
+def test_the_parts_add_up_to_the_micro_batch_and_a_clip_spans_two_ranks(source, encoders,
+                                                                        micro_batch_size):
+    """The tower's module at dp2 (test_qwen3_vl.py's fan-in step: two samples a micro-batch,
+    packed)
+    and at dp4 (all four in one) fanning in to one language rank with ``split_media``: per
+    micro-batch, every rank reads the language rank's samples; the ranks' pixel rows and
+    placeholder rows, concatenated in rank order, are the whole micro-batch's (the colocated
+    loader's) and the language rank's placeholders in token order; their grids joined piece
+    by piece are its grids, images whole, clips cut only between temporal patches; each part's
+    tokens are within one image or temporal patch of its share; a clip spans two ranks."""
+    token_ids = source.metadata.text.modality_token_ids
+    layout = f"image=dp{encoders},video;language=dp1"
+    whole = _micro_batches(source, "language=dp1;image=dp1,off0,video", 0, micro_batch_size,
+                           packing=True)
+    ranks = [_micro_batches(source, layout, rank, micro_batch_size, split_media=True,
+                            packing=True) for rank in range(encoders)]
+    language = _micro_batches(source, layout, encoders, micro_batch_size, split_media=True,
+                              packing=True)
+    spanned = 0
+    for index, (batch, metadata) in enumerate(whole):
+        parts = [rank[index] for rank in ranks]
+        assert all(m["keys"] == metadata["keys"] for _, m in parts)    # all read the replica's
+        ids = language[index][0]["input_ids"]
+        media = torch.isin(ids, torch.tensor([token_ids["image"], token_ids["video"]]))
+        row = torch.cat([b["input_ids"][0] for b, _ in parts])
+        assert torch.equal(row, ids[media])             # the placeholders, in token order
+        for modality, (pixels, grid) in {"image": ("pixel_values", "image_grid_thw"),
+                                         "video": ("pixel_values_videos", "video_grid_thw")
+                                         }.items():
+            inputs = batch["modality_inputs"].get(modality, {}).get(modality)
+            found = [b["modality_inputs"].get(modality, {}).get(modality) for b, _ in parts]
+            if inputs is None:
+                assert found == [None] * encoders
+                continue
+            assert torch.equal(torch.cat([f[pixels] for f in found if f is not None]),
+                               inputs[pixels])
+            pieces = [m["media_parts"][modality] for _, m in parts]
+            _assert_pieces(pieces, found, inputs, pixels, grid)
+            if modality == "image":
+                assert all(first == 0 and stop == 1 for p in pieces for _, _, first, stop in p)
+            spanned += sum(a[-1][:2] == b[0][:2] for a, b in zip(pieces, pieces[1:]) if a and b)
+        tokens = [len(b["input_ids"][0]) for b, _ in parts]
+        merge = source.config.modalities["image"].merge_size
+        unit = max(h * w // merge ** 2 for inputs in batch["modality_inputs"].values()
+                   for grid in ("image_grid_thw", "video_grid_thw") if grid in inputs[next(
+                       iter(inputs))] for _, h, w in inputs[next(iter(inputs))][grid].tolist())
+        # each cut at the unit boundary nearest its share: a part is off by less than a unit
+        assert all(abs(n * encoders - sum(tokens)) <= unit * encoders for n in tokens), tokens
+    # the fan-in step's micro-batch of the text-only sample and the clip of three temporal
+    # patches: the clip's first on rank 0, the other two on rank 1; at dp4 the images are
+    # larger than the clips, whose turn it then is not to be cut
+    assert spanned == (1 if encoders == 2 else 0)
+
+
+def test_one_long_clip_spreads_over_every_rank():
+    """A clip of 20 temporal patches of 30 tokens alone: four parts of five patches; beside
+    an image of 150 tokens, three parts cut at the patch boundaries nearest 250 and 500 tokens
+    (240, 510), the image whole."""
+    from mimo_data.loading.media_split import Item, Piece, cut
+    clip = Item(0, "video", 0, 20, 20 * 30)
+    assert cut([clip], 4) == [[Piece(0, "video", 0, 5 * j, 5 * j + 5, 150)] for j in range(4)]
+    image = Item(1, "image", 0, 1, 150)
+    assert cut([clip, image], 3) == [[Piece(0, "video", 0, 0, 8, 240)],
+                                     [Piece(0, "video", 0, 8, 17, 270)],
+                                     [Piece(0, "video", 0, 17, 20, 90),
+                                      Piece(1, "image", 0, 0, 1, 150)]]
+    assert cut([], 2) == [[], []]
+
+
+def test_where_the_split_cannot_work_it_is_refused_with_the_reason():
+    """The trainer's rule: no encoder module fanning in (colocated, or dp not above the
+    language model's), or one whose tower is not frame-independent (a SigLIP tower's module,
+    as LLaVA's); the loader: a fanning-in module serving audio, whose inputs it does not take
+    apart."""
+    from mimo_data.loading.layout import Layout, LayoutError
+    from mimo_data.loading.media_split import check_split_media
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.plan import rules
+    facts = rules.Facts(layers=2, heads=4, query_groups=2)
+    on = rules.Settings(split_media=True)
+    for layout in ("image=dp1,video;language=dp1", "language=dp2;image=dp2,off0,video",
+                   "image=dp2,video;language=dp2"):
+        [refusal] = rules.refusals(facts, Layout.parse(layout), on)
+        assert "this layout has none" in refusal.reason, layout
+    fan_in = Layout.parse("image=dp2,video;language=dp1")
+    assert rules.refusals(facts, fan_in, on) == []
+    assert rules.refusals(facts, Layout.parse("image=dp1;language=dp1"), rules.Settings()) == []
+    [refusal] = rules.refusals(rules.Facts(2, 4, 2, whole_towers=("image",)), fan_in, on)
+    assert "the tower of encoder module 'image' does not encode each frame" in refusal.reason
+    config = PreprocessConfig.from_dict({"tokenizer": "unused", "modalities": {"audio": {}}})
+    with pytest.raises(LayoutError, match="serves audio, whose encoder inputs mimo does not"):
+        check_split_media(Layout.parse("audio=dp2;language=dp1"), config)
+    with pytest.raises(LayoutError, match="this layout has none|has none"):
+        check_split_media(Layout.parse("language=dp1;audio=dp1"), config)

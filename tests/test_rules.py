@@ -77,6 +77,10 @@ CASES = {
     "encoders_run_whole": Case(
         "qwen2-vl", "image=tp2,video;language=dp1", (),
         "encoder module 'image' has tp 2"),
+    "split_media_needs_fan_in": Case(
+        "qwen3-vl", "image=dp1,video;language=dp1", ("data.split_media=true",),
+        "data.split_media cuts each language rank's media over the encoder ranks that fan in "
+        "to it; this layout has none"),
     "sequence_parallel_needs_tp": Case(
         "qwen2-vl", "image=dp1,video;language=dp1", ("model.language.sequence_parallel=true",),
         "sequence_parallel needs the language model's tensor parallelism"),

@@ -21,6 +21,11 @@ micro-batch part, in the order itself, so the rule above holds for every rank. W
 language ranks get their part as one packed row (``Collator(packed=True)``); encoder ranks keep
 a row per sample.
 
+Split media (``split_media=True``, ``media_split.py``): the k ranks of an encoder module that
+fan in to one language rank each read that rank's samples and keep part j of k of their media
+(contiguous in placeholder order, token-balanced, a clip cut only between temporal patches),
+so that the bridge's concatenation in rank order is the whole micro-batch's rows.
+
 Drops: every rank reads them from the same token table (``token_table.py``, computed from
 metadata), so all modules skip the same samples. A sample whose media fails to decode at load
 time cannot be skipped (the language ranks keep it): that is a ``LoaderError``, never a silent
@@ -43,24 +48,26 @@ under any layout, micro batch or worker count with the same global batch size.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 import os
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch.utils.data
 
 from mimo_data.preprocess.chat_tokens import TextEncoder
-from mimo_data.preprocess.collate import BatchMetadata, Collator
+from mimo_data.preprocess.collate import Batch, BatchMetadata, Collator
 from mimo_data.loading.balance import BALANCE, Arrangement
 from mimo_data.loading.packing import Packing, next_fit
 from mimo_data.loading.token_table import Partition, TokenTable, token_table
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, RankRole
-from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped
+from mimo_data.loading.media_split import Item, Piece, check_split_media, cut, placeholder_order
+from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped, TextSample
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
 from mimo_data.loading.sample_order import DatasetShape, SampleOrder, micro_batch_slice
@@ -223,7 +230,8 @@ class _RankStream(torch.utils.data.IterableDataset):
     DataLoader workers."""
 
     def __init__(self, source: DataSource, order: SampleOrder, role: RankRole,
-                 global_micro_batch_size: int, decode_media: bool, start: tuple[int, int]):
+                 global_micro_batch_size: int, decode_media: bool, start: tuple[int, int],
+                 split: dict[str, tuple[int, int, int, int]] | None = None):
         self.source = source
         self.order = order
         self.role = role
@@ -232,6 +240,12 @@ class _RankStream(torch.utils.data.IterableDataset):
         self.per_epoch = order.steps_per_epoch * self.per_step
         self.start = start
         self.dp = {part.name: (part.dp_size, part.dp_rank) for part in role.modules}
+        # data.split_media: encoder module -> (language dp size, the language DP rank it fans
+        # in to, its ranks per language rank, which of them this rank is); the module reads
+        # that language rank's samples and keeps its part of their media (``media_split``)
+        self.split = split or {}
+        for module, (dp_size, dp_rank, _, _) in self.split.items():
+            self.dp[module] = (dp_size, dp_rank)
         self.decode_media = decode_media and bool(role.media)
         # An encoder rank decodes only the modalities of its own encoders.
         self.full = (Preprocessor(source.config, with_media=set(role.media),
@@ -363,13 +377,77 @@ class _RankStream(torch.utils.data.IterableDataset):
         texts = self.source.metadata.text_batch(records)
         self._ahead.update(((epoch, at), pair) for at, pair in zip(ats, zip(records, texts)))
 
+    def _media_pieces(self, texts: dict[int, Any], media: dict[str, slice]
+                      ) -> dict[str, dict[int, list[Piece]]]:
+        """data.split_media: per modality of this rank, the pieces of its part, by position
+        in the epoch's order (each module's items cut as ``media_split.cut`` says)."""
+        config = self.source.config.modalities
+        token_ids = self.source.metadata.text.modality_token_ids
+        found: dict[str, dict[int, list[Piece]]] = {m: {} for m in self.role.media}
+        for module in dict.fromkeys(self.role.media.values()):
+            modalities = [m for m, name in self.role.media.items() if name == module]
+            part = next(iter(media[m] for m in modalities))
+            items: list[Item] = []
+            for at in range(part.start, part.stop):
+                text = texts[at]
+                if not isinstance(text, TextSample):
+                    continue                    # dropped: ``_sample`` says so
+                counts = {m: text.token_counts.get(m, []) for m in modalities}
+                metadata = {m: [item for item in text.items if item["modality"] == m]
+                            for m in modalities}
+                for modality, k in placeholder_order(text.ids, counts, token_ids):
+                    units = MODALITIES[modality].cut_units(metadata[modality][k],
+                                                           config[modality])
+                    items.append(Item(at, modality, k, units, counts[modality][k]))
+            parts, which = self.split[module][2:] if module in self.split else (1, 0)
+            for piece in cut(items, parts)[which]:
+                found[piece.modality].setdefault(piece.sample, []).append(piece)
+        return found
+
+    def _split_media(self, batch: dict[str, Any], metadata: BatchMetadata,
+                     samples: dict[int, Sample], pieces: dict[str, dict[int, list[Piece]]]
+                     ) -> None:
+        """data.split_media: this rank's part of its samples' media as its encoder inputs;
+        ``input_ids`` one row of the part's placeholders, in order (what an encoder rank reads
+        of them: which modality each row is, whether there are any), checked as a batch."""
+        config = self.source.config.modalities
+        token_ids = self.source.metadata.text.modality_token_ids
+        inputs: dict[str, dict[str, dict[str, Any]]] = {}
+        order = sorted((piece for part in pieces.values() for at in part for piece in part[at]),
+                       key=lambda piece: (piece.sample, _first_token(samples[piece.sample],
+                                                                     piece, token_ids)))
+        counts: dict[str, list[list[int]]] = {m: [[]] for m in config}
+        for modality, part in pieces.items():
+            taken = [(at, piece) for at in sorted(part) for piece in part[at]]
+            counts[modality] = [[piece.tokens for _, piece in taken]]
+            if not taken or self.full is None:
+                continue
+            before, items = 0, {}
+            for at in sorted(part):                         # the part's samples' items, in order
+                items[at] = before
+                before += len(samples[at].token_counts[modality])
+            collated, _ = self.collate([samples[at] for at in sorted(part)])
+            inputs[modality] = {modality: MODALITIES[modality].take(
+                collated["modality_inputs"][modality][modality], config[modality],
+                [(items[at] + piece.item, piece.first, piece.stop) for at, piece in taken])}
+        row = torch.tensor([token_ids[piece.modality] for piece in order
+                            for _ in range(piece.tokens)], dtype=torch.int64)[None]
+        self.collate.check(cast(Batch, {"input_ids": row, "packing_kwargs": None,
+                                        "modality_inputs": inputs}),
+                           BatchMetadata(keys=["part"], token_counts=counts, removed_turns=[0]))
+        if "input_ids" in batch:
+            batch["input_ids"] = row
+        batch["modality_inputs"] = inputs
+        metadata["encoder_keys"] = {m: [samples[at].key for at in sorted(part)]
+                                    for m, part in pieces.items()}
+        metadata["media_parts"] = {m: [[samples[p.sample].key, p.item, p.first, p.stop]
+                                       for p in order if p.modality == m] for m in pieces}
+
     def micro_batch(self, epoch: int, index: int) -> tuple[dict[str, Any], BatchMetadata]:
         """This rank's part of global micro-batch ``index`` (counted over the epoch)."""
         step, micro = divmod(index, self.per_step)
         datasets, positions = self.order.epoch(epoch)
         text, media = self._parts(index)
-        full_at = {at for part in media.values() for at in range(part.start, part.stop)} \
-            if self.full else set()
         needed = self._needed(index)
         if any((epoch, at) not in self._ahead for at in needed):
             self._text_ahead(epoch, index)
@@ -377,10 +455,17 @@ class _RankStream(torch.utils.data.IterableDataset):
         for at in needed:
             records[at], text_sample = self._ahead.pop((epoch, at))
             texts.append(text_sample)
+        pieces = self._media_pieces(dict(zip(records, texts)), media) if self.split else None
+        full_at = set() if not self.full else \
+            {at for part in pieces.values() for at in part} if pieces is not None else \
+            {at for part in media.values() for at in range(part.start, part.stop)}
         samples = {at: self._sample(datasets, positions, at, record, text_sample,
                                     at in full_at)
                    for (at, record), text_sample in zip(records.items(), texts)}
         text_samples = [samples[at] for at in range(text.start, text.stop)]
+        if pieces is not None:              # the text of samples only some of whose media
+            text_samples = [dataclasses.replace(sample, encoder_inputs={})  # this rank takes
+                            for sample in text_samples]
         collated, metadata = self.collate_text(text_samples)
         batch: dict[str, Any] = {key: value for key, value in collated.items()
                                  if key in self.role.text_keys}
@@ -393,7 +478,9 @@ class _RankStream(torch.utils.data.IterableDataset):
             [by_at[at] for at in range(text.start, text.stop)])
         if self.packing is not None:
             metadata["sequences"] = next_fit(metadata["tokens"], self.packing.capacity)
-        if self.role.media:
+        if self.role.media and pieces is not None:
+            self._split_media(batch, metadata, samples, pieces)
+        elif self.role.media:
             batch["modality_inputs"] = {}
             encoder_keys: dict[str, list[str]] = {}
             metadata["encoder_keys"] = encoder_keys
@@ -409,6 +496,13 @@ class _RankStream(torch.utils.data.IterableDataset):
         return batch, metadata
 
 
+def _first_token(sample: Sample, piece: Piece, token_ids: dict[str, int]) -> int:
+    """Where ``piece``'s item's placeholders start in its sample (its order among the
+    sample's items of other modalities)."""
+    at = np.flatnonzero(sample.input_ids.numpy() == token_ids[piece.modality])
+    return int(at[sum(sample.token_counts[piece.modality][:piece.item])])
+
+
 class RankLoader:
     """One rank's micro-batches: iterate for the rest of the current epoch; resumable.
 
@@ -420,13 +514,17 @@ class RankLoader:
     ``trained_tokens``; on encoder ranks ``encoder_keys`` ``{modality: ids}`` of the samples
     whose encoder inputs the batch holds (the text samples unless a colocated encoder's DP
     slice differs from the language model's); with packing, on language ranks, ``sequences``
-    (samples per packed sequence). TP/CP ranks of one DP rank get the same data.
+    (samples per packed sequence). With ``split_media``, on the encoder ranks it cuts, the text
+    metadata is the language rank's samples', ``input_ids`` one row of the rank's part's
+    placeholders in order, and ``media_parts`` ``{modality: [[key, item, first, stop], ...]}``
+    the part's pieces (temporal patches ``first..stop - 1`` of the sample's item). TP/CP ranks
+    of one DP rank get the same data.
     """
 
     def __init__(self, source: DataSource, layout: Layout, role: RankRole, order: SampleOrder,
                  micro_batch_size: int, decode_media: bool = True, num_workers: int = 0,
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
-                 multiprocessing_context=None):
+                 multiprocessing_context=None, split_media: bool = False):
         self.source = source
         self.layout = layout
         self.role = role
@@ -443,6 +541,15 @@ class RankLoader:
                                 "prefetch_factor": prefetch_factor if num_workers else None}
         self.epoch, self.index = 0, 0
         self._stream: Iterator[Any] | None = None
+        # data.split_media (``media_split``): each fanning-in encoder module of this rank ->
+        # (language dp, the language DP rank it feeds, its ranks per language rank, which)
+        self.split: dict[str, tuple[int, int, int, int]] = {}
+        language = layout.language
+        for part in role.modules if split_media and not layout.colocated else ():
+            if part.name != LANGUAGE and part.dp_size > language.dp:
+                share = part.dp_size // language.dp
+                self.split[part.name] = (language.dp, part.dp_rank // share, share,
+                                         part.dp_rank % share)
 
     # ------------------------------------------------------------------------- positions
 
@@ -466,7 +573,7 @@ class RankLoader:
         if self._stream is None:
             dataset = _RankStream(self.source, self.order, self.role,
                                   self.global_micro_batch_size, self.decode_media,
-                                  (self.epoch, self.index))
+                                  (self.epoch, self.index), self.split)
             self._stream = iter(torch.utils.data.DataLoader(
                 dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
         batch, metadata = next(self._stream)
@@ -565,7 +672,7 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
                  multiprocessing_context=None, block_size: int = 64, window_blocks: int = 4,
                  progress: bool = False, balance: str = "none",
-                 packing: bool = False) -> RankLoader | None:
+                 packing: bool = False, split_media: bool = False) -> RankLoader | None:
     """The loader of ``rank``, or None when its role needs no data (nothing is opened then).
 
     ``datasets``: dataset directories (or a ``DataSource`` already opened in this process, e.g.
@@ -573,8 +680,10 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
     per epoch); ``decode_media=False`` gives encoder ranks token counts without encoder inputs
     (dry runs); ``balance="tokens"`` arranges each global batch so that every module's DP ranks
     get near-equal tokens (``balance.py``); ``packing=True`` packs each language DP rank's
-    micro-batch into sequences of ``seq_length`` (``packing.py``). The layout is validated
-    against the world and batch sizes first.
+    micro-batch into sequences of ``seq_length`` (``packing.py``); ``split_media=True`` cuts
+    each language rank's media over the encoder ranks fanning in to it, a clip between its
+    temporal patches (``media_split.py``). The layout is validated against the world and batch
+    sizes first.
     """
     if balance not in BALANCE:
         raise ValueError(f"balance is {balance!r}: use one of {', '.join(BALANCE)}")
@@ -594,6 +703,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                                 else PreprocessConfig.from_yaml(str(preprocess_config)))
     layout.validate(world_size, global_batch_size, micro_batch_size,
                     variable_token_modalities(config), modalities=list(config.modalities))
+    if split_media:
+        check_split_media(layout, config)
     role = layout.role(rank)
     if not role.needs_data:
         return None
@@ -604,7 +715,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                          if balance == "tokens" else None,
                          Packing(micro_batch_size, config.seq_length) if packing else None)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
-                        num_workers, prefetch_factor, pin_memory, multiprocessing_context)
+                        num_workers, prefetch_factor, pin_memory, multiprocessing_context,
+                        split_media)
     if state is not None:
         loader.load_state_dict(state, allow_fingerprint_mismatch)
     return loader

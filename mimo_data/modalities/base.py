@@ -56,6 +56,9 @@ class Modality(ABC):
     # metadata kept per item in samples.parquet (column ``<name>_<field>``), by Arrow type
     # name: what ``mimo-shard info`` summarizes without opening a shard
     summary_fields: ClassVar[dict[str, str]]
+    # whether ``take`` can pick items (and ``cut_units`` parts of them) out of encoder inputs:
+    # what ``data.split_media`` needs of every modality it spreads over encoder ranks
+    takes_parts: ClassVar[bool] = False
     ansi_color: ClassVar[str]              # its placeholders in ``mimo-inspect sample``
     html_color: ClassVar[str]              # ... and in the HTML report
 
@@ -114,6 +117,18 @@ class Modality(ABC):
     def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: Any) -> list[int]:
         """Tokens the encoder emits per item for ``inputs`` (must equal ``item_tokens``)."""
 
+    def cut_units(self, item: Mapping[str, Any], config: Any) -> int:
+        """Equal runs of the item's placeholder tokens (and encoder-input rows), in order,
+        between which ``data.split_media`` may cut it: a clip's temporal patches; 1: whole."""
+        return 1
+
+    def take(self, inputs: dict[str, torch.Tensor], config: Any,
+             pieces: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """The encoder inputs of ``pieces`` of ``inputs`` (``encoder_inputs``' output), in
+        that order: each ``(item, first, stop)``, the item's units ``first..stop - 1`` of its
+        ``cut_units``."""
+        raise NotImplementedError(f"{self.name} inputs cannot be taken apart")
+
     @abstractmethod
     def describe(self, item: Mapping[str, Any]) -> str:
         """A short human description of an item's metadata (``mimo-inspect sample``)."""
@@ -128,3 +143,22 @@ class Modality(ABC):
                     ) -> tuple[bytes, str]:
         """A small PNG of the item for the HTML report (thumbnail, spectrogram) and a problem
         line ("" if none) when the decoded item disagrees with its metadata."""
+
+
+def take_grid_rows(pixels: torch.Tensor, grids: torch.Tensor,
+                   pieces: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``pixels`` (``[Σ t·h·w, ...]``, item after item, each t-major) and ``[t, h, w]``
+    grid rows of ``pieces`` (``(item, first, stop)``: temporal slices ``first..stop - 1``):
+    each piece's rows are one contiguous range, its grid ``[stop - first, h, w]``."""
+    sizes = grids.prod(1)
+    starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).tolist()
+    shapes = grids.tolist()
+    rows, taken = [], []
+    for item, first, stop in pieces:
+        t, h, w = shapes[item]
+        if not 0 <= first < stop <= t:
+            raise ValueError(f"temporal slices {first}..{stop - 1} of an item of {t}")
+        rows.append(pixels[starts[item] + first * h * w:starts[item] + stop * h * w])
+        taken.append([stop - first, h, w])
+    return (torch.cat(rows) if rows else pixels[:0],
+            torch.tensor(taken, dtype=grids.dtype).reshape(-1, 3))

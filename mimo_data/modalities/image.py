@@ -32,7 +32,7 @@ from transformers.image_transforms import get_resize_output_image_size
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, MediaItem, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality, take_grid_rows
 
 
 # Extension used for the tar member of each container format we keep byte-for-byte.
@@ -400,6 +400,7 @@ class ImageModality(Modality):
     summary_fields = {"width": "int32", "height": "int32"}
     ansi_color = "\033[1;35m"
     html_color = "#8250df"
+    takes_parts = True
 
     def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
         return probe_image(data, max_image_pixels, check)
@@ -440,6 +441,14 @@ class ImageModality(Modality):
 
     def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: ImageConfig) -> list[int]:
         return image_rows_to_tokens(inputs, config)
+
+    def take(self, inputs: dict[str, torch.Tensor], config: ImageConfig,
+             pieces: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """Whole images only (one unit each)."""
+        if config.policy == "fixed":
+            return {"pixel_values": inputs["pixel_values"][[item for item, _, _ in pieces]]}
+        pixels, grids = take_grid_rows(inputs["pixel_values"], inputs["image_grid_thw"], pieces)
+        return {"pixel_values": pixels, "image_grid_thw": grids}
 
     def describe(self, item: Mapping[str, Any]) -> str:
         return f"{item.get('width')}x{item.get('height')} {item.get('mode', '')}".strip()

@@ -59,6 +59,9 @@ class BatchMetadata(TypedDict):
     # modality -> per row, the [t, h, w] grid of each item's placeholders (None: a sequence)
     token_grids: NotRequired[dict[str, list[list[list[int] | None]]]]
     encoder_keys: NotRequired[dict[str, list[str]]]  # modality -> samples of its inputs
+    # data.split_media, encoder ranks: modality -> [sample key, item, first, stop] per piece
+    # of the rank's part (units first..stop - 1 of the sample's item), in placeholder order
+    media_parts: NotRequired[dict[str, list[list]]]
     sequences: NotRequired[list[int]]        # packed: samples per packed sequence
 
 

@@ -77,6 +77,11 @@ class DataConfig:
     # pack each language DP rank's micro-batch into sequences of seq_length (no padding;
     # attention stays inside each sample)
     packing: bool = False
+    # an encoder module fanning in (more DP ranks than the language model's): its ranks of a
+    # language rank each encode a token-balanced part of that rank's micro-batch's media,
+    # images whole, a clip cut between temporal patches (one long clip over several ranks);
+    # off: each encoder rank encodes whole samples. Qwen2-VL-family towers only
+    split_media: bool = False
 
 
 @dataclass

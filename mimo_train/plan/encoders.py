@@ -30,6 +30,11 @@ class EncoderSetting(NamedTuple):
         """Whether its rows carry deepstack features beside the main ones."""
         return ENCODERS[self.kind].deepstack
 
+    @property
+    def frame_independent(self) -> bool:
+        """Whether its tower encodes each temporal patch of a clip on its own."""
+        return ENCODERS[self.kind].frame_independent
+
 
 def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | None
                      ) -> dict[str, EncoderSetting]:

@@ -32,6 +32,9 @@ class Facts:
     deepstack: bool = False
     projection: str = "linear"
     linear_heads: tuple[int, int] | None = None
+    # encoder modules whose towers do not encode each temporal patch of a clip on its own
+    # (``Encoder.frame_independent``): ``data.split_media`` cannot cut their media
+    whole_towers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Settings:
     lora: Mapping[str, int] = field(default_factory=dict)      # part -> rank
     lora_targets: Mapping[str, tuple[str, ...]] | None = None  # part -> targets
     moe_aux_loss: float = 0.0           # model.language.moe_aux_loss (0: off)
+    split_media: bool = False           # data.split_media
 
 
 class Refusal(NamedTuple):
@@ -153,6 +157,27 @@ def encoders_run_whole(facts: Facts, layout: Layout, settings: Settings) -> str 
                 return (f"encoder module {module.name!r} has {dim} {getattr(module, dim)}: the "
                         "transformers encoders run whole on each rank; use dp only for "
                         "encoders")
+    return None
+
+
+@rule
+def split_media_needs_fan_in(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    if not settings.split_media:
+        return None
+    language = layout.language
+    fanning = [] if layout.colocated else [m for m in layout.encoders if m.dp > language.dp]
+    if not fanning:
+        return (f"data.split_media cuts each language rank's media over the encoder ranks that "
+                f"fan in to it; this layout has none (an encoder module with more DP ranks than "
+                f"{LANGUAGE!r}'s {language.dp}, on ranks of its own): drop data.split_media or "
+                f"give the tower's module more ranks, e.g. 'image=dp{2 * language.dp},video'")
+    whole = [m.name for m in fanning if m.name in facts.whole_towers]
+    if whole:
+        return (f"data.split_media: the tower of encoder module {whole[0]!r} does not encode "
+                "each frame on its own (only the Qwen2-VL family's towers do: Qwen2-VL, "
+                "Qwen2.5-VL, Qwen3-VL, Qwen3.5), so its rows would change if its media were cut "
+                "over its ranks; drop data.split_media (each encoder rank then encodes whole "
+                "samples)")
     return None
 
 

@@ -66,7 +66,8 @@ class RunPlan:
         return Facts(language.num_layers, language.num_attention_heads,
                      language.num_query_groups, language.experts,
                      any(e.deepstack for e in self.encoders.values()), self.projection,
-                     (linear.num_key_heads, linear.num_value_heads) if linear else None)
+                     (linear.num_key_heads, linear.num_value_heads) if linear else None,
+                     tuple(name for name, e in self.encoders.items() if not e.frame_independent))
 
     @property
     def settings(self) -> Settings:
@@ -75,7 +76,7 @@ class RunPlan:
                         self.config.data.packing,
                         {a.part.name: a.spec.rank for a in self.adapted},
                         {a.part.name: tuple(a.spec.targets) for a in self.adapted},
-                        self.language.moe_aux_loss)
+                        self.language.moe_aux_loss, self.config.data.split_media)
 
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""

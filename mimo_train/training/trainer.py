@@ -248,7 +248,7 @@ class Trainer:
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
                                 weights=opened.weights, balance=cfg.data.balance,
-                                packing=cfg.data.packing,
+                                packing=cfg.data.packing, split_media=cfg.data.split_media,
                                 # page-locked batches: copies to the GPU that do not block
                                 pin_memory=self.device.type == "cuda")
 

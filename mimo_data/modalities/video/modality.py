@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mimo_data.modalities.base import MediaError, MediaItem, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality, take_grid_rows
 from mimo_data.modalities.video.config import VideoConfig
 from mimo_data.modalities.video.decode import (VIDEO_EXTENSIONS, decode_frames, decode_video,
                                                probe_video)
@@ -36,6 +36,7 @@ class VideoModality(Modality):
     summary_fields = {"width": "int32", "height": "int32", "duration": "float64"}
     ansi_color = "\033[1;33m"
     html_color = "#bf8700"
+    takes_parts = True
 
     def probe(self, data: bytes, check: str, max_image_pixels: int) -> dict[str, Any]:
         return probe_video(data, check)
@@ -87,6 +88,16 @@ class VideoModality(Modality):
 
     def rows_to_tokens(self, inputs: dict[str, torch.Tensor], config: VideoConfig) -> list[int]:
         return video_rows_to_tokens(inputs, config)
+
+    def cut_units(self, item: Mapping[str, Any], config: VideoConfig) -> int:
+        """Its temporal patches: ``pixel_values_videos`` rows are t-major."""
+        return self.token_grid(item, config)[0]
+
+    def take(self, inputs: dict[str, torch.Tensor], config: VideoConfig,
+             pieces: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        pixels, grids = take_grid_rows(inputs["pixel_values_videos"], inputs["video_grid_thw"],
+                                       pieces)
+        return {"pixel_values_videos": pixels, "video_grid_thw": grids}
 
     def describe(self, item: Mapping[str, Any]) -> str:
         return (f"{item.get('width')}x{item.get('height')} {item.get('codec', '')} "
