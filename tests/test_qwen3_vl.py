@@ -8,8 +8,9 @@ video, an image and a video.
 - step 1's loss at lr 0 equals transformers' own ``Qwen3VLForConditionalGeneration`` loss on
   the same micro-batches within 1e-5 (fp32, its ``labels=`` path), on the same trained-token
   count, one sample per micro-batch (padded) and packed;
-- the tower's module at dp2 fanning in to language tp2 (packed; the MoE at tp2 x dp2, its
-  experts over ep2), and at dp1 fanning out to language dp2 in two pipeline stages (the third
+- the tower's module at dp2 fanning in to language tp2 (packed, a clip cut over the two tower
+  ranks by ``data.split_media``; the MoE at tp2 x dp2, whole samples, its experts over ep2),
+  and at dp1 fanning out to language dp2 in two pipeline stages (the third
   deepstack layer's rows then cross to the second stage; the MoE's experts over ep2), give the
   colocated step: loss and every gradient, the deepstack mergers' and
   the tower's inner blocks' included;
@@ -127,18 +128,24 @@ def test_the_load_balancing_loss_is_transformers_on_the_global_batch(run, coloca
 
 
 def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):
-    """The tower's module at dp2 (each rank encodes one sample's images and clips of each
-    micro-batch of two: the text-only sample leaves one rank nothing to encode, its empty rows
-    as wide as the others) fanning in to the language model at tp2: transformers' loss, and
-    every gradient the colocated step has, deepstack mergers included. The dense model
-    packed; the mixture of experts with sequence parallelism (megatron-core's MoE layer needs
-    it under TP; the deepstack rows are then split over the sequence as the embeddings are),
-    padded, at tp2 x dp2 with its 8 experts over ep2 (each rank 4, each expert split over TP:
-    the all-to-all dispatcher between the two expert-parallel ranks)."""
+    """The tower's module at dp2 fanning in to the language model at tp2: transformers' loss,
+    and every gradient the colocated step has, deepstack mergers included. The dense model
+    packed, with ``data.split_media``: both tower ranks read the micro-batch of two and each
+    encodes a token-balanced part of its images and clips in placeholder order (the clip of
+    three temporal patches beside the text-only sample is cut after its first patch: rank 0
+    encodes [1, h, w], rank 1 [2, h, w]; test_media_split.py checks the parts), the bridge
+    joining them in rank order; the whole-sample fan-in of the dense model is the cp2 case's.
+    The mixture of experts with whole samples per tower rank (the text-only sample leaves one
+    rank nothing to encode, its empty rows as wide as the others) and sequence parallelism
+    (megatron-core's MoE layer needs it under TP; the deepstack rows are then split over the
+    sequence as the embeddings are), padded, at tp2 x dp2 with its 8 experts over ep2 (each
+    rank 4, each expert split over TP: the all-to-all dispatcher between the two
+    expert-parallel ranks)."""
     deepstack = [name for name in colocated["grads"]["image"] if "deepstack_merger" in name]
     assert len({name.split(".")[-3] for name in deepstack}) == 3, deepstack
     dense = run["name"] == "2B"
-    how = ["data.packing=true"] if dense else ["model.language.sequence_parallel=true"]
+    how = ["data.packing=true", "data.split_media=true"] if dense \
+        else ["model.language.sequence_parallel=true"]
     language = "tp2" if dense else "tp2,dp2,ep2"
     fan_in = step(ranks, run["tmp"] / "fan-in", 4 if dense else 6,
                   f"layout=image=dp2,video;language={language}",
