@@ -383,26 +383,33 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
     compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
 
 
-@pytest.mark.parametrize("language, nproc, how", [
-    ("cp2", 3, "data.packing=false"), ("cp4", 5, "data.packing=true model.attention=sdpa"),
-    ("pp2,cp2", 5, "data.packing=true"), ("tp2,cp2", 5, "model.language.sequence_parallel=true")])
+@pytest.mark.parametrize("language, towers, how", [
+    ("cp2", 1, "data.packing=false"),
+    ("cp4", 2, "data.packing=true model.attention=sdpa data.split_media=true"),
+    ("pp2,cp2", 1, "data.packing=true"), ("tp2,cp2", 1, "model.language.sequence_parallel=true")])
 def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
-                                                   nproc, how):
+                                                   towers, how):
     """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
     model's sequence over two context-parallel ranks (the four conversations padded), over
     four (packed into one row: the shard edges fall inside samples; SDPA under the row's
-    block-diagonal mask, the reference's the local attention), over two in each of two
-    pipeline stages (packed), and over two in each of two tensor-parallel groups with sequence
-    parallelism (padded: each rank a quarter of the sequence between the TP regions), the
-    tower (images and videos) on its own rank: the colocated step's loss and every gradient,
-    the tower's included (its rows' gradient summed over the context-parallel ranks)."""
+    block-diagonal mask, the reference's the local attention; the micro-batch's images and
+    clips cut over two tower ranks, ``data.split_media``: a long video's whole path), over two
+    in each of two pipeline stages (packed), and over two in each of two tensor-parallel
+    groups with sequence parallelism (padded: each rank a quarter of the sequence between the
+    TP regions), the tower (images and videos) on ranks of its own: the colocated step's loss
+    and every gradient, the tower's included (its rows' gradient summed over the
+    context-parallel ranks)."""
     if run_data["name"] != "qwen2.5-vl":
         return
     reference, init = colocated_step
+    ranks_of = {"tp": 1, "pp": 1, "cp": 1}
+    for dim in language.split(","):
+        ranks_of[dim[:2]] = int(dim[2:])
+    nproc = towers + ranks_of["tp"] * ranks_of["pp"] * ranks_of["cp"]
     sharded = layout_step(ranks, run_data["tmp"], language, nproc,
-                          f"image=dp1,video;language={language}", SAMPLES,
+                          f"image=dp{towers},video;language={language}", SAMPLES,
                           [*run_data["common"], *how.split()], init)
-    compare(reference, sharded, f"image+video dp1 -> language {language}, {how}")
+    compare(reference, sharded, f"image+video dp{towers} -> language {language}, {how}")
 
 
 def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
