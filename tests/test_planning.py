@@ -1123,3 +1123,166 @@ def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
     code, out, err = _run(capsys, main, "plan", "DIR", "--config", path, "--model", path,
                           "--gpus", 2, "--clip-seconds", 60)
     assert code == 2 and "drop DIR" in err
+
+
+# ------------------------------------------------------- split media, the tower's recompute
+
+def test_split_media_divides_the_tower_s_activations_by_k():
+    """``data.split_media``: a clip of 30 temporal patches cut over k = 2 and 3 encoder ranks
+    as the loader cuts it (between temporal patches, near-equal tokens), each rank's tower
+    activations 1/k of the whole clip's (t / k patches each: the per-frame squares divide
+    too), an image beside it kept whole; the parts add up to the micro-batch's."""
+    from mimo_train.planning.dims import Linear, Tower
+    tower = Tower("qwen2_vl", Stack(layers=2, hidden=64, heads=4, query_groups=4,
+                                    kv_channels=16, ffn_hidden=256, gated=False),
+                  (Linear(3 * 2 * 14 * 14, 64),), 64, merge=2)
+    settings = mem.Settings("bf16")
+    clip = [30, 8, 12]
+    whole = mem.tower_activation_bytes(tower, [clip], settings)
+    for k in (2, 3):
+        parts = mem.split_grids([clip], k)
+        assert [grid for part in parts for _, grid in part] == [[30 // k, 8, 12]] * k
+        for part in parts:
+            assert mem.tower_activation_bytes(tower, [g for _, g in part], settings) == \
+                pytest.approx(whole / k, rel=1e-12)
+    # an image (one unit) and a clip: cut inside the clip only, tokens within a patch
+    parts = mem.split_grids([[1, 8, 8], [11, 8, 8]], 2)
+    assert parts == [[(0, [1, 8, 8]), (1, [5, 8, 8])], [(1, [6, 8, 8])]]
+    assert mem.split_grids([], 2) == [[], []]
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl_2b_yaml(qwen2_vl_2b, tmp_path_factory) -> dict:
+    """Qwen2-VL-2B (``qwen2_vl_2b``) as a training YAML, packed, micro-batches of 2: with
+    ``data.split_media`` false and true."""
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    tmp = tmp_path_factory.mktemp("qwen2_vl_2b_yaml")
+    paths = {}
+    for split in (False, True):
+        paths[split] = tmp / f"split-{split}.yaml"
+        paths[split].write_text(yaml.safe_dump(TrainConfig.load(None, [
+            f"data.datasets=[{tmp}]", f"data.preprocess={qwen2_vl_2b['preprocess']}",
+            f"model.pretrained={qwen2_vl_2b['checkpoint']}", "data.packing=true",
+            f"data.split_media={str(split).lower()}", "train.global_batch_size=2",
+            "train.micro_batch_size=2"]).to_dict()))
+    return {**qwen2_vl_2b, "yaml": paths,
+            "config": PreprocessConfig.from_yaml(str(qwen2_vl_2b["preprocess"]))}
+
+
+def _one_long_clip(clip: list[int]) -> dict:
+    """One packed micro-batch of two samples: a clip of ``clip`` (t, h, w) placeholders and
+    100 tokens of text, and 200 tokens of text alone."""
+    tokens = clip[0] * clip[1] * clip[2]
+    return {"global_batch_size": 2, "micro_batch_size": 2, "seq_length": tokens + 100,
+            "packing": True, "epochs": 1, "vocab_size": 151_700,
+            "modalities": QWEN3_5_MODALITIES,
+            "steps": [[{"tokens": tokens + 100, "items": {"video": [tokens]},
+                        "grids": {"video": [clip]}},
+                       {"tokens": 200, "items": {}}]]}
+
+
+def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_yaml):
+    """Qwen2-VL-2B on up to 4 H100s, a micro-batch of a 12000-token clip (48000 patches)
+    and a text-only sample: whole samples put the clip on one tower rank, whose activations
+    do not fit; with ``data.split_media`` each of the two tower ranks of
+    ``image=dp2,video;language=tp2`` holds half of them and fits. The advisor proposes split
+    media (asked by --split-media, by --clip-seconds' both, or by the YAML's
+    data.split_media: true), never without fan-in, and each proposal's overrides are ones
+    the trainer takes."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.planning.advisor import run_advisor
+    config, workload = qwen2_vl_2b_yaml["config"], _one_long_clip([30, 20, 20])
+    for split, asked in ((False, "no"), (False, "both"), (False, "yes"), (True, "no")):
+        path = qwen2_vl_2b_yaml["yaml"][split]
+        model = read_model(str(path), str(qwen2_vl_2b_yaml["preprocess"]), config,
+                           QWEN3_5_MODALITIES, "bf16")
+        assert model.split_media is split
+        request = AdvisorRequest(str(path), str(qwen2_vl_2b_yaml["preprocess"]), 4,
+                                 gpu="h100", top=100, fewer_gpus=True, split_media=asked)
+        report = run_advisor(model, workload, request, qwen2_vl_2b_yaml["variable"],
+                             qwen2_vl_2b_yaml["expanded"])
+        ranked = report["ranked"]
+        if not split and asked == "no":         # not asked: whole samples, as before
+            assert not any(r["settings"]["split_media"] for r in ranked)
+            assert not any("data.split_media" in o for r in ranked for o in r["overrides"])
+            continue
+        assert ranked and ranked[0]["settings"]["split_media"], [
+            (r["layout"], r["settings"]) for r in ranked]
+        for r in ranked:
+            layout = Layout.parse(r["layout_full"])
+            if r["settings"]["split_media"]:
+                assert layout.module("image").dp > layout.language.dp
+                assert not layout.colocated and "data.split_media=true" in r["overrides"]
+            cfg = TrainConfig.load(str(path), r["overrides"])
+            assert cfg.data.split_media is r["settings"]["split_media"]
+            resolve(cfg)                # the trainer's start-up: raises what it refuses
+            layout.validate(layout.world_size, 2, 2, qwen2_vl_2b_yaml["variable"],
+                            modalities=qwen2_vl_2b_yaml["expanded"])
+    # the same layout whole and split: the tower rank's activations halve, only split fits
+    advisor = Advisor(model, read_work(model, workload),
+                      GPU("H100 80GB", 79.6, 989.0, 300.0, 40.0))
+    layout = Layout.parse("image=dp2,video;language=tp2")
+    whole, split_ = (advisor.evaluate(Candidate(layout, mem.Settings(split_media=s)))
+                     for s in (False, True))
+    assert not whole.fits and split_.fits
+    assert split_.memory["image"].activations == \
+        pytest.approx(whole.memory["image"].activations / 2, rel=1e-9)
+    # half the encoding, the same gradient reduction
+    assert whole.busy["image"] / 2 < split_.busy["image"] < 0.55 * whole.busy["image"]
+
+
+QWEN3_VL_8B = REPO / "tools" / "published" / "Qwen--Qwen3-VL-8B-Instruct"
+
+
+def test_the_advisor_recomputes_the_tower_alone(tmp_path):
+    """Qwen3-VL-8B (published dims) on 8 H100s, a 90-second clip at 2 fps of 448x448 frames
+    (a config whose max_pixels is 240844800: 90 temporal patches of 196 tokens): the tower,
+    whole on its one rank, keeps 69 GiB of activations and does not fit; the language
+    model's full recompute, which would recompute the tower too, is refused (deepstack), so
+    every layout ranked recomputes the tower alone (model.encoders.image.recompute=full,
+    model.language.recompute none), and the trainer takes its overrides."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_data.inspect.clip import clip_workload
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.planning.advisor import run_advisor
+    from mimo_train.planning.advisor.candidates import settings_of
+    from mimo_train.planning.advisor.report import format_report
+    preprocessing = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct"))
+    preprocessing["modalities"]["video"]["max_pixels"] = 240844800
+    path = tmp_path / "preprocess.yaml"
+    path.write_text(yaml.safe_dump(preprocessing))
+    config = PreprocessConfig.from_yaml(str(path))
+    work = clip_workload(config, 90, 2, (448, 448))
+    assert work["clip"]["grid"] == [90, 14, 14]
+    model = read_model(str(QWEN3_VL_8B), str(path), config, work["modalities"])
+    request = AdvisorRequest(str(QWEN3_VL_8B), str(path), 8, gpu="h100", top=100,
+                             fewer_gpus=True, split_media="both")
+    layout = Layout.parse("image=dp1,video;language=tp4")
+    tried = settings_of(model, layout, request, work["packing"])
+    assert {(s.recompute, s.towers) for s in tried} == {("none", "none"), ("none", "full")}
+    advisor = Advisor(model, read_work(model, work), GPU("H100 80GB", 79.6, 989.0, 300.0, 40.0))
+    whole, alone = (advisor.evaluate(Candidate(layout, s)) for s in sorted(
+        (s for s in tried if not s.distributed_optimizer), key=lambda s: s.towers == "full"))
+    assert whole.memory["image"].activations / 2**30 > 60 and not whole.fits
+    assert alone.fits and alone.memory["image"].activations < whole.memory["image"].activations
+    report = run_advisor(model, work, request, variable_token_modalities(config),
+                         list(config.modalities))
+    ranked = report["ranked"]
+    assert ranked and all(r["settings"]["tower_recompute"] == "full" and
+                          r["settings"]["recompute"] == "none" for r in ranked), ranked
+    assert "tower recompute full" in format_report(report)
+    for r in ranked:
+        assert "model.encoders.image.recompute=full" in r["overrides"]
+        cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"data.preprocess={path}",
+                                      f"model.pretrained={QWEN3_VL_8B}", *r["overrides"]])
+        assert cfg.model.encoders["image"].recompute == "full"
+        resolve(cfg)                    # the trainer's start-up: raises what it refuses

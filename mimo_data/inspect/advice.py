@@ -30,6 +30,9 @@ class AdvisorRequest:
     packing: bool = False                 # --packing (a training YAML's data.packing wins)
     json: bool = False
     fewer_gpus: bool = False              # also layouts on fewer than gpus (the rest idle)
+    # data.split_media of the candidates: no (unless the training YAML sets it), yes (split
+    # where the trainer's rules allow it, else whole samples), both (each: --clip-seconds)
+    split_media: str = "no"
 
     @classmethod
     def from_args(cls, args) -> AdvisorRequest:
@@ -38,4 +41,6 @@ class AdvisorRequest:
                    args.gpu_tflops, args.gpus_per_node, args.mfu, args.precision,
                    args.distributed_optimizer, args.recompute, not args.no_sequence_parallel,
                    args.top, args.layout, args.packing, args.json,
-                   args.fewer_gpus or args.clip_seconds is not None)
+                   args.fewer_gpus or args.clip_seconds is not None,
+                   "yes" if args.split_media else
+                   "both" if args.clip_seconds is not None else "no")

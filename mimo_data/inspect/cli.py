@@ -210,6 +210,11 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    help="also rank layouts on fewer than N GPUs, the others idle (on with "
                    "--clip-seconds: one clip's tower rank and a language model of tp x cp "
                    "ranks seldom add up to N)")
+    a.add_argument("--split-media", action="store_true",
+                   help="fan-in layouts with data.split_media: the encoder ranks of a language "
+                   "rank each encode a token-balanced part of its micro-batch's media, where "
+                   "the trainer allows it (default: as the training YAML says; with "
+                   "--clip-seconds both whole and split)")
     a.add_argument("--clip-seconds", type=_positive(float), metavar="S",
                    help="no dataset: the work is samples of one clip of S seconds and a short "
                    "prompt (mimo_data/inspect/clip.py), every frame at --fps sampled, sized "

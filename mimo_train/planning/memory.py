@@ -124,6 +124,14 @@ output layer's logits temporaries, ÷ cp. Weights and gradients are not divided:
 holds its TP / PP share whole; the distributed optimizer shards the state over megatron-core's
 dp x cp group (``state_bytes``' ``dp`` is then dp x cp).
 
+Split media (``data.split_media``, ``mimo_data.loading.media_split``): with fan-in, the k =
+encoder dp / language dp encoder ranks of one language DP rank each encode a contiguous part of
+its micro-batch's media, cut into k parts of near-equal tokens between temporal patches (images
+whole): a rank's tower activations are those of its part's patch grids (``split_grids``: a
+clip's [t, h, w] becomes [t1, h, w] on one rank and [t - t1, h, w] on the next), about 1/k of
+the micro-batch's instead of whole samples'. Weights, gradients and optimizer state do not
+change.
+
 In flight: under the pipeline schedule (a non-colocated layout: the encoders are stage 0, the
 language model's PP stages follow; or a language model with PP > 1) the stage at position p of
 S holds min(m, S - p) micro-batches (1F1B's warm-up), m micro-batches per step; colocated and
@@ -167,7 +175,8 @@ class Settings:
     language model at TP > 1), whether the attention kernel keeps the score matrices and the
     tokens the loss is taken at a time (0: all). ``tower_recompute``: the encoder towers' own
     (``model.encoders.<module>.recompute``) where it differs from the language model's (None:
-    ``recompute``)."""
+    ``recompute``). ``split_media``: ``data.split_media``, a fanning-in encoder module's ranks
+    each encoding a token-balanced part of their language rank's micro-batch's media."""
     precision: str = "bf16"
     distributed_optimizer: bool = False
     recompute: str = "none"
@@ -175,6 +184,7 @@ class Settings:
     attention_scores: bool = False
     loss_chunk_tokens: int = 0          # model.language.loss_chunk_tokens (0: the loss at once)
     tower_recompute: str | None = None
+    split_media: bool = False
 
     def __post_init__(self):
         if self.precision not in BYTES or self.recompute not in RECOMPUTE or \
@@ -416,6 +426,20 @@ def tower_positions(tower: Tower, grids: Iterable[Sequence[int]]) -> tuple[float
         positions += t * frame
         squares += t * frame * frame
     return positions, squares
+
+
+def split_grids(grids: Sequence[Sequence[int]], parts: int
+                ) -> list[list[tuple[int, list[int]]]]:
+    """Each of ``parts`` encoder ranks' pieces under ``data.split_media``, as (the item's index
+    in ``grids``, the piece's patch grid t, h, w): ``grids`` (one language rank's micro-batch's
+    items, in order) cut as the loader cuts them (``media_split.cut``: contiguous parts of
+    near-equal tokens, only between temporal patches; a part may be empty)."""
+    from mimo_data.loading.media_split import Item, cut
+    if not grids:
+        return [[] for _ in range(parts)]
+    items = [Item(0, "video", i, int(t), int(t * h * w)) for i, (t, h, w) in enumerate(grids)]
+    return [[(p.item, [p.stop - p.first, int(grids[p.item][1]), int(grids[p.item][2])])
+             for p in part] for part in cut(items, parts)]
 
 
 def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], settings: Settings,

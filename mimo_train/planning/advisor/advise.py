@@ -75,6 +75,9 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     results = [advisor.evaluate(candidate) for candidate in tried]
     ranked = rank(results)
     dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)
+    # a layout's settings that change nothing of its fullest rank shown once
+    dropped = list({(str(r.candidate.layout), round(r.peak_bytes)): r for r in reversed(
+        dropped)}.values())[::-1]
     dropped_layouts = {str(r.candidate.layout) for r in dropped} - \
         {str(r.candidate.layout) for r in ranked}
     shown = ranked[:request.top]
@@ -105,9 +108,11 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
         "yours": compact(yours) if yours is not None else None,
         "yours_not_ranked": not_ranked,
-        "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules),
+        "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules,
+                                model.split_media),
                     "rank": ranked.index(r) + 1, "why": why(r, device, request.gpus)}
                    for r in shown],
-        "dropped": [result_json(r, request.gpus, device, work, model.optimizer_modules)
+        "dropped": [result_json(r, request.gpus, device, work, model.optimizer_modules,
+                                model.split_media)
                     for r in dropped[:3]],
     }

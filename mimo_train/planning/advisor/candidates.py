@@ -14,10 +14,14 @@ Layouts (each checked with ``Layout.validate``, the loader's and trainer's check
   expert split over etp = tp or 1 (with ep 1 too: every expert whole on each TP rank).
 
 Settings (``settings_of``): distributed optimizer off / on, recompute none / selective / full,
-sequence parallel where allowed; every (layout, settings) pair that the trainer's rules
+the towers' full recompute alone (``model.encoders.<module>.recompute``: where the language
+model's is not full), sequence parallel where allowed, split media (``data.split_media``)
+where the request asks for it (``AdvisorRequest.split_media``: yes, split where the rules
+allow it, else whole; both, each); every (layout, settings) pair that the trainer's rules
 (``plan.rules``) refuse is left out, so the advisor never proposes what the trainer refuses.
-Ranked by step time, then less recompute, then no distributed optimizer, then memory; each
-layout shown once, with its best settings.
+Ranked by step time, then less recompute (the language model's, then the towers'), then no
+distributed optimizer, then whole samples, then memory; each layout shown once, with its best
+settings.
 """
 
 from __future__ import annotations
@@ -125,8 +129,10 @@ def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: 
     left out: the distributed optimizer off and on (where some DP size, or the language
     model's dp x cp, is over 1), each
     recompute the request allows (selective only where the attention kernel keeps the
-    scores: with flash, sdpa or varlen kernels it saves nothing), sequence parallel where
-    the rules allow it (unless the request turns it off), else without."""
+    scores: with flash, sdpa or varlen kernels it saves nothing; with any, also the towers'
+    full recompute beside the language model's none or selective), sequence parallel where
+    the rules allow it (unless the request turns it off), else without; split media as
+    ``_split_media`` says."""
     found = []
     for alternatives in _tried(model, layout, request):
         first = next((s for s in alternatives if not _refusals(model, layout, s, packing)),
@@ -158,9 +164,27 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
     if not any(m.dp * m.cp > 1 for m in layout.modules):      # it shards over dp x cp
         distributed = distributed[:1]
     parallel = (True, False) if request.sequence_parallel else (False,)
+    # the towers' own full recompute where the language model's is not full (and some tower
+    # trains: a frozen one keeps nothing for a backward pass)
+    towers = (None, "full") if request.recompute == "any" and any(
+        model.passes.get(f"{e.name}.encoder", 3) > 1 for e in layout.encoders) else (None,)
+    split = _split_media(model, request)
     return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,
-                          model.loss_chunk_tokens) for sp in parallel]
-            for d in distributed for r in recompute]
+                          model.loss_chunk_tokens, t, media)
+             for media in alternatives for sp in parallel]
+            for d in distributed for r in recompute
+            for t in (towers if r != "full" else (None,)) for alternatives in split]
+
+
+def _split_media(model: Model, request: AdvisorRequest) -> list[tuple[bool, ...]]:
+    """``data.split_media`` as ``_tried``'s alternatives: whole samples (``no``, unless the
+    training YAML sets it); split where the rules allow it, else whole (``yes``: the YAML's
+    true, ``--split-media``); each (``both``: ``--clip-seconds``)."""
+    asked = "yes" if model.split_media and request.split_media == "no" else \
+        request.split_media
+    tried: dict[str, list[tuple[bool, ...]]] = {
+        "no": [(False,)], "yes": [(True, False)], "both": [(False,), (True,)]}
+    return tried[asked]
 
 
 def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: bool
@@ -168,7 +192,8 @@ def _refusals(model: Model, layout: Layout, settings: mem.Settings, packing: boo
     assert model.facts is not None, "read_model gives the facts"
     return rules.refusals(model.facts, layout, dataclasses.replace(
         model.rule_settings, recompute=settings.recompute,
-        sequence_parallel=settings.sequence_parallel, packing=packing, lora=model.lora))
+        sequence_parallel=settings.sequence_parallel, packing=packing, lora=model.lora,
+        split_media=settings.split_media))
 
 
 RECOMPUTE_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -178,7 +203,8 @@ def rank(results: list[Result]) -> list[Result]:
     """Fitting results, best first, one per layout (its best settings)."""
     ordered = sorted((r for r in results if r.fits), key=lambda r: (
         round(r.step_s, 9), RECOMPUTE_ORDER[r.candidate.settings.recompute],
-        r.candidate.settings.distributed_optimizer, r.peak_bytes))
+        RECOMPUTE_ORDER[r.candidate.settings.towers], r.candidate.settings.distributed_optimizer,
+        r.candidate.settings.split_media, r.peak_bytes))
     seen, found = set(), []
     for r in ordered:
         key = str(r.candidate.layout)

@@ -26,7 +26,11 @@ the positions, and its attention adds 4 all-to-alls a layer forward and 4 backwa
 cp x its heads (key/value groups repeated up to a multiple of cp where fewer) x kv channels x
 w bytes, (cp-1)/cp of it to other ranks), over the node's bandwidth where every CP group lies
 in one node, else the network's; unpadded micro-batches are cut to a multiple of lcm(64, cp x
-tp), as the trainer pads them. Then:
+tp), as the trainer pads them. An encoder rank's work is its samples' (1/dp of each global
+micro-batch), or with split media (``data.split_media``, a fanning-in module, k = encoder dp /
+language dp) its token-balanced part of its language rank's media (``memory.split_grids``);
+full recompute of the tower (``Settings.towers``: its own or the language model's) adds its
+forward alike. Then:
 
 - non-colocated, a pipeline of S = 1 + pp stages (the encoders, then the language stages), m
   global micro-batches per step: T_k(j) the slowest rank of stage k on micro-batch j (the
@@ -134,6 +138,32 @@ class Advisor:
                 for parts in self._parts(group, dp)]
         return self._language_cache[key]
 
+    def _encoder_parts(self, step: int, module: ModuleLayout, lang: ModuleLayout, group: int,
+                       split: bool) -> list[list[tuple[float, list]]]:
+        """(training FLOPs, patch grids) of each DP rank of encoder ``module`` on each global
+        micro-batch of ``group`` samples: whole samples, 1/dp of them each; ``split``
+        (``data.split_media`` on a fanning-in module: k = dp / language dp), its language
+        rank's media cut into k token-balanced parts (``memory.split_grids``), a piece's FLOPs
+        its sample's times its share of the sample's patches (exact for a frame-independent
+        tower's clip: every temporal patch costs the same)."""
+        flops, grids = self.work.encoder_flops[module.name][step], \
+            self.work.grids[module.name][step]
+        if not split:
+            return [[(float(sum(flops[i] for i in part)), [g for i in part for g in grids[i]])
+                     for part in row] for row in self._parts(group, module.dp)]
+        found: list[list[tuple[float, list]]] = []
+        for row in self._parts(group, lang.dp):
+            found.append([])
+            for part in row:                # a language rank's samples, its k encoder ranks
+                owners = [i for i in part for _ in grids[i]]
+                patches = {i: sum(t * h * w for t, h, w in grids[i]) for i in part}
+                pieces = mem.split_grids([g for i in part for g in grids[i]],
+                                         module.dp // lang.dp)
+                found[-1] += [(sum(flops[owners[item]] * t * h * w / patches[owners[item]]
+                                   for item, (t, h, w) in piece),
+                               [grid for _, grid in piece]) for piece in pieces]
+        return found
+
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self, candidate: Candidate) -> Result:
         layout, settings = candidate.layout, candidate.settings
@@ -162,17 +192,15 @@ class Advisor:
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
                 factor = self._recompute_factor(e.name, settings.towers)
-                ranges = self._parts(group, e.dp)
-                flops = work.encoder_flops[e.name][s]
-                enc_t[e.name] = [[sum(flops[i] for i in part) * factor / self.rate
-                                  for part in row] for row in ranges]
+                split = settings.split_media and e.dp > lang.dp and not colocated
+                parts = self._encoder_parts(s, e, lang, group, split)       # [j][q]
+                enc_t[e.name] = [[f * factor / self.rate for f, _ in row] for row in parts]
                 if self.model.passes.get(f"{e.name}.encoder", 3) == 1:
                     continue                    # forward only: nothing kept for a backward
                 tower = dims.encoders[e.name].tower
                 for q in range(e.dp):           # each DP rank's micro-batches, k in flight
-                    kept = [mem.tower_activation_bytes(tower, [
-                        g for i in row[q] for g in work.grids[e.name][s][i]], settings)
-                        for row in ranges]
+                    kept = [mem.tower_activation_bytes(tower, row[q][1], settings)
+                            for row in parts]
                     act[e.name] = max(act.get(e.name, 0.0), _window(
                         kept, 1 if colocated else mem.in_flight(m, stages, 0)))
             lang_backward = self.model.passes.get(LANGUAGE, 3) > 1

@@ -65,6 +65,7 @@ class Model:
     # the rest of the run's settings the rules read: LoRA's targets, the balancing loss
     rule_settings: rules.Settings = field(default_factory=rules.Settings)
     loss_chunk_tokens: int = 0                        # model.language.loss_chunk_tokens
+    split_media: bool = False                         # a training YAML's data.split_media
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -92,8 +93,11 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     overrides = [f"data.preprocess={os.path.abspath(preprocess_path)}", f"layout={layout}",
                  "model.language.sequence_parallel=false", "model.language.recompute=none",
                  *([f"train.precision={precision or 'bf16'}"] if precision or not yaml else [])]
+    split_media = False
     if yaml:
         cfg = TrainConfig.load(path, overrides)
+        # the candidates' setting (the rules refuse it on this layout of the modules alone)
+        split_media, cfg.data.split_media = cfg.data.split_media, False
     else:
         directory = os.path.dirname(os.path.abspath(path)) if path.endswith(".json") else path
         with open(os.path.join(directory, "config.json")) as f:
@@ -126,7 +130,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
                  tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
-                 plan.language.loss_chunk_tokens)
+                 plan.language.loss_chunk_tokens, split_media)
 
 
 # ---------------------------------------------------------------------------- the work

@@ -28,20 +28,24 @@ def compact(layout: Layout) -> str:
     return ";".join(parts)
 
 
-def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = ()) -> list[str]:
+def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = (),
+              split_media: bool = False) -> list[str]:
     """The training config's ``key=value`` overrides that run ``candidate`` (``mimo-train``'s
     layout, optimizer.distributed, recompute and sequence parallel keys): the distributed
     optimizer's setting also for each module of ``optimizer_modules`` (those the training
     YAML's ``optimizer.modules`` names, whose own ``distributed`` would win over the global
-    key), sequence parallel always (true or false, whatever the YAML says)."""
+    key), sequence parallel always (true or false, whatever the YAML says), data.split_media
+    where the candidate splits or ``split_media`` (the YAML's) would."""
     settings, layout = candidate.settings, candidate.layout
     distributed = str(settings.distributed_optimizer).lower()
     found = [f"layout={compact(layout)}", f"optimizer.distributed={distributed}"]
     found += [f"optimizer.modules.{m}.distributed={distributed}" for m in optimizer_modules]
     found.append(f"model.language.recompute={settings.recompute}")
     found += [f"model.encoders.{e.name}.recompute="
-              f"{'full' if settings.recompute == 'full' else 'none'}" for e in layout.encoders]
+              f"{'full' if settings.towers == 'full' else 'none'}" for e in layout.encoders]
     found.append(f"model.language.sequence_parallel={str(settings.sequence_parallel).lower()}")
+    if settings.split_media or split_media:
+        found.append(f"data.split_media={str(settings.split_media).lower()}")
     return found
 
 
@@ -53,15 +57,20 @@ def achieved_mfu(r: Result, gpus: int, device: GPU) -> float:
 
 
 def result_json(r: Result, gpus: int, device: GPU, work: Work,
-                optimizer_modules: Sequence[str] = ()) -> dict:
+                optimizer_modules: Sequence[str] = (), split_media: bool = False) -> dict:
+    """``r`` as JSON (``split_media``: the training YAML's, for ``overrides``)."""
     settings = r.candidate.settings
     return {"layout": compact(r.candidate.layout), "layout_full": str(r.candidate.layout),
-            "overrides": overrides(r.candidate, optimizer_modules),
+            "overrides": overrides(r.candidate, optimizer_modules, split_media),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
                          "distributed_optimizer": settings.distributed_optimizer,
                          "recompute": settings.recompute,
-                         "sequence_parallel": settings.sequence_parallel},
+                         # model.encoders.<module>.recompute (a tower has none or full)
+                         "tower_recompute": ("full" if settings.towers == "full" else "none")
+                         if r.candidate.layout.encoders else None,
+                         "sequence_parallel": settings.sequence_parallel,
+                         "split_media": settings.split_media},
             "step_s": r.step_s, "samples_per_s": work.global_batch_size / r.step_s,
             "mfu": achieved_mfu(r, gpus, device),
             "memory_gib": {k: v.gib() for k, v in r.memory.items()},
@@ -161,6 +170,10 @@ def _seconds(value: float) -> str:
 def _settings_text(settings: dict) -> str:
     words = ["dist-opt" if settings["distributed_optimizer"] else "no dist-opt",
              f"recompute {settings['recompute']}"]
+    if settings.get("tower_recompute") == "full" and settings["recompute"] != "full":
+        words.append("tower recompute full")
     if settings["sequence_parallel"]:
         words.append("SP")
+    if settings.get("split_media"):
+        words.append("split media")
     return ", ".join(words)
