@@ -214,3 +214,15 @@ def test_where_the_split_cannot_work_it_is_refused_with_the_reason():
         check_split_media(Layout.parse("audio=dp2;language=dp1"), config)
     with pytest.raises(LayoutError, match="this layout has none|has none"):
         check_split_media(Layout.parse("language=dp1;audio=dp1"), config)
+
+
+def test_with_the_split_a_tower_module_need_not_divide_the_micro_batch():
+    """One clip a micro-batch over two tower ranks: whole samples need the tower's dp to divide
+    the global micro-batch; split, each tower rank reads its language rank's samples."""
+    from mimo_data.loading.layout import Layout, LayoutError
+    layout = Layout.parse("image=dp2,video;language=cp2")
+    with pytest.raises(LayoutError, match="does not divide the global micro-batch of 1"):
+        layout.validate(4, 2, 1)
+    layout.validate(4, 2, 1, split_media=True)
+    with pytest.raises(LayoutError, match="does not divide the global micro-batch of 1"):
+        Layout.parse("language=cp2;image=dp2,off0").validate(2, 2, 1, split_media=True)

@@ -20,7 +20,8 @@ turns, text only, a video, an image and a video.
   over ep2), give the colocated step: loss and every
   gradient (the fan-in to 2e-4, as fp32 sums in another order give; the others to 1e-5);
 - the language model's sequence cut over two context-parallel ranks (packed; the tower at dp2
-  fanning in) gives the colocated step, the delta-net layers all-to-all over their heads;
+  fanning in; the MoE's experts over ep2) gives the colocated step, the delta-net layers
+  all-to-all over their heads;
 - import then export gives every weight of the checkpoint back bit for bit, the
   multi-token-prediction weights (``mtp.*``, not trained) included; transformers' greedy
   ``generate`` on the export, from its own processor's tokens and pixels, equals
@@ -30,9 +31,9 @@ The data rules (the training template, timestamps, frame sampling, M-RoPE ids, t
 the published processor) are tests/test_qwen3_5_data.py's; the delta-net layer against
 transformers' and packed against each sample alone, tests/test_gated_delta_net.py's.
 
-Four jobs per checkpoint (one, one, four and five forked ranks), and the dense one's
-context-parallel step (four): no existing job runs these checkpoints, and each layout needs its
-own world; the colocated one is the reference the others, the export and the generation read.
+Five jobs per checkpoint (one, one, four, five, and the context-parallel four forked ranks):
+no existing job runs these checkpoints, and each layout needs its own world; the colocated one
+is the reference the others, the export and the generation read.
 """
 
 from __future__ import annotations
@@ -180,18 +181,15 @@ def test_context_parallel_is_the_colocated_step(ranks, run, colocated, reference
     and the gated attention each run between all-to-alls over their heads (each rank the whole
     row of one of the two key heads, its convolution channels, ``A_log`` and ``dt_bias``);
     the recurrent state and the convolution window still restart at each sample. The mixture
-    of experts is refused under context parallelism with the reason."""
-    from mimo_train.config import TrainConfig
-    from mimo_train.errors import TrainConfigError
-    from mimo_train.plan import resolve
-    layout = "layout=image=dp2,video;language=cp2"
-    if run["name"] != "4B":
-        with pytest.raises(TrainConfigError, match="mixture-of-experts layers are not checked"):
-            resolve(TrainConfig.load(None, [*run["common"], layout]))
-        return
+    of experts with its experts over the two ranks (ep2: 4 of each layer's 8 on each, the
+    shared expert whole)."""
+    dense = run["name"] == "4B"
+    layout = "layout=image=dp2,video;language=cp2" + ("" if dense else ",ep2")
     sharded = step(ranks, run["tmp"] / "cp2", 4, layout,
                    f"train.micro_batch_size={SAMPLES}", "data.packing=true",
-                   f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}", *run["common"])
+                   # the MoE imports the checkpoint itself: each rank reads its experts' slices
+                   *([f"model.init_from={run['tmp'] / 'init' / 'step_0000000'}"] if dense
+                     else []), *run["common"])
     _assert_loss(sharded, reference, "image dp2 -> language cp2, packed")
     compare(colocated, sharded, "image dp2 -> language cp2, packed", GRADIENT_TOLERANCE)
 

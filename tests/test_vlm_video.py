@@ -383,22 +383,24 @@ def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, coloca
     compare(reference, apart, "image+video dp1 -> language dp1, non-colocated")
 
 
-@pytest.mark.parametrize("language, towers, how", [
-    ("cp2", 1, "data.packing=false"),
-    ("cp4", 2, "data.packing=true model.attention=sdpa data.split_media=true"),
-    ("pp2,cp2", 1, "data.packing=true"), ("tp2,cp2", 1, "model.language.sequence_parallel=true")])
+@pytest.mark.parametrize("language, towers, micro, how", [
+    ("cp2", 1, SAMPLES, "data.packing=false"),
+    ("cp4", 2, 1, "data.packing=true model.attention=sdpa data.split_media=true"),
+    ("pp2,cp2", 1, SAMPLES, "data.packing=true"),
+    ("tp2,cp2", 1, SAMPLES, "model.language.sequence_parallel=true")])
 def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_step, language,
-                                                   towers, how):
+                                                   towers, micro, how):
     """Qwen2.5-VL (Qwen2-VL: the same language model, its M-RoPE time unscaled): the language
     model's sequence over two context-parallel ranks (the four conversations padded), over
-    four (packed into one row: the shard edges fall inside samples; SDPA under the row's
-    block-diagonal mask, the reference's the local attention; the micro-batch's images and
-    clips cut over two tower ranks, ``data.split_media``: a long video's whole path), over two
-    in each of two pipeline stages (packed), and over two in each of two tensor-parallel
-    groups with sequence parallelism (padded: each rank a quarter of the sequence between the
-    TP regions), the tower (images and videos) on ranks of its own: the colocated step's loss
-    and every gradient, the tower's included (its rows' gradient summed over the
-    context-parallel ranks)."""
+    four (one sample a micro-batch, as one long clip would be, packed; SDPA under the row's
+    block-diagonal mask, the reference's the local attention; each sample's images and clips
+    cut over two tower ranks, ``data.split_media``, whose dp need not divide the micro-batch:
+    a long video's whole path; a text-only sample leaves both tower ranks nothing), over two
+    in each of two pipeline stages (the four samples packed: the shard edges fall inside
+    samples), and over two in each of two tensor-parallel groups with sequence parallelism
+    (padded: each rank a quarter of the sequence between the TP regions), the tower (images
+    and videos) on ranks of its own: the colocated step's loss and every gradient, the tower's
+    included (its rows' gradient summed over the context-parallel ranks)."""
     if run_data["name"] != "qwen2.5-vl":
         return
     reference, init = colocated_step
@@ -407,7 +409,7 @@ def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_st
         ranks_of[dim[:2]] = int(dim[2:])
     nproc = towers + ranks_of["tp"] * ranks_of["pp"] * ranks_of["cp"]
     sharded = layout_step(ranks, run_data["tmp"], language, nproc,
-                          f"image=dp{towers},video;language={language}", SAMPLES,
+                          f"image=dp{towers},video;language={language}", micro,
                           [*run_data["common"], *how.split()], init)
     compare(reference, sharded, f"image+video dp{towers} -> language {language}, {how}")
 

@@ -360,6 +360,11 @@ class Layout:
         """All modules on the same ranks (megatron-core's COLOCATED mode)."""
         return len({(m.rank_offset, m.size) for m in self.modules}) == 1
 
+    def fans_in(self, module: ModuleLayout) -> bool:
+        """Whether encoder ``module`` feeds the language model from more DP ranks than its,
+        on ranks of its own (each language DP rank gets the rows of dp / language dp ranks)."""
+        return not self.colocated and module.dp > self.language.dp
+
     @property
     def world_size(self) -> int:
         return max(m.ranks.stop for m in self.modules)
@@ -375,11 +380,14 @@ class Layout:
     # -------------------------------------------------------------------------- validation
 
     def validate(self, world_size: int, global_batch_size: int, micro_batch_size: int,
-                 variable_count_modalities=(), modalities=None) -> None:
+                 variable_count_modalities=(), modalities=None, split_media: bool = False
+                 ) -> None:
         """Raise LayoutError unless this layout can run on ``world_size`` ranks with these
         batch sizes. ``variable_count_modalities``: modalities whose per-sample token count
         varies (e.g. dynamic-resolution images, audio). ``modalities``: the modalities the
-        preprocessing config expands (each needs an encoder module)."""
+        preprocessing config expands (each needs an encoder module). ``split_media``
+        (``data.split_media``): the encoder modules that fan in read their language rank's
+        samples and cut its media, so their dp need not divide the global micro-batch."""
         self._validate_ranks(world_size)
         language = self.language
         for module in self.encoders:
@@ -407,7 +415,7 @@ class Layout:
                                   "serves it beside images, 'image=dp1,video') or "
                                   f"remove modalities.{modality} from the config (such samples "
                                   "are then dropped and counted)")
-        self._validate_batches(global_batch_size, micro_batch_size)
+        self._validate_batches(global_batch_size, micro_batch_size, split_media)
         for modality in variable_count_modalities:
             name = self.modalities.get(modality)
             if name is None:
@@ -461,7 +469,8 @@ class Layout:
             raise LayoutError(f"the modules need {sizes} = {expected} ranks, the world has "
                               f"{world_size}; shrink a module or run {expected} ranks")
 
-    def _validate_batches(self, global_batch_size: int, micro_batch_size: int) -> None:
+    def _validate_batches(self, global_batch_size: int, micro_batch_size: int,
+                          split_media: bool = False) -> None:
         if micro_batch_size < 1 or global_batch_size < 1:
             raise LayoutError(f"global batch {global_batch_size} and micro batch "
                               f"{micro_batch_size} must be >= 1")
@@ -472,6 +481,8 @@ class Layout:
                 f"{micro_batch_size} x {LANGUAGE} dp {self.language.dp} = {group} (the global "
                 f"micro-batch): use a global batch that is a multiple of {group}")
         for module in self.encoders:
+            if split_media and self.fans_in(module):
+                continue
             if group % module.dp:
                 raise LayoutError(
                     f"module {module.name!r} has dp {module.dp}, which does not divide the "

@@ -702,7 +702,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                                                                 PreprocessConfig)
                                 else PreprocessConfig.from_yaml(str(preprocess_config)))
     layout.validate(world_size, global_batch_size, micro_batch_size,
-                    variable_token_modalities(config), modalities=list(config.modalities))
+                    variable_token_modalities(config), modalities=list(config.modalities),
+                    split_media=split_media)
     if split_media:
         check_split_media(layout, config)
     role = layout.role(rank)

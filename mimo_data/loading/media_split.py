@@ -52,7 +52,7 @@ def check_split_media(layout: Layout, config) -> None:
     Whether its tower encodes a clip's temporal patches independently is the trainer's rule
     (``mimo_train.plan.rules``)."""
     language = layout.language
-    fanning = [] if layout.colocated else [m for m in layout.encoders if m.dp > language.dp]
+    fanning = [m for m in layout.encoders if layout.fans_in(m)]
     if not fanning:
         raise LayoutError(
             f"data.split_media cuts each language rank's media over the encoder ranks that fan "

@@ -165,7 +165,7 @@ def split_media_needs_fan_in(facts: Facts, layout: Layout, settings: Settings) -
     if not settings.split_media:
         return None
     language = layout.language
-    fanning = [] if layout.colocated else [m for m in layout.encoders if m.dp > language.dp]
+    fanning = [m for m in layout.encoders if layout.fans_in(m)]
     if not fanning:
         return (f"data.split_media cuts each language rank's media over the encoder ranks that "
                 f"fan in to it; this layout has none (an encoder module with more DP ranks than "

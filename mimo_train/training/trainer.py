@@ -82,7 +82,7 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                     f"with mimo-shard build ... --output {directory}")
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                     cfg.train.micro_batch_size, variable_token_modalities(preprocess),
-                    modalities=list(preprocess.modalities))
+                    modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
 
 
 class Trainer:
