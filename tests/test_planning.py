@@ -1221,7 +1221,8 @@ def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_
             assert cfg.data.split_media is r["settings"]["split_media"]
             resolve(cfg)                # the trainer's start-up: raises what it refuses
             layout.validate(layout.world_size, 2, 2, qwen2_vl_2b_yaml["variable"],
-                            modalities=qwen2_vl_2b_yaml["expanded"])
+                            modalities=qwen2_vl_2b_yaml["expanded"],
+                            split_media=r["settings"]["split_media"])
     # the same layout whole and split: the tower rank's activations halve, only split fits
     advisor = Advisor(model, read_work(model, workload),
                       GPU("H100 80GB", 79.6, 989.0, 300.0, 40.0))
@@ -1235,6 +1236,39 @@ def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_
     assert whole.busy["image"] / 2 < split_.busy["image"] < 0.55 * whole.busy["image"]
 
 
+def test_one_clip_a_micro_batch_is_split_over_more_tower_ranks_than_samples(qwen2_vl_2b_yaml):
+    """The clip alone in its micro-batch (micro batch 1): whole samples give the tower one
+    rank (its dp must divide the global micro-batch); split, the tower's dp need not divide
+    it (each rank reads the language rank's sample), so the advisor also ranks layouts whose
+    tower ranks outnumber the samples, only with split media, and the trainer takes them."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import read_model, run_advisor
+    workload = _one_long_clip([30, 20, 20])
+    workload.update(global_batch_size=1, micro_batch_size=1, steps=[workload["steps"][0][:1]])
+    path = qwen2_vl_2b_yaml["yaml"][False]
+    model = read_model(str(path), str(qwen2_vl_2b_yaml["preprocess"]),
+                       qwen2_vl_2b_yaml["config"], QWEN3_5_MODALITIES, "bf16")
+    reports = {asked: run_advisor(model, workload, AdvisorRequest(
+        str(path), str(qwen2_vl_2b_yaml["preprocess"]), 4, gpu="h100", top=100,
+        fewer_gpus=True, split_media=asked), qwen2_vl_2b_yaml["variable"],
+        qwen2_vl_2b_yaml["expanded"]) for asked in ("no", "yes")}
+    for r in reports["no"]["ranked"]:
+        assert Layout.parse(r["layout_full"]).module("image").dp == 1, r["layout"]
+        assert not r["settings"]["split_media"]
+    ranked = [r for r in reports["yes"]["ranked"]
+              if Layout.parse(r["layout_full"]).module("image").dp > 1]
+    assert ranked, [r["layout"] for r in reports["yes"]["ranked"]]
+    for r in ranked:
+        layout = Layout.parse(r["layout_full"])
+        assert r["settings"]["split_media"] and layout.language.dp == 1
+        resolve(TrainConfig.load(str(path), [*r["overrides"], "train.global_batch_size=1",
+                                             "train.micro_batch_size=1"]))
+        layout.validate(layout.world_size, 1, 1, qwen2_vl_2b_yaml["variable"],
+                        modalities=qwen2_vl_2b_yaml["expanded"], split_media=True)
+
+
 QWEN3_VL_8B = REPO / "tools" / "published" / "Qwen--Qwen3-VL-8B-Instruct"
 
 
@@ -1244,7 +1278,8 @@ def test_the_advisor_recomputes_the_tower_alone(tmp_path):
     whole on its one rank, keeps 69 GiB of activations and does not fit; the language
     model's full recompute, which would recompute the tower too, is refused (deepstack), so
     every layout ranked recomputes the tower alone (model.encoders.image.recompute=full,
-    model.language.recompute none), and the trainer takes its overrides."""
+    model.language.recompute none) or cuts the clip over several tower ranks (split media),
+    the former ranked, and the trainer takes their overrides."""
     from mimo_data.inspect.advice import AdvisorRequest
     from mimo_data.inspect.clip import clip_workload
     from mimo_data.loading.loader import variable_token_modalities
@@ -1277,9 +1312,13 @@ def test_the_advisor_recomputes_the_tower_alone(tmp_path):
     report = run_advisor(model, work, request, variable_token_modalities(config),
                          list(config.modalities))
     ranked = report["ranked"]
-    assert ranked and all(r["settings"]["tower_recompute"] == "full" and
-                          r["settings"]["recompute"] == "none" for r in ranked), ranked
+    assert ranked and all(r["settings"]["recompute"] == "none" and (
+        r["settings"]["tower_recompute"] == "full" or (
+            r["settings"]["split_media"]
+            and Layout.parse(r["layout_full"]).module("image").dp > 1)) for r in ranked), ranked
     assert "tower recompute full" in format_report(report)
+    ranked = [r for r in ranked if r["settings"]["tower_recompute"] == "full"]
+    assert ranked
     for r in ranked:
         assert "model.encoders.image.recompute=full" in r["overrides"]
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"data.preprocess={path}",

@@ -10,7 +10,8 @@ import sys
 
 from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
-from mimo_train.planning.advisor.candidates import layouts, rank, refused, settings_of
+from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
+                                                     settings_of)
 from mimo_train.planning.advisor.cost import MFU, Advisor, Candidate
 from mimo_train.planning.advisor.inputs import Model, gpu, read_model, read_work
 from mimo_train.planning.advisor.report import compact, format_report, result_json, why
@@ -50,9 +51,10 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     work = read_work(model, workload)
     advisor = Advisor(model, work, device, request.mfu if request.mfu is not None else MFU)
     sizes = range(1, request.gpus + 1) if request.fewer_gpus else [request.gpus]
+    split = model.split_media or request.split_media != "no"
     candidates = [layout for size in sizes for layout in layouts(
         model, size, workload["modalities"], work.global_batch_size, work.micro_batch_size,
-        variable, expanded)]
+        variable, expanded, split)]
     yours = Layout.parse(request.layout) if request.layout else None
     not_ranked = None               # why your layout is not ranked, where it cannot be
     if yours is not None and yours.world_size not in sizes:
@@ -61,7 +63,7 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     elif yours is not None:
         try:
             yours.validate(yours.world_size, work.global_batch_size, work.micro_batch_size,
-                           variable, modalities=expanded)
+                           variable, modalities=expanded, split_media=split)
         except LayoutError as error:
             not_ranked = f"not ranked: {error}"
         else:
@@ -70,8 +72,12 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
                 not_ranked = f"not ranked: the trainer refuses it: {reason}"
             elif str(yours) not in {str(x) for x in candidates}:
                 candidates.append(yours)
+    # a tower fanning in whose dp does not divide the global micro-batch: split media only
+    only_split = {str(layout) for layout in candidates if split and needs_split(
+        layout, work.global_batch_size, work.micro_batch_size, variable, expanded)}
     tried = [Candidate(layout, settings) for layout in candidates
-             for settings in settings_of(model, layout, request, work.packing)]
+             for settings in settings_of(model, layout, request, work.packing)
+             if settings.split_media or str(layout) not in only_split]
     results = [advisor.evaluate(candidate) for candidate in tried]
     ranked = rank(results)
     dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)

@@ -72,8 +72,11 @@ def expert_layouts(model: Model, tp: int, dp: int) -> list[dict[str, int]]:
 
 
 def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_size: int,
-            micro_batch_size: int, variable: list[str], expanded: list[str]) -> list[Layout]:
-    """Every valid layout of the model's modules on ``gpus`` ranks (the module docstring)."""
+            micro_batch_size: int, variable: list[str], expanded: list[str],
+            split: bool = False) -> list[Layout]:
+    """Every valid layout of the model's modules on ``gpus`` ranks (the module docstring);
+    ``split``: also towers fanning in whose dp does not divide the global micro-batch, valid
+    only with ``data.split_media`` (``needs_split``)."""
     encoders = list(model.dims.encoders)
     found: list[Layout] = []
 
@@ -81,7 +84,7 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
         try:
             layout = Layout.from_dict({"modules": spec, "modalities": modalities})
             layout.validate(gpus, global_batch_size, micro_batch_size, variable,
-                            modalities=expanded)
+                            modalities=expanded, split_media=split)
         except LayoutError:
             return
         found.append(layout)
@@ -101,7 +104,9 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
             if ranks == 0:
                 yield []
             return
-        for dp in _divisors(group):
+        choices = _divisors(group) if not split else sorted(
+            set(_divisors(group)) | set(range(2 * lang_dp, ranks + 1, lang_dp)))
+        for dp in choices:
             if dp <= ranks - (len(names) - 1) and (dp % lang_dp == 0 or lang_dp % dp == 0):
                 for rest in spread(names[1:], ranks - dp, group, lang_dp):
                     yield [dp, *rest]
@@ -121,6 +126,18 @@ def layouts(model: Model, gpus: int, modalities: dict[str, str], global_batch_si
                     add({**spec, LANGUAGE: {"tp": tp, "cp": cp, "pp": pp, "dp": dp,
                                             "rank_offset": offset, **experts}})
     return found
+
+
+def needs_split(layout: Layout, global_batch_size: int, micro_batch_size: int,
+                variable: list[str], expanded: list[str]) -> bool:
+    """Whether ``layout`` is valid only with ``data.split_media`` (a tower fanning in whose dp
+    does not divide the global micro-batch)."""
+    try:
+        layout.validate(layout.world_size, global_batch_size, micro_batch_size, variable,
+                        modalities=expanded)
+    except LayoutError:
+        return True
+    return False
 
 
 def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: bool = False
