@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron.core.tensor_parallel.mappings import (all_to_all,
+from megatron.core.tensor_parallel.mappings import (all_to_all_hp2sp, all_to_all_sp2hp,
                                                     copy_to_tensor_model_parallel_region,
                                                     scatter_to_sequence_parallel_region)
 
@@ -55,7 +55,9 @@ def span(length: int, group: dist.ProcessGroup) -> slice:
 
 
 class _Shard(torch.autograd.Function):
-    """This rank's part along ``dim``; backward: its gradient in place, zeros elsewhere."""
+    """This rank's part along ``dim``; backward: its gradient in place, zeros elsewhere
+    (megatron-core's split, ``scatter_to_sequence_parallel_region``, all-gathers the gradient
+    instead: every CP rank would then count the whole sequence's text-embedding gradient)."""
 
     @staticmethod
     def forward(ctx, tensor, dim, group):
@@ -112,20 +114,18 @@ class SequenceShards:
 
 def heads_to_sequence(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[s/cp, b, h, d]`` (this rank's tokens, every head) → ``[s, b, h/cp, d]`` (every token,
-    this rank's heads), by one all-to-all over ``group``."""
-    cp = group.size()
+    this rank's heads): megatron-core's sequence-to-head all-to-all over ``group``, on the
+    tokens flattened (rank j's tokens come j-th, in sequence order)."""
     s, b, h, d = tensor.shape
-    parts = tensor.reshape(s, b, cp, h // cp, d).permute(2, 0, 1, 3, 4).contiguous()
-    out = all_to_all(group, parts.reshape(cp * s, -1))      # part j to rank j, j's back at j
-    return out.reshape(cp * s, b, h // cp, d)
+    out = all_to_all_sp2hp(tensor.reshape(s * b, h * d), group=group)
+    return out.reshape(-1, b, h // group.size(), d)
 
 
 def sequence_to_heads(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The inverse of ``heads_to_sequence``: ``[s, b, h/cp, d]`` → ``[s/cp, b, h, d]``."""
-    cp = group.size()
     s, b, h, d = tensor.shape
-    out = all_to_all(group, tensor.reshape(s, -1).contiguous())
-    return out.reshape(cp, s // cp, b, h, d).permute(1, 2, 0, 3, 4).reshape(s // cp, b, cp * h, d)
+    out = all_to_all_hp2sp(tensor.reshape(s * b, h * d), group=group)
+    return out.reshape(s // group.size(), b, -1, d)
 
 
 def heads_for(key: torch.Tensor, value: torch.Tensor, heads: int, cp: int

@@ -305,24 +305,23 @@ class Advisor:
                 layers * heads / (self._cp_gbs(module) * 1e9) if heads else 0.0)
 
     def _cp_gbs(self, module: ModuleLayout) -> float:
-        """The bandwidth of the module's context-parallel groups: a node's when each lies in
-        one node, else the network's (ranks tp apart: the grid's order is tp, cp, dp, pp)."""
-        per_node, tp, cp = self.device.per_node, module.tp, module.cp
-        for base in range(module.rank_offset, module.rank_offset + module.size, tp * cp):
-            for t in range(tp):
-                if len({(base + t + c * tp) // per_node for c in range(cp)}) > 1:
-                    return self.device.network_gbs
-        return self.device.node_gbs
+        """The bandwidth of the module's context-parallel groups (the grid's order is tp, cp,
+        dp, pp: cp ranks tp apart)."""
+        return self._group_gbs(module, module.tp, module.cp)
 
     def _ep_gbs(self, module: ModuleLayout) -> float:
-        """The bandwidth of the module's expert-parallel groups: a node's when each lies in
-        one node, else the network's (the slowest group paces the all-to-all)."""
-        per_node, etp, ep = self.device.per_node, module.expert_tp, module.ep
-        # each stage's ranks in blocks of etp x ep, the expert view's order (etp fastest): a
-        # block holds etp groups, of ranks etp apart
-        for base in range(module.rank_offset, module.rank_offset + module.size, etp * ep):
-            for t in range(etp):
-                if len({(base + t + e * etp) // per_node for e in range(ep)}) > 1:
+        """The bandwidth of the module's expert-parallel groups (the expert view's order is
+        etp, ep: ep ranks etp apart)."""
+        return self._group_gbs(module, module.expert_tp, module.ep)
+
+    def _group_gbs(self, module: ModuleLayout, stride: int, size: int) -> float:
+        """A node's bandwidth when each of the module's groups of ``size`` ranks ``stride``
+        apart (in blocks of stride x size ranks) lies in one node, else the network's (the
+        slowest group paces the collective)."""
+        per_node = self.device.per_node
+        for base in range(module.rank_offset, module.rank_offset + module.size, stride * size):
+            for t in range(stride):
+                if len({(base + t + k * stride) // per_node for k in range(size)}) > 1:
                     return self.device.network_gbs
         return self.device.node_gbs
 
