@@ -2,7 +2,8 @@
 against the local reference on the same inputs.
 
 - ``choose``: ``auto`` is the local reference on the CPU, varlen on CUDA in bf16 (flash-capable
-  GPU), SDPA otherwise; flash-attention-2 towers only on such GPUs with the package installed;
+  GPU), SDPA otherwise; flash-attention-2 towers only on such GPUs with the package installed,
+  else mimo's varlen towers where the language model gets varlen;
   an impossible ``varlen`` is refused naming what it needs;
 - the block-diagonal causal mask against one written out by hand;
 - ``CoreAttention``: SDPA and varlen (its kernel replaced by a per-sample stand-in that checks
@@ -27,6 +28,7 @@ from mimo_train.errors import TrainConfigError
 CPU = Kernels(cuda=False, flash_capable=False, varlen=True, flash_attn_2=False)
 H100 = Kernels(cuda=True, flash_capable=True, varlen=True, flash_attn_2=True)
 V100 = Kernels(cuda=True, flash_capable=False, varlen=True, flash_attn_2=False)
+H200 = Kernels(cuda=True, flash_capable=True, varlen=True, flash_attn_2=False)   # the GPU check's
 BF16, FP32 = torch.bfloat16, torch.float32
 
 
@@ -37,6 +39,11 @@ BF16, FP32 = torch.bfloat16, torch.float32
     ("auto", FP32, H100, "sdpa", "sdpa"),
     ("auto", BF16, V100, "sdpa", "sdpa"),
     ("auto", BF16, Kernels(True, True, False, False), "sdpa", "sdpa"),
+    ("auto", BF16, H200, "varlen", "varlen"),            # no flash-attn: mimo's tower kernel
+    ("varlen", BF16, H200, "varlen", "varlen"),
+    ("sdpa", BF16, H200, "sdpa", "sdpa"),
+    ("local", BF16, H200, "local", "sdpa"),
+    ("auto", FP32, H200, "sdpa", "sdpa"),
     ("sdpa", FP32, CPU, "sdpa", "sdpa"),
     ("local", BF16, H100, "local", "flash_attention_2"),
     ("varlen", BF16, H100, "varlen", "flash_attention_2"),

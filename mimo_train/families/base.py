@@ -60,6 +60,9 @@ class Encoder(torch.nn.Module):
     # within the frame): a clip cut between temporal patches gives the same rows, so
     # ``data.split_media`` may spread one clip over the module's ranks
     frame_independent: bool = False
+    # its transformers tower attends within items given their boundaries (``cu_seqlens``) in
+    # one call: ``model.tower_attention``'s varlen kernel serves it on GPUs
+    attends_by_boundaries: bool = False
 
     @property
     def row_width(self) -> int:

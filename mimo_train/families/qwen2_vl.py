@@ -79,6 +79,7 @@ class Qwen2VLVision(Encoder):
     # rotary and resampled position embeddings per frame and lay Qwen2.5-VL's windows within
     # it (tests/test_media_split.py checks each)
     frame_independent = True
+    attends_by_boundaries = True
 
     @staticmethod
     def pretrained_output_size(config) -> int:

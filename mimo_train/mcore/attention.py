@@ -26,7 +26,11 @@ local layer specs, whose parameter names its checkpoints and the transformers ma
 
 The encoders' transformers towers take ``attn_implementation``: ``flash_attention_2`` on CUDA
 in bf16 when the ``flash-attn`` package is installed (Qwen2-VL's tower then attends over all
-images at once by ``cu_seqlens``), else ``sdpa``.
+images at once by ``cu_seqlens``); else, where ``model.attention`` is ``auto`` or ``varlen`` and
+the language model would get ``varlen``, ``varlen``: torch's varlen kernel over all items at
+once in the towers that give their boundaries (the model package's tower attention), SDPA in the
+others;
+else ``sdpa`` (a setting of ``sdpa`` or ``local`` keeps the towers on transformers' own).
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from mimo_train.mcore.rotary import InterleavedMultimodalRotaryEmbedding
 class AttentionChoice:
     """The kernels of a run: the language backend and the encoders' implementation."""
     language: str                   # local | sdpa | varlen
-    encoders: str                   # sdpa | flash_attention_2
+    encoders: str                   # sdpa | flash_attention_2 | varlen
 
     def describe(self) -> str:
         return f"attention: language {self.language}, encoders {self.encoders}"
@@ -90,7 +94,8 @@ def choose(setting: str, dtype: torch.dtype, kernels: Kernels) -> AttentionChoic
         raise TrainConfigError(f"model.attention is varlen, which {missing[0]}: use sdpa or auto")
     else:
         language = setting
-    encoders = "flash_attention_2" if fast and kernels.flash_attn_2 else "sdpa"
+    encoders = "flash_attention_2" if fast and kernels.flash_attn_2 else \
+        "varlen" if language == "varlen" else "sdpa"
     return AttentionChoice(language, encoders)
 
 

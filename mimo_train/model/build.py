@@ -31,6 +31,7 @@ from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
 from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
 from mimo_train.model.parts import layer_offset, module_of, replace_module
+from mimo_train.model.tower_attention import set_attention
 from mimo_train.plan import RunPlan
 from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
@@ -242,8 +243,9 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
         module = module_of(model, name)
         if name in plan.encoders:     # in its dtype and on its device: what transformers checks
             modality = plan.encoders[name].modality
-            tower = module.encoders[modality].encoder.model
-            tower.set_attn_implementation(attention.encoders)
+            encoder = module.encoders[modality].encoder
+            tower = encoder.model
+            set_attention(tower, attention.encoders, encoder.attends_by_boundaries)
             if plan.modules[name].recompute == "full":
                 recompute_tower(tower, name)
         # a frozen part's weights, and those of a part under LoRA but for its adapters

@@ -3,7 +3,8 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 
 - ``env``: versions, the GPU, and a bf16 matmul's TFLOP/s (8192^3, the practical peak);
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
-  ``varlen_attn`` over three causal samples against SDPA on each sample alone, and the gated
+  ``varlen_attn`` over three causal samples against SDPA on each sample alone, the image
+  tower under mimo's varlen attention against transformers' SDPA (``tower_varlen``), the gated
   delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
   flash-linear-attention's where installed, else mimo's torch ones), and a rank's experts as
   grouped GEMMs against a loop over them (``grouped_experts``); each probe's failure is
@@ -96,6 +97,59 @@ def varlen() -> dict:
         at += n
     diff = (out.float() - torch.cat(reference).float()).abs().max().item()
     return {"ok": diff < 2e-2, "max_abs_diff_vs_sdpa": diff}
+
+
+TOWER = "tools/published/Qwen--Qwen2-VL-2B-Instruct"
+TOWER_IMAGES = 16                        # of 36 x 36 patches (324 tokens: a 512 x 512 photo)
+
+
+def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36) -> dict:
+    """Qwen2-VL-2B's published tower (32 layers of 1280), bf16, a micro-batch of ``images``
+    under transformers' ``sdpa`` (a host split and an SDPA call per image and layer) and
+    under mimo's ``varlen`` (``mimo_train.model.tower_attention``: one call per layer):
+    the rows and a gradient apart (relative to the largest entry), and the milliseconds of a
+    forward and backward each."""
+    import copy
+
+    from transformers import AutoConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+        Qwen2VisionTransformerPretrainedModel)
+
+    from mimo_train.model.tower_attention import set_attention
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(TOWER).vision_config
+    sdpa = Qwen2VisionTransformerPretrainedModel._from_config(
+        config, dtype=torch.bfloat16).to(device)
+    sdpa.set_attn_implementation("sdpa")
+    varlen = copy.deepcopy(sdpa)
+    set_attention(varlen, "varlen", by_boundaries=True)
+    columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    grid = torch.tensor([[1, side, side]] * images, device=device)
+    pixels = torch.randn(images * side * side, columns, device=device, dtype=torch.bfloat16)
+
+    def timed(tower):
+        for _ in range(2):
+            tower(hidden_states=pixels, grid_thw=grid).pooler_output.float().square().mean() \
+                .backward()
+        tower.zero_grad()
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(3):
+            rows = tower(hidden_states=pixels, grid_thw=grid).pooler_output
+            rows.float().square().mean().backward()
+        torch.cuda.synchronize()
+        grad = tower.blocks[0].attn.qkv.weight.grad.float()
+        return rows.detach().float(), grad, (time.perf_counter() - started) / 3 * 1e3
+
+    expected, expected_grad, sdpa_ms = timed(sdpa)
+    found, grad, varlen_ms = timed(varlen)
+    rows_diff = ((found - expected).abs().max() / expected.abs().max()).item()
+    grad_diff = ((grad - expected_grad).abs().max() / expected_grad.abs().max()).item()
+    return {"ok": rows_diff < 5e-2 and grad_diff < 5e-2, "images": images,
+            "patches": images * side * side, "max_rel_diff_rows": rows_diff,
+            "max_rel_diff_grad": grad_diff, "sdpa_fwd_bwd_ms": round(sdpa_ms, 1),
+            "varlen_fwd_bwd_ms": round(varlen_ms, 1),
+            "sdpa_over_varlen": round(sdpa_ms / varlen_ms, 2)}
 
 
 DELTA_NET_LENGTHS = [1000, 37, 2048, 511]
@@ -221,11 +275,12 @@ def grouped_experts(device: str = "cuda") -> dict:
 def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
-                for name in ("nccl", "cuda_events", "varlen_kernel", "delta_net",
-                             "grouped_experts")}
+                for name in ("nccl", "cuda_events", "varlen_kernel", "tower_varlen",
+                             "delta_net", "grouped_experts")}
     found = {}
     for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
-                        ("delta_net", delta_net), ("grouped_experts", grouped_experts)):
+                        ("tower_varlen", tower_varlen), ("delta_net", delta_net),
+                        ("grouped_experts", grouped_experts)):
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end

@@ -1,0 +1,99 @@
+"""mimo_train/model/tower_attention.py: the towers' attention over all items in one varlen call.
+
+For each tower that gives boundaries (the published replicas' tower configs: Qwen2-VL,
+Qwen2.5-VL's windows, Qwen3-VL's deepstack, Qwen3.5, and the MoE models' towers), with
+``varlen`` set the tower calls the kernel once per layer (not once per image) with what the
+real kernel takes (int32 boundaries, host ints for the longest item, ``[tokens, heads, dim]``,
+the tower's scale, no causal window), and its rows and every weight's gradient equal
+transformers' own ``sdpa`` (fp32). The kernel needs CUDA: here a stand-in runs SDPA on each
+item (the GPU check's ``tower_varlen`` probe runs the real one against transformers' SDPA).
+Towers without boundaries and other choices keep transformers' implementation.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import MODELS
+from mimo_train.model.tower_attention import VARLEN, set_attention
+
+TOWERS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct", "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
+          "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct",
+          "qwen3_vl_moe": "Qwen--Qwen3-VL-30B-A3B-Instruct", "qwen3_5": "Qwen--Qwen3.5-4B",
+          "qwen3_5_moe": "Qwen--Qwen3.5-35B-A3B"}
+
+
+def _stand_in(calls: list):
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert q.dim() == 3 and q.is_contiguous() and q.shape == k.shape == v.shape
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert type(max_q) is int and type(max_k) is int and window_size == (-1, -1)
+        bounds = cu_q.tolist()
+        assert max_q == max(b - a for a, b in zip(bounds, bounds[1:])) and bounds[-1] == len(q)
+        calls.append(len(bounds) - 1)
+        return torch.cat([F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=scale).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])])
+    return varlen_attn
+
+
+@pytest.mark.parametrize("kind", sorted(TOWERS))
+def test_one_varlen_call_per_layer_gives_transformers_rows_and_gradients(kind, monkeypatch):
+    import torch.nn.attention.varlen as varlen
+    from transformers import AutoConfig
+
+    from mimo_train.families.registry import ENCODERS
+    assert ENCODERS[kind].attends_by_boundaries
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(MODELS / "published" / TOWERS[kind]).vision_config
+    reference = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.float32)
+    reference.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(reference)
+    set_attention(ours, "varlen", by_boundaries=True)
+    calls: list[int] = []
+    monkeypatch.setattr(varlen, "varlen_attn", _stand_in(calls))
+    columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    # two images and a clip of 3 temporal patches (each patch attends on its own)
+    grid = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), columns)
+
+    def run(tower):
+        out = tower(hidden_states=pixels, grid_thw=grid)
+        rows = torch.cat([out.pooler_output,
+                          *(getattr(out, "deepstack_features", None) or [])], dim=-1)
+        weights = torch.linspace(-1, 1, rows.numel()).view_as(rows)
+        (rows * weights).sum().backward()
+        return rows.detach(), {n: p.grad for n, p in tower.named_parameters()}
+
+    rows, grads = run(reference)
+    assert not calls
+    our_rows, our_grads = run(ours)
+    layers = len(ours.blocks)
+    assert len(calls) == layers, f"{len(calls)} kernel calls for {layers} layers"
+    assert min(calls) >= 5      # every item at once (Qwen2.5-VL's windows cut them further)
+    torch.testing.assert_close(our_rows, rows, rtol=1e-5, atol=1e-5)
+    assert our_grads.keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_other_towers_and_choices_keep_transformers_implementation():
+    from transformers import AutoConfig
+
+    from mimo_train.families.registry import ENCODERS
+    config = AutoConfig.from_pretrained(
+        MODELS / "published" / TOWERS["qwen2_vl"]).vision_config
+    tower = ENCODERS["qwen2_vl"].tower_class()._from_config(config, dtype=torch.float32)
+    set_attention(tower, "varlen", by_boundaries=False)
+    assert tower.config._attn_implementation == "sdpa"
+    set_attention(tower, "varlen", by_boundaries=True)
+    assert {m.config._attn_implementation for m in tower.modules()
+            if hasattr(m, "config")} == {VARLEN}
+    set_attention(tower, "sdpa", by_boundaries=True)
+    assert tower.config._attn_implementation == "sdpa"
+    assert {kind for kind, encoder in ENCODERS.items() if encoder.attends_by_boundaries} \
+        == set(TOWERS)
