@@ -1,7 +1,8 @@
 """mimo_train.runtime.profile's parts that the CPU run of the GPU check (test_gpu_check.py)
 cannot reach: kernel names sorted into kinds as CUDA names them, and the sync sites counted
 from torch's sync debug mode (its warnings stand in for a GPU's here), other warnings shown
-as before."""
+as before; on the CPU, which operators count as waits (and which do not), at their callers,
+in the backward pass too."""
 
 from __future__ import annotations
 
@@ -45,3 +46,39 @@ def test_sync_sites_count_syncs_by_caller_and_show_other_warnings(monkeypatch):
     (top,) = sites.top(steps=3)
     assert top["per_step"] == 1.0 and top["site"].endswith("reads_a_value"), top
     assert shown == ["an unrelated warning"]
+
+
+def test_host_waits_count_on_the_cpu_what_would_wait_on_a_gpu_at_its_caller():
+    values = torch.arange(6.0, requires_grad=True)
+    mask = torch.tensor([True, False] * 3)
+
+    def waits():
+        values.sum().item()
+        values.tolist()
+        values[mask]
+        torch.repeat_interleave(torch.tensor([1, 2]))
+        torch.nonzero(mask)
+
+    def does_not_wait():
+        values.detach()[mask] = 0.0                 # torch's masked_fill_
+        values[1:3] * 2
+        values.repeat_interleave(2)
+        torch.repeat_interleave(values, torch.tensor([1] * 6), output_size=6)
+        torch.where(mask, values, 0.0)
+
+    def trains():
+        values[mask].sum().backward()       # the masked index, forward and backward
+
+    with profile.HostWaits() as sites:
+        waits()
+        does_not_wait()
+        trains()
+    by_function: dict[str, list[str]] = {}
+    for site, count in sites.sites.items():
+        where, call = site.rsplit(" [", 1)
+        by_function.setdefault(where.rsplit(" ", 1)[1], []).extend([call.rstrip("]")] * count)
+    assert sorted(by_function["waits"]) == [
+        "aten::_local_scalar_dense", "aten::index.Tensor", "aten::nonzero",
+        "aten::repeat_interleave.Tensor", "tolist"], by_function
+    assert sorted(by_function["trains"]) == ["aten::index.Tensor", "aten::index_put"]
+    assert by_function.keys() == {"waits", "trains"}, by_function

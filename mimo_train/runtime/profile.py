@@ -10,9 +10,14 @@ the next change, the same for mimo and for any other training measured beside it
   communication and copies, and ``idle``: the time between kernels in the profiled wall time
   (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
 - ``top``: the kernels (operators on a CPU) with the most time;
-- ``host_syncs_per_step``: calls that make the host wait for the device (``.item()`` and
-  friends: ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
-  ``host_syncs_by_call`` by name; on CUDA ``sync_sites``: where the implicit ones are called.
+- ``host_reads_per_step``: values read on the host (``.item()`` and friends:
+  ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
+  ``host_reads_by_call`` by name: of device and host tensors alike (torch's Adam reads its
+  host-side step counts twice a parameter), so not all of them wait for the GPU;
+- ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
+  their innermost Python frame outside torch: on CUDA each call torch's sync debug mode
+  reports (``SyncSites``), on the CPU each operator that would wait on a GPU (``HostWaits``;
+  an upper bound: tensors that stay on the host in a GPU run count too).
 
 torch.profiler records; nothing in it sorts kernels into these kinds, hence ``kind``.
 """
@@ -28,6 +33,8 @@ import warnings
 from typing import Protocol
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 # kernel or operator name -> kind; the first pattern that matches wins
 KINDS = (
@@ -42,6 +49,11 @@ KINDS = (
 )
 TORCH = os.path.dirname(torch.__file__) + os.sep     # frames inside torch are not sites
 SYNCS = re.compile(r"aten::_local_scalar_dense|cuda(Stream|Device|Event)Synchronize")
+MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")   # a mode's frame: not a site
+# operators that hand the host a value or whose output's size depends on the data
+WAITING_OPS = frozenset({
+    "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+    "aten::unique_dim", "aten::unique_consecutive", "aten::bincount", "aten::equal"})
 
 
 def kind(name: str) -> str:
@@ -103,8 +115,8 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
             "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
                      round(value / per_step, 3), "share": round(value / whole, 4)}
                     for name, value in ranked],
-            "host_syncs_per_step": round(len(synced) / max(steps, 1), 2),
-            "host_syncs_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
+            "host_reads_per_step": round(len(synced) / max(steps, 1), 2),
+            "host_reads_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
                 Counter(e.name for e in synced).items(), key=lambda item: -item[1])}}
 
 
@@ -140,17 +152,73 @@ class SyncSites:
         if "synchroniz" not in str(message):       # other warnings shown as before
             self._shown(message, category, filename, lineno, file, line)
             return
+        self.count()
+
+    def count(self, call: str = "") -> None:
+        """Count one wait at the innermost Python frame outside torch, this module and
+        torch's modes (and the call that waits, where known)."""
         frames = [f for f in traceback.extract_stack()[:-1]
                   if not f.filename.startswith(TORCH) and f.filename != __file__
-                  and not f.filename.endswith("warnings.py")]
+                  and not f.filename.endswith("warnings.py") and f.name not in MODE_HOOKS]
         site = f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].name}" if frames \
             else "(no Python frame)"
+        site += f" [{call}]" if call else ""
         self.sites[site] = self.sites.get(site, 0) + 1
 
     def top(self, steps: int, count: int = 8) -> list[dict]:
         ranked = sorted(self.sites.items(), key=lambda item: -item[1])[:count]
-        return [{"site": site[-160:], "per_step": round(n / max(steps, 1), 2)}
+        return [{"site": site[-200:], "per_step": round(n / max(steps, 1), 2)}
                 for site, n in ranked]
+
+
+def _waits(func, args: tuple, kwargs: dict) -> bool:
+    """Whether an operator makes the host wait for a GPU: it hands the host a value, or the
+    size of its output depends on the data."""
+    name = func.name()
+    if name in WAITING_OPS:
+        return True
+    if name in ("aten::index.Tensor", "aten::index_put_", "aten::index_put"):
+        masks = [i for i in args[1] if isinstance(i, torch.Tensor) and i.dtype == torch.bool]
+        if name != "aten::index.Tensor" and len(masks) == len(
+                [i for i in args[1] if i is not None]) == 1 and args[2].numel() == 1:
+            return False        # ``x[mask] = value``: torch makes it a masked_fill_, no wait
+        return bool(masks)
+    if name in ("aten::repeat_interleave.Tensor", "aten::repeat_interleave.self_Tensor"):
+        return kwargs.get("output_size") is None
+    return False
+
+
+class HostWaits(SyncSites):
+    """``SyncSites`` on the CPU, where nothing waits: each operator that would make the host
+    wait on a GPU (``WAITING_OPS``; indexing by a mask; ``repeat_interleave`` without its
+    output size; ``Tensor.tolist``), counted at its Python caller. Tensors that stay on the
+    host in a GPU run count too: a map of where to look, not the GPU's figure. torch's sync
+    debug mode is CUDA-only; a dispatch mode sees every operator (inside autograd's backward
+    too), a function mode ``tolist`` (which dispatches nothing on the CPU)."""
+
+    def __enter__(self) -> HostWaits:
+        sites = self
+
+        class Operators(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if _waits(func, args, kwargs or {}):
+                    sites.count(func.name())
+                return func(*args, **(kwargs or {}))
+
+        class Methods(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if func is torch.Tensor.tolist:
+                    sites.count("tolist")
+                return func(*args, **(kwargs or {}))
+
+        self._modes = (Methods(), Operators())
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
 
 
 class Profile:
@@ -172,8 +240,7 @@ class Profile:
             torch.cuda.synchronize(self.device)
         self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
         self.profiler.__enter__()
-        if self.device.type == "cuda":
-            self.syncs = SyncSites().__enter__()
+        self.syncs = (SyncSites() if self.device.type == "cuda" else HostWaits()).__enter__()
 
     def after(self, step: int) -> None:
         if self.profiler is None or self.window is None:
@@ -199,7 +266,9 @@ class Profile:
         summary = {"rank": self.rank, "first_step": self.window.start,
                    **summarize(self.profiler, self.done)}
         if self.syncs is not None:
-            summary["sync_sites"] = self.syncs.top(self.done)
+            summary["host_syncs_per_step"] = round(
+                sum(self.syncs.sites.values()) / max(self.done, 1), 2)
+            summary["sync_sites"] = self.syncs.top(self.done, count=12)
             self.syncs = None
         with open(path + ".json", "w") as out:
             json.dump(summary, out, indent=1)

@@ -18,7 +18,8 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
    a stub that fails on use (only video needs it; its wheel is half the carry limit).
 2. ``env`` and ``kernels`` (one child process, ``probes.py``): versions, the GPU, a bf16
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
-   events, ``varlen_attn`` against per-sample SDPA, the gated delta-net's kernels (fla's) on a
+   events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
+   attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
    packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts.
 3. ``shards``: the sample corpus's image and text conversations replicated
    (``tools/replicate_corpus.py``) and built with ``mimo-shard build``.
@@ -114,10 +115,14 @@ class Workload:
 WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="full"),
              Workload("unpacked", False, 2048, 8, attention="sdpa"),
              Workload("lora_7b_packed_8k", True, 8192, 24, size="7B", lora=True),
-             Workload("packed_32k", True, 32768, 96),
+             Workload("packed_32k", True, 32768, 96, tower_recompute="full"),
              Workload("packed_8k_recompute_full", True, 8192, 24, recompute="full"),
-             Workload("packed_8k_sdpa", True, 8192, 24, attention="sdpa", peer=False),
-             Workload("packed_8k_local", True, 8192, 24, attention="local", peer=False)]
+             # packed_8k with the language model and the tower on transformers' SDPA: the
+             # varlen kernels' gain
+             Workload("packed_8k_sdpa", True, 8192, 24, attention="sdpa",
+                      tower_recompute="full", peer=False),
+             Workload("packed_8k_local", True, 8192, 24, attention="local",
+                      tower_recompute="full", peer=False)]
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
 TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
 PROBE_AFTER = 3                         # the machine's probes run after this many cases
