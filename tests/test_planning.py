@@ -76,51 +76,55 @@ def test_parameters_and_state_bytes_by_hand():
 
 def test_activation_bytes_by_hand():
     bf16 = mem.Settings("bf16")
-    # one sample of 100 tokens: 34 h T = 34 x 64 x 100 (MHA, MLP 4h: Korthikanti's formula)
+    # one sample of 100 tokens, MHA, MLP 4h, no dropout: outside 8 h (two norms' inputs, the
+    # QKV and first MLP matmuls' inputs), q, k, v, the output projection's input and a fused
+    # kernel's output 10 a, the MLP 4 f: (512 + 640 + 1024) x 100
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16) == 217600
-    # scores kept (local attention): + 5 heads s^2 = 5 x 4 x 10000
+    # the local attention keeps the scores (5 heads s^2 = 5 x 4 x 10000), not an output
     scores = mem.Settings("bf16", attention_scores=True)
-    assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, scores) == 417600
+    assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, scores) == 204800 + 200000
     # ... dropped by selective recompute
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, mem.Settings(
-        "bf16", recompute="selective", attention_scores=True)) == 217600
-    # tp2 with sequence parallel: everything halves; without, 10 h T stays whole
+        "bf16", recompute="selective", attention_scores=True)) == 204800
+    # tp2 with sequence parallel: everything halves; without, 8 h T stays whole
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16, tp=2,
                                       sequence_parallel=True) == 108800
-    assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16, tp=2) == 64000 + 76800
+    assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16, tp=2) == 51200 + 83200
     # fp32 doubles it
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, mem.Settings("fp32")) == 435200
-    # the whole model: 2 layers + logits 100 x 128 x (2 + 4)
-    assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 76800
+    # the whole model: 2 layers + the cross entropy's fp32 softmax 100 x 128 x 4 (the bf16
+    # logits are freed once cast)
+    assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 51200
     # full recompute: each layer's input 2 h T = 12800, plus one layer's set
     assert mem.language_activation_bytes(STACK, [100], mem.Settings(
-        "bf16", recompute="full")) == 2 * 12800 + 217600 + 76800
+        "bf16", recompute="full")) == 2 * 12800 + 217600 + 51200
     # 1F1B: the first of 3 stages holds 3 micro-batches of its layer (pp2: one layer)
     assert mem.in_flight(8, 3, 0) == 3 and mem.in_flight(8, 3, 2) == 1
     assert mem.in_flight(2, 3, 0) == 2
-    # temporaries at the last stage: the output's weight gradient 128 x 64 x 2, two fp32
-    # copies of the logits 2 x 100 x 128 x 4
-    assert mem.language_temporary_bytes(STACK, 100, bf16) == 16384 + 102400
+    # temporaries at the last stage: the output's weight gradient 128 x 64 x 2 and the
+    # logits' gradient cast back to bf16 100 x 128 x 2 (fp32: none, made in place)
+    assert mem.language_temporary_bytes(STACK, 100, bf16) == 16384 + 25600
+    assert mem.language_temporary_bytes(STACK, 100, mem.Settings("fp32")) == 32768
 
 
 def test_the_loss_in_chunks_by_hand():
     """``model.language.loss_chunk_tokens``: the last stage keeps the hidden states' gradient
-    (T h w) in place of the logits (T V (w + 4)), and its temporaries are the forward pass's
+    (T h w) in place of the fp32 softmax (T V 4), and its temporaries are the forward pass's
     (the weight gradient summed in fp32 and one chunk's logits, each with a bf16 copy in a bf16
     run) or, where larger, the backward pass's end's (the weight gradients)."""
     import dataclasses
     bf16, fp32 = mem.Settings("bf16", loss_chunk_tokens=32), mem.Settings("fp32",
                                                                          loss_chunk_tokens=32)
-    # 2 layers + the hidden states' gradient 100 x 64 x 2 (the logits were 76800)
+    # 2 layers + the hidden states' gradient 100 x 64 x 2 (the softmax was 51200)
     assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 12800
     assert mem.language_activation_bytes(STACK, [100], mem.Settings(
-        "bf16", loss_chunk_tokens=0)) == 2 * 217600 + 76800
+        "bf16", loss_chunk_tokens=0)) == 2 * 217600 + 51200
     # a first stage has no output layer: nothing changes there
     assert mem.language_activation_bytes(STACK, [100], bf16, pp=2) == \
         mem.language_activation_bytes(STACK, [100], mem.Settings("bf16"), pp=2) == 217600
     # bf16: the weight gradient summed in fp32 128 x 64 x 4 + a chunk's logits 32 x 128 x
     # (4 + 2), over its cast to bf16 at the end 128 x 64 x (4 + 2) and the weight gradient at
-    # the backward's end 128 x 64 x 2 (unchunked: 16384 + 102400)
+    # the backward's end 128 x 64 x 2 (unchunked: 16384 + 25600)
     assert mem.language_temporary_bytes(STACK, 100, bf16) == 8192 * 4 + 4096 * 6 == 57344
     # fp32: the logits are their own fp32 copy: x 4
     assert mem.language_temporary_bytes(STACK, 100, fp32) == (8192 + 4096) * 4
@@ -139,17 +143,18 @@ def test_the_loss_in_chunks_by_hand():
     assert mem.language_temporary_bytes(tied, 100, fp32) == 2 * 32768
 
 
-def test_a_tower_under_selective_recompute_keeps_its_scores():
+def test_a_tower_under_selective_recompute_keeps_everything():
     """A transformers tower has no selective recompute: under the run's ``selective`` it
-    keeps what it keeps under ``none``, the attention scores (a local kernel's) included."""
+    keeps what it keeps under ``none``; it keeps no scores whatever the language model's
+    kernel (transformers' towers run fused ones)."""
     from mimo_train.planning.dims import Tower
     tower = Tower("siglip", STACK, (), 64)
     grids = [(1, 10, 10)]
     kept = {r: mem.tower_activation_bytes(tower, grids, mem.Settings(
         "bf16", recompute=r, attention_scores=True)) for r in mem.RECOMPUTE}
     assert kept["selective"] == kept["none"] > kept["full"]
-    # 2 layers of 100 positions, each with its 5 heads s^2 of scores (as by hand above)
-    assert kept["none"] == 2 * 417600
+    # 2 layers of 100 positions, no scores (as by hand above)
+    assert kept["none"] == 2 * 217600
     # the tower's own recompute, the language model's none (model.encoders.<m>.recompute)
     alone = mem.tower_activation_bytes(tower, grids, mem.Settings(
         "bf16", attention_scores=True, tower_recompute="full"))
@@ -410,7 +415,7 @@ def test_the_advisor_counts_a_config_s_loss_in_chunks(model_yaml):
     assert set(memory) == {0, 16}
     assert memory[16].weights == memory[0].weights
     assert memory[16].activations < memory[0].activations
-    assert memory[16].temporary < memory[0].temporary
+    assert memory[16].total < memory[0].total
 
 
 # ------------------------------------------------------------------------------ the command
@@ -605,27 +610,28 @@ def test_hybrid_parameters_by_hand():
 def test_hybrid_activation_bytes_by_hand():
     bf16 = mem.Settings("bf16")
     # a gated delta-net layer, one sample of 100 tokens (2 chunks: 128 chunked positions),
-    # bf16: outside the TP regions 10 x 64 x 100 = 64000, the MLP 6 x 96 x 100 = 57600;
+    # bf16: outside the TP regions 8 x 64 x 100 = 51200, the MLP 6 x 96 x 100 = 57600;
     # the delta-net, fp32 per token: convolution 3 x 128, l2 norms 2 x 32 + 2 x 2, gates
     # 4 x 4, q k v 4 x (2 x 16 + 16), gated norm 4 x 64 + 4: 920 x 100 = 92000; per chunked
     # position 4 x (6 x 16 + 3 x 16 + 4 + 5 x 64) + 4 x 16 x 16 / 64: 1888 x 128 = 241664;
     # (92000 + 241664) x 4 = 1334656 bytes; bf16: beta 4, gated norm and out_proj input
     # 2 x 64: 100 x 2 x 132 = 26400
     assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16, kind=LINEAR,
-                                      chunked=128) == 64000 + 57600 + 1334656 + 26400
-    # the gated attention layer: 64000 + (4 x 256 + 4 x 128 + 4 x 256 (the gate) + 6 x 96)
-    # x 100 = 313600; no scores kept with a flash / sdpa / varlen kernel
-    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16) == 64000 + 313600
+                                      chunked=128) == 51200 + 57600 + 1334656 + 26400
+    # the gated attention layer: 51200 + (10 x 256 (q, the keys and values repeated to the
+    # query heads, the output projection's input, the kernel's output) + 4 x 256 (the gate)
+    # + 6 x 96) x 100 = 416000; no scores kept with a flash / sdpa / varlen kernel
+    assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16) == 51200 + 416000
     # tp2 with sequence parallel: everything halves
     assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, bf16, tp=2,
                                       sequence_parallel=True, kind=LINEAR,
-                                      chunked=128) == (64000 + 57600 + 1334656 + 26400) / 2
+                                      chunked=128) == (51200 + 57600 + 1334656 + 26400) / 2
     # fp32: only the run-width parts double
     assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, mem.Settings("fp32"),
                                       kind=LINEAR, chunked=128) == \
-        2 * (64000 + 57600) + 1334656 + 2 * 26400
-    # the stack: 3 delta-net layers, 1 attention layer, the logits 100 x 248320 x (2 + 4)
-    linear, full, logits = 1482656, 377600, 148992000
+        2 * (51200 + 57600) + 1334656 + 2 * 26400
+    # the stack: 3 delta-net layers, 1 attention layer, the fp32 softmax 100 x 248320 x 4
+    linear, full, logits = 1469856, 467200, 99328000
     assert mem.language_activation_bytes(HYBRID, [100], bf16) == 3 * linear + full + logits
     # full recompute: each layer's input 2 x 64 x 100, one layer's set, the largest kind's
     assert mem.language_activation_bytes(HYBRID, [100], mem.Settings(
@@ -682,6 +688,78 @@ def test_delta_net_bytes_are_what_the_layer_saves():
             layer(hidden, None)
     predicted = mem.delta_net_bytes(HYBRID, tokens, 256, 2) + tokens * 64 * 2
     assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
+
+
+TOWER_CONFIGS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct",
+                 "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
+                 "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct"}
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa", "varlen"])
+@pytest.mark.parametrize("kind", sorted(TOWER_CONFIGS))
+def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
+    """A transformers tower as the trainer runs it (the published tower config, two blocks,
+    bf16; transformers' SDPA, or mimo's varlen attention with a kernel that keeps what flash
+    kernels keep: its inputs and output, the real one needs CUDA), on four images of 16 x 16
+    patches: the bytes of every tensor autograd saves inside its blocks (each storage once,
+    the weights not counted) are ``layer_activation_bytes`` of its ``Stack`` per block within
+    2% (left out: the norms' statistics, the rotary tables, SDPA's log-sum-exp). Qwen2-VL:
+    QuickGELU; Qwen2.5-VL: eager RMSNorm and a gated SiLU; Qwen3-VL: GELU; each SDPA keeping
+    the whole fused QKV output through its values."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from transformers import AutoConfig
+
+    import torch.nn.attention.varlen as varlen_module
+    from mimo_train.families.registry import ENCODERS
+    from mimo_train.model.tower_attention import set_attention
+    from mimo_train.planning.dims import QWEN_VARLEN_ATTENTION, tower_from_hf
+
+    class FlashLike(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, bounds):
+            with torch.no_grad():
+                out = torch.cat([F.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+                    for a, b in zip(bounds, bounds[1:])])
+            ctx.save_for_backward(q, k, v, out)
+            return out
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", lambda q, k, v, cu, *rest, **kw:
+                        FlashLike.apply(q, k, v, cu.tolist()))
+    config = AutoConfig.from_pretrained(REPO / "tools" / "published" / TOWER_CONFIGS[kind]
+                                        ).vision_config
+    config.depth = 2
+    for key in ("fullatt_block_indexes", "deepstack_visual_indexes"):
+        if hasattr(config, key):
+            setattr(config, key, [1] if key == "fullatt_block_indexes" else [])
+    torch.manual_seed(0)
+    tower = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.bfloat16)
+    set_attention(tower, "varlen" if varlen else "sdpa", by_boundaries=True)
+    own = {p.untyped_storage().data_ptr() for p in tower.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in own:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
+    for block in tower.blocks:
+        block.register_forward_pre_hook(lambda *_: hooks.__enter__())
+        block.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    grid = torch.tensor([[1, 16, 16]] * 4)
+    columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    patches = int(grid.prod(-1).sum())
+    tower(hidden_states=torch.randn(patches, columns, dtype=torch.bfloat16), grid_thw=grid)
+    stack = tower_from_hf(kind, config).stack
+    if varlen:
+        stack = dataclasses.replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)
+    predicted = mem.layer_activation_bytes(stack, patches, patches * 256, mem.Settings("bf16"))
+    assert sum(saved.values()) / 2 == pytest.approx(predicted, rel=0.02)
 
 
 # Qwen/Qwen3.5-27B's config.json as published on the Hugging Face hub (huggingface.co/Qwen/
@@ -806,15 +884,15 @@ def test_qwen3_5_27b_layers_by_hand(qwen3_5):
     # dt_bias 96, MLP 267386880; norms 10240 + the gated norm's 128
     assert stack.layer_parameters(LINEAR) == (383262816, 10368)
     assert stack.layer_parameters(FULL) == (73400320 + 31457280 + 267386880, 10240)
-    # activations per token in bf16 (a multiple of 64 tokens): a delta-net layer: 10·5120 =
-    # 51200 outside, MLP 6·17408 = 104448, the delta-net 4·(3·10240 + 2·2048 + 2·16 + 4·48 +
+    # activations per token in bf16 (a multiple of 64 tokens): a delta-net layer: 8·5120 =
+    # 40960 outside, MLP 6·17408 = 104448, the delta-net 4·(3·10240 + 2·2048 + 2·16 + 4·48 +
     # 48·384 + 4·6144 + 48 + 48·(6·128 + 3·128 + 4 + 5·64 + 128·128/64)) + 2·(48 + 2·6144)
     # = 4·161232 + 24672 = 669600
     bf16 = mem.Settings("bf16")
     assert mem.layer_activation_bytes(stack, 64, 64 ** 2, bf16, kind=LINEAR) == \
-        64 * (51200 + 104448 + 669600)
-    # a gated attention layer: 51200 + 4·6144 + 4·1024 + 4·6144 + 6·17408 = 208896
-    assert mem.layer_activation_bytes(stack, 64, 64 ** 2, bf16) == 64 * 208896
+        64 * (40960 + 104448 + 669600)
+    # a gated attention layer: 40960 + 10·6144 + 4·6144 (the gate) + 6·17408 = 231424
+    assert mem.layer_activation_bytes(stack, 64, 64 ** 2, bf16) == 64 * 231424
 
 
 def test_qwen3_5_35b_a3b_layers_by_hand(qwen3_5):
@@ -1025,8 +1103,9 @@ def test_context_parallel_memory_and_traffic_by_hand():
     one = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1)
     two = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1, cp=2)
     assert two == pytest.approx(one / 2) and two < one
+    # the output's weight gradient, 80 tokens' logits gradient in bf16
     assert mem.language_temporary_bytes(STACK, 160, bf16, tp=2, cp=2) == pytest.approx(
-        128 * 64 / 2 * 2 + 2 * 80 * 128 / 2 * 4)     # the output's weight gradient, 80 tokens
+        128 * 64 / 2 * 2 + 80 * 128 / 2 * 2)
     dist = mem.Settings("bf16", distributed_optimizer=True)
     cp1 = mem.language_state_bytes(STACK, dist, tp=2, dp=2)
     cp2 = mem.language_state_bytes(STACK, dist, tp=2, dp=2 * 2)     # dp2 x cp2
@@ -1078,11 +1157,12 @@ def _long_advice(qwen2_vl_2b, tokens: int, batch: int, fewer: bool) -> list[Layo
 
 
 def test_the_advisor_takes_context_parallelism_for_a_long_sequence_only(qwen2_vl_2b):
-    """Qwen2-VL-2B on 8 H100s: one sample of 65536 tokens fits no layout at cp1 (its
-    logits alone, ÷ tp2 at most, are 28 GiB, their temporaries 37 more), and some at cp>1
+    """Qwen2-VL-2B on 8 H100s: one sample of 131072 tokens fits no layout at cp1 (the cross
+    entropy's fp32 softmax alone, ÷ tp2 at most, is 37 GiB, the logits' bf16 gradient 19
+    more), and some at cp>1
     (the tower on a rank of its own, fewer GPUs allowed); 8 samples of 2048 tokens rank a cp1
     layout first, faster than any with cp."""
-    long = _long_advice(qwen2_vl_2b, 65536, 1, True)
+    long = _long_advice(qwen2_vl_2b, 131072, 1, True)
     assert long and all(layout.language.cp > 1 for layout in long), long
     for layout in long:                         # cp divides each TP rank's heads
         assert (12 // layout.language.tp) % layout.language.cp == 0

@@ -73,6 +73,15 @@ class Stack:
     # the attention output gated by a sigmoid of a second query-wide projection (Qwen3.5:
     # q_proj gives each head's query and its gate, twice the query width)
     attention_gate: bool = False
+    # what a transformers tower keeps per token where it differs from megatron-core's layers
+    # (``memory``), in units of a width at 2 bytes: its MLP (of f, where its activation keeps
+    # more than megatron-core's fused ones: QuickGELU 6, an unfused gated SiLU 8; 0: 6 gated,
+    # 4 plain), its attention (of a; 0: megatron-core's 8, +2 with a fused kernel) and each of
+    # its two norms (of h: LayerNorm its input, 2; transformers' eager RMSNorm its input in
+    # fp32 and its bf16 output, 6)
+    mlp_kept: int = 0
+    attention_kept: int = 0
+    norm_kept: int = 2
 
     @property
     def attention_width(self) -> int:
@@ -187,6 +196,9 @@ class Tower:
     window: int = 0                   # window side in merged tokens (0: full attention)
     full_attention_layers: tuple[int, ...] = ()   # with windows: the full-attention layers
     fixed_grid: tuple[int, int] | None = None     # (h, w) patches of every item; None: dynamic
+    # its transformers attention takes all items at once by their boundaries: mimo's varlen
+    # kernel where the run's towers take it (``Settings.tower_varlen``)
+    by_boundaries: bool = False
 
     def parameters(self) -> int:
         linears = (*self.patch_embed, *self.merger)
@@ -229,33 +241,41 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
     if kind == "qwen2_vl":
         width, merge = config.embed_dim, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
-                      width // config.num_heads, int(width * config.mlp_ratio), gated=False)
+                      width // config.num_heads, int(width * config.mlp_ratio), gated=False,
+                      mlp_kept=_mlp_kept(config, gated=False), attention_kept=QWEN_ATTENTION)
         return Tower(kind, stack, _qwen_patch(config, width), config.hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
-                      Linear(width * merge ** 2, config.hidden_size)))
+                      Linear(width * merge ** 2, config.hidden_size)), by_boundaries=True)
     if kind == "qwen2_5_vl":
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
-                      width // config.num_heads, config.intermediate_size, gated=True)
+                      width // config.num_heads, config.intermediate_size, gated=True,
+                      mlp_kept=_mlp_kept(config, gated=True), attention_kept=QWEN_ATTENTION,
+                      norm_kept=6)                          # transformers' eager RMSNorm
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.out_hidden_size)),
                      window=config.window_size // merge // config.patch_size,
-                     full_attention_layers=tuple(config.fullatt_block_indexes))
+                     full_attention_layers=tuple(config.fullatt_block_indexes),
+                     by_boundaries=True)
     if kind in ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"):
         # the main merger, one per deepstack layer (Qwen3.5's tower has none)
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
-                      width // config.num_heads, config.intermediate_size, gated=False)
+                      width // config.num_heads, config.intermediate_size, gated=False,
+                      mlp_kept=_mlp_kept(config, gated=False), attention_kept=QWEN_ATTENTION)
         mergers = 1 + len(getattr(config, "deepstack_visual_indexes", None) or ())
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
-                      Linear(width * merge ** 2, config.out_hidden_size)) * mergers)
+                      Linear(width * merge ** 2, config.out_hidden_size)) * mergers,
+                     by_boundaries=True)
     if kind in ("siglip", "llava"):
         width, side = config.hidden_size, config.image_size // config.patch_size
         stack = Stack(config.num_hidden_layers, width, config.num_attention_heads,
                       config.num_attention_heads, width // config.num_attention_heads,
-                      config.intermediate_size, gated=False)
+                      config.intermediate_size, gated=False,
+                      mlp_kept=_mlp_kept(config, gated=False),
+                      attention_kept=SEPARATE_ATTENTION)
         return Tower(kind, stack,
                      (Linear(config.num_channels * config.patch_size ** 2, width),),
                      output_size or width,
@@ -263,6 +283,26 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
                      fixed_grid=(side, side))
     raise TrainConfigError(f"encoder kind {kind!r} has no FLOPs reading (mimo_train/planning/"
                            "dims.py tower_from_hf)")
+
+
+# a transformers tower's attention under SDPA, in units of a at 2 bytes: the Qwen family's
+# values are a view of the fused QKV projection's output, so SDPA keeping them keeps all of it
+# (3 widths), besides the rotated queries and keys, SDPA's output and its contiguous copy, the
+# output projection's input; towers with their own q, k and v projections keep each
+QWEN_ATTENTION, SEPARATE_ATTENTION = 14, 10
+# the Qwen family under mimo's varlen kernel (``model.tower_attention``): q, k, v (the values a
+# contiguous copy) and the kernel's output, which is the output projection's input
+QWEN_VARLEN_ATTENTION = 8
+
+
+def _mlp_kept(config, gated: bool) -> int:
+    """``Stack.mlp_kept`` of a transformers tower's MLP from its config's activation: an
+    unfused gated one keeps the gate's output, its activation, the up projection's output and
+    their product; QuickGELU (``x * sigmoid(1.702 x)``) its input, the sigmoid and the
+    product; GELU its input and output, as megatron-core's count (0)."""
+    if gated:
+        return 8
+    return 6 if getattr(config, "hidden_act", None) == "quick_gelu" else 0
 
 
 def _qwen_patch(config, width: int) -> tuple[Linear, ...]:
@@ -275,7 +315,7 @@ def _whisper(config) -> Tower:
     width, positions = config.d_model, config.max_source_positions
     stack = Stack(config.encoder_layers, width, config.encoder_attention_heads,
                   config.encoder_attention_heads, width // config.encoder_attention_heads,
-                  config.encoder_ffn_dim, gated=False)
+                  config.encoder_ffn_dim, gated=False, attention_kept=SEPARATE_ATTENTION)
     # conv1 (k3) on the 2 · positions frames of the padded window, conv2 (k3, stride 2)
     return Tower("whisper", stack, (Linear(3 * config.num_mel_bins, width, 2),
                                     Linear(3 * width, width)), width,

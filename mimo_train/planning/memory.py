@@ -31,21 +31,31 @@ Adam state.
 
 Activations kept for the backward pass, per layer, for a micro-batch of T token positions
 (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-table 2, generalised to grouped-query attention and gated MLPs), in bytes at bf16 (× w / 2 at
-another precision)::
+table 2, without dropout (mimo trains without: no masks), generalised to grouped-query
+attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
 
-    outside the TP regions    10·h·T            (÷ TP with sequence parallel)
-      two norms' inputs 2·2h, the QKV and first MLP matmuls' inputs 2·2h, two dropout masks 2h
-    inside the TP regions     (4·a + 4·g + c·f)·T ÷ TP
-      Q 2a, K and V 2·2g (their product and the weighted sum), the output projection's input
-      2a; the MLP: c = 4 (2f activation input, 2f second matmul input), gated c = 6 (the gate
-      and up outputs 2·2f, the second matmul's input 2f)
+    outside the TP regions    8·h·T             (÷ TP with sequence parallel)
+      two norms' inputs 2·2h, the QKV and first MLP matmuls' inputs 2·2h
+    inside the TP regions     (8·a [+ 2·a] + c·f)·T ÷ TP
+      Q 2a, K and V repeated to the query heads 2·2a (every backend repeats grouped keys and
+      values before the kernel), the output projection's input 2a, and a fused kernel's own
+      output 2a (flash, sdpa, varlen: kept for its backward; the local attention keeps the
+      scores instead; the varlen paths' output is the projection's input, 2a less, counted
+      as SDPA's); the MLP: c = 4 (2f activation input, 2f second matmul input), gated
+      c = 6 (megatron-core's fused SwiGLU: the gate and up outputs 2·2f, the second matmul's
+      input 2f); a transformers tower keeps what its code keeps (``Stack.mlp_kept``,
+      ``attention_kept``, ``norm_kept``: QuickGELU 6, an unfused gated SiLU 8; the Qwen
+      family's SDPA 14·a (its values a view of the whole QKV output), its varlen 8·a;
+      an eager RMSNorm 6·h; tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
       only where the kernel keeps them (megatron-core's local attention; flash, sdpa and
-      varlen kernels do not) and recompute is none
+      varlen kernels do not, nor do transformers' towers) and recompute is none
 
 with h the width, a = heads · kv channels, g = query groups · kv channels, f the MLP width, s
-each sample's length (MHA with f = 4h: 34·h·T + 5·heads·Σ s², the paper's formula). A mixture
+each sample's length (MHA with f = 4h and the local attention: 32·h·T + 5·heads·Σ s², the
+paper's formula less its two dropout masks). The GPU check's two measured cases (Qwen2-VL-2B
+on an H200, docs/benchmarks.md) led to the repeated keys and values, the fused kernel's
+output, the towers' activations and the logits below. A mixture
 of experts keeps each token's MLP activations in each of the k experts it goes through (c·f·k)
 and the dispatcher's copies of it into the experts, gathered over the etp ranks, and out of
 them (2·h·k·(etp + 1): 4·h·k at etp 1), a shared expert of width f_s its own 6·f_s (its gate's
@@ -56,7 +66,7 @@ attention (``Stack.attention_gate``) keeps 4·a more: the sigmoid of the gate an
 output it scales.
 
 Qwen3.5's gated delta-net layers (``Stack.layer_types``, ``Stack.linear``: key heads H_k, value
-heads H_v, head dims d_k, d_v, key_dim = H_k·d_k, value_dim = H_v·d_v) keep the same 10·h·T
+heads H_v, head dims d_k, d_v, key_dim = H_k·d_k, value_dim = H_v·d_v) keep the same 8·h·T
 outside the TP regions and the same MLP activations; in place of attention, what megatron-core's
 ``GatedDeltaNet`` with mimo's torch kernels (``mcore.delta_rule``: the path of every device
 without flash-linear-attention, which mimo's lock does not install) saves for the backward
@@ -91,30 +101,30 @@ layer keeps far less (fla saves q, k, v, g, β and one C-wide matrix per token a
 recomputes the states in the backward pass); that path is not modelled: the figure is an upper
 bound there. A delta-net layer keeps no score matrices.
 
-Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T,
-÷ TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid
-stack), recomputed in the backward pass. The language
-model's last stage adds the logits, T · V ÷ TP · (w + 4) (the output in the run's precision and
-the cross entropy's fp32 softmax); with the loss in chunks (``model.language.loss_chunk_tokens``,
-``mcore.chunked_loss``) it keeps the hidden states' gradient instead, T · h · w (made in the
-forward pass with the weight's, which the temporaries count). An encoder tower counts its
-patches before merging (plus per-frame extra positions) as T and its patch embedding's inputs
-(the pixels, w bytes each).
+Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T, ÷
+TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid stack),
+recomputed in the backward pass. The language model's last stage adds the cross entropy's fp32
+softmax, T · V ÷ TP · 4 (megatron-core's cross entropy casts the logits to fp32 and works in
+place: the logits in the run's precision are freed once cast; in fp32 they are the softmax);
+with the loss in chunks (``model.language.loss_chunk_tokens``, ``mcore.chunked_loss``) it keeps
+the hidden states' gradient instead, T · h · w (made in the forward pass with the weight's,
+which the temporaries count). An encoder tower counts its patches before merging (plus per-
+frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
 
-Temporaries at the peak (the backward pass's end on the stage with the output layer): the
+Temporaries at the peak (the backward pass's start on the stage with the output layer): the
 output layer's weight gradient before megatron-core's hook adds it to the fp32 buffer (V·h ÷ TP
-at w bytes; tied embeddings at PP 1: the embedding's as well) and two more copies of the logits
-(the cross entropy's fp32 working tensors, T · V ÷ TP · 4 each); the first stage of a pipeline
-holds the embedding's gradient. Measured on the CPU (SmolLM2-135M, fp32, tests/test_anomalies.py)
-they are most of what the states and activations leave out. With the loss in chunks of C tokens
-the output layer's temporaries are at the forward pass's end instead (the backward's end holds
-only the weight gradient, and the embedding's, as above; the larger of the two is counted): the
-weight gradient summed in fp32, V·h ÷ TP · 4, and one chunk's logits, min(C, T) · V ÷ TP · 4
-(fp32: the logits are their fp32 copy, softmax and gradient in place; bf16: · (4 + w), the
-logits and their gradient in bf16 beside the fp32 copy), or at the end the sum and its cast to
-the run's precision, V·h ÷ TP · (4 + w), whichever is larger. A micro-batch of one chunk
-(T <= C) makes its weight gradient in the run's precision, V·h ÷ TP · w, beside the chunk's
-logits, as unchunked. ``tools/bench_loss.py`` measures both on the CPU.
+at w bytes; tied embeddings at PP 1: the embedding's as well) and the logits' gradient cast
+back to the run's precision, T · V ÷ TP · w (none in fp32: the softmax becomes the gradient in
+place); the first stage of a pipeline holds the embedding's gradient. Measured on the CPU
+(SmolLM2-135M, fp32, tests/test_anomalies.py) within 25% of the whole peak. With the loss in
+chunks of C tokens the output layer's temporaries are at the forward pass's end instead (the
+backward's end holds only the weight gradient, and the embedding's, as above; the larger of the
+two is counted): the weight gradient summed in fp32, V·h ÷ TP · 4, and one chunk's logits,
+min(C, T) · V ÷ TP · 4 (fp32: the logits are their fp32 copy, softmax and gradient in place;
+bf16: · (4 + w), the logits and their gradient in bf16 beside the fp32 copy), or at the end the
+sum and its cast to the run's precision, V·h ÷ TP · (4 + w), whichever is larger. A micro-batch
+of one chunk (T <= C) makes its weight gradient in the run's precision, V·h ÷ TP · w, beside
+the chunk's logits, as unchunked. ``tools/bench_loss.py`` measures both on the CPU.
 
 Context parallelism (the language module's ``cp``, ``mcore.context_parallel``): each of the
 cp ranks of a DP replica holds a contiguous 1/cp of every micro-batch's sequence, and attention
@@ -147,7 +157,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
-from mimo_train.planning.dims import CHUNK, FULL, LINEAR, Stack, Tower
+from mimo_train.planning.dims import CHUNK, FULL, LINEAR, QWEN_VARLEN_ATTENTION, Stack, Tower
 
 BYTES = {"bf16": 2, "fp32": 4}
 GRAD_BYTES = 4                    # megatron-core's DDP: grad_reduce_in_fp32
@@ -185,6 +195,9 @@ class Settings:
     loss_chunk_tokens: int = 0          # model.language.loss_chunk_tokens (0: the loss at once)
     tower_recompute: str | None = None
     split_media: bool = False
+    # the Qwen-family towers run mimo's varlen kernel (``model.attention`` auto or varlen on a
+    # GPU in bf16), else transformers' SDPA
+    tower_varlen: bool = True
 
     def __post_init__(self):
         if self.precision not in BYTES or self.recompute not in RECOMPUTE or \
@@ -299,9 +312,8 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
     (``etp`` None: tp)."""
     h, f = stack.hidden, stack.ffn_hidden
     a = stack.heads * stack.kv_channels
-    g = stack.query_groups * stack.kv_channels
-    outside = 10 * h * tokens / (tp if sequence_parallel else 1)
-    c = 6 if stack.gated else 4
+    outside = (2 * stack.norm_kept + 4) * h * tokens / (tp if sequence_parallel else 1)
+    c = stack.mlp_kept or (6 if stack.gated else 4)
     if stack.experts:
         # each token's MLP activations in each of the k experts it goes through, and the
         # dispatcher's copies: into the experts (gathered over the etp ranks) and out of them;
@@ -316,7 +328,10 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
         return kept + delta_net_bytes(stack, tokens, tokens if chunked is None else chunked,
                                       settings.width) / tp
     gate = 4 * a if stack.attention_gate else 0
-    inside = (4 * a + 4 * g + gate + mlp) * tokens / tp
+    # q and the keys and values repeated to the query heads, the output projection's input,
+    # and a fused kernel's own output (the local attention keeps the scores instead)
+    core = stack.attention_kept * a or 8 * a + (0 if settings.attention_scores else 2 * a)
+    inside = (core + gate + mlp) * tokens / tp
     scores = 5 * stack.heads * squares / tp \
         if settings.attention_scores and settings.recompute == "none" else 0
     return (outside + inside + scores) * settings.width / 2
@@ -382,7 +397,7 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
                                                chunked, ep, etp)
     if stage == pp - 1:
         found += tokens * stack.hidden * settings.width if settings.loss_chunk_tokens else \
-            tokens * stack.vocab / tp * (settings.width + 4)
+            tokens * stack.vocab / tp * 4
     return found
 
 
@@ -410,8 +425,9 @@ def language_temporary_bytes(stack: Stack, tokens: float, settings: Settings, tp
                 weight = stack.vocab * stack.hidden / tp
                 forward = max(weight * 4 + logits, weight * width)
             found += max(gradients, forward)
-        else:
-            found += gradients + 2 * tokens * stack.vocab / tp * 4
+        else:           # the logits' gradient cast back to the run's precision
+            found += gradients + tokens * stack.vocab / tp * (
+                settings.width if settings.width != 4 else 0)
     elif stage == 0:
         found += rows
     return found
@@ -451,11 +467,14 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
     # a transformers tower recomputes all or nothing: selective keeps everything, the
     # attention scores too where the kernel keeps them
     tower_settings = replace(settings, recompute="full" if settings.towers == "full"
-                             else "none")
+                             else "none", attention_scores=False)
+    stack = tower.stack
+    if tower.by_boundaries and settings.tower_varlen:
+        stack = replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)
     pixels = sum(t * h * w for t, h, w in grids) * \
         sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width
-    return in_flight * (stack_activation_bytes(tower.stack, tower.stack.layers, positions,
-                                               squares, tower_settings) + pixels)
+    return in_flight * (stack_activation_bytes(stack, stack.layers, positions, squares,
+                                               tower_settings) + pixels)
 
 
 def in_flight(micro_batches: int, stages: int, position: int) -> int:

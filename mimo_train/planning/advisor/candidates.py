@@ -187,7 +187,7 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
         model.passes.get(f"{e.name}.encoder", 3) > 1 for e in layout.encoders) else (None,)
     split = _split_media(model, request)
     return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,
-                          model.loss_chunk_tokens, t, media)
+                          model.loss_chunk_tokens, t, media, model.tower_varlen)
              for media in alternatives for sp in parallel]
             for d in distributed for r in recompute
             for t in (towers if r != "full" else (None,)) for alternatives in split]

@@ -66,6 +66,8 @@ class Model:
     rule_settings: rules.Settings = field(default_factory=rules.Settings)
     loss_chunk_tokens: int = 0                        # model.language.loss_chunk_tokens
     split_media: bool = False                         # a training YAML's data.split_media
+    # the Qwen-family towers on mimo's varlen kernel (model.attention auto / varlen)
+    tower_varlen: bool = True
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -130,7 +132,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     return Model(dims, path, cfg.train.precision, passes, trained,
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
                  tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
-                 plan.language.loss_chunk_tokens, split_media)
+                 plan.language.loss_chunk_tokens, split_media,
+                 tower_varlen=cfg.model.attention in ("auto", "varlen"))
 
 
 # ---------------------------------------------------------------------------- the work
