@@ -71,6 +71,14 @@ def test_cases_train_the_same_batches_with_figures(summary):
         assert case["median_seconds"] > 0 and case["median_tflops_per_gpu"] > 0, (name, case)
         assert case["median_memory_mib"] > 0 and case["peak_gpu_mib"] is None
         assert case["predicted_mib"] > 0, case          # the layout advisor's memory model
+        parts = case["predicted_gib"]
+        assert parts["total"] * 1024 == pytest.approx(case["predicted_mib"], abs=8), parts
+        assert parts["activations"] > 0 and parts["weights"] > 0, parts
+        assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(
+            parts["total"], abs=0.03), parts
+        peaks = case["memory_mib_by_step"]
+        assert len(peaks) == 3 and peaks == sorted(peaks), peaks    # a peak since the start
+        assert case["memory_error"] == round(case["predicted_mib"] / peaks[-1] - 1, 4)
         if cases[name]["packed"] and name != "lora_7b_packed_8k":     # the 2B model's
             first.append(case["losses"][0])
     # packed, every attention kernel and recompute sees the same samples: one first-step loss

@@ -107,6 +107,7 @@ class Workload:
     peer: bool = True
     size: str = "2B"                # Qwen2-VL-2B (full fine-tune) or -7B (LoRA)
     lora: bool = False              # LoRA rank 16 on the language model, the tower frozen
+    loss_chunk: int = 0             # model.language.loss_chunk_tokens (0: the loss at once)
 
 
 # run in this order while time is left: the goal's case and the floor first
@@ -115,7 +116,8 @@ class Workload:
 WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="full"),
              Workload("unpacked", False, 2048, 8, attention="sdpa"),
              Workload("lora_7b_packed_8k", True, 8192, 24, size="7B", lora=True),
-             Workload("packed_32k", True, 32768, 96, tower_recompute="full"),
+             # 32k tokens' logits over 151,936 words: 20 GB in fp32 at once, 2.5 GB in chunks
+             Workload("packed_32k", True, 32768, 96, tower_recompute="full", loss_chunk=4096),
              Workload("packed_8k_recompute_full", True, 8192, 24, recompute="full"),
              # packed_8k with the language model and the tower on transformers' SDPA: the
              # varlen kernels' gain
@@ -409,6 +411,9 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
                 "memory_mib"):
         if (value := _median(timed, key)) is not None:
             result[f"median_{key}"] = value
+    # the allocator's peak since the model's build, after each step: the run's peak is the
+    # last; the jump after the first step is the optimizer's moments (made at its first update)
+    result["memory_mib_by_step"] = [r.get("memory_mib") for r in records]
     if records and "attention" in records[-1]:
         result["attention"] = records[-1]["attention"]
     found = sorted(profile.glob("profile_rank*.json")) if profile.is_dir() else []
@@ -430,7 +435,7 @@ def case(check: Check, device: str, work: Workload) -> dict:
         make_checkpoint(check, work.size)
     model: dict[str, Any] = {
         "pretrained": str(check.checkpoints[work.size]), "attention": attention,
-        "language": {"recompute": work.recompute},
+        "language": {"recompute": work.recompute, "loss_chunk_tokens": work.loss_chunk},
         "encoders": {"image": {"recompute": work.recompute if work.recompute != "none"
                                else work.tower_recompute}}}
     if work.lora:                   # the language model's linear layers; the tower frozen
@@ -448,10 +453,12 @@ def case(check: Check, device: str, work: Workload) -> dict:
                               check.work / f"{work.name}_profile")
     result["mimo"]["peak_gpu_mib"] = memory.peak if memory else None
     try:
-        result["mimo"]["predicted_mib"] = predicted_mib(
+        result["mimo"]["predicted_mib"], result["mimo"]["predicted_gib"] = predicted_mib(
             check, work.name, train_section, work.packed, preprocess, work.recompute,
             work.tower_recompute if work.recompute == "none" else None)
-        peak = result["mimo"].get("median_memory_mib")
+        # against the whole run's peak: the advisor takes the fullest micro-batch of the
+        # same steps (the loader's dry run of the run's seed)
+        peak = max((m for m in result["mimo"]["memory_mib_by_step"] if m), default=None)
         if peak:
             result["mimo"]["memory_error"] = round(
                 result["mimo"]["predicted_mib"] / peak - 1, 4)
@@ -474,11 +481,11 @@ def case(check: Check, device: str, work: Workload) -> dict:
 
 def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
                   preprocess_path: Path, recompute: str = "none",
-                  tower_recompute: str | None = None) -> float:
-    """What ``mimo-inspect plan``'s memory model predicts for the run's rank (weights,
-    gradients, optimizer state, activations of its micro-batches, temporaries): the layout
-    advisor's evaluation of this one layout and settings, on the loader's dry run of the
-    run's own seed."""
+                  tower_recompute: str | None = None) -> tuple[float, dict[str, float]]:
+    """What ``mimo-inspect plan``'s memory model predicts for the run's rank, in MiB, and its
+    parts in GiB (weights, gradients, optimizer state, activations of its fullest
+    micro-batch, temporaries): the layout advisor's evaluation of this one layout and
+    settings, on the loader's dry run of the run's own seed."""
     from mimo_data.inspect.workload import workload
     from mimo_data.loading.layout import Layout
     from mimo_data.loading.loader import DataSource
@@ -493,9 +500,13 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
                        {"image": "image"})
     advisor = Advisor(model, read_work(model, work), GPU("any", 1e6, 1.0, 1.0, 1.0))
     settings = Settings(model.precision, recompute=recompute, tower_recompute=tower_recompute,
-                        attention_scores=model.attention_scores)
+                        attention_scores=model.attention_scores,
+                        loss_chunk_tokens=model.loss_chunk_tokens,
+                        tower_varlen=model.tower_varlen)
     result = advisor.evaluate(Candidate(Layout.parse(LAYOUT), settings))
-    return round(result.peak_bytes / 2**20, 1)
+    (memory,) = result.memory.values()            # one rank: the colocated modules
+    return round(result.peak_bytes / 2**20, 1), {
+        part: round(gib, 2) for part, gib in memory.gib().items()}
 
 
 def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_launcher,
