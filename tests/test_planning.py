@@ -642,6 +642,34 @@ def test_hybrid_activation_bytes_by_hand():
     assert mem.chunked_positions([10, 10]) == 128 and mem.chunked_positions([20]) == 64
 
 
+class SavedBytes:
+    """The bytes of the tensors autograd saves for a backward pass while entered (each
+    storage once; ``module``'s own parameters not counted): ``total``."""
+
+    def __init__(self, module):
+        import torch
+        self.own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self.storages: dict[int, int] = {}
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self.own:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedBytes:
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        return sum(self.storages.values())
+
+
 def test_delta_net_bytes_are_what_the_layer_saves():
     """megatron-core's ``GatedDeltaNet`` with mimo's kernels (``mcore.gated_delta_net``, the
     layer the trainer builds, in bf16 as a GPU trains it; one-rank world, in process) on one
@@ -674,20 +702,11 @@ def test_delta_net_bytes_are_what_the_layer_saves():
         layer = build_module(gated_delta_net.module_spec(), config=config, layer_number=1,
                              pg_collection=ProcessGroupCollection(tp=group, cp=group))
         layer = layer.to(torch.bfloat16)
-        own = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        saved: dict[int, int] = {}
-
-        def pack(tensor):
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in own:
-                saved[storage.data_ptr()] = storage.nbytes()
-            return tensor
-
         hidden = torch.randn(tokens, 1, 64, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with SavedBytes(layer) as saved:
             layer(hidden, None)
     predicted = mem.delta_net_bytes(HYBRID, tokens, 256, 2) + tokens * 64 * 2
-    assert sum(saved.values()) == pytest.approx(predicted, rel=0.01)
+    assert saved.total == pytest.approx(predicted, rel=0.01)
 
 
 TOWER_CONFIGS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct",
@@ -738,19 +757,10 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     torch.manual_seed(0)
     tower = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.bfloat16)
     set_attention(tower, "varlen" if varlen else "sdpa", by_boundaries=True)
-    own = {p.untyped_storage().data_ptr() for p in tower.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in own:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)
-    for block in tower.blocks:
-        block.register_forward_pre_hook(lambda *_: hooks.__enter__())
-        block.register_forward_hook(lambda *_: hooks.__exit__(None, None, None))
+    saved = SavedBytes(tower)
+    for block in tower.blocks:            # inside the blocks only (a hook returns nothing)
+        block.register_forward_pre_hook(lambda *_: saved.hooks.__enter__())
+        block.register_forward_hook(lambda *_: saved.hooks.__exit__(None, None, None))
     grid = torch.tensor([[1, 16, 16]] * 4)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     patches = int(grid.prod(-1).sum())
@@ -759,7 +769,7 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     if varlen:
         stack = dataclasses.replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)
     predicted = mem.layer_activation_bytes(stack, patches, patches * 256, mem.Settings("bf16"))
-    assert sum(saved.values()) / 2 == pytest.approx(predicted, rel=0.02)
+    assert saved.total / 2 == pytest.approx(predicted, rel=0.02)
 
 
 # Qwen/Qwen3.5-27B's config.json as published on the Hugging Face hub (huggingface.co/Qwen/
