@@ -111,6 +111,9 @@ OTHER_LIBRARIES = {
     ("mimo_train.precision", "_buffers"),              # torch.nn.Module's buffers, reassigned
     ("mimo_train.families.qwen2_vl", "_from_config"),  # transformers' model from its config
     ("mimo_train.families.siglip", "_from_config"),
+    # transformers' config property that holds the attention implementation (its setter):
+    # set_attn_implementation would load the flash-attn package for mimo's varlen name
+    ("mimo_train.model.tower_attention", "_attn_implementation"),
 }
 HARMLESS = {"__name__", "__qualname__", "__module__", "__doc__"}
 
