@@ -93,6 +93,10 @@ def test_each_case_is_profiled(summary):
         assert abs(sum(profile["shares"].values()) - 1) < 0.01, profile["shares"]
         assert profile["shares"]["matmul"] > 0.2, profile
         assert profile["top"] and profile["top"][0]["kind"] == "matmul", profile["top"]
+        assert profile["host_reads_per_step"] > 0, profile
+        if name != "packed_8k":         # the map of waits is slow on the CPU: one case's
+            assert "sync_sites" not in profile, profile
+            continue
         # on the CPU the waits a GPU would have are found by operator, at their callers:
         # megatron-core's optimizer step (torch Adam's host step counts: no wait on a GPU)
         # and MimoModel's placeholder count (which waits) among them, not the cross
@@ -103,7 +107,6 @@ def test_each_case_is_profiled(summary):
                    for s in sites), sites
         assert any("align_embeddings" in s["site"] for s in sites), sites
         assert not any("cross_entropy" in s["site"] for s in sites), sites
-        assert profile["host_reads_per_step"] > 0, profile
 
 
 def test_the_peer_trains_the_same_batches_as_transformers(summary):

@@ -249,11 +249,14 @@ class WandbConfig:
 class ProfileConfig:
     """torch.profiler over steps ``start .. start + steps - 1`` (from 1) of every rank: a
     summary per rank in ``dir/profile_rank{R}.json`` (``mimo_train.runtime.profile``), the
-    Chrome trace beside it with ``trace``."""
+    Chrome trace beside it with ``trace``; on the CPU with ``waits``, the operators that would
+    make the host wait on a GPU, at their callers (every operator then goes through Python:
+    the profiled steps run several times slower)."""
     dir: str = ""
     start: Positive = 3
     steps: Positive = 2
     trace: bool = False
+    waits: bool = False
 
 
 @dataclass

@@ -16,8 +16,9 @@ the next change, the same for mimo and for any other training measured beside it
   host-side step counts twice a parameter), so not all of them wait for the GPU;
 - ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
   their innermost Python frame outside torch: on CUDA each call torch's sync debug mode
-  reports (``SyncSites``), on the CPU each operator that would wait on a GPU (``HostWaits``;
-  an upper bound: tensors that stay on the host in a GPU run count too).
+  reports (``SyncSites``), on the CPU with ``train.profile.waits`` each operator that would
+  wait on a GPU (``HostWaits``; an upper bound: tensors that stay on the host in a GPU run
+  count too).
 
 torch.profiler records; nothing in it sorts kernels into these kinds, hence ``kind``.
 """
@@ -126,6 +127,7 @@ class Window(Protocol):
     start: int
     steps: int
     trace: bool
+    waits: bool                     # on the CPU: HostWaits (slow)
 
 
 class SyncSites:
@@ -240,7 +242,8 @@ class Profile:
             torch.cuda.synchronize(self.device)
         self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
         self.profiler.__enter__()
-        self.syncs = (SyncSites() if self.device.type == "cuda" else HostWaits()).__enter__()
+        if self.device.type == "cuda" or self.window.waits:
+            self.syncs = (SyncSites() if self.device.type == "cuda" else HostWaits()).__enter__()
 
     def after(self, step: int) -> None:
         if self.profiler is None or self.window is None:
