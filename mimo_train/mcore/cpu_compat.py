@@ -234,11 +234,15 @@ def _patch_causal_masks() -> None:
         module.get_sliding_window_causal_mask = get_sliding_window_causal_mask
 
 
-# megatron-core's @jit_fuser (torch.compile) methods of the layers mimo builds: module, class,
-# methods
+# megatron-core's @jit_fuser (torch.compile) functions of the layers mimo builds: module, class
+# (None: the module's own functions), names
 COMPILED = (("megatron.core.transformer.attention", "Attention", ("_apply_output_gate",)),
             ("megatron.core.ssm.gated_delta_net.common", "_GDNBase",
-             ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")))
+             ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")),
+            # the fused SwiGLU's forward and backward (bias_activation_fusion)
+            ("megatron.core.fusions.fused_bias_swiglu", None,
+             ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
+              "weighted_swiglu_back")))
 
 
 def _patch_moe_splits() -> None:
@@ -286,7 +290,8 @@ def _patch_compiled_methods() -> None:
     # the same
     import importlib
     for module, owner, names in COMPILED:
-        cls = getattr(importlib.import_module(module), owner)
+        space = importlib.import_module(module)
+        cls = space if owner is None else getattr(space, owner)
         for name in names:
             setattr(cls, name, inspect.unwrap(vars(cls)[name]))
 
@@ -335,7 +340,8 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
     Patch("compiled_methods",
           "@jit_fuser (torch.compile) methods: transformer/attention.py:1623 "
           "Attention._apply_output_gate (gated attention), ssm/gated_delta_net/common.py:370, "
-          ":382, :433: the first forward compiles each with inductor's C++ backend (over 90 s "
+          ":382, :433, fusions/fused_bias_swiglu.py:15-90 (the fused SwiGLU's forward and "
+          "backward): the first forward compiles each with inductor's C++ backend (over 90 s "
           "for one small layer on 2 cores, again for each new shape; fails without a C++ "
           "compiler)",
           _patch_compiled_methods),

@@ -21,7 +21,8 @@ import torch
 
 class ZeroCenteredRMSNorm(torch.nn.Module):
     """RMSNorm that scales by ``1 + weight`` (the weight starts at zero), computed in fp32 and
-    cast back: transformers' ``Qwen3_5RMSNorm``."""
+    cast back: transformers' ``Qwen3_5RMSNorm``, through torch's ``rms_norm`` (one fused kernel
+    on a GPU, where transformers' runs five elementwise ones and a reduction)."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -29,9 +30,8 @@ class ZeroCenteredRMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return torch.nn.functional.rms_norm(x.float(), (x.size(-1),), 1.0 + self.weight.float(),
+                                            self.eps).type_as(x)
 
 
 class SequenceParallelNorm:
