@@ -42,6 +42,8 @@ def test_language_model_hand_count():
     # one sample of 14 tokens has the same dense part, a larger square: 2·4·64·196 = 100352
     assert language_flops(LANGUAGE, [14]) == 3 * (2_981_888 + 100_352)
     assert language_flops(LANGUAGE, [5, 9], passes=1) == 3_036_160
+    # 3 of the 14 tokens trained: the output layer's 16384 a token on those alone
+    assert language_flops(LANGUAGE, [5, 9], trained=3) == 9_108_480 - 3 * 11 * 16384
 
 
 def test_qwen2_vl_tower_and_projection_hand_count():
@@ -287,7 +289,7 @@ def test_step_records_count_the_hybrid_layers():
     from mimo_train.components.metrics import FlopsCounter
     from mimo_train.planning.dims import ModelDims
     counter = FlopsCounter(ModelDims(HYBRID), ["language"], {"language": 3}, True, None)
-    counter.add({"tokens": [100]})
+    counter.add({"tokens": [100], "trained_tokens": [100]})
     assert counter.take(torch.device("cpu")).tolist() == \
         [3 * (3_218_636_800 + 8_282_112 + 10_240_000)]
 

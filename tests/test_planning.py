@@ -92,55 +92,59 @@ def test_activation_bytes_by_hand():
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16, tp=2) == 51200 + 83200
     # fp32 doubles it
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, mem.Settings("fp32")) == 435200
-    # the whole model: 2 layers + the cross entropy's fp32 softmax 100 x 128 x 4 (the bf16
-    # logits are freed once cast)
-    assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 51200
+    # the whole model: 2 layers + the hidden states' gradient 100 x 64 x 2, made with the loss
+    # in the forward pass (no logits kept: megatron-core's path kept their fp32 softmax,
+    # 100 x 128 x 4 = 51200)
+    assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 12800
     # full recompute: each layer's input 2 h T = 12800, plus one layer's set
     assert mem.language_activation_bytes(STACK, [100], mem.Settings(
-        "bf16", recompute="full")) == 2 * 12800 + 217600 + 51200
+        "bf16", recompute="full")) == 2 * 12800 + 217600 + 12800
     # 1F1B: the first of 3 stages holds 3 micro-batches of its layer (pp2: one layer)
     assert mem.in_flight(8, 3, 0) == 3 and mem.in_flight(8, 3, 2) == 1
     assert mem.in_flight(2, 3, 0) == 2
-    # temporaries at the last stage: the output's weight gradient 128 x 64 x 2 and the
-    # logits' gradient cast back to bf16 100 x 128 x 2 (fp32: none, made in place)
-    assert mem.language_temporary_bytes(STACK, 100, bf16) == 16384 + 25600
-    assert mem.language_temporary_bytes(STACK, 100, mem.Settings("fp32")) == 32768
+    # temporaries at the last stage, 30 of the 100 tokens trained: the output's weight
+    # gradient 128 x 64 x 2 and the trained tokens' logits, 30 x 128 x (2 + their fp32 copy 4)
+    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 23040
+    # fp32: the weight gradient 128 x 64 x 4 and the logits, their own fp32 copy
+    assert mem.language_temporary_bytes(STACK, 100, 30, mem.Settings("fp32")) == \
+        32768 + 30 * 128 * 4
 
 
 def test_the_loss_in_chunks_by_hand():
     """``model.language.loss_chunk_tokens``: the last stage keeps the hidden states' gradient
-    (T h w) in place of the fp32 softmax (T V 4), and its temporaries are the forward pass's
-    (the weight gradient summed in fp32 and one chunk's logits, each with a bf16 copy in a bf16
+    (T h w) as without chunks, and its temporaries are the forward pass's (the weight gradient
+    summed in fp32 and one chunk's logits of trained tokens, each with a bf16 copy in a bf16
     run) or, where larger, the backward pass's end's (the weight gradients)."""
     import dataclasses
     bf16, fp32 = mem.Settings("bf16", loss_chunk_tokens=32), mem.Settings("fp32",
                                                                          loss_chunk_tokens=32)
-    # 2 layers + the hidden states' gradient 100 x 64 x 2 (the softmax was 51200)
     assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 12800
-    assert mem.language_activation_bytes(STACK, [100], mem.Settings(
-        "bf16", loss_chunk_tokens=0)) == 2 * 217600 + 51200
     # a first stage has no output layer: nothing changes there
     assert mem.language_activation_bytes(STACK, [100], bf16, pp=2) == \
         mem.language_activation_bytes(STACK, [100], mem.Settings("bf16"), pp=2) == 217600
-    # bf16: the weight gradient summed in fp32 128 x 64 x 4 + a chunk's logits 32 x 128 x
-    # (4 + 2), over its cast to bf16 at the end 128 x 64 x (4 + 2) and the weight gradient at
-    # the backward's end 128 x 64 x 2 (unchunked: 16384 + 25600)
-    assert mem.language_temporary_bytes(STACK, 100, bf16) == 8192 * 4 + 4096 * 6 == 57344
+    # all 100 trained, bf16: the weight gradient summed in fp32 128 x 64 x 4 + a chunk's
+    # logits 32 x 128 x (4 + 2), over its cast to bf16 at the end 128 x 64 x (4 + 2) and the
+    # weight gradient at the backward's end 128 x 64 x 2
+    assert mem.language_temporary_bytes(STACK, 100, 100, bf16) == 8192 * 4 + 4096 * 6 == 57344
     # fp32: the logits are their own fp32 copy: x 4
-    assert mem.language_temporary_bytes(STACK, 100, fp32) == (8192 + 4096) * 4
+    assert mem.language_temporary_bytes(STACK, 100, 100, fp32) == (8192 + 4096) * 4
     # a chunk of 4 tokens: the cast at the end is the larger
-    assert mem.language_temporary_bytes(STACK, 100, mem.Settings(
+    assert mem.language_temporary_bytes(STACK, 100, 100, mem.Settings(
         "bf16", loss_chunk_tokens=4)) == 8192 * 6
-    # a chunk longer than the micro-batch is the micro-batch, its weight gradient made in
-    # bf16 (128 x 64 x 2), not summed in fp32
-    assert mem.language_temporary_bytes(STACK, 100, mem.Settings(
+    # a chunk longer than the trained tokens is all of them, its weight gradient made in
+    # bf16 (128 x 64 x 2), not summed in fp32; so are 30 trained tokens in chunks of 32
+    assert mem.language_temporary_bytes(STACK, 100, 100, mem.Settings(
         "bf16", loss_chunk_tokens=4096)) == 16384 + 12800 * 6
+    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 30 * 128 * 6
     # tp2: half the rows of each
-    assert mem.language_temporary_bytes(STACK, 100, bf16, tp=2) == 4096 * 4 + 2048 * 6
+    assert mem.language_temporary_bytes(STACK, 100, 100, bf16, tp=2) == 4096 * 4 + 2048 * 6
+    # cp4: a rank's 25 positions hold at most 25 of the 80 trained tokens
+    assert mem.language_temporary_bytes(STACK, 100, 80, bf16, cp=4) == \
+        mem.language_temporary_bytes(STACK, 25, 25, bf16)
     # tied at pp1 in fp32: the two weight gradients at the backward's end, 2 x 128 x 64 x 4,
     # are the larger
     tied = dataclasses.replace(STACK, tied=True)
-    assert mem.language_temporary_bytes(tied, 100, fp32) == 2 * 32768
+    assert mem.language_temporary_bytes(tied, 100, 100, fp32) == 2 * 32768
 
 
 def test_a_tower_under_selective_recompute_keeps_everything():
@@ -245,7 +249,7 @@ def test_all_to_all_of_one_layer_by_hand():
     # micro-batches a DP rank, 2 layers each: 4 x 42240 bytes over 300 GB/s when each
     # expert-parallel group (4 ranks in a row at etp1) lies in a node of 4 GPUs
     model = Model(ModelDims(MOE), "moe", "bf16")
-    work = Work([[100] * 8], {}, {}, 1, 8, 128, True)
+    work = Work([[100] * 8], [[100] * 8], {}, {}, 1, 8, 128, True)
     advisor = Advisor(model, work, GPU("gpu", 80.0, 1000.0, 300.0, 40.0, per_node=4))
     settings = mem.Settings("bf16", distributed_optimizer=True, sequence_parallel=True)
     within = advisor.evaluate(Candidate(Layout.parse("language=tp2,dp4,ep4,etp1"), settings))
@@ -379,8 +383,8 @@ def test_model_flops_count_the_passes_the_trainer_counts(model_yaml):
     steps = read_work(model, work)
     result = Advisor(model, steps, GPU("cpu", 1e3, 0.02, 1e3, 1e3)).evaluate(
         Candidate(Layout.parse(LAYOUTS["language dp1"]), mem.Settings("fp32")))
-    language = sum(language_flops(model.dims.language, lengths, 2)
-                   for lengths in steps.lengths) / len(steps.lengths)
+    language = sum(language_flops(model.dims.language, lengths, 2, sum(trained))
+                   for lengths, trained in zip(steps.lengths, steps.trained)) / len(steps.lengths)
     encoders = sum(map(sum, steps.encoder_flops["image"])) / len(steps.lengths)
     assert language > 0 and result.flops == pytest.approx(language + encoders)
 
@@ -388,7 +392,7 @@ def test_model_flops_count_the_passes_the_trainer_counts(model_yaml):
 def test_the_advisor_counts_a_config_s_loss_in_chunks(model_yaml):
     """A training YAML's ``model.language.loss_chunk_tokens`` reaches every setting the
     advisor tries, and its language rank's predicted memory then holds one chunk's logits
-    (of 49152 rows) in place of the micro-batch's."""
+    (of 49152 rows) in place of those of the micro-batch's trained tokens."""
     from mimo_data.inspect.advice import AdvisorRequest
     from mimo_data.inspect.workload import workload
     from mimo_data.loading.loader import DataSource
@@ -414,7 +418,8 @@ def test_the_advisor_counts_a_config_s_loss_in_chunks(model_yaml):
             Candidate(layout, tried[0])).memory["language"]
     assert set(memory) == {0, 16}
     assert memory[16].weights == memory[0].weights
-    assert memory[16].activations < memory[0].activations
+    assert memory[16].activations == memory[0].activations       # the hidden states' gradient
+    assert memory[16].temporary < memory[0].temporary
     assert memory[16].total < memory[0].total
 
 
@@ -630,8 +635,8 @@ def test_hybrid_activation_bytes_by_hand():
     assert mem.layer_activation_bytes(HYBRID, 100, 100 ** 2, mem.Settings("fp32"),
                                       kind=LINEAR, chunked=128) == \
         2 * (51200 + 57600) + 1334656 + 2 * 26400
-    # the stack: 3 delta-net layers, 1 attention layer, the fp32 softmax 100 x 248320 x 4
-    linear, full, logits = 1469856, 467200, 99328000
+    # the stack: 3 delta-net layers, 1 attention layer, the hidden states' gradient 100 x 64 x 2
+    linear, full, logits = 1469856, 467200, 12800
     assert mem.language_activation_bytes(HYBRID, [100], bf16) == 3 * linear + full + logits
     # full recompute: each layer's input 2 x 64 x 100, one layer's set, the largest kind's
     assert mem.language_activation_bytes(HYBRID, [100], mem.Settings(
@@ -971,7 +976,8 @@ def _qwen3_5_workload(packing: bool = False) -> dict:
     return {"global_batch_size": 128, "micro_batch_size": 8, "seq_length": 2048,
             "packing": packing, "epochs": 1, "vocab_size": 248320,
             "modalities": QWEN3_5_MODALITIES,
-            "steps": [[{"tokens": 256 + (97 * i) % 1024, "items": {"image": [256]},
+            "steps": [[{"tokens": 256 + (97 * i) % 1024, "trained": 256 + (97 * i) % 1024,
+                        "items": {"image": [256]},
                         "grids": {"image": [[1, 16, 16]]}} for i in range(128)]
                       for _ in range(2)]}
 
@@ -1053,7 +1059,8 @@ def _moe_workload() -> dict:
     return {"global_batch_size": 256, "micro_batch_size": 2, "seq_length": 4096,
             "packing": False, "epochs": 1, "vocab_size": 151_700,
             "modalities": QWEN3_5_MODALITIES,
-            "steps": [[{"tokens": 150 + (37 * i) % 256, "items": {"image": [64]},
+            "steps": [[{"tokens": 150 + (37 * i) % 256, "trained": 150 + (37 * i) % 256,
+                        "items": {"image": [64]},
                         "grids": {"image": [[1, 8, 8]]}} for i in range(256)]]}
 
 
@@ -1105,18 +1112,19 @@ def test_the_advisor_lays_out_experts_of_a_mixture_only(qwen3_vl_moe, qwen3_5):
 # ------------------------------------------------------------------ context parallelism
 
 def test_context_parallel_memory_and_traffic_by_hand():
-    """cp2 keeps half the language activations (the scores' and the logits' too) and the
-    same weights and gradients; the distributed optimizer shards over dp x cp; one layer's
-    all-to-all bytes."""
+    """cp2 keeps half the language activations (the scores' and the hidden states' gradient
+    too) and the same weights and gradients; the distributed optimizer shards over dp x cp;
+    one layer's all-to-all bytes."""
     from mimo_train.planning.advisor.cost import context_traffic
     bf16 = mem.Settings("bf16", attention_scores=True)
     lengths = [100, 60]
     one = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1)
     two = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1, cp=2)
     assert two == pytest.approx(one / 2) and two < one
-    # the output's weight gradient, 80 tokens' logits gradient in bf16
-    assert mem.language_temporary_bytes(STACK, 160, bf16, tp=2, cp=2) == pytest.approx(
-        128 * 64 / 2 * 2 + 80 * 128 / 2 * 2)
+    # the output's weight gradient, a rank's 80 positions' trained tokens' logits in bf16 and
+    # fp32 (of 120 trained: at most 80 on one rank)
+    assert mem.language_temporary_bytes(STACK, 160, 120, bf16, tp=2, cp=2) == pytest.approx(
+        128 * 64 / 2 * 2 + 80 * 128 / 2 * 6)
     dist = mem.Settings("bf16", distributed_optimizer=True)
     cp1 = mem.language_state_bytes(STACK, dist, tp=2, dp=2)
     cp2 = mem.language_state_bytes(STACK, dist, tp=2, dp=2 * 2)     # dp2 x cp2
@@ -1158,7 +1166,7 @@ def _long_advice(qwen2_vl_2b, tokens: int, batch: int, fewer: bool) -> list[Layo
     workload = {"global_batch_size": batch, "micro_batch_size": 1, "seq_length": tokens,
                 "packing": False, "epochs": 1, "vocab_size": 151_700,
                 "modalities": QWEN3_5_MODALITIES,
-                "steps": [[{"tokens": tokens, "items": {"image": [16]},
+                "steps": [[{"tokens": tokens, "trained": tokens, "items": {"image": [16]},
                             "grids": {"image": [[1, 4, 4]]}}] * batch]}
     request = AdvisorRequest(str(qwen2_vl_2b["checkpoint"]), str(qwen2_vl_2b["preprocess"]),
                              8, gpu="h100", top=100, fewer_gpus=fewer)
@@ -1268,9 +1276,9 @@ def _one_long_clip(clip: list[int]) -> dict:
     return {"global_batch_size": 2, "micro_batch_size": 2, "seq_length": tokens + 100,
             "packing": True, "epochs": 1, "vocab_size": 151_700,
             "modalities": QWEN3_5_MODALITIES,
-            "steps": [[{"tokens": tokens + 100, "items": {"video": [tokens]},
-                        "grids": {"video": [clip]}},
-                       {"tokens": 200, "items": {}}]]}
+            "steps": [[{"tokens": tokens + 100, "trained": tokens + 100,
+                        "items": {"video": [tokens]}, "grids": {"video": [clip]}},
+                       {"tokens": 200, "trained": 200, "items": {}}]]}
 
 
 def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_yaml):

@@ -155,7 +155,7 @@ def _workload(packing: bool, batch: int = 8, micro: int = 1) -> dict:
     micro-batches of ``micro``."""
     return {"global_batch_size": batch, "micro_batch_size": micro, "seq_length": 1024,
             "packing": packing, "epochs": 1, "vocab_size": 151_700, "modalities": MODALITIES,
-            "steps": [[{"tokens": 200 + 20 * i, "items": {"image": [16]},
+            "steps": [[{"tokens": 200 + 20 * i, "trained": 200 + 20 * i, "items": {"image": [16]},
                         "grids": {"image": [[1, 4, 4]]}} for i in range(batch)]
                       for _ in range(2)]}
 

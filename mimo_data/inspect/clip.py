@@ -78,7 +78,8 @@ def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
     grid = list(video_token_grid(frames, fps, width, height, video))
     modalities = dict(reference_layout(config).modalities)
     tokens, counts = len(text.ids) - 1, list(text.token_counts["video"])
-    sample = {"tokens": tokens, "items": {"video": counts}, "grids": {"video": [grid]}}
+    sample = {"tokens": tokens, "trained": int(text.loss_mask.sum()),
+              "items": {"video": counts}, "grids": {"video": [grid]}}
     resized = video_resized_size(width, height, frames, video)
     return {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
             "seq_length": tokens, "packing": False, "epochs": 1,

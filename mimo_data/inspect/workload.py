@@ -15,10 +15,11 @@ A workload (JSON-ready)::
 
     {"global_batch_size": B, "micro_batch_size": M, "seq_length": S, "packing": bool,
      "epochs": E, "vocab_size": V, "modalities": {modality: module},
-     "steps": [[{"tokens": n, "items": {modality: [n, ...]},
+     "steps": [[{"tokens": n, "trained": n, "items": {modality: [n, ...]},
                  "grids": {modality: [[t, h, w], ...]}}, ...]]}
 
-``items``: the tokens each image / clip / audio item of the sample takes in the sequence (what
+``trained``: its trained tokens (the only ones whose logits training makes); ``items``: the
+tokens each image / clip / audio item of the sample takes in the sequence (what
 the encoder emits, after any patch merging); ``grids``: each item's (t, h, w) token grid where
 the loader's metadata has one (``token_grids``), else empty; ``vocab_size``: the tokenizer's
 with the modality tokens (what sizes a randomly initialised language model's output layer).
@@ -54,7 +55,7 @@ def reference_layout(config: PreprocessConfig, layout: Layout | None = None) -> 
 
 def _sample(mb: dict, i: int) -> dict:
     counts = mb.get("token_counts", {})
-    return {"tokens": mb["tokens"][i],
+    return {"tokens": mb["tokens"][i], "trained": mb["trained_tokens"][i],
             "items": {m: list(per_sample[i]) for m, per_sample in counts.items()},
             "grids": {m: [list(g) if g is not None else None for g in per_sample[i]]
                       for m, per_sample in mb.get("token_grids", {}).items()}}

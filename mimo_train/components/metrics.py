@@ -160,7 +160,8 @@ class FlopsCounter:
         if not self.counts:
             return
         found = step_flops(self.dims, metadata["tokens"], metadata.get("token_counts", {}),
-                           metadata.get("token_grids", {}), self.passes)
+                           metadata.get("token_grids", {}), self.passes,
+                           metadata["trained_tokens"])
         for name, value in found.items():
             self.pending[name] += value
 

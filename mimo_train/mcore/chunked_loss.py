@@ -1,16 +1,25 @@
-"""The language model's output layer and cross entropy in chunks of tokens
-(``model.language.loss_chunk_tokens``): the logits of the whole micro-batch are never held at
-once, only one chunk's.
+"""The language model's output layer and cross entropy in training: at the trained tokens
+only, in chunks of ``model.language.loss_chunk_tokens`` of them (0: all at once).
 
 megatron-core 0.19's path (``GPTModel._postprocess``: ``output_layer`` then
 ``compute_language_model_loss``) makes the logits of every token, ``[s, b, V / tp]`` in the
 run's dtype, casts them to fp32 and keeps the softmax for the backward pass: at 32k tokens of
-a 150k vocabulary, about 20 GB in fp32 per copy. Its fused cross entropy
-(``cross_entropy_loss_fusion``: the native or TransformerEngine kernel) saves one of those
-copies, not the logits; its linear cross entropy (``fused_linear_cross_entropy``) is not in
-0.19. It does take a hook in that place, ``output_processor``, which gets the decoder's hidden
-states and the output layer: mimo's language model (``model.build``) hands ``language_loss``
-to it when the setting is on.
+a 150k vocabulary, about 20 GB in fp32 per copy. In fine-tuning most of those tokens are never
+trained (the prompt, the media placeholders, the padding): their logits are computed, then
+multiplied by a loss mask of 0. Its fused cross entropy (``cross_entropy_loss_fusion``: the
+native or TransformerEngine kernel) saves one of those copies, not the logits; its linear
+cross entropy (``fused_linear_cross_entropy``) is not in 0.19. It does take a hook in that
+place, ``output_processor``, which gets the decoder's hidden states and the output layer:
+mimo's language model (``model.build``) hands ``language_loss`` to it whenever it gets labels.
+
+Only the rows whose label is trained (not ``ignore_index``) go through the output layer: the
+same loss and gradients (an untrained row's loss is multiplied by 0, its gradient is 0), the
+output layer's matmuls and the cross entropy's passes over the vocabulary on those rows alone
+(a packed 8k row of image conversations trains about one token in ten). Their count sets the
+shapes: the trainer's forward step hands the micro-batch's labels as the loader made them, on
+the host, to the model's ``HostLabels`` (this rank's part under context parallelism), so the
+device is never read; called without them (a test's direct call) the loss counts them on the
+device, one wait. The loss returned for an untrained row is 0, not its cross entropy.
 
 ``ChunkedCrossEntropy`` takes, per chunk of ``chunk`` tokens (the last one shorter), the
 logits ``x W^T`` (this TP rank's vocabulary rows), their cross entropy over the vocabulary
@@ -52,17 +61,39 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
                                                     gather_from_sequence_parallel_region)
 
+from mimo_train.mcore.context_parallel import span
+
 # output rows per matmul of a bf16 chunk's weight gradient, added to the fp32 sum block by block
 _ROWS = 8192
 
 
+class HostLabels:
+    """The next micro-batch's labels ``[B, S]`` on the host, the whole sequence the language
+    model gets (``training.step.host_labels``), set by the forward step before the model runs
+    and taken by the loss: how many of this rank's tokens are trained, read from the host."""
+
+    def __init__(self) -> None:
+        self.labels: torch.Tensor | None = None
+
+    def take(self, ignore_index: int, cp_group: dist.ProcessGroup | None) -> int | None:
+        """The trained tokens of this rank's part (``cp_group``: its contiguous 1/cp, as
+        ``context_parallel`` cuts it); None when none were set."""
+        labels, self.labels = self.labels, None
+        if labels is None:
+            return None
+        if cp_group is not None:
+            labels = labels[:, span(labels.size(1), cp_group)]
+        return int((labels != ignore_index).sum())
+
+
 def language_loss(hidden: torch.Tensor, output_layer, weight: torch.Tensor | None,
                   labels: torch.Tensor, chunk: int, vocabulary: int,
-                  ignore_index: int) -> torch.Tensor:
+                  ignore_index: int, trained: int | None = None) -> torch.Tensor:
     """The per-token loss ``[b, s]`` (fp32) of the decoder's ``hidden`` states ``[s', b, h]``
     (``s' = s / tp`` under sequence parallelism) through ``output_layer`` (megatron-core's
     ``ColumnParallelLinear``; ``weight``: the tied embedding's, else its own) against
-    ``labels`` ``[b, s]``, ``chunk`` tokens at a time (see the module docstring)."""
+    ``labels`` ``[b, s]``, ``chunk`` of its ``trained`` tokens at a time (``HostLabels``';
+    None: counted on the device; see the module docstring)."""
     group = output_layer.tp_group
     weight = output_layer.weight if weight is None else weight
     if output_layer.sequence_parallel:
@@ -75,7 +106,7 @@ def language_loss(hidden: torch.Tensor, output_layer, weight: torch.Tensor | Non
     grads = torch.is_grad_enabled()
     loss = ChunkedCrossEntropy.apply(
         hidden.reshape(s * b, h), weight, target, chunk, group, vocabulary, ignore_index,
-        grads and hidden.requires_grad, grads and weight.requires_grad)
+        grads and hidden.requires_grad, grads and weight.requires_grad, trained)
     return loss.view(s, b).transpose(0, 1).contiguous()
 
 
@@ -86,15 +117,28 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, target, chunk, group, vocabulary, ignore_index, x_grad,
-                weight_grad):
-        n, rows = x.size(0), weight.size(0)
+                weight_grad, count):
+        rows = weight.size(0)
         first = group.rank() * rows                 # this rank's first vocabulary row
         masked = max(vocabulary - first, 0) if vocabulary < first + rows else None
-        inside = (target >= first) & (target < first + rows)
-        local = torch.where(inside, target - first, 0)
-        trained = (target != ignore_index).float()
-        losses = torch.empty(n, dtype=torch.float32, device=x.device)
-        dx = torch.empty_like(x) if x_grad else None
+        mask = target != ignore_index
+        trained = mask.float()
+        # the trained rows alone (the module docstring), as many as the host counted
+        if count is None:                           # the host waits for the device here
+            picked_rows = torch.nonzero(mask).squeeze(1)
+        else:
+            picked_rows = torch.nonzero_static(mask, size=count).squeeze(1)
+            held = _held_on_cpu(mask, count)
+            if held != count:
+                raise RuntimeError(f"the loss was told {count} trained tokens, its labels hold "
+                                   f"{held}: this is a bug in mimo, report it")
+        xs, ts = x.index_select(0, picked_rows), target.index_select(0, picked_rows)
+        n = xs.size(0)
+        chunk = chunk or max(n, 1)                  # 0: all of them at once
+        inside = (ts >= first) & (ts < first + rows)
+        local = torch.where(inside, ts - first, 0)
+        losses = torch.zeros(n, dtype=torch.float32, device=x.device)
+        dxs = torch.empty_like(xs) if x_grad else None
         # W's gradient summed over the chunks in fp32, whatever the run's dtype; one chunk's
         # is made in the run's dtype, as unchunked
         single = n <= chunk
@@ -102,7 +146,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if weight_grad and not single else None
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            part = x[start:end]
+            part = xs[start:end]
             logits = torch.matmul(part, weight.t())
             if masked is not None:
                 logits[:, masked:] = torch.finfo(logits.dtype).min
@@ -120,14 +164,13 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             losses[start:end] = torch.log(total) - picked
             if not (x_grad or weight_grad):
                 continue
-            # d loss / d logits = softmax - one-hot of the target, for trained rows only
+            # d loss / d logits = softmax - one-hot of the target
             z /= total.unsqueeze(-1)
             z[index, local[start:end]] -= inside[start:end].float()
-            z *= trained[start:end].unsqueeze(-1)
             d = z.to(x.dtype)
             del z
             if x_grad:
-                torch.matmul(d, weight, out=dx[start:end])
+                torch.matmul(d, weight, out=dxs[start:end])
             if weight_grad and single:
                 dw = torch.matmul(d.t(), part)
             elif weight_grad and d.dtype == torch.float32:
@@ -136,10 +179,15 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 for row in range(0, rows, _ROWS):
                     dw[row:row + _ROWS] += torch.matmul(d[:, row:row + _ROWS].t(), part)
             del d
-        ctx.dx = dx
+        if weight_grad and dw is None:              # no trained row: a gradient of 0
+            dw = torch.zeros_like(weight)
+        # back to every row: an untrained one's loss and gradients are 0
+        ctx.dx = None if dxs is None else \
+            torch.zeros_like(x).index_copy_(0, picked_rows, dxs)
         ctx.dw = None if dw is None else dw.to(weight.dtype)
         ctx.trained = trained
-        return losses
+        return torch.zeros(x.size(0), dtype=torch.float32, device=x.device).index_copy_(
+            0, picked_rows, losses)
 
     @staticmethod
     def backward(ctx, grad):
@@ -149,15 +197,21 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if grad.device.type == "cpu" and not torch.allclose(grad, scale * trained,
                                                             rtol=1e-6, atol=0):
             raise RuntimeError(
-                "the chunked loss (model.language.loss_chunk_tokens) gives the gradient of a "
-                "scalar times the trained tokens' summed loss, but its output's gradient is "
-                "not a scalar on the trained tokens and 0 elsewhere: set loss_chunk_tokens 0 "
-                "for a loss that weighs tokens otherwise")
+                "the language loss (mcore.chunked_loss) gives the gradient of a scalar times "
+                "the trained tokens' summed loss (it computes only their logits), but its "
+                "output's gradient is not a scalar on the trained tokens and 0 elsewhere: a "
+                "loss that weighs tokens otherwise is not one mimo trains")
         if dx is not None:
             dx.mul_(scale.to(dx.dtype))
         if dw is not None:
             dw.mul_(scale.to(dw.dtype))
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
+
+
+def _held_on_cpu(mask: torch.Tensor, count: int) -> int:
+    """The trained rows ``mask`` holds where it is on the host (the CPU: a check for free),
+    else ``count`` (a GPU's would wait)."""
+    return int(mask.sum()) if mask.device.type == "cpu" else count
 
 
 def _all_reduce(tensor: torch.Tensor, group, op) -> None:

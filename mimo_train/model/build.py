@@ -25,7 +25,7 @@ from mimo_train.families.causal_lm import gpt_fields, load_pretrained_language, 
 from mimo_train.families.registry import build_encoder, language_arch
 from mimo_train.mcore.attention import AttentionChoice, LanguageModel
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
-from mimo_train.mcore.chunked_loss import language_loss
+from mimo_train.mcore.chunked_loss import HostLabels, language_loss
 from mimo_train.mcore.context_parallel import SequenceShards
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
@@ -44,7 +44,7 @@ from mimo_train.precision import cast, run_dtype, trainable
 # (registry.OWN_MODALITIES; how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
 
-def language_transformer_config(plan: RunPlan, device: torch.device):
+def language_transformer_config(plan: RunPlan):
     """megatron-core's ``TransformerConfig`` of the language model: the checkpoint's numerics
     (RMSNorm, SwiGLU, GQA, ...) or the config's dims, the layout's parallelism, the run's
     precision and memory settings."""
@@ -56,6 +56,12 @@ def language_transformer_config(plan: RunPlan, device: torch.device):
                       ffn_hidden_size=lm.ffn_hidden_size)
     if lm.arch is not None:
         dims = transformer_fields(lm.arch)
+    # megatron-core's fused SwiGLU (fusions/fused_bias_swiglu.py): keeps the first MLP
+    # matmul's output alone for the backward pass and computes the same (compiled on a GPU,
+    # as written on the CPU: cpu_compat); its fused GELU is the tanh approximation, not the
+    # erf GELU the unfused path computes, so a GELU MLP stays unfused
+    swiglu = dims.get("gated_linear_unit", False) and \
+        dims.get("activation_func") is torch.nn.functional.silu
     return TransformerConfig(
         **dims, mrope_section=list(lm.mrope_section) if lm.mrope_section else None,
         tensor_model_parallel_size=language.tp, pipeline_model_parallel_size=language.pp,
@@ -70,7 +76,7 @@ def language_transformer_config(plan: RunPlan, device: torch.device):
         # needs the all-to-all MoE dispatcher even without experts
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         attention_dropout=0.0, hidden_dropout=0.0,
-        gradient_accumulation_fusion=False, bias_activation_fusion=device.type == "cuda",
+        gradient_accumulation_fusion=False, bias_activation_fusion=swiglu,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         **language_memory(lm))
 
@@ -149,27 +155,30 @@ class _SeededGPTModel(LanguageModel):
     """GPTModel built right after seeding the RNG, as ``_SeededEncoder`` (same weights with
     or without encoders on the rank; pipeline stages each draw only their layers). Its output
     rows past ``vocabulary`` (``predicted_vocabulary``) get a logit no softmax can weigh, so
-    they never enter the loss nor come out of generation. With ``loss_chunk_tokens``, its
-    loss (given labels) is taken that many tokens at a time (``mcore.chunked_loss``)."""
+    they never enter the loss nor come out of generation. Given labels, its loss is taken at
+    the trained tokens only, ``loss_chunk_tokens`` of them at a time (0: all at once;
+    ``mcore.chunked_loss``), as many as ``host_labels`` (set by the forward step) hold."""
 
     def __init__(self, *, seed: int, vocabulary: int, loss_chunk_tokens: int = 0, **kwargs):
         torch.manual_seed(seed)
         super().__init__(**kwargs)
         self.vocabulary = vocabulary
         self.loss_chunk_tokens = loss_chunk_tokens
+        self.host_labels = HostLabels()
         if self.post_process and self.vocab_size > vocabulary:
             self.output_layer.register_forward_hook(_mask_rows_past(vocabulary))
 
     def forward(self, *args, **kwargs):
-        if self.loss_chunk_tokens and self.post_process and kwargs.get("labels") is not None:
-            kwargs["output_processor"] = self._loss_in_chunks
+        if self.post_process and kwargs.get("labels") is not None:
+            kwargs["output_processor"] = self._trained_tokens_loss
         return super().forward(*args, **kwargs)
 
-    def _loss_in_chunks(self, *, hidden_states, output_layer, output_weight, labels, **_):
+    def _trained_tokens_loss(self, *, hidden_states, output_layer, output_weight, labels, **_):
         """megatron-core's ``output_processor``: the per-token loss in place of its
         ``output_layer`` + ``compute_language_model_loss``."""
         return language_loss(hidden_states, output_layer, output_weight, labels,
-                             self.loss_chunk_tokens, self.vocabulary, IGNORE_INDEX)
+                             self.loss_chunk_tokens, self.vocabulary, IGNORE_INDEX,
+                             self.host_labels.take(IGNORE_INDEX, self.cp_group))
 
 
 def _mask_rows_past(vocabulary: int):
@@ -197,7 +206,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     arch = plan.language.arch
     check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
                            bool(arch and arch.shared_expert_ffn_hidden_size))
-    transformer = language_transformer_config(plan, device)
+    transformer = language_transformer_config(plan)
     encoder_transformer_config = dataclasses.replace(transformer, **{
         key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
         for key in language_memory(plan.language)}) \

@@ -13,14 +13,17 @@ Megatron-LM's and PaLM's MFU; a causal kernel computes about half of it).
 Language model (``Stack``: L layers, width h, a = heads · kv channels, g = query groups ·
 kv channels, MLP width f, V output rows), a sample of s tokens, forward::
 
-    dense      s · (L · 2·(h·(a + 2g) + a·h + h·f·(3 if gated else 2)) + 2·h·V)
+    dense      s · L · 2·(h·(a + 2g) + a·h + h·f·(3 if gated else 2))
+    output     t · 2·h·V                          (t of the s tokens trained: only their
+                                                   logits are made, ``mcore.chunked_loss``)
     attention  L · 4·a·s²                         (scores Q·Kᵀ and the weighted sum, per sample)
 
 i.e. 2 · (matmul weights) · tokens plus the attention; × 3 it is "6 · params · tokens +
-12 · L · h · Σ s²". Packed or not, attention stays inside each sample, so a step's figure
-is the sum over its samples: Σ s over the dense part, Σ s² over attention. A mixture of
-experts counts the router (2·h·E), the experts a token goes through (k of them) and a shared
-expert with its sigmoid gate (Qwen3.5-MoE: 2·h·3·f_s + 2·h)::
+12 · L · h · Σ s²" (the output layer's params on the trained tokens). Packed or not, attention
+stays inside each sample, so a step's figure is the sum over its samples: Σ s over the dense
+part, Σ s² over attention. A mixture of experts counts the router (2·h·E), the experts a
+token goes through (k of them) and a shared expert with its sigmoid gate (Qwen3.5-MoE:
+2·h·3·f_s + 2·h)::
 
     MLP        2·h·f·(3 if gated else 2)·k + 2·h·E + 2·h·3·f_s + 2·h
 
@@ -140,19 +143,23 @@ def layer_square_flops(stack: Stack, kind: str = FULL) -> int:
     return 4 * stack.attention_width
 
 
-def language_flops(stack: Stack, lengths: Iterable[int], passes: int = 3) -> int:
+def language_flops(stack: Stack, lengths: Iterable[int], passes: int = 3,
+                   trained: int | None = None) -> int:
     """Training FLOPs of the language model on samples of ``lengths`` real tokens (each its
     own attention, or delta-rule chunks, packed or padded: padding is not counted; for the
-    positions a padded batch computes, give the padded lengths)."""
+    positions a padded batch computes, give the padded lengths), the output layer on
+    ``trained`` of them (the trained tokens, the only ones whose logits training makes,
+    ``mcore.chunked_loss``; None: all)."""
     lengths = [int(s) for s in lengths]
     kinds = stack.kinds()
-    per_token = sum(count * layer_flops_per_token(stack, kind)
-                    for kind, count in kinds.items()) + 2 * stack.hidden * stack.vocab
+    per_token = sum(count * layer_flops_per_token(stack, kind) for kind, count in kinds.items())
     squares = {FULL: sum(s * s for s in lengths),
                LINEAR: sum(chunk_square(s) for s in lengths) if LINEAR in kinds else 0}
     quadratic = sum(count * layer_square_flops(stack, kind) * squares[kind]
                     for kind, count in kinds.items())
-    return passes * (per_token * sum(lengths) + quadratic)
+    outputs = sum(lengths) if trained is None else int(trained)
+    return passes * (per_token * sum(lengths) + 2 * stack.hidden * stack.vocab * outputs
+                     + quadratic)
 
 
 def window_sizes(tower: Tower, h: int, w: int) -> list[int]:
@@ -236,14 +243,16 @@ def training_passes(dims: ModelDims, frozen: Iterable[Part] = (), adapted: Itera
 def step_flops(dims: ModelDims, tokens: Iterable[int],
                token_counts: Mapping[str, Iterable[Iterable[int]]],
                token_grids: Mapping[str, Iterable[Iterable[Sequence[int] | None]]],
-               part_passes: Mapping[str, int] | None = None) -> dict[str, int]:
+               part_passes: Mapping[str, int] | None = None,
+               trained: Iterable[int] | None = None) -> dict[str, int]:
     """Training FLOPs per module (``language`` and each encoder module, layout names) of
-    samples with ``tokens`` real tokens each, their media items' placeholder counts by
-    modality (``token_counts``: per sample, per item) and token grids (``token_grids``,
-    likewise; a loader micro-batch's metadata holds all three). ``part_passes``:
-    ``training_passes`` (default 3 everywhere)."""
+    samples with ``tokens`` real tokens each, ``trained`` of them trained (None: all), their
+    media items' placeholder counts by modality (``token_counts``: per sample, per item) and
+    token grids (``token_grids``, likewise; a loader micro-batch's metadata holds them all).
+    ``part_passes``: ``training_passes`` (default 3 everywhere)."""
     part_passes = part_passes or {}
-    found = {LANGUAGE: language_flops(dims.language, tokens, part_passes.get(LANGUAGE, 3))}
+    found = {LANGUAGE: language_flops(dims.language, tokens, part_passes.get(LANGUAGE, 3),
+                                      None if trained is None else sum(int(n) for n in trained))}
     found.update(dict.fromkeys(dims.encoders, 0))
     for modality, rows in token_counts.items():
         module = dims.module_of(modality)

@@ -103,28 +103,24 @@ bound there. A delta-net layer keeps no score matrices.
 
 Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T, ÷
 TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid stack),
-recomputed in the backward pass. The language model's last stage adds the cross entropy's fp32
-softmax, T · V ÷ TP · 4 (megatron-core's cross entropy casts the logits to fp32 and works in
-place: the logits in the run's precision are freed once cast; in fp32 they are the softmax);
-with the loss in chunks (``model.language.loss_chunk_tokens``, ``mcore.chunked_loss``) it keeps
-the hidden states' gradient instead, T · h · w (made in the forward pass with the weight's,
-which the temporaries count). An encoder tower counts its patches before merging (plus per-
-frame extra positions) as T and its patch embedding's inputs (the pixels, w bytes each).
+recomputed in the backward pass. The language model's last stage adds the hidden states'
+gradient, T · h · w: its loss (``mcore.chunked_loss``) makes the logits of the trained tokens
+alone, their gradients with respect to the hidden states and the output layer's weight in the
+forward pass, and keeps no logits (megatron-core's own path kept every token's fp32 softmax,
+T · V ÷ TP · 4). An encoder tower counts its patches before merging (plus per-frame extra
+positions) as T and its patch embedding's inputs (the pixels, w bytes each).
 
-Temporaries at the peak (the backward pass's start on the stage with the output layer): the
-output layer's weight gradient before megatron-core's hook adds it to the fp32 buffer (V·h ÷ TP
-at w bytes; tied embeddings at PP 1: the embedding's as well) and the logits' gradient cast
-back to the run's precision, T · V ÷ TP · w (none in fp32: the softmax becomes the gradient in
-place); the first stage of a pipeline holds the embedding's gradient. Measured on the CPU
-(SmolLM2-135M, fp32, tests/test_anomalies.py) within 25% of the whole peak. With the loss in
-chunks of C tokens the output layer's temporaries are at the forward pass's end instead (the
-backward's end holds only the weight gradient, and the embedding's, as above; the larger of the
-two is counted): the weight gradient summed in fp32, V·h ÷ TP · 4, and one chunk's logits,
-min(C, T) · V ÷ TP · 4 (fp32: the logits are their fp32 copy, softmax and gradient in place;
-bf16: · (4 + w), the logits and their gradient in bf16 beside the fp32 copy), or at the end the
-sum and its cast to the run's precision, V·h ÷ TP · (4 + w), whichever is larger. A micro-batch
-of one chunk (T <= C) makes its weight gradient in the run's precision, V·h ÷ TP · w, beside
-the chunk's logits, as unchunked. ``tools/bench_loss.py`` measures both on the CPU.
+Temporaries at the peak, on the stage with the output layer, of a micro-batch whose R tokens
+are trained (a context-parallel rank: at most all of them, at most its T ÷ CP), in chunks of
+C of them (``model.language.loss_chunk_tokens``; 0: C = R), the larger of the backward pass's
+end, the output layer's weight gradient before megatron-core's hook adds it to the fp32 buffer
+(V·h ÷ TP at w bytes; tied embeddings at PP 1: the embedding's as well), and the forward pass's
+end: one chunk's logits, min(C, R) · V ÷ TP · 4 (fp32: the logits are their fp32 copy, softmax
+and gradient in place; bf16: · (4 + w), the logits and their gradient in bf16 beside the fp32
+copy) beside the weight gradient, made in the run's precision, V·h ÷ TP · w, when one chunk
+holds them all (R <= C), else summed in fp32, V·h ÷ TP · 4, and cast to the run's precision at
+the end, V·h ÷ TP · (4 + w), whichever is larger. The first stage of a pipeline holds the
+embedding's gradient. ``tools/bench_loss.py`` measures the output layer's on the CPU.
 
 Context parallelism (the language module's ``cp``, ``mcore.context_parallel``): each of the
 cp ranks of a DP replica holds a contiguous 1/cp of every micro-batch's sequence, and attention
@@ -385,9 +381,8 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     """A language stage's activations on one rank: ``in_flight`` micro-batches of samples of
     ``lengths`` positions each (packed: the real tokens; padded: the padded length; the whole
     sequences, of which each of the ``cp`` context-parallel ranks keeps 1/cp), its layers'
-    (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the logits (one
-    micro-batch: its loss is taken at once), or with the loss in chunks the hidden states'
-    gradient."""
+    (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the hidden states'
+    gradient (made in the forward pass with the loss, ``mcore.chunked_loss``)."""
     # context parallelism: 1/cp of the positions, and of the heads over the whole sequences
     tokens, squares = float(sum(lengths)) / cp, float(sum(s * s for s in lengths)) / cp
     sp = settings.sequence_parallel and tp > 1
@@ -396,38 +391,34 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
                                                chunked, ep, etp)
     if stage == pp - 1:
-        found += tokens * stack.hidden * settings.width if settings.loss_chunk_tokens else \
-            tokens * stack.vocab / tp * 4
+        found += tokens * stack.hidden * settings.width
     return found
 
 
-def language_temporary_bytes(stack: Stack, tokens: float, settings: Settings, tp: int = 1,
-                             pp: int = 1, stage: int = 0, cp: int = 1) -> float:
-    """A language stage's temporaries at its peak (the module docstring): the output layer's
-    (and tied embedding's) weight gradient and two fp32 copies of the logits on the last stage
-    of a micro-batch of ``tokens`` positions (1/cp of them on each context-parallel rank), or
-    with the loss in chunks the larger of those weight gradients and the forward pass's (the
-    fp32 sum of the weight gradient and one chunk's logits); the embedding's gradient on a
-    first stage."""
-    tokens /= cp
+def language_temporary_bytes(stack: Stack, tokens: float, trained: float, settings: Settings,
+                             tp: int = 1, pp: int = 1, stage: int = 0, cp: int = 1) -> float:
+    """A language stage's temporaries at its peak (the module docstring): on the last stage of
+    a micro-batch of ``tokens`` positions, ``trained`` of them trained, the larger of the
+    output layer's (and tied embedding's) weight gradient and the loss's forward pass (one
+    chunk's logits of the trained tokens and the output layer's weight gradient: in the run's
+    precision beside them when one chunk holds them all, else summed in fp32); the
+    embedding's gradient on a first stage. A context-parallel rank holds 1/cp of the
+    positions, and of the trained tokens at most all of them."""
+    trained = min(trained, tokens / cp)
     rows = stack.vocab * stack.hidden / tp * settings.width
     found = 0.0
     if stage == pp - 1:
         gradients = rows * (2 if stack.tied and pp == 1 else 1)
-        chunk = settings.loss_chunk_tokens
-        if chunk:
-            # a chunk's logits: fp32 (their own fp32 copy), or bf16 and an fp32 copy
-            width = 4 + (settings.width if settings.width != 4 else 0)
-            logits = min(chunk, tokens) * stack.vocab / tp * width
-            if tokens <= chunk:         # one chunk: its weight gradient in the run's precision
-                forward = rows + logits
-            else:                       # summed in fp32, then cast to the run's precision
-                weight = stack.vocab * stack.hidden / tp
-                forward = max(weight * 4 + logits, weight * width)
-            found += max(gradients, forward)
-        else:           # the logits' gradient cast back to the run's precision
-            found += gradients + tokens * stack.vocab / tp * (
-                settings.width if settings.width != 4 else 0)
+        chunk = settings.loss_chunk_tokens or trained
+        # a chunk's logits: fp32 (their own fp32 copy), or bf16 and an fp32 copy
+        width = 4 + (settings.width if settings.width != 4 else 0)
+        logits = min(chunk, trained) * stack.vocab / tp * width
+        if trained <= chunk:            # one chunk: its weight gradient in the run's precision
+            forward = rows + logits
+        else:                           # summed in fp32, then cast to the run's precision
+            weight = stack.vocab * stack.hidden / tp
+            forward = max(weight * 4 + logits, weight * width)
+        found += max(gradients, forward)
     elif stage == 0:
         found += rows
     return found

@@ -34,6 +34,7 @@ from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX
 from mimo_train.families.base import HOST_INPUTS
 from mimo_train.mcore.balance import GlobalBalance
+from mimo_train.mcore.chunked_loss import HostLabels
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
 from mimo_train.mcore.gated_delta_net import sum_partial_gradients
@@ -125,6 +126,13 @@ def real_tokens(batch: dict, multiple: int = 1) -> torch.Tensor | None:
     return F.pad(mask, (0, pad), value=False)
 
 
+def host_labels(batch: dict, multiple: int = 1) -> torch.Tensor:
+    """The labels ``[B, length]`` of the columns ``model_inputs`` gives the model, on the host
+    (the loss's count of trained tokens, ``mcore.chunked_loss.HostLabels``)."""
+    labels = batch["labels"][:, :kept_length(batch, multiple)]
+    return F.pad(labels, (0, -labels.size(1) % multiple), value=IGNORE_INDEX)
+
+
 def shard_multiple(infra: Infra) -> int:
     """What the language model's sequence must be a multiple of: cp x tp under context
     parallelism (each CP rank a contiguous part, sequence parallelism's TP parts of it), else 1
@@ -175,15 +183,18 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 class ForwardStep:
     """``forward_step_func`` for the schedules; also times this rank's forward passes
-    (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list)."""
+    (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list) and,
+    on the last language stage, hands each micro-batch's host labels to the loss
+    (``labels``: the language model's ``HostLabels``)."""
 
     def __init__(self, infra: Infra, device: torch.device,
                  shared: dict[str, dict[str, int]] | None = None,
-                 balance: GlobalBalance | None = None):
+                 balance: GlobalBalance | None = None, labels: HostLabels | None = None):
         self.infra = infra
         self.device = device
         self.shared = shared
         self.balance = balance
+        self.labels = labels
         self.last_stage = _language_last_stage(infra)
         self.timers: list[Timer] = []
 
@@ -195,6 +206,8 @@ class ForwardStep:
         if self.balance is not None:          # the routers' real rows
             self.balance.tokens = None if batch is None else \
                 real_tokens(batch, shard_multiple(self.infra))
+        if self.labels is not None and self.last_stage and batch is not None:
+            self.labels.labels = host_labels(batch, shard_multiple(self.infra))
         timer = Timer(self.device)
         output, loss_mask = model(**inputs)
         self.timers.append(timer.stop())

@@ -190,7 +190,9 @@ class Trainer:
             say(PREFIX + note)
         self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
         self.balance = self._balance()
-        self.forward = ForwardStep(self.infra, self.device, self.placeholders, self.balance)
+        self.forward = ForwardStep(
+            self.infra, self.device, self.placeholders, self.balance,
+            unwrap(self.modules[LANGUAGE]).host_labels if LANGUAGE in self.modules else None)
         self._wire_schedule()
 
     def _balance(self) -> GlobalBalance | None:

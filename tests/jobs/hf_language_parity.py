@@ -71,7 +71,7 @@ def megatron_logits(path: str, layout: str, input_ids: torch.Tensor,
     infra = build_infra(Layout.parse(layout), "gloo")
     part = infra.role.module(LANGUAGE)
     model_parallel_cuda_manual_seed(1, tp_rank=part.tp_rank, ep_rank=0, etp_rank=0)
-    transformer = language_transformer_config(plan, torch.device("cpu"))
+    transformer = language_transformer_config(plan)
     vocab = -(-max(len_vocab(path), 1) // 128) * 128
     model = _SeededGPTModel(vocabulary=vocab, **language_model_params(
         plan, infra, transformer, vocab, backend))

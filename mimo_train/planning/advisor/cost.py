@@ -124,18 +124,24 @@ class Advisor:
                 for j in range(self.work.global_batch_size // group)]
 
     def _language(self, step: int, group: int, dp: int, multiple: int = 1
-                  ) -> list[list[tuple[float, list[int]]]]:
-        """(training FLOPs, positions) of each language DP part of each micro-batch (the
-        whole DP replica's, its cp ranks' together; ``multiple``: ``_positions``')."""
+                  ) -> list[list[tuple[float, list[int], int]]]:
+        """(training FLOPs, positions, trained tokens) of each language DP part of each
+        micro-batch (the whole DP replica's, its cp ranks' together; ``multiple``:
+        ``_positions``')."""
         key = (step, group, dp, multiple)
         if key not in self._language_cache:
-            lengths = self.work.lengths[step]
+            lengths, trained = self.work.lengths[step], self.work.trained[step]
             passes = self.model.passes.get(LANGUAGE, 3)
-            self._language_cache[key] = [
-                [(float(language_flops(self.model.dims.language, self._positions(
-                    [lengths[i] for i in part], multiple), passes)), self._positions(
-                    [lengths[i] for i in part], multiple)) for part in parts]
-                for parts in self._parts(group, dp)]
+            found = []
+            for parts in self._parts(group, dp):
+                row = []
+                for part in parts:
+                    positions = self._positions([lengths[i] for i in part], multiple)
+                    outputs = sum(trained[i] for i in part)
+                    row.append((float(language_flops(self.model.dims.language, positions,
+                                                     passes, outputs)), positions, outputs))
+                found.append(row)
+            self._language_cache[key] = found
         return self._language_cache[key]
 
     def _encoder_parts(self, step: int, module: ModuleLayout, lang: ModuleLayout, group: int,
@@ -184,9 +190,10 @@ class Advisor:
         multiple = lang.cp * lang.tp if lang.cp > 1 else 1
         for s in range(steps):
             language = self._language(s, group, lang.dp, multiple)        # [j][r]
-            lang_t = [[self._language_seconds(f, sum(pos), lang, lang_factor) for f, pos in row]
-                      for row in language]
-            comm = [[self._language_comm(sum(pos), lang) for _, pos in row] for row in language]
+            lang_t = [[self._language_seconds(f, sum(pos), lang, lang_factor)
+                       for f, pos, _ in row] for row in language]
+            comm = [[self._language_comm(sum(pos), lang) for _, pos, _ in row]
+                    for row in language]
             all_to_all += max(sum(row[r][1] for row in comm) for r in range(lang.dp)) / steps
             context += max(sum(row[r][2] for row in comm) for r in range(lang.dp)) / steps
             enc_t: dict[str, list[list[float]]] = {}
@@ -214,8 +221,9 @@ class Advisor:
                     act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
                                                     _window(kept, k))
                     act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
-                        mem.language_temporary_bytes(dims.language, sum(row[r][1]), settings,
-                                                     lang.tp, lang.pp, stage, lang.cp)
+                        mem.language_temporary_bytes(dims.language, sum(row[r][1]),
+                                                     row[r][2], settings, lang.tp, lang.pp,
+                                                     stage, lang.cp)
                         for row in language))
             if colocated:
                 per_rank = [[row[rank // (lang.tp * lang.cp)] + sum(
@@ -261,9 +269,10 @@ class Advisor:
         memory = self._memory(layout, settings, act, colocated)
         bottleneck = max(busy, key=lambda k: busy[k])
         model_flops = sum(language_flops(dims.language, lengths,
-                                         self.model.passes.get(LANGUAGE, 3)) +
+                                         self.model.passes.get(LANGUAGE, 3), sum(trained)) +
                           sum(sum(work.encoder_flops[e][s]) for e in work.encoder_flops)
-                          for s, lengths in enumerate(work.lengths)) / steps
+                          for s, (lengths, trained) in enumerate(zip(work.lengths,
+                                                                     work.trained))) / steps
         usable = self.usable_bytes
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
                       float(model_flops), max(x.total for x in memory.values()) <= usable,

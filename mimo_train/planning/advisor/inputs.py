@@ -147,9 +147,10 @@ def _near_square(n: int) -> list[int]:
 
 @dataclass
 class Work:
-    """Per sample of the workload's steps: its language lengths and each encoder module's
-    training FLOPs and patch grids (before merging)."""
+    """Per sample of the workload's steps: its language lengths and trained tokens and each
+    encoder module's training FLOPs and patch grids (before merging)."""
     lengths: list[list[int]]                     # [step][sample]
+    trained: list[list[int]]                     # [step][sample]: the output layer's tokens
     encoder_flops: dict[str, list[list[int]]]    # module -> [step][sample]
     grids: dict[str, list[list[list]]]           # module -> [step][sample] -> patch grids
     micro_batch_size: int
@@ -162,10 +163,12 @@ def read_work(model: Model, workload: dict) -> Work:
     dims = model.dims
     encoders = list(dims.encoders)
     lengths: list[list[int]] = []
+    trained: list[list[int]] = []
     flops: dict[str, list[list[int]]] = {m: [] for m in encoders}
     grids: dict[str, list[list[list]]] = {m: [] for m in encoders}
     for step in workload["steps"]:
         lengths.append([s["tokens"] for s in step])
+        trained.append([s["trained"] for s in step])
         for m in encoders:
             flops[m].append([])
             grids[m].append([])
@@ -181,5 +184,5 @@ def read_work(model: Model, workload: dict) -> Work:
                 tower = dims.encoders[m].tower
                 grids[m][-1].append([item_grid(tower, g) for mod, rows in token_grids.items()
                                      if dims.module_of(mod) == m for g in rows[0]])
-    return Work(lengths, flops, grids, workload["micro_batch_size"],
+    return Work(lengths, trained, flops, grids, workload["micro_batch_size"],
                 workload["global_batch_size"], workload["seq_length"], workload["packing"])
