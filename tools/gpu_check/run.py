@@ -128,7 +128,7 @@ WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="full"),
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
 TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
 PROBE_AFTER = 3                         # the machine's probes run after this many cases
-TINY_MICRO = {True: 4, False: 2}        # tiny: samples a micro-batch, packed or not
+TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
 # steps of a case: the profiled ones last, the median over those between the warm-up and them
 STEPS, PROFILED, WARM = 7, 2, 2
 TINY_STEPS, TINY_PROFILED = 3, 1
