@@ -102,9 +102,10 @@ def test_activation_bytes_by_hand():
     # 1F1B: the first of 3 stages holds 3 micro-batches of its layer (pp2: one layer)
     assert mem.in_flight(8, 3, 0) == 3 and mem.in_flight(8, 3, 2) == 1
     assert mem.in_flight(2, 3, 0) == 2
-    # temporaries at the last stage, 30 of the 100 tokens trained: the output's weight
-    # gradient 128 x 64 x 2 and the trained tokens' logits, 30 x 128 x (2 + their fp32 copy 4)
-    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 23040
+    # temporaries at the last stage, 30 of the 100 tokens trained: the trained tokens' logits,
+    # 30 x 128 x (2 + their fp32 copy 4) = 23040, then the output's weight gradient 128 x 64 x 2
+    # beside the logits' bf16 gradient 30 x 128 x 2: the larger
+    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 7680
     # fp32: the weight gradient 128 x 64 x 4 and the logits, their own fp32 copy
     assert mem.language_temporary_bytes(STACK, 100, 30, mem.Settings("fp32")) == \
         32768 + 30 * 128 * 4
@@ -132,10 +133,12 @@ def test_the_loss_in_chunks_by_hand():
     assert mem.language_temporary_bytes(STACK, 100, 100, mem.Settings(
         "bf16", loss_chunk_tokens=4)) == 8192 * 6
     # a chunk longer than the trained tokens is all of them, its weight gradient made in
-    # bf16 (128 x 64 x 2), not summed in fp32; so are 30 trained tokens in chunks of 32
+    # bf16 (128 x 64 x 2) from the logits' bf16 gradient, not summed in fp32: the logits with
+    # their fp32 copy, 12800 x 6, are the larger; 30 trained tokens in chunks of 32 likewise,
+    # the weight gradient beside 30 x 128 x 2 the larger
     assert mem.language_temporary_bytes(STACK, 100, 100, mem.Settings(
-        "bf16", loss_chunk_tokens=4096)) == 16384 + 12800 * 6
-    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 30 * 128 * 6
+        "bf16", loss_chunk_tokens=4096)) == 12800 * 6
+    assert mem.language_temporary_bytes(STACK, 100, 30, bf16) == 16384 + 30 * 128 * 2
     # tp2: half the rows of each
     assert mem.language_temporary_bytes(STACK, 100, 100, bf16, tp=2) == 4096 * 4 + 2048 * 6
     # cp4: a rank's 25 positions hold at most 25 of the 80 trained tokens
@@ -1121,10 +1124,10 @@ def test_context_parallel_memory_and_traffic_by_hand():
     one = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1)
     two = mem.language_activation_bytes(STACK, lengths, bf16, tp=2, pp=1, cp=2)
     assert two == pytest.approx(one / 2) and two < one
-    # the output's weight gradient, a rank's 80 positions' trained tokens' logits in bf16 and
-    # fp32 (of 120 trained: at most 80 on one rank)
+    # a rank's 80 positions' trained tokens' logits in bf16 and fp32 (of 120 trained: at most
+    # 80 on one rank), larger than the output's weight gradient beside their bf16 gradient
     assert mem.language_temporary_bytes(STACK, 160, 120, bf16, tp=2, cp=2) == pytest.approx(
-        128 * 64 / 2 * 2 + 80 * 128 / 2 * 6)
+        80 * 128 / 2 * 6)
     dist = mem.Settings("bf16", distributed_optimizer=True)
     cp1 = mem.language_state_bytes(STACK, dist, tp=2, dp=2)
     cp2 = mem.language_state_bytes(STACK, dist, tp=2, dp=2 * 2)     # dp2 x cp2

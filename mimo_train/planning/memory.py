@@ -117,8 +117,9 @@ end, the output layer's weight gradient before megatron-core's hook adds it to t
 (V·h ÷ TP at w bytes; tied embeddings at PP 1: the embedding's as well), and the forward pass's
 end: one chunk's logits, min(C, R) · V ÷ TP · 4 (fp32: the logits are their fp32 copy, softmax
 and gradient in place; bf16: · (4 + w), the logits and their gradient in bf16 beside the fp32
-copy) beside the weight gradient, made in the run's precision, V·h ÷ TP · w, when one chunk
-holds them all (R <= C), else summed in fp32, V·h ÷ TP · 4, and cast to the run's precision at
+copy). When one chunk holds them all (R <= C) the weight gradient is made in the run's
+precision, V·h ÷ TP · w, from the logits' gradient alone (R · V ÷ TP · w; in fp32 that is the
+fp32 copy itself), whichever of the two moments is larger; else it is summed in fp32, V·h ÷ TP · 4, and cast to the run's precision at
 the end, V·h ÷ TP · (4 + w), whichever is larger. The first stage of a pipeline holds the
 embedding's gradient. ``tools/bench_loss.py`` measures the output layer's on the CPU.
 
@@ -412,9 +413,11 @@ def language_temporary_bytes(stack: Stack, tokens: float, trained: float, settin
         chunk = settings.loss_chunk_tokens or trained
         # a chunk's logits: fp32 (their own fp32 copy), or bf16 and an fp32 copy
         width = 4 + (settings.width if settings.width != 4 else 0)
-        logits = min(chunk, trained) * stack.vocab / tp * width
-        if trained <= chunk:            # one chunk: its weight gradient in the run's precision
-            forward = rows + logits
+        outputs = min(chunk, trained) * stack.vocab / tp
+        logits = outputs * width
+        if trained <= chunk:            # one chunk: its weight gradient in the run's precision,
+            # made from the logits' gradient in that precision once the fp32 copy is gone
+            forward = max(logits, rows + outputs * settings.width)
         else:                           # summed in fp32, then cast to the run's precision
             weight = stack.vocab * stack.hidden / tp
             forward = max(weight * 4 + logits, weight * width)
