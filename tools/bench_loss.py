@@ -140,7 +140,7 @@ def main() -> None:
         for chunk in [-1, 0, *args.chunks]:
             out = os.path.join(tmp, f"{chunk}.pt")
             command = [sys.executable, os.path.abspath(__file__), "--run", str(chunk),
-                       "--out", out, *[f"--{k}={v}" for k, v in shape.items()]]
+                       "--out", out, *[f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]]
             done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
             line = next((x for x in done.stdout.splitlines() if x.startswith("BENCH ")), None)
             if line is None:
