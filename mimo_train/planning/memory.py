@@ -119,8 +119,9 @@ end: one chunk's logits, min(C, R) · V ÷ TP · 4 (fp32: the logits are their f
 and gradient in place; bf16: · (4 + w), the logits and their gradient in bf16 beside the fp32
 copy). When one chunk holds them all (R <= C) the weight gradient is made in the run's
 precision, V·h ÷ TP · w, from the logits' gradient alone (R · V ÷ TP · w; in fp32 that is the
-fp32 copy itself), whichever of the two moments is larger; else it is summed in fp32, V·h ÷ TP · 4, and cast to the run's precision at
-the end, V·h ÷ TP · (4 + w), whichever is larger. The first stage of a pipeline holds the
+fp32 copy itself), whichever of the two moments is larger; else it is summed in fp32,
+V·h ÷ TP · 4, and cast to the run's precision at the end, V·h ÷ TP · (4 + w), whichever is
+larger. The first stage of a pipeline holds the
 embedding's gradient. ``tools/bench_loss.py`` measures the output layer's on the CPU.
 
 Context parallelism (the language module's ``cp``, ``mcore.context_parallel``): each of the
