@@ -63,6 +63,8 @@ def test_cases_train_the_same_batches_with_figures(summary):
     # on the CPU the 32k and sdpa cases would be packed_8k's run again (SDPA, tiny batches)
     assert "same run as packed_8k" in cases["packed_32k"]["skipped"]
     assert "same run as packed_8k" in cases["packed_8k_sdpa"]["skipped"]
+    # the goal's case sizes its tower's recompute against the GPU: none here, so recomputed
+    assert cases["packed_8k"]["tower_kept"] == {"kept": False, "capacity_mib": None}
     first = []
     for name in RUN:
         case = cases[name]["mimo"]
