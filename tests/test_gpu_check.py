@@ -132,3 +132,29 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
         assert case["first_loss_diff"] <= 2e-5, (name, case["first_loss_diff"])
         assert case["speedup"] == round(case["mimo"]["median_tokens_per_s"] /
                                         peer["median_tokens_per_s"], 3)
+
+
+def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkeypatch,
+                                                                  tmp_path):
+    """``packed_8k``'s ``auto`` tower recompute on a GPU (its memory read by nvidia-smi, here
+    given): the advisor's prediction of the case's own config with the tower kept decides it,
+    against 85% of the GPU's memory."""
+    module = _module()
+    work = Path(summary["shards"]["built"]).parent
+    check = module.Check(tmp_path, True, math.inf, lambda *a: 0, work / "shards", work)
+    check.checkpoints["2B"] = module.REPLICA
+    goal = module.WORKLOADS[0]
+    assert goal.name == "packed_8k" and goal.tower_recompute == "auto"
+    preprocess = module.preprocessing(check, goal.seq_length)
+    train = {"steps": 3, "precision": "fp32", "global_batch_size": 4, "micro_batch_size": 2}
+    config = {"model": {"pretrained": str(module.REPLICA), "attention": "sdpa",
+                        "language": {"recompute": "none", "loss_chunk_tokens": 0},
+                        "encoders": {"image": {"recompute": "auto"}}},
+              "data": {"packing": True, "preprocess": str(preprocess)}, "train": train}
+    found = {}
+    for capacity in (10**6, 1):
+        monkeypatch.setattr(module, "gpu_total_mib", lambda capacity=capacity: capacity)
+        found[capacity] = module.tower_kept(check, goal, "cuda", config, preprocess)
+    predicted = found[1]["predicted_kept_mib"]
+    assert predicted > 0 and found[10**6]["predicted_kept_mib"] == predicted
+    assert found[10**6]["kept"] and not found[1]["kept"], found
