@@ -91,10 +91,13 @@ def test_each_case_is_profiled(summary):
     for name in RUN:
         profile = summary["cases"][name]["mimo"]["profile"]
         assert profile["device"] == "cpu" and profile["steps"] == 1 and profile["first_step"] == 3
-        # on the CPU the shares are of the operators' own time: they add up, matmuls lead
-        assert abs(sum(profile["shares"].values()) - 1) < 0.01, profile["shares"]
-        assert profile["shares"]["matmul"] > 0.2, profile
+        # on the CPU the shares are of the operators' own time: they add up, the top
+        # operator is a matmul and its kind's share holds it (how large that share is
+        # depends on the machine: 0.19-0.34 seen)
+        shares = profile["shares"]
+        assert abs(sum(shares.values()) - 1) < 0.01, shares
         assert profile["top"] and profile["top"][0]["kind"] == "matmul", profile["top"]
+        assert shares["matmul"] >= profile["top"][0]["share"] > 0 and shares["attention"] > 0
         assert profile["host_reads_per_step"] > 0, profile
         if name != "packed_8k":         # the map of waits is slow on the CPU: one case's
             assert "sync_sites" not in profile, profile

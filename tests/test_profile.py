@@ -82,3 +82,22 @@ def test_host_waits_count_on_the_cpu_what_would_wait_on_a_gpu_at_its_caller():
         "aten::repeat_interleave.Tensor", "tolist"], by_function
     assert sorted(by_function["trains"]) == ["aten::index.Tensor", "aten::index_put"]
     assert by_function.keys() == {"waits", "trains"}, by_function
+
+
+def test_cpu_shares_are_the_operators_not_the_python_around_them():
+    """On the CPU the shares are operators' own time: a data loader's annotated range and a
+    dispatch mode's own Python (HostWaits in the goal case) are no operator's, so they are
+    neither elementwise time nor top entries."""
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    with torch.profiler.profile() as profiler:
+        for _ in loader:
+            with profile.HostWaits():
+                torch.randn(96, 96) @ torch.randn(96, 96)
+            with torch.profiler.record_function("annotated"):
+                torch.randn(96).relu()
+    found = profile.summarize(profiler, steps=4, top=50)
+    names = {entry["name"] for entry in found["top"]}
+    assert "aten::mm" in names and "aten::relu" in names, names
+    assert not names & {"PythonDispatchMode", "annotated"}, names
+    assert not any(name.startswith("enumerate(DataLoader)") for name in names), names
+    assert abs(sum(found["shares"].values()) - 1) < 0.01, found["shares"]

@@ -50,6 +50,8 @@ KINDS = (
 )
 TORCH = os.path.dirname(torch.__file__) + os.sep     # frames inside torch are not sites
 SYNCS = re.compile(r"aten::_local_scalar_dense|cuda(Stream|Device|Event)Synchronize")
+# dispatch keys the CPU profiler times as operators where the time is Python's
+PYTHON_KEYS = frozenset({"PythonDispatchMode", "PythonTLSSnapshot", "PythonSubclass"})
 MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")   # a mode's frame: not a site
 # operators that hand the host a value or whose output's size depends on the data
 WAITING_OPS = frozenset({
@@ -95,10 +97,13 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         for name, start, stop in timed:
             own[name] = own.get(name, 0.0) + (stop - start)
         idle = max(window - busy, 0.0)
-    else:           # the CPU: each operator's own time (children not counted twice)
+    else:           # the CPU: each operator's own time (children not counted twice); not
+        # the Python in annotated ranges (the data loader's, the optimizer step's) nor a
+        # dispatch mode's own Python (HostWaits), which are no operator's
         device = "cpu"
         own = {a.key: a.self_cpu_time_total for a in profiler.key_averages()
-               if a.self_cpu_time_total > 0 and not a.key.startswith("ProfilerStep")}
+               if a.self_cpu_time_total > 0 and not a.is_user_annotation
+               and a.key not in PYTHON_KEYS and not a.key.startswith("ProfilerStep")}
         window, idle = sum(own.values()), 0.0
     spent: dict[str, float] = {}
     for name, microseconds in own.items():
