@@ -97,3 +97,51 @@ def test_other_towers_and_choices_keep_transformers_implementation():
     assert tower.config._attn_implementation == "sdpa"
     assert {kind for kind, encoder in ENCODERS.items() if encoder.attends_by_boundaries} \
         == set(TOWERS)
+
+
+@pytest.mark.parametrize("kind", sorted(TOWERS))
+@pytest.mark.parametrize("attention", ["sdpa", "varlen"])
+def test_the_tower_reads_no_device_value(kind, attention, monkeypatch):
+    """A GPU run keeps ``image_grid_thw`` on the host (``HOST_INPUTS``) and the encoder makes
+    what transformers' tower would derive from it there: its weights and pixels on the
+    ``meta`` device, where reading any value fails, mimo's encoder still runs (transformers'
+    own call with the grid beside the pixels does not), and it gives transformers' rows on the
+    CPU. The boundaries go to the device for the varlen kernel, stay on the host for sdpa's
+    per-item split."""
+    import torch.nn.attention.varlen as varlen
+
+    from mimo_data.modalities.image import normalize_pixels
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.families.registry import ENCODERS, preprocessing_for, read_vlm
+    from mimo_train.families.base import HOST_INPUTS
+    assert {"image_grid_thw", "video_grid_thw"} <= HOST_INPUTS
+    path = str(MODELS / "published" / TOWERS[kind])
+    image = PreprocessConfig.from_dict(preprocessing_for(path)).modalities["image"]
+    torch.manual_seed(0)
+    encoder = ENCODERS[kind](image, 0, 0, 0, read_vlm(path)).eval()
+    set_attention(encoder.model, attention, by_boundaries=True)
+    bounds: list[torch.device] = []
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        bounds.append(cu_q.device)
+        return (_stand_in([])(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+                if q.device.type == "cpu" else torch.empty_like(q))
+    monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    grid = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
+    pixels = torch.randint(0, 256, (int(grid.prod(-1).sum()), 3 * image.patch_size ** 2),
+                           dtype=torch.uint8)
+    with torch.no_grad():
+        rows = encoder(pixel_values=pixels, image_grid_thw=grid)
+        theirs = encoder.rows(encoder.model(hidden_states=normalize_pixels(pixels, image),
+                                            grid_thw=grid))
+    assert torch.equal(rows, theirs)
+    encoder.to("meta")
+    bounds.clear()
+    with torch.no_grad():
+        on_meta = encoder(pixel_values=pixels.to("meta"), image_grid_thw=grid)
+        assert on_meta.shape == rows.shape and on_meta.is_meta
+        with pytest.raises((NotImplementedError, RuntimeError)):    # reads the meta grid
+            encoder.model(hidden_states=normalize_pixels(pixels, image).to("meta"),
+                          grid_thw=grid.to("meta"))
+    if attention == "varlen":
+        assert bounds and {device.type for device in bounds} == {"meta"}, bounds

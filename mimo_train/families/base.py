@@ -30,9 +30,10 @@ from mimo_data.modalities.image import ImageConfig
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 
 
-# Encoder inputs an encoder reads on the host (clip lengths that cut its batch): they stay in
-# host memory, so reading them never waits for the device.
-HOST_INPUTS = frozenset({"feature_lens"})
+# Encoder inputs an encoder reads on the host (clip lengths that cut its batch, the grids the
+# Qwen-family towers derive positions and boundaries from): they stay in host memory, so
+# reading them never waits for the device.
+HOST_INPUTS = frozenset({"feature_lens", "image_grid_thw", "video_grid_thw"})
 
 
 def input_form(modality: str, modality_config) -> tuple[str, str]:

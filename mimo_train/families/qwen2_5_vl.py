@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl
 from mimo_train.families.base import VLM
@@ -55,3 +57,16 @@ class Qwen2_5VLVision(qwen2_vl.Qwen2VLVision):
             temporal_patch_size=image.temporal_patch_size,
             window_size=2 * image.patch_size * image.merge_size,
             fullatt_block_indexes=[num_layers - 1])
+
+    @staticmethod
+    def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+        """Qwen2-VL's, and the windows: the order of the patches by window, the windows'
+        boundaries and the longest window."""
+        from transformers.utils.generic import get_max_seqlen
+        from transformers.vision_utils import get_vision_window_index
+        window_index, cu_window_seqlens = get_vision_window_index(
+            grid_thw, spatial_merge_size=tower.spatial_merge_size,
+            window_size=tower.window_size, patch_size=tower.patch_size)
+        return {**qwen2_vl.Qwen2VLVision.grid_inputs(tower, grid_thw),
+                "window_index": window_index, "cu_window_seqlens": cu_window_seqlens,
+                "max_window_seqlen": get_max_seqlen(cu_window_seqlens, tower.config)}

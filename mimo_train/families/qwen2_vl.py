@@ -27,6 +27,14 @@ from mimo_train.families.base import (VLM, Encoder, check_preprocessor, normaliz
 VISION_PREFIXES = ("model.visual.", "visual.")
 
 
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to a GPU through page-locked memory, so the copy is queued
+    without waiting for the device."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def read(config, path: str) -> VLM:
     """What mimo takes from the Qwen2-VL checkpoint at ``path`` (its ``config``)."""
     return VLM(path=path, family=config.model_type,
@@ -149,12 +157,36 @@ class Qwen2VLVision(Encoder):
             return self(**inputs)
         assert self.video is not None, "take_also('video', ...) first"
         pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
-        return self.rows(self.model(hidden_states=pixels.to(param_dtype(self)),
-                                    grid_thw=inputs["video_grid_thw"]))
+        return self.rows(self.tower(pixels.to(param_dtype(self)), inputs["video_grid_thw"]))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
-        return self.rows(self.model(hidden_states=pixels, grid_thw=image_grid_thw))
+        return self.rows(self.tower(pixels, image_grid_thw))
+
+    def tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
+        """transformers' tower on ``pixels``, given what its forward would otherwise derive
+        from ``grid_thw`` on the pixels' device: made on the host from the host ``grid_thw``
+        (``base.HOST_INPUTS``), so the tower reads no device value (each derivation waits for
+        the GPU: ``tolist``, ``max().item()``, data-sized ``repeat_interleave``) and launches
+        none of their small per-item kernels. ``grid_thw`` on a device is read once."""
+        derived = self.grid_inputs(self.model, grid_thw.cpu())
+        # an attention without boundaries (transformers' sdpa) splits items by them on the host
+        host = ("cu_seqlens", "cu_window_seqlens") if derived["max_seqlen"] is None else ()
+        placed = {key: value if key in host or not isinstance(value, torch.Tensor)
+                  else to_device(value, pixels.device) for key, value in derived.items()}
+        return self.model(hidden_states=pixels, grid_thw=grid_thw, **placed)
+
+    @staticmethod
+    def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+        """The inputs transformers' ``tower`` derives from a host ``grid_thw``, by its own
+        functions (``transformers.vision_utils``), under the keys its forward takes them
+        precomputed: the rotary position ids, the items' boundaries and the longest item
+        (``None`` unless the attention is given boundaries)."""
+        from transformers.vision_utils import (get_vision_attention_seqlens,
+                                               get_vision_position_ids)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid_thw, tower.config)
+        return {"position_ids": get_vision_position_ids(grid_thw, tower.spatial_merge_size),
+                "cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen}
 
     def rows(self, output) -> torch.Tensor:
         """The placeholders' rows of the tower's ``output``: its merged patches."""

@@ -40,6 +40,18 @@ def video_settings(config, processor: dict) -> dict:
             "timestamps": True}
 
 
+def resampled_grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+    """Qwen2-VL's ``grid_inputs``, and where each patch reads the learned position table
+    resampled to its grid (the taps and their weights): the towers of Qwen3-VL and Qwen3.5."""
+    from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid_thw, num_grid_per_side=tower.num_grid_per_side, mode=tower.interpolation_mode,
+        align_corners=tower.interpolation_align_corners,
+        spatial_merge_size=tower.config.spatial_merge_size)
+    return {**qwen2_vl.Qwen2VLVision.grid_inputs(tower, grid_thw),
+            "interp_indices": indices, "interp_weights": weights}
+
+
 class Qwen3VLVision(qwen2_vl.Qwen2VLVision):
     """Qwen3-VL vision tower: patches → ``[Σ tokens, (1 + K) · out_hidden_size]``, each row a
     placeholder's main embedding followed by its K deepstack embeddings."""
@@ -60,6 +72,10 @@ class Qwen3VLVision(qwen2_vl.Qwen2VLVision):
             patch_size=image.patch_size, spatial_merge_size=image.merge_size,
             temporal_patch_size=image.temporal_patch_size,
             deepstack_visual_indexes=list(range(min(3, num_layers - 1))))
+
+    @staticmethod
+    def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
+        return resampled_grid_inputs(tower, grid_thw)
 
     @property
     def row_width(self) -> int:
