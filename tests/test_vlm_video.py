@@ -196,6 +196,45 @@ def test_a_module_serving_images_and_videos_interleaves_their_rows():
     assert out.squeeze(1).tolist() == [10., 1., 2., 20., 3.]
 
 
+def test_what_encoders_read_on_the_host_stays_there():
+    """``model_inputs`` for a device (``meta`` here, a GPU's stand-in): the tensors the
+    encoders read on the host (the grids, the clip lengths, a shared module's placeholder
+    order) stay on the host; every other tensor goes to the device."""
+    from types import SimpleNamespace
+
+    from mimo_data.loading.layout import Layout
+    from mimo_train.training.step import model_inputs
+    image, video = 7, 8
+    ids = torch.tensor([[1, video, image, image, 2, video, 3, 0]])
+    batch = {"input_ids": ids, "labels": ids.clone(), "loss_mask": torch.ones(1, 8),
+             "position_ids": torch.arange(8)[None], "attention_mask": ids != 0,
+             "modality_inputs": {
+                 "image": {"image": {"pixel_values": torch.zeros(8, 588, dtype=torch.uint8),
+                                     "image_grid_thw": torch.tensor([[1, 2, 4]])}},
+                 "video": {"video": {"pixel_values_videos": torch.zeros(16, 1176),
+                                     "video_grid_thw": torch.tensor([[2, 2, 4]])}},
+                 "audio": {"audio": {"input_features": torch.zeros(1, 8, 30),
+                                     "feature_lens": torch.tensor([30])}}}}
+    infra = SimpleNamespace(layout=Layout.from_string("language=dp1;image=dp1,image,video;"
+                                                      "audio=dp1,audio"))
+    inputs = model_inputs(batch, infra, torch.device("meta"),
+                          {"image": {"image": image, "video": video}})
+    def devices(tree: dict, path: tuple = ()) -> dict:
+        return {key: value for name, entry in tree.items() for key, value in (
+            devices(entry, (*path, name)) if isinstance(entry, dict)
+            else {(*path, name): entry.device.type}).items()}
+
+    found = devices(inputs["modality_inputs"])
+    # the module serving images and videos: its encoder's inputs by modality, and the
+    # modality of each placeholder in token order
+    host = {("image", "image", "image", "image_grid_thw"), ("image", "image", "placeholders"),
+            ("image", "image", "video", "video_grid_thw"), ("audio", "audio", "feature_lens")}
+    assert len(found) == 7 and host <= found.keys(), found
+    assert found == {key: "cpu" if key in host else "meta" for key in found}, found
+    assert inputs["modality_inputs"]["image"]["image"]["placeholders"].tolist() == [1, 0, 0, 1]
+    assert all(inputs[key].is_meta for key in ("input_ids", "labels", "position_ids"))
+
+
 @pytest.mark.parametrize("name, change, expected", [
     ("qwen2.5-vl", {"tokens_per_second": None},
      "modalities.video.tokens_per_second is None, but model.pretrained"),

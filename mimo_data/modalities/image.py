@@ -32,7 +32,8 @@ from transformers.image_transforms import get_resize_output_image_size
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, MediaItem, Modality, take_grid_rows
+from mimo_data.modalities.base import (MediaError, MediaItem, Modality, take_grid_rows,
+                                       to_device)
 
 
 # Extension used for the tar member of each container format we keep byte-for-byte.
@@ -361,8 +362,8 @@ def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tens
     ``Qwen2VLImageProcessorPil`` does for a still image. Same operations in the same order as
     the reference processors (rescale, then subtract the mean and divide by the std in float32).
     """
-    mean = torch.tensor(cfg.mean, dtype=torch.float32, device=pixel_values.device)
-    std = torch.tensor(cfg.std, dtype=torch.float32, device=pixel_values.device)
+    mean = to_device(torch.tensor(cfg.mean, dtype=torch.float32), pixel_values.device)
+    std = to_device(torch.tensor(cfg.std, dtype=torch.float32), pixel_values.device)
     channels = len(cfg.mean)
     if cfg.policy == "fixed":      # [n, C, S, S]
         shape = (1, channels, 1, 1)

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mimo_train.families.base import HOST_INPUTS
 from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
 
@@ -223,8 +224,8 @@ class Generator:
         spliced = {}
         for modality, inputs in encoder_inputs.items():
             encoder, projection = self.encoders[modality]
-            rows = projection(encoder.encode(modality, **{k: v.to(self.device)
-                                                          for k, v in inputs.items()}))
+            rows = projection(encoder.encode(modality, **{
+                k: v if k in HOST_INPUTS else v.to(self.device) for k, v in inputs.items()}))
             at = ids == self.manifest["modality_tokens"][modality]["id"]
             if int(at.sum()) != len(rows):
                 raise RuntimeError(f"the {modality} encoder emitted {len(rows)} rows for "

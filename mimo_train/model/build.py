@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mimo_data.loading.layout import LANGUAGE
+from mimo_data.modalities.base import to_device
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX
 from mimo_train.config import OptimizerConfig
 from mimo_train.errors import TrainConfigError
@@ -148,7 +149,8 @@ class _SeededEncoder(torch.nn.Module):
             if modality in inputs:
                 rows.append(self.encoder.encode(modality, **inputs[modality]))
                 targets.append(torch.nonzero(placeholders == index).squeeze(1))
-        return torch.cat(rows)[torch.argsort(torch.cat(targets))]
+        encoded = torch.cat(rows)       # the order on the host, where the placeholders stay
+        return encoded[to_device(torch.argsort(torch.cat(targets)).cpu(), encoded.device)]
 
 
 class _SeededGPTModel(LanguageModel):

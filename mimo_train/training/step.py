@@ -57,8 +57,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     ``shared``: per encoder module serving several modalities (``model.shared_placeholders``),
     ``{modality: its placeholder token id}``, its encoder's own modality first. That module
     gets ``{first modality: {modality: inputs, ..., "placeholders": modality index of each
-    placeholder in token order}}``, and its other modalities' placeholders become the first
-    one's in ``input_ids``: megatron-core splices one token id per module.
+    placeholder in token order (on the host)}}``, and its other modalities' placeholders
+    become the first one's in ``input_ids``: megatron-core splices one token id per module.
     """
     shared = shared or {}
     ids = batch.get("input_ids")
@@ -93,8 +93,8 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
                                for k, v in kw.items()} for encoder, kw in by_encoder.items()}
         if module in shared:
             first = next(iter(shared[module]))
-            merged = module_inputs.setdefault(module, {first: {
-                "placeholders": placeholders[module].to(device, non_blocking=True)}})
+            merged = module_inputs.setdefault(module, {first: {        # read on the host
+                "placeholders": placeholders[module]}})
             merged[first].update(on_device)
         else:
             module_inputs[module] = on_device

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mimo_data.modalities.base import to_device
 from mimo_data.modalities.video.config import VideoConfig
 from mimo_data.modalities.video.sampling import video_resized_size
 
@@ -69,8 +70,8 @@ def normalize_video_pixels(pixel_values: torch.Tensor, cfg: VideoConfig) -> torc
     ``(x - mean / (1/255)) / (std / (1/255))`` in float32."""
     channels = len(cfg.mean)
     rescale = 1 / 255
-    mean = torch.tensor(cfg.mean, device=pixel_values.device) * (1.0 / rescale)
-    std = torch.tensor(cfg.std, device=pixel_values.device) * (1.0 / rescale)
+    mean = to_device(torch.tensor(cfg.mean) * (1.0 / rescale), pixel_values.device)
+    std = to_device(torch.tensor(cfg.std) * (1.0 / rescale), pixel_values.device)
     rows = len(pixel_values)
     values = pixel_values.reshape(rows, channels, -1).to(torch.float32)   # a new tensor:
     values.sub_(mean.view(1, channels, 1)).div_(std.view(1, channels, 1))  # in place on it
