@@ -127,6 +127,18 @@ def test_the_tower_reads_no_device_value(kind, attention, monkeypatch):
         return (_stand_in([])(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
                 if q.device.type == "cpu" else torch.empty_like(q))
     monkeypatch.setattr(varlen, "varlen_attn", stand_in)
+    # what the tower gets, and what reaches its blocks: every derived input taken by the
+    # tower (none passed on), on the pixels' device but for the boundaries under sdpa
+    given: list[dict] = []
+    encoder.model.register_forward_pre_hook(lambda _, args, kwargs: given.append(kwargs),
+                                            with_kwargs=True)
+    derived = set(ENCODERS[kind].grid_inputs(encoder.model, torch.tensor([[1, 4, 4]])))
+    assert {"position_ids", "cu_seqlens", "max_seqlen"} <= derived
+    leaked: list[set] = []
+    for block in encoder.model.blocks:
+        block.register_forward_pre_hook(
+            lambda _, args, kwargs: leaked.append(derived - {"cu_seqlens", "max_seqlen"}
+                                                  & set(kwargs)), with_kwargs=True)
     grid = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
     pixels = torch.randint(0, 256, (int(grid.prod(-1).sum()), 3 * image.patch_size ** 2),
                            dtype=torch.uint8)
@@ -140,8 +152,15 @@ def test_the_tower_reads_no_device_value(kind, attention, monkeypatch):
     with torch.no_grad():
         on_meta = encoder(pixel_values=pixels.to("meta"), image_grid_thw=grid)
         assert on_meta.shape == rows.shape and on_meta.is_meta
+        kwargs = given[-1]
         with pytest.raises((NotImplementedError, RuntimeError)):    # reads the meta grid
             encoder.model(hidden_states=normalize_pixels(pixels, image).to("meta"),
                           grid_thw=grid.to("meta"))
+    assert derived <= kwargs.keys() and not any(leaked), (derived, leaked)
+    on_host = {"grid_thw"} | ({"cu_seqlens", "cu_window_seqlens"} if attention == "sdpa"
+                              else set())
+    devices = {key: value.device.type for key, value in kwargs.items()
+               if isinstance(value, torch.Tensor)}
+    assert devices == {key: "cpu" if key in on_host else "meta" for key in devices}, devices
     if attention == "varlen":
         assert bounds and {device.type for device in bounds} == {"meta"}, bounds

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from mimo_data.modalities.base import to_device
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
 from mimo_data.modalities.video import VideoConfig, normalize_video_pixels
 from mimo_train.errors import EncoderBuildError
@@ -25,14 +26,6 @@ from mimo_train.families.base import (VLM, Encoder, check_preprocessor, normaliz
                                       param_dtype)
 
 VISION_PREFIXES = ("model.visual.", "visual.")
-
-
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device``; to a GPU through page-locked memory, so the copy is queued
-    without waiting for the device."""
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def read(config, path: str) -> VLM:
@@ -164,17 +157,22 @@ class Qwen2VLVision(Encoder):
         return self.rows(self.tower(pixels, image_grid_thw))
 
     def tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
-        """transformers' tower on ``pixels``, given what its forward would otherwise derive
-        from ``grid_thw`` on the pixels' device: made on the host from the host ``grid_thw``
-        (``base.HOST_INPUTS``), so the tower reads no device value (each derivation waits for
-        the GPU: ``tolist``, ``max().item()``, data-sized ``repeat_interleave``) and launches
-        none of their small per-item kernels. ``grid_thw`` on a device is read once."""
-        derived = self.grid_inputs(self.model, grid_thw.cpu())
+        return self.run_tower(self.model, pixels, grid_thw)
+
+    @classmethod
+    def run_tower(cls, model: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor):
+        """transformers' tower ``model`` on ``pixels``, given what its forward would otherwise
+        derive from ``grid_thw`` on the pixels' device: made on the host from the host
+        ``grid_thw`` (``base.HOST_INPUTS``), so the tower reads no device value (each
+        derivation waits for the GPU: ``tolist``, ``max().item()``, data-sized
+        ``repeat_interleave``) and launches none of their small per-item kernels.
+        ``grid_thw`` on a device is read once."""
+        derived = cls.grid_inputs(model, grid_thw.cpu())
         # an attention without boundaries (transformers' sdpa) splits items by them on the host
         host = ("cu_seqlens", "cu_window_seqlens") if derived["max_seqlen"] is None else ()
         placed = {key: value if key in host or not isinstance(value, torch.Tensor)
                   else to_device(value, pixels.device) for key, value in derived.items()}
-        return self.model(hidden_states=pixels, grid_thw=grid_thw, **placed)
+        return model(hidden_states=pixels, grid_thw=grid_thw, **placed)
 
     @staticmethod
     def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:

@@ -105,16 +105,18 @@ TOWER_IMAGES = 16                        # of 36 x 36 patches (324 tokens: a 512
 
 def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36) -> dict:
     """Qwen2-VL-2B's published tower (32 layers of 1280), bf16, a micro-batch of ``images``
-    under transformers' ``sdpa`` (a host split and an SDPA call per image and layer) and
-    under mimo's ``varlen`` (``mimo_train.model.tower_attention``: one call per layer):
-    the rows and a gradient apart (relative to the largest entry), and the milliseconds of a
-    forward and backward each."""
+    as transformers runs it (``sdpa``: a host split and an SDPA call per image and layer, its
+    grid-derived inputs made on the GPU) and as mimo's encoder does (``varlen``,
+    ``mimo_train.model.tower_attention``: one call per layer; those inputs made on the host,
+    ``Qwen2VLVision.run_tower``): the rows and a gradient apart (relative to the largest
+    entry), and the milliseconds of a forward and backward each."""
     import copy
 
     from transformers import AutoConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import (
         Qwen2VisionTransformerPretrainedModel)
 
+    from mimo_train.families.qwen2_vl import Qwen2VLVision
     from mimo_train.model.tower_attention import set_attention
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(TOWER).vision_config
@@ -124,25 +126,30 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     varlen = copy.deepcopy(sdpa)
     set_attention(varlen, "varlen", by_boundaries=True)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
-    grid = torch.tensor([[1, side, side]] * images, device=device)
+    grid = torch.tensor([[1, side, side]] * images)
     pixels = torch.randn(images * side * side, columns, device=device, dtype=torch.bfloat16)
 
-    def timed(tower):
+    def transformers_run(tower):
+        return tower(hidden_states=pixels, grid_thw=grid.to(device))
+
+    def mimo_run(tower):
+        return Qwen2VLVision.run_tower(tower, pixels, grid)
+
+    def timed(tower, run):
         for _ in range(2):
-            tower(hidden_states=pixels, grid_thw=grid).pooler_output.float().square().mean() \
-                .backward()
+            run(tower).pooler_output.float().square().mean().backward()
         tower.zero_grad()
         torch.cuda.synchronize()
         started = time.perf_counter()
         for _ in range(3):
-            rows = tower(hidden_states=pixels, grid_thw=grid).pooler_output
+            rows = run(tower).pooler_output
             rows.float().square().mean().backward()
         torch.cuda.synchronize()
         grad = tower.blocks[0].attn.qkv.weight.grad.float()
         return rows.detach().float(), grad, (time.perf_counter() - started) / 3 * 1e3
 
-    expected, expected_grad, sdpa_ms = timed(sdpa)
-    found, grad, varlen_ms = timed(varlen)
+    expected, expected_grad, sdpa_ms = timed(sdpa, transformers_run)
+    found, grad, varlen_ms = timed(varlen, mimo_run)
     rows_diff = ((found - expected).abs().max() / expected.abs().max()).item()
     grad_diff = ((grad - expected_grad).abs().max() / expected_grad.abs().max()).item()
     return {"ok": rows_diff < 5e-2 and grad_diff < 5e-2, "images": images,
