@@ -35,7 +35,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mimo_train.families.base import HOST_INPUTS
 from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
 
@@ -220,6 +219,7 @@ class Generator:
     def _spliced(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
         """Each encoder's projected rows in place of its modality tokens' embeddings, then the
         language model's generate: the new tokens and the rows spliced per modality."""
+        from mimo_train.families.base import HOST_INPUTS
         embeds = self.language.get_input_embeddings()(ids)
         spliced = {}
         for modality, inputs in encoder_inputs.items():
