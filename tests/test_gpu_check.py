@@ -41,7 +41,7 @@ def summary(ranks, tmp_path_factory) -> dict:
 
 
 def test_every_step_ran_on_the_cpu(summary):
-    assert summary["packages"]["missing"] == []
+    assert summary["packages"]["missing"] == [] and summary["packages"]["unmet"] == []
     assert summary["env"]["cuda"] is False and summary["env"]["megatron_core"]
     assert all(probe["skipped"] == "no CUDA" for probe in summary["kernels"].values())
     assert "error" not in summary["shards"], summary["shards"]
@@ -50,6 +50,22 @@ def test_every_step_ran_on_the_cpu(summary):
     assert "error" not in parity, parity
     # the "device" is the CPU here: the same two steps twice, so equal to the bit
     assert len(parity["device_losses"]) == 2 and parity["max_abs_loss_diff"] == 0.0
+
+
+def test_a_package_the_project_does_not_allow_is_named(tmp_path):
+    """The GPU image brings its own torch and transformers: one at a version pyproject.toml
+    does not allow is named before any case fails on it (a CUDA build's local version tag
+    and a requirement for another platform are no finding)."""
+    import importlib.metadata
+    torch_version = importlib.metadata.version("torch")
+    transformers_version = importlib.metadata.version("transformers")
+    (tmp_path / "pyproject.toml").write_text(
+        "[project]\ndependencies = [\n"
+        f'  "torch=={torch_version.split('+')[0]}",\n'
+        '  "transformers>=99",\n  "no-such-package>=1",\n'
+        "  \"pillow>=999; sys_platform == 'win32'\",\n]\n")
+    assert _module().unmet(tmp_path / "pyproject.toml") == [
+        f"transformers {transformers_version} (needs >=99)"]
 
 
 RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local",

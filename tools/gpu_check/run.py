@@ -222,7 +222,31 @@ def install_packages(gpu: bool) -> dict:
                         "--no-compile", "--no-cache-dir", *map(str, wheels)], check=True,
                        capture_output=True, text=True, timeout=180)
         result["installed"] = [w.name for w in wheels]
+    result["unmet"] = unmet()
+    if result["unmet"]:                 # the cases would fail further on, less clearly
+        result["error"] = f"installed at versions pyproject.toml does not allow: {result['unmet']}"
     return result
+
+
+def unmet(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
+    """The project's dependencies installed here at a version ``pyproject`` does not allow
+    (the GPU image's own torch and transformers: no carried wheel replaces them)."""
+    import importlib.metadata
+    import tomllib
+
+    from packaging.requirements import Requirement
+    found = []
+    for line in tomllib.loads(pyproject.read_text())["project"]["dependencies"]:
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue
+        try:
+            version = importlib.metadata.version(requirement.name)
+        except importlib.metadata.PackageNotFoundError:
+            continue                    # missing: the carried wheels' part
+        if not requirement.specifier.contains(version, prereleases=True):
+            found.append(f"{requirement.name} {version} (needs {requirement.specifier})")
+    return found
 
 
 def probe(check: Check, env: dict[str, str], limit: float) -> dict:
