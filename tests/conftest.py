@@ -32,6 +32,13 @@ from support import launch
 REPO = Path(__file__).resolve().parents[1]
 CORPUS_DIR = REPO / "assets" / "corpus"
 MODELS = REPO / "assets" / "models"
+# each Qwen-family tower kind's published checkpoint: MODELS / "published" / NAME is its
+# replica (dims shrunk), REPO / "tools" / "published" / NAME its config as published
+PUBLISHED_TOWERS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct",
+                    "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
+                    "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct",
+                    "qwen3_vl_moe": "Qwen--Qwen3-VL-30B-A3B-Instruct",
+                    "qwen3_5": "Qwen--Qwen3.5-4B", "qwen3_5_moe": "Qwen--Qwen3.5-35B-A3B"}
 
 # The five inputs of the sample corpus, in the order the tests pass them to a build.
 CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.parquet",

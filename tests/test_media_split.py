@@ -21,11 +21,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import MODELS
+from conftest import MODELS, PUBLISHED_TOWERS
 
 PUBLISHED = MODELS / "published"
-TOWERS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct", "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
-          "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct", "qwen3_5": "Qwen--Qwen3.5-4B"}
+TOWERS = {kind: PUBLISHED_TOWERS[kind]
+          for kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")}
 
 
 @pytest.mark.parametrize("kind", sorted(TOWERS))

@@ -40,7 +40,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from conftest import MODELS, REPO, preprocess_config_file
+from conftest import MODELS, PUBLISHED_TOWERS, REPO, preprocess_config_file
 from mimo_data.loading.layout import Layout
 from mimo_train.families.causal_lm import LinearAttention
 from mimo_train.planning import memory as mem
@@ -717,9 +717,7 @@ def test_delta_net_bytes_are_what_the_layer_saves():
     assert saved.total == pytest.approx(predicted, rel=0.01)
 
 
-TOWER_CONFIGS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct",
-                 "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
-                 "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct"}
+TOWER_CONFIGS = {kind: PUBLISHED_TOWERS[kind] for kind in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")}
 
 
 # every tower under SDPA; mimo's varlen wrapper is the same for the family: one tower's

@@ -18,13 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import MODELS
+from conftest import MODELS, PUBLISHED_TOWERS
 from mimo_train.model.tower_attention import VARLEN, set_attention
 
-TOWERS = {"qwen2_vl": "Qwen--Qwen2-VL-2B-Instruct", "qwen2_5_vl": "Qwen--Qwen2.5-VL-3B-Instruct",
-          "qwen3_vl": "Qwen--Qwen3-VL-2B-Instruct",
-          "qwen3_vl_moe": "Qwen--Qwen3-VL-30B-A3B-Instruct", "qwen3_5": "Qwen--Qwen3.5-4B",
-          "qwen3_5_moe": "Qwen--Qwen3.5-35B-A3B"}
+TOWERS = PUBLISHED_TOWERS
 
 
 def _stand_in(calls: list):
