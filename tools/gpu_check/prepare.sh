@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Run here, from the project's root (set-up done): download into .whl/ the wheels the GPU
-# machine lacks (it has torch 2.11 and transformers 5.x, no network), the versions this
-# environment has, and flash-linear-attention (the gated delta-net's GPU kernels, Triton: not
-# installed here), and keep .whl/ out of git. About 6 MiB: the device call carries 64 MiB.
+# machine lacks (it has torch 2.11 and transformers 5.x, no network; mimo needs 5.17+, which
+# the check's packages step verifies), the versions this environment has, and
+# flash-linear-attention (the gated delta-net's GPU kernels, Triton: not installed here), and
+# keep .whl/ out of git. About 6 MiB: the device call carries 64 MiB.
 set -euo pipefail
 [ -f pyproject.toml ] && [ -d mimo_train ] || { echo "run this from the project's root" >&2; exit 2; }
 PY=${PY:-.venv/bin/python}
