@@ -19,9 +19,9 @@ from mimo_data.tally import CountedError
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` (an encoder's constants and indices). To a GPU it goes
-    through page-locked memory without blocking: a blocking copy would first wait for all the
-    work queued on the device."""
+    """A host tensor on ``device`` (an encoder's constants and indices, a step's counts). To a
+    GPU it goes through page-locked memory without blocking: a blocking copy would first wait
+    for all the work queued on the device."""
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

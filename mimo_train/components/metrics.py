@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from mimo_data.modalities.base import to_device
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import step_flops
 from mimo_train.runtime.console import PREFIX
@@ -170,9 +171,7 @@ class FlopsCounter:
         ``device`` (copied without waiting for the device's queued work)."""
         values = torch.tensor([float(self.pending[n]) for n in self.names], dtype=torch.float64)
         self.pending = dict.fromkeys(self.names, 0)
-        if device.type == "cuda":
-            return values.pin_memory().to(device, non_blocking=True)
-        return values.to(device)
+        return to_device(values, device)
 
 
 def flops_fields(flops: dict[str, float], seconds: float, world_size: int,

@@ -150,14 +150,12 @@ class Qwen2VLVision(Encoder):
             return self(**inputs)
         assert self.video is not None, "take_also('video', ...) first"
         pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
-        return self.rows(self.tower(pixels.to(param_dtype(self)), inputs["video_grid_thw"]))
+        return self.rows(self.run_tower(self.model, pixels.to(param_dtype(self)),
+                                        inputs["video_grid_thw"]))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
-        return self.rows(self.tower(pixels, image_grid_thw))
-
-    def tower(self, pixels: torch.Tensor, grid_thw: torch.Tensor):
-        return self.run_tower(self.model, pixels, grid_thw)
+        return self.rows(self.run_tower(self.model, pixels, image_grid_thw))
 
     @classmethod
     def run_tower(cls, model: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor):

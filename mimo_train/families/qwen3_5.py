@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 import mimo_data.preprocess.templates as templates
 from mimo_data.modalities.image import ImageConfig
 from mimo_train.families import qwen2_vl, qwen3_vl
@@ -44,9 +42,7 @@ class Qwen3_5Vision(qwen2_vl.Qwen2VLVision):
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
         return Qwen3_5VisionModel
 
-    @staticmethod
-    def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
-        return qwen3_vl.resampled_grid_inputs(tower, grid_thw)
+    grid_inputs = staticmethod(qwen3_vl.resampled_grid_inputs)
 
     @staticmethod
     def random_config(image: ImageConfig, hidden_size: int, num_layers: int,

@@ -73,9 +73,7 @@ class Qwen3VLVision(qwen2_vl.Qwen2VLVision):
             temporal_patch_size=image.temporal_patch_size,
             deepstack_visual_indexes=list(range(min(3, num_layers - 1))))
 
-    @staticmethod
-    def grid_inputs(tower: torch.nn.Module, grid_thw: torch.Tensor) -> dict:
-        return resampled_grid_inputs(tower, grid_thw)
+    grid_inputs = staticmethod(resampled_grid_inputs)
 
     @property
     def row_width(self) -> int:

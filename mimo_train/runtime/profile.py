@@ -50,8 +50,8 @@ KINDS = (
 )
 TORCH = os.path.dirname(torch.__file__) + os.sep     # frames inside torch are not sites
 SYNCS = re.compile(r"aten::_local_scalar_dense|cuda(Stream|Device|Event)Synchronize")
-# dispatch keys the CPU profiler times as operators where the time is Python's
-PYTHON_KEYS = frozenset({"PythonDispatchMode", "PythonTLSSnapshot", "PythonSubclass"})
+# dispatch keys the CPU profiler times as operators where the time is Python's (a mode's)
+PYTHON_KEYS = frozenset({"PythonDispatchMode"})
 MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")   # a mode's frame: not a site
 # operators that hand the host a value or whose output's size depends on the data
 WAITING_OPS = frozenset({
