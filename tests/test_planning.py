@@ -730,8 +730,8 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     patches: the bytes of every tensor autograd saves inside its blocks (each storage once,
     the weights not counted) are ``layer_activation_bytes`` of its ``Stack`` per block within
     2% (left out: the norms' statistics, the rotary tables, SDPA's log-sum-exp). Qwen2-VL:
-    QuickGELU; Qwen2.5-VL: eager RMSNorm and a gated SiLU; Qwen3-VL: GELU; each SDPA keeping
-    the whole fused QKV output through its values."""
+    QuickGELU, fused (``model.tower_fusions``); Qwen2.5-VL: eager RMSNorm and a gated SiLU;
+    Qwen3-VL: GELU; each SDPA keeping the whole fused QKV output through its values."""
     import dataclasses
 
     import torch
@@ -741,6 +741,7 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     import torch.nn.attention.varlen as varlen_module
     from mimo_train.families.registry import ENCODERS
     from mimo_train.model.tower_attention import set_attention
+    from mimo_train.model.tower_fusions import fuse
     from mimo_train.planning.dims import QWEN_VARLEN_ATTENTION, tower_from_hf
 
     class FlashLike(torch.autograd.Function):
@@ -763,7 +764,8 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
             setattr(config, key, [1] if key == "fullatt_block_indexes" else [])
     torch.manual_seed(0)
     tower = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.bfloat16)
-    set_attention(tower, "varlen" if varlen else "sdpa", by_boundaries=True)
+    fuse(tower, set_attention(tower, "varlen" if varlen else "sdpa", by_boundaries=True),
+         ENCODERS[kind].vision_rotary)                         # as the trainer builds it
     saved = SavedBytes(tower)
     for block in tower.blocks:            # inside the blocks only (a hook returns nothing)
         block.register_forward_pre_hook(lambda *_: saved.hooks.__enter__())
@@ -1285,7 +1287,7 @@ def _one_long_clip(clip: list[int]) -> dict:
 
 
 def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_yaml):
-    """Qwen2-VL-2B on up to 4 H100s, a micro-batch of a 12000-token clip (48000 patches)
+    """Qwen2-VL-2B on up to 4 H100s, a micro-batch of a 14400-token clip (57600 patches)
     and a text-only sample: whole samples put the clip on one tower rank, whose activations
     do not fit; with ``data.split_media`` each of the two tower ranks of
     ``image=dp2,video;language=tp2`` holds half of them and fits. The advisor proposes split
@@ -1297,7 +1299,7 @@ def test_the_advisor_splits_a_clip_that_does_not_fit_one_tower_rank(qwen2_vl_2b_
     from mimo_train.plan import resolve
     from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
     from mimo_train.planning.advisor import run_advisor
-    config, workload = qwen2_vl_2b_yaml["config"], _one_long_clip([30, 20, 20])
+    config, workload = qwen2_vl_2b_yaml["config"], _one_long_clip([36, 20, 20])
     for split, asked in ((False, "no"), (False, "both"), (False, "yes"), (True, "no")):
         path = qwen2_vl_2b_yaml["yaml"][split]
         model = read_model(str(path), str(qwen2_vl_2b_yaml["preprocess"]), config,

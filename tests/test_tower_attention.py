@@ -7,6 +7,7 @@ real kernel takes (int32 boundaries, host ints for the longest item, ``[tokens, 
 the tower's scale, no causal window), and its rows and every weight's gradient equal
 transformers' own ``sdpa`` (fp32). The kernel needs CUDA: here a stand-in runs SDPA on each
 item (the GPU check's ``tower_varlen`` probe runs the real one against transformers' SDPA).
+The towers are fused as the trainer builds them (``model.tower_fusions``).
 Towers without boundaries and other choices keep transformers' implementation.
 """
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from conftest import MODELS, PUBLISHED_TOWERS
 from mimo_train.model.tower_attention import VARLEN, set_attention
+from mimo_train.model.tower_fusions import fuse
 
 TOWERS = PUBLISHED_TOWERS
 
@@ -50,7 +52,8 @@ def test_one_varlen_call_per_layer_gives_transformers_rows_and_gradients(kind, m
     reference = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.float32)
     reference.set_attn_implementation("sdpa")
     ours = copy.deepcopy(reference)
-    set_attention(ours, "varlen", by_boundaries=True)
+    fuse(ours, set_attention(ours, "varlen", by_boundaries=True),   # as the trainer builds it
+         rotary_attention=True)
     calls: list[int] = []
     monkeypatch.setattr(varlen, "varlen_attn", _stand_in(calls))
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
@@ -116,7 +119,8 @@ def test_the_tower_reads_no_device_value(kind, attention, monkeypatch):
     image = PreprocessConfig.from_dict(preprocessing_for(path)).modalities["image"]
     torch.manual_seed(0)
     encoder = ENCODERS[kind](image, 0, 0, 0, read_vlm(path)).eval()
-    set_attention(encoder.model, attention, by_boundaries=True)
+    fuse(encoder.model, set_attention(encoder.model, attention, by_boundaries=True),
+         rotary_attention=True)
     bounds: list[torch.device] = []
 
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):

@@ -33,6 +33,7 @@ from mimo_train.mcore.layer_specs import language_block_spec
 from mimo_train.model.lora import add_adapters, check_language_targets, is_adapter
 from mimo_train.model.parts import layer_offset, module_of, replace_module
 from mimo_train.model.tower_attention import set_attention
+from mimo_train.model.tower_fusions import fuse
 from mimo_train.plan import RunPlan
 from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
@@ -256,7 +257,8 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
             modality = plan.encoders[name].modality
             encoder = module.encoders[modality].encoder
             tower = encoder.model
-            set_attention(tower, attention.encoders, encoder.attends_by_boundaries)
+            served = set_attention(tower, attention.encoders, encoder.attends_by_boundaries)
+            fuse(tower, served, encoder.vision_rotary)
             if plan.modules[name].recompute == "full":
                 recompute_tower(tower, name)
         # a frozen part's weights, and those of a part under LoRA but for its adapters

@@ -57,15 +57,16 @@ def _longest(bounds: torch.Tensor, given: int | None) -> int:
     return int(given) if given is not None else int((bounds[1:] - bounds[:-1]).max())
 
 
-def set_attention(tower: torch.nn.Module, implementation: str, by_boundaries: bool) -> None:
+def set_attention(tower: torch.nn.Module, implementation: str, by_boundaries: bool) -> str:
     """Give a transformers ``tower`` ``implementation`` (``AttentionChoice.encoders``):
-    ``varlen`` is ``VARLEN`` where the tower gives boundaries (``by_boundaries``), else SDPA."""
+    ``varlen`` is ``VARLEN`` where the tower gives boundaries (``by_boundaries``), else SDPA.
+    Returns the name transformers' attention functions now serve the tower under."""
     if implementation != "varlen":
         tower.set_attn_implementation(implementation)
-        return
+        return implementation
     tower.set_attn_implementation("sdpa")          # checks the tower takes the interface
     if not by_boundaries:
-        return
+        return "sdpa"
     from transformers import AttentionInterface, PreTrainedConfig
     AttentionInterface.register(VARLEN, varlen_attention)
     # set on the configs directly: set_attn_implementation would load the flash-attn package
@@ -74,3 +75,4 @@ def set_attention(tower: torch.nn.Module, implementation: str, by_boundaries: bo
         config = getattr(module, "config", None)
         if isinstance(config, PreTrainedConfig):
             config._attn_implementation = VARLEN
+    return VARLEN

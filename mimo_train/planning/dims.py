@@ -75,10 +75,10 @@ class Stack:
     attention_gate: bool = False
     # what a transformers tower keeps per token where it differs from megatron-core's layers
     # (``memory``), in units of a width at 2 bytes: its MLP (of f, where its activation keeps
-    # more than megatron-core's fused ones: QuickGELU 6, an unfused gated SiLU 8; 0: 6 gated,
-    # 4 plain), its attention (of a; 0: megatron-core's 8, +2 with a fused kernel) and each of
-    # its two norms (of h: LayerNorm its input, 2; transformers' eager RMSNorm its input in
-    # fp32 and its bf16 output, 6)
+    # more than megatron-core's fused ones: an unfused gated SiLU 8; 0: 6 gated, 4 plain, and
+    # QuickGELU as ``model.tower_fusions`` runs it), its attention (of a; 0: megatron-core's
+    # 8, +2 with a fused kernel) and each of its two norms (of h: LayerNorm its input, 2;
+    # transformers' eager RMSNorm its input in fp32 and its bf16 output, 6)
     mlp_kept: int = 0
     attention_kept: int = 0
     norm_kept: int = 2
@@ -242,7 +242,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.embed_dim, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, int(width * config.mlp_ratio), gated=False,
-                      mlp_kept=_mlp_kept(config, gated=False), attention_kept=QWEN_ATTENTION)
+                      attention_kept=QWEN_ATTENTION)
         return Tower(kind, stack, _qwen_patch(config, width), config.hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.hidden_size)), by_boundaries=True)
@@ -250,7 +250,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=True,
-                      mlp_kept=_mlp_kept(config, gated=True), attention_kept=QWEN_ATTENTION,
+                      mlp_kept=UNFUSED_GATED_MLP, attention_kept=QWEN_ATTENTION,
                       norm_kept=6)                          # transformers' eager RMSNorm
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
@@ -263,7 +263,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=False,
-                      mlp_kept=_mlp_kept(config, gated=False), attention_kept=QWEN_ATTENTION)
+                      attention_kept=QWEN_ATTENTION)
         mergers = 1 + len(getattr(config, "deepstack_visual_indexes", None) or ())
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
@@ -274,7 +274,6 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         stack = Stack(config.num_hidden_layers, width, config.num_attention_heads,
                       config.num_attention_heads, width // config.num_attention_heads,
                       config.intermediate_size, gated=False,
-                      mlp_kept=_mlp_kept(config, gated=False),
                       attention_kept=SEPARATE_ATTENTION)
         return Tower(kind, stack,
                      (Linear(config.num_channels * config.patch_size ** 2, width),),
@@ -290,19 +289,13 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
 # (3 widths), besides the rotated queries and keys, SDPA's output and its contiguous copy, the
 # output projection's input; towers with their own q, k and v projections keep each
 QWEN_ATTENTION, SEPARATE_ATTENTION = 14, 10
+# a transformers tower's unfused gated MLP (Qwen2.5-VL's SiLU), in units of f at 2 bytes: the
+# gate's output, its activation, the up projection's output and their product (GELU, and
+# QuickGELU as ``model.tower_fusions`` runs it in every tower, keep megatron-core's 4: 0)
+UNFUSED_GATED_MLP = 8
 # the Qwen family under mimo's varlen kernel (``model.tower_attention``): q, k, v (the values a
 # contiguous copy) and the kernel's output, which is the output projection's input
 QWEN_VARLEN_ATTENTION = 8
-
-
-def _mlp_kept(config, gated: bool) -> int:
-    """``Stack.mlp_kept`` of a transformers tower's MLP from its config's activation: an
-    unfused gated one keeps the gate's output, its activation, the up projection's output and
-    their product; QuickGELU (``x * sigmoid(1.702 x)``) its input, the sigmoid and the
-    product; GELU its input and output, as megatron-core's count (0)."""
-    if gated:
-        return 8
-    return 6 if getattr(config, "hidden_act", None) == "quick_gelu" else 0
 
 
 def _qwen_patch(config, width: int) -> tuple[Linear, ...]:

@@ -44,7 +44,7 @@ attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
       as SDPA's); the MLP: c = 4 (2f activation input, 2f second matmul input), gated
       c = 6 (megatron-core's fused SwiGLU: the gate and up outputs 2·2f, the second matmul's
       input 2f); a transformers tower keeps what its code keeps (``Stack.mlp_kept``,
-      ``attention_kept``, ``norm_kept``: QuickGELU 6, an unfused gated SiLU 8; the Qwen
+      ``attention_kept``, ``norm_kept``: an unfused gated SiLU 8, QuickGELU fused 4; the Qwen
       family's SDPA 14·a (its values a view of the whole QKV output), its varlen 8·a;
       an eager RMSNorm 6·h; tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)

@@ -4,7 +4,8 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 - ``env``: versions, the GPU, and a bf16 matmul's TFLOP/s (8192^3, the practical peak);
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
   ``varlen_attn`` over three causal samples against SDPA on each sample alone, the image
-  tower under mimo's varlen attention against transformers' SDPA (``tower_varlen``), the gated
+  tower under mimo's varlen attention and fused elementwise regions against transformers' SDPA
+  (``tower_varlen``), the gated
   delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
   flash-linear-attention's where installed, else mimo's torch ones), and a rank's experts as
   grouped GEMMs against a loop over them (``grouped_experts``); each probe's failure is
@@ -106,10 +107,12 @@ TOWER_IMAGES = 16                        # of 36 x 36 patches (324 tokens: a 512
 def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36) -> dict:
     """Qwen2-VL-2B's published tower (32 layers of 1280), bf16, a micro-batch of ``images``
     as transformers runs it (``sdpa``: a host split and an SDPA call per image and layer, its
-    grid-derived inputs made on the GPU) and as mimo's encoder does (``varlen``,
+    grid-derived inputs made on the GPU), with mimo's varlen attention alone (``varlen``,
     ``mimo_train.model.tower_attention``: one call per layer; those inputs made on the host,
-    ``Qwen2VLVision.run_tower``): the rows and a gradient apart (relative to the largest
-    entry), and the milliseconds of a forward and backward each."""
+    ``Qwen2VLVision.run_tower``), and as the trainer builds it (``fused``: also
+    ``mimo_train.model.tower_fusions``' compiled rotary and QuickGELU): each one's rows and a
+    gradient apart from transformers' (relative to the largest entry), the milliseconds of a
+    forward and backward, and the fused tower's first call (its kernels' compilation)."""
     import copy
 
     from transformers import AutoConfig
@@ -117,7 +120,8 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
         Qwen2VisionTransformerPretrainedModel)
 
     from mimo_train.families.qwen2_vl import Qwen2VLVision
-    from mimo_train.model.tower_attention import set_attention
+    from mimo_train.model.tower_attention import VARLEN, set_attention
+    from mimo_train.model.tower_fusions import fuse
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(TOWER).vision_config
     sdpa = Qwen2VisionTransformerPretrainedModel._from_config(
@@ -125,6 +129,8 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     sdpa.set_attn_implementation("sdpa")
     varlen = copy.deepcopy(sdpa)
     set_attention(varlen, "varlen", by_boundaries=True)
+    fused = copy.deepcopy(varlen)
+    fuse(fused, VARLEN, rotary_attention=True)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     grid = torch.tensor([[1, side, side]] * images)
     pixels = torch.randn(images * side * side, columns, device=device, dtype=torch.bfloat16)
@@ -135,28 +141,41 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     def mimo_run(tower):
         return Qwen2VLVision.run_tower(tower, pixels, grid)
 
+    def step(tower, run):
+        run(tower).pooler_output.float().square().mean().backward()
+
     def timed(tower, run):
-        for _ in range(2):
-            run(tower).pooler_output.float().square().mean().backward()
-        tower.zero_grad()
         torch.cuda.synchronize()
+        started = time.perf_counter()
+        step(tower, run)
+        torch.cuda.synchronize()
+        first = time.perf_counter() - started
+        step(tower, run)
+        tower.zero_grad()
         started = time.perf_counter()
         for _ in range(3):
             rows = run(tower).pooler_output
             rows.float().square().mean().backward()
         torch.cuda.synchronize()
         grad = tower.blocks[0].attn.qkv.weight.grad.float()
-        return rows.detach().float(), grad, (time.perf_counter() - started) / 3 * 1e3
+        return rows.detach().float(), grad, (time.perf_counter() - started) / 3 * 1e3, first
 
-    expected, expected_grad, sdpa_ms = timed(sdpa, transformers_run)
-    found, grad, varlen_ms = timed(varlen, mimo_run)
-    rows_diff = ((found - expected).abs().max() / expected.abs().max()).item()
-    grad_diff = ((grad - expected_grad).abs().max() / expected_grad.abs().max()).item()
-    return {"ok": rows_diff < 5e-2 and grad_diff < 5e-2, "images": images,
-            "patches": images * side * side, "max_rel_diff_rows": rows_diff,
-            "max_rel_diff_grad": grad_diff, "sdpa_fwd_bwd_ms": round(sdpa_ms, 1),
-            "varlen_fwd_bwd_ms": round(varlen_ms, 1),
-            "sdpa_over_varlen": round(sdpa_ms / varlen_ms, 2)}
+    expected, expected_grad, sdpa_ms, _ = timed(sdpa, transformers_run)
+    result: dict = {"images": images, "patches": images * side * side,
+                    "sdpa_fwd_bwd_ms": round(sdpa_ms, 1)}
+    for name, tower in (("varlen", varlen), ("fused", fused)):
+        found, grad, ms, first = timed(tower, mimo_run)
+        result |= {f"max_rel_diff_rows_{name}":
+                   ((found - expected).abs().max() / expected.abs().max()).item(),
+                   f"max_rel_diff_grad_{name}":
+                   ((grad - expected_grad).abs().max() / expected_grad.abs().max()).item(),
+                   f"{name}_fwd_bwd_ms": round(ms, 1)}
+    result |= {"fused_first_call_s": round(first, 1),
+               "sdpa_over_varlen": round(sdpa_ms / result["varlen_fwd_bwd_ms"], 2),
+               "varlen_over_fused": round(result["varlen_fwd_bwd_ms"]
+                                          / result["fused_fwd_bwd_ms"], 2)}
+    return {"ok": all(value < 5e-2 for key, value in result.items()
+                      if key.startswith("max_rel_diff")), **result}
 
 
 DELTA_NET_LENGTHS = [1000, 37, 2048, 511]
