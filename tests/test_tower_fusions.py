@@ -1,12 +1,14 @@
-"""mimo_train/model/tower_fusions.py: the towers' fused rotary and QuickGELU.
+"""mimo_train/model/tower_fusions.py: the towers' fused rotary, QuickGELU, RMSNorm and gated
+SiLU.
 
-Against transformers' own towers built from the published configs (Qwen2-VL's QuickGELU and the
-rotary of all six): the fused tower's rows equal transformers' bit for bit, fp32 and bf16; its
-gradients equal in fp32 (the rotary's exactly, QuickGELU's to 1e-5); in bf16 they are as far
-from fp32's as transformers' own. The weights keep their names. The fused QuickGELU keeps its
-input alone. The formulas compile in one graph for every patch count (the GPU compiles them
-with inductor; here dynamo's tracing alone, which is where a graph break or a recompile comes
-from); the GPU check's ``tower_varlen`` probe checks the compiled kernels' rows.
+Against transformers' own towers built from the published configs (the rotary of all six,
+Qwen2-VL's QuickGELU, Qwen2.5-VL's RMSNorm and gated SiLU): the fused tower's rows equal
+transformers' bit for bit, fp32 and bf16; its gradients equal in fp32 (the rotary's exactly,
+the others' to 1e-5); in bf16 they are as far from fp32's as transformers' own. The weights
+keep their names. Each fused region keeps its inputs alone. The formulas compile in one graph
+for every patch count (the GPU compiles them with inductor; here dynamo's tracing alone, which
+is where a graph break or a recompile comes from); the GPU check's ``tower_varlen`` probe
+checks the compiled kernels' rows.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ import torch
 
 from conftest import MODELS, PUBLISHED_TOWERS
 from mimo_train.model import tower_fusions
-from mimo_train.model.tower_fusions import FusedRotaryAttention, QuickGELU, fuse
+from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, QuickGELU, RMSNorm,
+                                            fuse)
 
 GRID = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
 
@@ -48,28 +51,37 @@ def _run(tower, pixels):
     return rows.detach(), {n: p.grad.float() for n, p in tower.named_parameters()}
 
 
+# fused modules of each kind a tower of ``depth`` blocks has beside its attention: exact
+# (the rotary alone) or not (the others' backward passes sum in another order)
+def _fused_counts(kind: str, depth: int) -> dict[type, int]:
+    return {"qwen2_vl": {QuickGELU: depth},
+            "qwen2_5_vl": {RMSNorm: 2 * depth + 1, GatedMLP: depth}}.get(kind, {})
+
+
 @pytest.mark.parametrize("kind", sorted(PUBLISHED_TOWERS))
 def test_fused_towers_give_transformers_rows_and_gradients(kind):
     reference, fused, pixels = _towers(kind, torch.float32)
     assert fused.state_dict().keys() == reference.state_dict().keys()
-    assert sum(isinstance(m, FusedRotaryAttention) for m in fused.modules()) \
-        == len(fused.blocks)
-    gelus = sum(isinstance(m, QuickGELU) for m in fused.modules())
-    assert gelus == (len(fused.blocks) if kind == "qwen2_vl" else 0)
+    counts = _fused_counts(kind, len(fused.blocks))
+    for cls in (FusedRotaryAttention, QuickGELU, RMSNorm, GatedMLP):
+        assert sum(type(m) is cls for m in fused.modules()) == (
+            len(fused.blocks) if cls is FusedRotaryAttention else counts.get(cls, 0)), cls
     rows, grads = _run(reference, pixels)
     our_rows, our_grads = _run(fused, pixels)
     assert torch.equal(our_rows, rows)
     for name, grad in grads.items():
-        if gelus:
+        if counts:
             torch.testing.assert_close(our_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
         else:
             assert torch.equal(our_grads[name], grad), name
 
 
-def test_bf16_is_as_close_to_fp32_as_transformers():
-    """Qwen2-VL in bf16 (the rotary and QuickGELU): the same rows, and weight gradients whose
-    distance from the fp32 tower's is transformers' own within 5%."""
-    reference, fused, pixels = _towers("qwen2_vl", torch.bfloat16)
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
+def test_bf16_is_as_close_to_fp32_as_transformers(kind):
+    """In bf16 (Qwen2-VL: the rotary and QuickGELU; Qwen2.5-VL: the rotary, RMSNorm and the
+    gated SiLU): the same rows, and weight gradients whose distance from the fp32 tower's is
+    transformers' own within 5%."""
+    reference, fused, pixels = _towers(kind, torch.bfloat16)
     exact = copy.deepcopy(reference).float()
     rows, grads = _run(reference, pixels)
     our_rows, our_grads = _run(fused, pixels)
@@ -82,22 +94,36 @@ def test_bf16_is_as_close_to_fp32_as_transformers():
     assert 0 < ours <= 1.05 * theirs, (ours, theirs)
 
 
-def _saved(function, x: torch.Tensor) -> list[torch.Size]:
-    shapes: list[torch.Size] = []
+def _saved(module: torch.nn.Module, x: torch.Tensor) -> list[tuple[int, ...]]:
+    """The shapes of what autograd saves in ``module(x)``, each storage once, weights not."""
+    weights = {p.data_ptr() for p in module.parameters()}
+    found: dict[int, tuple[int, ...]] = {}
 
     def pack(tensor):
-        shapes.append(tensor.shape)
+        if tensor.data_ptr() not in weights:
+            found[tensor.data_ptr()] = tuple(tensor.shape)
         return tensor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        function(x)
-    return shapes
+        module(x)
+    return sorted(found.values())
 
 
-def test_fused_quick_gelu_keeps_its_input_alone():
+def test_each_fused_region_keeps_its_inputs_alone():
     from transformers.activations import QuickGELUActivation
-    x = torch.randn(6, 10, dtype=torch.bfloat16, requires_grad=True)
-    assert _saved(QuickGELUActivation(), x) == [x.shape] * 3      # input, sigmoid, sigmoid
-    assert _saved(QuickGELU(), x) == [x.shape]
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VLMLP,
+                                                                    Qwen2_5_VLRMSNorm)
+    x = torch.randn(6, 16, dtype=torch.bfloat16, requires_grad=True)
+    assert _saved(QuickGELUActivation(), x) == [(6, 16)] * 2       # input, sigmoid (output)
+    assert _saved(QuickGELU(), x) == [(6, 16)]
+    norm = Qwen2_5_VLRMSNorm(16).bfloat16()
+    assert _saved(norm, x) == [(6, 1), (6, 16), (6, 16)]  # statistics, fp32 x, bf16 output
+    assert _saved(RMSNorm(norm), x) == [(6, 16)]
+    config = Qwen2_5_VLVisionConfig(hidden_size=16, intermediate_size=24)
+    mlp = Qwen2_5_VLMLP(config, bias=True).bfloat16()
+    # the projections' inputs (x, the product), the gate, its SiLU, up
+    assert _saved(mlp, x) == [(6, 16)] + [(6, 24)] * 4
+    assert _saved(GatedMLP(mlp), x) == [(6, 16)] + [(6, 24)] * 3
 
 
 @pytest.mark.parametrize("formula, arguments", [
@@ -108,9 +134,20 @@ def test_fused_quick_gelu_keeps_its_input_alone():
                                                torch.randn(n, 3, 8).bfloat16(),
                                                torch.randn(n, 8), torch.randn(n, 8))),
     (tower_fusions.quick_gelu, lambda n: (torch.randn(n, 24).bfloat16(),)),
+    (tower_fusions.rms_norm, lambda n: (torch.randn(n, 24).bfloat16(),
+                                        torch.randn(24).bfloat16(), 1e-6)),
+    (tower_fusions.rms_norm_backward, lambda n: (torch.randn(n, 24).bfloat16(),
+                                                 torch.randn(24).bfloat16(),
+                                                 torch.randn(n, 24).bfloat16(), 1e-6)),
+    (tower_fusions.silu_gate, lambda n: (torch.randn(n, 24).bfloat16(),
+                                         torch.randn(n, 24).bfloat16())),
+    (tower_fusions.silu_gate_backward, lambda n: (torch.randn(n, 24).bfloat16(),
+                                                  torch.randn(n, 24).bfloat16(),
+                                                  torch.randn(n, 24).bfloat16())),
     (tower_fusions.quick_gelu_backward, lambda n: (torch.randn(n, 24).bfloat16(),
                                                    torch.randn(n, 24).bfloat16())),
-], ids=["rotary", "rotary_backward", "quick_gelu", "quick_gelu_backward"])
+], ids=["rotary", "rotary_backward", "quick_gelu", "quick_gelu_backward", "rms_norm",
+        "rms_norm_backward", "silu_gate", "silu_gate_backward"])
 def test_each_formula_compiles_once_for_every_patch_count(formula, arguments):
     compiled = torch.compile(formula, backend="eager", **tower_fusions.COMPILE_OPTIONS)
     torch.manual_seed(0)

@@ -1,28 +1,31 @@
-"""The towers' fused elementwise regions: the Qwen-family vision rotary and QuickGELU.
+"""The towers' fused elementwise regions: the Qwen-family vision rotary, QuickGELU, and
+Qwen2.5-VL's RMSNorm and gated SiLU.
 
 transformers' Qwen-family vision attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) rotates
 queries and keys in fp32 (``apply_rotary_pos_emb_vision``: casts, two products, a half
-rotation by slices, a negation and a concatenation, a sum and a cast back, for each), and
-QuickGELU (Qwen2-VL's and CLIP's MLP: ``x * sigmoid(1.702 x)``) is three kernels that keep
-their input, the sigmoid and the product for the backward pass. On a GPU each is a pass over
-a tower-sized tensor: in the H200 profile of the packed 8k case (~52k patches a micro-batch,
-32 layers) fp32 elementwise kernels came right after attention in the top kernels, and the
-elementwise share was 26% of the step.
+rotation by slices, a negation and a concatenation, a sum and a cast back, for each);
+QuickGELU (Qwen2-VL's and CLIP's MLP: ``x * sigmoid(1.702 x)``) is three kernels keeping
+their input, the sigmoid and the product; Qwen2.5-VL's eager RMSNorm six, keeping an fp32
+copy of its input, and its gated MLP's SiLU and product two more. On a GPU each kernel is a
+pass over a tower-sized tensor: in the H200 profile of the packed 8k case (~52k patches a
+micro-batch, 32 layers) fp32 elementwise kernels came right after attention in the top
+kernels, and the elementwise share was 26% of the step.
 
-Here each is an autograd function whose forward and backward are pure pointwise formulas:
+Here each is an autograd function whose forward and backward are pure formulas,
 ``torch.compile``'d (inductor, dynamic shapes: one kernel each way, whatever the patch count)
 for CUDA tensors, as megatron-core compiles its own fused SwiGLU; elsewhere as written, the
 same operations as transformers' code in the same order, so the CPU gives transformers' values.
-No installed library does this: transformer-engine's and flash-attn's fused rotary are not in
-mimo's lock, and transformers offers no kernel hook for the vision rotary.
+No installed library does it: transformer-engine's and flash-attn's fused rotary are not in
+mimo's lock, transformers offers no kernel hook for the vision rotary, and torch's fused
+``rms_norm`` rounds once after the weight where transformers rounds before it.
 
-Tolerance on a GPU: the rotary computes in fp32 and rounds once, as transformers does (equal but
-for the compiler's fused multiply-adds: a bf16 unit in the last place on rare elements);
-QuickGELU computes a bf16 input in fp32 and rounds once where transformers rounds after each of
-its three operations (within two bf16 units in the last place). The backward passes compute the
-same derivatives in fp32. The fused QuickGELU keeps its input alone (the MLP's second matmul
-keeps the output), as a GELU does (``planning.dims``). tests/test_tower_fusions.py checks the
-values, gradients and what is kept against transformers' own modules; the GPU check's
+Tolerance on a GPU: the forward passes compute in fp32 and round once (the rotary and the norm
+as transformers does, but for the compiler's fused multiply-adds and reduction order: a bf16
+unit in the last place on rare elements; QuickGELU and the gated SiLU round once where
+transformers rounds after each operation: within two units). The backward passes compute the
+same derivatives in fp32. Each fused region keeps its inputs alone (``planning.dims`` counts
+them as megatron-core's layers keep theirs). tests/test_tower_fusions.py checks the values,
+gradients and what is kept against transformers' own modules; the GPU check's
 ``tower_varlen`` probe checks the compiled kernels' rows on the GPU.
 """
 
@@ -128,6 +131,92 @@ class QuickGELU(torch.nn.Module):
         return _QuickGELUFunction.apply(x)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``Qwen2_5_VLRMSNorm``, operation for operation."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rms_norm``'s gradients with respect to ``x`` and ``weight``, in fp32: with n the
+    normalized x and r its reciprocal root mean square, dx = r · (d − n · mean(d · n)) for
+    d = grad · weight; dweight sums grad · n over the tokens."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    grad32 = grad.float()
+    grad_weight = (grad32 * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
+    d = grad32 * weight.float()
+    grad_x = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) \
+        * (d - normed * (d * normed).mean(-1, keepdim=True))
+    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return _on_device(rms_norm, x)(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = _on_device(rms_norm_backward, grad)(x, weight, grad, ctx.eps)
+        return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
+
+
+class RMSNorm(torch.nn.Module):
+    """transformers' ``Qwen2_5_VLRMSNorm`` (its ``weight``), fused on a GPU, keeping its
+    input alone (transformers' keeps its fp32 copy and its normalized bf16 output too)."""
+
+    def __init__(self, norm: torch.nn.Module):
+        super().__init__()
+        self.weight, self.variance_epsilon = norm.weight, norm.variance_epsilon
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _RMSNormFunction.apply(x, self.weight, self.variance_epsilon)
+
+
+def silu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """transformers' gated MLP's middle, ``act_fn(gate_proj(x)) * up_proj(x)`` with SiLU."""
+    return torch.nn.functional.silu(gate) * up
+
+
+def silu_gate_backward(gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``silu_gate``'s gradients, in fp32: silu'(g) = σ(g) · (1 + g · (1 − σ(g)))."""
+    gate32, up32, grad32 = gate.float(), up.float(), grad.float()
+    sigmoid = torch.sigmoid(gate32)
+    return ((grad32 * up32 * sigmoid * (1 + gate32 * (1 - sigmoid))).to(gate.dtype),
+            (grad32 * gate32 * sigmoid).to(up.dtype))
+
+
+class _SiLUGateFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return _on_device(silu_gate, gate)(gate, up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        return _on_device(silu_gate_backward, grad)(gate, up, grad)
+
+
+class GatedMLP(torch.nn.Module):
+    """transformers' ``Qwen2_5_VLMLP`` (its three projections) with the SiLU and the product
+    fused on a GPU, keeping the two projections' outputs (transformers' keeps the SiLU's
+    output and the product too), as megatron-core's fused SwiGLU does."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(_SiLUGateFunction.apply(self.gate_proj(x), self.up_proj(x)))
+
+
 class FusedRotaryAttention(torch.nn.Module):
     """transformers' Qwen-family vision attention (its ``qkv`` and ``proj`` layers, so the
     weights' names stay) with ``VisionRotary``, attending by transformers' attention function
@@ -173,15 +262,31 @@ class FusedRotaryAttention(torch.nn.Module):
         return self.proj(out.reshape(tokens, -1).contiguous())
 
 
+def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The fused counterpart of a transformers ``module``, if mimo has one."""
+    from transformers.activations import QuickGELUActivation, SiLUActivation
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VLMLP,
+                                                                    Qwen2_5_VLRMSNorm)
+    if type(module) is QuickGELUActivation:
+        return QuickGELU()
+    if type(module) is Qwen2_5_VLRMSNorm:
+        return RMSNorm(module)
+    if type(module) is Qwen2_5_VLMLP and type(module.act_fn) in (SiLUActivation,
+                                                                  torch.nn.SiLU):
+        return GatedMLP(module)
+    return None
+
+
 def fuse(tower: torch.nn.Module, implementation: str, rotary_attention: bool) -> None:
     """Put the fused regions in a transformers ``tower`` served by the attention function
-    ``implementation`` (what ``tower_attention.set_attention`` set): every QuickGELU, and
-    with ``rotary_attention`` (``Encoder.vision_rotary``) each block's ``attn``."""
-    from transformers.activations import QuickGELUActivation
+    ``implementation`` (what ``tower_attention.set_attention`` set): every QuickGELU,
+    Qwen2.5-VL's RMSNorms and gated MLPs, and with ``rotary_attention``
+    (``Encoder.vision_rotary``) each block's ``attn``."""
     for module in list(tower.modules()):
-        for child_name, child in list(module.named_children()):
-            if type(child) is QuickGELUActivation:
-                setattr(module, child_name, QuickGELU())
+        for name, child in list(module.named_children()):
+            fused = _fused(child)
+            if fused is not None:
+                setattr(module, name, fused)
     if not rotary_attention:
         return
     blocks = getattr(tower, "blocks", None)

@@ -73,15 +73,11 @@ class Stack:
     # the attention output gated by a sigmoid of a second query-wide projection (Qwen3.5:
     # q_proj gives each head's query and its gate, twice the query width)
     attention_gate: bool = False
-    # what a transformers tower keeps per token where it differs from megatron-core's layers
-    # (``memory``), in units of a width at 2 bytes: its MLP (of f, where its activation keeps
-    # more than megatron-core's fused ones: an unfused gated SiLU 8; 0: 6 gated, 4 plain, and
-    # QuickGELU as ``model.tower_fusions`` runs it), its attention (of a; 0: megatron-core's
-    # 8, +2 with a fused kernel) and each of its two norms (of h: LayerNorm its input, 2;
-    # transformers' eager RMSNorm its input in fp32 and its bf16 output, 6)
-    mlp_kept: int = 0
+    # what a transformers tower's attention keeps per token where it differs from
+    # megatron-core's layers (``memory``), in units of a at 2 bytes (0: megatron-core's 8, +2
+    # with a fused kernel); its MLP and norms keep what megatron-core's do
+    # (``model.tower_fusions``)
     attention_kept: int = 0
-    norm_kept: int = 2
 
     @property
     def attention_width(self) -> int:
@@ -250,8 +246,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=True,
-                      mlp_kept=UNFUSED_GATED_MLP, attention_kept=QWEN_ATTENTION,
-                      norm_kept=6)                          # transformers' eager RMSNorm
+                      attention_kept=QWEN_ATTENTION)
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.out_hidden_size)),
@@ -289,10 +284,6 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
 # (3 widths), besides the rotated queries and keys, SDPA's output and its contiguous copy, the
 # output projection's input; towers with their own q, k and v projections keep each
 QWEN_ATTENTION, SEPARATE_ATTENTION = 14, 10
-# a transformers tower's unfused gated MLP (Qwen2.5-VL's SiLU), in units of f at 2 bytes: the
-# gate's output, its activation, the up projection's output and their product (GELU, and
-# QuickGELU as ``model.tower_fusions`` runs it in every tower, keep megatron-core's 4: 0)
-UNFUSED_GATED_MLP = 8
 # the Qwen family under mimo's varlen kernel (``model.tower_attention``): q, k, v (the values a
 # contiguous copy) and the kernel's output, which is the output projection's input
 QWEN_VARLEN_ATTENTION = 8

@@ -43,10 +43,10 @@ attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
       scores instead; the varlen paths' output is the projection's input, 2a less, counted
       as SDPA's); the MLP: c = 4 (2f activation input, 2f second matmul input), gated
       c = 6 (megatron-core's fused SwiGLU: the gate and up outputs 2·2f, the second matmul's
-      input 2f); a transformers tower keeps what its code keeps (``Stack.mlp_kept``,
-      ``attention_kept``, ``norm_kept``: an unfused gated SiLU 8, QuickGELU fused 4; the Qwen
-      family's SDPA 14·a (its values a view of the whole QKV output), its varlen 8·a;
-      an eager RMSNorm 6·h; tests/test_planning.py counts what autograd saves)
+      input 2f); a transformers tower keeps the same (its QuickGELU, Qwen2.5-VL's RMSNorm
+      and gated SiLU as ``model.tower_fusions`` runs them) but in its attention
+      (``Stack.attention_kept``: the Qwen family's SDPA 14·a, its values a view of the whole
+      QKV output; its varlen 8·a; tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
       only where the kernel keeps them (megatron-core's local attention; flash, sdpa and
       varlen kernels do not, nor do transformers' towers) and recompute is none
@@ -310,8 +310,8 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
     (``etp`` None: tp)."""
     h, f = stack.hidden, stack.ffn_hidden
     a = stack.heads * stack.kv_channels
-    outside = (2 * stack.norm_kept + 4) * h * tokens / (tp if sequence_parallel else 1)
-    c = stack.mlp_kept or (6 if stack.gated else 4)
+    outside = 8 * h * tokens / (tp if sequence_parallel else 1)
+    c = 6 if stack.gated else 4
     if stack.experts:
         # each token's MLP activations in each of the k experts it goes through, and the
         # dispatcher's copies: into the experts (gathered over the etp ranks) and out of them;
