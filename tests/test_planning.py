@@ -730,8 +730,9 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     patches: the bytes of every tensor autograd saves inside its blocks (each storage once,
     the weights not counted) are ``layer_activation_bytes`` of its ``Stack`` per block within
     2% (left out: the norms' statistics, the rotary tables, SDPA's log-sum-exp). Qwen2-VL:
-    QuickGELU, fused (``model.tower_fusions``); Qwen2.5-VL: eager RMSNorm and a gated SiLU;
-    Qwen3-VL: GELU; each SDPA keeping the whole fused QKV output through its values."""
+    QuickGELU; Qwen2.5-VL: RMSNorm and a gated SiLU (each fused by ``model.tower_fusions``,
+    as the trainer builds the tower); Qwen3-VL: GELU; each SDPA keeping the whole fused QKV
+    output through its values."""
     import dataclasses
 
     import torch

@@ -5,15 +5,16 @@ Against transformers' own towers built from the published configs (the rotary of
 Qwen2-VL's QuickGELU, Qwen2.5-VL's RMSNorm and gated SiLU): the fused tower's rows equal
 transformers' bit for bit, fp32 and bf16; its gradients equal in fp32 (the rotary's exactly,
 the others' to 1e-5); in bf16 they are as far from fp32's as transformers' own. The weights
-keep their names. Each fused region keeps its inputs alone. The formulas compile in one graph
-for every patch count (the GPU compiles them with inductor; here dynamo's tracing alone, which
-is where a graph break or a recompile comes from); the GPU check's ``tower_varlen`` probe
-checks the compiled kernels' rows.
+keep their names. Each fused region keeps its inputs alone. Each formula compiles once, in one
+graph, for every patch count and whatever the step does (the GPU compiles with inductor; here
+dynamo's tracing alone, where a graph break or a recompile comes from); the GPU check's
+``fusions`` probe checks the compiled kernels.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -26,18 +27,23 @@ from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, Quic
 GRID = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
 
 
-def _towers(kind: str, dtype: torch.dtype):
-    """transformers' tower of the published ``kind`` and a fused copy."""
+def _towers(kind: str, dtype: torch.dtype, depth: int | None = None):
+    """transformers' tower of the published ``kind`` (``depth`` blocks: its own), a fused
+    copy, and pixels for ``GRID``."""
     from transformers import AutoConfig
 
     from mimo_train.families.registry import ENCODERS
     torch.manual_seed(0)
     config = AutoConfig.from_pretrained(MODELS / "published" / PUBLISHED_TOWERS[kind]
                                         ).vision_config
+    if depth is not None:
+        config.depth = depth
+        if hasattr(config, "fullatt_block_indexes"):
+            config.fullatt_block_indexes = [depth - 1]
     reference = ENCODERS[kind].tower_class()._from_config(config, dtype=dtype)
     reference.set_attn_implementation("sdpa")
     fused = copy.deepcopy(reference)
-    fuse(fused, "sdpa", ENCODERS[kind].vision_rotary)
+    fuse(fused, "sdpa", vision_rotary=ENCODERS[kind].vision_rotary)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     pixels = torch.randn(int(GRID.prod(-1).sum()), columns).to(dtype)
     return reference, fused, pixels
@@ -126,37 +132,51 @@ def test_each_fused_region_keeps_its_inputs_alone():
     assert _saved(GatedMLP(mlp), x) == [(6, 16)] + [(6, 24)] * 3
 
 
-@pytest.mark.parametrize("formula, arguments", [
-    (tower_fusions.rotary, lambda n: (torch.randn(n, 3, 8).bfloat16(),
-                                      torch.randn(n, 3, 8).bfloat16(),
-                                      torch.randn(n, 8), torch.randn(n, 8))),
-    (tower_fusions.rotary_backward, lambda n: (torch.randn(n, 3, 8).bfloat16(),
-                                               torch.randn(n, 3, 8).bfloat16(),
-                                               torch.randn(n, 8), torch.randn(n, 8))),
-    (tower_fusions.quick_gelu, lambda n: (torch.randn(n, 24).bfloat16(),)),
-    (tower_fusions.rms_norm, lambda n: (torch.randn(n, 24).bfloat16(),
-                                        torch.randn(24).bfloat16(), 1e-6)),
-    (tower_fusions.rms_norm_backward, lambda n: (torch.randn(n, 24).bfloat16(),
-                                                 torch.randn(24).bfloat16(),
-                                                 torch.randn(n, 24).bfloat16(), 1e-6)),
-    (tower_fusions.silu_gate, lambda n: (torch.randn(n, 24).bfloat16(),
-                                         torch.randn(n, 24).bfloat16())),
-    (tower_fusions.silu_gate_backward, lambda n: (torch.randn(n, 24).bfloat16(),
-                                                  torch.randn(n, 24).bfloat16(),
-                                                  torch.randn(n, 24).bfloat16())),
-    (tower_fusions.quick_gelu_backward, lambda n: (torch.randn(n, 24).bfloat16(),
-                                                   torch.randn(n, 24).bfloat16())),
-], ids=["rotary", "rotary_backward", "quick_gelu", "quick_gelu_backward", "rms_norm",
-        "rms_norm_backward", "silu_gate", "silu_gate_backward"])
-def test_each_formula_compiles_once_for_every_patch_count(formula, arguments):
-    compiled = torch.compile(formula, backend="eager", **tower_fusions.COMPILE_OPTIONS)
-    torch.manual_seed(0)
-    first = arguments(37)
-    torch.testing.assert_close(compiled(*first), formula(*first), rtol=0, atol=0)
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for n in (1000, 5):
-            given = arguments(n)
-            torch.testing.assert_close(compiled(*given), formula(*given), rtol=0, atol=0)
+def _compiled_step(tower, compiler, monkeypatch, grid, columns: int, train: bool = True):
+    """One forward (and backward) of ``tower`` on random pixels for ``grid`` with the fused
+    formulas run by ``compiler``; its rows and pixels."""
+    pixels = torch.randn(int(grid.prod(-1).sum()), columns).bfloat16()
+    with torch.set_grad_enabled(train), monkeypatch.context() as patched:
+        patched.setattr(tower_fusions, "COMPILER", compiler)
+        rows = tower(hidden_states=pixels, grid_thw=grid).pooler_output
+        if train:
+            rows.float().square().mean().backward()
+    return rows, pixels
+
+
+def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
+    """The compiled path (here dynamo's tracing, on the CPU; inductor compiles the same graphs
+    on a GPU) through Qwen2-VL's and Qwen2.5-VL's towers: training steps on two patch counts,
+    a no-grad forward, recomputed blocks, frozen norm weights. Each formula is compiled
+    once, in one graph, and the rows are those of the formulas run as written."""
+    from mimo_train.model.build import recompute_tower
+    graphs: list = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    compiler = tower_fusions.Compiler(backend=backend, devices=("cpu",))
+    grids = [torch.tensor([[1, 8, 12], [1, 16, 8]]), torch.tensor([[1, 8, 8], [2, 8, 16]])]
+    for kind in ("qwen2_vl", "qwen2_5_vl"):
+        _, tower, pixels = _towers(kind, torch.bfloat16, depth=2)
+        written = copy.deepcopy(tower)
+        run = functools.partial(_compiled_step, tower, compiler, monkeypatch,
+                                columns=pixels.shape[1])
+        rows, pixels = run(grids[0])
+        assert torch.equal(rows, written(hidden_states=pixels, grid_thw=grids[0]).pooler_output)
+        run(grids[1])
+        run(grids[0], train=False)
+        recompute_tower(tower, "image")
+        run(grids[1])
+        for module in tower.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.requires_grad_(False)
+        run(grids[0])
+    names = {formula.__name__ for formula in compiler.compiled}
+    assert names == {"rotary", "rotary_backward", "quick_gelu", "quick_gelu_backward",
+                     "rms_norm", "rms_norm_backward", "rms_norm_weight_backward", "silu_gate",
+                     "silu_gate_backward"}
+    assert len(graphs) == len(names), [graph.code for graph in graphs]
 
 
 def test_a_tower_without_the_qwen_attention_is_refused():
@@ -166,7 +186,7 @@ def test_a_tower_without_the_qwen_attention_is_refused():
     tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2,
                                              image_size=28, patch_size=14))
-    fuse(tower, "sdpa", rotary_attention=False)           # CLIP's QuickGELU alone
+    fuse(tower, "sdpa", vision_rotary=False)               # CLIP's QuickGELU alone
     assert [type(m) for m in tower.modules() if "GELU" in type(m).__name__] == [QuickGELU]
-    with pytest.raises(EncoderBuildError, match="Qwen-family vision attention"):
-        fuse(tower, "sdpa", rotary_attention=True)
+    with pytest.raises(EncoderBuildError, match="not by the Qwen-family vision attention"):
+        fuse(tower, "sdpa", vision_rotary=True)

@@ -1,37 +1,34 @@
 """The towers' fused elementwise regions: the Qwen-family vision rotary, QuickGELU, and
 Qwen2.5-VL's RMSNorm and gated SiLU.
 
-transformers' Qwen-family vision attention (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) rotates
-queries and keys in fp32 (``apply_rotary_pos_emb_vision``: casts, two products, a half
-rotation by slices, a negation and a concatenation, a sum and a cast back, for each);
-QuickGELU (Qwen2-VL's and CLIP's MLP: ``x * sigmoid(1.702 x)``) is three kernels keeping
-their input, the sigmoid and the product; Qwen2.5-VL's eager RMSNorm six, keeping an fp32
-copy of its input, and its gated MLP's SiLU and product two more. On a GPU each kernel is a
-pass over a tower-sized tensor: in the H200 profile of the packed 8k case (~52k patches a
-micro-batch, 32 layers) fp32 elementwise kernels came right after attention in the top
-kernels, and the elementwise share was 26% of the step.
+transformers writes each as a chain of small operations, every one a pass over a tower-sized
+tensor on a GPU: the vision rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) casts queries and
+keys to fp32 and rotates them in seven more; QuickGELU (Qwen2-VL's and CLIP's MLP) is three
+kernels keeping their input and the sigmoid; Qwen2.5-VL's eager RMSNorm six, keeping an fp32
+copy of its input, and its gated MLP's SiLU and product two more (docs/benchmarks.md: the H200
+profile these come from).
 
-Here each is an autograd function whose forward and backward are pure formulas,
-``torch.compile``'d (inductor, dynamic shapes: one kernel each way, whatever the patch count)
-for CUDA tensors, as megatron-core compiles its own fused SwiGLU; elsewhere as written, the
-same operations as transformers' code in the same order, so the CPU gives transformers' values.
-No installed library does it: transformer-engine's and flash-attn's fused rotary are not in
-mimo's lock, transformers offers no kernel hook for the vision rotary, and torch's fused
-``rms_norm`` rounds once after the weight where transformers rounds before it.
+Here each is an autograd function whose forward and backward are pure formulas, compiled by
+``COMPILER`` for CUDA tensors (inductor: one kernel for each pointwise formula; the RMSNorm's
+backward reduces over the width and, for its weight, over the tokens), as megatron-core
+compiles its own fused SwiGLU; elsewhere run as written, transformers' operations in its
+order, so the CPU gives transformers' rows. No installed library does it: transformer-engine's
+and flash-attn's fused rotary are not in mimo's lock, transformers has no kernel hook for the
+vision rotary, and torch's fused ``rms_norm`` rounds once after the weight where transformers
+rounds before it.
 
 Tolerance on a GPU: the forward passes compute in fp32 and round once (the rotary and the norm
 as transformers does, but for the compiler's fused multiply-adds and reduction order: a bf16
-unit in the last place on rare elements; QuickGELU and the gated SiLU round once where
-transformers rounds after each operation: within two units). The backward passes compute the
-same derivatives in fp32. Each fused region keeps its inputs alone (``planning.dims`` counts
-them as megatron-core's layers keep theirs). tests/test_tower_fusions.py checks the values,
-gradients and what is kept against transformers' own modules; the GPU check's
-``tower_varlen`` probe checks the compiled kernels' rows on the GPU.
+unit in the last place on rare elements; QuickGELU and the gated SiLU where transformers rounds
+after each operation: within two units); the backward passes compute the same derivatives in
+fp32. QuickGELU, the norm and the gated SiLU keep their inputs alone for the backward pass
+(``planning.dims`` counts them as megatron-core's layers), the rotary its tables.
+tests/test_tower_fusions.py checks rows, gradients, what is kept and the compilations; the GPU
+check's ``fusions`` probe each compiled kernel against its formula as written.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -40,19 +37,38 @@ from mimo_train.errors import EncoderBuildError
 
 QUICK_GELU_SCALE = 1.702
 
-
-# every shape at once (a new patch count recompiles nothing), in one graph
-COMPILE_OPTIONS = {"dynamic": True, "fullgraph": True}
-
-
-@functools.cache
-def _compiled(function: Callable) -> Callable:
-    return torch.compile(function, **COMPILE_OPTIONS)
+# transformers' Qwen-family vision attention classes, whose forward ``FusedRotaryAttention``
+# repeats (the same in each, transformers 5.17 to 5.24)
+VISION_ATTENTION = ("VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
+                    "Qwen3VLMoeVisionAttention", "Qwen3_5VisionAttention",
+                    "Qwen3_5MoeVisionAttention")
 
 
-def _on_device(function: Callable, tensor: torch.Tensor) -> Callable:
-    """The compiled ``function`` for a CUDA ``tensor``, else ``function`` as written."""
-    return _compiled(function) if tensor.is_cuda else function
+class Compiler:
+    """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
+    written. Each formula is compiled once for every patch count: the token dimension is
+    dynamic, and its tensors are passed detached, so whether they need a gradient, are
+    parameters or views (no-grad evaluation, recompute, a frozen weight) makes no other
+    graph. ``compiled`` holds what it compiled."""
+
+    def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
+        self.backend, self.devices = backend, devices
+        self.compiled: dict[Callable, Callable] = {}
+
+    def __call__(self, formula: Callable, *args):
+        if args[0].device.type not in self.devices:
+            return formula(*args)
+        if formula not in self.compiled:
+            self.compiled[formula] = torch.compile(formula, backend=self.backend,
+                                                   fullgraph=True)
+        args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.dim() > 1:
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
+        return self.compiled[formula](*args)
+
+
+COMPILER = Compiler()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +84,7 @@ def unrotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' vision rotary, operation for operation."""
+    """transformers' ``apply_rotary_pos_emb_vision``, operation for operation."""
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
     q32, k32 = q.float(), k.float()
     return ((q32 * cos + rotate_half(q32) * sin).to(q.dtype),
@@ -84,20 +100,16 @@ def rotary_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tenso
             (gk * cos + unrotate_half(gk * sin)).to(grad_k.dtype))
 
 
-class VisionRotary(torch.autograd.Function):
-    """transformers' ``apply_rotary_pos_emb_vision``: ``q``, ``k`` ``[tokens, heads, dim]``,
-    ``cos``, ``sin`` ``[tokens, dim]`` (fp32, no gradient) -> the rotated ``q``, ``k`` in
-    their dtype. Keeps ``cos`` and ``sin`` (shared by every layer) for the backward pass."""
-
+class _RotaryFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _on_device(rotary, q)(q, k, cos, sin)
+        return COMPILER(rotary, q, k, cos, sin)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         cos, sin = ctx.saved_tensors
-        return *_on_device(rotary_backward, grad_q)(grad_q, grad_k, cos, sin), None, None
+        return *COMPILER(rotary_backward, grad_q, grad_k, cos, sin), None, None
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -116,16 +128,16 @@ class _QuickGELUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.save_for_backward(x)
-        return _on_device(quick_gelu, x)(x)
+        return COMPILER(quick_gelu, x)
 
     @staticmethod
     def backward(ctx, grad):
         x, = ctx.saved_tensors
-        return _on_device(quick_gelu_backward, grad)(x, grad)
+        return COMPILER(quick_gelu_backward, x, grad)
 
 
 class QuickGELU(torch.nn.Module):
-    """transformers' ``QuickGELUActivation``, fused on a GPU, keeping its input alone."""
+    """transformers' ``QuickGELUActivation``, fused, keeping its input alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _QuickGELUFunction.apply(x)
@@ -137,19 +149,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm``'s gradients with respect to ``x`` and ``weight``, in fp32: with n the
-    normalized x and r its reciprocal root mean square, dx = r · (d − n · mean(d · n)) for
-    d = grad · weight; dweight sums grad · n over the tokens."""
+def _normalized(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` in fp32 over its root mean square, and the reciprocal of that root."""
     x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    grad32 = grad.float()
-    grad_weight = (grad32 * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
-    d = grad32 * weight.float()
-    grad_x = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) \
-        * (d - normed * (d * normed).mean(-1, keepdim=True))
-    return grad_x.to(x.dtype), grad_weight.to(weight.dtype)
+    reciprocal = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return x32 * reciprocal, reciprocal
+
+
+def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float
+                      ) -> torch.Tensor:
+    """``rms_norm``'s gradient with respect to ``x``, in fp32: with n the normalized x and r
+    the reciprocal root, d = grad · weight, dx = r · (d − n · mean(d · n))."""
+    normed, reciprocal = _normalized(x, eps)
+    d = grad.float() * weight.float()
+    return (reciprocal * (d - normed * (d * normed).mean(-1, keepdim=True))).to(x.dtype)
+
+
+def rms_norm_weight_backward(x: torch.Tensor, grad: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm``'s gradient with respect to its weight: grad · n (rounded as the forward
+    rounds it) summed over the tokens in fp32."""
+    normed, _ = _normalized(x, eps)
+    return (grad.float() * normed.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0)
 
 
 class _RMSNormFunction(torch.autograd.Function):
@@ -157,18 +177,19 @@ class _RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         ctx.save_for_backward(x, weight)
         ctx.eps = eps
-        return _on_device(rms_norm, x)(x, weight, eps)
+        return COMPILER(rms_norm, x, weight, eps)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight = _on_device(rms_norm_backward, grad)(x, weight, grad, ctx.eps)
-        return grad_x, grad_weight if ctx.needs_input_grad[1] else None, None
+        grad_weight = COMPILER(rms_norm_weight_backward, x, grad, ctx.eps).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        return COMPILER(rms_norm_backward, x, weight, grad, ctx.eps), grad_weight, None
 
 
 class RMSNorm(torch.nn.Module):
-    """transformers' ``Qwen2_5_VLRMSNorm`` (its ``weight``), fused on a GPU, keeping its
-    input alone (transformers' keeps its fp32 copy and its normalized bf16 output too)."""
+    """transformers' ``Qwen2_5_VLRMSNorm`` (its ``weight``), fused, keeping its input alone
+    (transformers' keeps an fp32 copy and the normalized output too)."""
 
     def __init__(self, norm: torch.nn.Module):
         super().__init__()
@@ -196,18 +217,18 @@ class _SiLUGateFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
         ctx.save_for_backward(gate, up)
-        return _on_device(silu_gate, gate)(gate, up)
+        return COMPILER(silu_gate, gate, up)
 
     @staticmethod
     def backward(ctx, grad):
         gate, up = ctx.saved_tensors
-        return _on_device(silu_gate_backward, grad)(gate, up, grad)
+        return COMPILER(silu_gate_backward, gate, up, grad)
 
 
 class GatedMLP(torch.nn.Module):
     """transformers' ``Qwen2_5_VLMLP`` (its three projections) with the SiLU and the product
-    fused on a GPU, keeping the two projections' outputs (transformers' keeps the SiLU's
-    output and the product too), as megatron-core's fused SwiGLU does."""
+    fused, keeping the two projections' outputs (transformers' keeps the SiLU's output and
+    the product too), as megatron-core's fused SwiGLU does."""
 
     def __init__(self, mlp: torch.nn.Module):
         super().__init__()
@@ -219,24 +240,27 @@ class GatedMLP(torch.nn.Module):
 
 class FusedRotaryAttention(torch.nn.Module):
     """transformers' Qwen-family vision attention (its ``qkv`` and ``proj`` layers, so the
-    weights' names stay) with ``VisionRotary``, attending by transformers' attention function
-    ``implementation``. The forward is transformers' (identical in the four families,
-    transformers 5.17 to 5.24): one call with the items' boundaries for an implementation
-    whose name says "flash" (``model.tower_attention``'s varlen among them), else one call
-    per item."""
+    weights' names stay) with the fused rotary, attending by transformers' attention function
+    ``implementation``. The forward is transformers' (``VISION_ATTENTION``): one call with
+    the items' boundaries for an implementation whose name says "flash"
+    (``model.tower_attention``'s varlen among them), else one call per item."""
 
     def __init__(self, attention: torch.nn.Module, implementation: str):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.utils.generic import is_flash_attention_requested
         super().__init__()
+        if implementation not in ALL_ATTENTION_FUNCTIONS:
+            raise EncoderBuildError(f"the tower's attention {implementation!r} is not one of "
+                                    f"transformers' attention functions "
+                                    f"{sorted(ALL_ATTENTION_FUNCTIONS)}")
         self.attend = ALL_ATTENTION_FUNCTIONS[implementation]
         self.by_boundaries = is_flash_attention_requested(
             requested_attention_implementation=implementation)
         self.qkv, self.proj = attention.qkv, attention.proj
+        self.num_heads, self.scaling = attention.num_heads, attention.scaling
         # what transformers' attention functions read of the module
-        for key in ("num_heads", "head_dim", "scaling", "config", "attention_dropout",
-                    "is_causal", "num_key_value_groups"):
-            setattr(self, key, getattr(attention, key))
+        self.config, self.is_causal = attention.config, attention.is_causal
+        self.num_key_value_groups = attention.num_key_value_groups
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor],
@@ -244,19 +268,19 @@ class FusedRotaryAttention(torch.nn.Module):
         tokens = hidden_states.shape[0]
         q, k, v = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1) \
             .permute(1, 0, 2, 3).unbind(0)
-        q, k = VisionRotary.apply(q, k, *position_embeddings)
+        q, k = _RotaryFunction.apply(q, k, *position_embeddings)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if self.by_boundaries:
             if max_seqlen is None:
                 max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
             out, _ = self.attend(self, q, k, v, None, scaling=self.scaling, dropout=0.0,
-                            cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                            max_length_q=max_seqlen, max_length_k=max_seqlen,
-                            is_causal=False, **kwargs)
+                                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                 max_length_q=max_seqlen, max_length_k=max_seqlen,
+                                 is_causal=False, **kwargs)
         else:
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-            out = torch.cat([self.attend(self, *item, None, scaling=self.scaling, dropout=0.0,
-                                    is_causal=False, **kwargs)[0]
+            out = torch.cat([self.attend(self, *item, None, scaling=self.scaling,
+                                         dropout=0.0, is_causal=False, **kwargs)[0]
                              for item in zip(*(t.split(lengths, dim=2) for t in (q, k, v)))],
                             dim=1)
         return self.proj(out.reshape(tokens, -1).contiguous())
@@ -271,29 +295,33 @@ def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
         return QuickGELU()
     if type(module) is Qwen2_5_VLRMSNorm:
         return RMSNorm(module)
-    if type(module) is Qwen2_5_VLMLP and type(module.act_fn) in (SiLUActivation,
-                                                                  torch.nn.SiLU):
+    if type(module) is Qwen2_5_VLMLP:
+        if type(module.act_fn) not in (SiLUActivation, torch.nn.SiLU):
+            raise EncoderBuildError(f"a Qwen2.5-VL tower MLP with {type(module.act_fn).__name__}"
+                                    ": mimo fuses its gated SiLU (the published hidden_act "
+                                    "silu) only; set vision_config.hidden_act: silu")
         return GatedMLP(module)
     return None
 
 
-def fuse(tower: torch.nn.Module, implementation: str, rotary_attention: bool) -> None:
+def fuse(tower: torch.nn.Module, implementation: str, vision_rotary: bool) -> None:
     """Put the fused regions in a transformers ``tower`` served by the attention function
     ``implementation`` (what ``tower_attention.set_attention`` set): every QuickGELU,
-    Qwen2.5-VL's RMSNorms and gated MLPs, and with ``rotary_attention``
-    (``Encoder.vision_rotary``) each block's ``attn``."""
+    Qwen2.5-VL's RMSNorms and gated MLPs, and where the tower has the Qwen-family vision
+    attention (``vision_rotary``, ``Encoder.vision_rotary``) each block's ``attn``."""
+    blocks = getattr(tower, "blocks", None) or ()
+    if vision_rotary and (not blocks or any(type(getattr(block, "attn", None)).__name__
+                                            not in VISION_ATTENTION for block in blocks)):
+        found = sorted({type(getattr(block, "attn", None)).__name__ for block in blocks})
+        raise EncoderBuildError(f"{type(tower).__name__}'s blocks attend by {found}, not by "
+                                f"the Qwen-family vision attention mimo fuses "
+                                f"{list(VISION_ATTENTION)}: a transformers version mimo does "
+                                "not know")
     for module in list(tower.modules()):
         for name, child in list(module.named_children()):
             fused = _fused(child)
             if fused is not None:
                 setattr(module, name, fused)
-    if not rotary_attention:
-        return
-    blocks = getattr(tower, "blocks", None)
-    if blocks is None or not all(hasattr(getattr(block, "attn", None), key) for block in blocks
-                                 for key in ("qkv", "proj", "num_heads", "scaling")):
-        raise EncoderBuildError(f"{type(tower).__name__}'s blocks do not attend by the "
-                                "Qwen-family vision attention mimo fuses (blocks[i].attn with "
-                                "qkv and proj): a transformers version mimo does not know")
-    for block in blocks:
-        block.attn = FusedRotaryAttention(block.attn, implementation)
+    if vision_rotary:
+        for block in blocks:
+            block.attn = FusedRotaryAttention(block.attn, implementation)

@@ -5,7 +5,8 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
   ``varlen_attn`` over three causal samples against SDPA on each sample alone, the image
   tower under mimo's varlen attention and fused elementwise regions against transformers' SDPA
-  (``tower_varlen``), the gated
+  (``tower_varlen``), each fused region's compiled kernel against its formula (``fusions``),
+  the gated
   delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
   flash-linear-attention's where installed, else mimo's torch ones), and a rank's experts as
   grouped GEMMs against a loop over them (``grouped_experts``); each probe's failure is
@@ -26,6 +27,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -112,7 +114,7 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     ``Qwen2VLVision.run_tower``), and as the trainer builds it (``fused``: also
     ``mimo_train.model.tower_fusions``' compiled rotary and QuickGELU): each one's rows and a
     gradient apart from transformers' (relative to the largest entry), the milliseconds of a
-    forward and backward, and the fused tower's first call (its kernels' compilation)."""
+    forward and backward, and of the first one (the fused tower's: compiling its kernels)."""
     import copy
 
     from transformers import AutoConfig
@@ -130,7 +132,7 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     varlen = copy.deepcopy(sdpa)
     set_attention(varlen, "varlen", by_boundaries=True)
     fused = copy.deepcopy(varlen)
-    fuse(fused, VARLEN, rotary_attention=True)
+    fuse(fused, VARLEN, vision_rotary=True)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     grid = torch.tensor([[1, side, side]] * images)
     pixels = torch.randn(images * side * side, columns, device=device, dtype=torch.bfloat16)
@@ -169,13 +171,64 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
                    ((found - expected).abs().max() / expected.abs().max()).item(),
                    f"max_rel_diff_grad_{name}":
                    ((grad - expected_grad).abs().max() / expected_grad.abs().max()).item(),
-                   f"{name}_fwd_bwd_ms": round(ms, 1)}
-    result |= {"fused_first_call_s": round(first, 1),
-               "sdpa_over_varlen": round(sdpa_ms / result["varlen_fwd_bwd_ms"], 2),
+                   f"{name}_fwd_bwd_ms": round(ms, 1), f"{name}_first_call_s": round(first, 1)}
+    result |= {"sdpa_over_varlen": round(sdpa_ms / result["varlen_fwd_bwd_ms"], 2),
                "varlen_over_fused": round(result["varlen_fwd_bwd_ms"]
                                           / result["fused_fwd_bwd_ms"], 2)}
     return {"ok": all(value < 5e-2 for key, value in result.items()
                       if key.startswith("max_rel_diff")), **result}
+
+
+FUSION_TOKENS = TOWER_IMAGES * 36 * 36
+
+
+def fusions(device: str = "cuda", tokens: int = FUSION_TOKENS) -> dict:
+    """Each formula of ``mimo_train.model.tower_fusions`` on ``tokens`` patches at the sizes
+    of Qwen2-VL-2B's tower (rotary, QuickGELU) and Qwen2.5-VL's (RMSNorm, gated SiLU), bf16,
+    compiled as the trainer runs it on a GPU against as written (transformers' operations):
+    the largest difference relative to the largest entry, and the milliseconds of each."""
+    from mimo_train.model import tower_fusions as fused
+    torch.manual_seed(0)
+
+    def bf16(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16)
+    qkv, table = bf16(tokens, 3, 16, 80), torch.randn(2, tokens, 80, device=device)
+    q, k = qkv[:, 0], qkv[:, 1]                    # views of the QKV output, as in the tower
+    mlp, grad_mlp, hidden, grad_hidden, weight = (bf16(tokens, 5120), bf16(tokens, 5120),
+                                                  bf16(tokens, 1280), bf16(tokens, 1280),
+                                                  bf16(1280))
+    gate, up, grad_gate = bf16(tokens, 3420), bf16(tokens, 3420), bf16(tokens, 3420)
+    cases: list[tuple[Callable, tuple]] = [
+        (fused.rotary, (q, k, *table)),
+        (fused.rotary_backward, (q.contiguous(), k.contiguous(), *table)),
+        (fused.quick_gelu, (mlp,)), (fused.quick_gelu_backward, (mlp, grad_mlp)),
+        (fused.rms_norm, (hidden, weight, 1e-6)),
+        (fused.rms_norm_backward, (hidden, weight, grad_hidden, 1e-6)),
+        (fused.rms_norm_weight_backward, (hidden, grad_hidden, 1e-6)),
+        (fused.silu_gate, (gate, up)), (fused.silu_gate_backward, (gate, up, grad_gate))]
+
+    def timed(run, *args) -> float:
+        run(*args)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(10):
+            run(*args)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) / 10 * 1e3
+
+    found: dict = {}
+    for formula, args in cases:
+        written, compiled = formula(*args), fused.COMPILER(formula, *args)
+        pairs = zip(written, compiled) if isinstance(written, tuple) else [(written, compiled)]
+        difference = max(((b.float() - a.float()).abs().max() / a.float().abs().max()).item()
+                         for a, b in pairs)
+        written_ms, compiled_ms = timed(formula, *args), timed(fused.COMPILER, formula, *args)
+        found[formula.__name__] = {"max_rel_diff": difference,
+                                   "written_ms": round(written_ms, 3),
+                                   "compiled_ms": round(compiled_ms, 3),
+                                   "speedup": round(written_ms / compiled_ms, 2)}
+    return {"ok": all(case["max_rel_diff"] < 1e-2 for case in found.values()),
+            "tokens": tokens, **found}
 
 
 DELTA_NET_LENGTHS = [1000, 37, 2048, 511]
@@ -302,10 +355,11 @@ def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
                 for name in ("nccl", "cuda_events", "varlen_kernel", "tower_varlen",
-                             "delta_net", "grouped_experts")}
+                             "fusions", "delta_net", "grouped_experts")}
     found = {}
     for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
-                        ("tower_varlen", tower_varlen), ("delta_net", delta_net),
+                        ("tower_varlen", tower_varlen), ("fusions", fusions),
+                        ("delta_net", delta_net),
                         ("grouped_experts", grouped_experts)):
         try:
             found[name] = probe()

@@ -113,8 +113,9 @@ class Workload:
 # run in this order while time is left: the goal's case and the floor first
 # (an 8k micro-batch holds ~40 images at their default budget: ~52k patches through the tower,
 # four times the language model's tokens; its activations were recomputed to fit one GPU: out
-# of memory at 121 GiB on an H200 before the varlen tower and the trained-tokens loss; the
-# advisor now predicts 111 GiB kept, so the goal's case keeps them where that fits)
+# of memory at 121 GiB on an H200 before the varlen tower, the trained-tokens loss and the
+# fused tower regions; the advisor now predicts ~95 GiB kept, so the goal's case keeps them
+# where that fits)
 WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="auto"),
              Workload("unpacked", False, 2048, 8, attention="sdpa"),
              Workload("lora_7b_packed_8k", True, 8192, 24, size="7B", lora=True),
