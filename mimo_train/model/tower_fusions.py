@@ -46,10 +46,10 @@ VISION_ATTENTION = ("VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisi
 
 class Compiler:
     """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
-    written. Each formula is compiled once for every patch count: the token dimension is
-    dynamic, and its tensors are passed detached, so whether they need a gradient, are
-    parameters or views (no-grad evaluation, recompute, a frozen weight) makes no other
-    graph. ``compiled`` holds what it compiled."""
+    written. Each formula is compiled once for every patch count: its sizes are dynamic, and
+    its tensors are passed detached, so whether they need a gradient, are parameters or views
+    (no-grad evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds
+    what it compiled."""
 
     def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
         self.backend, self.devices = backend, devices
@@ -60,12 +60,9 @@ class Compiler:
             return formula(*args)
         if formula not in self.compiled:
             self.compiled[formula] = torch.compile(formula, backend=self.backend,
-                                                   fullgraph=True)
-        args = tuple(arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args)
-        for arg in args:
-            if isinstance(arg, torch.Tensor) and arg.dim() > 1:
-                torch._dynamo.maybe_mark_dynamic(arg, 0)
-        return self.compiled[formula](*args)
+                                                   dynamic=True, fullgraph=True)
+        return self.compiled[formula](*(arg.detach() if isinstance(arg, torch.Tensor) else arg
+                                        for arg in args))
 
 
 COMPILER = Compiler()
