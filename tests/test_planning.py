@@ -765,8 +765,8 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
             setattr(config, key, [1] if key == "fullatt_block_indexes" else [])
     torch.manual_seed(0)
     tower = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.bfloat16)
-    fuse(tower, set_attention(tower, "varlen" if varlen else "sdpa", by_boundaries=True),
-         ENCODERS[kind].vision_rotary)                         # as the trainer builds it
+    fuse(tower, set_attention(tower, "varlen" if varlen else "sdpa",   # as the trainer
+                              by_boundaries=True))                     # builds it
     saved = SavedBytes(tower)
     for block in tower.blocks:            # inside the blocks only (a hook returns nothing)
         block.register_forward_pre_hook(lambda *_: saved.hooks.__enter__())

@@ -52,8 +52,7 @@ def test_one_varlen_call_per_layer_gives_transformers_rows_and_gradients(kind, m
     reference = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.float32)
     reference.set_attn_implementation("sdpa")
     ours = copy.deepcopy(reference)
-    fuse(ours, set_attention(ours, "varlen", by_boundaries=True),   # as the trainer builds it
-         vision_rotary=True)
+    fuse(ours, set_attention(ours, "varlen", by_boundaries=True))   # as the trainer builds it
     calls: list[int] = []
     monkeypatch.setattr(varlen, "varlen_attn", _stand_in(calls))
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
@@ -119,8 +118,7 @@ def test_the_tower_reads_no_device_value(kind, attention, monkeypatch):
     image = PreprocessConfig.from_dict(preprocessing_for(path)).modalities["image"]
     torch.manual_seed(0)
     encoder = ENCODERS[kind](image, 0, 0, 0, read_vlm(path)).eval()
-    fuse(encoder.model, set_attention(encoder.model, attention, by_boundaries=True),
-         vision_rotary=True)
+    fuse(encoder.model, set_attention(encoder.model, attention, by_boundaries=True))
     bounds: list[torch.device] = []
 
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):

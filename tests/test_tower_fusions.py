@@ -43,7 +43,7 @@ def _towers(kind: str, dtype: torch.dtype, depth: int | None = None):
     reference = ENCODERS[kind].tower_class()._from_config(config, dtype=dtype)
     reference.set_attn_implementation("sdpa")
     fused = copy.deepcopy(reference)
-    fuse(fused, "sdpa", vision_rotary=ENCODERS[kind].vision_rotary)
+    fuse(fused, "sdpa")
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     pixels = torch.randn(int(GRID.prod(-1).sum()), columns).to(dtype)
     return reference, fused, pixels
@@ -179,14 +179,24 @@ def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
     assert len(graphs) == len(names), [graph.code for graph in graphs]
 
 
-def test_a_tower_without_the_qwen_attention_is_refused():
+def test_clip_gets_its_quick_gelu_fused_and_what_mimo_cannot_fuse_is_refused():
+    """LLaVA's CLIP tower: QuickGELU fused, its own attention left as it is. A Qwen2.5-VL
+    tower MLP with another activation than the published SiLU, and an attention function
+    transformers does not have, are refused by name."""
     from transformers import CLIPVisionConfig, CLIPVisionModel
+    from transformers.models.clip.modeling_clip import CLIPAttention
 
     from mimo_train.errors import EncoderBuildError
     tower = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32,
                                              num_hidden_layers=1, num_attention_heads=2,
                                              image_size=28, patch_size=14))
-    fuse(tower, "sdpa", vision_rotary=False)               # CLIP's QuickGELU alone
+    fuse(tower, "sdpa")
     assert [type(m) for m in tower.modules() if "GELU" in type(m).__name__] == [QuickGELU]
-    with pytest.raises(EncoderBuildError, match="not by the Qwen-family vision attention"):
-        fuse(tower, "sdpa", vision_rotary=True)
+    assert [type(m) for m in tower.modules() if "Attention" in type(m).__name__] \
+        == [CLIPAttention]
+    reference, _, _ = _towers("qwen2_5_vl", torch.float32, depth=1)
+    reference.blocks[0].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(EncoderBuildError, match="Qwen2.5-VL tower MLP with GELU"):
+        fuse(copy.deepcopy(reference), "sdpa")
+    with pytest.raises(EncoderBuildError, match="'no_such_kernel' is not one of"):
+        fuse(reference, "no_such_kernel")

@@ -64,9 +64,6 @@ class Encoder(torch.nn.Module):
     # its transformers tower attends within items given their boundaries (``cu_seqlens``) in
     # one call: ``model.tower_attention``'s varlen kernel serves it on GPUs
     attends_by_boundaries: bool = False
-    # its transformers tower's blocks attend by the Qwen-family vision attention (fused QKV,
-    # rotary queries and keys): ``model.tower_fusions`` fuses its rotary
-    vision_rotary: bool = False
 
     @property
     def row_width(self) -> int:

@@ -81,7 +81,6 @@ class Qwen2VLVision(Encoder):
     # it (tests/test_media_split.py checks each)
     frame_independent = True
     attends_by_boundaries = True
-    vision_rotary = True
 
     @staticmethod
     def pretrained_output_size(config) -> int:

@@ -258,7 +258,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
             encoder = module.encoders[modality].encoder
             tower = encoder.model
             served = set_attention(tower, attention.encoders, encoder.attends_by_boundaries)
-            fuse(tower, served, encoder.vision_rotary)
+            fuse(tower, served)
             if plan.modules[name].recompute == "full":
                 recompute_tower(tower, name)
         # a frozen part's weights, and those of a part under LoRA but for its adapters

@@ -37,11 +37,13 @@ from mimo_train.errors import EncoderBuildError
 
 QUICK_GELU_SCALE = 1.702
 
-# transformers' Qwen-family vision attention classes, whose forward ``FusedRotaryAttention``
-# repeats (the same in each, transformers 5.17 to 5.24)
-VISION_ATTENTION = ("VisionAttention", "Qwen2_5_VLVisionAttention", "Qwen3VLVisionAttention",
-                    "Qwen3VLMoeVisionAttention", "Qwen3_5VisionAttention",
-                    "Qwen3_5MoeVisionAttention")
+# transformers' Qwen-family vision attention classes (module, name), whose forward
+# ``FusedRotaryAttention`` repeats (the same in each, transformers 5.17 to 5.24)
+VISION_ATTENTION = frozenset(
+    (f"transformers.models.{family}.modeling_{family}", name) for family, name in (
+        ("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"),
+        ("qwen3_vl", "Qwen3VLVisionAttention"), ("qwen3_vl_moe", "Qwen3VLMoeVisionAttention"),
+        ("qwen3_5", "Qwen3_5VisionAttention"), ("qwen3_5_moe", "Qwen3_5MoeVisionAttention")))
 
 
 class Compiler:
@@ -283,11 +285,13 @@ class FusedRotaryAttention(torch.nn.Module):
         return self.proj(out.reshape(tokens, -1).contiguous())
 
 
-def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
+def _fused(module: torch.nn.Module, implementation: str) -> torch.nn.Module | None:
     """The fused counterpart of a transformers ``module``, if mimo has one."""
     from transformers.activations import QuickGELUActivation, SiLUActivation
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VLMLP,
                                                                     Qwen2_5_VLRMSNorm)
+    if (type(module).__module__, type(module).__qualname__) in VISION_ATTENTION:
+        return FusedRotaryAttention(module, implementation)
     if type(module) is QuickGELUActivation:
         return QuickGELU()
     if type(module) is Qwen2_5_VLRMSNorm:
@@ -301,24 +305,12 @@ def _fused(module: torch.nn.Module) -> torch.nn.Module | None:
     return None
 
 
-def fuse(tower: torch.nn.Module, implementation: str, vision_rotary: bool) -> None:
+def fuse(tower: torch.nn.Module, implementation: str) -> None:
     """Put the fused regions in a transformers ``tower`` served by the attention function
-    ``implementation`` (what ``tower_attention.set_attention`` set): every QuickGELU,
-    Qwen2.5-VL's RMSNorms and gated MLPs, and where the tower has the Qwen-family vision
-    attention (``vision_rotary``, ``Encoder.vision_rotary``) each block's ``attn``."""
-    blocks = getattr(tower, "blocks", None) or ()
-    if vision_rotary and (not blocks or any(type(getattr(block, "attn", None)).__name__
-                                            not in VISION_ATTENTION for block in blocks)):
-        found = sorted({type(getattr(block, "attn", None)).__name__ for block in blocks})
-        raise EncoderBuildError(f"{type(tower).__name__}'s blocks attend by {found}, not by "
-                                f"the Qwen-family vision attention mimo fuses "
-                                f"{list(VISION_ATTENTION)}: a transformers version mimo does "
-                                "not know")
+    ``implementation`` (what ``tower_attention.set_attention`` set): in place of every
+    Qwen-family vision attention, QuickGELU, and Qwen2.5-VL RMSNorm and gated MLP."""
     for module in list(tower.modules()):
         for name, child in list(module.named_children()):
-            fused = _fused(child)
+            fused = _fused(child, implementation)
             if fused is not None:
                 setattr(module, name, fused)
-    if vision_rotary:
-        for block in blocks:
-            block.attn = FusedRotaryAttention(block.attn, implementation)

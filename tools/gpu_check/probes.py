@@ -6,11 +6,10 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
   ``varlen_attn`` over three causal samples against SDPA on each sample alone, the image
   tower under mimo's varlen attention and fused elementwise regions against transformers' SDPA
   (``tower_varlen``), each fused region's compiled kernel against its formula (``fusions``),
-  the gated
-  delta-net's kernels (``delta_net``) as mimo's layer calls them (``mimo_train.mcore.delta_rule``:
-  flash-linear-attention's where installed, else mimo's torch ones), and a rank's experts as
-  grouped GEMMs against a loop over them (``grouped_experts``); each probe's failure is
-  recorded and the next one still runs.
+  the gated delta-net's kernels (``delta_net``) as mimo's layer calls them
+  (``mimo_train.mcore.delta_rule``: flash-linear-attention's where installed, else mimo's torch
+  ones), and a rank's experts as grouped GEMMs against a loop over them
+  (``grouped_experts``); each probe's failure is recorded and the next one still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
 convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
@@ -132,7 +131,7 @@ def tower_varlen(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 3
     varlen = copy.deepcopy(sdpa)
     set_attention(varlen, "varlen", by_boundaries=True)
     fused = copy.deepcopy(varlen)
-    fuse(fused, VARLEN, vision_rotary=True)
+    fuse(fused, VARLEN)
     columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
     grid = torch.tensor([[1, side, side]] * images)
     pixels = torch.randn(images * side * side, columns, device=device, dtype=torch.bfloat16)
