@@ -21,7 +21,7 @@ sees of a failure).
 - a failure in the middle of the run (a shard member whose bytes changed, shards gone from the
   bucket, a checkpoint that cannot be written, a rank killed) reaches the user as one message
   naming the rank, the step and the cause, under real torchrun as its root cause too, with no
-  rank's traceback;
+  rank's traceback; a rank out of GPU memory (in process) says what would lower its memory;
 - preemption: a signal to one worker or to torchrun stops every rank after the same step with
   that step's checkpoint, and the run started again continues the same losses.
 """
@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mimo_train.errors import RunError
 from conftest import REPO, preprocess_config_file, scratch
 from support.launch import BASE_ENV, TESTS, session, torchrun, torchrun_command
 from support.runs import (assert_continues, copy_checkpoint, read_records, train, train_job,
@@ -331,6 +332,68 @@ def test_a_damaged_member_mid_run_is_one_message_naming_rank_step_and_member(set
     assert "on rank 0 (image dp0 tp0 pp0): DatasetError: " in message, message
     assert re.search(r"sample \d+ member \d+\.img0\.(jpg|png): its bytes changed", message)
     assert f"mimo-shard verify {damaged}" in message
+
+
+# torch's own message for a CUDA allocation that failed (its first sentences)
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+             "79.19 GiB of which 1.06 GiB is free.")
+
+
+def _stopped(plan, rank: int, error: Exception) -> RunError:
+    """What ``Trainer.run`` raises on ``rank`` of ``plan``'s layout when its step raises
+    ``error`` (the trainer's loop alone, in this process: no model)."""
+    from types import SimpleNamespace
+
+    from mimo_train.training.trainer import Trainer
+
+    def fail():
+        raise error
+    trainer = Trainer.__new__(Trainer)
+    trainer.plan, trainer.rank, trainer.doing = plan, rank, "step 4"
+    trainer.infra = SimpleNamespace(role=plan.layout.role(rank))
+    trainer._train = fail
+    with pytest.raises(RunError) as stopped:
+        trainer.run()
+    return stopped.value
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(frozen):
+    """A rank whose step runs out of GPU memory stops the run with torch's message and, not
+    a traceback (it is no bug), the overrides that would lower that rank's memory from the
+    run's own settings, each a key the trainer takes, and the layout advisor's command; a
+    frozen tower (it keeps no activations) is not told to recompute. Any other exception of
+    torch's keeps its traceback."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+
+    path = REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"
+    run = ["layout=image=dp2;language=tp2", "train.micro_batch_size=2",
+           f"model.freeze={'[image]' if frozen else '[]'}"]
+    plan = resolve(TrainConfig.load(str(path), run))
+    wanted = {
+        "image": [] if frozen else ["model.encoders.image.recompute=full",
+                                    "optimizer.modules.image.distributed=true"],
+        "language": ["model.language.recompute=full", "model.language.loss_chunk_tokens=4096",
+                     "model.language.sequence_parallel=true"]}
+    for rank, module, where in ((1, "image", "image dp1"), (2, "language", "language dp0")):
+        error = _stopped(plan, rank, torch.OutOfMemoryError(TORCH_OOM))
+        message = str(error)
+        assert message.startswith(
+            f"training stopped in step 4 on rank {rank} ({where} tp0 pp0): out of GPU memory "
+            f"(OutOfMemoryError: {TORCH_OOM}); "
+            "to fit, from this run's settings: "), message
+        assert not error.details
+        overrides = re.findall(r"(?:: |; )([a-z_.]+=[^ ;]+) \(", message)
+        assert overrides == [*wanted[module], "train.micro_batch_size=1"], message
+        for override in overrides:          # each one starts, and changes what it says
+            changed = resolve(TrainConfig.load(str(path), [*run, override]))
+            assert changed.memory_remedies([module]) != plan.memory_remedies([module])
+        assert f"mimo-inspect plan {plan.config.data.datasets[0]} --config " \
+            f"{plan.config.data.preprocess} --model <this training config> --gpus 4 " \
+            "--global-batch-size 8 --micro-batch-size 2 " in message
+    bug = _stopped(plan, 2, RuntimeError("CUDA error: an illegal memory access"))
+    assert "to fit" not in str(bug) and "Traceback" in bug.details
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(ranks, setup):

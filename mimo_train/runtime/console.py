@@ -8,7 +8,8 @@
   ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
   on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).
 - ``run_failure(error, ...)`` / ``report_run_failure``: a failure in the middle of the run
-  (a damaged sample, storage, a checkpoint save, a peer rank that died, a bug) as one message
+  (a damaged sample, storage, a checkpoint save, the GPU's memory running out with what would
+  lower it, a peer rank that died, a bug) as one message
   naming the rank, the step and the cause, printed once in the job (the first rank to record
   its failure in torchrun's store: ``distributed.claim_failure``), also as the root cause of
   torchrun's own report; ranks that only lost their peers print nothing after it.
@@ -27,6 +28,8 @@ import sys
 import time
 import traceback
 import warnings
+from collections.abc import Sequence
+
 from mimo_train.errors import RunError, StartupError
 
 PREFIX = "mimo-train: "
@@ -203,12 +206,19 @@ _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL com
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 
 
-def run_failure(error: Exception, rank_: int, doing: str, where: str) -> RunError:
+def run_failure(error: Exception, rank_: int, doing: str, where: str,
+                memory_remedies: Sequence[str] = ()) -> RunError:
     """``error``, raised on rank ``rank_`` (holding ``where``) while ``doing`` (e.g. "step 4"),
     as the one message the job prints. mimo's own errors and OSError name their cause in
-    their message; any other error is a bug and keeps its traceback."""
+    their message, the GPU's memory running out with ``memory_remedies`` (what would lower
+    this rank's); any other error is a bug and keeps its traceback."""
+    import torch
     import torch.distributed as dist
     cause = f"{type(error).__name__}: {_message(error)}"
+    if isinstance(error, torch.OutOfMemoryError):        # the run's size, not a bug
+        return RunError(f"training stopped in {doing} on rank {rank_} ({where}): out of GPU "
+                        f"memory ({cause}); to fit, from this run's settings: " +
+                        "; ".join(memory_remedies))
     if isinstance(error, dist.DistError) or _PEER_LOST.search(str(error)):
         failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
                            f"failed ({cause.splitlines()[0]}): another rank left the job "

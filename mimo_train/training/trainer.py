@@ -290,7 +290,10 @@ class Trainer:
         except Exception as error:
             where = ", ".join(f"{m.name} dp{m.dp_rank} tp{m.tp_rank} pp{m.pp_rank}"
                               for m in self.infra.role.modules)
-            raise run_failure(error, self.rank, self.doing, where or "no module") from error
+            remedies = self.plan.memory_remedies([m.name for m in self.infra.role.modules]) \
+                if isinstance(error, torch.OutOfMemoryError) else ()
+            raise run_failure(error, self.rank, self.doing, where or "no module",
+                              remedies) from error
 
     def _train(self) -> list[dict]:
         run, every = self.cfg.train, self.cfg.checkpoint.interval
