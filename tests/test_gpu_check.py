@@ -177,3 +177,42 @@ def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkey
     predicted = found[1]["predicted_kept_mib"]
     assert predicted > 0 and found[10**6]["predicted_kept_mib"] == predicted
     assert found[10**6]["kept"] and not found[1]["kept"], found
+
+
+def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary, monkeypatch,
+                                                                        tmp_path):
+    """Where the tower was kept on the advisor's word and mimo's run stops out of GPU memory
+    (mimo-train's message), the case runs again with the tower recomputed, the peer on that
+    config too, and keeps the first run's figures: one run's time rather than the goal case's
+    figures lost."""
+    import yaml
+    module = _module()
+    runs: list[tuple[str, str]] = []
+
+    def launch(argv: list[str], env: dict[str, str], timeout: float, log: Path) -> int:
+        config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        tower = config["model"]["encoders"]["image"]["recompute"]
+        runs.append((argv[0], tower))
+        steps = 2 if argv[0] == "-m" and tower == "none" else module.TINY_STEPS
+        Path(argv[argv.index("--records") + 1]).write_text("".join(
+            json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens_per_s": 10.0,
+                        "memory_mib": 100.0}) + "\n" for s in range(1, steps + 1)))
+        if steps == 2:
+            log.write_text("mimo-train: training stopped in step 3 on rank 0 (image dp0 tp0 "
+                           "pp0): out of GPU memory (OutOfMemoryError: CUDA out of memory. "
+                           "Tried to allocate 2.00 GiB.); to fit, ...\n")
+            return 1
+        log.write_text("")
+        return 0
+
+    work = Path(summary["shards"]["built"]).parent
+    check = module.Check(tmp_path, True, math.inf, launch, work / "shards", tmp_path / "work")
+    check.work.mkdir()
+    check.checkpoints["2B"] = module.REPLICA
+    monkeypatch.setattr(module, "tower_kept", lambda *a: {"kept": True})
+    result = module.case(check, "cpu", module.WORKLOADS[0])
+    assert runs == [("-m", "none"), ("-m", "full"), (str(module.PEER), "full")]
+    assert module.OUT_OF_MEMORY in result["tower_kept"]["out_of_memory"]["error"]
+    assert result["tower_kept"]["out_of_memory"]["steps"] == 2
+    assert "error" not in result["mimo"] and result["mimo"]["steps"] == module.TINY_STEPS
+    assert result["speedup"] == 1.0
