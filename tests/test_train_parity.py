@@ -89,7 +89,7 @@ def assert_recomputed(reference: dict, run: dict, expected: dict[str, str]) -> N
 
 def assert_chunked(reference: dict, run: dict) -> None:
     """The run and the reference (chunks or all at once) took their loss through
-    ``mcore.chunked_loss``: on the language model's last stage (its final norm's ranks) the
+    ``mcore.language_loss``: on the language model's last stage (its final norm's ranks) the
     output layer never ran its own forward (megatron-core's path runs it on every token)."""
     for found in (reference, run):
         last = [rank["calls"]["language"] for rank in found["ranks"]

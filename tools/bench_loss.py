@@ -1,6 +1,6 @@
 """The language model's loss step, forward and backward, with every token's logits at once
 (megatron-core's ``output_layer`` and ``compute_language_model_loss``) against mimo's loss at
-the trained tokens only (``mcore.chunked_loss``), all of them at once and in chunks
+the trained tokens only (``mcore.language_loss``), all of them at once and in chunks
 (``model.language.loss_chunk_tokens``), with the same weights and batch, on the CPU (a
 one-rank gloo world).
 

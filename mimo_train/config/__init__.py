@@ -111,7 +111,7 @@ class LanguageConfig:
     # when it trains with router logits), computed from the global batch's expert counts
     # (mcore.balance: one more forward pass per step)
     moe_aux_loss: Annotated[float, Range(0)] = 0.0
-    # the output layer and loss taken this many tokens at a time (mcore.chunked_loss), so
+    # the output layer and loss taken this many tokens at a time (mcore.language_loss), so
     # that only one chunk's logits exist at once, not the micro-batch's (0: all at once);
     # the same loss and gradients
     loss_chunk_tokens: Count = 0

@@ -15,7 +15,7 @@ model's core attention), ``bridge_routing`` (variable token counts across module
 ``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms),
 ``delta_rule`` (the gated delta-net kernels, per sample when packed), ``balance`` (a mixture
 of experts' load-balancing loss over the global batch), ``grouped_experts`` (its experts as
-grouped GEMMs), ``chunked_loss`` (the output layer and loss in chunks of tokens) and
+grouped GEMMs), ``language_loss`` (the output layer and loss at the trained tokens, in chunks) and
 ``gated_delta_net``
 (megatron-core's gated delta-net layer without fla; its import, below, patches megatron-core's
 module for it where needed).

@@ -26,7 +26,7 @@ from mimo_train.families.causal_lm import gpt_fields, load_pretrained_language, 
 from mimo_train.families.registry import build_encoder, language_arch
 from mimo_train.mcore.attention import AttentionChoice, LanguageModel
 from mimo_train.mcore.bridge_routing import RoutedMimoModel
-from mimo_train.mcore.chunked_loss import HostLabels, language_loss
+from mimo_train.mcore.language_loss import HostLabels, language_loss
 from mimo_train.mcore.context_parallel import SequenceShards
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore.layer_specs import language_block_spec
@@ -160,7 +160,7 @@ class _SeededGPTModel(LanguageModel):
     rows past ``vocabulary`` (``predicted_vocabulary``) get a logit no softmax can weigh, so
     they never enter the loss nor come out of generation. Given labels, its loss is taken at
     the trained tokens only, ``loss_chunk_tokens`` of them at a time (0: all at once;
-    ``mcore.chunked_loss``), as many as ``host_labels`` (set by the forward step) hold."""
+    ``mcore.language_loss``), as many as ``host_labels`` (set by the forward step) hold."""
 
     def __init__(self, *, seed: int, vocabulary: int, loss_chunk_tokens: int = 0, **kwargs):
         torch.manual_seed(seed)

@@ -15,7 +15,7 @@ kv channels, MLP width f, V output rows), a sample of s tokens, forward::
 
     dense      s · L · 2·(h·(a + 2g) + a·h + h·f·(3 if gated else 2))
     output     t · 2·h·V                          (t of the s tokens trained: only their
-                                                   logits are made, ``mcore.chunked_loss``)
+                                                   logits are made, ``mcore.language_loss``)
     attention  L · 4·a·s²                         (scores Q·Kᵀ and the weighted sum, per sample)
 
 i.e. 2 · (matmul weights) · tokens plus the attention; × 3 it is "6 · params · tokens +
@@ -149,7 +149,7 @@ def language_flops(stack: Stack, lengths: Iterable[int], passes: int = 3,
     own attention, or delta-rule chunks, packed or padded: padding is not counted; for the
     positions a padded batch computes, give the padded lengths), the output layer on
     ``trained`` of them (the trained tokens, the only ones whose logits training makes,
-    ``mcore.chunked_loss``; None: all)."""
+    ``mcore.language_loss``; None: all)."""
     lengths = [int(s) for s in lengths]
     kinds = stack.kinds()
     per_token = sum(count * layer_flops_per_token(stack, kind) for kind, count in kinds.items())

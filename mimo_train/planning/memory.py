@@ -104,7 +104,7 @@ bound there. A delta-net layer keeps no score matrices.
 Recompute ``selective`` drops the scores term; ``full`` keeps only each layer's input (2·h·T, ÷
 TP with sequence parallel) plus one layer's whole set (the largest kind's, in a hybrid stack),
 recomputed in the backward pass. The language model's last stage adds the hidden states'
-gradient, T · h · w: its loss (``mcore.chunked_loss``) makes the logits of the trained tokens
+gradient, T · h · w: its loss (``mcore.language_loss``) makes the logits of the trained tokens
 alone, their gradients with respect to the hidden states and the output layer's weight in the
 forward pass, and keeps no logits (megatron-core's own path kept every token's fp32 softmax,
 T · V ÷ TP · 4). An encoder tower counts its patches before merging (plus per-frame extra
@@ -384,7 +384,7 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     ``lengths`` positions each (packed: the real tokens; padded: the padded length; the whole
     sequences, of which each of the ``cp`` context-parallel ranks keeps 1/cp), its layers'
     (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the hidden states'
-    gradient (made in the forward pass with the loss, ``mcore.chunked_loss``)."""
+    gradient (made in the forward pass with the loss, ``mcore.language_loss``)."""
     # context parallelism: 1/cp of the positions, and of the heads over the whole sequences
     tokens, squares = float(sum(lengths)) / cp, float(sum(s * s for s in lengths)) / cp
     sp = settings.sequence_parallel and tp > 1

@@ -34,7 +34,7 @@ from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_data.preprocess.preprocessor import IGNORE_INDEX
 from mimo_train.families.base import HOST_INPUTS
 from mimo_train.mcore.balance import GlobalBalance
-from mimo_train.mcore.chunked_loss import HostLabels
+from mimo_train.mcore.language_loss import HostLabels
 from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
 from mimo_train.mcore.gated_delta_net import sum_partial_gradients
@@ -128,7 +128,7 @@ def real_tokens(batch: dict, multiple: int = 1) -> torch.Tensor | None:
 
 def host_labels(batch: dict, multiple: int = 1) -> torch.Tensor:
     """The labels ``[B, length]`` of the columns ``model_inputs`` gives the model, on the host
-    (the loss's count of trained tokens, ``mcore.chunked_loss.HostLabels``)."""
+    (the loss's count of trained tokens, ``mcore.language_loss.HostLabels``)."""
     labels = batch["labels"][:, :kept_length(batch, multiple)]
     return F.pad(labels, (0, -labels.size(1) % multiple), value=IGNORE_INDEX)
 

@@ -197,7 +197,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         if grad.device.type == "cpu" and not torch.allclose(grad, scale * trained,
                                                             rtol=1e-6, atol=0):
             raise RuntimeError(
-                "the language loss (mcore.chunked_loss) gives the gradient of a scalar times "
+                "the language loss (mcore.language_loss) gives the gradient of a scalar times "
                 "the trained tokens' summed loss (it computes only their logits), but its "
                 "output's gradient is not a scalar on the trained tokens and 0 elsewhere: a "
                 "loss that weighs tokens otherwise is not one mimo trains")

@@ -1,5 +1,5 @@
 """The language model's output layer and loss at the trained tokens only, in chunks of them
-(``model.language.loss_chunk_tokens``, ``mcore.chunked_loss``) against megatron-core's own path
+(``model.language.loss_chunk_tokens``, ``mcore.language_loss``) against megatron-core's own path
 (``output_layer`` and ``compute_language_model_loss``: every token's logits at once) with the
 same weights, in process on a one-rank gloo world, fp32: the trained tokens' loss (an
 untrained token's is 0), the hidden states' gradient and every parameter's gradient, for all
@@ -102,7 +102,7 @@ def _pair(groups, chunk: int, tied: bool, vocabulary: int, dtype=torch.float32):
 @pytest.mark.parametrize("vocabulary", [ROWS, 90], ids=["all-rows", "padded-rows"])
 @pytest.mark.parametrize("chunk", [0, 6, 5, 100],
                          ids=["all-at-once", "partial-last", "dividing", "one"])
-def test_chunked_loss_and_gradients_are_megatron_cores(groups, chunk, tied, vocabulary):
+def test_language_loss_and_gradients_are_megatron_cores(groups, chunk, tied, vocabulary):
     """20 trained tokens of 24 all at once, in chunks of 6 (the last of 2), of 5, or one chunk
     larger than them."""
     plain, chunked = _pair(groups, chunk, tied, vocabulary)
@@ -141,8 +141,8 @@ def test_bf16_is_megatron_cores_within_its_precision(groups, monkeypatch):
     """bf16 weights and hidden states (the chunks' weight gradients summed in fp32, 40 output
     rows at a time here, then rounded once, as one matmul over all tokens does): the loss and
     gradients of the unchunked bf16 step within a few bf16 roundings."""
-    from mimo_train.mcore import chunked_loss
-    monkeypatch.setattr(chunked_loss, "_ROWS", 40)          # 96 rows: 40, 40 and 16
+    from mimo_train.mcore import language_loss
+    monkeypatch.setattr(language_loss, "_ROWS", 40)          # 96 rows: 40, 40 and 16
     plain, chunked = _pair(groups, 5, False, 90, torch.bfloat16)
     batch = _batch(90, torch.bfloat16)
     loss, hidden_grad, grads = _step(plain, *batch, megatron=True)
