@@ -21,8 +21,8 @@ import torch
 
 from conftest import MODELS, PUBLISHED_TOWERS
 from mimo_train.model import tower_fusions
-from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, QuickGELU, RMSNorm,
-                                            fuse)
+from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, PatchMatmul,
+                                            QuickGELU, RMSNorm, fuse)
 
 GRID = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
 
@@ -69,9 +69,10 @@ def test_fused_towers_give_transformers_rows_and_gradients(kind):
     reference, fused, pixels = _towers(kind, torch.float32)
     assert fused.state_dict().keys() == reference.state_dict().keys()
     counts = _fused_counts(kind, len(fused.blocks))
-    for cls in (FusedRotaryAttention, QuickGELU, RMSNorm, GatedMLP):
+    for cls in (FusedRotaryAttention, QuickGELU, RMSNorm, GatedMLP, PatchMatmul):
         assert sum(type(m) is cls for m in fused.modules()) == (
-            len(fused.blocks) if cls is FusedRotaryAttention else counts.get(cls, 0)), cls
+            len(fused.blocks) if cls is FusedRotaryAttention else
+            1 if cls is PatchMatmul else counts.get(cls, 0)), cls
     rows, grads = _run(reference, pixels)
     our_rows, our_grads = _run(fused, pixels)
     assert torch.equal(our_rows, rows)
@@ -98,6 +99,33 @@ def test_bf16_is_as_close_to_fp32_as_transformers(kind):
         return sum((found[n] - g).square().sum() for n, g in exact_grads.items()).sqrt()
     theirs, ours = distance(grads), distance(our_grads)
     assert 0 < ours <= 1.05 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("kind", sorted(PUBLISHED_TOWERS))
+def test_the_patch_embedding_as_a_matmul_gives_the_convolutions_rows(kind, monkeypatch):
+    """The matmul a GPU runs in place of the patch embedding's Conv3d (here on the CPU): the
+    rows and the weight's (and bias's) gradients of transformers' embedding in fp32, to its
+    rounding (1e-5, and 1e-4 where a gradient's sum cancels); in bf16 each as close to the
+    fp32 ones as transformers' own bf16 embedding's (on this CPU the weight's gradient 7x
+    closer)."""
+    reference, fused, _ = _towers(kind, torch.float32, depth=1)
+    embed = next(m for m in fused.modules() if type(m) is PatchMatmul)
+    monkeypatch.setattr(embed, "devices", ("cpu",))
+    pixels = torch.randn(300, embed.proj.weight[0].numel())
+
+    def run(module, dtype):
+        module = copy.deepcopy(module).to(dtype)
+        rows = module(pixels.to(dtype))
+        (rows.float() * torch.linspace(-1, 1, rows.numel()).view_as(rows)).sum().backward()
+        return [rows.float(), *(p.grad.float() for p in module.proj.parameters())]
+    exact = run(reference.patch_embed, torch.float32)
+    assert exact[0].shape == (300, embed.embed_dim)
+    assert len(exact) == (3 if embed.proj.bias is not None else 2)
+    for ours, theirs in zip(run(embed, torch.float32), exact):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-4)
+    for ours, theirs, fp32 in zip(run(embed, torch.bfloat16),
+                                  run(reference.patch_embed, torch.bfloat16), exact):
+        assert (ours - fp32).norm() <= 1.05 * (theirs - fp32).norm()
 
 
 def _saved(module: torch.nn.Module, x: torch.Tensor) -> list[tuple[int, ...]]:

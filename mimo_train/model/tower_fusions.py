@@ -1,5 +1,6 @@
 """The towers' fused elementwise regions: the Qwen-family vision rotary, QuickGELU, and
-Qwen2.5-VL's RMSNorm and gated SiLU.
+Qwen2.5-VL's RMSNorm and gated SiLU; and the Qwen-family patch embedding as a matmul
+(``PatchMatmul``).
 
 transformers writes each as a chain of small operations, every one a pass over a tower-sized
 tensor on a GPU: the vision rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) casts queries and
@@ -44,6 +45,15 @@ VISION_ATTENTION = frozenset(
         ("qwen2_vl", "VisionAttention"), ("qwen2_5_vl", "Qwen2_5_VLVisionAttention"),
         ("qwen3_vl", "Qwen3VLVisionAttention"), ("qwen3_vl_moe", "Qwen3VLMoeVisionAttention"),
         ("qwen3_5", "Qwen3_5VisionAttention"), ("qwen3_5_moe", "Qwen3_5MoeVisionAttention")))
+
+
+# transformers' Qwen-family vision patch embeddings (module, name), whose forward
+# ``PatchMatmul`` repeats (the same in each, transformers 5.17 to 5.24)
+VISION_PATCH_EMBED = frozenset(
+    (f"transformers.models.{family}.modeling_{family}", name) for family, name in (
+        ("qwen2_vl", "PatchEmbed"), ("qwen2_5_vl", "Qwen2_5_VisionPatchEmbed"),
+        ("qwen3_vl", "Qwen3VLVisionPatchEmbed"), ("qwen3_vl_moe", "Qwen3VLMoeVisionPatchEmbed"),
+        ("qwen3_5", "Qwen3_5VisionPatchEmbed"), ("qwen3_5_moe", "Qwen3_5MoeVisionPatchEmbed")))
 
 
 class Compiler:
@@ -237,6 +247,41 @@ class GatedMLP(torch.nn.Module):
         return self.down_proj(_SiLUGateFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
+class PatchMatmul(torch.nn.Module):
+    """transformers' Qwen-family patch embedding (its ``proj``, so the weight keeps its name)
+    as the matmul it is, on ``devices``: its Conv3d's stride is its kernel, so each patch's
+    ``C·T·P·P`` values meet the kernel once, a ``[patches, C·T·P·P] x [C·T·P·P, width]``
+    product. cuDNN's 3-D convolutions of that shape have been reported 10-18x slower than
+    the product on a Hopper GPU and up to 50,000x in bf16 on Blackwell ones, and PyTorch 2.9
+    fell back to a slow kernel for them (docs/training.md); transformers' own remedy (its
+    ``fusion_config``) renames the weight. Elsewhere transformers' Conv3d, so the CPU gives
+    its rows bit for bit; the product sums in another order (fp32: to 1e-5)."""
+
+    devices: tuple[str, ...] = ("cuda",)
+
+    def __init__(self, embed: torch.nn.Module):
+        super().__init__()
+        self.proj = embed.proj
+        self.in_channels, self.embed_dim = embed.in_channels, embed.embed_dim
+        self.temporal_patch_size, self.patch_size = embed.temporal_patch_size, embed.patch_size
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.proj.weight
+        if hidden_states.device.type in self.devices:
+            return torch.nn.functional.linear(
+                hidden_states.reshape(-1, weight[0].numel()).to(weight.dtype),
+                weight.flatten(1), self.proj.bias)
+        hidden_states = hidden_states.view(-1, self.in_channels, self.temporal_patch_size,
+                                           self.patch_size, self.patch_size)
+        return self.proj(hidden_states.to(dtype=weight.dtype)).view(-1, self.embed_dim)
+
+
+def _patchwise(conv: torch.nn.Module) -> bool:
+    """Whether ``conv`` is a Conv3d projecting each patch alone (stride its kernel)."""
+    return isinstance(conv, torch.nn.Conv3d) and conv.stride == conv.kernel_size and \
+        conv.padding == (0, 0, 0) and conv.dilation == (1, 1, 1) and conv.groups == 1
+
+
 class FusedRotaryAttention(torch.nn.Module):
     """transformers' Qwen-family vision attention (its ``qkv`` and ``proj`` layers, so the
     weights' names stay) with the fused rotary, attending by transformers' attention function
@@ -290,8 +335,11 @@ def _fused(module: torch.nn.Module, implementation: str) -> torch.nn.Module | No
     from transformers.activations import QuickGELUActivation, SiLUActivation
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (Qwen2_5_VLMLP,
                                                                     Qwen2_5_VLRMSNorm)
-    if (type(module).__module__, type(module).__qualname__) in VISION_ATTENTION:
+    kind = (type(module).__module__, type(module).__qualname__)
+    if kind in VISION_ATTENTION:
         return FusedRotaryAttention(module, implementation)
+    if kind in VISION_PATCH_EMBED and _patchwise(module.proj):
+        return PatchMatmul(module)
     if type(module) is QuickGELUActivation:
         return QuickGELU()
     if type(module) is Qwen2_5_VLRMSNorm:
@@ -308,7 +356,8 @@ def _fused(module: torch.nn.Module, implementation: str) -> torch.nn.Module | No
 def fuse(tower: torch.nn.Module, implementation: str) -> None:
     """Put the fused regions in a transformers ``tower`` served by the attention function
     ``implementation`` (what ``tower_attention.set_attention`` set): in place of every
-    Qwen-family vision attention, QuickGELU, and Qwen2.5-VL RMSNorm and gated MLP."""
+    Qwen-family vision attention and patch embedding, QuickGELU, and Qwen2.5-VL RMSNorm and
+    gated MLP."""
     for module in list(tower.modules()):
         for name, child in list(module.named_children()):
             fused = _fused(child, implementation)
