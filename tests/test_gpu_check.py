@@ -15,6 +15,8 @@ import pytest
 
 from conftest import REPO
 
+PEER = REPO / "tools" / "gpu_check" / "peer.py"
+
 
 def _module():
     spec = importlib.util.spec_from_file_location("gpu_check", REPO / "tools/gpu_check/run.py")
@@ -179,40 +181,59 @@ def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkey
     assert found[10**6]["kept"] and not found[1]["kept"], found
 
 
-def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary, monkeypatch,
-                                                                        tmp_path):
-    """Where the tower was kept on the advisor's word and mimo's run stops out of GPU memory
-    (mimo-train's message), the case runs again with the tower recomputed, the peer on that
-    config too, and keeps the first run's figures: one run's time rather than the goal case's
-    figures lost."""
+def _case_failing_once(summary, tmp_path, kept: bool, says: str):
+    """``packed_8k`` run by ``case`` (its tower kept or not) where mimo's first training stops
+    after 2 steps with ``says`` in its log and every other training runs: the case's result,
+    the check, and each training's (script, tower recompute, TORCH_COMPILE_DISABLE)."""
     import yaml
     module = _module()
-    runs: list[tuple[str, str]] = []
+    runs: list[tuple[str, str, str | None]] = []
 
     def launch(argv: list[str], env: dict[str, str], timeout: float, log: Path) -> int:
         config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
-        tower = config["model"]["encoders"]["image"]["recompute"]
-        runs.append((argv[0], tower))
-        steps = 2 if argv[0] == "-m" and tower == "none" else module.TINY_STEPS
+        runs.append((argv[0], config["model"]["encoders"]["image"]["recompute"],
+                     env.get("TORCH_COMPILE_DISABLE")))
+        steps = 2 if len(runs) == 1 else module.TINY_STEPS
         Path(argv[argv.index("--records") + 1]).write_text("".join(
             json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens_per_s": 10.0,
                         "memory_mib": 100.0}) + "\n" for s in range(1, steps + 1)))
-        if steps == 2:
-            log.write_text("mimo-train: training stopped in step 3 on rank 0 (image dp0 tp0 "
-                           "pp0): out of GPU memory (OutOfMemoryError: CUDA out of memory. "
-                           "Tried to allocate 2.00 GiB.); to fit, ...\n")
-            return 1
-        log.write_text("")
-        return 0
+        log.write_text(says if steps == 2 else "")
+        return 1 if steps == 2 else 0
 
     work = Path(summary["shards"]["built"]).parent
     check = module.Check(tmp_path, True, math.inf, launch, work / "shards", tmp_path / "work")
     check.work.mkdir()
     check.checkpoints["2B"] = module.REPLICA
-    monkeypatch.setattr(module, "tower_kept", lambda *a: {"kept": True})
-    result = module.case(check, "cpu", module.WORKLOADS[0])
-    assert runs == [("-m", "none"), ("-m", "full"), (str(module.PEER), "full")]
-    assert module.OUT_OF_MEMORY in result["tower_kept"]["out_of_memory"]["error"]
+    module.tower_kept = lambda *a: {"kept": kept}
+    return module.case(check, "cpu", module.WORKLOADS[0]), check, runs
+
+
+def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary, tmp_path):
+    """Where the tower was kept on the advisor's word and mimo's run stops out of GPU memory
+    (mimo-train's message), the case runs again with the tower recomputed, the peer on that
+    config too, and keeps the first run's figures: one run's time rather than the goal case's
+    figures lost."""
+    result, _, runs = _case_failing_once(
+        summary, tmp_path, True, "mimo-train: training stopped in step 3 on rank 0 (image dp0 "
+        "tp0 pp0): out of GPU memory (OutOfMemoryError: CUDA out of memory. Tried to "
+        "allocate 2.00 GiB.); to fit, ...\n")
+    assert [run[:2] for run in runs] == [("-m", "none"), ("-m", "full"), (str(PEER), "full")]
+    assert "out of GPU memory" in result["tower_kept"]["out_of_memory"]["error"]
     assert result["tower_kept"]["out_of_memory"]["steps"] == 2
-    assert "error" not in result["mimo"] and result["mimo"]["steps"] == module.TINY_STEPS
+    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
     assert result["speedup"] == 1.0
+
+
+def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_path):
+    """A mimo run whose compiled kernels failed (inductor's error in its log) runs again, and
+    so do the later mimo runs, with ``TORCH_COMPILE_DISABLE=1`` (the fused regions as written);
+    the failure is named in the summary; the peer, which compiles nothing, runs as it is."""
+    failure = ("torch._dynamo.exc.BackendCompilerFailed: backend='inductor' raised:\n"
+               "RuntimeError: Failed to find C compiler.\n")
+    result, check, runs = _case_failing_once(
+        summary, tmp_path, False, "Traceback (most recent call last):\n" + failure)
+    assert runs == [("-m", "full", None), ("-m", "full", "1"), (str(PEER), "full", None)]
+    assert check.summary["compile_failed"] == failure.splitlines()[0]
+    assert result["compile_failed"]["steps"] == 2
+    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
+    assert check.compile_env == {"TORCH_COMPILE_DISABLE": "1"}

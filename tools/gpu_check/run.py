@@ -60,6 +60,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -164,6 +165,8 @@ class Check:
         self.work = work or out / "work"           # shards, checkpoint: not brought back
         self.shards = shards or self.work / "shards"
         self.checkpoints: dict[str, Path] = {}       # by size (``make_checkpoint``)
+        # mimo's runs' environment once a compile failed (``compile_failure``)
+        self.compile_env: dict[str, str] = {}
         self.summary: dict = {"tiny": tiny}
         self.log = open(out / "run.log", "a")
 
@@ -342,7 +345,8 @@ def train(check: Check, name: str, device: str, limit: float, config: dict,
         argv = [str(PEER), *args, "--profile-dir", str(check.work / f"{name}_profile")]
     else:
         argv = ["-m", "mimo_train", *args]
-    rc = check.launch(argv, {**child_env(device), **(env or {})}, check.left(limit), log)
+    rc = check.launch(argv, {**child_env(device), **({} if peer else check.compile_env),
+                             **(env or {})}, check.left(limit), log)
     found = [json.loads(x) for x in records.read_text().splitlines()] if records.exists() else []
     if check.work != check.out / "work":         # the logs come back with the summary
         (check.out / "logs").mkdir(exist_ok=True)
@@ -367,6 +371,18 @@ def write_config(check: Check, name: str, device: str, config: dict) -> Path:
     path = check.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(whole, sort_keys=False))
     return path
+
+
+# a torch.compile that failed, in a log: dynamo's wrapper of the backend's error, inductor's
+COMPILE_FAILURE = re.compile(r"BackendCompilerFailed|InductorError|torch\._inductor\.exc\.")
+
+
+def compile_failure(log: Path) -> str | None:
+    """The line of ``log`` that says a compile failed, if one does."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    found = COMPILE_FAILURE.search(text)
+    return text[text.rfind("\n", 0, found.start()) + 1:].splitlines()[0][:400] \
+        if found else None
 
 
 # what mimo-train's message of a rank out of GPU memory says (``runtime.console``)
@@ -489,6 +505,15 @@ def case(check: Check, device: str, work: Workload) -> dict:
         model["encoders"]["image"]["recompute"] = "none" if result["tower_kept"]["kept"] \
             else "full"
     result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+    reason = compile_failure(check.work / f"{work.name}.log")
+    if reason and not check.compile_env and check.left(150) >= 150:
+        # the fused regions' and megatron-core's compiled kernels (inductor, Triton) failed
+        # on this machine: this case and the later ones with torch.compile off (the same
+        # formulas run as written), rather than no figures of mimo's
+        check.compile_env = {"TORCH_COMPILE_DISABLE": "1"}
+        check.summary["compile_failed"] = reason
+        result["compile_failed"] = result.pop("mimo")
+        result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
     if result.get("tower_kept", {}).get("kept") and \
             OUT_OF_MEMORY in result["mimo"].get("error", "") and check.left(150) >= 150:
         # the advisor's prediction was short: the case's figures with the tower recomputed,
