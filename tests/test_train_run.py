@@ -340,8 +340,8 @@ TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total 
 
 
 def _stopped(plan, rank: int, error: Exception) -> RunError:
-    """What ``Trainer.run`` raises on ``rank`` of ``plan``'s layout when its step raises
-    ``error`` (the trainer's loop alone, in this process: no model)."""
+    """What ``Trainer.run`` raises on ``rank`` of ``plan``'s layout (on the CPU) when its step
+    raises ``error`` (the trainer's loop alone, in this process: no model)."""
     from types import SimpleNamespace
 
     from mimo_train.training.trainer import Trainer
@@ -350,6 +350,7 @@ def _stopped(plan, rank: int, error: Exception) -> RunError:
         raise error
     trainer = Trainer.__new__(Trainer)
     trainer.plan, trainer.rank, trainer.doing = plan, rank, "step 4"
+    trainer.device = torch.device("cpu")
     trainer.infra = SimpleNamespace(role=plan.layout.role(rank))
     trainer._train = fail
     with pytest.raises(RunError) as stopped:
@@ -357,42 +358,86 @@ def _stopped(plan, rank: int, error: Exception) -> RunError:
     return stopped.value
 
 
-@pytest.mark.parametrize("frozen", [False, True])
-def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(frozen):
+# (config, overrides, {rank: (where, the overrides its message offers)}): a tower and a
+# language model with TP and DP; the tower frozen; Qwen3-VL (deepstack: no full recompute of
+# its language model); packed rows under TP (no sequence parallelism); the language model's
+# last pipeline stage alone makes the loss; LoRA's optimizer state is not split
+OUT_OF_MEMORY = {
+    "tp_dp": ("qwen2_vl_finetune.yaml", ["model.freeze=[]", "layout=image=dp2;language=tp2",
+                                         "train.micro_batch_size=2"],
+              {1: ("image dp1 tp0 pp0", ["model.encoders.image.recompute=full",
+                                         "optimizer.modules.image.distributed=true"]),
+               2: ("language dp0 tp0 pp0", ["model.language.recompute=full",
+                                            "model.language.sequence_parallel=true"])}),
+    "frozen_tower": ("qwen2_vl_finetune.yaml", ["layout=image=dp2;language=tp2",
+                                                "train.micro_batch_size=2"],
+                     {1: ("image dp1 tp0 pp0", [])}),
+    "deepstack": ("qwen3_vl_finetune.yaml", ["model.freeze=[]"],
+                  {1: ("language dp0 tp0 pp0", ["model.language.loss_chunk_tokens=4096",
+                                                "train.micro_batch_size=1"])}),
+    "packed_tp": ("images_audio_noncolocated.yaml",
+                  ["layout=image=dp1;audio=dp1;language=tp2"],
+                  {3: ("language dp0 tp1 pp0", ["model.language.recompute=full",
+                                                "train.micro_batch_size=2"])}),
+    "lora_pp": ("qwen2_vl_lora.yaml", ["layout=image=dp1;language=pp2,dp2",
+                                       "train.micro_batch_size=8", "train.global_batch_size=32"],
+                {1: ("language dp0 tp0 pp0", ["model.language.recompute=full",
+                                              "train.micro_batch_size=4"]),
+                 3: ("language dp0 tp0 pp1", ["model.language.recompute=full",
+                                              "model.language.loss_chunk_tokens=4096",
+                                              "train.micro_batch_size=4"])}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUT_OF_MEMORY))
+def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
     """A rank whose step runs out of GPU memory stops the run with torch's message and, not
     a traceback (it is no bug), the overrides that would lower that rank's memory from the
-    run's own settings, each a key the trainer takes, and the layout advisor's command; a
-    frozen tower (it keeps no activations) is not told to recompute. Any other exception of
-    torch's keeps its traceback."""
+    run's own settings: each one the run takes (the rules and the layout's batch check) and
+    that changes what the rank holds; a setting a rule refuses for this model or run, or one
+    that lowers nothing there, is not offered; then the layout advisor's command, which
+    mimo-inspect parses. Any other exception of torch's keeps its traceback."""
+    import shlex
+
+    from mimo_data.inspect.cli import _parser
+    from mimo_data.loading.layout import Layout
+    from mimo_data.loading.loader import variable_token_modalities
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
 
-    path = REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"
-    run = ["layout=image=dp2;language=tp2", "train.micro_batch_size=2",
-           f"model.freeze={'[image]' if frozen else '[]'}"]
+    name, run, ranks = OUT_OF_MEMORY[case]
+    path = REPO / "configs" / "train" / name
     plan = resolve(TrainConfig.load(str(path), run))
-    wanted = {
-        "image": [] if frozen else ["model.encoders.image.recompute=full",
-                                    "optimizer.modules.image.distributed=true"],
-        "language": ["model.language.recompute=full", "model.language.loss_chunk_tokens=4096",
-                     "model.language.sequence_parallel=true"]}
-    for rank, module, where in ((1, "image", "image dp1"), (2, "language", "language dp0")):
+    for rank, (where, wanted) in ranks.items():
         error = _stopped(plan, rank, torch.OutOfMemoryError(TORCH_OOM))
         message = str(error)
         assert message.startswith(
-            f"training stopped in step 4 on rank {rank} ({where} tp0 pp0): out of GPU memory "
-            f"(OutOfMemoryError: {TORCH_OOM}); "
-            "to fit, from this run's settings: "), message
+            f"training stopped in step 4 on rank {rank} ({where}): out of GPU memory "
+            f"(OutOfMemoryError: {TORCH_OOM}); to fit, from this run's settings: "), message
         assert not error.details
         overrides = re.findall(r"(?:: |; )([a-z_.]+=[^ ;]+) \(", message)
-        assert overrides == [*wanted[module], "train.micro_batch_size=1"], message
-        for override in overrides:          # each one starts, and changes what it says
+        assert overrides == wanted or overrides == [*wanted, "train.micro_batch_size=1"], \
+            message
+        for override in overrides:          # each one is taken, and changes the plan
             changed = resolve(TrainConfig.load(str(path), [*run, override]))
-            assert changed.memory_remedies([module]) != plan.memory_remedies([module])
-        assert f"mimo-inspect plan {plan.config.data.datasets[0]} --config " \
-            f"{plan.config.data.preprocess} --model <this training config> --gpus 4 " \
-            "--global-batch-size 8 --micro-batch-size 2 " in message
-    bug = _stopped(plan, 2, RuntimeError("CUDA error: an illegal memory access"))
+            train = changed.config.train
+            changed.layout.validate(changed.layout.world_size, train.global_batch_size,
+                                    train.micro_batch_size,
+                                    variable_token_modalities(changed.preprocess),
+                                    modalities=list(changed.preprocess.modalities),
+                                    split_media=changed.config.data.split_media)
+            assert changed != plan, override
+        command = re.search(r"; (mimo-inspect plan .*) \(TRAIN\.yaml: ", message)
+        assert command, message
+        args = _parser().parse_args(shlex.split(command.group(1))[1:])
+        assert (args.command, args.directory, args.config, args.model, args.gpus) == (
+            "plan", plan.config.data.datasets[0], plan.config.data.preprocess, "TRAIN.yaml",
+            plan.layout.world_size)
+        assert Layout.parse(args.layout) == plan.layout and args.packing == \
+            plan.config.data.packing
+        assert (args.global_batch_size, args.micro_batch_size) == (
+            plan.config.train.global_batch_size, plan.config.train.micro_batch_size)
+    bug = _stopped(plan, 0, RuntimeError("CUDA error: an illegal memory access"))
     assert "to fit" not in str(bug) and "Traceback" in bug.details
 
 

@@ -10,7 +10,7 @@ frozen value: nothing writes into the config or the plan after this.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -102,50 +102,11 @@ class RunPlan:
             parts.append(f"{name}: {', '.join(settings) or '-'}")
         return "; ".join(parts)
 
-    def _trains(self, module: str, parts: tuple[str | None, ...]) -> bool:
-        """Whether ``module`` trains weights of its ``parts`` (None: the whole module): not
-        frozen there, or adapted by LoRA."""
+    def trains(self, module: str, parts: tuple[str | None, ...] = (None,)) -> bool:
+        """Whether ``module`` trains weights of its ``parts`` (None: the module as a whole,
+        "encoder": its tower): not frozen there, or adapted by LoRA."""
         return any(a.part.module == module and a.part.part in parts for a in self.adapted) or \
             not any(p.module == module and p.part in parts for p in self.frozen)
-
-    def memory_remedies(self, modules: Iterable[str]) -> list[str]:
-        """What would lower the memory of a rank holding ``modules`` (the layout's module
-        names), from this run's settings: each the ``key=value`` override and its cost, the
-        layout advisor's command last. For the message of a rank out of GPU memory."""
-        found = []
-        for name in modules:
-            module, layout = self.modules[name], self.layout.module(name)
-            key = "model.language" if name == LANGUAGE else f"model.encoders.{name}"
-            # a frozen tower keeps no activations (no gradient goes through it), a frozen
-            # module no optimizer state
-            tower, whole = self._trains(name, (None, "encoder")), self._trains(name, (None,))
-            if (name == LANGUAGE or tower) and module.recompute != "full":
-                found.append(f"{key}.recompute=full (its layers' activations made again in "
-                             "the backward pass: about a third more of its compute)")
-            if name == LANGUAGE and not self.language.loss_chunk_tokens:
-                found.append("model.language.loss_chunk_tokens=4096 (the output layer's "
-                             "logits of 4096 trained tokens at a time)")
-            if name == LANGUAGE and layout.tp > 1 and not self.language.sequence_parallel:
-                found.append("model.language.sequence_parallel=true (the activations "
-                             f"outside the TP regions split over its {layout.tp} TP ranks)")
-            if whole and layout.dp > 1 and not module.optimizer.distributed:
-                found.append(f"optimizer.modules.{name}.distributed=true (the main weights "
-                             f"and Adam's moments split over its {layout.dp} DP ranks)")
-        run = self.config.train
-        if run.micro_batch_size > 1:            # its largest divisor: the batch still splits
-            smaller = next(d for d in range(run.micro_batch_size // 2, 0, -1)
-                           if run.micro_batch_size % d == 0)
-            found.append(f"train.micro_batch_size={smaller} (the same global batch in more "
-                         "micro-batches)")
-        else:
-            found.append(f"a shorter seq_length in {self.config.data.preprocess} (fewer "
-                         "tokens a sample)")
-        found.append(f"mimo-inspect plan {self.config.data.datasets[0]} --config "
-                     f"{self.config.data.preprocess} --model <this training config> --gpus "
-                     f"{self.layout.world_size} --global-batch-size {run.global_batch_size} "
-                     f"--micro-batch-size {run.micro_batch_size} --gpu h100|h200|a100 "
-                     "(each layout's memory per rank, and the settings with which it fits)")
-        return found
 
 
 def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> RunPlan:

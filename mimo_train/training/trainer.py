@@ -57,6 +57,7 @@ from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules, unwrap
 from mimo_train.plan import RunPlan
+from mimo_train.plan.memory_remedies import memory_remedies
 from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.precision import run_dtype
@@ -290,10 +291,20 @@ class Trainer:
         except Exception as error:
             where = ", ".join(f"{m.name} dp{m.dp_rank} tp{m.tp_rank} pp{m.pp_rank}"
                               for m in self.infra.role.modules)
-            remedies = self.plan.memory_remedies([m.name for m in self.infra.role.modules]) \
-                if isinstance(error, torch.OutOfMemoryError) else ()
+            remedies = self._memory_remedies() if isinstance(error, torch.OutOfMemoryError) \
+                else ()
             raise run_failure(error, self.rank, self.doing, where or "no module",
                               remedies) from error
+
+    def _memory_remedies(self) -> list[str]:
+        """What would lower this rank's memory (``plan.memory_remedies``); a failure to say
+        is named in their place, not raised over the out-of-memory error."""
+        try:
+            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
+                else None
+            return memory_remedies(self.plan, self.infra.role.modules, gpu)
+        except Exception as error:
+            return [f"(none found: {type(error).__name__}: {error})"]
 
     def _train(self) -> list[dict]:
         run, every = self.cfg.train, self.cfg.checkpoint.interval
