@@ -181,10 +181,11 @@ def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkey
     assert found[10**6]["kept"] and not found[1]["kept"], found
 
 
-def _case_failing_once(summary, tmp_path, kept: bool, says: str):
+def _case_failing_once(summary, tmp_path, kept: bool, says: str, fails: bool = True):
     """``packed_8k`` run by ``case`` (its tower kept or not) where mimo's first training stops
-    after 2 steps with ``says`` in its log and every other training runs: the case's result,
-    the check, and each training's (script, tower recompute, TORCH_COMPILE_DISABLE)."""
+    after 2 steps (or, not ``fails``, runs) with ``says`` in its log and every other training
+    runs: the case's result, the check, and each training's (script, tower recompute,
+    TORCH_COMPILE_DISABLE)."""
     import yaml
     module = _module()
     runs: list[tuple[str, str, str | None]] = []
@@ -193,16 +194,16 @@ def _case_failing_once(summary, tmp_path, kept: bool, says: str):
         config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
         runs.append((argv[0], config["model"]["encoders"]["image"]["recompute"],
                      env.get("TORCH_COMPILE_DISABLE")))
-        steps = 2 if len(runs) == 1 else module.TINY_STEPS
+        steps = 2 if len(runs) == 1 and fails else module.TINY_STEPS
         Path(argv[argv.index("--records") + 1]).write_text("".join(
             json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens_per_s": 10.0,
                         "memory_mib": 100.0}) + "\n" for s in range(1, steps + 1)))
-        log.write_text(says if steps == 2 else "")
+        log.write_text(says if len(runs) == 1 else "")
         return 1 if steps == 2 else 0
 
     work = Path(summary["shards"]["built"]).parent
+    (tmp_path / "work").mkdir(parents=True)
     check = module.Check(tmp_path, True, math.inf, launch, work / "shards", tmp_path / "work")
-    check.work.mkdir()
     check.checkpoints["2B"] = module.REPLICA
     module.tower_kept = lambda *a: {"kept": kept}
     return module.case(check, "cpu", module.WORKLOADS[0]), check, runs
@@ -222,6 +223,8 @@ def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary,
     assert result["tower_kept"]["out_of_memory"]["steps"] == 2
     assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
     assert result["speedup"] == 1.0
+    assert result["tower_recompute"] == "full" and result["compiled"]
+    assert "out of GPU memory" in (tmp_path / "work" / "packed_8k_out_of_memory.log").read_text()
 
 
 def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_path):
@@ -236,4 +239,10 @@ def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_pat
     assert check.summary["compile_failed"] == failure.splitlines()[0]
     assert result["compile_failed"]["steps"] == 2
     assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
-    assert check.compile_env == {"TORCH_COMPILE_DISABLE": "1"}
+    assert check.compile_env == {"TORCH_COMPILE_DISABLE": "1"} and not result["compiled"]
+    assert failure in (tmp_path / "work" / "packed_8k_compile_failed.log").read_text()
+    # a run that went through, whatever its log says, is not run again
+    result, check, runs = _case_failing_once(summary, tmp_path / "ran", False,
+                                             failure, fails=False)
+    assert [run[2] for run in runs] == [None, None] and "compile_failed" not in result
+    assert result["compiled"] and result["tower_recompute"] == "full"

@@ -115,6 +115,8 @@ def test_the_patch_embedding_as_a_matmul_gives_the_convolutions_rows(kind, monke
 
     def run(module, dtype):
         module = copy.deepcopy(module).to(dtype)
+        if type(module) is PatchMatmul:             # the matmul, not the Conv3d, runs
+            module.proj.forward = None
         rows = module(pixels.to(dtype))
         (rows.float() * torch.linspace(-1, 1, rows.numel()).view_as(rows)).sum().backward()
         return [rows.float(), *(p.grad.float() for p in module.proj.parameters())]

@@ -505,22 +505,28 @@ def case(check: Check, device: str, work: Workload) -> dict:
         model["encoders"]["image"]["recompute"] = "none" if result["tower_kept"]["kept"] \
             else "full"
     result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
-    reason = compile_failure(check.work / f"{work.name}.log")
+    log = check.work / f"{work.name}.log"
+    reason = compile_failure(log) if "error" in result["mimo"] else None
     if reason and not check.compile_env and check.left(150) >= 150:
         # the fused regions' and megatron-core's compiled kernels (inductor, Triton) failed
         # on this machine: this case and the later ones with torch.compile off (the same
         # formulas run as written), rather than no figures of mimo's
         check.compile_env = {"TORCH_COMPILE_DISABLE": "1"}
         check.summary["compile_failed"] = reason
+        keep_log(check, log, "compile_failed")
         result["compile_failed"] = result.pop("mimo")
         result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
     if result.get("tower_kept", {}).get("kept") and \
             OUT_OF_MEMORY in result["mimo"].get("error", "") and check.left(150) >= 150:
         # the advisor's prediction was short: the case's figures with the tower recomputed,
         # the peer's too (the same config), rather than none
+        keep_log(check, log, "out_of_memory")
         result["tower_kept"]["out_of_memory"] = result.pop("mimo")
         model["encoders"]["image"]["recompute"] = "full"
         result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+    # what mimo's figures ran with
+    result["tower_recompute"] = model["encoders"]["image"]["recompute"]
+    result["compiled"] = not check.compile_env
     tower = model["encoders"]["image"]["recompute"]
     try:
         result["mimo"]["predicted_mib"], result["mimo"]["predicted_gib"] = predicted_mib(
@@ -558,6 +564,14 @@ def mimo_side(check: Check, work: Workload, device: str, config: dict, steps: in
     figures = _figures(records, rc, log, steps, profiled, check.work / f"{work.name}_profile")
     figures["peak_gpu_mib"] = memory.peak if memory else None
     return figures
+
+
+def keep_log(check: Check, log: Path, why: str) -> None:
+    """A copy of a failed run's ``log`` (NAME_WHY.log, beside it and in the logs brought
+    back) before the run again overwrites it."""
+    places = [check.work] + ([check.out / "logs"] if (check.out / "logs").is_dir() else [])
+    for place in places if log.exists() else []:
+        shutil.copy(log, place / f"{log.stem}_{why}.log")
 
 
 def gpu_total_mib() -> int | None:
