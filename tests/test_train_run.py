@@ -397,10 +397,6 @@ def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
     that changes what the rank holds; a setting a rule refuses for this model or run, or one
     that lowers nothing there, is not offered; then the layout advisor's command, which
     mimo-inspect parses. Any other exception of torch's keeps its traceback."""
-    import shlex
-
-    from mimo_data.inspect.cli import _parser
-    from mimo_data.loading.layout import Layout
     from mimo_data.loading.loader import variable_token_modalities
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
@@ -427,18 +423,53 @@ def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
                                     modalities=list(changed.preprocess.modalities),
                                     split_media=changed.config.data.split_media)
             assert changed != plan, override
-        command = re.search(r"; (mimo-inspect plan .*) \(TRAIN\.yaml: ", message)
-        assert command, message
-        args = _parser().parse_args(shlex.split(command.group(1))[1:])
-        assert (args.command, args.directory, args.config, args.model, args.gpus) == (
-            "plan", plan.config.data.datasets[0], plan.config.data.preprocess, "TRAIN.yaml",
-            plan.layout.world_size)
-        assert Layout.parse(args.layout) == plan.layout and args.packing == \
-            plan.config.data.packing
-        assert (args.global_batch_size, args.micro_batch_size) == (
-            plan.config.train.global_batch_size, plan.config.train.micro_batch_size)
+        _assert_advisor_command(plan, message)
     bug = _stopped(plan, 0, RuntimeError("CUDA error: an illegal memory access"))
     assert "to fit" not in str(bug) and "Traceback" in bug.details
+
+
+def _assert_advisor_command(plan, message: str) -> None:
+    """``message`` ends with the layout advisor's command for ``plan``'s run, as mimo-inspect
+    parses it."""
+    import shlex
+
+    from mimo_data.inspect.cli import _parser
+    from mimo_data.loading.layout import Layout
+    command = re.search(r"(mimo-inspect plan .*) \(TRAIN\.yaml: [^)]*\)$", message)
+    assert command, message
+    args = _parser().parse_args(shlex.split(command.group(1))[1:])
+    assert (args.command, args.directory, args.config, args.model, args.gpus) == (
+        "plan", plan.config.data.datasets[0], plan.config.data.preprocess, "TRAIN.yaml",
+        plan.layout.world_size)
+    assert Layout.parse(args.layout) == plan.layout and args.packing == plan.config.data.packing
+    assert (args.global_batch_size, args.micro_batch_size) == (
+        plan.config.train.global_batch_size, plan.config.train.micro_batch_size)
+
+
+def test_a_model_or_optimizer_that_does_not_fit_at_start_up_names_the_advisor():
+    """Out of GPU memory while the model or its optimizer is built (the start-up phases): the
+    error, gathered from the ranks, is torch's and the layout advisor's command for the run;
+    other errors pass as they are."""
+    from types import SimpleNamespace
+
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.training.trainer import Trainer
+
+    plan = resolve(TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
+                                    ["layout=image=dp2;language=tp2"]))
+    trainer = SimpleNamespace(plan=plan, device=torch.device("cpu"))
+
+    def build(error):
+        raise error
+    with pytest.raises(torch.OutOfMemoryError) as stopped:
+        Trainer._sized(trainer, build, torch.OutOfMemoryError(TORCH_OOM))
+    message = str(stopped.value)
+    assert message.startswith(f"{TORCH_OOM}; the layout advisor says which layouts and "
+                              "settings fit: mimo-inspect plan "), message
+    _assert_advisor_command(plan, message)
+    with pytest.raises(ValueError, match="^not a memory error$"):
+        Trainer._sized(trainer, build, ValueError("not a memory error"))
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(ranks, setup):

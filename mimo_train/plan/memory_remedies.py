@@ -1,6 +1,8 @@
 """``memory_remedies(plan, places, gpu)``: what would lower the GPU memory of a rank of the run
 ``plan`` holding ``places`` (its place in each module), from the run's own settings, for the
-message of a rank out of GPU memory (``runtime.console.run_failure``).
+message of a rank out of GPU memory in a step (``runtime.console.run_failure``);
+``advisor_command(plan, gpu)``: the layout advisor's command for the same run, also named where
+the model or its optimizer does not fit at start-up.
 
 Each is a ``key=value`` override with its cost, and only one the run would take: the rules
 (``plan.rules``) and the layout's batch check accept it, and it lowers something that rank
@@ -45,7 +47,7 @@ def memory_remedies(plan: RunPlan, places: Iterable[ModuleRank], gpu: str | None
             found.append(f"optimizer.modules.{name}.distributed=true (the main weights and "
                          f"Adam's moments split over its {layout.dp} DP ranks)")
     found.append(_smaller_batches(plan))
-    found.append(_advisor(plan, gpu))
+    found.append(advisor_command(plan, gpu))
     return found
 
 
@@ -92,7 +94,9 @@ def _smaller_batches(plan: RunPlan) -> str:
             "(fewer tokens a sample)")
 
 
-def _advisor(plan: RunPlan, gpu: str | None) -> str:
+def advisor_command(plan: RunPlan, gpu: str | None) -> str:
+    """The layout advisor's command for the run of ``plan`` on the GPU named ``gpu``, with
+    what it tells."""
     config, run = plan.config, plan.config.train
     kind = next((k for part, k in ADVISOR_GPUS if gpu and part.lower() in gpu.lower()), None)
     words = ["mimo-inspect", "plan", config.data.datasets[0], "--config",

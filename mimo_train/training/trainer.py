@@ -57,7 +57,7 @@ from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules, unwrap
 from mimo_train.plan import RunPlan
-from mimo_train.plan.memory_remedies import memory_remedies
+from mimo_train.plan.memory_remedies import advisor_command, memory_remedies
 from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.precision import run_dtype
@@ -109,9 +109,9 @@ class Trainer:
         self.peak_memory = PeakMemory(self.device)      # the records' memory_mib from here
         phase("model", lambda _: f"model built ({self.attention.describe()}; memory: "
               f"{plan.memory_summary()})",
-              lambda: self._build_model(self.text))
-        phase("optimizer", "optimizer and schedule ready", lambda: self._build_optimizer(
-            self.text))
+              lambda: self._sized(self._build_model, self.text))
+        phase("optimizer", "optimizer and schedule ready", lambda: self._sized(
+            self._build_optimizer, self.text))
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
         self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
@@ -295,6 +295,18 @@ class Trainer:
                 else ()
             raise run_failure(error, self.rank, self.doing, where or "no module",
                               remedies) from error
+
+    def _sized(self, build, *args):
+        """``build(*args)``; out of GPU memory there, the weights, gradients or optimizer state
+        do not fit this layout: the error names the layout advisor's command."""
+        try:
+            return build(*args)
+        except torch.OutOfMemoryError as error:
+            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
+                else None
+            raise torch.OutOfMemoryError(
+                f"{error}; the layout advisor says which layouts and settings fit: "
+                f"{advisor_command(self.plan, gpu)}") from None
 
     def _memory_remedies(self) -> list[str]:
         """What would lower this rank's memory (``plan.memory_remedies``); a failure to say
