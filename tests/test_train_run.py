@@ -450,26 +450,25 @@ def test_a_model_or_optimizer_that_does_not_fit_at_start_up_names_the_advisor():
     """Out of GPU memory while the model or its optimizer is built (the start-up phases): the
     error, gathered from the ranks, is torch's and the layout advisor's command for the run;
     other errors pass as they are."""
-    from types import SimpleNamespace
-
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
     from mimo_train.training.trainer import Trainer
 
     plan = resolve(TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
                                     ["layout=image=dp2;language=tp2"]))
-    trainer = SimpleNamespace(plan=plan, device=torch.device("cpu"))
+    trainer = Trainer.__new__(Trainer)
+    trainer.plan, trainer.device = plan, torch.device("cpu")
 
     def build(error):
         raise error
     with pytest.raises(torch.OutOfMemoryError) as stopped:
-        Trainer._sized(trainer, build, torch.OutOfMemoryError(TORCH_OOM))
+        trainer._sized(build, torch.OutOfMemoryError(TORCH_OOM))
     message = str(stopped.value)
     assert message.startswith(f"{TORCH_OOM}; the layout advisor says which layouts and "
                               "settings fit: mimo-inspect plan "), message
     _assert_advisor_command(plan, message)
     with pytest.raises(ValueError, match="^not a memory error$"):
-        Trainer._sized(trainer, build, ValueError("not a memory error"))
+        trainer._sized(build, ValueError("not a memory error"))
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(ranks, setup):

@@ -8,8 +8,6 @@
 - ``parts``: the part grammar of ``model.freeze`` / ``model.lora`` (``Part.parse``) and the
   check that a key names the layout's modules.
 - ``language``, ``encoders``: the language model's and each encoder module's settings.
-- ``memory_remedies``: what would lower a rank's memory from a plan's settings (each override
-  one the rules and the layout take), for the message of a rank out of GPU memory.
 """
 
 from mimo_train.plan.run_plan import Adapted, ModulePlan, RunPlan, resolve

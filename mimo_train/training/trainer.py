@@ -57,9 +57,9 @@ from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules, unwrap
 from mimo_train.plan import RunPlan
-from mimo_train.plan.memory_remedies import advisor_command, memory_remedies
 from mimo_train.planning.dims import from_plan
 from mimo_train.planning.flops import peak_tflops, training_passes
+from mimo_train.planning.memory_remedies import advisor_command, memory_remedies
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import PREFIX, phase, run_failure, say
@@ -172,7 +172,7 @@ class Trainer:
             and language.cp_rank == 0
         peak = cfg.train.peak_tflops
         if peak is None and self.device.type == "cuda":
-            peak = peak_tflops(torch.cuda.get_device_name(self.device), cfg.train.precision)
+            peak = peak_tflops(self._gpu_name(), cfg.train.precision)
         return FlopsCounter(dims, [m.name for m in self.layout.modules],
                             training_passes(dims, plan.frozen,
                                             [a.part for a in plan.adapted]),
@@ -302,19 +302,18 @@ class Trainer:
         try:
             return build(*args)
         except torch.OutOfMemoryError as error:
-            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
-                else None
             raise torch.OutOfMemoryError(
                 f"{error}; the layout advisor says which layouts and settings fit: "
-                f"{advisor_command(self.plan, gpu)}") from None
+                f"{advisor_command(self.plan, self._gpu_name())}") from None
+
+    def _gpu_name(self) -> str | None:
+        return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
 
     def _memory_remedies(self) -> list[str]:
-        """What would lower this rank's memory (``plan.memory_remedies``); a failure to say
-        is named in their place, not raised over the out-of-memory error."""
+        """What would lower this rank's memory (``planning.memory_remedies``); a failure to
+        say is named in their place, not raised over the out-of-memory error."""
         try:
-            gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" \
-                else None
-            return memory_remedies(self.plan, self.infra.role.modules, gpu)
+            return memory_remedies(self.plan, self.infra.role.modules, self._gpu_name())
         except Exception as error:
             return [f"(none found: {type(error).__name__}: {error})"]
 

@@ -18,14 +18,13 @@ import shlex
 from collections.abc import Iterable
 
 from mimo_data.loading.layout import LANGUAGE, LayoutError, ModuleRank
+from mimo_train.plan import RunPlan
 from mimo_train.plan.rules import refusals
-from mimo_train.plan.run_plan import RunPlan
+from mimo_train.planning.advisor.inputs import GPUS
 
 # the chunk the loss is offered in (model.language.loss_chunk_tokens), where a micro-batch can
 # hold more tokens than that
 LOSS_CHUNK = 4096
-# mimo-inspect plan --gpu's kinds, by a part of the device's name
-ADVISOR_GPUS = (("H100", "h100"), ("H200", "h200"), ("A100", "a100"))
 
 
 def memory_remedies(plan: RunPlan, places: Iterable[ModuleRank], gpu: str | None = None
@@ -98,7 +97,8 @@ def advisor_command(plan: RunPlan, gpu: str | None) -> str:
     """The layout advisor's command for the run of ``plan`` on the GPU named ``gpu``, with
     what it tells."""
     config, run = plan.config, plan.config.train
-    kind = next((k for part, k in ADVISOR_GPUS if gpu and part.lower() in gpu.lower()), None)
+    # mimo-inspect plan --gpu's kind: the advisor's GPU whose peak's name the device's holds
+    kind = next((k for k, spec in GPUS.items() if gpu and spec[2].lower() in gpu.lower()), None)
     words = ["mimo-inspect", "plan", config.data.datasets[0], "--config",
              str(config.data.preprocess), "--model", "TRAIN.yaml", "--gpus",
              str(plan.layout.world_size), "--layout", str(plan.layout), "--global-batch-size",
