@@ -337,6 +337,12 @@ def test_a_damaged_member_mid_run_is_one_message_naming_rank_step_and_member(set
 # torch's own message for a CUDA allocation that failed (its first sentences)
 TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
              "79.19 GiB of which 1.06 GiB is free.")
+# NCCL out of GPU memory for its buffers, as torch 2.11 words it (ProcessGroupNCCL's message
+# and NCCL's last error: NCCL 2.28's "Cuda failure 2 'out of memory'")
+NCCL_OOM = ("NCCL error in: /pytorch/torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:3699, "
+            "unhandled cuda error (run with NCCL_DEBUG=INFO for details), NCCL version 2.28.9\n"
+            "ncclUnhandledCudaError: Call to CUDA function failed.\nLast error:\n"
+            "Cuda failure 2 'out of memory'")
 
 
 def _stopped(plan, rank: int, error: Exception) -> RunError:
@@ -396,7 +402,9 @@ def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
     run's own settings: each one the run takes (the rules and the layout's batch check) and
     that changes what the rank holds; a setting a rule refuses for this model or run, or one
     that lowers nothing there, is not offered; then the layout advisor's command, which
-    mimo-inspect parses. Any other exception of torch's keeps its traceback."""
+    mimo-inspect parses. NCCL out of memory for its buffers (a collective's error, not torch's
+    OutOfMemoryError) is said the same way, not as a lost peer. Any other exception of
+    torch's keeps its traceback."""
     from mimo_data.loading.loader import variable_token_modalities
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
@@ -411,6 +419,12 @@ def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
             f"training stopped in step 4 on rank {rank} ({where}): out of GPU memory "
             f"(OutOfMemoryError: {TORCH_OOM}); to fit, from this run's settings: "), message
         assert not error.details
+        # NCCL's buffers out of memory: the same advice, NCCL's own lines kept, no lost peer
+        nccl = _stopped(plan, rank, torch.distributed.DistBackendError(NCCL_OOM))
+        cause = "; ".join(NCCL_OOM.splitlines())
+        assert str(nccl) == message.replace(f"OutOfMemoryError: {TORCH_OOM}",
+                                            f"DistBackendError: {cause}"), str(nccl)
+        assert not nccl.details and not nccl.peer_lost
         overrides = re.findall(r"(?:: |; )([a-z_.]+=[^ ;]+) \(", message)
         assert overrides == wanted or overrides == [*wanted, "train.micro_batch_size=1"], \
             message
@@ -426,6 +440,9 @@ def test_a_rank_out_of_gpu_memory_says_what_would_lower_it(case):
         _assert_advisor_command(plan, message)
     bug = _stopped(plan, 0, RuntimeError("CUDA error: an illegal memory access"))
     assert "to fit" not in str(bug) and "Traceback" in bug.details
+    lost = _stopped(plan, 0, torch.distributed.DistBackendError(
+        NCCL_OOM.replace("Cuda failure 2 'out of memory'", "remote process exited")))
+    assert "to fit" not in str(lost) and lost.peer_lost
 
 
 def _assert_advisor_command(plan, message: str) -> None:

@@ -8,11 +8,12 @@
   ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
   on every rank with every rank's reason; ``report_failure`` prints it once (rank 0).
 - ``run_failure(error, ...)`` / ``report_run_failure``: a failure in the middle of the run
-  (a damaged sample, storage, a checkpoint save, the GPU's memory running out with what would
-  lower it, a peer rank that died, a bug) as one message
-  naming the rank, the step and the cause, printed once in the job (the first rank to record
-  its failure in torchrun's store: ``distributed.claim_failure``), also as the root cause of
-  torchrun's own report; ranks that only lost their peers print nothing after it.
+  (a damaged sample, storage, a checkpoint save, the GPU's memory running out, torch's or
+  NCCL's, with what would lower it: ``out_of_gpu_memory``, a peer rank that died, a bug) as
+  one message naming the rank, the step and the cause, printed once in the job (the first
+  rank to record its failure in torchrun's store: ``distributed.claim_failure``), also as the
+  root cause of torchrun's own report; ranks that only lost their peers print nothing after
+  it.
 
 Nothing here imports torch at module level: the CLI uses it before parsing arguments.
 """
@@ -204,6 +205,20 @@ _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL com
                         r"aborted|ProcessGroupNCCL.*(timeout|Timeout)|Socket Timeout")
 # DataLoader re-raises a worker's exception with the worker's traceback in the message
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
+# NCCL out of GPU memory for its own buffers (allocated beside torch's caching allocator, so
+# torch's OutOfMemoryError never names it): torch raises a DistBackendError whose first line
+# says "unhandled cuda error" and whose "Last error:" lines hold NCCL's, e.g. "Cuda failure 2
+# 'out of memory'" (older NCCLs: "Cuda failure 'out of memory'", "Failed to CUDA calloc N bytes")
+_NCCL_OUT_OF_MEMORY = re.compile(r"Cuda failure (\d+ )?'out of memory'|Failed to CUDA "
+                                 r"(calloc|malloc)", re.IGNORECASE)
+
+
+def out_of_gpu_memory(error: Exception) -> bool:
+    """Whether ``error`` is the GPU's memory running out: torch's allocator, or NCCL's."""
+    import torch
+    import torch.distributed as dist
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, dist.DistError) and bool(_NCCL_OUT_OF_MEMORY.search(str(error))))
 
 
 def run_failure(error: Exception, rank_: int, doing: str, where: str,
@@ -215,7 +230,9 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
     import torch
     import torch.distributed as dist
     cause = f"{type(error).__name__}: {_message(error)}"
-    if isinstance(error, torch.OutOfMemoryError):        # the run's size, not a bug
+    if out_of_gpu_memory(error):                         # the run's size, not a bug
+        if not isinstance(error, torch.OutOfMemoryError):   # NCCL's lines, as one
+            cause = "; ".join(line.strip() for line in cause.splitlines() if line.strip())
         return RunError(f"training stopped in {doing} on rank {rank_} ({where}): out of GPU "
                         f"memory ({cause}); to fit, from this run's settings: " +
                         "; ".join(memory_remedies))

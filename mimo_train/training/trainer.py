@@ -62,7 +62,7 @@ from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.planning.memory_remedies import advisor_command, memory_remedies
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
-from mimo_train.runtime.console import PREFIX, phase, run_failure, say
+from mimo_train.runtime.console import PREFIX, out_of_gpu_memory, phase, run_failure, say
 from mimo_train.runtime.preemption import ExitSignals
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
@@ -291,8 +291,7 @@ class Trainer:
         except Exception as error:
             where = ", ".join(f"{m.name} dp{m.dp_rank} tp{m.tp_rank} pp{m.pp_rank}"
                               for m in self.infra.role.modules)
-            remedies = self._memory_remedies() if isinstance(error, torch.OutOfMemoryError) \
-                else ()
+            remedies = self._memory_remedies() if out_of_gpu_memory(error) else ()
             raise run_failure(error, self.rank, self.doing, where or "no module",
                               remedies) from error
 
