@@ -8,8 +8,9 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
   (``tower_varlen``), each fused region's compiled kernel against its formula (``fusions``),
   the gated delta-net's kernels (``delta_net``) as mimo's layer calls them
   (``mimo_train.mcore.delta_rule``: flash-linear-attention's where installed, else mimo's torch
-  ones), and a rank's experts as grouped GEMMs against a loop over them
-  (``grouped_experts``); each probe's failure is recorded and the next one still runs.
+  ones), a rank's experts as grouped GEMMs against a loop over them (``grouped_experts``), and
+  torch's AdamW over Qwen2-VL-2B's language model, foreach against fused (``adam``); each
+  probe's failure is recorded and the next one still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
 convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
@@ -385,16 +386,65 @@ def grouped_experts(device: str = "cuda") -> dict:
             "loop_over_grouped": round(loop_ms / grouped_ms, 2)}
 
 
+# Qwen2-VL-2B's language model as megatron-core holds its fp32 main weights: the (tied)
+# embedding, then per layer the fused QKV and its bias (12 query, 2 key-value heads of 128),
+# the output projection, the gated MLP's two matmuls (8960 wide) and two norms
+ADAM_SHAPES = [(151936, 1536)] + 28 * [(2048, 1536), (2048,), (1536, 1536), (17920, 1536),
+                                       (1536, 8960), (1536,), (1536,)]
+
+
+def adam(device: str = "cuda", shapes: list[tuple[int, ...]] = ADAM_SHAPES) -> dict:
+    """torch's AdamW over ``shapes`` (fp32 weights and gradients, weight decay): torch's
+    default on a GPU (foreach), which megatron-core builds without TransformerEngine or apex
+    (what mimo's optimizers run), against torch's fused update (one kernel): each one's ms a
+    step, its peak memory above the weights, gradients and moments it holds (foreach: a copy of
+    the second moments), and the fused weights' largest difference from the foreach ones after
+    the same steps, relative to the largest change the steps made."""
+    torch.manual_seed(0)
+    start = [torch.randn(shape, device=device) * 0.02 for shape in shapes]
+    grads = [torch.randn_like(w) * 1e-3 for w in start]
+    cuda = device == "cuda"
+
+    def run(fused: bool):
+        weights = [w.clone().requires_grad_() for w in start]
+        for weight, grad in zip(weights, grads):
+            weight.grad = grad
+        optimizer = torch.optim.AdamW(weights, lr=1e-4, weight_decay=0.1, fused=fused,
+                                      foreach=not fused)
+        optimizer.step()                                # makes the moments
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated() if cuda else 0
+        began = time.perf_counter()
+        for _ in range(5):
+            optimizer.step()
+        if cuda:
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - began) / 5 * 1e3
+        extra = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
+        return [w.detach() for w in weights], ms, extra
+    foreach, foreach_ms, foreach_extra = run(False)
+    fused, fused_ms, fused_extra = run(True)
+    change = max((w - s).abs().max().item() for w, s in zip(foreach, start))
+    difference = max((a - b).abs().max().item() for a, b in zip(fused, foreach)) / change
+    return {"ok": difference < 1e-3, "parameters": sum(w.numel() for w in start),
+            "max_rel_diff": difference, "foreach_ms": round(foreach_ms, 2),
+            "fused_ms": round(fused_ms, 2), "foreach_over_fused": round(foreach_ms / fused_ms, 2),
+            "foreach_step_extra_mib": foreach_extra and round(foreach_extra),
+            "fused_step_extra_mib": fused_extra and round(fused_extra)}
+
+
 def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
                 for name in ("nccl", "cuda_events", "varlen_kernel", "tower_varlen",
-                             "fusions", "delta_net", "grouped_experts")}
+                             "fusions", "delta_net", "grouped_experts", "adam")}
     found = {}
     for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
                         ("tower_varlen", tower_varlen), ("fusions", fusions),
                         ("delta_net", delta_net),
-                        ("grouped_experts", grouped_experts)):
+                        ("grouped_experts", grouped_experts), ("adam", adam)):
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end
