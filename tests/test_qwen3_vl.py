@@ -383,6 +383,11 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, la
             start, trained = published[key].float(), weights[0][key]
             assert torch.equal(trained[4:], start[4:]), key          # no token, no update
             assert (trained[:4] - start[:4]).abs().amax(dim=(1, 2)).min() > 1e-4, key
+        # the routers to 5e-5: Adam scales each update by its own gradient's size, and a
+        # router's gradients are small sums that cancel, so the layouts' summation order shows
+        # most there (1.5e-5 under torch's fused AdamW, 7.6e-6 under its default; an ep2
+        # resume of the same run gives every weight bit for bit)
         for key, tensor in weights[0].items():
-            torch.testing.assert_close(weights[1][key], tensor, rtol=0, atol=1e-5, msg=key)
+            torch.testing.assert_close(weights[1][key], tensor, rtol=0, msg=key,
+                                       atol=5e-5 if key.endswith("mlp.gate.weight") else 1e-5)
 

@@ -490,8 +490,8 @@ def _resumed(language, directory: str, tolerant: bool):
 
 
 def test_every_other_patch_is_tested():
-    from mimo_train.mcore import async_save, distributed_optimizer
-    public = {name for module in (async_save, distributed_optimizer)
+    from mimo_train.mcore import async_save, distributed_optimizer, fused_adam
+    public = {name for module in (async_save, distributed_optimizer, fused_adam)
               for name, value in vars(module).items() if inspect.isfunction(value)
               and value.__module__ == module.__name__ and not name.startswith("_")}
     tested = {name[len("test_"):] for name in globals() if name.startswith("test_")}
@@ -580,6 +580,69 @@ def test_unshare_steps(language, saved):
     _step(ddp, optimizer)
     assert {float(s["step"]) for s in _torch_adam(optimizer).state.values()} == {3.0}
     assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), uninterrupted))
+
+
+def test_torch_adams(language):
+    """The torch Adam of each part of a megatron-core optimizer: the distributed one's, the
+    plain fp32 one's; none of another torch optimizer."""
+    from mimo_train.mcore import MegatronOptimizerConfig, get_megatron_optimizer
+    from mimo_train.mcore.fused_adam import torch_adams
+    from mimo_train.mcore.grids import optimizer_groups
+
+    ddp, distributed = _optimizer(language)
+    assert torch_adams(distributed) == [(distributed.chained_optimizers[0],
+                                         _torch_adam(distributed))]
+    ddp = _ddp(language)
+    for kind, found in (("adam", torch.optim.AdamW), ("sgd", None)):
+        plain = get_megatron_optimizer(MegatronOptimizerConfig(optimizer=kind, lr=0.1), [ddp],
+                                       pg_collection=optimizer_groups(language.grid),
+                                       use_gloo_process_groups=False)
+        adams = [type(adam) for _, adam in torch_adams(plain)]
+        assert adams == ([found] if found else []), kind
+
+
+def test_use_fused_adam(language, saved, monkeypatch):
+    """megatron-core builds torch's AdamW with torch's defaults (here a loop over the
+    parameters, on a GPU foreach kernels and a copy of the second moments). Fused, each step is
+    torch's one fused update (counted), the default's weights within fp32 rounding, the step
+    counts on the parameters' device. A load takes the checkpoint's param groups (saved
+    unfused): fused again after it, the next step is the uninterrupted run's."""
+    from mimo_train.mcore.distributed_optimizer import start_adam_states, unshare_steps
+    from mimo_train.mcore.fused_adam import use_fused_adam
+
+    updates = []
+    kernel = torch._fused_adamw_
+
+    def counted(*args, **kwargs):
+        updates.append(len(args[0]))
+        return kernel(*args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", counted)
+    default_ddp, default = _optimizer(language)
+    ddp, optimizer = _optimizer(language)
+    start_adam_states(optimizer)
+    use_fused_adam(optimizer)
+    adam = _torch_adam(optimizer)
+    assert [(g["fused"], g["foreach"]) for g in adam.param_groups] == [(True, False)] * 2
+    for _ in range(3):
+        _step(default_ddp, default)
+        _step(ddp, optimizer)
+    assert updates == [2, 2] * 3, updates      # one kernel call a param group a step
+    for fused, plain in zip(_weights(ddp), _weights(default_ddp)):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
+    assert all(s["step"].device == p.device and float(s["step"]) == 3.0
+               for p, s in adam.state.items())
+    directory, uninterrupted = saved
+    ddp, optimizer, loaded = _resumed(language, directory, tolerant=True)
+    use_fused_adam(optimizer)
+    optimizer.load_state_dict(loaded)
+    unshare_steps(optimizer)
+    assert not any(g["fused"] for g in _torch_adam(optimizer).param_groups)
+    use_fused_adam(optimizer)
+    updates.clear()
+    _step(ddp, optimizer)
+    assert updates and {float(s["step"]) for s in _torch_adam(optimizer).state.values()} == {3.0}
+    for fused, plain in zip(_weights(ddp), uninterrupted):
+        torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
 
 
 def test_then_in_writer():

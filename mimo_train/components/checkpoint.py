@@ -63,6 +63,7 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
 from mimo_train.mcore.async_save import then_in_writer, use_forked_write_results
 from mimo_train.mcore.gated_delta_net import joined_sections
 from mimo_train.mcore.distributed_optimizer import unshare_steps
+from mimo_train.mcore.fused_adam import use_fused_adam
 
 LATEST = "latest"
 META = "meta.json"
@@ -350,6 +351,7 @@ def load(directory: str, state: TrainingState, meta: dict,
         lr_bounds_as(optimizer, module_optimizer)
         module_optimizer.load_state_dict(optimizer)
         unshare_steps(module_optimizer)
+        use_fused_adam(module_optimizer)          # the checkpoint's groups say otherwise
         if name in reload:
             module_optimizer.reload_model_params()
     changes = {}

@@ -30,6 +30,7 @@ from mimo_train.mcore import (MegatronOptimizerConfig, MimoModel, MimoOptimizer,
                               ModuleOptimizerInfo, OptimizerParamScheduler,
                               get_megatron_optimizer)
 from mimo_train.mcore.distributed_optimizer import start_adam_states, tolerate_partial_states
+from mimo_train.mcore.fused_adam import use_fused_adam
 from mimo_train.mcore.grids import optimizer_groups
 from mimo_train.model.parts import module_of
 from mimo_train.plan import ModulePlan
@@ -91,6 +92,7 @@ def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
             # saved before its first step, resumed from any checkpoint: mcore.distributed_optimizer
             start_adam_states(optimizer)
             tolerate_partial_states(optimizer)
+            use_fused_adam(optimizer)             # one kernel a step: mcore.fused_adam
         infos[name] = ModuleOptimizerInfo(optimizer=optimizer, grid=grid, pg_collection=pgs,
                                           is_active=active)
     return infos

@@ -9,6 +9,7 @@ a private name from here, reads a private attribute of what it gives or patches 
 (tests/test_architecture.py). Here: ``ensure_global_memory_buffer``. Beside it:
 ``cpu_compat`` (CUDA assumptions), ``grids`` (each module's process groups, its optimizer's),
 ``distributed_optimizer`` (its torch Adam's states without TransformerEngine or apex),
+``fused_adam`` (torch's fused AdamW under its optimizers without them),
 ``multi_tensor`` (its gradient norm and clipping on torch's foreach kernels without them),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),

@@ -21,15 +21,13 @@ from __future__ import annotations
 import torch
 
 from mimo_train.mcore import DistributedOptimizer
+from mimo_train.mcore.fused_adam import torch_adams
 
 
 def _torch_adams(optimizer):
     """(distributed optimizer, its torch Adam) for each such part of ``optimizer``."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        adam = getattr(inner, "optimizer", None)
-        if isinstance(inner, DistributedOptimizer) and \
-                isinstance(adam, (torch.optim.Adam, torch.optim.AdamW)):
-            yield inner, adam
+    return [(inner, adam) for inner, adam in torch_adams(optimizer)
+            if isinstance(inner, DistributedOptimizer)]
 
 
 def start_adam_states(optimizer) -> None:

@@ -395,8 +395,8 @@ ADAM_SHAPES = [(151936, 1536)] + 28 * [(2048, 1536), (2048,), (1536, 1536), (179
 
 def adam(device: str = "cuda", shapes: list[tuple[int, ...]] = ADAM_SHAPES) -> dict:
     """torch's AdamW over ``shapes`` (fp32 weights and gradients, weight decay): torch's
-    default on a GPU (foreach), which megatron-core builds without TransformerEngine or apex
-    (what mimo's optimizers run), against torch's fused update (one kernel): each one's ms a
+    default on a GPU (foreach), which megatron-core builds without TransformerEngine or apex,
+    against the fused update mimo asks for (``mimo_train.mcore.fused_adam``): each one's ms a
     step, its peak memory above the weights, gradients and moments it holds (foreach: a copy of
     the second moments), and the fused weights' largest difference from the foreach ones after
     the same steps, relative to the largest change the steps made."""
