@@ -415,14 +415,14 @@ def adam(device: str = "cuda", shapes: list[tuple[int, ...]] = ADAM_SHAPES) -> d
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
-        held = torch.cuda.memory_allocated() if cuda else 0
+        held = torch.cuda.memory_allocated() if cuda else None
         began = time.perf_counter()
         for _ in range(5):
             optimizer.step()
         if cuda:
             torch.cuda.synchronize()
         ms = (time.perf_counter() - began) / 5 * 1e3
-        extra = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
+        extra = (torch.cuda.max_memory_allocated() - held) / 2**20 if held is not None else None
         return [w.detach() for w in weights], ms, extra
     foreach, foreach_ms, foreach_extra = run(False)
     fused, fused_ms, fused_extra = run(True)
@@ -431,8 +431,8 @@ def adam(device: str = "cuda", shapes: list[tuple[int, ...]] = ADAM_SHAPES) -> d
     return {"ok": difference < 1e-3, "parameters": sum(w.numel() for w in start),
             "max_rel_diff": difference, "foreach_ms": round(foreach_ms, 2),
             "fused_ms": round(fused_ms, 2), "foreach_over_fused": round(foreach_ms / fused_ms, 2),
-            "foreach_step_extra_mib": foreach_extra and round(foreach_extra),
-            "fused_step_extra_mib": fused_extra and round(fused_extra)}
+            "foreach_step_extra_mib": None if foreach_extra is None else round(foreach_extra),
+            "fused_step_extra_mib": None if fused_extra is None else round(fused_extra)}
 
 
 def kernels() -> dict:
