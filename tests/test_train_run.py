@@ -464,9 +464,9 @@ def _assert_advisor_command(plan, message: str) -> None:
 
 
 def test_a_model_or_optimizer_that_does_not_fit_at_start_up_names_the_advisor():
-    """Out of GPU memory while the model or its optimizer is built (the start-up phases): the
-    error, gathered from the ranks, is torch's and the layout advisor's command for the run;
-    other errors pass as they are."""
+    """Out of GPU memory while the model or its optimizer is built (the start-up phases),
+    torch's or NCCL's: the error, gathered from the ranks, is its cause and the layout
+    advisor's command for the run; other errors pass as they are."""
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
     from mimo_train.training.trainer import Trainer
@@ -484,6 +484,18 @@ def test_a_model_or_optimizer_that_does_not_fit_at_start_up_names_the_advisor():
     assert message.startswith(f"{TORCH_OOM}; the layout advisor says which layouts and "
                               "settings fit: mimo-inspect plan "), message
     _assert_advisor_command(plan, message)
+    # NCCL out of memory as the build's first collectives make its buffers: the same, its
+    # lines as one (the phase gathers one line a rank)
+    with pytest.raises(torch.OutOfMemoryError) as stopped:
+        trainer._sized(build, torch.distributed.DistBackendError(NCCL_OOM))
+    message = str(stopped.value)
+    assert message.startswith("; ".join(NCCL_OOM.splitlines()) + "; the layout advisor says "
+                              "which layouts and settings fit: mimo-inspect plan "), message
+    _assert_advisor_command(plan, message)
+    lost = torch.distributed.DistBackendError(NCCL_OOM.replace("out of memory", "unspecified"))
+    with pytest.raises(torch.distributed.DistBackendError) as stopped:
+        trainer._sized(build, lost)
+    assert stopped.value is lost
     with pytest.raises(ValueError, match="^not a memory error$"):
         trainer._sized(build, ValueError("not a memory error"))
 

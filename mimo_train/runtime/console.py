@@ -221,18 +221,22 @@ def out_of_gpu_memory(error: Exception) -> bool:
         isinstance(error, dist.DistError) and bool(_NCCL_OUT_OF_MEMORY.search(str(error))))
 
 
+def memory_cause(error: Exception) -> str:
+    """An ``out_of_gpu_memory`` error's message as one line: NCCL's cause is in its last
+    lines, joined to the others with "; "."""
+    return "; ".join(line.strip() for line in _message(error).splitlines() if line.strip())
+
+
 def run_failure(error: Exception, rank_: int, doing: str, where: str,
                 memory_remedies: Sequence[str] = ()) -> RunError:
     """``error``, raised on rank ``rank_`` (holding ``where``) while ``doing`` (e.g. "step 4"),
     as the one message the job prints. mimo's own errors and OSError name their cause in
     their message, the GPU's memory running out with ``memory_remedies`` (what would lower
     this rank's); any other error is a bug and keeps its traceback."""
-    import torch
     import torch.distributed as dist
     cause = f"{type(error).__name__}: {_message(error)}"
     if out_of_gpu_memory(error):                         # the run's size, not a bug
-        if not isinstance(error, torch.OutOfMemoryError):   # NCCL's lines, as one
-            cause = "; ".join(line.strip() for line in cause.splitlines() if line.strip())
+        cause = f"{type(error).__name__}: {memory_cause(error)}"
         return RunError(f"training stopped in {doing} on rank {rank_} ({where}): out of GPU "
                         f"memory ({cause}); to fit, from this run's settings: " +
                         "; ".join(memory_remedies))

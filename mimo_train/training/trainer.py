@@ -62,7 +62,8 @@ from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.planning.memory_remedies import advisor_command, memory_remedies
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
-from mimo_train.runtime.console import PREFIX, out_of_gpu_memory, phase, run_failure, say
+from mimo_train.runtime.console import (PREFIX, memory_cause, out_of_gpu_memory, phase,
+                                        run_failure, say)
 from mimo_train.runtime.preemption import ExitSignals
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
@@ -296,14 +297,17 @@ class Trainer:
                               remedies) from error
 
     def _sized(self, build, *args):
-        """``build(*args)``; out of GPU memory there, the weights, gradients or optimizer state
-        do not fit this layout: the error names the layout advisor's command."""
+        """``build(*args)``; out of GPU memory there (torch's allocator, or NCCL's buffers as
+        the first collectives make them), the weights, gradients or optimizer state do not
+        fit this layout: the error names the layout advisor's command."""
         try:
             return build(*args)
-        except torch.OutOfMemoryError as error:
+        except Exception as error:
+            if not out_of_gpu_memory(error):
+                raise
             raise torch.OutOfMemoryError(
-                f"{error}; the layout advisor says which layouts and settings fit: "
-                f"{advisor_command(self.plan, self._gpu_name())}") from None
+                f"{memory_cause(error)}; the layout advisor says which layouts and settings "
+                f"fit: {advisor_command(self.plan, self._gpu_name())}") from None
 
     def _gpu_name(self) -> str | None:
         return torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
