@@ -167,8 +167,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    # a whole VLM (Qwen2-VL, Qwen2.5-VL, LLaVA; mimo_train/families/): the image encoder, the
-    # projection and the language model from one checkpoint, unless set below
+    # a whole VLM (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5, LLaVA; mimo_train/families/): the
+    # image encoder, the projection and the language model from one checkpoint, unless set below
     pretrained: str | None = None
     language: LanguageConfig = field(default_factory=LanguageConfig)
     encoders: dict[str, EncoderConfig] = field(default_factory=dict)   # by module name
