@@ -17,6 +17,8 @@ from mimo_train.runtime import profile
 @pytest.mark.parametrize("name, kind", [
     ("nvjet_sm90_tst_128x256_64x4_4x2_h_bz_coopA_NTN", "matmul"),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention"),
+    ("void cudnn::cnn::conv2d_grouped_direct_kernel<float, float, float>", "matmul"),
+    ("aten::convolution_backward", "matmul"),           # the CPU's operator
     ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
     ("Memcpy DtoD (Device -> Device)", "copy"),
     ("void at::native::(anonymous namespace)::CatArrayBatchedCopy<float>", "copy"),

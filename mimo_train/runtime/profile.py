@@ -37,14 +37,16 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-# kernel or operator name -> kind; the first pattern that matches wins
+# kernel or operator name -> kind; the first pattern that matches wins (a convolution is a
+# matmul: cuDNN's and oneDNN's run it as one, and a tower's patch embedding is one)
 KINDS = (
     ("communication", re.compile(r"nccl|gloo|c10d|all_?reduce|all_?gather|reduce_?scatter|"
                                  r"broadcast|all_to_all", re.I)),
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen|chunk_gated_delta|"
                              r"fused_recurrent|delta_rule", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|wgmma|sm\d\d_|addmm|aten::mm$|"
-                          r"aten::bmm|aten::baddbmm|aten::_grouped_mm|matmul|linear", re.I)),
+                          r"aten::bmm|aten::baddbmm|aten::_grouped_mm|matmul|linear|convolution|convolve|"
+                          r"conv[123]d", re.I)),
     ("copy", re.compile(r"memcpy|memset|aten::copy_|aten::to$|aten::_to_copy|aten::cat$|"
                         r"CatArray", re.I)),
 )
