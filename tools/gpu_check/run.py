@@ -506,24 +506,28 @@ def case(check: Check, device: str, work: Workload) -> dict:
             else "full"
     result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
     log = check.work / f"{work.name}.log"
+
+    def again(why: str, into: dict) -> None:
+        """mimo's run failed for ``why`` (its figures and log kept as ``into[why]``): once
+        more, rather than no figures of mimo's."""
+        keep_log(check, log, why)
+        into[why] = result.pop("mimo")
+        result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+
     reason = compile_failure(log) if "error" in result["mimo"] else None
     if reason and not check.compile_env and check.left(150) >= 150:
         # the fused regions' and megatron-core's compiled kernels (inductor, Triton) failed
         # on this machine: this case and the later ones with torch.compile off (the same
-        # formulas run as written), rather than no figures of mimo's
+        # formulas run as written)
         check.compile_env = {"TORCH_COMPILE_DISABLE": "1"}
         check.summary["compile_failed"] = reason
-        keep_log(check, log, "compile_failed")
-        result["compile_failed"] = result.pop("mimo")
-        result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+        again("compile_failed", result)
     if result.get("tower_kept", {}).get("kept") and \
             OUT_OF_MEMORY in result["mimo"].get("error", "") and check.left(150) >= 150:
-        # the advisor's prediction was short: the case's figures with the tower recomputed,
-        # the peer's too (the same config), rather than none
-        keep_log(check, log, "out_of_memory")
-        result["tower_kept"]["out_of_memory"] = result.pop("mimo")
+        # the advisor's prediction was short: the tower recomputed, the peer's run too (the
+        # same config)
         model["encoders"]["image"]["recompute"] = "full"
-        result["mimo"] = mimo_side(check, work, device, config, steps, profiled)
+        again("out_of_memory", result["tower_kept"])
     # what mimo's figures ran with
     result["tower_recompute"] = model["encoders"]["image"]["recompute"]
     result["compiled"] = not check.compile_env
