@@ -19,7 +19,6 @@ import numpy as np
 import soundfile
 import torch
 import torchaudio.functional
-from transformers import WhisperFeatureExtractor
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
@@ -165,6 +164,7 @@ def decode_audio(data: bytes, cfg: AudioConfig) -> np.ndarray:
 def _log_mel_constants(n_mels: int, sample_rate: int, hop_length: int):
     """The extractor's STFT window and mel filter bank ``[n_fft // 2 + 1, n_mels]``, as float32
     tensors, built once per config."""
+    from transformers import WhisperFeatureExtractor    # seconds to import: only where used
     extractor = WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sample_rate,
                                         hop_length=hop_length, n_fft=WHISPER_N_FFT)
     return (torch.hann_window(WHISPER_N_FFT),

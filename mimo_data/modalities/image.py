@@ -28,8 +28,6 @@ import numpy as np
 import pyarrow
 import torch
 from PIL import Image
-from transformers.image_transforms import get_resize_output_image_size
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import (MediaError, MediaItem, Modality, take_grid_rows,
@@ -196,6 +194,9 @@ def image_resized_size(width: int, height: int, cfg: ImageConfig) -> tuple[int, 
         raise ValueError(f"image of {width}x{height} pixels has an aspect ratio above "
                          f"{MAX_ASPECT_RATIO}:1, which the dynamic resize (smart_resize) refuses; "
                          "drop or crop the image")
+    # transformers' import takes seconds (torchvision with it): only where a size is computed,
+    # not in every ``mimo-shard`` command
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
     height, width = smart_resize(height, width, factor=cfg.patch_size * cfg.merge_size,
                                  min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     return width, height
@@ -333,6 +334,7 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
 def _short_side_size(image: Image.Image, side: int) -> tuple[int, int]:
     """``(width, height)`` with the short side ``side``, CLIP's processor's rounding (the
     function transformers' processors call, on a shape-only array)."""
+    from transformers.image_transforms import get_resize_output_image_size   # seconds: here
     shape = np.broadcast_to(np.uint8(0), (3, image.height, image.width))
     height, width = get_resize_output_image_size(shape, side, default_to_square=False,
                                                  input_data_format="channels_first")
