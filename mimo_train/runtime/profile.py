@@ -6,9 +6,10 @@ Chrome trace beside it). ``summarize`` turns a finished profiler into the figure
 the next change, the same for mimo and for any other training measured beside it
 (``tools/gpu_check/peer.py``):
 
-- ``shares``: the share of device time in matmuls, attention, elementwise and norm kernels,
-  communication and copies, and ``idle``: the time between kernels in the profiled wall time
-  (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
+- ``shares``: the share of device time in matmuls (convolutions too), attention, elementwise
+  and norm kernels, communication and copies, and ``idle``: the time between kernels in the
+  profiled wall time (on a GPU; on a CPU the shares are of the operators' own CPU time and
+  there is no idle);
 - ``top``: the kernels (operators on a CPU) with the most time;
 - ``host_reads_per_step``: values read on the host (``.item()`` and friends:
   ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
