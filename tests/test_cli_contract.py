@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import yaml
@@ -73,23 +74,29 @@ def test_single_command_usage_errors_exit_2(capsys, cli, args):
 # what mimo-shard's commands import once their arguments are parsed (mimo_data.shards.cli)
 SHARD_COMMANDS = ["mimo_data.shards.build", "mimo_data.shards.in_place", "mimo_data.shards.info",
                   "mimo_data.shards.verify", "mimo_data.shards.cache_entries"]
+# image (dynamic) and audio; image (fixed, CLIP's short side); video (none in the corpus)
+IMPORT_CONFIGS = ["preprocess.yaml", "preprocess_llava.yaml", "preprocess_qwen2_vl_video.yaml"]
 
 
-def test_importing_the_clis_imports_nothing_heavy():
-    """In a fresh interpreter (what a process imports: not a forked rank's): the CLIs, for
-    ``--help``, import nothing heavy; mimo-shard's commands then import no transformers (seconds
-    with torchvision: only preprocessing computes a token count)."""
-    heavy = "('torch', 'transformers', 'pyarrow', 'webdataset', 'megatron', 'PIL')"
-    code = ("import sys\n" + "".join(f"import {m}\n" for m in
-                                     [*CLIS.values(), *SINGLE_CLIS.values(),
-                                      "mimo_train.inspect_cli"]) +
-            f"print(sorted(m for m in {heavy} if m in sys.modules))\n" +
-            "".join(f"import {m}\n" for m in SHARD_COMMANDS) +
-            f"print(sorted(m for m in {heavy} if m in sys.modules))")
-    result = python(["-c", code]).check()
-    clis, commands = result.stdout.strip().splitlines()
-    assert clis == "[]", result.stdout
-    assert "transformers" not in commands, result.stdout
+def test_importing_the_clis_imports_nothing_heavy(corpus_build):
+    """In a fresh interpreter (what a process imports: not a forked rank's,
+    tests/jobs/imports.py): the CLIs, for ``--help``, import nothing heavy; mimo-shard's
+    commands then import no transformers (seconds and ~80 MiB with torchvision: only
+    preprocessing sizes media); a ``Preprocessor`` imports what its modalities use up front,
+    so preprocessing the corpus's images and audio after it imports nothing more (what the
+    loader's forked workers would each import again)."""
+    configs = [str(REPO / "configs" / name) for name in IMPORT_CONFIGS]
+    asked = {"clis": [*CLIS.values(), *SINGLE_CLIS.values(), "mimo_train.inspect_cli"],
+             "commands": SHARD_COMMANDS, "dataset": str(corpus_build), "every": 5,
+             "configs": configs}
+    result = python([REPO / "tests" / "jobs" / "imports.py", json.dumps(asked)]).check()
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert found["clis"] == [], found
+    assert "transformers" not in found["commands"], found
+    for config in configs:
+        assert found["configs"][config]["imported"] == [], (config, found)
+    counts = [found["configs"][config]["items"] for config in configs]
+    assert counts[0]["image"] and counts[0]["audio"] and counts[1]["image"], found
 
 
 @pytest.mark.parametrize("cli", sorted(CLIS))

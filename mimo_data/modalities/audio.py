@@ -164,7 +164,7 @@ def decode_audio(data: bytes, cfg: AudioConfig) -> np.ndarray:
 def _log_mel_constants(n_mels: int, sample_rate: int, hop_length: int):
     """The extractor's STFT window and mel filter bank ``[n_fft // 2 + 1, n_mels]``, as float32
     tensors, built once per config."""
-    from transformers import WhisperFeatureExtractor    # seconds to import: only where used
+    from transformers import WhisperFeatureExtractor    # where used (``libraries``)
     extractor = WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sample_rate,
                                         hop_length=hop_length, n_fft=WHISPER_N_FFT)
     return (torch.hann_window(WHISPER_N_FFT),
@@ -226,6 +226,7 @@ class AudioModality(Modality):
     member_prefix = "aud"
     extensions = AUDIO_EXTENSIONS
     config_class = AudioConfig
+    libraries = ("transformers.models.whisper.feature_extraction_whisper",)
     item_fields = ("member", "frames", "sample_rate", "duration")
     verified_fields = ("format", "sample_rate", "channels", "frames")
     summary_fields = {"duration": "float64"}

@@ -9,6 +9,7 @@ how ``mimo-inspect`` shows an item. The rest of mimo reaches it through the regi
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, NotRequired, TypedDict
@@ -68,8 +69,17 @@ class Modality(ABC):
     # whether ``take`` can pick items (and ``cut_units`` parts of them) out of encoder inputs:
     # what ``data.split_media`` needs of every modality it spreads over encoder ranks
     takes_parts: ClassVar[bool] = False
+    # modules its sizes and encoder inputs import where they use them, not at the top:
+    # transformers' (seconds and ~80 MiB with torchvision) that no ``mimo-shard`` command needs
+    libraries: ClassVar[tuple[str, ...]] = ()
     ansi_color: ClassVar[str]              # its placeholders in ``mimo-inspect sample``
     html_color: ClassVar[str]              # ... and in the HTML report
+
+    def load_libraries(self) -> None:
+        """Import ``libraries`` now: a process about to preprocess does, so that the workers
+        it forks share them instead of each importing its own."""
+        for name in self.libraries:
+            importlib.import_module(name)
 
     def member(self, item_index: int, fmt: str) -> str:
         """Member suffix (after ``KEY.``) of this modality's ``item_index``-th item."""

@@ -194,8 +194,7 @@ def image_resized_size(width: int, height: int, cfg: ImageConfig) -> tuple[int, 
         raise ValueError(f"image of {width}x{height} pixels has an aspect ratio above "
                          f"{MAX_ASPECT_RATIO}:1, which the dynamic resize (smart_resize) refuses; "
                          "drop or crop the image")
-    # transformers' import takes seconds (torchvision with it): only where a size is computed,
-    # not in every ``mimo-shard`` command
+    # where used (``ImageModality.libraries``): not in every ``mimo-shard`` command
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
     height, width = smart_resize(height, width, factor=cfg.patch_size * cfg.merge_size,
                                  min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
@@ -334,7 +333,7 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
 def _short_side_size(image: Image.Image, side: int) -> tuple[int, int]:
     """``(width, height)`` with the short side ``side``, CLIP's processor's rounding (the
     function transformers' processors call, on a shape-only array)."""
-    from transformers.image_transforms import get_resize_output_image_size   # seconds: here
+    from transformers.image_transforms import get_resize_output_image_size   # (libraries)
     shape = np.broadcast_to(np.uint8(0), (3, image.height, image.width))
     height, width = get_resize_output_image_size(shape, side, default_to_square=False,
                                                  input_data_format="channels_first")
@@ -398,6 +397,8 @@ class ImageModality(Modality):
     member_prefix = "img"
     extensions = IMAGE_EXTENSIONS
     config_class = ImageConfig
+    libraries = ("transformers.image_transforms",
+                 "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
     item_fields = ("member", "width", "height", "orientation")
     verified_fields = ("format", "width", "height", "mode", "orientation")
     summary_fields = {"width": "int32", "height": "int32"}

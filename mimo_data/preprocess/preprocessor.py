@@ -101,6 +101,8 @@ class Preprocessor:
             raise ValueError(f"with_media names {sorted(unknown)}, not configured modalities")
         self.with_media = bool(self.media_modalities)
         self.text = text or TextEncoder(config)
+        for name in config.modalities:          # before any worker is forked: shared
+            MODALITIES[name].load_libraries()
         tokenizer = self.text.tokenizer
         self._wrap_ids = [tokenizer.convert_tokens_to_ids(token)
                           for m in config.modalities.values() for token in m.wrap]

@@ -31,6 +31,8 @@ class VideoModality(Modality):
     member_prefix = "vid"
     extensions = VIDEO_EXTENSIONS
     config_class = VideoConfig
+    libraries = ("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+                 "transformers.models.qwen3_vl.video_processing_qwen3_vl")
     item_fields = ("member", "width", "height", "rotation", "fps", "frames", "duration")
     verified_fields = ("format", "codec", "width", "height", "rotation", "fps", "frames")
     summary_fields = {"width": "int32", "height": "int32", "duration": "float64"}

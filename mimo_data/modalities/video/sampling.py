@@ -98,7 +98,7 @@ def _qwen2_vl_size(width: int, height: int, sampled: int, cfg: FrameSettings
         total_pixels = int(cfg.max_video_tokens * factor * factor * 0.9)
         max_pixels = max(min(max_pixels, total_pixels * cfg.temporal_patch_size // sampled),
                          int(cfg.min_pixels * 1.05))
-    # transformers' import takes seconds: only where a size is computed
+    # where used (``VideoModality.libraries``): not in every ``mimo-shard`` command
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
     height, width = smart_resize(height, width, factor=factor, min_pixels=cfg.min_pixels,
                                  max_pixels=max_pixels)
@@ -131,7 +131,7 @@ def _qwen3_vl_size(width: int, height: int, sampled: int, cfg: FrameSettings
         per_frame = max(min(cfg.max_video_tokens * factor * factor, cfg.max_pixels // sampled),
                         int(cfg.min_pixels * 1.05))
         max_pixels = per_frame * sampled
-    # transformers' import takes seconds: only where a size is computed
+    # where used (``VideoModality.libraries``): not in every ``mimo-shard`` command
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_size
     height, width = clip_size(sampled, height, width,
                                       temporal_factor=cfg.temporal_patch_size, factor=factor,
