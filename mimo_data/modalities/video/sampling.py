@@ -133,9 +133,8 @@ def _qwen3_vl_size(width: int, height: int, sampled: int, cfg: FrameSettings
         max_pixels = per_frame * sampled
     # where used (``VideoModality.libraries``): not in every ``mimo-shard`` command
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as clip_size
-    height, width = clip_size(sampled, height, width,
-                                      temporal_factor=cfg.temporal_patch_size, factor=factor,
-                                      min_pixels=cfg.min_pixels, max_pixels=max_pixels)
+    height, width = clip_size(sampled, height, width, temporal_factor=cfg.temporal_patch_size,
+                              factor=factor, min_pixels=cfg.min_pixels, max_pixels=max_pixels)
     return width, height
 
 
