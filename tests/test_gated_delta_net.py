@@ -230,7 +230,10 @@ def test_fla_is_not_used_where_it_refuses_its_backward(monkeypatch, capsys, hopp
                                                        triton_3_7_1, tilelang, refused):
     """fla 0.6 raises in the gated delta rule's first backward pass on Hopper with Triton 3.4
     to 3.7.0 (its issue #640): mimo takes its torch kernels there, and says why, instead of
-    failing step 1. fla is not installed here: its modules and flags are stand-ins."""
+    failing step 1; megatron-core's layer too (the ``kernels`` patch, needed on a GPU exactly
+    where fla refuses: else the layer calls fla's own kernels). fla is not installed here: its
+    modules and flags are stand-ins, and CUDA is said to be there."""
+    from megatron.core.ssm.gated_delta_net import common
     import importlib.util
     import sys
     import types
@@ -250,12 +253,15 @@ def test_fla_is_not_used_where_it_refuses_its_backward(monkeypatch, capsys, hopp
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if (
         name == "tilelang" and tilelang) else (None if name == "tilelang" else find_spec(name, *a)))
+    monkeypatch.setattr(common, "HAVE_FLA", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     delta_rule._fla.cache_clear()
     try:
         kernels = delta_rule._fla()
+        patched = gdn_patches.PATCHES["kernels"].needed()
     finally:
         delta_rule._fla.cache_clear()
-    assert (kernels is None) == refused
+    assert (kernels is None) == refused and patched == refused
     said = capsys.readouterr().out
     assert ("fla issue #640" in said and "triton>=3.7.1" in said) == refused, said
 

@@ -80,9 +80,14 @@ def fla_refusal() -> str | None:
             "pip install 'triton>=3.7.1' or pip install tilelang")
 
 
+def fla_usable() -> bool:
+    """Whether fla's kernels can train here: importable and not refusing (``fla_refusal``)."""
+    return _fla() is not None
+
+
 def fla_serves(tensor: torch.Tensor) -> bool:
-    """Whether fla's kernels run for ``tensor``: fla importable and the tensor on CUDA."""
-    return tensor.is_cuda and _fla() is not None
+    """Whether fla's kernels run for ``tensor``: fla usable and the tensor on CUDA."""
+    return tensor.is_cuda and fla_usable()
 
 
 def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[int]:

@@ -8,11 +8,14 @@ tests/test_gated_delta_net.py shows the failure and the layer's results with it)
 this module's import, which ``mimo_train.mcore`` makes, so every layer built through the gateway
 is served:
 
-- ``kernels``, when fla is absent or CUDA is: without fla the constructor raises ImportError
-  (``if not HAVE_FLA``) and the module globals its forward calls (``causal_conv1d`` and
-  ``chunk_gated_delta_rule`` bound in ``gdn.py``, ``l2norm`` in ``common.py``) are None; they
-  become ``mcore.delta_rule``'s kernels (fla's where fla serves the tensor, torch ones honouring
-  ``cu_seqlens`` elsewhere). With fla on a GPU megatron-core keeps fla's, unchanged.
+- ``kernels``, when fla is absent, refuses to train here (``delta_rule.fla_refusal``: its
+  backward pass on Hopper with torch 2.11's Triton) or CUDA is: without fla the constructor
+  raises ImportError (``if not HAVE_FLA``) and the module globals its forward calls
+  (``causal_conv1d`` and ``chunk_gated_delta_rule`` bound in ``gdn.py``, ``l2norm`` in
+  ``common.py``) are None; with a refusing fla they are fla's, which raise in the first
+  backward pass. They become ``mcore.delta_rule``'s kernels (fla's where fla serves the
+  tensor, torch ones honouring ``cu_seqlens`` elsewhere). Where fla serves a GPU,
+  megatron-core keeps fla's, unchanged.
 
 On the CPU its ``@jit_fuser`` methods run as written (``cpu_compat``'s ``compiled_methods``).
 A patch of module globals rather than a subclass: the constructor's fla check and the
@@ -59,7 +62,8 @@ from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mimo_train.mcore.delta_rule import causal_conv1d, chunk_gated_delta_rule, l2norm
+from mimo_train.mcore.delta_rule import (causal_conv1d, chunk_gated_delta_rule, fla_usable,
+                                          l2norm)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,10 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "AssertionError: Attribute gated_delta_rule for GDN is not set), and the forward "
           "calls causal_conv1d (gdn.py:214) and l2norm (common.py:411), None too (TypeError: "
           "'NoneType' object is not callable); with fla but no CUDA, fla's Triton kernels get "
-          "CPU tensors",
-          lambda: not common.HAVE_FLA or not torch.cuda.is_available(), _give_kernels),
+          "CPU tensors; with an fla that refuses its backward pass here (Hopper, Triton 3.4 "
+          "to 3.7.0), its kernels raise in the first backward pass",
+          lambda: not common.HAVE_FLA or not torch.cuda.is_available() or not fla_usable(),
+          _give_kernels),
     Patch("contiguous_cut",
           "under context parallelism the layer takes its tokens as Transformer Engine's "
           "load-balanced cut (two chunks per rank, 2·cp per sequence): gdn.py:162 "
