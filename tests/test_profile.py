@@ -103,3 +103,42 @@ def test_cpu_shares_are_the_operators_not_the_python_around_them():
     assert not names & {"PythonDispatchMode", "annotated"}, names
     assert not any(name.startswith("enumerate(DataLoader)") for name in names), names
     assert abs(sum(found["shares"].values()) - 1) < 0.01, found["shares"]
+
+
+def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeypatch):
+    """``Profile`` marks each profiled step (``ProfilerStep#N``; torch marks none without a
+    schedule), and on a GPU the window the shares and ``ms_per_step`` are of runs from the
+    first step's mark to the last's: the host's time before the first kernel and after the
+    last one is idle GPU time (kernels here stand-ins: one CPU run has none)."""
+    import json
+    from types import SimpleNamespace
+
+    from mimo_train.config import ProfileConfig
+    seen: list[str] = []
+    summarize = profile.summarize
+
+    def recorded(profiler, steps, top=8):
+        seen.extend(e.name for e in profiler.events() if e.name.startswith("ProfilerStep"))
+        return summarize(profiler, steps, top)
+    monkeypatch.setattr(profile, "summarize", recorded)
+    run = profile.Profile(ProfileConfig(str(tmp_path), start=2, steps=2), 0,
+                          torch.device("cpu"))
+    for step in range(1, 5):
+        run.before(step)
+        torch.randn(32, 32) @ torch.randn(32, 32)
+        run.after(step)
+    assert seen == ["ProfilerStep*"] * 2, seen       # torch's name for every step's mark
+    written = json.loads((tmp_path / "profile_rank0.json").read_text())
+    assert written["first_step"] == 2 and written["steps"] == 2
+
+    def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+        return SimpleNamespace(name=name, device_type=device, is_user_annotation=False,
+                               time_range=SimpleNamespace(start=start, end=end))
+    cpu = torch.autograd.DeviceType.CPU
+    events = [event("ProfilerStep*", 0, 500, cpu), event("ProfilerStep*", 500, 1000, cpu),
+              event("nvjet_sm90_gemm", 100, 400), event("flash_fwd_kernel", 600, 900),
+              event("ncclDevKernel_AllReduce", 950, 1100)]      # ends after the last mark
+    found = profile.summarize(SimpleNamespace(events=lambda: events), steps=2)
+    # 1100 us from the first mark to the last kernel, 750 busy: 350 idle
+    assert found["ms_per_step"] == 0.55 and found["shares"]["idle"] == round(350 / 1100, 4)
+    assert found["shares"]["matmul"] == round(300 / 1100, 4)

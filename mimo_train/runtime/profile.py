@@ -93,9 +93,11 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         device = "cuda"
         timed = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
         busy = _union([(s, t) for _, s, t in timed])
-        marks = [e for e in events if e.name.startswith("ProfilerStep#")]
-        window = (max(e.time_range.end for e in marks) - min(e.time_range.start for e in marks)
-                  if marks else max(t for _, _, t in timed) - min(s for _, s, _ in timed))
+        # the steps' wall time (their marks, ``Profile``'s) and the kernels that end after it
+        spans = [(s, t) for _, s, t in timed] + [
+            (e.time_range.start, e.time_range.end) for e in events
+            if e.name.startswith("ProfilerStep")]          # torch reads "#N" as "*"
+        window = max(t for _, t in spans) - min(s for s, _ in spans)
         own: dict[str, float] = {}
         for name, start, stop in timed:
             own[name] = own.get(name, 0.0) + (stop - start)
@@ -239,24 +241,38 @@ class Profile:
         self.window, self.rank, self.device = window, rank, device
         self.profiler: torch.profiler.profile | None = None
         self.syncs: SyncSites | None = None
+        self.mark: torch.profiler.record_function | None = None
         self.done = 0
 
     def before(self, step: int) -> None:
-        if self.window is None or step != self.window.start or self.profiler is not None:
+        if self.window is None:
             return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-            torch.cuda.synchronize(self.device)
-        self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
-        self.profiler.__enter__()
-        if self.device.type == "cuda" or self.window.waits:
-            self.syncs = (SyncSites() if self.device.type == "cuda" else HostWaits()).__enter__()
+        if self.profiler is None:
+            if step != self.window.start or self.done:
+                return
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+                torch.cuda.synchronize(self.device)
+            self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
+            self.profiler.__enter__()
+            if self.device.type == "cuda" or self.window.waits:
+                self.syncs = (SyncSites() if self.device.type == "cuda"
+                              else HostWaits()).__enter__()
+        # each step's range, which summarize's window spans: torch.profiler marks steps
+        # (ProfilerStep#N) only under a schedule, which a window of consecutive steps needs not
+        self.mark = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self.mark.__enter__()
+
+    def _unmark(self) -> None:
+        if self.mark is not None:
+            self.mark.__exit__(None, None, None)
+            self.mark = None
 
     def after(self, step: int) -> None:
         if self.profiler is None or self.window is None:
             return
-        self.profiler.step()
+        self._unmark()
         self.done += 1
         if self.done == self.window.steps:
             self.finish()
@@ -265,6 +281,7 @@ class Profile:
         """Stop and write (also when the run ends before the window's last step)."""
         if self.profiler is None or self.window is None:
             return
+        self._unmark()
         if self.syncs is not None:
             self.syncs.__exit__(None, None, None)
         if self.device.type == "cuda":
