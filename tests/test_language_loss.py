@@ -187,7 +187,8 @@ def test_a_micro_batch_without_trained_tokens(groups):
 def test_the_host_count_of_trained_tokens_is_taken_once(groups):
     """The trainer's forward step hands the loss the micro-batch's labels on the host
     (``HostLabels``): the same loss from their count (no device read), taken once; a count
-    the labels do not hold is refused on the CPU, not answered with other rows."""
+    the labels do not hold, fewer or more, is refused (an assertion that on a GPU the host does
+    not wait for), not answered with other rows."""
     plain, chunked = _pair(groups, 0, False, ROWS)
     hidden, labels, mask = _batch(ROWS)
     expected = _forward(plain, hidden, labels, megatron=True) * mask
@@ -198,7 +199,12 @@ def test_the_host_count_of_trained_tokens_is_taken_once(groups):
     wrong = labels.clone()
     wrong[0, 5] = -100                  # one trained token fewer than the device's labels
     chunked.host_labels.labels = wrong
-    with pytest.raises(RuntimeError, match="told 19 trained tokens, its labels hold 20"):
+    with pytest.raises(RuntimeError, match="told 19 trained tokens, its labels hold another"):
+        _forward(chunked, hidden, labels)
+    wrong = labels.clone()
+    wrong[wrong == -100] = 3            # every token trained: more than the device's labels
+    chunked.host_labels.labels = wrong
+    with pytest.raises(RuntimeError, match=f"told {wrong.numel()} trained tokens, its labels"):
         _forward(chunked, hidden, labels)
 
 

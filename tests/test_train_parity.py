@@ -328,7 +328,8 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     run then trains one step that does not log: mimo_train's own code reads no tensor value on
     the host in it but for what stays on the host: the clip lengths the Whisper encoder keeps
     there, the loader's labels the loss counts its trained tokens from (``HostLabels``), the
-    loss's check of that count on the CPU (``_held_on_cpu``, which a GPU run skips), and the
+    loss's check of that count (``_check_count``: on a GPU an assertion the host does not
+    wait for; on the CPU torch reads it at once), and the
     image tower's split of its items under sdpa by their boundaries, which its encoder keeps
     on the host (``FusedRotaryAttention``; under varlen they go to the kernel). Its
     ``torch.nonzero`` (a wait, when no host count is given) is not among them."""
@@ -343,7 +344,7 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
         compare(reference, other, f"one process, sdpa, packing {packing}")
     (rank,) = other["ranks"]
     ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
-    host = ("WhisperAudio.forward", "HostLabels.take", "_held_on_cpu",
+    host = ("WhisperAudio.forward", "HostLabels.take", "_check_count",
             "FusedRotaryAttention.forward")
     assert ours and all(site.endswith(host) for site in ours), rank["host_reads"]
     assert any(site.endswith("HostLabels.take") for site in ours), ours

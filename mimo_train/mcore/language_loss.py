@@ -128,10 +128,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             picked_rows = torch.nonzero(mask).squeeze(1)
         else:
             picked_rows = torch.nonzero_static(mask, size=count).squeeze(1)
-            held = _held_on_cpu(mask, count)
-            if held != count:
-                raise RuntimeError(f"the loss was told {count} trained tokens, its labels hold "
-                                   f"{held}: this is a bug in mimo, report it")
+            _check_count(mask, count)
         xs, ts = x.index_select(0, picked_rows), target.index_select(0, picked_rows)
         n = xs.size(0)
         chunk = chunk or max(n, 1)                  # 0: all of them at once
@@ -208,10 +205,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None
 
 
-def _held_on_cpu(mask: torch.Tensor, count: int) -> int:
-    """The trained rows ``mask`` holds where it is on the host (the CPU: a check for free),
-    else ``count`` (a GPU's would wait)."""
-    return int(mask.sum()) if mask.device.type == "cpu" else count
+def _check_count(mask: torch.Tensor, count: int) -> None:
+    """That ``mask`` holds the ``count`` trained rows the host counted, without the host
+    waiting for a GPU (torch's asynchronous assertion: a GPU's stops the run at its next sync
+    with a device-side assert; the CPU's raises at once). A count too high would index past
+    the trained rows; too low, drop some without a word."""
+    torch._assert_async(mask.sum() == count,
+                        f"the loss was told {count} trained tokens, its labels hold another "
+                        f"number: this is a bug in mimo, report it")
 
 
 def _all_reduce(tensor: torch.Tensor, group, op) -> None:
