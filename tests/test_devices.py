@@ -8,7 +8,11 @@ distributed.py).
 - the control group is a gloo group of its own, and it times out: a rank that never joins a
   control collective makes the others fail after ``train.collective_timeout_minutes`` with
   torch's timeout error, not hang (two ranks forked as torchrun would start them). Start-up
-  failures travel over it in every case of tests/test_train_startup.py.
+  failures travel over it in every case of tests/test_train_startup.py;
+- ranks on different kinds of device (a node without usable GPUs in a GPU job) all join gloo
+  and stop at start-up with one message naming which ranks are on which, instead of waiting
+  in NCCL's and gloo's set-up for each other until the timeout (two forked ranks, one of
+  them said to have a GPU).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import textwrap
 
 import torch
+
+from conftest import REPO
 
 from mimo_train.runtime import devices
 from mimo_train.errors import TrainConfigError
@@ -131,6 +137,40 @@ def test_a_rank_that_never_joins_times_out_the_others(ranks, tmp_path):
     assert job.codes[0] != 0, job.explain()
     assert "rank 0 gave up:" in output and "gathered without" not in output, job.explain()
     assert "timed out" in output.lower() or "timeout" in output.lower(), job.explain()
+
+
+def test_ranks_on_one_kind_of_device_are_not_mixed():
+    assert devices.mixed(None) is None and devices.mixed(["cuda"] * 4) is None
+    assert devices.mixed(["cpu", "cpu"]) is None
+    error = devices.mixed(["cuda", "cuda", "cpu", "cpu"])
+    assert isinstance(error, TrainConfigError)
+    assert "rank(s) [2, 3] on cpu; rank(s) [0, 1] on cuda" in str(error), error
+
+
+MIXED_DEVICES = textwrap.dedent("""
+    import os, sys
+    import torch
+    from mimo_train.cli import main
+    from mimo_train.runtime import devices
+    if os.environ["RANK"] == "1":         # this rank's node has a GPU (said: there is none here)
+        devices.select = lambda setting, state: (torch.device("cuda", 0), None)
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_ranks_on_different_devices_stop_at_start_up_with_one_message(ranks, tmp_path,
+                                                                       corpus_build):
+    """Rank 0 on the CPU, rank 1 on a GPU: both join gloo (rank 1 touches no CUDA: there is
+    none here), and the start-up's device phase names the ranks of each kind."""
+    script = tmp_path / "mixed_devices.py"
+    script.write_text(MIXED_DEVICES)
+    config = REPO / "configs" / "train" / "images_language_colocated.yaml"
+    job = ranks.run(2, [script, "--config", config, f"data.datasets=[{corpus_build}]",
+                        "train.device=cpu"], tmp_path / "logs", timeout=120)
+    assert len(job.codes) == 2 and all(job.codes), job.explain()
+    assert "mimo_train start-up failed (device)" in job.stderr, job.explain()
+    assert "rank(s) [0] on cpu; rank(s) [1] on cuda" in job.stderr, job.explain()
+    assert not any("Traceback" in printed for printed in job.ranks.values()), job.explain()
 
 
 def test_checkpoint_rng_states_carry_cuda_where_it_runs(monkeypatch):

@@ -4,7 +4,8 @@
 are visible (``/dev/nvidia<N>`` or ``/proc/driver/nvidia/gpus``, not hidden by
 ``CUDA_VISIBLE_DEVICES``) but where CUDA does not start (the torch wheel is a CUDA build that
 needs a recent enough driver: a CUDA 13.0 wheel needs driver 580 or newer) is an error naming
-torch's reason, the driver and the wheel, and the ways out, never a silent CPU run.
+torch's reason, the driver and the wheel, and the ways out, never a silent CPU run. The
+ranks of a job train on one kind of device (``mixed``).
 """
 
 from __future__ import annotations
@@ -112,3 +113,19 @@ def select(setting: str, state: CudaState) -> tuple[torch.device, Exception | No
     if setting == "auto" and problem:
         return torch.device("cpu"), TrainConfigError(f"train.device is auto: {problem}")
     return torch.device("cpu"), None
+
+
+def mixed(kinds: list[str] | None) -> TrainConfigError | None:
+    """An error where the ranks' devices (``distributed.device_types``) are not all of one kind:
+    a node without usable GPUs in a job of GPU nodes (``auto`` takes its CPU; a node whose CUDA
+    failed says why in its own line)."""
+    if not kinds or len(set(kinds)) == 1:
+        return None
+    by_kind: dict[str, list[int]] = {}
+    for rank, kind in enumerate(kinds):
+        by_kind.setdefault(kind, []).append(rank)
+    found = "; ".join(f"rank(s) {ranks} on {kind}" for kind, ranks in sorted(by_kind.items()))
+    return TrainConfigError(
+        f"the ranks are on different kinds of device ({found}): every rank trains on its own "
+        "GPU or every rank on the CPU; make the GPUs of the other ranks' nodes usable "
+        "(nvidia-smi there), or start the job on nodes that have them")

@@ -9,6 +9,11 @@ error still joins it and every rank prints one message, where the NCCL default g
 leave the others waiting for its watchdog (and make each object a device round trip). Both
 groups time out after ``train.collective_timeout_minutes`` (the trainer gives the modules'
 groups the same): a collective that a rank never joins fails with an error instead of hanging.
+
+Before joining, the ranks tell each other their device through torchrun's store
+(``device_types``): NCCL only where every rank has its GPU, else gloo on every rank, so that a
+job whose nodes differ (one without usable GPUs) can say so (``devices.mixed``) instead of its
+GPU ranks waiting in NCCL's set-up and the others in gloo's until the timeout.
 """
 
 from __future__ import annotations
@@ -24,22 +29,52 @@ import torch
 import torch.distributed as dist
 
 _control: dist.ProcessGroup | None = None
+# torchrun's store key of a rank's device type, per attempt and per join of this process
+_DEVICE_KEY = "mimo_train/device/{attempt}/{join}/{rank}"
+_joins = 0
 
 
-def init(device: torch.device, timeout: timedelta | None = None) -> None:
+def init(device: torch.device, timeout: timedelta | None = None) -> list[str] | None:
     """Join the ``torchrun`` job (env://), or start a one-process group without torchrun,
     unless the process is in a job already; then make the control group if it has none
-    (collective)."""
+    (collective). Returns every rank's device type where it joined a torchrun job of several
+    ranks (``device_types``), else None."""
     global _control
     kwargs: dict = {} if timeout is None else {"timeout": timeout}
+    kinds = None
     if not dist.is_initialized():
-        _join("nccl" if device.type == "cuda" else "gloo", device, kwargs)
+        kinds = device_types(device, timeout or timedelta(minutes=10))
+        on_gpus = set(kinds or [device.type]) == {"cuda"}
+        _join("nccl" if on_gpus else "gloo", device, kwargs)
+    elif device.type == "cuda":         # a job joined by the caller: megatron-core allocates
+        torch.cuda.set_device(device)   # on the current device
     if _control is None:
         _control = dist.new_group(backend="gloo", **kwargs)
+    return kinds
+
+
+def device_types(device: torch.device, timeout: timedelta) -> list[str] | None:
+    """Every rank's device type (``cuda``, ``cpu``) in rank order, through torchrun's agent
+    store before any process group exists (no collective); None outside a torchrun job of
+    several ranks, or under a launcher without an agent store (whose store rank 0's process
+    group makes)."""
+    global _joins
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    _joins += 1
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    keys = [_DEVICE_KEY.format(attempt=attempt, join=_joins, rank=rank)
+            for rank in range(int(os.environ["WORLD_SIZE"]))]
+    store.set(keys[int(os.environ["RANK"])], device.type)
+    store.wait(keys)
+    return [value.decode() for value in store.multi_get(keys)]
 
 
 def _join(backend: str, device: torch.device, kwargs: dict) -> None:
-    if device.type == "cuda":
+    if backend == "nccl":
         # With NCCL, binding the group to this rank's GPU tells barrier() (checkpoint saves)
         # which device to use instead of guessing (torch warns at every barrier otherwise).
         torch.cuda.set_device(device)

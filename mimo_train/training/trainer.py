@@ -96,10 +96,10 @@ class Trainer:
         start = time.perf_counter()
         self.device, problem = devices.select(cfg.train.device, devices.probe())
         timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
-        distributed.init(self.device, timeout)
+        kinds = distributed.init(self.device, timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
-              lambda: _raise(problem), start)
+              lambda: _raise(problem or devices.mixed(kinds)), start)
         self.preprocess, self.layout = plan.preprocess, plan.layout
         self.text, self.vocabulary = phase(
             "config", "config, tokenizer and shards checked", self._read_config)
