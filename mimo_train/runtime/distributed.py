@@ -120,8 +120,10 @@ def broadcast(value, src: int = 0):
 
 
 def barrier() -> None:
-    """Wait for every rank, over the control group."""
-    dist.barrier(group=_control)
+    """Wait for every rank, over the control group: an all-reduce of a host tensor, since
+    torch's barrier on a group bound to a GPU (the control group takes the default group's
+    device) makes a tensor on that GPU, which a rank in a CUDA error cannot."""
+    maximum(0)
 
 
 def maximum(value: int) -> int:
