@@ -86,7 +86,7 @@ def test_cases_train_the_same_batches_with_figures(summary):
     first = []
     for name in RUN:
         case = cases[name]["mimo"]
-        assert "error" not in case and case["steps"] == 3, (name, case)
+        assert "error" not in case and case["steps"] == 2, (name, case)
         assert all(math.isfinite(loss) for loss in case["losses"])
         assert case["median_seconds"] > 0 and case["median_tflops_per_gpu"] > 0, (name, case)
         assert case["median_memory_mib"] > 0 and case["peak_gpu_mib"] is None
@@ -97,7 +97,7 @@ def test_cases_train_the_same_batches_with_figures(summary):
         assert sum(v for k, v in parts.items() if k != "total") == pytest.approx(
             parts["total"], abs=0.03), parts
         peaks = case["memory_mib_by_step"]
-        assert len(peaks) == 3 and peaks == sorted(peaks), peaks    # a peak since the start
+        assert len(peaks) == 2 and peaks == sorted(peaks), peaks    # a peak since the start
         assert case["memory_error"] == round(case["predicted_mib"] / peaks[-1] - 1, 4)
         if cases[name]["packed"] and name != "lora_7b_packed_8k":     # the 2B model's
             first.append(case["losses"][0])
@@ -108,7 +108,7 @@ def test_cases_train_the_same_batches_with_figures(summary):
 def test_each_case_is_profiled(summary):
     for name in RUN:
         profile = summary["cases"][name]["mimo"]["profile"]
-        assert profile["device"] == "cpu" and profile["steps"] == 1 and profile["first_step"] == 3
+        assert profile["device"] == "cpu" and profile["steps"] == 1 and profile["first_step"] == 2
         # on the CPU the shares are of the operators' own time: they add up, each kind's
         # share holds its operators among the top ones, the matmuls and SDPA's kernels are
         # named as such (which operator leads depends on the machine and its load: a matmul
@@ -146,13 +146,13 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
     assert not {"peer"} & set(cases["packed_8k_local"])         # mimo's kernels alone
     for name in WITH_PEER:
         case, peer = cases[name], cases[name]["peer"]
-        assert "error" not in peer and peer["steps"] == 3 and peer["attention"] == "sdpa", peer
+        assert "error" not in peer and peer["steps"] == 2 and peer["attention"] == "sdpa", peer
         assert peer["profile"]["steps"] == 1 and peer["profile"]["top"], peer
         # the same samples in the same steps: each step's trained tokens, from both records
         ours, theirs = ([json.loads(line)["tokens"] for line in
                          (work / f"{run}.jsonl").read_text().splitlines()
                          if '"loss"' in line] for run in (name, f"{name}_peer"))
-        assert ours == theirs and len(ours) == 3, (name, ours, theirs)
+        assert ours == theirs and len(ours) == 2, (name, ours, theirs)
         # the same weights: transformers' own model on mimo's batches gives mimo's first loss
         # (fp32; the later steps differ: the peer's Adam is torch's, mimo's megatron-core's;
         # with LoRA, PEFT's adapters start at zero as mimo's do)
@@ -191,7 +191,7 @@ def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkey
 
 def _case_failing_once(summary, tmp_path, kept: bool, says: str, fails: bool = True):
     """``packed_8k`` run by ``case`` (its tower kept or not) where mimo's first training stops
-    after 2 steps (or, not ``fails``, runs) with ``says`` in its log and every other training
+    after a step (or, not ``fails``, runs) with ``says`` in its log and every other training
     runs: the case's result, the check, and each training's (script, tower recompute,
     TORCH_COMPILE_DISABLE)."""
     import yaml
@@ -202,12 +202,13 @@ def _case_failing_once(summary, tmp_path, kept: bool, says: str, fails: bool = T
         config = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
         runs.append((argv[0], config["model"]["encoders"]["image"]["recompute"],
                      env.get("TORCH_COMPILE_DISABLE")))
-        steps = 2 if len(runs) == 1 and fails else module.TINY_STEPS
+        failing = len(runs) == 1 and fails
+        steps = module.TINY_STEPS - 1 if failing else module.TINY_STEPS
         Path(argv[argv.index("--records") + 1]).write_text("".join(
             json.dumps({"step": s, "loss": 2.0, "seconds": 1.0, "tokens_per_s": 10.0,
                         "memory_mib": 100.0}) + "\n" for s in range(1, steps + 1)))
         log.write_text(says if len(runs) == 1 else "")
-        return 1 if steps == 2 else 0
+        return 1 if failing else 0
 
     work = Path(summary["shards"]["built"]).parent
     (tmp_path / "work").mkdir(parents=True)
@@ -228,8 +229,8 @@ def test_the_goal_case_recomputes_its_tower_after_running_out_of_memory(summary,
         "allocate 2.00 GiB.); to fit, ...\n")
     assert [run[:2] for run in runs] == [("-m", "none"), ("-m", "full"), (str(PEER), "full")]
     assert "out of GPU memory" in result["tower_kept"]["out_of_memory"]["error"]
-    assert result["tower_kept"]["out_of_memory"]["steps"] == 2
-    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
+    assert result["tower_kept"]["out_of_memory"]["steps"] == 1
+    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 2
     assert result["speedup"] == 1.0
     assert result["tower_recompute"] == "full" and result["compiled"]
     assert "out of GPU memory" in (tmp_path / "work" / "packed_8k_out_of_memory.log").read_text()
@@ -245,8 +246,8 @@ def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_pat
         summary, tmp_path, False, "Traceback (most recent call last):\n" + failure)
     assert runs == [("-m", "full", None), ("-m", "full", "1"), (str(PEER), "full", None)]
     assert check.summary["compile_failed"] == failure.splitlines()[0]
-    assert result["compile_failed"]["steps"] == 2
-    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 3
+    assert result["compile_failed"]["steps"] == 1
+    assert "error" not in result["mimo"] and result["mimo"]["steps"] == 2
     assert check.compile_env == {"TORCH_COMPILE_DISABLE": "1"} and not result["compiled"]
     assert failure in (tmp_path / "work" / "packed_8k_compile_failed.log").read_text()
     # a run that went through, whatever its log says, is not run again

@@ -136,7 +136,9 @@ AUTO_SHARE = 0.85                       # auto: the tower kept when predicted un
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
 # steps of a case: the profiled ones last, the median over those between the warm-up and them
 STEPS, PROFILED, WARM = 7, 2, 2
-TINY_STEPS, TINY_PROFILED = 3, 1
+# tiny: a first step (the optimizer's moments made, the fused regions compiled) and a profiled
+# one; the peer's steps cost ~9 s each on the CPU (every token's logits over the 151,936 words)
+TINY_STEPS, TINY_PROFILED = 2, 1
 
 # A launcher runs ``python ARGV`` (``-m mimo_train ...`` as one torchrun rank, or the peer's
 # script) and returns its exit code: (argv, env, timeout_s, log) -> rc
