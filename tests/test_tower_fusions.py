@@ -209,6 +209,23 @@ def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
     assert len(graphs) == len(names), [graph.code for graph in graphs]
 
 
+def test_a_formula_past_the_recompile_limit_runs_as_written(monkeypatch, capsys):
+    """A formula compiled for more kinds of input than dynamo keeps graphs for (here a limit
+    of one, and two dtypes) runs as written from then on, saying so, instead of stopping the
+    run (torch raises there under fullgraph)."""
+    import torch._dynamo
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    compiler = tower_fusions.Compiler(backend="eager", devices=("cpu",))
+
+    def double(x):              # a code object of its own: dynamo counts graphs per one
+        return x * 2
+    for dtype in (torch.float32, torch.float64):
+        x = torch.arange(3, dtype=dtype)
+        assert torch.equal(compiler(double, x), x * 2)
+    assert compiler.compiled[double] is double
+    assert "double reached torch.compile's recompile limit" in capsys.readouterr().out
+
+
 def test_clip_gets_its_quick_gelu_fused_and_what_mimo_cannot_fuse_is_refused():
     """LLaVA's CLIP tower: QuickGELU fused, its own attention left as it is. A Qwen2.5-VL
     tower MLP with another activation than the published SiLU, and an attention function

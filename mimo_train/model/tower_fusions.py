@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 
 from mimo_train.errors import EncoderBuildError
+from mimo_train.runtime.console import PREFIX, say
 
 QUICK_GELU_SCALE = 1.702
 
@@ -61,7 +62,7 @@ class Compiler:
     written. Each formula is compiled once for every patch count: its sizes are dynamic, and
     its tensors are passed detached, so whether they need a gradient, are parameters or views
     (no-grad evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds
-    what it compiled."""
+    what it compiled (the formula itself once past torch.compile's recompile limit)."""
 
     def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
         self.backend, self.devices = backend, devices
@@ -73,8 +74,16 @@ class Compiler:
         if formula not in self.compiled:
             self.compiled[formula] = torch.compile(formula, backend=self.backend,
                                                    dynamic=True, fullgraph=True)
-        return self.compiled[formula](*(arg.detach() if isinstance(arg, torch.Tensor) else arg
-                                        for arg in args))
+        try:
+            return self.compiled[formula](*(arg.detach() if isinstance(arg, torch.Tensor)
+                                            else arg for arg in args))
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # more kinds of input than dynamo keeps graphs for: with fullgraph torch raises
+            # where it would otherwise run the function as written, which this does from now
+            say(f"{PREFIX}the towers' fused {formula.__name__} reached torch.compile's "
+                "recompile limit: it runs as written from here on (the same results, slower)")
+            self.compiled[formula] = formula
+            return formula(*args)
 
 
 COMPILER = Compiler()
