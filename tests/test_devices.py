@@ -23,7 +23,7 @@ import torch
 
 from conftest import REPO
 
-from mimo_train.runtime import devices
+from mimo_train.runtime import devices, distributed
 from mimo_train.errors import TrainConfigError
 
 OLD_DRIVER = devices.CudaState(
@@ -145,6 +145,11 @@ def test_ranks_on_one_kind_of_device_are_not_mixed():
     error = devices.mixed(["cuda", "cuda", "cpu", "cpu"])
     assert isinstance(error, TrainConfigError)
     assert "rank(s) [2, 3] on cpu; rank(s) [0, 1] on cuda" in str(error), error
+    # a rank that joins only to report its own failure (on the CPU in a GPU job): no mix,
+    # its failure is the message
+    assert devices.mixed(["cuda", distributed.FAILING, "cuda"]) is None
+    assert "rank(s) [0] on cpu; rank(s) [2] on cuda" in str(
+        devices.mixed(["cpu", distributed.FAILING, "cuda"]))
 
 
 MIXED_DEVICES = textwrap.dedent("""

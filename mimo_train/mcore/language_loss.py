@@ -210,6 +210,7 @@ def _check_count(mask: torch.Tensor, count: int) -> None:
     waiting for a GPU (torch's asynchronous assertion: a GPU's stops the run at its next sync
     with a device-side assert; the CPU's raises at once). A count too high would index past
     the trained rows; too low, drop some without a word."""
+    # (CUDA's assertion takes a message of at most 255 characters)
     torch._assert_async(mask.sum() == count,
                         f"the loss was told {count} trained tokens, its labels hold another "
                         f"number: this is a bug in mimo, report it")

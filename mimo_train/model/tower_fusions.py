@@ -74,16 +74,16 @@ class Compiler:
         if formula not in self.compiled:
             self.compiled[formula] = torch.compile(formula, backend=self.backend,
                                                    dynamic=True, fullgraph=True)
+        detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
         try:
-            return self.compiled[formula](*(arg.detach() if isinstance(arg, torch.Tensor)
-                                            else arg for arg in args))
+            return self.compiled[formula](*detached)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             # more kinds of input than dynamo keeps graphs for: with fullgraph torch raises
             # where it would otherwise run the function as written, which this does from now
             say(f"{PREFIX}the towers' fused {formula.__name__} reached torch.compile's "
                 "recompile limit: it runs as written from here on (the same results, slower)")
             self.compiled[formula] = formula
-            return formula(*args)
+            return formula(*detached)
 
 
 COMPILER = Compiler()

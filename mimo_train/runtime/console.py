@@ -184,7 +184,7 @@ def fail_before_setup(phase_name: str, error: Exception) -> int:
     import torch
 
     from mimo_train.runtime import distributed
-    distributed.init(torch.device("cpu"))
+    distributed.init(torch.device("cpu"), failing=True)
 
     def fail():
         raise error

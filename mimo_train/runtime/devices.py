@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_train.errors import TrainConfigError
+from mimo_train.runtime.distributed import FAILING
 
 # The oldest Linux driver branch each CUDA major version runs on (minor-version compatibility;
 # NVIDIA's CUDA toolkit release notes, table 3).
@@ -118,12 +119,14 @@ def select(setting: str, state: CudaState) -> tuple[torch.device, Exception | No
 def mixed(kinds: list[str] | None) -> TrainConfigError | None:
     """An error where the ranks' devices (``distributed.device_types``) are not all of one kind:
     a node without usable GPUs in a job of GPU nodes (``auto`` takes its CPU; a node whose CUDA
-    failed says why in its own line)."""
-    if not kinds or len(set(kinds)) == 1:
-        return None
+    failed says why in its own line). Ranks that joined only to report their own failure
+    (``distributed.FAILING``) are not counted: their failure is the message."""
     by_kind: dict[str, list[int]] = {}
-    for rank, kind in enumerate(kinds):
-        by_kind.setdefault(kind, []).append(rank)
+    for rank, kind in enumerate(kinds or []):
+        if kind != FAILING:
+            by_kind.setdefault(kind, []).append(rank)
+    if len(by_kind) < 2:
+        return None
     found = "; ".join(f"rank(s) {ranks} on {kind}" for kind, ranks in sorted(by_kind.items()))
     return TrainConfigError(
         f"the ranks are on different kinds of device ({found}): every rank trains on its own "

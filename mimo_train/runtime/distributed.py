@@ -31,19 +31,23 @@ import torch.distributed as dist
 _control: dist.ProcessGroup | None = None
 # torchrun's store key of a rank's device type, per attempt and per join of this process
 _DEVICE_KEY = "mimo_train/device/{attempt}/{join}/{rank}"
+FAILING = "failing"         # the device kind of a rank that joins to report a failure
 _joins = 0
 
 
-def init(device: torch.device, timeout: timedelta | None = None) -> list[str] | None:
+def init(device: torch.device, timeout: timedelta | None = None,
+         failing: bool = False) -> list[str] | None:
     """Join the ``torchrun`` job (env://), or start a one-process group without torchrun,
     unless the process is in a job already; then make the control group if it has none
     (collective). Returns every rank's device type where it joined a torchrun job of several
-    ranks (``device_types``), else None."""
+    ranks (``device_types``), else None. ``failing``: this rank joins only to report a failure
+    (on the CPU, its device said as ``FAILING``)."""
     global _control
     kwargs: dict = {} if timeout is None else {"timeout": timeout}
     kinds = None
     if not dist.is_initialized():
-        kinds = device_types(device, timeout or timedelta(minutes=10))
+        kinds = device_types(FAILING if failing else device.type,
+                             timeout or timedelta(minutes=10))
         on_gpus = set(kinds or [device.type]) == {"cuda"}
         _join("nccl" if on_gpus else "gloo", device, kwargs)
     elif device.type == "cuda":         # a job joined by the caller: megatron-core allocates
@@ -53,24 +57,31 @@ def init(device: torch.device, timeout: timedelta | None = None) -> list[str] | 
     return kinds
 
 
-def device_types(device: torch.device, timeout: timedelta) -> list[str] | None:
-    """Every rank's device type (``cuda``, ``cpu``) in rank order, through torchrun's agent
-    store before any process group exists (no collective); None outside a torchrun job of
-    several ranks, or under a launcher without an agent store (whose store rank 0's process
-    group makes)."""
+def device_types(kind: str, timeout: timedelta) -> list[str] | None:
+    """Every rank's ``kind`` (its device type, ``cuda`` or ``cpu``, or ``FAILING``) in rank
+    order, through torchrun's agent store before any process group exists (no collective);
+    None outside a torchrun job of several ranks, or under a launcher without an agent store
+    (whose store rank 0's process group makes). The last rank to read them deletes them: an
+    elastic job's next round (a node replaced) restarts the ranks with the same keys."""
     global _joins
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or \
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ or \
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     _joins += 1
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                           is_master=False, timeout=timeout)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    world = int(os.environ["WORLD_SIZE"])
     keys = [_DEVICE_KEY.format(attempt=attempt, join=_joins, rank=rank)
-            for rank in range(int(os.environ["WORLD_SIZE"]))]
-    store.set(keys[int(os.environ["RANK"])], device.type)
+            for rank in range(world)]
+    store.set(keys[int(os.environ["RANK"])], kind)
     store.wait(keys)
-    return [value.decode() for value in store.multi_get(keys)]
+    kinds = [value.decode() for value in store.multi_get(keys)]
+    read = _DEVICE_KEY.format(attempt=attempt, join=_joins, rank="read")
+    if store.add(read, 1) == world:
+        for key in [*keys, read]:
+            store.delete_key(key)
+    return kinds
 
 
 def _join(backend: str, device: torch.device, kwargs: dict) -> None:

@@ -7,9 +7,9 @@ the next change, the same for mimo and for any other training measured beside it
 (``tools/gpu_check/peer.py``):
 
 - ``shares``: the share of device time in matmuls (convolutions too), attention, elementwise
-  and norm kernels, communication and copies, and ``idle``: the time between kernels in the
-  profiled wall time (on a GPU; on a CPU the shares are of the operators' own CPU time and
-  there is no idle);
+  and norm kernels, communication and copies, and ``idle``: the profiled steps' wall time no
+  kernel covers, the host's time before a step's first kernel and after its last included
+  (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
 - ``top``: the kernels (operators on a CPU) with the most time;
 - ``host_reads_per_step``: values read on the host (``.item()`` and friends:
   ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
