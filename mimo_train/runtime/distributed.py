@@ -68,9 +68,7 @@ def device_types(kind: str, timeout: timedelta) -> list[str] | None:
             os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     _joins += 1
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store, attempt = _agent_store(timeout)
     world = int(os.environ["WORLD_SIZE"])
     keys = [_DEVICE_KEY.format(attempt=attempt, join=_joins, rank=rank)
             for rank in range(world)]
@@ -82,6 +80,14 @@ def device_types(kind: str, timeout: timedelta) -> list[str] | None:
         for key in [*keys, read]:
             store.delete_key(key)
     return kinds
+
+
+def _agent_store(timeout: timedelta) -> tuple[dist.TCPStore, str]:
+    """A client of torchrun's store (``MASTER_ADDR``/``MASTER_PORT``), which outlives every
+    rank, and this attempt's number (``--max-restarts`` starts a new one in the same store)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=timeout)
+    return store, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
 
 def _join(backend: str, device: torch.device, kwargs: dict) -> None:
@@ -180,9 +186,8 @@ def claim_failure(message: str, wait_s: float = 0.0) -> bool:
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or "MASTER_ADDR" not in os.environ:
         return True
     try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                              is_master=False, timeout=timedelta(seconds=10))
-        key = _FAILURE_KEY.format(attempt=os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        store, attempt = _agent_store(timedelta(seconds=10))
+        key = _FAILURE_KEY.format(attempt=attempt)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and not store.check([key]):
             time.sleep(0.1)

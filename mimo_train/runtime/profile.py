@@ -248,7 +248,7 @@ class Profile:
         if self.window is None:
             return
         if self.profiler is None:
-            if step != self.window.start or self.done:
+            if step != self.window.start:
                 return
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
