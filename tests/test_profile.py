@@ -6,6 +6,7 @@ in the backward pass too."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -142,3 +143,35 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
     # 1100 us from the first mark to the last kernel, 750 busy: 350 idle
     assert found["ms_per_step"] == 0.55 and found["shares"]["idle"] == round(350 / 1100, 4)
     assert found["shares"]["matmul"] == round(300 / 1100, 4)
+
+
+def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(tmp_path):
+    """A step that raises inside the profiled window (out of memory, a lost peer) leaves no
+    profiler recording and no mode of torch's counting the error's report, and no summary
+    of a step cut short; a run that ends before its window's last step writes what it had."""
+    from mimo_train.config import ProfileConfig
+
+    def window(name: str) -> ProfileConfig:
+        return ProfileConfig(str(tmp_path / name), start=2, steps=3, waits=True)
+
+    with pytest.raises(MemoryError), profile.Profile(window("raised"), 0,
+                                                      torch.device("cpu")) as run:
+        for step in (1, 2):
+            run.before(step)
+            assert torch.autograd.profiler._is_profiler_enabled == (step == 2)
+            assert bool(torch.overrides._get_current_function_mode_stack()) == (step == 2)
+            torch.randn(8, 8) @ torch.randn(8, 8)
+            run.after(step)
+        run.before(3)
+        raise MemoryError("step 3")
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert torch.overrides._get_current_function_mode_stack() == []
+    assert not (tmp_path / "raised").exists()
+
+    with profile.Profile(window("ended"), 0, torch.device("cpu")) as run:
+        for step in (1, 2):
+            run.before(step)
+            torch.randn(8, 8) @ torch.randn(8, 8)
+            run.after(step)
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert json.loads((tmp_path / "ended" / "profile_rank0.json").read_text())["steps"] == 1

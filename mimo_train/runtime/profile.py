@@ -235,7 +235,8 @@ class HostWaits(SyncSites):
 
 class Profile:
     """Steps ``window.start .. + window.steps - 1`` of this rank under torch.profiler:
-    ``before(step)`` before each step, ``after(step)`` after it."""
+    ``before(step)`` before each step, ``after(step)`` after it, within ``with profile:``
+    (the run's steps)."""
 
     def __init__(self, window: Window | None, rank: int, device: torch.device):
         self.window, self.rank, self.device = window, rank, device
@@ -277,16 +278,34 @@ class Profile:
         if self.done == self.window.steps:
             self.finish()
 
-    def finish(self) -> None:
-        """Stop and write (also when the run ends before the window's last step)."""
-        if self.profiler is None or self.window is None:
-            return
+    def __enter__(self) -> Profile:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        """The run's end: the window written (also when the run ended before its last
+        step); after a step that raised, torch's profiler and modes (on CUDA, its sync debug
+        mode) stopped and nothing written: no summary of a step cut short, and no wait for a
+        device that may have failed."""
+        if kind is None:
+            self.finish()
+        elif self.profiler is not None:
+            self._stop(wait=False)
+            self.profiler = self.syncs = None
+
+    def _stop(self, wait: bool) -> None:
         self._unmark()
         if self.syncs is not None:
             self.syncs.__exit__(None, None, None)
-        if self.device.type == "cuda":
+        if wait and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        assert self.profiler is not None
         self.profiler.__exit__(None, None, None)
+
+    def finish(self) -> None:
+        """Stop and write."""
+        if self.profiler is None or self.window is None:
+            return
+        self._stop(wait=True)
         os.makedirs(self.window.dir, exist_ok=True)
         path = os.path.join(self.window.dir, f"profile_rank{self.rank}")
         if self.window.trace:

@@ -326,7 +326,7 @@ class Trainer:
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
         iterator = self.batches(self.loader)
-        with ExitSignals(run.exit_signals) as signals:
+        with ExitSignals(run.exit_signals) as signals, self.profile:
             while self.step < run.steps:
                 self.doing = f"step {self.step + 1}"
                 self.profile.before(self.step + 1)
@@ -361,7 +361,6 @@ class Trainer:
                         f"{self.step}")
                     break
             self._anomalies(None, self.metrics.flush())     # steps not logged yet
-        self.profile.finish()
         if self.saver:                                       # a stop for too many skipped steps
             self._saved(self.saver.wait())
         self.metrics.close()
