@@ -46,7 +46,8 @@ def test_every_step_ran_on_the_cpu(summary):
     assert summary["packages"]["missing"] == [] and summary["packages"]["unmet"] == []
     assert summary["env"]["cuda"] is False and summary["env"]["megatron_core"]
     assert all(probe["skipped"] == "no CUDA" for probe in summary["kernels"].values())
-    assert "error" not in summary["shards"], summary["shards"]
+    shards = summary["shards"]
+    assert shards["samples"] == 64 and shards["images"] > 0 and shards["clips"] > 0, shards
     assert summary["checkpoint"]["checkpoint"].endswith("Qwen--Qwen2-VL-2B-Instruct")
     parity = summary["parity"]
     assert "error" not in parity, parity
@@ -142,7 +143,7 @@ def test_each_case_is_profiled(summary):
 
 def test_the_peer_trains_the_same_batches_as_transformers(summary):
     cases = summary["cases"]
-    work = Path(summary["shards"]["built"]).parent
+    work = Path(summary["shards"]["dir"]).parent
     assert not {"peer"} & set(cases["packed_8k_local"])         # mimo's kernels alone
     for name in WITH_PEER:
         case, peer = cases[name], cases[name]["peer"]
@@ -153,6 +154,10 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
                          (work / f"{run}.jsonl").read_text().splitlines()
                          if '"loss"' in line] for run in (name, f"{name}_peer"))
         assert ours == theirs and len(ours) == 2, (name, ours, theirs)
+        # images and clips in the first step (the shards take them in turn), so the first
+        # losses below compare the two sides' video inputs too
+        first = json.loads((work / f"{name}_peer.jsonl").read_text().splitlines()[0])
+        assert first["images"] > 0 and first["clips"] > 0, (name, first)
         # the same weights: transformers' own model on mimo's batches gives mimo's first loss
         # (fp32; the later steps differ: the peer's Adam is torch's, mimo's megatron-core's;
         # with LoRA, PEFT's adapters start at zero as mimo's do)
@@ -169,7 +174,7 @@ def test_the_goal_case_keeps_its_tower_where_the_prediction_fits(summary, monkey
     given): the advisor's prediction of the case's own config with the tower kept decides it,
     against 85% of the GPU's memory."""
     module = _module()
-    work = Path(summary["shards"]["built"]).parent
+    work = Path(summary["shards"]["dir"]).parent
     check = module.Check(tmp_path, True, math.inf, lambda *a: 0, work / "shards", work)
     check.checkpoints["2B"] = module.REPLICA
     goal = module.WORKLOADS[0]
@@ -210,7 +215,7 @@ def _case_failing_once(summary, tmp_path, kept: bool, says: str, fails: bool = T
         log.write_text(says if len(runs) == 1 else "")
         return 1 if failing else 0
 
-    work = Path(summary["shards"]["built"]).parent
+    work = Path(summary["shards"]["dir"]).parent
     (tmp_path / "work").mkdir(parents=True)
     check = module.Check(tmp_path, True, math.inf, launch, work / "shards", tmp_path / "work")
     check.checkpoints["2B"] = module.REPLICA

@@ -6,6 +6,7 @@ media as files (so the builder reads real files), ``samples`` records long, and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -17,19 +18,28 @@ CORPUS_INPUTS = ("llava.json", "llava.jsonl", "conversations.parquet", "speech.p
 
 
 def replicated_dataset(corpus: str, samples: int, work: str, *, keep=None,
-                       unique_answers: bool = False, shards: int | None = None) -> str:
+                       unique_answers: bool = False, shards: int | None = None,
+                       inputs: tuple[str, ...] = CORPUS_INPUTS, kind=None) -> str:
     """Build and return a dataset directory of ``samples`` corpus records (cycled in order).
 
     ``keep(record) -> bool`` selects which corpus records are cycled; ``unique_answers``
     prefixes each copy's assistant turns with its number (no two texts alike); ``shards``
-    splits the result into about that many shards.
+    splits the result into about that many shards; ``inputs``: the corpus's files read
+    (``video.jsonl`` too: its clips); ``kind(record) -> str``: the kept records taken in
+    turn from each kind (images, clips: both in the first micro-batches), else in order.
     """
     once = os.path.join(work, "once")
     if not os.path.isdir(once):
-        build([os.path.join(corpus, name) for name in CORPUS_INPUTS], once,
+        build([os.path.join(corpus, name) for name in inputs], once,
               BuildOptions(progress=False, workers=0))
     reader = ShardReader(once)
     positions = [i for i in range(len(reader)) if keep is None or keep(reader.record(i))]
+    if kind is not None:
+        kinds: dict[str, list[int]] = {}
+        for i in positions:
+            kinds.setdefault(kind(reader.record(i)), []).append(i)
+        positions = [i for turn in itertools.zip_longest(*kinds.values()) for i in turn
+                     if i is not None]
     media_dir = os.path.join(work, "media")
     os.makedirs(media_dir, exist_ok=True)
     jsonl = os.path.join(work, f"replicated-{samples}.jsonl")
@@ -49,7 +59,8 @@ def replicated_dataset(corpus: str, samples: int, work: str, *, keep=None,
                         for m in record["messages"]]
             out.write(json.dumps({"id": f"r{i}", "messages": messages,
                                   "images": paths.get("image", []),
-                                  "audios": paths.get("audio", [])}) + "\n")
+                                  "audios": paths.get("audio", []),
+                                  "videos": paths.get("video", [])}) + "\n")
     dataset = os.path.join(work, f"replicated-{samples}")
     options = BuildOptions(progress=False, check="header", overwrite=True)
     if shards:

@@ -17,7 +17,8 @@ same weights. What it does is what such frameworks do with a transformers model:
 - the strongest attention transformers has here: ``flash_attention_2`` where flash-attn is
   installed, else ``sdpa``; a packed micro-batch goes as one row with per-sample text
   positions (transformers then masks each sample to itself) and mimo's per-sample M-RoPE
-  positions, a padded one with its attention mask;
+  positions, a padded one with its attention mask; images and clips as transformers'
+  processor makes them (``pixel_values``, ``pixel_values_videos``, their grids);
 - no key-value cache (``use_cache=False``, as training frameworks set it): with one, which
   transformers makes by default even in training, it drops the per-sample mask of a packed
   row without a word and every sample attends to the ones before it in the row;
@@ -28,7 +29,7 @@ same weights. What it does is what such frameworks do with a transformers model:
 
 Each step's wall time ends with the device synchronized (reading the loss, as every
 framework's logging does). Records: one JSON line per step with ``step, loss, tokens,
-seconds, tokens_per_s, samples_per_s, memory_mib``; ``--profile-dir``: the same
+seconds, tokens_per_s, samples_per_s, images, clips, memory_mib``; ``--profile-dir``: the same
 ``mimo_train.runtime.profile`` summary mimo writes.
 """
 
@@ -47,12 +48,11 @@ import yaml
 
 from mimo_data.loading.loader import build_loader
 from mimo_data.modalities.image import normalize_pixels
+from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import ProfileConfig
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import kept_length
-
-LAYOUT = "language=dp1;image=dp1,off0"      # the layout mimo's case runs: one rank, all data
 
 
 def attention_choice(device: torch.device) -> str:
@@ -63,10 +63,11 @@ def attention_choice(device: torch.device) -> str:
     return "sdpa"
 
 
-def hf_inputs(batch: dict, image_config, image_token_id: int, total: int,
+def hf_inputs(batch: dict, preprocess: PreprocessConfig, token_ids: dict[str, int], total: int,
               device: torch.device, token_types: bool = True) -> dict:
     """One of mimo's micro-batches as transformers' model takes it (``labels=`` shifted by
-    the model itself, so mimo's target at t is transformers' label at t + 1)."""
+    the model itself, so mimo's target at t is transformers' label at t + 1); ``token_ids``:
+    the model's image and video placeholder ids."""
     packing = batch.get("packing_kwargs")
     length = kept_length(batch)
     ids = batch["input_ids"][:, :length]
@@ -74,8 +75,9 @@ def hf_inputs(batch: dict, image_config, image_token_id: int, total: int,
     labels = torch.full_like(ids, -100)
     labels[:, 1:][trained[:, :-1]] = batch["labels"][:, :length][:, :-1][trained[:, :-1]]
     inputs = {"input_ids": ids, "labels": labels}
-    if token_types:             # the transformers versions that take them (5.2x)
-        inputs["mm_token_type_ids"] = (ids == image_token_id).int()
+    if token_types:             # the transformers versions that take them (5.2x): 1 image, 2 video
+        inputs["mm_token_type_ids"] = (ids == token_ids["image"]).int() + \
+            2 * (ids == token_ids["video"]).int()
     if packing is None:
         inputs["attention_mask"] = batch["attention_mask"][:, :length].long()
     else:           # per-sample text positions first: transformers masks each sample alone
@@ -83,11 +85,17 @@ def hf_inputs(batch: dict, image_config, image_token_id: int, total: int,
         text = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
         inputs["position_ids"] = torch.cat([text.view(1, 1, -1),
                                             batch["position_ids"][:, :, :length]])
-    images = (batch.get("modality_inputs") or {}).get("image", {}).get("image")
+    media = batch.get("modality_inputs") or {}
+    images = media.get("image", {}).get("image")
     if images is not None:
         inputs["pixel_values"] = normalize_pixels(images["pixel_values"].to(device),
-                                                  image_config)
+                                                  preprocess.modalities["image"])
         inputs["image_grid_thw"] = images["image_grid_thw"]
+    clips = media.get("video", {}).get("video")
+    if clips is not None:
+        inputs["pixel_values_videos"] = normalize_video_pixels(
+            clips["pixel_values_videos"].to(device), preprocess.modalities["video"])
+        inputs["video_grid_thw"] = clips["video_grid_thw"]
     moved = {k: v.to(device, non_blocking=True) for k, v in inputs.items()}
     moved["num_items_in_batch"] = torch.tensor(total, device=device)
     return moved
@@ -141,7 +149,8 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
         weight_decay=opt.get("weight_decay", 0.0), fused=device.type == "cuda")
     preprocess = PreprocessConfig.from_yaml(str(data["preprocess"]))
     gbs, mbs = run["global_batch_size"], run["micro_batch_size"]
-    loader = build_loader(data["datasets"], preprocess, LAYOUT, 0, 1, gbs, mbs,
+    # mimo's case's layout: one rank, all data
+    loader = build_loader(data["datasets"], preprocess, config["layout"], 0, 1, gbs, mbs,
                           run.get("seed", 1), num_workers=data.get("num_workers", 0),
                           packing=data.get("packing", False))
     assert loader is not None
@@ -149,21 +158,23 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
     window = run.get("profile") or {}          # the steps mimo's run profiles, if it does
     profile = Profile(ProfileConfig(str(profile_dir), window.get("start", 3),
                                     window.get("steps", 2)) if profile_dir else None, 0, device)
-    image_config = preprocess.modalities["image"]
+    token_ids = {"image": model.config.image_token_id, "video": model.config.video_token_id}
     base = model.get_base_model() if lora else model
     token_types = "mm_token_type_ids" in inspect.signature(base.forward).parameters
     found: list[dict] = []
     records.parent.mkdir(parents=True, exist_ok=True)
-    with open(records, "w") as out:
+    with open(records, "w") as out, profile:
         for step in range(1, run["steps"] + 1):
             profile.before(step)
             started = time.perf_counter()
             batches = [next(stream) for _ in range(gbs // mbs)]
             total = int(sum(int(b["loss_mask"].sum()) for b in batches))
             loss = torch.zeros((), device=device)
+            media = {"images": 0, "clips": 0}
             for batch in batches:
-                inputs = hf_inputs(batch, image_config, model.config.image_token_id, total,
-                                   device, token_types)
+                inputs = hf_inputs(batch, preprocess, token_ids, total, device, token_types)
+                for kind, grids in (("images", "image_grid_thw"), ("clips", "video_grid_thw")):
+                    media[kind] += len(inputs.get(grids, ()))
                 part = model(**inputs, use_cache=False).loss
                 part.backward()
                 loss += part.detach()
@@ -175,13 +186,12 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
             profile.after(step)
             record = {"step": step, "loss": value, "tokens": total, "seconds": seconds,
                       "tokens_per_s": total / seconds, "samples_per_s": gbs / seconds,
-                      "attention": attention,
+                      "attention": attention, **media,
                       "memory_mib": (torch.cuda.max_memory_allocated(device) / 2**20
                                      if device.type == "cuda" else None)}
             out.write(json.dumps(record) + "\n")
             out.flush()
             found.append(record)
-    profile.finish()
     return found
 
 

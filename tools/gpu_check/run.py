@@ -1,8 +1,8 @@
 """The project's GPU check: one command, no network, one JSON file of figures.
 
 On the GPU machine, from a copy of the project's root that holds ``.whl/`` (made here by
-``bash tools/gpu_check/prepare.sh``), ``assets/tokenizer``, ``assets/corpus`` and
-``assets/models/published/Qwen--Qwen2-VL-2B-Instruct``::
+``bash tools/gpu_check/prepare.sh``: wheels, and the Qwen2-VL replica's tokenizer and
+processor files), ``assets/tokenizer`` and ``assets/corpus``::
 
     python3 tools/gpu_check/run.py --out DIR          # about 8 minutes, bounded by --budget-s
 
@@ -14,21 +14,22 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
 
 1. ``packages``: megatron-core, webdataset, soundfile, flash-linear-attention (fla) and their
    needs installed from ``.whl`` when missing (the GPU image has torch and transformers only,
-   triton with torch); PyAV, when missing, replaced by
-   a stub that fails on use (only video needs it; its wheel is half the carry limit).
+   triton with torch), PyAV (the clips; the GPU image has none). Without its wheel, a stub
+   that fails on use stands in for it and the shards hold no clips.
 2. ``env`` and ``kernels`` (one child process, ``probes.py``): versions, the GPU, a bf16
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
    events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
    attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
    packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts.
-3. ``shards``: the sample corpus's image and text conversations replicated
-   (``tools/replicate_corpus.py``) and built with ``mimo-shard build``.
+3. ``shards``: the sample corpus's image, video and text conversations, images and clips in
+   turn, replicated (``tools/replicate_corpus.py``) and built with ``mimo-shard build``.
 4. ``checkpoint``: Qwen2-VL-2B as published (``tools/published``' config.json, the replica's
    tokenizer, template and processor files at their published ids and vocabulary), random
    bf16 weights, saved as transformers saves it; tiny: the replica itself.
-5. ``cases``: fine-tuning workloads (``WORKLOADS``) of that checkpoint, images at its default
-   pixel budget: packed to 8k and 32k tokens a micro-batch and the unpacked short
-   conversations (the floor), with full recompute, with other attention kernels. Each trains
+5. ``cases``: fine-tuning workloads (``WORKLOADS``) of that checkpoint, images and clips at
+   its default pixel budgets (the clips through the same tower): packed to 8k and 32k tokens
+   a micro-batch and the unpacked short conversations (the floor), with full recompute, with
+   other attention kernels. Each trains
    with mimo (``torchrun -m mimo_train``, one rank, colocated) and, where the workload says
    so, with the peer (``peer.py``: transformers' own model class on the same checkpoint and the
    same micro-batches); each reports median step seconds, trained tokens/s, TFLOP/s and MFU
@@ -85,7 +86,12 @@ PUBLISHED = {size: ROOT / "tools" / "published" / f"Qwen--Qwen2-VL-{size}-Instru
 REPLICAS = {size: ROOT / "assets" / "models" / "published" / f"Qwen--Qwen2-VL-{size}-Instruct"
             for size in ("2B", "7B")}
 REPLICA = REPLICAS["2B"]
-LAYOUT = "language=dp1;image=dp1,off0"          # colocated on one rank
+# the replica's files but its weights, as prepare.sh carries them in .whl/ (with PyAV's
+# wheel, the replica's 20 MB of weights would not fit the 64 MiB the GPU machine is sent)
+PROCESSOR_FILES = ROOT / ".whl" / REPLICA.name
+# colocated on one rank; the tower serves the clips too where the shards hold them
+LAYOUTS = {False: "language=dp1;image=dp1,off0",
+           True: "language=dp1;image=dp1,off0,video"}
 Dims = dict[str, dict[str, Any]]                 # the model section's language and encoders
 TINY: Dims = {
     "language": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4},
@@ -172,6 +178,18 @@ class Check:
         self.summary: dict = {"tiny": tiny}
         self.log = open(out / "run.log", "a")
 
+    @property
+    def media(self) -> dict[str, int]:
+        """The shards' images and clips (items; none before they are built)."""
+        index = self.shards / "index.json"
+        found = json.loads(index.read_text())["modalities"] if index.exists() else {}
+        return {kind: found.get(kind, {}).get("items", 0) for kind in ("image", "video")}
+
+    @property
+    def video(self) -> bool:
+        """Whether the shards hold clips: the tower serves them too."""
+        return self.media["video"] > 0
+
     def say(self, text: str) -> None:
         line = f"gpu-check: {text}"
         print(line, flush=True)
@@ -193,7 +211,7 @@ class Check:
 
 
 def child_env(device: str) -> dict[str, str]:
-    path = [str(ROOT)] + ([str(STUB)] if AV_MISSING else [])
+    path = [str(ROOT)] + ([str(STUB)] if _missing("av") else [])
     env = {"PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]).rstrip(
         os.pathsep), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     if device == "cpu":
@@ -202,24 +220,24 @@ def child_env(device: str) -> dict[str, str]:
 
 
 def _missing(module: str) -> bool:
+    """Whether ``module`` is not installed (PyAV's stub, on this process's path once the
+    shards are built without it, is not PyAV)."""
+    importlib.invalidate_caches()       # the packages step may have installed it
     try:
-        return importlib.util.find_spec(module) is None
+        spec = importlib.util.find_spec(module)
     except ModuleNotFoundError:         # its parent package is missing
         return True
-
-
-# read before this process puts the stub on its own path (the shard build)
-AV_MISSING = _missing("av")
+    return spec is None or (spec.origin is not None and Path(spec.origin).is_relative_to(STUB))
 
 
 def install_packages(gpu: bool) -> dict:
     """pip-install the carried wheels whose packages are missing (no index, no dependencies);
     the GPU kernels (fla) only on the GPU machine (``gpu``)."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
-    wanted = ("megatron.core", "webdataset", "soundfile", "peft", "accelerate", "psutil") + (
-        ("fla", "einops") if gpu else ())
+    wanted = ("megatron.core", "webdataset", "soundfile", "peft", "accelerate", "psutil",
+              "av") + (("fla", "einops") if gpu else ())
     missing = [m for m in wanted if _missing(m)]
-    result: dict = {"missing": missing, "av": "stub" if AV_MISSING else "installed"}
+    result: dict = {"missing": missing}
     if missing:
         if not wheels:
             raise RuntimeError(f"{missing} missing and no wheels in .whl/: run "
@@ -228,6 +246,8 @@ def install_packages(gpu: bool) -> dict:
                         "--no-compile", "--no-cache-dir", *map(str, wheels)], check=True,
                        capture_output=True, text=True, timeout=180)
         result["installed"] = [w.name for w in wheels]
+    # without PyAV (no wheel carried) the shards hold no clips and a stub stands in for it
+    result["av"] = "stub" if _missing("av") else "installed"
     result["unmet"] = unmet()
     if result["unmet"]:                 # the cases would fail further on, less clearly
         result["error"] = f"installed at versions pyproject.toml does not allow: {result['unmet']}"
@@ -276,18 +296,27 @@ def probe_here() -> dict:
 
 
 def build_shards(check: Check) -> dict:
-    """The corpus's image and text conversations (no audio: the cases' model has no audio
-    tower), replicated to enough samples for two 32k micro-batches a step over several steps,
-    built by ``mimo-shard build``'s builder, in this process."""
-    if (check.shards / "index.json").exists():
-        return {"reused": str(check.shards)}
-    sys.path[:0] = [str(ROOT), str(ROOT / "tools")] + ([str(STUB)] if AV_MISSING else [])
-    from replicate_corpus import replicated_dataset
-    samples = 64 if check.tiny else 1200
-    built = replicated_dataset(str(ROOT / "assets" / "corpus"), samples, str(check.work),
-                               keep=lambda r: all(m["modality"] == "image" for m in r["media"]))
-    Path(built).rename(check.shards)
-    return {"built": str(check.shards), "samples": samples}
+    """The corpus's image, video and text conversations (no audio: the cases' model has no
+    audio tower), images and clips in turn, replicated to enough samples for two 32k
+    micro-batches a step over several steps, built by ``mimo-shard build``'s builder, in
+    this process; without PyAV, no clips."""
+    if not (check.shards / "index.json").exists():
+        video = not _missing("av")
+        sys.path[:0] = [str(ROOT), str(ROOT / "tools")] + ([] if video else [str(STUB)])
+        from replicate_corpus import CORPUS_INPUTS, replicated_dataset
+        kinds = ("image", "video") if video else ("image",)
+        built = replicated_dataset(
+            str(ROOT / "assets" / "corpus"), 64 if check.tiny else 1200, str(check.work),
+            inputs=CORPUS_INPUTS + (("video.jsonl",) if video else ()),
+            keep=lambda r: all(m["modality"] in kinds for m in r["media"]),
+            kind=lambda r: "video" if any(m["modality"] == "video" for m in r["media"])
+            else "image")
+        Path(built).rename(check.shards)
+    media = check.media
+    samples = json.loads((check.shards / "index.json").read_text())["totals"]["samples"]
+    return {"dir": str(check.shards), "samples": samples, "images": media["image"],
+            "clips": media["video"],
+            **({} if media["video"] or not _missing("av") else {"video": "no PyAV: no clips"})}
 
 
 def make_checkpoint(check: Check, size: str = "2B") -> dict:
@@ -300,7 +329,7 @@ def make_checkpoint(check: Check, size: str = "2B") -> dict:
     out = check.work / f"qwen2-vl-{size.lower()}"
     if not (out / ".complete").exists():
         out.mkdir(parents=True, exist_ok=True)
-        for path in REPLICA.iterdir():
+        for path in (REPLICA if REPLICA.is_dir() else PROCESSOR_FILES).iterdir():
             if path.is_file() and path.suffix != ".safetensors" and path.name != "config.json" \
                     and not path.name.startswith("."):
                 shutil.copy(path, out / path.name)
@@ -331,7 +360,8 @@ def preprocessing(check: Check, seq_length: int) -> Path:
     path = check.work / f"preprocess_{seq_length}.yaml"
     if not path.exists():           # the same for every size: the same processor files
         config = preprocessing_for(str(check.checkpoints["2B"]))
-        config["modalities"].pop("video", None)
+        if not check.video:
+            config["modalities"].pop("video", None)
         path.write_text(yaml.safe_dump({**config, "seq_length": seq_length}, sort_keys=False))
     return path
 
@@ -365,11 +395,12 @@ def write_config(check: Check, name: str, device: str, config: dict) -> Path:
     data = {"datasets": [str(check.shards)], "preprocess": str(PREPROCESS),
             "num_workers": 0 if check.tiny else 2, "packing": False}
     whole: dict[str, Any] = {
-        "data": data, "layout": LAYOUT,
+        "data": data, "layout": LAYOUTS[check.video],
         "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 1, "clip_grad": 1.0},
         "train": {"seed": 3, "log_interval": 1, "device": device}}
     for section, values in config.items():       # the sections' keys, replaced one by one
-        whole[section] = {**whole.get(section, {}), **values}
+        whole[section] = {**whole.get(section, {}), **values} if isinstance(values, dict) \
+            else values
     path = check.work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(whole, sort_keys=False))
     return path
@@ -404,8 +435,9 @@ def parity(check: Check, device: str) -> dict:
     sides = [("parity_cpu", "cpu")] if device == "cpu" else \
         [("parity_device", device), ("parity_cpu", "cpu")]
     for name, where in sides:
-        config = {"model": TINY, "train": {"steps": 2, "precision": "fp32",
-                                           "global_batch_size": 4, "micro_batch_size": 2}}
+        config = {"model": TINY, "layout": LAYOUTS[False],     # its preprocessing: images
+                  "train": {"steps": 2, "precision": "fp32", "global_batch_size": 4,
+                            "micro_batch_size": 2}}
         rc, records, log = train(check, name, where, 240, config,
                                  env={"NVIDIA_TF32_OVERRIDE": "0"})
         if rc or len(records) != 2:
@@ -629,13 +661,13 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
                     train_section["global_batch_size"], train_section["micro_batch_size"],
                     seed=3, steps=train_section["steps"], packing=packed)
     model = read_model(str(check.work / f"{name}.yaml"), str(preprocess_path), preprocess,
-                       {"image": "image"})
+                       {"image": "image", **({"video": "image"} if check.video else {})})
     advisor = Advisor(model, read_work(model, work), GPU("any", 1e6, 1.0, 1.0, 1.0))
     settings = Settings(model.precision, recompute=recompute, tower_recompute=tower_recompute,
                         attention_scores=model.attention_scores,
                         loss_chunk_tokens=model.loss_chunk_tokens,
                         tower_varlen=model.tower_varlen)
-    result = advisor.evaluate(Candidate(Layout.parse(LAYOUT), settings))
+    result = advisor.evaluate(Candidate(Layout.parse(LAYOUTS[check.video]), settings))
     (memory,) = result.memory.values()            # one rank: the colocated modules
     return round(result.peak_bytes / 2**20, 1), {
         part: round(gib, 2) for part, gib in memory.gib().items()}
