@@ -22,9 +22,11 @@ from the same ``cu_seqlens`` (``mcore.attention``).
 The torch versions are written here because no installed library has them: fla is Triton (GPU
 only, not installable on the CPU machines), and the torch fallbacks of transformers and
 megatron-core ignore ``cu_seqlens``. They run in fp32 internally (as transformers' does) and
-stay vectorized within a sample: the chunked form (chunks of 64 tokens, the intra-chunk work
-done for all chunks of all samples at once, a triangular solve for the WY form), only the
-inter-chunk recurrence looping over chunks; each sample's chunks start at a chunk boundary.
+stay vectorized: the chunked form (chunks of 64 tokens, the intra-chunk work done for all
+chunks of all samples at once, a triangular solve for the WY form), only the inter-chunk
+recurrence looping, over the longest sample's chunks, all samples' states at once (a packed
+8k row of 24 samples: ~6 steps, not the row's ~140 chunks, each a few kernels on a GPU);
+each sample's chunks start at a chunk boundary.
 """
 
 from __future__ import annotations
@@ -207,8 +209,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q, k = l2norm(q), l2norm(k)
     q = q * scale
 
-    # each sample's tokens from a chunk boundary on, zeros after its last: the padding neither
-    # decays (g = 0) nor writes (k = 0, beta = 0) the state, and its outputs are dropped
+    # each sample's tokens from a chunk boundary on, zeros after its last, and one chunk of
+    # zeros after them all: the padding neither decays (g = 0) nor writes (k = 0, beta = 0)
+    # the state, and its outputs are dropped
     chunks = [math.ceil((end - start) / CHUNK) for start, end in zip(bounds, bounds[1:])]
     first = [0]
     for count in chunks:
@@ -217,11 +220,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     sample = torch.repeat_interleave(torch.arange(samples, device=q.device), lengths)
     offset = torch.tensor([CHUNK * f - b for f, b in zip(first, bounds)], device=q.device)
     position = torch.arange(tokens, device=q.device) + offset[sample]
-    size = CHUNK * first[-1]
+    size = CHUNK * (first[-1] + 1)
 
     def chunked(t: torch.Tensor) -> torch.Tensor:    # [B, HV, T, ...] -> [B, HV, chunks, C, ...]
         padded = t.new_zeros(*t.shape[:2], size, *t.shape[3:]).index_copy(2, position, t)
-        return padded.reshape(*t.shape[:2], first[-1], CHUNK, *t.shape[3:])
+        return padded.reshape(*t.shape[:2], first[-1] + 1, CHUNK, *t.shape[3:])
 
     q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -240,23 +243,32 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
-    # across chunks: the recurrence, restarted at each sample's first chunk
-    outputs, finals = [], []
+    # across chunks: the recurrence, every sample's j-th chunk at step j (a state [K, V] per
+    # sample, from its own initial state: as many steps as the longest sample has chunks, not
+    # as the row has); a sample with fewer chunks takes the zero chunk, which keeps its state
+    steps = max(chunks, default=0)
+    taken = torch.tensor([[first[n] + j if j < chunks[n] else first[-1] for j in range(steps)]
+                          for n in range(samples)], dtype=torch.long, device=q.device)
     v_dim = v.shape[-1]
-    for n in range(samples):
-        if initial_state is None:
-            state = q.new_zeros(batch, v_heads, k_dim, v_dim)
-        else:
-            state = initial_state[n * batch:(n + 1) * batch].float()
-        for c in range(first[n], first[n + 1]):
-            v_new = values[:, :, c] - k_cumdecay[:, :, c] @ state
-            outputs.append(q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new)
-            state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ v_new
-        finals.append(state)
-    if outputs:
-        out = torch.stack(outputs, dim=2).reshape(batch, v_heads, size, v_dim)
-    else:
-        out = q.new_zeros(batch, v_heads, 0, v_dim)
+    if initial_state is None:
+        state = q.new_zeros(batch, v_heads, samples, k_dim, v_dim)
+    else:               # [samples x batch, HV, K, V], sample-major -> [B, HV, samples, K, V]
+        state = initial_state.float().reshape(samples, batch, v_heads, k_dim, v_dim) \
+            .permute(1, 2, 0, 3, 4)
+    outputs = []
+    for j in range(steps):
+        c = taken[:, j]
+        v_new = values[:, :, c] - k_cumdecay[:, :, c] @ state
+        outputs.append(q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new)
+        state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ v_new
+    out = q.new_zeros(batch, v_heads, size, v_dim)
+    if outputs:         # [B, HV, samples, steps, C, V], back in the row's chunk order
+        by_sample = torch.stack(outputs, dim=3).reshape(batch, v_heads, samples * steps,
+                                                        CHUNK, v_dim)
+        where = [n * steps + j for n in range(samples) for j in range(chunks[n])]
+        out = by_sample.index_select(2, torch.tensor(where, device=q.device)).reshape(
+            batch, v_heads, CHUNK * first[-1], v_dim)
     out = out.index_select(2, position).transpose(1, 2).to(dtype)
-    final = torch.cat(finals) if output_final_state else None
+    final = state.permute(2, 0, 1, 3, 4).reshape(samples * batch, v_heads, k_dim, v_dim) \
+        if output_final_state else None
     return out.contiguous(), final
