@@ -506,3 +506,25 @@ def test_gated_norm_ignores_the_decoder_norms_settings():
         gated.weight.copy_(norm.weight)
     x, z = torch.randn(2, 4, V_DIM), torch.randn(2, 4, V_DIM)
     torch.testing.assert_close(norm(x) * F.silu(z), gated(x, z), **TOL)
+
+
+def test_a_packed_row_s_boundaries_are_read_once_for_every_layer(layer):
+    """Every gated delta-net layer of a packed micro-batch gets the same boundaries: mimo's
+    parts of the layer (megatron-core's check of the last boundary, the torch kernels'
+    convolution and rule) read them on the host once, and wait for nothing else (on a GPU
+    each read waits for the device), not at each layer; new boundaries (the next
+    micro-batch) are read again. (megatron-core's layer compares the query's and key's
+    boundaries itself: one wait a layer, its own.)"""
+    from mimo_train.runtime.profile import HostWaits
+
+    def waits(params, layers: int) -> int:
+        x = _hidden(_bounds([5, 64, 70])[-1])
+        with HostWaits() as found:
+            for _ in range(layers):
+                layer(x, None, packed_seq_params=params)
+        return sum(count for site, count in found.sites.items() if "mimo_train/mcore" in site)
+
+    params = _packed_params(_bounds([5, 64, 70]))
+    assert waits(params, 1) == 1
+    assert waits(params, 2) == 0                 # the same micro-batch's boundaries
+    assert waits(_packed_params(_bounds([5, 64, 70])), 2) == 1

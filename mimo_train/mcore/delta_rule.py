@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -92,6 +93,21 @@ def fla_serves(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and fla_usable()
 
 
+# The last boundaries read to the host, and the tensor they were read from: every gated
+# delta-net layer of a micro-batch gets the same ``cu_seqlens`` tensor, read once (on a GPU
+# each read waits for the device; two or more a layer otherwise).
+_HOST_BOUNDS: tuple[weakref.ref, list[int]] | None = None
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as ints, read from the device once per tensor (not modified in place:
+    a packed micro-batch's boundaries are made once, then only read)."""
+    global _HOST_BOUNDS
+    if _HOST_BOUNDS is None or _HOST_BOUNDS[0]() is not cu_seqlens:
+        _HOST_BOUNDS = (weakref.ref(cu_seqlens), [int(b) for b in cu_seqlens.tolist()])
+    return _HOST_BOUNDS[1]
+
+
 def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[int]:
     """The sample boundaries within a row: ``cu_seqlens`` (packed, batch 1), else the whole
     row is one sample."""
@@ -99,7 +115,7 @@ def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[in
         return [0, tokens]
     if batch != 1:
         raise ValueError(f"packed inputs (cu_seqlens) have batch 1, not {batch}")
-    bounds = [int(b) for b in cu_seqlens.tolist()]
+    bounds = host_bounds(cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != tokens or \
             any(later < earlier for earlier, later in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens {bounds} does not split {tokens} tokens")
@@ -141,7 +157,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor | None = None,
     bounds = _bounds(cu_seqlens, batch, tokens)
     samples = len(bounds) - 1
     lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=x.device)
-    sample = torch.repeat_interleave(torch.arange(samples, device=x.device), lengths)
+    sample = torch.repeat_interleave(torch.arange(samples, device=x.device), lengths,
+                                     output_size=tokens)     # known here: no wait
     # each sample's tokens after a window of W: [batch, D, T + samples·W]
     position = torch.arange(tokens, device=x.device) + width * (sample + 1)
     size = tokens + samples * width
@@ -217,7 +234,8 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     for count in chunks:
         first.append(first[-1] + count)
     lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=q.device)
-    sample = torch.repeat_interleave(torch.arange(samples, device=q.device), lengths)
+    sample = torch.repeat_interleave(torch.arange(samples, device=q.device), lengths,
+                                     output_size=tokens)     # known here: no wait
     offset = torch.tensor([CHUNK * f - b for f, b in zip(first, bounds)], device=q.device)
     position = torch.arange(tokens, device=q.device) + offset[sample]
     size = CHUNK * (first[-1] + 1)

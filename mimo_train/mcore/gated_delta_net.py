@@ -63,7 +63,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mimo_train.mcore.delta_rule import (causal_conv1d, chunk_gated_delta_rule, fla_usable,
-                                          l2norm)
+                                          host_bounds, l2norm)
 
 
 @dataclass(frozen=True)
@@ -192,9 +192,13 @@ class GatedDeltaNet(gdn.GatedDeltaNet):
                             cp_size: int = 1) -> torch.Tensor:
         """megatron-core's, without its demand that cp divide every sample's length (its
         load-balanced cut's): under mimo's contiguous cut the all-to-all gives each rank the
-        whole row of its heads, whatever the samples' lengths."""
-        return super()._resolve_cu_seqlens(cu_seqlens_padded, cu_seqlens_actual, total_seq_len,
-                                           name, cp_size=1)
+        whole row of its heads, whatever the samples' lengths. Its check of the last boundary
+        reads the host's copy (``host_bounds``: once a micro-batch, not twice a layer)."""
+        cu_seqlens = cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens_actual
+        if host_bounds(cu_seqlens)[-1] != total_seq_len:
+            raise ValueError(f"GDN: {name}[-1]={host_bounds(cu_seqlens)[-1]} does not match "
+                             f"total_sequence_length={total_seq_len}")
+        return cu_seqlens
 
 
 # megatron-core's ``GatedDeltaNet.sharded_state_dict`` saves these weights split into sections
