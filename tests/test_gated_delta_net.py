@@ -372,7 +372,8 @@ def _packed_params(bounds, qkv_format="thd"):
 
     cu = torch.tensor(bounds, dtype=torch.int32)
     longest = max(end - start for start, end in _samples(bounds))
-    return PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+    # the key's boundaries another tensor of the same values, as mimo's collate makes them
+    return PackedSeqParams(qkv_format=qkv_format, cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
                            max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
@@ -508,13 +509,14 @@ def test_gated_norm_ignores_the_decoder_norms_settings():
     torch.testing.assert_close(norm(x) * F.silu(z), gated(x, z), **TOL)
 
 
-def test_a_packed_row_s_boundaries_are_read_once_for_every_layer(layer):
-    """Every gated delta-net layer of a packed micro-batch gets the same boundaries: mimo's
-    parts of the layer (megatron-core's check of the last boundary, the torch kernels'
-    convolution and rule) read them on the host once, and wait for nothing else (on a GPU
-    each read waits for the device), not at each layer; new boundaries (the next
-    micro-batch) are read again. (megatron-core's layer compares the query's and key's
-    boundaries itself: one wait a layer, its own.)"""
+def test_a_packed_row_s_boundaries_are_read_once_for_every_layer(layer, monkeypatch):
+    """Every gated delta-net layer of a packed micro-batch gets the same boundaries (the
+    query's and the key's, two tensors): mimo's parts of the layer (megatron-core's check of
+    the last boundary, the torch kernels' convolution and rule) read each on the host once,
+    and wait for nothing else (on a GPU each read waits for the device), not at each layer;
+    new boundaries (the next micro-batch) are read again. megatron-core's layer then compares
+    the query's with the key's (``torch.equal``): it gets one tensor twice, which needs no
+    read."""
     from mimo_train.runtime.profile import HostWaits
 
     def waits(params, layers: int) -> int:
@@ -524,7 +526,11 @@ def test_a_packed_row_s_boundaries_are_read_once_for_every_layer(layer):
                 layer(x, None, packed_seq_params=params)
         return sum(count for site, count in found.sites.items() if "mimo_train/mcore" in site)
 
+    compared: list[bool] = []
+    equal = torch.equal
+    monkeypatch.setattr(torch, "equal", lambda a, b: compared.append(a is b) or equal(a, b))
     params = _packed_params(_bounds([5, 64, 70]))
-    assert waits(params, 1) == 1
+    assert waits(params, 1) == 2                 # the query's and the key's
+    assert compared == [True], compared
     assert waits(params, 2) == 0                 # the same micro-batch's boundaries
-    assert waits(_packed_params(_bounds([5, 64, 70])), 2) == 1
+    assert waits(_packed_params(_bounds([5, 64, 70])), 2) == 2

@@ -32,8 +32,8 @@ each sample's chunks start at a chunk boundary.
 from __future__ import annotations
 
 import functools
-import math
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -93,19 +93,24 @@ def fla_serves(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and fla_usable()
 
 
-# The last boundaries read to the host, and the tensor they were read from: every gated
-# delta-net layer of a micro-batch gets the same ``cu_seqlens`` tensor, read once (on a GPU
-# each read waits for the device; two or more a layer otherwise).
-_HOST_BOUNDS: tuple[weakref.ref, list[int]] | None = None
+# The boundaries last read to the host, with the tensors they were read from (newest last):
+# every gated delta-net layer of a micro-batch gets the same ``cu_seqlens`` tensors (the
+# query's and the key's), each read once (on a GPU each read waits for the device; four a
+# layer otherwise).
+_HOST_BOUNDS: list[tuple[weakref.ref, list[int]]] = []
+_HOST_BOUNDS_KEPT = 4
 
 
 def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     """``cu_seqlens`` as ints, read from the device once per tensor (not modified in place:
     a packed micro-batch's boundaries are made once, then only read)."""
-    global _HOST_BOUNDS
-    if _HOST_BOUNDS is None or _HOST_BOUNDS[0]() is not cu_seqlens:
-        _HOST_BOUNDS = (weakref.ref(cu_seqlens), [int(b) for b in cu_seqlens.tolist()])
-    return _HOST_BOUNDS[1]
+    for tensor, bounds in _HOST_BOUNDS:
+        if tensor() is cu_seqlens:
+            return bounds
+    bounds = [int(b) for b in cu_seqlens.tolist()]
+    _HOST_BOUNDS.append((weakref.ref(cu_seqlens), bounds))
+    del _HOST_BOUNDS[:-_HOST_BOUNDS_KEPT]
+    return bounds
 
 
 def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[int]:
@@ -120,6 +125,63 @@ def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[in
             any(later < earlier for earlier, later in zip(bounds, bounds[1:])):
         raise ValueError(f"cu_seqlens {bounds} does not split {tokens} tokens")
     return bounds
+
+
+def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
+    """A host-made index tensor on ``device``: on a GPU a pinned, non-blocking copy (a plain
+    one waits for the device's queue)."""
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+
+
+@functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
+def _conv_plan(bounds: tuple[int, ...], width: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each token goes in the convolution's row of samples each after a window of
+    ``width`` zeros, each sample's window and its last ``width`` places there: made on the
+    host, on ``device`` once."""
+    edges = torch.tensor(bounds)
+    samples, tokens = len(bounds) - 1, bounds[-1]
+    sample = torch.repeat_interleave(torch.arange(samples), edges.diff(), output_size=tokens)
+    position = torch.arange(tokens) + width * (sample + 1)
+    window = (edges[:-1, None] + width * torch.arange(samples)[:, None]
+              + torch.arange(width))                                  # [samples, W]
+    last = (edges[1:, None] + width * torch.arange(1, samples + 1)[:, None]
+            - width + torch.arange(width))                            # [samples, W]
+    return _on(device, position), _on(device, window.reshape(-1)), _on(device, last.reshape(-1))
+
+
+@dataclass(frozen=True)
+class _RulePlan:
+    """The recurrence's order of a row's chunks: samples longest first (``order``, and each
+    sample's ``rank`` there), step j holds the j-th chunk of the ``active[j]`` samples that
+    have one, at chunk slots ``starts[j] ..``; ``position``: each token's place in that order
+    (slot x CHUNK + its place in its chunk)."""
+    chunks: int                 # slots in all
+    active: tuple[int, ...]
+    starts: tuple[int, ...]
+    order: torch.Tensor
+    rank: torch.Tensor
+    position: torch.Tensor
+
+
+@functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
+def _rule_plan(bounds: tuple[int, ...], device: torch.device) -> _RulePlan:
+    edges = torch.tensor(bounds)
+    lengths = edges.diff()
+    counts = [-(-int(n) // CHUNK) for n in lengths]
+    order = sorted(range(len(counts)), key=lambda n: -counts[n])
+    rank = torch.empty(len(counts), dtype=torch.long)
+    rank[torch.tensor(order, dtype=torch.long)] = torch.arange(len(counts))
+    active = [sum(count > j for count in counts) for j in range(max(counts, default=0))]
+    starts = [0]
+    for width in active:
+        starts.append(starts[-1] + width)
+    sample = torch.repeat_interleave(torch.arange(len(counts)), lengths, output_size=bounds[-1])
+    within = torch.arange(bounds[-1]) - edges[sample]
+    slot = torch.tensor(starts, dtype=torch.long)[within // CHUNK] + rank[sample]
+    return _RulePlan(starts[-1], tuple(active), tuple(starts[:-1]),
+                     _on(device, torch.tensor(order, dtype=torch.long)), _on(device, rank),
+                     _on(device, slot * CHUNK + within % CHUNK))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None
@@ -156,20 +218,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor | None = None,
     width = weight.shape[-1]
     bounds = _bounds(cu_seqlens, batch, tokens)
     samples = len(bounds) - 1
-    lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=x.device)
-    sample = torch.repeat_interleave(torch.arange(samples, device=x.device), lengths,
-                                     output_size=tokens)     # known here: no wait
     # each sample's tokens after a window of W: [batch, D, T + samples·W]
-    position = torch.arange(tokens, device=x.device) + width * (sample + 1)
+    position, window, last = _conv_plan(tuple(bounds), width, x.device)
     size = tokens + samples * width
     rows = x.float().transpose(1, 2)
     padded = rows.new_zeros(batch, dim, size).index_copy(2, position, rows)
     if initial_state is not None:     # [N, D, W] into each sample's window
-        window = (torch.tensor(bounds[:-1], device=x.device)[:, None]
-                  + width * torch.arange(samples, device=x.device)[:, None]
-                  + torch.arange(width, device=x.device))              # [samples, W]
         state = initial_state.float().reshape(batch, samples, dim, width)
-        padded = padded.index_copy(2, window.reshape(-1),
+        padded = padded.index_copy(2, window,
                                    state.permute(0, 2, 1, 3).reshape(batch, dim, -1))
     y = F.conv1d(padded, weight.float()[:, None, :],
                  None if bias is None else bias.float(), groups=dim)   # [batch, D, size - W + 1]
@@ -180,10 +236,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor | None = None,
         y = y + residual.float()
     final = None
     if output_final_state:
-        ends = torch.tensor(bounds[1:], device=x.device) + \
-            width * torch.arange(1, samples + 1, device=x.device)
-        last = ends[:, None] - width + torch.arange(width, device=x.device)    # [samples, W]
-        final = padded.index_select(2, last.reshape(-1)).reshape(batch, dim, samples, width)
+        final = padded.index_select(2, last).reshape(batch, dim, samples, width)
         final = final.permute(0, 2, 1, 3).reshape(batch * samples, dim, width).to(x.dtype)
     return y.to(x.dtype), final
 
@@ -226,23 +279,15 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         q, k = l2norm(q), l2norm(k)
     q = q * scale
 
-    # each sample's tokens from a chunk boundary on, zeros after its last, and one chunk of
-    # zeros after them all: the padding neither decays (g = 0) nor writes (k = 0, beta = 0)
-    # the state, and its outputs are dropped
-    chunks = [math.ceil((end - start) / CHUNK) for start, end in zip(bounds, bounds[1:])]
-    first = [0]
-    for count in chunks:
-        first.append(first[-1] + count)
-    lengths = torch.tensor([b - a for a, b in zip(bounds, bounds[1:])], device=q.device)
-    sample = torch.repeat_interleave(torch.arange(samples, device=q.device), lengths,
-                                     output_size=tokens)     # known here: no wait
-    offset = torch.tensor([CHUNK * f - b for f, b in zip(first, bounds)], device=q.device)
-    position = torch.arange(tokens, device=q.device) + offset[sample]
-    size = CHUNK * (first[-1] + 1)
+    # each sample's tokens from a chunk boundary on, zeros after its last (the padding
+    # neither decays, g = 0, nor writes, k = 0 and beta = 0, the state; its outputs are
+    # dropped), the chunks in the recurrence's order (``_RulePlan``)
+    plan = _rule_plan(tuple(bounds), q.device)
+    size = CHUNK * plan.chunks
 
     def chunked(t: torch.Tensor) -> torch.Tensor:    # [B, HV, T, ...] -> [B, HV, chunks, C, ...]
-        padded = t.new_zeros(*t.shape[:2], size, *t.shape[3:]).index_copy(2, position, t)
-        return padded.reshape(*t.shape[:2], first[-1] + 1, CHUNK, *t.shape[3:])
+        padded = t.new_zeros(*t.shape[:2], size, *t.shape[3:]).index_copy(2, plan.position, t)
+        return padded.reshape(*t.shape[:2], plan.chunks, CHUNK, *t.shape[3:])
 
     q, k, v, g, beta = (chunked(t) for t in (q, k, v, g, beta))
     k_beta, v_beta = k * beta[..., None], v * beta[..., None]
@@ -261,32 +306,30 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     k_decayed = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
 
-    # across chunks: the recurrence, every sample's j-th chunk at step j (a state [K, V] per
-    # sample, from its own initial state: as many steps as the longest sample has chunks, not
-    # as the row has); a sample with fewer chunks takes the zero chunk, which keeps its state
-    steps = max(chunks, default=0)
-    taken = torch.tensor([[first[n] + j if j < chunks[n] else first[-1] for j in range(steps)]
-                          for n in range(samples)], dtype=torch.long, device=q.device)
+    # across chunks: the recurrence, every sample's j-th chunk at step j, a state [K, V] per
+    # sample from its own initial state (as many steps as the longest sample has chunks, not
+    # as the row has); a sample whose chunks are done leaves the states stepped (the longest
+    # first: those left are the first ones), so the steps' work is the row's chunks
     v_dim = v.shape[-1]
     if initial_state is None:
         state = q.new_zeros(batch, v_heads, samples, k_dim, v_dim)
     else:               # [samples x batch, HV, K, V], sample-major -> [B, HV, samples, K, V]
         state = initial_state.float().reshape(samples, batch, v_heads, k_dim, v_dim) \
-            .permute(1, 2, 0, 3, 4)
-    outputs = []
-    for j in range(steps):
-        c = taken[:, j]
+            .index_select(0, plan.order).permute(1, 2, 0, 3, 4)
+    outputs, done = [], []
+    for active, start in zip(plan.active, plan.starts):
+        if active < state.shape[2]:
+            done.append(state[:, :, active:])
+            state = state[:, :, :active]
+        c = slice(start, start + active)
         v_new = values[:, :, c] - k_cumdecay[:, :, c] @ state
         outputs.append(q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new)
         state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ v_new
-    out = q.new_zeros(batch, v_heads, size, v_dim)
-    if outputs:         # [B, HV, samples, steps, C, V], back in the row's chunk order
-        by_sample = torch.stack(outputs, dim=3).reshape(batch, v_heads, samples * steps,
-                                                        CHUNK, v_dim)
-        where = [n * steps + j for n in range(samples) for j in range(chunks[n])]
-        out = by_sample.index_select(2, torch.tensor(where, device=q.device)).reshape(
-            batch, v_heads, CHUNK * first[-1], v_dim)
-    out = out.index_select(2, position).transpose(1, 2).to(dtype)
-    final = state.permute(2, 0, 1, 3, 4).reshape(samples * batch, v_heads, k_dim, v_dim) \
-        if output_final_state else None
+    out = torch.cat(outputs, dim=2).reshape(batch, v_heads, size, v_dim) if outputs else \
+        q.new_zeros(batch, v_heads, 0, v_dim)
+    out = out.index_select(2, plan.position).transpose(1, 2).to(dtype)
+    final = None
+    if output_final_state:      # back in the samples' order
+        final = torch.cat([state, *reversed(done)], dim=2).index_select(2, plan.rank) \
+            .permute(2, 0, 1, 3, 4).reshape(samples * batch, v_heads, k_dim, v_dim)
     return out.contiguous(), final

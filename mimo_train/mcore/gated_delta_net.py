@@ -49,6 +49,7 @@ layers keep attention inside each sample from the same ``cu_seqlens`` (``mcore.a
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -170,21 +171,30 @@ def sum_partial_gradients(module: torch.nn.Module, tp_group) -> None:
             torch.distributed.all_reduce(parameter.main_grad, group=tp_group)
 
 
+def _one_set_of_bounds(params: PackedSeqParams) -> PackedSeqParams:
+    """``params`` as THD (mimo's packed rows come as sbhd: ``mcore.attention``), the key's
+    boundaries the query's own tensors where they hold the same values (the host's copies
+    say): megatron-core's layer compares the two with ``torch.equal``, which for one tensor
+    reads nothing from the device."""
+    kv, kv_padded = params.cu_seqlens_kv, params.cu_seqlens_kv_padded
+    same = [q is None and k is None or q is not None and k is not None and
+            host_bounds(q) == host_bounds(k)
+            for q, k in ((params.cu_seqlens_q, kv), (params.cu_seqlens_q_padded, kv_padded))]
+    if all(same):
+        kv, kv_padded = params.cu_seqlens_q, params.cu_seqlens_q_padded
+    return dataclasses.replace(params, qkv_format="thd", cu_seqlens_kv=kv,
+                               cu_seqlens_kv_padded=kv_padded)
+
+
 class GatedDeltaNet(gdn.GatedDeltaNet):
     """megatron-core's ``GatedDeltaNet`` that keeps a packed row's samples apart in any
     ``qkv_format``: a packed row handed as one sbhd sequence (``mcore.attention``) goes to
-    megatron-core's layer as THD with the same boundaries."""
+    megatron-core's layer as THD with the same boundaries (``_one_set_of_bounds``)."""
 
     def forward(self, hidden_states, attention_mask, inference_context=None,
                 packed_seq_params=None, sequence_len_offset=None, **kwargs):
-        if packed_seq_params is not None and packed_seq_params.qkv_format != "thd":
-            packed_seq_params = PackedSeqParams(
-                qkv_format="thd", cu_seqlens_q=packed_seq_params.cu_seqlens_q,
-                cu_seqlens_kv=packed_seq_params.cu_seqlens_kv,
-                cu_seqlens_q_padded=packed_seq_params.cu_seqlens_q_padded,
-                cu_seqlens_kv_padded=packed_seq_params.cu_seqlens_kv_padded,
-                max_seqlen_q=packed_seq_params.max_seqlen_q,
-                max_seqlen_kv=packed_seq_params.max_seqlen_kv)
+        if packed_seq_params is not None:
+            packed_seq_params = _one_set_of_bounds(packed_seq_params)
         return super().forward(hidden_states, attention_mask, inference_context,
                                packed_seq_params, sequence_len_offset, **kwargs)
 
