@@ -71,6 +71,27 @@ def test_a_package_the_project_does_not_allow_is_named(tmp_path):
         f"transformers {transformers_version} (needs >=99)"]
 
 
+def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch):
+    """Where PyAV's wheel was not carried (the GPU image has no PyAV), the check's shards are
+    the corpus's image and text conversations, the summary says why there are no clips, and
+    the cases' configs neither expand video nor route it to the tower."""
+    import yaml
+    module = _module()
+    missing = module._missing
+    monkeypatch.setattr(module, "_missing", lambda name: name == "av" or missing(name))
+    monkeypatch.setattr(sys, "path", list(sys.path))         # the stub goes on it
+    (tmp_path / "work").mkdir()
+    check = module.Check(tmp_path, True, math.inf, lambda *a: 0, None, tmp_path / "work")
+    shards = module.build_shards(check)
+    assert shards["clips"] == 0 and shards["images"] > 0, shards
+    assert shards["video"] == "no PyAV: no clips" and not check.video
+    check.checkpoints["2B"] = module.REPLICA
+    preprocess = yaml.safe_load(module.preprocessing(check, 8192).read_text())
+    assert "video" not in preprocess["modalities"] and "image" in preprocess["modalities"]
+    config = yaml.safe_load(module.write_config(check, "case", "cpu", {}).read_text())
+    assert config["layout"] == "language=dp1;image=dp1,off0"
+
+
 RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local",
        "lora_7b_packed_8k"}
 WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full", "lora_7b_packed_8k"}

@@ -289,7 +289,10 @@ class Profile:
         if kind is None:
             self.finish()
         elif self.profiler is not None:
-            self._stop(wait=False)
+            try:
+                self._stop(wait=False)
+            except Exception:       # torch's profiler syncs the device: a failed one raises
+                pass                # again, and the step's error is the one to report
             self.profiler = self.syncs = None
 
     def _stop(self, wait: bool) -> None:
