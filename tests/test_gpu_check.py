@@ -72,9 +72,10 @@ def test_a_package_the_project_does_not_allow_is_named(tmp_path):
 
 
 def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch):
-    """Where PyAV's wheel was not carried (the GPU image has no PyAV), the check's shards are
-    the corpus's image and text conversations, the summary says why there are no clips, and
-    the cases' configs neither expand video nor route it to the tower."""
+    """Where PyAV's wheel was not carried (the GPU image has no PyAV), the packages step goes
+    on without it, the check's shards are the corpus's image and text conversations, the
+    summary says why there are no clips, and the cases' configs neither expand video nor
+    route it to the tower."""
     import yaml
     module = _module()
     missing = module._missing
@@ -90,6 +91,11 @@ def test_without_pyav_the_shards_hold_no_clips_and_say_why(tmp_path, monkeypatch
     assert "video" not in preprocess["modalities"] and "image" in preprocess["modalities"]
     config = yaml.safe_load(module.write_config(check, "case", "cpu", {}).read_text())
     assert config["layout"] == "language=dp1;image=dp1,off0"
+    # the packages step without any carried wheel: PyAV alone missing is no error
+    monkeypatch.setattr(module, "ROOT", tmp_path)
+    packages = module.install_packages(gpu=False)
+    assert packages["missing"] == ["av"] and packages["av"] == "stub", packages
+    assert "installed" not in packages and "error" not in packages, packages
 
 
 RUN = {"packed_8k", "unpacked", "packed_8k_recompute_full", "packed_8k_local",

@@ -29,8 +29,7 @@ def replicated_dataset(corpus: str, samples: int, work: str, *, keep=None,
     turn from each kind (images, clips: both in the first micro-batches), else in order.
     """
     # the corpus built once per set of inputs (a work folder reused with others builds again)
-    once = os.path.join(work, "once" if inputs == CORPUS_INPUTS else
-                        "once-" + "-".join(os.path.splitext(name)[0] for name in inputs))
+    once = os.path.join(work, "once" if inputs == CORPUS_INPUTS else "once-" + "-".join(inputs))
     if not os.path.isdir(once):
         build([os.path.join(corpus, name) for name in inputs], once,
               BuildOptions(progress=False, workers=0))

@@ -134,6 +134,7 @@ def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
+@torch.inference_mode(False)            # kept for later training steps: not inference tensors
 def _conv_plan(bounds: tuple[int, ...], width: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where each token goes in the convolution's row of samples each after a window of
@@ -154,17 +155,17 @@ def _conv_plan(bounds: tuple[int, ...], width: int, device: torch.device
 class _RulePlan:
     """The recurrence's order of a row's chunks: samples longest first (``order``, and each
     sample's ``rank`` there), step j holds the j-th chunk of the ``active[j]`` samples that
-    have one, at chunk slots ``starts[j] ..``; ``position``: each token's place in that order
-    (slot x CHUNK + its place in its chunk)."""
+    have one, the steps one after another; ``position``: each token's place in that order
+    (its chunk's slot x CHUNK + its place in the chunk)."""
     chunks: int                 # slots in all
-    active: tuple[int, ...]
-    starts: tuple[int, ...]
+    active: list[int]
     order: torch.Tensor
     rank: torch.Tensor
     position: torch.Tensor
 
 
 @functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
+@torch.inference_mode(False)            # kept for later training steps: not inference tensors
 def _rule_plan(bounds: tuple[int, ...], device: torch.device) -> _RulePlan:
     edges = torch.tensor(bounds)
     lengths = edges.diff()
@@ -179,8 +180,8 @@ def _rule_plan(bounds: tuple[int, ...], device: torch.device) -> _RulePlan:
     sample = torch.repeat_interleave(torch.arange(len(counts)), lengths, output_size=bounds[-1])
     within = torch.arange(bounds[-1]) - edges[sample]
     slot = torch.tensor(starts, dtype=torch.long)[within // CHUNK] + rank[sample]
-    return _RulePlan(starts[-1], tuple(active), tuple(starts[:-1]),
-                     _on(device, torch.tensor(order, dtype=torch.long)), _on(device, rank),
+    return _RulePlan(starts[-1], active, _on(device, torch.tensor(order, dtype=torch.long)),
+                     _on(device, rank),
                      _on(device, slot * CHUNK + within % CHUNK))
 
 
@@ -317,14 +318,17 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         state = initial_state.float().reshape(samples, batch, v_heads, k_dim, v_dim) \
             .index_select(0, plan.order).permute(1, 2, 0, 3, 4)
     outputs, done = [], []
-    for active, start in zip(plan.active, plan.starts):
+    # each step's chunks, split once (a slice per step would make each step's gradient as
+    # large as the row's in the backward pass; the split's joins them once)
+    by_step = zip(plan.active, *(torch.split(t, plan.active, dim=2) for t in (
+        values, k_cumdecay, q_decayed, intra, k_decayed, chunk_decay)))
+    for active, values_j, k_cumdecay_j, q_decayed_j, intra_j, k_decayed_j, decay_j in by_step:
         if active < state.shape[2]:
             done.append(state[:, :, active:])
             state = state[:, :, :active]
-        c = slice(start, start + active)
-        v_new = values[:, :, c] - k_cumdecay[:, :, c] @ state
-        outputs.append(q_decayed[:, :, c] @ state + intra[:, :, c] @ v_new)
-        state = state * chunk_decay[:, :, c] + k_decayed[:, :, c].transpose(-1, -2) @ v_new
+        v_new = values_j - k_cumdecay_j @ state
+        outputs.append(q_decayed_j @ state + intra_j @ v_new)
+        state = state * decay_j + k_decayed_j.transpose(-1, -2) @ v_new
     out = torch.cat(outputs, dim=2).reshape(batch, v_heads, size, v_dim) if outputs else \
         q.new_zeros(batch, v_heads, 0, v_dim)
     out = out.index_select(2, plan.position).transpose(1, 2).to(dtype)

@@ -296,13 +296,15 @@ class Profile:
             self.profiler = self.syncs = None
 
     def _stop(self, wait: bool) -> None:
-        self._unmark()
-        if self.syncs is not None:
-            self.syncs.__exit__(None, None, None)
-        if wait and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
         assert self.profiler is not None
-        self.profiler.__exit__(None, None, None)
+        try:
+            self._unmark()
+            if self.syncs is not None:
+                self.syncs.__exit__(None, None, None)
+            if wait and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+        finally:                    # torch's profiler stopped whatever failed before it
+            self.profiler.__exit__(None, None, None)
 
     def finish(self) -> None:
         """Stop and write."""

@@ -242,6 +242,7 @@ def install_packages(gpu: bool) -> dict:
         if not wheels and missing != ["av"]:          # without PyAV: no clips (the stub)
             raise RuntimeError(f"{missing} missing and no wheels in .whl/: run "
                                "bash tools/gpu_check/prepare.sh on the development machine")
+    if missing and wheels:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                         "--no-compile", "--no-cache-dir", *map(str, wheels)], check=True,
                        capture_output=True, text=True, timeout=180)
