@@ -24,9 +24,9 @@ only, not installable on the CPU machines), and the torch fallbacks of transform
 megatron-core ignore ``cu_seqlens``. They run in fp32 internally (as transformers' does) and
 stay vectorized: the chunked form (chunks of 64 tokens, the intra-chunk work done for all
 chunks of all samples at once, a triangular solve for the WY form), only the inter-chunk
-recurrence looping, over the longest sample's chunks, all samples' states at once (a packed
-8k row of 24 samples: ~6 steps, not the row's ~140 chunks, each a few kernels on a GPU);
-each sample's chunks start at a chunk boundary.
+recurrence looping, over the longest sample's chunks, the states of all samples with a chunk
+left at once (a packed 8k row of 24 samples: ~6 steps, not the row's ~140 chunks, each a few
+kernels on a GPU); each sample's chunks start at a chunk boundary.
 """
 
 from __future__ import annotations
@@ -167,6 +167,7 @@ class _RulePlan:
 @functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
 @torch.inference_mode(False)            # kept for later training steps: not inference tensors
 def _rule_plan(bounds: tuple[int, ...], device: torch.device) -> _RulePlan:
+    """The row's ``_RulePlan``: made on the host, on ``device`` once."""
     edges = torch.tensor(bounds)
     lengths = edges.diff()
     counts = [-(-int(n) // CHUNK) for n in lengths]
