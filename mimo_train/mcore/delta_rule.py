@@ -39,6 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mimo_data.modalities.base import to_device
 from mimo_train.runtime.console import PREFIX, say
 
 CHUNK = 64
@@ -127,12 +128,6 @@ def _bounds(cu_seqlens: torch.Tensor | None, batch: int, tokens: int) -> list[in
     return bounds
 
 
-def _on(device: torch.device, host: torch.Tensor) -> torch.Tensor:
-    """A host-made index tensor on ``device``: on a GPU a pinned, non-blocking copy (a plain
-    one waits for the device's queue)."""
-    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-
-
 @functools.lru_cache(maxsize=8)         # a micro-batch's layers share their boundaries
 @torch.inference_mode(False)            # kept for later training steps: not inference tensors
 def _conv_plan(bounds: tuple[int, ...], width: int, device: torch.device
@@ -148,7 +143,8 @@ def _conv_plan(bounds: tuple[int, ...], width: int, device: torch.device
               + torch.arange(width))                                  # [samples, W]
     last = (edges[1:, None] + width * torch.arange(1, samples + 1)[:, None]
             - width + torch.arange(width))                            # [samples, W]
-    return _on(device, position), _on(device, window.reshape(-1)), _on(device, last.reshape(-1))
+    return (to_device(position, device), to_device(window.reshape(-1), device),
+            to_device(last.reshape(-1), device))
 
 
 @dataclass(frozen=True)
@@ -181,9 +177,8 @@ def _rule_plan(bounds: tuple[int, ...], device: torch.device) -> _RulePlan:
     sample = torch.repeat_interleave(torch.arange(len(counts)), lengths, output_size=bounds[-1])
     within = torch.arange(bounds[-1]) - edges[sample]
     slot = torch.tensor(starts, dtype=torch.long)[within // CHUNK] + rank[sample]
-    return _RulePlan(starts[-1], active, _on(device, torch.tensor(order, dtype=torch.long)),
-                     _on(device, rank),
-                     _on(device, slot * CHUNK + within % CHUNK))
+    return _RulePlan(starts[-1], active, to_device(torch.tensor(order, dtype=torch.long), device),
+                     to_device(rank, device), to_device(slot * CHUNK + within % CHUNK, device))
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None

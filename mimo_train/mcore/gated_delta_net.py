@@ -176,11 +176,10 @@ def _one_set_of_bounds(params: PackedSeqParams) -> PackedSeqParams:
     boundaries the query's own tensors where they hold the same values (the host's copies
     say): megatron-core's layer compares the two with ``torch.equal``, which for one tensor
     reads nothing from the device."""
+    def same(q: torch.Tensor | None, k: torch.Tensor | None) -> bool:
+        return q is k or (q is not None and k is not None and host_bounds(q) == host_bounds(k))
     kv, kv_padded = params.cu_seqlens_kv, params.cu_seqlens_kv_padded
-    same = [q is None and k is None or q is not None and k is not None and
-            host_bounds(q) == host_bounds(k)
-            for q, k in ((params.cu_seqlens_q, kv), (params.cu_seqlens_q_padded, kv_padded))]
-    if all(same):
+    if same(params.cu_seqlens_q, kv) and same(params.cu_seqlens_q_padded, kv_padded):
         kv, kv_padded = params.cu_seqlens_q, params.cu_seqlens_q_padded
     return dataclasses.replace(params, qkv_format="thd", cu_seqlens_kv=kv,
                                cu_seqlens_kv_padded=kv_padded)
