@@ -41,10 +41,8 @@ class MarkerExpander:
         self.modality_token_ids = {name: tokenizer.convert_tokens_to_ids(m.token)
                                    for name, m in config.modalities.items()}
         # modality token id -> the ids of the tokens around each item's run of it
-        vocabulary = tokenizer.get_vocab() if any(
-            m.wrap for m in config.modalities.values()) else {}
         self._wraps = {self.modality_token_ids[name]:
-                       self._wrap_ids(name, m.wrap, vocabulary, config.tokenizer)
+                       self._wrap_ids(name, m.wrap, backend, config.tokenizer)
                        for name, m in config.modalities.items() if m.wrap}
         # ``placeholder_texts`` (Qwen3-VL's timestamps) tokenized alone: in the processor's
         # text each lies between two wrap tokens, which the tokenizer splits off before its
@@ -73,14 +71,17 @@ class MarkerExpander:
         return bool(self._modality_token[token_id])
 
     @staticmethod
-    def _wrap_ids(modality: str, wrap: Sequence[str], vocabulary: dict[str, int],
+    def _wrap_ids(modality: str, wrap: Sequence[str], backend: Tokenizer,
                   tokenizer: str) -> tuple[int, int]:
-        missing = [token for token in wrap if token not in vocabulary]
+        found = {token: backend.token_to_id(token) for token in wrap}
+        missing = [token for token, token_id in found.items() if token_id is None]
         if missing:
             raise ConfigError(f"modalities.{modality}.wrap names {missing}, which the tokenizer "
                               f"{tokenizer!r} does not have: use the model's own tokens "
                               "(e.g. <|vision_start|>, <|vision_end|>)")
-        return vocabulary[wrap[0]], vocabulary[wrap[1]]
+        first, last = found[wrap[0]], found[wrap[1]]
+        assert first is not None and last is not None
+        return first, last
 
     def expand(self, ids: np.ndarray, trained: np.ndarray | None, marker_at: np.ndarray,
                counts: list[int], modality_tokens: list[int], texts: list[tuple[str, ...]]):

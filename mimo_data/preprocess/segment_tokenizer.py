@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from itertools import accumulate, chain
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models
 
 
 # warm() batches for cache locality, not for threads: preprocessing runs one core per
@@ -133,6 +133,14 @@ def _walk(node):
             yield from _walk(value)
 
 
+def _part(backend: Tokenizer, name: str) -> dict | None:
+    """One component of the tokenizer (``normalizer``, ``pre_tokenizer``, ``post_processor``)
+    as tokenizer.json spells it, serialized alone: ``to_str`` writes the whole vocabulary too
+    (~0.3 s to write and parse for a 150k-token tokenizer, at every rank's start-up)."""
+    part = getattr(backend, name)
+    return None if part is None else json.loads(part.__getstate__())
+
+
 def unsupported_reason(backend: Tokenizer) -> str | None:
     """Why piece-by-piece encoding could differ from ``backend.encode`` (None: it cannot)."""
     # A tokenizer.json saved with padding or truncation on keeps it (transformers too): a batch
@@ -141,15 +149,14 @@ def unsupported_reason(backend: Tokenizer) -> str | None:
         return "the tokenizer pads its encodings"
     if backend.truncation is not None:
         return "the tokenizer truncates its encodings"
-    spec = json.loads(backend.to_str())
-    for token in spec.get("added_tokens", []):
-        if token.get("lstrip") or token.get("rstrip") or token.get("single_word"):
-            return f"added token {token['content']!r} strips or requires whitespace around it"
-        if token.get("normalized") and spec.get("normalizer") is not None:
-            return f"added token {token['content']!r} is matched after normalization"
-    if (spec.get("model") or {}).get("dropout"):
+    for token in backend.get_added_tokens_decoder().values():
+        if token.lstrip or token.rstrip or token.single_word:
+            return f"added token {token.content!r} strips or requires whitespace around it"
+        if token.normalized and backend.normalizer is not None:
+            return f"added token {token.content!r} is matched after normalization"
+    if getattr(backend.model, "dropout", None):
         return "the model uses BPE dropout"
-    for node in _walk(spec.get("pre_tokenizer")):
+    for node in _walk(_part(backend, "pre_tokenizer")):
         if node.get("type") == "Metaspace" and node.get("prepend_scheme") == "first":
             return "the Metaspace pre-tokenizer prepends only to the first piece"
     return None
@@ -160,28 +167,47 @@ _CUTTING = {"ByteLevel", "Digits", "Split", "Sequence"}
 _ASCII_PROBE = "Hello, world!  It's 2024:\n\n\tx = [1, 22, 333]  # done...   \n"
 
 
-def byte_level_lengths(backend: Tokenizer) -> np.ndarray | None:
+class TokenLengths:
+    """Characters per token id (``lengths[ids]``), each id's read from the tokenizer when first
+    met: a table of the whole vocabulary costs ~0.2-0.4 s at every rank's start-up for a
+    150-250k-token tokenizer, of which a run meets a small share."""
+
+    def __init__(self, backend: Tokenizer):
+        self._backend = backend
+        self._lengths = np.full(backend.get_vocab_size(with_added_tokens=True), -1,
+                                dtype=np.int64)
+
+    def __getitem__(self, ids: np.ndarray) -> np.ndarray:
+        lengths = self._lengths[ids]
+        unknown = lengths < 0
+        if unknown.any():
+            for token_id in np.unique(ids[unknown]).tolist():
+                token = self._backend.id_to_token(token_id)
+                self._lengths[token_id] = 0 if token is None else len(token)
+            lengths = self._lengths[ids]
+        return lengths
+
+
+def byte_level_lengths(backend: Tokenizer) -> TokenLengths | None:
     """Characters per token id when ``backend`` is byte-level BPE whose ASCII offsets are the
     running sum of its tokens' lengths (no normalizer that could change ASCII, no offset
     trimming, no subword prefixes); None otherwise, or if a probe text says otherwise."""
-    spec = json.loads(backend.to_str())
-    model = spec.get("model") or {}
-    normalizers = [node.get("type") for node in _walk(spec.get("normalizer"))]
-    pre_tokenizers = list(_walk(spec.get("pre_tokenizer")))
-    if (model.get("type") != "BPE" or model.get("byte_fallback") or
-            model.get("continuing_subword_prefix") or model.get("end_of_word_suffix") or
+    model = backend.model
+    normalizers = [node.get("type") for node in _walk(_part(backend, "normalizer"))]
+    pre_tokenizers = list(_walk(_part(backend, "pre_tokenizer")))
+    if (not isinstance(model, models.BPE) or model.byte_fallback or
+            model.continuing_subword_prefix or model.end_of_word_suffix or
             not set(normalizers) <= {"NFC", "NFD", "NFKC", "NFKD", "Sequence"} or
             "ByteLevel" not in [node.get("type") for node in pre_tokenizers] or
             any(node.get("type") not in _CUTTING or node.get("behavior") == "Removed"
                 for node in pre_tokenizers if "type" in node) or
-            any(node.get("trim_offsets") for node in _walk(spec.get("post_processor")))):
+            any(node.get("trim_offsets") for node in _walk(_part(backend, "post_processor")))):
         return None
-    lengths = np.zeros(backend.get_vocab_size(with_added_tokens=True), dtype=np.int64)
-    for token, token_id in backend.get_vocab(with_added_tokens=True).items():
-        lengths[token_id] = len(token)
+    lengths = TokenLengths(backend)
     probe = backend.encode(_ASCII_PROBE, add_special_tokens=False)
-    ends = np.cumsum(lengths[probe.ids])
-    if [tuple(o) for o in probe.offsets] != list(zip((ends - lengths[probe.ids]).tolist(),
+    probe_lengths = lengths[np.array(probe.ids, dtype=np.int64)]
+    ends = np.cumsum(probe_lengths)
+    if [tuple(o) for o in probe.offsets] != list(zip((ends - probe_lengths).tolist(),
                                                      ends.tolist())):
         return None
     return lengths
