@@ -118,18 +118,22 @@ def preprocessing_for(path: str) -> dict:
             "mode": "chat", "positions": vlm.positions, "modalities": modalities}
 
 
-@lru_cache(maxsize=16)
 def checkpoint_config(path: str, key: str):
     """transformers' config of the checkpoint at ``path`` (directory or cached hub name), or
-    ``TrainConfigError`` naming ``key``."""
-    from transformers import AutoConfig
+    ``TrainConfigError`` naming ``key``; read once per path (shared: not to be changed)."""
     try:
-        return AutoConfig.from_pretrained(path)
+        return _read_config(path)
     except (OSError, ValueError) as error:
         raise TrainConfigError(
             f"{key} is {path!r}, from which transformers cannot read a model config ({error}): "
             "give a model directory holding config.json (or a hub name already in the local "
             "cache)") from None
+
+
+@lru_cache(maxsize=16)
+def _read_config(path: str):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(path)
 
 
 def _model_type(path: str, key: str) -> str:
