@@ -239,6 +239,9 @@ def _patch_causal_masks() -> None:
 COMPILED = (("megatron.core.transformer.attention", "Attention", ("_apply_output_gate",)),
             ("megatron.core.ssm.gated_delta_net.common", "_GDNBase",
              ("_apply_gated_norm", "_prepare_input_for_gated_delta_rule", "_compute_g_and_beta")),
+            # the router's expert-bias update (traced by dynamo on every rank with experts,
+            # also where the bias is off and the method does nothing)
+            ("megatron.core.transformer.moe.router", "TopKRouter", ("_apply_expert_bias",)),
             # the fused SwiGLU's forward and backward (bias_activation_fusion)
             ("megatron.core.fusions.fused_bias_swiglu", None,
              ("swiglu", "bias_swiglu", "weighted_swiglu", "swiglu_back", "bias_swiglu_back",
@@ -341,7 +344,8 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "@jit_fuser (torch.compile) methods: transformer/attention.py:1623 "
           "Attention._apply_output_gate (gated attention), ssm/gated_delta_net/common.py:370, "
           ":382, :433, fusions/fused_bias_swiglu.py:15-90 (the fused SwiGLU's forward and "
-          "backward): the first forward compiles each with inductor's C++ backend (over 90 s "
+          "backward), transformer/moe/router.py:727 TopKRouter._apply_expert_bias: the first "
+          "forward compiles each with inductor's C++ backend (over 90 s "
           "for one small layer on 2 cores, again for each new shape; fails without a C++ "
           "compiler)",
           _patch_compiled_methods),
