@@ -442,6 +442,46 @@ def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
             encode_texts(backend, ["a", "longer text"])
 
 
+@pytest.mark.parametrize("name", ["smollm2", "Qwen--Qwen3.5-4B", "llava-hf--llava-1.5-7b-hf"])
+def test_a_tokenizer_of_its_own_encodes_as_the_loaded_one(name):
+    """TextEncoder's private tokenizer (the loaded one's model shared, its pipeline and added
+    tokens given again) encodes and decodes as the loaded tokenizer, special tokens and
+    normalization included, and takes added tokens without changing it; from a tokenizer.json
+    saved with padding on, it pads nothing."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    from mimo_data.preprocess.tokenizer_loading import tokenizer_of_its_own
+
+    source = REPO / "assets" / ("tokenizer" if name == "smollm2" else "models/published") / name
+    texts = ["<|im_start|>user\nWhat's in <b>this</b>? 漢字 🙂 cafe\u0301<|im_end|>\n",
+             "  x\n\n\ty ", "<|endoftext|> <s> </s> [INST] 12345 e\u0301"]
+
+    def encodings(tokenizer):
+        return [(e.ids, e.offsets, e.tokens) for special in (False, True)
+                for e in tokenizer.encode_batch(texts, add_special_tokens=special)]
+
+    loaded = AutoTokenizer.from_pretrained(source).backend_tokenizer
+    size = loaded.get_vocab_size(with_added_tokens=True)
+    own = tokenizer_of_its_own(loaded)
+    assert encodings(own) == encodings(loaded)
+    ids = loaded.encode(texts[0]).ids
+    assert own.decode(ids) == loaded.decode(ids) and own.decode(ids, False) == loaded.decode(
+        ids, False)
+    own.add_special_tokens([AddedToken("<marker>", special=True, normalized=False)])
+    assert own.token_to_id("<marker>") == size and loaded.token_to_id("<marker>") is None
+    assert loaded.get_vocab_size(with_added_tokens=True) == size
+    spec = json.loads((REPO / "assets" / "tokenizer" / "smollm2" / "tokenizer.json").read_text())
+    spec["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_id": 2,
+                       "pad_to_multiple_of": None, "pad_type_id": 0, "pad_token": EOT}
+    padding = Tokenizer.from_str(json.dumps(spec))
+    own = tokenizer_of_its_own(padding)
+    assert own.padding is None and encodings(own) != encodings(padding)
+    padding.no_padding()
+    assert encodings(own) == encodings(padding)
+
+
 def test_special_tokens_are_added_and_the_vocab_size_reported(reference_tokenizer):
     text = TextEncoder(config())
     assert text.vocab_size == len(reference_tokenizer) + 2

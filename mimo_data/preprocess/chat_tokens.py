@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken
 
 from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.chat_render import ChatRenderer, TextError, TrainedSpan
@@ -28,7 +28,7 @@ from mimo_data.preprocess.marker_expansion import ItemTokens, MarkerExpander
 from mimo_data.preprocess.record_kinds import KindRenderer, Messages, Rendered
 from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCachedTokenizer,
                                                     encode_texts, unsupported_reason)
-from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+from mimo_data.preprocess.tokenizer_loading import load_tokenizer, tokenizer_of_its_own
 from mimo_data.preprocess.trained_spans import TrainedSpans
 
 __all__ = ["Encoded", "ItemTokens", "TextEncoder", "TextError", "load_tokenizer"]
@@ -53,15 +53,13 @@ class TextEncoder:
     def __init__(self, config: PreprocessConfig, tokenizer=None, *, cache_tokens: bool = True):
         self.config = config
         self.tokenizer = tokenizer or load_tokenizer(config)
-        # A private copy of the fast tokenizer in which the markers are atomic added tokens:
-        # one encode per sample, identical to encoding the text between markers piece by piece
-        # (added tokens split the text before the model's pre-tokenizer runs).
-        backend = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
-        # A tokenizer.json saved with padding or truncation on keeps it (transformers too):
-        # batches would be padded to their longest text and texts cut at its max_length. A
+        # A private tokenizer in which the markers are atomic added tokens: one encode per
+        # sample, identical to encoding the text between markers piece by piece (added tokens
+        # split the text before the model's pre-tokenizer runs). A tokenizer.json saved with
+        # padding or truncation on keeps it (transformers too): batches would be padded to
+        # their longest text and texts cut at its max_length; this one does neither. A
         # conversation is tokenized whole; seq_length and length_policy decide what is kept.
-        backend.no_padding()
-        backend.no_truncation()
+        backend = tokenizer_of_its_own(self.tokenizer.backend_tokenizer)
         backend.add_special_tokens([AddedToken(m, special=True, normalized=False)
                                     for m in MARKERS.values()])
         self.backend = (SegmentCachedTokenizer(backend)
