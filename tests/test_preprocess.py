@@ -447,7 +447,8 @@ def test_a_tokenizer_of_its_own_encodes_as_the_loaded_one(name):
     """TextEncoder's private tokenizer (the loaded one's model shared, its pipeline and added
     tokens given again) encodes and decodes as the loaded tokenizer, special tokens and
     normalization included, and takes added tokens without changing it; from a tokenizer.json
-    saved with padding on, it pads nothing."""
+    saved with padding on, it pads nothing; from one splitting special tokens, it splits
+    none."""
     import json
 
     from tokenizers import AddedToken, Tokenizer
@@ -472,6 +473,13 @@ def test_a_tokenizer_of_its_own_encodes_as_the_loaded_one(name):
     own.add_special_tokens([AddedToken("<marker>", special=True, normalized=False)])
     assert own.token_to_id("<marker>") == size and loaded.token_to_id("<marker>") is None
     assert loaded.get_vocab_size(with_added_tokens=True) == size
+    # transformers' split_special_tokens (a tokenizer's setting, or a call's, left set) spells
+    # special tokens out; the template's and the markers' stay tokens here
+    loaded.encode_special_tokens = True
+    own = tokenizer_of_its_own(loaded)
+    assert own.encode_special_tokens is False and encodings(own) != encodings(loaded)
+    loaded.encode_special_tokens = False
+    assert encodings(own) == encodings(loaded)
     spec = json.loads((REPO / "assets" / "tokenizer" / "smollm2" / "tokenizer.json").read_text())
     spec["padding"] = {"strategy": "BatchLongest", "direction": "Right", "pad_id": 2,
                        "pad_to_multiple_of": None, "pad_type_id": 0, "pad_token": EOT}

@@ -34,7 +34,9 @@ def load_tokenizer(config: PreprocessConfig):
 
 
 def tokenizer_of_its_own(backend: Tokenizer) -> Tokenizer:
-    """A tokenizer encoding as ``backend`` does (without padding or truncation) whose added
+    """A tokenizer encoding as ``backend`` does (without padding or truncation, its special
+    tokens matched as tokens: transformers' ``split_special_tokens`` sets ``backend``'s
+    ``encode_special_tokens``, which would split the template's and the markers') whose added
     tokens are its own: a new pipeline around the same model (the vocabulary and merges,
     shared and never changed) with ``backend``'s normalizer, pre-tokenizer, post-processor,
     decoder and added tokens. (A copy through ``to_str`` and ``from_str`` writes and parses
@@ -48,7 +50,6 @@ def tokenizer_of_its_own(backend: Tokenizer) -> Tokenizer:
     # the added ids so far: given again in id order, each gets its id back
     own.add_tokens([added[token_id] for token_id in sorted(added)])
     assert _added_tokens(own) == _added_tokens(backend), "added tokens given other ids"
-    own.encode_special_tokens = backend.encode_special_tokens
     return own
 
 
