@@ -1,4 +1,5 @@
-"""The configured tokenizer and its chat template, as the preprocessing loads them."""
+"""The configured tokenizer and its chat template, as the preprocessing loads them, and the
+private tokenizer ``TextEncoder`` adds its markers to."""
 
 from __future__ import annotations
 
