@@ -521,6 +521,10 @@ def test_new_pieces_are_encoded_once_and_kept_while_there_is_room(text_encoder, 
     assert _per_text(small.encode_texts(texts), texts) == reference
     assert small.misses == len(new)      # more new pieces than fit: all encoded once,
     assert len(small._cache) - len(small._added) == 8     # the first 8 kept
+    # A copy (copy.copy, deepcopy) is a tokenizer of its own with the same encodings.
+    twin = copy.deepcopy(cached)
+    assert _per_text(twin.encode_texts(texts), texts) == reference
+    assert twin.misses == cached.misses and twin.token_to_id("<|im_start|>") is not None
 
 
 def test_piece_cache_refuses_tokenizers_it_cannot_reproduce(text_encoder):

@@ -271,6 +271,8 @@ class SegmentCachedTokenizer:
         return self.pieces - self.misses
 
     def __getattr__(self, name):          # token_to_id, decode, ...: the tokenizer's own
+        if name == "backend":             # not set yet: an instance being copied or unpickled
+            raise AttributeError(name)
         return getattr(self.backend, name)
 
     def _encode_new(self, pieces: list[str]) -> dict[str, np.ndarray]:
