@@ -153,6 +153,7 @@ def test_each_case_is_profiled(summary):
         assert any(e["kind"] == "matmul" for e in top), top
         assert shares["matmul"] > 0 and shares["attention"] > 0
         assert profile["host_reads_per_step"] > 0, profile
+        assert profile["operators_per_step"] > 100 and "kernels_per_step" not in profile
         if name != "packed_8k":         # the map of waits is slow on the CPU: one case's
             assert "sync_sites" not in profile, profile
             continue

@@ -104,6 +104,18 @@ def test_cpu_shares_are_the_operators_not_the_python_around_them():
     assert not names & {"PythonDispatchMode", "annotated"}, names
     assert not any(name.startswith("enumerate(DataLoader)") for name in names), names
     assert abs(sum(found["shares"].values()) - 1) < 0.01, found["shares"]
+    # the operators the host dispatched: outermost calls only (randn's empty and normal_ are
+    # its own work), per step
+    x = torch.randn(8, requires_grad=True)
+    with torch.profiler.profile() as profiler:
+        for _ in range(4):
+            torch.randn(8).relu().sum()
+            # mul, sum; backward: ones_like (the seed), expand (sum's), mul, detach (the
+            # gradient accumulated)
+            (x * 2).sum().backward()
+    found = profile.summarize(profiler, steps=4)
+    assert found["operators_per_step"] == 3 + 6, found
+    assert "kernels_per_step" not in found
 
 
 def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeypatch):
@@ -143,6 +155,7 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
     # 1100 us from the first mark to the last kernel, 750 busy: 350 idle
     assert found["ms_per_step"] == 0.55 and found["shares"]["idle"] == round(350 / 1100, 4)
     assert found["shares"]["matmul"] == round(300 / 1100, 4)
+    assert found["kernels_per_step"] == 1.5 and found["operators_per_step"] == 0
 
 
 def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(tmp_path):

@@ -15,6 +15,9 @@ the next change, the same for mimo and for any other training measured beside it
   ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
   ``host_reads_by_call`` by name: of device and host tensors alike (torch's Adam reads its
   host-side step counts twice a parameter), so not all of them wait for the GPU;
+- ``operators_per_step``: the operators the host dispatched (outermost ``aten::`` calls, each
+  one kernel launch or more on a GPU: the host's share of a step grows with them, and the GPU
+  idles when the host falls behind), and on a GPU ``kernels_per_step``;
 - ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
   their innermost Python frame outside torch: on CUDA each call torch's sync debug mode
   reports (``SyncSites``), on the CPU with ``train.profile.waits`` each operator that would
@@ -80,6 +83,19 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _outermost_operators(events) -> int:
+    """``aten::`` calls not made inside another one (its children are its own work)."""
+    def nested(event) -> bool:
+        parent = getattr(event, "cpu_parent", None)
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return True
+            parent = parent.cpu_parent
+        return False
+    return sum(1 for e in events if e.name.startswith("aten::")
+               and e.device_type == torch.autograd.DeviceType.CPU and not nested(e))
+
+
 def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dict:
     """The figures of a finished profiler that covered ``steps`` steps (times in ms per
     step)."""
@@ -126,6 +142,8 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
             "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
                      round(value / per_step, 3), "share": round(value / whole, 4)}
                     for name, value in ranked],
+            "operators_per_step": round(_outermost_operators(events) / max(steps, 1), 1),
+            **({"kernels_per_step": round(len(kernels) / max(steps, 1), 1)} if kernels else {}),
             "host_reads_per_step": round(len(synced) / max(steps, 1), 2),
             "host_reads_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
                 Counter(e.name for e in synced).items(), key=lambda item: -item[1])}}
