@@ -323,6 +323,57 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert {r["key"]: r["text"] for r in records} == {
         key: text for key, text in pairs.captions.items() if int(key) < 8}
     assert all(r["kind"] == "caption" for r in records)
+    # A tar split.yaml does not list (another split's) is left out under any --layout; a JSON
+    # member without the first alternative's field falls back to the next one (Energon's way).
+    shutil.copy(pairs.src / "pairs-000002.tar", folder / "val-000000.tar")
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-pairs",
+                            "--layout", "pairs", "--text-member", "json[alt_text],json[caption]",
+                            "--workers", "0", "--no-progress")
+    assert code == 0, err
+    assert "2 train tar(s) of" in err and "split.yaml" in err
+    reader = ShardReader(str(tmp_path / "idx-pairs"))
+    assert {reader.record(p)["key"]: reader.record(p)["text"] for p in range(len(reader))} == {
+        key: text for key, text in pairs.captions.items() if int(key) < 8}
+
+
+@pytest.mark.parametrize("dataset, why", [
+    ("__module__: megatron.energon\n__class__: CrudeWebdataset\nsubflavors: {}\n",
+     "a CrudeSample's samples are made by code mimo does not run"),
+    ("sample_type: {__module__: megatron.energon, __class__: CaptioningSample}\n"
+     "sample_loader: sample_loader.py:sample_loader\npart_filter: sample_loader.py:part_filter\n",
+     "a sample_loader is Python code mimo does not run"),
+    ("sample_type: {__module__: megatron.energon, __class__: InterleavedSample}\n"
+     "field_map: {sequence: json}\n", "sample type InterleavedSample with fields ['sequence']")])
+def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path, dataset, why):
+    from mimo_data.shards import energon
+    from mimo_data.shards.sources import SourceError
+
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "dataset.yaml").write_text(dataset)
+    with pytest.raises(SourceError) as caught:
+        energon.member_map(str(tmp_path))
+    assert why in str(caught.value) and "--layout pairs|conversation|documents" in \
+        str(caught.value), caught.value
+
+
+def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
+    """webdataset reads ``.tar.gz``, but a compressed tar's members have no byte offsets: the
+    file is named and refused (exit 2, nothing written), not indexed as a tar cut short."""
+    import gzip
+
+    (tmp_path / "gz").mkdir()
+    packed = tmp_path / "gz" / "pairs-000000.tar.gz"
+    packed.write_bytes(gzip.compress((pairs.src / "pairs-000000.tar").read_bytes()))
+    plain = shutil.copy(pairs.src / "pairs-000000.tar", tmp_path / "gz" / "a.tar")
+    for given in ([packed, "--layout", "pairs"], [packed], [plain, packed]):
+        code, _, err = cli_main(capsys, "index", *given, "--output", tmp_path / "idx",
+                                "--workers", "0", "--no-progress")
+        assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress" in err, err
+        assert not (tmp_path / "idx" / "index.json").exists()
+    os.remove(plain)
+    code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "no *.tar files under it (1 compressed" in err, err
 
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
@@ -420,6 +471,30 @@ def test_conversations_keep_their_messages_and_media_order(conversations):
         for item, other in zip(ours["media"], theirs["media"]):
             assert {k: v for k, v in item.items() if k not in ("member", "path")} == \
                 {k: v for k, v in other.items() if k not in ("member", "path")}
+
+
+def test_several_media_members_are_ordered_by_the_number_ending_their_names():
+    """Eleven images as mimo's build names them (``img0.jpg`` ... ``img10.jpg``: as strings
+    ``img10`` sorts before ``img2``) and ``image_N.png`` go to the markers by number; members
+    of one modality without an order (``jpg`` beside ``0.jpg``, two numbered 1) are refused,
+    never given to the markers in a guessed order."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+
+    def media(members: dict[str, bytes], images: int) -> list[str]:
+        conversation = {"conversations": chat("<image>" * images + "\nCount.", "Done.")}
+        found = synthesize({"json": json.dumps(conversation).encode(), **members},
+                           MemberMap("conversation"))
+        return [member for _, member in found.media]
+
+    built = [f"img{n}.jpg" for n in range(11)]
+    assert media(dict.fromkeys(reversed(built), b""), 11) == built
+    assert media(dict.fromkeys(["image_10.png", "image_2.png", "image_9.png"], b""), 3) == \
+        ["image_2.png", "image_9.png", "image_10.png"]
+    for unordered in (["jpg", "0.jpg"], ["1.jpg", "img1.png"]):
+        with pytest.raises(RecordError) as caught:
+            media(dict.fromkeys(unordered, b""), 2)
+        assert caught.value.reason == "malformed_record" and "no order" in str(caught.value)
 
 
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):

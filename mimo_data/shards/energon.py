@@ -16,6 +16,8 @@ from mimo_data.shards.sources import SourceError
 META = ".nv-meta"
 DATASET_YAML = "dataset.yaml"
 SPLIT_YAML = "split.yaml"
+OTHERWISE = ("index the folder with --layout pairs|conversation|documents and the --*-member "
+             "options instead (split.yaml's train tars still)")
 
 
 def is_energon(root: str, storage_options: dict | None = None) -> bool:
@@ -52,9 +54,10 @@ def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
     kind = sample_type(dataset)
     fields = dataset.get("field_map")
     if not isinstance(fields, dict):
-        raise SourceError(f"{where}: no field_map (a sample_loader is Python code mimo does not "
-                          "run); index the tars with --layout pairs|conversation and the "
-                          "--*-member options instead")
+        why = ("a sample_loader is Python code mimo does not run" if "sample_loader" in dataset
+               else f"a {kind or 'sample type'}'s samples are made by code mimo does not run"
+               if kind == "CrudeSample" else "nothing says which member is which")
+        raise SourceError(f"{where}: no field_map ({why}); {OTHERWISE}")
     if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
         return MemberMap("pairs", media=fields["image"], text=fields["caption"])
     if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
@@ -62,8 +65,7 @@ def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
                          text=fields["answers"])
     raise SourceError(f"{where}: sample type {kind or '?'} with fields {sorted(fields)}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
-                      "answers); index the tars with --layout pairs|conversation and the "
-                      "--*-member options instead")
+                      f"answers); {OTHERWISE}")
 
 
 def train_shards(root: str, storage_options: dict | None = None) -> list[str]:

@@ -45,7 +45,7 @@ from mimo_data.shards import record_table
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
                                           resolve, say)
-from mimo_data.shards.tar_walk import Walked, walk
+from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
@@ -132,6 +132,8 @@ def index_shard(job: _Job) -> ShardResult:
                     _sample(job, sample.key, sample.members, result)
         except FileNotFoundError:
             raise IndexInputError(f"{location}: no such tar") from None
+        except NotATarError as exc:
+            raise IndexInputError(f"{location}: {exc}") from None
         if result.walked.truncated:
             result.skips.append(("truncated_tar", job.name, f"{result.walked.truncated}; the "
                                  "samples before are kept, the one being read is left out"))

@@ -5,8 +5,9 @@
   ``KEY.json`` of its download metadata) → a caption record (``kind: "caption"``).
 - ``conversation`` (LLaVA / ShareGPT exports of other frameworks): ``KEY.json`` holding
   ``conversations`` or ``messages`` with ``<image>`` / ``<audio>`` / ``<video>`` markers, its
-  media ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png`` ..., ``KEY.wav``, ``KEY.mp4`` in marker
-  order (numbered members by number, per modality).
+  media ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png`` ... (``KEY.img0.jpg`` ... as mimo's build
+  writes them), ``KEY.wav``, ``KEY.mp4`` in marker order (several of a modality by the number
+  ending their names).
 - ``documents`` (interleaved documents, OBELICS / MINT-1T shape): ``KEY.json`` holding the
   parallel ``texts`` and ``images`` lists, the images ``KEY.jpg`` or ``KEY.0.jpg``, ``KEY.1.png``
   ... (by number): the i-th non-null ``images`` entry is the i-th image member → a document
@@ -35,7 +36,9 @@ LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 # member extension -> modality (``jpeg`` too: img2dataset and others write it)
 MEDIA_EXTENSIONS = {ext: name for name, m in MODALITIES.items()
                     for ext in (*m.extensions, *m.extensions.values())}
-_NUMBERED = re.compile(r"^(\d+)\.([^.]+)$")            # ``0.jpg``: the first of several
+# ``0.jpg``, ``img10.jpg`` (mimo's build), ``image_2.png``: the number ending the name orders
+# several members of one modality
+_NUMBERED = re.compile(r"^.*?(\d+)\.[^.]+$")
 _ACCESS = re.compile(r"^(?P<member>[^[\]]+)(?P<path>(?:\[[^[\]]+\])*)$")
 
 
@@ -88,7 +91,10 @@ def _json(members: dict[str, bytes], name: str) -> Any:
 
 def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | None:
     """The member ``spec`` names (``txt``, ``json[caption]``, ``jpg,png``) as ``(member, value:
-    bytes, or the JSON value read)``; None when no alternative is present."""
+    bytes, or the JSON value read)``: the first alternative present (a JSON member without the
+    field read is not: the next is tried, as Energon's ``field_map`` does); None when none is,
+    a RecordError naming the field when only JSON members without it were."""
+    missing = None
     for option in spec.split(","):
         match = _ACCESS.match(option.strip())
         if match is None:
@@ -99,13 +105,16 @@ def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | 
         if not path:
             return member, members[member]
         value = _json(members, member)
-        for step in path:
-            try:
+        try:
+            for step in path:
                 value = value[int(step)] if isinstance(value, list) else value[step]
-            except (KeyError, IndexError, ValueError, TypeError):
-                raise RecordError("malformed_record", f"{what}: member KEY.{member} has no "
-                                  f"{option.strip()}") from None
+        except (KeyError, IndexError, ValueError, TypeError):
+            missing = missing or RecordError("malformed_record", f"{what}: member KEY.{member} "
+                                             f"has no {option.strip()}")
+            continue
         return member, value
+    if missing is not None:
+        raise missing
     return None
 
 
@@ -141,17 +150,24 @@ def _modality_of(member: str) -> str:
 
 
 def _conversation_media(members: dict[str, bytes]) -> dict[str, list[str]]:
-    """Media members by modality, in their order: ``jpg`` alone, or ``0.jpg``, ``1.png`` ... by
-    number."""
-    found: dict[str, list[tuple[int, str]]] = {}
+    """Media members by modality, in their order: one alone (``jpg``), or several by the number
+    ending their names (``0.jpg``, ``1.png`` ...; ``img2.jpg`` before ``img10.jpg``). Several
+    without a number each, or two with one number, have no order: refused."""
+    found: dict[str, list[str]] = {}
     for name in members:
         extension = name.rpartition(".")[2].lower()
-        if extension not in MEDIA_EXTENSIONS:
-            continue
-        numbered = _NUMBERED.match(name)
-        found.setdefault(MEDIA_EXTENSIONS[extension], []).append(
-            (int(numbered[1]) if numbered else -1, name))
-    return {modality: [name for _, name in sorted(items)] for modality, items in found.items()}
+        if extension in MEDIA_EXTENSIONS:
+            found.setdefault(MEDIA_EXTENSIONS[extension], []).append(name)
+    ordered = {}
+    for modality, names in found.items():
+        numbers = [_NUMBERED.match(name) for name in names]
+        if len(names) > 1 and (None in numbers or
+                               len({int(n[1]) for n in numbers if n}) < len(names)):
+            raise RecordError("malformed_record", f"{modality} members {sorted(names)} have no "
+                              "order: number them in marker order (KEY.0.jpg, KEY.1.png ...)")
+        ordered[modality] = [name for _, name in sorted(
+            (int(n[1]) if n else 0, name) for n, name in zip(numbers, names))]
+    return ordered
 
 
 def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:

@@ -16,9 +16,10 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
 from mimo_data.shards.layouts import MemberMap, detect
 from mimo_data.shards.sources import SourceError
-from mimo_data.shards.tar_walk import Walked, walk
+from mimo_data.shards.tar_walk import NOT_IN_PLACE, NotATarError, Walked, walk
 
 DETECT_SAMPLES = 16           # samples of the first tar that decide the layout
+COMPRESSED_TARS = (".tar.gz", ".tgz", ".tar.zst", ".tar.bz2", ".tar.xz")
 
 
 class IndexInputError(SourceError):
@@ -57,8 +58,8 @@ def _is_pattern(path: str) -> bool:
     return any(c in path for c in "*?[")
 
 
-def _list_tars(location: str, storage_options: dict | None) -> list[str]:
-    """Every ``*.tar`` under ``location`` (hidden folders left out), sorted."""
+def _list_files(location: str, storage_options: dict | None) -> list[str]:
+    """Every file under ``location`` (hidden folders left out), sorted."""
     if storage.is_remote(location):
         remote = storage.Remote(location, storage_options)
         protocol = location.partition("://")[0]
@@ -70,7 +71,7 @@ def _list_tars(location: str, storage_options: dict | None) -> list[str]:
         for folder, folders, names in os.walk(storage.local_path(location)):
             folders[:] = [name for name in folders if not name.startswith(".")]
             paths += [os.path.join(folder, name) for name in names]
-    return sorted(p for p in paths if p.endswith(".tar"))
+    return sorted(paths)
 
 
 def _glob(pattern: str, storage_options: dict | None) -> list[str]:
@@ -106,18 +107,28 @@ def resolve(sources: list[str], options: IndexOptions,
     if len(sources) == 1 and _is_dir(sources[0], storage_options):
         root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
             os.path.abspath(storage.local_path(sources[0]))
-        if options.layout in ("auto", "energon") and energon.is_energon(root, storage_options):
-            mapping = energon.member_map(root, storage_options)
+        if energon.is_energon(root, storage_options):
+            # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
+            # validation parts are no training data)
             names = energon.train_shards(root, storage_options)
-            say(f"layout energon: {storage.join(root, energon.META)} ({mapping.describe()}), "
-                 f"{len(names)} train tar(s)")
-            return Source(root, names, mapping)
+            if options.layout in ("auto", "energon"):
+                mapping = energon.member_map(root, storage_options)
+                say(f"layout energon: {storage.join(root, energon.META)} "
+                    f"({mapping.describe()}), {len(names)} train tar(s)")
+                return Source(root, names, mapping)
+            split = storage.join(root, energon.META, energon.SPLIT_YAML)
+            say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
+            return Source(root, names, _member_map(root, names[0], options, storage_options))
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
-        paths = _list_tars(root, storage_options)
+        files = _list_files(root, storage_options)
+        paths = [p for p in files if p.endswith(".tar")]
         if not paths:
-            raise IndexInputError(f"{root}: no *.tar files under it")
+            compressed = [p for p in files if p.endswith(COMPRESSED_TARS)]
+            raise IndexInputError(f"{root}: no *.tar files under it" + (
+                f" ({len(compressed)} compressed, e.g. {compressed[0]}: {NOT_IN_PLACE})"
+                if compressed else ""))
     else:
         if options.layout == "energon":
             raise IndexInputError("--layout energon takes the dataset folder (the one holding "
@@ -152,10 +163,13 @@ def _member_map(root: str, first: str, options: IndexOptions,
     if layout == "auto":
         head: list[dict[str, bytes]] = []
         with open_tar(storage.join(root, first), storage_options) as tar:
-            for sample in walk(tar, Walked()):
-                head.append({suffix: m.data for suffix, m in sample.members.items()})
-                if len(head) == DETECT_SAMPLES:
-                    break
+            try:
+                for sample in walk(tar, Walked()):
+                    head.append({suffix: m.data for suffix, m in sample.members.items()})
+                    if len(head) == DETECT_SAMPLES:
+                        break
+            except NotATarError as exc:
+                raise IndexInputError(f"{storage.join(root, first)}: {exc}") from None
         layout = detect(head, options.json_member) or ""
         if not layout:
             raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "

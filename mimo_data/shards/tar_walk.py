@@ -26,6 +26,28 @@ from webdataset.tariterators import base_plus_ext
 
 _BLOCK = 512
 _WINDOW = 1 << 16      # bytes kept behind the read position: tarfile buffers 10 KiB at most
+NOT_IN_PLACE = ("decompress it into a .tar: a compressed tar's members have no byte offsets "
+                "to read them at")
+# what a file whose first block is no tar header is, by its first bytes
+_MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {NOT_IN_PLACE}"),
+          (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {NOT_IN_PLACE}"),
+          (b"BZh", f"bzip2-compressed: {NOT_IN_PLACE}"),
+          (b"\xfd7zXZ\x00", f"xz-compressed: {NOT_IN_PLACE}"),
+          (b"PAR1", "a Parquet file: `mimo-shard build` reads Parquet"),
+          (b"PK\x03\x04", "a zip file: unzip it"))
+
+
+class NotATarError(ValueError):
+    """The file is no tar (its first block is no tar header), not a truncated one."""
+
+
+def _not_a_tar(first: bytes) -> str | None:
+    """Why a file whose first header ``tarfile`` refused is no tar; None: too short to say
+    (a tar cut inside its first header)."""
+    for magic, what in _MAGIC:
+        if first.startswith(magic):
+            return f"not a tar but {what}"
+    return "not a tar (its first 512 bytes are no tar header)" if len(first) == _BLOCK else None
 
 
 @dataclass
@@ -85,12 +107,14 @@ class _Hashing:
 def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
     """The complete samples of the tar read from ``source``; ``walked`` gets the file's size,
     sha256, why it is truncated (then the sample being read when it ended is not yielded) and
-    members outside any sample (no suffix)."""
+    members outside any sample (no suffix). NotATarError: the file is no tar at all."""
     stream = _Hashing(source)
     current: Sample | None = None
+    headers = 0
     try:
         with tarfile.open(fileobj=stream, mode="r|") as tar:   # type: ignore[call-overload]
             for info in tar:
+                headers += 1
                 if not info.isfile():
                     continue
                 key, suffix = base_plus_ext(info.name)
@@ -114,6 +138,9 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
             walked.truncated = (f"the tar ends at byte {stream.size} without its end-of-archive "
                                 f"block (a header cut short or damaged at byte {end})")
     except tarfile.ReadError as exc:
+        reason = None if headers else _not_a_tar(stream.at(0, _BLOCK))
+        if reason is not None:
+            raise NotATarError(reason) from None
         walked.truncated = f"the tar ends inside a member ({exc})"
     walked.sha256 = stream.drain()
     walked.bytes = stream.size

@@ -34,7 +34,7 @@ from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
 from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.shards.index import read_index, shard_root
-from mimo_data.shards.tar_walk import Walked, walk
+from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
 MAX_PROBLEMS_PER_SHARD = 20
 
@@ -78,7 +78,7 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
         try:
             located = _walk_shard(path, shard, rows) if records is None else \
                 _walk_indexed(path, shard, rows, records)
-        except (tarfile.TarError, OSError, EOFError) as exc:
+        except (tarfile.TarError, OSError, EOFError, NotATarError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
     if problems and not located:
         problems.append(f"shard {shard['name']}: every member sits where {SAMPLES_FILE} says, "
