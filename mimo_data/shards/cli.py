@@ -166,7 +166,7 @@ def _run(args) -> int:
             overwrite=args.overwrite, media_root=args.media_root,
             input_format=args.input_format, instruction=args.instruction, columns=columns,
             check=args.check, progress=not args.no_progress, **limits)
-        build(args.inputs, args.output, options)
+        return _nothing_kept(args.command, build(args.inputs, args.output, options))
     elif args.command == "index":
         from mimo_data.shards.in_place import IndexOptions, index
         indexing = IndexOptions(
@@ -175,7 +175,7 @@ def _run(args) -> int:
             check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
             **({} if args.max_image_pixels is None
                else {"max_image_pixels": args.max_image_pixels}))
-        index(args.sources, args.output, indexing)
+        return _nothing_kept(args.command, index(args.sources, args.output, indexing))
     elif args.command == "info":
         import json
 
@@ -194,6 +194,17 @@ def _run(args) -> int:
                   f"{args.directory}", file=sys.stderr)
             return 1
         print(f"mimo-shard verify: OK, {args.directory}")
+    return 0
+
+
+def _nothing_kept(command: str, built: dict) -> int:
+    """1 when every record read was skipped (the dataset is written, with its report: the
+    work is not done), else 0."""
+    read = built["report"]["records_read"]
+    if built["totals"]["samples"] == 0 and read:
+        print(f"mimo-shard {command}: error: no sample written, all {read} record(s) skipped "
+              "(report.json says why)", file=sys.stderr)
+        return 1
     return 0
 
 
