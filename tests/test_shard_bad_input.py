@@ -214,6 +214,24 @@ def case_media_path_not_a_string(tmp_path, assets):
     return Case(record, "malformed_record")
 
 
+def _parts_record(*media_parts) -> dict:
+    """A chat record whose user turn is transformers' content parts: ``media_parts`` first."""
+    content = [*media_parts, {"type": "text", "text": "What is this?"}]
+    return {"id": "bad", "messages": [{"role": "user", "content": content},
+                                      {"role": "assistant", "content": "Something."}]}
+
+
+def case_media_in_list_and_in_parts(tmp_path, assets):
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["images"] = [str(assets["jpeg"])]
+    return Case(record, "malformed_record")
+
+
+def case_some_media_parts_name_no_item(tmp_path, assets):
+    return Case(_parts_record({"type": "image", "path": str(assets["jpeg"])},
+                              {"type": "image"}), "malformed_record")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")
@@ -282,6 +300,28 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
     assert code == 1 and "no sample written, all 2 record(s) skipped" in err, err
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
+
+
+def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good_records):
+    urls = ["http://example.com/1.jpg", "HTTPS://example.com/2.png", "https://example.com/3.jpg",
+            "http://example.com/4.wav"]
+    bad = [{"id": "doc", "texts": ["A page.", None], "images": [None, urls[0]]},
+           _image_record(urls[1]) | {"id": "top-level"},
+           _parts_record({"type": "image", "url": urls[2]}) | {"id": "part"},
+           {"id": "struct", "audio": {"bytes": None, "path": urls[3]},
+            "conversations": chat("<audio>\nTranscribe.", "Words.")}]
+    path = write_jsonl(tmp_path / "input.jsonl", [*good_records, *bad])
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+
+    skipped = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"]
+    assert {reason: entry["count"] for reason, entry in skipped.items()} == {
+        "missing_media": len(bad)}
+    firsts = skipped["missing_media"]["first"]
+    assert [f["location"] for f in firsts] == [f"{path}:{n}" for n in range(4, 4 + len(bad))]
+    for url, first in zip(urls, firsts):
+        assert url in first["detail"] and "is a URL" in first["detail"], first
+        assert "img2dataset" in first["detail"] and "not found" not in first["detail"], first
 
 
 # ----------------------------------------------------------------------------------- strict

@@ -1,8 +1,10 @@
 """Input forms: Hugging Face style Parquet (embedded media, JSON-string conversations, renamed
-columns, row-group streaming) and NeMo speech manifests."""
+columns, row-group streaming), NeMo speech manifests, JSON(L) with a leading BOM, and media
+named in transformers' chat content parts."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import shutil
 
@@ -11,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import (all_samples, build_dataset, chat, cli_main, origin_of, read_json,
-                      samples_table)
+                      sample_records, samples_table, write_json, write_jsonl)
 
 MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
@@ -184,3 +186,52 @@ def test_speech_manifest_lines_become_asr_samples(capsys, tmp_path, corpus, inst
         assert item["modality"] == "audio"
         assert sample["_audio"][item["member"]] == (corpus / line["audio_filepath"]).read_bytes()
         assert item["duration"] == pytest.approx(line["duration"], abs=0.01)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_leading_bom_is_not_part_of_the_first_record(tmp_path, good_records, suffix):
+    write = write_jsonl if suffix == ".jsonl" else write_json
+    path = write(tmp_path / f"input{suffix}", good_records)
+    path.write_bytes(codecs.BOM_UTF8 + path.read_bytes())    # as Windows editors save UTF-8
+    build_dataset([path], tmp_path / "out")
+
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["records_skipped"] == 0, report["skipped_by_reason"]
+    origins = [origin_of(record) for record in sample_records(tmp_path / "out")]
+    kind, first = ("line", 1) if suffix == ".jsonl" else ("index", 0)
+    assert origins == [(str(path), kind, first + i) for i in range(len(good_records))]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos, suffix):
+    clip = corpus / corpus_videos["zoom_mpeg4_10"].path
+    (tmp_path / "pics").mkdir()
+    shutil.copy(assets["jpeg"], tmp_path / "photo.jpg")
+    shutil.copy(assets["png"], tmp_path / "pics" / "b.png")
+    # transformers' chat form: each key it reads, paths relative to the input file or absolute
+    user = [{"type": "image", "image": "photo.jpg"},
+            {"type": "audio", "path": str(assets["wav"])},
+            {"type": "text", "text": "Compare the image, the sound and the clip."},
+            {"type": "video", "video": str(clip)},
+            {"type": "image", "url": "pics/b.png"}]
+    turns = [{"role": "user", "content": user},
+             {"role": "assistant", "content": [{"type": "text", "text": "Unrelated."}]}]
+    if suffix == ".jsonl":
+        path = write_jsonl(tmp_path / "parts.jsonl", [{"id": "parts", "messages": turns}])
+    else:   # Arrow gives every part every key, None where a part has none
+        path = tmp_path / "parts.parquet"
+        pq.write_table(pa.table({"id": ["parts"], "messages": [turns]}), path)
+    build_dataset([path], tmp_path / "out")
+
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["records_skipped"] == 0, report["skipped_by_reason"]
+    record, members = _samples_by_id(tmp_path / "out")["parts"]
+    assert [(m["modality"], m["path"]) for m in record["media"]] == [
+        ("image", "photo.jpg"), ("audio", str(assets["wav"])), ("video", str(clip)),
+        ("image", "pics/b.png")]
+    assert _media(record, members, "image") == [assets["jpeg"].read_bytes(),
+                                                assets["png"].read_bytes()]
+    assert _media(record, members, "audio") == [assets["wav"].read_bytes()]
+    assert _media(record, members, "video") == [clip.read_bytes()]
+    assert record["messages"][0]["content"] == (
+        "<image>\n<audio>\nCompare the image, the sound and the clip.\n<video>\n<image>")

@@ -11,6 +11,7 @@ pyarrow one row group at a time, so embedded media never sit in memory all at on
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import os
@@ -49,11 +50,65 @@ class RawRecord:
     kind: str = "conversation"
     text: object = None
 
+    def __post_init__(self):
+        # A URL joined to the media root would be reported as a nonsense missing path.
+        for modality, refs in self.media.items():
+            for ref in refs:
+                path = ref.get("path") if isinstance(ref, dict) and not ref.get("bytes") else ref
+                if isinstance(path, str) and path.lower().startswith(("http://", "https://")):
+                    raise RecordError("missing_media", f"{modality} {path[:100]!r} is a URL, "
+                                      "which mimo does not download: fetch it first (e.g. "
+                                      "img2dataset) and give paths or bytes")
+
 
 def media_field(modality: str) -> str:
     """The record key and Parquet column role of a modality's item list: ``images``; a
     single item may also come under the modality's own name (``image``)."""
     return f"{modality}s"
+
+
+def _part_keys(modality: str) -> tuple[str, ...]:
+    """Keys of a transformers chat content part that may name its item, in the order
+    transformers reads them (``{"type": "image", "image": "photo.jpg"}``)."""
+    return (modality, "url", "path")
+
+
+def _part_items(turns) -> dict[str, list]:
+    """Per modality, the item each of its content parts names (None for a bare part), in
+    reading order. Malformed turns yield nothing here: normalization reports them."""
+    found: dict[str, list] = {name: [] for name in MODALITIES}
+    for turn in turns if isinstance(turns, list) else ():
+        content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in found:
+                found[kind].append(next((part[key] for key in _part_keys(kind)
+                                         if part.get(key) is not None), None))
+    return found
+
+
+def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
+    """``media`` plus, for each modality it has no items of, the items its content parts name
+    (transformers' ``{"type": "image", "image" | "url" | "path": ...}``). RecordError
+    ``malformed_record`` when a modality has both, or only some of its parts name an item."""
+    merged = dict(media)
+    for modality, items in _part_items(turns).items():
+        named = [item for item in items if item is not None]
+        if not named:
+            continue
+        keys = "/".join(map(repr, _part_keys(modality)))
+        if media.get(modality):
+            raise RecordError("malformed_record", f"the record has both top-level "
+                              f"{media_field(modality)!r}/{modality!r} items and {modality} "
+                              f"items named in its content parts ({keys}); give each item "
+                              "once: in the list (with bare parts) or in its part")
+        if len(named) != len(items):
+            raise RecordError("malformed_record", f"{len(items) - len(named)} of the "
+                              f"{len(items)} {modality} content parts name no item ({keys}); "
+                              f"name one in every part, or in none and list them in "
+                              f"{media_field(modality)!r}")
+        merged[modality] = named
+    return merged
 
 
 def _as_list(value) -> list:
@@ -93,7 +148,7 @@ class ConversationFile:
 
     Keys: ``id``, per modality ``image``/``images``, ``audio``/``audios``,
     ``video``/``videos`` (one item or a list), and ``conversations`` (``from``/``value``) or
-    ``messages`` (``role``/``content``).
+    ``messages`` (``role``/``content``; content parts may name their items instead).
     """
 
     def __init__(self, path: str, media_root: str | None = None):
@@ -105,7 +160,8 @@ class ConversationFile:
             yield from _line_tasks(self.path, source)
             return
         try:
-            records = json.loads(Path(self.path).read_bytes().decode("utf-8"))
+            # utf-8-sig: a leading BOM (as Windows editors write) is not part of the array
+            records = json.loads(Path(self.path).read_bytes().decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SourceError(f"{self.path}: not a valid UTF-8 JSON file ({exc}); fix it, or "
                               "convert it to JSONL so that bad records can be skipped "
@@ -132,7 +188,8 @@ class ConversationFile:
         if "caption" in record and turns is None:
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
-        return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media)
+        return RawRecord(id=_record_id(record.get("id")), turns=turns,
+                         media=with_part_items(media, turns))
 
 
 class SpeechManifest:
@@ -215,7 +272,7 @@ class ParquetTable:
         turns = record[column["conversation"]]
         if isinstance(turns, (str, bytes)):
             turns = _json_value(turns)
-        return RawRecord(id=record_id, turns=turns, media=media)
+        return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns))
 
 
 def _json_value(raw):
@@ -249,6 +306,8 @@ def _read_row_group(path: str, group: int, columns: tuple) -> list[dict]:
 def _line_tasks(path: str, source: int):
     with open(path, "rb") as lines:
         for number, line in enumerate(lines, start=1):
+            if number == 1:   # a leading BOM (as Windows editors write) is not part of record 1
+                line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
                 yield Task(source, line, f"{path}:{number}", ("line", number))
 
