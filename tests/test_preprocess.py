@@ -250,6 +250,16 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(literal)
     assert dropped.value.reason == "literal_special_token"
+    # the template's turn delimiters and the tokenizer's EOS typed in a text: a turn end the
+    # template did not write, an EOS trained mid-answer
+    for where, token in (("user", "<|im_end|>"), ("assistant", "<|endoftext|>")):
+        typed = copy.deepcopy(record)
+        turn = next(m for m in typed["messages"] if m["role"] == where)
+        turn["content"] = f"Quoted {token} here. " + turn["content"]
+        with pytest.raises(SampleDropped) as dropped:
+            preprocessor(typed)
+        assert dropped.value.reason == "literal_special_token" and \
+            f"({where}) holds '{token}'" in str(dropped.value), dropped.value
 
 
 def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media):
@@ -440,6 +450,30 @@ def test_tokenizer_saved_with_padding_or_truncation_on_tokenizes_texts_whole(
     if setting == "padding":
         with pytest.raises(ValueError, match="pads"):
             encode_texts(backend, ["a", "longer text"])
+
+
+@pytest.mark.parametrize("name, delimiters", [
+    ("Qwen--Qwen2-VL-2B-Instruct", {"<|im_start|>", "<|im_end|>", "<|endoftext|>",
+                                    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                    "<|video_pad|>"}),
+    ("llava-hf--llava-1.5-7b-hf", {"<s>", "</s>", "<unk>", "<pad>"})])
+def test_delimiter_tokens_are_the_templates_and_the_tokenizers_own(name, delimiters):
+    """What a record's text may not type: the special tokens the published chat template
+    writes and the BOS / EOS / pad / unknown tokens; Qwen-VL's grounding tokens
+    (``<|box_start|>`` ...) are data, LLaVA's ``<image>`` is mimo's marker."""
+    from transformers import AutoTokenizer
+
+    from mimo_data.preprocess.typed_tokens import TypedTokens, delimiter_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(REPO / "assets" / "models" / "published" / name)
+    found = delimiter_tokens(tokenizer, tokenizer.chat_template)
+    assert found == delimiters
+    typed = TypedTokens(found)
+    assert typed.error([("m", "<|object_ref_start|>a cat<|object_ref_end|><|box_start|>(1,2),"
+                              "(3,4)<|box_end|> <image>")]) is None
+    for token in delimiters:
+        error = typed.error([("m", "ok"), ("n", f"a {token}b")])
+        assert error is not None and error.detail.startswith(f"n holds {token!r}"), token
 
 
 @pytest.mark.parametrize("name", ["smollm2", "Qwen--Qwen3.5-4B", "llava-hf--llava-1.5-7b-hf"])

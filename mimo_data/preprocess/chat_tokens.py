@@ -7,8 +7,9 @@ in which the markers are atomic (through ``segment_tokenizer``'s piece cache whe
 for the tokenizer), turns the spans into the per-token mask (``trained_spans``), appends the
 EOS after the answers ``append_eos`` asks for (``end_of_turn``), and expands each marker into
 its item's placeholder tokens (``marker_expansion``). A token that straddles a span boundary, a
-template that does not re-render the same prefix, or a modality token typed literally in the
-text is an error naming the sample — never a silently wrong mask.
+template that does not re-render the same prefix, or a modality or delimiter token typed
+literally in the text (``typed_tokens``) is an error naming the sample — never a silently
+wrong mask.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from mimo_data.preprocess.segment_tokenizer import (SegmentCacheError, SegmentCa
                                                     encode_texts, unsupported_reason)
 from mimo_data.preprocess.tokenizer_loading import load_tokenizer, tokenizer_of_its_own
 from mimo_data.preprocess.trained_spans import TrainedSpans
+from mimo_data.preprocess.typed_tokens import TypedTokens, delimiter_tokens
 
 __all__ = ["Encoded", "ItemTokens", "TextEncoder", "TextError", "load_tokenizer"]
 
@@ -68,6 +70,7 @@ class TextEncoder:
         self.markers = MarkerExpander(config, self.tokenizer, backend)
         self.modality_token_ids = self.markers.modality_token_ids
         self.renderer = ChatRenderer(config, self.tokenizer)
+        self.typed = TypedTokens(delimiter_tokens(self.tokenizer, self.renderer.template))
         self.kinds = KindRenderer(config, self.tokenizer)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.eos_token_id)
@@ -140,7 +143,13 @@ class TextEncoder:
         which: list[int] = []
         starts, spans = [0], TrainedSpans()
         for i, (messages, _) in enumerate(conversations):
+            typed = self.typed.error([("the text", messages.source)]
+                                     if isinstance(messages, Rendered) else
+                                     ((f"message {k} ({m['role']})", m["content"])
+                                      for k, m in enumerate(messages)))
             try:
+                if typed is not None:
+                    raise typed
                 text, text_spans = self.render(messages)
             except TextError as exc:
                 results[i] = exc

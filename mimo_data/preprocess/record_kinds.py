@@ -34,9 +34,11 @@ _MARKER_SPLIT = re.compile("|".join(re.escape(marker) for marker in MARKERS.valu
 
 
 class Rendered(NamedTuple):
-    """A text rendered already, and its trained character spans."""
+    """A text rendered already, its trained character spans, and the record's own text in
+    it."""
     text: str
     spans: list[TrainedSpan]
+    source: str
 
 
 def kind_of(record: Mapping[str, Any]) -> str:
@@ -72,7 +74,8 @@ class KindRenderer:
         text = _text(record)
         head = self.bos + prefix
         return Rendered(head + text + self.eos,
-                        [TrainedSpan(len(head), len(head) + len(text) + len(self.eos), False)])
+                        [TrainedSpan(len(head), len(head) + len(text) + len(self.eos), False)],
+                        text)
 
     def roles(self, record: Mapping[str, Any]) -> Messages:
         """The record as messages whose assistant contents are what trains (a document's text
