@@ -411,6 +411,22 @@ def test_shipped_config_three_step_smoke_run_clamps_the_warmup(path):
     assert lrs == pytest.approx([opt.lr / 2, opt.lr, opt.min_lr])
 
 
+def test_a_clamped_warmup_is_noted_whichever_rank_says_it():
+    """The README's Qwen2-VL fine-tune: rank 0 (which prints) holds the frozen tower alone,
+    the language model's warmup is clamped: the plan's note says so; the frozen tower has
+    none to note."""
+    from conftest import REPO
+    from mimo_train.plan import resolve
+
+    plan = resolve(TrainConfig.load(str(REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"),
+                                    ["train.steps=2",
+                                     "optimizer.modules={language: {warmup_steps: 5}}"]))
+    assert plan.frozen[0].module == "image"
+    assert [m.name for m in plan.layout.role(0).modules] == ["image"]
+    assert plan.warmup_notes() == [
+        "optimizer.modules.language.warmup_steps 5 clamped to 1 for a 2-step run"]
+
+
 def test_warmup_within_the_run_is_kept(tmp_path):
     assert load(tmp_path, VALID).warmup_steps() == (2, None)
     assert load(tmp_path, VALID, "train.steps=1", "optimizer.warmup_steps=0"

@@ -104,24 +104,21 @@ def trained_optimizers(optimizer: MimoOptimizer, freeze) -> dict:
             if info.is_active and info.optimizer is not None and name not in freeze}
 
 
-def build_schedulers(modules: Mapping[str, ModulePlan], steps: int, trained: dict
-                     ) -> tuple[dict, list[str]]:
+def build_schedulers(modules: Mapping[str, ModulePlan], steps: int, trained: dict) -> dict:
     """module name -> the warmup + cosine LR (constant weight decay) of its optimizer in
     ``trained``, from the module's settings (``RunPlan.modules``); the decay spans ``steps``
-    (``train.steps``). Also the notes of warmups clamped to the run."""
-    schedulers, notes = {}, []
+    (``train.steps``). megatron-core's scheduler as its training runs it: the warmup starts at
+    0 (step 1 moves Adam's moments, not the weights), stepped after each optimizer step."""
+    schedulers = {}
     for name, optimizer in trained.items():
-        opt, warmup, note = modules[name].optimizer, modules[name].warmup_steps, \
-            modules[name].warmup_note
-        if note and note not in notes:
-            notes.append(note)
+        opt, warmup = modules[name].optimizer, modules[name].warmup_steps
         # a resumed run: this config's settings, the checkpoint's step count
         schedulers[name] = OptimizerParamScheduler(
             optimizer, init_lr=0.0, max_lr=opt.lr, min_lr=opt.min_lr, lr_warmup_steps=warmup,
             lr_decay_steps=steps, lr_decay_style="cosine", start_wd=opt.weight_decay,
             end_wd=opt.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
             override_opt_param_scheduler=True, use_checkpoint_opt_param_scheduler=False)
-    return schedulers, notes
+    return schedulers
 
 
 # OptimizerParamScheduler.state_dict() keys -> the settings they come from

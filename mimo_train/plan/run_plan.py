@@ -78,6 +78,13 @@ class RunPlan:
                         {a.part.name: tuple(a.spec.targets) for a in self.adapted},
                         self.language.moe_aux_loss, self.config.data.split_media)
 
+    def warmup_notes(self) -> list[str]:
+        """The notes of the trained modules' warmups clamped to the run, each once (whichever
+        modules a rank holds: rank 0 may hold a frozen one alone)."""
+        frozen = {p.module for p in self.frozen if p.part is None}
+        return list(dict.fromkeys(plan.warmup_note for name, plan in self.modules.items()
+                                  if plan.warmup_note and name not in frozen))
+
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""
         return next((p.prefix for p in self.frozen if p.module == module), None)

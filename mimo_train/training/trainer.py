@@ -186,9 +186,8 @@ class Trainer:
                                          self.model)
         self.trained = trained_optimizers(
             self.optimizer, [p.module for p in self.plan.frozen if p.part is None])
-        self.schedulers, notes = build_schedulers(self.plan.modules, cfg.train.steps,
-                                                  self.trained)
-        for note in notes:
+        self.schedulers = build_schedulers(self.plan.modules, cfg.train.steps, self.trained)
+        for note in self.plan.warmup_notes():
             say(PREFIX + note)
         self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
         self.balance = self._balance()
