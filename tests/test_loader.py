@@ -144,6 +144,23 @@ def test_every_module_gets_every_kept_sample_once_in_the_same_order(
                 assert (encoder_items(inputs, modality) if inputs else 0) == expected
 
 
+def test_a_loader_says_what_it_drops(sources, table):
+    """The line training prints when its loaders are ready: samples kept and dropped by
+    reason (the image-only config drops the audio samples) and the remainder left out."""
+    layout = Layout.parse("language=dp1;image=dp1")
+    loader = build_loader(sources["image"], None, layout, 0, 2, GLOBAL_BATCH, 2, 11)
+    kept = expected_kept(table, "image")
+    dropped = len(table) - len(kept)
+    line = loader.summary()
+    assert line.startswith(f"{len(table)} samples, {len(kept)} kept, {dropped} dropped (")
+    assert line.endswith(f"; {len(kept) // GLOBAL_BATCH} step(s) an epoch; "
+                         f"{len(kept) % GLOBAL_BATCH} sample(s) an epoch left out by the "
+                         "remainder (drop)"), line
+    reasons = loader.report()["samples"]["skipped_by_reason"]
+    assert sum(entry["count"] for entry in reasons.values()) == dropped > 0
+    loader.close()
+
+
 def test_the_language_rank_computes_its_next_micro_batches_text_together(sources, table,
                                                                          monkeypatch):
     """Text in one text_batch per TEXT_AHEAD records (per micro-batch it cost most of the

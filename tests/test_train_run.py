@@ -696,6 +696,8 @@ def test_frozen_module_keeps_its_weights_under_another_layout(frozen):
     for line in ("process groups ready (", "model built (", "optimizer and schedule ready (",
                  f"weights loaded from {frozen['start']} (", "step    1: loss"):
         assert line in result.stdout, result.stdout
+    assert re.search(r"data loaders ready: \d+ samples, \d+ kept.*; \d+ step\(s\) an epoch",
+                     result.stdout), result.stdout
     before, after = load_weights(str(frozen["start"])), load_weights(str(frozen["after"]))
     assert set(after) == set(before) == {"image", "audio", "language"}
     for name, weights in after["image"].items():

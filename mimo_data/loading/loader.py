@@ -664,6 +664,16 @@ class RankLoader:
                 "remainder": self.order.remainder,
                 "remainder_samples": self.order.remainder_samples}
 
+    def summary(self) -> str:
+        """``report`` in a line: samples kept and dropped by reason, steps an epoch and the
+        remainder's samples (dropped, or repeated to fill the last step)."""
+        remainder = self.order.remainder_samples
+        left = (f"; {remainder} sample(s) an epoch "
+                f"{'left out' if self.order.remainder == 'drop' else 'repeated'} by the "
+                f"remainder ({self.order.remainder})" if remainder else "")
+        return (f"{self.source.tally.summary()}; {self.steps_per_epoch} step(s) an epoch"
+                + left)
+
 
 def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int,
                  global_batch_size: int, micro_batch_size: int, seed: int,

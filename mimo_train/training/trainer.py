@@ -115,7 +115,9 @@ class Trainer:
             self._build_optimizer, self.text))
         if cfg.model.init_from:
             self._init_from(cfg.model.init_from)
-        self.loader, self.valid_loader = phase("data", "data loaders ready", self._loaders)
+        self.loader, self.valid_loader = phase(
+            "data", lambda loaders: "data loaders ready" + (
+                f": {loaders[0].summary()}" if loaders[0] is not None else ""), self._loaders)
         self.step = 0
         self.lora_bases: list[dict] | None = None  # a LoRA run's fixed weights: path, digest
         self.doing = "step 1"                   # what run() is doing: named if it fails
