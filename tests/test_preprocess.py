@@ -260,6 +260,12 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
             preprocessor(typed)
         assert dropped.value.reason == "literal_special_token" and \
             f"({where}) holds '{token}'" in str(dropped.value), dropped.value
+    # an assistant turn first: the template's prefixes disagree, and the reason is said
+    answer_first = dict(record, messages=[m for m in record["messages"] if m["role"] != "user"])
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(answer_first)
+    assert dropped.value.reason == "template_mismatch" and \
+        "an assistant turn with no user turn before it" in str(dropped.value), dropped.value
 
 
 def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media):

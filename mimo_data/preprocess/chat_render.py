@@ -196,10 +196,14 @@ class ChatRenderer:
             before = self._render(messages[:i], generation_prompt=True)
             after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
             if not (after.startswith(before) and text.startswith(after)):
+                first = not any(m["role"] == "user" for m in messages[:i])
                 raise TextError("template_mismatch", f"the chat template does not render "
                                 f"turn {i} as an extension of the turns before it, so the "
-                                "assistant span cannot be located; give a chat_template with "
-                                "{% generation %} blocks")
+                                "assistant span cannot be located; " + (
+                                    "it is an assistant turn with no user turn before it: a "
+                                    "conversation starts with the user (after an optional "
+                                    "system turn)" if first else
+                                    "give a chat_template with {% generation %} blocks"))
             spans.append((len(before), len(after)))
         return spans
 
