@@ -497,6 +497,22 @@ def test_several_media_members_are_ordered_by_the_number_ending_their_names():
         assert caught.value.reason == "malformed_record" and "no order" in str(caught.value)
 
 
+def test_a_pair_without_its_medium_says_what_to_do():
+    """Samples named with dots (``sample.000.jpg``: webdataset's key ends at the first dot,
+    so they are one sample) and a field map naming a member the sample lacks."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+
+    dotted = {"000.jpg": b"", "000.txt": b"a", "001.jpg": b"", "001.txt": b"b"}
+    with pytest.raises(RecordError) as caught:
+        synthesize(dotted, MemberMap("pairs"))
+    assert "KEY.000.jpg and KEY.001.jpg are one sample" in caught.value.detail
+    with pytest.raises(RecordError) as caught:
+        synthesize({"png": b"", "txt": b"a"}, MemberMap("pairs", media="jpg"))
+    assert caught.value.reason == "missing_media"
+    assert "(no KEY.jpg member; the sample has ['png', 'txt'])" in caught.value.detail
+
+
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):
     """``mimo-inspect report`` on both: the same token counts, every check passing (media
     metadata against samples.parquet too), with the cache beside the index."""

@@ -137,8 +137,10 @@ def index_shard(job: _Job) -> ShardResult:
         if result.walked.truncated:
             result.skips.append(("truncated_tar", job.name, f"{result.walked.truncated}; the "
                                  "samples before are kept, the one being read is left out"))
-        result.skips += [("stray_member", f"{job.name}:{name}", "a member without a suffix "
-                          "(KEY.ext) belongs to no sample") for name in result.walked.stray]
+        result.skips += [("stray_member", f"{job.name}:{name}", "a macOS metadata file (._*), "
+                          "no data" if os.path.basename(name).startswith("._") else "a member "
+                          "without a suffix (KEY.ext) belongs to no sample")
+                         for name in result.walked.stray]
         result.seconds = time.perf_counter() - started
         return result
     if storage.is_remote(location):
@@ -242,7 +244,9 @@ def _drop_duplicate_keys(staging: str, report: Tally) -> None:
     report.kept -= len(dropped)
     report.seen -= len(dropped)
     report.skip_many("duplicate_key", len(dropped), [
-        (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept")
+        (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept (tars of "
+         "separate downloads that number keys alike: index each alone and train on the "
+         "indexes together, data.datasets: [A, B])")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
     pq.write_table(samples.filter(pa.array(keep)), path)

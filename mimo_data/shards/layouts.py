@@ -136,8 +136,12 @@ def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | No
         return None if found is None else (_modality_of(found[0]), found[0])
     media = [name for name in members if name.rpartition(".")[2].lower() in MEDIA_EXTENSIONS]
     if len(media) > 1:
+        dotted = all("." in name.rpartition(".")[0] or name[0].isdigit() for name in media)
         raise RecordError("malformed_record", f"several media members {sorted(media)}; name "
-                          "the pair's medium with --media-member")
+                          "the pair's medium with --media-member" + (
+                              " (or, if these are several samples: webdataset's key ends at "
+                              "the first dot of a file name, so KEY.000.jpg and KEY.001.jpg "
+                              "are one sample; write keys without dots)" if dotted else ""))
     return (_modality_of(media[0]), media[0]) if media else None
 
 
@@ -216,7 +220,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         return Synthesized({"id": None if record_id is None else str(record_id),
                             "messages": messages}, ordered)
     medium = _medium(members, mapping.media)
-    text = field(members, mapping.text, "the text")
+    text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
+                 "the caption")
     if mapping.layout == "vqa":
         question = field(members, mapping.question, "the question")
         if medium is None or question is None or text is None:
@@ -228,8 +233,10 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                     {"role": "assistant", "content": _as_text(text, "the answer")}]
         return Synthesized({"id": None, "messages": messages}, [medium])
     if medium is None:
+        named = f" (no KEY.{mapping.media} member; the sample has {sorted(members)})" \
+            if mapping.media else ""
         raise RecordError("missing_media", f"KEY.{text[0] if text else mapping.text} has no "
-                          "medium beside it (a caption without its image)")
+                          f"medium beside it (a caption without its image){named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
                           "(an image without its caption)")
