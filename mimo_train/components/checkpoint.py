@@ -204,10 +204,12 @@ def _sharded(state: TrainingState, step: int, is_loading: bool, rng: bool) -> di
         singles["loader"] = state.loader.state_dict()
     writers = _first_holders(sorted(singles))
     sharded: dict = {
-        "step": step, "model": model, "optimizer": optimizer,
+        "step": step, "model": model,
         "singles": {key: ShardedObject(key, value, (1,), (0,),
                                        replica_id=0 if writers[key] else 1)
                     for key, value in singles.items()}}
+    if optimizer:       # a rank holding only frozen modules has none (an empty dict would be
+        sharded["optimizer"] = optimizer    # common state that rank 0 alone holds)
     if rng:
         sharded["rng"] = ShardedObject("rng", rng_state(), (dist.get_world_size(),),
                                        (dist.get_rank(),), replica_id=0)
@@ -339,7 +341,7 @@ def load(directory: str, state: TrainingState, meta: dict,
     sharded = _sharded(state, 0, is_loading=True, rng=same_layout)
     own = {name: sharded["singles"][f"optimizer.{name}"].data for name in state.optimizers
            if f"optimizer.{name}" in sharded["singles"]}
-    reload = main_weights_from(sharded["optimizer"],
+    reload = main_weights_from(sharded.get("optimizer", {}),
                                 dist_checkpointing.load_tensors_metadata(directory))
     loaded = _load(sharded, directory, "resume")
     singles = loaded["singles"]

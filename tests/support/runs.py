@@ -100,8 +100,11 @@ def train_job(ranks: Ranks, tmp: Path, name: str, config: str, *overrides, nproc
 
 def train(ranks: Ranks, tmp: Path, name: str, config: str, *overrides, nproc: int,
           env: dict | None = None) -> list[dict]:
-    """``train_job`` that must succeed; its records."""
-    train_job(ranks, tmp, name, config, *overrides, nproc=nproc, env=env).check()
+    """``train_job`` that must succeed, its checkpoints' state the same on every rank that
+    saves it (megatron-core warns otherwise: rank 0's alone is written); its records."""
+    job = train_job(ranks, tmp, name, config, *overrides, nproc=nproc, env=env).check()
+    differs = [rank for rank, text in job.ranks.items() if "common state dict differs" in text]
+    assert not differs, f"ranks {differs}: {job.explain()}"
     return read_records(tmp / f"{name}.jsonl")
 
 
