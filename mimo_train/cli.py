@@ -23,6 +23,7 @@ import gc
 import sys
 import time
 
+from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.runtime import console
 from mimo_train.config import TrainConfig
 from mimo_train.errors import RunError, StartupError, TrainConfigError
@@ -50,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)

@@ -1,15 +1,22 @@
 """What every mimo CLI promises: one exit-status table (0 ok, 1 a check or the data failed,
-2 usage or config error), help text for every option, and a light import for ``--help``."""
+2 usage or config error), help text for every option, a light import for ``--help``, and a
+quiet end when its output's reader goes (``| head``)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import TextIO
 
 import pytest
 import yaml
 
-from conftest import REPO, build_dataset, write_jsonl
+from conftest import MODELS, REPO, build_dataset, write_jsonl
 from support.launch import python
 
 CLIS = {"mimo-shard": "mimo_data.shards.cli", "mimo-inspect": "mimo_data.inspect.cli"}
@@ -178,3 +185,51 @@ def test_inspect_failed_check_exits_1(capsys, tmp_path, text_dataset):
     code, err = _main(module, capsys, "report", text_dataset, "--config", config,
                       "--no-progress", "--min-trained-token-fraction", "0.99")
     assert code == 1 and "FAIL trained_token_fraction" in err
+
+
+@contextlib.contextmanager
+def _closed_pipe() -> Iterator[TextIO]:
+    """A pipe's writing end whose reader has gone (``| head -1`` done reading), line-buffered:
+    the first line fails, as a long output's does."""
+    read, write = os.pipe()
+    os.close(read)
+    with os.fdopen(write, "w", buffering=1) as stdout:
+        yield stdout
+
+
+@pytest.mark.parametrize("module, args", [
+    ("mimo_data.shards.cli", ["info", "{dataset}"]),
+    ("mimo_data.inspect.cli", ["report", "{dataset}", "--config", "{config}", "--no-progress"]),
+    ("mimo_train.cli", ["--preprocessing-for", MODELS / "tiny-qwen2-vl"]),
+], ids=["mimo-shard", "mimo-inspect", "mimo-train"])
+def test_a_closed_stdout_ends_the_cli_quietly(capsys, monkeypatch, tmp_path, text_dataset,
+                                              module, args):
+    """Exit 1 and nothing on stderr; in a whole process, the interpreter's last flush too."""
+    config = _config(tmp_path / "good.yaml")
+    args = [str(a).format(dataset=text_dataset, config=config) for a in args]
+    with _closed_pipe() as stdout, monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", stdout)
+        assert _main(module, capsys, *args) == (1, "")
+    if module == "mimo_data.shards.cli":
+        with _closed_pipe() as stdout:
+            done = subprocess.run([sys.executable, "-m", module, *args], stdout=stdout,
+                                  stderr=subprocess.PIPE, text=True, cwd=REPO, timeout=120)
+        assert (done.returncode, done.stderr) == (1, "")
+
+
+def test_a_broken_pipe_elsewhere_still_raises(monkeypatch):
+    """Standard output a pipe still read: a worker's broken pipe is no reader gone."""
+    from mimo_data.stdout import quiet_when_stdout_closes
+
+    @quiet_when_stdout_closes
+    def main() -> int:
+        print("written")
+        raise BrokenPipeError("a worker's pipe")
+    read, write = os.pipe()
+    with os.fdopen(read) as reader, os.fdopen(write, "w") as stdout, \
+            monkeypatch.context() as patch:
+        patch.setattr(sys, "stdout", stdout)
+        with pytest.raises(BrokenPipeError, match="worker"):
+            main()
+        stdout.close()
+        assert reader.read() == "written\n"

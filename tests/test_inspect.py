@@ -718,6 +718,10 @@ def test_plan_text_summary(capsys, clean, configs):
     assert f"{samples // 8} steps x 2 global micro-batches of 4 samples" in out
     assert f"remainder drop: {samples % 8} samples" in out
     assert re.search(r"language\s+dp 2: mean \d\.\d\d, worst \d\.\d\d", out)
+    # dp, pp and tp as rank/size: a bare tp rank read as a size of 0
+    rows = re.findall(r"^\s+(\d+)\s+(\w+)\s+(\d+/\d+)\s+(\d+/\d+)\s+(\d+/\d+)\s", out, re.M)
+    assert rows == [("0", "language", "0/2", "0/1", "0/1"), ("1", "language", "1/2", "0/1", "0/1"),
+                    ("2", "image", "0/1", "0/1", "0/1"), ("3", "audio", "0/1", "0/1", "0/1")]
 
 
 PACKING_PLAN = ("--layout", "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +152,15 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
     for key, tensor in projections.items():
         module, _, rest = key.partition(".")
         assert torch.equal(tensor, weights[module][f"input_projections.0.{rest}"]), key
+    # readable by whoever a new file is for: safetensors' own files are private (0600)
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {str(p.relative_to(smollm2.export)): stat.S_IMODE(p.stat().st_mode)
+             for p in [smollm2.export, *smollm2.export.rglob("*")]}
+    assert {"language/model.safetensors", "image/config.json", "projections.safetensors",
+            "preprocess.yaml", "manifest.json"} <= set(modes)
+    assert {n: m for n, m in modes.items()
+            if m != (0o777 if Path(smollm2.export, n).is_dir() else 0o666) & ~umask} == {}
 
 
 def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, tmp_path,

@@ -344,7 +344,9 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
     from mimo_train.cli import main
     checkpoint = FAMILIES["llava"][0]
     assert main(["--preprocessing-for", str(checkpoint)]) == 0
-    printed = yaml.safe_load(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert out.endswith("\n") and not out.endswith("\n\n")      # one final newline
+    printed = yaml.safe_load(out)
     processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
     assert printed["tokenizer"] == str(checkpoint) and printed["positions"] == "sequential"
     assert printed["modalities"]["image"] == {

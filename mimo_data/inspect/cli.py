@@ -29,6 +29,7 @@ import sys
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
+from mimo_data.stdout import quiet_when_stdout_closes
 
 _DEFAULTS = Thresholds()
 
@@ -360,6 +361,7 @@ def _plan(args, config, advisor=None) -> int:
     return advisor(AdvisorRequest.from_args(args), config, work)
 
 
+@quiet_when_stdout_closes
 def main(argv: list[str] | None = None, advisor=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``
@@ -381,6 +383,8 @@ def main(argv: list[str] | None = None, advisor=None) -> int:
             os.path.isdir(args.directory) else 2
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
+    except BrokenPipeError:         # the output's reader gone (| head): quiet_when_stdout_closes
+        raise
     except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
         error, status = str(exc), 2
     print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)

@@ -81,6 +81,7 @@ def _part_steps(entry: dict, part: dict, table: dict) -> list[dict]:
 def plan_summary(result: dict) -> dict:
     """Per rank and module: samples/tokens per step; per module: DP imbalance."""
     table = _sample_table(result)
+    tp_sizes = {module.name: module.tp for module in Layout.parse(result["layout"]).modules}
     rows: list = []
     by_module: dict = {}
     for entry in result["ranks"]:
@@ -94,7 +95,7 @@ def plan_summary(result: dict) -> dict:
                 "rank": entry["rank"], "module": part["module"], "needs_data": True,
                 "dp_rank": part["dp_rank"], "dp_size": part["dp_size"],
                 "pp_rank": part["pp_rank"], "pp_size": part["pp_size"],
-                "tp_rank": part["tp_rank"],
+                "tp_rank": part["tp_rank"], "tp_size": tp_sizes[part["module"]],
                 "samples_per_step": float(np.mean([s["samples"] for s in steps] or [0])),
                 "tokens_per_step_mean": float(np.mean(tokens)),
                 "tokens_per_step_max": int(max(tokens)),
@@ -160,7 +161,7 @@ def format_plan(result: dict, plan: dict) -> str:
         f"samples   {samples['samples']}, {samples['kept']} kept, {samples['dropped']} dropped"
         + (f" ({reasons})" if reasons else "") + f"; remainder {result['remainder']}: "
         f"{result['remainder_samples']} samples not in this epoch",
-        f"{'rank':>4s}  {'module':10s} {'dp':>5s} {'pp':>5s} {'tp':>3s}  {'samples/step':>12s}"
+        f"{'rank':>4s}  {'module':10s} {'dp':>5s} {'pp':>5s} {'tp':>5s}  {'samples/step':>12s}"
         f"  {'tokens/step mean':>16s} {'max':>7s}  {'trained/step':>12s}",
     ]
     for row in plan["ranks"]:
@@ -172,7 +173,8 @@ def format_plan(result: dict, plan: dict) -> str:
         unit = "" if row["module"] == LANGUAGE else " (encoder)"
         lines.append(f"{row['rank']:4d}  {row['module']:10s} "
                      f"{row['dp_rank']:>2d}/{row['dp_size']:<2d} {row['pp_rank']:>2d}/"
-                     f"{row['pp_size']:<2d} {row['tp_rank']:3d}  {row['samples_per_step']:12.1f}"
+                     f"{row['pp_size']:<2d} {row['tp_rank']:>2d}/{row['tp_size']:<2d}  "
+                     f"{row['samples_per_step']:12.1f}"
                      f"  {row['tokens_per_step_mean']:16.1f} {row['tokens_per_step_max']:7d}  "
                      f"{trained}{unit}")
     lines.append("imbalance (max/mean tokens per step over a module's DP ranks), this plan's "

@@ -3,7 +3,8 @@
 Exit status (the same for every mimo CLI):
   0  ok
   1  a check or the data failed: verify found a problem, --strict stopped at a bad record,
-     the dataset directory is incomplete or damaged, remote storage failed after retries
+     the dataset directory is incomplete or damaged, remote storage failed after retries;
+     also, quietly, when standard output's reader has gone (``| head``: mimo_data.stdout)
   2  usage or config error: bad arguments, an input that cannot be opened or read as given,
      an output directory in the way, no such dataset directory
 """
@@ -14,6 +15,8 @@ import argparse
 import os
 import re
 import sys
+
+from mimo_data.stdout import quiet_when_stdout_closes
 
 # Nothing heavy here: pyarrow, PIL and webdataset (torch) are imported once the arguments are
 # parsed, so that --help answers at once. A URL's credentials and endpoint come from the
@@ -127,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from mimo_data.shards.build import BuildError, StrictStop

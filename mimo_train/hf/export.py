@@ -39,10 +39,11 @@ same ids; the padding rows past them, which no token id reaches, are dropped. Th
 rows come back bit for bit when the language model was frozen (``model.freeze: [language]``).
 
 Everything is written to a staging directory beside ``OUT`` and renamed to ``OUT`` once
-complete: an interrupted export leaves no ``OUT``. Exit codes: 0 written; 1 the checkpoint's
-data failed a check (rank files or weights missing, shapes that do not fit); 2 usage or config
-error (no such checkpoint, ``OUT`` in the way, a config that cannot be rebuilt). Nothing heavy
-is imported before the arguments are parsed.
+complete: an interrupted export leaves no ``OUT``. Its files and folders get the modes new ones
+get under the process umask (safetensors writes its files private, 0600). Exit codes: 0
+written; 1 the checkpoint's data failed a check (rank files or weights missing, shapes that do
+not fit); 2 usage or config error (no such checkpoint, ``OUT`` in the way, a config that cannot
+be rebuilt). Nothing heavy is imported before the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ import os
 import shutil
 import sys
 import tempfile
+
+from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.errors import ExportError
 
 PREFIX = "mimo-export: "
@@ -84,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -142,14 +146,12 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
     disable_progress_bars()                              # a bar per saved model otherwise
     transformers_logging.disable_progress_bar()
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)                    # mkdtemp's is private (0700)
     from mimo_data.errors import ConfigError
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
     try:
         _write(staging, plan, weights, meta["step"], directory, adapters)
+        _as_created(staging)
         os.rename(staging, output)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
@@ -159,6 +161,20 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
                               ) from None
         raise
     return output
+
+
+def _as_created(top: str) -> None:
+    """``top`` and everything under it with the mode a new file or folder gets under the
+    process umask: mkdtemp's folder and safetensors' files are private (0700, 0600), which
+    would hide the export from the other users a shared output folder is for."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(top, 0o777 & ~umask)
+    for folder, folders, files in os.walk(top):
+        for name in folders:
+            os.chmod(os.path.join(folder, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def _run_plan(directory: str):

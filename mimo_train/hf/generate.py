@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
 
@@ -86,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+@quiet_when_stdout_closes
 def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
