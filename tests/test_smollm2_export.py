@@ -65,7 +65,9 @@ def smollm2(ranks, loader_corpus, tmp_path_factory) -> Iterator[Run]:
                         "train.micro_batch_size=2", nproc=3)
         from mimo_train.hf.export import main
         out = tmp / "export"
-        assert main(["--checkpoint", str(tmp / "checkpoints"), "--output", str(out)]) == 0
+        # the checkpoint as a path relative to the working directory: the manifest's is not
+        assert main(["--checkpoint", os.path.relpath(tmp / "checkpoints"),
+                     "--output", str(out)]) == 0
         losses = [record["loss"] for record in train_records(records)]
         yield Run(losses, tmp / "checkpoints" / "step_0000001", out)
 
@@ -131,7 +133,7 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
     assert {t for t, _ in tokens.values()} == {"<|image_pad|>", "<|audio_pad|>"}
     assert {i for _, i in tokens.values()} == {SMOLLM2_VOCAB, SMOLLM2_VOCAB + 1}
     assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in tokens.values())
-    assert manifest["step"] == 1
+    assert manifest["step"] == 1 and manifest["checkpoint"] == str(smollm2.checkpoint)
     assert {n: (m["modality"], m["kind"]) for n, m in manifest["modules"].items()} == \
         {"image": ("image", "siglip"), "audio": ("audio", "whisper")}
     preprocess = yaml.safe_load((smollm2.export / manifest["preprocess"]).read_text())

@@ -221,7 +221,8 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
                               f"{sorted(weights)}): the checkpoint is incomplete", exit_code=1)
-    manifest: dict = {"step": step, "checkpoint": directory, "preprocess": PREPROCESS}
+    manifest: dict = {"step": step, "checkpoint": os.path.abspath(directory),
+                      "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class
         family = _write_vlm(out, plan, tokenizer, weights, directory, adapters)
         if adapters:
