@@ -323,6 +323,19 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert {r["key"]: r["text"] for r in records} == {
         key: text for key, text in pairs.captions.items() if int(key) < 8}
     assert all(r["kind"] == "caption" for r in records)
+    # members named on the command line are the field map's to name (unless --layout says
+    # otherwise), and a tar split.yaml lists must be there
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-named",
+                            "--text-member", "json[alt_text]", "--workers", "0", "--no-progress")
+    assert code == 2 and "--text-member: an Energon folder's field_map names" in err, err
+    split = (folder / ".nv-meta" / "split.yaml").read_text()
+    (folder / ".nv-meta" / "split.yaml").write_text(
+        split.replace("pairs-{000000..000001}.tar", "pairs-{000000..000001}.tar\n  - "
+                      "pairs-000009.tar"))
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-named",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "lists 1 tar(s) not in" in err and "pairs-000009.tar" in err, err
+    (folder / ".nv-meta" / "split.yaml").write_text(split)
     # A tar split.yaml does not list (another split's) is left out under any --layout; a JSON
     # member without the first alternative's field falls back to the next one (Energon's way).
     shutil.copy(pairs.src / "pairs-000002.tar", folder / "val-000000.tar")

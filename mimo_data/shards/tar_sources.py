@@ -111,7 +111,21 @@ def resolve(sources: list[str], options: IndexOptions,
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
             # validation parts are no training data)
             names = energon.train_shards(root, storage_options)
+            missing = [name for name in names if not storage.is_remote(root)
+                       and not os.path.isfile(os.path.join(root, name))]
+            if missing:
+                raise IndexInputError(f"{storage.join(root, energon.META, energon.SPLIT_YAML)} "
+                                      f"lists {len(missing)} tar(s) not in {root}, e.g. "
+                                      f"{missing[0]}: run `energon prepare` again")
             if options.layout in ("auto", "energon"):
+                given = [flag for flag, value, default in (
+                    ("--media-member", options.media_member, None),
+                    ("--text-member", options.text_member, "txt"),
+                    ("--json-member", options.json_member, "json")) if value != default]
+                if given:
+                    raise IndexInputError(f"{' '.join(given)}: an Energon folder's field_map "
+                                          "names its members; give --layout pairs (or "
+                                          "conversation, documents) to name them yourself")
                 mapping = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
                     f"({mapping.describe()}), {len(names)} train tar(s)")
