@@ -24,7 +24,10 @@ over two turns, text only).
 - a run from the published weights, the 4B at TP 2, the MoE at dp2 with its experts over ep2
   (each rank four of each layer's eight), draws the colocated run's adapters (B's master weight
   drawn in the TP-1 layout, each rank's rows of each section then put together; a routed
-  expert's by its global number), saves the same global tensors, and takes the colocated step;
+  expert's by its global number), saves the same global tensors, and takes the colocated step
+  (the 4B's colocated step recomputes every language layer, ``recompute: full``:
+  megatron-core's reentrant checkpoint, whose input there needs no gradient, the tower frozen
+  and the embedding fixed, still gives the adapters theirs);
 - the delta-net's layers are targets by name; so are a mixture of experts' shared and routed
   experts' (all-linear leaves the routed experts out, as PEFT's), not its router; the routed
   experts' PEFT files on the ``Qwen/Qwen3-VL-30B-A3B-Instruct`` replica (its experts stored
@@ -95,6 +98,7 @@ def colocated(ranks, setup) -> dict:
     (``init/step_0000000``)."""
     tmp = setup["tmp"]
     return step(ranks, tmp / "colocated", 1, f"layout={LAYOUT}", *setup["common"],
+                *(["model.language.recompute=full"] if setup["name"] == "4B" else []),
                 save_batches=True, save_init=tmp / "init")
 
 

@@ -281,6 +281,14 @@ class LanguageModel(DeepstackLanguage):
                     packed_seq_params=None, padding_mask=None):
         out = super()._preprocess(input_ids, position_ids, decoder_input, inference_context,
                                   packed_seq_params, padding_mask)
+        hidden = out[0]
+        # megatron-core's full recompute checkpoints layers reentrantly: a block whose input
+        # needs no gradient (frozen embeddings, no trained tower in the micro-batch) makes none
+        # for the weights inside it, which LoRA trains. The input then asks for one, as PEFT's
+        # enable_input_require_grads does.
+        if self.config.recompute_granularity == "full" and torch.is_grad_enabled() \
+                and hidden is not None and not hidden.requires_grad:
+            hidden.requires_grad_(True)
         rotary = out[1]
         if self.packed_rows and packed_seq_params is not None \
                 and packed_seq_params.qkv_format == "thd":
