@@ -130,6 +130,35 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
     assert any(not torch.equal(step3[key], step6[key]) for key in step3)
 
 
+def test_a_failed_background_save_raises_its_writers_cause():
+    """torch's CheckpointException (from an asynchronous save's writers) is a BaseException,
+    which the run's handlers leave alone: a traceback from every rank. The save raises its
+    writer's cause (a full disk's OSError), which they say once."""
+    import errno
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from mimo_train.components.checkpoint import Saver
+    from mimo_train.errors import CheckpointError
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def failing(error):
+        def finalize(blocking):
+            raise error
+        return SimpleNamespace(maybe_finalize_async_calls=finalize)
+    saver = Saver("unused", asynchronous=False)
+    saver.queue, saver.pending = failing(CheckpointException("save failed", {1: (full, None)})), \
+        ["ck/step_0000004"]
+    with pytest.raises(OSError) as raised:
+        saver.poll()
+    assert raised.value is full
+    saver.queue = failing(CheckpointException("save failed", {1: (KeyboardInterrupt(), None)}))
+    with pytest.raises(CheckpointError, match="writing ck/step_0000004: save failed"):
+        saver.wait()
+
+
 def test_tensorboard_gets_the_scalars(setup):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

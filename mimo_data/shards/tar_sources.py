@@ -118,12 +118,12 @@ def resolve(sources: list[str], options: IndexOptions,
                                       f"lists {len(missing)} tar(s) not in {root}, e.g. "
                                       f"{missing[0]}: run `energon prepare` again")
             if options.layout in ("auto", "energon"):
-                given = [flag for flag, value, default in (
+                named = [flag for flag, value, default in (
                     ("--media-member", options.media_member, None),
                     ("--text-member", options.text_member, "txt"),
                     ("--json-member", options.json_member, "json")) if value != default]
-                if given:
-                    raise IndexInputError(f"{' '.join(given)}: an Energon folder's field_map "
+                if named:
+                    raise IndexInputError(f"{' '.join(named)}: an Energon folder's field_map "
                                           "names its members; give --layout pairs (or "
                                           "conversation, documents) to name them yourself")
                 mapping = energon.member_map(root, storage_options)

@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo_data.files import write_atomic
 from mimo_train.components import digests
@@ -123,7 +124,10 @@ class Saver:
         directory = step_dir(self.root, step)
         request = _save_request(self.root, directory, step, state, meta)
         if self.queue is None:
-            request.execute_sync()
+            try:
+                request.execute_sync()
+            except CheckpointException as error:
+                raise _writers_cause(error, directory) from None
             return directory
         self.queue.schedule_async_request(request)
         self.pending.append(directory)
@@ -140,9 +144,21 @@ class Saver:
     def _finalize(self, blocking: bool) -> list[str]:
         if self.queue is None or not self.pending:
             return []
-        done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        try:
+            done = self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except CheckpointException as error:
+            raise _writers_cause(error, self.pending[0]) from None
         finished, self.pending = self.pending[:len(done)], self.pending[len(done):]
         return finished
+
+
+def _writers_cause(error: CheckpointException, directory: str) -> Exception:
+    """What made a save fail (a full disk's OSError ...): torch's CheckpointException is a
+    BaseException, which the run's handlers (one message, not a traceback from every rank)
+    leave alone."""
+    return next((failure[0] for failure in error.failures.values()
+                 if isinstance(failure[0], Exception)),
+                CheckpointError(f"writing {directory}: {error.args[0]}"))
 
 
 def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict):
