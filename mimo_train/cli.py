@@ -47,14 +47,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="config overrides, values parsed as YAML, e.g. train.steps=50 "
                         "checkpoint.dir=runs/x")
     parser.add_argument("--records", metavar="JSONL",
-                        help="write every train and eval record as JSON lines here (rank 0)")
+                        help="write every train and eval record as JSON lines here (rank 0), "
+                        "each as it is read; a run that resumes a checkpoint appends")
     return parser
 
 
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)     # overrides before or after the options
     console.quiet_third_party()
     if args.preprocessing_for:
         return _print_preprocessing(args.preprocessing_for)
@@ -68,14 +69,11 @@ def main(argv=None) -> int:
         return console.fail_before_setup("config", error)
     start = time.perf_counter()
     from mimo_train.runtime import distributed
-    from mimo_train.components.metrics import dump
     from mimo_train.training.trainer import train
     console.say(f"{console.PREFIX}torch and megatron-core loaded "
                 f"({time.perf_counter() - start:.1f} s)")
     try:
-        trainer = train(plan)
-        if args.records:
-            dump(trainer.metrics.records, args.records)
+        trainer = train(plan, args.records)
         if trainer.failure:             # too many skipped steps (components/anomalies.py)
             return 1
         if trainer.stopped_by:          # preempted: checkpoint saved (runtime/preemption.py)

@@ -550,11 +550,12 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(rank
 def _gated(tmp: Path, root: Path, common: list[str]) -> tuple[list, Path]:
     """The command of the 3-rank job under real torchrun through tests/jobs/gated_train.py
     (``mimo-train`` whose ranks wait before step 2 until the returned gate file exists or they
-    got an exit signal themselves), and the gate."""
+    got an exit signal themselves), and the gate; its records go to ``root``.jsonl."""
     gate = root.with_name(root.name + ".gate")
     return torchrun_command(3, [TESTS / "jobs" / "gated_train.py", gate, "--config",
                                 REPO / "configs" / "train" / CONFIG, *common,
-                                f"checkpoint.dir={root}"]), gate
+                                f"checkpoint.dir={root}", "--records",
+                                root.with_suffix(".jsonl")]), gate
 
 
 def _until_step_1(agent: subprocess.Popen) -> list[str]:
@@ -589,6 +590,8 @@ def test_a_rank_that_dies_is_reported_once(setup):
     assert len(messages) == 1, output
     assert "another rank left the job without a message" in messages[0], messages[0]
     assert "[rank" not in output and output.count("Traceback") <= 1, output
+    # each record was written as it was read: the run's death keeps step 1's
+    assert [r["step"] for r in train_records(read_records(tmp / "killed.jsonl"))] == [1]
 
 
 @pytest.mark.parametrize("target", ["one worker", "the agent"])
@@ -620,8 +623,14 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     assert step in (1, 2) and (root / "latest").read_text() == f"step_{step:07d}", output[-4000:]
     if target == "one worker":        # torchrun reports each worker's exit status
         assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
-    resumed = _train(ranks, tmp, f"resumed-{target}", root, *common)
-    assert_continues(resumed, full, list(range(step + 1, STEPS + 1)), loss=1e-5,
+    records = root.with_suffix(".jsonl")
+    before = read_records(records)
+    assert [r["step"] for r in train_records(before)] == list(range(1, step + 1))
+    # resumed with the same --records (the last one given wins): its records are added
+    _train(ranks, tmp, f"resumed-{target}", root, *common, "--records", records)
+    resumed = read_records(records)
+    assert resumed[:len(before)] == before
+    assert_continues(resumed[len(before):], full, list(range(step + 1, STEPS + 1)), loss=1e-5,
                       grad_norm_rel=1e-4)
 
 

@@ -244,8 +244,13 @@ class Metrics:
 
     def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
                  layout, local_modules, device: torch.device, wandb=None,
-                 config: dict | None = None, memory: PeakMemory | None = None):
+                 config: dict | None = None, memory: PeakMemory | None = None,
+                 records: str | None = None, resumed: bool = False):
         self.rank0 = dist.get_rank() == 0
+        # each record is written as it is read, so a run that dies keeps its steps' records;
+        # a resumed run adds to those of the runs before it
+        self.file = open(records, "a" if resumed else "w", buffering=1) \
+            if records and self.rank0 else None
         self.log_interval, self.last_step = log_interval, last_step
         self.layout, self.local_modules, self.device = layout, local_modules, device
         self.memory = memory
@@ -270,7 +275,7 @@ class Metrics:
         """The train records read now (the pending steps' at a logging step)."""
         if isinstance(values, dict):                   # an evaluation record: read already
             read = self.flush()
-            self.records.append(values)
+            self._keep([values])
             self._show(values)
             return read
         self.pending.append(values)
@@ -283,7 +288,7 @@ class Metrics:
     def log_anomaly(self, record: dict) -> None:
         """A skipped or spiking step's record (``anomalies``), its samples included."""
         self.flush()
-        self.records.append(record)
+        self._keep([record])
         if self.rank0:
             anomaly = record["anomaly"]
             keys = ", ".join(s["key"] for s in anomaly["samples"][:8])
@@ -325,8 +330,13 @@ class Metrics:
             for record, values in zip(read, flops):
                 record.update(flops_fields(dict(zip(names, values)), record["seconds"], world,
                                            self.peak_tflops))
-        self.records += read
+        self._keep(read)
         return read
+
+    def _keep(self, records: list[dict]) -> None:
+        self.records += records
+        if self.file is not None:
+            self.file.writelines(json.dumps(record) + "\n" for record in records)
 
     def _show(self, record: dict) -> None:
         if not self.rank0:
@@ -348,14 +358,8 @@ class Metrics:
             self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.file is not None:
+            self.file.close()
         text = summary(self.records)
         if text and self.rank0:
             print(text, flush=True)
-
-
-def dump(records: list[dict], path: str) -> None:
-    """Write the records as JSON lines (rank 0)."""
-    if dist.get_rank() == 0:
-        with open(path, "w") as f:
-            for record in records:
-                f.write(json.dumps(record) + "\n")

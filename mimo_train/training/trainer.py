@@ -90,7 +90,9 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
 class Trainer:
     """Everything one rank holds for training; ``run()`` trains to ``train.steps``."""
 
-    def __init__(self, plan: RunPlan):
+    def __init__(self, plan: RunPlan, records: str | None = None):
+        """``records``: the JSON-lines file every record goes to as it is read (``--records``;
+        appended to when the run resumes a checkpoint)."""
         self.plan, self.cfg = plan, plan.config
         cfg = self.cfg
         start = time.perf_counter()
@@ -134,7 +136,8 @@ class Trainer:
             if cfg.checkpoint.dir else None
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
-                               cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory)
+                               cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory,
+                               records=records, resumed=self.step > 0)
         self.metrics.peak_tflops = self.flops.peak_tflops
         self.profile = Profile(run.profile, self.rank, self.device)
 
@@ -516,11 +519,11 @@ class Trainer:
             say(f"{PREFIX}checkpoint {directory}" + (" complete" if background else ""))
 
 
-def train(plan: RunPlan) -> Trainer:
-    """Build the trainer on this rank and train; returns it (its ``metrics.records``, and
-    ``stopped_by`` / ``failure`` when the run stopped early)."""
+def train(plan: RunPlan, records: str | None = None) -> Trainer:
+    """Build the trainer on this rank and train (``records``: ``Trainer``'s); returns it (its
+    ``metrics.records``, and ``stopped_by`` / ``failure`` when the run stopped early)."""
     cfg = plan.config
-    trainer = Trainer(plan)
+    trainer = Trainer(plan, records)
     trainer.run()
     if cfg.checkpoint.dir:
         say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "
