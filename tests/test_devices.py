@@ -7,7 +7,8 @@ distributed.py).
   ranks on a node than it has GPUs is an error on every rank of the node;
 - the control group is a gloo group of its own, and it times out: a rank that never joins a
   control collective makes the others fail after ``train.collective_timeout_minutes`` with
-  torch's timeout error, not hang (two ranks forked as torchrun would start them). Start-up
+  torch's timeout error, not hang (two ranks forked as torchrun would start them); groups
+  made later without a timeout (megatron-core's bridge groups) get the same one. Start-up
   failures travel over it in every case of tests/test_train_startup.py;
 - ranks on different kinds of device (a node without usable GPUs in a GPU job) all join gloo
   and stop at start-up with one message naming which ranks are on which, instead of waiting
@@ -111,6 +112,9 @@ SILENT_RANK = textwrap.dedent("""
     control = distributed.control()
     assert control is not None and control is not dist.group.WORLD
     assert dist.get_backend(control) == "gloo"
+    # a group made later without a timeout (megatron-core's bridge groups) gets the run's
+    later = dist.new_group(backend="gloo")
+    assert later._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=3)
     if os.environ["RANK"] == "1":
         deadline = time.monotonic() + 120                             # never joins: waits
         while not done.exists() and time.monotonic() < deadline:     # for rank 0 to be done

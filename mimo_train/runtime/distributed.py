@@ -8,7 +8,9 @@ verdicts, anomaly samples, exit signals) goes over a separate gloo group of ever
 error still joins it and every rank prints one message, where the NCCL default group would
 leave the others waiting for its watchdog (and make each object a device round trip). Both
 groups time out after ``train.collective_timeout_minutes`` (the trainer gives the modules'
-groups the same): a collective that a rank never joins fails with an error instead of hanging.
+groups the same, and groups made later without a timeout get it too: megatron-core's bridge
+between modules makes its own, which torch would give its 30-minute default): a collective
+that a rank never joins fails with an error instead of hanging.
 
 Before joining, the ranks tell each other their device through torchrun's store
 (``device_types``): NCCL only where every rank has its GPU, else gloo on every rank, so that a
@@ -18,6 +20,7 @@ GPU ranks waiting in NCCL's set-up and the others in gloo's until the timeout.
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -54,7 +57,28 @@ def init(device: torch.device, timeout: timedelta | None = None,
         torch.cuda.set_device(device)   # on the current device
     if _control is None:
         _control = dist.new_group(backend="gloo", **kwargs)
+    if timeout is not None:
+        _later_groups_time_out(timeout)
     return kinds
+
+
+_later_timeout: list[timedelta] = []       # the timeout groups made without one get
+
+
+def _later_groups_time_out(timeout: timedelta) -> None:
+    """Groups made from now on without a timeout (megatron-core's bridge groups) time out
+    after ``timeout``, as the run's own do. torch has no setting for it: its group makers
+    are wrapped once."""
+    if not _later_timeout:
+        for name in ("new_group", "new_subgroups_by_enumeration"):
+            make = getattr(dist, name)
+
+            def with_timeout(*args, _make=make, **kwargs):
+                if kwargs.get("timeout") is None:
+                    kwargs["timeout"] = _later_timeout[0]
+                return _make(*args, **kwargs)
+            setattr(dist, name, functools.wraps(make)(with_timeout))
+    _later_timeout[:] = [timeout]
 
 
 def device_types(kind: str, timeout: timedelta) -> list[str] | None:
