@@ -319,7 +319,8 @@ def test_state_checks_fingerprint_seed_batch_and_position(sources, tmp_path, cor
     assert len(json.dumps(state)) < 400                       # tiny
     other = tmp_path / "other"
     build_dataset(corpus_inputs, other, max_samples_per_shard=20, check="header")
-    with pytest.raises(LoaderError, match="fingerprint"):
+    with pytest.raises(LoaderError, match="fingerprint.*start a new run from them "
+                       r"\(model.init_from=CHECKPOINT"):
         build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3, state=state)
     allowed = build_loader(str(other), configs["image"], layout, 0, 3, GLOBAL_BATCH, 1, 3,
                            state=state, allow_fingerprint_mismatch=True)

@@ -626,7 +626,9 @@ class RankLoader:
                 f"{state['fingerprint'][:12]}..., these datasets give "
                 f"{self.source.fingerprint[:12]}...: different shards, blend weights or "
                 "preprocessing drops), so the order would not continue where it stopped. Use "
-                "the same datasets and config, or pass allow_fingerprint_mismatch=True to resume "
+                "the same datasets and config; to train the checkpoint's weights on other "
+                "data, start a new run from them (model.init_from=CHECKPOINT, another "
+                "checkpoint.dir); a loader built with allow_fingerprint_mismatch=True resumes "
                 "at the same epoch and position in the new order")
         if state["global_batch_size"] != self.order.global_batch_size:
             raise LoaderError(f"the loader state has global batch {state['global_batch_size']}, "
