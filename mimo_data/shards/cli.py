@@ -217,6 +217,7 @@ def _cache(args) -> int:
     from dataclasses import asdict
 
     from mimo_data.shards.cache_entries import entries, remove
+    from mimo_data.shards.storage import is_remote
     listed = entries(args.directory, args.cache_dir)
     superseded = [entry for entry in listed if entry.superseded]
     freed = remove(superseded) if args.remove else 0
@@ -232,7 +233,9 @@ def _cache(args) -> int:
     print(f"mimo-shard cache: {len(listed)} file(s), {len(superseded)} superseded "
           f"({total / 1e6:.2f} MB)" + (f", removed ({freed / 1e6:.2f} MB freed)"
                                        if args.remove else
-                                       "; --remove deletes them" if superseded else ""))
+                                       "; --remove deletes them" if superseded else "")
+          + ("; the local cache's (the bucket's own .mimo-cache/ holds the build's tables, "
+             "which the next build replaces)" if is_remote(args.directory) else ""))
     return 0
 
 
