@@ -130,6 +130,27 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
     assert any(not torch.equal(step3[key], step6[key]) for key in step3)
 
 
+def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
+    """A checkpoint copied into checkpoint.dir without its ``latest``: the run neither starts
+    over beside it nor picks one; the message says how to resume from the newest. A save
+    interrupted before its manifest leaves nothing to resume."""
+    from mimo_train.components.checkpoint import resume_point
+    from mimo_train.errors import CheckpointError
+
+    assert resume_point(str(tmp_path)) is None
+    (tmp_path / "step_0000004").mkdir()                # no manifest: an interrupted save
+    assert resume_point(str(tmp_path)) is None
+    for step in ("step_0000002", "step_0000003"):
+        (tmp_path / step).mkdir()
+        (tmp_path / step / "integrity.json").write_text("{}")
+    with pytest.raises(CheckpointError) as refused:
+        resume_point(str(tmp_path))
+    assert refused.value.exit_code == 2
+    assert f"`echo step_0000003 > {tmp_path / 'latest'}`" in str(refused.value)
+    (tmp_path / "latest").write_text("step_0000002")
+    assert resume_point(str(tmp_path)) == str(tmp_path / "step_0000002")
+
+
 def test_a_failed_background_save_raises_its_writers_cause():
     """torch's CheckpointException (from an asynchronous save's writers) is a BaseException,
     which the run's handlers leave alone: a traceback from every rank. The save raises its

@@ -101,6 +101,26 @@ def latest(root: str | None) -> str | None:
     return os.path.join(root, name)
 
 
+def resume_point(root: str | None) -> str | None:
+    """The checkpoint a run with ``checkpoint.dir`` ``root`` resumes (``latest``), or None
+    when it holds none; CheckpointError when it holds complete checkpoints (their manifest
+    written) but no ``latest`` (a checkpoint copied there): neither ignoring them nor writing
+    a new run beside them would be what was meant. A save interrupted before its manifest
+    leaves nothing to resume: the run starts over."""
+    found = latest(root)
+    if found or not root or not os.path.isdir(root):
+        return found
+    steps = sorted(name for name in os.listdir(root) if re.fullmatch(r"step_\d{7}", name)
+                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    if steps:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
+            f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
+            f"{steps[-1]} > {os.path.join(root, LATEST)}`; to start a new run, give another "
+            "checkpoint.dir (or checkpoint.resume=false)")
+    return None
+
+
 # ------------------------------------------------------------------------------------- save
 
 class Saver:

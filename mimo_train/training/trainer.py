@@ -62,7 +62,7 @@ from mimo_train.planning.flops import peak_tflops, training_passes
 from mimo_train.planning.memory_remedies import advisor_command, memory_remedies
 from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
-from mimo_train.runtime.console import (PREFIX, memory_cause, out_of_gpu_memory, phase,
+from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_memory, phase,
                                         run_failure, say)
 from mimo_train.runtime.preemption import ExitSignals
 from mimo_train.runtime.profile import Profile
@@ -129,7 +129,8 @@ class Trainer:
         self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
         run = cfg.train
         self.watch = Watch(run.max_skipped_steps, run.spike_factor, run.spike_window)
-        resume = checkpoint.latest(cfg.checkpoint.dir) if cfg.checkpoint.resume else None
+        resume = agree("checkpoint check", lambda: checkpoint.resume_point(
+            cfg.checkpoint.dir)) if cfg.checkpoint.resume else None
         if resume:
             self._resume(resume)
         self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save) \
