@@ -40,7 +40,7 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("", ["empty"]),
-    ("language=dp2;image=xx3", ["image", "xx3"]),
+    ("language=dp2;image=xx3", ["image", "xx3", "(image, audio, video)"]),
     ("language=dp0", ["language", "dp", "0"]),
     ("image=dp1", ["language"]),
     ("language=dp1;language=dp1", ["language", "twice"]),

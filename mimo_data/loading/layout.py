@@ -278,7 +278,8 @@ class Layout:
             name = name.strip()
             if not equals or not re.fullmatch(r"[A-Za-z_][\w-]*", name):
                 raise LayoutError(f"layout part {part!r}: write NAME=FIELD,... with fields "
-                                  "tpN, cpN, ppN, dpN, epN, etpN, offN, image, audio")
+                                  f"tpN, cpN, ppN, dpN, epN, etpN, offN or a modality "
+                                  f"({', '.join(MODALITIES)})")
             values = {}
             for item in filter(None, (f.strip() for f in fields_text.split(","))):
                 if item in MODALITIES:
@@ -288,7 +289,8 @@ class Layout:
                 if not match:
                     raise LayoutError(f"module {name!r}: field {item!r} unknown; use tpN, cpN, "
                                       "ppN, dpN, epN (expert parallel), etpN (expert tensor "
-                                      "parallel), offN (rank offset), image or audio")
+                                      "parallel), offN (rank offset) or a modality the module "
+                                      f"serves ({', '.join(MODALITIES)})")
                 key = "rank_offset" if match[1] == "off" else match[1]
                 values[key] = int(match[2])
             module = ModuleLayout(name, **{"rank_offset": offset, **values})
