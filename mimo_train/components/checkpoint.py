@@ -335,10 +335,14 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     missing = sorted(set(wanted) - set(saved))
     if missing:
+        pretrained = (meta.get("config") or {}).get("model", {}).get("pretrained")
+        modules = sorted({k.split(".module.")[0] for k in saved
+                          if ".module." in k and not k.startswith("optimizer.")})
         raise CheckpointError(
             f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, "
-            f"e.g. {missing[:3]}: it was saved for another model (its modules: "
-            f"{sorted({k.split('.module.')[0] for k in saved if '.module.' in k})})")
+            f"e.g. {missing[:3]}: it was saved for another model (" + (
+                f"model.pretrained {pretrained}, " if pretrained else "") +
+            f"its modules: {modules})")
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
             rows = key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
