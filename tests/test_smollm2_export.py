@@ -64,7 +64,7 @@ def smollm2(ranks, loader_corpus, tmp_path_factory) -> Iterator[Run]:
                         "model.freeze=[language]", "train.steps=1", "train.global_batch_size=2",
                         "train.micro_batch_size=2", nproc=3)
         from mimo_train.hf.export import main
-        out = tmp / "export"
+        out = tmp / "exports" / "export"           # its folder is made
         # the checkpoint as a path relative to the working directory: the manifest's is not
         assert main(["--checkpoint", os.path.relpath(tmp / "checkpoints"),
                      "--output", str(out)]) == 0

@@ -125,8 +125,11 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
         raise ExportError(f"--output {output} exists: remove it or choose another directory")
     directory = step_directory(checkpoint)
     parent = os.path.dirname(output)
-    if not os.path.isdir(parent):
-        raise ExportError(f"--output {output}: its folder {parent} does not exist")
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as error:
+        raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
+                          f"{error}") from None
     plan, meta = _run_plan(directory)
     cfg = plan.config
     from mimo_train.components.checkpoint import load_weights
