@@ -133,8 +133,9 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
 def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     """A checkpoint copied into checkpoint.dir without its ``latest``: the run neither starts
     over beside it nor picks one; the message says how to resume from the newest. A save
-    interrupted before its manifest leaves nothing to resume."""
-    from mimo_train.components.checkpoint import resume_point
+    interrupted before its manifest leaves nothing to resume. A folder that cannot be written
+    is refused at start-up."""
+    from mimo_train.components.checkpoint import prepare, resume_point
     from mimo_train.errors import CheckpointError
 
     assert resume_point(str(tmp_path)) is None
@@ -149,6 +150,12 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert f"`echo step_0000003 > {tmp_path / 'latest'}`" in str(refused.value)
     (tmp_path / "latest").write_text("step_0000002")
     assert resume_point(str(tmp_path)) == str(tmp_path / "step_0000002")
+    # a checkpoint.dir that cannot be written is refused at start-up, not at the first save
+    assert prepare(str(tmp_path / "new"), resume=True) is None and (tmp_path / "new").is_dir()
+    assert os.listdir(tmp_path / "new") == []            # the probe removed
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
+        prepare(str(tmp_path / "file" / "ck"), resume=False)
 
 
 def test_a_failed_background_save_raises_its_writers_cause():

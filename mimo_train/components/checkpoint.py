@@ -39,6 +39,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,22 @@ def latest(root: str | None) -> str | None:
     except FileNotFoundError:
         return None
     return os.path.join(root, name)
+
+
+def prepare(root: str, resume: bool) -> str | None:
+    """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
+    save that cannot write fails here, not at the first checkpoint, hours in), then what it
+    resumes (``resume_point``; None without ``resume``)."""
+    probe = os.path.join(root, f".write-test-{socket.gethostname()}-{os.getpid()}")
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
+                              "a writable checkpoint.dir") from None
+    return resume_point(root) if resume else None
 
 
 def resume_point(root: str | None) -> str | None:

@@ -129,8 +129,8 @@ class Trainer:
         self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
         run = cfg.train
         self.watch = Watch(run.max_skipped_steps, run.spike_factor, run.spike_window)
-        resume = agree("checkpoint check", lambda: checkpoint.resume_point(
-            cfg.checkpoint.dir)) if cfg.checkpoint.resume else None
+        resume = agree("checkpoint check", lambda: checkpoint.prepare(
+            cfg.checkpoint.dir, cfg.checkpoint.resume)) if cfg.checkpoint.dir else None
         if resume:
             self._resume(resume)
         self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save) \
