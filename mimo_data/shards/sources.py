@@ -50,16 +50,6 @@ class RawRecord:
     kind: str = "conversation"
     text: object = None
 
-    def __post_init__(self):
-        # A URL joined to the media root would be reported as a nonsense missing path.
-        for modality, refs in self.media.items():
-            for ref in refs:
-                path = ref.get("path") if isinstance(ref, dict) and not ref.get("bytes") else ref
-                if isinstance(path, str) and path.lower().startswith(("http://", "https://")):
-                    raise RecordError("missing_media", f"{modality} {path[:100]!r} is a URL, "
-                                      "which mimo does not download: fetch it first (e.g. "
-                                      "img2dataset) and give paths or bytes")
-
 
 def media_field(modality: str) -> str:
     """The record key and Parquet column role of a modality's item list: ``images``; a

@@ -84,6 +84,9 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
     if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
+    if path.lower().startswith(("http://", "https://")):    # joined to the root: nonsense
+        raise RecordError("missing_media", f"{path[:100]!r} is a URL, which mimo does not "
+                          "download: fetch it first (e.g. img2dataset) and give paths or bytes")
     try:
         path.encode("utf-8")
     except UnicodeEncodeError as exc:   # a lone surrogate from a "\ud800" escape
