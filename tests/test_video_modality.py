@@ -75,6 +75,12 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
         with pytest.raises(MediaError) as caught:
             probe_video(cut.data, check)
         assert caught.value.reason == "corrupt_video"
+    # WebM (Matroska) declares no frame count: a cut one is told by its frames' times
+    webm = clips["pan_vp9_30"].data
+    for check in ("header", "decode"):
+        with pytest.raises(MediaError, match=r"frames cover .* of the 2\.00 s") as caught:
+            probe_video(webm[:len(webm) * 2 // 3], check)
+        assert caught.value.reason == "corrupt_video"
     tail_index = clips["pan_h264_24"].data                        # index (moov) last
     with pytest.raises(MediaError) as caught:
         probe_video(tail_index[:len(tail_index) // 2], "header")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -86,9 +87,12 @@ def probe_video(data: bytes, check: str = "decode",
             raise MediaError("video_too_long", f"clip of {duration:.1f} s is longer than "
                              f"{max_seconds:g} s")
         declared = stream.frames
+        stated = _stated_seconds(container, stream)
+        start, time_base = stream.start_time or 0, stream.time_base
         try:
             frames = 0
             first = None
+            last = None                 # the latest frame's (or packet's) time stamp
             if check == "decode":
                 for frame in container.decode(stream):
                     if first is None:
@@ -96,10 +100,14 @@ def probe_video(data: bytes, check: str = "decode",
                     elif (frame.width, frame.height) != first[:2]:
                         raise MediaError("corrupt_video", "frame size changes within the clip")
                     frames += 1
+                    if frame.pts is not None:
+                        last = max(last or 0, frame.pts)
             else:
                 for packet in container.demux(stream):
                     if packet.size and not packet.is_discard:
                         frames += 1
+                        if packet.pts is not None:
+                            last = max(last or 0, packet.pts)
                 with _open(data) as again:
                     head = next(again.decode(again.streams.video[0]), None)
                     if head is not None:
@@ -113,6 +121,13 @@ def probe_video(data: bytes, check: str = "decode",
     if declared and frames < declared:
         raise MediaError("corrupt_video", f"{frames} of the {declared} frames the header "
                          "declares are there (truncated)")
+    if not declared and last is not None and stated:
+        # Matroska and WebM declare no frame count: a cut or damaged file is told by its
+        # frames' times, which end before the length the file states
+        covered = float((last - start) * time_base) + 1 / fps
+        if covered < stated - max(2 / fps, 0.05 * stated):
+            raise MediaError("corrupt_video", f"its frames cover {covered:.2f} s of the "
+                             f"{stated:.2f} s the file states (truncated or damaged)")
     width, height, rotation = first
     if rotation in (90, 270):
         width, height = height, width
@@ -124,6 +139,22 @@ def probe_video(data: bytes, check: str = "decode",
     return {"format": fmt, "codec": codec, "width": width, "height": height,
             "rotation": rotation, "fps": fps, "frames": frames, "duration": round(duration, 6)}
 
+
+
+def _stated_seconds(container: av.container.InputContainer,
+                    stream: av.video.stream.VideoStream) -> float | None:
+    """The video stream's length as the file states it: the stream's duration, Matroska's
+    per-track ``DURATION`` tag (FFmpeg's muxer writes it), or the container's where the video
+    is its only stream (with an audio track, the container's may be the audio's)."""
+    if stream.duration:
+        return float(stream.duration * stream.time_base)
+    tag = re.fullmatch(r"(\d+):(\d\d):(\d\d(?:\.\d+)?)", stream.metadata.get("DURATION", ""))
+    if tag:
+        hours, minutes, seconds = tag.groups()
+        return int(hours) * 3600 + int(minutes) * 60 + float(seconds)
+    if container.duration and len(container.streams) == 1:
+        return container.duration / av.time_base
+    return None
 
 
 def _rgb(frame: av.VideoFrame, rotation: int) -> np.ndarray:
