@@ -29,7 +29,8 @@ from mimo_train.config import OptimizerConfig
 from mimo_train.mcore import (MegatronOptimizerConfig, MimoModel, MimoOptimizer,
                               ModuleOptimizerInfo, OptimizerParamScheduler,
                               get_megatron_optimizer)
-from mimo_train.mcore.distributed_optimizer import start_adam_states, tolerate_partial_states
+from mimo_train.mcore.distributed_optimizer import (start_adam_states, tolerate_partial_states,
+                                                    without_empty_parts)
 from mimo_train.mcore.fused_adam import use_fused_adam
 from mimo_train.mcore.grids import optimizer_groups
 from mimo_train.model.parts import module_of
@@ -87,8 +88,10 @@ def module_optimizers(model: MimoModel, config: MegatronOptimizerConfig,
             pgs = optimizer_groups(grid)
             own = dataclasses.replace(
                 config, use_distributed_optimizer=modules[name].optimizer.distributed)
-            optimizer = get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
-                                               pg_collection=pgs, use_gloo_process_groups=False)
+            optimizer = without_empty_parts(
+                get_megatron_optimizer(config=own, model_chunks=[module_of(model, name)],
+                                       pg_collection=pgs, use_gloo_process_groups=False),
+                module_of(model, name))
             # saved before its first step, resumed from any checkpoint: mcore.distributed_optimizer
             start_adam_states(optimizer)
             tolerate_partial_states(optimizer)

@@ -55,7 +55,8 @@ from megatron.core.models.mimo import (AudioModalitySubmodules, MimoModel, MimoM
 from megatron.core.models.mimo.optimizer import MimoOptimizer, ModuleOptimizerInfo
 from megatron.core.models.mimo.optimizer import (  # noqa: F401  (for grids alone)
     _get_pg_collection_for_optimizer)
-from megatron.core.optimizer import DistributedOptimizer, get_megatron_optimizer
+from megatron.core.optimizer import (ChainedOptimizer, DistributedOptimizer,
+                                     get_megatron_optimizer)
 from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 from megatron.core.optimizer.optimizer import param_group_identifier_keys
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -82,7 +83,7 @@ FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (al
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",
-    "BridgeCommunicator", "DistributedOptimizer",
+    "BridgeCommunicator", "ChainedOptimizer", "DistributedOptimizer",
     "ColumnParallelLinear", "RowParallelLinear", "apply_swiglu_sharded_factory",
     "DistributedDataParallel", "DistributedDataParallelConfig", "DotProductAttention",
     "FullyParallelSaveStrategyWrapper",

@@ -1,8 +1,8 @@
 """megatron-core's ``DistributedOptimizer`` over torch's Adam, without TransformerEngine or apex.
 
-megatron-core 0.19.2 keeps Adam's step in each parameter's torch state on that path, and three
+megatron-core 0.19.2 keeps Adam's step in each parameter's torch state on that path, and four
 of its steps assume states it does not give (each function below, tested in
-tests/test_train_cpu_compat.py):
+tests/test_train_cpu_compat.py but the last, tested by tests/test_qwen3_vl.py's MoE run):
 
 - ``start_adam_states``: ``state_dict`` reads the step from every parameter's state
   (``distrib_optimizer.py:837``, ``assert len(steps) == 1``), which torch's Adam makes only at
@@ -10,7 +10,12 @@ tests/test_train_cpu_compat.py):
 - ``tolerate_partial_states``: loading copies every entry of each parameter's state from the
   checkpoint's, which never holds ``step`` (KeyError);
 - ``unshare_steps``: loading gives every parameter one and the same step tensor, which torch's
-  Adam then increments once per parameter at each step.
+  Adam then increments once per parameter at each step;
+- ``without_empty_parts``: building an optimizer aligns its parameter groups over the whole
+  world (``_get_param_groups``' ``all_gather_object``), one model's way: a module without
+  experts whose ranks build their optimizer while others build a mixture-of-experts module's
+  (a tower on ranks of its own) gets an expert part holding no parameter, whose
+  ``state_dict`` finds no step (the assert above: the first save fails).
 
 Each takes the module optimizer ``get_megatron_optimizer`` returns (chained or not) and acts on
 its distributed optimizers over torch's Adam only.
@@ -20,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from mimo_train.mcore import DistributedOptimizer
+from mimo_train.mcore import ChainedOptimizer, DistributedOptimizer
 from mimo_train.mcore.fused_adam import torch_adams
 
 
@@ -74,3 +79,17 @@ def unshare_steps(optimizer) -> None:
         for state in adam.state.values():
             if isinstance(state.get("step"), torch.Tensor):
                 state["step"] = state["step"].clone()
+
+
+def without_empty_parts(optimizer, module: torch.nn.Module):
+    """``optimizer`` (chained) without its parts for a kind of parameter ``module`` has none of
+    (expert-parallel or not): decided by the module's own trained parameters, alike on all of
+    its ranks."""
+    kinds = {not getattr(p, "allreduce", True) for p in module.parameters() if p.requires_grad}
+    if not kinds or not isinstance(optimizer, ChainedOptimizer):
+        return optimizer
+    kept = [part for part in optimizer.chained_optimizers
+            if any(group.get("is_expert_parallel", False) in kinds
+                   for group in part.param_groups)]
+    return optimizer if len(kept) == len(optimizer.chained_optimizers) else \
+        ChainedOptimizer(kept)
