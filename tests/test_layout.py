@@ -76,7 +76,28 @@ def test_ranks_in_no_module():
 def test_overlapping_ranges():
     message = _error("language=dp2;image=dp2,off1", 3)
     assert "'image'" in message and "overlaps 'language'" in message
-    assert "set image's offset to 2" in message
+    assert "set image's offset to 2 (the world then has 4 ranks or more)" in message
+
+
+def test_a_tower_cannot_share_the_ranks_of_a_split_language_model():
+    """Colocated, an encoder (dp alone) would need the language model's dp over as many ranks:
+    the message gives the layout with the tower on a rank of its own, which validates."""
+    message = _error("language=cp2;image=dp2,video,off0", 2, micro=2, variable=["image", "video"])
+    assert "cannot span the language module's 2 ranks at dp 1" in message
+    assert "put it on ranks of its own ('image=dp1,video;language=cp2', 3 ranks)" in message
+    assert "Give image" not in message
+    Layout.parse("image=dp1,video;language=cp2").validate(3, 2, 2, ["image", "video"])
+    assert "Give image dp 2" in _error("language=dp2;image=tp2,off0", 2, micro=2,
+                                       variable=["image"])
+
+
+@pytest.mark.parametrize("text", ["image=dp1,video;language=cp2",
+                                  "language=dp1,off1;image=dp1,off0",
+                                  "language=dp2,ep2;image=dp2,off0,video",
+                                  "language=tp2,pp2,dp2,ep2,etp1;image=dp4,off8;audio=dp2,off12"])
+def test_the_compact_string_reads_back_as_the_layout(text):
+    layout = Layout.parse(text)
+    assert Layout.parse(layout.compact()) == layout
 
 
 def test_more_ranks_than_the_world():

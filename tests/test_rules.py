@@ -68,7 +68,9 @@ CASES = {
         "language cp8 splits each tensor-parallel rank's 4 attention heads"),
     "language_context_parallel_colocated": Case(
         "qwen2-vl", "language=cp2;image=dp2,off0,video", (),
-        "language cp2 in a colocated layout: megatron-core's colocated bridge", micro=2,
+        "language cp2 in a colocated layout: megatron-core's colocated bridge takes no context "
+        "parallelism; put the encoders on ranks of their own (e.g. 'image=dp1,video;language=cp2'"
+        " on 3 ranks)", micro=2,
         # fixed-size encoder rows only (LLaVA's): Qwen's variable rows are refused colocated
         advisor_says="feeds image with a variable token count per sample"),
     "language_context_parallel_linear_attention": Case(

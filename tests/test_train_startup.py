@@ -125,7 +125,8 @@ CASES = [
       "train.global_batch_size=6", "model.language.hidden_size=48",
       "model.language.num_attention_heads=3"], "config",
      ["colocated module 'image' (dp 3)", "variable token count", "'language' (dp 1)",
-      "Give image dp 1", "policy: fixed"]),
+      "cannot span the language module's 3 ranks at dp 1",
+      "put it on ranks of its own ('image=dp1;language=tp3', 4 ranks)", "policy: fixed"]),
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",

@@ -35,7 +35,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import yaml
 
@@ -341,6 +341,31 @@ class Layout:
     def __str__(self) -> str:
         return ";".join(",".join([m.spec(), *self.modalities_of(m.name)]) for m in self.modules)
 
+    def compact(self) -> str:
+        """The compact string ``from_string`` reads back as this layout, defaults left out
+        (expert parallelism's ep and etp after the dims; an offset where a module does not
+        start where the one before ends, and every colocated module's ``off0``)."""
+        parts, offset = [], 0
+        colocated = self.colocated and len(self.modules) > 1
+        for m in self.modules:
+            dims = [f"{d}{getattr(m, d)}" for d in DIMS if getattr(m, d) > 1] or ["dp1"]
+            dims += [f"{d}{v}" for d, v in m.expert_fields.items()]
+            if colocated or m.rank_offset != offset:
+                dims.append(f"off{m.rank_offset}")
+            offset = m.ranks.stop
+            tags = [t for t in self.modalities_of(m.name) if t != m.name]
+            parts.append(f"{m.name}=" + ",".join(dims + tags))
+        return ";".join(parts)
+
+    def on_own_ranks(self) -> Layout:
+        """This layout with each encoder module on a rank of its own (dp1, in order) and the
+        language module as it is after them: what runs where an encoder cannot share the
+        language model's ranks."""
+        encoders = [replace(m, tp=1, cp=1, pp=1, dp=1, rank_offset=i)
+                    for i, m in enumerate(self.encoders)]
+        return Layout((*encoders, replace(self.language, rank_offset=len(encoders))),
+                      dict(self.modalities))
+
     # --------------------------------------------------------------------------- structure
 
     @property
@@ -411,12 +436,15 @@ class Layout:
                                   "from, a whole number of language DP ranks); change either dp")
         for modality in modalities or ():
             if modality not in self.modalities:
+                default = (" (a config without a modalities key expands images and audio: "
+                           "'modalities: {}' is text only)" if modality in ("image", "audio")
+                           else "")
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
                                   f"module serves {modality}: add an encoder module (e.g. "
                                   f"'{modality}=dp1'; video: the Qwen2-VL tower's module "
                                   "serves it beside images, 'image=dp1,video') or "
-                                  f"remove modalities.{modality} from the config (such samples "
-                                  "are then dropped and counted)")
+                                  f"remove modalities.{modality} from the config{default} "
+                                  "(such samples are then dropped and counted)")
         self._validate_batches(global_batch_size, micro_batch_size, split_media)
         for modality in variable_count_modalities:
             name = self.modalities.get(modality)
@@ -424,12 +452,17 @@ class Layout:
                 continue
             encoder = self.module(name)
             if self.colocated and encoder.dp != language.dp:
+                own = self.on_own_ranks()
+                fix = (f"Give {name} dp {language.dp}" if language.size == language.dp else
+                       f"An encoder runs on dp alone, so it cannot span the {LANGUAGE} module's "
+                       f"{language.size} ranks at dp {language.dp}: put it on ranks of its own "
+                       f"('{own.compact()}', {own.world_size} ranks)")
                 raise LayoutError(
                     f"colocated module {name!r} (dp {encoder.dp}) feeds {modality} with a "
                     f"variable token count per sample into {LANGUAGE!r} (dp {language.dp}): "
                     "megatron-core 0.19's colocated bridge splits encoder output evenly, which "
-                    f"needs equal token counts per sample. Give {name} dp {language.dp}, or "
-                    f"use fixed-resolution {modality} inputs (modalities.image.policy: fixed)")
+                    f"needs equal token counts per sample. {fix}, or use fixed-resolution "
+                    f"{modality} inputs (modalities.image.policy: fixed)")
 
     def _validate_ranks(self, world_size: int) -> None:
         if self.colocated:
@@ -455,8 +488,9 @@ class Layout:
                     f"module {module.name!r} (ranks {module.rank_offset}..{module.ranks.stop - 1}"
                     f") overlaps {other.name!r} (ranks {other.rank_offset}.."
                     f"{other.ranks.stop - 1}): non-colocated modules need disjoint rank ranges;"
-                    f" set {module.name}'s offset to {expected}, or put every module on the "
-                    "same ranks (colocated)")
+                    f" set {module.name}'s offset to {expected} (the world then has "
+                    f"{max(expected + module.size, self.world_size)} ranks or more), or put "
+                    "every module on the same ranks (colocated)")
             if module.rank_offset > expected:
                 raise LayoutError(f"ranks {expected}..{module.rank_offset - 1} are in no module "
                                   f"(gap before {module.name!r} at offset {module.rank_offset}); "

@@ -130,9 +130,10 @@ def language_context_parallel_colocated(facts: Facts, layout: Layout, settings: 
                                         ) -> str | None:
     cp = layout.language.cp
     if cp > 1 and layout.colocated and layout.encoders:
+        own = layout.on_own_ranks()
         return (f"language cp{cp} in a colocated layout: megatron-core's colocated bridge "
                 "takes no context parallelism; put the encoders on ranks of their own (e.g. "
-                f"image=dp1;language=cp{cp}, the tower on rank 0)")
+                f"'{own.compact()}' on {own.world_size} ranks)")
     return None
 
 

@@ -14,7 +14,7 @@ from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, 
                                                      settings_of)
 from mimo_train.planning.advisor.cost import MFU, Advisor, Candidate
 from mimo_train.planning.advisor.inputs import Model, gpu, read_model, read_work
-from mimo_train.planning.advisor.report import compact, format_report, result_json, why
+from mimo_train.planning.advisor.report import format_report, result_json, why
 
 
 def advise(request: AdvisorRequest, config, workload: dict) -> int:
@@ -112,7 +112,7 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         "candidates": len(results),
         "layouts": len({str(c.layout) for c in tried}),
         "fitting_layouts": len(ranked), "dropped_layouts": len(dropped_layouts),
-        "yours": compact(yours) if yours is not None else None,
+        "yours": yours.compact() if yours is not None else None,
         "yours_not_ranked": not_ranked,
         "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules,
                                 model.split_media),

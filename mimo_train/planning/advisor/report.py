@@ -7,25 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.layout import LANGUAGE
 from mimo_train.planning.advisor.cost import Candidate, Result
 from mimo_train.planning.advisor.inputs import GPU, Work
-
-
-def compact(layout: Layout) -> str:
-    """The layout as the compact string, defaults left out (expert parallelism's ep and etp
-    after the dims)."""
-    parts = []
-    colocated = layout.colocated and len(layout.modules) > 1
-    for m in layout.modules:
-        dims = [f"{d}{getattr(m, d)}" for d in ("tp", "cp", "pp", "dp")
-                if getattr(m, d) > 1] or ["dp1"]
-        dims += [f"{d}{v}" for d, v in m.expert_fields.items()]
-        if colocated:
-            dims.append("off0")
-        tags = [t for t in layout.modalities_of(m.name) if t != m.name]
-        parts.append(f"{m.name}=" + ",".join(dims + tags))
-    return ";".join(parts)
 
 
 def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = (),
@@ -38,7 +22,7 @@ def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = (),
     where the candidate splits or ``split_media`` (the YAML's) would."""
     settings, layout = candidate.settings, candidate.layout
     distributed = str(settings.distributed_optimizer).lower()
-    found = [f"layout={compact(layout)}", f"optimizer.distributed={distributed}"]
+    found = [f"layout={layout.compact()}", f"optimizer.distributed={distributed}"]
     found += [f"optimizer.modules.{m}.distributed={distributed}" for m in optimizer_modules]
     found.append(f"model.language.recompute={settings.recompute}")
     found += [f"model.encoders.{e.name}.recompute="
@@ -60,7 +44,7 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
                 optimizer_modules: Sequence[str] = (), split_media: bool = False) -> dict:
     """``r`` as JSON (``split_media``: the training YAML's, for ``overrides``)."""
     settings = r.candidate.settings
-    return {"layout": compact(r.candidate.layout), "layout_full": str(r.candidate.layout),
+    return {"layout": r.candidate.layout.compact(), "layout_full": str(r.candidate.layout),
             "overrides": overrides(r.candidate, optimizer_modules, split_media),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
