@@ -1225,6 +1225,20 @@ def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
                           "--clip-seconds", 60, "--fps", 2, "--clip-size", "448x448")
     assert code == 0, err
     assert f"= {video} video tokens" in out and "layouts" in out and "on 1 to 2 GPUs" in out
+    assert "as written" not in out and "drops clips" not in out
+    # a config that would sample fewer frames, and drop the clip: said beside the figures,
+    # which stay every frame's
+    capped = yaml.safe_load(path.read_text())
+    capped["modalities"]["video"].update(max_frames=100, max_duration=30)
+    (tmp_path / "capped.yaml").write_text(yaml.safe_dump(capped))
+    code, out, err = _run(capsys, main, "plan", "--config", tmp_path / "capped.yaml", "--model",
+                          MODELS / "published" / "Qwen--Qwen3-VL-2B-Instruct", "--gpus", 2,
+                          "--clip-seconds", 60, "--fps", 2, "--clip-size", "448x448")
+    assert code == 0, err
+    assert f"= {video} video tokens" in out
+    assert ("the preprocessing config as written samples 100 of them (modalities.video."
+            "max_frames 100): set max_frames to 120 to train every frame") in out
+    assert "it drops clips over 30 s (modalities.video.max_duration): raise it" in out
     code, out, err = _run(capsys, main, "plan", "DIR", "--config", path, "--model", path,
                           "--gpus", 2, "--clip-seconds", 60)
     assert code == 2 and "drop DIR" in err

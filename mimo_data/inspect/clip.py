@@ -14,6 +14,8 @@ Qwen2-VL's processor, over all the clip's frames for Qwen3-VL's, whose default b
 more). Tokens: frames grouped by ``temporal_patch_size``, each group (h / patch / merge) x
 (w / patch / merge) tokens of the resized frame. The config's ``seq_length`` is raised to the
 sample's length (the workload's ``seq_length`` is the sample's: training it needs that much).
+``clip`` also says what the config as written would sample (``config_frames``, under its
+``max_frames``) and its ``max_duration``, past which it drops the clip.
 
 The workload is ``workload.workload``'s form with one step of ``global_batch_size`` copies of
 the sample, and ``clip``: what the clip became (frames, sizes, token grid, tokens)."""
@@ -24,7 +26,8 @@ from dataclasses import replace
 
 from mimo_data.errors import ConfigError
 from mimo_data.inspect.workload import reference_layout
-from mimo_data.modalities.video import video_resized_size, video_token_grid
+from mimo_data.modalities.video import (sampled_frame_count, video_resized_size,
+                                        video_token_grid)
 from mimo_data.preprocess.config import PreprocessConfig
 
 CLIP_SIZE = (1280, 720)               # --clip-size: width, height of the source frames
@@ -81,6 +84,9 @@ def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
     sample = {"tokens": tokens, "trained": int(text.loss_mask.sum()),
               "items": {"video": counts}, "grids": {"video": [grid]}}
     resized = video_resized_size(width, height, frames, video)
+    # what the config as written would do with the clip: fewer frames under its max_frames,
+    # or none past its max_duration
+    written = replace(config.modalities["video"], fps=fps)
     return {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
             "seq_length": tokens, "packing": False, "epochs": 1,
             "vocab_size": preprocessor.text.vocab_size, "modalities": modalities,
@@ -88,4 +94,8 @@ def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
             "clip": {"seconds": seconds, "fps": fps, "frames": frames, "size": [width, height],
                      "resized": list(resized), "grid": grid,
                      "video_tokens": counts[0], "tokens": tokens,
-                     "seq_length": config.seq_length}}
+                     "seq_length": config.seq_length,
+                     "config_frames": sampled_frame_count(frames, fps, written),
+                     "sampled_frames": sampled_frame_count(frames, fps, video),
+                     "config_max_frames": written.max_frames,
+                     "config_max_duration": written.max_duration}}

@@ -142,9 +142,18 @@ def _clip_text(clip: dict) -> str:
     (width, height), (rw, rh), (t, rows, columns) = clip["size"], clip["resized"], clip["grid"]
     longer = (f"; training it needs seq_length >= {clip['tokens']} (the config's: "
               f"{clip['seq_length']})" if clip["tokens"] > clip["seq_length"] else "")
+    written = ""
+    if clip["config_frames"] < clip["sampled_frames"]:
+        written += (f"; the preprocessing config as written samples {clip['config_frames']} of "
+                    f"them (modalities.video.max_frames {clip['config_max_frames']}): set "
+                    f"max_frames to {clip['frames']} to train every frame")
+    if clip["seconds"] > clip["config_max_duration"]:
+        written += (f"; it drops clips over {clip['config_max_duration']:g} s "
+                    "(modalities.video.max_duration): raise it")
     return (f"clip      {clip['seconds']:g} s at {clip['fps']:g} fps: {clip['frames']} frames of "
             f"{width}x{height} resized to {rw}x{rh}, {t} temporal patches x {rows} x {columns} "
-            f"= {clip['video_tokens']} video tokens; the sample {clip['tokens']} tokens{longer}")
+            f"= {clip['video_tokens']} video tokens; the sample {clip['tokens']} tokens{longer}"
+            f"{written}")
 
 
 def _seconds(value: float) -> str:
