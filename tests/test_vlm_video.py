@@ -454,7 +454,7 @@ def test_context_parallel_gives_the_colocated_step(ranks, run_data, colocated_st
 
 
 def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
-        run_data, colocated_step, corpus, corpus_videos):
+        run_data, colocated_step, corpus, corpus_videos, capsys):
     """``mimo-export`` of the imported model, then ``mimo-generate --video``: its prompt and
     greedy tokens are transformers' (its PyAV video loading, its video processor sampling the
     clip at the config's fps, the chat template) through the exported class."""
@@ -497,4 +497,10 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     # the command line: the same answer
     assert generate(["--model", str(out), "--video", str(corpus / clip.path), "--prompt",
                      "What is shown?", "--max-new-tokens", "8"]) == 0
+    # a clip the video processor cannot sample is named as the user gave it
+    still = corpus / corpus_videos["still_h264_10"].path
+    capsys.readouterr()
+    assert generate(["--model", str(out), "--video", str(still), "--prompt", "Why?"]) == 1
+    err = capsys.readouterr().err
+    assert f"video_too_short: --video {still}: " in err and "vid0" not in err, err
 

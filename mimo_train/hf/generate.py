@@ -278,13 +278,14 @@ class Generator:
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
         from mimo_data.preprocess.preprocessor import SampleDropped, media_item
-        media, seen = [], dict.fromkeys(files, 0)
+        media, seen, paths = [], dict.fromkeys(files, 0), {}
         for modality in order:
             path = files[modality][seen[modality]]
             try:
                 with open(path, "rb") as f:
                     data = f.read()
                 media.append((media_item(modality, data, seen[modality]), data))
+                paths[media[-1][0]["member"]] = f"--{modality} {path}"
             except OSError as error:
                 raise GenerateError(f"--{modality} {path}: {error}") from None
             except MediaError as error:
@@ -293,8 +294,11 @@ class Generator:
         try:
             return (self.preprocessor.prompt([{"role": "user", "content": content}], media),
                     [item for item, _ in media])
-        except SampleDropped as error:
-            raise GenerateError(f"{error.reason}: {error.detail}", exit_code=1) from None
+        except SampleDropped as error:       # named by the user's paths, not the members'
+            detail = re.sub("|".join(rf"\b{re.escape(member)}\b" for member in paths),
+                            lambda found: paths[found[0]], error.detail) if paths else \
+                error.detail
+            raise GenerateError(f"{error.reason}: {detail}", exit_code=1) from None
         except TextError as error:
             raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
 
