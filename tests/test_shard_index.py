@@ -524,6 +524,11 @@ def test_a_pair_without_its_medium_says_what_to_do():
         synthesize({"png": b"", "txt": b"a"}, MemberMap("pairs", media="jpg"))
     assert caught.value.reason == "missing_media"
     assert "(no KEY.jpg member; the sample has ['png', 'txt'])" in caught.value.detail
+    with pytest.raises(RecordError) as caught:       # a medium of an extension mimo reads not
+        synthesize({"m4a": b"", "txt": b"a"}, MemberMap("pairs"))
+    assert caught.value.reason == "missing_media"
+    assert "the sample has ['m4a', 'txt']; a medium's member ends in one of [" in \
+        caught.value.detail and "'jpg'" in caught.value.detail, caught.value.detail
 
 
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):

@@ -233,10 +233,12 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                     {"role": "assistant", "content": _as_text(text, "the answer")}]
         return Synthesized({"id": None, "messages": messages}, [medium])
     if medium is None:
-        named = f" (no KEY.{mapping.media} member; the sample has {sorted(members)})" \
-            if mapping.media else ""
+        named = (f" (no KEY.{mapping.media} member; the sample has {sorted(members)})"
+                 if mapping.media else f" (the sample has {sorted(members)}; a medium's member "
+                 f"ends in one of {sorted(MEDIA_EXTENSIONS)})")
         raise RecordError("missing_media", f"KEY.{text[0] if text else mapping.text} has no "
-                          f"medium beside it (a caption without its image){named}")
+                          f"medium beside it (a caption without its image, clip or audio)"
+                          f"{named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
                           "(an image without its caption)")
