@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import MODELS
+from conftest import MODELS, REPO
 from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import Layout
 from mimo_data.loading.loader import variable_token_modalities
@@ -60,6 +60,10 @@ CASES = {
     "language_heads_split": Case(
         "qwen2-vl", "image=dp1,video;language=tp4", (),
         "2 query groups (key/value heads), which do not split into language tp4"),
+    "language_mlp_split": Case(
+        "qwen3-vl-moe", "image=dp1,video;language=dp5,etp5", (),
+        "the language model's experts are 24 wide (the checkpoint's moe_intermediate_size), "
+        "which the experts' etp5 does not divide", batch=5),
     "linear_attention_heads_split": Case(
         "qwen3.5", "image=dp1,video;language=tp4", (),
         "gated delta-net layers have 2 key heads, which do not split into language tp4"),
@@ -216,6 +220,22 @@ def test_every_proposal_on_eight_gpus_starts(name, models, tmp_path):
         assert report["ranked"], report
         for result in report["ranked"]:
             resolve(TrainConfig.load(str(path), result["overrides"]))
+
+
+def test_an_mlp_that_tp_cannot_split_is_refused(tmp_path):
+    """The dense MLP of a model trained from scratch (its case's model is a mixture of
+    experts: the published replicas' dense MLPs split over any tp their heads allow), and a
+    shared expert's width: megatron-core would assert while building the layers."""
+    cfg = TrainConfig.load(str(REPO / "configs" / "train" / "images_language_noncolocated.yaml"),
+                           [f"data.datasets=[{tmp_path}]", "layout=image=dp1;language=tp2",
+                            "model.language.ffn_hidden_size=131"])
+    with pytest.raises(TrainConfigError, match="the language model's MLP is 131 wide .* "
+                       "set model.language.ffn_hidden_size to a multiple of 2"):
+        resolve(cfg)
+    facts = rules.Facts(2, 4, 2, experts=8, expert_mlp=24, shared_expert_mlp=33)
+    [refusal] = rules.refusals(facts, Layout.parse("language=tp2,etp1"), rules.Settings(
+        sequence_parallel=True))
+    assert "shared expert is 33 wide" in refusal.reason
 
 
 @pytest.mark.parametrize("targets", ["[linear_qkv, shared_experts.linear_fc1]", "[all-linear]"])

@@ -262,3 +262,27 @@ def test_the_command_line_fails_cleanly_on_every_rank(tmp_path, loader_corpus, p
     code, ranks, launcher = _torchrun(tmp_path, config, case_overrides)
     assert sorted(ranks) == list(range(NPROC)), f"missing rank logs\n{launcher[-3000:]}"
     _check_startup_failure([code], ranks, launcher, phase, case_expected)
+
+
+@pytest.mark.parametrize("this_rank", [1, 2])
+def test_a_bug_on_some_ranks_is_one_gathered_failure(monkeypatch, capsys, this_rank):
+    """An exception that is no config or data error (megatron-core's assert while building a
+    layer) on ranks 1 and 2 only: every rank still joins the gather (rank 0 would otherwise
+    wait in it for ranks that left) and raises the one start-up failure naming both, exit
+    status 1; rank 1, the first it happened on, prints its traceback (in process: the gather
+    gives ranks 1 and 2 this rank's failure)."""
+    from mimo_train.errors import StartupError
+    from mimo_train.runtime import console, distributed
+
+    def build():
+        raise AssertionError("131 is not divisible by 2")
+    monkeypatch.setattr(distributed, "gather", lambda error: [None, error, error])
+    monkeypatch.setattr(distributed, "barrier", lambda: None)
+    monkeypatch.setenv("RANK", str(this_rank))
+    with pytest.raises(StartupError) as failed:
+        console.agree("model", build)
+    assert str(failed.value) == ("mimo_train start-up failed (model):\n  rank(s) [1, 2]: "
+                                 "AssertionError: 131 is not divisible by 2")
+    assert failed.value.exit_code == 1
+    printed = capsys.readouterr().err
+    assert ("Traceback" in printed) == (this_rank == 1), printed

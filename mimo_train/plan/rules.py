@@ -23,8 +23,8 @@ from mimo_train.plan.parts import reaches_routed_experts
 class Facts:
     """What the rules read of the model, whatever its layout: the language model's layers,
     attention heads, query groups and experts, whether a tower adds deepstack rows to the
-    language model's first layers, the projection after the towers, and the key and value
-    heads of its gated delta-net layers (none: no such layers)."""
+    language model's first layers, the projection after the towers, the key and value
+    heads of its gated delta-net layers (none: no such layers), and its MLP widths."""
     layers: int
     heads: int
     query_groups: int
@@ -35,6 +35,11 @@ class Facts:
     # encoder modules whose towers do not encode each temporal patch of a clip on its own
     # (``Encoder.frame_independent``): ``data.split_media`` cannot cut their media
     whole_towers: tuple[str, ...] = ()
+    # the MLP widths megatron-core splits: a dense layer's (0: a mixture of experts), each
+    # routed expert's and the shared expert's (0: none)
+    mlp: int = 0
+    expert_mlp: int = 0
+    shared_expert_mlp: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,27 @@ def language_heads_split(facts: Facts, layout: Layout, settings: Settings) -> st
         if count % tp:
             return (f"the language model has {count} {what}, which do not split into "
                     f"language tp{tp}: make tp divide them")
+    return None
+
+
+@rule
+def language_mlp_split(facts: Facts, layout: Layout, settings: Settings) -> str | None:
+    tp, etp = layout.language.tp, layout.language.expert_tp
+    if facts.mlp % tp:
+        return (f"the language model's MLP is {facts.mlp} wide (model.language.ffn_hidden_size, "
+                "default 4 x hidden_size, or the checkpoint's intermediate_size), which "
+                f"language tp{tp} does not divide (megatron-core splits the width evenly over "
+                f"the TP ranks): choose a tp that divides {facts.mlp}, or, training from "
+                f"scratch, set model.language.ffn_hidden_size to a multiple of {tp}")
+    if facts.expert_mlp % etp:
+        return (f"the language model's experts are {facts.expert_mlp} wide (the checkpoint's "
+                f"moe_intermediate_size), which the experts' etp{etp} does not divide (each "
+                "expert's width splits evenly over its etp ranks; etp defaults to tp): choose "
+                f"an etp that divides {facts.expert_mlp}")
+    if facts.shared_expert_mlp % tp:
+        return (f"the language model's shared expert is {facts.shared_expert_mlp} wide (the "
+                f"checkpoint's shared_expert_intermediate_size), which language tp{tp} does "
+                f"not divide: choose a tp that divides {facts.shared_expert_mlp}")
     return None
 
 

@@ -61,13 +61,17 @@ class RunPlan:
     @property
     def facts(self) -> Facts:
         """What the rules read of the model."""
-        language = self.language
-        linear = language.arch.linear if language.arch else None
+        language, arch = self.language, self.language.arch
+        linear = arch.linear if arch else None
         return Facts(language.num_layers, language.num_attention_heads,
                      language.num_query_groups, language.experts,
                      any(e.deepstack for e in self.encoders.values()), self.projection,
                      (linear.num_key_heads, linear.num_value_heads) if linear else None,
-                     tuple(name for name, e in self.encoders.items() if not e.frame_independent))
+                     tuple(name for name, e in self.encoders.items() if not e.frame_independent),
+                     mlp=0 if language.experts else
+                     language.ffn_hidden_size or 4 * language.hidden_size,
+                     expert_mlp=arch.expert_ffn_hidden_size if arch else 0,
+                     shared_expert_mlp=arch.shared_expert_ffn_hidden_size if arch else 0)
 
     @property
     def settings(self) -> Settings:

@@ -126,17 +126,23 @@ def say(message: str) -> None:
         print(message, flush=True)
 
 
-# Exceptions a start-up phase turns into a gathered message; others are bugs (traceback).
+# Exceptions a start-up phase turns into a gathered message; others are bugs: gathered too (a
+# rank that stopped alone would leave the others in a collective), exit status 1, traceback.
 EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
 
 
 def agree(phase: str, function):
-    """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere."""
+    """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere.
+    A bug's traceback is printed once, by the first rank it happened on."""
     from mimo_train.runtime import distributed
+    details = None
     try:
         result, error = function(), None
-    except EXPECTED as exc:
-        result, error = None, (f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", None))
+    except Exception as exc:
+        expected = isinstance(exc, EXPECTED)
+        details = None if expected else "".join(traceback.format_exception(exc))
+        result, error = None, (f"{type(exc).__name__}: {exc}",
+                               getattr(exc, "exit_code", None) if expected else 1, not expected)
     errors = distributed.gather(error)
     failed: dict[str, list[int]] = {}
     codes: set[int | None] = set()
@@ -144,6 +150,11 @@ def agree(phase: str, function):
         if gathered is not None:
             failed.setdefault(gathered[0], []).append(index)
             codes.add(gathered[1])
+    bugs = [index for index, gathered in enumerate(errors) if gathered and gathered[2]]
+    if bugs:                                     # the traceback before rank 0's message
+        if bugs[0] == rank():
+            print(details, file=sys.stderr, end="", flush=True)
+        distributed.barrier()
     if failed:
         lines = [f"  rank(s) {ranks}: {message}" for message, ranks in failed.items()]
         raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines), phase,
