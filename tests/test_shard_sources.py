@@ -188,6 +188,48 @@ def test_speech_manifest_lines_become_asr_samples(capsys, tmp_path, corpus, inst
         assert item["duration"] == pytest.approx(line["duration"], abs=0.01)
 
 
+@pytest.mark.parametrize("name", ["manifest.jsonl", "train_manifest.json"])
+def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
+    """A ``duration`` off the file's by more than max(0.1 s, 2 %) is a segment of the file or
+    a file cut short: refused by line (mimo does not cut segments). A manifest named ``.json``
+    (NeMo's recipes) is still JSONL; a malformed first line does not make the rest LLaVA."""
+    line = _manifest_lines(corpus)[0]
+    clip, seconds = str(corpus / line["audio_filepath"]), line["duration"]
+    assert clip.endswith(".wav") and seconds > 5
+    data = (corpus / line["audio_filepath"]).read_bytes()
+    (tmp_path / "cut.wav").write_bytes(data[: len(data) // 2])   # half the clip decodes
+    records = [
+        {"id": "exact", "audio_filepath": clip, "duration": seconds, "text": "kept"},
+        {"id": "rounded", "audio_filepath": clip, "duration": seconds + 0.09, "text": "kept"},
+        {"id": "no-duration", "audio_filepath": clip, "text": "kept"},
+        {"id": "segment", "audio_filepath": clip, "duration": 2.0, "text": "two seconds"},
+        {"id": "truncated", "audio_filepath": "cut.wav", "duration": seconds, "text": "whole"},
+        {"id": "text-duration", "audio_filepath": clip, "duration": "7.1", "text": "bad"},
+    ]
+    # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
+    broken = [b'{"audio_filepath": "x.wav", "text": "cut'] if name.endswith(".jsonl") else []
+    path = write_jsonl(tmp_path / name, broken + records)
+    build_dataset([path], tmp_path / "out")
+
+    report = read_json(tmp_path / "out" / "report.json")
+    written = _samples_by_id(tmp_path / "out")
+    assert sorted(written) == ["exact", "no-duration", "rounded"]
+    assert all(r["messages"][1]["content"] == "kept" for r, _ in written.values())
+    skipped = {reason: [(f["location"], f["detail"]) for f in entry["first"]]
+               for reason, entry in report["skipped_by_reason"].items()}
+    first = len(broken) + 1   # the line of records[0]
+    segment, truncated = skipped.pop("duration_mismatch")
+    assert (segment[0], truncated[0]) == (f"{path}:{first + 3}", f"{path}:{first + 4}")
+    assert f"'duration' is 2 s but the file holds {seconds:g} s" in segment[1]
+    assert "cut each segment into a file of its own" in segment[1]
+    assert f"'duration' is {seconds:g} s but the file holds 3.5" in truncated[1]
+    [(location, detail)] = skipped.pop("malformed_record")
+    assert location == f"{path}:{first + 5}" and "'duration' is '7.1'" in detail
+    assert [location for location, _ in skipped.pop("malformed_json", [])] == (
+        [f"{path}:1"] if broken else [])
+    assert skipped == {}
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
 def test_a_leading_bom_is_not_part_of_the_first_record(tmp_path, good_records, suffix):
     write = write_jsonl if suffix == ".jsonl" else write_json

@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import functools
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,12 +44,14 @@ class RawRecord:
     """A record before normalization: ``media`` maps a modality name to its items' refs
     (paths, bytes or ``{bytes, path}``) in marker order (a document's ``image``: its
     ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
-    ``texts`` list."""
+    ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
+    against the probed one (``check_audio_duration``)."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
     kind: str = "conversation"
     text: object = None
+    audio_duration: float | None = None
 
 
 def media_field(modality: str) -> str:
@@ -141,12 +144,13 @@ class ConversationFile:
     ``messages`` (``role``/``content``; content parts may name their items instead).
     """
 
-    def __init__(self, path: str, media_root: str | None = None):
+    def __init__(self, path: str, media_root: str | None = None, lines: bool = False):
         self.path = path
         self.media_root = media_root or os.path.dirname(os.path.abspath(path))
+        self.lines = lines   # one object per line (JSONL), else a JSON array
 
     def tasks(self, source: int):
-        if self.path.endswith(".jsonl"):
+        if self.lines:
             yield from _line_tasks(self.path, source)
             return
         try:
@@ -155,7 +159,9 @@ class ConversationFile:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise SourceError(f"{self.path}: not a valid UTF-8 JSON file ({exc}); fix it, or "
                               "convert it to JSONL so that bad records can be skipped "
-                              "one by one") from None
+                              "one by one (a .json file of one object per line is read as "
+                              "JSONL when its first line is a whole object; else name it "
+                              ".jsonl)") from None
         if not isinstance(records, list):
             raise SourceError(f"{self.path}: expected a JSON array of records, "
                               f"got a {type(records).__name__}")
@@ -182,9 +188,28 @@ class ConversationFile:
                          media=with_part_items(media, turns))
 
 
+# A manifest's ``duration`` may differ from its file's by this much (rounding, encoder
+# padding); more, and the line is a segment of the file or the file is cut short.
+DURATION_TOLERANCE_S = 0.1
+DURATION_TOLERANCE_FRACTION = 0.02
+
+
+def check_audio_duration(declared: float, probed: float, where: str) -> None:
+    """RecordError ``duration_mismatch`` when a manifest's ``declared`` duration and the
+    ``probed`` file's differ by more than max(0.1 s, 2 % of the file's)."""
+    tolerance = max(DURATION_TOLERANCE_S, DURATION_TOLERANCE_FRACTION * probed)
+    if abs(declared - probed) > tolerance:
+        raise RecordError("duration_mismatch", f"{where}: the manifest's 'duration' is "
+                          f"{declared:g} s but the file holds {probed:g} s (tolerance "
+                          f"{tolerance:.2g} s). mimo does not cut segments: cut each segment "
+                          "into a file of its own first; if the file is cut short, export "
+                          "it again; if the 'duration' is wrong, fix it")
+
+
 class SpeechManifest:
     """NeMo-style JSONL (``audio_filepath``, ``text``, ``duration``): one user/assistant turn
-    each."""
+    each. A ``duration`` that disagrees with the file's is refused (``check_audio_duration``),
+    as is a non-zero ``offset``: mimo does not cut segments out of a file."""
 
     def __init__(self, path: str, instruction: str, media_root: str | None = None):
         self.path = path
@@ -203,9 +228,16 @@ class SpeechManifest:
         if record.get("offset"):
             raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
                               "supported; cut the clip into its own file first")
+        duration = record.get("duration")
+        if duration is not None and not (isinstance(duration, (int, float)) and
+                                         not isinstance(duration, bool) and
+                                         math.isfinite(duration) and duration > 0):
+            raise RecordError("malformed_record", f"'duration' is {duration!r}: give the clip's "
+                              "length in seconds, or leave the field out")
         turns = [{"role": "user", "content": f"<audio>\n{self.instruction}"},
                  {"role": "assistant", "content": text}]
-        return RawRecord(id=_record_id(record.get("id")), turns=turns, media={"audio": [audio]})
+        return RawRecord(id=_record_id(record.get("id")), turns=turns, media={"audio": [audio]},
+                         audio_duration=duration)
 
 
 class ParquetTable:
@@ -304,35 +336,60 @@ def _line_tasks(path: str, source: int):
 
 def open_source(path: str, *, input_format: str = "auto", media_root: str | None = None,
                 instruction: str = "Transcribe the audio.", columns: dict | None = None):
-    """The reader for ``path``; ``auto`` picks by extension and, for JSONL, by first record."""
+    """The reader for ``path``. ``auto`` picks by extension; a ``.json`` file whose first line
+    is a whole JSON object is JSONL (NeMo names its manifests so); JSONL is a speech manifest
+    when its first well-formed record has ``audio_filepath``."""
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file not found")
     fmt = input_format
+    if fmt == "auto" and not path.endswith((".parquet", ".json", ".jsonl")):
+        raise SourceError(f"{path}: cannot tell the input format from the extension; "
+                          "pass --input-format llava|manifest|parquet")
+    if fmt == "auto" and path.endswith(".parquet"):
+        fmt = "parquet"
+    lines = fmt in ("auto", "llava") and (path.endswith(".jsonl") or _json_lines(path))
     if fmt == "auto":
-        if path.endswith(".parquet"):
-            fmt = "parquet"
-        elif path.endswith(".jsonl") and _first_line_has(path, "audio_filepath"):
-            fmt = "manifest"
-        elif path.endswith((".json", ".jsonl")):
-            fmt = "llava"
-        else:
-            raise SourceError(f"{path}: cannot tell the input format from the extension; "
-                              "pass --input-format llava|manifest|parquet")
+        fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
         return ParquetTable(path, media_root, columns)
     if fmt == "manifest":
         return SpeechManifest(path, instruction, media_root)
     if fmt == "llava":
-        return ConversationFile(path, media_root)
+        return ConversationFile(path, media_root, lines=lines)
     raise SourceError(f"unknown input format {fmt!r}")
 
 
-def _first_line_has(path: str, key: str) -> bool:
+_SNIFF_LINES = 20   # non-blank lines read to find the first well-formed record
+
+
+def _leading_records(path: str):
+    """The first non-blank lines of ``path`` (up to ``_SNIFF_LINES``), each as a JSON object
+    or None where the line is not one."""
     with open(path, "rb") as lines:
+        seen = 0
         for line in lines:
-            if line.strip():
-                try:
-                    return key in json.loads(line)
-                except (ValueError, TypeError):
-                    return False
-    return False
+            line = line.removeprefix(codecs.BOM_UTF8) if seen == 0 else line
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError:   # UnicodeDecodeError included
+                value = None
+            yield value if isinstance(value, dict) else None
+            seen += 1
+            if seen == _SNIFF_LINES:
+                return
+
+
+def _json_lines(path: str) -> bool:
+    """Whether ``path`` holds one JSON object per line: its first non-blank line is one (a JSON
+    array file's first character is '[', and is never read as a line: it may be one long)."""
+    with open(path, "rb") as data:
+        head = data.read(4096).removeprefix(codecs.BOM_UTF8).lstrip()
+    return not head.startswith(b"[") and next(_leading_records(path), None) is not None
+
+
+def _first_record_has(path: str, key: str) -> bool:
+    """Whether the first well-formed JSON object among the leading lines has ``key`` (a
+    malformed first line does not decide the format of the whole file)."""
+    return key in next((r for r in _leading_records(path) if r is not None), {})

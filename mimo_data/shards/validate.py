@@ -14,7 +14,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
                                       normalize_caption, normalize_document,
                                       normalize_messages)
-from mimo_data.shards.sources import Task
+from mimo_data.shards.sources import Task, check_audio_duration
 
 
 @dataclass(frozen=True)
@@ -103,6 +103,10 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
 
 
+def _where(modality: str, index: int, path: str | None) -> str:
+    return f"{modality} {index}" + (f" ({path})" if path else "")
+
+
 def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     """Load, normalize and validate one record; never raises for bad input."""
     try:
@@ -127,8 +131,11 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             try:
                 meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
             except MediaError as exc:
-                where = f"{modality} {index}" + (f" ({path})" if path else "")
-                raise RecordError(exc.reason, f"{where}: {exc.detail}") from None
+                raise RecordError(exc.reason, f"{_where(modality, index, path)}: "
+                                  f"{exc.detail}") from None
+            if modality == "audio" and raw.audio_duration is not None:
+                check_audio_duration(raw.audio_duration, meta["duration"],
+                                     _where(modality, index, path))
             media.append({"modality": modality,
                           "member": MODALITIES[modality].member(index, meta["format"]),
                           "bytes": len(data), "path": path, **meta})
