@@ -56,6 +56,19 @@ def chats(tmp_path_factory):
             {"from": "gpt", "value": "Seven is prime."},
             {"from": "human", "value": "And an even one?"},
             {"from": "gpt", "value": "Two is the only even prime."}]},
+        # one-letter contents are in the role headers too ("t" in "<|im_start|>", "a" in
+        # "assistant", "d" in the trained "<|im_end|>" before a user turn): found after them
+        {"id": "short", "conversations": [
+            {"from": "human", "value": "The first letter of 'tea'?"},
+            {"from": "gpt", "value": "t"},
+            {"from": "human", "value": "Of 'apple'?"},
+            {"from": "gpt", "value": "a"},
+            {"from": "human", "value": "d"},
+            {"from": "gpt", "value": "ok"},
+            {"from": "human", "value": "Seven as a digit?"},
+            {"from": "gpt", "value": "7"},
+            {"from": "human", "value": "Who asks?"},
+            {"from": "gpt", "value": "I"}]},
     ]
     build_dataset([write_jsonl(root / "chats.jsonl", records)], root / "shards")
     return root / "shards"
@@ -96,9 +109,13 @@ def test_generation_block_around_only_the_end_of_turn_fails(capsys, tmp_path, ch
                                             "--html", tmp_path / "report.html")
     assert code == 1
     assert "FAIL loss_mask_coverage" in err and "FAIL  loss_mask_coverage" in out
-    assert not check["passed"] and check["count"] == 3 and check["of"] == 3
+    assert not check["passed"] and check["count"] == 4 and check["of"] == 4
     details = [entry["detail"] for entry in report["flagged"]["loss_mask_coverage"]]
     assert all("(assistant)" in d and "not trained" in d for d in details), details
+    # each one-letter answer is found in its turn, not in a header, and is not trained
+    assert details[-1].split("; ") == [
+        f"turn {turn} (assistant): {len(answer)} of {len(answer)} content characters not "
+        "trained" for turn, answer in ((1, "t"), (3, "a"), (5, "ok"), (7, "7"), (9, "I"))]
     # The other checks do not see it: the samples are kept and have trained tokens.
     assert all(c["passed"] for c in report["checks"] if c["name"] != "loss_mask_coverage")
     page = (tmp_path / "report.html").read_text()
@@ -108,10 +125,10 @@ def test_generation_block_around_only_the_end_of_turn_fails(capsys, tmp_path, ch
 def test_generation_block_around_user_turns_fails(capsys, tmp_path, chats):
     code, out, err, report, check = _report(capsys, tmp_path, chats, _template(USER_TOO))
     assert code == 1 and "FAIL loss_mask_coverage" in err
-    assert check["count"] == 3
+    assert check["count"] == 4
     details = [entry["detail"] for entry in report["flagged"]["loss_mask_coverage"]]
     assert all("(user)" in d and "(assistant)" not in d for d in details), details
     # A limit lets it pass, as for the other checks.
     code, _, err, _, check = _report(capsys, tmp_path, chats, _template(USER_TOO),
-                                     "--max-loss-mask-coverage-failures", "3")
+                                     "--max-loss-mask-coverage-failures", "4")
     assert code == 0 and check["passed"], err

@@ -13,9 +13,11 @@ Around that, checks that do not trust the preprocessor:
   each modality's summary fields: image size, audio duration, video size and duration), the
   table the loader trusts for counts and offsets;
 - loss mask vs roles: each kept message's content located in the decoded tokens (not through
-  the preprocessor's spans): an assistant content character that is not trained, or a user or
-  system one that is, counts (whitespace aside). A template whose ``{% generation %}`` blocks
-  leave out the answers, or wrap user turns, fails here.
+  the preprocessor's spans), after the template's text before it (its role header: a
+  one-letter answer ``t`` is not the ``t`` of ``<|im_start|>``): an assistant content
+  character that is not trained, or a user or system one that is, counts (whitespace aside).
+  A template whose ``{% generation %}`` blocks leave out the answers, or wrap user turns,
+  fails here.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from mimo_data.preprocess.chat_tokens import TextEncoder
+from mimo_data.preprocess.chat_tokens import TextEncoder, TextError
 from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, SampleDropped,
                                                TextSample)
 from mimo_data.preprocess.config import PreprocessConfig
@@ -173,6 +175,7 @@ class SampleInspector:
         for number, token_id in enumerate(self.token_ids.values(), 1):
             self._modality_of_token[token_id] = number
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
+        self._headers: dict[tuple, tuple[str, ...] | None] = {}   # roles -> headers
         self._decoder = self.text.tokenizer.backend_tokenizer
 
     def item_tokens(self, item: Mapping[str, Any]) -> int | None:
@@ -219,9 +222,30 @@ class SampleInspector:
                               if item["modality"] == m] for m in self.config.modalities}
         stats.counted = text.token_counts
         messages = self.text.kinds.roles(record)
-        self.coverage(stats, messages[:len(messages) - text.removed_turns], text.ids,
-                      np.concatenate(([False], text.loss_mask)))
+        kept = messages[:len(messages) - text.removed_turns]
+        # a document's pieces are one text, no turns: nothing of a template between them
+        headers = None if stats.kind == "document" else self.headers(
+            tuple(str(message.get("role")) for message in kept))
+        self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)), headers)
         return stats
+
+    def headers(self, roles: tuple[str, ...]) -> tuple[str, ...] | None:
+        """Per message of a conversation with these roles, the template's text before its
+        content (the end of the turn before, the role header), stripped; None when a render
+        with stand-in contents does not hold each content once, in order. Memoized."""
+        if roles not in self._headers:
+            if len(self._headers) >= _MAX_SHAPES:
+                self._headers.clear()
+            stand_ins = [{"role": role, "content": _STAND_IN.format(k)}
+                         for k, role in enumerate(roles)]
+            try:
+                pieces = _STAND_INS.split(self.text.render(stand_ins)[0])
+            except TextError:   # a template that refuses them: contents searched from the cursor
+                pieces = []
+            in_order = pieces[1::2] == [str(k) for k in range(len(roles))]
+            self._headers[roles] = (tuple(piece.strip() for piece in pieces[0:-1:2])
+                                    if in_order else None)
+        return self._headers[roles]
 
     def _markers(self, record: Record) -> list[str]:
         """The record's markers in reading order: its messages', its document's, or the one a
@@ -237,11 +261,12 @@ class SampleInspector:
         return markers_of(record.get("messages") or [])
 
     def coverage(self, stats: SampleStats, messages: Sequence[Mapping[str, Any]],
-                 ids: np.ndarray,
-                 trained: np.ndarray) -> None:
+                 ids: np.ndarray, trained: np.ndarray,
+                 headers: Sequence[str] | None = None) -> None:
         """Fill the loss-mask-vs-roles facts of ``stats`` from the tokens ``ids`` (all of
         them, the last target included) and which are trained: decode them in runs of one
-        class, find each message's content in that text, in order, and count its characters
+        class, find each message's content in that text, in order, after its ``headers``
+        entry (the template's text before it) where that is found, and count its characters
         in runs of the wrong class."""
         kind = trained.astype(np.int8)
         kind[self._modality_of_token[ids] > 0] = 2          # placeholders: neither
@@ -264,7 +289,9 @@ class SampleInspector:
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
             if not content.replace(_PLACEHOLDER, "").strip():
                 continue
-            found = _locate(text, content, cursor)
+            header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
+            found = (header and _locate(text, content, header[1])) or _locate(text, content,
+                                                                               cursor)
             wrong = 0 if role == "assistant" else 1         # the class its characters must not be
             if found is None:
                 if role == "assistant":
@@ -295,6 +322,10 @@ class SampleInspector:
 # A media item's placeholder tokens in the decoded text, and its marker in a content.
 _PLACEHOLDER = "\x00"
 _PLACEHOLDERS = re.compile("\x00+")
+# Message k's content in a render that finds the template's headers (private-use code points).
+_STAND_IN = "\ue000{}\ue001"
+_STAND_INS = re.compile("\ue000([0-9]+)\ue001")
+_MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
 
 
 def _visible(text: str) -> int:
