@@ -54,7 +54,11 @@ def configs(tmp_path_factory) -> dict[str, Path]:
             "caption": write_config(root / "caption.yaml", mode="caption"),
             "fixed": write_config(root / "fixed.yaml", modalities={
                 "image": {"policy": "fixed", "image_size": 224, "patch_size": 14},
-                "audio": {}})}
+                "audio": {}}),
+            # the corpus's clips of 3 to 7 s: the longer ones over max_duration, cut
+            "cut": write_config(root / "cut.yaml", modalities={
+                **yaml.safe_load((REPO / "configs" / "preprocess.yaml").read_text())[
+                    "modalities"], "audio": {"max_duration": 5.0, "long_audio": "truncate"}})}
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +164,8 @@ def test_clean_corpus_passes_every_check(capsys, tmp_path, clean, configs):
     assert report["passed"] and all(check["passed"] for check in report["checks"])
     assert report["samples"] == report["kept"] == len(ShardReader(str(clean)))
     assert not any(report["flagged"].values())
+    # long_audio: drop (the default) drops a long clip's sample, counted: none is cut
+    assert "cut" not in report["modalities"]["audio"]
 
 
 def test_report_numbers_are_the_preprocessors(capsys, tmp_path, faulty, configs):
@@ -274,6 +280,36 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     assert code == 2 and "error" in err
     code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--key", "nope")
     assert code == 2 and "nope" in err
+
+
+def test_clips_cut_by_long_audio_truncate_are_counted(capsys, tmp_path, clean, configs):
+    """Clips over max_duration with ``long_audio: truncate`` train cut, with their whole
+    transcripts: the report counts them and the seconds cut off (also from saved tables)."""
+    reader = ShardReader(str(clean))
+    durations = {reader.table.key(p): [item["frames"] / item["sample_rate"]
+                                       for item in reader.record(p)["media"]
+                                       if item["modality"] == "audio"]
+                 for p in range(len(reader))}
+    over = {key: [d for d in found if d > 5.0] for key, found in durations.items()}
+    over = {key: found for key, found in over.items() if found}
+    assert len(over) >= 2 and any(d <= 5.0 for found in durations.values() for d in found)
+    for reuse in (False, True):      # the second report is made from the saved tables
+        code, out, err = run(capsys, "report", clean, "--config", configs["cut"],
+                             "--no-progress", "--json", tmp_path / "cut.json")
+        assert code == 0, err
+        report = json.loads((tmp_path / "cut.json").read_text())
+        assert report["tables"]["reused"] == reuse
+        cut = report["modalities"]["audio"]["cut"]
+        assert (cut["clips"], cut["samples"]) == (sum(map(len, over.values())), len(over))
+        assert cut["seconds_cut"] == pytest.approx(sum(d - 5.0 for found in over.values()
+                                                       for d in found), abs=1e-3)
+        first = list(over.items())[:5]
+        assert [entry["key"] for entry in cut["first"]] == [key for key, _ in first]
+        assert [d for entry in cut["first"] for d in entry["durations"]] == pytest.approx(
+            [d for _, found in first for d in found], abs=1e-5)
+        assert (f"{cut['clips']} clips over max_duration 5 s cut to it (long_audio: "
+                f"truncate) in {cut['samples']} samples, {cut['seconds_cut']:.1f} s of audio "
+                "dropped") in out
 
 
 def test_workers_give_the_same_report(capsys, tmp_path, faulty, configs):
@@ -699,14 +735,15 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
                          "language=dp3;image=dp1;audio=dp1", "--global-batch-size", "8",
                          "--micro-batch-size", "2")
-    assert code == 1 and "INVALID" in out
+    # a config error (README's exit status 2), as mimo-train's for the same LayoutError
+    assert code == 2 and "INVALID" in out
     assert "FAIL layout" in err and "8" in err and "6" in err
     # Colocated fan-in of variable-size image tokens: megatron-core's colocated bridge
     # splits evenly.
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
                          "language=tp2,off0;image=dp2,off0;audio=tp2,off0",
                          "--global-batch-size", "8", "--micro-batch-size", "2")
-    assert code == 1 and "INVALID" in out and "colocated module 'image'" in err
+    assert code == 2 and "INVALID" in out and "colocated module 'image'" in err
 
 
 def test_plan_text_summary(capsys, clean, configs):

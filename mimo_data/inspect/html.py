@@ -14,7 +14,7 @@ import html
 import io
 
 from mimo_data.modalities import MODALITIES
-from mimo_data.inspect.report import eos_line, inspect_position, kinds_line
+from mimo_data.inspect.report import cut_line, eos_line, inspect_position, kinds_line
 from mimo_data.inspect.sample import sample_problems, token_view
 from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
@@ -242,6 +242,9 @@ def write_html(report: dict, gallery: Gallery, directory: str, inspector: Sample
                f"tokens, {tokens['trained']} trained ({tokens['trained_fraction']:.1%}); "
                f"seq_length {report['seq_length']}, {report['length_policy']}; record kinds: "
                f"{kinds_line(report['kinds'])}; end of turn: {eos_line(report['append_eos'])}")
+    cut = report["modalities"].get("audio", {}).get("cut")
+    if cut is not None:
+        summary += f"; audio: {cut_line(cut)}"
     plot_html = "".join(f'<img src="{uri}" alt="{html.escape(title)}" title="{html.escape(title)}">'
                         for title, uri in plots(report))
     legend = " ".join(f'<span class="t-{cls}">{cls}</span>'

@@ -24,7 +24,9 @@ kept_samples                (dataset) fails when no sample is kept              
 Drops are counted under ``dropped`` with their reason *and* under the specific check they
 fall in, so allowing a few corrupt samples (``--max-dropped-fraction 0.001``) still fails on
 a prompt-only one. Media decoding errors are not visible without media: ``mimo-shard build``
-and ``mimo-shard verify`` check those.
+and ``mimo-shard verify`` check those. With ``long_audio: truncate`` the kept samples' clips
+over ``max_duration`` are counted with the seconds cut off them (``audio_cut``): no check,
+their samples train, on the clip's start and the whole transcript.
 """
 
 from __future__ import annotations
@@ -40,17 +42,21 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from mimo_data.inspect.checks import CHECKS, Thresholds
 from mimo_data.inspect.stats import IndexTable, SampleInspector, SampleStats
 from mimo_data.loading.token_table import (Rows, TokenTable, assemble, table_key, table_labels,
                                            table_path)
+from mimo_data.modalities.audio import AudioConfig, max_audio_samples
+from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
-from mimo_data.shards import cache
+from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
-from mimo_data.shards.format import RECORD_KINDS, ShardRecord
+from mimo_data.shards.format import RECORD_KINDS, SAMPLES_FILE, ShardRecord, summary_column
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
@@ -438,15 +444,61 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
                                  table_labels(reader, inspector.preprocessor))
             cache.save_table(flags_path, flags, flags_key,
                              table_labels(reader, inspector.preprocessor, "report"))
+    report_dict = builder.to_dict(thresholds)
+    assert builder.table is not None
+    cut = audio_cut(directory, builder.table.kept, inspector.config)
+    if cut is not None:
+        report_dict["modalities"]["audio"]["cut"] = cut
     seconds = time.perf_counter() - start
     report = {"dataset": directory, "total_samples": len(reader), "limit": limit,
-              "workers": workers, **builder.to_dict(thresholds), "seconds": seconds,
+              "workers": workers, **report_dict, "seconds": seconds,
               "samples_per_second": builder.seen / seconds if seconds else None,
               "tables": {"token_table": tokens_path, "flags": flags_path, "reused": reused}}
     backend = inspector.text.backend
     if isinstance(backend, SegmentCachedTokenizer) and workers <= 1 and not reused:
         report["token_cache"] = {"pieces_cached": backend.hits, "pieces_encoded": backend.misses}
     return report
+
+
+def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dict | None:
+    """The clips of the kept samples (``kept``: one flag per sample from the first) that
+    ``long_audio: truncate`` cuts to ``max_duration``, from samples.parquet's durations: how
+    many, in how many samples, the seconds cut off, the first samples' keys and clips; None
+    unless the config truncates audio."""
+    audio = config.modalities.get("audio")
+    if not isinstance(audio, AudioConfig) or audio.long_audio != "truncate":
+        return None
+    limit = max_audio_samples(audio) / audio.sample_rate
+    found = {"clips": 0, "samples": 0, "max_duration": limit, "seconds_cut": 0.0, "first": []}
+    path = storage.readable(storage.join(directory, SAMPLES_FILE))
+    column = summary_column("audio", "duration")
+    if column not in pq.read_schema(path).names:     # a dataset built before audio: no clip
+        return found
+    table = pq.read_table(path, columns=["key", column]).slice(0, len(kept))
+    lists = table.column(column).combine_chunks()
+    counts = pc.list_value_length(lists).fill_null(0).to_numpy()
+    durations = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)
+    sample_of = np.repeat(np.arange(len(kept)), counts)
+    cut = kept[sample_of] & (durations > limit)
+    samples = np.unique(sample_of[cut])
+    found.update(clips=int(cut.sum()), samples=len(samples),
+                 seconds_cut=float((durations[cut] - limit).sum()),
+                 first=[{"key": table.column("key")[int(p)].as_py(),
+                         "durations": durations[cut & (sample_of == p)].tolist()}
+                        for p in samples[:KEYS_IN_MESSAGE]])
+    return found
+
+
+def cut_line(cut: dict) -> str:
+    """``audio_cut`` in words."""
+    line = (f"{cut['clips']} clips over max_duration {cut['max_duration']:g} s cut to it "
+            f"(long_audio: truncate) in {cut['samples']} samples, {cut['seconds_cut']:.1f} s "
+            "of audio dropped")
+    if cut["clips"]:
+        line += ("; each keeps its whole transcript; first: " + ", ".join(
+            f"{entry['key']} ({', '.join(f'{d:.1f} s' for d in entry['durations'])})"
+            for entry in cut["first"]))
+    return line
 
 
 def _flags_key(token_key: str) -> str:
@@ -482,6 +534,8 @@ def format_report(report: dict) -> str:
     for modality, data in report["modalities"].items():
         lines.append(f"{modality:11s} {data['items']} items in {data['samples']} samples, "
                      f"{data['tokens']} tokens; per item {fmt(data['tokens_per_item']['stats'])}")
+        if "cut" in data:
+            lines.append(f"{'':11s} {cut_line(data['cut'])}")
     lines.append("length histogram (tokens: samples)")
     top = max((b["count"] for b in report["sequence_length"]["histogram"]), default=0)
     for b in report["sequence_length"]["histogram"]:
