@@ -162,14 +162,22 @@ def test_whisper_equals_transformers_on_corpus_speech(speech, whisper):
 
 def test_whisper_pads_with_whispers_silence_when_the_clip_has_a_noise_floor(speech, whisper):
     """A clip with a noise floor 40 dB under its peak never reaches the log-mel clamp's floor:
-    Whisper's padding is then below the clip's smallest value, not equal to it."""
+    Whisper's padding is then below the clip's smallest value, not equal to it. A quiet clip
+    (-60 dB) and digital silence have their maximum within 8 decades of zero power's 1e-10
+    floor: Whisper's padding is then that floor (-1.5), above the clip's maximum minus 2."""
     ours, encoder, extractor = whisper
     name, _, samples = max(speech, key=lambda entry: len(entry[2]))
     noise = np.random.default_rng(0).standard_normal(len(samples)).astype(np.float32)
     noisy = samples + 0.01 * np.abs(samples).max() * noise
-    inputs = audio_encoder_inputs([noisy], SPEECH)
-    clip, expected = whisper_reference(noisy, encoder, extractor)
-    padded = extractor(noisy, sampling_rate=16000, return_tensors="pt").input_features[0]
-    assert padded[:, -1].max() < clip.min(), "the clip should stay above Whisper's silence"
-    assert_parity(f"{name} + noise", ours(**inputs), expected,
-                  AUDIO.rows_to_tokens(inputs, SPEECH)[0])
+    for case, clip_samples in (("+ noise", noisy), ("at -60 dB", samples * 1e-3),
+                               ("as silence", np.zeros_like(samples))):
+        inputs = audio_encoder_inputs([clip_samples], SPEECH)
+        clip, expected = whisper_reference(clip_samples, encoder, extractor)
+        silence = extractor(clip_samples, sampling_rate=16000,
+                            return_tensors="pt").input_features[0, :, -1]
+        if case == "+ noise":
+            assert silence.max() < clip.min(), "the clip should stay above Whisper's silence"
+        else:
+            assert torch.all(silence == -1.5) and clip.max() - 2 < -1.5, case
+        assert_parity(f"{name} {case}", ours(**inputs), expected,
+                      AUDIO.rows_to_tokens(inputs, SPEECH)[0])

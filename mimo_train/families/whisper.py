@@ -19,9 +19,11 @@ from mimo_train.errors import EncoderBuildError
 from mimo_train.precision import mark_fixed
 
 
-# WhisperFeatureExtractor clamps log10 power to 8 below its maximum, then maps x -> (x + 4) / 4:
-# silence (zero samples) becomes the maximum feature minus 8 / 4.
+# WhisperFeatureExtractor takes log10 of the power clamped at 1e-10, clamps that to 8 below its
+# maximum, then maps x -> (x + 4) / 4. Its padding (zero samples) has power 0: log10 -10, so
+# it becomes max(-10, max - 8) -> max(-1.5, the maximum feature - 2).
 _LOG_MEL_FLOOR = 2.0
+_SILENCE = (-10.0 + 4.0) / 4.0
 
 
 class WhisperAudio(Encoder):
@@ -30,8 +32,9 @@ class WhisperAudio(Encoder):
     Whisper's encoder takes exactly ``2 * max_source_positions`` frames, so each clip is padded
     to that window with the value Whisper's own padding (zero samples) takes in the clip's
     log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
-    minimum when the clip does not reach that floor). The outputs past the clip's frames are
-    dropped.
+    minimum when the clip does not reach that floor), but never below -1.5, zero power's
+    log-mel (a quiet or silent clip's maximum minus 2 is below it). The outputs past the
+    clip's frames are dropped.
 
     Its position table is sinusoidal and fixed in Whisper (transformers builds it frozen, but
     ``from_pretrained`` hands it back trainable): it is marked fixed, never trained.
@@ -92,7 +95,7 @@ class WhisperAudio(Encoder):
         padded = input_features.new_empty(len(clips), self.audio.n_mels, self.window)
         for out, clip in zip(padded, clips):
             out[:, :len(clip)] = clip.T
-            out[:, len(clip):] = clip.max() - _LOG_MEL_FLOOR
+            out[:, len(clip):] = (clip.max() - _LOG_MEL_FLOOR).clamp(min=_SILENCE)
         hidden = self.model(padded.to(param_dtype(self))).last_hidden_state
         rows = []
         for states, frames in zip(hidden, lengths):
