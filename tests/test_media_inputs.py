@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 from dataclasses import replace
 
+import av
 import numpy as np
 import pytest
 import soundfile
@@ -23,7 +24,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     Qwen2VLImageProcessorPil, smart_resize)
 from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
-from mimo_data.modalities.audio import (MIN_AUDIO_SAMPLES, audio_encoder_inputs, audio_features,
+from mimo_data.modalities.audio import (AUDIO, MIN_AUDIO_SAMPLES, audio_encoder_inputs,
+                                        audio_features,
                                     audio_rows_to_tokens, decode_audio)
 from mimo_data.modalities.image import (decode_image, image_encoder_inputs, image_rows_to_tokens,
                                     normalize_pixels)
@@ -33,6 +35,7 @@ from mimo_data.modalities.image import probe_image
 from mimo_data.modalities.audio import AudioConfig
 from mimo_data.modalities.image import ImageConfig
 from mimo_data.modalities.audio import audio_frames, audio_tokens, audio_too_long, resampled_length
+from mimo_data.modalities.audio import resampler
 from mimo_data.modalities.image import image_resized_size, image_tokens
 
 # (min_pixels, max_pixels, patch, merge, temporal): downscale hard, the default cap, upscale
@@ -426,6 +429,12 @@ def test_stereo_is_downmixed_then_resampled(clips):
         audio_tokens(frames, 22050, cfg)]
 
 
+def encoded(samples: np.ndarray, rate: int, format: str = "WAV", **kwargs) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=format, **kwargs)
+    return buffer.getvalue()
+
+
 def test_corrupt_and_too_short_audio_raise_clear_errors(clips):
     cfg = AudioConfig()
     _, data, _ = next(c for c in clips if c[0].endswith(".flac"))
@@ -433,11 +442,92 @@ def test_corrupt_and_too_short_audio_raise_clear_errors(clips):
         with pytest.raises(MediaError, match="soundfile cannot decode") as info:
             decode_audio(broken, cfg)
         assert info.value.reason == "corrupt_audio"
+        assert "0x" not in info.value.detail, "no memory address: report.json is stable"
     waveform = decode_audio(data, cfg)
     with pytest.raises(MediaError, match=f"shorter than the {MIN_AUDIO_SAMPLES} samples") as info:
         audio_features(waveform[:MIN_AUDIO_SAMPLES - 1], cfg)
     assert info.value.reason == "audio_too_short"
     assert audio_features(waveform[:MIN_AUDIO_SAMPLES], cfg).shape == (1, cfg.n_mels)
+
+
+def test_truncated_audio_is_corrupt_not_a_shorter_clip(clips):
+    """An MP3 cut in half keeps its header's (Xing) frame count but decodes half of them: the
+    build refuses it, and training drops it rather than count tokens for frames it lacks. A
+    WAV cut after the build decodes fewer frames than its shard metadata."""
+    cfg = AudioConfig()
+    name, wav, meta = next(c for c in clips if c[2]["frames"] > 100_000)
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    mp3 = encoded(samples, rate, format="MP3")
+    assert probe_audio(mp3)["frames"] == len(samples)
+    cut = mp3[:len(mp3) // 2]
+    stated = probe_audio(cut, "header")["frames"]
+    assert stated == len(samples)
+    header = f"of the {stated} frames its header states"
+    for decode, message in ((lambda: probe_audio(cut), header),
+                            (lambda: decode_audio(cut, cfg), header),
+                            (lambda: AUDIO.decode(cut, {"frames": stated}, cfg),
+                             f"the shard metadata says {stated}"),
+                            (lambda: AUDIO.decode(wav[:len(wav) // 2], meta | {"member": name},
+                                                  cfg),
+                             f"the shard metadata says {meta['frames']}")):
+        with pytest.raises(MediaError, match=message) as info:
+            decode()
+        assert info.value.reason == "corrupt_audio"
+
+
+def test_wav_variants_and_other_containers(clips):
+    """FFmpeg writes 24-bit PCM as WAVE_FORMAT_EXTENSIBLE (soundfile's WAVEX); RF64 and W64
+    are WAV's 64-bit variants: all decode as the WAV. AAC in an .m4a (FFmpeg opens it, libsndfile
+    does not) is an unsupported format, named with what to do."""
+    cfg = AudioConfig()
+    _, wav, meta = next(c for c in clips if c[2]["sample_rate"] == 22050)
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    expected = decode_audio(wav, cfg)
+    for fmt, extension in (("WAVEX", "wav"), ("RF64", "wav"), ("W64", "w64")):
+        data = encoded(samples, rate, format=fmt, subtype="PCM_24")
+        found = probe_audio(data)
+        assert (found["format"], found["frames"]) == (fmt.lower(), meta["frames"])
+        assert AUDIO.member(0, found["format"]) == f"aud0.{extension}"
+        np.testing.assert_allclose(decode_audio(data, cfg), expected, rtol=0, atol=1e-4)
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("aac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    for check in ("decode", "header"):
+        with pytest.raises(MediaError, match=r"the audio, aac in mov,mp4.*, is not a format "
+                           r"mimo reads \(WAV, FLAC, .*\): convert it first, e.g. `ffmpeg") as info:
+            probe_audio(buffer.getvalue(), check)
+        assert info.value.reason == "unsupported_format"
+
+
+def test_rates_with_a_huge_sinc_kernel_resample_with_ffmpeg(clips, monkeypatch):
+    """torchaudio's kernel for 16001 or 44056 -> 16000 Hz is 256M or 11M floats (its rates
+    share no large factor); the usual rates keep torchaudio (the tests above: bit for bit).
+    Decoding such a clip never calls torchaudio; at 44056 Hz it gives torchaudio's length and
+    samples within 5e-3 (FFmpeg's and torchaudio's windowed-sinc filters differ slightly:
+    ~1e-3 on speech)."""
+    cfg = AudioConfig()
+    for rate in (8000, 11025, 22050, 24000, 32000, 44100, 48000, 96000):
+        assert resampler(rate, 16000) == "torchaudio", rate
+    for rate in (16001, 11127, 22254, 44056):
+        assert resampler(rate, 16000) == "ffmpeg", rate
+    _, wav, _ = next(c for c in clips if c[2]["frames"] > 100_000)
+    speech = soundfile.read(io.BytesIO(wav), dtype="float32")[0][:3 * 16000]
+    relabelled = encoded(speech, 16001, subtype="FLOAT")
+    odd = torchaudio.functional.resample(torch.from_numpy(speech), 16000, 44100).numpy()
+    odd_rate = encoded(odd, 44056, subtype="FLOAT")             # the same samples, 44056 Hz
+    reference = torchaudio.functional.resample(torch.from_numpy(odd), 44056, 16000).numpy()
+
+    def refused(*args):
+        raise AssertionError("torchaudio's resample called for an odd rate")
+    monkeypatch.setattr(torchaudio.functional, "resample", refused)
+    assert len(decode_audio(relabelled, cfg)) == resampled_length(len(speech), 16001, 16000)
+    decoded = decode_audio(odd_rate, cfg)
+    assert len(decoded) == len(reference) == resampled_length(len(odd), 44056, 16000)
+    np.testing.assert_allclose(decoded, reference, rtol=0, atol=5e-3)
 
 
 def test_empty_clip_list_gives_empty_inputs():

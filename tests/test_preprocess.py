@@ -268,16 +268,18 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
         "an assistant turn with no user turn before it" in str(dropped.value), dropped.value
 
 
-def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media):
+@pytest.mark.parametrize("fmt, reason", [("jpeg", "corrupt_image"), ("wav", "corrupt_audio")])
+def test_corrupt_media_is_dropped_and_counted(dataset, records, with_media, fmt, reason):
+    """A WAV cut after the build decodes fewer frames than its metadata counted tokens for."""
     position = next(i for i, r in enumerate(records)
-                    if r["media"] and r["media"][0]["format"] == "jpeg")
+                    if r["media"] and r["media"][0]["format"] == fmt)
     record = records[position]
     media = dataset.media(position, record)
     member = record["media"][0]["member"]
     media[member] = media[member][: len(media[member]) // 3]
     with pytest.raises(SampleDropped) as dropped:
         with_media(record, media)
-    assert dropped.value.reason == "corrupt_image"
+    assert dropped.value.reason == reason
     assert member in dropped.value.detail
 
 

@@ -1,8 +1,9 @@
 """The audio modality: probing at build time, token counts, decoding, encoder inputs, views.
 
 Clips are probed and decoded with soundfile (torchaudio.load needs extra libraries), downmixed,
-resampled with ``torchaudio.functional.resample`` and featurized as transformers'
-WhisperFeatureExtractor does without its 30 s padding. Token counts are pure functions of the
+resampled with ``torchaudio.functional.resample`` (FFmpeg's resampler for rates whose ratio
+would make its kernel huge) and featurized as transformers' WhisperFeatureExtractor does
+without its 30 s padding. Token counts are pure functions of the
 probed metadata (frames, sample rate) and the config, and match what the features give.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import av
 import numpy as np
 import soundfile
 import torch
@@ -24,7 +26,16 @@ from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
 
 
-AUDIO_EXTENSIONS = {"wav": "wav", "flac": "flac", "ogg": "ogg", "mp3": "mp3"}
+# soundfile's format names mimo takes, with their member file extensions. WAVEX is WAV with
+# WAVE_FORMAT_EXTENSIBLE (what FFmpeg writes for 24-bit or multichannel PCM); RF64 and W64 are
+# WAV's 64-bit-size variants.
+AUDIO_EXTENSIONS = {"wav": "wav", "wavex": "wav", "rf64": "wav", "w64": "w64", "flac": "flac",
+                    "ogg": "ogg", "mp3": "mp3"}
+_CONVERT = ("not a format mimo reads (WAV, FLAC, Ogg Vorbis or Opus, MP3): convert it first, "
+            "e.g. `ffmpeg -i INPUT clip.flac`")
+
+# libsndfile's SF_ERR_UNRECOGNISED_FORMAT: no format it reads.
+_SF_UNRECOGNISED_FORMAT = 1
 
 
 @dataclass(frozen=True)
@@ -56,8 +67,9 @@ class AudioConfig:
 def probe_audio(data: bytes, check: str = "decode") -> dict:
     """Validate encoded audio; return ``{format, sample_rate, channels, frames, duration}``.
 
-    With ``check="decode"`` ``frames`` counts what actually decodes (a truncated file reports
-    fewer frames than its header); ``"header"`` takes the header's count.
+    With ``check="decode"`` every frame is decoded as ``decode_audio`` reads them, and fewer
+    than the header states (a truncated file) is ``corrupt_audio``; ``"header"`` takes the
+    header's count.
     Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
     if not data:
@@ -65,18 +77,48 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
             fmt = sound.format.lower()
-            sample_rate, channels = sound.samplerate, sound.channels
-            frames = (sound.frames if check == "header" else
-                      sum(len(block) for block in sound.blocks(blocksize=1 << 16)))
+            sample_rate, channels, frames = sound.samplerate, sound.channels, sound.frames
+            if check == "decode":
+                # read() returns the frames that decode; blocks() would pad a short last read
+                decoded = 0
+                while block := len(sound.read(1 << 16, dtype="float32", always_2d=True)):
+                    decoded += block
+                if decoded != frames:
+                    raise MediaError("corrupt_audio", _truncated(decoded, frames))
+    except MediaError:
+        raise
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
-        raise MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}") from None
+        raise _undecodable(exc, data) from None
     if fmt not in AUDIO_EXTENSIONS:
-        raise MediaError("unsupported_format", f"audio format {fmt!r} is not one of "
-                         f"{sorted(AUDIO_EXTENSIONS)}; convert it first")
+        raise MediaError("unsupported_format", f"audio format {fmt!r} is {_CONVERT}")
     if frames == 0:
         raise MediaError("empty_audio", "audio decodes to 0 frames")
     return {"format": fmt, "sample_rate": sample_rate, "channels": channels, "frames": frames,
             "duration": round(frames / sample_rate, 6)}
+
+
+def _truncated(decoded: int, stated: int) -> str:
+    return (f"{decoded} of the {stated} frames its header states decode (a truncated file; "
+            "an MP3 without a Xing/Info header states an estimate: re-encode it, e.g. "
+            "`ffmpeg -i clip.mp3 clip.flac`)")
+
+
+def _undecodable(exc: Exception, data: bytes) -> MediaError:
+    """The MediaError for bytes soundfile cannot read: ``unsupported_format`` where FFmpeg finds
+    an audio stream in them (AAC in an .m4a, say), else ``corrupt_audio`` with libsndfile's
+    message (without the in-memory file's name: a memory address)."""
+    if isinstance(exc, soundfile.LibsndfileError):
+        if exc.code == _SF_UNRECOGNISED_FORMAT:
+            try:
+                with av.open(io.BytesIO(data)) as container:
+                    found = [f"{stream.codec_context.name} in {container.format.name}"
+                             for stream in container.streams.audio]
+            except av.FFmpegError:
+                found = []
+            if found:
+                return MediaError("unsupported_format", f"the audio, {found[0]}, is {_CONVERT}")
+        exc = exc.error_string
+    return MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}")
 
 
 def resampled_length(frames: int, sample_rate: int, target_rate: int) -> int:
@@ -132,6 +174,37 @@ def audio_tokens(frames: int, sample_rate: int, cfg: AudioConfig) -> int:
     return audio_tokens_from_frames(audio_frames(samples, cfg), cfg)
 
 
+# torchaudio's sinc resampler builds a kernel of new x (orig + 2 * width) floats, the rates
+# divided by their gcd: under 300 thousand for the usual rates (44100 -> 16000: 160 x 475,
+# 11025 -> 16000: 640 x 455), but rates sharing no large factor make it huge (16001 -> 16000:
+# 16000 x 16015 floats, a GiB and seconds a clip). Above this product of the reduced rates
+# FFmpeg's resampler (swresample through PyAV, as Whisper's own loader resamples through
+# ffmpeg) takes over: a fixed-size filter whatever the rates.
+TORCHAUDIO_MAX_RATES_PRODUCT = 1 << 20
+
+
+def resampler(sample_rate: int, target_rate: int) -> str:
+    """Which resampler ``resample`` uses between these rates: ``torchaudio`` or ``ffmpeg``."""
+    gcd = math.gcd(sample_rate, target_rate)
+    small = (sample_rate // gcd) * (target_rate // gcd) <= TORCHAUDIO_MAX_RATES_PRODUCT
+    return "torchaudio" if small else "ffmpeg"
+
+
+def resample(waveform: np.ndarray, sample_rate: int, target_rate: int) -> np.ndarray:
+    """Mono float32 samples at ``target_rate``, ``resampled_length`` of them."""
+    if resampler(sample_rate, target_rate) == "torchaudio":
+        return torchaudio.functional.resample(torch.from_numpy(waveform), sample_rate,
+                                              target_rate).numpy()
+    converter = av.AudioResampler(format="flt", layout="mono", rate=target_rate)
+    frame = av.AudioFrame.from_ndarray(waveform[None], format="flt", layout="mono")
+    frame.sample_rate = sample_rate
+    out = np.concatenate([f.to_ndarray()[0] for f in converter.resample(frame) +
+                          converter.resample(None)])
+    # swresample ends within a sample of torchaudio's length, which the token counts follow
+    length = resampled_length(len(waveform), sample_rate, target_rate)
+    return np.pad(out[:length], (0, max(0, length - len(out))))
+
+
 # The extractor's centered STFT reflect-pads by n_fft // 2 and needs more samples than that.
 WHISPER_N_FFT = 400
 
@@ -139,25 +212,34 @@ WHISPER_N_FFT = 400
 MIN_AUDIO_SAMPLES = WHISPER_N_FFT // 2 + 1
 
 
-def decode_audio(data: bytes, cfg: AudioConfig) -> np.ndarray:
+def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np.ndarray:
     """Encoded audio → mono float32 samples at ``cfg.sample_rate``.
 
     A clip longer than ``max_duration`` is cut with ``long_audio="truncate"``; with ``"drop"``
-    it raises MediaError(``audio_too_long``) for the caller to count. Undecodable bytes raise
-    MediaError(``corrupt_audio``).
+    it raises MediaError(``audio_too_long``) for the caller to count. Undecodable bytes, or
+    another frame count than ``frames`` (the shard metadata's; default the header's), raise
+    MediaError(``corrupt_audio``): the token counts follow the metadata.
     """
     try:
-        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with soundfile.SoundFile(io.BytesIO(data)) as sound:
+            rate, stated = sound.samplerate, sound.frames
+            samples = sound.read(dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
-        raise MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}") from None
+        raise _undecodable(exc, data) from None
+    if frames is None and len(samples) != stated:
+        raise MediaError("corrupt_audio", _truncated(len(samples), stated))
+    if frames is not None and len(samples) != frames:
+        raise MediaError("corrupt_audio", f"{len(samples)} frames decode, the shard metadata "
+                         f"says {frames}: the file is cut short (a build's --check decode "
+                         "refuses it) or changed since the build")
     if audio_too_long(len(samples), rate, cfg):
         raise MediaError("audio_too_long", f"clip of {len(samples) / rate:.2f} s is longer than "
                          f"max_duration = {cfg.max_duration} s; raise modalities.audio."
                          "max_duration or set long_audio: truncate to keep it")
-    waveform = torch.from_numpy(samples.mean(axis=1, dtype=np.float32))
+    waveform = samples.mean(axis=1, dtype=np.float32)
     if rate != cfg.sample_rate:
-        waveform = torchaudio.functional.resample(waveform, rate, cfg.sample_rate)
-    return waveform[:max_audio_samples(cfg)].numpy()
+        waveform = resample(waveform, rate, cfg.sample_rate)
+    return waveform[:max_audio_samples(cfg)]
 
 
 @functools.lru_cache(maxsize=8)
@@ -257,7 +339,7 @@ class AudioModality(Modality):
         return True
 
     def decode(self, data: bytes, item: MediaItem, config: AudioConfig) -> np.ndarray:
-        return decode_audio(data, config)
+        return decode_audio(data, config, item["frames"])
 
     def encoder_inputs(self, decoded: list, config: AudioConfig) -> dict[str, torch.Tensor]:
         return audio_encoder_inputs(decoded, config)
