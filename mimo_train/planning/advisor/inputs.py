@@ -80,7 +80,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     """``path``: a training config YAML, a transformers checkpoint directory or its
     config.json (a whole VLM, or a language model alone); its modules named as
     ``modalities`` (modality -> module) names them, the geometry from ``preprocess``;
-    ``vocab_size``: the tokenizer's (with modality tokens; else read when needed)."""
+    ``vocab_size``: the tokenizer's (with modality tokens; else read when needed).
+    ``TrainConfigError`` where the trainer would refuse the model with this preprocessing."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
@@ -116,6 +117,10 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
                                       *overrides])
     plan = resolve(cfg, preprocess)
+    if plan.vlm is not None:            # the trainer's own check, at its start-up
+        from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+        from mimo_train.families.base import check_preprocessing
+        check_preprocessing(plan.vlm, preprocess, load_tokenizer(preprocess))
     try:
         dims = from_plan(plan, vocab_size)
     except TrainConfigError as error:
