@@ -755,10 +755,23 @@ def test_plan_text_summary(capsys, clean, configs):
     assert f"{samples // 8} steps x 2 global micro-batches of 4 samples" in out
     assert f"remainder drop: {samples % 8} samples" in out
     assert re.search(r"language\s+dp 2: mean \d\.\d\d, worst \d\.\d\d", out)
-    # dp, pp and tp as rank/size: a bare tp rank read as a size of 0
-    rows = re.findall(r"^\s+(\d+)\s+(\w+)\s+(\d+/\d+)\s+(\d+/\d+)\s+(\d+/\d+)\s", out, re.M)
-    assert rows == [("0", "language", "0/2", "0/1", "0/1"), ("1", "language", "1/2", "0/1", "0/1"),
-                    ("2", "image", "0/1", "0/1", "0/1"), ("3", "audio", "0/1", "0/1", "0/1")]
+    # dp, pp, cp and tp as rank/size: a bare tp rank read as a size of 0
+    row = r"^\s+(\d+)\s+(\w+)\s+(\d+/\d+)\s+(\d+/\d+)\s+(\d+/\d+)\s+(\d+/\d+)\s"
+    rows = re.findall(row, out, re.M)
+    one = ("0/1", "0/1", "0/1")
+    assert rows == [("0", "language", "0/2", *one), ("1", "language", "1/2", *one),
+                    ("2", "image", "0/1", *one), ("3", "audio", "0/1", *one)]
+    # context parallelism: the CP ranks told apart, each holding half of every sequence
+    code, out, _ = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                       "language=cp2;image=dp1;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2")
+    assert code == 0
+    rows = re.findall(row + r".*$", out, re.M)
+    assert [r[:6] for r in rows[:2]] == [("0", "language", "0/1", "0/1", "0/2", "0/1"),
+                                         ("1", "language", "0/1", "0/1", "1/2", "0/1")]
+    mean = float(re.search(r"^\s+0\s+language.*?\s(\d+\.\d)\s+\d+\s+\d+\.\d", out,
+                           re.M).group(1))
+    assert out.count(f"(holds 1/2 of each sequence: ~{mean / 2:.1f} tokens/step)") == 2
 
 
 PACKING_PLAN = ("--layout", "language=dp2;image=dp1;audio=dp1", "--global-batch-size", "8",

@@ -4,7 +4,9 @@ The layout is validated first (``Layout.validate``, the check the loader and tra
 Then ``dry_run.dry_run`` runs every rank's real loader in metadata-only mode; from its
 micro-batches this module derives, per rank and module, samples and tokens per step (language
 modules: sequence tokens and trained tokens; encoders: their modality's placeholder tokens,
-i.e. what the encoder emits), the imbalance between the DP ranks of each module (max / mean
+i.e. what the encoder emits; a rank's are its DP rank's, and under context parallelism each CP
+rank holds a contiguous 1/cp of every sequence, which the text says beside its rank's cp
+coordinate), the imbalance between the DP ranks of each module (max / mean
 tokens per step), steps per epoch and the remainder. ``--json`` prints the dry run itself (per
 rank, per step, per micro-batch sample keys and token counts; with ``--packing``, language
 ranks' ``sequences``) with this summary under ``"plan"``.
@@ -81,7 +83,9 @@ def _part_steps(entry: dict, part: dict, table: dict) -> list[dict]:
 def plan_summary(result: dict) -> dict:
     """Per rank and module: samples/tokens per step; per module: DP imbalance."""
     table = _sample_table(result)
-    tp_sizes = {module.name: module.tp for module in Layout.parse(result["layout"]).modules}
+    modules = Layout.parse(result["layout"]).modules
+    tp_sizes = {module.name: module.tp for module in modules}
+    cp_sizes = {module.name: module.cp for module in modules}
     rows: list = []
     by_module: dict = {}
     for entry in result["ranks"]:
@@ -95,6 +99,7 @@ def plan_summary(result: dict) -> dict:
                 "rank": entry["rank"], "module": part["module"], "needs_data": True,
                 "dp_rank": part["dp_rank"], "dp_size": part["dp_size"],
                 "pp_rank": part["pp_rank"], "pp_size": part["pp_size"],
+                "cp_rank": part["cp_rank"], "cp_size": cp_sizes[part["module"]],
                 "tp_rank": part["tp_rank"], "tp_size": tp_sizes[part["module"]],
                 "samples_per_step": float(np.mean([s["samples"] for s in steps] or [0])),
                 "tokens_per_step_mean": float(np.mean(tokens)),
@@ -161,7 +166,8 @@ def format_plan(result: dict, plan: dict) -> str:
         f"samples   {samples['samples']}, {samples['kept']} kept, {samples['dropped']} dropped"
         + (f" ({reasons})" if reasons else "") + f"; remainder {result['remainder']}: "
         f"{result['remainder_samples']} samples not in this epoch",
-        f"{'rank':>4s}  {'module':10s} {'dp':>5s} {'pp':>5s} {'tp':>5s}  {'samples/step':>12s}"
+        f"{'rank':>4s}  {'module':10s} {'dp':>5s} {'pp':>5s} {'cp':>5s} {'tp':>5s}  "
+        f"{'samples/step':>12s}"
         f"  {'tokens/step mean':>16s} {'max':>7s}  {'trained/step':>12s}",
     ]
     for row in plan["ranks"]:
@@ -171,9 +177,14 @@ def format_plan(result: dict, plan: dict) -> str:
         trained = (f"{row['trained_per_step_mean']:12.1f}" if row["module"] == LANGUAGE
                    else f"{'-':>12s}")
         unit = "" if row["module"] == LANGUAGE else " (encoder)"
+        cp = row["cp_size"]
+        if cp > 1:              # its DP rank's tokens; it holds a contiguous 1/cp of each row
+            unit += (f" (holds 1/{cp} of each sequence: ~"
+                     f"{row['tokens_per_step_mean'] / cp:.1f} tokens/step)")
         lines.append(f"{row['rank']:4d}  {row['module']:10s} "
                      f"{row['dp_rank']:>2d}/{row['dp_size']:<2d} {row['pp_rank']:>2d}/"
-                     f"{row['pp_size']:<2d} {row['tp_rank']:>2d}/{row['tp_size']:<2d}  "
+                     f"{row['pp_size']:<2d} {row['cp_rank']:>2d}/{cp:<2d} "
+                     f"{row['tp_rank']:>2d}/{row['tp_size']:<2d}  "
                      f"{row['samples_per_step']:12.1f}"
                      f"  {row['tokens_per_step_mean']:16.1f} {row['tokens_per_step_max']:7d}  "
                      f"{trained}{unit}")
@@ -206,7 +217,8 @@ def format_plan(result: dict, plan: dict) -> str:
 
 
 def run_plan(args, config: PreprocessConfig) -> int:
-    """The ``plan`` subcommand: 0 valid and consistent, 1 invalid layout or failed checks."""
+    """The ``plan`` subcommand: 0 valid and consistent, 1 failed checks, 2 a layout that
+    cannot work (a config error, as ``mimo-train`` exits for it)."""
     layout = Layout.parse(args.layout)
     try:
         layout.validate(layout.world_size, args.global_batch_size, args.micro_batch_size,
@@ -214,7 +226,7 @@ def run_plan(args, config: PreprocessConfig) -> int:
     except LayoutError as exc:
         print(f"layout    {layout}: INVALID", file=sys.stdout)
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
-        return 1
+        return 2
     source = DataSource([args.directory], config, cache_dir=args.cache_dir)
     runs = {balance: dry_run(source, config, layout, args.global_batch_size,
                              args.micro_batch_size, seed=args.seed, epoch=args.epoch,
