@@ -582,6 +582,36 @@ def test_unshare_steps(language, saved):
     assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), uninterrupted))
 
 
+def test_without_empty_parts(language, monkeypatch):
+    """megatron-core aligns an optimizer's parameter groups over the whole world: where a peer
+    builds a mixture of experts' optimizer meanwhile (its expert-parallel group gathered here),
+    a dense module's gets an expert part holding no parameter, whose state dict asserts
+    (distrib_optimizer.py:839) at the first save. Without it the dense part alone steps and
+    saves; a module with expert-parallel parameters keeps every part."""
+    import megatron.core.optimizer as optimizers
+
+    from mimo_train.mcore.distributed_optimizer import start_adam_states, without_empty_parts
+    gather = torch.distributed.all_gather_object
+
+    def with_a_peers_experts(gathered, keys, group=None):
+        gather(gathered, keys, group)
+        gathered[0] = [*gathered[0], (None, True)]
+    monkeypatch.setattr(optimizers.torch.distributed, "all_gather_object", with_a_peers_experts)
+    ddp, optimizer = _optimizer(language)
+    assert [sum(len(group["params"]) for group in part.param_groups)
+            for part in optimizer.chained_optimizers] == [4, 0]
+    start_adam_states(optimizer)
+    _step(ddp, optimizer)
+    with pytest.raises(AssertionError):
+        optimizer.chained_optimizers[1].state_dict()
+    dense = without_empty_parts(optimizer, ddp.module)
+    assert dense.chained_optimizers == optimizer.chained_optimizers[:1]
+    _step(ddp, dense)
+    assert dense.state_dict()
+    ddp.module[0].weight.allreduce = False           # an expert-parallel parameter
+    assert without_empty_parts(optimizer, ddp.module) is optimizer
+
+
 def test_torch_adams(language):
     """The torch Adam of each part of a megatron-core optimizer: the distributed one's, the
     plain fp32 one's; none of another torch optimizer."""

@@ -2,7 +2,7 @@
 
 megatron-core 0.19.2 keeps Adam's step in each parameter's torch state on that path, and four
 of its steps assume states it does not give (each function below, tested in
-tests/test_train_cpu_compat.py but the last, tested by tests/test_qwen3_vl.py's MoE run):
+tests/test_train_cpu_compat.py; the last in a run too, tests/test_qwen3_vl.py's MoE resume):
 
 - ``start_adam_states``: ``state_dict`` reads the step from every parameter's state
   (``distrib_optimizer.py:837``, ``assert len(steps) == 1``), which torch's Adam makes only at
