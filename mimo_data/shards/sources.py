@@ -45,7 +45,7 @@ class RawRecord:
     (paths, bytes or ``{bytes, path}``) in marker order (a document's ``image``: its
     ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
     ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
-    against the probed one (``check_audio_duration``)."""
+    against the probed one (``validate.check_audio_duration``)."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
@@ -188,28 +188,11 @@ class ConversationFile:
                          media=with_part_items(media, turns))
 
 
-# A manifest's ``duration`` may differ from its file's by this much (rounding, encoder
-# padding); more, and the line is a segment of the file or the file is cut short.
-DURATION_TOLERANCE_S = 0.1
-DURATION_TOLERANCE_FRACTION = 0.02
-
-
-def check_audio_duration(declared: float, probed: float, where: str) -> None:
-    """RecordError ``duration_mismatch`` when a manifest's ``declared`` duration and the
-    ``probed`` file's differ by more than max(0.1 s, 2 % of the file's)."""
-    tolerance = max(DURATION_TOLERANCE_S, DURATION_TOLERANCE_FRACTION * probed)
-    if abs(declared - probed) > tolerance:
-        raise RecordError("duration_mismatch", f"{where}: the manifest's 'duration' is "
-                          f"{declared:g} s but the file holds {probed:g} s (tolerance "
-                          f"{tolerance:.2g} s). mimo does not cut segments: cut each segment "
-                          "into a file of its own first; if the file is cut short, export "
-                          "it again; if the 'duration' is wrong, fix it")
-
-
 class SpeechManifest:
     """NeMo-style JSONL (``audio_filepath``, ``text``, ``duration``): one user/assistant turn
-    each. A ``duration`` that disagrees with the file's is refused (``check_audio_duration``),
-    as is a non-zero ``offset``: mimo does not cut segments out of a file."""
+    each. A ``duration`` that disagrees with the file's is refused
+    (``validate.check_audio_duration``), as is a non-zero ``offset``: mimo does not cut
+    segments out of a file."""
 
     def __init__(self, path: str, instruction: str, media_root: str | None = None):
         self.path = path

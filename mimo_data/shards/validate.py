@@ -14,7 +14,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
                                       normalize_caption, normalize_document,
                                       normalize_messages)
-from mimo_data.shards.sources import Task, check_audio_duration
+from mimo_data.shards.sources import Task
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,24 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
                           "to the input file's folder, or to --media-root)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+
+
+# A manifest's ``duration`` may differ from its file's by this much (rounding, encoder
+# padding); more, and the line is a segment of the file or the file is cut short.
+DURATION_TOLERANCE_S = 0.1
+DURATION_TOLERANCE_FRACTION = 0.02
+
+
+def check_audio_duration(declared: float, probed: float, where: str) -> None:
+    """RecordError ``duration_mismatch`` when a manifest's ``declared`` duration and the
+    ``probed`` file's differ by more than max(0.1 s, 2 % of the file's)."""
+    tolerance = max(DURATION_TOLERANCE_S, DURATION_TOLERANCE_FRACTION * probed)
+    if abs(declared - probed) > tolerance:
+        raise RecordError("duration_mismatch", f"{where}: the manifest's 'duration' is "
+                          f"{declared:g} s but the file holds {probed:g} s (tolerance "
+                          f"{tolerance:.2g} s). mimo does not cut segments: cut each segment "
+                          "into a file of its own first; if the file is cut short, export "
+                          "it again; if the 'duration' is wrong, fix it")
 
 
 def _where(modality: str, index: int, path: str | None) -> str:
