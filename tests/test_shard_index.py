@@ -369,6 +369,35 @@ def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path
         str(caught.value), caught.value
 
 
+def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
+    """split.yaml's ``exclude`` drops ``TAR/KEY`` samples as energon does (brace-expanded, TAR
+    as split.yaml names it), counted by name in the report; one naming no sample is harmless."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    (tmp_path / "ds" / "shards").mkdir(parents=True)
+    (tmp_path / "ds" / ".nv-meta").mkdir()
+    for number in (0, 1):
+        shutil.copy(pairs.src / f"pairs-00000{number}.tar",
+                    tmp_path / "ds" / "shards" / f"shard_00000{number}.tar")
+    (tmp_path / "ds" / ".nv-meta" / "dataset.yaml").write_text(
+        "sample_type: {__module__: megatron.energon, __class__: CaptioningSample}\n"
+        "field_map: {image: 'jpg,png', caption: txt}\n")
+    (tmp_path / "ds" / ".nv-meta" / "split.yaml").write_text(
+        "exclude: ['shards/shard_000000.tar/00000000{1,2}', 'shards/shard_000001.tar/nokey']\n"
+        "split_parts: {train: ['shards/shard_{000000..000001}.tar'], val: [], test: []}\n")
+    with contextlib.redirect_stderr(io.StringIO()):
+        index([str(tmp_path / "ds")], str(tmp_path / "idx"),
+              IndexOptions(workers=0, progress=False, check="header"))
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert sorted(reader.record(p)["key"] for p in range(len(reader))) == [
+        key for key in pairs.captions if int(key) < 8 and key not in ("000000001", "000000002")]
+    excluded = json.loads((tmp_path / "idx" / "report.json").read_text())[
+        "skipped_by_reason"]["excluded_by_split_yaml"]
+    assert excluded["count"] == 2
+    assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+
+
 def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
     """webdataset reads ``.tar.gz``, but a compressed tar's members have no byte offsets: the
     file is named and refused (exit 2, nothing written), not indexed as a tar cut short."""

@@ -6,6 +6,8 @@ needed: mimo reads the tars once and keeps its own tables.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import braceexpand
 import yaml
 
@@ -68,13 +70,23 @@ def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
                       f"answers); {OTHERWISE}")
 
 
-def train_shards(root: str, storage_options: dict | None = None) -> list[str]:
-    """The train split's tars, relative to ``root``, in split.yaml's order (less ``exclude``)."""
+def train_split(root: str, storage_options: dict | None = None) -> tuple[list[str], set[str]]:
+    """The train split's tars, relative to ``root``, in split.yaml's order (less the
+    ``exclude`` entries naming a tar), and the samples ``exclude`` drops as energon does:
+    the entries holding a ``/`` after brace expansion, ``TAR/KEY`` (TAR as split.yaml names
+    it, KEY the member names' part before their first dot)."""
     split = _yaml(root, SPLIT_YAML, storage_options)
     parts = (split.get("split_parts") or {}).get("train")
     if not parts:
         raise SourceError(f"{storage.join(root, META, SPLIT_YAML)}: no train split_parts")
     excluded = {name for pattern in split.get("exclude") or []
                 for name in braceexpand.braceexpand(pattern)}
-    return [name for pattern in parts for name in braceexpand.braceexpand(pattern)
-            if name not in excluded]
+    shards = [name for pattern in parts for name in braceexpand.braceexpand(pattern)
+              if name not in excluded]
+    return shards, {name for name in excluded if "/" in name}
+
+
+def excluded_keys(shard: str, sample_excludes: Collection[str]) -> frozenset[str]:
+    """The keys of ``shard``'s samples that ``sample_excludes`` (``TAR/KEY``) drop."""
+    return frozenset(name[len(shard) + 1:] for name in sample_excludes
+                     if name.startswith(f"{shard}/"))

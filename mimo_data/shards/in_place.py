@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.shards import cache, sample_table, storage
+from mimo_data.shards import cache, energon, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
                                     summary_column)
@@ -49,6 +49,7 @@ from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
+EXCLUDED = "excluded_by_split_yaml"   # the report's reason for a sample split.yaml excludes
 _OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, STAGING_DIR, cache.DATASET_CACHE}
 
 
@@ -74,6 +75,7 @@ class _Job:
     check: str
     max_image_pixels: int
     storage_options: dict | None
+    excluded: frozenset[str] = frozenset()      # keys split.yaml excludes from this tar
 
 
 def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
@@ -123,6 +125,11 @@ def index_shard(job: _Job) -> ShardResult:
         try:
             with open_tar(location, job.storage_options) as tar:
                 for sample in walk(tar, result.walked):
+                    if sample.key in job.excluded:
+                        result.skips.append((EXCLUDED, f"{job.name}:{sample.key}", "its "
+                                             f"{job.name}/{sample.key} is in the Energon "
+                                             "folder's .nv-meta/split.yaml exclude list"))
+                        continue
                     if sample.key in keys:
                         result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
                                              "the key occurs twice in the tar (not one after "
@@ -296,7 +303,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     """Write the dataset's files into ``staging``; return its index (not written), the summary
     line and the throughput line."""
     jobs = [_Job(source.root, name, source.mapping, options.check, options.max_image_pixels,
-                 storage_options) for name in source.shards]
+                 storage_options, energon.excluded_keys(name, source.sample_excludes))
+            for name in source.shards]
     report = Tally("records_read", "samples_written", "records_skipped")
     tables = _Tables(staging)
     shards: list[dict[str, Any]] = []

@@ -42,10 +42,12 @@ class IndexOptions:
 
 @dataclass(frozen=True)
 class Source:
-    """The tars to index: names relative to ``root`` (a local directory or a URL)."""
+    """The tars to index: names relative to ``root`` (a local directory or a URL), and the
+    samples an Energon split.yaml excludes (``TAR/KEY``)."""
     root: str
     shards: list[str]
     mapping: MemberMap
+    sample_excludes: frozenset[str] = frozenset()
 
 
 
@@ -110,7 +112,7 @@ def resolve(sources: list[str], options: IndexOptions,
         if energon.is_energon(root, storage_options):
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
             # validation parts are no training data)
-            names = energon.train_shards(root, storage_options)
+            names, excludes = energon.train_split(root, storage_options)
             missing = [name for name in names if not storage.is_remote(root)
                        and not os.path.isfile(os.path.join(root, name))]
             if missing:
@@ -129,10 +131,11 @@ def resolve(sources: list[str], options: IndexOptions,
                 mapping = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
                     f"({mapping.describe()}), {len(names)} train tar(s)")
-                return Source(root, names, mapping)
+                return Source(root, names, mapping, frozenset(excludes))
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
             say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
-            return Source(root, names, _member_map(root, names[0], options, storage_options))
+            return Source(root, names, _member_map(root, names[0], options, storage_options),
+                          frozenset(excludes))
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
