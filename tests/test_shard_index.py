@@ -560,6 +560,43 @@ def test_a_pair_without_its_medium_says_what_to_do():
         caught.value.detail and "'jpg'" in caught.value.detail, caught.value.detail
 
 
+def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):
+    """``KEY.JPG`` + ``KEY.TXT`` (cameras, Windows) and ``.jpg`` / ``.JPG`` in one tar: the
+    layout is detected and every pair kept, its bytes read from the tar's own members; a
+    sample holding ``KEY.jpg`` and ``KEY.JPG`` is counted ``duplicate_member``."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.reader import ShardReader
+
+    photos = [data for name, data, _, _ in corpus_photos if name.endswith(".jpg")][:3]
+    names = [("0.JPG", "0.TXT"), ("1.jpg", "1.Txt"), ("2.JPG", "2.txt", "2.jpg")]
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "upper.tar", "w") as tar:
+        for number, members in enumerate(names):
+            for name in members:
+                data = f"Photo {number}.".encode() if "txt" in name.lower() else photos[number]
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        index([str(tmp_path / "src")], str(tmp_path / "idx"),
+              IndexOptions(workers=0, progress=False, check="header"))
+    assert "layout pairs (detected" in err.getvalue(), err.getvalue()
+    reader = ShardReader(str(tmp_path / "idx"))
+    records = [reader.record(p) for p in range(len(reader))]
+    assert [(r["key"], r["text"]) for r in records] == [("0", "Photo 0."), ("1", "Photo 1.")]
+    assert [reader.media(p, r) for p, r in enumerate(records)] == [
+        {"jpg": photos[0]}, {"jpg": photos[1]}]
+    skipped = json.loads((tmp_path / "idx" / "report.json").read_text())["skipped_by_reason"]
+    assert list(skipped) == ["duplicate_member"] and "['2.jpg']" in \
+        skipped["duplicate_member"]["first"][0]["detail"]
+    # member names a map gives (--media-member JPG, an Energon field_map's) are lowercased too
+    made = synthesize({"jpg": photos[0], "txt": b"A photo.", "json": b'{"url": "u"}'},
+                      MemberMap("pairs", media="JPG", text="TXT", json="JSON"))
+    assert made.media == [("image", "jpg")] and made.source == {"url": "u"}
+
+
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):
     """``mimo-inspect report`` on both: the same token counts, every check passing (media
     metadata against samples.parquet too), with the cache beside the index."""

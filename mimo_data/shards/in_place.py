@@ -130,6 +130,12 @@ def index_shard(job: _Job) -> ShardResult:
                                              f"{job.name}/{sample.key} is in the Energon "
                                              "folder's .nv-meta/split.yaml exclude list"))
                         continue
+                    if sample.duplicates:
+                        result.skips.append(("duplicate_member", f"{job.name}:{sample.key}",
+                                             f"members {sample.duplicates} repeat a suffix of "
+                                             "the sample (suffixes are lowercased, as webdataset "
+                                             "reads them); rename or remove them"))
+                        continue
                     if sample.key in keys:
                         result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
                                              "the key occurs twice in the tar (not one after "

@@ -16,7 +16,9 @@
   conversation about the image.
 
 A member name may read a field of a JSON member (``json[caption]``, ``json[answers][0]``) and
-list alternatives (``jpg,png``: the first present), as Energon's ``field_map`` does.
+list alternatives (``jpg,png``: the first present), as Energon's ``field_map`` does. Member
+suffixes are lowercase (the tar walk lowercases them, as webdataset does), and so are the
+member names a map gives (``JPG`` reads ``KEY.jpg``; a JSON field keeps its case).
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ class MemberMap:
     json: str = "json"              # pairs: metadata kept in the record's source;
     #                                 conversation: the conversation; documents: the document
     question: str = ""              # vqa: the question member
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "json", self.json.lower())
 
     def describe(self) -> str:
         if self.layout == "pairs":
@@ -99,7 +104,7 @@ def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | 
         match = _ACCESS.match(option.strip())
         if match is None:
             raise RecordError("malformed_record", f"{what}: cannot read member spec {option!r}")
-        member, path = match["member"], re.findall(r"\[([^[\]]+)\]", match["path"])
+        member, path = match["member"].lower(), re.findall(r"\[([^[\]]+)\]", match["path"])
         if member not in members:
             continue
         if not path:
@@ -257,6 +262,7 @@ def detect(samples: list[dict[str, bytes]], json_member: str = "json") -> str | 
     """The layout of a tar's first samples' members: ``conversation`` when a JSON member holds
     a conversation, ``documents`` when it holds ``texts`` and ``images``, ``pairs`` when a
     medium sits beside a ``txt``; None: none of them."""
+    json_member = json_member.lower()
     for members in samples:
         if json_member in members:
             try:

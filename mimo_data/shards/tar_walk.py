@@ -6,7 +6,9 @@ The walk is ``tarfile``'s stream mode (``r|``) over a reader that hashes what pa
 tar iterators yield member bytes but not where they sit in the file, and ``TarInfo.offset_data``
 is that position. Members are grouped into samples as webdataset groups them (its
 ``base_plus_ext``: the key is the path up to the first dot of the file name, the rest the
-suffix; consecutive members of one key form a sample).
+suffix, lowercased as its ``group_by_keys`` does: ``KEY.JPG`` is the sample's ``jpg``;
+consecutive members of one key form a sample). Members are read by their data offsets, so the
+suffix is only their name in the index.
 
 A truncated tar ends either inside a member's data (``tarfile`` raises) or inside or instead of
 the next header, which ``tarfile`` takes for the end without a word; the walk checks that the
@@ -62,6 +64,7 @@ class Member:
 class Sample:
     key: str
     members: dict[str, Member]          # by suffix (``jpg``, ``0.png``), in tar order
+    duplicates: list[str] = field(default_factory=list)   # members whose suffix came before
 
 
 @dataclass
@@ -121,6 +124,7 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                 if key is None or suffix is None:
                     walked.stray.append(info.name)
                     continue
+                suffix = suffix.lower()                    # as webdataset's group_by_keys
                 if current is not None and current.key != key:
                     yield current                          # complete: the next one begins
                     current = None
@@ -131,6 +135,9 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                     raise tarfile.ReadError(f"unexpected end of data in {info.name}")
                 if current is None:
                     current = Sample(key, {})
+                if suffix in current.members:
+                    current.duplicates.append(info.name)
+                    continue
                 current.members[suffix] = Member(info.offset_data, info.size, zlib.crc32(data),
                                                  data)
             end = tar.offset
