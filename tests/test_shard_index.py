@@ -597,6 +597,17 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     assert made.media == [("image", "jpg")] and made.source == {"url": "u"}
 
 
+def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
+    """``--text-member 'json[caption]'``: the caption is the JSON's field, and the same JSON's
+    ``url`` and ``key`` still go to the record's ``source``."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+
+    meta = b'{"url": "https://example.com/a.jpg", "key": "000", "caption": "A cat."}'
+    made = synthesize({"jpg": b"", "json": meta}, MemberMap("pairs", text="json[caption]"))
+    assert made.fields["text"] == "A cat."
+    assert made.source == {"url": "https://example.com/a.jpg", "key": "000"}
+
+
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):
     """``mimo-inspect report`` on both: the same token counts, every check passing (media
     metadata against samples.parquet too), with the cache beside the index."""

@@ -251,7 +251,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     if any(marker in caption for marker in MARKERS.values()):
         raise RecordError("marker_mismatch", "a caption holds a media marker")
     source: dict[str, Any] = {}
-    if mapping.json in members and mapping.json != text[0]:
+    # the metadata member, also when the caption is one of its fields (``json[caption]``)
+    if mapping.json in members and not (text[0] == mapping.json and isinstance(text[1], bytes)):
         meta = _json(members, mapping.json)
         if isinstance(meta, dict):      # img2dataset: url, key, status, width, height ...
             source = {k: meta[k] for k in ("url", "key") if isinstance(meta.get(k), str | int)}
