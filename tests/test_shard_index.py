@@ -418,6 +418,28 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     assert code == 2 and "no *.tar files under it (1 compressed" in err, err
 
 
+def test_a_small_file_that_is_no_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
+    """A file shorter than one tar header (img2dataset's ``*_stats.json``, an empty file) is
+    named and refused (exit 2); a tar cut inside its first header still counts truncated."""
+    from mimo_data.shards.tar_walk import Walked, walk
+
+    (tmp_path / "src").mkdir()
+    stats = tmp_path / "src" / "00000_stats.json"
+    stats.write_text('{"count": 6, "successes": 6, "failed_to_download": 0}\n')
+    tar = shutil.copy(pairs.src / "pairs-000000.tar", tmp_path / "src" / "00000.tar")
+    (tmp_path / "src" / "empty.tar").write_bytes(b"")
+    for given, why in (([stats, tar, "--layout", "pairs"],
+                        f"{stats}: not a tar (54 bytes: shorter than one tar header"),
+                       ([stats], f"{stats}: not a tar (54 bytes"),
+                       ([tmp_path / "src" / "empty.tar"], "empty.tar: an empty file (0 bytes)")):
+        code, _, err = cli_main(capsys, "index", *given, "--output", tmp_path / "idx",
+                                "--workers", "0", "--no-progress")
+        assert code == 2 and why in err, err
+    walked = Walked()
+    cut = (pairs.src / "pairs-000000.tar").read_bytes()[:300]
+    assert list(walk(io.BytesIO(cut), walked)) == [] and "truncated header" in walked.truncated
+
+
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
 def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
     """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields, the first answer trains)

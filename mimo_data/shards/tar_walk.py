@@ -43,13 +43,32 @@ class NotATarError(ValueError):
     """The file is no tar (its first block is no tar header), not a truncated one."""
 
 
+def _cut_header(first: bytes) -> bool:
+    """Whether bytes shorter than a block are the start of a tar header: a name (no control
+    characters) ended by NUL padding before the cut, then, where the cut leaves them, an octal
+    mode and the ``ustar`` magic."""
+    name, nul, padding = first[:100].partition(b"\0")
+    mode = first[100:108]
+    return (bool(name) and bool(nul) and not padding.strip(b"\0")
+            and all(byte >= 0x20 for byte in name)
+            and not mode.strip(b"01234567 \0")
+            and (len(first) < 262 or first[257:262] == b"ustar"))
+
+
 def _not_a_tar(first: bytes) -> str | None:
-    """Why a file whose first header ``tarfile`` refused is no tar; None: too short to say
-    (a tar cut inside its first header)."""
+    """Why a file whose first header ``tarfile`` refused is no tar; None: a tar cut inside its
+    first header (its start reads as one)."""
     for magic, what in _MAGIC:
         if first.startswith(magic):
             return f"not a tar but {what}"
-    return "not a tar (its first 512 bytes are no tar header)" if len(first) == _BLOCK else None
+    if len(first) == _BLOCK:
+        return "not a tar (its first 512 bytes are no tar header)"
+    if not first:
+        return "an empty file (0 bytes), not a tar: remove it or fetch it again"
+    if _cut_header(first):
+        return None
+    return (f"not a tar ({len(first)} bytes: shorter than one tar header and not the start of "
+            "one; a metadata file such as img2dataset's *_stats.json? give only the tars)")
 
 
 @dataclass
