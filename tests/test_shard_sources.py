@@ -277,3 +277,36 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
     assert _media(record, members, "video") == [clip.read_bytes()]
     assert record["messages"][0]["content"] == (
         "<image>\n<audio>\nCompare the image, the sound and the clip.\n<video>\n<image>")
+
+
+def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, assets):
+    """``--messages-column texts`` makes a ``texts`` column the conversation (not documents);
+    the_cauldron's ``texts`` (``{user, assistant, source}`` exchanges, no markers) is read as
+    a conversation unasked, its images before the first user text."""
+    jpeg, png = assets["jpeg"].read_bytes(), assets["png"].read_bytes()
+    exchange = pa.struct([("user", pa.string()), ("assistant", pa.string()),
+                          ("source", pa.string())])
+    images = pa.array([[{"bytes": jpeg, "path": None}],
+                       [{"bytes": jpeg, "path": None}, {"bytes": png, "path": None}]],
+                      pa.list_(MEDIA))
+    named = tmp_path / "named.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "images": images, "texts": pa.array(
+        [[{"role": "user", "content": "<image>\nWhat?"}],
+         [{"role": "user", "content": "<image><image>\nBoth?"}]],
+        pa.list_(MESSAGE))}), named)
+    cauldron = tmp_path / "cauldron.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "images": images, "texts": pa.array(
+        [[{"user": "What?", "assistant": "A.", "source": "vqav2"}],
+         [{"user": "Both?", "assistant": "B.", "source": "x"},
+          {"user": "Again?", "assistant": "C.", "source": "x"}]], pa.list_(exchange))}),
+        cauldron)
+    build_dataset([named], tmp_path / "named", columns={"conversation": "texts"})
+    build_dataset([cauldron], tmp_path / "cauldron")
+    for out in ("named", "cauldron"):
+        samples = _samples_by_id(tmp_path / out)
+        assert samples["a"][0]["messages"][0] == {"role": "user", "content": "<image>\nWhat?"}
+        assert _media(*samples["b"], "image") == [jpeg, png]
+    assert samples["b"][0]["messages"] == [
+        {"role": "user", "content": "<image>\n<image>\nBoth?"},
+        {"role": "assistant", "content": "B."}, {"role": "user", "content": "Again?"},
+        {"role": "assistant", "content": "C."}]

@@ -54,7 +54,10 @@ def normalize_messages(turns) -> list[dict]:
         speaker = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         if speaker is None or content is None:
-            raise RecordError("malformed_record", f"turn {i} needs role/content or from/value")
+            keys = sorted(key for key, value in turn.items() if value is not None)
+            raise RecordError("malformed_record", f"turn {i} has keys {keys}: a turn needs "
+                              "role/content or from/value (`mimo-shard build` also reads a "
+                              "list of {user, assistant} exchanges, the_cauldron's 'texts')")
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "

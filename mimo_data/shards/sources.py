@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from mimo_data.modalities import MODALITIES
+from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import RecordError
 
 
@@ -102,6 +103,25 @@ def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
                               f"{media_field(modality)!r}")
         merged[modality] = named
     return merged
+
+
+def exchanges(turns, media: dict[str, list]):
+    """``turns`` as role/content messages when they are the_cauldron's ``{user, assistant}``
+    exchanges (else as they are); without a marker in them, ``media``'s items go before the
+    first user text, where Idefics2 trained on them."""
+    if not (isinstance(turns, list) and turns and all(
+            isinstance(t, dict) and "user" in t and "assistant" in t
+            and not {"role", "from"} & t.keys() for t in turns)):
+        return turns
+    messages = [{"role": role, "content": turn[role]} for turn in turns
+                for role in ("user", "assistant")]
+    first = messages[0]["content"]
+    if isinstance(first, str) and not any(
+            isinstance(m["content"], str) and marker in m["content"]
+            for m in messages for marker in MARKERS.values()):
+        lead = "".join(f"{MARKERS[name]}\n" * len(items) for name, items in media.items())
+        messages[0] = {"role": "user", "content": lead + first}
+    return messages
 
 
 def _as_list(value) -> list:
@@ -184,6 +204,7 @@ class ConversationFile:
         if "caption" in record and turns is None:
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
+        turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns))
 
@@ -227,14 +248,25 @@ class ParquetTable:
     """Hugging Face style tables: a media column per modality (``images``/``image``,
     ``audios``/``audio``, ``videos``/``video``) of ``{bytes, path}`` structs (or lists of them)
     or path strings; the conversation as a list of turns or a JSON string. A table with a
-    ``texts`` column holds interleaved documents (OBELICS / MINT-1T, with ``images``); one
-    with a ``caption`` column and no conversation, caption pairs."""
+    ``texts`` column holds interleaved documents (OBELICS / MINT-1T, with ``images``) unless
+    its items are ``{user, assistant}`` exchanges (the_cauldron: a conversation); one with a
+    ``caption`` column and no conversation, caption pairs. A column named on the command line
+    decides the kind."""
 
     def __init__(self, path: str, media_root: str | None = None, columns: dict | None = None):
         self.path = path
         self.media_root = media_root or os.path.dirname(os.path.abspath(path))
-        names = set(pq.ParquetFile(path).schema_arrow.names)
-        wanted = columns or {}
+        schema = pq.ParquetFile(path).schema_arrow
+        names = set(schema.names)
+        wanted = dict(columns or {})
+        named = [role for role in ("texts", "conversation", "caption") if wanted.get(role)]
+        if len(named) > 1:
+            raise SourceError(f"{path}: --texts-column, --messages-column and --caption-column "
+                              "each choose what a row is (a document, a conversation, a "
+                              "caption pair): give one")
+        if not named and "texts" in names and not wanted.get("conversation") and \
+                _holds_exchanges(schema.field("texts").type):
+            named, wanted["conversation"] = ["conversation"], "texts"
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
                             ("id", ("id",), False),
@@ -242,6 +274,9 @@ class ParquetTable:
                             ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
                               for name in MODALITIES))}
+        for role in ("texts", "conversation", "caption"):
+            if named and role != named[0]:
+                self.columns[role] = None        # the named column decides what a row is
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found:
             raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
@@ -277,7 +312,15 @@ class ParquetTable:
         turns = record[column["conversation"]]
         if isinstance(turns, (str, bytes)):
             turns = _json_value(turns)
+        turns = exchanges(turns, media)
         return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns))
+
+
+def _holds_exchanges(kind: pa.DataType) -> bool:
+    """Whether a column's type is a list of ``{user, assistant, ...}`` structs."""
+    item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
+    return item is not None and pa.types.is_struct(item) and \
+        {"user", "assistant"} <= {item.field(i).name for i in range(item.num_fields)}
 
 
 def _json_value(raw):
