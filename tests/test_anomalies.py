@@ -7,6 +7,7 @@
 - an exploding learning rate makes the gradient norm non-finite: each such step is skipped
   (recorded with its samples, no weight moves), and past ``train.max_skipped_steps`` the run
   stops on every rank with one message and exit status 1, the records written;
+- the spike run's evaluation (on a copy of its shards) leaves the spike step's samples alone;
 - the spike run's peak memory (``memory_mib``: the rank's growth from before the model build)
   is what ``mimo_train.planning.memory`` predicts for it, within 25%.
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 
@@ -25,11 +27,14 @@ SPIKE_SEED = 6
 @pytest.fixture(scope="module")
 def spike(ranks, planted, tmp_path_factory):  # noqa: F811
     """SmolLM2 (learning rate 0: its own losses) over one epoch of batches of two, fp32, one
-    rank: (exit status, output, records)."""
+    rank, evaluated at the last step on a copy of the shards (``data.valid``): (exit status,
+    output, records)."""
     shards, preprocess, _ = planted
+    tmp = tmp_path_factory.mktemp("spike")
+    valid = shutil.copytree(shards, tmp / "valid")
     return train_planted(
-        ranks, tmp_path_factory.mktemp("spike"), "spike", f"data.datasets=[{shards}]",
-        f"data.preprocess={preprocess}",
+        ranks, tmp, "spike", f"data.datasets=[{shards}]", f"data.valid=[{valid}]",
+        "train.eval_interval=6", f"data.preprocess={preprocess}",
         "layout=language=dp1", f"model.language.pretrained={SMOLLM2}", "model.encoders={}",
         "model.language.num_layers=null", "model.language.hidden_size=null",
         "model.language.num_attention_heads=null", "optimizer.lr=0", "optimizer.min_lr=0",
@@ -42,7 +47,8 @@ def test_a_planted_sample_spikes_its_step_and_is_named(spike, planted):  # noqa:
     """The spike run (``spike``), whose seed puts the planted sample in the last of its 6
     steps (the spike window's first half seen two steps before, with spike-free steps checked
     on either side of a logging step): that step, and no other, is recorded as a spike, its
-    samples (dataset, key, tokens) in the record."""
+    samples (dataset, key, tokens) in the record: the step's two training samples, not the
+    evaluation's that follows it."""
     shards, preprocess, key = planted
     code, output, records = spike
     assert code == 0, output[-4000:]

@@ -330,14 +330,14 @@ class Trainer:
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
-        iterator = self.batches(self.loader)
+        iterator = self.batches(self.loader, self.cfg.data.datasets)
         with ExitSignals(run.exit_signals) as signals, self.profile:
             while self.step < run.steps:
                 self.doing = f"step {self.step + 1}"
                 self.profile.before(self.step + 1)
                 values, skipped = self.train_step(iterator)
                 self.profile.after(self.step)
-                self.samples[self.step] = self.step_samples
+                self.samples[self.step], self.step_samples = self.step_samples, []
                 read = self.metrics.log(values)
                 self._saved(self.saver.poll() if self.saver else [])
                 if run.eval_interval and self.step % run.eval_interval == 0:
@@ -381,15 +381,17 @@ class Trainer:
             self.samples.clear()
         return self.watch.over_limit()
 
-    def batches(self, loader):
-        """Micro-batches on ranks with data (across epochs), None elsewhere."""
+    def batches(self, loader, datasets: list[str] | None = None):
+        """Micro-batches on ranks with data (across epochs), None elsewhere; with ``datasets``
+        (the loader's directories, training only) their samples go to ``step_samples``."""
         if loader is None:
             return None
 
         def stream():
             while True:
                 for batch, metadata in loader:
-                    self.step_samples += step_samples(metadata, self.cfg.data.datasets)
+                    if datasets is not None:
+                        self.step_samples += step_samples(metadata, datasets)
                     self.flops.add(metadata)
                     yield batch
         return stream()
