@@ -7,7 +7,8 @@
 - an exploding learning rate makes the gradient norm non-finite: each such step is skipped
   (recorded with its samples, no weight moves), and past ``train.max_skipped_steps`` the run
   stops on every rank with one message and exit status 1, the records written;
-- the spike run's evaluation (on a copy of its shards) leaves the spike step's samples alone;
+- the spike run's evaluation (on a copy of its shards) covers the validation set once although
+  ``train.eval_steps`` asks for more, and leaves the spike step's samples alone;
 - the spike run's peak memory (``memory_mib``: the rank's growth from before the model build)
   is what ``mimo_train.planning.memory`` predicts for it, within 25%.
 """
@@ -27,14 +28,14 @@ SPIKE_SEED = 6
 @pytest.fixture(scope="module")
 def spike(ranks, planted, tmp_path_factory):  # noqa: F811
     """SmolLM2 (learning rate 0: its own losses) over one epoch of batches of two, fp32, one
-    rank, evaluated at the last step on a copy of the shards (``data.valid``): (exit status,
-    output, records)."""
+    rank, evaluated at the last step on a copy of the shards (``data.valid``: 6 global batches,
+    train.eval_steps 8): (exit status, output, records)."""
     shards, preprocess, _ = planted
     tmp = tmp_path_factory.mktemp("spike")
     valid = shutil.copytree(shards, tmp / "valid")
     return train_planted(
         ranks, tmp, "spike", f"data.datasets=[{shards}]", f"data.valid=[{valid}]",
-        "train.eval_interval=6", f"data.preprocess={preprocess}",
+        "train.eval_interval=6", "train.eval_steps=8", f"data.preprocess={preprocess}",
         "layout=language=dp1", f"model.language.pretrained={SMOLLM2}", "model.encoders={}",
         "model.language.num_layers=null", "model.language.hidden_size=null",
         "model.language.num_attention_heads=null", "optimizer.lr=0", "optimizer.min_lr=0",
@@ -67,6 +68,25 @@ def test_a_planted_sample_spikes_its_step_and_is_named(spike, planted):  # noqa:
     assert [spike["step"] for spike in spikes] == [6], (losses, spikes)
     from mimo_data.inspect.cli import main
     assert main(["sample", str(shards), "--config", str(preprocess), "--key", key]) == 0
+
+
+def test_an_evaluation_counts_each_validation_sample_once(spike):
+    """``train.eval_steps`` 8 over a validation set of 6 global batches (the training set's
+    copy: the same order, so with learning rate 0 its losses) runs those 6: start-up says so
+    and names the set's size; the evaluation's tokens are the epoch's trained tokens, its loss
+    their mean over the training steps."""
+    code, output, records = spike
+    assert code == 0, output[-4000:]
+    assert ("mimo-train: train.eval_steps 8 is more than the validation set's 6 global "
+            "batch(es) an epoch: each evaluation runs 6, every validation sample once") in output
+    assert "mimo-train: validation set: 12 samples, 12 kept; 6 step(s) an epoch; 6 step(s) of " \
+        "2 samples per evaluation, the same each time" in output, output[-4000:]
+    train = [r for r in records if "loss" in r]
+    (evaluation,) = [r for r in records if "eval_loss" in r]
+    assert evaluation["step"] == 6 and len(train) == 6
+    assert evaluation["eval_tokens"] == sum(r["tokens"] for r in train)
+    assert evaluation["eval_loss"] == pytest.approx(
+        sum(r["loss"] * r["tokens"] for r in train) / evaluation["eval_tokens"], rel=1e-5)
 
 
 def test_the_memory_model_predicts_the_peak_of_the_run(spike, planted):  # noqa: F811

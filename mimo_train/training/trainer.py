@@ -120,6 +120,7 @@ class Trainer:
         self.loader, self.valid_loader = phase(
             "data", lambda loaders: "data loaders ready" + (
                 f": {loaders[0].summary()}" if loaders[0] is not None else ""), self._loaders)
+        self.eval_steps = self._eval_steps() if cfg.data.valid else 0
         self.step = 0
         self.lora_bases: list[dict] | None = None  # a LoRA run's fixed weights: path, digest
         self.doing = "step 1"                   # what run() is doing: named if it fails
@@ -265,6 +266,22 @@ class Trainer:
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
         check_even_split(train_source, self.layout)
         return loader(train_source), valid_source and loader(valid_source)
+
+    def _eval_steps(self) -> int:
+        """Global batches per evaluation: ``train.eval_steps``, at most one epoch of
+        ``data.valid`` so each validation sample counts once (collective: a rank that reads
+        the set tells every rank its size). Rank 0 says the set's size, and the clamp."""
+        valid, run = self.valid_loader, self.cfg.train
+        mine = (valid.summary(), valid.steps_per_epoch) if valid is not None else None
+        summary, per_epoch = next(v for v in distributed.gather(mine) if v is not None)
+        steps = min(run.eval_steps, per_epoch)
+        if steps < run.eval_steps:
+            say(f"{PREFIX}train.eval_steps {run.eval_steps} is more than the validation set's "
+                f"{per_epoch} global batch(es) an epoch: each evaluation runs {steps}, every "
+                "validation sample once")
+        say(f"{PREFIX}validation set: {summary}; {steps} step(s) of {run.global_batch_size} "
+            f"samples per evaluation, the same each time")
+        return steps
 
     def _wire_schedule(self) -> None:
         config = self.model.config
@@ -472,14 +489,15 @@ class Trainer:
         return values, anomaly
 
     def evaluate(self) -> dict:
-        """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``."""
+        """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``
+        (at most its epoch: ``_eval_steps``), the same batches at every evaluation."""
         state = self.valid_loader.state_dict() if self.valid_loader is not None else None
         iterator = self.batches(self.valid_loader)
         for module in self.modules.values():
             module.eval()
         sums = []
         with torch.no_grad():
-            for _ in range(self.cfg.train.eval_steps):
+            for _ in range(self.eval_steps):
                 sums.append(self.forward_backward(iterator, forward_only=True))
         total, tokens = torch.stack(sums).sum(0).tolist()
         for module in self.modules.values():
