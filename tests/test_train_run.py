@@ -274,6 +274,41 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     assert min(record["lrs"].values()) > 3e-4     # the checkpoint's schedule: its min_lr
 
 
+@pytest.mark.parametrize("steps", [12, 10])
+def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, capsys, steps):
+    """Resuming the checkpoint of step 12 with train.steps 12 or 10 (in process: the
+    trainer's resume and loop with the checkpoint's load and the model stubbed): one line
+    says nothing is left to train, and no schedule note says the LR decay changed."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from mimo_train.components.anomalies import Watch
+    from mimo_train.training import trainer as module
+
+    monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
+    monkeypatch.setattr(module, "distributed", SimpleNamespace(gather=lambda value: [value]))
+    monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
+        check=lambda *args: {}, load=lambda *args: (12, {"language": {
+            "train.steps": (12, steps)} if steps != 12 else {}})))
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.cfg = SimpleNamespace(
+        train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
+                              global_batch_size=4, micro_batch_size=2),
+        checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]))
+    trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
+    trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
+    trainer.device = torch.device("cpu")
+    trainer.loader, trainer.saver, trainer.samples = None, None, {}
+    trainer.watch, trainer.profile = Watch(0, 0.0, 1), nullcontext()
+    trainer.metrics = SimpleNamespace(records=[], flush=lambda: [], close=lambda: None)
+    trainer._resume("ck/step_0000012")
+    assert trainer._train() == []
+    output = capsys.readouterr().out
+    assert f"mimo-train: the checkpoint at step 12 is at or past train.steps={steps}: " \
+        "nothing to train\n" in output, output
+    assert "LR decay" not in output and "layout" not in output, output
+
+
 def test_schedule_notes_name_each_changed_setting():
     """One line per changed setting (warmup and weight decay too), the modules with the same
     change in one line; none for what did not change."""

@@ -231,8 +231,10 @@ class Trainer:
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
-        # the LR schedules follow this run's config; gathered once every rank has loaded
-        for note in schedule_notes(self.step, distributed.gather(changes)):
+        # the LR schedules follow this run's config; gathered once every rank has loaded (no
+        # note when nothing is left to train: _train says so)
+        notes = schedule_notes(self.step, distributed.gather(changes))
+        for note in notes if self.step < self.cfg.train.steps else ():
             say(PREFIX + note)
 
     def layer_offset(self, name: str) -> int:
@@ -344,6 +346,11 @@ class Trainer:
 
     def _train(self) -> list[dict]:
         run, every = self.cfg.train, self.cfg.checkpoint.interval
+        if self.step >= run.steps:          # a resumed checkpoint already there
+            say(f"{PREFIX}the checkpoint at step {self.step} is at or past train.steps="
+                f"{run.steps}: nothing to train")
+            self.metrics.close()
+            return self.metrics.records
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
