@@ -499,3 +499,38 @@ def test_missing_input_path_names_the_key_and_the_resolved_path(tmp_path, text, 
         cfg.check_inputs()
     assert fragment.format(tmp=tmp_path, parent=tmp_path.parent, cwd=os.getcwd()) in \
         str(error.value)
+
+
+def test_checkpoint_interval_without_a_dir_is_noted_and_keep_last_is_checked():
+    """``checkpoint.interval`` without ``checkpoint.dir`` saves nothing: a start-up note says
+    so (the trainer prints it); ``checkpoint.keep_last`` takes a count of 1 or more."""
+    base = ["data.datasets=[unused]"]
+    note = TrainConfig.load(None, [*base, "checkpoint.interval=5"]).checkpoint.note()
+    assert note == ("checkpoint.interval 5 is set but checkpoint.dir is not: no checkpoint "
+                    "will be saved (set checkpoint.dir to save)")
+    assert TrainConfig.load(None, [*base, "checkpoint.interval=5",
+                                   "checkpoint.dir=ck"]).checkpoint.note() is None
+    assert TrainConfig.load(None, base).checkpoint.note() is None
+    assert TrainConfig.load(None, [*base, "checkpoint.keep_last=2"]).checkpoint.keep_last == 2
+    with pytest.raises(TrainConfigError, match="checkpoint.keep_last"):
+        TrainConfig.load(None, [*base, "checkpoint.keep_last=0"])
+
+
+def test_a_loader_state_of_another_seed_or_data_is_refused_in_config_terms():
+    """The loader's resume refusals name what the config sets (``train.seed``,
+    ``train.global_batch_size``), not the loader's Python arguments."""
+    from types import SimpleNamespace
+
+    from mimo_data.loading.loader import STATE_FORMAT, STATE_VERSION, LoaderError, RankLoader
+    loader = SimpleNamespace(source=SimpleNamespace(fingerprint="b" * 64),
+                             order=SimpleNamespace(seed=2, global_batch_size=4))
+    state = {"format": STATE_FORMAT, "version": STATE_VERSION, "fingerprint": "b" * 64,
+             "seed": 1, "global_batch_size": 4}
+    with pytest.raises(LoaderError, match=r"seed 1, this run 2: set train\.seed=1 "):
+        RankLoader.load_state_dict(loader, state)            # type: ignore[arg-type]
+    with pytest.raises(LoaderError, match=r"needs train\.global_batch_size=8"):
+        RankLoader.load_state_dict(loader, {**state, "global_batch_size": 8})  # type: ignore
+    with pytest.raises(LoaderError) as refused:
+        RankLoader.load_state_dict(loader, {**state, "fingerprint": "a" * 64})  # type: ignore
+    assert "allow_fingerprint_mismatch" not in str(refused.value)
+    assert "model.init_from=CHECKPOINT" in str(refused.value)

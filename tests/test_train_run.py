@@ -888,3 +888,47 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     assert message.startswith(f"checkpoint {step} is damaged: "), message
     assert expected in message, message
     assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
+
+
+def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
+    """``checkpoint.keep_last``'s pruning (rank 0, once ``latest`` names the save just
+    completed): the newest N complete checkpoints up to it stay, and whatever ``latest``
+    names; older ones go, with the interrupted saves among them; later ones (another run's,
+    or being written) stay."""
+    from mimo_train.components.checkpoint import prune
+
+    for step, complete in ((2, True), (4, False), (6, True), (8, True), (10, True),
+                           (12, True)):
+        (tmp_path / f"step_{step:07d}").mkdir()
+        if complete:
+            (tmp_path / f"step_{step:07d}" / "integrity.json").write_text("{}")
+    (tmp_path / "latest").write_text("step_0000010")
+    deleted = prune(str(tmp_path), 2, str(tmp_path / "step_0000010"))
+    assert [os.path.basename(d) for d in deleted] == ["step_0000002", "step_0000004",
+                                                      "step_0000006"]
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == [
+        "step_0000008", "step_0000010", "step_0000012"]
+    (tmp_path / "latest").write_text("step_0000008")        # latest names an older one
+    assert prune(str(tmp_path), 1, str(tmp_path / "step_0000010")) == []
+
+
+def test_a_checkpoint_with_modules_this_model_lacks_is_refused_naming_them(setup):
+    """The image + audio + language checkpoint resumed by a model without audio: refused in
+    the check phase naming the module (not later as a loader state "for other data"); its
+    weights into such a model (``model.init_from``) are not refused for it."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.checkpoint import check
+    from mimo_train.errors import CheckpointError
+
+    tmp, _, _ = setup
+    step = tmp / "full-ckpt" / "step_0000003"
+    model = SimpleNamespace(sharded_state_dict=dict, mimo_config=SimpleNamespace(
+        modality_submodules_spec={"image": None}))
+    with pytest.raises(CheckpointError) as refused:
+        check(str(step), model, 4)
+    assert str(refused.value).startswith(
+        f"checkpoint {step} holds module(s) audio that this run's model lacks (the "
+        "checkpoint's modules: audio, image, language; this run's: image, language)")
+    assert f"model.init_from={step}" in str(refused.value)
+    assert check(str(step), model, None)["step"] == 3

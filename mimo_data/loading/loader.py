@@ -628,16 +628,16 @@ class RankLoader:
                 "preprocessing drops), so the order would not continue where it stopped. Use "
                 "the same datasets and config; to train the checkpoint's weights on other "
                 "data, start a new run from them (model.init_from=CHECKPOINT, another "
-                "checkpoint.dir); a loader built with allow_fingerprint_mismatch=True resumes "
-                "at the same epoch and position in the new order")
+                "checkpoint.dir: a new optimizer and sample stream); mimo-train has no key "
+                "that resumes the old position in another order")
         if state["global_batch_size"] != self.order.global_batch_size:
             raise LoaderError(f"the loader state has global batch {state['global_batch_size']}, "
-                              f"this loader {self.order.global_batch_size}: resuming exactly "
-                              "needs the same global batch size")
+                              f"this run {self.order.global_batch_size}: resuming exactly "
+                              f"needs train.global_batch_size={state['global_batch_size']}")
         if state["seed"] != self.order.seed:
-            raise LoaderError(f"the loader state has seed {state['seed']}, this loader "
-                              f"{self.order.seed}: build the loader with seed={state['seed']} "
-                              "to continue the same order")
+            raise LoaderError(f"the loader state has seed {state['seed']}, this run "
+                              f"{self.order.seed}: set train.seed={state['seed']} (the "
+                              "loader's seed) to continue the same order")
         offset = state["sample_offset"]
         if offset % self.global_micro_batch_size or offset >= self.order.samples_per_epoch:
             raise LoaderError(

@@ -149,9 +149,11 @@ class Saver:
     ``latest``). Otherwise ``save`` writes and finalizes before it returns. One save is in
     flight at a time: the next waits for the previous."""
 
-    def __init__(self, root: str, asynchronous: bool):
+    def __init__(self, root: str, asynchronous: bool, keep_last: int | None = None):
+        """``keep_last``: once a save is complete, older checkpoints beyond the newest
+        ``keep_last`` are deleted (``prune``); None: all are kept."""
         use_forked_write_results()
-        self.root = root
+        self.root, self.keep_last = root, keep_last
         self.queue = AsyncCallsQueue() if asynchronous else None
         self.pending: list[str] = []       # directories being written, oldest first
 
@@ -159,7 +161,7 @@ class Saver:
         """Start (or, synchronously, do) the save of ``state`` at ``step``; its directory."""
         self.wait()
         directory = step_dir(self.root, step)
-        request = _save_request(self.root, directory, step, state, meta)
+        request = _save_request(self.root, directory, step, state, meta, self.keep_last)
         if self.queue is None:
             try:
                 request.execute_sync()
@@ -189,6 +191,26 @@ class Saver:
         return finished
 
 
+def prune(root: str, keep_last: int, current: str) -> list[str]:
+    """Delete the step directories of ``root`` older than its newest ``keep_last`` complete
+    checkpoints up to ``current`` (the one just completed, which ``latest`` names); never
+    ``current``, the one ``latest`` names, nor one after ``current`` (being written, or a
+    run's that resumed an earlier one). Rank 0, once ``latest`` is written; the deleted
+    directories."""
+    names = sorted(name for name in os.listdir(root) if re.fullmatch(r"step_\d{7}", name))
+    upto = [name for name in names if name <= os.path.basename(current)]
+    complete = [name for name in upto if os.path.isfile(os.path.join(root, name, MANIFEST))]
+    kept = set(complete[-keep_last:]) | {os.path.basename(current)}
+    named = latest(root)
+    if named:
+        kept.add(os.path.basename(named))
+    oldest = min(kept)
+    deleted = [os.path.join(root, name) for name in upto if name < oldest]
+    for directory in deleted:
+        shutil.rmtree(directory, ignore_errors=True)
+    return deleted
+
+
 def _writers_cause(error: CheckpointException, directory: str) -> Exception:
     """What made a save fail (a full disk's OSError ...): torch's CheckpointException is a
     BaseException, which the run's handlers (one message, not a traceback from every rank)
@@ -198,10 +220,11 @@ def _writers_cause(error: CheckpointException, directory: str) -> Exception:
                 CheckpointError(f"writing {directory}: {error.args[0]}"))
 
 
-def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict):
+def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict,
+                  keep_last: int | None = None):
     """megatron-core's request for the save of ``state`` into ``directory`` (collective), its
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
-    and ``latest`` (rank 0), in that order."""
+    and ``latest`` (rank 0), in that order, then (``keep_last``) ``prune``."""
     rank = dist.get_rank()
     if rank == 0:                     # what an interrupted save at this step left
         shutil.rmtree(directory, ignore_errors=True)
@@ -223,6 +246,8 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                 write_atomic(os.path.join(root, LATEST), os.path.basename(directory).encode())
             except (IntegrityError, OSError) as error:
                 problem = f"{type(error).__name__}: {error}"
+            if problem is None and keep_last:
+                prune(root, keep_last, directory)
         problem = distributed.broadcast(problem, src=0)    # every rank stops, none waits
         if problem:
             raise CheckpointError(f"checkpoint {directory} was not completed ({problem}); "
@@ -350,6 +375,7 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
     _check_adapters(directory, {t.key for t in sharded if hasattr(t, "key")}, saved, meta)
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
+    _check_modules(directory, model, saved, global_batch_size is not None)
     missing = sorted(set(wanted) - set(saved))
     if missing:
         pretrained = (meta.get("config") or {}).get("model", {}).get("pretrained")
@@ -372,6 +398,34 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
                     "model.language.vocab_size to the checkpoint's rows" if rows
                     else "it was saved for another model configuration"))
     return meta
+
+
+def _saved_modules(keys) -> set[str]:
+    """The module names of a checkpoint's weight keys (``language_model.module.…``: language,
+    ``modality_submodules.<name>.module.…``: <name>)."""
+    found = {key.split(".module.")[0] for key in keys
+             if ".module." in key and not key.startswith("optimizer.")}
+    return {"language" if name == "language_model" else name.removeprefix(
+        "modality_submodules.") for name in found}
+
+
+def _check_modules(directory: str, model, saved, resuming: bool) -> None:
+    """To resume, the checkpoint holds no module this run's model lacks (whichever ranks
+    hold them): its weights and optimizer state would be dropped."""
+    config = getattr(model, "mimo_config", None)
+    if not resuming or config is None:
+        return
+    ours = {"language", *config.modality_submodules_spec}
+    theirs = _saved_modules(saved)
+    extra = sorted(theirs - ours)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {directory} holds module(s) {', '.join(extra)} that this run's model "
+            f"lacks (the checkpoint's modules: {', '.join(sorted(theirs))}; this run's: "
+            f"{', '.join(sorted(ours))}): resuming would drop their weights and optimizer "
+            "state. Resume with a layout and model.encoders that have them, or start a new "
+            f"run from the weights of the modules you keep: model.init_from={directory} and "
+            "another checkpoint.dir")
 
 
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:

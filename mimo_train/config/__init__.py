@@ -319,6 +319,16 @@ class CheckpointConfig:
     interval: Count = 0                               # 0: only at the end
     resume: bool = True                               # continue from dir's latest checkpoint
     async_save: bool = False                          # write in the background (``Saver``)
+    # keep the newest N checkpoints, deleting older step directories once a save is complete
+    # (None: keep all)
+    keep_last: Positive | None = None
+
+    def note(self) -> str | None:
+        """A start-up note when ``interval`` is set but nothing can be saved."""
+        if self.interval and not self.dir:
+            return (f"checkpoint.interval {self.interval} is set but checkpoint.dir is not: "
+                    "no checkpoint will be saved (set checkpoint.dir to save)")
+        return None
 
 
 @dataclass

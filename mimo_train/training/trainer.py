@@ -134,8 +134,10 @@ class Trainer:
             cfg.checkpoint.dir, cfg.checkpoint.resume)) if cfg.checkpoint.dir else None
         if resume:
             self._resume(resume)
-        self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save) \
-            if cfg.checkpoint.dir else None
+        self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save,
+                                      cfg.checkpoint.keep_last) if cfg.checkpoint.dir else None
+        if note := cfg.checkpoint.note():
+            say(PREFIX + note)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
                                cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory,
