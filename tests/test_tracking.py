@@ -69,6 +69,61 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         assert items["train/tokens"] == train[step]["tokens"]
         assert items["train/lr"] == pytest.approx(train[step]["lr"], rel=1e-12)
         assert "forward_s/language" in items
+        # every token of the samples beside the trained ones (the loss's targets)
+        assert items["train/sequence_tokens"] == train[step]["sequence_tokens"] > \
+            train[step]["tokens"] > 0
+    lines = [line for line in output.splitlines() if line.startswith("step ")]
+    assert len(lines) == 2 and all(" trained tok/s " in line and " seq tok/s " in line
+                                   for line in lines), lines
+    # the shipped config's checkpoint.interval, its checkpoint.dir overridden to null
+    assert "mimo-train: checkpoint.interval 15 is set but checkpoint.dir is not: no " \
+        "checkpoint will be saved" in output, output[-3000:]
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path):
+    """The W&B run's id is kept in checkpoint.dir when the run starts; a run resuming a
+    checkpoint there resumes that W&B run (``resume="allow"``); a new run starts a new one,
+    and an id in the config wins. In process, wandb faked."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.metrics import WANDB_ID, wandb_run
+    from mimo_train.config import WandbConfig
+    calls: list[dict] = []
+    sdk = SimpleNamespace(init=lambda **kwargs: calls.append(kwargs) or kwargs,
+                          Settings=lambda **kwargs: kwargs)
+    settings = WandbConfig(project="p", name="n", mode="offline")
+    first = wandb_run(sdk, settings, {"a": 1}, str(tmp_path), 0)
+    assert (tmp_path / WANDB_ID).read_text() == first["id"] and first["resume"] == "allow"
+    assert len(first["id"]) == 8 and first["config"] == {"a": 1}
+    assert wandb_run(sdk, settings, None, str(tmp_path), 12)["id"] == first["id"]
+    again = wandb_run(sdk, settings, None, str(tmp_path), 0)          # a new run
+    assert again["id"] != first["id"] and (tmp_path / WANDB_ID).read_text() == again["id"]
+    given = WandbConfig(project="p", id="mine")
+    assert wandb_run(sdk, given, None, str(tmp_path), 12)["id"] == "mine"
+    assert "id" not in wandb_run(sdk, settings, None, None, 0)       # no checkpoint.dir
+
+
+def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):
+    """A run that died after step 6 with its checkpoint at step 4: the resumed run's records
+    file keeps steps 1-4 (its evaluation at 4 too) and a note saying why 5-6 went; the torn
+    last line of a killed writer goes too. Nothing after the step: the file is untouched."""
+    import json
+
+    from mimo_train.components.metrics import drop_after
+    path = tmp_path / "records.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in range(1, 7)]
+    lines.insert(4, json.dumps({"step": 4, "eval_loss": 2.0}))
+    path.write_text("\n".join(lines) + "\n" + '{"step": 7, "lo')
+    drop_after(str(path), 4)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], "eval_loss" in r) for r in records[:-1]] == \
+        [(1, False), (2, False), (3, False), (4, False), (4, True)]
+    assert records[-1] == {"step": 4, "note": "records of steps 5-6 and 1 unreadable line(s) "
+                           "dropped: the run resumed from the checkpoint of step 4 and trains "
+                           "the steps after it again"}
+    before = path.read_text()
+    drop_after(str(path), 4)
+    assert path.read_text() == before
 
 
 def test_wandb_without_the_package_is_refused(monkeypatch):

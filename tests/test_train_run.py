@@ -225,14 +225,33 @@ def test_records_and_step_lines_carry_the_model_flops(setup):
 
 def test_resume_continues_the_exact_sample_stream(ranks, setup):
     """The step-3 checkpoint resumed under the same layout: steps 4-6 and the evaluation at 6
-    are exactly the uninterrupted run's."""
+    are exactly the uninterrupted run's. As after a crash past step 3, the records file and
+    TensorBoard already hold steps 1-6 (the full run's): steps 4-6 are in each once, the
+    file's with a note; ``checkpoint.keep_last=1`` deletes step 3 once step 6 is saved."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     tmp, common, full = setup
     root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / "resume")
-    resumed = _train(ranks, tmp, "resumed", root, *common)
+    shutil.copy(tmp / "full.jsonl", tmp / "crashed.jsonl")
+    shutil.copytree(tmp / "tb", tmp / "tb-resumed")
+    _train(ranks, tmp, "resumed", root, *common, "checkpoint.keep_last=1",
+           f"train.tensorboard_dir={tmp / 'tb-resumed'}", "--records", tmp / "crashed.jsonl")
+    records = read_records(tmp / "crashed.jsonl")
+    (note,) = [i for i, r in enumerate(records) if "note" in r]
+    before, resumed = records[:note], records[note + 1:]
+    assert before == [r for r in full if r["step"] <= 3]
+    assert records[note] == {"step": 3, "note": "records of steps 4-6 dropped: the run resumed "
+                             "from the checkpoint of step 3 and trains the steps after it again"}
     assert_continues(resumed, full, [4, 5, 6], loss=1e-6, grad_norm_rel=1e-6)
     eval_resumed = [r["eval_loss"] for r in resumed if "eval_loss" in r]
     assert eval_resumed == pytest.approx([r["eval_loss"] for r in full if "eval_loss" in r
                                           and r["step"] == 6], abs=1e-6)
+    events = EventAccumulator(str(tmp / "tb-resumed"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, STEPS + 1))
+    assert [e.step for e in events.Scalars("eval_loss")] == [3, 6]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_0000006"]
+    assert (root / "latest").read_text() == "step_0000006"
 
 
 def _cosine(step: int, lr: float, min_lr: float, steps: int, warmup: int = 1) -> float:

@@ -1,8 +1,12 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
 A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
-samples_per_s, forward_s, memory_mib`` (and ``moe_aux_loss``, the global batch's load-balancing
-loss without its coefficient, when on) (``lrs``: each trained module's learning rate, ``lr`` the
+sequence_tokens, sequence_tokens_per_s, samples_per_s, forward_s, memory_mib`` (and
+``moe_aux_loss``, the global batch's load-balancing loss without its coefficient, when on).
+``tokens`` are the step's *trained* tokens (the loss's targets, its denominator; the step line's
+``trained tokens`` and ``trained tok/s``); ``sequence_tokens`` every token of the step's samples
+(text and media placeholders, no padding: what other frameworks' tokens/s count; the step line's
+``seq tok/s``) (``lrs``: each trained module's learning rate, ``lr`` the
 language model's, else the first trained module's; forward seconds per module, max over its
 ranks; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
@@ -28,12 +32,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
+import string
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mimo_data.files import write_atomic
 from mimo_data.modalities.base import to_device
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import step_flops
@@ -117,7 +124,8 @@ class StepValues:
     timer: Timer                    # the whole step
     forward: list[Timer]            # this rank's forward passes
     global_batch_size: int
-    flops: torch.Tensor | None = None   # the world's model FLOPs per layout module (device)
+    # the world's model FLOPs per layout module, then its sequence tokens (device)
+    flops: torch.Tensor | None = None
     # the global batch's load-balancing loss (model.language.moe_aux_loss; language ranks)
     balance: float | None = None
 
@@ -133,12 +141,18 @@ def forward_seconds(layout, local_modules, values: list[float]) -> dict:
 
 def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
                  skipped: bool, seconds: float, global_batch_size: int, forward_s: dict,
-                 memory_mib: float | None = None) -> dict:
+                 memory_mib: float | None = None,
+                 sequence_tokens: float | None = None) -> dict:
+    """``tokens``: the trained tokens; ``sequence_tokens``: every token of the samples."""
     lr = lrs.get("language", next(iter(lrs.values()), 0.0))
+    sequence = {} if sequence_tokens is None else {
+        "sequence_tokens": int(sequence_tokens),
+        "sequence_tokens_per_s": sequence_tokens / seconds}
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": float(lr), "lrs": lrs, "skipped": skipped, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
+            "tokens_per_s": tokens / seconds, **sequence,
+            "samples_per_s": global_batch_size / seconds,
             "forward_s": forward_s,
             **({"memory_mib": memory_mib} if memory_mib is not None else {})}
 
@@ -156,22 +170,27 @@ class FlopsCounter:
         self.dims, self.names, self.passes, self.counts = dims, names, passes, counts
         self.peak_tflops = peak_tflops
         self.pending = dict.fromkeys(names, 0)
+        self.sequence_tokens = 0        # every token of the samples added
 
     def add(self, metadata: dict) -> None:
         if not self.counts:
             return
+        self.sequence_tokens += sum(metadata["tokens"])
         found = step_flops(self.dims, metadata["tokens"], metadata.get("token_counts", {}),
                            metadata.get("token_grids", {}), self.passes,
                            metadata["trained_tokens"])
         for name, value in found.items():
             self.pending[name] += value
 
-    def take(self, device: torch.device) -> torch.Tensor:
-        """The FLOPs added since the last ``take``, per module of ``names``: float64 on
-        ``device`` (copied without waiting for the device's queued work)."""
-        values = torch.tensor([float(self.pending[n]) for n in self.names], dtype=torch.float64)
-        self.pending = dict.fromkeys(self.names, 0)
-        return to_device(values, device)
+    def take(self, device: torch.device, tokens: bool = False) -> torch.Tensor:
+        """The FLOPs added since the last ``take``, per module of ``names`` (``tokens``: then
+        the samples' tokens): float64 on ``device`` (copied without waiting for the device's
+        queued work)."""
+        values = [float(self.pending[n]) for n in self.names]
+        if tokens:
+            values.append(float(self.sequence_tokens))
+        self.pending, self.sequence_tokens = dict.fromkeys(self.names, 0), 0
+        return to_device(torch.tensor(values, dtype=torch.float64), device)
 
 
 def flops_fields(flops: dict[str, float], seconds: float, world_size: int,
@@ -212,8 +231,11 @@ def line(record: dict) -> str:
     lr = f"lr {record['lr']:.2e}" if len(set(lrs.values())) <= 1 else \
         "lr " + " ".join(f"{module} {value:.2e}" for module, value in lrs.items())
     return (f"step {record['step']:>4}: loss {record['loss']:.4f}  grad_norm "
-            f"{record['grad_norm']:.3f}  {lr}  tokens {record['tokens']}  "
-            f"{record['tokens_per_s']:.0f} tok/s  {record['samples_per_s']:.1f} samples/s  "
+            f"{record['grad_norm']:.3f}  {lr}  trained tokens {record['tokens']}  "
+            f"{record['tokens_per_s']:.0f} trained tok/s  " + (
+                f"{record['sequence_tokens_per_s']:.0f} seq tok/s  "
+                if "sequence_tokens_per_s" in record else "") +
+            f"{record['samples_per_s']:.1f} samples/s  "
             f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}{skipped}"
             + (f"  moe_aux_loss {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record
                else ""))
@@ -237,6 +259,61 @@ def summary(records: list[dict]) -> str | None:
             f"(mean of the first {k}) -> {sum(losses[-k:]) / k:.4f} (mean of the last {k})")
 
 
+WANDB_ID = "wandb_run_id"      # in checkpoint.dir: the W&B run a resumed run logs into
+_ID_CHARS = string.ascii_lowercase + string.digits
+
+
+def wandb_run(sdk, wandb, config: dict | None, checkpoint_dir: str | None, resumed: int):
+    """The W&B run of ``train.wandb`` (``sdk``: the wandb module): ``wandb.id`` if given, else,
+    with a ``checkpoint_dir``, the id kept there, so a resumed run logs into the run it
+    continues (a new run writes a new id there)."""
+    run_id = wandb.id
+    if run_id is None and checkpoint_dir:
+        path = os.path.join(checkpoint_dir, WANDB_ID)
+        if resumed and os.path.isfile(path):
+            with open(path) as f:
+                run_id = f.read().strip() or None
+        if run_id is None:
+            run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
+            write_atomic(path, run_id.encode())
+    # console "off": wandb leaves stdout alone (the step lines are the run's log)
+    return sdk.init(project=wandb.project, name=wandb.name, mode=wandb.mode, dir=wandb.dir,
+                    config=config, settings=sdk.Settings(console="off"),
+                    **({"id": run_id, "resume": "allow"} if run_id else {}))
+
+
+def drop_after(path: str, step: int) -> None:
+    """Remove the records of steps after ``step`` from the records file ``path`` (a run that
+    died after its last checkpoint logged them; the resumed run trains them again): the file
+    rewritten at once, with a note record saying what was dropped."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return
+    kept, dropped, torn = [], set(), 0
+    for text in lines:
+        try:
+            record = json.loads(text)
+        except ValueError:                  # the last line of a run killed mid-write
+            torn += 1
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                and record["step"] > step:
+            dropped.add(record["step"])
+        else:
+            kept.append(text)
+    if not dropped and not torn:
+        return
+    span = f"{min(dropped)}-{max(dropped)}" if len(dropped) > 1 else str(min(dropped or [0]))
+    what = [f"step{'s' * (len(dropped) > 1)} {span}" if dropped else "",
+            f"{torn} unreadable line(s)" if torn else ""]
+    note = {"step": step, "note": f"records of {' and '.join(w for w in what if w)} dropped: "
+            f"the run resumed from the checkpoint of step {step} and trains the steps after "
+            "it again"}
+    write_atomic(path, "".join(t + "\n" for t in [*kept, json.dumps(note)]).encode())
+
+
 class Metrics:
     """Keeps the run's records; ``log`` takes a step's ``StepValues`` (read at logging steps,
     collectively: every rank calls ``log`` and ``close`` alike) or an evaluation record, prints
@@ -245,10 +322,15 @@ class Metrics:
     def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
                  layout, local_modules, device: torch.device, wandb=None,
                  config: dict | None = None, memory: PeakMemory | None = None,
-                 records: str | None = None, resumed: bool = False):
+                 records: str | None = None, resumed: int = 0,
+                 checkpoint_dir: str | None = None):
+        """``resumed``: the step of the checkpoint this run resumed (0: a new run);
+        ``checkpoint_dir``: where the W&B run's id is kept (``wandb_run``)."""
         self.rank0 = dist.get_rank() == 0
         # each record is written as it is read, so a run that dies keeps its steps' records;
-        # a resumed run adds to those of the runs before it
+        # a resumed run adds to those of the runs before it, less the steps it trains again
+        if records and self.rank0 and resumed:
+            drop_after(records, resumed)
         self.file = open(records, "a" if resumed else "w", buffering=1) \
             if records and self.rank0 else None
         self.log_interval, self.last_step = log_interval, last_step
@@ -260,16 +342,16 @@ class Metrics:
         self.writer = None
         if tensorboard_dir and self.rank0:
             from torch.utils.tensorboard import SummaryWriter
-            self.writer = SummaryWriter(tensorboard_dir)
+            # a resumed run's steps replace those a run that died logged after the checkpoint
+            self.writer = SummaryWriter(tensorboard_dir, purge_step=resumed + 1) if resumed \
+                else SummaryWriter(tensorboard_dir)
         self.wandb = None                 # train.wandb (a WandbConfig): its run, on rank 0
         if wandb is not None and self.rank0:
             import wandb as wandb_sdk
             if wandb.dir:
                 os.makedirs(wandb.dir, exist_ok=True)
             # console "off": wandb leaves stdout alone (the step lines are the run's log)
-            self.wandb = wandb_sdk.init(project=wandb.project, name=wandb.name, mode=wandb.mode,
-                                        dir=wandb.dir, config=config,
-                                        settings=wandb_sdk.Settings(console="off"))
+            self.wandb = wandb_run(wandb_sdk, wandb, config, checkpoint_dir, resumed)
 
     def log(self, values: StepValues | dict) -> list[dict]:
         """The train records read now (the pending steps' at a logging step)."""
@@ -328,6 +410,10 @@ class Metrics:
             world = dist.get_world_size()
             flops = torch.stack([p.flops for p in pending if p.flops is not None]).tolist()
             for record, values in zip(read, flops):
+                if len(values) > len(names):            # the samples' tokens follow
+                    sequence = values[len(names)]
+                    record.update(sequence_tokens=int(sequence),
+                                  sequence_tokens_per_s=sequence / record["seconds"])
                 record.update(flops_fields(dict(zip(names, values)), record["seconds"], world,
                                            self.peak_tflops))
         self._keep(read)

@@ -243,6 +243,9 @@ class WandbConfig:
     name: str | None = None                           # default: wandb's
     mode: Annotated[str, OneOf(("online", "offline", "disabled"))] = "online"
     dir: str | None = None                            # default: wandb's (./wandb)
+    # the W&B run to log into (resumed if it exists); default: the run's own, kept in
+    # checkpoint.dir/wandb_run_id, so a resumed run logs into the same W&B run
+    id: str | None = None
 
 
 @dataclass

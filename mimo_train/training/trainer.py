@@ -141,7 +141,8 @@ class Trainer:
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
                                cfg.train.steps, self.layout, self.infra.local, self.device,
                                cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory,
-                               records=records, resumed=self.step > 0)
+                               records=records, resumed=self.step,
+                               checkpoint_dir=cfg.checkpoint.dir)
         self.metrics.peak_tflops = self.flops.peak_tflops
         self.profile = Profile(run.profile, self.rank, self.device)
 
@@ -461,9 +462,11 @@ class Trainer:
         FLOPs per module (``step_flops``)."""
         local = self._reports(iterator, forward_only)
         # the micro-batches' FLOPs ride on the same sum (no collective of their own)
-        local = torch.cat([local.to(self.device, torch.float64), self.flops.take(self.device)])
+        local = torch.cat([local.to(self.device, torch.float64),
+                           self.flops.take(self.device, tokens=True)])
         sums = global_sum(local, self.infra, self.device)
-        self.step_flops = sums[2:]         # the world's FLOPs per module, on the device
+        # the world's FLOPs per module, then its samples' tokens, on the device
+        self.step_flops = sums[2:]
         return sums[:2]
 
     def train_step(self, iterator) -> tuple[StepValues, dict | None]:
