@@ -285,6 +285,9 @@ def test_corrupt_image_bytes_raise_a_clear_error(images, name):
         with pytest.raises(MediaError, match="cannot decode image") as info:
             decode_image(broken, 1, ImageConfig())
         assert info.value.reason == "corrupt_image"
+        assert " at 0x" not in info.value.detail                 # no BytesIO's address
+    with pytest.raises(MediaError, match="not a readable image"):
+        decode_image(b"root:x:0:0:root:/root:/bin/bash\n", 1, ImageConfig())
 
 
 def test_extreme_aspect_ratio_is_refused_like_smart_resize():

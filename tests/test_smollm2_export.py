@@ -295,6 +295,11 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
     with pytest.raises(GenerateError, match="no-such.jpg") as error:
         generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])
     assert error.value.exit_code == 2
+    notes = tmp_path / "notes.jpg"                   # text under an image's name
+    notes.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    with pytest.raises(GenerateError, match=f"--image {notes}: .*not a readable image") as error:
+        generator.generate("What is this?", images=[str(notes)])
+    assert " at 0x" not in str(error.value)
     with pytest.raises(GenerateError, match="more <image> markers"):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2

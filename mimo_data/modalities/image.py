@@ -129,7 +129,8 @@ def image_orientation(image: Image.Image) -> int:
 @contextlib.contextmanager
 def pillow_decoding(max_pixels: int | None):
     """``pixel_limit(max_pixels)``, with what Pillow raises inside as MediaError: a
-    decompression bomb is ``image_too_large``, anything else ``corrupt_image``."""
+    decompression bomb is ``image_too_large``, anything else ``corrupt_image`` (bytes of no
+    image format: "not a readable image")."""
     try:
         with pixel_limit(max_pixels):
             yield
@@ -137,6 +138,9 @@ def pillow_decoding(max_pixels: int | None):
         raise
     except Image.DecompressionBombError as exc:
         raise MediaError("image_too_large", str(exc)) from None
+    except Image.UnidentifiedImageError:    # its text names a BytesIO's memory address
+        raise MediaError("corrupt_image", "cannot decode image: not a readable image (no "
+                         "image format Pillow reads recognizes its bytes)") from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
         raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
 
