@@ -11,9 +11,12 @@ published names, sharded where the repository is) as ``model.pretrained``:
   fp32) within 1e-5, on the same trained-token count, for every repository colocated and, for
   one repository per family (Qwen2-VL, Qwen2.5-VL, LLaVA), packed and under a non-colocated
   layout with fan-in (image dp2 into language tp2): no padded vocabulary row enters the softmax;
-- the export (one repository per family, and the SigLIP llava) writes ``config.json`` back in
-  the layout it came in (flat stays flat), transformers loads it and its greedy tokens are
-  mimo-generate's.
+- the export (one repository per family, and the SigLIP llava) writes ``config.json`` back as
+  published, key for key, in the published dtype (``--dtype float32``: only the dtype values
+  change), the weights in their published dtypes, the processor's budgets the run's and its
+  chat template files the published ones; transformers loads it, its ``AutoProcessor`` makes
+  the run's image tokens and its greedy tokens are mimo-generate's; with a chat template of
+  the run's own, every template file of the export holds it.
 """
 
 from __future__ import annotations
@@ -268,12 +271,12 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
     assert main(["--checkpoint", str(published["tmp"] / "init" / "step_0000000"),
                  "--output", str(out)]) == 0
     original = json.loads((published["checkpoint"] / "config.json").read_text())
-    exported = json.loads((out / "config.json").read_text())
-    assert list(exported) == list(original)
-    for section in ("text_config", "vision_config"):
-        if section in original:
-            assert list(exported[section]) == list(original[section])
-    assert ("text_config" in exported) == ("text_config" in original)
+    # the published file, key for key and value for value (the run trained in fp32; the
+    # export is in the published dtype)
+    assert json.loads((out / "config.json").read_text()) == original
+    for name in ("chat_template.json", "chat_template.jinja"):      # the published template
+        if (published["checkpoint"] / name).is_file():
+            assert (out / name).read_bytes() == (published["checkpoint"] / name).read_bytes()
     theirs = {}
     for path in published["checkpoint"].glob("*.safetensors"):
         theirs.update(load_file(path))
@@ -282,7 +285,7 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
         ours.update(load_file(path))
     assert set(ours) == set(theirs)
     for name, tensor in theirs.items():
-        assert torch.equal(ours[name].to(tensor.dtype), tensor), name
+        assert ours[name].dtype == tensor.dtype and torch.equal(ours[name], tensor), name
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
     assert type(model).__name__ == published["architecture"]
 
@@ -295,8 +298,11 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
     path = corpus / "images" / "grace_hopper.jpg"
     ours = Generator(str(out)).generate("Who is this?", images=[str(path)], max_new_tokens=8)
     image = ImageOps.exif_transpose(Image.open(path)).convert("RGB")
-    pixels = AutoProcessor.from_pretrained(out, **_pixels(published)).image_processor(
-        images=[image], return_tensors="pt")
+    # the export's own processor, as transformers loads it: the run's pixel budget
+    pixels = AutoProcessor.from_pretrained(out).image_processor(images=[image],
+                                                                return_tensors="pt")
+    if "image_grid_thw" in pixels:
+        assert int(pixels["image_grid_thw"].prod()) // 4 == ours.spliced["image"]
     ids = torch.tensor([ours.prompt_ids])
     extra = {"pixel_values": pixels["pixel_values"]}
     if "image_grid_thw" in pixels:
@@ -307,6 +313,70 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
                                 do_sample=False, max_new_tokens=8, **extra)
     assert theirs[0, ids.size(1):].tolist() == ours.token_ids
     assert len(ours.token_ids) == 8
+
+
+def _as_run(init: Path, target: Path, preprocess: Path) -> Path:
+    """The checkpoint ``init`` (linked) as if its run had ``preprocess`` as its config."""
+    from mimo_data.files import file_sha256
+    target.mkdir()
+    for path in init.iterdir():
+        if path.name not in ("meta.json", "integrity.json"):
+            (target / path.name).symlink_to(path)
+    meta = json.loads((init / "meta.json").read_text())
+    meta["config"]["data"]["preprocess"] = str(preprocess)
+    (target / "meta.json").write_text(json.dumps(meta))
+    integrity = json.loads((init / "integrity.json").read_text())
+    integrity["files"]["meta.json"] = file_sha256(str(target / "meta.json"))
+    (target / "integrity.json").write_text(json.dumps(integrity))
+    return target
+
+
+@pytest.mark.parametrize("published", EXPORTED, indirect=True)
+def test_export_in_another_dtype_and_with_the_runs_own_chat_template(published, colocated,
+                                                                     tmp_path, capsys):
+    """``--dtype float32``: config.json as published but its dtype values, every weight in
+    float32. The run's own ``chat_template:`` is in every file transformers reads a template
+    from: AutoTokenizer's and AutoProcessor's, and mimo-generate's prompt."""
+    import yaml
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from mimo_train.hf.export import main
+    from mimo_train.hf.generate import Generator
+    init = published["tmp"] / "init" / "step_0000000"
+    template = ("{% for m in messages %}MimoBot {{ m['role'] }}: {{ m['content'] if m['content'] "
+                "is string else m['content'][-1]['text'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}MimoBot assistant:{% endif %}")
+    (tmp_path / "custom.jinja").write_text(template)
+    config = yaml.safe_load(published["preprocess"].read_text())
+    (tmp_path / "custom.yaml").write_text(yaml.safe_dump(
+        {**config, "chat_template": str(tmp_path / "custom.jinja")}))
+    run = _as_run(init, tmp_path / "run", tmp_path / "custom.yaml")
+    out = tmp_path / "out"
+    capsys.readouterr()
+    assert main(["--checkpoint", str(run), "--output", str(out), "--dtype", "float32"]) == 0
+    assert "weights in float32 (--dtype)" in capsys.readouterr().out
+
+    original = json.loads((published["checkpoint"] / "config.json").read_text())
+    for section in (original, original.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if key in section:
+                section[key] = "float32"
+    assert json.loads((out / "config.json").read_text()) == original
+    weights = {}
+    for path in out.glob("*.safetensors"):
+        weights.update(load_file(path))
+    assert {t.dtype for t in weights.values() if t.is_floating_point()} == {torch.float32}
+
+    assert (out / "chat_template.jinja").read_text() == template
+    if (published["checkpoint"] / "chat_template.json").is_file():
+        assert json.loads((out / "chat_template.json").read_text())["chat_template"] == template
+    assert AutoTokenizer.from_pretrained(out).chat_template == template
+    assert AutoProcessor.from_pretrained(out).chat_template == template
+    assert yaml.safe_load((out / "preprocess.yaml").read_text())["chat_template"] is None
+    generator = Generator(str(out))
+    prompt = generator.tokenizer.decode(generator.generate("Hi", max_new_tokens=1).prompt_ids)
+    assert prompt.endswith("MimoBot user: Hi\nMimoBot assistant:"), prompt
 
 
 # repository -> its language model as published (layers, hidden, heads, key/value heads,

@@ -47,8 +47,8 @@ import torch
 
 
 from conftest import MODELS
-from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
-                              transformers_loss)
+from support.qwen_vlm import (assert_export_as_published, assert_generate_matches, build_shards,
+                              run_setup, transformers_loss)
 from support.runs import compare, step
 
 PUBLISHED = MODELS / "published"
@@ -243,6 +243,7 @@ def test_import_then_export_gives_every_weight_back(run, exported):
     assert set(ours) == set(published)
     for name, tensor in published.items():
         assert torch.equal(ours[name].to(tensor.dtype), tensor), name
+    assert_export_as_published(run["checkpoint"], exported, run["config"].modalities)
     config = json.loads((exported / "config.json").read_text())
     assert config["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
 

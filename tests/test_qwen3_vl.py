@@ -43,8 +43,8 @@ import torch
 
 
 from conftest import MODELS
-from support.qwen_vlm import (assert_generate_matches, build_shards, run_setup,
-                              transformers_balance, transformers_loss)
+from support.qwen_vlm import (assert_export_as_published, assert_generate_matches, build_shards,
+                              run_setup, transformers_balance, transformers_loss)
 from support.runs import assert_continues, compare, copy_checkpoint, step, train
 
 PUBLISHED = MODELS / "published"
@@ -223,8 +223,9 @@ def test_import_then_export_gives_every_weight_back(run, exported):
         for path in sorted(directory.glob("*.safetensors")):
             found.update(load_file(path))
     assert set(ours) == set(published)
-    for name, tensor in published.items():       # bf16 published, the run's fp32 exported
+    for name, tensor in published.items():       # bf16 published and exported
         assert torch.equal(ours[name], tensor.to(ours[name].dtype)), name
+    assert_export_as_published(run["checkpoint"], exported, run["config"].modalities)
     config = json.loads((exported / "config.json").read_text())
     assert config["vision_config"]["deepstack_visual_indexes"] == [0, 1, 2]
     assert config["text_config"]["rope_scaling"]["mrope_interleaved"] is True
@@ -372,8 +373,8 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, la
         from mimo_train.hf.export import main as export
         weights = []
         for name, checkpoint in (("ep2", tmp / "ep2-ckpt"), ("ep4", root)):
-            assert export(["--checkpoint", str(checkpoint / "step_0000003"),
-                           "--output", str(tmp / f"export-{name}")]) == 0
+            assert export(["--checkpoint", str(checkpoint / "step_0000003"), "--dtype",
+                           "float32", "--output", str(tmp / f"export-{name}")]) == 0
             weights.append({k: v for path in sorted((tmp / f"export-{name}").glob(
                 "*.safetensors")) for k, v in load_file(path).items()})
         assert set(weights[0]) == set(weights[1])

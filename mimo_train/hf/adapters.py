@@ -57,10 +57,10 @@ def trained_outside_adapters(plan: RunPlan, image: str) -> list[str]:
 
 
 def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image: str,
-                   directory: str) -> dict:
+                   directory: str, dtype: torch.dtype | None = None) -> dict:
     """The adapters of ``weights`` (module name -> whole tensors, ``load_weights``) as PEFT
-    files in ``out`` (``image``: the encoder module of the VLM's tower); returns the adapter
-    config written."""
+    files in ``out`` (``image``: the encoder module of the VLM's tower), in ``dtype`` (None:
+    as trained); returns the adapter config written."""
     from safetensors.torch import save_file
 
     from mimo_train.families.causal_lm import adapters_to_hf
@@ -122,7 +122,8 @@ def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image:
            if fused else {})}
     os.makedirs(out, exist_ok=True)
     # one file, as PEFT reads it; own storage (q/k/v adapters share their A)
-    save_file({k: v.clone() for k, v in tensors.items()}, os.path.join(out, ADAPTER_WEIGHTS))
+    save_file({k: v.to(dtype or v.dtype).clone() for k, v in tensors.items()},
+              os.path.join(out, ADAPTER_WEIGHTS))
     with open(os.path.join(out, ADAPTER_CONFIG), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")

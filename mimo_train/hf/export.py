@@ -7,7 +7,6 @@
                                modality tokens (AutoModelForCausalLM / AutoTokenizer load it)
     <module>/                  each encoder's transformers model (``save_pretrained`` of its
                                ``.model``; ``model.encoders.<module>.pretrained`` takes it back)
-                               in the dtype the checkpoint holds its weights in
     projections.safetensors    each encoder module's projection: ``<module>.<index>.<param>``
                                (``<index>``: the layer in Linear or Linear-GELU-Linear)
     preprocess.yaml            the run's preprocessing config, its tokenizer ``./language``
@@ -15,11 +14,17 @@
 
 A run from a whole VLM (``model.pretrained``, ``families``) is written back as that VLM, in
 ``OUT`` itself: its transformers class (the checkpoint's ``config.json`` in its own layout,
-flat or nested, with the new vocabulary size and dtype, the
-trained weights under the checkpoint's own names, in the checkpoint's dtype), the tokenizer,
-the checkpoint's processor config files and generation config, plus ``preprocess.yaml``
-(tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). It must hold the tower, the
-family's projection and the language model only (no other encoder module).
+flat or nested, its keys exactly, with the new vocabulary size and dtype values, the trained
+weights under the checkpoint's own names), the tokenizer, the checkpoint's processor config
+files with the run's pixel budgets and frame sampling and generation config, plus
+``preprocess.yaml`` (tokenizer ``.``) and ``manifest.json`` (``"vlm": family``). A chat
+template of the run's own is in every template file. It must hold the tower, the family's
+projection and the language model only (no other encoder module).
+
+Dtype: ``--dtype``, else the base checkpoint's (its config's, ``text_config``'s where only it
+names one; a spliced run's language model and each encoder their own ``pretrained``'s,
+the projections the language model's), else the trained one; a tensor the base stores in
+float32 in a 16-bit checkpoint stays float32. ``--adapters``: the trained dtype, or ``--dtype``.
 
 A LoRA run (``model.lora``) is written with its adapters merged into the weights
 (``model.lora.merged``); ``--adapters`` writes a whole VLM's adapters alone in PEFT's format
@@ -65,6 +70,7 @@ PROJECTIONS = "projections.safetensors"
 LANGUAGE_DIR = "language"
 # weights of the checkpoint no mimo module holds, written back as the checkpoint has them
 NOT_BUILT = ("mtp.",)
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="a LoRA run of a whole VLM: write its adapters alone in PEFT's "
                         "format (peft.PeftModel.from_pretrained(base, OUT)) instead of the "
                         "model with the adapters merged into its weights")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="the weights' dtype (default: the base checkpoint's, as its "
+                        "config.json names it; a LoRA run's --adapters: the trained one)")
     return parser
 
 
@@ -91,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
-        written = export(args.checkpoint, args.output, adapters=args.adapters)
+        written = export(args.checkpoint, args.output, adapters=args.adapters,
+                         dtype=args.dtype, log=lambda line: print(f"{PREFIX}{line}"))
     except ExportError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -116,10 +126,14 @@ def step_directory(path: str) -> str:
     return found
 
 
-def export(checkpoint: str, output: str, adapters: bool = False) -> str:
+def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | None = None,
+           log=None) -> str:
     """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``, a LoRA
     run's adapters merged into its weights (``adapters``: the adapters alone, in PEFT's
-    format); returns ``output``."""
+    format), in ``dtype`` (None: the base checkpoint's, see ``_export_dtype``); ``log``
+    takes the line saying which dtype was written. Returns ``output``."""
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
     output = os.path.abspath(output)
     if os.path.lexists(output):
         raise ExportError(f"--output {output} exists: remove it or choose another directory")
@@ -153,7 +167,7 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
     try:
-        _write(staging, plan, weights, meta["step"], directory, adapters)
+        written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype)
         _as_created(staging)
         os.rename(staging, output)
     except BaseException as error:
@@ -163,6 +177,8 @@ def export(checkpoint: str, output: str, adapters: bool = False) -> str:
                               f"({error}); make the paths its config names exist again"
                               ) from None
         raise
+    if log is not None:
+        log(f"weights in {written}")
     return output
 
 
@@ -210,16 +226,18 @@ def _preprocess_config(cfg, directory: str):
                           f"read ({error}): the export copies it; restore it") from None
 
 
-def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool) -> None:
+def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool,
+           dtype: str | None) -> str:
+    """The export in ``out``; returns which dtype its weights were written in."""
     from mimo_data.loading.layout import LANGUAGE
     from mimo_data.preprocess.chat_tokens import load_tokenizer
 
     cfg, preprocess = plan.config, plan.preprocess
 
     tokenizer = load_tokenizer(preprocess)
-    if preprocess.mode == "chat" and preprocess.chat_template:
-        from mimo_data.preprocess.chat_tokens import TextEncoder
-        tokenizer.chat_template = TextEncoder(preprocess, tokenizer).template
+    template = _run_template(plan, tokenizer)
+    if template is not None:
+        tokenizer.chat_template = template
     for name in [LANGUAGE, *plan.encoders]:
         if name not in weights:
             raise ExportError(f"{directory} has no weights for module {name!r} (it has "
@@ -227,15 +245,19 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
     manifest: dict = {"step": step, "checkpoint": os.path.abspath(directory),
                       "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class
-        family = _write_vlm(out, plan, tokenizer, weights, directory, adapters)
+        family, written = _write_vlm(out, plan, tokenizer, weights, directory, adapters,
+                                     dtype, template)
         if adapters:
             manifest["adapters"] = {"base": cfg.model.pretrained}
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, ".")
         manifest.update(vlm=family, modules={}, language=".")
     else:
-        _write_language(os.path.join(out, LANGUAGE_DIR), plan, tokenizer, weights[LANGUAGE],
-                        directory)
-        modules = _write_encoders(out, plan, weights, directory)
+        language = _write_language(os.path.join(out, LANGUAGE_DIR), plan, tokenizer,
+                                   weights[LANGUAGE], directory, dtype)
+        modules, encoders = _write_encoders(out, plan, weights, directory, dtype, language)
+        written = f"language {_described(language)}; " + "; ".join(
+            f"{name} {_described(chosen)}" for name, chosen in encoders.items()) + (
+            f"; projections {language[0]}" if encoders else "")
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, f"./{LANGUAGE_DIR}")
         manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS,
                         projection=plan.projection, modules=modules)
@@ -244,6 +266,90 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
                                    for name, m in preprocess.modalities.items()}
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
+    return written
+
+
+def _run_template(plan, tokenizer) -> str | None:
+    """The chat template the run trained with where it is its own (``chat_template:`` in
+    its preprocessing config), None where it is the base's: the tokenizer's, its
+    processor's, or the base's with mimo's generation blocks (``CHAT_TEMPLATES``)."""
+    from mimo_data.preprocess.tokenizer_loading import chat_template
+    preprocess = plan.preprocess
+    if preprocess.mode != "chat" or not preprocess.chat_template:
+        return None
+    template = chat_template(preprocess, tokenizer)
+    if plan.vlm is not None:
+        from mimo_train.families.base import model_directory
+        from mimo_train.families.registry import CHAT_TEMPLATES
+        bases = [tokenizer.chat_template]
+        if plan.vlm.family in CHAT_TEMPLATES:
+            with open(CHAT_TEMPLATES[plan.vlm.family]) as f:
+                bases.append(f.read())
+        directory = model_directory(plan.vlm.path)
+        for name in ("chat_template.jinja", "chat_template.json"):
+            if os.path.isfile(os.path.join(directory, name)):
+                with open(os.path.join(directory, name)) as f:
+                    text = f.read()
+                bases.append(text if name.endswith(".jinja")
+                             else json.loads(text).get("chat_template"))
+        if template in bases:
+            return None
+    return template
+
+
+def _config_dtype(pretrained: str | None) -> str | None:
+    """The dtype a checkpoint's ``config.json`` names: at its top level, else in its
+    ``text_config`` (Qwen3-VL's, Qwen3.5's); None where it names none."""
+    if not pretrained:
+        return None
+    from mimo_train.families.base import model_directory
+    try:
+        with open(os.path.join(model_directory(pretrained), "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for section in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            if section.get(key) in DTYPES:
+                return section[key]
+    return None
+
+
+def _export_dtype(chosen: str | None, pretrained: str | None, trained) -> tuple:
+    """The dtype to write and why: ``--dtype``, else the base checkpoint's, else the trained
+    weights' (a base naming none)."""
+    import torch
+    if chosen:
+        return getattr(torch, chosen), "--dtype"
+    base = _config_dtype(pretrained)
+    if base:
+        return getattr(torch, base), "the base checkpoint's"
+    return trained, "the trained weights', the base names none"
+
+
+def _described(chosen: tuple) -> str:
+    return f"{str(chosen[0]).removeprefix('torch.')} ({chosen[1]})"
+
+
+STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+
+
+def _cast(hf: dict, dtype, checkpoint=None) -> list[str]:
+    """``hf``'s floating tensors in ``dtype``, but those ``checkpoint`` stores in float32
+    while ``dtype`` is 16-bit (Qwen3.5's ``A_log``, kept in float32 as published); returns
+    the names kept so."""
+    import torch
+    kept = []
+    for name, tensor in hf.items():
+        if not tensor.is_floating_point():
+            continue
+        target = dtype
+        if (checkpoint is not None and name in checkpoint and dtype.itemsize == 2
+                and checkpoint.files[name].get_slice(name).get_dtype() == "F32"):
+            target = torch.float32
+            kept.append(name)
+        hf[name] = tensor.to(target)
+    return kept
 
 
 def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
@@ -274,12 +380,13 @@ def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dic
         raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
 
 
-def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str,
-               adapters: bool) -> str:
+def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapters: bool,
+               dtype: str | None, template: str | None) -> tuple[str, str]:
     """The whole VLM of ``model.pretrained`` with the trained weights, as its transformers
-    class (config, weights in the checkpoint's names and dtype, tokenizer, processor config,
-    generation config), or (``adapters``) its LoRA adapters in PEFT's format beside the
-    tokenizer and processor files; returns its family."""
+    class (config, weights in the checkpoint's names, in ``dtype`` or the checkpoint's,
+    tokenizer, processor config, generation config), or (``adapters``) its LoRA adapters in
+    PEFT's format (in ``dtype`` or the trained one) beside the tokenizer and processor files;
+    returns its family and which dtype was written."""
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
@@ -305,10 +412,14 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str,
                               f"checkpoint's {arch.vocab_size}: the adapters alone do not give "
                               "the trained model; export it merged (without --adapters)")
         image = next(m.name for m in layout.encoders if "image" in layout.modalities_of(m.name))
-        write_adapters(out, plan, weights, arch, image, directory)
+        import torch
+        chosen = (getattr(torch, dtype), "--dtype") if dtype else (
+            next(v.dtype for v in weights["language"].values() if v.is_floating_point()),
+            "the trained weights'")
+        write_adapters(out, plan, weights, arch, image, directory, chosen[0])
         tokenizer.save_pretrained(out)
-        _copy_processor(vlm.path, out)
-        return vlm.family
+        _copy_processor(vlm.path, out, plan.preprocess, template)
+        return vlm.family, f"adapters {_described(chosen)}"
     hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
     renames = vlm.checkpoint_names(checkpoint)
@@ -325,24 +436,26 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str,
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
     # prediction, ``mtp.*``) bit for bit
-    dtype = hf[next(iter(hf))].dtype
-    hf.update({name: checkpoint(name).to(dtype) for name in checkpoint.files
+    chosen = _export_dtype(dtype, vlm.path, hf[next(iter(hf))].dtype)
+    hf.update({name: checkpoint(name) for name in checkpoint.files
                if name.startswith(renames[0][1]) and name not in hf})
     hf.update({name: checkpoint(name) for name in checkpoint.files
                if name.startswith(NOT_BUILT) and name not in hf})
+    kept = _cast(hf, chosen[0], checkpoint)
     os.makedirs(out, exist_ok=True)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
-    _write_config_as_published(vlm.path, out, rows, str(dtype).removeprefix("torch."))
+    _write_config_as_published(vlm.path, out, rows, str(chosen[0]).removeprefix("torch."))
     config = AutoConfig.from_pretrained(out)
     tokenizer.save_pretrained(out)
-    _copy_processor(vlm.path, out)
+    _copy_processor(vlm.path, out, plan.preprocess, template)
     _write_generation_config(out, vlm.path, config, tokenizer)
-    return vlm.family
+    return vlm.family, _described(chosen) + (
+        f", {len(kept)} tensors in float32 as the base stores them" if kept else "")
 
 
 def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
     """The checkpoint's ``config.json`` in the layout it came in (flat as Qwen2-VL publishes
-    it stays flat, nested stays nested, every key kept), the vocabulary size and dtype set
+    it stays flat, nested stays nested, its keys exactly), the vocabulary size and dtype set
     where it keeps them. transformers' ``save_pretrained`` would write its own layout."""
     from mimo_train.families.base import model_directory
     with open(os.path.join(model_directory(pretrained), "config.json")) as f:
@@ -355,38 +468,105 @@ def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype
         for key in ("torch_dtype", "dtype"):
             if key in section:
                 section[key] = dtype
-    if "torch_dtype" not in config and "dtype" not in config:
-        config["dtype"] = dtype
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
         f.write("\n")
 
 
-def _copy_processor(pretrained: str, out: str) -> None:
+def _copy_processor(pretrained: str, out: str, preprocess, template: str | None) -> None:
     """The checkpoint's image processor (and processor) config files and the chat template a
-    processor keeps (llava-hf's only copy of theirs), as they are."""
+    processor keeps (llava-hf's only copy of theirs), as they are but for the run's own
+    settings: its chat ``template`` (None: the base's) in each file that holds one, and its
+    image and video pixel budgets and frame sampling (``_processor_budgets``)."""
     from mimo_train.families.base import model_directory
     pretrained = model_directory(pretrained)
     for name in ("preprocessor_config.json", "processor_config.json",
                  "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
+    if template is not None:          # tokenizer.save_pretrained wrote chat_template.jinja
+        with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+            f.write(template)
+        for name, always in (("chat_template.json", True), ("tokenizer_config.json", False)):
+            _rewrite_json(os.path.join(out, name),
+                          lambda data, always=always: data.update(chat_template=template)
+                          if always or "chat_template" in data else None)
+    _processor_budgets(out, preprocess)
 
 
-def _write_language(out: str, plan, tokenizer, state: dict, directory: str) -> None:
+# the run's video sampling -> the video processor's keys (fps, frames)
+FRAME_KEYS = ("fps", "min_frames", "max_frames")
+
+
+def _processor_budgets(out: str, preprocess) -> None:
+    """The run's image (and video) pixel budgets in the processor files' keys transformers
+    reads (``min_pixels`` / ``max_pixels`` and ``size``'s ``shortest_edge`` /
+    ``longest_edge``, each where the file has it), and its video frame sampling (``fps``,
+    ``min_frames``, ``max_frames``: where the file has it, or where the processor's class
+    default differs); a file whose values are the run's stays as it is."""
+    for name, modality in (("preprocessor_config.json", "image"),
+                           ("video_preprocessor_config.json", "video")):
+        config = preprocess.modalities.get(modality)
+        if config is None or getattr(config, "policy", "dynamic") != "dynamic":
+            continue
+
+        def update(data: dict, config=config, modality=modality) -> None:
+            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                if key in data:
+                    data[key] = getattr(config, key)
+                if isinstance(data.get("size"), dict) and edge in data["size"]:
+                    data["size"][edge] = getattr(config, key)
+            if modality == "video":
+                import transformers
+                kind = getattr(transformers, str(data.get("video_processor_type")), None)
+                for key in FRAME_KEYS:
+                    value = getattr(config, key)
+                    if key in data or (getattr(kind, key, None) is not None
+                                       and getattr(kind, key) != value):
+                        data[key] = value
+        _rewrite_json(os.path.join(out, name), update)
+
+
+def _rewrite_json(path: str, update) -> None:
+    """``path`` (if it exists) with ``update`` applied to its data, rewritten in its own
+    indentation only where a value changed."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        text = f.read()
+    data = json.loads(text)
+    changed = json.loads(text)
+    update(changed)
+    if changed == data:
+        return
+    lines = text.splitlines()
+    indent = len(lines[1]) - len(lines[1].lstrip(" ")) if len(lines) > 1 else None
+    with open(path, "w") as f:
+        json.dump(changed, f, indent=indent or None, ensure_ascii=False)
+        if text.endswith("\n"):
+            f.write("\n")
+
+
+def _write_language(out: str, plan, tokenizer, state: dict, directory: str,
+                    dtype: str | None) -> tuple:
+    """The language model as a causal LM in ``dtype`` (None: its base checkpoint's); returns
+    the dtype written and why."""
     from huggingface_hub import save_torch_state_dict
     from transformers import AutoConfig
 
     hf, rows = _language_weights(plan, tokenizer, state, directory)
     pretrained = plan.language.pretrained
+    chosen = _export_dtype(dtype, pretrained, state["embedding.word_embeddings.weight"].dtype)
+    _cast(hf, chosen[0])
     config = AutoConfig.from_pretrained(pretrained)
     config.vocab_size = rows
-    config.dtype = str(state["embedding.word_embeddings.weight"].dtype).removeprefix("torch.")
+    config.dtype = str(chosen[0]).removeprefix("torch.")
     os.makedirs(out)
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     _write_generation_config(out, pretrained, config, tokenizer)
+    return chosen
 
 
 def _write_generation_config(out: str, pretrained: str, config, tokenizer) -> None:
@@ -403,20 +583,24 @@ def _write_generation_config(out: str, pretrained: str, config, tokenizer) -> No
     generation.save_pretrained(out)
 
 
-def _write_encoders(out: str, plan, weights: dict, directory: str) -> dict:
-    """Each encoder module's transformers model and projection; the manifest's modules."""
+def _write_encoders(out: str, plan, weights: dict, directory: str, dtype: str | None,
+                    language: tuple) -> tuple[dict, dict]:
+    """Each encoder module's transformers model, in ``dtype`` (None: its base checkpoint's),
+    and projection, in the language model's dtype (``language``); the manifest's modules and
+    each module's dtype written and why."""
     from safetensors.torch import save_file
 
     from mimo_train.families.registry import build_encoder
     from mimo_train.precision import cast
-    modules, projections = {}, {}
+    modules, projections, written = {}, {}, {}
     for name, setting in plan.encoders.items():
         modality, kind, spec = setting.modality, setting.kind, setting.spec
         encoder = build_encoder(kind, setting.config, spec.hidden_size, spec.num_layers,
                                 spec.num_attention_heads, spec.pretrained)
         state, prefix = weights[name], f"encoders.{modality}.encoder."
-        # the checkpoint's dtype (the run's precision): the saved weights are its values
-        cast(encoder, next(v.dtype for k, v in state.items() if k.startswith(prefix)))
+        written[name] = _export_dtype(dtype, spec.pretrained, next(
+            v.dtype for k, v in state.items() if k.startswith(prefix)))
+        cast(encoder, written[name][0])
         try:
             encoder.load_state_dict({k[len(prefix):]: v for k, v in state.items()
                                      if k.startswith(prefix)})
@@ -426,13 +610,13 @@ def _write_encoders(out: str, plan, weights: dict, directory: str) -> dict:
                               exit_code=1) from None
         encoder.model.save_pretrained(os.path.join(out, name))
         projection = "input_projections.0."
-        projections.update({f"{name}.{k[len(projection):]}": v.contiguous()
+        projections.update({f"{name}.{k[len(projection):]}": v.to(language[0]).contiguous()
                             for k, v in state.items() if k.startswith(projection)})
         modules[name] = {"modality": modality, "also": list(setting.also), "kind": kind,
                          "path": name,
                          "output_size": encoder.output_size}
     save_file(projections, os.path.join(out, PROJECTIONS))
-    return modules
+    return modules, written
 
 
 def _write_preprocess(path: str, preprocess, tokenizer: str) -> None:

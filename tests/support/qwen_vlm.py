@@ -160,6 +160,30 @@ def _processor(checkpoint: Path, config: dict):
     return processor
 
 
+def assert_export_as_published(checkpoint: Path, exported: Path, config: dict) -> None:
+    """The import's export: ``config.json`` the published one, key for key and value for value
+    (its dtype only in ``text_config``), every weight in its published dtype, and the
+    processor transformers loads from it has the run's image and video budgets and frame rate
+    (``config``: the preprocessing config's modalities)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoProcessor
+    assert (json.loads((exported / "config.json").read_text())
+            == json.loads((checkpoint / "config.json").read_text()))
+    published = {k: v.dtype for path in checkpoint.glob("*.safetensors")
+                 for k, v in load_file(path).items()}
+    ours = {k: v.dtype for path in exported.glob("*.safetensors")
+            for k, v in load_file(path).items()}
+    assert ours == published
+    processor = AutoProcessor.from_pretrained(exported)
+    for kind, budget in ((processor.image_processor, config["image"]),
+                         (processor.video_processor, config["video"])):
+        assert (kind.size["shortest_edge"], kind.size["longest_edge"]) == (
+            budget.min_pixels, budget.max_pixels)
+    assert processor.video_processor.fps == config["video"].fps
+
+
 def assert_generate_matches(checkpoint: Path, config: dict, exported: Path, corpus: Path,
                             clips: dict, kind: str) -> None:
     """transformers' processor of ``checkpoint`` (the published chat template, its image or
