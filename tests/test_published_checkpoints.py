@@ -334,9 +334,10 @@ def _as_run(init: Path, target: Path, preprocess: Path) -> Path:
 @pytest.mark.parametrize("published", EXPORTED, indirect=True)
 def test_export_in_another_dtype_and_with_the_runs_own_chat_template(published, colocated,
                                                                      tmp_path, capsys):
-    """``--dtype float32``: config.json as published but its dtype values, every weight in
-    float32. The run's own ``chat_template:`` is in every file transformers reads a template
-    from: AutoTokenizer's and AutoProcessor's, and mimo-generate's prompt."""
+    """``--dtype fp32`` (float32 by its short name): config.json as published but its dtype
+    values, every weight in float32. The run's own ``chat_template:`` is in every file
+    transformers reads a template from: AutoTokenizer's and AutoProcessor's, and
+    mimo-generate's prompt."""
     import yaml
     from safetensors.torch import load_file
     from transformers import AutoProcessor, AutoTokenizer
@@ -354,7 +355,7 @@ def test_export_in_another_dtype_and_with_the_runs_own_chat_template(published, 
     run = _as_run(init, tmp_path / "run", tmp_path / "custom.yaml")
     out = tmp_path / "out"
     capsys.readouterr()
-    assert main(["--checkpoint", str(run), "--output", str(out), "--dtype", "float32"]) == 0
+    assert main(["--checkpoint", str(run), "--output", str(out), "--dtype", "fp32"]) == 0
     assert "weights in float32 (--dtype)" in capsys.readouterr().out
 
     original = json.loads((published["checkpoint"] / "config.json").read_text())

@@ -71,6 +71,8 @@ LANGUAGE_DIR = "language"
 # weights of the checkpoint no mimo module holds, written back as the checkpoint has them
 NOT_BUILT = ("mtp.",)
 DTYPES = ("float32", "bfloat16", "float16")
+# the names train.precision and mimo-generate use
+SHORT = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,9 +92,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="a LoRA run of a whole VLM: write its adapters alone in PEFT's "
                         "format (peft.PeftModel.from_pretrained(base, OUT)) instead of the "
                         "model with the adapters merged into its weights")
-    parser.add_argument("--dtype", choices=DTYPES,
-                        help="the weights' dtype (default: the base checkpoint's, as its "
-                        "config.json names it; a LoRA run's --adapters: the trained one)")
+    parser.add_argument("--dtype", choices=DTYPES, type=lambda name: SHORT.get(name, name),
+                        help="the weights' dtype, float32|bfloat16|float16 (or fp32|bf16|fp16, "
+                        "as train.precision and mimo-generate name them; default: the base "
+                        "checkpoint's, as its config.json names it; a LoRA run's --adapters: "
+                        "the trained one)")
     return parser
 
 
