@@ -268,7 +268,9 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     train.steps 12 and the language model's lr a third (its min_lr scaled with it): rank 0
     (which holds the image module alone) says each change at start-up, and the LR after the
     resumed step is the cosine schedule of the new length, with each module's own rates; the
-    full run's LRs follow the same formula over its 6 steps."""
+    full run's LRs follow the same formula over its 6 steps. Its ``train.exit_duration_minutes``
+    has passed by its first step (a microsecond): it stops after step 7 with a checkpoint,
+    exit status 0."""
     tmp, common, full = setup
     for record in train_records(full):
         for module in ("image", "audio", "language"):
@@ -277,8 +279,11 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
     root = copy_checkpoint(tmp / "full-ckpt" / f"step_{STEPS:07d}", tmp / "longer")
     job = train_job(ranks, tmp, "longer", CONFIG, f"checkpoint.dir={root}",
                     *[c for c in common if not c.startswith("train.steps=")], "train.steps=12",
-                    "train.exit_interval=7", "optimizer.modules={language: {lr: 1.0e-3}}",
-                    nproc=3).check()
+                    "train.exit_duration_minutes=1e-8",
+                    "optimizer.modules={language: {lr: 1.0e-3}}", nproc=3).check()
+    assert "mimo-train: train.exit_duration_minutes 1e-08 passed: stopping after step 7\n" in \
+        job.stdout, job.stdout
+    assert (root / "latest").read_text() == "step_0000007"
     for line in ("resumed from step 6 of a 6-step schedule: LR decay now spans train.steps 12 "
                  "(was 6)", "resumed from step 6: language lr now 0.001 (was 0.003)",
                  "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):

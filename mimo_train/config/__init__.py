@@ -268,6 +268,9 @@ class RunConfig:
     micro_batch_size: Positive = 2                    # per language DP rank
     steps: Positive = 20
     exit_interval: Count = 0                          # stop once step % this == 0 (0: never)
+    # stop with a checkpoint after the first step that ends this long after the run started
+    # (0: never): a job's time limit minus the longest step and save
+    exit_duration_minutes: Annotated[float, Range(0)] = 0.0
     eval_interval: Count = 0                          # 0: no evaluation
     eval_steps: Positive = 1
     log_interval: Positive = 1

@@ -13,6 +13,10 @@ within ``REPEAT_SECONDS`` of the first counts as the same delivery (Slurm signal
 process of the job, and torchrun forwards its own copy to the workers). A rank that died leaves
 the others in the agreement's all-reduce only until ``train.collective_timeout_minutes``.
 
+A time limit of the run's own, ``train.exit_duration_minutes`` (megatron-LM's
+``--exit-duration-in-mins``), rides on the same agreement: once it has passed on any rank, all
+stop after the same step, save, and exit 0.
+
 Under ``torchrun``, a signal to the agent reaches every worker as SIGTERM; torchrun kills them
 30 s later, so the step in progress and the save must fit in that time there (a signal sent to
 the workers themselves, as Slurm's ``--signal`` does, has no such limit).
@@ -29,6 +33,9 @@ from typing import Any
 from mimo_train.runtime import distributed
 
 REPEAT_SECONDS = 2.0
+# what ``ExitSignals.agreed`` returns when no rank got a signal but the deadline passed (no
+# signal has this number)
+PAST_DEADLINE = 1024
 
 def signal_number(name: str) -> int:
     """``SIGTERM`` (or ``TERM``) -> its number; AttributeError for an unknown name."""
@@ -38,10 +45,11 @@ def signal_number(name: str) -> int:
 
 class ExitSignals:
     """The handlers of ``train.exit_signals`` on this rank, installed while the object is
-    open (``with``)."""
+    open (``with``); with ``deadline`` (a ``time.monotonic()`` value), also whether it passed."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], deadline: float | None = None):
         self.numbers = [signal_number(name) for name in names]
+        self.deadline = deadline
         self.received = 0
         self._since = 0.0
         self._previous: dict[int, Any] = {}
@@ -63,6 +71,10 @@ class ExitSignals:
             os.kill(os.getpid(), number)
 
     def agreed(self) -> int:
-        """The signal some rank received (the largest number if several), 0 if none
-        (collective over the control group)."""
-        return distributed.maximum(self.received)
+        """The signal some rank received (the largest number if several), else ``PAST_DEADLINE``
+        if the deadline passed on some rank, else 0 (collective over the control group)."""
+        late = self.deadline is not None and time.monotonic() >= self.deadline
+        # one all-reduce for both: a signal's number, or PAST_DEADLINE, which is larger
+        agreed = distributed.maximum(PAST_DEADLINE + self.received if self.received else
+                                     PAST_DEADLINE if late else 0)
+        return agreed - PAST_DEADLINE if agreed > PAST_DEADLINE else agreed

@@ -64,7 +64,7 @@ from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_memory, phase,
                                         run_failure, say)
-from mimo_train.runtime.preemption import ExitSignals
+from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
@@ -96,6 +96,8 @@ class Trainer:
         self.plan, self.cfg = plan, plan.config
         cfg = self.cfg
         start = time.perf_counter()
+        minutes = cfg.train.exit_duration_minutes    # from here: start-up counts too
+        self.deadline = time.monotonic() + 60 * minutes if minutes else None
         self.device, problem = devices.select(cfg.train.device, devices.probe())
         timeout = timedelta(minutes=cfg.train.collective_timeout_minutes)
         kinds = distributed.init(self.device, timeout)
@@ -358,7 +360,7 @@ class Trainer:
             f"{self.device.type}, {self.micro_batches} micro-batch(es) of "
             f"{run.micro_batch_size} per language DP rank per step")
         iterator = self.batches(self.loader, self.cfg.data.datasets)
-        with ExitSignals(run.exit_signals) as signals, self.profile:
+        with ExitSignals(run.exit_signals, self.deadline) as signals, self.profile:
             while self.step < run.steps:
                 self.doing = f"step {self.step + 1}"
                 self.profile.before(self.step + 1)
@@ -375,7 +377,10 @@ class Trainer:
                     say(f"{PREFIX}{self.failure}")
                     break
                 self.stopped_by = signals.agreed()
-                stop = bool(self.stopped_by) or (
+                late = self.stopped_by == PAST_DEADLINE
+                if late:                             # a planned stop: exit status 0
+                    self.stopped_by = 0
+                stop = bool(self.stopped_by) or late or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
                 if self.saver and (last or stop or (every and self.step % every == 0)):
@@ -387,6 +392,12 @@ class Trainer:
                     say(f"{PREFIX}{signal.Signals(self.stopped_by).name} received: stopped "
                         f"after step {self.step}" + ("" if self.cfg.checkpoint.dir else
                                                      " (no checkpoint.dir: nothing saved)"))
+                    break
+                if late and not last:
+                    say(f"{PREFIX}train.exit_duration_minutes {run.exit_duration_minutes:g} "
+                        f"passed: stopping after step {self.step}" + (
+                            "" if self.cfg.checkpoint.dir else
+                            " (no checkpoint.dir: nothing saved)"))
                     break
                 if stop and not last:
                     say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
