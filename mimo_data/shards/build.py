@@ -13,10 +13,10 @@ The output order, keys and bytes depend only on the inputs and options (not on
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
-import random
 import re
 import shutil
 import sys
@@ -43,6 +43,8 @@ from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, RE
                                     summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.shards.sources import open_source
+from mimo_data.shards import task_stream
+from mimo_data.shards.bounded import ordered_imap
 
 
 class BuildError(Exception):
@@ -150,16 +152,29 @@ def _prepare_task(task):
     return prepare(task, _WORKER["sources"][task.source], _WORKER["policy"])
 
 
+def _prepare_chunk(tasks):
+    return [_prepare_task(task) for task in tasks]
+
+
+_CHUNK = 8             # tasks a worker takes at a time
+_CHUNKS_PER_WORKER = 4  # chunks in flight per worker: the window of records held at once
+
+
 def _results(tasks, sources, policy, workers):
     """Prepared/Rejected results in task order, from ``workers`` processes validating while
-    this one writes (0 = validate in this process too)."""
+    this one writes (0 = validate in this process too). ``tasks`` is read lazily, after the
+    workers are started (they inherit no task list), and at most ``_CHUNKS_PER_WORKER``
+    chunks per worker are in flight: memory holds a window of records, whichever side is
+    slower."""
     if workers <= 0:
         _init_worker(sources, policy)
         yield from map(_prepare_task, tasks)
         return
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(sources, policy)) as pool:
-        yield from pool.imap(_prepare_task, tasks, chunksize=8)
+        chunks = iter(lambda: list(itertools.islice(tasks, _CHUNK)), [])
+        for done in ordered_imap(pool, _prepare_chunk, chunks, workers * _CHUNKS_PER_WORKER):
+            yield from done
 
 
 def build(inputs: list[str], output: str, options: BuildOptions,
@@ -248,9 +263,16 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     """Write the dataset into ``staging``; return its index (not written: the caller publishes
     the files, then the index) and the build's summary line. ``shard_done`` gets each
     complete shard's path."""
-    tasks = [task for number, source in enumerate(sources) for task in source.tasks(number)]
-    if options.shuffle:
-        random.Random(options.seed).shuffle(tasks)
+    progress = tqdm(total=task_stream.count(sources), unit="rec", desc="build",
+                    disable=not options.progress, file=sys.stderr)
+
+    def set_total(total: int) -> None:
+        progress.total = total
+        progress.refresh()
+
+    # Read as consumed (after the workers start): no task list, in the workers or here.
+    tasks = task_stream.shuffled(sources, options.seed, set_total) if options.shuffle else \
+        task_stream.stream(sources)
     policy = MediaPolicy(options.max_image_pixels, options.check,
                          defer_files=options.workers > 0)
     report = Tally("records_read", "samples_written", "records_skipped")
@@ -258,14 +280,14 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
                       options.max_shard_bytes, shard_done)
     table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
     records = RecordWriter(os.path.join(staging, "records.arrows"))
-    seen_ids: dict[str, str] = {}
-    progress = tqdm(total=len(tasks), unit="rec", desc="build", disable=not options.progress,
-                    file=sys.stderr)
-    for result in _results(tasks, sources, policy, options.workers):
+    seen_ids = task_stream.IdRegistry()   # hashes, not strings: no Python object per sample
+    for result in _results(iter(tasks), sources, policy, options.workers):
         progress.update()
-        if isinstance(result, Prepared) and result.id is not None and result.id in seen_ids:
+        taken = seen_ids.first(result.id) if isinstance(result, Prepared) and \
+            result.id is not None else None
+        if isinstance(result, Prepared) and taken is not None:
             result = Rejected("duplicate_id", result.location,
-                              f"id {result.id!r} was already taken by {seen_ids[result.id]}")
+                              f"id {result.id!r} was already taken by {taken}")
         if isinstance(result, Prepared):
             try:
                 payloads = result.media_bytes()
@@ -278,7 +300,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             report.skip(result.reason, result.location, result.detail)
             continue
         if result.id is not None:
-            seen_ids[result.id] = result.location
+            seen_ids.add(result.id, result.source)
         key = sample_key(report.kept)
         sample = {"key": key, "id": result.id, "source": result.source,
                   **({"messages": result.messages} if result.kind == "conversation" else

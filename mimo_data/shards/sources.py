@@ -40,6 +40,14 @@ class Task:
     origin: tuple          # ("line", n) | ("index", i) | ("row", r), stored in the sample JSON
 
 
+_LOCATIONS = {"line": "{}:{}", "index": "{}[{}]", "row": "{}#{}"}
+
+
+def location(path: str, kind: str, number: int) -> str:
+    """A task's human-readable location from its origin (``kind``: line, index or row)."""
+    return _LOCATIONS[kind].format(path, number)
+
+
 @dataclass
 class RawRecord:
     """A record before normalization: ``media`` maps a modality name to its items' refs
@@ -173,6 +181,13 @@ class ConversationFile:
         if self.lines:
             yield from _line_tasks(self.path, source)
             return
+        records = self.records()
+        for i in range(len(records)):
+            record, records[i] = records[i], None    # released once its task is made
+            yield Task(source, record, location(self.path, "index", i), ("index", i))
+
+    def records(self) -> list:
+        """A JSON array file's records: parsed whole (JSONL is read a line at a time)."""
         try:
             # utf-8-sig: a leading BOM (as Windows editors write) is not part of the array
             records = json.loads(Path(self.path).read_bytes().decode("utf-8-sig"))
@@ -185,8 +200,7 @@ class ConversationFile:
         if not isinstance(records, list):
             raise SourceError(f"{self.path}: expected a JSON array of records, "
                               f"got a {type(records).__name__}")
-        for i, record in enumerate(records):
-            yield Task(source, record, f"{self.path}[{i}]", ("index", i))
+        return records
 
     def load(self, task: Task) -> RawRecord:
         record = task.locator
@@ -291,8 +305,16 @@ class ParquetTable:
         row = 0
         for group in range(metadata.num_row_groups):
             for offset in range(metadata.row_group(group).num_rows):
-                yield Task(source, (group, offset), f"{self.path}#{row}", ("row", row))
+                yield Task(source, (group, offset), location(self.path, "row", row), ("row", row))
                 row += 1
+
+    def row_group_starts(self) -> list[int]:
+        """The first row of each row group, and the number of rows last."""
+        metadata = pq.ParquetFile(self.path).metadata
+        starts = [0]
+        for group in range(metadata.num_row_groups):
+            starts.append(starts[-1] + metadata.row_group(group).num_rows)
+        return starts
 
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator
@@ -357,7 +379,7 @@ def _line_tasks(path: str, source: int):
             if number == 1:   # a leading BOM (as Windows editors write) is not part of record 1
                 line = line.removeprefix(codecs.BOM_UTF8)
             if line.strip():
-                yield Task(source, line, f"{path}:{number}", ("line", number))
+                yield Task(source, line, location(path, "line", number), ("line", number))
 
 
 def open_source(path: str, *, input_format: str = "auto", media_root: str | None = None,
