@@ -82,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto (cuda when available), cpu or cuda")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                        help="precision of every part, whatever the export stores "
-                        "(default fp32)")
+                        type=lambda name: {"float32": "fp32", "bfloat16": "bf16"}.get(name, name),
+                        help="precision of every part, fp32|bf16 (or float32|bfloat16, as "
+                        "mimo-export names them), whatever the export stores (default fp32)")
     return parser
 
 
