@@ -92,7 +92,7 @@ def _print_preprocessing(path: str) -> int:
 
     from mimo_train.families.registry import preprocessing_for
     try:
-        data = preprocessing_for(path)
+        data = preprocessing_for(path, "--preprocessing-for")
     except TrainConfigError as error:
         print(f"{console.PREFIX}{error}", file=sys.stderr)
         return 2

@@ -354,7 +354,9 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
         "patch_size": 14, "crop": True, "mean": processor["image_mean"],
         "std": processor["image_std"]}
     assert main(["--preprocessing-for", str(MODELS / "tiny-llama")]) == 2
-    assert "not a whole vision-language model" in capsys.readouterr().err
+    err = capsys.readouterr().err       # named by the option given, not the training key
+    assert "--preprocessing-for " in err and "not a whole vision-language model" in err
+    assert "model.pretrained" not in err.split("instead")[0], err
 
 
 def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp_path, corpus):

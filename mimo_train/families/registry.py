@@ -61,39 +61,40 @@ def default_kind(modality: str, modality_config) -> str:
 
 
 @lru_cache(maxsize=8)
-def read_vlm(path: str) -> VLM:
+def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
     """The whole VLM at ``path`` (directory or cached hub name), or ``TrainConfigError``
-    naming why mimo cannot take it."""
-    config = checkpoint_config(path, "model.pretrained")
+    naming why mimo cannot take it (as given by ``key``)."""
+    config = checkpoint_config(path, key)
     family = config.model_type
     if family in REFUSED:
-        raise TrainConfigError(f"model.pretrained {path} is a {family!r} model: {REFUSED[family]}")
+        raise TrainConfigError(f"{key} {path} is a {family!r} model: {REFUSED[family]}")
     if family not in VLMS:
-        raise TrainConfigError(f"model.pretrained {path} is a {family!r} model, not a whole "
+        raise TrainConfigError(f"{key} {path} is a {family!r} model, not a whole "
                                f"vision-language model mimo takes ({', '.join(VLMS)}); give "
                                "the language model as model.language.pretrained and each "
                                "encoder as model.encoders.<module>.pretrained instead")
     return VLMS[family].read(config, path)
 
 
-def preprocessing_for(path: str) -> dict:
+def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     """The preprocessing config (as YAML data) that writes images (and videos) as the whole
     VLM at ``path`` expects: its tokenizer (and chat template), image and video tokens and
     wrap tokens, positions, its image processor's geometry, pixel budgets and normalization,
-    and its video processor's frame sampling where it has one."""
+    and its video processor's frame sampling where it has one; errors name ``path`` as given
+    by ``key``."""
     import copy
     import json
     import os
 
     from transformers import AutoTokenizer
-    vlm = read_vlm(path)
+    vlm = read_vlm(path, key)
     directory = model_directory(path)
     processor = os.path.join(directory, "preprocessor_config.json")
     if not os.path.isfile(processor):
         raise TrainConfigError(f"{path} holds no preprocessor_config.json: the image "
                                "processor's settings cannot be read; write the preprocessing "
                                "config by hand")
-    config = checkpoint_config(path, "model.pretrained")
+    config = checkpoint_config(path, key)
     family = VLMS[vlm.family]
     with open(processor) as f:
         image_processor = json.load(f)
