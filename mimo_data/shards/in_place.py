@@ -42,6 +42,7 @@ from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, R
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
+from mimo_data.shards.bounded import ordered_imap
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
                                           resolve, say)
@@ -162,12 +163,14 @@ def index_shard(job: _Job) -> ShardResult:
 
 
 def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
-    """Each tar's result in tar order, from ``workers`` processes (0: this one)."""
+    """Each tar's result in tar order, from ``workers`` processes (0: this one). One tar per
+    worker in flight: a writer slower than the workers holds a few tars' rows, not a pile of
+    them (``Pool.imap`` kept every finished result until it was consumed)."""
     if workers <= 0:
         yield from map(index_shard, jobs)
         return
     with multiprocessing.get_context("fork").Pool(workers) as pool:
-        yield from pool.imap(index_shard, jobs)
+        yield from ordered_imap(pool, index_shard, jobs, workers)
 
 
 # ------------------------------------------------------------------------------ output
