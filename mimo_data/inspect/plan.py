@@ -9,7 +9,10 @@ rank holds a contiguous 1/cp of every sequence, which the text says beside its r
 coordinate), the imbalance between the DP ranks of each module (max / mean
 tokens per step), steps per epoch and the remainder. ``--json`` prints the dry run itself (per
 rank, per step, per micro-batch sample keys and token counts; with ``--packing``, language
-ranks' ``sequences``) with this summary under ``"plan"``.
+ranks' ``sequences``) with this summary under ``"plan"``, its steps written through a
+temporary file as they come. Nothing is kept per sample or per micro-batch: ``PlanSummary``
+sums the figures as the dry run's micro-batches come (``dry_run``'s ``visit``), so memory does
+not grow with the dataset (tests/test_plan_scale.py).
 
 Packing efficiency (``plan["packing"]``, with or without ``--packing``): the language module's
 real tokens over the token positions of three layouts of the same samples, summed over every
@@ -33,6 +36,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from array import array
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,112 +50,181 @@ from mimo_data.preprocess.collate import LENGTH_MULTIPLE
 from mimo_data.preprocess.config import PreprocessConfig
 
 
-def _sample_table(result: dict) -> dict[str, dict]:
-    """Sample id -> tokens, trained tokens and encoder tokens per modality, from the micro-
-    batches that carry text tensors' metadata."""
-    table = {}
-    for entry in result["ranks"]:
-        for step in entry["steps"] or []:
-            for mb in step["micro_batches"]:
-                counts = mb.get("token_counts", {})
-                for i, key in enumerate(mb["keys"]):
-                    table[key] = {"tokens": mb["tokens"][i],
-                                  "trained": mb["trained_tokens"][i],
-                                  **{m: sum(per_sample[i]) for m, per_sample in counts.items()}}
-    return table
+_PACK_CHUNK = 4096     # language parts packed at a time (``pack_parts`` is row by row)
 
 
-def _part_steps(entry: dict, part: dict, table: dict) -> list[dict]:
-    """Samples and tokens per step of one module part of a rank."""
-    modality = next((m for m, module in entry["role"]["media"].items()
-                     if module == part["module"]), None)
-    steps = []
-    for step in entry["steps"]:
-        samples = tokens = trained = 0
-        for mb in step["micro_batches"]:
+class _Steps:
+    """One module part of a rank: samples, tokens and trained tokens per step (``array``)."""
+
+    def __init__(self):
+        self.step, self.samples, self.tokens, self.trained = (array("q") for _ in range(4))
+
+    def add(self, step: int, samples: int, tokens: int, trained: int) -> None:
+        if not self.step or self.step[-1] != step:
+            for column, value in ((self.step, step), (self.samples, 0), (self.tokens, 0),
+                                  (self.trained, 0)):
+                column.append(value)
+        self.samples[-1] += samples
+        self.tokens[-1] += tokens
+        self.trained[-1] += trained
+
+
+class PlanSummary:
+    """The plan's figures, made as the dry run's micro-batches come (``dry_run``'s ``visit``)
+    and nothing of them kept: per rank and module part, per step samples, tokens and trained
+    tokens (``array``, 32 bytes a step); the packing figures of the language DP ranks' parts,
+    summed a chunk at a time. A colocated encoder whose slice differs from its rank's text
+    slice (``encoder_keys``) counts its samples' tokens at the end, from a table of every
+    sample's hash and media tokens (8 bytes + 8 a modality per sample, numpy), as the loader
+    gives them only with the text micro-batch that holds the sample."""
+
+    def __init__(self, layout: Layout, world_size: int, micro_batch_size: int,
+                 seq_length: int, modalities: list[str]):
+        self.layout = layout
+        self.micro_batch_size = micro_batch_size
+        self.seq_length = seq_length
+        self.parts: dict[tuple[int, int], _Steps] = {}
+        roles = [layout.role(rank) for rank in range(world_size)]
+        self.table = any(module != role.text_module for role in roles
+                         for module in role.media.values())
+        self.hashes = array("q")                    # sample key hash -> media tokens
+        self.media = {modality: array("q") for modality in modalities}
+        self.pending: dict[tuple[int, int], tuple[array, array]] = {}   # key hash, step slot
+        self.chunk: list[list[int]] = []
+        self.packing = {"tokens": 0, "sequences": 0, "rows": 0, "positions": 0}
+
+    def __call__(self, entry: dict, mb: dict) -> None:
+        role = entry["role"]
+        counts = mb.get("token_counts", {})
+        if self.table:
+            for i, key in enumerate(mb["keys"]):
+                self.hashes.append(hash(key))
+                for modality, column in self.media.items():
+                    column.append(sum(counts[modality][i]) if modality in counts else 0)
+        for index, part in enumerate(role["modules"]):
+            steps = self.parts.setdefault((entry["rank"], index), _Steps())
             if part["module"] == LANGUAGE:
-                keys = mb["keys"]
-                tokens += sum(table[k]["tokens"] for k in keys)
-                trained += sum(table[k]["trained"] for k in keys)
-            else:
-                keys = mb.get("encoder_keys", {}).get(modality, mb["keys"])
-                tokens += sum(table[k].get(modality, 0) for k in keys)
-            samples += len(keys)
-        steps.append({"step": step["step"], "samples": samples, "tokens": tokens,
-                      "trained": trained})
-    return steps
+                steps.add(mb["step"], len(mb["keys"]), sum(mb["tokens"]),
+                          sum(mb["trained_tokens"]))
+                if part["tp_rank"] == 0 and part["pp_rank"] == 0 and \
+                        part.get("cp_rank", 0) == 0:
+                    self.chunk.append(mb["tokens"])
+                    if len(self.chunk) == _PACK_CHUNK:
+                        self._pack()
+                continue
+            media = next((m for m, module in role["media"].items()
+                          if module == part["module"]), None)
+            keys = mb.get("encoder_keys", {}).get(media, mb["keys"])
+            if keys == mb["keys"]:
+                tokens = sum(map(sum, counts[media])) if media in counts else 0
+                steps.add(mb["step"], len(keys), tokens, 0)
+                continue
+            steps.add(mb["step"], len(keys), 0, 0)
+            hashes, slots = self.pending.setdefault((entry["rank"], index),
+                                                    (array("q"), array("q")))
+            for key in keys:
+                hashes.append(hash(key))
+                slots.append(len(steps.step) - 1)
 
+    def _pack(self) -> None:
+        if not self.chunk:
+            return
+        lengths = np.array(self.chunk, dtype=np.int64).reshape(len(self.chunk),
+                                                                self.micro_batch_size)
+        self.chunk = []
+        multiple = LENGTH_MULTIPLE
+        longest = np.minimum(-(-lengths.max(axis=1) // multiple) * multiple, self.seq_length)
+        self.packing["tokens"] += int(lengths.sum())
+        self.packing["sequences"] += int(pack_parts(lengths, self.seq_length)[1].sum())
+        self.packing["rows"] += lengths.size
+        self.packing["positions"] += int(longest.sum()) * lengths.shape[1]
 
-def plan_summary(result: dict) -> dict:
-    """Per rank and module: samples/tokens per step; per module: DP imbalance."""
-    table = _sample_table(result)
-    modules = Layout.parse(result["layout"]).modules
-    tp_sizes = {module.name: module.tp for module in modules}
-    cp_sizes = {module.name: module.cp for module in modules}
-    rows: list = []
-    by_module: dict = {}
-    for entry in result["ranks"]:
-        if entry["steps"] is None:
-            rows.append({"rank": entry["rank"], "module": None, "needs_data": False})
-            continue
-        for part in entry["role"]["modules"]:
-            steps = _part_steps(entry, part, table)
-            tokens = [s["tokens"] for s in steps] or [0]
-            rows.append({
-                "rank": entry["rank"], "module": part["module"], "needs_data": True,
-                "dp_rank": part["dp_rank"], "dp_size": part["dp_size"],
-                "pp_rank": part["pp_rank"], "pp_size": part["pp_size"],
-                "cp_rank": part["cp_rank"], "cp_size": cp_sizes[part["module"]],
-                "tp_rank": part["tp_rank"], "tp_size": tp_sizes[part["module"]],
-                "samples_per_step": float(np.mean([s["samples"] for s in steps] or [0])),
-                "tokens_per_step_mean": float(np.mean(tokens)),
-                "tokens_per_step_max": int(max(tokens)),
-                "trained_per_step_mean": float(np.mean([s["trained"] for s in steps] or [0])),
-                "steps": steps})
-            if part["tp_rank"] == 0 and part["pp_rank"] == 0 and part.get("cp_rank", 0) == 0:
-                by_module.setdefault(part["module"], {})[part["dp_rank"]] = tokens
-    imbalance = {}
-    for module, dp in by_module.items():
-        per_step = np.array([dp[r] for r in sorted(dp)], dtype=np.float64)   # [dp, steps]
-        means = per_step.mean(axis=0)
-        ratios = np.divide(per_step.max(axis=0), means, out=np.ones_like(means),
-                           where=means > 0)
-        worst = int(ratios.argmax()) if len(ratios) else 0
-        imbalance[module] = {"dp_size": len(dp), "mean": float(ratios.mean()) if len(ratios)
-                             else 1.0, "max": float(ratios.max()) if len(ratios) else 1.0,
-                             "worst_step": worst}
-    return {"ranks": rows, "imbalance": imbalance}
+    def _resolve(self, modality_of) -> None:
+        """The pending encoder parts' tokens, looked up by key hash in the sample table."""
+        hashes = np.frombuffer(self.hashes, dtype=np.int64) if self.hashes else \
+            np.zeros(0, np.int64)
+        order = np.argsort(hashes, kind="stable")
+        for (rank, index), (keys, slots) in self.pending.items():
+            column = self.media.get(modality_of(rank, index))
+            wanted = np.frombuffer(keys, dtype=np.int64)
+            at = np.searchsorted(hashes, wanted, sorter=order)
+            found = order[np.minimum(at, len(order) - 1)] if len(order) else at
+            values = np.asarray(column, dtype=np.int64)[found] if column is not None \
+                else np.zeros(len(wanted), np.int64)
+            tokens = np.zeros(len(self.parts[rank, index].step), np.int64)
+            np.add.at(tokens, np.asarray(slots, dtype=np.int64), values)
+            self.parts[rank, index].tokens = array("q", tokens.tolist())
+        self.pending = {}
 
+    def summary(self, result: dict, with_steps: bool) -> dict:
+        """Per rank and module: samples/tokens per step (``steps``: each step's, when
+        ``with_steps``); per module: DP imbalance."""
+        ranks = {entry["rank"]: entry for entry in result["ranks"]}
 
-def _language_parts(result: dict) -> np.ndarray:
-    """Token counts ``[parts, micro_batch_size]``: each language DP rank's part of each planned
-    micro-batch (one rank per DP rank)."""
-    parts: list[list[int]] = []
-    for entry in result["ranks"]:
-        for part in entry["role"]["modules"]:
-            first_of_dp_rank = (part["tp_rank"] == 0 and part["pp_rank"] == 0
-                                and part.get("cp_rank", 0) == 0)
-            if part["module"] == LANGUAGE and first_of_dp_rank and entry["steps"] is not None:
-                parts.extend(mb["tokens"] for step in entry["steps"]
-                             for mb in step["micro_batches"])
-    return np.array(parts, dtype=np.int64).reshape(len(parts), result["micro_batch_size"])
+        def modality_of(rank: int, index: int) -> str | None:
+            role = ranks[rank]["role"]
+            module = role["modules"][index]["module"]
+            return next((m for m, name in role["media"].items() if name == module), None)
 
+        self._resolve(modality_of)
+        modules = self.layout.modules
+        tp_sizes = {module.name: module.tp for module in modules}
+        cp_sizes = {module.name: module.cp for module in modules}
+        rows: list = []
+        by_module: dict = {}
+        for entry in result["ranks"]:
+            if entry["steps"] is None:
+                rows.append({"rank": entry["rank"], "module": None, "needs_data": False})
+                continue
+            for index, part in enumerate(entry["role"]["modules"]):
+                steps = self.parts.get((entry["rank"], index), _Steps())
+                tokens = np.asarray(steps.tokens, dtype=np.int64)
+                tokens = tokens if len(tokens) else np.zeros(1, np.int64)
+                samples = np.asarray(steps.samples or [0], dtype=np.int64)
+                trained = np.asarray(steps.trained or [0], dtype=np.int64)
+                row = {
+                    "rank": entry["rank"], "module": part["module"], "needs_data": True,
+                    "dp_rank": part["dp_rank"], "dp_size": part["dp_size"],
+                    "pp_rank": part["pp_rank"], "pp_size": part["pp_size"],
+                    "cp_rank": part["cp_rank"], "cp_size": cp_sizes[part["module"]],
+                    "tp_rank": part["tp_rank"], "tp_size": tp_sizes[part["module"]],
+                    "samples_per_step": float(np.mean(samples)),
+                    "tokens_per_step_mean": float(np.mean(tokens)),
+                    "tokens_per_step_max": int(tokens.max()),
+                    "trained_per_step_mean": float(np.mean(trained))}
+                if with_steps:
+                    row["steps"] = [{"step": s, "samples": n, "tokens": t, "trained": d}
+                                    for s, n, t, d in zip(steps.step, steps.samples,
+                                                          steps.tokens, steps.trained)]
+                rows.append(row)
+                if part["tp_rank"] == 0 and part["pp_rank"] == 0 and \
+                        part.get("cp_rank", 0) == 0:
+                    by_module.setdefault(part["module"], {})[part["dp_rank"]] = tokens
+        imbalance = {}
+        for module, dp in by_module.items():
+            per_step = np.array([dp[r] for r in sorted(dp)], dtype=np.float64)   # [dp, steps]
+            means = per_step.mean(axis=0)
+            ratios = np.divide(per_step.max(axis=0), means, out=np.ones_like(means),
+                               where=means > 0)
+            worst = int(ratios.argmax()) if len(ratios) else 0
+            imbalance[module] = {"dp_size": len(dp), "mean": float(ratios.mean())
+                                 if len(ratios) else 1.0, "max": float(ratios.max())
+                                 if len(ratios) else 1.0, "worst_step": worst}
+        return {"ranks": rows, "imbalance": imbalance}
 
-def packing_summary(result: dict, seq_length: int, enabled: bool) -> dict:
-    """Language tokens over the positions of the packed, padded and cut-to-longest layouts of
-    the planned micro-batches (the module docstring names the fields)."""
-    lengths = _language_parts(result)
-    tokens = int(lengths.sum())
-    sequences = int(pack_parts(lengths, seq_length)[1].sum())
-    rows = lengths.size
-    multiple = LENGTH_MULTIPLE
-    longest = np.minimum(-(-lengths.max(axis=1) // multiple) * multiple, seq_length)
-    positions = int(longest.sum()) * lengths.shape[1]
-    return {"enabled": enabled, "seq_length": seq_length, "tokens": tokens,
-            "packed": {"sequences": sequences, "efficiency": tokens / (sequences * seq_length)},
-            "padded": {"rows": rows, "efficiency": tokens / (rows * seq_length)},
-            "cut_to_longest": {"length_multiple": multiple, "positions": positions,
-                               "efficiency": tokens / positions}}
+    def packing_summary(self, enabled: bool) -> dict:
+        """Language tokens over the positions of the packed, padded and cut-to-longest layouts
+        of the planned micro-batches (the module docstring names the fields)."""
+        self._pack()
+        seq_length, figures = self.seq_length, self.packing
+        tokens, sequences = figures["tokens"], figures["sequences"]
+        rows, positions = figures["rows"], figures["positions"]
+        return {"enabled": enabled, "seq_length": seq_length, "tokens": tokens,
+                "packed": {"sequences": sequences,
+                           "efficiency": tokens / (sequences * seq_length)},
+                "padded": {"rows": rows, "efficiency": tokens / (rows * seq_length)},
+                "cut_to_longest": {"length_multiple": LENGTH_MULTIPLE, "positions": positions,
+                                   "efficiency": tokens / positions}}
 
 
 def format_plan(result: dict, plan: dict) -> str:
@@ -216,6 +291,96 @@ def format_plan(result: dict, plan: dict) -> str:
     return "\n".join(lines)
 
 
+class _JsonSteps:
+    """``dry_run``'s ``visit`` for ``--json``: every rank's steps written, as ``json.dumps``
+    with ``indent=1`` writes them in the whole result, to a temporary file as they come
+    (one step's micro-batches held at a time); ``write`` prints the result around them."""
+
+    def __init__(self):
+        self.file = tempfile.TemporaryFile()
+        self.spans: dict[int, list[int]] = {}       # rank -> [start, end, steps]
+        self.rank: int | None = None
+        self.step: dict | None = None
+
+    def __call__(self, entry: dict, mb: dict) -> None:
+        if entry["rank"] != self.rank or mb["micro_batch"] == 0:
+            self._flush()
+            self.rank = entry["rank"]
+            self.step = {"step": mb["step"], "micro_batches": []}
+        assert self.step is not None
+        self.step["micro_batches"].append({k: v for k, v in mb.items() if k != "step"})
+
+    def _flush(self) -> None:
+        if self.step is None or self.rank is None:
+            return
+        span = self.spans.setdefault(self.rank, [self.file.tell(), 0, 0])
+        text = _INDENT * 4 + json.dumps(self.step, indent=1).replace("\n", "\n" + _INDENT * 4)
+        self.file.write(((",\n" if span[2] else "") + text).encode())
+        span[1], span[2] = self.file.tell(), span[2] + 1
+        self.step = None
+
+    def write(self, result: dict, plan: dict, out) -> None:
+        self._flush()
+        head, tail = json.dumps({**result, "ranks": _HOLE, "plan": plan},
+                                indent=1).split(json.dumps(_HOLE))
+        out.write(head + ("[\n" if result["ranks"] else "[]"))
+        for number, entry in enumerate(result["ranks"]):
+            before, after = (_INDENT * 2 + json.dumps({**entry, "steps": _HOLE}, indent=1)
+                             .replace("\n", "\n" + _INDENT * 2)).split(json.dumps(_HOLE))
+            out.write(("" if number == 0 else ",\n") + before)
+            span = self.spans.get(entry["rank"])
+            if entry["steps"] is None:
+                out.write("null")
+            elif span is None:
+                out.write("[]")
+            else:
+                out.write("[\n")
+                self.file.seek(span[0])
+                left = span[1] - span[0]
+                while left:
+                    chunk = self.file.read(min(left, 1 << 20))
+                    out.write(chunk.decode())
+                    left -= len(chunk)
+                out.write("\n" + _INDENT * 3 + "]")
+            out.write(after)
+        out.write(("\n" + _INDENT + "]" if result["ranks"] else "") + tail + "\n")
+        self.file.close()
+
+
+_INDENT = " "
+_HOLE = "\x00mimo-inspect plan: here\x00"
+
+
+def make_plan(source: DataSource, config: PreprocessConfig, layout: Layout, args,
+              visit: Callable[[dict, dict], object] | None = None) -> tuple[dict, dict]:
+    """The dry run of ``args.balance`` (its micro-batches also go to ``visit``) and the plan:
+    the other balance's dry run gives its imbalance. Each dry run streams its micro-batches
+    into a ``PlanSummary``: nothing is kept per sample or per micro-batch."""
+    summaries = {balance: PlanSummary(layout, layout.world_size, args.micro_batch_size,
+                                      config.seq_length, list(config.modalities))
+                 for balance in ("none", "tokens")}
+    runs = {}
+    for balance in sorted(summaries, key=lambda b: b == args.balance):   # this plan's last
+        summary = summaries[balance]
+        each: Callable[[dict, dict], object] = summary
+        if balance == args.balance and visit is not None:
+            def each(entry, mb, summary=summary):
+                summary(entry, mb)
+                visit(entry, mb)
+        runs[balance] = dry_run(source, config, layout, args.global_batch_size,
+                                args.micro_batch_size, seed=args.seed, epoch=args.epoch,
+                                balance=balance, packing=args.packing, visit=each)
+    result = runs[args.balance]
+    plan = summaries[args.balance].summary(result, with_steps=args.json)
+    plan["balance"] = args.balance
+    plan["imbalance_by_balance"] = {
+        balance: (plan["imbalance"] if balance == args.balance else
+                  summaries[balance].summary(runs[balance], with_steps=False)["imbalance"])
+        for balance in ("none", "tokens")}
+    plan["packing"] = summaries[args.balance].packing_summary(args.packing)
+    return result, plan
+
+
 def run_plan(args, config: PreprocessConfig) -> int:
     """The ``plan`` subcommand: 0 valid and consistent, 1 failed checks, 2 a layout that
     cannot work (a config error, as ``mimo-train`` exits for it)."""
@@ -228,18 +393,10 @@ def run_plan(args, config: PreprocessConfig) -> int:
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
         return 2
     source = DataSource([args.directory], config, cache_dir=args.cache_dir)
-    runs = {balance: dry_run(source, config, layout, args.global_batch_size,
-                             args.micro_batch_size, seed=args.seed, epoch=args.epoch,
-                             balance=balance, packing=args.packing)
-            for balance in ("none", "tokens")}
-    result = runs[args.balance]
-    plan = plan_summary(result)
-    plan["balance"] = args.balance
-    plan["imbalance_by_balance"] = {balance: plan_summary(run)["imbalance"]
-                                    for balance, run in runs.items()}
-    plan["packing"] = packing_summary(result, config.seq_length, args.packing)
-    if args.json:
-        print(json.dumps({**result, "plan": plan}, indent=1))
+    steps = _JsonSteps() if args.json else None
+    result, plan = make_plan(source, config, layout, args, steps)
+    if steps is not None:
+        steps.write(result, plan, sys.stdout)
     else:
         print(format_plan(result, plan))
     if not result["checks"]["ok"]:

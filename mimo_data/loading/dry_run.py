@@ -12,6 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from array import array
+from collections.abc import Callable
+
+import numpy as np
 
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -25,19 +29,26 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
             micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
             epoch: int = 0, steps: int | None = None, remainder: str = "drop",
             weights=None, num_workers: int = 0, balance: str = "none",
-            packing: bool = False) -> dict:
+            packing: bool = False,
+            visit: Callable[[dict, dict], object] | None = None) -> dict:
     """Per rank and step, the keys and token counts each micro-batch holds (JSON-ready); with
     ``packing``, language ranks' micro-batches also hold ``sequences`` (samples per packed
     sequence).
 
     ``checks``: every rank has the same number of micro-batches; for every module, the
     concatenation of its DP ranks' parts equals the language module's global micro-batch, and
-    all ranks of one DP rank (tp, cp, pp) get the same samples."""
+    all ranks of one DP rank (tp, cp, pp) get the same samples.
+
+    ``visit(entry, micro_batch)``: each micro-batch (its fields and ``step``) goes to it as the
+    loaders make them, rank by rank, and is not kept: every rank's ``steps`` stays an empty
+    list (None: no loader), so memory does not grow with the dataset (``mimo-inspect plan``).
+    The checks compare a 64-bit hash and a length per micro-batch, not the keys."""
     layout = Layout.parse(layout)
     world_size = world_size or layout.world_size
     source = datasets if isinstance(datasets, DataSource) else \
         DataSource(datasets, preprocess_config, weights, num_workers)
     ranks, plan = [], None
+    seen = _Seen()
     for rank in range(world_size):
         loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
                               micro_batch_size, seed, remainder=remainder, decode_media=False,
@@ -53,11 +64,15 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
                 min(steps, loader.steps_per_epoch) * loader.micro_batches_per_step
             entry["steps"] = []
             for _, (_, metadata) in zip(range(count), loader):
+                mb = {"micro_batch": metadata["micro_batch"],
+                      **{k: metadata[k] for k in _MICRO_BATCH_FIELDS if k in metadata}}
+                seen.add(rank, mb)
+                if visit is not None:
+                    visit(entry, {"step": metadata["step"], **mb})
+                    continue
                 if metadata["micro_batch"] == 0:
                     entry["steps"].append({"step": metadata["step"], "micro_batches": []})
-                entry["steps"][-1]["micro_batches"].append(
-                    {"micro_batch": metadata["micro_batch"],
-                     **{k: metadata[k] for k in _MICRO_BATCH_FIELDS if k in metadata}})
+                entry["steps"][-1]["micro_batches"].append(mb)
             loader.close()
         ranks.append(entry)
     return {"datasets": source.directories, "weights": source.weights,
@@ -65,46 +80,92 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
             "colocated": layout.colocated, "world_size": world_size, "seed": seed,
             "epoch": epoch, "global_batch_size": global_batch_size,
             "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
-            "checks": _checks(layout, ranks, source)}
+            "checks": _checks(layout, ranks, source, seen)}
 
 
-def _flat(entry: dict) -> list[list[str]]:
-    return [mb["keys"] for step in entry["steps"] for mb in step["micro_batches"]]
+_MASK = (1 << 64) - 1
+_BASE = 0x100000001B3          # the polynomial hash's base (odd: invertible modulo 2**64)
 
 
-def _checks(layout: Layout, ranks: list[dict], source: DataSource) -> dict:
+def _hash(keys: list[str]) -> int:
+    """A 64-bit polynomial hash of a list of keys: ``_combine`` gives a concatenation's."""
+    value = 0
+    for key in keys:
+        value = (value * _BASE + hash(key)) & _MASK
+    return value
+
+
+class _Seen:
+    """Per rank, per micro-batch: a hash and a length of its keys and of each modality's
+    encoder keys (``array``: 16 bytes a micro-batch, no Python object)."""
+
+    def __init__(self):
+        self.keys: dict[tuple[int, str | None], tuple[array, array]] = {}
+
+    def _append(self, rank: int, name: str | None, keys: list[str], value: int) -> None:
+        hashes, lengths = self.keys.setdefault((rank, name), (array("Q"), array("q")))
+        hashes.append(value)
+        lengths.append(len(keys))
+
+    def add(self, rank: int, mb: dict) -> None:
+        value = _hash(mb["keys"])
+        self._append(rank, None, mb["keys"], value)
+        for modality, keys in mb.get("encoder_keys", {}).items():
+            self._append(rank, modality, keys, value if keys == mb["keys"] else _hash(keys))
+
+    def of(self, rank: int, modality: str | None) -> tuple[np.ndarray, np.ndarray]:
+        hashes, lengths = self.keys.get((rank, modality), (array("Q"), array("q")))
+        return (np.frombuffer(hashes, dtype=np.uint64) if hashes else
+                np.zeros(0, np.uint64), np.asarray(lengths, dtype=np.int64))
+
+
+def _same(a: tuple[np.ndarray, np.ndarray] | None, b: tuple[np.ndarray, np.ndarray]) -> bool:
+    return a is not None and all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def _combine(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per micro-batch, the hash and length of the concatenation of ``parts`` (DP ranks in
+    order), over as many micro-batches as every part has."""
+    count = min(len(h) for h, _ in parts)
+    value, total = np.zeros(count, np.uint64), np.zeros(count, np.int64)
+    for hashes, lengths in parts:
+        shift = np.power(np.uint64(_BASE), lengths[:count].astype(np.uint64))
+        value = value * shift + hashes[:count]          # modulo 2**64, as ``_hash``
+        total = total + lengths[:count]
+    return value, total
+
+
+def _checks(layout: Layout, ranks: list[dict], source: DataSource, seen: _Seen) -> dict:
     problems = []
     try:
         check_even_split(source, layout)
     except LayoutError as error:
         problems.append(str(error))
     loaded = [r for r in ranks if r["steps"] is not None]
-    counts = {r["rank"]: len(_flat(r)) for r in loaded}
+    counts = {r["rank"]: len(seen.of(r["rank"], None)[0]) for r in loaded}
     if len(set(counts.values())) > 1:
         problems.append(f"micro-batches per rank differ: {counts}")
-    by_module: dict[str, dict[int, list]] = {}
+    by_module: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
     for entry in loaded:
         for part in entry["role"]["modules"]:
             if part["module"] != LANGUAGE and part["pp_rank"]:
                 continue
             if part["module"] == LANGUAGE or entry["role"]["text_module"] == part["module"]:
-                keys = _flat(entry)
+                keys = seen.of(entry["rank"], None)
             else:   # a colocated encoder whose slice differs from the rank's text slice
                 modality = next(m for m, n in entry["role"]["media"].items()
                                 if n == part["module"])
-                keys = [mb["encoder_keys"][modality] for step in entry["steps"]
-                        for mb in step["micro_batches"]]
-            seen = by_module.setdefault(part["module"], {}).setdefault(part["dp_rank"], keys)
-            if seen != keys:
+                keys = seen.of(entry["rank"], modality)
+            first = by_module.setdefault(part["module"], {}).setdefault(part["dp_rank"], keys)
+            if not _same(first, keys):
                 problems.append(f"rank {entry['rank']} ({part['module']} dp rank "
                                 f"{part['dp_rank']}) gets other samples than its DP peers")
     if by_module:
-        global_batches: dict[str, list] = {name: [sum(parts, []) for parts in
-                                 zip(*(dp[r] for r in sorted(dp)))]
+        global_batches = {name: _combine([dp[r] for r in sorted(dp)])
                           for name, dp in by_module.items()}
         reference = global_batches.get(LANGUAGE)
         for name, batches in global_batches.items():
-            if batches != reference:
+            if not _same(reference, batches):
                 problems.append(f"module {name!r}'s global micro-batches differ from "
                                 f"{LANGUAGE!r}'s")
     return {"ok": not problems, "problems": problems}
