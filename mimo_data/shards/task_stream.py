@@ -108,9 +108,12 @@ def permutation(count: int, seed: int) -> array:
     """``range(count)`` in the order ``random.Random(seed).shuffle`` puts a list of ``count``
     items (the same draws, so the same order), as 8-byte numbers."""
     order = array("q", range(count))
-    randbelow = random.Random(seed)._randbelow  # type: ignore[attr-defined]  # as shuffle
+    getrandbits = random.Random(seed).getrandbits
     for i in reversed(range(1, count)):
-        j = randbelow(i + 1)
+        bits = (i + 1).bit_length()     # Random._randbelow's draw, as shuffle makes it
+        j = getrandbits(bits)
+        while j > i:
+            j = getrandbits(bits)
         order[i], order[j] = order[j], order[i]
     return order
 
