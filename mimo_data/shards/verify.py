@@ -12,19 +12,22 @@ The tar is walked with ``tarfile`` because webdataset's iterators do not expose 
 A shard whose size or sha256 differs is walked too, to name the sample and member at fault
 (``shard NAME: sample KEY member KEY.img0.jpg: ...``): one whose crc32 differs, that no longer
 decodes, sits elsewhere than the table says or disagrees with the JSON. (A dataset built before
-members had a crc32 has only the decoding to go by.)
+members had a crc32 has only the decoding to go by.) The sample table is read a shard at a
+time (build and index write each shard's rows together), so memory does not grow with it.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import multiprocessing
 import os
 import tarfile
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
@@ -33,6 +36,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
 from mimo_data.shards.format import RECORDS_FILE
+from mimo_data.shards.bounded import ordered_imap
 from mimo_data.shards.index import read_index, shard_root
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
@@ -191,6 +195,67 @@ def _verify_one(args):
     return verify_shard(*args)
 
 
+def _shard_rows(directory: str, index: dict) -> Iterator[tuple[dict, list, list | None]]:
+    """Each shard of the index with its rows of samples.parquet and (indexed in place) its
+    records, read a batch at a time where the table holds each shard's rows together and in
+    the index's order (as build and index write it): a shard's rows in memory, not the
+    table's. Otherwise the whole table is grouped at once."""
+    samples = storage.join(directory, SAMPLES_FILE)
+    records_file = storage.join(directory, RECORDS_FILE) \
+        if RECORDS_FILE in index["files"] else None
+    names = [shard["name"] for shard in index["shards"]]
+    table = storage.readable(samples)             # a remote table read once
+    shard_of_row = pq.read_table(table, columns=["shard"]).column("shard")
+    runs = pc.run_end_encode(shard_of_row.combine_chunks())
+    ran = runs.values.to_pylist()                  # one per run of rows: per shard
+    order = {name: at for at, name in enumerate(names)}
+    if any(name not in order for name in ran) or any(
+            order[a] >= order[b] for a, b in zip(ran, ran[1:])):
+        yield from _grouped_at_once(table, records_file, index)
+        return
+    rows = _rows(table)
+    records = None if records_file is None else (
+        json.loads(raw) for raw in _rows(storage.readable(records_file), column="json"))
+    ends = iter(runs.run_ends.to_pylist())
+    held = dict.fromkeys(ran)
+    start = 0
+    for shard in index["shards"]:
+        if shard["name"] not in held:
+            yield shard, [], None if records is None else []
+            continue
+        end = next(ends)
+        count = end - start
+        start = end
+        yield (shard, list(itertools.islice(rows, count)),
+               None if records is None else list(itertools.islice(records, count)))
+
+
+def _rows(table, column: str | None = None) -> Iterator:
+    """The rows (dicts), or one column's values, of a Parquet file (what ``storage.readable``
+    gives), a batch at a time."""
+    parquet = pq.ParquetFile(table)
+    for batch in parquet.iter_batches(batch_size=1024,
+                                      columns=None if column is None else [column]):
+        yield from (batch.column(0).to_pylist() if column else batch.to_pylist())
+
+
+def _grouped_at_once(table, records_file: str | None, index: dict):
+    """``_shard_rows`` for a table whose shards' rows are not together: grouped in memory."""
+    rows_by_shard = defaultdict(list)
+    for row in pq.read_table(table).to_pylist():
+        rows_by_shard[row["shard"]].append(row)
+    records_by_shard: dict[str, list[dict]] | None = None
+    if records_file is not None:
+        records_by_shard = defaultdict(list)
+        jsons = pq.read_table(storage.readable(records_file))
+        for record in jsons.column("json").to_pylist():
+            decoded = json.loads(record)
+            records_by_shard[decoded["source"]["file"]].append(decoded)
+    for shard in index["shards"]:
+        yield (shard, rows_by_shard.get(shard["name"], []),
+               None if records_by_shard is None else records_by_shard.get(shard["name"], []))
+
+
 def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]:
     """All problems found in the dataset at ``directory`` (empty list: it verifies)."""
     index = read_index(directory)
@@ -204,27 +269,16 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
             problems += _check_file(path, expected)
     if problems:
         return problems
-    rows_by_shard = defaultdict(list)
-    records_by_shard: dict[str, list[dict]] | None = None
-    for row in pq.read_table(storage.readable(storage.join(directory, SAMPLES_FILE))).to_pylist():
-        rows_by_shard[row["shard"]].append(row)
-    if RECORDS_FILE in index["files"]:
-        records_by_shard = defaultdict(list)
-        jsons = pq.read_table(storage.readable(storage.join(directory, RECORDS_FILE)))
-        for record in jsons.column("json").to_pylist():
-            decoded = json.loads(record)
-            records_by_shard[decoded["source"]["file"]].append(decoded)
     root = shard_root(directory, index)
-    jobs = [(root, shard, rows_by_shard.get(shard["name"], []),
-             None if records_by_shard is None else records_by_shard.get(shard["name"], []))
-            for shard in index["shards"]]
-    bar = tqdm(total=len(jobs), unit="shard", desc="verify", disable=not progress)
+    jobs = ((root, shard, rows, records) for shard, rows, records in _shard_rows(directory, index))
+    bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
     results: Iterable[list[str]]
     if workers <= 1:
         results = map(_verify_one, jobs)
     else:
         pool = multiprocessing.get_context("fork").Pool(workers)
-        results = pool.imap(_verify_one, jobs)
+        # a few shards' rows in flight, not the table's
+        results = ordered_imap(pool, _verify_one, jobs, window=2 * workers)
     for shard_problems in results:
         problems += shard_problems
         bar.update()
