@@ -1,4 +1,5 @@
-"""Scale is correctness: ``mimo-inspect plan`` holds no Python object per sample.
+"""Scale is correctness: ``mimo-inspect plan`` (and its advisor's workload) holds no Python
+object per sample.
 
 ``make_plan`` (``run_plan``'s two dry runs of the epoch, balance none and tokens, and their
 summaries) in process on N and 4N tiny text-only samples, one rank: tracemalloc's traced peak
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from conftest import build_dataset
 from mimo_data.inspect.plan import format_plan, make_plan
+from mimo_data.inspect.workload import workload
 from mimo_data.loading.layout import Layout
 from mimo_data.loading.loader import DataSource
 from mimo_data.preprocess.config import PreprocessConfig
@@ -44,7 +46,7 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
     layout = Layout.parse("language=dp2")
     args = argparse.Namespace(global_batch_size=32, micro_batch_size=4, seed=0, epoch=0,
                               balance="none", packing=False, json=False)
-    peaks, text = [], None
+    peaks, advisor, text = [], [], None
     for count in (N, 4 * N):
         data = tmp_path / f"data{count}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in _records(count)))
@@ -59,6 +61,18 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
             tracemalloc.stop()
         assert result["checks"]["ok"] and result["steps_per_epoch"] == count // 32
         assert f"{count // 32} steps x 4 global micro-batches" in format_plan(result, plan)
+        tracemalloc.start()                      # the advisor's workload: its first 8 steps
+        try:
+            read = workload(source, config, 32, 4)
+            advisor.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+        assert len(read["steps"]) == 8 and all(len(step) == 32 for step in read["steps"])
     grown = (peaks[1] - peaks[0]) / (3 * N)
     print(f"mimo-inspect plan: {grown:.0f} bytes a sample")
     assert grown < 128, f"mimo-inspect plan: {grown:.0f} bytes a sample"
+    # the advisor (plan --model) read the whole epoch, a dict per sample: ~600 B a sample
+    # (broken on purpose); now the micro-batches its 8 steps need: ~13
+    grown = (advisor[1] - advisor[0]) / (3 * N)
+    print(f"mimo-inspect plan --model: {grown:.0f} bytes a sample")
+    assert grown < 128, f"mimo-inspect plan --model: {grown:.0f} bytes a sample"

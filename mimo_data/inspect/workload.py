@@ -70,8 +70,10 @@ def workload(source: DataSource, config: PreprocessConfig, global_batch_size: in
     order: list[dict] = []
     epochs = 0
     while len(order) < global_batch_size * steps and epochs < MAX_EPOCHS:
+        # the micro-batches still wanted, not the epoch's: memory bounded by the steps read
+        wanted = -(-(global_batch_size * steps - len(order)) // micro_batch_size)
         run = dry_run(source, config, reference, micro_batch_size, micro_batch_size, seed=seed,
-                      epoch=epoch + epochs)
+                      epoch=epoch + epochs, steps=wanted)
         epochs += 1
         entry = next(e for e in run["ranks"] if e["steps"] is not None)
         order += [_sample(mb, i) for step in entry["steps"] for mb in step["micro_batches"]
