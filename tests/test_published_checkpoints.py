@@ -259,18 +259,25 @@ def _pixels(published: dict) -> dict:
 
 
 @pytest.mark.parametrize("published", EXPORTED, indirect=True)
-def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_path):
+def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_path, capsys):
     """The imported model exported: ``config.json`` has the published keys where the published
     file has them (flat stays flat), every weight under its published name with its value;
-    transformers loads it, and its greedy tokens for an image prompt are mimo-generate's."""
+    transformers loads it, and its greedy tokens for an image prompt are mimo-generate's. The
+    run trained in float32: the line saying the dtype says how to keep it."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     from mimo_train.hf.export import main
     out = tmp_path / "out"
+    capsys.readouterr()
     assert main(["--checkpoint", str(published["tmp"] / "init" / "step_0000000"),
                  "--output", str(out)]) == 0
     original = json.loads((published["checkpoint"] / "config.json").read_text())
+    stored = original.get("torch_dtype", original.get("dtype")) or \
+        original.get("text_config", {}).get("dtype")
+    if stored in ("bfloat16", "float16"):
+        assert f"weights in {stored} (the base checkpoint's; trained in float32: --dtype " \
+            "float32 keeps it)" in capsys.readouterr().out
     # the published file, key for key and value for value (the run trained in fp32; the
     # export is in the published dtype)
     assert json.loads((out / "config.json").read_text()) == original
@@ -383,6 +390,38 @@ def test_export_in_another_dtype_and_with_the_runs_own_chat_template(published, 
 # repository -> its language model as published (layers, hidden, heads, key/value heads,
 # vocabulary, tied, M-RoPE section): llava-1.5's text config leaves the dims to LlamaConfig's
 # defaults (Vicuna-7B's); Qwen's flat configs hold them at the top level
+def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_default(
+        tmp_path, monkeypatch):
+    """Without torchvision, transformers' video processor classes are placeholders that raise
+    ImportError (mimo needs no torchvision): the export still writes Qwen3-VL's video
+    processor file, with the run's frame sampling written out (its class default unknown);
+    with the class readable, a run at the class defaults leaves the published file as it is."""
+    import shutil
+    import sys
+
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.hf.export import _processor_budgets
+    repo = PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct"
+    preprocess = PreprocessConfig.from_dict(preprocessing_for(str(repo)))
+    name = "video_preprocessor_config.json"
+    published = json.loads((repo / name).read_text())
+    shutil.copy(repo / name, tmp_path / name)
+    _processor_budgets(str(tmp_path), preprocess)
+    assert (tmp_path / name).read_bytes() == (repo / name).read_bytes()
+
+    class Placeholder:                   # what transformers gives without torchvision
+        def __getattr__(self, key):
+            raise ImportError("Qwen3VLVideoProcessor requires the Torchvision library")
+    # the module transformers' own imports see (the name bound here may be another object)
+    monkeypatch.setattr(sys.modules["transformers"], "Qwen3VLVideoProcessor", Placeholder(),
+                        raising=False)
+    _processor_budgets(str(tmp_path), preprocess)
+    video = preprocess.modalities["video"]
+    assert json.loads((tmp_path / name).read_text()) == {
+        **published, "fps": video.fps, "min_frames": video.min_frames,
+        "max_frames": video.max_frames}
+
+
 PUBLISHED_LANGUAGE = {
     "Qwen/Qwen2-VL-2B-Instruct": (28, 1536, 12, 2, 151936, True, (16, 24, 24)),
     "Qwen/Qwen2-VL-7B-Instruct": (28, 3584, 28, 4, 152064, False, (16, 24, 24)),

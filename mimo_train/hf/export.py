@@ -136,8 +136,10 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     run's adapters merged into its weights (``adapters``: the adapters alone, in PEFT's
     format), in ``dtype`` (None: the base checkpoint's, see ``_export_dtype``); ``log``
     takes the line saying which dtype was written. Returns ``output``."""
+    dtype = SHORT.get(dtype, dtype) if dtype is not None else None
     if dtype is not None and dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)}")
+        raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)} (or "
+                          f"{', '.join(SHORT)})")
     output = os.path.abspath(output)
     if os.path.lexists(output):
         raise ExportError(f"--output {output} exists: remove it or choose another directory")
@@ -327,15 +329,16 @@ def _export_dtype(chosen: str | None, pretrained: str | None, trained) -> tuple:
         return getattr(torch, chosen), "--dtype"
     base = _config_dtype(pretrained)
     if base:
-        return getattr(torch, base), "the base checkpoint's"
+        dtype = getattr(torch, base)
+        trained_name = str(trained).removeprefix("torch.")
+        narrower = dtype.itemsize < trained.itemsize      # a trained update may round away
+        return dtype, "the base checkpoint's" + (
+            f"; trained in {trained_name}: --dtype {trained_name} keeps it" if narrower else "")
     return trained, "the trained weights', the base names none"
 
 
 def _described(chosen: tuple) -> str:
     return f"{str(chosen[0]).removeprefix('torch.')} ({chosen[1]})"
-
-
-STORED = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 
 
 def _cast(hf: dict, dtype, checkpoint=None) -> list[str]:
@@ -521,14 +524,28 @@ def _processor_budgets(out: str, preprocess) -> None:
                 if isinstance(data.get("size"), dict) and edge in data["size"]:
                     data["size"][edge] = getattr(config, key)
             if modality == "video":
-                import transformers
-                kind = getattr(transformers, str(data.get("video_processor_type")), None)
                 for key in FRAME_KEYS:
                     value = getattr(config, key)
-                    if key in data or (getattr(kind, key, None) is not None
-                                       and getattr(kind, key) != value):
+                    default = _class_default(data, key)
+                    if key in data or (default is not None and default != value):
                         data[key] = value
         _rewrite_json(os.path.join(out, name), update)
+
+
+# a class default that cannot be read: the run's value is written out
+UNREADABLE = object()
+
+
+def _class_default(data: dict, key: str):
+    """The class default of ``key`` of the video processor ``data`` names (None: no such
+    class or key), or ``UNREADABLE`` (transformers' video processors need torchvision, which
+    mimo does not: its placeholder class raises ImportError)."""
+    import transformers
+    kind = getattr(transformers, str(data.get("video_processor_type")), None)
+    try:
+        return getattr(kind, key, None)
+    except ImportError:
+        return UNREADABLE
 
 
 def _rewrite_json(path: str, update) -> None:
