@@ -80,10 +80,11 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         "checkpoint will be saved" in output, output[-3000:]
 
 
-def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path):
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, capsys):
     """The W&B run's id is kept in checkpoint.dir when the run starts; a run resuming a
     checkpoint there resumes that W&B run (``resume="allow"``); a new run starts a new one,
-    and an id in the config wins. In process, wandb faked."""
+    and an id in the config wins; a W&B run already past the checkpoint is named. In process,
+    wandb faked."""
     from types import SimpleNamespace
 
     from mimo_train.components.metrics import WANDB_ID, wandb_run
@@ -101,6 +102,15 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path):
     given = WandbConfig(project="p", id="mine")
     assert wandb_run(sdk, given, None, str(tmp_path), 12)["id"] == "mine"
     assert "id" not in wandb_run(sdk, settings, None, None, 0)       # no checkpoint.dir
+    # the W&B run already past the checkpoint (a copied checkpoint.dir, or a death after the
+    # checkpoint): one line says W&B will ignore the steps up to there
+    ahead = SimpleNamespace(init=lambda **kwargs: SimpleNamespace(step=21),
+                            Settings=lambda **kwargs: kwargs)
+    capsys.readouterr()
+    wandb_run(ahead, settings, None, str(tmp_path), 20)
+    assert capsys.readouterr().out == ""
+    wandb_run(ahead, settings, None, str(tmp_path), 12)
+    assert f"W&B run {again['id']} already holds steps up to 20 " in capsys.readouterr().out
 
 
 def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):

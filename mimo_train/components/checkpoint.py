@@ -56,6 +56,7 @@ from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, common_as
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
 from mimo_train.runtime import distributed
+from mimo_train.runtime.console import PREFIX, say
 from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               LocalNonpersistentObject, ShardedBase, ShardedObject,
                               ShardedTensor, StrictHandling, dist_checkpointing,
@@ -246,12 +247,16 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
                 write_atomic(os.path.join(root, LATEST), os.path.basename(directory).encode())
             except (IntegrityError, OSError) as error:
                 problem = f"{type(error).__name__}: {error}"
-            if problem is None and keep_last:
-                prune(root, keep_last, directory)
         problem = distributed.broadcast(problem, src=0)    # every rank stops, none waits
         if problem:
             raise CheckpointError(f"checkpoint {directory} was not completed ({problem}); "
                                   f"{LATEST} still names the previous one")
+        if rank == 0 and keep_last:       # the others go on meanwhile
+            try:
+                prune(root, keep_last, directory)
+            except OSError as error:      # the checkpoint is complete: the run goes on
+                say(f"{PREFIX}checkpoint.keep_last {keep_last}: old checkpoints in {root} "
+                    f"not deleted ({type(error).__name__}: {error})")
 
     request.add_finalize_fn(finalize)
     # the digests of this rank's files where they were written (in the writer process of an

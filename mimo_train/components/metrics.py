@@ -277,9 +277,16 @@ def wandb_run(sdk, wandb, config: dict | None, checkpoint_dir: str | None, resum
             run_id = "".join(secrets.choice(_ID_CHARS) for _ in range(8))
             write_atomic(path, run_id.encode())
     # console "off": wandb leaves stdout alone (the step lines are the run's log)
-    return sdk.init(project=wandb.project, name=wandb.name, mode=wandb.mode, dir=wandb.dir,
-                    config=config, settings=sdk.Settings(console="off"),
-                    **({"id": run_id, "resume": "allow"} if run_id else {}))
+    run = sdk.init(project=wandb.project, name=wandb.name, mode=wandb.mode, dir=wandb.dir,
+                   config=config, settings=sdk.Settings(console="off"),
+                   **({"id": run_id, "resume": "allow"} if run_id else {}))
+    logged = getattr(run, "step", 0) or 0        # what the resumed W&B run already holds
+    if resumed and logged > resumed + 1:
+        print(f"{PREFIX}W&B run {run_id} already holds steps up to {logged - 1} (a copied "
+              f"checkpoint.dir, or an attempt that died after the checkpoint of step "
+              f"{resumed}): W&B ignores this run's steps up to there; set train.wandb.id for "
+              "a run of its own", flush=True)
+    return run
 
 
 def drop_after(path: str, step: int) -> None:
