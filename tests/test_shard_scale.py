@@ -146,3 +146,30 @@ def test_verify_memory_does_not_grow_per_sample(tmp_path):
 
     grown = _per_added_sample(tmp_path, make, run)
     assert grown < 100, f"mimo-shard verify: {grown:.0f} bytes a sample"
+
+
+def test_a_shuffled_build_of_many_jsonl_files_keeps_few_open(tmp_path, monkeypatch):
+    # --shuffle reads its JSONL inputs in turn: each kept its file open (thousands of inputs
+    # passed the limit of open files). With at most 2 open, 5 inputs give the same dataset.
+    from mimo_data.shards import task_stream
+    inputs = []
+    for part in range(5):
+        path = tmp_path / f"part{part}.jsonl"
+        path.write_text("".join(json.dumps({**r, "id": f"p{part}-{r['id']}"}) + "\n"
+                                for r in _records(40)))
+        inputs.append(str(path))
+    built, file = [], task_stream._Lines._file
+    for most in (64, 2):
+        monkeypatch.setattr(task_stream._Lines, "OPEN", most)
+        opened: list[int] = []
+
+        def counted(self, opened=opened):
+            handle = file(self)
+            opened.append(len(self._handles))
+            return handle
+        monkeypatch.setattr(task_stream._Lines, "_file", counted)
+        out = tmp_path / f"out{most}"
+        build(inputs, str(out), BuildOptions(workers=0, progress=False, shuffle=True, seed=3))
+        assert max(opened) == min(most, 5)
+        built.append({p.name: p.read_bytes() for p in out.iterdir() if p.suffix == ".tar"})
+    assert built[0] == built[1] and built[0]

@@ -15,7 +15,9 @@ import codecs
 import hashlib
 import random
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterator
+from typing import BinaryIO
 
 import numpy as np
 
@@ -29,7 +31,12 @@ def stream(sources) -> Iterator[Task]:
 
 
 class _Lines:
-    """Random access to a JSONL file's non-blank lines: their offsets and line numbers."""
+    """Random access to a JSONL file's non-blank lines: their offsets and line numbers. At
+    most ``OPEN`` of these files are open at once (a shuffled build reads its inputs in
+    turn: thousands of JSONL files would pass the process's limit of open files)."""
+
+    OPEN = 64
+    _handles: OrderedDict[str, BinaryIO] = OrderedDict()      # path -> file, least recent first
 
     def __init__(self, path: str, source: int):
         self.path, self.source = path, source
@@ -42,20 +49,32 @@ class _Lines:
                     self.offsets.append(offset)
                     self.numbers.append(number)
                 offset += len(line)
-        self._file = open(path, "rb")
 
     def __len__(self) -> int:
         return len(self.offsets)
 
+    def _file(self) -> BinaryIO:
+        handles = self._handles
+        if self.path in handles:
+            handles.move_to_end(self.path)
+        else:
+            if len(handles) >= self.OPEN:
+                handles.popitem(last=False)[1].close()
+            handles[self.path] = open(self.path, "rb")
+        return handles[self.path]
+
     def __getitem__(self, i: int) -> Task:
-        self._file.seek(self.offsets[i])
-        line, number = self._file.readline(), self.numbers[i]
+        file = self._file()
+        file.seek(self.offsets[i])
+        line, number = file.readline(), self.numbers[i]
         if number == 1:
             line = line.removeprefix(codecs.BOM_UTF8)
         return Task(self.source, line, location(self.path, "line", number), ("line", number))
 
     def close(self) -> None:
-        self._file.close()
+        handle = self._handles.pop(self.path, None)
+        if handle is not None:
+            handle.close()
 
 
 class _Array:
