@@ -149,6 +149,10 @@ class PlanSummary:
             wanted = np.frombuffer(keys, dtype=np.int64)
             at = np.searchsorted(hashes, wanted, sorter=order)
             found = order[np.minimum(at, len(order) - 1)] if len(order) else at
+            if len(wanted) and (not len(order) or (hashes[found] != wanted).any()):
+                # a key the language parts never held: the plan's own bug, not the data's
+                raise RuntimeError(f"rank {rank} module part {index}: a sample of its steps "
+                                   "is not among the language ranks' samples")
             values = np.asarray(column, dtype=np.int64)[found] if column is not None \
                 else np.zeros(len(wanted), np.int64)
             tokens = np.zeros(len(self.parts[rank, index].step), np.int64)
