@@ -156,6 +156,28 @@ def test_a_template_ending_its_turns_gets_no_extra_eos(tokenizer, setting):
                                                 "'<|im_end|>'")
 
 
+def test_a_base_checkpoints_eos_is_not_the_turn_end(tmp_path):
+    """A base checkpoint's tokenizer (Qwen2-VL-2B's, Qwen2.5 / Qwen3 base: the ChatML template,
+    but the EOS <|endoftext|>): the ids are the template's, each answer trained through the
+    <|im_end|> the template writes after it, no EOS added; the report names <|im_end|>."""
+    import shutil
+    shutil.copytree(QWEN2_VL, tmp_path / "base", ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((tmp_path / "base" / "tokenizer_config.json").read_text())
+    (tmp_path / "base" / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "eos_token": "<|endoftext|>"}))
+    turns = [(role, content.replace("<image>\n", "")) for role, content in TURNS]
+    encoder = _encoder(tmp_path / "base")
+    assert encoder.tokenizer.eos_token == "<|endoftext|>"
+    assert not encoder.eos_appending.on and encoder.eos_appending.reason == (
+        "auto: the chat template ends each answer with '<|im_end|>'")
+    encoded = encoder.encode(_messages(turns), [])
+    assert encoded.ids.tolist() == _reference_ids(encoder, _reference_text(tmp_path / "base",
+                                                                           turns), [])
+    runs = _trained_runs(encoder, encoded.ids, encoded.loss_mask)
+    assert [encoder.tokenizer.decode(run) for run in runs] == [
+        answer + "<|im_end|>" for answer in ANSWERS]
+
+
 def test_a_template_without_generation_blocks_or_end_of_turn_token():
     """Incremental rendering: each answer, without the newline after it, then the EOS; with
     append_eos false such a turn cannot be trained to stop, and the error says what to set."""

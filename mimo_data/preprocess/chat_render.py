@@ -32,7 +32,7 @@ from transformers.utils.chat_template_utils import (_compile_jinja_template,
 from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.end_of_turn import (EosAppending, answer_endings, caption_appending,
-                                              end_tokens, eos_appending)
+                                              end_tokens, eos_appending, turn_end)
 from mimo_data.preprocess.template_contents import contents_inserted_verbatim
 from mimo_data.preprocess.tokenizer_loading import added_bos, chat_template
 from mimo_data.tally import CountedError
@@ -108,9 +108,12 @@ class ChatRenderer:
             # template does not write it: the published processors encode the chat with it
             self.bos_text = added_bos(tokenizer)
             modality_tokens = {m.token for m in config.modalities.values()}
-            self.eos_appending = eos_appending(
-                config.append_eos, self.eot, answer_endings(self._render),
-                end_tokens(tokenizer, modality_tokens | set(MARKERS.values())))
+            endings = answer_endings(self._render)
+            ends = end_tokens(tokenizer, modality_tokens | set(MARKERS.values()))
+            self.eos_appending = eos_appending(config.append_eos, self.eot, endings, ends)
+            if config.append_eos is not True:      # true: the EOS after every answer
+                # answers are trained through the token the template ends them with
+                self.eot = turn_end(endings, ends) or self.eot
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[TrainedSpan]]:
         """The text and its trained character spans (each ending with the end-of-turn token,

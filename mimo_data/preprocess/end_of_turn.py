@@ -13,7 +13,10 @@ model would never learn to stop. LLaVA's own training (its ``v1`` conversation, 
 
 On, every answer whose turn does not end with the tokenizer's EOS gets it appended as a token
 right after the answer's last token, trained; the rendered text is not changed, so every other
-token is the template's. Caption mode already ends each answer with the EOS.
+token is the template's. Caption mode already ends each answer with the EOS. Off (and ``auto``
+where the template ends its turns), an answer is trained through the token the template
+writes after it (``turn_end``), which may be another than the tokenizer's EOS: ChatML's
+``<|im_end|>`` beside a base checkpoint's ``<|endoftext|>``.
 
 Detection: a conversation of two exchanges is rendered with placeholder contents. The template
 ends its turns when what it writes after each answer, up to the next message's content or the
@@ -76,13 +79,27 @@ def eos_appending(setting: str | bool, eos: str, endings: list[str] | None,
         return EosAppending(setting, False, eos, "auto: the chat template's turn endings "
                             "cannot be read from a probe conversation; set append_eos: true "
                             "if it writes no end-of-turn token")
-    ends = [next((token for token in end_tokens if token in ending), None)
-            for ending in endings]
-    if None not in ends:
+    end = turn_end(endings, end_tokens)
+    if end is not None:
         return EosAppending(setting, False, eos, f"auto: the chat template ends each answer "
-                            f"with {ends[0]!r}")
+                            f"with {end!r}")
     return EosAppending(setting, True, eos, "auto: the chat template writes no end-of-turn "
                         "token after an answer")
+
+
+def turn_end(endings: list[str] | None, end_tokens: Collection[str]) -> str | None:
+    """The token the template writes first after every answer (``answer_endings``), one of
+    ``end_tokens``: ChatML's ``<|im_end|>``, also where the tokenizer's EOS is another (a base
+    checkpoint's ``<|endoftext|>``); None where some answer is followed by none."""
+    if endings is None:
+        return None
+    ends = []
+    for ending in endings:
+        found = [(ending.index(token), token) for token in end_tokens if token in ending]
+        if not found:
+            return None
+        ends.append(min(found)[1])
+    return ends[0]
 
 
 def end_tokens(tokenizer, excluded: Collection[str]) -> list[str]:
