@@ -283,3 +283,25 @@ def test_generation_stops_at_the_eos(llava_export):
         answer = generator.generate("What is a tar file?", max_new_tokens=6)
         assert answer.token_ids == free[:stop] + [eos], configured
         assert answer.text == generator.tokenizer.decode(free[:stop], skip_special_tokens=True)
+
+
+def test_generation_stops_at_the_templates_turn_end_too(tmp_path):
+    """A base checkpoint's tokenizer (EOS <|endoftext|>, ChatML's <|im_end|> ending each
+    trained answer) and a generation config naming no end token: generation stops at both."""
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.hf.generate import Generator
+    for name in os.listdir(QWEN2_VL):
+        if name != "tokenizer_config.json":
+            os.symlink(QWEN2_VL / name, tmp_path / name)
+    config = json.loads((QWEN2_VL / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "eos_token": "<|endoftext|>"}))
+    (tmp_path / "preprocess.yaml").write_text(yaml.safe_dump(preprocessing_for(str(tmp_path))))
+    (tmp_path / "manifest.json").write_text(json.dumps({
+        "step": 0, "checkpoint": "-", "preprocess": "preprocess.yaml", "vlm": "qwen2_vl",
+        "modules": {}, "language": ".", "modality_tokens": {}}))
+    generator = Generator(str(tmp_path), "cpu")
+    generator.vlm.generation_config.eos_token_id = None
+    tokenizer = generator.tokenizer
+    assert generator._stop_ids() == [tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+                                     tokenizer.convert_tokens_to_ids("<|im_end|>")]

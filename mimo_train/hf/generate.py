@@ -209,15 +209,19 @@ class Generator:
                           built.input_ids.tolist(), spliced)
 
     def _stop_ids(self) -> list[int]:
-        """The ids generation stops at: the model's generation config's, and the EOS of the
-        training tokenizer, which ends every trained answer (appended where the chat template
-        writes no end-of-turn token: ``append_eos``)."""
+        """The ids generation stops at: the model's generation config's, the EOS of the
+        training tokenizer (appended after each trained answer where the chat template writes
+        no end-of-turn token: ``append_eos``) and the token the template ends answers with
+        (ChatML's ``<|im_end|>``, where a base checkpoint's EOS is ``<|endoftext|>``)."""
         model = self.vlm if self.vlm is not None else self.language
         configured = model.generation_config.eos_token_id
         ids = ([] if configured is None else [configured] if isinstance(configured, int)
                else list(configured))
-        eos = self.tokenizer.eos_token_id
-        return ids if eos is None or eos in ids else [*ids, eos]
+        turn_end = self.tokenizer.convert_tokens_to_ids(self.preprocessor.text.renderer.eot)
+        for token in (self.tokenizer.eos_token_id, turn_end):
+            if token is not None and token not in ids:
+                ids.append(token)
+        return ids
 
     def _spliced(self, ids, encoder_inputs: dict, sampling: dict) -> tuple[list[int], dict]:
         """Each encoder's projected rows in place of its modality tokens' embeddings, then the
