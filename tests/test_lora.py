@@ -262,3 +262,16 @@ def test_module_settings_inherit_and_scale_min_lr(tmp_path):
     assert cfg.optimizer.of("other") == cfg.optimizer.of("")
     with pytest.raises(TrainConfigError, match="optimizer.modules.image.min_lr 0.1 must be in"):
         TrainConfig.load(None, ["data.datasets=[x]", "optimizer.modules.image.min_lr=0.1"])
+
+
+def test_another_lora_rank_on_resume_is_named_as_such():
+    """A checkpoint's adapters of rank 4 resumed by a run of rank 8: the refusal says the
+    ranks, not only 'another model configuration'."""
+    from mimo_train.components.checkpoint import _why_shapes_differ
+    layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
+    assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64)).startswith(
+        "its LoRA rank is 4, this run's model.lora rank 8: ")
+    assert _why_shapes_differ(layer + "lora.b.weight.query", (64, 4), (64, 8)).startswith(
+        "its LoRA rank is 4, this run's model.lora rank 8: ")
+    assert _why_shapes_differ(layer + "weight", (192, 64), (96, 64)) == \
+        "it was saved for another model configuration"

@@ -393,16 +393,27 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
             f"its modules: {modules})")
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
-            rows = key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
-                tuple(saved[key].global_shape)[1:] == tuple(shape)[1:]
-            raise CheckpointError(
-                f"checkpoint {directory} has {key} of shape {tuple(saved[key].global_shape)}, "
-                f"this model {tuple(shape)}: " + (
-                    "the vocabulary rows differ: another tokenizer, model.language.vocab_size "
-                    "or vocab_multiple, or a TP size that does not divide vocab_multiple; set "
-                    "model.language.vocab_size to the checkpoint's rows" if rows
-                    else "it was saved for another model configuration"))
+            theirs = tuple(saved[key].global_shape)
+            raise CheckpointError(f"checkpoint {directory} has {key} of shape {theirs}, this "
+                                  f"model {tuple(shape)}: {_why_shapes_differ(key, theirs, shape)}")
     return meta
+
+
+def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
+    """Why a checkpoint's tensor ``key`` has another shape than this model's, in config terms."""
+    if key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
+            theirs[1:] == tuple(ours)[1:]:
+        return ("the vocabulary rows differ: another tokenizer, model.language.vocab_size or "
+                "vocab_multiple, or a TP size that does not divide vocab_multiple; set "
+                "model.language.vocab_size to the checkpoint's rows")
+    if is_adapter(key):                       # lora.a: (rank, in); lora.b: (out, rank)
+        saved, wanted = (shape[0] if ".lora.a." in key else shape[-1]
+                         for shape in (theirs, tuple(ours)))
+        if saved != wanted:
+            return (f"its LoRA rank is {saved}, this run's model.lora rank {wanted}: resume "
+                    "with the checkpoint's rank, or start a new run from its weights "
+                    "(model.init_from) in another checkpoint.dir")
+    return "it was saved for another model configuration"
 
 
 def _saved_modules(keys) -> set[str]:
