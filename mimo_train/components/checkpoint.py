@@ -384,8 +384,7 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
     missing = sorted(set(wanted) - set(saved))
     if missing:
         pretrained = (meta.get("config") or {}).get("model", {}).get("pretrained")
-        modules = sorted({k.split(".module.")[0] for k in saved
-                          if ".module." in k and not k.startswith("optimizer.")})
+        modules = sorted(_saved_modules(saved))
         raise CheckpointError(
             f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, "
             f"e.g. {missing[:3]}: it was saved for another model (" + (
@@ -416,13 +415,20 @@ def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
     return "it was saved for another model configuration"
 
 
+def _module_of(key: str) -> tuple[str, str] | None:
+    """A checkpoint weight key's module and its key in the module
+    (``language_model.module.<key>``: language, ``modality_submodules.<name>.module.<key>``:
+    <name>, DDP's level); None for the optimizer's and other keys."""
+    parts = key.split(".module.", 1)
+    if len(parts) != 2 or key.startswith("optimizer."):
+        return None
+    module = parts[0].removeprefix("modality_submodules.")
+    return ("language" if module == "language_model" else module), parts[1]
+
+
 def _saved_modules(keys) -> set[str]:
-    """The module names of a checkpoint's weight keys (``language_model.module.…``: language,
-    ``modality_submodules.<name>.module.…``: <name>)."""
-    found = {key.split(".module.")[0] for key in keys
-             if ".module." in key and not key.startswith("optimizer.")}
-    return {"language" if name == "language_model" else name.removeprefix(
-        "modality_submodules.") for name in found}
+    """The module names of a checkpoint's weight keys (``_module_of``)."""
+    return {found[0] for found in map(_module_of, keys) if found is not None}
 
 
 def _check_modules(directory: str, model, saved, resuming: bool) -> None:
@@ -548,12 +554,9 @@ def load_weights(directory: str) -> dict:
         raise _damaged(directory, str(error)) from None
     weights: dict = {}
     for key, tensor in tensors.items():
-        # language_model.module.<key> / modality_submodules.<name>.module.<key>: DDP's level
-        parts = key.split(".module.", 1)
-        if len(parts) == 2 and not key.startswith("optimizer."):
-            module = parts[0].removeprefix("modality_submodules.")
-            weights.setdefault("language" if module == "language_model" else module,
-                               {}).update(_unstacked(parts[1], tensor))
+        found = _module_of(key)
+        if found is not None:
+            weights.setdefault(found[0], {}).update(_unstacked(found[1], tensor))
     return {module: joined_sections(state) for module, state in weights.items()}
 
 

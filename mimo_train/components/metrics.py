@@ -141,18 +141,13 @@ def forward_seconds(layout, local_modules, values: list[float]) -> dict:
 
 def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
                  skipped: bool, seconds: float, global_batch_size: int, forward_s: dict,
-                 memory_mib: float | None = None,
-                 sequence_tokens: float | None = None) -> dict:
-    """``tokens``: the trained tokens; ``sequence_tokens``: every token of the samples."""
+                 memory_mib: float | None = None) -> dict:
+    """``tokens``: the trained tokens (the samples' tokens are added with the FLOPs)."""
     lr = lrs.get("language", next(iter(lrs.values()), 0.0))
-    sequence = {} if sequence_tokens is None else {
-        "sequence_tokens": int(sequence_tokens),
-        "sequence_tokens_per_s": sequence_tokens / seconds}
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
             "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
             "lr": float(lr), "lrs": lrs, "skipped": skipped, "seconds": seconds,
-            "tokens_per_s": tokens / seconds, **sequence,
-            "samples_per_s": global_batch_size / seconds,
+            "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
             "forward_s": forward_s,
             **({"memory_mib": memory_mib} if memory_mib is not None else {})}
 
@@ -357,7 +352,6 @@ class Metrics:
             import wandb as wandb_sdk
             if wandb.dir:
                 os.makedirs(wandb.dir, exist_ok=True)
-            # console "off": wandb leaves stdout alone (the step lines are the run's log)
             self.wandb = wandb_run(wandb_sdk, wandb, config, checkpoint_dir, resumed)
 
     def log(self, values: StepValues | dict) -> list[dict]:
