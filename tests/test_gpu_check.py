@@ -288,3 +288,58 @@ def test_a_failed_compile_runs_mimo_again_without_torch_compile(summary, tmp_pat
                                              failure, fails=False)
     assert [run[2] for run in runs] == [None, None] and "compile_failed" not in result
     assert result["compiled"] and result["tower_recompute"] == "full"
+
+
+def _scheduled(tmp_path: Path, *argv: str, spend: str | None = None) -> tuple[list, dict, int]:
+    """``main`` with every step faked (in process, nothing trained): the steps in the order
+    they ran, the summary and the exit code; after the case ``spend`` the budget has 0.27 s
+    left (the H200 run of 2026-11-30: the first two cases used up 450 s)."""
+    import time
+    module = _module()
+    ran: list[str] = []
+
+    def case(check, device, work):
+        ran.append(work.name)
+        if work.name == spend:
+            check.deadline = time.monotonic() + 0.27
+        return {"mimo": {"steps": 2}}
+
+    module.install_packages = lambda gpu: ran.append("packages") or {}
+    module.build_shards = lambda check: ran.append("shards") or {}
+    module.make_checkpoint = lambda check, size="2B": ran.append("checkpoint") or {}
+    module.case = case
+    module.probe_here = lambda: ran.append("probes") or {"env": {"cuda": False}, "kernels": {}}
+    module.parity = lambda check, device: ran.append("parity") or {}
+    rc = module.main(["--out", str(tmp_path), "--tiny", "--budget-s", "100000", *argv])
+    return ran, json.loads((tmp_path / "summary.json").read_text()), rc
+
+
+def test_the_probes_run_after_the_chosen_cases_while_their_time_is_left(tmp_path):
+    """The machine's probes run after the first three cases, or after the last one chosen
+    where fewer are (``--cases none``: packages, shards, probes, parity); where the cases
+    left less than the probes' limit, they are skipped, not started to time out, and the
+    check still succeeds."""
+    first = ["packages", "shards", "checkpoint"]
+    ran, found, rc = _scheduled(tmp_path / "all")
+    # packed_32k and packed_8k_sdpa: packed_8k's run again on the CPU, not run
+    assert ran == first + ["packed_8k", "unpacked", "lora_7b_packed_8k", "probes",
+                           "packed_8k_recompute_full", "packed_8k_local", "parity"], ran
+    assert found["env"] == {"cuda": False} and rc == 0
+    ran, found, rc = _scheduled(tmp_path / "one", "--cases", "packed_8k")
+    assert ran == first + ["packed_8k", "probes", "parity"] and rc == 0, ran
+    ran, found, rc = _scheduled(tmp_path / "none", "--cases", "none")
+    assert ran == ["packages", "shards", "probes", "parity"] and rc == 0, ran
+    assert found["checkpoint"] == {"skipped": "no cases"} and found["cases"] == {}
+    ran, found, rc = _scheduled(tmp_path / "bare", "--cases", "packed_8k", "--skip-probes")
+    assert ran == first + ["packed_8k", "parity"] and "env" not in found and rc == 0, ran
+    # the budget used up by the first two cases: the rest skipped, the probes too, no error
+    ran, found, rc = _scheduled(tmp_path / "spent", spend="unpacked")
+    assert ran == first + ["packed_8k", "unpacked"], ran
+    skipped = {"skipped": "out of time"}
+    assert found["env"] == found["kernels"] == found["parity"] == skipped, found
+    assert found["cases"]["packed_8k_local"] == skipped and rc == 0
+    ran, found, rc = _scheduled(tmp_path / "spent_one", "--cases", "packed_8k",
+                                spend="packed_8k")
+    assert ran == first + ["packed_8k"] and found["kernels"] == skipped and rc == 0, ran
+    with pytest.raises(SystemExit):         # a misspelt case is no probes-only run
+        _scheduled(tmp_path / "typo", "--cases", "packed8k")

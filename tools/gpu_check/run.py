@@ -5,6 +5,7 @@ On the GPU machine, from a copy of the project's root that holds ``.whl/`` (made
 processor files), ``assets/tokenizer`` and ``assets/corpus``::
 
     python3 tools/gpu_check/run.py --out DIR          # about 8 minutes, bounded by --budget-s
+    python3 tools/gpu_check/run.py --out DIR --cases none      # the machine's probes, parity
 
 Here, on the CPU, the same steps with tiny dims (``tests/test_gpu_check.py`` runs them)::
 
@@ -20,12 +21,18 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
    events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
    attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
-   packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts.
+   packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts. They run
+   after the first ``PROBE_AFTER`` (3) cases, the goal's case and the floor first, or after
+   the last chosen one where fewer are chosen (``--cases packed_8k``; ``--cases none``:
+   packages, shards, probes and parity alone, what a short GPU lease wants), never with
+   ``--skip-probes``; with under ``PROBES_S`` (150 s, their limit) of the budget left both
+   are ``{"skipped": "out of time"}``, not started (no error).
 3. ``shards``: the sample corpus's image, video and text conversations, images and clips in
    turn, replicated (``tools/replicate_corpus.py``) and built with ``mimo-shard build``.
 4. ``checkpoint``: Qwen2-VL-2B as published (``tools/published``' config.json, the replica's
    tokenizer, template and processor files at their published ids and vocabulary), random
-   bf16 weights, saved as transformers saves it; tiny: the replica itself.
+   bf16 weights, saved as transformers saves it; tiny: the replica itself. Skipped with no
+   cases (``--cases none``).
 5. ``cases``: fine-tuning workloads (``WORKLOADS``) of that checkpoint, images and clips at
    its default pixel budgets (the clips through the same tower): packed to 8k and 32k tokens
    a micro-batch and the unpacked short conversations (the floor), with full recompute, with
@@ -138,6 +145,7 @@ WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="auto"),
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
 TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
 PROBE_AFTER = 3                         # the machine's probes run after this many cases
+PROBES_S = 150                          # their limit; they start only with all of it left
 AUTO_SHARE = 0.85                       # auto: the tower kept when predicted under this share
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
 # steps of a case: the profiled ones last, the median over those between the warm-up and them
@@ -674,6 +682,27 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
         part: round(gib, 2) for part, gib in memory.gib().items()}
 
 
+def probes_before(chosen: int) -> int:
+    """The index of the chosen case the machine's probes run before, of ``chosen`` cases
+    (``chosen``: after the last one): after the first ``PROBE_AFTER`` (the goal's case and the
+    floor come first), or after them all when fewer are chosen (none: before parity)."""
+    return min(PROBE_AFTER, chosen)
+
+
+def machine(check: Check, tiny: bool) -> None:
+    """The ``env`` and ``kernels`` probes, where ``PROBES_S`` are left; else both skipped (no
+    error: started with less, they would stop at the limit and say only that)."""
+    if check.left(PROBES_S) < PROBES_S:
+        check.summary.update(env={"skipped": "out of time"}, kernels={"skipped": "out of time"})
+        check.say("env, kernels: skipped, out of time")
+        return
+    # a child process on a GPU machine: the parent holds no CUDA context
+    check.step("machine", lambda: probe_here() if tiny else probe(
+        check, child_env("auto"), PROBES_S))
+    found = check.summary.pop("machine")           # an error: both say it
+    check.summary.update(env=found.get("env", found), kernels=found.get("kernels", found))
+
+
 def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_launcher,
         shards: Path | None = None, work: Path | None = None,
         names: list[str] | None = None, probes: bool = True) -> dict:
@@ -690,21 +719,22 @@ def run(out: Path, tiny: bool, budget_s: float, launch: Launcher = torchrun_laun
     check.step("packages", lambda: install_packages(gpu=not tiny))
     import torch                        # the driver's device count: no CUDA context
     device = "cuda" if torch.cuda.is_available() and not tiny else "cpu"
-    check.step("shards", lambda: build_shards(check))
-    check.step("checkpoint", lambda: make_checkpoint(check))
+    check.step("shards", lambda: build_shards(check))         # parity trains on them too
+    chosen = [w for w in WORKLOADS if names is None or w.name in names]
+    if chosen:
+        check.step("checkpoint", lambda: make_checkpoint(check))
+    else:                               # only the cases train it (parity: a tiny model)
+        check.summary["checkpoint"] = {"skipped": "no cases"}
     save()
     cases: dict[str, dict] = {}
     check.summary["cases"] = cases
-    chosen = [w for w in WORKLOADS if names is None or w.name in names]
-    for index, workload in enumerate(chosen):
-        if index == PROBE_AFTER and probes:        # the goal's case and the floor come first
-            # a child process on a GPU machine: the parent holds no CUDA context
-            check.step("machine", lambda: probe_here() if tiny else probe(
-                check, child_env("auto"), 150))
-            machine = check.summary.pop("machine")           # an error: both say it
-            check.summary.update(env=machine.get("env", machine),
-                                 kernels=machine.get("kernels", machine))
+    for index in range(len(chosen) + 1):
+        if probes and index == probes_before(len(chosen)):
+            machine(check, tiny)
             save()
+        if index == len(chosen):
+            break
+        workload = chosen[index]
         if check.left(90) < 90:
             cases[workload.name] = {"skipped": "out of time"}
             continue
@@ -735,17 +765,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, help="where the shards, the checkpoint and the "
                         "runs' files go (default OUT/work; elsewhere, the logs are copied "
                         "into OUT/logs)")
-    parser.add_argument("--cases", help="only these workloads, comma-separated (default: all, "
-                        f"in this order: {', '.join(w.name for w in WORKLOADS)})")
+    parser.add_argument("--cases", help="only these workloads, comma-separated, or none "
+                        "(packages, shards, probes and parity: a short GPU lease's check) "
+                        "(default: all, in this order: "
+                        f"{', '.join(w.name for w in WORKLOADS)})")
     parser.add_argument("--skip-probes", action="store_true", help="no machine probes")
     args = parser.parse_args(argv)
+    names = None if not args.cases else [] if args.cases == "none" else args.cases.split(",")
+    unknown = [name for name in names or () if name not in {w.name for w in WORKLOADS}]
+    if unknown:
+        parser.error(f"--cases: no workload {', '.join(unknown)} (the workloads: "
+                     f"{', '.join(w.name for w in WORKLOADS)}; or none)")
     summary = run(args.out, args.tiny, args.budget_s, shards=args.shards, work=args.work,
-                  names=args.cases.split(",") if args.cases else None,
-                  probes=not args.skip_probes)
+                  names=names, probes=not args.skip_probes)
+    return 1 if failures(summary) else 0
+
+
+def failures(summary: dict) -> list[str]:
+    """The steps and the cases' sides that failed (an ``error``; ``skipped`` is none)."""
     failed = [k for k, v in summary.items() if isinstance(v, dict) and "error" in v]
-    failed += [f"{k}.{side}" for k, v in summary["cases"].items() for side in ("mimo", "peer")
-               if "error" in v.get(side, {})]
-    return 1 if failed else 0
+    return failed + [f"{k}.{side}" for k, v in summary["cases"].items()
+                     for side in ("mimo", "peer") if "error" in v.get(side, {})]
 
 
 if __name__ == "__main__":
