@@ -1,6 +1,7 @@
 """Weights & Biases beside TensorBoard (``train.wandb``), tested in offline mode: a run's W&B log
 holds the config and, at each logging step, the same numbers as its JSONL records; a config
-naming W&B without the package installed is refused with what to install."""
+naming W&B without the package installed is refused with what to install. A step record's wait
+for its micro-batches (``data_wait_s``), in process on a fake clock."""
 
 from __future__ import annotations
 
@@ -72,12 +73,80 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         # every token of the samples beside the trained ones (the loss's targets)
         assert items["train/sequence_tokens"] == train[step]["sequence_tokens"] > \
             train[step]["tokens"] > 0
+        # the wait for the micro-batches: its figures are the fake-clock test's below
+        assert items["train/data_wait_s"] == train[step]["data_wait_s"] >= 0
     lines = [line for line in output.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all(" trained tok/s " in line and " seq tok/s " in line
-                                   for line in lines), lines
+                                   and "  data wait " in line for line in lines), lines
     # the shipped config's checkpoint.interval, its checkpoint.dir overridden to null
     assert "mimo-train: checkpoint.interval 15 is set but checkpoint.dir is not: no " \
         "checkpoint will be saved" in output, output[-3000:]
+
+
+def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch):
+    """A train step's ``data_wait_s``: the host seconds of ``next()`` on the rank's batch
+    iterator, summed over the step's micro-batches; not the forward passes, not an
+    evaluation's batches between two steps; with the load-balancing loss's counting pass, the
+    one fetch of the step's micro-batches before it. In process: a fake clock, the loader's
+    and the model's time given, through ``ForwardStep`` and the trainer's own
+    ``train_step``, ``evaluate`` and ``forward_backward``; then the record, its step line and
+    its TensorBoard scalar."""
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from mimo_train.components.metrics import line, scalars, train_record
+    from mimo_train.training import trainer as trainer_module
+    from mimo_train.training.step import ForwardStep
+    from mimo_train.training.trainer import Trainer
+    now = [0.0]                             # binary fractions: exact sums
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+
+    def loader(waits):
+        """A micro-batch after each of ``waits`` seconds (None: a rank's batch without
+        inputs, enough for the fake model)."""
+        for wait in waits:
+            now[0] += wait
+            yield None
+
+    def model(**inputs):
+        now[0] += 1.0                       # a forward pass: not a wait
+        return torch.zeros(1), None
+
+    forward = ForwardStep(SimpleNamespace(role=SimpleNamespace(modules=[])),
+                          torch.device("cpu"))
+
+    def passes(iterator, forward_only=False):
+        for _ in range(2):                  # two micro-batches a step
+            forward(iterator, model)
+        return torch.zeros(2)
+
+    trainer = SimpleNamespace(
+        modules={}, optimizer=SimpleNamespace(zero_grad=lambda: None,
+                                              step=lambda: (True, 1.0, None)),
+        forward=forward, forward_backward=passes, step_samples=[], device=torch.device("cpu"),
+        schedulers={}, trained={}, step=0, step_flops=None, balance=None,
+        cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=4)),
+        valid_loader=None, eval_steps=1, batches=lambda _: loader([4.0, 8.0]))
+    first, _ = Trainer.train_step(trainer, loader([0.25, 0.125]))
+    Trainer.evaluate(trainer)               # between two steps: 12 s of waits, not theirs
+    second, _ = Trainer.train_step(trainer, loader([0.5, 0.25]))
+    assert (first.data_wait, second.data_wait) == (0.375, 0.75)
+    # with model.language.moe_aux_loss: the step's micro-batches fetched at once, then the
+    # counting pass and the training pass over them
+    monkeypatch.setattr(trainer_module, "global_sum", lambda values, infra, device: values)
+    trainer.__dict__.update(
+        plan=SimpleNamespace(language=SimpleNamespace(moe_aux_loss=0.01)), micro_batches=2,
+        infra=None, _reports=passes, _through_schedule=passes,
+        forward_backward=lambda iterator, forward_only: Trainer.forward_backward(
+            trainer, iterator, forward_only))
+    third, _ = Trainer.train_step(trainer, loader([1.0, 2.0]))
+    assert third.data_wait == 3.0 and len(third.forward) == 2, third
+    record = train_record(2, 2.0, 1.0, 0.5, {"language": 1e-3}, False, 2.0, 8,
+                          {"language": 0.1}, 100.0, second.data_wait)
+    assert record["data_wait_s"] == 0.75 and scalars(record)["train/data_wait_s"] == 0.75
+    assert "forward: language 100ms  data wait 750ms" in line(record), line(record)
 
 
 def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, capsys):

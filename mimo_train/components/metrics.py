@@ -1,14 +1,19 @@
 """Step and evaluation records, their stdout lines (rank 0) and TensorBoard scalars.
 
 A train record: ``step, loss, tokens, grad_norm, lr, lrs, skipped, seconds, tokens_per_s,
-sequence_tokens, sequence_tokens_per_s, samples_per_s, forward_s, memory_mib`` (and
-``moe_aux_loss``, the global batch's load-balancing loss without its coefficient, when on).
+sequence_tokens, sequence_tokens_per_s, samples_per_s, forward_s, data_wait_s, memory_mib``
+(and ``moe_aux_loss``, the global batch's load-balancing loss without its coefficient, when on).
 ``tokens`` are the step's *trained* tokens (the loss's targets, its denominator; the step line's
 ``trained tokens`` and ``trained tok/s``); ``sequence_tokens`` every token of the step's samples
 (text and media placeholders, no padding: what other frameworks' tokens/s count; the step line's
 ``seq tok/s``) (``lrs``: each trained module's learning rate, ``lr`` the
 language model's, else the first trained module's; forward seconds per module, max over its
-ranks; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
+ranks; ``data_wait_s``: the host seconds the step's ``next()`` calls for its micro-batches
+took (large: the loader does not keep up; the step line's ``data wait``; megatron-LM's
+``batch-generator`` timer without its copy to the device) summed over them, max over the
+ranks: part of the step's ``seconds``, on the host's clock without a device sync, so a wait
+while the device still runs queued work costs it nothing, one with the device's queue empty
+is the device idle; ``memory_mib``: ``PeakMemory``, max over the ranks); an evaluation
 record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (the values are
 reduced over the world); only rank 0 prints and writes TensorBoard.
 
@@ -128,6 +133,8 @@ class StepValues:
     flops: torch.Tensor | None = None
     # the global batch's load-balancing loss (model.language.moe_aux_loss; language ranks)
     balance: float | None = None
+    # this rank's host seconds waiting for its micro-batches (``ForwardStep.waits``, summed)
+    data_wait: float = 0.0
 
 
 def forward_seconds(layout, local_modules, values: list[float]) -> dict:
@@ -141,7 +148,7 @@ def forward_seconds(layout, local_modules, values: list[float]) -> dict:
 
 def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict[str, float],
                  skipped: bool, seconds: float, global_batch_size: int, forward_s: dict,
-                 memory_mib: float | None = None) -> dict:
+                 memory_mib: float | None = None, data_wait_s: float | None = None) -> dict:
     """``tokens``: the trained tokens (the samples' tokens are added with the FLOPs)."""
     lr = lrs.get("language", next(iter(lrs.values()), 0.0))
     return {"step": step, "loss": loss_sum / max(tokens, 1), "tokens": int(tokens),
@@ -149,6 +156,7 @@ def train_record(step: int, loss_sum: float, tokens: float, grad_norm, lrs: dict
             "lr": float(lr), "lrs": lrs, "skipped": skipped, "seconds": seconds,
             "tokens_per_s": tokens / seconds, "samples_per_s": global_batch_size / seconds,
             "forward_s": forward_s,
+            **({"data_wait_s": data_wait_s} if data_wait_s is not None else {}),
             **({"memory_mib": memory_mib} if memory_mib is not None else {})}
 
 
@@ -231,7 +239,9 @@ def line(record: dict) -> str:
                 f"{record['sequence_tokens_per_s']:.0f} seq tok/s  "
                 if "sequence_tokens_per_s" in record else "") +
             f"{record['samples_per_s']:.1f} samples/s  "
-            f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}{skipped}"
+            f"step {record['seconds']:.2f}s{_rate(record)}  forward: {forward}" + (
+                f"  data wait {record['data_wait_s'] * 1000:.0f}ms"
+                if "data_wait_s" in record else "") + skipped
             + (f"  moe_aux_loss {record['moe_aux_loss']:.4f}" if "moe_aux_loss" in record
                else ""))
 
@@ -389,11 +399,11 @@ class Metrics:
         sums = torch.stack([p.sums for p in pending]).tolist()
         names = [m.name for m in self.layout.modules]
         # per module: its learning rate (-1 where this rank does not train it), its forward
-        # seconds, the rank's peak memory; the world's maxima
+        # seconds; the rank's wait for its micro-batches, its peak memory; the world's maxima
         memory = self.memory.mib() if self.memory is not None else 0.0
         local = [[p.lrs.get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                    else 0.0 for name in names] + [memory]
+                    else 0.0 for name in names] + [p.data_wait, memory]
                  + [p.balance if p.balance is not None else -1.0] for p in pending]
         maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
@@ -404,7 +414,7 @@ class Metrics:
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
                 p.global_batch_size,
                 forward_seconds(self.layout, self.local_modules, row[len(names):2 * len(names)]),
-                row[-2] if self.memory is not None else None))
+                row[-2] if self.memory is not None else None, row[2 * len(names)]))
             if row[-1] >= 0:                    # a value of the language ranks' (>= 0)
                 read[-1]["moe_aux_loss"] = row[-1]
         if all(p.flops is not None for p in pending):

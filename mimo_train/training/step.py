@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from functools import partial
 
 import torch
@@ -183,9 +184,11 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 class ForwardStep:
     """``forward_step_func`` for the schedules; also times this rank's forward passes
-    (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list) and,
-    on the last language stage, hands each micro-batch's host labels to the loss
-    (``labels``: the language model's ``HostLabels``)."""
+    (``timers``: one ``Timer`` per micro-batch since the trainer last emptied the list) and
+    its waits for them (``waits``: the host seconds each ``next(data_iterator)`` took, the
+    same micro-batches; the host's clock, no device sync) and, on the last language stage,
+    hands each micro-batch's host labels to the loss (``labels``: the language model's
+    ``HostLabels``)."""
 
     def __init__(self, infra: Infra, device: torch.device,
                  shared: dict[str, dict[str, int]] | None = None,
@@ -197,9 +200,14 @@ class ForwardStep:
         self.labels = labels
         self.last_stage = _language_last_stage(infra)
         self.timers: list[Timer] = []
+        self.waits: list[float] = []
 
     def __call__(self, data_iterator, model):
-        batch = next(data_iterator) if data_iterator is not None else None
+        batch = None
+        if data_iterator is not None:
+            started = time.perf_counter()
+            batch = next(data_iterator)
+            self.waits.append(time.perf_counter() - started)
         inputs = model_inputs(batch, self.infra, self.device, self.shared) \
             if batch is not None else \
             {"input_ids": None}

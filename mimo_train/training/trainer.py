@@ -441,13 +441,19 @@ class Trainer:
         pass is preceded by the step's counting pass (``mcore.balance``)."""
         if forward_only or not self.plan.language.moe_aux_loss:
             return self._through_schedule(iterator, forward_only)
+        started = time.perf_counter()
         batches = list(itertools.islice(iterator, self.micro_batches)) \
             if iterator is not None else None
-        timers = len(self.forward.timers)
+        waited = time.perf_counter() - started
+        timers, waits = len(self.forward.timers), len(self.forward.waits)
         counting = self.balance.counting(self.device) if self.balance else nullcontext()
         with counting:
             reports = self._reports(iter(batches) if batches is not None else None, True)
         del self.forward.timers[timers:]                     # the count pass is not timed
+        # the step's wait for its micro-batches is here: the passes take them from a list
+        del self.forward.waits[waits:]
+        if batches is not None:
+            self.forward.waits.append(waited)
         trained = global_sum(reports[:2], self.infra, self.device)[1]
         applying = self.balance.applying(float(trained)) if self.balance else nullcontext()
         with applying:
@@ -484,7 +490,8 @@ class Trainer:
         for module in self.modules.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.forward.timers = []                    # this step's forward passes, no others
+        # this step's forward passes and waits for micro-batches, no others
+        self.forward.timers, self.forward.waits = [], []
         self.step_samples = []
         timer = Timer(self.device)
         sums = self.forward_backward(iterator, forward_only=False)
@@ -503,12 +510,15 @@ class Trainer:
         self.step += 1
         lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
                if o.param_groups}
-        # the step keeps its timers; an evaluation before the next step adds to a new list
+        # the step keeps its timers and waits; an evaluation before the next step adds to
+        # new lists
         forward, self.forward.timers = self.forward.timers, []
+        waits, self.forward.waits = self.forward.waits, []
         values = StepValues(self.step, sums, grad_norm, lrs, not success,
                             timer.stop(), forward, self.cfg.train.global_batch_size,
                             self.step_flops,
-                            self.balance.value if self.balance is not None else None)
+                            self.balance.value if self.balance is not None else None,
+                            sum(waits))
         return values, anomaly
 
     def evaluate(self) -> dict:
