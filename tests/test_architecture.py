@@ -115,7 +115,7 @@ OTHER_LIBRARIES = {
     # set_attn_implementation would load the flash-attn package for mimo's varlen name
     ("mimo_train.model.tower_attention", "_attn_implementation"),
     # torch.compile's error at its recompile limit under fullgraph (no public name)
-    ("mimo_train.model.tower_fusions", "_dynamo"),
+    ("mimo_train.runtime.compile", "_dynamo"),
 }
 HARMLESS = {"__name__", "__qualname__", "__module__", "__doc__"}
 

@@ -129,3 +129,96 @@ def test_the_zero_centred_norm_is_transformers_qwen3_5_norm():
         else:       # the same fp32 values rounded once: at most one bf16 step apart
             assert (outputs[0].float() - outputs[1].float()).abs().max() <= \
                 2 ** -7 * outputs[1].float().abs().max()
+
+
+# ------------------------------------------------------------------ the attention's rotary
+
+def _rotary_inputs(dtype, rotated: int, heads: int = 6, groups: int = 2, dim: int = 16,
+                   tokens: int = 9, batch: int = 3):
+    """Queries and keys as megatron-core's attention has them (views of one fused QKV
+    output, ``[s, b, heads, d]``) and an M-RoPE-shaped table ``[s, b, 1, rotated]``. No two
+    sizes alike: dynamo would guard on their equality (a batch as large as the key heads
+    costs one more graph)."""
+    generator = torch.Generator().manual_seed(0)
+    qkv = (torch.randn(tokens, batch, heads + 2 * groups, dim, generator=generator) * 2
+           ).to(dtype).requires_grad_()
+    freqs = torch.randn(tokens, batch, 1, rotated, generator=generator) * 4
+    return qkv, freqs
+
+
+@pytest.mark.parametrize("dtype, rotated, mscale", [
+    (torch.float32, 16, 1.0), (torch.bfloat16, 16, 1.0), (torch.bfloat16, 8, 0.7)],
+    ids=["fp32", "bf16", "bf16-partial-scaled"])
+def test_the_fused_rotary_is_megatron_cores_bit_for_bit(dtype, rotated, mscale):
+    """``mcore.rope_fusion``'s rotary (one formula forward, one backward; as written on the
+    CPU) against megatron-core's unfused ``_apply_rotary_pos_emb_bshd`` on the same views of
+    a QKV output: rows and the QKV gradient equal bit for bit, a partial rotary (Qwen3.5
+    rotates a quarter of each head) and a scale included."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from mimo_train.mcore.rope_fusion import fused_rope
+    results = []
+    for apply in (fused_rope, _apply_rotary_pos_emb_bshd):
+        qkv, freqs = _rotary_inputs(dtype, rotated)
+        q, k = qkv[:, :, :6], qkv[:, :, 6:8]
+        rows = [apply(t, freqs, mscale=mscale) for t in (q, k)]
+        weights = torch.arange(rows[0].shape[-1], dtype=dtype)
+        sum((r * weights).float().sum() for r in rows).backward()
+        results.append((rows, qkv.grad))
+    (rows, grad), (expected_rows, expected_grad) = results
+    for found, expected in zip(rows, expected_rows):
+        assert found.dtype == dtype and torch.equal(found, expected)
+    assert torch.equal(grad[:, :, :8], expected_grad[:, :, :8]) and grad[:, :, :8].abs().max() > 0
+
+
+def test_the_language_model_takes_the_fused_rotary(groups, monkeypatch):
+    """megatron-core's attention applies its rotary through ``rope_fusion`` (installed when
+    ``mimo_train.mcore`` is imported): twice a layer, queries and keys, and a whole one-layer
+    model's loss and gradients are the unfused rotary's bit for bit; a packed THD batch (its
+    boundaries given) stays on megatron-core's own."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer import attention
+
+    from mimo_train.mcore import rope_fusion
+    assert attention.apply_rotary_pos_emb is not rope_utils.apply_rotary_pos_emb
+    calls = []
+    fused = rope_fusion.fused_rope
+    monkeypatch.setattr(rope_fusion, "fused_rope",
+                        lambda *args: calls.append(args[0].shape) or fused(*args))
+    model = _model(groups, True, torch.bfloat16)
+    loss, grads = _step(model)
+    assert len(calls) == 2 and calls[0][2] == 2          # queries and keys, 2 heads each
+    with monkeypatch.context() as unfused:
+        unfused.setattr(attention, "apply_rotary_pos_emb", rope_utils.apply_rotary_pos_emb)
+        expected_loss, expected = _step(model)
+    assert len(calls) == 2 and torch.equal(loss, expected_loss)
+    assert all(torch.equal(grads[name], grad) for name, grad in expected.items())
+    t, freqs = torch.randn(TOKENS, 2, 8), torch.randn(TOKENS, 1, 1, 8)
+    packed = attention.apply_rotary_pos_emb(
+        t, freqs, model.config, cu_seqlens=torch.tensor([0, 4, TOKENS], dtype=torch.int32),
+        cp_group=groups.cp)
+    assert len(calls) == 2 and packed.shape == t.shape
+
+
+def test_the_fused_rotary_compiles_once(monkeypatch):
+    """The compiled path (dynamo's tracing here; inductor's kernels on a GPU): queries and keys
+    (other head counts, views), two sequence lengths, training and no-grad passes make one
+    graph for the forward formula and one for the backward, and the rows are the formula's as
+    written."""
+    from mimo_train.mcore import rope_fusion
+    from mimo_train.runtime.compile import Compiler
+    graphs: list = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    monkeypatch.setattr(rope_fusion, "COMPILER", Compiler(backend=backend, devices=("cpu",)))
+    for tokens, train in ((9, True), (13, True), (9, False)):
+        qkv, freqs = _rotary_inputs(torch.bfloat16, 16, tokens=tokens)
+        with torch.set_grad_enabled(train):
+            rows = [rope_fusion.fused_rope(t, freqs) for t in (qkv[:, :, :6], qkv[:, :, 6:8])]
+            if train:
+                sum(r.float().sum() for r in rows).backward()
+        assert torch.equal(rows[0], rope_fusion.rope(qkv[:, :, :6].detach(), freqs, 1.0))
+    assert {f.__name__ for f in rope_fusion.COMPILER.compiled} == {"rope", "rope_backward"}
+    assert len(graphs) == 2, [graph.code for graph in graphs]

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import MODELS, PUBLISHED_TOWERS
+from mimo_train.runtime.compile import Compiler
 from mimo_train.model import tower_fusions
 from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, PatchMatmul,
                                             QuickGELU, RMSNorm, fuse)
@@ -185,7 +186,7 @@ def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
     def backend(graph, example_inputs):
         graphs.append(graph)
         return graph.forward
-    compiler = tower_fusions.Compiler(backend=backend, devices=("cpu",))
+    compiler = Compiler(backend=backend, devices=("cpu",))
     grids = [torch.tensor([[1, 8, 12], [1, 16, 8]]), torch.tensor([[1, 8, 8], [2, 8, 16]])]
     for kind in ("qwen2_vl", "qwen2_5_vl"):
         _, tower, pixels = _towers(kind, torch.bfloat16, depth=2)
@@ -215,7 +216,7 @@ def test_a_formula_past_the_recompile_limit_runs_as_written(monkeypatch, capsys)
     run (torch raises there under fullgraph)."""
     import torch._dynamo
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
-    compiler = tower_fusions.Compiler(backend="eager", devices=("cpu",))
+    compiler = Compiler(backend="eager", devices=("cpu",))
 
     def double(x):              # a code object of its own: dynamo counts graphs per one
         return x * 2

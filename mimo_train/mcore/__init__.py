@@ -77,9 +77,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm, saved_in_sections
-from mimo_train.mcore import multi_tensor
+from mimo_train.mcore import multi_tensor, rope_fusion
 
 FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (always, here)
+ROPE_FUSION = rope_fusion.install()     # the attention's rotary, one fused formula a tensor
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",

@@ -30,12 +30,11 @@ check's ``fusions`` probe each compiled kernel against its formula as written.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 
 import torch
 
 from mimo_train.errors import EncoderBuildError
-from mimo_train.runtime.console import PREFIX, say
+from mimo_train.runtime.compile import Compiler
 
 QUICK_GELU_SCALE = 1.702
 
@@ -55,35 +54,6 @@ VISION_PATCH_EMBED = frozenset(
         ("qwen2_vl", "PatchEmbed"), ("qwen2_5_vl", "Qwen2_5_VisionPatchEmbed"),
         ("qwen3_vl", "Qwen3VLVisionPatchEmbed"), ("qwen3_vl_moe", "Qwen3VLMoeVisionPatchEmbed"),
         ("qwen3_5", "Qwen3_5VisionPatchEmbed"), ("qwen3_5_moe", "Qwen3_5MoeVisionPatchEmbed")))
-
-
-class Compiler:
-    """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
-    written. Each formula is compiled once for every patch count: its sizes are dynamic, and
-    its tensors are passed detached, so whether they need a gradient, are parameters or views
-    (no-grad evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds
-    what it compiled (the formula itself once past torch.compile's recompile limit)."""
-
-    def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
-        self.backend, self.devices = backend, devices
-        self.compiled: dict[Callable, Callable] = {}
-
-    def __call__(self, formula: Callable, *args):
-        if args[0].device.type not in self.devices:
-            return formula(*args)
-        if formula not in self.compiled:
-            self.compiled[formula] = torch.compile(formula, backend=self.backend,
-                                                   dynamic=True, fullgraph=True)
-        detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
-        try:
-            return self.compiled[formula](*detached)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
-            # more kinds of input than dynamo keeps graphs for: with fullgraph torch raises
-            # where it would otherwise run the function as written, which this does from now
-            say(f"{PREFIX}the towers' fused {formula.__name__} reached torch.compile's "
-                "recompile limit: it runs as written from here on (the same results, slower)")
-            self.compiled[formula] = formula
-            return formula(*detached)
 
 
 COMPILER = Compiler()

@@ -1,0 +1,42 @@
+"""Fused formulas compiled on a GPU, run as written elsewhere: ``Compiler``, which the towers'
+fusions (``model.tower_fusions``) and the language models' rotary (``mcore.rope_fusion``)
+call. torch.compile does the compiling; this adds what both need around it: one graph per
+formula whatever its sizes or its tensors' autograd state, and a formula past torch's
+recompile limit run as written instead of stopping the run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mimo_train.runtime.console import PREFIX, say
+
+
+class Compiler:
+    """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
+    written. Each formula is compiled once for all sizes (they are dynamic), and
+    its tensors are passed detached, so whether they need a gradient, are parameters or views
+    (no-grad evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds
+    what it compiled (the formula itself once past torch.compile's recompile limit)."""
+
+    def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
+        self.backend, self.devices = backend, devices
+        self.compiled: dict[Callable, Callable] = {}
+
+    def __call__(self, formula: Callable, *args):
+        if args[0].device.type not in self.devices:
+            return formula(*args)
+        if formula not in self.compiled:
+            self.compiled[formula] = torch.compile(formula, backend=self.backend,
+                                                   dynamic=True, fullgraph=True)
+        detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        try:
+            return self.compiled[formula](*detached)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            # more kinds of input than dynamo keeps graphs for: with fullgraph torch raises
+            # where it would otherwise run the function as written, which this does from now
+            say(f"{PREFIX}the fused {formula.__name__} reached torch.compile's "
+                "recompile limit: it runs as written from here on (the same results, slower)")
+            self.compiled[formula] = formula
+            return formula(*detached)
