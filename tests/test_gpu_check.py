@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -118,6 +119,11 @@ def test_cases_train_the_same_batches_with_figures(summary):
         assert all(math.isfinite(loss) for loss in case["losses"])
         assert case["median_seconds"] > 0 and case["median_tflops_per_gpu"] > 0, (name, case)
         assert case["median_memory_mib"] > 0 and case["peak_gpu_mib"] is None
+        # the wait for the micro-batches: the median of the same steps' records (both here)
+        work = Path(summary["shards"]["dir"]).parent
+        waits = [json.loads(line)["data_wait_s"] for line in
+                 (work / f"{name}.jsonl").read_text().splitlines() if '"loss"' in line]
+        assert case["median_data_wait_s"] == statistics.median(waits) >= 0, (name, waits)
         assert case["predicted_mib"] > 0, case          # the layout advisor's memory model
         parts = case["predicted_gib"]
         assert parts["total"] * 1024 == pytest.approx(case["predicted_mib"], abs=8), parts

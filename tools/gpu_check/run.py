@@ -503,7 +503,7 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
         result["error"] = failure(rc, log)
     timed = records[WARM:steps - profiled] or records
     for key in ("seconds", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
-                "memory_mib"):
+                "memory_mib", "data_wait_s"):
         if (value := _median(timed, key)) is not None:
             result[f"median_{key}"] = value
     # the allocator's peak since the model's build, after each step: the run's peak is the
