@@ -23,7 +23,11 @@ and advisor.py):
   and the expert data parallelism, its activations and one layer's all-to-all bytes by hand,
   the advisor's all-to-all seconds from them within a node and across two; on
   Qwen3-VL-30B-A3B's published dims (16 H100s) the advisor ranks an expert-parallel layout
-  first, ahead of every layout without, and tries none for a dense model.
+  first, ahead of every layout without, and tries none for a dense model;
+- LoRA adapters: per rank by hand (TP, EP, etp, PP, the distributed optimizer), Qwen3-VL-30B-
+  A3B's routed-expert adapters in every ranked layout, the report and the out-of-memory
+  advice, and the bytes against the trainer's own model and optimizer (in process, the
+  Qwen3.5-35B-A3B replica).
 
 The measured peak memory of a real run against the prediction is tests/test_anomalies.py's
 (SmolLM2-135M: weights and optimizer state dominate).
@@ -1122,6 +1126,178 @@ def test_the_advisor_lays_out_experts_of_a_mixture_only(qwen3_vl_moe, qwen3_5):
                            list(preprocessing.modalities)) for name in ("27B", "35B-A3B")}
     assert found["27B"] and not any(x.language.expert_fields for x in found["27B"])
     assert any(x.language.ep > 1 for x in found["35B-A3B"])
+
+
+# ------------------------------------------------------------------ LoRA adapters
+
+def test_lora_adapters_per_rank_by_hand():
+    """A LoRA adapter is r·(in + out) per adapted layer: split over tp, a routed expert's over
+    etp on the expert-parallel rank holding it; trained as any weight (18 bytes in bf16, the
+    distributed optimizer's 12 ÷ dp, the experts' ÷ expert dp)."""
+    from mimo_train.planning.adapters import LanguageAdapters, language_adapters
+    # linear_qkv 64 -> 192 at rank 4: 4 x 256 = 1024 a layer, 512 a rank at tp2, one layer a
+    # stage at pp2
+    qkv = language_adapters(MOE, 4, ("linear_qkv",))
+    assert qkv == LanguageAdapters((1024, 1024), ())
+    assert qkv.rank_parameters(MOE, tp=2) == (1024, 0.0)
+    assert qkv.rank_parameters(MOE, tp=2, pp=2, stage=1) == (512, 0.0)
+    # linear_fc1 reaches every routed expert (gate and up: 64 -> 64) at rank 2: 2 x 128 = 256
+    # each, 8 a layer; tp2 ep4 etp1: 2 experts a layer, 2 layers: 1024; etp (tp) 2: 512
+    fc1 = language_adapters(MOE, 2, ("linear_fc1",))
+    assert fc1 == LanguageAdapters((0, 0), ((256,) * 8,) * 2) and fc1.parameters == 4096
+    assert fc1.rank_parameters(MOE, tp=2, ep=4, etp=1) == (0.0, 1024)
+    assert fc1.rank_parameters(MOE, tp=2, ep=4) == (0.0, 512)
+    # all-linear leaves the routed experts out, as PEFT's: the attention's 4 x (256 + 128)
+    assert language_adapters(MOE, 4, ("all-linear",)) == LanguageAdapters((1536, 1536), ())
+    # one expert's linear_fc2 (32 -> 64): on the fullest expert-parallel rank, the one holding
+    # expert 7 (ep4: experts 6 and 7), of pipeline stage 1
+    one = language_adapters(MOE, 2, ("decoder.layers.1.mlp.experts.local_experts.7.linear_fc2",))
+    assert one.rank_parameters(MOE, pp=2, stage=0, ep=4, etp=1) == (0.0, 0)
+    assert one.rank_parameters(MOE, pp=2, stage=1, ep=4, etp=1) == (0.0, 192)
+    # the distributed optimizer over dp 4 (the dense ones) and expert dp 2: 2 + 4 + 3 and
+    # 2 + 4 + 6 bytes
+    dist = mem.Settings("bf16", distributed_optimizer=True)
+    assert mem.adapter_state_bytes(512, 1024, dist, dp=4, expert_dp=2) == \
+        mem.Memory(adapters=9 * 512 + 12 * 1024)
+    assert mem.adapter_state_bytes(512, 1024, mem.Settings("bf16")).total == 18 * 1536
+
+
+# Qwen3-VL-30B-A3B with rank 16 on every routed expert: 48 layers x 128 experts x 16 x (2048 +
+# 1536, gate and up; 768 + 2048, down)
+QWEN3_VL_30B_EXPERT_ADAPTERS = 48 * 128 * 16 * (2048 + 1536 + 768 + 2048)
+
+
+def test_the_advisor_counts_the_routed_experts_adapters(qwen3_vl_moe, tmp_path):
+    """Qwen3-VL-30B-A3B with LoRA rank 16 on every routed expert (``*.local_experts.*``):
+    629M adapter parameters, 10.5 GiB a rank at ep 1 without the distributed optimizer (what
+    the advisor left out before). On 8 H100s every ranked layout's fullest rank holds its
+    layout's share by hand (÷ ep x etp; the distributed optimizer's 12 bytes ÷ expert dp), the
+    text report names them, and a rank out of memory is offered the distributed optimizer
+    for them."""
+    from mimo_data.inspect.advice import AdvisorRequest
+    from mimo_data.loading.loader import variable_token_modalities
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import read_model, run_advisor
+    from mimo_train.planning.advisor.report import format_report
+    from mimo_train.planning.memory_remedies import memory_remedies
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(TrainConfig.load(str(qwen3_vl_moe["yaml"]), [
+        "model.lora={language: {rank: 16, targets: ['*.local_experts.*']}}",
+        "train.precision=bf16"]).to_dict()))
+    config = qwen3_vl_moe["config"]
+    model = read_model(str(path), str(qwen3_vl_moe["preprocess"]), config,
+                       QWEN3_5_MODALITIES, "bf16")
+    assert model.adapters.parameters() == {"language": QWEN3_VL_30B_EXPERT_ADAPTERS}
+    assert QWEN3_VL_30B_EXPERT_ADAPTERS == 629_145_600
+    assert 18 * QWEN3_VL_30B_EXPERT_ADAPTERS / 2**30 == pytest.approx(10.55, abs=0.01)
+    request = AdvisorRequest(str(path), str(qwen3_vl_moe["preprocess"]), 8, gpu="h100",
+                             top=100)
+    report = run_advisor(model, _moe_workload(), request, variable_token_modalities(config),
+                         list(config.modalities))
+    assert report["ranked"]
+    for r in report["ranked"]:
+        language = Layout.parse(r["layout_full"]).language
+        if 48 % language.pp:
+            continue
+        held = QWEN3_VL_30B_EXPERT_ADAPTERS / (language.pp * language.ep * language.expert_tp)
+        optimizer = 12 / (language.expert_dp if r["settings"]["distributed_optimizer"] else 1)
+        adapters = sum(m["adapters"] for name, m in r["memory_gib"].items()
+                       if "language" in name.split("+"))
+        assert adapters == pytest.approx(held * (6 + optimizer) / 2**30), r["layout_full"]
+    text = format_report(report)
+    assert "(LoRA adapters: language 0.63B)" in text
+    assert "LoRA adapters " in text.split("why")[1]
+    # a rank of language dp8 (ep 1) out of memory: the adapters' 7.0 GiB of Adam state split
+    plan = resolve(TrainConfig.load(str(path), ["layout=language=dp8;image=dp8,off0,video"]))
+    offered = memory_remedies(plan, plan.layout.role(0).modules)
+    assert "optimizer.modules.language.distributed=true (the LoRA adapters' main weights and " \
+        "Adam's moments, 7.0 GiB on this rank, split over its 8 expert DP ranks)" \
+        in offered, offered
+
+
+def test_lora_adapters_are_what_the_trainer_allocates(qwen3_5, tmp_path):
+    """The advisor's adapter bytes of one rank against the trainer's own model and optimizer
+    (``model.build``, ``components.optimizer``; in process, a one-rank gloo world, bf16): the
+    published Qwen3.5-35B-A3B replica (three gated delta-net layers and a gated attention
+    layer; 8 experts of 24 and a shared expert of 32) with adapters on the delta-nets'
+    ``in_proj`` and ``out_proj``, the attention's ``linear_qkv``, the shared and every routed
+    expert's ``linear_fc1`` and ``linear_fc2`` (rank 4), and on the image module's
+    ``linear_fc1`` (its tower's blocks' and merger's) and its second block's ``attn.qkv`` by
+    its path from the module (rank 2): each module's trained parameters
+    (adapters alone) are the advisor's count, and the bytes megatron-core holds for them, the
+    adapters' bf16 weights, DDP's fp32 gradient buffers and the optimizer's fp32 main weights
+    and Adam moments (after one step), the advisor's ``Memory.adapters``."""
+    import torch
+
+    from mimo_data.preprocess.chat_tokens import TextEncoder
+    from mimo_train.components.optimizer import build_optimizer
+    from mimo_train.config import TrainConfig
+    from mimo_train.mcore.attention import available, choose
+    from mimo_train.mcore.grids import build_infra
+    from mimo_train.model.build import build_model
+    from mimo_train.model.lora import is_adapter
+    from mimo_train.plan import resolve
+    from mimo_train.planning.advisor import GPU, Advisor, Candidate, read_model, read_work
+    from mimo_train.runtime import distributed
+    path = tmp_path / "lora.yaml"
+    path.write_text(yaml.safe_dump(TrainConfig.load(None, [
+        f"data.datasets=[{tmp_path}]", f"data.preprocess={qwen3_5['preprocess']}",
+        f"model.pretrained={MODELS / 'published' / 'Qwen--Qwen3.5-35B-A3B'}",
+        "layout=language=dp1;image=dp1,off0,video", "train.precision=bf16",
+        "model.lora={language: {rank: 4, targets: [in_proj, out_proj, linear_qkv, linear_fc1, "
+        "linear_fc2]}, image: {rank: 2, targets: [linear_fc1, "
+        "encoders.image.encoder.model.blocks.1.attn.qkv]}}"]).to_dict()))
+    config = qwen3_5["config"]
+    model = read_model(str(path), str(qwen3_5["preprocess"]), config, QWEN3_5_MODALITIES,
+                       "bf16")
+    workload = {**_qwen3_5_workload(), "global_batch_size": 8, "micro_batch_size": 8}
+    workload["steps"] = [workload["steps"][0][:8]]
+    advisor = Advisor(model, read_work(model, workload), GPU("cpu", 1e6, 1.0, 1.0, 1.0))
+    layout = Layout.parse("language=dp1;image=dp1,off0,video")
+    (predicted,) = advisor.evaluate(Candidate(layout, mem.Settings("bf16"))).memory.values()
+
+    cfg = TrainConfig.load(str(path), [])
+    plan, text = resolve(cfg, config), TextEncoder(config)
+    cpu = torch.device("cpu")
+    with distributed.alone():
+        infra = build_infra(plan.layout, "gloo")
+        built = build_model(plan, infra, plan.language.vocabulary(text.vocab_size),
+                            text.modality_token_ids, cpu,
+                            choose(cfg.model.attention, torch.bfloat16, available(cpu)))
+        optimizer = build_optimizer(cfg.optimizer, plan.modules, "bf16", built)
+        modules = {"language": built.language_model,
+                   "image": built.modality_submodules["image"]}
+        for ddp in modules.values():
+            ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        assert optimizer.step()[0]              # Adam's moments made
+        held = 0
+        for name, ddp in modules.items():
+            trained = {key: p for key, p in ddp.named_parameters() if p.requires_grad}
+            assert trained and all(is_adapter(key) for key in trained), name
+            assert sum(p.numel() for p in trained.values()) == \
+                model.adapters.parameters()[name], name
+            held += sum(p.numel() * p.element_size() for p in trained.values())
+            held += sum(b.grad_data.numel() * b.grad_data.element_size()
+                        for b in (*ddp.buffers, *ddp.expert_parallel_buffers))
+        for info in optimizer.module_infos.values():
+            for inner in info.optimizer.chained_optimizers:
+                adam = inner.optimizer
+                for group in adam.param_groups:
+                    for main in group["params"]:           # fp32 main weights, their moments
+                        held += main.numel() * main.element_size()
+                        held += sum(v.numel() * v.element_size()
+                                    for k, v in adam.state[main].items() if k != "step")
+    # by hand, rank 4: a delta-net layer's in_proj 64 -> 200 (q, k 32 each, v, z 64 each, beta
+    # and alpha 4 each) 1056, out_proj 64 -> 64 512, three of them; the attention's linear_qkv
+    # 64 -> 768 (queries and their gates 2 x 256, keys and values 2 x 128) 3328; each layer's
+    # shared expert 64 -> 64, 32 -> 64: 896, and 8 routed experts 64 -> 48, 24 -> 64: 8 x 800;
+    # rank 2: the blocks' linear_fc1 32 -> 48 2 x 160, the merger's 128 -> 128 512, the second
+    # block's attn.qkv 32 -> 96 256
+    assert 3 * 1568 + 3328 + 4 * (896 + 8 * 800) == 37216 and 320 + 512 + 256 == 1088
+    assert model.adapters.parameters() == {"language": 37216, "image": 1088}
+    assert predicted.adapters == held == 18 * (37216 + 1088)
 
 
 # ------------------------------------------------------------------ context parallelism

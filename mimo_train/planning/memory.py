@@ -13,8 +13,13 @@ as ``mimo_train.model.build`` and ``components.optimizer`` set them up)::
                 ÷ DP with the distributed optimizer (the shard of this DP rank)
 
 bf16: 2 + 4 + 12 = 18 bytes, 2 + 4 + 12/DP distributed; fp32: 4 + 4 + 8 = 16. A frozen part
-holds its weights only. Parameters per rank: the language model's layers ÷ PP (the fullest
-stage: ceil(L / PP) layers, of each kind as the stage holds them), their matmuls (and a gated
+holds its weights only; so does a part under LoRA, beside its adapters (``adapters``: r·(in +
+out) parameters per adapted linear layer, split over TP as the layer, a routed expert's over
+etp on the rank holding the expert), which train as any weight: their 18 bytes each (bf16) in
+``Memory.adapters`` (``adapter_state_bytes``; Qwen3-VL-30B-A3B with rank 16 on every routed
+expert: 629M parameters, 10.5 GiB on each rank at ep 1 without the distributed optimizer).
+Parameters per rank: the language model's layers ÷ PP (the fullest stage: ceil(L / PP)
+layers, of each kind as the stage holds them), their matmuls (and a gated
 delta-net's convolution, A_log and dt_bias: per head) ÷ TP, their norms whole (the delta-net's
 gated norm too: one weight per value channel of a head), the embedding rows ÷ TP on the first stage,
 the output rows ÷ TP on the last (also with tied embeddings when PP > 1: megatron-core keeps a
@@ -216,22 +221,25 @@ class Settings:
 
 @dataclass(frozen=True)
 class Memory:
-    """Bytes one rank holds of one module (or of several, summed)."""
+    """Bytes one rank holds of one module (or of several, summed); ``adapters``: the LoRA
+    adapters' weights, gradients and optimizer state (``adapter_state_bytes``), not in the
+    first three."""
     weights: float = 0.0
     gradients: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0
     temporary: float = 0.0
+    adapters: float = 0.0
 
     @property
     def total(self) -> float:
         return self.weights + self.gradients + self.optimizer + self.activations + \
-            self.temporary
+            self.temporary + self.adapters
 
     def __add__(self, other: Memory) -> Memory:
         return Memory(self.weights + other.weights, self.gradients + other.gradients,
                       self.optimizer + other.optimizer, self.activations + other.activations,
-                      self.temporary + other.temporary)
+                      self.temporary + other.temporary, self.adapters + other.adapters)
 
     def gib(self) -> dict[str, float]:
         return {k: v / 2**30 for k, v in {**asdict(self), "total": self.total}.items()}
@@ -249,6 +257,17 @@ def state_bytes(parameters: float, settings: Settings, dp: int = 1,
     if settings.distributed_optimizer:
         optimizer /= dp
     return Memory(weights, parameters * GRAD_BYTES, optimizer)
+
+
+def adapter_state_bytes(dense: float, experts: float, settings: Settings, dp: int = 1,
+                        expert_dp: int = 1) -> Memory:
+    """The LoRA adapters of one rank (``planning.adapters``): ``dense`` parameters outside the
+    routed experts, the distributed optimizer sharding their state over ``dp`` ranks (the
+    language model's dp x cp), and ``experts`` of the routed experts', over ``expert_dp``;
+    each trained as any weight (``state_bytes``: bf16 2 + 4 + 12 bytes), all of it in
+    ``Memory.adapters``."""
+    state = state_bytes(dense, settings, dp) + state_bytes(experts, settings, expert_dp)
+    return Memory(adapters=state.weights + state.gradients + state.optimizer)
 
 
 # --------------------------------------------------------------------------- parameters

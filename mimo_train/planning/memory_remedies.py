@@ -6,9 +6,10 @@ the model or its optimizer does not fit at start-up.
 
 Each is a ``key=value`` override with its cost, and only one the run would take: the rules
 (``plan.rules``) and the layout's batch check accept it, and it lowers something that rank
-holds (a frozen tower keeps no activations, a frozen module no optimizer state, the loss lives
-on the language model's last stage). The layout advisor's command for the same run comes last:
-it predicts each layout's memory per rank and the settings with which it fits.
+holds (a frozen tower keeps no activations, a frozen module no optimizer state, a module under
+LoRA its adapters', the loss lives on the language model's last stage). The layout advisor's
+command for the same run comes last: it predicts each layout's memory per rank and the
+settings with which it fits.
 """
 
 from __future__ import annotations
@@ -21,10 +22,14 @@ from mimo_data.loading.layout import LANGUAGE, LayoutError, ModuleRank
 from mimo_train.plan import RunPlan
 from mimo_train.plan.rules import refusals
 from mimo_train.planning.advisor.inputs import GPUS
+from mimo_train.planning.dims import language_stack
 
 # the chunk the loss is offered in (model.language.loss_chunk_tokens), where a micro-batch can
 # hold more tokens than that
 LOSS_CHUNK = 4096
+# the least of a LoRA module's optimizer state the distributed optimizer is offered to split off
+# a rank (bytes)
+ADAPTERS_SPLIT = 2**30
 
 
 def memory_remedies(plan: RunPlan, places: Iterable[ModuleRank], gpu: str | None = None
@@ -40,9 +45,11 @@ def memory_remedies(plan: RunPlan, places: Iterable[ModuleRank], gpu: str | None
         elif plan.trains(name, (None, "encoder")) and module.recompute != "full":
             found.append(f"model.encoders.{name}.recompute=full (its tower's activations "
                          "made again in the backward pass: about a third more of its compute)")
-        # LoRA's state is its adapters': little to split
-        if plan.trains(name) and layout.dp > 1 and not module.optimizer.distributed and \
-                not any(a.part.module == name for a in plan.adapted):
+        if module.optimizer.distributed:
+            continue
+        if any(a.part.module == name for a in plan.adapted):
+            found += _adapters_split(plan, place)
+        elif plan.trains(name) and layout.dp > 1:
             found.append(f"optimizer.modules.{name}.distributed=true (the main weights and "
                          f"Adam's moments split over its {layout.dp} DP ranks)")
     found.append(_smaller_batches(plan))
@@ -69,6 +76,33 @@ def _language(plan: RunPlan, place: ModuleRank) -> list[str]:
         found.append(f"model.language.loss_chunk_tokens={LOSS_CHUNK} (the output layer's "
                      f"logits of {LOSS_CHUNK} trained tokens at a time)")
     return found
+
+
+def _adapters_split(plan: RunPlan, place: ModuleRank) -> list[str]:
+    """The distributed optimizer for a module under LoRA: offered where it splits at least
+    ``ADAPTERS_SPLIT`` of its adapters' optimizer state off this rank (``planning.adapters``;
+    the routed experts' adapters: several GiB, attention's and dense MLPs': far less)."""
+    from mimo_train.planning.adapters import run_adapters
+    from mimo_train.planning.memory import Settings, state_bytes
+    name, layout = place.name, place.module
+    adapters = run_adapters(plan)
+    settings = Settings(plan.config.train.precision)
+    if name == LANGUAGE:
+        dense, experts = adapters.language.rank_parameters(
+            language_stack(plan.language, 1), layout.tp, layout.pp, place.pp_rank, layout.ep,
+            layout.etp)
+        shards = [(dense, layout.dp * layout.cp, "DP"), (experts, layout.expert_dp, "expert DP")]
+    else:
+        shards = [(float(adapters.encoders.get(name, 0)), layout.dp, "DP")]
+    shards = [(state_bytes(count, settings).optimizer, ranks, what)
+              for count, ranks, what in shards if count]
+    if sum(state * (1 - 1 / ranks) for state, ranks, _ in shards) < ADAPTERS_SPLIT:
+        return []
+    total = sum(state for state, _, _ in shards)
+    over = " and ".join(f"{ranks} {what}" for _, ranks, what in shards if ranks > 1)
+    return [f"optimizer.modules.{name}.distributed=true (the LoRA adapters' main weights and "
+            f"Adam's moments, {total / 2**30:.1f} GiB on this rank, split over its {over} "
+            "ranks)"]
 
 
 def _takes(plan: RunPlan, **changed) -> bool:

@@ -96,7 +96,9 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         "model": {"source": model.source, "precision": model.precision,
                   "parameters": {LANGUAGE: dims.language.parameters(),
                                  **{m: e.parameters() for m, e in dims.encoders.items()}},
-                  "trained": model.trained},
+                  "trained": model.trained,
+                  # model.lora's adapters: module -> parameters (all ranks')
+                  "adapters": model.adapters.parameters()},
         "gpus": request.gpus, "fewer_gpus": request.fewer_gpus,
         "gpu": {"name": device.name, "memory_gib": device.memory_gib,
                 "usable_gib": advisor.usable_bytes / 2**30, "tflops": device.tflops,

@@ -41,7 +41,8 @@ forward alike. Then:
   sum over micro-batches (or the sum of the per-micro-batch maxima where an encoder's dp
   differs from the language model's: the bridge meets every micro-batch);
 - plus each module's gradient reduction after the backward pass (not overlapped): all-reduce
-  2 (dp-1)/dp x 4 bytes per parameter of a rank, or with the distributed optimizer
+  2 (dp-1)/dp x 4 bytes per trained parameter of a rank (a part under LoRA: its adapters',
+  ``planning.adapters``), or with the distributed optimizer
   reduce-scatter (dp-1)/dp x 4 and all-gather (dp-1)/dp x w; the language model's routed
   experts over their expert dp (tp x dp / (etp x ep)) instead; over the node's bandwidth when
   the module's ranks fit in a node, else the network's; modules on separate ranks reduce at
@@ -50,7 +51,8 @@ forward alike. Then:
   part of the sequence's).
 
 Idle fraction: 1 - (sum over ranks of busy seconds) / (N x step). Memory: the fullest rank of
-each module (``memory``), colocated ranks summing every module; a candidate fits when it is
+each module (``memory``; LoRA adapters' ``Memory.adapters``: the rank's share of them, by
+``planning.adapters``), colocated ranks summing every module; a candidate fits when it is
 at most the GPU's memory x 0.9 - 1 GiB (CUDA context, NCCL buffers, allocator fragmentation).
 """
 
@@ -336,12 +338,17 @@ class Advisor:
 
     def _dp_sync(self, name: str, layout: Layout, settings: mem.Settings) -> float:
         """Seconds of the module's gradient reduction: over its DP ranks, the language model's
-        routed experts over their expert DP ranks (megatron-core's second buffer)."""
+        routed experts over their expert DP ranks (megatron-core's second buffer); a part
+        under LoRA, its adapters' alone."""
         module = layout.module(name)
-        if not self._trains(name):
+        params = experts = 0.0
+        if self._trains(name):
+            params = self._rank_parameters(name, module, 0)
+            experts = self._expert_parameters(name, module, 0)
+        own, own_experts = self._adapter_parameters(name, module, 0)
+        params, experts = params + own + own_experts, experts + own_experts
+        if not params:
             return 0.0
-        params = self._rank_parameters(name, module, 0)
-        experts = self._expert_parameters(name, module, 0)
         bandwidth = self.device.node_gbs if module.size <= self.device.per_node \
             else self.device.network_gbs
         dense = module.dp * (module.cp if name == LANGUAGE else 1)       # dp_cp
@@ -377,20 +384,35 @@ class Advisor:
         return mem.language_stage_expert_parameters(self.model.dims.language, module.pp, stage,
                                                     module.ep, module.expert_tp)
 
+    def _adapter_parameters(self, name: str, module, stage: int) -> tuple[float, float]:
+        """(dense, routed experts') LoRA adapter parameters of one rank of the module's
+        ``stage`` (``planning.adapters``; an encoder module's whole)."""
+        adapters = self.model.adapters
+        if name != LANGUAGE:
+            return float(adapters.encoders.get(name, 0)), 0.0
+        return adapters.language.rank_parameters(self.model.dims.language, module.tp,
+                                                 module.pp, stage, module.ep, module.etp)
+
     def _state(self, name: str, module, stage: int, settings: mem.Settings) -> mem.Memory:
+        dense, experts = self._adapter_parameters(name, module, stage)
         if name == LANGUAGE:
             # the distributed optimizer shards the dense weights' state over the DP x CP ranks
-            # (megatron-core's dp_cp group), the routed experts' over their expert DP ranks
+            # (megatron-core's dp_cp group), the routed experts' over their expert DP ranks;
+            # the LoRA adapters' alike
             return mem.language_state_bytes(
                 self.model.dims.language, settings, module.tp, module.pp, stage,
                 module.dp * module.cp,
-                module.ep, module.etp, module.expert_dp, self.model.trained.get(LANGUAGE, True))
+                module.ep, module.etp, module.expert_dp, self.model.trained.get(LANGUAGE, True)
+            ) + mem.adapter_state_bytes(dense, experts, settings, module.dp * module.cp,
+                                        module.expert_dp)
+        adapters = mem.adapter_state_bytes(dense, 0.0, settings, module.dp)
         encoder = self.model.dims.encoders[name]
         tower = mem.state_bytes(encoder.tower.parameters(), settings, module.dp,
                                 self.model.trained.get(f"{name}.encoder", True))
         projection = encoder.parameters() - encoder.tower.parameters()
         return tower + mem.state_bytes(projection, settings, module.dp,
-                                       self.model.trained.get(f"{name}.projection", True))
+                                       self.model.trained.get(f"{name}.projection", True)) + \
+            adapters
 
     def _memory(self, layout: Layout, settings: mem.Settings, act: dict,
                 colocated: bool) -> dict[str, mem.Memory]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_train.plan import rules
+from mimo_train.planning.adapters import Adapters
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import item_grid, peak_tflops, step_flops, trains, training_passes
 
@@ -57,6 +58,7 @@ class Model:
     precision: str = "bf16"
     passes: dict = field(default_factory=dict)        # flops.training_passes
     trained: dict = field(default_factory=dict)       # part -> its own weights train
+    adapters: Adapters = field(default_factory=Adapters)    # model.lora's, trained
     attention_scores: bool = False                    # model.attention local
     packing: bool | None = None                       # a training YAML's data.packing
     optimizer_modules: tuple[str, ...] = ()           # its optimizer.modules entries
@@ -85,6 +87,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
+    from mimo_train.planning.adapters import plan_adapters
     from mimo_train.planning.dims import from_plan
     modules = list(dict.fromkeys(modalities.values()))
     layout = Layout.from_dict({"modules": {name: {"dp": 1, "rank_offset": 0}
@@ -134,7 +137,10 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     trained = {LANGUAGE: trains(LANGUAGE, fixed),
                **{f"{m}.{p}": trains(f"{m}.{p}", fixed) for m in dims.encoders
                   for p in ("encoder", "projection")}}
-    return Model(dims, path, cfg.train.precision, passes, trained,
+    # ... but for its adapters, which train
+    adapters = plan_adapters(plan, dims.language,
+                             {m: e.projection for m, e in dims.encoders.items()})
+    return Model(dims, path, cfg.train.precision, passes, trained, adapters,
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
                  tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
                  plan.language.loss_chunk_tokens, split_media,

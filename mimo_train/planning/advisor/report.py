@@ -64,10 +64,12 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
+    # a run with LoRA: its adapters' weights, gradients and optimizer state beside the rest
     memory = "; ".join(
         f"{name} {m.total / 2**30:.1f} GiB (weights {m.weights / 2**30:.1f}, grads "
-        f"{m.gradients / 2**30:.1f}, optimizer {m.optimizer / 2**30:.1f}, activations "
-        f"{m.activations / 2**30:.1f}, temporary {m.temporary / 2**30:.1f})"
+        f"{m.gradients / 2**30:.1f}, optimizer {m.optimizer / 2**30:.1f}, "
+        + (f"LoRA adapters {m.adapters / 2**30:.1f}, " if m.adapters else "") +
+        f"activations {m.activations / 2**30:.1f}, temporary {m.temporary / 2**30:.1f})"
         for name, m in r.memory.items())
     busy = ", ".join(f"{k} {_seconds(v)} s"
                      for k, v in sorted(r.busy.items(), key=lambda x: -x[1]))
@@ -90,8 +92,11 @@ def why(r: Result, device: GPU, gpus: int) -> str:
 
 def format_report(report: dict) -> str:
     g, w, p = report["gpu"], report["workload"], report["model"]["parameters"]
-    params = ", ".join(f"{m} {n / 1e9:.2f}B" if n >= 1e8 else f"{m} {n / 1e6:.2f}M"
-                       for m, n in p.items())
+    params = ", ".join(f"{m} {_count(n)}" for m, n in p.items())
+    adapters = report["model"].get("adapters") or {}
+    if adapters:            # model.lora's, trained where their layers' weights stay fixed
+        params += " (LoRA adapters: " + ", ".join(f"{m} {_count(n)}"
+                                                  for m, n in adapters.items()) + ")"
     items = ", ".join(f"{m} {n:.1f}" for m, n in w["items_per_step"].items())
     fewer = f" on 1 to {report['gpus']} GPUs" if report.get("fewer_gpus") else ""
     lines = [
@@ -154,6 +159,10 @@ def _clip_text(clip: dict) -> str:
             f"{width}x{height} resized to {rw}x{rh}, {t} temporal patches x {rows} x {columns} "
             f"= {clip['video_tokens']} video tokens; the sample {clip['tokens']} tokens{longer}"
             f"{written}")
+
+
+def _count(parameters: float) -> str:
+    return f"{parameters / 1e9:.2f}B" if parameters >= 1e8 else f"{parameters / 1e6:.2f}M"
 
 
 def _seconds(value: float) -> str:
