@@ -1211,9 +1211,8 @@ def test_the_advisor_counts_the_routed_experts_adapters(qwen3_vl_moe, tmp_path):
     # a rank of language dp8 (ep 1) out of memory: the adapters' 7.0 GiB of Adam state split
     plan = resolve(TrainConfig.load(str(path), ["layout=language=dp8;image=dp8,off0,video"]))
     offered = memory_remedies(plan, plan.layout.role(0).modules)
-    assert "optimizer.modules.language.distributed=true (the LoRA adapters' main weights and " \
-        "Adam's moments, 7.0 GiB on this rank, split over its 8 expert DP ranks)" \
-        in offered, offered
+    assert "optimizer.modules.language.distributed=true (the LoRA adapters' optimizer state, " \
+        "7.0 GiB on this rank, split over its 8 expert DP ranks)" in offered, offered
 
 
 def test_lora_adapters_are_what_the_trainer_allocates(qwen3_5, tmp_path):
@@ -1629,3 +1628,30 @@ def test_the_advisor_recomputes_the_tower_alone(tmp_path):
                                       f"model.pretrained={QWEN3_VL_8B}", *r["overrides"]])
         assert cfg.model.encoders["image"].recompute == "full"
         resolve(cfg)                    # the trainer's start-up: raises what it refuses
+
+
+@pytest.mark.parametrize("lora, offered", [
+    ("image.encoder", True),        # the projection trains whole beside the adapted tower
+    ("image", False)])              # the whole module under LoRA: its adapters alone train
+def test_a_module_partly_under_lora_is_offered_the_distributed_optimizer(lora, offered,
+                                                                         tmp_path):
+    """Out of memory on a tower rank of ``image=dp2``: where the module trains weights whole
+    beside small adapters (its projection next to an adapted tower), the distributed
+    optimizer for its state is offered; where LoRA holds the whole module (adapters under
+    1 GiB of state), it is not."""
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan import resolve
+    from mimo_train.planning.memory_remedies import memory_remedies
+    config = yaml.safe_load((REPO / "configs" / "train" / "qwen2_vl_lora.yaml").read_text())
+    config["model"]["pretrained"] = str(REPO / "assets" / "models" / "tiny-qwen2-vl")
+    config["data"]["preprocess"] = str(REPO / "configs" / "preprocess_qwen2_vl.yaml")
+    config["model"]["lora"] = {lora: {"rank": 8, "alpha": 16, "targets": ["attn.qkv"]}}
+    config["layout"] = "image=dp2;language=dp1"
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    plan = resolve(TrainConfig.load(str(path)))
+    image = [m for m in plan.layout.role(0).modules if m.name == "image"]
+    found = memory_remedies(plan, image)
+    wanted = "optimizer.modules.image.distributed=true (its optimizer state split over its 2 " \
+        "DP ranks)"
+    assert (wanted in found) == offered, found

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from mimo_data.loading.layout import LANGUAGE, LayoutError, ModuleRank
 from mimo_train.plan import RunPlan
+from mimo_train.plan.parts import ENCODER_PARTS
 from mimo_train.plan.rules import refusals
 from mimo_train.planning.advisor.inputs import GPUS
 from mimo_train.planning.dims import language_stack
@@ -47,11 +48,13 @@ def memory_remedies(plan: RunPlan, places: Iterable[ModuleRank], gpu: str | None
                          "made again in the backward pass: about a third more of its compute)")
         if module.optimizer.distributed:
             continue
-        if any(a.part.module == name for a in plan.adapted):
-            found += _adapters_split(plan, place)
-        elif plan.trains(name) and layout.dp > 1:
-            found.append(f"optimizer.modules.{name}.distributed=true (the main weights and "
-                         f"Adam's moments split over its {layout.dp} DP ranks)")
+        adapters = _adapters_split(plan, place) \
+            if any(a.part.module == name for a in plan.adapted) else []
+        if adapters:
+            found += adapters
+        elif _fully_trained(plan, name) and layout.dp > 1:
+            found.append(f"optimizer.modules.{name}.distributed=true (its optimizer state "
+                         f"split over its {layout.dp} DP ranks)")
     found.append(_smaller_batches(plan))
     found.append(advisor_command(plan, gpu))
     return found
@@ -78,6 +81,17 @@ def _language(plan: RunPlan, place: ModuleRank) -> list[str]:
     return found
 
 
+def _fully_trained(plan: RunPlan, name: str) -> bool:
+    """Whether module ``name`` trains some of its weights whole: a part neither frozen nor
+    under LoRA (an encoder's projection beside its adapted tower counts)."""
+    adapted = {a.part.part for a in plan.adapted if a.part.module == name}
+    frozen = {p.part for p in plan.frozen if p.module == name}
+    if None in adapted or None in frozen:
+        return False
+    parts = [None] if name == LANGUAGE else list(ENCODER_PARTS)
+    return any(part not in adapted and part not in frozen for part in parts)
+
+
 def _adapters_split(plan: RunPlan, place: ModuleRank) -> list[str]:
     """The distributed optimizer for a module under LoRA: offered where it splits at least
     ``ADAPTERS_SPLIT`` of its adapters' optimizer state off this rank (``planning.adapters``;
@@ -100,9 +114,8 @@ def _adapters_split(plan: RunPlan, place: ModuleRank) -> list[str]:
         return []
     total = sum(state for state, _, _ in shards)
     over = " and ".join(f"{ranks} {what}" for _, ranks, what in shards if ranks > 1)
-    return [f"optimizer.modules.{name}.distributed=true (the LoRA adapters' main weights and "
-            f"Adam's moments, {total / 2**30:.1f} GiB on this rank, split over its {over} "
-            "ranks)"]
+    return [f"optimizer.modules.{name}.distributed=true (the LoRA adapters' optimizer state, "
+            f"{total / 2**30:.1f} GiB on this rank, split over its {over} ranks)"]
 
 
 def _takes(plan: RunPlan, **changed) -> bool:
