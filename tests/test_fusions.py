@@ -135,15 +135,19 @@ def test_the_zero_centred_norm_is_transformers_qwen3_5_norm():
 
 def _rotary_inputs(dtype, rotated: int, heads: int = 6, groups: int = 2, dim: int = 16,
                    tokens: int = 9, batch: int = 3):
-    """Queries and keys as megatron-core's attention has them (views of one fused QKV
-    output, ``[s, b, heads, d]``) and an M-RoPE-shaped table ``[s, b, 1, rotated]``. No two
-    sizes alike: dynamo would guard on their equality (a batch as large as the key heads
-    costs one more graph)."""
+    """The fused QKV output (the leaf), and the queries and keys cut from it as megatron-core's
+    attention cuts them (``get_query_key_value_tensors``: a view per key-value group, split
+    along its channels; the queries reshaped, so contiguous, the keys a strided view),
+    ``[s, b, heads, d]``; an M-RoPE-shaped table ``[s, b, 1, rotated]``."""
     generator = torch.Generator().manual_seed(0)
-    qkv = (torch.randn(tokens, batch, heads + 2 * groups, dim, generator=generator) * 2
+    per_group = heads // groups
+    qkv = (torch.randn(tokens, batch, groups * (per_group + 2) * dim, generator=generator) * 2
            ).to(dtype).requires_grad_()
+    mixed = qkv.view(tokens, batch, groups, (per_group + 2) * dim)
+    query, key, _ = torch.split(mixed, [per_group * dim, dim, dim], dim=3)
+    query = query.reshape(tokens, batch, -1, dim)
     freqs = torch.randn(tokens, batch, 1, rotated, generator=generator) * 4
-    return qkv, freqs
+    return qkv, query, key, freqs
 
 
 @pytest.mark.parametrize("dtype, rotated, mscale", [
@@ -159,16 +163,15 @@ def test_the_fused_rotary_is_megatron_cores_bit_for_bit(dtype, rotated, mscale):
     from mimo_train.mcore.rope_fusion import fused_rope
     results = []
     for apply in (fused_rope, _apply_rotary_pos_emb_bshd):
-        qkv, freqs = _rotary_inputs(dtype, rotated)
-        q, k = qkv[:, :, :6], qkv[:, :, 6:8]
-        rows = [apply(t, freqs, mscale=mscale) for t in (q, k)]
+        qkv, query, key, freqs = _rotary_inputs(dtype, rotated)
+        rows = [apply(t, freqs, mscale=mscale) for t in (query, key)]
         weights = torch.arange(rows[0].shape[-1], dtype=dtype)
         sum((r * weights).float().sum() for r in rows).backward()
         results.append((rows, qkv.grad))
     (rows, grad), (expected_rows, expected_grad) = results
     for found, expected in zip(rows, expected_rows):
         assert found.dtype == dtype and torch.equal(found, expected)
-    assert torch.equal(grad[:, :, :8], expected_grad[:, :, :8]) and grad[:, :, :8].abs().max() > 0
+    assert torch.equal(grad, expected_grad) and grad.abs().max() > 0
 
 
 def test_the_language_model_takes_the_fused_rotary(groups, monkeypatch):
@@ -179,7 +182,9 @@ def test_the_language_model_takes_the_fused_rotary(groups, monkeypatch):
     from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
 
+    from mimo_train import mcore
     from mimo_train.mcore import rope_fusion
+    assert mcore.ROPE_FUSION is True
     assert attention.apply_rotary_pos_emb is not rope_utils.apply_rotary_pos_emb
     calls = []
     fused = rope_fusion.fused_rope
@@ -200,11 +205,11 @@ def test_the_language_model_takes_the_fused_rotary(groups, monkeypatch):
     assert len(calls) == 2 and packed.shape == t.shape
 
 
-def test_the_fused_rotary_compiles_once(monkeypatch):
-    """The compiled path (dynamo's tracing here; inductor's kernels on a GPU): queries and keys
-    (other head counts, views), two sequence lengths, training and no-grad passes make one
-    graph for the forward formula and one for the backward, and the rows are the formula's as
-    written."""
+def test_the_fused_rotary_compiles_once_for_queries_and_once_for_keys(monkeypatch):
+    """The compiled path (dynamo's tracing here; inductor's kernels on a GPU) on packed rows
+    (batch 1) as megatron-core's attention cuts them: two sequence lengths, training and
+    no-grad passes make two graphs of the forward formula (the contiguous queries, the keys'
+    strided view) and one of the backward, and the rows are the formula's as written."""
     from mimo_train.mcore import rope_fusion
     from mimo_train.runtime.compile import Compiler
     graphs: list = []
@@ -214,11 +219,11 @@ def test_the_fused_rotary_compiles_once(monkeypatch):
         return graph.forward
     monkeypatch.setattr(rope_fusion, "COMPILER", Compiler(backend=backend, devices=("cpu",)))
     for tokens, train in ((9, True), (13, True), (9, False)):
-        qkv, freqs = _rotary_inputs(torch.bfloat16, 16, tokens=tokens)
+        qkv, query, key, freqs = _rotary_inputs(torch.bfloat16, 16, tokens=tokens, batch=1)
         with torch.set_grad_enabled(train):
-            rows = [rope_fusion.fused_rope(t, freqs) for t in (qkv[:, :, :6], qkv[:, :, 6:8])]
+            rows = [rope_fusion.fused_rope(t, freqs) for t in (query, key)]
             if train:
                 sum(r.float().sum() for r in rows).backward()
-        assert torch.equal(rows[0], rope_fusion.rope(qkv[:, :, :6].detach(), freqs, 1.0))
+        assert torch.equal(rows[1], rope_fusion.rope(key.detach(), freqs, 1.0))
     assert {f.__name__ for f in rope_fusion.COMPILER.compiled} == {"rope", "rope_backward"}
-    assert len(graphs) == 2, [graph.code for graph in graphs]
+    assert len(graphs) == 3, [graph.code for graph in graphs]

@@ -75,6 +75,9 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
             train[step]["tokens"] > 0
         # the wait for the micro-batches: its figures are the fake-clock test's below
         assert items["train/data_wait_s"] == train[step]["data_wait_s"] >= 0
+        # its own column of the ranks' reduction: part of the step, not the memory's
+        assert train[step]["data_wait_s"] < train[step]["seconds"]
+        assert train[step]["data_wait_s"] != train[step]["memory_mib"]
     lines = [line for line in output.splitlines() if line.startswith("step ")]
     assert len(lines) == 2 and all(" trained tok/s " in line and " seq tok/s " in line
                                    and "  data wait " in line for line in lines), lines

@@ -13,9 +13,9 @@ Both keep the fallbacks' signatures (``(chunk_size, noop_flag, tensor_lists, ...
 ``amp_C``'s). In bf16 megatron-core's mixed-precision optimizer does not take that path for
 the copy (it has no overflow buffer for bf16, and without one
 ``_multi_tensor_copy_this_to_that`` loops: a copy kernel per parameter tensor, 589 a step for
-Qwen2-VL-2B, a fifth of its optimizer step's host operators): ``foreach_copy`` does it with
-``torch._foreach_copy_``. torch has the kernels, megatron-core only the fallbacks' loops, hence
-these three functions.
+Qwen2-VL-2B, a third of its optimizer step's operators that are not views): ``foreach_copy``
+does it with ``torch._foreach_copy_``. torch has the kernels, megatron-core only the
+fallbacks' loops, hence these three functions.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def foreach_copy(this: list[torch.Tensor], that: list[torch.Tensor],
 
 
 def install() -> bool:
-    """Put both where megatron-core took its fallbacks (neither TransformerEngine nor apex
+    """Put them where megatron-core took its fallbacks (neither TransformerEngine nor apex
     installed): ``clip_grads`` (the norm, the clipping) and ``optimizer`` (the main weights
     copied into the model's each step, ``foreach_copy`` also where megatron-core would loop);
     True when it did."""

@@ -4,15 +4,17 @@ Without TransformerEngine megatron-core applies the rotary embedding unfused
 (``rope_utils._apply_rotary_pos_emb_bshd``): for the queries, then again for the keys, of
 every layer, a slice, the cosine and the sine of the whole table, two scalings and two
 casts, the half rotation's chunk, negation and concatenation, two products, a sum and a last
-concatenation; the backward pass as many kernels again. The 2026-11-30 H200 profile of
-Qwen2-VL-2B in packed 8k spent 45% of its GPU time idle with the host dispatching ~29k
-operators a step (docs/benchmarks.md): those are ~28 a layer of its 28, twice a micro-batch.
-Here they are one autograd function whose forward and backward are pure formulas, compiled on
-a GPU by ``runtime.compile`` (inductor: one kernel each), run as written elsewhere, where the
-rows and gradients are megatron-core's bit for bit (tests/test_rope_fusion.py). On a GPU the
-compiled forward rounds once where megatron-core rounds after each product and the sum: a
-bf16 unit in the last place on some elements. It keeps the table alone for the backward pass
-(megatron-core: its cosine and sine in the tensor's dtype).
+concatenation: about 14 operators a tensor forward, ~19 kernels with the backward pass's. The
+2026-11-30 H200 profile of Qwen2-VL-2B in packed 8k spent 45% of its GPU time idle with the
+host dispatching ~29k operators a step (docs/benchmarks.md), ~2,100 of its kernels these
+(queries and keys of 28 layers, two micro-batches; the next run counted 1,904 fewer). Here they
+are one autograd function whose forward and backward are pure formulas, compiled on a GPU by
+``runtime.compile`` (inductor: one kernel each; queries and keys two graphs of the forward, a
+contiguous tensor and a strided view of the QKV output), run as written elsewhere, where the
+rows and gradients are megatron-core's bit for bit (tests/test_fusions.py). On a GPU the
+compiled formulas round once where megatron-core rounds after each product and the sum,
+forward and backward: a bf16 unit in the last place on some elements. It keeps the table
+alone for the backward pass (megatron-core: its cosine and sine in the tensor's dtype).
 
 ``install`` puts ``apply_rotary_pos_emb`` where megatron-core's attention takes it; the cases
 it does not fuse (TransformerEngine's fusion asked for, a packed THD batch, interleaved

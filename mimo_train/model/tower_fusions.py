@@ -30,7 +30,6 @@ check's ``fusions`` probe each compiled kernel against its formula as written.
 
 from __future__ import annotations
 
-
 import torch
 
 from mimo_train.errors import EncoderBuildError

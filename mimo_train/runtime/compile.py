@@ -1,7 +1,8 @@
 """Fused formulas compiled on a GPU, run as written elsewhere: ``Compiler``, which the towers'
 fusions (``model.tower_fusions``) and the language models' rotary (``mcore.rope_fusion``)
-call. torch.compile does the compiling; this adds what both need around it: one graph per
-formula whatever its sizes or its tensors' autograd state, and a formula past torch's
+call. torch.compile does the compiling; this adds what both need around it: dynamic sizes and
+detached tensors (whatever the lengths or the tensors' autograd state, no new graph; a new
+memory layout or a dimension of size 1 still makes one), and a formula past torch's
 recompile limit run as written instead of stopping the run."""
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from mimo_train.runtime.console import PREFIX, say
 
 class Compiler:
     """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
-    written. Each formula is compiled once for all sizes (they are dynamic), and
-    its tensors are passed detached, so whether they need a gradient, are parameters or views
-    (no-grad evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds
-    what it compiled (the formula itself once past torch.compile's recompile limit)."""
+    written. Each formula's sizes are dynamic (another length makes no other graph; another
+    memory layout, such as a strided view, or a dimension of size 1 does), and its tensors are
+    passed detached, so whether they need a gradient, are parameters or views (no-grad
+    evaluation, recompute, a frozen weight) makes no other graph. ``compiled`` holds what it
+    compiled (the formula itself once past torch.compile's recompile limit)."""
 
     def __init__(self, backend: str | Callable = "inductor", devices: tuple[str, ...] = ("cuda",)):
         self.backend, self.devices = backend, devices
