@@ -13,7 +13,11 @@ same weights. What it does is what such frameworks do with a transformers model:
   with the same rank and alpha on the language model's linear layers (``with_lora``);
 - weights in the run's dtype (bf16 on a GPU: no fp32 master copy, which favours the peer),
   ``torch.optim.AdamW(fused=True)`` with the config's betas, weight decay and learning rate,
-  gradients clipped to ``optimizer.clip_grad`` with ``clip_grad_norm_``;
+  gradients clipped to ``optimizer.clip_grad`` with ``clip_grad_norm_``; the learning rate on
+  transformers' ``get_cosine_with_min_lr_schedule_with_warmup`` (the Trainer's
+  ``cosine_with_min_lr``), which is mimo's schedule: a linear warmup from 0 over
+  ``optimizer.warmup_steps`` (at most ``train.steps - 1``, as mimo clamps it), then a cosine to
+  ``optimizer.min_lr`` at ``train.steps``, so the two sides' losses compare step by step;
 - the strongest attention transformers has here: ``flash_attention_2`` where flash-attn is
   installed, else ``sdpa``; a packed micro-batch goes as one row with per-sample text
   positions (transformers then masks each sample to itself) and mimo's per-sample M-RoPE
@@ -50,7 +54,7 @@ from mimo_data.loading.loader import build_loader
 from mimo_data.modalities.image import normalize_pixels
 from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import ProfileConfig
+from mimo_train.config import OptimizerConfig, ProfileConfig
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import kept_length
 
@@ -121,7 +125,9 @@ def with_lora(model, lora: dict):
 
 def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> list[dict]:
     """Train the case of ``config_path`` as the peer; returns (and writes) its records."""
-    from transformers import AutoModelForImageTextToText
+    from transformers import (AutoModelForImageTextToText,
+                              get_cosine_with_min_lr_schedule_with_warmup)
+
     config = yaml.safe_load(config_path.read_text())
     data, run, opt, model_cfg = (config["data"], config["train"], config.get("optimizer", {}),
                                  config["model"])
@@ -143,10 +149,16 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
     elif model_cfg.get("encoders", {}).get("image", {}).get("recompute", "none") != "none":
         tower = model.get_base_model().model.visual if lora else model.model.visual
         tower.gradient_checkpointing_enable()                       # the tower alone
+    defaults = OptimizerConfig()                     # mimo's, where the case leaves one out
     optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=opt.get("lr", 1e-5),
-        betas=(opt.get("adam_beta1", 0.9), opt.get("adam_beta2", 0.95)),
-        weight_decay=opt.get("weight_decay", 0.0), fused=device.type == "cuda")
+        [p for p in model.parameters() if p.requires_grad], lr=opt.get("lr", defaults.lr),
+        betas=(opt.get("adam_beta1", defaults.adam_beta1),
+               opt.get("adam_beta2", defaults.adam_beta2)),
+        weight_decay=opt.get("weight_decay", defaults.weight_decay),
+        fused=device.type == "cuda")
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, min(opt.get("warmup_steps", defaults.warmup_steps), run["steps"] - 1),
+        run["steps"], min_lr=opt.get("min_lr", defaults.min_lr))
     preprocess = PreprocessConfig.from_yaml(str(data["preprocess"]))
     gbs, mbs = run["global_batch_size"], run["micro_batch_size"]
     # mimo's case's layout: one rank, all data
@@ -178,8 +190,10 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
                 part = model(**inputs, use_cache=False).loss
                 part.backward()
                 loss += part.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), opt.get("clip_grad", 1.0))
+            torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                           opt.get("clip_grad", defaults.clip_grad))
             optimizer.step()
+            schedule.step()
             optimizer.zero_grad(set_to_none=True)
             value = float(loss)                          # the host waits for the step here
             seconds = time.perf_counter() - started

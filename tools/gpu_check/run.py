@@ -405,7 +405,7 @@ def write_config(check: Check, name: str, device: str, config: dict) -> Path:
             "num_workers": 0 if check.tiny else 2, "packing": False}
     whole: dict[str, Any] = {
         "data": data, "layout": LAYOUTS[check.video],
-        "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 1, "clip_grad": 1.0},
+        "optimizer": {"lr": 3.0e-3, "min_lr": 3.0e-4, "warmup_steps": 0, "clip_grad": 1.0},
         "train": {"seed": 3, "log_interval": 1, "device": device}}
     for section, values in config.items():       # the sections' keys, replaced one by one
         whole[section] = {**whole.get(section, {}), **values} if isinstance(values, dict) \
