@@ -13,9 +13,9 @@ the tower's attention runs once per image here, once per micro-batch on a GPU). 
 trains two steps in a fresh one-rank process (``torchrun``) and profiles the second:
 
 - ``mimo``: as the trainer runs;
-- ``megatron-core``: the language model's rotary and the bf16 main weights' copy on
-  megatron-core's own operations (``mcore.rope_fusion``, ``mcore.multi_tensor.foreach_copy``
-  undone).
+- ``megatron-core``: the language model's rotary, the bf16 main weights' copy and DDP's
+  gradient additions on megatron-core's own operations (``mcore.rope_fusion``,
+  ``mcore.multi_tensor.foreach_copy``, ``mcore.grad_accumulation`` undone).
 
 Operators are the profiler's outermost ``aten::`` calls (``runtime.profile``'s
 ``operators_per_step``), by phase: the language model's and the tower's layers (forward), the
@@ -23,7 +23,9 @@ rest of the forward pass, the backward pass, the optimizer step; ``views`` are t
 never launch a kernel on a GPU (views, reshapes, detaches), ``others`` the rest (most launch
 one; casts to the tensor's own dtype and allocations do not). With ``--compile`` the fused
 formulas are compiled on the CPU too (inductor; a C++ compiler needed), as on a GPU: one
-operator each. Then the ratio megatron-core / mimo of each. Nothing is asserted.
+operator each. Then the ratio megatron-core / mimo of each; with ``--names`` mimo's most
+frequent operators per phase, and the backward pass's by the autograd node that ran them.
+Nothing is asserted.
 
     python tools/bench_operators.py [--work DIR] [--compile] [--names]
 """
@@ -139,17 +141,21 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
 
     import mimo_train.mcore  # noqa: F401  (its patches first, then this variant's)
     from mimo_train.cli import main
-    from mimo_train.mcore import rope_fusion
+    from mimo_train.mcore import DistributedDataParallel, grad_accumulation, rope_fusion
     from mimo_train.model import tower_fusions
     from mimo_train.runtime import profile
     from mimo_train.runtime.compile import Compiler
     if variant == "megatron-core":
         attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
+        DistributedDataParallel._make_backward_post_hook = grad_accumulation.MEGATRON_HOOK
 
         def copy_each(this, that, overflow_buf=None):       # megatron-core's loop in bf16
             for source, target in zip(this, that):
                 target.copy_(source)
         megatron_optimizer._multi_tensor_copy_this_to_that = copy_each
+    # the tensors small at Qwen2-VL-2B's published widths (biases, norms) are small here, not
+    # its weights (at widths of 64 every tensor has fewer than grad_accumulation.SMALL values)
+    grad_accumulation.SMALL = 1024
     if compiled:
         rope_fusion.COMPILER = Compiler(devices=("cpu",))
         tower_fusions.COMPILER = Compiler(devices=("cpu",))
@@ -165,6 +171,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
     def counting(profiler, steps, top=8):
         counts: dict[str, collections.Counter] = {p: collections.Counter() for p in PHASES}
         names: dict[str, collections.Counter] = {p: collections.Counter() for p in PHASES}
+        nodes: collections.Counter = collections.Counter()     # backward: by autograd node
         for event in profiler.events():
             if not event.name.startswith("aten::") or \
                     event.device_type != torch.autograd.DeviceType.CPU:
@@ -179,9 +186,13 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
             counts[phase]["views" if event.name in VIEWS else "others"] += 1
             if event.name not in VIEWS:
                 names[phase][event.name] += 1
+                node = next((label.split(": ", 1)[1] for label in labels
+                             if label.startswith("autograd::engine::evaluate_function")), "")
+                if phase == "backward":
+                    nodes[f"{event.name[6:]} in {node or 'no node'}"] += 1
         with open(out, "w") as f:
-            json.dump({p: {**counts[p], "names": dict(names[p].most_common(12))}
-                       for p in PHASES}, f)
+            json.dump({**{p: {**counts[p], "names": dict(names[p].most_common(12))}
+                          for p in PHASES}, "nodes": dict(nodes.most_common(16))}, f)
         return summarize(profiler, steps, top)
     profile.summarize = counting
     code = main(["--config", config])
@@ -223,6 +234,8 @@ def report(found: dict[str, dict], names: bool) -> None:
         for phase in PHASES:
             print(f"mimo's most frequent others, {phase}: " + ", ".join(
                 f"{name[6:]} {n}" for name, n in found["mimo"][phase]["names"].items()))
+        print("mimo's most frequent others in the backward pass, by autograd node: " + ", ".join(
+            f"{name} {n}" for name, n in found["mimo"]["nodes"].items()))
 
 
 def main() -> None:

@@ -11,6 +11,7 @@ a private name from here, reads a private attribute of what it gives or patches 
 ``distributed_optimizer`` (its torch Adam's states without TransformerEngine or apex),
 ``fused_adam`` (torch's fused AdamW under its optimizers without them),
 ``multi_tensor`` (its gradient norm and clipping on torch's foreach kernels without them),
+``grad_accumulation`` (DDP's small gradients into their buffers in multi-tensor additions),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),
 ``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms),
@@ -77,10 +78,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm, saved_in_sections
-from mimo_train.mcore import multi_tensor, rope_fusion
+from mimo_train.mcore import grad_accumulation, multi_tensor, rope_fusion
 
 FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (always, here)
 ROPE_FUSION = rope_fusion.install()     # the attention's rotary, one fused formula a tensor
+GRADS_BATCHED = grad_accumulation.install()  # DDP's small gradients, one addition a pass
 
 __all__ = [
     "CPU_PATCHES", "AsyncCallsQueue", "AsyncRequest", "AudioModalitySubmodules",
