@@ -166,14 +166,14 @@ def test_each_case_is_profiled(summary):
             continue
         # on the CPU the waits a GPU would have are found by operator, at their callers:
         # megatron-core's optimizer step (torch Adam's host step counts: no wait on a GPU)
-        # and MimoModel's placeholder count (which waits) among them, not the cross
-        # entropy's masked writes (masked_fill_ on a GPU)
+        # among them, not the cross entropy's masked writes (masked_fill_ on a GPU) nor
+        # MimoModel's splice of the rows (mcore.splice counts the placeholders on the host)
         sites = profile["sync_sites"]
         assert profile["host_syncs_per_step"] >= sum(s["per_step"] for s in sites) > 0
         assert any("optimizer" in s["site"] and "_local_scalar_dense" in s["site"]
                    for s in sites), sites
-        assert any("align_embeddings" in s["site"] for s in sites), sites
-        assert not any("cross_entropy" in s["site"] for s in sites), sites
+        assert not any("cross_entropy" in s["site"] or "align_embeddings" in s["site"] or
+                       "get_text_embeddings" in s["site"] for s in sites), sites
 
 
 def test_the_peer_trains_the_same_batches_as_transformers(summary):

@@ -14,13 +14,13 @@ a private name from here, reads a private attribute of what it gives or patches 
 ``grad_accumulation`` (DDP's small gradients into their buffers in multi-tensor additions),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),
-``deepstack``, ``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms),
-``delta_rule`` (the gated delta-net kernels, per sample when packed), ``balance`` (a mixture
-of experts' load-balancing loss over the global batch), ``grouped_experts`` (its experts as
-grouped GEMMs), ``language_loss`` (the output layer and loss at the trained tokens, in chunks) and
-``gated_delta_net``
-(megatron-core's gated delta-net layer without fla; its import, below, patches megatron-core's
-module for it where needed).
+``splice`` (the rows into the word embeddings without host reads), ``deepstack``,
+``rotary`` (interleaved M-RoPE), ``norms`` (sequence-parallel norms), ``delta_rule`` (the
+gated delta-net kernels, per sample when packed), ``balance`` (a mixture of experts'
+load-balancing loss over the global batch), ``grouped_experts`` (its experts as grouped
+GEMMs), ``language_loss`` (the output layer and loss at the trained tokens, in chunks) and
+``gated_delta_net`` (megatron-core's gated delta-net layer without fla; its import, below,
+patches megatron-core's module for it where needed).
 """
 
 from __future__ import annotations

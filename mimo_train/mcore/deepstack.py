@@ -32,8 +32,9 @@ import torch
 
 from megatron.core.utils import unwrap_model
 
-from mimo_train.mcore import GPTModel, MimoModel
+from mimo_train.mcore import GPTModel
 from mimo_train.mcore.context_parallel import SequenceShards
+from mimo_train.mcore.splice import SplicingMimoModel
 
 
 def split_rows(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -54,9 +55,9 @@ def scatter(parts: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Te
             .transpose(0, 1) for part in parts]
 
 
-class DeepstackMimoModel(MimoModel):
-    """``MimoModel`` that splits deepstack rows off the encoder modules' rows (see the module
-    docstring) and gives them to its language model."""
+class DeepstackMimoModel(SplicingMimoModel):
+    """``MimoModel`` (``mcore.splice``'s) that splits deepstack rows off the encoder modules'
+    rows (see the module docstring) and gives them to its language model."""
 
     def _empty_encoder_output(self, encoder_name):
         """megatron-core's rows of an encoder rank with nothing to encode, as wide as its

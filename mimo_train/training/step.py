@@ -53,7 +53,9 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     A packed batch (``packing_kwargs``) has no padding: it goes as it is, and ``MimoModel``
     makes megatron-core's ``PackedSeqParams`` of its sample boundaries. Under context
     parallelism either is padded to a multiple of cp x tp (``shard_multiple``). Encoder
-    inputs that an encoder reads on the host (``families.base.HOST_INPUTS``) stay there.
+    inputs that an encoder reads on the host (``families.base.HOST_INPUTS``) stay there, and
+    the token ids go on the host too (``host_input_ids``: ``mcore.splice`` counts the
+    placeholders there).
 
     ``shared``: per encoder module serving several modalities (``model.shared_placeholders``),
     ``{modality: its placeholder token id}``, its encoder's own modality first. That module
@@ -78,6 +80,7 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
         columns, packing = _padded(columns, packing, multiple)
     inputs = {key: value.to(device, non_blocking=True)       # the [(3,) B, length] tensors
               for key, value in columns.items()}
+    inputs["host_input_ids"] = columns.get("input_ids")        # the placeholders' counts
     # Padding is on the right and never trained, so the causal mask alone is right for every
     # real token; megatron-core's non-colocated path would read a dense mask as True = masked.
     inputs["attention_mask"] = None
