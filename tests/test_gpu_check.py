@@ -358,14 +358,14 @@ def _scheduled(tmp_path: Path, *argv: str, spend: str | None = None) -> tuple[li
 
 
 def test_the_probes_run_after_the_chosen_cases_while_their_time_is_left(tmp_path):
-    """The machine's probes run after the first three cases, or after the last one chosen
-    where fewer are (``--cases none``: packages, shards, probes, parity); where the cases
+    """The machine's probes run after the first case (the goal's), or after the last one
+    chosen where none is (``--cases none``: packages, shards, probes, parity); where the cases
     left less than the probes' limit, they are skipped, not started to time out, and the
     check still succeeds."""
     first = ["packages", "shards", "checkpoint"]
     ran, found, rc = _scheduled(tmp_path / "all")
     # packed_32k and packed_8k_sdpa: packed_8k's run again on the CPU, not run
-    assert ran == first + ["packed_8k", "unpacked", "lora_7b_packed_8k", "probes",
+    assert ran == first + ["packed_8k", "probes", "unpacked", "lora_7b_packed_8k",
                            "packed_8k_recompute_full", "packed_8k_local", "parity"], ran
     assert found["env"] == {"cuda": False} and rc == 0
     ran, found, rc = _scheduled(tmp_path / "one", "--cases", "packed_8k")
@@ -375,9 +375,9 @@ def test_the_probes_run_after_the_chosen_cases_while_their_time_is_left(tmp_path
     assert found["checkpoint"] == {"skipped": "no cases"} and found["cases"] == {}
     ran, found, rc = _scheduled(tmp_path / "bare", "--cases", "packed_8k", "--skip-probes")
     assert ran == first + ["packed_8k", "parity"] and "env" not in found and rc == 0, ran
-    # the budget used up by the first two cases: the rest skipped, the probes too, no error
-    ran, found, rc = _scheduled(tmp_path / "spent", spend="unpacked")
-    assert ran == first + ["packed_8k", "unpacked"], ran
+    # the budget used up by the first case: the rest skipped, the probes too, no error
+    ran, found, rc = _scheduled(tmp_path / "spent", spend="packed_8k")
+    assert ran == first + ["packed_8k"], ran
     skipped = {"skipped": "out of time"}
     assert found["env"] == found["kernels"] == found["parity"] == skipped, found
     assert found["cases"]["packed_8k_local"] == skipped and rc == 0

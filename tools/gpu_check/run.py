@@ -22,8 +22,8 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
    events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
    attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
    packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts. They run
-   after the first ``PROBE_AFTER`` (3) cases, the goal's case and the floor first, or after
-   the last chosen one where fewer are chosen (``--cases packed_8k``; ``--cases none``:
+   after the first ``PROBE_AFTER`` (1) case, the goal's, or after the last chosen one where
+   none are chosen (``--cases packed_8k``; ``--cases none``:
    packages, shards, probes and parity alone, what a short GPU lease wants), never with
    ``--skip-probes``; with under ``PROBES_S`` (150 s, their limit) of the budget left both
    are ``{"skipped": "out of time"}``, not started (no error).
@@ -144,7 +144,9 @@ WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="auto"),
                       tower_recompute="full", peer=False)]
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
 TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
-PROBE_AFTER = 3                         # the machine's probes run after this many cases
+# the machine's probes run after this many cases: the goal's case, then the probes (never
+# run in the 2026-11-30 lease: its 450 s went to the goal's case and the floor), then the rest
+PROBE_AFTER = 1
 PROBES_S = 150                          # their limit; they start only with all of it left
 AUTO_SHARE = 0.85                       # auto: the tower kept when predicted under this share
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
@@ -684,8 +686,8 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
 
 def probes_before(chosen: int) -> int:
     """The index of the chosen case the machine's probes run before, of ``chosen`` cases
-    (``chosen``: after the last one): after the first ``PROBE_AFTER`` (the goal's case and the
-    floor come first), or after them all when fewer are chosen (none: before parity)."""
+    (``chosen``: after the last one): after the first ``PROBE_AFTER`` (the goal's case comes
+    first), or after them all when fewer are chosen (none: before parity)."""
     return min(PROBE_AFTER, chosen)
 
 
