@@ -13,9 +13,10 @@ the tower's attention runs once per image here, once per micro-batch on a GPU). 
 trains two steps in a fresh one-rank process (``torchrun``) and profiles the second:
 
 - ``mimo``: as the trainer runs;
-- ``megatron-core``: the language model's rotary, the bf16 main weights' copy and DDP's
-  gradient additions on megatron-core's own operations (``mcore.rope_fusion``,
-  ``mcore.multi_tensor.foreach_copy``, ``mcore.grad_accumulation`` undone).
+- ``megatron-core``: the language model's rotary, the bf16 main weights' copy, DDP's
+  gradient additions and the splice of the rows into the word embeddings on megatron-core's
+  own operations (``mcore.rope_fusion``, ``mcore.multi_tensor.foreach_copy``,
+  ``mcore.grad_accumulation``, ``mcore.splice`` undone).
 
 Operators are the profiler's outermost ``aten::`` calls (``runtime.profile``'s
 ``operators_per_step``), by phase: the language model's and the tower's layers (forward), the
@@ -141,13 +142,18 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
 
     import mimo_train.mcore  # noqa: F401  (its patches first, then this variant's)
     from mimo_train.cli import main
-    from mimo_train.mcore import DistributedDataParallel, grad_accumulation, rope_fusion
+    from mimo_train.mcore import (DistributedDataParallel, MimoModel, grad_accumulation,
+                                  rope_fusion)
+    from mimo_train.mcore.splice import SplicingMimoModel
     from mimo_train.model import tower_fusions
     from mimo_train.runtime import profile
     from mimo_train.runtime.compile import Compiler
     if variant == "megatron-core":
         attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
         DistributedDataParallel._make_backward_post_hook = grad_accumulation.MEGATRON_HOOK
+        SplicingMimoModel.get_text_embeddings = MimoModel.get_text_embeddings
+        SplicingMimoModel.align_embeddings_by_token_positions = \
+            MimoModel.align_embeddings_by_token_positions
 
         def copy_each(this, that, overflow_buf=None):       # megatron-core's loop in bf16
             for source, target in zip(this, that):
