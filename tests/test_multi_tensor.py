@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mimo_train.mcore as mcore
 from megatron.core import utils
@@ -14,6 +15,18 @@ from megatron.core.optimizer import clip_grads, optimizer
 from mimo_train.mcore.multi_tensor import foreach_copy, foreach_l2_norm, foreach_scale
 
 NOOP = torch.zeros(1, dtype=torch.int)
+
+
+class _Calls(TorchDispatchMode):
+    """The operators dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 def _grads(seed: int = 0) -> list[torch.Tensor]:
@@ -64,26 +77,26 @@ def test_importing_mimo_train_mcore_puts_them_in_place():
     assert optimizer._multi_tensor_copy_this_to_that is foreach_copy
 
 
+def test_the_norm_dispatches_as_many_operators_for_any_number_of_tensors():
+    """No cast a tensor: the norms stacked once (fp32 and bf16 gradients alike)."""
+    def dispatched(grads):
+        with _Calls() as calls:
+            foreach_l2_norm(2048, NOOP, [grads], False)
+        return calls.names
+    few, many = _grads(), _grads() * 20 + [torch.ones(3, dtype=torch.bfloat16)]
+    assert dispatched(few) == dispatched(many), (dispatched(few), dispatched(many))
+
+
 def test_the_bf16_weights_copy_is_one_multi_tensor_call():
     """megatron-core's mixed-precision optimizer in bf16 copies its fp32 main weights into the
     model's with ``_multi_tensor_copy_this_to_that`` and no overflow buffer, which loops: a
     copy per tensor. ``foreach_copy`` makes the same bf16 weights in one multi-tensor call."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Calls(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
     main = _grads()
     expected = [torch.empty_like(t, dtype=torch.bfloat16) for t in main]
     for source, target in zip(main, expected):       # megatron-core's loop without a buffer
         target.copy_(source)
     ours = [torch.empty_like(t, dtype=torch.bfloat16) for t in main]
-    with Calls() as calls:
+    with _Calls() as calls:
         optimizer._multi_tensor_copy_this_to_that(this=main, that=ours, overflow_buf=None)
     assert calls.names == ["_foreach_copy_"]
     assert all(torch.equal(a, b) for a, b in zip(ours, expected))

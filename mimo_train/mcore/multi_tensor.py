@@ -32,7 +32,8 @@ def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor,
     if not tensors:
         return torch.zeros(1, dtype=torch.float), None
     norms = torch._foreach_norm(tensors)
-    total = torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    # one stack (it promotes bf16 norms to fp32 exactly), not a cast a tensor
+    total = torch.linalg.vector_norm(torch.stack(norms).float())
     return total.reshape(1), None
 
 
