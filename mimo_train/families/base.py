@@ -86,6 +86,13 @@ class Encoder(torch.nn.Module):
         """The transformers config of a randomly initialised encoder of these dims."""
         raise EncoderBuildError("this encoder kind is built from a checkpoint only")
 
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The transformers tower (``model``) this encoder holds for ``config`` (a checkpoint's
+        transformers config or ``random_config``'s), randomly initialised, in ``dtype`` (None:
+        as transformers builds it)."""
+        raise NotImplementedError
+
     @staticmethod
     def pretrained_output_size(config) -> int:
         """The rows' width of the encoder built from ``config`` (its transformers config)."""

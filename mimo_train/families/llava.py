@@ -102,18 +102,27 @@ class LlavaVision(Encoder):
     def pretrained_output_size(config) -> int:
         return config.vision_config.hidden_size * len(_feature_layers(config))
 
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """The tower of the whole LLaVA ``config`` (``tower_config``), its final norm left
+        out."""
+        from transformers import AutoModel
+        vision, _ = tower_config(config)
+        tower = AutoModel.from_config(vision, dtype=dtype or vision.dtype)
+        tower.post_layernorm = torch.nn.Identity()
+        return tower
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoConfig
         if not isinstance(pretrained, VLM) or pretrained.family != "llava":
             raise EncoderBuildError(f"encoder kind llava takes its tower from a whole LLaVA "
                                     f"checkpoint (model.pretrained), not {pretrained!r}")
         vlm, pretrained = pretrained, pretrained.path
         config = AutoConfig.from_pretrained(pretrained)
         vision, self.layers = tower_config(config)
-        self.model = AutoModel.from_config(vision, dtype=torch.float32)
-        self.model.post_layernorm = torch.nn.Identity()
+        self.model = self.build_tower(config, dtype=torch.float32)
         vlm.load_tower(self.model)
         check_fixed_geometry(vision.image_size, vision.patch_size, image,
                              f"the vision tower of {pretrained}")

@@ -93,6 +93,12 @@ class Qwen2VLVision(Encoder):
             Qwen2VisionTransformerPretrainedModel)
         return Qwen2VisionTransformerPretrainedModel
 
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """``tower_class`` of ``config``'s vision config (of ``config`` where it has none)."""
+        vision = getattr(config, "vision_config", None) or config
+        return cls.tower_class()._from_config(vision, dtype=dtype or vision.dtype)
+
     @staticmethod
     def random_config(image: ImageConfig, hidden_size: int, num_layers: int,
                       num_attention_heads: int):
@@ -106,17 +112,16 @@ class Qwen2VLVision(Encoder):
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | VLM | None = None):
         super().__init__()
-        tower = self.tower_class()
         if isinstance(pretrained, VLM):     # a whole VLM: its tower (merger included)
             from transformers import AutoConfig
-            vision = AutoConfig.from_pretrained(pretrained.path).vision_config
-            self.model = tower._from_config(vision, dtype=torch.float32)
+            self.model = self.build_tower(AutoConfig.from_pretrained(pretrained.path),
+                                          dtype=torch.float32)
             pretrained.load_tower(self.model)
             pretrained = pretrained.path
         elif pretrained:
-            self.model = tower.from_pretrained(pretrained, dtype=torch.float32)
+            self.model = self.tower_class().from_pretrained(pretrained, dtype=torch.float32)
         else:
-            self.model = tower._from_config(self.random_config(
+            self.model = self.build_tower(self.random_config(
                 image, hidden_size, num_layers, num_attention_heads))
         config = self.model.config
         geometry = {"patch_size": image.patch_size, "spatial_merge_size": image.merge_size,

@@ -7,6 +7,8 @@ emits ``(S / P)²`` rows per image, the patch states of transformers' ``SiglipVi
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
@@ -28,6 +30,15 @@ class SiglipVision(Encoder):
             num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
             image_size=image.image_size, patch_size=image.patch_size, vision_use_head=False)
 
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """``SiglipVisionModel`` of ``config``'s vision config (of ``config`` where it has
+        none), its pooling head left out."""
+        from transformers import SiglipVisionModel
+        vision = copy.copy(getattr(config, "vision_config", None) or config)
+        vision.vision_use_head = False
+        return SiglipVisionModel._from_config(vision, dtype=dtype or vision.dtype)
+
     def __init__(self, image: ImageConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
@@ -37,7 +48,7 @@ class SiglipVision(Encoder):
             self.model = SiglipVisionModel.from_pretrained(pretrained, vision_use_head=False,
                                                            dtype=torch.float32)
         else:
-            self.model = SiglipVisionModel._from_config(self.random_config(
+            self.model = self.build_tower(self.random_config(
                 image, hidden_size, num_layers, num_attention_heads))
         config = self.model.config
         check_fixed_geometry(config.image_size, config.patch_size, image,

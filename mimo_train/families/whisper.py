@@ -53,6 +53,14 @@ class WhisperAudio(Encoder):
             encoder_attention_heads=num_attention_heads, encoder_ffn_dim=2 * hidden_size,
             max_source_positions=math.ceil(frames / 2), dropout=0.0)
 
+    @classmethod
+    def build_tower(cls, config, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        """Whisper's encoder of ``config`` (a whole Whisper model's or the encoder's), in
+        ``dtype`` (None: the default dtype)."""
+        from transformers.models.whisper.modeling_whisper import WhisperEncoder
+        tower = WhisperEncoder(config)
+        return tower if dtype is None else tower.to(dtype)
+
     def __init__(self, audio: AudioConfig, hidden_size: int, num_layers: int,
                  num_attention_heads: int, pretrained: str | None = None):
         super().__init__()
@@ -70,8 +78,8 @@ class WhisperAudio(Encoder):
         elif pretrained:
             self.model = AutoModel.from_pretrained(pretrained, dtype=torch.float32).get_encoder()
         else:
-            self.model = WhisperEncoder(self.random_config(audio, hidden_size, num_layers,
-                                                           num_attention_heads))
+            self.model = self.build_tower(self.random_config(audio, hidden_size, num_layers,
+                                                             num_attention_heads))
         mark_fixed(self.model, ("embed_positions.weight",))
         config = self.model.config
         if config.num_mel_bins != audio.n_mels or 2 * config.max_source_positions < frames:

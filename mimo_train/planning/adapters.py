@@ -28,7 +28,6 @@ optimizer in ``tests/test_planning.py``.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -148,11 +147,10 @@ def encoder_adapters(setting, projection: tuple[Linear, ...], part: str | None, 
 
 def tower_linears(setting) -> dict[str, tuple[int, int]]:
     """The linear layers of an encoder module's tower (the transformers model its encoder
-    holds, ``Encoder.model``) by name: (in, out) features, read from the tower built from its
-    config on the meta device (as ``dims._configured_tower`` reads the config)."""
+    holds, ``Encoder.model``) by name: (in, out) features, read from the tower its family
+    builds from its config (``Encoder.build_tower``) on the meta device."""
     import torch
 
-    from mimo_train.families import llava
     from mimo_train.families.registry import ENCODERS, checkpoint_config
     kind, spec = setting.kind, setting.spec
     if spec.pretrained:
@@ -161,21 +159,7 @@ def tower_linears(setting) -> dict[str, tuple[int, int]]:
         config = ENCODERS[kind].random_config(setting.config, spec.hidden_size, spec.num_layers,
                                               spec.num_attention_heads)
     with torch.device("meta"):
-        if kind == "whisper":
-            from transformers.models.whisper.modeling_whisper import WhisperEncoder
-            tower = WhisperEncoder(config)
-        elif kind == "llava":
-            from transformers import AutoModel
-            tower = AutoModel.from_config(llava.tower_config(config)[0])
-            tower.post_layernorm = torch.nn.Identity()
-        elif kind == "siglip":          # the pooling head left out, as the encoder does
-            from transformers import SiglipVisionModel
-            vision = copy.copy(getattr(config, "vision_config", None) or config)
-            vision.vision_use_head = False
-            tower = SiglipVisionModel(vision)
-        else:                           # the Qwen family: its tower class
-            vision = getattr(config, "vision_config", None) or config
-            tower = ENCODERS[kind].tower_class()(vision)
+        tower = ENCODERS[kind].build_tower(config)
     return {name: (module.in_features, module.out_features)
             for name, module in tower.named_modules()
             if isinstance(module, torch.nn.Linear) and name}
