@@ -151,9 +151,8 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
     if variant == "megatron-core":
         attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
         DistributedDataParallel._make_backward_post_hook = grad_accumulation.MEGATRON_HOOK
-        SplicingMimoModel.get_text_embeddings = MimoModel.get_text_embeddings
-        SplicingMimoModel.align_embeddings_by_token_positions = \
-            MimoModel.align_embeddings_by_token_positions
+        for name in ("get_text_embeddings", "align_embeddings_by_token_positions"):
+            setattr(SplicingMimoModel, name, getattr(MimoModel, name))
 
         def copy_each(this, that, overflow_buf=None):       # megatron-core's loop in bf16
             for source, target in zip(this, that):

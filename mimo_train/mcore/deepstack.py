@@ -7,8 +7,9 @@ the deepstack rows of the same tokens travel together through any bridge (fan-in
 cut rows, never columns), and the language side learns K from the width alone.
 
 - ``DeepstackMimoModel.align_embeddings_by_token_positions`` (the language model's first
-  stage, colocated or not) splices the main rows as ``MimoModel`` does, and scatters each
-  deepstack part to its placeholders' positions: K tensors ``[S, B, h]``, zero elsewhere
+  stage, colocated or not) splices the main rows as ``MimoModel`` does (``mcore.splice``'s),
+  and places each deepstack part at its placeholders' positions (``SplicingMimoModel.place``):
+  K tensors ``[S, B, h]``, zero elsewhere
   (transformers' ``_deepstack_process`` adds the rows at the visual positions, image and video
   tokens in token order: the same sum), split over the sequence as the embeddings are under
   sequence and context parallelism. It hands them to the language model.
@@ -46,15 +47,6 @@ def split_rows(rows: torch.Tensor, width: int) -> tuple[torch.Tensor, list[torch
     return main, deepstack
 
 
-def scatter(parts: list[torch.Tensor], positions: torch.Tensor) -> list[torch.Tensor]:
-    """Each ``[tokens, h]`` part placed at ``positions`` (``[B, S]`` bool, the tokens in
-    row-major order) of a zero ``[S, B, h]`` tensor."""
-    batch, length = positions.shape
-    mask = positions[..., None]
-    return [part.new_zeros(batch, length, part.size(-1)).masked_scatter(mask, part)
-            .transpose(0, 1) for part in parts]
-
-
 class DeepstackMimoModel(SplicingMimoModel):
     """``MimoModel`` (``mcore.splice``'s) that splits deepstack rows off the encoder modules'
     rows (see the module docstring) and gives them to its language model."""
@@ -80,7 +72,7 @@ class DeepstackMimoModel(SplicingMimoModel):
                 main[name] = rows
                 continue
             main[name], parts = split_rows(rows, width)
-            placed = scatter(parts, input_ids == special_token_ids[name])
+            placed = [self.place(part, input_ids, name) for part in parts]
             if self.partition_adapter is not None:    # split over the sequence as the embeddings
                 placed = [self.partition_adapter.shard(p, None, None)[0] for p in placed]
             added = [a + p for a, p in zip(added, placed)] if added else placed

@@ -3,9 +3,10 @@ backward pass.
 
 megatron-core's DDP adds each parameter's gradient into its buffer (``main_grad``) from a hook
 on the parameter's gradient accumulator: one ``add_`` a tensor and micro-batch. For
-Qwen2-VL-2B that is 1,178 a step (589 tensors, 2 micro-batches), 680 of them biases and norms'
-weights of a few thousand values, where launching the kernel, not moving its bytes, is the
-cost (the host's dispatch bounds mimo's step on an H200: docs/benchmarks.md). Here the hook
+Qwen2-VL-2B that is 1,178 a step (589 tensors, 2 micro-batches), 690 of them for the 345
+biases and norms' weights of a few thousand values, where launching the kernel, not moving its
+bytes, is the cost (the host's dispatch bounds mimo's step on an H200: docs/benchmarks.md).
+Here the hook
 keeps each gradient of at most ``SMALL`` values and the end of the backward pass (autograd's
 final callback, after its streams are joined) adds all it kept with torch's multi-tensor
 kernels: the bf16 gradients cast into one fp32 staging buffer (``_foreach_copy_``, whose

@@ -62,7 +62,8 @@ MODE_HOOKS = ("__torch_function__", "__torch_dispatch__")   # a mode's frame: no
 # operators that hand the host a value or whose output's size depends on the data
 WAITING_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
-    "aten::unique_dim", "aten::unique_consecutive", "aten::bincount", "aten::equal"})
+    "aten::unique_dim", "aten::unique_consecutive", "aten::bincount", "aten::equal",
+    "aten::masked_scatter_backward"})      # a masked_select of the gradient (CUDA: nonzero)
 
 
 def kind(name: str) -> str:

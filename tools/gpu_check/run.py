@@ -22,9 +22,9 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
    events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
    attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
    packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts. They run
-   after the first ``PROBE_AFTER`` (1) case, the goal's, or after the last chosen one where
-   none are chosen (``--cases packed_8k``; ``--cases none``:
-   packages, shards, probes and parity alone, what a short GPU lease wants), never with
+   after the first ``PROBE_AFTER`` (1) case, the goal's, or before parity where no case is
+   chosen (``--cases none``: packages, shards, probes and parity alone, what a short GPU
+   lease wants), never with
    ``--skip-probes``; with under ``PROBES_S`` (150 s, their limit) of the budget left both
    are ``{"skipped": "out of time"}``, not started (no error).
 3. ``shards``: the sample corpus's image, video and text conversations, images and clips in
