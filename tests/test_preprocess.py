@@ -245,6 +245,18 @@ def test_prompt_only_and_literal_token_samples_are_dropped_with_reason(records, 
     with pytest.raises(SampleDropped) as dropped:
         preprocessor(prompt_only)
     assert dropped.value.reason == "no_trained_tokens"
+    # answers with no text (whitespace only) would train the end of turn alone: to say nothing
+    empty = copy.deepcopy(record)
+    for message in empty["messages"]:
+        if message["role"] == "assistant":
+            message["content"] = " \n"
+    with pytest.raises(SampleDropped) as dropped:
+        preprocessor(empty)
+    assert dropped.value.reason == "empty_answers" and "is empty" in dropped.value.detail
+    one_empty = copy.deepcopy(record)          # beside an answer with text: trained as it is
+    one_empty["messages"] += [{"role": "user", "content": "And?"},
+                              {"role": "assistant", "content": ""}]
+    assert preprocessor(one_empty).loss_mask.sum() > preprocessor(record).loss_mask.sum()
     literal = copy.deepcopy(record)
     literal["messages"][-1]["content"] += " <|image_pad|>"
     with pytest.raises(SampleDropped) as dropped:

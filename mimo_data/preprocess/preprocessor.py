@@ -185,6 +185,12 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
+        answers = [m["content"] for m in kept_messages if m["role"] == "assistant"]
+        if answers and not any(answer.strip() for answer in answers):
+            # the template's end of turn would be all it trains: to answer with nothing
+            raise SampleDropped("empty_answers", f"every answer ({len(answers)}) is empty"
+                                + (f" after removing {removed_turns} turns" if removed_turns
+                                   else "") + ": write the answers or leave the record out")
         token_counts = {name: [n for (modality, n, _), _ in zip(counts, kept_items)
                                if modality == name] for name in self.config.modalities}
         return TextSample(record["key"], ids, trained, token_counts, kept_items, removed_turns,
