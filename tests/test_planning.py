@@ -27,7 +27,8 @@ and advisor.py):
 - LoRA adapters: per rank by hand (TP, EP, etp, PP, the distributed optimizer), Qwen3-VL-30B-
   A3B's routed-expert adapters in every ranked layout, the report and the out-of-memory
   advice, and the bytes against the trainer's own model and optimizer (in process, the
-  Qwen3.5-35B-A3B replica).
+  Qwen3.5-35B-A3B replica); the Whisper, SigLIP and LLaVA towers' adapters by hand from the
+  published dims (their towers on the meta device).
 
 The measured peak memory of a real run against the prediction is tests/test_anomalies.py's
 (SmolLM2-135M: weights and optimizer state dominate).
@@ -1160,6 +1161,52 @@ def test_lora_adapters_per_rank_by_hand():
     assert mem.adapter_state_bytes(512, 1024, dist, dp=4, expert_dp=2) == \
         mem.Memory(adapters=9 * 512 + 12 * 1024)
     assert mem.adapter_state_bytes(512, 1024, mem.Settings("bf16")).total == 18 * 1536
+
+
+# Published encoder dims as their config.json gives them, typed in (tools/published holds no
+# Whisper or SigLIP checkpoint): openai/whisper-large-v3's encoder, and the vision tower of
+# google/siglip-so400m-patch14-384 with its pooling head (vision_use_head, as published)
+WHISPER_LARGE_V3 = {"model_type": "whisper", "d_model": 1280, "encoder_layers": 32,
+                    "encoder_attention_heads": 20, "encoder_ffn_dim": 5120, "num_mel_bins": 128,
+                    "max_source_positions": 1500}
+SIGLIP_SO400M = {"model_type": "siglip_vision_model", "hidden_size": 1152,
+                 "intermediate_size": 4304, "num_hidden_layers": 27, "num_attention_heads": 16,
+                 "image_size": 384, "patch_size": 14, "vision_use_head": True}
+
+
+# per layer, all-linear: q, k, v, out_proj d -> d, 4 x 2d; fc1 d -> ffn and fc2 ffn -> d,
+# 2 x (d + ffn) (Whisper's k_proj has no bias, which LoRA does not count); q_proj, fc2:
+# 2d + (d + ffn)
+@pytest.mark.parametrize("kind, config, all_linear, q_fc2", [
+    # 32 layers, d 1280, ffn 5120
+    ("whisper", WHISPER_LARGE_V3, 32 * (4 * 2560 + 2 * 6400), 32 * (2560 + 6400)),
+    # 27 layers, d 1152, ffn 4304; no pooling head (its attention's out_proj, its mlp.fc2)
+    ("siglip", SIGLIP_SO400M, 27 * (4 * 2304 + 2 * 5456), 27 * (2304 + 5456)),
+    # CLIP ViT-L/14-336, d 1024, ffn 4096: vision_feature_layer -2 of hidden states 0..24
+    # (0 the embeddings) is the 23rd layer's output, so 23 of its 24 layers; CLIPVisionModel
+    # has no visual_projection (projection_dim 768)
+    ("llava", "llava-hf--llava-1.5-7b-hf", 23 * (4 * 2048 + 2 * 5120), 23 * (2048 + 5120)),
+    # SigLIP so400m as LLaVA-interleave holds it: 26 layers, vision_feature_layer -1 reads all
+    ("llava", "llava-hf--llava-interleave-qwen-0.5b-hf", 26 * (4 * 2304 + 2 * 5456),
+     26 * (2304 + 5456))],
+    ids=["whisper-large-v3", "siglip-so400m", "llava-1.5-7b", "llava-interleave-0.5b"])
+def test_encoder_tower_adapters_by_hand(kind, config, all_linear, q_fc2, tmp_path):
+    """The advisor's LoRA adapters on an encoder's tower (``planning.adapters``: the linear
+    layers of the tower its family builds, on the meta device) against a hand count from the
+    published configs' dims, r·(in + out) per adapted layer, at rank 8 on ``all-linear`` and
+    on ``q_proj`` and ``fc2``: the Whisper, SigLIP and LLaVA towers (CLIP's and SigLIP's),
+    which the trainer's own count (Qwen3.5's tower, below) does not reach. A layer the
+    encoder drops counted (SigLIP's pooling head, CLIP's last layer past the one LLaVA
+    reads), or a layer of the family's tower left out, changes the count."""
+    from mimo_train.planning.adapters import encoder_adapters
+    if isinstance(config, dict):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        path = tmp_path
+    else:
+        path = REPO / "tools" / "published" / config
+    setting = SimpleNamespace(kind=kind, spec=SimpleNamespace(pretrained=str(path)))
+    assert encoder_adapters(setting, (), "encoder", 8, ("all-linear",)) == 8 * all_linear
+    assert encoder_adapters(setting, (), "encoder", 8, ("q_proj", "fc2")) == 8 * q_fc2
 
 
 # Qwen3-VL-30B-A3B with rank 16 on every routed expert: 48 layers x 128 experts x 16 x (2048 +
