@@ -329,10 +329,12 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     the host in it but for what stays on the host: the clip lengths the Whisper encoder keeps
     there, the loader's labels the loss counts its trained tokens from (``HostLabels``), the
     loss's check of that count (``_check_count``: on a GPU an assertion the host does not
-    wait for; on the CPU torch reads it at once), and the
+    wait for; on the CPU torch reads it at once), the
     image tower's split of its items under sdpa by their boundaries, which its encoder keeps
-    on the host (``FusedRotaryAttention``; under varlen they go to the kernel). Its
-    ``torch.nonzero`` (a wait, when no host count is given) is not among them."""
+    on the host (``FusedRotaryAttention``; under varlen they go to the kernel), and the token
+    ids the step keeps on the host for the splice's positions (``mcore.splice``'s
+    ``Places.of``). Its ``torch.nonzero`` (a wait, when no host count is given) is not among
+    them, nor are megatron-core's splice's reads (``MimoModel``'s text positions and counts)."""
     tmp, common, reference, init, _ = dynamic_setup
     for packing in ("false", "true"):
         reads = ["train.steps=3", "train.log_interval=2"] if packing == "true" else []
@@ -345,8 +347,10 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     (rank,) = other["ranks"]
     ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
     host = ("WhisperAudio.forward", "HostLabels.take", "_check_count",
-            "FusedRotaryAttention.forward")
+            "FusedRotaryAttention.forward", "Places.of")
     assert ours and all(site.endswith(host) for site in ours), rank["host_reads"]
+    assert not any("models/mimo/model/base.py" in site for site in rank["host_reads"]), \
+        rank["host_reads"]
     assert any(site.endswith("HostLabels.take") for site in ours), ours
 
 
