@@ -675,6 +675,47 @@ def test_use_fused_adam(language, saved, monkeypatch):
         torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
 
 
+def test_optimizer_step_without_agreements(language, monkeypatch):
+    """``mcore.optimizer_step``: megatron-core's ``MimoOptimizer`` step without its found-inf
+    and success agreements (bf16/fp32: no loss scaler, so neither can disagree): the same
+    weights bit for bit, gradient norm and success as megatron-core's step over three steps
+    (clipping in each: the norm is above 1), with two all-reduces a step fewer, one wait each
+    on a GPU (each a device tensor made from a host value and read back)."""
+    from mimo_train.mcore import MimoOptimizer, ModuleOptimizerInfo
+    from mimo_train.mcore.grids import optimizer_groups
+    from mimo_train.mcore.optimizer_step import MEGATRON_STEP, step
+
+    # installed at import (on the CPU under the optimizers' device scope)
+    assert getattr(MimoOptimizer.step, "__wrapped__", MimoOptimizer.step) is step
+    reduces = []
+    all_reduce = torch.distributed.all_reduce
+    monkeypatch.setattr(torch.distributed, "all_reduce",
+                        lambda *a, **k: reduces.append(1) or all_reduce(*a, **k))
+
+    def run(stepper):
+        ddp = _ddp(language)
+        adam = _adam(ddp, optimizer_groups(language.grid))
+        mimo = MimoOptimizer({"language": ModuleOptimizerInfo(adam, language.grid,
+                                                              language.pgs, True)}, adam.config)
+        results, counts = [], []
+        for _ in range(3):
+            ddp.zero_grad_buffer()
+            mimo.zero_grad()
+            ddp(torch.linspace(-1, 1, 20).reshape(5, 4)).pow(2).sum().backward()
+            ddp.finish_grad_sync()
+            reduces.clear()
+            results.append(stepper(mimo))
+            counts.append(len(reduces))
+        return results, counts, _weights(ddp)
+    theirs, their_reduces, expected = run(MEGATRON_STEP)
+    ours, our_reduces, found = run(MimoOptimizer.step)
+    assert all(norm > 1.0 for _, norm, _ in theirs)       # clipped (clip_grad 1.0)
+    assert ours == theirs and all(success for success, _, _ in ours)
+    assert all(torch.equal(a, b) for a, b in zip(found, expected))
+    assert [t - o for t, o in zip(their_reduces, our_reduces)] == [2, 2, 2], \
+        (their_reduces, our_reduces)
+
+
 def test_then_in_writer():
     """megatron-core's save request is an immutable named tuple (its write cannot be replaced
     in place); the extended request writes, then runs the function, then finalizes."""
