@@ -18,7 +18,7 @@ import torch
 from megatron.core.models.mimo.optimizer import MimoOptimizer
 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-from mimo_train.mcore import cpu_compat
+from mimo_train.mcore.cpu_compat import rescope_optimizer_method
 
 MEGATRON_STEP = MimoOptimizer.step
 
@@ -55,4 +55,4 @@ def install() -> None:
     """``MimoOptimizer.step`` is ``step`` from now on (on the CPU under ``cpu_compat``'s
     device scope, as megatron-core's optimizer methods run there)."""
     MimoOptimizer.step = step
-    cpu_compat.rescope_optimizer_method(MimoOptimizer, "step")
+    rescope_optimizer_method(MimoOptimizer, "step")
