@@ -91,6 +91,11 @@ def _micro_batches(ddp) -> Counter:
     return counts
 
 
+def test_importing_mimo_train_mcore_puts_the_hook_in_place():
+    from mimo_train.mcore import DistributedDataParallel, grad_accumulation
+    assert DistributedDataParallel._make_backward_post_hook is grad_accumulation._batched_hook
+
+
 @pytest.mark.parametrize("recompute", [False, True], ids=["kept", "recomputed"])
 def test_small_gradients_reach_the_buffers_in_one_addition_a_pass(groups, recompute):
     theirs, ours = _ddp(groups, True, recompute), _ddp(groups, False, recompute)

@@ -83,7 +83,7 @@ from mimo_train.mcore import grad_accumulation, multi_tensor, optimizer_step, ro
 
 FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (always, here)
 ROPE_FUSION = rope_fusion.install()     # the attention's rotary, one fused formula a tensor
-GRADS_BATCHED = grad_accumulation.install()  # DDP's small gradients, one addition a pass
+grad_accumulation.install()             # DDP's small gradients, one addition a pass
 optimizer_step.install()                # MimoOptimizer's step without its two idle agreements
 
 __all__ = [

@@ -2,21 +2,20 @@
 backward pass.
 
 megatron-core's DDP adds each parameter's gradient into its buffer (``main_grad``) from a hook
-on the parameter's gradient accumulator: one ``add_`` a tensor and micro-batch. For
-Qwen2-VL-2B that is 1,178 a step (589 tensors, 2 micro-batches), 690 of them for the 345
-biases and norms' weights of a few thousand values, where launching the kernel, not moving its
-bytes, is the cost (the host's dispatch bounds mimo's step on an H200: docs/benchmarks.md).
-Here the hook
-keeps each gradient of at most ``SMALL`` values and the end of the backward pass (autograd's
-final callback, after its streams are joined) adds all it kept with torch's multi-tensor
-kernels: the bf16 gradients cast into one fp32 staging buffer (``_foreach_copy_``, whose
-kernels take two dtypes; ``_foreach_add_``'s fall back to a loop of one kernel a tensor when
-the dtypes differ), then added (``_foreach_add_``): the same fp32 sums as megatron-core's
-``add_``, bit for bit. The larger gradients are added at once, as before (keeping them would
-hold their memory to the end of the pass). With ``overlap_grad_reduce`` megatron-core's hook
-also marks the bucket ready, which must follow the addition, so that setting keeps its hook
-as it is. megatron-core's own remedy, ``gradient_accumulation_fusion``, needs apex and covers
-only its linear layers' weights, hence this module.
+on the parameter's gradient accumulator: one ``add_`` a tensor and micro-batch. For Qwen2-VL-2B
+that is 1,178 a step (589 tensors, 2 micro-batches), 690 of them for the 345 biases and norms'
+weights of a few thousand values, where launching the kernel, not moving its bytes, is the cost
+(the host's dispatch bounds mimo's step on an H200: docs/benchmarks.md). Here the hook keeps
+each gradient of at most ``SMALL`` values and the end of the backward pass (autograd's final
+callback, after its streams are joined) adds all it kept with torch's multi-tensor kernels: the
+bf16 gradients cast into one fp32 staging buffer (``_foreach_copy_``, whose kernels take two
+dtypes; ``_foreach_add_``'s fall back to a loop of one kernel a tensor when the dtypes differ),
+then added (``_foreach_add_``): the same fp32 sums as megatron-core's ``add_``, bit for bit.
+The larger gradients are added at once, as before (keeping them would hold their memory to the
+end of the pass). With ``overlap_grad_reduce`` megatron-core's hook also marks the bucket
+ready, which must follow the addition, so that setting keeps its hook as it is. megatron-core's
+own remedy, ``gradient_accumulation_fusion``, needs apex and covers only its linear layers'
+weights, hence this module.
 """
 
 from __future__ import annotations
@@ -80,7 +79,6 @@ def _batched_hook(ddp: DistributedDataParallel, param: torch.nn.Parameter) -> Ca
     return hook
 
 
-def install() -> bool:
+def install() -> None:
     """megatron-core's DDP makes its gradient hooks with ``_batched_hook`` from now on."""
     DistributedDataParallel._make_backward_post_hook = _batched_hook
-    return True
