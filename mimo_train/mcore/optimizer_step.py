@@ -1,15 +1,15 @@
 """megatron-core's ``MimoOptimizer.step`` without its two agreements that cannot disagree.
 
 megatron-core's step makes every rank agree, each with a device tensor made from a host value,
-an all-reduce and a read back (two waits for the GPU each), on whether any rank found an inf
-or a NaN in its gradients, and, after the update, on whether every rank's update succeeded.
-Only a loss scaler (fp16) finds one or fails an update: without one (bf16 and fp32, the only
-precisions mimo trains in) megatron-core's optimizers return False and True as constants, so
-both agreements say what every rank knows. The second one also held the host until the GPU
-had run the optimizer's update (its read waits for the whole queue) before the next step could
-be dispatched. ``step`` is megatron-core's step without them where no module optimizer has a
-loss scaler; with one it is megatron-core's. The world's gradient norm (its one read), the
-clipping, the zero count and the update are megatron-core's calls, in its order.
+an all-reduce and a read back (two waits for the GPU each), on whether any rank found an inf or
+a NaN in its gradients, and, after the update, on whether every rank's update succeeded. Only a
+loss scaler (fp16, or a set ``loss_scale``) finds one or fails an update: without one (bf16 and
+fp32, the only precisions mimo trains in) megatron-core's optimizers return False and True as
+constants, so both agreements say what every rank knows. The second one also held the host
+until the GPU had run the optimizer's update (its read waits for the whole queue) before the
+next step could be dispatched. ``step`` is megatron-core's step without them where the config
+makes no loss scaler; with one it is megatron-core's. The world's gradient norm (its one read),
+the clipping, the zero count and the update are megatron-core's calls, in its order.
 """
 
 from __future__ import annotations
@@ -23,19 +23,12 @@ from mimo_train.mcore.cpu_compat import rescope_optimizer_method
 MEGATRON_STEP = MimoOptimizer.step
 
 
-def _scaled(optimizer: MimoOptimizer) -> bool:
-    """Whether a loss scaler may find an inf or fail an update: the run's config says fp16
-    (the same on every rank), or a module optimizer has one."""
-    return bool(optimizer.config.fp16) or any(
-        getattr(inner, "grad_scaler", None) is not None
-        for opt in optimizer._active_optimizers
-        for inner in getattr(opt, "chained_optimizers", [opt]))
-
-
 @torch.no_grad()
 def step(self: MimoOptimizer) -> tuple[bool, float | None, int | None]:
     """(success, the world's gradient norm, zeros or None), as megatron-core's step."""
-    if _scaled(self):
+    # a loss scaler: megatron-core makes one for fp16 or a set loss_scale (the run's config,
+    # the same on every rank)
+    if self.config.fp16 or self.config.loss_scale:
         return MEGATRON_STEP(self)
     self.prepare_grads()              # without a loss scaler: no inf looked for, False
     grad_norm = self.get_grad_norm()
