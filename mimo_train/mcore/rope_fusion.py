@@ -25,22 +25,11 @@ lock) nor torch has this kernel, hence this module.
 from __future__ import annotations
 
 import torch
+from megatron.core.models.common.embeddings import rope_utils
 
 from mimo_train.runtime.compile import Compiler
 
 COMPILER = Compiler()
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """megatron-core's ``_rotate_half`` (not interleaved)."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def unrotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The transpose of ``rotate_half``: what its backward pass does to a gradient."""
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    return torch.cat((x2, -x1), dim=-1)
 
 
 def _tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype
@@ -49,20 +38,18 @@ def _tables(freqs: torch.Tensor, mscale: float, dtype: torch.dtype
 
 
 def rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
-    """megatron-core's ``_apply_rotary_pos_emb_bshd`` (not interleaved), operation for
-    operation: ``t`` ``[s, b, heads, d]``, ``freqs`` ``[s, b or 1, 1, rotated d]``."""
-    rotated = freqs.shape[-1]
-    part, rest = t[..., :rotated], t[..., rotated:]
-    cos, sin = _tables(freqs, mscale, t.dtype)
-    return torch.cat(((part * cos) + (rotate_half(part) * sin), rest), dim=-1)
+    """megatron-core's ``_apply_rotary_pos_emb_bshd`` (not interleaved): ``t``
+    ``[s, b, heads, d]``, ``freqs`` ``[s, b or 1, 1, rotated d]``."""
+    return rope_utils._apply_rotary_pos_emb_bshd(t, freqs, mscale=mscale)
 
 
 def rope_backward(grad: torch.Tensor, freqs: torch.Tensor, mscale: float) -> torch.Tensor:
-    """``rope``'s gradient with respect to ``t``, as autograd makes it."""
+    """``rope``'s gradient with respect to ``t``, as autograd makes it (the half rotation's
+    transpose is its negation)."""
     rotated = freqs.shape[-1]
     part, rest = grad[..., :rotated], grad[..., rotated:]
     cos, sin = _tables(freqs, mscale, grad.dtype)
-    return torch.cat((part * cos + unrotate_half(part * sin), rest), dim=-1)
+    return torch.cat((part * cos - rope_utils._rotate_half(part * sin, False), rest), dim=-1)
 
 
 class _RopeFunction(torch.autograd.Function):
@@ -87,7 +74,6 @@ def fused_rope(t: torch.Tensor, freqs: torch.Tensor, mscale: float = 1.0) -> tor
 def install() -> bool:
     """Route megatron-core's attention's rotary (``attention.apply_rotary_pos_emb``) through
     ``fused_rope`` where it applies; True when it did (once a process)."""
-    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.transformer import attention
     unfused = rope_utils.apply_rotary_pos_emb
     if attention.apply_rotary_pos_emb is not unfused:

@@ -59,14 +59,10 @@ COMPILER = Compiler()
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' ``rotate_half`` (its module is not imported here: ``mimo-train`` starts
+    without transformers until a model is built)."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def unrotate_half(x: torch.Tensor) -> torch.Tensor:
-    """The transpose of ``rotate_half``: what its backward pass does to a gradient."""
-    half = x.shape[-1] // 2
-    return torch.cat((x[..., half:], -x[..., :half]), dim=-1)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -80,11 +76,12 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 
 def rotary_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rotary``'s gradients with respect to ``q`` and ``k``, as autograd makes them (fp32)."""
+    """``rotary``'s gradients with respect to ``q`` and ``k``, as autograd makes them (fp32;
+    the half rotation's transpose is its negation)."""
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
     gq, gk = grad_q.float(), grad_k.float()
-    return ((gq * cos + unrotate_half(gq * sin)).to(grad_q.dtype),
-            (gk * cos + unrotate_half(gk * sin)).to(grad_k.dtype))
+    return ((gq * cos - rotate_half(gq * sin)).to(grad_q.dtype),
+            (gk * cos - rotate_half(gk * sin)).to(grad_k.dtype))
 
 
 class _RotaryFunction(torch.autograd.Function):
