@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import mimo_train.mcore as mcore
 from megatron.core import utils
 from megatron.core.optimizer import clip_grads, optimizer
-from mimo_train.mcore.multi_tensor import foreach_copy, foreach_l2_norm, foreach_scale
+from mimo_train.mcore.multi_tensor import (MEGATRON_COPY, foreach_copy, foreach_l2_norm,
+                                           foreach_scale)
 
 NOOP = torch.zeros(1, dtype=torch.int)
 
@@ -93,8 +94,8 @@ def test_the_bf16_weights_copy_is_one_multi_tensor_call():
     copy per tensor. ``foreach_copy`` makes the same bf16 weights in one multi-tensor call."""
     main = _grads()
     expected = [torch.empty_like(t, dtype=torch.bfloat16) for t in main]
-    for source, target in zip(main, expected):       # megatron-core's loop without a buffer
-        target.copy_(source)
+    assert MEGATRON_COPY.__module__ == "megatron.core.optimizer.optimizer"
+    MEGATRON_COPY(this=main, that=expected, overflow_buf=None)     # its loop without a buffer
     ours = [torch.empty_like(t, dtype=torch.bfloat16) for t in main]
     with _Calls() as calls:
         optimizer._multi_tensor_copy_this_to_that(this=main, that=ours, overflow_buf=None)

@@ -143,7 +143,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
     import mimo_train.mcore  # noqa: F401  (its patches first, then this variant's)
     from mimo_train.cli import main
     from mimo_train.mcore import (DistributedDataParallel, MimoModel, grad_accumulation,
-                                  rope_fusion)
+                                  multi_tensor, rope_fusion)
     from mimo_train.mcore.splice import SplicingMimoModel
     from mimo_train.model import tower_fusions
     from mimo_train.runtime import profile
@@ -153,11 +153,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
         DistributedDataParallel._make_backward_post_hook = grad_accumulation.MEGATRON_HOOK
         for name in ("get_text_embeddings", "align_embeddings_by_token_positions"):
             setattr(SplicingMimoModel, name, getattr(MimoModel, name))
-
-        def copy_each(this, that, overflow_buf=None):       # megatron-core's loop in bf16
-            for source, target in zip(this, that):
-                target.copy_(source)
-        megatron_optimizer._multi_tensor_copy_this_to_that = copy_each
+        megatron_optimizer._multi_tensor_copy_this_to_that = multi_tensor.MEGATRON_COPY
     # the tensors small at Qwen2-VL-2B's published widths (biases, norms) are small here, not
     # its weights (at widths of 64 every tensor has fewer than grad_accumulation.SMALL values)
     grad_accumulation.SMALL = 1024

@@ -21,6 +21,9 @@ fallbacks' loops, hence these three functions.
 from __future__ import annotations
 
 import torch
+from megatron.core.optimizer import optimizer as megatron_optimizer
+
+MEGATRON_COPY = megatron_optimizer._multi_tensor_copy_this_to_that    # before ``install``
 
 
 def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor,
@@ -60,16 +63,16 @@ def foreach_copy(this: list[torch.Tensor], that: list[torch.Tensor],
 
 
 def install() -> bool:
-    """Put them where megatron-core took its fallbacks (neither TransformerEngine nor apex
-    installed): ``clip_grads`` (the norm, the clipping) and ``optimizer`` (the main weights
-    copied into the model's each step, ``foreach_copy`` also where megatron-core would loop);
-    True when it did."""
+    """``foreach_copy`` where megatron-core loops (without an overflow buffer, whatever is
+    installed), and the norm and the clipping where megatron-core took its fallbacks (neither
+    TransformerEngine nor apex installed): ``clip_grads`` and ``optimizer``; True when it
+    replaced the fallbacks."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
+    optimizer._multi_tensor_copy_this_to_that = foreach_copy
     if clip_grads.l2_norm_impl is not utils.local_multi_tensor_l2_norm:
         return False
     clip_grads.l2_norm_impl = foreach_l2_norm
     clip_grads.multi_tensor_scale_impl = foreach_scale
     optimizer.multi_tensor_scale_impl = foreach_scale
-    optimizer._multi_tensor_copy_this_to_that = foreach_copy
     return True
