@@ -24,6 +24,7 @@ from mimo_train.plan.parts import ENCODER_PARTS
 from mimo_train.plan.rules import refusals
 from mimo_train.planning.advisor.inputs import GPUS
 from mimo_train.planning.dims import language_stack
+from mimo_train.planning.flops import trains
 
 # the chunk the loss is offered in (model.language.loss_chunk_tokens), where a micro-batch can
 # hold more tokens than that
@@ -84,12 +85,9 @@ def _language(plan: RunPlan, place: ModuleRank) -> list[str]:
 def _fully_trained(plan: RunPlan, name: str) -> bool:
     """Whether module ``name`` trains some of its weights whole: a part neither frozen nor
     under LoRA (an encoder's projection beside its adapted tower counts)."""
-    adapted = {a.part.part for a in plan.adapted if a.part.module == name}
-    frozen = {p.part for p in plan.frozen if p.module == name}
-    if None in adapted or None in frozen:
-        return False
-    parts = [None] if name == LANGUAGE else list(ENCODER_PARTS)
-    return any(part not in adapted and part not in frozen for part in parts)
+    fixed = (*plan.frozen, *(a.part for a in plan.adapted))   # a LoRA part's own weights
+    parts = [LANGUAGE] if name == LANGUAGE else [f"{name}.{part}" for part in ENCODER_PARTS]
+    return any(trains(part, fixed) for part in parts)
 
 
 def _adapters_split(plan: RunPlan, place: ModuleRank) -> list[str]:
