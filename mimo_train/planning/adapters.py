@@ -76,6 +76,16 @@ class Adapters:
         found = {LANGUAGE: self.language.parameters, **self.encoders}
         return {name: count for name, count in found.items() if count}
 
+    def rank_parameters(self, name: str, stack: Stack, module, stage: int
+                        ) -> tuple[float, float]:
+        """(dense, routed experts') adapter parameters one rank of module ``name`` holds at
+        pipeline ``stage`` (``module``: its layout, ``tp``/``pp``/``ep``/``etp``; ``stack``:
+        the language model's); an encoder module's whole on each rank."""
+        if name != LANGUAGE:
+            return float(self.encoders.get(name, 0)), 0.0
+        return self.language.rank_parameters(stack, module.tp, module.pp, stage, module.ep,
+                                             module.etp)
+
 
 def layer_linears(stack: Stack, layer: int) -> list[tuple[str, Linear, int | None]]:
     """The linear layers of the language model's ``layer`` as LoRA targets name them

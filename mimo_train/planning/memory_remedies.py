@@ -97,15 +97,11 @@ def _adapters_split(plan: RunPlan, place: ModuleRank) -> list[str]:
     from mimo_train.planning.adapters import run_adapters
     from mimo_train.planning.memory import Settings, state_bytes
     name, layout = place.name, place.module
-    adapters = run_adapters(plan)
     settings = Settings(plan.config.train.precision)
-    if name == LANGUAGE:
-        dense, experts = adapters.language.rank_parameters(
-            language_stack(plan.language, 1), layout.tp, layout.pp, place.pp_rank, layout.ep,
-            layout.etp)
-        shards = [(dense, layout.dp * layout.cp, "DP"), (experts, layout.expert_dp, "expert DP")]
-    else:
-        shards = [(float(adapters.encoders.get(name, 0)), layout.dp, "DP")]
+    dense, experts = run_adapters(plan).rank_parameters(
+        name, language_stack(plan.language, 1), layout, place.pp_rank)
+    shards = [(dense, layout.dp * layout.cp, "DP"), (experts, layout.expert_dp, "expert DP")] \
+        if name == LANGUAGE else [(dense, layout.dp, "DP")]
     shards = [(state_bytes(count, settings).optimizer, ranks, what)
               for count, ranks, what in shards if count]
     if sum(state * (1 - 1 / ranks) for state, ranks, _ in shards) < ADAPTERS_SPLIT:

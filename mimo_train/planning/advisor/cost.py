@@ -387,11 +387,8 @@ class Advisor:
     def _adapter_parameters(self, name: str, module, stage: int) -> tuple[float, float]:
         """(dense, routed experts') LoRA adapter parameters of one rank of the module's
         ``stage`` (``planning.adapters``; an encoder module's whole)."""
-        adapters = self.model.adapters
-        if name != LANGUAGE:
-            return float(adapters.encoders.get(name, 0)), 0.0
-        return adapters.language.rank_parameters(self.model.dims.language, module.tp,
-                                                 module.pp, stage, module.ep, module.etp)
+        return self.model.adapters.rank_parameters(name, self.model.dims.language, module,
+                                                   stage)
 
     def _state(self, name: str, module, stage: int, settings: mem.Settings) -> mem.Memory:
         dense, experts = self._adapter_parameters(name, module, stage)
