@@ -211,24 +211,30 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
                                         peer["median_tokens_per_s"], 3)
 
 
-@pytest.mark.parametrize("warmup, steps", [(0, 7), (1, 7), (3, 10)])
+@pytest.mark.parametrize("warmup, steps", [(0, 7), (1, 7), (3, 10), (12, 10)])
 def test_the_peer_learns_at_mimos_rate_every_step(warmup, steps):
-    """The peer's schedule (transformers' ``get_cosine_with_min_lr_schedule_with_warmup``, as
-    ``peer.py`` makes it) gives each step the learning rate mimo's (``build_schedulers``:
-    megatron-core's warmup from 0 and cosine to ``min_lr``) gives it, so the two sides'
-    losses compare after the first step too."""
+    """The peer's optimizer and schedule (``peer.optimizer_and_schedule``: transformers'
+    ``get_cosine_with_min_lr_schedule_with_warmup``) give each step the learning rate mimo's
+    (``build_schedulers``: megatron-core's warmup from 0 and cosine to ``min_lr``) gives it,
+    from the same config (a warmup longer than the run clamped as mimo clamps it), so the two
+    sides' losses compare after the first step too."""
     from types import SimpleNamespace
 
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
     from mimo_train.components.optimizer import build_schedulers
+    from mimo_train.config import TrainConfig
+
+    spec = importlib.util.spec_from_file_location("gpu_check_peer", PEER)
+    peer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(peer)
     lr, min_lr = 3e-3, 3e-4
-    ours, theirs = (torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-                    for _ in range(2))
-    module = SimpleNamespace(optimizer=SimpleNamespace(lr=lr, min_lr=min_lr, weight_decay=0.0),
-                             warmup_steps=warmup)
+    cfg = TrainConfig.load(None, ["data.datasets=[shards]", f"optimizer.lr={lr}",
+                                  f"optimizer.min_lr={min_lr}",
+                                  f"optimizer.warmup_steps={warmup}", f"train.steps={steps}"])
+    ours = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    module = SimpleNamespace(optimizer=cfg.optimizer, warmup_steps=cfg.warmup_steps()[0])
     scheduler = build_schedulers({"language": module}, steps, {"language": ours})["language"]
-    schedule = get_cosine_with_min_lr_schedule_with_warmup(theirs, warmup, steps, min_lr=min_lr)
+    theirs, schedule = peer.optimizer_and_schedule([torch.nn.Parameter(torch.zeros(1))], cfg,
+                                                   fused=False)
     rates = []
     for _ in range(steps):
         rates.append((ours.param_groups[0]["lr"], theirs.param_groups[0]["lr"]))

@@ -54,7 +54,7 @@ from mimo_data.loading.loader import build_loader
 from mimo_data.modalities.image import normalize_pixels
 from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
-from mimo_train.config import OptimizerConfig, ProfileConfig
+from mimo_train.config import ProfileConfig, TrainConfig
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import kept_length
 
@@ -123,14 +123,25 @@ def with_lora(model, lora: dict):
         lora_dropout=lora.get("dropout", 0.0), target_modules=LANGUAGE_LINEAR))
 
 
+def optimizer_and_schedule(parameters, cfg: TrainConfig, fused: bool):
+    """torch's AdamW with mimo's settings of ``cfg`` (the case's config, read as mimo reads
+    it) and transformers' cosine-with-min-lr schedule, which is megatron-core's warmup from 0
+    and cosine to ``min_lr``: mimo's learning rate every step."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    opt = cfg.optimizer
+    optimizer = torch.optim.AdamW(parameters, lr=opt.lr, betas=(opt.adam_beta1, opt.adam_beta2),
+                                  weight_decay=opt.weight_decay, fused=fused)
+    return optimizer, get_cosine_with_min_lr_schedule_with_warmup(
+        optimizer, cfg.warmup_steps()[0], cfg.train.steps, min_lr=opt.min_lr)
+
+
 def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> list[dict]:
     """Train the case of ``config_path`` as the peer; returns (and writes) its records."""
-    from transformers import (AutoModelForImageTextToText,
-                              get_cosine_with_min_lr_schedule_with_warmup)
+    from transformers import AutoModelForImageTextToText
 
     config = yaml.safe_load(config_path.read_text())
-    data, run, opt, model_cfg = (config["data"], config["train"], config.get("optimizer", {}),
-                                 config["model"])
+    cfg = TrainConfig.load(str(config_path))
+    data, run, model_cfg = config["data"], config["train"], config["model"]
     device = torch.device("cuda" if run.get("device") != "cpu" and torch.cuda.is_available()
                           else "cpu")
     dtype = torch.bfloat16 if run.get("precision") == "bf16" else torch.float32
@@ -149,16 +160,8 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
     elif model_cfg.get("encoders", {}).get("image", {}).get("recompute", "none") != "none":
         tower = model.get_base_model().model.visual if lora else model.model.visual
         tower.gradient_checkpointing_enable()                       # the tower alone
-    defaults = OptimizerConfig()                     # mimo's, where the case leaves one out
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=opt.get("lr", defaults.lr),
-        betas=(opt.get("adam_beta1", defaults.adam_beta1),
-               opt.get("adam_beta2", defaults.adam_beta2)),
-        weight_decay=opt.get("weight_decay", defaults.weight_decay),
-        fused=device.type == "cuda")
-    schedule = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer, min(opt.get("warmup_steps", defaults.warmup_steps), run["steps"] - 1),
-        run["steps"], min_lr=opt.get("min_lr", defaults.min_lr))
+    optimizer, schedule = optimizer_and_schedule(
+        [p for p in model.parameters() if p.requires_grad], cfg, fused=device.type == "cuda")
     preprocess = PreprocessConfig.from_yaml(str(data["preprocess"]))
     gbs, mbs = run["global_batch_size"], run["micro_batch_size"]
     # mimo's case's layout: one rank, all data
@@ -190,8 +193,7 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
                 part = model(**inputs, use_cache=False).loss
                 part.backward()
                 loss += part.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                           opt.get("clip_grad", defaults.clip_grad))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
