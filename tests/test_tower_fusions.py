@@ -229,6 +229,40 @@ def test_a_formula_past_the_recompile_limit_runs_as_written(capsys):
     assert "double reached torch.compile's recompile limit" in capsys.readouterr().out
 
 
+def test_a_formulas_numbers_are_constants_of_its_graph():
+    """A float argument (a rotary's scale, a norm's epsilon) is compiled in, not made a graph
+    input: a call dispatches no operator outside the compiled region (dynamo would wrap the
+    float into a tensor on the host and read it back every call, seven operators), and
+    another value gets its own graph with its own result."""
+    graphs: list = []
+
+    def backend(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+    compiler = Compiler(backend=backend, devices=("cpu",))
+
+    def scaled(x, y, scale):
+        return x * y * scale
+    rows = torch.randn(7, 3, requires_grad=True)
+    for tokens in (5, 7, 5):
+        x, y = rows[:tokens], torch.randn(tokens, 3)
+        compiler(scaled, x, y, 0.5)
+    with torch.profiler.profile() as profiler:
+        out = compiler(scaled, x, y, 0.5)
+    outside = []
+    for event in profiler.events():
+        parents, parent = [], event.cpu_parent
+        while parent is not None:
+            parents.append(parent.name)
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and not any(
+                p.startswith(("aten::", "Torch-Compiled Region")) for p in parents):
+            outside.append(event.name)
+    assert set(outside) == {"aten::detach"}, outside     # the tensors' (see Compiler)
+    assert torch.equal(out, (x * y * 0.5).detach())
+    assert torch.equal(compiler(scaled, x, y, 2.0), (x * y * 2.0).detach())
+    assert len(graphs) == 2, [graph.code for graph in graphs]
+
 def test_clip_gets_its_quick_gelu_fused_and_what_mimo_cannot_fuse_is_refused():
     """LLaVA's CLIP tower: QuickGELU fused, its own attention left as it is. A Qwen2.5-VL
     tower MLP with another activation than the published SiLU, and an attention function
