@@ -478,6 +478,35 @@ def test_truncated_audio_is_corrupt_not_a_shorter_clip(clips):
         assert info.value.reason == "corrupt_audio"
 
 
+def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
+    """libsndfile reads a WAV (RIFF, WAVEX, RF64, Wave64) or an Ogg (Vorbis, Opus) file cut
+    short to where its bytes end and states that as its length: the build would pair the
+    transcript with part of the clip. Each is refused, under both build checks: cut in half,
+    one byte short (a WAV; an Ogg page), and an Ogg cut between two pages. Whole files, and a
+    streaming writer's WAV (its data size the placeholder 0xFFFFFFFF), are read in full."""
+    name, wav, meta = next(c for c in clips if c[2]["frames"] > 100_000)
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    files = [(fmt, encoded(samples, 48_000 if subtype == "OPUS" else rate, format=fmt,
+                           subtype=subtype))
+             for fmt, subtype in (("WAV", "PCM_16"), ("WAVEX", "PCM_24"), ("RF64", "PCM_16"),
+                                  ("W64", "PCM_16"), ("OGG", "VORBIS"), ("OGG", "OPUS"))]
+    streamed = bytearray(wav)
+    at = streamed.index(b"data")
+    streamed[at + 4:at + 8] = b"\xff\xff\xff\xff"
+    assert probe_audio(bytes(streamed))["frames"] == meta["frames"]
+    for fmt, data in files:
+        assert probe_audio(data)["frames"] == len(samples), fmt
+        cuts = [data[:len(data) // 2], data[:-1]]
+        if fmt == "OGG":
+            cuts.append(data[:data.rindex(b"OggS", 0, len(data) // 2)])
+        for cut in cuts:
+            assert soundfile.info(io.BytesIO(cut)).frames < len(samples), "libsndfile reads it"
+            for check in ("decode", "header"):
+                with pytest.raises(MediaError, match="a file cut short") as info:
+                    probe_audio(cut, check)
+                assert info.value.reason == "corrupt_audio", (fmt, check)
+
+
 def test_wav_variants_and_other_containers(clips):
     """FFmpeg writes 24-bit PCM as WAVE_FORMAT_EXTENSIBLE (soundfile's WAVEX); RF64 and W64
     are WAV's 64-bit variants: all decode as the WAV. AAC in an .m4a (FFmpeg opens it, libsndfile

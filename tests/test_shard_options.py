@@ -135,11 +135,14 @@ def test_header_check_still_catches_truncated_media(tmp_path, assets, good_recor
     jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
     (tmp_path / "cut.jpg").write_bytes(jpeg[: len(jpeg) // 2])
     (tmp_path / "cut.wav").write_bytes(wav[:44])
+    (tmp_path / "half.wav").write_bytes(wav[:len(wav) // 2])     # libsndfile reads it shorter
     bad_image = good_records[0] | {"id": "cut-image", "image": str(tmp_path / "cut.jpg")}
     bad_audio = good_records[1] | {"id": "cut-audio", "audio": str(tmp_path / "cut.wav")}
-    source = write_jsonl(tmp_path / "input.jsonl", [bad_image, *good_records, bad_audio])
+    half_audio = good_records[1] | {"id": "half-audio", "audio": str(tmp_path / "half.wav")}
+    source = write_jsonl(tmp_path / "input.jsonl",
+                         [bad_image, *good_records, bad_audio, half_audio])
     build_dataset([source], tmp_path / "out", check="header")
     report = read_json(tmp_path / "out" / "report.json")
     assert {k: v["count"] for k, v in report["skipped_by_reason"].items()} == {
-        "corrupt_image": 1, "empty_audio": 1}
+        "corrupt_image": 1, "empty_audio": 1, "corrupt_audio": 1}
     assert [r["id"] for r in sample_records(tmp_path / "out")] == [r["id"] for r in good_records]

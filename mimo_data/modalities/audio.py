@@ -69,7 +69,8 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
 
     With ``check="decode"`` every frame is decoded as ``decode_audio`` reads them, and fewer
     than the header states (a truncated file) is ``corrupt_audio``; ``"header"`` takes the
-    header's count.
+    header's count. Either way a WAV or Ogg file cut short (``_cut_short``: libsndfile states
+    such a file's length as where its bytes end) is ``corrupt_audio``.
     Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
     if not data:
@@ -93,8 +94,69 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
         raise MediaError("unsupported_format", f"audio format {fmt!r} is {_CONVERT}")
     if frames == 0:
         raise MediaError("empty_audio", "audio decodes to 0 frames")
+    if why := _cut_short(data, fmt):
+        raise MediaError("corrupt_audio", f"{why} (a file cut short: its transcript would be "
+                         "paired with part of the clip; copy or re-encode it whole)")
     return {"format": fmt, "sample_rate": sample_rate, "channels": channels, "frames": frames,
             "duration": round(frames / sample_rate, 6)}
+
+
+# libsndfile reads a WAV or an Ogg stream cut short to where its bytes end and states that
+# length as the file's, and FFmpeg says nothing either, so neither frame count tells; what
+# does is in the bytes: a WAV's data chunk states its size, and an Ogg stream's last page is
+# whole and flagged as its end. Hence these checks by hand.
+_OGG_PAGE_MAX = 27 + 255 + 255 * 255      # header, segment table, 255 segments of 255 bytes
+_WAVE64_RIFF = b"riff\x2e\x91\xcf\x11\xa5\xd6\x28\xdb\x04\xc1\x00\x00"
+
+
+def _cut_short(data: bytes, fmt: str) -> str | None:
+    """What shows a WAV or Ogg file cut short, else None."""
+    if fmt in ("wav", "wavex", "rf64", "w64"):
+        return _wav_cut_short(data)
+    if fmt == "ogg":
+        return _ogg_cut_short(data)
+    return None
+
+
+def _wav_cut_short(data: bytes) -> str | None:
+    """A WAV's data chunk stating more bytes than follow it: RIFF, RF64 (whose ds64 chunk holds
+    the size) or Wave64 (16-byte chunk ids named by their first four bytes, 8-byte sizes that
+    count the 24-byte chunk header, chunks 8-byte aligned). A size of 0 or 0xFFFFFFFF is a
+    streaming writer's placeholder, not a size."""
+    wave64 = data[:16] == _WAVE64_RIFF
+    if not wave64 and (data[:4] not in (b"RIFF", b"RF64") or data[8:12] != b"WAVE"):
+        return None
+    head, align, at, ds64_size = (24, 8, 40, None) if wave64 else (8, 2, 12, None)
+    while at + head <= len(data):
+        name = data[at:at + 4]
+        size = int.from_bytes(data[at + 16:at + 24], "little") - head if wave64 else \
+            int.from_bytes(data[at + 4:at + 8], "little")
+        if size < 0:
+            return None
+        if name == b"ds64" and not wave64:
+            ds64_size = int.from_bytes(data[at + 16:at + 24], "little")
+        if name == b"data":
+            if size == 0xFFFFFFFF and ds64_size is not None:
+                size = ds64_size
+            follow = len(data) - at - head
+            if size not in (0, 0xFFFFFFFF) and size > follow:
+                return f"its data chunk states {size} bytes and {follow} follow"
+            return None
+        at += head + size + (-size % align)
+    return None
+
+
+def _ogg_cut_short(data: bytes) -> str | None:
+    """An Ogg file whose last page is cut, or whole but not flagged as the end of its stream:
+    the last page is the last capture pattern whose page ends where the file does."""
+    low, end = max(0, len(data) - _OGG_PAGE_MAX), len(data)
+    while (at := data.rfind(b"OggS", low, end)) >= 0:
+        end = at + 3
+        segments = data[at + 26] if at + 27 <= len(data) else None
+        if segments is not None and at + 27 + segments <= len(data) and \
+                at + 27 + segments + sum(data[at + 27:at + 27 + segments]) == len(data):
+            return None if data[at + 5] & 0x04 else "its last Ogg page does not end the stream"
+    return "its last Ogg page is cut"
 
 
 def _truncated(decoded: int, stated: int) -> str:
