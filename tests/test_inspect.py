@@ -78,6 +78,9 @@ def _planted_records(assets) -> list[dict]:
         {"id": "fault-long", "images": [image], "messages": turns(
             ("user", "<image>\nWhat is this?"), ("assistant", "A photo."),
             ("user", "Describe every detail."), ("assistant", LONG_ANSWER))},
+        # A second answer without text: its end of turn is all it trains.
+        {"id": "fault-empty-answer", "messages": turns(
+            ("user", "Hi"), ("assistant", "Hello."), ("user", "And then?"), ("assistant", ""))},
         # A prompt without an answer: nothing to train on.
         {"id": "fault-prompt-only", "images": [image],
          "messages": turns(("user", "<image>\nDescribe the image."))},
@@ -125,7 +128,7 @@ def faulty(corpus_inputs, assets, tmp_path_factory) -> tuple[Path, dict[str, str
     build_dataset([*corpus_inputs, faults], out)
     keys = {row["id"]: row["key"] for row in samples_table(out)
             if (row["id"] or "").startswith("fault-")}
-    assert len(keys) == 7, keys
+    assert len(keys) == 8, keys
     _patch_member(out, keys["fault-swap"], b"<image>\\nDescribe the image.",
                   b"<audio>\\nDescribe the image.")
     _patch_member(out, keys["fault-extra-marker"], b"the picture.", b"the <image>.")
@@ -211,6 +214,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "marker_mismatches": {keys["fault-swap"], keys["fault-extra-marker"]},
         "index_mismatches": {keys["fault-index"]},
         "truncated": set(),
+        "empty_answer_turns": {keys["fault-empty-answer"]},
         "placeholder_mismatches": set(),
         # The blank lines before that answer are not content: its loss mask covers it.
         "loss_mask_coverage": set(),
@@ -242,6 +246,23 @@ def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, fault
     assert keys["fault-long"] in line
 
 
+def test_an_empty_answer_beside_answers_with_text_is_flagged(capsys, tmp_path, faulty, configs):
+    """A conversation whose second answer is empty trains it as its end of turn alone (the
+    model learns to answer that turn with nothing): kept, and flagged as such (a conversation
+    whose every answer is empty is dropped as empty_answers instead)."""
+    directory, keys = faulty
+    key = keys["fault-empty-answer"]
+    code, report, err = report_json(capsys, tmp_path, directory, configs["default"])
+    assert code == 1
+    assert flagged_keys(report, "empty_answer_turns") == {key}
+    assert key not in flagged_keys(report, "dropped")
+    entry = next(e for e in report["flagged"]["empty_answer_turns"] if e["key"] == key)
+    assert entry["detail"].startswith("1 empty answer(s)")
+    assert key in next(text for text in err.splitlines() if "FAIL empty_answer_turns" in text)
+    code, out, _ = run(capsys, "sample", directory, "--config", configs["default"], "--key", key)
+    assert "empty answers: 1 answer(s) without text" in out
+
+
 def test_caption_mode_trailing_image_is_reported_as_dropped(capsys, tmp_path, faulty, configs):
     """In caption mode a conversation ending with a marker would lose its last placeholder to
     the next-token shift: the preprocessor drops it (ends_with_media) and the report says so."""
@@ -257,7 +278,8 @@ def test_caption_mode_trailing_image_is_reported_as_dropped(capsys, tmp_path, fa
 def test_thresholds_are_flags(capsys, tmp_path, faulty, configs):
     directory, keys = faulty
     relaxed = ["--max-dropped-fraction", "0.5", "--max-zero-trained-fraction", "0.5",
-               "--max-template-failures", "1", "--max-index-mismatches", "1"]
+               "--max-template-failures", "1", "--max-index-mismatches", "1",
+               "--max-empty-answer-turns-fraction", "0.5"]
     code, report, err = report_json(capsys, tmp_path, directory, configs["default"], *relaxed)
     assert code == 1
     assert [line.split(":")[1].split()[-1] for line in err.strip().splitlines()] == \

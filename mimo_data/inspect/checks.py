@@ -14,6 +14,7 @@ class Thresholds:
     max_zero_trained_fraction: float = 0.0
     max_dropped_fraction: float = 0.0
     max_truncated_fraction: float = 0.0
+    max_empty_answer_turns_fraction: float = 0.0
     max_template_failures: int = 0
     max_marker_mismatches: int = 0
     max_placeholder_mismatches: int = 0
@@ -28,6 +29,9 @@ CHECKS = {
     "dropped": ("max_dropped_fraction", "fraction", "samples dropped by the preprocessor"),
     "truncated": ("max_truncated_fraction", "fraction",
                   "samples with turns removed to fit seq_length"),
+    "empty_answer_turns": ("max_empty_answer_turns_fraction", "fraction",
+                           "samples training an empty answer (its end of turn alone) beside "
+                           "answers with text"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",

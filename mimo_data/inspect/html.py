@@ -205,6 +205,8 @@ class Gallery:
             labels.append("template_failure")
         if stats.removed_turns:
             labels.append("truncated")
+        if stats.empty_answers:
+            labels.append("empty_answer_turns")
         if stats.marker_mismatch:
             labels.append("marker_mismatch")
         if stats.placeholder_mismatch:

@@ -11,6 +11,10 @@ check                       a sample is counted when                           d
 zero_trained                it has no trained token (e.g. prompt only)          fraction 0
 dropped                     the preprocessor drops it (any reason)              fraction 0
 truncated                   trailing turns are removed to fit ``seq_length``    fraction 0
+empty_answer_turns          it trains an empty (or whitespace) answer beside    fraction 0
+                            answers with text: its end of turn alone, teaching
+                            the model to answer that turn with nothing (all
+                            empty: dropped as ``empty_answers``)
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
@@ -120,6 +124,9 @@ class ReportBuilder:
         else:
             if stats.removed_turns:
                 flagged["truncated"].add(stats, f"{stats.removed_turns} trailing turn(s) removed")
+            if stats.empty_answers:
+                flagged["empty_answer_turns"].add(
+                    stats, f"{stats.empty_answers} empty answer(s) train their end of turn alone")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
             if stats.coverage_failure:

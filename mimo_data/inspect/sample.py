@@ -179,6 +179,9 @@ def sample_problems(stats: SampleStats) -> list[str]:
     if stats.removed_turns:
         problems.append(f"truncated: {stats.removed_turns} trailing turn(s) removed to fit "
                         "seq_length")
+    if stats.empty_answers:
+        problems.append(f"empty answers: {stats.empty_answers} answer(s) without text train "
+                        "their end of turn alone (the model learns to answer with nothing)")
     if stats.marker_mismatch:
         problems.append(f"marker/media mismatch: {stats.describe_markers()}")
     if stats.placeholder_mismatch:

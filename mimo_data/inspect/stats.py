@@ -56,6 +56,7 @@ class SampleStats:
     length: int = 0                       # tokens in input_ids (0 when dropped)
     trained: int = 0                      # tokens with loss_mask 1
     removed_turns: int = 0
+    empty_answers: int = 0                # kept answers without text: their end of turn alone
     kind: str = "conversation"            # the record's kind (shards/format.py)
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
     # per kept item, from metadata (None: not computable)
@@ -223,6 +224,9 @@ class SampleInspector:
         stats.counted = text.token_counts
         messages = self.text.kinds.roles(record)
         kept = messages[:len(messages) - text.removed_turns]
+        stats.empty_answers = sum(message.get("role") == "assistant" and
+                                  not str(message.get("content") or "").strip()
+                                  for message in kept)
         # a document's pieces are one text, no turns: nothing of a template between them
         headers = None if stats.kind == "document" else self.headers(
             tuple(str(message.get("role")) for message in kept))
