@@ -482,8 +482,9 @@ def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
     """libsndfile reads a WAV (RIFF, WAVEX, RF64, Wave64) or an Ogg (Vorbis, Opus) file cut
     short to where its bytes end and states that as its length: the build would pair the
     transcript with part of the clip. Each is refused, under both build checks: cut in half,
-    one byte short (a WAV; an Ogg page), and an Ogg cut between two pages. Whole files, and a
-    streaming writer's WAV (its data size the placeholder 0xFFFFFFFF), are read in full."""
+    one byte short (a WAV; an Ogg page), and an Ogg cut between two pages. Whole files, a
+    streaming writer's WAV (its data size the placeholder 0xFFFFFFFF) and an Ogg file with a
+    tagger's ID3v1 tag after its last page are read in full."""
     name, wav, meta = next(c for c in clips if c[2]["frames"] > 100_000)
     samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
     files = [(fmt, encoded(samples, 48_000 if subtype == "OPUS" else rate, format=fmt,
@@ -496,6 +497,8 @@ def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
     assert probe_audio(bytes(streamed))["frames"] == meta["frames"]
     for fmt, data in files:
         assert probe_audio(data)["frames"] == len(samples), fmt
+        if fmt == "OGG":
+            assert probe_audio(data + b"TAG" + bytes(125))["frames"] == len(samples)
         cuts = [data[:len(data) // 2], data[:-1]]
         if fmt == "OGG":
             cuts.append(data[:data.rindex(b"OggS", 0, len(data) // 2)])

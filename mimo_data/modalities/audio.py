@@ -147,16 +147,24 @@ def _wav_cut_short(data: bytes) -> str | None:
 
 
 def _ogg_cut_short(data: bytes) -> str | None:
-    """An Ogg file whose last page is cut, or whole but not flagged as the end of its stream:
-    the last page is the last capture pattern whose page ends where the file does."""
-    low, end = max(0, len(data) - _OGG_PAGE_MAX), len(data)
+    """An Ogg file whose last page is cut, or whole but not flagged as the end of its stream.
+    Its last page is the last capture pattern with version 0 and no unknown flag whose page
+    fits in the file; a page after it that does not fit is cut. Bytes after a whole last page
+    that are no page (a tagger's ID3v1 tag, say) are left alone."""
+    low, end, cut = max(0, len(data) - _OGG_PAGE_MAX), len(data), False
     while (at := data.rfind(b"OggS", low, end)) >= 0:
         end = at + 3
-        segments = data[at + 26] if at + 27 <= len(data) else None
-        if segments is not None and at + 27 + segments <= len(data) and \
-                at + 27 + segments + sum(data[at + 27:at + 27 + segments]) == len(data):
-            return None if data[at + 5] & 0x04 else "its last Ogg page does not end the stream"
-    return "its last Ogg page is cut"
+        if at + 6 <= len(data) and (data[at + 4] != 0 or data[at + 5] > 7):
+            continue                # the pattern inside a packet's data, not a page
+        segments = data[at + 26] if at + 27 <= len(data) else len(data)
+        body = at + 27 + segments
+        if body > len(data) or body + sum(data[at + 27:body]) > len(data):
+            cut = True
+            continue
+        if cut:
+            break
+        return None if data[at + 5] & 0x04 else "its last Ogg page does not end the stream"
+    return "its last Ogg page is cut" if cut else None
 
 
 def _truncated(decoded: int, stated: int) -> str:
