@@ -480,11 +480,13 @@ def test_truncated_audio_is_corrupt_not_a_shorter_clip(clips):
 
 def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
     """libsndfile reads a WAV (RIFF, WAVEX, RF64, Wave64) or an Ogg (Vorbis, Opus) file cut
-    short to where its bytes end and states that as its length: the build would pair the
-    transcript with part of the clip. Each is refused, under both build checks: cut in half,
-    one byte short (a WAV; an Ogg page), and an Ogg cut between two pages. Whole files, a
-    streaming writer's WAV (its data size the placeholder 0xFFFFFFFF) and an Ogg file with a
-    tagger's ID3v1 tag after its last page are read in full."""
+    short to where its bytes end, and two chained Ogg streams to the first's end, and states
+    that as the length: the build would pair the transcript with part of the clip. Each is
+    refused, under both build checks: cut in half, one byte short (a WAV; an Ogg page), an Ogg
+    cut between two pages, chained Ogg streams (``cat a.ogg b.ogg``). Whole files, streaming
+    writers' WAVs (data sizes of 0xFFFFFFFF, arecord's 0x80000000 and 0x7fffff00, sox's
+    0x7ffff000) and an Ogg file with a tagger's ID3v1 tag after its last page are read in
+    full."""
     name, wav, meta = next(c for c in clips if c[2]["frames"] > 100_000)
     samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
     files = [(fmt, encoded(samples, 48_000 if subtype == "OPUS" else rate, format=fmt,
@@ -493,19 +495,22 @@ def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
                                   ("W64", "PCM_16"), ("OGG", "VORBIS"), ("OGG", "OPUS"))]
     streamed = bytearray(wav)
     at = streamed.index(b"data")
-    streamed[at + 4:at + 8] = b"\xff\xff\xff\xff"
-    assert probe_audio(bytes(streamed))["frames"] == meta["frames"]
+    for placeholder in (0xFFFFFFFF, 0x80000000, 0x7FFFFF00, 0x7FFFF000):
+        streamed[at + 4:at + 8] = placeholder.to_bytes(4, "little")
+        assert probe_audio(bytes(streamed))["frames"] == meta["frames"]
     for fmt, data in files:
         assert probe_audio(data)["frames"] == len(samples), fmt
         if fmt == "OGG":
             assert probe_audio(data + b"TAG" + bytes(125))["frames"] == len(samples)
-        cuts = [data[:len(data) // 2], data[:-1]]
+        # each with the frames recorded in it
+        cuts = [(data[:len(data) // 2], len(samples)), (data[:-1], len(samples))]
         if fmt == "OGG":
-            cuts.append(data[:data.rindex(b"OggS", 0, len(data) // 2)])
-        for cut in cuts:
-            assert soundfile.info(io.BytesIO(cut)).frames < len(samples), "libsndfile reads it"
+            cuts += [(data[:data.rindex(b"OggS", 0, len(data) // 2)], len(samples)),
+                     (data + data, 2 * len(samples))]
+        for cut, recorded in cuts:
+            assert soundfile.info(io.BytesIO(cut)).frames < recorded, "libsndfile reads less"
             for check in ("decode", "header"):
-                with pytest.raises(MediaError, match="a file cut short") as info:
+                with pytest.raises(MediaError, match="a shorter clip than was recorded") as info:
                     probe_audio(cut, check)
                 assert info.value.reason == "corrupt_audio", (fmt, check)
 

@@ -69,8 +69,9 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
 
     With ``check="decode"`` every frame is decoded as ``decode_audio`` reads them, and fewer
     than the header states (a truncated file) is ``corrupt_audio``; ``"header"`` takes the
-    header's count. Either way a WAV or Ogg file cut short (``_cut_short``: libsndfile states
-    such a file's length as where its bytes end) is ``corrupt_audio``.
+    header's count. Either way a WAV or Ogg file cut short, or chained Ogg streams
+    (``_cut_short``: libsndfile reads less than was recorded, as a whole clip), is
+    ``corrupt_audio``.
     Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
     if not data:
@@ -95,22 +96,28 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
     if frames == 0:
         raise MediaError("empty_audio", "audio decodes to 0 frames")
     if why := _cut_short(data, fmt):
-        raise MediaError("corrupt_audio", f"{why} (a file cut short: its transcript would be "
-                         "paired with part of the clip; copy or re-encode it whole)")
+        raise MediaError("corrupt_audio", f"{why}: it would be read as a shorter clip than was "
+                         "recorded, its text trained against part of it; copy the file again "
+                         "whole, or re-encode it (e.g. `ffmpeg -i INPUT clip.flac`)")
     return {"format": fmt, "sample_rate": sample_rate, "channels": channels, "frames": frames,
             "duration": round(frames / sample_rate, 6)}
 
 
-# libsndfile reads a WAV or an Ogg stream cut short to where its bytes end and states that
-# length as the file's, and FFmpeg says nothing either, so neither frame count tells; what
-# does is in the bytes: a WAV's data chunk states its size, and an Ogg stream's last page is
-# whole and flagged as its end. Hence these checks by hand.
-_OGG_PAGE_MAX = 27 + 255 + 255 * 255      # header, segment table, 255 segments of 255 bytes
+# libsndfile reads a WAV or an Ogg stream cut short to where its bytes end, and chained Ogg
+# streams to the end of the first, and states that length as the file's; FFmpeg says nothing
+# either, so no frame count tells. What does is in the bytes: a WAV's data chunk states its
+# size; an Ogg stream's last page is whole and flagged as its end, and no stream begins after
+# one has ended. Hence these checks by hand.
+
+# a 32-bit WAV data size from here on is a writer's placeholder for "unknown" (0xFFFFFFFF by
+# most, 0x7fffff00 and 0x80000000 by arecord, 0x7ffff000 by sox writing to a pipe)
+_WAV_PLACEHOLDER = 0x7FFF0000
 _WAVE64_RIFF = b"riff\x2e\x91\xcf\x11\xa5\xd6\x28\xdb\x04\xc1\x00\x00"
 
 
 def _cut_short(data: bytes, fmt: str) -> str | None:
-    """What shows a WAV or Ogg file cut short, else None."""
+    """What shows that libsndfile reads less of a WAV or Ogg file than was recorded, else
+    None."""
     if fmt in ("wav", "wavex", "rf64", "w64"):
         return _wav_cut_short(data)
     if fmt == "ogg":
@@ -121,8 +128,8 @@ def _cut_short(data: bytes, fmt: str) -> str | None:
 def _wav_cut_short(data: bytes) -> str | None:
     """A WAV's data chunk stating more bytes than follow it: RIFF, RF64 (whose ds64 chunk holds
     the size) or Wave64 (16-byte chunk ids named by their first four bytes, 8-byte sizes that
-    count the 24-byte chunk header, chunks 8-byte aligned). A size of 0 or 0xFFFFFFFF is a
-    streaming writer's placeholder, not a size."""
+    count the 24-byte chunk header, chunks 8-byte aligned). A 32-bit size of 0 or from
+    ``_WAV_PLACEHOLDER`` on is a streaming writer's placeholder, not a size."""
     wave64 = data[:16] == _WAVE64_RIFF
     if not wave64 and (data[:4] not in (b"RIFF", b"RF64") or data[8:12] != b"WAVE"):
         return None
@@ -136,10 +143,11 @@ def _wav_cut_short(data: bytes) -> str | None:
         if name == b"ds64" and not wave64:
             ds64_size = int.from_bytes(data[at + 16:at + 24], "little")
         if name == b"data":
+            stated = wave64 or (size == 0xFFFFFFFF and ds64_size is not None)   # 64-bit sizes
             if size == 0xFFFFFFFF and ds64_size is not None:
                 size = ds64_size
             follow = len(data) - at - head
-            if size not in (0, 0xFFFFFFFF) and size > follow:
+            if follow < size and (stated or 0 < size < _WAV_PLACEHOLDER):
                 return f"its data chunk states {size} bytes and {follow} follow"
             return None
         at += head + size + (-size % align)
@@ -147,24 +155,27 @@ def _wav_cut_short(data: bytes) -> str | None:
 
 
 def _ogg_cut_short(data: bytes) -> str | None:
-    """An Ogg file whose last page is cut, or whole but not flagged as the end of its stream.
-    Its last page is the last capture pattern with version 0 and no unknown flag whose page
-    fits in the file; a page after it that does not fit is cut. Bytes after a whole last page
-    that are no page (a tagger's ID3v1 tag, say) are left alone."""
-    low, end, cut = max(0, len(data) - _OGG_PAGE_MAX), len(data), False
-    while (at := data.rfind(b"OggS", low, end)) >= 0:
-        end = at + 3
-        if at + 6 <= len(data) and (data[at + 4] != 0 or data[at + 5] > 7):
-            continue                # the pattern inside a packet's data, not a page
-        segments = data[at + 26] if at + 27 <= len(data) else len(data)
-        body = at + 27 + segments
-        if body > len(data) or body + sum(data[at + 27:body]) > len(data):
-            cut = True
-            continue
-        if cut:
-            break
-        return None if data[at + 5] & 0x04 else "its last Ogg page does not end the stream"
-    return "its last Ogg page is cut" if cut else None
+    """An Ogg file whose last page is cut, or whole but not flagged as the end of its stream,
+    or that chains streams (a stream begins after one ended: ``cat a.ogg b.ogg``, a radio
+    rip), of which libsndfile reads the first alone. Its pages are walked from the start
+    (they follow one another); bytes after the last whole page that are no page (a tagger's
+    ID3v1 tag, say) are left alone."""
+    at, flags, ended = 0, None, False
+    while at + 27 <= len(data) and data[at:at + 4] == b"OggS" and data[at + 4] == 0:
+        flags, body = data[at + 5], at + 27 + data[at + 26]
+        end = body + sum(data[at + 27:body]) if body <= len(data) else body
+        if end > len(data):
+            return "its last Ogg page is cut"
+        if flags & 0x02 and ended:
+            return ("it chains Ogg streams one after another, of which libsndfile reads the "
+                    "first alone")
+        ended, at = ended or bool(flags & 0x04), end
+    if flags is None:
+        return None
+    if at < len(data) and data[at:at + 4] == b"OggS"[:len(data) - at]:
+        return "its last Ogg page is cut"
+    return None if flags & 0x04 else ("its last Ogg page does not end its stream (cut at a "
+                                      "page's end, or never closed by its writer)")
 
 
 def _truncated(decoded: int, stated: int) -> str:
