@@ -122,9 +122,14 @@ def test_cases_train_the_same_batches_with_figures(summary):
         assert case["median_memory_mib"] > 0 and case["peak_gpu_mib"] is None
         # the wait for the micro-batches: the median of the same steps' records (both here)
         work = Path(summary["shards"]["dir"]).parent
-        waits = [json.loads(line)["data_wait_s"] for line in
-                 (work / f"{name}.jsonl").read_text().splitlines() if '"loss"' in line]
+        records = [json.loads(line) for line in
+                   (work / f"{name}.jsonl").read_text().splitlines() if '"loss"' in line]
+        waits = [record["data_wait_s"] for record in records]
         assert case["median_data_wait_s"] == statistics.median(waits) >= 0, (name, waits)
+        # the profiled step (the last) against the timed ones (here both steps)
+        seconds = [record["seconds"] for record in records]
+        assert case["seconds_by_step"] == seconds
+        assert case["profiled_over_timed"] == round(seconds[-1] / statistics.median(seconds), 3)
         assert case["predicted_mib"] > 0, case          # the layout advisor's memory model
         parts = case["predicted_gib"]
         assert parts["total"] * 1024 == pytest.approx(case["predicted_mib"], abs=8), parts
@@ -189,6 +194,10 @@ def test_the_peer_trains_the_same_batches_as_transformers(summary):
                          (work / f"{run}.jsonl").read_text().splitlines()
                          if '"loss"' in line] for run in (name, f"{name}_peer"))
         assert ours == theirs and len(ours) == 2, (name, ours, theirs)
+        seconds = [json.loads(line)["seconds"] for line in
+                   (work / f"{name}_peer.jsonl").read_text().splitlines() if '"loss"' in line]
+        assert peer["seconds_by_step"] == seconds and peer["profiled_over_timed"] == round(
+            seconds[-1] / statistics.median(seconds), 3), (name, peer, seconds)
         # images and clips in the first step (the shards take them in turn), so the first
         # losses below compare the two sides' video inputs too
         first = json.loads((work / f"{name}_peer.jsonl").read_text().splitlines()[0])

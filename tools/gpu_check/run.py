@@ -511,6 +511,12 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
     # the allocator's peak since the model's build, after each step: the run's peak is the
     # last; the jump after the first step is the optimizer's moments (made at its first update)
     result["memory_mib_by_step"] = [r.get("memory_mib") for r in records]
+    # the profiled steps' time against the timed ones': the profiler's own cost on the host,
+    # which the profile's idle share includes
+    result["seconds_by_step"] = [r.get("seconds") for r in records]
+    profiled_seconds = _median(records[steps - profiled:], "seconds")
+    if profiled_seconds and result.get("median_seconds"):
+        result["profiled_over_timed"] = round(profiled_seconds / result["median_seconds"], 3)
     if records and "attention" in records[-1]:
         result["attention"] = records[-1]["attention"]
     found = sorted(profile.glob("profile_rank*.json")) if profile.is_dir() else []
