@@ -263,6 +263,7 @@ def test_a_formulas_numbers_are_constants_of_its_graph():
     assert torch.equal(compiler(scaled, x, y, 2.0), (x * y * 2.0).detach())
     assert len(graphs) == 2, [graph.code for graph in graphs]
 
+
 def test_clip_gets_its_quick_gelu_fused_and_what_mimo_cannot_fuse_is_refused():
     """LLaVA's CLIP tower: QuickGELU fused, its own attention left as it is. A Qwen2.5-VL
     tower MLP with another activation than the published SiLU, and an attention function

@@ -38,6 +38,8 @@ class Compiler:
             self.compiled[formula] = torch.compile(formula, backend=self.backend,
                                                    dynamic=True, fullgraph=True)
         detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        # dynamo's setting is the process's, not a thread's: the fused formulas are called
+        # from one thread at a time (a step's forward, then its backward)
         config = torch._dynamo.config
         specialized = config.specialize_float
         config.specialize_float = True          # read when dynamo traces: on a call that compiles
