@@ -215,6 +215,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "index_mismatches": {keys["fault-index"]},
         "truncated": set(),
         "empty_answer_turns": {keys["fault-empty-answer"]},
+        "reasoning_dropped": set(),          # SmolLM2's template leaves no reasoning out
         "placeholder_mismatches": set(),
         # The blank lines before that answer are not content: its loss mask covers it.
         "loss_mask_coverage": set(),
@@ -261,6 +262,40 @@ def test_an_empty_answer_beside_answers_with_text_is_flagged(capsys, tmp_path, f
     assert key in next(text for text in err.splitlines() if "FAIL empty_answer_turns" in text)
     code, out, _ = run(capsys, "sample", directory, "--config", configs["default"], "--key", key)
     assert "empty answers: 1 answer(s) without text" in out
+
+
+def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_apart(
+        capsys, tmp_path):
+    """Qwen3.5's template (its published text, with mimo's generation blocks) writes an
+    answer's reasoning in a think block of its own after the last user turn, and leaves it out
+    before, as at inference. The loss mask's coverage judges the reasoning and the text apart
+    (the think tags, and the generation prompt's ``<think>``, are the template's): reasoning
+    datasets pass it; the answers before the last user turn whose reasoning is left out are
+    listed under reasoning_dropped, which fails no run by default."""
+    def turns(*contents):
+        return [{"role": ("user", "assistant")[k % 2], "content": text}
+                for k, text in enumerate(contents)]
+    records = [
+        {"id": "two-turns", "messages": turns("Hi", "<think>Greet back.</think>Hello.",
+                                              "And then?", "<think>Close.</think>Bye.")},
+        {"id": "as-written", "messages": turns("Hi", "<think>\nPlan it.\n</think>\n\nHello.")},
+        {"id": "no-reasoning", "messages": turns("Hi", "Hello.")},
+    ]
+    build_dataset([write_jsonl(tmp_path / "reasoning.jsonl", records)], tmp_path / "shards")
+    keys = {row["id"]: row["key"] for row in samples_table(tmp_path / "shards")}
+    code, report, err = report_json(capsys, tmp_path, tmp_path / "shards",
+                                    REPO / "configs" / "preprocess_qwen3_5.yaml")
+    assert code == 0, err
+    assert report["kept"] == 3 and flagged_keys(report, "loss_mask_coverage") == set()
+    assert flagged_keys(report, "reasoning_dropped") == {keys["two-turns"]}
+    [entry] = report["flagged"]["reasoning_dropped"]
+    assert entry["detail"].startswith("1 answer(s) before the last user turn")
+    check = next(c for c in report["checks"] if c["name"] == "reasoning_dropped")
+    assert check["passed"] and check["count"] == 1 and check["limit"] == 1.0
+    code, _, err = report_json(capsys, tmp_path, tmp_path / "shards",
+                               REPO / "configs" / "preprocess_qwen3_5.yaml",
+                               "--max-reasoning-dropped-fraction", "0")
+    assert code == 1 and "FAIL reasoning_dropped" in err
 
 
 def test_caption_mode_trailing_image_is_reported_as_dropped(capsys, tmp_path, faulty, configs):

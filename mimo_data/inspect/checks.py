@@ -15,6 +15,7 @@ class Thresholds:
     max_dropped_fraction: float = 0.0
     max_truncated_fraction: float = 0.0
     max_empty_answer_turns_fraction: float = 0.0
+    max_reasoning_dropped_fraction: float = 1.0         # reported, off by default
     max_template_failures: int = 0
     max_marker_mismatches: int = 0
     max_placeholder_mismatches: int = 0
@@ -32,6 +33,10 @@ CHECKS = {
     "empty_answer_turns": ("max_empty_answer_turns_fraction", "fraction",
                            "samples training an empty answer (its end of turn alone) beside "
                            "answers with text"),
+    "reasoning_dropped": ("max_reasoning_dropped_fraction", "fraction",
+                          "samples whose earlier answers' reasoning the chat template leaves "
+                          "out (as at inference: only the turns after the last user turn "
+                          "keep theirs)"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",

@@ -15,12 +15,17 @@ empty_answer_turns          it trains an empty (or whitespace) answer beside    
                             answers with text: its end of turn alone, teaching
                             the model to answer that turn with nothing (all
                             empty: dropped as ``empty_answers``)
+reasoning_dropped           its chat template leaves the reasoning of answers   fraction 1
+                            before the last user turn out, as at inference      (reported,
+                            (Qwen3's, Qwen3.5's); their text trains             off)
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
 index_mismatches            its media list ≠ its row of samples.parquet         count 0
 loss_mask_coverage          an assistant content character is not trained, or   count 0
-                            a user/system one is (located in the decoded tokens)
+                            a user/system one is (located in the decoded tokens;
+                            an answer's reasoning and its text apart where the
+                            template takes them apart, its think tags its own)
 trained_token_fraction      (dataset) trained / real tokens of kept samples     min 0 (off)
 kept_samples                (dataset) fails when no sample is kept              always on
 ==========================  =================================================  ==============
@@ -127,6 +132,10 @@ class ReportBuilder:
             if stats.empty_answers:
                 flagged["empty_answer_turns"].add(
                     stats, f"{stats.empty_answers} empty answer(s) train their end of turn alone")
+            if stats.reasoning_dropped:
+                flagged["reasoning_dropped"].add(
+                    stats, f"{stats.reasoning_dropped} answer(s) before the last user turn "
+                    "train without their reasoning")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
             if stats.coverage_failure:

@@ -57,6 +57,7 @@ class SampleStats:
     trained: int = 0                      # tokens with loss_mask 1
     removed_turns: int = 0
     empty_answers: int = 0                # kept answers without text: their end of turn alone
+    reasoning_dropped: int = 0            # answers whose reasoning the template leaves out
     kind: str = "conversation"            # the record's kind (shards/format.py)
     placeholders: dict[str, int] = field(default_factory=dict)   # modality tokens in input_ids
     # per kept item, from metadata (None: not computable)
@@ -178,6 +179,9 @@ class SampleInspector:
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
         self._headers: dict[tuple, tuple[str, ...] | None] = {}   # roles -> headers
         self._decoder = self.text.tokenizer.backend_tokenizer
+        # a template that takes an answer's reasoning apart (Qwen3's, Qwen3.5's: writes it
+        # in its own think block after the last user turn, leaves it out before)
+        self._reasoning = _THINK_END in (self.text.renderer.template or "")
 
     def item_tokens(self, item: Mapping[str, Any]) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
@@ -287,49 +291,85 @@ class SampleInspector:
         # the first token is no one's target: a document's first word is never trained
         first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
                     ) if kinds and kinds[0] != 2 else 0
+        # the last user turn: the templates that take reasoning apart leave it out before
+        last_user = max((turn for turn, message in enumerate(messages)
+                         if message.get("role") == "user"), default=-1)
         for turn, message in enumerate(messages):
-            role = message.get("role")
+            role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
             if not content.replace(_PLACEHOLDER, "").strip():
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
-            found = (header and _locate(text, content, header[1])) or _locate(text, content,
-                                                                               cursor)
-            wrong = 0 if role == "assistant" else 1         # the class its characters must not be
-            if found is None:
-                if role == "assistant":
-                    count = _visible(content)
-                    stats.assistant_chars_not_trained += count
-                    stats.coverage_problems.append(f"turn {turn} (assistant): its content "
-                                                   f"({count} characters) is not in the tokens")
-                continue
-            a, b = found
-            cursor = b
-            count = 0
-            for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
-                if starts[k] >= b:
-                    break
-                if kinds[k] == wrong:
-                    count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
-                                           min(b, starts[k + 1])])
-            if count:
-                if role == "assistant":
-                    stats.assistant_chars_not_trained += count
-                else:
-                    stats.other_chars_trained += count
-                stats.coverage_problems.append(
-                    f"turn {turn} ({role}): {count} of {_visible(content)} content characters "
-                    + ("not trained" if role == "assistant" else "trained"))
+            # an answer's reasoning and its text, each written by such a template on its own
+            # (the think tags are the template's); before the last user turn it leaves the
+            # reasoning out, as it does at inference
+            parts = [("", content)]
+            if role == "assistant" and self._reasoning and _THINK_END in content:
+                reasoning, content = split_reasoning(content)
+                parts = [("reasoning", reasoning), ("", content)]
+            for part, piece in parts:
+                if not piece.replace(_PLACEHOLDER, "").strip():
+                    continue
+                found = (header and _locate(text, piece, max(header[1], cursor))) or \
+                    _locate(text, piece, cursor)
+                if found is None and part and turn < last_user:
+                    stats.reasoning_dropped += 1
+                    continue
+                cursor = self._judge(stats, turn, role, piece, found, text, pieces, starts,
+                                     kinds, first) or cursor
+
+    @staticmethod
+    def _judge(stats: SampleStats, turn: int, role: str, content: str,
+               found: tuple[int, int] | None, text: str, pieces: list[str], starts: list[int],
+               kinds: list[int], first: int) -> int | None:
+        """Count a content's characters in runs of the wrong class (``found``: where it is in
+        ``text``, None where it is not); where it ends in ``text``, or None."""
+        wrong = 0 if role == "assistant" else 1         # the class its characters must not be
+        if found is None:
+            if role == "assistant":
+                count = _visible(content)
+                stats.assistant_chars_not_trained += count
+                stats.coverage_problems.append(f"turn {turn} (assistant): its content "
+                                               f"({count} characters) is not in the tokens")
+            return None
+        a, b = found
+        count = 0
+        for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
+            if starts[k] >= b:
+                break
+            if kinds[k] == wrong:
+                count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
+                                       min(b, starts[k + 1])])
+        if count:
+            if role == "assistant":
+                stats.assistant_chars_not_trained += count
+            else:
+                stats.other_chars_trained += count
+            stats.coverage_problems.append(
+                f"turn {turn} ({role}): {count} of {_visible(content)} content characters "
+                + ("not trained" if role == "assistant" else "trained"))
+        return b
 
 
 # A media item's placeholder tokens in the decoded text, and its marker in a content.
 _PLACEHOLDER = "\x00"
 _PLACEHOLDERS = re.compile("\x00+")
+# An answer's reasoning ends at the first of these; its text follows the last (templates that
+# take reasoning apart split there: Qwen3's, Qwen3.5's).
+_THINK_START, _THINK_END = "<think>", "</think>"
 # Message k's content in a render that finds the template's headers (private-use code points).
 _STAND_IN = "\ue000{}\ue001"
 _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
+
+
+def split_reasoning(content: str) -> tuple[str, str]:
+    """An answer's reasoning and its text as Qwen3's and Qwen3.5's templates take them apart:
+    the reasoning before the first ``</think>`` (after a ``<think>``), the text after the last,
+    each stripped."""
+    reasoning = content.split(_THINK_END)[0].split(_THINK_START)[-1]
+    return reasoning.strip(), content.split(_THINK_END)[-1].strip()
 
 
 def _visible(text: str) -> int:
