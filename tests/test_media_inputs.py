@@ -478,6 +478,36 @@ def test_truncated_audio_is_corrupt_not_a_shorter_clip(clips):
         assert info.value.reason == "corrupt_audio"
 
 
+def test_an_mp3_that_states_no_length_is_counted_as_it_decodes(clips):
+    """An MP3 without a Xing, Info or VBRI header (FFmpeg's ``write_xing=0``: a stream written to
+    a pipe) states no length: libsndfile estimates one from the file's size and first bitrate,
+    a leading ID3 tag (cover art) counted as audio. Its frames are the ones that decode, under
+    both build checks and when training decodes it; an MP3 that states its length still has its
+    truncation found."""
+    _, wav, _ = next(c for c in clips if c[2]["frames"] > 100_000)
+    samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp3", options={"write_xing": "0"}) as container:
+        stream = container.add_stream("libmp3lame", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    size = 300_000
+    cover = b"ID3\x04\x00\x00" + bytes((size >> shift) & 0x7F for shift in (21, 14, 7, 0)) + \
+        bytes(size)
+    cfg = AudioConfig()
+    for data in (buffer.getvalue(), cover + buffer.getvalue()):
+        decoded = len(soundfile.read(io.BytesIO(data), dtype="float32")[0])
+        assert soundfile.info(io.BytesIO(data)).frames != decoded     # libsndfile's estimate
+        for check in ("decode", "header"):
+            assert probe_audio(data, check)["frames"] == decoded
+        assert len(decode_audio(data, cfg)) == resampled_length(decoded, rate, cfg.sample_rate)
+    stated = encoded(samples, rate, format="MP3")      # libsndfile's LAME writes a Xing header
+    with pytest.raises(MediaError, match="frames its header states decode"):
+        probe_audio(stated[:len(stated) // 2])
+
+
 def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
     """libsndfile reads a WAV (RIFF, WAVEX, RF64, Wave64) or an Ogg (Vorbis, Opus) file cut
     short to where its bytes end, and two chained Ogg streams to the first's end, and states

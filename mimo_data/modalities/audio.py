@@ -69,8 +69,9 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
 
     With ``check="decode"`` every frame is decoded as ``decode_audio`` reads them, and fewer
     than the header states (a truncated file) is ``corrupt_audio``; ``"header"`` takes the
-    header's count. Either way a WAV or Ogg file cut short, or chained Ogg streams
-    (``_cut_short``: libsndfile reads less than was recorded, as a whole clip), is
+    header's count. An MP3 that states no length (``_length_estimated``) is decoded either way
+    and its frames are the decoded ones. Either way a WAV or Ogg file cut short, or chained Ogg
+    streams (``_cut_short``: libsndfile reads less than was recorded, as a whole clip), is
     ``corrupt_audio``.
     Raises MediaError(``corrupt_audio`` | ``empty_audio`` | ``unsupported_format``).
     """
@@ -80,12 +81,15 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
             fmt = sound.format.lower()
             sample_rate, channels, frames = sound.samplerate, sound.channels, sound.frames
-            if check == "decode":
+            estimated = _length_estimated(data, fmt)
+            if check == "decode" or estimated:
                 # read() returns the frames that decode; blocks() would pad a short last read
                 decoded = 0
                 while block := len(sound.read(1 << 16, dtype="float32", always_2d=True)):
                     decoded += block
-                if decoded != frames:
+                if estimated:
+                    frames = decoded
+                elif decoded != frames:
                     raise MediaError("corrupt_audio", _truncated(decoded, frames))
     except MediaError:
         raise
@@ -179,9 +183,30 @@ def _ogg_cut_short(data: bytes) -> str | None:
 
 
 def _truncated(decoded: int, stated: int) -> str:
-    return (f"{decoded} of the {stated} frames its header states decode (a truncated file; "
-            "an MP3 without a Xing/Info header states an estimate: re-encode it, e.g. "
-            "`ffmpeg -i clip.mp3 clip.flac`)")
+    return f"{decoded} of the {stated} frames its header states decode (a truncated file)"
+
+
+def _length_estimated(data: bytes, fmt: str) -> bool:
+    """Whether libsndfile's frame count of this file is an estimate: an MP3 that states no
+    length (no Xing, Info or VBRI header in its first frame: a constant-bitrate stream
+    written to a pipe, say) is counted from its size and first frame's bitrate, a leading ID3
+    tag's bytes (cover art) taken for audio. Such a file's frames are the decoded ones; read by
+    hand (the MPEG frame header), as neither soundfile nor PyAV says which count it gives."""
+    if fmt != "mp3":
+        return False
+    audio = 0
+    while data[audio:audio + 3] == b"ID3" and len(data) >= audio + 10:   # syncsafe sizes
+        audio += 10 + ((data[audio + 6] & 0x7F) << 21 | (data[audio + 7] & 0x7F) << 14 |
+                       (data[audio + 8] & 0x7F) << 7 | data[audio + 9] & 0x7F) + \
+            (10 if data[audio + 5] & 0x10 else 0)
+    for at in range(audio, min(len(data) - 40, audio + (1 << 16))):
+        if data[at] == 0xFF and data[at + 1] & 0xE6 in (0xE2, 0xE4, 0xE6) and \
+                data[at + 2] >> 4 not in (0, 15) and (data[at + 2] >> 2) & 3 != 3:
+            mpeg1, mono = (data[at + 1] >> 3) & 3 == 3, data[at + 3] >> 6 == 3
+            side = (17 if mono else 32) if mpeg1 else (9 if mono else 17)
+            return data[at + 4 + side:at + 8 + side] not in (b"Xing", b"Info") and \
+                data[at + 36:at + 40] != b"VBRI"
+    return True
 
 
 def _undecodable(exc: Exception, data: bytes) -> MediaError:
@@ -303,11 +328,11 @@ def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np
     """
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as sound:
-            rate, stated = sound.samplerate, sound.frames
+            rate, stated, fmt = sound.samplerate, sound.frames, sound.format.lower()
             samples = sound.read(dtype="float32", always_2d=True)
     except Exception as exc:  # libsndfile errors come as soundfile.LibsndfileError / RuntimeError
         raise _undecodable(exc, data) from None
-    if frames is None and len(samples) != stated:
+    if frames is None and len(samples) != stated and not _length_estimated(data, fmt):
         raise MediaError("corrupt_audio", _truncated(len(samples), stated))
     if frames is not None and len(samples) != frames:
         raise MediaError("corrupt_audio", f"{len(samples)} frames decode, the shard metadata "
