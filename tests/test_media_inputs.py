@@ -290,6 +290,23 @@ def test_corrupt_image_bytes_raise_a_clear_error(images, name):
         decode_image(b"root:x:0:0:root:/root:/bin/bash\n", 1, ImageConfig())
 
 
+def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
+    """An iPhone's HEIC photo (an ISO base media file of brand heic or mif1) and an SVG drawing
+    are no format Pillow reads: the build names them as such, to convert, not as corrupt
+    bytes; an AVIF file (brand avif), which Pillow reads, is not taken for HEIC."""
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
+    heif = b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic" + bytes(64)
+    svg = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>'
+    for data, kind in ((heic, "HEIC/HEIF"), (heif, "HEIC/HEIF"), (svg, "SVG"),
+                       (b"  <svg width='1'/>", "SVG")):
+        with pytest.raises(MediaError, match=f"{kind}.*which Pillow does not read") as info:
+            probe_image(data)
+        assert info.value.reason == "unsupported_format"
+    with pytest.raises(MediaError, match="not a readable image") as info:
+        probe_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64))
+    assert info.value.reason == "corrupt_image"
+
+
 def test_extreme_aspect_ratio_is_refused_like_smart_resize():
     cfg = ImageConfig()
     with pytest.raises(ValueError):

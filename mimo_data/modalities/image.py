@@ -145,6 +145,21 @@ def pillow_decoding(max_pixels: int | None):
         raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
 
 
+# ISO base media brands of HEIC/HEIF still images (an iPhone camera's), which Pillow does not read
+_HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1"}
+
+
+def _foreign_image(data: bytes) -> str | None:
+    """What image a file Pillow recognizes nothing in is, where users meet it: a HEIC/HEIF
+    photo or an SVG drawing; None for other bytes."""
+    if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
+        return "a HEIC/HEIF image (an iPhone camera's format)"
+    head = data[:1024].lstrip().lower()
+    if head.startswith(b"<svg") or (head.startswith(b"<?xml") and b"<svg" in head):
+        return "an SVG drawing (vector graphics)"
+    return None
+
+
 def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 check: str = "decode") -> dict:
     """Validate an encoded image; return ``{format, width, height, mode, orientation}``.
@@ -156,32 +171,38 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """
     if not data:
         raise MediaError("corrupt_image", "empty image file (0 bytes)")
-    with pillow_decoding(max_pixels):
-        image = Image.open(io.BytesIO(data))
-        fmt = (image.format or "").lower()
-        width, height = image.size
-        if width * height > max_pixels:
-            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
-                             f"is above the limit of {max_pixels} (raise "
-                             "--max-image-pixels to keep it)")
-        if fmt not in IMAGE_EXTENSIONS:
-            raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
-                             f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
-        mode = image.mode
-        orientation = image_orientation(image)
-        if orientation in _TRANSPOSING_ORIENTATIONS:
-            width, height = height, width
-        if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
-            Image.open(io.BytesIO(data)).verify()   # must come right after open()
-        elif fmt == "jpeg" and check == "header":
-            if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
-                raise MediaError("corrupt_image",
-                                 "JPEG has no end-of-image marker (truncated)")
-        elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
-            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
-            image.load()
-        elif check == "decode":
-            image.load()
+    try:
+        with pillow_decoding(max_pixels):
+            image = Image.open(io.BytesIO(data))
+            fmt = (image.format or "").lower()
+            width, height = image.size
+            if width * height > max_pixels:
+                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                                 f"is above the limit of {max_pixels} (raise "
+                                 "--max-image-pixels to keep it)")
+            if fmt not in IMAGE_EXTENSIONS:
+                raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
+                                 f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+            mode = image.mode
+            orientation = image_orientation(image)
+            if orientation in _TRANSPOSING_ORIENTATIONS:
+                width, height = height, width
+            if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
+                Image.open(io.BytesIO(data)).verify()   # must come right after open()
+            elif fmt == "jpeg" and check == "header":
+                if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+                    raise MediaError("corrupt_image",
+                                     "JPEG has no end-of-image marker (truncated)")
+            elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
+                image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+                image.load()
+            elif check == "decode":
+                image.load()
+    except MediaError as error:
+        if error.reason == "corrupt_image" and (kind := _foreign_image(data)):
+            raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
+                             "convert it first (e.g. to JPEG or PNG)") from None
+        raise
     return {"format": fmt, "width": width, "height": height, "mode": mode,
             "orientation": orientation}
 
