@@ -307,6 +307,32 @@ def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
     assert info.value.reason == "corrupt_image"
 
 
+def test_a_one_channel_image_wider_than_8_bits_is_refused_where_rgb_would_clip_it():
+    """A 16-bit grayscale PNG or TIFF (medical and scientific images) converted to RGB, as
+    transformers' ``convert_to_rgb`` does, is clipped to 0-255: near-white, silently. Where its
+    values pass 255 the build refuses it, saying to scale it to 8 bits, under both checks;
+    where they do not, it is read, and decodes as transformers' conversion gives it."""
+    from transformers.image_transforms import convert_to_rgb
+    wide = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    clipped = np.asarray(convert_to_rgb(Image.fromarray(wide)))
+    assert clipped.mean() > 250 > wide.mean() / 257 + 100        # what training would see
+    for fmt in ("PNG", "TIFF"):
+        for values, refused in ((wide, True), (wide // 257, False)):
+            buffer = io.BytesIO()
+            Image.fromarray(values).save(buffer, format=fmt)
+            data = buffer.getvalue()
+            for check in ("decode", "header"):
+                if refused:
+                    with pytest.raises(MediaError, match="scale it to 8 bits") as info:
+                        probe_image(data, check=check)
+                    assert info.value.reason == "unsupported_format"
+                else:
+                    assert probe_image(data, check=check)["mode"] == "I;16"
+            if not refused:
+                assert np.array_equal(np.asarray(decode_image(data, 1, ImageConfig())),
+                                      np.asarray(convert_to_rgb(Image.open(io.BytesIO(data)))))
+
+
 def test_extreme_aspect_ratio_is_refused_like_smart_resize():
     cfg = ImageConfig()
     with pytest.raises(ValueError):

@@ -145,6 +145,8 @@ def pillow_decoding(max_pixels: int | None):
         raise MediaError("corrupt_image", f"cannot decode image: {exc}") from None
 
 
+# Pillow's modes of one channel wider than 8 bits (16-bit PNG and TIFF, 32-bit integers, floats)
+_WIDE_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
 # ISO base media brands of HEIC/HEIF still images (an iPhone camera's), which Pillow does not read
 _HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1"}
 
@@ -184,6 +186,12 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
                                  f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
             mode = image.mode
+            if mode in _WIDE_MODES and max(map(abs, image.getextrema())) > 255:
+                raise MediaError("unsupported_format", f"a {mode} image (one channel of more "
+                                 f"than 8 bits, values {image.getextrema()}): converted to RGB, "
+                                 "as transformers' processors convert it, it is clipped to "
+                                 "0-255, white where above; scale it to 8 bits first (e.g. "
+                                 "16-bit values divided by 257)")
             orientation = image_orientation(image)
             if orientation in _TRANSPOSING_ORIENTATIONS:
                 width, height = height, width
