@@ -267,33 +267,60 @@ def test_an_empty_answer_beside_answers_with_text_is_flagged(capsys, tmp_path, f
 def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_apart(
         capsys, tmp_path):
     """Qwen3.5's template (its published text, with mimo's generation blocks) writes an
-    answer's reasoning in a think block of its own after the last user turn, and leaves it out
+    answer's reasoning in a think block of its own after the last user query, and leaves it out
     before, as at inference. The loss mask's coverage judges the reasoning and the text apart
     (the think tags, and the generation prompt's ``<think>``, are the template's): reasoning
-    datasets pass it; the answers before the last user turn whose reasoning is left out are
-    listed under reasoning_dropped, which fails no run by default."""
+    datasets pass it, an earlier turn's reasoning repeated later included. Text the template
+    keeps in neither part (between two ``</think>``) fails it; an earlier answer that is
+    reasoning alone trains an empty answer; answers whose reasoning is left out are listed under
+    reasoning_dropped, which fails no run by default. A turn's ``reasoning_content`` is built
+    into its content as a think block."""
     def turns(*contents):
         return [{"role": ("user", "assistant")[k % 2], "content": text}
                 for k, text in enumerate(contents)]
     records = [
         {"id": "two-turns", "messages": turns("Hi", "<think>Greet back.</think>Hello.",
                                               "And then?", "<think>Close.</think>Bye.")},
+        {"id": "same-reasoning", "messages": turns("Hi", "<think>Okay.</think>Hello.",
+                                                   "And then?", "<think>Okay.</think>Bye.")},
         {"id": "as-written", "messages": turns("Hi", "<think>\nPlan it.\n</think>\n\nHello.")},
         {"id": "no-reasoning", "messages": turns("Hi", "Hello.")},
+        {"id": "reasoning-only", "messages": turns("Hi", "<think>Just thinking.</think>",
+                                                   "And then?", "Bye.")},
+        {"id": "lost-middle", "messages": turns(
+            "Hi", "<think>A plan.</think>A middle part.</think>Final.")},
+        {"id": "reasoning-field", "messages": [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello.", "reasoning_content": " Greet back. "}]},
     ]
-    build_dataset([write_jsonl(tmp_path / "reasoning.jsonl", records)], tmp_path / "shards")
+    twice = {"id": "reasoning-twice", "messages": [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>A.</think>Hello.", "reasoning_content": "B."}]}
+    build_dataset([write_jsonl(tmp_path / "reasoning.jsonl", records + [twice])],
+                  tmp_path / "shards")
+    skipped = json.loads((tmp_path / "shards" / "report.json").read_text())["skipped_by_reason"]
+    assert list(skipped) == ["malformed_record"], skipped
+    assert "give its reasoning once" in skipped["malformed_record"]["first"][0]["detail"]
     keys = {row["id"]: row["key"] for row in samples_table(tmp_path / "shards")}
-    code, report, err = report_json(capsys, tmp_path, tmp_path / "shards",
-                                    REPO / "configs" / "preprocess_qwen3_5.yaml")
-    assert code == 0, err
-    assert report["kept"] == 3 and flagged_keys(report, "loss_mask_coverage") == set()
-    assert flagged_keys(report, "reasoning_dropped") == {keys["two-turns"]}
-    [entry] = report["flagged"]["reasoning_dropped"]
-    assert entry["detail"].startswith("1 answer(s) before the last user turn")
+    reader = ShardReader(str(tmp_path / "shards"))
+    built = reader.record(reader.table.position(keys["reasoning-field"]))
+    assert built["messages"][1]["content"] == "<think>\nGreet back.\n</think>\n\nHello."
+    config = REPO / "configs" / "preprocess_qwen3_5.yaml"
+    code, report, err = report_json(capsys, tmp_path, tmp_path / "shards", config)
+    assert code == 1 and report["kept"] == len(records)
+    assert flagged_keys(report, "loss_mask_coverage") == {keys["lost-middle"]}
+    [entry] = report["flagged"]["loss_mask_coverage"]
+    assert "12 characters before its last <think> or between its </think>" in entry["detail"]
+    assert flagged_keys(report, "empty_answer_turns") == {keys["reasoning-only"]}
+    assert flagged_keys(report, "reasoning_dropped") == {
+        keys[k] for k in ("two-turns", "same-reasoning", "reasoning-only")}
+    entry = next(e for e in report["flagged"]["reasoning_dropped"]
+                 if e["key"] == keys["two-turns"])
+    assert entry["detail"].startswith("1 answer(s) before the last user query")
     check = next(c for c in report["checks"] if c["name"] == "reasoning_dropped")
-    assert check["passed"] and check["count"] == 1 and check["limit"] == 1.0
-    code, _, err = report_json(capsys, tmp_path, tmp_path / "shards",
-                               REPO / "configs" / "preprocess_qwen3_5.yaml",
+    assert check["passed"] and check["count"] == 3 and check["limit"] == 1.0
+    assert "FAIL reasoning_dropped" not in err
+    code, _, err = report_json(capsys, tmp_path, tmp_path / "shards", config,
                                "--max-reasoning-dropped-fraction", "0")
     assert code == 1 and "FAIL reasoning_dropped" in err
 

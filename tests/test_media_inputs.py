@@ -297,8 +297,9 @@ def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
     heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
     heif = b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic" + bytes(64)
     svg = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>'
+    doctype = b'\xef\xbb\xbf<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN">\n<svg/>'  # a BOM
     for data, kind in ((heic, "HEIC/HEIF"), (heif, "HEIC/HEIF"), (svg, "SVG"),
-                       (b"  <svg width='1'/>", "SVG")):
+                       (b"  <svg width='1'/>", "SVG"), (doctype, "SVG")):
         with pytest.raises(MediaError, match=f"{kind}.*which Pillow does not read") as info:
             probe_image(data)
         assert info.value.reason == "unsupported_format"
@@ -331,6 +332,20 @@ def test_a_one_channel_image_wider_than_8_bits_is_refused_where_rgb_would_clip_i
             if not refused:
                 assert np.array_equal(np.asarray(decode_image(data, 1, ImageConfig())),
                                       np.asarray(convert_to_rgb(Image.open(io.BytesIO(data)))))
+    # a float image scaled to 0-1 (black once clipped) and negative integers, as TIFFs
+    ramp = np.linspace(0, 1, 64 * 64, dtype=np.float32).reshape(64, 64)
+    for image, refused in ((Image.fromarray(ramp, mode="F"), "fractional values"),
+                           (Image.fromarray(np.round(ramp * 255), mode="F"), None),
+                           (Image.fromarray((ramp * 100 - 5).astype(np.int32), mode="I"),
+                            "values from -5 to 95")):
+        buffer = io.BytesIO()
+        image.save(buffer, format="TIFF")
+        if refused:
+            with pytest.raises(MediaError, match=refused) as info:
+                probe_image(buffer.getvalue())
+            assert info.value.reason == "unsupported_format"
+        else:
+            assert probe_image(buffer.getvalue())["mode"] == "F"
 
 
 def test_extreme_aspect_ratio_is_refused_like_smart_resize():
@@ -536,11 +551,18 @@ def test_an_mp3_that_states_no_length_is_counted_as_it_decodes(clips):
         frame.sample_rate = rate
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
+    # a VBRI header (Fraunhofer's), which libsndfile's mpg123 does not read, states no length
+    plain = bytearray(buffer.getvalue())
+    first = 10 + sum(byte << 7 * (3 - k) for k, byte in enumerate(plain[6:10])) \
+        if plain[:3] == b"ID3" else 0                          # FFmpeg's tag: syncsafe size
+    first = plain.index(b"\xff", first)
+    plain[first + 36:first + 40] = b"VBRI"
+    vbri = bytes(plain)
     size = 300_000
     cover = b"ID3\x04\x00\x00" + bytes((size >> shift) & 0x7F for shift in (21, 14, 7, 0)) + \
         bytes(size)
     cfg = AudioConfig()
-    for data in (buffer.getvalue(), cover + buffer.getvalue()):
+    for data in (buffer.getvalue(), cover + buffer.getvalue(), vbri):
         decoded = len(soundfile.read(io.BytesIO(data), dtype="float32")[0])
         assert soundfile.info(io.BytesIO(data)).frames != decoded     # libsndfile's estimate
         for check in ("decode", "header"):

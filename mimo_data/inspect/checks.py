@@ -35,7 +35,7 @@ CHECKS = {
                            "answers with text"),
     "reasoning_dropped": ("max_reasoning_dropped_fraction", "fraction",
                           "samples whose earlier answers' reasoning the chat template leaves "
-                          "out (as at inference: only the turns after the last user turn "
+                          "out (as at inference: only the turns after the last user query "
                           "keep theirs)"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),

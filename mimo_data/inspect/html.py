@@ -207,6 +207,8 @@ class Gallery:
             labels.append("truncated")
         if stats.empty_answers:
             labels.append("empty_answer_turns")
+        if stats.reasoning_dropped:
+            labels.append("reasoning_dropped")
         if stats.marker_mismatch:
             labels.append("marker_mismatch")
         if stats.placeholder_mismatch:

@@ -16,7 +16,7 @@ empty_answer_turns          it trains an empty (or whitespace) answer beside    
                             the model to answer that turn with nothing (all
                             empty: dropped as ``empty_answers``)
 reasoning_dropped           its chat template leaves the reasoning of answers   fraction 1
-                            before the last user turn out, as at inference      (reported,
+                            before the last user query out, as at inference     (reported,
                             (Qwen3's, Qwen3.5's); their text trains             off)
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
@@ -134,7 +134,7 @@ class ReportBuilder:
                     stats, f"{stats.empty_answers} empty answer(s) train their end of turn alone")
             if stats.reasoning_dropped:
                 flagged["reasoning_dropped"].add(
-                    stats, f"{stats.reasoning_dropped} answer(s) before the last user turn "
+                    stats, f"{stats.reasoning_dropped} answer(s) before the last user query "
                     "train without their reasoning")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())

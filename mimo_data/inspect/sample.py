@@ -182,6 +182,10 @@ def sample_problems(stats: SampleStats) -> list[str]:
     if stats.empty_answers:
         problems.append(f"empty answers: {stats.empty_answers} answer(s) without text train "
                         "their end of turn alone (the model learns to answer with nothing)")
+    if stats.reasoning_dropped:
+        problems.append(f"reasoning dropped: {stats.reasoning_dropped} answer(s) before the "
+                        "last user query train without their reasoning (the chat template "
+                        "leaves it out, as at inference)")
     if stats.marker_mismatch:
         problems.append(f"marker/media mismatch: {stats.describe_markers()}")
     if stats.placeholder_mismatch:

@@ -180,7 +180,7 @@ class SampleInspector:
         self._headers: dict[tuple, tuple[str, ...] | None] = {}   # roles -> headers
         self._decoder = self.text.tokenizer.backend_tokenizer
         # a template that takes an answer's reasoning apart (Qwen3's, Qwen3.5's: writes it
-        # in its own think block after the last user turn, leaves it out before)
+        # in its own think block after the last user query, leaves it out before)
         self._reasoning = _THINK_END in (self.text.renderer.template or "")
 
     def item_tokens(self, item: Mapping[str, Any]) -> int | None:
@@ -228,14 +228,22 @@ class SampleInspector:
         stats.counted = text.token_counts
         messages = self.text.kinds.roles(record)
         kept = messages[:len(messages) - text.removed_turns]
-        stats.empty_answers = sum(message.get("role") == "assistant" and
-                                  not str(message.get("content") or "").strip()
-                                  for message in kept)
+        last_query = _last_query(kept)
+        stats.empty_answers = sum(message.get("role") == "assistant" and not self._answer(
+            str(message.get("content") or ""), turn < last_query).strip()
+            for turn, message in enumerate(kept))
         # a document's pieces are one text, no turns: nothing of a template between them
         headers = None if stats.kind == "document" else self.headers(
             tuple(str(message.get("role")) for message in kept))
         self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)), headers)
         return stats
+
+    def _answer(self, content: str, before_last_query: bool) -> str:
+        """What of an answer the template writes before its end of turn: before the last user
+        query a template that takes reasoning apart writes its text alone."""
+        if before_last_query and self._reasoning and _THINK_END in content:
+            return split_reasoning(content)[1]
+        return content
 
     def headers(self, roles: tuple[str, ...]) -> tuple[str, ...] | None:
         """Per message of a conversation with these roles, the template's text before its
@@ -291,9 +299,7 @@ class SampleInspector:
         # the first token is no one's target: a document's first word is never trained
         first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
                     ) if kinds and kinds[0] != 2 else 0
-        # the last user turn: the templates that take reasoning apart leave it out before
-        last_user = max((turn for turn, message in enumerate(messages)
-                         if message.get("role") == "user"), default=-1)
+        last_query = _last_query(messages)
         for turn, message in enumerate(messages):
             role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
@@ -302,20 +308,28 @@ class SampleInspector:
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
             # an answer's reasoning and its text, each written by such a template on its own
-            # (the think tags are the template's); before the last user turn it leaves the
-            # reasoning out, as it does at inference
-            parts = [("", content)]
+            # (the think tags are the template's); before the last user query it leaves the
+            # reasoning out, as it does at inference, and what it takes for neither is lost
+            parts = [content]
             if role == "assistant" and self._reasoning and _THINK_END in content:
-                reasoning, content = split_reasoning(content)
-                parts = [("reasoning", reasoning), ("", content)]
-            for part, piece in parts:
+                reasoning, answer, lost = split_reasoning(content)
+                if count := _visible(lost):
+                    stats.assistant_chars_not_trained += count
+                    stats.coverage_problems.append(
+                        f"turn {turn} (assistant): {count} characters before its last <think> "
+                        "or between its </think> tags are not in the tokens (the template "
+                        "keeps the reasoning before the first </think> and the text after "
+                        "the last)")
+                if turn < last_query:
+                    stats.reasoning_dropped += bool(reasoning)
+                    parts = [answer]
+                else:
+                    parts = [reasoning, answer]
+            for piece in parts:
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \
                     _locate(text, piece, cursor)
-                if found is None and part and turn < last_user:
-                    stats.reasoning_dropped += 1
-                    continue
                 cursor = self._judge(stats, turn, role, piece, found, text, pieces, starts,
                                      kinds, first) or cursor
 
@@ -364,12 +378,25 @@ _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
 
 
-def split_reasoning(content: str) -> tuple[str, str]:
-    """An answer's reasoning and its text as Qwen3's and Qwen3.5's templates take them apart:
-    the reasoning before the first ``</think>`` (after a ``<think>``), the text after the last,
-    each stripped."""
-    reasoning = content.split(_THINK_END)[0].split(_THINK_START)[-1]
-    return reasoning.strip(), content.split(_THINK_END)[-1].strip()
+def split_reasoning(content: str) -> tuple[str, str, str]:
+    """An answer's reasoning, its text and what neither keeps, as Qwen3's and Qwen3.5's
+    templates take an answer apart: the reasoning before the first ``</think>`` (after the last
+    ``<think>`` there), the text after the last ``</think>`` (each stripped); lost: what comes
+    before that ``<think>`` and between the ``</think>`` tags."""
+    sections = content.split(_THINK_END)
+    head, _, reasoning = sections[0].rpartition(_THINK_START)
+    lost = head.replace(_THINK_START, " ") + " " + " ".join(sections[1:-1])
+    return reasoning.strip(), sections[-1].strip(), lost
+
+
+def _last_query(messages: Sequence[Mapping[str, Any]]) -> int:
+    """The last user turn that is no tool's response (``<tool_response>...</tool_response>``),
+    as Qwen3's and Qwen3.5's templates find their ``last_query_index``; -1 if none."""
+    return max((turn for turn, message in enumerate(messages)
+                if message.get("role") == "user" and not (
+                    (text := str(message.get("content") or "").strip()).startswith(
+                        "<tool_response>") and text.endswith("</tool_response>"))),
+               default=-1)
 
 
 def _visible(text: str) -> int:

@@ -188,10 +188,11 @@ def _truncated(decoded: int, stated: int) -> str:
 
 def _length_estimated(data: bytes, fmt: str) -> bool:
     """Whether libsndfile's frame count of this file is an estimate: an MP3 that states no
-    length (no Xing, Info or VBRI header in its first frame: a constant-bitrate stream
-    written to a pipe, say) is counted from its size and first frame's bitrate, a leading ID3
-    tag's bytes (cover art) taken for audio. Such a file's frames are the decoded ones; read by
-    hand (the MPEG frame header), as neither soundfile nor PyAV says which count it gives."""
+    length libsndfile reads (no Xing or Info header in its first frame: a constant-bitrate
+    stream written to a pipe, say; libsndfile's mpg123 ignores a VBRI header) is counted from
+    its size and first frame's bitrate, a leading ID3 tag's bytes (cover art) taken for audio.
+    Such a file's frames are the decoded ones; read by hand (the MPEG frame header), as neither
+    soundfile nor PyAV says which count it gives."""
     if fmt != "mp3":
         return False
     audio = 0
@@ -204,8 +205,7 @@ def _length_estimated(data: bytes, fmt: str) -> bool:
                 data[at + 2] >> 4 not in (0, 15) and (data[at + 2] >> 2) & 3 != 3:
             mpeg1, mono = (data[at + 1] >> 3) & 3 == 3, data[at + 3] >> 6 == 3
             side = (17 if mono else 32) if mpeg1 else (9 if mono else 17)
-            return data[at + 4 + side:at + 8 + side] not in (b"Xing", b"Info") and \
-                data[at + 36:at + 40] != b"VBRI"
+            return data[at + 4 + side:at + 8 + side] not in (b"Xing", b"Info")
     return True
 
 

@@ -147,6 +147,18 @@ def pillow_decoding(max_pixels: int | None):
 
 # Pillow's modes of one channel wider than 8 bits (16-bit PNG and TIFF, 32-bit integers, floats)
 _WIDE_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
+def _clipped(image: Image.Image) -> str | None:
+    """How converting a one-channel image wider than 8 bits to RGB would change its values
+    (values past 255 or below 0; a float image's fractions, as one scaled to 0-1), else None.
+    Decodes the image."""
+    low, high = image.getextrema()
+    if high > 255 or low < 0:
+        return f"with values from {low} to {high}"
+    if image.mode == "F" and not np.array_equal(values := np.asarray(image), np.round(values)):
+        return f"of fractional values from {low} to {high}"
+    return None
+
+
 # ISO base media brands of HEIC/HEIF still images (an iPhone camera's), which Pillow does not read
 _HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b"msf1"}
 
@@ -156,8 +168,8 @@ def _foreign_image(data: bytes) -> str | None:
     photo or an SVG drawing; None for other bytes."""
     if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
         return "a HEIC/HEIF image (an iPhone camera's format)"
-    head = data[:1024].lstrip().lower()
-    if head.startswith(b"<svg") or (head.startswith(b"<?xml") and b"<svg" in head):
+    head = data[:1024].removeprefix(b"\xef\xbb\xbf").lstrip().lower()
+    if head.startswith(b"<") and b"<svg" in head:
         return "an SVG drawing (vector graphics)"
     return None
 
@@ -186,12 +198,11 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
                                  f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
             mode = image.mode
-            if mode in _WIDE_MODES and max(map(abs, image.getextrema())) > 255:
+            if mode in _WIDE_MODES and (why := _clipped(image)):
                 raise MediaError("unsupported_format", f"a {mode} image (one channel of more "
-                                 f"than 8 bits, values {image.getextrema()}): converted to RGB, "
-                                 "as transformers' processors convert it, it is clipped to "
-                                 "0-255, white where above; scale it to 8 bits first (e.g. "
-                                 "16-bit values divided by 257)")
+                                 f"than 8 bits) {why}: converted to RGB, as transformers' "
+                                 "processors convert it, it is clipped to 0-255; scale it to "
+                                 "8 bits first (e.g. 16-bit values divided by 257)")
             orientation = image_orientation(image)
             if orientation in _TRANSPOSING_ORIENTATIONS:
                 width, height = height, width

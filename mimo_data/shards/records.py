@@ -41,6 +41,8 @@ def _content_text(content) -> str:
 
 def normalize_messages(turns) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages.
+    An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
+    before the answer.
 
     Raises RecordError for unknown roles, missing fields, an empty conversation and text that
     cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes).
@@ -63,6 +65,14 @@ def normalize_messages(turns) -> list[dict]:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
                               f"{sorted(ROLE_ALIASES)}")
         text = _content_text(content)
+        reasoning = turn.get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
+            # as Qwen3's and Qwen3.5's templates take it: the reasoning in a think block
+            # before the answer, which is how they split an answer that holds it
+            if "</think>" in text:
+                raise RecordError("malformed_record", f"turn {i} has a reasoning_content and "
+                                  "a </think> in its content: give its reasoning once")
+            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:
