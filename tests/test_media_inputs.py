@@ -8,6 +8,7 @@ the token counts computed from metadata alone must equal what the encoder inputs
 
 from __future__ import annotations
 
+import gzip
 import io
 from dataclasses import replace
 
@@ -292,17 +293,22 @@ def test_corrupt_image_bytes_raise_a_clear_error(images, name):
 
 def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
     """An iPhone's HEIC photo (an ISO base media file of brand heic or mif1) and an SVG drawing
-    are no format Pillow reads: the build names them as such, to convert, not as corrupt
-    bytes; an AVIF file (brand avif), which Pillow reads, is not taken for HEIC."""
+    (after a BOM or a doctype, or gzipped) are no format Pillow reads: the build names them as
+    such, to convert, not as corrupt bytes; an AVIF file (brand avif), which Pillow reads, is
+    not taken for HEIC, nor other gzipped bytes for an SVG."""
     heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
     heif = b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic" + bytes(64)
     svg = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>'
     doctype = b'\xef\xbb\xbf<!DOCTYPE svg PUBLIC "-//W3C//DTD SVG 1.1//EN">\n<svg/>'  # a BOM
+    svgz = gzip.compress(svg)
     for data, kind in ((heic, "HEIC/HEIF"), (heif, "HEIC/HEIF"), (svg, "SVG"),
-                       (b"  <svg width='1'/>", "SVG"), (doctype, "SVG")):
+                       (b"  <svg width='1'/>", "SVG"), (doctype, "SVG"), (svgz, "SVG")):
         with pytest.raises(MediaError, match=f"{kind}.*which Pillow does not read") as info:
             probe_image(data)
         assert info.value.reason == "unsupported_format"
+    for other in (gzip.compress(b"not an image"), b"\x1f\x8b not gzip at all"):
+        with pytest.raises(MediaError, match="not a readable image"):
+            probe_image(other)
     with pytest.raises(MediaError, match="not a readable image") as info:
         probe_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64))
     assert info.value.reason == "corrupt_image"

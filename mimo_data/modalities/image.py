@@ -20,6 +20,7 @@ import contextlib
 import functools
 import io
 import warnings
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -165,9 +166,14 @@ _HEIF_BRANDS = {b"heic", b"heix", b"hevc", b"hevx", b"heim", b"heis", b"mif1", b
 
 def _foreign_image(data: bytes) -> str | None:
     """What image a file Pillow recognizes nothing in is, where users meet it: a HEIC/HEIF
-    photo or an SVG drawing; None for other bytes."""
+    photo or an SVG drawing (gzipped too: ``.svgz``); None for other bytes."""
     if data[4:8] == b"ftyp" and data[8:12] in _HEIF_BRANDS:
         return "a HEIC/HEIF image (an iPhone camera's format)"
+    if data[:2] == b"\x1f\x8b":                       # gzip: the head of what it holds
+        try:
+            data = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS).decompress(data, 1024)
+        except zlib.error:
+            return None
     head = data[:1024].removeprefix(b"\xef\xbb\xbf").lstrip().lower()
     if head.startswith(b"<") and b"<svg" in head:
         return "an SVG drawing (vector graphics)"
