@@ -242,7 +242,7 @@ class SampleInspector:
         """What of an answer the template writes before its end of turn: before the last user
         query a template that takes reasoning apart writes its text alone."""
         if before_last_query and self._reasoning and _THINK_END in content:
-            return split_reasoning(content)[1]
+            return _split_reasoning(content)[1]
         return content
 
     def headers(self, roles: tuple[str, ...]) -> tuple[str, ...] | None:
@@ -312,7 +312,7 @@ class SampleInspector:
             # reasoning out, as it does at inference, and what it takes for neither is lost
             parts = [content]
             if role == "assistant" and self._reasoning and _THINK_END in content:
-                reasoning, answer, lost = split_reasoning(content)
+                reasoning, answer, lost = _split_reasoning(content)
                 if count := _visible(lost):
                     stats.assistant_chars_not_trained += count
                     stats.coverage_problems.append(
@@ -378,7 +378,7 @@ _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
 
 
-def split_reasoning(content: str) -> tuple[str, str, str]:
+def _split_reasoning(content: str) -> tuple[str, str, str]:
     """An answer's reasoning, its text and what neither keeps, as Qwen3's and Qwen3.5's
     templates take an answer apart: the reasoning before the first ``</think>`` (after the last
     ``<think>`` there), the text after the last ``</think>`` (each stripped); lost: what comes

@@ -148,6 +148,8 @@ def pillow_decoding(max_pixels: int | None):
 
 # Pillow's modes of one channel wider than 8 bits (16-bit PNG and TIFF, 32-bit integers, floats)
 _WIDE_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I", "F"}
+
+
 def _clipped(image: Image.Image) -> str | None:
     """How converting a one-channel image wider than 8 bits to RGB would change its values
     (values past 255 or below 0; a float image's fractions, as one scaled to 0-1), else None.
