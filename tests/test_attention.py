@@ -156,7 +156,8 @@ def test_sdpa_equals_local_packed(attention):
 def test_varlen_equals_local_packed(attention, monkeypatch):
     """The varlen path with its kernel replaced by per-sample causal SDPA; the stand-in checks
     what the real kernel requires (int32 boundaries, an int longest length, causal window,
-    as many key/value heads as query heads, the layer's softmax scale)."""
+    as many key/value heads as query heads, the layer's softmax scale) and that the tensors
+    reach it as views whose backward copies nothing."""
     import torch.nn.attention.varlen as varlen
     calls = []
     layer = attention("varlen")
@@ -165,6 +166,8 @@ def test_varlen_equals_local_packed(attention, monkeypatch):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int)
         assert window_size == (-1, 0) and scale == layer.softmax_scale
         assert q.shape[1] == k.shape[1] == v.shape[1] == HEADS and max_q == max_k == 8
+        # the row's batch dimension squeezed away, not indexed (whose backward fills zeros)
+        assert {type(t.grad_fn).__name__ for t in (q, k, v)} == {"SqueezeBackward1"}
         bounds = cu_q.tolist()
         calls.append(bounds)
         return torch.cat([F.scaled_dot_product_attention(

@@ -149,10 +149,11 @@ def test_published_qwen2_5_vl_7b_dims(tmp_path):
     dims = from_plan(resolve(cfg), tokenizer_size=151665)
     assert dims.language == Stack(28, 3584, 28, 4, 128, 18944, gated=True, vocab=152064)
     image = dims.encoders["image"]
-    # what transformers' tower keeps (memory.py): SDPA the whole QKV output (its RMSNorms
-    # and gated SiLU fused by mimo keep what megatron-core's do)
+    # what transformers' tower keeps (memory.py): under SDPA q, k, v (the values a copy,
+    # not a view of the QKV output), SDPA's output and its copy (its RMSNorms and gated SiLU
+    # fused by mimo keep what megatron-core's do)
     assert image.tower.stack == Stack(32, 1280, 16, 16, 80, 3420, gated=True,
-                                      attention_kept=14)
+                                      attention_kept=10)
     assert (image.tower.window, image.tower.full_attention_layers, image.tower.output_size,
             image.projection) == (4, (7, 15, 23, 31), 3584, ())
     total = dims.language.parameters() + image.parameters()

@@ -745,8 +745,8 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     the weights not counted) are ``layer_activation_bytes`` of its ``Stack`` per block within
     2% (left out: the norms' statistics, the rotary tables, SDPA's log-sum-exp). Qwen2-VL:
     QuickGELU; Qwen2.5-VL: RMSNorm and a gated SiLU (each fused by ``model.tower_fusions``,
-    as the trainer builds the tower); Qwen3-VL: GELU; each SDPA keeping the whole fused QKV
-    output through its values."""
+    as the trainer builds the tower); Qwen3-VL: GELU; under SDPA the values a copy, not a
+    view keeping the whole fused QKV output."""
     import dataclasses
 
     import torch

@@ -204,7 +204,7 @@ def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
                 module.weight.requires_grad_(False)
         run(grids[0])
     names = {formula.__name__ for formula in compiler.compiled}
-    assert names == {"rotary", "rotary_backward", "quick_gelu", "quick_gelu_backward",
+    assert names == {"split_rotary", "split_rotary_backward", "quick_gelu", "quick_gelu_backward",
                      "rms_norm", "rms_norm_backward", "rms_norm_weight_backward", "silu_gate",
                      "silu_gate_backward"}
     assert len(graphs) == len(names), [graph.code for graph in graphs]
@@ -229,6 +229,20 @@ def test_a_formula_past_the_recompile_limit_runs_as_written(capsys):
     assert "double reached torch.compile's recompile limit" in capsys.readouterr().out
 
 
+def _outside_compiled(profiler) -> list[str]:
+    """The outermost operators a profile holds outside the compiled regions."""
+    outside = []
+    for event in profiler.events():
+        parents, parent = [], event.cpu_parent
+        while parent is not None:
+            parents.append(parent.name)
+            parent = parent.cpu_parent
+        if event.name.startswith("aten::") and not any(
+                p.startswith(("aten::", "Torch-Compiled Region")) for p in parents):
+            outside.append(event.name)
+    return outside
+
+
 def test_a_formulas_numbers_are_constants_of_its_graph():
     """A float argument (a rotary's scale, a norm's epsilon) is compiled in, not made a graph
     input: a call dispatches no operator outside the compiled region (dynamo would wrap the
@@ -249,19 +263,51 @@ def test_a_formulas_numbers_are_constants_of_its_graph():
         compiler(scaled, x, y, 0.5)
     with torch.profiler.profile() as profiler:
         out = compiler(scaled, x, y, 0.5)
-    outside = []
-    for event in profiler.events():
-        parents, parent = [], event.cpu_parent
-        while parent is not None:
-            parents.append(parent.name)
-            parent = parent.cpu_parent
-        if event.name.startswith("aten::") and not any(
-                p.startswith(("aten::", "Torch-Compiled Region")) for p in parents):
-            outside.append(event.name)
+    outside = _outside_compiled(profiler)
     assert set(outside) == {"aten::detach"}, outside     # the tensors' (see Compiler)
     assert torch.equal(out, (x * y * 0.5).detach())
     assert torch.equal(compiler(scaled, x, y, 2.0), (x * y * 2.0).detach())
     assert len(graphs) == 2, [graph.code for graph in graphs]
+
+
+def test_the_attentions_split_copies_nothing_outside_its_formulas(monkeypatch):
+    """A Qwen tower's attention under the varlen kernel (an opaque stand-in here), forward
+    and backward with the fused formulas compiled (dynamo's tracing on the CPU): the
+    queries, keys and values leave the projection's output in one formula (the values'
+    contiguous copy with the rotary) and their gradients reach it in one (written in its
+    layout), so no operator outside the formulas copies, stacks or zero-fills a tower-sized
+    tensor (autograd's own path: a stack and a copy back to the projection's layout, and a
+    zeroed copy per tensor for indexing the batch dimension away)."""
+    import torch.nn.attention.varlen as varlen
+
+    from mimo_train.model.tower_attention import set_attention
+
+    class Kernel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+            return q * k + v
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad, grad, grad
+    monkeypatch.setattr(varlen, "varlen_attn", lambda q, k, v, *_, **kw: Kernel.apply(q, k, v))
+    tower, _, _ = _towers("qwen2_vl", torch.bfloat16, depth=1)
+    fuse(tower, set_attention(tower, "varlen", by_boundaries=True))     # as the trainer does
+    attention = tower.blocks[0].attn
+    monkeypatch.setattr(tower_fusions, "COMPILER",
+                        Compiler(backend=lambda graph, _: graph.forward, devices=("cpu",)))
+    x = torch.randn(20, attention.proj.in_features, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = torch.randn(2, 20, attention.proj.in_features // attention.num_heads)
+    bounds = torch.tensor([0, 8, 20])
+    for _ in range(2):                      # the second call's operators: compiled already
+        with torch.profiler.profile() as profiler:
+            attention(x, bounds, (cos, sin), max_seqlen=12).float().sum().backward()
+    copies = {"aten::stack", "aten::cat", "aten::clone", "aten::contiguous", "aten::copy_",
+              "aten::zeros", "aten::select_backward", "aten::unbind", "aten::permute"}
+    outside = _outside_compiled(profiler)
+    assert "aten::mm" in outside and not copies & set(outside), sorted(set(outside))
+    assert x.grad is not None and attention.qkv.weight.grad is not None
 
 
 def test_clip_gets_its_quick_gelu_fused_and_what_mimo_cannot_fuse_is_refused():

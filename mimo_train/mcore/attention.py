@@ -184,7 +184,8 @@ class CoreAttention(DotProductAttention):
         """The packed row ``[tokens, 1, heads, dim]`` through the varlen kernel."""
         from torch.nn.attention.varlen import varlen_attn
         key, value = self._one_head_per_query(key, value)
-        q, k, v = query[:, 0], key[:, 0], value[:, 0]
+        # squeezed, not indexed: indexing's backward writes the gradient into zeros
+        q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)
         cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
         longest = packed_seq_params.max_seqlen_q
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=self.softmax_scale,

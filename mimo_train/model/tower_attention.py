@@ -45,7 +45,8 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         raise ValueError("the towers' varlen attention takes no dropout "
                          "(model.attention: sdpa runs transformers' own)")
     from torch.nn.attention.varlen import varlen_attn
-    q, k, v = (t[0].transpose(0, 1).contiguous() for t in (query, key, value))   # [t, h, d]
+    # [t, h, d]; squeezed, not indexed: indexing's backward writes the gradient into zeros
+    q, k, v = (t.squeeze(0).transpose(0, 1).contiguous() for t in (query, key, value))
     out = varlen_attn(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
                       _longest(cu_seq_lens_q, max_length_q), _longest(cu_seq_lens_k, max_length_k),
                       scale=scaling, window_size=(-1, 0) if is_causal else (-1, -1))

@@ -4,10 +4,11 @@ Qwen2.5-VL's RMSNorm and gated SiLU; and the Qwen-family patch embedding as a ma
 
 transformers writes each as a chain of small operations, every one a pass over a tower-sized
 tensor on a GPU: the vision rotary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Qwen3.5) casts queries and
-keys to fp32 and rotates them in seven more; QuickGELU (Qwen2-VL's and CLIP's MLP) is three
-kernels keeping their input and the sigmoid; Qwen2.5-VL's eager RMSNorm six, keeping an fp32
-copy of its input, and its gated MLP's SiLU and product two more (docs/benchmarks.md: the H200
-profile these come from).
+keys to fp32 and rotates them in seven more, and the gradients of the queries, keys and values
+split from the fused projection's output are stacked and copied back to its layout, two
+passes more; QuickGELU (Qwen2-VL's and CLIP's MLP) is three kernels keeping their input and
+the sigmoid; Qwen2.5-VL's eager RMSNorm six, keeping an fp32 copy of its input, and its gated
+MLP's SiLU and product two more (docs/benchmarks.md: the H200 profile these come from).
 
 Here each is an autograd function whose forward and backward are pure formulas, compiled by
 ``COMPILER`` for CUDA tensors (inductor: one kernel for each pointwise formula; the RMSNorm's
@@ -23,7 +24,8 @@ as transformers does, but for the compiler's fused multiply-adds and reduction o
 unit in the last place on rare elements; QuickGELU and the gated SiLU where transformers rounds
 after each operation: within two units); the backward passes compute the same derivatives in
 fp32. QuickGELU, the norm and the gated SiLU keep their inputs alone for the backward pass
-(``planning.dims`` counts them as megatron-core's layers), the rotary its tables.
+(``planning.dims`` counts them as megatron-core's layers), the rotary its tables (its
+values a contiguous copy, not a view keeping the whole projection's output).
 tests/test_tower_fusions.py checks rows, gradients, what is kept and the compilations; the GPU
 check's ``fusions`` probe each compiled kernel against its formula as written.
 """
@@ -84,16 +86,33 @@ def rotary_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, cos: torch.Tenso
             (gk * cos - rotate_half(gk * sin)).to(grad_k.dtype))
 
 
-class _RotaryFunction(torch.autograd.Function):
+def split_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """transformers' split of the fused projection's output ``qkv`` ``[tokens, 3, heads,
+    dim]`` into queries, keys and values, ``rotary`` on the first two; the values a contiguous
+    copy (what the varlen kernel takes: one pass with the rotary's on a GPU)."""
+    q, k, v = qkv.unbind(1)
+    return *rotary(q, k, cos, sin), v.contiguous()
+
+
+def split_rotary_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
+                          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``split_rotary``'s gradient with respect to ``qkv``, written once in its layout:
+    autograd would stack the three gradients on a new first dimension (transformers' permute)
+    and copy that back to the projection's layout, two more passes over it."""
+    return torch.stack((*rotary_backward(grad_q, grad_k, cos, sin), grad_v), dim=1)
+
+
+class _SplitRotaryFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin):
+    def forward(ctx, qkv, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return COMPILER(rotary, q, k, cos, sin)
+        return COMPILER(split_rotary, qkv, cos, sin)
 
     @staticmethod
-    def backward(ctx, grad_q, grad_k):
+    def backward(ctx, grad_q, grad_k, grad_v):
         cos, sin = ctx.saved_tensors
-        return *COMPILER(rotary_backward, grad_q, grad_k, cos, sin), None, None
+        return COMPILER(split_rotary_backward, grad_q, grad_k, grad_v, cos, sin), None, None
 
 
 def quick_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -285,9 +304,9 @@ class FusedRotaryAttention(torch.nn.Module):
                 position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
         tokens = hidden_states.shape[0]
-        q, k, v = self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1) \
-            .permute(1, 0, 2, 3).unbind(0)
-        q, k = _RotaryFunction.apply(q, k, *position_embeddings)
+        q, k, v = _SplitRotaryFunction.apply(
+            self.qkv(hidden_states).reshape(tokens, 3, self.num_heads, -1),
+            *position_embeddings)
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if self.by_boundaries:
             if max_seqlen is None:

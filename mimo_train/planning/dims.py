@@ -238,7 +238,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.embed_dim, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, int(width * config.mlp_ratio), gated=False,
-                      attention_kept=QWEN_ATTENTION)
+                      attention_kept=SDPA_TOWER_ATTENTION)
         return Tower(kind, stack, _qwen_patch(config, width), config.hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.hidden_size)), by_boundaries=True)
@@ -246,7 +246,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=True,
-                      attention_kept=QWEN_ATTENTION)
+                      attention_kept=SDPA_TOWER_ATTENTION)
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
                       Linear(width * merge ** 2, config.out_hidden_size)),
@@ -258,7 +258,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         width, merge = config.hidden_size, config.spatial_merge_size
         stack = Stack(config.depth, width, config.num_heads, config.num_heads,
                       width // config.num_heads, config.intermediate_size, gated=False,
-                      attention_kept=QWEN_ATTENTION)
+                      attention_kept=SDPA_TOWER_ATTENTION)
         mergers = 1 + len(getattr(config, "deepstack_visual_indexes", None) or ())
         return Tower(kind, stack, _qwen_patch(config, width), config.out_hidden_size, merge,
                      (Linear(width * merge ** 2, width * merge ** 2),
@@ -269,7 +269,7 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
         stack = Stack(config.num_hidden_layers, width, config.num_attention_heads,
                       config.num_attention_heads, width // config.num_attention_heads,
                       config.intermediate_size, gated=False,
-                      attention_kept=SEPARATE_ATTENTION)
+                      attention_kept=SDPA_TOWER_ATTENTION)
         return Tower(kind, stack,
                      (Linear(config.num_channels * config.patch_size ** 2, width),),
                      output_size or width,
@@ -279,11 +279,11 @@ def tower_from_hf(kind: str, config: Any, output_size: int | None = None) -> Tow
                            "dims.py tower_from_hf)")
 
 
-# a transformers tower's attention under SDPA, in units of a at 2 bytes: the Qwen family's
-# values are a view of the fused QKV projection's output, so SDPA keeping them keeps all of it
-# (3 widths), besides the rotated queries and keys, SDPA's output and its contiguous copy, the
-# output projection's input; towers with their own q, k and v projections keep each
-QWEN_ATTENTION, SEPARATE_ATTENTION = 14, 10
+# a transformers tower's attention under SDPA, in units of a at 2 bytes: its queries, keys
+# and values (the Qwen family's rotated, and its values a contiguous copy of the fused QKV
+# projection's output, ``model.tower_fusions``), SDPA's output and its copy that is the output
+# projection's input
+SDPA_TOWER_ATTENTION = 10
 # the Qwen family under mimo's varlen kernel (``model.tower_attention``): q, k, v (the values a
 # contiguous copy) and the kernel's output, which is the output projection's input
 QWEN_VARLEN_ATTENTION = 8
@@ -299,7 +299,7 @@ def _whisper(config) -> Tower:
     width, positions = config.d_model, config.max_source_positions
     stack = Stack(config.encoder_layers, width, config.encoder_attention_heads,
                   config.encoder_attention_heads, width // config.encoder_attention_heads,
-                  config.encoder_ffn_dim, gated=False, attention_kept=SEPARATE_ATTENTION)
+                  config.encoder_ffn_dim, gated=False, attention_kept=SDPA_TOWER_ATTENTION)
     # conv1 (k3) on the 2 · positions frames of the padded window, conv2 (k3, stride 2)
     return Tower("whisper", stack, (Linear(3 * config.num_mel_bins, width, 2),
                                     Linear(3 * width, width)), width,

@@ -50,8 +50,8 @@ attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
       c = 6 (megatron-core's fused SwiGLU: the gate and up outputs 2·2f, the second matmul's
       input 2f); a transformers tower keeps the same (its QuickGELU, Qwen2.5-VL's RMSNorm
       and gated SiLU as ``model.tower_fusions`` runs them) but in its attention
-      (``Stack.attention_kept``: the Qwen family's SDPA 14·a, its values a view of the whole
-      QKV output; its varlen 8·a; tests/test_planning.py counts what autograd saves)
+      (``Stack.attention_kept``: SDPA 10·a; the Qwen family's varlen 8·a;
+      tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
       only where the kernel keeps them (megatron-core's local attention; flash, sdpa and
       varlen kernels do not, nor do transformers' towers) and recompute is none

@@ -185,11 +185,12 @@ FUSION_TOKENS = TOWER_IMAGES * 36 * 36
 
 def fusions(device: str = "cuda", tokens: int = FUSION_TOKENS) -> dict:
     """Each formula of ``mimo_train.model.tower_fusions`` on ``tokens`` patches at the sizes
-    of Qwen2-VL-2B's tower (rotary, QuickGELU) and Qwen2.5-VL's (RMSNorm, gated SiLU), and
-    of ``mimo_train.mcore.rope_fusion`` on a packed 8k row's queries of Qwen2-VL-2B's
-    language model (``rope``: 12 heads of 128), bf16, compiled as the trainer runs it on a GPU
-    against as written (transformers' and megatron-core's operations): the largest difference
-    relative to the largest entry, and the milliseconds of each."""
+    of Qwen2-VL-2B's tower (the attention's split and rotary, QuickGELU) and Qwen2.5-VL's
+    (RMSNorm, gated SiLU), and of ``mimo_train.mcore.rope_fusion`` on a packed 8k row's
+    queries of Qwen2-VL-2B's language model (``rope``: 12 heads of 128), bf16, compiled as
+    the trainer runs it on a GPU against as written (transformers' and megatron-core's
+    operations): the largest difference relative to the largest entry, and the milliseconds
+    of each."""
     from mimo_train.mcore import rope_fusion
     from mimo_train.model import tower_fusions as fused
     torch.manual_seed(0)
@@ -197,15 +198,14 @@ def fusions(device: str = "cuda", tokens: int = FUSION_TOKENS) -> dict:
     def bf16(*shape):
         return torch.randn(*shape, device=device, dtype=torch.bfloat16)
     qkv, table = bf16(tokens, 3, 16, 80), torch.randn(2, tokens, 80, device=device)
-    q, k = qkv[:, 0], qkv[:, 1]                    # views of the QKV output, as in the tower
     mlp, grad_mlp, hidden, grad_hidden, weight = (bf16(tokens, 5120), bf16(tokens, 5120),
                                                   bf16(tokens, 1280), bf16(tokens, 1280),
                                                   bf16(1280))
     gate, up, grad_gate = bf16(tokens, 3420), bf16(tokens, 3420), bf16(tokens, 3420)
     queries, angles = bf16(8192, 1, 16, 128), torch.rand(8192, 1, 1, 128, device=device) * 8e3
     cases: list[tuple[Callable, tuple]] = [
-        (fused.rotary, (q, k, *table)),
-        (fused.rotary_backward, (q.contiguous(), k.contiguous(), *table)),
+        (fused.split_rotary, (qkv, *table)),                 # the QKV output, as in the tower
+        (fused.split_rotary_backward, (*(bf16(tokens, 16, 80) for _ in range(3)), *table)),
         (fused.quick_gelu, (mlp,)), (fused.quick_gelu_backward, (mlp, grad_mlp)),
         (fused.rms_norm, (hidden, weight, 1e-6)),
         (fused.rms_norm_backward, (hidden, weight, grad_hidden, 1e-6)),
