@@ -24,8 +24,8 @@ as transformers does, but for the compiler's fused multiply-adds and reduction o
 unit in the last place on rare elements; QuickGELU and the gated SiLU where transformers rounds
 after each operation: within two units); the backward passes compute the same derivatives in
 fp32. QuickGELU, the norm and the gated SiLU keep their inputs alone for the backward pass
-(``planning.dims`` counts them as megatron-core's layers), the rotary its tables (its
-values a contiguous copy, not a view keeping the whole projection's output).
+(``planning.dims`` counts them as megatron-core's layers), the rotary its tables (the
+attention's values a contiguous copy, not a view keeping the whole projection's output).
 tests/test_tower_fusions.py checks rows, gradients, what is kept and the compilations; the GPU
 check's ``fusions`` probe each compiled kernel against its formula as written.
 """
@@ -90,9 +90,10 @@ def split_rotary(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """transformers' split of the fused projection's output ``qkv`` ``[tokens, 3, heads,
     dim]`` into queries, keys and values, ``rotary`` on the first two; the values a contiguous
-    copy (what the varlen kernel takes: one pass with the rotary's on a GPU)."""
+    copy (what the varlen kernel takes: one pass with the rotary's on a GPU; a copy also of a
+    single token's, so no output is a view of ``qkv``)."""
     q, k, v = qkv.unbind(1)
-    return *rotary(q, k, cos, sin), v.contiguous()
+    return *rotary(q, k, cos, sin), v.clone(memory_format=torch.contiguous_format)
 
 
 def split_rotary_backward(grad_q: torch.Tensor, grad_k: torch.Tensor, grad_v: torch.Tensor,
@@ -278,9 +279,10 @@ def _patchwise(conv: torch.nn.Module) -> bool:
 
 class FusedRotaryAttention(torch.nn.Module):
     """transformers' Qwen-family vision attention (its ``qkv`` and ``proj`` layers, so the
-    weights' names stay) with the fused rotary, attending by transformers' attention function
-    ``implementation``. The forward is transformers' (``VISION_ATTENTION``): one call with
-    the items' boundaries for an implementation whose name says "flash"
+    weights' names stay) with the queries, keys and values split from the projection's output
+    and rotated in one fused formula (``split_rotary``), attending by transformers' attention
+    function ``implementation``. The forward is transformers' (``VISION_ATTENTION``): one call
+    with the items' boundaries for an implementation whose name says "flash"
     (``model.tower_attention``'s varlen among them), else one call per item."""
 
     def __init__(self, attention: torch.nn.Module, implementation: str):
