@@ -156,6 +156,7 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
     assert found["ms_per_step"] == 0.55 and found["shares"]["idle"] == round(350 / 1100, 4)
     assert found["shares"]["matmul"] == round(300 / 1100, 4)
     assert found["kernels_per_step"] == 1.5 and found["operators_per_step"] == 0
+    assert found["busy_ms_per_step"] == 0.375              # 750 us of kernels in 2 steps
 
 
 def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(tmp_path):

@@ -144,7 +144,10 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
                      round(value / per_step, 3), "share": round(value / whole, 4)}
                     for name, value in ranked],
             "operators_per_step": round(_outermost_operators(events) / max(steps, 1), 1),
-            **({"kernels_per_step": round(len(kernels) / max(steps, 1), 1)} if kernels else {}),
+            **({"kernels_per_step": round(len(kernels) / max(steps, 1), 1),
+                # time some kernel ran: against the unprofiled steps' time (the GPU check's
+                # busy_over_timed), whether the GPU or the host bounds a step
+                "busy_ms_per_step": round(busy / per_step, 3)} if kernels else {}),
             "host_reads_per_step": round(len(synced) / max(steps, 1), 2),
             "host_reads_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
                 Counter(e.name for e in synced).items(), key=lambda item: -item[1])}}

@@ -52,7 +52,9 @@ How to read ``summary.json``: ``cases.NAME.mimo`` and ``cases.NAME.peer`` hold e
 figures (``median_*`` over the steps before the profiled ones), ``cases.NAME.speedup`` is
 mimo's trained tokens/s over the peer's (the issue's goal: >= 1.3 on ``packed_8k``), and
 ``mimo.profile`` / ``peer.profile`` say where the time went (``shares``; ``idle`` is GPU time
-with no kernel running: the host is behind). ``memory_error`` is mimo's allocator peak against
+with no kernel running: the host is behind), and ``busy_over_timed`` what of an unprofiled
+step the GPU's kernels take (near 1 the GPU bounds the step, well under 1 the host).
+``memory_error`` is mimo's allocator peak against
 the advisor's prediction (goal: within 10%).
 
 The trainings run as ``torchrun --nproc-per-node 1 -m mimo_train`` and ``python peer.py``; the
@@ -521,6 +523,11 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
         result["attention"] = records[-1]["attention"]
     found = sorted(profile.glob("profile_rank*.json")) if profile.is_dir() else []
     result["profile"] = json.loads(found[0].read_text()) if found else None
+    # the profiled steps' kernel time (the profiler slows the host, not the kernels) against
+    # the timed steps' wall time: what of a step the GPU works, on a GPU
+    busy = (result["profile"] or {}).get("busy_ms_per_step")
+    if busy and result.get("median_seconds"):
+        result["busy_over_timed"] = round(busy / (result["median_seconds"] * 1000), 3)
     return result
 
 
