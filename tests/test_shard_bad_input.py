@@ -165,6 +165,38 @@ def case_unknown_role(tmp_path, assets):
     return Case(record, "unknown_role")
 
 
+# a tool call as OpenAI and transformers' chat templates take it
+WEATHER_CALL = {"type": "function", "function": {"name": "get_weather",
+                                                  "arguments": {"city": "Paris"}}}
+
+
+def case_tool_turn(tmp_path, assets):
+    """LLaMA-Factory's ShareGPT function calling: the call and the tool's answer as turns."""
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1:] = [
+        {"from": "function_call", "value": json.dumps(WEATHER_CALL["function"])},
+        {"from": "observation", "value": '{"temperature": 21}'},
+        {"from": "gpt", "value": "It is 21 degrees."}]
+    return Case(record, "tool_use")
+
+
+def case_tool_calls_ending_the_conversation(tmp_path, assets):
+    """A function-calling record that ends at the call, with no tool turn (written before:
+    its call dropped, an empty answer trained)."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]}
+    return Case(record, "tool_use")
+
+
+def case_tools_listed_beside_a_plain_answer(tmp_path, assets):
+    """Tools the assistant does not call (written before: trained without them in the
+    prompt, which is what the answer's choice not to call depends on)."""
+    record = _image_record(assets["jpeg"])
+    record["tools"] = [{"type": "function", "function": {"name": "get_weather",
+                                                         "parameters": {"type": "object"}}}]
+    return Case(record, "tool_use")
+
+
 def case_invalid_utf8_bytes(tmp_path, assets):
     line = json.dumps({"id": "bad", "conversations": chat("Caf__E9__ au lait?", "Yes.")}).encode()
     return Case(line.replace(b"__E9__", b"\xe9"), "invalid_utf8")   # Latin-1 byte, not UTF-8
@@ -300,6 +332,22 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
     assert code == 1 and "no sample written, all 2 record(s) skipped" in err, err
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
+
+
+def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_records):
+    """Datasets that carry the tool fields empty on every record (``tools: []``, an answer's
+    ``tool_calls: null`` or ``[]``, a table's ``"[]"``) train as conversations."""
+    records = [dict(good_records[0], tools=[]), dict(good_records[1], tools="[]"),
+               {"id": "chat", "tools": None, "messages": [
+                   {"role": "user", "content": "Hi?"},
+                   {"role": "assistant", "content": "Hello.", "tool_calls": None},
+                   {"role": "user", "content": "And?"},
+                   {"role": "assistant", "content": "Bye.", "tool_calls": []}]}]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["records_skipped"] == 0 and report["samples_written"] == 3, report
 
 
 def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good_records):

@@ -561,6 +561,21 @@ def test_several_media_members_are_ordered_by_the_number_ending_their_names():
         assert caught.value.reason == "malformed_record" and "no order" in str(caught.value)
 
 
+def test_a_conversation_member_listing_tools_is_tool_use():
+    """Read in place, a sample whose conversation lists tools is ``tool_use``, as at build
+    (``records.normalize_messages``): never trained without the tools its template writes."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+    conversation = {"conversations": chat("Weather?", "Sunny."),
+                    "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    with pytest.raises(RecordError) as caught:
+        synthesize({"json": json.dumps(conversation).encode()}, MemberMap("conversation"))
+    assert caught.value.reason == "tool_use" and "lists tools" in str(caught.value)
+    conversation["tools"] = []
+    assert synthesize({"json": json.dumps(conversation).encode()},
+                      MemberMap("conversation")).fields["messages"][1]["content"] == "Sunny."
+
+
 def test_a_pair_without_its_medium_says_what_to_do():
     """Samples named with dots (``sample.000.jpg``: webdataset's key ends at the first dot,
     so they are one sample) and a field map naming a member the sample lacks."""

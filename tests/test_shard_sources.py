@@ -89,6 +89,21 @@ def test_parquet_json_string_conversation(tmp_path, assets):
     assert record["messages"][1] == {"role": "assistant", "content": "Yes."}
 
 
+def test_a_parquet_tools_column_is_tool_use(tmp_path):
+    """A conversations table with a ``tools`` column (function-calling sets store it as JSON
+    text): a row listing tools is skipped as ``tool_use``, one with ``"[]"`` or null trains."""
+    tools = json.dumps([{"type": "function", "function": {"name": "get_weather"}}])
+    table = pa.table({"id": ["listed", "empty", "null"],
+                      "tools": [tools, "[]", None],
+                      "conversations": [json.dumps(chat("Weather?", "Sunny."))] * 3})
+    path = tmp_path / "calls.parquet"
+    pq.write_table(table, path)
+    build_dataset([path], tmp_path / "out")
+    assert set(_samples_by_id(tmp_path / "out")) == {"empty", "null"}
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["skipped_by_reason"]["tool_use"]["count"] == 1, report
+
+
 def test_parquet_column_flags(capsys, tmp_path, assets):
     jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
     table = pa.table({

@@ -211,8 +211,9 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
         raw = _json(members, mapping.json)
-        turns = raw.get("conversations", raw.get("messages")) if isinstance(raw, dict) else None
-        messages = normalize_messages(turns)
+        turns, tools = (raw.get("conversations", raw.get("messages")), raw.get("tools")) \
+            if isinstance(raw, dict) else (None, None)
+        messages = normalize_messages(turns, tools)
         order = marker_order(messages)
         media = _conversation_media(members)
         check_marker_counts(order, {modality: len(names) for modality, names in media.items()})

@@ -11,6 +11,14 @@ from mimo_data.tally import CountedError
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the three roles we store.
 ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
                 "gpt": "assistant", "assistant": "assistant"}
+# tool use, which mimo does not train: the tool's turn (OpenAI/HF ``tool``, OpenAI's older
+# ``function``, Llama 3's ``ipython``, LLaMA-Factory's ShareGPT ``observation``) and the call
+# as a turn of its own (LLaMA-Factory's ``function_call``); an assistant turn's calls
+TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation", "function_call"})
+TOOL_CALL_KEYS = ("tool_calls", "function_call")
+_TOOL_USE = ("mimo does not train tool use yet (the calls as the chat template writes them and "
+             "the tools' turns left out of the loss): the record is skipped; train such "
+             "records with a tool-use trainer, or drop their tools and calls first")
 
 
 class RecordError(CountedError):
@@ -39,14 +47,18 @@ def _content_text(content) -> str:
                       f"parts, got {type(content).__name__}")
 
 
-def normalize_messages(turns) -> list[dict]:
+def normalize_messages(turns, tools=None) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages.
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
-    before the answer.
+    before the answer. ``tools``: the record's tool list, if it has one.
 
-    Raises RecordError for unknown roles, missing fields, an empty conversation and text that
-    cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes).
+    Raises RecordError for unknown roles, missing fields, an empty conversation, text that
+    cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and tool use
+    (``tool_use``: listed tools, a tool's turn, an assistant turn's calls), which would
+    otherwise train without the tools or calls the template writes.
     """
+    if _given(tools):
+        raise RecordError("tool_use", f"the record lists tools: {_TOOL_USE}")
     if not isinstance(turns, list) or not turns:
         raise RecordError("malformed_record", "the conversation is missing or empty")
     messages = []
@@ -54,6 +66,11 @@ def normalize_messages(turns) -> list[dict]:
         if not isinstance(turn, dict):
             raise RecordError("malformed_record", f"turn {i} is not an object")
         speaker = turn.get("role", turn.get("from"))
+        if str(speaker).lower() in TOOL_ROLES:
+            raise RecordError("tool_use", f"turn {i} has role {speaker!r}: {_TOOL_USE}")
+        calls = [key for key in TOOL_CALL_KEYS if _given(turn.get(key))]
+        if calls:
+            raise RecordError("tool_use", f"turn {i} holds {calls[0]}: {_TOOL_USE}")
         content = turn.get("content", turn.get("value"))
         if speaker is None or content is None:
             keys = sorted(key for key, value in turn.items() if value is not None)
@@ -82,6 +99,15 @@ def normalize_messages(turns) -> list[dict]:
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
     return messages
+
+
+def _given(value) -> bool:
+    """Whether a record's tools or a turn's calls hold anything: not None, an empty list or
+    mapping, or a string that is blank or JSON's ``[]`` / ``{}`` / ``null`` (tables store them
+    as JSON text)."""
+    if isinstance(value, str):
+        return value.strip() not in ("", "[]", "{}", "null")
+    return value is not None and not (isinstance(value, (list, tuple, dict)) and not value)
 
 
 def marker_order(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -54,13 +54,15 @@ class RawRecord:
     (paths, bytes or ``{bytes, path}``) in marker order (a document's ``image``: its
     ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
     ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
-    against the probed one (``validate.check_audio_duration``)."""
+    against the probed one (``validate.check_audio_duration``). ``tools``: a conversation's
+    tool list, where the record has one (``records.normalize_messages`` refuses tool use)."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
     kind: str = "conversation"
     text: object = None
     audio_duration: float | None = None
+    tools: object = None
 
 
 def media_field(modality: str) -> str:
@@ -220,7 +222,7 @@ class ConversationFile:
                              kind="caption", text=record["caption"])
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
-                         media=with_part_items(media, turns))
+                         media=with_part_items(media, turns), tools=record.get("tools"))
 
 
 class SpeechManifest:
@@ -283,7 +285,7 @@ class ParquetTable:
             named, wanted["conversation"] = ["conversation"], "texts"
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
-                            ("id", ("id",), False),
+                            ("id", ("id",), False), ("tools", ("tools",), False),
                             ("conversation", ("messages", "conversations"), False),
                             ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
@@ -335,7 +337,8 @@ class ParquetTable:
         if isinstance(turns, (str, bytes)):
             turns = _json_value(turns)
         turns = exchanges(turns, media)
-        return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns))
+        return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
+                         tools=record.get(column["tools"]) if column["tools"] else None)
 
 
 def _holds_exchanges(kind: pa.DataType) -> bool:
