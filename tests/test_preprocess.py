@@ -311,6 +311,41 @@ def test_generation_block_template_gives_the_same_masks_as_incremental_rendering
         assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.labels, b.labels)
 
 
+@pytest.mark.parametrize("mode", ["chat", "caption", "generation"])
+def test_an_answer_weighted_0_is_in_the_text_not_the_loss(records, mode, reference_tokenizer):
+    """OpenAI's ``weight: 0`` on an answer (``"weight": 0`` in the shard's message): the
+    tokens are the unweighted record's, the trained text the other answers' alone (from the
+    record itself), whichever way the spans are found (incremental rendering, caption mode,
+    a template's generation blocks). An inspector finds no coverage problem: the weighted
+    answer is judged as a turn that must not be trained."""
+    from mimo_data.inspect.stats import SampleInspector
+    record = copy.deepcopy(next(r for r in records if not r["media"] and sum(
+        m["role"] == "assistant" for m in r["messages"]) >= 2))
+    weighted = copy.deepcopy(record)
+    answers = [m for m in weighted["messages"] if m["role"] == "assistant"]
+    answers[0]["weight"] = 0
+    changes = {"mode": mode} if mode != "generation" else {"chat_template": (
+        reference_tokenizer.chat_template.replace(
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+            "'\n'}}", "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}"
+            "{% generation %}{{message['content'] + '<|im_end|>'}}{% endgeneration %}"
+            "{{'\n'}}{% else %}{{'<|im_start|>' + message['role'] + '\n' + "
+            "message['content'] + '<|im_end|>' + '\n'}}{% endif %}"))}
+    preprocessor = Preprocessor(config(**changes), with_media=False)
+    assert preprocessor.text.has_generation_blocks == (mode == "generation")
+    full, sample = preprocessor(record), preprocessor(weighted)
+    assert torch.equal(sample.input_ids, full.input_ids)
+    assert trained_text(preprocessor.text.tokenizer, sample) == "".join(
+        m["content"] + EOT for m in answers[1:])
+    assert trained_text(preprocessor.text.tokenizer, full) == assistant_text(record)
+    if mode != "caption":
+        stats, _ = SampleInspector(preprocessor.config)(0, weighted)
+        assert not stats.coverage_failure and stats.trained == int(sample.loss_mask.sum()), \
+            stats.coverage_problems
+        weighted["messages"][-1]["weight"] = 1          # not how shards hold it: stays in
+        assert SampleInspector(preprocessor.config)(0, weighted)[0].trained == stats.trained
+
+
 def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(records):
     template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                 "{% if loop.last %} (final){% endif %}<|im_end|>\n{% endfor %}"

@@ -15,7 +15,8 @@ import pytest
 import soundfile
 from PIL import Image
 
-from conftest import (chat, cli_main, file_bytes, read_json, run_cli, samples_table, write_jsonl)
+from conftest import (chat, cli_main, file_bytes, read_json, run_cli, sample_records,
+                      samples_table, write_jsonl)
 
 BAD_LINE = 3  # the bad record sits between good-2 and good-3
 
@@ -197,6 +198,25 @@ def case_tools_listed_beside_a_plain_answer(tmp_path, assets):
     return Case(record, "tool_use")
 
 
+def case_answer_weighted_neither_0_nor_1(tmp_path, assets):
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1]["weight"] = 0.5
+    return Case(record, "malformed_record")
+
+
+def case_question_weighted_1(tmp_path, assets):
+    """A flag asking to train a user turn: mimo trains answers only, so it is refused."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][0]["weight"] = 1
+    return Case(record, "malformed_record")
+
+
+def case_every_answer_weighted_0(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1]["weight"] = 0
+    return Case(record, "no_trained_tokens")
+
+
 def case_invalid_utf8_bytes(tmp_path, assets):
     line = json.dumps({"id": "bad", "conversations": chat("Caf__E9__ au lait?", "Yes.")}).encode()
     return Case(line.replace(b"__E9__", b"\xe9"), "invalid_utf8")   # Latin-1 byte, not UTF-8
@@ -348,6 +368,27 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
     assert report["records_skipped"] == 0 and report["samples_written"] == 3, report
+
+
+def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
+    """OpenAI's ``weight`` (0 or 1) and axolotl's ``training`` (a boolean) on answers: the
+    shard's message holds ``"weight": 0`` where the answer is out of the loss, nothing
+    otherwise; a user turn's ``weight: 0`` (what mimo does anyway) is accepted."""
+    turns = [{"role": "user", "content": "One?", "weight": 0},
+             {"role": "assistant", "content": "A.", "weight": 0},
+             {"role": "user", "content": "Two?"},
+             {"role": "assistant", "content": "B.", "training": False},
+             {"role": "user", "content": "Three?"},
+             {"role": "assistant", "content": "C.", "weight": 1},
+             {"role": "user", "content": "Four?"},
+             {"role": "assistant", "content": "D.", "training": True}]
+    path = write_jsonl(tmp_path / "input.jsonl", [{"id": "w", "messages": turns}])
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    [record] = sample_records(tmp_path / "out")
+    assert [m.get("weight") for m in record["messages"]] == [None, 0, None, 0] + [None] * 4
+    assert [set(m) for m in record["messages"]] == \
+        [{"role", "content"}, {"role", "content", "weight"}] * 2 + [{"role", "content"}] * 4
 
 
 def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good_records):

@@ -229,7 +229,7 @@ class SampleInspector:
         messages = self.text.kinds.roles(record)
         kept = messages[:len(messages) - text.removed_turns]
         last_query = _last_query(kept)
-        stats.empty_answers = sum(message.get("role") == "assistant" and not self._answer(
+        stats.empty_answers = sum(_in_loss(message) and not self._answer(
             str(message.get("content") or ""), turn < last_query).strip()
             for turn, message in enumerate(kept))
         # a document's pieces are one text, no turns: nothing of a template between them
@@ -311,7 +311,7 @@ class SampleInspector:
             # (the think tags are the template's); before the last user query it leaves the
             # reasoning out, as it does at inference, and what it takes for neither is lost
             parts = [content]
-            if role == "assistant" and self._reasoning and _THINK_END in content:
+            if _in_loss(message) and self._reasoning and _THINK_END in content:
                 reasoning, answer, lost = _split_reasoning(content)
                 if count := _visible(lost):
                     stats.assistant_chars_not_trained += count
@@ -330,18 +330,21 @@ class SampleInspector:
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \
                     _locate(text, piece, cursor)
-                cursor = self._judge(stats, turn, role, piece, found, text, pieces, starts,
-                                     kinds, first) or cursor
+                cursor = self._judge(stats, turn, role, _in_loss(message), piece, found,
+                                     text, pieces, starts, kinds, first) or cursor
 
     @staticmethod
-    def _judge(stats: SampleStats, turn: int, role: str, content: str,
+    def _judge(stats: SampleStats, turn: int, role: str, trained: bool, content: str,
                found: tuple[int, int] | None, text: str, pieces: list[str], starts: list[int],
                kinds: list[int], first: int) -> int | None:
         """Count a content's characters in runs of the wrong class (``found``: where it is in
-        ``text``, None where it is not); where it ends in ``text``, or None."""
-        wrong = 0 if role == "assistant" else 1         # the class its characters must not be
+        ``text``, None where it is not; ``trained``: whether the content is in the loss);
+        where it ends in ``text``, or None."""
+        wrong = 0 if trained else 1             # the class its characters must not be
+        if not trained and role == "assistant":
+            role = "assistant, weight 0"
         if found is None:
-            if role == "assistant":
+            if trained:
                 count = _visible(content)
                 stats.assistant_chars_not_trained += count
                 stats.coverage_problems.append(f"turn {turn} (assistant): its content "
@@ -356,13 +359,13 @@ class SampleInspector:
                 count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
                                        min(b, starts[k + 1])])
         if count:
-            if role == "assistant":
+            if trained:
                 stats.assistant_chars_not_trained += count
             else:
                 stats.other_chars_trained += count
             stats.coverage_problems.append(
                 f"turn {turn} ({role}): {count} of {_visible(content)} content characters "
-                + ("not trained" if role == "assistant" else "trained"))
+                + ("not trained" if trained else "trained"))
         return b
 
 
@@ -376,6 +379,11 @@ _THINK_START, _THINK_END = "<think>", "</think>"
 _STAND_IN = "\ue000{}\ue001"
 _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
+
+
+def _in_loss(message: Mapping[str, Any]) -> bool:
+    """Whether a message is one the loss must cover: an answer not weighted 0."""
+    return message.get("role") == "assistant" and message.get("weight", 1) != 0
 
 
 def _split_reasoning(content: str) -> tuple[str, str, str]:

@@ -117,9 +117,11 @@ class ChatRenderer:
 
     def render(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, list[TrainedSpan]]:
         """The text and its trained character spans (each ending with the end-of-turn token,
-        or followed by an appended EOS)."""
+        or followed by an appended EOS); an answer with ``"weight": 0`` is in the text, not in
+        the spans."""
         if self.config.mode == "caption":
-            return self._render_caption(messages)
+            text, answers = self._render_caption(messages)
+            return text, _weighed(messages, answers)
         if self.has_generation_blocks:
             text, spans = self._render_with_generation_spans(messages)
         else:
@@ -133,7 +135,8 @@ class ChatRenderer:
                     spans = filled[1]
                 else:
                     spans = self._incremental_spans(messages, text)
-        trained = [self._through_eot(text, start, end) for start, end in spans]
+        trained = [self._through_eot(text, start, end) for start, end in
+                   _weighed(messages, spans)]
         bos = self._bos(text)
         if not bos:         # most tokenizers: no second span object per span (every sample)
             return text, trained
@@ -276,6 +279,20 @@ class ChatRenderer:
             parts.append(piece)
             position += len(piece)
         return "".join(parts), spans
+
+
+def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
+    """The spans of the answers in the loss: ``spans`` are the answers' (one each, in order),
+    less those with ``"weight": 0``."""
+    weights = [message.get("weight", 1) for message in messages
+               if message["role"] == "assistant"]
+    if all(weights):
+        return spans
+    if len(weights) != len(spans):
+        raise TextError("template_mismatch", f"the chat template writes {len(spans)} answer "
+                        f"span(s) for {len(weights)} answers, so the answers with weight 0 "
+                        "cannot be left out of the loss")
+    return [span for span, weight in zip(spans, weights) if weight]
 
 
 _MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")

@@ -185,7 +185,8 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
-        answers = [m["content"] for m in kept_messages if m["role"] == "assistant"]
+        answers = [m["content"] for m in kept_messages
+                   if m["role"] == "assistant" and m.get("weight", 1)]
         if answers and not any(answer.strip() for answer in answers):
             # the template's end of turn would be all it trains: to answer with nothing
             raise SampleDropped("empty_answers", f"every answer ({len(answers)}) is empty"

@@ -27,16 +27,19 @@ it rather than look for the tars beside the index.
 
     {"key": "000000042", "id": "<source id or null>",
      "source": {"file": "data/llava.jsonl", "line": 17}      # or {"file": ..., "row": 5}
-     "messages": [{"role": "system"|"user"|"assistant", "content": "... <image> ..."}],
+     "messages": [{"role": "system"|"user"|"assistant", "content": "... <image> ...",
+                   "weight": 0}],                            # weight: only where 0 (below)
      "media": [                                              # in marker order across messages
         {"modality": "image", "member": "img0.jpg", "format": "jpeg", "bytes": 51234,
          "width": 512, "height": 384, "mode": "RGB"},        # size after EXIF orientation
         {"modality": "audio", "member": "aud0.wav", "format": "wav", "bytes": 96044,
          "sample_rate": 16000, "channels": 1, "frames": 48000, "duration": 3.0}]}
 
-The i-th ``<image>`` marker in reading order (messages in order, left to right) is the i-th
-image item; the same holds for ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec,
-frame rate, frame count and display rotation). Media items are listed in marker order.
+An assistant message with ``"weight": 0`` is in the text but not in the loss (OpenAI's
+fine-tuning format); the key is written only where it is 0. The i-th ``<image>`` marker in
+reading order (messages in order, left to right) is the i-th image item; the same holds for
+``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec, frame rate, frame count and
+display rotation). Media items are listed in marker order.
 
 Record kinds (``kind``; a record without one is a conversation, as every dataset built before
 kinds were added):
@@ -73,6 +76,7 @@ def record_kind(record: ShardRecord) -> RecordKind:
 class Message(TypedDict):
     role: Literal["system", "user", "assistant"]
     content: str                 # text with <image> / <audio> / <video> markers in place
+    weight: NotRequired[Literal[0]]   # an assistant turn left out of the loss (absent: trained)
 
 
 class ShardRecord(TypedDict):

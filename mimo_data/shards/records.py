@@ -50,7 +50,8 @@ def _content_text(content) -> str:
 def normalize_messages(turns, tools=None) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages.
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
-    before the answer. ``tools``: the record's tool list, if it has one.
+    before the answer; one left out of the loss (``weight`` 0, ``training`` false) has
+    ``"weight": 0``. ``tools``: the record's tool list, if it has one.
 
     Raises RecordError for unknown roles, missing fields, an empty conversation, text that
     cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and tool use
@@ -95,10 +96,43 @@ def normalize_messages(turns, tools=None) -> list[dict]:
         except UnicodeEncodeError as exc:
             raise RecordError("invalid_utf8",
                               f"turn {i} text is not valid Unicode: {exc}") from None
-        messages.append({"role": role, "content": text})
+        message: dict[str, Any] = {"role": role, "content": text}
+        if not _trained(turn, i, role) and role == "assistant":
+            message["weight"] = 0
+        messages.append(message)
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
+    answers = [m for m in messages if m["role"] == "assistant"]
+    if answers and all("weight" in m for m in answers):
+        raise RecordError("no_trained_tokens", f"every answer ({len(answers)}) has weight 0: "
+                          "nothing to train on")
     return messages
+
+
+def _trained(turn: dict, i: int, role: str) -> bool:
+    """Whether turn ``i`` is in the loss, as its own flag says: OpenAI's fine-tuning
+    ``weight`` (0 or 1, assistant turns) or axolotl's ``training`` (a boolean); an assistant
+    turn without either is, any other is not (a flag asking for it is refused: mimo trains
+    answers only)."""
+    flags = {key: turn[key] for key in ("weight", "training") if turn.get(key) is not None}
+    if "train_detail" in turn:
+        raise RecordError("malformed_record", f"turn {i} has a train_detail (character spans "
+                          "to train), which mimo does not read: give the turn a weight of 0 "
+                          "or 1")
+    trained = role == "assistant"
+    for key, value in flags.items():
+        if key == "weight" and value in (0, 1) and not isinstance(value, bool):
+            wanted = value == 1
+        elif key == "training" and isinstance(value, bool):
+            wanted = value
+        else:
+            raise RecordError("malformed_record", f"turn {i} has {key} {value!r}: a weight is "
+                              "0 (not trained) or 1, a training flag true or false")
+        if wanted and role != "assistant":
+            raise RecordError("malformed_record", f"turn {i} ({role}) has {key} {value!r}, "
+                              "but mimo trains the assistant's turns only")
+        trained = trained and wanted
+    return trained
 
 
 def _given(value) -> bool:
