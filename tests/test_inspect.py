@@ -325,6 +325,34 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     assert code == 1 and "FAIL reasoning_dropped" in err
 
 
+@pytest.mark.parametrize("config_name", ["preprocess.yaml", "preprocess_qwen3_5.yaml"])
+def test_an_answer_weighted_0_is_judged_as_text_that_must_not_train(config_name, monkeypatch):
+    """Answers weighted 0 (a plain one, one with reasoning before the last user query under
+    Qwen3.5's template, an empty one) beside trained ones: no coverage problem, the empty one
+    not an empty answer. Under a renderer that ignores the weights (broken on purpose), the
+    coverage check names each weighted answer as trained."""
+    from mimo_data.inspect.stats import SampleInspector
+    from mimo_data.preprocess import chat_render
+    config = PreprocessConfig.from_yaml(str(REPO / "configs" / config_name))
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "<think>Greet.</think>Alpha one.", "weight": 0},
+                {"role": "user", "content": "Next?"},
+                {"role": "assistant", "content": "Beta two.", "weight": 0},
+                {"role": "user", "content": "More?"},
+                {"role": "assistant", "content": "", "weight": 0},
+                {"role": "user", "content": "Last?"},
+                {"role": "assistant", "content": "Gamma three."}]
+    record = {"key": "k", "media": [], "messages": messages}
+    stats, _ = SampleInspector(config)(0, record)
+    assert stats.dropped is None and not stats.coverage_failure, stats.coverage_problems
+    assert stats.empty_answers == 0 and stats.reasoning_dropped == 0
+    monkeypatch.setattr(chat_render, "_weighed", lambda messages, spans: spans)
+    stats, _ = SampleInspector(config)(0, record)
+    named = [problem.split(":")[0] for problem in stats.coverage_problems]
+    assert named == ["turn 1 (assistant, weight 0)", "turn 3 (assistant, weight 0)"], \
+        stats.coverage_problems
+
+
 def test_caption_mode_trailing_image_is_reported_as_dropped(capsys, tmp_path, faulty, configs):
     """In caption mode a conversation ending with a marker would lose its last placeholder to
     the next-token shift: the preprocessor drops it (ends_with_media) and the report says so."""

@@ -317,7 +317,8 @@ def test_an_answer_weighted_0_is_in_the_text_not_the_loss(records, mode, referen
     tokens are the unweighted record's, the trained text the other answers' alone (from the
     record itself), whichever way the spans are found (incremental rendering, caption mode,
     a template's generation blocks). An inspector finds no coverage problem: the weighted
-    answer is judged as a turn that must not be trained."""
+    answer is judged as a turn that must not be trained. Another weight in a shard is
+    malformed."""
     from mimo_data.inspect.stats import SampleInspector
     record = copy.deepcopy(next(r for r in records if not r["media"] and sum(
         m["role"] == "assistant" for m in r["messages"]) >= 2))
@@ -342,8 +343,47 @@ def test_an_answer_weighted_0_is_in_the_text_not_the_loss(records, mode, referen
         stats, _ = SampleInspector(preprocessor.config)(0, weighted)
         assert not stats.coverage_failure and stats.trained == int(sample.loss_mask.sum()), \
             stats.coverage_problems
-        weighted["messages"][-1]["weight"] = 1          # not how shards hold it: stays in
-        assert SampleInspector(preprocessor.config)(0, weighted)[0].trained == stats.trained
+    # a shard holds "weight": 0 alone: another value (a hand-made or another tool's
+    # record) is refused, never read one way by the preprocessor and another by the inspector
+    weighted["messages"][-1]["weight"] = None
+    with pytest.raises(SampleDropped, match="weight is 0 where it has one") as caught:
+        preprocessor(weighted)
+    assert caught.value.reason == "malformed_record"
+
+
+def test_weights_the_spans_cannot_follow_and_empty_trained_answers_are_dropped(records,
+                                                                                plain):
+    """A template writing two ``{% generation %}`` blocks an answer: its spans cannot be
+    matched to the answers, so a weighted sample is a template_mismatch (unweighted, it trains
+    both blocks). An empty trained answer beside a weighted one with text trains its end of
+    turn alone: empty_answers. ``truncate_turns`` keeps a prefix ending on a trained answer."""
+    record = copy.deepcopy(next(r for r in records if not r["media"] and sum(
+        m["role"] == "assistant" for m in r["messages"]) >= 2))
+    answers = [m for m in record["messages"] if m["role"] == "assistant"]
+    twice = plain.text.template.replace(
+        "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}",
+        "{% if message['role'] == 'assistant' %}{{'<|im_start|>assistant\n'}}{% generation %}"
+        "{{message['content']}}{% endgeneration %}{% generation %}{{'<|im_end|>'}}"
+        "{% endgeneration %}{{'\n'}}{% else %}{{'<|im_start|>' + message['role'] + '\n' + "
+        "message['content'] + '<|im_end|>' + '\n'}}{% endif %}")
+    marked = Preprocessor(config(chat_template=twice), with_media=False)
+    assert marked.text.has_generation_blocks
+    assert int(marked(record).loss_mask.sum()) > 0
+    answers[0]["weight"] = 0
+    with pytest.raises(SampleDropped, match="one {% generation %} block an answer") as caught:
+        marked(record)
+    assert caught.value.reason == "template_mismatch"
+    answers[-1]["content"] = ""
+    with pytest.raises(SampleDropped, match=r"every trained answer \(1 of") as caught:
+        plain(record)
+    assert caught.value.reason == "empty_answers"
+    exchanges = [{"role": role, "content": f"{role} {k}."} for k in range(3)
+                 for role in ("user", "assistant")]
+    exchanges[3]["weight"] = 0                       # the middle answer
+    three = dict(record, messages=exchanges)
+    truncating = Preprocessor(config(seq_length=len(plain(three).input_ids) - 1,
+                                     length_policy="truncate_turns"), with_media=False)
+    assert truncating(three).removed_turns == 4      # to the first answer, not the middle
 
 
 def test_template_that_rewrites_earlier_turns_is_an_error_not_a_silent_mask(records):

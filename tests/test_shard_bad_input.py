@@ -198,6 +198,37 @@ def case_tools_listed_beside_a_plain_answer(tmp_path, assets):
     return Case(record, "tool_use")
 
 
+def case_tool_role(tmp_path, assets):
+    """A tool's turn with no call before it in the record (the call made elsewhere)."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"] += [{"role": "tool", "content": '{"temperature": 21}'},
+                           {"role": "assistant", "content": "It is 21 degrees."}]
+    return Case(record, "tool_use")
+
+
+def case_legacy_function_call(tmp_path, assets):
+    """OpenAI's older ``functions`` / ``function_call`` form, the call alone."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1] = {"role": "assistant", "content": None,
+                             "function_call": {"name": "get_weather",
+                                               "arguments": '{"city": "Paris"}'}}
+    return Case(record, "tool_use")
+
+
+def case_legacy_functions_listed(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["functions"] = [{"name": "get_weather", "parameters": {"type": "object"}}]
+    return Case(record, "tool_use")
+
+
+def case_answer_with_train_detail(tmp_path, assets):
+    """axolotl's character spans to train, which mimo does not read."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1]["train_detail"] = [{"begin_offset": 0, "end_offset": 4,
+                                              "train": True}]
+    return Case(record, "malformed_record")
+
+
 def case_answer_weighted_neither_0_nor_1(tmp_path, assets):
     record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
     record["messages"][1]["weight"] = 0.5
@@ -356,11 +387,14 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
 
 def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_records):
     """Datasets that carry the tool fields empty on every record (``tools: []``, an answer's
-    ``tool_calls: null`` or ``[]``, a table's ``"[]"``) train as conversations."""
-    records = [dict(good_records[0], tools=[]), dict(good_records[1], tools="[]"),
+    ``tool_calls: null`` or ``[]``, a ``function_call`` of nulls, a table's ``"[ ]"``,
+    ``"None"`` or NaN) train as conversations."""
+    records = [dict(good_records[0], tools=[], functions="None"),
+               dict(good_records[1], tools="[ ]", functions=float("nan")),
                {"id": "chat", "tools": None, "messages": [
                    {"role": "user", "content": "Hi?"},
-                   {"role": "assistant", "content": "Hello.", "tool_calls": None},
+                   {"role": "assistant", "content": "Hello.", "tool_calls": None,
+                    "function_call": {"name": None, "arguments": None}},
                    {"role": "user", "content": "And?"},
                    {"role": "assistant", "content": "Bye.", "tool_calls": []}]}]
     path = write_jsonl(tmp_path / "input.jsonl", records)
@@ -373,9 +407,10 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     """OpenAI's ``weight`` (0 or 1) and axolotl's ``training`` (a boolean) on answers: the
     shard's message holds ``"weight": 0`` where the answer is out of the loss, nothing
-    otherwise; a user turn's ``weight: 0`` (what mimo does anyway) is accepted."""
+    otherwise; a user turn's ``weight: 0`` (what mimo does anyway) and an empty
+    ``train_detail`` (a table's null) are accepted."""
     turns = [{"role": "user", "content": "One?", "weight": 0},
-             {"role": "assistant", "content": "A.", "weight": 0},
+             {"role": "assistant", "content": "A.", "weight": 0, "train_detail": None},
              {"role": "user", "content": "Two?"},
              {"role": "assistant", "content": "B.", "training": False},
              {"role": "user", "content": "Three?"},

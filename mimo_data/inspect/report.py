@@ -23,9 +23,10 @@ marker_mismatches           its media markers ≠ its media list                
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
 index_mismatches            its media list ≠ its row of samples.parquet         count 0
 loss_mask_coverage          an assistant content character is not trained, or   count 0
-                            a user/system one is (located in the decoded tokens;
-                            an answer's reasoning and its text apart where the
-                            template takes them apart, its think tags its own)
+                            a user/system one (or an answer's weighted 0) is
+                            (located in the decoded tokens; an answer's
+                            reasoning and its text apart where the template
+                            takes them apart, its think tags its own)
 trained_token_fraction      (dataset) trained / real tokens of kept samples     min 0 (off)
 kept_samples                (dataset) fails when no sample is kept              always on
 ==========================  =================================================  ==============

@@ -15,7 +15,8 @@ Around that, checks that do not trust the preprocessor:
 - loss mask vs roles: each kept message's content located in the decoded tokens (not through
   the preprocessor's spans), after the template's text before it (its role header: a
   one-letter answer ``t`` is not the ``t`` of ``<|im_start|>``): an assistant content
-  character that is not trained, or a user or system one that is, counts (whitespace aside).
+  character that is not trained, or a user or system one (or one of an answer weighted 0)
+  that is, counts (whitespace aside).
   A template whose ``{% generation %}`` blocks leave out the answers, or wrap user turns,
   fails here.
 """
@@ -37,7 +38,7 @@ from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, Sam
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards import storage
-from mimo_data.shards.format import SAMPLES_FILE, summary_column
+from mimo_data.shards.format import SAMPLES_FILE, in_loss, summary_column
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
 _MODALITY_OF = {marker: modality for modality, marker in MARKERS.items()}
@@ -229,7 +230,7 @@ class SampleInspector:
         messages = self.text.kinds.roles(record)
         kept = messages[:len(messages) - text.removed_turns]
         last_query = _last_query(kept)
-        stats.empty_answers = sum(_in_loss(message) and not self._answer(
+        stats.empty_answers = sum(in_loss(message) and not self._answer(
             str(message.get("content") or ""), turn < last_query).strip()
             for turn, message in enumerate(kept))
         # a document's pieces are one text, no turns: nothing of a template between them
@@ -311,9 +312,9 @@ class SampleInspector:
             # (the think tags are the template's); before the last user query it leaves the
             # reasoning out, as it does at inference, and what it takes for neither is lost
             parts = [content]
-            if _in_loss(message) and self._reasoning and _THINK_END in content:
+            if role == "assistant" and self._reasoning and _THINK_END in content:
                 reasoning, answer, lost = _split_reasoning(content)
-                if count := _visible(lost):
+                if (count := _visible(lost)) and in_loss(message):
                     stats.assistant_chars_not_trained += count
                     stats.coverage_problems.append(
                         f"turn {turn} (assistant): {count} characters before its last <think> "
@@ -321,7 +322,7 @@ class SampleInspector:
                         "keeps the reasoning before the first </think> and the text after "
                         "the last)")
                 if turn < last_query:
-                    stats.reasoning_dropped += bool(reasoning)
+                    stats.reasoning_dropped += bool(reasoning) and in_loss(message)
                     parts = [answer]
                 else:
                     parts = [reasoning, answer]
@@ -330,7 +331,7 @@ class SampleInspector:
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \
                     _locate(text, piece, cursor)
-                cursor = self._judge(stats, turn, role, _in_loss(message), piece, found,
+                cursor = self._judge(stats, turn, role, in_loss(message), piece, found,
                                      text, pieces, starts, kinds, first) or cursor
 
     @staticmethod
@@ -379,11 +380,6 @@ _THINK_START, _THINK_END = "<think>", "</think>"
 _STAND_IN = "\ue000{}\ue001"
 _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
-
-
-def _in_loss(message: Mapping[str, Any]) -> bool:
-    """Whether a message is one the loss must cover: an answer not weighted 0."""
-    return message.get("role") == "assistant" and message.get("weight", 1) != 0
 
 
 def _split_reasoning(content: str) -> tuple[str, str, str]:

@@ -35,6 +35,7 @@ from mimo_data.preprocess.end_of_turn import (EosAppending, answer_endings, capt
                                               end_tokens, eos_appending, turn_end)
 from mimo_data.preprocess.template_contents import contents_inserted_verbatim
 from mimo_data.preprocess.tokenizer_loading import added_bos, chat_template
+from mimo_data.shards.format import in_loss
 from mimo_data.tally import CountedError
 
 _GENERATION_BLOCK = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
@@ -284,15 +285,15 @@ class ChatRenderer:
 def _weighed(messages: Sequence[Mapping[str, Any]], spans: list) -> list:
     """The spans of the answers in the loss: ``spans`` are the answers' (one each, in order),
     less those with ``"weight": 0``."""
-    weights = [message.get("weight", 1) for message in messages
-               if message["role"] == "assistant"]
-    if all(weights):
+    trained = [in_loss(message) for message in messages if message["role"] == "assistant"]
+    if all(trained):
         return spans
-    if len(weights) != len(spans):
+    if len(trained) != len(spans):
         raise TextError("template_mismatch", f"the chat template writes {len(spans)} answer "
-                        f"span(s) for {len(weights)} answers, so the answers with weight 0 "
-                        "cannot be left out of the loss")
-    return [span for span, weight in zip(spans, weights) if weight]
+                        f"span(s) for {len(trained)} answers, so the answers with weight 0 "
+                        "cannot be left out of the loss: give it one {% generation %} block "
+                        "an answer")
+    return [span for span, kept in zip(spans, trained) if kept]
 
 
 _MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in MARKERS.values()) + ")")

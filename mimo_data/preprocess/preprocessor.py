@@ -23,7 +23,7 @@ from mimo_data.preprocess.record_kinds import Rendered, kind_of, trained_wraps
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.modalities import MediaItem
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.shards.format import Message
+from mimo_data.shards.format import Message, in_loss
 from mimo_data.shards.records import marker_order
 from mimo_data.tally import CountedError
 
@@ -185,11 +185,12 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
-        answers = [m["content"] for m in kept_messages
-                   if m["role"] == "assistant" and m.get("weight", 1)]
+        answers = [m["content"] for m in kept_messages if in_loss(m)]
         if answers and not any(answer.strip() for answer in answers):
             # the template's end of turn would be all it trains: to answer with nothing
-            raise SampleDropped("empty_answers", f"every answer ({len(answers)}) is empty"
+            everyone = sum(m["role"] == "assistant" for m in kept_messages)
+            raise SampleDropped("empty_answers", f"every trained answer ({len(answers)} of "
+                                f"{everyone}) is empty"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else "") + ": write the answers or leave the record out")
         token_counts = {name: [n for (modality, n, _), _ in zip(counts, kept_items)
@@ -263,7 +264,7 @@ class Preprocessor:
             return encoded, messages
         if self.config.length_policy == "truncate_turns" and messages:
             for end in range(len(messages) - 1, 0, -1):
-                if messages[end - 1]["role"] != "assistant":
+                if not in_loss(messages[end - 1]):      # a kept prefix ends on a trained answer
                     continue
                 kept = messages[:end]
                 shorter = _dropped_if_error(self.text.encode_batch(
@@ -336,6 +337,10 @@ def _check_record(record) -> None:
             if not (isinstance(message["content"], str) and
                     message["role"] in ("system", "user", "assistant")):
                 problems.append(f"bad message {str(message)[:60]}")
+            elif "weight" in message and (message["weight"] != 0 or
+                                          isinstance(message["weight"], bool)):
+                problems.append(f"a message's weight {message['weight']!r}: a shard "
+                                "message's weight is 0 where it has one (out of the loss)")
         for item in record["media"]:
             missing = [f for f in MODALITIES[item["modality"]].item_fields if f not in item]
             if missing:

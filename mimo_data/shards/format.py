@@ -36,7 +36,8 @@ it rather than look for the tars beside the index.
          "sample_rate": 16000, "channels": 1, "frames": 48000, "duration": 3.0}]}
 
 An assistant message with ``"weight": 0`` is in the text but not in the loss (OpenAI's
-fine-tuning format); the key is written only where it is 0. The i-th ``<image>`` marker in
+fine-tuning format); the key is written only where it is 0 (a mimo older than the key, of
+2026-11-30, reads such a dataset and trains those answers). The i-th ``<image>`` marker in
 reading order (messages in order, left to right) is the i-th image item; the same holds for
 ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec, frame rate, frame count and
 display rotation). Media items are listed in marker order.
@@ -57,7 +58,8 @@ kinds were added):
 
 from __future__ import annotations
 
-from typing import Literal, NotRequired, TypedDict
+from collections.abc import Mapping
+from typing import Any, Literal, NotRequired, TypedDict
 
 import pyarrow as pa
 
@@ -77,6 +79,13 @@ class Message(TypedDict):
     role: Literal["system", "user", "assistant"]
     content: str                 # text with <image> / <audio> / <video> markers in place
     weight: NotRequired[Literal[0]]   # an assistant turn left out of the loss (absent: trained)
+
+
+def in_loss(message: Mapping[str, Any]) -> bool:
+    """Whether a shard message (``Message``, or one made like it) is one the loss covers: an
+    answer without ``"weight": 0`` (preprocessing refuses a record whose weight is anything
+    else)."""
+    return message.get("role") == "assistant" and message.get("weight") != 0
 
 
 class ShardRecord(TypedDict):

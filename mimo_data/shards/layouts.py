@@ -211,7 +211,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
         raw = _json(members, mapping.json)
-        turns, tools = (raw.get("conversations", raw.get("messages")), raw.get("tools")) \
+        turns, tools = (raw.get("conversations", raw.get("messages")),
+                        [raw.get("tools"), raw.get("functions")]) \
             if isinstance(raw, dict) else (None, None)
         messages = normalize_messages(turns, tools)
         order = marker_order(messages)

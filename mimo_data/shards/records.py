@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,8 +19,8 @@ ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
 TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation", "function_call"})
 TOOL_CALL_KEYS = ("tool_calls", "function_call")
 _TOOL_USE = ("mimo does not train tool use yet (the calls as the chat template writes them and "
-             "the tools' turns left out of the loss): the record is skipped; train such "
-             "records with a tool-use trainer, or drop their tools and calls first")
+             "the tools' turns left out of the loss): the record is skipped; leave such "
+             "records out of the dataset (or train them with a tool-use trainer)")
 
 
 class RecordError(CountedError):
@@ -115,7 +117,7 @@ def _trained(turn: dict, i: int, role: str) -> bool:
     turn without either is, any other is not (a flag asking for it is refused: mimo trains
     answers only)."""
     flags = {key: turn[key] for key in ("weight", "training") if turn.get(key) is not None}
-    if "train_detail" in turn:
+    if _given(turn.get("train_detail")):
         raise RecordError("malformed_record", f"turn {i} has a train_detail (character spans "
                           "to train), which mimo does not read: give the turn a weight of 0 "
                           "or 1")
@@ -130,18 +132,30 @@ def _trained(turn: dict, i: int, role: str) -> bool:
                               "0 (not trained) or 1, a training flag true or false")
         if wanted and role != "assistant":
             raise RecordError("malformed_record", f"turn {i} ({role}) has {key} {value!r}, "
-                              "but mimo trains the assistant's turns only")
+                              "but mimo trains the assistant's turns only: remove the flag")
         trained = trained and wanted
     return trained
 
 
 def _given(value) -> bool:
-    """Whether a record's tools or a turn's calls hold anything: not None, an empty list or
-    mapping, or a string that is blank or JSON's ``[]`` / ``{}`` / ``null`` (tables store them
-    as JSON text)."""
+    """Whether a record's tools, a turn's calls or its train_detail hold anything: not None,
+    false, NaN, a list or mapping of nothing (``[{}]``, ``{"name": null}``), nor a string
+    that is blank, ``None``, or JSON of nothing (tables store them as JSON text)."""
     if isinstance(value, str):
-        return value.strip() not in ("", "[]", "{}", "null")
-    return value is not None and not (isinstance(value, (list, tuple, dict)) and not value)
+        text = value.strip()
+        if text.lower() in ("", "none", "null", "nan", "false"):
+            return False
+        try:
+            return _given(json.loads(text))
+        except ValueError:
+            return True
+    if isinstance(value, dict):
+        return any(_given(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_given(item) for item in value)
+    if isinstance(value, float) and math.isnan(value):
+        return False
+    return value is not None and value is not False
 
 
 def marker_order(messages: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -222,7 +222,8 @@ class ConversationFile:
                              kind="caption", text=record["caption"])
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
-                         media=with_part_items(media, turns), tools=record.get("tools"))
+                         media=with_part_items(media, turns),
+                         tools=[record.get("tools"), record.get("functions")])
 
 
 class SpeechManifest:
@@ -285,7 +286,7 @@ class ParquetTable:
             named, wanted["conversation"] = ["conversation"], "texts"
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
-                            ("id", ("id",), False), ("tools", ("tools",), False),
+                            ("id", ("id",), False), ("tools", ("tools", "functions"), False),
                             ("conversation", ("messages", "conversations"), False),
                             ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
