@@ -31,6 +31,13 @@ class Tally:
         self.seen = 0
         self.kept = 0
         self.skipped: dict[str, dict] = {}
+        self.counts: dict[str, int] = {}   # what the kept items hold, by name (where not 0)
+
+    def count(self, name: str, number: int) -> None:
+        """Add ``number`` to the count of ``name`` (something kept items hold, e.g. answers
+        out of the loss), which ``to_dict`` and ``summary`` then report."""
+        if number:
+            self.counts[name] = self.counts.get(name, 0) + number
 
     def keep(self, count: int = 1) -> None:
         self.seen += count
@@ -54,7 +61,8 @@ class Tally:
     def to_dict(self) -> dict:
         seen, kept, skipped = self.names
         return {seen: self.seen, kept: self.kept, skipped: self.skipped_total,
-                "skipped_by_reason": dict(sorted(self.skipped.items()))}
+                "skipped_by_reason": dict(sorted(self.skipped.items())),
+                **({"counts": dict(sorted(self.counts.items()))} if self.counts else {})}
 
     def summary(self) -> str:
         """One line for people: totals and skip counts by reason."""
@@ -64,4 +72,7 @@ class Tally:
             reasons = ", ".join(f"{reason} {entry['count']}"
                                 for reason, entry in sorted(self.skipped.items()))
             line += f", {self.skipped_total} {skipped} ({reasons})"
+        if self.counts:
+            line += "; " + ", ".join(f"{number} {name.replace('_', ' ')}"
+                                     for name, number in sorted(self.counts.items()))
         return line

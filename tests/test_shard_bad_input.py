@@ -407,8 +407,8 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     """OpenAI's ``weight`` (0 or 1) and axolotl's ``training`` (a boolean) on answers: the
     shard's message holds ``"weight": 0`` where the answer is out of the loss, nothing
-    otherwise; a user turn's ``weight: 0`` (what mimo does anyway) and an empty
-    ``train_detail`` (a table's null) are accepted."""
+    otherwise, and the report counts those answers; a user turn's ``weight: 0`` (what mimo
+    does anyway) and an empty ``train_detail`` (a table's null) are accepted."""
     turns = [{"role": "user", "content": "One?", "weight": 0},
              {"role": "assistant", "content": "A.", "weight": 0, "train_detail": None},
              {"role": "user", "content": "Two?"},
@@ -420,6 +420,10 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     path = write_jsonl(tmp_path / "input.jsonl", [{"id": "w", "messages": turns}])
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
     assert code == 0, err
+    # the report counts them, so a user sees the flags were read
+    assert read_json(tmp_path / "out" / "report.json")["counts"] == {
+        "answers_out_of_the_loss": 2}
+    assert "1 samples written; 2 answers out of the loss" in err, err
     [record] = sample_records(tmp_path / "out")
     assert [m.get("weight") for m in record["messages"]] == [None, 0, None, 0] + [None] * 4
     assert [set(m) for m in record["messages"]] == \

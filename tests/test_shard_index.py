@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from conftest import REPO, chat, cli_main, flip_byte, scratch, write_jsonl
+from conftest import REPO, chat, cli_main, flip_byte, read_json, scratch, write_jsonl
 from support.runs import assert_continues, copy_checkpoint, train, train_records
 
 PER_TAR = 4
@@ -488,6 +488,9 @@ def _conversations(photos: list[tuple], folder: Path) -> tuple[list[dict], list[
             paths.append(str(images / name))
         question = ("<image>" * len(chosen)) + f"\nWhat is in picture {number}?"
         turns = chat(question, f"Picture {number} shows {chosen[0][0].split('.')[0]}.")
+        if number % 4 == 1:          # a follow-up out of the loss (OpenAI's weight 0)
+            turns += [{"from": "human", "value": "Sure?"},
+                      {"from": "gpt", "value": "I think so.", "weight": 0}]
         jsonl.append({"id": f"c{number}", "images": paths, "conversations": turns})
         sample = {"__key__": f"c{number:04d}", "json": {"id": f"c{number}",
                                                         "conversations": turns}}
@@ -524,6 +527,10 @@ def test_conversations_keep_their_messages_and_media_order(conversations):
     root, samples = conversations
     built, indexed = ShardReader(str(root / "built")), ShardReader(str(root / "indexed"))
     assert len(built) == len(indexed) == 12
+    for made in ("built", "indexed"):       # both reports count the answers out of the loss
+        assert read_json(root / made / "report.json")["counts"] == {
+            "answers_out_of_the_loss": 3}, made
+    assert [m.get("weight") for m in indexed.record(1)["messages"]] == [None, None, None, 0]
     for position, sample in enumerate(samples):
         ours, theirs = indexed.record(position), built.record(position)
         assert ours["key"] == sample["__key__"] and ours["id"] == sample["json"]["id"]

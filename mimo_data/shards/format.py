@@ -81,6 +81,10 @@ class Message(TypedDict):
     weight: NotRequired[Literal[0]]   # an assistant turn left out of the loss (absent: trained)
 
 
+# the build and index reports' count (``report.json`` ``counts``) of answers weighted 0
+OUT_OF_LOSS = "answers_out_of_the_loss"
+
+
 def in_loss(message: Mapping[str, Any]) -> bool:
     """Whether a shard message (``Message``, or one made like it) is one the loss covers: an
     answer without ``"weight": 0`` (preprocessing refuses a record whose weight is anything

@@ -36,9 +36,9 @@ from tqdm import tqdm
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    summary_column)
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, OUT_OF_LOSS,
+                                    RECORDS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
+                                    STAGING_DIR, in_loss, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -64,6 +64,7 @@ class ShardResult:
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
     seconds: float = 0.0
+    out_of_loss: int = 0          # answers weighted 0 in the rows' conversations
 
 
 # ---------------------------------------------------------------------------- one tar
@@ -111,6 +112,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
         row.update((summary_column(name, f), [item[f] for item in items])
                    for f in kind.summary_fields)
     result.rows.append(row)
+    result.out_of_loss += sum(not in_loss(m) for m in messages if m["role"] == "assistant")
     result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 
@@ -324,6 +326,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         progress.update()
         tables.add(result)
         report.keep(len(result.rows))
+        report.count(OUT_OF_LOSS, result.out_of_loss)
         for reason, where, detail in result.skips:
             report.skip(reason, where, detail)
         shards.append({"name": result.name, "samples": len(result.rows),
