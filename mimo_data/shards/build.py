@@ -40,7 +40,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OUT_OF_LOSS,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    in_loss, sample_key, summary_column)
+                                    answers_out_of_loss, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.shards.sources import open_source
 from mimo_data.shards import task_stream
@@ -312,8 +312,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         table.add(key, shard, result, member_records)
         records.add(members["json"])
         report.keep()
-        report.count(OUT_OF_LOSS, sum(not in_loss(m) for m in result.messages
-                                      if m["role"] == "assistant"))
+        report.count(OUT_OF_LOSS, answers_out_of_loss(result.messages))
     progress.close()
     shard_list = shards.close()
     table.close()

@@ -58,7 +58,7 @@ kinds were added):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NotRequired, TypedDict
 
 import pyarrow as pa
@@ -83,6 +83,12 @@ class Message(TypedDict):
 
 # the build and index reports' count (``report.json`` ``counts``) of answers weighted 0
 OUT_OF_LOSS = "answers_out_of_the_loss"
+
+
+def answers_out_of_loss(messages: Sequence[Mapping[str, Any]]) -> int:
+    """How many of ``messages`` are answers weighted 0 (the reports' ``OUT_OF_LOSS``)."""
+    return sum(message.get("role") == "assistant" and not in_loss(message)
+               for message in messages)
 
 
 def in_loss(message: Mapping[str, Any]) -> bool:

@@ -38,7 +38,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, OUT_OF_LOSS,
                                     RECORDS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    STAGING_DIR, in_loss, summary_column)
+                                    STAGING_DIR, answers_out_of_loss, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -112,7 +112,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
         row.update((summary_column(name, f), [item[f] for item in items])
                    for f in kind.summary_fields)
     result.rows.append(row)
-    result.out_of_loss += sum(not in_loss(m) for m in messages if m["role"] == "assistant")
+    result.out_of_loss += answers_out_of_loss(messages)
     result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 

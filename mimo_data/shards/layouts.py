@@ -31,7 +31,7 @@ from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
-                                      normalize_document, normalize_messages)
+                                      normalize_document, normalize_messages, tool_lists)
 
 LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 
@@ -211,8 +211,7 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
         raw = _json(members, mapping.json)
-        turns, tools = (raw.get("conversations", raw.get("messages")),
-                        [raw.get("tools"), raw.get("functions")]) \
+        turns, tools = (raw.get("conversations", raw.get("messages")), tool_lists(raw)) \
             if isinstance(raw, dict) else (None, None)
         messages = normalize_messages(turns, tools)
         order = marker_order(messages)

@@ -111,6 +111,12 @@ def normalize_messages(turns, tools=None) -> list[dict]:
     return messages
 
 
+def tool_lists(record: Mapping[str, Any]) -> list:
+    """A record's tool lists, for ``normalize_messages``: ``tools`` and OpenAI's older
+    ``functions``."""
+    return [record.get("tools"), record.get("functions")]
+
+
 def _trained(turn: dict, i: int, role: str) -> bool:
     """Whether turn ``i`` is in the loss, as its own flag says: OpenAI's fine-tuning
     ``weight`` (0 or 1, assistant turns) or axolotl's ``training`` (a boolean); an assistant

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import RecordError
+from mimo_data.shards.records import RecordError, tool_lists
 
 
 class SourceError(Exception):
@@ -223,7 +223,7 @@ class ConversationFile:
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns),
-                         tools=[record.get("tools"), record.get("functions")])
+                         tools=tool_lists(record))
 
 
 class SpeechManifest:
