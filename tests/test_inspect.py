@@ -314,6 +314,12 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     assert flagged_keys(report, "empty_answer_turns") == {keys["reasoning-only"]}
     assert flagged_keys(report, "reasoning_dropped") == {
         keys[k] for k in ("two-turns", "same-reasoning", "reasoning-only")}
+    # what the template itself wrote (not the inspector's reading of it): the earlier
+    # answer's reasoning is not in the tokens, the last one's is
+    preprocessor = Preprocessor(PreprocessConfig.from_yaml(str(config)), with_media=False)
+    ids = preprocessor(reader.record(reader.table.position(keys["two-turns"]))).input_ids
+    text = preprocessor.text.tokenizer.decode(ids.tolist())
+    assert "Greet back." not in text and "Close." in text and "Hello." in text, text
     entry = next(e for e in report["flagged"]["reasoning_dropped"]
                  if e["key"] == keys["two-turns"])
     assert entry["detail"].startswith("1 answer(s) before the last user query")

@@ -236,7 +236,8 @@ class SampleInspector:
         # a document's pieces are one text, no turns: nothing of a template between them
         headers = None if stats.kind == "document" else self.headers(
             tuple(str(message.get("role")) for message in kept))
-        self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)), headers)
+        self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)),
+                      last_query, headers)
         return stats
 
     def _answer(self, content: str, before_last_query: bool) -> str:
@@ -278,13 +279,13 @@ class SampleInspector:
         return markers_of(record.get("messages") or [])
 
     def coverage(self, stats: SampleStats, messages: Sequence[Mapping[str, Any]],
-                 ids: np.ndarray, trained: np.ndarray,
+                 ids: np.ndarray, trained: np.ndarray, last_query: int,
                  headers: Sequence[str] | None = None) -> None:
         """Fill the loss-mask-vs-roles facts of ``stats`` from the tokens ``ids`` (all of
         them, the last target included) and which are trained: decode them in runs of one
         class, find each message's content in that text, in order, after its ``headers``
         entry (the template's text before it) where that is found, and count its characters
-        in runs of the wrong class."""
+        in runs of the wrong class (``last_query``: ``_last_query(messages)``)."""
         kind = trained.astype(np.int8)
         kind[self._modality_of_token[ids] > 0] = 2          # placeholders: neither
         bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), len(ids)]
@@ -300,7 +301,6 @@ class SampleInspector:
         # the first token is no one's target: a document's first word is never trained
         first = len(self._decoder.decode(ids[:1].tolist(), skip_special_tokens=False)
                     ) if kinds and kinds[0] != 2 else 0
-        last_query = _last_query(messages)
         for turn, message in enumerate(messages):
             role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(

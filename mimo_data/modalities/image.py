@@ -128,10 +128,11 @@ def image_orientation(image: Image.Image) -> int:
 
 
 @contextlib.contextmanager
-def pillow_decoding(max_pixels: int | None):
-    """``pixel_limit(max_pixels)``, with what Pillow raises inside as MediaError: a
-    decompression bomb is ``image_too_large``, anything else ``corrupt_image`` (bytes of no
-    image format: "not a readable image")."""
+def pillow_decoding(max_pixels: int | None, data: bytes):
+    """``pixel_limit(max_pixels)`` around Pillow reading ``data``, with what Pillow raises
+    inside as MediaError: a decompression bomb is ``image_too_large``, bytes of no format
+    Pillow reads ``unsupported_format`` when they are a format it does not read (HEIC, SVG),
+    else ``corrupt_image`` (like anything else raised)."""
     try:
         with pixel_limit(max_pixels):
             yield
@@ -140,6 +141,9 @@ def pillow_decoding(max_pixels: int | None):
     except Image.DecompressionBombError as exc:
         raise MediaError("image_too_large", str(exc)) from None
     except Image.UnidentifiedImageError:    # its text names a BytesIO's memory address
+        if kind := _foreign_image(data):
+            raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
+                             "convert it first (e.g. to JPEG or PNG)") from None
         raise MediaError("corrupt_image", "cannot decode image: not a readable image (no "
                          "image format Pillow reads recognizes its bytes)") from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
@@ -193,43 +197,37 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     """
     if not data:
         raise MediaError("corrupt_image", "empty image file (0 bytes)")
-    try:
-        with pillow_decoding(max_pixels):
-            image = Image.open(io.BytesIO(data))
-            fmt = (image.format or "").lower()
-            width, height = image.size
-            if width * height > max_pixels:
-                raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
-                                 f"is above the limit of {max_pixels} (raise "
-                                 "--max-image-pixels to keep it)")
-            if fmt not in IMAGE_EXTENSIONS:
-                raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
-                                 f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
-            mode = image.mode
-            if mode in _WIDE_MODES and (why := _clipped(image)):
-                raise MediaError("unsupported_format", f"a {mode} image (one channel of more "
-                                 f"than 8 bits) {why}: converted to RGB, as transformers' "
-                                 "processors convert it, it is clipped to 0-255; scale it to "
-                                 "8 bits first (e.g. 16-bit values divided by 257)")
-            orientation = image_orientation(image)
-            if orientation in _TRANSPOSING_ORIENTATIONS:
-                width, height = height, width
-            if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
-                Image.open(io.BytesIO(data)).verify()   # must come right after open()
-            elif fmt == "jpeg" and check == "header":
-                if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
-                    raise MediaError("corrupt_image",
-                                     "JPEG has no end-of-image marker (truncated)")
-            elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
-                image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
-                image.load()
-            elif check == "decode":
-                image.load()
-    except MediaError as error:
-        if error.reason == "corrupt_image" and (kind := _foreign_image(data)):
-            raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
-                             "convert it first (e.g. to JPEG or PNG)") from None
-        raise
+    with pillow_decoding(max_pixels, data):
+        image = Image.open(io.BytesIO(data))
+        fmt = (image.format or "").lower()
+        width, height = image.size
+        if width * height > max_pixels:
+            raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
+                             f"is above the limit of {max_pixels} (raise "
+                             "--max-image-pixels to keep it)")
+        if fmt not in IMAGE_EXTENSIONS:
+            raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
+                             f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")
+        mode = image.mode
+        if mode in _WIDE_MODES and (why := _clipped(image)):
+            raise MediaError("unsupported_format", f"a {mode} image (one channel of more "
+                             f"than 8 bits) {why}: converted to RGB, as transformers' "
+                             "processors convert it, it is clipped to 0-255; scale it to "
+                             "8 bits first (e.g. 16-bit values divided by 257)")
+        orientation = image_orientation(image)
+        if orientation in _TRANSPOSING_ORIENTATIONS:
+            width, height = height, width
+        if fmt == "png":            # every chunk's CRC without inflating pixels; verify()
+            Image.open(io.BytesIO(data)).verify()   # must come right after open()
+        elif fmt == "jpeg" and check == "header":
+            if data.rstrip(b"\0")[-2:] != b"\xff\xd9":
+                raise MediaError("corrupt_image",
+                                 "JPEG has no end-of-image marker (truncated)")
+        elif fmt == "jpeg":         # entropy-decode everything, at 1/8 scale
+            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))
+            image.load()
+        elif check == "decode":
+            image.load()
     return {"format": fmt, "width": width, "height": height, "mode": mode,
             "orientation": orientation}
 
@@ -289,7 +287,7 @@ def decode_image(data: bytes, orientation: int, cfg: ImageConfig) -> Image.Image
     Transparency is composited onto white, as transformers' ``convert_to_rgb`` does.
     Raises MediaError(``image_too_large`` | ``corrupt_image``).
     """
-    with pillow_decoding(cfg.max_image_pixels):
+    with pillow_decoding(cfg.max_image_pixels, data):
         image = Image.open(io.BytesIO(data))
         width, height = image.size
         if width * height > cfg.max_image_pixels:
