@@ -322,13 +322,69 @@ def test_reasoning_is_judged_apart_from_the_answer_where_the_template_takes_it_a
     assert "Greet back." not in text and "Close." in text and "Hello." in text, text
     entry = next(e for e in report["flagged"]["reasoning_dropped"]
                  if e["key"] == keys["two-turns"])
-    assert entry["detail"].startswith("1 answer(s) before the last user query")
+    assert entry["detail"].startswith("1 answer(s) train without their reasoning")
     check = next(c for c in report["checks"] if c["name"] == "reasoning_dropped")
     assert check["passed"] and check["count"] == 3 and check["limit"] == 1.0
     assert "FAIL reasoning_dropped" not in err
     code, _, err = report_json(capsys, tmp_path, tmp_path / "shards", config,
                                "--max-reasoning-dropped-fraction", "0")
     assert code == 1 and "FAIL reasoning_dropped" in err
+
+
+# SmolLM2's ChatML turns, each answer written by DeepSeek-R1's published rule (its
+# tokenizer_config.json: the text after the last </think> alone, in every turn), or as it is with
+# a generation prompt that mentions </think> (a thinking switch, as Qwen3's)
+_TURNS = ("{%- for message in messages %}{%- if message['role'] == 'assistant' %}"
+          "{{- '<|im_start|>assistant\\n' }}{%- generation %}{{- CONTENT + '<|im_end|>' }}"
+          "{%- endgeneration %}{{- '\\n' }}{%- else %}"
+          "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+          "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+          "{{- '<|im_start|>assistant\\n' + PROMPT }}{%- endif %}")
+_DEEPSEEK_R1 = _TURNS.replace("{{- CONTENT", "{% set content = message['content'] %}{% if "
+                              "'</think>' in content %}{% set content = content.split("
+                              "'</think>')[-1] %}{% endif %}{{- content").replace(
+                                  "PROMPT", "'<think>\\n'")
+_AS_WRITTEN = _TURNS.replace("CONTENT", "message['content']").replace(
+    "PROMPT", "('<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and not "
+    "enable_thinking else '')")
+
+
+@pytest.mark.parametrize("template", ["deepseek_r1", "as_written"])
+def test_what_of_an_answer_the_template_writes_is_read_from_the_template(template):
+    """Which pieces of an answer with think tags count is read from a render of the template,
+    not from Qwen's rule: under DeepSeek-R1's (every answer's text after the last </think>
+    alone) the reasoning and the text before <think> are content not in the tokens, each named,
+    and an answer that is reasoning alone is empty; a template that writes contents as they
+    are, though it mentions </think>, trains them all and flags nothing."""
+    from dataclasses import replace
+    from mimo_data.inspect.stats import SampleInspector
+    config = replace(PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess.yaml")),
+                     chat_template=_DEEPSEEK_R1 if template == "deepseek_r1" else _AS_WRITTEN)
+    messages = [{"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Aside. <think>Plan it.</think>Hello."},
+                {"role": "user", "content": "And then?"},
+                {"role": "assistant", "content": "<think>Just thinking.</think>"},
+                {"role": "user", "content": "Last?"},
+                {"role": "assistant", "content": "Bye."}]
+    stats, sample = SampleInspector(config)(0, {"key": "k", "media": [], "messages": messages})
+    assert stats.dropped is None and sample is not None
+    text = Preprocessor(config, with_media=False).text.tokenizer.decode(sample.input_ids)
+    assert stats.reasoning_dropped == 0
+    if template == "as_written":        # what the template wrote: every content as it is
+        assert all(m["content"] in text for m in messages), text
+        assert stats.coverage_problems == [] and stats.empty_answers == 0
+        return
+    assert "Plan it." not in text and "Aside." not in text and "Hello." in text, text
+    assert stats.coverage_problems == [
+        "turn 1 (assistant): 6 characters before its last <think> or between its </think> "
+        "tags are not in the tokens (the chat template writes neither)",
+        "turn 1 (assistant): its reasoning (7 characters) is not in the tokens (the chat "
+        "template writes no answer's reasoning, only the text after the last </think>: give "
+        "a template that writes the reasoning, or data without it)",
+        "turn 3 (assistant): its reasoning (13 characters) is not in the tokens (the chat "
+        "template writes no answer's reasoning, only the text after the last </think>: give "
+        "a template that writes the reasoning, or data without it)"]
+    assert stats.assistant_chars_not_trained == 6 + 7 + 13 and stats.empty_answers == 1
 
 
 @pytest.mark.parametrize("config_name", ["preprocess.yaml", "preprocess_qwen3_5.yaml"])

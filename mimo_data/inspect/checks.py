@@ -35,8 +35,8 @@ CHECKS = {
                            "answers with text"),
     "reasoning_dropped": ("max_reasoning_dropped_fraction", "fraction",
                           "samples whose earlier answers' reasoning the chat template leaves "
-                          "out (as at inference: only the turns after the last user query "
-                          "keep theirs)"),
+                          "out while it writes later ones' (Qwen3's, Qwen3.5's, as at "
+                          "inference: the turns after the last user query keep theirs)"),
     "template_failures": ("max_template_failures", "count",
                           "samples the chat template cannot render or round-trip"),
     "marker_mismatches": ("max_marker_mismatches", "count",

@@ -15,9 +15,10 @@ empty_answer_turns          it trains an empty (or whitespace) answer beside    
                             answers with text: its end of turn alone, teaching
                             the model to answer that turn with nothing (all
                             empty: dropped as ``empty_answers``)
-reasoning_dropped           its chat template leaves the reasoning of answers   fraction 1
-                            before the last user query out, as at inference     (reported,
-                            (Qwen3's, Qwen3.5's); their text trains             off)
+reasoning_dropped           its chat template leaves some answers' reasoning    fraction 1
+                            out and writes later ones' (Qwen3's, Qwen3.5's:     (reported,
+                            before the last user query, as at inference);       off)
+                            their text trains
 template_failures           the template cannot render / round-trip it          count 0
 marker_mismatches           its media markers ≠ its media list                  count 0
 placeholder_mismatches      modality tokens in input_ids ≠ counts from metadata count 0
@@ -135,8 +136,8 @@ class ReportBuilder:
                     stats, f"{stats.empty_answers} empty answer(s) train their end of turn alone")
             if stats.reasoning_dropped:
                 flagged["reasoning_dropped"].add(
-                    stats, f"{stats.reasoning_dropped} answer(s) before the last user query "
-                    "train without their reasoning")
+                    stats, f"{stats.reasoning_dropped} answer(s) train without their reasoning "
+                    "(the template writes later answers' reasoning)")
             if stats.placeholder_mismatch:
                 flagged["placeholder_mismatches"].add(stats, stats.describe_placeholders())
             if stats.coverage_failure:

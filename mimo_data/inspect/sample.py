@@ -183,9 +183,9 @@ def sample_problems(stats: SampleStats) -> list[str]:
         problems.append(f"empty answers: {stats.empty_answers} answer(s) without text train "
                         "their end of turn alone (the model learns to answer with nothing)")
     if stats.reasoning_dropped:
-        problems.append(f"reasoning dropped: {stats.reasoning_dropped} answer(s) before the "
-                        "last user query train without their reasoning (the chat template "
-                        "leaves it out, as at inference)")
+        problems.append(f"reasoning dropped: {stats.reasoning_dropped} answer(s) train without "
+                        "their reasoning (the chat template leaves it out of these turns and "
+                        "writes later ones', as at inference)")
     if stats.marker_mismatch:
         problems.append(f"marker/media mismatch: {stats.describe_markers()}")
     if stats.placeholder_mismatch:
