@@ -349,24 +349,44 @@ _AS_WRITTEN = _TURNS.replace("CONTENT", "message['content']").replace(
     "enable_thinking else '')")
 
 
-@pytest.mark.parametrize("template", ["deepseek_r1", "as_written"])
+@pytest.mark.parametrize("template", ["deepseek_r1", "as_written", "qwen3_5"])
 def test_what_of_an_answer_the_template_writes_is_read_from_the_template(template):
-    """Which pieces of an answer with think tags count is read from a render of the template,
+    """Which parts of an answer with think tags count is read from a render of the template,
     not from Qwen's rule: under DeepSeek-R1's (every answer's text after the last </think>
     alone) the reasoning and the text before <think> are content not in the tokens, each named,
     and an answer that is reasoning alone is empty; a template that writes contents as they
-    are, though it mentions </think>, trains them all and flags nothing."""
+    are, though it mentions </think>, trains them all and flags nothing. A conversation whose
+    every trained answer is empty as the template writes it (reasoning it leaves out, then an
+    empty answer) is dropped as empty_answers by the preprocessor, not trained as ends of turn
+    alone."""
     from dataclasses import replace
     from mimo_data.inspect.stats import SampleInspector
-    config = replace(PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess.yaml")),
-                     chat_template=_DEEPSEEK_R1 if template == "deepseek_r1" else _AS_WRITTEN)
+    config = PreprocessConfig.from_yaml(str(REPO / "configs" / (
+        "preprocess_qwen3_5.yaml" if template == "qwen3_5" else "preprocess.yaml")))
+    if template != "qwen3_5":
+        config = replace(config, chat_template=_DEEPSEEK_R1 if template == "deepseek_r1"
+                         else _AS_WRITTEN)
+    inspector = SampleInspector(config)
+    empty = [{"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "<think>Just thinking.</think>"},
+             {"role": "user", "content": "And then?"},
+             {"role": "assistant", "content": " "}]
+    stats, _ = inspector(0, {"key": "e", "media": [], "messages": empty})
+    if template == "as_written":        # the reasoning is the first answer's text
+        assert stats.dropped is None and stats.empty_answers == 1
+    else:
+        assert stats.dropped == "empty_answers", stats
+        assert stats.detail.startswith("every trained answer (2 of 2) is empty or reasoning "
+                                       "the chat template leaves out")
+    if template == "qwen3_5":           # the rest: test_reasoning_is_judged_apart_...
+        return
     messages = [{"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Aside. <think>Plan it.</think>Hello."},
                 {"role": "user", "content": "And then?"},
                 {"role": "assistant", "content": "<think>Just thinking.</think>"},
                 {"role": "user", "content": "Last?"},
                 {"role": "assistant", "content": "Bye."}]
-    stats, sample = SampleInspector(config)(0, {"key": "k", "media": [], "messages": messages})
+    stats, sample = inspector(0, {"key": "k", "media": [], "messages": messages})
     assert stats.dropped is None and sample is not None
     text = Preprocessor(config, with_media=False).text.tokenizer.decode(sample.input_ids)
     assert stats.reasoning_dropped == 0

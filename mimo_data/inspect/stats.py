@@ -34,6 +34,8 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from mimo_data.preprocess.answer_parts import (PARTS, REASONING, THINK_END, THINK_START,
+                                               UNTAKEN, Written, split_reasoning, written_parts)
 from mimo_data.preprocess.chat_tokens import TextEncoder, TextError
 from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, SampleDropped,
                                                TextSample)
@@ -182,9 +184,6 @@ class SampleInspector:
         self._item_tokens: dict[tuple, int | None] = {}    # metadata -> tokens, memoized
         self._headers: dict[tuple, tuple[str, ...] | None] = {}   # roles -> headers
         self._decoder = self.text.tokenizer.backend_tokenizer
-        # only a template that mentions </think> can take an answer's reasoning apart
-        self._reasoning = _THINK_END in (self.text.renderer.template or "")
-        self._written: dict[tuple, dict[int, frozenset[str]] | None] = {}  # shape -> pieces
 
     def item_tokens(self, item: Mapping[str, Any]) -> int | None:
         """``expected_item_tokens`` memoized on the metadata it depends on."""
@@ -233,41 +232,15 @@ class SampleInspector:
         kept = messages[:len(messages) - text.removed_turns]
         # a document's pieces are one text, no turns: nothing of a template between them
         document = stats.kind == "document"
-        written = None if document else self.written(kept)
-        stats.empty_answers = sum(in_loss(message) and not "".join(_pieces(
-            str(message.get("content") or ""), written.get(turn) if written else None)).strip()
+        written = None if document else self.text.answer_parts.written(kept)
+        stats.empty_answers = sum(in_loss(message) and not "".join(written_parts(
+            str(message.get("content") or ""), written, turn)).strip()
             for turn, message in enumerate(kept))
         headers = None if document else self.headers(
             tuple(str(message.get("role")) for message in kept))
         self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)),
                       written, headers)
         return stats
-
-    def written(self, messages: Sequence[Mapping[str, Any]]) -> dict[int, frozenset[str]] | None:
-        """Per assistant turn, which pieces of a content with think tags (``_pieces``: before
-        the reasoning, the reasoning, between two ``</think>``, the answer's text) the template
-        writes, read from a render of stand-in contents of this shape (roles, tool responses);
-        None where the template mentions no ``</think>`` or refuses the stand-ins (contents are
-        judged whole). Memoized per shape."""
-        if not self._reasoning:
-            return None
-        shape = tuple((str(message.get("role")), _tool_response(message))
-                      for message in messages)
-        if shape not in self._written:
-            if len(self._written) >= _MAX_SHAPES:
-                self._written.clear()
-            stand_ins = [{"role": role, "content": (
-                _PROBE if role == "assistant" else
-                _TOOL_RESPONSE if tool else _STAND_IN).format(k)}
-                for k, (role, tool) in enumerate(shape)]
-            try:
-                found = _PROBED.findall(self.text.render(stand_ins)[0])
-            except TextError:
-                found = None
-            self._written[shape] = None if found is None else {
-                turn: frozenset(piece for piece, k in found if k == str(turn))
-                for turn, (role, _) in enumerate(shape) if role == "assistant"}
-        return self._written[shape]
 
     def headers(self, roles: tuple[str, ...]) -> tuple[str, ...] | None:
         """Per message of a conversation with these roles, the template's text before its
@@ -302,13 +275,13 @@ class SampleInspector:
 
     def coverage(self, stats: SampleStats, messages: Sequence[Mapping[str, Any]],
                  ids: np.ndarray, trained: np.ndarray,
-                 written: Mapping[int, frozenset[str]] | None = None,
+                 written: Written | None = None,
                  headers: Sequence[str] | None = None) -> None:
         """Fill the loss-mask-vs-roles facts of ``stats`` from the tokens ``ids`` (all of
         them, the last target included) and which are trained: decode them in runs of one
         class, find each message's content in that text, in order, after its ``headers``
         entry (the template's text before it) where that is found, and count its characters
-        in runs of the wrong class (``written``: ``self.written(messages)``)."""
+        in runs of the wrong class (``written``: ``AnswerParts.written(messages)``)."""
         kind = trained.astype(np.int8)
         kind[self._modality_of_token[ids] > 0] = 2          # placeholders: neither
         bounds = [0, *(np.flatnonzero(np.diff(kind)) + 1).tolist(), len(ids)]
@@ -326,7 +299,7 @@ class SampleInspector:
                     ) if kinds and kinds[0] != 2 else 0
         # whether the template writes some answer's reasoning (Qwen3.5's: the last answers')
         # or none (DeepSeek-R1's: the text after the last </think> alone)
-        reasons = written is not None and any(_REASONING in kept for kept in written.values())
+        reasons = written is not None and any(REASONING in kept for kept in written.values())
         for turn, message in enumerate(messages):
             role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
@@ -335,9 +308,9 @@ class SampleInspector:
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
             kept = written.get(turn) if written else None
-            if kept is not None and in_loss(message) and _THINK_END in content:
+            if kept is not None and in_loss(message) and THINK_END in content:
                 self._unwritten(stats, turn, content, kept, reasons)
-            for piece in _pieces(content, kept):
+            for piece in written_parts(content, written, turn):
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \
@@ -352,17 +325,17 @@ class SampleInspector:
         reasoning, where the template writes other answers' (``reasons``; Qwen3.5's, as at
         inference), is reasoning dropped; where it writes no answer's, and text it keeps in no
         piece, are characters not trained."""
-        split = _split_reasoning(content)
-        lost = " ".join(text for piece, text in zip(_PIECE_NAMES, split)
-                        if piece in _UNTAKEN and piece not in kept)
-        if count := _visible(lost.replace(_THINK_START, " ")):
+        split = split_reasoning(content)
+        lost = " ".join(text for part, text in zip(PARTS, split)
+                        if part in UNTAKEN and part not in kept)
+        if count := _visible(lost.replace(THINK_START, " ")):
             stats.assistant_chars_not_trained += count
             stats.coverage_problems.append(
                 f"turn {turn} (assistant): {count} characters before its last <think> or "
                 "between its </think> tags are not in the tokens (the chat template writes "
                 "neither)")
-        reasoning = split[_PIECE_NAMES.index(_REASONING)]
-        if _REASONING in kept or not reasoning:
+        reasoning = split[PARTS.index(REASONING)]
+        if REASONING in kept or not reasoning:
             return
         if reasons:
             stats.reasoning_dropped += 1
@@ -413,49 +386,10 @@ class SampleInspector:
 # A media item's placeholder tokens in the decoded text, and its marker in a content.
 _PLACEHOLDER = "\x00"
 _PLACEHOLDERS = re.compile("\x00+")
-# An answer's reasoning ends at the first of these; its text follows the last (templates that
-# take reasoning apart split there: Qwen3's, Qwen3.5's, DeepSeek-R1's).
-_THINK_START, _THINK_END = "<think>", "</think>"
 # Message k's content in a render that finds the template's headers (private-use code points).
 _STAND_IN = "\ue000{}\ue001"
 _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
-# An assistant content k with each piece (``_pieces``) a stand-in, and a tool's response (a
-# template may tell a user's query from it: Qwen3's last_query_index), in a render that tells
-# which pieces the template writes.
-_PIECE_NAMES = "prma"          # before the reasoning, the reasoning, the middle, the answer
-_REASONING, _UNTAKEN = "r", "pm"
-_PROBE = ("\ue000p{0}\ue001<think>\n\ue000r{0}\ue001\n</think>\ue000m{0}\ue001</think>\n\n"
-          "\ue000a{0}\ue001")
-_PROBED = re.compile("\ue000([prma])([0-9]+)\ue001")
-_TOOL_RESPONSE = "<tool_response>\n\ue000{}\ue001\n</tool_response>"
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
-
-
-def _split_reasoning(content: str) -> tuple[str, str, str, str]:
-    """An answer's pieces as templates that take it apart split it (``_PIECE_NAMES``, each
-    stripped): before the reasoning (before the last ``<think>`` ahead of the first
-    ``</think>``), the reasoning (from there to the first ``</think>``), the middle (between
-    the ``</think>`` tags) and the text (after the last)."""
-    sections = content.split(_THINK_END)
-    head, _, reasoning = sections[0].rpartition(_THINK_START)
-    return head.strip(), reasoning.strip(), " ".join(sections[1:-1]).strip(), sections[-1].strip()
-
-
-def _pieces(content: str, kept: frozenset[str] | None) -> list[str]:
-    """What of a content the template writes, in order: the pieces in ``kept`` of a content
-    with think tags (``_split_reasoning``), else the whole content."""
-    if kept is None or _THINK_END not in content:
-        return [content]
-    return [text for piece, text in zip(_PIECE_NAMES, _split_reasoning(content))
-            if piece in kept]
-
-
-def _tool_response(message: Mapping[str, Any]) -> bool:
-    """A user turn that is a tool's response (``<tool_response>...</tool_response>``), which
-    Qwen3's and Qwen3.5's templates do not take for a query."""
-    text = str(message.get("content") or "").strip()
-    return message.get("role") == "user" and text.startswith("<tool_response>") and \
-        text.endswith("</tool_response>")
 
 
 def _visible(text: str) -> int:

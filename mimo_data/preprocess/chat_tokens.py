@@ -22,6 +22,7 @@ import numpy as np
 from tokenizers import AddedToken
 
 from mimo_data.modalities import MARKERS
+from mimo_data.preprocess.answer_parts import AnswerParts
 from mimo_data.preprocess.chat_render import ChatRenderer, TextError, TrainedSpan
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.end_of_turn import EosAppending
@@ -70,6 +71,7 @@ class TextEncoder:
         self.markers = MarkerExpander(config, self.tokenizer, backend)
         self.modality_token_ids = self.markers.modality_token_ids
         self.renderer = ChatRenderer(config, self.tokenizer)
+        self.answer_parts = AnswerParts(self.render, self.renderer.template)
         self.typed = TypedTokens(delimiter_tokens(self.tokenizer, self.renderer.template))
         self.kinds = KindRenderer(config, self.tokenizer)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None

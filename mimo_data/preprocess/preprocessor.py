@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.preprocess.answer_parts import THINK_END, written_parts
 from mimo_data.preprocess.chat_tokens import Encoded, ItemTokens, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.positions import mrope_positions, sequential_positions
@@ -185,12 +186,18 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
-        answers = [m["content"] for m in kept_messages if in_loss(m)]
-        if answers and not any(answer.strip() for answer in answers):
+        answers = [(turn, m["content"]) for turn, m in enumerate(kept_messages) if in_loss(m)]
+        # what of each the template writes (an answer that is reasoning alone may be nothing)
+        written = (self.text.answer_parts.written(kept_messages)
+                   if any(THINK_END in content for _, content in answers) else None)
+        if answers and not any("".join(written_parts(content, written, turn)).strip()
+                               for turn, content in answers):
             # the template's end of turn would be all it trains: to answer with nothing
             everyone = sum(m["role"] == "assistant" for m in kept_messages)
             raise SampleDropped("empty_answers", f"every trained answer ({len(answers)} of "
                                 f"{everyone}) is empty"
+                                + (" or reasoning the chat template leaves out" if written
+                                   else "")
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else "") + ": write the answers or leave the record out")
         token_counts = {name: [n for (modality, n, _), _ in zip(counts, kept_items)
