@@ -351,6 +351,43 @@ def test_an_answer_weighted_0_is_in_the_text_not_the_loss(records, mode, referen
     assert caught.value.reason == "malformed_record"
 
 
+def test_tool_use_a_template_does_not_write_is_dropped_and_named(plain, reference_tokenizer):
+    """SmolLM2's template writes a tool's turn (as a turn of role ``tool``) but neither calls
+    nor tools: a conversation with calls or tools is dropped as ``tool_use`` naming what the
+    template leaves out, never trained without them; one with tools' turns alone trains its
+    answers, the tool's content out of the loss (the text is transformers' render). Caption
+    mode, which has no template, drops any tool use. An answer that only calls is no empty
+    answer."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {}}}
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    turns = [{"role": "user", "content": "Weather?"},
+             {"role": "assistant", "content": "", "tool_calls": [call]},
+             {"role": "tool", "content": "21 degrees"},
+             {"role": "assistant", "content": "It is 21 degrees."}]
+    for messages, missing in (
+            (turns, "tool calls"), ([{**turns[0], "tools": tools}, turns[3]], "tool lists"),
+            ([{**turns[0], "tools": tools}, *turns[1:]], "tool calls and no tool lists")):
+        with pytest.raises(SampleDropped, match=f"chat template writes no {missing} ") as caught:
+            plain({"key": "k", "media": [], "messages": messages})
+        assert caught.value.reason == "tool_use"
+    results = [turns[0], {"role": "assistant", "content": "Let me see."}, *turns[2:]]
+    sample = plain({"key": "k", "media": [], "messages": results})
+    assert reference_tokenizer.decode(sample.input_ids) + "\n" == \
+        reference_tokenizer.apply_chat_template(results, tokenize=False)
+    assert "<|im_start|>tool\n21 degrees<|im_end|>" in reference_tokenizer.decode(
+        sample.input_ids)
+    assert trained_text(plain.text.tokenizer, sample) == assistant_text({"messages": results})
+    with pytest.raises(SampleDropped, match="caption mode has no template") as caught:
+        Preprocessor(config(mode="caption"), with_media=False)(
+            {"key": "k", "media": [], "messages": results})
+    qwen = Preprocessor(PreprocessConfig.from_yaml(
+        str(REPO / "configs" / "preprocess_qwen3_5.yaml")), with_media=False)
+    calls_only = [turns[0], turns[1]]
+    assert trained_text(qwen.text.tokenizer, qwen({"key": "k", "media": [],
+                                                   "messages": calls_only})).endswith(
+        "<tool_call>\n<function=get_weather>\n</function>\n</tool_call><|im_end|>")
+
+
 def test_weights_the_spans_cannot_follow_and_empty_trained_answers_are_dropped(records,
                                                                                 plain):
     """A template writing two ``{% generation %}`` blocks an answer: its spans cannot be

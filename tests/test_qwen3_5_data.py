@@ -38,7 +38,8 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
 
 from conftest import REPO
-from support.qwen_media import PHOTOS, Conversations, media_bytes, turns, typed
+from support.qwen_media import (PHOTOS, TOOL_USE, Conversations, media_bytes, tool_use_messages,
+                                turns, typed)
 from support.qwen_media import processor as processor_of
 from support.qwen_media import records as records_of
 from support.qwen_media import reference as reference_of
@@ -192,6 +193,57 @@ def test_the_training_template_renders_the_published_text(config, records, proce
             ours = processor.apply_chat_template(messages, tokenize=False,
                                                  chat_template=tagged, **prompt)
             assert ours == theirs, (key, prompt)
+
+
+def test_tool_use_trains_what_the_model_writes(config, processor):
+    """A function-calling conversation as ``mimo-shard build`` writes it: its input ids are
+    the published template's text with the tools, tokenized (transformers' processor, the
+    calls' arguments as objects); trained in each answer is what the template adds to its
+    generation prompt after the last user query (the closing </think>, the text and the calls,
+    <|im_end|>), and before it the answer, its calls and <|im_end|> (the template writes the
+    turn without reasoning); the tools' turns and the tools train nowhere. mimo-inspect finds
+    each call trained and no problem."""
+    from mimo_data.inspect.stats import SampleInspector
+    from mimo_data.shards.records import normalize_messages, tool_lists
+    messages = normalize_messages(TOOL_USE["messages"], tool_lists(TOOL_USE))
+    record = {"key": "tools", "media": [], "messages": messages}
+    theirs, tools, tokenizer = tool_use_messages(), TOOL_USE["tools"], processor.tokenizer
+    text = processor.apply_chat_template(theirs, tools=tools, tokenize=False)
+    assert "<function=weather>\n<parameter=city>\nBergen" in text and "rain" in text
+    preprocessor = Preprocessor(config, with_media=False)
+    sample = preprocessor.text_batch([record])[0]
+    assert sample.ids.tolist() == tokenizer(text)["input_ids"]
+    last_query = max(i for i, m in enumerate(theirs) if m["role"] == "user")
+    segments = iter(text.split("<|im_start|>assistant\n")[1:])
+    expected = []
+    for i, message in enumerate(theirs):
+        if message["role"] != "assistant":
+            continue
+        segment = next(segments)
+        if i < last_query:
+            expected.append(segment[:segment.index("<|im_end|>") + len("<|im_end|>")])
+            continue
+        prompt = processor.apply_chat_template(theirs[:i], tools=tools, tokenize=False,
+                                               add_generation_prompt=True)
+        written = processor.apply_chat_template(theirs[:i + 1], tools=tools, tokenize=False)
+        assert prompt.endswith("<think>\n") and written.startswith(prompt)
+        answer = written[len(prompt):]
+        expected.append(answer[1:answer.index("<|im_end|>") + len("<|im_end|>")])
+    assert "<tool_call>" in expected[0] and expected[1].startswith("<tool_call>"), expected
+    assert _trained_texts(tokenizer, sample.ids[1:], sample.loss_mask) == expected
+    stats, _ = SampleInspector(config)(0, record)
+    assert stats.dropped is None and stats.coverage_problems == [], stats.coverage_problems
+    assert stats.empty_answers == 0 and stats.reasoning_dropped == 1
+    # a template whose generation blocks end before the calls: the inspector names each
+    # answer whose call does not train
+    tagged = Path(config.chat_template).read_text()
+    calls = tagged.index("        {%- if message.tool_calls and message.tool_calls is iterable")
+    end = "        {{- '<|im_end|>' }}\n"
+    broken = tagged[:calls] + "        {%- endgeneration %}\n" + tagged[calls:].replace(
+        end + "        {%- endgeneration %}", end, 1)
+    stats, _ = SampleInspector(dataclasses.replace(config, chat_template=broken))(0, record)
+    assert [problem.split(":")[0] for problem in stats.coverage_problems] == [
+        "turn 2 (assistant)", "turn 4 (assistant)"], stats.coverage_problems
 
 
 def test_several_turns_need_the_training_template(config, records):

@@ -33,7 +33,8 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
 
 from conftest import REPO
-from support.qwen_media import PHOTOS, Conversations, media_bytes, turns
+from support.qwen_media import (PHOTOS, TOOL_USE, Conversations, media_bytes, tool_use_messages,
+                                turns)
 from support.qwen_media import processor as processor_of
 from support.qwen_media import records as records_of
 from support.qwen_media import reference as reference_of
@@ -117,6 +118,38 @@ def test_input_ids_masks_and_counts_equal_the_processors(preprocessor, records, 
             assert samples[key].token_counts[modality] == counts, key
             token = preprocessor.text.modality_token_ids[modality]
             assert int((expected == token).sum()) == sum(counts), key
+
+
+def test_tool_use_trains_each_answer_with_its_calls(preprocessor, processor):
+    """Qwen3-VL's published template (no generation blocks: each answer's span is what it
+    adds to the generation prompt) writes a function-calling conversation as transformers'
+    processor does with the tools (input ids equal); trained: each answer with its calls and
+    <|im_end|>, the text the published template adds after its generation prompt; the tools'
+    turns and the tools nowhere. (Without the reasoning, which this template does not read
+    from ``reasoning_content``.)"""
+    from mimo_data.shards.records import normalize_messages, tool_lists
+
+    def unreasoned(turns):
+        return [{k: v for k, v in turn.items() if k != "reasoning_content"} for turn in turns]
+    messages = normalize_messages(unreasoned(TOOL_USE["messages"]), tool_lists(TOOL_USE))
+    theirs, tools = unreasoned(tool_use_messages()), TOOL_USE["tools"]
+    tokenizer = processor.tokenizer
+    text = processor.apply_chat_template(theirs, tools=tools, tokenize=False)
+    sample = preprocessor.text_batch([{"key": "tools", "media": [], "messages": messages}])[0]
+    assert sample.ids.tolist() == tokenizer(text)["input_ids"]
+    expected = []
+    for i, message in enumerate(theirs):
+        if message["role"] == "assistant":
+            prompt = processor.apply_chat_template(theirs[:i], tools=tools, tokenize=False,
+                                                   add_generation_prompt=True)
+            written = processor.apply_chat_template(theirs[:i + 1], tools=tools,
+                                                    tokenize=False)[len(prompt):]
+            expected.append(written[:written.index("<|im_end|>") + len("<|im_end|>")])
+    assert sum("<tool_call>" in answer for answer in expected) == 2, expected
+    trained = sample.loss_mask
+    runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
+    assert [tokenizer.decode(sample.ids[1:][run]) for run in runs if trained[run[0]]] == \
+        expected
 
 
 def test_videos_carry_the_processors_timestamps(records, reference, processor, config):

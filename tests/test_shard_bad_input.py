@@ -171,54 +171,40 @@ WEATHER_CALL = {"type": "function", "function": {"name": "get_weather",
                                                   "arguments": {"city": "Paris"}}}
 
 
-def case_tool_turn(tmp_path, assets):
-    """LLaMA-Factory's ShareGPT function calling: the call and the tool's answer as turns."""
-    record = _image_record(assets["jpeg"])
-    record["conversations"][1:] = [
-        {"from": "function_call", "value": json.dumps(WEATHER_CALL["function"])},
-        {"from": "observation", "value": '{"temperature": 21}'},
-        {"from": "gpt", "value": "It is 21 degrees."}]
-    return Case(record, "tool_use")
-
-
-def case_tool_calls_ending_the_conversation(tmp_path, assets):
-    """A function-calling record that ends at the call, with no tool turn (written before:
-    its call dropped, an empty answer trained)."""
+def case_tool_call_without_a_name(tmp_path, assets):
     record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
-    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [WEATHER_CALL]}
-    return Case(record, "tool_use")
+    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"arguments": {"city": "Paris"}}}]}
+    return Case(record, "malformed_record")
 
 
-def case_tools_listed_beside_a_plain_answer(tmp_path, assets):
-    """Tools the assistant does not call (written before: trained without them in the
-    prompt, which is what the answer's choice not to call depends on)."""
-    record = _image_record(assets["jpeg"])
-    record["tools"] = [{"type": "function", "function": {"name": "get_weather",
-                                                         "parameters": {"type": "object"}}}]
-    return Case(record, "tool_use")
-
-
-def case_tool_role(tmp_path, assets):
-    """A tool's turn with no call before it in the record (the call made elsewhere)."""
+def case_tool_call_arguments_not_an_object(tmp_path, assets):
+    """Arguments as JSON text of a list: templates write an object's items."""
     record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
-    record["messages"] += [{"role": "tool", "content": '{"temperature": 21}'},
+    record["messages"][1] = {"role": "assistant", "content": None, "function_call": {
+        "name": "get_weather", "arguments": '["Paris"]'}}
+    return Case(record, "malformed_record")
+
+
+def case_tool_call_arguments_not_json(tmp_path, assets):
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "city=Paris"}}]}
+    return Case(record, "malformed_record")
+
+
+def case_tool_turn_calling(tmp_path, assets):
+    """Only an assistant calls tools."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"] += [{"role": "tool", "content": "21", "tool_calls": [WEATHER_CALL]},
                            {"role": "assistant", "content": "It is 21 degrees."}]
-    return Case(record, "tool_use")
+    return Case(record, "malformed_record")
 
 
-def case_legacy_function_call(tmp_path, assets):
-    """OpenAI's older ``functions`` / ``function_call`` form, the call alone."""
-    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
-    record["messages"][1] = {"role": "assistant", "content": None,
-                             "function_call": {"name": "get_weather",
-                                               "arguments": '{"city": "Paris"}'}}
-    return Case(record, "tool_use")
-
-
-def case_legacy_functions_listed(tmp_path, assets):
+def case_tools_listed_without_names(tmp_path, assets):
     record = _image_record(assets["jpeg"])
-    record["functions"] = [{"name": "get_weather", "parameters": {"type": "object"}}]
-    return Case(record, "tool_use")
+    record["tools"] = [{"type": "function", "function": {"parameters": {"type": "object"}}}]
+    return Case(record, "malformed_record")
 
 
 def case_answer_with_train_detail(tmp_path, assets):
@@ -388,7 +374,7 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
 def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_records):
     """Datasets that carry the tool fields empty on every record (``tools: []``, an answer's
     ``tool_calls: null`` or ``[]``, a ``function_call`` of nulls, a table's ``"[ ]"``,
-    ``"None"`` or NaN) train as conversations."""
+    ``"None"`` or NaN) train as conversations without tools."""
     records = [dict(good_records[0], tools=[], functions="None"),
                dict(good_records[1], tools="[ ]", functions=float("nan")),
                {"id": "chat", "tools": None, "messages": [
@@ -402,6 +388,69 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
     assert report["records_skipped"] == 0 and report["samples_written"] == 3, report
+    assert {key for record in sample_records(tmp_path / "out")
+            for message in record["messages"] for key in message} == {"role", "content"}
+
+
+def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
+    """The tool-use forms users bring become one: OpenAI/transformers' (calls with their
+    arguments as JSON text or an object, ``content: null``, a ``tool`` turn with its call's
+    id), OpenAI's older ``functions`` / ``function_call`` / ``function`` turn, LLaMA-Factory's
+    ShareGPT (``function_call`` and ``observation`` turns, ``tools`` as JSON text of bare
+    functions), Llama 3's ``ipython`` turn: calls as ``{"type": "function", "function":
+    {"name", "arguments": {...}}}``, a tool's turn as role ``tool``, the tools wrapped as
+    templates take them, on the first message."""
+    weather = {"name": "get_weather", "parameters": {"type": "object"}}
+    wrapped = {"type": "function", "function": weather}
+    call = {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": "Paris"}}}
+    records = [
+        {"id": "openai", "tools": [wrapped], "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {
+                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": {"temperature": 21}},
+            {"role": "assistant", "content": "21 degrees."}]},
+        {"id": "legacy", "functions": [weather], "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "function_call": {
+                "name": "get_weather", "arguments": {"city": "Paris"}}},
+            {"role": "function", "name": "get_weather", "content": "21"},
+            {"role": "assistant", "content": "21 degrees."}]},
+        {"id": "sharegpt", "tools": json.dumps([weather]), "conversations": [
+            {"from": "human", "value": "Weather?"},
+            {"from": "function_call", "value": json.dumps(call["function"])},
+            {"from": "observation", "value": "21"},
+            {"from": "gpt", "value": "21 degrees."}]},
+        {"id": "ipython", "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+            {"role": "ipython", "content": "21"},
+            {"role": "assistant", "content": "21 degrees."}]},
+    ]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    assert read_json(tmp_path / "out" / "report.json")["records_skipped"] == 0
+    written = {record["id"]: record["messages"] for record in sample_records(tmp_path / "out")}
+    question = {"role": "user", "content": "Weather?"}
+    answer = {"role": "assistant", "content": "21 degrees."}
+    assert written["openai"] == [
+        {**question, "tools": [wrapped]},
+        {"role": "assistant", "content": "", "tool_calls": [{**call, "id": "c1"}]},
+        {"role": "tool", "content": '{"temperature": 21}', "tool_call_id": "c1"}, answer]
+    assert written["legacy"] == [
+        {**question, "tools": [wrapped]}, {"role": "assistant", "content": "",
+                                           "tool_calls": [call]},
+        {"role": "tool", "content": "21", "name": "get_weather"}, answer]
+    assert written["sharegpt"] == [
+        {**question, "tools": [wrapped]}, {"role": "assistant", "content": "",
+                                           "tool_calls": [call]},
+        {"role": "tool", "content": "21"}, answer]
+    assert written["ipython"] == [
+        question, {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
+        {"role": "tool", "content": "21"}, answer]
 
 
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):

@@ -568,16 +568,15 @@ def test_several_media_members_are_ordered_by_the_number_ending_their_names():
         assert caught.value.reason == "malformed_record" and "no order" in str(caught.value)
 
 
-def test_a_conversation_member_listing_tools_is_tool_use():
-    """Read in place, a sample whose conversation lists tools is ``tool_use``, as at build
-    (``records.normalize_messages``): never trained without the tools its template writes."""
+def test_a_conversation_member_listing_tools_keeps_them():
+    """Read in place, a sample whose conversation lists tools has them on its first message,
+    as at build (``records.normalize_messages``): never trained without the tools its
+    template writes."""
     from mimo_data.shards.layouts import MemberMap, synthesize
-    from mimo_data.shards.records import RecordError
-    conversation = {"conversations": chat("Weather?", "Sunny."),
-                    "tools": [{"type": "function", "function": {"name": "get_weather"}}]}
-    with pytest.raises(RecordError) as caught:
-        synthesize({"json": json.dumps(conversation).encode()}, MemberMap("conversation"))
-    assert caught.value.reason == "tool_use" and "lists tools" in str(caught.value)
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    conversation = {"conversations": chat("Weather?", "Sunny."), "tools": tools}
+    made = synthesize({"json": json.dumps(conversation).encode()}, MemberMap("conversation"))
+    assert made.fields["messages"][0]["tools"] == tools
     conversation["tools"] = []
     assert synthesize({"json": json.dumps(conversation).encode()},
                       MemberMap("conversation")).fields["messages"][1]["content"] == "Sunny."

@@ -89,19 +89,23 @@ def test_parquet_json_string_conversation(tmp_path, assets):
     assert record["messages"][1] == {"role": "assistant", "content": "Yes."}
 
 
-def test_a_parquet_tools_column_is_tool_use(tmp_path):
-    """A conversations table with a ``tools`` column (function-calling sets store it as JSON
-    text): a row listing tools is skipped as ``tool_use``, one with ``"[]"`` or null trains."""
-    tools = json.dumps([{"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("column", ["tools", "functions"])
+def test_a_parquet_tools_column_is_the_conversations_tools(tmp_path, column):
+    """A conversations table with a ``tools`` (or OpenAI's older ``functions``) column,
+    function-calling sets storing it as JSON text: a row listing tools has them on its first
+    message, wrapped as chat templates take them; one with ``"[]"`` or null has none."""
+    function = {"name": "get_weather", "parameters": {"type": "object"}}
     table = pa.table({"id": ["listed", "empty", "null"],
-                      "tools": [tools, "[]", None],
+                      column: [json.dumps([function]), "[]", None],
                       "conversations": [json.dumps(chat("Weather?", "Sunny."))] * 3})
     path = tmp_path / "calls.parquet"
     pq.write_table(table, path)
     build_dataset([path], tmp_path / "out")
-    assert set(_samples_by_id(tmp_path / "out")) == {"empty", "null"}
-    report = read_json(tmp_path / "out" / "report.json")
-    assert report["skipped_by_reason"]["tool_use"]["count"] == 1, report
+    samples = {key: record for key, (record, _) in _samples_by_id(tmp_path / "out").items()}
+    assert set(samples) == {"listed", "empty", "null"}
+    assert samples["listed"]["messages"][0]["tools"] == [{"type": "function",
+                                                          "function": function}]
+    assert "tools" not in samples["empty"]["messages"][0] | samples["null"]["messages"][0]
 
 
 def test_parquet_column_flags(capsys, tmp_path, assets):

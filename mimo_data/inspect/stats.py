@@ -233,9 +233,10 @@ class SampleInspector:
         # a document's pieces are one text, no turns: nothing of a template between them
         document = stats.kind == "document"
         written = None if document else self.text.answer_parts.written(kept)
-        stats.empty_answers = sum(in_loss(message) and not "".join(written_parts(
-            str(message.get("content") or ""), written, turn)).strip()
-            for turn, message in enumerate(kept))
+        stats.empty_answers = sum(in_loss(message) and not message.get("tool_calls") and not
+                                  "".join(written_parts(str(message.get("content") or ""),
+                                                        written, turn)).strip()
+                                  for turn, message in enumerate(kept))
         headers = None if document else self.headers(
             tuple(str(message.get("role")) for message in kept))
         self.coverage(stats, kept, text.ids, np.concatenate(([False], text.loss_mask)),
@@ -304,13 +305,17 @@ class SampleInspector:
             role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
-            if not content.replace(_PLACEHOLDER, "").strip():
+            # an answer's calls: each function's name, which the template writes after the
+            # content in whatever form (JSON, XML), must train with it
+            names = [str(call.get("function", {}).get("name", ""))
+                     for call in message.get("tool_calls") or ()]
+            if not content.replace(_PLACEHOLDER, "").strip() and not names:
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
             kept = written.get(turn) if written else None
             if kept is not None and in_loss(message) and THINK_END in content:
                 self._unwritten(stats, turn, content, kept, reasons)
-            for piece in written_parts(content, written, turn):
+            for piece in [*written_parts(content, written, turn), *names]:
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \

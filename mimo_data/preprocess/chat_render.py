@@ -21,6 +21,7 @@ filled skeleton.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,6 +44,19 @@ _GENERATION_BLOCK = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 _SLOT = "\ue000{}\ue001"
 _SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SKELETONS = 256
+# A conversation that uses tools, with a stand-in name for each part of tool use
+# (``ChatRenderer.tool_support``)
+_TOOL_STAND_INS = {"tool calls": "mimo_probe_call", "tool lists": "mimo_probe_tool",
+                   "tools' turns": "mimo_probe_result"}
+_TOOL_PROBE = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": _TOOL_STAND_INS["tool calls"], "arguments": {"x": 1}}}]},
+    {"role": "tool", "content": _TOOL_STAND_INS["tools' turns"]},
+    {"role": "assistant", "content": "Done."}]
+_TOOL_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": _TOOL_STAND_INS["tool lists"], "description": "A tool.",
+    "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
 
 
 class TextError(CountedError):
@@ -86,6 +100,7 @@ class ChatRenderer:
         if self.eot is None:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
         self.template: str | None = None
+        self._tool_support: frozenset[str] | None = None
         self.has_generation_blocks = False
         self.contents_verbatim = True       # caption mode joins the contents as they are
         self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
@@ -120,11 +135,15 @@ class ChatRenderer:
         """The text and its trained character spans (each ending with the end-of-turn token,
         or followed by an appended EOS); an answer with ``"weight": 0`` is in the text, not in
         the spans."""
+        tools = self._tool_use(messages)
         if self.config.mode == "caption":
             text, answers = self._render_caption(messages)
             return text, _weighed(messages, answers)
         if self.has_generation_blocks:
-            text, spans = self._render_with_generation_spans(messages)
+            text, spans = self._render_with_generation_spans(messages, tools)
+        elif tools is not None:     # calls and tools vary beside the contents: no skeleton
+            text = self._render(messages, tools=tools)
+            spans = self._incremental_spans(messages, text, tools)
         else:
             skeleton = self._skeleton(tuple(message["role"] for message in messages))
             filled = skeleton.fill(messages) if skeleton is not None else None
@@ -148,9 +167,10 @@ class ChatRenderer:
         """The text of a conversation for the model to continue: with the template's generation
         prompt (``caption`` mode: the turns joined by newlines, then the newline an answer
         follows)."""
+        tools = self._tool_use(messages)
         if self.config.mode == "caption":
             return self._render_caption(messages)[0] + "\n"
-        text = self._render(messages, generation_prompt=True)
+        text = self._render(messages, generation_prompt=True, tools=tools)
         return self._bos(text) + text
 
     def _bos(self, text: str) -> str:
@@ -172,36 +192,70 @@ class ChatRenderer:
     def _for_template(self, messages):
         if not self.typed_contents:
             return messages
-        return [{"role": m["role"], "content": typed_parts(m["content"])} for m in messages]
+        return [{**m, "content": typed_parts(m["content"])} for m in messages]
 
-    def _render(self, messages, generation_prompt=False):
+    def _tool_use(self, messages) -> list[dict] | None:
+        """The tools to render a conversation with (``[]`` where it lists none), None where it
+        uses no tool; TextError (``tool_use``) where the template writes no part of the tool
+        use it holds (its calls, its tools or its tools' turns: ``tool_support``)."""
+        tools = messages[0].get("tools") if messages else None
+        calls = any(message.get("tool_calls") for message in messages)
+        results = any(message["role"] == "tool" for message in messages)
+        if not (tools or calls or results):
+            return None
+        writes = self.tool_support()
+        missing = [what for what, used in (("tool calls", calls), ("tool lists", tools),
+                                           ("tools' turns", results))
+                   if used and what not in writes]
+        if missing:
+            raise TextError("tool_use", f"the conversation uses tools but the chat template "
+                            f"writes no {' and no '.join(missing)} ("
+                            + ("caption mode has no template" if self.template is None else
+                               "give a chat_template that writes tool use, as Qwen3.5's does")
+                            + ", or leave such records out)")
+        return tools or []
+
+    def tool_support(self) -> frozenset[str]:
+        """What of tool use the template writes: ``tool calls``, ``tool lists``, ``tools'
+        turns``; read from a render of a conversation that uses each, with stand-in names."""
+        if self._tool_support is None:
+            written = ""
+            if self.template is not None:
+                with contextlib.suppress(TextError):
+                    written = self._render(_TOOL_PROBE, tools=_TOOL_PROBE_TOOLS)
+            self._tool_support = frozenset(what for what, stand_in in _TOOL_STAND_INS.items()
+                                           if stand_in in written)
+        return self._tool_support
+
+    def _render(self, messages, generation_prompt=False, tools=None):
         messages = self._for_template(messages)
         try:
-            return self._compiled.render(messages=messages, tools=None, documents=None,
+            return self._compiled.render(messages=messages, tools=tools or None, documents=None,
                                          add_generation_prompt=generation_prompt,
                                          **self.template_kwargs)
         except Exception as exc:  # the template's own raise_exception(), jinja errors
             raise TextError("template_error", f"the chat template failed: {exc}") from None
 
-    def _render_with_generation_spans(self, messages):
+    def _render_with_generation_spans(self, messages, tools=None):
         try:
             rendered, spans = render_jinja_template(
-                [self._for_template(messages)], chat_template=self.template,
-                return_assistant_tokens_mask=True,
+                [self._for_template(messages)], tools=tools or None,
+                chat_template=self.template, return_assistant_tokens_mask=True,
                 **self.template_kwargs)
         except Exception as exc:
             raise TextError("template_error", f"the chat template failed: {exc}") from None
         return rendered[0], spans[0]
 
-    def _incremental_spans(self, messages, text):
+    def _incremental_spans(self, messages, text, tools=None):
         """Per assistant turn, the characters it adds to ``text`` (the conversation's render)
         after the generation prompt; TextError if the template re-renders earlier turns."""
         spans = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
-            before = self._render(messages[:i], generation_prompt=True)
-            after = text if i == len(messages) - 1 else self._render(messages[:i + 1])
+            before = self._render(messages[:i], generation_prompt=True, tools=tools)
+            after = text if i == len(messages) - 1 else self._render(messages[:i + 1],
+                                                                     tools=tools)
             if not (after.startswith(before) and text.startswith(after)):
                 first = not any(m["role"] == "user" for m in messages[:i])
                 raise TextError("template_mismatch", f"the chat template does not render "

@@ -24,7 +24,7 @@ from mimo_data.preprocess.record_kinds import Rendered, kind_of, trained_wraps
 from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
 from mimo_data.modalities import MediaItem
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
-from mimo_data.shards.format import Message, in_loss
+from mimo_data.shards.format import ROLES, Message, in_loss
 from mimo_data.shards.records import marker_order
 from mimo_data.tally import CountedError
 
@@ -191,6 +191,7 @@ class Preprocessor:
         written = (self.text.answer_parts.written(kept_messages)
                    if any(THINK_END in content for _, content in answers) else None)
         if answers and not any("".join(written_parts(content, written, turn)).strip()
+                               or kept_messages[turn].get("tool_calls")
                                for turn, content in answers):
             # the template's end of turn would be all it trains: to answer with nothing
             everyone = sum(m["role"] == "assistant" for m in kept_messages)
@@ -342,7 +343,7 @@ def _check_record(record) -> None:
                             f"{len(record['media'])}")
         for message in record["messages"] if kind == "conversation" else ():
             if not (isinstance(message["content"], str) and
-                    message["role"] in ("system", "user", "assistant")):
+                    message["role"] in ROLES):
                 problems.append(f"bad message {str(message)[:60]}")
             elif "weight" in message and (message["weight"] != 0 or
                                           isinstance(message["weight"], bool)):

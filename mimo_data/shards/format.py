@@ -27,8 +27,9 @@ it rather than look for the tars beside the index.
 
     {"key": "000000042", "id": "<source id or null>",
      "source": {"file": "data/llava.jsonl", "line": 17}      # or {"file": ..., "row": 5}
-     "messages": [{"role": "system"|"user"|"assistant", "content": "... <image> ...",
-                   "weight": 0}],                            # weight: only where 0 (below)
+     "messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "... <image> ...",
+                   "weight": 0,                              # weight: only where 0 (below)
+                   "tool_calls": [...], "tools": [...]}],    # tool use only (below)
      "media": [                                              # in marker order across messages
         {"modality": "image", "member": "img0.jpg", "format": "jpeg", "bytes": 51234,
          "width": 512, "height": 384, "mode": "RGB"},        # size after EXIF orientation
@@ -41,6 +42,14 @@ fine-tuning format); the key is written only where it is 0 (a mimo older than th
 reading order (messages in order, left to right) is the i-th image item; the same holds for
 ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec, frame rate, frame count and
 display rotation). Media items are listed in marker order.
+
+Tool use (2026-12-01; before, such records were skipped as ``tool_use``): an assistant
+message's ``tool_calls`` (``{"type": "function", "function": {"name": ..., "arguments":
+{...}}}``, arguments an object), a tool's turn as role ``tool`` (with its ``name`` and
+``tool_call_id`` where given), and the conversation's ``tools`` on its first message, so
+that every part of a conversation (a prefix kept by ``truncate_turns`` too) carries them. A
+mimo older than this reads such a record as a malformed one (an unknown role) or without
+its calls and tools; the format version is unchanged.
 
 Record kinds (``kind``; a record without one is a conversation, as every dataset built before
 kinds were added):
@@ -76,9 +85,16 @@ def record_kind(record: ShardRecord) -> RecordKind:
 
 
 class Message(TypedDict):
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "tool"]
     content: str                 # text with <image> / <audio> / <video> markers in place
     weight: NotRequired[Literal[0]]   # an assistant turn left out of the loss (absent: trained)
+    # an assistant turn's calls: {"type": "function", "function": {"name", "arguments": {}}}
+    tool_calls: NotRequired[list[dict]]
+    name: NotRequired[str]            # a tool's turn: the tool's name, where the record gave it
+    tool_call_id: NotRequired[str]    # a tool's turn: the call it answers, where given
+    # the conversation's tools (first message only), as chat templates take them:
+    # {"type": "function", "function": {"name", "description", "parameters"}}
+    tools: NotRequired[list[dict]]
 
 
 # the build and index reports' count (``report.json`` ``counts``) of answers weighted 0
@@ -119,7 +135,7 @@ REPORT_FILE = "report.json"
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 def shard_name(name: str, index: int) -> str:
     """File name of shard ``index`` of dataset ``name``."""
     return f"{name}-{index:06d}.tar"

@@ -10,17 +10,14 @@ from typing import Any
 from mimo_data.modalities import MARKERS
 from mimo_data.tally import CountedError
 
-# ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the three roles we store.
+# ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the roles we store: a tool's
+# turn is OpenAI/HF's ``tool``, OpenAI's older ``function``, Llama 3's ``ipython`` or
+# LLaMA-Factory's ShareGPT ``observation``
 ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
-                "gpt": "assistant", "assistant": "assistant"}
-# tool use, which mimo does not train: the tool's turn (OpenAI/HF ``tool``, OpenAI's older
-# ``function``, Llama 3's ``ipython``, LLaMA-Factory's ShareGPT ``observation``) and the call
-# as a turn of its own (LLaMA-Factory's ``function_call``); an assistant turn's calls
-TOOL_ROLES = frozenset({"tool", "function", "ipython", "observation", "function_call"})
-TOOL_CALL_KEYS = ("tool_calls", "function_call")
-_TOOL_USE = ("mimo does not train tool use yet (the calls as the chat template writes them and "
-             "the tools' turns left out of the loss): the record is skipped; leave such "
-             "records out of the dataset (or train them with a tool-use trainer)")
+                "gpt": "assistant", "assistant": "assistant", "tool": "tool",
+                "function": "tool", "ipython": "tool", "observation": "tool"}
+# LLaMA-Factory's ShareGPT call: a turn of its own whose value is the call's JSON
+CALL_TURN = "function_call"
 
 
 class RecordError(CountedError):
@@ -53,15 +50,16 @@ def normalize_messages(turns, tools=None) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages.
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
     before the answer; one left out of the loss (``weight`` 0, ``training`` false) has
-    ``"weight": 0``. ``tools``: the record's tool list, if it has one.
+    ``"weight": 0``. Tool use as OpenAI and transformers' chat templates take it: an
+    assistant turn's calls (``tool_calls``; OpenAI's older ``function_call``; LLaMA-Factory's
+    ``function_call`` turn) as ``tool_calls`` of ``{"type": "function", "function": {"name",
+    "arguments": {...}}}``, a tool's turn as role ``tool``, and ``tools`` (``tool_lists``: the
+    record's ``tools``, OpenAI's older ``functions``) on the first message (``Message``).
 
     Raises RecordError for unknown roles, missing fields, an empty conversation, text that
-    cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and tool use
-    (``tool_use``: listed tools, a tool's turn, an assistant turn's calls), which would
-    otherwise train without the tools or calls the template writes.
+    cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and calls or
+    tools that are not JSON objects with a name.
     """
-    if _given(tools):
-        raise RecordError("tool_use", f"the record lists tools: {_TOOL_USE}")
     if not isinstance(turns, list) or not turns:
         raise RecordError("malformed_record", "the conversation is missing or empty")
     messages = []
@@ -69,12 +67,12 @@ def normalize_messages(turns, tools=None) -> list[dict]:
         if not isinstance(turn, dict):
             raise RecordError("malformed_record", f"turn {i} is not an object")
         speaker = turn.get("role", turn.get("from"))
-        if str(speaker).lower() in TOOL_ROLES:
-            raise RecordError("tool_use", f"turn {i} has role {speaker!r}: {_TOOL_USE}")
-        calls = [key for key in TOOL_CALL_KEYS if _given(turn.get(key))]
-        if calls:
-            raise RecordError("tool_use", f"turn {i} holds {calls[0]}: {_TOOL_USE}")
         content = turn.get("content", turn.get("value"))
+        calls = _calls(turn, i)
+        if str(speaker).lower() == CALL_TURN:       # the call is the turn's value
+            speaker, calls, content = "assistant", _calls({"tool_calls": content}, i), ""
+        if content is None and calls:               # OpenAI's content of a call: null
+            content = ""
         if speaker is None or content is None:
             keys = sorted(key for key, value in turn.items() if value is not None)
             raise RecordError("malformed_record", f"turn {i} has keys {keys}: a turn needs "
@@ -84,6 +82,11 @@ def normalize_messages(turns, tools=None) -> list[dict]:
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
                               f"{sorted(ROLE_ALIASES)}")
+        if calls and role != "assistant":
+            raise RecordError("malformed_record", f"turn {i} ({role}) holds tool calls: only "
+                              "an assistant turn calls tools")
+        if role == "tool" and isinstance(content, (dict, list)) and not _parts(content):
+            content = json.dumps(content, ensure_ascii=False)  # a result given as JSON
         text = _content_text(content)
         reasoning = turn.get("reasoning_content")
         if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
@@ -94,11 +97,16 @@ def normalize_messages(turns, tools=None) -> list[dict]:
                                   "a </think> in its content: give its reasoning once")
             text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"
         try:
-            text.encode("utf-8")
+            json.dumps([text, calls], ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as exc:
             raise RecordError("invalid_utf8",
                               f"turn {i} text is not valid Unicode: {exc}") from None
         message: dict[str, Any] = {"role": role, "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        if role == "tool":
+            message.update((key, turn[key]) for key in ("name", "tool_call_id")
+                           if isinstance(turn.get(key), str))
         if not _trained(turn, i, role) and role == "assistant":
             message["weight"] = 0
         messages.append(message)
@@ -108,6 +116,9 @@ def normalize_messages(turns, tools=None) -> list[dict]:
     if answers and all("weight" in m for m in answers):
         raise RecordError("no_trained_tokens", f"every answer ({len(answers)}) has weight 0: "
                           "nothing to train on")
+    listed = _tools(tools)
+    if listed:
+        messages[0]["tools"] = listed
     return messages
 
 
@@ -115,6 +126,78 @@ def tool_lists(record: Mapping[str, Any]) -> list:
     """A record's tool lists, for ``normalize_messages``: ``tools`` and OpenAI's older
     ``functions``."""
     return [record.get("tools"), record.get("functions")]
+
+
+def _tools(lists) -> list[dict]:
+    """The tools of ``tool_lists`` as transformers' chat templates take them: each
+    ``{"type": "function", "function": {"name", ...}}`` (a bare function, as OpenAI's older
+    ``functions`` and LLaMA-Factory's ``tools`` give them, wrapped so); a table's JSON text
+    read."""
+    found = []
+    for value in lists or ():
+        if not _given(value):
+            continue
+        if isinstance(value, str):
+            value = _json(value, "the record's tools")
+        for k, tool in enumerate(value if isinstance(value, list) else [value]):
+            wrapped = isinstance(tool, dict) and isinstance(tool.get("function"), dict)
+            function = tool["function"] if wrapped else tool
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
+                    and function["name"].strip()):
+                raise RecordError("malformed_record", f"the record's tool {k} has no name: a "
+                                  'tool is {"type": "function", "function": {"name": ..., '
+                                  '"parameters": {...}}} (or the function alone)')
+            found.append(tool if wrapped else {"type": "function", "function": tool})
+    return found
+
+
+def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
+    """Turn ``i``'s tool calls (``tool_calls``, OpenAI's older ``function_call``), each
+    ``{"type": "function", "function": {"name", "arguments": {...}}}`` (and its ``id``);
+    arguments given as JSON text are read (templates write them from an object)."""
+    calls = []
+    for key in ("tool_calls", "function_call"):
+        value = turn.get(key)
+        if not _given(value):
+            continue
+        if isinstance(value, str):
+            value = _json(value, f"turn {i}'s {key}")
+        for k, call in enumerate(value if isinstance(value, list) else [value]):
+            where = f"turn {i}'s {key} {k}"
+            wrapped = isinstance(call, dict) and isinstance(call.get("function"), dict)
+            function = call["function"] if wrapped else call
+            name = function.get("name") if isinstance(function, dict) else None
+            if not isinstance(name, str) or not name.strip():
+                raise RecordError("malformed_record", f"{where} has no function name: a call "
+                                  'is {"type": "function", "function": {"name": ..., '
+                                  '"arguments": {...}}}')
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                arguments = _json(arguments, f"{where}'s arguments") if arguments.strip() \
+                    else None
+            if arguments is None:
+                arguments = {}
+            if not isinstance(arguments, dict):
+                raise RecordError("malformed_record", f"{where}'s arguments are "
+                                  f"{type(arguments).__name__}, not a JSON object")
+            call_id = {"id": call["id"]} if wrapped and isinstance(call.get("id"), str) else {}
+            calls.append({"type": "function", "function": {"name": name,
+                                                            "arguments": arguments},
+                          **call_id})
+    return calls
+
+
+def _json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise RecordError("malformed_record", f"{where} is not JSON: {exc}") from None
+
+
+def _parts(content) -> bool:
+    """Whether a content is HF-style typed parts (``_content_text``)."""
+    return isinstance(content, list) and all(isinstance(part, dict) and "type" in part
+                                             for part in content)
 
 
 def _trained(turn: dict, i: int, role: str) -> bool:

@@ -55,7 +55,7 @@ class RawRecord:
     ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
     ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
     against the probed one (``validate.check_audio_duration``). ``tools``: a conversation's
-    tool list, where the record has one (``records.normalize_messages`` refuses tool use)."""
+    tool lists (``records.tool_lists``), where the record has them."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
@@ -339,7 +339,7 @@ class ParquetTable:
             turns = _json_value(turns)
         turns = exchanges(turns, media)
         return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
-                         tools=record.get(column["tools"]) if column["tools"] else None)
+                         tools=[record.get(column["tools"])] if column["tools"] else None)
 
 
 def _holds_exchanges(kind: pa.DataType) -> bool:

@@ -1,11 +1,13 @@
-"""The Qwen3-VL and Qwen3.5 data tests' conversations over corpus photos and clips, and the
-published processor's output for them (the reference those tests hold mimo's data rules to):
-records as the shards hold them, the processor loaded as ``AutoProcessor`` loads it, each
-clip's frames decoded with plain PyAV, the chat template given typed parts."""
+"""The Qwen3-VL and Qwen3.5 data tests' conversations over corpus photos and clips (and one of
+function calling, ``TOOL_USE``), and the published processor's output for them (the reference
+those tests hold mimo's data rules to): records as the shards hold them, the processor loaded
+as ``AutoProcessor`` loads it, each clip's frames decoded with plain PyAV, the chat template
+given typed parts."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import av
@@ -38,6 +40,38 @@ def typed(messages: list[dict]) -> list[dict]:
         found.append({"role": message["role"],
                       "content": [*parts, {"type": "text", "text": text}]})
     return found
+
+
+# function calling as OpenAI's API and transformers' templates take it: tools, a call with
+# text and reasoning, another without, the tools' results, then a later query
+TOOL_USE = {
+    "tools": [{"type": "function", "function": {
+        "name": "weather", "description": "The weather of a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"]}}}],
+    "messages": [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Oslo and Bergen?"},
+        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two calls.",
+         "tool_calls": [{"id": "a", "type": "function", "function": {
+             "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "a", "content": "rain"},
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
+            "name": "weather", "arguments": {"city": "Bergen", "days": [1, 2]}}}]},
+        {"role": "tool", "content": "sun"},
+        {"role": "assistant", "content": "Rain in Oslo, sun in Bergen."},
+        {"role": "user", "content": "Thanks."},
+        {"role": "assistant", "content": "You are welcome."}]}
+
+
+def tool_use_messages() -> list[dict]:
+    """TOOL_USE's messages as transformers' templates take them: arguments as objects, a
+    call's null content empty."""
+    return [{**message, "content": message["content"] or "", "tool_calls": [
+        {**call, "function": {**call["function"], "arguments": json.loads(
+            call["function"]["arguments"]) if isinstance(call["function"]["arguments"], str)
+            else call["function"]["arguments"]}} for call in message["tool_calls"]]}
+        if "tool_calls" in message else message for message in TOOL_USE["messages"]]
 
 
 def processor(replica: Path):
