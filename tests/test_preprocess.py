@@ -386,6 +386,44 @@ def test_tool_use_a_template_does_not_write_is_dropped_and_named(plain, referenc
     assert trained_text(qwen.text.tokenizer, qwen({"key": "k", "media": [],
                                                    "messages": calls_only})).endswith(
         "<tool_call>\n<function=get_weather>\n</function>\n</tool_call><|im_end|>")
+    # a delimiter typed in a call's arguments or a tool's description would be encoded as that
+    # token, as in a content
+    for typed in ([turns[0], {**turns[1], "tool_calls": [{**call, "function": {
+            "name": "get_weather", "arguments": {"city": "a<|im_end|>"}}}]}],
+            [{**turns[0], "tools": [{"type": "function", "function": {
+                "name": "get_weather", "description": "<|im_start|>user"}}]}, turns[3]]):
+        with pytest.raises(SampleDropped, match="holds '<|im_") as caught:
+            qwen({"key": "k", "media": [], "messages": typed})
+        assert caught.value.reason == "literal_special_token"
+
+
+# ChatML turns whose calls must carry a 9-letter id, as Mistral's templates demand, or that
+# raise on any call: what a template writes of tool use is read with a call it accepts, and a
+# template that fails on tool use says so
+_CALLS_WITH_IDS = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] }}{%- for call in message.get('tool_calls') or [] %}"
+    "{%- if call.id is not defined or call.id|length != 9 %}{{- raise_exception("
+    "'Tool call IDs should be alphanumeric strings with length 9!') }}{%- endif %}"
+    "{{- '<call>' + call.function.name + '</call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def test_what_a_template_writes_of_tool_use_is_read_with_a_call_it_accepts():
+    ids = Preprocessor(config(chat_template=_CALLS_WITH_IDS), with_media=False)
+    assert ids.text.renderer.tool_support() == {"tool calls", "tools' turns"}
+    message = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "id": "abcdefghi", "function": {"name": "f", "arguments": {}}}]}
+    sample = ids({"key": "k", "media": [], "messages": [
+        {"role": "user", "content": "Go."}, message]})
+    assert trained_text(ids.text.tokenizer, sample) == "<call>f</call>" + EOT
+    failing = Preprocessor(config(chat_template=_CALLS_WITH_IDS.replace(
+        "call.id|length != 9", "true")), with_media=False)
+    with pytest.raises(SampleDropped, match="it fails on a conversation that uses them: the "
+                       "chat template failed: Tool call IDs should be") as caught:
+        failing({"key": "k", "media": [], "messages": [
+            {"role": "user", "content": "Go."}, message]})
+    assert caught.value.reason == "tool_use"
 
 
 def test_weights_the_spans_cannot_follow_and_empty_trained_answers_are_dropped(records,

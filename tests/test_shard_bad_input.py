@@ -201,6 +201,41 @@ def case_tool_turn_calling(tmp_path, assets):
     return Case(record, "malformed_record")
 
 
+def case_tool_call_with_unknown_keys(tmp_path, assets):
+    """Arguments under a key mimo does not read would be trained as a call without them."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "args": {"city": "Paris"}}}]}
+    return Case(record, "malformed_record")
+
+
+def case_function_call_turn_without_a_call(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1:] = [{"from": "function_call", "value": "[]"},
+                                   {"from": "observation", "value": "21"},
+                                   {"from": "gpt", "value": "It is 21 degrees."}]
+    return Case(record, "malformed_record")
+
+
+def case_marker_in_a_tool_call(tmp_path, assets):
+    """Only the record's media items place markers; one in a call's arguments would be
+    expanded as an item the record lacks."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "describe",
+                                          "arguments": {"what": "<image>"}}}]}
+    return Case(record, "marker_mismatch")
+
+
+def case_lone_surrogate_in_a_tool(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["tools"] = [{"type": "function", "function": {"name": "get_weather",
+                                                         "description": "half \ud800"}}]
+    line = json.dumps(record)
+    assert "\\ud800" in line
+    return Case(line.encode(), "invalid_utf8")
+
+
 def case_tools_listed_without_names(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record["tools"] = [{"type": "function", "function": {"parameters": {"type": "object"}}}]
@@ -397,7 +432,8 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     arguments as JSON text or an object, ``content: null``, a ``tool`` turn with its call's
     id), OpenAI's older ``functions`` / ``function_call`` / ``function`` turn, LLaMA-Factory's
     ShareGPT (``function_call`` and ``observation`` turns, ``tools`` as JSON text of bare
-    functions), Llama 3's ``ipython`` turn: calls as ``{"type": "function", "function":
+    functions), Llama 3's (``parameters``, an ``ipython`` turn, a number for a result and an
+    id): calls as ``{"type": "function", "function":
     {"name", "arguments": {...}}}``, a tool's turn as role ``tool``, the tools wrapped as
     templates take them, on the first message."""
     weather = {"name": "get_weather", "parameters": {"type": "object"}}
@@ -423,10 +459,11 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
             {"from": "function_call", "value": json.dumps(call["function"])},
             {"from": "observation", "value": "21"},
             {"from": "gpt", "value": "21 degrees."}]},
-        {"id": "ipython", "messages": [
+        {"id": "ipython", "messages": [          # Llama 3's: arguments as "parameters"
             {"role": "user", "content": "Weather?"},
-            {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
-            {"role": "ipython", "content": "21"},
+            {"role": "assistant", "content": "Checking.", "tool_calls": [{
+                "name": "get_weather", "parameters": {"city": "Paris"}}]},
+            {"role": "ipython", "content": 21, "tool_call_id": 5},
             {"role": "assistant", "content": "21 degrees."}]},
     ]
     path = write_jsonl(tmp_path / "input.jsonl", records)
@@ -450,7 +487,7 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
         {"role": "tool", "content": "21"}, answer]
     assert written["ipython"] == [
         question, {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
-        {"role": "tool", "content": "21"}, answer]
+        {"role": "tool", "content": "21", "tool_call_id": "5"}, answer]
 
 
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):

@@ -108,6 +108,35 @@ def test_a_parquet_tools_column_is_the_conversations_tools(tmp_path, column):
     assert "tools" not in samples["empty"]["messages"][0] | samples["null"]["messages"][0]
 
 
+def test_parquet_struct_calls_and_tools_keep_their_own_fields(tmp_path):
+    """Calls and tools in nested columns (list<struct>): Arrow gives every row one struct
+    type, each row's values holding the other rows' fields as nulls; a call or tool keeps only
+    its own (the model would learn to write the others' as its arguments)."""
+    def conversation(name, arguments):
+        return [{"role": "user", "content": "Go?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": name, "arguments": arguments}}]},
+                {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Done."}]
+    tools = [[{"type": "function", "function": {"name": "weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string"}}}}}],
+             [{"type": "function", "function": {"name": "count", "description": "Counts.",
+                                                 "parameters": {"type": "object"}}}]]
+    table = pa.table({"id": ["one", "two"], "tools": tools,
+                      "messages": [conversation("weather", {"city": "Oslo"}),
+                                   conversation("count", {"n": 3})]})
+    assert pa.types.is_struct(table.schema.field("tools").type.value_type)
+    path = tmp_path / "calls.parquet"
+    pq.write_table(table, path)
+    build_dataset([path], tmp_path / "out")
+    samples = {key: record for key, (record, _) in _samples_by_id(tmp_path / "out").items()}
+    for key, name, arguments, tool in (("one", "weather", {"city": "Oslo"}, tools[0]),
+                                       ("two", "count", {"n": 3}, tools[1])):
+        first, call = samples[key]["messages"][0], samples[key]["messages"][1]
+        assert first["tools"] == tool, first
+        assert call == {"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": name, "arguments": arguments}}]}, call
+
+
 def test_parquet_column_flags(capsys, tmp_path, assets):
     jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
     table = pa.table({

@@ -12,6 +12,7 @@ the ``seq_length`` limit) when that is possible, so that one sees why.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import cast
 
@@ -98,9 +99,11 @@ def _messages_view(record: Record, note: str) -> TokenView:
         return TokenView([TokenRun("prompt", f"[{record['kind']}] {record.get('text')}", 0)],
                          note)
     try:
-        text = "\n".join(f"[{m.get('role')}] {m.get('content')}"
-                         for m in record.get("messages") or [])
-    except AttributeError:
+        text = "\n".join(f"[{m.get('role')}] {m.get('content')}" + "".join(
+            f"\n  {key}: {json.dumps(m[key], ensure_ascii=False)}"
+            for key in ("tools", "tool_calls") if m.get(key))
+            for m in record.get("messages") or [])
+    except (AttributeError, TypeError):
         text = repr(record.get("messages"))
     return TokenView([TokenRun("prompt", text, 0)], note)
 

@@ -305,23 +305,39 @@ class SampleInspector:
             role = str(message.get("role"))
             content = _PLACEHOLDERS.sub(_PLACEHOLDER, _MARKER.sub(
                 _PLACEHOLDER, str(message.get("content", "")))).strip()
-            # an answer's calls: each function's name, which the template writes after the
-            # content in whatever form (JSON, XML), must train with it
-            names = [str(call.get("function", {}).get("name", ""))
-                     for call in message.get("tool_calls") or ()]
+            names = _call_words(message)
             if not content.replace(_PLACEHOLDER, "").strip() and not names:
                 continue
             header = _locate(text, headers[turn], cursor) if headers and headers[turn] else None
             kept = written.get(turn) if written else None
             if kept is not None and in_loss(message) and THINK_END in content:
                 self._unwritten(stats, turn, content, kept, reasons)
-            for piece in [*written_parts(content, written, turn), *names]:
+            for piece in written_parts(content, written, turn):
                 if not piece.replace(_PLACEHOLDER, "").strip():
                     continue
                 found = (header and _locate(text, piece, max(header[1], cursor))) or \
                     _locate(text, piece, cursor)
                 cursor = self._judge(stats, turn, role, in_loss(message), piece, found,
                                      text, pieces, starts, kinds, first) or cursor
+            wrong, total = 0, 0      # the calls' words: one count, one problem a turn
+            for word in names:
+                found = _locate(text, word, cursor)
+                total += _visible(word)
+                if found is None:
+                    wrong += _visible(word)
+                    continue
+                wrong += _wrong_chars(found, not in_loss(message), text, pieces, starts,
+                                      kinds, first)
+                cursor = found[1]
+            if wrong:
+                if in_loss(message):
+                    stats.assistant_chars_not_trained += wrong
+                else:
+                    stats.other_chars_trained += wrong
+                stats.coverage_problems.append(
+                    f"turn {turn} ({role if in_loss(message) else 'assistant, weight 0'}): "
+                    f"{wrong} of {total} characters of its tool calls (names, argument names "
+                    "and string values) " + ("not trained" if in_loss(message) else "trained"))
 
     @staticmethod
     def _unwritten(stats: SampleStats, turn: int, content: str, kept: frozenset[str],
@@ -369,14 +385,7 @@ class SampleInspector:
                 stats.coverage_problems.append(f"turn {turn} (assistant): its content "
                                                f"({count} characters) is not in the tokens")
             return None
-        a, b = found
-        count = 0
-        for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
-            if starts[k] >= b:
-                break
-            if kinds[k] == wrong:
-                count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
-                                       min(b, starts[k + 1])])
+        count = _wrong_chars(found, wrong == 1, text, pieces, starts, kinds, first)
         if count:
             if trained:
                 stats.assistant_chars_not_trained += count
@@ -385,7 +394,7 @@ class SampleInspector:
             stats.coverage_problems.append(
                 f"turn {turn} ({role}): {count} of {_visible(content)} content characters "
                 + ("not trained" if trained else "trained"))
-        return b
+        return found[1]
 
 
 # A media item's placeholder tokens in the decoded text, and its marker in a content.
@@ -395,6 +404,40 @@ _PLACEHOLDERS = re.compile("\x00+")
 _STAND_IN = "\ue000{}\ue001"
 _STAND_INS = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SHAPES = 256      # conversation shapes (roles) whose headers are kept
+
+
+def _wrong_chars(found: tuple[int, int], trained_is_wrong: bool, text: str, pieces: list[str],
+                 starts: list[int], kinds: list[int], first: int) -> int:
+    """Visible characters of ``text[found]`` in runs of the wrong class (trained ones where
+    ``trained_is_wrong``, else untrained ones, the first token no one's target)."""
+    a, b = found
+    wrong, count = int(trained_is_wrong), 0
+    for k in range(bisect.bisect_right(starts, a) - 1, len(pieces)):
+        if starts[k] >= b:
+            break
+        if kinds[k] == wrong:
+            count += _visible(text[max(a, starts[k], first if wrong == 0 else 0):
+                                   min(b, starts[k + 1])])
+    return count
+
+
+def _call_words(message: Mapping[str, Any]) -> list[str]:
+    """What of an answer's calls must be found trained after its content, in order, whatever
+    the form the template writes them in (JSON, XML): each function's name, its arguments'
+    names, and their string values that no form escapes."""
+    words = []
+    for call in message.get("tool_calls") or ():
+        function = call.get("function") or {}
+        words.append(str(function.get("name", "")))
+        for key, value in (function.get("arguments") or {}).items():
+            words.append(str(key))
+            if isinstance(value, str) and value.strip() and not _ESCAPED.search(value):
+                words.append(value)
+    return words
+
+
+# characters JSON writes escaped: a value holding one is not found as it is
+_ESCAPED = re.compile(r'["\\\x00-\x1f]')
 
 
 def _visible(text: str) -> int:

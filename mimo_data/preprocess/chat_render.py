@@ -21,7 +21,6 @@ filled skeleton.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -45,14 +44,16 @@ _SLOT = "\ue000{}\ue001"
 _SLOT_PATTERN = re.compile("\ue000([0-9]+)\ue001")
 _MAX_SKELETONS = 256
 # A conversation that uses tools, with a stand-in name for each part of tool use
-# (``ChatRenderer.tool_support``)
+# (``ChatRenderer.tool_support``); its call's id is 9 letters, which Mistral's templates demand
 _TOOL_STAND_INS = {"tool calls": "mimo_probe_call", "tool lists": "mimo_probe_tool",
                    "tools' turns": "mimo_probe_result"}
 _TOOL_PROBE = [
     {"role": "user", "content": "Hi"},
-    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "mimoprobe",
+                                                         "function": {
         "name": _TOOL_STAND_INS["tool calls"], "arguments": {"x": 1}}}]},
-    {"role": "tool", "content": _TOOL_STAND_INS["tools' turns"]},
+    {"role": "tool", "content": _TOOL_STAND_INS["tools' turns"], "tool_call_id": "mimoprobe",
+     "name": "mimo_probe_named"},
     {"role": "assistant", "content": "Done."}]
 _TOOL_PROBE_TOOLS = [{"type": "function", "function": {
     "name": _TOOL_STAND_INS["tool lists"], "description": "A tool.",
@@ -101,6 +102,7 @@ class ChatRenderer:
             raise ValueError(f"tokenizer {config.tokenizer!r} has no eos token to end turns with")
         self.template: str | None = None
         self._tool_support: frozenset[str] | None = None
+        self._tool_probe_error: str | None = None
         self.has_generation_blocks = False
         self.contents_verbatim = True       # caption mode joins the contents as they are
         self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
@@ -208,11 +210,13 @@ class ChatRenderer:
                                            ("tools' turns", results))
                    if used and what not in writes]
         if missing:
+            why = ("caption mode has no template" if self.template is None else
+                   f"it fails on a conversation that uses them: {self._tool_probe_error}"
+                   if self._tool_probe_error else
+                   "give a chat_template that writes tool use, as Qwen3.5's does")
             raise TextError("tool_use", f"the conversation uses tools but the chat template "
-                            f"writes no {' and no '.join(missing)} ("
-                            + ("caption mode has no template" if self.template is None else
-                               "give a chat_template that writes tool use, as Qwen3.5's does")
-                            + ", or leave such records out)")
+                            f"writes no {' and no '.join(missing)} ({why}, or leave such "
+                            "records out)")
         return tools or []
 
     def tool_support(self) -> frozenset[str]:
@@ -221,8 +225,10 @@ class ChatRenderer:
         if self._tool_support is None:
             written = ""
             if self.template is not None:
-                with contextlib.suppress(TextError):
+                try:
                     written = self._render(_TOOL_PROBE, tools=_TOOL_PROBE_TOOLS)
+                except TextError as exc:
+                    self._tool_probe_error = exc.detail
             self._tool_support = frozenset(what for what, stand_in in _TOOL_STAND_INS.items()
                                            if stand_in in written)
         return self._tool_support

@@ -14,7 +14,8 @@ wrong mask.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import json
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -147,8 +148,7 @@ class TextEncoder:
         for i, (messages, _) in enumerate(conversations):
             typed = self.typed.error([("the text", messages.source)]
                                      if isinstance(messages, Rendered) else
-                                     ((f"message {k} ({m['role']})", m["content"])
-                                      for k, m in enumerate(messages)))
+                                     _written_texts(messages))
             try:
                 if typed is not None:
                     raise typed
@@ -192,3 +192,13 @@ class TextEncoder:
                 np.insert(trained, eos_at, True),
                 bounds + np.concatenate(([0], np.cumsum(per_text))),
                 marker_at + np.searchsorted(eos_at, marker_at, side="right"))
+
+
+def _written_texts(messages: Messages) -> Iterator[tuple[str, str]]:
+    """(where, text) of what a conversation's template writes from its data: each content,
+    and an answer's calls and the tools as JSON text (their names, arguments, descriptions)."""
+    for k, message in enumerate(messages):
+        yield f"message {k} ({message['role']})", message["content"]
+        for key in ("tool_calls", "tools"):
+            if message.get(key):
+                yield f"message {k}'s {key}", json.dumps(message[key], ensure_ascii=False)

@@ -349,6 +349,9 @@ def _check_record(record) -> None:
                                           isinstance(message["weight"], bool)):
                 problems.append(f"a message's weight {message['weight']!r}: a shard "
                                 "message's weight is 0 where it has one (out of the loss)")
+            elif "tools" in message and message is not record["messages"][0]:
+                problems.append("tools on a message other than the first (a shard holds a "
+                                "conversation's tools on its first message)")
         for item in record["media"]:
             missing = [f for f in MODALITIES[item["modality"]].item_fields if f not in item]
             if missing:

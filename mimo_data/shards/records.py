@@ -71,6 +71,9 @@ def normalize_messages(turns, tools=None) -> list[dict]:
         calls = _calls(turn, i)
         if str(speaker).lower() == CALL_TURN:       # the call is the turn's value
             speaker, calls, content = "assistant", _calls({"tool_calls": content}, i), ""
+            if not calls:
+                raise RecordError("malformed_record", f"turn {i} is a {CALL_TURN} turn "
+                                  "without a call")
         if content is None and calls:               # OpenAI's content of a call: null
             content = ""
         if speaker is None or content is None:
@@ -81,11 +84,11 @@ def normalize_messages(turns, tools=None) -> list[dict]:
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
-                              f"{sorted(ROLE_ALIASES)}")
+                              f"{sorted([*ROLE_ALIASES, CALL_TURN])}")
         if calls and role != "assistant":
             raise RecordError("malformed_record", f"turn {i} ({role}) holds tool calls: only "
                               "an assistant turn calls tools")
-        if role == "tool" and isinstance(content, (dict, list)) and not _parts(content):
+        if role == "tool" and not isinstance(content, str) and not _parts(content):
             content = json.dumps(content, ensure_ascii=False)  # a result given as JSON
         text = _content_text(content)
         reasoning = turn.get("reasoning_content")
@@ -96,17 +99,17 @@ def normalize_messages(turns, tools=None) -> list[dict]:
                 raise RecordError("malformed_record", f"turn {i} has a reasoning_content and "
                                   "a </think> in its content: give its reasoning once")
             text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"
-        try:
-            json.dumps([text, calls], ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise RecordError("invalid_utf8",
-                              f"turn {i} text is not valid Unicode: {exc}") from None
+        _utf8(text, f"turn {i} text")
         message: dict[str, Any] = {"role": role, "content": text}
         if calls:
             message["tool_calls"] = calls
         if role == "tool":
-            message.update((key, turn[key]) for key in ("name", "tool_call_id")
-                           if isinstance(turn.get(key), str))
+            for key in ("name", "tool_call_id"):
+                if isinstance(turn.get(key), (str, int)) and not isinstance(turn[key], bool):
+                    message[key] = str(turn[key])
+                elif turn.get(key) is not None:
+                    raise RecordError("malformed_record", f"turn {i}'s {key} is "
+                                      f"{turn[key]!r}: give a string")
         if not _trained(turn, i, role) and role == "assistant":
             message["weight"] = 0
         messages.append(message)
@@ -119,6 +122,15 @@ def normalize_messages(turns, tools=None) -> list[dict]:
     listed = _tools(tools)
     if listed:
         messages[0]["tools"] = listed
+    # the calls' and tools' own fields: JSON the shard can hold, no marker only media may place
+    try:
+        written = json.dumps([[m.get("tool_calls"), m.get("tools"), m.get("name"),
+                               m.get("tool_call_id")] for m in messages], ensure_ascii=False)
+    except (TypeError, ValueError) as exc:      # a table's date or bytes, say
+        raise RecordError("malformed_record", f"a tool call or tool holds a value that is not "
+                          f"JSON: {exc}") from None
+    _utf8(written, "a tool call, tool or tool turn's name")
+    _no_markers(written, "a tool call or tool")
     return messages
 
 
@@ -171,7 +183,15 @@ def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
                 raise RecordError("malformed_record", f"{where} has no function name: a call "
                                   'is {"type": "function", "function": {"name": ..., '
                                   '"arguments": {...}}}')
+            given = {key for key, value in function.items() if value is not None}
+            known = {"name", "arguments", "parameters"} | (set() if wrapped else {"id", "type"})
+            if given - known or {"arguments", "parameters"} <= given:
+                raise RecordError("malformed_record", f"{where} has keys {sorted(given)}: a "
+                                  "call is its name and its arguments (under 'arguments', or "
+                                  "'parameters' as Llama 3's)")
             arguments = function.get("arguments")
+            if arguments is None:
+                arguments = function.get("parameters")
             if isinstance(arguments, str):
                 arguments = _json(arguments, f"{where}'s arguments") if arguments.strip() \
                     else None
@@ -180,7 +200,7 @@ def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
             if not isinstance(arguments, dict):
                 raise RecordError("malformed_record", f"{where}'s arguments are "
                                   f"{type(arguments).__name__}, not a JSON object")
-            call_id = {"id": call["id"]} if wrapped and isinstance(call.get("id"), str) else {}
+            call_id = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
             calls.append({"type": "function", "function": {"name": name,
                                                             "arguments": arguments},
                           **call_id})
@@ -195,9 +215,9 @@ def _json(text: str, where: str) -> Any:
 
 
 def _parts(content) -> bool:
-    """Whether a content is HF-style typed parts (``_content_text``)."""
-    return isinstance(content, list) and all(isinstance(part, dict) and "type" in part
-                                             for part in content)
+    """Whether a content is HF-style typed parts (``_content_text``: text and media parts)."""
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") in ("text", *MARKERS) for part in content)
 
 
 def _trained(turn: dict, i: int, role: str) -> bool:

@@ -335,11 +335,22 @@ class ParquetTable:
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
                              text=record[column["caption"]])
         turns = record[column["conversation"]]
-        if isinstance(turns, (str, bytes)):
-            turns = _json_value(turns)
+        turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
+        tools = record.get(column["tools"]) if column["tools"] else None
         return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
-                         tools=[record.get(column["tools"])] if column["tools"] else None)
+                         tools=[tools if isinstance(tools, str) else _without_nulls(tools)])
+
+
+def _without_nulls(value):
+    """A nested column's value without the null fields Arrow fills in: a table's structs share
+    one type, so a row's call or tool holds every other row's fields as nulls (``{"city":
+    "Oslo", "n": null}``), which templates would write as its own."""
+    if isinstance(value, dict):
+        return {key: _without_nulls(item) for key, item in value.items() if item is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 def _holds_exchanges(kind: pa.DataType) -> bool:
