@@ -423,6 +423,7 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
     assert report["records_skipped"] == 0 and report["samples_written"] == 3, report
+    assert "counts" not in report, report
     assert {key for record in sample_records(tmp_path / "out")
             for message in record["messages"] for key in message} == {"role", "content"}
 
@@ -469,7 +470,10 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     path = write_jsonl(tmp_path / "input.jsonl", records)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
     assert code == 0, err
-    assert read_json(tmp_path / "out" / "report.json")["records_skipped"] == 0
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["records_skipped"] == 0 and report["counts"] == {
+        "conversations_using_tools": 4}, report
+    assert "4 samples written; 4 conversations using tools" in err, err
     written = {record["id"]: record["messages"] for record in sample_records(tmp_path / "out")}
     question = {"role": "user", "content": "Weather?"}
     answer = {"role": "assistant", "content": "21 degrees."}

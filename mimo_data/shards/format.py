@@ -107,6 +107,17 @@ def answers_out_of_loss(messages: Sequence[Mapping[str, Any]]) -> int:
                for message in messages)
 
 
+# the build and index reports' count of conversations that use tools (calls, tools' turns,
+# tools listed), so that a user sees the tool fields were read
+USING_TOOLS = "conversations_using_tools"
+
+
+def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a conversation uses tools (the reports' ``USING_TOOLS``)."""
+    return any(message.get("tool_calls") or message.get("tools") or message.get("role") == "tool"
+               for message in messages)
+
+
 def in_loss(message: Mapping[str, Any]) -> bool:
     """Whether a shard message (``Message``, or one made like it) is one the loss covers: an
     answer without ``"weight": 0`` (preprocessing refuses a record whose weight is anything
