@@ -325,8 +325,9 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
                                                 assets["png"].read_bytes()]
     assert _media(record, members, "audio") == [assets["wav"].read_bytes()]
     assert _media(record, members, "video") == [clip.read_bytes()]
+    # the parts as they are, one after another, as the processors' templates write them
     assert record["messages"][0]["content"] == (
-        "<image>\n<audio>\nCompare the image, the sound and the clip.\n<video>\n<image>")
+        "<image><audio>Compare the image, the sound and the clip.<video><image>")
 
 
 def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, assets):

@@ -26,7 +26,8 @@ class RecordError(CountedError):
 
 def _content_text(content) -> str:
     """Message content as text: a string, or HF-style parts with media parts (``{"type":
-    "image"}``, ``"audio"``, ``"video"``) as their markers."""
+    "image"}``, ``"audio"``, ``"video"``) as their markers, one after another as they are (as
+    transformers' templates write parts: Qwen's, with nothing between them)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -41,7 +42,7 @@ def _content_text(content) -> str:
                 kinds = "|".join(repr(k) for k in ("text", *MARKERS))
                 raise RecordError("malformed_record", f"unsupported content part {part!r}: "
                                   f"expected {{'type': {kinds}, ...}}")
-        return "\n".join(pieces)
+        return "".join(pieces)
     raise RecordError("malformed_record", f"message content must be a string or a list of "
                       f"parts, got {type(content).__name__}")
 

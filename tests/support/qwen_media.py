@@ -106,11 +106,14 @@ def frames(data: bytes, rotation: int) -> np.ndarray:
     return np.ascontiguousarray(np.rot90(decoded, rotation // 90, axes=(1, 2)))
 
 
-def reference(processor, names: list[str], record: dict, media: dict[str, bytes]):
+def reference(processor, names: list[str], record: dict, media: dict[str, bytes],
+              typed_already: bool = False):
     """The processor's output for the record (its media ``names`` in marker order) through its
-    own chat template, with the video metadata."""
+    own chat template, with the video metadata (``typed_already``: the record's messages are
+    typed parts as they are)."""
     from PIL import Image, ImageOps
-    prompt = processor.apply_chat_template(typed(record["messages"]), tokenize=False)
+    messages = record["messages"] if typed_already else typed(record["messages"])
+    prompt = processor.apply_chat_template(messages, tokenize=False)
     images = [ImageOps.exif_transpose(Image.open(io.BytesIO(media[name]))).convert("RGB")
               for name in names if name in PHOTOS]
     videos = [item for item in record["media"] if item["modality"] == "video"]
