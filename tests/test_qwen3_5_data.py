@@ -126,19 +126,24 @@ def test_input_ids_and_counts_equal_the_processors(preprocessor, records, sample
 def test_a_conversation_of_typed_parts_gives_the_processors_ids(preprocessor, processor,
                                                                  media):
     """A record in transformers' chat form (each content typed parts: an image, text, a
-    video) is built into the text the processor's template writes from those parts: input ids
-    equal the processor's for the same messages."""
+    video; a call whose tool answers with an image, a screenshot say) is built into the text
+    the processor's template writes from those parts: input ids equal the processor's for the
+    same messages."""
     from mimo_data.shards.records import normalize_messages
     turns = [{"role": "user", "content": [
                 {"type": "image"}, {"type": "text", "text": "What is this, "},
                 {"type": "video"}, {"type": "text", "text": "and that?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A closer look."}],
+              "tool_calls": [{"type": "function", "function": {"name": "zoom",
+                                                               "arguments": {"x": 2}}}]},
+             {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "x2"}]},
              {"role": "assistant", "content": [{"type": "text", "text": "A cat, a pan."}]}]
     messages = normalize_messages(turns)
     assert messages[0]["content"] == "<image>What is this, <video>and that?"
-    record, data = records_of({"parts": (messages, ["chelsea.jpg", "pan_h264_24"])},
-                              media)["parts"]
-    theirs = reference_of(processor, ["chelsea.jpg", "pan_h264_24"],
-                          {**record, "messages": turns}, media, typed_already=True)
+    names = ["chelsea.jpg", "pan_h264_24", "camera.png"]
+    record, data = records_of({"parts": (messages, names)}, media)["parts"]
+    theirs = reference_of(processor, names, {**record, "messages": turns}, media,
+                          typed_already=True)
     assert preprocessor(record, data).input_ids.tolist() == \
         theirs["input_ids"][0][:-1].tolist()
 
