@@ -494,6 +494,23 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
         {"role": "tool", "content": "21", "tool_call_id": "5"}, answer]
 
 
+def test_tool_fields_no_json_holds_are_malformed_records():
+    """A table's struct columns can hold what JSON cannot (a date, bytes): in a tool's result
+    or a call's arguments it is a counted malformed_record, never a crashed build."""
+    import datetime
+    from mimo_data.shards.records import RecordError, normalize_messages
+    when = datetime.date(2026, 12, 1)
+    question, answer = {"role": "user", "content": "When?"}, {"role": "assistant",
+                                                             "content": "Today."}
+    for turns in ([question, {"role": "tool", "content": {"date": when}}, answer],
+                  [question, {"role": "assistant", "content": "", "tool_calls": [
+                      {"type": "function", "function": {"name": "f",
+                                                        "arguments": {"on": when}}}]}]):
+        with pytest.raises(RecordError, match="not JSON") as caught:
+            normalize_messages(turns)
+        assert caught.value.reason == "malformed_record"
+
+
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     """OpenAI's ``weight`` (0 or 1) and axolotl's ``training`` (a boolean) on answers: the
     shard's message holds ``"weight": 0`` where the answer is out of the loss, nothing

@@ -17,6 +17,12 @@ prefixes too). Otherwise, e.g. for a template that trims or branches on contents
 takes the per-sample incremental path. When ``template_contents`` proves from the template's
 syntax that it outputs contents as they are, a sample is not rendered at all: its text is the
 filled skeleton.
+
+A conversation that uses tools (an answer's calls, tools' turns, the tools on its first
+message: ``shards.format.Message``) renders on its own with its tools (``tools=``, as
+transformers' ``apply_chat_template``), its calls varying beside its contents; where the
+template writes no calls, tools or tools' turns (``tool_support``) it is a ``tool_use``
+TextError, never trained without them.
 """
 
 from __future__ import annotations

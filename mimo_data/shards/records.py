@@ -90,7 +90,11 @@ def normalize_messages(turns, tools=None) -> list[dict]:
             raise RecordError("malformed_record", f"turn {i} ({role}) holds tool calls: only "
                               "an assistant turn calls tools")
         if role == "tool" and not isinstance(content, str) and not _parts(content):
-            content = json.dumps(content, ensure_ascii=False)  # a result given as JSON
+            try:                                    # a result given as JSON
+                content = json.dumps(content, ensure_ascii=False)
+            except (TypeError, ValueError) as exc:  # a table's date or bytes, say
+                raise RecordError("malformed_record", f"turn {i}'s result is not JSON: "
+                                  f"{exc}") from None
         text = _content_text(content)
         reasoning = turn.get("reasoning_content")
         if role == "assistant" and isinstance(reasoning, str) and reasoning.strip():
