@@ -236,6 +236,14 @@ def case_lone_surrogate_in_a_tool(tmp_path, assets):
     return Case(line.encode(), "invalid_utf8")
 
 
+def case_system_prompt_given_twice(tmp_path, assets):
+    """LLaMA-Factory's record-level ``system`` beside a conversation's own system turn."""
+    record = _image_record(assets["jpeg"])
+    record["system"] = "Be brief."
+    record["conversations"].insert(0, {"from": "system", "value": "Be thorough."})
+    return Case(record, "malformed_record")
+
+
 def case_tools_listed_without_names(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record["tools"] = [{"type": "function", "function": {"parameters": {"type": "object"}}}]
@@ -433,8 +441,8 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     arguments as JSON text or an object, ``content: null``, a ``tool`` turn with its call's
     id), OpenAI's older ``functions`` / ``function_call`` / ``function`` turn, LLaMA-Factory's
     ShareGPT (``function_call`` and ``observation`` turns, ``tools`` as JSON text of bare
-    functions), Llama 3's (``parameters``, an ``ipython`` turn, a number for a result and an
-    id): calls as ``{"type": "function", "function":
+    functions, the record's ``system`` prompt), Llama 3's (``parameters``, an ``ipython``
+    turn, a number for a result and an id): calls as ``{"type": "function", "function":
     {"name", "arguments": {...}}}``, a tool's turn as role ``tool``, the tools wrapped as
     templates take them, on the first message."""
     weather = {"name": "get_weather", "parameters": {"type": "object"}}
@@ -455,7 +463,8 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
                 "name": "get_weather", "arguments": {"city": "Paris"}}},
             {"role": "function", "name": "get_weather", "content": "21"},
             {"role": "assistant", "content": "21 degrees."}]},
-        {"id": "sharegpt", "tools": json.dumps([weather]), "conversations": [
+        {"id": "sharegpt", "tools": json.dumps([weather]), "system": "Use tools.",
+         "conversations": [
             {"from": "human", "value": "Weather?"},
             {"from": "function_call", "value": json.dumps(call["function"])},
             {"from": "observation", "value": "21"},
@@ -485,9 +494,9 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
         {**question, "tools": [wrapped]}, {"role": "assistant", "content": "",
                                            "tool_calls": [call]},
         {"role": "tool", "content": "21", "name": "get_weather"}, answer]
-    assert written["sharegpt"] == [
-        {**question, "tools": [wrapped]}, {"role": "assistant", "content": "",
-                                           "tool_calls": [call]},
+    assert written["sharegpt"] == [   # its system prompt first, the tools on it
+        {"role": "system", "content": "Use tools.", "tools": [wrapped]}, question,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
         {"role": "tool", "content": "21"}, answer]
     assert written["ipython"] == [
         question, {"role": "assistant", "content": "Checking.", "tool_calls": [call]},

@@ -574,9 +574,12 @@ def test_a_conversation_member_listing_tools_keeps_them():
     template writes."""
     from mimo_data.shards.layouts import MemberMap, synthesize
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
-    conversation = {"conversations": chat("Weather?", "Sunny."), "tools": tools}
+    conversation = {"conversations": chat("Weather?", "Sunny."), "tools": tools,
+                    "system": "Use tools."}
     made = synthesize({"json": json.dumps(conversation).encode()}, MemberMap("conversation"))
-    assert made.fields["messages"][0]["tools"] == tools
+    assert made.fields["messages"][0] == {"role": "system", "content": "Use tools.",
+                                          "tools": tools}
+    del conversation["system"]
     conversation["tools"] = []
     assert synthesize({"json": json.dumps(conversation).encode()},
                       MemberMap("conversation")).fields["messages"][1]["content"] == "Sunny."

@@ -93,19 +93,23 @@ def test_parquet_json_string_conversation(tmp_path, assets):
 def test_a_parquet_tools_column_is_the_conversations_tools(tmp_path, column):
     """A conversations table with a ``tools`` (or OpenAI's older ``functions``) column,
     function-calling sets storing it as JSON text: a row listing tools has them on its first
-    message, wrapped as chat templates take them; one with ``"[]"`` or null has none."""
+    message, wrapped as chat templates take them; one with ``"[]"`` or null has none. A
+    ``system`` column's prompt is the first turn where it has one."""
     function = {"name": "get_weather", "parameters": {"type": "object"}}
     table = pa.table({"id": ["listed", "empty", "null"],
                       column: [json.dumps([function]), "[]", None],
+                      "system": ["Use tools.", None, ""],
                       "conversations": [json.dumps(chat("Weather?", "Sunny."))] * 3})
     path = tmp_path / "calls.parquet"
     pq.write_table(table, path)
     build_dataset([path], tmp_path / "out")
     samples = {key: record for key, (record, _) in _samples_by_id(tmp_path / "out").items()}
     assert set(samples) == {"listed", "empty", "null"}
-    assert samples["listed"]["messages"][0]["tools"] == [{"type": "function",
-                                                          "function": function}]
-    assert "tools" not in samples["empty"]["messages"][0] | samples["null"]["messages"][0]
+    assert samples["listed"]["messages"][0] == {   # a system column: the prompt first
+        "role": "system", "content": "Use tools.", "tools": [{"type": "function",
+                                                              "function": function}]}
+    for key in ("empty", "null"):
+        assert samples[key]["messages"][0] == {"role": "user", "content": "Weather?"}
 
 
 def test_parquet_struct_calls_and_tools_keep_their_own_fields(tmp_path):

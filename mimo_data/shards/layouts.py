@@ -211,9 +211,9 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
         raw = _json(members, mapping.json)
-        turns, tools = (raw.get("conversations", raw.get("messages")), tool_lists(raw)) \
-            if isinstance(raw, dict) else (None, None)
-        messages = normalize_messages(turns, tools)
+        turns, tools, system = (raw.get("conversations", raw.get("messages")), tool_lists(raw),
+                                raw.get("system")) if isinstance(raw, dict) else (None,) * 3
+        messages = normalize_messages(turns, tools, system)
         order = marker_order(messages)
         media = _conversation_media(members)
         check_marker_counts(order, {modality: len(names) for modality, names in media.items()})

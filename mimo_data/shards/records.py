@@ -47,8 +47,10 @@ def _content_text(content) -> str:
                       f"parts, got {type(content).__name__}")
 
 
-def normalize_messages(turns, tools=None) -> list[dict]:
-    """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages.
+def normalize_messages(turns, tools=None, system=None) -> list[dict]:
+    """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages;
+    ``system``: the record's own system prompt (LLaMA-Factory's ShareGPT ``system``), its
+    first turn.
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
     before the answer; one left out of the loss (``weight`` 0, ``training`` false) has
     ``"weight": 0``. Tool use as OpenAI and transformers' chat templates take it: an
@@ -63,6 +65,16 @@ def normalize_messages(turns, tools=None) -> list[dict]:
     """
     if not isinstance(turns, list) or not turns:
         raise RecordError("malformed_record", "the conversation is missing or empty")
+    if _given(system):
+        if not isinstance(system, str):
+            raise RecordError("malformed_record", f"the record's system is a "
+                              f"{type(system).__name__}, not a string")
+        first = turns[0].get("role", turns[0].get("from")) if isinstance(turns[0], dict) \
+            else None
+        if str(first).lower() == "system":
+            raise RecordError("malformed_record", "the record has a system prompt and its "
+                              "conversation a system turn: give the system prompt once")
+        turns = [{"role": "system", "content": system}, *turns]
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):

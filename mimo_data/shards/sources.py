@@ -55,7 +55,8 @@ class RawRecord:
     ``images`` list as given, parallel to ``text``). ``text``: a caption's, or a document's
     ``texts`` list. ``audio_duration``: a speech manifest's ``duration`` of its clip, checked
     against the probed one (``validate.check_audio_duration``). ``tools``: a conversation's
-    tool lists (``records.tool_lists``), where the record has them."""
+    tool lists (``records.tool_lists``), where the record has them; ``system``: its own system
+    prompt (LLaMA-Factory's ShareGPT ``system``), where it has one."""
     id: str | None
     turns: object
     media: dict[str, list] = field(default_factory=dict)
@@ -63,6 +64,7 @@ class RawRecord:
     text: object = None
     audio_duration: float | None = None
     tools: object = None
+    system: object = None
 
 
 def media_field(modality: str) -> str:
@@ -223,7 +225,7 @@ class ConversationFile:
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns),
-                         tools=tool_lists(record))
+                         tools=tool_lists(record), system=record.get("system"))
 
 
 class SpeechManifest:
@@ -287,6 +289,7 @@ class ParquetTable:
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
                             ("id", ("id",), False), ("tools", ("tools", "functions"), False),
+                            ("system", ("system",), False),
                             ("conversation", ("messages", "conversations"), False),
                             ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
@@ -339,7 +342,8 @@ class ParquetTable:
         turns = exchanges(turns, media)
         tools = record.get(column["tools"]) if column["tools"] else None
         return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
-                         tools=[tools if isinstance(tools, str) else _without_nulls(tools)])
+                         tools=[tools if isinstance(tools, str) else _without_nulls(tools)],
+                         system=record.get(column["system"]) if column["system"] else None)
 
 
 def _without_nulls(value):

@@ -138,7 +138,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             text = normalize_caption(raw.text, refs)
             order = [modality for modality, items in refs.items() if items]
         else:
-            messages = normalize_messages(raw.turns, raw.tools)
+            messages = normalize_messages(raw.turns, raw.tools, raw.system)
             order = marker_order(messages)
             check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
