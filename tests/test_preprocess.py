@@ -395,6 +395,15 @@ def test_tool_use_a_template_does_not_write_is_dropped_and_named(plain, referenc
         with pytest.raises(SampleDropped, match="holds '<|im_") as caught:
             qwen({"key": "k", "media": [], "messages": typed})
         assert caught.value.reason == "literal_special_token"
+    # a hand-made shard record whose call is not as a shard holds it (arguments as JSON text):
+    # malformed, for the preprocessor and the inspector alike, never a crashed worker
+    from mimo_data.inspect.stats import SampleInspector
+    hand_made = {"key": "k", "media": [], "messages": [turns[0], {**turns[1], "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]}]}
+    with pytest.raises(SampleDropped, match="a tool call that is not") as caught:
+        qwen(hand_made)
+    assert caught.value.reason == "malformed_record"
+    assert SampleInspector(qwen.config)(0, hand_made)[0].dropped == "malformed_record"
 
 
 # ChatML turns whose calls must carry a 9-letter id, as Mistral's templates demand, or that

@@ -269,7 +269,8 @@ def test_tool_use_trains_what_the_model_writes(config, processor):
     stats, _ = SampleInspector(dataclasses.replace(config, chat_template=broken))(0, record)
     assert [problem.split(":")[0] for problem in stats.coverage_problems] == [
         "turn 2 (assistant)", "turn 4 (assistant)"], stats.coverage_problems
-    # weather, city, Oslo; weather, city, Bergen, days (a list: not a plain string value)
+    # weather, city, Oslo; weather, city, Bergen, days (a list: not a plain string value; the
+    # last key and value are ones JSON escapes)
     assert [problem.split(": ")[1] for problem in stats.coverage_problems] == [
         f"{n} of {n} characters of its tool calls (names, argument names and string values) "
         "not trained" for n in (7 + 4 + 4, 7 + 4 + 6 + 4)]

@@ -127,6 +127,7 @@ def test_tool_use_trains_each_answer_with_its_calls(preprocessor, processor):
     <|im_end|>, the text the published template adds after its generation prompt; the tools'
     turns and the tools nowhere. (Without the reasoning, which this template does not read
     from ``reasoning_content``.)"""
+    from mimo_data.inspect.stats import SampleInspector
     from mimo_data.shards.records import normalize_messages, tool_lists
 
     def unreasoned(turns):
@@ -150,6 +151,10 @@ def test_tool_use_trains_each_answer_with_its_calls(preprocessor, processor):
     runs = np.split(np.arange(len(trained)), np.flatnonzero(np.diff(trained.astype(int))) + 1)
     assert [tokenizer.decode(sample.ids[1:][run]) for run in runs if trained[run[0]]] == \
         expected
+    # the inspector finds the calls trained, in JSON (a key and a value JSON escapes aside)
+    stats, _ = SampleInspector(preprocessor.config)(
+        0, {"key": "tools", "media": [], "messages": messages})
+    assert stats.dropped is None and stats.coverage_problems == [], stats.coverage_problems
 
 
 def test_videos_carry_the_processors_timestamps(records, reference, processor, config):

@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mimo_data.shards.records import normalize_messages
+
 from conftest import (all_samples, build_dataset, chat, cli_main, origin_of, read_json,
                       sample_records, samples_table, write_json, write_jsonl)
 
@@ -329,9 +331,14 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
                                                 assets["png"].read_bytes()]
     assert _media(record, members, "audio") == [assets["wav"].read_bytes()]
     assert _media(record, members, "video") == [clip.read_bytes()]
-    # the parts as they are, one after another, as the processors' templates write them
+    # a marker and the text beside it as they are, as Qwen's templates write parts; two texts
+    # on lines of their own, as llava-hf's get them (one part between markers) and separate
     assert record["messages"][0]["content"] == (
         "<image><audio>Compare the image, the sound and the clip.<video><image>")
+    assert normalize_messages([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "Look."},
+        {"type": "text", "text": "What is it?"}]}, turns[1]])[0]["content"] == \
+        "<image>Look.\nWhat is it?"
 
 
 def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, assets):

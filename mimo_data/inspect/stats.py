@@ -424,16 +424,16 @@ def _wrong_chars(found: tuple[int, int], trained_is_wrong: bool, text: str, piec
 def _call_words(message: Mapping[str, Any]) -> list[str]:
     """What of an answer's calls must be found trained after its content, in order, whatever
     the form the template writes them in (JSON, XML): each function's name, its arguments'
-    names, and their string values that no form escapes."""
+    names and string values, those that no form escapes."""
     words = []
     for call in message.get("tool_calls") or ():
         function = call.get("function") or {}
-        words.append(str(function.get("name", "")))
-        for key, value in (function.get("arguments") or {}).items():
-            words.append(str(key))
-            if isinstance(value, str) and value.strip() and not _ESCAPED.search(value):
-                words.append(value)
-    return words
+        arguments = function.get("arguments")
+        words += [function.get("name"), *(
+            word for key, value in (arguments.items() if isinstance(arguments, Mapping) else ())
+            for word in (key, value))]
+    return [word for word in words if isinstance(word, str) and word.strip()
+            and not _ESCAPED.search(word)]
 
 
 # characters JSON writes escaped: a value holding one is not found as it is

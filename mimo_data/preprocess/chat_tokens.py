@@ -196,9 +196,9 @@ class TextEncoder:
 
 def _written_texts(messages: Messages) -> Iterator[tuple[str, str]]:
     """(where, text) of what a conversation's template writes from its data: each content,
-    and an answer's calls and the tools as JSON text (their names, arguments, descriptions)."""
+    and an answer's calls, the tools and a tool turn's name and call id as JSON text."""
     for k, message in enumerate(messages):
         yield f"message {k} ({message['role']})", message["content"]
-        for key in ("tool_calls", "tools"):
+        for key in ("tool_calls", "tools", "name", "tool_call_id"):
             if message.get(key):
                 yield f"message {k}'s {key}", json.dumps(message[key], ensure_ascii=False)

@@ -352,6 +352,12 @@ def _check_record(record) -> None:
             elif "tools" in message and message is not record["messages"][0]:
                 problems.append("tools on a message other than the first (a shard holds a "
                                 "conversation's tools on its first message)")
+            elif not all(isinstance(call, dict) and isinstance(call.get("function"), dict)
+                         and isinstance(call["function"].get("name"), str)
+                         and isinstance(call["function"].get("arguments"), dict)
+                         for call in message.get("tool_calls") or ()):
+                problems.append("a tool call that is not {\"type\": \"function\", "
+                                "\"function\": {\"name\": ..., \"arguments\": {...}}}")
         for item in record["media"]:
             missing = [f for f in MODALITIES[item["modality"]].item_fields if f not in item]
             if missing:

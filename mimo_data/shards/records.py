@@ -26,18 +26,23 @@ class RecordError(CountedError):
 
 def _content_text(content) -> str:
     """Message content as text: a string, or HF-style parts with media parts (``{"type":
-    "image"}``, ``"audio"``, ``"video"``) as their markers, one after another as they are (as
-    transformers' templates write parts: Qwen's, with nothing between them)."""
+    "image"}``, ``"audio"``, ``"video"``) as their markers, a marker and the text beside it as
+    they are (as Qwen's templates write parts, nothing between them), two texts on lines of
+    their own (where llava-hf's typed-content templates, which get the text between markers
+    as one part, write a separator)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        pieces = []
+        pieces: list[str] = []
+        texts = False                       # whether the last piece was a text
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                pieces.append(part["text"])
+                pieces += ["\n", part["text"]] if texts else [part["text"]]
+                texts = True
             elif kind in MARKERS:
                 pieces.append(MARKERS[kind])
+                texts = False
             else:
                 kinds = "|".join(repr(k) for k in ("text", *MARKERS))
                 raise RecordError("malformed_record", f"unsupported content part {part!r}: "
@@ -65,16 +70,6 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
     """
     if not isinstance(turns, list) or not turns:
         raise RecordError("malformed_record", "the conversation is missing or empty")
-    if _given(system):
-        if not isinstance(system, str):
-            raise RecordError("malformed_record", f"the record's system is a "
-                              f"{type(system).__name__}, not a string")
-        first = turns[0].get("role", turns[0].get("from")) if isinstance(turns[0], dict) \
-            else None
-        if str(first).lower() == "system":
-            raise RecordError("malformed_record", "the record has a system prompt and its "
-                              "conversation a system turn: give the system prompt once")
-        turns = [{"role": "system", "content": system}, *turns]
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -130,6 +125,16 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
         if not _trained(turn, i, role) and role == "assistant":
             message["weight"] = 0
         messages.append(message)
+    if not (system is None or isinstance(system, float) and math.isnan(system)
+            or isinstance(system, str) and not system.strip()):       # a table's null, NaN
+        if not isinstance(system, str):
+            raise RecordError("malformed_record", f"the record's system is a "
+                              f"{type(system).__name__}, not a string")
+        if messages[0]["role"] == "system":
+            raise RecordError("malformed_record", "the record has a system prompt and its "
+                              "conversation a system turn: give the system prompt once")
+        _utf8(system, "the record's system prompt")
+        messages.insert(0, {"role": "system", "content": system})
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
     answers = [m for m in messages if m["role"] == "assistant"]

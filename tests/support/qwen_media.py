@@ -57,7 +57,8 @@ TOOL_USE = {
              "name": "weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "a", "content": "rain"},
         {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {
-            "name": "weather", "arguments": {"city": "Bergen", "days": [1, 2]}}}]},
+            "name": "weather", "arguments": {"city": "Bergen", "days": [1, 2],
+                                             'unit "C"': "a\tb"}}}]},
         {"role": "tool", "content": "sun"},
         {"role": "assistant", "content": "Rain in Oslo, sun in Bergen."},
         {"role": "user", "content": "Thanks."},
