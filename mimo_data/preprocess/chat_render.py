@@ -207,10 +207,13 @@ class ChatRenderer:
         uses no tool; TextError (``tool_use``) where the template writes no part of the tool
         use it holds (its calls, its tools or its tools' turns: ``tool_support``)."""
         tools = messages[0].get("tools") if messages else None
-        calls = any(message.get("tool_calls") for message in messages)
-        results = any(message["role"] == "tool" for message in messages)
-        if not (tools or calls or results):
+        # one pass over the messages: this runs for every sample
+        used = [message for message in messages
+                if message["role"] == "tool" or "tool_calls" in message]
+        if not (tools or used):
             return None
+        calls = any(message.get("tool_calls") for message in used)
+        results = any(message["role"] == "tool" for message in used)
         writes = self.tool_support()
         missing = [what for what, used in (("tool calls", calls), ("tool lists", tools),
                                            ("tools' turns", results))

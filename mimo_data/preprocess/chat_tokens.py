@@ -199,6 +199,8 @@ def _written_texts(messages: Messages) -> Iterator[tuple[str, str]]:
     and an answer's calls, the tools and a tool turn's name and call id as JSON text."""
     for k, message in enumerate(messages):
         yield f"message {k} ({message['role']})", message["content"]
-        for key in ("tool_calls", "tools", "name", "tool_call_id"):
-            if message.get(key):
-                yield f"message {k}'s {key}", json.dumps(message[key], ensure_ascii=False)
+        if len(message) > 2:            # more than its role and content: maybe tool fields
+            for key in ("tool_calls", "tools", "name", "tool_call_id"):
+                if message.get(key):
+                    yield f"message {k}'s {key}", json.dumps(message[key],
+                                                             ensure_ascii=False)

@@ -186,13 +186,15 @@ class Preprocessor:
             raise SampleDropped("no_trained_tokens", "no assistant token to train on"
                                 + (f" after removing {removed_turns} turns" if removed_turns
                                    else ""))
-        answers = [(turn, m["content"]) for turn, m in enumerate(kept_messages) if in_loss(m)]
+        answers = [turn for turn, m in enumerate(kept_messages) if in_loss(m)]
         # what of each the template writes (an answer that is reasoning alone may be nothing)
         written = (self.text.answer_parts.written(kept_messages)
-                   if any(THINK_END in content for _, content in answers) else None)
-        if answers and not any("".join(written_parts(content, written, turn)).strip()
-                               or kept_messages[turn].get("tool_calls")
-                               for turn, content in answers):
+                   if any(THINK_END in kept_messages[turn]["content"] for turn in answers)
+                   else None)
+        if answers and not any(
+                (kept_messages[turn]["content"] if written is None else "".join(
+                    written_parts(kept_messages[turn]["content"], written, turn))).strip()
+                or "tool_calls" in kept_messages[turn] for turn in answers):
             # the template's end of turn would be all it trains: to answer with nothing
             everyone = sum(m["role"] == "assistant" for m in kept_messages)
             raise SampleDropped("empty_answers", f"every trained answer ({len(answers)} of "
@@ -352,10 +354,11 @@ def _check_record(record) -> None:
             elif "tools" in message and message is not record["messages"][0]:
                 problems.append("tools on a message other than the first (a shard holds a "
                                 "conversation's tools on its first message)")
-            elif not all(isinstance(call, dict) and isinstance(call.get("function"), dict)
-                         and isinstance(call["function"].get("name"), str)
-                         and isinstance(call["function"].get("arguments"), dict)
-                         for call in message.get("tool_calls") or ()):
+            elif "tool_calls" in message and not all(
+                    isinstance(call, dict) and isinstance(call.get("function"), dict)
+                    and isinstance(call["function"].get("name"), str)
+                    and isinstance(call["function"].get("arguments"), dict)
+                    for call in message["tool_calls"] or ()):
                 problems.append("a tool call that is not {\"type\": \"function\", "
                                 "\"function\": {\"name\": ..., \"arguments\": {...}}}")
         for item in record["media"]:
