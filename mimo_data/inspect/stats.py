@@ -35,7 +35,8 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from mimo_data.preprocess.answer_parts import (PARTS, REASONING, THINK_END, THINK_START,
-                                               UNTAKEN, Written, split_reasoning, written_parts)
+                                               UNTAKEN, Written, empty_answer, split_reasoning,
+                                               written_parts)
 from mimo_data.preprocess.chat_tokens import TextEncoder, TextError
 from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, SampleDropped,
                                                TextSample)
@@ -233,9 +234,7 @@ class SampleInspector:
         # a document's pieces are one text, no turns: nothing of a template between them
         document = stats.kind == "document"
         written = None if document else self.text.answer_parts.written(kept)
-        stats.empty_answers = sum(in_loss(message) and not message.get("tool_calls") and not
-                                  "".join(written_parts(str(message.get("content") or ""),
-                                                        written, turn)).strip()
+        stats.empty_answers = sum(in_loss(message) and empty_answer(message, written, turn)
                                   for turn, message in enumerate(kept))
         headers = None if document else self.headers(
             tuple(str(message.get("role")) for message in kept))

@@ -50,9 +50,12 @@ class AnswerParts:
 
     def written(self, messages: Sequence[Mapping[str, Any]]) -> Written | None:
         """Per assistant turn of ``messages``, the parts (``PARTS``) of a content with think
-        tags the template writes; None where it cannot take an answer apart (it mentions no
-        ``</think>``) or refuses the stand-ins: contents are then taken whole."""
-        if not self._takes_apart:
+        tags the template writes; None where no answer holds ``</think>``, the template cannot
+        take one apart (it mentions none) or refuses the stand-ins: contents are then taken
+        whole."""
+        if not (self._takes_apart and any(
+                message.get("role") == "assistant" and THINK_END in str(message.get("content"))
+                for message in messages)):
             return None
         shape = tuple((str(message.get("role")), _tool_response(message))
                       for message in messages)
@@ -86,6 +89,13 @@ def written_parts(content: str, written: Written | None, turn: int) -> list[str]
     if kept is None or THINK_END not in content:
         return [content]
     return [text for part, text in zip(PARTS, split_reasoning(content)) if part in kept]
+
+
+def empty_answer(message: Mapping[str, Any], written: Written | None, turn: int) -> bool:
+    """Whether answer ``turn`` is empty as the template writes it: no text in the parts it
+    writes (``written_parts``), no call; its end of turn would be all it trains."""
+    return not message.get("tool_calls") and not "".join(
+        written_parts(str(message.get("content") or ""), written, turn)).strip()
 
 
 def _tool_response(message: Mapping[str, Any]) -> bool:

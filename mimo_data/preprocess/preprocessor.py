@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.preprocess.answer_parts import THINK_END, written_parts
+from mimo_data.preprocess.answer_parts import empty_answer
 from mimo_data.preprocess.chat_tokens import Encoded, ItemTokens, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.positions import mrope_positions, sequential_positions
@@ -188,13 +188,9 @@ class Preprocessor:
                                    else ""))
         answers = [turn for turn, m in enumerate(kept_messages) if in_loss(m)]
         # what of each the template writes (an answer that is reasoning alone may be nothing)
-        written = (self.text.answer_parts.written(kept_messages)
-                   if any(THINK_END in kept_messages[turn]["content"] for turn in answers)
-                   else None)
-        if answers and not any(
-                (kept_messages[turn]["content"] if written is None else "".join(
-                    written_parts(kept_messages[turn]["content"], written, turn))).strip()
-                or "tool_calls" in kept_messages[turn] for turn in answers):
+        written = self.text.answer_parts.written(kept_messages)
+        if answers and all(empty_answer(kept_messages[turn], written, turn)
+                           for turn in answers):
             # the template's end of turn would be all it trains: to answer with nothing
             everyone = sum(m["role"] == "assistant" for m in kept_messages)
             raise SampleDropped("empty_answers", f"every trained answer ({len(answers)} of "

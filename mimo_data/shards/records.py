@@ -169,20 +169,33 @@ def _tools(lists) -> list[dict]:
     read."""
     found = []
     for value in lists or ():
-        if not _given(value):
-            continue
-        if isinstance(value, str):
-            value = _json(value, "the record's tools")
-        for k, tool in enumerate(value if isinstance(value, list) else [value]):
-            wrapped = isinstance(tool, dict) and isinstance(tool.get("function"), dict)
-            function = tool["function"] if wrapped else tool
-            if not (isinstance(function, dict) and isinstance(function.get("name"), str)
-                    and function["name"].strip()):
-                raise RecordError("malformed_record", f"the record's tool {k} has no name: a "
-                                  'tool is {"type": "function", "function": {"name": ..., '
-                                  '"parameters": {...}}} (or the function alone)')
-            found.append(tool if wrapped else {"type": "function", "function": tool})
+        for k, tool in enumerate(_items(value, "the record's tools")):
+            function, wrapped = _function(tool, f"the record's tool {k}", '"parameters": {...}')
+            found.append(tool if wrapped else {"type": "function", "function": function})
     return found
+
+
+def _items(value, where: str) -> list:
+    """The items of a tool list or a turn's calls: none where empty, a table's JSON text
+    read, one item alone as a list of one."""
+    if not _given(value):
+        return []
+    if isinstance(value, str):
+        value = _json(value, where)
+    return value if isinstance(value, list) else [value]
+
+
+def _function(item, where: str, rest: str) -> tuple[dict, bool]:
+    """The function of a tool or call, and whether the item wraps it (``{"type": "function",
+    "function": {...}}``, the form templates take) or is it; RecordError without a name."""
+    wrapped = isinstance(item, dict) and isinstance(item.get("function"), dict)
+    function = item["function"] if wrapped else item
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not name.strip():
+        raise RecordError("malformed_record", f"{where} has no function name: it is "
+                          f'{{"type": "function", "function": {{"name": ..., {rest}}}}}'
+                          " (or the function alone)")
+    return function, wrapped
 
 
 def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
@@ -191,20 +204,10 @@ def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
     arguments given as JSON text are read (templates write them from an object)."""
     calls = []
     for key in ("tool_calls", "function_call"):
-        value = turn.get(key)
-        if not _given(value):
-            continue
-        if isinstance(value, str):
-            value = _json(value, f"turn {i}'s {key}")
-        for k, call in enumerate(value if isinstance(value, list) else [value]):
+        for k, call in enumerate(_items(turn.get(key), f"turn {i}'s {key}")):
             where = f"turn {i}'s {key} {k}"
-            wrapped = isinstance(call, dict) and isinstance(call.get("function"), dict)
-            function = call["function"] if wrapped else call
-            name = function.get("name") if isinstance(function, dict) else None
-            if not isinstance(name, str) or not name.strip():
-                raise RecordError("malformed_record", f"{where} has no function name: a call "
-                                  'is {"type": "function", "function": {"name": ..., '
-                                  '"arguments": {...}}}')
+            function, wrapped = _function(call, where, '"arguments": {...}')
+            name = function["name"]
             given = {key for key, value in function.items() if value is not None}
             known = {"name", "arguments", "parameters"} | (set() if wrapped else {"id", "type"})
             if given - known or {"arguments", "parameters"} <= given:
