@@ -585,6 +585,31 @@ def test_a_conversation_member_listing_tools_keeps_them():
                       MemberMap("conversation")).fields["messages"][1]["content"] == "Sunny."
 
 
+def test_a_video_marked_as_llava_next_marks_it_is_read_as_a_video(tmp_path, corpus_videos):
+    """LLaVA-Video-178K's samples in a WebDataset (``KEY.json`` + ``KEY.mp4``, the video's
+    marker LLaVA-NeXT's ``<image>``) index as they build: the marker is the video's, and the
+    report counts it."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    clip = corpus_videos["pan_h264_24"]
+    (tmp_path / "tars").mkdir()
+    with webdataset.ShardWriter(str(tmp_path / "tars" / "video-%06d.tar"), verbose=0) as writer:
+        writer.write({"__key__": "v0", "mp4": clip.data, "json": {
+            "id": "v0", "data_source": "0_30_s_academic_v0_1",
+            "conversations": chat("<image>\nWhat happens?", "A slow pan.")}})
+    index([str(tmp_path / "tars" / "video-000000.tar")], str(tmp_path / "indexed"),
+          IndexOptions(workers=0, progress=False))
+    assert read_json(tmp_path / "indexed" / "report.json")["counts"] == {
+        "videos_marked_with_image": 1}
+    reader = ShardReader(str(tmp_path / "indexed"))
+    record = reader.record(0)
+    assert record["messages"][0]["content"] == "<video>\nWhat happens?"
+    assert [(item["modality"], item["frames"]) for item in record["media"]] == \
+        [("video", clip.frames)]
+    assert reader.read_member(0, "mp4") == clip.data
+
+
 def test_a_pair_without_its_medium_says_what_to_do():
     """Samples named with dots (``sample.000.jpg``: webdataset's key ends at the first dot,
     so they are one sample) and a field map naming a member the sample lacks."""

@@ -75,8 +75,20 @@ def inputs(tmp_path_factory, corpus, corpus_videos) -> dict:
             records[record["id"]] = [corpus / p for p in listed]
         records.update({rid: [c.data for c in chosen] for rid, chosen, _ in embedded})
         records.update({rid: [corpus / clip.path] for rid, clip in named})
-        yield {"files": [jsonl, structs, paths], "records": records,
-               "markers": {"pq-one-for-two": 2}}
+        # LLaVA-Video-178K's shape: a "video" path, its marker LLaVA-NeXT's <image>
+        llava_video = folder / "llava_video.jsonl"
+        marked = [("llava-video", "<image>\nDescribe what happens in this video."),
+                  ("llava-video-two-markers", "<image>\nCompare it with <image>.")]
+        llava_video.write_text("".join(json.dumps({
+            "id": rid, "data_source": "0_30_s_academic_v0_1",
+            "video": str(corpus / clips["pan_h264_24"].path),
+            "conversations": [{"from": "human", "value": user},
+                              {"from": "gpt", "value": "A slow pan."}]}) + "\n"
+            for rid, user in marked))
+        records.update({rid: [corpus / clips["pan_h264_24"].path] for rid, _ in marked})
+        yield {"files": [jsonl, structs, paths, llava_video], "records": records,
+               "markers": {"pq-one-for-two": 2, "llava-video-two-markers": 2},
+               "marked_with_image": {"llava-video"}}
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +135,11 @@ def test_bad_videos_are_counted_by_reason(built, expected):
     assert {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()} \
         == dict(wanted)
     assert wanted["corrupt_video"] == 2 and wanted["no_video_stream"] == 1 \
-        and wanted["unsupported_codec"] == 1 and wanted["marker_mismatch"] == 1
+        and wanted["unsupported_codec"] == 1 and wanted["marker_mismatch"] == 2
     assert report["records_read"] == len(expected["reasons"])
     assert report["samples_written"] == sum(r is None for r in expected["reasons"].values())
+    # the videos read under LLaVA-NeXT's <image> marker are counted, so a user sees it
+    assert report["counts"] == {"videos_marked_with_image": 1}
 
 
 def test_videos_are_stored_as_read_with_the_catalogs_metadata(built, inputs, expected, corpus):
@@ -148,6 +162,10 @@ def test_videos_are_stored_as_read_with_the_catalogs_metadata(built, inputs, exp
             assert {f: item[f] for f in CATALOG_FIELDS} == {f: getattr(clip, f)
                                                             for f in CATALOG_FIELDS}
             assert item["duration"] == pytest.approx(clip.frames / clip.fps, abs=1.5 / clip.fps)
+        text = "".join(message["content"] for message in record["messages"])
+        assert text.count("<video>") == len(videos), record["id"]   # LLaVA-NeXT's <image> too
+        if record["id"] in inputs["marked_with_image"]:
+            assert "<image>" not in text
         others = {name for name in members if name != "json"} - {v["member"] for v in videos}
         assert others == {item["member"] for item in record["media"]
                           if item["modality"] != "video"}
@@ -307,3 +325,28 @@ def test_the_cli_has_a_column_option_per_registered_modality():
     from mimo_data.shards.cli import MEDIA_COLUMNS
 
     assert sorted(MEDIA_COLUMNS) == sorted(MODALITIES)
+
+
+@pytest.mark.parametrize("texts, counts, expected", [
+    # LLaVA-NeXT's video data: each video marked <image>, no image in the record
+    (["<image>\nWhat happens?", "A pan."], {"video": 1}, (["video"], 1)),
+    (["<image>\n<image>\nCompare.", "Same."], {"video": 2}, (["video", "video"], 2)),
+    # <image> can be a video's only where nothing else could be meant
+    (["<image>\nAnd this?", "A pan."], {"video": 1, "image": 1}, "0 <video> marker"),
+    (["<image>\n<video>\nBoth?", "Yes."], {"video": 2}, "1 <image> marker"),
+    (["<image> and <image>?", "One."], {"video": 1}, "2 <image> marker"),
+    (["<video>\nWhat happens?", "A pan."], {"video": 1}, (["video"], 0)),
+])
+def test_llava_next_marks_a_video_with_image(texts, counts, expected):
+    from mimo_data.shards.records import RecordError, media_markers
+
+    messages = [{"role": role, "content": text} for role, text in zip(("user", "assistant"),
+                                                                       texts)]
+    if isinstance(expected, str):
+        with pytest.raises(RecordError, match=expected) as caught:
+            media_markers(messages, counts)
+        assert caught.value.reason == "marker_mismatch"
+        assert [m["content"] for m in messages] == texts     # left as given
+        return
+    assert media_markers(messages, counts) == expected
+    assert messages[0]["content"] == texts[0].replace("<image>", "<video>")

@@ -40,8 +40,8 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OUT_OF_LOSS,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    USING_TOOLS, answers_out_of_loss, sample_key,
-                                    summary_column, uses_tools)
+                                    USING_TOOLS, VIDEOS_MARKED_AS_IMAGES, answers_out_of_loss,
+                                    sample_key, summary_column, uses_tools)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.shards.sources import open_source
 from mimo_data.shards import task_stream
@@ -315,6 +315,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         report.keep()
         report.count(OUT_OF_LOSS, answers_out_of_loss(result.messages))
         report.count(USING_TOOLS, uses_tools(result.messages))
+        report.count(VIDEOS_MARKED_AS_IMAGES, result.videos_marked_as_images)
     progress.close()
     shard_list = shards.close()
     table.close()

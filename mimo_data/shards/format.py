@@ -118,6 +118,11 @@ def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
                for message in messages)
 
 
+# the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``
+# (``records.media_markers``), so that a user sees which convention was read
+VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"
+
+
 def in_loss(message: Mapping[str, Any]) -> bool:
     """Whether a shard message (``Message``, or one made like it) is one the loss covers: an
     answer without ``"weight": 0`` (preprocessing refuses a record whose weight is anything

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
-                                      normalize_document, normalize_messages, tool_lists)
+from mimo_data.shards.records import (RecordError, media_markers, normalize_document,
+                                      normalize_messages, tool_lists)
 
 LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 
@@ -78,6 +78,7 @@ class Synthesized:
     fields: dict[str, Any]
     media: list[tuple[str, str]]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
+    videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
 
 
 def _text(data: bytes, what: str) -> str:
@@ -214,9 +215,9 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         turns, tools, system = (raw.get("conversations", raw.get("messages")), tool_lists(raw),
                                 raw.get("system")) if isinstance(raw, dict) else (None,) * 3
         messages = normalize_messages(turns, tools, system)
-        order = marker_order(messages)
         media = _conversation_media(members)
-        check_marker_counts(order, {modality: len(names) for modality, names in media.items()})
+        order, videos_marked_as_images = media_markers(
+            messages, {modality: len(names) for modality, names in media.items()})
         seen = dict.fromkeys(MARKERS, 0)
         ordered = []
         for modality in order:
@@ -224,7 +225,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
             seen[modality] += 1
         record_id = raw.get("id")
         return Synthesized({"id": None if record_id is None else str(record_id),
-                            "messages": messages}, ordered)
+                            "messages": messages}, ordered,
+                           videos_marked_as_images=videos_marked_as_images)
     medium = _medium(members, mapping.media)
     text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
                  "the caption")

@@ -310,13 +310,29 @@ def _find_all(text: str, needle: str):
         start = text.find(needle, start + len(needle))
 
 
-def check_marker_counts(order: list[str], counts: dict[str, int]) -> None:
-    """Raise RecordError when a modality's marker count differs from its media count."""
+def media_markers(messages: list[dict], counts: Mapping[str, int]) -> tuple[list[str], int]:
+    """The modalities of ``messages``' markers in reading order, checked against the record's
+    item ``counts`` (``marker_mismatch``), and how many ``<image>`` markers were a video's.
+
+    LLaVA-NeXT's video data (LLaVA-Video-178K, LLaVA-OneVision's videos) marks each video
+    with ``<image>``, which its trainer reads as the video's frames. Where a record has
+    videos, no image and no ``<video>`` marker, and as many ``<image>`` markers as videos,
+    those markers can be nothing but the videos': they become ``<video>`` in ``messages``
+    (in place). Any other disagreement is refused as before."""
+    order = marker_order(messages)
+    videos = counts.get("video", 0)
+    relabeled = 0
+    if (videos and not counts.get("image") and "video" not in order
+            and order.count("image") == videos):
+        for message in messages:
+            message["content"] = message["content"].replace(MARKERS["image"], MARKERS["video"])
+        order, relabeled = ["video" if m == "image" else m for m in order], videos
     for modality, marker in MARKERS.items():
         markers = order.count(modality)
         if markers != counts.get(modality, 0):
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
                               f"{counts.get(modality, 0)} {modality} item(s) in the record")
+    return order, relabeled
 
 
 def _utf8(text: str, what: str) -> None:

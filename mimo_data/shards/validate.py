@@ -11,9 +11,8 @@ import os
 from dataclasses import dataclass
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.shards.records import (RecordError, check_marker_counts, marker_order,
-                                      normalize_caption, normalize_document,
-                                      normalize_messages)
+from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
+                                      normalize_document, normalize_messages)
 from mimo_data.shards.sources import Task
 
 
@@ -49,6 +48,7 @@ class Prepared:
     payloads: list[bytes | MediaFile]
     kind: str = "conversation"
     text: str | None = None
+    videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
 
     def media_bytes(self) -> list[bytes]:
         """The payloads as bytes (reading back deferred files)."""
@@ -130,6 +130,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     try:
         raw = source.load(task)
         messages, text, refs = [], None, raw.media
+        videos_marked_as_images = 0
         if raw.kind == "document":
             text, images = normalize_document(raw.text, raw.media.get("image"))
             refs = {"image": images}
@@ -139,8 +140,8 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             order = [modality for modality, items in refs.items() if items]
         else:
             messages = normalize_messages(raw.turns, raw.tools, raw.system)
-            order = marker_order(messages)
-            check_marker_counts(order, {modality: len(items) for modality, items in refs.items()})
+            order, videos_marked_as_images = media_markers(
+                messages, {modality: len(items) for modality, items in refs.items()})
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:
             index = seen[modality]
@@ -164,4 +165,4 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     return Prepared(id=raw.id, location=task.location,
                     source={"file": source.path, kind: number},
                     messages=messages, media=media, payloads=payloads, kind=raw.kind,
-                    text=text)
+                    text=text, videos_marked_as_images=videos_marked_as_images)
