@@ -21,6 +21,7 @@ import torch
 
 from conftest import MODELS, PUBLISHED_TOWERS
 from mimo_train.runtime.compile import Compiler
+from mimo_train.runtime.profile import parent_names
 from mimo_train.model import tower_fusions
 from mimo_train.model.tower_fusions import (FusedRotaryAttention, GatedMLP, PatchMatmul,
                                             QuickGELU, RMSNorm, fuse)
@@ -232,16 +233,9 @@ def test_a_formula_past_the_recompile_limit_runs_as_written(capsys):
 def _outside_compiled(profiler, outermost: bool = True) -> list[str]:
     """The operators a profile holds outside the compiled regions: the outermost ones, or
     all (those inside other operators too)."""
-    outside = []
-    for event in profiler.events():
-        parents, parent = [], event.cpu_parent
-        while parent is not None:
-            parents.append(parent.name)
-            parent = parent.cpu_parent
-        inner = ("aten::", "Torch-Compiled Region") if outermost else ("Torch-Compiled Region",)
-        if event.name.startswith("aten::") and not any(p.startswith(inner) for p in parents):
-            outside.append(event.name)
-    return outside
+    inner = ("aten::", "Torch-Compiled Region") if outermost else ("Torch-Compiled Region",)
+    return [event.name for event in profiler.events() if event.name.startswith("aten::")
+            and not any(name.startswith(inner) for name in parent_names(event))]
 
 
 def test_a_formulas_numbers_are_constants_of_its_graph():

@@ -103,7 +103,7 @@ OUT_OF_LOSS = "answers_out_of_the_loss"
 
 def answers_out_of_loss(messages: Sequence[Mapping[str, Any]]) -> int:
     """How many of ``messages`` are answers weighted 0 (the reports' ``OUT_OF_LOSS``)."""
-    return sum(message.get("role") == "assistant" and not in_loss(message)
+    return sum(message.get("role") == "assistant" and message.get("weight") == 0
                for message in messages)
 
 

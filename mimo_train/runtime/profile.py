@@ -84,17 +84,21 @@ def _union(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def parent_names(event) -> list[str]:
+    """The names of the operators and ranges a profiler ``event`` ran inside, innermost
+    first."""
+    names, parent = [], getattr(event, "cpu_parent", None)
+    while parent is not None:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
+
+
 def _outermost_operators(events) -> int:
     """``aten::`` calls not made inside another one (its children are its own work)."""
-    def nested(event) -> bool:
-        parent = getattr(event, "cpu_parent", None)
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                return True
-            parent = parent.cpu_parent
-        return False
     return sum(1 for e in events if e.name.startswith("aten::")
-               and e.device_type == torch.autograd.DeviceType.CPU and not nested(e))
+               and e.device_type == torch.autograd.DeviceType.CPU
+               and not any(name.startswith("aten::") for name in parent_names(e)))
 
 
 def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dict:
