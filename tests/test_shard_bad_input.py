@@ -26,6 +26,7 @@ class Case:
     record: object                  # dict, or raw bytes for a line that is not valid JSON
     reason: str
     args: list = field(default_factory=list)
+    detail: str = ""                # what the report's detail must say (where it matters)
 
 
 def _image_record(path, text="<image>\nWhat is this?") -> dict:
@@ -304,6 +305,16 @@ def case_escaped_byte_media_path(tmp_path, assets):
     return Case(line.encode(), "invalid_utf8")
 
 
+def case_video_as_a_folder_of_frames(tmp_path, assets):
+    # LLaVA-Hound's videos, in LLaVA-Video-178K too, are folders of frames
+    frames = tmp_path / "frames" / "clip-1"
+    frames.mkdir(parents=True)
+    (frames / "00001.jpg").write_bytes(assets["jpeg"].read_bytes())
+    return Case({"id": "bad", "video": str(frames),
+                 "conversations": chat("<video>\nWhat happens?", "A pan.")},
+                "missing_media", detail="is a folder, not a media file")
+
+
 def case_nul_in_media_path(tmp_path, assets):
     return Case(_image_record(f"{tmp_path}/photo\x00.jpg"), "missing_media")
 
@@ -381,6 +392,7 @@ def test_bad_record_is_skipped_and_counted(capsys, request, tmp_path, assets, go
     assert entry["count"] == 1
     assert [first["location"] for first in entry["first"]] == [f"{path}:{BAD_LINE}"]
     assert entry["first"][0]["detail"]
+    assert case.detail in entry["first"][0]["detail"]
 
     assert [row["id"] for row in samples_table(out)] == [r["id"] for r in good_records]
     assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)

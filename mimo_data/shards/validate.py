@@ -99,6 +99,11 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
     except FileNotFoundError:
         raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
                           "to the input file's folder, or to --media-root)") from None
+    except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
+        raise RecordError("missing_media", f"{full} is a folder, not a media file: mimo reads "
+                          "each item from one file; for a video's frames, encode them into "
+                          "one clip first at the rate they were taken (e.g. ffmpeg -framerate "
+                          "2 -pattern_type glob -i '*.jpg' clip.mp4)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
 
