@@ -218,6 +218,41 @@ def case_function_call_turn_without_a_call(tmp_path, assets):
     return Case(record, "malformed_record")
 
 
+def case_call_turn_flagged_unlike_its_answer(tmp_path, assets):
+    """ms-swift's ``tool_call`` turn joins the answer before it: one flagged out of the loss
+    and the other not cannot be one answer."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1:] = [
+        {"role": "assistant", "content": "Checking.", "loss": False},
+        {"role": "tool_call", "content": json.dumps(WEATHER_CALL["function"])},
+        {"role": "tool_response", "content": "21"},
+        {"role": "assistant", "content": "It is 21 degrees."}]
+    return Case(record, "malformed_record", detail="flag them alike")
+
+
+def case_answer_with_a_loss_flag_not_a_boolean(tmp_path, assets):
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1]["loss"] = "false"
+    return Case(record, "malformed_record")
+
+
+def case_grounding_objects(tmp_path, assets):
+    """ms-swift's grounding: placeholders its trainer fills per model, which mimo would
+    train as text."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1]["content"] = "<ref-object><bbox> is playing."
+    record["objects"] = {"ref": ["a dog"], "bbox": [[331.5, 761.4, 853.5, 1594.8]]}
+    return Case(record, "malformed_record", detail="grounding 'objects'")
+
+
+def case_alpaca_record(tmp_path, assets):
+    """A form mimo does not read (LLaMA-Factory's alpaca with images): the detail names the
+    record's keys and the forms mimo reads."""
+    return Case({"id": "bad", "instruction": "<image>Describe.", "input": "",
+                 "output": "A cat.", "images": [str(assets["jpeg"])]}, "malformed_record",
+                detail="the keys ['id', 'images', 'input', 'instruction', 'output']")
+
+
 def case_marker_in_a_tool_call(tmp_path, assets):
     """Only the record's media items place markers; one in a call's arguments would be
     expanded as an item the record lacks."""
@@ -454,7 +489,9 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     id), OpenAI's older ``functions`` / ``function_call`` / ``function`` turn, LLaMA-Factory's
     ShareGPT (``function_call`` and ``observation`` turns, ``tools`` as JSON text of bare
     functions, the record's ``system`` prompt), Llama 3's (``parameters``, an ``ipython``
-    turn, a number for a result and an id): calls as ``{"type": "function", "function":
+    turn, a number for a result and an id), ms-swift's agent format (``tool_call`` turns,
+    which join the answer before them, parallel calls as consecutive ones, ``tool_response``
+    turns): calls as ``{"type": "function", "function":
     {"name", "arguments": {...}}}``, a tool's turn as role ``tool``, the tools wrapped as
     templates take them, on the first message."""
     weather = {"name": "get_weather", "parameters": {"type": "object"}}
@@ -487,14 +524,23 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
                 "name": "get_weather", "parameters": {"city": "Paris"}}]},
             {"role": "ipython", "content": 21, "tool_call_id": 5},
             {"role": "assistant", "content": "21 degrees."}]},
+        {"id": "swift", "tools": json.dumps([wrapped]), "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "<think>\nTwo cities.\n</think>\n"},
+            {"role": "tool_call", "content": json.dumps(call["function"])},
+            {"role": "tool_call", "content": json.dumps(
+                {"name": "get_weather", "arguments": {"city": "Rome"}})},
+            {"role": "tool_response", "content": "21"},
+            {"role": "tool_response", "content": "25"},
+            {"role": "assistant", "content": "21 degrees."}]},
     ]
     path = write_jsonl(tmp_path / "input.jsonl", records)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
     assert report["records_skipped"] == 0 and report["counts"] == {
-        "conversations_using_tools": 4}, report
-    assert "4 samples written; 4 conversations using tools" in err, err
+        "conversations_using_tools": 5}, report
+    assert "5 samples written; 5 conversations using tools" in err, err
     written = {record["id"]: record["messages"] for record in sample_records(tmp_path / "out")}
     question = {"role": "user", "content": "Weather?"}
     answer = {"role": "assistant", "content": "21 degrees."}
@@ -513,6 +559,13 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     assert written["ipython"] == [
         question, {"role": "assistant", "content": "Checking.", "tool_calls": [call]},
         {"role": "tool", "content": "21", "tool_call_id": "5"}, answer]
+    rome = {"type": "function", "function": {"name": "get_weather",
+                                             "arguments": {"city": "Rome"}}}
+    assert written["swift"] == [    # one answer: its reasoning and both calls
+        {**question, "tools": [wrapped]},
+        {"role": "assistant", "content": "<think>\nTwo cities.\n</think>\n",
+         "tool_calls": [call, rome]},
+        {"role": "tool", "content": "21"}, {"role": "tool", "content": "25"}, answer]
 
 
 def test_tool_fields_no_json_holds_are_malformed_records():
@@ -533,7 +586,8 @@ def test_tool_fields_no_json_holds_are_malformed_records():
 
 
 def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
-    """OpenAI's ``weight`` (0 or 1) and axolotl's ``training`` (a boolean) on answers: the
+    """OpenAI's ``weight`` (0 or 1), axolotl's ``training`` and ms-swift's ``loss`` (booleans)
+    on answers: the
     shard's message holds ``"weight": 0`` where the answer is out of the loss, nothing
     otherwise, and the report counts those answers; a user turn's ``weight: 0`` (what mimo
     does anyway) and an empty ``train_detail`` (a table's null) are accepted."""
@@ -544,18 +598,24 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
              {"role": "user", "content": "Three?"},
              {"role": "assistant", "content": "C.", "weight": 1},
              {"role": "user", "content": "Four?"},
-             {"role": "assistant", "content": "D.", "training": True}]
+             {"role": "assistant", "content": "D.", "training": True},
+             {"role": "user", "content": "Five?"},
+             {"role": "assistant", "content": "E.", "loss": False},
+             {"role": "user", "content": "Six?"},
+             {"role": "assistant", "content": "F.", "loss": True}]
     path = write_jsonl(tmp_path / "input.jsonl", [{"id": "w", "messages": turns}])
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
     assert code == 0, err
     # the report counts them, so a user sees the flags were read
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
-        "answers_out_of_the_loss": 2}
-    assert "1 samples written; 2 answers out of the loss" in err, err
+        "answers_out_of_the_loss": 3}
+    assert "1 samples written; 3 answers out of the loss" in err, err
     [record] = sample_records(tmp_path / "out")
-    assert [m.get("weight") for m in record["messages"]] == [None, 0, None, 0] + [None] * 4
+    assert [m.get("weight") for m in record["messages"]] == \
+        [None, 0, None, 0] + [None] * 5 + [0] + [None] * 2
     assert [set(m) for m in record["messages"]] == \
-        [{"role", "content"}, {"role", "content", "weight"}] * 2 + [{"role", "content"}] * 4
+        [{"role", "content"}, {"role", "content", "weight"}] * 2 + [{"role", "content"}] * 5 \
+        + [{"role", "content", "weight"}] + [{"role", "content"}] * 2
 
 
 def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good_records):

@@ -114,6 +114,27 @@ def test_a_parquet_tools_column_is_the_conversations_tools(tmp_path, column):
         assert samples[key]["messages"][0] == {"role": "user", "content": "Weather?"}
 
 
+def test_a_parquet_objects_column_of_grounding_is_refused(tmp_path):
+    """ms-swift's grounding ``objects`` in a table (a struct column, the rows without boxes
+    holding empty lists or null): a row with objects is a counted malformed_record (mimo
+    would train the placeholders they stand for as text), the others are kept."""
+    objects = pa.array([{"ref": ["a dog"], "bbox": [[331.5, 761.4, 853.5, 1594.8]]},
+                        {"ref": [], "bbox": []}, None],
+                       pa.struct([("ref", pa.list_(pa.string())),
+                                  ("bbox", pa.list_(pa.list_(pa.float64())))]))
+    table = pa.table({"id": ["grounded", "empty", "null"], "objects": objects,
+                      "messages": [json.dumps(chat("Find it.", "<ref-object><bbox>")),
+                                   json.dumps(chat("Hi?", "Hello.")),
+                                   json.dumps(chat("Hi?", "Hello."))]})
+    path = tmp_path / "grounding.parquet"
+    pq.write_table(table, path)
+    build_dataset([path], tmp_path / "out")
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["samples_written"] == 2
+    [first] = report["skipped_by_reason"]["malformed_record"]["first"]
+    assert first["location"] == f"{path}#0" and "grounding 'objects'" in first["detail"]
+
+
 def test_parquet_struct_calls_and_tools_keep_their_own_fields(tmp_path):
     """Calls and tools in nested columns (list<struct>): Arrow gives every row one struct
     type, each row's values holding the other rows' fields as nulls; a call or tool keeps only
@@ -179,6 +200,37 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "missing", "--no-progress",
                             "--messages-column", "no_such_column")
     assert code == 2 and "no_such_column" in err
+
+
+def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets):
+    """A FLEURS-shaped table (``id`` per sentence, shared by its speakers' recordings; the
+    audio as ``{bytes, path}``; ``transcription``): without flags the build names
+    ``--caption-column transcription``; with it, a repeated id's detail names
+    ``--id-column``; with both, every recording is a caption pair of its own bytes."""
+    wav, flac = assets["wav"].read_bytes(), assets["flac"].read_bytes()
+    table = pa.table({"id": [1906, 1906], "path": ["a.wav", "b.flac"],
+                      "audio": pa.array([{"bytes": wav, "path": "a.wav"},
+                                         {"bytes": flac, "path": "b.flac"}], MEDIA),
+                      "transcription": ["the same sentence"] * 2, "gender": [0, 1]})
+    path = tmp_path / "fleurs.parquet"
+    pq.write_table(table, path)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "refused", "--no-progress")
+    assert code == 2 and "--caption-column transcription" in err, err
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "one", "--no-progress",
+                            "--caption-column", "transcription")
+    assert code == 0, err
+    [skip] = read_json(tmp_path / "one" / "report.json")["skipped_by_reason"]["duplicate_id"][
+        "first"]
+    assert "--id-column" in skip["detail"], skip
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
+                            "--caption-column", "transcription", "--id-column", "path")
+    assert code == 0, err
+    samples = _samples_by_id(tmp_path / "out")
+    assert sorted(samples) == ["a.wav", "b.flac"]
+    for key, data in (("a.wav", wav), ("b.flac", flac)):
+        record, members = samples[key]
+        assert record["kind"] == "caption" and record["text"] == "the same sentence"
+        assert _media(record, members, "audio") == [data]
 
 
 def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
@@ -362,12 +414,21 @@ def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, 
          [{"user": "Both?", "assistant": "B.", "source": "x"},
           {"user": "Again?", "assistant": "C.", "source": "x"}]], pa.list_(exchange))}),
         cauldron)
+    # the same rows written as JSONL (their images as paths): a conversation, not a document
+    lines = write_jsonl(tmp_path / "cauldron.jsonl", [
+        {"id": "a", "images": [str(assets["jpeg"])],
+         "texts": [{"user": "What?", "assistant": "A.", "source": "vqav2"}]},
+        {"id": "b", "images": [str(assets["jpeg"]), str(assets["png"])],
+         "texts": [{"user": "Both?", "assistant": "B.", "source": "x"},
+                   {"user": "Again?", "assistant": "C.", "source": "x"}]}])
     build_dataset([named], tmp_path / "named", columns={"conversation": "texts"})
     build_dataset([cauldron], tmp_path / "cauldron")
-    for out in ("named", "cauldron"):
+    build_dataset([lines], tmp_path / "lines")
+    for out in ("named", "lines", "cauldron"):
         samples = _samples_by_id(tmp_path / out)
         assert samples["a"][0]["messages"][0] == {"role": "user", "content": "<image>\nWhat?"}
         assert _media(*samples["b"], "image") == [jpeg, png]
+    assert _samples_by_id(tmp_path / "lines")["b"][0]["messages"] == samples["b"][0]["messages"]
     assert samples["b"][0]["messages"] == [
         {"role": "user", "content": "<image>\n<image>\nBoth?"},
         {"role": "assistant", "content": "B."}, {"role": "user", "content": "Again?"},

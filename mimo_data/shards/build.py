@@ -288,7 +288,10 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             result.id is not None else None
         if isinstance(result, Prepared) and taken is not None:
             result = Rejected("duplicate_id", result.location,
-                              f"id {result.id!r} was already taken by {taken}")
+                              f"id {result.id!r} was already taken by {taken} (where the "
+                              "ids name what the records share, a sentence read by several "
+                              "speakers say, give a column that names each record with "
+                              "--id-column)")
         if isinstance(result, Prepared):
             try:
                 payloads = result.media_bytes()

@@ -11,13 +11,15 @@ from mimo_data.modalities import MARKERS
 from mimo_data.tally import CountedError
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the roles we store: a tool's
-# turn is OpenAI/HF's ``tool``, OpenAI's older ``function``, Llama 3's ``ipython`` or
-# LLaMA-Factory's ShareGPT ``observation``
+# turn is OpenAI/HF's ``tool``, OpenAI's older ``function``, Llama 3's ``ipython``,
+# LLaMA-Factory's ShareGPT ``observation`` or ms-swift's ``tool_response``
 ROLE_ALIASES = {"system": "system", "human": "user", "user": "user",
                 "gpt": "assistant", "assistant": "assistant", "tool": "tool",
-                "function": "tool", "ipython": "tool", "observation": "tool"}
-# LLaMA-Factory's ShareGPT call: a turn of its own whose value is the call's JSON
-CALL_TURN = "function_call"
+                "function": "tool", "ipython": "tool", "observation": "tool",
+                "tool_response": "tool"}
+# a call as a turn of its own whose value is the call's JSON: LLaMA-Factory's ShareGPT
+# ``function_call``, ms-swift's ``tool_call`` (one a call; consecutive ones, parallel calls)
+CALL_TURNS = ("function_call", "tool_call")
 
 
 class RecordError(CountedError):
@@ -57,12 +59,13 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
     ``system``: the record's own system prompt (LLaMA-Factory's ShareGPT ``system``), its
     first turn.
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
-    before the answer; one left out of the loss (``weight`` 0, ``training`` false) has
-    ``"weight": 0``. Tool use as OpenAI and transformers' chat templates take it: an
-    assistant turn's calls (``tool_calls``; OpenAI's older ``function_call``; LLaMA-Factory's
-    ``function_call`` turn) as ``tool_calls`` of ``{"type": "function", "function": {"name",
-    "arguments": {...}}}``, a tool's turn as role ``tool``, and ``tools`` (``tool_lists``: the
-    record's ``tools``, OpenAI's older ``functions``) on the first message (``Message``).
+    before the answer; one left out of the loss (``weight`` 0, ``training`` or ``loss``
+    false) has ``"weight": 0``. Tool use as OpenAI and transformers' chat templates take it:
+    an assistant turn's calls (``tool_calls``; OpenAI's older ``function_call``; a call turn,
+    ``CALL_TURNS``, which joins the answer before it) as ``tool_calls`` of ``{"type":
+    "function", "function": {"name", "arguments": {...}}}``, a tool's turn as role ``tool``,
+    and ``tools`` (``tool_lists``: the record's ``tools``, OpenAI's older ``functions``) on
+    the first message (``Message``).
 
     Raises RecordError for unknown roles, missing fields, an empty conversation, text that
     cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and calls or
@@ -70,18 +73,19 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
     """
     if not isinstance(turns, list) or not turns:
         raise RecordError("malformed_record", "the conversation is missing or empty")
-    messages = []
+    messages: list[dict] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise RecordError("malformed_record", f"turn {i} is not an object")
         speaker = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         calls = _calls(turn, i)
-        if str(speaker).lower() == CALL_TURN:       # the call is the turn's value
-            speaker, calls, content = "assistant", _calls({"tool_calls": content}, i), ""
-            if not calls:
-                raise RecordError("malformed_record", f"turn {i} is a {CALL_TURN} turn "
+        call_turn = str(speaker).lower() in CALL_TURNS
+        if call_turn:                               # the call is the turn's value
+            if not _items(content, f"turn {i}'s call"):
+                raise RecordError("malformed_record", f"turn {i} is a {speaker} turn "
                                   "without a call")
+            speaker, calls, content = "assistant", _calls({"tool_calls": content}, i), ""
         if content is None and calls:               # OpenAI's content of a call: null
             content = ""
         if speaker is None or content is None:
@@ -92,7 +96,7 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
-                              f"{sorted([*ROLE_ALIASES, CALL_TURN])}")
+                              f"{sorted([*ROLE_ALIASES, *CALL_TURNS])}")
         if calls and role != "assistant":
             raise RecordError("malformed_record", f"turn {i} ({role}) holds tool calls: only "
                               "an assistant turn calls tools")
@@ -124,6 +128,9 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
                                       f"{turn[key]!r}: give a string")
         if not _trained(turn, i, role) and role == "assistant":
             message["weight"] = 0
+        if call_turn and messages and messages[-1]["role"] == "assistant":
+            _join_calls(messages[-1], message, i)
+            continue
         messages.append(message)
     if not (system is None or isinstance(system, float) and math.isnan(system)
             or isinstance(system, str) and not system.strip()):       # a table's null, NaN
@@ -154,6 +161,29 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
     _utf8(written, "a tool call, tool or tool turn's name")
     _no_markers(written, "a tool call or tool")
     return messages
+
+
+def _join_calls(answer: dict, call: dict, i: int) -> None:
+    """A call turn ``i`` after an answer (its text, or another call turn) joins it: one
+    answer, as ms-swift joins them and chat templates write an answer's text and calls."""
+    if ("weight" in answer) != ("weight" in call):
+        raise RecordError("malformed_record", f"turn {i} is a call that joins the answer "
+                          "before it, but one of them is in the loss and the other is not: "
+                          "flag them alike")
+    answer["tool_calls"] = [*answer.get("tool_calls", ()), *call["tool_calls"]]
+
+
+def no_grounding_objects(objects) -> None:
+    """Refuse ms-swift's grounding ``objects`` (``ref`` and ``bbox`` lists that its
+    ``<ref-object>`` and ``<bbox>`` placeholders stand for): ms-swift writes them per model at
+    training (Qwen2-VL's 0-1000 scale, Qwen2.5-VL's pixels of the resized image), and mimo
+    writes no model's grounding text, so the record would train the placeholders as text."""
+    if _given(objects):
+        raise RecordError("malformed_record", "the record has ms-swift's grounding 'objects', "
+                          "for <ref-object>/<bbox> placeholders mimo does not fill: write the "
+                          "model's own grounding text into the content instead (Qwen2-VL: "
+                          "<|object_ref_start|>a dog<|object_ref_end|><|box_start|>(x1,y1),"
+                          "(x2,y2)<|box_end|>, on its 0-1000 scale)")
 
 
 def tool_lists(record: Mapping[str, Any]) -> list:
@@ -247,10 +277,11 @@ def _parts(content) -> bool:
 
 def _trained(turn: dict, i: int, role: str) -> bool:
     """Whether turn ``i`` is in the loss, as its own flag says: OpenAI's fine-tuning
-    ``weight`` (0 or 1, assistant turns) or axolotl's ``training`` (a boolean); an assistant
-    turn without either is, any other is not (a flag asking for it is refused: mimo trains
-    answers only)."""
-    flags = {key: turn[key] for key in ("weight", "training") if turn.get(key) is not None}
+    ``weight`` (0 or 1, assistant turns), axolotl's ``training`` or ms-swift's ``loss`` (a
+    boolean); an assistant turn without one is, any other is not (a flag asking for it is
+    refused: mimo trains answers only)."""
+    flags = {key: turn[key] for key in ("weight", "training", "loss")
+             if turn.get(key) is not None}
     if _given(turn.get("train_detail")):
         raise RecordError("malformed_record", f"turn {i} has a train_detail (character spans "
                           "to train), which mimo does not read: give the turn a weight of 0 "
@@ -259,11 +290,11 @@ def _trained(turn: dict, i: int, role: str) -> bool:
     for key, value in flags.items():
         if key == "weight" and value in (0, 1) and not isinstance(value, bool):
             wanted = value == 1
-        elif key == "training" and isinstance(value, bool):
+        elif key in ("training", "loss") and isinstance(value, bool):
             wanted = value
         else:
             raise RecordError("malformed_record", f"turn {i} has {key} {value!r}: a weight is "
-                              "0 (not trained) or 1, a training flag true or false")
+                              "0 (not trained) or 1, a training or loss flag true or false")
         if wanted and role != "assistant":
             raise RecordError("malformed_record", f"turn {i} ({role}) has {key} {value!r}, "
                               "but mimo trains the assistant's turns only: remove the flag")

@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import RecordError, tool_lists
+from mimo_data.shards.records import RecordError, no_grounding_objects, tool_lists
 
 
 class SourceError(Exception):
@@ -117,13 +117,18 @@ def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
     return merged
 
 
+def _are_exchanges(turns) -> bool:
+    """Whether ``turns`` are the_cauldron's ``{user, assistant}`` exchanges."""
+    return isinstance(turns, list) and bool(turns) and all(
+        isinstance(t, dict) and "user" in t and "assistant" in t
+        and not {"role", "from"} & t.keys() for t in turns)
+
+
 def exchanges(turns, media: dict[str, list]):
     """``turns`` as role/content messages when they are the_cauldron's ``{user, assistant}``
     exchanges (else as they are); without a marker in them, ``media``'s items go before the
     first user text, where Idefics2 trained on them."""
-    if not (isinstance(turns, list) and turns and all(
-            isinstance(t, dict) and "user" in t and "assistant" in t
-            and not {"role", "from"} & t.keys() for t in turns)):
+    if not _are_exchanges(turns):
         return turns
     messages = [{"role": role, "content": turn[role]} for turn in turns
                 for role in ("user", "assistant")]
@@ -214,7 +219,9 @@ class ConversationFile:
             raise RecordError("malformed_json", f"record is a JSON {type(record).__name__}, "
                               "expected an object")
         turns = record.get("conversations", record.get("messages"))
-        if "texts" in record:
+        if turns is None and _are_exchanges(record.get("texts")):
+            turns = record["texts"]         # the_cauldron's rows written as JSON(L)
+        elif "texts" in record:
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
                              text=record["texts"], media={"image": _as_list(record.get("images"))})
         media = {name: _as_list(record.get(media_field(name), record.get(name)))
@@ -222,6 +229,13 @@ class ConversationFile:
         if "caption" in record and turns is None:
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
+        if turns is None:
+            raise RecordError("malformed_record", f"no conversation: the record has the keys "
+                              f"{sorted(record)[:12]}, and mimo reads 'messages' or "
+                              "'conversations' (role/content or from/value turns), a 'caption' "
+                              "pair or a 'texts' document: convert other forms first (alpaca's "
+                              "instruction/input/output, query/response, video QA's q/a)")
+        no_grounding_objects(record.get("objects"))
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns),
@@ -263,6 +277,10 @@ class SpeechManifest:
                          audio_duration=duration)
 
 
+# transcript columns of the hub's speech tables: LibriSpeech's, Common Voice's, FLEURS'
+TRANSCRIPT_COLUMNS = ("text", "sentence", "transcription", "transcript", "raw_transcription")
+
+
 class ParquetTable:
     """Hugging Face style tables: a media column per modality (``images``/``image``,
     ``audios``/``audio``, ``videos``/``video``) of ``{bytes, path}`` structs (or lists of them)
@@ -289,7 +307,7 @@ class ParquetTable:
         self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
                         for role, candidates, required in (
                             ("id", ("id",), False), ("tools", ("tools", "functions"), False),
-                            ("system", ("system",), False),
+                            ("system", ("system",), False), ("objects", ("objects",), False),
                             ("conversation", ("messages", "conversations"), False),
                             ("texts", ("texts",), False), ("caption", ("caption",), False),
                             *((media_field(name), (media_field(name), name), False)
@@ -299,10 +317,15 @@ class ParquetTable:
                 self.columns[role] = None        # the named column decides what a row is
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found:
+            # a speech table's transcript column, as the hub's ASR sets name it
+            transcript = next((c for c in TRANSCRIPT_COLUMNS if c in names), None)
+            hint = (f" (a transcript and its audio, as {transcript!r} looks: --caption-column "
+                    f"{transcript}, trained as the preprocessing config's captions say)"
+                    if transcript else "")
             raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
                               f"(conversations), 'texts' (documents) or 'caption' (caption "
                               f"pairs) found (columns are {sorted(names)}); name the column "
-                              "with a --*-column flag")
+                              f"with a --*-column flag{hint}")
         self.kind = {"texts": "document", "conversation": "conversation",
                      "caption": "caption"}[found[0]]
 
@@ -337,6 +360,8 @@ class ParquetTable:
         if self.kind == "caption":
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
                              text=record[column["caption"]])
+        if column["objects"]:       # a table's JSON text or struct (its nulls: none given)
+            no_grounding_objects(_without_nulls(record.get(column["objects"])))
         turns = record[column["conversation"]]
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
