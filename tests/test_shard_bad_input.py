@@ -618,6 +618,45 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
         + [{"role", "content", "weight"}] + [{"role", "content"}] * 2
 
 
+def test_markers_first_places_missing_markers_as_internvl_and_ms_swift_do(
+        capsys, tmp_path, assets, corpus, corpus_videos):
+    """Records whose text has no marker for their items (InternVL's single image, ms-swift's
+    images and audio): without ``--markers-first`` each is a marker_mismatch whose detail
+    names the flag; with it each item's marker goes before the first user text, counted. A
+    modality with some markers but too few is still refused, and LLaVA-NeXT's video
+    ``<image>`` stays the video's (no second marker placed)."""
+    jpeg, png, wav = (str(assets[k]) for k in ("jpeg", "png", "wav"))
+    clip = str(corpus / corpus_videos["pan_h264_24"].path)
+    records = [
+        {"id": "internvl", "image": jpeg, "conversations": chat("What is it?", "A cat.")},
+        {"id": "swift", "images": [jpeg, png], "audios": [wav], "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Compare."}, {"role": "assistant", "content": "Same."}]},
+        {"id": "llava-video", "video": clip, "conversations": chat("<image>\nWhat?", "A pan.")},
+        {"id": "too-few", "images": [jpeg, png],
+         "conversations": chat("<image>\nBoth?", "Yes.")}]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "plain", "--no-progress")
+    assert code == 0, err
+    skipped = read_json(tmp_path / "plain" / "report.json")["skipped_by_reason"]
+    assert skipped["marker_mismatch"]["count"] == 3
+    assert [("--markers-first" in f["detail"]) for f in skipped["marker_mismatch"]["first"]] \
+        == [True, True, False]
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
+                            "--markers-first")
+    assert code == 0, err
+    report = read_json(tmp_path / "out" / "report.json")
+    assert report["skipped_by_reason"]["marker_mismatch"]["count"] == 1   # too-few
+    assert report["counts"] == {"markers_placed_first": 4, "videos_marked_with_image": 1}
+    written = {r["id"]: r for r in sample_records(tmp_path / "out")}
+    assert written["internvl"]["messages"][0]["content"] == "<image>\nWhat is it?"
+    assert [m["content"] for m in written["swift"]["messages"]] == [
+        "Be brief.", "<image>\n<image>\n<audio>\nCompare.", "Same."]
+    assert [item["modality"] for item in written["swift"]["media"]] == \
+        ["image", "image", "audio"]
+    assert written["llava-video"]["messages"][0]["content"] == "<video>\nWhat?"
+
+
 def test_media_urls_are_counted_as_not_downloaded(capsys, tmp_path, assets, good_records):
     urls = ["http://example.com/1.jpg", "HTTPS://example.com/2.png", "https://example.com/3.jpg",
             "http://example.com/4.wav"]

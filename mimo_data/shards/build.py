@@ -38,10 +38,11 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OUT_OF_LOSS,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    USING_TOOLS, VIDEOS_MARKED_AS_IMAGES, answers_out_of_loss,
-                                    sample_key, summary_column, uses_tools)
+from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
+                                    MARKERS_PLACED_FIRST, OUT_OF_LOSS, REPORT_FILE,
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, USING_TOOLS,
+                                    VIDEOS_MARKED_AS_IMAGES, answers_out_of_loss, sample_key,
+                                    summary_column, uses_tools)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.shards.sources import open_source
 from mimo_data.shards import task_stream
@@ -73,6 +74,7 @@ class BuildOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     check: str = "decode"
     progress: bool = True
+    markers_first: bool = False   # place a modality's missing markers before the first user text
 
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
@@ -275,7 +277,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     tasks = task_stream.shuffled(sources, options.seed, set_total) if options.shuffle else \
         task_stream.stream(sources)
     policy = MediaPolicy(options.max_image_pixels, options.check,
-                         defer_files=options.workers > 0)
+                         defer_files=options.workers > 0, markers_first=options.markers_first)
     report = Tally("records_read", "samples_written", "records_skipped")
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                       options.max_shard_bytes, shard_done)
@@ -319,6 +321,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         report.count(OUT_OF_LOSS, answers_out_of_loss(result.messages))
         report.count(USING_TOOLS, uses_tools(result.messages))
         report.count(VIDEOS_MARKED_AS_IMAGES, result.videos_marked_as_images)
+        report.count(MARKERS_PLACED_FIRST, result.markers_placed)
     progress.close()
     shard_list = shards.close()
     table.close()

@@ -76,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--check", choices=("decode", "header"), default="decode",
                    help="decode: walk all media data (default); header: headers and stream "
                    "completeness only (faster, misses corruption inside the data)")
+    b.add_argument("--markers-first", action="store_true",
+                   help="where a record's text has no marker of a modality it has items of, "
+                   "put one per item before the first user text (<image>\\n each), as "
+                   "InternVL's and ms-swift's trainers do (default: marker_mismatch)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     x = commands.add_parser(
@@ -169,7 +173,8 @@ def _run(args) -> int:
             shuffle=args.shuffle, seed=args.seed, strict=args.strict,
             overwrite=args.overwrite, media_root=args.media_root,
             input_format=args.input_format, instruction=args.instruction, columns=columns,
-            check=args.check, progress=not args.no_progress, **limits)
+            check=args.check, progress=not args.no_progress,
+            markers_first=args.markers_first, **limits)
         return _nothing_kept(args.command, build(args.inputs, args.output, options))
     elif args.command == "index":
         from mimo_data.shards.in_place import IndexOptions, index

@@ -118,6 +118,9 @@ def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
                for message in messages)
 
 
+# the build report's count of markers ``--markers-first`` placed before the first user text
+MARKERS_PLACED_FIRST = "markers_placed_first"
+
 # the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``
 # (``records.media_markers``), so that a user sees which convention was read
 VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"

@@ -216,7 +216,7 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                                 raw.get("system")) if isinstance(raw, dict) else (None,) * 3
         messages = normalize_messages(turns, tools, system)
         media = _conversation_media(members)
-        order, videos_marked_as_images = media_markers(
+        order, videos_marked_as_images, _ = media_markers(
             messages, {modality: len(names) for modality, names in media.items()})
         seen = dict.fromkeys(MARKERS, 0)
         ordered = []

@@ -341,9 +341,15 @@ def _find_all(text: str, needle: str):
         start = text.find(needle, start + len(needle))
 
 
-def media_markers(messages: list[dict], counts: Mapping[str, int]) -> tuple[list[str], int]:
+def media_markers(messages: list[dict], counts: Mapping[str, int],
+                  markers_first: bool = False) -> tuple[list[str], int, int]:
     """The modalities of ``messages``' markers in reading order, checked against the record's
-    item ``counts`` (``marker_mismatch``), and how many ``<image>`` markers were a video's.
+    item ``counts`` (``marker_mismatch``), how many ``<image>`` markers were a video's, and
+    how many markers were placed.
+
+    ``markers_first``: a modality with items and no marker anywhere gets one for each item
+    before the first user text (``<image>\n`` each, in ``messages``), as InternVL's and
+    ms-swift's trainers place them; with some markers but too few it is still refused.
 
     LLaVA-NeXT's video data (LLaVA-Video-178K, LLaVA-OneVision's videos) marks each video
     with ``<image>``, which its trainer reads as the video's frames. Where a record has
@@ -352,18 +358,38 @@ def media_markers(messages: list[dict], counts: Mapping[str, int]) -> tuple[list
     (in place). Any other disagreement is refused as before."""
     order = marker_order(messages)
     videos = counts.get("video", 0)
-    relabeled = 0
+    relabeled = placed = 0
     if (videos and not counts.get("image") and "video" not in order
             and order.count("image") == videos):
         for message in messages:
             message["content"] = message["content"].replace(MARKERS["image"], MARKERS["video"])
         order, relabeled = ["video" if m == "image" else m for m in order], videos
+    if markers_first:
+        placed = _place_missing_markers(messages, counts)
+        order = marker_order(messages) if placed else order
     for modality, marker in MARKERS.items():
         markers = order.count(modality)
         if markers != counts.get(modality, 0):
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
-                              f"{counts.get(modality, 0)} {modality} item(s) in the record")
-    return order, relabeled
+                              f"{counts.get(modality, 0)} {modality} item(s) in the record"
+                              + ("" if markers or markers_first else
+                                 ": give each item its marker where it goes (`mimo-shard "
+                                 "build --markers-first` puts them before the first user "
+                                 "text)"))
+    return order, relabeled, placed
+
+
+def _place_missing_markers(messages: list[dict], counts: Mapping[str, int]) -> int:
+    """``media_markers``' ``markers_first``: the markers it placed."""
+    text = "".join(message["content"] for message in messages)
+    missing = {modality: counts[modality] for modality, marker in MARKERS.items()
+               if counts.get(modality) and marker not in text}
+    lead = "".join(f"{MARKERS[modality]}\n" * number for modality, number in missing.items())
+    first = next((m for m in messages if m["role"] == "user"), None)
+    if not lead or first is None:
+        return 0
+    first["content"] = lead + first["content"]
+    return sum(missing.values())
 
 
 def _utf8(text: str, what: str) -> None:

@@ -49,6 +49,7 @@ class Prepared:
     kind: str = "conversation"
     text: str | None = None
     videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
+    markers_placed: int = 0            # and those it placed (``MediaPolicy.markers_first``)
 
     def media_bytes(self) -> list[bytes]:
         """The payloads as bytes (reading back deferred files)."""
@@ -67,6 +68,7 @@ class MediaPolicy:
     max_image_pixels: int
     check: str                 # "decode" | "header"
     defer_files: bool = False  # return MediaFile for files: worker processes pipe no bytes
+    markers_first: bool = False   # ``records.media_markers``: place missing markers first
 
 
 def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
@@ -135,7 +137,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     try:
         raw = source.load(task)
         messages, text, refs = [], None, raw.media
-        videos_marked_as_images = 0
+        videos_marked_as_images = markers_placed = 0
         if raw.kind == "document":
             text, images = normalize_document(raw.text, raw.media.get("image"))
             refs = {"image": images}
@@ -145,8 +147,9 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             order = [modality for modality, items in refs.items() if items]
         else:
             messages = normalize_messages(raw.turns, raw.tools, raw.system)
-            order, videos_marked_as_images = media_markers(
-                messages, {modality: len(items) for modality, items in refs.items()})
+            order, videos_marked_as_images, markers_placed = media_markers(
+                messages, {modality: len(items) for modality, items in refs.items()},
+                policy.markers_first)
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:
             index = seen[modality]
@@ -170,4 +173,5 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     return Prepared(id=raw.id, location=task.location,
                     source={"file": source.path, kind: number},
                     messages=messages, media=media, payloads=payloads, kind=raw.kind,
-                    text=text, videos_marked_as_images=videos_marked_as_images)
+                    text=text, videos_marked_as_images=videos_marked_as_images,
+                    markers_placed=markers_placed)
