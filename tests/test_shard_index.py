@@ -610,6 +610,32 @@ def test_a_video_marked_as_llava_next_marks_it_is_read_as_a_video(tmp_path, corp
     assert reader.read_member(0, "mp4") == clip.data
 
 
+def test_markers_first_places_a_conversations_missing_markers(tmp_path, corpus_photos):
+    """A conversation WebDataset whose texts name no image (``KEY.json`` + ``KEY.jpg``):
+    without ``--markers-first`` a counted marker_mismatch naming the flag; with it the image's
+    marker goes before the first user text, counted."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    name, data, _, _ = next(p for p in corpus_photos if p[0].endswith(".jpg"))
+    (tmp_path / "tars").mkdir()
+    with webdataset.ShardWriter(str(tmp_path / "tars" / "chat-%06d.tar"), verbose=0) as writer:
+        writer.write({"__key__": "c0", "jpg": data,
+                      "json": {"conversations": chat("What is shown?", "A photo.")}})
+    tar = str(tmp_path / "tars" / "chat-000000.tar")
+    index([tar], str(tmp_path / "plain"), IndexOptions(workers=0, progress=False))
+    [skip] = read_json(tmp_path / "plain" / "report.json")["skipped_by_reason"][
+        "marker_mismatch"]["first"]
+    assert "--markers-first" in skip["detail"], skip
+    index([tar], str(tmp_path / "first"), IndexOptions(workers=0, progress=False,
+                                                       markers_first=True))
+    assert read_json(tmp_path / "first" / "report.json")["counts"] == {
+        "markers_placed_first": 1}
+    record = ShardReader(str(tmp_path / "first")).record(0)
+    assert record["messages"][0]["content"] == "<image>\nWhat is shown?"
+    assert [item["member"] for item in record["media"]] == ["jpg"]
+
+
 def test_a_pair_without_its_medium_says_what_to_do():
     """Samples named with dots (``sample.000.jpg``: webdataset's key ends at the first dot,
     so they are one sample) and a field map naming a member the sample lacks."""

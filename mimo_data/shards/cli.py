@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                    "completeness only")
     x.add_argument("--max-image-pixels", type=int,
                    help="skip images with more pixels (default: Pillow's limit, 89478485)")
+    x.add_argument("--markers-first", action="store_true",
+                   help="conversations: as build's --markers-first")
     x.add_argument("--overwrite", action="store_true", help="replace an existing index")
     x.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -182,6 +184,7 @@ def _run(args) -> int:
             layout=args.layout, media_member=args.media_member, text_member=args.text_member,
             json_member=args.json_member, name=args.name, workers=args.workers,
             check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
+            markers_first=args.markers_first,
             **({} if args.max_image_pixels is None
                else {"max_image_pixels": args.max_image_pixels}))
         return _nothing_kept(args.command, index(args.sources, args.output, indexing))

@@ -118,7 +118,8 @@ def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
                for message in messages)
 
 
-# the build report's count of markers ``--markers-first`` placed before the first user text
+# the build and index reports' count of markers ``--markers-first`` placed before the first
+# user text
 MARKERS_PLACED_FIRST = "markers_placed_first"
 
 # the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``

@@ -36,10 +36,11 @@ from tqdm import tqdm
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, OUT_OF_LOSS,
-                                    RECORDS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    STAGING_DIR, USING_TOOLS, VIDEOS_MARKED_AS_IMAGES,
-                                    answers_out_of_loss, summary_column, uses_tools)
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION,
+                                    MARKERS_PLACED_FIRST, OUT_OF_LOSS, RECORDS_FILE,
+                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
+                                    USING_TOOLS, VIDEOS_MARKED_AS_IMAGES, answers_out_of_loss,
+                                    summary_column, uses_tools)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -68,6 +69,7 @@ class ShardResult:
     out_of_loss: int = 0          # answers weighted 0 in the rows' conversations
     using_tools: int = 0          # the rows' conversations that use tools
     videos_marked_as_images: int = 0   # the rows' videos marked with <image> (LLaVA-NeXT's)
+    markers_placed: int = 0            # markers --markers-first placed in the rows
 
 
 # ---------------------------------------------------------------------------- one tar
@@ -118,6 +120,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
     result.out_of_loss += answers_out_of_loss(messages)
     result.using_tools += uses_tools(messages)
     result.videos_marked_as_images += made.videos_marked_as_images
+    result.markers_placed += made.markers_placed
     result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 
@@ -334,6 +337,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         report.count(OUT_OF_LOSS, result.out_of_loss)
         report.count(USING_TOOLS, result.using_tools)
         report.count(VIDEOS_MARKED_AS_IMAGES, result.videos_marked_as_images)
+        report.count(MARKERS_PLACED_FIRST, result.markers_placed)
         for reason, where, detail in result.skips:
             report.skip(reason, where, detail)
         shards.append({"name": result.name, "samples": len(result.rows),

@@ -53,6 +53,7 @@ class MemberMap:
     json: str = "json"              # pairs: metadata kept in the record's source;
     #                                 conversation: the conversation; documents: the document
     question: str = ""              # vqa: the question member
+    markers_first: bool = False     # conversation: place missing markers first (media_markers)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "json", self.json.lower())
@@ -79,6 +80,7 @@ class Synthesized:
     media: list[tuple[str, str]]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
     videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
+    markers_placed: int = 0            # and those it placed (``MemberMap.markers_first``)
 
 
 def _text(data: bytes, what: str) -> str:
@@ -216,8 +218,9 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                                 raw.get("system")) if isinstance(raw, dict) else (None,) * 3
         messages = normalize_messages(turns, tools, system)
         media = _conversation_media(members)
-        order, videos_marked_as_images, _ = media_markers(
-            messages, {modality: len(names) for modality, names in media.items()})
+        order, videos_marked_as_images, markers_placed = media_markers(
+            messages, {modality: len(names) for modality, names in media.items()},
+            mapping.markers_first)
         seen = dict.fromkeys(MARKERS, 0)
         ordered = []
         for modality in order:
@@ -226,7 +229,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         record_id = raw.get("id")
         return Synthesized({"id": None if record_id is None else str(record_id),
                             "messages": messages}, ordered,
-                           videos_marked_as_images=videos_marked_as_images)
+                           videos_marked_as_images=videos_marked_as_images,
+                           markers_placed=markers_placed)
     medium = _medium(members, mapping.media)
     text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
                  "the caption")

@@ -373,9 +373,8 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
                               f"{counts.get(modality, 0)} {modality} item(s) in the record"
                               + ("" if markers or markers_first else
-                                 ": give each item its marker where it goes (`mimo-shard "
-                                 "build --markers-first` puts them before the first user "
-                                 "text)"))
+                                 ": give each item its marker where it goes (mimo-shard's "
+                                 "--markers-first puts them before the first user text)"))
     return order, relabeled, placed
 
 

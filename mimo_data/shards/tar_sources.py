@@ -38,6 +38,7 @@ class IndexOptions:
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
     overwrite: bool = False
     progress: bool = True
+    markers_first: bool = False           # conversation: place missing markers first
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _member_map(root: str, first: str, options: IndexOptions,
                                   "documents (texts + images lists); give "
                                   "--layout and the --*-member options")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
-                        json=options.json_member)
+                        json=options.json_member, markers_first=options.markers_first)
     how = "detected from the first samples" if options.layout == "auto" else "as given"
     say(f"layout {layout} ({how}): {mapping.describe()}")
     return mapping
