@@ -313,10 +313,12 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
                        "--field-map", '{"image": "jpg,png", "caption": "json[caption]"}'],
                  standalone_mode=False)
     assert (folder / ".nv-meta" / "split.yaml").is_file()
+    with open(folder / ".nv-meta" / "dataset.yaml", "a") as dataset:   # read by no mimo code
+        dataset.write("subflavors: {source: coco}\n")
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 0, err
-    assert "layout energon" in err
+    assert "layout energon" in err and "dataset.yaml's subflavors are not read" in err, err
     from mimo_data.shards.reader import ShardReader
     reader = ShardReader(str(tmp_path / "idx"))
     records = [reader.record(p) for p in range(len(reader))]
@@ -371,8 +373,10 @@ def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path
 
 def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     """split.yaml's ``exclude`` drops ``TAR/KEY`` samples as energon does (brace-expanded, TAR
-    as split.yaml names it), counted by name in the report; one naming no sample is harmless."""
+    as split.yaml names it), counted by name in the report; one naming no sample is harmless.
+    The dataset's tars, or their folder, given instead are refused."""
     from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.tar_sources import IndexInputError
     from mimo_data.shards.reader import ShardReader
 
     (tmp_path / "ds" / "shards").mkdir(parents=True)
@@ -396,6 +400,10 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
         "skipped_by_reason"]["excluded_by_split_yaml"]
     assert excluded["count"] == 2
     assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+    # its tars, or their folder, given instead of it: refused, never read past split.yaml
+    for given in (tmp_path / "ds" / "shards", tmp_path / "ds" / "shards" / "shard_000001.tar"):
+        with pytest.raises(IndexInputError, match=f"inside the Energon dataset {tmp_path}/ds"):
+            index([str(given)], str(tmp_path / "tars"), IndexOptions(workers=0, progress=False))
 
 
 def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
@@ -412,6 +420,10 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
                                 "--workers", "0", "--no-progress")
         assert code == 2 and f"{packed}: not a tar but gzip-compressed: decompress" in err, err
         assert not (tmp_path / "idx" / "index.json").exists()
+    # a folder of both: refused, never its plain tars alone without a word
+    code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "1 compressed tar(s) beside the 1 plain one(s)" in err, err
     os.remove(plain)
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
@@ -442,8 +454,9 @@ def test_a_small_file_that_is_no_tar_is_refused_not_read_as_truncated(pairs, tmp
 
 @pytest.mark.filterwarnings(FORK_WARNING)       # energon prepare's worker pool
 def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
-    """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields, the first answer trains)
-    → a one-turn conversation about the image."""
+    """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields) → a one-turn
+    conversation about the image; of several answers the one ``answer_weights`` weighs most
+    trains (the first of equals), counted."""
     from megatron.energon.tools.prepare import command
 
     from mimo_data.shards.reader import ShardReader
@@ -455,18 +468,23 @@ def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
             image = next(name for name in sample if name in ("jpg", "png"))
             writer.write({"__key__": key, image: sample[image],
                           "json": {"question": f"What is shown in {number}?",
-                                   "answers": [f"Answer {number}.", "Another."]}})
+                                   "answers": [f"Answer {number}.", f"Better {number}."],
+                                   "weights": [1.0, 3.0] if number % 2 else [2.0, 2.0]}})
     command.main(args=[str(folder), "--non-interactive", "--split-ratio", "1,0,0",
                        "--sample-type", "VQASample", "--num-workers", "1", "--field-map",
                        '{"image": "jpg,png", "context": "json[question]", '
-                       '"answers": "json[answers]"}'], standalone_mode=False)
+                       '"answers": "json[answers]", "answer_weights": "json[weights]"}'],
+                 standalone_mode=False)
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 0, err
     reader = ShardReader(str(tmp_path / "idx"))
     assert [reader.record(p)["messages"] for p in range(len(reader))] == [
         [{"role": "user", "content": f"<image>\nWhat is shown in {n}?"},
-         {"role": "assistant", "content": f"Answer {n}."}] for n in range(len(members))]
+         {"role": "assistant", "content": f"{'Better' if n % 2 else 'Answer'} {n}."}]
+        for n in range(len(members))]
+    assert read_json(tmp_path / "idx" / "report.json")["counts"] == {
+        "texts_chosen_from_several": len(members)}
     assert [reader.record(p)["media"][0]["member"] for p in range(len(reader))] == \
         [next(name for name in sample if name in ("jpg", "png")) for sample in members.values()]
 
@@ -646,6 +664,10 @@ def test_a_pair_without_its_medium_says_what_to_do():
     with pytest.raises(RecordError) as caught:
         synthesize(dotted, MemberMap("pairs"))
     assert "KEY.000.jpg and KEY.001.jpg are one sample" in caught.value.detail
+    with pytest.raises(RecordError) as caught:   # img_001.v2.jpg + img_001.v2.txt: one dot more
+        synthesize({"v2.jpg": b"", "v2.txt": b"a"}, MemberMap("pairs"))
+    assert caught.value.reason == "missing_text"
+    assert "key ends at the first dot" in caught.value.detail, caught.value.detail
     with pytest.raises(RecordError) as caught:
         synthesize({"png": b"", "txt": b"a"}, MemberMap("pairs", media="jpg"))
     assert caught.value.reason == "missing_media"
@@ -668,7 +690,7 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     photos = [data for name, data, _, _ in corpus_photos if name.endswith(".jpg")][:3]
     names = [("0.JPG", "0.TXT"), ("1.jpg", "1.Txt"), ("2.JPG", "2.txt", "2.jpg")]
     (tmp_path / "src").mkdir()
-    with tarfile.open(tmp_path / "src" / "upper.tar", "w") as tar:
+    with tarfile.open(tmp_path / "src" / "UPPER.TAR", "w") as tar:     # a folder's .TAR too
         for number, members in enumerate(names):
             for name in members:
                 data = f"Photo {number}.".encode() if "txt" in name.lower() else photos[number]
@@ -694,6 +716,30 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     assert made.media == [("image", "jpg")] and made.source == {"url": "u"}
 
 
+def test_a_tif_member_is_read_as_an_image(corpus_photos, tmp_path):
+    """``KEY.tif`` + ``KEY.txt`` (a TIFF under its other common name): indexed, its image
+    probed from its bytes, not refused as a sample without a medium."""
+    from PIL import Image
+
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    _, data, _, _ = corpus_photos[0]
+    tiff = io.BytesIO()
+    with Image.open(io.BytesIO(data)) as photo:
+        photo.convert("RGB").save(tiff, format="TIFF")
+        size = photo.size
+    (tmp_path / "src").mkdir()
+    with webdataset.TarWriter(str(tmp_path / "src" / "tif-000000.tar")) as writer:
+        writer.write({"__key__": "t0", "tif": tiff.getvalue(), "txt": "A photo."})
+    with contextlib.redirect_stderr(io.StringIO()):
+        index([str(tmp_path / "src")], str(tmp_path / "idx"),
+              IndexOptions(workers=0, progress=False))
+    [item] = ShardReader(str(tmp_path / "idx")).record(0)["media"]
+    assert (item["member"], item["format"], (item["width"], item["height"])) == \
+        ("tif", "tiff", size)
+
+
 def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
     """``--text-member 'json[caption]'``: the caption is the JSON's field, and the same JSON's
     ``url`` and ``key`` still go to the record's ``source``."""
@@ -701,8 +747,13 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
 
     meta = b'{"url": "https://example.com/a.jpg", "key": "000", "caption": "A cat."}'
     made = synthesize({"jpg": b"", "json": meta}, MemberMap("pairs", text="json[caption]"))
-    assert made.fields["text"] == "A cat."
+    assert made.fields["text"] == "A cat." and made.counts == {}
     assert made.source == {"url": "https://example.com/a.jpg", "key": "000"}
+    # several captions (LAION-CLAP's ``text`` list): the first trains, counted
+    made = synthesize({"flac": b"", "json": b'{"text": ["A man reads.", "Speech."]}'},
+                      MemberMap("pairs", text="json[text]"))
+    assert made.fields["text"] == "A man reads."
+    assert made.counts == {"texts_chosen_from_several": 1}
 
 
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):

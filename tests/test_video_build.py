@@ -327,15 +327,18 @@ def test_the_cli_has_a_column_option_per_registered_modality():
     assert sorted(MEDIA_COLUMNS) == sorted(MODALITIES)
 
 
+MARKED = "videos_marked_with_image"      # the reports' count of them
+
+
 @pytest.mark.parametrize("texts, counts, expected", [
     # LLaVA-NeXT's video data: each video marked <image>, no image in the record
-    (["<image>\nWhat happens?", "A pan."], {"video": 1}, (["video"], 1, 0)),
-    (["<image>\n<image>\nCompare.", "Same."], {"video": 2}, (["video", "video"], 2, 0)),
+    (["<image>\nWhat happens?", "A pan."], {"video": 1}, (["video"], {MARKED: 1})),
+    (["<image>\n<image>\nCompare.", "Same."], {"video": 2}, (["video", "video"], {MARKED: 2})),
     # <image> can be a video's only where nothing else could be meant
     (["<image>\nAnd this?", "A pan."], {"video": 1, "image": 1}, "0 <video> marker"),
     (["<image>\n<video>\nBoth?", "Yes."], {"video": 2}, "1 <image> marker"),
     (["<image> and <image>?", "One."], {"video": 1}, "2 <image> marker"),
-    (["<video>\nWhat happens?", "A pan."], {"video": 1}, (["video"], 0, 0)),
+    (["<video>\nWhat happens?", "A pan."], {"video": 1}, (["video"], {})),
 ])
 def test_llava_next_marks_a_video_with_image(texts, counts, expected):
     from mimo_data.shards.records import RecordError, media_markers

@@ -47,6 +47,14 @@ def sample_type(dataset: dict) -> str:
     return name.replace("Webdataset", "Sample")
 
 
+def unread(root: str, storage_options: dict | None = None) -> list[str]:
+    """The keys of the dataset's ``dataset.yaml`` that mean something to Energon's task
+    encoders and nothing to mimo (``subflavors``: which prompt or task a sample is for),
+    where it has them, so that a user is told."""
+    dataset = _yaml(root, DATASET_YAML, storage_options)
+    return [key for key in ("subflavors", "subflavor") if dataset.get(key)]
+
+
 def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
     """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
     are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
@@ -64,7 +72,7 @@ def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
         return MemberMap("pairs", media=fields["image"], text=fields["caption"])
     if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
-                         text=fields["answers"])
+                         text=fields["answers"], weights=fields.get("answer_weights", ""))
     raise SourceError(f"{where}: sample type {kind or '?'} with fields {sorted(fields)}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
                       f"answers); {OTHERWISE}")

@@ -122,6 +122,10 @@ def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
 # user text
 MARKERS_PLACED_FIRST = "markers_placed_first"
 
+# the index report's count of samples whose answer or caption was one of several given
+# (Energon's VQA ``answers``, a JSON list of captions): the one that trains was chosen
+TEXTS_CHOSEN = "texts_chosen_from_several"
+
 # the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``
 # (``records.media_markers``), so that a user sees which convention was read
 VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"

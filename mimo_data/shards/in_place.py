@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -36,10 +37,9 @@ from tqdm import tqdm
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION,
-                                    MARKERS_PLACED_FIRST, OUT_OF_LOSS, RECORDS_FILE,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    USING_TOOLS, VIDEOS_MARKED_AS_IMAGES, answers_out_of_loss,
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, OUT_OF_LOSS,
+                                    RECORDS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
+                                    STAGING_DIR, USING_TOOLS, answers_out_of_loss,
                                     summary_column, uses_tools)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
@@ -66,10 +66,9 @@ class ShardResult:
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
     seconds: float = 0.0
-    out_of_loss: int = 0          # answers weighted 0 in the rows' conversations
-    using_tools: int = 0          # the rows' conversations that use tools
-    videos_marked_as_images: int = 0   # the rows' videos marked with <image> (LLaVA-NeXT's)
-    markers_placed: int = 0            # markers --markers-first placed in the rows
+    # what the rows hold that the report counts (answers weighted 0, conversations using
+    # tools, Synthesized.counts), by the report's name
+    counts: Counter[str] = field(default_factory=Counter)
 
 
 # ---------------------------------------------------------------------------- one tar
@@ -117,10 +116,8 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
         row.update((summary_column(name, f), [item[f] for item in items])
                    for f in kind.summary_fields)
     result.rows.append(row)
-    result.out_of_loss += answers_out_of_loss(messages)
-    result.using_tools += uses_tools(messages)
-    result.videos_marked_as_images += made.videos_marked_as_images
-    result.markers_placed += made.markers_placed
+    result.counts.update({OUT_OF_LOSS: answers_out_of_loss(messages),
+                          USING_TOOLS: uses_tools(messages), **made.counts})
     result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 
@@ -150,7 +147,10 @@ def index_shard(job: _Job) -> ShardResult:
                     if sample.key in keys:
                         result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
                                              "the key occurs twice in the tar (not one after "
-                                             "the other); the first is kept"))
+                                             "the other); the first is kept where it was "
+                                             "whole: a sample's members are read one after "
+                                             "the other, as webdataset reads them, so write "
+                                             "each sample's members together"))
                         continue
                     keys.add(sample.key)
                     _sample(job, sample.key, sample.members, result)
@@ -334,10 +334,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         progress.update()
         tables.add(result)
         report.keep(len(result.rows))
-        report.count(OUT_OF_LOSS, result.out_of_loss)
-        report.count(USING_TOOLS, result.using_tools)
-        report.count(VIDEOS_MARKED_AS_IMAGES, result.videos_marked_as_images)
-        report.count(MARKERS_PLACED_FIRST, result.markers_placed)
+        for name, number in result.counts.items():
+            report.count(name, number)
         for reason, where, detail in result.skips:
             report.skip(reason, where, detail)
         shards.append({"name": result.name, "samples": len(result.rows),

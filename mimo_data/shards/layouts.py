@@ -30,14 +30,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
+from mimo_data.shards.format import TEXTS_CHOSEN
 from mimo_data.shards.records import (RecordError, media_markers, normalize_document,
                                       normalize_messages, tool_lists)
 
 LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 
-# member extension -> modality (``jpeg`` too: img2dataset and others write it)
-MEDIA_EXTENSIONS = {ext: name for name, m in MODALITIES.items()
-                    for ext in (*m.extensions, *m.extensions.values())}
+# member extension -> modality (``jpeg`` too: img2dataset and others write it; the other
+# names the same containers are written with: a TIFF's ``tif``, Ogg Opus's ``opus``, MPEG-4's
+# ``m4v``; what a member holds is then probed from its bytes, as at build)
+MEDIA_EXTENSIONS = {**{ext: name for name, m in MODALITIES.items()
+                       for ext in (*m.extensions, *m.extensions.values())},
+                    "tif": "image", "opus": "audio", "m4v": "video"}
 # ``0.jpg``, ``img10.jpg`` (mimo's build), ``image_2.png``: the number ending the name orders
 # several members of one modality
 _NUMBERED = re.compile(r"^.*?(\d+)\.[^.]+$")
@@ -53,6 +57,7 @@ class MemberMap:
     json: str = "json"              # pairs: metadata kept in the record's source;
     #                                 conversation: the conversation; documents: the document
     question: str = ""              # vqa: the question member
+    weights: str = ""               # vqa: the answers' weights (Energon's answer_weights)
     markers_first: bool = False     # conversation: place missing markers first (media_markers)
 
     def __post_init__(self) -> None:
@@ -79,8 +84,8 @@ class Synthesized:
     fields: dict[str, Any]
     media: list[tuple[str, str]]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
-    videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
-    markers_placed: int = 0            # and those it placed (``MemberMap.markers_first``)
+    # what the record holds that the index report counts (``records.media_markers``')
+    counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _text(data: bytes, what: str) -> str:
@@ -130,11 +135,37 @@ def _as_text(found: tuple[str, Any], what: str, empty: str = "empty_text") -> st
     member, value = found
     if isinstance(value, bytes):
         value = _text(value, f"member KEY.{member}")
-    if isinstance(value, list) and value and isinstance(value[0], str):
-        value = value[0]                # Energon's VQA answers: the first one trains
     if not isinstance(value, str) or not value.strip():
         raise RecordError(empty, f"{what} (KEY.{member}) is empty or not text")
     return value.strip()
+
+
+def _chosen(found: tuple[str, Any], weights: tuple[str, Any] | None, what: str
+            ) -> tuple[tuple[str, Any], dict[str, int]]:
+    """One text of a list of them (Energon's VQA ``answers``, a JSON list of captions): the
+    highest of ``weights`` (Energon's ``answer_weights``; the first of equals), else the
+    first, as the one that trains; and the report's count (``TEXTS_CHOSEN``) where there were
+    several. A single text, or a list of one, is as given."""
+    member, value = found
+    if not isinstance(value, list) or len(value) < 2:
+        return ((member, value[0]) if isinstance(value, list) and value else found), {}
+    index = 0
+    if weights is not None:
+        given = _json_text(weights[1]) if isinstance(weights[1], bytes) else weights[1]
+        if not (isinstance(given, list) and len(given) == len(value) and all(
+                isinstance(w, int | float) and not isinstance(w, bool) for w in given)):
+            raise RecordError("malformed_record", f"{what}'s weights (KEY.{weights[0]}) are "
+                              f"{str(given)[:80]}: give a number for each of its "
+                              f"{len(value)} texts")
+        index = max(range(len(given)), key=given.__getitem__)
+    return (member, value[index]), {TEXTS_CHOSEN: 1}
+
+
+def _json_text(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return data
 
 
 def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | None:
@@ -218,7 +249,7 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                                 raw.get("system")) if isinstance(raw, dict) else (None,) * 3
         messages = normalize_messages(turns, tools, system)
         media = _conversation_media(members)
-        order, videos_marked_as_images, markers_placed = media_markers(
+        order, counts = media_markers(
             messages, {modality: len(names) for modality, names in media.items()},
             mapping.markers_first)
         seen = dict.fromkeys(MARKERS, 0)
@@ -229,8 +260,7 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         record_id = raw.get("id")
         return Synthesized({"id": None if record_id is None else str(record_id),
                             "messages": messages}, ordered,
-                           videos_marked_as_images=videos_marked_as_images,
-                           markers_placed=markers_placed)
+                           counts=counts)
     medium = _medium(members, mapping.media)
     text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
                  "the caption")
@@ -240,10 +270,13 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
             raise RecordError("missing_member", "a question-answer sample needs its medium, "
                               f"KEY.{mapping.question} and KEY.{mapping.text}")
         marker = MARKERS[medium[0]]
+        weights = field(members, mapping.weights, "the answer's weights") \
+            if mapping.weights else None
+        answer, counts = _chosen(text, weights, "the answer")
         messages = [{"role": "user",
                      "content": f"{marker}\n{_as_text(question, 'the question')}"},
-                    {"role": "assistant", "content": _as_text(text, "the answer")}]
-        return Synthesized({"id": None, "messages": messages}, [medium])
+                    {"role": "assistant", "content": _as_text(answer, "the answer")}]
+        return Synthesized({"id": None, "messages": messages}, [medium], counts=counts)
     if medium is None:
         named = (f" (no KEY.{mapping.media} member; the sample has {sorted(members)})"
                  if mapping.media else f" (the sample has {sorted(members)}; a medium's member "
@@ -253,7 +286,12 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                           f"{named}")
     if text is None:
         raise RecordError("missing_text", f"KEY.{medium[1]} has no KEY.{mapping.text} beside it "
-                          "(an image without its caption)")
+                          "(an image without its caption)" + (
+                              f"; webdataset's key ends at the first dot of a file name, so "
+                              f"KEY.{medium[1]} is a member {medium[1]!r}, not a medium of "
+                              "a key with a dot: write keys without dots"
+                              if "." in medium[1] else ""))
+    text, counts = _chosen(text, None, "the caption")
     caption = _as_text(text, "the caption", "empty_caption")
     if any(marker in caption for marker in MARKERS.values()):
         raise RecordError("marker_mismatch", "a caption holds a media marker")
@@ -263,7 +301,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         meta = _json(members, mapping.json)
         if isinstance(meta, dict):      # img2dataset: url, key, status, width, height ...
             source = {k: meta[k] for k in ("url", "key") if isinstance(meta.get(k), str | int)}
-    return Synthesized({"id": None, "kind": "caption", "text": caption}, [medium], source)
+    return Synthesized({"id": None, "kind": "caption", "text": caption}, [medium], source,
+                       counts)
 
 
 def detect(samples: list[dict[str, bytes]], json_member: str = "json") -> str | None:

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mimo_data.modalities import MARKERS
+from mimo_data.shards.format import MARKERS_PLACED_FIRST, VIDEOS_MARKED_AS_IMAGES
 from mimo_data.tally import CountedError
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the roles we store: a tool's
@@ -342,10 +343,10 @@ def _find_all(text: str, needle: str):
 
 
 def media_markers(messages: list[dict], counts: Mapping[str, int],
-                  markers_first: bool = False) -> tuple[list[str], int, int]:
+                  markers_first: bool = False) -> tuple[list[str], dict[str, int]]:
     """The modalities of ``messages``' markers in reading order, checked against the record's
-    item ``counts`` (``marker_mismatch``), how many ``<image>`` markers were a video's, and
-    how many markers were placed.
+    item ``counts`` (``marker_mismatch``), and the reports' counts of what was read so
+    (``VIDEOS_MARKED_AS_IMAGES``, ``MARKERS_PLACED_FIRST``; where not 0).
 
     ``markers_first``: a modality with items and no marker anywhere gets one for each item
     before the first user text (``<image>\n`` each, in ``messages``), as InternVL's and
@@ -375,7 +376,8 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
                               + ("" if markers or markers_first else
                                  ": give each item its marker where it goes (mimo-shard's "
                                  "--markers-first puts them before the first user text)"))
-    return order, relabeled, placed
+    return order, {name: number for name, number in ((VIDEOS_MARKED_AS_IMAGES, relabeled),
+                                                      (MARKERS_PLACED_FIRST, placed)) if number}
 
 
 def _place_missing_markers(messages: list[dict], counts: Mapping[str, int]) -> int:

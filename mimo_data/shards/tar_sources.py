@@ -88,7 +88,7 @@ def _glob(pattern: str, storage_options: dict | None) -> list[str]:
 
 def _is_dir(location: str, storage_options: dict | None) -> bool:
     if storage.is_remote(location):
-        return not location.endswith(".tar") and not _is_pattern(location)
+        return not location.lower().endswith(".tar") and not _is_pattern(location)
     return os.path.isdir(storage.local_path(location))
 
 
@@ -132,6 +132,9 @@ def resolve(sources: list[str], options: IndexOptions,
                 mapping = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
                     f"({mapping.describe()}), {len(names)} train tar(s)")
+                for key in energon.unread(root, storage_options):
+                    say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
+                        "choose prompts by them, mimo's preprocessing config does")
                 return Source(root, names, mapping, frozenset(excludes))
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
             say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
@@ -141,10 +144,13 @@ def resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
         files = _list_files(root, storage_options)
-        paths = [p for p in files if p.endswith(".tar")]
-        if not paths:
-            compressed = [p for p in files if p.endswith(COMPRESSED_TARS)]
-            raise IndexInputError(f"{root}: no *.tar files under it" + (
+        paths = [p for p in files if p.lower().endswith(".tar")]     # 00001.TAR too
+        # never a folder's data left out without a word: compressed tars beside plain ones
+        compressed = [p for p in files if p.lower().endswith(COMPRESSED_TARS)]
+        if not paths or compressed:
+            raise IndexInputError(f"{root}: " + (
+                f"{len(compressed)} compressed tar(s) beside the {len(paths)} plain one(s)"
+                if paths else "no *.tar files under it") + (
                 f" ({len(compressed)} compressed, e.g. {compressed[0]}: {NOT_IN_PLACE})"
                 if compressed else ""))
     else:
@@ -168,9 +174,36 @@ def resolve(sources: list[str], options: IndexOptions,
         if not paths:
             raise IndexInputError("no tars given")
         root = _root_of(paths)
+    inside = _energon_above(root, storage_options)      # tars given, or a folder of them
+    if inside:
+        # its split.yaml decides which tars train: its validation and test parts, and the
+        # samples it excludes, would train unseen
+        raise IndexInputError(f"{root} is inside the Energon dataset {inside}: give that "
+                              "folder, whose split.yaml's train split (and its excludes) "
+                              "mimo reads, not its tars")
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
              for p in paths]
     return Source(root, names, _member_map(root, names[0], options, storage_options))
+
+
+# how many folders above the given tars are searched for an Energon dataset's .nv-meta
+ENERGON_DEPTH = 3
+
+
+def _energon_above(root: str, storage_options: dict | None) -> str | None:
+    """The Energon dataset folder holding ``root`` (it, or up to ``ENERGON_DEPTH`` folders
+    above), if any."""
+    remote = storage.is_remote(root)
+    protocol, _, path = root.partition("://") if remote else ("", "", root)
+    for _ in range(ENERGON_DEPTH + 1):
+        folder = f"{protocol}://{path}" if remote else path
+        if energon.is_energon(folder, storage_options):
+            return folder
+        parent = posixpath.dirname(path) if remote else os.path.dirname(path)
+        if parent in ("", path):             # past the top folder, or the bucket
+            return None
+        path = parent
+    return None
 
 
 def _member_map(root: str, first: str, options: IndexOptions,

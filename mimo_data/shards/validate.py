@@ -8,7 +8,7 @@ needs, so the main process only assigns keys and writes.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
@@ -48,8 +48,8 @@ class Prepared:
     payloads: list[bytes | MediaFile]
     kind: str = "conversation"
     text: str | None = None
-    videos_marked_as_images: int = 0   # ``records.media_markers``' relabeled markers
-    markers_placed: int = 0            # and those it placed (``MediaPolicy.markers_first``)
+    # what the record holds that the build report counts (``records.media_markers``')
+    counts: dict[str, int] = field(default_factory=dict)
 
     def media_bytes(self) -> list[bytes]:
         """The payloads as bytes (reading back deferred files)."""
@@ -137,7 +137,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     try:
         raw = source.load(task)
         messages, text, refs = [], None, raw.media
-        videos_marked_as_images = markers_placed = 0
+        counts: dict[str, int] = {}
         if raw.kind == "document":
             text, images = normalize_document(raw.text, raw.media.get("image"))
             refs = {"image": images}
@@ -147,7 +147,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             order = [modality for modality, items in refs.items() if items]
         else:
             messages = normalize_messages(raw.turns, raw.tools, raw.system)
-            order, videos_marked_as_images, markers_placed = media_markers(
+            order, counts = media_markers(
                 messages, {modality: len(items) for modality, items in refs.items()},
                 policy.markers_first)
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
@@ -173,5 +173,4 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
     return Prepared(id=raw.id, location=task.location,
                     source={"file": source.path, kind: number},
                     messages=messages, media=media, payloads=payloads, kind=raw.kind,
-                    text=text, videos_marked_as_images=videos_marked_as_images,
-                    markers_placed=markers_placed)
+                    text=text, counts=counts)
