@@ -216,6 +216,9 @@ def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets
     pq.write_table(table, path)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "refused", "--no-progress")
     assert code == 2 and "--caption-column transcription" in err, err
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "asked", "--no-progress",
+                            "--caption-column", "transcription", "--instruction", "Write it.")
+    assert code == 2 and "no input is one" in err, err        # never silently unused
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "one", "--no-progress",
                             "--caption-column", "transcription")
     assert code == 0, err

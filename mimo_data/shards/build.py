@@ -43,7 +43,7 @@ from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OU
                                     USING_TOOLS, answers_out_of_loss, sample_key,
                                     summary_column, uses_tools)
 from mimo_data.shards.writer import ShardSet
-from mimo_data.shards.sources import open_source
+from mimo_data.shards.sources import SpeechManifest, open_source
 from mimo_data.shards import task_stream
 from mimo_data.shards.bounded import ordered_imap
 
@@ -191,6 +191,11 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
+    if options.instruction != BuildOptions.instruction and not any(
+            isinstance(source, SpeechManifest) for source in sources):
+        raise BuildError("--instruction is the user turn of speech manifests' records, and no "
+                         "input is one: a table's transcripts (--caption-column) train with "
+                         "the preprocessing config's captions prompt")
     if storage.is_remote(output):
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
