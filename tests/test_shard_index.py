@@ -400,6 +400,12 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
         "skipped_by_reason"]["excluded_by_split_yaml"]
     assert excluded["count"] == 2
     assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+    # a metadataset's YAML given: told what to do
+    metadataset = tmp_path / "metadataset.yaml"
+    metadataset.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\n")
+    with pytest.raises(IndexInputError, match="index each dataset folder it names"):
+        index([str(metadataset)], str(tmp_path / "meta"), IndexOptions(workers=0,
+                                                                       progress=False))
     # its tars, or their folder, given instead of it: refused, never read past split.yaml
     for given in (tmp_path / "ds" / "shards", tmp_path / "ds" / "shards" / "shard_000001.tar"):
         with pytest.raises(IndexInputError, match=f"inside the Energon dataset {tmp_path}/ds"):

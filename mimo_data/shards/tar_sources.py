@@ -167,6 +167,11 @@ def resolve(sources: list[str], options: IndexOptions,
                     paths += matched
                 elif not storage.exists(path, storage_options):
                     raise IndexInputError(f"{path}: no such file")
+                elif path.lower().endswith((".yaml", ".yml")):
+                    raise IndexInputError(f"{path}: a YAML file (an Energon metadataset?), not "
+                                          "a tar: index each dataset folder it names, and "
+                                          "blend them with the training config's data "
+                                          "weights")
                 else:
                     paths.append(path if storage.is_remote(path) else
                                  os.path.abspath(storage.local_path(path)))
