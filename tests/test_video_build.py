@@ -353,3 +353,94 @@ def test_llava_next_marks_a_video_with_image(texts, counts, expected):
         return
     assert media_markers(messages, counts) == expected
     assert messages[0]["content"] == texts[0].replace("<image>", "<video>")
+
+
+@pytest.fixture(scope="module")
+def frames_folder(tmp_path_factory, corpus, corpus_videos) -> tuple[Path, list[bytes]]:
+    """A corpus clip's frames as LLaVA-Hound gives a video: a folder of numbered JPEGs."""
+    import io
+
+    import av
+
+    folder = tmp_path_factory.mktemp("frames") / "v_zoom"
+    folder.mkdir()
+    frames = []
+    with av.open(str(corpus / corpus_videos["zoom_h264_10"].path)) as clip:
+        for number, frame in enumerate(clip.decode(video=0)):
+            jpeg = io.BytesIO()
+            frame.to_image().save(jpeg, format="JPEG", quality=90)
+            frames.append(jpeg.getvalue())
+            (folder / f"{number + 1:05d}.jpg").write_bytes(jpeg.getvalue())
+    return folder, frames
+
+
+def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_folder):
+    """``--frames-fps 2`` (LLaVA-Hound's rate): a video given as its frames folder is stored as
+    one clip holding each frame's JPEG bytes as they are, in name order, one every half
+    second, counted; ``mimo-inspect sample`` shows the times Qwen2-VL's processor samples from
+    a clip of that rate and length. Without the flag the folder is missing_media naming it."""
+    import io
+
+    import av
+
+    from mimo_data.inspect.cli import main as inspect_main
+
+    folder, frames = frames_folder
+    path = tmp_path / "hound.jsonl"
+    path.write_text(json.dumps({"id": "hound", "video": str(folder), "conversations": [
+        {"from": "human", "value": "<video>\nWhat happens?"},
+        {"from": "gpt", "value": "A zoom."}]}) + "\n")
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "plain", "--no-progress")
+    assert code == 1 and "--frames-fps" in read_json(tmp_path / "plain" / "report.json")[
+        "skipped_by_reason"]["missing_media"]["first"][0]["detail"], err
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
+                            "--frames-fps", "2")
+    assert code == 0, err
+    assert read_json(tmp_path / "out" / "report.json")["counts"] == {
+        "videos_from_frame_folders": 1}
+    [(_, _, members)] = all_samples(tmp_path / "out")
+    [item] = json.loads(members["json"])["media"]
+    assert {k: item[k] for k in ("member", "codec", "frames", "fps", "duration", "path")} == {
+        "member": "vid0.mkv", "codec": "mjpeg", "frames": len(frames), "fps": 2.0,
+        "duration": len(frames) / 2, "path": str(folder)}
+    with av.open(io.BytesIO(members["vid0.mkv"])) as clip:
+        stream = clip.streams.video[0]
+        packets = [(bytes(p), float(p.pts * p.time_base)) for p in clip.demux(stream) if p.size]
+    assert packets == [(jpeg, n / 2) for n, jpeg in enumerate(frames)]   # the bytes, in time
+    config = preprocess_config_file(tmp_path / "video.yaml", video=VIDEO_CONFIG)
+    capsys.readouterr()
+    key = samples_table(tmp_path / "out")[0]["key"]
+    code = inspect_main(["sample", str(tmp_path / "out"), "--config", str(config),
+                         "--cache-dir", str(tmp_path / "cache"), "--key", key,
+                         "--color", "never"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    times = documented_times(len(frames), 2, VIDEO_CONFIG)
+    assert [line.split("frames at ")[1] for line in out.splitlines() if "frames at " in line] \
+        == [f"{' '.join(times)} s ({len(times)} sampled)"]
+
+
+@pytest.mark.parametrize("make, reason", [
+    (lambda folder, jpeg, png: None, "missing_media"),                     # no frame
+    (lambda folder, jpeg, png: (folder / "1.png").write_bytes(png), "unsupported_format"),
+    (lambda folder, jpeg, png: [(folder / "1.jpg").write_bytes(jpeg[0]),
+                                (folder / "2.jpg").write_bytes(jpeg[1])], "corrupt_video"),
+])
+def test_a_frames_folder_mimo_cannot_make_a_clip_of_is_refused(tmp_path, make, reason):
+    """No frame, frames that are not JPEG, frames of two sizes: counted by reason."""
+    import io
+
+    from PIL import Image
+
+    from mimo_data.modalities.base import MediaError
+    from mimo_data.modalities.video.frames import frames_clip
+
+    def encoded(size, fmt):
+        out = io.BytesIO()
+        Image.new("RGB", size, (200, 30, 30)).save(out, format=fmt)
+        return out.getvalue()
+    make(tmp_path, [encoded((32, 24), "JPEG"), encoded((24, 32), "JPEG")],
+         encoded((32, 24), "PNG"))
+    with pytest.raises(MediaError) as caught:
+        frames_clip(str(tmp_path), 2.0)
+    assert caught.value.reason == reason

@@ -74,6 +74,7 @@ class BuildOptions:
     check: str = "decode"
     progress: bool = True
     markers_first: bool = False   # place a modality's missing markers before the first user text
+    frames_fps: float | None = None   # read a video given as a folder of frames, this many a second
 
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
@@ -185,9 +186,10 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     no index, so nothing a reader takes for a dataset)."""
     if not inputs:
         raise BuildError("no inputs given")
-    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
-        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive, "
-                         "--workers at least 0")
+    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0 \
+            or (options.frames_fps is not None and not options.frames_fps > 0):
+        raise BuildError("--max-samples-per-shard, --max-shard-bytes and --frames-fps must be "
+                         "positive, --workers at least 0")
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
@@ -281,7 +283,8 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     tasks = task_stream.shuffled(sources, options.seed, set_total) if options.shuffle else \
         task_stream.stream(sources)
     policy = MediaPolicy(options.max_image_pixels, options.check,
-                         defer_files=options.workers > 0, markers_first=options.markers_first)
+                         defer_files=options.workers > 0, markers_first=options.markers_first,
+                         frames_fps=options.frames_fps)
     report = Tally("records_read", "samples_written", "records_skipped")
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                       options.max_shard_bytes, shard_done)

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="where a record's text has no marker of a modality it has items of, "
                    "put one per item before the first user text (<image>\\n each), as "
                    "InternVL's and ms-swift's trainers do (default: marker_mismatch)")
+    b.add_argument("--frames-fps", type=float,
+                   help="read a video given as a folder of JPEG frames (LLaVA-Hound's, "
+                   "TVQA's), the rate they were taken at (LLaVA-Hound: 2, TVQA: 3): stored as "
+                   "one clip of those frames (default: such a folder is missing_media)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     x = commands.add_parser(
@@ -176,7 +180,7 @@ def _run(args) -> int:
             overwrite=args.overwrite, media_root=args.media_root,
             input_format=args.input_format, instruction=args.instruction, columns=columns,
             check=args.check, progress=not args.no_progress,
-            markers_first=args.markers_first, **limits)
+            markers_first=args.markers_first, frames_fps=args.frames_fps, **limits)
         return _nothing_kept(args.command, build(args.inputs, args.output, options))
     elif args.command == "index":
         from mimo_data.shards.in_place import IndexOptions, index

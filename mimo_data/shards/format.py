@@ -126,6 +126,10 @@ MARKERS_PLACED_FIRST = "markers_placed_first"
 # (Energon's VQA ``answers``, a JSON list of captions): the one that trains was chosen
 TEXTS_CHOSEN = "texts_chosen_from_several"
 
+# the build report's count of videos given as folders of frames (``--frames-fps``), each
+# stored as one Motion-JPEG clip of them
+VIDEOS_FROM_FRAMES = "videos_from_frame_folders"
+
 # the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``
 # (``records.media_markers``), so that a user sees which convention was read
 VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.modalities.video.frames import frames_clip
+from mimo_data.shards.format import VIDEOS_FROM_FRAMES
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
                                       normalize_document, normalize_messages)
 from mimo_data.shards.sources import Task
@@ -69,6 +71,7 @@ class MediaPolicy:
     check: str                 # "decode" | "header"
     defer_files: bool = False  # return MediaFile for files: worker processes pipe no bytes
     markers_first: bool = False   # ``records.media_markers``: place missing markers first
+    frames_fps: float | None = None   # a video given as a folder of frames: shown so fast
 
 
 def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
@@ -102,10 +105,9 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
         raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
                           "to the input file's folder, or to --media-root)") from None
     except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
-        raise RecordError("missing_media", f"{full} is a folder, not a media file: mimo reads "
-                          "each item from one file; for a video's frames, encode them into "
-                          "one clip first at the rate they were taken (e.g. ffmpeg -framerate "
-                          "2 -pattern_type glob -i '*.jpg' clip.mp4)") from None
+        raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
+                          "frames are read with --frames-fps, the rate they were taken at "
+                          "(LLaVA-Hound's: 2, TVQA's: 3)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
 
@@ -126,6 +128,25 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
                           f"{tolerance:.2g} s). mimo does not cut segments: cut each segment "
                           "into a file of its own first; if the file is cut short, export "
                           "it again; if the 'duration' is wrong, fix it")
+
+
+def _frames_folder(ref, media_root: str) -> str | None:
+    """The folder a video's reference names (its frames), if it names one."""
+    if not isinstance(ref, str):
+        return None
+    full = ref if os.path.isabs(ref) else os.path.join(media_root, ref)
+    return full if os.path.isdir(full) else None
+
+
+def _clip_of(folder: str, fps: float) -> bytes:
+    """``frames_clip`` with its refusals as the report's."""
+    try:
+        return frames_clip(folder, fps)
+    except MediaError as exc:
+        raise RecordError(exc.reason, f"{folder}: {exc.detail}") from None
+    except OSError as exc:
+        raise RecordError("missing_media", f"cannot read the frames in {folder}: {exc}") \
+            from None
 
 
 def _where(modality: str, index: int, path: str | None) -> str:
@@ -154,7 +175,14 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         for modality in order:
             index = seen[modality]
             seen[modality] += 1
-            data, path, file = _read_media(refs[modality][index], source.media_root)
+            ref = refs[modality][index]
+            fps = policy.frames_fps if modality == "video" else None
+            folder = _frames_folder(ref, source.media_root) if fps is not None else None
+            if fps is not None and folder is not None:      # a video as its frames
+                data, path, file = _clip_of(folder, fps), ref, None
+                counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
+            else:
+                data, path, file = _read_media(ref, source.media_root)
             try:
                 meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
             except MediaError as exc:

@@ -2,6 +2,7 @@
 
 - ``config``: ``VideoConfig``, the ``modalities.video`` section;
 - ``decode``: PyAV (its wheel bundles FFmpeg): probing at build time, decoding sampled frames;
+- ``frames``: a video given as a folder of JPEG frames, made one clip of them at build time;
 - ``sampling``: the table of the video processors' rules by family (``SAMPLINGS``, keyed by
   ``modalities.video.sampling``): how many frames, which ones, at which size; the timestamps;
 - ``geometry``: the token grid and the M-RoPE time step of a clip from its metadata alone;
