@@ -230,6 +230,18 @@ def case_call_turn_flagged_unlike_its_answer(tmp_path, assets):
     return Case(record, "malformed_record", detail="flag them alike")
 
 
+def case_call_turn_with_reasoning_joining_its_answer(tmp_path, assets):
+    """A call turn's reasoning would be left out of the answer it joins."""
+    record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
+    record["messages"][1:] = [
+        {"role": "assistant", "content": "Checking."},
+        {"role": "tool_call", "content": json.dumps(WEATHER_CALL["function"]),
+         "reasoning_content": "I should call it."},
+        {"role": "tool_response", "content": "21"},
+        {"role": "assistant", "content": "It is 21 degrees."}]
+    return Case(record, "malformed_record", detail="give the text in that answer")
+
+
 def case_answer_with_a_loss_flag_not_a_boolean(tmp_path, assets):
     record = _parts_record({"type": "image", "image": str(assets["jpeg"])})
     record["messages"][1]["loss"] = "false"
@@ -618,7 +630,7 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
         + [{"role", "content", "weight"}] + [{"role", "content"}] * 2
 
 
-def test_markers_first_places_missing_markers_as_internvl_and_ms_swift_do(
+def test_markers_first_places_missing_markers_as_internvl_does(
         capsys, tmp_path, assets, corpus, corpus_videos):
     """Records whose text has no marker for their items (InternVL's single image, ms-swift's
     images and audio): without ``--markers-first`` each is a marker_mismatch whose detail

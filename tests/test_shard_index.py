@@ -313,7 +313,7 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
                        "--field-map", '{"image": "jpg,png", "caption": "json[caption]"}'],
                  standalone_mode=False)
     assert (folder / ".nv-meta" / "split.yaml").is_file()
-    with open(folder / ".nv-meta" / "dataset.yaml", "a") as dataset:   # read by no mimo code
+    with open(folder / ".nv-meta" / "dataset.yaml", "a") as dataset:   # not used by mimo
         dataset.write("subflavors: {source: coco}\n")
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
@@ -406,10 +406,13 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     with pytest.raises(IndexInputError, match="index each dataset folder it names"):
         index([str(metadataset)], str(tmp_path / "meta"), IndexOptions(workers=0,
                                                                        progress=False))
-    # its tars, or their folder, given instead of it: refused, never read past split.yaml
+    # its tars, or their folder, given instead of it, or a folder holding it: refused, never
+    # read past split.yaml
     for given in (tmp_path / "ds" / "shards", tmp_path / "ds" / "shards" / "shard_000001.tar"):
         with pytest.raises(IndexInputError, match=f"inside the Energon dataset {tmp_path}/ds"):
             index([str(given)], str(tmp_path / "tars"), IndexOptions(workers=0, progress=False))
+    with pytest.raises(IndexInputError, match=f"holds the Energon dataset {tmp_path}/ds"):
+        index([str(tmp_path)], str(tmp_path / "above"), IndexOptions(workers=0, progress=False))
 
 
 def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
@@ -640,6 +643,7 @@ def test_markers_first_places_a_conversations_missing_markers(tmp_path, corpus_p
     marker goes before the first user text, counted."""
     from mimo_data.shards.in_place import IndexOptions, index
     from mimo_data.shards.reader import ShardReader
+    from mimo_data.shards.tar_sources import IndexInputError
 
     name, data, _, _ = next(p for p in corpus_photos if p[0].endswith(".jpg"))
     (tmp_path / "tars").mkdir()
@@ -658,6 +662,12 @@ def test_markers_first_places_a_conversations_missing_markers(tmp_path, corpus_p
     record = ShardReader(str(tmp_path / "first")).record(0)
     assert record["messages"][0]["content"] == "<image>\nWhat is shown?"
     assert [item["member"] for item in record["media"]] == ["jpg"]
+    # caption pairs have no markers to place: the flag is refused, never silently unused
+    with webdataset.ShardWriter(str(tmp_path / "tars" / "pairs-%06d.tar"), verbose=0) as writer:
+        writer.write({"__key__": "p0", "jpg": data, "txt": "A photo."})
+    with pytest.raises(IndexInputError, match="the layout is pairs"):
+        index([str(tmp_path / "tars" / "pairs-000000.tar")], str(tmp_path / "pairs"),
+              IndexOptions(workers=0, progress=False, markers_first=True))
 
 
 def test_a_pair_without_its_medium_says_what_to_do():
@@ -759,6 +769,13 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
     made = synthesize({"flac": b"", "json": b'{"text": ["A man reads.", "Speech."]}'},
                       MemberMap("pairs", text="json[text]"))
     assert made.fields["text"] == "A man reads."
+    assert made.counts == {"texts_chosen_from_several": 1}
+    # a field map naming JSON members whole (Energon decodes them): a list, not its text
+    made = synthesize({"jpg": b"", "question.txt": b"What is it?",
+                       "answers.json": b'["Bricks.", "A wall."]', "weights.json": b"[1, 2]"},
+                      MemberMap("vqa", media="jpg", question="question.txt",
+                                text="answers.json", weights="weights.json"))
+    assert made.fields["messages"][1] == {"role": "assistant", "content": "A wall."}
     assert made.counts == {"texts_chosen_from_several": 1}
 
 

@@ -116,21 +116,22 @@ def test_a_parquet_tools_column_is_the_conversations_tools(tmp_path, column):
 
 def test_a_parquet_objects_column_of_grounding_is_refused(tmp_path):
     """ms-swift's grounding ``objects`` in a table (a struct column, the rows without boxes
-    holding empty lists or null): a row with objects is a counted malformed_record (mimo
-    would train the placeholders they stand for as text), the others are kept."""
+    holding empty lists or null): a row with objects for its ``<ref-object>`` / ``<bbox>``
+    placeholders is a counted malformed_record (mimo would train them as text); the others,
+    and objects no placeholder names (a detection set's labels), are kept."""
     objects = pa.array([{"ref": ["a dog"], "bbox": [[331.5, 761.4, 853.5, 1594.8]]},
-                        {"ref": [], "bbox": []}, None],
+                        {"ref": [], "bbox": []}, None,
+                        {"ref": ["a dog"], "bbox": [[1.0, 2.0, 3.0, 4.0]]}],
                        pa.struct([("ref", pa.list_(pa.string())),
                                   ("bbox", pa.list_(pa.list_(pa.float64())))]))
-    table = pa.table({"id": ["grounded", "empty", "null"], "objects": objects,
-                      "messages": [json.dumps(chat("Find it.", "<ref-object><bbox>")),
-                                   json.dumps(chat("Hi?", "Hello.")),
-                                   json.dumps(chat("Hi?", "Hello."))]})
+    table = pa.table({"id": ["grounded", "empty", "null", "labels"], "objects": objects,
+                      "messages": [json.dumps(chat("Find it.", "<ref-object><bbox>"))]
+                      + [json.dumps(chat("Hi?", "Hello."))] * 3})
     path = tmp_path / "grounding.parquet"
     pq.write_table(table, path)
     build_dataset([path], tmp_path / "out")
     report = read_json(tmp_path / "out" / "report.json")
-    assert report["samples_written"] == 2
+    assert report["samples_written"] == 3
     [first] = report["skipped_by_reason"]["malformed_record"]["first"]
     assert first["location"] == f"{path}#0" and "grounding 'objects'" in first["detail"]
 
@@ -200,6 +201,12 @@ def test_parquet_column_flags(capsys, tmp_path, assets):
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "missing", "--no-progress",
                             "--messages-column", "no_such_column")
     assert code == 2 and "no_such_column" in err
+    # a column flag with no table among the inputs: refused, never silently unused
+    lines = write_jsonl(tmp_path / "records.jsonl", [{"uid": "r0", "conversations": chat(
+        "Hi?", "Hello.")}])
+    code, _, err = cli_main(capsys, "build", lines, "-o", tmp_path / "jsonl", "--no-progress",
+                            "--id-column", "uid")
+    assert code == 2 and "no input is one" in err, err
 
 
 def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets):

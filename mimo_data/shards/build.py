@@ -43,7 +43,7 @@ from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OU
                                     USING_TOOLS, answers_out_of_loss, sample_key,
                                     summary_column, uses_tools)
 from mimo_data.shards.writer import ShardSet
-from mimo_data.shards.sources import SpeechManifest, open_source
+from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
 from mimo_data.shards import task_stream
 from mimo_data.shards.bounded import ordered_imap
 
@@ -193,11 +193,15 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
+    # never a flag silently unused
     if options.instruction != BuildOptions.instruction and not any(
             isinstance(source, SpeechManifest) for source in sources):
         raise BuildError("--instruction is the user turn of speech manifests' records, and no "
                          "input is one: a table's transcripts (--caption-column) train with "
                          "the preprocessing config's captions prompt")
+    if options.columns and not any(isinstance(source, ParquetTable) for source in sources):
+        raise BuildError("the --*-column flags name a Parquet table's columns, and no input "
+                         "is one")
     if storage.is_remote(output):
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
@@ -297,10 +301,11 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             result.id is not None else None
         if isinstance(result, Prepared) and taken is not None:
             result = Rejected("duplicate_id", result.location,
-                              f"id {result.id!r} was already taken by {taken} (where the "
-                              "ids name what the records share, a sentence read by several "
-                              "speakers say, give a column that names each record with "
-                              "--id-column)")
+                              f"id {result.id!r} was already taken by {taken}" + (
+                                  " (where a table's ids name what its rows share, a "
+                                  "sentence read by several speakers say, give a column "
+                                  "that names each row with --id-column)"
+                                  if "row" in result.source else ""))
         if isinstance(result, Prepared):
             try:
                 payloads = result.media_bytes()

@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--markers-first", action="store_true",
                    help="where a record's text has no marker of a modality it has items of, "
                    "put one per item before the first user text (<image>\\n each), as "
-                   "InternVL's and ms-swift's trainers do (default: marker_mismatch)")
+                   "InternVL's trainer does (default: marker_mismatch)")
     b.add_argument("--frames-fps", type=float,
                    help="read a video given as a folder of JPEG frames (LLaVA-Hound's, "
                    "TVQA's), the rate they were taken at (LLaVA-Hound: 2, TVQA: 3): stored as "

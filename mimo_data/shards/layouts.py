@@ -69,7 +69,8 @@ class MemberMap:
                     f"(metadata KEY.{self.json} if present)")
         if self.layout == "vqa":
             return (f"question-answer: KEY.{self.media or '<image>'}, question KEY."
-                    f"{self.question}, answer KEY.{self.text}")
+                    f"{self.question}, answer KEY.{self.text}"
+                    + (f" (weighed by KEY.{self.weights})" if self.weights else ""))
         if self.layout == "documents":
             return (f"interleaved documents: KEY.{self.json} with texts + images lists, images "
                     "KEY.[N.]jpg/png ...")
@@ -84,7 +85,8 @@ class Synthesized:
     fields: dict[str, Any]
     media: list[tuple[str, str]]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # what the record holds that the index report counts (``records.media_markers``')
+    # what the record holds that the index report counts (``records.media_markers``',
+    # ``_chosen``'s)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -104,9 +106,10 @@ def _json(members: dict[str, bytes], name: str) -> Any:
 
 def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | None:
     """The member ``spec`` names (``txt``, ``json[caption]``, ``jpg,png``) as ``(member, value:
-    bytes, or the JSON value read)``: the first alternative present (a JSON member without the
-    field read is not: the next is tried, as Energon's ``field_map`` does); None when none is,
-    a RecordError naming the field when only JSON members without it were."""
+    bytes, or the JSON value read: a JSON member's, ``answers.json`` say, is read whole as
+    Energon decodes it)``: the first alternative present (a JSON member without the field read
+    is not: the next is tried, as Energon's ``field_map`` does); None when none is, a
+    RecordError naming the field when only JSON members without it were."""
     missing = None
     for option in spec.split(","):
         match = _ACCESS.match(option.strip())
@@ -116,7 +119,8 @@ def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | 
         if member not in members:
             continue
         if not path:
-            return member, members[member]
+            return member, (_json(members, member) if member.rpartition(".")[2] == "json"
+                            else members[member])
         value = _json(members, member)
         try:
             for step in path:
@@ -151,7 +155,7 @@ def _chosen(found: tuple[str, Any], weights: tuple[str, Any] | None, what: str
         return ((member, value[0]) if isinstance(value, list) and value else found), {}
     index = 0
     if weights is not None:
-        given = _json_text(weights[1]) if isinstance(weights[1], bytes) else weights[1]
+        given = weights[1]
         if not (isinstance(given, list) and len(given) == len(value) and all(
                 isinstance(w, int | float) and not isinstance(w, bool) for w in given)):
             raise RecordError("malformed_record", f"{what}'s weights (KEY.{weights[0]}) are "
@@ -159,13 +163,6 @@ def _chosen(found: tuple[str, Any], weights: tuple[str, Any] | None, what: str
                               f"{len(value)} texts")
         index = max(range(len(given)), key=given.__getitem__)
     return (member, value[index]), {TEXTS_CHOSEN: 1}
-
-
-def _json_text(data: bytes) -> Any:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return data
 
 
 def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | None:

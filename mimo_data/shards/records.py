@@ -167,6 +167,10 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
 def _join_calls(answer: dict, call: dict, i: int) -> None:
     """A call turn ``i`` after an answer (its text, or another call turn) joins it: one
     answer, as ms-swift joins them and chat templates write an answer's text and calls."""
+    if call["content"]:                 # its reasoning_content, which would be left out
+        raise RecordError("malformed_record", f"turn {i} is a call with text of its own (its "
+                          "reasoning) that joins the answer before it: give the text in "
+                          "that answer")
     if ("weight" in answer) != ("weight" in call):
         raise RecordError("malformed_record", f"turn {i} is a call that joins the answer "
                           "before it, but one of them is in the loss and the other is not: "
@@ -174,12 +178,22 @@ def _join_calls(answer: dict, call: dict, i: int) -> None:
     answer["tool_calls"] = [*answer.get("tool_calls", ()), *call["tool_calls"]]
 
 
-def no_grounding_objects(objects) -> None:
-    """Refuse ms-swift's grounding ``objects`` (``ref`` and ``bbox`` lists that its
-    ``<ref-object>`` and ``<bbox>`` placeholders stand for): ms-swift writes them per model at
-    training (Qwen2-VL's 0-1000 scale, Qwen2.5-VL's pixels of the resized image), and mimo
-    writes no model's grounding text, so the record would train the placeholders as text."""
-    if _given(objects):
+# ms-swift's grounding placeholders, which it fills from a record's ``objects``
+GROUNDING_PLACEHOLDERS = ("<ref-object>", "<bbox>")
+
+
+def no_grounding_objects(objects, turns) -> None:
+    """Refuse ms-swift's grounding: ``objects`` (``ref`` and ``bbox`` lists) for the
+    ``<ref-object>`` and ``<bbox>`` placeholders in the ``turns``, which ms-swift fills per
+    model at training (Qwen2-VL's 0-1000 scale, Qwen2.5-VL's pixels of the resized image):
+    mimo writes no model's grounding text, so the record would train the placeholders as
+    text. ``objects`` without a placeholder (a detection set's labels) are left as any other
+    field."""
+    try:
+        text = turns if isinstance(turns, str) else json.dumps(turns, default=str)
+    except (TypeError, ValueError):                  # read as its conversation, later
+        return
+    if _given(objects) and any(mark in text for mark in GROUNDING_PLACEHOLDERS):
         raise RecordError("malformed_record", "the record has ms-swift's grounding 'objects', "
                           "for <ref-object>/<bbox> placeholders mimo does not fill: write the "
                           "model's own grounding text into the content instead (Qwen2-VL: "
@@ -349,8 +363,9 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
     (``VIDEOS_MARKED_AS_IMAGES``, ``MARKERS_PLACED_FIRST``; where not 0).
 
     ``markers_first``: a modality with items and no marker anywhere gets one for each item
-    before the first user text (``<image>\n`` each, in ``messages``), as InternVL's and
-    ms-swift's trainers place them; with some markers but too few it is still refused.
+    before the first user text (``<image>\n`` each, in ``messages``), as InternVL's trainer
+    places them (ms-swift's too, without the newlines, and it also fills in markers where only
+    some are missing); with some markers but too few it is still refused.
 
     LLaVA-NeXT's video data (LLaVA-Video-178K, LLaVA-OneVision's videos) marks each video
     with ``<image>``, which its trainer reads as the video's frames. Where a record has

@@ -235,7 +235,7 @@ class ConversationFile:
                               "'conversations' (role/content or from/value turns), a 'caption' "
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
-        no_grounding_objects(record.get("objects"))
+        no_grounding_objects(record.get("objects"), turns)
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns),
@@ -319,8 +319,9 @@ class ParquetTable:
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
             transcript = next((c for c in TRANSCRIPT_COLUMNS if c in names), None)
-            hint = (f" (a transcript and its audio, as {transcript!r} looks: --caption-column "
-                    f"{transcript}, trained as the preprocessing config's captions say)"
+            hint = (f" ({transcript!r} looks like captions or a speech table's transcripts: "
+                    f"--caption-column {transcript} reads each row as a caption pair of its "
+                    "medium, trained as the preprocessing config's captions say)"
                     if transcript else "")
             raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
                               f"(conversations), 'texts' (documents) or 'caption' (caption "
@@ -360,9 +361,11 @@ class ParquetTable:
         if self.kind == "caption":
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
                              text=record[column["caption"]])
-        if column["objects"]:       # a table's JSON text or struct (its nulls: none given)
-            no_grounding_objects(_without_nulls(record.get(column["objects"])))
         turns = record[column["conversation"]]
+        if column["objects"]:       # a table's JSON text or struct (its nulls: none given)
+            no_grounding_objects(_without_nulls(record.get(column["objects"])),
+                                 turns.decode("utf-8", "replace") if isinstance(turns, bytes)
+                                 else turns)
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
         tools = record.get(column["tools"]) if column["tools"] else None

@@ -106,7 +106,19 @@ def _root_of(paths: list[str]) -> str:
 def resolve(sources: list[str], options: IndexOptions,
             storage_options: dict | None = None) -> Source:
     """The tars ``sources`` name (a folder, an Energon dataset folder, tar paths, globs or
-    brace patterns, local or URLs) and their member map (the layout given or detected)."""
+    brace patterns, local or URLs) and their member map (the layout given or detected);
+    ``--markers-first`` for a layout without markers to place is refused (never a flag
+    silently unused)."""
+    source = _resolve(sources, options, storage_options)
+    if options.markers_first and source.mapping.layout != "conversation":
+        raise IndexInputError(f"--markers-first places a conversation's markers, and the "
+                              f"layout is {source.mapping.layout}: leave it out")
+    return source
+
+
+def _resolve(sources: list[str], options: IndexOptions,
+             storage_options: dict | None) -> Source:
+    """``resolve``'s tars and member map."""
     if len(sources) == 1 and _is_dir(sources[0], storage_options):
         root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
             os.path.abspath(storage.local_path(sources[0]))
@@ -144,6 +156,11 @@ def resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
         files = _list_files(root, storage_options)
+        below = _energon_below(root, files)
+        if below:
+            raise IndexInputError(f"{root} holds the Energon dataset {below}: give that "
+                                  "folder, whose split.yaml's train split (and its excludes) "
+                                  "mimo reads, or a folder of other tars")
         paths = [p for p in files if p.lower().endswith(".tar")]     # 00001.TAR too
         # never a folder's data left out without a word: compressed tars beside plain ones
         compressed = [p for p in files if p.lower().endswith(COMPRESSED_TARS)]
@@ -151,6 +168,7 @@ def resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: " + (
                 f"{len(compressed)} compressed tar(s) beside the {len(paths)} plain one(s)"
                 if paths else "no *.tar files under it") + (
+                f" (e.g. {compressed[0]}: {NOT_IN_PLACE})" if paths else
                 f" ({len(compressed)} compressed, e.g. {compressed[0]}: {NOT_IN_PLACE})"
                 if compressed else ""))
     else:
@@ -191,8 +209,23 @@ def resolve(sources: list[str], options: IndexOptions,
     return Source(root, names, _member_map(root, names[0], options, storage_options))
 
 
+
 # how many folders above the given tars are searched for an Energon dataset's .nv-meta
 ENERGON_DEPTH = 3
+
+
+def _energon_below(root: str, files: list[str]) -> str | None:
+    """An Energon dataset folder under ``root`` (whose ``files`` are listed), if any: its
+    split.yaml, not a folder's listing, decides its tars."""
+    if storage.is_remote(root):
+        marker = f"/{energon.META}/{energon.DATASET_YAML}"
+        return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
+    for folder, folders, _ in os.walk(storage.local_path(root)):
+        if energon.META in folders and os.path.isfile(
+                os.path.join(folder, energon.META, energon.DATASET_YAML)):
+            return folder
+        folders[:] = [name for name in folders if not name.startswith(".")]
+    return None
 
 
 def _energon_above(root: str, storage_options: dict | None) -> str | None:
