@@ -277,8 +277,10 @@ class SpeechManifest:
                          audio_duration=duration)
 
 
-# transcript columns of the hub's speech tables: LibriSpeech's, Common Voice's, FLEURS'
-TRANSCRIPT_COLUMNS = ("text", "sentence", "transcription", "transcript", "raw_transcription")
+# transcript columns of the hub's speech tables: LibriSpeech's, Common Voice's, FLEURS',
+# VoxPopuli's
+TRANSCRIPT_COLUMNS = ("text", "sentence", "transcription", "transcript", "normalized_text",
+                      "raw_transcription")
 
 
 class ParquetTable:
