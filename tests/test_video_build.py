@@ -22,7 +22,7 @@ import pytest
 
 from conftest import (VideoClip, all_samples, cli_main, flip_byte, preprocess_config_file,
                       read_json, rewrite_samples_parquet, run_cli, samples_table,
-                      scratch)
+                      scratch, write_jsonl)
 
 MEDIA = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 # The video item fields the probe must report as the catalog has them.
@@ -378,7 +378,9 @@ def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_fo
     """``--frames-fps 2`` (LLaVA-Hound's rate): a video given as its frames folder is stored as
     one clip holding each frame's JPEG bytes as they are, in name order, one every half
     second, counted; ``mimo-inspect sample`` shows the times Qwen2-VL's processor samples from
-    a clip of that rate and length. Without the flag the folder is missing_media naming it."""
+    a clip of that rate and length. A folder given as ``{path}`` (a table's video column) is
+    one too; the same frames make the same bytes. Without the flag the folder is
+    missing_media naming it; a rate out of range is refused."""
     import io
 
     import av
@@ -386,19 +388,28 @@ def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_fo
     from mimo_data.inspect.cli import main as inspect_main
 
     folder, frames = frames_folder
-    path = tmp_path / "hound.jsonl"
-    path.write_text(json.dumps({"id": "hound", "video": str(folder), "conversations": [
-        {"from": "human", "value": "<video>\nWhat happens?"},
-        {"from": "gpt", "value": "A zoom."}]}) + "\n")
+    from mimo_data.modalities.video.frames import frames_clip
+
+    turns = [{"from": "human", "value": "<video>\nWhat happens?"},
+             {"from": "gpt", "value": "A zoom."}]
+    path = write_jsonl(tmp_path / "hound.jsonl", [
+        {"id": "hound", "video": str(folder), "conversations": turns},
+        {"id": "struct", "video": {"bytes": None, "path": str(folder)},
+         "conversations": turns}])
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "plain", "--no-progress")
     assert code == 1 and "--frames-fps" in read_json(tmp_path / "plain" / "report.json")[
         "skipped_by_reason"]["missing_media"]["first"][0]["detail"], err
+    for rate in ("0.001", "inf", "nan"):
+        code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "rate", "--no-progress",
+                                "--frames-fps", rate)
+        assert code == 2 and "frames are taken" in err, err
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
                             "--frames-fps", "2")
     assert code == 0, err
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
-        "videos_from_frame_folders": 1}
-    [(_, _, members)] = all_samples(tmp_path / "out")
+        "videos_from_frame_folders": 2}
+    (_, _, members), (_, _, other) = all_samples(tmp_path / "out")
+    assert members["vid0.mkv"] == other["vid0.mkv"] == frames_clip(str(folder), 2.0)
     [item] = json.loads(members["json"])["media"]
     assert {k: item[k] for k in ("member", "codec", "frames", "fps", "duration", "path")} == {
         "member": "vid0.mkv", "codec": "mjpeg", "frames": len(frames), "fps": 2.0,
@@ -479,3 +490,24 @@ def test_a_frames_clip_gives_qwen2_vl_what_its_processor_makes_of_the_frames(fra
     gap = (pixels - reference["pixel_values_videos"]).abs()
     # normalized (a 0-255 step is ~0.015): 0.014 on average, 0.43 at most here (chroma edges)
     assert gap.mean() < 0.03 and gap.max() < 0.6, (gap.mean(), gap.max())
+
+
+def test_frames_are_in_the_order_of_their_numbers(tmp_path):
+    """``1.jpg`` ... ``12.jpg`` (names not zero-padded): the clip's frames in the order of
+    their numbers, not of their names as strings (1, 10, 11, 12, 2, ...)."""
+    import io
+
+    import av
+    from PIL import Image
+
+    from mimo_data.modalities.video.frames import frames_clip
+
+    frames = {}
+    for number in range(1, 13):
+        jpeg = io.BytesIO()
+        Image.new("RGB", (32, 24), (number * 20, 0, 0)).save(jpeg, format="JPEG")
+        frames[number] = jpeg.getvalue()
+        (tmp_path / f"{number}.jpg").write_bytes(frames[number])
+    with av.open(io.BytesIO(frames_clip(str(tmp_path), 3.0))) as clip:
+        stored = [bytes(p) for p in clip.demux(clip.streams.video[0]) if p.size]
+    assert stored == [frames[number] for number in range(1, 13)]

@@ -43,6 +43,7 @@ from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OU
                                     USING_TOOLS, answers_out_of_loss, sample_key,
                                     summary_column, uses_tools)
 from mimo_data.shards.writer import ShardSet
+from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
 from mimo_data.shards import task_stream
 from mimo_data.shards.bounded import ordered_imap
@@ -186,10 +187,12 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     no index, so nothing a reader takes for a dataset)."""
     if not inputs:
         raise BuildError("no inputs given")
-    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0 \
-            or (options.frames_fps is not None and not options.frames_fps > 0):
-        raise BuildError("--max-samples-per-shard, --max-shard-bytes and --frames-fps must be "
-                         "positive, --workers at least 0")
+    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
+        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive, "
+                         "--workers at least 0")
+    if options.frames_fps is not None and not MIN_FPS <= options.frames_fps <= MAX_FPS:
+        raise BuildError(f"--frames-fps {options.frames_fps:g}: frames are taken {MIN_FPS:g} "
+                         f"to {MAX_FPS:g} a second")
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]

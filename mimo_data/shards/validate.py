@@ -131,8 +131,11 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
 
 
 def _frames_folder(ref, media_root: str) -> str | None:
-    """The folder a video's reference names (its frames), if it names one."""
-    if not isinstance(ref, str):
+    """The folder a video's reference (a path, or ``{bytes: null, path}`` as a table's video
+    column holds one) names (its frames), if it names one."""
+    if isinstance(ref, dict) and not ref.get("bytes"):
+        ref = ref.get("path")
+    if not isinstance(ref, str) or not ref:
         return None
     full = ref if os.path.isabs(ref) else os.path.join(media_root, ref)
     return full if os.path.isdir(full) else None
@@ -179,7 +182,8 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             fps = policy.frames_fps if modality == "video" else None
             folder = _frames_folder(ref, source.media_root) if fps is not None else None
             if fps is not None and folder is not None:      # a video as its frames
-                data, path, file = _clip_of(folder, fps), ref, None
+                data, path, file = _clip_of(folder, fps), \
+                    ref.get("path") if isinstance(ref, dict) else ref, None
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
             else:
                 data, path, file = _read_media(ref, source.media_root)

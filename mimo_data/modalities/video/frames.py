@@ -1,47 +1,62 @@
 """A video given as a folder of its frames, made one clip.
 
 LLaVA-Hound's videos (ShareGPTVideo, in LLaVA-Video-178K too) and TVQA's come as folders of
-JPEG frames taken at a known rate (2 and 3 a second), which LLaVA-NeXT's trainer reads by
-name order. The build stores them as one Motion-JPEG clip in Matroska: each frame's JPEG
-bytes as they are, one a ``1 / fps`` of a second, so the clip decodes to the same pixels and
-the rest of the pipeline (probe, sampling by time, tokens) reads it as any clip. PyAV muxes
-the frames as packets; nothing is encoded again.
+JPEG frames taken at a known rate (2 and 3 a second), which LLaVA-NeXT's trainer reads in name
+order. The build stores them as one Motion-JPEG clip in Matroska: each frame's JPEG bytes as
+they are, one a ``1 / fps`` of a second, so the clip decodes to the same pixels and the rest
+of the pipeline (probe, sampling by time, tokens) reads it as any clip. PyAV muxes the frames
+as packets; nothing is encoded again.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from fractions import Fraction
 
 import av
 from PIL import Image
 
 from mimo_data.modalities.base import MediaError
+from mimo_data.modalities.video.config import MAX_VIDEO_SECONDS
 
-# a folder's frames: the JPEG files in it, by name (as LLaVA-NeXT sorts them)
+# a folder's frames: the JPEG files in it
 FRAME_EXTENSIONS = (".jpg", ".jpeg")
+# the rates a clip of frames may have: its time base is 1/fps, kept to a denominator FFmpeg's
+# Matroska muxer keeps (29.97 is 30000/1001)
+MIN_FPS, MAX_FPS = 0.01, 1000.0
+_NUMBER = re.compile(r"(\d+)")
+
+
+def frame_order(name: str) -> list:
+    """The sort key of a frame's file name: its numbers by value (``2.jpg`` before
+    ``10.jpg``); zero-padded names (LLaVA-Hound's) sort as LLaVA-NeXT's plain sort does."""
+    return [int(part) if part.isdigit() else part for part in _NUMBER.split(name)]
 
 
 def frames_clip(folder: str, fps: float) -> bytes:
-    """The Matroska clip of ``folder``'s JPEG frames shown ``fps`` a second (MediaError,
-    with its report reason, for a folder without frames, frames of other formats or sizes)."""
-    names = sorted(name for name in os.listdir(folder)
-                   if os.path.isfile(os.path.join(folder, name)) and not name.startswith("."))
+    """The Matroska clip of ``folder``'s JPEG frames shown ``fps`` a second, the same bytes
+    for the same frames (MediaError, with its report reason, for a folder without frames,
+    frames of other formats or sizes, or longer than ``MAX_VIDEO_SECONDS``)."""
+    if not MIN_FPS <= fps <= MAX_FPS:
+        raise ValueError(f"a frames folder's rate is {MIN_FPS} to {MAX_FPS} a second, not {fps}")
+    names = sorted((name for name in os.listdir(folder)
+                    if os.path.isfile(os.path.join(folder, name)) and not name.startswith(".")),
+                   key=frame_order)
     others = [name for name in names if not name.lower().endswith(FRAME_EXTENSIONS)]
     if others:
         raise MediaError("unsupported_format", f"the frames folder holds {others[:3]}, not "
                          "JPEG frames: give a folder of .jpg frames, or encode the clip first")
     if not names:
         raise MediaError("missing_media", "the frames folder holds no frame")
-    frames = []
-    for name in names:
-        with open(os.path.join(folder, name), "rb") as frame:
-            frames.append(frame.read())
+    if len(names) / fps > MAX_VIDEO_SECONDS:
+        raise MediaError("video_too_long", f"{len(names)} frames at {fps:g} a second are "
+                         f"longer than {MAX_VIDEO_SECONDS:.0f} s")
     sizes = set()
-    for name, data in zip(names, frames):
+    for name in names:                  # headers first: no frame muxed before all are read
         try:
-            with Image.open(io.BytesIO(data)) as image:
+            with Image.open(os.path.join(folder, name)) as image:
                 if image.format != "JPEG":
                     raise MediaError("unsupported_format", f"frame {name} is "
                                      f"{image.format}, not JPEG")
@@ -54,12 +69,15 @@ def frames_clip(folder: str, fps: float) -> bytes:
     (width, height), = sizes
     rate = Fraction(fps).limit_denominator(1001)
     out = io.BytesIO()
-    with av.open(out, "w", format="matroska") as container:
+    # bitexact: no random segment id nor library version in the file, so that the same frames
+    # give the same clip (the build's byte-identical shards)
+    with av.open(out, "w", format="matroska", options={"fflags": "+bitexact"}) as container:
         stream = container.add_stream("mjpeg", rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuvj420p"
         stream.time_base = 1 / rate
-        for number, data in enumerate(frames):
-            packet = av.Packet(data)
+        for number, name in enumerate(names):
+            with open(os.path.join(folder, name), "rb") as frame:
+                packet = av.Packet(frame.read())
             packet.stream, packet.time_base = stream, 1 / rate
             packet.pts = packet.dts = number
             packet.duration, packet.is_keyframe = 1, True
