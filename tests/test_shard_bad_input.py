@@ -622,6 +622,8 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
         "answers_out_of_the_loss": 3}
     assert "1 samples written; 3 answers out of the loss" in err, err
+    code, out, err = cli_main(capsys, "info", tmp_path / "out")   # and info, later
+    assert code == 0 and "holds     3 answers out of the loss" in out, out + err
     [record] = sample_records(tmp_path / "out")
     assert [m.get("weight") for m in record["messages"]] == \
         [None, 0, None, 0] + [None] * 5 + [0] + [None] * 2

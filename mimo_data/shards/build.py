@@ -350,7 +350,9 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, REPORT_FILE)},
-        "report": {"records_read": report.seen, "records_skipped": report.skipped_total},
+        "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
+                   **({"counts": dict(sorted(report.counts.items()))} if report.counts
+                      else {})},
         "build": {"inputs": list(inputs),
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},

@@ -365,7 +365,9 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
-        "report": {"records_read": report.seen, "records_skipped": report.skipped_total},
+        "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
+                   **({"counts": dict(sorted(report.counts.items()))} if report.counts
+                      else {})},
         "build": {"command": "index", "inputs": [source.root],
                   "members": asdict(source.mapping), **options_used},
     }

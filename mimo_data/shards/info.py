@@ -74,6 +74,9 @@ def format_info(info: dict) -> str:
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
         f"build     {report['records_read']} records read, {report['records_skipped']} skipped",
     ]
+    if report.get("counts"):        # what the samples hold that the build read (format.py)
+        lines.append("holds     " + ", ".join(f"{number} {name.replace('_', ' ')}"
+                                              for name, number in report["counts"].items()))
     for name, counts in mods.items():
         if name == "text_only":
             lines.append(f"text-only {counts['samples']} samples")
