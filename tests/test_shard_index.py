@@ -600,6 +600,7 @@ def test_a_conversation_member_listing_tools_keeps_them():
     as at build (``records.normalize_messages``): never trained without the tools its
     template writes."""
     from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
     tools = [{"type": "function", "function": {"name": "get_weather"}}]
     conversation = {"conversations": chat("Weather?", "Sunny."), "tools": tools,
                     "system": "Use tools."}
@@ -610,6 +611,11 @@ def test_a_conversation_member_listing_tools_keeps_them():
     conversation["tools"] = []
     assert synthesize({"json": json.dumps(conversation).encode()},
                       MemberMap("conversation")).fields["messages"][1]["content"] == "Sunny."
+    # ms-swift's grounding objects for placeholders: refused here as at build
+    grounded = {"conversations": chat("Find it.", "<ref-object><bbox>"),
+                "objects": {"ref": ["a dog"], "bbox": [[1, 2, 3, 4]]}}
+    with pytest.raises(RecordError, match="grounding 'objects'"):
+        synthesize({"json": json.dumps(grounded).encode()}, MemberMap("conversation"))
 
 
 def test_a_video_marked_as_llava_next_marks_it_is_read_as_a_video(tmp_path, corpus_videos):

@@ -38,10 +38,9 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, OUT_OF_LOSS,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    USING_TOOLS, answers_out_of_loss, sample_key,
-                                    summary_column, uses_tools)
+from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key,
+                                    summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
@@ -333,8 +332,6 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         table.add(key, shard, result, member_records)
         records.add(members["json"])
         report.keep()
-        report.count(OUT_OF_LOSS, answers_out_of_loss(result.messages))
-        report.count(USING_TOOLS, uses_tools(result.messages))
         for name, number in result.counts.items():
             report.count(name, number)
     progress.close()

@@ -47,19 +47,14 @@ def sample_type(dataset: dict) -> str:
     return name.replace("Webdataset", "Sample")
 
 
-def unread(root: str, storage_options: dict | None = None) -> list[str]:
-    """The keys of the dataset's ``dataset.yaml`` that mean something to Energon's task
-    encoders and nothing to mimo (``subflavors``: which prompt or task a sample is for),
-    where it has them, so that a user is told."""
-    dataset = _yaml(root, DATASET_YAML, storage_options)
-    return [key for key in ("subflavors", "subflavor") if dataset.get(key)]
-
-
-def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
+def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMap, list[str]]:
     """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
     are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
-    conversation. Other sample types and ``sample_loader`` code are refused (SourceError)."""
+    conversation. Other sample types and ``sample_loader`` code are refused (SourceError).
+    And the ``dataset.yaml`` keys that mean something to Energon's task encoders and nothing
+    to mimo (``subflavors``: which prompt or task a sample is for), so that a user is told."""
     dataset = _yaml(root, DATASET_YAML, storage_options)
+    unread = [key for key in ("subflavors", "subflavor") if dataset.get(key)]
     where = storage.join(root, META, DATASET_YAML)
     kind = sample_type(dataset)
     fields = dataset.get("field_map")
@@ -69,10 +64,10 @@ def member_map(root: str, storage_options: dict | None = None) -> MemberMap:
                if kind == "CrudeSample" else "nothing says which member is which")
         raise SourceError(f"{where}: no field_map ({why}); {OTHERWISE}")
     if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
-        return MemberMap("pairs", media=fields["image"], text=fields["caption"])
+        return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
-                         text=fields["answers"], weights=fields.get("answer_weights", ""))
+                         text=fields["answers"], weights=fields.get("answer_weights", "")), unread
     raise SourceError(f"{where}: sample type {kind or '?'} with fields {sorted(fields)}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
                       f"answers); {OTHERWISE}")

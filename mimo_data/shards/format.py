@@ -135,6 +135,14 @@ VIDEOS_FROM_FRAMES = "videos_from_frame_folders"
 VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"
 
 
+def conversation_counts(messages: Sequence[Mapping[str, Any]]) -> dict[str, int]:
+    """The reports' counts a conversation adds (``OUT_OF_LOSS``, ``USING_TOOLS``; where not
+    0)."""
+    return {name: int(number) for name, number in ((OUT_OF_LOSS, answers_out_of_loss(messages)),
+                                                   (USING_TOOLS, uses_tools(messages)))
+            if number}
+
+
 def in_loss(message: Mapping[str, Any]) -> bool:
     """Whether a shard message (``Message``, or one made like it) is one the loss covers: an
     answer without ``"weight": 0`` (preprocessing refuses a record whose weight is anything

@@ -37,10 +37,9 @@ from tqdm import tqdm
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, OUT_OF_LOSS,
-                                    RECORDS_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    STAGING_DIR, USING_TOOLS, answers_out_of_loss,
-                                    summary_column, uses_tools)
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
+                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
+                                    summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -66,8 +65,7 @@ class ShardResult:
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
     seconds: float = 0.0
-    # what the rows hold that the report counts (answers weighted 0, conversations using
-    # tools, Synthesized.counts), by the report's name
+    # what the rows hold that the report counts (``Synthesized.counts``), by the report's name
     counts: Counter[str] = field(default_factory=Counter)
 
 
@@ -116,8 +114,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
         row.update((summary_column(name, f), [item[f] for item in items])
                    for f in kind.summary_fields)
     result.rows.append(row)
-    result.counts.update({OUT_OF_LOSS: answers_out_of_loss(messages),
-                          USING_TOOLS: uses_tools(messages), **made.counts})
+    result.counts.update(made.counts)
     result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.format import TEXTS_CHOSEN
+from mimo_data.shards.format import TEXTS_CHOSEN, conversation_counts
 from mimo_data.shards.records import (RecordError, media_markers, normalize_document,
                                       normalize_messages, tool_lists)
 
@@ -86,7 +86,7 @@ class Synthesized:
     media: list[tuple[str, str]]
     source: dict[str, Any] = dataclasses.field(default_factory=dict)
     # what the record holds that the index report counts (``records.media_markers``',
-    # ``_chosen``'s)
+    # ``format.conversation_counts``, ``_chosen``'s)
     counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -242,13 +242,15 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
         raw = _json(members, mapping.json)
-        turns, tools, system = (raw.get("conversations", raw.get("messages")), tool_lists(raw),
-                                raw.get("system")) if isinstance(raw, dict) else (None,) * 3
-        messages = normalize_messages(turns, tools, system)
+        turns, tools, system, objects = (
+            raw.get("conversations", raw.get("messages")), tool_lists(raw), raw.get("system"),
+            raw.get("objects")) if isinstance(raw, dict) else (None,) * 4
+        messages = normalize_messages(turns, tools, system, objects)
         media = _conversation_media(members)
         order, counts = media_markers(
             messages, {modality: len(names) for modality, names in media.items()},
             mapping.markers_first)
+        counts.update(conversation_counts(messages))
         seen = dict.fromkeys(MARKERS, 0)
         ordered = []
         for modality in order:

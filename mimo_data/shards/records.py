@@ -55,10 +55,11 @@ def _content_text(content) -> str:
                       f"parts, got {type(content).__name__}")
 
 
-def normalize_messages(turns, tools=None, system=None) -> list[dict]:
+def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages;
     ``system``: the record's own system prompt (LLaMA-Factory's ShareGPT ``system``), its
-    first turn.
+    first turn; ``objects``: ms-swift's grounding objects, refused where the text has their
+    placeholders (``GROUNDING_PLACEHOLDERS``).
     An assistant turn's ``reasoning_content`` goes into its content as ``<think>...</think>``
     before the answer; one left out of the loss (``weight`` 0, ``training`` or ``loss``
     false) has ``"weight": 0``. Tool use as OpenAI and transformers' chat templates take it:
@@ -149,9 +150,19 @@ def normalize_messages(turns, tools=None, system=None) -> list[dict]:
     if answers and all("weight" in m for m in answers):
         raise RecordError("no_trained_tokens", f"every answer ({len(answers)}) has weight 0: "
                           "nothing to train on")
+    if _given(objects) and any(mark in m["content"] for m in messages
+                               for mark in GROUNDING_PLACEHOLDERS):
+        raise RecordError("malformed_record", "the record has ms-swift's grounding 'objects', "
+                          "for <ref-object>/<bbox> placeholders mimo does not fill: write the "
+                          "model's own grounding text into the content instead (Qwen2-VL: "
+                          "<|object_ref_start|>a dog<|object_ref_end|><|box_start|>(x1,y1),"
+                          "(x2,y2)<|box_end|>, on its 0-1000 scale)")
     listed = _tools(tools)
     if listed:
         messages[0]["tools"] = listed
+    if not any(key in m for m in messages for key in ("tool_calls", "tools", "name",
+                                                       "tool_call_id")):
+        return messages
     # the calls' and tools' own fields: JSON the shard can hold, no marker only media may place
     try:
         written = json.dumps([[m.get("tool_calls"), m.get("tools"), m.get("name"),
@@ -178,27 +189,11 @@ def _join_calls(answer: dict, call: dict, i: int) -> None:
     answer["tool_calls"] = [*answer.get("tool_calls", ()), *call["tool_calls"]]
 
 
-# ms-swift's grounding placeholders, which it fills from a record's ``objects``
+# ms-swift's grounding placeholders, which it fills per model at training from a record's
+# ``objects`` (Qwen2-VL's 0-1000 scale, Qwen2.5-VL's pixels of the resized image): mimo writes
+# no model's grounding text, so such a record would train the placeholders as text;
+# ``objects`` without a placeholder (a detection set's labels) are left as any other field
 GROUNDING_PLACEHOLDERS = ("<ref-object>", "<bbox>")
-
-
-def no_grounding_objects(objects, turns) -> None:
-    """Refuse ms-swift's grounding: ``objects`` (``ref`` and ``bbox`` lists) for the
-    ``<ref-object>`` and ``<bbox>`` placeholders in the ``turns``, which ms-swift fills per
-    model at training (Qwen2-VL's 0-1000 scale, Qwen2.5-VL's pixels of the resized image):
-    mimo writes no model's grounding text, so the record would train the placeholders as
-    text. ``objects`` without a placeholder (a detection set's labels) are left as any other
-    field."""
-    try:
-        text = turns if isinstance(turns, str) else json.dumps(turns, default=str)
-    except (TypeError, ValueError):                  # read as its conversation, later
-        return
-    if _given(objects) and any(mark in text for mark in GROUNDING_PLACEHOLDERS):
-        raise RecordError("malformed_record", "the record has ms-swift's grounding 'objects', "
-                          "for <ref-object>/<bbox> placeholders mimo does not fill: write the "
-                          "model's own grounding text into the content instead (Qwen2-VL: "
-                          "<|object_ref_start|>a dog<|object_ref_end|><|box_start|>(x1,y1),"
-                          "(x2,y2)<|box_end|>, on its 0-1000 scale)")
 
 
 def tool_lists(record: Mapping[str, Any]) -> list:

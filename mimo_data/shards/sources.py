@@ -24,7 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import RecordError, no_grounding_objects, tool_lists
+from mimo_data.shards.records import RecordError, tool_lists
 
 
 class SourceError(Exception):
@@ -65,6 +65,7 @@ class RawRecord:
     audio_duration: float | None = None
     tools: object = None
     system: object = None
+    objects: object = None        # ms-swift's grounding objects, where the record has them
 
 
 def media_field(modality: str) -> str:
@@ -235,11 +236,11 @@ class ConversationFile:
                               "'conversations' (role/content or from/value turns), a 'caption' "
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
-        no_grounding_objects(record.get("objects"), turns)
         turns = exchanges(turns, media)
         return RawRecord(id=_record_id(record.get("id")), turns=turns,
                          media=with_part_items(media, turns),
-                         tools=tool_lists(record), system=record.get("system"))
+                         tools=tool_lists(record), system=record.get("system"),
+                         objects=record.get("objects"))
 
 
 class SpeechManifest:
@@ -364,16 +365,15 @@ class ParquetTable:
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
                              text=record[column["caption"]])
         turns = record[column["conversation"]]
-        if column["objects"]:       # a table's JSON text or struct (its nulls: none given)
-            no_grounding_objects(_without_nulls(record.get(column["objects"])),
-                                 turns.decode("utf-8", "replace") if isinstance(turns, bytes)
-                                 else turns)
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
         tools = record.get(column["tools"]) if column["tools"] else None
         return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
                          tools=[tools if isinstance(tools, str) else _without_nulls(tools)],
-                         system=record.get(column["system"]) if column["system"] else None)
+                         system=record.get(column["system"]) if column["system"] else None,
+                         # a table's JSON text or struct (its nulls: none given)
+                         objects=_without_nulls(record.get(column["objects"]))
+                         if column["objects"] else None)
 
 
 def _without_nulls(value):

@@ -62,7 +62,8 @@ def _is_pattern(path: str) -> bool:
 
 
 def _list_files(location: str, storage_options: dict | None) -> list[str]:
-    """Every file under ``location`` (hidden folders left out), sorted."""
+    """Every file under ``location`` (hidden folders left out, but for Energon's ``.nv-meta``:
+    ``_energon_below`` finds a dataset there), sorted."""
     if storage.is_remote(location):
         remote = storage.Remote(location, storage_options)
         protocol = location.partition("://")[0]
@@ -72,7 +73,8 @@ def _list_files(location: str, storage_options: dict | None) -> list[str]:
     else:
         paths = []
         for folder, folders, names in os.walk(storage.local_path(location)):
-            folders[:] = [name for name in folders if not name.startswith(".")]
+            folders[:] = [name for name in folders
+                          if not name.startswith(".") or name == energon.META]
             paths += [os.path.join(folder, name) for name in names]
     return sorted(paths)
 
@@ -141,10 +143,10 @@ def _resolve(sources: list[str], options: IndexOptions,
                     raise IndexInputError(f"{' '.join(named)}: an Energon folder's field_map "
                                           "names its members; give --layout pairs (or "
                                           "conversation, documents) to name them yourself")
-                mapping = energon.member_map(root, storage_options)
+                mapping, unread = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
                     f"({mapping.describe()}), {len(names)} train tar(s)")
-                for key in energon.unread(root, storage_options):
+                for key in unread:
                     say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
                         "choose prompts by them, mimo's preprocessing config does")
                 return Source(root, names, mapping, frozenset(excludes))
@@ -156,7 +158,7 @@ def _resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
         files = _list_files(root, storage_options)
-        below = _energon_below(root, files)
+        below = _energon_below(files)
         if below:
             raise IndexInputError(f"{root} holds the Energon dataset {below}: give that "
                                   "folder, whose split.yaml's train split (and its excludes) "
@@ -214,18 +216,11 @@ def _resolve(sources: list[str], options: IndexOptions,
 ENERGON_DEPTH = 3
 
 
-def _energon_below(root: str, files: list[str]) -> str | None:
-    """An Energon dataset folder under ``root`` (whose ``files`` are listed), if any: its
-    split.yaml, not a folder's listing, decides its tars."""
-    if storage.is_remote(root):
-        marker = f"/{energon.META}/{energon.DATASET_YAML}"
-        return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
-    for folder, folders, _ in os.walk(storage.local_path(root)):
-        if energon.META in folders and os.path.isfile(
-                os.path.join(folder, energon.META, energon.DATASET_YAML)):
-            return folder
-        folders[:] = [name for name in folders if not name.startswith(".")]
-    return None
+def _energon_below(files: list[str]) -> str | None:
+    """The folder of an Energon dataset among a folder's ``files`` (``_list_files``), if
+    any: its split.yaml, not a folder's listing, decides its tars."""
+    marker = f"/{energon.META}/{energon.DATASET_YAML}"
+    return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
 
 
 def _energon_above(root: str, storage_options: dict | None) -> str | None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.modalities.video.frames import frames_clip
-from mimo_data.shards.format import VIDEOS_FROM_FRAMES
+from mimo_data.shards.format import VIDEOS_FROM_FRAMES, conversation_counts
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
                                       normalize_document, normalize_messages)
 from mimo_data.shards.sources import Task
@@ -50,7 +50,8 @@ class Prepared:
     payloads: list[bytes | MediaFile]
     kind: str = "conversation"
     text: str | None = None
-    # what the record holds that the build report counts (``records.media_markers``')
+    # what the record holds that the build report counts (``records.media_markers``',
+    # ``format.conversation_counts``, the frames clips made)
     counts: dict[str, int] = field(default_factory=dict)
 
     def media_bytes(self) -> list[bytes]:
@@ -170,10 +171,11 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             text = normalize_caption(raw.text, refs)
             order = [modality for modality, items in refs.items() if items]
         else:
-            messages = normalize_messages(raw.turns, raw.tools, raw.system)
+            messages = normalize_messages(raw.turns, raw.tools, raw.system, raw.objects)
             order, counts = media_markers(
                 messages, {modality: len(items) for modality, items in refs.items()},
                 policy.markers_first)
+            counts.update(conversation_counts(messages))
         media, payloads, seen = [], [], dict.fromkeys(MODALITIES, 0)
         for modality in order:
             index = seen[modality]
