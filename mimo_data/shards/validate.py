@@ -75,16 +75,18 @@ class MediaPolicy:
     frames_fps: float | None = None   # a video given as a folder of frames: shown so fast
 
 
-def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
-    """Bytes, original path and resolved file (None for embedded bytes) of a media reference
-    (a path, bytes or ``{bytes, path}``)."""
+def _read_media(ref, media_root: str, frames_fps: float | None = None
+                ) -> tuple[bytes, str | None, str | None, bool]:
+    """Bytes, original path and resolved file (None for embedded bytes and a clip made of
+    frames) of a media reference (a path, bytes or ``{bytes, path}``), and whether it named a
+    folder of frames made one clip (``frames_fps`` given: a video's)."""
     path = None
     if isinstance(ref, dict):
         if ref.get("bytes"):
-            return bytes(ref["bytes"]), ref.get("path"), None
+            return bytes(ref["bytes"]), ref.get("path"), None, False
         path = ref.get("path")
     elif isinstance(ref, (bytes, bytearray)):
-        return bytes(ref), None, None
+        return bytes(ref), None, None, False
     elif isinstance(ref, str):
         path = ref
     if not path or not isinstance(path, str):
@@ -99,9 +101,11 @@ def _read_media(ref, media_root: str) -> tuple[bytes, str | None, str | None]:
         raise RecordError("invalid_utf8", f"media path {path!r} is not valid Unicode: "
                           f"{exc}") from None
     full = path if os.path.isabs(path) else os.path.join(media_root, path)
+    if frames_fps is not None and os.path.isdir(full):     # a video as its frames
+        return _clip_of(full, frames_fps), path, None, True
     try:
         with open(full, "rb") as media:
-            return media.read(), path, full
+            return media.read(), path, full, False
     except FileNotFoundError:
         raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
                           "to the input file's folder, or to --media-root)") from None
@@ -129,17 +133,6 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
                           f"{tolerance:.2g} s). mimo does not cut segments: cut each segment "
                           "into a file of its own first; if the file is cut short, export "
                           "it again; if the 'duration' is wrong, fix it")
-
-
-def _frames_folder(ref, media_root: str) -> str | None:
-    """The folder a video's reference (a path, or ``{bytes: null, path}`` as a table's video
-    column holds one) names (its frames), if it names one."""
-    if isinstance(ref, dict) and not ref.get("bytes"):
-        ref = ref.get("path")
-    if not isinstance(ref, str) or not ref:
-        return None
-    full = ref if os.path.isabs(ref) else os.path.join(media_root, ref)
-    return full if os.path.isdir(full) else None
 
 
 def _clip_of(folder: str, fps: float) -> bytes:
@@ -180,15 +173,11 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
         for modality in order:
             index = seen[modality]
             seen[modality] += 1
-            ref = refs[modality][index]
-            fps = policy.frames_fps if modality == "video" else None
-            folder = _frames_folder(ref, source.media_root) if fps is not None else None
-            if fps is not None and folder is not None:      # a video as its frames
-                data, path, file = _clip_of(folder, fps), \
-                    ref.get("path") if isinstance(ref, dict) else ref, None
+            data, path, file, from_frames = _read_media(
+                refs[modality][index], source.media_root,
+                policy.frames_fps if modality == "video" else None)
+            if from_frames:
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
-            else:
-                data, path, file = _read_media(ref, source.media_root)
             try:
                 meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
             except MediaError as exc:
