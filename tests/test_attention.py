@@ -167,10 +167,12 @@ def test_sdpa_equals_local_packed(attention):
 
 
 def test_varlen_equals_local_packed(attention, monkeypatch):
-    """The varlen path with its kernel replaced by per-sample causal SDPA; the stand-in checks
-    what the real kernel requires (int32 boundaries, an int longest length, causal window,
-    as many key/value heads as query heads, the layer's softmax scale) and that the tensors
-    reach it as views whose backward copies nothing."""
+    """The varlen path with its kernel replaced by per-sample causal SDPA in its grouped-query
+    mode (query head i reads group i // (heads / groups), as flash kernels do); the stand-in
+    checks what the real kernel requires (int32 boundaries, an int longest length, causal
+    window, the layer's softmax scale) and that the keys and values reach it as their groups,
+    not repeated to the query heads, the values contiguous (a view would keep the whole
+    fused QKV output for the backward pass), through views whose backward copies nothing."""
     import torch.nn.attention.varlen as varlen
     calls = []
     layer = attention("varlen")
@@ -178,18 +180,20 @@ def test_varlen_equals_local_packed(attention, monkeypatch):
     def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
         assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(max_q, int)
         assert window_size == (-1, 0) and scale == layer.softmax_scale
-        assert q.shape[1] == k.shape[1] == v.shape[1] == HEADS and max_q == max_k == 8
+        assert q.shape[1] == HEADS and k.shape[1] == v.shape[1] == GROUPS < HEADS
+        assert v.is_contiguous() and max_q == max_k == 8
         bounds = cu_q.tolist()
         calls.append(bounds)
         return torch.cat([F.scaled_dot_product_attention(
-            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-            scale=scale).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale,
+            enable_gqa=True).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
     monkeypatch.setattr(varlen, "varlen_attn", stand_in)
     inputs = _qkv((BOUNDS[-1], 1, HEADS, DIM), (BOUNDS[-1], 1, GROUPS, DIM))
+    # the keys and values as megatron-core gives them: views of one fused projection output
     with _Operators() as operators:
-        ours = _outputs_and_grads(lambda q, k, v: layer(q, k, v, None,
-                                                        packed_seq_params=_packed(BOUNDS)),
-                                  inputs)
+        ours = _outputs_and_grads(lambda q, k, v: layer(
+            q, *torch.cat([k, v], -1).split(DIM, -1), None, packed_seq_params=_packed(BOUNDS)),
+            inputs)
     assert calls == [BOUNDS]
     # the row's batch dimension squeezed away, not indexed: indexing's backward
     # (select_backward) fills a zero tensor and copies each gradient in

@@ -39,6 +39,7 @@ enough for the compute to dominate the step.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -85,6 +86,14 @@ def test_activation_bytes_by_hand():
     # QKV and first MLP matmuls' inputs), q, k, v, the output projection's input and a fused
     # kernel's output 10 a, the MLP 4 f: (512 + 640 + 1024) x 100
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, bf16) == 217600
+    # packed rows on the varlen kernel, grouped queries (4 heads, 2 groups): q and the output
+    # 4 a, the keys and values as their groups 4 g, not 10 a: (512 + 256 + 128 + 1024) x 100;
+    # without grouping (4 groups) 4 a + 4 a; the local and SDPA backends as before
+    grouped = dataclasses.replace(STACK, query_groups=2)
+    varlen = mem.Settings("bf16", varlen_rows=True)
+    assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, varlen) == 192000
+    assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, varlen) == 204800
+    assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, bf16) == 217600
     # the local attention keeps the scores (5 heads s^2 = 5 x 4 x 10000), not an output
     scores = mem.Settings("bf16", attention_scores=True)
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, scores) == 204800 + 200000
@@ -121,7 +130,6 @@ def test_the_loss_in_chunks_by_hand():
     (T h w) as without chunks, and its temporaries are the forward pass's (the weight gradient
     summed in fp32 and one chunk's logits of trained tokens, each with a bf16 copy in a bf16
     run) or, where larger, the backward pass's end's (the weight gradients)."""
-    import dataclasses
     bf16, fp32 = mem.Settings("bf16", loss_chunk_tokens=32), mem.Settings("fp32",
                                                                          loss_chunk_tokens=32)
     assert mem.language_activation_bytes(STACK, [100], bf16) == 2 * 217600 + 12800
@@ -747,7 +755,6 @@ def test_tower_bytes_are_what_the_tower_saves(kind, varlen, monkeypatch):
     QuickGELU; Qwen2.5-VL: RMSNorm and a gated SiLU (each fused by ``model.tower_fusions``,
     as the trainer builds the tower); Qwen3-VL: GELU; under SDPA the values a copy, not a
     view keeping the whole fused QKV output."""
-    import dataclasses
 
     import torch
     import torch.nn.functional as F

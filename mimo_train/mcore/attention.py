@@ -10,7 +10,7 @@ The language model's core attention (``CoreAttention``, megatron-core's local
   memory-efficient kernels on CUDA); packed, one SDPA call under a block-diagonal causal mask
   built on the device.
 - ``varlen``: unpacked as ``sdpa``; packed, ``torch.nn.attention.varlen.varlen_attn`` over the
-  sample boundaries (flash kernels: CUDA, bf16).
+  sample boundaries (flash kernels: CUDA, bf16), grouped keys and values as they are.
 
 ``local`` is the reference: the CPU default and what ``sdpa`` and ``varlen`` are checked
 against (tests/test_attention.py). ``auto`` picks ``local`` on the CPU, ``varlen`` on CUDA in
@@ -181,11 +181,15 @@ class CoreAttention(DotProductAttention):
         return out.permute(2, 0, 1, 3).reshape(s, b, -1)
 
     def _varlen(self, query, key, value, packed_seq_params):
-        """The packed row ``[tokens, 1, heads, dim]`` through the varlen kernel."""
+        """The packed row ``[tokens, 1, heads, dim]`` through the varlen kernel, grouped keys
+        and values as they are: flash kernels take fewer key/value heads than query heads (query
+        head ``i`` reads group ``i // (heads / groups)``, megatron-core's order), so the
+        repeat's kernels (two forward, two reductions backward) and the repeated copies the
+        kernel would keep for its backward pass are not made."""
         from torch.nn.attention.varlen import varlen_attn
-        key, value = self._one_head_per_query(key, value)
-        # squeezed, not indexed: indexing's backward writes the gradient into zeros
-        q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+        # squeezed, not indexed: indexing's backward writes the gradient into zeros; the
+        # values contiguous: as a view of the fused QKV output they would keep all of it
+        q, k, v = query.squeeze(1), key.squeeze(1), value.squeeze(1).contiguous()
         cu = packed_seq_params.cu_seqlens_q.to(torch.int32)
         longest = packed_seq_params.max_seqlen_q
         out = varlen_attn(q, k, v, cu, cu, longest, longest, scale=self.softmax_scale,
@@ -195,7 +199,7 @@ class CoreAttention(DotProductAttention):
     def _one_head_per_query(self, key, value):
         """Grouped key/value heads repeated for each query head of the group (megatron-core's
         order; ``[..., heads, dim]``): SDPA's GQA mode runs only its math kernel under a mask
-        or in fp32, so the fused kernels get the heads spelled out."""
+        or in fp32, so its fused kernels get the heads spelled out."""
         groups = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
         if groups == 1:
             return key, value

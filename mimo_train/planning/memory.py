@@ -42,14 +42,16 @@ attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
     outside the TP regions    8·h·T             (÷ TP with sequence parallel)
       two norms' inputs 2·2h, the QKV and first MLP matmuls' inputs 2·2h
     inside the TP regions     (8·a [+ 2·a] + c·f)·T ÷ TP
-      Q 2a, K and V repeated to the query heads 2·2a (every backend repeats grouped keys and
-      values before the kernel), the output projection's input 2a, and a fused kernel's own
-      output 2a (flash, sdpa, varlen: kept for its backward; the local attention keeps the
-      scores instead; the varlen paths' output is the projection's input, 2a less, counted
-      as SDPA's); the MLP: c = 4 (2f activation input, 2f second matmul input), gated
-      c = 6 (megatron-core's fused SwiGLU: the gate and up outputs 2·2f, the second matmul's
-      input 2f); a transformers tower keeps the same (its QuickGELU, Qwen2.5-VL's RMSNorm
-      and gated SiLU as ``model.tower_fusions`` runs them) but in its attention
+      Q 2a, K and V repeated to the query heads 2·2a (the local and SDPA backends repeat
+      grouped keys and values before the kernel), the output projection's input 2a, and a
+      fused kernel's own output 2a (flash, sdpa: kept for its backward; the local attention
+      keeps the scores instead); packed rows on the varlen kernel (``Settings.varlen_rows``)
+      4·a + 4·g: Q, the output (the projection's input), K and V as their groups (the
+      kernel takes them unrepeated, the values a copy); the MLP: c = 4 (2f activation
+      input, 2f second matmul input), gated c = 6 (megatron-core's fused SwiGLU: the gate
+      and up outputs 2·2f, the second matmul's input 2f); a transformers tower keeps the
+      same (its QuickGELU, Qwen2.5-VL's RMSNorm and gated SiLU as ``model.tower_fusions``
+      runs them) but in its attention
       (``Stack.attention_kept``: SDPA 10·a; the Qwen family's varlen 8·a;
       tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
@@ -201,6 +203,8 @@ class Settings:
     # the Qwen-family towers run mimo's varlen kernel (``model.attention`` auto or varlen on a
     # GPU in bf16), else transformers' SDPA
     tower_varlen: bool = True
+    # the language model's packed rows run it too (the same, with ``data.packing``)
+    varlen_rows: bool = False
 
     def __post_init__(self):
         if self.precision not in BYTES or self.recompute not in RECOMPUTE or \
@@ -346,8 +350,14 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
                                       settings.width) / tp
     gate = 4 * a if stack.attention_gate else 0
     # q and the keys and values repeated to the query heads, the output projection's input,
-    # and a fused kernel's own output (the local attention keeps the scores instead)
-    core = stack.attention_kept * a or 8 * a + (0 if settings.attention_scores else 2 * a)
+    # and a fused kernel's own output (the local attention keeps the scores instead); on the
+    # varlen kernel q, its output and the keys and values as their groups
+    if stack.attention_kept:
+        core = stack.attention_kept * a
+    elif settings.varlen_rows and not settings.attention_scores:
+        core = 4 * a + 4 * stack.query_groups * stack.kv_channels
+    else:
+        core = 8 * a + (0 if settings.attention_scores else 2 * a)
     inside = (core + gate + mlp) * tokens / tp
     scores = 5 * stack.heads * squares / tp \
         if settings.attention_scores and settings.recompute == "none" else 0
@@ -481,7 +491,7 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
     # a transformers tower recomputes all or nothing: selective keeps everything, the
     # attention scores too where the kernel keeps them
     tower_settings = replace(settings, recompute="full" if settings.towers == "full"
-                             else "none", attention_scores=False)
+                             else "none", attention_scores=False, varlen_rows=False)
     stack = tower.stack
     if tower.by_boundaries and settings.tower_varlen:
         stack = replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)

@@ -151,7 +151,7 @@ def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: 
     the rules allow it (unless the request turns it off), else without; split media as
     ``_split_media`` says."""
     found = []
-    for alternatives in _tried(model, layout, request):
+    for alternatives in _tried(model, layout, request, packing):
         first = next((s for s in alternatives if not _refusals(model, layout, s, packing)),
                      None)
         if first is not None:
@@ -165,13 +165,15 @@ def refused(model: Model, layout: Layout, request: AdvisorRequest, packing: bool
     alternative), or None."""
     if settings_of(model, layout, request, packing):
         return None
-    first = _tried(model, layout, request)[0][-1]
+    first = _tried(model, layout, request, packing)[0][-1]
     return _refusals(model, layout, first, packing)[0].reason
 
 
-def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[mem.Settings]]:
+def _tried(model: Model, layout: Layout, request: AdvisorRequest, packing: bool
+           ) -> list[list[mem.Settings]]:
     """The settings ``settings_of`` tries, as lists of alternatives in order of preference
-    (with and without sequence parallelism)."""
+    (with and without sequence parallelism); packed rows on the varlen kernel where the
+    towers are (``model.attention`` auto or varlen)."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if request.recompute == "any" else \
         (request.recompute,)
     if not model.attention_scores:
@@ -187,7 +189,8 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest) -> list[list[m
         model.passes.get(f"{e.name}.encoder", 3) > 1 for e in layout.encoders) else (None,)
     split = _split_media(model, request)
     return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,
-                          model.loss_chunk_tokens, t, media, model.tower_varlen)
+                          model.loss_chunk_tokens, t, media, model.tower_varlen,
+                          model.tower_varlen and packing)
              for media in alternatives for sp in parallel]
             for d in distributed for r in recompute
             for t in (towers if r != "full" else (None,)) for alternatives in split]
