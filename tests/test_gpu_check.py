@@ -416,3 +416,35 @@ def test_the_probes_run_after_the_chosen_cases_while_their_time_is_left(tmp_path
     assert ran == first + ["packed_8k"] and found["kernels"] == skipped and rc == 0, ran
     with pytest.raises(SystemExit):         # a misspelt case is no probes-only run
         _scheduled(tmp_path / "typo", "--cases", "packed8k")
+
+
+@pytest.mark.parametrize("convention, ok", [("interleaved", True), ("tiled", False)])
+def test_the_varlen_probe_checks_the_kernels_grouped_queries(monkeypatch, convention, ok):
+    """The ``varlen_kernel`` probe on the CPU, torch's kernel (CUDA only) replaced by causal SDPA
+    per sample: given the key/value groups, a kernel reading them as megatron-core orders its
+    heads (query head i: group i // (heads / groups)) passes; one reading them tiled (group
+    i % groups) is caught by the comparison with the groups repeated to the heads."""
+    import torch.nn.functional as F
+    import torch.nn.attention.varlen as varlen_module
+
+    def stand_in(q, k, v, cu, _cu_k, _max_q, _max_k, *, window_size=(-1, -1), scale=None):
+        assert window_size == (-1, 0)
+        repeat = q.shape[1] // k.shape[1]
+        if repeat > 1:
+            k, v = ((t.repeat_interleave(repeat, dim=1) if convention == "interleaved"
+                     else t.repeat(1, repeat, 1)) for t in (k, v))
+        bounds = cu.tolist()
+        return torch.cat([F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True, scale=scale
+        ).transpose(0, 1) for a, b in zip(bounds, bounds[1:])])
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", stand_in)
+    sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
+    try:
+        import probes
+    finally:
+        sys.path.remove(str(REPO / "tools" / "gpu_check"))
+    found = probes.varlen("cpu", (9, 4, 7))
+    assert found["ok"] is ok and found["max_abs_diff_vs_sdpa"] < 2e-2
+    assert (found["grouped_max_rel_diff"] < 1e-2) is ok
+    assert found["grouped_ms"] > 0 and found["repeated_ms"] > 0
