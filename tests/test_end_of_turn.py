@@ -134,6 +134,39 @@ def test_the_preprocessor_counts_the_appended_eos():
     assert counts["auto"] == (counts[False][0] + 2, counts[False][1] + 2)
 
 
+LLAVA_INTERLEAVE = MODELS / "published" / "llava-hf--llava-interleave-qwen-0.5b-hf"
+
+
+@pytest.mark.parametrize("tokenizer", [LLAVA_1_5, LLAVA_INTERLEAVE, QWEN2_VL],
+                         ids=["llava-1.5", "llava-interleave", "qwen2-vl"])
+@pytest.mark.parametrize("answer", ["3", "A cat."])
+def test_the_first_token_after_the_generation_prompt_is_trained(tokenizer, answer):
+    """What a completion-only recipe trains: every token after the generation prompt's (the
+    template's render of the turns before the answer with ``add_generation_prompt``, by the
+    tokenizer's own encoding). That first token is what the model writes first at inference:
+    LLaVA-1.5's space after ``ASSISTANT:`` where it is a token of its own (before a digit),
+    llava-interleave's newline that opens its ``{% generation %}`` block."""
+    from transformers import AutoProcessor
+    processor = AutoProcessor.from_pretrained(tokenizer)
+    turns = [("user", "How many cats?"), ("assistant", answer), ("user", "And dogs?"),
+             ("assistant", "None.")]
+    typed = [{"role": role, "content": [{"type": "text", "text": text}]} for role, text in turns]
+    # mimo's ids without the EOS it appends, and which of them are trained
+    encoder = _encoder(tokenizer, modalities={})
+    encoded = encoder.encode(_messages(turns), [])
+    ids, mask = encoded.ids, encoded.loss_mask.astype(bool)
+    if encoder.eos_appending.on:         # LLaVA-1.5: the </s> mimo appends after each answer
+        kept = ids != encoder.tokenizer.eos_token_id
+        ids, mask = ids[kept], mask[kept]
+    for turn in (1, 3):
+        prompt = processor.apply_chat_template(typed[:turn], add_generation_prompt=True,
+                                               tokenize=True)
+        prompt = prompt["input_ids"] if isinstance(prompt, dict) else prompt
+        prompt = prompt[0] if isinstance(prompt[0], list) else prompt
+        assert ids[:len(prompt)].tolist() == prompt
+        assert mask[len(prompt)] and not mask[len(prompt) - 1]
+
+
 # -------------------------------------------------------- templates that end their turns
 
 @pytest.mark.parametrize("tokenizer", [SMOLLM2, QWEN2_VL], ids=["smollm2", "qwen2-vl"])

@@ -3,7 +3,9 @@ plain concatenation (``caption`` mode); media markers stay in the text.
 
 The trained spans come from the template itself: its ``{% generation %}`` blocks when it has
 them, otherwise incremental rendering (the text an assistant turn adds after the generation
-prompt). Each span runs to its end-of-turn token, inclusive; where the template writes none and
+prompt). Each span starts where the generation prompt before it ends (a block's span reaches
+back over the whitespace between them: what the model writes first at inference) and runs to
+its end-of-turn token, inclusive; where the template writes none and
 ``append_eos`` is on (``end_of_turn``), to the answer's end, and the EOS token is appended
 after it. A template that does not re-render the same prefix is an error naming the sample,
 never a silently wrong mask.
@@ -110,6 +112,7 @@ class ChatRenderer:
         self._tool_support: frozenset[str] | None = None
         self._tool_probe_error: str | None = None
         self.has_generation_blocks = False
+        self.generation_prompt = ""
         self.contents_verbatim = True       # caption mode joins the contents as they are
         self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
         if config.mode == "chat":
@@ -131,6 +134,7 @@ class ChatRenderer:
             # the BOS a tokenizer puts before every text it encodes (LLaMA's <s>) where the
             # template does not write it: the published processors encode the chat with it
             self.bos_text = added_bos(tokenizer)
+            self.generation_prompt = self._generation_prompt()
             modality_tokens = {m.token for m in config.modalities.values()}
             endings = answer_endings(self._render)
             ends = end_tokens(tokenizer, modality_tokens | set(MARKERS.values()))
@@ -196,6 +200,17 @@ class ChatRenderer:
             except Exception:  # a template that refuses the probe: no evidence either way
                 return False
         return not writes(probe) and writes([{"type": "text", "text": probe}])
+
+    def _generation_prompt(self) -> str:
+        """What the template writes to prompt an answer (``add_generation_prompt``), read from
+        a probe conversation; "" where it writes none or fails on the probe."""
+        probe = [{"role": "user", "content": "\ue002probe\ue003"}]
+        try:
+            without, prompted = (self._render(probe, generation_prompt=flag)
+                                 for flag in (False, True))
+        except TextError:
+            return ""
+        return prompted[len(without):] if prompted.startswith(without) else ""
 
     def _for_template(self, messages):
         if not self.typed_contents:
@@ -321,16 +336,38 @@ class ChatRenderer:
             raise TextError("template_mismatch", f"an assistant turn does not end with the "
                             f"end-of-turn token {self.eot!r}: {text[start:end][-60:]!r} (with "
                             "append_eos: true the EOS is appended after each answer)")
-        # The assistant's text (a {% generation %} block's, or what the turn adds), without the
-        # template's whitespace around it, and the end-of-turn token right after it if the
-        # template writes one there (llava-hf's Qwen template); else the appended EOS, if on
-        # (LLaVA-1.5's turns end with a space)
+        # The assistant's text (a {% generation %} block's, or what the turn adds) from the end
+        # of the generation prompt before it (what the model writes first at inference: the
+        # space after LLaVA-1.5's "ASSISTANT:", the newline llava-interleave's blocks open
+        # with), without the template's whitespace after it, and the end-of-turn token right
+        # after it if the template writes one there (llava-hf's Qwen template); else the
+        # appended EOS, if on (LLaVA-1.5's turns end with a space). An empty answer's span is
+        # empty.
         inner = text[start:end]
-        start += len(inner) - len(inner.lstrip())
-        end = start + len(inner.strip())
+        if not inner.strip():
+            start = end = start + len(inner)
+        else:
+            end -= len(inner) - len(inner.rstrip())
+            start = self._prompt_end(text, start + len(inner) - len(inner.lstrip()))
         if text.startswith(self.eot, end):
             return TrainedSpan(start, end + len(self.eot), False)
         return TrainedSpan(start, end, append)
+
+    def _prompt_end(self, text: str, start: int) -> int:
+        """Where the generation prompt before an answer starting at ``start`` ends, where only
+        whitespace lies between them; else ``start``."""
+        prompt = self.generation_prompt
+        if not prompt:
+            return start
+        # the prompt may end in whitespace (llava-interleave's newline), so it is looked for
+        # among the last characters before the whitespace preceding the answer
+        spaced = start
+        while spaced > 0 and text[spaced - 1].isspace():
+            spaced -= 1
+        found = text.rfind(prompt, max(0, spaced - len(prompt)), start)
+        if found >= 0 and not text[found + len(prompt):start].strip():
+            return found + len(prompt)
+        return start
 
     def _render_caption(self, messages) -> tuple[str, list[TrainedSpan]]:
         # Caption mode: no template; turns joined by newlines, each assistant text followed by
