@@ -403,6 +403,50 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
         "<image>Look.\nWhat is it?"
 
 
+def test_openai_media_parts_name_their_media(tmp_path, assets):
+    """OpenAI's vision and audio fine-tuning forms: ``image_url`` parts whose URL is a base64
+    ``data:`` URL, a ``file://`` URL or a path (also as the bare string, as vLLM takes it),
+    ``input_audio`` parts with base64 data; each is its marker in the text. An http(s) URL is
+    refused as before (mimo downloads nothing), broken base64 as malformed, each counted."""
+    import base64
+    shutil.copy(assets["jpeg"], tmp_path / "photo.jpg")
+    jpeg = base64.b64encode(assets["jpeg"].read_bytes()).decode()
+    wav = base64.b64encode(assets["wav"].read_bytes()).decode()
+
+    def record(key, *parts):
+        return {"id": key, "messages": [
+            {"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]},
+            {"role": "assistant", "content": "A photo."}]}
+
+    def image(url):
+        return {"type": "image_url", "image_url": {"url": url, "detail": "low"}}
+    path = write_jsonl(tmp_path / "openai.jsonl", [
+        record("data", image(f"data:image/jpeg;base64,{jpeg}")),
+        record("file", image(f"file://{tmp_path / 'photo.jpg'}")),
+        record("path", {"type": "image_url", "image_url": "photo.jpg"}),
+        record("audio", {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}),
+        record("web", image("https://example.com/photo.jpg")),
+        record("broken", image("data:image/jpeg;base64,@@@"))])
+    build_dataset([path], tmp_path / "out")
+    report = read_json(tmp_path / "out" / "report.json")
+    skipped = report["skipped_by_reason"]
+    assert {reason: found["count"] for reason, found in skipped.items()} == {
+        "missing_media": 1, "malformed_record": 1}
+    assert "is a URL, which mimo does not download" in \
+        skipped["missing_media"]["first"][0]["detail"]
+    assert "not valid base64" in skipped["malformed_record"]["first"][0]["detail"]
+    samples = _samples_by_id(tmp_path / "out")
+    assert sorted(samples) == ["audio", "data", "file", "path"]
+    for key in ("data", "file", "path"):
+        found, members = samples[key]
+        assert found["messages"][0]["content"] == "<image>What is it?"
+        assert _media(found, members, "image") == [assets["jpeg"].read_bytes()]
+    assert [m["path"] for m in samples["data"][0]["media"]] == [None]  # not the base64 text
+    found, members = samples["audio"]
+    assert found["messages"][0]["content"] == "<audio>What is it?"
+    assert _media(found, members, "audio") == [assets["wav"].read_bytes()]
+
+
 def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, assets):
     """``--messages-column texts`` makes a ``texts`` column the conversation (not documents);
     the_cauldron's ``texts`` (``{user, assistant, source}`` exchanges, no markers) is read as

@@ -27,10 +27,18 @@ class RecordError(CountedError):
     """A record that cannot become a sample; ``reason`` is its report category."""
 
 
+# Typed content parts that stand for a media item, with its modality: transformers' own
+# (``{"type": "image"}``) and OpenAI's (``image_url``, ``input_audio``; ``video_url`` as vLLM
+# and Qwen's chat servers take it)
+PART_MODALITIES = {**{modality: modality for modality in MARKERS}, "image_url": "image",
+                   "video_url": "video", "input_audio": "audio"}
+
+
 def _content_text(content) -> str:
     """Message content as text: a string, or HF-style parts with media parts (``{"type":
-    "image"}``, ``"audio"``, ``"video"``) as their markers, a marker and the text beside it as
-    they are (as Qwen's templates write parts, nothing between them), two texts on lines of
+    "image"}``, ``"audio"``, ``"video"``; OpenAI's, ``PART_MODALITIES``) as their markers, a
+    marker and the text beside it as they are (as Qwen's templates write parts, nothing
+    between them), two texts on lines of
     their own (where llava-hf's typed-content templates, which get the text between markers
     as one part, write a separator)."""
     if isinstance(content, str):
@@ -43,11 +51,11 @@ def _content_text(content) -> str:
             if kind == "text" and isinstance(part.get("text"), str):
                 pieces += ["\n", part["text"]] if texts else [part["text"]]
                 texts = True
-            elif kind in MARKERS:
-                pieces.append(MARKERS[kind])
+            elif kind in PART_MODALITIES:
+                pieces.append(MARKERS[PART_MODALITIES[kind]])
                 texts = False
             else:
-                kinds = "|".join(repr(k) for k in ("text", *MARKERS))
+                kinds = "|".join(repr(k) for k in ("text", *PART_MODALITIES))
                 raise RecordError("malformed_record", f"unsupported content part {part!r}: "
                                   f"expected {{'type': {kinds}, ...}}")
         return "".join(pieces)
@@ -282,7 +290,8 @@ def _json(text: str, where: str) -> Any:
 def _parts(content) -> bool:
     """Whether a content is HF-style typed parts (``_content_text``: text and media parts)."""
     return isinstance(content, list) and all(
-        isinstance(part, dict) and part.get("type") in ("text", *MARKERS) for part in content)
+        isinstance(part, dict) and part.get("type") in ("text", *PART_MODALITIES)
+        for part in content)
 
 
 def _trained(turn: dict, i: int, role: str) -> bool:

@@ -11,6 +11,7 @@ pyarrow one row group at a time, so embedded media never sit in memory all at on
 
 from __future__ import annotations
 
+import base64
 import codecs
 import functools
 import json
@@ -24,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import RecordError, tool_lists
+from mimo_data.shards.records import PART_MODALITIES, RecordError, tool_lists
 
 
 class SourceError(Exception):
@@ -88,10 +89,31 @@ def _part_items(turns) -> dict[str, list]:
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind in found:
-                found[kind].append(next((part[key] for key in _part_keys(kind)
-                                         if part.get(key) is not None), None))
+            if PART_MODALITIES.get(kind) in found:
+                found[PART_MODALITIES[kind]].append(_part_item(part, kind))
     return found
+
+
+def _part_item(part: dict, kind: str):
+    """The item a media part names: transformers' ``{"type": "image", "image" | "url" |
+    "path": ...}``; OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
+    alone; ``video_url`` alike), a URL being a path, ``file://`` or ``data:`` one (read where
+    every reference is: ``validate``); OpenAI's ``{"type": "input_audio", "input_audio":
+    {"data": <base64>, "format": "wav"}}`` as its bytes."""
+    if kind in MODALITIES:
+        return next((part[key] for key in _part_keys(kind) if part.get(key) is not None), None)
+    value = part.get(kind)
+    if kind == "input_audio":
+        data = value.get("data") if isinstance(value, dict) else None
+        if not isinstance(data, str):
+            return None
+        try:
+            return {"bytes": base64.b64decode(data, validate=True)}
+        except ValueError:
+            raise RecordError("malformed_record", "an input_audio part's 'data' is not "
+                              "base64") from None
+    url = value.get("url") if isinstance(value, dict) else value
+    return url if isinstance(url, str) and url else None
 
 
 def with_part_items(media: dict[str, list], turns) -> dict[str, list]:

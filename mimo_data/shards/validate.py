@@ -7,7 +7,9 @@ needs, so the main process only assigns keys and writes.
 
 from __future__ import annotations
 
+import base64
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
@@ -92,6 +94,10 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
     if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
+    if path.startswith("data:"):            # an inline item (OpenAI's image_url parts)
+        return _data_url(path), None, None, False
+    if path.startswith("file://"):
+        path = urllib.parse.unquote(urllib.parse.urlsplit(path).path)
     if path.lower().startswith(("http://", "https://")):    # joined to the root: nonsense
         raise RecordError("missing_media", f"{path[:100]!r} is a URL, which mimo does not "
                           "download: fetch it first (e.g. img2dataset) and give paths or bytes")
@@ -115,6 +121,22 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
                           "(LLaVA-Hound's: 2, TVQA's: 3)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+
+
+def _data_url(url: str) -> bytes:
+    """The bytes of a ``data:[<type>][;base64],<data>`` URL (RFC 2397; the standard library
+    parses none outside urllib's opener)."""
+    header, comma, data = url[len("data:"):].partition(",")
+    if not comma:
+        raise RecordError("malformed_record", f"data URL {url[:60]!r}... has no ',' before "
+                          "its data")
+    if not header.endswith(";base64"):
+        return urllib.parse.unquote_to_bytes(data)
+    try:
+        return base64.b64decode(data, validate=True)
+    except ValueError:
+        raise RecordError("malformed_record", f"data URL {url[:60]!r}... is not valid "
+                          "base64") from None
 
 
 # A manifest's ``duration`` may differ from its file's by this much (rounding, encoder
