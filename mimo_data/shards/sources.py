@@ -89,7 +89,7 @@ def _part_items(turns) -> dict[str, list]:
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
-            if PART_MODALITIES.get(kind) in found:
+            if isinstance(kind, str) and kind in PART_MODALITIES:
                 found[PART_MODALITIES[kind]].append(_part_item(part, kind))
     return found
 
