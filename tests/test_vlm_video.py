@@ -471,6 +471,13 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
     processed = video_processor(video)(videos=[frames], video_metadata=[metadata],
                                        return_tensors="pt")
     grid = processed["video_grid_thw"]
+    # the export's own processor files give transformers that processor: the run's sampling
+    # and pixel budget (the published Qwen2-VL / Qwen2.5-VL ship no video processor file)
+    from transformers import AutoProcessor
+    exported = AutoProcessor.from_pretrained(out).video_processor(
+        videos=[frames], video_metadata=[metadata], return_tensors="pt")
+    assert torch.equal(exported["video_grid_thw"], grid)
+    assert torch.equal(exported["pixel_values_videos"], processed["pixel_values_videos"])
     tokens = int(grid.prod()) // video.merge_size ** 2
     text = "<|vision_start|>" + "<|video_pad|>" * tokens + "<|vision_end|>\nWhat is shown?"
     tokenizer = AutoTokenizer.from_pretrained(out)

@@ -480,6 +480,9 @@ def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype
         f.write("\n")
 
 
+VIDEO_PROCESSOR = "video_preprocessor_config.json"
+
+
 def _copy_processor(pretrained: str, out: str, preprocess, template: str | None) -> None:
     """The checkpoint's image processor (and processor) config files and the chat template a
     processor keeps (llava-hf's only copy of theirs), as they are but for the run's own
@@ -487,8 +490,8 @@ def _copy_processor(pretrained: str, out: str, preprocess, template: str | None)
     image and video pixel budgets and frame sampling (``_processor_budgets``)."""
     from mimo_train.families.base import model_directory
     pretrained = model_directory(pretrained)
-    for name in ("preprocessor_config.json", "processor_config.json",
-                 "video_preprocessor_config.json", "chat_template.json", "chat_template.jinja"):
+    for name in ("preprocessor_config.json", "processor_config.json", VIDEO_PROCESSOR,
+                 "chat_template.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
     if template is not None:          # tokenizer.save_pretrained wrote chat_template.jinja
@@ -498,7 +501,37 @@ def _copy_processor(pretrained: str, out: str, preprocess, template: str | None)
             _rewrite_json(os.path.join(out, name),
                           lambda data, always=always: data.update(chat_template=template)
                           if always or "chat_template" in data else None)
+    _video_processor(out, preprocess)
     _processor_budgets(out, preprocess)
+
+
+def _video_processor(out: str, preprocess) -> None:
+    """A video processor file where the base has none and the run trains Qwen2-VL-style clips
+    (Qwen2-VL's and Qwen2.5-VL's published checkpoints): without it transformers builds their
+    video processor from the image processor's file, the images' pixel budget, and with no
+    frame rate it takes every frame of a clip; with it, the run's sampling and budget (the
+    video tokens the run trained with)."""
+    video = preprocess.modalities.get("video")
+    if video is None or getattr(video, "sampling", None) != "qwen2_vl" or \
+            os.path.isfile(os.path.join(out, VIDEO_PROCESSOR)):
+        return
+    image = {}
+    if os.path.isfile(os.path.join(out, "preprocessor_config.json")):
+        with open(os.path.join(out, "preprocessor_config.json")) as f:
+            image = json.load(f)
+    data = {"video_processor_type": "Qwen2VLVideoProcessor",
+            **({"processor_class": image["processor_class"]} if "processor_class" in image
+               else {}),
+            "size": {"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
+            "patch_size": video.patch_size, "temporal_patch_size": video.temporal_patch_size,
+            "merge_size": video.merge_size, "image_mean": list(video.mean),
+            "image_std": list(video.std), "do_sample_frames": True, "fps": video.fps,
+            "min_frames": video.min_frames, "max_frames": video.max_frames,
+            "cap_pixels_per_frame": video.cap_pixels_per_frame,
+            "max_video_tokens": video.max_video_tokens}
+    with open(os.path.join(out, VIDEO_PROCESSOR), "w") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
 
 
 # the run's video sampling -> the video processor's keys (fps, frames)
@@ -512,7 +545,7 @@ def _processor_budgets(out: str, preprocess) -> None:
     ``min_frames``, ``max_frames``: where the file has it, or where the processor's class
     default differs); a file whose values are the run's stays as it is."""
     for name, modality in (("preprocessor_config.json", "image"),
-                           ("video_preprocessor_config.json", "video")):
+                           (VIDEO_PROCESSOR, "video")):
         config = preprocess.modalities.get(modality)
         if config is None or getattr(config, "policy", "dynamic") != "dynamic":
             continue
