@@ -159,8 +159,42 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
     plan = RunPlan(cfg, preprocess, layout, vlm, language,
                    model.projection or (vlm.projection if vlm else "linear"),
                    encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
+    _check_frozen(plan)
     check(plan.facts, layout, plan.settings)
     return plan
+
+
+def _trains_nothing(plan: RunPlan, module: str) -> bool:
+    """Whether no weight of ``module`` trains: frozen whole (or its tower, where there is no
+    projection) and without adapters."""
+    if any(a.part.module == module for a in plan.adapted):
+        return False
+    parts = {p.part for p in plan.frozen if p.module == module}
+    return None in parts or ("encoder" in parts and plan.projection == "none")
+
+
+def _check_frozen(plan: RunPlan) -> None:
+    """``TrainConfigError`` for a ``model.freeze`` entry that freezes nothing (a projection
+    the model has none of), ``optimizer.modules`` settings of a module nothing of which
+    trains (they would be ignored), and a run in which nothing trains."""
+    cfg = plan.config
+    for part in plan.frozen:
+        if part.part == "projection" and plan.projection == "none":
+            whose = f"{plan.vlm.family}'s merger is part of its tower" if plan.vlm else \
+                "model.projection is none"
+            raise TrainConfigError(
+                f"model.freeze freezes {part.name!r}, which the model does not have ({whose}): "
+                f"freeze '{part.module}.encoder' (the tower with it) or '{part.module}'")
+    idle = [m.name for m in plan.layout.modules if _trains_nothing(plan, m.name)]
+    for name in cfg.optimizer.modules:
+        if name in idle:
+            raise TrainConfigError(
+                f"optimizer.modules.{name} is set, but nothing of {name!r} trains (model.freeze "
+                f"freezes it): drop optimizer.modules.{name}, or {name!r} from model.freeze")
+    if len(idle) == len(plan.layout.modules):
+        raise TrainConfigError(
+            f"model.freeze freezes every module ({', '.join(idle)}): nothing would train; "
+            "unfreeze a module or adapt one with model.lora")
 
 
 def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:
