@@ -318,7 +318,8 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
                               global_batch_size=4, micro_batch_size=2),
-        checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]))
+        checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]),
+        model=SimpleNamespace(freeze=[]))
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device = torch.device("cpu")
@@ -934,6 +935,31 @@ def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
         "step_0000008", "step_0000010", "step_0000012"]
     (tmp_path / "latest").write_text("step_0000008")        # latest names an older one
     assert prune(str(tmp_path), 1, str(tmp_path / "step_0000010")) == []
+
+
+def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
+    """The checkpoint of a ``model.freeze=[image]`` run resumed with the image module trained
+    (``[]``, or only its tower frozen): refused in the check phase naming model.freeze both
+    ways and model.init_from (its optimizer holds no state for the image module); with the
+    same freeze, or more frozen, it passes the check."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.checkpoint import check
+    from mimo_train.errors import CheckpointError
+
+    step = frozen["after"]
+    model = SimpleNamespace(sharded_state_dict=dict, mimo_config=SimpleNamespace(
+        modality_submodules_spec={"image": None, "audio": None}))
+    for freeze in ([], ["image.encoder"]):
+        with pytest.raises(CheckpointError) as refused:
+            check(str(step), model, 4, freeze)
+        assert str(refused.value).startswith(
+            f"checkpoint {step} was saved by a run with model.freeze ['image'], this run has "
+            f"{freeze}: image would train, and a frozen part has no optimizer state to resume")
+        assert f"model.init_from={step}" in str(refused.value)
+    assert check(str(step), model, 4, ["image"])["step"] == 1
+    assert check(str(step), model, 4, ["image", "audio"])["step"] == 1
+    assert check(str(step), model, None)["step"] == 1         # model.init_from: any freeze
 
 
 def test_a_checkpoint_with_modules_this_model_lacks_is_refused_naming_them(setup):

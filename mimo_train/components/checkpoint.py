@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,11 +359,13 @@ def read_meta(directory: str) -> dict:
     return meta
 
 
-def check(directory: str, model, global_batch_size: int | None) -> dict:
+def check(directory: str, model, global_batch_size: int | None,
+          freeze: Sequence[str] = ()) -> dict:
     """Checks that read no tensor and need no collective (every rank, a start-up phase): the
     checkpoint is complete, holds every weight of this rank's modules with the same global
-    shape and, to resume (``global_batch_size`` given), was saved with that global batch size;
-    returns its meta."""
+    shape and, to resume (``global_batch_size`` given), was saved with that global batch size
+    by a run that froze no part this run's ``freeze`` (``model.freeze``) trains; returns its
+    meta."""
     meta = read_meta(directory)
     if global_batch_size is not None and meta.get("global_batch_size") != global_batch_size:
         raise CheckpointError(
@@ -370,6 +373,16 @@ def check(directory: str, model, global_batch_size: int | None) -> dict:
             f"{meta.get('global_batch_size')}, this run has {global_batch_size}: resuming the "
             "sample stream needs the same global batch size; to start a new run from its "
             f"weights use model.init_from={directory} and a new checkpoint.dir")
+    theirs = ((meta.get("config") or {}).get("model") or {}).get("freeze") or []
+    trained_now = [part for part in theirs
+                   if not any(part == ours or part.startswith(f"{ours}.") for ours in freeze)]
+    if global_batch_size is not None and trained_now:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by a run with model.freeze {list(theirs)}, "
+            f"this run has {list(freeze)}: {', '.join(trained_now)} would train, and a frozen "
+            "part has no optimizer state to resume. Resume with that model.freeze, or start a "
+            f"new run from its weights: model.init_from={directory} and another "
+            "checkpoint.dir")
     try:
         saved = dist_checkpointing.load_tensors_metadata(directory)
     except Exception as error:        # whatever unpickling a damaged index raises

@@ -232,7 +232,8 @@ class Trainer:
     def _resume(self, directory: str) -> None:
         meta = phase("checkpoint check", f"checkpoint {directory} checked",
                      lambda: checkpoint.check(directory, self.model,
-                                              self.cfg.train.global_batch_size))
+                                              self.cfg.train.global_batch_size,
+                                              self.cfg.model.freeze))
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
