@@ -235,6 +235,22 @@ def test_input_ids_are_the_published_processor_and_template(published, corpus):
                     for n in names]
         expected = processor(text=[text], images=pictures or None)["input_ids"][0]
         assert ours.tolist() == list(expected), record["id"]
+    # typed contents as a dataset gives them (the build's normalization): two adjacent text
+    # parts get what the template writes between them (nothing in Qwen's, a space after each
+    # in LLaVA-1.5's, a newline before each in llava-interleave's), not a separator of mimo's
+    from mimo_data.shards.records import normalize_messages
+    typed = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Look."},
+                                          {"type": "text", "text": "What is it?"}]},
+             {"role": "assistant", "content": [{"type": "text", "text": "A cat."},
+                                               {"type": "text", "text": "It sleeps."}]}]
+    photo = corpus / "images" / "chelsea.jpg"
+    sample = preprocessor.text_batch([{"key": "k", "messages": normalize_messages(typed),
+                                       "media": [media_item("image", photo.read_bytes(), 0)]}])[0]
+    text = processor.apply_chat_template(typed, tokenize=False)
+    if llava_1_5:
+        text = _after_each(text, ["It sleeps."], "</s>")
+    picture = ImageOps.exif_transpose(Image.open(photo)).convert("RGB")
+    assert sample.ids.tolist() == list(processor(text=[text], images=[picture])["input_ids"][0])
 
 
 def _after_each(text: str, answers: list[str], token: str) -> str:

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mimo_data.shards.format import TEXT_PART_BREAK
 from mimo_data.shards.records import normalize_messages
 
 from conftest import (all_samples, build_dataset, chat, cli_main, origin_of, read_json,
@@ -394,13 +395,14 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
     assert _media(record, members, "audio") == [assets["wav"].read_bytes()]
     assert _media(record, members, "video") == [clip.read_bytes()]
     # a marker and the text beside it as they are, as Qwen's templates write parts; two texts
-    # on lines of their own, as llava-hf's get them (one part between markers) and separate
+    # joined by the part break, which preprocessing makes what the run's template writes
+    # between them (tests/test_published_checkpoints.py)
     assert record["messages"][0]["content"] == (
         "<image><audio>Compare the image, the sound and the clip.<video><image>")
     assert normalize_messages([{"role": "user", "content": [
         {"type": "image"}, {"type": "text", "text": "Look."},
         {"type": "text", "text": "What is it?"}]}, turns[1]])[0]["content"] == \
-        "<image>Look.\nWhat is it?"
+        f"<image>Look.{TEXT_PART_BREAK}What is it?"
 
 
 def test_openai_media_parts_name_their_media(tmp_path, assets):

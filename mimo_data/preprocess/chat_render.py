@@ -113,6 +113,7 @@ class ChatRenderer:
         self._tool_probe_error: str | None = None
         self.has_generation_blocks = False
         self.generation_prompt = ""
+        self.part_joiner = "\n"            # caption mode joins the turns with newlines too
         self.contents_verbatim = True       # caption mode joins the contents as they are
         self.eos_appending: EosAppending = caption_appending(config.append_eos, self.eot)
         if config.mode == "chat":
@@ -135,6 +136,7 @@ class ChatRenderer:
             # template does not write it: the published processors encode the chat with it
             self.bos_text = added_bos(tokenizer)
             self.generation_prompt = self._generation_prompt()
+            self.part_joiner = self._part_joiner()
             modality_tokens = {m.token for m in config.modalities.values()}
             endings = answer_endings(self._render)
             ends = end_tokens(tokenizer, modality_tokens | set(MARKERS.values()))
@@ -211,6 +213,23 @@ class ChatRenderer:
         except TextError:
             return ""
         return prompted[len(without):] if prompted.startswith(without) else ""
+
+    def _part_joiner(self) -> str:
+        """What the template writes between two adjacent text parts of a content (nothing in
+        Qwen's, a space in LLaVA-1.5's, a newline in llava-interleave's), read from a probe;
+        a newline where it writes whitespace of no kind there (a template of string contents
+        only, which writes the list as it is) or fails on the probe."""
+        first, second = "\ue002first\ue003", "\ue002second\ue003"
+        parts = [{"type": "text", "text": first}, {"type": "text", "text": second}]
+        try:
+            text = self._compiled.render(
+                messages=[{"role": "user", "content": parts}], tools=None, documents=None,
+                add_generation_prompt=False, **self.template_kwargs)
+        except Exception:  # the template's own raise_exception(), jinja errors
+            return "\n"
+        start, end = text.find(first), text.find(second)
+        between = text[start + len(first):end] if 0 <= start < end else None
+        return between if between is not None and not between.strip() else "\n"
 
     def _for_template(self, messages):
         if not self.typed_contents:

@@ -74,7 +74,7 @@ class TextEncoder:
         self.renderer = ChatRenderer(config, self.tokenizer)
         self.answer_parts = AnswerParts(self.render, self.renderer.template)
         self.typed = TypedTokens(delimiter_tokens(self.tokenizer, self.renderer.template))
-        self.kinds = KindRenderer(config, self.tokenizer)
+        self.kinds = KindRenderer(config, self.tokenizer, self.renderer.part_joiner)
         self.pad_token_id = (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
                              else self.tokenizer.eos_token_id)
 

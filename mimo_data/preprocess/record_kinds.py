@@ -27,7 +27,7 @@ from mimo_data.modalities import MARKERS
 from mimo_data.preprocess.chat_render import TrainedSpan
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.tokenizer_loading import added_bos
-from mimo_data.shards.format import RECORD_KINDS, record_kind
+from mimo_data.shards.format import RECORD_KINDS, TEXT_PART_BREAK, record_kind
 
 Messages = Sequence[Mapping[str, Any]]
 _MARKER_SPLIT = re.compile("|".join(re.escape(marker) for marker in MARKERS.values()))
@@ -56,18 +56,21 @@ def trains_as(kind: str, config: PreprocessConfig) -> str:
 
 
 class KindRenderer:
-    """The rendering of every record kind for one config and tokenizer."""
+    """The rendering of every record kind for one config and tokenizer; a conversation's
+    adjacent text parts joined by ``part_joiner``, what its chat template writes between two
+    (``ChatRenderer.part_joiner``)."""
 
-    def __init__(self, config: PreprocessConfig, tokenizer):
+    def __init__(self, config: PreprocessConfig, tokenizer, part_joiner: str = "\n"):
         self.config = config
         self.bos = added_bos(tokenizer)
         self.eos = tokenizer.eos_token
+        self.part_joiner = part_joiner
 
     def encodable(self, record: Mapping[str, Any]) -> Messages | Rendered:
         """The record as the text encoder takes it: messages, or a ``Rendered`` text."""
         kind = kind_of(record)
         if kind == "conversation":
-            return record["messages"]
+            return self._joined(record["messages"])
         if kind == "caption" and self.config.captions.format == "chat":
             return self._caption_messages(record)
         prefix = MARKERS[_caption_item(record)] if kind == "caption" else ""
@@ -83,7 +86,7 @@ class KindRenderer:
         text's)."""
         kind = kind_of(record)
         if kind == "conversation":
-            return record["messages"]
+            return self._joined(record["messages"])
         if kind == "caption":
             if self.config.captions.format == "chat":
                 return self._caption_messages(record)
@@ -91,6 +94,17 @@ class KindRenderer:
                     {"role": "assistant", "content": _text(record)}]
         return [{"role": "assistant", "content": piece}
                 for piece in _MARKER_SPLIT.split(_text(record)) if piece.strip()]
+
+    def _joined(self, messages: Messages) -> Messages:
+        """``messages`` with each ``TEXT_PART_BREAK`` in a content replaced by the template's
+        joiner (the same list where there is none: most records)."""
+        if not any(TEXT_PART_BREAK in content for message in messages
+                   if isinstance(content := message.get("content"), str)):
+            return messages
+        return [{**message, "content": message["content"].replace(TEXT_PART_BREAK,
+                                                                  self.part_joiner)}
+                if isinstance(message.get("content"), str) else message
+                for message in messages]
 
     def _caption_messages(self, record: Mapping[str, Any]) -> Messages:
         modality = _caption_item(record)

@@ -43,6 +43,12 @@ reading order (messages in order, left to right) is the i-th image item; the sam
 ``<audio>`` and ``<video>`` (``KEY.vid0.mp4``, with its codec, frame rate, frame count and
 display rotation). Media items are listed in marker order.
 
+Two adjacent text parts of a content given as typed parts are joined by ``TEXT_PART_BREAK``
+(a private-use character, 2026-12-01; before, a newline): what a chat template writes
+between them is its own (nothing in Qwen's, a space after each in LLaVA-1.5's, a newline
+before each in llava-interleave's), so preprocessing puts it there for the run's template. A
+mimo older than this trains the character as text.
+
 Tool use (2026-12-01; before, such records were skipped as ``tool_use``): an assistant
 message's ``tool_calls`` (``{"type": "function", "function": {"name": ..., "arguments":
 {...}}}``, arguments an object), a tool's turn as role ``tool`` (with its ``name`` and
@@ -172,6 +178,8 @@ RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 
 ROLES = ("system", "user", "assistant", "tool")
+# between two adjacent text parts of a content (the module docstring)
+TEXT_PART_BREAK = "\ue00b"
 def shard_name(name: str, index: int) -> str:
     """File name of shard ``index`` of dataset ``name``."""
     return f"{name}-{index:06d}.tar"

@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mimo_data.modalities import MARKERS
-from mimo_data.shards.format import MARKERS_PLACED_FIRST, VIDEOS_MARKED_AS_IMAGES
+from mimo_data.shards.format import (MARKERS_PLACED_FIRST, TEXT_PART_BREAK,
+                                     VIDEOS_MARKED_AS_IMAGES)
 from mimo_data.tally import CountedError
 
 # ShareGPT/LLaVA speaker names and OpenAI/HF roles, mapped to the roles we store: a tool's
@@ -38,9 +39,8 @@ def _content_text(content) -> str:
     """Message content as text: a string, or HF-style parts with media parts (``{"type":
     "image"}``, ``"audio"``, ``"video"``; OpenAI's, ``PART_MODALITIES``) as their markers, a
     marker and the text beside it as they are (as Qwen's templates write parts, nothing
-    between them), two texts on lines of
-    their own (where llava-hf's typed-content templates, which get the text between markers
-    as one part, write a separator)."""
+    between them), two texts joined by ``TEXT_PART_BREAK`` (what a template writes between
+    them is its own: preprocessing puts it there)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -49,7 +49,7 @@ def _content_text(content) -> str:
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                pieces += ["\n", part["text"]] if texts else [part["text"]]
+                pieces += [TEXT_PART_BREAK, part["text"]] if texts else [part["text"]]
                 texts = True
             elif kind in PART_MODALITIES:
                 pieces.append(MARKERS[PART_MODALITIES[kind]])
