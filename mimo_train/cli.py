@@ -63,8 +63,9 @@ def main(argv=None) -> int:
         parser.error("--config is required (or --preprocessing-for)")
     try:
         cfg = TrainConfig.load(args.config, args.overrides)
-        from mimo_train.plan import resolve
+        from mimo_train.plan import check_training, resolve
         plan = resolve(cfg)             # what the run builds, from the checkpoints it names
+        check_training(plan)
     except TrainConfigError as error:
         return console.fail_before_setup("config", error)
     start = time.perf_counter()

@@ -145,7 +145,9 @@ def test_the_first_token_after_the_generation_prompt_is_trained(tokenizer, answe
     template's render of the turns before the answer with ``add_generation_prompt``, by the
     tokenizer's own encoding). That first token is what the model writes first at inference:
     LLaVA-1.5's space after ``ASSISTANT:`` where it is a token of its own (before a digit),
-    llava-interleave's newline that opens its ``{% generation %}`` block."""
+    llava-interleave's newline that opens its ``{% generation %}`` block (the replica's
+    tokenizer keeps it a token of its own; Qwen's, which the published one is, merges it with
+    the prompt's newline into a token left untrained)."""
     from transformers import AutoProcessor
     processor = AutoProcessor.from_pretrained(tokenizer)
     turns = [("user", "How many cats?"), ("assistant", answer), ("user", "And dogs?"),

@@ -94,6 +94,13 @@ def test_activation_bytes_by_hand():
     assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, varlen) == 192000
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, varlen) == 204800
     assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, bf16) == 217600
+    # tp4: a rank keeps one of the two groups whole (not half of one): q and the output
+    # 4 a / 4 = 64, keys and values 4 x 16; cp4 repeats each group twice (4 to split over 4)
+    assert mem.rank_groups(grouped, tp=4) == (1, 1) and mem.rank_groups(grouped, cp=4) == (2, 2)
+    assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, varlen, tp=4) == \
+        (512 + 64 + 64 + 1024 / 4) * 100
+    assert mem.layer_activation_bytes(grouped, 100, 100 ** 2, varlen, cp=4) == \
+        (512 + 256 + 256 + 1024) * 100
     # the local attention keeps the scores (5 heads s^2 = 5 x 4 x 10000), not an output
     scores = mem.Settings("bf16", attention_scores=True)
     assert mem.layer_activation_bytes(STACK, 100, 100 ** 2, scores) == 204800 + 200000
@@ -437,6 +444,19 @@ def test_the_advisor_counts_a_config_s_loss_in_chunks(model_yaml):
     assert memory[16].activations == memory[0].activations       # the hidden states' gradient
     assert memory[16].temporary < memory[0].temporary
     assert memory[16].total < memory[0].total
+    # the kernel the run's attention gets: varlen with model.attention auto in bf16 (the
+    # towers', and with packing the language model's rows), SDPA in fp32
+    for precision, attention, varlen in (("bf16", "auto", True), ("fp32", "auto", False),
+                                         ("fp32", "varlen", True), ("bf16", "sdpa", False)):
+        config["train"] = {**config.get("train", {}), "precision": precision}
+        config["model"]["attention"] = attention
+        chunked.write_text(yaml.safe_dump(config))
+        model = read_model(str(chunked), str(preprocess), preprocessing, work["modalities"])
+        for packing in (False, True):
+            tried = settings_of(model, layout, AdvisorRequest(str(chunked), str(preprocess), 4),
+                                packing)
+            assert {(s.tower_varlen, s.varlen_rows) for s in tried} == {
+                (varlen, varlen and packing)}, (precision, attention, packing)
 
 
 # ------------------------------------------------------------------------------ the command

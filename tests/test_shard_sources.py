@@ -407,12 +407,15 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
 
 def test_openai_media_parts_name_their_media(tmp_path, assets):
     """OpenAI's vision and audio fine-tuning forms: ``image_url`` parts whose URL is a base64
-    ``data:`` URL, a ``file://`` URL or a path (also as the bare string, as vLLM takes it),
-    ``input_audio`` parts with base64 data; each is its marker in the text. An http(s) URL is
-    refused as before (mimo downloads nothing), broken base64 as malformed, each counted."""
+    ``data:`` URL (line-wrapped too), a ``file://`` URL (percent-encoded) or a path (also as
+    the bare string, as vLLM takes it), ``input_audio`` parts with base64 data; each is its
+    marker in the text. An http(s) URL is refused as before (mimo downloads nothing), broken
+    base64 and a file URL naming a host as malformed, each counted."""
     import base64
     shutil.copy(assets["jpeg"], tmp_path / "photo.jpg")
+    shutil.copy(assets["jpeg"], tmp_path / "my photo.jpg")
     jpeg = base64.b64encode(assets["jpeg"].read_bytes()).decode()
+    wrapped = "\n".join(jpeg[i:i + 76] for i in range(0, len(jpeg), 76))    # MIME's lines
     wav = base64.b64encode(assets["wav"].read_bytes()).decode()
 
     def record(key, *parts):
@@ -427,19 +430,25 @@ def test_openai_media_parts_name_their_media(tmp_path, assets):
         record("file", image(f"file://{tmp_path / 'photo.jpg'}")),
         record("path", {"type": "image_url", "image_url": "photo.jpg"}),
         record("audio", {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}}),
+        record("wrapped", image(f"data:image/jpeg;BASE64,{wrapped}")),
+        record("spaced", image(f"file://{tmp_path / 'my%20photo.jpg'}")),
         record("web", image("https://example.com/photo.jpg")),
-        record("broken", image("data:image/jpeg;base64,@@@"))])
+        record("broken", image("data:image/jpeg;base64,@@@")),
+        record("host", image("file://photo.jpg")),
+        record("noise", {"type": "input_audio", "input_audio": {"data": "@@", "format": "wav"}})])
     build_dataset([path], tmp_path / "out")
     report = read_json(tmp_path / "out" / "report.json")
     skipped = report["skipped_by_reason"]
     assert {reason: found["count"] for reason, found in skipped.items()} == {
-        "missing_media": 1, "malformed_record": 1}
+        "missing_media": 1, "malformed_record": 3}
     assert "is a URL, which mimo does not download" in \
         skipped["missing_media"]["first"][0]["detail"]
-    assert "not valid base64" in skipped["malformed_record"]["first"][0]["detail"]
+    details = [found["detail"] for found in skipped["malformed_record"]["first"]]
+    assert "not valid base64" in details[0] and "not valid base64" in details[2]
+    assert "names the host 'photo.jpg': a file URL is file:///absolute/path" in details[1]
     samples = _samples_by_id(tmp_path / "out")
-    assert sorted(samples) == ["audio", "data", "file", "path"]
-    for key in ("data", "file", "path"):
+    assert sorted(samples) == ["audio", "data", "file", "path", "spaced", "wrapped"]
+    for key in ("data", "file", "path", "spaced", "wrapped"):
         found, members = samples[key]
         assert found["messages"][0]["content"] == "<image>What is it?"
         assert _media(found, members, "image") == [assets["jpeg"].read_bytes()]

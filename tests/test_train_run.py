@@ -944,7 +944,7 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
     same freeze, or more frozen, it passes the check."""
     from types import SimpleNamespace
 
-    from mimo_train.components.checkpoint import check
+    from mimo_train.components.checkpoint import _check_frozen, check
     from mimo_train.errors import CheckpointError
 
     step = frozen["after"]
@@ -955,10 +955,18 @@ def test_resuming_a_frozen_part_as_trained_is_refused_in_config_terms(frozen):
             check(str(step), model, 4, freeze)
         assert str(refused.value).startswith(
             f"checkpoint {step} was saved by a run with model.freeze ['image'], this run has "
-            f"{freeze}: image would train, and a frozen part has no optimizer state to resume")
+            f"{freeze}: image would train (or be adapted), and a frozen part has no optimizer "
+            "state to resume")
         assert f"model.init_from={step}" in str(refused.value)
     assert check(str(step), model, 4, ["image"])["step"] == 1
     assert check(str(step), model, 4, ["image", "audio"])["step"] == 1
+    # a part the checkpoint holds no weights of (a projection none) froze nothing there
+    meta = json.loads((step / "meta.json").read_text())
+    meta["config"]["model"]["freeze"] = ["image.projection"]
+    _check_frozen(str(step), meta, {"modality_submodules.image.module.encoders.x": None}, [])
+    with pytest.raises(CheckpointError, match="image.projection would train"):
+        _check_frozen(str(step), meta, {"modality_submodules.image.module.input_projections.x":
+                                        None}, [])
     assert check(str(step), model, None)["step"] == 1         # model.init_from: any freeze
 
 

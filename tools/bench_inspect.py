@@ -49,7 +49,7 @@ def _new_pieces(reader: ShardReader, text) -> list[list[str]]:
     for chunk in range(0, len(reader), TEXT_BATCH):
         batch = []
         for position in range(chunk, min(len(reader), chunk + TEXT_BATCH)):
-            rendered = text.render(reader.record(position)["messages"])[0]
+            rendered = text.render(text.kinds.roles(reader.record(position)))[0]
             for piece in text.backend._split(rendered):
                 if piece and piece not in seen:
                     seen.add(piece)

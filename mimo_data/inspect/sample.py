@@ -22,6 +22,7 @@ from mimo_data.preprocess.chat_tokens import ItemTokens, TextError
 from mimo_data.modalities import MODALITIES
 from mimo_data.inspect.stats import SampleInspector, SampleStats, expected_item_tokens
 from mimo_data.preprocess.preprocessor import Record, Sample
+from mimo_data.shards.format import TEXT_PART_BREAK
 
 ANSI = {"trained": "\033[1;32m", "prompt": "\033[37m",
         **{name: m.ansi_color for name, m in MODALITIES.items()}, "padding": "\033[90m"}
@@ -99,7 +100,9 @@ def _messages_view(record: Record, note: str) -> TokenView:
         return TokenView([TokenRun("prompt", f"[{record['kind']}] {record.get('text')}", 0)],
                          note)
     try:
-        text = "\n".join(f"[{m.get('role')}] {m.get('content')}" + "".join(
+        # adjacent text parts on lines of their own (the template's joiner needs the template)
+        text = "\n".join(f"[{m.get('role')}] " + str(m.get("content")).replace(
+            TEXT_PART_BREAK, "\n") + "".join(
             f"\n  {key}: {json.dumps(m[key], ensure_ascii=False)}"
             for key in ("tools", "tool_calls") if m.get(key))
             for m in record.get("messages") or [])

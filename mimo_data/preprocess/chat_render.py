@@ -3,9 +3,10 @@ plain concatenation (``caption`` mode); media markers stay in the text.
 
 The trained spans come from the template itself: its ``{% generation %}`` blocks when it has
 them, otherwise incremental rendering (the text an assistant turn adds after the generation
-prompt). Each span starts where the generation prompt before it ends (a block's span reaches
-back over the whitespace between them: what the model writes first at inference) and runs to
-its end-of-turn token, inclusive; where the template writes none and
+prompt). Each span runs to its end-of-turn token, inclusive; a span the template writes no
+such token in (llava-hf's blocks) starts where the generation prompt before it ends, over the
+whitespace between them (what the model writes first at inference); where the template writes
+none and
 ``append_eos`` is on (``end_of_turn``), to the answer's end, and the EOS token is appended
 after it. A template that does not re-render the same prefix is an error naming the sample,
 never a silently wrong mask.
@@ -190,45 +191,42 @@ class ChatRenderer:
     def _bos(self, text: str) -> str:
         return "" if text.startswith(self.bos_text) else self.bos_text
 
+    def _probe(self, content, generation_prompt: bool = False) -> str | None:
+        """The template's render of one user message of ``content`` as given (a string or typed
+        parts), or None where it refuses it (its own raise_exception(), jinja errors)."""
+        try:
+            return self._compiled.render(
+                messages=[{"role": "user", "content": content}], tools=None, documents=None,
+                add_generation_prompt=generation_prompt, **self.template_kwargs)
+        except Exception:  # a template that refuses the probe: no evidence either way
+            return None
+
     def _takes_typed_contents(self) -> bool:
         """Whether the template drops a plain string content but writes a typed text part."""
         probe = "\ue002probe\ue003"
-
-        def writes(content) -> bool:
-            try:
-                return probe in self._compiled.render(
-                    messages=[{"role": "user", "content": content}], tools=None,
-                    documents=None, add_generation_prompt=False, **self.template_kwargs)
-            except Exception:  # a template that refuses the probe: no evidence either way
-                return False
-        return not writes(probe) and writes([{"type": "text", "text": probe}])
+        return probe not in (self._probe(probe) or "") and \
+            probe in (self._probe([{"type": "text", "text": probe}]) or "")
 
     def _generation_prompt(self) -> str:
         """What the template writes to prompt an answer (``add_generation_prompt``), read from
         a probe conversation; "" where it writes none or fails on the probe."""
-        probe = [{"role": "user", "content": "\ue002probe\ue003"}]
-        try:
-            without, prompted = (self._render(probe, generation_prompt=flag)
-                                 for flag in (False, True))
-        except TextError:
+        (content,) = (m["content"] for m in self._for_template([{"role": "user",
+                                                                 "content": "probe"}]))
+        without, prompted = (self._probe(content, flag) for flag in (False, True))
+        if without is None or prompted is None or not prompted.startswith(without):
             return ""
-        return prompted[len(without):] if prompted.startswith(without) else ""
+        return prompted[len(without):]
 
     def _part_joiner(self) -> str:
         """What the template writes between two adjacent text parts of a content (nothing in
-        Qwen's, a space in LLaVA-1.5's, a newline in llava-interleave's), read from a probe;
-        a newline where it writes whitespace of no kind there (a template of string contents
-        only, which writes the list as it is) or fails on the probe."""
+        Qwen's, a space in LLaVA-1.5's, a newline in llava-interleave's), read from a probe; a
+        newline where what it writes there is not whitespace alone (a template of string
+        contents only writes the list as it is) or it fails on the probe."""
         first, second = "\ue002first\ue003", "\ue002second\ue003"
-        parts = [{"type": "text", "text": first}, {"type": "text", "text": second}]
-        try:
-            text = self._compiled.render(
-                messages=[{"role": "user", "content": parts}], tools=None, documents=None,
-                add_generation_prompt=False, **self.template_kwargs)
-        except Exception:  # the template's own raise_exception(), jinja errors
-            return "\n"
-        start, end = text.find(first), text.find(second)
-        between = text[start + len(first):end] if 0 <= start < end else None
+        text = self._probe([{"type": "text", "text": first}, {"type": "text", "text": second}])
+        start, end = (-1, -1) if text is None else (text.find(first), text.find(second))
+        between = text[start + len(first):end] if text is not None and 0 <= start < end \
+            else None
         return between if between is not None and not between.strip() else "\n"
 
     def _for_template(self, messages):
@@ -358,7 +356,9 @@ class ChatRenderer:
         # The assistant's text (a {% generation %} block's, or what the turn adds) from the end
         # of the generation prompt before it (what the model writes first at inference: the
         # space after LLaVA-1.5's "ASSISTANT:", the newline llava-interleave's blocks open
-        # with), without the template's whitespace after it, and the end-of-turn token right
+        # with; a token that merges it with the prompt's own, as Qwen's tokenizer merges two
+        # newlines, stays untrained: ``trained_spans``), without the template's whitespace
+        # after it, and the end-of-turn token right
         # after it if the template writes one there (llava-hf's Qwen template); else the
         # appended EOS, if on (LLaVA-1.5's turns end with a space). An empty answer's span is
         # empty.

@@ -11,7 +11,6 @@ pyarrow one row group at a time, so embedded media never sit in memory all at on
 
 from __future__ import annotations
 
-import base64
 import codecs
 import functools
 import json
@@ -99,19 +98,14 @@ def _part_item(part: dict, kind: str):
     "path": ...}``; OpenAI's ``{"type": "image_url", "image_url": {"url": ...}}`` (or the URL
     alone; ``video_url`` alike), a URL being a path, ``file://`` or ``data:`` one (read where
     every reference is: ``validate``); OpenAI's ``{"type": "input_audio", "input_audio":
-    {"data": <base64>, "format": "wav"}}`` as its bytes."""
+    {"data": <base64>, "format": "wav"}}`` as the ``data:`` URL of its bytes."""
     if kind in MODALITIES:
         return next((part[key] for key in _part_keys(kind) if part.get(key) is not None), None)
     value = part.get(kind)
     if kind == "input_audio":
-        data = value.get("data") if isinstance(value, dict) else None
-        if not isinstance(data, str):
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
             return None
-        try:
-            return {"bytes": base64.b64decode(data, validate=True)}
-        except ValueError:
-            raise RecordError("malformed_record", "an input_audio part's 'data' is not "
-                              "base64") from None
+        return f"data:audio/{value.get('format', '')};base64,{value['data']}"
     url = value.get("url") if isinstance(value, dict) else value
     return url if isinstance(url, str) and url else None
 
@@ -125,7 +119,9 @@ def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
         named = [item for item in items if item is not None]
         if not named:
             continue
-        keys = "/".join(map(repr, _part_keys(modality)))
+        openai = [kind for kind, of in PART_MODALITIES.items() if of == modality and kind != of]
+        keys = "/".join(map(repr, _part_keys(modality))) + "".join(
+            f", or {kind}'s url" for kind in openai)
         if media.get(modality):
             raise RecordError("malformed_record", f"the record has both top-level "
                               f"{media_field(modality)!r}/{modality!r} items and {modality} "

@@ -97,7 +97,12 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
     if path.startswith("data:"):            # an inline item (OpenAI's image_url parts)
         return _data_url(path), None, None, False
     if path.startswith("file://"):
-        path = urllib.parse.unquote(urllib.parse.urlsplit(path).path)
+        url = urllib.parse.urlsplit(path)
+        if url.netloc not in ("", "localhost"):
+            raise RecordError("malformed_record", f"{path[:100]!r} names the host "
+                              f"{url.netloc!r}: a file URL is file:///absolute/path (or give "
+                              "the path itself, relative to the input file or --media-root)")
+        path = urllib.parse.unquote(url.path)
     if path.lower().startswith(("http://", "https://")):    # joined to the root: nonsense
         raise RecordError("missing_media", f"{path[:100]!r} is a URL, which mimo does not "
                           "download: fetch it first (e.g. img2dataset) and give paths or bytes")
@@ -130,10 +135,10 @@ def _data_url(url: str) -> bytes:
     if not comma:
         raise RecordError("malformed_record", f"data URL {url[:60]!r}... has no ',' before "
                           "its data")
-    if not header.endswith(";base64"):
+    if not header.lower().endswith(";base64"):
         return urllib.parse.unquote_to_bytes(data)
-    try:
-        return base64.b64decode(data, validate=True)
+    try:                        # line-wrapped base64 (76 columns, as MIME writes it) too
+        return base64.b64decode("".join(data.split()), validate=True)
     except ValueError:
         raise RecordError("malformed_record", f"data URL {url[:60]!r}... is not valid "
                           "base64") from None

@@ -56,6 +56,7 @@ from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, common_as
                                                    lr_bounds_as, main_weights_from)
 from mimo_train.errors import CheckpointError, IntegrityError
 from mimo_train.model.lora import is_adapter
+from mimo_train.plan.parts import ENCODER_PARTS
 from mimo_train.runtime import distributed
 from mimo_train.runtime.console import PREFIX, say
 from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
@@ -373,16 +374,6 @@ def check(directory: str, model, global_batch_size: int | None,
             f"{meta.get('global_batch_size')}, this run has {global_batch_size}: resuming the "
             "sample stream needs the same global batch size; to start a new run from its "
             f"weights use model.init_from={directory} and a new checkpoint.dir")
-    theirs = ((meta.get("config") or {}).get("model") or {}).get("freeze") or []
-    trained_now = [part for part in theirs
-                   if not any(part == ours or part.startswith(f"{ours}.") for ours in freeze)]
-    if global_batch_size is not None and trained_now:
-        raise CheckpointError(
-            f"checkpoint {directory} was saved by a run with model.freeze {list(theirs)}, "
-            f"this run has {list(freeze)}: {', '.join(trained_now)} would train, and a frozen "
-            "part has no optimizer state to resume. Resume with that model.freeze, or start a "
-            f"new run from its weights: model.init_from={directory} and another "
-            "checkpoint.dir")
     try:
         saved = dist_checkpointing.load_tensors_metadata(directory)
     except Exception as error:        # whatever unpickling a damaged index raises
@@ -394,6 +385,8 @@ def check(directory: str, model, global_batch_size: int | None,
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     _check_modules(directory, model, saved, global_batch_size is not None)
+    if global_batch_size is not None:
+        _check_frozen(directory, meta, saved, freeze)
     missing = sorted(set(wanted) - set(saved))
     if missing:
         pretrained = (meta.get("config") or {}).get("model", {}).get("pretrained")
@@ -461,6 +454,24 @@ def _check_modules(directory: str, model, saved, resuming: bool) -> None:
             "state. Resume with a layout and model.encoders that have them, or start a new "
             f"run from the weights of the modules you keep: model.init_from={directory} and "
             "another checkpoint.dir")
+
+
+def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> None:
+    """To resume, no part the checkpoint's run froze (and holds weights of: a projection
+    ``none`` has none) trains now, or is adapted: a frozen part has no optimizer state."""
+    theirs = ((meta.get("config") or {}).get("model") or {}).get("freeze") or []
+    held = _saved_modules(saved) | {
+        f"{module}.{part}" for module, rest in filter(None, map(_module_of, saved))
+        for part, prefix in ENCODER_PARTS.items() if rest.startswith(prefix)}
+    trained_now = [part for part in theirs if part in held and not any(
+        part == ours or part.startswith(f"{ours}.") for ours in freeze)]
+    if trained_now:
+        raise CheckpointError(
+            f"checkpoint {directory} was saved by a run with model.freeze {list(theirs)}, "
+            f"this run has {list(freeze)}: {', '.join(trained_now)} would train (or be "
+            "adapted), and a frozen part has no optimizer state to resume. Resume with that "
+            f"model.freeze, or start a new run from its weights: model.init_from={directory} "
+            "and another checkpoint.dir")
 
 
 def _check_adapters(directory: str, wanted: set, saved, meta: dict) -> None:

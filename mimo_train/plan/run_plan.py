@@ -159,7 +159,6 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
     plan = RunPlan(cfg, preprocess, layout, vlm, language,
                    model.projection or (vlm.projection if vlm else "linear"),
                    encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
-    _check_frozen(plan)
     check(plan.facts, layout, plan.settings)
     return plan
 
@@ -173,10 +172,11 @@ def _trains_nothing(plan: RunPlan, module: str) -> bool:
     return None in parts or ("encoder" in parts and plan.projection == "none")
 
 
-def _check_frozen(plan: RunPlan) -> None:
+def check_training(plan: RunPlan) -> None:
     """``TrainConfigError`` for a ``model.freeze`` entry that freezes nothing (a projection
     the model has none of), ``optimizer.modules`` settings of a module nothing of which
-    trains (they would be ignored), and a run in which nothing trains."""
+    trains (they would be ignored), and a run in which nothing trains. The trainer's start-up
+    runs it, not ``resolve``: a checkpoint's saved config still exports and plans."""
     cfg = plan.config
     for part in plan.frozen:
         if part.part == "projection" and plan.projection == "none":

@@ -47,11 +47,12 @@ attention and gated MLPs), in bytes at bf16 (× w / 2 at another precision)::
       fused kernel's own output 2a (flash, sdpa: kept for its backward; the local attention
       keeps the scores instead); packed rows on the varlen kernel (``Settings.varlen_rows``)
       4·a + 4·g: Q, the output (the projection's input), K and V as their groups (the
-      kernel takes them unrepeated, the values a copy); the MLP: c = 4 (2f activation
-      input, 2f second matmul input), gated c = 6 (megatron-core's fused SwiGLU: the gate
-      and up outputs 2·2f, the second matmul's input 2f); a transformers tower keeps the
-      same (its QuickGELU, Qwen2.5-VL's RMSNorm and gated SiLU as ``model.tower_fusions``
-      runs them) but in its attention
+      kernel takes them unrepeated, the values a copy; a tp rank keeps one group at least,
+      and context parallelism repeats them to a multiple of cp: ``rank_groups``); the MLP:
+      c = 4 (2f activation input, 2f second matmul input), gated c = 6 (megatron-core's
+      fused SwiGLU: the gate and up outputs 2·2f, the second matmul's input 2f); a
+      transformers tower keeps the same (its QuickGELU, Qwen2.5-VL's RMSNorm and gated SiLU
+      as ``model.tower_fusions`` runs them) but in its attention
       (``Stack.attention_kept``: SDPA 10·a; the Qwen family's varlen 8·a;
       tests/test_planning.py counts what autograd saves)
     attention scores          5·heads·Σ s² ÷ TP (softmax 2, its dropout 2 + mask 1, per pair)
@@ -322,15 +323,25 @@ def language_state_bytes(stack: Stack, settings: Settings, tp: int = 1, pp: int 
 
 # -------------------------------------------------------------------------- activations
 
+def rank_groups(stack: Stack, tp: int = 1, cp: int = 1) -> tuple[int, int]:
+    """A tp rank's key/value groups (at least one: megatron-core keeps a group whole) and how
+    many times context parallelism repeats each, the fewest that make their count a multiple
+    of ``cp`` (``mcore.context_parallel.heads_for``)."""
+    heads, groups = stack.heads // tp, max(1, stack.query_groups // tp)
+    repeat = next((r for r in range(1, heads // groups + 1)
+                   if (heads // groups) % r == 0 and (groups * r) % cp == 0), heads // groups)
+    return groups, repeat
+
+
 def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings: Settings,
                            tp: int = 1, sequence_parallel: bool = False, kind: str = FULL,
                            chunked: float | None = None, ep: int = 1,
-                           etp: int | None = None) -> float:
+                           etp: int | None = None, cp: int = 1) -> float:
     """Bytes one layer of ``kind`` keeps for a micro-batch of ``tokens`` positions whose
     samples' squared lengths sum to ``squares`` (a gated delta-net: whose samples padded to
     whole chunks make ``chunked`` positions; default ``tokens``), without recompute (the
     module docstring's formulas); a mixture of experts laid over ``ep`` x ``etp`` ranks
-    (``etp`` None: tp)."""
+    (``etp`` None: tp); under ``cp``-way context parallelism, ``tokens`` a rank's share."""
     h, f = stack.hidden, stack.ffn_hidden
     a = stack.heads * stack.kv_channels
     outside = 8 * h * tokens / (tp if sequence_parallel else 1)
@@ -355,7 +366,8 @@ def layer_activation_bytes(stack: Stack, tokens: float, squares: float, settings
     if stack.attention_kept:
         core = stack.attention_kept * a
     elif settings.varlen_rows and not settings.attention_scores:
-        core = 4 * a + 4 * stack.query_groups * stack.kv_channels
+        groups, repeat = rank_groups(stack, tp, cp)     # a rank's (÷ tp below)
+        core = 4 * a + 4 * groups * repeat * tp * stack.kv_channels
     else:
         core = 8 * a + (0 if settings.attention_scores else 2 * a)
     inside = (core + gate + mlp) * tokens / tp
@@ -382,16 +394,16 @@ def delta_net_bytes(stack: Stack, tokens: float, chunked: float, width: int) -> 
 def stack_activation_bytes(stack: Stack, layers: int | range, tokens: float, squares: float,
                            settings: Settings, tp: int = 1, sequence_parallel: bool = False,
                            chunked: float | None = None, ep: int = 1,
-                           etp: int | None = None) -> float:
+                           etp: int | None = None, cp: int = 1) -> float:
     """``layers`` layers' activations (a count: the stack's first ones; or the range of them)
-    for one micro-batch under the settings' recompute (``chunked``, ``ep``, ``etp``:
+    for one micro-batch under the settings' recompute (``chunked``, ``ep``, ``etp``, ``cp``:
     ``layer_activation_bytes``'s)."""
     recompute = settings.recompute
     held = range(layers) if isinstance(layers, int) else layers
     if len(held) <= 0:
         return 0.0
     whole = {kind: layer_activation_bytes(stack, tokens, squares, settings, tp,
-                                          sequence_parallel, kind, chunked, ep, etp)
+                                          sequence_parallel, kind, chunked, ep, etp, cp)
              for kind in stack.kinds(held)}
     if recompute == "full":
         inputs = 2 * stack.hidden * tokens / (tp if sequence_parallel else 1) * \
@@ -420,7 +432,7 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     layers = stack.stage_layers(pp, stage)
     chunked = chunked_positions(lengths) if stack.linear is not None else None
     found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
-                                               chunked, ep, etp)
+                                               chunked, ep, etp, cp)
     if stage == pp - 1:
         found += tokens * stack.hidden * settings.width
     return found

@@ -3,7 +3,8 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
 
 - ``env``: versions, the GPU, and a bf16 matmul's TFLOP/s (8192^3, the practical peak);
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
-  ``varlen_attn`` over three causal samples against SDPA on each sample alone, the image
+  ``varlen_attn`` over three causal samples against SDPA on each sample alone (and on a packed
+  8k row of grouped queries, the groups unrepeated against repeated), the image
   tower under mimo's varlen attention and fused elementwise regions against transformers' SDPA
   (``tower_varlen``), each fused region's compiled kernel against its formula (``fusions``),
   the gated delta-net's kernels (``delta_net``) as mimo's layer calls them

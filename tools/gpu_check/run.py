@@ -690,8 +690,7 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
     settings = Settings(model.precision, recompute=recompute, tower_recompute=tower_recompute,
                         attention_scores=model.attention_scores,
                         loss_chunk_tokens=model.loss_chunk_tokens,
-                        tower_varlen=model.tower_varlen,
-                        varlen_rows=model.tower_varlen and packed)
+                        **model.kernel_settings(packed))
     result = advisor.evaluate(Candidate(Layout.parse(LAYOUTS[check.video]), settings))
     (memory,) = result.memory.values()            # one rank: the colocated modules
     return round(result.peak_bytes / 2**20, 1), {

@@ -189,8 +189,7 @@ def _tried(model: Model, layout: Layout, request: AdvisorRequest, packing: bool
         model.passes.get(f"{e.name}.encoder", 3) > 1 for e in layout.encoders) else (None,)
     split = _split_media(model, request)
     return [[mem.Settings(model.precision, d, r, sp, model.attention_scores,
-                          model.loss_chunk_tokens, t, media, model.tower_varlen,
-                          model.tower_varlen and packing)
+                          model.loss_chunk_tokens, t, media, **model.kernel_settings(packing))
              for media in alternatives for sp in parallel]
             for d in distributed for r in recompute
             for t in (towers if r != "full" else (None,)) for alternatives in split]

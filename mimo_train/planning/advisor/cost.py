@@ -467,9 +467,8 @@ def context_traffic(stack: Stack, positions: float, width: int, tp: int = 1,
     times that make them a multiple of cp (``context_parallel.heads_for``). 0 at cp 1."""
     if cp == 1:
         return 0.0
-    heads, groups = stack.heads // tp, max(1, stack.query_groups // tp)
-    repeat = next((r for r in range(1, heads // groups + 1)
-                   if (heads // groups) % r == 0 and (groups * r) % cp == 0), heads // groups)
+    heads = stack.heads // tp
+    groups, repeat = mem.rank_groups(stack, tp, cp)
     # forward: q and the output (heads each), k and v (their repeated groups each); backward
     # the same again
     values = 2 * (2 * heads + 2 * groups * repeat) * stack.kv_channels * positions / cp

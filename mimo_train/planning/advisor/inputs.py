@@ -68,8 +68,14 @@ class Model:
     rule_settings: rules.Settings = field(default_factory=rules.Settings)
     loss_chunk_tokens: int = 0                        # model.language.loss_chunk_tokens
     split_media: bool = False                         # a training YAML's data.split_media
-    # the Qwen-family towers on mimo's varlen kernel (model.attention auto / varlen)
-    tower_varlen: bool = True
+    # torch's varlen kernel (model.attention varlen, or auto in bf16): the Qwen-family towers
+    # on it, and with packing the language model's rows
+    varlen_kernel: bool = True
+
+    def kernel_settings(self, packing: bool) -> dict[str, bool]:
+        """``memory.Settings``' kernel fields for a run with or without ``packing``."""
+        return {"tower_varlen": self.varlen_kernel,
+                "varlen_rows": self.varlen_kernel and packing}
 
     def parameters(self, module: str) -> int:
         if module == LANGUAGE:
@@ -144,7 +150,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                  cfg.model.attention == "local", cfg.data.packing if yaml else None,
                  tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
                  plan.language.loss_chunk_tokens, split_media,
-                 tower_varlen=cfg.model.attention in ("auto", "varlen"))
+                 varlen_kernel=cfg.model.attention == "varlen" or (
+                     cfg.model.attention == "auto" and cfg.train.precision == "bf16"))
 
 
 # ---------------------------------------------------------------------------- the work
