@@ -210,8 +210,7 @@ class ChatRenderer:
     def _generation_prompt(self) -> str:
         """What the template writes to prompt an answer (``add_generation_prompt``), read from
         a probe conversation; "" where it writes none or fails on the probe."""
-        (content,) = (m["content"] for m in self._for_template([{"role": "user",
-                                                                 "content": "probe"}]))
+        content = self._for_template([{"role": "user", "content": "probe"}])[0]["content"]
         without, prompted = (self._probe(content, flag) for flag in (False, True))
         if without is None or prompted is None or not prompted.startswith(without):
             return ""
@@ -224,10 +223,9 @@ class ChatRenderer:
         contents only writes the list as it is) or it fails on the probe."""
         first, second = "\ue002first\ue003", "\ue002second\ue003"
         text = self._probe([{"type": "text", "text": first}, {"type": "text", "text": second}])
-        start, end = (-1, -1) if text is None else (text.find(first), text.find(second))
-        between = text[start + len(first):end] if text is not None and 0 <= start < end \
-            else None
-        return between if between is not None and not between.strip() else "\n"
+        _, found, after = (text or "").partition(first)
+        between, found_second, _ = after.partition(second)
+        return between if found and found_second and not between.strip() else "\n"
 
     def _for_template(self, messages):
         if not self.typed_contents:
@@ -358,10 +356,9 @@ class ChatRenderer:
         # space after LLaVA-1.5's "ASSISTANT:", the newline llava-interleave's blocks open
         # with; a token that merges it with the prompt's own, as Qwen's tokenizer merges two
         # newlines, stays untrained: ``trained_spans``), without the template's whitespace
-        # after it, and the end-of-turn token right
-        # after it if the template writes one there (llava-hf's Qwen template); else the
-        # appended EOS, if on (LLaVA-1.5's turns end with a space). An empty answer's span is
-        # empty.
+        # after it, and the end-of-turn token right after it if the template writes one there
+        # (llava-hf's Qwen template); else the appended EOS, if on (LLaVA-1.5's turns end with
+        # a space). An empty answer's span is empty.
         inner = text[start:end]
         if not inner.strip():
             start = end = start + len(inner)

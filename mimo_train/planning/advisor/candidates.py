@@ -172,8 +172,8 @@ def refused(model: Model, layout: Layout, request: AdvisorRequest, packing: bool
 def _tried(model: Model, layout: Layout, request: AdvisorRequest, packing: bool
            ) -> list[list[mem.Settings]]:
     """The settings ``settings_of`` tries, as lists of alternatives in order of preference
-    (with and without sequence parallelism); packed rows on the varlen kernel where the
-    towers are (``model.attention`` auto or varlen)."""
+    (with and without sequence parallelism), the kernels' fields as the model's attention
+    gives them (``Model.kernel_settings``)."""
     recompute: tuple[str, ...] = mem.RECOMPUTE if request.recompute == "any" else \
         (request.recompute,)
     if not model.attention_scores:
