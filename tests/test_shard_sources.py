@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from mimo_data.shards.format import TEXT_PART_BREAK
-from mimo_data.shards.records import normalize_messages
+from mimo_data.shards.records import RecordError, normalize_messages
 
 from conftest import (all_samples, build_dataset, chat, cli_main, origin_of, read_json,
                       sample_records, samples_table, write_json, write_jsonl)
@@ -403,6 +403,10 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
         {"type": "image"}, {"type": "text", "text": "Look."},
         {"type": "text", "text": "What is it?"}]}, turns[1]])[0]["content"] == \
         f"<image>Look.{TEXT_PART_BREAK}What is it?"
+    # a text holding the break itself would read as two parts: refused, string or part
+    for content in (f"a{TEXT_PART_BREAK}b", [{"type": "text", "text": f"a{TEXT_PART_BREAK}"}]):
+        with pytest.raises(RecordError, match="U\\+E00B"):
+            normalize_messages([{"role": "user", "content": content}, turns[1]])
 
 
 def test_openai_media_parts_name_their_media(tmp_path, assets):

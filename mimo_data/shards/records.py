@@ -40,16 +40,18 @@ def _content_text(content) -> str:
     "image"}``, ``"audio"``, ``"video"``; OpenAI's, ``PART_MODALITIES``) as their markers, a
     marker and the text beside it as they are (as Qwen's templates write parts, nothing
     between them), two texts joined by ``TEXT_PART_BREAK`` (what a template writes between
-    them is its own: preprocessing puts it there)."""
+    them is its own: preprocessing puts it there). A text holding ``TEXT_PART_BREAK`` itself
+    is refused: preprocessing would read it as a break."""
     if isinstance(content, str):
-        return content
+        return _without_break(content)
     if isinstance(content, list):
         pieces: list[str] = []
         texts = False                       # whether the last piece was a text
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
-                pieces += [TEXT_PART_BREAK, part["text"]] if texts else [part["text"]]
+                text = _without_break(part["text"])
+                pieces += [TEXT_PART_BREAK, text] if texts else [text]
                 texts = True
             elif kind in PART_MODALITIES:
                 pieces.append(MARKERS[PART_MODALITIES[kind]])
@@ -61,6 +63,15 @@ def _content_text(content) -> str:
         return "".join(pieces)
     raise RecordError("malformed_record", f"message content must be a string or a list of "
                       f"parts, got {type(content).__name__}")
+
+
+def _without_break(text: str) -> str:
+    """``text``, refused where it holds ``TEXT_PART_BREAK`` (a private-use character)."""
+    if TEXT_PART_BREAK in text:
+        raise RecordError("malformed_record", f"the text {text[:60]!r}... holds U+E00B, a "
+                          "private-use character mimo's shards keep for the break between two "
+                          "text parts: remove it from the record")
+    return text
 
 
 def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dict]:
