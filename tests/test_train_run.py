@@ -693,7 +693,10 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     import signal
     tmp, common, full = setup
     root = tmp / f"signal-{target.replace(' ', '-')}"
-    command, gate = _gated(tmp, root, common)
+    # torchrun signals each worker's process group, its DataLoader workers with it: they
+    # ignore the run's exit signals (a dead one would fail the step), their rank ends them
+    workers = [] if target == "one worker" else ["data.num_workers=1"]
+    command, gate = _gated(tmp, root, [*common, *workers])
     sent = signal.SIGUSR1 if target == "one worker" else signal.SIGTERM
     with session(command, cwd=REPO, env={**os.environ, **BASE_ENV}, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, text=True) as agent:
@@ -711,6 +714,8 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     assert step in (1, 2) and (root / "latest").read_text() == f"step_{step:07d}", output[-4000:]
     if target == "one worker":        # torchrun reports each worker's exit status
         assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
+    else:           # the ranks ended their DataLoader workers: torchrun killed no rank
+        assert "forcefully exiting" not in output, output[-3000:]
     records = root.with_suffix(".jsonl")
     before = read_records(records)
     assert [r["step"] for r in train_records(before)] == list(range(1, step + 1))

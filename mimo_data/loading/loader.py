@@ -49,10 +49,12 @@ under any layout, micro batch or worker count with the same global batch size.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
 import os
+import signal
 
 from collections.abc import Iterator
 from typing import Any, cast
@@ -496,6 +498,15 @@ class _RankStream(torch.utils.data.IterableDataset):
         return batch, metadata
 
 
+def _ignore(signals: tuple[int, ...], worker_id: int) -> None:
+    """A worker's start: ``signals`` ignored. They are the rank's to handle (a run's exit
+    signals, which stop it after a step); torchrun and a terminal's Ctrl-C send them to the
+    rank's whole process group, and a worker they killed would fail the rank's step. The rank
+    stops its workers itself, and they end with it (torch's watchdog) when it dies."""
+    for number in signals:
+        signal.signal(number, signal.SIG_IGN)
+
+
 def _first_token(sample: Sample, piece: Piece, token_ids: dict[str, int]) -> int:
     """Where ``piece``'s item's placeholders start in its sample (its order among the
     sample's items of other modalities)."""
@@ -524,7 +535,8 @@ class RankLoader:
     def __init__(self, source: DataSource, layout: Layout, role: RankRole, order: SampleOrder,
                  micro_batch_size: int, decode_media: bool = True, num_workers: int = 0,
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
-                 multiprocessing_context=None, split_media: bool = False):
+                 multiprocessing_context=None, split_media: bool = False,
+                 parent_signals: tuple[int, ...] = ()):
         self.source = source
         self.layout = layout
         self.role = role
@@ -538,7 +550,9 @@ class RankLoader:
         self._loader_options = {"num_workers": num_workers, "pin_memory": pin_memory,
                                 "multiprocessing_context": multiprocessing_context if
                                 num_workers else None,
-                                "prefetch_factor": prefetch_factor if num_workers else None}
+                                "prefetch_factor": prefetch_factor if num_workers else None,
+                                "worker_init_fn": functools.partial(_ignore, parent_signals)
+                                if num_workers and parent_signals else None}
         self.epoch, self.index = 0, 0
         self._stream: Iterator[Any] | None = None
         # data.split_media (``media_split``): each fanning-in encoder module of this rank ->
@@ -684,7 +698,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                  prefetch_factor: int | None = 2, pin_memory: bool = False,
                  multiprocessing_context=None, block_size: int = 64, window_blocks: int = 4,
                  progress: bool = False, balance: str = "none",
-                 packing: bool = False, split_media: bool = False) -> RankLoader | None:
+                 packing: bool = False, split_media: bool = False,
+                 parent_signals: tuple[int, ...] = ()) -> RankLoader | None:
     """The loader of ``rank``, or None when its role needs no data (nothing is opened then).
 
     ``datasets``: dataset directories (or a ``DataSource`` already opened in this process, e.g.
@@ -694,8 +709,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
     get near-equal tokens (``balance.py``); ``packing=True`` packs each language DP rank's
     micro-batch into sequences of ``seq_length`` (``packing.py``); ``split_media=True`` cuts
     each language rank's media over the encoder ranks fanning in to it, a clip between its
-    temporal patches (``media_split.py``). The layout is validated against the world and batch
-    sizes first.
+    temporal patches (``media_split.py``); ``parent_signals``: signals the rank handles, which
+    its workers ignore. The layout is validated against the world and batch sizes first.
     """
     if balance not in BALANCE:
         raise ValueError(f"balance is {balance!r}: use one of {', '.join(BALANCE)}")
@@ -729,7 +744,7 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
                          Packing(micro_batch_size, config.seq_length) if packing else None)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context,
-                        split_media)
+                        split_media, parent_signals)
     if state is not None:
         loader.load_state_dict(state, allow_fingerprint_mismatch)
     return loader

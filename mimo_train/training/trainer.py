@@ -64,7 +64,7 @@ from mimo_train.precision import run_dtype
 from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_memory, phase,
                                         run_failure, say)
-from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals
+from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, signal_number
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
@@ -267,6 +267,8 @@ class Trainer:
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
                                 weights=opened.weights, balance=cfg.data.balance,
                                 packing=cfg.data.packing, split_media=cfg.data.split_media,
+                                parent_signals=tuple(signal_number(name)
+                                                     for name in cfg.train.exit_signals),
                                 # page-locked batches: copies to the GPU that do not block
                                 pin_memory=self.device.type == "cuda")
 
@@ -316,7 +318,9 @@ class Trainer:
 
     def run(self) -> list[dict]:
         """Train to ``train.steps``; returns the records (every rank has them). A failure on the
-        way is raised as ``RunError`` naming this rank, the step and the cause."""
+        way is raised as ``RunError`` naming this rank, the step and the cause. The loaders'
+        workers are stopped on the way out, whatever the way: they ignore the run's exit
+        signals, so the interpreter's exit, which ends them with SIGTERM, would wait for them."""
         try:
             return self._train()
         except Exception as error:
@@ -325,6 +329,10 @@ class Trainer:
             remedies = self._memory_remedies() if out_of_gpu_memory(error) else ()
             raise run_failure(error, self.rank, self.doing, where or "no module",
                               remedies) from error
+        finally:
+            for loader in (self.loader, self.valid_loader):
+                if loader is not None:
+                    loader.close()
 
     def _sized(self, build, *args):
         """``build(*args)``; out of GPU memory there (torch's allocator, or NCCL's buffers as
