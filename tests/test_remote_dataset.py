@@ -310,6 +310,46 @@ def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     reader.close()
 
 
+def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
+        s3, built, tmp_path, monkeypatch):
+    """A shard object cut to half its size and another deleted: the check every run makes as
+    it opens its datasets (``DataSource``) names both, with the sizes, in the bucket and in a
+    local copy; a read of the cut shard is a DatasetError saying so at once, not retried as a
+    network fault. Credentials that may not read the bucket (S3's 403) are a StorageError
+    naming the object and the credentials, not retried either."""
+    from mimo_data.loading.loader import DataSource
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    shards = sorted({shard for shard, _, _ in built.samples})
+    cut, gone = shards[-1], shards[0]
+    files = {name: data[:len(data) // 2] if name == cut else data
+             for name, data in built.files.items() if name != gone}
+    local = tmp_path / "damaged"
+    for name, data in files.items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(data)
+    url = _upload(s3, files, "cut-and-gone")
+    config = preprocess_config_file(tmp_path / "preprocess.yaml")
+    for dataset in (url, str(local)):
+        with pytest.raises(DatasetError) as failed:
+            DataSource([dataset], config, storage_options=s3.storage_options,
+                       cache_dir=str(tmp_path / "cache"))
+        message = str(failed.value)
+        assert f"shard {gone} missing; {cut} holds {len(files[cut])} bytes, the index says " \
+               f"{len(built.files[cut])}" in message, message
+        assert f"mimo-shard verify {dataset}" in message, message
+    reader = ShardReader(url, storage_options=s3.storage_options)
+    retried = sum(storage.RETRIES.values())
+    with pytest.raises(DatasetError, match=f"{url}/{cut} holds {len(files[cut])} bytes"):
+        reader.read_member(len(reader) - 1, "json")
+    assert sum(storage.RETRIES.values()) == retried
+    s3.faults = Faults(rate=1.0, kinds=("403",))
+    with pytest.raises(StorageError, match=f"reading {url}/{gone} .*access denied.*"
+                       "Check the credentials"):
+        reader.read_member(0, "json")
+    assert sum(storage.RETRIES.values()) == retried and s3.injected["403"] == 1
+    reader.close()
+
+
 # ---------------------------------------------------------------------------------- inspect
 
 def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_env, built,
@@ -396,6 +436,9 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert set(http.requests) == {"GET"}, dict(http.paths)
         assert all(path.endswith(".tar") for path in http.paths), dict(http.paths)
         assert http.requests["GET"] <= shards, dict(http.paths)          # one run per shard
+        http.reset_counters()
+        reader.check_shards()               # the start-up check: a HEAD per shard, sizes equal
+        assert http.requests == {"HEAD": shards}, dict(http.paths)
         reader.close()
 
         code, out, err = cli_main(capsys, "info", url, "--json")

@@ -41,13 +41,15 @@ from typing import Any, BinaryIO, cast
 
 from moto.server import ThreadedMotoServer
 
-FAULT_KINDS = ("500", "503", "reset", "truncate")
+TRANSIENT_KINDS = ("500", "503", "reset", "truncate")     # what a retry mends
+FAULT_KINDS = (*TRANSIENT_KINDS, "403")
 # Hop-by-hop headers (and the ones the proxy sets itself) are not relayed.
 _HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding",
         "upgrade", "expect", "content-length"}
 _ERRORS = {
     "500": ("InternalError", "We encountered an internal error. Please try again."),
     "503": ("SlowDown", "Please reduce your request rate."),
+    "403": ("AccessDenied", "Access Denied"),      # credentials that may not read the bucket
 }
 _CHUNK = 1 << 20
 
@@ -66,12 +68,12 @@ def _close(server: ThreadingHTTPServer) -> None:
 @dataclass(frozen=True)
 class Faults:
     """Inject one of `kinds` into a request whose method is in `methods`, with probability
-    `rate` (drawn from a Random seeded with `seed` when the faults are set). "500"/"503": an
-    S3 error reply, not forwarded; "reset": a TCP reset, no reply; "truncate": the real headers,
+    `rate` (drawn from a Random seeded with `seed` when the faults are set). "500"/"503"/"403":
+    an S3 error reply, not forwarded; "reset": a TCP reset, no reply; "truncate": the real headers,
     half the body, then a close (the client reads short of Content-Length)."""
 
     rate: float
-    kinds: tuple[str, ...] = FAULT_KINDS
+    kinds: tuple[str, ...] = TRANSIENT_KINDS
     seed: int = 0
     methods: tuple[str, ...] = ("GET",)
 

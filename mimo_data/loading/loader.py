@@ -163,8 +163,11 @@ class DataSource:
         self.weights = None if weights is None else [float(w) for w in weights]
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
-            return ([ShardReader(d, cache_dir, storage_options) for d in self.directories],
-                    Preprocessor(self.config, with_media=False, text=text))
+            readers = [ShardReader(d, cache_dir, storage_options) for d in self.directories]
+            if partition is None or partition.rank == 0:    # one rank lists the shards
+                for reader in readers:
+                    reader.check_shards()
+            return readers, Preprocessor(self.config, with_media=False, text=text)
         opened: tuple[list[ShardReader], Preprocessor] = (
             open_readers() if partition is None else partition.together(open_readers))
         self.readers, self.metadata = opened

@@ -76,6 +76,32 @@ class ShardReader:
     def __len__(self) -> int:
         return len(self.table)
 
+    def check_shards(self) -> None:
+        """DatasetError naming every shard that is missing or not of the size the index says
+        (cut short, replaced), so that a run stops at start-up, not when it first reads one:
+        one listing of a remote shard root, a ``stat`` per local shard."""
+        names = [shard["name"] for shard in self.index["shards"]]
+        found: dict[str, int | None] = {}
+        if self.shard_remote is not None:
+            found = self.shard_remote.sizes(self.shard_root, names)
+        else:
+            root = storage.local_path(self.shard_root)
+            for name in names:
+                try:
+                    found[name] = os.stat(os.path.join(root, name)).st_size
+                except FileNotFoundError:
+                    pass
+        problems = [f"{shard['name']} missing" if shard["name"] not in found else
+                    f"{shard['name']} holds {found[shard['name']]} bytes, the index says "
+                    f"{shard['bytes']}" for shard in self.index["shards"]
+                    if shard["name"] not in found or found[shard["name"]] not in (
+                        None, shard["bytes"])]
+        if problems:
+            more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+            raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "
+                               f"`mimo-shard verify {self.directory}`, then restore the shards "
+                               "or rebuild the dataset")
+
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}, "_pid": None, "_pool": None, "_runs": {},
                 "_batches": collections.deque()}
@@ -154,6 +180,9 @@ class ShardReader:
             raise DatasetError(f"{storage.join(self.shard_root, shard)}: missing (the dataset "
                                f"is incomplete); run `mimo-shard verify {self.directory}`, then "
                                "restore the shard or rebuild the dataset") from None
+        except storage.ShortObject as exc:
+            raise DatasetError(f"{exc}; run `mimo-shard verify {self.directory}`, then restore "
+                               "the shard or rebuild the dataset") from None
         key = self.table.key(position)
         raise DatasetError(
             f"{storage.join(self.shard_root, shard)}: sample {key} member {key}.{name}: its "

@@ -36,10 +36,6 @@ MAX_WAIT_S = 8.0
 RETRIES: Counter[str] = Counter()  # retried calls by cause, in this process
 _RETRIES_LOCK = threading.Lock()
 
-# Errors that no retry mends: the object or bucket is missing, access is denied, a bad call.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-              ValueError, TypeError, KeyError, NotImplementedError)
-
 
 class StorageError(OSError):
     """A remote read or write that failed after every retry."""
@@ -47,6 +43,21 @@ class StorageError(OSError):
 
 class ShortRead(OSError):
     """Fewer bytes than asked for arrived (a connection cut mid-body)."""
+
+
+class ShortObject(StorageError):
+    """The object ends before the bytes asked for: it was cut short or replaced, which no
+    retry mends."""
+
+
+# Errors that no retry mends: the object or bucket is missing or too short, access is denied,
+# a bad call.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
+              ValueError, TypeError, KeyError, NotImplementedError, ShortObject)
+
+
+# botocore's errors for credentials that are absent or incomplete: no retry finds them
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
 
 
 def is_remote(location: str) -> bool:
@@ -89,6 +100,12 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
         try:
             return call()
         except Exception as exc:         # classified just below
+            if isinstance(exc, PermissionError) or type(exc).__name__ in _NO_CREDENTIALS:
+                raise StorageError(
+                    f"{what}: access denied ({type(exc).__name__}: {exc}). Check the "
+                    "credentials (the environment's variables, e.g. AWS_ACCESS_KEY_ID, the "
+                    "client's config files, or storage_options) and that they may use this "
+                    "bucket") from exc
             if not _transient(exc):
                 raise
             if attempt == attempts:
@@ -140,11 +157,45 @@ class Remote:
     def read_range(self, url: str, start: int, size: int) -> bytes:
         """Bytes ``[start, start + size)`` of ``url``: exactly ``size`` of them, or an error."""
         def call() -> bytes:
-            data = self.fs.cat_file(url, start=start, end=start + size)
-            if len(data) != size:
-                raise ShortRead(f"{len(data)} of {size} bytes arrived")
+            try:
+                data = self.fs.cat_file(url, start=start, end=start + size)
+                if len(data) != size:
+                    raise ShortRead(f"{len(data)} of {size} bytes arrived")
+            except OSError as exc:   # short, or past the end (416): is the object itself?
+                if isinstance(exc, _PERMANENT):
+                    raise
+                held = self.fs.info(url).get("size")
+                if held is not None and held < start + size:
+                    raise ShortObject(f"{url} holds {held} bytes, not the {start + size} or more "
+                                      "its dataset's index says: it was cut short or "
+                                      "replaced") from None
+                raise
             return data
         return retried(f"reading {url} bytes {start}-{start + size}", call)
+
+    def sizes(self, url: str, names: list[str]) -> dict[str, int | None]:
+        """``{name: bytes}`` of those of ``names`` found directly under ``url`` (None: size
+        unknown): one listing, or over HTTP, which lists nothing reliably, one HEAD each."""
+        if self.protocol in ("http", "https"):
+            found: dict[str, int | None] = {}
+            for name in names:
+                def head(name=name) -> dict | None:
+                    try:
+                        return self.fs.info(join(url, name))
+                    except FileNotFoundError:
+                        return None
+                info = retried(f"looking up {join(url, name)}", head)
+                if info is not None:
+                    found[name] = info.get("size")
+            return found
+
+        def call() -> dict[str, int | None]:
+            try:
+                return {posixpath.basename(entry["name"].rstrip("/")): entry.get("size")
+                        for entry in self.fs.ls(url, detail=True) if entry["type"] == "file"}
+            except FileNotFoundError:
+                return {}
+        return retried(f"listing {url}", call)
 
     def exists(self, url: str) -> bool:
         def call() -> bool:
