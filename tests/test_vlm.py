@@ -299,7 +299,11 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
     # the SmolLM2 tokenizer (without Qwen2-VL's tokens) adds <|image_pad|> at another id
     ([(f"tokenizer: {VLM}", f"tokenizer: {REPO / 'assets' / 'tokenizer' / 'smollm2'}"),
       ('wrap: ["<|vision_start|>", "<|vision_end|>"],', "")],
-     ["expects image tokens at 49154", f"use the checkpoint's tokenizer (tokenizer: {VLM})"]),
+     # another model's tokenizer: said so, not which token to change
+     [f"the preprocessing config's tokenizer ({REPO / 'assets' / 'tokenizer' / 'smollm2'}) "
+      f"is not model.pretrained's ({VLM}): token id 49154 is ",
+      f"in the checkpoint's. Use a preprocessing config made for this model: mimo-train "
+      f"--preprocessing-for {VLM} > preprocess.yaml"]),
     ([('wrap: ["<|vision_start|>", "<|vision_end|>"],', "")],
      ["modalities.image.wrap is [], but model.pretrained", "expects each image between the "
       "tokens [49152, 49153]", "set modalities.image.wrap: ['<|vision_start|>', "

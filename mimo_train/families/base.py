@@ -339,7 +339,39 @@ def _first_prefix(weights: CheckpointWeights, prefixes: Iterable[str]) -> str:
 def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
     """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
     image as the checkpoint expects it: its image token, between its start and end tokens,
-    with the positions its language model takes."""
+    with the positions its language model takes. Where it does not because its tokenizer is
+    another model's, the error says that, not which token to change."""
+    try:
+        _check_preprocessing(vlm, preprocess, tokenizer)
+    except TrainConfigError:
+        foreign = _foreign_tokenizer(vlm, preprocess, tokenizer)
+        if foreign:
+            raise TrainConfigError(foreign) from None
+        raise
+
+
+def _foreign_tokenizer(vlm: VLM, preprocess, tokenizer) -> str | None:
+    """What to say when ``tokenizer`` names the checkpoint's special token ids otherwise than
+    the checkpoint's own tokenizer does (None: the same, or the checkpoint has none)."""
+    from transformers import AutoTokenizer
+    try:
+        own = AutoTokenizer.from_pretrained(vlm.path)
+    except Exception:         # no tokenizer files beside the weights: nothing to compare
+        return None
+    ids = [i for i in (vlm.image_token_id, *vlm.image_wrap_ids, vlm.video_token_id)
+           if i is not None]
+    for i in ids:
+        theirs, ours = own.convert_ids_to_tokens(i), tokenizer.convert_ids_to_tokens(i)
+        if theirs != ours:
+            return (f"the preprocessing config's tokenizer ({preprocess.tokenizer}) is not "
+                    f"model.pretrained's ({vlm.path}): token id {i} is {ours!r} in it and "
+                    f"{theirs!r} in the checkpoint's. Use a preprocessing config made for this "
+                    f"model: mimo-train --preprocessing-for {vlm.path} > preprocess.yaml, then "
+                    "data.preprocess=preprocess.yaml")
+    return None
+
+
+def _check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
     if preprocess.positions != vlm.positions:
         raise TrainConfigError(f"the preprocessing config has positions: "
                                f"{preprocess.positions}, but model.pretrained {vlm.path} (a "
