@@ -20,6 +20,7 @@ from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_data.loading import loader as loader_module
 from mimo_data.loading.loader import DataSource, LoaderError, build_loader
+from mimo_data.loading.sample_order import OrderError
 
 from conftest import (CORPUS_DIR, build_dataset, preprocess_config_file, rerecord_member,
                       write_jsonl)
@@ -144,7 +145,7 @@ def test_every_module_gets_every_kept_sample_once_in_the_same_order(
                 assert (encoder_items(inputs, modality) if inputs else 0) == expected
 
 
-def test_a_loader_says_what_it_drops(sources, table):
+def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus):
     """The line training prints when its loaders are ready: samples kept and dropped by
     reason (the image-only config drops the audio samples) and the remainder left out."""
     layout = Layout.parse("language=dp1;image=dp1")
@@ -159,6 +160,18 @@ def test_a_loader_says_what_it_drops(sources, table):
     reasons = loader.report()["samples"]["skipped_by_reason"]
     assert sum(entry["count"] for entry in reasons.values()) == dropped > 0
     loader.close()
+    # fewer kept than a global batch: the drops are named with the error, too_long's remedy
+    with pytest.raises(OrderError) as failed:
+        build_loader(sources["image"], None, layout, 0, 2, 4 * len(kept) + 4, 2, 11)
+    message = str(failed.value)
+    assert f"an epoch holds {len(kept)} kept samples, fewer than one global batch of " \
+        f"{4 * len(kept) + 4}: use a smaller global batch or more data. Preprocessing dropped " \
+        f"some ({line.split('; ')[0]}): mimo-inspect report lists them" in message, message
+    tight = preprocess_config_file(tmp_path / "tight.yaml", image={"max_pixels": 50176})
+    tight.write_text(tight.read_text().replace("seq_length: 1024", "seq_length: 16"))
+    with pytest.raises(OrderError, match=r"\(\d+ samples, 0 kept, \d+ dropped \(.*too_long "
+                       r"\d+.*\); too_long: longer than seq_length 16, raise it\)"):
+        build_loader(str(loader_corpus), tight, layout, 0, 2, GLOBAL_BATCH, 2, 11)
 
 
 def test_the_language_rank_computes_its_next_micro_batches_text_together(sources, table,

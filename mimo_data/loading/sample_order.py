@@ -138,8 +138,8 @@ class SampleOrder:
             self.steps_per_epoch = -(-self.epoch_length // global_batch_size)
         if not self.steps_per_epoch:
             raise OrderError(f"an epoch holds {self.epoch_length} kept samples, fewer than one "
-                             f"global batch of {global_batch_size}: use a smaller global batch, "
-                             "more data, or remainder='wrap'")
+                             f"global batch of {global_batch_size}: use a smaller global batch "
+                             "or more data")
         self.samples_per_epoch = self.steps_per_epoch * global_batch_size
         self.remainder_samples = abs(self.samples_per_epoch - self.epoch_length)
         self._cached: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None
