@@ -286,12 +286,15 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
 
 @pytest.mark.parametrize("model_type, reason", [
     ("llava_onevision", "any-res"), ("llava_next", "any-res"),
-    ("llama", "not a whole vision-language model")])
+    ("llama", "not a whole vision-language model"),
+    # a path that is no directory: said so, not transformers' "Repo id must be in the form"
+    (None, "model.pretrained is '{0}': {0} is not a directory \\(give a model directory")])
 def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason):
     from transformers import AutoConfig
-    directory = tmp_path / model_type
-    AutoConfig.for_model(model_type).save_pretrained(directory)
-    with pytest.raises(TrainConfigError, match=reason):
+    directory = tmp_path / str(model_type)
+    if model_type:
+        AutoConfig.for_model(model_type).save_pretrained(directory)
+    with pytest.raises(TrainConfigError, match=reason.format(directory)):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={directory}"]))
 
 

@@ -7,8 +7,10 @@ config with them). Family modules never import this module.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
+from mimo_data.preprocess.config import looks_like_path
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
                                  siglip, whisper)
@@ -84,7 +86,6 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     by ``key``."""
     import copy
     import json
-    import os
 
     from transformers import AutoTokenizer
     vlm = read_vlm(path, key)
@@ -122,6 +123,11 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
 def checkpoint_config(path: str, key: str):
     """transformers' config of the checkpoint at ``path`` (directory or cached hub name), or
     ``TrainConfigError`` naming ``key``; read once per path (shared: not to be changed)."""
+    if looks_like_path(path) and not os.path.isdir(os.path.expanduser(path)):
+        # not a hub name either: say so instead of the hub's "Repo id must be in the form"
+        raise TrainConfigError(f"{key} is {path!r}: {os.path.abspath(os.path.expanduser(path))} "
+                               "is not a directory (give a model directory holding config.json, "
+                               "or a hub name already in the local cache)")
     try:
         return _read_config(path)
     except (OSError, ValueError) as error:
