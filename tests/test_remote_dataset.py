@@ -171,6 +171,18 @@ def test_verify_names_the_shard_object_with_a_changed_byte(capsys, s3_env, built
     assert any(f"sample {row['key']} member {row['key']}.json" in line for line in problems), err
 
 
+def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s3_env, corpus):
+    """The bucket is written to first: a missing one is a usage error naming the output
+    (exit 2, one line), before a record is read."""
+    url = "s3://mimo-no-such-bucket/ds"
+    code, _, err = cli_main(capsys, "build", corpus / INPUTS[0], "--output", url,
+                            "--no-progress")
+    assert code == 2, err
+    assert err.strip() == (f"mimo-shard build: error: cannot write to --output {url}: its "
+                           "bucket does not exist; create it first, or check the URL"), err
+    assert s3_env.requests["GET"] <= 1 and s3_env.requests["PUT"] == 1, dict(s3_env.requests)
+
+
 def test_a_build_that_dies_midway_leaves_no_dataset_and_the_next_one_cleans_up(
         s3, built, tmp_path, monkeypatch):
     url = f"s3://{BUCKET}/atomic"

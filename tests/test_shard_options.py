@@ -120,6 +120,19 @@ def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
         assert sorted(os.listdir(out)) == ["README.txt", "notes"]
 
 
+def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, small_input,
+                                                           corpus_build):
+    """A file where a parent folder of --output should be: exit 2 with one line naming the
+    output, for build and index alike, not a traceback."""
+    (tmp_path / "afile").write_text("in the way\n")
+    out = tmp_path / "afile" / "out"
+    for args in (("build", small_input), ("index", corpus_build)):
+        code, _, err = cli_main(capsys, *args, "-o", out, "--no-progress")
+        assert code == 2, err
+        assert f"error: cannot create --output {out}: [Errno 20] Not a directory" in err, err
+        assert "Traceback" not in err
+
+
 def test_header_check_writes_the_same_samples_on_clean_input(tmp_path, corpus_inputs,
                                                               corpus_build):
     build_dataset(corpus_inputs, tmp_path / "header", check="header")

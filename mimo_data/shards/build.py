@@ -79,13 +79,18 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
-                       r"|\.mimo-cache|.+-\d{6}\.tar)$")
+                       r"|\.mimo-cache|\.mimo-write-check|.+-\d{6}\.tar)$")
+# what a build into a bucket writes and removes first: the bucket exists and takes writes
+WRITE_CHECK = ".mimo-write-check"
 
 
 def _prepare_output(output: str, overwrite: bool) -> bool:
     """Make ``output`` ready for a fresh build; return whether this call created it."""
     if not os.path.exists(output):
-        os.makedirs(output)
+        try:
+            os.makedirs(output)
+        except OSError as exc:      # a file where a parent folder should be, no permission
+            raise BuildError(f"cannot create --output {output}: {exc}") from None
         return True
     if not os.path.isdir(output):
         raise BuildError(f"{output} exists and is not a directory")
@@ -228,7 +233,15 @@ def build(inputs: list[str], output: str, options: BuildOptions,
 
 def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
     """``_prepare_output`` for an output URL: the same refusals, the old index removed
-    first."""
+    first; the bucket is written to once before any input is read (a missing bucket or
+    read-only credentials are found at once, not at the first shard)."""
+    check = storage.join(output, WRITE_CHECK)
+    try:
+        remote.write(check, b"")
+    except FileNotFoundError:               # S3's NoSuchBucket
+        raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
+                         "create it first, or check the URL") from None
+    remote.remove(check)
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "

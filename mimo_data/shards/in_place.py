@@ -196,7 +196,10 @@ def _prepare_output(output: str, overwrite: bool) -> None:
                               "may be at a URL)")
     if os.path.exists(output) and not os.path.isdir(output):
         raise IndexInputError(f"{output} exists and is not a directory")
-    os.makedirs(output, exist_ok=True)
+    try:
+        os.makedirs(output, exist_ok=True)
+    except OSError as exc:          # a file where a parent folder should be, no permission
+        raise IndexInputError(f"cannot create --output {output}: {exc}") from None
     names = set(os.listdir(output))
     if INDEX_FILE in names and not overwrite:
         raise IndexInputError(f"{output} already holds an index; pass --overwrite to index again "
