@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from mimo_data.files import write_atomic
 from mimo_data.modalities.base import to_device
+from mimo_train.errors import TrainConfigError
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import step_flops
 from mimo_train.runtime.console import PREFIX
@@ -324,6 +325,27 @@ def drop_after(path: str, step: int) -> None:
             f"the run resumed from the checkpoint of step {step} and trains the steps after "
             "it again"}
     write_atomic(path, "".join(t + "\n" for t in [*kept, json.dumps(note)]).encode())
+
+
+def check_outputs(records: str | None, tensorboard_dir: str | None) -> None:
+    """TrainConfigError naming each of the records file and TensorBoard's folder that rank 0,
+    which writes them, cannot: found at start-up, not when the first is opened."""
+    folders = [("--records", records and os.path.dirname(os.path.abspath(records)) or None),
+               ("train.tensorboard_dir", tensorboard_dir)]
+    problems = [f"--records {records} is a directory: give a file"] \
+        if records and os.path.isdir(records) else []
+    for what, folder in folders:
+        if folder is None:
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as error:      # a file in the way, no permission
+            problems.append(f"{what}: cannot create {folder}: {error}")
+            continue
+        if not os.access(folder, os.W_OK):
+            problems.append(f"{what}: {folder} is not writable")
+    if problems:
+        raise TrainConfigError("; ".join(problems))
 
 
 class Metrics:

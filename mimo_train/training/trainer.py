@@ -41,7 +41,7 @@ from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, StepValues,
-                                           Timer, eval_record)
+                                           Timer, check_outputs, eval_record)
 from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
                                              schedule_notes, trained_optimizers)
 from mimo_train.config import TrainConfig
@@ -106,7 +106,7 @@ class Trainer:
               lambda: _raise(problem or devices.mixed(kinds)), start)
         self.preprocess, self.layout = plan.preprocess, plan.layout
         self.text, self.vocabulary = phase(
-            "config", "config, tokenizer and shards checked", self._read_config)
+            "config", "config, tokenizer and shards checked", lambda: self._read_config(records))
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
         # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
@@ -150,8 +150,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _read_config(self):
+    def _read_config(self, records: str | None):
         self.cfg.check_inputs()
+        if self.rank == 0:                  # what rank 0 writes (the records, TensorBoard's)
+            check_outputs(records, self.cfg.train.tensorboard_dir)
         _check_data(self.cfg, self.preprocess, self.layout)
         text = TextEncoder(self.preprocess)
         vocabulary = self.plan.language.vocabulary(text.vocab_size)
