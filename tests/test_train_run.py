@@ -920,6 +920,27 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
 
 
+def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
+    """What users give model.init_from in place of a step's folder (read as it reads it, no
+    tensor): a run's checkpoint.dir (its latest step named), a transformers model folder
+    (model.pretrained named) and a path that is nothing; none is called damaged."""
+    from mimo_train.components.checkpoint import check
+    from mimo_train.errors import CheckpointError
+
+    tmp, _, _ = setup
+    model = REPO / "assets" / "models" / "tiny-qwen2"
+    for given, expected in (
+            (tmp / "full-ckpt", f"{tmp / 'full-ckpt'} holds a run's checkpoints (a "
+             "checkpoint.dir), not one: give one step's folder, e.g. its latest, "
+             f"{tmp / 'full-ckpt' / 'step_0000006'}"),
+            (model, f"{model} is a transformers model (config.json, safetensors), not a mimo "
+             "checkpoint: give it as model.pretrained"),
+            (tmp_path / "nothing", f"checkpoint {tmp_path / 'nothing'}: no such directory")):
+        with pytest.raises(CheckpointError) as refused:
+            check(str(given), None, None)
+        assert str(refused.value).startswith(expected), refused.value
+
+
 def test_keep_last_deletes_only_older_complete_checkpoints(tmp_path):
     """``checkpoint.keep_last``'s pruning (rank 0, once ``latest`` names the save just
     completed): the newest N complete checkpoints up to it stay, and whatever ``latest``

@@ -343,6 +343,7 @@ def read_meta(directory: str) -> dict:
             f"{directory} is a checkpoint of an earlier mimo_train (one rank_*.pt file per "
             "rank), which this version does not read: train from model.language.pretrained or "
             "from scratch")
+    _not_a_step(directory)
     for name in (META, MANIFEST):
         path = os.path.join(directory, name)
         try:
@@ -358,6 +359,25 @@ def read_meta(directory: str) -> dict:
         if name == META:
             meta = content
     return meta
+
+
+def _not_a_step(directory: str) -> None:
+    """CheckpointError where ``directory`` is no step's checkpoint but something a user may
+    give in its place: missing, a whole ``checkpoint.dir`` or a transformers model folder."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint {directory}: no such directory")
+    names = set(os.listdir(directory))
+    steps = sorted(name for name in names if name.startswith("step_"))
+    if LATEST in names or steps:
+        latest = os.path.join(directory, LATEST)
+        newest = open(latest).read().strip() if os.path.isfile(latest) else steps[-1]
+        raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir), not "
+                              f"one: give one step's folder, e.g. its latest, "
+                              f"{os.path.join(directory, newest)}")
+    if "config.json" in names and any(name.endswith(".safetensors") for name in names):
+        raise CheckpointError(f"{directory} is a transformers model (config.json, safetensors), "
+                              "not a mimo checkpoint: give it as model.pretrained (a whole "
+                              "VLM) or model.language.pretrained")
 
 
 def check(directory: str, model, global_batch_size: int | None,
