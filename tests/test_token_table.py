@@ -278,3 +278,15 @@ def test_a_table_that_cannot_be_saved_is_used_from_memory_with_a_warning(
     table = open_table(dataset, config, sample_table_dir)
     assert table.tokens.tolist() == expected and table.path is None
     assert "could not save" in capsys.readouterr().err and table_files(sample_table_dir) == []
+
+
+def test_a_failure_on_several_ranks_is_said_once_with_its_ranks():
+    """``Partition.together`` gathers every rank's error: the same one (every rank finding the
+    cache folder unusable, say) is said once with its ranks, others each with theirs."""
+    gathered = [(None, "NotADirectoryError: cache"), (None, "NotADirectoryError: cache"),
+                (None, "OSError: disk full")]
+    partition = tables.Partition(0, 3, lambda mine: gathered, writes=True)
+    with pytest.raises(tables.TableError) as failed:
+        partition.together(lambda: None)
+    assert str(failed.value) == ("ranks 0, 1: NotADirectoryError: cache; rank 2: OSError: "
+                                 "disk full")

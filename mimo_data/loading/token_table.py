@@ -77,9 +77,14 @@ class Partition:
         except Exception as exc:            # reported on every rank just below
             result, error = None, f"{type(exc).__name__}: {exc}"
         gathered = self.gather((result if gather else None, error))
-        failed = {rank: error for rank, (_, error) in enumerate(gathered) if error}
+        failed: dict[str, list[int]] = {}          # each error once, with its ranks
+        for rank, (_, error) in enumerate(gathered):
+            if error:
+                failed.setdefault(error, []).append(rank)
         if failed:
-            raise TableError("; ".join(f"rank {rank}: {error}" for rank, error in failed.items()))
+            raise TableError("; ".join(
+                f"rank {ranks[0]}: {error}" if len(ranks) == 1 else
+                f"ranks {', '.join(map(str, ranks))}: {error}" for error, ranks in failed.items()))
         return [result for result, _ in gathered] if gather else result
 
 
