@@ -362,6 +362,24 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
     reader.close()
 
 
+def test_a_cache_folder_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch):
+    """A remote dataset's tables are kept in the cache: a cache folder in the way of a file is
+    a ConfigError naming the folder and the setting that named it."""
+    from mimo_data.errors import ConfigError
+    from mimo_data.shards.cache import cache_directory
+    (tmp_path / "afile").write_text("in the way\n")
+    root = tmp_path / "afile" / "cache"
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(root))
+    with pytest.raises(ConfigError, match=f"s3://b/ds's tables cannot be kept: {root}/ds-.* "
+                       f"cannot be made \\(Not a directory\\); MIMO_CACHE_DIR={root} must be a "
+                       "folder this process can write to"):
+        cache_directory("s3://b/ds")
+    monkeypatch.delenv("MIMO_CACHE_DIR")
+    with pytest.raises(ConfigError, match=f"; the cache folder {root} \\(data.cache_dir, or "
+                       "--cache-dir\\) must be"):
+        cache_directory("s3://b/ds", str(root))
+
+
 # ---------------------------------------------------------------------------------- inspect
 
 def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_env, built,

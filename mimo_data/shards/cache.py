@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import pyarrow as pa
 
+from mimo_data.errors import ConfigError
 from mimo_data.shards import storage
 
 CACHE_DIR_ENV = "MIMO_CACHE_DIR"
@@ -71,7 +72,15 @@ def cache_directory(dataset: str, cache_dir: str | None = None) -> str:
         if os.access(own, os.W_OK):
             return own
     path = external_directory(dataset, root)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:      # a file in the way, no permission
+        named = f"{CACHE_DIR_ENV}={root}" if os.environ.get(CACHE_DIR_ENV) else \
+            f"the cache folder {root} (data.cache_dir, or --cache-dir)" if root else \
+            f"the default cache {DEFAULT_CACHE}"
+        raise ConfigError(f"{dataset}'s tables cannot be kept: {path} cannot be made "
+                          f"({exc.strerror}); {named} must be a folder this process can write "
+                          "to") from None
     return path
 
 
