@@ -320,6 +320,10 @@ def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     assert f"{url}/{shard}: missing" in message
     assert f"mimo-shard verify {url}" in message
     reader.close()
+    # a prefix (or bucket) with nothing under it: a typo, not an interrupted build
+    for typo in (f"s3://{BUCKET}/gnoe", "s3://mimo-no-such-bucket/gone"):
+        with pytest.raises(DatasetError, match=f"^{typo}: nothing there, no such dataset"):
+            ShardReader(typo, storage_options=s3.storage_options)
 
 
 def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(

@@ -32,6 +32,10 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     try:
         return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
     except FileNotFoundError:
+        if storage.is_remote(directory) and \
+                not storage.Remote(directory, storage_options).names(directory):
+            raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
+                               "and the prefix)") from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build?); run `mimo-shard build` again") from None
 
