@@ -205,7 +205,10 @@ def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
 
 
 @pytest.mark.parametrize("text, words", [
-    ("language=tp2,dp2,ep8", ["etp2 x ep8 = 16", "tp x cp x dp = 4"]),
+    ("language=tp2,dp2,ep8", ["etp2 (etp is tp unless given) x ep8 = 16", "tp x cp x dp = 4"]),
+    # etp left to be tp, where etp1 would fit: that is offered (ep2 x etp1 divides tp2)
+    ("language=tp2,ep2", ["etp2 (etp is tp unless given) x ep2 = 4 does not divide tp x cp x "
+                          "dp = 2", "or add etp1 to the module"]),
     ("language=dp4,ep3", ["ep3", "does not divide"]),
     ("language=dp2;image=dp2,ep2", ["'image'", "encoder has none"]),
 ])

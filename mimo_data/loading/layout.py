@@ -103,11 +103,16 @@ class ModuleLayout:
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
         spread = self.tp * self.cp * self.dp
         if spread % (self.expert_tp * self.ep):
+            # etp unset is tp: where etp1 would fit, say so (experts whole on each rank)
+            whole = self.etp is None and self.tp > 1 and spread % self.ep == 0
             raise LayoutError(
-                f"module {self.name!r}: etp{self.expert_tp} x ep{self.ep} = "
+                f"module {self.name!r}: etp{self.expert_tp}"
+                f"{' (etp is tp unless given)' if self.etp is None else ''} x ep{self.ep} = "
                 f"{self.expert_tp * self.ep} does not divide tp x cp x dp = {spread}: "
                 "megatron-core lays each pipeline stage's experts over its tp x cp x dp ranks "
-                "(expert data parallelism takes the rest); choose an ep that divides it")
+                "(expert data parallelism takes the rest); choose an ep that divides it" +
+                (", or add etp1 to the module (each expert whole on its ranks)"
+                 if whole else ""))
 
     @property
     def expert_tp(self) -> int:
