@@ -586,15 +586,17 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                          main=main)
     assert code == 2 and "language model alone" in err and "image" in err, err
     assert "model.encoders" in err
-    # a whole VLM whose image token the preprocessing's tokenizer puts elsewhere: the
-    # trainer's start-up check refuses it, so the advisor does (its positions made M-RoPE)
+    # a whole VLM whose image token the preprocessing's tokenizer (another model's) puts
+    # elsewhere: the trainer's start-up check refuses it, so the advisor does (its positions
+    # made M-RoPE)
     mrope = path.parent / "preprocess_mrope.yaml"
     mrope.write_text(yaml.safe_dump({**yaml.safe_load(preprocess.read_text()),
                                      "positions": "mrope"}))
     code, _, err = _plan(capsys, loader_corpus, mrope,
                          MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct", "--gpus", 2,
                          main=main)
-    assert code == 2 and "but model.pretrained" in err and "expects image tokens at" in err, err
+    assert code == 2 and "the preprocessing config's tokenizer" in err and \
+        "is not model.pretrained's" in err, err
     # numbers that cannot be: refused by argparse (exit 2), no silent default for 0
     for option, value in (("--mfu", 0), ("--mfu", 1.5), ("--gpu-memory-gib", 0),
                           ("--gpu-tflops", -1), ("--gpus-per-node", 0), ("--gpus", 0)):
