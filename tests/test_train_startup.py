@@ -18,6 +18,7 @@ launcher's timeout, which kills torchrun and every rank and fails the test.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,7 @@ def _check_startup_failure(codes: list[int], ranks: dict, launcher: str, phase: 
     for rank, text in sorted(ranks.items()):
         assert "Traceback" not in text, f"rank {rank} printed a traceback\n{context}"
         assert "Warning" not in text, f"rank {rank} printed a warning\n{context}"
+        assert "when instantiating" not in text, f"rank {rank} named a class\n{context}"
         if rank:
             assert "mimo-train" not in text and "start-up failed" not in text, \
                 f"rank {rank} printed the start-up error too\n{context}"
@@ -170,6 +172,21 @@ CASES = [
     ("pretrained encoder path does not exist", "default",
      ["model.encoders.image.pretrained=/nonexistent"], "config",
      ["model.encoders.image.pretrained", "/nonexistent"]),
+    # another kind's checkpoint: found from its config, before anything is built
+    ("pretrained encoder of another kind", "image",
+     ["layout=image=dp1;language=dp2",
+      f"model.encoders.image.pretrained={REPO / 'assets' / 'models' / 'tiny-siglip-vision'}"],
+     "config",
+     [f"model.encoders.image.pretrained {REPO / 'assets' / 'models' / 'tiny-siglip-vision'} "
+      "is a 'siglip_vision_model' checkpoint, but module 'image' builds the qwen2_vl encoder",
+      "which takes 'qwen2_vl_vision' checkpoints or a whole qwen2_vl model"]),
+    # a config without its weights: found as the encoder is built, said without the class
+    # megatron-core's build_module names (_check_startup_failure)
+    ("pretrained encoder folder without weights", "image",
+     ["layout=image=dp1;language=dp2", "model.encoders.image.pretrained={tmp}/no-weights"],
+     "model",
+     ["rank(s) [0]: OSError: Error no file named model.safetensors, or pytorch_model.bin, "
+      "found in directory {tmp}/no-weights."]),
     # -- LoRA and per-module optimizer settings (braces doubled: the overrides are formatted)
     ("lora rank 0", "default",
      ["model.lora={{language: {{rank: 0}}}}"], "config",
@@ -236,6 +253,9 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     tmp = tmp_path_factory.mktemp("startup-cases")
     _unfinished(tmp, loader_corpus)
     (tmp / "afile").write_text("in the way\n")
+    (tmp / "no-weights").mkdir()
+    shutil.copy(REPO / "assets" / "models" / "tiny-qwen2-vl-vision" / "config.json",
+                tmp / "no-weights")
     configs = {}
     for kind, path in preprocess.items():
         (tmp / kind).mkdir()

@@ -93,6 +93,12 @@ class Encoder(torch.nn.Module):
         as transformers builds it)."""
         raise NotImplementedError
 
+    @classmethod
+    def checkpoint_types(cls) -> tuple[str, ...]:
+        """The ``model_type`` of the checkpoints (or of their ``vision_config``) this encoder
+        is built from, besides its family's whole VLM; () where not checked."""
+        return ()
+
     @staticmethod
     def pretrained_output_size(config) -> int:
         """The rows' width of the encoder built from ``config`` (its transformers config)."""

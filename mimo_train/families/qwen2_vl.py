@@ -82,6 +82,10 @@ class Qwen2VLVision(Encoder):
     frame_independent = True
     attends_by_boundaries = True
 
+    @classmethod
+    def checkpoint_types(cls) -> tuple[str, ...]:
+        return (cls.tower_class().config_class.model_type,)
+
     @staticmethod
     def pretrained_output_size(config) -> int:
         config = getattr(config, "vision_config", None) or config

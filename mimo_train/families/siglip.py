@@ -20,6 +20,10 @@ class SiglipVision(Encoder):
     """SigLIP vision tower: fixed-size images → ``[n · (S/P)², hidden]``."""
     takes = ("image", "fixed")
 
+    @classmethod
+    def checkpoint_types(cls) -> tuple[str, ...]:
+        return ("siglip_vision_model", "siglip")
+
     @staticmethod
     def random_config(image: ImageConfig, hidden_size: int, num_layers: int,
                       num_attention_heads: int):

@@ -41,6 +41,10 @@ class WhisperAudio(Encoder):
     """
     takes = ("audio", "log-mel")
 
+    @classmethod
+    def checkpoint_types(cls) -> tuple[str, ...]:
+        return ("whisper",)
+
     @staticmethod
     def random_config(audio: AudioConfig, hidden_size: int, num_layers: int,
                       num_attention_heads: int):

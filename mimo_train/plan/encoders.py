@@ -103,4 +103,13 @@ def _output_size(name: str, spec: EncoderConfig, kind: str) -> int:
     if spec.pretrained is None:
         return spec.hidden_size
     config = checkpoint_config(spec.pretrained, f"model.encoders.{name}.pretrained")
+    types = ENCODERS[kind].checkpoint_types()
+    vision = getattr(config, "vision_config", None) or config
+    if types and config.model_type != kind and vision.model_type not in types:
+        raise TrainConfigError(
+            f"model.encoders.{name}.pretrained {spec.pretrained} is a "
+            f"{vision.model_type!r} checkpoint, but module {name!r} builds the {kind} encoder "
+            f"(from its kind, or the preprocessing's input form), which takes "
+            f"{' or '.join(repr(t) for t in types)} checkpoints or a whole {kind} model: give "
+            "one of those, or set its kind and preprocessing for this checkpoint")
     return ENCODERS[kind].pretrained_output_size(config)

@@ -131,6 +131,11 @@ def say(message: str) -> None:
 EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
 
 
+# what megatron-core's build_module appends to any error raised in a module it builds: the
+# class's name (one of mimo's private ones), which says nothing to a user
+_BUILT_BY = re.compile(r" when instantiating \w+$")
+
+
 def agree(phase: str, function):
     """Run ``function`` on every rank; if it fails anywhere, raise ``StartupError`` everywhere.
     A bug's traceback is printed once, by the first rank it happened on."""
@@ -141,7 +146,7 @@ def agree(phase: str, function):
     except Exception as exc:
         expected = isinstance(exc, EXPECTED)
         details = None if expected else "".join(traceback.format_exception(exc))
-        result, error = None, (f"{type(exc).__name__}: {exc}",
+        result, error = None, (f"{type(exc).__name__}: {_BUILT_BY.sub('', str(exc))}",
                                getattr(exc, "exit_code", None) if expected else 1, not expected)
     errors = distributed.gather(error)
     failed: dict[str, list[int]] = {}
