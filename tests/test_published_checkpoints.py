@@ -297,9 +297,12 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
     # the published file, key for key and value for value (the run trained in fp32; the
     # export is in the published dtype)
     assert json.loads((out / "config.json").read_text()) == original
-    for name in ("chat_template.json", "chat_template.jinja"):      # the published template
+    # the published template and tokenizer files (the run's tokens are the checkpoint's)
+    for name in ("chat_template.json", "chat_template.jinja", "tokenizer.json",
+                 "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
         if (published["checkpoint"] / name).is_file():
-            assert (out / name).read_bytes() == (published["checkpoint"] / name).read_bytes()
+            assert (out / name).read_bytes() == (published["checkpoint"] / name).read_bytes(), \
+                name
     theirs = {}
     for path in published["checkpoint"].glob("*.safetensors"):
         theirs.update(load_file(path))
