@@ -364,6 +364,14 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
         reader.read_member(0, "json")
     assert sum(storage.RETRIES.values()) == retried and s3.injected["403"] == 1
     reader.close()
+    # shards in folders below the root (tars indexed in place where they lie): found there
+    s3.faults = None
+    fs = _fs(s3)
+    fs.pipe_file(f"{BUCKET}/nested/a.tar", b"a" * 10)
+    fs.pipe_file(f"{BUCKET}/nested/part/b.tar", b"b" * 20)
+    remote = storage.Remote(f"s3://{BUCKET}/nested", s3.storage_options)
+    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == \
+        {"a.tar": 10, "part/b.tar": 20}
 
 
 def test_a_cache_folder_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch):

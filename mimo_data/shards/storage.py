@@ -174,8 +174,9 @@ class Remote:
         return retried(f"reading {url} bytes {start}-{start + size}", call)
 
     def sizes(self, url: str, names: list[str]) -> dict[str, int | None]:
-        """``{name: bytes}`` of those of ``names`` found directly under ``url`` (None: size
-        unknown): one listing, or over HTTP, which lists nothing reliably, one HEAD each."""
+        """``{name: bytes}`` of those of ``names`` (paths relative to ``url``, in folders below
+        it too) found under ``url`` (None: size unknown): one recursive listing, or over HTTP,
+        which lists nothing reliably, one HEAD each."""
         if self.protocol in ("http", "https"):
             found: dict[str, int | None] = {}
             for name in names:
@@ -190,11 +191,14 @@ class Remote:
             return found
 
         def call() -> dict[str, int | None]:
+            root = self.fs._strip_protocol(url).rstrip("/") + "/"
             try:
-                return {posixpath.basename(entry["name"].rstrip("/")): entry.get("size")
-                        for entry in self.fs.ls(url, detail=True) if entry["type"] == "file"}
+                found = self.fs.find(url, detail=True)
             except FileNotFoundError:
                 return {}
+            wanted = set(names)
+            return {path[len(root):]: entry.get("size") for path, entry in found.items()
+                    if path.startswith(root) and path[len(root):] in wanted}
         return retried(f"listing {url}", call)
 
     def exists(self, url: str) -> bool:
