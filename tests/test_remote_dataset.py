@@ -370,8 +370,14 @@ def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(
     fs.pipe_file(f"{BUCKET}/nested/a.tar", b"a" * 10)
     fs.pipe_file(f"{BUCKET}/nested/part/b.tar", b"b" * 20)
     remote = storage.Remote(f"s3://{BUCKET}/nested", s3.storage_options)
-    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == \
-        {"a.tar": 10, "part/b.tar": 20}
+    expected = {"a.tar": 10, "part/b.tar": 20}
+    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == expected
+    # credentials that read objects but may not list them: each shard looked up instead
+    s3.faults = Faults(rate=1.0, kinds=("403",), listings_only=True)
+    s3.reset_counters()
+    remote = storage.Remote(f"s3://{BUCKET}/nested", s3.storage_options)      # no listing kept
+    assert remote.sizes(f"s3://{BUCKET}/nested", ["a.tar", "part/b.tar", "c.tar"]) == expected
+    assert s3.injected["403"] == 2 and s3.requests["HEAD"] >= 3, dict(s3.requests)
 
 
 def test_a_cache_folder_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch):
@@ -449,7 +455,8 @@ def test_train_config_redacts_storage_secrets_and_keeps_urls(tmp_path, monkeypat
 
 # ------------------------------------------------------------------------------------- http
 
-def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fresh_cache):
+def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fresh_cache,
+                                                              monkeypatch):
     """HTTP has no listing: a dataset is read at an ``http://`` URL by ranged GETs, its tables
     downloaded from its ``.mimo-cache/``; ``info`` and ``verify`` agree with the local copy."""
     with LocalHTTP(built.local.parent) as http:
@@ -482,6 +489,13 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         reader.check_shards()               # the start-up check: a HEAD per shard, sizes equal
         assert http.requests == {"HEAD": shards}, dict(http.paths)
         reader.close()
+        assert not storage.Remote(url).exists(f"{url}/no-such.tar")        # a 404: absent
+    # no server: a fault, retried, never "missing" (fsspec's HTTP says FileNotFoundError)
+    monkeypatch.setattr(storage, "ATTEMPTS", 2)
+    monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
+    with pytest.raises(StorageError, match="looking up http://127.0.0.1:9/ds/x.tar: failed 2 "
+                       "times, last with ConnectionError"):
+        storage.Remote("http://127.0.0.1:9/ds").exists("http://127.0.0.1:9/ds/x.tar")
 
         code, out, err = cli_main(capsys, "info", url, "--json")
         assert code == 0, err

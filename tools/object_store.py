@@ -76,6 +76,8 @@ class Faults:
     kinds: tuple[str, ...] = TRANSIENT_KINDS
     seed: int = 0
     methods: tuple[str, ...] = ("GET",)
+    listings_only: bool = False     # only bucket listings (ListObjectsV2): "403" is then
+    #                                 credentials that read objects but may not list them
 
     def __post_init__(self) -> None:
         bad = set(self.kinds) - set(FAULT_KINDS)
@@ -172,12 +174,13 @@ class LocalS3:
             self.requests.clear()
             self.injected.clear()
 
-    def _draw(self, method: str) -> str | None:
+    def _draw(self, method: str, path: str) -> str | None:
         """Count a request and pick the fault to inject into it, if any."""
         with self._lock:
             self.requests[method] += 1
             faults = self._faults
-            if faults is None or method not in faults.methods:
+            if faults is None or method not in faults.methods or \
+                    (faults.listings_only and "list-type=" not in path):
                 return None
             if self._rng.random() >= faults.rate:
                 return None
@@ -262,7 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _proxy(self) -> None:
         owner = cast(_ProxyServer, self.server).owner
         body = self._read_body()
-        kind = owner._draw(self.command)
+        kind = owner._draw(self.command, self.path)
         if owner.latency_s > 0:
             time.sleep(owner.latency_s)
         if kind in _ERRORS:

@@ -32,12 +32,22 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     try:
         return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
     except FileNotFoundError:
-        if storage.is_remote(directory) and \
-                not storage.Remote(directory, storage_options).names(directory):
+        if _nothing_at(directory, storage_options):
             raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
                                "and the prefix)") from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build?); run `mimo-shard build` again") from None
+
+
+def _nothing_at(directory: str, storage_options: dict | None) -> bool:
+    """Whether a dataset URL has nothing under it (a typo) rather than an unfinished build; not
+    known (False) over HTTP, which lists nothing, or where the listing fails."""
+    if not storage.is_remote(directory) or directory.startswith(("http://", "https://")):
+        return False
+    try:
+        return not storage.Remote(directory, storage_options).names(directory)
+    except OSError:                 # StorageError too: the first message stands
+        return False
 
 
 def parse_index(directory: str, data: bytes) -> dict:

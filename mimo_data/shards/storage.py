@@ -16,6 +16,7 @@ requests) are turned off, so one policy decides and every retry is counted; othe
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import posixpath
@@ -27,12 +28,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import IO, Any
 
 ATTEMPTS = 6                      # tries of one remote call, the first included
 BACKOFF_S = 0.2                   # first wait; doubled per retry (jittered), at most MAX_WAIT_S
 MAX_WAIT_S = 8.0
+THREADS = 8                       # look-ups in flight at once where each object is looked up
 RETRIES: Counter[str] = Counter()  # retried calls by cause, in this process
 _RETRIES_LOCK = threading.Lock()
 
@@ -164,7 +167,10 @@ class Remote:
             except OSError as exc:   # short, or past the end (416): is the object itself?
                 if isinstance(exc, _PERMANENT):
                     raise
-                held = self.fs.info(url).get("size")
+                try:
+                    held = self.fs.info(url).get("size")
+                except Exception:       # the look-up failed too: the read's fault stands
+                    raise exc from None
                 if held is not None and held < start + size:
                     raise ShortObject(f"{url} holds {held} bytes, not the {start + size} or more "
                                       "its dataset's index says: it was cut short or "
@@ -175,40 +181,57 @@ class Remote:
 
     def sizes(self, url: str, names: list[str]) -> dict[str, int | None]:
         """``{name: bytes}`` of those of ``names`` (paths relative to ``url``, in folders below
-        it too) found under ``url`` (None: size unknown): one recursive listing, or over HTTP,
-        which lists nothing reliably, one HEAD each."""
-        if self.protocol in ("http", "https"):
+        it too) that are there (None: size unknown): one listing of each folder holding some,
+        or, where listing is not to be had (HTTP lists nothing reliably; credentials may read
+        objects but not list them), one HEAD each, ``THREADS`` at a time."""
+        if self.protocol not in ("http", "https"):
             found: dict[str, int | None] = {}
-            for name in names:
-                def head(name=name) -> dict | None:
-                    try:
-                        return self.fs.info(join(url, name))
-                    except FileNotFoundError:
-                        return None
-                info = retried(f"looking up {join(url, name)}", head)
-                if info is not None:
-                    found[name] = info.get("size")
-            return found
+            for folder in sorted({posixpath.dirname(name) for name in names}):
+                where = join(url, folder) if folder else url
+                listed = retried(f"listing {where}", functools.partial(self._listed, where))
+                if listed is None:              # listing denied: look each one up instead
+                    break
+                found.update({posixpath.join(folder, base): size
+                              for base, size in listed.items()})
+            else:
+                return {name: found[name] for name in names if name in found}
 
-        def call() -> dict[str, int | None]:
-            root = self.fs._strip_protocol(url).rstrip("/") + "/"
-            try:
-                found = self.fs.find(url, detail=True)
-            except FileNotFoundError:
-                return {}
-            wanted = set(names)
-            return {path[len(root):]: entry.get("size") for path, entry in found.items()
-                    if path.startswith(root) and path[len(root):] in wanted}
-        return retried(f"listing {url}", call)
+        def head(name: str) -> tuple[str, dict | None]:
+            def call() -> dict | None:
+                try:
+                    return self._info(join(url, name))
+                except PermissionError:     # S3 answers 403 for an absent key to those who
+                    return None             # may not list: absent or unreadable, either way
+            return name, retried(f"looking up {join(url, name)}", call)
+        with ThreadPoolExecutor(THREADS) as pool:
+            return {name: info.get("size") for name, info in pool.map(head, names)
+                    if info is not None}
+
+    def _listed(self, url: str) -> dict[str, int | None] | None:
+        """``{name: bytes}`` of the files directly under ``url``; None where the credentials
+        may not list it."""
+        try:
+            return {posixpath.basename(entry["name"].rstrip("/")): entry.get("size")
+                    for entry in self.fs.ls(url, detail=True) if entry["type"] == "file"}
+        except FileNotFoundError:
+            return {}
+        except PermissionError:
+            return None
+
+    def _info(self, url: str) -> dict | None:
+        """``url``'s info (one HEAD), None where it is not there. fsspec's HTTP reports every
+        failure as FileNotFoundError: there only a 404 or 410 reply is absence, anything else
+        is raised as the fault it is (retried)."""
+        try:
+            return self.fs.info(url)
+        except FileNotFoundError as exc:
+            if self.protocol in ("http", "https") and \
+                    getattr(exc.__cause__, "status", None) not in (404, 410):
+                raise ConnectionError(f"{url}: {exc.__cause__!r}") from exc
+            return None
 
     def exists(self, url: str) -> bool:
-        def call() -> bool:
-            try:
-                self.fs.info(url)           # a HEAD (fsspec's HTTP ``exists`` GETs the body)
-            except FileNotFoundError:
-                return False
-            return True
-        return retried(f"looking up {url}", call)
+        return retried(f"looking up {url}", lambda: self._info(url) is not None)
 
     def names(self, url: str) -> list[str]:
         """Names directly under ``url`` (files and prefixes); [] when there are none."""
