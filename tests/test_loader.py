@@ -9,6 +9,9 @@ never from the loader's own order.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections import defaultdict
 
 import pyarrow.parquet as pq
@@ -373,7 +376,7 @@ def test_a_drop_only_decoding_can_see_is_an_error_not_a_skip(tmp_path, assets, c
 
 
 def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpus, configs,
-                                                          tmp_path):
+                                                          tmp_path, monkeypatch):
     # an empty cache directory: the token table is computed in 2 worker processes
     parallel = DataSource(str(loader_corpus), configs["image"], num_workers=2,
                           cache_dir=str(tmp_path / "cache"))
@@ -384,9 +387,21 @@ def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpu
                    global_batch_size=GLOBAL_BATCH, micro_batch_size=2, seed=5,
                    preprocess_config=None)
     inline = list(build_loader(sources["image"], **options))
-    spawned = build_loader(parallel, **options, num_workers=2, multiprocessing_context="spawn")
+    spawned = build_loader(parallel, **options, num_workers=2, multiprocessing_context="spawn",
+                           parent_signals=(signal.SIGTERM, signal.SIGUSR1))
     assert_same_stream(list(spawned), inline)
+    # the run's exit signals (torchrun's and Slurm's reach every process) leave the workers
+    # to their rank; one that torch's shutdown cannot stop (stuck in a read: here a shutdown
+    # that does nothing) is killed by close, not left for the interpreter's exit to wait on
+    workers = list(spawned._stream._workers)
+    for worker in workers:
+        os.kill(worker.pid, signal.SIGTERM)
+        os.kill(worker.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    assert all(worker.is_alive() for worker in workers)
+    monkeypatch.setattr(type(spawned._stream), "_shutdown_workers", lambda self: None)
     spawned.close()
+    assert not any(worker.is_alive() for worker in workers)
 
 
 @pytest.fixture(scope="module")

@@ -624,8 +624,19 @@ class RankLoader:
             yield self._next()
 
     def close(self) -> None:
-        """Stop the workers; the next iteration starts them again where this one stopped."""
-        self._stream = None
+        """Stop the workers; the next iteration starts them again where this one stopped. A
+        worker still alive after torch's shutdown (stuck in a read) is killed: it ignores the
+        SIGTERM torch's shutdown ends with (``_ignore``), and the interpreter's exit would
+        wait for it."""
+        stream, self._stream = self._stream, None
+        # torch's multi-process iterator: its workers and its shutdown (private names; the
+        # DataLoader has no public way to stop its workers but dropping the iterator)
+        workers = list(getattr(stream, "_workers", ()))
+        getattr(stream, "_shutdown_workers", lambda: None)()
+        for worker in workers:
+            if worker.is_alive():
+                worker.kill()
+                worker.join()
 
     # ----------------------------------------------------------------------------- state
 
