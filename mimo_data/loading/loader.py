@@ -72,7 +72,7 @@ from mimo_data.loading.media_split import Item, Piece, check_split_media, cut, p
 from mimo_data.preprocess.preprocessor import Preprocessor, Sample, SampleDropped, TextSample
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.tally import Tally
-from mimo_data.loading.sample_order import (DatasetShape, OrderError, SampleOrder,
+from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSamples,
                                              micro_batch_slice)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards.format import ShardRecord
@@ -199,13 +199,13 @@ class DataSource:
             return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
                                block_size, window_blocks, arrangement,
                                self.costs if needs_costs else None, packing)
-        except OrderError as error:
+        except TooFewSamples as error:
             if not self.tally.skipped_total:
                 raise
             # too few samples for a batch: say what preprocessing dropped, and where to look
             long = (f"; too_long: longer than seq_length {self.config.seq_length}, raise it"
                     if "too_long" in self.tally.skipped else "")
-            raise OrderError(f"{error}. Preprocessing dropped some ({self.tally.summary()}"
+            raise TooFewSamples(f"{error}. Preprocessing dropped some ({self.tally.summary()}"
                              f"{long}): mimo-inspect report lists them") from None
 
     def costs(self, datasets: np.ndarray, positions: np.ndarray) -> np.ndarray:

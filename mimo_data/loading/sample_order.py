@@ -55,6 +55,10 @@ class OrderError(ValueError):
     """Datasets, weights or batch sizes that give no usable order; says what to change."""
 
 
+class TooFewSamples(OrderError):
+    """Fewer kept samples in an epoch than one global batch."""
+
+
 def _splitmix64(values: np.ndarray) -> np.ndarray:
     """splitmix64 finalizer on uint64 arrays (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
@@ -137,9 +141,9 @@ class SampleOrder:
         else:
             self.steps_per_epoch = -(-self.epoch_length // global_batch_size)
         if not self.steps_per_epoch:
-            raise OrderError(f"an epoch holds {self.epoch_length} kept samples, fewer than one "
-                             f"global batch of {global_batch_size}: use a smaller global batch "
-                             "or more data")
+            raise TooFewSamples(f"an epoch holds {self.epoch_length} kept samples, fewer than "
+                                f"one global batch of {global_batch_size}: use a smaller global "
+                                "batch or more data")
         self.samples_per_epoch = self.steps_per_epoch * global_batch_size
         self.remainder_samples = abs(self.samples_per_epoch - self.epoch_length)
         self._cached: tuple[int, tuple[np.ndarray, np.ndarray]] | None = None

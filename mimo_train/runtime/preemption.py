@@ -17,10 +17,10 @@ A time limit of the run's own, ``train.exit_duration_minutes`` (megatron-LM's
 ``--exit-duration-in-mins``), rides on the same agreement: once it has passed on any rank, all
 stop after the same step, save, and exit 0.
 
-Under ``torchrun``, a signal to the agent (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reaches every worker as the
-same signal; torchrun kills them 30 s later, so the step in progress and the save must fit in
-that time there (a signal sent to the workers themselves, as Slurm's ``--signal`` does, has no
-such limit).
+Under ``torchrun``, a signal to the agent (SIGTERM, SIGINT, SIGHUP, SIGQUIT) reaches every
+worker as the same signal; torchrun kills them 30 s later, so the step in progress and the save
+must fit in that time there (a signal sent to the workers themselves, as Slurm's ``--signal``
+does, has no such limit).
 """
 
 from __future__ import annotations
