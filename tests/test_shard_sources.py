@@ -407,6 +407,10 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
     for content in (f"a{TEXT_PART_BREAK}b", [{"type": "text", "text": f"a{TEXT_PART_BREAK}"}]):
         with pytest.raises(RecordError, match="U\\+E00B"):
             normalize_messages([{"role": "user", "content": content}, turns[1]])
+    with pytest.raises(RecordError, match="U\\+E00B"):              # the record's system prompt
+        normalize_messages([turns[0], turns[1]], system=f"Be brief.{TEXT_PART_BREAK}")
+    with pytest.raises(RecordError, match="U\\+E00B"):              # an answer's reasoning
+        normalize_messages([turns[0], {**turns[1], "reasoning_content": TEXT_PART_BREAK}])
 
 
 def test_openai_media_parts_name_their_media(tmp_path, assets):

@@ -68,9 +68,10 @@ def _content_text(content) -> str:
 def _without_break(text: str) -> str:
     """``text``, refused where it holds ``TEXT_PART_BREAK`` (a private-use character)."""
     if TEXT_PART_BREAK in text:
-        raise RecordError("malformed_record", f"the text {text[:60]!r}... holds U+E00B, a "
-                          "private-use character mimo's shards keep for the break between two "
-                          "text parts: remove it from the record")
+        shown = text if len(text) <= 60 else f"{text[:60]}..."
+        raise RecordError("malformed_record", f"the text {shown!r} holds U+E00B, a private-use "
+                          "character mimo's shards keep for the break between two text parts: "
+                          "remove it from the record")
     return text
 
 
@@ -135,7 +136,7 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             if "</think>" in text:
                 raise RecordError("malformed_record", f"turn {i} has a reasoning_content and "
                                   "a </think> in its content: give its reasoning once")
-            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text}"
+            text = f"<think>\n{_without_break(reasoning.strip())}\n</think>\n\n{text}"
         _utf8(text, f"turn {i} text")
         message: dict[str, Any] = {"role": role, "content": text}
         if calls:
@@ -162,7 +163,7 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             raise RecordError("malformed_record", "the record has a system prompt and its "
                               "conversation a system turn: give the system prompt once")
         _utf8(system, "the record's system prompt")
-        messages.insert(0, {"role": "system", "content": system})
+        messages.insert(0, {"role": "system", "content": _without_break(system)})
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
     answers = [m for m in messages if m["role"] == "assistant"]
