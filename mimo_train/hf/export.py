@@ -424,7 +424,7 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
             next(v.dtype for v in weights["language"].values() if v.is_floating_point()),
             "the trained weights'")
         write_adapters(out, plan, weights, arch, image, directory, chosen[0])
-        _write_tokenizer(tokenizer, out, vlm.path)
+        _write_tokenizer(tokenizer, out, vlm.path, plan.preprocess)
         _copy_processor(vlm.path, out, plan.preprocess, template)
         return vlm.family, f"adapters {_described(chosen)}"
     hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
@@ -453,7 +453,7 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
     save_torch_state_dict({k: v.clone() for k, v in hf.items()}, out)   # own storage
     _write_config_as_published(vlm.path, out, rows, str(chosen[0]).removeprefix("torch."))
     config = AutoConfig.from_pretrained(out)
-    _write_tokenizer(tokenizer, out, vlm.path)
+    _write_tokenizer(tokenizer, out, vlm.path, plan.preprocess)
     _copy_processor(vlm.path, out, plan.preprocess, template)
     _write_generation_config(out, vlm.path, config, tokenizer)
     return vlm.family, _described(chosen) + (
@@ -488,23 +488,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model")
 
 
-def _write_tokenizer(tokenizer, out: str, pretrained: str) -> None:
-    """``tokenizer`` saved into ``out``; where it is the checkpoint's own (the same tokens and
-    special tokens), as the checkpoint's files byte for byte: a save by this transformers
-    renames the class (Qwen3.5's ``Qwen3_5Tokenizer``) and drops keys other readers (an older
-    transformers, a serving engine) need."""
+def _write_tokenizer(tokenizer, out: str, pretrained: str, preprocess) -> None:
+    """``tokenizer`` saved into ``out``; where it is the checkpoint's own (the preprocessing
+    read the checkpoint's folder and added no token), as the checkpoint's files byte for byte:
+    a save by this transformers renames the class (Qwen3.5's ``Qwen3_5Tokenizer``) and drops
+    keys other readers (an older transformers, a serving engine) need."""
     from transformers import AutoTokenizer
 
     from mimo_train.families.base import model_directory
     tokenizer.save_pretrained(out)
-    pretrained = model_directory(pretrained)
     try:
-        own = AutoTokenizer.from_pretrained(pretrained)
+        pretrained, source = (os.path.realpath(model_directory(path))
+                              for path in (pretrained, preprocess.tokenizer))
+        own = AutoTokenizer.from_pretrained(pretrained) if source == pretrained else None
     except Exception:                   # no tokenizer beside the weights: ours as saved
         return
-    if own.get_vocab() != tokenizer.get_vocab() or \
-            own.special_tokens_map != tokenizer.special_tokens_map:
-        return                          # tokens added or changed: the saved files say so
+    if own is None or len(own) != len(tokenizer):
+        return                          # another folder's, or tokens added: as saved
     for name in TOKENIZER_FILES:
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
