@@ -933,8 +933,8 @@ def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
             (tmp / "full-ckpt", f"{tmp / 'full-ckpt'} holds a run's checkpoints (a "
              "checkpoint.dir), not one: give one step's folder, e.g. its latest, "
              f"{tmp / 'full-ckpt' / 'step_0000006'}"),
-            (model, f"{model} is a transformers model (config.json, safetensors), not a mimo "
-             "checkpoint: give it as model.pretrained"),
+            (model, f"{model} is a transformers model (config.json and its weights), not a "
+             "mimo checkpoint: give it as model.pretrained"),
             (tmp_path / "nothing", f"checkpoint {tmp_path / 'nothing'}: no such directory")):
         with pytest.raises(CheckpointError) as refused:
             check(str(given), None, None)

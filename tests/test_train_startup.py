@@ -134,8 +134,7 @@ CASES = [
     # -- outputs rank 0 writes, in a folder that cannot be made: both named, by rank 0
     ("records and tensorboard folders that cannot be made", "default",
      ["--records={tmp}/afile/records.jsonl", "train.tensorboard_dir={tmp}/afile/tb"], "config",
-     ["rank(s) [0]: TrainConfigError: --records: cannot create {tmp}/afile: [Errno 17] File "
-      "exists",
+     ["rank(s) [0]: TrainConfigError: --records: {tmp}/afile is a file, not a folder",
       "train.tensorboard_dir: cannot create {tmp}/afile/tb: [Errno 20] Not a directory"]),
     # -- missing shards
     ("dataset directory does not exist", "default",

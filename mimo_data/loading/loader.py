@@ -165,8 +165,9 @@ class DataSource:
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
             readers = [ShardReader(d, cache_dir, storage_options) for d in self.directories]
-            if partition is None or partition.rank == 0:    # one rank lists the shards
-                for reader in readers:
+            for reader in readers:  # a bucket's by the job's first rank, a local folder's
+                if partition is None or (   # by each machine's (its own copy, may be)
+                        partition.rank == 0 if reader.shard_remote else partition.writes):
                     reader.check_shards()
             return readers, Preprocessor(self.config, with_media=False, text=text)
         opened: tuple[list[ShardReader], Preprocessor] = (

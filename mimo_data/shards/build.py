@@ -78,10 +78,11 @@ class BuildOptions:
 
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
-_OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
-                       r"|\.mimo-cache|\.mimo-write-check|.+-\d{6}\.tar)$")
-# what a build into a bucket writes and removes first: the bucket exists and takes writes
+# what a build into a bucket writes and removes before any input is read: the bucket exists
+# and takes writes
 WRITE_CHECK = ".mimo-write-check"
+_OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
+                       rf"|\.mimo-cache|{re.escape(WRITE_CHECK)}|.+-\d{{6}}\.tar)$")
 
 
 def _prepare_output(output: str, overwrite: bool) -> bool:
@@ -235,13 +236,6 @@ def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool)
     """``_prepare_output`` for an output URL: the same refusals, the old index removed
     first; the bucket is written to once before any input is read (a missing bucket or
     read-only credentials are found at once, not at the first shard)."""
-    check = storage.join(output, WRITE_CHECK)
-    try:
-        remote.write(check, b"")
-    except FileNotFoundError:               # S3's NoSuchBucket
-        raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
-                         "create it first, or check the URL") from None
-    remote.remove(check)
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
@@ -250,6 +244,13 @@ def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool)
     if foreign:
         raise BuildError(f"{output} holds objects a build did not write ({', '.join(foreign[:5])}"
                          f"{' ...' if len(foreign) > 5 else ''}); use an empty or new prefix")
+    check = storage.join(output, WRITE_CHECK)
+    try:
+        remote.write(check, b"")
+    except FileNotFoundError:               # S3's NoSuchBucket
+        raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
+                         "create it first, or check the URL") from None
+    remote.remove(check)
     if INDEX_FILE in names:
         remote.remove(storage.join(output, INDEX_FILE))
     for name in names:

@@ -74,6 +74,7 @@ LATEST = "latest"
 META = "meta.json"
 # the language model's layers: stacked (``decoder.layers.<param>``) or, where they differ (a
 # hybrid decoder's, megatron-core's ``non_homogeneous_layers``), one by one
+STEP_NAME = r"step_\d{7}"          # a step's checkpoint folder in a checkpoint.dir
 _LAYERS = re.compile(r"^(decoder\.layers\.)(\d+\.)?(.*)$")
 # megatron-core saves a MoE layer's experts (``SequentialMLP``'s ``local_experts.<e>.``) stacked
 # along the expert axis under this name
@@ -130,7 +131,7 @@ def resume_point(root: str | None) -> str | None:
     found = latest(root)
     if found or not root or not os.path.isdir(root):
         return found
-    steps = sorted(name for name in os.listdir(root) if re.fullmatch(r"step_\d{7}", name)
+    steps = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
                    and os.path.isfile(os.path.join(root, name, MANIFEST)))
     if steps:
         raise CheckpointError(
@@ -200,7 +201,7 @@ def prune(root: str, keep_last: int, current: str) -> list[str]:
     ``current``, the one ``latest`` names, nor one after ``current`` (being written, or a
     run's that resumed an earlier one). Rank 0, once ``latest`` is written; the deleted
     directories."""
-    names = sorted(name for name in os.listdir(root) if re.fullmatch(r"step_\d{7}", name))
+    names = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name))
     upto = [name for name in names if name <= os.path.basename(current)]
     complete = [name for name in upto if os.path.isfile(os.path.join(root, name, MANIFEST))]
     kept = set(complete[-keep_last:]) | {os.path.basename(current)}
@@ -367,17 +368,16 @@ def _not_a_step(directory: str) -> None:
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {directory}: no such directory")
     names = set(os.listdir(directory))
-    steps = sorted(name for name in names if name.startswith("step_"))
+    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name))
     if LATEST in names or steps:
-        latest = os.path.join(directory, LATEST)
-        newest = open(latest).read().strip() if os.path.isfile(latest) else steps[-1]
+        newest = latest(directory) or os.path.join(directory, steps[-1])
         raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir), not "
-                              f"one: give one step's folder, e.g. its latest, "
-                              f"{os.path.join(directory, newest)}")
-    if "config.json" in names and any(name.endswith(".safetensors") for name in names):
-        raise CheckpointError(f"{directory} is a transformers model (config.json, safetensors), "
-                              "not a mimo checkpoint: give it as model.pretrained (a whole "
-                              "VLM) or model.language.pretrained")
+                              f"one: give one step's folder, e.g. its latest, {newest}")
+    if "config.json" in names and any(name.endswith((".safetensors", ".bin"))
+                                      for name in names):
+        raise CheckpointError(f"{directory} is a transformers model (config.json and its "
+                              "weights), not a mimo checkpoint: give it as model.pretrained (a "
+                              "whole VLM) or model.language.pretrained")
 
 
 def check(directory: str, model, global_batch_size: int | None,

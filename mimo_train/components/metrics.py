@@ -335,7 +335,10 @@ def check_outputs(records: str | None, tensorboard_dir: str | None) -> None:
     problems = [f"--records {records} is a directory: give a file"] \
         if records and os.path.isdir(records) else []
     for what, folder in folders:
-        if folder is None:
+        if folder is None or "://" in folder:     # a URL: its writer's to make
+            continue
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            problems.append(f"{what}: {folder} is a file, not a folder")
             continue
         try:
             os.makedirs(folder, exist_ok=True)

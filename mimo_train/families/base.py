@@ -369,8 +369,9 @@ def _foreign_tokenizer(vlm: VLM, preprocess, tokenizer) -> str | None:
     for i in ids:
         theirs, ours = own.convert_ids_to_tokens(i), tokenizer.convert_ids_to_tokens(i)
         if theirs != ours:
+            said = "no token" if ours is None else repr(ours)
             return (f"the preprocessing config's tokenizer ({preprocess.tokenizer}) is not "
-                    f"model.pretrained's ({vlm.path}): token id {i} is {ours!r} in it and "
+                    f"model.pretrained's ({vlm.path}): token id {i} is {said} in it and "
                     f"{theirs!r} in the checkpoint's. Use a preprocessing config made for this "
                     f"model: mimo-train --preprocessing-for {vlm.path} > preprocess.yaml, then "
                     "data.preprocess=preprocess.yaml")

@@ -133,7 +133,7 @@ EXPECTED = (ValueError, OSError, RuntimeError, KeyError)
 
 # what megatron-core's build_module appends to any error raised in a module it builds: the
 # class's name (one of mimo's private ones), which says nothing to a user
-_BUILT_BY = re.compile(r" when instantiating \w+$")
+_BUILT_BY = re.compile(r"( when instantiating \w+)+$")
 
 
 def agree(phase: str, function):
