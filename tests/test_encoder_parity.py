@@ -11,15 +11,15 @@ The references never go through mimo: the transformers processor saved beside th
   processor's float ``pixel_values`` to the model.
 - Whisper: where the designs differ, the test compares where they must agree.
   WhisperFeatureExtractor pads every clip to 30 s before its STFT; mimo featurizes the clip
-  alone, ``len // hop_length`` frames (the token count comes from the shard metadata). So the
-  log-mels are compared with the extractor's ``padding="longest"`` ones, and the encoder rows
-  with the reference encoder run on those features padded to its 3000 frames with the
-  extractor's own silence (the last frame of its 30 s features), its rows over the clip kept
-  and pairs averaged (mimo's second reduction, a last odd row alone). Not compared: the
-  extractor's 30 s features also have one or two frames past the clip that its STFT window
-  reaches the clip's tail from; mimo's frames end at the clip, so its rows differ from
-  ``WhisperModel.encoder`` on the extractor's own 30 s input by design (attention spreads those
-  frames over every row).
+  alone, ``len // hop_length`` frames (the token count comes from the shard metadata), its last
+  ones seeing the zeros the extractor pads with. So the log-mels are compared with the
+  extractor's own 30 s ones over the clip's frames, and the encoder rows with the reference
+  encoder run on those features padded to its 3000 frames with the extractor's own silence
+  (the last frame of its 30 s features), its rows over the clip kept and pairs averaged
+  (mimo's second reduction, a last odd row alone). Not compared: the extractor's 30 s features
+  also have one or two frames past the clip that its STFT window reaches the clip's tail from;
+  mimo's frames end at the clip, so its rows differ from ``WhisperModel.encoder`` on the
+  extractor's own 30 s input by design (attention spreads those frames over every row).
 - Row counts equal mimo_data's token counts from the metadata mimo-shard records.
 """
 
@@ -133,10 +133,8 @@ def whisper():
 def whisper_reference(samples: np.ndarray, encoder, extractor) -> tuple[torch.Tensor, ...]:
     """(the extractor's clip log-mels ``[n_mels, frames]``, the reference rows): see the
     module docstring."""
-    clip = extractor(samples, sampling_rate=16000, padding="longest",
-                     return_tensors="pt").input_features[0]
-    silence = extractor(samples, sampling_rate=16000,
-                        return_tensors="pt").input_features[0, :, -1:]
+    padded = extractor(samples, sampling_rate=16000, return_tensors="pt").input_features[0]
+    clip, silence = padded[:, :len(samples) // extractor.hop_length], padded[:, -1:]
     window = torch.cat([clip, silence.expand(-1, WINDOW - clip.shape[1])], dim=1)
     states = encoder(window[None]).last_hidden_state[0][:(clip.shape[1] + 1) // 2]
     return clip, torch.stack([pair.mean(0) for pair in torch.split(states, 2)])
@@ -146,8 +144,7 @@ def test_whisper_log_mels_equal_the_feature_extractor(speech, whisper):
     _, _, extractor = whisper
     for name, _, samples in speech:
         ours = audio_encoder_inputs([samples], SPEECH)["input_features"]
-        clip = extractor(samples, sampling_rate=16000, padding="longest",
-                         return_tensors="pt").input_features[0]
+        clip, _ = whisper_reference(samples, whisper[1], extractor)
         torch.testing.assert_close(ours.T, clip, rtol=0, atol=ATOL,
                                    msg=lambda m, name=name: f"{name}: {m}")
 

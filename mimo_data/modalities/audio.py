@@ -351,12 +351,12 @@ def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np
 @functools.lru_cache(maxsize=8)
 def _log_mel_constants(n_mels: int, sample_rate: int, hop_length: int):
     """The extractor's STFT window and mel filter bank ``[n_fft // 2 + 1, n_mels]``, as float32
-    tensors, built once per config."""
+    tensors, and the samples it pads every clip to (30 s), built once per config."""
     from transformers import WhisperFeatureExtractor    # where used (``libraries``)
     extractor = WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sample_rate,
                                         hop_length=hop_length, n_fft=WHISPER_N_FFT)
     return (torch.hann_window(WHISPER_N_FFT),
-            torch.from_numpy(extractor.mel_filters).to(torch.float32))
+            torch.from_numpy(extractor.mel_filters).to(torch.float32), extractor.n_samples)
 
 
 def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
@@ -370,16 +370,19 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
     if len(waveform) < MIN_AUDIO_SAMPLES:
         raise MediaError("audio_too_short", f"clip of {len(waveform)} samples is shorter than the "
                          f"{MIN_AUDIO_SAMPLES} samples the log-mel features need")
-    window, filters = _log_mel_constants(cfg.n_mels, cfg.sample_rate, cfg.hop_length)
+    window, filters, window_samples = _log_mel_constants(cfg.n_mels, cfg.sample_rate,
+                                                         cfg.hop_length)
     # torch.stft(center=True)'s own steps, the same floats: its reflect pad kernel (and np.pad's
     # Python set-up) costs several times these three copies, and it transforms a last frame
     # that the extractor drops. Frames come out frame-major, so the product is time-major.
+    # After the clip, the extractor's STFT sees the zeros it pads the clip with to 30 s (a
+    # reflection only where the clip fills them): the clip's last frames as Whisper has them.
     waveform = np.asarray(waveform, np.float32)
     half = WHISPER_N_FFT // 2
     padded = np.empty(len(waveform) + 2 * half, np.float32)
     padded[half:-half] = waveform
     padded[:half] = waveform[half:0:-1]
-    padded[-half:] = waveform[-2:-half - 2:-1]
+    padded[-half:] = waveform[-2:-half - 2:-1] if len(waveform) >= window_samples else 0.0
     frames = torch.from_numpy(padded).unfold(0, WHISPER_N_FFT, cfg.hop_length)[:-1] * window
     spectrum = torch.fft.rfft(frames).numpy()
     power = np.square(spectrum.real)
