@@ -412,6 +412,30 @@ def colocated_step(colocated) -> tuple[dict, str]:
     return colocated[1], colocated[2]
 
 
+def test_the_plan_counts_a_towers_images_and_videos(run_data, capsys):
+    """``mimo-inspect plan`` of a tower serving images and videos, over two data-parallel
+    ranks: its ranks' tokens of the step sum to the image and video placeholders of the
+    language rank's batch (its real loader's), not the images' alone."""
+    from mimo_data.inspect.cli import main
+    from mimo_data.loading.loader import build_loader
+    layout = "image=dp2,video;language=dp1"
+    preprocess = run_data["tmp"] / "preprocess.yaml"
+    capsys.readouterr()
+    assert main(["plan", str(run_data["tmp"] / "shards"), "--config", str(preprocess),
+                 "--layout", layout, "--global-batch-size", str(SAMPLES),
+                 "--micro-batch-size", "2", "--json"]) == 0, capsys.readouterr().err
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    planned = sum(row["steps"][0]["tokens"] for row in plan["ranks"]
+                  if row["module"] == "image")
+    loader = build_loader([str(run_data["tmp"] / "shards")], preprocess, layout, 2, 3,
+                          SAMPLES, 2, seed=0)
+    tokens = run_data["tokens"]
+    placed = sum(int(sum((batch["input_ids"] == tokens[m]).sum() for m in ("image", "video")))
+                 for batch, metadata in loader if metadata["step"] == 0)
+    loader.close()
+    assert placed > 0 and planned == placed, (planned, placed)
+
+
 def test_the_non_colocated_step_equals_the_colocated_one(ranks, run_data, colocated_step):
     """The tower (images and videos) on rank 0, the language model on rank 1, from the
     colocated run's initial weights: the same loss, and the same gradients for every

@@ -112,11 +112,11 @@ class PlanSummary:
                     if len(self.chunk) == _PACK_CHUNK:
                         self._pack()
                 continue
-            media = next((m for m, module in role["media"].items()
-                          if module == part["module"]), None)
-            keys = mb.get("encoder_keys", {}).get(media, mb["keys"])
+            # every modality the module encodes (a Qwen tower's images and videos)
+            medias = [m for m, module in role["media"].items() if module == part["module"]]
+            keys = mb.get("encoder_keys", {}).get(medias[0] if medias else None, mb["keys"])
             if keys == mb["keys"]:
-                tokens = sum(map(sum, counts[media])) if media in counts else 0
+                tokens = sum(sum(map(sum, counts[m])) for m in medias if m in counts)
                 steps.add(mb["step"], len(keys), tokens, 0)
                 continue
             steps.add(mb["step"], len(keys), 0, 0)
@@ -139,13 +139,13 @@ class PlanSummary:
         self.packing["rows"] += lengths.size
         self.packing["positions"] += int(longest.sum()) * lengths.shape[1]
 
-    def _resolve(self, modality_of) -> None:
+    def _resolve(self, modalities_of) -> None:
         """The pending encoder parts' tokens, looked up by key hash in the sample table."""
         hashes = np.frombuffer(self.hashes, dtype=np.int64) if self.hashes else \
             np.zeros(0, np.int64)
         order = np.argsort(hashes, kind="stable")
         for (rank, index), (keys, slots) in self.pending.items():
-            column = self.media.get(modality_of(rank, index))
+            columns = [self.media[m] for m in modalities_of(rank, index) if m in self.media]
             wanted = np.frombuffer(keys, dtype=np.int64)
             at = np.searchsorted(hashes, wanted, sorter=order)
             found = order[np.minimum(at, len(order) - 1)] if len(order) else at
@@ -153,8 +153,8 @@ class PlanSummary:
                 # a key the language parts never held: the plan's own bug, not the data's
                 raise RuntimeError(f"rank {rank} module part {index}: a sample of its steps "
                                    "is not among the language ranks' samples")
-            values = np.asarray(column, dtype=np.int64)[found] if column is not None \
-                else np.zeros(len(wanted), np.int64)
+            values = sum((np.asarray(column, dtype=np.int64)[found] for column in columns),
+                         np.zeros(len(wanted), np.int64))
             tokens = np.zeros(len(self.parts[rank, index].step), np.int64)
             np.add.at(tokens, np.asarray(slots, dtype=np.int64), values)
             self.parts[rank, index].tokens = array("q", tokens.tolist())
@@ -165,12 +165,12 @@ class PlanSummary:
         ``with_steps``); per module: DP imbalance."""
         ranks = {entry["rank"]: entry for entry in result["ranks"]}
 
-        def modality_of(rank: int, index: int) -> str | None:
+        def modalities_of(rank: int, index: int) -> list[str]:
             role = ranks[rank]["role"]
             module = role["modules"][index]["module"]
-            return next((m for m, name in role["media"].items() if name == module), None)
+            return [m for m, name in role["media"].items() if name == module]
 
-        self._resolve(modality_of)
+        self._resolve(modalities_of)
         modules = self.layout.modules
         tp_sizes = {module.name: module.tp for module in modules}
         cp_sizes = {module.name: module.cp for module in modules}
