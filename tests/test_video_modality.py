@@ -150,6 +150,18 @@ def test_sampling_follows_the_documented_rules(cfg):
     assert sample_indices(506, 10, VideoConfig())[-1] == 500
 
 
+def test_a_clip_that_samples_no_patch_names_the_clip_or_the_settings():
+    """Too few frames in the clip: the clip is named; frames enough, but the sampling settings
+    keep fewer than a temporal patch of them: the settings are named, with the fix."""
+    with pytest.raises(ValueError, match="^a clip of 1 frame is shorter than "
+                       "temporal_patch_size = 2 frames$"):
+        sample_indices(1, 24, VideoConfig())
+    with pytest.raises(ValueError, match=r"^a clip of 60 frames \(2.50 s\) sampled at "
+                       r"modalities.video.fps = 0.5 with min_frames = 1 gives fewer than "
+                       r"temporal_patch_size = 2 frames: raise fps, or min_frames to 2 or more$"):
+        sample_indices(60, 24, VideoConfig(fps=0.5, min_frames=1))
+
+
 def test_sampling_equals_the_processors():
     from transformers.video_utils import VideoMetadata
     for cfg in (VideoConfig(), VideoConfig(fps=1.0, min_frames=2)):

@@ -153,13 +153,25 @@ def sampled_frame_count(frames: int, fps: float, cfg: FrameSettings) -> int:
     return SAMPLINGS[cfg.sampling].frame_count(frames, fps, cfg)
 
 
+def too_short(frames: int, fps: float, cfg: FrameSettings) -> str:
+    """Why a clip of ``frames`` frames at ``fps`` samples no temporal patch: the clip, or the
+    sampling settings where the clip has the frames."""
+    patch = cfg.temporal_patch_size
+    if frames < patch:
+        return (f"a clip of {frames} frame{'s' if frames != 1 else ''} is shorter than "
+                f"temporal_patch_size = {patch} frames")
+    return (f"a clip of {frames} frames ({frames / fps:.2f} s) sampled at "
+            f"modalities.video.fps = {cfg.fps:g} with min_frames = {cfg.min_frames} gives "
+            f"fewer than temporal_patch_size = {patch} frames: raise fps, or min_frames to "
+            f"{patch} or more")
+
+
 def sample_indices(frames: int, fps: float, cfg: FrameSettings) -> list[int]:
     """Indices of the ``sampled_frame_count`` frames the video processor samples from a clip
     of ``frames`` frames at ``fps`` (ValueError if too short)."""
     count = sampled_frame_count(frames, fps, cfg)
     if count == 0:
-        raise ValueError(f"a clip of {frames} frames is shorter than temporal_patch_size = "
-                         f"{cfg.temporal_patch_size} frames")
+        raise ValueError(too_short(frames, fps, cfg))
     return SAMPLINGS[cfg.sampling].frame_indices(frames, count)
 
 
