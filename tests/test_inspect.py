@@ -932,6 +932,12 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     # a config error (README's exit status 2), as mimo-train's for the same LayoutError
     assert code == 2 and "INVALID" in out
     assert "FAIL layout" in err and "8" in err and "6" in err
+    # --split-media is the advisor's: a plan of one layout draws whole micro-batches, so it is
+    # refused there rather than ignored
+    code, _, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                       "language=dp1;image=dp2;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2", "--split-media")
+    assert code == 2 and "--split-media goes with the layout advisor" in err, err
     # Colocated fan-in of variable-size image tokens: megatron-core's colocated bridge
     # splits evenly.
     code, out, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",

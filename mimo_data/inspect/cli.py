@@ -332,6 +332,11 @@ def _plan(args, config, advisor=None) -> int:
             print("mimo-inspect plan: error: give --layout L (or --model M --gpus N for the "
                   "layout advisor)", file=sys.stderr)
             return 2
+        if args.split_media:        # the per-rank figures below count whole micro-batches
+            print("mimo-inspect plan: error: --split-media goes with the layout advisor "
+                  "(--model M --gpus N), which counts each encoder rank's part; a --layout "
+                  "plan draws whole micro-batches: drop --split-media there", file=sys.stderr)
+            return 2
         return run_plan(args, config)
     if advisor is None:
         print("mimo-inspect plan: error: --model/--gpus (the layout advisor) need mimo_train: "
