@@ -165,8 +165,10 @@ class DataSource:
 
         def open_readers() -> tuple[list[ShardReader], Preprocessor]:
             readers = [ShardReader(d, cache_dir, storage_options) for d in self.directories]
-            for reader in readers:  # a bucket's by the job's first rank, a local folder's
-                if partition is None or (   # by each machine's (its own copy, may be)
+            # the shards are checked once: a bucket's by the job's first rank, a local
+            # folder's by each machine's first rank (each machine may hold a copy of its own)
+            for reader in readers:
+                if partition is None or (
                         partition.rank == 0 if reader.shard_remote else partition.writes):
                     reader.check_shards()
             return readers, Preprocessor(self.config, with_media=False, text=text)
@@ -207,7 +209,7 @@ class DataSource:
             long = (f"; too_long: longer than seq_length {self.config.seq_length}, raise it"
                     if "too_long" in self.tally.skipped else "")
             raise TooFewSamples(f"{error}. Preprocessing dropped some ({self.tally.summary()}"
-                             f"{long}): mimo-inspect report lists them") from None
+                                f"{long}): mimo-inspect report lists them") from None
 
     def costs(self, datasets: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[samples, 1 + modalities]``: the given samples' tokens, then their media tokens
@@ -514,9 +516,9 @@ class _RankStream(torch.utils.data.IterableDataset):
 
 def _ignore(signals: tuple[int, ...], worker_id: int) -> None:
     """A worker's start: ``signals`` ignored. They are the rank's to handle (a run's exit
-    signals, which stop it after a step); torchrun and a terminal's Ctrl-C send them to the
-    rank's whole process group, and a worker they killed would fail the rank's step. The rank
-    stops its workers itself, and they end with it (torch's watchdog) when it dies."""
+    signals, which stop it after a step); torchrun and Slurm send them to every process of the
+    rank, and a worker they killed would fail the rank's step. The rank stops its workers
+    itself (``RankLoader.close``), and they end with it (torch's watchdog) when it dies."""
     for number in signals:
         signal.signal(number, signal.SIG_IGN)
 

@@ -78,7 +78,7 @@ class BuildOptions:
 
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
-# what a build into a bucket writes and removes before any input is read: the bucket exists
+# what a build into a bucket writes and removes before any record is read: the bucket exists
 # and takes writes
 WRITE_CHECK = ".mimo-write-check"
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
@@ -234,7 +234,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
 
 def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
     """``_prepare_output`` for an output URL: the same refusals, the old index removed
-    first; the bucket is written to once before any input is read (a missing bucket or
+    first; then the bucket is written to once, before any record is read (a missing bucket or
     read-only credentials are found at once, not at the first shard)."""
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
