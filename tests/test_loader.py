@@ -393,7 +393,8 @@ def test_spawned_workers_and_parallel_drop_decisions_agree(sources, loader_corpu
     # the run's exit signals (torchrun's and Slurm's reach every process) leave the workers
     # to their rank; one that torch's shutdown cannot stop (stuck in a read: here a shutdown
     # that does nothing) is killed by close, not left for the interpreter's exit to wait on
-    workers = list(spawned._stream._workers)
+    workers = list(spawned._workers)
+    assert len(workers) == 2
     for worker in workers:
         os.kill(worker.pid, signal.SIGTERM)
         os.kill(worker.pid, signal.SIGUSR1)

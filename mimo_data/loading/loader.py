@@ -53,6 +53,7 @@ import functools
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
 import signal
 
@@ -571,6 +572,7 @@ class RankLoader:
                                 if num_workers and parent_signals else None}
         self.epoch, self.index = 0, 0
         self._stream: Iterator[Any] | None = None
+        self._workers: set[multiprocessing.process.BaseProcess] = set()
         # data.split_media (``media_split``): each fanning-in encoder module of this rank ->
         # (language dp, the language DP rank it feeds, its ranks per language rank, which)
         self.split: dict[str, tuple[int, int, int, int]] = {}
@@ -604,8 +606,11 @@ class RankLoader:
             dataset = _RankStream(self.source, self.order, self.role,
                                   self.global_micro_batch_size, self.decode_media,
                                   (self.epoch, self.index), self.split)
+            before = set(multiprocessing.active_children())
             self._stream = iter(torch.utils.data.DataLoader(
                 dataset, batch_size=None, collate_fn=_as_is, **self._loader_options))
+            # the iterator's workers, started with it (``close`` ends any still alive)
+            self._workers = set(multiprocessing.active_children()) - before
         batch, metadata = next(self._stream)
         if isinstance(batch, tuple):                         # packed by a worker
             batch = unpack(*batch)
@@ -631,15 +636,12 @@ class RankLoader:
         worker still alive after torch's shutdown (stuck in a read) is killed: it ignores the
         SIGTERM torch's shutdown ends with (``_ignore``), and the interpreter's exit would
         wait for it."""
-        stream, self._stream = self._stream, None
-        # torch's multi-process iterator: its workers and its shutdown (private names; the
-        # DataLoader has no public way to stop its workers but dropping the iterator)
-        workers = list(getattr(stream, "_workers", ()))
-        getattr(stream, "_shutdown_workers", lambda: None)()
-        for worker in workers:
+        self._stream = None                 # torch's shutdown, as the iterator goes
+        for worker in self._workers:
             if worker.is_alive():
                 worker.kill()
                 worker.join()
+        self._workers = set()
 
     # ----------------------------------------------------------------------------- state
 
