@@ -269,6 +269,21 @@ def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(fi
 
 # ------------------------------------------------------------------------------- refusals
 
+def test_another_models_preprocessing_is_named_before_its_positions():
+    """LLaVA-1.5 as published with Qwen2-VL's preprocessing (M-RoPE positions, Qwen's
+    tokenizer): the plan says the tokenizer is another model's and how to make this one's,
+    not that the language model lacks an mrope_section."""
+    llava = REPO / "assets" / "models" / "published" / "llava-hf--llava-1.5-7b-hf"
+    with pytest.raises(TrainConfigError) as refused:
+        resolve(TrainConfig.load(None, [
+            "data.datasets=[unused]", f"model.pretrained={llava}",
+            f"data.preprocess={REPO / 'configs' / 'preprocess_qwen2_vl.yaml'}"]))
+    message = str(refused.value)
+    assert "the preprocessing config's tokenizer" in message and \
+        f"is not model.pretrained's ({llava})" in message, message
+    assert f"mimo-train --preprocessing-for {llava}" in message and "mrope" not in message
+
+
 def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):
     _, preprocess, _ = vlm_data
     plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",

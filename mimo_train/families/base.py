@@ -350,16 +350,20 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
     try:
         _check_preprocessing(vlm, preprocess, tokenizer)
     except TrainConfigError:
-        foreign = _foreign_tokenizer(vlm, preprocess, tokenizer)
+        foreign = foreign_tokenizer(vlm, preprocess, tokenizer)
         if foreign:
             raise TrainConfigError(foreign) from None
         raise
 
 
-def _foreign_tokenizer(vlm: VLM, preprocess, tokenizer) -> str | None:
-    """What to say when ``tokenizer`` names the checkpoint's special token ids otherwise than
-    the checkpoint's own tokenizer does (None: the same, or the checkpoint has none)."""
+def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
+    """What to say when the preprocessing's ``tokenizer`` (None: loaded from its config) names
+    the checkpoint's special token ids otherwise than the checkpoint's own tokenizer does
+    (None: the same, or the checkpoint has none)."""
     from transformers import AutoTokenizer
+    if tokenizer is None:
+        from mimo_data.preprocess.chat_tokens import load_tokenizer
+        tokenizer = load_tokenizer(preprocess)
     try:
         own = AutoTokenizer.from_pretrained(vlm.path)
     except Exception:         # no tokenizer files beside the weights: nothing to compare

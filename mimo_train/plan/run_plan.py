@@ -17,7 +17,7 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import LoraConfig, OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM
+from mimo_train.families.base import VLM, foreign_tokenizer
 from mimo_train.families.registry import read_vlm
 from mimo_train.plan.encoders import EncoderSetting, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan
@@ -142,7 +142,13 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
     language = language_plan(model.language, pretrained)
     if preprocess is None:
         preprocess = _read_preprocess(cfg)
-    _check_positions(cfg, language, preprocess)
+    try:
+        _check_positions(cfg, language, preprocess)
+    except TrainConfigError:        # another model's preprocessing: said as that
+        foreign = foreign_tokenizer(vlm, preprocess) if vlm is not None else None
+        if foreign:
+            raise TrainConfigError(foreign) from None
+        raise
     frozen = parse_parts(model.freeze, layout, "model.freeze", one_per_module=True)
     adapted = tuple(Adapted(part, model.lora[part.name])
                     for part in parse_parts(model.lora, layout, "model.lora"))
