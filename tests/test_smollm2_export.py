@@ -278,6 +278,27 @@ def test_audio_fills_its_placeholders(generator, assets):
     assert placeholders > 0 and result.spliced == {"audio": placeholders}
 
 
+def test_a_clip_the_model_hears_only_the_start_of_is_said(generator, assets, monkeypatch,
+                                                          capsys):
+    """Under ``long_audio: truncate`` a clip longer than ``max_duration`` is cut, as in
+    training: generation says so on stderr, naming the file and what it hears."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from mimo_data.modalities.audio import AudioConfig
+    config = generator.preprocessor.config
+    short = dataclasses.replace(AudioConfig(), long_audio="truncate", max_duration=0.5)
+    monkeypatch.setattr(generator, "preprocessor", SimpleNamespace(config=dataclasses.replace(
+        config, modalities={**config.modalities, "audio": short})))
+    capsys.readouterr()
+    generator._say_cut("audio", str(assets["wav"]), {"duration": 2.25})
+    assert capsys.readouterr().err == (f"mimo-generate: --audio {assets['wav']} is 2.2 s; the "
+                                       "model hears its first 0.5 s (modalities.audio."
+                                       "max_duration, long_audio: truncate)\n")
+    generator._say_cut("audio", str(assets["wav"]), {"duration": 0.4})      # whole: nothing
+    assert capsys.readouterr().err == ""
+
+
 def test_sampling_is_reproducible_from_its_seed(generator):
     """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
     only from the same seed, and never match the greedy answer by chance."""

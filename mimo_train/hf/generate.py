@@ -279,6 +279,17 @@ class Generator:
         return out[0, len(ids):].tolist(), {
             modality: int((ids == tokens[modality]["id"]).sum()) for modality in encoder_inputs}
 
+    def _say_cut(self, modality: str, path: str, item) -> None:
+        """A line on stderr where the model hears only the start of a clip: one longer than
+        its ``max_duration`` under ``long_audio: truncate`` (as in training; ``drop`` refuses
+        it instead)."""
+        config = self.preprocessor.config.modalities.get(modality)
+        if modality == "audio" and config is not None and config.long_audio == "truncate" \
+                and item["duration"] > (limit := config.max_duration):
+            print(f"mimo-generate: --audio {path} is {item['duration']:.1f} s; the model hears "
+                  f"its first {limit:g} s (modalities.audio.max_duration, long_audio: "
+                  "truncate)", file=sys.stderr)
+
     def _prompt(self, content: str, order: list[str], files: dict):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
@@ -291,6 +302,7 @@ class Generator:
                     data = f.read()
                 media.append((media_item(modality, data, seen[modality]), data))
                 paths[media[-1][0]["member"]] = f"--{modality} {path}"
+                self._say_cut(modality, path, media[-1][0])
             except OSError as error:
                 raise GenerateError(f"--{modality} {path}: {error}") from None
             except MediaError as error:
