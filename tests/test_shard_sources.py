@@ -453,6 +453,7 @@ def test_openai_media_parts_name_their_media(tmp_path, assets):
         skipped["missing_media"]["first"][0]["detail"]
     details = [found["detail"] for found in skipped["malformed_record"]["first"]]
     assert "not valid base64" in details[0] and "not valid base64" in details[2]
+    assert "(a data: URL's, or an input_audio part's)" in details[2]
     assert "names the host 'photo.jpg': a file URL is file:///absolute/path" in details[1]
     samples = _samples_by_id(tmp_path / "out")
     assert sorted(samples) == ["audio", "data", "file", "path", "spaced", "wrapped"]

@@ -140,8 +140,8 @@ def _data_url(url: str) -> bytes:
     try:                        # line-wrapped base64 (76 columns, as MIME writes it) too
         return base64.b64decode("".join(data.split()), validate=True)
     except ValueError:
-        raise RecordError("malformed_record", f"data URL {url[:60]!r}... is not valid "
-                          "base64") from None
+        raise RecordError("malformed_record", f"the base64 data of {url[:60]!r}... (a data: "
+                          "URL's, or an input_audio part's) is not valid base64") from None
 
 
 # A manifest's ``duration`` may differ from its file's by this much (rounding, encoder
