@@ -102,9 +102,10 @@ def runs(ranks, stored, loader_corpus, tmp_path_factory) -> tuple[dict, Path]:
                                    *([f"checkpoint.dir={checkpoints}"] if label == "bf16"
                                      else []))}
           for label in ("bf16", "fp32")),
+        # the run's checkpoint.dir: its latest, step 2, as mimo-export takes it
         {"name": "init-from-bf16-run-fp32",
          "overrides": _overrides(stored, "fp32", loader_corpus, preprocess, qwen,
-                                 f"model.init_from={checkpoints / 'step_0000002'}")},
+                                 f"model.init_from={checkpoints}")},
     ]
     (tmp / "runs.json").write_text(json.dumps(listed))
     ranks.run(1, [REPO / "tests" / "jobs" / "train_runs.py", tmp / "runs.json", tmp / "out.json"],

@@ -924,17 +924,22 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
     """What users give model.init_from in place of a step's folder (read as it reads it, no
-    tensor): a run's checkpoint.dir (its latest step named), a transformers model folder
-    (model.pretrained named) and a path that is nothing; none is called damaged."""
-    from mimo_train.components.checkpoint import check
+    tensor): a run's checkpoint.dir is taken for its latest step, as mimo-export takes it, and
+    without ``latest`` names its newest step; a transformers model folder names
+    model.pretrained; a path that is nothing says so; none is called damaged."""
+    from mimo_train.components.checkpoint import check, step_of
     from mimo_train.errors import CheckpointError
 
     tmp, _, _ = setup
+    assert step_of(str(tmp / "full-ckpt")) == str(tmp / "full-ckpt" / "step_0000006")
+    assert step_of(str(tmp / "full-ckpt" / "step_0000003")) == \
+        str(tmp / "full-ckpt" / "step_0000003")
+    unnamed = tmp_path / "unnamed"
+    (unnamed / "step_0000003").mkdir(parents=True)
     model = REPO / "assets" / "models" / "tiny-qwen2"
     for given, expected in (
-            (tmp / "full-ckpt", f"{tmp / 'full-ckpt'} holds a run's checkpoints (a "
-             "checkpoint.dir), not one: give one step's folder, e.g. its latest, "
-             f"{tmp / 'full-ckpt' / 'step_0000006'}"),
+            (unnamed, f"{unnamed} holds a run's checkpoints (a checkpoint.dir) and no "
+             f"'latest' naming one: give one step's folder, e.g. {unnamed / 'step_0000003'}"),
             (model, f"{model} is a transformers model (config.json and its weights), not a "
              "mimo checkpoint: give it as model.pretrained"),
             (tmp_path / "nothing", f"checkpoint {tmp_path / 'nothing'}: no such directory")):

@@ -106,6 +106,12 @@ def latest(root: str | None) -> str | None:
     return os.path.join(root, name)
 
 
+def step_of(path: str) -> str:
+    """The step's checkpoint ``path`` names: a checkpoint.dir's latest (``latest``), as
+    mimo-export takes it, else ``path`` itself."""
+    return latest(path) or path
+
+
 def prepare(root: str, resume: bool) -> str | None:
     """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
     save that cannot write fails here, not at the first checkpoint, hours in), then what it
@@ -364,15 +370,16 @@ def read_meta(directory: str) -> dict:
 
 def _not_a_step(directory: str) -> None:
     """CheckpointError where ``directory`` is no step's checkpoint but something a user may
-    give in its place: missing, a whole ``checkpoint.dir`` or a transformers model folder."""
+    give in its place: missing, a checkpoint.dir without ``latest`` (``step_of`` takes one
+    with it) or a transformers model folder."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {directory}: no such directory")
     names = set(os.listdir(directory))
     steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name))
-    if LATEST in names or steps:
-        newest = latest(directory) or os.path.join(directory, steps[-1])
-        raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir), not "
-                              f"one: give one step's folder, e.g. its latest, {newest}")
+    if steps:
+        raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir) and "
+                              f"no '{LATEST}' naming one: give one step's folder, e.g. "
+                              f"{os.path.join(directory, steps[-1])}")
     if "config.json" in names and any(name.endswith((".safetensors", ".bin"))
                                       for name in names):
         raise CheckpointError(f"{directory} is a transformers model (config.json and its "

@@ -116,11 +116,11 @@ def main(argv=None) -> int:
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
     of a checkpoint.dir."""
-    from mimo_train.components.checkpoint import latest
+    from mimo_train.components.checkpoint import step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
-    found = latest(path) if os.path.isdir(path) else None
-    if found is None:
+    found = step_of(path) if os.path.isdir(path) else path
+    if found == path:
         what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
         raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
                           "checkpoint.dir of a mimo_train run")

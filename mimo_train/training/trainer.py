@@ -220,9 +220,11 @@ class Trainer:
                              self.infra.modules[LANGUAGE].pgs,
                              self.plan.language.sequence_parallel)
 
-    def _init_from(self, directory: str) -> None:
-        """This rank's weights from a checkpoint of any layout (two phases: the checks need
-        no collective, the load is one)."""
+    def _init_from(self, given: str) -> None:
+        """This rank's weights from a checkpoint of any layout, a step's folder or a
+        checkpoint.dir's latest (two phases: the checks need no collective, the load is
+        one)."""
+        directory = checkpoint.step_of(given)
         phase("init_from check", f"model.init_from {directory} checked",
               lambda: checkpoint.check(directory, self.model, None))
 
