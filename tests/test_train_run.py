@@ -133,8 +133,8 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
 def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     """A checkpoint copied into checkpoint.dir without its ``latest``: the run neither starts
     over beside it nor picks one; the message says how to resume from the newest. A save
-    interrupted before its manifest leaves nothing to resume. A folder that cannot be written
-    is refused at start-up."""
+    interrupted before its manifest leaves nothing to resume. A folder that cannot be written,
+    or a transformers model folder, is refused at start-up."""
     from mimo_train.components.checkpoint import prepare, resume_point
     from mimo_train.errors import CheckpointError
 
@@ -156,6 +156,15 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
         prepare(str(tmp_path / "file" / "ck"), resume=False)
+    # a transformers model folder given as checkpoint.dir (meant as model.pretrained) is not
+    # written into: the message says which setting takes it
+    model = tmp_path / "Qwen2-VL-2B-Instruct"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model-00001-of-00002.safetensors").write_text("")
+    with pytest.raises(CheckpointError, match=f"set model.pretrained={model} and give "):
+        prepare(str(model), resume=True)
+    assert sorted(os.listdir(model)) == ["config.json", "model-00001-of-00002.safetensors"]
 
 
 def test_a_failed_background_save_raises_its_writers_cause():

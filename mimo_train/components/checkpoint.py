@@ -116,6 +116,12 @@ def prepare(root: str, resume: bool) -> str | None:
     """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
     save that cannot write fails here, not at the first checkpoint, hours in), then what it
     resumes (``resume_point``; None without ``resume``)."""
+    if _is_model_folder(root):
+        raise CheckpointError(
+            f"checkpoint.dir {root} is a transformers model folder (config.json and its "
+            "weights), not mimo's checkpoints: checkpoint.dir is where the run saves its own "
+            f"steps, in a folder of their own. To start from these weights, set "
+            f"model.pretrained={root} and give checkpoint.dir another folder")
     probe = os.path.join(root, f".write-test-{socket.gethostname()}-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
@@ -126,6 +132,17 @@ def prepare(root: str, resume: bool) -> str | None:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
     return resume_point(root) if resume else None
+
+
+def _is_model_folder(root: str) -> bool:
+    """``root`` holds a transformers model (its config.json beside safetensors or bin
+    weights) and none of mimo's step folders."""
+    if not os.path.isfile(os.path.join(root, "config.json")):
+        return False
+    names = os.listdir(root)
+    return (not any(re.fullmatch(STEP_NAME, name) for name in names)
+            and any(name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
+                    for name in names))
 
 
 def resume_point(root: str | None) -> str | None:
