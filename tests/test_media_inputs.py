@@ -291,11 +291,12 @@ def test_corrupt_image_bytes_raise_a_clear_error(images, name):
         decode_image(b"root:x:0:0:root:/root:/bin/bash\n", 1, ImageConfig())
 
 
-def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
+def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert(corpus):
     """An iPhone's HEIC photo (an ISO base media file of brand heic or mif1) and an SVG drawing
     (after a BOM or a doctype, or gzipped) are no format Pillow reads: the build names them as
     such, to convert, not as corrupt bytes; an AVIF file (brand avif), which Pillow reads, is
-    not taken for HEIC, nor other gzipped bytes for an SVG."""
+    not taken for HEIC, nor other gzipped bytes for an SVG. A video or speech clip given as an
+    image is named as what it is."""
     heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + bytes(64)
     heif = b"\x00\x00\x00\x18ftypmif1\x00\x00\x00\x00mif1heic" + bytes(64)
     svg = b'<?xml version="1.0"?>\n<svg xmlns="http://www.w3.org/2000/svg"/>'
@@ -309,6 +310,12 @@ def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert():
     for other in (gzip.compress(b"not an image"), b"\x1f\x8b not gzip at all"):
         with pytest.raises(MediaError, match="not a readable image"):
             probe_image(other)
+    # a corpus video or speech clip given as an image is named as what it is
+    for name, kind in (("videos/pan_h264_24.mp4", "MP4/MOV video"),
+                       ("videos/pan_vp9_30.webm", "WebM/Matroska video"),
+                       ("audio/cards-001.wav", "WAV audio"), ("audio/cards-003.flac", "FLAC")):
+        with pytest.raises(MediaError, match=f"{kind}.*not an image: give videos and audio"):
+            probe_image((corpus / name).read_bytes())
     with pytest.raises(MediaError, match="not a readable image") as info:
         probe_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64))
     assert info.value.reason == "corrupt_image"

@@ -144,6 +144,10 @@ def pillow_decoding(max_pixels: int | None, data: bytes):
         if kind := _foreign_image(data):
             raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
                              "convert it first (e.g. to JPEG or PNG)") from None
+        if kind := _video_or_audio(data):
+            raise MediaError("unsupported_format", f"{kind}, not an image: give videos and "
+                             "audio where the dataset's format takes them (a video or audio "
+                             "field or placeholder, docs/datasets.md)") from None
         raise MediaError("corrupt_image", "cannot decode image: not a readable image (no "
                          "image format Pillow reads recognizes its bytes)") from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
@@ -183,6 +187,26 @@ def _foreign_image(data: bytes) -> str | None:
     head = data[:1024].removeprefix(b"\xef\xbb\xbf").lstrip().lower()
     if head.startswith(b"<") and b"<svg" in head:
         return "an SVG drawing (vector graphics)"
+    return None
+
+
+# ISO base media brands Pillow reads as images (AVIF), not taken for a video
+_IMAGE_BRANDS = _HEIF_BRANDS | {b"avif", b"avis"}
+
+
+def _video_or_audio(data: bytes) -> str | None:
+    """What a video or audio file given as an image is (by its container's signature), so
+    that the build names the mix-up, not corrupt bytes; None for other bytes."""
+    if data[4:8] == b"ftyp" and data[8:12] not in _IMAGE_BRANDS:
+        return "an MP4/MOV video (or M4A audio)"
+    if data[:4] == b"\x1a\x45\xdf\xa3":
+        return "a WebM/Matroska video"
+    if data[:4] == b"RIFF" and data[8:12] in (b"AVI ", b"WAVE"):
+        return "an AVI video" if data[8:12] == b"AVI " else "a WAV audio file"
+    if data[:4] in (b"fLaC", b"OggS"):
+        return "a FLAC audio file" if data[:4] == b"fLaC" else "an Ogg audio or video file"
+    if data[:3] == b"ID3" or data[:2] in (b"\xff\xfb", b"\xff\xf3", b"\xff\xf2"):
+        return "an MP3 audio file"
     return None
 
 
