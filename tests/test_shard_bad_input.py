@@ -149,6 +149,13 @@ def case_more_markers_than_images(tmp_path, assets):
                 "marker_mismatch")
 
 
+def case_a_marker_written_as_words_in_a_transcript(tmp_path, assets):
+    """A transcript that speaks of the tag: its marker cannot be told from the item's."""
+    record = _audio_record(assets["wav"])
+    record["conversations"][1]["value"] = "Use the <audio> tag for sound."
+    return Case(record, "marker_mismatch", detail="reword those words in the source data")
+
+
 def case_more_images_than_markers(tmp_path, assets):
     record = _image_record(assets["jpeg"], "<image>\nWhat is this?")
     record.pop("image")

@@ -404,11 +404,22 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
         if markers != counts.get(modality, 0):
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
                               f"{counts.get(modality, 0)} {modality} item(s) in the record"
-                              + ("" if markers or markers_first else
-                                 ": give each item its marker where it goes (mimo-shard's "
-                                 "--markers-first puts them before the first user text)"))
+                              + _mismatch_hint(markers, counts.get(modality, 0),
+                                               markers_first, marker))
     return order, {name: number for name, number in ((VIDEOS_MARKED_AS_IMAGES, relabeled),
                                                       (MARKERS_PLACED_FIRST, placed)) if number}
+
+
+def _mismatch_hint(markers: int, items: int, markers_first: bool, marker: str) -> str:
+    """What to do about ``markers`` markers in a record's text for its ``items`` items."""
+    if not markers and not markers_first:
+        return (": give each item its marker where it goes (mimo-shard's --markers-first "
+                "puts them before the first user text)")
+    if markers > items:
+        return (f": each {marker} in a text places an item, so one written as words (in a "
+                "transcript, or a question about the tag) cannot be told from one; reword "
+                "those words in the source data")
+    return ""
 
 
 def _place_missing_markers(messages: list[dict], counts: Mapping[str, int]) -> int:
