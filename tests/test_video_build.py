@@ -191,6 +191,11 @@ def test_samples_table_and_info_count_the_videos(capsys, built, inputs, expected
     assert sum(info["video"]["longest_side_histogram"].values()) == len(clips)
     code, out, _ = cli_main(capsys, "info", built)
     assert f"video     {len(clips)} items" in out
+    # a modality the dataset holds none of gets no empty section
+    held = {name for name, counts in info["modalities"].items() if counts["samples"]}
+    shown = {line.split()[0].replace("text-only", "text_only") for line in out.splitlines()
+             if line.split() and line.split()[0].replace("-", "_") in info["modalities"]}
+    assert shown == held and held != set(info["modalities"]), (held, out)
 
 
 def test_verify_passes_and_names_a_damaged_video_member(capsys, tmp_path, built):

@@ -78,6 +78,8 @@ def format_info(info: dict) -> str:
         lines.append("holds     " + ", ".join(f"{number} {name.replace('_', ' ')}"
                                               for name, number in report["counts"].items()))
     for name, counts in mods.items():
+        if not counts["samples"]:                      # a modality the dataset does not hold
+            continue
         if name == "text_only":
             lines.append(f"text-only {counts['samples']} samples")
             continue
