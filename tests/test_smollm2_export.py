@@ -21,12 +21,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
+import soundfile
 import torch
 import yaml
 
@@ -276,6 +279,22 @@ def test_audio_fills_its_placeholders(generator, assets):
                                 max_new_tokens=1)
     placeholders = result.prompt_ids.count(audio_id)
     assert placeholders > 0 and result.spliced == {"audio": placeholders}
+
+
+def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
+    """A damaged clip and one too short for log-mel features each fail a check of the data
+    (exit status 1), named by the path given; a missing file is a usage error (2)."""
+    from mimo_train.errors import GenerateError
+    damaged, short = tmp_path / "damaged.wav", tmp_path / "short.wav"
+    damaged.write_bytes(b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(8))
+    soundfile.write(short, np.zeros(100, dtype=np.int16), 16000)
+    for path, said in ((damaged, f"--audio {damaged}: "), (short, f"--audio {short} has 100")):
+        with pytest.raises(GenerateError, match=re.escape(said)) as refused:
+            generator.generate("Transcribe.", audios=[str(path)], max_new_tokens=1)
+        assert refused.value.exit_code == 1
+    with pytest.raises(GenerateError, match="No such file") as refused:
+        generator.generate("Transcribe.", audios=[str(tmp_path / "none.wav")], max_new_tokens=1)
+    assert refused.value.exit_code == 2
 
 
 def test_a_clip_the_model_hears_only_the_start_of_is_said(generator, assets, monkeypatch,

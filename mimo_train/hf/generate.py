@@ -305,8 +305,9 @@ class Generator:
                 self._say_cut(modality, path, media[-1][0])
             except OSError as error:
                 raise GenerateError(f"--{modality} {path}: {error}") from None
-            except MediaError as error:
-                raise GenerateError(f"--{modality} {path}: {error.detail}") from None
+            except MediaError as error:       # the file's data failed a check, as a
+                raise GenerateError(f"--{modality} {path}: {error.detail}",   # dropped clip's
+                                    exit_code=1) from None
             seen[modality] += 1
         try:
             return (self.preprocessor.prompt([{"role": "user", "content": content}], media),
