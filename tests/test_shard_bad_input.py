@@ -149,6 +149,12 @@ def case_more_markers_than_images(tmp_path, assets):
                 "marker_mismatch")
 
 
+def case_a_marker_and_no_item(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record.pop("image")
+    return Case(record, "marker_mismatch", detail="the record gives no item for them")
+
+
 def case_a_marker_written_as_words_in_a_transcript(tmp_path, assets):
     """A transcript that speaks of the tag: its marker cannot be told from the item's."""
     record = _audio_record(assets["wav"])
@@ -407,6 +413,20 @@ def case_media_in_list_and_in_parts(tmp_path, assets):
 def case_some_media_parts_name_no_item(tmp_path, assets):
     return Case(_parts_record({"type": "image", "path": str(assets["jpeg"])},
                               {"type": "image"}), "malformed_record")
+
+
+def case_image_and_images_that_differ(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["images"] = [str(assets["png"])]
+    return Case(record, "malformed_record",
+                detail="gives both 'images' and 'image', with different items")
+
+
+def case_an_image_under_a_key_mimo_does_not_read(tmp_path, assets):
+    """An export's own key for the image: refused naming it, not built text-only."""
+    record = _image_record(assets["jpeg"], "What is this?")
+    record["image_path"] = record.pop("image")
+    return Case(record, "malformed_record", detail="names its image under 'image_path'")
 
 
 def case_duplicate_id(tmp_path, assets):

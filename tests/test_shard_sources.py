@@ -70,6 +70,43 @@ def test_parquet_embedded_bytes_win_over_paths(tmp_path, assets):
     assert record["source"] == {"file": str(path), "row": 2}
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix):
+    """Tables and ``datasets.to_json`` write every column in every row: a null ``images``
+    beside an ``image`` (single- and multi-image sets mixed) is not taken for "no image", and
+    a blank ``image`` of a text-only row is no item. A table whose images are in a column
+    mimo does not read (``image_bytes``) is refused, naming the flag that reads it."""
+    jpeg, png = str(assets["jpeg"]), str(assets["png"])
+    rows = {"id": ["single", "list", "text"],
+            "images": [None, [png], []], "image": [jpeg, "", ""],
+            "conversations": [chat(q, "A.") for q in ("<image>\nWhat?", "<image> and?", "Hi?")]}
+    path = tmp_path / f"mixed{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(path, [dict(zip(rows, values)) for values in zip(*rows.values())])
+    else:
+        turn = pa.struct([("from", pa.string()), ("value", pa.string())])
+        pq.write_table(pa.table({**rows, "images": pa.array(rows["images"], pa.list_(
+            pa.string())), "conversations": pa.array(rows["conversations"], pa.list_(turn))}),
+            path)
+    build_dataset([path], tmp_path / "out")
+    assert read_json(tmp_path / "out" / "report.json")["records_skipped"] == 0
+    samples = _samples_by_id(tmp_path / "out")
+    assert _media(*samples["single"], "image") == [assets["jpeg"].read_bytes()]
+    assert _media(*samples["list"], "image") == [assets["png"].read_bytes()]
+    assert _media(*samples["text"], "image") == []
+    if suffix == ".parquet":
+        unread = tmp_path / "unread.parquet"
+        pq.write_table(pa.table({"image_bytes": [assets["jpeg"].read_bytes()],
+                                 "conversations": pa.array([chat("<image>Hm?", "A.")],
+                                                           pa.list_(turn))}), unread)
+        code, _, err = cli_main(capsys, "build", unread, "-o", tmp_path / "no", "--no-progress")
+        assert code == 2 and "column 'image_bytes' looks like the rows' image, which mimo " \
+            "reads from 'images' or 'image': read it with --image-column image_bytes" in err
+        code, _, err = cli_main(capsys, "build", unread, "-o", tmp_path / "yes", "--no-progress",
+                                "--image-column", "image_bytes")
+        assert code == 0, err
+
+
 def test_parquet_json_string_conversation(tmp_path, assets):
     flac = assets["flac"].read_bytes()
     turns = chat("<audio>\nWhat is said?", "Hello there.")

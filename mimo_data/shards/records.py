@@ -415,6 +415,9 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, marker: str) -
     if not markers and not markers_first:
         return (": give each item its marker where it goes (mimo-shard's --markers-first "
                 "puts them before the first user text)")
+    if not items:
+        return (": the record gives no item for them (a modality's items go in its list, "
+                "'images', or single item, 'image', or in content parts)")
     if markers > items:
         return (f": each {marker} in a text places an item, so one written as words (in a "
                 "transcript, or a question about the tag) cannot be told from one; reword "

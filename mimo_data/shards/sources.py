@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,6 +73,34 @@ def media_field(modality: str) -> str:
     """The record key and Parquet column role of a modality's item list: ``images``; a
     single item may also come under the modality's own name (``image``)."""
     return f"{modality}s"
+
+
+# Keys and columns that users' exports name a record's media by and mimo does not read
+# (``image_path``, ``img``, ``video_file``, ``audio_filepath`` ...): a record or a table whose
+# media are under one of them is refused, naming it, not built text-only.
+_UNREAD_MEDIA_NAME = {
+    "image": re.compile(r"(image|img|picture|photo)s?(_?(file|path|url|filename|bytes))?s?"),
+    "video": re.compile(r"videos?(_?(file|path|url|filename|bytes))?s?"),
+    "audio": re.compile(r"(audio|wav)s?(_?(file|filepath|path|url|filename|bytes))?s?"),
+}
+
+
+def _unread_media_name(names, modality: str, read: tuple[str, ...]) -> str | None:
+    """A key or column among ``names`` that looks like ``modality``'s media and is none of
+    the ``read`` ones."""
+    return next((name for name in names if name not in read
+                 and _UNREAD_MEDIA_NAME[modality].fullmatch(name)), None)
+
+
+def _media_items(plural, single, where: str, modality: str) -> list:
+    """A record's ``modality`` items: its list (``images``), else its single item (``image``);
+    a null, empty or blank value is none (tables and ``datasets.to_json`` write a null
+    ``images`` beside an ``image``). Both given, and different: refused."""
+    items, one = _as_list(plural), _as_list(single)
+    if items and one and items != one:
+        raise RecordError("malformed_record", f"{where} gives both {media_field(modality)!r} "
+                          f"and {modality!r}, with different items: give one")
+    return items or one
 
 
 def _part_keys(modality: str) -> tuple[str, ...]:
@@ -161,7 +190,7 @@ def exchanges(turns, media: dict[str, list]):
 
 
 def _as_list(value) -> list:
-    if value is None:
+    if value is None or (isinstance(value, str) and not value.strip()):
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
@@ -243,8 +272,16 @@ class ConversationFile:
         elif "texts" in record:
             return RawRecord(id=_record_id(record.get("id")), turns=None, kind="document",
                              text=record["texts"], media={"image": _as_list(record.get("images"))})
-        media = {name: _as_list(record.get(media_field(name), record.get(name)))
-                 for name in MODALITIES}
+        media = {name: _media_items(record.get(media_field(name)), record.get(name),
+                                    "the record", name) for name in MODALITIES}
+        for name, items in media.items():
+            unread = None if items else _unread_media_name(record, name,
+                                                           (media_field(name), name))
+            if unread and _as_list(record[unread]):
+                raise RecordError("malformed_record", f"the record names its {name} under "
+                                  f"{unread!r}, which mimo does not read: give it as "
+                                  f"{media_field(name)!r} (a list) or {name!r} (rename the "
+                                  "key in the source data)")
         if "caption" in record and turns is None:
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
@@ -336,6 +373,16 @@ class ParquetTable:
         for role in ("texts", "conversation", "caption"):
             if named and role != named[0]:
                 self.columns[role] = None        # the named column decides what a row is
+        # a row's single item where its list is null or empty (both columns, none named)
+        self.single = {name: name for name in MODALITIES if not wanted.get(media_field(name))
+                       and {name, media_field(name)} <= names}
+        for name in MODALITIES:
+            unread = None if self.columns[media_field(name)] else _unread_media_name(
+                sorted(names), name, ())
+            if unread:
+                raise SourceError(f"{path}: column {unread!r} looks like the rows' {name}, "
+                                  f"which mimo reads from {media_field(name)!r} or {name!r}: "
+                                  f"read it with --{name}-column {unread}")
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
@@ -369,7 +416,7 @@ class ParquetTable:
 
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator
-        columns = tuple(c for c in self.columns.values() if c)
+        columns = tuple(c for c in self.columns.values() if c) + tuple(self.single.values())
         record = _read_row_group(self.path, group, columns)[offset]
         column = self.columns
         record_id = _record_id(record.get(column["id"])) if column["id"] else None
@@ -377,7 +424,9 @@ class ParquetTable:
             images = record.get(column["images"]) if column["images"] else None
             return RawRecord(id=record_id, turns=None, kind="document",
                              text=record[column["texts"]], media={"image": _as_list(images)})
-        media = {name: _as_list(record.get(column[media_field(name)]))
+        media = {name: _media_items(record.get(column[media_field(name)]),
+                                    record.get(self.single[name]) if name in self.single
+                                    else None, "the row", name)
                  for name in MODALITIES if column[media_field(name)]}
         if self.kind == "caption":
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
@@ -454,6 +503,10 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
     """The reader for ``path``. ``auto`` picks by extension; a ``.json`` file whose first line
     is a whole JSON object is JSONL (NeMo names its manifests so); JSONL is a speech manifest
     when its first well-formed record has ``audio_filepath``."""
+    if os.path.isdir(path):
+        raise SourceError(f"{path}: is a folder; give the records' files (JSON, JSONL, Parquet "
+                          "or a speech manifest), whose records name the media (a folder of "
+                          "WebDataset tars is indexed in place with mimo-shard index)")
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file not found")
     fmt = input_format
