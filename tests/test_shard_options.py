@@ -133,6 +133,34 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
         assert "Traceback" not in err
 
 
+def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, small_input,
+                                                          good_records):
+    """A --media-root that is no folder (exit 2: the records' relative paths would all be
+    missing), a folder given as an input (2), inputs with no record at all (1: an export that
+    failed); ids repeated across two inputs, each numbering its own records, are counted
+    duplicates whose detail says to build each input into its own dataset."""
+    code, _, err = cli_main(capsys, "build", small_input, "-o", tmp_path / "a", "--no-progress",
+                            "--media-root", tmp_path / "nowhere")
+    assert code == 2 and f"--media-root {tmp_path / 'nowhere'} is not a folder" in err, err
+    code, _, err = cli_main(capsys, "build", tmp_path, "-o", tmp_path / "b", "--no-progress")
+    assert code == 2 and f"{tmp_path}: is a folder; give the records' files" in err, err
+    for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("none.json", "[]")):
+        (tmp_path / name).write_text(text)
+        code, _, err = cli_main(capsys, "build", tmp_path / name, "-o", tmp_path / f"o-{name}",
+                                "--no-progress")
+        assert code == 1 and "the inputs hold no record" in err, (name, err)
+    other = write_jsonl(tmp_path / "other.jsonl", good_records)
+    code, _, err = cli_main(capsys, "build", small_input, other, "-o", tmp_path / "c",
+                            "--no-progress")
+    assert code == 0, err
+    skipped = read_json(tmp_path / "c" / "report.json")["skipped_by_reason"]["duplicate_id"]
+    assert skipped["count"] == len(good_records)
+    assert skipped["first"][0]["detail"].startswith(
+        f"id 'good-1' was already taken by {small_input}:1 in another input: ids are the "
+        "dataset's, unique across its inputs; where each input numbers its own records, build "
+        "each into its own dataset")
+
+
 def test_header_check_writes_the_same_samples_on_clean_input(tmp_path, corpus_inputs,
                                                               corpus_build):
     build_dataset(corpus_inputs, tmp_path / "header", check="header")

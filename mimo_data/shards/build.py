@@ -198,6 +198,9 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     if options.frames_fps is not None and not MIN_FPS <= options.frames_fps <= MAX_FPS:
         raise BuildError(f"--frames-fps {options.frames_fps:g}: frames are taken {MIN_FPS:g} "
                          f"to {MAX_FPS:g} a second")
+    if options.media_root is not None and not os.path.isdir(options.media_root):
+        raise BuildError(f"--media-root {options.media_root} is not a folder here: give the "
+                         "folder the records' relative media paths start from")
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]
@@ -287,6 +290,18 @@ def _say_built(index: dict, summary: str, output: str) -> None:
           file=sys.stderr)
 
 
+def _duplicate_hint(first_file: str, source: dict) -> str:
+    """What to do about a record whose id an earlier record of ``first_file`` has."""
+    if first_file != source["file"]:
+        return (" in another input: ids are the dataset's, unique across its inputs; where "
+                "each input numbers its own records, build each into its own dataset and mix "
+                "them in training (data.datasets, with data.weights)")
+    if "row" in source:
+        return (" (where a table's ids name what its rows share, a sentence read by several "
+                "speakers say, give a column that names each row with --id-column)")
+    return ""
+
+
 def _build_into(staging: str, inputs, sources, options: BuildOptions,
                 shard_done: Callable[[str], None] | None = None) -> tuple[dict, str]:
     """Write the dataset into ``staging``; return its index (not written: the caller publishes
@@ -317,11 +332,8 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
             result.id is not None else None
         if isinstance(result, Prepared) and taken is not None:
             result = Rejected("duplicate_id", result.location,
-                              f"id {result.id!r} was already taken by {taken}" + (
-                                  " (where a table's ids name what its rows share, a "
-                                  "sentence read by several speakers say, give a column "
-                                  "that names each row with --id-column)"
-                                  if "row" in result.source else ""))
+                              f"id {result.id!r} was already taken by {taken[1]}"
+                              + _duplicate_hint(taken[0], result.source))
         if isinstance(result, Prepared):
             try:
                 payloads = result.media_bytes()

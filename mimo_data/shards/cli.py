@@ -214,12 +214,14 @@ def _run(args) -> int:
 
 
 def _nothing_kept(command: str, built: dict) -> int:
-    """1 when every record read was skipped (the dataset is written, with its report: the
-    work is not done), else 0."""
+    """1 when no sample was written: every record read was skipped, or the inputs held none
+    (the dataset is written, with its report: the work is not done), else 0."""
     read = built["report"]["records_read"]
-    if built["totals"]["samples"] == 0 and read:
-        print(f"mimo-shard {command}: error: no sample written, all {read} record(s) skipped "
-              "(report.json says why)", file=sys.stderr)
+    if built["totals"]["samples"] == 0:
+        print(f"mimo-shard {command}: error: no sample written, " + (
+            f"all {read} record(s) skipped (report.json says why)" if read else
+            "the inputs hold no record (an empty file, or an export that failed?)"),
+            file=sys.stderr)
         return 1
     return 0
 

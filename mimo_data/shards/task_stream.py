@@ -194,14 +194,15 @@ class IdRegistry:
             slot = (slot + 1) & mask
         return slot
 
-    def first(self, sample_id: str) -> str | None:
-        """Where ``sample_id`` was first added, or None when it was not."""
+    def first(self, sample_id: str) -> tuple[str, str] | None:
+        """The file and the location where ``sample_id`` was first added, or None when it
+        was not."""
         slot = self._slot(*self._hash(sample_id))
         packed = int(self._where[slot])
         if packed == -1:
             return None
         path, kind = self._files[packed >> self._NUMBER_BITS]
-        return location(path, kind, packed & ((1 << self._NUMBER_BITS) - 1))
+        return path, location(path, kind, packed & ((1 << self._NUMBER_BITS) - 1))
 
     def add(self, sample_id: str, source: dict) -> None:
         """Record ``sample_id`` as read at ``source`` (a sample's ``{"file", kind: number}``)."""
