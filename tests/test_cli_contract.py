@@ -144,7 +144,11 @@ def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):
     assert code == 1 and "--strict" in err
     (tmp_path / "incomplete").mkdir()                           # an interrupted build
     code, err = _main(module, capsys, "verify", tmp_path / "incomplete", "--no-progress")
-    assert code == 1 and "index.json" in err
+    assert code == 1 and "index.json" in err and "run `mimo-shard build` again" in err
+    (tmp_path / "tars").mkdir()                     # a WebDataset made elsewhere, not indexed
+    (tmp_path / "tars" / "part-000000.tar").write_bytes(bytes(1024))
+    code, err = _main(module, capsys, "info", tmp_path / "tars")
+    assert code == 1 and f"`mimo-shard index {tmp_path / 'tars'} --output DIR`" in err, err
 
 
 @pytest.fixture(scope="module")

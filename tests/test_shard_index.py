@@ -738,6 +738,54 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     assert made.media == [("image", "jpg")] and made.source == {"url": "u"}
 
 
+def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, tmp_path):
+    """Keys with dots (``img_000.v2``: webdataset splits at the first dot, members ``v2.jpg``
+    and ``v2.txt``): detection names the members it saw; ``--media-member`` and
+    ``--text-member``, the pairs layout's options, index them without ``--layout``."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+    from mimo_data.shards.tar_sources import IndexInputError
+
+    photos = [data for name, data, _, _ in corpus_photos if name.endswith(".jpg")][:2]
+    (tmp_path / "src").mkdir()
+    with webdataset.TarWriter(str(tmp_path / "src" / "dotted-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"img_{number:03d}", "v2.jpg": photo,
+                          "v2.txt": f"Photo {number}."})
+    with pytest.raises(IndexInputError, match="of members v2.jpg, v2.txt .after each key's "
+                       "first dot., are neither caption pairs"):
+        index([str(tmp_path / "src")], str(tmp_path / "no"),
+              IndexOptions(workers=0, progress=False))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(
+            workers=0, progress=False, media_member="v2.jpg", text_member="v2.txt"))
+    assert "layout pairs (from the --media-member / --text-member options)" in err.getvalue()
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert [reader.record(p)["text"] for p in range(len(reader))] == ["Photo 0.", "Photo 1."]
+
+
+def test_a_folder_with_a_held_out_split_is_refused(corpus_photos, tmp_path):
+    """A folder of ``train/`` and ``val/`` tars indexed whole would train on the validation
+    split: refused naming it; the training folder, or a pattern naming both, is indexed."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.tar_sources import IndexInputError
+
+    _, photo, _, _ = corpus_photos[0]
+    for split in ("train", "val"):
+        (tmp_path / "src" / split).mkdir(parents=True)
+        with webdataset.TarWriter(str(tmp_path / "src" / split / "part-0.tar")) as writer:
+            writer.write({"__key__": f"{split}0", "jpg": photo, "txt": "A photo."})
+    options = IndexOptions(workers=0, progress=False, check="header")
+    with pytest.raises(IndexInputError, match="tars under val/ too, a split held out"):
+        index([str(tmp_path / "src")], str(tmp_path / "no"), options)
+    for sources, samples in (([tmp_path / "src" / "train"], 1),
+                             ([f"{tmp_path}/src/{{train,val}}/part-0.tar"], 2)):
+        with contextlib.redirect_stderr(io.StringIO()):
+            built = index([str(s) for s in sources], str(tmp_path / f"idx{samples}"), options)
+        assert built["totals"]["samples"] == samples
+
+
 def test_a_tif_member_is_read_as_an_image(corpus_photos, tmp_path):
     """``KEY.tif`` + ``KEY.txt`` (a TIFF under its other common name): indexed, its image
     probed from its bytes, not refused as a sample without a medium."""
@@ -910,3 +958,8 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
     assert code == 1
     assert f"sample {key} member {key}.{item['member']}: its bytes changed" in err
+    # the tars moved: verify says where it looked, and to index them where they are now
+    shutil.move(tmp_path / "tars", tmp_path / "moved")
+    code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
+    assert code == 1 and f"pairs-000001.tar: missing, not at {tmp_path / 'tars'}/pairs-000001" \
+        ".tar, where the index says the tars are (moved? index them again" in err, err

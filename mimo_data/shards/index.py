@@ -7,7 +7,8 @@ import json
 import os
 
 from mimo_data.shards import storage
-from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS
+from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
+                                     SAMPLES_FILE, STAGING_DIR)
 
 
 class DatasetError(Exception):
@@ -32,22 +33,37 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     try:
         return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
     except FileNotFoundError:
-        if _nothing_at(directory, storage_options):
+        names = _names_at(directory, storage_options)
+        if names == [] and storage.is_remote(directory):
             raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
                                "and the prefix)") from None
+        if names and _foreign_tars(names):
+            raise DatasetError(f"{directory}: WebDataset tars with no {INDEX_FILE}, not a "
+                               "dataset mimo built or indexed: index them where they are with "
+                               f"`mimo-shard index {directory} --output DIR` and give DIR"
+                               ) from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build?); run `mimo-shard build` again") from None
 
 
-def _nothing_at(directory: str, storage_options: dict | None) -> bool:
-    """Whether a dataset URL has nothing under it (a typo) rather than an unfinished build; not
-    known (False) over HTTP, which lists nothing, or where the listing fails."""
-    if not storage.is_remote(directory) or directory.startswith(("http://", "https://")):
-        return False
+def _names_at(directory: str, storage_options: dict | None) -> list[str] | None:
+    """The names directly under a dataset directory (none under a URL: a typo); None where
+    not known: over HTTP, which lists nothing, or where the listing fails."""
+    if directory.startswith(("http://", "https://")):
+        return None
     try:
-        return not storage.Remote(directory, storage_options).names(directory)
+        if not storage.is_remote(directory):
+            return os.listdir(storage.local_path(directory))
+        return storage.Remote(directory, storage_options).names(directory)
     except OSError:                 # StorageError too: the first message stands
-        return False
+        return None
+
+
+def _foreign_tars(names: list[str]) -> bool:
+    """Whether ``names`` are tars (an Energon folder's too) without a mimo build's files, so
+    not an interrupted build's."""
+    return (any(name.endswith(".tar") or name == ".nv-meta" for name in names)
+            and not {SAMPLES_FILE, "report.json", STAGING_DIR} & set(names))
 
 
 def parse_index(directory: str, data: bytes) -> dict:

@@ -53,6 +53,18 @@ class Source:
 
 
 
+# folder names of a dataset's splits that are not for training (a folder of tars indexed
+# whole would take them in without a word)
+HELD_OUT_FOLDERS = {"val", "valid", "validation", "test", "eval", "dev", "heldout", "held_out"}
+
+
+def _folders(root: str, path: str) -> list[str]:
+    """The folders between ``root`` and the file ``path`` under it."""
+    relative = path[len(root):].strip("/") if storage.is_remote(root) else \
+        os.path.relpath(path, root)
+    return relative.replace(os.sep, "/").split("/")[:-1]
+
+
 def _expand(pattern: str) -> list[str]:
     return list(braceexpand.braceexpand(pattern))
 
@@ -173,6 +185,13 @@ def _resolve(sources: list[str], options: IndexOptions,
                 f" (e.g. {compressed[0]}: {NOT_IN_PLACE})" if paths else
                 f" ({len(compressed)} compressed, e.g. {compressed[0]}: {NOT_IN_PLACE})"
                 if compressed else ""))
+        held_out = sorted({folder for path in paths for folder in _folders(root, path)
+                           if folder.lower() in HELD_OUT_FOLDERS})
+        if held_out:
+            raise IndexInputError(f"{root}: tars under {', '.join(held_out)}/ too, a split held "
+                                  "out from training by its name: give the training split's "
+                                  "folder, or name the tars to index (a glob or brace "
+                                  "pattern) to train on these as well")
     else:
         if options.layout == "energon":
             raise IndexInputError("--layout energon takes the dataset folder (the one holding "
@@ -244,6 +263,9 @@ def _member_map(root: str, first: str, options: IndexOptions,
     """The member map of ``options``, the layout detected from the first tar's samples when
     ``--layout auto``."""
     layout = options.layout
+    pairs_options = options.media_member is not None or options.text_member != "txt"
+    if layout == "auto" and pairs_options:
+        layout = "pairs"                  # the options given are the pairs layout's
     if layout == "auto":
         head: list[dict[str, bytes]] = []
         with open_tar(storage.join(root, first), storage_options) as tar:
@@ -256,14 +278,18 @@ def _member_map(root: str, first: str, options: IndexOptions,
                 raise IndexInputError(f"{storage.join(root, first)}: {exc}") from None
         layout = detect(head, options.json_member) or ""
         if not layout:
-            raise IndexInputError(f"{storage.join(root, first)}: its first samples are neither "
-                                  "caption pairs (a medium beside KEY.txt), conversations (KEY."
-                                  f"{options.json_member} with conversations/messages) nor "
-                                  "documents (texts + images lists); give "
-                                  "--layout and the --*-member options")
+            seen = sorted({suffix for members in head for suffix in members})
+            raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
+                                  f"{', '.join(seen[:12]) or 'none'} (after each key's first "
+                                  "dot), are neither caption pairs (a medium beside KEY.txt), "
+                                  f"conversations (KEY.{options.json_member} with "
+                                  "conversations/messages) nor documents (texts + images "
+                                  "lists); give --layout and the --*-member options (pairs: "
+                                  "--media-member and --text-member name them as listed)")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member, markers_first=options.markers_first)
-    how = "detected from the first samples" if options.layout == "auto" else "as given"
+    how = ("as given" if options.layout != "auto" else "from the --media-member / "
+           "--text-member options" if pairs_options else "detected from the first samples")
     say(f"layout {layout} ({how}): {mapping.describe()}")
     return mapping
 

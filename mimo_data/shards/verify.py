@@ -76,7 +76,9 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
     shard's records of a dataset indexed in place, ``directory`` its shard root."""
     location = storage.join(directory, shard["name"])
     if not storage.exists(location):
-        return [f"{shard['name']}: missing"]
+        return [f"{shard['name']}: missing, not at {location}" + (
+            "" if records is None else ", where the index says the tars are (moved? index "
+            "them again where they are now with `mimo-shard index`)")]
     with storage.local_copy(location) as path:
         problems = _check_file(path, shard)
         try:
@@ -263,7 +265,7 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     for name, expected in index["files"].items():
         location = storage.join(directory, name)
         if not storage.exists(location):
-            problems.append(f"{name}: missing")
+            problems.append(f"{name}: missing, not at {location}")
             continue
         with storage.local_copy(location) as path:
             problems += _check_file(path, expected)
