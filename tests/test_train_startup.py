@@ -141,10 +141,11 @@ CASES = [
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
      ["no shards at {tmp}/no-such-shards", "index.json is missing",
       "mimo-shard build ... --output {tmp}/no-such-shards"]),
-    ("dataset directory without index.json", "default",
+    ("dataset directory of tars without index.json", "default",
      ["data.datasets=[{tmp}/unfinished]"], "config",
-     ["no shards at {tmp}/unfinished", "index.json is missing",
-      "mimo-shard build ... --output {tmp}/unfinished"]),
+     ["no shards at {tmp}/unfinished: tars with no index.json: tars made elsewhere",
+      "`mimo-shard index {tmp}/unfinished --output DIR`",
+      "a `mimo-shard build` that wrote them was interrupted: run it again"]),
     # -- vocab smaller than the tokenizer
     ("vocab smaller than the tokenizer", "default",
      ["model.language.vocab_size=1000"], "config",
@@ -239,7 +240,7 @@ def _case(case, tmp: Path) -> tuple[list[str], list[str]]:
 
 
 def _unfinished(tmp: Path, loader_corpus: Path) -> None:
-    """An interrupted build: shards, no index."""
+    """Tars without an index: a WebDataset made elsewhere, or a bucket build interrupted."""
     unfinished = tmp / "unfinished"
     unfinished.mkdir()
     for shard in sorted(loader_corpus.glob("*.tar"))[:1]:

@@ -38,10 +38,7 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
             raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
                                "and the prefix)") from None
         if names and _foreign_tars(names):
-            raise DatasetError(f"{directory}: WebDataset tars with no {INDEX_FILE}, not a "
-                               "dataset mimo built or indexed: index them where they are with "
-                               f"`mimo-shard index {directory} --output DIR` and give DIR"
-                               ) from None
+            raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build?); run `mimo-shard build` again") from None
 
@@ -57,6 +54,21 @@ def _names_at(directory: str, storage_options: dict | None) -> list[str] | None:
         return storage.Remote(directory, storage_options).names(directory)
     except OSError:                 # StorageError too: the first message stands
         return None
+
+
+def unindexed_tars(directory: str, storage_options: dict | None = None) -> bool:
+    """Whether ``directory`` holds tars and no index, nor a build's other files: a WebDataset
+    made elsewhere (or a bucket build interrupted before its tables)."""
+    names = _names_at(directory, storage_options)
+    return bool(names) and _foreign_tars(names)
+
+
+def unindexed_tars_advice(directory: str) -> str:
+    """What to do with ``unindexed_tars``."""
+    return (f"tars with no {INDEX_FILE}: tars made elsewhere (webdataset, img2dataset, "
+            f"Energon) are indexed where they are with `mimo-shard index {directory} --output "
+            "DIR`, then DIR is given; a `mimo-shard build` that wrote them was interrupted: "
+            "run it again")
 
 
 def _foreign_tars(names: list[str]) -> bool:

@@ -37,6 +37,7 @@ from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.format import INDEX_FILE
+from mimo_data.shards.index import unindexed_tars, unindexed_tars_advice
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
@@ -80,8 +81,11 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
             if not storage.exists(storage.join(directory, INDEX_FILE),
                                   cfg.data.storage_options):
                 raise TrainConfigError(
-                    f"{key}: no shards at {directory}: {INDEX_FILE} is missing; build them "
-                    f"with mimo-shard build ... --output {directory}")
+                    f"{key}: no shards at {directory}: " + (
+                        unindexed_tars_advice(directory)
+                        if unindexed_tars(directory, cfg.data.storage_options) else
+                        f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
+                        f"--output {directory}"))
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                     cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                     modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
