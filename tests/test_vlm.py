@@ -36,7 +36,8 @@ from mimo_train.plan import resolve
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from support.runs import assert_continues, compare, copy_checkpoint, train_records
+from support.runs import (assert_continues, compare, copy_checkpoint, read_records,
+                          train_job, train_records)
 from support.vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
                       finetune as run_finetune, layout_step, transformers_logits, turns,
                       weights)
@@ -248,6 +249,23 @@ def test_finetune_non_colocated_then_resume_colocated(ranks, vlm_data, finetune)
     resumed = run_finetune(ranks, tmp, "resumed", resume, common,
                            "layout=language=dp1;image=dp1,off0", nproc=1)
     assert_continues(resumed, full, [3, 4], loss=1e-5, grad_norm_rel=1e-4)
+
+
+def test_a_non_finite_step_is_skipped_with_the_tower_frozen_on_ranks_of_its_own(ranks,
+                                                                                vlm_data):
+    """The fine-tune's layout (the frozen tower on a rank of its own): a learning rate of 1e30
+    makes the language rank's gradient norm NaN from step 2 while the tower's rank has none
+    to give; the ranks' MAX of their norms (0 and NaN) is 0 under gloo, which stepped NaN into
+    every weight. Every step from 2 is skipped, and the third skip stops the run (exit 1)."""
+    tmp, _, common = vlm_data
+    job = train_job(ranks, tmp, "nan", "qwen2_vl_finetune.yaml", *common, "checkpoint.dir=null",
+                    "optimizer.lr=1e30", "optimizer.min_lr=0", "optimizer.warmup_steps=0",
+                    "train.steps=6", "train.max_skipped_steps=2", nproc=2)
+    records = train_records(read_records(tmp / "nan.jsonl"))
+    assert not job.ok and 0 not in job.codes, job.explain()
+    assert [r["skipped"] for r in records] == [False, True, True, True], records
+    assert "steps were skipped for a non-finite gradient norm" in job.stdout + job.stderr, \
+        job.explain()
 
 
 def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(finetune,

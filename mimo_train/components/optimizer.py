@@ -6,7 +6,8 @@ cosine ``OptimizerParamScheduler`` per trained module, from that module's settin
 The check (``CheckedMimoOptimizer``): megatron-core's ``MimoOptimizer.step`` clips with the
 world's gradient norm and steps even when that norm is not finite (it checks only under a loss
 scaler), which writes NaN into every weight. The subclass checks the norm where it is computed
-(a host float there already; a non-finite loss makes it non-finite too) and raises
+(a host float there already; a non-finite loss makes it non-finite too; each rank's norm
+before the ranks' MAX, which drops a NaN) and raises
 ``NonFiniteStep`` before any weight, optimizer state or LR schedule moves, alike on every rank
 (the norm is the world's); the trainer counts the step as skipped (``anomalies``).
 
@@ -48,9 +49,29 @@ class NonFiniteStep(Exception):
 class CheckedMimoOptimizer(MimoOptimizer):
     """``MimoOptimizer`` whose world gradient norm is checked before it clips or steps."""
 
+    @torch.no_grad()
     def get_grad_norm(self) -> float:
-        norm = super().get_grad_norm()
-        if not math.isfinite(norm):
+        """megatron-core's world norm (each module's norm squared, MAX over the ranks: a rank
+        holding none of a module contributes 0), with one more slot that is 1 where a rank's
+        norm is not finite: MAX over the ranks does not carry a NaN (gloo's MAX(0, NaN) is 0,
+        NCCL's is not defined), so a NaN on the language ranks alone, under a tower frozen on
+        ranks of its own, would otherwise step as a norm of 0."""
+        names = sorted(self.module_infos)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        norm_sq = torch.zeros(len(names) + 1, device=device, dtype=torch.float32)
+        for i, name in enumerate(names):
+            info = self.module_infos[name]
+            if info.is_active and info.optimizer:
+                norm = info.optimizer.get_grad_norm() or 0.0
+                if math.isfinite(norm):
+                    norm_sq[i] = norm ** 2
+                else:
+                    norm_sq[-1] = 1.0
+        torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
+        if norm_sq[-1].item():
+            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", math.nan)
+        norm = torch.sqrt(norm_sq[:-1].sum()).item()
+        if not math.isfinite(norm):                  # squares past float32's range
             raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
         return norm
 
