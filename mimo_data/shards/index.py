@@ -60,7 +60,7 @@ def unindexed_tars(directory: str, storage_options: dict | None = None) -> bool:
     """Whether ``directory`` holds tars and no index, nor a build's other files: a WebDataset
     made elsewhere (or a bucket build interrupted before its tables)."""
     names = _names_at(directory, storage_options)
-    return bool(names) and _foreign_tars(names)
+    return names is not None and _foreign_tars(names)
 
 
 def unindexed_tars_advice(directory: str) -> str:
