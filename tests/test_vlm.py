@@ -310,6 +310,12 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
     assert plan.language.mrope_section == (2, 3, 3)
     assert (plan.language.num_layers, plan.language.hidden_size) == (2, 64)
     assert plan.projection == "none"
+    # another projection than the checkpoint's own: a random layer export cannot write back
+    with pytest.raises(TrainConfigError, match=f"model.projection is mlp, but model.pretrained "
+                       f"{VLM} is a whole qwen2_vl model, whose own projector mimo runs as "
+                       "projection none"):
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                        "model.projection=mlp", f"data.preprocess={preprocess}"]))
     with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
                        "model.language.pretrained .* has \\[2, 3, 3\\]"):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",

@@ -166,6 +166,12 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
                    model.projection or (vlm.projection if vlm else "linear"),
                    encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
     check(plan.facts, layout, plan.settings)
+    if vlm and model.projection and model.projection != vlm.projection:
+        raise TrainConfigError(
+            f"model.projection is {model.projection}, but model.pretrained {model.pretrained} is "
+            f"a whole {vlm.family} model, whose own projector mimo runs as projection "
+            f"{vlm.projection}: another would be a new, randomly initialized layer that "
+            "mimo-export cannot write back into the model; leave model.projection unset")
     return plan
 
 
