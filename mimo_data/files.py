@@ -1,9 +1,13 @@
-"""Local-file helpers every part of mimo uses: atomic writes and content digests."""
+"""Local-file helpers every part of mimo uses: atomic writes, content digests, and YAML read
+with a key given twice refused."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
+
+import yaml
 
 
 def write_atomic(path: str, data: bytes) -> None:
@@ -25,3 +29,36 @@ def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes (shard indexes and checkpoint manifests record these)."""
     with open(path, "rb") as data:
         return hashlib.file_digest(data, "sha256").hexdigest()
+
+
+class _OneKeyOnce(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice: PyYAML keeps the last
+    without a word (a second ``optimizer:`` section would replace the first whole)."""
+
+
+def _mapping(loader: _OneKeyOnce, node: yaml.MappingNode, deep: bool = False) -> dict:
+    first: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":          # ``<<: *anchor`` overrides
+            continue
+        key = loader.construct_object(key_node, deep=True)
+        try:
+            given = key in first
+        except TypeError:                                      # an unhashable key: PyYAML's
+            continue
+        if given:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"the key {key!r} is given twice (lines {first[key] + 1} and "
+                f"{key_node.start_mark.line + 1}), and only the last would count: give it "
+                "once, its settings together", key_node.start_mark)
+        first[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep)
+
+
+_OneKeyOnce.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping)
+
+
+def load_yaml(stream) -> Any:
+    """``yaml.safe_load`` of ``stream`` (text or a file), a key given twice in a mapping
+    refused (``yaml.YAMLError``)."""
+    return yaml.load(stream, Loader=_OneKeyOnce)  # noqa: S506 (a SafeLoader)

@@ -135,6 +135,32 @@ def test_unreadable_or_non_mapping_files(tmp_path):
     assert "train.yaml" in message
 
 
+def test_a_key_given_twice_is_refused_not_the_last_kept(tmp_path):
+    """A second ``optimizer:`` section appended to a config (PyYAML keeps the last, dropping
+    the first's lr without a word), a key twice in a section or in an override, and in a
+    preprocessing config: each refused naming the key and both lines; YAML's merge keys
+    (``<<: *defaults``) still override."""
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.config import PreprocessConfig
+    message = load_error(tmp_path, "optimizer:\n  lr: 0.1\ndata: {datasets: [a]}\n"
+                                   "optimizer:\n  warmup_steps: 1\n")
+    assert "the key 'optimizer' is given twice (lines 1 and 4), and only the last would " \
+        "count" in message, message
+    assert "'lr' is given twice (lines 2 and 3)" in load_error(
+        tmp_path, "optimizer:\n  lr: 0.1\n  lr: 0.2\ndata: {datasets: [a]}\n")
+    with pytest.raises(TrainConfigError, match="'steps' is given twice"):
+        TrainConfig.load(None, ["data.datasets=[a]", "train={steps: 3, steps: 4}"])
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("x-: &base {lr: 0.1, min_lr: 0.0}\ndata: {datasets: [a]}\n"
+                      "optimizer: {<<: *base, lr: 0.2}\n")
+    with pytest.raises(TrainConfigError, match="unknown key.*x-"):
+        TrainConfig.load(str(merged))           # read (not refused as a duplicate) to the end
+    preprocess = tmp_path / "preprocess.yaml"
+    preprocess.write_text("seq_length: 64\nseq_length: 128\n")
+    with pytest.raises(ConfigError, match="'seq_length' is given twice"):
+        PreprocessConfig.from_yaml(str(preprocess))
+
+
 def test_empty_file_falls_to_the_datasets_rule(tmp_path):
     assert "data.datasets is empty" in load_error(tmp_path, "")
 

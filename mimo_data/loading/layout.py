@@ -37,8 +37,7 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 
-import yaml
-
+from mimo_data.files import load_yaml
 from mimo_data.modalities import MODALITIES as REGISTERED
 
 LANGUAGE = "language"          # megatron-core's fixed key for the language module
@@ -333,7 +332,7 @@ class Layout:
     @classmethod
     def from_yaml(cls, path: str) -> Layout:
         with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
+            data = load_yaml(handle) or {}
         if "layout" in data and isinstance(data["layout"], (dict, str)):
             data = data["layout"]          # a layout nested in a larger config file
         return cls.parse(data)

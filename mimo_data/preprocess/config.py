@@ -59,6 +59,7 @@ import sys
 import yaml
 
 from mimo_data.errors import ConfigError
+from mimo_data.files import load_yaml
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.preprocess.positions import POSITIONS
 
@@ -191,7 +192,10 @@ class PreprocessConfig:
     def from_yaml(cls, path: str) -> PreprocessConfig:
         """Load a YAML; its tokenizer and chat_template paths resolve against its folder."""
         with open(path) as handle:
-            data = yaml.safe_load(handle) or {}
+            try:
+                data = load_yaml(handle) or {}
+            except yaml.YAMLError as error:
+                raise ConfigError(f"{path} is not valid YAML: {error}") from None
         if isinstance(data, dict):
             data = dict(data)
             for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):

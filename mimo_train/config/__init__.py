@@ -44,6 +44,7 @@ from typing import Annotated
 
 import yaml
 
+from mimo_data.files import load_yaml
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import Layout, LayoutError
 from mimo_data.shards.storage import redacted
@@ -356,7 +357,7 @@ class TrainConfig:
             path = os.path.abspath(path)
             try:
                 with open(path) as f:
-                    data = yaml.safe_load(f) or {}
+                    data = load_yaml(f) or {}
             except OSError as error:
                 raise TrainConfigError(f"cannot read training config {path}: {error}") from None
             except yaml.YAMLError as error:

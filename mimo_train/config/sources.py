@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from mimo_data.files import load_yaml
 from mimo_data.shards.storage import is_remote
 from mimo_train.errors import TrainConfigError
 
@@ -73,7 +74,9 @@ def apply_override(data: dict, override: str, base: str) -> None:
             raise TrainConfigError(f"override {override!r}: {part} is not a section")
         node = child
     try:
-        value = yaml.safe_load(text) if text else None
+        value = load_yaml(text) if text else None
+    except yaml.constructor.ConstructorError as error:      # a key twice: said as it is
+        raise TrainConfigError(f"override {override!r}: {error.problem}") from None
     except yaml.YAMLError as error:
         raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
                                f"({error.__class__.__name__}); quote it or fix the brackets"
