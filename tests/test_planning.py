@@ -619,6 +619,11 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err
+    # a micro batch that does not divide the global batch: a usage error, not "no layout fits"
+    code, out, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--model",
+                          path, "--gpus", 2, "--global-batch-size", 8, "--micro-batch-size", 3)
+    assert code == 2 and "--global-batch-size 8 is not a whole number of micro-batches of " \
+        "--micro-batch-size 3" in err and "no layout fits" not in out, (out, err)
 
 
 # ------------------------------------------------------------------------------ Qwen3.5
