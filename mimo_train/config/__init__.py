@@ -396,6 +396,10 @@ class TrainConfig:
         if self.data.weights is not None and len(self.data.weights) != len(self.data.datasets):
             raise TrainConfigError(f"data.weights has {len(self.data.weights)} entries for "
                                    f"{len(self.data.datasets)} datasets: give one per dataset")
+        if self.data.weights is not None and (min(self.data.weights) < 0 or
+                                              not sum(self.data.weights) > 0):
+            raise TrainConfigError(f"data.weights is {self.data.weights}: each a share of the "
+                                   "samples, >= 0, and not all 0")
         if run.wandb is not None:
             _check_wandb(run.wandb)
         if run.profile is not None and not run.profile.dir:
