@@ -236,6 +236,9 @@ def test_in_proj_b_is_drawn_alike_under_any_tp():
 
 
 def test_delta_net_layers_are_lora_targets():
+    """A hybrid decoder's gated delta-net layers (Qwen3.5's: layers 0-2 of 4) are targeted by
+    their ``in_proj`` / ``out_proj``, its full-attention layers by ``linear_qkv`` /
+    ``linear_proj``; a dense decoder has no ``in_proj`` to adapt: refused, not ignored."""
     from mimo_train.config import LoraConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.model.lora import check_language_targets
@@ -244,10 +247,15 @@ def test_delta_net_layers_are_lora_targets():
 
     def adapted(*targets):
         return [Adapted(Part("language"), LoraConfig(targets=list(targets)))]
-    check_language_targets(adapted("in_proj", "self_attention.out_proj",
-                                   "decoder.layers.*.self_attention.in_proj"), 4)
-    with pytest.raises(TrainConfigError, match="names none of its linear layers"):
-        check_language_targets(adapted("in_proj_qkv"), 4)
+    hybrid = frozenset({0, 1, 2})
+    check_language_targets(adapted("in_proj", "self_attention.out_proj", "linear_qkv",
+                                   "decoder.layers.*.self_attention.in_proj"), 4,
+                           linear_layers=hybrid)
+    for targets, layers in ((("in_proj_qkv",), hybrid), (("decoder.layers.3.*.in_proj",), hybrid),
+                            (("in_proj",), frozenset()), (("linear_qkv", "out_proj"), frozenset())):
+        with pytest.raises(TrainConfigError, match="names none of its linear layers") as refused:
+            check_language_targets(adapted(*targets), 4, linear_layers=layers)
+        assert ("in_proj'" in str(refused.value).rpartition(":")[2]) == bool(layers)
 
 
 def test_mixture_of_experts_layers_are_lora_targets():

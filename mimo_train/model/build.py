@@ -208,7 +208,9 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
     layout, seed = plan.layout, plan.config.train.seed
     arch = plan.language.arch
     check_language_targets(plan.adapted, plan.language.num_layers, plan.language.experts,
-                           bool(arch and arch.shared_expert_ffn_hidden_size))
+                           bool(arch and arch.shared_expert_ffn_hidden_size),
+                           frozenset(i for i in range(plan.language.num_layers)
+                                     if arch and arch.linear_layer(i)))
     transformer = language_transformer_config(plan)
     encoder_transformer_config = dataclasses.replace(transformer, **{
         key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)

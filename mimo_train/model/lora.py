@@ -98,26 +98,28 @@ def is_adapter(name: str) -> bool:
     return _ADAPTER.search(name) is not None
 
 
-def language_linears(num_layers: int, experts: int = 0, shared_expert: bool = False
-                     ) -> set[str]:
+def language_linears(num_layers: int, experts: int = 0, shared_expert: bool = False,
+                     linear_layers: frozenset[int] = frozenset()) -> set[str]:
     """The linear layers of mimo's language model as LoRA targets name them (global layer
-    numbers; a mixture of experts': the shared expert's and each routed expert's by its global
-    number, no dense MLP)."""
-    names = LANGUAGE_LINEARS[:4] + ((SHARED_EXPERT_LINEARS if shared_expert else ())
-                                    if experts else LANGUAGE_LINEARS[4:])
-    return {f"decoder.layers.{i}.{n}" for i in range(num_layers) for n in names} | \
-        set(routed_expert_layers(num_layers, experts))
+    numbers; the gated delta-net layers, ``linear_layers``, with their own attention's; a
+    mixture of experts': the shared expert's and each routed expert's by its global number,
+    no dense MLP)."""
+    mlp = (SHARED_EXPERT_LINEARS if shared_expert else ()) if experts else LANGUAGE_LINEARS[4:]
+    return {f"decoder.layers.{i}.{n}" for i in range(num_layers)
+            for n in (LANGUAGE_LINEARS[2:4] if i in linear_layers else LANGUAGE_LINEARS[:2])
+            + mlp} | set(routed_expert_layers(num_layers, experts))
 
 
 def check_language_targets(adapted: Iterable[Adapted], num_layers: int, experts: int = 0,
-                           shared_expert: bool = False) -> None:
+                           shared_expert: bool = False,
+                           linear_layers: frozenset[int] = frozenset()) -> None:
     """Every target of the language model's adapters names one of its linear layers (on
     every rank, whichever modules it holds); a mixture of experts' router is none (it stays
     un-adapted)."""
     for each in adapted:
         if each.part.module != LANGUAGE:
             continue
-        names = language_linears(num_layers, experts, shared_expert)
+        names = language_linears(num_layers, experts, shared_expert, linear_layers)
         routers = [f"decoder.layers.{i}.mlp.router" for i in range(num_layers)]
         for target in each.spec.targets:
             if experts and not any(matches(target, n) for n in names) and \
