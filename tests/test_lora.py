@@ -264,14 +264,28 @@ def test_module_settings_inherit_and_scale_min_lr(tmp_path):
         TrainConfig.load(None, ["data.datasets=[x]", "optimizer.modules.image.min_lr=0.1"])
 
 
-def test_another_lora_rank_on_resume_is_named_as_such():
+def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     """A checkpoint's adapters of rank 4 resumed by a run of rank 8: the refusal says the
-    ranks, not only 'another model configuration'."""
+    ranks, not only 'another model configuration', for a tower's adapters and the language
+    model's, saved stacked over its layers ((layers, rank, in), as a real checkpoint's
+    metadata gives them)."""
     from mimo_train.components.checkpoint import _why_shapes_differ
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64)).startswith(
+        "its LoRA rank is 4, this run's model.lora rank 8: ")
+    assert _why_shapes_differ(layer + "lora.a.weight", (2, 4, 64), (2, 8, 64)).startswith(
+        "its LoRA rank is 4, this run's model.lora rank 8: ")
+    assert _why_shapes_differ(layer + "lora.b.weight", (2, 64, 4), (2, 64, 8)).startswith(
         "its LoRA rank is 4, this run's model.lora rank 8: ")
     assert _why_shapes_differ(layer + "lora.b.weight.query", (64, 4), (64, 8)).startswith(
         "its LoRA rank is 4, this run's model.lora rank 8: ")
     assert _why_shapes_differ(layer + "weight", (192, 64), (96, 64)) == \
         "it was saved for another model configuration"
+    # other targets: the checkpoint lacks this run's adapters, said as model.lora, not as
+    # another model.pretrained
+    from mimo_train.components.checkpoint import _lacks
+    meta = {"config": {"model": {"pretrained": "/m", "lora": {"language": {"rank": 4}}}}}
+    lacked = str(_lacks("/ck", [layer.replace("qkv", "fc1") + "lora.a.weight"], meta, ["l"]))
+    assert "lacks 1 LoRA adapter weight(s) of this run" in lacked and "saved with model.lora " \
+        "{'language': {'rank': 4}}, which adapts other parts or targets" in lacked
+    assert "model.pretrained /m" in str(_lacks("/ck", [layer + "weight"], meta, ["l"]))

@@ -433,19 +433,32 @@ def check(directory: str, model, global_batch_size: int | None,
         _check_frozen(directory, meta, saved, freeze)
     missing = sorted(set(wanted) - set(saved))
     if missing:
-        pretrained = (meta.get("config") or {}).get("model", {}).get("pretrained")
-        modules = sorted(_saved_modules(saved))
-        raise CheckpointError(
-            f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, "
-            f"e.g. {missing[:3]}: it was saved for another model (" + (
-                f"model.pretrained {pretrained}, " if pretrained else "") +
-            f"its modules: {modules})")
+        raise _lacks(directory, missing, meta, sorted(_saved_modules(saved)))
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
             theirs = tuple(saved[key].global_shape)
             raise CheckpointError(f"checkpoint {directory} has {key} of shape {theirs}, this "
                                   f"model {tuple(shape)}: {_why_shapes_differ(key, theirs, shape)}")
     return meta
+
+
+def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
+           ) -> CheckpointError:
+    """Why a checkpoint lacks weights this rank's modules have (``missing``), in config
+    terms: adapters alone, another model.lora; else another model (``modules``: the
+    checkpoint's)."""
+    model = (meta.get("config") or {}).get("model", {})
+    if all(is_adapter(key) for key in missing):
+        return CheckpointError(
+            f"checkpoint {directory} lacks {len(missing)} LoRA adapter weight(s) of this run, "
+            f"e.g. {missing[:3]}: it was saved with model.lora {model.get('lora')}, which "
+            "adapts other parts or targets; resume with the checkpoint's model.lora, or start "
+            "a new run from its weights (model.init_from) in another checkpoint.dir")
+    pretrained = model.get("pretrained")
+    return CheckpointError(
+        f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, e.g. "
+        f"{missing[:3]}: it was saved for another model (" + (
+            f"model.pretrained {pretrained}, " if pretrained else "") + f"its modules: {modules})")
 
 
 def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
@@ -455,8 +468,8 @@ def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
         return ("the vocabulary rows differ: another tokenizer, model.language.vocab_size or "
                 "vocab_multiple, or a TP size that does not divide vocab_multiple; set "
                 "model.language.vocab_size to the checkpoint's rows")
-    if is_adapter(key):                       # lora.a: (rank, in); lora.b: (out, rank)
-        saved, wanted = (shape[0] if ".lora.a." in key else shape[-1]
+    if is_adapter(key):       # lora.a: ([layers,] rank, in); lora.b: ([layers,] out, rank)
+        saved, wanted = (shape[-2] if ".lora.a." in key else shape[-1]
                          for shape in (theirs, tuple(ours)))
         if saved != wanted:
             return (f"its LoRA rank is {saved}, this run's model.lora rank {wanted}: resume "
