@@ -174,6 +174,18 @@ def test_no_file_only_overrides(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- overrides
 
+def test_a_dotted_lora_part_is_one_key_of_an_override():
+    """``image.encoder`` is one part of model.lora: an override setting its rank, or the
+    whole part, keeps the dotted name (a setting's name ends the path), beside a part
+    without a dot."""
+    cfg = TrainConfig.load(None, ["data.datasets=[x]", "model.lora.image.encoder.rank=4",
+                                  "model.lora.image.projection={rank: 3}",
+                                  "model.lora.language.targets=[linear_qkv]"])
+    assert {part: spec.rank for part, spec in cfg.model.lora.items()} == {
+        "image.encoder": 4, "image.projection": 3, "language": 8}
+    assert cfg.model.lora["language"].targets == ["linear_qkv"]
+
+
 @pytest.mark.parametrize("override, get, expected", [
     ("train.steps=50", lambda c: c.train.steps, 50),
     ("optimizer.lr=0.05", lambda c: c.optimizer.lr, 0.05),

@@ -5,6 +5,7 @@ working directory; hub names kept), before the values are read by their types (`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -58,6 +59,17 @@ def resolve_paths(data: dict, base: str) -> None:
         walk(data, pattern, pattern)
 
 
+def _lora_part_joined(parts: list[str]) -> list[str]:
+    """An override's keys with a dotted LoRA part kept whole: ``model.lora.image.encoder.rank``
+    sets ``rank`` of the part ``image.encoder``, ``model.lora.image.encoder`` the part."""
+    from mimo_train.config import LoraConfig
+    if parts[:2] != ["model", "lora"] or len(parts) <= 3:
+        return parts
+    setting = parts[-1] in {f.name for f in dataclasses.fields(LoraConfig)}
+    part = ".".join(parts[2:-1] if setting else parts[2:])
+    return ["model", "lora", part, *parts[-1:]] if setting else ["model", "lora", part]
+
+
 def apply_override(data: dict, override: str, base: str) -> None:
     """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``."""
     key, sep, text = override.partition("=")
@@ -65,7 +77,7 @@ def apply_override(data: dict, override: str, base: str) -> None:
         raise TrainConfigError(f"override {override!r} is not key.path=value "
                                "(e.g. train.steps=50)")
     node = data
-    parts = key.split(".")
+    parts = _lora_part_joined(key.split("."))
     for part in parts[:-1]:
         if node.get(part) is None:                    # absent, or an empty YAML section
             node[part] = {}
