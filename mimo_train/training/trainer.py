@@ -597,6 +597,7 @@ def train(plan: RunPlan, records: str | None = None) -> Trainer:
     trainer = Trainer(plan, records)
     trainer.run()
     if cfg.checkpoint.dir:
-        say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} "
-            f"(latest: {checkpoint.latest(cfg.checkpoint.dir)})")
+        latest = checkpoint.latest(cfg.checkpoint.dir)
+        say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} " +
+            (f"(latest: {latest})" if latest else "(no checkpoint in it)"))
     return trainer
