@@ -158,8 +158,15 @@ def case_a_marker_and_no_item(tmp_path, assets):
 def case_a_marker_written_as_words_in_a_transcript(tmp_path, assets):
     """A transcript that speaks of the tag: its marker cannot be told from the item's."""
     record = _audio_record(assets["wav"])
-    record["conversations"][1]["value"] = "Use the <audio> tag for sound."
+    record["conversations"][0]["value"] = "<audio>\nTranscribe: is it the <audio> tag?"
     return Case(record, "marker_mismatch", detail="reword those words in the source data")
+
+
+def case_a_marker_in_an_answer(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["conversations"][1]["value"] = "<image> A cat."
+    return Case(record, "marker_mismatch", detail="turn 1 (assistant) holds ['<image>']")
+
 
 
 def case_more_images_than_markers(tmp_path, assets):
@@ -420,6 +427,13 @@ def case_image_and_images_that_differ(tmp_path, assets):
     record["images"] = [str(assets["png"])]
     return Case(record, "malformed_record",
                 detail="gives both 'images' and 'image', with different items")
+
+
+def case_conversations_and_messages_that_differ(tmp_path, assets):
+    record = _image_record(assets["jpeg"])
+    record["messages"] = [{"role": "user", "content": "<image>\nOther?"},
+                          {"role": "assistant", "content": "Yes."}]
+    return Case(record, "malformed_record", detail="both 'conversations' and 'messages'")
 
 
 def case_an_image_under_a_key_mimo_does_not_read(tmp_path, assets):

@@ -516,8 +516,9 @@ def test_a_texts_column_named_as_messages_and_the_cauldrons_exchanges(tmp_path, 
                       pa.list_(MEDIA))
     named = tmp_path / "named.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "images": images, "texts": pa.array(
-        [[{"role": "user", "content": "<image>\nWhat?"}],
-         [{"role": "user", "content": "<image><image>\nBoth?"}]],
+        [[{"role": "user", "content": "<image>\nWhat?"}, {"role": "assistant", "content": "A."}],
+         [{"role": "user", "content": "<image><image>\nBoth?"},
+          {"role": "assistant", "content": "B."}]],
         pa.list_(MESSAGE))}), named)
     cauldron = tmp_path / "cauldron.parquet"
     pq.write_table(pa.table({"id": ["a", "b"], "images": images, "texts": pa.array(

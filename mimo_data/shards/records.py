@@ -138,6 +138,10 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
                                   "a </think> in its content: give its reasoning once")
             text = f"<think>\n{_without_break(reasoning.strip())}\n</think>\n\n{text}"
         _utf8(text, f"turn {i} text")
+        if role == "assistant" and (marked := [m for m in MARKERS.values() if m in text]):
+            raise RecordError("marker_mismatch", f"turn {i} (assistant) holds {marked}: an "
+                              "answer would train the model to write the media's "
+                              "placeholders; give media in user turns (or a tool's result)")
         message: dict[str, Any] = {"role": role, "content": text}
         if calls:
             message["tool_calls"] = calls

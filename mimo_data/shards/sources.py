@@ -267,6 +267,10 @@ class ConversationFile:
             raise RecordError("malformed_json", f"record is a JSON {type(record).__name__}, "
                               "expected an object")
         turns = record.get("conversations", record.get("messages"))
+        if record.get("conversations") and record.get("messages") and \
+                record["conversations"] != record["messages"]:
+            raise RecordError("malformed_record", "the record gives both 'conversations' and "
+                              "'messages', with different turns: give one")
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
         elif "texts" in record:
