@@ -366,7 +366,8 @@ class TrainConfig:
                 raise TrainConfigError(f"{path}: the top level must be a mapping")
             resolve_paths(data, os.path.dirname(path))
         for override in overrides:
-            apply_override(data, override, os.getcwd())
+            apply_override(data, override, os.getcwd(),
+                           frozenset(f.name for f in dataclasses.fields(LoraConfig)))
         config = build(cls, data, "")
         config.validate()
         return config

@@ -5,7 +5,6 @@ working directory; hub names kept), before the values are read by their types (`
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from typing import Any
 
@@ -59,25 +58,27 @@ def resolve_paths(data: dict, base: str) -> None:
         walk(data, pattern, pattern)
 
 
-def _lora_part_joined(parts: list[str]) -> list[str]:
+def _lora_part_joined(parts: list[str], lora_settings: frozenset[str]) -> list[str]:
     """An override's keys with a dotted LoRA part kept whole: ``model.lora.image.encoder.rank``
-    sets ``rank`` of the part ``image.encoder``, ``model.lora.image.encoder`` the part."""
-    from mimo_train.config import LoraConfig
+    sets ``rank`` (one of ``lora_settings``) of the part ``image.encoder``,
+    ``model.lora.image.encoder`` the part."""
     if parts[:2] != ["model", "lora"] or len(parts) <= 3:
         return parts
-    setting = parts[-1] in {f.name for f in dataclasses.fields(LoraConfig)}
+    setting = parts[-1] in lora_settings
     part = ".".join(parts[2:-1] if setting else parts[2:])
     return ["model", "lora", part, *parts[-1:]] if setting else ["model", "lora", part]
 
 
-def apply_override(data: dict, override: str, base: str) -> None:
-    """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``."""
+def apply_override(data: dict, override: str, base: str,
+                   lora_settings: frozenset[str] = frozenset()) -> None:
+    """Set ``key.path=value`` in the raw mapping; path values are taken from ``base``;
+    ``lora_settings``: the names of a LoRA part's settings (``_lora_part_joined``)."""
     key, sep, text = override.partition("=")
     if not sep or not key:
         raise TrainConfigError(f"override {override!r} is not key.path=value "
                                "(e.g. train.steps=50)")
     node = data
-    parts = _lora_part_joined(key.split("."))
+    parts = _lora_part_joined(key.split("."), lora_settings)
     for part in parts[:-1]:
         if node.get(part) is None:                    # absent, or an empty YAML section
             node[part] = {}
