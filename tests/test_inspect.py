@@ -228,10 +228,14 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     lines = err.strip().splitlines()
     failed = {re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1) for line in lines}
     assert failed == {check for check, found in expected.items() if found}
+    # each key beside where the build read it and its id (the user's record, not a shard key)
+    ids = {key: fault for fault, key in keys.items()}
     for line in lines:
         check = re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1)
         for key in sorted(expected[check])[:5]:
-            assert key in line, (key, line)
+            line_number = list(keys).index(ids[key]) + 1
+            assert f"{key} (faults.jsonl:{line_number}, id '{ids[key]}': " in \
+                line.replace(str(directory.parent) + "/", ""), (key, line)
     assert {c["name"]: c["passed"] for c in report["checks"]} == {
         **{check: not found for check, found in expected.items()},
         "trained_token_fraction": True, "kept_samples": True}

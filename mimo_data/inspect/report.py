@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from collections.abc import Callable
 import hashlib
 import json
 import os
@@ -67,6 +68,7 @@ from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
+from mimo_data.shards.sources import location
 from mimo_data.shards.format import RECORD_KINDS, SAMPLES_FILE, ShardRecord, summary_column
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
@@ -206,7 +208,10 @@ class ReportBuilder:
                            "kept": int((ours & self.table.kept).sum())}
         return found
 
-    def checks(self, thresholds: Thresholds) -> list[dict]:
+    def checks(self, thresholds: Thresholds, origin: Callable[[int], str] | None = None
+               ) -> list[dict]:
+        """Each check's result; ``origin``: where the sample at a position was read from
+        (named beside its key in the message)."""
         results = []
         total = self.seen
         for name, (limit_name, kind, what) in CHECKS.items():
@@ -222,7 +227,7 @@ class ReportBuilder:
             if name == "dropped":
                 result["by_reason"] = {r: len(f.entries) for r, f in
                                        sorted(self.drop_reasons.items())}
-            result["message"] = _check_message(result, flagged)
+            result["message"] = _check_message(result, flagged, origin)
             results.append(result)
         lengths, trained_tokens = self._kept()
         kept = len(lengths)
@@ -247,7 +252,8 @@ class ReportBuilder:
                         f"{thresholds.min_trained_token_fraction:g}")})
         return results
 
-    def to_dict(self, thresholds: Thresholds) -> dict:
+    def to_dict(self, thresholds: Thresholds, origin: Callable[[int], str] | None = None
+                ) -> dict:
         config = self.inspector.config
         lengths, trained_tokens = self._kept()
         kept = len(lengths)
@@ -284,14 +290,15 @@ class ReportBuilder:
                                for p, k, d in f.entries[:KEYS_IN_JSON]]
                         for name, f in self.flagged.items()},
         }
-        checks = self.checks(thresholds)
+        checks = self.checks(thresholds, origin)
         report["checks"] = checks
         report["passed"] = all(c["passed"] for c in checks)
         report["thresholds"] = asdict(thresholds)
         return report
 
 
-def _check_message(result: dict, flagged: Flagged) -> str:
+def _check_message(result: dict, flagged: Flagged,
+                   origin: Callable[[int], str] | None = None) -> str:
     kind = result["limit_kind"]
     count, total = result["count"], result["of"]
     if kind == "fraction":
@@ -307,8 +314,22 @@ def _check_message(result: dict, flagged: Flagged) -> str:
         head += " (" + ", ".join(f"{r} {n}" for r, n in result["by_reason"].items()) + ")"
     if count:
         first = flagged.entries[:KEYS_IN_MESSAGE]
-        head += "; first: " + ", ".join(f"{key} ({detail[:120]})" for _, key, detail in first)
+        head += "; first: " + ", ".join(
+            f"{key} ({origin(position) + ': ' if origin else ''}{detail[:120]})"
+            for position, key, detail in first)
     return head
+
+
+def record_origin(record: ShardRecord) -> str:
+    """Where a sample was read from, as the build named it (``llava.json[15]``, ``a.jsonl:3``,
+    ``t.parquet#8``; a tar indexed in place: its tar and key), and its id."""
+    source = record.get("source") or {}
+    kind = next((kind for kind in ("line", "index", "row") if kind in source), None)
+    where = (location(str(source["file"]), kind, int(source[kind])) if kind and "file" in source
+             else f"{source['file']} key {source['key']}" if "key" in source
+             and "file" in source else "")
+    named = f"id {record['id']!r}" if record.get("id") is not None else ""
+    return ", ".join(part for part in (where, named) if part)
 
 
 def _read_record(reader: ShardReader, position: int) -> ShardRecord | SampleStats:
@@ -462,7 +483,12 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
                                  table_labels(reader, inspector.preprocessor))
             cache.save_table(flags_path, flags, flags_key,
                              table_labels(reader, inspector.preprocessor, "report"))
-    report_dict = builder.to_dict(thresholds)
+    named = ShardReader(directory, cache_dir)     # the first flagged samples' sources
+    try:
+        report_dict = builder.to_dict(thresholds,
+                                      lambda position: record_origin(named.record(position)))
+    finally:
+        named.close()
     assert builder.table is not None
     cut = audio_cut(directory, builder.table.kept, inspector.config)
     if cut is not None:
