@@ -74,11 +74,14 @@ def test_parquet_embedded_bytes_win_over_paths(tmp_path, assets):
 def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix):
     """Tables and ``datasets.to_json`` write every column in every row: a null ``images``
     beside an ``image`` (single- and multi-image sets mixed) is not taken for "no image", and
-    a blank ``image`` of a text-only row is no item. A table whose images are in a column
-    mimo does not read (``image_bytes``) is refused, naming the flag that reads it."""
+    a blank ``image`` of a text-only row is no item. A row whose image is in a column mimo
+    does not read (``image_bytes``) is refused, naming the flag that reads it; an image URL
+    kept as metadata, or an ``image_path`` beside content parts that name the image, is no
+    such column."""
     jpeg, png = str(assets["jpeg"]), str(assets["png"])
     rows = {"id": ["single", "list", "text"],
             "images": [None, [png], []], "image": [jpeg, "", ""],
+            "image_url": ["https://example.com/a.jpg"] * 3,
             "conversations": [chat(q, "A.") for q in ("<image>\nWhat?", "<image> and?", "Hi?")]}
     path = tmp_path / f"mixed{suffix}"
     if suffix == ".jsonl":
@@ -100,8 +103,10 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
                                  "conversations": pa.array([chat("<image>Hm?", "A.")],
                                                            pa.list_(turn))}), unread)
         code, _, err = cli_main(capsys, "build", unread, "-o", tmp_path / "no", "--no-progress")
-        assert code == 2 and "column 'image_bytes' looks like the rows' image, which mimo " \
-            "reads from 'images' or 'image': read it with --image-column image_bytes" in err
+        skipped = read_json(tmp_path / "no" / "report.json")["skipped_by_reason"]
+        assert code == 1 and skipped["malformed_record"]["first"][0]["detail"] == (
+            "the record names its image under 'image_bytes', which mimo does not read: read "
+            "that column with --image-column image_bytes")
         code, _, err = cli_main(capsys, "build", unread, "-o", tmp_path / "yes", "--no-progress",
                                 "--image-column", "image_bytes")
         assert code == 0, err
@@ -414,11 +419,14 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
             {"type": "image", "url": "pics/b.png"}]
     turns = [{"role": "user", "content": user},
              {"role": "assistant", "content": [{"type": "text", "text": "Unrelated."}]}]
+    # an image_path kept beside the parts that name the image: metadata, not an unread image
     if suffix == ".jsonl":
-        path = write_jsonl(tmp_path / "parts.jsonl", [{"id": "parts", "messages": turns}])
+        path = write_jsonl(tmp_path / "parts.jsonl", [{"id": "parts", "messages": turns,
+                                                       "image_path": "photo.jpg"}])
     else:   # Arrow gives every part every key, None where a part has none
         path = tmp_path / "parts.parquet"
-        pq.write_table(pa.table({"id": ["parts"], "messages": [turns]}), path)
+        pq.write_table(pa.table({"id": ["parts"], "messages": [turns],
+                                 "image_path": ["photo.jpg"]}), path)
     build_dataset([path], tmp_path / "out")
 
     report = read_json(tmp_path / "out" / "report.json")

@@ -78,18 +78,35 @@ def media_field(modality: str) -> str:
 # Keys and columns that users' exports name a record's media by and mimo does not read
 # (``image_path``, ``img``, ``video_file``, ``audio_filepath`` ...): a record or a table whose
 # media are under one of them is refused, naming it, not built text-only.
+# (A URL is no such key: mimo downloads nothing, and a URL kept as metadata is common.)
 _UNREAD_MEDIA_NAME = {
-    "image": re.compile(r"(image|img|picture|photo)s?(_?(file|path|url|filename|bytes))?s?"),
-    "video": re.compile(r"videos?(_?(file|path|url|filename|bytes))?s?"),
-    "audio": re.compile(r"(audio|wav)s?(_?(file|filepath|path|url|filename|bytes))?s?"),
+    "image": re.compile(r"(image|img|picture|photo)s?(_?(file|path|filename|bytes))?s?"),
+    "video": re.compile(r"videos?(_?(file|path|filename|bytes))?s?"),
+    "audio": re.compile(r"(audio|wav)s?(_?(file|filepath|path|filename|bytes))?s?"),
 }
 
 
-def _unread_media_name(names, modality: str, read: tuple[str, ...]) -> str | None:
-    """A key or column among ``names`` that looks like ``modality``'s media and is none of
+def _unread_media_names(names, read: set[str]) -> dict[str, str]:
+    """modality -> a key or column among ``names`` that looks like its media and is none of
     the ``read`` ones."""
-    return next((name for name in names if name not in read
-                 and _UNREAD_MEDIA_NAME[modality].fullmatch(name)), None)
+    found: dict[str, str] = {}
+    for modality, pattern in _UNREAD_MEDIA_NAME.items():
+        name = next((n for n in names if n not in read and pattern.fullmatch(n)), None)
+        if name is not None:
+            found[modality] = name
+    return found
+
+
+def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], how: str
+                  ) -> None:
+    """RecordError where a modality the record has no item of has a value under a key or
+    column that looks like its media (``unread``) and mimo does not read: the record would
+    train without it. ``how``: what reads it instead."""
+    for modality, name in unread.items():
+        if not media.get(modality) and _as_list(record.get(name)):
+            what = how.format(name=name, modality=modality, items=media_field(modality))
+            raise RecordError("malformed_record", f"the record names its {modality} under "
+                              f"{name!r}, which mimo does not read: {what}")
 
 
 def _media_items(plural, single, where: str, modality: str) -> list:
@@ -101,6 +118,10 @@ def _media_items(plural, single, where: str, modality: str) -> list:
         raise RecordError("malformed_record", f"{where} gives both {media_field(modality)!r} "
                           f"and {modality!r}, with different items: give one")
     return items or one
+
+
+_RENAME = "give it as {items!r} (a list) or {modality!r} (rename the key in the source data)"
+_READ_COLUMN = "read that column with --{modality}-column {name}"
 
 
 def _part_keys(modality: str) -> tuple[str, ...]:
@@ -278,15 +299,9 @@ class ConversationFile:
                              text=record["texts"], media={"image": _as_list(record.get("images"))})
         media = {name: _media_items(record.get(media_field(name)), record.get(name),
                                     "the record", name) for name in MODALITIES}
-        for name, items in media.items():
-            unread = None if items else _unread_media_name(record, name,
-                                                           (media_field(name), name))
-            if unread and _as_list(record[unread]):
-                raise RecordError("malformed_record", f"the record names its {name} under "
-                                  f"{unread!r}, which mimo does not read: give it as "
-                                  f"{media_field(name)!r} (a list) or {name!r} (rename the "
-                                  "key in the source data)")
+        unread = _unread_media_names(record, {*MODALITIES, *map(media_field, MODALITIES)})
         if "caption" in record and turns is None:
+            _check_unread(record, media, unread, _RENAME)
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
         if turns is None:
@@ -296,8 +311,9 @@ class ConversationFile:
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
         turns = exchanges(turns, media)
-        return RawRecord(id=_record_id(record.get("id")), turns=turns,
-                         media=with_part_items(media, turns),
+        media = with_part_items(media, turns)
+        _check_unread(record, media, unread, _RENAME)
+        return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media,
                          tools=tool_lists(record), system=record.get("system"),
                          objects=record.get("objects"))
 
@@ -380,13 +396,10 @@ class ParquetTable:
         # a row's single item where its list is null or empty (both columns, none named)
         self.single = {name: name for name in MODALITIES if not wanted.get(media_field(name))
                        and {name, media_field(name)} <= names}
-        for name in MODALITIES:
-            unread = None if self.columns[media_field(name)] else _unread_media_name(
-                sorted(names), name, ())
-            if unread:
-                raise SourceError(f"{path}: column {unread!r} looks like the rows' {name}, "
-                                  f"which mimo reads from {media_field(name)!r} or {name!r}: "
-                                  f"read it with --{name}-column {unread}")
+        # columns that look like a modality's media this table has no column of: read, so
+        # that a row whose items are there alone is refused, naming the flag that reads them
+        self.unread = {modality: name for modality, name in _unread_media_names(
+            sorted(names), set()).items() if not self.columns[media_field(modality)]}
         found = [role for role in ("texts", "conversation", "caption") if self.columns[role]]
         if not found:
             # a speech table's transcript column, as the hub's ASR sets name it
@@ -420,7 +433,8 @@ class ParquetTable:
 
     def load(self, task: Task) -> RawRecord:
         group, offset = task.locator
-        columns = tuple(c for c in self.columns.values() if c) + tuple(self.single.values())
+        columns = tuple(dict.fromkeys((*(c for c in self.columns.values() if c),
+                                       *self.single.values(), *self.unread.values())))
         record = _read_row_group(self.path, group, columns)[offset]
         column = self.columns
         record_id = _record_id(record.get(column["id"])) if column["id"] else None
@@ -433,13 +447,16 @@ class ParquetTable:
                                     else None, "the row", name)
                  for name in MODALITIES if column[media_field(name)]}
         if self.kind == "caption":
+            _check_unread(record, media, self.unread, _READ_COLUMN)
             return RawRecord(id=record_id, turns=None, media=media, kind="caption",
                              text=record[column["caption"]])
         turns = record[column["conversation"]]
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
+        media = with_part_items(media, turns)
+        _check_unread(record, media, self.unread, _READ_COLUMN)
         tools = record.get(column["tools"]) if column["tools"] else None
-        return RawRecord(id=record_id, turns=turns, media=with_part_items(media, turns),
+        return RawRecord(id=record_id, turns=turns, media=media,
                          tools=[tools if isinstance(tools, str) else _without_nulls(tools)],
                          system=record.get(column["system"]) if column["system"] else None,
                          # a table's JSON text or struct (its nulls: none given)
