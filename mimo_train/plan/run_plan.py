@@ -166,7 +166,10 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
                    model.projection or (vlm.projection if vlm else "linear"),
                    encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
     check(plan.facts, layout, plan.settings)
-    if vlm and model.projection and model.projection != vlm.projection:
+    # (with a tower of another checkpoint beside it, the projection is the run's to choose:
+    # one kind serves every encoder module, and the model is no longer that VLM)
+    if vlm and model.projection and model.projection != vlm.projection and all(
+            setting.spec.pretrained == vlm.path for setting in plan.encoders.values()):
         raise TrainConfigError(
             f"model.projection is {model.projection}, but model.pretrained {model.pretrained} is "
             f"a whole {vlm.family} model, whose own projector mimo runs as projection "
