@@ -36,6 +36,12 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
     nested = tmp_path / "run.yaml"
     nested.write_text("layout: 'language=pp2;encoder=dp2,image'\n")
     assert Layout.parse(str(nested)) == from_yaml
+    # a module given twice: a LayoutError (a usage error, one line), not YAML's last one kept
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("modules:\n  language: {pp: 2}\n  language: {dp: 2}\n")
+    with pytest.raises(LayoutError, match="twice.yaml is not valid YAML: the key 'language' "
+                       "is given twice"):
+        Layout.parse(str(twice))
 
 
 @pytest.mark.parametrize("text, words", [

@@ -37,6 +37,8 @@ import re
 import sys
 from dataclasses import dataclass, field, replace
 
+import yaml
+
 from mimo_data.files import load_yaml
 from mimo_data.modalities import MODALITIES as REGISTERED
 
@@ -332,7 +334,10 @@ class Layout:
     @classmethod
     def from_yaml(cls, path: str) -> Layout:
         with open(path) as handle:
-            data = load_yaml(handle) or {}
+            try:
+                data = load_yaml(handle) or {}
+            except yaml.YAMLError as error:
+                raise LayoutError(f"{path} is not valid YAML: {error}") from None
         if "layout" in data and isinstance(data["layout"], (dict, str)):
             data = data["layout"]          # a layout nested in a larger config file
         return cls.parse(data)
