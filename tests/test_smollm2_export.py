@@ -215,6 +215,28 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_0000001"]
 
 
+def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2, tmp_path,
+                                                                         monkeypatch, capsys):
+    """The run's preprocessing YAML, there but refused now (a key given twice, which an older
+    mimo read as the last): export says to fix it where it is, not to restore it."""
+    from mimo_train.components import checkpoint
+    from mimo_train.hf.export import main
+
+    meta = json.loads((smollm2.checkpoint / "meta.json").read_text())
+    twice = tmp_path / "preprocess-twice.yaml"
+    twice.write_text(Path(meta["config"]["data"]["preprocess"]).read_text()
+                     + "seq_length: 64\nseq_length: 128\n")
+    meta["config"]["data"]["preprocess"] = str(twice)
+    directory = tmp_path / "step_0000001"
+    directory.mkdir()
+    (directory / "meta.json").write_text(json.dumps(meta))
+    monkeypatch.setattr(checkpoint, "load_weights", lambda d: {})
+    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"the preprocessing config {twice} of {directory}/meta.json is not one this mimo " \
+        "reads" in err and "'seq_length' is given twice" in err and "fix it where it is" in err
+
+
 def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
     from mimo_train.components import checkpoint
     from mimo_train.hf import export

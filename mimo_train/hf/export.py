@@ -227,9 +227,13 @@ def _preprocess_config(cfg, directory: str):
     path = cfg.data.preprocess
     try:
         return PreprocessConfig.from_yaml(path)
-    except (OSError, ConfigError) as error:
+    except OSError as error:
         raise ExportError(f"the preprocessing config {path} of {directory}/meta.json cannot be "
                           f"read ({error}): the export copies it; restore it") from None
+    except ConfigError as error:
+        raise ExportError(f"the preprocessing config {path} of {directory}/meta.json is not "
+                          f"one this mimo reads ({error}): the export copies it; fix it where "
+                          "it is") from None
 
 
 def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool,
