@@ -184,6 +184,8 @@ def test_a_dotted_lora_part_is_one_key_of_an_override():
     assert {part: spec.rank for part, spec in cfg.model.lora.items()} == {
         "image.encoder": 4, "image.projection": 3, "language": 8}
     assert cfg.model.lora["language"].targets == ["linear_qkv"]
+    with pytest.raises(TrainConfigError, match="unknown key.*model.lora.language.rnak"):
+        TrainConfig.load(None, ["data.datasets=[x]", "model.lora.language.rnak=4"])
 
 
 @pytest.mark.parametrize("override, get, expected", [

@@ -58,15 +58,17 @@ def resolve_paths(data: dict, base: str) -> None:
         walk(data, pattern, pattern)
 
 
-def _lora_part_joined(parts: list[str], lora_settings: frozenset[str]) -> list[str]:
+def _lora_part_joined(parts: list[str], lora_settings: frozenset[str], value: Any
+                      ) -> list[str]:
     """An override's keys with a dotted LoRA part kept whole: ``model.lora.image.encoder.rank``
-    sets ``rank`` (one of ``lora_settings``) of the part ``image.encoder``,
-    ``model.lora.image.encoder`` the part."""
+    sets ``rank`` of the part ``image.encoder``, ``model.lora.image.encoder={...}`` the part
+    (a mapping ``value`` under a last key that is none of ``lora_settings``); otherwise the
+    last key is the part's setting (a typo named as such by the type checks)."""
     if parts[:2] != ["model", "lora"] or len(parts) <= 3:
         return parts
-    setting = parts[-1] in lora_settings
-    part = ".".join(parts[2:-1] if setting else parts[2:])
-    return ["model", "lora", part, *parts[-1:]] if setting else ["model", "lora", part]
+    if isinstance(value, dict) and parts[-1] not in lora_settings:
+        return ["model", "lora", ".".join(parts[2:])]
+    return ["model", "lora", ".".join(parts[2:-1]), parts[-1]]
 
 
 def apply_override(data: dict, override: str, base: str,
@@ -77,15 +79,6 @@ def apply_override(data: dict, override: str, base: str,
     if not sep or not key:
         raise TrainConfigError(f"override {override!r} is not key.path=value "
                                "(e.g. train.steps=50)")
-    node = data
-    parts = _lora_part_joined(key.split("."), lora_settings)
-    for part in parts[:-1]:
-        if node.get(part) is None:                    # absent, or an empty YAML section
-            node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
-            raise TrainConfigError(f"override {override!r}: {part} is not a section")
-        node = child
     try:
         value = load_yaml(text) if text else None
     except yaml.constructor.ConstructorError as error:      # a key twice: said as it is
@@ -94,6 +87,15 @@ def apply_override(data: dict, override: str, base: str,
         raise TrainConfigError(f"override {override!r}: the value is not valid YAML "
                                f"({error.__class__.__name__}); quote it or fix the brackets"
                                ) from None
+    node = data
+    parts = _lora_part_joined(key.split("."), lora_settings, value)
+    for part in parts[:-1]:
+        if node.get(part) is None:                    # absent, or an empty YAML section
+            node[part] = {}
+        child = node[part]
+        if not isinstance(child, dict):
+            raise TrainConfigError(f"override {override!r}: {part} is not a section")
+        node = child
     alone: Any = value                                # the override as a mapping of its own
     for part in reversed(parts):
         alone = {part: alone}
