@@ -314,8 +314,11 @@ def test_heic_photos_and_svg_drawings_are_named_as_formats_to_convert(corpus):
     for name, kind in (("videos/pan_h264_24.mp4", "MP4/MOV video"),
                        ("videos/pan_vp9_30.webm", "WebM/Matroska video"),
                        ("audio/cards-001.wav", "WAV audio"), ("audio/cards-003.flac", "FLAC")):
-        with pytest.raises(MediaError, match=f"{kind}.*not an image: give videos and audio"):
+        with pytest.raises(MediaError, match=f"{kind}.*not an image: give it as a video or "):
             probe_image((corpus / name).read_bytes())
+    # an ISO base media file of an image brand (a Canon CR3 raw photo) is no video
+    with pytest.raises(MediaError, match="not a readable image"):
+        probe_image(b"\x00\x00\x00\x18ftypcrx \x00\x00\x00\x01crx isom" + bytes(64))
     with pytest.raises(MediaError, match="not a readable image") as info:
         probe_image(b"\x00\x00\x00\x1cftypavif\x00\x00\x00\x00avifmif1miaf" + bytes(64))
     assert info.value.reason == "corrupt_image"

@@ -145,9 +145,9 @@ def pillow_decoding(max_pixels: int | None, data: bytes):
             raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
                              "convert it first (e.g. to JPEG or PNG)") from None
         if kind := _video_or_audio(data):
-            raise MediaError("unsupported_format", f"{kind}, not an image: give videos and "
-                             "audio where the dataset's format takes them (a video or audio "
-                             "field or placeholder, docs/datasets.md)") from None
+            raise MediaError("unsupported_format", f"{kind}, not an image: give it as a "
+                             "video or audio (the record's video or audio field, or its own "
+                             "option), not as an image") from None
         raise MediaError("corrupt_image", "cannot decode image: not a readable image (no "
                          "image format Pillow reads recognizes its bytes)") from None
     except Exception as exc:  # Pillow raises many types (OSError, SyntaxError, ValueError...)
@@ -190,14 +190,17 @@ def _foreign_image(data: bytes) -> str | None:
     return None
 
 
-# ISO base media brands Pillow reads as images (AVIF), not taken for a video
-_IMAGE_BRANDS = _HEIF_BRANDS | {b"avif", b"avis"}
+# ISO base media major brands of video and audio files (MP4, QuickTime, M4V/M4A, 3GPP,
+# DASH, Flash, Sony XAVC): other brands are still images (HEIF, AVIF, a camera's raw CR3)
+_MEDIA_BRANDS = {b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", b"avc1",
+                 b"qt  ", b"M4V ", b"M4VH", b"M4VP", b"M4A ", b"M4B ", b"3gp4", b"3gp5",
+                 b"3gp6", b"3g2a", b"dash", b"mmp4", b"f4v ", b"MSNV", b"XAVC"}
 
 
 def _video_or_audio(data: bytes) -> str | None:
     """What a video or audio file given as an image is (by its container's signature), so
     that the build names the mix-up, not corrupt bytes; None for other bytes."""
-    if data[4:8] == b"ftyp" and data[8:12] not in _IMAGE_BRANDS:
+    if data[4:8] == b"ftyp" and data[8:12] in _MEDIA_BRANDS:
         return "an MP4/MOV video (or M4A audio)"
     if data[:4] == b"\x1a\x45\xdf\xa3":
         return "a WebM/Matroska video"

@@ -141,7 +141,9 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
         if role == "assistant" and (marked := [m for m in MARKERS.values() if m in text]):
             raise RecordError("marker_mismatch", f"turn {i} (assistant) holds {marked}: an "
                               "answer would train the model to write the media's "
-                              "placeholders; give media in user turns (or a tool's result)")
+                              "placeholders; give media in user turns (or a tool's result), "
+                              "and reword a marker written as words (an HTML tag) in the "
+                              "source data")
         message: dict[str, Any] = {"role": role, "content": text}
         if calls:
             message["tool_calls"] = calls
@@ -420,8 +422,9 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, marker: str) -
         return (": give each item its marker where it goes (mimo-shard's --markers-first "
                 "puts them before the first user text)")
     if not items:
-        return (": the record gives no item for them (a modality's items go in its list, "
-                "'images', or single item, 'image', or in content parts)")
+        modality = next(name for name, mark in MARKERS.items() if mark == marker)
+        return (f": the record gives no item for them (a {modality} goes in the record's "
+                f"'{modality}s' list or '{modality}' item, a content part, or a tar's member)")
     if markers > items:
         return (f": each {marker} in a text places an item, so one written as words (in a "
                 "transcript, or a question about the tag) cannot be told from one; reword "
