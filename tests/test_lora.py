@@ -289,3 +289,6 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     assert "lacks 1 LoRA adapter weight(s) of this run" in lacked and "saved with model.lora " \
         "{'language': {'rank': 4}}, which adapts other parts or targets" in lacked
     assert "model.pretrained /m" in str(_lacks("/ck", [layer + "weight"], meta, ["l"]))
+    plain = {"config": {"model": {"pretrained": "/m", "lora": {}}}}
+    assert "it was saved without LoRA adapters: to add them, start a new run from its " \
+        "weights (model.init_from)" in str(_lacks("/ck", [layer + "lora.a.weight"], plain, []))

@@ -668,6 +668,11 @@ def test_markers_first_places_a_conversations_missing_markers(tmp_path, corpus_p
     record = ShardReader(str(tmp_path / "first")).record(0)
     assert record["messages"][0]["content"] == "<image>\nWhat is shown?"
     assert [item["member"] for item in record["media"]] == ["jpg"]
+    # a caption pair's member options on conversations: refused, never silently unused
+    with pytest.raises(IndexInputError, match="its samples are conversations, and "
+                       "--media-member / --text-member name a caption pair's members"):
+        index([tar], str(tmp_path / "media"), IndexOptions(workers=0, progress=False,
+                                                           media_member="jpg"))
     # caption pairs have no markers to place: the flag is refused, never silently unused
     with webdataset.ShardWriter(str(tmp_path / "tars" / "pairs-%06d.tar"), verbose=0) as writer:
         writer.write({"__key__": "p0", "jpg": data, "txt": "A photo."})

@@ -336,6 +336,7 @@ train: {steps: 20}
     (["data.weights=[1, 2, 3]"], "data.weights has 3 entries for 2 datasets"),
     (["data.weights=[-1, 2]"], "data.weights is [-1.0, 2.0]: each a share of the samples, >= 0"),
     (["data.weights=[0, 0]"], "data.weights is [0.0, 0.0]: each a share"),
+    (["data.weights=[1, .inf]"], "data.weights is [1.0, inf]: each a share"),
     (["train.steps=0"], "train.steps is 0"),
     (["train.global_batch_size=0"], "train.global_batch_size is 0"),
     (["train.micro_batch_size=-1"], "train.micro_batch_size is -1"),

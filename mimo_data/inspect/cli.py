@@ -327,8 +327,7 @@ def _plan(args, config, advisor=None) -> int:
         print("mimo-inspect plan: error: give DIR, --global-batch-size and --micro-batch-size "
               "(or --clip-seconds S for one clip, with --model M --gpus N)", file=sys.stderr)
         return 2
-    if not clip and (args.global_batch_size < 1 or args.micro_batch_size < 1
-                     or args.global_batch_size % args.micro_batch_size):
+    if not clip and args.global_batch_size % args.micro_batch_size:    # each > 0: argparse
         print(f"mimo-inspect plan: error: --global-batch-size {args.global_batch_size} is not a "
               f"whole number of micro-batches of --micro-batch-size {args.micro_batch_size}: "
               "give a global batch that is a multiple of micro batch × the language "

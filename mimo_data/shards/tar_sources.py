@@ -264,8 +264,7 @@ def _member_map(root: str, first: str, options: IndexOptions,
     ``--layout auto``."""
     layout = options.layout
     pairs_options = options.media_member is not None or options.text_member != "txt"
-    if layout == "auto" and pairs_options:
-        layout = "pairs"                  # the options given are the pairs layout's
+    detected = None
     if layout == "auto":
         head: list[dict[str, bytes]] = []
         with open_tar(storage.join(root, first), storage_options) as tar:
@@ -276,7 +275,13 @@ def _member_map(root: str, first: str, options: IndexOptions,
                         break
             except NotATarError as exc:
                 raise IndexInputError(f"{storage.join(root, first)}: {exc}") from None
-        layout = detect(head, options.json_member) or ""
+        detected = detect(head, options.json_member)
+        if detected not in (None, "pairs") and pairs_options:
+            raise IndexInputError(f"{storage.join(root, first)}: its samples are "
+                                  f"{detected.removesuffix('s')}s, "
+                                  "and --media-member / --text-member name a caption pair's "
+                                  "members: leave them out, or give --layout pairs")
+        layout = detected or ("pairs" if pairs_options else "")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
@@ -288,8 +293,8 @@ def _member_map(root: str, first: str, options: IndexOptions,
                                   "--media-member and --text-member name them as listed)")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member, markers_first=options.markers_first)
-    how = ("as given" if options.layout != "auto" else "from the --media-member / "
-           "--text-member options" if pairs_options else "detected from the first samples")
+    how = ("as given" if options.layout != "auto" else "detected from the first samples"
+           if detected else "from the --media-member / --text-member options")
     say(f"layout {layout} ({how}): {mapping.describe()}")
     return mapping
 

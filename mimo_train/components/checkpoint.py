@@ -449,11 +449,13 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
     checkpoint's)."""
     model = (meta.get("config") or {}).get("model", {})
     if all(is_adapter(key) for key in missing):
+        saved = (f"it was saved with model.lora {model['lora']}, which adapts other parts or "
+                 "targets; resume with the checkpoint's model.lora, or"
+                 if model.get("lora") else "it was saved without LoRA adapters: to add them,")
         return CheckpointError(
             f"checkpoint {directory} lacks {len(missing)} LoRA adapter weight(s) of this run, "
-            f"e.g. {missing[:3]}: it was saved with model.lora {model.get('lora')}, which "
-            "adapts other parts or targets; resume with the checkpoint's model.lora, or start "
-            "a new run from its weights (model.init_from) in another checkpoint.dir")
+            f"e.g. {missing[:3]}: {saved} start a new run from its weights (model.init_from) "
+            "in another checkpoint.dir")
     pretrained = model.get("pretrained")
     return CheckpointError(
         f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, e.g. "

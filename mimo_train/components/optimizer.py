@@ -53,9 +53,9 @@ class CheckedMimoOptimizer(MimoOptimizer):
     def get_grad_norm(self) -> float:
         """megatron-core's world norm (each module's norm squared, MAX over the ranks: a rank
         holding none of a module contributes 0), with one more slot that is 1 where a rank's
-        norm is not finite: MAX over the ranks does not carry a NaN (gloo's MAX(0, NaN) is 0,
-        NCCL's is not defined), so a NaN on the language ranks alone, under a tower frozen on
-        ranks of its own, would otherwise step as a norm of 0."""
+        norm is infinite, 2 where it is NaN: MAX over the ranks does not carry a NaN (gloo's
+        MAX(0, NaN) is 0, NCCL's is not defined), so a NaN on the language ranks alone, under a
+        tower frozen on ranks of its own, would otherwise step as a norm of 0."""
         names = sorted(self.module_infos)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         norm_sq = torch.zeros(len(names) + 1, device=device, dtype=torch.float32)
@@ -65,11 +65,12 @@ class CheckedMimoOptimizer(MimoOptimizer):
                 norm = info.optimizer.get_grad_norm() or 0.0
                 if math.isfinite(norm):
                     norm_sq[i] = norm ** 2
-                else:
-                    norm_sq[-1] = 1.0
+                else:                                 # NaN wins over infinite
+                    norm_sq[-1] = max(float(norm_sq[-1]), 2.0 if math.isnan(norm) else 1.0)
         torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
-        if norm_sq[-1].item():
-            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", math.nan)
+        if flag := norm_sq[-1].item():
+            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped",
+                                math.nan if flag == 2.0 else math.inf)
         norm = torch.sqrt(norm_sq[:-1].sum()).item()
         if not math.isfinite(norm):                  # squares past float32's range
             raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -397,8 +398,9 @@ class TrainConfig:
         if self.data.weights is not None and len(self.data.weights) != len(self.data.datasets):
             raise TrainConfigError(f"data.weights has {len(self.data.weights)} entries for "
                                    f"{len(self.data.datasets)} datasets: give one per dataset")
-        if self.data.weights is not None and (min(self.data.weights) < 0 or
-                                              not sum(self.data.weights) > 0):
+        if self.data.weights is not None and (
+                not all(math.isfinite(w) and w >= 0 for w in self.data.weights)
+                or not sum(self.data.weights) > 0):
             raise TrainConfigError(f"data.weights is {self.data.weights}: each a share of the "
                                    "samples, >= 0, and not all 0")
         if run.wandb is not None:
