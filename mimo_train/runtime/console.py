@@ -73,6 +73,19 @@ _WARNINGS = (
     # megatron-core's MLP built from the local spec, which passes no ffn_hidden_size
     (DeprecationWarning, r"MLP requires ffn_hidden_size, but it was not provided",
      r"megatron\."),
+    # selective recompute's core_attn: about TransformerEngine's fused attention, which mimo's
+    # local layer specs do not use
+    (UserWarning, r"If you are using transformer_engine as the transformer implementation, "
+     r"the core_attn is from transformer_engine", r"megatron\."),
+    # the distributed optimizer's DDP reads each main gradient's .grad (megatron-core; on the
+    # CPU through mcore.cpu_compat's mode, which the warning then names)
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being "
+     r"accessed", r"megatron\.|mimo_train\.mcore\.cpu_compat"),
+)
+# only where no CUDA device runs: advice about CUDA streams
+_CPU_WARNINGS = (
+    (UserWarning, r"When using sequence parallelism it is recommended to set the environment "
+     r"variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
 )
 
 # logger name -> message regexes dropped from it (warnings sent through ``logging``)
@@ -85,6 +98,8 @@ _LOG_RECORDS = {
     "megatron.core.dist_checkpointing.strategies.torch": (r"MCore's async save is deprecated",),
     # GPTModel is what MimoModel's language model is in megatron-core 0.19
     "megatron.core.models.gpt.gpt_model": (r"^GPTModel IS DEPRECATED\.",),
+    # the distributed optimizer's DDP computes its layout itself (MimoOptimizer builds it so)
+    "megatron.core.distributed.distributed_data_parallel": (r"full_param_layout not provided",),
 }
 
 _quiet = False
@@ -106,7 +121,9 @@ def quiet_third_party() -> None:
     if _quiet:
         return
     _quiet = True
-    for category, message, module in _WARNINGS:
+    import torch
+    for category, message, module in _WARNINGS + (
+            () if torch.cuda.is_available() else _CPU_WARNINGS):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, patterns in _LOG_RECORDS.items():
         logging.getLogger(name).addFilter(_DropKnown(patterns))
