@@ -316,10 +316,16 @@ def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_da
                        "projection none"):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
                                         "model.projection=mlp", f"data.preprocess={preprocess}"]))
+    # named by the key the user set: model.pretrained, whose language model it is
     with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
-                       "model.language.pretrained .* has \\[2, 3, 3\\]"):
+                       "model.pretrained's language model .* has \\[2, 3, 3\\]"):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
                                         "model.language.mrope_section=[4,2,2]",
+                                        f"data.preprocess={preprocess}"]))
+    with pytest.raises(TrainConfigError, match="hidden_size is 128, but model.pretrained's "
+                       f"language model {VLM} has hidden_size 64"):
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                        "model.language.hidden_size=128",
                                         f"data.preprocess={preprocess}"]))
 
 

@@ -75,9 +75,10 @@ def vocab_rows(rows: int, tp: int) -> int:
     return -(-rows // tp) * tp
 
 
-def language_plan(language: LanguageConfig, pretrained: str | None) -> LanguagePlan:
+def language_plan(language: LanguageConfig, pretrained: str | None,
+                  source: str = "model.language.pretrained") -> LanguagePlan:
     """``model.language`` resolved; ``pretrained``: its checkpoint (a whole VLM's or its own;
-    read from ``config.json`` alone, no weights)."""
+    read from ``config.json`` alone, no weights), which the config key ``source`` gives."""
     arch = language_arch(pretrained, weights=False) if pretrained else None
     dims = {name: getattr(language, name) for name in (*LANGUAGE_DEFAULTS, "ffn_hidden_size")}
     section = language.mrope_section
@@ -90,15 +91,14 @@ def language_plan(language: LanguageConfig, pretrained: str | None) -> LanguageP
             actual = getattr(arch, name)
             if given is not None and given != actual:
                 raise TrainConfigError(
-                    f"model.language.{name} is {given}, but model.language.pretrained "
-                    f"{pretrained} has {name} {actual}: drop the key or make them agree")
+                    f"model.language.{name} is {given}, but {source} {pretrained} has "
+                    f"{name} {actual}: drop the key or make them agree")
             dims[name] = actual
         if arch.mrope_section is not None:
             if section is not None and list(section) != list(arch.mrope_section):
                 raise TrainConfigError(
-                    f"model.language.mrope_section is {section}, but model.language.pretrained "
-                    f"{pretrained} has {list(arch.mrope_section)}: drop the key or make them "
-                    "agree")
+                    f"model.language.mrope_section is {section}, but {source} {pretrained} "
+                    f"has {list(arch.mrope_section)}: drop the key or make them agree")
             section = list(arch.mrope_section)
         head_dim = round(arch.kv_channels * arch.rotary_percent)     # the part that rotates
     check_mrope(section, head_dim)

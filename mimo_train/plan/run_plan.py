@@ -139,7 +139,8 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
                 f"model.pretrained is {model.pretrained} and model.language.pretrained "
                 f"{pretrained}: the whole VLM brings its language model; drop one of the two")
         pretrained = model.pretrained
-    language = language_plan(model.language, pretrained)
+    language = language_plan(model.language, pretrained, "model.language.pretrained"
+                             if vlm is None else "model.pretrained's language model")
     if preprocess is None:
         preprocess = _read_preprocess(cfg)
     try:
