@@ -212,7 +212,7 @@ CASES = [
       "(model.projection is none)", "freeze 'image.encoder'"]),
     ("lora rank that does not split over tp", "image",
      ["layout=image=dp1;language=tp2", "model.lora={{language: {{rank: 3}}}}"], "config",
-     ["model.lora: rank 3 does not split over the language model's tp 2",
+     ["model.lora.language.rank 3 does not split over the language model's tp 2",
       "make it a multiple of 2"]),
     # -- memory settings the layout cannot take
     ("sequence parallel without language tp", "default",

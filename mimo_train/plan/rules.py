@@ -234,8 +234,8 @@ def sequence_parallel_unpacked(facts: Facts, layout: Layout, settings: Settings)
 def lora_rank_splits_over_tp(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     tp, rank = layout.language.tp, settings.lora.get(LANGUAGE)
     if rank is not None and rank % tp:        # A of a column-parallel layer: split by rows
-        return (f"model.lora: rank {rank} does not split over the language model's tp {tp}: "
-                f"make it a multiple of {tp}")
+        return (f"model.lora.language.rank {rank} does not split over the language model's tp "
+                f"{tp}: make it a multiple of {tp}")
     return None
 
 
@@ -325,8 +325,8 @@ def expert_lora_rank_splits_over_etp(facts: Facts, layout: Layout, settings: Set
                                                           facts.experts):
         return None
     which = "may take in" if targets is None else f"{list(targets)} take in"
-    return (f"model.lora: rank {rank} does not split over the experts' etp {etp}: the language "
-            f"model's targets {which} its routed experts, each split over etp{etp} ranks, and "
-            "the adapter of an expert's linear_fc1 splits A by its rank rows over them as "
-            "linear_qkv's is over tp; make the rank a multiple of "
-            f"{etp}, or leave the routed experts out of the targets")
+    return (f"model.lora.language.rank {rank} does not split over the experts' etp {etp}: the "
+            f"language model's targets {which} its routed experts, each split over etp{etp} "
+            "ranks, and the adapter of an expert's linear_fc1 splits A by its rank rows over "
+            f"them as linear_qkv's is over tp; make the rank a multiple of {etp}, or leave the "
+            "routed experts out of the targets")
