@@ -339,7 +339,9 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     image tower's split of its items under sdpa by their boundaries, which its encoder keeps
     on the host (``FusedRotaryAttention``; under varlen they go to the kernel), and the token
     ids the step keeps on the host for the splice's positions (``mcore.splice``'s
-    ``Places.of``). Its ``torch.nonzero`` (a wait, when no host count is given) is not among
+    ``Places.of``), and the world's gradient norm (``CheckedMimoOptimizer.get_grad_norm``:
+    one read, as megatron-core's own norm makes, with the ranks' non-finite flag). Its
+    ``torch.nonzero`` (a wait, when no host count is given) is not among
     them, nor are megatron-core's splice's reads (``MimoModel``'s text positions and counts)."""
     tmp, common, reference, init, _ = dynamic_setup
     for packing in ("false", "true"):
@@ -353,7 +355,7 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     (rank,) = other["ranks"]
     ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
     host = ("WhisperAudio.forward", "HostLabels.take", "_check_count",
-            "FusedRotaryAttention.forward", "Places.of")
+            "FusedRotaryAttention.forward", "Places.of", "CheckedMimoOptimizer.get_grad_norm")
     assert ours and all(site.endswith(host) for site in ours), rank["host_reads"]
     assert not any("models/mimo/model/base.py" in site for site in rank["host_reads"]), \
         rank["host_reads"]

@@ -59,6 +59,7 @@ class CheckedMimoOptimizer(MimoOptimizer):
         names = sorted(self.module_infos)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         norm_sq = torch.zeros(len(names) + 1, device=device, dtype=torch.float32)
+        flag = 0.0
         for i, name in enumerate(names):
             info = self.module_infos[name]
             if info.is_active and info.optimizer:
@@ -66,12 +67,14 @@ class CheckedMimoOptimizer(MimoOptimizer):
                 if math.isfinite(norm):
                     norm_sq[i] = norm ** 2
                 else:                                 # NaN wins over infinite
-                    norm_sq[-1] = max(float(norm_sq[-1]), 2.0 if math.isnan(norm) else 1.0)
+                    flag = max(flag, 2.0 if math.isnan(norm) else 1.0)
+        norm_sq[-1] = flag
         torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
-        if flag := norm_sq[-1].item():
+        # one read on the host, as megatron-core's own norm makes
+        flag, norm = torch.stack([norm_sq[-1], norm_sq[:-1].sum().sqrt()]).tolist()
+        if flag:
             raise NonFiniteStep("non-finite gradient norm (or loss): update skipped",
                                 math.nan if flag == 2.0 else math.inf)
-        norm = torch.sqrt(norm_sq[:-1].sum()).item()
         if not math.isfinite(norm):                  # squares past float32's range
             raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
         return norm
