@@ -241,6 +241,14 @@ def test_what_encoders_read_on_the_host_stays_there():
     ("qwen2-vl", {"tokens_per_second": 4.0}, "positions videos with None"),
     ("qwen2-vl", {"token": "<|vision_pad|>"}, "expects video tokens '<|video_pad|>'"),
     ("qwen2-vl", {"wrap": ()}, "expects each video between ['<|vision_start|>'"),
+    # what the checkpoint's video processor feeds its tower: normalization, frame sampling
+    # (and Qwen3-VL's timestamps, below)
+    ("qwen2.5-vl", {"mean": (0.5, 0.5, 0.5)}, "modalities.video.mean is [0.5, 0.5, 0.5], but "
+     "model.pretrained"),
+    ("qwen2-vl", {"sampling": "qwen3_vl"}, "modalities.video.sampling is qwen3_vl, but "
+     "model.pretrained"),
+    ("qwen3-vl", {"timestamps": False}, "modalities.video.timestamps is false, but "
+     "model.pretrained"),
 ])
 def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, change,
                                                                           expected):
@@ -248,11 +256,13 @@ def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, 
     from mimo_train.errors import TrainConfigError
     from mimo_train.families.registry import read_vlm
     from mimo_train.families.base import check_preprocessing
-    config = config_for(CHECKPOINTS[name])
+    checkpoint = {**CHECKPOINTS, "qwen3-vl": MODELS / "published" /
+                  "Qwen--Qwen3-VL-2B-Instruct"}[name]
+    config = config_for(checkpoint)
     video = dataclasses.replace(config.modalities["video"], **change)
     changed = dataclasses.replace(config, modalities={**config.modalities, "video": video})
     with pytest.raises(TrainConfigError) as error:
-        check_preprocessing(read_vlm(str(CHECKPOINTS[name])), changed, load_tokenizer(changed))
+        check_preprocessing(read_vlm(str(checkpoint)), changed, load_tokenizer(changed))
     assert expected in str(error.value)
 
 

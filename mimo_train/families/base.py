@@ -296,6 +296,9 @@ class VLM:
     # videos through the same tower (Qwen2-VL): their placeholder, between image_wrap_ids
     video_token_id: int | None = None
     tokens_per_second: float | None = None  # Qwen2.5-VL's M-RoPE time positions per second
+    # its video processor's settings that change what the tower sees (modalities.video key ->
+    # value: normalization, frame sampling, timestamps), where its processor files say them
+    video_inputs: tuple[tuple[str, Any], ...] = ()
 
     def weights(self) -> CheckpointWeights:
         return CheckpointWeights(self.path, key="model.pretrained")
@@ -406,9 +409,17 @@ def _check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
             f"set modalities.image.wrap: {expected}")
 
 
+def _yaml(value) -> str:
+    """A setting's value as a YAML config writes it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(list(value)) if isinstance(value, (tuple, list)) else str(value)
+
+
 def _check_video(vlm: VLM, preprocess, tokenizer) -> None:
     """``check_preprocessing`` of ``modalities.video``: the checkpoint's video token and wrap
-    tokens, and its M-RoPE time scaling (``tokens_per_second``)."""
+    tokens, what its video processor feeds the tower (``VLM.video_inputs``), and its M-RoPE
+    time scaling (``tokens_per_second``)."""
     video = preprocess.modalities.get("video")
     if video is None:
         return
@@ -424,6 +435,17 @@ def _check_video(vlm: VLM, preprocess, tokenizer) -> None:
         raise TrainConfigError(f"modalities.video.wrap is {list(video.wrap)}, but "
                                f"model.pretrained {vlm.path} expects each video between "
                                f"{expected}: set modalities.video.wrap: {expected}")
+    for key, theirs in vlm.video_inputs:
+        ours = getattr(video, key)
+        if not (np.shape(ours) == np.shape(theirs) and (
+                np.allclose(ours, theirs, rtol=0, atol=1e-6) if np.shape(theirs)
+                else ours == theirs)):
+            raise TrainConfigError(
+                f"modalities.video.{key} is {_yaml(ours)}, but model.pretrained {vlm.path}'s "
+                f"video processor has {_yaml(theirs)}: the tower would see other inputs than "
+                f"it was trained on, and the export would not be that model; set "
+                f"modalities.video.{key}: {_yaml(theirs)} (mimo-train --preprocessing-for "
+                f"{vlm.path} writes it)")
     if video.tokens_per_second != vlm.tokens_per_second:
         raise TrainConfigError(
             f"modalities.video.tokens_per_second is {video.tokens_per_second}, but "

@@ -7,8 +7,11 @@ config with them). Family modules never import this module.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 from functools import lru_cache
+from typing import Any
 
 from mimo_data.preprocess.config import looks_like_path
 from mimo_train.errors import EncoderBuildError, TrainConfigError
@@ -75,7 +78,32 @@ def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
                                f"vision-language model mimo takes ({', '.join(VLMS)}); give "
                                "the language model as model.language.pretrained and each "
                                "encoder as model.encoders.<module>.pretrained instead")
-    return VLMS[family].read(config, path)
+    vlm = VLMS[family].read(config, path)
+    return vlm if vlm.video_token_id is None else dataclasses.replace(
+        vlm, video_inputs=_video_inputs(vlm, config, path))
+
+
+# what a video processor's settings change in the tower's inputs (the pixel and frame budgets
+# are the run's to choose), with mimo's default where the processor says nothing
+VIDEO_INPUTS = {"mean": None, "std": None, "sampling": "qwen2_vl", "timestamps": False}
+
+
+def _video_inputs(vlm: VLM, config, path: str) -> tuple[tuple[str, Any], ...]:
+    """``VLM.video_inputs`` of the checkpoint at ``path``: its video processor's (else its
+    image processor's) settings; () without processor files."""
+    directory = model_directory(path)
+    found = None
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if os.path.isfile(os.path.join(directory, name)):
+            with open(os.path.join(directory, name)) as f:
+                found = json.load(f)
+            break
+    if found is None:
+        return ()
+    settings = VLMS[vlm.family].video_settings(config, found)
+    return tuple((key, tuple(value) if isinstance(value, list) else value)
+                 for key, default in VIDEO_INPUTS.items()
+                 for value in [settings.get(key, default)] if value is not None)
 
 
 def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
