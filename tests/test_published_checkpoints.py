@@ -427,6 +427,19 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     shutil.copy(repo / name, tmp_path / name)
     _processor_budgets(str(tmp_path), preprocess)
     assert (tmp_path / name).read_bytes() == (repo / name).read_bytes()
+    # a run that capped each frame's pixels (Qwen3-VL's 768 tokens a frame, its class
+    # default, unless given): the cap written, so that transformers' processor makes the
+    # grids the run trained on
+    import dataclasses
+    video = preprocess.modalities["video"]
+    assert video.max_video_tokens == 768
+    capped = dataclasses.replace(preprocess, modalities={
+        **preprocess.modalities, "video": dataclasses.replace(video, cap_pixels_per_frame=True)})
+    (tmp_path / "capped").mkdir()
+    shutil.copy(repo / name, tmp_path / "capped" / name)
+    _processor_budgets(str(tmp_path / "capped"), capped)
+    assert json.loads((tmp_path / "capped" / name).read_text()) == {
+        **published, "cap_pixels_per_frame": True}
 
     class Placeholder:                   # what transformers gives without torchvision
         def __getattr__(self, key):
@@ -438,7 +451,7 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     video = preprocess.modalities["video"]
     assert json.loads((tmp_path / name).read_text()) == {
         **published, "fps": video.fps, "min_frames": video.min_frames,
-        "max_frames": video.max_frames}
+        "max_frames": video.max_frames, "cap_pixels_per_frame": False, "max_video_tokens": 768}
 
 
 PUBLISHED_LANGUAGE = {

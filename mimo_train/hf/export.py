@@ -565,16 +565,17 @@ def _video_processor(out: str, preprocess) -> None:
         f.write("\n")
 
 
-# the run's video sampling -> the video processor's keys (fps, frames)
-FRAME_KEYS = ("fps", "min_frames", "max_frames")
+# the run's video sampling -> the video processor's keys (fps, frames, the per-frame cap)
+FRAME_KEYS = ("fps", "min_frames", "max_frames", "cap_pixels_per_frame", "max_video_tokens")
 
 
 def _processor_budgets(out: str, preprocess) -> None:
     """The run's image (and video) pixel budgets in the processor files' keys transformers
     reads (``min_pixels`` / ``max_pixels`` and ``size``'s ``shortest_edge`` /
     ``longest_edge``, each where the file has it), and its video frame sampling (``fps``,
-    ``min_frames``, ``max_frames``: where the file has it, or where the processor's class
-    default differs); a file whose values are the run's stays as it is."""
+    ``min_frames``, ``max_frames``, ``cap_pixels_per_frame``, ``max_video_tokens``: where the
+    file has it, or where the processor's class default differs); a file whose values are the
+    run's stays as it is."""
     for name, modality in (("preprocessor_config.json", "image"),
                            (VIDEO_PROCESSOR, "video")):
         config = preprocess.modalities.get(modality)
@@ -591,7 +592,8 @@ def _processor_budgets(out: str, preprocess) -> None:
                 for key in FRAME_KEYS:
                     value = getattr(config, key)
                     default = _class_default(data, key)
-                    if key in data or (default is not None and default != value):
+                    if key in data or (default is not None and default != value) or (
+                            key == "cap_pixels_per_frame" and value):   # its class default: None
                         data[key] = value
         _rewrite_json(os.path.join(out, name), update)
 

@@ -38,7 +38,9 @@ class VideoConfig:
     min_pixels: int = 128 * 28 * 28   # per frame: the processor's size["shortest_edge"]
     max_pixels: int = 768 * 28 * 28   # per frame: its size["longest_edge"]
     cap_pixels_per_frame: bool = False
-    max_video_tokens: int = 128000
+    # cap_pixels_per_frame's token budget; 0: the sampling's processor's default
+    # (``FrameSampling.max_video_tokens``: Qwen2-VL's 128000 a clip, Qwen3-VL's 768 a frame)
+    max_video_tokens: int = 0
     mean: tuple = CLIP_MEAN
     std: tuple = CLIP_STD
     max_duration: float = MAX_VIDEO_SECONDS   # longer clips are dropped (video_too_long)
@@ -47,6 +49,11 @@ class VideoConfig:
     tokens_per_second: float | None = None
     sampling: str = "qwen2_vl"        # frame sampling and resize: a key of SAMPLINGS
     timestamps: bool = False          # Qwen3-VL: a timestamp text and a wrap per temporal patch
+
+    def __post_init__(self) -> None:
+        if not self.max_video_tokens and self.sampling in SAMPLINGS:
+            object.__setattr__(self, "max_video_tokens",
+                               SAMPLINGS[self.sampling].max_video_tokens)
 
     def validate(self) -> None:
         if self.sampling not in SAMPLINGS:

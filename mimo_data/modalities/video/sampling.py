@@ -61,6 +61,8 @@ class FrameSampling:
     frame_indices: Callable[[int, int], list[int]]
     # (width, height, frames sampled, settings) -> (width, height) each frame is resized to
     resized_size: Callable[[int, int, int, FrameSettings], tuple[int, int]]
+    # the processor's default max_video_tokens (cap_pixels_per_frame's budget)
+    max_video_tokens: int = 128000
 
 
 def _qwen2_vl_count(frames: int, fps: float, cfg: FrameSettings) -> int:
@@ -143,7 +145,7 @@ SAMPLINGS: dict[str, FrameSampling] = {
     "qwen2_vl": FrameSampling("Qwen2VLVideoProcessor", _qwen2_vl_count, _qwen2_vl_indices,
                               _qwen2_vl_size),
     "qwen3_vl": FrameSampling("Qwen3VLVideoProcessor", _qwen3_vl_count, _linspace_indices,
-                              _qwen3_vl_size),
+                              _qwen3_vl_size, max_video_tokens=768),
 }
 
 
