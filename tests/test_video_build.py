@@ -129,7 +129,7 @@ def expected(inputs, corpus, corpus_videos) -> dict:
     return {"reasons": reasons, "by_path": by_path, "by_bytes": by_bytes}
 
 
-def test_bad_videos_are_counted_by_reason(built, expected):
+def test_bad_videos_are_counted_by_reason(built, inputs, expected):
     report = read_json(built / "report.json")
     wanted = Counter(r for r in expected["reasons"].values() if r)
     assert {reason: entry["count"] for reason, entry in report["skipped_by_reason"].items()} \
@@ -138,8 +138,15 @@ def test_bad_videos_are_counted_by_reason(built, expected):
         and wanted["unsupported_codec"] == 1 and wanted["marker_mismatch"] == 2
     assert report["records_read"] == len(expected["reasons"])
     assert report["samples_written"] == sum(r is None for r in expected["reasons"].values())
-    # the videos read under LLaVA-NeXT's <image> marker are counted, so a user sees it
-    assert report["counts"] == {"videos_marked_with_image": 1}
+    # the videos read under LLaVA-NeXT's <image> marker are counted, so a user sees it; so
+    # are the kept clips with rotation metadata (the catalog's), which transformers' own
+    # PyAV loading would not turn upright
+    clips = [expected["by_bytes"][r] if isinstance(r, bytes) else expected["by_path"][r]
+             for rid, reason in expected["reasons"].items() if reason is None
+             for r in inputs["records"][rid]]
+    rotated = sum(1 for clip in clips if clip.rotation)
+    assert rotated and report["counts"] == {"videos_marked_with_image": 1,
+                                            "videos_rotated": rotated}
 
 
 def test_videos_are_stored_as_read_with_the_catalogs_metadata(built, inputs, expected, corpus):

@@ -136,6 +136,11 @@ TEXTS_CHOSEN = "texts_chosen_from_several"
 # stored as one Motion-JPEG clip of them
 VIDEOS_FROM_FRAMES = "videos_from_frame_folders"
 
+# the build and index reports' count of videos with display rotation metadata (a phone held
+# upright): mimo trains on their frames turned upright, which transformers' own PyAV loading
+# does not do, so that one sees how many clips an inference stack may show sideways
+VIDEOS_ROTATED = "videos_rotated"
+
 # the build and index reports' count of videos whose marker was LLaVA-NeXT's ``<image>``
 # (``records.media_markers``), so that a user sees which convention was read
 VIDEOS_MARKED_AS_IMAGES = "videos_marked_with_image"

@@ -39,7 +39,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    summary_column)
+                                    VIDEOS_ROTATED, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -99,6 +99,8 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
     except RecordError as exc:
         result.skips.append((exc.reason, where, exc.detail))
         return
+    if rotated := sum(1 for item in media if item.get("rotation")):
+        result.counts[VIDEOS_ROTATED] += rotated
     record: dict[str, Any] = {"key": key, "id": made.fields.pop("id"),
               "source": {"file": job.name, "key": key, **made.source}, **made.fields,
               "media": media}

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.modalities.video.frames import frames_clip
-from mimo_data.shards.format import VIDEOS_FROM_FRAMES, conversation_counts
+from mimo_data.shards.format import VIDEOS_FROM_FRAMES, VIDEOS_ROTATED, conversation_counts
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
                                       normalize_document, normalize_messages)
 from mimo_data.shards.sources import Task
@@ -210,6 +210,8 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             except MediaError as exc:
                 raise RecordError(exc.reason, f"{_where(modality, index, path)}: "
                                   f"{exc.detail}") from None
+            if meta.get("rotation"):
+                counts[VIDEOS_ROTATED] = counts.get(VIDEOS_ROTATED, 0) + 1
             if modality == "audio" and raw.audio_duration is not None:
                 check_audio_duration(raw.audio_duration, meta["duration"],
                                      _where(modality, index, path))
