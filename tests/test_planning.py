@@ -1507,6 +1507,12 @@ def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
     code, out, err = _run(capsys, main, "plan", "DIR", "--config", path, "--model", path,
                           "--gpus", 2, "--clip-seconds", 60)
     assert code == 2 and "drop DIR" in err
+    # --fps is the frames a second the encoder sees: too few for one temporal patch, said so
+    code, out, err = _run(capsys, main, "plan", "--config", path, "--model", MODELS /
+                          "published" / "Qwen--Qwen3-VL-2B-Instruct", "--gpus", 2,
+                          "--clip-seconds", 60, "--fps", 0.01)
+    assert code == 2 and "--clip-seconds 60 at --fps 0.01 (the frames a second the encoder " \
+        "sees) is 1 frame(s), fewer than one temporal patch (2 frames)" in err, err
 
 
 # ------------------------------------------------------- split media, the tower's recompute

@@ -65,6 +65,11 @@ def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
     clipped = clip_config(config, seconds, fps)
     video = clipped.modalities["video"]
     frames = clip_frames(seconds, fps)
+    if frames < video.temporal_patch_size:
+        raise ConfigError(f"--clip-seconds {seconds:g} at --fps {fps:g} (the frames a second "
+                          f"the encoder sees) is {frames} frame(s), fewer than one temporal "
+                          f"patch ({video.temporal_patch_size} frames): raise --fps or "
+                          "--clip-seconds")
     width, height = size
     item = {"modality": "video", "member": "vid0.mp4", "format": "mp4", "bytes": 0,
             "width": width, "height": height, "rotation": 0, "fps": fps, "frames": frames,
