@@ -266,6 +266,20 @@ def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, 
     assert expected in str(error.value)
 
 
+def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):
+    """A video sample above seq_length, most of it the clip's tokens: the drop names the
+    video settings that shorten it, beside raising seq_length."""
+    from mimo_data.preprocess.preprocessor import SampleDropped
+    config = dataclasses.replace(config_for(CHECKPOINTS["qwen2-vl"]), seq_length=64)
+    record, member_bytes = _records(media)[0]
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(config, with_media=False)(record)
+    assert dropped.value.reason == "too_long"
+    assert re.search(r"of them its videos': lower modalities.video fps, max_frames or "
+                     r"max_pixels, or raise seq_length$", dropped.value.detail), \
+        dropped.value.detail
+
+
 @pytest.mark.parametrize("layout, expected", [
     ("language=dp1;video=dp1", "serves ['video'], which no encoder takes on its own"),
     ("language=dp1;image=dp1,audio", "serves ['audio', 'image']: give each its own encoder"),

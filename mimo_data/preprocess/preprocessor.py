@@ -277,12 +277,16 @@ class Preprocessor:
                     [(kept, counts[:len(marker_order(kept))])])[0])
                 if len(shorter.ids) <= limit:
                     return shorter, kept
+        videos = sum(item.tokens for item in counts if item.modality == "video")
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
                             (" (a document is never cut: split it, or raise seq_length)"
                              if kind == "document" else
                              " even with only its first turns" if messages and
-                             self.config.length_policy == "truncate_turns" else ""))
+                             self.config.length_policy == "truncate_turns" else "") +
+                            (f"; {videos} of them its videos': lower modalities.video fps, "
+                             "max_frames or max_pixels, or raise seq_length"
+                             if 2 * videos > self.config.seq_length else ""))
 
     def _encoder_inputs(self, key, items, media, token_counts) -> dict:
         decoded: dict[str, list] = {}
