@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 from pathlib import Path
 
@@ -264,6 +265,33 @@ def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, 
     with pytest.raises(TrainConfigError) as error:
         check_preprocessing(read_vlm(str(checkpoint)), changed, load_tokenizer(changed))
     assert expected in str(error.value)
+
+
+def test_the_video_processor_is_read_from_any_file_that_gives_it(tmp_path):
+    """The checkpoint's video inputs (``VLM.video_inputs``) from a video processor file that
+    leaves keys to the class defaults (transformers loads it), from transformers 5's nested
+    ``processor_config.json``, or from none (the family's sampling alone): never a KeyError
+    that would stop every run of the checkpoint."""
+    from mimo_train.families.registry import read_vlm
+
+    def checkpoint(name: str, files: dict) -> str:          # one folder each: reads are cached
+        folder = tmp_path / name
+        folder.mkdir()
+        source = CHECKPOINTS["qwen2-vl"]
+        for each in os.listdir(source):
+            if each not in ("preprocessor_config.json", "video_preprocessor_config.json"):
+                os.symlink(source / each, folder / each)
+        for each, data in files.items():
+            (folder / each).write_text(json.dumps(data))
+        return str(folder)
+    family = (("sampling", "qwen2_vl"), ("timestamps", False))
+    assert read_vlm(checkpoint("none", {})).video_inputs == family
+    assert read_vlm(checkpoint("defaults", {"video_preprocessor_config.json": {
+        "video_processor_type": "Qwen2VLVideoProcessor", "fps": 1.0}})).video_inputs == family
+    nested = checkpoint("nested", {"processor_config.json": {"video_processor": {
+        "image_mean": [0.5] * 3, "image_std": [0.5] * 3}}})
+    assert read_vlm(nested).video_inputs == (("mean", (0.5,) * 3), ("std", (0.5,) * 3),
+                                             *family)
 
 
 def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):

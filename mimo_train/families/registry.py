@@ -84,26 +84,44 @@ def read_vlm(path: str, key: str = "model.pretrained") -> VLM:
 
 
 # what a video processor's settings change in the tower's inputs (the pixel and frame budgets
-# are the run's to choose), with mimo's default where the processor says nothing
-VIDEO_INPUTS = {"mean": None, "std": None, "sampling": "qwen2_vl", "timestamps": False}
+# are the run's to choose); mean and std where its files say them, frame sampling and
+# timestamps as the family's processor does them
+VIDEO_INPUTS = ("mean", "std", "sampling", "timestamps")
+# what video_settings reads beside them, so that it runs on a file without them
+_GEOMETRY = {"patch_size": 0, "merge_size": 0, "temporal_patch_size": 0,
+             "size": {"shortest_edge": 0, "longest_edge": 0}}
 
 
 def _video_inputs(vlm: VLM, config, path: str) -> tuple[tuple[str, Any], ...]:
     """``VLM.video_inputs`` of the checkpoint at ``path``: its video processor's (else its
-    image processor's) settings; () without processor files."""
-    directory = model_directory(path)
-    found = None
-    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
-        if os.path.isfile(os.path.join(directory, name)):
-            with open(os.path.join(directory, name)) as f:
-                found = json.load(f)
-            break
-    if found is None:
-        return ()
-    settings = VLMS[vlm.family].video_settings(config, found)
+    image processor's) normalization where a file gives it (transformers 5's nested
+    ``processor_config.json`` too), and the family's frame sampling and timestamps."""
+    found = _processor_file(model_directory(path))
+    settings = VLMS[vlm.family].video_settings(
+        config, {**_GEOMETRY, "image_mean": None, "image_std": None, **found})
+    settings.setdefault("sampling", "qwen2_vl")
+    settings.setdefault("timestamps", False)
     return tuple((key, tuple(value) if isinstance(value, list) else value)
-                 for key, default in VIDEO_INPUTS.items()
-                 for value in [settings.get(key, default)] if value is not None)
+                 for key in VIDEO_INPUTS for value in [settings.get(key)] if value is not None)
+
+
+def _processor_file(directory: str) -> dict:
+    """The checkpoint's video processor settings: its own file, else the image processor's
+    (``preprocessor_config.json``, or either in transformers 5's ``processor_config.json``);
+    {} where none can be read."""
+    def read(name: str) -> dict:
+        try:
+            with open(os.path.join(directory, name)) as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+    nested = read("processor_config.json")
+    for found in (read("video_preprocessor_config.json"), nested.get("video_processor"),
+                  read("preprocessor_config.json"), nested.get("image_processor")):
+        if isinstance(found, dict) and found:
+            return found
+    return {}
 
 
 def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
