@@ -241,6 +241,28 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
         "trained_token_fraction": True, "kept_samples": True}
 
 
+def test_a_record_that_cannot_be_parsed_is_a_counted_drop_named_by_its_key(
+        capsys, tmp_path, good_records, configs):
+    """A sample whose JSON member does not parse (as a builder could have written it: its
+    crc32 recorded): the report counts it, ``unreadable_record``, and names its key; no crash
+    where the message would name its source record."""
+    out = tmp_path / "shards"
+    build_dataset([write_jsonl(tmp_path / "in.jsonl", good_records)], out)
+    reader = ShardReader(str(out))
+    key = reader.table.key(1)
+    offset, size, _ = reader.table.members(1)["json"]
+    shard = out / reader.table.shard(1)
+    reader.close()
+    data = shard.read_bytes()
+    shard.write_bytes(data[:offset] + b"{" * size + data[offset + size:])
+    rerecord_member(out, key, "json")
+    code, report, err = report_json(capsys, tmp_path, out, configs["default"])
+    assert code == 1, err
+    assert report["drop_reasons"]["unreadable_record"]["count"] == 1
+    assert "FAIL dropped: 1 of 3 samples" in err and f"first: {key} (unreadable_record: " \
+        in err, err
+
+
 def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, faulty, configs):
     directory, keys = faulty
     code, report, err = report_json(capsys, tmp_path, directory, configs["truncate"])

@@ -314,9 +314,10 @@ def _check_message(result: dict, flagged: Flagged,
         head += " (" + ", ".join(f"{r} {n}" for r, n in result["by_reason"].items()) + ")"
     if count:
         first = flagged.entries[:KEYS_IN_MESSAGE]
+        wheres = [origin(position) if origin else "" for position, _, _ in first]
         head += "; first: " + ", ".join(
-            f"{key} ({origin(position) + ': ' if origin else ''}{detail[:120]})"
-            for position, key, detail in first)
+            f"{key} ({where + ': ' if where else ''}{detail[:120]})"
+            for where, (_, key, detail) in zip(wheres, first))
     return head
 
 
@@ -485,8 +486,9 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
                              table_labels(reader, inspector.preprocessor, "report"))
     named = ShardReader(directory, cache_dir)     # the first flagged samples' sources
     try:
-        report_dict = builder.to_dict(thresholds,
-                                      lambda position: record_origin(named.record(position)))
+        report_dict = builder.to_dict(
+            thresholds, lambda position: record_origin(record)
+            if isinstance(record := _read_record(named, position), dict) else "")
     finally:
         named.close()
     assert builder.table is not None
