@@ -76,8 +76,8 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
     beside an ``image`` (single- and multi-image sets mixed) is not taken for "no image", and
     a blank ``image`` of a text-only row is no item. A row whose image is in a column mimo
     does not read (``image_bytes``) is refused, naming the flag that reads it; an image URL
-    kept as metadata, or an ``image_path`` beside content parts that name the image, is no
-    such column."""
+    kept as metadata, an ``image_path`` beside content parts that name the image, or a
+    ``video_path`` beside a frame's image, is no such column."""
     jpeg, png = str(assets["jpeg"]), str(assets["png"])
     rows = {"id": ["single", "list", "text"],
             "images": [None, [png], []], "image": [jpeg, "", ""],
@@ -97,6 +97,14 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
     assert _media(*samples["single"], "image") == [assets["jpeg"].read_bytes()]
     assert _media(*samples["list"], "image") == [assets["png"].read_bytes()]
     assert _media(*samples["text"], "image") == []
+    if suffix == ".jsonl":
+        # a source clip's path kept beside the record's image: metadata, not an unread video
+        kept = write_jsonl(tmp_path / "frames.jsonl", [{
+            "id": "frame", "image": jpeg, "video_path": "raw/clip.mp4",
+            "conversations": chat("<image>\nWhat happens?", "A.")}])
+        build_dataset([kept], tmp_path / "frames")
+        assert _media(*_samples_by_id(tmp_path / "frames")["frame"], "image") == [
+            assets["jpeg"].read_bytes()]
     if suffix == ".parquet":
         unread = tmp_path / "unread.parquet"
         pq.write_table(pa.table({"image_bytes": [assets["jpeg"].read_bytes()],

@@ -97,13 +97,20 @@ def _unread_media_names(names, read: set[str]) -> dict[str, str]:
     return found
 
 
-def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], how: str
-                  ) -> None:
+def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], how: str,
+                  text: object = None) -> None:
     """RecordError where a modality the record has no item of has a value under a key or
-    column that looks like its media (``unread``) and mimo does not read: the record would
-    train without it. ``how``: what reads it instead."""
+    column that looks like its media (``unread``) and mimo does not read, and either the
+    record has no media at all (it would train text-only) or its ``text`` marks that modality
+    (the marker's item is there): a source clip's path kept beside a record's image is
+    metadata. ``how``: what reads it instead."""
+    if not unread:
+        return
+    bare = not any(media.values())
+    marked = {modality for modality, marker in MARKERS.items() if marker in str(text)}
     for modality, name in unread.items():
-        if not media.get(modality) and _as_list(record.get(name)):
+        if not media.get(modality) and _as_list(record.get(name)) and (
+                bare or modality in marked):
             what = how.format(name=name, modality=modality, items=media_field(modality))
             raise RecordError("malformed_record", f"the record names its {modality} under "
                               f"{name!r}, which mimo does not read: {what}")
@@ -312,7 +319,7 @@ class ConversationFile:
                               "instruction/input/output, query/response, video QA's q/a)")
         turns = exchanges(turns, media)
         media = with_part_items(media, turns)
-        _check_unread(record, media, unread, _RENAME)
+        _check_unread(record, media, unread, _RENAME, turns)
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media,
                          tools=tool_lists(record), system=record.get("system"),
                          objects=record.get("objects"))
@@ -454,7 +461,7 @@ class ParquetTable:
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
         media = with_part_items(media, turns)
-        _check_unread(record, media, self.unread, _READ_COLUMN)
+        _check_unread(record, media, self.unread, _READ_COLUMN, turns)
         tools = record.get(column["tools"]) if column["tools"] else None
         return RawRecord(id=record_id, turns=turns, media=media,
                          tools=[tools if isinstance(tools, str) else _without_nulls(tools)],
