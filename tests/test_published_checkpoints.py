@@ -440,6 +440,12 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     _processor_budgets(str(tmp_path / "capped"), capped)
     assert json.loads((tmp_path / "capped" / name).read_text()) == {
         **published, "cap_pixels_per_frame": True}
+    # ... and read back as such: that export as model.pretrained preprocesses as it trained
+    for each in repo.iterdir():
+        if each.name != name:
+            (tmp_path / "capped" / each.name).symlink_to(each)
+    assert preprocessing_for(str(tmp_path / "capped"))["modalities"]["video"][
+        "cap_pixels_per_frame"] is True
 
     class Placeholder:                   # what transformers gives without torchvision
         def __getattr__(self, key):

@@ -48,10 +48,12 @@ def tokens_per_second(config) -> float | None:
 
 def video_settings(config, processor: dict) -> dict:
     """``modalities.video``: the image geometry (one tower, ``image_geometry``), the video
-    processor's frame sampling where the checkpoint saves one, and the time scaling."""
+    processor's frame sampling (and per-frame pixel cap) where the checkpoint saves one, and
+    the time scaling."""
     geometry = image_geometry(config, processor)
     del geometry["policy"]
-    sampling = {key: processor[key] for key in ("fps", "min_frames", "max_frames")
+    sampling = {key: processor[key] for key in ("fps", "min_frames", "max_frames",
+                                                "cap_pixels_per_frame", "max_video_tokens")
                 if processor.get(key) is not None}
     return {**geometry, **sampling, "tokens_per_second": tokens_per_second(config)}
 
