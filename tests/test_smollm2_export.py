@@ -317,7 +317,7 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
     with pytest.raises(GenerateError, match="No such file") as refused:
         generator.generate("Transcribe.", audios=[str(tmp_path / "none.wav")], max_new_tokens=1)
     assert refused.value.exit_code == 2
-    with pytest.raises(GenerateError, match=f"--audio {tmp_path} is a folder: give a file") \
+    with pytest.raises(GenerateError, match=f"--audio {tmp_path} is a folder: give a file$") \
             as refused:
         generator.generate("Transcribe.", audios=[str(tmp_path)], max_new_tokens=1)
     assert refused.value.exit_code == 2

@@ -180,9 +180,10 @@ def test_a_dotted_lora_part_is_one_key_of_an_override():
     without a dot."""
     cfg = TrainConfig.load(None, ["data.datasets=[x]", "model.lora.image.encoder.rank=4",
                                   "model.lora.image.projection={rank: 3}",
-                                  "model.lora.language.targets=[linear_qkv]"])
+                                  "model.lora.language.targets=[linear_qkv]",
+                                  "model.lora.audio.encoder="])           # empty: defaults
     assert {part: spec.rank for part, spec in cfg.model.lora.items()} == {
-        "image.encoder": 4, "image.projection": 3, "language": 8}
+        "image.encoder": 4, "image.projection": 3, "language": 8, "audio.encoder": 8}
     assert cfg.model.lora["language"].targets == ["linear_qkv"]
     with pytest.raises(TrainConfigError, match="unknown key.*model.lora.language.rnak"):
         TrainConfig.load(None, ["data.datasets=[x]", "model.lora.language.rnak=4"])

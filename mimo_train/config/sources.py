@@ -62,11 +62,11 @@ def _lora_part_joined(parts: list[str], lora_settings: frozenset[str], value: An
                       ) -> list[str]:
     """An override's keys with a dotted LoRA part kept whole: ``model.lora.image.encoder.rank``
     sets ``rank`` of the part ``image.encoder``, ``model.lora.image.encoder={...}`` the part
-    (a mapping ``value`` under a last key that is none of ``lora_settings``); otherwise the
+    (a mapping or empty ``value`` under a last key that is none of ``lora_settings``); otherwise the
     last key is the part's setting (a typo named as such by the type checks)."""
     if parts[:2] != ["model", "lora"] or len(parts) <= 3:
         return parts
-    if isinstance(value, dict) and parts[-1] not in lora_settings:
+    if (value is None or isinstance(value, dict)) and parts[-1] not in lora_settings:
         return ["model", "lora", ".".join(parts[2:])]
     return ["model", "lora", ".".join(parts[2:-1]), parts[-1]]
 

@@ -304,9 +304,9 @@ class Generator:
                 paths[media[-1][0]["member"]] = f"--{modality} {path}"
                 self._say_cut(modality, path, media[-1][0])
             except IsADirectoryError:
-                raise GenerateError(f"--{modality} {path} is a folder: give a file (a folder of "
-                                    "frames trains through mimo-shard build --frames-fps; "
-                                    "make it a clip to generate with)") from None
+                raise GenerateError(f"--{modality} {path} is a folder: give a file" + (
+                    " (a folder of frames trains through mimo-shard build --frames-fps; make "
+                    "it a clip to generate with)" if modality == "video" else "")) from None
             except OSError as error:
                 raise GenerateError(f"--{modality} {path}: {error}") from None
             except MediaError as error:       # the file's data failed a check, as a
