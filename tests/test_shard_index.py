@@ -625,16 +625,20 @@ def test_a_video_marked_as_llava_next_marks_it_is_read_as_a_video(tmp_path, corp
     from mimo_data.shards.in_place import IndexOptions, index
     from mimo_data.shards.reader import ShardReader
 
-    clip = corpus_videos["pan_h264_24"]
+    clip, rotated = corpus_videos["pan_h264_24"], corpus_videos["rotated_h264_24"]
+    assert rotated.rotation and not clip.rotation
     (tmp_path / "tars").mkdir()
     with webdataset.ShardWriter(str(tmp_path / "tars" / "video-%06d.tar"), verbose=0) as writer:
         writer.write({"__key__": "v0", "mp4": clip.data, "json": {
             "id": "v0", "data_source": "0_30_s_academic_v0_1",
             "conversations": chat("<image>\nWhat happens?", "A slow pan.")}})
+        # a phone clip with rotation metadata: counted, as the build counts it
+        writer.write({"__key__": "v1", "mp4": rotated.data, "json": {
+            "id": "v1", "conversations": chat("<video>\nWhat happens?", "A turn.")}})
     index([str(tmp_path / "tars" / "video-000000.tar")], str(tmp_path / "indexed"),
           IndexOptions(workers=0, progress=False))
     assert read_json(tmp_path / "indexed" / "report.json")["counts"] == {
-        "videos_marked_with_image": 1}
+        "videos_marked_with_image": 1, "videos_rotated": 1}
     reader = ShardReader(str(tmp_path / "indexed"))
     record = reader.record(0)
     assert record["messages"][0]["content"] == "<video>\nWhat happens?"
