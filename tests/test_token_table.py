@@ -250,6 +250,18 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
     with pytest.raises(AssertionError, match="a sample was inspected"):
         reports.build_report(str(dataset), SampleInspector(PreprocessConfig.from_yaml(
             str(config))), Thresholds(), progress=False, cache_dir=str(cache_dir), reuse=False)
+    # a shard lost since the tables were saved: the reused report fails, as a pass would
+    import shutil
+
+    from mimo_data.shards.index import DatasetError
+    shard = sorted(dataset.glob("*.tar"))[-1]
+    moved = shutil.move(shard, tmp_path / shard.name)
+    try:
+        with pytest.raises(DatasetError, match=f"shard {shard.name} missing"):
+            reports.build_report(str(dataset), SampleInspector(PreprocessConfig.from_yaml(
+                str(config))), Thresholds(), progress=False, cache_dir=str(cache_dir))
+    finally:
+        shutil.move(moved, shard)
 
 
 def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):

@@ -467,6 +467,9 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     if reuse and limit is None and on_stats is None and saved is not None:
         flags = cache.read_table(flags_path, flags_key)
         if flags is not None:
+            # the tables describe the shards as they were: a shard since lost or cut short
+            # fails the report as a pass over the samples would (a stat or listing each)
+            reader.check_shards()
             builder = ReportBuilder.from_tables(inspector, TokenTable(saved, modalities), flags)
     reused = builder is not None
     if builder is None:
