@@ -3,8 +3,8 @@
 Each test runs a tool in process (``--workers 0``) on N and 4N tiny text-only samples and
 checks that tracemalloc's traced peak grows by less than a stated bound per added sample (the
 tools' Arrow buffers are outside tracemalloc; the reviewer's RSS figures are in the report
-of the fix and in docs/datasets.md). The write batches (8192 rows) are shrunk so that the
-window they hold is the same at N and 4N.
+of the fix and in docs/datasets.md). The samples table's write batches (8192 rows) are shrunk so
+that the window they hold is the same at N and 4N; the records go straight to files.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import pytest
 
 from mimo_data.shards import build as build_module
 from mimo_data.shards.build import BuildOptions, build
-from mimo_data.shards.record_table import RecordWriter
 
 N = 2000
 
@@ -24,7 +23,6 @@ N = 2000
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch):
     monkeypatch.setattr(build_module._SamplesTable, "BATCH", 256)
-    monkeypatch.setattr(RecordWriter, "BATCH", 256)
 
 
 def _records(count: int):

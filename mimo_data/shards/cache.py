@@ -114,26 +114,37 @@ def write_table(path: str, table: pa.Table, key: str, labels: Labels) -> None:
     """Write ``table`` to ``path`` atomically, with ``key``, its digest and ``labels`` in its
     metadata."""
     # The digest is taken of the table as read back from IPC: buffers exactly as the file holds
-    # them (a sliced array's buffers may hold more than it shows).
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table.combine_chunks())
-    table = pa.ipc.open_file(sink.getvalue()).read_all()
-    metadata = {**(table.schema.metadata or {}), **labels.metadata(),
-                b"mimo.key": key.encode(), b"mimo.digest": columns_digest(table).encode()}
-    table = table.replace_schema_metadata(metadata)
-    handle, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
-                                   dir=os.path.dirname(path))
+    # them (a sliced array's buffers may hold more than it shows). Read back from a file of
+    # its own, memory-mapped, not from a buffer in memory: the table is written twice, but
+    # no copy of it is held (a build's records are as large as the dataset's JSON).
+    def temporary() -> tuple[int, str]:
+        return tempfile.mkstemp(prefix=os.path.basename(path) + ".tmp-",
+                                dir=os.path.dirname(path))
+    handle, plain = temporary()
     try:
         with os.fdopen(handle, "wb") as out, pa.ipc.new_file(out, table.schema) as writer:
-            writer.write_table(table)
-            out.flush()
-            os.fsync(out.fileno())
-        os.chmod(tmp, 0o644)                # mkstemp's 0600 would hide it from other users
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+            writer.write_table(table.combine_chunks())    # a column of one chunk: as it is
+        with pa.memory_map(plain) as source:
+            table = pa.ipc.open_file(source).read_all()
+            metadata = {**(table.schema.metadata or {}), **labels.metadata(),
+                        b"mimo.key": key.encode(),
+                        b"mimo.digest": columns_digest(table).encode()}
+            table = table.replace_schema_metadata(metadata)
+            handle, tmp = temporary()
+            try:
+                with os.fdopen(handle, "wb") as out, \
+                        pa.ipc.new_file(out, table.schema) as writer:
+                    writer.write_table(table)
+                    out.flush()
+                    os.fsync(out.fileno())
+                os.chmod(tmp, 0o644)        # mkstemp's 0600 would hide it from other users
+                os.replace(tmp, path)
+            except BaseException:
+                os.unlink(tmp)
+                raise
+            del table
+    finally:
+        os.unlink(plain)
 
 
 def save_table(path: str, table: pa.Table, key: str, labels: Labels) -> pa.Table | None:

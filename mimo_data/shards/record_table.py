@@ -54,35 +54,52 @@ def labels(key: str) -> cache.Labels:
 
 
 class RecordWriter:
-    """The records of a build, streamed to ``path`` (an Arrow stream) as they are written;
-    ``finish`` makes the table file of them."""
-
-    BATCH = 8192
+    """The records of a build, streamed to files beside ``path`` as they are written (their
+    bytes, and each one's end as an int64); ``finish`` makes the table file of them: one
+    column of one chunk over the memory-mapped files, so that no copy of the records is held
+    (they are as large as the dataset's JSON)."""
 
     def __init__(self, path: str):
         self.path = path
-        self._writer = pa.ipc.new_stream(path, SCHEMA)
-        self._records: list[bytes] = []
+        self._data = open(f"{path}.data", "wb")
+        self._ends = open(f"{path}.ends", "wb")
+        self._ends.write(np.int64(0).tobytes())          # the first record's start
+        self._size = 0
 
     def add(self, record: bytes) -> None:
-        self._records.append(record)
-        if len(self._records) >= self.BATCH:
-            self._flush()
+        self._data.write(record)
+        self._size += len(record)
+        self._ends.write(np.int64(self._size).tobytes())
 
-    def _flush(self) -> None:
-        if self._records:
-            self._writer.write_batch(pa.record_batch([pa.array(self._records,
-                                                               pa.large_binary())], SCHEMA))
-            self._records = []
+    def add_all(self, records: pa.Array) -> None:
+        """Add each record of ``records`` (binary values; no Python object per record)."""
+        records = records.cast(pa.large_binary())
+        _, offsets, data = records.buffers()
+        ends = np.frombuffer(offsets, np.int64)[records.offset:records.offset + len(records) + 1]
+        if len(records):
+            self._data.write(memoryview(data)[ends[0]:ends[-1]])
+        self._ends.write((ends[1:] - ends[0] + self._size).astype(np.int64).tobytes())
+        self._size += int(ends[-1] - ends[0]) if len(records) else 0
 
     def finish(self, folder: str, key: str) -> None:
-        """Write the table into ``folder`` under ``key`` and remove the stream."""
-        self._flush()
-        self._writer.close()
-        with pa.memory_map(self.path) as source:
-            table = pa.ipc.open_stream(source).read_all()
-            cache.write_table(os.path.join(folder, file_name(key)), table, key, labels(key))
-        os.remove(self.path)
+        """Write the table into ``folder`` under ``key`` and remove the streams."""
+        self._data.close()
+        self._ends.close()
+        with pa.memory_map(f"{self.path}.ends") as ends:
+            rows = ends.size() // 8 - 1
+            data = pa.memory_map(f"{self.path}.data") if self._size else None
+            try:
+                column = pa.Array.from_buffers(
+                    pa.large_binary(), rows,
+                    [None, ends.read_buffer(), data.read_buffer() if data else pa.py_buffer(b"")])
+                cache.write_table(os.path.join(folder, file_name(key)),
+                                  pa.Table.from_arrays([column], schema=SCHEMA), key, labels(key))
+                del column
+            finally:
+                if data is not None:
+                    data.close()
+        os.remove(f"{self.path}.data")
+        os.remove(f"{self.path}.ends")
 
 
 def from_parquet(parquet) -> pa.Table:
@@ -91,9 +108,12 @@ def from_parquet(parquet) -> pa.Table:
 
 
 def write(parquet: str, folder: str, key: str) -> None:
-    """Derive the records table of ``parquet`` and write it into ``folder``."""
-    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key,
-                      labels(key))
+    """Derive the records table of ``parquet`` and write it into ``folder``, a row group at a
+    time (no copy of all records held)."""
+    records = RecordWriter(os.path.join(folder, f".{file_name(key)}.stream"))
+    for batch in pq.ParquetFile(parquet).iter_batches(columns=["json"]):
+        records.add_all(batch.column(0))
+    records.finish(folder, key)
 
 
 def derive(reader: MemberSource) -> pa.Table:
