@@ -22,8 +22,18 @@ def dumps(value) -> bytes:
 
 def read_index(directory: str, storage_options: dict | None = None) -> dict:
     """The index of a complete dataset (a local directory or a URL); DatasetError says what is
-    wrong and what to do."""
-    return parse_index(directory, index_bytes(directory, storage_options))
+    wrong and what to do (a local dataset's own files, samples.parquet ..., are checked to be
+    there: a stat each)."""
+    index = parse_index(directory, index_bytes(directory, storage_options))
+    if not storage.is_remote(directory):
+        root = storage.local_path(directory)
+        missing = [name for name in index.get("files", {})
+                   if not os.path.isfile(os.path.join(root, name))]
+        if missing:
+            raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
+                               f"incomplete): restore it, or rebuild the dataset; `mimo-shard "
+                               f"verify {directory}` checks the rest")
+    return index
 
 
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
