@@ -189,6 +189,21 @@ def test_inspect_bad_config_exits_2(capsys, tmp_path, text_dataset, changes, nam
     assert code == 2 and named in err
 
 
+def test_inspect_output_paths_are_checked_before_the_pass(capsys, tmp_path, text_dataset,
+                                                          monkeypatch):
+    """--json / --html in a folder that does not exist: exit 2 before any sample is read."""
+    from mimo_data.inspect import report
+    config = _config(tmp_path / "good.yaml")
+
+    def no_pass(*args, **kwargs):
+        raise AssertionError("the report ran before its output was checked")
+    monkeypatch.setattr(report, "build_report", no_pass)
+    for flag in ("--json", "--html"):
+        code, err = _main(CLIS["mimo-inspect"], capsys, "report", text_dataset, "--config",
+                          config, "--no-progress", flag, tmp_path / "nowhere" / "out")
+        assert code == 2 and f"{flag} {tmp_path / 'nowhere' / 'out'}: its folder " in err, err
+
+
 def test_inspect_failed_check_exits_1(capsys, tmp_path, text_dataset):
     config = _config(tmp_path / "good.yaml")
     module = CLIS["mimo-inspect"]

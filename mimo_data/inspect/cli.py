@@ -276,10 +276,16 @@ def _sample(args, config) -> int:
 def _report(args, config) -> int:
     import json
 
+    from mimo_data.errors import ConfigError
     from mimo_data.inspect.report import build_report, failure_lines, format_report, write_json
     from mimo_data.inspect.stats import SampleInspector
     thresholds = Thresholds(**{name: getattr(args, name)
                                for name in Thresholds.__dataclass_fields__})
+    for flag, path in (("--json", args.json), ("--html", args.html)):
+        folder = os.path.dirname(os.path.abspath(path)) if path and path != "-" else None
+        if folder is not None and not os.path.isdir(folder):   # before the pass, not after
+            raise ConfigError(f"{flag} {path}: its folder {folder} does not exist; create it "
+                              "or give another path")
     inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
     gallery = None
     if args.html:
