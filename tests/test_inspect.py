@@ -661,6 +661,11 @@ def test_sample_colours_and_random(capsys, clean, configs):
                       "--seed", "5", "--color", "never")
     headers = re.findall(r"^sample (\d+) ", first, re.M)
     assert len(set(headers)) == 3 and first == again
+    for count in ("0", "-1"):                    # a usage error, not a Python one or nothing
+        with pytest.raises(SystemExit) as exited:
+            run(capsys, "sample", clean, "--config", configs["default"], "--random", count)
+        assert exited.value.code == 2 and f"--random: {count} is not > 0" in \
+            capsys.readouterr().err
 
 
 def test_sample_of_a_dropped_or_mismatched_sample_fails(capsys, faulty, configs):

@@ -105,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     which = s.add_mutually_exclusive_group()
     which.add_argument("--key", help="sample key, e.g. 000000042")
     which.add_argument("--index", type=int, help="position in the dataset (default 0)")
-    which.add_argument("--random", type=int, metavar="N", help="N samples picked at random")
+    which.add_argument("--random", type=_positive(int), metavar="N",
+                       help="N samples picked at random")
     s.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="ANSI colours: auto (when stdout is a terminal), always, never")
