@@ -263,6 +263,22 @@ def test_a_record_that_cannot_be_parsed_is_a_counted_drop_named_by_its_key(
         in err, err
 
 
+def test_a_failed_check_line_keeps_its_first_detail_whole():
+    """What to do ends a detail: the first sample's is kept whole, the others' cut at a word,
+    marked as cut."""
+    from mimo_data.inspect.report import Flagged, _check_message
+    advice = "template_mismatch: " + "the rendered text and the tokens disagree " * 5 + \
+        "so the assistant span starts with the user: put the system turn first"
+    flagged = Flagged([(0, "000000001", advice), (1, "000000002", advice)])
+    line = _check_message({"limit_kind": "count", "name": "dropped", "count": 2, "of": 9,
+                           "what": "samples dropped", "passed": False, "flag": "--max-dropped",
+                           "limit": 0}, flagged, lambda position: f"a.jsonl:{position + 1}")
+    first, second = line.split("; first: ")[1].split(", 000000002 ")
+    assert first == f"000000001 (a.jsonl:1: {advice})"
+    assert second.endswith(" …)") and "put the system turn first" not in second
+    assert len(second) < 140 and second[:-3].rsplit(" ", 1)[1] in advice.split()
+
+
 def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, faulty, configs):
     directory, keys = faulty
     code, report, err = report_json(capsys, tmp_path, directory, configs["truncate"])

@@ -315,10 +315,16 @@ def _check_message(result: dict, flagged: Flagged,
     if count:
         first = flagged.entries[:KEYS_IN_MESSAGE]
         wheres = [origin(position) if origin else "" for position, _, _ in first]
+        # the first sample's detail whole (what to do is at its end), the others' cut short
         head += "; first: " + ", ".join(
-            f"{key} ({where + ': ' if where else ''}{detail[:120]})"
-            for where, (_, key, detail) in zip(wheres, first))
+            f"{key} ({where + ': ' if where else ''}{detail if i == 0 else _short(detail)})"
+            for i, (where, (_, key, detail)) in enumerate(zip(wheres, first)))
     return head
+
+
+def _short(detail: str, limit: int = 120) -> str:
+    """``detail`` cut at a word before ``limit`` characters, marked as cut."""
+    return detail if len(detail) <= limit else detail[:limit].rsplit(" ", 1)[0] + " …"
 
 
 def record_origin(record: ShardRecord) -> str:
