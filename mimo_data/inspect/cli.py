@@ -115,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
     _common(r)
     r.add_argument("--json", metavar="OUT", help="write the report as JSON ('-': stdout)")
     r.add_argument("--html", metavar="OUT", help="write a self-contained HTML report")
-    r.add_argument("--limit", type=_count, metavar="N", help="only the first N samples")
+    r.add_argument("--limit", type=_positive(int), metavar="N", help="only the first N samples")
     r.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     r.add_argument("--recompute", action="store_true",
                    help="inspect every sample even when this dataset and config's saved tables "
