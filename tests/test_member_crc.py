@@ -66,6 +66,22 @@ def test_zeroed_jpeg_bytes_stop_the_image_loader_naming_the_member(dataset, tmp_
     assert "crc32 differs" in message and f"mimo-shard verify {dataset}" in message
 
 
+def test_a_shard_cut_short_names_the_dataset_sample_and_member(dataset):
+    """A shard truncated after the reader opened its index: the read names the shard, the
+    sample and member, and the verify command for the dataset."""
+    reader = ShardReader(str(dataset))
+    position = len(reader) - 1
+    shard = dataset / reader.table.shard(position)
+    offset, size, _ = reader.table.members(position)["json"]
+    os.truncate(shard, offset + size // 2)
+    with pytest.raises(DatasetError) as stopped:
+        reader.read_member(position, "json")
+    key = reader.table.key(position)
+    assert str(stopped.value).startswith(f"{shard}: cut short, {size - size // 2} of {size} "
+                                         f"bytes at byte {offset} (sample {key} member "
+                                         f"{key}.json); run `mimo-shard verify {dataset}`")
+
+
 def test_a_mismatch_read_once_is_read_again(dataset, monkeypatch):
     reader = ShardReader(str(dataset))
     position, name, _, _ = _large_jpegs(reader, 1)[0]

@@ -124,8 +124,8 @@ class ShardReader:
                                                 size)
         data = os.pread(self._fd(shard), size, offset)
         if len(data) != size:
-            raise DatasetError(f"{shard}: short read at byte {offset} ({len(data)} of {size} "
-                               "bytes); run mimo-shard verify")
+            raise storage.ShortObject(f"{storage.join(self.shard_root, shard)}: cut short, "
+                                      f"{len(data)} of {size} bytes at byte {offset}")
         return data
 
     def prefetch(self, positions: Iterable[int],
@@ -181,8 +181,10 @@ class ShardReader:
                                f"is incomplete); run `mimo-shard verify {self.directory}`, then "
                                "restore the shard or rebuild the dataset") from None
         except storage.ShortObject as exc:
-            raise DatasetError(f"{exc}; run `mimo-shard verify {self.directory}`, then restore "
-                               "the shard or rebuild the dataset") from None
+            key = self.table.key(position)
+            raise DatasetError(f"{exc} (sample {key} member {key}.{name}); run `mimo-shard "
+                               f"verify {self.directory}`, then restore the shard or rebuild "
+                               "the dataset") from None
         key = self.table.key(position)
         raise DatasetError(
             f"{storage.join(self.shard_root, shard)}: sample {key} member {key}.{name}: its "
