@@ -583,6 +583,27 @@ def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+def test_media_the_html_gallery_finds_damaged_fail_the_report(capsys, tmp_path, good_records,
+                                                             configs):
+    """The report's pass reads no media; its HTML gallery does: a member whose bytes changed
+    since the build (crc32) is a failed check, named on stderr, not only a note in the page."""
+    out = tmp_path / "shards"
+    build_dataset([write_jsonl(tmp_path / "in.jsonl", good_records)], out)
+    reader = ShardReader(str(out))
+    position = next(p for p in range(len(reader)) if "img0.jpg" in reader.table.members(p))
+    offset, size, _ = reader.table.members(position)["img0.jpg"]
+    shard = out / reader.table.shard(position)
+    key = reader.table.key(position)
+    reader.close()
+    data = bytearray(shard.read_bytes())
+    data[offset + size // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    code, _, err = run(capsys, "report", out, "--config", configs["default"], "--html",
+                       tmp_path / "page.html", "--no-progress")
+    assert code == 1 and f"FAIL damaged_media: {shard}: sample {key} member {key}.img0.jpg: " \
+        "its bytes changed since the build" in err, err
+
+
 def test_html_report_renders_in_headless_chromium(capsys, tmp_path, faulty, configs):
     browser = _chromium()
     if browser is None:

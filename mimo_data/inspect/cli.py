@@ -306,9 +306,12 @@ def _report(args, config) -> int:
     if args.html:
         from mimo_data.inspect.html import write_html
         assert gallery is not None                    # made above when --html is given
-        write_html(report, gallery, args.directory, inspector, args.html, args.config,
-                   args.cache_dir)
-    failures = failure_lines(report)
+        damaged = write_html(report, gallery, args.directory, inspector, args.html,
+                             args.config, args.cache_dir)
+    else:
+        damaged = []
+    failures = failure_lines(report) + [f"mimo-inspect report: FAIL damaged_media: {message}"
+                                        for message in damaged]
     for line in failures:
         print(line, file=sys.stderr)
     return 1 if failures else 0

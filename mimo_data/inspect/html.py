@@ -18,6 +18,7 @@ from mimo_data.inspect.report import cut_line, eos_line, inspect_position, kinds
 from mimo_data.inspect.sample import sample_problems, token_view
 from mimo_data.inspect.stats import (IndexTable, SampleInspector, SampleStats,
                                      expected_item_tokens)
+from mimo_data.shards.index import DatasetError
 from mimo_data.shards.reader import ShardReader
 
 COLORS = {"trained": "#1a7f37", "prompt": "#57606a",
@@ -116,7 +117,8 @@ def plots(report: dict) -> list[tuple[str, str]]:
     return found
 
 
-def _media_html(plt, reader, stats: SampleStats, record: dict, inspector) -> str:
+def _media_html(plt, reader, stats: SampleStats, record: dict, inspector,
+                damaged: list[str]) -> str:
     parts = []
     for item in record.get("media") or []:
         modality = item.get("modality")
@@ -131,6 +133,8 @@ def _media_html(plt, reader, stats: SampleStats, record: dict, inspector) -> str
                                             item, inspector.config.modalities[modality])
             uri = _png_uri(png)
         except Exception as exc:   # a bad item is what the gallery is for: say so, go on
+            if isinstance(exc, DatasetError):     # bytes changed since the build: the dataset's
+                damaged.append(str(exc))
             member = html.escape(str(item.get("member")))
             parts.append(f'<figure><div class="problem">cannot show {member}: '
                          f"{html.escape(str(exc))[:300]}</div></figure>")
@@ -149,7 +153,7 @@ def _tokens_html(inspector, stats: SampleStats, record: dict, sample) -> str:
     return f'{note}<div class="tokens">{spans}</div>'
 
 
-def _sample_html(plt, reader, inspector, entry) -> str:
+def _sample_html(plt, reader, inspector, entry, damaged: list[str]) -> str:
     stats, record, sample, labels = entry
     title = f"{html.escape(stats.key)} (position {stats.position})"
     tags = " ".join(f'<span class="fail">{html.escape(label)}</span>' for label in labels)
@@ -166,7 +170,7 @@ def _sample_html(plt, reader, inspector, entry) -> str:
                        for p in sample_problems(stats))
     return (f'<div class="sample" id="sample-{html.escape(stats.key)}"><b>{title}</b> {tags}'
             f"<div>{html.escape(source)} · {status}</div>{problems}"
-            f"{_media_html(plt, reader, stats, record, inspector)}"
+            f"{_media_html(plt, reader, stats, record, inspector, damaged)}"
             f"{_tokens_html(inspector, stats, record, sample)}</div>")
 
 
@@ -221,15 +225,18 @@ class Gallery:
 
 
 def write_html(report: dict, gallery: Gallery, directory: str, inspector: SampleInspector,
-               path: str, config_path: str = "", cache_dir: str | None = None) -> None:
-    """Write the self-contained HTML report."""
+               path: str, config_path: str = "", cache_dir: str | None = None) -> list[str]:
+    """Write the self-contained HTML report; what its gallery found damaged in the dataset
+    (a member whose bytes changed since the build), one message each."""
     plt = _pyplot()
     reader = ShardReader(directory, cache_dir)
     index = IndexTable(directory)
 
     def shown(position: int, labels: list[str]) -> str:
         stats, record, sample = inspect_position(reader, inspector, index, position)
-        return _sample_html(plt, reader, inspector, (stats, record, sample, labels))
+        return _sample_html(plt, reader, inspector, (stats, record, sample, labels), damaged)
+
+    damaged: list[str] = []
 
     try:
         flagged = [shown(p, labels) for p, labels in sorted(gallery.flagged.items())]
@@ -274,4 +281,5 @@ def write_html(report: dict, gallery: Gallery, directory: str, inspector: Sample
 """
     with open(path, "w", encoding="utf-8") as out:
         out.write(page)
+    return damaged
 
