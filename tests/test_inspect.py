@@ -698,6 +698,16 @@ def test_sample_colours_and_random(capsys, clean, configs):
                       "--seed", "5", "--color", "never")
     headers = re.findall(r"^sample (\d+) ", first, re.M)
     assert len(set(headers)) == 3 and first == again
+    # --key takes a key unpadded, or the record's id; --seed goes with --random alone
+    table = ShardReader(str(clean)).table
+    record_id = samples_table(clean)[3]["id"]
+    for given in (table.key(3), "3", record_id):
+        code, out, err = run(capsys, "sample", clean, "--config", configs["default"], "--key",
+                             given, "--color", "never")
+        assert out.startswith(f"sample {table.key(3)} "), (given, out[:200], err)
+    code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--index", "1",
+                       "--seed", "3")
+    assert code == 2 and "--seed seeds --random" in err
     for count in ("0", "-1"):                    # a usage error, not a Python one or nothing
         with pytest.raises(SystemExit) as exited:
             run(capsys, "sample", clean, "--config", configs["default"], "--random", count)

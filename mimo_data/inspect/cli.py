@@ -103,11 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     s = commands.add_parser("sample", help="one sample's tokens by class, counts and media")
     _common(s)
     which = s.add_mutually_exclusive_group()
-    which.add_argument("--key", help="sample key, e.g. 000000042")
+    which.add_argument("--key", help="sample key (000000042, or 42), or the record id the "
+                       "build kept")
     which.add_argument("--index", type=int, help="position in the dataset (default 0)")
     which.add_argument("--random", type=_positive(int), metavar="N",
                        help="N samples picked at random")
-    s.add_argument("--seed", type=int, default=0, help="seed of --random (default 0)")
+    s.add_argument("--seed", type=int, help="seed of --random (default 0)")
     s.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="ANSI colours: auto (when stdout is a terminal), always, never")
 
@@ -229,26 +230,51 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    "resize (default 1280x720)")
 
 
+def _position_of(reader, key: str) -> int | None:
+    """The position of the sample ``--key`` names: its key, the key ``key`` zero-padded
+    (``42`` for ``000000042``), or the record id the build kept (read from samples.parquet's
+    ``id`` column, where one sample has it)."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from mimo_data.shards import storage
+    from mimo_data.shards.format import SAMPLES_FILE
+    table = reader.table
+    found = table.position(key)
+    if found is None and key.isdigit() and len(table) and len(key) < len(table.key(0)):
+        found = table.position(key.zfill(len(table.key(0))))
+    if found is None:
+        ids = pq.read_table(storage.readable(storage.join(reader.directory, SAMPLES_FILE)),
+                            columns=["id"]).column("id")
+        matches = pc.indices_nonzero(pc.fill_null(pc.equal(ids, key), False)).to_pylist()
+        found = matches[0] if len(matches) == 1 else None
+    return found
+
+
 def _sample(args, config) -> int:
     import random
 
     from mimo_data.inspect.sample import format_sample, sample_problems
     from mimo_data.inspect.stats import IndexTable, SampleInspector
     from mimo_data.shards.reader import ShardReader
+    if args.seed is not None and args.random is None:
+        print("mimo-inspect sample: error: --seed seeds --random: drop it, or pick with "
+              "--random N", file=sys.stderr)
+        return 2
     reader = ShardReader(args.directory, args.cache_dir)
     if args.key is not None:
-        position = reader.table.position(args.key)
+        position = _position_of(reader, args.key)
         if position is not None:
             positions = [position]
         else:
             table = reader.table
             known = (f"keys {table.key(0)} .. {table.key(len(table) - 1)}" if len(table)
                      else "empty dataset")
-            print(f"mimo-inspect sample: error: no sample with key {args.key!r} in "
+            print(f"mimo-inspect sample: error: no sample with key (or one id) {args.key!r} in "
                   f"{args.directory} ({len(reader)} samples, {known})", file=sys.stderr)
             return 2
     elif args.random is not None:
-        positions = sorted(random.Random(args.seed).sample(range(len(reader)),
+        positions = sorted(random.Random(args.seed or 0).sample(range(len(reader)),
                                                            min(args.random, len(reader))))
     else:
         positions = [args.index or 0]
