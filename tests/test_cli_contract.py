@@ -202,9 +202,6 @@ def test_inspect_output_paths_are_checked_before_the_pass(capsys, tmp_path, text
         code, err = _main(CLIS["mimo-inspect"], capsys, "report", text_dataset, "--config",
                           config, "--no-progress", flag, tmp_path / "nowhere" / "out")
         assert code == 2 and f"{flag} {tmp_path / 'nowhere' / 'out'}: its folder " in err, err
-    code, err = _main(CLIS["mimo-inspect"], capsys, "report", text_dataset, "--config", config,
-                      "--limit", "0")                 # no sample to report on: usage, not 1
-    assert code == 2 and "--limit: 0 is not > 0" in err, err
 
 
 def test_inspect_failed_check_exits_1(capsys, tmp_path, text_dataset):

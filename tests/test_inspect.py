@@ -510,8 +510,9 @@ def test_thresholds_are_flags(capsys, tmp_path, faulty, configs):
 def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     code, report, _ = report_json(capsys, tmp_path, clean, configs["default"], "--limit", "7")
     assert code == 0 and report["samples"] == 7
-    code, report, err = report_json(capsys, tmp_path, clean, configs["default"], "--limit", "0")
-    assert code == 1 and "FAIL kept_samples" in err
+    with pytest.raises(SystemExit) as exited:      # no sample to report on: a usage error
+        report_json(capsys, tmp_path, clean, configs["default"], "--limit", "0")
+    assert exited.value.code == 2 and "--limit: 0 is not > 0" in capsys.readouterr().err
     code, _, err = run(capsys, "report", tmp_path / "missing", "--config", configs["default"])
     assert code == 2 and "error" in err
     code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--key", "nope")
