@@ -411,24 +411,24 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
             raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
                               f"{counts.get(modality, 0)} {modality} item(s) in the record"
                               + _mismatch_hint(markers, counts.get(modality, 0),
-                                               markers_first, marker))
+                                               markers_first, modality))
     return order, {name: number for name, number in ((VIDEOS_MARKED_AS_IMAGES, relabeled),
                                                       (MARKERS_PLACED_FIRST, placed)) if number}
 
 
-def _mismatch_hint(markers: int, items: int, markers_first: bool, marker: str) -> str:
-    """What to do about ``markers`` markers in a record's text for its ``items`` items."""
+def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str) -> str:
+    """What to do about ``markers`` of ``modality``'s markers in a record's text for its
+    ``items`` items."""
     if not markers and not markers_first:
         return (": give each item its marker where it goes (mimo-shard's --markers-first "
                 "puts them before the first user text)")
     if not items:
-        modality = next(name for name, mark in MARKERS.items() if mark == marker)
         return (f": the record gives no item for them (a {modality} goes in the record's "
                 f"'{modality}s' list or '{modality}' item, a content part, or a tar's member)")
     if markers > items:
-        return (f": each {marker} in a text places an item, so one written as words (in a "
-                "transcript, or a question about the tag) cannot be told from one; reword "
-                "those words in the source data")
+        return (f": each {MARKERS[modality]} in a text places an item, so one written as "
+                "words (in a transcript, or a question about the tag) cannot be told from one; "
+                "reword those words in the source data")
     return ""
 
 
