@@ -55,3 +55,20 @@ def test_tiny_encoders_have_their_family_features_and_processor(name, expected, 
     saved = json.loads((model_dir(name) / "preprocessor_config.json").read_text())
     assert {key: config[key] for key in expected} == expected
     assert {key: saved[key] for key in processor} == processor
+
+
+def test_the_audio_check_reads_a_feature_extractor_saved_by_transformers_5(tmp_path):
+    """The Whisper tower's check reads the feature extractor section of the one nested
+    processor_config.json this transformers saves (no preprocessor_config.json beside it)."""
+    from transformers import AutoProcessor
+
+    from mimo_train.errors import EncoderBuildError
+    from mimo_train.families.base import check_preprocessor
+    AutoProcessor.from_pretrained(model_dir("tiny-whisper")).save_pretrained(tmp_path)
+    assert not (tmp_path / "preprocessor_config.json").exists()
+    check_preprocessor(str(tmp_path), {"feature_size": ("modalities.audio.n_mels", 80)},
+                       part="audio")
+    with pytest.raises(EncoderBuildError, match=r"processor_config.json \(feature_extractor\) "
+                                                r"preprocesses differently: feature_size 80"):
+        check_preprocessor(str(tmp_path), {"feature_size": ("modalities.audio.n_mels", 128)},
+                           part="audio")

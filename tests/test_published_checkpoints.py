@@ -499,3 +499,55 @@ def test_a_value_missing_from_a_checkpoint_config_names_the_file_and_the_key():
     assert checkpoint_value(config, "tie_word_embeddings", path, "model.pretrained") is True
     with pytest.raises(TrainConfigError, match=r"config\.json has no 'no_such_key'"):
         checkpoint_value(config, "no_such_key", path, "model.pretrained")
+
+
+@pytest.mark.parametrize("repository", ["Qwen/Qwen2-VL-2B-Instruct",
+                                        "llava-hf/llava-interleave-qwen-0.5b-hf"])
+def test_a_processor_saved_by_transformers_5_is_read_checked_and_exported(repository, tmp_path):
+    """A checkpoint whose processor this transformers saved (one nested processor_config.json,
+    no preprocessor_config.json: a user's own save, a second fine-tune round) is read as the
+    published files are (``--preprocessing-for``), checked against the run's preprocessing,
+    and exported with the run's pixel budget and frame sampling in the section transformers
+    reads first."""
+    import dataclasses
+    import os
+
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    from mimo_train.errors import EncoderBuildError
+    from mimo_train.families.base import check_preprocessor, normalization
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.hf.export import _copy_processor
+    repo = PUBLISHED / repository.replace("/", "--")
+    saved = tmp_path / "saved"
+    AutoProcessor.from_pretrained(repo).save_pretrained(saved)
+    assert (saved / "processor_config.json").is_file()
+    assert not (saved / "preprocessor_config.json").exists()
+    for each in repo.iterdir():                 # the weights and config beside it, as published
+        if not (saved / each.name).exists() and "processor" not in each.name:
+            (saved / each.name).symlink_to(each)
+    preprocess = PreprocessConfig.from_dict(preprocessing_for(str(saved)))
+    # the same settings (the saved video processor spells out its class defaults)
+    assert preprocess.modalities == \
+        PreprocessConfig.from_dict(preprocessing_for(str(repo))).modalities
+    image = preprocess.modalities["image"]
+    check_preprocessor(str(saved), normalization(image))          # agrees: no error
+    with pytest.raises(EncoderBuildError, match=r"processor_config.json \(image_processor\) "
+                                                r"preprocesses differently: image_mean"):
+        check_preprocessor(str(saved), normalization(dataclasses.replace(image, mean=(0.25,) * 3)))
+    if image.policy != "dynamic":
+        return
+    # exported from a run at another pixel budget (and 1 frame a second): what transformers
+    # builds from the export is that budget and sampling, not the checkpoint's
+    video = preprocess.modalities["video"]
+    run = dataclasses.replace(preprocess, modalities={
+        **preprocess.modalities, "image": dataclasses.replace(image, max_pixels=MAX_PIXELS),
+        "video": dataclasses.replace(video, max_pixels=MAX_PIXELS, fps=1.0)})
+    out = tmp_path / "export"
+    out.mkdir()
+    _copy_processor(str(saved), str(out), run, None)
+    assert not os.path.exists(out / "video_preprocessor_config.json")
+    assert AutoImageProcessor.from_pretrained(out).size["longest_edge"] == MAX_PIXELS
+    section = json.loads((out / "processor_config.json").read_text())["video_processor"]
+    assert (section["size"]["longest_edge"], section["fps"], section["do_sample_frames"]) == \
+        (MAX_PIXELS, 1.0, True)

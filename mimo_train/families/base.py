@@ -10,7 +10,8 @@ dtype the checkpoint stores (``precision.cast`` later moves it to the run's dtyp
 row per placeholder token, item by item. ``takes`` names those inputs: ``(modality, form)``,
 the form being the image policy (``dynamic`` / ``fixed``) or ``log-mel``. Pixel normalization
 happens in the encoder, on its device (``image.normalize_pixels``). A transformers processor
-saved beside the model (``preprocessor_config.json``) must agree with the preprocessing config
+saved beside the model (``processor_settings``: ``preprocessor_config.json``, or transformers
+5's nested ``processor_config.json``) must agree with the preprocessing config
 (``check_preprocessor``).
 """
 
@@ -20,7 +21,6 @@ import json
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,21 +106,22 @@ class Encoder(torch.nn.Module):
         return getattr(config, "d_model", None) or config.hidden_size
 
 
-def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, Any]]) -> None:
-    """Refuse a local ``pretrained`` directory whose ``preprocessor_config.json`` (the
+def check_preprocessor(pretrained: str | None, expected: dict[str, tuple[str, Any]],
+                       part: str = "image") -> None:
+    """Refuse a ``pretrained`` checkpoint whose processor ``part`` (``processor_settings``: the
     transformers processor saved beside the model) disagrees with mimo's preprocessing:
-    ``expected`` maps its field to (our config key, our value). Without that file, nothing to
-    check."""
-    path = Path(pretrained or "") / "preprocessor_config.json"
-    if not pretrained or not path.is_file():
+    ``expected`` maps its field to (our config key, our value). Without such a file, nothing
+    to check."""
+    found = processor_settings(model_directory(pretrained), part) if pretrained else None
+    if found is None:
         return
-    saved = json.loads(path.read_text())
+    where, saved = found
     wrong = [f"{field} {saved[field]} (ours: {key} {value})"
              for field, (key, value) in expected.items() if field in saved and not (
                  np.shape(saved[field]) == np.shape(value)
                  and np.allclose(saved[field], value, rtol=0, atol=1e-6))]
     if wrong:
-        raise EncoderBuildError(f"{path} preprocesses differently: {'; '.join(wrong)}: the "
+        raise EncoderBuildError(f"{where} preprocesses differently: {'; '.join(wrong)}: the "
                                 "encoder would see other inputs than it was trained on; align "
                                 "the preprocessing config")
 
@@ -186,6 +187,46 @@ def model_directory(path: str) -> str:
         return path
     from huggingface_hub import snapshot_download
     return snapshot_download(path, local_files_only=True)
+
+
+# where transformers reads a processor part's settings, in its own order: the part's section
+# of the one processor_config.json transformers 5 saves, else the part's own file (a video
+# processor: else the image processor's file)
+PROCESSOR_PARTS = {"image": ("image_processor", ("preprocessor_config.json",)),
+                   "video": ("video_processor", ("video_preprocessor_config.json",
+                                                 "preprocessor_config.json")),
+                   "audio": ("feature_extractor", ("preprocessor_config.json",))}
+
+
+def processor_settings(directory: str, part: str) -> tuple[str, dict] | None:
+    """The settings transformers builds the checkpoint's processor ``part`` (``image``,
+    ``video``, ``audio``) from, read from the model ``directory`` as transformers reads them
+    (``PROCESSOR_PARTS``): (where they were read, the settings), or None where no file gives
+    them. ``TrainConfigError`` names a file that is not a JSON object."""
+    section, files = PROCESSOR_PARTS[part]
+
+    def read(name: str) -> dict | None:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, ValueError) as error:
+            data = error
+        if not isinstance(data, dict):
+            raise TrainConfigError(f"{path} cannot be read as a JSON object ({data}): "
+                                   "transformers cannot build the checkpoint's processor "
+                                   "from it either; save the processor again")
+        return data
+    nested = (read("processor_config.json") or {}).get(section)
+    if isinstance(nested, dict):
+        return f"{os.path.join(directory, 'processor_config.json')} ({section})", nested
+    for name in files:
+        found = read(name)
+        if found is not None:
+            return os.path.join(directory, name), found
+    return None
 
 
 class Tensors:

@@ -29,7 +29,8 @@ import torch
 from mimo_data.modalities.image import ImageConfig, normalize_pixels
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families.base import (VLM, Encoder, check_fixed_geometry, check_preprocessor,
-                                      normalization, param_dtype)
+                                      model_directory, normalization, param_dtype,
+                                      processor_settings)
 
 TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}   # -> has a CLS row
 # the hub checkpoints hold the tower under vision_model. (transformers 5 drops that level)
@@ -145,13 +146,10 @@ def check_resize(pretrained: str, image: ImageConfig) -> None:
     """``EncoderBuildError`` unless the processor saved with the checkpoint resizes as the
     preprocessing does: squashed to the square, or (``crop``) the short side to ``image_size``
     then the centre square."""
-    import json
-    import os
-    path = os.path.join(pretrained, "preprocessor_config.json")
-    if not os.path.isfile(path):
+    found = processor_settings(model_directory(pretrained), "image")
+    if found is None:
         return
-    with open(path) as f:
-        saved = json.load(f)
+    path, saved = found
     side = image.image_size
     crop = bool(saved.get("do_center_crop"))
     size = saved.get("size") or {}

@@ -8,7 +8,6 @@ config with them). Family modules never import this module.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from functools import lru_cache
 from typing import Any
@@ -17,7 +16,8 @@ from mimo_data.preprocess.config import looks_like_path
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
                                  siglip, whisper)
-from mimo_train.families.base import VLM, Encoder, input_form, model_directory
+from mimo_train.families.base import (VLM, Encoder, input_form, model_directory,
+                                      processor_settings)
 from mimo_train.families.causal_lm import LanguageArch
 
 # encoder kind -> its class
@@ -94,34 +94,15 @@ _GEOMETRY = {"patch_size": 0, "merge_size": 0, "temporal_patch_size": 0,
 
 def _video_inputs(vlm: VLM, config, path: str) -> tuple[tuple[str, Any], ...]:
     """``VLM.video_inputs`` of the checkpoint at ``path``: its video processor's (else its
-    image processor's) normalization where a file gives it (transformers 5's nested
-    ``processor_config.json`` too), and the family's frame sampling and timestamps."""
-    found = _processor_file(model_directory(path))
+    image processor's) normalization where a file gives it (``processor_settings``), and the
+    family's frame sampling and timestamps."""
+    found = processor_settings(model_directory(path), "video")
     settings = VLMS[vlm.family].video_settings(
-        config, {**_GEOMETRY, "image_mean": None, "image_std": None, **found})
+        config, {**_GEOMETRY, "image_mean": None, "image_std": None, **(found[1] if found else {})})
     settings.setdefault("sampling", "qwen2_vl")
     settings.setdefault("timestamps", False)
     return tuple((key, tuple(value) if isinstance(value, list) else value)
                  for key in VIDEO_INPUTS for value in [settings.get(key)] if value is not None)
-
-
-def _processor_file(directory: str) -> dict:
-    """The checkpoint's video processor settings: its own file, else the image processor's
-    (``preprocessor_config.json``, or either in transformers 5's ``processor_config.json``);
-    {} where none can be read."""
-    def read(name: str) -> dict:
-        try:
-            with open(os.path.join(directory, name)) as f:
-                data = json.load(f)
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
-    nested = read("processor_config.json")
-    for found in (read("video_preprocessor_config.json"), nested.get("video_processor"),
-                  read("preprocessor_config.json"), nested.get("image_processor")):
-        if isinstance(found, dict) and found:
-            return found
-    return {}
 
 
 def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
@@ -131,21 +112,18 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     and its video processor's frame sampling where it has one; errors name ``path`` as given
     by ``key``."""
     import copy
-    import json
 
     from transformers import AutoTokenizer
     vlm = read_vlm(path, key)
     directory = model_directory(path)
-    processor = os.path.join(directory, "preprocessor_config.json")
-    if not os.path.isfile(processor):
-        raise TrainConfigError(f"{path} holds no preprocessor_config.json: the image "
-                               "processor's settings cannot be read; write the preprocessing "
-                               "config by hand")
+    image_processor = processor_settings(directory, "image")
+    if image_processor is None:
+        raise TrainConfigError(f"{path} holds no image processor (preprocessor_config.json, or "
+                               "processor_config.json with an image_processor): its settings "
+                               "cannot be read; write the preprocessing config by hand")
     config = checkpoint_config(path, key)
     family = VLMS[vlm.family]
-    with open(processor) as f:
-        image_processor = json.load(f)
-    geometry = family.image_geometry(config, image_processor)
+    geometry = family.image_geometry(config, image_processor[1])
     tokenizer = AutoTokenizer.from_pretrained(path)
     wrap = {"wrap": tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
             } if vlm.image_wrap_ids else {}
@@ -153,13 +131,10 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
                             **wrap, **geometry}}
     if vlm.video_token_id is not None:
         # the video processor's own settings where the checkpoint saves them
-        video_processor = os.path.join(directory, "video_preprocessor_config.json")
-        if os.path.isfile(video_processor):
-            with open(video_processor) as f:
-                image_processor = json.load(f)
+        video_processor = processor_settings(directory, "video") or image_processor
         modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
             {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
-             **family.video_settings(config, image_processor)})
+             **family.video_settings(config, video_processor[1])})
     template = CHAT_TEMPLATES.get(vlm.family)
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
             **({"chat_template": str(template)} if template else {}),

@@ -96,7 +96,7 @@ class WhisperAudio(Encoder):
             "feature_size": ("modalities.audio.n_mels", audio.n_mels),
             "sampling_rate": ("modalities.audio.sample_rate", audio.sample_rate),
             "hop_length": ("modalities.audio.hop_length", audio.hop_length),
-            "n_fft": ("the log-mel window", WHISPER_N_FFT)})
+            "n_fft": ("the log-mel window", WHISPER_N_FFT)}, part="audio")
         self.audio = audio
         self.window = 2 * config.max_source_positions
         self.output_size = config.d_model

@@ -485,6 +485,8 @@ def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype
 
 
 VIDEO_PROCESSOR = "video_preprocessor_config.json"
+# transformers 5 saves a processor as this one file, each part's settings in its own section
+NESTED_PROCESSOR = "processor_config.json"
 
 
 # the files a transformers tokenizer is saved as (a Hub checkpoint ships some of them)
@@ -521,14 +523,15 @@ def _copy_processor(pretrained: str, out: str, preprocess, template: str | None)
     image and video pixel budgets and frame sampling (``_processor_budgets``)."""
     from mimo_train.families.base import model_directory
     pretrained = model_directory(pretrained)
-    for name in ("preprocessor_config.json", "processor_config.json", VIDEO_PROCESSOR,
+    for name in ("preprocessor_config.json", NESTED_PROCESSOR, VIDEO_PROCESSOR,
                  "chat_template.json", "chat_template.jinja"):
         if os.path.isfile(os.path.join(pretrained, name)):
             shutil.copyfile(os.path.join(pretrained, name), os.path.join(out, name))
     if template is not None:          # tokenizer.save_pretrained wrote chat_template.jinja
         with open(os.path.join(out, "chat_template.jinja"), "w") as f:
             f.write(template)
-        for name, always in (("chat_template.json", True), ("tokenizer_config.json", False)):
+        for name, always in (("chat_template.json", True), ("tokenizer_config.json", False),
+                             (NESTED_PROCESSOR, False)):
             _rewrite_json(os.path.join(out, name),
                           lambda data, always=always: data.update(chat_template=template)
                           if always or "chat_template" in data else None)
@@ -537,32 +540,47 @@ def _copy_processor(pretrained: str, out: str, preprocess, template: str | None)
 
 
 def _video_processor(out: str, preprocess) -> None:
-    """A video processor file where the base has none and the run trains Qwen2-VL-style clips
-    (Qwen2-VL's and Qwen2.5-VL's published checkpoints): without it transformers builds their
-    video processor from the image processor's file, the images' pixel budget, and with no
-    frame rate it takes every frame of a clip; with it, the run's sampling and budget (the
-    video tokens the run trained with)."""
+    """The run's video sampling where the base says none and the run trains Qwen2-VL-style
+    clips (Qwen2-VL's and Qwen2.5-VL's published checkpoints): without it transformers builds
+    their video processor from the image processor's file, the images' pixel budget, and with
+    no frame rate it takes every frame of a clip; with it, the run's sampling and budget (the
+    video tokens the run trained with). Written as a video processor file, or into the video
+    processor section of transformers 5's ``processor_config.json``, which transformers reads
+    first (saved from Qwen2-VL's class, it says ``do_sample_frames: false``)."""
     video = preprocess.modalities.get("video")
-    if video is None or getattr(video, "sampling", None) != "qwen2_vl" or \
-            os.path.isfile(os.path.join(out, VIDEO_PROCESSOR)):
+    if video is None or getattr(video, "sampling", None) != "qwen2_vl":
         return
-    image = {}
-    if os.path.isfile(os.path.join(out, "preprocessor_config.json")):
-        with open(os.path.join(out, "preprocessor_config.json")) as f:
-            image = json.load(f)
+    sampling = {"size": {"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
+                "patch_size": video.patch_size, "temporal_patch_size": video.temporal_patch_size,
+                "merge_size": video.merge_size, "image_mean": list(video.mean),
+                "image_std": list(video.std), "do_sample_frames": True, "fps": video.fps,
+                "min_frames": video.min_frames, "max_frames": video.max_frames,
+                "cap_pixels_per_frame": video.cap_pixels_per_frame,
+                "max_video_tokens": video.max_video_tokens}
+    nested = os.path.join(out, NESTED_PROCESSOR)
+    if _json_section(nested, "video_processor") is not None:
+        _rewrite_json(nested, lambda data: data["video_processor"].update(sampling)
+                      if data["video_processor"].get("do_sample_frames") is not True else None)
+        return
+    if os.path.isfile(os.path.join(out, VIDEO_PROCESSOR)):
+        return
+    image = _json_section(os.path.join(out, "preprocessor_config.json")) or {}
     data = {"video_processor_type": "Qwen2VLVideoProcessor",
             **({"processor_class": image["processor_class"]} if "processor_class" in image
-               else {}),
-            "size": {"shortest_edge": video.min_pixels, "longest_edge": video.max_pixels},
-            "patch_size": video.patch_size, "temporal_patch_size": video.temporal_patch_size,
-            "merge_size": video.merge_size, "image_mean": list(video.mean),
-            "image_std": list(video.std), "do_sample_frames": True, "fps": video.fps,
-            "min_frames": video.min_frames, "max_frames": video.max_frames,
-            "cap_pixels_per_frame": video.cap_pixels_per_frame,
-            "max_video_tokens": video.max_video_tokens}
+               else {}), **sampling}
     with open(os.path.join(out, VIDEO_PROCESSOR), "w") as f:
         json.dump(data, f, indent=2)
         f.write("\n")
+
+
+def _json_section(path: str, section: str | None = None) -> dict | None:
+    """The JSON object in ``path`` (or its ``section``), None where there is none."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    found = data.get(section) if section is not None and isinstance(data, dict) else data
+    return found if isinstance(found, dict) else None
 
 
 # the run's video sampling -> the video processor's keys (fps, frames, the per-frame cap)
@@ -576,13 +594,18 @@ def _processor_budgets(out: str, preprocess) -> None:
     ``min_frames``, ``max_frames``, ``cap_pixels_per_frame``, ``max_video_tokens``: where the
     file has it, or where the processor's class default differs); a file whose values are the
     run's stays as it is."""
-    for name, modality in (("preprocessor_config.json", "image"),
-                           (VIDEO_PROCESSOR, "video")):
+    for name, section, modality in (("preprocessor_config.json", None, "image"),
+                                    (VIDEO_PROCESSOR, None, "video"),
+                                    (NESTED_PROCESSOR, "image_processor", "image"),
+                                    (NESTED_PROCESSOR, "video_processor", "video")):
         config = preprocess.modalities.get(modality)
         if config is None or getattr(config, "policy", "dynamic") != "dynamic":
             continue
 
-        def update(data: dict, config=config, modality=modality) -> None:
+        def update(whole: dict, config=config, modality=modality, section=section) -> None:
+            data = whole if section is None else whole.get(section)
+            if not isinstance(data, dict):
+                return
             for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
                 if key in data:
                     data[key] = getattr(config, key)
