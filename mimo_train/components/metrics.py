@@ -295,6 +295,21 @@ def wandb_run(sdk, wandb, config: dict | None, checkpoint_dir: str | None, resum
     return run
 
 
+def json_line(record: dict) -> str:
+    """``record`` as one line of JSON: a NaN or infinite value (a skipped step's loss or
+    gradient norm) as null, since JSON has none (Python writes ``NaN``, which jq, JavaScript
+    and other strict readers refuse)."""
+    def finite(value):
+        if isinstance(value, float) and not math.isfinite(value):
+            return None
+        if isinstance(value, dict):
+            return {key: finite(each) for key, each in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(each) for each in value]
+        return value
+    return json.dumps(finite(record), allow_nan=False) + "\n"
+
+
 def drop_after(path: str, step: int) -> None:
     """Remove the records of steps after ``step`` from the records file ``path`` (a run that
     died after its last checkpoint logged them; the resumed run trains them again): the file
@@ -458,7 +473,7 @@ class Metrics:
     def _keep(self, records: list[dict]) -> None:
         self.records += records
         if self.file is not None:
-            self.file.writelines(json.dumps(record) + "\n" for record in records)
+            self.file.writelines(json_line(record) for record in records)
 
     def _show(self, record: dict) -> None:
         if not self.rank0:

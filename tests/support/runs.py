@@ -109,8 +109,12 @@ def train(ranks: Ranks, tmp: Path, name: str, config: str, *overrides, nproc: in
 
 
 def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() \
-        else []
+    """The records file ``path`` read as strict JSON (no ``NaN``, which strict readers refuse);
+    [] where there is none."""
+    def refuse(constant: str):
+        raise ValueError(f"{path} holds {constant}, which is not JSON")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()] \
+        if path.is_file() else []
 
 
 def train_records(records: list[dict]) -> list[dict]:
