@@ -278,6 +278,11 @@ class Profile:
             if step != self.window.start:
                 return
             activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cpu":
+                # a CUDA build of torch on a machine without a GPU: its profiler library
+                # (kineto) logs "gpuGetDeviceCount failed" as an ERROR line from every rank,
+                # for a device this run does not use (read when the profiler starts)
+                os.environ.setdefault("KINETO_LOG_LEVEL", "5")
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
                 torch.cuda.synchronize(self.device)
