@@ -443,6 +443,13 @@ def case_an_image_under_a_key_mimo_does_not_read(tmp_path, assets):
     return Case(record, "malformed_record", detail="names its image under 'image_path'")
 
 
+def case_an_image_under_a_camel_case_key(tmp_path, assets):
+    """The same in a JavaScript export's spelling."""
+    record = _image_record(assets["jpeg"], "What is this?")
+    record["imagePath"] = record.pop("image")
+    return Case(record, "malformed_record", detail="names its image under 'imagePath'")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")

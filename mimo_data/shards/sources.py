@@ -76,8 +76,9 @@ def media_field(modality: str) -> str:
 
 
 # Keys and columns that users' exports name a record's media by and mimo does not read
-# (``image_path``, ``img``, ``video_file``, ``audio_filepath`` ...): a record or a table whose
-# media are under one of them is refused, naming it, not built text-only.
+# (``image_path``, ``img``, ``video_file``, ``audio_filepath``, in any case: ``imagePath``,
+# ``Image``...): a record or a table whose media are under one of them is refused, naming it,
+# not built text-only.
 # (A URL is no such key: mimo downloads nothing, and a URL kept as metadata is common.)
 _UNREAD_MEDIA_NAME = {
     "image": re.compile(r"(image|img|picture|photo)s?(_?(file|path|filename|bytes))?s?"),
@@ -91,7 +92,8 @@ def _unread_media_names(names, read: set[str]) -> dict[str, str]:
     the ``read`` ones."""
     found: dict[str, str] = {}
     for modality, pattern in _UNREAD_MEDIA_NAME.items():
-        name = next((n for n in names if n not in read and pattern.fullmatch(n)), None)
+        name = next((n for n in names if n not in read and pattern.fullmatch(str(n).lower())),
+                    None)
         if name is not None:
             found[modality] = name
     return found
