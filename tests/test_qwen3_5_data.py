@@ -388,3 +388,38 @@ def test_language_ranks_build_the_same_without_decoding(config, records, samples
         assert torch.equal(sample.input_ids, samples[key].input_ids), key
         assert torch.equal(sample.loss_mask, samples[key].loss_mask), key
         assert torch.equal(sample.position_ids, samples[key].position_ids), key
+
+
+def test_a_checkpoint_trains_through_its_own_template_unless_it_is_the_published_one(tmp_path):
+    """``--preprocessing-for`` names mimo's copy of the published template (with generation
+    blocks) where the checkpoint holds the published one, re-saved by transformers too; a
+    checkpoint with another template (an export of a run that trained its own, a user's) is
+    trained through that one, as its export and transformers prompt with it."""
+    from transformers import AutoProcessor
+
+    from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+    from mimo_train.families.qwen3_5 import TEMPLATE
+    from mimo_train.families.registry import preprocessing_for
+    published = PUBLISHED / "Qwen--Qwen3.5-4B"
+
+    def folder(name: str) -> Path:
+        made = tmp_path / name
+        made.mkdir(exist_ok=True)
+        for each in published.iterdir():
+            if not (made / each.name).exists() and not (
+                    name == "resaved" and each.name.startswith(("tokenizer", "chat_template"))):
+                (made / each.name).symlink_to(each)
+        return made
+    assert preprocessing_for(str(published))["chat_template"] == str(TEMPLATE)
+    resaved = folder("resaved")
+    AutoProcessor.from_pretrained(published).save_pretrained(resaved)
+    assert preprocessing_for(str(resaved))["chat_template"] == str(TEMPLATE)
+    own = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n" \
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    custom = tmp_path / "custom"
+    custom.mkdir()
+    (custom / "chat_template.jinja").write_text(own)
+    custom = folder("custom")
+    config = preprocessing_for(str(custom))
+    assert "chat_template" not in config
+    assert load_tokenizer(PreprocessConfig.from_dict(config)).chat_template == own

@@ -16,7 +16,8 @@ sampling and timestamps). What differs:
 - the published chat template writes earlier assistant turns without their reasoning, so the
   loss of a conversation of several turns cannot be placed through it: mimo trains through
   ``TEMPLATE``, the published text with ``{% generation %}`` blocks around what each assistant
-  turn writes (``preprocessing_for`` names it).
+  turn writes (``preprocessing_for`` names it where the checkpoint's template is the published
+  one).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ image_geometry, read, video_settings = qwen3_vl.image_geometry, qwen3_vl.read, \
     qwen3_vl.video_settings
 # the published chat template with generation blocks (the same text)
 TEMPLATE = Path(templates.__file__).parent / "qwen3_5.jinja"
+# sha256 of the published template TEMPLATE stands in for (tools/published/Qwen--Qwen3.5-4B/
+# chat_template.jinja, the MoE's the same); another template in a checkpoint's folder (one a
+# fine-tune of it trained with, a user's own) is that checkpoint's, and trained through as is
+PUBLISHED_TEMPLATE_SHA256 = "a4aee8afcf2e0711942cf848899be66016f8d14a889ff9ede07bca099c28f715"
 
 
 class Qwen3_5Vision(qwen2_vl.Qwen2VLVision):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from mimo_data.preprocess.config import looks_like_path
@@ -135,10 +136,22 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
         modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
             {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
              **family.video_settings(config, video_processor[1])})
-    template = CHAT_TEMPLATES.get(vlm.family)
+    template = _training_template(vlm.family, tokenizer.chat_template)
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
             **({"chat_template": str(template)} if template else {}),
             "mode": "chat", "positions": vlm.positions, "modalities": modalities}
+
+
+def _training_template(family: str, template: object) -> Path | None:
+    """The chat template a run on a ``family`` checkpoint whose own is ``template`` trains
+    through: mimo's copy with generation blocks (``CHAT_TEMPLATES``) where the checkpoint's is
+    the published one it copies, None (the checkpoint's own) otherwise."""
+    import hashlib
+    published = getattr(VLMS[family], "PUBLISHED_TEMPLATE_SHA256", None)
+    if family in CHAT_TEMPLATES and isinstance(template, str) and \
+            hashlib.sha256(template.encode()).hexdigest() == published:
+        return CHAT_TEMPLATES[family]
+    return None
 
 
 def checkpoint_config(path: str, key: str):
