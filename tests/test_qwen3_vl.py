@@ -242,7 +242,8 @@ def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported,
 
 
 @pytest.mark.parametrize("overrides, reason", [
-    (["model.projection=linear"], "model.projection linear"),
+    (["model.encoders.image.projection=linear"], "projection linear .* cannot map them"),
+    (["model.projection=linear"], "model.projection is linear, but model.pretrained"),
     (["model.language.recompute=full"], "recompute full"),
 ])
 def test_what_cannot_carry_deepstack_rows_is_refused(run, overrides, reason):

@@ -98,8 +98,9 @@ CASES = {
         "qwen2-vl", "image=dp1,video;language=tp2", ("model.lora.language.rank=3",),
         "rank 3 does not split over the language model's tp 2"),
     "deepstack_projection": Case(
-        "qwen3-vl", "image=dp1,video;language=dp1", ("model.projection=linear",),
-        "model.projection linear cannot map them"),
+        "qwen3-vl", "image=dp1,video;language=dp1", ("model.encoders.image.projection=linear",),
+        "projection linear (model.encoders.<module>.projection, else model.projection) cannot "
+        "map them"),
     "deepstack_full_recompute": Case(
         "qwen3-vl", "image=dp1,video;language=dp1", ("model.language.recompute=full",),
         "model.language.recompute full would recompute without them",

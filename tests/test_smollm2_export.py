@@ -54,7 +54,8 @@ class Run:
 @pytest.fixture(scope="module")
 def smollm2(ranks, loader_corpus, tmp_path_factory) -> Iterator[Run]:
     """1 step of the shipped config (language frozen: one optimizer step must leave it as it
-    was) on 3 forked ranks, then ``mimo-export`` of the result. (A second step, whose batch
+    was; the speech tower's projection an MLP of its own, the image's linear) on 3 forked
+    ranks, then ``mimo-export`` of the result. (A second step, whose batch
     holds a long audio sample, cost SmolLM2 three times the first.)"""
     with scratch(tmp_path_factory, "smollm2-export") as tmp:
         preprocess = preprocess_config_file(
@@ -64,7 +65,8 @@ def smollm2(ranks, loader_corpus, tmp_path_factory) -> Iterator[Run]:
                 "modalities"]["audio"])
         records = train(ranks, tmp, "records", CONFIG.name, f"data.datasets=[{loader_corpus}]",
                         f"data.preprocess={preprocess}", f"checkpoint.dir={tmp / 'checkpoints'}",
-                        "model.freeze=[language]", "train.steps=1", "train.global_batch_size=2",
+                        "model.freeze=[language]", "model.encoders.audio.projection=mlp",
+                        "train.steps=1", "train.global_batch_size=2",
                         "train.micro_batch_size=2", nproc=3)
         from mimo_train.hf.export import main
         out = tmp / "exports" / "export"           # its folder is made
@@ -137,8 +139,9 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
     assert {i for _, i in tokens.values()} == {SMOLLM2_VOCAB, SMOLLM2_VOCAB + 1}
     assert all(tokenizer.convert_tokens_to_ids(t) == i for t, i in tokens.values())
     assert manifest["step"] == 1 and manifest["checkpoint"] == str(smollm2.checkpoint)
-    assert {n: (m["modality"], m["kind"]) for n, m in manifest["modules"].items()} == \
-        {"image": ("image", "siglip"), "audio": ("audio", "whisper")}
+    assert {n: (m["modality"], m["kind"], m["projection"])
+            for n, m in manifest["modules"].items()} == \
+        {"image": ("image", "siglip", "linear"), "audio": ("audio", "whisper", "mlp")}
     preprocess = yaml.safe_load((smollm2.export / manifest["preprocess"]).read_text())
     assert preprocess["tokenizer"] == "./language"
     assert preprocess["modalities"]["image"]["image_size"] == IMAGE_SIZE
@@ -152,8 +155,9 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
         for key, tensor in model.state_dict().items():
             assert torch.equal(tensor, saved[key]), (name, key)
     projections = load_file(smollm2.export / "projections.safetensors")
-    assert set(projections) == {f"{m}.0.{p}" for m in ("image", "audio")
-                                for p in ("weight", "bias")}
+    assert set(projections) == {f"{m}.{layer}.{p}" for m, layers in (("image", "0"),
+                                                                     ("audio", "02"))
+                                for layer in layers for p in ("weight", "bias")}
     for key, tensor in projections.items():
         module, _, rest = key.partition(".")
         assert torch.equal(tensor, weights[module][f"input_projections.0.{rest}"]), key

@@ -209,7 +209,7 @@ CASES = [
     ("a frozen projection the model does not have", "default",
      ["model.projection=none", "model.freeze=[image.projection]"], "config",
      ["model.freeze freezes 'image.projection', which the model does not have "
-      "(model.projection is none)", "freeze 'image.encoder'"]),
+      "(its projection is none)", "freeze 'image.encoder'"]),
     ("lora rank that does not split over tp", "image",
      ["layout=image=dp1;language=tp2", "model.lora={{language: {{rank: 3}}}}"], "config",
      ["model.lora.language.rank 3 does not split over the language model's tp 2",

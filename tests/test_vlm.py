@@ -302,20 +302,57 @@ def test_another_models_preprocessing_is_named_before_its_positions():
     assert f"mimo-train --preprocessing-for {llava}" in message and "mrope" not in message
 
 
+def test_a_speech_tower_beside_the_vlms_gets_a_projection_of_its_own(vlm_data):
+    """A Whisper module beside the whole VLM's tower: the tower keeps the VLM's projector
+    (none: Qwen2-VL's merger emits the language width, and its weights are the checkpoint's),
+    the speech tower gets linear, else model.projection, else its own entry; the model built
+    has those layers, as the dims and export count them."""
+    from mimo_data.modalities.audio import AudioConfig
+    from mimo_train.planning.dims import from_plan
+    preprocess = PreprocessConfig.from_yaml(vlm_data[1])
+    preprocess = dataclasses.replace(preprocess, modalities={
+        **preprocess.modalities, "audio": AudioConfig(token="<audio>")})
+    common = ["data.datasets=[unused]", f"model.pretrained={VLM}",
+              "layout=language=dp1;image=dp1;audio=dp1"]
+
+    def projections(*overrides: str) -> dict[str, str]:
+        plan = resolve(TrainConfig.load(None, [*common, *overrides]), preprocess)
+        dims = from_plan(plan)
+        assert dims.encoders["image"].projection == ()
+        assert len(dims.encoders["audio"].projection) == \
+            {"linear": 1, "mlp": 2}[plan.encoders["audio"].projection]
+        return {name: setting.projection for name, setting in plan.encoders.items()}
+    assert projections() == {"image": "none", "audio": "linear"}
+    assert projections("model.projection=mlp") == {"image": "none", "audio": "mlp"}
+    assert projections("model.projection=mlp", "model.encoders={audio: {projection: linear}}"
+                       ) == {"image": "none", "audio": "linear"}
+    with pytest.raises(TrainConfigError, match="encoder module 'audio' has projection none "
+                       r"\(model.encoders.audio.projection, else model.projection\), but its "
+                       "tower emits 32 features for a language width of 64: use linear or mlp"):
+        projections("model.encoders={audio: {projection: none}}")
+
+
 def test_the_checkpoint_gives_the_language_model_m_rope_and_no_projection(vlm_data):
     _, preprocess, _ = vlm_data
     plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
-                                           f"data.preprocess={preprocess}"]))
+                                           f"data.preprocess={preprocess}",
+                                           "layout=language=dp1;image=dp1"]))
     assert plan.language.pretrained == str(VLM)
     assert plan.language.mrope_section == (2, 3, 3)
     assert (plan.language.num_layers, plan.language.hidden_size) == (2, 64)
-    assert plan.projection == "none"
+    assert plan.encoders["image"].projection == "none"
     # another projection than the checkpoint's own: a random layer export cannot write back
     with pytest.raises(TrainConfigError, match=f"model.projection is mlp, but model.pretrained "
                        f"{VLM} is a whole qwen2_vl model, whose own projector mimo runs as "
                        "projection none"):
         resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
                                         "model.projection=mlp", f"data.preprocess={preprocess}"]))
+    with pytest.raises(TrainConfigError, match="model.encoders.image.projection is mlp, but "
+                       "its tower is model.pretrained .*'s, a whole qwen2_vl model"):
+        resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                        "model.encoders={image: {projection: mlp}}",
+                                        "layout=language=dp1;image=dp1",
+                                        f"data.preprocess={preprocess}"]))
     # named by the key the user set: model.pretrained, whose language model it is
     with pytest.raises(TrainConfigError, match="mrope_section is \\[4, 2, 2\\], but "
                        "model.pretrained's language model .* has \\[2, 3, 3\\]"):

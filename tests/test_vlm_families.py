@@ -285,7 +285,7 @@ def test_llava_takes_its_projector_and_sequential_positions():
     plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]",
                                            f"model.pretrained={checkpoint}"]),
                    PreprocessConfig(tokenizer=str(checkpoint), modalities={}))
-    assert plan.projection == "mlp" and plan.language.mrope_section is None
+    assert plan.vlm.projection == "mlp" and plan.language.mrope_section is None
     from mimo_train.families.registry import read_vlm
     projector = read_vlm(str(checkpoint)).projector()
     assert sorted(projector) == ["0.bias", "0.weight", "2.bias", "2.weight"]

@@ -151,6 +151,9 @@ class EncoderConfig:
     # checkpointing: each layer's input kept, the layer recomputed in the backward pass)
     recompute: Annotated[str, OneOf(ENCODER_RECOMPUTE, "a transformers tower has no "
                                     "selective recomputation")] = "none"
+    # the projection after its tower: linear | mlp | none; default model.projection (a
+    # whole VLM's tower: its own projector, which this cannot replace)
+    projection: Annotated[str, OneOf(("linear", "mlp", "none"))] | None = None
 
 
 @dataclass
@@ -174,7 +177,9 @@ class ModelConfig:
     pretrained: str | None = None
     language: LanguageConfig = field(default_factory=LanguageConfig)
     encoders: dict[str, EncoderConfig] = field(default_factory=dict)   # by module name
-    # linear | mlp (Linear-GELU-Linear) | none (identity); default: the VLM's, else linear
+    # the projection after each encoder module's tower (unless its model.encoders entry says
+    # another): linear | mlp (Linear-GELU-Linear) | none (identity); default linear. A whole
+    # VLM's tower keeps the VLM's own projector
     projection: Annotated[str, OneOf(("linear", "mlp", "none"))] | None = None
     # modules whose weights stay fixed, or an encoder module's part: image.encoder (the tower;
     # its projection trains) or image.projection

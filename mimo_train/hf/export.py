@@ -269,8 +269,7 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
             f"{name} {_described(chosen)}" for name, chosen in encoders.items()) + (
             f"; projections {language[0]}" if encoders else "")
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, f"./{LANGUAGE_DIR}")
-        manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS,
-                        projection=plan.projection, modules=modules)
+        manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS, modules=modules)
     manifest["modality_tokens"] = {name: {"token": m.token,
                                           "id": tokenizer.convert_tokens_to_ids(m.token)}
                                    for name, m in preprocess.modalities.items()}
@@ -408,11 +407,10 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
     others = [m.name for m in layout.encoders
               if "image" not in layout.modalities_of(m.name)
               or not set(layout.modalities_of(m.name)) <= tower]
-    if others or plan.projection != vlm.projection:
+    if others:
         raise ExportError(f"{directory}: a {vlm.family} checkpoint holds its vision tower, "
                           f"{vlm.projection} projection and language model only, but the run "
-                          f"has {others or f'a {plan.projection} projection'}: it cannot "
-                          "be written back as one")
+                          f"has {others}: it cannot be written back as one")
     if adapters:
         from mimo_train.families.registry import language_arch
         from mimo_train.hf.adapters import write_adapters
@@ -723,8 +721,8 @@ def _write_encoders(out: str, plan, weights: dict, directory: str, dtype: str | 
         projections.update({f"{name}.{k[len(projection):]}": v.to(language[0]).contiguous()
                             for k, v in state.items() if k.startswith(projection)})
         modules[name] = {"modality": modality, "also": list(setting.also), "kind": kind,
-                         "path": name,
-                         "output_size": encoder.output_size}
+                         "path": name, "output_size": encoder.output_size,
+                         "projection": setting.projection}
     save_file(projections, os.path.join(out, PROJECTIONS))
     return modules, written
 

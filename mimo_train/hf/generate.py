@@ -173,7 +173,9 @@ class Generator:
                                     0, 0, 0, os.path.join(model_dir, module["path"]))
             state = {k[len(name) + 1:]: v for k, v in projections.items()
                      if k.startswith(name + ".")}
-            projection = projection_module(self.manifest["projection"], state)
+            # each module's kind (an export before per-module projections: one for all)
+            projection = projection_module(module.get("projection")
+                                           or self.manifest["projection"], state)
             pair = (cast(encoder, self.dtype).to(self.device).eval(),
                     cast(projection, self.dtype).to(self.device).eval())
             for served in [modality, *module.get("also", [])]:   # one encoder, its modalities
@@ -355,7 +357,7 @@ def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
 
 
 def projection_module(kind: str, state: dict):
-    """The projection ``model.projection`` built as training builds it, with the exported
+    """A module's projection of ``kind`` built as training builds it, with the exported
     ``state`` loaded."""
     from mimo_train.families.base import Projection
     if kind == "none":

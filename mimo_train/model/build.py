@@ -226,7 +226,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
                     module=_SeededEncoder, params=dict(seed=seed, name=name, setting=setting))},
                 input_projections=[ModuleSpec(module=Projection, params=dict(
                     in_features=setting.output_size, out_features=plan.language.hidden_size,
-                    kind=plan.projection, initial=_projector(plan, setting)))]))
+                    kind=setting.projection, initial=_projector(plan, setting)))]))
         # the module's placeholders (a module serving several modalities: its first one's,
         # step.model_inputs rewrites the others' to it)
         token_ids[name] = special_token_ids[setting.modality]

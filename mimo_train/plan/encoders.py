@@ -1,12 +1,14 @@
 """Each encoder module of a run: the modality its encoder takes, the others it also serves, its
-kind, its checkpoint and the width of the rows it emits, decided from the layout, the
-preprocessing config and ``model.encoders`` (a whole VLM's tower: the VLM's own kind and
-weights). What ``model.build`` builds and ``planning.dims`` counts.
+kind, its checkpoint, the width of the rows it emits and the projection after it, decided from
+the layout, the preprocessing config, ``model.encoders`` and ``model.projection`` (a whole
+VLM's tower: the VLM's own kind, weights and projector). What ``model.build`` builds and
+``planning.dims`` counts.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from mimo_data.loading.layout import Layout
@@ -24,6 +26,7 @@ class EncoderSetting(NamedTuple):
     kind: str
     also: dict[str, Any]           # further modalities it serves (``Encoder.also_takes``)
     output_size: int               # the width of its rows, before the projection
+    projection: str                # the projection after it: linear | mlp | none
 
     @property
     def deepstack(self) -> bool:
@@ -78,8 +81,40 @@ def encoder_settings(cfg: TrainConfig, layout: Layout, preprocess, vlm: VLM | No
                 "their own encoder module")
         settings[module.name] = EncoderSetting(
             modality, modality_config, spec, kind, {m: preprocess.modalities[m] for m in also},
-            _output_size(module.name, spec, kind))
+            _output_size(module.name, spec, kind), _projection(spec, cfg, vlm))
     return settings
+
+
+def _projection(spec: EncoderConfig, cfg: TrainConfig, vlm: VLM | None) -> str:
+    """The projection after an encoder module's tower: ``model.encoders.<module>.projection``,
+    else a whole VLM's tower's own projector (its weights), else ``model.projection``, else
+    linear (``check_vlm_projections`` refuses another for a VLM's tower)."""
+    if vlm is not None and spec.pretrained == vlm.path:
+        return spec.projection or vlm.projection
+    return spec.projection or cfg.model.projection or "linear"
+
+
+def check_vlm_projections(cfg: TrainConfig, settings: Mapping[str, EncoderSetting],
+                          vlm: VLM | None) -> None:
+    """``TrainConfigError`` for a projection after a whole VLM's tower other than its own
+    projector (a new, randomly initialized layer that ``mimo-export`` cannot write back into
+    the model), and for ``model.projection`` set where every tower is the VLM's."""
+    if vlm is None:
+        return
+    why = (f"a whole {vlm.family} model, whose own projector mimo runs as projection "
+           f"{vlm.projection}: another would be a new, randomly initialized layer that "
+           "mimo-export cannot write back into the model")
+    for name, setting in settings.items():
+        if setting.spec.pretrained == vlm.path and setting.projection != vlm.projection:
+            raise TrainConfigError(
+                f"model.encoders.{name}.projection is {setting.projection}, but its tower is "
+                f"model.pretrained {cfg.model.pretrained}'s, {why}; drop the key")
+    projection = cfg.model.projection
+    if projection and projection != vlm.projection and all(
+            setting.spec.pretrained == vlm.path for setting in settings.values()):
+        raise TrainConfigError(
+            f"model.projection is {projection}, but model.pretrained {cfg.model.pretrained} is "
+            f"{why}; leave model.projection unset")
 
 
 def _vlm_tower(name: str, spec: EncoderConfig, vlm: VLM, form: tuple) -> EncoderConfig:

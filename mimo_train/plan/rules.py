@@ -245,8 +245,9 @@ def lora_rank_splits_over_tp(facts: Facts, layout: Layout, settings: Settings) -
 def deepstack_projection(facts: Facts, layout: Layout, settings: Settings) -> str | None:
     if facts.deepstack and facts.projection != "none":
         return (f"a tower adds deepstack features to the language model's first layers, so "
-                f"its rows hold them beside the main ones: model.projection {facts.projection} "
-                "cannot map them; use projection none")
+                f"its rows hold them beside the main ones: projection {facts.projection} "
+                "(model.encoders.<module>.projection, else model.projection) cannot map them; "
+                "use projection none")
     return None
 
 

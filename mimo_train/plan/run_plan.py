@@ -19,7 +19,7 @@ from mimo_train.config import LoraConfig, OptimizerConfig, TrainConfig
 from mimo_train.errors import TrainConfigError
 from mimo_train.families.base import VLM, foreign_tokenizer
 from mimo_train.families.registry import read_vlm
-from mimo_train.plan.encoders import EncoderSetting, encoder_settings
+from mimo_train.plan.encoders import EncoderSetting, check_vlm_projections, encoder_settings
 from mimo_train.plan.language import LanguagePlan, language_plan
 from mimo_train.plan.parts import Part, check_module_names, parse_parts
 from mimo_train.plan.rules import Facts, Settings, check
@@ -52,7 +52,6 @@ class RunPlan:
     layout: Layout
     vlm: VLM | None                            # model.pretrained's
     language: LanguagePlan
-    projection: str                            # linear | mlp | none
     encoders: Mapping[str, EncoderSetting]     # by encoder module
     modules: Mapping[str, ModulePlan]          # by module of the layout
     frozen: tuple[Part, ...]                   # model.freeze
@@ -65,7 +64,8 @@ class RunPlan:
         linear = arch.linear if arch else None
         return Facts(language.num_layers, language.num_attention_heads,
                      language.num_query_groups, language.experts,
-                     any(e.deepstack for e in self.encoders.values()), self.projection,
+                     any(e.deepstack for e in self.encoders.values()),
+                     next((e.projection for e in self.encoders.values() if e.deepstack), "none"),
                      (linear.num_key_heads, linear.num_value_heads) if linear else None,
                      tuple(name for name, e in self.encoders.items() if not e.frame_independent),
                      mlp=0 if language.experts else
@@ -164,18 +164,15 @@ def resolve(cfg: TrainConfig, preprocess: PreprocessConfig | None = None) -> Run
                                    if m.name in model.encoders else "none"))
                for m in layout.modules}
     plan = RunPlan(cfg, preprocess, layout, vlm, language,
-                   model.projection or (vlm.projection if vlm else "linear"),
                    encoder_settings(cfg, layout, preprocess, vlm), modules, frozen, adapted)
+    for name, setting in plan.encoders.items():
+        if setting.projection == "none" and setting.output_size != language.hidden_size:
+            raise TrainConfigError(
+                f"encoder module {name!r} has projection none (model.encoders.{name}."
+                f"projection, else model.projection), but its tower emits {setting.output_size}"
+                f" features for a language width of {language.hidden_size}: use linear or mlp")
     check(plan.facts, layout, plan.settings)
-    # (with a tower of another checkpoint beside it, the projection is the run's to choose:
-    # one kind serves every encoder module, and the model is no longer that VLM)
-    if vlm and model.projection and model.projection != vlm.projection and all(
-            setting.spec.pretrained == vlm.path for setting in plan.encoders.values()):
-        raise TrainConfigError(
-            f"model.projection is {model.projection}, but model.pretrained {model.pretrained} is "
-            f"a whole {vlm.family} model, whose own projector mimo runs as projection "
-            f"{vlm.projection}: another would be a new, randomly initialized layer that "
-            "mimo-export cannot write back into the model; leave model.projection unset")
+    check_vlm_projections(cfg, plan.encoders, vlm)
     return plan
 
 
@@ -185,7 +182,7 @@ def _trains_nothing(plan: RunPlan, module: str) -> bool:
     if any(a.part.module == module for a in plan.adapted):
         return False
     parts = {p.part for p in plan.frozen if p.module == module}
-    return None in parts or ("encoder" in parts and plan.projection == "none")
+    return None in parts or ("encoder" in parts and plan.encoders[module].projection == "none")
 
 
 def check_training(plan: RunPlan) -> None:
@@ -195,9 +192,10 @@ def check_training(plan: RunPlan) -> None:
     runs it, not ``resolve``: a checkpoint's saved config still exports and plans."""
     cfg = plan.config
     for part in plan.frozen:
-        if part.part == "projection" and plan.projection == "none":
-            whose = f"{plan.vlm.family}'s merger is part of its tower" if plan.vlm else \
-                "model.projection is none"
+        if part.part == "projection" and plan.encoders[part.module].projection == "none":
+            whose = f"{plan.vlm.family}'s merger is part of its tower" if plan.vlm and \
+                plan.encoders[part.module].spec.pretrained == plan.vlm.path else \
+                "its projection is none"
             raise TrainConfigError(
                 f"model.freeze freezes {part.name!r}, which the model does not have ({whose}): "
                 f"freeze '{part.module}.encoder' (the tower with it) or '{part.module}'")

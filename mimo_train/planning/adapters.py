@@ -199,5 +199,5 @@ def run_adapters(plan: RunPlan) -> Adapters:
     size sets the output layer's rows, which take no adapter)."""
     stack = language_stack(plan.language, 1)
     return plan_adapters(plan, stack, {
-        name: projection_linears(plan.projection, setting.output_size, stack.hidden)
+        name: projection_linears(setting.projection, setting.output_size, stack.hidden)
         for name, setting in plan.encoders.items()})

@@ -329,7 +329,7 @@ def from_plan(plan: RunPlan, tokenizer_size: int | None = None) -> ModelDims:
     for name, setting in plan.encoders.items():
         tower = _configured_tower(name, setting)
         encoders[name] = EncoderModule(tower, tuple(plan.layout.modalities_of(name)),
-                                       projection_linears(plan.projection, tower.output_size,
+                                       projection_linears(setting.projection, tower.output_size,
                                                           language.hidden))
     return ModelDims(language, encoders)
 
