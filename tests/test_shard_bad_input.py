@@ -514,11 +514,17 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     assert [f["location"] for f in skipped["missing_media"]["first"]] == [f"{path}:1", f"{path}:5"]
     assert report["records_skipped"] == 4 and report["samples_written"] == 3
     assert [row["id"] for row in samples_table(tmp_path / "out")] == ["good-1", "good-2", "good-3"]
-    # every record skipped: the dataset and its report are written, the work is not done
+    # every record skipped: its report is written, no dataset (the work is not done), and
+    # the build of the fixed data goes to the same output without --overwrite
     path = write_jsonl(tmp_path / "bad.jsonl", [cases[0].record, cases[1].record])
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
     assert code == 1 and "no sample written, all 2 record(s) skipped" in err, err
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["report.json"]
+    path = write_jsonl(tmp_path / "fixed.jsonl", good_records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
+    assert code == 0 and read_json(tmp_path / "none" / "index.json")["totals"]["samples"] == \
+        len(good_records), err
 
 
 def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_records):

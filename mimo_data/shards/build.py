@@ -189,7 +189,8 @@ def _results(tasks, sources, policy, workers):
 def build(inputs: list[str], output: str, options: BuildOptions,
           storage_options: dict | None = None) -> dict:
     """Build the dataset; return the index. Raises BuildError (nothing is left behind then:
-    no index, so nothing a reader takes for a dataset)."""
+    no index, so nothing a reader takes for a dataset). A build that writes no sample leaves
+    its report alone (``_kept``): no dataset, and its output takes the next build as is."""
     if not inputs:
         raise BuildError("no inputs given")
     if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
@@ -227,12 +228,20 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         if created and not os.listdir(output):
             os.rmdir(output)
         raise
-    for name in sorted(os.listdir(staging)):
+    for name in _kept(index, sorted(os.listdir(staging))):
         os.replace(os.path.join(staging, name), os.path.join(output, name))
-    os.rmdir(staging)
-    write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
+    shutil.rmtree(staging)
+    if index["totals"]["samples"]:
+        write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
     _say_built(index, summary, output)
     return index
+
+
+def _kept(index: dict, names: list[str]) -> list[str]:
+    """The ``names`` of a build's files that its output keeps: all, but the report alone
+    where no sample was written (an empty dataset would need --overwrite before the
+    build of the fixed data)."""
+    return names if index["totals"]["samples"] else [n for n in names if n == REPORT_FILE]
 
 
 def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
@@ -275,8 +284,10 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
         for folder, _, files in os.walk(staging):
             for name in sorted(files):
                 path = os.path.join(folder, name)
-                remote.put(path, storage.join(output, os.path.relpath(path, staging)))
-        remote.write(storage.join(output, INDEX_FILE), dumps(index))
+                if _kept(index, [os.path.relpath(path, staging)]):
+                    remote.put(path, storage.join(output, os.path.relpath(path, staging)))
+        if index["totals"]["samples"]:
+            remote.write(storage.join(output, INDEX_FILE), dumps(index))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _say_built(index, summary, output)

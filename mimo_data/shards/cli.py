@@ -215,7 +215,7 @@ def _run(args) -> int:
 
 def _nothing_kept(command: str, built: dict) -> int:
     """1 when no sample was written: every record read was skipped, or the inputs held none
-    (the dataset is written, with its report: the work is not done), else 0."""
+    (its report written, no dataset: the work is not done), else 0."""
     read = built["report"]["records_read"]
     if built["totals"]["samples"] == 0:
         print(f"mimo-shard {command}: error: no sample written, " + (
