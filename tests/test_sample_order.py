@@ -103,8 +103,10 @@ def test_a_downsampled_dataset_continues_across_epochs_without_repeats():
 
 
 def test_bad_weights_are_refused():
-    with pytest.raises(OrderError, match="keeps none"):
-        SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 1])
+    with pytest.raises(OrderError, match="^s3://b/speech has weight 1 but preprocessing keeps "
+                       "none of its samples"):
+        SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1, weights=[1, 1],
+                    names=["shards/images", "s3://b/speech"])
     with pytest.raises(OrderError, match="one per dataset"):
         SampleOrder([shape(4)], 0, 1, weights=[1, 1])
 

@@ -141,6 +141,14 @@ CASES = [
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
      ["no shards at {tmp}/no-such-shards", "index.json is missing",
       "mimo-shard build ... --output {tmp}/no-such-shards"]),
+    ("a dataset given twice", "default",
+     ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
+     ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "
+      "epoch; to draw from it more often, give data.weights"]),
+    ("validation on the training set", "default",
+     ["data.valid=[{tmp}/corpus]", "train.eval_interval=2"], "config",
+     ["data.valid {tmp}/corpus is in data.datasets too (as ", "the validation loss would be "
+      "of samples the run trains on"]),
     ("dataset directory of tars without index.json", "default",
      ["data.datasets=[{tmp}/unfinished]"], "config",
      ["no shards at {tmp}/unfinished: tars with no index.json: tars made elsewhere",
@@ -253,6 +261,7 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     tmp = tmp_path_factory.mktemp("startup-cases")
     _unfinished(tmp, loader_corpus)
     (tmp / "afile").write_text("in the way\n")
+    (tmp / "corpus").symlink_to(loader_corpus)          # the corpus under another name
     (tmp / "no-weights").mkdir()
     shutil.copy(REPO / "assets" / "models" / "tiny-qwen2-vl-vision" / "config.json",
                 tmp / "no-weights")

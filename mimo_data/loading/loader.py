@@ -202,7 +202,8 @@ class DataSource:
         try:
             return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
                                block_size, window_blocks, arrangement,
-                               self.costs if needs_costs else None, packing)
+                               self.costs if needs_costs else None, packing,
+                               names=self.directories)
         except TooFewSamples as error:
             if not self.tally.skipped_total:
                 raise

@@ -39,7 +39,7 @@ an upgrade.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -104,10 +104,11 @@ class SampleOrder:
                  block_size: int = 64, window_blocks: int = 4,
                  arrangement: Arrangement | None = None,
                  costs: Callable[[np.ndarray, np.ndarray], np.ndarray] | None = None,
-                 packing: Packing | None = None):
+                 packing: Packing | None = None, names: Sequence[str] = ()):
         """``arrangement``: balance each step by ``costs(datasets, positions)``, the
         ``[samples, columns]`` costs of the given samples (``DataSource.costs``; column 0
-        the tokens); ``packing``: then pack each language DP rank's part by its tokens."""
+        the tokens); ``packing``: then pack each language DP rank's part by its tokens;
+        ``names``: the datasets' as errors name them."""
         if (arrangement is None and packing is None) != (costs is None):
             raise OrderError("balancing and packing need the samples' costs, and only they")
         if packing is not None and global_batch_size % packing.part_size:
@@ -133,7 +134,8 @@ class SampleOrder:
         self.quotas = kept if weights is None else _quotas(weights, kept)
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
             if quota and not count:
-                raise OrderError(f"dataset {i} has weight {(weights or [])[i]} but preprocessing "
+                name = names[i] if names else f"dataset {i}"
+                raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
         if remainder == "drop":

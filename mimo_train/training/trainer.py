@@ -32,6 +32,7 @@ import torch.distributed as dist
 from mimo_data.loading.layout import LANGUAGE, Layout
 from mimo_data.loading.loader import (DataSource, build_loader, check_even_split,
                                       variable_token_modalities)
+from mimo_data.loading.sample_order import OrderError
 from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
@@ -76,6 +77,7 @@ def _raise(error: Exception | None) -> None:
 
 
 def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) -> None:
+    _check_each_once(cfg)
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         for directory in directories:
             if not storage.exists(storage.join(directory, INDEX_FILE),
@@ -89,6 +91,33 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                     cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                     modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+
+
+def _check_each_once(cfg: TrainConfig) -> None:
+    """``TrainConfigError`` for a dataset given twice (as another spelling of its path: a
+    trailing slash, a link): in ``data.datasets`` each of its samples would train twice an
+    epoch, in both lists the validation loss would be of trained samples."""
+    def where(directory: str) -> str:
+        return directory.rstrip("/") if storage.is_remote(directory) else \
+            os.path.realpath(storage.local_path(directory))
+    seen: dict[str, tuple[str, str]] = {}       # where -> its first mention: key, directory
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        for directory in directories:
+            here = where(directory)
+            if here not in seen:
+                seen[here] = (key, directory)
+                continue
+            first_key, first = seen[here]
+            if key != first_key:
+                raise TrainConfigError(
+                    f"data.valid {directory} is in data.datasets too" + (
+                        f" (as {first})" if first != directory else "") + ": the validation "
+                    "loss would be of samples the run trains on; validate on a dataset of its own")
+            raise TrainConfigError(
+                f"{key} gives {directory} twice" + (f" (first as {first})" if first != directory
+                                                     else "") + ": each of its samples " +
+                ("would train twice an epoch; to draw from it more often, give data.weights"
+                 if key == "data.datasets" else "would count twice in the validation loss"))
 
 
 class Trainer:
@@ -269,7 +298,13 @@ class Trainer:
                               partition=partition,
                               storage_options=cfg.data.storage_options, text=self.text)
 
-        def loader(opened: DataSource):
+        def loader(opened: DataSource, key: str):
+            try:
+                return _loader(opened)
+            except OrderError as error:         # which of the run's sets it is
+                raise type(error)(f"{key} ({', '.join(opened.directories)}): {error}") from None
+
+        def _loader(opened: DataSource):
             return build_loader(opened, self.preprocess, self.layout, self.rank, self.world,
                                 cfg.train.global_batch_size, cfg.train.micro_batch_size,
                                 cfg.train.seed, num_workers=cfg.data.num_workers,
@@ -283,7 +318,8 @@ class Trainer:
         train_source = source(cfg.data.datasets, cfg.data.weights)
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
         check_even_split(train_source, self.layout)
-        return loader(train_source), valid_source and loader(valid_source)
+        return loader(train_source, "data.datasets"), \
+            valid_source and loader(valid_source, "data.valid")
 
     def _eval_steps(self) -> int:
         """Global batches per evaluation: ``train.eval_steps``, at most one epoch of
