@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import signal
 import sys
 import time
 
@@ -57,6 +58,18 @@ def main(argv=None) -> int:
     parser = _parser()
     args = parser.parse_intermixed_args(argv)     # overrides before or after the options
     console.quiet_third_party()
+    try:
+        return _main(args, parser)
+    except KeyboardInterrupt:
+        # a terminal's Ctrl-C reaches every rank: one line, from rank 0, and no traceback
+        if console.rank() == 0:
+            print(f"{console.PREFIX}interrupted (SIGINT): stopped without a checkpoint; the "
+                  "last one saved resumes (with SIGINT in train.exit_signals a run saves one "
+                  "first)", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
+
+
+def _main(args, parser: argparse.ArgumentParser) -> int:
     if args.preprocessing_for:
         return _print_preprocessing(args.preprocessing_for)
     if not args.config:

@@ -668,29 +668,42 @@ def _until_step_1(agent: subprocess.Popen) -> list[str]:
     return lines
 
 
-def test_a_rank_that_dies_is_reported_once(setup):
+@pytest.mark.parametrize("how", ["killed", "ctrl-c"])
+def test_a_rank_that_dies_is_reported_once(setup, how):
     """SIGKILL to one worker once step 1 is logged (the kernel's out-of-memory killer does
     that): the job stops with one message saying a rank left without a message, exit status
-    1, no traceback from the ranks left waiting for it. The ranks wait before step 2 until it
-    is killed (tests/jobs/gated_train.py): the run cannot end first."""
+    1, no traceback from the ranks left waiting for it. Ctrl-C (SIGINT to the job's process
+    group, a terminal's): one line saying so, no traceback from each rank. The ranks wait
+    before step 2 until then (tests/jobs/gated_train.py): the run cannot end first."""
     import signal
     tmp, common, _ = setup
-    command, gate = _gated(tmp, tmp / "killed", common)
+    command, gate = _gated(tmp, tmp / how, common)
     with session(command, cwd=REPO, env={**os.environ, **BASE_ENV}, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, text=True) as agent:
         assert agent.stdout is not None
         lines = _until_step_1(agent)
-        os.kill(_children(agent.pid)[1], signal.SIGKILL)          # the audio rank
+        if how == "killed":
+            os.kill(_children(agent.pid)[1], signal.SIGKILL)          # the audio rank
+        else:
+            os.killpg(agent.pid, signal.SIGINT)
         gate.touch()
         lines += agent.stdout.readlines()
-        assert agent.wait(timeout=120) == 1
+        code = agent.wait(timeout=120)
     output = "".join(lines)
+    assert "[rank" not in output and output.count("Traceback") <= 1, output
+    # (the setup validates on the training set, which start-up says, once)
+    assert output.count("is in data.datasets too: the validation loss is of samples the run "
+                        "trains on") == 1, output
+    # each record was written as it was read: the run's death keeps step 1's
+    assert [r["step"] for r in train_records(read_records(tmp / f"{how}.jsonl"))] == [1]
+    if how == "ctrl-c":
+        messages = re.findall(r"^mimo-train: interrupted .*$", output, re.MULTILINE)
+        assert len(messages) == 1 and "stopped without a checkpoint" in messages[0], output
+        return
+    assert code == 1
     messages = re.findall(r"^mimo-train: training stopped in .*$", output, re.MULTILINE)
     assert len(messages) == 1, output
     assert "another rank left the job without a message" in messages[0], messages[0]
-    assert "[rank" not in output and output.count("Traceback") <= 1, output
-    # each record was written as it was read: the run's death keeps step 1's
-    assert [r["step"] for r in train_records(read_records(tmp / "killed.jsonl"))] == [1]
 
 
 @pytest.mark.parametrize("target", ["one worker", "the agent"])

@@ -145,10 +145,10 @@ CASES = [
      ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
      ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "
       "epoch; to draw from it more often, give data.weights"]),
-    ("validation on the training set", "default",
-     ["data.valid=[{tmp}/corpus]", "train.eval_interval=2"], "config",
-     ["data.valid {tmp}/corpus is in data.datasets too (as ", "the validation loss would be "
-      "of samples the run trains on"]),
+    ("a validation set given twice", "default",
+     ["data.valid=[{tmp}/corpus,{tmp}/corpus]", "train.eval_interval=2"], "config",
+     ["data.valid gives {tmp}/corpus twice: each of its samples would count twice in the "
+      "validation loss"]),
     ("dataset directory of tars without index.json", "default",
      ["data.datasets=[{tmp}/unfinished]"], "config",
      ["no shards at {tmp}/unfinished: tars with no index.json: tars made elsewhere",

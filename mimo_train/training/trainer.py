@@ -94,30 +94,34 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
 
 
 def _check_each_once(cfg: TrainConfig) -> None:
-    """``TrainConfigError`` for a dataset given twice (as another spelling of its path: a
-    trailing slash, a link): in ``data.datasets`` each of its samples would train twice an
-    epoch, in both lists the validation loss would be of trained samples."""
+    """``TrainConfigError`` for a dataset given twice in ``data.datasets`` (each of its
+    samples would train twice an epoch) or in ``data.valid``, also as another spelling of its
+    path (a trailing slash, a link); one in both lists is said (a validation loss of trained
+    samples: a check that the run fits its data, or a mistake)."""
     def where(directory: str) -> str:
         return directory.rstrip("/") if storage.is_remote(directory) else \
             os.path.realpath(storage.local_path(directory))
-    seen: dict[str, tuple[str, str]] = {}       # where -> its first mention: key, directory
+    trained: dict[str, str] = {}                # where -> data.datasets' spelling
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        seen: dict[str, str] = {}               # where -> its first spelling in this list
         for directory in directories:
             here = where(directory)
-            if here not in seen:
-                seen[here] = (key, directory)
-                continue
-            first_key, first = seen[here]
-            if key != first_key:
+            if here in seen:
+                first = seen[here]
                 raise TrainConfigError(
-                    f"data.valid {directory} is in data.datasets too" + (
-                        f" (as {first})" if first != directory else "") + ": the validation "
-                    "loss would be of samples the run trains on; validate on a dataset of its own")
-            raise TrainConfigError(
-                f"{key} gives {directory} twice" + (f" (first as {first})" if first != directory
-                                                     else "") + ": each of its samples " +
-                ("would train twice an epoch; to draw from it more often, give data.weights"
-                 if key == "data.datasets" else "would count twice in the validation loss"))
+                    f"{key} gives {directory} twice" + (
+                        f" (first as {first})" if first != directory else "") +
+                    ": each of its samples " + (
+                        "would train twice an epoch; to draw from it more often, give "
+                        "data.weights" if key == "data.datasets" else
+                        "would count twice in the validation loss"))
+            seen[here] = directory
+            if key == "data.valid" and here in trained:
+                say(f"{PREFIX}data.valid {directory} is in data.datasets too" + (
+                    f" (as {trained[here]})" if trained[here] != directory else "") +
+                    ": the validation loss is of samples the run trains on")
+        if key == "data.datasets":
+            trained = seen
 
 
 class Trainer:
