@@ -335,3 +335,45 @@ def test_a_bug_on_some_ranks_is_one_gathered_failure(monkeypatch, capsys, this_r
     assert failed.value.exit_code == 1
     printed = capsys.readouterr().err
     assert ("Traceback" in printed) == (this_rank == 1), printed
+
+
+def test_a_data_loader_workers_error_is_its_own_message_without_the_workers_traceback():
+    """A DataLoader worker's error comes back with the worker's traceback in its message, its
+    last line naming the class with its module: the run's one message is that error's own."""
+    from torch._utils import ExceptionWrapper
+
+    from mimo_data.shards.index import DatasetError
+    from mimo_train.runtime.console import run_failure
+    try:
+        raise DatasetError("shard-000001.tar is cut short at sample 7's jpg: verify the dataset")
+    except DatasetError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 0")
+    with pytest.raises(DatasetError) as raised:
+        wrapped.reraise()
+    assert "Original Traceback" in str(raised.value)
+    failure = run_failure(raised.value, 0, "step 1", "image dp rank 0")
+    assert str(failure) == ("training stopped in step 1 on rank 0 (image dp rank 0): "
+                            "DatasetError: shard-000001.tar is cut short at sample 7's jpg: "
+                            "verify the dataset") and not failure.details
+
+
+@pytest.mark.parametrize("raised, says", [
+    # gloo's words for a peer that did not come within the collective's timeout
+    ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+     "60000ms for recv operation to complete",
+     "a collective waited train.collective_timeout_minutes for another rank, which did not "
+     "come: a rank stalled"),
+    # torch's DataLoader, for a worker the kernel's out-of-memory killer ended
+    ("DataLoader worker (pid 4242) is killed by signal: Killed. ",
+     "a data loader worker of this rank died: DataLoader worker (pid 4242) is killed by "
+     "signal: Killed. (the kernel's out-of-memory killer? lower data.num_workers"),
+    ("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly",
+     "a data loader worker of this rank died: DataLoader worker (pid(s) 4242, 4243) exited "
+     "unexpectedly"),
+])
+def test_a_stalled_rank_and_a_dead_loader_worker_are_said_not_reported_as_bugs(raised, says):
+    from mimo_train.runtime.console import run_failure
+    failure = run_failure(RuntimeError(raised), 1, "step 3", "language dp rank 0")
+    assert str(failure).startswith("training stopped in step 3 on rank 1 (language dp rank 0): "
+                                   + says), str(failure)
+    assert not failure.details and not failure.peer_lost     # no traceback: not a bug

@@ -236,6 +236,14 @@ PEER_WAIT_S = 5.0
 # the watchdog's abort); torch raises these as DistError subclasses or RuntimeError.
 _PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe|NCCL communicator was "
                         r"aborted|ProcessGroupNCCL.*(timeout|Timeout)|Socket Timeout")
+# A collective that waited train.collective_timeout_minutes for a peer that did not come (a
+# stalled rank: stuck reading storage, stopped, in a debugger); gloo's and NCCL's words
+_TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|Watchdog caught "
+                        r"collective operation timeout")
+# A DataLoader worker process that died without an exception (a signal: the kernel's
+# out-of-memory killer's SIGKILL), as torch's DataLoader says it
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed by signal: "
+                          r"\w+\.?|exited unexpectedly)")
 # DataLoader re-raises a worker's exception with the worker's traceback in the message
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 # NCCL out of GPU memory for its own buffers (allocated beside torch's caching allocator, so
@@ -273,6 +281,16 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
         return RunError(f"training stopped in {doing} on rank {rank_} ({where}): out of GPU "
                         f"memory ({cause}); to fit, from this run's settings: " +
                         "; ".join(memory_remedies))
+    if _TIMED_OUT.search(str(error)):
+        return RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
+                        "waited train.collective_timeout_minutes for another rank, which did "
+                        "not come: a rank stalled (stuck reading storage, stopped, in a "
+                        f"debugger?) ({cause.splitlines()[0]})")
+    died = _WORKER_DIED.search(str(error))
+    if died:
+        return RunError(f"training stopped in {doing} on rank {rank_} ({where}): a data loader "
+                        f"worker of this rank died: {died.group(0)} (the kernel's out-of-memory "
+                        "killer? lower data.num_workers, or give the job more host memory)")
     if isinstance(error, dist.DistError) or _PEER_LOST.search(str(error)):
         failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
                            f"failed ({cause.splitlines()[0]}): another rank left the job "
@@ -291,9 +309,10 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
 def _message(error: Exception) -> str:
     """The error's own message, without a DataLoader worker's traceback around it."""
     text = str(error)
-    if _WORKER_TRACEBACK in text:
-        marker = f"\n{type(error).__name__}: "
-        text = text[text.rfind(marker) + len(marker):] if marker in text else text
+    if _WORKER_TRACEBACK in text:       # its last line: "[package.module.]Name: message"
+        found = list(re.finditer(rf"\n(?:[\w.]+\.)?{re.escape(type(error).__name__)}: ",
+                                 text))
+        text = text[found[-1].end():] if found else text
     return text.strip()
 
 
