@@ -20,11 +20,25 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def _dcp_metadata(names: list[str]) -> bytes:
+    """torch.distributed.checkpoint's ``.metadata`` naming each of the data files ``names``
+    (one tensor in each), as its FileSystemWriter pickles it."""
+    import pickle
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+    return pickle.dumps(Metadata(state_dict_metadata={}, storage_data={
+        MetadataIndex(f"tensor{i}"): _StorageInfo(name, 0, 1) for i, name in enumerate(names)}))
+
+
+DATA = {"__0_0.distcp": b"a" * 300, "__1_0.distcp": b"b" * 500, "__1_1.distcp": b"c" * 10,
+        "__2_0.distcp": b"d" * 200}
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     """A torch_dist-like directory written by 3 ranks: their data files, rank 0's index."""
-    files = {"__0_0.distcp": b"a" * 300, "__1_0.distcp": b"b" * 500, "__1_1.distcp": b"c" * 10,
-             "__2_0.distcp": b"d" * 200, ".metadata": b"index", "metadata.json": b"{}"}
+    files = {**DATA, ".metadata": _dcp_metadata(list(DATA)), "metadata.json": b"{}"}
     for name, data in files.items():
         (tmp_path / name).write_bytes(data)
     return tmp_path, files
@@ -68,6 +82,20 @@ def test_a_data_file_without_its_writers_digests_fails_the_save(checkpoint):
     digests.write_part(str(directory), 0)
     digests.write_part(str(directory), 1)              # rank 2's writer never finished
     with pytest.raises(IntegrityError, match=r"__2_0.distcp has no digest from rank 2"):
+        digests.write_manifest(str(directory))
+    assert not (directory / "integrity.json").exists()
+
+
+def test_a_data_file_deleted_before_its_writer_hashed_fails_the_save(checkpoint):
+    """Another run writing to the same checkpoint.dir deleted rank 1's files before rank 1's
+    writer listed them: no part names them, but the save's .metadata does."""
+    directory, _ = checkpoint
+    for name in ("__1_0.distcp", "__1_1.distcp"):
+        (directory / name).unlink()
+    for rank in range(3):
+        digests.write_part(str(directory), rank)
+    with pytest.raises(IntegrityError, match=r"__1_0.distcp, __1_1.distcp, which its .metadata "
+                       "names, went missing while it was saved"):
         digests.write_manifest(str(directory))
     assert not (directory / "integrity.json").exists()
 

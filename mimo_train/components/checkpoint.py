@@ -49,7 +49,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo_data.files import write_atomic
-from mimo_train.components import digests
+from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.digests import MANIFEST
 from mimo_train.components.optimizer import schedule_changes
 from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, common_as,
@@ -115,7 +115,8 @@ def step_of(path: str) -> str:
 def prepare(root: str, resume: bool) -> str | None:
     """Start-up of a run with ``checkpoint.dir`` ``root``: the folder made and written to (a
     save that cannot write fails here, not at the first checkpoint, hours in), then what it
-    resumes (``resume_point``; None without ``resume``)."""
+    resumes (``resume_point``; None without ``resume``). Rank 0 claims the folder for the run
+    (``checkpoint_owner``)."""
     if _is_model_folder(root):
         raise CheckpointError(
             f"checkpoint.dir {root} is a transformers model folder (config.json and its "
@@ -131,6 +132,10 @@ def prepare(root: str, resume: bool) -> str | None:
     except OSError as error:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
+    if distributed.rank_and_size()[0] == 0:
+        note = checkpoint_owner.claim(root)
+        if note:
+            say(PREFIX + note)
     return resume_point(root) if resume else None
 
 
@@ -253,10 +258,13 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
     write extended by the writer's digests and its finalization by ``meta.json``, the manifest
     and ``latest`` (rank 0), in that order, then (``keep_last``) ``prune``."""
     rank = dist.get_rank()
-    if rank == 0:                     # what an interrupted save at this step left
+    lost = checkpoint_owner.lost(root) if rank == 0 else None
+    if rank == 0 and not lost:        # what an interrupted save at this step left
         shutil.rmtree(directory, ignore_errors=True)
         os.makedirs(directory)
-    distributed.barrier()
+    lost = distributed.broadcast(lost, src=0)           # every rank stops, none waits
+    if lost:
+        raise CheckpointError(lost)
     # Fully parallel: each replicated tensor (a data-parallel replica's weights and optimizer
     # state) is written by one of its holders, spread over the world, not all by rank 0.
     request = dist_checkpointing.save(

@@ -69,10 +69,28 @@ def write_manifest(directory: str) -> None:
         elif name not in files:
             raise IntegrityError(f"{directory}: {name} has no digest from rank {writer(name)} "
                                  "(its writer did not finish)")
+    missing = sorted(set(_data_files(directory)) - set(files))
+    if missing:
+        raise IntegrityError(f"{directory}: {', '.join(missing)}, which its .metadata names, "
+                             "went missing while it was saved (deleted: another run writing "
+                             "to this checkpoint.dir?)")
     write_atomic(os.path.join(directory, MANIFEST), json.dumps(
         {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1).encode())
     for name in parts:
         os.remove(os.path.join(directory, name))
+
+
+def _data_files(directory: str) -> list[str]:
+    """The data files the save's ``.metadata`` (torch.distributed.checkpoint's) names: what
+    the checkpoint must hold, whatever the folder holds now."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        metadata = FileSystemReader(directory).read_metadata()
+    except (OSError, ValueError, EOFError, pickle.UnpicklingError) as error:
+        raise IntegrityError(f"{directory}: its .metadata cannot be read ({error})") from None
+    return sorted({item.relative_path for item in metadata.storage_data.values()})
 
 
 def shares(sizes: dict[str, int], ranks: int) -> list[list[str]]:
