@@ -377,3 +377,29 @@ def test_a_stalled_rank_and_a_dead_loader_worker_are_said_not_reported_as_bugs(r
     assert str(failure).startswith("training stopped in step 3 on rank 1 (language dp rank 0): "
                                    + says), str(failure)
     assert not failure.details and not failure.peer_lost     # no traceback: not a bug
+
+
+def test_a_rank_that_left_during_start_up_is_one_message_not_a_traceback(monkeypatch):
+    """A peer gone while the ranks agree on a start-up phase (a signal before the run's
+    handlers are up, the out-of-memory killer): the agreement's failure is the one message
+    the job prints, saying so; another failure of the agreement stays what it is."""
+    from mimo_train.errors import RunError
+    from mimo_train.runtime import console, distributed
+
+    def gone(error):
+        raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection "
+                           "reset by peer\nException raised from recvFrom")
+    monkeypatch.setattr(distributed, "gather", gone)
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(RunError) as failed:
+        console.agree("model", lambda: None)
+    assert failed.value.peer_lost and str(failed.value).startswith(
+        "start-up stopped in its model phase on rank 0: another rank left the job without a "
+        "message ([../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection reset by "
+        "peer): killed, out of memory, or a signal before training began")
+
+    def broken(error):
+        raise ValueError("a bug of the gather's own")
+    monkeypatch.setattr(distributed, "gather", broken)
+    with pytest.raises(ValueError, match="a bug of the gather's own"):
+        console.agree("model", lambda: None)

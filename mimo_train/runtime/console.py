@@ -165,7 +165,10 @@ def agree(phase: str, function):
         details = None if expected else "".join(traceback.format_exception(exc))
         result, error = None, (f"{type(exc).__name__}: {_BUILT_BY.sub('', str(exc))}",
                                getattr(exc, "exit_code", None) if expected else 1, not expected)
-    errors = distributed.gather(error)
+    try:
+        errors = distributed.gather(error)
+    except Exception as exc:
+        raise _lost_in_startup(exc, phase) from None
     failed: dict[str, list[int]] = {}
     codes: set[int | None] = set()
     for index, gathered in enumerate(errors):
@@ -182,6 +185,21 @@ def agree(phase: str, function):
         raise StartupError(f"mimo_train start-up failed ({phase}):\n" + "\n".join(lines), phase,
                            1 if 1 in codes else None)
     return result
+
+
+def _lost_in_startup(error: Exception, phase: str) -> Exception:
+    """A start-up agreement that failed: a peer that left the job (killed, out of memory, a
+    signal before the run's handlers are up) as one ``RunError`` to report once, not a
+    traceback from each rank; any other failure as it is."""
+    import torch.distributed as dist
+    if not (isinstance(error, dist.DistError) or _PEER_LOST.search(str(error))):
+        return error
+    failure = RunError(f"start-up stopped in its {phase} phase on rank {rank()}: another rank "
+                       f"left the job without a message ({str(error).splitlines()[0]}): killed, "
+                       "out of memory, or a signal before training began; torchrun's report "
+                       "names it")
+    failure.peer_lost = True
+    return failure
 
 
 def phase(name: str, done, function, start: float | None = None):
