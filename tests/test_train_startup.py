@@ -311,6 +311,9 @@ def test_the_command_line_fails_cleanly_on_every_rank(tmp_path, loader_corpus, p
     code, ranks, launcher = _torchrun(tmp_path, config, case_overrides)
     assert sorted(ranks) == list(range(NPROC)), f"missing rank logs\n{launcher[-3000:]}"
     _check_startup_failure([code], ranks, launcher, phase, case_expected)
+    # torchrun's report names the failure as its root cause, not "<N/A>"
+    assert "error_file: <N/A>" not in launcher and \
+        f"start-up failed ({phase})" in launcher.split("Root Cause")[-1], launcher[-3000:]
 
 
 @pytest.mark.parametrize("this_rank", [1, 2])

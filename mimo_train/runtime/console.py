@@ -221,6 +221,7 @@ def report_failure(error: StartupError) -> int:
     from mimo_train.runtime import distributed
     if rank() == 0:
         print(f"{PREFIX}{error}", file=sys.stderr, flush=True)
+    _torchrun_error_file(str(error))            # whichever rank torchrun names its root cause
     if dist.is_initialized():
         distributed.barrier()
     return error.exit_code
