@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, preprocess_config_file
+from conftest import REPO, build_dataset, preprocess_config_file
 from support.launch import torchrun
 
 NPROC = 3
@@ -145,6 +145,9 @@ CASES = [
      ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
      ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "
       "epoch; to draw from it more often, give data.weights"]),
+    ("a validation set smaller than a global batch", "default",
+     ["data.valid=[{tmp}/one]", "train.eval_interval=2"], "data",
+     ["data.valid ({tmp}/one): an epoch holds 1 kept samples, fewer than one global batch"]),
     ("a validation set given twice", "default",
      ["data.valid=[{tmp}/corpus,{tmp}/corpus]", "train.eval_interval=2"], "config",
      ["data.valid gives {tmp}/corpus twice: each of its samples would count twice in the "
@@ -262,6 +265,9 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     _unfinished(tmp, loader_corpus)
     (tmp / "afile").write_text("in the way\n")
     (tmp / "corpus").symlink_to(loader_corpus)          # the corpus under another name
+    (tmp / "one.jsonl").write_text(json.dumps({"id": "only", "conversations": [
+        {"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
+    build_dataset([tmp / "one.jsonl"], tmp / "one")     # a dataset of one sample
     (tmp / "no-weights").mkdir()
     shutil.copy(REPO / "assets" / "models" / "tiny-qwen2-vl-vision" / "config.json",
                 tmp / "no-weights")
