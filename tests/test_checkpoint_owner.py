@@ -1,8 +1,9 @@
 """One run at a time writes a checkpoint.dir (``mimo_train.components.checkpoint_owner``): a
-second run of this host is refused at start-up while the first runs, a claim left by a run
-that ended (or by a run of another host) is taken over, and a run whose claim another took
-stops before it saves. The digest side (a data file deleted while it was saved fails the
-save) is in tests/test_digests.py."""
+second run is refused at start-up while the first runs (on this host: its very process, by
+boot and start time; on another: its claim renewed recently), a claim of a run that ended or
+of the same job is taken over, and a run whose claim another took stops before it saves. The
+digest side (a data file deleted while it was saved fails the save) is in
+tests/test_digests.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import os
 import socket
 import subprocess
-import sys
+import time
 
 import pytest
 
@@ -19,57 +20,84 @@ from mimo_train.components.checkpoint_owner import OWNER
 from mimo_train.errors import CheckpointError
 
 
-def _claimed_by(root, host: str, pid: int) -> None:
-    (root / OWNER).write_text(json.dumps({"host": host, "pid": pid, "started": "earlier"}))
+def _claim_of(root, **fields) -> dict:
+    claim = {"host": socket.gethostname(), "pid": 1, "boot": None, "start": None, "job": None,
+             "started": "earlier", **fields}
+    (root / OWNER).write_text(json.dumps(claim))
+    return claim
 
 
 @pytest.fixture
 def other_run():
-    """A live process of this host whose command line names mimo, as a training's does."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)",
-                                "-m", "mimo_train"])
-    yield process
+    """A live process of this host, and its claim's identity (boot and start time)."""
+    process = subprocess.Popen(["sleep", "60"])
+    yield process, checkpoint_owner._process(process.pid)
     process.kill()
     process.wait()
 
 
+@pytest.fixture(autouse=True)
+def no_job(monkeypatch):
+    for name in ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_a_run_of_this_host_that_still_goes_keeps_its_folder(tmp_path, other_run):
-    host = socket.gethostname()
-    _claimed_by(tmp_path, host, other_run.pid)
+    process, identity = other_run
+    assert identity["start"] is not None and identity["boot"]
+    _claim_of(tmp_path, pid=process.pid, **identity)
     with pytest.raises(CheckpointError, match=rf"checkpoint.dir {tmp_path} is being written by "
-                       rf"another run \(process {other_run.pid} on {host}, started earlier\)"
-                       ) as refused:
+                       rf"another run \(process {process.pid} on {socket.gethostname()}, "
+                       r"started earlier\)") as refused:
         checkpoint_owner.claim(str(tmp_path))
     assert refused.value.exit_code == 2
-    assert json.loads((tmp_path / OWNER).read_text())["pid"] == other_run.pid   # left as is
-    other_run.kill()
-    other_run.wait()                       # it ended (crashed, say): its claim is taken over
-    assert checkpoint_owner.claim(str(tmp_path)) is None
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == process.pid   # left as is
+    process.kill()
+    process.wait()                         # it ended (crashed, say): its claim is taken over
+    checkpoint_owner.claim(str(tmp_path))
     assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
 
 
-def test_a_process_id_reused_by_another_program_is_no_run(tmp_path):
-    with subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) as process:
-        _claimed_by(tmp_path, socket.gethostname(), process.pid)
-        try:
-            assert checkpoint_owner.claim(str(tmp_path)) is None
-        finally:
-            process.kill()
+def test_a_process_id_given_to_another_process_is_no_run(tmp_path, other_run):
+    """The claim's process id now names a process started later (a restarted container's)."""
+    process, identity = other_run
+    _claim_of(tmp_path, pid=process.pid, boot=identity["boot"], start=identity["start"] - 1)
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
 
 
-def test_another_hosts_claim_is_taken_over_and_said(tmp_path):
-    _claimed_by(tmp_path, "node-17", 4242)
-    said = checkpoint_owner.claim(str(tmp_path))
-    assert said == (f"checkpoint.dir {tmp_path} was last claimed by process 4242 on node-17, "
-                    "started earlier; this run takes it over (if that run still goes, it stops "
-                    "at its next save)")
+def test_another_hosts_claim_holds_while_it_is_renewed(tmp_path):
+    _claim_of(tmp_path, host="node-17", pid=4242)
+    with pytest.raises(CheckpointError, match=r"another run \(process 4242 on node-17, started "
+                       r"earlier; its claim was renewed less than 10 minutes ago\)"):
+        checkpoint_owner.claim(str(tmp_path))
+    old = time.time() - checkpoint_owner.STALE_S - 1
+    os.utime(tmp_path / OWNER, (old, old))           # that run stopped renewing it: ended
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["host"] == socket.gethostname()
+
+
+def test_the_same_job_takes_its_claim_over_anywhere(tmp_path, monkeypatch):
+    """A job requeued onto another node, at once: Slurm keeps its job id."""
+    _claim_of(tmp_path, host="node-17", pid=4242, job="SLURM_JOB_ID=981")
+    monkeypatch.setenv("SLURM_JOB_ID", "981")
+    checkpoint_owner.claim(str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "982")                      # another job: refused
+    _claim_of(tmp_path, host="node-17", pid=4242, job="SLURM_JOB_ID=981")
+    with pytest.raises(CheckpointError, match=r"\(process 4242 on node-17 \(SLURM_JOB_ID=981\)"):
+        checkpoint_owner.claim(str(tmp_path))
+
+
+def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_path,
+                                                                           monkeypatch):
+    checkpoint_owner.claim(str(tmp_path))
     assert checkpoint_owner.lost(str(tmp_path)) is None
-
-
-def test_a_run_whose_claim_was_taken_stops_before_it_saves(tmp_path):
-    assert checkpoint_owner.claim(str(tmp_path)) is None
-    assert checkpoint_owner.lost(str(tmp_path)) is None
-    _claimed_by(tmp_path, "node-3", 77)                   # a second run took the folder over
+    old = time.time() - 3600
+    os.utime(tmp_path / OWNER, (old, old))
+    monkeypatch.setattr(checkpoint_owner, "_refreshed", 0.0)       # its time to renew
+    checkpoint_owner.refresh(str(tmp_path))
+    assert time.time() - os.path.getmtime(tmp_path / OWNER) < 60
+    _claim_of(tmp_path, host="node-3", pid=77)                     # a second run took it over
     assert checkpoint_owner.lost(str(tmp_path)) == (
         f"checkpoint.dir {tmp_path} is now claimed by process 77 on node-3, started earlier: "
         "this run stops without saving, so that the two runs do not mix their checkpoints; "

@@ -133,9 +133,7 @@ def prepare(root: str, resume: bool) -> str | None:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
     if distributed.rank_and_size()[0] == 0:
-        note = checkpoint_owner.claim(root)
-        if note:
-            say(PREFIX + note)
+        checkpoint_owner.claim(root)
     return resume_point(root) if resume else None
 
 
@@ -205,7 +203,10 @@ class Saver:
         return directory
 
     def poll(self) -> list[str]:
-        """The directories whose save completed since the last call (non-blocking)."""
+        """The directories whose save completed since the last call (non-blocking); after
+        each step: rank 0 renews the run's claim on the folder meanwhile."""
+        if dist.get_rank() == 0:
+            checkpoint_owner.refresh(self.root)
         return self._finalize(blocking=False)
 
     def wait(self) -> list[str]:
@@ -275,10 +276,15 @@ def _save_request(root: str, directory: str, step: int, state: TrainingState, me
     def finalize() -> None:
         problem: str | None = None
         if rank == 0:
+            # (an asynchronous save ends steps later: the folder may have been taken since)
+            problem = checkpoint_owner.lost(root)
             try:
-                write_atomic(os.path.join(directory, META), json.dumps(meta, indent=1).encode())
-                digests.write_manifest(directory)
-                write_atomic(os.path.join(root, LATEST), os.path.basename(directory).encode())
+                if problem is None:
+                    write_atomic(os.path.join(directory, META),
+                                 json.dumps(meta, indent=1).encode())
+                    digests.write_manifest(directory)
+                    write_atomic(os.path.join(root, LATEST),
+                                 os.path.basename(directory).encode())
             except (IntegrityError, OSError) as error:
                 problem = f"{type(error).__name__}: {error}"
         problem = distributed.broadcast(problem, src=0)    # every rank stops, none waits

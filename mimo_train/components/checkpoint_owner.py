@@ -3,13 +3,14 @@
 Two runs given the same folder would each resume the other's latest checkpoint, delete the
 step folder the other just wrote (a save first clears what an interrupted save left) and bless
 a mix of both. So rank 0 of a run writes its claim into the folder at start-up (``OWNER``: its
-host, process id and start time), and checks it is still its own before each save.
+host, process, start time and job), refreshes it while it trains (``refresh``) and checks it
+is still its own before each save and before it moves ``latest`` (``lost``).
 
-- At start-up (``claim``), a claim of a process that still runs a mimo training on this host
-  is refused; another (a run that ended, crashed, or was requeued from another node) is taken
-  over, the latter said: a process on another host cannot be asked whether it still runs.
-- Before each save (``lost``), a claim that is no longer this process's stops the run without
-  saving: the run that took the folder over keeps it.
+At start-up (``claim``) a claim is taken over where its run has ended: on this host, its
+process (the same process id and start time since the same boot) is gone; on another host,
+which cannot be asked, its claim was not refreshed for ``STALE_S``. A claim of the same job
+(Slurm's job id, torchrun's run id: a requeue, an elastic restart) is always taken over.
+Otherwise the run is refused, naming the run that holds the folder.
 
 Hand-written: neither megatron-core nor torch.distributed.checkpoint keeps a folder to one job.
 """
@@ -25,10 +26,35 @@ from mimo_data.files import write_atomic
 from mimo_train.errors import CheckpointError
 
 OWNER = ".mimo-run"
+REFRESH_S = 60.0             # how often a training run rewrites its claim
+STALE_S = 600.0              # a claim of another host not rewritten for this long: its run ended
+_JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+_refreshed = 0.0             # when this process last wrote its claim (time.time())
 
 
-def _this_process() -> dict:
-    return {"host": socket.gethostname(), "pid": os.getpid()}
+def _proc(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _process(pid: int) -> dict:
+    """What tells process ``pid`` of this host from a later one given its number: the boot
+    it runs in and its start time (clock ticks since boot; Linux's /proc, else None)."""
+    stat = _proc(f"/proc/{pid}/stat")
+    boot = _proc("/proc/sys/kernel/random/boot_id")
+    # the fields after the command's closing parenthesis; its start time is field 22
+    start = int(stat.rpartition(")")[2].split()[19]) if stat else None
+    return {"boot": boot.strip() if boot else None, "start": start}
+
+
+def _this_run() -> dict:
+    job = next((f"{name}={os.environ[name]}" for name in _JOB_VARIABLES
+                if os.environ.get(name)), None)
+    return {"host": socket.gethostname(), "pid": os.getpid(), **_process(os.getpid()),
+            "job": job, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
 def _read(root: str) -> dict | None:
@@ -42,57 +68,77 @@ def _read(root: str) -> dict | None:
     return found if isinstance(found, dict) and {"host", "pid"} <= set(found) else None
 
 
-def _runs_mimo(pid: int) -> bool:
-    """Whether process ``pid`` of this host lives and runs mimo's training (a process id
-    reused by another program is not the run)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def _write(root: str, claim: dict) -> None:
+    global _refreshed
+    write_atomic(os.path.join(root, OWNER), json.dumps(claim).encode())
+    _refreshed = time.time()
+
+
+def _ours(found: dict, me: dict) -> bool:
+    return (found.get("host"), found.get("pid"), found.get("start")) == \
+        (me["host"], me["pid"], me["start"])
+
+
+def _still_runs(found: dict, me: dict, root: str) -> bool:
+    """Whether the run that wrote ``found`` may still write ``root``."""
+    if found.get("job") and found.get("job") == me["job"]:
+        return False                        # this job, requeued or restarted
+    if found.get("host") != me["host"]:
+        try:
+            age = time.time() - os.path.getmtime(os.path.join(root, OWNER))
+        except OSError:
+            return False
+        return age < STALE_S
+    pid = found.get("pid")
+    if not isinstance(pid, int) or pid == me["pid"]:
         return False
-    except PermissionError:                 # another user's: it lives
-        pass
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"mimo" in f.read()
-    except OSError:                         # no /proc here: the process lives, say it runs
-        return True
+    now = _process(pid)
+    if now["start"] is None:                # gone, or no /proc to ask
+        return False
+    return (found.get("boot"), found.get("start")) == (now["boot"], now["start"])
 
 
 def _described(claim: dict) -> str:
     return (f"process {claim['pid']} on {claim['host']}" +
+            (f" ({claim['job']})" if claim.get("job") else "") +
             (f", started {claim['started']}" if claim.get("started") else ""))
 
 
-def claim(root: str) -> str | None:
-    """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where a run on
-    this host still writes it. Returns what to say where the claim of a run on another host
-    was taken over, else None."""
+def claim(root: str) -> None:
+    """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where the run
+    that claimed it still runs."""
     found = _read(root)
-    me = _this_process()
-    if found and found["host"] == me["host"] and found["pid"] != me["pid"] and \
-            isinstance(found["pid"], int) and _runs_mimo(found["pid"]):
+    me = _this_run()
+    if found and _still_runs(found, me, root):
+        other_host = found.get("host") != me["host"]
         raise CheckpointError(
-            f"checkpoint.dir {root} is being written by another run ({_described(found)}): two "
-            "runs in one checkpoint.dir resume, delete and mix each other's checkpoints; give "
-            f"this run another checkpoint.dir (or stop that run; if it is no run, delete "
-            f"{os.path.join(root, OWNER)})")
-    write_atomic(os.path.join(root, OWNER), json.dumps(
-        {**me, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode())
-    if found and found["host"] != me["host"]:
-        return (f"checkpoint.dir {root} was last claimed by {_described(found)}; this run takes "
-                "it over (if that run still goes, it stops at its next save)")
-    return None
+            f"checkpoint.dir {root} is being written by another run ({_described(found)}"
+            + (f"; its claim was renewed less than {STALE_S / 60:.0f} minutes ago" if
+               other_host else "") + "): two runs in one checkpoint.dir resume, delete and "
+            "mix each other's checkpoints; give this run another checkpoint.dir (or stop that "
+            f"run; if it is no run, delete {os.path.join(root, OWNER)})")
+    _write(root, me)
+
+
+def refresh(root: str) -> None:
+    """Rank 0 while training: the claim rewritten every ``REFRESH_S`` (what tells a run of
+    another host that this one still goes)."""
+    if time.time() - _refreshed >= REFRESH_S:
+        found = _read(root)
+        if found is not None and _ours(found, _this_run()):
+            _write(root, found)
 
 
 def lost(root: str) -> str | None:
-    """Rank 0 before a save: why this run no longer writes ``root`` (another run claimed it
-    since), None while it does (a claim deleted meanwhile is written again)."""
+    """Rank 0 before a save and before it moves ``latest``: why this run no longer writes
+    ``root`` (another run claimed it since), None while it does (a claim deleted meanwhile is
+    written again)."""
     found = _read(root)
-    me = _this_process()
+    me = _this_run()
     if found is None:
-        write_atomic(os.path.join(root, OWNER), json.dumps(me).encode())
+        _write(root, me)
         return None
-    if (found["host"], found["pid"]) == (me["host"], me["pid"]):
+    if _ours(found, me):
         return None
     return (f"checkpoint.dir {root} is now claimed by {_described(found)}: this run stops "
             "without saving, so that the two runs do not mix their checkpoints; give each run "
