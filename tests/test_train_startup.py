@@ -376,6 +376,12 @@ def test_a_data_loader_workers_error_is_its_own_message_without_the_workers_trac
     ("DataLoader worker (pid 4242) is killed by signal: Killed. ",
      "a data loader worker of this rank died: DataLoader worker (pid 4242) is killed by "
      "signal: Killed. (the kernel's out-of-memory killer? lower data.num_workers"),
+    # ... and for one that ran out of shared memory (a container's 64 MB /dev/shm)
+    ("DataLoader worker (pid 4242) is killed by signal: Bus error. It is possible that "
+     "dataloader's workers are out of shared memory. Please try to raise your shared memory "
+     "limit.",
+     "a data loader worker of this rank died: DataLoader worker (pid 4242) is killed by "
+     "signal: Bus error. (out of shared memory: give the job a larger /dev/shm"),
     ("DataLoader worker (pid(s) 4242, 4243) exited unexpectedly",
      "a data loader worker of this rank died: DataLoader worker (pid(s) 4242, 4243) exited "
      "unexpectedly"),

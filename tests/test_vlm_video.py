@@ -292,6 +292,12 @@ def test_the_video_processor_is_read_from_any_file_that_gives_it(tmp_path):
         "image_mean": [0.5] * 3, "image_std": [0.5] * 3}}})
     assert read_vlm(nested).video_inputs == (("mean", (0.5,) * 3), ("std", (0.5,) * 3),
                                              *family)
+    # a nested file with the image processor's section alone: its normalization, as a
+    # separate image processor file's stands in for a missing video one
+    image_only = checkpoint("nested-image", {"processor_config.json": {"image_processor": {
+        "image_mean": [0.25] * 3, "image_std": [0.75] * 3}}})
+    assert read_vlm(image_only).video_inputs == (("mean", (0.25,) * 3), ("std", (0.75,) * 3),
+                                                 *family)
 
 
 def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):

@@ -153,7 +153,7 @@ class Projection(torch.nn.Sequential):
                  initial: dict[str, torch.Tensor] | None = None):
         if kind == "none":              # the tower already outputs the language width
             if in_features != out_features:
-                raise EncoderBuildError(f"model.projection is none, but the encoder emits "
+                raise EncoderBuildError(f"projection none, but the encoder emits "
                                         f"{in_features} features for a language width of "
                                         f"{out_features}: use linear or mlp")
             super().__init__()
@@ -219,13 +219,17 @@ def processor_settings(directory: str, part: str) -> tuple[str, dict] | None:
                                    "transformers cannot build the checkpoint's processor "
                                    "from it either; save the processor again")
         return data
-    nested = (read("processor_config.json") or {}).get(section)
-    if isinstance(nested, dict):
-        return f"{os.path.join(directory, 'processor_config.json')} ({section})", nested
+    nested = read("processor_config.json") or {}
+    if isinstance(nested.get(section), dict):
+        return f"{os.path.join(directory, 'processor_config.json')} ({section})", nested[section]
     for name in files:
         found = read(name)
         if found is not None:
             return os.path.join(directory, name), found
+    if part == "video" and isinstance(nested.get("image_processor"), dict):
+        # as a separate image processor file stands in for a missing video one
+        return (f"{os.path.join(directory, 'processor_config.json')} (image_processor)",
+                nested["image_processor"])
     return None
 
 

@@ -262,7 +262,7 @@ _TIMED_OUT = re.compile(r"Timed out waiting \d+ms for (recv|send) operation|Watc
 # A DataLoader worker process that died without an exception (a signal: the kernel's
 # out-of-memory killer's SIGKILL), as torch's DataLoader says it
 _WORKER_DIED = re.compile(r"DataLoader worker \(pid(\(s\))? [\d, ]+\) (is killed by signal: "
-                          r"\w+\.?|exited unexpectedly)")
+                          r"(?P<signal>[^.]+)\.|exited unexpectedly)")
 # DataLoader re-raises a worker's exception with the worker's traceback in the message
 _WORKER_TRACEBACK = "Original Traceback (most recent call last):"
 # NCCL out of GPU memory for its own buffers (allocated beside torch's caching allocator, so
@@ -307,9 +307,12 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
                         f"debugger?) ({cause.splitlines()[0]})")
     died = _WORKER_DIED.search(str(error))
     if died:
+        why = ("out of shared memory: give the job a larger /dev/shm (a container's "
+               "--shm-size), or lower data.num_workers" if died["signal"] == "Bus error" else
+               "the kernel's out-of-memory killer? lower data.num_workers, or give the job "
+               "more host memory")
         return RunError(f"training stopped in {doing} on rank {rank_} ({where}): a data loader "
-                        f"worker of this rank died: {died.group(0)} (the kernel's out-of-memory "
-                        "killer? lower data.num_workers, or give the job more host memory)")
+                        f"worker of this rank died: {died.group(0)} ({why})")
     if isinstance(error, dist.DistError) or _PEER_LOST.search(str(error)):
         failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
                            f"failed ({cause.splitlines()[0]}): another rank left the job "
