@@ -443,6 +443,7 @@ def check(directory: str, model, global_batch_size: int | None,
     if global_batch_size is None:          # init_from: adapters it lacks keep their init
         wanted = {k: v for k, v in wanted.items() if k in saved or not is_adapter(k)}
     _check_modules(directory, model, saved, global_batch_size is not None)
+    _check_projections(directory, wanted, saved, meta)
     if global_batch_size is not None:
         _check_frozen(directory, meta, saved, freeze)
     missing = sorted(set(wanted) - set(saved))
@@ -527,6 +528,30 @@ def _check_modules(directory: str, model, saved, resuming: bool) -> None:
             "state. Resume with a layout and model.encoders that have them, or start a new "
             f"run from the weights of the modules you keep: model.init_from={directory} and "
             "another checkpoint.dir")
+
+
+def _check_projections(directory: str, wanted: dict, saved, meta: dict) -> None:
+    """A projection the checkpoint holds for one of this rank's encoder modules that this
+    run's model does not have (its kind none, or another's layers: a checkpoint saved with
+    other ``model.projection`` / ``model.encoders.<module>.projection``) is refused: its
+    trained weights would be dropped without a word."""
+    ours = {found[0] for found in map(_module_of, wanted) if found is not None}
+    prefix = ENCODER_PARTS["projection"]
+    extra = sorted((found[0], key) for key in saved if key not in wanted and (
+        found := _module_of(key)) is not None and found[0] in ours and
+        found[1].startswith(prefix) and key.rpartition(".")[0] not in wanted)
+    if extra:
+        module = extra[0][0]
+        model = (meta.get("config") or {}).get("model") or {}
+        saved_with = {"model.projection": model.get("projection"),
+                      f"model.encoders.{module}.projection":
+                      ((model.get("encoders") or {}).get(module) or {}).get("projection")}
+        raise CheckpointError(
+            f"checkpoint {directory} holds projection weights of module {module!r} that this "
+            f"run's model lacks, e.g. {[key for _, key in extra[:2]]}: it was saved with "
+            f"another projection after that tower (its config: {saved_with}); give this run "
+            f"the same projection (model.encoders.{module}.projection), or start a new run "
+            f"from its weights (model.init_from={directory}) in another checkpoint.dir")
 
 
 def _check_frozen(directory: str, meta: dict, saved, freeze: Sequence[str]) -> None:

@@ -269,7 +269,11 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
             f"{name} {_described(chosen)}" for name, chosen in encoders.items()) + (
             f"; projections {language[0]}" if encoders else "")
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, f"./{LANGUAGE_DIR}")
-        manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS, modules=modules)
+        kinds = {module["projection"] for module in modules.values()}
+        # (one kind for all: also at the top, where a mimo-generate before per-module kinds
+        # reads it)
+        manifest.update(language=LANGUAGE_DIR, projections=PROJECTIONS, modules=modules,
+                        **({"projection": kinds.pop()} if len(kinds) == 1 else {}))
     manifest["modality_tokens"] = {name: {"token": m.token,
                                           "id": tokenizer.convert_tokens_to_ids(m.token)}
                                    for name, m in preprocess.modalities.items()}
