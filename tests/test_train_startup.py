@@ -141,6 +141,9 @@ CASES = [
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
      ["no shards at {tmp}/no-such-shards", "index.json is missing",
       "mimo-shard build ... --output {tmp}/no-such-shards"]),
+    ("a dataset whose build wrote no sample", "default",
+     ["data.datasets=[{tmp}/none]"], "config",
+     ["no shards at {tmp}/none: a build wrote no sample there (report.json says why)"]),
     ("a dataset given twice", "default",
      ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
      ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "
@@ -268,6 +271,10 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     (tmp / "one.jsonl").write_text(json.dumps({"id": "only", "conversations": [
         {"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
     build_dataset([tmp / "one.jsonl"], tmp / "one")     # a dataset of one sample
+    (tmp / "none.jsonl").write_text(json.dumps({"id": "x", "image": "missing.jpg",
+                                                "conversations": [
+        {"from": "human", "value": "<image>\nHello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
+    build_dataset([tmp / "none.jsonl"], tmp / "none")   # every record skipped: a report
     (tmp / "no-weights").mkdir()
     shutil.copy(REPO / "assets" / "models" / "tiny-qwen2-vl-vision" / "config.json",
                 tmp / "no-weights")

@@ -37,7 +37,7 @@ from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
-from mimo_data.shards.format import INDEX_FILE
+from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
 from mimo_data.shards.index import unindexed_tars, unindexed_tars_advice
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
@@ -86,6 +86,10 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                     f"{key}: no shards at {directory}: " + (
                         unindexed_tars_advice(directory)
                         if unindexed_tars(directory, cfg.data.storage_options) else
+                        f"a build wrote no sample there ({REPORT_FILE} says why); fix the data "
+                        "and build it again"
+                        if storage.exists(storage.join(directory, REPORT_FILE),
+                                          cfg.data.storage_options) else
                         f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
                         f"--output {directory}"))
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
