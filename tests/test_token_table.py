@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from conftest import REPO, build_dataset, preprocess_config_file, write_jsonl
+from conftest import REPO, preprocess_config_file
 from mimo_data.loading import token_table as tables
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
@@ -265,8 +265,21 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
 
 
 def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
+    """A dataset of no sample: what `mimo-shard index` writes for tars it keeps nothing of
+    (a build that writes no sample leaves its report alone)."""
+    import io
+    import tarfile
+
+    from mimo_data.shards.in_place import index
+    from mimo_data.shards.tar_sources import IndexOptions
+    (tmp_path / "tars").mkdir()
+    with tarfile.open(tmp_path / "tars" / "data-000000.tar", "w") as tar:
+        for name, data in (("a.jpg", b"not a jpeg"), ("a.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
     empty = tmp_path / "empty"
-    build_dataset([write_jsonl(tmp_path / "bad.jsonl", [{"id": "no conversation"}])], empty)
+    index([str(tmp_path / "tars")], str(empty), IndexOptions(workers=0, progress=False))
     assert json.loads((empty / "index.json").read_text())["totals"]["samples"] == 0
     config = preprocess_config_file(tmp_path / "p.yaml")
     for _ in range(2):

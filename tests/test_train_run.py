@@ -152,7 +152,8 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert resume_point(str(tmp_path)) == str(tmp_path / "step_0000002")
     # a checkpoint.dir that cannot be written is refused at start-up, not at the first save
     assert prepare(str(tmp_path / "new"), resume=True) is None and (tmp_path / "new").is_dir()
-    assert os.listdir(tmp_path / "new") == []            # the probe removed
+    # the probe removed; the run's claim on the folder written (components/checkpoint_owner)
+    assert os.listdir(tmp_path / "new") == [".mimo-run"]
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
         prepare(str(tmp_path / "file" / "ck"), resume=False)

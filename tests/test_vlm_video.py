@@ -185,7 +185,7 @@ def test_a_module_serving_images_and_videos_interleaves_their_rows():
     module = _SeededEncoder(0, "image", EncoderSetting(
         "image", image_config, EncoderConfig(hidden_size=16, num_layers=1,
                                              num_attention_heads=2), "qwen2_vl",
-        {"video": video_config}, 16))
+        {"video": video_config}, 16, "none"))
 
     class Rows(torch.nn.Module):       # item k of a modality gives rows full of its tag
         def encode(self, modality, **inputs):

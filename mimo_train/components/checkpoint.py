@@ -132,9 +132,10 @@ def prepare(root: str, resume: bool) -> str | None:
     except OSError as error:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
-    if distributed.rank_and_size()[0] == 0:
+    found = resume_point(root) if resume else None
+    if distributed.rank_and_size()[0] == 0:     # once nothing else refuses the folder
         checkpoint_owner.claim(root)
-    return resume_point(root) if resume else None
+    return found
 
 
 def _is_model_folder(root: str) -> bool:
