@@ -69,6 +69,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import re
 import shutil
@@ -393,6 +394,9 @@ def train(check: Check, name: str, device: str, limit: float, config: dict,
     rc = check.launch(argv, {**child_env(device), **({} if peer else check.compile_env),
                              **(env or {})}, check.left(limit), log)
     found = [json.loads(x) for x in records.read_text().splitlines()] if records.exists() else []
+    for record in found:             # a non-finite value is written as null (JSON has no NaN)
+        record.update({key: math.nan for key in ("loss", "grad_norm")
+                       if key in record and record[key] is None})
     if check.work != check.out / "work":         # the logs come back with the summary
         (check.out / "logs").mkdir(exist_ok=True)
         for path in (log, records, check.work / f"{name}.yaml"):
