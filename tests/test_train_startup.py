@@ -425,3 +425,18 @@ def test_a_rank_that_left_during_start_up_is_one_message_not_a_traceback(monkeyp
     monkeypatch.setattr(distributed, "gather", broken)
     with pytest.raises(ValueError, match="a bug of the gather's own"):
         console.agree("model", lambda: None)
+
+
+@pytest.mark.parametrize("datasets", [["s3://bucket/ds", "S3://bucket//ds/"],
+                                      ["gs://bucket/ds", "gcs://bucket/ds"]])
+def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
+    from types import SimpleNamespace
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.training.trainer import _check_each_once
+    config = SimpleNamespace(data=SimpleNamespace(datasets=datasets, valid=[]))
+    with pytest.raises(TrainConfigError, match=f"data.datasets gives {datasets[1]} twice "
+                       rf"\(first as {datasets[0]}\)"):
+        _check_each_once(config)
+    _check_each_once(SimpleNamespace(data=SimpleNamespace(datasets=datasets[:1] + [
+        datasets[0] + "-other"], valid=[])))                 # two datasets: nothing to say
