@@ -37,16 +37,25 @@ def _experts(kind, count: int, hidden: int, ffn: int, groups):
                                              linear_fc2=RowParallelLinear), pg_collection=groups)
 
 
-def _time(experts, tokens, probs, counts, repeats: int) -> tuple[float, torch.Tensor]:
-    times, outputs = [], []
-    for _ in range(repeats + 1):                  # the first is a warm-up
-        x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
-        started = time.perf_counter()
-        output, _ = experts(x, counts, p)
-        output.square().sum().backward()
-        times.append(time.perf_counter() - started)
-        outputs.append(output.detach())
-    return statistics.median(times[1:]) * 1e3, outputs[-1]
+def _once(experts, tokens, probs, counts) -> tuple[float, torch.Tensor]:
+    x, p = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    started = time.perf_counter()
+    output, _ = experts(x, counts, p)
+    output.square().sum().backward()
+    return time.perf_counter() - started, output.detach()
+
+
+def _time(sides: list, tokens, probs, counts, repeats: int) -> list[tuple[float, torch.Tensor]]:
+    """Each of ``sides``' median milliseconds and last output; the sides alternate in each
+    repeat (the first is a warm-up), so that a busy machine's spells weigh on both alike."""
+    times: list[list[float]] = [[] for _ in sides]
+    outputs: list = [None] * len(sides)
+    for repeat in range(repeats + 1):
+        for index, experts in enumerate(sides):
+            seconds, outputs[index] = _once(experts, tokens, probs, counts)
+            if repeat:
+                times[index].append(seconds)
+    return [(statistics.median(found) * 1e3, output) for found, output in zip(times, outputs)]
 
 
 def main(argv=None) -> None:
@@ -58,6 +67,7 @@ def main(argv=None) -> None:
     parser.add_argument("--topk", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
+    torch.set_num_threads(1)        # thread pools spinning on a shared machine swamp the ratio
 
     from megatron.core.transformer.moe.experts import SequentialMLP
 
@@ -82,8 +92,8 @@ def main(argv=None) -> None:
                 counts = torch.bincount(picks, minlength=count)
                 x = torch.randn(rows, args.hidden, generator=generator)
                 probs = torch.rand(rows, generator=generator)
-                loop_ms, expected = _time(loop, x, probs, counts, args.repeats)
-                grouped_ms, found = _time(grouped, x, probs, counts, args.repeats)
+                (loop_ms, expected), (grouped_ms, found) = _time([loop, grouped], x, probs,
+                                                                 counts, args.repeats)
                 difference = ((found - expected).abs().max() / expected.abs().max()).item()
                 print(f"{count:>7} {rows:>6} {loop_ms:>8.2f} {grouped_ms:>10.2f} "
                       f"{loop_ms / grouped_ms:>6.2f} {difference:>12.1e}", flush=True)

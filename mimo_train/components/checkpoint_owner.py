@@ -70,6 +70,7 @@ def _read(root: str) -> dict | None:
 
 def _write(root: str, claim: dict) -> None:
     global _refreshed
+    os.makedirs(root, exist_ok=True)        # (a folder deleted meanwhile is made again)
     write_atomic(os.path.join(root, OWNER), json.dumps(claim).encode())
     _refreshed = time.time()
 
