@@ -206,7 +206,7 @@ class Saver:
     def poll(self) -> list[str]:
         """The directories whose save completed since the last call (non-blocking); after
         each step: rank 0 renews the run's claim on the folder meanwhile."""
-        if dist.get_rank() == 0:
+        if distributed.rank_and_size()[0] == 0:
             checkpoint_owner.refresh(self.root)
         return self._finalize(blocking=False)
 
