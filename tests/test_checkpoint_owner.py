@@ -105,3 +105,8 @@ def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_p
     (tmp_path / OWNER).unlink()                           # deleted: claimed again, goes on
     assert checkpoint_owner.lost(str(tmp_path)) is None
     assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
+    checkpoint_owner.release(str(tmp_path))               # the run ended: the folder is free
+    assert not (tmp_path / OWNER).exists()
+    _claim_of(tmp_path, host="node-3", pid=77)            # ... but never another run's claim
+    checkpoint_owner.release(str(tmp_path))
+    assert (tmp_path / OWNER).exists()

@@ -210,6 +210,11 @@ class Saver:
             checkpoint_owner.refresh(self.root)
         return self._finalize(blocking=False)
 
+    def release(self) -> None:
+        """Once the run has ended and ``wait`` returned: its claim on the folder removed."""
+        if distributed.rank_and_size()[0] == 0:
+            checkpoint_owner.release(self.root)
+
     def wait(self) -> list[str]:
         """Block until the save in flight, if any, is complete; its directory."""
         return self._finalize(blocking=True)

@@ -3,8 +3,9 @@
 Two runs given the same folder would each resume the other's latest checkpoint, delete the
 step folder the other just wrote (a save first clears what an interrupted save left) and bless
 a mix of both. So rank 0 of a run writes its claim into the folder at start-up (``OWNER``: its
-host, process, start time and job), refreshes it while it trains (``refresh``) and checks it
-is still its own before each save and before it moves ``latest`` (``lost``).
+host, process, start time and job), refreshes it while it trains (``refresh``), checks it
+is still its own before each save and before it moves ``latest`` (``lost``), and removes it
+when the run ends (``release``).
 
 At start-up (``claim``) a claim is taken over where its run has ended: on this host, its
 process (the same process id and start time since the same boot) is gone; on another host,
@@ -128,6 +129,14 @@ def refresh(root: str) -> None:
         found = _read(root)
         if found is not None and _ours(found, _this_run()):
             _write(root, found)
+
+
+def release(root: str) -> None:
+    """Rank 0 once the run has ended, its saves complete: its claim removed (a run of another
+    host may take the folder at once; a crashed run's claim stays until it is stale)."""
+    found = _read(root)
+    if found is not None and _ours(found, _this_run()):
+        os.remove(os.path.join(root, OWNER))
 
 
 def lost(root: str) -> str | None:

@@ -471,6 +471,7 @@ class Trainer:
             self._anomalies(None, self.metrics.flush())     # steps not logged yet
         if self.saver:                                       # a stop for too many skipped steps
             self._saved(self.saver.wait())
+            self.saver.release()
         self.metrics.close()
         return self.metrics.records
 
