@@ -10,9 +10,8 @@ dtype the checkpoint stores (``precision.cast`` later moves it to the run's dtyp
 row per placeholder token, item by item. ``takes`` names those inputs: ``(modality, form)``,
 the form being the image policy (``dynamic`` / ``fixed``) or ``log-mel``. Pixel normalization
 happens in the encoder, on its device (``image.normalize_pixels``). A transformers processor
-saved beside the model (``processor_settings``: ``preprocessor_config.json``, or transformers
-5's nested ``processor_config.json``) must agree with the preprocessing config
-(``check_preprocessor``).
+saved beside the model (``processor_settings``: transformers' own readers) must agree with
+the preprocessing config (``check_preprocessor``).
 """
 
 from __future__ import annotations
@@ -189,48 +188,27 @@ def model_directory(path: str) -> str:
     return snapshot_download(path, local_files_only=True)
 
 
-# where transformers reads a processor part's settings, in its own order: the part's section
-# of the one processor_config.json transformers 5 saves, else the part's own file (a video
-# processor: else the image processor's file)
-PROCESSOR_PARTS = {"image": ("image_processor", ("preprocessor_config.json",)),
-                   "video": ("video_processor", ("video_preprocessor_config.json",
-                                                 "preprocessor_config.json")),
-                   "audio": ("feature_extractor", ("preprocessor_config.json",))}
-
-
 def processor_settings(directory: str, part: str) -> tuple[str, dict] | None:
     """The settings transformers builds the checkpoint's processor ``part`` (``image``,
-    ``video``, ``audio``) from, read from the model ``directory`` as transformers reads them
-    (``PROCESSOR_PARTS``): (where they were read, the settings), or None where no file gives
-    them. ``TrainConfigError`` names a file that is not a JSON object."""
-    section, files = PROCESSOR_PARTS[part]
-
-    def read(name: str) -> dict | None:
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            return None
-        try:
-            with open(path) as f:
-                data = json.load(f)
-        except (OSError, ValueError) as error:
-            data = error
-        if not isinstance(data, dict):
-            raise TrainConfigError(f"{path} cannot be read as a JSON object ({data}): "
-                                   "transformers cannot build the checkpoint's processor "
-                                   "from it either; save the processor again")
-        return data
-    nested = read("processor_config.json") or {}
-    if isinstance(nested.get(section), dict):
-        return f"{os.path.join(directory, 'processor_config.json')} ({section})", nested[section]
-    for name in files:
-        found = read(name)
-        if found is not None:
-            return os.path.join(directory, name), found
-    if part == "video" and isinstance(nested.get("image_processor"), dict):
-        # as a separate image processor file stands in for a missing video one
-        return (f"{os.path.join(directory, 'processor_config.json')} (image_processor)",
-                nested["image_processor"])
-    return None
+    ``video``, ``audio``) from, read by transformers' own readers from the model
+    ``directory`` (transformers 5's nested ``processor_config.json`` first, then the part's
+    file; a video processor's: then the image processor's): (what they are, the settings),
+    or None where none is saved. ``TrainConfigError`` where a file is no JSON."""
+    from transformers.feature_extraction_utils import FeatureExtractionMixin
+    from transformers.image_processing_base import ImageProcessingMixin
+    from transformers.video_processing_utils import BaseVideoProcessor
+    read = {"image": ImageProcessingMixin.get_image_processor_dict,
+            "video": BaseVideoProcessor.get_video_processor_dict,
+            "audio": FeatureExtractionMixin.get_feature_extractor_dict}[part]
+    try:
+        settings, _ = read(directory, local_files_only=True)
+    except OSError as error:
+        if "valid JSON" in str(error):      # transformers' words for a file it cannot parse
+            raise TrainConfigError(f"{error}: transformers cannot build the checkpoint's "
+                                   "processor from it; save the processor again") from None
+        # none saved; for videos, a nested image processor stands in as its file would
+        return processor_settings(directory, "image") if part == "video" else None
+    return f"the {part} processor saved in {directory}", settings
 
 
 class Tensors:

@@ -191,8 +191,7 @@ def _lost_in_startup(error: Exception, phase: str) -> Exception:
     """A start-up agreement that failed: a peer that left the job (killed, out of memory, a
     signal before the run's handlers are up) as one ``RunError`` to report once, not a
     traceback from each rank; any other failure as it is."""
-    import torch.distributed as dist
-    if not (isinstance(error, dist.DistError) or _PEER_LOST.search(str(error))):
+    if not _peer_lost(error):
         return error
     failure = RunError(f"start-up stopped in its {phase} phase on rank {rank()}: another rank "
                        f"left the job without a message ({str(error).splitlines()[0]}): killed, "
@@ -273,6 +272,12 @@ _NCCL_OUT_OF_MEMORY = re.compile(r"Cuda failure (\d+ )?'out of memory'|Failed to
                                  r"(calloc|malloc)", re.IGNORECASE)
 
 
+def _peer_lost(error: Exception) -> bool:
+    """Whether a collective failed because a peer rank left (``_PEER_LOST``)."""
+    import torch.distributed as dist
+    return isinstance(error, dist.DistError) or bool(_PEER_LOST.search(str(error)))
+
+
 def out_of_gpu_memory(error: Exception) -> bool:
     """Whether ``error`` is the GPU's memory running out: torch's allocator, or NCCL's."""
     import torch
@@ -293,7 +298,6 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
     as the one message the job prints. mimo's own errors and OSError name their cause in
     their message, the GPU's memory running out with ``memory_remedies`` (what would lower
     this rank's); any other error is a bug and keeps its traceback."""
-    import torch.distributed as dist
     cause = f"{type(error).__name__}: {_message(error)}"
     if out_of_gpu_memory(error):                         # the run's size, not a bug
         cause = f"{type(error).__name__}: {memory_cause(error)}"
@@ -313,7 +317,7 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
                "more host memory")
         return RunError(f"training stopped in {doing} on rank {rank_} ({where}): a data loader "
                         f"worker of this rank died: {died.group(0)} ({why})")
-    if isinstance(error, dist.DistError) or _PEER_LOST.search(str(error)):
+    if _peer_lost(error):
         failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
                            f"failed ({cause.splitlines()[0]}): another rank left the job "
                            "without a message (killed, or out of memory?); torchrun's report "
