@@ -83,7 +83,7 @@ def _bytes_in(directory: str) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--records", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="best of N runs per variant")

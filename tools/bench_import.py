@@ -1,6 +1,8 @@
 """Host memory of importing a mixture-of-experts language model: one TP rank's part read in
 parts (``CheckpointWeights.part``: safetensors slices, the dtype stored) against the whole
-tensors read in fp32 and cut (the import before it), in the same run.
+tensors read in fp32 and cut (the import before it), in the same run. Prints, per replica,
+experts, TP, EP and read, the rank's parameters, the bytes read and the peak RSS above the
+parameters (MB), split into the file's pages and anonymous memory.
 
 The checkpoints: the Qwen3-VL-30B-A3B and Qwen3.5-35B-A3B replicas (``assets/models/published``,
 4 layers, hidden 64) with 8 and 64 experts of ``--ffn`` (768) rows, 4 key-value heads (so that
@@ -151,7 +153,7 @@ def _measure(path: str, tp: int, ep: int, read: str, results) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", nargs="+", choices=sorted(REPLICAS),
                         default=sorted(REPLICAS))
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 64])

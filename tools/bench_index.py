@@ -1,5 +1,6 @@
-"""``mimo-shard index``: indexing throughput per worker, and start-up flat in dataset size for a
-dataset indexed in place.
+"""``mimo-shard index``: indexing throughput with 1 and 2 workers, and a language rank's start-up
+against dataset size on a dataset indexed in place. Prints the command's throughput line per
+check and worker count, then the first and later start-up's seconds and memory per size.
 
 Tars in img2dataset's layout (``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``, written by webdataset's
 ``ShardWriter`` from the corpus photos, cycled) of ``--samples`` samples are indexed with 1 and 2
@@ -102,7 +103,7 @@ def scaled_index(base: str, copies: int, out: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--config", default="configs/preprocess.yaml")
     parser.add_argument("--samples", type=int, default=2000)

