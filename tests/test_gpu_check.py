@@ -456,3 +456,17 @@ def test_the_varlen_probe_checks_the_kernels_grouped_queries(monkeypatch, conven
     assert found["ok"] is ok and found["max_abs_diff_vs_sdpa"] < 2e-2
     assert (found["grouped_max_rel_diff"] < 1e-2) is ok
     assert found["grouped_ms"] > 0 and found["repeated_ms"] > 0
+
+
+def test_the_wgrad_probe_compares_the_fused_gradient_with_the_exact_sum():
+    """The ``wgrad`` probe on the CPU at small dims: the fused buffer no further from the exact
+    sum than megatron-core's bf16 gradient and addition (there: one bf16 rounding a value)."""
+    sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
+    try:
+        import probes
+    finally:
+        sys.path.remove(str(REPO / "tools" / "gpu_check"))
+    found = probes.wgrad("cpu", (256, 32, 48))
+    assert found["ok"] is True and found["supported"] is True
+    assert found["fused_rel_diff"] < 1e-6 < found["unfused_rel_diff"]
+    assert found["fused_ms"] > 0 and found["unfused_ms"] > 0

@@ -14,9 +14,17 @@ trains two steps in a fresh one-rank process (``torchrun``) and profiles the sec
 
 - ``mimo``: as the trainer runs;
 - ``megatron-core``: the language model's rotary, the bf16 main weights' copy, DDP's
-  gradient additions and the splice of the rows into the word embeddings on megatron-core's
-  own operations (``mcore.rope_fusion``, ``mcore.multi_tensor.foreach_copy``,
-  ``mcore.grad_accumulation``, ``mcore.splice`` undone).
+  gradient additions, the splice of the rows into the word embeddings and the linear layers'
+  weight gradients on megatron-core's own operations (``mcore.rope_fusion``,
+  ``mcore.multi_tensor.foreach_copy``, ``mcore.grad_accumulation``, ``mcore.splice``,
+  ``mcore.wgrad_fusion`` undone).
+
+One difference from a GPU's counts stays: ``mcore.wgrad_fusion`` makes a linear weight's
+gradient into its fp32 buffer with one GEMM on a GPU (bf16 factors, fp32 accumulator), on the
+CPU with that GEMM and two casts of its factors to fp32 (no such kernel there): mimo's backward
+pass counts three operators a weight and micro-batch where a GPU dispatches one (megatron-core's
+path: its matmul and DDP's ``add_``, two), ~480 more a step than on a GPU for the 2B's 112
+language and 130 tower linear weights and two micro-batches.
 
 Operators are the profiler's outermost ``aten::`` calls (``runtime.profile``'s
 ``operators_per_step``), by phase: the language model's and the tower's layers (forward), the
@@ -143,7 +151,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
     import mimo_train.mcore  # noqa: F401  (its patches first, then this variant's)
     from mimo_train.cli import main
     from mimo_train.mcore import (DistributedDataParallel, MimoModel, grad_accumulation,
-                                  multi_tensor, rope_fusion)
+                                  multi_tensor, rope_fusion, wgrad_fusion)
     from mimo_train.mcore.splice import SplicingMimoModel
     from mimo_train.model import tower_fusions
     from mimo_train.runtime import profile
@@ -154,6 +162,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
         for name in ("get_text_embeddings", "align_embeddings_by_token_positions"):
             setattr(SplicingMimoModel, name, getattr(MimoModel, name))
         megatron_optimizer._multi_tensor_copy_this_to_that = multi_tensor.MEGATRON_COPY
+        wgrad_fusion.supported = lambda device: False
     # the tensors small at Qwen2-VL-2B's published widths (biases, norms) are small here, not
     # its weights (at widths of 64 every tensor has fewer than grad_accumulation.SMALL values)
     grad_accumulation.SMALL = 1024

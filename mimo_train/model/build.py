@@ -39,17 +39,18 @@ from mimo_train.plan.encoders import EncoderSetting
 from mimo_train.plan.language import LanguagePlan, Vocabulary, vocab_rows
 from mimo_train.mcore import (AudioModalitySubmodules, DistributedDataParallel,
                               DistributedDataParallelConfig, MimoModelConfig, ModelType, ModuleSpec,
-                              TransformerConfig, VisionModalitySubmodules)
+                              TransformerConfig, VisionModalitySubmodules, wgrad_fusion)
 from mimo_train.precision import cast, run_dtype, trainable
 
 # megatron-core's submodule class of each modality an encoder takes on its own
 # (registry.OWN_MODALITIES; how it splices embeddings in)
 _SUBMODULES = {"image": VisionModalitySubmodules, "audio": AudioModalitySubmodules}
 
-def language_transformer_config(plan: RunPlan):
+def language_transformer_config(plan: RunPlan, device: torch.device | None = None):
     """megatron-core's ``TransformerConfig`` of the language model: the checkpoint's numerics
     (RMSNorm, SwiGLU, GQA, ...) or the config's dims, the layout's parallelism, the run's
-    precision and memory settings."""
+    precision and memory settings; trained on ``device``, its linear layers' weight gradients
+    made into their fp32 buffers (``mcore.wgrad_fusion``) where the device runs that."""
     lm, language = plan.language, plan.layout.language
     precision = plan.config.train.precision
     dtype = run_dtype(precision)
@@ -78,7 +79,8 @@ def language_transformer_config(plan: RunPlan):
         # needs the all-to-all MoE dispatcher even without experts
         variable_seq_lengths=True, moe_token_dispatcher_type="alltoall",
         attention_dropout=0.0, hidden_dropout=0.0,
-        gradient_accumulation_fusion=False, bias_activation_fusion=swiglu,
+        gradient_accumulation_fusion=device is not None and wgrad_fusion.supported(device),
+        bias_activation_fusion=swiglu,
         masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         **language_memory(lm))
 
@@ -211,7 +213,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
                            bool(arch and arch.shared_expert_ffn_hidden_size),
                            frozenset(i for i in range(plan.language.num_layers)
                                      if arch and arch.linear_layer(i)))
-    transformer = language_transformer_config(plan)
+    transformer = language_transformer_config(plan, device)
     encoder_transformer_config = dataclasses.replace(transformer, **{
         key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
         for key in language_memory(plan.language)}) \
@@ -261,6 +263,8 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
             tower = encoder.model
             served = set_attention(tower, attention.encoders, encoder.attends_by_boundaries)
             fuse(tower, served)
+            if transformer.gradient_accumulation_fusion:
+                wgrad_fusion.fuse_linears(module)   # the tower's and projection's linears
             if plan.modules[name].recompute == "full":
                 recompute_tower(tower, name)
         # a frozen part's weights, and those of a part under LoRA but for its adapters

@@ -9,9 +9,11 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
   (``tower_varlen``), each fused region's compiled kernel against its formula (``fusions``),
   the gated delta-net's kernels (``delta_net``) as mimo's layer calls them
   (``mimo_train.mcore.delta_rule``: flash-linear-attention's where installed, else mimo's torch
-  ones), a rank's experts as grouped GEMMs against a loop over them (``grouped_experts``), and
-  torch's AdamW over Qwen2-VL-2B's language model, foreach against fused (``adam``); each
-  probe's failure is recorded and the next one still runs.
+  ones), a rank's experts as grouped GEMMs against a loop over them (``grouped_experts``),
+  torch's AdamW over Qwen2-VL-2B's language model, foreach against fused (``adam``), and a
+  linear layer's weight gradient made into its fp32 buffer by its GEMM against megatron-core's
+  bf16 gradient and addition (``wgrad``); each probe's failure is recorded and the next one
+  still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
 convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
@@ -498,16 +500,67 @@ def adam(device: str = "cuda", shapes: list[tuple[int, ...]] = ADAM_SHAPES) -> d
             "fused_step_extra_mib": None if fused_extra is None else round(fused_extra)}
 
 
+WGRAD_SHAPE = (8192, 1536, 2 * 8960)      # a packed 8k row through Qwen2-VL-2B's fc1
+
+
+def wgrad(device: str = "cuda", shape: tuple[int, int, int] = WGRAD_SHAPE) -> dict:
+    """``mimo_train.mcore.wgrad_fusion`` on a bf16 linear layer of ``shape`` (tokens, in, out)
+    into an fp32 buffer holding a gradient already: whether the device runs it (``supported``;
+    where not, the trainer keeps megatron-core's unfused path), the buffer's largest
+    difference from the exact sum (fp64, relative to its largest entry) fused and unfused
+    (megatron-core's bf16 weight gradient, then DDP's ``add_``; ``ok``: fused no further than
+    unfused), and the milliseconds of each."""
+    from mimo_train.mcore import wgrad_fusion
+    tokens, width, out = shape
+    generator = torch.Generator(device).manual_seed(0)
+    inputs, grads = (torch.randn(tokens, n, device=device, generator=generator,
+                                 dtype=torch.bfloat16) for n in (width, out))
+    start = torch.randn(out, width, device=device, generator=generator)
+    exact = start.double() + grads.double().t() @ inputs.double()
+
+    def fused(buffer):
+        wgrad_fusion.accumulate(inputs, grads, buffer)
+
+    def unfused(buffer):
+        buffer.add_(grads.t() @ inputs)
+
+    def timed(run) -> float:
+        buffer = start.clone()
+        run(buffer)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        began = time.perf_counter()
+        for _ in range(10):
+            run(buffer)
+        if device != "cpu":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - began) / 10 * 1e3
+
+    def difference(run) -> float:
+        buffer = start.clone()
+        run(buffer)
+        return ((buffer.double() - exact).abs().max() / exact.abs().max()).item()
+    supported = wgrad_fusion.supported(device)
+    result: dict = {"supported": supported, "shape": list(shape),
+                    "unfused_rel_diff": difference(unfused), "unfused_ms": round(timed(unfused), 3)}
+    if supported:
+        result |= {"fused_rel_diff": difference(fused), "fused_ms": round(timed(fused), 3)}
+        result["speedup"] = round(result["unfused_ms"] / result["fused_ms"], 2)
+    return {"ok": supported and result["fused_rel_diff"] <= result["unfused_rel_diff"],
+            **result}
+
+
 def kernels() -> dict:
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"}
                 for name in ("nccl", "cuda_events", "varlen_kernel", "tower_varlen",
-                             "fusions", "delta_net", "grouped_experts", "adam")}
+                             "fusions", "delta_net", "grouped_experts", "adam", "wgrad")}
     found = {}
     for name, probe in (("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
                         ("tower_varlen", tower_varlen), ("fusions", fusions),
                         ("delta_net", delta_net),
-                        ("grouped_experts", grouped_experts), ("adam", adam)):
+                        ("grouped_experts", grouped_experts), ("adam", adam),
+                        ("wgrad", wgrad)):
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end

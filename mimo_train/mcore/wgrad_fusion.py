@@ -1,0 +1,129 @@
+"""megatron-core's gradient-accumulation fusion without apex: a linear layer's weight gradient
+made straight into its fp32 buffer (``main_grad``) by the GEMM that computes it.
+
+Without it (``gradient_accumulation_fusion=False``, all megatron-core allows without apex's
+``fused_weight_gradient_mlp_cuda``) each of the language model's linear weights gets its
+gradient in the run's dtype, a ``[out, in]`` bf16 tensor rounded from the GEMM's fp32 sums,
+which DDP's hook then adds into ``main_grad`` with one ``add_``: per weight and micro-batch a
+second kernel, 12 bytes moved a weight value (the bf16 gradient written, read, the fp32 buffer
+read and written) beside the GEMM, and the bf16 rounding of every micro-batch's gradient
+before it is summed. With it megatron-core's linear backward hands ``(input, grad_output,
+main_grad)`` to ``accumulate``, which computes ``main_grad += grad_output^T input`` in one
+GEMM whose accumulator and output are fp32 (torch's ``addmm`` with ``out_dtype`` on CUDA; on
+the CPU, which has no such kernel, the same products of bf16 values summed in fp32 after
+casting them), and DDP's hook adds nothing for those weights. For Qwen2-VL-2B's language model
+(1.3B linear weight values, the tied embedding's output layer apart) that is ~16 GB of memory
+traffic and 112 kernels a micro-batch fewer. TransformerEngine's fusion does the same with
+its own GEMM; neither it nor apex is in mimo's lock, hence this module.
+
+``install`` gives megatron-core's linear layers this module in apex's place; ``supported``
+says whether the device runs it (on CUDA a small call checked against its fp32 product, once a
+process: torch's ``addmm`` takes an fp32 addend with bf16 factors only in recent versions),
+and ``model.build`` sets ``gradient_accumulation_fusion`` from it. The encoders' layers are
+transformers' ``torch.nn.Linear`` (Qwen2-VL-2B's tower: 128 weights, 0.63B values), which
+megatron-core's fusion does not reach: ``fuse_linears`` makes them ``WgradLinear``, whose
+backward pass does the same as megatron-core's (the buffer filled by ``accumulate``, an
+unfilled placeholder handed to autograd so that DDP's hook runs and adds nothing; zeros where
+the weight is also used elsewhere, ``zero_out_wgrad``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.tensor_parallel import layers
+
+
+def accumulate(total_input: torch.Tensor, grad_output: torch.Tensor,
+               main_grad: torch.Tensor) -> None:
+    """``main_grad += grad_output^T total_input`` (``[tokens, out]``, ``[tokens, in]``, both
+    in the run's dtype, into ``[out, in]``), accumulated and added in ``main_grad``'s dtype."""
+    if total_input.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_output.t(), total_input)
+    elif main_grad.is_cuda:
+        torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=main_grad.dtype,
+                    out=main_grad)
+    else:           # the CPU has no mixed-dtype GEMM: bf16 values are exact in fp32
+        main_grad.addmm_(grad_output.t().to(main_grad.dtype), total_input.to(main_grad.dtype))
+
+
+class _Kernels:
+    """What megatron-core calls on apex's ``fused_weight_gradient_mlp_cuda`` (its
+    ``_fp32``/``_fp16`` name the buffer's dtype; the same call serves both)."""
+
+    wgrad_gemm_accum_fp32 = staticmethod(accumulate)
+    wgrad_gemm_accum_fp16 = staticmethod(accumulate)
+
+
+class _WgradLinearFunction(torch.autograd.Function):
+    """``torch.nn.functional.linear`` whose weight gradient goes into ``weight.main_grad``."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input, weight)
+        # the parameter itself: a saved tensor may come back as another object (transformers'
+        # gradient checkpointing hands back a detached copy), without its buffer
+        ctx.parameter = weight
+        ctx.has_bias = bias is not None
+        return torch.nn.functional.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        parameter, ctx.parameter = ctx.parameter, None
+        rows = grad_output.reshape(-1, grad_output.size(-1))
+        accumulate(input.reshape(-1, input.size(-1)), rows, parameter.main_grad)
+        parameter.grad_added_to_main_grad = True
+        # what autograd accumulates and DDP's hook then drops (megatron-core's linear layers
+        # hand back the same): an unfilled tensor, zeros where the hook adds it anyway
+        placeholder = (torch.zeros_like if getattr(parameter, "zero_out_wgrad", False)
+                       else torch.empty_like)(weight)
+        return (grad_output.matmul(weight), placeholder,
+                rows.sum(0) if ctx.has_bias else None)
+
+
+class WgradLinear(torch.nn.Linear):
+    """A ``torch.nn.Linear`` whose trained weight, once megatron-core's DDP gave it its
+    buffer, gets its gradient made into it (``accumulate``); else ``torch.nn.Linear``."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad"):
+            return _WgradLinearFunction.apply(input, weight, self.bias)
+        return super().forward(input)
+
+
+def fuse_linears(module: torch.nn.Module) -> int:
+    """Make every ``torch.nn.Linear`` (that exact class) under ``module`` a ``WgradLinear``;
+    how many."""
+    linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
+    for linear in linears:
+        linear.__class__ = WgradLinear
+    return len(linears)
+
+
+@functools.cache
+def _runs_on(device: str) -> bool:
+    factors = torch.arange(6, dtype=torch.bfloat16, device=device).view(3, 2)
+    buffer = torch.ones(2, 2, dtype=torch.float32, device=device)
+    try:
+        accumulate(factors, factors, buffer)
+    except (RuntimeError, TypeError):
+        return False
+    expected = 1 + factors.float().t() @ factors.float()
+    return bool(torch.equal(buffer, expected))
+
+
+def supported(device: torch.device | str) -> bool:
+    """Whether ``accumulate`` runs on ``device`` with the run's dtype factors and an fp32
+    buffer (always on the CPU)."""
+    device = torch.device(device)
+    return device.type == "cpu" or _runs_on(str(device))
+
+
+def install() -> None:
+    """megatron-core's linear layers take ``gradient_accumulation_fusion`` with this module's
+    kernels from now on."""
+    layers.fused_weight_gradient_mlp_cuda = _Kernels
+    layers._grad_accum_fusion_available = True
