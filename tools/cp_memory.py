@@ -1,5 +1,7 @@
 """One long clip's peak memory on a language rank: the language model's sequence whole (cp1)
-against cut over four context-parallel ranks (cp4), on the CPU, in the same run.
+against cut over four context-parallel ranks (cp4), on the CPU, in the same run. Prints, per
+model and attention, each layout's tokens, a language rank's RSS before the step and its peaks
+above it (MB), the step's seconds and loss, then the ratios cp1 / cp4.
 
 Builds in a temporary folder one long clip (PyAV, a slow pan across a corpus photo: ``--frames``
 frames of ``--size`` x ``--size`` at ``--fps``), a one-sample dataset of a LLaVA-style record
@@ -18,10 +20,11 @@ moments: 2x the weights, which cp does not divide). Large tensors are mapped and
 by the allocator, so VmHWM follows them.
 
 The models (``--widths``): ``0``, the tiny Qwen2.5-VL as it is (``assets/models/tiny-qwen2.5-vl``:
-language 2 layers x 64, 4 heads): its output layer's 49,156 rows make the logits (and their
-gradient) nearly all of a language rank's activations; and a width (default 512: ``widened``,
-the tiny checkpoint with a random ``--layers`` x width language model of ``--heads`` heads, its
-tower's merger writing that width), whose layers' activations weigh as much as the logits.
+language 2 layers x 64, 4 heads), whose activations are tens of MB, about as much as what cp
+does not divide (its ratio moves between runs); and a width (default 512: ``widened``, the tiny
+checkpoint with a random ``--layers`` x width language model of ``--heads`` heads, its tower's
+merger writing that width), whose layers' activations set its peak. Only the trained tokens
+(the answer's ~16) go through the output layer (``mcore.language_loss``).
 
 Printed: per model, backend and layout the micro-batch's tokens (real ones, video ones), a
 language rank's RSS before the step (weights, start-up) and its peaks above it (the largest over
@@ -31,7 +34,7 @@ of a cp4 rank's peak that did not divide (cp4 - cp1 / 4: weight-sized gradients,
 sequence's embeddings and the tower's rows before the cut). ``--attention``: ``sdpa`` (causal,
 no score matrix kept) and/or ``local`` (megatron-core's, ``[b, heads, s, s]`` scores: under cp
 each rank holds its heads' share of them, over the whole sequence). ``--loss-chunk`` sets
-``model.language.loss_chunk_tokens`` (default 0: the micro-batch's logits at once). Nothing is
+``model.language.loss_chunk_tokens`` (default 0: the trained tokens' logits at once). Nothing is
 asserted.
 
     python tools/cp_memory.py [--frames 128] [--size 224] [--fps 8] [--widths 0 512] \\
@@ -254,7 +257,7 @@ def summary(ranks: list[dict]) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rank", help=argparse.SUPPRESS)
     parser.add_argument("--frames", type=int, default=128)
     parser.add_argument("--size", type=int, default=224, help="frame side, a multiple of 28")
@@ -281,8 +284,9 @@ def main() -> None:
                   "model.freeze=[]", "data.packing=false",
                   f"model.language.loss_chunk_tokens={args.loss_chunk}"]
         print(f"one clip: {args.frames} frames of {args.size} x {args.size} at {args.fps} fps; "
-              f"fp32; loss chunk {args.loss_chunk or 'none (all logits at once)'}; peaks above "
-              "the rank's RSS before the step, the largest over the layout's language ranks",
+              f"fp32; loss chunk {args.loss_chunk or 'none (the trained tokens at once)'}; "
+              "peaks above the rank's RSS before the step, the largest over the layout's "
+              "language ranks",
               flush=True)
         print(f"{'language':<22} {'attention':<9} {'layout':<31} {'tokens':>6} {'real':>6} "
               f"{'video':>6} {'RSS MB':>7} {'fwd+bwd MB':>10} {'step MB':>8} {'s':>5} {'loss':>12}")
