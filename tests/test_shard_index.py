@@ -218,6 +218,26 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert code == 2 and "nothing is written beside the shards" in err
 
 
+def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
+    """As a build: exit 1 naming the report, no dataset, and the indexing of the fixed tars
+    goes to the same output without --overwrite."""
+    (tmp_path / "bad").mkdir()
+    with tarfile.open(tmp_path / "bad" / "data-000000.tar", "w") as tar:
+        for name, data in (("a.jpg", b"not a jpeg"), ("a.txt", b"a caption")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    out = tmp_path / "index"
+    code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers", "0",
+                            "--no-progress")
+    assert code == 1 and "no sample written, all 1 record(s) skipped" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["report.json"]
+    assert json.loads((out / "report.json").read_text())["skipped_by_reason"]["corrupt_image"]
+    code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
+                            "--no-progress")
+    assert code == 0 and json.loads((out / "index.json").read_text())["totals"]["samples"], err
+
+
 @pytest.mark.filterwarnings(FORK_WARNING)
 def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "w2",

@@ -265,13 +265,13 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
 
 
 def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
-    """A dataset of no sample: what `mimo-shard index` writes for tars it keeps nothing of
-    (a build that writes no sample leaves its report alone)."""
+    """A dataset of no sample, as `mimo-shard index` wrote one for tars it kept nothing of
+    before it left its report alone there, as a build does: its index written by hand."""
     import io
     import tarfile
 
-    from mimo_data.shards.in_place import index
-    from mimo_data.shards.tar_sources import IndexOptions
+    from mimo_data.shards.in_place import _index_into
+    from mimo_data.shards.tar_sources import IndexOptions, resolve
     (tmp_path / "tars").mkdir()
     with tarfile.open(tmp_path / "tars" / "data-000000.tar", "w") as tar:
         for name, data in (("a.jpg", b"not a jpeg"), ("a.txt", b"a caption")):
@@ -279,8 +279,12 @@ def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     empty = tmp_path / "empty"
-    index([str(tmp_path / "tars")], str(empty), IndexOptions(workers=0, progress=False))
-    assert json.loads((empty / "index.json").read_text())["totals"]["samples"] == 0
+    options = IndexOptions(workers=0, progress=False)
+    empty.mkdir()
+    built, _, _ = _index_into(str(empty), resolve([str(tmp_path / "tars")], options, None),
+                              options, None)
+    assert built["totals"]["samples"] == 0
+    (empty / "index.json").write_text(json.dumps(built))
     config = preprocess_config_file(tmp_path / "p.yaml")
     for _ in range(2):
         table = open_table(empty, config, tmp_path / "cache")

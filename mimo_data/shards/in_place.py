@@ -285,7 +285,9 @@ def _drop_duplicate_keys(staging: str, report: Tally) -> None:
 def index(sources: list[str], output: str | None, options: IndexOptions,
           storage_options: dict | None = None) -> dict:
     """Index the tars of ``sources`` into ``output`` (None: ``default_output``); return the
-    index. Raises IndexInputError (nothing is left behind then: no index.json)."""
+    index. Raises IndexInputError (nothing is left behind then: no index.json). Where it keeps
+    no sample it leaves its report alone, as a build does: no dataset, and its output takes the
+    next indexing as is."""
     if options.workers < 0:
         raise IndexInputError("--workers must be at least 0")
     if options.layout not in ("auto", "energon", *LAYOUTS):
@@ -308,10 +310,13 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+    kept = built["totals"]["samples"] > 0
     for name in sorted(os.listdir(staging)):
-        os.replace(os.path.join(staging, name), os.path.join(output, name))
-    os.rmdir(staging)
-    write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
+        if kept or name == REPORT_FILE:
+            os.replace(os.path.join(staging, name), os.path.join(output, name))
+    shutil.rmtree(staging)
+    if kept:
+        write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
     see = f" (see {os.path.join(output, REPORT_FILE)})" if built["report"]["records_skipped"] \
         else ""
     say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
