@@ -16,9 +16,10 @@ clean:
 - token table: computed with 1 process and with 2 (DataLoader workers), samples/s.
 - report: ``mimo-inspect report`` without its saved tables (2 workers) and with them.
 
-Targets: later start at the largest size <= 2x at the smallest; anonymous memory <= 32 bytes
-per sample; token table with 2 processes >= 1.7x one; report with the tables >= 50x faster.
-The machine's load average is printed with each figure.
+Targets: later start growing by at most 0.5 s per million samples (it reads each saved table's
+digest and sorts the epoch's order of every sample: vectorized, linear work); anonymous memory
+<= 32 bytes per sample; token table with 2 processes >= 1.7x one; report with the tables
+>= 50x faster. The machine's load average is printed with each figure.
 
     python tools/bench_scale.py [--sizes 100000 1000000] [--base 10000]
 """
@@ -107,10 +108,13 @@ def child(kind: str, dataset: str, config: str, workers: int) -> dict:
     torch.set_num_threads(1)
     preprocess = PreprocessConfig.from_yaml(config)
     if kind == "start":
-        Preprocessor(preprocess, with_media=False)      # tokenizer loaded before the baseline
+        # the rank's text encoder (tokenizer loaded, libraries imported) before the baseline,
+        # handed to the data source as mimo_train's trainer hands its own: a second tokenizer
+        # load inside the span would count its parse's freed buffers, which malloc keeps
+        text = Preprocessor(preprocess, with_media=False).text
         before = anonymous_kb()
         start = time.perf_counter()
-        source = DataSource(dataset, preprocess)
+        source = DataSource(dataset, preprocess, text=text)
         loader = build_loader(source, None, LAYOUT, 0, 3, 32, 4, seed=0)
         assert loader is not None
         next(iter(loader))
@@ -160,13 +164,15 @@ def start_table(datasets: Iterable[tuple[int, str]], config: str) -> dict[int, d
               f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
               f"{later['load']:.1f}")
     small, large = min(starts), max(starts)
+    growth = (starts[large]["seconds"] - starts[small]["seconds"]) * 1e6 / (large - small)
     print(f"later start at {large} / at {small}: "
-          f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x (target <= 2)")
+          f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x; it grows "
+          f"{growth:.2f} s per million samples (target <= 0.5)")
     return starts
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", default="assets/corpus")
     parser.add_argument("--config", default="configs/preprocess.yaml")
     parser.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
