@@ -208,7 +208,21 @@ def test_encoder_linears_make_their_weight_gradients_into_the_buffers(groups, fr
     trained = 2 if frozen else 3               # a GEMM into the buffer a trained weight
     assert found[1]["addmm_"] == 2 * trained and found[0]["addmm_"] == 0
     assert found[0]["add_"] - found[1]["add_"] == 2 * trained
+    # the weights' matmuls gone, no input gradient made for the rows (as torch.nn.Linear)
+    assert found[0]["mm"] - found[1]["mm"] == 2 * trained
     with torch.no_grad():                      # evaluation: torch.nn.Linear's own forward
         with Operators() as operators:
             ours(torch.randn(2, 5, HIDDEN))
     assert operators.counts["addmm"] + operators.counts["linear"] >= 1
+
+
+def test_a_weight_another_module_holds_stays_unfused():
+    """Its gradient made into the buffer would drop the other use's (DDP's hook skips a weight
+    whose gradient was made there): a tied pair keeps torch.nn.Linear."""
+    from mimo_train.mcore import wgrad_fusion
+
+    stack = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8),
+                                torch.nn.Linear(8, 8))
+    stack[2].weight = stack[1].weight
+    assert wgrad_fusion.fuse_linears(stack) == 1
+    assert [type(m).__name__ for m in stack] == ["WgradLinear", "Linear", "Linear"]

@@ -23,8 +23,8 @@ and ``model.build`` sets ``gradient_accumulation_fusion`` from it. The encoders'
 transformers' ``torch.nn.Linear`` (Qwen2-VL-2B's tower: 128 weights, 0.63B values), which
 megatron-core's fusion does not reach: ``fuse_linears`` makes them ``WgradLinear``, whose
 backward pass does the same as megatron-core's (the buffer filled by ``accumulate``, an
-unfilled placeholder handed to autograd so that DDP's hook runs and adds nothing; zeros where
-the weight is also used elsewhere, ``zero_out_wgrad``).
+unfilled placeholder handed to autograd so that DDP's hook runs and adds nothing); a weight
+another module also holds stays unfused.
 """
 
 from __future__ import annotations
@@ -79,8 +79,10 @@ class _WgradLinearFunction(torch.autograd.Function):
         # hand back the same): an unfilled tensor, zeros where the hook adds it anyway
         placeholder = (torch.zeros_like if getattr(parameter, "zero_out_wgrad", False)
                        else torch.empty_like)(weight)
-        return (grad_output.matmul(weight), placeholder,
-                rows.sum(0) if ctx.has_bias else None)
+        # the input's and bias's only where asked for (a frozen tower's projection: no input
+        # gradient), as torch.nn.Linear's backward does
+        return (grad_output.matmul(weight) if ctx.needs_input_grad[0] else None, placeholder,
+                rows.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None)
 
 
 class WgradLinear(torch.nn.Linear):
@@ -95,9 +97,17 @@ class WgradLinear(torch.nn.Linear):
 
 
 def fuse_linears(module: torch.nn.Module) -> int:
-    """Make every ``torch.nn.Linear`` (that exact class) under ``module`` a ``WgradLinear``;
-    how many."""
-    linears = [m for m in module.modules() if type(m) is torch.nn.Linear]
+    """Make every ``torch.nn.Linear`` (that exact class) under ``module`` a ``WgradLinear``
+    whose weight no other module holds; how many. A weight's gradient made into its buffer
+    must be all of it: DDP's hook drops whatever else autograd gathered for that weight in the
+    step (the flag stays set until the buffers are zeroed), so a shared weight (tied, or a
+    module's weight held by another) keeps ``torch.nn.Linear``. The towers read their linear
+    layers' weights through the layers alone."""
+    holders: dict[int, int] = {}
+    for _, parameter in module.named_parameters(remove_duplicate=False):
+        holders[id(parameter)] = holders.get(id(parameter), 0) + 1
+    linears = [m for m in module.modules()
+               if type(m) is torch.nn.Linear and holders[id(m.weight)] == 1]
     for linear in linears:
         linear.__class__ = WgradLinear
     return len(linears)
@@ -105,7 +115,9 @@ def fuse_linears(module: torch.nn.Module) -> int:
 
 @functools.cache
 def _runs_on(device: str) -> bool:
-    factors = torch.arange(6, dtype=torch.bfloat16, device=device).view(3, 2)
+    # 1 + 2^-7 and the like: bf16 values whose products need twice their 8 bits, exact in
+    # fp32, so a kernel that rounded them to bf16 would not give the expected sums
+    factors = (1 + torch.arange(1, 7, device=device).view(3, 2) / 128).to(torch.bfloat16)
     buffer = torch.ones(2, 2, dtype=torch.float32, device=device)
     try:
         accumulate(factors, factors, buffer)

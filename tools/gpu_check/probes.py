@@ -546,8 +546,10 @@ def wgrad(device: str = "cuda", shape: tuple[int, int, int] = WGRAD_SHAPE) -> di
     if supported:
         result |= {"fused_rel_diff": difference(fused), "fused_ms": round(timed(fused), 3)}
         result["speedup"] = round(result["unfused_ms"] / result["fused_ms"], 2)
-    return {"ok": supported and result["fused_rel_diff"] <= result["unfused_rel_diff"],
-            **result}
+    if not supported:           # not a failure: the trainer keeps the unfused path
+        return {"ok": None, "skipped": "this torch's addmm takes no fp32 addend with bf16 "
+                "factors: the trainer keeps megatron-core's unfused path", **result}
+    return {"ok": result["fused_rel_diff"] <= result["unfused_rel_diff"], **result}
 
 
 def kernels() -> dict:
