@@ -11,9 +11,9 @@ stops the set-up with that advice instead of resolving something unpinned. Tool 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
-import sys
 import tomllib
 from pathlib import Path
 
@@ -35,8 +35,9 @@ def digest(pyproject: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    print(digest(Path(args[0] if args else "pyproject.toml")))
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("pyproject", nargs="?", default="pyproject.toml", type=Path)
+    print(digest(parser.parse_args(argv).pyproject))
 
 
 if __name__ == "__main__":

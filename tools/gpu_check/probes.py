@@ -571,4 +571,6 @@ def kernels() -> dict:
 
 
 if __name__ == "__main__":
+    import argparse
+    argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args()
     print(json.dumps({"env": env(), "kernels": kernels()}))
