@@ -11,7 +11,7 @@ renumbered; derived tables written before the clock starts), and a language rank
 (open, first batch; ``bench_scale.measure``) is measured there, first start (token table
 computed) and later start (saved).
 
-Target: later start at the largest size <= 2x at the smallest.
+Target: later start growing by at most 0.5 s per million samples (``bench_scale``'s).
 
     python tools/bench_index.py [--samples 2000] [--sizes 20000 400000]
 """

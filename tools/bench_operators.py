@@ -21,10 +21,11 @@ trains two steps in a fresh one-rank process (``torchrun``) and profiles the sec
 
 One difference from a GPU's counts stays: ``mcore.wgrad_fusion`` makes a linear weight's
 gradient into its fp32 buffer with one GEMM on a GPU (bf16 factors, fp32 accumulator), on the
-CPU with that GEMM and two casts of its factors to fp32 (no such kernel there): mimo's backward
-pass counts three operators a weight and micro-batch where a GPU dispatches one (megatron-core's
-path: its matmul and DDP's ``add_``, two), ~480 more a step than on a GPU for the 2B's 112
-language and 130 tower linear weights and two micro-batches.
+CPU with that GEMM and two casts of its factors to fp32 (no such kernel there): two operators a
+weight and micro-batch that a GPU does not dispatch, ~970 a step for the 2B's 112 language and
+130 tower linear weights and two micro-batches. Against megatron-core's path a language weight
+counts two more (the casts; ``addmm_`` and megatron-core's ``empty`` placeholder replace its
+matmul and DDP's ``add_``), a tower weight as many (two fewer views).
 
 Operators are the profiler's outermost ``aten::`` calls (``runtime.profile``'s
 ``operators_per_step``), by phase: the language model's and the tower's layers (forward), the

@@ -39,8 +39,8 @@ from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, sample_key,
-                                    summary_column)
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, kept_files,
+                                    sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
@@ -190,7 +190,8 @@ def build(inputs: list[str], output: str, options: BuildOptions,
           storage_options: dict | None = None) -> dict:
     """Build the dataset; return the index. Raises BuildError (nothing is left behind then:
     no index, so nothing a reader takes for a dataset). A build that writes no sample leaves
-    its report alone (``_kept``): no dataset, and its output takes the next build as is."""
+    its report alone (``format.kept_files``): no dataset, and its output takes the next build
+    as is."""
     if not inputs:
         raise BuildError("no inputs given")
     if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
@@ -228,20 +229,13 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         if created and not os.listdir(output):
             os.rmdir(output)
         raise
-    for name in _kept(index, sorted(os.listdir(staging))):
+    for name in kept_files(index["totals"]["samples"], sorted(os.listdir(staging))):
         os.replace(os.path.join(staging, name), os.path.join(output, name))
     shutil.rmtree(staging)
     if index["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
     _say_built(index, summary, output)
     return index
-
-
-def _kept(index: dict, names: list[str]) -> list[str]:
-    """The ``names`` of a build's files that its output keeps: all, but the report alone
-    where no sample was written (an empty dataset would need --overwrite before the
-    build of the fixed data)."""
-    return names if index["totals"]["samples"] else [n for n in names if n == REPORT_FILE]
 
 
 def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
@@ -284,7 +278,7 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
         for folder, _, files in os.walk(staging):
             for name in sorted(files):
                 path = os.path.join(folder, name)
-                if _kept(index, [os.path.relpath(path, staging)]):
+                if kept_files(index["totals"]["samples"], [os.path.relpath(path, staging)]):
                     remote.put(path, storage.join(output, os.path.relpath(path, staging)))
         if index["totals"]["samples"]:
             remote.write(storage.join(output, INDEX_FILE), dumps(index))

@@ -39,7 +39,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    VIDEOS_ROTATED, summary_column)
+                                    VIDEOS_ROTATED, kept_files, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
@@ -310,12 +310,10 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    kept = built["totals"]["samples"] > 0
-    for name in sorted(os.listdir(staging)):
-        if kept or name == REPORT_FILE:
-            os.replace(os.path.join(staging, name), os.path.join(output, name))
+    for name in kept_files(built["totals"]["samples"], sorted(os.listdir(staging))):
+        os.replace(os.path.join(staging, name), os.path.join(output, name))
     shutil.rmtree(staging)
-    if kept:
+    if built["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
     see = f" (see {os.path.join(output, REPORT_FILE)})" if built["report"]["records_skipped"] \
         else ""

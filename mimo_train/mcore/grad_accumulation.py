@@ -14,8 +14,9 @@ then added (``_foreach_add_``): the same fp32 sums as megatron-core's ``add_``, 
 The larger gradients are added at once, as before (keeping them would hold their memory to the
 end of the pass). With ``overlap_grad_reduce`` megatron-core's hook also marks the bucket
 ready, which must follow the addition, so that setting keeps its hook as it is. megatron-core's
-own remedy, ``gradient_accumulation_fusion``, needs apex and covers only its linear layers'
-weights, hence this module.
+own remedy, ``gradient_accumulation_fusion`` (mimo gives it torch's ``addmm``:
+``mcore.wgrad_fusion``), covers only its linear layers' weights, not the biases and norms,
+hence this module.
 """
 
 from __future__ import annotations

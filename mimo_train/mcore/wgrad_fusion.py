@@ -5,26 +5,28 @@ Without it (``gradient_accumulation_fusion=False``, all megatron-core allows wit
 ``fused_weight_gradient_mlp_cuda``) each of the language model's linear weights gets its
 gradient in the run's dtype, a ``[out, in]`` bf16 tensor rounded from the GEMM's fp32 sums,
 which DDP's hook then adds into ``main_grad`` with one ``add_``: per weight and micro-batch a
-second kernel, 12 bytes moved a weight value (the bf16 gradient written, read, the fp32 buffer
-read and written) beside the GEMM, and the bf16 rounding of every micro-batch's gradient
-before it is summed. With it megatron-core's linear backward hands ``(input, grad_output,
-main_grad)`` to ``accumulate``, which computes ``main_grad += grad_output^T input`` in one
-GEMM whose accumulator and output are fp32 (torch's ``addmm`` with ``out_dtype`` on CUDA; on
-the CPU, which has no such kernel, the same products of bf16 values summed in fp32 after
-casting them), and DDP's hook adds nothing for those weights. For Qwen2-VL-2B's language model
-(1.3B linear weight values, the tied embedding's output layer apart) that is ~16 GB of memory
-traffic and 112 kernels a micro-batch fewer. TransformerEngine's fusion does the same with
-its own GEMM; neither it nor apex is in mimo's lock, hence this module.
+second kernel, the bf16 gradient written by the GEMM and read by the ``add_`` (4 bytes a
+weight value; the fp32 buffer is read and written either way), and the bf16 rounding of every
+micro-batch's gradient before it is summed. With it megatron-core's linear backward hands
+``(input, grad_output, main_grad)`` to ``accumulate``, which computes
+``main_grad += grad_output^T input`` in one GEMM whose accumulator and output are fp32 (torch's
+``addmm`` with ``out_dtype`` on CUDA; on the CPU, which has no such kernel, the same products
+of bf16 values summed in fp32 after casting them), and DDP's hook adds nothing for those
+weights. For Qwen2-VL-2B's language model (1.31B linear weight values, the tied embedding's
+output layer apart) that is ~5 GB of memory traffic and 112 kernels a micro-batch fewer.
+TransformerEngine's fusion does the same with its own GEMM; neither it nor apex is in mimo's
+lock, hence this module.
 
 ``install`` gives megatron-core's linear layers this module in apex's place; ``supported``
 says whether the device runs it (on CUDA a small call checked against its fp32 product, once a
 process: torch's ``addmm`` takes an fp32 addend with bf16 factors only in recent versions),
 and ``model.build`` sets ``gradient_accumulation_fusion`` from it. The encoders' layers are
-transformers' ``torch.nn.Linear`` (Qwen2-VL-2B's tower: 128 weights, 0.63B values), which
-megatron-core's fusion does not reach: ``fuse_linears`` makes them ``WgradLinear``, whose
-backward pass does the same as megatron-core's (the buffer filled by ``accumulate``, an
-unfilled placeholder handed to autograd so that DDP's hook runs and adds nothing); a weight
-another module also holds stays unfused.
+transformers' ``torch.nn.Linear`` (Qwen2-VL-2B's tower: 130 weights, 0.66B values, its 32
+blocks' four and its merger's two), which megatron-core's fusion does not reach:
+``fuse_linears`` makes them ``WgradLinear``, whose backward pass does the same as
+megatron-core's (the buffer filled by ``accumulate``, a placeholder handed to autograd so that
+DDP's hook runs and adds nothing: unfilled, zeros under ``zero_out_wgrad``); a weight another
+module also holds stays unfused.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ class _WgradLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        parameter, ctx.parameter = ctx.parameter, None
+        parameter = ctx.parameter
         rows = grad_output.reshape(-1, grad_output.size(-1))
         accumulate(input.reshape(-1, input.size(-1)), rows, parameter.main_grad)
         parameter.grad_added_to_main_grad = True
@@ -128,8 +130,8 @@ def _runs_on(device: str) -> bool:
 
 
 def supported(device: torch.device | str) -> bool:
-    """Whether ``accumulate`` runs on ``device`` with the run's dtype factors and an fp32
-    buffer (always on the CPU)."""
+    """Whether ``accumulate`` runs on ``device`` with bf16 factors and an fp32 buffer, summing
+    unrounded (always on the CPU)."""
     device = torch.device(device)
     return device.type == "cpu" or _runs_on(str(device))
 

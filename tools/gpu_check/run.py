@@ -20,8 +20,10 @@ Steps, each bounded in time; a failed one is recorded with its first error line,
 2. ``env`` and ``kernels`` (one child process, ``probes.py``): versions, the GPU, a bf16
    matmul's TFLOP/s (the practical peak); a one-rank NCCL all-reduce, mimo's step timer on CUDA
    events, ``varlen_attn`` against per-sample SDPA, Qwen2-VL-2B's tower under mimo's varlen
-   attention against transformers' SDPA, the gated delta-net's kernels (fla's) on a
-   packed row of Qwen3.5-4B's shapes against each sample alone, grouped experts. They run
+   attention against transformers' SDPA, the fused formulas compiled against as written, the
+   gated delta-net's kernels (fla's) on a packed row of Qwen3.5-4B's shapes against each
+   sample alone, grouped experts, the fused AdamW against foreach and the weight gradient
+   made into its fp32 buffer against megatron-core's unfused path. They run
    after the first ``PROBE_AFTER`` (1) case, the goal's, or before parity where no case is
    chosen (``--cases none``: packages, shards, probes and parity alone, what a short GPU
    lease wants), never with
