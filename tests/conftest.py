@@ -423,6 +423,17 @@ def tar_samples(path) -> list[tuple[str, dict[str, bytes]]]:
     return samples
 
 
+def write_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A tar at ``path`` (its folder made) holding ``members`` (name -> bytes), in order."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
 def all_samples(directory) -> list[tuple[str, str, dict[str, bytes]]]:
     """``[(shard name, key, members)]`` over all shards of a dataset."""
     return [(path.name, key, members) for path in shard_paths(directory)

@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from conftest import REPO, chat, cli_main, flip_byte, read_json, scratch, write_jsonl
+from conftest import REPO, chat, cli_main, flip_byte, read_json, scratch, write_jsonl, write_tar
 from support.runs import assert_continues, copy_checkpoint, train, train_records
 
 PER_TAR = 4
@@ -221,12 +221,8 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
     """As a build: exit 1 naming the report, no dataset, and the indexing of the fixed tars
     goes to the same output without --overwrite."""
-    (tmp_path / "bad").mkdir()
-    with tarfile.open(tmp_path / "bad" / "data-000000.tar", "w") as tar:
-        for name, data in (("a.jpg", b"not a jpeg"), ("a.txt", b"a caption")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(tmp_path / "bad" / "data-000000.tar",
+              {"a.jpg": b"not a jpeg", "a.txt": b"a caption"})
     out = tmp_path / "index"
     code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers", "0",
                             "--no-progress")

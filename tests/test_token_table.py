@@ -15,7 +15,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from conftest import REPO, preprocess_config_file
+from conftest import REPO, preprocess_config_file, write_tar
 from mimo_data.loading import token_table as tables
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
@@ -267,17 +267,10 @@ def test_inspect_report_writes_the_table_training_uses_and_reuses_it(dataset, tm
 def test_an_empty_dataset_has_an_empty_table(tmp_path, computes):
     """A dataset of no sample, as `mimo-shard index` wrote one for tars it kept nothing of
     before it left its report alone there, as a build does: its index written by hand."""
-    import io
-    import tarfile
-
     from mimo_data.shards.in_place import _index_into
     from mimo_data.shards.tar_sources import IndexOptions, resolve
-    (tmp_path / "tars").mkdir()
-    with tarfile.open(tmp_path / "tars" / "data-000000.tar", "w") as tar:
-        for name, data in (("a.jpg", b"not a jpeg"), ("a.txt", b"a caption")):
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_tar(tmp_path / "tars" / "data-000000.tar",
+              {"a.jpg": b"not a jpeg", "a.txt": b"a caption"})
     empty = tmp_path / "empty"
     options = IndexOptions(workers=0, progress=False)
     empty.mkdir()
