@@ -1,4 +1,5 @@
-"""Benchmark ``mimo-inspect report`` against the metadata-only Preprocessor, on one core.
+"""Benchmark ``mimo-inspect report`` against the metadata-only Preprocessor, on one core; prints
+each pass's samples/s and its ratio to the preprocessor.
 
 The sample corpus is replicated to ``--samples`` (default 10,000) samples. Every copy's
 assistant answers get the copy number, so no two conversations are the same text (a cache of

@@ -1,4 +1,5 @@
-"""Benchmark the language rank's metadata path against a fixed baseline, in the same run.
+"""Benchmark the language rank's metadata path against a fixed baseline, in the same run; prints
+each one's samples/s and the ratio language rank / baseline.
 
 On the sample corpus replicated to ``--samples`` (as ``bench_loader.py``), layout
 ``language=dp1;image=dp1;audio=dp1``, in micro-batches of ``--micro-batch-size``:

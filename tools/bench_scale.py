@@ -1,4 +1,6 @@
-"""Start-up and memory against dataset size: what one rank pays before its first batch.
+"""Start-up and memory against dataset size: what one rank pays before its first batch; prints
+the start-ups' seconds and memory per size, the token table's and the report's rates, each
+against its target.
 
 Datasets: the sample corpus replicated to ``--base`` samples by ``mimo-shard build``
 (``replicate_corpus.py``, every copy's answers numbered so that they tokenize as new text), then

@@ -1,4 +1,5 @@
-"""Trained tokens/s with sequence packing against padding, and DP token balance, in one run.
+"""Trained tokens/s with sequence packing against padding, and DP token balance, in one run;
+prints the trained tokens/s of each and their ratio, then the tokens per DP rank, max/mean.
 
 Corpus: built at bench time from the sample corpus's real text (the question/answer turns of
 ``llava.json``, ``llava.jsonl``, ``conversations.parquet`` and ``speech.parquet``, media
