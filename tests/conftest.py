@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import multiprocessing.util
 import os
 import re
 import shutil
@@ -143,6 +144,9 @@ def pytest_configure(config) -> None:
     if not _starts_the_run(config):                 # a worker inherits the controller's set-up
         return
     launch.adopt_orphans()
+    # multiprocessing's folder (its forkserver's socket) is removed at this process's exit,
+    # after a passed run has removed pytest's: made first, it lies in the system's
+    multiprocessing.util.get_temp_dir()
     folder = config._tmp_path_factory.getbasetemp() / "tmp"
     folder.mkdir(exist_ok=True)
     # wandb creates folders in the temporary directory at import (megatron-core imports it),

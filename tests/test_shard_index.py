@@ -234,7 +234,6 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     assert code == 0 and json.loads((out / "index.json").read_text())["totals"]["samples"], err
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
 def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "w2",
                             "--workers", "2", "--no-progress")

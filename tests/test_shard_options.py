@@ -11,9 +11,6 @@ import pytest
 from conftest import (all_samples, build_dataset, cli_main, file_bytes, origin_of, read_json,
                       sample_records, shard_paths, tar_samples, write_jsonl)
 
-FORK_WARNING = "ignore:This process .* is multi-threaded:DeprecationWarning"
-
-
 def test_max_samples_per_shard(tmp_path, corpus_inputs, corpus_expected):
     n = len(corpus_expected)
     index = build_dataset(corpus_inputs, tmp_path / "out", max_samples_per_shard=3)
@@ -46,7 +43,6 @@ def test_a_sample_larger_than_max_shard_bytes_gets_its_own_shard(tmp_path, corpu
     assert counts == [1] * len(corpus_expected)
 
 
-@pytest.mark.filterwarnings(FORK_WARNING)
 def test_builds_are_byte_identical_whatever_the_workers(tmp_path, corpus_inputs, corpus_build):
     build_dataset(corpus_inputs, tmp_path / "w1", workers=1, max_samples_per_shard=20)
     build_dataset(corpus_inputs, tmp_path / "w2", workers=2, max_samples_per_shard=20)

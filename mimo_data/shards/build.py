@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing
 import os
 import re
 import shutil
@@ -45,7 +44,7 @@ from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
 from mimo_data.shards import task_stream
-from mimo_data.shards.bounded import ordered_imap
+from mimo_data.shards.bounded import WorkerDied, ordered_map
 
 
 class BuildError(Exception):
@@ -179,11 +178,16 @@ def _results(tasks, sources, policy, workers):
         _init_worker(sources, policy)
         yield from map(_prepare_task, tasks)
         return
-    context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=(sources, policy)) as pool:
-        chunks = iter(lambda: list(itertools.islice(tasks, _CHUNK)), [])
-        for done in ordered_imap(pool, _prepare_chunk, chunks, workers * _CHUNKS_PER_WORKER):
+    chunks = iter(lambda: list(itertools.islice(tasks, _CHUNK)), [])
+    try:
+        for done in ordered_map(_prepare_chunk, chunks, workers, workers * _CHUNKS_PER_WORKER,
+                                describe=lambda chunk: chunk[0].location,
+                                initializer=_init_worker, initargs=(sources, policy)):
             yield from done
+    except WorkerDied as exc:
+        raise WorkerDied(f"{exc} (a record and the {_CHUNK - 1} after it each); nothing was "
+                         "written: build again with fewer --workers, or --workers 0 to read "
+                         "the records in this process and see the failure") from None
 
 
 def build(inputs: list[str], output: str, options: BuildOptions,

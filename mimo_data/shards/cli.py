@@ -143,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from mimo_data.shards.bounded import WorkerDied
     from mimo_data.shards.build import BuildError, StrictStop
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.sources import SourceError
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         directory = getattr(args, "directory", "")
         error, status = str(exc), 1 if is_remote(directory) or os.path.isdir(directory) else 2
     except StorageError as exc:     # the storage kept failing (retried already)
+        error, status = str(exc), 1
+    except WorkerDied as exc:       # the OOM killer, a crash: the work was not done
         error, status = str(exc), 1
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status

@@ -18,7 +18,6 @@ in ``report.json`` and left out; a truncated tar keeps the samples it holds comp
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import sys
@@ -43,7 +42,7 @@ from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, R
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
-from mimo_data.shards.bounded import ordered_imap
+from mimo_data.shards.bounded import WorkerDied, ordered_map
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
                                           resolve, say)
@@ -178,8 +177,12 @@ def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
     if workers <= 0:
         yield from map(index_shard, jobs)
         return
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
-        yield from ordered_imap(pool, index_shard, jobs, workers)
+    try:
+        yield from ordered_map(index_shard, jobs, workers, workers,
+                               describe=lambda job: f"tar {job.name}")
+    except WorkerDied as exc:
+        raise WorkerDied(f"{exc}; nothing was written: index again with fewer --workers, or "
+                         "--workers 0 to index in this process and see the failure") from None
 
 
 # ------------------------------------------------------------------------------ output

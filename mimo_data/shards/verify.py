@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import multiprocessing
 import os
 import tarfile
 import zlib
@@ -36,7 +35,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
 from mimo_data.shards.format import RECORDS_FILE
-from mimo_data.shards.bounded import ordered_imap
+from mimo_data.shards.bounded import WorkerDied, ordered_map
 from mimo_data.shards.index import read_index, shard_root
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
@@ -275,16 +274,15 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     jobs = ((root, shard, rows, records) for shard, rows, records in _shard_rows(directory, index))
     bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
     results: Iterable[list[str]]
-    if workers <= 1:
-        results = map(_verify_one, jobs)
-    else:
-        pool = multiprocessing.get_context("fork").Pool(workers)
-        # a few shards' rows in flight, not the table's
-        results = ordered_imap(pool, _verify_one, jobs, window=2 * workers)
-    for shard_problems in results:
-        problems += shard_problems
-        bar.update()
+    # a few shards' rows in flight, not the table's
+    results = map(_verify_one, jobs) if workers <= 1 else ordered_map(
+        _verify_one, jobs, workers, 2 * workers, describe=lambda job: f"shard {job[1]['name']}")
+    try:
+        for shard_problems in results:
+            problems += shard_problems
+            bar.update()
+    except WorkerDied as exc:
+        raise WorkerDied(f"{exc}; verify again with fewer --workers, or --workers 1 to verify "
+                         "in this process and see the failure") from None
     bar.close()
-    if workers > 1:
-        pool.close()
     return problems
