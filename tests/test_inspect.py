@@ -554,8 +554,11 @@ def test_workers_give_the_same_report(capsys, tmp_path, faulty, configs):
     _, one, _ = report_json(capsys, tmp_path, directory, configs["default"])
     _, two, _ = report_json(capsys, tmp_path, directory, configs["default"], "--workers", "2")
     volatile = {"seconds", "samples_per_second", "workers", "token_cache"}
-    assert {k: v for k, v in one.items() if k not in volatile} == \
-        {k: v for k, v in two.items() if k not in volatile}
+
+    def stable(report: dict) -> dict:    # the first run of the module may make the tables
+        return {k: v for k, v in report.items() if k not in volatile} | {
+            "tables": {**report["tables"], "reused": None}}
+    assert stable(one) == stable(two)
 
 
 # -------------------------------------------------------------------------------------- html
