@@ -99,6 +99,21 @@ def test_pool_results_are_bounded_by_a_window_and_a_dead_worker_is_an_error():
         next(results)
 
 
+def _seen(name: str) -> tuple[str | None, str]:
+    return os.environ.get(name), os.getcwd()
+
+
+def test_pool_workers_see_the_callers_environment_and_folder(tmp_path, monkeypatch):
+    # the workers fork from the forkserver, started once a process with the environment and
+    # folder of then: a credential or relative path set later must reach them as a fork's would
+    from mimo_data.shards.bounded import ordered_map
+    assert list(ordered_map(_seen, ["MIMO_TEST_SEEN"], workers=1, window=1))[0][0] is None
+    monkeypatch.setenv("MIMO_TEST_SEEN", "later")
+    monkeypatch.chdir(tmp_path)
+    assert list(ordered_map(_seen, ["MIMO_TEST_SEEN"], workers=1, window=1)) == [
+        ("later", str(tmp_path))]
+
+
 def _tars(folder, count: int, per_tar: int = 500) -> str:
     import webdataset
     folder.mkdir()

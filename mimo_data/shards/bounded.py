@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -26,6 +27,16 @@ from typing import Any
 
 class WorkerDied(Exception):
     """A worker process ended without a result (killed, or crashed)."""
+
+
+def _start(environ: dict[str, str], initializer: Callable | None, initargs: tuple) -> None:
+    """A worker's start: the caller's environment at the pool's start (a fork's would be; the
+    forkserver's is that of its own start; multiprocessing passes the working directory and
+    ``sys.path``), then ``initializer``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    if initializer is not None:
+        initializer(*initargs)
 
 
 def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
@@ -40,8 +51,8 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     # the workers instead, which the first one's imports mostly covered
     context.set_forkserver_preload([func.__module__])
     items = iter(items)
-    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=initializer,
-                               initargs=initargs)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
+                               initargs=(dict(os.environ), initializer, initargs))
     pending: deque[tuple[object, Future]] = deque()
     try:
         for item in itertools.islice(items, max(window, 1)):
