@@ -18,6 +18,11 @@ class CountedError(Exception):
         self.reason = reason
         self.detail = detail
 
+    def __reduce__(self):
+        # rebuilt from both arguments (Exception's pickling passes ``args``, the detail alone):
+        # one raised in a worker process reaches the caller as itself
+        return type(self), (self.reason, self.detail)
+
 
 class Tally:
     """Items seen = kept + skipped; skips are counted by reason with their first locations.

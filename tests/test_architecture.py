@@ -116,6 +116,10 @@ OTHER_LIBRARIES = {
     ("mimo_train.model.tower_attention", "_attn_implementation"),
     # torch.compile's error at its recompile limit under fullgraph (no public name)
     ("mimo_train.runtime.compile", "_dynamo"),
+    ("mimo_data.worker_pool", "_exit"),         # os._exit: documented, the child's way out
+    # the executor's workers, to kill them: Python 3.12 has no public way (3.14's
+    # terminate_workers)
+    ("mimo_data.worker_pool", "_processes"),
 }
 HARMLESS = {"__name__", "__qualname__", "__module__", "__doc__"}
 

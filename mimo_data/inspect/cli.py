@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None, advisor=None) -> int:
     from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.storage import StorageError, is_remote
+    from mimo_data.worker_pool import WorkerDied
     try:
         config = PreprocessConfig.from_yaml(args.config)
         if args.command == "plan":
@@ -429,6 +430,8 @@ def main(argv: list[str] | None = None, advisor=None) -> int:
         error, status = str(exc), 1 if is_remote(args.directory) or \
             os.path.isdir(args.directory) else 2
     except StorageError as exc:     # the storage kept failing (retried already)
+        error, status = str(exc), 1
+    except WorkerDied as exc:       # --workers: the OOM killer, a crash
         error, status = str(exc), 1
     except BrokenPipeError:         # the output's reader gone (| head): quiet_when_stdout_closes
         raise

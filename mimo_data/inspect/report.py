@@ -414,20 +414,19 @@ def fewer_gc_passes(young: int = 20_000):
 
 def _parallel_stats(directory: str, inspector: SampleInspector, total: int, workers: int,
                     cache_dir: str | None):
-    """SampleStats in dataset order, computed by ``workers`` processes (forkserver: the caller
-    may be threaded) in chunks."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
+    """SampleStats in dataset order, computed by ``workers`` processes in chunks
+    (``worker_pool.ordered_map``: forked from the forkserver, the caller may be threaded)."""
+    from mimo_data.worker_pool import ordered_map
 
     chunk = max(1, min(1000, -(-total // (workers * 4))))
-    bounds = [(start, min(start + chunk, total)) for start in range(0, total, chunk)]
+    bounds = ((start, min(start + chunk, total)) for start in range(0, total, chunk))
     cache_tokens = isinstance(inspector.text.backend, SegmentCachedTokenizer)
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("forkserver"),
-                             initializer=_init_worker,
-                             initargs=(directory, inspector.config, cache_tokens,
-                                       cache_dir)) as pool:
-        for stats_list in pool.map(_inspect_chunk, bounds):
-            yield from stats_list
+    for stats_list in ordered_map(_inspect_chunk, bounds, workers, 2 * workers,
+                                  describe=lambda bound: f"samples {bound[0]} to {bound[1] - 1}",
+                                  initializer=_init_worker,
+                                  initargs=(directory, inspector.config, cache_tokens,
+                                            cache_dir)):
+        yield from stats_list
 
 
 def inspect_dataset(reader: ShardReader, inspector: SampleInspector, *,

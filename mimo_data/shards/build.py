@@ -44,7 +44,7 @@ from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
 from mimo_data.shards import task_stream
-from mimo_data.shards.bounded import WorkerDied, ordered_map
+from mimo_data.worker_pool import WorkerDied, ordered_map
 
 
 class BuildError(Exception):
@@ -164,6 +164,10 @@ def _prepare_chunk(tasks):
     return [_prepare_task(task) for task in tasks]
 
 
+def _chunk_records(tasks) -> str:
+    return f"records {tasks[0].location} to {tasks[-1].location}"
+
+
 _CHUNK = 8             # tasks a worker takes at a time
 _CHUNKS_PER_WORKER = 4  # chunks in flight per worker: the window of records held at once
 
@@ -181,13 +185,13 @@ def _results(tasks, sources, policy, workers):
     chunks = iter(lambda: list(itertools.islice(tasks, _CHUNK)), [])
     try:
         for done in ordered_map(_prepare_chunk, chunks, workers, workers * _CHUNKS_PER_WORKER,
-                                describe=lambda chunk: chunk[0].location,
-                                initializer=_init_worker, initargs=(sources, policy)):
+                                describe=_chunk_records, initializer=_init_worker,
+                                initargs=(sources, policy)):
             yield from done
     except WorkerDied as exc:
-        raise WorkerDied(f"{exc} (a record and the {_CHUNK - 1} after it each); nothing was "
-                         "written: build again with fewer --workers, or --workers 0 to read "
-                         "the records in this process and see the failure") from None
+        raise WorkerDied(f"{exc}; the build stopped, no index.json written: build again with "
+                         "fewer --workers, or --workers 0 to read the records in this process "
+                         "and see the failure") from exc
 
 
 def build(inputs: list[str], output: str, options: BuildOptions,

@@ -3,7 +3,8 @@
 Exit status (the same for every mimo CLI):
   0  ok
   1  a check or the data failed: verify found a problem, --strict stopped at a bad record,
-     the dataset directory is incomplete or damaged, remote storage failed after retries;
+     the dataset directory is incomplete or damaged, remote storage failed after retries,
+     a worker process died (killed or crashed);
      also, quietly, when standard output's reader has gone (``| head``: mimo_data.stdout)
   2  usage or config error: bad arguments, an input that cannot be opened or read as given,
      an output directory in the way, no such dataset directory
@@ -143,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from mimo_data.shards.bounded import WorkerDied
+    from mimo_data.worker_pool import WorkerDied
     from mimo_data.shards.build import BuildError, StrictStop
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.sources import SourceError

@@ -35,7 +35,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
 from mimo_data.shards.format import RECORDS_FILE
-from mimo_data.shards.bounded import WorkerDied, ordered_map
+from mimo_data.worker_pool import WorkerDied, ordered_map
 from mimo_data.shards.index import read_index, shard_root
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
@@ -283,6 +283,6 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
             bar.update()
     except WorkerDied as exc:
         raise WorkerDied(f"{exc}; verify again with fewer --workers, or --workers 1 to verify "
-                         "in this process and see the failure") from None
+                         "in this process and see the failure") from exc
     bar.close()
     return problems

@@ -1,0 +1,144 @@
+"""``ordered_map``: ``func`` over items in worker processes, in order, a bounded window in flight.
+
+``Pool.imap`` reads its whole input at once and keeps every result until it is consumed: when
+the consumer is slower than the workers (a writer), results pile up without bound. Here the
+input is read lazily and at most ``window`` items are submitted ahead of the one consumed.
+
+The workers come from a ``concurrent.futures`` pool, not a ``multiprocessing.Pool``: a worker
+that dies (the out-of-memory killer, a crash in a decoder) breaks the pool and raises
+``WorkerDied`` here, where a ``Pool`` lost the item and waited for it forever. They are forked
+from the forkserver, a process that has imported ``func``'s module and nothing else ran in,
+not from the caller: forking a process whose other threads (tqdm's monitor, Arrow's and
+torch's pools, fsspec's event loop) hold locks or memory mid-change crashed a child in garbage
+collection. As with any pool not made by ``fork``, a script that calls this at its top level
+needs Python's ``if __name__ == "__main__":`` guard (each worker imports the script).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+_NAMED = 4          # items in flight a WorkerDied message names (first ones and the last)
+
+
+class WorkerDied(Exception):
+    """A worker process ended without a result (killed, or crashed)."""
+
+
+def _exit_with_parent() -> None:
+    """End this worker when the process that made the pool is gone (killed by the OOM killer
+    or SIGKILL: its workers and the forkserver would wait for work forever)."""
+    parent = multiprocessing.parent_process()
+    if parent is not None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+
+def _start(environ: dict[str, str], initializer: Callable | None, initargs: tuple) -> None:
+    """A worker's start: the caller's environment at the pool's start (a fork's would be; the
+    forkserver's is that of its own start; multiprocessing passes the working directory and
+    ``sys.path``), Ctrl-C left to the caller (which stops the pool), a crash's Python stack on
+    stderr, an end with the caller; then ``initializer``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    faulthandler.enable()
+    threading.Thread(target=_exit_with_parent, daemon=True).start()
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """The pool's workers killed, not awaited: the caller stopped early (an error, a --strict
+    stop, Ctrl-C) and a worker may be blocked on a read (a hung mount, a FIFO). The workers
+    only compute results, so nothing is lost. Python 3.12 has no public way to reach them
+    (3.14's ``terminate_workers``): the executor's own process table is read."""
+    processes = list((pool._processes or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join()
+
+
+def _death(pool: ProcessPoolExecutor, lost: list[str]) -> WorkerDied:
+    """The error for a broken pool: how the workers ended and the items it may have held."""
+    # the executor SIGTERMs the other workers once one has died
+    codes = {process.exitcode for process in (pool._processes or {}).values()
+             if process.exitcode not in (None, 0, -signal.SIGTERM)}
+    how = ", ".join(sorted(_end(code) for code in codes)) or "killed or crashed"
+    if -signal.SIGKILL in codes:
+        how += ": most often the out-of-memory killer"
+    elif codes & {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}:
+        how += ": a crash in native code, its Python stack above"
+    named = lost if len(lost) <= _NAMED else [*lost[:_NAMED - 1], "...", lost[-1]]
+    return WorkerDied(f"a worker process ended without a result ({how}) while it had one of "
+                      f"{len(lost)} item(s) in flight: {', '.join(named)}")
+
+
+def _end(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit status {exitcode}"
+
+
+def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
+                describe: Callable[[Any], str] = str, initializer: Callable | None = None,
+                initargs: tuple = ()) -> Iterator:
+    """``func(item)`` for each of ``items``, in order, from ``workers`` processes, at most
+    ``window`` items in flight; ``initializer(*initargs)`` runs once in each worker (its
+    arguments are pickled). A worker that dies raises ``WorkerDied`` once the results finished
+    before are yielded, naming the items it may have held (``describe(item)``); an exception
+    ``func`` raises comes back as itself. A consumer that stops early kills the workers."""
+    context = multiprocessing.get_context("forkserver")
+    # read only when the forkserver starts (once a process): later calls' modules import in
+    # the workers instead, which the first one's imports mostly covered
+    context.set_forkserver_preload([func.__module__])
+    items = iter(items)
+    pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
+                               initargs=(dict(os.environ), initializer, initargs))
+    pending: deque[tuple[Any, Future]] = deque()
+    broken = False
+
+    def submit(count: int) -> None:
+        nonlocal broken
+        for item in itertools.islice(items, 0 if broken else count):
+            try:
+                pending.append((item, pool.submit(func, item)))
+            except BrokenProcessPool:     # the finished ones are still yielded
+                broken = True
+                return
+    finished = False
+    try:
+        submit(max(window, 1))
+        while pending:
+            future = pending[0][1]
+            try:
+                done = future.result()
+            except BrokenProcessPool as exc:
+                lost = [describe(item) for item, f in pending
+                        if isinstance(f.exception(), BrokenProcessPool)]
+                raise _death(pool, lost) from exc
+            pending.popleft()
+            submit(1)
+            yield done
+        finished = True
+    finally:
+        if finished:
+            pool.shutdown(wait=True)
+        else:
+            _stop(pool)
