@@ -72,8 +72,9 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         process.join()
 
 
-def _death(pool: ProcessPoolExecutor, lost: list[str]) -> WorkerDied:
-    """The error for a broken pool: how the workers ended and the items it may have held."""
+def _death(pool: ProcessPoolExecutor, lost: list[str], idle: bool = False) -> WorkerDied:
+    """The error for a broken pool: how the workers ended and the items it may have held (or,
+    ``idle``: the first of those it never ran)."""
     # the executor SIGTERMs the other workers once one has died
     codes = {process.exitcode for process in (pool._processes or {}).values()
              if process.exitcode not in (None, 0, -signal.SIGTERM)}
@@ -82,6 +83,9 @@ def _death(pool: ProcessPoolExecutor, lost: list[str]) -> WorkerDied:
         how += ": most often the out-of-memory killer"
     elif codes & {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}:
         how += ": a crash in native code, its Python stack above"
+    if idle:
+        return WorkerDied(f"a worker process ended between items ({how}): {lost[0]} and those "
+                          "after it were not done")
     named = lost if len(lost) <= _NAMED else [*lost[:_NAMED - 1], "...", lost[-1]]
     return WorkerDied(f"a worker process ended without a result ({how}) while it had one of "
                       f"{len(lost)} item(s) in flight: {', '.join(named)}")
@@ -112,15 +116,14 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                initargs=(dict(os.environ), initializer, initargs))
     pending: deque[tuple[Any, Future]] = deque()
-    broken = False
+    refused: list[Any] = []             # the item a broken pool did not take
 
     def submit(count: int) -> None:
-        nonlocal broken
-        for item in itertools.islice(items, 0 if broken else count):
+        for item in itertools.islice(items, 0 if refused else count):
             try:
                 pending.append((item, pool.submit(func, item)))
-            except BrokenProcessPool:     # the finished ones are still yielded
-                broken = True
+            except BrokenProcessPool:     # the finished ones are still yielded first
+                refused.append(item)
                 return
     finished = False
     try:
@@ -130,12 +133,13 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
             try:
                 done = future.result()
             except BrokenProcessPool as exc:
-                lost = [describe(item) for item, f in pending
-                        if isinstance(f.exception(), BrokenProcessPool)]
-                raise _death(pool, lost) from exc
+                raise _death(pool, [describe(item) for item, f in pending
+                                    if isinstance(f.exception(), BrokenProcessPool)]) from exc
             pending.popleft()
             submit(1)
             yield done
+        if refused:     # a worker died between items: the rest were never run
+            raise _death(pool, [describe(refused[0])], idle=True)
         finished = True
     finally:
         if finished:

@@ -101,6 +101,45 @@ def test_pool_results_are_bounded_by_a_window_and_a_dead_worker_is_an_error():
         next(results)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pid(path: str) -> int:
+    with open(path, "w") as file:
+        file.write(str(os.getpid()))
+    return os.getpid()
+
+
+def test_a_worker_killed_between_items_is_an_error_not_a_short_result(tmp_path):
+    # the one worker is killed after its first item, before the second is handed over: the
+    # pool may break before or after that hand-over (a broken pool refused it, and the
+    # results ended short, silently), and either way the caller hears of it
+    import time
+
+    from mimo_data.worker_pool import WorkerDied, ordered_map
+    marker = tmp_path / "pid"
+
+    def items():
+        yield str(marker)
+        while not marker.exists():      # the worker has written its pid (its result is next)
+            time.sleep(0.01)
+        pid = int(marker.read_text())
+        os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.01)
+        time.sleep(0.5)     # the executor most likely sees the death before the hand-over
+        yield str(tmp_path / "never")
+    results = ordered_map(_pid, items(), workers=1, window=1)
+    assert next(results) == int(marker.read_text())
+    with pytest.raises(WorkerDied, match=r"killed by SIGKILL.*/never"):
+        next(results)
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as file:      # a FIFO no one writes: blocks forever
         return file.read()
