@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
@@ -38,7 +38,8 @@ class WorkerDied(Exception):
 
 def _exit_with_parent() -> None:
     """End this worker when the process that made the pool is gone (killed by the OOM killer
-    or SIGKILL: its workers and the forkserver would wait for work forever)."""
+    or SIGKILL): its queue's other end is held by the workers themselves, so they would wait
+    for work forever."""
     parent = multiprocessing.parent_process()
     if parent is not None:
         multiprocessing.connection.wait([parent.sentinel])
@@ -72,17 +73,32 @@ def _stop(pool: ProcessPoolExecutor) -> None:
         process.join()
 
 
-def _death(pool: ProcessPoolExecutor, lost: list[str], idle: bool = False) -> WorkerDied:
-    """The error for a broken pool: how the workers ended and the items it may have held (or,
-    ``idle``: the first of those it never ran)."""
-    # the executor SIGTERMs the other workers once one has died
-    codes = {process.exitcode for process in (pool._processes or {}).values()
-             if process.exitcode not in (None, 0, -signal.SIGTERM)}
-    how = ", ".join(sorted(_end(code) for code in codes)) or "killed or crashed"
-    if -signal.SIGKILL in codes:
-        how += ": most often the out-of-memory killer"
-    elif codes & {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}:
-        how += ": a crash in native code, its Python stack above"
+def _death(pool: ProcessPoolExecutor, broken: BaseException | None, lost: list[str],
+           idle: bool = False) -> WorkerDied:
+    """The error for a broken pool: how its workers ended and the items a dead one may have
+    held (or, ``idle``: the first of those it never ran). ``broken``: the pool's error, whose
+    cause holds a worker's own traceback where one was sent."""
+    processes = list((pool._processes or {}).values())
+    # the executor's thread has ended the workers and reads their exit status itself: read
+    # once it has (a read beside it took the pipe's status from it: "exit status 255")
+    pool.shutdown(wait=True)
+    codes = {code for code in (process.exitcode for process in processes) if code}
+    # the executor SIGTERMs the workers once one has died or a result was lost: a SIGTERM
+    # is told only when nothing else is
+    deaths = codes - {-signal.SIGTERM}
+    cause = str(broken.__cause__ or "" if broken else "").strip().strip("'").strip()
+    if deaths:
+        how = ", ".join(sorted(_end(code) for code in deaths))
+        if -signal.SIGKILL in deaths:
+            how += ": most often the out-of-memory killer"
+        elif deaths & {-signal.SIGSEGV, -signal.SIGBUS, -signal.SIGABRT}:
+            how += ": a crash in native code, its Python stack above"
+    elif cause:
+        how = f"its result could not be passed back: {cause.splitlines()[-1]}"
+    elif codes:
+        how = _end(-signal.SIGTERM)
+    else:
+        how = "it ended by itself: its start failed, the error is above"
     if idle:
         return WorkerDied(f"a worker process ended between items ({how}): {lost[0]} and those "
                           "after it were not done")
@@ -102,7 +118,7 @@ def _end(exitcode: int) -> str:
 
 def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
                 describe: Callable[[Any], str] = str, initializer: Callable | None = None,
-                initargs: tuple = ()) -> Iterator:
+                initargs: tuple = ()) -> Generator[Any, None, None]:
     """``func(item)`` for each of ``items``, in order, from ``workers`` processes, at most
     ``window`` items in flight; ``initializer(*initargs)`` runs once in each worker (its
     arguments are pickled). A worker that dies raises ``WorkerDied`` once the results finished
@@ -129,19 +145,22 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     try:
         submit(max(window, 1))
         while pending:
-            future = pending[0][1]
-            try:
-                done = future.result()
+            try:        # no local holds the future: its exception's frames would hold it
+                done = pending[0][1].result()
             except BrokenProcessPool as exc:
-                raise _death(pool, [describe(item) for item, f in pending
-                                    if isinstance(f.exception(), BrokenProcessPool)]) from exc
+                raise _death(pool, exc, [describe(item) for item, f in pending
+                                         if isinstance(f.exception(), BrokenProcessPool)]
+                             ) from exc
             pending.popleft()
             submit(1)
             yield done
         if refused:     # a worker died between items: the rest were never run
-            raise _death(pool, [describe(refused[0])], idle=True)
+            raise _death(pool, None, [describe(refused[0])], idle=True)
         finished = True
     finally:
+        # the futures hold the error being raised, whose frames hold them: a cycle that kept
+        # the caller's open files to the cyclic collector
+        pending.clear()
         if finished:
             pool.shutdown(wait=True)
         else:

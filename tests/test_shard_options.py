@@ -11,6 +11,7 @@ import pytest
 from conftest import (all_samples, build_dataset, cli_main, file_bytes, origin_of, read_json,
                       sample_records, shard_paths, tar_samples, write_jsonl)
 
+
 def test_max_samples_per_shard(tmp_path, corpus_inputs, corpus_expected):
     n = len(corpus_expected)
     index = build_dataset(corpus_inputs, tmp_path / "out", max_samples_per_shard=3)

@@ -141,6 +141,9 @@ def test_a_worker_killed_between_items_is_an_error_not_a_short_result(tmp_path):
 
 
 def _read(path: str) -> bytes:
+    if path.endswith("fifo"):       # the test waits for this worker to reach the FIFO
+        with open(path + ".pid", "w") as file:
+            file.write(str(os.getpid()))
     with open(path, "rb") as file:      # a FIFO no one writes: blocks forever
         return file.read()
 
@@ -149,6 +152,7 @@ def test_a_consumer_that_stops_early_does_not_wait_for_a_blocked_worker(tmp_path
     # a --strict stop or a writer's error while a worker is blocked on a read (a hung mount,
     # a FIFO given as a medium): the pool's shutdown waited for that read forever
     import threading
+    import time
 
     from mimo_data.worker_pool import ordered_map
     plain, fifo = tmp_path / "plain", tmp_path / "fifo"
@@ -156,10 +160,22 @@ def test_a_consumer_that_stops_early_does_not_wait_for_a_blocked_worker(tmp_path
     os.mkfifo(fifo)
     results = ordered_map(_read, [str(plain), str(fifo)], workers=2, window=2)
     assert next(results) == b"x"
+    marker = tmp_path / "fifo.pid"
+    for _ in range(12000):          # a hang guard (2 minutes): the worker is at the FIFO
+        if marker.exists() and marker.read_text():
+            break
+        time.sleep(0.01)
+    reader = int(marker.read_text())
     closing = threading.Thread(target=results.close, daemon=True)
     closing.start()
     closing.join(timeout=120)       # a hang guard: the workers are killed, not awaited
     assert not closing.is_alive(), "closing the pool waited for a worker blocked on a read"
+    for _ in range(12000):          # a hang guard: a killed worker is gone in milliseconds
+        if not _alive(reader):
+            return
+        time.sleep(0.01)
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))   # frees it, so the test ends
+    raise AssertionError("the worker blocked on the FIFO outlived the pool's close")
 
 
 def _seen(name: str) -> tuple[str | None, str]:

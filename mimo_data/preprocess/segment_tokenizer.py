@@ -53,6 +53,11 @@ class SegmentCacheError(RuntimeError):
         super().__init__(message)
         self.index = index
 
+    def __reduce__(self):
+        # both arguments (RuntimeError's pickling passes the message alone): raised in a
+        # report's worker process, it reaches the command as itself
+        return type(self), (self.index, str(self))
+
 
 @dataclass
 class TokenBatch:

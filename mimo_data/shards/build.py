@@ -174,10 +174,9 @@ _CHUNKS_PER_WORKER = 4  # chunks in flight per worker: the window of records hel
 
 def _results(tasks, sources, policy, workers):
     """Prepared/Rejected results in task order, from ``workers`` processes validating while
-    this one writes (0 = validate in this process too). ``tasks`` is read lazily, after the
-    workers are started (they inherit no task list), and at most ``_CHUNKS_PER_WORKER``
-    chunks per worker are in flight: memory holds a window of records, whichever side is
-    slower."""
+    this one writes (0 = validate in this process too). ``tasks`` is read lazily (a worker
+    is sent its chunks, never the task list), and at most ``_CHUNKS_PER_WORKER`` chunks per
+    worker are in flight: memory holds a window of records, whichever side is slower."""
     if workers <= 0:
         _init_worker(sources, policy)
         yield from map(_prepare_task, tasks)

@@ -24,7 +24,7 @@ import os
 import tarfile
 import zlib
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -273,16 +273,18 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     root = shard_root(directory, index)
     jobs = ((root, shard, rows, records) for shard, rows, records in _shard_rows(directory, index))
     bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
-    results: Iterable[list[str]]
     # a few shards' rows in flight, not the table's
-    results = map(_verify_one, jobs) if workers <= 1 else ordered_map(
-        _verify_one, jobs, workers, 2 * workers, describe=lambda job: f"shard {job[1]['name']}")
+    pooled = ordered_map(_verify_one, jobs, workers, 2 * workers,
+                         describe=lambda job: f"shard {job[1]['name']}") if workers > 1 else None
     try:
-        for shard_problems in results:
+        for shard_problems in pooled or map(_verify_one, jobs):
             problems += shard_problems
             bar.update()
     except WorkerDied as exc:
         raise WorkerDied(f"{exc}; verify again with fewer --workers, or --workers 1 to verify "
                          "in this process and see the failure") from exc
+    finally:        # an error or Ctrl-C here stops the workers now, not at the exit's wait
+        if pooled is not None:
+            pooled.close()
     bar.close()
     return problems
