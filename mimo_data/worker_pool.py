@@ -74,7 +74,7 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 
 def _death(pool: ProcessPoolExecutor, broken: BaseException | None, lost: list[str],
-           idle: bool = False) -> WorkerDied:
+           advice: str, idle: bool = False) -> WorkerDied:
     """The error for a broken pool: how its workers ended and the items a dead one may have
     held (or, ``idle``: the first of those it never ran). ``broken``: the pool's error, whose
     cause holds a worker's own traceback where one was sent."""
@@ -100,11 +100,13 @@ def _death(pool: ProcessPoolExecutor, broken: BaseException | None, lost: list[s
     else:
         how = "it ended by itself: its start failed, the error is above"
     if idle:
-        return WorkerDied(f"a worker process ended between items ({how}): {lost[0]} and those "
-                          "after it were not done")
-    named = lost if len(lost) <= _NAMED else [*lost[:_NAMED - 1], "...", lost[-1]]
-    return WorkerDied(f"a worker process ended without a result ({how}) while it had one of "
-                      f"{len(lost)} item(s) in flight: {', '.join(named)}")
+        told = (f"a worker process ended between items ({how}): {lost[0]} and those after it "
+                "were not done")
+    else:
+        named = lost if len(lost) <= _NAMED else [*lost[:_NAMED - 1], "...", lost[-1]]
+        told = (f"a worker process ended without a result ({how}) while it had one of "
+                f"{len(lost)} item(s) in flight: {', '.join(named)}")
+    return WorkerDied(f"{told}; {advice}" if advice else told)
 
 
 def _end(exitcode: int) -> str:
@@ -117,12 +119,14 @@ def _end(exitcode: int) -> str:
 
 
 def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
-                describe: Callable[[Any], str] = str, initializer: Callable | None = None,
+                describe: Callable[[Any], str] = str, advice: str = "",
+                initializer: Callable | None = None,
                 initargs: tuple = ()) -> Generator[Any, None, None]:
     """``func(item)`` for each of ``items``, in order, from ``workers`` processes, at most
     ``window`` items in flight; ``initializer(*initargs)`` runs once in each worker (its
     arguments are pickled). A worker that dies raises ``WorkerDied`` once the results finished
-    before are yielded, naming the items it may have held (``describe(item)``); an exception
+    before are yielded, naming the items it may have held (``describe(item)``), then
+    ``advice`` (what the user does next); an exception
     ``func`` raises comes back as itself. A consumer that stops early kills the workers."""
     context = multiprocessing.get_context("forkserver")
     # read only when the forkserver starts (once a process): later calls' modules import in
@@ -149,13 +153,13 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
                 done = pending[0][1].result()
             except BrokenProcessPool as exc:
                 raise _death(pool, exc, [describe(item) for item, f in pending
-                                         if isinstance(f.exception(), BrokenProcessPool)]
-                             ) from exc
+                                         if isinstance(f.exception(), BrokenProcessPool)],
+                             advice) from exc
             pending.popleft()
             submit(1)
             yield done
         if refused:     # a worker died between items: the rest were never run
-            raise _death(pool, None, [describe(refused[0])], idle=True)
+            raise _death(pool, None, [describe(refused[0])], advice, idle=True)
         finished = True
     finally:
         # the futures hold the error being raised, whose frames hold them: a cycle that kept

@@ -416,20 +416,18 @@ def _parallel_stats(directory: str, inspector: SampleInspector, total: int, work
                     cache_dir: str | None):
     """SampleStats in dataset order, computed by ``workers`` processes in chunks
     (``worker_pool.ordered_map``: forked from the forkserver, the caller may be threaded)."""
-    from mimo_data.worker_pool import WorkerDied, ordered_map
+    from mimo_data.worker_pool import ordered_map
 
     chunk = max(1, min(1000, -(-total // (workers * 4))))
     bounds = ((start, min(start + chunk, total)) for start in range(0, total, chunk))
     cache_tokens = isinstance(inspector.text.backend, SegmentCachedTokenizer)
-    try:
-        for stats_list in ordered_map(
-                _inspect_chunk, bounds, workers, 2 * workers, initializer=_init_worker,
-                describe=lambda bound: f"samples {bound[0]} to {bound[1] - 1}",
-                initargs=(directory, inspector.config, cache_tokens, cache_dir)):
-            yield from stats_list
-    except WorkerDied as exc:
-        raise WorkerDied(f"{exc}; report again with fewer --workers, or --workers 1 to inspect "
-                         "in this process and see the failure") from exc
+    for stats_list in ordered_map(
+            _inspect_chunk, bounds, workers, 2 * workers, initializer=_init_worker,
+            describe=lambda bound: f"samples {bound[0]} to {bound[1] - 1}",
+            initargs=(directory, inspector.config, cache_tokens, cache_dir),
+            advice="report again with fewer --workers, or --workers 1 to inspect in this "
+            "process and see the failure"):
+        yield from stats_list
 
 
 def inspect_dataset(reader: ShardReader, inspector: SampleInspector, *,

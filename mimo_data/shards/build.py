@@ -44,7 +44,7 @@ from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
 from mimo_data.shards import task_stream
-from mimo_data.worker_pool import WorkerDied, ordered_map
+from mimo_data.worker_pool import ordered_map
 
 
 class BuildError(Exception):
@@ -182,15 +182,13 @@ def _results(tasks, sources, policy, workers):
         yield from map(_prepare_task, tasks)
         return
     chunks = iter(lambda: list(itertools.islice(tasks, _CHUNK)), [])
-    try:
-        for done in ordered_map(_prepare_chunk, chunks, workers, workers * _CHUNKS_PER_WORKER,
-                                describe=_chunk_records, initializer=_init_worker,
-                                initargs=(sources, policy)):
-            yield from done
-    except WorkerDied as exc:
-        raise WorkerDied(f"{exc}; the build stopped, no index.json written: build again with "
-                         "fewer --workers, or --workers 0 to read the records in this process "
-                         "and see the failure") from exc
+    for done in ordered_map(_prepare_chunk, chunks, workers, workers * _CHUNKS_PER_WORKER,
+                            describe=_chunk_records, initializer=_init_worker,
+                            initargs=(sources, policy),
+                            advice="the build stopped, no index.json written: build again "
+                            "with fewer --workers, or --workers 0 to read the records in this "
+                            "process and see the failure"):
+        yield from done
 
 
 def build(inputs: list[str], output: str, options: BuildOptions,

@@ -42,7 +42,7 @@ from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, R
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
 from mimo_data.shards import record_table
-from mimo_data.worker_pool import WorkerDied, ordered_map
+from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
                                           resolve, say)
@@ -177,12 +177,10 @@ def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
     if workers <= 0:
         yield from map(index_shard, jobs)
         return
-    try:
-        yield from ordered_map(index_shard, jobs, workers, workers,
-                               describe=lambda job: f"tar {job.name}")
-    except WorkerDied as exc:
-        raise WorkerDied(f"{exc}; no index written: index again with fewer --workers, or "
-                         "--workers 0 to index in this process and see the failure") from exc
+    yield from ordered_map(index_shard, jobs, workers, workers,
+                           describe=lambda job: f"tar {job.name}",
+                           advice="no index written: index again with fewer --workers, or "
+                           "--workers 0 to index in this process and see the failure")
 
 
 # ------------------------------------------------------------------------------ output

@@ -35,7 +35,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256
 from mimo_data.shards.format import RECORDS_FILE
-from mimo_data.worker_pool import WorkerDied, ordered_map
+from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.index import read_index, shard_root
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
@@ -275,14 +275,13 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
     bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
     # a few shards' rows in flight, not the table's
     pooled = ordered_map(_verify_one, jobs, workers, 2 * workers,
-                         describe=lambda job: f"shard {job[1]['name']}") if workers > 1 else None
+                         describe=lambda job: f"shard {job[1]['name']}",
+                         advice="verify again with fewer --workers, or --workers 1 to verify in "
+                         "this process and see the failure") if workers > 1 else None
     try:
         for shard_problems in pooled or map(_verify_one, jobs):
             problems += shard_problems
             bar.update()
-    except WorkerDied as exc:
-        raise WorkerDied(f"{exc}; verify again with fewer --workers, or --workers 1 to verify "
-                         "in this process and see the failure") from exc
     finally:        # an error or Ctrl-C here stops the workers now, not at the exit's wait
         if pooled is not None:
             pooled.close()

@@ -1,0 +1,148 @@
+"""``mimo_data.worker_pool``: the worker processes of build, index, verify and report.
+
+Each test starts one pool of one or two workers from this process's forkserver: a worker that
+dies is an error naming what it held, never a wait or a short result; an early stop kills a
+blocked worker; errors and the caller's environment reach across.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+
+def _square_or_die(x: int) -> int:
+    if x == 7:      # as the out-of-memory killer ends a worker
+        os.kill(os.getpid(), signal.SIGKILL)
+    return x * x
+
+
+def test_pool_results_are_bounded_by_a_window_and_a_dead_worker_is_an_error():
+    # Pool.imap read all its input at once and kept every result until consumed: with a slow
+    # writer (build's, index's), results piled up. ordered_map submits `window` ahead.
+    from mimo_data.worker_pool import WorkerDied, ordered_map
+    pulled = []
+
+    def items():
+        for i in range(1000):
+            pulled.append(i)
+            yield i
+    results = ordered_map(_square_or_die, items(), workers=1, window=4)
+    assert [next(results) for _ in range(7)] == [i * i for i in range(7)]
+    assert len(pulled) <= 7 + 4
+    # a multiprocessing.Pool lost a killed worker's item and waited for it forever (a CI run
+    # hung 90 minutes on a worker's segfault): the pool breaks, the items in flight are named
+    # (10 is submitted after 6 is consumed: the worker may have died on 7 before)
+    with pytest.raises(WorkerDied, match=r"\(killed by SIGKILL: most often the out-of-memory "
+                       r"killer\) while it had one of [34] item\(s\) in flight: 7, 8, 9(, 10)?$"):
+        next(results)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _pid(path: str) -> int:
+    with open(path, "w") as file:
+        file.write(str(os.getpid()))
+    return os.getpid()
+
+
+def test_a_worker_killed_between_items_is_an_error_not_a_short_result(tmp_path):
+    # the one worker is killed after its first item, before the second is handed over: the
+    # pool may break before or after that hand-over (a broken pool refused it, and the
+    # results ended short, silently), and either way the caller hears of it
+    import time
+
+    from mimo_data.worker_pool import WorkerDied, ordered_map
+    marker = tmp_path / "pid"
+
+    def items():
+        yield str(marker)
+        while not marker.exists():      # the worker has written its pid (its result is next)
+            time.sleep(0.01)
+        pid = int(marker.read_text())
+        os.kill(pid, signal.SIGKILL)
+        while _alive(pid):
+            time.sleep(0.01)
+        time.sleep(0.5)     # the executor most likely sees the death before the hand-over
+        yield str(tmp_path / "never")
+    results = ordered_map(_pid, items(), workers=1, window=1, advice="run it again")
+    assert next(results) == int(marker.read_text())
+    with pytest.raises(WorkerDied, match=r"killed by SIGKILL.*/never and those after it were "
+                       r"not done; run it again$"):
+        next(results)
+
+
+def _read(path: str) -> bytes:
+    if path.endswith("fifo"):       # the test waits for this worker to reach the FIFO
+        with open(path + ".pid", "w") as file:
+            file.write(str(os.getpid()))
+    with open(path, "rb") as file:      # a FIFO no one writes: blocks forever
+        return file.read()
+
+
+def test_a_consumer_that_stops_early_does_not_wait_for_a_blocked_worker(tmp_path):
+    # a --strict stop or a writer's error while a worker is blocked on a read (a hung mount,
+    # a FIFO given as a medium): the pool's shutdown waited for that read forever
+    import threading
+    import time
+
+    from mimo_data.worker_pool import ordered_map
+    plain, fifo = tmp_path / "plain", tmp_path / "fifo"
+    plain.write_bytes(b"x")
+    os.mkfifo(fifo)
+    results = ordered_map(_read, [str(plain), str(fifo)], workers=2, window=2)
+    assert next(results) == b"x"
+    marker = tmp_path / "fifo.pid"
+    for _ in range(12000):          # a hang guard (2 minutes): the worker is at the FIFO
+        if marker.exists() and marker.read_text():
+            break
+        time.sleep(0.01)
+    reader = int(marker.read_text())
+    closing = threading.Thread(target=results.close, daemon=True)
+    closing.start()
+    closing.join(timeout=120)       # a hang guard: the workers are killed, not awaited
+    assert not closing.is_alive(), "closing the pool waited for a worker blocked on a read"
+    for _ in range(12000):          # a hang guard: a killed worker is gone in milliseconds
+        if not _alive(reader):
+            return
+        time.sleep(0.01)
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))   # frees it, so the test ends
+    raise AssertionError("the worker blocked on the FIFO outlived the pool's close")
+
+
+def _seen(name: str) -> tuple[str | None, str]:
+    return os.environ.get(name), os.getcwd()
+
+
+def _refuse(detail: str) -> None:
+    from mimo_data.shards.records import RecordError
+    raise RecordError("bad_record", detail)
+
+
+def test_a_workers_counted_error_reaches_the_caller_as_itself():
+    # CountedError's pickle (Exception's: its args, the detail alone) could not be rebuilt: the
+    # pool broke and a skip of a record was reported as a worker killed by the OOM killer
+    from mimo_data.shards.records import RecordError
+    from mimo_data.worker_pool import ordered_map
+    with pytest.raises(RecordError) as raised:
+        list(ordered_map(_refuse, ["the detail"], workers=1, window=1))
+    assert (raised.value.reason, raised.value.detail) == ("bad_record", "the detail")
+
+
+def test_pool_workers_see_the_callers_environment_and_folder(tmp_path, monkeypatch):
+    # the workers fork from the forkserver, started once a process with the environment and
+    # folder of then: a credential or relative path set later must reach them as a fork's would
+    from mimo_data.worker_pool import ordered_map
+    assert list(ordered_map(_seen, ["MIMO_TEST_SEEN"], workers=1, window=1))[0][0] is None
+    monkeypatch.setenv("MIMO_TEST_SEEN", "later")
+    monkeypatch.chdir(tmp_path)
+    assert list(ordered_map(_seen, ["MIMO_TEST_SEEN"], workers=1, window=1)) == [
+        ("later", str(tmp_path))]
