@@ -1,12 +1,15 @@
-"""Local-file helpers every part of mimo uses: atomic writes, content digests, and YAML read
-with a key given twice refused."""
+"""Local-file helpers every part of mimo uses: atomic writes, content digests, Parquet read a
+batch at a time, and YAML read with a key given twice refused."""
 
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import yaml
 
 
@@ -34,6 +37,18 @@ def file_sha256(path: str) -> str:
 class _OneKeyOnce(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a mapping that gives a key twice: PyYAML keeps the last
     without a word (a second ``optimizer:`` section would replace the first whole)."""
+
+
+PARQUET_BATCH = 65536                # rows a batch of ``parquet_batches``
+
+
+def parquet_batches(source: str | IO[bytes], columns: list[str] | None = None,
+                    batch_size: int | None = None) -> Iterator[pa.RecordBatch]:
+    """The record batches of a Parquet file (a path or file), in memory one at a time."""
+    # pre_buffer off: with it, Arrow keeps every row group's bytes it has read until the
+    # file is closed, the whole compressed file by the last batch
+    return pq.ParquetFile(source, pre_buffer=False).iter_batches(
+        batch_size=batch_size or PARQUET_BATCH, columns=columns)
 
 
 def _mapping(loader: _OneKeyOnce, node: yaml.MappingNode, deep: bool = False) -> dict:

@@ -185,6 +185,43 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
             assert record["source"]["url"].startswith("https://example.com/")
 
 
+def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is_skipped(
+        pairs, tmp_path, monkeypatch, capsys):
+    """A reader whose cache has no tables derives them (a Parquet batch at a time): the sample
+    table holds samples.parquet's keys, shards and members, the records table records.parquet's
+    bytes. Where the cache is full it warns, maps a temporary copy and leaves nothing there."""
+    import pyarrow.parquet as pq
+
+    from mimo_data import files
+    from mimo_data.shards import cache
+    from mimo_data.shards.reader import ShardReader
+
+    monkeypatch.setattr(files, "PARQUET_BATCH", 4)          # 13 samples: four batches
+    samples = pq.read_table(pairs.out / "samples.parquet").to_pylist()
+    records = pq.read_table(pairs.out / "records.parquet").column("json").to_pylist()
+    write_table = cache.write_table
+
+    def full_disk(path, *args):
+        if path.startswith(str(tmp_path / "full")):
+            raise OSError(28, "No space left on device")
+        write_table(path, *args)
+    monkeypatch.setattr(cache, "write_table", full_disk)
+    for folder, saved in (("fresh", True), ("full", False)):
+        reader = ShardReader(str(pairs.out), cache_dir=str(tmp_path / folder))
+        assert (reader.table.path is not None, reader.records.path is not None) == (saved, saved)
+        table = reader.table
+        assert [table.key(p) for p in range(len(table))] == [row["key"] for row in samples]
+        assert [table.shard(p) for p in range(len(table))] == [row["shard"] for row in samples]
+        for position, row in enumerate(samples):
+            start, stop = table.member_starts[position], table.member_starts[position + 1]
+            assert [(table.member_names[table.member_name_ids[i]], table.member_offsets[i],
+                     table.member_sizes[i], table.member_crcs[i]) for i in range(start, stop)] \
+                == [(m["name"], m["offset"], m["size"], m["crc32"]) for m in row["members"]]
+        assert [reader.records[p] for p in range(len(reader))] == records
+    assert capsys.readouterr().err.count("could not save") == 2
+    assert [path.name for path in (tmp_path / "full").rglob("*") if path.is_file()] == []
+
+
 def test_the_reader_returns_the_tars_bytes(pairs):
     from mimo_data.shards.reader import ShardReader
 

@@ -1,10 +1,11 @@
 """Scale is correctness: the offline tools hold no Python object per sample.
 
 Each test runs a tool in process (``--workers 0``) on N and 4N tiny text-only samples and
-checks that tracemalloc's traced peak grows by less than a stated bound per added sample (the
-tools' Arrow buffers are outside tracemalloc; the reviewer's RSS figures are in the report
-of the fix and in docs/datasets.md). The samples table's write batches (8192 rows) are shrunk so
-that the window they hold is the same at N and 4N; the records go straight to files.
+checks that tracemalloc's traced peak (Python objects) and Arrow's peak (its buffers, outside
+tracemalloc: a proxy made the default memory pool) grow by less than stated bounds per added
+sample (the reviewer's RSS figures are in the report of the fix and in docs/datasets.md). The
+samples table's write batches (8192 rows) and Parquet read batches (65,536; 4096 records) are
+shrunk so that the window they hold is the same at N and 4N; the records go straight to files.
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 import json
 import tracemalloc
 
+import pyarrow as pa
 import pytest
 
+from mimo_data import files
 from mimo_data.shards import build as build_module
+from mimo_data.shards import record_table
 from mimo_data.shards.build import BuildOptions, build
 
 N = 2000
@@ -23,6 +27,8 @@ N = 2000
 @pytest.fixture(autouse=True)
 def small_batches(monkeypatch):
     monkeypatch.setattr(build_module._SamplesTable, "BATCH", 256)
+    monkeypatch.setattr(files, "PARQUET_BATCH", 256)
+    monkeypatch.setattr(record_table, "_DERIVE_BATCH", 256)
 
 
 def _records(count: int):
@@ -31,22 +37,31 @@ def _records(count: int):
                                                 {"from": "gpt", "value": f"Answer {i}."}]}
 
 
-def _peak(run, *args) -> int:
-    """tracemalloc's peak (bytes) while ``run(*args)`` runs."""
+_POOLS: list[pa.MemoryPool] = []     # kept alive: buffers made in one return to it when freed
+
+
+def _peaks(run, *args) -> tuple[int, int]:
+    """The peaks (bytes) of tracemalloc and of Arrow's memory pool while ``run(*args)`` runs."""
+    default = pa.default_memory_pool()
+    pool = pa.proxy_memory_pool(default)
+    _POOLS.append(pool)
+    pa.set_memory_pool(pool)
     tracemalloc.start()
     try:
         run(*args)
-        return tracemalloc.get_traced_memory()[1]
+        return tracemalloc.get_traced_memory()[1], pool.max_memory()
     finally:
         tracemalloc.stop()
+        pa.set_memory_pool(default)
 
 
-def _per_added_sample(tmp_path, make_input, run) -> float:
+def _per_added_sample(tmp_path, make_input, run) -> tuple[float, float]:
+    """Python's and Arrow's growth of the peak a sample from N to 4N samples (bytes)."""
     peaks = []
     for count in (N, 4 * N):
         path = make_input(tmp_path / f"in{count}", count)
-        peaks.append(_peak(run, path, tmp_path / f"out{count}"))
-    return (peaks[1] - peaks[0]) / (3 * N)
+        peaks.append(_peaks(run, path, tmp_path / f"out{count}"))
+    return ((peaks[1][0] - peaks[0][0]) / (3 * N), (peaks[1][1] - peaks[0][1]) / (3 * N))
 
 
 def _jsonl(folder, count: int) -> str:
@@ -64,8 +79,10 @@ def test_build_memory_does_not_grow_per_sample(tmp_path, shuffle):
         build([path], str(out), BuildOptions(workers=0, progress=False, shuffle=shuffle,
                                           max_samples_per_shard=500))
 
-    grown = _per_added_sample(tmp_path, _jsonl, run)
+    grown, arrow = _per_added_sample(tmp_path, _jsonl, run)
     assert grown < 150, f"mimo-shard build: {grown:.0f} bytes a sample"
+    # the sample table derived a Parquet batch at a time; read whole: ~96 B/sample here
+    assert arrow < 20, f"mimo-shard build: Arrow's peak grew {arrow:.0f} bytes a sample"
 
 
 def _tars(folder, count: int, per_tar: int = 500) -> str:
@@ -99,8 +116,18 @@ def test_index_memory_does_not_grow_per_sample(tmp_path, monkeypatch):
     def run(path, out):
         in_place.index([path], str(out), IndexOptions(workers=2, progress=False))
 
-    grown = _per_added_sample(tmp_path, _tars, run)
+    grown, arrow = _per_added_sample(tmp_path, _tars, run)
     assert grown < 100, f"mimo-shard index: {grown:.0f} bytes a sample"
+    # ~106 B/sample: the keys read whole to find a key in two tars (a hash table over them)
+    assert arrow < 150, f"mimo-shard index: Arrow's peak grew {arrow:.0f} bytes a sample"
+
+    # A reader of the index without its tables (another cache, a newer table version) derives
+    # the sample and records tables a Parquet batch at a time: read whole, ~150 B/sample here
+    from mimo_data.shards.reader import ShardReader
+    peaks = [_peaks(ShardReader, str(tmp_path / f"out{count}"), str(tmp_path / f"cache{count}"))
+             for count in (N, 4 * N)]
+    opened = (peaks[1][1] - peaks[0][1]) / (3 * N)
+    assert opened < 20, f"deriving the tables: Arrow's peak grew {opened:.0f} bytes a sample"
 
 
 def test_verify_memory_does_not_grow_per_sample(tmp_path):
@@ -117,8 +144,10 @@ def test_verify_memory_does_not_grow_per_sample(tmp_path):
     def run(path, out):
         assert verify(path, workers=1, progress=False) == []
 
-    grown = _per_added_sample(tmp_path, make, run)
+    grown, arrow = _per_added_sample(tmp_path, make, run)
     assert grown < 100, f"mimo-shard verify: {grown:.0f} bytes a sample"
+    # ~15 B/sample: the shard column read whole to see whether each shard's rows are together
+    assert arrow < 50, f"mimo-shard verify: Arrow's peak grew {arrow:.0f} bytes a sample"
 
 
 def test_a_shuffled_build_of_many_jsonl_files_keeps_few_open(tmp_path, monkeypatch):

@@ -180,12 +180,13 @@ def read_table(path: str, key: str) -> pa.Table | None:
     return table
 
 
-def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[], pa.Table],
+def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[str], None],
            cache_dir: str | None = None,
            remote: storage.Remote | None = None) -> tuple[pa.Table, str | None]:
     """The derived table ``name`` of ``dataset`` for ``key``, memory-mapped from the cache, and
-    its path: downloaded from a remote dataset's own cache, or ``derive()``d and saved, when
-    the cache has none (path None: it could not be saved, the table is in memory)."""
+    its path: downloaded from a remote dataset's own cache, or written there by ``derive(path)``
+    when the cache has none (path None: it could not be saved, the table is mapped from a
+    removed temporary file)."""
     path = os.path.join(cache_directory(dataset, cache_dir), name)
     table = read_table(path, key)
     if table is None and remote is not None:
@@ -199,6 +200,23 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
     if os.environ.get("LOCAL_RANK", "0") == "0":    # once per machine under torchrun
         print(f"mimo: {dataset}: writing {path} ({labels.kind} table; once per dataset and "
               "cache directory)", file=sys.stderr, flush=True)
-    derived = derive()
-    table = save_table(path, derived, key, labels)
-    return (derived, None) if table is None else (table, path)
+    try:
+        derive(path)
+    except OSError as exc:               # a full cache: this process uses a temporary copy
+        print(f"mimo: could not save {path} ({exc}); set {CACHE_DIR_ENV} to a writable "
+              "directory", file=sys.stderr)
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                derive(os.path.join(folder, name))
+                return mapped(os.path.join(folder, name)), None   # pages outlive the file
+        except OSError as again:
+            raise ConfigError(f"{dataset}'s {labels.kind} table could be written neither to "
+                              f"{path} ({exc.strerror or exc}) nor to the temporary folder "
+                              f"{tempfile.gettempdir()} ({again.strerror or again}); set "
+                              f"{CACHE_DIR_ENV} to a folder with room") from None
+    table = read_table(path, key)
+    if table is None:
+        raise ConfigError(f"{path} was written but does not read back as written: another "
+                          "process may be writing a different table there; remove it and "
+                          "start again")
+    return table, path

@@ -15,18 +15,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import IO, Protocol
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from mimo_data.shards import cache, storage
+from mimo_data.files import parquet_batches
+from mimo_data.shards import cache, column_files, storage
 from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.shards.index import DatasetError
 
 SCHEMA = pa.schema([("json", pa.large_binary())])
-_DERIVE_BATCH = 4096                 # records requested together when deriving the table
+_DERIVE_BATCH = 4096                 # records requested or read together when deriving the table
 
 
 def file_name(key: str) -> str:
@@ -54,81 +54,66 @@ def labels(key: str) -> cache.Labels:
 
 
 class RecordWriter:
-    """The records of a build, streamed to files beside ``path`` as they are written (their
-    bytes, and each one's end as an int64); ``finish`` makes the table file of them: one
-    column of one chunk over the memory-mapped files, so that no copy of the records is held
-    (they are as large as the dataset's JSON)."""
+    """The records of a build, streamed into files beside ``path`` as they are written
+    (``column_files``); ``finish`` makes the table file of them with no copy of the records
+    held (they are as large as the dataset's JSON)."""
 
     def __init__(self, path: str):
-        self.path = path
-        self._data = open(f"{path}.data", "wb")
-        self._ends = open(f"{path}.ends", "wb")
-        self._ends.write(np.int64(0).tobytes())          # the first record's start
-        self._size = 0
+        self._streams = column_files.Streams(path)
+        self._records = self._streams.binary("json")
 
     def add(self, record: bytes) -> None:
-        self._data.write(record)
-        self._size += len(record)
-        self._ends.write(np.int64(self._size).tobytes())
+        self._records.append(record)
 
     def add_all(self, records: pa.Array) -> None:
         """Add each record of ``records`` (binary values; no Python object per record)."""
-        records = records.cast(pa.large_binary())
-        _, offsets, data = records.buffers()
-        ends = np.frombuffer(offsets, np.int64)[records.offset:records.offset + len(records) + 1]
-        if len(records):
-            self._data.write(memoryview(data)[ends[0]:ends[-1]])
-        self._ends.write((ends[1:] - ends[0] + self._size).astype(np.int64).tobytes())
-        self._size += int(ends[-1] - ends[0]) if len(records) else 0
+        self._records.add(records)
+
+    def discard(self) -> None:
+        """Remove the streams (an interrupted derivation)."""
+        self._streams.close()
 
     def finish(self, folder: str, key: str) -> None:
         """Write the table into ``folder`` under ``key`` and remove the streams."""
-        self._data.close()
-        self._ends.close()
-        with pa.memory_map(f"{self.path}.ends") as ends:
-            rows = ends.size() // 8 - 1
-            data = pa.memory_map(f"{self.path}.data") if self._size else None
-            try:
-                column = pa.Array.from_buffers(
-                    pa.large_binary(), rows,
-                    [None, ends.read_buffer(), data.read_buffer() if data else pa.py_buffer(b"")])
-                cache.write_table(os.path.join(folder, file_name(key)),
-                                  pa.Table.from_arrays([column], schema=SCHEMA), key, labels(key))
-                del column
-            finally:
-                if data is not None:
-                    data.close()
-        os.remove(f"{self.path}.data")
-        os.remove(f"{self.path}.ends")
-
-
-def from_parquet(parquet) -> pa.Table:
-    """The records table of an indexed dataset's ``records.parquet`` (a path or file)."""
-    return pq.read_table(parquet, schema=SCHEMA)
+        with self._streams:
+            column = column_files.binary_array(self._streams, self._records, pa.large_binary())
+            cache.write_table(os.path.join(folder, file_name(key)),
+                              pa.Table.from_arrays([column], schema=SCHEMA), key, labels(key))
 
 
 def write(parquet: str, folder: str, key: str) -> None:
     """Derive the records table of ``parquet`` and write it into ``folder``, a row group at a
     time (no copy of all records held)."""
-    records = RecordWriter(os.path.join(folder, f".{file_name(key)}.stream"))
-    for batch in pq.ParquetFile(parquet).iter_batches(columns=["json"]):
-        records.add_all(batch.column(0))
+    records = RecordWriter(os.path.join(folder, file_name(key)))
+    _add_parquet(records, parquet)
     records.finish(folder, key)
 
 
-def derive(reader: MemberSource) -> pa.Table:
-    """The records table of ``reader``'s dataset: from its records.parquet when it has one
-    (indexed in place), else read from its shards' JSON members."""
-    if RECORDS_FILE in reader.index.get("files", {}):
-        return from_parquet(storage.readable(storage.join(reader.directory, RECORDS_FILE),
-                                             reader.remote.options if reader.remote else None))
-    chunks = []                      # one Arrow array per batch: no Python object per sample
-    for first in range(0, len(reader), _DERIVE_BATCH):
-        positions = range(first, min(first + _DERIVE_BATCH, len(reader)))
-        reader.prefetch(positions, lambda name: name == "json")
-        chunks.append(pa.array([reader.read_member(position, "json") for position in positions],
-                               pa.large_binary()))
-    return pa.Table.from_batches([pa.record_batch([chunk], SCHEMA) for chunk in chunks], SCHEMA)
+def _add_parquet(records: RecordWriter, parquet: str | IO[bytes]) -> None:
+    for batch in parquet_batches(parquet, ["json"], _DERIVE_BATCH):
+        records.add_all(batch.column(0))
+
+
+def derive(reader: MemberSource, path: str) -> None:
+    """Write the records table of ``reader``'s dataset to ``path``: from its records.parquet
+    when it has one (indexed in place), else read from its shards' JSON members, a batch at a
+    time (no copy of all records held)."""
+    records = RecordWriter(path)
+    try:
+        if RECORDS_FILE in reader.index.get("files", {}):
+            _add_parquet(records, storage.readable(
+                storage.join(reader.directory, RECORDS_FILE),
+                reader.remote.options if reader.remote else None))
+        else:
+            for first in range(0, len(reader), _DERIVE_BATCH):
+                positions = range(first, min(first + _DERIVE_BATCH, len(reader)))
+                reader.prefetch(positions, lambda name: name == "json")
+                for position in positions:
+                    records.add(reader.read_member(position, "json"))
+    except BaseException:
+        records.discard()
+        raise
+    records.finish(os.path.dirname(path), reader.table_key)
 
 
 class RecordTable:
@@ -147,7 +132,8 @@ class RecordTable:
     def open(cls, reader: MemberSource, cache_dir: str | None = None) -> RecordTable:
         key = reader.table_key
         table, path = cache.obtain(reader.directory, file_name(key), key, labels(key),
-                                   lambda: derive(reader), cache_dir, reader.remote)
+                                   lambda path: derive(reader, path), cache_dir,
+                                   reader.remote)
         if table.num_rows != len(reader):
             raise DatasetError(f"{reader.directory}: its records table has {table.num_rows} "
                                f"rows for {len(reader)} samples; rebuild the dataset")

@@ -21,11 +21,10 @@ from typing import IO
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
-from mimo_data.shards import cache, storage
+from mimo_data.shards import cache, column_files, storage
 from mimo_data.shards.format import SAMPLES_FILE
-from mimo_data.files import file_sha256
+from mimo_data.files import file_sha256, parquet_batches
 from mimo_data.shards.index import DatasetError
 
 TABLE_VERSION = 2                    # 2: members' crc32
@@ -54,34 +53,56 @@ def file_name(key: str) -> str:
     return f"samples-{key[:19]}.arrow"
 
 
-def from_parquet(parquet: str | IO[bytes]) -> pa.Table:
-    """The sample table of ``samples.parquet`` (vectorized: no Python object per sample)."""
-    source = pq.ParquetFile(parquet).read(columns=["key", "shard", "members"])
-    shards = pc.dictionary_encode(source.column("shard")).combine_chunks()
-    members = source.column("members").combine_chunks()
-    flat = members.flatten()
-    names = pc.dictionary_encode(flat.field("name"))
-    if len(names.dictionary) > np.iinfo(np.int16).max:
-        raise DatasetError(f"{parquet}: {len(names.dictionary)} distinct member names")
-    crc32 = pc.fill_null(flat.field("crc32"), -1) if flat.type.get_field_index("crc32") >= 0 \
-        else pa.array(np.full(len(flat), -1, np.int64))
-    entries = pa.StructArray.from_arrays(
-        [names.indices.cast(pa.int16()), flat.field("offset"), flat.field("size"),
-         crc32.cast(pa.int64())], names=["name", "offset", "size", "crc32"])
-    # 64-bit offsets: keys and member entries of hundreds of millions of samples fit
-    table = pa.table({"key": source.column("key").combine_chunks().cast(pa.large_string()),
-                      "shard": shards.indices.cast(pa.int32()),
-                      "members": pa.LargeListArray.from_arrays(
-                          members.offsets.cast(pa.int64()), entries)})
-    return table.replace_schema_metadata({
-        b"mimo.shards": json.dumps(shards.dictionary.to_pylist()).encode(),
-        b"mimo.members": json.dumps(names.dictionary.to_pylist()).encode()})
-
-
 def write(parquet: str, folder: str, key: str) -> None:
     """Derive the sample table of ``parquet`` and write it into ``folder``."""
-    cache.write_table(os.path.join(folder, file_name(key)), from_parquet(parquet), key,
-                      labels(key))
+    derive(parquet, os.path.join(folder, file_name(key)), key)
+
+
+def derive(parquet: str | IO[bytes], path: str, key: str) -> None:
+    """Derive the sample table of ``parquet`` (a path or file) and write it to ``path``, a row
+    group at a time: no copy of the table is held (``column_files``)."""
+    with column_files.Streams(path) as streams:
+        keys, shard_ids = streams.binary("key"), streams.fixed("shard", np.int32)
+        member_ends = streams.ends("members")
+        fields = {"name": streams.fixed("name", np.int16),
+                  **{field: streams.fixed(field, np.int64)
+                     for field in ("offset", "size", "crc32")}}
+        shards: dict[str, int] = {}          # name -> id, in order of first appearance
+        members: dict[str, int] = {}
+        for batch in parquet_batches(parquet, ["key", "shard", "members"]):
+            keys.add(batch.column("key"))
+            shard_ids.add(_ids(batch.column("shard"), shards))
+            listed = batch.column("members")
+            member_ends.add(listed.offsets.to_numpy())
+            flat = listed.flatten()
+            fields["name"].add(_ids(flat.field("name"), members))
+            if len(members) > np.iinfo(np.int16).max:
+                raise DatasetError(f"{parquet}: {len(members)} distinct member names")
+            fields["offset"].add(flat.field("offset").to_numpy())
+            fields["size"].add(flat.field("size").to_numpy())
+            fields["crc32"].add(  # -1 where samples.parquet has none: built before it was recorded
+                pc.fill_null(flat.field("crc32"), -1).to_numpy()
+                if flat.type.get_field_index("crc32") >= 0 else np.full(len(flat), -1))
+        entries = pa.StructArray.from_arrays(
+            [column_files.array(streams, column, pa.int16() if name == "name" else pa.int64())
+             for name, column in fields.items()], names=list(fields))
+        # 64-bit offsets: keys and member entries of hundreds of millions of samples fit
+        table = pa.table({
+            "key": column_files.binary_array(streams, keys, pa.large_string()),
+            "shard": column_files.array(streams, shard_ids, pa.int32()),
+            "members": pa.LargeListArray.from_arrays(
+                column_files.offsets_array(streams, member_ends), entries)})
+        cache.write_table(path, table.replace_schema_metadata({
+            b"mimo.shards": json.dumps(list(shards)).encode(),
+            b"mimo.members": json.dumps(list(members)).encode()}), key, labels(key))
+
+
+def _ids(names: pa.Array, ids: dict[str, int]) -> np.ndarray:
+    """The id of each of ``names`` in ``ids``, where a name not seen before gets the next."""
+    encoded = pc.dictionary_encode(names)
+    mapping = np.array([ids.setdefault(name, len(ids))
+                        for name in encoded.dictionary.to_pylist()], np.int64)
+    return mapping[encoded.indices.to_numpy()] if len(mapping) else np.zeros(0, np.int64)
 
 
 class SampleTable:
@@ -111,7 +132,8 @@ class SampleTable:
         parquet = storage.join(directory, SAMPLES_FILE)
         table, path = cache.obtain(
             directory, file_name(key), key, labels(key),
-            lambda: from_parquet(storage.readable(parquet, remote.options if remote else None)),
+            lambda path: derive(storage.readable(parquet, remote.options if remote else None),
+                                path, key),
             cache_dir, remote)
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import storage
 from mimo_data.shards.format import SAMPLES_FILE
-from mimo_data.files import file_sha256
+from mimo_data.files import file_sha256, parquet_batches
 from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.index import read_index, shard_root
@@ -234,9 +234,7 @@ def _shard_rows(directory: str, index: dict) -> Iterator[tuple[dict, list, list 
 def _rows(table, column: str | None = None) -> Iterator:
     """The rows (dicts), or one column's values, of a Parquet file (what ``storage.readable``
     gives), a batch at a time."""
-    parquet = pq.ParquetFile(table)
-    for batch in parquet.iter_batches(batch_size=1024,
-                                      columns=None if column is None else [column]):
+    for batch in parquet_batches(table, None if column is None else [column], 1024):
         yield from (batch.column(0).to_pylist() if column else batch.to_pylist())
 
 
