@@ -182,6 +182,10 @@ REPORT_FILE = "report.json"
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 
+ROLES = ("system", "user", "assistant", "tool")
+# between two adjacent text parts of a content (the module docstring)
+TEXT_PART_BREAK = "\ue00b"
+
 
 def kept_files(samples: int, names: list[str]) -> list[str]:
     """The ``names`` of a build's or an indexing's files that its output keeps, having written
@@ -189,9 +193,7 @@ def kept_files(samples: int, names: list[str]) -> list[str]:
     on the fixed data, would need --overwrite to replace)."""
     return names if samples else [name for name in names if name == REPORT_FILE]
 
-ROLES = ("system", "user", "assistant", "tool")
-# between two adjacent text parts of a content (the module docstring)
-TEXT_PART_BREAK = "\ue00b"
+
 def shard_name(name: str, index: int) -> str:
     """File name of shard ``index`` of dataset ``name``."""
     return f"{name}-{index:06d}.tar"
