@@ -222,6 +222,24 @@ def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is
     assert [path.name for path in (tmp_path / "full").rglob("*") if path.is_file()] == []
 
 
+def test_a_read_error_while_deriving_a_table_is_itself_not_a_full_cache(tmp_path, capsys):
+    """Only a cache that cannot take the table (full, read-only) sends the table to a temporary
+    copy; an error reading what it is derived from (a shard's URL) reaches the caller as is,
+    once."""
+    from mimo_data.shards import cache
+    from mimo_data.shards.storage import StorageError
+
+    calls = []
+
+    def derive(path):
+        calls.append(path)
+        raise StorageError("s3://bucket/ds/samples.parquet: read failed after 5 tries")
+    with pytest.raises(StorageError, match="s3://bucket/ds/samples.parquet"):
+        cache.obtain(str(tmp_path / "ds"), "samples-x.arrow", "v2-x", cache.Labels("samples", "x"),
+                     derive, str(tmp_path / "cache"))
+    assert len(calls) == 1 and "could not save" not in capsys.readouterr().err
+
+
 def test_the_reader_returns_the_tars_bytes(pairs):
     from mimo_data.shards.reader import ShardReader
 

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from mimo_data.shards import sample_table, storage
 from mimo_data.shards.record_table import RecordWriter
+from mimo_data.shards.record_table import file_name as records_file_name
 from mimo_data.shards.cache import DATASET_CACHE
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.shards.index import dumps
@@ -394,5 +395,5 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
     os.mkdir(cache_folder)
     key = sample_table.table_key(index, staging)
     sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
-    records.finish(cache_folder, key)
+    records.finish(os.path.join(cache_folder, records_file_name(key)), key)
     return index, report.summary()

@@ -21,6 +21,7 @@ of the dataset or by a newer table for the same preprocessing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import sys
@@ -34,6 +35,8 @@ from mimo_data.errors import ConfigError
 from mimo_data.shards import storage
 
 CACHE_DIR_ENV = "MIMO_CACHE_DIR"
+# what a write into a cache that cannot take a table fails with (no read fails so)
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 DATASET_CACHE = ".mimo-cache"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "mimo")
 
@@ -202,7 +205,10 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
               "cache directory)", file=sys.stderr, flush=True)
     try:
         derive(path)
-    except OSError as exc:               # a full cache: this process uses a temporary copy
+    except OSError as exc:
+        if exc.errno not in _NO_ROOM:    # a read error, say: not the cache's
+            raise
+        # a full or read-only cache: this process uses a temporary copy
         print(f"mimo: could not save {path} ({exc}); set {CACHE_DIR_ENV} to a writable "
               "directory", file=sys.stderr)
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -78,9 +79,10 @@ class _File:
         self._file = open(path, "wb")
         self.size = 0                          # bytes written
 
-    def _write(self, data: np.ndarray) -> None:
-        self._file.write(memoryview(np.ascontiguousarray(data)).cast("B"))
-        self.size += data.nbytes
+    def write(self, data: np.ndarray | bytes) -> None:
+        view = memoryview(np.ascontiguousarray(data) if isinstance(data, np.ndarray) else data)
+        self._file.write(view.cast("B"))
+        self.size += view.nbytes
 
     def finish(self) -> None:
         self._file.close()
@@ -94,7 +96,7 @@ class Fixed(_File):
         self.dtype = dtype
 
     def add(self, values: np.ndarray) -> None:
-        self._write(np.asarray(values, self.dtype))
+        self.write(np.asarray(values, self.dtype))
 
     def __len__(self) -> int:
         return self.size // self.dtype.itemsize
@@ -106,14 +108,19 @@ class Ends(_File):
 
     def __init__(self, path: str):
         super().__init__(path)
-        self._write(np.zeros(1, np.int64))
+        self.write(np.zeros(1, np.int64))
         self.total = 0                         # the last item's end
 
     def add(self, offsets: np.ndarray) -> None:
         """Add the items whose offsets (n + 1 of them, from any start) are ``offsets``."""
         offsets = np.asarray(offsets, np.int64)
-        self._write(offsets[1:] - offsets[0] + self.total)
+        self.write(offsets[1:] - offsets[0] + self.total)
         self.total += int(offsets[-1] - offsets[0])
+
+    def add_one(self, length: int) -> None:
+        """Add one item of ``length``."""
+        self.total += length
+        self.write(self.total.to_bytes(8, sys.byteorder, signed=True))
 
     def __len__(self) -> int:
         return self.size // 8 - 1
@@ -137,9 +144,9 @@ class Binary:
         self.ends.add(ends if len(values) else np.zeros(1, np.int64))
 
     def append(self, value: bytes) -> None:
-        """Add one value."""
-        self.data.add(np.frombuffer(value, np.uint8))
-        self.ends.add(np.array([0, len(value)], np.int64))
+        """Add one value (a build's record at a time: plain writes, no array made)."""
+        self.data.write(value)
+        self.ends.add_one(len(value))
 
     def __len__(self) -> int:
         return len(self.ends)

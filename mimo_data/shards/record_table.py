@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable
-from typing import IO, Protocol
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -73,23 +73,28 @@ class RecordWriter:
         """Remove the streams (an interrupted derivation)."""
         self._streams.close()
 
-    def finish(self, folder: str, key: str) -> None:
-        """Write the table into ``folder`` under ``key`` and remove the streams."""
+    def finish(self, path: str, key: str) -> None:
+        """Write the table to ``path`` under ``key`` and remove the streams."""
         with self._streams:
             column = column_files.binary_array(self._streams, self._records, pa.large_binary())
-            cache.write_table(os.path.join(folder, file_name(key)),
-                              pa.Table.from_arrays([column], schema=SCHEMA), key, labels(key))
+            cache.write_table(path, pa.Table.from_arrays([column], schema=SCHEMA), key,
+                              labels(key))
 
 
 def write(parquet: str, folder: str, key: str) -> None:
     """Derive the records table of ``parquet`` and write it into ``folder``, a row group at a
     time (no copy of all records held)."""
-    records = RecordWriter(os.path.join(folder, file_name(key)))
-    _add_parquet(records, parquet)
-    records.finish(folder, key)
+    path = os.path.join(folder, file_name(key))
+    records = RecordWriter(path)
+    try:
+        _add_parquet(records, parquet)
+    except BaseException:
+        records.discard()
+        raise
+    records.finish(path, key)
 
 
-def _add_parquet(records: RecordWriter, parquet: str | IO[bytes]) -> None:
+def _add_parquet(records: RecordWriter, parquet: str) -> None:
     for batch in parquet_batches(parquet, ["json"], _DERIVE_BATCH):
         records.add_all(batch.column(0))
 
@@ -101,9 +106,9 @@ def derive(reader: MemberSource, path: str) -> None:
     records = RecordWriter(path)
     try:
         if RECORDS_FILE in reader.index.get("files", {}):
-            _add_parquet(records, storage.readable(
-                storage.join(reader.directory, RECORDS_FILE),
-                reader.remote.options if reader.remote else None))
+            with storage.local_copy(storage.join(reader.directory, RECORDS_FILE),
+                                    reader.remote.options if reader.remote else None) as local:
+                _add_parquet(records, local)
         else:
             for first in range(0, len(reader), _DERIVE_BATCH):
                 positions = range(first, min(first + _DERIVE_BATCH, len(reader)))
@@ -113,14 +118,14 @@ def derive(reader: MemberSource, path: str) -> None:
     except BaseException:
         records.discard()
         raise
-    records.finish(os.path.dirname(path), reader.table_key)
+    records.finish(path, reader.table_key)
 
 
 class RecordTable:
     """Records by position, from the memory-mapped table (no Python object per sample)."""
 
     def __init__(self, path: str | None, table: pa.Table):
-        self.path = path              # None: the table lives in memory (it could not be saved)
+        self.path = path              # None: it could not be saved (a removed file, mapped)
         self.arrow = table
         column = cache.column(table, "json")
         _, offsets, data = column.buffers()

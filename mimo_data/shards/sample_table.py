@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import IO
 
 import numpy as np
 import pyarrow as pa
@@ -58,8 +57,8 @@ def write(parquet: str, folder: str, key: str) -> None:
     derive(parquet, os.path.join(folder, file_name(key)), key)
 
 
-def derive(parquet: str | IO[bytes], path: str, key: str) -> None:
-    """Derive the sample table of ``parquet`` (a path or file) and write it to ``path``, a row
+def derive(parquet: str, path: str, key: str) -> None:
+    """Derive the sample table of ``parquet`` and write it to ``path``, a row
     group at a time: no copy of the table is held (``column_files``)."""
     with column_files.Streams(path) as streams:
         keys, shard_ids = streams.binary("key"), streams.fixed("shard", np.int32)
@@ -77,7 +76,8 @@ def derive(parquet: str | IO[bytes], path: str, key: str) -> None:
             flat = listed.flatten()
             fields["name"].add(_ids(flat.field("name"), members))
             if len(members) > np.iinfo(np.int16).max:
-                raise DatasetError(f"{parquet}: {len(members)} distinct member names")
+                raise DatasetError(f"{parquet}: over {np.iinfo(np.int16).max} distinct member "
+                                   "names")
             fields["offset"].add(flat.field("offset").to_numpy())
             fields["size"].add(flat.field("size").to_numpy())
             fields["crc32"].add(  # -1 where samples.parquet has none: built before it was recorded
@@ -97,6 +97,12 @@ def derive(parquet: str | IO[bytes], path: str, key: str) -> None:
             b"mimo.members": json.dumps(list(members)).encode()}), key, labels(key))
 
 
+def _derive_copy(parquet: str, remote: storage.Remote | None, path: str, key: str) -> None:
+    """``derive`` of a local samples.parquet, or of a remote one's temporary download."""
+    with storage.local_copy(parquet, remote.options if remote else None) as local:
+        derive(local, path, key)
+
+
 def _ids(names: pa.Array, ids: dict[str, int]) -> np.ndarray:
     """The id of each of ``names`` in ``ids``, where a name not seen before gets the next."""
     encoded = pc.dictionary_encode(names)
@@ -109,7 +115,7 @@ class SampleTable:
     """The memory-mapped sample table of one dataset: numpy views, one Arrow string column."""
 
     def __init__(self, path: str | None, table: pa.Table):
-        self.path = path            # None: the table lives in memory (it could not be saved)
+        self.path = path            # None: it could not be saved (a removed file, mapped)
         self.arrow = table
         metadata = table.schema.metadata
         self.shard_names: list[str] = json.loads(metadata[b"mimo.shards"])
@@ -132,8 +138,7 @@ class SampleTable:
         parquet = storage.join(directory, SAMPLES_FILE)
         table, path = cache.obtain(
             directory, file_name(key), key, labels(key),
-            lambda path: derive(storage.readable(parquet, remote.options if remote else None),
-                                path, key),
+            lambda path: _derive_copy(parquet, remote, path, key),
             cache_dir, remote)
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
