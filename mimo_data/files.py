@@ -34,11 +34,6 @@ def file_sha256(path: str) -> str:
         return hashlib.file_digest(data, "sha256").hexdigest()
 
 
-class _OneKeyOnce(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a mapping that gives a key twice: PyYAML keeps the last
-    without a word (a second ``optimizer:`` section would replace the first whole)."""
-
-
 PARQUET_BATCH = 65536                # rows a batch of ``parquet_batches``
 
 
@@ -49,6 +44,11 @@ def parquet_batches(source: str | IO[bytes], columns: list[str] | None = None,
     # of buffers by its last batch, 19 MB without (pyarrow 26)
     return pq.ParquetFile(source, pre_buffer=False).iter_batches(
         batch_size=batch_size or PARQUET_BATCH, columns=columns)
+
+
+class _OneKeyOnce(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a mapping that gives a key twice: PyYAML keeps the last
+    without a word (a second ``optimizer:`` section would replace the first whole)."""
 
 
 def _mapping(loader: _OneKeyOnce, node: yaml.MappingNode, deep: bool = False) -> dict:

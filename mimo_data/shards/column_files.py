@@ -166,4 +166,3 @@ def binary_array(streams: Streams, column: Binary, arrow_type: pa.DataType) -> p
 def offsets_array(streams: Streams, column: Ends) -> pa.Array:
     """``column``'s offsets (one more than its items) as an int64 array."""
     return pa.Array.from_buffers(pa.int64(), len(column) + 1, [None, streams.buffer(column)])
-

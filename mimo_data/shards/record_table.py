@@ -82,8 +82,8 @@ class RecordWriter:
 
 
 def write(parquet: str, folder: str, key: str) -> None:
-    """Derive the records table of ``parquet`` and write it into ``folder``, a row group at a
-    time (no copy of all records held)."""
+    """Derive the records table of ``parquet`` and write it into ``folder``, a Parquet batch at
+    a time (no copy of all records held)."""
     path = os.path.join(folder, file_name(key))
     records = RecordWriter(path)
     try:
@@ -137,7 +137,7 @@ class RecordTable:
     def open(cls, reader: MemberSource, cache_dir: str | None = None) -> RecordTable:
         key = reader.table_key
         table, path = cache.obtain(reader.directory, file_name(key), key, labels(key),
-                                   lambda path: derive(reader, path), cache_dir,
+                                   lambda target: derive(reader, target), cache_dir,
                                    reader.remote)
         if table.num_rows != len(reader):
             raise DatasetError(f"{reader.directory}: its records table has {table.num_rows} "

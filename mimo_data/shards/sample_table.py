@@ -58,8 +58,8 @@ def write(parquet: str, folder: str, key: str) -> None:
 
 
 def derive(parquet: str, path: str, key: str) -> None:
-    """Derive the sample table of ``parquet`` and write it to ``path``, a row
-    group at a time: no copy of the table is held (``column_files``)."""
+    """Derive the sample table of ``parquet`` and write it to ``path``, a Parquet batch at a
+    time: no copy of the table is held (``column_files``)."""
     with column_files.Streams(path) as streams:
         keys, shard_ids = streams.binary("key"), streams.fixed("shard", np.int32)
         member_ends = streams.ends("members")
@@ -138,7 +138,7 @@ class SampleTable:
         parquet = storage.join(directory, SAMPLES_FILE)
         table, path = cache.obtain(
             directory, file_name(key), key, labels(key),
-            lambda path: _derive_copy(parquet, remote, path, key),
+            lambda target: _derive_copy(parquet, remote, target, key),
             cache_dir, remote)
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
