@@ -144,7 +144,8 @@ def test_shard_failed_data_and_checks_exit_1(capsys, tmp_path, good_records):
     assert code == 1 and "--strict" in err
     (tmp_path / "incomplete").mkdir()                           # an interrupted build
     code, err = _main(module, capsys, "verify", tmp_path / "incomplete", "--no-progress")
-    assert code == 1 and "index.json" in err and "run `mimo-shard build` again" in err
+    assert code == 1 and "index.json" in err and \
+        "run `mimo-shard build` (or `mimo-shard index`) again" in err
     # a dataset's own file lost: one line, exit 1, for info as for verify (not a traceback)
     lost = tmp_path / "lost"
     code, _ = _main(module, capsys, "build", source, "-o", lost, "--no-progress", "--workers",

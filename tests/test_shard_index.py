@@ -271,6 +271,11 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert _listing(pairs.src) == pairs.listing
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", pairs.src / "idx")
     assert code == 2 and "nothing is written beside the shards" in err
+    # two folders (two downloads), or a folder and a tar: one folder at a time, not a traceback
+    for sources in ([pairs.src, pairs.src.parent], [pairs.src, pairs.src / "pairs-000000.tar"]):
+        code, _, err = cli_main(capsys, "index", *sources, "--output", tmp_path / "two")
+        assert code == 2 and f"{sources[0]} is a folder, given with other sources" in err, err
+        assert "Traceback" not in err and not (tmp_path / "two").exists()
 
 
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
@@ -780,6 +785,38 @@ def test_a_pair_without_its_medium_says_what_to_do():
         caught.value.detail and "'jpg'" in caught.value.detail, caught.value.detail
 
 
+def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path):
+    """Tars of two downloads that number keys alike: the first tar's sample is kept, the
+    other counted ``duplicate_key``, and the index's totals, modality counts and per-tar
+    counts are of the kept samples."""
+    from conftest import write_tar
+
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    write_tar(tmp_path / "src" / "a.tar", {"1.jpg": photo, "1.txt": b"First one.",
+                                           "2.jpg": photo, "2.txt": b"Second."})
+    write_tar(tmp_path / "src" / "b.tar", {"1.jpg": photo, "1.txt": b"Another first.",
+                                           "3.jpg": photo, "3.txt": b"Third."})
+    with contextlib.redirect_stderr(io.StringIO()):
+        built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
+                      IndexOptions(workers=0, progress=False))
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert [(reader.record(p)["key"], reader.record(p)["text"]) for p in range(len(reader))] \
+        == [("1", "First one."), ("2", "Second."), ("3", "Third.")]
+    assert built["totals"]["samples"] == 3
+    assert [(shard["name"], shard["samples"]) for shard in built["shards"]] == [
+        ("a.tar", 2), ("b.tar", 1)]
+    assert built["modalities"]["image"] == {"samples": 3, "items": 3}
+    assert built["modalities"]["text_only"] == {"samples": 0}
+    report = json.loads((tmp_path / "idx" / "report.json").read_text())
+    assert (report["records_read"], report["samples_written"], report["records_skipped"]) \
+        == (4, 3, 1)
+    [skip] = report["skipped_by_reason"]["duplicate_key"]["first"]
+    assert skip["location"] == "b.tar:1"
+
+
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):
     """``KEY.JPG`` + ``KEY.TXT`` (cameras, Windows) and ``.jpg`` / ``.JPG`` in one tar: the
     layout is detected and every pair kept, its bytes read from the tar's own members; a
@@ -1042,3 +1079,8 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
     assert code == 1 and f"pairs-000001.tar: missing, not at {tmp_path / 'tars'}/pairs-000001" \
         ".tar, where the index says the tars are (moved? index them again" in err, err
+    # and a reader (training, the report's pages) says to index them again, not to rebuild
+    from mimo_data.shards.index import DatasetError
+    with pytest.raises(DatasetError, match=r"then restore the shards or index the tars again "
+                       r"where they are now \(`mimo-shard index`\)"):
+        ShardReader(str(tmp_path / "idx")).check_shards()

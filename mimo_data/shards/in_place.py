@@ -256,10 +256,12 @@ class _Tables:
         self._records.close()
 
 
-def _drop_duplicate_keys(staging: str, report: Tally) -> None:
+def _drop_duplicate_keys(staging: str, report: Tally,
+                         modalities: dict[str, dict[str, int]]) -> None:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
-    walking it); the others are counted ``duplicate_key``. Vectorized: no object per sample
-    unless there are duplicates."""
+    walking it); the others are counted ``duplicate_key`` and their media taken out of
+    ``modalities`` (``_Tables.modalities``). Vectorized: no object per sample unless there are
+    duplicates."""
     path = os.path.join(staging, SAMPLES_FILE)
     keys = pq.read_table(path, columns=["key"]).column("key")
     if pc.count_distinct(keys).as_py() == len(keys):
@@ -272,6 +274,14 @@ def _drop_duplicate_keys(staging: str, report: Tally) -> None:
     dropped = samples.filter(pa.array(~keep))
     report.kept -= len(dropped)
     report.seen -= len(dropped)
+    items = {name: pc.list_value_length(dropped.column(summary_column(
+        name, next(iter(modality.summary_fields))))).fill_null(0).to_numpy()
+        for name, modality in MODALITIES.items()}
+    for name, counts in items.items():
+        modalities[name]["items"] -= int(counts.sum())
+        modalities[name]["samples"] -= int((counts > 0).sum())
+    media = sum(items.values(), np.zeros(len(dropped), np.int64))
+    modalities["text_only"]["samples"] -= int((media == 0).sum())
     report.skip_many("duplicate_key", len(dropped), [
         (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept (tars of "
          "separate downloads that number keys alike: index each alone and train on the "
@@ -350,7 +360,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         read += result.walked.bytes
     progress.close()
     tables.close()
-    _drop_duplicate_keys(staging, report)
+    _drop_duplicate_keys(staging, report, tables.modalities)
     if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped
         counts = pc.value_counts(pq.read_table(os.path.join(staging, SAMPLES_FILE),
                                                columns=["shard"]).column("shard"))

@@ -31,9 +31,15 @@ def read_index(directory: str, storage_options: dict | None = None) -> dict:
                    if not os.path.isfile(os.path.join(root, name))]
         if missing:
             raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
-                               f"incomplete): restore it, or rebuild the dataset; `mimo-shard "
+                               f"incomplete): restore it, or {remake(index)}; `mimo-shard "
                                f"verify {directory}` checks the rest")
     return index
+
+
+def remake(index: dict) -> str:
+    """What makes ``index``'s dataset again, in words: a build, or its tars indexed again."""
+    return "index the tars again where they are now (`mimo-shard index`)" \
+        if index.get("version") == INDEXED_VERSION else "rebuild the dataset"
 
 
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
@@ -50,7 +56,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
         if names and _foreign_tars(names):
             raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
-                           "(an interrupted build?); run `mimo-shard build` again") from None
+                           "(an interrupted build or indexing?); run `mimo-shard build` (or "
+                           "`mimo-shard index`) again") from None
 
 
 def _names_at(directory: str, storage_options: dict | None) -> list[str] | None:

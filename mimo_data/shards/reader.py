@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import RECORDS_FILE, ShardRecord
-from mimo_data.shards.index import DatasetError, index_bytes, parse_index, shard_root
+from mimo_data.shards.index import DatasetError, index_bytes, parse_index, remake, shard_root
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
 
@@ -100,7 +100,7 @@ class ShardReader:
             more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
             raise DatasetError(f"{self.shard_root}: shard {'; '.join(problems[:3])}{more}: run "
                                f"`mimo-shard verify {self.directory}`, then restore the shards "
-                               "or rebuild the dataset")
+                               f"or {remake(self.index)}")
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}, "_pid": None, "_pool": None, "_runs": {},
@@ -179,18 +179,18 @@ class ShardReader:
         except FileNotFoundError:
             raise DatasetError(f"{storage.join(self.shard_root, shard)}: missing (the dataset "
                                f"is incomplete); run `mimo-shard verify {self.directory}`, then "
-                               "restore the shard or rebuild the dataset") from None
+                               f"restore the shard or {remake(self.index)}") from None
         except storage.ShortObject as exc:
             key = self.table.key(position)
             raise DatasetError(f"{exc} (sample {key} member {key}.{name}); run `mimo-shard "
-                               f"verify {self.directory}`, then restore the shard or rebuild "
-                               "the dataset") from None
+                               f"verify {self.directory}`, then restore the shard or "
+                               f"{remake(self.index)}") from None
         key = self.table.key(position)
         raise DatasetError(
             f"{storage.join(self.shard_root, shard)}: sample {key} member {key}.{name}: its "
             f"bytes changed since the build (crc32 differs from samples.parquet, read twice); "
             f"run `mimo-shard verify {self.directory}` to list every damaged member, then "
-            "restore the shard from its source or rebuild the dataset")
+            f"restore the shard from its source or {remake(self.index)}")
 
     def record(self, position: int) -> ShardRecord:
         """The sample's JSON record (messages, media metadata, source)."""

@@ -206,6 +206,12 @@ def _resolve(sources: list[str], options: IndexOptions,
                     paths += matched
                 elif not storage.exists(path, storage_options):
                     raise IndexInputError(f"{path}: no such file")
+                elif not storage.is_remote(path) and os.path.isdir(storage.local_path(path)):
+                    raise IndexInputError(
+                        f"{path} is a folder, given with other sources: index one folder at a "
+                        "time (separate downloads may number their keys alike) and train on "
+                        "the indexes together (data.datasets: [A, B]), or name the tars (a "
+                        "glob such as 'A/*.tar')")
                 elif path.lower().endswith((".yaml", ".yml")):
                     raise IndexInputError(f"{path}: a YAML file (an Energon metadataset?), not "
                                           "a tar: index each dataset folder it names, and "
