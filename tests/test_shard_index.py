@@ -817,6 +817,26 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert skip["location"] == "b.tar:1"
 
 
+def test_a_tar_of_another_layout_than_the_first_is_refused_by_name(corpus_photos, tmp_path,
+                                                                   capsys):
+    """The layout is detected from the first tar; a later tar of conversations would be read as
+    caption pairs and skipped whole (each sample ``missing_text``) under exit 0: refused,
+    naming it, unless --layout says how to read every tar."""
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    conversation = json.dumps({"conversations": [{"from": "human", "value": "<image>What?"},
+                                                 {"from": "gpt", "value": "A photo."}]})
+    write_tar(tmp_path / "src" / "a.tar", {"1.jpg": photo, "1.txt": b"A caption."})
+    write_tar(tmp_path / "src" / "b.tar", {"2.jpg": photo, "2.json": conversation.encode()})
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and f"{tmp_path / 'src' / 'b.tar'}: its samples are conversations, and " \
+        "those of a.tar, which the layout was detected from, caption pairs" in err, err
+    assert not (tmp_path / "idx" / "index.json").exists()
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress", "--layout", "pairs")
+    assert code == 0 and "1 records skipped (missing_text 1)" in err, err
+
+
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):
     """``KEY.JPG`` + ``KEY.TXT`` (cameras, Windows) and ``.jpg`` / ``.JPG`` in one tar: the
     layout is detected and every pair kept, its bytes read from the tar's own members; a

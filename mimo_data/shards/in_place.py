@@ -40,12 +40,12 @@ from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, R
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
                                     VIDEOS_ROTATED, kept_files, summary_column)
 from mimo_data.shards.index import dumps
-from mimo_data.shards.layouts import LAYOUTS, MemberMap, synthesize
+from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
-from mimo_data.shards.tar_sources import (IndexInputError, IndexOptions, Source, open_tar,
-                                          resolve, say)
+from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
+                                          Source, open_tar, resolve, say)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
@@ -79,6 +79,7 @@ class _Job:
     max_image_pixels: int
     storage_options: dict | None
     excluded: frozenset[str] = frozenset()      # keys split.yaml excludes from this tar
+    first: str = ""               # the tar the layout was detected from ("": given, not checked)
 
 
 def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
@@ -128,9 +129,14 @@ def index_shard(job: _Job) -> ShardResult:
         started = time.perf_counter()
         result = ShardResult(job.name)
         keys: set[str] = set()
+        head: list[dict[str, bytes]] = []          # the first samples, for the layout's check
         try:
             with open_tar(location, job.storage_options) as tar:
                 for sample in walk(tar, result.walked):
+                    if job.first and len(head) < DETECT_SAMPLES:
+                        head.append({suffix: m.data for suffix, m in sample.members.items()})
+                        if len(head) == DETECT_SAMPLES:
+                            _check_layout(job, head)
                     if sample.key in job.excluded:
                         result.skips.append((EXCLUDED, f"{job.name}:{sample.key}", "its "
                                              f"{job.name}/{sample.key} is in the Energon "
@@ -156,6 +162,8 @@ def index_shard(job: _Job) -> ShardResult:
             raise IndexInputError(f"{location}: no such tar") from None
         except NotATarError as exc:
             raise IndexInputError(f"{location}: {exc}") from None
+        if job.first and len(head) < DETECT_SAMPLES:
+            _check_layout(job, head)
         if result.walked.truncated:
             result.skips.append(("truncated_tar", job.name, f"{result.walked.truncated}; the "
                                  "samples before are kept, the one being read is left out"))
@@ -168,6 +176,20 @@ def index_shard(job: _Job) -> ShardResult:
     if storage.is_remote(location):
         return storage.retried(f"reading {location}", attempt)
     return attempt()
+
+
+def _check_layout(job: _Job, head: list[dict[str, bytes]]) -> None:
+    """IndexInputError where ``job``'s tar's first samples are of another layout than the one
+    detected from the first tar's (a conversation tar read as caption pairs would be skipped
+    whole, each sample without its caption)."""
+    found = detect(head, job.mapping.json)
+    if found is not None and found != job.mapping.layout:
+        raise IndexInputError(
+            f"{storage.join(job.root, job.name)}: its samples are {LAYOUT_WORDS[found]}, and "
+            f"those of {job.first}, which the layout was detected from, "
+            f"{LAYOUT_WORDS[job.mapping.layout]}: index the tars of each layout alone and "
+            "train on the indexes together (data.datasets: [A, B]), or give --layout to read "
+            "every tar as one")
 
 
 def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
@@ -338,7 +360,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     """Write the dataset's files into ``staging``; return its index (not written), the summary
     line and the throughput line."""
     jobs = [_Job(source.root, name, source.mapping, options.check, options.max_image_pixels,
-                 storage_options, energon.excluded_keys(name, source.sample_excludes))
+                 storage_options, energon.excluded_keys(name, source.sample_excludes),
+                 source.shards[0] if source.detected else "")
             for name in source.shards]
     report = Tally("records_read", "samples_written", "records_skipped")
     tables = _Tables(staging)

@@ -35,6 +35,8 @@ from mimo_data.shards.records import (RecordError, media_markers, normalize_docu
                                       normalize_messages, tool_lists)
 
 LAYOUTS = ("pairs", "conversation", "documents", "vqa")
+LAYOUT_WORDS = {"pairs": "caption pairs", "conversation": "conversations",
+                "documents": "documents", "vqa": "questions and answers"}
 
 # member extension -> modality (``jpeg`` too: img2dataset and others write it; the other
 # names the same containers are written with: a TIFF's ``tif``, Ogg Opus's ``opus``, MPEG-4's

@@ -49,6 +49,7 @@ class Source:
     shards: list[str]
     mapping: MemberMap
     sample_excludes: frozenset[str] = frozenset()
+    detected: bool = False          # the layout detected from the first tar (each tar checked)
 
 
 
@@ -233,7 +234,8 @@ def _resolve(sources: list[str], options: IndexOptions,
                               "mimo reads, not its tars")
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
              for p in paths]
-    return Source(root, names, _member_map(root, names[0], options, storage_options))
+    return Source(root, names, _member_map(root, names[0], options, storage_options),
+                  detected=options.layout == "auto")
 
 
 
