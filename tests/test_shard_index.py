@@ -394,6 +394,7 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
                             "--workers", "0", "--no-progress")
     assert code == 0, err
     assert "layout energon" in err and "dataset.yaml's subflavors are not read" in err, err
+    assert "warning" not in err, err        # the tars hold what energon prepare counted
     from mimo_data.shards.reader import ShardReader
     reader = ShardReader(str(tmp_path / "idx"))
     records = [reader.record(p) for p in range(len(reader))]
@@ -413,6 +414,15 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
                             "--workers", "0", "--no-progress")
     assert code == 2 and "lists 1 tar(s) not in" in err and "pairs-000009.tar" in err, err
     (folder / ".nv-meta" / "split.yaml").write_text(split)
+    # a tar changed since energon prepare counted its samples is said, and indexed as it is
+    info = json.loads((folder / ".nv-meta" / ".info.json").read_text())
+    assert info["shard_counts"] == {"pairs-000000.tar": 4, "pairs-000001.tar": 4}
+    (folder / ".nv-meta" / ".info.json").write_text(json.dumps(
+        {**info, "shard_counts": {**info["shard_counts"], "pairs-000000.tar": 40}}))
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-changed",
+                            "--workers", "0", "--no-progress")
+    assert code == 0 and "warning: 1 tar(s) hold another number of samples than .nv-meta/" \
+        ".info.json (or .info.yaml) says (pairs-000000.tar: 4, it says 40)" in err, err
     # A tar split.yaml does not list (another split's) is left out under any --layout; a JSON
     # member without the first alternative's field falls back to the next one (Energon's way).
     shutil.copy(pairs.src / "pairs-000002.tar", folder / "val-000000.tar")

@@ -1,11 +1,13 @@
 """A Megatron-Energon dataset folder as ``mimo-shard index`` reads it: ``.nv-meta/dataset.yaml``
-(the sample type and its ``field_map``) and ``.nv-meta/split.yaml`` (the train split's tars),
-as ``energon prepare`` writes them. Energon's own index (``index.sqlite``, ``*.tar.idx``) is not
+(the sample type and its ``field_map``), ``.nv-meta/split.yaml`` (the train split's tars) and
+``.nv-meta/.info.json`` (each tar's sample count, checked against the tars as read), as
+``energon prepare`` writes them. Energon's own index (``index.sqlite``, ``*.tar.idx``) is not
 needed: mimo reads the tars once and keeps its own tables.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Collection
 
 import braceexpand
@@ -18,6 +20,7 @@ from mimo_data.shards.sources import SourceError
 META = ".nv-meta"
 DATASET_YAML = "dataset.yaml"
 SPLIT_YAML = "split.yaml"
+INFO_JSON, INFO_YAML = ".info.json", ".info.yaml"     # each tar's sample count
 OTHERWISE = ("index the folder with --layout pairs|conversation|documents and the --*-member "
              "options instead (split.yaml's train tars still)")
 
@@ -87,6 +90,22 @@ def train_split(root: str, storage_options: dict | None = None) -> tuple[list[st
     shards = [name for pattern in parts for name in braceexpand.braceexpand(pattern)
               if name not in excluded]
     return shards, {name for name in excluded if "/" in name}
+
+
+def shard_counts(root: str, storage_options: dict | None = None) -> dict[str, int]:
+    """The samples of each tar as ``energon prepare`` counted them (``.info.json``, or the
+    older ``.info.yaml``; named as split.yaml names them); {} where neither is there."""
+    for name, parse in ((INFO_JSON, json.loads), (INFO_YAML, yaml.safe_load)):
+        try:
+            info = parse(storage.read_bytes(storage.join(root, META, name), storage_options))
+        except FileNotFoundError:
+            continue
+        except (ValueError, yaml.YAMLError) as exc:
+            raise SourceError(f"{storage.join(root, META, name)}: unreadable ({exc}); run "
+                              f"`energon prepare {root}` again") from None
+        counts = info.get("shard_counts") if isinstance(info, dict) else None
+        return {str(tar): int(count) for tar, count in (counts or {}).items()}
+    return {}
 
 
 def excluded_keys(shard: str, sample_excludes: Collection[str]) -> frozenset[str]:

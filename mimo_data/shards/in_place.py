@@ -63,6 +63,7 @@ class ShardResult:
     media: list[list[str]] = field(default_factory=list)      # each row's media modalities
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
+    samples: int = 0                  # samples the tar holds (kept or not)
     seconds: float = 0.0
     # what the rows hold that the report counts (``Synthesized.counts``), by the report's name
     counts: Counter[str] = field(default_factory=Counter)
@@ -133,6 +134,7 @@ def index_shard(job: _Job) -> ShardResult:
         try:
             with open_tar(location, job.storage_options) as tar:
                 for sample in walk(tar, result.walked):
+                    result.samples += 1
                     if job.first and len(head) < DETECT_SAMPLES:
                         head.append({suffix: m.data for suffix, m in sample.members.items()})
                         if len(head) == DETECT_SAMPLES:
@@ -176,6 +178,20 @@ def index_shard(job: _Job) -> ShardResult:
     if storage.is_remote(location):
         return storage.retried(f"reading {location}", attempt)
     return attempt()
+
+
+def _check_counts(source: Source, walked: dict[str, int]) -> None:
+    """Say which tars hold another number of samples than ``energon prepare`` counted (the
+    tar changed or was cut short since): the index is of the tars as they are now."""
+    differ = [f"{name}: {walked[name]}, it says {source.counts[name]}" for name in walked
+              if name in source.counts and source.counts[name] != walked[name]]
+    if differ:
+        more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+        say(f"warning: {len(differ)} tar(s) hold another number of samples than "
+            f"{energon.META}/{energon.INFO_JSON} (or {energon.INFO_YAML}) says "
+            f"({'; '.join(differ[:3])}{more}): changed or cut short since `energon prepare`? "
+            "They are indexed as they are now; Energon's own loader would read them by its "
+            "counts")
 
 
 def _check_layout(job: _Job, head: list[dict[str, bytes]]) -> None:
@@ -369,8 +385,10 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     busy, read = 0.0, 0
     progress = tqdm(total=len(jobs), unit="tar", desc="index", disable=not options.progress,
                     file=sys.stderr)
+    walked: dict[str, int] = {}       # samples each tar holds
     for result in _results(jobs, options.workers):
         progress.update()
+        walked[result.name] = result.samples
         tables.add(result)
         report.keep(len(result.rows))
         for name, number in result.counts.items():
@@ -382,6 +400,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         busy += result.seconds
         read += result.walked.bytes
     progress.close()
+    _check_counts(source, walked)
     tables.close()
     _drop_duplicate_keys(staging, report, tables.modalities)
     if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped

@@ -8,7 +8,7 @@ import glob
 import os
 import posixpath
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import braceexpand
 
@@ -50,6 +50,7 @@ class Source:
     mapping: MemberMap
     sample_excludes: frozenset[str] = frozenset()
     detected: bool = False          # the layout detected from the first tar (each tar checked)
+    counts: dict[str, int] = field(default_factory=dict)   # samples a tar holds (Energon's)
 
 
 
@@ -162,11 +163,12 @@ def _resolve(sources: list[str], options: IndexOptions,
                 for key in unread:
                     say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
                         "choose prompts by them, mimo's preprocessing config does")
-                return Source(root, names, mapping, frozenset(excludes))
+                return Source(root, names, mapping, frozenset(excludes),
+                              counts=energon.shard_counts(root, storage_options))
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
             say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
             return Source(root, names, _member_map(root, names[0], options, storage_options),
-                          frozenset(excludes))
+                          frozenset(excludes), counts=energon.shard_counts(root, storage_options))
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
