@@ -847,6 +847,23 @@ def test_a_tar_of_another_layout_than_the_first_is_refused_by_name(corpus_photos
     assert code == 0 and "1 records skipped (missing_text 1)" in err, err
 
 
+def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
+    """A failed download's empty tar first in the folder: the layout comes from the next tar's
+    samples; tars holding no sample at all are said to be so (exit 2)."""
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    write_tar(tmp_path / "src" / "a.tar", {})
+    write_tar(tmp_path / "src" / "b.tar", {"1.jpg": photo, "1.txt": b"A caption."})
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 0 and "layout pairs (detected from the first samples of b.tar)" in err, err
+    assert "1 samples written" in err, err
+    (tmp_path / "src" / "b.tar").unlink()
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx2",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "no sample in its 1 tar(s) (empty, or cut short within their first " \
+        "member)" in err, err
+
+
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):
     """``KEY.JPG`` + ``KEY.TXT`` (cameras, Windows) and ``.jpg`` / ``.JPG`` in one tar: the
     layout is detected and every pair kept, its bytes read from the tar's own members; a

@@ -377,7 +377,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     line and the throughput line."""
     jobs = [_Job(source.root, name, source.mapping, options.check, options.max_image_pixels,
                  storage_options, energon.excluded_keys(name, source.sample_excludes),
-                 source.shards[0] if source.detected else "")
+                 source.detected_from)
             for name in source.shards]
     report = Tally("records_read", "samples_written", "records_skipped")
     tables = _Tables(staging)

@@ -49,7 +49,7 @@ class Source:
     shards: list[str]
     mapping: MemberMap
     sample_excludes: frozenset[str] = frozenset()
-    detected: bool = False          # the layout detected from the first tar (each tar checked)
+    detected_from: str = ""         # the tar the layout was detected from (others checked)
     counts: dict[str, int] = field(default_factory=dict)   # samples a tar holds (Energon's)
 
 
@@ -167,8 +167,9 @@ def _resolve(sources: list[str], options: IndexOptions,
                               counts=energon.shard_counts(root, storage_options))
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
             say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
-            return Source(root, names, _member_map(root, names[0], options, storage_options),
-                          frozenset(excludes), counts=energon.shard_counts(root, storage_options))
+            mapping, _ = _member_map(root, names, options, storage_options)   # as given
+            return Source(root, names, mapping, frozenset(excludes),
+                          counts=energon.shard_counts(root, storage_options))
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
@@ -236,8 +237,8 @@ def _resolve(sources: list[str], options: IndexOptions,
                               "mimo reads, not its tars")
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
              for p in paths]
-    return Source(root, names, _member_map(root, names[0], options, storage_options),
-                  detected=options.layout == "auto")
+    mapping, first = _member_map(root, names, options, storage_options)
+    return Source(root, names, mapping, detected_from=first)
 
 
 
@@ -268,23 +269,38 @@ def _energon_above(root: str, storage_options: dict | None) -> str | None:
     return None
 
 
-def _member_map(root: str, first: str, options: IndexOptions,
-                storage_options: dict | None) -> MemberMap:
-    """The member map of ``options``, the layout detected from the first tar's samples when
-    ``--layout auto``."""
-    layout = options.layout
-    pairs_options = options.media_member is not None or options.text_member != "txt"
-    detected = None
-    if layout == "auto":
+def _head(root: str, names: list[str],
+          storage_options: dict | None) -> tuple[str, list[dict[str, bytes]]]:
+    """The first tar of ``names`` that holds a sample, and its first samples' members (up to
+    ``DETECT_SAMPLES``): an empty tar first, or one cut short in its first member, decides
+    nothing. ("", []) where none holds one."""
+    for name in names:
         head: list[dict[str, bytes]] = []
-        with open_tar(storage.join(root, first), storage_options) as tar:
+        with open_tar(storage.join(root, name), storage_options) as tar:
             try:
                 for sample in walk(tar, Walked()):
                     head.append({suffix: m.data for suffix, m in sample.members.items()})
                     if len(head) == DETECT_SAMPLES:
                         break
             except NotATarError as exc:
-                raise IndexInputError(f"{storage.join(root, first)}: {exc}") from None
+                raise IndexInputError(f"{storage.join(root, name)}: {exc}") from None
+        if head:
+            return name, head
+    return "", []
+
+
+def _member_map(root: str, names: list[str], options: IndexOptions,
+                storage_options: dict | None) -> tuple[MemberMap, str]:
+    """The member map of ``options``, the layout detected from the first samples when
+    ``--layout auto``; and the tar it was detected from ("" where it was not)."""
+    layout = options.layout
+    pairs_options = options.media_member is not None or options.text_member != "txt"
+    detected, first = None, ""
+    if layout == "auto":
+        first, head = _head(root, names, storage_options)
+        if not first:
+            raise IndexInputError(f"{root}: no sample in its {len(names)} tar(s) (empty, or cut "
+                                  "short within their first member): nothing to index")
         detected = detect(head, options.json_member)
         if detected not in (None, "pairs") and pairs_options:
             raise IndexInputError(f"{storage.join(root, first)}: its samples are "
@@ -303,10 +319,10 @@ def _member_map(root: str, first: str, options: IndexOptions,
                                   "--media-member and --text-member name them as listed)")
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member, markers_first=options.markers_first)
-    how = ("as given" if options.layout != "auto" else "detected from the first samples"
+    how = ("as given" if options.layout != "auto" else f"detected from the first samples of {first}"
            if detected else "from the --media-member / --text-member options")
     say(f"layout {layout} ({how}): {mapping.describe()}")
-    return mapping
+    return mapping, first if detected else ""
 
 
 def say(line: str) -> None:
