@@ -899,6 +899,9 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     made = synthesize({"jpg": photos[0], "txt": b"A photo.", "json": b'{"url": "u"}'},
                       MemberMap("pairs", media="JPG", text="TXT", json="JSON"))
     assert made.media == [("image", "jpg")] and made.source == {"url": "u"}
+    # a caption a Windows editor saved starts with a BOM, which is not caption text
+    made = synthesize({"jpg": photos[0], "txt": "\ufeffA photo.".encode()}, MemberMap("pairs"))
+    assert made.fields["text"] == "A photo."
 
 
 def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, tmp_path):

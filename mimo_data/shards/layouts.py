@@ -94,7 +94,7 @@ class Synthesized:
 
 def _text(data: bytes, what: str) -> str:
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")     # a leading BOM (Windows editors) is no text
     except UnicodeDecodeError as exc:
         raise RecordError("invalid_utf8", f"{what} is not UTF-8: {exc}") from None
 
