@@ -79,6 +79,8 @@ def test_single_command_usage_errors_exit_2(capsys, cli, args):
 
 
 # what mimo-shard's commands import once their arguments are parsed (mimo_data.shards.cli)
+# mimo-shard's commands that read metadata alone (run on the dataset: {dataset})
+METADATA_COMMANDS = [["info", "{dataset}"], ["cache", "{dataset}"]]
 SHARD_COMMANDS = ["mimo_data.shards.build", "mimo_data.shards.in_place", "mimo_data.shards.info",
                   "mimo_data.shards.verify", "mimo_data.shards.cache_entries"]
 # image (dynamic) and audio; image (fixed, CLIP's short side); video (none in the corpus)
@@ -91,14 +93,20 @@ def test_importing_the_clis_imports_nothing_heavy(corpus_build):
     commands then import no transformers (seconds and ~80 MiB with torchvision: only
     preprocessing sizes media); a ``Preprocessor`` imports what its modalities use up front,
     so preprocessing the corpus's images and audio after it imports nothing more (what the
-    loader's forked workers would each import again)."""
+    loader's forked workers would each import again). `mimo-shard info` and `cache` read
+    metadata and import no torch (2 s and ~600 MB of a 0.4 s command, as webdataset's import
+    of torch had made them)."""
     configs = [str(REPO / "configs" / name) for name in IMPORT_CONFIGS]
     asked = {"clis": [*CLIS.values(), *SINGLE_CLIS.values(), "mimo_train.inspect_cli"],
-             "commands": SHARD_COMMANDS, "dataset": str(corpus_build), "every": 5,
+             "metadata": [[arg.format(dataset=corpus_build) for arg in command]
+                          for command in METADATA_COMMANDS],
+             "commands": SHARD_COMMANDS,
+             "dataset": str(corpus_build), "every": 5,
              "configs": configs}
     result = python([REPO / "tests" / "jobs" / "imports.py", json.dumps(asked)]).check()
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert found["clis"] == [], found
+    assert "torch" not in found["metadata"] and "webdataset" not in found["metadata"], found
     assert "transformers" not in found["commands"], found
     for config in configs:
         assert found["configs"][config]["imported"] == [], (config, found)

@@ -14,16 +14,17 @@ import io
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import av
 import numpy as np
 import soundfile
-import torch
-import torchaudio.functional
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import MediaError, MediaItem, Modality
+
+if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
+    import torch
 
 
 # soundfile's format names mimo takes, with their member file extensions. WAVEX is WAV with
@@ -298,6 +299,8 @@ def resampler(sample_rate: int, target_rate: int) -> str:
 
 def resample(waveform: np.ndarray, sample_rate: int, target_rate: int) -> np.ndarray:
     """Mono float32 samples at ``target_rate``, ``resampled_length`` of them."""
+    import torch
+    import torchaudio.functional
     if resampler(sample_rate, target_rate) == "torchaudio":
         return torchaudio.functional.resample(torch.from_numpy(waveform), sample_rate,
                                               target_rate).numpy()
@@ -352,6 +355,7 @@ def decode_audio(data: bytes, cfg: AudioConfig, frames: int | None = None) -> np
 def _log_mel_constants(n_mels: int, sample_rate: int, hop_length: int):
     """The extractor's STFT window and mel filter bank ``[n_fft // 2 + 1, n_mels]``, as float32
     tensors, and the samples it pads every clip to (30 s), built once per config."""
+    import torch
     from transformers import WhisperFeatureExtractor    # where used (``libraries``)
     extractor = WhisperFeatureExtractor(feature_size=n_mels, sampling_rate=sample_rate,
                                         hop_length=hop_length, n_fft=WHISPER_N_FFT)
@@ -367,6 +371,7 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
     with the power as ``re² + im²`` instead of the slower complex ``abs() ** 2``, and the
     product ordered to come out time-major.
     """
+    import torch
     if len(waveform) < MIN_AUDIO_SAMPLES:
         raise MediaError("audio_too_short", f"clip of {len(waveform)} samples is shorter than the "
                          f"{MIN_AUDIO_SAMPLES} samples the log-mel features need")
@@ -394,6 +399,7 @@ def audio_features(waveform: np.ndarray, cfg: AudioConfig) -> torch.Tensor:
 def audio_encoder_inputs(clips: list[np.ndarray], cfg: AudioConfig) -> dict[str, torch.Tensor]:
     """``{"input_features": float32 [Σ frames, n_mels], "feature_lens": int64 [n]}``,
     clip by clip."""
+    import torch
     features = [audio_features(clip, cfg) for clip in clips]
     # A single clip's features as they are (torch.cat copies) and the lengths through numpy:
     # torch calls cost several times more amid the media work.

@@ -12,11 +12,12 @@ from __future__ import annotations
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from typing import Any, ClassVar, NotRequired, TypedDict
-
-import torch
+from typing import Any, ClassVar, NotRequired, TYPE_CHECKING, TypedDict
 
 from mimo_data.tally import CountedError
+
+if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
+    import torch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -169,6 +170,7 @@ def take_grid_rows(pixels: torch.Tensor, grids: torch.Tensor,
     """Rows of ``pixels`` (``[Σ t·h·w, ...]``, item after item, each t-major) and ``[t, h, w]``
     grid rows of ``pieces`` (``(item, first, stop)``: temporal slices ``first..stop - 1``):
     each piece's rows are one contiguous range, its grid ``[stop - first, h, w]``."""
+    import torch
     sizes = grids.prod(1)
     starts = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)]).tolist()
     shapes = grids.tolist()

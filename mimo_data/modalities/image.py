@@ -23,16 +23,18 @@ import warnings
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import numpy as np
 import pyarrow
-import torch
 from PIL import Image
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import (MediaError, MediaItem, Modality, take_grid_rows,
                                        to_device)
+
+if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
+    import torch
 
 
 # Extension used for the tar member of each container format we keep byte-for-byte.
@@ -382,6 +384,7 @@ def image_encoder_inputs(images: list[Image.Image], cfg: ImageConfig) -> dict[st
     fixed: ``{"pixel_values": [n, 3, S, S]}`` (squash resize as SigLIP, or crop as CLIP).
     Resizing is Pillow's BICUBIC, the same call the reference processors make.
     """
+    import torch
     if cfg.policy == "fixed":
         side = cfg.image_size
         pixels = np.empty((len(images), 3, side, side), np.uint8)
@@ -440,6 +443,7 @@ def normalize_pixels(pixel_values: torch.Tensor, cfg: ImageConfig) -> torch.Tens
     ``Qwen2VLImageProcessorPil`` does for a still image. Same operations in the same order as
     the reference processors (rescale, then subtract the mean and divide by the std in float32).
     """
+    import torch
     mean = to_device(torch.tensor(cfg.mean, dtype=torch.float32), pixel_values.device)
     std = to_device(torch.tensor(cfg.std, dtype=torch.float32), pixel_values.device)
     channels = len(cfg.mean)

@@ -43,17 +43,10 @@ from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, RE
                                     sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
-from mimo_data.shards.sources import ParquetTable, SpeechManifest, open_source
+from mimo_data.shards.sources import (BuildError, ParquetTable, SpeechManifest, StrictStop,
+                                      open_source)
 from mimo_data.shards import task_stream
 from mimo_data.worker_pool import ordered_map
-
-
-class BuildError(Exception):
-    """The build stopped (bad output dir, unreadable input, or --strict on a bad record)."""
-
-
-class StrictStop(BuildError):
-    """``--strict`` stopped the build at a bad record (the data failed, not the call)."""
 
 
 @dataclass

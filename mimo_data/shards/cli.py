@@ -145,9 +145,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from mimo_data.worker_pool import WorkerDied
-    from mimo_data.shards.build import BuildError, StrictStop
     from mimo_data.shards.index import DatasetError
-    from mimo_data.shards.sources import SourceError
+    # not from build.py: its tar writer imports webdataset, and so torch, which no other
+    # command needs
+    from mimo_data.shards.sources import BuildError, SourceError, StrictStop
     from mimo_data.shards.storage import StorageError, is_remote
     try:
         return _run(args)

@@ -1,13 +1,17 @@
 """What a fresh process imports, in one interpreter (tests/test_cli_contract.py), as argv[1]
-(JSON) says: the ``clis`` modules (for ``--help``), then the ``commands`` modules, then for each
+(JSON) says: the ``clis`` modules (for ``--help``), then the ``metadata`` commands
+(``mimo-shard`` argument lists, run), then the ``commands`` modules, then for each
 preprocessing config of ``configs`` a ``Preprocessor`` and the preprocessing of every
 ``every``-th sample of the ``dataset``. Prints one JSON line: the heavy libraries after the
-CLIs and after the commands, and per config the samples kept, the media items preprocessed
-by modality and the transformers/torchvision modules that preprocessing imported after the
-``Preprocessor`` was built (what its forked workers would each import again)."""
+CLIs, after the metadata commands and after the commands, and per config the samples kept,
+the media items preprocessed by modality and the transformers/torchvision modules that
+preprocessing imported after the ``Preprocessor`` was built (what its forked workers would
+each import again)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 
@@ -22,9 +26,14 @@ def main() -> None:
     import importlib
     asked = json.loads(sys.argv[1])
     found: dict = {}
-    for step in ("clis", "commands"):
-        for module in asked[step]:
-            importlib.import_module(module)
+    for step in ("clis", "metadata", "commands"):
+        for what in asked[step]:
+            if step == "metadata":
+                from mimo_data.shards.cli import main as shard_main
+                with contextlib.redirect_stdout(io.StringIO()):
+                    assert shard_main(what) == 0, what
+            else:
+                importlib.import_module(what)
         found[step] = sorted(_loaded(HEAVY) & set(HEAVY))
 
     from mimo_data.preprocess.config import PreprocessConfig

@@ -10,18 +10,23 @@ equals the processor's ``pixel_values_videos`` exactly.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import torch
 
 from mimo_data.modalities.base import to_device
 from mimo_data.modalities.video.config import VideoConfig
 from mimo_data.modalities.video.sampling import video_resized_size
+
+if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
+    import torch
 
 
 def resize_frames(frames: np.ndarray, width: int, height: int) -> torch.Tensor:
     """uint8 ``[T, H, W, 3]`` → uint8 ``[T, 3, height, width]``: what torchvision's
     ``resize`` does for the processor (bicubic, antialias, ``align_corners=False``, uint8
     natively on the CPU), a no-op at the same size."""
+    import torch
     video = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
     if video.shape[-2:] == (height, width):
         return video
@@ -32,6 +37,7 @@ def resize_frames(frames: np.ndarray, width: int, height: int) -> torch.Tensor:
 def patchify_video(video: torch.Tensor, cfg: VideoConfig) -> torch.Tensor:
     """uint8 ``[T, C, H, W]`` → ``[t * h * w, C * tps * P * P]``: the processor's ``patchify``
     (the last frame repeated up to a multiple of temporal_patch_size), on uint8."""
+    import torch
     frames, channels, height, width = video.shape
     tps, p, m = cfg.temporal_patch_size, cfg.patch_size, cfg.merge_size
     if pad := -frames % tps:
@@ -45,6 +51,7 @@ def patchify_video(video: torch.Tensor, cfg: VideoConfig) -> torch.Tensor:
 def video_encoder_inputs(videos: list[np.ndarray], cfg: VideoConfig) -> dict[str, torch.Tensor]:
     """``{"pixel_values_videos": uint8 [Σ patches, C*T*P*P], "video_grid_thw": int64 [n, 3]}``
     for decoded clips (``decode_video``'s sampled frames), clip by clip."""
+    import torch
     rows, grids = [], []
     for frames in videos:
         sampled, height, width = frames.shape[:3]
@@ -68,6 +75,7 @@ def normalize_video_pixels(pixel_values: torch.Tensor, cfg: VideoConfig) -> torc
     """uint8 ``[rows, C*T*P*P]`` → float32, on their device: exactly the processor's
     ``pixel_values_videos``, whose torchvision backend fuses rescale and normalize as
     ``(x - mean / (1/255)) / (std / (1/255))`` in float32."""
+    import torch
     channels = len(cfg.mean)
     rescale = 1 / 255
     mean = to_device(torch.tensor(cfg.mean) * (1.0 / rescale), pixel_values.device)

@@ -6,10 +6,9 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TYPE_CHECKING
 
 import numpy as np
-import torch
 from PIL import Image
 
 from mimo_data.modalities.base import MediaError, MediaItem, Modality, take_grid_rows
@@ -20,6 +19,9 @@ from mimo_data.modalities.video.encoder_inputs import video_encoder_inputs, vide
 from mimo_data.modalities.video.geometry import (token_grid_or_error, video_time_interval,
                                                  video_tokens)
 from mimo_data.modalities.video.sampling import sample_indices, timestamp_texts
+
+if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
+    import torch
 
 THUMBNAIL = (160, 160)
 PREVIEW_FRAMES = 4

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from mimo_data.modalities.image import MAX_ASPECT_RATIO
 
@@ -82,6 +81,7 @@ def _qwen2_vl_indices(frames: int, count: int) -> list[int]:
     ``ceil(frames / (frames / n))``, is ``n + 1`` for some pairs (e.g. 17 frames, n = 14; 506
     frames at 10 fps): the extra index is then ``frames`` itself, past the clip, and the
     processor fails indexing the clip with it. It is dropped here: always n frames."""
+    import torch
     return torch.arange(0, frames, frames / count).int().tolist()[:count]
 
 
