@@ -276,6 +276,8 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
         code, _, err = cli_main(capsys, "index", *sources, "--output", tmp_path / "two")
         assert code == 2 and f"{sources[0]} is a folder, given with other sources" in err, err
         assert "Traceback" not in err and not (tmp_path / "two").exists()
+    code, _, err = cli_main(capsys, "index", pairs.src.parent / "*", "--output", tmp_path / "two")
+    assert code == 2 and f"matches the folder {pairs.src.parent}" in err, err
 
 
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
@@ -353,6 +355,10 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path / "cache"))
     index([url], str(tmp_path / "idx"), IndexOptions(workers=0, progress=False),
           local_s3.storage_options)
+    from mimo_data.shards.tar_sources import IndexInputError
+    with pytest.raises(IndexInputError, match=f"{url} is a folder, given with other sources"):
+        index([url, f"{url}/pairs-000000.tar"], str(tmp_path / "two"),
+              IndexOptions(workers=0, progress=False), local_s3.storage_options)
     for name in ("samples.parquet", "records.parquet", "report.json"):
         assert (tmp_path / "idx" / name).read_bytes() == (pairs.out / name).read_bytes()
     assert json.loads((tmp_path / "idx" / "index.json").read_text())["shard_root"] == url
@@ -421,8 +427,16 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
         {**info, "shard_counts": {**info["shard_counts"], "pairs-000000.tar": 40}}))
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-changed",
                             "--workers", "0", "--no-progress")
-    assert code == 0 and "warning: 1 tar(s) hold another number of samples than .nv-meta/" \
-        ".info.json (or .info.yaml) says (pairs-000000.tar: 4, it says 40)" in err, err
+    assert code == 0 and "warning: 1 tar(s) hold another number of samples than " \
+        f"{folder / '.nv-meta' / '.info.json'} says (pairs-000000.tar: 4, it says 40)" in err, err
+    # counts that do not read are said, and index nothing less
+    (folder / ".nv-meta" / ".info.json").write_text(json.dumps(
+        {**info, "shard_counts": {**info["shard_counts"], "pairs-000000.tar": None}}))
+    code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-unread",
+                            "--workers", "0", "--no-progress")
+    assert code == 0 and ".info.json: not read as energon prepare's sample counts" in err \
+        and "the tars' sample counts are not checked" in err, err
+    (folder / ".nv-meta" / ".info.json").write_text(json.dumps(info))
     # A tar split.yaml does not list (another split's) is left out under any --layout; a JSON
     # member without the first alternative's field falls back to the next one (Energon's way).
     shutil.copy(pairs.src / "pairs-000002.tar", folder / "val-000000.tar")

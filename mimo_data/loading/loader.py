@@ -77,6 +77,7 @@ from mimo_data.loading.sample_order import (DatasetShape, SampleOrder, TooFewSam
                                              micro_batch_slice)
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards.format import ShardRecord
+from mimo_data.shards.index import remake
 from mimo_data.shards.reader import ShardReader
 from mimo_data.loading.tensor_pack import pack, unpack
 
@@ -349,8 +350,8 @@ class _RankStream(torch.utils.data.IterableDataset):
                 f"{reader.directory}: sample {record['key']} ({record.get('source')}) is dropped "
                 f"at load time ({exc.reason}: {exc.detail}) but the metadata-only pass kept it, "
                 "so other modules will train on it; skipping it here would desynchronise the "
-                "modules. Run `mimo-shard verify`, rebuild the dataset with `--check decode` "
-                "(drops undecodable media at build time), then restart") from None
+                f"modules. Run `mimo-shard verify`, {remake(reader.index)} with `--check "
+                "decode` (drops undecodable media when it is made), then restart") from None
 
     def _token_grids(self, texts) -> dict[str, list[list[list[int] | None]]]:
         """modality -> per sample, the [t, h, w] grid of each item's placeholder tokens (None:

@@ -92,20 +92,24 @@ def train_split(root: str, storage_options: dict | None = None) -> tuple[list[st
     return shards, {name for name in excluded if "/" in name}
 
 
-def shard_counts(root: str, storage_options: dict | None = None) -> dict[str, int]:
-    """The samples of each tar as ``energon prepare`` counted them (``.info.json``, or the
-    older ``.info.yaml``; named as split.yaml names them); {} where neither is there."""
+def shard_counts(root: str, storage_options: dict | None = None) -> tuple[str, dict[str, int]]:
+    """The file of ``energon prepare``'s sample counts (``.info.json``, or the older
+    ``.info.yaml``) and the samples of each tar as it counted them (named as split.yaml names
+    them); ("", {}) where neither is there. SourceError where it does not read as counts."""
     for name, parse in ((INFO_JSON, json.loads), (INFO_YAML, yaml.safe_load)):
+        location = storage.join(root, META, name)
         try:
-            info = parse(storage.read_bytes(storage.join(root, META, name), storage_options))
+            info = parse(storage.read_bytes(location, storage_options))
+            counts = info.get("shard_counts") or {} if isinstance(info, dict) else None
+            if not isinstance(counts, dict):
+                raise ValueError("no shard_counts mapping")
+            return location, {str(tar): int(count) for tar, count in counts.items()}
         except FileNotFoundError:
             continue
-        except (ValueError, yaml.YAMLError) as exc:
-            raise SourceError(f"{storage.join(root, META, name)}: unreadable ({exc}); run "
-                              f"`energon prepare {root}` again") from None
-        counts = info.get("shard_counts") if isinstance(info, dict) else None
-        return {str(tar): int(count) for tar, count in (counts or {}).items()}
-    return {}
+        except (ValueError, TypeError, yaml.YAMLError) as exc:
+            raise SourceError(f"{location}: not read as energon prepare's sample counts "
+                              f"({exc})") from None
+    return "", {}
 
 
 def excluded_keys(shard: str, sample_excludes: Collection[str]) -> frozenset[str]:

@@ -188,7 +188,7 @@ def _check_counts(source: Source, walked: dict[str, int]) -> None:
     if differ:
         more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
         say(f"warning: {len(differ)} tar(s) hold another number of samples than "
-            f"{energon.META}/{energon.INFO_JSON} (or {energon.INFO_YAML}) says "
+            f"{source.counts_file} says "
             f"({'; '.join(differ[:3])}{more}): changed or cut short since `energon prepare`? "
             "They are indexed as they are now; Energon's own loader would read them by its "
             "counts")

@@ -101,7 +101,8 @@ def parse_index(directory: str, data: bytes) -> dict:
     try:
         index = json.loads(data)
     except ValueError as exc:
-        raise DatasetError(f"{path}: unreadable index ({exc}); rebuild the dataset") from None
+        raise DatasetError(f"{path}: unreadable index ({exc}); run `mimo-shard build` (or "
+                           "`mimo-shard index`) again") from None
     if index.get("format") != FORMAT_NAME or index.get("version") not in READ_VERSIONS:
         raise DatasetError(f"{path}: format {index.get('format')!r} version "
                            f"{index.get('version')!r}; this mimo reads {FORMAT_NAME!r} "

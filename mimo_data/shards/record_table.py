@@ -23,7 +23,7 @@ import pyarrow as pa
 from mimo_data.files import parquet_batches
 from mimo_data.shards import cache, column_files, storage
 from mimo_data.shards.format import RECORDS_FILE
-from mimo_data.shards.index import DatasetError
+from mimo_data.shards.index import DatasetError, remake
 
 SCHEMA = pa.schema([("json", pa.large_binary())])
 _DERIVE_BATCH = 4096                 # records requested or read together when deriving the table
@@ -141,7 +141,7 @@ class RecordTable:
                                    reader.remote)
         if table.num_rows != len(reader):
             raise DatasetError(f"{reader.directory}: its records table has {table.num_rows} "
-                               f"rows for {len(reader)} samples; rebuild the dataset")
+                               f"rows for {len(reader)} samples; {remake(reader.index)}")
         return cls(path, table)
 
     def __reduce__(self):

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from mimo_data.shards import cache, column_files, storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256, parquet_batches
-from mimo_data.shards.index import DatasetError
+from mimo_data.shards.index import DatasetError, remake
 
 TABLE_VERSION = 2                    # 2: members' crc32
 
@@ -142,7 +142,8 @@ class SampleTable:
             cache_dir, remote)
         if table.num_rows != index["totals"]["samples"]:
             raise DatasetError(f"{directory}: {SAMPLES_FILE} has {table.num_rows} rows, the "
-                               f"index says {index['totals']['samples']} samples; rebuild")
+                               f"index says {index['totals']['samples']} samples; "
+                               f"{remake(index)}")
         return cls(path, table)
 
     def __reduce__(self):

@@ -51,6 +51,7 @@ class Source:
     sample_excludes: frozenset[str] = frozenset()
     detected_from: str = ""         # the tar the layout was detected from (others checked)
     counts: dict[str, int] = field(default_factory=dict)   # samples a tar holds (Energon's)
+    counts_file: str = ""                                  # where they were read
 
 
 
@@ -108,6 +109,28 @@ def _is_dir(location: str, storage_options: dict | None) -> bool:
     return os.path.isdir(storage.local_path(location))
 
 
+def _energon_counts(root: str, storage_options: dict | None) -> tuple[dict[str, int], str]:
+    """``energon.shard_counts`` as ``Source`` holds them; a file that does not read is said and
+    checks nothing (it only ever warns)."""
+    try:
+        location, counts = energon.shard_counts(root, storage_options)
+    except SourceError as exc:
+        say(f"warning: {exc}; the tars' sample counts are not checked")
+        return {}, ""
+    return counts, location
+
+
+def _a_folder(path: str, storage_options: dict | None) -> bool:
+    """Whether ``path`` (that exists) is a folder: a URL's prefix too, asked of its store
+    unless it names a tar (a glob's thousands of matches are no request each)."""
+    if storage.is_remote(path):
+        if path.lower().endswith(".tar"):
+            return False
+        remote = storage.Remote(path, storage_options)
+        return storage.retried(f"looking at {path}", lambda: bool(remote.fs.isdir(path)))
+    return os.path.isdir(storage.local_path(path))
+
+
 def _root_of(paths: list[str]) -> str:
     """The deepest folder holding every path (a URL's or a local one)."""
     if not storage.is_remote(paths[0]):
@@ -163,13 +186,15 @@ def _resolve(sources: list[str], options: IndexOptions,
                 for key in unread:
                     say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
                         "choose prompts by them, mimo's preprocessing config does")
-                return Source(root, names, mapping, frozenset(excludes),
-                              counts=energon.shard_counts(root, storage_options))
+                counts, counts_file = _energon_counts(root, storage_options)
+                return Source(root, names, mapping, frozenset(excludes), counts=counts,
+                              counts_file=counts_file)
             split = storage.join(root, energon.META, energon.SPLIT_YAML)
             say(f"{len(names)} train tar(s) of {split}, read as --layout {options.layout}")
             mapping, _ = _member_map(root, names, options, storage_options)   # as given
-            return Source(root, names, mapping, frozenset(excludes),
-                          counts=energon.shard_counts(root, storage_options))
+            counts, counts_file = _energon_counts(root, storage_options)
+            return Source(root, names, mapping, frozenset(excludes), counts=counts,
+                          counts_file=counts_file)
         if options.layout == "energon":
             raise IndexInputError(f"{root}: no {energon.META}/{energon.DATASET_YAML}; run "
                                   "`energon prepare` there, or choose another --layout")
@@ -207,10 +232,14 @@ def _resolve(sources: list[str], options: IndexOptions,
                     matched = _glob(path, storage_options)
                     if not matched:
                         raise IndexInputError(f"{path}: matches no file")
+                    folder = next((p for p in matched if _a_folder(p, storage_options)), None)
+                    if folder:
+                        raise IndexInputError(f"{path} matches the folder {folder}: name the "
+                                              "tars (a glob such as 'A/*.tar')")
                     paths += matched
                 elif not storage.exists(path, storage_options):
                     raise IndexInputError(f"{path}: no such file")
-                elif not storage.is_remote(path) and os.path.isdir(storage.local_path(path)):
+                elif _a_folder(path, storage_options):
                     raise IndexInputError(
                         f"{path} is a folder, given with other sources: index one folder at a "
                         "time (separate downloads may number their keys alike) and train on "
