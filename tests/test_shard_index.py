@@ -841,6 +841,28 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert skip["location"] == "b.tar:1"
 
 
+def test_a_key_in_two_tars_leaves_the_report_counts_of_the_kept_sample(corpus, tmp_path):
+    """What the dropped duplicates held (an answer out of the loss, a rotated clip) is not in
+    the report's counts: they are of the samples kept."""
+    from mimo_data.shards.format import OUT_OF_LOSS, VIDEOS_ROTATED
+    from mimo_data.shards.in_place import IndexOptions, index
+
+    clip = (corpus / "videos" / "rotated_h264_24.mp4").read_bytes()
+    weighted = json.dumps({"messages": [
+        {"role": "user", "content": "<video>What is it?"},
+        {"role": "assistant", "content": "A guess.", "weight": 0},
+        {"role": "user", "content": "And now?"}, {"role": "assistant", "content": "A clip."}]})
+    for tar in ("a", "b"):
+        write_tar(tmp_path / "src" / f"{tar}.tar", {"1.mp4": clip, "1.json": weighted.encode()})
+    with contextlib.redirect_stderr(io.StringIO()):
+        built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
+                      IndexOptions(workers=0, progress=False))
+    assert built["totals"]["samples"] == 1
+    assert built["report"]["counts"] == {OUT_OF_LOSS: 1, VIDEOS_ROTATED: 1}
+    assert json.loads((tmp_path / "idx" / "report.json").read_text())["counts"] == {
+        OUT_OF_LOSS: 1, VIDEOS_ROTATED: 1}
+
+
 def test_a_tar_of_another_layout_than_the_first_is_refused_by_name(corpus_photos, tmp_path,
                                                                    capsys):
     """The layout is detected from the first tar; a later tar of conversations would be read as

@@ -295,11 +295,12 @@ class _Tables:
 
 
 def _drop_duplicate_keys(staging: str, report: Tally,
-                         modalities: dict[str, dict[str, int]]) -> None:
+                         modalities: dict[str, dict[str, int]], source: Source,
+                         storage_options: dict | None) -> None:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
     walking it); the others are counted ``duplicate_key`` and their media taken out of
-    ``modalities`` (``_Tables.modalities``). Vectorized: no object per sample unless there are
-    duplicates."""
+    ``modalities`` (``_Tables.modalities``), what they held out of the report's counts.
+    Vectorized: no object per sample unless there are duplicates."""
     path = os.path.join(staging, SAMPLES_FILE)
     keys = pq.read_table(path, columns=["key"]).column("key")
     if pc.count_distinct(keys).as_py() == len(keys):
@@ -320,6 +321,11 @@ def _drop_duplicate_keys(staging: str, report: Tally,
         modalities[name]["samples"] -= int((counts > 0).sum())
     media = sum(items.values(), np.zeros(len(dropped), np.int64))
     modalities["text_only"]["samples"] -= int((media == 0).sum())
+    records_path = os.path.join(staging, RECORDS_FILE)
+    records = pq.read_table(records_path)
+    for name, number in _counts_of(dropped, records.filter(pa.array(~keep)).column("json"),
+                                   source, storage_options).items():
+        report.count(name, -number)
     report.skip_many("duplicate_key", len(dropped), [
         (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept (tars of "
          "separate downloads that number keys alike: index each alone and train on the "
@@ -327,8 +333,32 @@ def _drop_duplicate_keys(staging: str, report: Tally,
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
     pq.write_table(samples.filter(pa.array(keep)), path)
-    records_path = os.path.join(staging, RECORDS_FILE)
-    pq.write_table(pq.read_table(records_path).filter(pa.array(keep)), records_path)
+    pq.write_table(records.filter(pa.array(keep)), records_path)
+
+
+def _counts_of(dropped: pa.Table, records: pa.ChunkedArray, source: Source,
+               storage_options: dict | None) -> Counter[str]:
+    """What the ``dropped`` samples (with their ``records``) had added to the report's counts
+    (``ShardResult.counts``): their rotated videos, from the records, and what ``synthesize``
+    counts, of their members read again from the tars (duplicates are few)."""
+    counts: Counter[str] = Counter()
+    for row, record in zip(dropped.select(["shard", "members"]).to_pylist(),
+                           records.to_pylist()):
+        location = storage.join(source.root, row["shard"])
+        data = {m["name"]: _read(location, m["offset"], m["size"], storage_options)
+                for m in row["members"]}
+        counts.update(synthesize(data, source.mapping).counts)
+        counts[VIDEOS_ROTATED] += sum(1 for item in json.loads(record)["media"]
+                                      if item.get("rotation"))
+    return counts
+
+
+def _read(location: str, offset: int, size: int, storage_options: dict | None) -> bytes:
+    """``size`` bytes at ``offset`` of the tar at ``location`` (a path or URL)."""
+    if storage.is_remote(location):
+        return storage.Remote(location, storage_options).read_range(location, offset, size)
+    with open(storage.local_path(location), "rb") as tar:
+        return os.pread(tar.fileno(), size, offset)
 
 
 def index(sources: list[str], output: str | None, options: IndexOptions,
@@ -402,7 +432,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     progress.close()
     _check_counts(source, walked)
     tables.close()
-    _drop_duplicate_keys(staging, report, tables.modalities)
+    _drop_duplicate_keys(staging, report, tables.modalities, source, storage_options)
     if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped
         counts = pc.value_counts(pq.read_table(os.path.join(staging, SAMPLES_FILE),
                                                columns=["shard"]).column("shard"))
