@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of --shuffle (default 0)")
     b.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (exit 1) instead of skipping it")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing dataset")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing dataset (removed first: a failed build leaves none)")
     b.add_argument("--media-root", help="resolve relative media paths here "
                    "(default: the folder of the input file)")
     b.add_argument("--input-format", choices=("auto", "llava", "manifest", "parquet"),
@@ -116,7 +117,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip images with more pixels (default: Pillow's limit, 89478485)")
     x.add_argument("--markers-first", action="store_true",
                    help="conversations: as build's --markers-first")
-    x.add_argument("--overwrite", action="store_true", help="replace an existing index")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an existing index (removed first: a failed one leaves none)")
     x.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     i = commands.add_parser("info", help="summarize a built dataset")
