@@ -40,7 +40,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
                                     SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, kept_files,
-                                    sample_key, summary_column)
+                                    modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, ParquetTable, SpeechManifest, StrictStop,
@@ -112,9 +112,6 @@ class _SamplesTable:
     def __init__(self, path: str):
         self._writer = pq.ParquetWriter(path, SAMPLES_SCHEMA)
         self._rows: list[dict] = []
-        self.modalities: dict[str, dict[str, int]] = {
-            **{name: {"samples": 0, "items": 0} for name in MODALITIES},
-            "text_only": {"samples": 0}}
 
     def add(self, key: str, shard: str, sample: Prepared, members: list[dict]) -> None:
         row = {"key": key, "shard": shard, "id": sample.id, "source": sample.location,
@@ -123,11 +120,8 @@ class _SamplesTable:
                               sum(len(m["content"]) for m in sample.messages))}
         for name, modality in MODALITIES.items():
             items = [m for m in sample.media if m["modality"] == name]
-            self.modalities[name]["samples"] += bool(items)
-            self.modalities[name]["items"] += len(items)
             row.update((summary_column(name, field), [m[field] for m in items])
                        for field in modality.summary_fields)
-        self.modalities["text_only"]["samples"] += not sample.media
         self._rows.append(row)
         if len(self._rows) >= self.BATCH:
             self._flush()
@@ -373,7 +367,7 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         "shards": shard_list,
         "totals": {"samples": report.kept, "shards": len(shard_list),
                    "bytes": sum(s["bytes"] for s in shard_list)},
-        "modalities": table.modalities,
+        "modalities": modality_counts(os.path.join(staging, SAMPLES_FILE)),
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, REPORT_FILE)},

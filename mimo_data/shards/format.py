@@ -76,8 +76,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NotRequired, TypedDict
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
+from mimo_data.files import parquet_batches
 from mimo_data.modalities import MODALITIES, MediaItem
 
 
@@ -213,6 +216,25 @@ MEMBER_STRUCT = pa.struct([("name", pa.string()), ("offset", pa.int64()), ("size
 def summary_column(modality: str, field: str) -> str:
     """The samples.parquet column of a modality's summary field: ``image_width``."""
     return f"{modality}_{field}"
+
+
+def modality_counts(parquet: str) -> dict[str, dict[str, int]]:
+    """The index's ``modalities`` of a ``samples.parquet``: per modality the samples holding
+    an item of it and its items, and the text-only samples, from each modality's first summary
+    column (one value an item), a batch at a time."""
+    columns = {name: summary_column(name, next(iter(modality.summary_fields)))
+               for name, modality in MODALITIES.items()}
+    counts: dict[str, dict[str, int]] = {
+        **{name: {"samples": 0, "items": 0} for name in MODALITIES}, "text_only": {"samples": 0}}
+    for batch in parquet_batches(parquet, list(columns.values())):
+        media = np.zeros(batch.num_rows, np.int64)
+        for name, column in columns.items():
+            items = pc.list_value_length(batch.column(column)).fill_null(0).to_numpy()
+            counts[name]["items"] += int(items.sum())
+            counts[name]["samples"] += int((items > 0).sum())
+            media += items
+        counts["text_only"]["samples"] += int((media == 0).sum())
+    return counts
 
 
 # One row per sample in samples.parquet, in write order (shard by shard, key order); then per

@@ -38,7 +38,8 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
                                     REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    VIDEOS_ROTATED, kept_files, summary_column)
+                                    VIDEOS_ROTATED, kept_files, modality_counts,
+                                    summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
@@ -60,7 +61,6 @@ class ShardResult:
     name: str
     rows: list[dict] = field(default_factory=list)
     records: list[bytes] = field(default_factory=list)
-    media: list[list[str]] = field(default_factory=list)      # each row's media modalities
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
     walked: Walked = field(default_factory=Walked)
     samples: int = 0                  # samples the tar holds (kept or not)
@@ -118,7 +118,6 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
                    for f in kind.summary_fields)
     result.rows.append(row)
     result.counts.update(made.counts)
-    result.media.append([m["modality"] for m in media])
     result.records.append(json.dumps(record, ensure_ascii=False).encode("utf-8"))
 
 
@@ -266,16 +265,8 @@ class _Tables:
                                          record_table.SCHEMA)
         self._rows: list[dict] = []
         self._jsons: list[bytes] = []
-        self.modalities: dict[str, dict[str, int]] = {
-            **{name: {"samples": 0, "items": 0} for name in MODALITIES},
-            "text_only": {"samples": 0}}
 
     def add(self, result: ShardResult) -> None:
-        for kinds in result.media:
-            for name in MODALITIES:
-                self.modalities[name]["samples"] += name in kinds
-                self.modalities[name]["items"] += kinds.count(name)
-            self.modalities["text_only"]["samples"] += not kinds
         self._rows += result.rows
         self._jsons += result.records
         if len(self._rows) >= _BATCH:
@@ -294,13 +285,11 @@ class _Tables:
         self._records.close()
 
 
-def _drop_duplicate_keys(staging: str, report: Tally,
-                         modalities: dict[str, dict[str, int]], source: Source,
+def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
                          storage_options: dict | None) -> None:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
-    walking it); the others are counted ``duplicate_key`` and their media taken out of
-    ``modalities`` (``_Tables.modalities``), what they held out of the report's counts.
-    Vectorized: no object per sample unless there are duplicates."""
+    walking it); the others are counted ``duplicate_key`` and what they held taken out of the
+    report's counts. Vectorized: no object per sample unless there are duplicates."""
     path = os.path.join(staging, SAMPLES_FILE)
     keys = pq.read_table(path, columns=["key"]).column("key")
     if pc.count_distinct(keys).as_py() == len(keys):
@@ -313,14 +302,6 @@ def _drop_duplicate_keys(staging: str, report: Tally,
     dropped = samples.filter(pa.array(~keep))
     report.kept -= len(dropped)
     report.seen -= len(dropped)
-    items = {name: pc.list_value_length(dropped.column(summary_column(
-        name, next(iter(modality.summary_fields))))).fill_null(0).to_numpy()
-        for name, modality in MODALITIES.items()}
-    for name, counts in items.items():
-        modalities[name]["items"] -= int(counts.sum())
-        modalities[name]["samples"] -= int((counts > 0).sum())
-    media = sum(items.values(), np.zeros(len(dropped), np.int64))
-    modalities["text_only"]["samples"] -= int((media == 0).sum())
     records_path = os.path.join(staging, RECORDS_FILE)
     records = pq.read_table(records_path)
     for name, number in _counts_of(dropped, records.filter(pa.array(~keep)).column("json"),
@@ -432,7 +413,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     progress.close()
     _check_counts(source, walked)
     tables.close()
-    _drop_duplicate_keys(staging, report, tables.modalities, source, storage_options)
+    _drop_duplicate_keys(staging, report, source, storage_options)
     if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped
         counts = pc.value_counts(pq.read_table(os.path.join(staging, SAMPLES_FILE),
                                                columns=["shard"]).column("shard"))
@@ -449,7 +430,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "shards": shards,
         "totals": {"samples": report.kept, "shards": len(shards),
                    "bytes": sum(s["bytes"] for s in shards)},
-        "modalities": tables.modalities,
+        "modalities": modality_counts(os.path.join(staging, SAMPLES_FILE)),
         "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
