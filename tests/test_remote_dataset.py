@@ -5,16 +5,17 @@ Asserted: ``mimo-shard build --output s3://...`` puts in the bucket exactly the 
 bytes) that a local build of the same inputs and options writes, and ``info`` / ``verify`` on
 the URL agree with the local copy; a shard object with one changed byte fails ``verify``, which
 names it. A build that dies midway leaves no index.json (readers refuse the prefix), and the
-next build into the prefix leaves no object of the dead one. ShardReader on the URL gives the
-records and member bytes that ``tarfile`` reads from the local build's tars; its records cost
-no request, and a prefetch of every sample costs one GET per shard. Without the bucket's
-``.mimo-cache/`` the records are derived from the shards. Injected 500s, resets and truncated
-bodies are retried to the exact bytes; a read that keeps failing raises StorageError naming the
-shard's URL. ``mimo-inspect report`` on the URL counts what it counts on the local copy, and a
-training config keeps URLs as given and redacts secrets of ``data.storage_options`` when
-written out. At an ``http://`` URL (tools/object_store.py's LocalHTTP: a directory served with
-byte ranges, no listing) a dataset reads, prefetches, ``info``s and ``verify``s like the local
-copy, its tables downloaded from its ``.mimo-cache/``.
+next build into the prefix leaves no object of the dead one; with --overwrite, one that dies or
+keeps no sample leaves the old dataset whole, and one that completes replaces it. ShardReader on
+the URL gives the records and member bytes that ``tarfile`` reads from the local build's tars;
+its records cost no request, and a prefetch of every sample costs one GET per shard. Without the
+bucket's ``.mimo-cache/`` the records are derived from the shards. Injected 500s, resets and
+truncated bodies are retried to the exact bytes; a read that keeps failing raises StorageError
+naming the shard's URL. ``mimo-inspect report`` on the URL counts what it counts on the local
+copy, and a training config keeps URLs as given and redacts secrets of ``data.storage_options``
+when written out. At an ``http://`` URL (tools/object_store.py's LocalHTTP: a directory served
+with byte ranges, no listing) a dataset reads, prefetches, ``info``s and ``verify``s like the
+local copy, its tables downloaded from its ``.mimo-cache/``.
 
 Expected values come from the local build read with ``tarfile`` / pyarrow, or from the same
 command run on the local build, never from the remote code path itself.
@@ -183,7 +184,7 @@ def test_a_build_into_a_missing_bucket_stops_before_reading_its_inputs(capsys, s
     assert s3_env.requests["GET"] <= 1 and s3_env.requests["PUT"] == 1, dict(s3_env.requests)
 
 
-def test_a_build_that_dies_midway_leaves_no_dataset_and_the_next_one_cleans_up(
+def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_one_cleans_up(
         s3, built, tmp_path, monkeypatch):
     url = f"s3://{BUCKET}/atomic"
     inputs = [str(CORPUS_DIR / name) for name in INPUTS]
@@ -222,6 +223,39 @@ def test_a_build_that_dies_midway_leaves_no_dataset_and_the_next_one_cleans_up(
     for name in objects:
         if name.endswith(".tar") or name == "samples.parquet":
             assert objects[name] == built.files[name], name
+
+    # --overwrite: a build that dies midway leaves the dataset it was to replace whole and
+    # readable, its own shards under .staging/
+    uploaded.clear()
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "put", put_until_the_sixth)
+        with pytest.raises(StorageError):
+            build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False,
+                                            overwrite=True), s3.storage_options)
+    left = _objects(s3, "atomic")
+    assert {n: b for n, b in left.items() if not n.startswith(".staging/")} == objects
+    assert sorted(n for n in left if n.startswith(".staging/")) == \
+        [f".staging/data-00000{i}.tar" for i in range(5)]
+    assert len(ShardReader(url, storage_options=s3.storage_options)) == \
+        index["totals"]["samples"]
+    # one that keeps no sample leaves it too, its report beside it
+    nothing = tmp_path / "nothing.jsonl"
+    nothing.write_text(json.dumps({"id": "gone", "image": "absent.jpg", "conversations": [
+        {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": "A."}]}) + "\n")
+    kept = build([str(nothing)], url, BuildOptions(workers=0, progress=False, overwrite=True),
+                 s3.storage_options)
+    assert kept["totals"]["samples"] == 0
+    left = _objects(s3, "atomic")
+    assert json.loads(left.pop("report.failed.json"))["records_skipped"] == 1
+    assert left == objects
+    # one that completes takes its place: the new files alone
+    build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False,
+                                    overwrite=True), s3.storage_options)
+    objects = _objects(s3, "atomic")
+    index = json.loads(objects["index.json"])
+    assert {n for n in objects if n.endswith(".tar")} == {s["name"] for s in index["shards"]}
+    assert len(index["shards"]) == -(-index["totals"]["samples"] // 2)
+    assert not [n for n in objects if n.startswith(".staging") or n == "report.failed.json"]
 
 
 # ----------------------------------------------------------------------------------- reader

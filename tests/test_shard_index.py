@@ -35,7 +35,8 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from conftest import REPO, chat, cli_main, flip_byte, read_json, scratch, write_jsonl, write_tar
+from conftest import (REPO, chat, cli_main, file_bytes, flip_byte, read_json, scratch,
+                      write_jsonl, write_tar)
 from support.runs import assert_continues, copy_checkpoint, train, train_records
 
 PER_TAR = 4
@@ -282,7 +283,7 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
 
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
     """As a build: exit 1 naming the report, no dataset, and the indexing of the fixed tars
-    goes to the same output without --overwrite."""
+    goes to the same output without --overwrite; over an index (--overwrite), that stays."""
     write_tar(tmp_path / "bad" / "data-000000.tar",
               {"a.jpg": b"not a jpeg", "a.txt": b"a caption"})
     out = tmp_path / "index"
@@ -294,6 +295,16 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
                             "--no-progress")
     assert code == 0 and json.loads((out / "index.json").read_text())["totals"]["samples"], err
+    # with --overwrite over that index: it stays whole, the report beside it, named
+    before = file_bytes(out)
+    code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers",
+                            "0", "--no-progress", "--overwrite")
+    assert code == 1 and f"(see {out / 'report.failed.json'})" in err, err
+    assert json.loads((out / "report.failed.json").read_text())["records_skipped"] == 1
+    assert {n: b for n, b in file_bytes(out).items() if n != "report.failed.json"} == before
+    code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
+                            "--no-progress", "--overwrite")
+    assert code == 0 and not (out / "report.failed.json").exists(), err
 
 
 def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):

@@ -94,12 +94,29 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
     assert "--overwrite" in err and str(out) in err
     assert file_bytes(out) == before, "a refused build changed the existing dataset"
 
+    # --overwrite: a build that stops (--strict, at a bad record after good ones) or keeps no
+    # sample leaves the old dataset whole; the latter's report beside it, named
+    bad = dict(good_records[0], id="bad", image=str(tmp_path / "absent.jpg"))
+    stops = write_jsonl(tmp_path / "stops.jsonl", [*good_records, bad])
+    code, _, err = cli_main(capsys, "build", stops, "-o", out, "--no-progress", "--overwrite",
+                            "--strict", "--max-samples-per-shard", "1")
+    assert code == 1 and "absent.jpg" in err, err
+    assert file_bytes(out) == before, "a failed build changed the dataset it was to replace"
+    nothing = write_jsonl(tmp_path / "nothing.jsonl", [bad])
+    code, _, err = cli_main(capsys, "build", nothing, "-o", out, "--no-progress", "--overwrite")
+    assert code == 1 and f"(see {out / 'report.failed.json'})" in err, err
+    after = file_bytes(out)
+    assert read_json(out / "report.failed.json")["records_skipped"] == 1
+    assert {n: b for n, b in after.items() if n != "report.failed.json"} == before
+
     code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
                             "--overwrite")
     assert code == 0, err
     assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
     assert [s["id"] for s in sample_records(out)] == [r["id"] for r in good_records]
     assert len(shard_paths(out)) == 1
+    assert sorted(os.listdir(out)) == [".mimo-cache", "data-000000.tar", "index.json",
+                                       "report.json", "samples.parquet"]
 
 
 def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):

@@ -1,11 +1,11 @@
 """`mimo-shard build`: raw inputs → validated, indexed WebDataset shards.
 
 Everything is written into ``OUTPUT/.staging`` first, moved into place at the end, and
-``index.json`` comes last (atomically): a build killed at any point leaves no index, and the
-next build of the same output starts clean. An output URL (``s3://bucket/prefix``, any fsspec
-location) is built the same way: staging is a local temporary directory, each shard is
-uploaded as soon as it is complete (local disk holds one shard at a time), the other files
-follow, and ``index.json`` is the last object written.
+``index.json`` comes last (atomically): a build killed at any point leaves no new index, and
+an old dataset it was to replace (``--overwrite``) whole (``swap``). An output URL
+(``s3://bucket/prefix``, any fsspec location) is built the same way: staging is a local
+temporary directory, each shard is uploaded as soon as it is complete (local disk holds one
+shard at a time), the other files follow, and ``index.json`` is the last object written.
 
 The output order, keys and bytes depend only on the inputs and options (not on
 ``--workers``): workers validate in parallel, results are consumed in task order.
@@ -39,13 +39,13 @@ from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR, kept_files,
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
                                     modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, ParquetTable, SpeechManifest, StrictStop,
                                       open_source)
-from mimo_data.shards import task_stream
+from mimo_data.shards import swap, task_stream
 from mimo_data.worker_pool import ordered_map
 
 
@@ -74,18 +74,19 @@ class BuildOptions:
 # what a build into a bucket writes and removes before any record is read: the bucket exists
 # and takes writes
 WRITE_CHECK = ".mimo-write-check"
-_OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report\.json|\.staging"
-                       rf"|\.mimo-cache|{re.escape(WRITE_CHECK)}|.+-\d{{6}}\.tar)$")
+_OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
+                       rf"|\.staging|\.mimo-cache|{re.escape(WRITE_CHECK)}|.+-\d{{6}}\.tar)$")
 
 
-def _prepare_output(output: str, overwrite: bool) -> bool:
-    """Make ``output`` ready for a fresh build; return whether this call created it."""
+def _prepare_output(output: str, overwrite: bool) -> tuple[bool, bool]:
+    """Make ``output`` ready for a build; return whether this call created it and whether an
+    old dataset stays there until the build is complete."""
     if not os.path.exists(output):
         try:
             os.makedirs(output)
         except OSError as exc:      # a file where a parent folder should be, no permission
             raise BuildError(f"cannot create --output {output}: {exc}") from None
-        return True
+        return True, False
     if not os.path.isdir(output):
         raise BuildError(f"{output} exists and is not a directory")
     if os.path.exists(os.path.join(output, INDEX_FILE)) and not overwrite:
@@ -95,13 +96,7 @@ def _prepare_output(output: str, overwrite: bool) -> bool:
     if foreign:
         raise BuildError(f"{output} contains files a build did not write ({', '.join(foreign[:5])}"
                          f"{' ...' if len(foreign) > 5 else ''}); use an empty or new directory")
-    index = os.path.join(output, INDEX_FILE)
-    if os.path.exists(index):
-        os.remove(index)    # first: from here on the old dataset no longer looks complete
-    for name in os.listdir(output):
-        path = os.path.join(output, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return False
+    return False, swap.clear_folder(output)
 
 
 class _SamplesTable:
@@ -182,9 +177,9 @@ def _results(tasks, sources, policy, workers):
 def build(inputs: list[str], output: str, options: BuildOptions,
           storage_options: dict | None = None) -> dict:
     """Build the dataset; return the index. Raises BuildError (nothing is left behind then:
-    no index, so nothing a reader takes for a dataset). A build that writes no sample leaves
-    its report alone (``format.kept_files``): no dataset, and its output takes the next build
-    as is."""
+    no new index, so nothing a reader takes for a dataset, and an old dataset as it was). A
+    build that writes no sample leaves its report alone (``swap``): no dataset, and its
+    output takes the next build as is."""
     if not inputs:
         raise BuildError("no inputs given")
     if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
@@ -212,7 +207,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
-    created = _prepare_output(output, options.overwrite)
+    created, _ = _prepare_output(output, options.overwrite)
     staging = os.path.join(output, STAGING_DIR)
     os.makedirs(staging)
     try:
@@ -222,19 +217,18 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         if created and not os.listdir(output):
             os.rmdir(output)
         raise
-    for name in kept_files(index["totals"]["samples"], sorted(os.listdir(staging))):
-        os.replace(os.path.join(staging, name), os.path.join(output, name))
-    shutil.rmtree(staging)
+    report = swap.into_folder(output, staging, index["totals"]["samples"])
     if index["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
-    _say_built(index, summary, output)
+    _say_built(index, summary, output, report)
     return index
 
 
-def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> None:
-    """``_prepare_output`` for an output URL: the same refusals, the old index removed
-    first; then the bucket is written to once, before any record is read (a missing bucket or
-    read-only credentials are found at once, not at the first shard)."""
+def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> bool:
+    """``_prepare_output`` for an output URL: the same refusals; then the bucket is written to
+    once, before any record is read (a missing bucket or read-only credentials are found at
+    once, not at the first shard). Returns whether an old dataset stays until the build is
+    complete."""
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
@@ -250,40 +244,33 @@ def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool)
         raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
                          "create it first, or check the URL") from None
     remote.remove(check)
-    if INDEX_FILE in names:
-        remote.remove(storage.join(output, INDEX_FILE))
-    for name in names:
-        if name != INDEX_FILE:
-            remote.remove(storage.join(output, name), recursive=True)
+    return swap.clear_prefix(remote, output, names)
 
 
 def _build_remote(inputs, output: str, sources, options: BuildOptions,
                   remote: storage.Remote) -> dict:
-    _prepare_remote_output(remote, output, options.overwrite)
+    replacing = _prepare_remote_output(remote, output, options.overwrite)
     staging = tempfile.mkdtemp(prefix="mimo-build-")
+    shards_to = swap.staged(output) if replacing else output
 
     def upload(path: str) -> None:          # a complete shard: to the bucket, off the disk
-        remote.put(path, storage.join(output, os.path.basename(path)))
+        remote.put(path, storage.join(shards_to, os.path.basename(path)))
         os.remove(path)
 
     try:
         index, summary = _build_into(staging, inputs, sources, options, upload)
-        for folder, _, files in os.walk(staging):
-            for name in sorted(files):
-                path = os.path.join(folder, name)
-                if kept_files(index["totals"]["samples"], [os.path.relpath(path, staging)]):
-                    remote.put(path, storage.join(output, os.path.relpath(path, staging)))
+        report = swap.into_prefix(remote, output, staging, index["totals"]["samples"],
+                                  replacing)
         if index["totals"]["samples"]:
             remote.write(storage.join(output, INDEX_FILE), dumps(index))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _say_built(index, summary, output)
+    _say_built(index, summary, output, report)
     return index
 
 
-def _say_built(index: dict, summary: str, output: str) -> None:
-    see = f" (see {storage.join(output, REPORT_FILE)})" \
-        if index["report"]["records_skipped"] else ""
+def _say_built(index: dict, summary: str, output: str, report: str) -> None:
+    see = f" (see {report})" if index["report"]["records_skipped"] else ""
     print(f"mimo-shard: {summary} in {index['totals']['shards']} shard(s) → {output}{see}",
           file=sys.stderr)
 

@@ -59,7 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (exit 1) instead of skipping it")
     b.add_argument("--overwrite", action="store_true",
-                   help="replace an existing dataset (removed first: a failed build leaves none)")
+                   help="replace an existing dataset once the new one is complete (a failed "
+                   "build leaves it whole)")
     b.add_argument("--media-root", help="resolve relative media paths here "
                    "(default: the folder of the input file)")
     b.add_argument("--input-format", choices=("auto", "llava", "manifest", "parquet"),
@@ -118,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--markers-first", action="store_true",
                    help="conversations: as build's --markers-first")
     x.add_argument("--overwrite", action="store_true",
-                   help="replace an existing index (removed first: a failed one leaves none)")
+                   help="replace an existing index once the new one is complete (a failed "
+                   "indexing leaves it whole)")
     x.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
     i = commands.add_parser("info", help="summarize a built dataset")
@@ -226,7 +228,7 @@ def _nothing_kept(command: str, built: dict) -> int:
     read = built["report"]["records_read"]
     if built["totals"]["samples"] == 0:
         print(f"mimo-shard {command}: error: no sample written, " + (
-            f"all {read} record(s) skipped (report.json says why)" if read else
+            f"all {read} record(s) skipped (the report named above says why)" if read else
             "the inputs hold no record (an empty file, or an export that failed?)"),
             file=sys.stderr)
         return 1

@@ -182,19 +182,13 @@ READ_VERSIONS = (FORMAT_VERSION, INDEXED_VERSION)
 INDEX_FILE = "index.json"
 SAMPLES_FILE = "samples.parquet"
 REPORT_FILE = "report.json"
+FAILED_REPORT_FILE = "report.failed.json"   # a run that kept no sample, beside an old dataset
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 
 ROLES = ("system", "user", "assistant", "tool")
 # between two adjacent text parts of a content (the module docstring)
 TEXT_PART_BREAK = "\ue00b"
-
-
-def kept_files(samples: int, names: list[str]) -> list[str]:
-    """The ``names`` of a build's or an indexing's files that its output keeps, having written
-    ``samples``: all, but the report alone where that is none (no dataset, which the next run,
-    on the fixed data, would need --overwrite to replace)."""
-    return names if samples else [name for name in names if name == REPORT_FILE]
 
 
 def shard_name(name: str, index: int) -> str:

@@ -35,11 +35,11 @@ from tqdm import tqdm
 
 from mimo_data.files import file_sha256, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.shards import cache, energon, sample_table, storage
-from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, RECORDS_FILE,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    VIDEOS_ROTATED, kept_files, modality_counts,
-                                    summary_column)
+from mimo_data.shards import cache, energon, sample_table, storage, swap
+from mimo_data.shards.format import (FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
+                                    INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
+                                    SAMPLES_SCHEMA, STAGING_DIR, VIDEOS_ROTATED,
+                                    modality_counts, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
@@ -52,7 +52,8 @@ from mimo_data.tally import Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
 EXCLUDED = "excluded_by_split_yaml"   # the report's reason for a sample split.yaml excludes
-_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, STAGING_DIR, cache.DATASET_CACHE}
+_OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, FAILED_REPORT_FILE, STAGING_DIR,
+        cache.DATASET_CACHE}
 
 
 @dataclass
@@ -249,11 +250,7 @@ def _prepare_output(output: str, overwrite: bool) -> None:
         raise IndexInputError(f"{output} holds files an index did not write "
                               f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
                               "use an empty or new directory")
-    if INDEX_FILE in names:
-        os.remove(os.path.join(output, INDEX_FILE))   # first: the old index is gone from here on
-    for name in names - {INDEX_FILE}:
-        path = os.path.join(output, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    swap.clear_folder(output)
 
 
 class _Tables:
@@ -370,13 +367,10 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    for name in kept_files(built["totals"]["samples"], sorted(os.listdir(staging))):
-        os.replace(os.path.join(staging, name), os.path.join(output, name))
-    shutil.rmtree(staging)
+    report = swap.into_folder(output, staging, built["totals"]["samples"])
     if built["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
-    see = f" (see {os.path.join(output, REPORT_FILE)})" if built["report"]["records_skipped"] \
-        else ""
+    see = f" (see {report})" if built["report"]["records_skipped"] else ""
     say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
     say(rate)
     return built

@@ -257,6 +257,11 @@ class Remote:
                 pass
         retried(f"removing {url}", call)
 
+    def move(self, url: str, to: str) -> None:
+        """Move the object ``url`` to ``to`` (in an object store a copy made by the store,
+        then the removal)."""
+        retried(f"moving {url} to {to}", lambda: self.fs.mv(url, to))
+
     def fetch(self, url: str, path: str) -> None:
         """Download ``url`` to the local ``path`` atomically."""
         tmp = f"{path}.tmp-{os.getpid()}"
