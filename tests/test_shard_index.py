@@ -163,7 +163,12 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
     assert first == {"corrupt_image": "pairs-000002.tar:000000010",
                      "missing_text": "pairs-000002.tar:000000011",
                      "missing_media": "pairs-000003.tar:000000012",
-                     "truncated_tar": "pairs-000004.tar"}
+                     "truncated_tar": "pairs-000004.tar:000000015"}
+    # each cut tar names the sample it ends in: inside an image's data, in a caption's header
+    assert [(f["location"], f["detail"].endswith(f"the one being read ({f['location'][-9:]}) is "
+                                                 "left out"))
+            for f in report["skipped_by_reason"]["truncated_tar"]["first"]] == [
+        ("pairs-000004.tar:000000015", True), ("pairs-000005.tar:000000017", True)]
     assert (report["records_read"], report["samples_written"]) == (18, 13)
     index = json.loads((pairs.out / "index.json").read_text())
     assert (index["version"], index["shard_root"]) == (2, str(pairs.src))

@@ -167,8 +167,10 @@ def index_shard(job: _Job) -> ShardResult:
         if job.first and len(head) < DETECT_SAMPLES:
             _check_layout(job, head)
         if result.walked.truncated:
-            result.skips.append(("truncated_tar", job.name, f"{result.walked.truncated}; the "
-                                 "samples before are kept, the one being read is left out"))
+            cut = result.walked.cut_key
+            result.skips.append(("truncated_tar", f"{job.name}:{cut}" if cut else job.name,
+                                 f"{result.walked.truncated}; the samples before are kept, "
+                                 f"the one being read{f' ({cut})' if cut else ''} is left out"))
         result.skips += [("stray_member", f"{job.name}:{name}", "a macOS metadata file (._*), "
                           "no data" if os.path.basename(name).startswith("._") else "a member "
                           "without a suffix (KEY.ext) belongs to no sample")

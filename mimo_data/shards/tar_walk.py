@@ -92,6 +92,7 @@ class Walked:
     bytes: int = 0
     sha256: str = ""
     truncated: str = ""                 # why the tar is incomplete ("" when it is complete)
+    cut_key: str = ""                   # the key being read where it ends ("": none)
     stray: list[str] = field(default_factory=list)   # members that belong to no sample
 
 
@@ -132,7 +133,7 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
     members outside any sample (no suffix). NotATarError: the file is no tar at all."""
     stream = _Hashing(source)
     current: Sample | None = None
-    headers = 0
+    headers, reading = 0, ""
     try:
         with tarfile.open(fileobj=stream, mode="r|") as tar:   # type: ignore[call-overload]
             for info in tar:
@@ -144,6 +145,7 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
                     walked.stray.append(info.name)
                     continue
                 suffix = suffix.lower()                    # as webdataset's group_by_keys
+                reading = key
                 if current is not None and current.key != key:
                     yield current                          # complete: the next one begins
                     current = None
@@ -163,11 +165,13 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
         if stream.at(end, _BLOCK) != bytes(_BLOCK):
             walked.truncated = (f"the tar ends at byte {stream.size} without its end-of-archive "
                                 f"block (a header cut short or damaged at byte {end})")
+            walked.cut_key = reading
     except tarfile.ReadError as exc:
         reason = None if headers else _not_a_tar(stream.at(0, _BLOCK))
         if reason is not None:
             raise NotATarError(reason) from None
         walked.truncated = f"the tar ends inside a member ({exc})"
+        walked.cut_key = reading
     walked.sha256 = stream.drain()
     walked.bytes = stream.size
     if current is not None and not walked.truncated:
