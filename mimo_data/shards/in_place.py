@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.files import file_sha256, write_atomic
+from mimo_data.files import file_sha256, parquet_batches, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, energon, sample_table, storage, swap
 from mimo_data.shards.format import (FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
@@ -288,7 +288,8 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
                          storage_options: dict | None) -> None:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
     walking it); the others are counted ``duplicate_key`` and what they held taken out of the
-    report's counts. Vectorized: no object per sample unless there are duplicates."""
+    report's counts. Vectorized: no object per sample unless there are duplicates, and the
+    tables rewritten a batch at a time where there are."""
     path = os.path.join(staging, SAMPLES_FILE)
     keys = pq.read_table(path, columns=["key"]).column("key")
     if pc.count_distinct(keys).as_py() == len(keys):
@@ -297,14 +298,13 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
     first = positions.group_by("key", use_threads=False).aggregate([("at", "min")])
     keep = np.zeros(len(keys), bool)
     keep[first.column("at_min").to_numpy()] = True
-    samples = pq.read_table(path, schema=SAMPLES_SCHEMA)
-    dropped = samples.filter(pa.array(~keep))
+    del keys, positions, first
+    dropped = _keep_rows(path, keep, SAMPLES_SCHEMA)
+    dropped_records = _keep_rows(os.path.join(staging, RECORDS_FILE), keep, record_table.SCHEMA)
     report.kept -= len(dropped)
     report.seen -= len(dropped)
-    records_path = os.path.join(staging, RECORDS_FILE)
-    records = pq.read_table(records_path)
-    for name, number in _counts_of(dropped, records.filter(pa.array(~keep)).column("json"),
-                                   source, storage_options).items():
+    for name, number in _counts_of(dropped, dropped_records.column("json"), source,
+                                   storage_options).items():
         report.count(name, -number)
     report.skip_many("duplicate_key", len(dropped), [
         (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept (tars of "
@@ -312,8 +312,20 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
          "indexes together, data.datasets: [A, B])")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
-    pq.write_table(samples.filter(pa.array(keep)), path)
-    pq.write_table(records.filter(pa.array(keep)), records_path)
+
+
+def _keep_rows(path: str, keep: np.ndarray, schema: pa.Schema) -> pa.Table:
+    """Rewrite the Parquet file ``path`` with its rows where ``keep`` is set, a batch at a
+    time; return the others (few: the duplicates)."""
+    dropped, at = [], 0
+    with pq.ParquetWriter(f"{path}.kept", schema) as writer:
+        for batch in parquet_batches(path):
+            mask = pa.array(keep[at:at + batch.num_rows])
+            at += batch.num_rows
+            writer.write_batch(batch.filter(mask))
+            dropped.append(batch.filter(pc.invert(mask)))
+    os.replace(f"{path}.kept", path)
+    return pa.Table.from_batches(dropped, schema)
 
 
 def _counts_of(dropped: pa.Table, records: pa.ChunkedArray, source: Source,
