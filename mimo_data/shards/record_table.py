@@ -69,9 +69,13 @@ class RecordWriter:
         """Add each record of ``records`` (binary values; no Python object per record)."""
         self._records.add(records)
 
-    def discard(self) -> None:
-        """Remove the streams (an interrupted derivation)."""
-        self._streams.close()
+    def __enter__(self) -> RecordWriter:
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        """An interrupted derivation: the streams removed (``finish`` removes them too)."""
+        if kind is not None:
+            self._streams.close()
 
     def finish(self, path: str, key: str) -> None:
         """Write the table to ``path`` under ``key`` and remove the streams."""
@@ -85,13 +89,9 @@ def write(parquet: str, folder: str, key: str) -> None:
     """Derive the records table of ``parquet`` and write it into ``folder``, a Parquet batch at
     a time (no copy of all records held)."""
     path = os.path.join(folder, file_name(key))
-    records = RecordWriter(path)
-    try:
+    with RecordWriter(path) as records:
         _add_parquet(records, parquet)
-    except BaseException:
-        records.discard()
-        raise
-    records.finish(path, key)
+        records.finish(path, key)
 
 
 def _add_parquet(records: RecordWriter, parquet: str) -> None:
@@ -103,8 +103,7 @@ def derive(reader: MemberSource, path: str) -> None:
     """Write the records table of ``reader``'s dataset to ``path``: from its records.parquet
     when it has one (indexed in place), else read from its shards' JSON members, a batch at a
     time (no copy of all records held)."""
-    records = RecordWriter(path)
-    try:
+    with RecordWriter(path) as records:
         if RECORDS_FILE in reader.index.get("files", {}):
             with storage.local_copy(storage.join(reader.directory, RECORDS_FILE),
                                     reader.remote.options if reader.remote else None) as local:
@@ -115,10 +114,7 @@ def derive(reader: MemberSource, path: str) -> None:
                 reader.prefetch(positions, lambda name: name == "json")
                 for position in positions:
                     records.add(reader.read_member(position, "json"))
-    except BaseException:
-        records.discard()
-        raise
-    records.finish(path, reader.table_key)
+        records.finish(path, reader.table_key)
 
 
 class RecordTable:
