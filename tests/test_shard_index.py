@@ -23,6 +23,7 @@ folder is made by energon's own ``prepare``. Asserted:
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -310,6 +311,19 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
                             "--no-progress", "--overwrite")
     assert code == 0 and not (out / "report.failed.json").exists(), err
+    # a disk that fills up: exit 1 saying so, the index there whole
+    from mimo_data.shards import in_place
+
+    def disk_full(self, *_):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / ".staging" / "x"))
+
+    before = file_bytes(out)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(in_place._Tables, "add", disk_full)
+        code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
+                                "--no-progress", "--overwrite")
+    assert code == 1 and f"error: no room left writing {out}/.staging/x" in err, err
+    assert f"the dataset at {out} is as it was" in err and file_bytes(out) == before
 
 
 def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -102,6 +103,20 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
                             "--strict", "--max-samples-per-shard", "1")
     assert code == 1 and "absent.jpg" in err, err
     assert file_bytes(out) == before, "a failed build changed the dataset it was to replace"
+    # a disk that fills up: exit 1 saying so, the old dataset whole, no traceback
+    from mimo_data.shards import build as build_module
+
+    def disk_full(self, *_):
+        raise OSError(errno.ENOSPC, "No space left on device",
+                      str(out / ".staging" / "data-000000.tar"))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_module._SamplesTable, "add", disk_full)
+        code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
+                                "--overwrite")
+    assert code == 1 and f"no room left writing {out}/.staging/data-000000.tar (No space " \
+        f"left on device; " in err and f"the dataset at {out} is as it was" in err, err
+    assert "Traceback" not in err and file_bytes(out) == before
     nothing = write_jsonl(tmp_path / "nothing.jsonl", [bad])
     code, _, err = cli_main(capsys, "build", nothing, "-o", out, "--no-progress", "--overwrite")
     assert code == 1 and f"(see {out / 'report.failed.json'})" in err, err

@@ -39,12 +39,12 @@ from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, STAGING_DIR,
-                                    modality_counts, sample_key, summary_column)
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts, sample_key,
+                                    summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
-from mimo_data.shards.sources import (BuildError, ParquetTable, SpeechManifest, StrictStop,
-                                      open_source)
+from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
+                                      StrictStop, open_source)
 from mimo_data.shards import swap, task_stream
 from mimo_data.worker_pool import ordered_map
 
@@ -207,15 +207,19 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
-    created, _ = _prepare_output(output, options.overwrite)
-    staging = os.path.join(output, STAGING_DIR)
-    os.makedirs(staging)
+    created, replacing = _prepare_output(output, options.overwrite)
+    try:
+        staging = swap.staging_in(output)
+    except OSError as exc:      # a read-only folder, no permission
+        raise BuildError(f"cannot write into --output {output}: {exc}") from None
     try:
         index, summary = _build_into(staging, inputs, sources, options)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if created and not os.listdir(output):
             os.rmdir(output)
+        if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
+            raise OutputFull(swap.no_room(exc, output, replacing)) from None
         raise
     report = swap.into_folder(output, staging, index["totals"]["samples"])
     if index["totals"]["samples"]:
@@ -263,6 +267,14 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
                                   replacing)
         if index["totals"]["samples"]:
             remote.write(storage.join(output, INDEX_FILE), dumps(index))
+    except OSError as exc:
+        if exc.errno not in swap.NO_ROOM:
+            raise
+        raise OutputFull(f"no room left writing {exc.filename or staging} ({exc.strerror}): "
+                         "a build into a bucket stages one shard at a time and the tables in "
+                         "a local temporary folder; set TMPDIR to a folder with room for them "
+                         "(no index was written"
+                         f"{', the dataset there is as it was' if replacing else ''})") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _say_built(index, summary, output, report)

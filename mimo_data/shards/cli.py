@@ -152,11 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     from mimo_data.shards.index import DatasetError
     # not from build.py: its tar writer imports webdataset, and so torch, which no other
     # command needs
-    from mimo_data.shards.sources import BuildError, SourceError, StrictStop
+    from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
     from mimo_data.shards.storage import StorageError, is_remote
     try:
         return _run(args)
-    except StrictStop as exc:
+    except (StrictStop, OutputFull) as exc:
         error, status = str(exc), 1
     except (BuildError, SourceError) as exc:
         error, status = str(exc), 2

@@ -45,6 +45,7 @@ from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, s
 from mimo_data.shards import record_table
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
+from mimo_data.shards.sources import OutputFull
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, resolve, say)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
@@ -233,7 +234,9 @@ def default_output(sources: list[str]) -> str:
     return cache.external_directory(given, root)
 
 
-def _prepare_output(output: str, overwrite: bool) -> None:
+def _prepare_output(output: str, overwrite: bool) -> bool:
+    """Make ``output`` ready for an indexing; return whether an old index stays there until
+    the new one is complete."""
     if storage.is_remote(output):
         raise IndexInputError(f"--output {output}: the index goes to a local directory (the tars "
                               "may be at a URL)")
@@ -252,7 +255,7 @@ def _prepare_output(output: str, overwrite: bool) -> None:
         raise IndexInputError(f"{output} holds files an index did not write "
                               f"({', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}); "
                               "use an empty or new directory")
-    swap.clear_folder(output)
+    return swap.clear_folder(output)
 
 
 class _Tables:
@@ -373,13 +376,17 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
-    _prepare_output(output, options.overwrite)
-    staging = os.path.join(output, STAGING_DIR)
-    os.makedirs(staging)
+    replacing = _prepare_output(output, options.overwrite)
+    try:
+        staging = swap.staging_in(output)
+    except OSError as exc:      # a read-only folder, no permission
+        raise IndexInputError(f"cannot write into --output {output}: {exc}") from None
     try:
         built, summary, rate = _index_into(staging, source, options, storage_options)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
+            raise OutputFull(swap.no_room(exc, output, replacing)) from None
         raise
     report = swap.into_folder(output, staging, built["totals"]["samples"])
     if built["totals"]["samples"]:

@@ -40,6 +40,10 @@ class StrictStop(BuildError):
     """``--strict`` stopped the build at a bad record (the data failed, not the call)."""
 
 
+class OutputFull(BuildError):
+    """The disk a build or an indexing wrote to filled up (the work failed, not the call)."""
+
+
 @dataclass(frozen=True)
 class Task:
     """One record to read: ``locator`` is what its source needs to load it."""

@@ -12,6 +12,7 @@ room for two datasets then. The callers have checked that the output holds only 
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
@@ -90,6 +91,32 @@ def into_prefix(remote: storage.Remote, output: str, local: str, samples: int,
             path = os.path.join(folder, name)
             remote.put(path, storage.join(output, os.path.relpath(path, local)))
     return storage.join(output, REPORT_FILE)
+
+
+def staging_in(folder: str) -> str:
+    """Make ``folder``'s staging folder (``clear_folder`` removed any earlier one); OSError:
+    the folder takes no writes."""
+    staging = os.path.join(folder, STAGING_DIR)
+    os.mkdir(staging)
+    return staging
+
+
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
+
+
+def no_room(exc: OSError, output: str, replacing: bool) -> str:
+    """What to say when writing a run's files failed with ``exc``, one of ``NO_ROOM`` (the
+    run's files removed then)."""
+    where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) else output
+    try:
+        free = f"{shutil.disk_usage(where).free / 1e9:.1f} GB free there now, "
+    except OSError:
+        free = ""
+    return (f"no room left writing {exc.filename or where} ({exc.strerror}; {free}the run's "
+            "files removed): " + (f"the dataset at {output} is as it was (--overwrite builds "
+                                  "the new one beside it: room for both is needed); "
+                                  if replacing else "") +
+            "free some space, or give an --output on a disk with room")
 
 
 def _leftover(name: str) -> bool:
