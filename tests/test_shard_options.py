@@ -160,6 +160,18 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
         assert code == 2, err
         assert f"error: cannot create --output {out}: [Errno 20] Not a directory" in err, err
         assert "Traceback" not in err
+    # a folder that takes no writes (read-only, another user's): the same, before any record
+    from mimo_data.shards import swap
+
+    def denied(folder):
+        raise PermissionError(errno.EACCES, "Permission denied", f"{folder}/.staging")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(swap, "staging_in", denied)
+        for args in (("build", small_input), ("index", corpus_build)):
+            code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
+            assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \
+                "[Errno 13] Permission denied" in err, err
 
 
 def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, small_input,
