@@ -224,18 +224,15 @@ def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_
         if name.endswith(".tar") or name == "samples.parquet":
             assert objects[name] == built.files[name], name
 
-    # --overwrite: a build that dies midway leaves the dataset it was to replace whole and
-    # readable, its own shards under .staging/
+    # --overwrite: a build that dies midway (its shards went under .staging/, removed)
+    # leaves the dataset it was to replace whole and readable
     uploaded.clear()
     with monkeypatch.context() as patch:
         patch.setattr(storage.Remote, "put", put_until_the_sixth)
         with pytest.raises(StorageError):
             build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False,
                                             overwrite=True), s3.storage_options)
-    left = _objects(s3, "atomic")
-    assert {n: b for n, b in left.items() if not n.startswith(".staging/")} == objects
-    assert sorted(n for n in left if n.startswith(".staging/")) == \
-        [f".staging/data-00000{i}.tar" for i in range(5)]
+    assert _objects(s3, "atomic") == objects and len(uploaded) == 5
     assert len(ShardReader(url, storage_options=s3.storage_options)) == \
         index["totals"]["samples"]
     # one that keeps no sample leaves it too, its report beside it
@@ -248,6 +245,23 @@ def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_
     left = _objects(s3, "atomic")
     assert json.loads(left.pop("report.failed.json"))["records_skipped"] == 1
     assert left == objects
+    # one whose swap fails (its moves of the shards) says that neither dataset is there now
+    real_move, moves = storage.Remote.move, []
+
+    def move_one(self, url, to):
+        moves.append(url)                   # the first call alone moves (list.append: atomic)
+        if len(moves) > 1:
+            raise StorageError(f"moving {url}: the network went away (test)")
+        real_move(self, url, to)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "move", move_one)
+        with pytest.raises(StorageError, match=f"while replacing the dataset at {url}, whose "
+                           "index was removed, so neither it nor the new one is there .*build "
+                           "again with --overwrite"):
+            build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False,
+                                            overwrite=True), s3.storage_options)
+    assert "index.json" not in _objects(s3, "atomic") and len(moves) > 1
     # one that completes takes its place: the new files alone
     build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False,
                                     overwrite=True), s3.storage_options)

@@ -305,7 +305,8 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
     before = file_bytes(out)
     code, _, err = cli_main(capsys, "index", tmp_path / "bad", "--output", out, "--workers",
                             "0", "--no-progress", "--overwrite")
-    assert code == 1 and f"(see {out / 'report.failed.json'})" in err, err
+    assert code == 1 and f"(see {out / 'report.failed.json'}); the index at {out} is as it " \
+        "was" in err, err
     assert json.loads((out / "report.failed.json").read_text())["records_skipped"] == 1
     assert {n: b for n, b in file_bytes(out).items() if n != "report.failed.json"} == before
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
@@ -322,8 +323,9 @@ def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_pa
         patch.setattr(in_place._Tables, "add", disk_full)
         code, _, err = cli_main(capsys, "index", pairs.src, "--output", out, "--workers", "0",
                                 "--no-progress", "--overwrite")
-    assert code == 1 and f"error: no room left writing {out}/.staging/x" in err, err
-    assert f"the dataset at {out} is as it was" in err and file_bytes(out) == before
+    assert code == 1 and f"error: no room left on the disk of --output {out} (No space left " \
+        "on device, writing x): " in err, err
+    assert "the dataset there is as it was" in err and file_bytes(out) == before
 
 
 def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):

@@ -114,24 +114,39 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
         patch.setattr(build_module._SamplesTable, "add", disk_full)
         code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
                                 "--overwrite")
-    assert code == 1 and f"no room left writing {out}/.staging/data-000000.tar (No space " \
-        f"left on device; " in err and f"the dataset at {out} is as it was" in err, err
+    assert code == 1 and f"no room left on the disk of --output {out} (No space left on " \
+        "device, writing data-000000.tar): " in err and " files free there now; the run's " \
+        "files are removed, and the dataset there is as it was" in err, err
     assert "Traceback" not in err and file_bytes(out) == before
     nothing = write_jsonl(tmp_path / "nothing.jsonl", [bad])
     code, _, err = cli_main(capsys, "build", nothing, "-o", out, "--no-progress", "--overwrite")
-    assert code == 1 and f"(see {out / 'report.failed.json'})" in err, err
+    assert code == 1 and f"(see {out / 'report.failed.json'}); the dataset at {out} is as " \
+        "it was" in err, err
     after = file_bytes(out)
     assert read_json(out / "report.failed.json")["records_skipped"] == 1
     assert {n: b for n, b in after.items() if n != "report.failed.json"} == before
 
-    code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
-                            "--overwrite")
+    # one that completes replaces the old dataset's files alone: what a killed run left goes
+    # (its staging, a cut index write), what appeared meanwhile (not the build's) stays
+    (out / ".staging").mkdir()
+    (out / ".staging" / "data-000007.tar").write_bytes(b"a killed build's shard")
+    (out / "index.json.tmp-123").write_text("{")
+    real_add = build_module._SamplesTable.add
+
+    def meanwhile(self, *args):
+        (out / "notes.txt").write_text("mine")
+        real_add(self, *args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_module._SamplesTable, "add", meanwhile)
+        code, _, err = cli_main(capsys, "build", small_input, "-o", out, "--no-progress",
+                                "--overwrite")
     assert code == 0, err
     assert read_json(out / "index.json")["totals"]["samples"] == len(good_records)
     assert [s["id"] for s in sample_records(out)] == [r["id"] for r in good_records]
     assert len(shard_paths(out)) == 1
     assert sorted(os.listdir(out)) == [".mimo-cache", "data-000000.tar", "index.json",
-                                       "report.json", "samples.parquet"]
+                                       "notes.txt", "report.json", "samples.parquet"]
 
 
 def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):

@@ -38,9 +38,9 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts, sample_key,
-                                    summary_column)
+from mimo_data.shards.format import (FAILED_REPORT_FILE, FORMAT_NAME, FORMAT_VERSION,
+                                    INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
+                                    modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
@@ -78,15 +78,15 @@ _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.fai
                        rf"|\.staging|\.mimo-cache|{re.escape(WRITE_CHECK)}|.+-\d{{6}}\.tar)$")
 
 
-def _prepare_output(output: str, overwrite: bool) -> tuple[bool, bool]:
-    """Make ``output`` ready for a build; return whether this call created it and whether an
-    old dataset stays there until the build is complete."""
+def _prepare_output(output: str, overwrite: bool) -> tuple[bool, list[str]]:
+    """Make ``output`` ready for a build; return whether this call created it and the names
+    of an old dataset that stays there until the build is complete ([]: none)."""
     if not os.path.exists(output):
         try:
             os.makedirs(output)
         except OSError as exc:      # a file where a parent folder should be, no permission
             raise BuildError(f"cannot create --output {output}: {exc}") from None
-        return True, False
+        return True, []
     if not os.path.isdir(output):
         raise BuildError(f"{output} exists and is not a directory")
     if os.path.exists(os.path.join(output, INDEX_FILE)) and not overwrite:
@@ -207,7 +207,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
-    created, replacing = _prepare_output(output, options.overwrite)
+    created, old = _prepare_output(output, options.overwrite)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
@@ -219,20 +219,21 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         if created and not os.listdir(output):
             os.rmdir(output)
         if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
-            raise OutputFull(swap.no_room(exc, output, replacing)) from None
+            raise OutputFull(swap.no_room(exc, output, old)) from None
         raise
-    report = swap.into_folder(output, staging, index["totals"]["samples"])
+    report = swap.into_folder(output, staging, index["totals"]["samples"], old)
     if index["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
     _say_built(index, summary, output, report)
     return index
 
 
-def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool) -> bool:
+def _prepare_remote_output(remote: storage.Remote, output: str,
+                           overwrite: bool) -> list[str]:
     """``_prepare_output`` for an output URL: the same refusals; then the bucket is written to
     once, before any record is read (a missing bucket or read-only credentials are found at
-    once, not at the first shard). Returns whether an old dataset stays until the build is
-    complete."""
+    once, not at the first shard). Returns the names of an old dataset that stays until the
+    build is complete ([]: none)."""
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
@@ -253,9 +254,9 @@ def _prepare_remote_output(remote: storage.Remote, output: str, overwrite: bool)
 
 def _build_remote(inputs, output: str, sources, options: BuildOptions,
                   remote: storage.Remote) -> dict:
-    replacing = _prepare_remote_output(remote, output, options.overwrite)
+    old = _prepare_remote_output(remote, output, options.overwrite)
     staging = tempfile.mkdtemp(prefix="mimo-build-")
-    shards_to = swap.staged(output) if replacing else output
+    shards_to = swap.staged(output) if old else output
 
     def upload(path: str) -> None:          # a complete shard: to the bucket, off the disk
         remote.put(path, storage.join(shards_to, os.path.basename(path)))
@@ -263,26 +264,41 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
 
     try:
         index, summary = _build_into(staging, inputs, sources, options, upload)
-        report = swap.into_prefix(remote, output, staging, index["totals"]["samples"],
-                                  replacing)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if old:
+            _remove_staged(remote, output)
+        if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
+            raise OutputFull(
+                f"no room left writing {exc.filename or staging} ({exc.strerror}): a build "
+                "into a bucket stages one shard at a time and the tables in a local temporary "
+                "folder; set TMPDIR to a folder with room for them (no index was written"
+                f"{', the dataset there is as it was' if old else ''})") from None
+        raise
+    try:
+        report = swap.into_prefix(remote, output, staging, index, old)
         if index["totals"]["samples"]:
             remote.write(storage.join(output, INDEX_FILE), dumps(index))
-    except OSError as exc:
-        if exc.errno not in swap.NO_ROOM:
-            raise
-        raise OutputFull(f"no room left writing {exc.filename or staging} ({exc.strerror}): "
-                         "a build into a bucket stages one shard at a time and the tables in "
-                         "a local temporary folder; set TMPDIR to a folder with room for them "
-                         "(no index was written"
-                         f"{', the dataset there is as it was' if replacing else ''})") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     _say_built(index, summary, output, report)
     return index
 
 
+def _remove_staged(remote: storage.Remote, output: str) -> None:
+    """Remove a failed build's shards from beside the dataset it was to replace, or say
+    where they are."""
+    try:
+        remote.remove(swap.staged(output), recursive=True)
+    except OSError as exc:
+        print(f"mimo-shard: the failed build's shards are left under {swap.staged(output)} "
+              f"({exc}); the next build with --overwrite removes them", file=sys.stderr)
+
+
 def _say_built(index: dict, summary: str, output: str, report: str) -> None:
     see = f" (see {report})" if index["report"]["records_skipped"] else ""
+    if report.endswith(FAILED_REPORT_FILE):
+        see += f"; the dataset at {output} is as it was"
     print(f"mimo-shard: {summary} in {index['totals']['shards']} shard(s) → {output}{see}",
           file=sys.stderr)
 

@@ -234,9 +234,9 @@ def default_output(sources: list[str]) -> str:
     return cache.external_directory(given, root)
 
 
-def _prepare_output(output: str, overwrite: bool) -> bool:
-    """Make ``output`` ready for an indexing; return whether an old index stays there until
-    the new one is complete."""
+def _prepare_output(output: str, overwrite: bool) -> list[str]:
+    """Make ``output`` ready for an indexing; return the names of an old index that stays
+    there until the new one is complete ([]: none)."""
     if storage.is_remote(output):
         raise IndexInputError(f"--output {output}: the index goes to a local directory (the tars "
                               "may be at a URL)")
@@ -376,7 +376,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
-    replacing = _prepare_output(output, options.overwrite)
+    old = _prepare_output(output, options.overwrite)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
@@ -386,12 +386,14 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
-            raise OutputFull(swap.no_room(exc, output, replacing)) from None
+            raise OutputFull(swap.no_room(exc, output, old)) from None
         raise
-    report = swap.into_folder(output, staging, built["totals"]["samples"])
+    report = swap.into_folder(output, staging, built["totals"]["samples"], old)
     if built["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
     see = f" (see {report})" if built["report"]["records_skipped"] else ""
+    if old and not built["totals"]["samples"]:
+        see += f"; the index at {output} is as it was"
     say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
     say(rate)
     return built

@@ -1,13 +1,16 @@
 """How a build's or an indexing's files take the place of what its output held.
 
 A new run's files are written beside an old dataset (``.staging``), which stays whole until
-the run is complete: its index is removed first (from then on it no longer looks complete),
-then its other files, the new files are moved in, and the caller writes the new index last.
-A run that fails or is killed leaves the old dataset as it was. A run that keeps no sample
-makes no dataset: an old one stays, the run's report beside it as ``report.failed.json``;
-without an old one the report is the output's ``report.json``. An output without a complete
-dataset (no index) holds nothing worth keeping: it is emptied before the run, which needs no
-room for two datasets then. The callers have checked that the output holds only their files.
+the run is complete: then its index is removed first (from then on it no longer looks
+complete), then its other files (those it had when the run began, nothing else), the new
+files are moved in (the report last) and the caller writes the new index. A run that fails
+or is killed before that leaves the old dataset as it was; one killed during the swap (local
+renames; in a bucket a copy of each shard on the store's side) leaves no index, which the
+next run cleans up. A run that keeps no sample makes no dataset: an old one stays, the run's
+report beside it as ``report.failed.json``; without an old one the report is the output's
+``report.json``. An output without a complete dataset (no index) holds nothing worth keeping:
+it is emptied before the run, which needs no room for two datasets then. The callers have
+checked that the output holds only their files.
 """
 
 from __future__ import annotations
@@ -15,82 +18,24 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE, STAGING_DIR
 
+# objects moved or removed at once in a bucket's swap (each a request or a copy by the store)
+_THREADS = 8
 
-def clear_folder(folder: str) -> bool:
-    """Remove what earlier runs left in ``folder`` but a complete dataset; return whether one
-    stays (until :func:`into_folder` replaces it)."""
+
+def clear_folder(folder: str) -> list[str]:
+    """Remove what earlier runs left in ``folder`` but a complete dataset; return that
+    dataset's names ([]: none), which stay until :func:`into_folder` replaces them."""
     names = os.listdir(folder)
-    keeps = INDEX_FILE in names
+    complete = INDEX_FILE in names
     for name in names:
-        if keeps and not _leftover(name):
-            continue
-        path = os.path.join(folder, name)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return keeps
-
-
-def into_folder(folder: str, staging: str, samples: int) -> str:
-    """Move a finished run's files from ``staging`` (inside ``folder``) into place, having
-    written ``samples``; return the path of its report. The caller writes the index after."""
-    if not samples:
-        return _report_alone(staging, os.path.join(folder, _report_name(
-            os.path.exists(os.path.join(folder, INDEX_FILE)))))
-    old = [name for name in os.listdir(folder) if name != STAGING_DIR]
-    if INDEX_FILE in old:
-        os.remove(os.path.join(folder, INDEX_FILE))
-    for name in old:
-        path = os.path.join(folder, name)
-        if name != INDEX_FILE:
-            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    for name in sorted(os.listdir(staging)):
-        os.replace(os.path.join(staging, name), os.path.join(folder, name))
-    os.rmdir(staging)
-    return os.path.join(folder, REPORT_FILE)
-
-
-def clear_prefix(remote: storage.Remote, output: str, names: list[str]) -> bool:
-    """:func:`clear_folder` for an output URL whose objects are ``names``; a run that keeps
-    the old dataset uploads its shards under :func:`staged` until :func:`into_prefix`."""
-    keeps = INDEX_FILE in names
-    for name in names:
-        if not keeps or _leftover(name):
-            remote.remove(storage.join(output, name), recursive=True)
-    return keeps
-
-
-def staged(output: str) -> str:
-    """Where a run replacing the dataset at ``output`` uploads its shards."""
-    return storage.join(output, STAGING_DIR)
-
-
-def into_prefix(remote: storage.Remote, output: str, local: str, samples: int,
-                replacing: bool) -> str:
-    """:func:`into_folder` for an output URL: the shards already uploaded (under
-    :func:`staged` where ``replacing``), the other files in the local folder ``local``;
-    return the report's URL. An object store moves an object by copying it (on the store's
-    side) and removing the original: a replacing run's shards are copied once more here."""
-    if not samples:
-        remote.remove(staged(output), recursive=True)
-        report = storage.join(output, _report_name(replacing))
-        remote.put(os.path.join(local, REPORT_FILE), report)
-        return report
-    if replacing:
-        remote.remove(storage.join(output, INDEX_FILE))
-        for name in remote.names(output):
-            if name not in (INDEX_FILE, STAGING_DIR):
-                remote.remove(storage.join(output, name), recursive=True)
-        for name in remote.names(staged(output)):
-            remote.move(storage.join(staged(output), name), storage.join(output, name))
-        remote.remove(staged(output), recursive=True)
-    for folder, _, files in os.walk(local):
-        for name in sorted(files):
-            path = os.path.join(folder, name)
-            remote.put(path, storage.join(output, os.path.relpath(path, local)))
-    return storage.join(output, REPORT_FILE)
+        if not complete or _leftover(name):
+            _remove(os.path.join(folder, name))
+    return sorted(name for name in names if complete and not _leftover(name))
 
 
 def staging_in(folder: str) -> str:
@@ -101,22 +46,101 @@ def staging_in(folder: str) -> str:
     return staging
 
 
+def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
+    """Move a finished run's files from ``staging`` (inside ``folder``) into the place of the
+    ``old`` dataset's, having written ``samples``; return the path of its report. The caller
+    writes the index after."""
+    if not samples:
+        report = os.path.join(folder, _report_name(bool(old)))
+        os.replace(os.path.join(staging, REPORT_FILE), report)
+        shutil.rmtree(staging)
+        return report
+    for name in _index_first(old):
+        _remove(os.path.join(folder, name))
+    for name in _report_last(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(folder, name))
+    os.rmdir(staging)
+    return os.path.join(folder, REPORT_FILE)
+
+
+def clear_prefix(remote: storage.Remote, output: str, names: list[str]) -> list[str]:
+    """:func:`clear_folder` for an output URL whose objects are ``names``; a run that keeps
+    an old dataset uploads its shards under :func:`staged` until :func:`into_prefix`."""
+    complete = INDEX_FILE in names
+    for name in names:
+        if not complete or _leftover(name):
+            remote.remove(storage.join(output, name), recursive=True)
+    return sorted(name for name in names if complete and not _leftover(name))
+
+
+def staged(output: str) -> str:
+    """Where a run replacing the dataset at ``output`` uploads its shards."""
+    return storage.join(output, STAGING_DIR)
+
+
+def into_prefix(remote: storage.Remote, output: str, local: str, index: dict,
+                old: list[str]) -> str:
+    """:func:`into_folder` for an output URL: the shards of ``index`` already uploaded (under
+    :func:`staged` where there is an ``old`` dataset), the other files in the local folder
+    ``local``; return the report's URL. StorageError naming what is left where the swap
+    fails."""
+    if not index["totals"]["samples"]:
+        report = storage.join(output, _report_name(bool(old)))
+        remote.remove(staged(output), recursive=True)
+        remote.put(os.path.join(local, REPORT_FILE), report)
+        return report
+    if old:
+        try:
+            remote.remove(storage.join(output, INDEX_FILE))
+            with ThreadPoolExecutor(_THREADS) as pool:
+                list(pool.map(lambda name: remote.remove(storage.join(output, name),
+                                                         recursive=True),
+                              [name for name in old if name != INDEX_FILE]))
+                list(pool.map(lambda name: remote.move(storage.join(staged(output), name),
+                                                       storage.join(output, name)),
+                              [shard["name"] for shard in index["shards"]]))
+            remote.remove(staged(output), recursive=True)
+        except OSError as exc:
+            raise storage.StorageError(
+                f"{exc}: while replacing the dataset at {output}, whose index was removed, "
+                f"so neither it nor the new one is there (the new shards partly under "
+                f"{staged(output)}); build again with --overwrite") from None
+    files = [os.path.relpath(os.path.join(folder, name), local)
+             for folder, _, names in os.walk(local) for name in names]
+    for name in _report_last(files):
+        remote.put(os.path.join(local, name), storage.join(output, name))
+    return storage.join(output, REPORT_FILE)
+
+
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
-def no_room(exc: OSError, output: str, replacing: bool) -> str:
-    """What to say when writing a run's files failed with ``exc``, one of ``NO_ROOM`` (the
-    run's files removed then)."""
-    where = os.path.dirname(exc.filename) if isinstance(exc.filename, str) else output
+def no_room(exc: OSError, output: str, old: list[str]) -> str:
+    """What to say when writing a run's files into the folder ``output`` failed with
+    ``exc``, one of ``NO_ROOM`` (the run's files removed by then)."""
+    where = output
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)      # a folder the run made, removed again
     try:
-        free = f"{shutil.disk_usage(where).free / 1e9:.1f} GB free there now, "
+        disk = os.statvfs(where)
+        free = (f": {_size(disk.f_bavail * disk.f_frsize)} and {disk.f_favail:,} files free "
+                "there now")
     except OSError:
         free = ""
-    return (f"no room left writing {exc.filename or where} ({exc.strerror}; {free}the run's "
-            "files removed): " + (f"the dataset at {output} is as it was (--overwrite builds "
-                                  "the new one beside it: room for both is needed); "
-                                  if replacing else "") +
-            "free some space, or give an --output on a disk with room")
+    return (f"no room left on the disk of --output {output} ({exc.strerror}, writing "
+            f"{os.path.basename(str(exc.filename)) if exc.filename else 'its files'}){free}; "
+            "the run's files are removed" +
+            (", and the dataset there is as it was (--overwrite builds the new one beside "
+             "it: room for both is needed)" if old else "") +
+            "; free some space, or give an --output on a disk with room")
+
+
+def _size(size: float) -> str:
+    for unit in ("bytes", "KB", "MB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} GB"
 
 
 def _leftover(name: str) -> bool:
@@ -128,8 +152,18 @@ def _report_name(replacing: bool) -> str:
     return FAILED_REPORT_FILE if replacing else REPORT_FILE
 
 
-def _report_alone(staging: str, report: str) -> str:
-    """A run that kept no sample: its report to ``report``, nothing else kept."""
-    os.replace(os.path.join(staging, REPORT_FILE), report)
-    shutil.rmtree(staging)
-    return report
+def _index_first(names: list[str]) -> list[str]:
+    return sorted(names, key=lambda name: name != INDEX_FILE)
+
+
+def _report_last(names: list[str]) -> list[str]:
+    """``names`` in order, the report last: an output with a report and no index is one
+    whose run kept no sample (training start-up says so), not one whose swap was cut."""
+    return sorted(names, key=lambda name: (name == REPORT_FILE, name))
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
