@@ -8,7 +8,8 @@ import pyarrow.parquet as pq
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.index import read_index
-from mimo_data.shards.format import SAMPLES_FILE, summary_column
+from mimo_data.shards.format import (FAILED_REPORT_FILE, SAMPLES_FILE, STAGING_DIR,
+                                    summary_column)
 from mimo_data.stats import summary
 
 _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest side, pixels
@@ -56,7 +57,16 @@ def dataset_info(directory: str) -> dict:
             np.float64)
     return {"name": index["name"], "directory": directory, **index["totals"],
             "modalities": index["modalities"], "report": index["report"],
+            "beside": [name for name in (FAILED_REPORT_FILE, STAGING_DIR)
+                       if storage.exists(storage.join(directory, name))],
             **{name: _modality_stats(fields) for name, fields in values.items()}}
+
+
+# what a later run left beside the dataset (``swap``), as ``format_info`` says it
+_BESIDE = {FAILED_REPORT_FILE: "the report of a later build with --overwrite that kept no "
+                               "sample (this dataset stayed as it was)",
+           STAGING_DIR: "a later build's files (running, or it failed or was killed: the next "
+                        "build with --overwrite removes them)"}
 
 
 def _fmt(stats: dict | None, unit: str = "") -> str:
@@ -95,4 +105,5 @@ def format_info(info: dict) -> str:
             lines += [f"  duration  {_fmt(stats['duration_s'], 's')}",
                       "  duration  " + "  ".join(
                           f"{k}s: {v}" for k, v in stats["duration_histogram_s"].items())]
+    lines += [f"beside    {name}: {_BESIDE[name]}" for name in info.get("beside", [])]
     return "\n".join(lines)
