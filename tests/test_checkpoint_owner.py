@@ -88,6 +88,20 @@ def test_the_same_job_takes_its_claim_over_anywhere(tmp_path, monkeypatch):
         checkpoint_owner.claim(str(tmp_path))
 
 
+def test_a_plain_torchrun_names_no_job(tmp_path, monkeypatch, other_run):
+    """torchrun without --rdzv-id sets the run id "none" in every launch: a second launch
+    beside a running one is refused like any other run, not taken for a restart of it."""
+    process, identity = other_run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    _claim_of(tmp_path, pid=process.pid, job="TORCHELASTIC_RUN_ID=none", **identity)
+    with pytest.raises(CheckpointError, match="is being written by another run"):
+        checkpoint_owner.claim(str(tmp_path))
+    process.kill()
+    process.wait()
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["job"] is None
+
+
 def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_path,
                                                                            monkeypatch):
     checkpoint_owner.claim(str(tmp_path))

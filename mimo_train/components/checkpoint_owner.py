@@ -10,7 +10,8 @@ when the run ends (``release``).
 At start-up (``claim``) a claim is taken over where its run has ended: on this host, its
 process (the same process id and start time since the same boot) is gone; on another host,
 which cannot be asked, its claim was not refreshed for ``STALE_S``. A claim of the same job
-(Slurm's job id, torchrun's run id: a requeue, an elastic restart) is always taken over.
+(Slurm's job id, torchrun's run id: a requeue, an elastic restart) is always taken over; a
+plain ``torchrun`` (no ``--rdzv-id``) names no job: its run id is "none" in every launch.
 Otherwise the run is refused, naming the run that holds the folder.
 
 Hand-written: neither megatron-core nor torch.distributed.checkpoint keeps a folder to one job.
@@ -30,6 +31,8 @@ OWNER = ".mimo-run"
 REFRESH_S = 60.0             # how often a training run rewrites its claim
 STALE_S = 600.0              # a claim of another host not rewritten for this long: its run ended
 _JOB_VARIABLES = ("SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+# values that name no job: torchrun's run id when no --rdzv-id is given (every plain launch)
+_NO_JOB = {"TORCHELASTIC_RUN_ID": "none"}
 _refreshed = 0.0             # when this process last wrote its claim (time.time())
 
 
@@ -53,7 +56,7 @@ def _process(pid: int) -> dict:
 
 def _this_run() -> dict:
     job = next((f"{name}={os.environ[name]}" for name in _JOB_VARIABLES
-                if os.environ.get(name)), None)
+                if os.environ.get(name) not in (None, "", _NO_JOB.get(name))), None)
     return {"host": socket.gethostname(), "pid": os.getpid(), **_process(os.getpid()),
             "job": job, "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
