@@ -357,6 +357,17 @@ def test_a_read_that_keeps_failing_raises_storage_error_naming_the_shard(
     reader.close()
 
 
+def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store):
+    """Training's start-up tells a bucket that does not exist from a dataset not built yet;
+    a credentials profile that does not exist is no fault a retry mends."""
+    assert storage.bucket_exists(f"s3://{BUCKET}/ds", s3.storage_options)
+    assert not storage.bucket_exists("s3://no-such-bucket-here/ds", s3.storage_options)
+    retried = sum(storage.RETRIES.values())
+    with pytest.raises(StorageError, match="access denied .ProfileNotFound"):
+        storage.exists(f"s3://{BUCKET}/ds/index.json", {**s3.storage_options, "profile": "tema"})
+    assert sum(storage.RETRIES.values()) == retried
+
+
 def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     url = _upload(s3, built.files, "gone")
     reader = ShardReader(url, storage_options=s3.storage_options)

@@ -168,7 +168,7 @@ def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
 
 
 def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, small_input,
-                                                           corpus_build):
+                                                           corpus_build, monkeypatch):
     """A file where a parent folder of --output should be: exit 2 with one line naming the
     output, for build and index alike, not a traceback."""
     (tmp_path / "afile").write_text("in the way\n")
@@ -178,6 +178,15 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
         assert code == 2, err
         assert f"error: cannot create --output {out}: [Errno 20] Not a directory" in err, err
         assert "Traceback" not in err
+    # a URL with one slash, a scheme no client serves: exit 2 naming them, no folder "s3:"
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli_main(capsys, "build", small_input, "-o", "s3:/team-data/x",
+                            "--no-progress")
+    assert code == 2 and "error: s3:/team-data/x: a URL with one slash after its scheme? " \
+        "write s3://team-data/x" in err and not (tmp_path / "s3:").exists(), err
+    code, _, err = cli_main(capsys, "info", "s4://team-data/x")
+    assert code == 2 and "error: s4://team-data/x/index.json: no storage client knows the " \
+        "scheme s4://" in err, err
     # a folder that takes no writes (read-only, another user's): the same, before any record
     from mimo_data.shards import swap
 
@@ -190,6 +199,21 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
             code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
             assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \
                 "[Errno 13] Permission denied" in err, err
+
+
+def test_ctrl_c_is_one_line_and_leaves_nothing(capsys, tmp_path, small_input, monkeypatch):
+    from mimo_data.shards import build as build_module
+
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(build_module, "_build_into", interrupted)
+    code, _, err = cli_main(capsys, "build", small_input, "-o", tmp_path / "out",
+                            "--no-progress")
+    assert (code, err) == (130, "mimo-shard build: interrupted: no new index was written "
+                           "(under --overwrite the old dataset stays, unless its replacement "
+                           "had begun); run it again\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, small_input,

@@ -578,3 +578,23 @@ def test_a_loader_state_of_another_seed_or_data_is_refused_in_config_terms():
         RankLoader.load_state_dict(loader, {**state, "fingerprint": "a" * 64})  # type: ignore
     assert "allow_fingerprint_mismatch" not in str(refused.value)
     assert "model.init_from=CHECKPOINT" in str(refused.value)
+
+
+def test_urls_only_where_a_url_is_read_and_a_one_slash_url_is_named(tmp_path):
+    """Datasets, validation sets and TensorBoard's folder take URLs; a checkpoint folder, a
+    model or the cache given as one would be a local folder named ``s3:`` (the run's
+    checkpoints lost on each node's disk): refused, saying what to give. A URL with one slash
+    is named with the URL meant."""
+    config = load(tmp_path, MINIMAL, "data.datasets=[s3://b/ds]", "data.valid=[gs://b/v]",
+                  "train.eval_interval=5",
+                  "train.tensorboard_dir=s3://b/tb")
+    assert (config.data.datasets, config.data.valid) == (["s3://b/ds"], ["gs://b/v"])
+    assert load_error(tmp_path, MINIMAL, "checkpoint.dir=s3://b/ck") == (
+        "checkpoint.dir: s3://b/ck is a URL, and checkpoint.dir is a path of this machine's "
+        "filesystem: every rank writes its part of a checkpoint into it: give a shared "
+        "filesystem's folder (and copy checkpoints to the bucket after, if wanted)")
+    assert "model.pretrained: s3://b/qwen2vl is a URL, and model.pretrained is a path of this " \
+        "machine's filesystem: copy it here first (e.g. `aws s3 sync URL DIR`" in \
+        load_error(tmp_path, MINIMAL, "model.pretrained=s3://b/qwen2vl")
+    assert load_error(tmp_path, MINIMAL, "data.datasets=[s3:/b/ds]") == (
+        "data.datasets: s3:/b/ds is a URL with one slash after its scheme? write s3://b/ds")

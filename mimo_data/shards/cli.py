@@ -153,12 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     # not from build.py: its tar writer imports webdataset, and so torch, which no other
     # command needs
     from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
-    from mimo_data.shards.storage import StorageError, is_remote
+    from mimo_data.shards.storage import LocationError, StorageError, is_remote
     try:
         return _run(args)
     except (StrictStop, OutputFull) as exc:
         error, status = str(exc), 1
-    except (BuildError, SourceError) as exc:
+    except (BuildError, SourceError, LocationError) as exc:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         directory = getattr(args, "directory", "")
@@ -167,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
         error, status = str(exc), 1
     except WorkerDied as exc:       # the OOM killer, a crash: the work was not done
         error, status = str(exc), 1
+    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of wherever it was
+        print(f"mimo-shard {args.command}: interrupted" + (
+            ": no new index was written (under --overwrite the old dataset stays, unless its "
+            "replacement had begun); run it again" if args.command in ("build", "index")
+            else ""), file=sys.stderr)
+        return 130
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status
 

@@ -21,6 +21,7 @@ import io
 import os
 import posixpath
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -53,6 +54,11 @@ class ShortObject(StorageError):
     retry mends."""
 
 
+class LocationError(ValueError):
+    """A location that cannot be what was meant: a URL with one slash after its scheme, a
+    scheme that no installed storage client serves."""
+
+
 # Errors that no retry mends: the object or bucket is missing or too short, access is denied,
 # a bad call.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
@@ -60,7 +66,9 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 
 
 # botocore's errors for credentials that are absent or incomplete: no retry finds them
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound")
+# a scheme, one slash, then no second one: ``s3:/bucket/prefix`` (a drive letter is one letter)
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)(.*)$")
 
 
 def is_remote(location: str) -> bool:
@@ -69,9 +77,35 @@ def is_remote(location: str) -> bool:
     return bool(found) and scheme not in ("", "file")
 
 
+def mistyped_url(location: str) -> str | None:
+    """The URL ``location`` was meant to be where it lacks a slash (``s3:/b/p``), else None."""
+    found = _ONE_SLASH.match(location)
+    return f"{found[1]}://{found[2]}" if found and found[1].lower() != "file" else None
+
+
 def local_path(location: str) -> str:
-    """A local location as an OS path (``file://`` stripped)."""
+    """A local location as an OS path (``file://`` stripped); LocationError for a URL that
+    lacks a slash (it would be a local folder named ``s3:``)."""
+    meant = mistyped_url(location)
+    if meant is not None:
+        raise LocationError(f"{location}: a URL with one slash after its scheme? write "
+                            f"{meant} (or ./{location} for a local folder of that name)")
     return location[len("file://"):] if location.startswith("file://") else location
+
+
+def check_scheme(location: str) -> None:
+    """LocationError where no installed fsspec client serves the scheme of the URL
+    ``location`` (an unknown scheme, or its client not installed), before any call."""
+    import fsspec
+    protocol = location.partition("://")[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise LocationError(f"{location}: no storage client knows the scheme {protocol}:// "
+                            "(s3://, gs://, az://, https:// ... ): check the URL") from None
+    except ImportError as exc:
+        raise LocationError(f"{location}: {protocol}:// needs a client that is not installed "
+                            f"here ({exc})") from None
 
 
 def join(location: str, *names: str) -> str:
@@ -114,8 +148,7 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
             if attempt == attempts:
                 raise StorageError(
                     f"{what}: failed {attempts} times, last with {type(exc).__name__}: {exc}. "
-                    "Check the endpoint, the credentials and the network (a run resumes from "
-                    "its last checkpoint when restarted)") from exc
+                    "Check the endpoint, the credentials and the network") from exc
             with _RETRIES_LOCK:
                 RETRIES[type(exc).__name__] += 1
             wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_WAIT_S) * (0.5 + random.random())
@@ -131,6 +164,7 @@ class Remote:
 
     def __init__(self, location: str, storage_options: dict | None = None):
         self.protocol = location.partition("://")[0]
+        self.location = location
         self.options = dict(storage_options or {})
         self._fs: Any = None
         self._pid: int | None = None
@@ -139,6 +173,7 @@ class Remote:
     def fs(self) -> Any:
         if self._pid != os.getpid():
             import fsspec                # only remote datasets pay for the import
+            check_scheme(self.location)
             options = {"skip_instance_cache": True, **self.options}
             s3 = self.protocol in ("s3", "s3a")
             if s3:                       # botocore's retries off: ``retried`` does them all
@@ -152,7 +187,8 @@ class Remote:
         return self._fs
 
     def __getstate__(self) -> dict:
-        return {"protocol": self.protocol, "options": self.options, "_fs": None, "_pid": None}
+        return {"protocol": self.protocol, "location": self.location, "options": self.options,
+                "_fs": None, "_pid": None}
 
     def read(self, url: str) -> bytes:
         return retried(f"reading {url}", lambda: self.fs.cat_file(url))
@@ -285,6 +321,18 @@ def redacted(options: Any) -> Any:
     if isinstance(options, list):
         return [redacted(value) for value in options]
     return options
+
+
+def bucket_exists(location: str, storage_options: dict | None = None) -> bool:
+    """Whether the bucket of the URL ``location`` exists (True for a local path, and for a
+    URL whose top cannot be listed: an HTTP server's)."""
+    if not is_remote(location):
+        return True
+    scheme, _, path = location.partition("://")
+    if scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+        return True
+    top = f"{scheme}://{path.split('/')[0]}"
+    return Remote(top, storage_options).exists(top)
 
 
 def read_bytes(location: str, storage_options: dict | None = None) -> bytes:

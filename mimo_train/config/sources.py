@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from mimo_data.files import load_yaml
-from mimo_data.shards.storage import is_remote
+from mimo_data.shards.storage import is_remote, mistyped_url
 from mimo_train.errors import TrainConfigError
 
 # (section, ..., key): path values; "*" matches any key; a list value is a list of paths.
@@ -22,11 +22,28 @@ PATH_KEYS = (("data", "datasets"), ("data", "preprocess"), ("data", "valid"), ("
              ("checkpoint", "dir"))
 _HUB_KEYS = {("model", "pretrained"), ("model", "encoders", "*", "pretrained"),
              ("model", "language", "pretrained")}
+# the path keys that take a URL as well (read through fsspec); the others are files and folders
+# of this machine's (or a shared) filesystem
+_URL_KEYS = {("data", "datasets"), ("data", "valid"), ("train", "tensorboard_dir")}
+_WHY_LOCAL = {("checkpoint", "dir"): "every rank writes its part of a checkpoint into it: give "
+                                     "a shared filesystem's folder (and copy checkpoints to the "
+                                     "bucket after, if wanted)",
+              ("data", "cache_dir"): "the derived tables are memory-mapped from it: give a "
+                                     "local disk's folder"}
 
 
-def _resolve(value: str, base: str, hub: bool) -> str:
-    if is_remote(value):
-        return value                                  # a URL: s3://bucket/prefix ...
+def _resolve(value: str, base: str, hub: bool, key: str, pattern: tuple) -> str:
+    meant = mistyped_url(value)
+    if meant is not None:
+        raise TrainConfigError(f"{key}: {value} is a URL with one slash after its scheme? "
+                               f"write {meant}")
+    if is_remote(value):                              # a URL: s3://bucket/prefix ...
+        if pattern not in _URL_KEYS:
+            raise TrainConfigError(
+                f"{key}: {value} is a URL, and {key} is a path of this machine's filesystem: "
+                + _WHY_LOCAL.get(pattern, "copy it here first (e.g. `aws s3 sync URL DIR`, "
+                                 "`gcloud storage cp -r URL DIR`) and give DIR"))
+        return value
     expanded = os.path.expanduser(value)
     path = os.path.normpath(os.path.join(base, expanded))
     if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))
@@ -38,24 +55,24 @@ def _resolve(value: str, base: str, hub: bool) -> str:
 def resolve_paths(data: dict, base: str) -> None:
     """Make the path values in a raw config mapping absolute, relative ones taken from
     ``base``; values of the wrong type are left for the type checks."""
-    def walk(node, keys: tuple, pattern: tuple):
+    def walk(node, keys: tuple, pattern: tuple, above: tuple):
         if not isinstance(node, dict):
             return
         head, rest = keys[0], keys[1:]
         names = list(node) if head == "*" else [head] if head in node else []
         for name in names:
             if rest:
-                walk(node[name], rest, pattern)
+                walk(node[name], rest, pattern, (*above, name))
                 continue
-            value, hub = node[name], pattern in _HUB_KEYS
+            value, hub, key = node[name], pattern in _HUB_KEYS, ".".join((*above, str(name)))
             if isinstance(value, str) and value:
-                node[name] = _resolve(value, base, hub)
+                node[name] = _resolve(value, base, hub, key, pattern)
             elif isinstance(value, list):
-                node[name] = [_resolve(v, base, hub) if isinstance(v, str) and v else v
-                              for v in value]
+                node[name] = [_resolve(v, base, hub, key, pattern) if isinstance(v, str) and v
+                              else v for v in value]
 
     for pattern in PATH_KEYS:
-        walk(data, pattern, pattern)
+        walk(data, pattern, pattern, ())
 
 
 def _lora_part_joined(parts: list[str], lora_settings: frozenset[str], value: Any

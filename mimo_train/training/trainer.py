@@ -81,6 +81,11 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
     _check_each_once(cfg)
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         for directory in directories:
+            if storage.is_remote(directory):
+                try:
+                    storage.check_scheme(directory)
+                except storage.LocationError as exc:
+                    raise TrainConfigError(f"{key}: {exc}") from None
             if not storage.exists(storage.join(directory, INDEX_FILE),
                                   cfg.data.storage_options):
                 raise TrainConfigError(
@@ -91,6 +96,8 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                         "and build it again"
                         if storage.exists(storage.join(directory, REPORT_FILE),
                                           cfg.data.storage_options) else
+                        "its bucket does not exist: check the URL and the endpoint"
+                        if not storage.bucket_exists(directory, cfg.data.storage_options) else
                         f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
                         f"--output {directory}"))
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
