@@ -368,6 +368,18 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store):
     assert sum(storage.RETRIES.values()) == retried
 
 
+def test_a_bucket_dataset_missing_its_table_is_named_as_incomplete(capsys, s3_env, built):
+    """A partial copy (an interrupted ``aws s3 sync``) without samples.parquet: the same
+    message as for a local copy, at opening, from every command."""
+    url = _upload(s3_env, {n: b for n, b in built.files.items() if n != "samples.parquet"},
+                  "partial")
+    with pytest.raises(DatasetError, match=rf"{url}: samples.parquet missing \(the dataset is "
+                       r"incomplete\): restore it, or rebuild the dataset"):
+        read_index(url)
+    code, _, err = cli_main(capsys, "info", url)
+    assert code == 1 and "samples.parquet missing (the dataset is incomplete)" in err, err
+
+
 def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     url = _upload(s3, built.files, "gone")
     reader = ShardReader(url, storage_options=s3.storage_options)

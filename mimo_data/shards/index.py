@@ -22,13 +22,13 @@ def dumps(value) -> bytes:
 
 def read_index(directory: str, storage_options: dict | None = None) -> dict:
     """The index of a complete dataset (a local directory or a URL); DatasetError says what is
-    wrong and what to do (a local dataset's own files, samples.parquet ..., are checked to be
-    there: a stat each)."""
+    wrong and what to do (the dataset's own files, samples.parquet ..., are checked to be
+    there: one listing of the folder or the bucket's prefix; over HTTP, which lists nothing,
+    they are found missing where they are read)."""
     index = parse_index(directory, index_bytes(directory, storage_options))
-    if not storage.is_remote(directory):
-        root = storage.local_path(directory)
-        missing = [name for name in index.get("files", {})
-                   if not os.path.isfile(os.path.join(root, name))]
+    names = _names_at(directory, storage_options)
+    if names is not None:
+        missing = [name for name in index.get("files", {}) if name not in names]
         if missing:
             raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
                                f"incomplete): restore it, or {remake(index)}; `mimo-shard "
