@@ -561,6 +561,25 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert http.requests == {"HEAD": shards}, dict(http.paths)
         reader.close()
         assert not storage.Remote(url).exists(f"{url}/no-such.tar")        # a 404: absent
+    # a server that ignores byte ranges (`python -m http.server`): said at once, not retried
+    import functools
+    import http.server
+    import threading
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler,
+                                directory=str(built.local.parent))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/{built.local.name}"
+        shard = shard_paths(built.local)[0].name
+        retried = sum(storage.RETRIES.values())
+        with pytest.raises(storage.RangesIgnored, match=r"bytes 512-612: \d+ bytes arrived "
+                           "for 100: the server ignores byte ranges"):
+            storage.Remote(url).read_range(f"{url}/{shard}", 512, 100)
+        assert sum(storage.RETRIES.values()) == retried
+    finally:
+        server.shutdown()
+        server.server_close()
     # no server: a fault, retried, never "missing" (fsspec's HTTP says FileNotFoundError)
     monkeypatch.setattr(storage, "ATTEMPTS", 2)
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)

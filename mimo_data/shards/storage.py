@@ -54,6 +54,10 @@ class ShortObject(StorageError):
     retry mends."""
 
 
+class RangesIgnored(StorageError):
+    """The server sent more than the byte range asked for: it ignores HTTP ``Range``."""
+
+
 class LocationError(ValueError):
     """A location that cannot be what was meant: a URL with one slash after its scheme, a
     scheme that no installed storage client serves."""
@@ -62,7 +66,7 @@ class LocationError(ValueError):
 # Errors that no retry mends: the object or bucket is missing or too short, access is denied,
 # a bad call.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError,
-              ValueError, TypeError, KeyError, NotImplementedError, ShortObject)
+              ValueError, TypeError, KeyError, NotImplementedError, ShortObject, RangesIgnored)
 
 
 # botocore's errors for credentials that are absent or incomplete: no retry finds them
@@ -198,6 +202,12 @@ class Remote:
         def call() -> bytes:
             try:
                 data = self.fs.cat_file(url, start=start, end=start + size)
+                if len(data) > size:
+                    raise RangesIgnored(
+                        f"reading {url} bytes {start}-{start + size}: {len(data)} bytes arrived "
+                        f"for {size}: the server ignores byte ranges (HTTP Range), which a "
+                        "dataset read in place needs; serve it with one that honours them "
+                        "(nginx, Apache, an object store), or copy the dataset here")
                 if len(data) != size:
                     raise ShortRead(f"{len(data)} of {size} bytes arrived")
             except OSError as exc:   # short, or past the end (416): is the object itself?
