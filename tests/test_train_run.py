@@ -17,7 +17,7 @@ sees of a failure).
 - ``model.init_from`` of a tp1 or a tp2 checkpoint into language tp2 gives the first-step loss
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
-  every rank with one message naming the file and the newest complete checkpoint;
+  every rank with one message naming the file and the newest earlier checkpoint;
 - a failure in the middle of the run (a shard member whose bytes changed, shards gone from the
   bucket, a checkpoint that cannot be written, a rank killed) reaches the user as one message
   naming the rank, the step and the cause, under real torchrun as its root cause too, with no
@@ -150,6 +150,13 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert f"`echo step_0000003 > {tmp_path / 'latest'}`" in str(refused.value)
     (tmp_path / "latest").write_text("step_0000002")
     assert resume_point(str(tmp_path)) == str(tmp_path / "step_0000002")
+    # latest naming a step no longer there: said so, with the newest earlier one
+    (tmp_path / "latest").write_text("step_0000009")
+    (tmp_path / "step_0000003" / "meta.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=f"latest names it, and there is no such folder "
+                       rf".*the newest earlier checkpoint is {tmp_path}/step_0000003"):
+        resume_point(str(tmp_path))
+    (tmp_path / "latest").write_text("step_0000002")
     # a checkpoint.dir that cannot be written is refused at start-up, not at the first save
     assert prepare(str(tmp_path / "new"), resume=True) is None and (tmp_path / "new").is_dir()
     # the probe removed; the run's claim on the folder written (components/checkpoint_owner)
@@ -157,6 +164,11 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
         prepare(str(tmp_path / "file" / "ck"), resume=False)
+    # starting over (resume false) among an earlier run's steps: refused, not mixed in
+    with pytest.raises(CheckpointError, match=f"checkpoint.dir {tmp_path} holds an earlier "
+                       r"run's checkpoints \(step_0000002, step_0000003\) and "
+                       "checkpoint.resume is false"):
+        prepare(str(tmp_path), resume=False)
     # a transformers model folder given as checkpoint.dir (meant as model.pretrained) is not
     # written into: the message says which setting takes it
     model = tmp_path / "Qwen2-VL-2B-Instruct"
@@ -906,7 +918,7 @@ def test_damaged_files_are_refused_on_every_rank(ranks, setup):
     for name in ("__0_0.distcp: hash mismatch", "__2_0.distcp: hash mismatch",
                  "__1_0.distcp: file missing"):
         assert name in message, message
-    assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
+    assert f"the newest earlier checkpoint is {root / 'step_0000003'}" in message
     assert f"echo step_0000003 > {root / 'latest'}" in message
 
 
@@ -914,7 +926,7 @@ def test_damaged_files_are_refused_on_every_rank(ranks, setup):
                                     "bad index", "no manifest"])
 def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     """Each damage, read in one process (``load_weights``, as mimo-export does): a
-    CheckpointError naming the file and step 3 as the newest complete checkpoint."""
+    CheckpointError naming the file and step 3 as the newest earlier checkpoint."""
     from mimo_train.components.checkpoint import load_weights
     from mimo_train.errors import CheckpointError
 
@@ -942,7 +954,25 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     message = str(refused.value)
     assert message.startswith(f"checkpoint {step} is damaged: "), message
     assert expected in message, message
-    assert f"the newest complete checkpoint is {root / 'step_0000003'}" in message
+    assert f"the newest earlier checkpoint is {root / 'step_0000003'}" in message
+
+
+def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_path):
+    """Not a later step (another run's, left in the folder), nor one whose meta.json does
+    not read; with none such, starting over is what is said."""
+    from mimo_train.components.checkpoint import _damaged
+
+    for step, meta in ((2, "{}"), (4, "{"), (6, "{}"), (8, "{}")):
+        folder = tmp_path / f"step_{step:07d}"
+        folder.mkdir()
+        (folder / "meta.json").write_text(meta)
+        (folder / "integrity.json").write_text("{}")
+    message = str(_damaged(str(tmp_path / "step_0000006"), "a file is missing"))
+    assert f"the newest earlier checkpoint is {tmp_path / 'step_0000002'}: resume from it " \
+        f"with 'echo step_0000002 > {tmp_path / 'latest'}'" in message, message
+    assert f"no earlier checkpoint is in {tmp_path}: start over in another checkpoint.dir " \
+        f"(or remove {tmp_path / 'step_0000002'} and {tmp_path / 'latest'})" in \
+        str(_damaged(str(tmp_path / "step_0000002"), "a file is missing"))
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):

@@ -29,7 +29,7 @@ same layout (nothing in training draws from them but dropout, 0 in mimo_train).
 A checkpoint is used only after its files match the manifest (``check`` then ``load``, two
 start-up phases so that no rank waits in a collective another rank has left; the reading ranks
 share the hashing): a damaged or partial one is refused on every rank with one message naming
-the file and the newest complete checkpoint to use instead.
+the file and the newest earlier checkpoint to use instead.
 """
 
 from __future__ import annotations
@@ -132,10 +132,27 @@ def prepare(root: str, resume: bool) -> str | None:
     except OSError as error:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
+    if not resume:
+        _refuse_earlier_steps(root)
     found = resume_point(root) if resume else None
     if distributed.rank_and_size()[0] == 0:     # once nothing else refuses the folder
         checkpoint_owner.claim(root)
     return found
+
+
+def _refuse_earlier_steps(root: str) -> None:
+    """CheckpointError where ``root`` holds step folders and the run starts over
+    (``checkpoint.resume: false``): its saves would replace the steps of the same numbers,
+    leave the later ones and move ``latest`` between the two runs."""
+    steps = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
+                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    if steps:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds an earlier run's checkpoints ({', '.join(steps[-3:])})"
+            " and checkpoint.resume is false: this run's checkpoints would replace some of "
+            "them and sit among the others; give a new checkpoint.dir, or remove them "
+            f"(`rm -r {os.path.join(root, 'step_*')} {os.path.join(root, LATEST)}`) to start "
+            "over there; to continue them, leave checkpoint.resume true")
 
 
 def _is_model_folder(root: str) -> bool:
@@ -156,6 +173,9 @@ def resume_point(root: str | None) -> str | None:
     a new run beside them would be what was meant. A save interrupted before its manifest
     leaves nothing to resume: the run starts over."""
     found = latest(root)
+    if found and not os.path.isdir(found):
+        raise _damaged(found, f"{os.path.join(root, LATEST)} names it, and there is no such "
+                              "folder (removed, or latest written by hand?)")
     if found or not root or not os.path.isdir(root):
         return found
     steps = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
@@ -165,7 +185,7 @@ def resume_point(root: str | None) -> str | None:
             f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
             f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
             f"{steps[-1]} > {os.path.join(root, LATEST)}`; to start a new run, give another "
-            "checkpoint.dir (or checkpoint.resume=false)")
+            "checkpoint.dir")
     return None
 
 
@@ -712,17 +732,29 @@ def _unstacked(key: str, tensor: torch.Tensor) -> dict:
 
 
 def _damaged(directory: str, what: str) -> CheckpointError:
-    """The refusal of a damaged checkpoint: what is wrong and the newest complete one."""
+    """The refusal of a damaged checkpoint: what is wrong and the newest earlier one whose
+    manifest and readable meta.json are there (a later one may be another run's; the files
+    themselves are checked when it is resumed)."""
     root = os.path.dirname(os.path.abspath(directory))
-    others = sorted((d for d in glob.glob(os.path.join(root, "step_*"))
-                     if os.path.abspath(d) != os.path.abspath(directory)
-                     and all(os.path.isfile(os.path.join(d, n)) for n in (META, MANIFEST))),
-                    reverse=True)
-    if others:
-        instead = (f"the newest complete checkpoint is {others[0]}: resume from it with "
-                   f"'echo {os.path.basename(others[0])} > {os.path.join(root, LATEST)}' "
-                   f"(or model.init_from={others[0]} for its weights)")
+    name = os.path.basename(os.path.abspath(directory))
+    earlier = sorted((d for d in glob.glob(os.path.join(root, "step_*"))
+                      if re.fullmatch(STEP_NAME, os.path.basename(d))
+                      and (not re.fullmatch(STEP_NAME, name) or os.path.basename(d) < name)
+                      and os.path.isfile(os.path.join(d, MANIFEST)) and _meta_reads(d)),
+                     reverse=True)
+    if earlier:
+        instead = (f"the newest earlier checkpoint is {earlier[0]}: resume from it with "
+                   f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
+                   f"(or model.init_from={earlier[0]} for its weights)")
     else:
-        instead = (f"no other complete checkpoint is in {root}: start without it "
-                   "(checkpoint.resume=false or another checkpoint.dir)")
+        instead = (f"no earlier checkpoint is in {root}: start over in another "
+                   f"checkpoint.dir (or remove {directory} and {os.path.join(root, LATEST)})")
     return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True)
+
+
+def _meta_reads(directory: str) -> bool:
+    try:
+        with open(os.path.join(directory, META)) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False
