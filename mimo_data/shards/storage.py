@@ -151,7 +151,8 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
                 raise
             if attempt == attempts:
                 raise StorageError(
-                    f"{what}: failed {attempts} times, last with {type(exc).__name__}: {exc}. "
+                    f"{what}: failed {attempts} times, last with {type(exc).__name__}: "
+                    f"{str(exc).rstrip('.')}. "
                     "Check the endpoint, the credentials and the network") from exc
             with _RETRIES_LOCK:
                 RETRIES[type(exc).__name__] += 1

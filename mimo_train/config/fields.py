@@ -117,7 +117,8 @@ def _parse(kind: Any, value: Any, key: str) -> Any:
     if origin is list:
         if not isinstance(value, list):
             raise TrainConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
-                                   f"{_name(kind)}")
+                                   f"{_name(kind)}" + (f", e.g. {key}=[{value}] on the command "
+                                                       "line" if isinstance(value, str) else ""))
         return [_parse(args[0], item, key) for item in value] if args else value
     return _scalar(origin or kind, value, key)
 

@@ -38,6 +38,7 @@ from mimo_data.loading.token_table import Partition
 from mimo_data.preprocess.chat_tokens import TextEncoder
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
+from mimo_data.shards.cache import CACHE_DIR_ENV
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
 from mimo_data.shards.index import unindexed_tars, unindexed_tars_advice
 from mimo_train.components import checkpoint
@@ -310,6 +311,11 @@ class Trainer:
         # gloo group (CPU memory, whatever the training backend).
         partition = Partition(self.rank, self.world, distributed.gather,
                               writes=int(os.environ.get("LOCAL_RANK", 0)) == 0)
+        overriding = os.environ.get(CACHE_DIR_ENV)
+        if cfg.data.cache_dir and overriding and self.rank == 0 and \
+                os.path.abspath(overriding) != os.path.abspath(cfg.data.cache_dir):
+            say(f"{PREFIX}data.cache_dir {cfg.data.cache_dir} is not used: the environment's "
+                f"{CACHE_DIR_ENV}={overriding} wins (unset it to use data.cache_dir)")
 
         def source(datasets, weights) -> DataSource:
             return DataSource(datasets, self.preprocess, weights, cfg.data.num_workers,
