@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
@@ -23,16 +24,23 @@ def dumps(value) -> bytes:
 def read_index(directory: str, storage_options: dict | None = None) -> dict:
     """The index of a complete dataset (a local directory or a URL); DatasetError says what is
     wrong and what to do (the dataset's own files, samples.parquet ..., are checked to be
-    there: one listing of the folder or the bucket's prefix; over HTTP, which lists nothing,
-    they are found missing where they are read)."""
+    there: a stat each, or at a URL a HEAD each, at once; not a listing, which a prefix of
+    many shards takes many requests for)."""
     index = parse_index(directory, index_bytes(directory, storage_options))
-    names = _names_at(directory, storage_options)
-    if names is not None:
-        missing = [name for name in index.get("files", {}) if name not in names]
-        if missing:
-            raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
-                               f"incomplete): restore it, or {remake(index)}; `mimo-shard "
-                               f"verify {directory}` checks the rest")
+    own = list(index.get("files", {}))
+    if storage.is_remote(directory):
+        remote = storage.Remote(directory, storage_options)
+        with ThreadPoolExecutor(max(1, len(own))) as pool:
+            there = list(pool.map(lambda name: remote.exists(storage.join(directory, name)),
+                                  own))
+    else:
+        there = [os.path.isfile(os.path.join(storage.local_path(directory), name))
+                 for name in own]
+    missing = [name for name, found in zip(own, there) if not found]
+    if missing:
+        raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
+                           f"incomplete): restore it, or {remake(index)}; `mimo-shard "
+                           f"verify {directory}` checks the rest")
     return index
 
 

@@ -58,6 +58,8 @@ def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
     for name in _index_first(old):
         _remove(os.path.join(folder, name))
     for name in _report_last(os.listdir(staging)):
+        if os.path.isdir(os.path.join(folder, name)):   # a cache a reader made meanwhile
+            shutil.rmtree(os.path.join(folder, name))
         os.replace(os.path.join(staging, name), os.path.join(folder, name))
     os.rmdir(staging)
     return os.path.join(folder, REPORT_FILE)

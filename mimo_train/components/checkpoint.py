@@ -173,7 +173,7 @@ def resume_point(root: str | None) -> str | None:
     a new run beside them would be what was meant. A save interrupted before its manifest
     leaves nothing to resume: the run starts over."""
     found = latest(root)
-    if found and not os.path.isdir(found):
+    if found and root and not os.path.isdir(found):
         raise _damaged(found, f"{os.path.join(root, LATEST)} names it, and there is no such "
                               "folder (removed, or latest written by hand?)")
     if found or not root or not os.path.isdir(root):
