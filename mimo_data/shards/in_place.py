@@ -17,6 +17,7 @@ in ``report.json`` and left out; a truncated tar keeps the samples it holds comp
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -291,17 +292,26 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
                          storage_options: dict | None) -> None:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
     walking it); the others are counted ``duplicate_key`` and what they held taken out of the
-    report's counts. Vectorized: no object per sample unless there are duplicates, and the
-    tables rewritten a batch at a time where there are."""
+    report's counts. The keys are never held whole: a 64-bit hash of each (8 bytes a sample,
+    sorted once) finds the few candidates, whose keys are then compared themselves; the tables
+    are rewritten a batch at a time where there are duplicates."""
     path = os.path.join(staging, SAMPLES_FILE)
-    keys = pq.read_table(path, columns=["key"]).column("key")
-    if pc.count_distinct(keys).as_py() == len(keys):
+    hashes = _key_hashes(path)
+    ordered = np.sort(hashes)
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    del ordered
+    if not len(repeated):
         return
-    positions = pa.table({"key": keys, "at": pa.array(np.arange(len(keys)))})
-    first = positions.group_by("key", use_threads=False).aggregate([("at", "min")])
-    keep = np.zeros(len(keys), bool)
-    keep[first.column("at_min").to_numpy()] = True
-    del keys, positions, first
+    candidates = np.flatnonzero(np.isin(hashes, repeated))
+    keys = _keys_at(path, candidates)
+    first: dict[str, int] = {}
+    keep = np.ones(len(hashes), bool)
+    for position, key in zip(candidates.tolist(), keys):    # in position order
+        if first.setdefault(key, position) != position:
+            keep[position] = False
+    del hashes
+    if keep.all():                  # hashes alike, keys not (one chance in ~10^19 a pair)
+        return
     dropped = _keep_rows(path, keep, SAMPLES_SCHEMA)
     dropped_records = _keep_rows(os.path.join(staging, RECORDS_FILE), keep, record_table.SCHEMA)
     report.kept -= len(dropped)
@@ -315,6 +325,31 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
          "indexes together, data.datasets: [A, B])")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
+
+
+def _key_hashes(path: str) -> np.ndarray:
+    """The 64-bit BLAKE2b hash of each key of the samples table ``path``, read a batch at a
+    time (hand-written: Arrow has no hash kernel that pyarrow exposes)."""
+    hashes = np.empty(pq.ParquetFile(path).metadata.num_rows, np.uint64)
+    at = 0
+    for batch in parquet_batches(path, ["key"]):
+        keys = batch.column(0).to_pylist()
+        hashes[at:at + len(keys)] = [
+            int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+            for key in keys]
+        at += len(keys)
+    return hashes
+
+
+def _keys_at(path: str, positions: np.ndarray) -> list[str]:
+    """The keys of the samples table ``path`` at the sorted ``positions`` (few)."""
+    keys: list[str] = []
+    at = 0
+    for batch in parquet_batches(path, ["key"]):
+        inside = positions[(positions >= at) & (positions < at + batch.num_rows)] - at
+        keys += batch.column(0).take(pa.array(inside)).to_pylist()
+        at += batch.num_rows
+    return keys
 
 
 def _keep_rows(path: str, keep: np.ndarray, schema: pa.Schema) -> pa.Table:
