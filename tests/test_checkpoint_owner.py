@@ -102,6 +102,24 @@ def test_a_plain_torchrun_names_no_job(tmp_path, monkeypatch, other_run):
     assert json.loads((tmp_path / OWNER).read_text())["job"] is None
 
 
+def test_a_live_runs_folder_is_said_before_anything_of_its_checkpoints(tmp_path, other_run):
+    """checkpoint.resume=false beside a run that still writes the folder: the run is named,
+    not its checkpoints called an earlier run's (with a command that would delete them)."""
+    from mimo_train.components.checkpoint import prepare
+
+    process, identity = other_run
+    (tmp_path / "step_0000002").mkdir()
+    (tmp_path / "step_0000002" / "integrity.json").write_text("{}")
+    _claim_of(tmp_path, pid=process.pid, **identity)
+    for resume in (False, True):
+        with pytest.raises(CheckpointError, match="is being written by another run"):
+            prepare(str(tmp_path), resume=resume)
+    process.kill()
+    process.wait()
+    with pytest.raises(CheckpointError, match="holds an earlier run's checkpoints"):
+        prepare(str(tmp_path), resume=False)
+
+
 def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_path,
                                                                            monkeypatch):
     checkpoint_owner.claim(str(tmp_path))

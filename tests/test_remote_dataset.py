@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -363,12 +364,14 @@ def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store):
     assert storage.bucket_exists(f"s3://{BUCKET}/ds", s3.storage_options)
     assert not storage.bucket_exists("s3://no-such-bucket-here/ds", s3.storage_options)
     retried = sum(storage.RETRIES.values())
-    with pytest.raises(StorageError, match="access denied .ProfileNotFound"):
+    with pytest.raises(StorageError, match=r"The config profile \(tema\) could not be found: "
+                       "check AWS_PROFILE"):
         storage.exists(f"s3://{BUCKET}/ds/index.json", {**s3.storage_options, "profile": "tema"})
     assert sum(storage.RETRIES.values()) == retried
 
 
-def test_a_bucket_dataset_missing_its_table_is_named_as_incomplete(capsys, s3_env, built):
+def test_a_bucket_dataset_missing_its_table_is_named_as_incomplete(capsys, s3_env, built,
+                                                                   tmp_path):
     """A partial copy (an interrupted ``aws s3 sync``) without samples.parquet: the same
     message as for a local copy, at opening, from every command."""
     url = _upload(s3_env, {n: b for n, b in built.files.items() if n != "samples.parquet"},
@@ -378,6 +381,15 @@ def test_a_bucket_dataset_missing_its_table_is_named_as_incomplete(capsys, s3_en
         read_index(url)
     code, _, err = cli_main(capsys, "info", url)
     assert code == 1 and "samples.parquet missing (the dataset is incomplete)" in err, err
+    # training opens it as a reader: the same, for the bucket and a local copy
+    local = tmp_path / "partial"
+    shutil.copytree(built.local, local)
+    (local / "samples.parquet").unlink()
+    shutil.rmtree(local / ".mimo-cache")
+    for where in (url, str(local)):
+        with pytest.raises(DatasetError, match="samples.parquet missing .the dataset is "
+                           "incomplete"):
+            ShardReader(where)
 
 
 def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):

@@ -125,9 +125,12 @@ def test_existing_dataset_needs_overwrite(capsys, tmp_path, corpus_build, small_
     after = file_bytes(out)
     assert read_json(out / "report.failed.json")["records_skipped"] == 1
     assert {n: b for n, b in after.items() if n != "report.failed.json"} == before
+    (out / ".staging").mkdir()                      # a later build that runs (or died)
     code, text, _ = cli_main(capsys, "info", out)
     assert code == 0 and "\nbeside    report.failed.json: the report of a later build with " \
-        "--overwrite that kept no sample (this dataset stayed as it was)" in text, text
+        "--overwrite that kept no sample (this dataset stayed as it was)\nbeside    .staging: " \
+        "a later build's files (running, or it failed or was killed" in text, text
+    (out / ".staging").rmdir()
 
     # one that completes replaces the old dataset's files alone: what a killed run left goes
     # (its staging, a cut index write), what appeared meanwhile (not the build's) stays

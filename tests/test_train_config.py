@@ -598,6 +598,9 @@ def test_urls_only_where_a_url_is_read_and_a_one_slash_url_is_named(tmp_path):
         load_error(tmp_path, MINIMAL, "model.pretrained=s3://b/qwen2vl")
     assert load_error(tmp_path, MINIMAL, "data.datasets=[s3:/b/ds]") == (
         "data.datasets: s3:/b/ds is a URL with one slash after its scheme? write s3://b/ds")
+    # file: URLs are the local paths they name; a name with a colon is no URL
+    config = load(tmp_path, MINIMAL, "data.datasets=[file:///srv/ds,file:/srv/b,run.1:/x]")
+    assert config.data.datasets == ["/srv/ds", "/srv/b", os.path.abspath("run.1:/x")]
 
 
 def test_a_list_given_as_one_value_says_the_list_form(tmp_path):

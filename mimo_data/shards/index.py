@@ -23,10 +23,16 @@ def dumps(value) -> bytes:
 
 def read_index(directory: str, storage_options: dict | None = None) -> dict:
     """The index of a complete dataset (a local directory or a URL); DatasetError says what is
-    wrong and what to do (the dataset's own files, samples.parquet ..., are checked to be
-    there: a stat each, or at a URL a HEAD each, at once; not a listing, which a prefix of
-    many shards takes many requests for)."""
+    wrong and what to do (``check_complete``)."""
     index = parse_index(directory, index_bytes(directory, storage_options))
+    check_complete(directory, index, storage_options)
+    return index
+
+
+def check_complete(directory: str, index: dict, storage_options: dict | None = None) -> None:
+    """DatasetError where a file of the dataset's own that ``index`` lists (samples.parquet
+    ...) is not there: a stat each, or at a URL a HEAD each, at once (not a listing, which a
+    prefix of many shards takes many requests for)."""
     own = list(index.get("files", {}))
     if storage.is_remote(directory):
         remote = storage.Remote(directory, storage_options)
@@ -41,7 +47,6 @@ def read_index(directory: str, storage_options: dict | None = None) -> dict:
         raise DatasetError(f"{directory}: {', '.join(missing)} missing (the dataset is "
                            f"incomplete): restore it, or {remake(index)}; `mimo-shard "
                            f"verify {directory}` checks the rest")
-    return index
 
 
 def remake(index: dict) -> str:

@@ -35,7 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import RECORDS_FILE, ShardRecord
-from mimo_data.shards.index import DatasetError, index_bytes, parse_index, remake, shard_root
+from mimo_data.shards.index import (DatasetError, check_complete, index_bytes, parse_index,
+                                    remake, shard_root)
 from mimo_data.shards.record_table import RecordTable
 from mimo_data.shards.sample_table import SampleTable, table_key
 
@@ -55,6 +56,7 @@ class ShardReader:
             if storage.is_remote(directory) else None
         data = index_bytes(directory, storage_options)
         self.index = parse_index(directory, data)
+        check_complete(directory, self.index, storage_options)
         # sha256 of index.json's bytes: what tables computed from the dataset are keyed by
         self.index_digest = hashlib.sha256(data).digest()
         self.table_key = table_key(self.index, directory, self.remote)   # the build's key

@@ -70,7 +70,7 @@ _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirecto
 
 
 # botocore's errors for credentials that are absent or incomplete: no retry finds them
-_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError", "ProfileNotFound")
+_NO_CREDENTIALS = ("NoCredentialsError", "PartialCredentialsError")
 # a scheme, one slash, then no second one: ``s3:/bucket/prefix`` (a drive letter is one letter)
 _ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):/(?!/)(.*)$")
 
@@ -82,9 +82,14 @@ def is_remote(location: str) -> bool:
 
 
 def mistyped_url(location: str) -> str | None:
-    """The URL ``location`` was meant to be where it lacks a slash (``s3:/b/p``), else None."""
+    """The URL ``location`` was meant to be where it lacks a slash (``s3:/b/p``, a scheme
+    that fsspec knows), else None."""
     found = _ONE_SLASH.match(location)
-    return f"{found[1]}://{found[2]}" if found and found[1].lower() != "file" else None
+    if not found or found[1].lower() == "file":
+        return None
+    import fsspec
+    return f"{found[1]}://{found[2]}" if found[1].lower() in fsspec.available_protocols() \
+        else None
 
 
 def local_path(location: str) -> str:
@@ -105,8 +110,10 @@ def check_scheme(location: str) -> None:
     try:
         fsspec.get_filesystem_class(protocol)
     except ValueError:
+        lower = protocol.lower() in fsspec.available_protocols() and protocol.lower()
         raise LocationError(f"{location}: no storage client knows the scheme {protocol}:// "
-                            "(s3://, gs://, az://, https:// ... ): check the URL") from None
+                            + (f"(schemes are lower case: {lower}://)" if lower else
+                               "(s3://, gs://, az://, https:// ... ): check the URL")) from None
     except ImportError as exc:
         raise LocationError(f"{location}: {protocol}:// needs a client that is not installed "
                             f"here ({exc})") from None
@@ -141,6 +148,9 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
         try:
             return call()
         except Exception as exc:         # classified just below
+            if type(exc).__name__ == "ProfileNotFound":
+                raise StorageError(f"{what}: {exc}: check AWS_PROFILE (or the profile of "
+                                   "storage_options)") from exc
             if isinstance(exc, PermissionError) or type(exc).__name__ in _NO_CREDENTIALS:
                 raise StorageError(
                     f"{what}: access denied ({type(exc).__name__}: {exc}). Check the "
@@ -335,15 +345,17 @@ def redacted(options: Any) -> Any:
 
 
 def bucket_exists(location: str, storage_options: dict | None = None) -> bool:
-    """Whether the bucket of the URL ``location`` exists (True for a local path, and for a
-    URL whose top cannot be listed: an HTTP server's)."""
-    if not is_remote(location):
-        return True
+    """Whether the bucket of the S3 URL ``location`` may exist: False only where S3 says it
+    does not (True for any other location, and where the look-up fails: credentials that may
+    read a prefix but not the bucket's head)."""
     scheme, _, path = location.partition("://")
-    if scheme not in ("s3", "s3a", "gs", "gcs", "az", "abfs"):
+    if scheme not in ("s3", "s3a"):
         return True
     top = f"{scheme}://{path.split('/')[0]}"
-    return Remote(top, storage_options).exists(top)
+    try:
+        return Remote(top, storage_options).exists(top)
+    except Exception:        # (StorageError, a client's own): no answer, so no claim
+        return True
 
 
 def read_bytes(location: str, storage_options: dict | None = None) -> bytes:

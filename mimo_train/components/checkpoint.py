@@ -132,8 +132,10 @@ def prepare(root: str, resume: bool) -> str | None:
     except OSError as error:
         raise CheckpointError(f"checkpoint.dir {root} cannot be written here ({error}): give "
                               "a writable checkpoint.dir") from None
-    if not resume:
-        _refuse_earlier_steps(root)
+    if distributed.rank_and_size()[0] == 0:
+        checkpoint_owner.check(root)            # another run's folder: said before all else
+        if not resume:
+            _refuse_earlier_steps(root)
     found = resume_point(root) if resume else None
     if distributed.rank_and_size()[0] == 0:     # once nothing else refuses the folder
         checkpoint_owner.claim(root)

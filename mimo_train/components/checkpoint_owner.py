@@ -109,20 +109,30 @@ def _described(claim: dict) -> str:
             (f", started {claim['started']}" if claim.get("started") else ""))
 
 
-def claim(root: str) -> None:
-    """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where the run
-    that claimed it still runs."""
+def check(root: str) -> None:
+    """``CheckpointError`` where the run that claimed ``root`` still runs (nothing written:
+    what every rank asks before it says anything else of the folder)."""
     found = _read(root)
     me = _this_run()
     if found and _still_runs(found, me, root):
         other_host = found.get("host") != me["host"]
+        restarted = me["job"] is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
         raise CheckpointError(
             f"checkpoint.dir {root} is being written by another run ({_described(found)}"
             + (f"; its claim was renewed less than {STALE_S / 60:.0f} minutes ago" if
                other_host else "") + "): two runs in one checkpoint.dir resume, delete and "
             "mix each other's checkpoints; give this run another checkpoint.dir (or stop that "
-            f"run; if it is no run, delete {os.path.join(root, OWNER)})")
-    _write(root, me)
+            f"run; if it is no run, delete {os.path.join(root, OWNER)})"
+            + ("; if it is this job before torchrun restarted it, give torchrun --rdzv-id (an "
+               "id of the job): a restart of the same job takes its folder over at once"
+               if restarted and other_host else ""))
+
+
+def claim(root: str) -> None:
+    """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where the run
+    that claimed it still runs."""
+    check(root)
+    _write(root, _this_run())
 
 
 def refresh(root: str) -> None:

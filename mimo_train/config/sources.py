@@ -33,6 +33,8 @@ _WHY_LOCAL = {("checkpoint", "dir"): "every rank writes its part of a checkpoint
 
 
 def _resolve(value: str, base: str, hub: bool, key: str, pattern: tuple) -> str:
+    if value.startswith("file:"):                     # file:///x, file:/x: the path /x
+        value = "/" + value[len("file:"):].lstrip("/")
     meant = mistyped_url(value)
     if meant is not None:
         raise TrainConfigError(f"{key}: {value} is a URL with one slash after its scheme? "
