@@ -269,15 +269,28 @@ def test_a_non_finite_step_is_skipped_with_the_tower_frozen_on_ranks_of_its_own(
 
 
 def test_the_fine_tuned_export_loads_with_the_tower_kept_and_the_rest_trained(finetune,
-                                                                              tmp_path):
+                                                                              tmp_path,
+                                                                              vlm_data, capsys):
     """mimo-export of the fine-tuned step 4 loads as ``AutoModelForImageTextToText``: the
-    frozen tower (merger included) is the checkpoint's exactly, the language model moved."""
+    frozen tower (merger included) is the checkpoint's exactly, the language model moved.
+    The preprocessing YAML edited after the run (its pixel budget doubled): the export keeps
+    the budget the run trained with, and says so."""
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText
 
     from mimo_train.hf.export import main
-    out = tmp_path / "out"
-    assert main(["--checkpoint", str(finetune[2] / "step_0000004"), "--output", str(out)]) == 0
+    out, preprocess = tmp_path / "out", vlm_data[1]
+    text = preprocess.read_text()
+    try:
+        preprocess.write_text(text.replace(f"max_pixels: {MAX_PIXELS}",
+                                           f"max_pixels: {MAX_PIXELS * 2}"))
+        assert main(["--checkpoint", str(finetune[2] / "step_0000004"), "--output",
+                     str(out)]) == 0
+    finally:
+        preprocess.write_text(text)
+    assert f"{preprocess} is not as the run trained with it" in capsys.readouterr().err
+    assert json.loads((out / "preprocessor_config.json").read_text())["size"][
+        "longest_edge"] == MAX_PIXELS
     AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     original, exported = load_file(VLM / "model.safetensors"), weights(out)
     tower = [name for name in original if name.startswith("visual.")]

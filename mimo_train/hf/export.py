@@ -212,7 +212,7 @@ def _run_plan(directory: str):
         with open(path) as f:
             meta = json.load(f)
         cfg = TrainConfig.from_dict(meta["config"])
-        return resolve(cfg, _preprocess_config(cfg, directory)), meta
+        return resolve(cfg, _preprocess_config(cfg, directory, meta.get("preprocess"))), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
         raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
@@ -221,10 +221,24 @@ def _run_plan(directory: str):
                           exit_code=code) from None
 
 
-def _preprocess_config(cfg, directory: str):
+def _preprocess_config(cfg, directory: str, trained: dict | None):
+    """The run's preprocessing config: as it trained (meta.json's copy; the YAML may have
+    changed or moved since, which is said), else, for checkpoints saved before the copy, its
+    YAML as it is now."""
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.config import PreprocessConfig
     path = cfg.data.preprocess
+    if trained is not None:
+        config = PreprocessConfig.from_dict(trained)
+        try:
+            changed = PreprocessConfig.from_yaml(path) != config
+        except (OSError, ConfigError):
+            changed = True
+        if changed:
+            print(f"mimo-export: {path} is not as the run trained with it (changed or gone "
+                  f"since): the export takes the run's own copy, from {directory}/meta.json",
+                  file=sys.stderr)
+        return config
     try:
         return PreprocessConfig.from_yaml(path)
     except OSError as error:

@@ -627,7 +627,9 @@ class Trainer:
     def _meta(self) -> dict:
         meta = {"step": self.step, "layout": str(self.layout), "world_size": self.world,
                 "global_batch_size": self.cfg.train.global_batch_size,
-                "config": self.cfg.to_dict()}
+                "config": self.cfg.to_dict(),
+                # as trained: an export reads this, not the YAML, which may change after
+                "preprocess": self.preprocess.to_dict()}
         if self.cfg.model.lora and self.rank == 0:       # rank 0 writes meta.json
             if self.lora_bases is None:                  # hashed once, at the first save
                 self.lora_bases = [{"key": key, "path": path, "sha256": weights_digest(path)}
