@@ -232,6 +232,14 @@ def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpu
                                             max_new_tokens=6).token_ids
               for path in (merged, adapters)]
     assert tokens[0] == tokens[1] and len(tokens[0]) == 6
+    # the adapters' base moved away since the export: one error naming it, no traceback
+    from mimo_train.errors import GenerateError
+    manifest = json.loads((adapters / "manifest.json").read_text())
+    manifest["adapters"]["base"] = str(setup["tmp"] / "moved-base")
+    (adapters / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GenerateError, match=f"their base {setup['tmp'] / 'moved-base'} "
+                       r"\(manifest.json's adapters.base\) cannot be loaded"):
+        Generator(str(adapters))
 
 
 def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):

@@ -146,8 +146,16 @@ class Generator:
         self.vlm: Any = None
         if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
             adapters = self.manifest.get("adapters")
-            self.vlm = AutoModelForImageTextToText.from_pretrained(
-                adapters["base"] if adapters else model_dir, dtype=self.dtype)
+            try:
+                self.vlm = AutoModelForImageTextToText.from_pretrained(
+                    adapters["base"] if adapters else model_dir, dtype=self.dtype)
+            except OSError as error:
+                if not adapters:
+                    raise
+                raise GenerateError(
+                    f"--model {model_dir} holds adapters, and their base {adapters['base']} "
+                    f"(manifest.json's adapters.base) cannot be loaded ({error}): restore it "
+                    "there, or write where it is now into that manifest") from None
             if adapters:                    # LoRA adapters (PEFT's files) on their base
                 self.vlm = _with_adapters(self.vlm, model_dir)
             self.vlm = self.vlm.to(self.device).eval()
