@@ -147,6 +147,11 @@ def test_colocated_heterogeneous_dp_with_variable_token_counts_is_refused():
 def test_modalities_need_an_encoder_and_encoders_need_a_modality():
     message = _error("language=dp1;image=dp1", 2, modalities=["image", "audio"])
     assert "audio" in message and "no module serves audio" in message
+    assert "add an encoder module (e.g. 'audio=dp1')" in message
+    # videos go to the tower that takes them, not to a module of their own
+    message = _error("language=dp1;image=dp1", 2, modalities=["image", "video"])
+    assert "no module serves video: add video to the module of the tower that takes it (a " \
+        "Qwen-family tower serves images and video: 'image=dp1,video;language=dp1')" in message
     message = _error("language=dp1;tower=dp1", 2)
     assert "'tower' serves no modality" in message and "tower=dp1,image" in message
 

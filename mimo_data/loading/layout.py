@@ -448,10 +448,12 @@ class Layout:
                 default = (" (a config without a modalities key expands images and audio: "
                            "'modalities: {}' is text only)" if modality in ("image", "audio")
                            else "")
+                serve = ("add video to the module of the tower that takes it (a Qwen-family "
+                         "tower serves images and video: 'image=dp1,video;language=dp1')"
+                         if modality == "video" else
+                         f"add an encoder module (e.g. '{modality}=dp1')")
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
-                                  f"module serves {modality}: add an encoder module (e.g. "
-                                  f"'{modality}=dp1'; video: the Qwen2-VL tower's module "
-                                  "serves it beside images, 'image=dp1,video') or "
+                                  f"module serves {modality}: {serve} or "
                                   f"remove modalities.{modality} from the config{default} "
                                   "(such samples are then dropped and counted)")
         self._validate_batches(global_batch_size, micro_batch_size, split_media)
