@@ -315,6 +315,23 @@ def test_another_models_preprocessing_is_named_before_its_positions():
     assert f"mimo-train --preprocessing-for {llava}" in message and "mrope" not in message
 
 
+def test_another_image_token_with_the_checkpoints_tokenizer_names_the_token(vlm_data,
+                                                                           tmp_path):
+    """The checkpoint's tokenizer with LLaVA's ``<image>`` as the image token: the token to
+    give is named, not the tokenizer the config already uses."""
+    preprocess = tmp_path / "preprocess.yaml"
+    preprocess.write_text(vlm_data[1].read_text().replace('token: "<|image_pad|>"',
+                                                          'token: "<image>"'))
+    from mimo_data.preprocess.chat_tokens import load_tokenizer
+    from mimo_train.families.base import check_preprocessing
+    plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
+                                           f"data.preprocess={preprocess}"]))
+    with pytest.raises(TrainConfigError) as refused:     # as training's start-up checks it
+        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess))
+    assert str(refused.value).endswith(
+        "set modalities.image.token: '<|image_pad|>' (the token of that id)"), refused.value
+
+
 def test_a_speech_tower_beside_the_vlms_gets_a_projection_of_its_own(vlm_data):
     """A Whisper module beside the whole VLM's tower: the tower keeps the VLM's projector
     (none: Qwen2-VL's merger emits the language width, and its weights are the checkpoint's),

@@ -421,10 +421,16 @@ def _check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
     expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
     ours = tokenizer.convert_tokens_to_ids(image.token)
     if ours != vlm.image_token_id:
+        # the token the checkpoint's id names in this tokenizer: the token to give, where the
+        # tokenizer is the checkpoint's (else its own tokenizer is what differs)
+        theirs = tokenizer.convert_ids_to_tokens(vlm.image_token_id)
         raise TrainConfigError(
             f"the preprocessing tokenizer gives the image token {image.token!r} the id {ours}, "
-            f"but model.pretrained {vlm.path} expects image tokens at {vlm.image_token_id}: use "
-            f"the checkpoint's tokenizer (tokenizer: {vlm.path})")
+            f"but model.pretrained {vlm.path} expects image tokens at {vlm.image_token_id}: "
+            + (f"set modalities.image.token: {theirs!r} (the token of that id)"
+               if isinstance(theirs, str) and theirs != image.token and
+               tokenizer.convert_tokens_to_ids(theirs) == vlm.image_token_id else
+               f"use the checkpoint's tokenizer (tokenizer: {vlm.path})"))
     if tuple(tokenizer.convert_tokens_to_ids(list(image.wrap))) != vlm.image_wrap_ids:
         raise TrainConfigError(
             f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
