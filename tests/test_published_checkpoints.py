@@ -348,8 +348,10 @@ def _as_run(init: Path, target: Path, preprocess: Path) -> Path:
     for path in init.iterdir():
         if path.name not in ("meta.json", "integrity.json"):
             (target / path.name).symlink_to(path)
+    from mimo_data.preprocess.config import PreprocessConfig
     meta = json.loads((init / "meta.json").read_text())
     meta["config"]["data"]["preprocess"] = str(preprocess)
+    meta["preprocess"] = PreprocessConfig.from_yaml(str(preprocess)).to_dict()   # as trained
     (target / "meta.json").write_text(json.dumps(meta))
     integrity = json.loads((init / "integrity.json").read_text())
     integrity["files"]["meta.json"] = file_sha256(str(target / "meta.json"))
