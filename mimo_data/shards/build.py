@@ -38,9 +38,9 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (FAILED_REPORT_FILE, FORMAT_NAME, FORMAT_VERSION,
-                                    INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    modality_counts, sample_key, summary_column)
+from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
+                                    SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts, sample_key,
+                                    summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
@@ -224,7 +224,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     report = swap.into_folder(output, staging, index["totals"]["samples"], old)
     if index["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
-    _say_built(index, summary, output, report)
+    _say_built(index, summary, output, report, bool(old))
     return index
 
 
@@ -281,7 +281,7 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
             remote.write(storage.join(output, INDEX_FILE), dumps(index))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    _say_built(index, summary, output, report)
+    _say_built(index, summary, output, report, bool(old))
     return index
 
 
@@ -295,9 +295,9 @@ def _remove_staged(remote: storage.Remote, output: str) -> None:
               f"({exc}); the next build with --overwrite removes them", file=sys.stderr)
 
 
-def _say_built(index: dict, summary: str, output: str, report: str) -> None:
+def _say_built(index: dict, summary: str, output: str, report: str, replacing: bool) -> None:
     see = f" (see {report})" if index["report"]["records_skipped"] else ""
-    if report.endswith(FAILED_REPORT_FILE):
+    if replacing and not index["totals"]["samples"]:
         see += f"; the dataset at {output} is as it was"
     print(f"mimo-shard: {summary} in {index['totals']['shards']} shard(s) → {output}{see}",
           file=sys.stderr)

@@ -289,19 +289,20 @@ class _Tables:
 
 
 def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
-                         storage_options: dict | None) -> None:
+                         storage_options: dict | None) -> Counter[str]:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
     walking it); the others are counted ``duplicate_key`` and what they held taken out of the
     report's counts. The keys are never held whole: a 64-bit hash of each (8 bytes a sample,
     sorted once) finds the few candidates, whose keys are then compared themselves; the tables
-    are rewritten a batch at a time where there are duplicates."""
+    are rewritten a batch at a time where there are duplicates. Returns the samples dropped
+    from each tar."""
     path = os.path.join(staging, SAMPLES_FILE)
     hashes = _key_hashes(path)
     ordered = np.sort(hashes)
     repeated = ordered[1:][ordered[1:] == ordered[:-1]]
     del ordered
     if not len(repeated):
-        return
+        return Counter()
     candidates = np.flatnonzero(np.isin(hashes, repeated))
     keys = _keys_at(path, candidates)
     first: dict[str, int] = {}
@@ -311,7 +312,7 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
             keep[position] = False
     del hashes
     if keep.all():                  # hashes alike, keys not (one chance in ~10^19 a pair)
-        return
+        return Counter()
     dropped = _keep_rows(path, keep, SAMPLES_SCHEMA)
     dropped_records = _keep_rows(os.path.join(staging, RECORDS_FILE), keep, record_table.SCHEMA)
     report.kept -= len(dropped)
@@ -325,6 +326,7 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
          "indexes together, data.datasets: [A, B])")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
+    return Counter(dropped.column("shard").to_pylist())
 
 
 def _key_hashes(path: str) -> np.ndarray:
@@ -372,10 +374,12 @@ def _counts_of(dropped: pa.Table, records: pa.ChunkedArray, source: Source,
     (``ShardResult.counts``): their rotated videos, from the records, and what ``synthesize``
     counts, of their members read again from the tars (duplicates are few)."""
     counts: Counter[str] = Counter()
+    remote = storage.Remote(source.root, storage_options) \
+        if storage.is_remote(source.root) else None        # one client for all the reads
     for row, record in zip(dropped.select(["shard", "members"]).to_pylist(),
                            records.to_pylist()):
         location = storage.join(source.root, row["shard"])
-        data = {m["name"]: _read(location, m["offset"], m["size"], storage_options)
+        data = {m["name"]: _read(remote, location, m["offset"], m["size"])
                 for m in row["members"]}
         counts.update(synthesize(data, source.mapping).counts)
         counts[VIDEOS_ROTATED] += sum(1 for item in json.loads(record)["media"]
@@ -383,10 +387,11 @@ def _counts_of(dropped: pa.Table, records: pa.ChunkedArray, source: Source,
     return counts
 
 
-def _read(location: str, offset: int, size: int, storage_options: dict | None) -> bytes:
-    """``size`` bytes at ``offset`` of the tar at ``location`` (a path or URL)."""
-    if storage.is_remote(location):
-        return storage.Remote(location, storage_options).read_range(location, offset, size)
+def _read(remote: storage.Remote | None, location: str, offset: int, size: int) -> bytes:
+    """``size`` bytes at ``offset`` of the tar at ``location`` (a URL read through
+    ``remote``, else a path)."""
+    if remote is not None:
+        return remote.read_range(location, offset, size)
     with open(storage.local_path(location), "rb") as tar:
         return os.pread(tar.fileno(), size, offset)
 
@@ -465,13 +470,9 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     progress.close()
     _check_counts(source, walked)
     tables.close()
-    _drop_duplicate_keys(staging, report, source, storage_options)
-    if report.kept != sum(s["samples"] for s in shards):    # duplicates across tars dropped
-        counts = pc.value_counts(pq.read_table(os.path.join(staging, SAMPLES_FILE),
-                                               columns=["shard"]).column("shard"))
-        per = {c["values"]: c["counts"] for c in counts.to_pylist()}
-        for shard in shards:
-            shard["samples"] = per.get(shard["name"], 0)
+    dropped = _drop_duplicate_keys(staging, report, source, storage_options)
+    for shard in shards:                                    # duplicates across tars dropped
+        shard["samples"] -= dropped[shard["name"]]
     write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
     options_used = {k: v for k, v in asdict(options).items()
                     if k not in ("progress", "workers", "overwrite", "name")}
