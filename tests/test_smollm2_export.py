@@ -350,6 +350,24 @@ def test_a_clip_the_model_hears_only_the_start_of_is_said(generator, assets, mon
     assert capsys.readouterr().err == ""
 
 
+def test_a_prompt_longer_than_the_trained_sequences_is_said(generator, monkeypatch, capsys):
+    """A prompt whose answer may run past ``seq_length`` gets a line on stderr giving both
+    lengths; one within it none."""
+    import dataclasses
+    prompt = "Name a colour."
+    capsys.readouterr()
+    length = len(generator.generate(prompt, max_new_tokens=2).prompt_ids)
+    assert capsys.readouterr().err == ""
+    config = dataclasses.replace(generator.preprocessor.config, seq_length=length + 1)
+    monkeypatch.setattr(generator.preprocessor, "config", config)
+    generator.generate(prompt, max_new_tokens=2)
+    assert capsys.readouterr().err == (
+        f"mimo-generate: the prompt is {length} tokens (media included), up to {length + 2} "
+        f"with --max-new-tokens 2; the model trained on sequences of at most {length + 1} "
+        "(seq_length in its preprocess.yaml): answers past that length are outside what it "
+        "learned\n")
+
+
 def test_sampling_is_reproducible_from_its_seed(generator):
     """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
     only from the same seed, and never match the greedy answer by chance."""

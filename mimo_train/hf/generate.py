@@ -205,6 +205,7 @@ class Generator:
         content, order = _place_markers(prompt, files)
         built, items = self._prompt(content, order, files)
         ids = built.input_ids.to(self.device)
+        self._say_longer(len(ids), max_new_tokens)
         sampling: dict[str, Any] = dict(
             do_sample=False, max_new_tokens=max_new_tokens,
             attention_mask=torch.ones_like(ids)[None],
@@ -288,6 +289,16 @@ class Generator:
         out = self.vlm.generate(input_ids=ids[None], **kwargs, **sampling)
         return out[0, len(ids):].tolist(), {
             modality: int((ids == tokens[modality]["id"]).sum()) for modality in encoder_inputs}
+
+    def _say_longer(self, prompt: int, new: int) -> None:
+        """A line on stderr where the prompt and its answer may run past the longest sequence
+        the model trained on (``seq_length``): past it, what it answers is untested."""
+        trained = self.preprocessor.config.seq_length
+        if prompt + new > trained:
+            print(f"mimo-generate: the prompt is {prompt} tokens (media included), up to "
+                  f"{prompt + new} with --max-new-tokens {new}; the model trained on sequences "
+                  f"of at most {trained} (seq_length in its preprocess.yaml): answers past that "
+                  "length are outside what it learned", file=sys.stderr)
 
     def _say_cut(self, modality: str, path: str, item) -> None:
         """A line on stderr where the model hears only the start of a clip: one longer than
