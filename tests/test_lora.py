@@ -242,6 +242,64 @@ def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpu
         Generator(str(adapters))
 
 
+def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetune, capsys):
+    """A base changed since the run (one weight moved): ``--adapters`` refuses it (exit 1),
+    and generation refuses an export whose base changed since; a run whose fixed weights came
+    from ``model.init_from`` is refused (exit 2); a checkpoint saved before runs recorded the
+    base's digest is exported with a note, its manifest recording the digest from then on."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mimo_data.files import file_sha256
+    from mimo_train.errors import GenerateError
+    from mimo_train.hf.export import main
+    from mimo_train.hf.generate import Generator
+    _, checkpoints = finetune
+    tmp = setup["tmp"]
+    changed = tmp / "changed-base"
+    shutil.copytree(BASE, changed)
+    weights = load_file(changed / "model.safetensors")
+    name = next(iter(weights))
+    weights[name] = weights[name] + 1e-3
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+
+    def rewritten(label: str, edit) -> Path:
+        copy = copy_checkpoint(checkpoints / f"step_{TRAIN_STEPS:07d}", tmp / label)
+        meta_file = copy / f"step_{TRAIN_STEPS:07d}" / "meta.json"
+        meta = json.loads(meta_file.read_text())
+        edit(meta)
+        meta_file.write_text(json.dumps(meta))
+        integrity = meta_file.parent / "integrity.json"      # the run's own edit, as if saved
+        files = json.loads(integrity.read_text())
+        files["files"]["meta.json"] = file_sha256(str(meta_file))
+        integrity.write_text(json.dumps(files))
+        return copy
+
+    moved = rewritten("on-changed", lambda m: m["config"]["model"].update(pretrained=str(changed)))
+    capsys.readouterr()
+    assert main(["--checkpoint", str(moved), "--output", str(tmp / "x1"), "--adapters"]) == 1
+    assert f"the base model.pretrained {changed} is not the one the run trained on" in \
+        capsys.readouterr().err and not (tmp / "x1").exists()
+    init = rewritten("from-init", lambda m: m["config"]["model"].update(
+        init_from=str(checkpoints / "step_0000003")))
+    assert main(["--checkpoint", str(init), "--output", str(tmp / "x2"), "--adapters"]) == 2
+    assert "the run's fixed weights came from model.init_from" in capsys.readouterr().err
+
+    older = rewritten("unrecorded", lambda m: m.pop("lora_base"))
+    out = tmp / "unrecorded-adapters"
+    assert main(["--checkpoint", str(older), "--output", str(out), "--adapters"]) == 0
+    assert "records no digest of the base" in capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    meta = json.loads((checkpoints / f"step_{TRAIN_STEPS:07d}" / "meta.json").read_text())
+    assert manifest["adapters"] == {"base": str(BASE), "sha256": meta["lora_base"][0]["sha256"]}
+    manifest["adapters"]["base"] = str(changed)       # the base replaced after the export
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(GenerateError, match=f"trained on other weights than those of their "
+                       f"base {changed} now"):
+        Generator(str(out))
+
+
 def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):
     """Its weights without the adapters are not the model it saved."""
     from mimo_train.components.checkpoint import _check_adapters

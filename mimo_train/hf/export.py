@@ -161,6 +161,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     if adapters and not (cfg.model.lora and cfg.model.pretrained):
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
                           "(model.lora and model.pretrained): export it without --adapters")
+    base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
         weights = {name: merged(name, state, plan.adapted) for name, state in weights.items()}
@@ -173,7 +174,8 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
     try:
-        written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype)
+        written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype,
+                         base_digest)
         _as_created(staging)
         os.rename(staging, output)
     except BaseException as error:
@@ -186,6 +188,45 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     if log is not None:
         log(f"weights in {written}")
     return output
+
+
+def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
+    """The digest of ``model.pretrained``'s weights, which the adapters alone are exported
+    onto, once checked to be those the run trained on (its meta.json's ``lora_base``); None
+    for a checkpoint saved before runs recorded it (``log`` says so). The adapters alone are
+    the trained model only on that base: a run whose fixed weights came from elsewhere
+    (``model.init_from``, another ``pretrained``), or a base changed since, is refused."""
+    from mimo_train.components.digests import weights_digest
+    from mimo_train.model.lora import bases
+    others = [(key, path) for key, path in bases(cfg) if key != "model.pretrained"]
+    if others:
+        key, path = others[0]
+        raise ExportError(f"--adapters: the run's fixed weights came from {key} {path}, not "
+                          f"only from model.pretrained {cfg.model.pretrained}, which the "
+                          "adapters alone would be loaded onto: export it merged (without "
+                          "--adapters)")
+    recorded = next((base for base in meta.get("lora_base") or ()
+                     if base.get("key") == "model.pretrained"), None)
+    try:
+        digest = weights_digest(cfg.model.pretrained)
+    except (OSError, ValueError) as error:
+        raise ExportError(f"--adapters: the base model.pretrained {cfg.model.pretrained} "
+                          f"cannot be read ({error}): restore it, or export the run merged "
+                          "(without --adapters)", exit_code=1) from None
+    if recorded is None:
+        if log is not None:
+            log(f"note: {directory}/meta.json records no digest of the base (saved before "
+                "runs did): the base's weights were not checked against the trained ones")
+        return digest
+    if digest != recorded["sha256"]:
+        raise ExportError(f"--adapters: the base model.pretrained {cfg.model.pretrained} "
+                          f"is not the one the run trained on (its weights' sha256 is "
+                          f"{digest[:12]}…, meta.json's lora_base recorded "
+                          f"{recorded['sha256'][:12]}…): the adapters alone would give another "
+                          "model. Restore that base, or export the run merged (without "
+                          "--adapters): the checkpoint holds the trained base's weights",
+                          exit_code=1)
+    return digest
 
 
 def _as_created(top: str) -> None:
@@ -251,8 +292,9 @@ def _preprocess_config(cfg, directory: str, trained: dict | None):
 
 
 def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool,
-           dtype: str | None) -> str:
-    """The export in ``out``; returns which dtype its weights were written in."""
+           dtype: str | None, base_digest: str | None = None) -> str:
+    """The export in ``out`` (``base_digest``: the adapters' base's, for the manifest);
+    returns which dtype its weights were written in."""
     from mimo_data.loading.layout import LANGUAGE
     from mimo_data.preprocess.chat_tokens import load_tokenizer
 
@@ -272,7 +314,8 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
         family, written = _write_vlm(out, plan, tokenizer, weights, directory, adapters,
                                      dtype, template)
         if adapters:
-            manifest["adapters"] = {"base": cfg.model.pretrained}
+            manifest["adapters"] = {"base": cfg.model.pretrained,
+                                    **({"sha256": base_digest} if base_digest else {})}
         _write_preprocess(os.path.join(out, PREPROCESS), preprocess, ".")
         manifest.update(vlm=family, modules={}, language=".")
     else:

@@ -157,6 +157,7 @@ class Generator:
                     f"(manifest.json's adapters.base) cannot be loaded ({error}): restore it "
                     "there, or write where it is now into that manifest") from None
             if adapters:                    # LoRA adapters (PEFT's files) on their base
+                _check_base(model_dir, adapters)
                 self.vlm = _with_adapters(self.vlm, model_dir)
             self.vlm = self.vlm.to(self.device).eval()
             self.encoders: dict[str, Any] = dict.fromkeys(self.preprocessor.config.modalities)
@@ -344,6 +345,18 @@ class Generator:
             raise GenerateError(f"{error.reason}: {detail}", exit_code=1) from None
         except TextError as error:
             raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
+
+
+def _check_base(model_dir: str, adapters: dict) -> None:
+    """The adapters' base holds the weights they were trained on: its digest is the one
+    ``mimo-export --adapters`` recorded (an export without one is not checked)."""
+    from mimo_train.components.digests import weights_digest
+    if "sha256" in adapters and weights_digest(adapters["base"]) != adapters["sha256"]:
+        raise GenerateError(
+            f"--model {model_dir} holds adapters trained on other weights than those of their "
+            f"base {adapters['base']} now (manifest.json's adapters.sha256 differs from its "
+            "weights'): the adapters alone would give another model. Restore that base, or "
+            "export the run merged (mimo-export without --adapters)")
 
 
 def _with_adapters(model, model_dir: str):
