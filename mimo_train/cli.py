@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 
+from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.runtime import console
 from mimo_train.config import TrainConfig
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
+    cache_only()
     parser = _parser()
     args = parser.parse_intermixed_args(argv)     # overrides before or after the options
     console.quiet_third_party()

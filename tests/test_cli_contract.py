@@ -188,6 +188,61 @@ def _config(path, **changes):
     return path
 
 
+def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monkeypatch,
+                                                                   tmp_path, text_dataset):
+    """A hub cache laid out as huggingface_hub writes it (``models--ORG--NAME/snapshots/
+    COMMIT``, ``refs/main``) holding Qwen2-VL-2B's published files and SmolLM2's tokenizer:
+    ``mimo-train --preprocessing-for`` and ``mimo-inspect`` take their hub names with no
+    network lookup (offline, each lookup waits on retries: minutes a command); a name the
+    cache lacks is one line saying to download it (exit 2)."""
+    import shutil
+    import socket
+
+    from huggingface_hub import constants
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    cache = tmp_path / "hub"
+    for name, source in (("Qwen/Qwen2-VL-2B-Instruct",
+                          MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"),
+                         ("HuggingFaceTB/SmolLM2-135M-Instruct", REPO / "assets" / "tokenizer"
+                          / "smollm2")):
+        repo = cache / f"models--{name.replace('/', '--')}"
+        shutil.copytree(source, repo / "snapshots" / commit)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(commit)
+    shutil.copy(MODELS / "smollm2-135m-instruct" / "config.json",
+                cache / "models--HuggingFaceTB--SmolLM2-135M-Instruct" / "snapshots" / commit)
+    lookups: list = []
+
+    def looked_up(host, *args, **kwargs):
+        lookups.append(host)
+        raise OSError(f"no network here ({host})")
+    monkeypatch.setattr(socket, "getaddrinfo", looked_up)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)   # as a new process has it
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")})
+    from mimo_train.cli import main
+    from mimo_train.families.registry import preprocessing_for
+    capsys.readouterr()
+    assert main(["--preprocessing-for", "Qwen/Qwen2-VL-2B-Instruct"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and lookups == []
+    expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
+    assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct"}
+    config = _config(tmp_path / "hub.yaml", tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")
+    code, err = _main("mimo_data.inspect.cli", capsys, "sample", text_dataset, "--config",
+                      config, "--index", "0")
+    assert (code, err, lookups) == (0, "", [])
+    code, err = _main("mimo_train.cli", capsys, "--preprocessing-for",
+                      "Qwen/Qwen2-VL-7B-Instruct")
+    assert code == 2 and lookups == []
+    assert err == ("mimo-train: --preprocessing-for: the hub name 'Qwen/Qwen2-VL-7B-Instruct' "
+                   f"is not in the local hub cache ({cache}): mimo reads the cache only. "
+                   "Download it first (hf download Qwen/Qwen2-VL-7B-Instruct) with "
+                   "HF_HUB_CACHE or HF_HOME naming the cache this machine reads, or give its "
+                   "directory\n")
+
+
 @pytest.mark.parametrize("changes, named", [({"mode": "poem"}, "mode"),
                                             ({"seq_len": 8}, "seq_len"),
                                             ({"tokenizer": "./no/such/dir"}, "tokenizer:")])

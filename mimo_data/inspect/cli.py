@@ -29,6 +29,7 @@ import sys
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
 from mimo_data.inspect.checks import CHECKS, Thresholds
+from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
 _DEFAULTS = Thresholds()
@@ -414,6 +415,7 @@ def main(argv: list[str] | None = None, advisor=None) -> int:
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
+    cache_only()
     args = _parser().parse_args(argv)
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.config import PreprocessConfig

@@ -9,6 +9,7 @@ from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
 
 from mimo_data.errors import ConfigError
+from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import PreprocessConfig, looks_like_path
 
 
@@ -20,11 +21,13 @@ def load_tokenizer(config: PreprocessConfig):
         raise ConfigError(f"tokenizer: {name!r} is {os.path.abspath(os.path.expanduser(name))}, "
                           "which is not a directory (in a YAML, paths are relative to its "
                           "folder)")
+    if not os.path.isdir(os.path.expanduser(name)) and (why := not_cached(name)):
+        raise ConfigError(f"tokenizer: {why}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # hub errors, missing files, bad configs all surface here
         raise ConfigError(f"tokenizer: cannot load {name!r}: {exc} (give a local tokenizer "
-                          "directory, or a hub name reachable from here)") from None
+                          "directory, or a hub name in the local hub cache)") from None
     # one lookup per token (get_vocab makes a dict of the whole vocabulary: 0.1-0.3 s)
     missing = [m.token for m in config.modalities.values()
                if tokenizer.backend_tokenizer.token_to_id(m.token) is None]

@@ -17,6 +17,7 @@ import os
 import re
 import sys
 
+from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 
 # Nothing heavy here: pyarrow, PIL and webdataset (torch) are imported once the arguments are
@@ -147,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
+    cache_only()
     args = _parser().parse_args(argv)
     from mimo_data.worker_pool import WorkerDied
     from mimo_data.shards.index import DatasetError

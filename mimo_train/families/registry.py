@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import looks_like_path
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
@@ -162,6 +163,8 @@ def checkpoint_config(path: str, key: str):
         raise TrainConfigError(f"{key} is {path!r}: {os.path.abspath(os.path.expanduser(path))} "
                                "is not a directory (give a model directory holding config.json, "
                                "or a hub name already in the local cache)")
+    if not os.path.isdir(os.path.expanduser(path)) and (why := not_cached(path)):
+        raise TrainConfigError(f"{key}: {why}")
     try:
         return _read_config(path)
     except (OSError, ValueError) as error:

@@ -60,6 +60,7 @@ import shutil
 import sys
 import tempfile
 
+from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.errors import ExportError
 
@@ -102,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
+    cache_only()
     args = _parser().parse_args(argv)
     try:
         written = export(args.checkpoint, args.output, adapters=args.adapters,

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
@@ -90,6 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 @quiet_when_stdout_closes
 def main(argv=None) -> int:
+    cache_only()
     parser = _parser()
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:

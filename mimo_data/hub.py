@@ -1,0 +1,41 @@
+"""Hub names are read from the local hub cache only (``HF_HUB_OFFLINE=1`` unless set).
+
+mimo never downloads a model or tokenizer at run time: every rank of a job would fetch it at
+once, and a node without network would wait on transformers' retries for each file (27 s for
+an uncached name, nearly three minutes for a cached Qwen2-VL's preprocessing config) before
+reading the cache it had all along. Each command calls ``cache_only`` before it reads one."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+OFFLINE = "HF_HUB_OFFLINE"
+
+
+def cache_only() -> None:
+    """Hub reads from the local cache, no request made, unless the user set ``HF_HUB_OFFLINE``
+    (or ``TRANSFORMERS_OFFLINE``) themselves."""
+    if OFFLINE in os.environ or "TRANSFORMERS_OFFLINE" in os.environ:
+        return
+    os.environ[OFFLINE] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:            # imported already (read at import): set it there too
+        constants.HF_HUB_OFFLINE = True
+
+
+def not_cached(name: str) -> str | None:
+    """Why the hub name ``name`` cannot be read (offline, and not in the local hub cache: what
+    to do), or None where the cache holds it or downloads are allowed."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    if not constants.is_offline_mode():
+        return None
+    try:
+        snapshot_download(name, local_files_only=True)
+    except (LocalEntryNotFoundError, HFValidationError):
+        return (f"the hub name {name!r} is not in the local hub cache ({constants.HF_HUB_CACHE})"
+                f": mimo reads the cache only. Download it first (hf download {name}) with "
+                "HF_HUB_CACHE or HF_HOME naming the cache this machine reads, or give its "
+                "directory")
+    return None
