@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 OFFLINE = "HF_HUB_OFFLINE"
 
@@ -19,7 +20,7 @@ def cache_only() -> None:
     if OFFLINE in os.environ or "TRANSFORMERS_OFFLINE" in os.environ:
         return
     os.environ[OFFLINE] = "1"
-    constants = sys.modules.get("huggingface_hub.constants")
+    constants: Any = sys.modules.get("huggingface_hub.constants")
     if constants is not None:            # imported already (read at import): set it there too
         constants.HF_HUB_OFFLINE = True
 
