@@ -27,6 +27,7 @@ import errno
 import io
 import json
 import os
+import re
 import shutil
 import stat
 import tarfile
@@ -500,6 +501,42 @@ def test_an_energon_dataset_mimo_cannot_read_is_refused_with_what_to_do(tmp_path
         energon.member_map(str(tmp_path))
     assert why in str(caught.value) and "--layout pairs|conversation|documents" in \
         str(caught.value), caught.value
+
+
+@pytest.mark.parametrize("split, why", [
+    ("exclude: parts/data-1.tar\nsplit_parts: {train: ['parts/data-{0..2}.tar']}\n",
+     "exclude is 'parts/data-1.tar'; energon reads a list of tar names or brace patterns"),
+    ("split_parts: {train: 'parts/data-{0..2}.tar'}\n",
+     "split_parts.train is 'parts/data-{0..2}.tar'; energon reads a list"),
+    ("split_parts: {train: ['parts/data-{0..2.tar']}\n", "split_parts.train: Unbalanced braces"),
+    ("split_parts: {train: ['parts/data-{0..2}.tar', parts/data-0.tar]}\n",
+     "split_parts.train lists parts/data-0.tar more than once")])
+def test_a_split_yaml_energon_would_not_read_is_refused(tmp_path, split, why):
+    """What energon refuses too (a string where a list belongs: read letter by letter, the
+    excluded tar was trained on; an unbalanced brace), and a tar listed twice (its samples read
+    twice, the index's counts of it wrong): one error naming the key."""
+    from mimo_data.shards import energon
+    from mimo_data.shards.sources import SourceError
+
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "split.yaml").write_text(split)
+    with pytest.raises(SourceError, match=re.escape(why)):
+        energon.train_split(str(tmp_path))
+
+
+def test_a_field_map_naming_no_single_member_is_refused(tmp_path):
+    """energon maps a field to one member name (alternatives comma-separated in it): a list
+    is refused up front, not met by every worker."""
+    from mimo_data.shards import energon
+    from mimo_data.shards.sources import SourceError
+
+    (tmp_path / ".nv-meta").mkdir()
+    (tmp_path / ".nv-meta" / "dataset.yaml").write_text(
+        "sample_type: {__module__: megatron.energon, __class__: CaptioningSample}\n"
+        "field_map: {image: [jpg, png], caption: txt}\n")
+    with pytest.raises(SourceError, match=re.escape("field_map.image is ['jpg', 'png']; "
+                                                    "energon maps each field to one member")):
+        energon.member_map(str(tmp_path))
 
 
 def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):

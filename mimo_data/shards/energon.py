@@ -66,6 +66,11 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                else f"a {kind or 'sample type'}'s samples are made by code mimo does not run"
                if kind == "CrudeSample" else "nothing says which member is which")
         raise SourceError(f"{where}: no field_map ({why}); {OTHERWISE}")
+    odd = {field: member for field, member in fields.items() if not isinstance(member, str)}
+    if odd:
+        field, member = next(iter(odd.items()))
+        raise SourceError(f"{where}: field_map.{field} is {member!r}; energon maps each field "
+                          "to one member name (jpg, or json[key] for a key of a JSON member)")
     if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
@@ -82,14 +87,32 @@ def train_split(root: str, storage_options: dict | None = None) -> tuple[list[st
     the entries holding a ``/`` after brace expansion, ``TAR/KEY`` (TAR as split.yaml names
     it, KEY the member names' part before their first dot)."""
     split = _yaml(root, SPLIT_YAML, storage_options)
+    where = storage.join(root, META, SPLIT_YAML)
     parts = (split.get("split_parts") or {}).get("train")
     if not parts:
-        raise SourceError(f"{storage.join(root, META, SPLIT_YAML)}: no train split_parts")
-    excluded = {name for pattern in split.get("exclude") or []
-                for name in braceexpand.braceexpand(pattern)}
-    shards = [name for pattern in parts for name in braceexpand.braceexpand(pattern)
+        raise SourceError(f"{where}: no train split_parts")
+    excluded = set(_expanded(where, "exclude", split.get("exclude") or []))
+    shards = [name for name in _expanded(where, "split_parts.train", parts)
               if name not in excluded]
+    twice = sorted({name for name in shards if shards.count(name) > 1})
+    if twice:
+        raise SourceError(f"{where}: split_parts.train lists {', '.join(twice[:3])} more than "
+                          "once (each tar's samples would be read as many times): list each "
+                          "tar once")
     return shards, {name for name in excluded if "/" in name}
+
+
+def _expanded(where: str, key: str, patterns: object) -> list[str]:
+    """The names split.yaml's list ``key`` gives, brace patterns expanded; SourceError for
+    what energon refuses too (a string where a list belongs, an unbalanced brace)."""
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise SourceError(f"{where}: {key} is {patterns!r}; energon reads a list of tar names "
+                          f"or brace patterns (\"{key.split('.')[-1]}: [parts/data-{{0..9}}.tar]\" "
+                          "or one '- NAME' line each)")
+    try:
+        return [name for pattern in patterns for name in braceexpand.braceexpand(pattern)]
+    except braceexpand.UnbalancedBracesError as error:
+        raise SourceError(f"{where}: {key}: {error}") from None
 
 
 def shard_counts(root: str, storage_options: dict | None = None) -> tuple[str, dict[str, int]]:
