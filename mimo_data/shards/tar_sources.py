@@ -170,7 +170,9 @@ def _resolve(sources: list[str], options: IndexOptions,
             if missing:
                 raise IndexInputError(f"{storage.join(root, energon.META, energon.SPLIT_YAML)} "
                                       f"lists {len(missing)} tar(s) not in {root}, e.g. "
-                                      f"{missing[0]}: run `energon prepare` again")
+                                      f"{missing[0]}: restore the tar(s) (moved, or not "
+                                      "copied with the rest?), or, if they are gone for good, "
+                                      "run `energon prepare` again to list the tars there are")
             if options.layout in ("auto", "energon"):
                 named = [flag for flag, value, default in (
                     ("--media-member", options.media_member, None),
