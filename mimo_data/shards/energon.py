@@ -111,7 +111,7 @@ def _expanded(where: str, key: str, patterns: object) -> list[str]:
                           "or one '- NAME' line each)")
     try:
         return [name for pattern in patterns for name in braceexpand.braceexpand(pattern)]
-    except braceexpand.UnbalancedBracesError as error:
+    except ValueError as error:          # braceexpand.UnbalancedBracesError
         raise SourceError(f"{where}: {key}: {error}") from None
 
 
