@@ -763,6 +763,37 @@ def test_several_media_members_are_ordered_by_the_number_ending_their_names():
         assert caught.value.reason == "malformed_record" and "no order" in str(caught.value)
 
 
+def test_media_members_the_json_names_go_to_the_markers_in_its_order():
+    """A conversation JSON naming its sample's members (``"images": ["k0.1.jpg", "k0.0.jpg"]``:
+    the clock first) or a document's ``images`` naming them: the markers take them in that
+    order, not by number; names that are none of the members (the source's paths kept as
+    metadata) leave the numbers to order them; names of some of them only are refused."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+    members = {"0.jpg": b"moon", "1.jpg": b"clock"}
+
+    def media(**fields) -> list[str]:
+        conversation = {"conversations": chat("<image> is a clock, <image> the moon.", "Yes."),
+                        **fields}
+        found = synthesize({"json": json.dumps(conversation).encode(), **members},
+                           MemberMap("conversation"))
+        return [member for _, member in found.media]
+
+    assert media(images=["k0.1.jpg", "k0.0.jpg"]) == ["1.jpg", "0.jpg"]
+    assert media(images=["1.JPG", "0.jpg"]) == ["1.jpg", "0.jpg"]
+    assert media(images=["coco/clock.jpg", "coco/moon.jpg"]) == ["0.jpg", "1.jpg"]
+    assert media() == ["0.jpg", "1.jpg"]
+    with pytest.raises(RecordError, match=re.escape("KEY.json's 'images' names ['k0.1.jpg', "
+                                                    "'k0.1.jpg'], but the sample's members")):
+        media(images=["k0.1.jpg", "k0.1.jpg"])
+    document = {"texts": ["A clock:", "", "the moon:", None], "images": [None, "d2.1.jpg", "",
+                                                                          "d2.0.jpg"]}
+    found = synthesize({"json": json.dumps(document).encode(), **members},
+                       MemberMap("documents"))
+    assert [member for _, member in found.media] == ["1.jpg", "0.jpg"]
+    assert found.fields["text"].index("clock") < found.fields["text"].index("<image>")
+
+
 def test_a_conversation_member_listing_tools_keeps_them():
     """Read in place, a sample whose conversation lists tools has them on its first message,
     as at build (``records.normalize_messages``): never trained without the tools its

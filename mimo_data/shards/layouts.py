@@ -212,6 +212,34 @@ def _conversation_media(members: dict[str, bytes]) -> dict[str, list[str]]:
     return ordered
 
 
+# a conversation JSON's fields that may name its sample's media members, by modality
+_NAMING_FIELDS = {"image": ("images", "image"), "video": ("videos", "video"),
+                  "audio": ("audios", "audio")}
+
+
+def _as_named(names: list[str], refs: list, what: str) -> list[str]:
+    """One modality's members ``names`` (in numbered order) in the order the JSON's ``refs``
+    (``what``) name them, where they name members (``1.jpg``, or the file ``KEY.1.jpg``); as
+    they are where no ref names one (the source's own paths kept as metadata). RecordError
+    where the refs name some of the members only, or one twice: which medium goes with which
+    marker would be a guess."""
+    lowered = {name.lower(): name for name in names}
+
+    def member(ref) -> str | None:
+        if not isinstance(ref, str):
+            return None
+        base = ref.rsplit("/", 1)[-1].lower()
+        return lowered.get(base) or lowered.get(base.partition(".")[2])
+    named = [member(ref) for ref in refs]
+    if not any(named) or named == names:
+        return names
+    if None in named or sorted(map(str, named)) != sorted(names):
+        raise RecordError("marker_mismatch", f"{what} names {[str(r) for r in refs][:6]}, but "
+                          f"the sample's members are {names}: name each member once, in the "
+                          "order of the markers (or leave the members' numbers to order them)")
+    return [name for name in named if name is not None]
+
+
 def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     """An interleaved document: its JSON's ``texts`` + ``images``, the images by number."""
     if mapping.json not in members:
@@ -230,6 +258,7 @@ def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     if len(images) != len(refs):
         raise RecordError("marker_mismatch", f"{len(refs)} image(s) in KEY.{mapping.json}'s "
                           f"'images' but {len(images)} image member(s)")
+    images = _as_named(images, refs, f"KEY.{mapping.json}'s 'images'")
     record_id = raw.get("id")
     return Synthesized({"id": None if record_id is None else str(record_id),
                         "kind": "document", "text": text},
@@ -249,6 +278,12 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
             raw.get("objects")) if isinstance(raw, dict) else (None,) * 4
         messages = normalize_messages(turns, tools, system, objects)
         media = _conversation_media(members)
+        for modality, names in media.items():
+            key = next((k for k in _NAMING_FIELDS[modality]
+                        if isinstance(raw, dict) and raw.get(k)), None)
+            if key is not None:
+                refs = raw[key] if isinstance(raw[key], list) else [raw[key]]
+                media[modality] = _as_named(names, refs, f"KEY.{mapping.json}'s {key!r}")
         order, counts = media_markers(
             messages, {modality: len(names) for modality, names in media.items()},
             mapping.markers_first)

@@ -465,7 +465,7 @@ DOCUMENT_JOIN = "\n"
 
 def normalize_document(texts, images) -> tuple[str, list]:
     """An interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists,
-    one of the two non-null at each position) → its text with an ``<image>`` marker in each
+    one of the two non-null at each position, an empty string read as null) → its text with an ``<image>`` marker in each
     image's place (pieces joined by ``DOCUMENT_JOIN``) and its images' refs in order.
 
     RecordError: ``malformed_record`` (lists missing, of different lengths, a position with
@@ -480,6 +480,7 @@ def normalize_document(texts, images) -> tuple[str, list]:
                           f"'images' {len(images)}; they must be parallel")
     pieces, refs = [], []
     for i, (text, image) in enumerate(zip(texts, images)):
+        text, image = (None if text == "" else text), (None if image == "" else image)
         if (text is None) == (image is None):
             has = "both a text and an image" if text is not None else "neither"
             raise RecordError("malformed_record", f"position {i} has {has}; exactly one of "
