@@ -465,8 +465,9 @@ DOCUMENT_JOIN = "\n"
 
 def normalize_document(texts, images) -> tuple[str, list]:
     """An interleaved document (OBELICS / MINT-1T: parallel ``texts`` and ``images`` lists,
-    one of the two non-null at each position, an empty string read as null) → its text with an ``<image>`` marker in each
-    image's place (pieces joined by ``DOCUMENT_JOIN``) and its images' refs in order.
+    one of the two non-null at each position, an empty string read as null) → its text with
+    an ``<image>`` marker in each image's place (pieces joined by ``DOCUMENT_JOIN``) and its
+    images' refs in order.
 
     RecordError: ``malformed_record`` (lists missing, of different lengths, a position with
     both or neither), ``invalid_utf8``, ``marker_mismatch`` (a marker typed in a text),
