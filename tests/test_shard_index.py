@@ -1050,6 +1050,41 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     assert made.fields["text"] == "A photo."
 
 
+def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, tmp_path):
+    """A tar where GNU tar stored a photo's second name as a hard link (and one symbolic
+    link): the link holds no data, so its sample lacks the image; each link is counted
+    ``link_member`` by name, saying how to write the tar instead, never dropped unsaid."""
+    from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.reader import ShardReader
+
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    (tmp_path / "src").mkdir()
+    with tarfile.open(tmp_path / "src" / "links.tar", "w") as tar:
+        for name, data in (("0.jpg", photo), ("0.txt", b"A photo."), ("1.txt", b"Again."),
+                           ("2.txt", b"Once more.")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name, kind in (("1.jpg", tarfile.LNKTYPE), ("2.jpg", tarfile.SYMTYPE)):
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = kind, "0.jpg"
+            tar.addfile(info)
+    with contextlib.redirect_stderr(io.StringIO()):
+        index([str(tmp_path / "src")], str(tmp_path / "idx"),
+              IndexOptions(workers=0, progress=False, check="header", layout="pairs"))
+    reader = ShardReader(str(tmp_path / "idx"))
+    assert [reader.record(p)["key"] for p in range(len(reader))] == ["0"]
+    skipped = json.loads((tmp_path / "idx" / "report.json").read_text())["skipped_by_reason"]
+    links = skipped["link_member"]
+    assert links["count"] == 2
+    assert [entry["location"] for entry in links["first"]] == ["links.tar:1.jpg",
+                                                               "links.tar:2.jpg"]
+    assert links["first"][0]["detail"].startswith("1.jpg is a hard link to 0.jpg: a link holds "
+                                                  "no data of its own")
+    assert "--hard-dereference" in links["first"][0]["detail"]
+    assert "a symbolic link to 0.jpg" in links["first"][1]["detail"]
+
+
 def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, tmp_path):
     """Keys with dots (``img_000.v2``: webdataset splits at the first dot, members ``v2.jpg``
     and ``v2.txt``): detection names the members it saw; ``--media-member`` and

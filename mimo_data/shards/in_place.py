@@ -177,6 +177,12 @@ def index_shard(job: _Job) -> ShardResult:
                           "no data" if os.path.basename(name).startswith("._") else "a member "
                           "without a suffix (KEY.ext) belongs to no sample")
                          for name in result.walked.stray]
+        result.skips += [("link_member", f"{job.name}:{name}",
+                          f"{name} is {link}: a link holds no data of its own (webdataset skips "
+                          "it too), "
+                          "so its sample lacks that member. GNU tar stores a file's second name "
+                          "as a hard link: write the tar with --hard-dereference (symbolic "
+                          "links: -h)") for name, link in result.walked.links]
         result.seconds = time.perf_counter() - started
         return result
     if storage.is_remote(location):

@@ -94,6 +94,7 @@ class Walked:
     truncated: str = ""                 # why the tar is incomplete ("" when it is complete)
     cut_key: str = ""                   # the key being read where it ends ("": none)
     stray: list[str] = field(default_factory=list)   # members that belong to no sample
+    links: list[tuple[str, str]] = field(default_factory=list)   # (name, "a hard link to X")
 
 
 class _Hashing:
@@ -129,8 +130,9 @@ class _Hashing:
 
 def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
     """The complete samples of the tar read from ``source``; ``walked`` gets the file's size,
-    sha256, why it is truncated (then the sample being read when it ended is not yielded) and
-    members outside any sample (no suffix). NotATarError: the file is no tar at all."""
+    sha256, why it is truncated (then the sample being read when it ended is not yielded),
+    members outside any sample (no suffix) and link members (not read). NotATarError: the
+    file is no tar at all."""
     stream = _Hashing(source)
     current: Sample | None = None
     headers, reading = 0, ""
@@ -138,7 +140,10 @@ def walk(source: IO[bytes], walked: Walked) -> Iterator[Sample]:
         with tarfile.open(fileobj=stream, mode="r|") as tar:   # type: ignore[call-overload]
             for info in tar:
                 headers += 1
-                if not info.isfile():
+                if not info.isfile():                      # folders, links, devices
+                    if info.islnk() or info.issym():       # unread, as webdataset skips them
+                        kind = "a hard" if info.islnk() else "a symbolic"
+                        walked.links.append((info.name, f"{kind} link to {info.linkname}"))
                     continue
                 key, suffix = base_plus_ext(info.name)
                 if key is None or suffix is None:
