@@ -794,6 +794,22 @@ def test_media_members_the_json_names_go_to_the_markers_in_its_order():
     assert found.fields["text"].index("clock") < found.fields["text"].index("<image>")
 
 
+def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
+    """A key with a dot leaves the JSON a member ``v1.json``: the missing_json detail says
+    webdataset's first-dot rule; a JSON with other top-level keys names them, as build does."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+    for layout in ("conversation", "documents"):
+        with pytest.raises(RecordError, match="the sample has a member 'v1.json': webdataset's "
+                           "key ends at the first dot") as caught:
+            synthesize({"v1.json": b"{}", "v1.jpg": b""}, MemberMap(layout))
+        assert caught.value.reason == "missing_json"
+    with pytest.raises(RecordError, match=re.escape("KEY.json has the keys ['conversation', "
+                                                    "'id'], and a conversation's are")):
+        synthesize({"json": json.dumps({"id": 1, "conversation": chat("Hi.", "Yo.")}).encode()},
+                   MemberMap("conversation"))
+
+
 def test_a_conversation_member_listing_tools_keeps_them():
     """Read in place, a sample whose conversation lists tools has them on its first message,
     as at build (``records.normalize_messages``): never trained without the tools its

@@ -240,10 +240,20 @@ def _as_named(names: list[str], refs: list, what: str) -> list[str]:
     return [name for name in named if name is not None]
 
 
+def _dotted_hint(members: dict[str, bytes], wanted: str) -> str:
+    """Why a sample lacks ``KEY.wanted`` where its key has a dot (``conv.v1.json``: webdataset's
+    key ends at the first dot, so the member is ``v1.json``), or ""."""
+    dotted = sorted(name for name in members if name.lower().endswith(f".{wanted}"))
+    return (f"; the sample has a member {dotted[0]!r}: webdataset's key ends at the first "
+            "dot of a file name, so a key with a dot (conv.v1.json) leaves its JSON a member "
+            "'v1.json' of key 'conv'. Write keys without dots") if dotted else ""
+
+
 def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     """An interleaved document: its JSON's ``texts`` + ``images``, the images by number."""
     if mapping.json not in members:
-        raise RecordError("missing_json", f"no KEY.{mapping.json} member (the document)")
+        raise RecordError("missing_json", f"no KEY.{mapping.json} member (the document)"
+                          f"{_dotted_hint(members, mapping.json)}")
     raw = _json(members, mapping.json)
     if not isinstance(raw, dict):
         raise RecordError("malformed_record", f"KEY.{mapping.json} is not an object with "
@@ -271,11 +281,17 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
         return _document(members, mapping)
     if mapping.layout == "conversation":
         if mapping.json not in members:
-            raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)")
+            raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)"
+                              f"{_dotted_hint(members, mapping.json)}")
         raw = _json(members, mapping.json)
         turns, tools, system, objects = (
             raw.get("conversations", raw.get("messages")), tool_lists(raw), raw.get("system"),
             raw.get("objects")) if isinstance(raw, dict) else (None,) * 4
+        if isinstance(raw, dict) and turns is None:
+            raise RecordError("malformed_record", f"KEY.{mapping.json} has the keys "
+                              f"{sorted(raw)[:12]}, and a conversation's are 'messages' or "
+                              "'conversations' (role/content or from/value turns): convert "
+                              "other forms first, or give the --layout they are")
         messages = normalize_messages(turns, tools, system, objects)
         media = _conversation_media(members)
         for modality, names in media.items():
