@@ -355,6 +355,24 @@ def test_speech_manifest_lines_become_asr_samples(capsys, tmp_path, corpus, inst
         assert item["duration"] == pytest.approx(line["duration"], abs=0.01)
 
 
+def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
+    """A speech manifest saved as one JSON list (not NeMo's JSONL) is named as such; a record
+    of another form lists its keys and the forms mimo reads."""
+    line = _manifest_lines(corpus)[0]
+    records = [{"id": "chat", "conversations": [{"from": "human", "value": "Hi."},
+                                               {"from": "gpt", "value": "Hello."}]},
+               {**line, "audio_filepath": str(corpus / line["audio_filepath"])},
+               {"instruction": "Add.", "input": "1+1", "output": "2"}]
+    (tmp_path / "mixed.json").write_text(json.dumps(records))
+    build_dataset([tmp_path / "mixed.json"], tmp_path / "out")
+    details = [entry["detail"] for entry in read_json(tmp_path / "out" / "report.json")[
+        "skipped_by_reason"]["malformed_record"]["first"]]
+    assert details[0].startswith("a speech manifest's record (audio_filepath) in a JSON list: "
+                                 "a manifest is JSONL, one record per line")
+    assert details[1].startswith("no conversation: the record has the keys ['input', "
+                                 "'instruction', 'output'], and mimo reads 'messages' or")
+
+
 @pytest.mark.parametrize("name", ["manifest.jsonl", "train_manifest.json"])
 def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     """A ``duration`` off the file's by more than max(0.1 s, 2 %) is a segment of the file:

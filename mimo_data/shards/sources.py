@@ -325,6 +325,10 @@ class ConversationFile:
             _check_unread(record, media, unread, _RENAME)
             return RawRecord(id=_record_id(record.get("id")), turns=None, media=media,
                              kind="caption", text=record["caption"])
+        if turns is None and "audio_filepath" in record:
+            raise RecordError("malformed_record", "a speech manifest's record (audio_filepath) "
+                              "in a JSON list: a manifest is JSONL, one record per line, as "
+                              "NeMo writes it; write it so (a .jsonl is found to be one)")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{sorted(record)[:12]}, and mimo reads 'messages' or "
