@@ -1026,6 +1026,19 @@ def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
         "member)" in err, err
 
 
+def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_path, capsys):
+    """``tar cf x.tar *.jpg *.txt``: every image, then every caption. webdataset would read
+    each key as two samples; detection says the members are apart and how to write the tar,
+    not that the samples are of no layout (exit 2)."""
+    photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
+    write_tar(tmp_path / "src" / "apart.tar", {"0.jpg": photo, "1.jpg": photo,
+                                                "0.txt": b"A photo.", "1.txt": b"Again."})
+    code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "apart.tar: the members of one key are not together (key '0' comes " \
+        "back after other keys)" in err and "tar --sort=name" in err, err
+
+
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):
     """``KEY.JPG`` + ``KEY.TXT`` (cameras, Windows) and ``.jpg`` / ``.JPG`` in one tar: the
     layout is detected and every pair kept, its bytes read from the tar's own members; a

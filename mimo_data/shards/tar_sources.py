@@ -300,24 +300,27 @@ def _energon_above(root: str, storage_options: dict | None) -> str | None:
     return None
 
 
-def _head(root: str, names: list[str],
-          storage_options: dict | None) -> tuple[str, list[dict[str, bytes]]]:
-    """The first tar of ``names`` that holds a sample, and its first samples' members (up to
-    ``DETECT_SAMPLES``): an empty tar first, or one cut short in its first member, decides
-    nothing. ("", []) where none holds one."""
+def _head(root: str, names: list[str], storage_options: dict | None
+          ) -> tuple[str, list[dict[str, bytes]], list[str]]:
+    """The first tar of ``names`` that holds a sample, its first samples' members (up to
+    ``DETECT_SAMPLES``) and the keys met twice among them (a tar whose members of one key are
+    not together); an empty tar first, or one cut short in its first member, decides nothing.
+    ("", [], []) where none holds one."""
     for name in names:
         head: list[dict[str, bytes]] = []
+        keys: list[str] = []
         with open_tar(storage.join(root, name), storage_options) as tar:
             try:
                 for sample in walk(tar, Walked()):
                     head.append({suffix: m.data for suffix, m in sample.members.items()})
+                    keys.append(sample.key)
                     if len(head) == DETECT_SAMPLES:
                         break
             except NotATarError as exc:
                 raise IndexInputError(f"{storage.join(root, name)}: {exc}") from None
         if head:
-            return name, head
-    return "", []
+            return name, head, sorted({key for key in keys if keys.count(key) > 1})
+    return "", [], []
 
 
 def _member_map(root: str, names: list[str], options: IndexOptions,
@@ -328,7 +331,7 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
     pairs_options = options.media_member is not None or options.text_member != "txt"
     detected, first = None, ""
     if layout == "auto":
-        first, head = _head(root, names, storage_options)
+        first, head, split = _head(root, names, storage_options)
         if not first:
             raise IndexInputError(f"{root}: no sample in its {len(names)} tar(s) (empty, or cut "
                                   "short within their first member): nothing to index")
@@ -339,6 +342,13 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "and --media-member / --text-member name a caption pair's "
                                   "members: leave them out, or give --layout pairs")
         layout = detected or ("pairs" if pairs_options else "")
+        if not layout and split:
+            raise IndexInputError(f"{storage.join(root, first)}: the members of one key are not "
+                                  f"together (key {split[0]!r} comes back after other keys): "
+                                  "webdataset reads a sample as one run of members, so each "
+                                  "would be read as several samples. Write the tar with each "
+                                  "sample's files one after another (tar --sort=name, or "
+                                  "webdataset's ShardWriter)")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
