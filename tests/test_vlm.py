@@ -423,7 +423,14 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
      ["modalities.image.wrap is [], but model.pretrained", "expects each image between the "
       "tokens [49152, 49153]", "set modalities.image.wrap: ['<|vision_start|>', "
       "'<|vision_end|>']"]),
-], ids=["image-token-id", "no-wrap"])
+    # two settings another family's config has otherwise: both named, after how to write
+    # the model's own config (not one refusal a run)
+    ([('wrap: ["<|vision_start|>", "<|vision_end|>"],', ""), ("positions: mrope", "")],
+     [f"the preprocessing config is not the one model.pretrained {VLM} takes (2 settings "
+      f"differ): write its own with mimo-train --preprocessing-for {VLM} > preprocess.yaml "
+      "(then data.preprocess=preprocess.yaml), or mend each:\n  - the preprocessing config "
+      "has positions: sequential, but", "set positions: mrope\n  - modalities.image.wrap is []"]),
+], ids=["image-token-id", "no-wrap", "two-settings"])
 def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_path, change,
                                                                expected):
     """What the trainer checks in its config phase, before building anything."""

@@ -372,14 +372,21 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
     """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
     image as the checkpoint expects it: its image token, between its start and end tokens,
     with the positions its language model takes. Where it does not because its tokenizer is
-    another model's, the error says that, not which token to change."""
-    try:
-        _check_preprocessing(vlm, preprocess, tokenizer)
-    except TrainConfigError:
-        foreign = foreign_tokenizer(vlm, preprocess, tokenizer)
-        if foreign:
-            raise TrainConfigError(foreign) from None
-        raise
+    another model's, the error says that, not which token to change; where several settings
+    differ (another family's config), it names them all, after how to write the right one."""
+    problems = _preprocessing_problems(vlm, preprocess, tokenizer)
+    if not problems:
+        return
+    foreign = foreign_tokenizer(vlm, preprocess, tokenizer)
+    if foreign:
+        raise TrainConfigError(foreign)
+    if len(problems) == 1:
+        raise TrainConfigError(problems[0])
+    raise TrainConfigError(
+        f"the preprocessing config is not the one model.pretrained {vlm.path} takes "
+        f"({len(problems)} settings differ): write its own with mimo-train --preprocessing-for "
+        f"{vlm.path} > preprocess.yaml (then data.preprocess=preprocess.yaml), or mend each:"
+        + "".join(f"\n  - {problem}" for problem in problems))
 
 
 def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
@@ -408,23 +415,24 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
     return None
 
 
-def _check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
+def _preprocessing_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
+    """What in the preprocessing differs from what ``vlm`` takes, each with what to set."""
+    problems = []
     if preprocess.positions != vlm.positions:
-        raise TrainConfigError(f"the preprocessing config has positions: "
-                               f"{preprocess.positions}, but model.pretrained {vlm.path} (a "
-                               f"{vlm.family}) takes {vlm.positions} positions: set positions: "
-                               f"{vlm.positions}")
-    _check_video(vlm, preprocess, tokenizer)
+        problems.append(f"the preprocessing config has positions: {preprocess.positions}, but "
+                        f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
+                        f"positions: set positions: {vlm.positions}")
+    problems += _video_problems(vlm, preprocess, tokenizer)
     image = preprocess.modalities.get("image")
     if image is None:
-        return
+        return problems
     expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
     ours = tokenizer.convert_tokens_to_ids(image.token)
     if ours != vlm.image_token_id:
         # the token the checkpoint's id names in this tokenizer: the token to give, where the
         # tokenizer is the checkpoint's (else its own tokenizer is what differs)
         theirs = tokenizer.convert_ids_to_tokens(vlm.image_token_id)
-        raise TrainConfigError(
+        problems.append(
             f"the preprocessing tokenizer gives the image token {image.token!r} the id {ours}, "
             f"but model.pretrained {vlm.path} expects image tokens at {vlm.image_token_id}: "
             + (f"set modalities.image.token: {theirs!r} (the token of that id)"
@@ -432,10 +440,11 @@ def _check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
                tokenizer.convert_tokens_to_ids(theirs) == vlm.image_token_id else
                f"use the checkpoint's tokenizer (tokenizer: {vlm.path})"))
     if tuple(tokenizer.convert_tokens_to_ids(list(image.wrap))) != vlm.image_wrap_ids:
-        raise TrainConfigError(
+        problems.append(
             f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
             f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
             f"set modalities.image.wrap: {expected}")
+    return problems
 
 
 def _yaml(value) -> str:
@@ -445,39 +454,41 @@ def _yaml(value) -> str:
     return str(list(value)) if isinstance(value, (tuple, list)) else str(value)
 
 
-def _check_video(vlm: VLM, preprocess, tokenizer) -> None:
-    """``check_preprocessing`` of ``modalities.video``: the checkpoint's video token and wrap
+def _video_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
+    """``_preprocessing_problems`` of ``modalities.video``: the checkpoint's video token and wrap
     tokens, what its video processor feeds the tower (``VLM.video_inputs``), and its M-RoPE
     time scaling (``tokens_per_second``)."""
     video = preprocess.modalities.get("video")
     if video is None:
-        return
+        return []
     if vlm.video_token_id is None:
-        raise TrainConfigError(f"model.pretrained {vlm.path} (a {vlm.family}) takes no video: "
-                               "drop modalities.video")
+        return [f"model.pretrained {vlm.path} (a {vlm.family}) takes no video: drop "
+                "modalities.video"]
+    problems: list[str] = []
     if tokenizer.convert_tokens_to_ids(video.token) != vlm.video_token_id:
-        raise TrainConfigError(
+        problems.append(
             f"modalities.video.token is {video.token!r}, but model.pretrained {vlm.path} expects "
             f"video tokens {tokenizer.convert_ids_to_tokens(vlm.video_token_id)!r}: use it")
     if tuple(tokenizer.convert_tokens_to_ids(list(video.wrap))) != vlm.image_wrap_ids:
         expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
-        raise TrainConfigError(f"modalities.video.wrap is {list(video.wrap)}, but "
-                               f"model.pretrained {vlm.path} expects each video between "
-                               f"{expected}: set modalities.video.wrap: {expected}")
+        problems.append(f"modalities.video.wrap is {list(video.wrap)}, but model.pretrained "
+                        f"{vlm.path} expects each video between {expected}: set "
+                        f"modalities.video.wrap: {expected}")
     for key, theirs in vlm.video_inputs:
         ours = getattr(video, key)
         if not (np.shape(ours) == np.shape(theirs) and (
                 np.allclose(ours, theirs, rtol=0, atol=1e-6) if np.shape(theirs)
                 else ours == theirs)):
-            raise TrainConfigError(
+            problems.append(
                 f"modalities.video.{key} is {_yaml(ours)}, but model.pretrained {vlm.path}'s "
                 f"video processor has {_yaml(theirs)}: the tower would see other inputs than "
                 f"it was trained on, and the export would not be that model; set "
                 f"modalities.video.{key}: {_yaml(theirs)} (mimo-train --preprocessing-for "
                 f"{vlm.path} writes it)")
     if video.tokens_per_second != vlm.tokens_per_second:
-        raise TrainConfigError(
+        problems.append(
             f"modalities.video.tokens_per_second is {video.tokens_per_second}, but "
             f"model.pretrained {vlm.path} positions videos with "
             f"{vlm.tokens_per_second} (its vision config): set tokens_per_second: "
             f"{'null' if vlm.tokens_per_second is None else vlm.tokens_per_second}")
+    return problems
