@@ -395,3 +395,7 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2
     assert "manifest.json" in capsys.readouterr().err
+    for checkpoint in (smollm2.checkpoint, smollm2.checkpoint.parent):   # step, checkpoint.dir
+        assert main(["--model", str(checkpoint), "--prompt", "Hi"]) == 2
+        assert f"--model {checkpoint} is a mimo-train checkpoint, not an export: mimo-export " \
+            f"--checkpoint {checkpoint} --output OUT" in capsys.readouterr().err

@@ -85,7 +85,8 @@ class ImageConfig:
             raise ConfigError("modalities.image.crop applies to the fixed policy only: drop it "
                               "or set policy: fixed")
         if self.policy == "dynamic" and self.min_pixels > self.max_pixels:
-            raise ConfigError("modalities.image.min_pixels is above max_pixels")
+            raise ConfigError(f"modalities.image.min_pixels ({self.min_pixels}) is above "
+                              f"max_pixels ({self.max_pixels}): give min_pixels <= max_pixels")
 
 
 # EXIF orientations 5-8 rotate by 90 degrees: the decoded image has width and height swapped.

@@ -127,6 +127,11 @@ class Generator:
         from mimo_data.preprocess.preprocessor import Preprocessor
         from mimo_train.precision import run_dtype
         path = os.path.join(model_dir, MANIFEST)
+        if not os.path.isfile(path) and any(os.path.isfile(os.path.join(model_dir, name))
+                                            for name in ("meta.json", "latest")):
+            raise GenerateError(f"--model {model_dir} is a mimo-train checkpoint, not an export: "
+                                f"mimo-export --checkpoint {model_dir} --output OUT writes one, "
+                                "then mimo-generate --model OUT")
         try:
             with open(path) as f:
                 self.manifest = json.load(f)
