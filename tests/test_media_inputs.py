@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import re
 from dataclasses import replace
 
 import av
@@ -130,6 +131,13 @@ def test_settings_change_the_token_counts(images):
     counts = [[image_tokens(meta["width"], meta["height"], dynamic_config(setting))
                for _, _, meta, _ in images] for setting in DYNAMIC_SETTINGS[:3]]
     assert max(counts[0]) <= 64 < max(counts[1]) <= 256 < min(counts[2])
+
+
+def test_a_pixel_range_upside_down_is_refused_with_its_values():
+    from mimo_data.errors import ConfigError
+    with pytest.raises(ConfigError, match=re.escape("modalities.image.min_pixels (401408) is "
+                                                    "above max_pixels (200704)")):
+        ImageConfig(min_pixels=401408, max_pixels=200704)
 
 
 @pytest.mark.parametrize("size", [224, 112])
