@@ -137,7 +137,7 @@ def test_a_pixel_range_upside_down_is_refused_with_its_values():
     from mimo_data.errors import ConfigError
     with pytest.raises(ConfigError, match=re.escape("modalities.image.min_pixels (401408) is "
                                                     "above max_pixels (200704)")):
-        ImageConfig(min_pixels=401408, max_pixels=200704)
+        ImageConfig(min_pixels=401408, max_pixels=200704).validate()
 
 
 @pytest.mark.parametrize("size", [224, 112])
