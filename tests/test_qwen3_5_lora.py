@@ -273,6 +273,15 @@ def test_mixture_of_experts_layers_are_lora_targets():
                            shared_expert=True)
     with pytest.raises(TrainConfigError, match="names none of its linear layers"):
         check_language_targets(adapted("shared_experts.linear_fc1"), 4, 8)   # none here
+    # PEFT's names for the layers: the refusal names megatron-core's
+    for theirs, ours, fused in (("q_proj", "linear_qkv", ", which holds q, k and v as one "
+                                 "layer"), ("o_proj", "linear_proj", ""),
+                                ("mlp.up_proj", "linear_fc1", ", which holds gate and up as "
+                                 "one layer")):
+        with pytest.raises(TrainConfigError) as refused:
+            check_language_targets(adapted(theirs), 4)
+        assert str(refused.value).endswith(f"(transformers' {theirs} is megatron-core's {ours} "
+                                           f"here{fused}: give {ours})"), refused.value
     with pytest.raises(TrainConfigError, match="router .*stays un-adapted"):
         check_language_targets(adapted("router"), 4, 8, shared_expert=True)
     names = language_linears(4, 8, shared_expert=True)

@@ -355,13 +355,25 @@ def _sections(layer: torch.nn.Module) -> Sections | None:
     return Sections(tuple(layer.in_proj_split_names), tuple(rows))
 
 
+# transformers' (PEFT's) names of a language model's layers -> megatron-core's, which
+# model.lora.language.targets takes (q, k and v are one fused layer there, gate and up too)
+PEFT_NAMES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+              "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+              "down_proj": "linear_fc2"}
+
+
 def _check_targets(adapted: Adapted, names: set[str]) -> None:
     """Every target of ``adapted`` names one of its part's linear layers ``names``."""
     for target in adapted.spec.targets:
         if not any(matches(target, n) for n in names):
             shown = sorted({re.sub(r"\.\d+\.", ".*.", n) for n in names})
+            ours = PEFT_NAMES.get(target.rpartition(".")[2])
+            fused = {"linear_qkv": ", which holds q, k and v as one layer",
+                     "linear_fc1": ", which holds gate and up as one layer"}.get(ours or "", "")
+            hint = (f" (transformers' {target} is megatron-core's {ours} here{fused}: give "
+                    f"{ours})" if ours and any(matches(ours, n) for n in names) else "")
             raise TrainConfigError(f"model.lora.{adapted.part.name}.targets has {target!r}, "
-                                   f"which names none of its linear layers: {shown[:12]}")
+                                   f"which names none of its linear layers: {shown[:12]}{hint}")
 
 
 def bases(cfg) -> list[tuple[str, str]]:
