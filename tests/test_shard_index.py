@@ -766,32 +766,42 @@ def test_several_media_members_are_ordered_by_the_number_ending_their_names():
 def test_media_members_the_json_names_go_to_the_markers_in_its_order():
     """A conversation JSON naming its sample's members (``"images": ["k0.1.jpg", "k0.0.jpg"]``:
     the clock first) or a document's ``images`` naming them: the markers take them in that
-    order, not by number; names that are none of the members (the source's paths kept as
-    metadata) leave the numbers to order them; names of some of them only are refused."""
+    order, not by number. Names that are the source's own paths (kept as metadata) leave the
+    numbers to order them, also where they end like a member (``scene/1.jpg``); this sample's
+    files named, but not each member once, are refused."""
     from mimo_data.shards.layouts import MemberMap, synthesize
     from mimo_data.shards.records import RecordError
     members = {"0.jpg": b"moon", "1.jpg": b"clock"}
 
-    def media(**fields) -> list[str]:
-        conversation = {"conversations": chat("<image> is a clock, <image> the moon.", "Yes."),
-                        **fields}
-        found = synthesize({"json": json.dumps(conversation).encode(), **members},
-                           MemberMap("conversation"))
+    def media(images=None, key="k0", given=members, text="<image> is a clock, <image> the moon.",
+              ) -> list[str]:
+        conversation = {"conversations": chat(text, "Yes."),
+                        **({} if images is None else {"images": images})}
+        found = synthesize({"json": json.dumps(conversation).encode(), **given},
+                           MemberMap("conversation"), key)
         return [member for _, member in found.media]
 
-    assert media(images=["k0.1.jpg", "k0.0.jpg"]) == ["1.jpg", "0.jpg"]
-    assert media(images=["1.JPG", "0.jpg"]) == ["1.jpg", "0.jpg"]
-    assert media(images=["coco/clock.jpg", "coco/moon.jpg"]) == ["0.jpg", "1.jpg"]
-    assert media() == ["0.jpg", "1.jpg"]
+    assert media(["k0.1.jpg", "shards/k0.0.jpg"]) == ["1.jpg", "0.jpg"]
+    assert media(["1.JPG", "0.jpg"]) == ["1.jpg", "0.jpg"]
+    for paths in (["coco/clock.jpg", "coco/moon.jpg"], ["scene/1.jpg", "scene/2.jpg"],
+                  ["scene_b/1.jpg", "scene_a/0.jpg"], None):
+        assert media(paths) == ["0.jpg", "1.jpg"], paths
+    assert media(["coco/a.jpg", "coco/b.jpg"], given={"jpg": b"one"},
+                 text="<image> is one.") == ["jpg"]
     with pytest.raises(RecordError, match=re.escape("KEY.json's 'images' names ['k0.1.jpg', "
                                                     "'k0.1.jpg'], but the sample's members")):
-        media(images=["k0.1.jpg", "k0.1.jpg"])
+        media(["k0.1.jpg", "k0.1.jpg"])
     document = {"texts": ["A clock:", "", "the moon:", None], "images": [None, "d2.1.jpg", "",
                                                                           "d2.0.jpg"]}
     found = synthesize({"json": json.dumps(document).encode(), **members},
-                       MemberMap("documents"))
+                       MemberMap("documents"), "d2")
     assert [member for _, member in found.media] == ["1.jpg", "0.jpg"]
     assert found.fields["text"].index("clock") < found.fields["text"].index("<image>")
+    document["images"] = [None, "https://example.com/p/77/1.jpg", None,
+                          "https://example.com/p/77/2.jpg"]
+    found = synthesize({"json": json.dumps(document).encode(), **members},
+                       MemberMap("documents"), "d2")
+    assert [member for _, member in found.media] == ["0.jpg", "1.jpg"]
 
 
 def test_a_conversation_or_document_json_mimo_cannot_find_says_why():

@@ -91,7 +91,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
     where = f"{job.name}:{key}"
     data = {suffix: member.data for suffix, member in members.items()}
     try:
-        made = synthesize(data, job.mapping)
+        made = synthesize(data, job.mapping, key)
         media = []
         for modality, member in made.media:
             try:
@@ -382,12 +382,12 @@ def _counts_of(dropped: pa.Table, records: pa.ChunkedArray, source: Source,
     counts: Counter[str] = Counter()
     remote = storage.Remote(source.root, storage_options) \
         if storage.is_remote(source.root) else None        # one client for all the reads
-    for row, record in zip(dropped.select(["shard", "members"]).to_pylist(),
+    for row, record in zip(dropped.select(["key", "shard", "members"]).to_pylist(),
                            records.to_pylist()):
         location = storage.join(source.root, row["shard"])
         data = {m["name"]: _read(remote, location, m["offset"], m["size"])
                 for m in row["members"]}
-        counts.update(synthesize(data, source.mapping).counts)
+        counts.update(synthesize(data, source.mapping, row["key"]).counts)
         counts[VIDEOS_ROTATED] += sum(1 for item in json.loads(record)["media"]
                                       if item.get("rotation"))
     return counts

@@ -217,27 +217,33 @@ _NAMING_FIELDS = {"image": ("images", "image"), "video": ("videos", "video"),
                   "audio": ("audios", "audio")}
 
 
-def _as_named(names: list[str], refs: list, what: str) -> list[str]:
+def _as_named(names: list[str], refs: list, key: str, what: str) -> list[str]:
     """One modality's members ``names`` (in numbered order) in the order the JSON's ``refs``
-    (``what``) name them, where they name members (``1.jpg``, or the file ``KEY.1.jpg``); as
-    they are where no ref names one (the source's own paths kept as metadata). RecordError
-    where the refs name some of the members only, or one twice: which medium goes with which
-    marker would be a guess."""
+    (``what``) name them, where every ref names a member of its own: as the file ``KEY.1.jpg``
+    (of sample ``key``, any folder before it) or the member ``1.jpg`` alone. As they are
+    otherwise (refs that are the source's own paths, kept as metadata: ``scene/1.jpg`` names
+    nothing). RecordError where refs name this sample's files (``KEY.1.jpg``) but not each of
+    its members once: which medium goes with which marker would be a guess."""
     lowered = {name.lower(): name for name in names}
+    prefix = f"{key}.".lower()
 
-    def member(ref) -> str | None:
+    def member(ref) -> tuple[str | None, bool]:
+        """The member ``ref`` names, and whether it names it by this sample's key."""
         if not isinstance(ref, str):
-            return None
+            return None, False
         base = ref.rsplit("/", 1)[-1].lower()
-        return lowered.get(base) or lowered.get(base.partition(".")[2])
-    named = [member(ref) for ref in refs]
-    if not any(named) or named == names:
-        return names
-    if None in named or sorted(map(str, named)) != sorted(names):
+        if key and base.startswith(prefix) and base[len(prefix):] in lowered:
+            return lowered[base[len(prefix):]], True
+        return lowered.get(ref.lower()), False
+    found = [member(ref) for ref in refs]
+    named = [name for name, _ in found]
+    if None not in named and sorted(map(str, named)) == sorted(names):
+        return [str(name) for name in named]
+    if any(by_key for _, by_key in found):
         raise RecordError("marker_mismatch", f"{what} names {[str(r) for r in refs][:6]}, but "
                           f"the sample's members are {names}: name each member once, in the "
                           "order of the markers (or leave the members' numbers to order them)")
-    return [name for name in named if name is not None]
+    return names
 
 
 def _dotted_hint(members: dict[str, bytes], wanted: str) -> str:
@@ -249,8 +255,9 @@ def _dotted_hint(members: dict[str, bytes], wanted: str) -> str:
             "'v1.json' of key 'conv'. Write keys without dots") if dotted else ""
 
 
-def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
-    """An interleaved document: its JSON's ``texts`` + ``images``, the images by number."""
+def _document(members: dict[str, bytes], mapping: MemberMap, key: str) -> Synthesized:
+    """An interleaved document: its JSON's ``texts`` + ``images``, the images by number (or
+    as the ``images`` name them, ``_as_named``)."""
     if mapping.json not in members:
         raise RecordError("missing_json", f"no KEY.{mapping.json} member (the document)"
                           f"{_dotted_hint(members, mapping.json)}")
@@ -268,17 +275,19 @@ def _document(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
     if len(images) != len(refs):
         raise RecordError("marker_mismatch", f"{len(refs)} image(s) in KEY.{mapping.json}'s "
                           f"'images' but {len(images)} image member(s)")
-    images = _as_named(images, refs, f"KEY.{mapping.json}'s 'images'")
+    images = _as_named(images, refs, key, f"KEY.{mapping.json}'s 'images'")
     record_id = raw.get("id")
     return Synthesized({"id": None if record_id is None else str(record_id),
                         "kind": "document", "text": text},
                        [("image", name) for name in images])
 
 
-def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
-    """The record of a sample's members (RecordError, with its report reason, otherwise)."""
+def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = ""
+               ) -> Synthesized:
+    """The record of sample ``sample_key``'s members (RecordError, with its report reason,
+    otherwise)."""
     if mapping.layout == "documents":
-        return _document(members, mapping)
+        return _document(members, mapping, sample_key)
     if mapping.layout == "conversation":
         if mapping.json not in members:
             raise RecordError("missing_json", f"no KEY.{mapping.json} member (the conversation)"
@@ -299,7 +308,8 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap) -> Synthesized:
                         if isinstance(raw, dict) and raw.get(k)), None)
             if key is not None:
                 refs = raw[key] if isinstance(raw[key], list) else [raw[key]]
-                media[modality] = _as_named(names, refs, f"KEY.{mapping.json}'s {key!r}")
+                media[modality] = _as_named(names, refs, sample_key,
+                                            f"KEY.{mapping.json}'s {key!r}")
         order, counts = media_markers(
             messages, {modality: len(names) for modality, names in media.items()},
             mapping.markers_first)
