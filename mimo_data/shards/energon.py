@@ -8,6 +8,7 @@ needed: mimo reads the tars once and keeps its own tables.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Collection
 
 import braceexpand
@@ -94,7 +95,7 @@ def train_split(root: str, storage_options: dict | None = None) -> tuple[list[st
     excluded = set(_expanded(where, "exclude", split.get("exclude") or []))
     shards = [name for name in _expanded(where, "split_parts.train", parts)
               if name not in excluded]
-    twice = sorted({name for name in shards if shards.count(name) > 1})
+    twice = sorted(name for name, count in Counter(shards).items() if count > 1)
     if twice:
         raise SourceError(f"{where}: split_parts.train lists {', '.join(twice[:3])} more than "
                           "once (each tar's samples would be read as many times): list each "
