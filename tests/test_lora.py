@@ -163,15 +163,38 @@ def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, f
                                   "sha256": weights_digest(str(BASE))}]
 
 
+def _with_meta(step: Path, root: Path, edit) -> Path:
+    """A checkpoint.dir whose latest is a copy of ``step`` with its meta.json changed by
+    ``edit`` (its integrity manifest updated, as if the run had saved it so)."""
+    from mimo_data.files import file_sha256
+    copy = copy_checkpoint(step, root)
+    meta_file = copy / step.name / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    edit(meta)
+    meta_file.write_text(json.dumps(meta))
+    integrity = meta_file.parent / "integrity.json"
+    files = json.loads(integrity.read_text())
+    files["files"]["meta.json"] = file_sha256(str(meta_file))
+    integrity.write_text(json.dumps(files))
+    return copy
+
+
 def test_lora_resumes_under_another_layout(ranks, setup, finetune):
+    """Also: the base's digest the checkpoint records is carried to the resumed run's
+    checkpoints (its fixed weights come from the checkpoint, not from model.pretrained as it
+    is now); a marker digest stands for a base replaced since."""
     records, checkpoints = finetune
-    resumed_dir = copy_checkpoint(checkpoints / "step_0000003", setup["tmp"] / "resumed")
+    marker = "0" * 64
+    resumed_dir = _with_meta(checkpoints / "step_0000003", setup["tmp"] / "resumed",
+                             lambda meta: meta["lora_base"][0].update(sha256=marker))
     resumed = train(ranks, setup["tmp"], "resumed", "qwen2_vl_finetune.yaml",
                     "layout=image=dp1;language=tp2", f"checkpoint.dir={resumed_dir}",
                     *setup["common"], LORA, f"train.steps={TRAIN_STEPS}",
                     "train.micro_batch_size=4", "optimizer.lr=1e-2", "optimizer.min_lr=1e-3",
                     "optimizer.modules={image: {lr: 0}}", nproc=3)
     assert_continues(resumed, records, [4, 5, 6], loss=1e-4, grad_norm_rel=1e-3)
+    meta = json.loads((resumed_dir / f"step_{TRAIN_STEPS:07d}" / "meta.json").read_text())
+    assert meta["lora_base"][0]["sha256"] == marker
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +274,6 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
 
     from safetensors.torch import load_file, save_file
 
-    from mimo_data.files import file_sha256
     from mimo_train.errors import GenerateError
     from mimo_train.hf.export import main
     from mimo_train.hf.generate import Generator
@@ -265,16 +287,7 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
     save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
 
     def rewritten(label: str, edit) -> Path:
-        copy = copy_checkpoint(checkpoints / f"step_{TRAIN_STEPS:07d}", tmp / label)
-        meta_file = copy / f"step_{TRAIN_STEPS:07d}" / "meta.json"
-        meta = json.loads(meta_file.read_text())
-        edit(meta)
-        meta_file.write_text(json.dumps(meta))
-        integrity = meta_file.parent / "integrity.json"      # the run's own edit, as if saved
-        files = json.loads(integrity.read_text())
-        files["files"]["meta.json"] = file_sha256(str(meta_file))
-        integrity.write_text(json.dumps(files))
-        return copy
+        return _with_meta(checkpoints / f"step_{TRAIN_STEPS:07d}", tmp / label, edit)
 
     moved = rewritten("on-changed", lambda m: m["config"]["model"].update(pretrained=str(changed)))
     capsys.readouterr()

@@ -291,6 +291,10 @@ class Trainer:
                      lambda: checkpoint.check(directory, self.model,
                                               self.cfg.train.global_batch_size,
                                               self.cfg.model.freeze))
+        if self.cfg.model.lora and meta.get("lora_base"):
+            # the fixed weights come from the checkpoint: its base stays the one recorded,
+            # whatever model.pretrained holds now
+            self.lora_bases = meta["lora_base"]
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
