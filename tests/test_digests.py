@@ -133,3 +133,38 @@ def test_verify_refuses_an_unreadable_manifest(checkpoint):
     (directory / "integrity.json").write_text("{not json")
     with pytest.raises(IntegrityError, match="integrity.json is unreadable"):
         digests.verify(str(directory))
+
+
+def test_a_bases_digest_covers_the_weight_files_transformers_loads(tmp_path, monkeypatch):
+    """A LoRA base's digest (``weights_digest``): over the files transformers loads, so a
+    ``.bin`` or ``consolidated.safetensors`` beside them changes nothing, a changed shard
+    does; a hub cache's snapshot file is named by its blob (the file's SHA-256), not hashed
+    again."""
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                            "b": "model-00002-of-00002.safetensors"}}
+
+    def model(name: str, files: dict[str, bytes]) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file, data in files.items():
+            (folder / file).write_bytes(data)
+        return str(folder)
+
+    single = digests.weights_digest(model("single", {"model.safetensors": b"w"}))
+    assert digests.weights_digest(model("both", {"model.safetensors": b"w",
+                                                 "pytorch_model.bin": b"other"})) == single
+    assert digests.weights_digest(model("changed", {"model.safetensors": b"v"})) != single
+    shards = {"model-00001-of-00002.safetensors": b"1", "model-00002-of-00002.safetensors": b"2"}
+    sharded = digests.weights_digest(model("sharded", {
+        **shards, "model.safetensors.index.json": json.dumps(index).encode(),
+        "consolidated.safetensors": b"mistral's copy"}))
+    assert sharded == digests.weights_digest(model("shards", shards))
+    # huggingface_hub's cache: snapshots/COMMIT/model.safetensors -> ../../blobs/SHA256
+    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "c0ffee"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (blobs / _sha(b"w")).write_bytes(b"w")
+    (snapshot / "model.safetensors").symlink_to(os.path.join("..", "..", "blobs", _sha(b"w")))
+    hashed = []
+    monkeypatch.setattr(digests, "file_sha256", lambda path: hashed.append(path) or "")
+    assert digests.weights_digest(str(snapshot)) == single and hashed == []

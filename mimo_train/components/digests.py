@@ -146,15 +146,45 @@ def _size(path: str) -> int:
         return 0
 
 
+# the weight files transformers loads, in its order of preference: an index names the shards
+_WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                 ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+_BLOB = re.compile(r"[0-9a-f]{64}")
+
+
 def weights_digest(path: str) -> str:
     """One SHA-256 naming the weights at ``path``: a mimo_train checkpoint's is its
     manifest's (which holds every file's), a transformers model directory's (or cached hub
-    name's) that of its weight files' names and digests."""
+    name's) that of the names and digests of the weight files transformers loads (the
+    safetensors where both formats are there; every ``.safetensors`` / ``.bin`` where no
+    standard name is)."""
     from mimo_train.families.base import model_directory
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return file_sha256(os.path.join(path, MANIFEST))
     directory = model_directory(path)
-    listing = "".join(f"{name}:{file_sha256(os.path.join(directory, name))}\n"
-                      for name in sorted(os.listdir(directory))
-                      if name.endswith((".safetensors", ".bin")))
+    names = _loaded_weights(directory)
+    listing = "".join(f"{name}:{_file_digest(os.path.join(directory, name))}\n"
+                      for name in names)
     return hashlib.sha256(listing.encode()).hexdigest()
+
+
+def _loaded_weights(directory: str) -> list[str]:
+    """The weight files of the transformers model ``directory``, sorted."""
+    for index, single in _WEIGHT_FILES:
+        if os.path.isfile(os.path.join(directory, index)):
+            with open(os.path.join(directory, index)) as f:
+                return sorted(set(json.load(f)["weight_map"].values()))
+        if os.path.isfile(os.path.join(directory, single)):
+            return [single]
+    return sorted(name for name in os.listdir(directory)
+                  if name.endswith((".safetensors", ".bin")))
+
+
+def _file_digest(path: str) -> str:
+    """A file's SHA-256; a hub cache's snapshot file links to a blob named by it (a large
+    file's, as the hub stores it), which is read instead of hashing the file again."""
+    if os.path.islink(path):
+        blob = os.path.basename(os.path.realpath(path))
+        if _BLOB.fullmatch(blob):
+            return blob
+    return file_sha256(path)

@@ -154,16 +154,16 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
                           f"{error}") from None
     plan, meta = _run_plan(directory)
     cfg = plan.config
+    if adapters and not (cfg.model.lora and cfg.model.pretrained):
+        raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
+                          "(model.lora and model.pretrained): export it without --adapters")
+    base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
     from mimo_train.components.checkpoint import load_weights
     from mimo_train.errors import CheckpointError
     try:
         weights = load_weights(directory)
     except (CheckpointError, OSError) as error:
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
-    if adapters and not (cfg.model.lora and cfg.model.pretrained):
-        raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
-                          "(model.lora and model.pretrained): export it without --adapters")
-    base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
         weights = {name: merged(name, state, plan.adapted) for name, state in weights.items()}
@@ -225,8 +225,9 @@ def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
                           f"is not the one the run trained on (its weights' sha256 is "
                           f"{digest[:12]}…, meta.json's lora_base recorded "
                           f"{recorded['sha256'][:12]}…): the adapters alone would give another "
-                          "model. Restore that base, or export the run merged (without "
-                          "--adapters): the checkpoint holds the trained base's weights",
+                          "model. Restore that base (a hub name's cache may now hold another "
+                          "revision of it), or export the run merged (without --adapters): "
+                          "the checkpoint holds the trained base's weights",
                           exit_code=1)
     return digest
 

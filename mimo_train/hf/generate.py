@@ -153,6 +153,8 @@ class Generator:
         self.vlm: Any = None
         if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
             adapters = self.manifest.get("adapters")
+            if adapters:                    # before loading a base it would refuse
+                _check_base(model_dir, adapters)
             try:
                 self.vlm = AutoModelForImageTextToText.from_pretrained(
                     adapters["base"] if adapters else model_dir, dtype=self.dtype)
@@ -164,7 +166,6 @@ class Generator:
                     f"(manifest.json's adapters.base) cannot be loaded ({error}): restore it "
                     "there, or write where it is now into that manifest") from None
             if adapters:                    # LoRA adapters (PEFT's files) on their base
-                _check_base(model_dir, adapters)
                 self.vlm = _with_adapters(self.vlm, model_dir)
             self.vlm = self.vlm.to(self.device).eval()
             self.encoders: dict[str, Any] = dict.fromkeys(self.preprocessor.config.modalities)
@@ -358,7 +359,13 @@ def _check_base(model_dir: str, adapters: dict) -> None:
     """The adapters' base holds the weights they were trained on: its digest is the one
     ``mimo-export --adapters`` recorded (an export without one is not checked)."""
     from mimo_train.components.digests import weights_digest
-    if "sha256" in adapters and weights_digest(adapters["base"]) != adapters["sha256"]:
+    if "sha256" not in adapters:
+        return
+    try:
+        digest = weights_digest(adapters["base"])
+    except (OSError, ValueError):          # not there: loading it says so
+        return
+    if digest != adapters["sha256"]:
         raise GenerateError(
             f"--model {model_dir} holds adapters trained on other weights than those of their "
             f"base {adapters['base']} now (manifest.json's adapters.sha256 differs from its "
