@@ -1045,8 +1045,15 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
                                                 "0.txt": b"A photo.", "1.txt": b"Again."})
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
-    assert code == 2 and "apart.tar: the members of one key are not together (key '0' comes " \
-        "back after other keys)" in err and "tar --sort=name" in err, err
+    assert code == 2 and "apart.tar: the members of one key are apart (key '0' comes back " \
+        "after other keys)" in err and "tar -cf x.tar --sort=name -C FOLDER ." in err, err
+    # more samples than detection reads: each of them one jpg
+    write_tar(tmp_path / "many" / "apart.tar", {
+        **{f"{n}.jpg": photo for n in range(20)}, **{f"{n}.txt": b"A." for n in range(20)}})
+    code, _, err = cli_main(capsys, "index", tmp_path / "many", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "apart.tar: each of its first 16 samples is one jpg member. If the " \
+        "tar holds their other files further on, the members of one key are apart" in err, err
 
 
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):

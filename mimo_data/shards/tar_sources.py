@@ -342,13 +342,23 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "and --media-member / --text-member name a caption pair's "
                                   "members: leave them out, or give --layout pairs")
         layout = detected or ("pairs" if pairs_options else "")
-        if not layout and split:
-            raise IndexInputError(f"{storage.join(root, first)}: the members of one key are not "
-                                  f"together (key {split[0]!r} comes back after other keys): "
-                                  "webdataset reads a sample as one run of members, so each "
-                                  "would be read as several samples. Write the tar with each "
-                                  "sample's files one after another (tar --sort=name, or "
-                                  "webdataset's ShardWriter)")
+        lone = {suffix for members in head for suffix in members} \
+            if all(len(members) == 1 for members in head) else set()
+        if not layout and (split or len(lone) == 1):
+            rewrite = ("webdataset reads a sample as one run of members, so each would be read "
+                       "as several samples. Write the tar with each sample's files one after "
+                       "another (tar -cf x.tar --sort=name -C FOLDER . ; tar cf x.tar *.jpg "
+                       "*.txt keeps the order given), or with webdataset's ShardWriter")
+            if split:
+                raise IndexInputError(f"{storage.join(root, first)}: the members of one key "
+                                      f"are apart (key {split[0]!r} comes back after other "
+                                      f"keys): {rewrite}")
+            suffix = lone.pop()
+            raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
+                                  f"samples is one {suffix} member. If the tar holds their "
+                                  "other files further on, the members of one key are apart: "
+                                  f"{rewrite}. If it holds {suffix} files alone, nothing in it "
+                                  "is a caption or conversation to train on")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
