@@ -153,6 +153,9 @@ def pytest_configure(config) -> None:
     # which a forked rank's os._exit never removes; its core writes logs under ~/.cache
     os.environ["TMPDIR"] = str(folder)
     os.environ.update({name: str(folder / name.lower()) for name in WANDB_DIRS})
+    # as every mimo command runs (mimo_data.hub.cache_only): the same hub reads in every test,
+    # not from whichever test first calls a command in-process
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     tempfile.tempdir = None                         # read TMPDIR again
 
 
