@@ -5,11 +5,13 @@ check and worker count, then the first and later start-up's seconds and memory p
 Tars in img2dataset's layout (``KEY.jpg`` + ``KEY.txt`` + ``KEY.json``, written by webdataset's
 ``ShardWriter`` from the corpus photos, cycled) of ``--samples`` samples are indexed with 1 and 2
 workers (``--check decode``, the default, and ``header``); the command's own throughput line is
-printed. That index is then scaled to each of ``--sizes`` by hard-linking its tars into more
-folders and repeating the rows of its ``samples.parquet`` and ``records.parquet`` (keys
-renumbered; derived tables written before the clock starts), and a language rank's start-up
-(open, first batch; ``bench_scale.measure``) is measured there, first start (token table
-computed) and later start (saved).
+printed, with its per-worker rate over webdataset's own pipeline reading the same tars in this
+process (``.decode("pil")`` for decode), measured in the same run. That index is then scaled
+to each of ``--sizes`` by hard-linking its tars into more folders and repeating the rows of
+its ``samples.parquet`` and ``records.parquet`` (keys renumbered; derived tables written
+before the clock starts), and a language rank's start-up (open, first batch;
+``bench_scale.measure``) is measured there, first start (token table computed) and later
+start (saved).
 
 Target: later start growing by at most 0.5 s per million samples (``bench_scale``'s).
 
@@ -20,10 +22,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -58,6 +62,21 @@ def index_throughput(tars: str, out: str, workers: int, check: str) -> str:
     if result.returncode:
         raise RuntimeError(f"mimo-shard index failed:\n{result.stderr[-3000:]}")
     return [line for line in result.stderr.splitlines() if "per worker" in line][-1]
+
+
+def webdataset_rate(tars: str, decode: bool) -> float:
+    """Samples a second of webdataset's own pipeline over the same tars in this process (the
+    baseline, run in the same run): every image decoded to RGB by ``.decode("pil")`` (which
+    loads and converts it) for ``--check decode``, the samples alone for ``header``."""
+    import webdataset
+
+    urls = sorted(os.path.join(tars, name) for name in os.listdir(tars) if name.endswith(".tar"))
+    dataset = webdataset.WebDataset(urls, shardshuffle=False, empty_check=False)
+    if decode:
+        dataset = dataset.decode("pil")
+    started = time.perf_counter()
+    count = sum(1 for _ in dataset)
+    return count / (time.perf_counter() - started)
 
 
 def scaled_index(base: str, copies: int, out: str) -> str:
@@ -114,11 +133,18 @@ def main() -> None:
         tars = os.path.join(work, "tars")
         write_tars(args.corpus, args.samples, tars)
         for check in ("decode", "header"):
+            baseline = webdataset_rate(tars, check == "decode")
+            print(f"webdataset{'.decode(\'pil\')' if check == 'decode' else ''} in one "
+                  f"process: {baseline:.0f} samples/s (load {os.getloadavg()[0]:.1f})")
             for workers in (1, 2):
                 line = index_throughput(tars, os.path.join(work, f"index-{check}-{workers}"),
                                         workers, check)
-                print(f"--check {check} --workers {workers}: {line.split(': ', 1)[1]} "
-                      f"(load {os.getloadavg()[0]:.1f})")
+                found = re.search(r"(\d+) samples/s", line)          # per worker
+                assert found, line
+                rate = float(found[1])
+                print(f"--check {check} --workers {workers}: {line.split(': ', 1)[1]}; per "
+                      f"worker {rate / baseline:.2f}x webdataset's (load "
+                      f"{os.getloadavg()[0]:.1f})")
         base = os.path.join(work, "index-decode-1")
         start_table(((size, scaled_index(base, size // args.samples,
                                           os.path.join(work, f"x{size}")))

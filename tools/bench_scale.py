@@ -167,6 +167,8 @@ def start_table(datasets: Iterable[tuple[int, str]], config: str) -> dict[int, d
               f"{later['anonymous_kb'] / 1024:7.1f} MB  {first['load']:.1f}, "
               f"{later['load']:.1f}")
     small, large = min(starts), max(starts)
+    if small == large:                  # one size: no growth to measure
+        return starts
     growth = (starts[large]["seconds"] - starts[small]["seconds"]) * 1e6 / (large - small)
     print(f"later start at {large} / at {small}: "
           f"{starts[large]['seconds'] / starts[small]['seconds']:.2f}x; it grows "
