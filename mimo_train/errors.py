@@ -28,10 +28,14 @@ class EncoderBuildError(MimoTrainError, ValueError):
 
 class CheckpointError(MimoTrainError, RuntimeError):
     """A checkpoint that cannot be used here; the message says why and what to do.
-    ``damaged``: its data failed a check (exit status 1), else it does not fit the run (2)."""
+    ``damaged``: its data failed a check (exit status 1), else it does not fit the run (2);
+    then ``what`` is wrong with it and ``earlier`` names the newest earlier readable one ("":
+    none), for a command whose advice is not training's."""
 
-    def __init__(self, message: str, damaged: bool = False):
+    def __init__(self, message: str, damaged: bool = False, what: str = "",
+                 earlier: str = ""):
         super().__init__(message, 1 if damaged else 2)
+        self.what, self.earlier = what, earlier
 
 
 class IntegrityError(MimoTrainError, RuntimeError):

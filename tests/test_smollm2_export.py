@@ -187,6 +187,21 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     (incomplete / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
     assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists()
+    assert "is damaged: " in (err := capsys.readouterr().err) and \
+        err.endswith("no earlier checkpoint is beside it to export: restore it from a copy\n")
+    # an earlier one beside it (its manifest and meta.json are what is looked at): named to
+    # export, not training's advice to resume from it
+    (tmp_path / "ck").mkdir()
+    earlier = tmp_path / "ck" / "step_0000001"
+    earlier.mkdir()
+    for name in ("meta.json", "integrity.json"):
+        (earlier / name).write_text((smollm2.checkpoint / name).read_text())
+    later = tmp_path / "ck" / "step_0000002"
+    later.mkdir()
+    (later / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
+    assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"export the newest earlier one instead: mimo-export --checkpoint {earlier}\n")
 
 
 @pytest.mark.parametrize("language, message", [

@@ -751,7 +751,8 @@ def _damaged(directory: str, what: str) -> CheckpointError:
     else:
         instead = (f"no earlier checkpoint is in {root}: start over in another "
                    f"checkpoint.dir (or remove {directory} and {os.path.join(root, LATEST)})")
-    return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True)
+    return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True,
+                           what=what, earlier=earlier[0] if earlier else "")
 
 
 def _meta_reads(directory: str) -> bool:

@@ -162,7 +162,14 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     from mimo_train.errors import CheckpointError
     try:
         weights = load_weights(directory)
-    except (CheckpointError, OSError) as error:
+    except CheckpointError as error:
+        if not error.what:
+            raise ExportError(f"{directory}: {error}", exit_code=1) from None
+        raise ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
+            f"export the newest earlier one instead: mimo-export --checkpoint {error.earlier}"
+            if error.earlier else "no earlier checkpoint is beside it to export: restore it "
+            "from a copy"), exit_code=1) from None
+    except OSError as error:
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
