@@ -1,8 +1,8 @@
 """Hub names are read from the local hub cache only (``HF_HUB_OFFLINE=1`` unless set).
 
-mimo never downloads a model or tokenizer at run time: every rank of a job would fetch it at
-once, and a node without network would wait on transformers' retries for each file (27 s for
-an uncached name, nearly three minutes for a cached Qwen2-VL's preprocessing config) before
+By default mimo downloads no model or tokenizer at run time: every rank of a job would fetch
+it at once, and a node without network would wait on transformers' retries for each file (27 s
+for an uncached name, nearly three minutes for a cached Qwen2-VL's preprocessing config) before
 reading the cache it had all along. Each command calls ``cache_only`` before it reads one."""
 
 from __future__ import annotations

@@ -173,7 +173,10 @@ def _loaded_weights(directory: str) -> list[str]:
     for index, single in _WEIGHT_FILES:
         if os.path.isfile(os.path.join(directory, index)):
             with open(os.path.join(directory, index)) as f:
-                return sorted(set(json.load(f)["weight_map"].values()))
+                shards = json.load(f).get("weight_map")
+            if not isinstance(shards, dict):
+                raise ValueError(f"{os.path.join(directory, index)} has no weight_map")
+            return sorted(set(shards.values()))
         if os.path.isfile(os.path.join(directory, single)):
             return [single]
     return sorted(name for name in os.listdir(directory)
