@@ -30,3 +30,18 @@ def test_a_checkpoint_with_a_projection_the_model_lacks_is_refused():
                                 f"{image}input_projections.0.0.bias": (8,)}, saved, meta)
     _check_projections("ckpt", {"language_model.module.embedding.word_embeddings.weight":
                                 (32, 8)}, saved, meta)
+
+
+def test_a_resumed_lora_runs_other_alpha_is_refused():
+    """The adapters' weights have the same shapes under another ``alpha``, which scales them:
+    resumed so, they would give another model without a word. The checkpoint's part without
+    this run's adapters, or the same alpha, passes."""
+    from mimo_train.components.checkpoint import check_lora_scale
+    from mimo_train.config import LoraConfig
+    meta = {"config": {"model": {"lora": {"language": {"rank": 4, "alpha": 8.0}}}}}
+    with pytest.raises(CheckpointError, match=r"checkpoint ck's adapters of language trained "
+                       r"with model.lora.language.alpha 8, this run has 64: the same weights "
+                       r"would give another model .* resume with alpha 8"):
+        check_lora_scale("ck", meta, {"language": LoraConfig(rank=4, alpha=64)})
+    check_lora_scale("ck", meta, {"language": LoraConfig(rank=4, alpha=8),
+                                  "image.encoder": LoraConfig(alpha=2)})

@@ -485,6 +485,22 @@ def check(directory: str, model, global_batch_size: int | None,
     return meta
 
 
+def check_lora_scale(directory: str, meta: dict, lora: dict) -> None:
+    """A resumed run's adapters keep the checkpoint's scale: its ``model.lora`` ``alpha`` of
+    each part this run adapts (``lora``: part -> LoraConfig). The weights have the same shapes
+    under another alpha, and ``alpha / rank * B A`` would give another model."""
+    saved = ((meta.get("config") or {}).get("model") or {}).get("lora") or {}
+    for part, spec in lora.items():
+        theirs = (saved.get(part) or {}).get("alpha") if isinstance(saved, dict) else None
+        if theirs is not None and float(theirs) != float(spec.alpha):
+            raise CheckpointError(
+                f"checkpoint {directory}'s adapters of {part} trained with model.lora.{part}."
+                f"alpha {theirs:g}, this run has {spec.alpha:g}: the same weights would give "
+                f"another model (the adapters scaled by alpha / rank); resume with alpha "
+                f"{theirs:g}, or start a new run from its weights (model.init_from) in another "
+                "checkpoint.dir")
+
+
 def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
            ) -> CheckpointError:
     """Why a checkpoint lacks weights this rank's modules have (``missing``), in config

@@ -287,10 +287,12 @@ class Trainer:
         phase("init_from", f"weights loaded from {directory}", load)
 
     def _resume(self, directory: str) -> None:
-        meta = phase("checkpoint check", f"checkpoint {directory} checked",
-                     lambda: checkpoint.check(directory, self.model,
-                                              self.cfg.train.global_batch_size,
-                                              self.cfg.model.freeze))
+        def checked() -> dict:
+            meta = checkpoint.check(directory, self.model, self.cfg.train.global_batch_size,
+                                    self.cfg.model.freeze)
+            checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora)
+            return meta
+        meta = phase("checkpoint check", f"checkpoint {directory} checked", checked)
         if self.cfg.model.lora and meta.get("lora_base"):
             # the fixed weights come from the checkpoint: its base stays the one recorded,
             # whatever model.pretrained holds now
