@@ -173,7 +173,7 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
 
 
 def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, tmp_path,
-                                                                      capsys):
+                                                                      capsys, monkeypatch):
     from mimo_train.hf.export import main
 
     assert main(["--checkpoint", str(smollm2.checkpoint), "--output",
@@ -202,6 +202,29 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.endswith(
         f"export the newest earlier one instead: mimo-export --checkpoint {earlier}\n")
+    # a step caught mid-save (its tensors, meta.json not yet written): the save, not usage
+    saving = tmp_path / "ck" / "step_0000003"
+    saving.mkdir()
+    (saving / "__0_0.distcp").write_bytes(b"")
+    assert main(["--checkpoint", str(saving), "--output", str(tmp_path / "out")]) == 1
+    assert f"--checkpoint {saving} holds no meta.json: its save did not finish" in \
+        capsys.readouterr().err
+    # removed while it is read (a run still saving there, with checkpoint.keep_last)
+    import shutil
+
+    from mimo_train.components import checkpoint
+    from mimo_train.errors import CheckpointError
+    shutil.rmtree(saving)
+    (tmp_path / "ck" / "latest").write_text("step_0000002")
+
+    def removed(directory):
+        shutil.rmtree(directory)
+        raise CheckpointError(f"checkpoint {directory}: no such directory")
+    monkeypatch.setattr(checkpoint, "load_weights", removed)
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
+    assert f"{later} was removed while it was exported (a run still saving to its " \
+        f"checkpoint.dir, whose checkpoint.keep_last removes older steps?): export again " \
+        f"(--checkpoint {tmp_path / 'ck'} takes the latest)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("language, message", [

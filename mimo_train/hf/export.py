@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -118,10 +119,15 @@ def main(argv=None) -> int:
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
     of a checkpoint.dir."""
-    from mimo_train.components.checkpoint import step_of
+    from mimo_train.components.checkpoint import STEP_NAME, step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = step_of(path) if os.path.isdir(path) else path
+    if found == path and os.path.isdir(path) and re.fullmatch(STEP_NAME, _name(path)):
+        raise ExportError(f"--checkpoint {path} holds no meta.json: its save did not finish "
+                          "(or is still under way, meta.json is written last); export an "
+                          "earlier step_* directory, or this one once its run has saved it",
+                          exit_code=1)
     if found == path:
         what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
         raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
@@ -152,7 +158,11 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     except OSError as error:
         raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
                           f"{error}") from None
-    plan, meta = _run_plan(directory)
+    try:
+        plan, meta = _run_plan(directory)
+    except ExportError:
+        _say_if_gone(directory, checkpoint)
+        raise
     cfg = plan.config
     if adapters and not (cfg.model.lora and cfg.model.pretrained):
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
@@ -163,6 +173,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     try:
         weights = load_weights(directory)
     except CheckpointError as error:
+        _say_if_gone(directory, checkpoint)
         if not error.what:
             raise ExportError(f"{directory}: {error}", exit_code=1) from None
         raise ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
@@ -170,6 +181,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
             if error.earlier else "no earlier checkpoint is beside it to export: restore it "
             "from a copy"), exit_code=1) from None
     except OSError as error:
+        _say_if_gone(directory, checkpoint)
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
@@ -197,6 +209,21 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     if log is not None:
         log(f"weights in {written}")
     return output
+
+
+def _name(path: str) -> str:
+    return os.path.basename(os.path.normpath(path))
+
+
+def _say_if_gone(directory: str, given: str) -> None:
+    """ExportError where the step ``directory`` (of ``--checkpoint given``) was removed while
+    it was read: a run still saving there removes older steps (``checkpoint.keep_last``)."""
+    if os.path.isdir(directory):
+        return
+    raise ExportError(f"{directory} was removed while it was exported (a run still saving to "
+                      "its checkpoint.dir, whose checkpoint.keep_last removes older steps?): "
+                      f"export again (--checkpoint {given} takes the latest), or a step that "
+                      "run keeps", exit_code=1)
 
 
 def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
