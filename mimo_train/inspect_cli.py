@@ -21,9 +21,14 @@ def advisor(request, config, workload: dict) -> int:
     return advise(request, config, workload)
 
 
+def layout_refusal(request, config) -> str | None:
+    from mimo_train.planning.advisor.advise import layout_refusal as refusal
+    return refusal(request, config)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mimo_data.inspect.cli import main as inspect_main
-    return inspect_main(argv, advisor=advisor)
+    return inspect_main(argv, advisor=advisor, layout_refusal=layout_refusal)
 
 
 if __name__ == "__main__":

@@ -619,6 +619,19 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                         "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--layout" in err
+    # one layout with --model and no --gpus: the trainer's rules for that model, then the
+    # plan of that layout; a layout it refuses exits 2 as mimo-train would (its 2 heads do not
+    # split over tp4), without mimo_train said to need it
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
+                           LAYOUTS["language dp1"], main=main)
+    assert code == 0 and "(non-colocated, 4 ranks): valid" in out, (out, err)
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
+                           "image=dp1;language=tp4", main=main)
+    assert code == 2 and "--layout image=dp1;language=tp4: mimo-train refuses it for --model " \
+        f"{path}: " in err and "attention heads" in err, err
+    code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
+                         LAYOUTS["language dp1"], main=data_main)
+    assert code == 2 and "--model (the trainer's rules) needs mimo_train" in err, err
     # a micro batch that does not divide the global batch: a usage error, not "no layout fits"
     code, out, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--model",
                           path, "--gpus", 2, "--global-batch-size", 8, "--micro-batch-size", 3)

@@ -344,7 +344,7 @@ def _report(args, config) -> int:
     return 1 if failures else 0
 
 
-def _plan(args, config, advisor=None) -> int:
+def _plan(args, config, advisor=None, layout_refusal=None) -> int:
     try:
         from mimo_data.inspect.plan import run_plan
     except ImportError as exc:
@@ -370,7 +370,20 @@ def _plan(args, config, advisor=None) -> int:
               "give a global batch that is a multiple of micro batch × the language "
               "module's dp", file=sys.stderr)
         return 2
-    if args.gpus is None and args.model is None and not clip:
+    if args.gpus is None and args.model is not None and args.layout is not None and not clip:
+        # one layout checked against the trainer's rules for that model, then drawn as below
+        if layout_refusal is None:
+            print("mimo-inspect plan: error: --model (the trainer's rules) needs mimo_train: run "
+                  "the mimo-inspect command of a full install (mimo_train.inspect_cli), not "
+                  "python -m mimo_data.inspect.cli", file=sys.stderr)
+            return 2
+        from mimo_data.inspect.advice import AdvisorRequest
+        reason = layout_refusal(AdvisorRequest.from_args(args), config)
+        if reason is not None:
+            print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
+                  f"for --model {args.model}: {reason}", file=sys.stderr)
+            return 2
+    if args.gpus is None and not clip:
         if args.layout is None:
             print("mimo-inspect plan: error: give --layout L (or --model M --gpus N for the "
                   "layout advisor)", file=sys.stderr)
@@ -410,11 +423,12 @@ def _plan(args, config, advisor=None) -> int:
 
 
 @quiet_when_stdout_closes
-def main(argv: list[str] | None = None, advisor=None) -> int:
+def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
-    config, workload) -> exit status`` with an ``advice.AdvisorRequest``
-    (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
-    imports mimo_train)."""
+    config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
+    why the trainer refuses ``plan --layout L --model M``'s layout, ``layout_refusal(request,
+    config) -> str | None`` (``mimo_train.inspect_cli`` passes mimo_train's; the import runs
+    one way: mimo_data never imports mimo_train)."""
     cache_only()
     args = _parser().parse_args(argv)
     from mimo_data.errors import ConfigError
@@ -426,7 +440,7 @@ def main(argv: list[str] | None = None, advisor=None) -> int:
     try:
         config = PreprocessConfig.from_yaml(args.config)
         if args.command == "plan":
-            return _plan(args, config, advisor)
+            return _plan(args, config, advisor, layout_refusal)
         return {"sample": _sample, "report": _report}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         error, status = str(exc), 1 if is_remote(args.directory) or \

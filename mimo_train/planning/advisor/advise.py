@@ -44,6 +44,21 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
     return 0 if report["ranked"] else 1
 
 
+def layout_refusal(request: AdvisorRequest, config) -> str | None:
+    """Why the trainer refuses ``request.layout`` for ``request.model`` with every setting the
+    advisor would try (``plan --layout L --model M``: one layout, no ranking), or None; the
+    model's own refusal where it cannot be read."""
+    from mimo_train.errors import TrainConfigError
+    layout = Layout.parse(request.layout)
+    served = {m: module for m, module in layout.modalities.items() if m in config.modalities}
+    try:
+        model = read_model(request.model, request.config, config, served, request.precision)
+    except (TrainConfigError, OSError, ValueError) as error:
+        return f"--model {request.model}: {error}"
+    packing = model.packing if model.packing is not None else request.packing
+    return refused(model, layout, request, packing)
+
+
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
                 expanded: list[str]) -> dict:
     """The advisor's report (JSON-ready) of ``model`` on ``workload`` for ``request``."""
