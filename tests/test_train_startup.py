@@ -154,6 +154,10 @@ CASES = [
     ("a validation set smaller than a global batch", "default",
      ["data.valid=[{tmp}/one]", "train.eval_interval=2"], "data",
      ["data.valid ({tmp}/one): an epoch holds 1 kept samples, fewer than one global batch"]),
+    ("more samples dropped than data.max_dropped_fraction", "image",
+     ["layout=image=dp1;language=dp2", "data.max_dropped_fraction=0.01"], "data",
+     ["data.datasets: preprocessing drops ", "more than data.max_dropped_fraction 0.01: ",
+      "mimo-inspect report names them"]),
     ("a validation set given twice", "default",
      ["data.valid=[{tmp}/corpus,{tmp}/corpus]", "train.eval_interval=2"], "config",
      ["data.valid gives {tmp}/corpus twice: each of its samples would count twice in the "

@@ -103,6 +103,22 @@ def variable_token_modalities(config: PreprocessConfig) -> list[str]:
             if MODALITIES[name].variable_tokens(modality_config)]
 
 
+class TooManyDropped(ValueError):
+    """More of the data's samples dropped by preprocessing than ``data.max_dropped_fraction``."""
+
+
+def check_dropped(source: DataSource, limit: float, key: str = "data.datasets") -> None:
+    """Raise TooManyDropped where preprocessing drops more than ``limit`` of ``source``'s
+    samples (too long, damaged media ...: counted by the token tables before any step)."""
+    tally = source.tally
+    if tally.seen and tally.skipped_total / tally.seen > limit:
+        raise TooManyDropped(
+            f"{key}: preprocessing drops {tally.skipped_total} of {tally.seen} samples "
+            f"({tally.skipped_total / tally.seen:.0%}), more than data.max_dropped_fraction "
+            f"{limit:g}: {tally.summary()}. mimo-inspect report names them; raise seq_length "
+            "or the media budgets, mend the data, or raise the limit")
+
+
 def check_even_split(source: DataSource, layout: Layout) -> None:
     """Raise LayoutError when an encoder's output must be split evenly but the data's token
     counts per sample differ (the trainer and ``mimo-inspect plan`` check this; the loader

@@ -84,6 +84,9 @@ class DataConfig:
     # images whole, a clip cut between temporal patches (one long clip over several ranks);
     # off: each encoder rank encodes whole samples. Qwen2-VL-family towers only
     split_media: bool = False
+    # refuse to start (exit 1) where preprocessing drops more than this fraction of
+    # data.datasets' samples (too long, damaged media ...); None: any, said at start-up
+    max_dropped_fraction: Annotated[float, Range(0, 1)] | None = None
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.loading.layout import LANGUAGE, Layout
-from mimo_data.loading.loader import (DataSource, build_loader, check_even_split,
+from mimo_data.loading.loader import (DataSource, build_loader, check_dropped, check_even_split,
                                       variable_token_modalities)
 from mimo_data.loading.sample_order import OrderError
 from mimo_data.loading.token_table import Partition
@@ -348,6 +348,8 @@ class Trainer:
 
         train_source = source(cfg.data.datasets, cfg.data.weights)
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
+        if cfg.data.max_dropped_fraction is not None:
+            check_dropped(train_source, cfg.data.max_dropped_fraction)
         check_even_split(train_source, self.layout)
         return loader(train_source, "data.datasets"), \
             valid_source and loader(valid_source, "data.valid")
