@@ -112,8 +112,13 @@ def _print_preprocessing(path: str) -> int:
     except TrainConfigError as error:
         print(f"{console.PREFIX}{error}", file=sys.stderr)
         return 2
-    print(f"# The preprocessing config for {path} (mimo-train --preprocessing-for); add "
-          "seq_length and the other modalities to taste.")
+    from mimo_data.preprocess.config import PreprocessConfig
+    seq_length = PreprocessConfig.seq_length          # mimo's default, written out to be seen
+    data = {key: value for key, value in data.items() if key != "modalities"} | {
+        "seq_length": seq_length, "modalities": data["modalities"]}
+    print(f"# The preprocessing config for {path} (mimo-train --preprocessing-for). seq_length "
+          f"{seq_length} is mimo's default: set it to your samples' length (longer ones are "
+          "dropped; mimo-inspect report counts them); add other modalities to taste.")
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 

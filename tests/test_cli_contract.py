@@ -228,7 +228,8 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     out, err = capsys.readouterr()
     assert err == "" and lookups == []
     expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
-    assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct"}
+    assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct",
+                                   "seq_length": 1024}
     config = _config(tmp_path / "hub.yaml", tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")
     code, err = _main("mimo_data.inspect.cli", capsys, "sample", text_dataset, "--config",
                       config, "--index", "0")

@@ -349,6 +349,7 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
     printed = yaml.safe_load(out)
     processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
     assert printed["tokenizer"] == str(checkpoint) and printed["positions"] == "sequential"
+    assert printed["seq_length"] == 1024 and "seq_length 1024 is mimo's default" in out
     assert printed["modalities"]["image"] == {
         "token": "<image>", "policy": "fixed", "image_size": processor["crop_size"]["height"],
         "patch_size": 14, "crop": True, "mean": processor["image_mean"],
