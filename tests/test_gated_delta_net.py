@@ -410,6 +410,29 @@ def test_patch_contiguous_cut():
     assert common.tensor_a2a_hp2cp.keywords == {"redo_attention_load_balancing": False}
 
 
+def test_patch_quiet_slices():
+    """megatron-core's ``get_parameter_local_cp`` indexes a parameter with a list of slices,
+    which torch warns of on every rank under context parallelism; patched: the same slice of
+    the parameter, and no warning."""
+    import warnings
+
+    from megatron.core.ssm.gated_delta_net import gdn
+
+    class Group:                     # the second of two context-parallel ranks
+        def rank(self):
+            return 1
+
+        def size(self):
+            return 2
+    param = torch.arange(8.0)
+    with pytest.warns(UserWarning, match="non-tuple sequence for multidimensional indexing"):
+        theirs = gdn_patches._LOCAL_CP(param, 0, Group())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ours = gdn.get_parameter_local_cp(param, 0, Group())
+    assert torch.equal(ours, theirs) and torch.equal(ours, param[4:])
+
+
 def test_patch_kernels(world, reference, monkeypatch):
     """Without fla, megatron-core's layer cannot be built (its fla check, then its kernel
     ``gated_delta_rule`` unset), nor run (no convolution, no l2norm); with the patch it is

@@ -29,6 +29,8 @@ deterministic).
   share of the heads, the convolution's and ``A_log``'s slices of them), but takes the tokens in
   Transformer Engine's load-balanced order; mimo's cut (``mcore.context_parallel``) is
   contiguous, so the reorderings are left out (they only run at cp > 1).
+- ``quiet_slices``: its ``get_parameter_local_cp`` (cp > 1) indexes a parameter with a list of
+  slices, which torch warns of on every rank; the same slices, without the warning.
 
 ``GatedDeltaNet`` below is megatron-core's layer with one change for mimo's packed rows: mimo's
 language model hands a packed row to its layers as one sbhd sequence (``mcore.attention``:
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -102,6 +105,22 @@ def _contiguous_cut() -> None:
     gdn._build_thd_cp_a2a_perm = _same_order
 
 
+_LOCAL_CP = gdn.get_parameter_local_cp
+
+
+def _local_cp_quiet(*args, **kwargs):
+    """``get_parameter_local_cp`` without torch's warning of its list of slices as an index
+    (read as their tuple, as written: the same slices)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Using a non-tuple sequence for multidimensional "
+                                "indexing", UserWarning)
+        return _LOCAL_CP(*args, **kwargs)
+
+
+def _quiet_slices() -> None:
+    gdn.get_parameter_local_cp = _local_cp_quiet
+
+
 PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
     Patch("kernels",
           "common.py:141 _GDNBase.__init__: ImportError: FLA is not installed; past it, "
@@ -121,6 +140,12 @@ PATCHES: dict[str, Patch] = {patch.name: patch for patch in (
           "(mcore.context_parallel), so those steps put the tokens out of order (the "
           "convolution and the recurrence run over a shuffled sequence: a wrong loss, no error)",
           lambda: True, _contiguous_cut),
+    Patch("quiet_slices",
+          "under context parallelism common.py:667 get_parameter_local_cp indexes a parameter "
+          "with a list of slices, which torch (2.9 on) warns of on every rank at each step's "
+          "first use (UserWarning: Using a non-tuple sequence for multidimensional indexing); "
+          "torch 2.11 still reads it as the tuple of slices it means",
+          lambda: True, _quiet_slices),
 )}
 
 
