@@ -178,14 +178,17 @@ class ChatRenderer:
         return bos + text, [TrainedSpan(start + len(bos), end + len(bos), eos_after)
                             for start, end, eos_after in trained]
 
-    def render_prompt(self, messages: Sequence[Mapping[str, Any]]) -> str:
+    def render_prompt(self, messages: Sequence[Mapping[str, Any]],
+                      template_options: Mapping[str, Any] | None = None) -> str:
         """The text of a conversation for the model to continue: with the template's generation
         prompt (``caption`` mode: the turns joined by newlines, then the newline an answer
-        follows)."""
+        follows); ``template_options``: more variables for the template (Qwen's
+        ``enable_thinking``)."""
         tools = self._tool_use(messages)
         if self.config.mode == "caption":
             return self._render_caption(messages)[0] + "\n"
-        text = self._render(messages, generation_prompt=True, tools=tools)
+        text = self._render(messages, generation_prompt=True, tools=tools,
+                            options=template_options)
         return self._bos(text) + text
 
     def _bos(self, text: str) -> str:
@@ -272,12 +275,12 @@ class ChatRenderer:
                                            if stand_in in written)
         return self._tool_support
 
-    def _render(self, messages, generation_prompt=False, tools=None):
+    def _render(self, messages, generation_prompt=False, tools=None, options=None):
         messages = self._for_template(messages)
         try:
             return self._compiled.render(messages=messages, tools=tools or None, documents=None,
                                          add_generation_prompt=generation_prompt,
-                                         **self.template_kwargs)
+                                         **{**self.template_kwargs, **(options or {})})
         except Exception as exc:  # the template's own raise_exception(), jinja errors
             raise TextError("template_error", f"the chat template failed: {exc}") from None
 

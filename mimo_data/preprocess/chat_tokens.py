@@ -119,12 +119,14 @@ class TextEncoder:
         return encoded
 
     def encode_prompt(self, messages: Sequence[Mapping[str, Any]],
-                      item_tokens: Sequence[ItemTokens]) -> np.ndarray:
+                      item_tokens: Sequence[ItemTokens],
+                      template_options: Mapping[str, Any] | None = None) -> np.ndarray:
         """Token ids of a conversation for the model to continue (generation): rendered with
-        the template's generation prompt (``ChatRenderer.render_prompt``), marker i expanded
-        to ``item_tokens[i]`` copies of its modality's token as ``encode`` does; TextError if
-        they cannot be built."""
-        tokens = encode_texts(self.backend, [self.renderer.render_prompt(messages)])
+        the template's generation prompt (``ChatRenderer.render_prompt``, with
+        ``template_options``), marker i expanded to ``item_tokens[i]`` copies of its
+        modality's token as ``encode`` does; TextError if they cannot be built."""
+        tokens = encode_texts(self.backend, [self.renderer.render_prompt(messages,
+                                                                         template_options)])
         failed: dict[int, TextError] = {}
         marker_at, counts, modality_tokens, texts = self.markers.markers(tokens, [item_tokens],
                                                                          failed)

@@ -150,14 +150,15 @@ class Preprocessor:
                 raise _naming_sample(exc, records, i) from None
         return results
 
-    def prompt(self, messages: list[Message], media: Sequence[tuple[MediaItem, bytes]]
-               ) -> Prompt:
-        """A conversation to generate from: its tokens through the generation prompt with each
-        marker expanded to its item's token count, and the encoder inputs of ``media`` (items
-        in marker order, each with its bytes), as training builds them; SampleDropped if an
-        item cannot be used, TextError if the text cannot be tokenized."""
+    def prompt(self, messages: list[Message], media: Sequence[tuple[MediaItem, bytes]],
+               template_options: Mapping[str, Any] | None = None) -> Prompt:
+        """A conversation to generate from: its tokens through the generation prompt (rendered
+        with ``template_options``, e.g. ``enable_thinking``) with each marker expanded to its
+        item's token count, and the encoder inputs of ``media`` (items in marker order, each
+        with its bytes), as training builds them; SampleDropped if an item cannot be used,
+        TextError if the text cannot be tokenized."""
         counts = [self._item_tokens(item) for item, _ in media]
-        ids = self.text.encode_prompt(messages, counts)
+        ids = self.text.encode_prompt(messages, counts, template_options)
         token_counts = {name: [n for modality, n, _ in counts if modality == name]
                         for name in self.config.modalities}
         inputs = {}

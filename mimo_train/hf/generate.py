@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="nucleus sampling mass, with --temperature (default 1.0)")
     parser.add_argument("--seed", type=int, default=0, metavar="S",
                         help="random seed of the sampling, with --temperature (default 0)")
+    parser.add_argument("--no-thinking", action="store_true",
+                        help="render the generation prompt with the template's enable_thinking "
+                        "false (Qwen3, Qwen3.5: the empty think block an answer without "
+                        "reasoning trains after), not its default (thinking on)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto (cuda when available), cpu or cuda")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
                                     videos=args.video,
                                     max_new_tokens=args.max_new_tokens,
                                     temperature=args.temperature, top_p=args.top_p,
-                                    seed=args.seed)
+                                    seed=args.seed, thinking=not args.no_thinking)
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -203,8 +207,10 @@ class Generator:
 
     def generate(self, prompt: str, images: Sequence[str] = (), audios: Sequence[str] = (),
                  max_new_tokens: int = 64, temperature: float | None = None,
-                 top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = ()) -> Generation:
-        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths)."""
+                 top_p: float = 1.0, seed: int = 0, videos: Sequence[str] = (),
+                 thinking: bool = True) -> Generation:
+        """Answer ``prompt`` about the ``images``, ``videos`` and ``audios`` (file paths);
+        ``thinking=False``: the template's ``enable_thinking`` false (its default otherwise)."""
         import torch
         files = {"image": list(images), "video": list(videos), "audio": list(audios)}
         for modality, paths in files.items():
@@ -212,7 +218,8 @@ class Generator:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
                                     f"encoder (it has {sorted(self.encoders) or 'none'})")
         content, order = _place_markers(prompt, files)
-        built, items = self._prompt(content, order, files)
+        built, items = self._prompt(content, order, files,
+                                    None if thinking else {"enable_thinking": False})
         ids = built.input_ids.to(self.device)
         self._say_longer(len(ids), max_new_tokens)
         sampling: dict[str, Any] = dict(
@@ -320,7 +327,8 @@ class Generator:
                   f"its first {limit:g} s (modalities.audio.max_duration, long_audio: "
                   "truncate)", file=sys.stderr)
 
-    def _prompt(self, content: str, order: list[str], files: dict):
+    def _prompt(self, content: str, order: list[str], files: dict,
+                template_options: dict | None = None):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
         from mimo_data.preprocess.preprocessor import SampleDropped, media_item
@@ -344,8 +352,8 @@ class Generator:
                                     exit_code=1) from None
             seen[modality] += 1
         try:
-            return (self.preprocessor.prompt([{"role": "user", "content": content}], media),
-                    [item for item, _ in media])
+            return (self.preprocessor.prompt([{"role": "user", "content": content}], media,
+                                             template_options), [item for item, _ in media])
         except SampleDropped as error:       # named by the user's paths, not the members'
             detail = re.sub("|".join(rf"\b{re.escape(member)}\b" for member in paths),
                             lambda found: paths[found[0]], error.detail) if paths else \

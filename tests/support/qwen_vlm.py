@@ -213,8 +213,23 @@ def assert_generate_matches(checkpoint: Path, config: dict, exported: Path, corp
     model = AutoModelForImageTextToText.from_pretrained(exported, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
-    ours = Generator(str(exported)).generate(f"<{kind}>{question}",
-                                             **{f"{kind}s": [str(path)]}, max_new_tokens=8)
+    generator = Generator(str(exported))
+    ours = generator.generate(f"<{kind}>{question}", **{f"{kind}s": [str(path)]},
+                              max_new_tokens=8)
     assert ours.prompt_ids == inputs["input_ids"][0].tolist()
     assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
     assert len(ours.token_ids) == 8
+    if kind == "image" and "enable_thinking" in (processor.chat_template or ""):
+        # --no-thinking: the template's enable_thinking false (the empty think block an answer
+        # without reasoning trains after), as transformers renders it
+        text = processor.apply_chat_template(messages, add_generation_prompt=True,
+                                             tokenize=False, enable_thinking=False)
+        assert text.endswith("<think>\n\n</think>\n\n"), text[-40:]
+        inputs = processor(text=[text], images=[Image.open(path).convert("RGB")],
+                           return_tensors="pt")
+        with torch.no_grad():
+            theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8)
+        ours = generator.generate(f"<{kind}>{question}", images=[str(path)], max_new_tokens=8,
+                                  thinking=False)
+        assert ours.prompt_ids == inputs["input_ids"][0].tolist()
+        assert ours.token_ids == theirs[0, inputs["input_ids"].size(1):].tolist()
