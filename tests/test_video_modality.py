@@ -107,6 +107,10 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
     with pytest.raises(MediaError) as caught:
         VIDEO.item_tokens(item, VideoConfig(max_duration=1.0))
     assert caught.value.reason == "video_too_long"
+    # named by its source file as well as its member (vid0.mp4 in every sample)
+    with pytest.raises(MediaError, match=r"^vid0\.mp4 \(videos/pan\.mp4\) lasts "):
+        VIDEO.item_tokens({**item, "member": "vid0.mp4", "path": "videos/pan.mp4"},
+                          VideoConfig(max_duration=1.0))
 
 
 # --------------------------------------------------------------------------------- sampling

@@ -21,7 +21,7 @@ import numpy as np
 import soundfile
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, MediaItem, Modality
+from mimo_data.modalities.base import MediaError, MediaItem, Modality, item_name
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
     import torch
@@ -441,11 +441,11 @@ class AudioModality(Modality):
 
     def item_tokens(self, item: MediaItem, config: AudioConfig) -> int:
         if audio_too_long(item["frames"], item["sample_rate"], config):
-            raise MediaError("audio_too_long", f"{item['member']} lasts {item['duration']} s, "
+            raise MediaError("audio_too_long", f"{item_name(item)} lasts {item['duration']} s, "
                              f"above max_duration {config.max_duration} s")
         if resampled_length(item["frames"], item["sample_rate"],
                             config.sample_rate) < MIN_AUDIO_SAMPLES:
-            raise MediaError("audio_too_short", f"{item['member']} has {item['frames']} "
+            raise MediaError("audio_too_short", f"{item_name(item)} has {item['frames']} "
                              f"frames, fewer than the {MIN_AUDIO_SAMPLES} samples at "
                              f"{config.sample_rate} Hz log-mel features need")
         return self.tokens(item, config)

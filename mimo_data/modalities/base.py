@@ -33,6 +33,13 @@ class MediaError(CountedError):
     """A media item that cannot be used; ``reason`` is the report category."""
 
 
+def item_name(item) -> str:
+    """A media item as a message names it: its member, and its source file where it came from
+    one (``vid0.mp4 (videos/pan.mp4)``: the member alone is the same in every sample)."""
+    path = item.get("path")
+    return f"{item['member']} ({path})" if path else item["member"]
+
+
 class MediaItem(TypedDict):
     """One media item of ``KEY.json``; the fields after ``bytes`` are its modality's
     (``Modality.item_fields``, written by ``Modality.probe``)."""

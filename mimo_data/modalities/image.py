@@ -30,8 +30,8 @@ import pyarrow
 from PIL import Image
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import (MediaError, MediaItem, Modality, take_grid_rows,
-                                       to_device)
+from mimo_data.modalities.base import (MediaError, MediaItem, Modality, item_name,
+                                       take_grid_rows, to_device)
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
     import torch
@@ -503,7 +503,7 @@ class ImageModality(Modality):
     def item_tokens(self, item: MediaItem, config: ImageConfig) -> int:
         grid = _grid_or_error(item["width"], item["height"], config)
         if isinstance(grid, ValueError):
-            raise MediaError("bad_image_shape", f"{item['member']}: {grid}")
+            raise MediaError("bad_image_shape", f"{item_name(item)}: {grid}")
         return grid[1] * grid[2]
 
     def token_grid(self, item: Mapping[str, Any], config: ImageConfig) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from mimo_data.modalities import MODALITIES, MediaError
+from mimo_data.modalities.base import item_name
 from mimo_data.preprocess.answer_parts import empty_answer
 from mimo_data.preprocess.chat_tokens import Encoded, ItemTokens, TextEncoder, TextError
 from mimo_data.preprocess.config import PreprocessConfig
@@ -297,9 +298,9 @@ class Preprocessor:
                 value = MODALITIES[name].decode(media[item["member"]], item,
                                                 self.config.modalities[name])
             except MediaError as exc:
-                raise SampleDropped(exc.reason, f"{item['member']}: {exc.detail}") from None
+                raise SampleDropped(exc.reason, f"{item_name(item)}: {exc.detail}") from None
             except Exception as exc:  # decoder errors of any kind: count the sample, go on
-                raise SampleDropped("corrupt_media", f"{item['member']}: {exc}") from None
+                raise SampleDropped("corrupt_media", f"{item_name(item)}: {exc}") from None
             decoded.setdefault(name, []).append(value)
         inputs = {}
         for name, values in decoded.items():

@@ -11,7 +11,8 @@ from typing import Any, TYPE_CHECKING
 import numpy as np
 from PIL import Image
 
-from mimo_data.modalities.base import MediaError, MediaItem, Modality, take_grid_rows
+from mimo_data.modalities.base import (MediaError, MediaItem, Modality, item_name,
+                                       take_grid_rows)
 from mimo_data.modalities.video.config import VideoConfig
 from mimo_data.modalities.video.decode import (VIDEO_EXTENSIONS, decode_frames, decode_video,
                                                probe_video)
@@ -53,13 +54,13 @@ class VideoModality(Modality):
 
     def item_tokens(self, item: MediaItem, config: VideoConfig) -> int:
         if item["duration"] > config.max_duration:
-            raise MediaError("video_too_long", f"{item['member']} lasts {item['duration']} s, "
+            raise MediaError("video_too_long", f"{item_name(item)} lasts {item['duration']} s, "
                              f"above max_duration {config.max_duration} s")
         grid = token_grid_or_error(item["frames"], item["fps"], item["width"], item["height"],
                                    config)
         if isinstance(grid, ValueError):
             reason = "video_too_short" if "shorter" in str(grid) else "bad_video_shape"
-            raise MediaError(reason, f"{item['member']}: {grid}")
+            raise MediaError(reason, f"{item_name(item)}: {grid}")
         return grid[0] * grid[1] * grid[2]
 
     def token_grid(self, item: Mapping[str, Any], config: VideoConfig) -> tuple[int, int, int]:
