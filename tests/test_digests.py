@@ -160,11 +160,19 @@ def test_a_bases_digest_covers_the_weight_files_transformers_loads(tmp_path, mon
         "consolidated.safetensors": b"mistral's copy"}))
     assert sharded == digests.weights_digest(model("shards", shards))
     # huggingface_hub's cache: snapshots/COMMIT/model.safetensors -> ../../blobs/SHA256
-    blobs, snapshot = tmp_path / "hub" / "blobs", tmp_path / "hub" / "snapshots" / "c0ffee"
+    repo = tmp_path / "hub" / "models--org--base"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "c0ffee"
     blobs.mkdir(parents=True)
     snapshot.mkdir(parents=True)
     (blobs / _sha(b"w")).write_bytes(b"w")
     (snapshot / "model.safetensors").symlink_to(os.path.join("..", "..", "blobs", _sha(b"w")))
+    # a link to a 64-hex name outside a hub cache's blobs is hashed: its content may be other
+    elsewhere = tmp_path / "store"
+    elsewhere.mkdir()
+    (elsewhere / _sha(b"w")).write_bytes(b"not w")
+    (tmp_path / "linked").mkdir()
+    (tmp_path / "linked" / "model.safetensors").symlink_to(elsewhere / _sha(b"w"))
+    assert digests.weights_digest(str(tmp_path / "linked")) != single
     hashed = []
     monkeypatch.setattr(digests, "file_sha256", lambda path: hashed.append(path) or "")
     assert digests.weights_digest(str(snapshot)) == single and hashed == []

@@ -184,10 +184,13 @@ def _loaded_weights(directory: str) -> list[str]:
 
 
 def _file_digest(path: str) -> str:
-    """A file's SHA-256; a hub cache's snapshot file links to a blob named by it (a large
-    file's, as the hub stores it), which is read instead of hashing the file again."""
+    """A file's SHA-256; a hub cache's snapshot file links to a blob named by it
+    (``models--ORG--NAME/blobs/SHA256``: a large file's, as huggingface_hub stores it), which
+    is read instead of hashing the file again; a link elsewhere is hashed."""
     if os.path.islink(path):
-        blob = os.path.basename(os.path.realpath(path))
-        if _BLOB.fullmatch(blob):
+        target = os.path.realpath(path)
+        folder, blob = os.path.split(target)
+        if _BLOB.fullmatch(blob) and os.path.basename(folder) == "blobs" and \
+                os.path.basename(os.path.dirname(folder)).startswith("models--"):
             return blob
     return file_sha256(path)
