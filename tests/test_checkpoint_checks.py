@@ -40,8 +40,17 @@ def test_a_resumed_lora_runs_other_alpha_is_refused():
     from mimo_train.config import LoraConfig
     meta = {"config": {"model": {"lora": {"language": {"rank": 4, "alpha": 8.0}}}}}
     with pytest.raises(CheckpointError, match=r"checkpoint ck's adapters of language trained "
-                       r"with model.lora.language.alpha 8, this run has 64: the same weights "
-                       r"would give another model .* resume with alpha 8"):
+                       r"with model.lora.language.alpha 8, this run's model.lora.language.alpha "
+                       r"is 64: the same weights would give another model .* resume with "
+                       r"alpha 8"):
         check_lora_scale("ck", meta, {"language": LoraConfig(rank=4, alpha=64)})
     check_lora_scale("ck", meta, {"language": LoraConfig(rank=4, alpha=8),
                                   "image.encoder": LoraConfig(alpha=2)})
+    # a part named otherwise holding the same layers (the module, or its tower)
+    tower = {"config": {"model": {"lora": {"image": {"alpha": 8}}}}}
+    with pytest.raises(CheckpointError, match=r"adapters of image trained with "
+                       r"model.lora.image.alpha 8, this run's model.lora.image.encoder.alpha "
+                       r"is 64"):
+        check_lora_scale("ck", tower, {"image.encoder": LoraConfig(alpha=64)})
+    check_lora_scale("ck", tower, {"image.encoder": LoraConfig(alpha=8),
+                                   "imagery": LoraConfig(alpha=2)})

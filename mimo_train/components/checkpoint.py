@@ -490,15 +490,22 @@ def check_lora_scale(directory: str, meta: dict, lora: dict) -> None:
     each part this run adapts (``lora``: part -> LoraConfig). The weights have the same shapes
     under another alpha, and ``alpha / rank * B A`` would give another model."""
     saved = ((meta.get("config") or {}).get("model") or {}).get("lora") or {}
+    if not isinstance(saved, dict):
+        return
     for part, spec in lora.items():
-        theirs = (saved.get(part) or {}).get("alpha") if isinstance(saved, dict) else None
-        if theirs is not None and float(theirs) != float(spec.alpha):
-            raise CheckpointError(
-                f"checkpoint {directory}'s adapters of {part} trained with model.lora.{part}."
-                f"alpha {theirs:g}, this run has {spec.alpha:g}: the same weights would give "
-                f"another model (the adapters scaled by alpha / rank); resume with alpha "
-                f"{theirs:g}, or start a new run from its weights (model.init_from) in another "
-                "checkpoint.dir")
+        # a part and one inside it hold the same layers' adapters (image, image.encoder)
+        for other, settings in saved.items():
+            theirs = settings.get("alpha") if isinstance(settings, dict) else None
+            overlap = other == part or other.startswith(f"{part}.") or \
+                part.startswith(f"{other}.")
+            if overlap and theirs is not None and float(theirs) != float(spec.alpha):
+                raise CheckpointError(
+                    f"checkpoint {directory}'s adapters of {other} trained with "
+                    f"model.lora.{other}.alpha {float(theirs):g}, this run's model.lora.{part}."
+                    f"alpha is {spec.alpha:g}: the same weights would give another model (the "
+                    f"adapters scaled by alpha / rank); resume with alpha {float(theirs):g}, or "
+                    "start a new run from its weights (model.init_from) in another "
+                    "checkpoint.dir")
 
 
 def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
