@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -187,6 +188,12 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     (incomplete / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
     assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
     assert not (tmp_path / "out").exists()
+    # meta.json written, integrity.json not yet (the save hashing its files): not finished
+    assert f"{incomplete} holds no integrity.json: its save did not finish (or is still " \
+        "under way" in capsys.readouterr().err
+    (incomplete / "integrity.json").write_text(
+        (smollm2.checkpoint / "integrity.json").read_text())      # its files gone since
+    assert main(["--checkpoint", str(incomplete), "--output", str(tmp_path / "out")]) == 1
     assert "is damaged: " in (err := capsys.readouterr().err) and \
         err.endswith("no earlier checkpoint is beside it to export: restore it from a copy\n")
     # an earlier one beside it (its manifest and meta.json are what is looked at): named to
@@ -197,8 +204,7 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     for name in ("meta.json", "integrity.json"):
         (earlier / name).write_text((smollm2.checkpoint / name).read_text())
     later = tmp_path / "ck" / "step_0000002"
-    later.mkdir()
-    (later / "meta.json").write_text((smollm2.checkpoint / "meta.json").read_text())
+    shutil.copytree(earlier, later)
     assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.endswith(
         f"export the newest earlier one instead: mimo-export --checkpoint {earlier}\n")
@@ -210,8 +216,6 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert f"--checkpoint {saving} holds no meta.json: its save did not finish" in \
         capsys.readouterr().err
     # removed while it is read (a run still saving there, with checkpoint.keep_last)
-    import shutil
-
     from mimo_train.components import checkpoint
     from mimo_train.errors import CheckpointError
     shutil.rmtree(saving)
@@ -225,6 +229,9 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert f"{later} was removed while it was exported (a run still saving to its " \
         f"checkpoint.dir, whose checkpoint.keep_last removes older steps?): export again " \
         f"(--checkpoint {tmp_path / 'ck'} takes the latest)" in capsys.readouterr().err
+    shutil.copytree(earlier, later)          # given as the step itself: its folder named
+    assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
+    assert f"(--checkpoint {tmp_path / 'ck'} takes the latest)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("language, message", [

@@ -118,16 +118,27 @@ def main(argv=None) -> int:
 
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
-    of a checkpoint.dir."""
+    of a checkpoint.dir; ExportError where its save has not finished."""
+    from mimo_train.components.digests import MANIFEST as LAST   # the save's last file
+    directory = _step_directory(path)
+    if not os.path.isfile(os.path.join(directory, LAST)):
+        raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
+                          f"under way: {LAST} is written last, once every file is hashed); "
+                          "export an earlier step_* directory, or this one once its run has "
+                          "saved it", exit_code=1)
+    return directory
+
+
+def _step_directory(path: str) -> str:
     from mimo_train.components.checkpoint import STEP_NAME, step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = step_of(path) if os.path.isdir(path) else path
     if found == path and os.path.isdir(path) and re.fullmatch(STEP_NAME, _name(path)):
         raise ExportError(f"--checkpoint {path} holds no meta.json: its save did not finish "
-                          "(or is still under way, meta.json is written last); export an "
-                          "earlier step_* directory, or this one once its run has saved it",
-                          exit_code=1)
+                          "(or is still under way: meta.json and integrity.json are written "
+                          "last); export an earlier step_* directory, or this one once its run "
+                          "has saved it", exit_code=1)
     if found == path:
         what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
         raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
@@ -183,6 +194,9 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     except OSError as error:
         _say_if_gone(directory, checkpoint)
         raise ExportError(f"{directory}: {error}", exit_code=1) from None
+    except BaseException:      # torch's CheckpointException (a BaseException) of a file gone
+        _say_if_gone(directory, checkpoint)
+        raise
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
         weights = {name: merged(name, state, plan.adapted) for name, state in weights.items()}
@@ -220,9 +234,11 @@ def _say_if_gone(directory: str, given: str) -> None:
     it was read: a run still saving there removes older steps (``checkpoint.keep_last``)."""
     if os.path.isdir(directory):
         return
+    latest = given if os.path.normpath(given) != os.path.normpath(directory) else \
+        os.path.dirname(os.path.normpath(directory))
     raise ExportError(f"{directory} was removed while it was exported (a run still saving to "
                       "its checkpoint.dir, whose checkpoint.keep_last removes older steps?): "
-                      f"export again (--checkpoint {given} takes the latest), or a step that "
+                      f"export again (--checkpoint {latest} takes the latest), or a step that "
                       "run keeps", exit_code=1)
 
 
