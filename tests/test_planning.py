@@ -632,6 +632,21 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
                          LAYOUTS["language dp1"], main=data_main)
     assert code == 2 and "--model (the trainer's rules) needs mimo_train" in err, err
+    # a YAML's own settings under the layout, as its start-up resolves them (not the settings
+    # the advisor would choose): sequence parallelism without tp is refused
+    parallel = path.parent / "sequence_parallel.yaml"
+    config = yaml.safe_load(path.read_text())
+    config["model"]["language"]["sequence_parallel"] = True
+    parallel.write_text(yaml.safe_dump(config))
+    code, _, err = _plan(capsys, loader_corpus, preprocess, parallel, "--layout",
+                         LAYOUTS["language dp1"], main=main)
+    assert code == 2 and "model.language.sequence_parallel needs the language model's tensor " \
+        "parallelism" in err, err
+    # a model that cannot be read: said as such, not as a refused layout
+    code, _, err = _plan(capsys, loader_corpus, preprocess, MODELS / "tiny-qwen2", "--layout",
+                         LAYOUTS["language dp1"], main=main)
+    assert code == 2 and f"error: --model {MODELS / 'tiny-qwen2'}: " in err and \
+        "refuses" not in err, err
     # a micro batch that does not divide the global batch: a usage error, not "no layout fits"
     code, out, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--model",
                           path, "--gpus", 2, "--global-batch-size", 8, "--micro-batch-size", 3)

@@ -149,8 +149,10 @@ def _parser() -> argparse.ArgumentParser:
             "whose one clip is the workload)")
     p.add_argument("--layout", metavar="L",
                    help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
-                   "(required without --gpus; with it, this layout is ranked too, or the "
-                   "report says why not: another number of GPUs, or its check's error)")
+                   "(required without --gpus; with --model and no --gpus, checked against "
+                   "mimo-train's rules for that model first; with --gpus, this layout is "
+                   "ranked too, or the report says why not: another number of GPUs, or its "
+                   "check's error)")
     p.add_argument("--global-batch-size", type=_positive(int), metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks (required "
                    "with DIR; with --clip-seconds default 1)")
@@ -378,7 +380,11 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
                   "python -m mimo_data.inspect.cli", file=sys.stderr)
             return 2
         from mimo_data.inspect.advice import AdvisorRequest
-        reason = layout_refusal(AdvisorRequest.from_args(args), config)
+        try:
+            reason = layout_refusal(AdvisorRequest.from_args(args), config)
+        except ValueError as error:            # the model cannot be read
+            print(f"mimo-inspect plan: error: {error}", file=sys.stderr)
+            return 2
         if reason is not None:
             print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
                   f"for --model {args.model}: {reason}", file=sys.stderr)

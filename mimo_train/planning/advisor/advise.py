@@ -6,6 +6,7 @@ itself: ``run_advisor``).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from mimo_data.inspect.advice import AdvisorRequest
@@ -45,18 +46,34 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
 
 
 def layout_refusal(request: AdvisorRequest, config) -> str | None:
-    """Why the trainer refuses ``request.layout`` for ``request.model`` with every setting the
-    advisor would try (``plan --layout L --model M``: one layout, no ranking), or None; the
-    model's own refusal where it cannot be read."""
+    """Why mimo-train refuses ``request.layout`` for ``request.model`` (``plan --layout L
+    --model M``: one layout, no ranking), or None. A training YAML: its own settings under that
+    layout, through the trainer's own resolution (``plan.resolve``, as its start-up); a model
+    directory: with every setting the advisor would try refused (``candidates.refused``).
+    ValueError where the model cannot be read."""
+    from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
+    from mimo_train.plan import resolve
+    if request.model.endswith((".yaml", ".yml")):
+        try:
+            cfg = TrainConfig.load(request.model, [
+                f"layout={request.layout}", f"data.preprocess={os.path.abspath(request.config)}"])
+        except (TrainConfigError, OSError) as error:
+            raise ValueError(f"--model {request.model}: {error}") from None
+        try:
+            resolve(cfg)
+        except TrainConfigError as error:
+            return str(error)
+        return None
     layout = Layout.parse(request.layout)
     served = {m: module for m, module in layout.modalities.items() if m in config.modalities}
     try:
         model = read_model(request.model, request.config, config, served, request.precision)
     except (TrainConfigError, OSError, ValueError) as error:
-        return f"--model {request.model}: {error}"
+        raise ValueError(f"--model {request.model}: {error}") from None
     packing = model.packing if model.packing is not None else request.packing
-    return refused(model, layout, request, packing)
+    reason = refused(model, layout, request, packing)
+    return None if reason is None else f"{reason} (with every setting the advisor tries)"
 
 
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
