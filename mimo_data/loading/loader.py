@@ -108,15 +108,21 @@ class TooManyDropped(ValueError):
 
 
 def check_dropped(source: DataSource, limit: float, key: str = "data.datasets") -> None:
-    """Raise TooManyDropped where preprocessing drops more than ``limit`` of ``source``'s
-    samples (too long, damaged media ...: counted by the token tables before any step)."""
-    tally = source.tally
-    if tally.seen and tally.skipped_total / tally.seen > limit:
-        raise TooManyDropped(
-            f"{key}: preprocessing drops {tally.skipped_total} of {tally.seen} samples "
-            f"({tally.skipped_total / tally.seen:.0%}), more than data.max_dropped_fraction "
-            f"{limit:g}: {tally.summary()}. mimo-inspect report names them; raise seq_length "
-            "or the media budgets, mend the data, or raise the limit")
+    """Raise TooManyDropped where preprocessing drops more than ``limit`` of the samples of
+    one of ``source``'s datasets (too long, damaged media ...: counted by the token tables
+    before any step), each dataset on its own: a blend draws a dataset by its weight, however
+    few of its samples are left."""
+    for directory, reader, table in zip(source.directories, source.readers, source.tables):
+        total = len(table.kept)
+        dropped = total - int(table.kept.sum())
+        if total and dropped / total > limit:
+            tally = Tally("samples", "kept", "dropped")
+            table.tally(tally, directory, reader.table.keys)
+            raise TooManyDropped(
+                f"{key}: preprocessing drops {dropped} of the {total} samples of {directory} "
+                f"({dropped / total:.2%}), more than data.max_dropped_fraction {limit:g}: "
+                f"{tally.summary()}. mimo-inspect report names them; raise seq_length or the "
+                "media budgets, mend the data, or raise the limit")
 
 
 def check_even_split(source: DataSource, layout: Layout) -> None:

@@ -350,6 +350,8 @@ class Trainer:
         valid_source = source(cfg.data.valid, None) if cfg.data.valid else None
         if cfg.data.max_dropped_fraction is not None:
             check_dropped(train_source, cfg.data.max_dropped_fraction)
+            if valid_source is not None:
+                check_dropped(valid_source, cfg.data.max_dropped_fraction, "data.valid")
         check_even_split(train_source, self.layout)
         return loader(train_source, "data.datasets"), \
             valid_source and loader(valid_source, "data.valid")
