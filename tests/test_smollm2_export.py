@@ -413,6 +413,23 @@ def test_a_prompt_longer_than_the_trained_sequences_is_said(generator, monkeypat
         "learned\n")
 
 
+def test_no_thinking_on_a_template_without_it_is_said(generator, smollm2, capsys):
+    """SmolLM2's template reads no ``enable_thinking``: --no-thinking is said to change
+    nothing, and the prompt is the same."""
+    from mimo_train.hf.generate import main
+    capsys.readouterr()
+    plain = generator.generate("Name a colour.", max_new_tokens=1)
+    assert capsys.readouterr().err == ""
+    same = generator.generate("Name a colour.", max_new_tokens=1, thinking=False)
+    assert same.prompt_ids == plain.prompt_ids
+    assert capsys.readouterr().err == ("mimo-generate: --no-thinking: the model's chat "
+                                       "template reads no enable_thinking (it has no thinking "
+                                       "to turn off): the prompt is the same\n")
+    assert main(["--model", str(smollm2.export), "--prompt", "Hi", "--max-new-tokens",
+                 "1", "--no-thinking", "--device", "cpu"]) == 0
+    assert "--no-thinking: the model's chat template" in capsys.readouterr().err
+
+
 def test_sampling_is_reproducible_from_its_seed(generator):
     """At temperature 5 the next token is nearly uniform over 49k tokens: 6 of them repeat
     only from the same seed, and never match the greedy answer by chance."""

@@ -218,6 +218,11 @@ class Generator:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
                                     f"encoder (it has {sorted(self.encoders) or 'none'})")
         content, order = _place_markers(prompt, files)
+        if not thinking and "enable_thinking" not in (self.preprocessor.text.renderer.template
+                                                      or ""):
+            print("mimo-generate: --no-thinking: the model's chat template reads no "
+                  "enable_thinking (it has no thinking to turn off): the prompt is the same",
+                  file=sys.stderr)
         built, items = self._prompt(content, order, files,
                                     None if thinking else {"enable_thinking": False})
         ids = built.input_ids.to(self.device)
