@@ -334,14 +334,15 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
     monkeypatch.setattr(module, "distributed", SimpleNamespace(gather=lambda value: [value]))
     monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
-        check=lambda *args: {}, load=lambda *args: (12, {"language": {
+        check=lambda *args: {}, check_lora_scale=lambda *args: None,
+        load=lambda *args: (12, {"language": {
             "train.steps": (12, steps)} if steps != 12 else {}})))
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
                               global_batch_size=4, micro_batch_size=2),
         checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]),
-        model=SimpleNamespace(freeze=[]))
+        model=SimpleNamespace(freeze=[], lora={}))
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device = torch.device("cpu")
