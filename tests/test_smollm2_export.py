@@ -258,6 +258,7 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
     directory = tmp_path / "step_0000001"
     directory.mkdir(exist_ok=True)
     (directory / "meta.json").write_text(json.dumps(meta))
+    (directory / "integrity.json").write_text("{}")     # saved (its weights stood in for)
     monkeypatch.setattr(checkpoint, "load_weights",
                         lambda d: {"language": {}, "image": {}, "audio": {}})
     assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
@@ -281,6 +282,7 @@ def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2,
     directory = tmp_path / "step_0000001"
     directory.mkdir()
     (directory / "meta.json").write_text(json.dumps(meta))
+    (directory / "integrity.json").write_text("{}")     # saved (its weights stood in for)
     monkeypatch.setattr(checkpoint, "load_weights", lambda d: {})
     assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err

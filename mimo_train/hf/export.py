@@ -118,18 +118,7 @@ def main(argv=None) -> int:
 
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
-    of a checkpoint.dir; ExportError where its save has not finished."""
-    from mimo_train.components.digests import MANIFEST as LAST   # the save's last file
-    directory = _step_directory(path)
-    if not os.path.isfile(os.path.join(directory, LAST)):
-        raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
-                          f"under way: {LAST} is written last, once every file is hashed); "
-                          "export an earlier step_* directory, or this one once its run has "
-                          "saved it", exit_code=1)
-    return directory
-
-
-def _step_directory(path: str) -> str:
+    of a checkpoint.dir."""
     from mimo_train.components.checkpoint import STEP_NAME, step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
@@ -179,6 +168,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
                           "(model.lora and model.pretrained): export it without --adapters")
     base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
+    _check_saved(directory)
     from mimo_train.components.checkpoint import load_weights
     from mimo_train.errors import CheckpointError
     try:
@@ -223,6 +213,16 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     if log is not None:
         log(f"weights in {written}")
     return output
+
+
+def _check_saved(directory: str) -> None:
+    """ExportError where the step's save has not finished: its manifest is its last file."""
+    from mimo_train.components.digests import MANIFEST as LAST
+    if not os.path.isfile(os.path.join(directory, LAST)):
+        raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
+                          f"under way: {LAST} is written last, once every file is hashed); "
+                          "export an earlier step_* directory, or this one once its run has "
+                          "saved it", exit_code=1)
 
 
 def _name(path: str) -> str:
