@@ -357,6 +357,34 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     assert "LR decay" not in output and "layout" not in output, output
 
 
+def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
+    """The trainer's resume (in process, the checkpoint's tensor checks and load stubbed) runs
+    the checkpoint's LoRA alpha check: a run with alpha 64 on adapters trained at 8 is refused
+    before any weight is loaded."""
+    from types import SimpleNamespace
+
+    from mimo_train.components import checkpoint
+    from mimo_train.config import LoraConfig
+    from mimo_train.errors import CheckpointError
+    from mimo_train.training import trainer as module
+
+    loaded = []
+    monkeypatch.setattr(module, "phase", lambda name, done, function, start=None: function())
+    monkeypatch.setattr(module, "checkpoint", SimpleNamespace(
+        check=lambda *args: {"config": {"model": {"lora": {"language": {"alpha": 8}}}}},
+        check_lora_scale=checkpoint.check_lora_scale,
+        load=lambda *args: loaded.append(args) or (1, {})))
+    trainer = module.Trainer.__new__(module.Trainer)
+    trainer.cfg = SimpleNamespace(
+        train=SimpleNamespace(global_batch_size=4),
+        model=SimpleNamespace(freeze=[], lora={"language": LoraConfig(alpha=64)}))
+    trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
+    with pytest.raises(CheckpointError, match="model.lora.language.alpha 8, this run's "
+                       "model.lora.language.alpha is 64"):
+        trainer._resume("ck/step_0000001")
+    assert loaded == []
+
+
 def test_schedule_notes_name_each_changed_setting():
     """One line per changed setting (warmup and weight decay too), the modules with the same
     change in one line; none for what did not change."""
