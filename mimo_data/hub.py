@@ -27,10 +27,11 @@ def cache_only() -> None:
 
 def not_cached(name: str) -> str | None:
     """Why the hub name ``name`` cannot be read (offline, and not in the local hub cache: what
-    to do), or None where the cache holds it or downloads are allowed."""
+    to do), or None where it is a local directory, the cache holds it or downloads are
+    allowed."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-    if not constants.is_offline_mode():
+    if os.path.isdir(os.path.expanduser(name)) or not constants.is_offline_mode():
         return None
     try:
         snapshot_download(name, local_files_only=True)

@@ -21,7 +21,7 @@ def load_tokenizer(config: PreprocessConfig):
         raise ConfigError(f"tokenizer: {name!r} is {os.path.abspath(os.path.expanduser(name))}, "
                           "which is not a directory (in a YAML, paths are relative to its "
                           "folder)")
-    if not os.path.isdir(os.path.expanduser(name)) and (why := not_cached(name)):
+    if why := not_cached(name):
         raise ConfigError(f"tokenizer: {why}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(name)

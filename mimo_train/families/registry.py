@@ -163,7 +163,7 @@ def checkpoint_config(path: str, key: str):
         raise TrainConfigError(f"{key} is {path!r}: {os.path.abspath(os.path.expanduser(path))} "
                                "is not a directory (give a model directory holding config.json, "
                                "or a hub name already in the local cache)")
-    if not os.path.isdir(os.path.expanduser(path)) and (why := not_cached(path)):
+    if why := not_cached(path):
         raise TrainConfigError(f"{key}: {why}")
     try:
         return _read_config(path)
