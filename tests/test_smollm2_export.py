@@ -208,6 +208,12 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
     assert capsys.readouterr().err.endswith(
         f"export the newest earlier one instead: mimo-export --checkpoint {earlier}\n")
+    best = tmp_path / "ck" / "best"          # a step copied out of the step_* order
+    shutil.copytree(later, best)
+    assert main(["--checkpoint", str(best), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"export the newest one beside it instead: mimo-export --checkpoint {later}\n")
+    shutil.rmtree(best)
     # a step caught mid-save (its tensors, meta.json not yet written): the save, not usage
     saving = tmp_path / "ck" / "step_0000003"
     saving.mkdir()

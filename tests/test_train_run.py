@@ -1002,6 +1002,9 @@ def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_
     assert f"no earlier checkpoint is in {tmp_path}: start over in another checkpoint.dir " \
         f"(or remove {tmp_path / 'step_0000002'} and {tmp_path / 'latest'})" in \
         str(_damaged(str(tmp_path / "step_0000002"), "a file is missing"))
+    # a folder not named step_* (a step copied to best/) has none earlier: one beside it
+    assert f"the newest checkpoint beside it is {tmp_path / 'step_0000008'}: resume from it" \
+        in str(_damaged(str(tmp_path / "best"), "a file is missing"))
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):

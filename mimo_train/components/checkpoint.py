@@ -768,7 +768,9 @@ def _damaged(directory: str, what: str) -> CheckpointError:
                       and os.path.isfile(os.path.join(d, MANIFEST)) and _meta_reads(d)),
                      reverse=True)
     if earlier:
-        instead = (f"the newest earlier checkpoint is {earlier[0]}: resume from it with "
+        which = "earlier checkpoint" if re.fullmatch(STEP_NAME, name) else \
+            "checkpoint beside it"      # a folder not named step_* has no place among them
+        instead = (f"the newest {which} is {earlier[0]}: resume from it with "
                    f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
                    f"(or model.init_from={earlier[0]} for its weights)")
     else:

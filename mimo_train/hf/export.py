@@ -54,12 +54,14 @@ be rebuilt). Nothing heavy is imported before the arguments are parsed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
@@ -158,35 +160,16 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     except OSError as error:
         raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
                           f"{error}") from None
-    try:
+    with _gone_said(directory, checkpoint):
         plan, meta = _run_plan(directory)
-    except ExportError:
-        _say_if_gone(directory, checkpoint)
-        raise
     cfg = plan.config
     if adapters and not (cfg.model.lora and cfg.model.pretrained):
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
                           "(model.lora and model.pretrained): export it without --adapters")
     base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
-    _check_saved(directory)
-    from mimo_train.components.checkpoint import load_weights
-    from mimo_train.errors import CheckpointError
-    try:
-        weights = load_weights(directory)
-    except CheckpointError as error:
-        _say_if_gone(directory, checkpoint)
-        if not error.what:
-            raise ExportError(f"{directory}: {error}", exit_code=1) from None
-        raise ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
-            f"export the newest earlier one instead: mimo-export --checkpoint {error.earlier}"
-            if error.earlier else "no earlier checkpoint is beside it to export: restore it "
-            "from a copy"), exit_code=1) from None
-    except OSError as error:
-        _say_if_gone(directory, checkpoint)
-        raise ExportError(f"{directory}: {error}", exit_code=1) from None
-    except BaseException:      # torch's CheckpointException (a BaseException) of a file gone
-        _say_if_gone(directory, checkpoint)
-        raise
+    with _gone_said(directory, checkpoint):
+        _check_saved(directory)
+        weights = _weights(directory)
     if cfg.model.lora and not adapters:
         from mimo_train.model.lora import merged
         weights = {name: merged(name, state, plan.adapted) for name, state in weights.items()}
@@ -215,6 +198,29 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     return output
 
 
+def _weights(directory: str) -> dict:
+    """The step's saved weights; ExportError naming what is wrong with a damaged step."""
+    from mimo_train.components.checkpoint import load_weights
+    from mimo_train.errors import CheckpointError
+    try:
+        return load_weights(directory)
+    except CheckpointError as error:
+        if not error.what:
+            raise ExportError(f"{directory}: {error}", exit_code=1) from None
+        raise ExportError(f"checkpoint {directory} is damaged: {error.what}; " + (
+            f"export the newest {_beside(directory)} instead: mimo-export --checkpoint "
+            f"{error.earlier}" if error.earlier else "no earlier checkpoint is beside it to "
+            "export: restore it from a copy"), exit_code=1) from None
+    except OSError as error:
+        raise ExportError(f"{directory}: {error}", exit_code=1) from None
+
+
+def _beside(directory: str) -> str:
+    """What the newest readable step beside ``directory`` is to it."""
+    from mimo_train.components.checkpoint import STEP_NAME
+    return "earlier one" if re.fullmatch(STEP_NAME, _name(directory)) else "one beside it"
+
+
 def _check_saved(directory: str) -> None:
     """ExportError where the step's save has not finished: its manifest is its last file."""
     from mimo_train.components.digests import MANIFEST as LAST
@@ -229,17 +235,23 @@ def _name(path: str) -> str:
     return os.path.basename(os.path.normpath(path))
 
 
-def _say_if_gone(directory: str, given: str) -> None:
-    """ExportError where the step ``directory`` (of ``--checkpoint given``) was removed while
-    it was read: a run still saving there removes older steps (``checkpoint.keep_last``)."""
-    if os.path.isdir(directory):
-        return
-    latest = given if os.path.normpath(given) != os.path.normpath(directory) else \
-        os.path.dirname(os.path.normpath(directory))
-    raise ExportError(f"{directory} was removed while it was exported (a run still saving to "
-                      "its checkpoint.dir, whose checkpoint.keep_last removes older steps?): "
-                      f"export again (--checkpoint {latest} takes the latest), or a step that "
-                      "run keeps", exit_code=1)
+@contextlib.contextmanager
+def _gone_said(directory: str, given: str) -> Iterator[None]:
+    """Whatever reading the step ``directory`` (of ``--checkpoint given``) raises becomes an
+    ExportError saying so where the step was removed meanwhile: a run still saving there
+    removes older steps (``checkpoint.keep_last``). Torch's CheckpointException of a file
+    gone is a BaseException."""
+    try:
+        yield
+    except BaseException:
+        if os.path.isdir(directory):
+            raise
+        latest = given if os.path.normpath(given) != os.path.normpath(directory) else \
+            os.path.dirname(os.path.normpath(directory))
+        raise ExportError(f"{directory} was removed while it was exported (a run still saving "
+                          "to its checkpoint.dir, whose checkpoint.keep_last removes older "
+                          f"steps?): export again (--checkpoint {latest} takes the latest), or "
+                          "a step that run keeps", exit_code=1) from None
 
 
 def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
