@@ -358,9 +358,9 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
 
 
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
-    """The trainer's resume (in process, the checkpoint's tensor checks and load stubbed) runs
-    the checkpoint's LoRA alpha check: a run with alpha 64 on adapters trained at 8 is refused
-    before any weight is loaded."""
+    """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
+    and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters
+    trained at 8 is refused before any weight is loaded."""
     from types import SimpleNamespace
 
     from mimo_train.components import checkpoint
@@ -382,6 +382,13 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
     with pytest.raises(CheckpointError, match="model.lora.language.alpha 8, this run's "
                        "model.lora.language.alpha is 64"):
         trainer._resume("ck/step_0000001")
+    # a new run from its weights (model.init_from) starts from the model it trained, too
+    monkeypatch.setattr(module.checkpoint, "step_of", lambda given: given, raising=False)
+    monkeypatch.setattr(module.checkpoint, "load_model", lambda *args: loaded.append(args),
+                        raising=False)
+    with pytest.raises(CheckpointError, match="is 64: .* start from it with alpha 8, or, for "
+                       r"new adapters with another alpha, from its merged export \(mimo-export"):
+        trainer._init_from("ck/step_0000001")
     assert loaded == []
 
 

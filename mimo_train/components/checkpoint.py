@@ -485,10 +485,11 @@ def check(directory: str, model, global_batch_size: int | None,
     return meta
 
 
-def check_lora_scale(directory: str, meta: dict, lora: dict) -> None:
-    """A resumed run's adapters keep the checkpoint's scale: its ``model.lora`` ``alpha`` of
-    each part this run adapts (``lora``: part -> LoraConfig). The weights have the same shapes
-    under another alpha, and ``alpha / rank * B A`` would give another model."""
+def check_lora_scale(directory: str, meta: dict, lora: dict, resume: bool = True) -> None:
+    """A run resumed or started from a checkpoint (``resume`` false: ``model.init_from``)
+    keeps its adapters' scale: its ``model.lora`` ``alpha`` of each part this run adapts
+    (``lora``: part -> LoraConfig). The weights have the same shapes under another alpha, and
+    ``alpha / rank * B A`` would give another model."""
     saved = ((meta.get("config") or {}).get("model") or {}).get("lora") or {}
     if not isinstance(saved, dict):
         return
@@ -503,9 +504,12 @@ def check_lora_scale(directory: str, meta: dict, lora: dict) -> None:
                     f"checkpoint {directory}'s adapters of {other} trained with "
                     f"model.lora.{other}.alpha {float(theirs):g}, this run's model.lora.{part}."
                     f"alpha is {spec.alpha:g}: the same weights would give another model (the "
-                    f"adapters scaled by alpha / rank); resume with alpha {float(theirs):g}, or "
-                    "start a new run from its weights (model.init_from) in another "
-                    "checkpoint.dir")
+                    f"adapters scaled by alpha / rank); " + (
+                        f"resume with alpha {float(theirs):g}, or start a new run from its "
+                        "weights (model.init_from) in another checkpoint.dir" if resume else
+                        f"start from it with alpha {float(theirs):g}, or, for new adapters "
+                        "with another alpha, from its merged export (mimo-export) as "
+                        "model.pretrained"))
 
 
 def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]

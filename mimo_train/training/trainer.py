@@ -278,8 +278,11 @@ class Trainer:
         checkpoint.dir's latest (two phases: the checks need no collective, the load is
         one)."""
         directory = checkpoint.step_of(given)
-        phase("init_from check", f"model.init_from {directory} checked",
-              lambda: checkpoint.check(directory, self.model, None))
+
+        def checked() -> None:
+            meta = checkpoint.check(directory, self.model, None)
+            checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
+        phase("init_from check", f"model.init_from {directory} checked", checked)
 
         def load():
             checkpoint.load_model(directory, self.model)
