@@ -375,10 +375,7 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
     if args.gpus is None and args.model is not None and args.layout is not None and not clip:
         # one layout checked against the trainer's rules for that model, then drawn as below
         if layout_refusal is None:
-            print("mimo-inspect plan: error: --model (the trainer's rules) needs mimo_train: run "
-                  "the mimo-inspect command of a full install (mimo_train.inspect_cli), not "
-                  "python -m mimo_data.inspect.cli", file=sys.stderr)
-            return 2
+            return _needs_trainer("--model (the trainer's rules) needs")
         from mimo_data.inspect.advice import AdvisorRequest
         try:
             reason = layout_refusal(AdvisorRequest.from_args(args), config)
@@ -401,10 +398,7 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
             return 2
         return run_plan(args, config)
     if advisor is None:
-        print("mimo-inspect plan: error: --model/--gpus (the layout advisor) need mimo_train: "
-              "run the mimo-inspect command of a full install (mimo_train.inspect_cli), not "
-              "python -m mimo_data.inspect.cli", file=sys.stderr)
-        return 2
+        return _needs_trainer("--model/--gpus (the layout advisor) need")
     if args.gpus is None or args.model is None or args.gpus < 1:
         print("mimo-inspect plan: error: the layout advisor needs both --model M and --gpus N "
               "(N >= 1)", file=sys.stderr)
@@ -426,6 +420,14 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
                     layout=layout, seed=args.seed, epoch=args.epoch, steps=max(1, args.steps),
                     packing=args.packing)
     return advisor(AdvisorRequest.from_args(args), config, work)
+
+
+def _needs_trainer(what: str) -> int:
+    """Exit status 2, saying that ``what`` (an option and "need(s)") is mimo_train's."""
+    print(f"mimo-inspect plan: error: {what} mimo_train: run the mimo-inspect command of a "
+          "full install (mimo_train.inspect_cli), not python -m mimo_data.inspect.cli",
+          file=sys.stderr)
+    return 2
 
 
 @quiet_when_stdout_closes
