@@ -28,14 +28,17 @@ class Tally:
     """Items seen = kept + skipped; skips are counted by reason with their first locations.
 
     ``names`` label the three totals in ``to_dict`` and ``summary`` (e.g. records read,
-    samples written, records skipped).
+    samples written, records skipped); ``set_aside`` labels what ``set_aside`` counts: things
+    met that are not items (a tar's members that belong to no sample), outside the totals.
     """
 
-    def __init__(self, seen: str = "seen", kept: str = "kept", skipped: str = "skipped"):
-        self.names = (seen, kept, skipped)
+    def __init__(self, seen: str = "seen", kept: str = "kept", skipped: str = "skipped",
+                 set_aside: str = "set_aside"):
+        self.names = (seen, kept, skipped, set_aside)
         self.seen = 0
         self.kept = 0
         self.skipped: dict[str, dict] = {}
+        self.aside: dict[str, dict] = {}
         self.counts: dict[str, int] = {}   # what the kept items hold, by name (where not 0)
 
     def count(self, name: str, number: int) -> None:
@@ -54,30 +57,47 @@ class Tally:
     def skip_many(self, reason: str, count: int, first: list[tuple[str, str]]) -> None:
         """``count`` skips for ``reason``, the first ones as ``(location, detail)``."""
         self.seen += count
-        entry = self.skipped.setdefault(reason, {"count": 0, "first": []})
-        entry["count"] += count
-        entry["first"].extend({"location": location, "detail": detail} for location, detail
-                              in first[:FIRST_LOCATIONS - len(entry["first"])])
+        _add(self.skipped, reason, count, first)
+
+    def set_aside(self, reason: str, location: str, detail: str) -> None:
+        """One thing that is not an item, left out for ``reason`` (counted apart from the
+        items seen and skipped)."""
+        _add(self.aside, reason, 1, [(location, detail)])
 
     @property
     def skipped_total(self) -> int:
         return sum(entry["count"] for entry in self.skipped.values())
 
     def to_dict(self) -> dict:
-        seen, kept, skipped = self.names
+        seen, kept, skipped, aside = self.names
         return {seen: self.seen, kept: self.kept, skipped: self.skipped_total,
                 "skipped_by_reason": dict(sorted(self.skipped.items())),
+                **({f"{aside}_by_reason": dict(sorted(self.aside.items()))} if self.aside
+                   else {}),
                 **({"counts": dict(sorted(self.counts.items()))} if self.counts else {})}
 
     def summary(self) -> str:
         """One line for people: totals and skip counts by reason."""
-        seen, kept, skipped = (name.replace("_", " ") for name in self.names)
+        seen, kept, skipped, aside = (name.replace("_", " ") for name in self.names)
         line = f"{self.seen} {seen}, {self.kept} {kept}"
         if self.skipped:
-            reasons = ", ".join(f"{reason} {entry['count']}"
-                                for reason, entry in sorted(self.skipped.items()))
-            line += f", {self.skipped_total} {skipped} ({reasons})"
+            line += f", {self.skipped_total} {skipped} ({_reasons(self.skipped)})"
+        if self.aside:
+            line += (f", {sum(entry['count'] for entry in self.aside.values())} {aside} "
+                     f"({_reasons(self.aside)})")
         if self.counts:
             line += "; " + ", ".join(f"{number} {name.replace('_', ' ')}"
                                      for name, number in sorted(self.counts.items()))
         return line
+
+
+def _add(by_reason: dict[str, dict], reason: str, count: int,
+         first: list[tuple[str, str]]) -> None:
+    entry = by_reason.setdefault(reason, {"count": 0, "first": []})
+    entry["count"] += count
+    entry["first"].extend({"location": location, "detail": detail} for location, detail
+                          in first[:FIRST_LOCATIONS - len(entry["first"])])
+
+
+def _reasons(by_reason: dict[str, dict]) -> str:
+    return ", ".join(f"{reason} {entry['count']}" for reason, entry in sorted(by_reason.items()))

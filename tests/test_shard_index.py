@@ -1099,15 +1099,18 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
 def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, tmp_path):
     """A tar where GNU tar stored a photo's second name as a hard link (and one symbolic
     link): the link holds no data, so its sample lacks the image; each link is counted
-    ``link_member`` by name, saying how to write the tar instead, never dropped unsaid."""
+    ``link_member`` by name, saying how to write the tar instead, never dropped unsaid. Links
+    and members of no sample (macOS ``._*``, a name without suffix) are members set aside,
+    not records: the tar's 3 samples are the records read, and ``info`` says both."""
     from mimo_data.shards.in_place import IndexOptions, index
+    from mimo_data.shards.info import dataset_info, format_info
     from mimo_data.shards.reader import ShardReader
 
     photo = next(data for name, data, _, _ in corpus_photos if name.endswith(".jpg"))
     (tmp_path / "src").mkdir()
     with tarfile.open(tmp_path / "src" / "links.tar", "w") as tar:
-        for name, data in (("0.jpg", photo), ("0.txt", b"A photo."), ("1.txt", b"Again."),
-                           ("2.txt", b"Once more.")):
+        for name, data in (("0.jpg", photo), ("0.txt", b"A photo."), ("._0.jpg", b"\0" * 9),
+                           ("LICENSE", b"CC0"), ("1.txt", b"Again."), ("2.txt", b"Once more.")):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
@@ -1120,8 +1123,15 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
               IndexOptions(workers=0, progress=False, check="header", layout="pairs"))
     reader = ShardReader(str(tmp_path / "idx"))
     assert [reader.record(p)["key"] for p in range(len(reader))] == ["0"]
-    skipped = json.loads((tmp_path / "idx" / "report.json").read_text())["skipped_by_reason"]
-    links = skipped["link_member"]
+    report = json.loads((tmp_path / "idx" / "report.json").read_text())
+    assert (report["records_read"], report["records_skipped"]) == (3, 2)
+    assert set(report["skipped_by_reason"]) == {"missing_media"}
+    aside = report["members_ignored_by_reason"]
+    assert [entry["location"] for entry in aside["stray_member"]["first"]] == [
+        "links.tar:._0.jpg", "links.tar:LICENSE"]
+    assert "build     3 records read, 2 skipped, 4 tar member(s) ignored (links, or of no " \
+        "sample)" in format_info(dataset_info(str(tmp_path / "idx")))
+    links = aside["link_member"]
     assert links["count"] == 2
     assert [entry["location"] for entry in links["first"]] == ["links.tar:1.jpg",
                                                                "links.tar:2.jpg"]

@@ -65,6 +65,7 @@ class ShardResult:
     rows: list[dict] = field(default_factory=list)
     records: list[bytes] = field(default_factory=list)
     skips: list[tuple[str, str, str]] = field(default_factory=list)   # reason, where, detail
+    members_aside: list[tuple[str, str, str]] = field(default_factory=list)   # of no sample
     walked: Walked = field(default_factory=Walked)
     samples: int = 0                  # samples the tar holds (kept or not)
     seconds: float = 0.0
@@ -173,16 +174,15 @@ def index_shard(job: _Job) -> ShardResult:
             result.skips.append(("truncated_tar", f"{job.name}:{cut}" if cut else job.name,
                                  f"{result.walked.truncated}; the samples before are kept, "
                                  f"the one being read{f' ({cut})' if cut else ''} is left out"))
-        result.skips += [("stray_member", f"{job.name}:{name}", "a macOS metadata file (._*), "
-                          "no data" if os.path.basename(name).startswith("._") else "a member "
-                          "without a suffix (KEY.ext) belongs to no sample")
-                         for name in result.walked.stray]
-        result.skips += [("link_member", f"{job.name}:{name}",
-                          f"{name} is {link}: a link holds no data of its own (webdataset skips "
-                          "it too), "
-                          "so its sample lacks that member. GNU tar stores a file's second name "
-                          "as a hard link: write the tar with --hard-dereference (symbolic "
-                          "links: -h)") for name, link in result.walked.links]
+        result.members_aside += [
+            ("stray_member", f"{job.name}:{name}", "a macOS metadata file (._*), no data"
+             if os.path.basename(name).startswith("._") else "a member without a suffix "
+             "(KEY.ext) belongs to no sample") for name in result.walked.stray]
+        result.members_aside += [
+            ("link_member", f"{job.name}:{name}", f"{name} is {link}: a link holds no data of "
+             "its own (webdataset skips it too), so its sample lacks that member. GNU tar "
+             "stores a file's second name as a hard link: write the tar with "
+             "--hard-dereference (symbolic links: -h)") for name, link in result.walked.links]
         result.seconds = time.perf_counter() - started
         return result
     if storage.is_remote(location):
@@ -437,7 +437,8 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     report = swap.into_folder(output, staging, built["totals"]["samples"], old)
     if built["totals"]["samples"]:
         write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
-    see = f" (see {report})" if built["report"]["records_skipped"] else ""
+    see = f" (see {report})" if built["report"]["records_skipped"] or \
+        built["report"].get("members_ignored") else ""
     if old and not built["totals"]["samples"]:
         see += f"; the index at {output} is as it was"
     say(f"{summary} in {len(built['shards'])} tar(s) at {source.root} → {output}{see}")
@@ -453,7 +454,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
                  storage_options, energon.excluded_keys(name, source.sample_excludes),
                  source.detected_from)
             for name in source.shards]
-    report = Tally("records_read", "samples_written", "records_skipped")
+    report = Tally("records_read", "samples_written", "records_skipped", "members_ignored")
     tables = _Tables(staging)
     shards: list[dict[str, Any]] = []
     busy, read = 0.0, 0
@@ -469,6 +470,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
             report.count(name, number)
         for reason, where, detail in result.skips:
             report.skip(reason, where, detail)
+        for reason, where, detail in result.members_aside:
+            report.set_aside(reason, where, detail)
         shards.append({"name": result.name, "samples": len(result.rows),
                        "bytes": result.walked.bytes, "sha256": result.walked.sha256})
         busy += result.seconds
@@ -494,6 +497,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
         "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
+                   **({"members_ignored": sum(e["count"] for e in report.aside.values())}
+                      if report.aside else {}),
                    **({"counts": dict(sorted(report.counts.items()))} if report.counts
                       else {})},
         "build": {"command": "index", "inputs": [source.root],

@@ -82,7 +82,9 @@ def format_info(info: dict) -> str:
     lines = [
         f"dataset   {info['name']}  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
-        f"build     {report['records_read']} records read, {report['records_skipped']} skipped",
+        f"build     {report['records_read']} records read, {report['records_skipped']} skipped"
+        + (f", {report['members_ignored']} tar member(s) ignored (links, or of no sample)"
+           if report.get("members_ignored") else ""),
     ]
     if report.get("counts"):        # what the samples hold that the build read (format.py)
         lines.append("holds     " + ", ".join(f"{number} {name.replace('_', ' ')}"
