@@ -156,8 +156,9 @@ def index_shard(job: _Job) -> ShardResult:
                     if sample.key in keys:
                         result.skips.append(("duplicate_key", f"{job.name}:{sample.key}",
                                              "the key occurs twice in the tar (not one after "
-                                             "the other); the first is kept where it was "
-                                             "whole: a sample's members are read one after "
+                                             "the other); the first is kept, unless it is "
+                                             "left out for a reason counted apart: a "
+                                             "sample's members are read one after "
                                              "the other, as webdataset reads them, so write "
                                              "each sample's members together"))
                         continue
