@@ -1054,6 +1054,22 @@ def test_a_tar_whose_keys_members_are_apart_is_said_to_be_so(corpus_photos, tmp_
                             "--workers", "0", "--no-progress")
     assert code == 2 and "apart.tar: each of its first 16 samples is one jpg member. If the " \
         "tar holds their other files further on, the members of one key are apart" in err, err
+    # tar cf x.tar *.json *.jpg: conversations whose <image> markers have no medium beside
+    # them (each would be dropped), not taken for text-only conversations
+    turns = json.dumps({"conversations": [{"from": "human", "value": "<image>\nWhat is it?"},
+                                          {"from": "gpt", "value": "A photo."}]}).encode()
+    write_tar(tmp_path / "talk" / "apart.tar", {
+        **{f"{n}.json": turns for n in range(20)}, **{f"{n}.jpg": photo for n in range(20)}})
+    code, _, err = cli_main(capsys, "index", tmp_path / "talk", "--output", tmp_path / "idx",
+                            "--workers", "0", "--no-progress")
+    assert code == 2 and "apart.tar: each of its first 16 samples is a KEY.json conversation " \
+        "with media markers and no medium beside it" in err and "are apart" in err, err
+    # text-only conversations (no marker) are what they look like
+    write_tar(tmp_path / "text" / "plain.tar", {f"{n}.json": turns.replace(b"<image>\\n", b"")
+                                                for n in range(20)})
+    code, _, err = cli_main(capsys, "index", tmp_path / "text", "--output", tmp_path / "idx3",
+                            "--workers", "0", "--no-progress")
+    assert code == 0 and "20 samples written" in err, err
 
 
 def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos, tmp_path):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import braceexpand
 
+from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
 from mimo_data.shards.layouts import MemberMap, detect
@@ -344,11 +345,21 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
         layout = detected or ("pairs" if pairs_options else "")
         lone = {suffix for members in head for suffix in members} \
             if all(len(members) == 1 for members in head) else set()
+        rewrite = ("webdataset reads a sample as one run of members, so each would be read "
+                   "as several samples. Write the tar with each sample's files one after "
+                   "another (tar -cf x.tar --sort=name -C FOLDER . , not tar cf x.tar "
+                   "*.jpg *.txt, which keeps the order given), or with webdataset's "
+                   "ShardWriter")
+        if layout == "conversation" and lone == {options.json_member} and all(
+                any(marker.encode() in members[options.json_member]
+                    for marker in MARKERS.values()) for members in head):
+            # every one would be dropped: its markers have no medium to stand for
+            raise IndexInputError(f"{storage.join(root, first)}: each of its first {len(head)} "
+                                  f"samples is a KEY.{options.json_member} conversation with "
+                                  "media markers and no medium beside it. If the tar holds "
+                                  "the media further on (tar cf x.tar *.json *.jpg), the "
+                                  f"members of one key are apart: {rewrite}")
         if not layout and (split or len(lone) == 1):
-            rewrite = ("webdataset reads a sample as one run of members, so each would be read "
-                       "as several samples. Write the tar with each sample's files one after "
-                       "another (tar -cf x.tar --sort=name -C FOLDER . ; tar cf x.tar *.jpg "
-                       "*.txt keeps the order given), or with webdataset's ShardWriter")
             if split:
                 raise IndexInputError(f"{storage.join(root, first)}: the members of one key "
                                       f"are apart (key {split[0]!r} comes back after other "
