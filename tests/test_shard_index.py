@@ -286,6 +286,11 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
         assert "Traceback" not in err and not (tmp_path / "two").exists()
     code, _, err = cli_main(capsys, "index", pairs.src.parent / "*", "--output", tmp_path / "two")
     assert code == 2 and f"matches the folder {pairs.src.parent}" in err, err
+    # `index SRC OUT` as cp reads it: the output named as an option to give
+    code, _, err = cli_main(capsys, "index", pairs.src, tmp_path / "out")
+    assert code == 2 and f"{tmp_path / 'out'}: no such tar or folder to index; to write the " \
+        f"index there, give it as --output: mimo-shard index {pairs.src} --output " \
+        f"{tmp_path / 'out'}" in err, err
 
 
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):

@@ -228,6 +228,12 @@ def _resolve(sources: list[str], options: IndexOptions,
         if options.layout == "energon":
             raise IndexInputError("--layout energon takes the dataset folder (the one holding "
                                   f"{energon.META}/)")
+        last = sources[-1]
+        if len(sources) > 1 and not _is_pattern(last) and "{" not in last and \
+                not storage.exists(last, storage_options):      # `index SRC OUT`, cp-like
+            raise IndexInputError(f"{last}: no such tar or folder to index; to write the "
+                                  f"index there, give it as --output: mimo-shard index "
+                                  f"{' '.join(sources[:-1])} --output {last}")
         paths = []
         for given in sources:
             for path in _expand(given):
