@@ -176,3 +176,29 @@ def test_a_bases_digest_covers_the_weight_files_transformers_loads(tmp_path, mon
     hashed = []
     monkeypatch.setattr(digests, "file_sha256", lambda path: hashed.append(path) or "")
     assert digests.weights_digest(str(snapshot)) == single and hashed == []
+
+
+def test_a_local_bases_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
+    """A local base's weights (``hf download --local-dir``: no hub blobs) are hashed once and
+    their digest kept in the mimo cache by the file's identity and times; a rewrite of the
+    same size is hashed again, and a file changed in the last two seconds is not kept."""
+    import time
+    from types import SimpleNamespace
+
+    from mimo_data.files import file_sha256
+    monkeypatch.setenv("MIMO_CACHE_DIR", str(tmp_path / "cache"))
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "model.safetensors").write_bytes(b"w" * 100)
+    hashed = []
+    monkeypatch.setattr(digests, "file_sha256", lambda path: hashed.append(path) or
+                        file_sha256(path))
+    monkeypatch.setattr(digests, "time", SimpleNamespace(time=time.time))
+    first = digests.weights_digest(str(base))            # just written: hashed, not kept
+    assert digests.weights_digest(str(base)) == first and len(hashed) == 2
+    monkeypatch.setattr(digests, "time", SimpleNamespace(time=lambda: time.time() + 60))
+    assert [digests.weights_digest(str(base)) for _ in range(3)] == [first] * 3
+    assert len(hashed) == 3 and len(os.listdir(tmp_path / "cache" / "file-digests")) == 1
+    (base / "model.safetensors").write_bytes(b"v" * 100)      # same size, other weights
+    changed = digests.weights_digest(str(base))
+    assert changed != first and changed == digests.weights_digest(str(base)) and len(hashed) == 4

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import re
+import time
 
 from mimo_data.files import file_sha256, write_atomic
 from mimo_train.errors import IntegrityError
@@ -193,4 +194,37 @@ def _file_digest(path: str) -> str:
         if _BLOB.fullmatch(blob) and os.path.basename(folder) == "blobs" and \
                 os.path.basename(os.path.dirname(folder)).startswith("models--"):
             return blob
-    return file_sha256(path)
+    return _kept_digest(path)
+
+
+DIGESTS_KEPT = "file-digests"           # under the mimo cache (MIMO_CACHE_DIR, ~/.cache/mimo)
+_SETTLED_S = 2.0
+
+
+def _kept_digest(path: str) -> str:
+    """``path``'s SHA-256, kept in the mimo cache under the file's identity and times (device,
+    inode, size, mtime and ctime in ns: a write or replacement changes ctime, which no tool
+    sets back), so that a local multi-GB base is hashed once, not at every mimo-generate. A
+    file changed in the last two seconds is not kept: a coarse clock could give its next
+    change the same times (git's rule for its index, "racy git")."""
+    from mimo_data.shards.cache import CACHE_DIR_ENV, DEFAULT_CACHE
+    stat = os.stat(path)
+    identity = (f"{os.path.realpath(path)}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0"
+                f"{stat.st_mtime_ns}\0{stat.st_ctime_ns}")
+    folder = os.path.join(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE, DIGESTS_KEPT)
+    kept = os.path.join(folder, hashlib.sha256(identity.encode()).hexdigest())
+    try:
+        with open(kept) as f:
+            digest = f.read()
+        if _BLOB.fullmatch(digest):
+            return digest
+    except OSError:
+        pass
+    digest = file_sha256(path)
+    if time.time() - max(stat.st_mtime, stat.st_ctime) > _SETTLED_S:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            write_atomic(kept, digest.encode())
+        except OSError:               # a read-only or full cache: hashed again next time
+            pass
+    return digest
