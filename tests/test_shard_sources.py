@@ -79,10 +79,11 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
     kept as metadata, an ``image_path`` beside content parts that name the image, or a
     ``video_path`` beside a frame's image, is no such column."""
     jpeg, png = str(assets["jpeg"]), str(assets["png"])
-    rows = {"id": ["single", "list", "text"],
-            "images": [None, [png], []], "image": [jpeg, "", ""],
-            "image_url": ["https://example.com/a.jpg"] * 3,
-            "conversations": [chat(q, "A.") for q in ("<image>\nWhat?", "<image> and?", "Hi?")]}
+    rows = {"id": ["single", "list", "text", "holes"],
+            "images": [None, [png], [], [None, png, ""]], "image": [jpeg, "", "", ""],
+            "image_url": ["https://example.com/a.jpg"] * 4,
+            "conversations": [chat(q, "A.") for q in ("<image>\nWhat?", "<image> and?", "Hi?",
+                                                      "<image> here?")]}
     path = tmp_path / f"mixed{suffix}"
     if suffix == ".jsonl":
         write_jsonl(path, [dict(zip(rows, values)) for values in zip(*rows.values())])
@@ -97,7 +98,21 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
     assert _media(*samples["single"], "image") == [assets["jpeg"].read_bytes()]
     assert _media(*samples["list"], "image") == [assets["png"].read_bytes()]
     assert _media(*samples["text"], "image") == []
+    assert _media(*samples["holes"], "image") == [assets["png"].read_bytes()]   # nulls: none
     if suffix == ".jsonl":
+        # bytes in JSON: base64 (line-wrapped too), as an exported table's struct holds them
+        import base64
+        encoded = write_jsonl(tmp_path / "b64.jsonl", [{
+            "id": "b64", "images": [{"bytes": base64.encodebytes(assets["jpeg"].read_bytes())
+                                     .decode(), "path": None}],
+            "conversations": chat("<image>\nWhat?", "A.")}, {
+            "id": "bad", "images": [{"bytes": "not base64!", "path": None}],
+            "conversations": chat("<image>\nWhat?", "A.")}])
+        code, _, err = cli_main(capsys, "build", encoded, "-o", tmp_path / "b64", "--no-progress")
+        assert code == 0 and _media(*_samples_by_id(tmp_path / "b64")["b64"], "image") == [
+            assets["jpeg"].read_bytes()]
+        bad = read_json(tmp_path / "b64" / "report.json")["skipped_by_reason"]["malformed_record"]
+        assert "are a string that is not base64" in bad["first"][0]["detail"], bad
         # a source clip's path kept beside the record's image: metadata, not an unread video
         kept = write_jsonl(tmp_path / "frames.jsonl", [{
             "id": "frame", "image": jpeg, "video_path": "raw/clip.mp4",

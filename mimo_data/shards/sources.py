@@ -132,13 +132,22 @@ def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], 
 
 def _media_items(plural, single, where: str, modality: str) -> list:
     """A record's ``modality`` items: its list (``images``), else its single item (``image``);
-    a null, empty or blank value is none (tables and ``datasets.to_json`` write a null
+    a null, empty or blank value or item is none (tables and ``datasets.to_json`` write a null
     ``images`` beside an ``image``). Both given, and different: refused."""
-    items, one = _as_list(plural), _as_list(single)
+    items, one = ([item for item in _as_list(value) if not _none(item)]
+                  for value in (plural, single))
     if items and one and items != one:
         raise RecordError("malformed_record", f"{where} gives both {media_field(modality)!r} "
                           f"and {modality!r}, with different items: give one")
     return items or one
+
+
+def _none(item) -> bool:
+    """An item that names nothing: null, blank, or a table's struct whose fields are all
+    null or empty (``{bytes: null, path: null}``)."""
+    if isinstance(item, dict):
+        return not any(item.values())
+    return item is None or isinstance(item, str) and not item.strip()
 
 
 _RENAME = "give it as {items!r} (a list) or {modality!r} (rename the key in the source data)"

@@ -77,6 +77,14 @@ class MediaPolicy:
     frames_fps: float | None = None   # a video given as a folder of frames: shown so fast
 
 
+def _base64(text: str) -> bytes:
+    try:
+        return base64.b64decode("".join(text.split()), validate=True)
+    except ValueError:
+        raise RecordError("malformed_record", f"media bytes {text[:40]!r}... are a string that "
+                          "is not base64 (how JSON holds bytes): give base64, or a path") from None
+
+
 def _read_media(ref, media_root: str, frames_fps: float | None = None
                 ) -> tuple[bytes, str | None, str | None, bool]:
     """Bytes, original path and resolved file (None for embedded bytes and a clip made of
@@ -84,6 +92,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
     folder of frames made one clip (``frames_fps`` given: a video's)."""
     path = None
     if isinstance(ref, dict):
+        if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
+            return _base64(ref["bytes"]), ref.get("path"), None, False
         if ref.get("bytes"):
             return bytes(ref["bytes"]), ref.get("path"), None, False
         path = ref.get("path")
