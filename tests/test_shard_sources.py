@@ -499,6 +499,41 @@ def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos,
         normalize_messages([turns[0], {**turns[1], "reasoning_content": TEXT_PART_BREAK}])
 
 
+def test_indexed_image_parts_take_the_item_they_name(tmp_path, assets):
+    """TRL's llava-instruct-mix-vsft rows: bare image parts ``{"type": "image", "index": i,
+    "text": null}`` with the images in a list. Each part's marker takes the image its index
+    names, not the next in the list; an index naming no item, or an item no part names, is
+    refused naming both."""
+    jpeg, png = assets["jpeg"].read_bytes(), assets["png"].read_bytes()
+    part = pa.struct([("index", pa.int64()), ("text", pa.string()), ("type", pa.string())])
+    message = pa.struct([("content", pa.list_(part)), ("role", pa.string())])
+
+    def row(indices):
+        content = [{"index": i, "text": None, "type": "image"} if isinstance(i, int) else
+                   {"index": None, "text": i, "type": "text"} for i in indices]
+        return [{"role": "user", "content": content},
+                {"role": "assistant", "content": [{"index": None, "text": "A.", "type": "text"}]}]
+    path = tmp_path / "vsft.parquet"
+    pq.write_table(pa.table({
+        "id": ["swapped", "stray", "unnamed"],
+        "messages": pa.array([row(["This is the cat:", 1, "and the astronaut", 0]),
+                              row([0, 2, "Both?"]), row([0, "One?"])], pa.list_(message)),
+        "images": pa.array([[{"bytes": jpeg, "path": None}, {"bytes": png, "path": None}]] * 3,
+                           pa.list_(MEDIA))}), path)
+    build_dataset([path], tmp_path / "out")
+    record, members = _samples_by_id(tmp_path / "out")["swapped"]
+    assert record["messages"][0]["content"].startswith("This is the cat:")
+    assert _media(record, members, "image") == [png, jpeg]
+    skipped = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"]
+    details = [entry["detail"] for entry in skipped["malformed_record"]["first"]]
+    assert details == [
+        "the image content parts' 'index' values [0, 2] do not each name one of the 2 "
+        "'images' items (0 to 1): give every part the index of its item, or none (the list's "
+        "order)",
+        "images[1] is named by no image content part's 'index' ([0]): every item needs its "
+        "part (its marker)"], details
+
+
 def test_openai_media_parts_name_their_media(tmp_path, assets):
     """OpenAI's vision and audio fine-tuning forms: ``image_url`` parts whose URL is a base64
     ``data:`` URL (line-wrapped too), a ``file://`` URL (percent-encoded) or a path (also as

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,17 +161,49 @@ def _part_keys(modality: str) -> tuple[str, ...]:
     return (modality, "url", "path")
 
 
-def _part_items(turns) -> dict[str, list]:
-    """Per modality, the item each of its content parts names (None for a bare part), in
-    reading order. Malformed turns yield nothing here: normalization reports them."""
-    found: dict[str, list] = {name: [] for name in MODALITIES}
+def _media_parts(turns) -> Iterator[tuple[str, dict]]:
+    """Each media content part of ``turns`` with its modality, in reading order. Malformed
+    turns yield nothing here: normalization reports them."""
     for turn in turns if isinstance(turns, list) else ():
         content = turn.get("content", turn.get("value")) if isinstance(turn, dict) else None
         for part in content if isinstance(content, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind in PART_MODALITIES:
-                found[PART_MODALITIES[kind]].append(_part_item(part, kind))
+                yield PART_MODALITIES[kind], part
+
+
+def _part_items(turns) -> dict[str, list]:
+    """Per modality, the item each of its content parts names (None for a bare part), in
+    reading order."""
+    found: dict[str, list] = {name: [] for name in MODALITIES}
+    for modality, part in _media_parts(turns):
+        found[modality].append(_part_item(part, part["type"]))
     return found
+
+
+def _indexed(items: list, turns, modality: str) -> list:
+    """``items`` (the record's list) in the order its bare ``modality`` parts name them by
+    ``index`` (TRL's llava-instruct-mix-vsft rows: ``{"type": "image", "index": 1, "text":
+    null}``): the marker of each part takes the item it names, not the next in the list.
+    Parts without an index take the list's order."""
+    indices = [part.get("index") for of, part in _media_parts(turns) if of == modality]
+    given = [index for index in indices if index is not None]
+    if not given:
+        return items
+    field_name = media_field(modality)
+    if len(given) != len(indices) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(items)
+            for i in given):
+        raise RecordError("malformed_record", f"the {modality} content parts' 'index' values "
+                          f"{indices[:12]} do not each name one of the {len(items)} "
+                          f"{field_name!r} items (0 to {len(items) - 1}): give every part "
+                          "the index of its item, or none (the list's order)")
+    unnamed = sorted(set(range(len(items))) - set(given))
+    if unnamed:
+        raise RecordError("malformed_record", f"{field_name}[{unnamed[0]}] is named by no "
+                          f"{modality} content part's 'index' ({indices[:12]}): every item "
+                          "needs its part (its marker)")
+    return [items[i] for i in given]
 
 
 def _part_item(part: dict, kind: str):
@@ -198,6 +231,8 @@ def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
     for modality, items in _part_items(turns).items():
         named = [item for item in items if item is not None]
         if not named:
+            if media.get(modality):
+                merged[modality] = _indexed(media[modality], turns, modality)
             continue
         openai = [kind for kind, of in PART_MODALITIES.items() if of == modality and kind != of]
         keys = "/".join(map(repr, _part_keys(modality))) + "".join(
