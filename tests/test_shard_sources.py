@@ -446,6 +446,33 @@ def test_a_leading_bom_is_not_part_of_the_first_record(tmp_path, good_records, s
     assert origins == [(str(path), kind, first + i) for i in range(len(good_records))]
 
 
+def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
+    """Upper-case suffixes and ``.ndjson`` are read as their format; a quoted glob (a hub
+    download's shards) is the files it matches, in order; a compressed file is refused by
+    its content, whatever its name or --input-format, saying how to decompress it."""
+    import gzip
+    half = len(good_records) // 2
+    (tmp_path / "parts").mkdir()
+    write_jsonl(tmp_path / "parts" / "TRAIN-0.JSONL", good_records[:half])
+    write_jsonl(tmp_path / "parts" / "train-1.ndjson", good_records[half:])
+    code, _, err = cli_main(capsys, "build", str(tmp_path / "parts" / "*"), "-o",
+                            tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    origins = [origin_of(record)[0] for record in sample_records(tmp_path / "out")]
+    assert origins == [str(tmp_path / "parts" / "TRAIN-0.JSONL")] * half + [
+        str(tmp_path / "parts" / "train-1.ndjson")] * (len(good_records) - half)
+    code, _, err = cli_main(capsys, "build", str(tmp_path / "none" / "*.jsonl"), "-o",
+                            tmp_path / "no", "--no-progress")
+    assert code == 2 and f"{tmp_path / 'none' / '*.jsonl'}: matches no file" in err, err
+    packed = tmp_path / "train.jsonl.gz"
+    packed.write_bytes(gzip.compress((tmp_path / "parts" / "train-1.ndjson").read_bytes()))
+    for flags in ([], ["--input-format", "llava"]):
+        code, _, err = cli_main(capsys, "build", packed, "-o", tmp_path / "no", "--no-progress",
+                                *flags)
+        assert code == 2 and f"{packed}: gzip-compressed: decompress it first (e.g. gunzip " \
+            f"-k {packed})" in err, err
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
 def test_content_parts_name_their_media(tmp_path, assets, corpus, corpus_videos, suffix):
     clip = corpus / corpus_videos["zoom_mpeg4_10"].path

@@ -13,6 +13,7 @@ The output order, keys and bytes depend only on the inputs and options (not on
 
 from __future__ import annotations
 
+import glob
 import itertools
 import json
 import os
@@ -174,6 +175,21 @@ def _results(tasks, sources, policy, workers):
         yield from done
 
 
+def _globbed(inputs: list[str]) -> list[str]:
+    """``inputs`` with each glob pattern (quoted, so the shell left it: ``'data/*.parquet'``,
+    a hub download's shards) replaced by the files it matches, sorted."""
+    found: list[str] = []
+    for given in inputs:
+        if any(c in given for c in "*?[") and not os.path.exists(given):
+            matched = sorted(glob.glob(given))
+            if not matched:
+                raise BuildError(f"{given}: matches no file")
+            found += matched
+        else:
+            found.append(given)
+    return found
+
+
 def build(inputs: list[str], output: str, options: BuildOptions,
           storage_options: dict | None = None) -> dict:
     """Build the dataset; return the index. Raises BuildError (nothing is left behind then:
@@ -191,6 +207,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     if options.media_root is not None and not os.path.isdir(options.media_root):
         raise BuildError(f"--media-root {options.media_root} is not a folder here: give the "
                          "folder the records' relative media paths start from")
+    inputs = _globbed(inputs)
     sources = [open_source(path, input_format=options.input_format,
                            media_root=options.media_root, instruction=options.instruction,
                            columns=options.columns) for path in inputs]

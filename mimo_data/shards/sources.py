@@ -599,13 +599,16 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
                           "WebDataset tars is indexed in place with mimo-shard index)")
     if not os.path.isfile(path):
         raise SourceError(f"{path}: input file not found")
+    _refuse_compressed(path)
     fmt = input_format
-    if fmt == "auto" and not path.endswith((".parquet", ".json", ".jsonl")):
-        raise SourceError(f"{path}: cannot tell the input format from the extension; "
-                          "pass --input-format llava|manifest|parquet")
-    if fmt == "auto" and path.endswith(".parquet"):
+    suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl
+    if fmt == "auto" and suffix not in (".parquet", ".json", *_LINES_SUFFIXES):
+        raise SourceError(f"{path}: cannot tell the input format from the extension (.json, "
+                          f".jsonl, .ndjson or .parquet); pass --input-format "
+                          "llava|manifest|parquet")
+    if fmt == "auto" and suffix == ".parquet":
         fmt = "parquet"
-    lines = fmt in ("auto", "llava") and (path.endswith(".jsonl") or _json_lines(path))
+    lines = fmt in ("auto", "llava") and (suffix in _LINES_SUFFIXES or _json_lines(path))
     if fmt == "auto":
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
@@ -618,6 +621,22 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
 
 
 _SNIFF_LINES = 20   # non-blank lines read to find the first well-formed record
+_LINES_SUFFIXES = (".jsonl", ".ndjson")
+# the leading bytes of compressed files (gzip, zstd, bzip2, xz), whatever their names
+_COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
+               b"\xfd7zXZ\x00": "xz"}
+
+
+def _refuse_compressed(path: str) -> None:
+    """SourceError for a compressed input (``train.jsonl.gz``): its records are read by line
+    number and row from the file itself, so it is decompressed first."""
+    with open(path, "rb") as data:
+        head = data.read(6)
+    kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
+    if kind:
+        raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. "
+                          f"{'gunzip -k' if kind == 'gzip' else kind + ' -dk'} {path}) and give "
+                          "the file it writes")
 
 
 def _leading_records(path: str):
