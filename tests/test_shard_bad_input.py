@@ -521,6 +521,10 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     assert code == 1 and "no sample written, all 2 record(s) skipped" in err, err
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
     assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["report.json"]
+    # given to the next command, that output's report is named, not an interrupted build
+    code, _, err = cli_main(capsys, "info", tmp_path / "none")
+    assert code == 1 and f"{tmp_path / 'none'}: no index.json: the build or indexing that " \
+        f"wrote it kept no sample; {tmp_path / 'none' / 'report.json'} says why" in err, err
     path = write_jsonl(tmp_path / "fixed.jsonl", good_records)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "none", "--no-progress")
     assert code == 0 and read_json(tmp_path / "none" / "index.json")["totals"]["samples"] == \

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
-                                     SAMPLES_FILE, STAGING_DIR)
+                                     REPORT_FILE, SAMPLES_FILE, STAGING_DIR)
 
 
 class DatasetError(Exception):
@@ -68,9 +68,25 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                "and the prefix)") from None
         if names and _foreign_tars(names):
             raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
+        if names and REPORT_FILE in names and _kept_none(directory, storage_options):
+            raise DatasetError(f"{directory}: no {INDEX_FILE}: the build or indexing that "
+                               f"wrote it kept no sample; {storage.join(directory, REPORT_FILE)}"
+                               " says why each record was skipped: fix the inputs (or the "
+                               "options) and run it again") from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build or indexing?); run `mimo-shard build` (or "
                            "`mimo-shard index`) again") from None
+
+
+def _kept_none(directory: str, storage_options: dict | None) -> bool:
+    """Whether ``directory``'s report is a run's that kept no sample (left alone there: no
+    dataset), not one moved in by a run killed before it wrote the index."""
+    try:
+        report = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE),
+                                               storage_options))
+    except (OSError, ValueError):
+        return False
+    return isinstance(report, dict) and report.get("samples_written") == 0
 
 
 def _names_at(directory: str, storage_options: dict | None) -> list[str] | None:
