@@ -80,14 +80,14 @@ class Tally:
         """One line for people: totals and skip counts by reason."""
         seen, kept, skipped, aside = (name.replace("_", " ") for name in self.names)
         line = f"{self.seen} {seen}, {self.kept} {kept}"
+        if self.counts:             # what the kept items hold, beside them
+            line += " (" + ", ".join(f"{name.replace('_', ' ')}: {number}"
+                                     for name, number in sorted(self.counts.items())) + ")"
         if self.skipped:
             line += f", {self.skipped_total} {skipped} ({_reasons(self.skipped)})"
         if self.aside:
             line += (f", {sum(entry['count'] for entry in self.aside.values())} {aside} "
                      f"({_reasons(self.aside)})")
-        if self.counts:
-            line += "; " + ", ".join(f"{number} {name.replace('_', ' ')}"
-                                     for name, number in sorted(self.counts.items()))
         return line
 
 

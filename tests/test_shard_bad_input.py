@@ -404,6 +404,13 @@ def case_media_path_not_a_string(tmp_path, assets):
     return Case(record, "malformed_record")
 
 
+def case_a_turn_whose_value_is_null(tmp_path, assets):
+    """An export's null answer: said to be null, not taken for a key that is not there."""
+    record = {"id": "bad", "conversations": [{"from": "human", "value": "Hi?"},
+                                             {"from": "gpt", "value": None}]}
+    return Case(record, "malformed_record", detail="turn 1 has keys ['from'] ('value' null)")
+
+
 def _parts_record(*media_parts) -> dict:
     """A chat record whose user turn is transformers' content parts: ``media_parts`` first."""
     content = [*media_parts, {"type": "text", "text": "What is this?"}]
@@ -610,7 +617,7 @@ def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     report = read_json(tmp_path / "out" / "report.json")
     assert report["records_skipped"] == 0 and report["counts"] == {
         "conversations_using_tools": 5}, report
-    assert "5 samples written; 5 conversations using tools" in err, err
+    assert "5 samples written (conversations using tools: 5)" in err, err
     written = {record["id"]: record["messages"] for record in sample_records(tmp_path / "out")}
     question = {"role": "user", "content": "Weather?"}
     answer = {"role": "assistant", "content": "21 degrees."}
@@ -679,9 +686,9 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     # the report counts them, so a user sees the flags were read
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
         "answers_out_of_the_loss": 3}
-    assert "1 samples written; 3 answers out of the loss" in err, err
+    assert "1 samples written (answers out of the loss: 3)" in err, err
     code, out, err = cli_main(capsys, "info", tmp_path / "out")   # and info, later
-    assert code == 0 and "holds     3 answers out of the loss" in out, out + err
+    assert code == 0 and "holds     answers out of the loss: 3" in out, out + err
     [record] = sample_records(tmp_path / "out")
     assert [m.get("weight") for m in record["messages"]] == \
         [None, 0, None, 0] + [None] * 5 + [0] + [None] * 2

@@ -87,7 +87,7 @@ def format_info(info: dict) -> str:
            if report.get("members_ignored") else ""),
     ]
     if report.get("counts"):        # what the samples hold that the build read (format.py)
-        lines.append("holds     " + ", ".join(f"{number} {name.replace('_', ' ')}"
+        lines.append("holds     " + ", ".join(f"{name.replace('_', ' ')}: {number}"
                                               for name, number in report["counts"].items()))
     for name, counts in mods.items():
         if not counts["samples"]:                      # a modality the dataset does not hold

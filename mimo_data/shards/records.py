@@ -112,9 +112,11 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             content = ""
         if speaker is None or content is None:
             keys = sorted(key for key, value in turn.items() if value is not None)
-            raise RecordError("malformed_record", f"turn {i} has keys {keys}: a turn needs "
-                              "role/content or from/value (`mimo-shard build` also reads a "
-                              "list of {user, assistant} exchanges, the_cauldron's 'texts')")
+            nulls = sorted(key for key, value in turn.items() if value is None)
+            null = f" ({', '.join(map(repr, nulls))} null)" if nulls else ""
+            raise RecordError("malformed_record", f"turn {i} has keys {keys}{null}: a turn "
+                              "needs role/content or from/value (`mimo-shard build` also reads "
+                              "a list of {user, assistant} exchanges, the_cauldron's 'texts')")
         role = ROLE_ALIASES.get(str(speaker).lower())
         if role is None:
             raise RecordError("unknown_role", f"turn {i} has role {speaker!r}; known roles: "
@@ -423,7 +425,7 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str)
         return (": give each item its marker where it goes (mimo-shard's --markers-first "
                 "puts them before the first user text)")
     if not items:
-        return (f": the record gives no item for them (a {modality} goes in the record's "
+        return (f": the record gives no item for them (each goes in the record's "
                 f"'{modality}s' list or '{modality}' item, a content part, or a tar's member)")
     if markers > items:
         return (f": each {MARKERS[modality]} in a text places an item, so one written as "
