@@ -1150,8 +1150,8 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
     aside = report["members_ignored_by_reason"]
     assert [entry["location"] for entry in aside["stray_member"]["first"]] == [
         "links.tar:._0.jpg", "links.tar:LICENSE"]
-    assert "build     3 records read, 2 skipped, 4 tar member(s) ignored (links, or of no " \
-        "sample)" in format_info(dataset_info(str(tmp_path / "idx")))
+    assert "build     3 records read, 2 skipped (missing_media 2), 4 tar member(s) ignored " \
+        "(links, or of no sample)" in format_info(dataset_info(str(tmp_path / "idx")))
     links = aside["link_member"]
     assert links["count"] == 2
     assert [entry["location"] for entry in links["first"]] == ["links.tar:1.jpg",

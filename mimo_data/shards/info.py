@@ -1,6 +1,9 @@
-"""`mimo-shard info`: what a dataset holds, from index.json and samples.parquet only."""
+"""`mimo-shard info`: what a dataset holds, from index.json and samples.parquet (and the
+report's reasons for what it skipped)."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -8,8 +11,8 @@ import pyarrow.parquet as pq
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
 from mimo_data.shards.index import read_index
-from mimo_data.shards.format import (FAILED_REPORT_FILE, SAMPLES_FILE, STAGING_DIR,
-                                    summary_column)
+from mimo_data.shards.format import (FAILED_REPORT_FILE, REPORT_FILE, SAMPLES_FILE,
+                                    STAGING_DIR, summary_column)
 from mimo_data.stats import summary
 
 _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest side, pixels
@@ -55,8 +58,16 @@ def dataset_info(directory: str) -> dict:
         flat = table.column(column).combine_chunks().flatten()
         values.setdefault(name, {})[field] = flat.to_numpy(zero_copy_only=False).astype(
             np.float64)
+    report = dict(index["report"])
+    if report.get("records_skipped"):        # by reason: the report's (a small JSON file)
+        try:
+            skipped = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))
+            report["skipped_by_reason"] = {reason: entry["count"] for reason, entry in
+                                           skipped["skipped_by_reason"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass                      # the totals stand; verify names a damaged report
     return {"name": index["name"], "directory": directory, **index["totals"],
-            "modalities": index["modalities"], "report": index["report"],
+            "modalities": index["modalities"], "report": report,
             "beside": [name for name in (FAILED_REPORT_FILE, STAGING_DIR)
                        if storage.exists(storage.join(directory, name))],
             **{name: _modality_stats(fields) for name, fields in values.items()}}
@@ -83,6 +94,9 @@ def format_info(info: dict) -> str:
         f"dataset   {info['name']}  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
         f"build     {report['records_read']} records read, {report['records_skipped']} skipped"
+        + (" (" + ", ".join(f"{reason} {count}" for reason, count in
+                            report["skipped_by_reason"].items()) + ")"
+           if report.get("skipped_by_reason") else "")
         + (f", {report['members_ignored']} tar member(s) ignored (links, or of no sample)"
            if report.get("members_ignored") else ""),
     ]
