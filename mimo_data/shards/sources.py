@@ -299,8 +299,9 @@ def _json_object(raw: bytes, what: str) -> dict:
         raise RecordError("invalid_utf8", f"{what} is not UTF-8: {exc}") from None
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise RecordError("malformed_json", f"{what} is not valid JSON: {exc}") from None
+    except json.JSONDecodeError as exc:     # its own "line 2" would read as the file's
+        raise RecordError("malformed_json", f"{what} is not valid JSON: {exc.msg} at its "
+                          f"character {exc.pos + 1}") from None
     if not isinstance(value, dict):
         raise RecordError("malformed_json", f"{what} is a JSON {type(value).__name__}, "
                           "expected an object")
@@ -335,7 +336,8 @@ class ConversationFile:
             # utf-8-sig: a leading BOM (as Windows editors write) is not part of the array
             records = json.loads(Path(self.path).read_bytes().decode("utf-8-sig"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SourceError(f"{self.path}: not a valid UTF-8 JSON file ({exc}); fix it, or "
+            what = "not UTF-8" if isinstance(exc, UnicodeDecodeError) else "not valid JSON"
+            raise SourceError(f"{self.path}: {what} ({exc}); fix it, or "
                               "convert it to JSONL so that bad records can be skipped "
                               "one by one (a .json file of one object per line is read as "
                               "JSONL when its first line is a whole object; else name it "
