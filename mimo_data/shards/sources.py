@@ -453,13 +453,13 @@ class ParquetTable:
         if not named and "texts" in names and not wanted.get("conversation") and \
                 _holds_exchanges(schema.field("texts").type):
             named, wanted["conversation"] = ["conversation"], "texts"
-        self.columns = {role: _pick_column(path, names, wanted.get(role), candidates, required)
-                        for role, candidates, required in (
-                            ("id", ("id",), False), ("tools", ("tools", "functions"), False),
-                            ("system", ("system",), False), ("objects", ("objects",), False),
-                            ("conversation", ("messages", "conversations"), False),
-                            ("texts", ("texts",), False), ("caption", ("caption",), False),
-                            *((media_field(name), (media_field(name), name), False)
+        self.columns = {role: _pick_column(path, names, wanted.get(role), candidates)
+                        for role, candidates in (
+                            ("id", ("id",)), ("tools", ("tools", "functions")),
+                            ("system", ("system",)), ("objects", ("objects",)),
+                            ("conversation", ("messages", "conversations")),
+                            ("texts", ("texts",)), ("caption", ("caption",)),
+                            *((media_field(name), (media_field(name), name))
                               for name in MODALITIES))}
         for role in ("texts", "conversation", "caption"):
             if named and role != named[0]:
@@ -481,8 +481,11 @@ class ParquetTable:
                     if transcript else "")
             raise SourceError(f"{path}: none of the columns 'messages', 'conversations' "
                               f"(conversations), 'texts' (documents) or 'caption' (caption "
-                              f"pairs) found (columns are {sorted(names)}); name the column "
-                              f"with a --*-column flag{hint}")
+                              f"pairs) found (columns are {sorted(names)}): name the column "
+                              "holding them with --messages-column, --texts-column or "
+                              "--caption-column; another form (question/answer, alpaca's "
+                              "instruction/output) is converted to messages first"
+                              f"{hint}")
         self.kind = {"texts": "document", "conversation": "conversation",
                      "caption": "caption"}[found[0]]
 
@@ -563,16 +566,14 @@ def _json_value(raw):
         raise RecordError("malformed_json", f"the conversation is not valid JSON: {exc}") from None
 
 
-def _pick_column(path, names, wanted, candidates, required):
+def _pick_column(path, names, wanted, candidates) -> str | None:
+    """The column ``wanted`` (SourceError where there is none), else the first of
+    ``candidates`` the table has (None: none)."""
     if wanted:
         if wanted not in names:
             raise SourceError(f"{path}: no column {wanted!r}; columns are {sorted(names)}")
         return wanted
-    found = next((c for c in candidates if c in names), None)
-    if found is None and required:
-        raise SourceError(f"{path}: none of the columns {list(candidates)} found (columns are "
-                          f"{sorted(names)}); name the column with a --*-column flag")
-    return found
+    return next((c for c in candidates if c in names), None)
 
 
 @functools.lru_cache(maxsize=2)
