@@ -264,8 +264,8 @@ def test_a_record_that_cannot_be_parsed_is_a_counted_drop_named_by_its_key(
 
 
 def test_a_failed_check_line_keeps_its_first_detail_whole():
-    """What to do ends a detail: the first sample's is kept whole, the others' cut at a word,
-    marked as cut."""
+    """What to do ends a detail: the first sample's of each reason is kept whole, the others'
+    cut at a word, marked as cut."""
     from mimo_data.inspect.report import Flagged, _check_message
     advice = "template_mismatch: " + "the rendered text and the tokens disagree " * 5 + \
         "so the assistant span starts with the user: put the system turn first"
@@ -277,6 +277,13 @@ def test_a_failed_check_line_keeps_its_first_detail_whole():
     assert first == f"000000001 (a.jsonl:1: {advice})"
     assert second.endswith(" …)") and "put the system turn first" not in second
     assert len(second) < 140 and second[:-3].rsplit(" ", 1)[1] in advice.split()
+    # a sample dropped for another reason after it: its detail whole too
+    other = "tool_use: " + "the template writes no tool calls " * 5 + "give a template with tools"
+    flagged.entries.append((2, "000000003", other))
+    line = _check_message({"limit_kind": "count", "name": "dropped", "count": 3, "of": 9,
+                           "what": "samples dropped", "passed": False, "flag": "--max-dropped",
+                           "limit": 0}, flagged)
+    assert line.endswith(f", 000000003 ({other})"), line
 
 
 def test_truncated_turn_is_reported_under_truncate_turns(capsys, tmp_path, faulty, configs):

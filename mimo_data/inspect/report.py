@@ -315,10 +315,16 @@ def _check_message(result: dict, flagged: Flagged,
     if count:
         first = flagged.entries[:KEYS_IN_MESSAGE]
         wheres = [origin(position) if origin else "" for position, _, _ in first]
-        # the first sample's detail whole (what to do is at its end), the others' cut short
-        head += "; first: " + ", ".join(
-            f"{key} ({where + ': ' if where else ''}{detail if i == 0 else _short(detail)})"
-            for i, (where, (_, key, detail)) in enumerate(zip(wheres, first)))
+        # the first sample's detail of each kind whole (what to do is at its end: a drop's
+        # detail starts with its reason), the others' cut short
+        kinds: set[str] = set()
+        shown = []
+        for where, (_, key, detail) in zip(wheres, first):
+            kind = detail.split(":", 1)[0]
+            shown.append(f"{key} ({where + ': ' if where else ''}"
+                         f"{_short(detail) if kind in kinds else detail})")
+            kinds.add(kind)
+        head += "; first: " + ", ".join(shown)
     return head
 
 
