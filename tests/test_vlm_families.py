@@ -248,7 +248,14 @@ def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     out = tmp_path / "out"
     assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(out)]) == 0
-    AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    # its processor as transformers' documentation calls it: each image its tokens
+    from PIL import Image
+    from transformers import AutoProcessor
+    image = Image.open(corpus / "images" / "grace_hopper.jpg").convert("RGB")
+    ids = AutoProcessor.from_pretrained(out)(images=[image], text="<image>\nWho?",
+                                             return_tensors="pt")["input_ids"]
+    assert int((ids == model.config.image_token_id).sum()) == model.config.image_seq_length
     original, exported = load_file(data["checkpoint"] / "model.safetensors"), weights(out)
     assert set(exported) == set(original)
     tower = [n for n in original if n.startswith("vision_tower.")]

@@ -27,7 +27,7 @@ and print a line per directory written.
   ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` and ``configs/preprocess.yaml``'s
   geometry; LLaVA (``LlavaForConditionalGeneration``: a CLIP tower, its second-to-last layer
   without the CLS row, a GELU MLP projector, a Llama language model) takes ``<image>`` and
-  56 px images, short side resized then centre-cropped.
+  56 px images, short side resized then centre-cropped, and llava-hf's processor_config.json.
 
 Each directory is written to a staging folder and renamed when complete (``.complete`` inside);
 a complete one is skipped.
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import shutil
 import time
 from pathlib import Path
@@ -190,6 +191,12 @@ def build_tiny_vlm(config: Any, tokens: tuple[str, ...], processor: Any, out: Pa
     model.to(torch.bfloat16).save_pretrained(staging)
     text.save_pretrained(staging)
     processor.save_pretrained(staging)
+    if config.model_type == "llava":    # llava-hf's processor_config.json, as published
+        (staging / "processor_config.json").write_text(json.dumps({
+            "image_token": "<image>", "num_additional_image_tokens": 1,
+            "patch_size": config.vision_config.patch_size, "processor_class": "LlavaProcessor",
+            "vision_feature_select_strategy": config.vision_feature_select_strategy},
+            indent=2) + "\n")
     publish(staging, out)
 
 
