@@ -202,3 +202,9 @@ def test_a_local_bases_file_is_hashed_once_until_it_changes(tmp_path, monkeypatc
     (base / "model.safetensors").write_bytes(b"v" * 100)      # same size, other weights
     changed = digests.weights_digest(str(base))
     assert changed != first and changed == digests.weights_digest(str(base)) and len(hashed) == 4
+    # written again with its times set back (cp -p, rsync -t): the ctime tells it apart
+    before = os.stat(base / "model.safetensors")
+    time.sleep(0.01)
+    (base / "model.safetensors").write_bytes(b"u" * 100)
+    os.utime(base / "model.safetensors", ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert digests.weights_digest(str(base)) not in (first, changed) and len(hashed) == 5

@@ -291,6 +291,11 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert code == 2 and f"{tmp_path / 'out'}: no such tar or folder to index; to write the " \
         f"index there, give it as --output: mimo-shard index {pairs.src} --output " \
         f"{tmp_path / 'out'}" in err, err
+    # with --output given, a missing tar is a missing tar
+    code, _, err = cli_main(capsys, "index", pairs.src / "pairs-000000.tar", tmp_path / "no",
+                            "--output", tmp_path / "out")
+    assert code == 2 and "give it as --output" not in err and f"{tmp_path / 'no'}: no such " \
+        "file" in err, err
 
 
 def test_tars_it_keeps_nothing_of_leave_their_report_alone(pairs, capsys, tmp_path):
@@ -1117,7 +1122,8 @@ def test_uppercase_suffixes_are_read_as_webdataset_lowercases_them(corpus_photos
     assert made.fields["text"] == "A photo."
 
 
-def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, tmp_path):
+def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, tmp_path,
+                                                                capsys):
     """A tar where GNU tar stored a photo's second name as a hard link (and one symbolic
     link): the link holds no data, so its sample lacks the image; each link is counted
     ``link_member`` by name, saying how to write the tar instead, never dropped unsaid. Links
@@ -1160,6 +1166,13 @@ def test_link_members_are_counted_as_members_their_samples_lack(corpus_photos, t
                                                   "no data of its own")
     assert "--hard-dereference" in links["first"][0]["detail"]
     assert "a symbolic link to 0.jpg" in links["first"][1]["detail"]
+    # a tar of such members alone: said so, not "the inputs hold no record"
+    write_tar(tmp_path / "strays" / "a.tar", {"LICENSE": b"CC0", "README": b"Photos."})
+    code, _, err = cli_main(capsys, "index", tmp_path / "strays", "--output",
+                            tmp_path / "idx2", "--layout", "pairs", "--workers", "0",
+                            "--no-progress")
+    assert code == 1 and "no sample written, the tars hold no sample, only 2 member(s) " \
+        "ignored (the report named above says which)" in err, err
 
 
 def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, tmp_path):

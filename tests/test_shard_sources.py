@@ -456,6 +456,7 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     (tmp_path / "parts").mkdir()
     write_jsonl(tmp_path / "parts" / "TRAIN-0.JSONL", good_records[:half])
     write_jsonl(tmp_path / "parts" / "train-1.ndjson", good_records[half:])
+    (tmp_path / "parts" / "earlier-output").mkdir()          # a folder it matches: not input
     code, _, err = cli_main(capsys, "build", str(tmp_path / "parts" / "*"), "-o",
                             tmp_path / "out", "--no-progress")
     assert code == 0, err

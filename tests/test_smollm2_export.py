@@ -238,6 +238,17 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     shutil.copytree(earlier, later)          # given as the step itself: its folder named
     assert main(["--checkpoint", str(later), "--output", str(tmp_path / "out")]) == 1
     assert f"(--checkpoint {tmp_path / 'ck'} takes the latest)" in capsys.readouterr().err
+    # removed while its meta.json is read: the same
+    from mimo_train.errors import ExportError
+    from mimo_train.hf import export
+
+    def plan_gone(directory):
+        shutil.rmtree(directory)
+        raise ExportError(f"{directory}/meta.json: no such file")
+    monkeypatch.setattr(export, "_run_plan", plan_gone)
+    shutil.copytree(earlier, later)
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
+    assert f"{later} was removed while it was exported" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("language, message", [

@@ -177,11 +177,12 @@ def _results(tasks, sources, policy, workers):
 
 def _globbed(inputs: list[str]) -> list[str]:
     """``inputs`` with each glob pattern (quoted, so the shell left it: ``'data/*.parquet'``,
-    a hub download's shards) replaced by the files it matches, sorted."""
+    a hub download's shards; ``**`` spans folders) replaced by the files it matches, sorted
+    (the folders it matches, an earlier build's output among them, left out)."""
     found: list[str] = []
     for given in inputs:
         if any(c in given for c in "*?[") and not os.path.exists(given):
-            matched = sorted(glob.glob(given))
+            matched = sorted(p for p in glob.glob(given, recursive=True) if os.path.isfile(p))
             if not matched:
                 raise BuildError(f"{given}: matches no file")
             found += matched

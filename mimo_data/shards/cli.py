@@ -234,9 +234,12 @@ def _nothing_kept(command: str, built: dict) -> int:
     """1 when no sample was written: every record read was skipped, or the inputs held none
     (its report written, no dataset: the work is not done), else 0."""
     read = built["report"]["records_read"]
+    ignored = built["report"].get("members_ignored", 0)
     if built["totals"]["samples"] == 0:
         print(f"mimo-shard {command}: error: no sample written, " + (
             f"all {read} record(s) skipped (the report named above says why)" if read else
+            f"the tars hold no sample, only {ignored} member(s) ignored (the report named "
+            "above says which)" if ignored else
             "the inputs hold no record (an empty file, or an export that failed?)"),
             file=sys.stderr)
         return 1

@@ -48,7 +48,8 @@ from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import OutputFull
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
-                                          Source, open_tar, resolve, say)
+                                          Source, open_tar, output_given_as_source, resolve,
+                                          say)
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
@@ -414,6 +415,8 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     if options.layout not in ("auto", "energon", *LAYOUTS):
         raise IndexInputError(f"--layout {options.layout}: use auto, pairs, conversation, "
                               "documents or energon")
+    if output is None:
+        output_given_as_source(sources, storage_options)
     source = resolve(sources, options, storage_options)
     if output is None:
         output = default_output(sources)

@@ -71,8 +71,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
         if names and REPORT_FILE in names and _kept_none(directory, storage_options):
             raise DatasetError(f"{directory}: no {INDEX_FILE}: the build or indexing that "
                                f"wrote it kept no sample; {storage.join(directory, REPORT_FILE)}"
-                               " says why each record was skipped: fix the inputs (or the "
-                               "options) and run it again") from None
+                               " says why: fix the inputs (or the options) and run it again"
+                               ) from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build or indexing?); run `mimo-shard build` (or "
                            "`mimo-shard index`) again") from None

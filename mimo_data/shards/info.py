@@ -62,8 +62,8 @@ def dataset_info(directory: str) -> dict:
     if report.get("records_skipped"):        # by reason: the report's (a small JSON file)
         try:
             skipped = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))
-            report["skipped_by_reason"] = {reason: entry["count"] for reason, entry in
-                                           skipped["skipped_by_reason"].items()}
+            report["skipped_counts"] = {reason: entry["count"] for reason, entry in
+                                        skipped["skipped_by_reason"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass                      # the totals stand; verify names a damaged report
     return {"name": index["name"], "directory": directory, **index["totals"],
@@ -95,8 +95,8 @@ def format_info(info: dict) -> str:
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
         f"build     {report['records_read']} records read, {report['records_skipped']} skipped"
         + (" (" + ", ".join(f"{reason} {count}" for reason, count in
-                            report["skipped_by_reason"].items()) + ")"
-           if report.get("skipped_by_reason") else "")
+                            report["skipped_counts"].items()) + ")"
+           if report.get("skipped_counts") else "")
         + (f", {report['members_ignored']} tar member(s) ignored (links, or of no sample)"
            if report.get("members_ignored") else ""),
     ]

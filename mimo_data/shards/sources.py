@@ -625,9 +625,10 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
 
 _SNIFF_LINES = 20   # non-blank lines read to find the first well-formed record
 _LINES_SUFFIXES = (".jsonl", ".ndjson")
-# the leading bytes of compressed files (gzip, zstd, bzip2, xz), whatever their names
+# the leading bytes of compressed files (gzip, zstd, bzip2, xz, zip), whatever their names
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
-               b"\xfd7zXZ\x00": "xz"}
+               b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
+_DECOMPRESS = {"gzip": "gunzip -k", "zip": "unzip"}        # else "<kind> -dk"
 
 
 def _refuse_compressed(path: str) -> None:
@@ -638,7 +639,7 @@ def _refuse_compressed(path: str) -> None:
     kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
     if kind:
         raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. "
-                          f"{'gunzip -k' if kind == 'gzip' else kind + ' -dk'} {path}) and give "
+                          f"{_DECOMPRESS.get(kind, kind + ' -dk')} {path}) and give "
                           "the file it writes")
 
 

@@ -143,6 +143,17 @@ def _root_of(paths: list[str]) -> str:
                                             for p in paths])
 
 
+def output_given_as_source(sources: list[str], storage_options: dict | None) -> None:
+    """IndexInputError for ``index SRC OUT`` without ``--output`` (as cp reads it): a last
+    source that is not there, nor a tar, nor a pattern, is the output meant."""
+    last = sources[-1]
+    if len(sources) > 1 and not _is_pattern(last) and "{" not in last and \
+            not last.lower().endswith(".tar") and not storage.exists(last, storage_options):
+        raise IndexInputError(f"{last}: no such tar or folder to index; to write the index "
+                              f"there, give it as --output: mimo-shard index "
+                              f"{' '.join(sources[:-1])} --output {last}")
+
+
 def resolve(sources: list[str], options: IndexOptions,
             storage_options: dict | None = None) -> Source:
     """The tars ``sources`` name (a folder, an Energon dataset folder, tar paths, globs or
@@ -228,12 +239,6 @@ def _resolve(sources: list[str], options: IndexOptions,
         if options.layout == "energon":
             raise IndexInputError("--layout energon takes the dataset folder (the one holding "
                                   f"{energon.META}/)")
-        last = sources[-1]
-        if len(sources) > 1 and not _is_pattern(last) and "{" not in last and \
-                not storage.exists(last, storage_options):      # `index SRC OUT`, cp-like
-            raise IndexInputError(f"{last}: no such tar or folder to index; to write the "
-                                  f"index there, give it as --output: mimo-shard index "
-                                  f"{' '.join(sources[:-1])} --output {last}")
         paths = []
         for given in sources:
             for path in _expand(given):

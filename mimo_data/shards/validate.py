@@ -81,8 +81,10 @@ def _base64(text: str) -> bytes:
     try:
         return base64.b64decode("".join(text.split()), validate=True)
     except ValueError:
-        raise RecordError("malformed_record", f"media bytes {text[:40]!r}... are a string that "
-                          "is not base64 (how JSON holds bytes): give base64, or a path") from None
+        cut = "..." if len(text) > 40 else ""
+        raise RecordError("malformed_record", f"media bytes {text[:40]!r}{cut} are a string "
+                          "that is not base64 (how JSON holds bytes): give base64, or a path"
+                          ) from None
 
 
 def _read_media(ref, media_root: str, frames_fps: float | None = None

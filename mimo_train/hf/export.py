@@ -243,6 +243,8 @@ def _gone_said(directory: str, given: str) -> Iterator[None]:
     gone is a BaseException."""
     try:
         yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
     except BaseException:
         if os.path.isdir(directory):
             raise
