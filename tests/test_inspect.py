@@ -1145,8 +1145,12 @@ def test_plan_text_shows_packing_efficiency_this_plans_first(capsys, clean, conf
         code, out, _ = run(capsys, "plan", clean, "--config", configs["default"],
                            *PACKING_PLAN, *flags)
         assert code == 0
-        assert re.search(r"^packing   language real tokens / token positions \(\d+ tokens, "
-                         rf"seq_length \d+\), this plan's {first} first$", out, re.MULTILINE)
+        assert re.search(r"^packing   language real tokens / token positions computed \(\d+ "
+                         rf"tokens, seq_length \d+\), this plan's {first} first$", out,
+                         re.MULTILINE)
         names = re.findall(r"^  (packed|cut_to_longest|padded) +[01]\.\d\d: ", out, re.MULTILINE)
         assert names[0] == first and sorted(names) == ["cut_to_longest", "packed", "padded"]
-        assert re.search(r"^  packed +[01]\.\d\d: \d+ sequences of seq_length", out, re.MULTILINE)
+        # packed computes the real tokens alone: 1.00, how full its sequences are beside
+        assert re.search(r"^  packed +1\.00: only the \d+ real tokens are computed \(--packing: "
+                         r"no padding\), in \d+ sequences of seq_length, 0\.\d\d full$", out,
+                         re.MULTILINE), out

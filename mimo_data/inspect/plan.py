@@ -277,17 +277,20 @@ def format_plan(result: dict, plan: dict) -> str:
                          f"{data['worst_step']})")
     packing = plan["packing"]
     this_plan = "packed" if packing["enabled"] else "cut_to_longest"
-    lines.append(f"packing   language real tokens / token positions ({packing['tokens']} tokens, "
-                 f"seq_length {packing['seq_length']}), this plan's {this_plan} first")
-    layouts = {"packed": f"{packing['packed']['sequences']} sequences of seq_length (--packing; "
-               f"only the {packing['tokens']} real tokens are computed)",
+    lines.append(f"packing   language real tokens / token positions computed ({packing['tokens']} "
+                 f"tokens, seq_length {packing['seq_length']}), this plan's {this_plan} first")
+    # packed: no padding is computed (THD); how full its sequences are is said beside
+    layouts = {"packed": f"only the {packing['tokens']} real tokens are computed (--packing: no "
+               f"padding), in {packing['packed']['sequences']} sequences of seq_length, "
+               f"{packing['packed']['efficiency']:.2f} full",
                "cut_to_longest": f"{packing['cut_to_longest']['positions']} positions, each "
                "micro-batch cut to its longest sample rounded up to "
                f"{packing['cut_to_longest']['length_multiple']} (the trainer, unpacked)",
                "padded": f"{packing['padded']['rows']} rows of seq_length (the loader's unpacked "
                "tensors)"}
     for name in sorted(layouts, key=lambda n: n != this_plan):
-        lines.append(f"  {name:14s} {packing[name]['efficiency']:.2f}: {layouts[name]}")
+        computed = 1.0 if name == "packed" else packing[name]["efficiency"]
+        lines.append(f"  {name:14s} {computed:.2f}: {layouts[name]}")
     checks = result["checks"]
     lines.append("checks    " + ("ok: every rank has the same number of micro-batches and every "
                                  "module's DP parts concatenate to the same global micro-batch"
