@@ -275,6 +275,10 @@ def test_unknown_key_in_override_names_the_full_key(tmp_path, key):
 def test_unknown_key_message_lists_the_known_ones(tmp_path):
     message = load_error(tmp_path, MINIMAL, "train.stpes=3")
     assert "steps" in message and "micro_batch_size" in message
+    # a preprocessing setting given to the training config: where it goes
+    message = load_error(tmp_path, MINIMAL, "data.seq_length=512")
+    assert "data.seq_length goes in the preprocessing config (the data.preprocess YAML), " \
+        "not the training config" in message, message
 
 
 # -------------------------------------------------------------------- malformed overrides

@@ -63,6 +63,11 @@ ENCODER_RECOMPUTE = ("none", "full")
 
 @dataclass
 class DataConfig:
+    # the preprocessing config's keys, given here by mistake: where they go
+    ELSEWHERE = {      # a class attribute (no annotation): not a field
+        name: "the preprocessing config (the data.preprocess YAML), not the training config"
+        for name in ("seq_length", "tokenizer", "chat_template", "mode", "length_policy",
+                     "positions", "append_eos", "modalities", "captions", "documents")}
     datasets: list[str] = field(default_factory=list)  # shard directories or URLs (s3://...)
     weights: list[float] | None = None                 # blend weights, one per dataset
     preprocess: str | None = None                      # PreprocessConfig YAML (required)

@@ -67,8 +67,12 @@ def build(cls, data, where: str):
     hints = _hints(cls)
     unknown = sorted(set(data) - set(hints))
     if unknown:
+        # keys another file holds (``ELSEWHERE``: key -> where it goes), named where they go
+        elsewhere = "".join(f"; {where}{k} goes in {cls.ELSEWHERE[k]}" for k in unknown
+                            if k in getattr(cls, "ELSEWHERE", {}))
         raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; "
-                               f"known under {where or 'the top level'}: {', '.join(hints)}")
+                               f"known under {where or 'the top level'}: {', '.join(hints)}"
+                               f"{elsewhere}")
     return cls(**{name: _parse(hints[name], copy.deepcopy(value), where + name)
                   for name, value in data.items()})
 
