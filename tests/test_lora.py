@@ -220,7 +220,7 @@ def test_lora_gradients_match_under_other_layouts(ranks, setup, trained_step, la
     compare(reference, other, layout)
 
 
-def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpus):
+def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpus, capsys):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
@@ -231,7 +231,10 @@ def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpu
     merged, adapters = setup["tmp"] / "merged", setup["tmp"] / "adapters"
     # in the trained dtype (the base's, bf16, by default): mimo's fp32 logits to 1e-4
     assert main(["--checkpoint", str(final), "--output", str(merged), "--dtype", "float32"]) == 0
+    capsys.readouterr()
     assert main(["--checkpoint", str(final), "--output", str(adapters), "--adapters"]) == 0
+    assert "weights in float32 (the trained weights'): the adapters alone" in \
+        capsys.readouterr().out
     ours = logits(ranks, setup["tmp"], "lora-logits", setup["common"], LORA,
                   f"model.init_from={final}")
     batch = ours["batch"]

@@ -556,7 +556,7 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
         write_adapters(out, plan, weights, arch, image, directory, chosen[0])
         _write_tokenizer(tokenizer, out, vlm.path, plan.preprocess)
         _copy_processor(vlm.path, out, plan.preprocess, template)
-        return vlm.family, f"adapters {_described(chosen)}"
+        return vlm.family, f"{_described(chosen)}: the adapters alone"
     hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
     renames = vlm.checkpoint_names(checkpoint)
