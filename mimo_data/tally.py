@@ -79,14 +79,14 @@ class Tally:
     def summary(self) -> str:
         """One line for people: totals and skip counts by reason."""
         seen, kept, skipped, aside = (name.replace("_", " ") for name in self.names)
-        line = f"{self.seen} {seen}, {self.kept} {kept}"
+        line = f"{_count(self.seen, seen)}, {_count(self.kept, kept)}"
         if self.counts:             # what the kept items hold, beside them
             line += " (" + ", ".join(f"{name.replace('_', ' ')}: {number}"
                                      for name, number in sorted(self.counts.items())) + ")"
         if self.skipped:
-            line += f", {self.skipped_total} {skipped} ({_reasons(self.skipped)})"
+            line += f", {_count(self.skipped_total, skipped)} ({_reasons(self.skipped)})"
         if self.aside:
-            line += (f", {sum(entry['count'] for entry in self.aside.values())} {aside} "
+            line += (f", {_count(sum(e['count'] for e in self.aside.values()), aside)} "
                      f"({_reasons(self.aside)})")
         return line
 
@@ -101,3 +101,11 @@ def _add(by_reason: dict[str, dict], reason: str, count: int,
 
 def _reasons(by_reason: dict[str, dict]) -> str:
     return ", ".join(f"{reason} {entry['count']}" for reason, entry in sorted(by_reason.items()))
+
+
+def _count(number: int, label: str) -> str:
+    """``number`` and its ``label`` ("records read"), whose first word is singular for 1."""
+    noun, _, rest = label.partition(" ")
+    if number == 1 and noun.endswith("s"):
+        noun = noun[:-1]
+    return f"{number} {noun}" + (f" {rest}" if rest else "")

@@ -686,7 +686,7 @@ def test_answers_out_of_the_loss_are_weighted_0_in_the_shards(capsys, tmp_path):
     # the report counts them, so a user sees the flags were read
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
         "answers_out_of_the_loss": 3}
-    assert "1 samples written (answers out of the loss: 3)" in err, err
+    assert "1 sample written (answers out of the loss: 3)" in err, err
     code, out, err = cli_main(capsys, "info", tmp_path / "out")   # and info, later
     assert code == 0 and "holds     answers out of the loss: 3" in out, out + err
     [record] = sample_records(tmp_path / "out")

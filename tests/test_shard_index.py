@@ -1026,7 +1026,7 @@ def test_a_tar_of_another_layout_than_the_first_is_refused_by_name(corpus_photos
     assert not (tmp_path / "idx" / "index.json").exists()
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress", "--layout", "pairs")
-    assert code == 0 and "1 records skipped (missing_text 1)" in err, err
+    assert code == 0 and "1 record skipped (missing_text 1)" in err, err
 
 
 def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
@@ -1038,7 +1038,7 @@ def test_an_empty_first_tar_decides_no_layout(corpus_photos, tmp_path, capsys):
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 0 and "layout pairs (detected from the first samples of b.tar)" in err, err
-    assert "1 samples written" in err, err
+    assert "1 sample written" in err, err
     (tmp_path / "src" / "b.tar").unlink()
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx2",
                             "--workers", "0", "--no-progress")
