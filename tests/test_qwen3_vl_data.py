@@ -28,6 +28,7 @@ from mimo_data.modalities.image import normalize_pixels
 from mimo_data.modalities.video import (
     VIDEO, VideoConfig, normalize_video_pixels, patch_timestamps, sample_indices,
     video_grid_thw)
+from mimo_data.preprocess.chat_tokens import ItemTokens
 from mimo_data.preprocess.collate import Collator
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import Preprocessor
@@ -157,7 +158,8 @@ def test_tool_use_trains_each_answer_with_its_calls(preprocessor, processor):
     assert stats.dropped is None and stats.coverage_problems == [], stats.coverage_problems
 
 
-def test_videos_carry_the_processors_timestamps(records, reference, processor, config):
+def test_videos_carry_the_processors_timestamps(records, reference, processor, config,
+                                                preprocessor):
     video = config.modalities["video"]
     record = records["video"][0]
     item = record["media"][0]
@@ -170,6 +172,20 @@ def test_videos_carry_the_processors_timestamps(records, reference, processor, c
     decoded = processor.tokenizer.decode(reference["video"]["input_ids"][0])
     assert decoded.count("<|vision_start|>") == len(texts) + 1
     assert all(text + "<|vision_start|>" in decoded for text in texts)
+    # the clip's span (a too_long drop's share of its videos): the processor's, first wrap to
+    # last, timestamps included
+    ids = reference["video"]["input_ids"][0].tolist()
+    start, end = processor.tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    span = len(ids) - ids[::-1].index(end) - ids.index(start)
+    tokens = int(reference["video"]["video_grid_thw"].prod()) // 4
+    assert preprocessor.text.span(ItemTokens("video", tokens, texts)) == span > tokens + 2
+    # which a sample too long, most of it that span, is told to shorten (its placeholders
+    # alone, fewer than half its tokens, would not say so)
+    from mimo_data.preprocess.preprocessor import SampleDropped
+    short = dataclasses.replace(config, seq_length=len(ids) - 2)
+    assert 2 * tokens < short.seq_length < 2 * span
+    with pytest.raises(SampleDropped, match="of them its videos': lower modalities.video fps"):
+        Preprocessor(short, with_media=False)(record)
     # mimo-inspect's line shows the sampled frames and these timestamps
     assert _frame_times_line(item, config).endswith("timestamps " + " ".join(texts))
     plain = dataclasses.replace(video, timestamps=False)

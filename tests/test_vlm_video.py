@@ -309,9 +309,11 @@ def test_a_sample_too_long_for_its_videos_says_which_settings_shorten_it(media):
     with pytest.raises(SampleDropped) as dropped:
         Preprocessor(config, with_media=False)(record)
     assert dropped.value.reason == "too_long"
-    assert re.search(r"of them its videos': lower modalities.video fps, max_frames or "
-                     r"max_pixels, or raise seq_length$", dropped.value.detail), \
-        dropped.value.detail
+    assert re.search(r"of them its videos': lower modalities.video fps \(\d.*\) or "
+                     r"max_frames \(\d+\) for fewer frames, max_pixels \(\d+\) and min_pixels "
+                     r"\(\d+, the floor of each frame\) for fewer tokens a frame, or cap the "
+                     r"clip \(cap_pixels_per_frame with max_video_tokens\), or raise "
+                     r"seq_length$", dropped.value.detail), dropped.value.detail
 
 
 @pytest.mark.parametrize("layout, expected", [

@@ -101,6 +101,10 @@ class TextEncoder:
     def is_modality_token(self, token_id: int) -> bool:
         return self.markers.is_modality_token(token_id)
 
+    def span(self, item: ItemTokens) -> int:
+        """The ids ``item``'s marker becomes (``MarkerExpander.span``)."""
+        return self.markers.span(item)
+
     def render(self, messages: Messages | Rendered) -> tuple[str, list[TrainedSpan]]:
         """The text and its trained character spans (``ChatRenderer.render``; a text rendered
         already, ``record_kinds``, as it is)."""

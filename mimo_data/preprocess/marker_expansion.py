@@ -117,6 +117,14 @@ class MarkerExpander:
             trained = np.repeat(trained, repeats)
         return expanded, trained, repeats
 
+    def span(self, item: ItemTokens) -> int:
+        """How many ids ``item``'s marker becomes: its modality tokens, their wraps and, for a
+        timed clip, its timestamps' texts."""
+        token = self.modality_token_ids[item.modality]
+        if item.texts:
+            return len(self._timed_runs(token, item.tokens, item.texts))
+        return item.tokens + (2 if token in self._wraps else 0)
+
     def _timed_runs(self, token: int, count: int, texts: tuple[str, ...]) -> np.ndarray:
         """``start, (text, start, count / len(texts) x token, end) per text, end``: a
         Qwen3-VL video as its processor writes it (the template's wrap around the clip, a

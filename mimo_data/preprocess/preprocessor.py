@@ -279,16 +279,26 @@ class Preprocessor:
                     [(kept, counts[:len(marker_order(kept))])])[0])
                 if len(shorter.ids) <= limit:
                     return shorter, kept
-        videos = sum(item.tokens for item in counts if item.modality == "video")
+        # a video's share: its placeholders, wraps and (Qwen3-VL) timestamps
+        videos = sum(self.text.span(item) for item in counts if item.modality == "video")
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
                             (" (a document is never cut: split it, or raise seq_length)"
                              if kind == "document" else
                              " even with only its first turns" if messages and
                              self.config.length_policy == "truncate_turns" else "") +
-                            (f"; {videos} of them its videos': lower modalities.video fps, "
-                             "max_frames or max_pixels, or raise seq_length"
-                             if 2 * videos > self.config.seq_length else ""))
+                            (f"; {videos} of them its videos': {self._video_advice()}, or "
+                             "raise seq_length" if 2 * videos > self.config.seq_length else ""))
+
+    def _video_advice(self) -> str:
+        """What lowers a clip's tokens, with the config's values: its frames (fps, max_frames)
+        and each frame's (max_pixels, floored by min_pixels), or a cap on them all."""
+        video = self.config.modalities["video"]
+        return (f"lower modalities.video fps ({video.fps:g}: a clip recorded at fewer frames a "
+                f"second keeps its own) or max_frames ({video.max_frames}) for fewer frames, "
+                f"max_pixels ({video.max_pixels}) and min_pixels ({video.min_pixels}, the "
+                "floor of each frame) for fewer tokens a frame, or cap the clip "
+                "(cap_pixels_per_frame with max_video_tokens)")
 
     def _encoder_inputs(self, key, items, media, token_counts) -> dict:
         decoded: dict[str, list] = {}
