@@ -822,3 +822,16 @@ def test_modalities_missing_means_defaults_and_empty_means_text_only():
         == {}
     assert set(PreprocessConfig.from_dict({"tokenizer": TOKENIZER,
                                            "modalities": {"audio": {}}}).modalities) == {"audio"}
+
+
+def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_path):
+    """A model's folder, or its config.json, given where the preprocessing YAML goes: said to
+    be that, with the command that derives the YAML from it."""
+    from mimo_data.errors import ConfigError
+    model = REPO / "assets" / "models" / "tiny-qwen2-vl"
+    for given, what in ((model, "is a folder (a model's?)"),
+                        (model / "config.json", "is a transformers model config")):
+        with pytest.raises(ConfigError) as refused:
+            PreprocessConfig.from_yaml(str(given))
+        assert f"{given} {what}" in str(refused.value) and str(refused.value).endswith(
+            "`mimo-train --preprocessing-for MODEL_DIR > preprocess.yaml`")

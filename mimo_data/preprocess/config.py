@@ -191,11 +191,19 @@ class PreprocessConfig:
     @classmethod
     def from_yaml(cls, path: str) -> PreprocessConfig:
         """Load a YAML; its tokenizer and chat_template paths resolve against its folder."""
+        derive = ("a preprocessing config YAML is made from a model's folder with `mimo-train "
+                  "--preprocessing-for MODEL_DIR > preprocess.yaml`")
+        if os.path.isdir(path):
+            raise ConfigError(f"{path} is a folder (a model's?), not a preprocessing config: "
+                              f"{derive}")
         with open(path) as handle:
             try:
                 data = load_yaml(handle) or {}
             except yaml.YAMLError as error:
                 raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        if isinstance(data, dict) and {"model_type", "architectures"} & data.keys():
+            raise ConfigError(f"{path} is a transformers model config, not a preprocessing "
+                              f"config: {derive}")
         if isinstance(data, dict):
             data = dict(data)
             for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
