@@ -85,6 +85,9 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
     with pytest.raises(MediaError) as caught:
         probe_video(tail_index[:len(tail_index) // 2], "header")
     assert caught.value.reason == "corrupt_video"
+    assert caught.value.detail.startswith("FFmpeg cannot open it as a video (Invalid data found "
+                                          "when processing input): a file cut short (an mp4 "
+                                          "whose index"), caught.value.detail
     for junk in (b"", b"\x00" * 1000):
         with pytest.raises(MediaError) as caught:
             probe_video(junk)
@@ -93,6 +96,11 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
     with pytest.raises(MediaError) as caught:
         probe_video((corpus / "audio" / "cards-001.wav").read_bytes())
     assert caught.value.reason == "no_video_stream"
+    assert caught.value.detail.endswith("(it holds audio: give it as an audio item?)")
+    photo = next((corpus / "images").glob("*.jpg")).read_bytes()     # a photo as a video
+    with pytest.raises(MediaError, match=r"^an image \(jpeg\), not a video: give it as an "
+                       "image item, or a folder of frames"):
+        probe_video(photo)
 
     ffv1 = clips["pan_ffv1_10"]
     assert ffv1.codec == "ffv1"

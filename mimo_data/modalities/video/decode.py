@@ -48,7 +48,10 @@ def _open(data: bytes) -> av.container.InputContainer:
     try:
         return av.open(io.BytesIO(data), mode="r")
     except av.FFmpegError as exc:
-        raise MediaError("corrupt_video", f"FFmpeg cannot open the video: {exc}") from None
+        reason = getattr(exc, "strerror", None) or str(exc)    # not its "'<none>'" file name
+        raise MediaError("corrupt_video", f"FFmpeg cannot open it as a video ({reason}): a "
+                         "file cut short (an mp4 whose index, written last, is missing) or not "
+                         "a video") from None
 
 
 def probe_video(data: bytes, check: str = "decode",
@@ -67,12 +70,19 @@ def probe_video(data: bytes, check: str = "decode",
         raise MediaError("corrupt_video", "empty video file (0 bytes)")
     with _open(data) as container:
         if not container.streams.video:
-            raise MediaError("no_video_stream", "the file has no video stream")
+            raise MediaError("no_video_stream", "the file has no video stream" + (
+                " (it holds audio: give it as an audio item?)" if container.streams.audio
+                else ""))
         stream = container.streams.video[0]
         fmt = _container_format(container.format.name, data)
+        if fmt.endswith("_pipe"):      # FFmpeg's image readers: jpeg_pipe, png_pipe, ...
+            raise MediaError("unsupported_format", f"an image ({fmt.removesuffix('_pipe')}), "
+                             "not a video: give it as an image item, or a folder of frames "
+                             "as a video (mimo-shard build --frames-fps)")
         if fmt not in VIDEO_EXTENSIONS:
             raise MediaError("unsupported_format", f"video container {fmt!r} is not one of "
-                             f"{sorted(VIDEO_EXTENSIONS)}; convert it first")
+                             f"{sorted(VIDEO_EXTENSIONS)}; convert it first (ffmpeg -i IN -c "
+                             "copy OUT.mp4 keeps its streams as they are)")
         codec = stream.codec_context.codec.canonical_name
         if codec not in VIDEO_CODECS:
             raise MediaError("unsupported_codec", f"video codec {codec!r} is not one of "
