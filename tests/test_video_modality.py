@@ -110,7 +110,8 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
 
     with pytest.raises(MediaError) as caught:
         probe_video(clips["pan_h264_24"].data, max_seconds=1.0)
-    assert caught.value.reason == "video_too_long"
+    assert caught.value.reason == "video_too_long" and "cut it into shorter clips first " \
+        "(ffmpeg -i IN -c copy -f segment" in caught.value.detail
     item = _item(clips["pan_h264_24"])
     with pytest.raises(MediaError) as caught:
         VIDEO.item_tokens(item, VideoConfig(max_duration=1.0))

@@ -95,7 +95,8 @@ def probe_video(data: bytes, check: str = "decode",
                     else container.duration / av.time_base if container.duration else None)
         if duration is not None and duration > max_seconds:
             raise MediaError("video_too_long", f"clip of {duration:.1f} s is longer than "
-                             f"{max_seconds:g} s")
+                             f"{max_seconds:g} s: cut it into shorter clips first (ffmpeg -i "
+                             "IN -c copy -f segment -segment_time 600 OUT%03d.mp4)")
         declared = stream.frames
         stated = _stated_seconds(container, stream)
         start, time_base = stream.start_time or 0, stream.time_base
