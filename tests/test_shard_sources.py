@@ -407,6 +407,7 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
         {"id": "segment", "audio_filepath": clip, "duration": 2.0, "text": "two seconds"},
         {"id": "truncated", "audio_filepath": "cut.wav", "duration": seconds, "text": "whole"},
         {"id": "text-duration", "audio_filepath": clip, "duration": "7.1", "text": "bad"},
+        {"id": "pred", "audio_filepath": clip, "duration": seconds, "pred_text": "asr's"},
     ]
     # a .json manifest is known as JSONL by its first line: only a .jsonl may start broken
     broken = [b'{"audio_filepath": "x.wav", "text": "cut'] if name.endswith(".jsonl") else []
@@ -426,8 +427,11 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     assert f"'duration' is 2 s but the file holds {seconds:g} s" in segment[1]
     assert "cut each segment into a file of its own" in segment[1]
     assert "its data chunk states" in truncated[1] and "a shorter clip" in truncated[1]
-    [(location, detail)] = skipped.pop("malformed_record")
+    [(location, detail), (pred, named)] = skipped.pop("malformed_record")
     assert location == f"{path}:{first + 5}" and "'duration' is '7.1'" in detail
+    assert pred == f"{path}:{first + 6}" and "this one has {'id': 'str', 'audio_filepath': " \
+        "'str', 'duration': 'float', 'pred_text': 'str'} (a transcript under another key" \
+        in named, named
     assert [location for location, _ in skipped.pop("malformed_json", [])] == (
         [f"{path}:1"] if broken else [])
     assert skipped == {}

@@ -407,8 +407,11 @@ class SpeechManifest:
         record = _json_object(task.locator, "the line")
         audio, text = record.get("audio_filepath"), record.get("text")
         if not isinstance(audio, str) or not isinstance(text, str):
+            given = {key: type(value).__name__ for key, value in record.items()}
             raise RecordError("malformed_record", "a manifest line needs string fields "
-                              "'audio_filepath' and 'text'")
+                              f"'audio_filepath' and 'text'; this one has {given} (a "
+                              "transcript under another key, e.g. pred_text: rename it to "
+                              "text)")
         if record.get("offset"):
             raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
                               "supported; cut the clip into its own file first")
