@@ -1519,6 +1519,9 @@ def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
     assert code == 0, err
     assert f"= {video} video tokens" in out and "layouts" in out and "on 1 to 2 GPUs" in out
     assert "as written" not in out and "drops clips" not in out
+    # one clip a step, counted under the module that takes it (a Qwen tower's "image")
+    assert "1 step of 1 sample (micro batch 1)" in out and \
+        "items per step by encoder module: image 1.0" in out, out
     # a config that would sample fewer frames, and drop the clip: said beside the figures,
     # which stay every frame's
     capped = yaml.safe_load(path.read_text())

@@ -103,10 +103,10 @@ def format_report(report: dict) -> str:
         f"model     {report['model']['source']}: {params} parameters, "
         f"{report['model']['precision']}",
         f"workload  {w['steps']} step{'s' if w['steps'] != 1 else ''} of "
-        f"{w['global_batch_size']} samples (micro batch "
-        f"{w['micro_batch_size']}{', packed' if w['packing'] else ''}): "
-        f"{w['tokens_per_step']:.0f} tokens per step" + (f", items per step: {items}"
-                                                          if items else ""),
+        f"{w['global_batch_size']} sample{'s' if w['global_batch_size'] != 1 else ''} (micro "
+        f"batch {w['micro_batch_size']}{', packed' if w['packing'] else ''}): "
+        f"{w['tokens_per_step']:.0f} tokens per step" + (
+            f", items per step by encoder module: {items}" if items else ""),
         *([_clip_text(w["clip"])] if "clip" in w else []),
         f"gpus      {report['gpus']} x {g['name']}: {g['memory_gib']:.1f} GiB "
         f"({g['usable_gib']:.1f} usable), {g['tflops']:.0f} TFLOP/s x MFU {g['mfu']:.2f}, "
