@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -280,6 +281,23 @@ def test_freeze_names_a_module_or_an_encoder_modules_part():
                             "or one of its parts")):
         with pytest.raises(TrainConfigError, match=message):
             prefixes(wrong)
+
+
+def test_the_start_up_line_says_what_trains():
+    """Frozen parts, each part's LoRA (rank, alpha, targets), the rest in full."""
+    from types import SimpleNamespace
+
+    from mimo_train.config import LoraConfig
+    from mimo_train.plan.parts import Part
+    from mimo_train.plan.run_plan import RunPlan
+    lora = SimpleNamespace(part=Part("language"),
+                           spec=LoraConfig(rank=4, alpha=8, targets=["linear_qkv", "linear_fc1"]))
+    plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,))
+    assert RunPlan.training_summary(plan) == (
+        "image.encoder frozen; language LoRA rank 4 alpha 8 on linear_qkv, linear_fc1 (its "
+        "weights fixed); the rest in full")
+    assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=())) == \
+        "every module in full"
 
 
 # ------------------------------------------------------------------------------- refusals

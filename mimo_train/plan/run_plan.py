@@ -89,6 +89,16 @@ class RunPlan:
         return list(dict.fromkeys(plan.warmup_note for name, plan in self.modules.items()
                                   if plan.warmup_note and name not in frozen))
 
+    def training_summary(self) -> str:
+        """What trains, for the start-up line: each frozen part, each part's LoRA adapters
+        (rank, alpha, targets), the rest in full, e.g. ``image.encoder frozen; language LoRA
+        rank 8 alpha 16 on linear_qkv, linear_proj (its weights fixed); the rest in full``."""
+        said = [f"{p.name} frozen" for p in self.frozen]
+        said += [f"{a.part.name} LoRA rank {a.spec.rank} alpha {a.spec.alpha:g} on "
+                 f"{', '.join(a.spec.targets)} (its weights fixed)"
+                 for a in self.adapted]
+        return "; ".join([*said, "the rest in full" if said else "every module in full"])
+
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""
         return next((p.prefix for p in self.frozen if p.module == module), None)

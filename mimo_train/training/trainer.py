@@ -254,6 +254,7 @@ class Trainer:
         self.trained = trained_optimizers(
             self.optimizer, [p.module for p in self.plan.frozen if p.part is None])
         self.schedulers = build_schedulers(self.plan.modules, cfg.train.steps, self.trained)
+        say(f"{PREFIX}trains: {self.plan.training_summary()}")
         for note in self.plan.warmup_notes():
             say(PREFIX + note)
         self.placeholders = shared_placeholders(self.plan, text.modality_token_ids)
