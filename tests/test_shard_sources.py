@@ -548,15 +548,19 @@ def test_indexed_image_parts_take_the_item_they_name(tmp_path, assets):
                 {"role": "assistant", "content": [{"index": None, "text": "A.", "type": "text"}]}]
     path = tmp_path / "vsft.parquet"
     pq.write_table(pa.table({
-        "id": ["swapped", "stray", "unnamed"],
+        "id": ["swapped", "stray", "unnamed", "holed"],
         "messages": pa.array([row(["This is the cat:", 1, "and the astronaut", 0]),
-                              row([0, 2, "Both?"]), row([0, "One?"])], pa.list_(message)),
-        "images": pa.array([[{"bytes": jpeg, "path": None}, {"bytes": png, "path": None}]] * 3,
+                              row([0, 2, "Both?"]), row([0, "One?"]), row([2, "Which?"])],
+                             pa.list_(message)),
+        "images": pa.array([[{"bytes": jpeg, "path": None}, {"bytes": png, "path": None}]] * 3
+                           + [[None, {"bytes": None, "path": None}, {"bytes": png, "path": None}]],
                            pa.list_(MEDIA))}), path)
     build_dataset([path], tmp_path / "out")
     record, members = _samples_by_id(tmp_path / "out")["swapped"]
     assert record["messages"][0]["content"].startswith("This is the cat:")
     assert _media(record, members, "image") == [png, jpeg]
+    # an index counts the list as written, its null items too
+    assert _media(*_samples_by_id(tmp_path / "out")["holed"], "image") == [png]
     skipped = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"]
     details = [entry["detail"] for entry in skipped["malformed_record"]["first"]]
     assert details == [

@@ -181,29 +181,35 @@ def _part_items(turns) -> dict[str, list]:
     return found
 
 
-def _indexed(items: list, turns, modality: str) -> list:
+def _indexed(items: list, turns, modality: str, listed: list | None = None) -> list:
     """``items`` (the record's list) in the order its bare ``modality`` parts name them by
     ``index`` (TRL's llava-instruct-mix-vsft rows: ``{"type": "image", "index": 1, "text":
     null}``): the marker of each part takes the item it names, not the next in the list.
-    Parts without an index take the list's order."""
+    Parts without an index take the list's order. An index counts the list as written
+    (``listed``: with its null items, which are none)."""
     indices = [part.get("index") for of, part in _media_parts(turns) if of == modality]
     given = [index for index in indices if index is not None]
     if not given:
         return items
+    listed = listed or items           # the single item (`image`) where no list is given
     field_name = media_field(modality)
     if len(given) != len(indices) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(items)
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(listed)
             for i in given):
         raise RecordError("malformed_record", f"the {modality} content parts' 'index' values "
-                          f"{indices[:12]} do not each name one of the {len(items)} "
-                          f"{field_name!r} items (0 to {len(items) - 1}): give every part "
+                          f"{indices[:12]} do not each name one of the {len(listed)} "
+                          f"{field_name!r} items (0 to {len(listed) - 1}): give every part "
                           "the index of its item, or none (the list's order)")
-    unnamed = sorted(set(range(len(items))) - set(given))
+    null = next((i for i in given if _none(listed[i])), None)
+    if null is not None:
+        raise RecordError("malformed_record", f"a {modality} content part's 'index' names "
+                          f"{field_name}[{null}], which is null: name an item that is there")
+    unnamed = sorted({i for i, item in enumerate(listed) if not _none(item)} - set(given))
     if unnamed:
         raise RecordError("malformed_record", f"{field_name}[{unnamed[0]}] is named by no "
                           f"{modality} content part's 'index' ({indices[:12]}): every item "
                           "needs its part (its marker)")
-    return [items[i] for i in given]
+    return [listed[i] for i in given]
 
 
 def _part_item(part: dict, kind: str):
@@ -223,7 +229,8 @@ def _part_item(part: dict, kind: str):
     return url if isinstance(url, str) and url else None
 
 
-def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
+def with_part_items(media: dict[str, list], turns, listed: dict[str, list] | None = None
+                    ) -> dict[str, list]:
     """``media`` plus, for each modality it has no items of, the items its content parts name
     (transformers' ``{"type": "image", "image" | "url" | "path": ...}``). RecordError
     ``malformed_record`` when a modality has both, or only some of its parts name an item."""
@@ -232,7 +239,8 @@ def with_part_items(media: dict[str, list], turns) -> dict[str, list]:
         named = [item for item in items if item is not None]
         if not named:
             if media.get(modality):
-                merged[modality] = _indexed(media[modality], turns, modality)
+                merged[modality] = _indexed(media[modality], turns, modality,
+                                            (listed or {}).get(modality))
             continue
         openai = [kind for kind, of in PART_MODALITIES.items() if of == modality and kind != of]
         keys = "/".join(map(repr, _part_keys(modality))) + "".join(
@@ -382,7 +390,8 @@ class ConversationFile:
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
         turns = exchanges(turns, media)
-        media = with_part_items(media, turns)
+        media = with_part_items(media, turns, {
+            name: _as_list(record.get(media_field(name))) for name in MODALITIES})
         _check_unread(record, media, unread, _RENAME, turns)
         return RawRecord(id=_record_id(record.get("id")), turns=turns, media=media,
                          tools=tool_lists(record), system=record.get("system"),
@@ -530,7 +539,9 @@ class ParquetTable:
         turns = record[column["conversation"]]
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
         turns = exchanges(turns, media)
-        media = with_part_items(media, turns)
+        media = with_part_items(media, turns, {
+            name: _as_list(record.get(column[media_field(name)])) for name in MODALITIES
+            if column[media_field(name)]})
         _check_unread(record, media, self.unread, _READ_COLUMN, turns)
         tools = record.get(column["tools"]) if column["tools"] else None
         return RawRecord(id=record_id, turns=turns, media=media,
