@@ -430,8 +430,8 @@ def test_speech_manifest_duration_must_match_the_file(tmp_path, corpus, name):
     [(location, detail), (pred, named)] = skipped.pop("malformed_record")
     assert location == f"{path}:{first + 5}" and "'duration' is '7.1'" in detail
     assert pred == f"{path}:{first + 6}" and "this one has {'id': 'str', 'audio_filepath': " \
-        "'str', 'duration': 'float', 'pred_text': 'str'} (a transcript under another key" \
-        in named, named
+        "'str', 'duration': 'float', 'pred_text': 'str'}, no string 'text' (under another " \
+        "key? rename it)" in named, named
     assert [location for location, _ in skipped.pop("malformed_json", [])] == (
         [f"{path}:1"] if broken else [])
     assert skipped == {}
@@ -561,6 +561,14 @@ def test_indexed_image_parts_take_the_item_they_name(tmp_path, assets):
     assert _media(record, members, "image") == [png, jpeg]
     # an index counts the list as written, its null items too
     assert _media(*_samples_by_id(tmp_path / "out")["holed"], "image") == [png]
+    # and the single item where the list is null (datasets.to_json's mixed rows)
+    single = write_jsonl(tmp_path / "single.jsonl", [{
+        "id": "single", "images": [None], "image": str(assets["jpeg"]), "messages": [
+            {"role": "user", "content": [{"type": "image", "index": 0},
+                                         {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "A."}]}])
+    build_dataset([single], tmp_path / "single")
+    assert _media(*_samples_by_id(tmp_path / "single")["single"], "image") == [jpeg]
     skipped = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"]
     details = [entry["detail"] for entry in skipped["malformed_record"]["first"]]
     assert details == [

@@ -534,14 +534,19 @@ def test_hub_names_stay_hub_names(tmp_path):
     ("data: {datasets: [a], preprocess: nope.yaml}\n", [], "data.preprocess: no such file: "
      "{tmp}/nope.yaml"),
     ("data: {datasets: [a]}\n", [], "data.preprocess is not set"),
+    ("data: {datasets: [a], preprocess: model}\n", [], "data.preprocess: {tmp}/model is a "
+     "folder (a model's?), not a preprocessing YAML: make one from a model's folder with "
+     "`mimo-train --preprocessing-for MODEL_DIR > preprocess.yaml`"),
     ("data: {datasets: [a], preprocess: p.yaml}\nmodel: {init_from: ../gone}\n", [],
      "model.init_from: no such directory: {parent}/gone"),
     ("data: {datasets: [a], preprocess: p.yaml}\n", ["model.init_from=gone"],
      "model.init_from: no such directory: {cwd}/gone"),
-], ids=["preprocess", "preprocess unset", "init_from in yaml", "init_from override"])
+], ids=["preprocess", "preprocess unset", "preprocess a model", "init_from in yaml",
+      "init_from override"])
 def test_missing_input_path_names_the_key_and_the_resolved_path(tmp_path, text, overrides,
                                                                  fragment):
     (tmp_path / "p.yaml").write_text("{}\n")
+    (tmp_path / "model").mkdir()
     cfg = load(tmp_path, text, *overrides)
     with pytest.raises(TrainConfigError) as error:
         cfg.check_inputs()

@@ -311,6 +311,7 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
                  "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):
         assert f"mimo-train: {line}\n" in job.stdout, job.stdout
     assert job.stdout.count("mimo-train: resumed from step 6") == 3, job.stdout
+    assert "mimo-train: trains: every module in full\n" in job.stdout, job.stdout
     (record,) = train_records(read_records(tmp / "longer.jsonl"))
     assert record["step"] == 7
     language_lr = 1e-3, 3e-4 * 1e-3 / 3e-3

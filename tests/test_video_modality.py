@@ -101,6 +101,16 @@ def test_bad_clips_raise_their_reasons(clips, corpus):
     with pytest.raises(MediaError, match=r"^an image \(jpeg\), not a video: give it as an "
                        "image item, or a folder of frames"):
         probe_video(photo)
+    # an animated GIF (TGIF's clips): a container mp4 cannot copy its codec into
+    import io
+
+    from PIL import Image
+    gif = io.BytesIO()
+    frames = [Image.new("RGB", (32, 32), (i * 80, 0, 0)) for i in range(3)]
+    frames[0].save(gif, format="GIF", save_all=True, append_images=frames[1:], duration=100)
+    with pytest.raises(MediaError, match=r"container 'gif' is not one of .*; convert it first "
+                       r"\(ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT\.mp4\)"):
+        probe_video(gif.getvalue())
 
     ffv1 = clips["pan_ffv1_10"]
     assert ffv1.codec == "ffv1"

@@ -292,12 +292,16 @@ def test_the_start_up_line_says_what_trains():
     from mimo_train.plan.run_plan import RunPlan
     lora = SimpleNamespace(part=Part("language"),
                            spec=LoraConfig(rank=4, alpha=8, targets=["linear_qkv", "linear_fc1"]))
-    plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,))
+    modules = {"image": None, "language": None}
+    plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,),
+                                modules=modules)
     assert RunPlan.training_summary(plan) == (
         "image.encoder frozen; language LoRA rank 4 alpha 8 on linear_qkv, linear_fc1 (its "
-        "weights fixed); the rest in full")
-    assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=())) == \
-        "every module in full"
+        "weights fixed); image.projection in full")
+    plan.frozen = (Part("image"),)                  # nothing left to train in full
+    assert RunPlan.training_summary(plan).endswith("linear_fc1 (its weights fixed)")
+    assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=(), modules=modules)) \
+        == "every module in full"
 
 
 # ------------------------------------------------------------------------------- refusals

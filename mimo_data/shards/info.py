@@ -93,7 +93,8 @@ def format_info(info: dict) -> str:
     lines = [
         f"dataset   {info['name']}  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
-        f"build     {report['records_read']} records read, {report['records_skipped']} skipped"
+        f"build     {report['records_read']} record{'s' if report['records_read'] != 1 else ''} "
+        f"read, {report['records_skipped']} skipped"
         + (" (" + ", ".join(f"{reason} {count}" for reason, count in
                             report["skipped_counts"].items()) + ")"
            if report.get("skipped_counts") else "")

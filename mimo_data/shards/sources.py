@@ -191,7 +191,8 @@ def _indexed(items: list, turns, modality: str, listed: list | None = None) -> l
     given = [index for index in indices if index is not None]
     if not given:
         return items
-    listed = listed or items           # the single item (`image`) where no list is given
+    if not listed or [item for item in listed if not _none(item)] != items:
+        listed = items                 # the items came from the single `image`, not the list
     field_name = media_field(modality)
     if len(given) != len(indices) or not all(
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < len(listed)
@@ -202,7 +203,7 @@ def _indexed(items: list, turns, modality: str, listed: list | None = None) -> l
                           "the index of its item, or none (the list's order)")
     null = next((i for i in given if _none(listed[i])), None)
     if null is not None:
-        raise RecordError("malformed_record", f"a {modality} content part's 'index' names "
+        raise RecordError("malformed_record", f"an index of the {modality} content parts names "
                           f"{field_name}[{null}], which is null: name an item that is there")
     unnamed = sorted({i for i, item in enumerate(listed) if not _none(item)} - set(given))
     if unnamed:
@@ -417,10 +418,12 @@ class SpeechManifest:
         audio, text = record.get("audio_filepath"), record.get("text")
         if not isinstance(audio, str) or not isinstance(text, str):
             given = {key: type(value).__name__ for key, value in record.items()}
+            lacking = [key for key, value in (("audio_filepath", audio), ("text", text))
+                       if not isinstance(value, str)]
             raise RecordError("malformed_record", "a manifest line needs string fields "
-                              f"'audio_filepath' and 'text'; this one has {given} (a "
-                              "transcript under another key, e.g. pred_text: rename it to "
-                              "text)")
+                              f"'audio_filepath' and 'text'; this one has {given}, no string "
+                              f"{' nor '.join(map(repr, lacking))} (under another key? "
+                              "rename it)")
         if record.get("offset"):
             raise RecordError("malformed_record", "segments with a non-zero 'offset' are not "
                               "supported; cut the clip into its own file first")

@@ -456,6 +456,11 @@ class TrainConfig:
         if self.data.preprocess is None:
             raise TrainConfigError("data.preprocess is not set: give the preprocessing YAML "
                                    "(e.g. configs/preprocess.yaml)")
+        if os.path.isdir(self.data.preprocess):
+            raise TrainConfigError(f"data.preprocess: {self.data.preprocess} is a folder (a "
+                                   "model's?), not a preprocessing YAML: make one from a "
+                                   "model's folder with `mimo-train --preprocessing-for "
+                                   "MODEL_DIR > preprocess.yaml`")
         wanted: list[tuple[str, str, Callable[[str], bool], str]] = [
             ("data.preprocess", self.data.preprocess, os.path.isfile, "no such file")]
         if self.model.init_from:

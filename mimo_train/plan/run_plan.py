@@ -91,13 +91,20 @@ class RunPlan:
 
     def training_summary(self) -> str:
         """What trains, for the start-up line: each frozen part, each part's LoRA adapters
-        (rank, alpha, targets), the rest in full, e.g. ``image.encoder frozen; language LoRA
-        rank 8 alpha 16 on linear_qkv, linear_proj (its weights fixed); the rest in full``."""
+        (rank, alpha, targets), the parts trained in full, e.g. ``image.encoder frozen;
+        language LoRA rank 8 alpha 16 on linear_qkv (its weights fixed); image.projection in
+        full``."""
         said = [f"{p.name} frozen" for p in self.frozen]
         said += [f"{a.part.name} LoRA rank {a.spec.rank} alpha {a.spec.alpha:g} on "
                  f"{', '.join(a.spec.targets)} (its weights fixed)"
                  for a in self.adapted]
-        return "; ".join([*said, "the rest in full" if said else "every module in full"])
+        fixed = (*self.frozen, *(a.part for a in self.adapted))
+        parts = [part for name in self.modules for part in (
+            [name] if name == LANGUAGE else [f"{name}.encoder", f"{name}.projection"])]
+        full = [part for part in parts if not any(p.covers(part) for p in fixed)]
+        if not said:
+            return "every module in full"
+        return "; ".join([*said, *([f"{', '.join(full)} in full"] if full else [])])
 
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""

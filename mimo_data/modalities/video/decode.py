@@ -44,14 +44,24 @@ def _rotation(frame: av.VideoFrame) -> int:
     return int(round(frame.rotation / 90)) * 90 % 360
 
 
+def _ffmpeg_said(exc: av.FFmpegError) -> str:
+    """FFmpeg's reason without its errno and the "'<none>'" name of an in-memory file."""
+    return getattr(exc, "strerror", None) or str(exc)
+
+
+def _too_long(duration: float, max_seconds: float) -> MediaError:
+    return MediaError("video_too_long", f"clip of {duration:.1f} s is longer than "
+                      f"{max_seconds:g} s: cut it into shorter clips first (ffmpeg -i IN -c "
+                      "copy -f segment -segment_time 600 OUT%03d.mp4)")
+
+
 def _open(data: bytes) -> av.container.InputContainer:
     try:
         return av.open(io.BytesIO(data), mode="r")
     except av.FFmpegError as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)    # not its "'<none>'" file name
-        raise MediaError("corrupt_video", f"FFmpeg cannot open it as a video ({reason}): a "
-                         "file cut short (an mp4 whose index, written last, is missing) or not "
-                         "a video") from None
+        raise MediaError("corrupt_video", f"FFmpeg cannot open it as a video "
+                         f"({_ffmpeg_said(exc)}): a file cut short (an mp4 whose index, written "
+                         "last, is missing) or not a video") from None
 
 
 def probe_video(data: bytes, check: str = "decode",
@@ -79,11 +89,13 @@ def probe_video(data: bytes, check: str = "decode",
             raise MediaError("unsupported_format", f"an image ({fmt.removesuffix('_pipe')}), "
                              "not a video: give it as an image item, or a folder of frames "
                              "as a video (mimo-shard build --frames-fps)")
-        if fmt not in VIDEO_EXTENSIONS:
-            raise MediaError("unsupported_format", f"video container {fmt!r} is not one of "
-                             f"{sorted(VIDEO_EXTENSIONS)}; convert it first (ffmpeg -i IN -c "
-                             "copy OUT.mp4 keeps its streams as they are)")
         codec = stream.codec_context.codec.canonical_name
+        if fmt not in VIDEO_EXTENSIONS:     # its stream copied where mp4 takes the codec
+            how = ("ffmpeg -i IN -c copy OUT.mp4 keeps its streams as they are"
+                   if codec in VIDEO_CODECS else
+                   "ffmpeg -i IN -c:v libx264 -pix_fmt yuv420p OUT.mp4")
+            raise MediaError("unsupported_format", f"video container {fmt!r} is not one of "
+                             f"{sorted(VIDEO_EXTENSIONS)}; convert it first ({how})")
         if codec not in VIDEO_CODECS:
             raise MediaError("unsupported_codec", f"video codec {codec!r} is not one of "
                              f"{list(VIDEO_CODECS)}; re-encode it first")
@@ -94,9 +106,7 @@ def probe_video(data: bytes, check: str = "decode",
         duration = (float(stream.duration * stream.time_base) if stream.duration
                     else container.duration / av.time_base if container.duration else None)
         if duration is not None and duration > max_seconds:
-            raise MediaError("video_too_long", f"clip of {duration:.1f} s is longer than "
-                             f"{max_seconds:g} s: cut it into shorter clips first (ffmpeg -i "
-                             "IN -c copy -f segment -segment_time 600 OUT%03d.mp4)")
+            raise _too_long(duration, max_seconds)
         declared = stream.frames
         stated = _stated_seconds(container, stream)
         start, time_base = stream.start_time or 0, stream.time_base
@@ -126,7 +136,8 @@ def probe_video(data: bytes, check: str = "decode",
                 if declared and frames >= declared:
                     frames = declared
         except av.FFmpegError as exc:
-            raise MediaError("corrupt_video", f"FFmpeg cannot decode the video: {exc}") from None
+            raise MediaError("corrupt_video", "FFmpeg cannot decode the video: "
+                             f"{_ffmpeg_said(exc)}") from None
     if first is None or frames == 0:
         raise MediaError("corrupt_video", "the video stream decodes to no frames")
     if declared and frames < declared:
@@ -145,8 +156,7 @@ def probe_video(data: bytes, check: str = "decode",
     if duration is None:
         duration = frames / fps
     if duration > max_seconds:
-        raise MediaError("video_too_long", f"clip of {duration:.1f} s is longer than "
-                         f"{max_seconds:g} s")
+        raise _too_long(duration, max_seconds)
     return {"format": fmt, "codec": codec, "width": width, "height": height,
             "rotation": rotation, "fps": fps, "frames": frames, "duration": round(duration, 6)}
 
@@ -260,7 +270,8 @@ def decode_frames(data: bytes, indices: list[int], rotation: int) -> list[np.nda
                 if target not in found:            # the seek overshot: decode in order
                     return _sequential(data, indices, rotation)
     except av.FFmpegError as exc:
-        raise MediaError("corrupt_video", f"FFmpeg cannot decode the video: {exc}") from None
+        raise MediaError("corrupt_video", "FFmpeg cannot decode the video: "
+                         f"{_ffmpeg_said(exc)}") from None
     return [found[order[index]] for index in indices]
 
 
