@@ -119,6 +119,12 @@ def _print_preprocessing(path: str) -> int:
     print(f"# The preprocessing config for {path} (mimo-train --preprocessing-for). seq_length "
           f"{seq_length} is mimo's default: set it to your samples' length (longer ones are "
           "dropped; mimo-inspect report counts them); add other modalities to taste.")
+    video = data["modalities"].get("video") or {}
+    if video and not video.get("cap_pixels_per_frame"):
+        print("# video: each frame keeps up to max_pixels, as transformers' processor has it (a "
+              "1080p minute at 2 fps is ~160k tokens); cap_pixels_per_frame: true holds a clip "
+              "to max_video_tokens, as qwen-vl-utils does; mimo-inspect report counts the "
+              "tokens.")
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 
