@@ -122,6 +122,16 @@ def test_activation_bytes_by_hand():
         "bf16", recompute="full")) == 2 * 12800 + 217600 + 12800
     # 1F1B: the first of 3 stages holds 3 micro-batches of its layer (pp2: one layer)
     assert mem.in_flight(8, 3, 0) == 3 and mem.in_flight(8, 3, 2) == 1
+    # ... under full recompute, 3 layer inputs and the one layer rebuilt for the backward
+    # under way (one at a time), not 3 rebuilt layers
+    full = mem.Settings("bf16", recompute="full")
+    assert mem.language_activation_bytes(STACK, [100], full, pp=2, in_flight=3) == \
+        3 * 12800 + 217600
+    assert mem.language_activation_bytes(STACK, [100], bf16, pp=2, in_flight=3) == 3 * 217600
+    # the advisor's window over a stage's micro-batches: what 2 in a row keep, and the
+    # largest rebuilt layer once
+    from mimo_train.planning.advisor.cost import _held
+    assert _held([(10.0, 100.0), (30.0, 50.0), (20.0, 70.0)], 2) == 50.0 + 100.0
     assert mem.in_flight(2, 3, 0) == 2
     # temporaries at the last stage, 30 of the 100 tokens trained: the trained tokens' logits,
     # 30 x 128 x (2 + their fp32 copy 4) = 23040, then the output's weight gradient 128 x 64 x 2

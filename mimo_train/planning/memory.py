@@ -397,19 +397,29 @@ def stack_activation_bytes(stack: Stack, layers: int | range, tokens: float, squ
                            etp: int | None = None, cp: int = 1) -> float:
     """``layers`` layers' activations (a count: the stack's first ones; or the range of them)
     for one micro-batch under the settings' recompute (``chunked``, ``ep``, ``etp``, ``cp``:
-    ``layer_activation_bytes``'s)."""
-    recompute = settings.recompute
+    ``layer_activation_bytes``'s): ``stack_activation_parts`` together."""
+    return sum(stack_activation_parts(stack, layers, tokens, squares, settings, tp,
+                                      sequence_parallel, chunked, ep, etp, cp))
+
+
+def stack_activation_parts(stack: Stack, layers: int | range, tokens: float, squares: float,
+                           settings: Settings, tp: int = 1, sequence_parallel: bool = False,
+                           chunked: float | None = None, ep: int = 1,
+                           etp: int | None = None, cp: int = 1) -> tuple[float, float]:
+    """(kept, rebuilt) of ``stack_activation_bytes``: what a micro-batch keeps until its
+    backward (full recompute: each layer's input), and what full recompute rebuilds of one
+    layer during a backward (one micro-batch's at a time, however many are in flight)."""
     held = range(layers) if isinstance(layers, int) else layers
     if len(held) <= 0:
-        return 0.0
+        return 0.0, 0.0
     whole = {kind: layer_activation_bytes(stack, tokens, squares, settings, tp,
                                           sequence_parallel, kind, chunked, ep, etp, cp)
              for kind in stack.kinds(held)}
-    if recompute == "full":
+    if settings.recompute == "full":
         inputs = 2 * stack.hidden * tokens / (tp if sequence_parallel else 1) * \
             settings.width / 2
-        return len(held) * inputs + max(whole.values())
-    return sum(count * whole[kind] for kind, count in stack.kinds(held).items())
+        return len(held) * inputs, max(whole.values())
+    return sum(count * whole[kind] for kind, count in stack.kinds(held).items()), 0.0
 
 
 def chunked_positions(lengths: Sequence[float]) -> float:
@@ -426,16 +436,27 @@ def language_activation_bytes(stack: Stack, lengths: Sequence[float], settings: 
     sequences, of which each of the ``cp`` context-parallel ranks keeps 1/cp), its layers'
     (its experts laid over ``ep`` x ``etp`` ranks), and on the last stage the hidden states'
     gradient (made in the forward pass with the loss, ``mcore.language_loss``)."""
+    kept, once = language_activation_parts(stack, lengths, settings, tp, pp, stage, ep, etp, cp)
+    return in_flight * kept + once
+
+
+def language_activation_parts(stack: Stack, lengths: Sequence[float], settings: Settings,
+                              tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
+                              etp: int | None = None, cp: int = 1) -> tuple[float, float]:
+    """(kept, once) of one micro-batch of ``language_activation_bytes``: what it keeps until
+    its backward, and what a stage holds once however many micro-batches are in flight (full
+    recompute's rebuilt layer; on the last stage, where one is in flight, the hidden states'
+    gradient)."""
     # context parallelism: 1/cp of the positions, and of the heads over the whole sequences
     tokens, squares = float(sum(lengths)) / cp, float(sum(s * s for s in lengths)) / cp
     sp = settings.sequence_parallel and tp > 1
     layers = stack.stage_layers(pp, stage)
     chunked = chunked_positions(lengths) if stack.linear is not None else None
-    found = in_flight * stack_activation_bytes(stack, layers, tokens, squares, settings, tp, sp,
-                                               chunked, ep, etp, cp)
+    kept, once = stack_activation_parts(stack, layers, tokens, squares, settings, tp, sp,
+                                        chunked, ep, etp, cp)
     if stage == pp - 1:
-        found += tokens * stack.hidden * settings.width
-    return found
+        once += tokens * stack.hidden * settings.width
+    return kept, once
 
 
 def language_temporary_bytes(stack: Stack, tokens: float, trained: float, settings: Settings,
@@ -498,6 +519,14 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
                            in_flight: int = 1) -> float:
     """An encoder tower's activations for ``in_flight`` micro-batches of items of patch
     ``grids``: its layers' (recompute none or full) and the patch embedding's inputs."""
+    kept, rebuilt = tower_activation_parts(tower, grids, settings)
+    return in_flight * kept + rebuilt
+
+
+def tower_activation_parts(tower: Tower, grids: Iterable[Sequence[int]], settings: Settings
+                           ) -> tuple[float, float]:
+    """(kept, rebuilt) of one micro-batch of ``tower_activation_bytes``
+    (``stack_activation_parts``'s, the patch embedding's inputs kept)."""
     grids = list(grids)
     positions, squares = tower_positions(tower, grids)
     # a transformers tower recomputes all or nothing: selective keeps everything, the
@@ -509,8 +538,9 @@ def tower_activation_bytes(tower: Tower, grids: Iterable[Sequence[int]], setting
         stack = replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)
     pixels = sum(t * h * w for t, h, w in grids) * \
         sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width
-    return in_flight * (stack_activation_bytes(stack, stack.layers, positions, squares,
-                                               tower_settings) + pixels)
+    kept, rebuilt = stack_activation_parts(stack, stack.layers, positions, squares,
+                                           tower_settings)
+    return kept + pixels, rebuilt
 
 
 def in_flight(micro_batches: int, stages: int, position: int) -> int:

@@ -208,20 +208,20 @@ class Advisor:
                     continue                    # forward only: nothing kept for a backward
                 tower = dims.encoders[e.name].tower
                 for q in range(e.dp):           # each DP rank's micro-batches, k in flight
-                    kept = [mem.tower_activation_bytes(tower, row[q][1], settings)
+                    held = [mem.tower_activation_parts(tower, row[q][1], settings)
                             for row in parts]
-                    act[e.name] = max(act.get(e.name, 0.0), _window(
-                        kept, 1 if colocated else mem.in_flight(m, stages, 0)))
+                    act[e.name] = max(act.get(e.name, 0.0), _held(
+                        held, 1 if colocated else mem.in_flight(m, stages, 0)))
             lang_backward = self.model.passes.get(LANGUAGE, 3) > 1
             for stage in sorted({0, lang.pp - 1}) if lang_backward else ():
                 k = 1 if colocated or stages == 1 else \
                     mem.in_flight(m, stages, lang_first + stage)
                 for r in range(lang.dp):
-                    kept = [mem.language_activation_bytes(
+                    held = [mem.language_activation_parts(
                         dims.language, row[r][1], settings, lang.tp, lang.pp, stage,
                         ep=lang.ep, etp=lang.etp, cp=lang.cp) for row in language]
                     act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
-                                                    _window(kept, k))
+                                                    _held(held, k))
                     act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
                         mem.language_temporary_bytes(dims.language, sum(row[r][1]),
                                                      row[r][2], settings, lang.tp, lang.pp,
@@ -473,6 +473,14 @@ def context_traffic(stack: Stack, positions: float, width: int, tp: int = 1,
     # the same again
     values = 2 * (2 * heads + 2 * groups * repeat) * stack.kv_channels * positions / cp
     return (cp - 1) / cp * values * width
+
+
+def _held(parts: list[tuple[float, float]], k: int) -> float:
+    """A stage's activations at their peak: what ``k`` consecutive micro-batches keep (the
+    first of each of ``parts``), and the most one of them holds once (the second: full
+    recompute's rebuilt layer, one backward at a time)."""
+    return _window([kept for kept, _ in parts], k) + max((once for _, once in parts),
+                                                         default=0.0)
 
 
 def _window(values: list[float], k: int) -> float:
