@@ -293,6 +293,11 @@ def test_all_to_all_of_one_layer_by_hand():
     assert across.all_to_all == pytest.approx(4 * 4 * 7 / 8 * 12800 * 1.1 / 40e9)
     dense = advisor.evaluate(Candidate(Layout.parse("language=tp2,dp4"), settings))
     assert dense.all_to_all == 0 and across.step_s > within.step_s
+    # a tensor-parallel group across two nodes of 4 (the language model from rank 2, tp4):
+    # the network's bandwidth; from rank 4, within a node
+    straddling = Layout.parse("image=dp2;language=tp4").module("language")
+    aligned = Layout.parse("image=dp4;language=tp4").module("language")
+    assert (advisor._tp_gbs(straddling), advisor._tp_gbs(aligned)) == (40.0, 300.0)
 
 
 # ------------------------------------------------------------------- the model, the data

@@ -311,9 +311,15 @@ class Advisor:
                                            module.ep, module.expert_tp)
         heads = context_traffic(stack, positions, width, module.tp, module.cp)
         layers = stack.layers / module.pp
-        return (layers * tp_bytes / (self.device.node_gbs * 1e9),
+        return (layers * tp_bytes / (self._tp_gbs(module) * 1e9),
                 layers * exchange / (self._ep_gbs(module) * 1e9) if exchange else 0.0,
                 layers * heads / (self._cp_gbs(module) * 1e9) if heads else 0.0)
+
+    def _tp_gbs(self, module: ModuleLayout) -> float:
+        """The bandwidth of the module's tensor-parallel groups (tp consecutive ranks, the
+        expert TP groups within them): the network's where one spans two nodes (a module
+        starting at rank 6 of 8-GPU nodes, tp4)."""
+        return self._group_gbs(module, 1, max(module.tp, module.expert_tp))
 
     def _cp_gbs(self, module: ModuleLayout) -> float:
         """The bandwidth of the module's context-parallel groups (the grid's order is tp, cp,
