@@ -576,12 +576,15 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     assert every["dropped"]
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, *memory,
                          main=main)
-    assert code == 0 and "smallest settings that do not fit (a layout may fit" in out
+    assert code == 0 and "closest to fitting: the least memory per rank of the tries that " \
+        "do not fit; those ranked above fit" in out
     assert f"{every['fitting_layouts']} fit, {every['dropped_layouts']} do not fit in memory "\
         "with any settings" in out
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
                          "--gpu-memory-gib", 1.0, main=main)
-    assert code == 1 and "no layout fits" in out
+    assert code == 1 and "no layout fits: more GPUs, a GPU with more memory, or a smaller " \
+        "micro batch\nclosest to fitting: the least memory per rank of the tries that do not " \
+        "fit\n" in out, out
 
 
 def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):

@@ -120,7 +120,7 @@ CASES = [
       "use a global batch that is a multiple of 4"]),
     ("encoder dp does not divide the global micro-batch", "image",
      ["layout=image=dp2;language=dp1", "train.micro_batch_size=1"], "config",
-     ["module 'image' has dp 2", "global micro-batch of 1 samples",
+     ["module 'image' has dp 2", "global micro-batch of 1 sample ",
       "micro batch 1 x language dp 1", "make the micro batch a multiple of 2"]),
     # -- colocated modules of different dp with variable counts (megatron-core's colocated
     #    bridge splits evenly; non-colocated fan-in routes any counts)

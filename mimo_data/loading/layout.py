@@ -533,7 +533,8 @@ class Layout:
             if group % module.dp:
                 raise LayoutError(
                     f"module {module.name!r} has dp {module.dp}, which does not divide the "
-                    f"global micro-batch of {group} samples (micro batch {micro_batch_size} x "
+                    f"global micro-batch of {group} sample{'s' if group != 1 else ''} "
+                    f"(micro batch {micro_batch_size} x "
                     f"{LANGUAGE} dp {self.language.dp}): every module splits each global "
                     f"micro-batch evenly among its DP ranks; make the micro batch a multiple "
                     f"of {module.dp // math.gcd(module.dp, self.language.dp)} or change "

@@ -73,7 +73,8 @@ def layout_refusal(request: AdvisorRequest, config) -> str | None:
         raise ValueError(f"--model {request.model}: {error}") from None
     packing = model.packing if model.packing is not None else request.packing
     reason = refused(model, layout, request, packing)
-    return None if reason is None else f"{reason} (with every setting the advisor tries)"
+    return None if reason is None else \
+        f"{reason} (whichever recompute, optimizer and parallel settings the advisor tries)"
 
 
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],

@@ -132,10 +132,13 @@ def format_report(report: dict) -> str:
         lines.append("train the first with: mimo-train --config ... " +
                      " ".join(f"'{o}'" if ";" in o else o for o in best["overrides"]))
     else:
-        lines.append("no layout fits: more GPUs, a GPU with more memory, or a smaller micro "
-                     "batch")
+        fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
+                 "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
+                 "seq_length)")
+        lines.append(f"no layout fits: more GPUs, a GPU with more memory, or {fewer}")
     if report["dropped"]:
-        lines.append("smallest settings that do not fit (a layout may fit with others, above)")
+        lines.append("closest to fitting: the least memory per rank of the tries that do not "
+                     "fit" + ("; those ranked above fit" if report["ranked"] else ""))
         for r in report["dropped"]:
             lines.append(f"  {r['layout']} ({_settings_text(r['settings'])}): "
                          f"{r['peak_memory_gib']:.1f} GiB per rank > {g['usable_gib']:.1f}")
