@@ -253,3 +253,17 @@ def test_lora_on_a_mixture_of_experts_is_refused_only_where_it_reaches_routed_ex
     plan = resolve(cfg)
     assert plan.settings.lora_targets == {"language": tuple(yaml.safe_load(targets))}
     assert rules.refusals(plan.facts, plan.layout, plan.settings) == []
+
+
+def test_a_packed_mixture_of_experts_under_tp_is_told_to_drop_packing_or_tp():
+    """With data.packing (which sequence parallelism does not run with), the fix for a
+    mixture of experts under tensor parallelism is tp1 or no packing, not sequence
+    parallelism alone."""
+    from mimo_data.loading.layout import Layout
+    from mimo_train.plan.rules import Facts, Settings, experts_need_sequence_parallel
+    facts, layout = Facts(4, 4, 2, experts=8), Layout.parse("language=tp2")
+    assert experts_need_sequence_parallel(facts, layout, Settings(packing=True)).endswith(
+        "only with sequence parallelism: use tp1, or drop data.packing (which sequence "
+        "parallelism does not run with) and set model.language.sequence_parallel=true")
+    assert experts_need_sequence_parallel(facts, layout, Settings()).endswith(
+        "set model.language.sequence_parallel=true, or tp1")

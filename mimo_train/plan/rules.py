@@ -266,10 +266,12 @@ def experts_need_sequence_parallel(facts: Facts, layout: Layout, settings: Setti
                                    ) -> str | None:
     tp = layout.language.tp
     if facts.experts and tp > 1 and not settings.sequence_parallel:
+        fix = ("use tp1, or drop data.packing (which sequence parallelism does not run with) "
+               "and set model.language.sequence_parallel=true" if settings.packing else
+               "set model.language.sequence_parallel=true, or tp1")
         return (f"the language model is a mixture of experts, which megatron-core trains under "
                 f"tensor parallelism (the layout's language tp{tp}) only with sequence "
-                "parallelism: set model.language.sequence_parallel=true (not with "
-                "data.packing), or tp1")
+                f"parallelism: {fix}")
     return None
 
 
