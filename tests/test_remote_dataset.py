@@ -405,8 +405,15 @@ def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     reader.close()
     # a prefix (or bucket) with nothing under it: a typo, not an interrupted build
     for typo in (f"s3://{BUCKET}/gnoe", "s3://mimo-no-such-bucket/gone"):
-        with pytest.raises(DatasetError, match=f"^{typo}: nothing there, no such dataset"):
+        with pytest.raises(DatasetError, match=f"^{typo}: nothing there, no such dataset") \
+                as missing:
             ShardReader(typo, storage_options=s3.storage_options)
+        assert missing.value.missing          # a usage error (exit 2), as a local typo's
+    # a misspelt storage option (s3fs takes it, its session refuses it at the first request)
+    from mimo_data.shards.storage import LocationError
+    with pytest.raises(LocationError, match=r"the storage client takes no such option .*"
+                       "'endpoint'.*check the storage options' keys"):
+        storage.exists(url, {**s3.storage_options, "endpoint": "http://127.0.0.1:1"})
 
 
 def test_shards_cut_short_or_missing_are_named_at_opening_and_not_retried(

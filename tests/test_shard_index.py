@@ -402,6 +402,15 @@ def test_tars_in_a_bucket_give_the_same_index(pairs, local_s3, tmp_path, monkeyp
     with pytest.raises(IndexInputError, match=f"{url} is a folder, given with other sources"):
         index([url, f"{url}/pairs-000000.tar"], str(tmp_path / "two"),
               IndexOptions(workers=0, progress=False), local_s3.storage_options)
+    # an index to a bucket (taken for ./s3:/... before), a bucket that is not there: said
+    with pytest.raises(IndexInputError, match=f"--output {url}-idx: the index goes to a local "
+                       "directory"):
+        index([url], f"{url}-idx", IndexOptions(workers=0, progress=False),
+              local_s3.storage_options)
+    with pytest.raises(IndexInputError, match="^s3://mimo-no-such-bucket/laion: not there .*"
+                       "check the bucket and the prefix"):
+        index(["s3://mimo-no-such-bucket/laion"], str(tmp_path / "none"),
+              IndexOptions(workers=0, progress=False), local_s3.storage_options)
     for name in ("samples.parquet", "records.parquet", "report.json"):
         assert (tmp_path / "idx" / name).read_bytes() == (pairs.out / name).read_bytes()
     assert json.loads((tmp_path / "idx" / "index.json").read_text())["shard_root"] == url

@@ -451,8 +451,8 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> in
             return _plan(args, config, advisor, layout_refusal)
         return {"sample": _sample, "report": _report}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = str(exc), 1 if is_remote(args.directory) or \
-            os.path.isdir(args.directory) else 2
+        error, status = str(exc), 2 if exc.missing or not (
+            is_remote(args.directory) or os.path.isdir(args.directory)) else 1
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
     except WorkerDied as exc:       # --workers: the OOM killer, a crash

@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         directory = getattr(args, "directory", "")
-        error, status = str(exc), 1 if is_remote(directory) or os.path.isdir(directory) else 2
+        error, status = str(exc), 2 if exc.missing or not (
+            is_remote(directory) or os.path.isdir(directory)) else 1
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
     except WorkerDied as exc:       # the OOM killer, a crash: the work was not done

@@ -246,9 +246,6 @@ def default_output(sources: list[str]) -> str:
 def _prepare_output(output: str, overwrite: bool) -> list[str]:
     """Make ``output`` ready for an indexing; return the names of an old index that stays
     there until the new one is complete ([]: none)."""
-    if storage.is_remote(output):
-        raise IndexInputError(f"--output {output}: the index goes to a local directory (the tars "
-                              "may be at a URL)")
     if os.path.exists(output) and not os.path.isdir(output):
         raise IndexInputError(f"{output} exists and is not a directory")
     try:
@@ -417,6 +414,9 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
                               "documents or energon")
     if output is None:
         output_given_as_source(sources, storage_options)
+    elif storage.is_remote(output):           # before it is made absolute: ./s3:/bucket
+        raise IndexInputError(f"--output {output}: the index goes to a local directory (the "
+                              "tars may be at a URL)")
     source = resolve(sources, options, storage_options)
     if output is None:
         output = default_output(sources)

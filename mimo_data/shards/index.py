@@ -13,7 +13,15 @@ from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, R
 
 
 class DatasetError(Exception):
-    """A dataset directory that is missing, incomplete or not of our format."""
+    """A dataset directory that is missing (``missing``: nothing there, a usage error), or
+    incomplete or not of our format."""
+
+    def __init__(self, message: str, missing: bool = False):
+        super().__init__(message)
+        self.missing = missing
+
+    def __reduce__(self):           # rebuilt whole where a worker process raised it
+        return type(self), (str(self), self.missing)
 
 
 def dumps(value) -> bytes:
@@ -58,14 +66,14 @@ def remake(index: dict) -> str:
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
-        raise DatasetError(f"{directory}: no such dataset directory")
+        raise DatasetError(f"{directory}: no such dataset directory", missing=True)
     try:
         return storage.read_bytes(storage.join(directory, INDEX_FILE), storage_options)
     except FileNotFoundError:
         names = _names_at(directory, storage_options)
         if names == [] and storage.is_remote(directory):
             raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
-                               "and the prefix)") from None
+                               "and the prefix)", missing=True) from None
         if names and _foreign_tars(names):
             raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
         if names and REPORT_FILE in names and _kept_none(directory, storage_options):

@@ -148,6 +148,11 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
         try:
             return call()
         except Exception as exc:         # classified just below
+            if isinstance(exc, TypeError) and "unexpected keyword argument" in str(exc):
+                # a misspelt storage option: the client takes it only at its first request
+                raise LocationError(f"{what}: the storage client takes no such option ({exc}): "
+                                    "check the storage options' keys (s3: endpoint_url, key, "
+                                    "secret, client_kwargs, config_kwargs, ...)") from None
             if type(exc).__name__ == "ProfileNotFound":
                 raise StorageError(f"{what}: {exc}: check AWS_PROFILE (or the profile of "
                                    "storage_options)") from exc

@@ -160,7 +160,11 @@ def resolve(sources: list[str], options: IndexOptions,
     brace patterns, local or URLs) and their member map (the layout given or detected);
     ``--markers-first`` for a layout without markers to place is refused (never a flag
     silently unused)."""
-    source = _resolve(sources, options, storage_options)
+    try:
+        source = _resolve(sources, options, storage_options)
+    except FileNotFoundError as exc:   # a bucket that is not there (s3fs, at its listing)
+        raise IndexInputError(f"{' '.join(sources)}: not there ({exc}): check the bucket and "
+                              "the prefix") from None
     if options.markers_first and source.mapping.layout != "conversation":
         raise IndexInputError(f"--markers-first places a conversation's markers, and the "
                               f"layout is {source.mapping.layout}: leave it out")

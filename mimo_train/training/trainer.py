@@ -87,8 +87,12 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                     storage.check_scheme(directory)
                 except storage.LocationError as exc:
                     raise TrainConfigError(f"{key}: {exc}") from None
-            if not storage.exists(storage.join(directory, INDEX_FILE),
-                                  cfg.data.storage_options):
+            try:
+                there = storage.exists(storage.join(directory, INDEX_FILE),
+                                       cfg.data.storage_options)
+            except storage.LocationError as exc:      # a misspelt option, said at first use
+                raise TrainConfigError(f"data.storage_options: {exc}") from None
+            if not there:
                 raise TrainConfigError(
                     f"{key}: no shards at {directory}: " + (
                         unindexed_tars_advice(directory)
