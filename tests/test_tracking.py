@@ -220,3 +220,16 @@ def test_wandb_without_the_package_is_refused(monkeypatch):
         TrainConfig.load(None, ["data.datasets=[unused]", "train.wandb={project: p}"])
     with pytest.raises(TrainConfigError, match="train.wandb.mode is 'cloud'"):
         TrainConfig.load(None, ["data.datasets=[unused]", "train.wandb={project: p, mode: cloud}"])
+
+
+def test_the_closing_loss_line_says_what_it_averages():
+    """The run's loss, its first steps against its last: three each where there are six or
+    more, one each for a short run, and a one-step run's loss alone."""
+    from mimo_train.components.metrics import summary
+    records = [{"loss": float(loss)} for loss in (9, 8, 7, 5, 4, 3)]
+    assert summary(records) == ("mimo-train: loss over this run's 6 steps: 8.0000 (mean of the "
+                                "first 3) -> 4.0000 (mean of the last 3)")
+    assert summary(records[:3]) == ("mimo-train: loss over this run's 3 steps: 9.0000 (the "
+                                    "first step) -> 7.0000 (the last step)")
+    assert summary(records[:1]) == "mimo-train: loss of this run's one step: 9.0000"
+    assert summary([{"step": 1}]) is None

@@ -260,9 +260,13 @@ def summary(records: list[dict]) -> str | None:
     losses = [r["loss"] for r in records if "loss" in r]
     if not losses:
         return None
+    if len(losses) == 1:
+        return f"{PREFIX}loss of this run's one step: {losses[0]:.4f}"
     k = max(1, min(3, len(losses) // 2))
+    first, last = (("the first step", "the last step") if k == 1 else
+                   (f"mean of the first {k}", f"mean of the last {k}"))
     return (f"{PREFIX}loss over this run's {len(losses)} steps: {sum(losses[:k]) / k:.4f} "
-            f"(mean of the first {k}) -> {sum(losses[-k:]) / k:.4f} (mean of the last {k})")
+            f"({first}) -> {sum(losses[-k:]) / k:.4f} ({last})")
 
 
 WANDB_ID = "wandb_run_id"      # in checkpoint.dir: the W&B run a resumed run logs into
