@@ -326,7 +326,7 @@ def test_records_are_derived_from_the_shards_without_the_bucket_cache(s3, built,
 
 # ----------------------------------------------------------------------------------- faults
 
-def test_injected_faults_are_retried_to_the_exact_bytes(s3, built, monkeypatch):
+def test_injected_faults_are_retried_to_the_exact_bytes(s3, built, monkeypatch, capsys):
     monkeypatch.setattr(storage, "BACKOFF_S", 0.01)
     retried = sum(storage.RETRIES.values())
     s3.faults = Faults(rate=0.2, kinds=("500", "reset", "truncate"), seed=7)
@@ -341,6 +341,11 @@ def test_injected_faults_are_retried_to_the_exact_bytes(s3, built, monkeypatch):
     # mimo's (a reset may also be absorbed by aiohttp reconnecting)
     counted = sum(storage.RETRIES.values()) - retried
     assert s3.injected["500"] + s3.injected["truncate"] <= counted <= sum(s3.injected.values())
+    # each retry said on a line of its own
+    import re
+    said = [line for line in capsys.readouterr().err.splitlines() if "; retry " in line]
+    assert said and all(re.fullmatch(r"mimo: reading s3://\S+( bytes \d+-\d+)?: \w+ \(.*\); "
+                                     r"retry \d of 5 in \d+\.\ds", line) for line in said), said
 
 
 def test_a_read_that_keeps_failing_raises_storage_error_naming_the_shard(

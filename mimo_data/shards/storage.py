@@ -172,8 +172,11 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
             with _RETRIES_LOCK:
                 RETRIES[type(exc).__name__] += 1
             wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_WAIT_S) * (0.5 + random.random())
-            print(f"mimo: {what}: {type(exc).__name__} ({exc}); retry {attempt} of "
-                  f"{attempts - 1} in {wait:.1f}s", file=sys.stderr, flush=True)
+            # one write per line: print writes the text and its newline apart, which the
+            # reader's threads then interleave
+            sys.stderr.write(f"mimo: {what}: {type(exc).__name__} ({exc}); retry {attempt} "
+                             f"of {attempts - 1} in {wait:.1f}s\n")
+            sys.stderr.flush()
             time.sleep(wait)
     raise AssertionError("unreachable")
 
