@@ -529,6 +529,9 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     assert read_json(tmp_path / "none" / "report.json")["records_skipped"] == 2
     assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["report.json"]
     # given to the next command, that output's report is named, not an interrupted build
+    # a folder that is not there: a usage error (2), as README's exit status says
+    code, _, err = cli_main(capsys, "info", tmp_path / "nowhere")
+    assert code == 2 and f"{tmp_path / 'nowhere'}: no such dataset directory" in err, err
     code, _, err = cli_main(capsys, "info", tmp_path / "none")
     assert code == 1 and f"{tmp_path / 'none'}: no index.json: the build or indexing that " \
         f"wrote it kept no sample; {tmp_path / 'none' / 'report.json'} says why" in err, err

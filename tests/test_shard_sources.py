@@ -112,7 +112,8 @@ def test_a_null_or_blank_media_value_is_no_item(capsys, tmp_path, assets, suffix
         assert code == 0 and _media(*_samples_by_id(tmp_path / "b64")["b64"], "image") == [
             assets["jpeg"].read_bytes()]
         bad = read_json(tmp_path / "b64" / "report.json")["skipped_by_reason"]["malformed_record"]
-        assert "are a string that is not base64" in bad["first"][0]["detail"], bad
+        assert bad["first"][0]["detail"] == "media bytes 'not base64!', a string (how JSON " \
+            "holds bytes: give base64, or a path), is not valid base64", bad
         # a source clip's path kept beside the record's image: metadata, not an unread video
         kept = write_jsonl(tmp_path / "frames.jsonl", [{
             "id": "frame", "image": jpeg, "video_path": "raw/clip.mp4",

@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> in
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_data.preprocess.segment_tokenizer import SegmentCacheError
     from mimo_data.shards.index import DatasetError
-    from mimo_data.shards.storage import StorageError, is_remote
+    from mimo_data.shards.storage import StorageError
     from mimo_data.worker_pool import WorkerDied
     try:
         config = PreprocessConfig.from_yaml(args.config)
@@ -451,8 +451,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> in
             return _plan(args, config, advisor, layout_refusal)
         return {"sample": _sample, "report": _report}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        error, status = str(exc), 2 if exc.missing or not (
-            is_remote(args.directory) or os.path.isdir(args.directory)) else 1
+        error, status = str(exc), 2 if exc.missing else 1
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
     except WorkerDied as exc:       # --workers: the OOM killer, a crash

@@ -13,7 +13,6 @@ Exit status (the same for every mimo CLI):
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     # not from build.py: its tar writer imports webdataset, and so torch, which no other
     # command needs
     from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
-    from mimo_data.shards.storage import LocationError, StorageError, is_remote
+    from mimo_data.shards.storage import LocationError, StorageError
     try:
         return _run(args)
     except (StrictStop, OutputFull) as exc:
@@ -163,9 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     except (BuildError, SourceError, LocationError) as exc:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
-        directory = getattr(args, "directory", "")
-        error, status = str(exc), 2 if exc.missing or not (
-            is_remote(directory) or os.path.isdir(directory)) else 1
+        error, status = str(exc), 2 if exc.missing else 1
     except StorageError as exc:     # the storage kept failing (retried already)
         error, status = str(exc), 1
     except WorkerDied as exc:       # the OOM killer, a crash: the work was not done

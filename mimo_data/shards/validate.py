@@ -77,14 +77,13 @@ class MediaPolicy:
     frames_fps: float | None = None   # a video given as a folder of frames: shown so fast
 
 
-def _base64(text: str) -> bytes:
+def _base64(text: str, what: str) -> bytes:
+    """``text`` decoded (line-wrapped too, 76 columns as MIME writes it); RecordError saying
+    ``what`` it was where it is not base64."""
     try:
         return base64.b64decode("".join(text.split()), validate=True)
     except ValueError:
-        cut = "..." if len(text) > 40 else ""
-        raise RecordError("malformed_record", f"media bytes {text[:40]!r}{cut} are a string "
-                          "that is not base64 (how JSON holds bytes): give base64, or a path"
-                          ) from None
+        raise RecordError("malformed_record", f"{what} is not valid base64") from None
 
 
 def _read_media(ref, media_root: str, frames_fps: float | None = None
@@ -95,7 +94,10 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
     path = None
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
-            return _base64(ref["bytes"]), ref.get("path"), None, False
+            text = ref["bytes"]
+            cut = "..." if len(text) > 40 else ""
+            return _base64(text, f"media bytes {text[:40]!r}{cut}, a string (how JSON holds "
+                           "bytes: give base64, or a path),"), ref.get("path"), None, False
         if ref.get("bytes"):
             return bytes(ref["bytes"]), ref.get("path"), None, False
         path = ref.get("path")
@@ -149,11 +151,8 @@ def _data_url(url: str) -> bytes:
                           "its data")
     if not header.lower().endswith(";base64"):
         return urllib.parse.unquote_to_bytes(data)
-    try:                        # line-wrapped base64 (76 columns, as MIME writes it) too
-        return base64.b64decode("".join(data.split()), validate=True)
-    except ValueError:
-        raise RecordError("malformed_record", f"the base64 data of {url[:60]!r}... (a data: "
-                          "URL's, or an input_audio part's) is not valid base64") from None
+    return _base64(data, f"the base64 data of {url[:60]!r}... (a data: URL's, or an "
+                   "input_audio part's)")
 
 
 # A manifest's ``duration`` may differ from its file's by this much (rounding, encoder

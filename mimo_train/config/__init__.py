@@ -46,6 +46,7 @@ from typing import Annotated
 import yaml
 
 from mimo_data.files import load_yaml
+from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.loading.balance import BALANCE
 from mimo_data.loading.layout import Layout, LayoutError
 from mimo_data.shards.storage import redacted
@@ -65,9 +66,8 @@ ENCODER_RECOMPUTE = ("none", "full")
 class DataConfig:
     # the preprocessing config's keys, given here by mistake: where they go
     ELSEWHERE = {      # a class attribute (no annotation): not a field
-        name: "the preprocessing config (the data.preprocess YAML), not the training config"
-        for name in ("seq_length", "tokenizer", "chat_template", "mode", "length_policy",
-                     "positions", "append_eos", "modalities", "captions", "documents")}
+        each.name: "the preprocessing config (the data.preprocess YAML), not the training "
+        "config" for each in dataclasses.fields(PreprocessConfig)}
     datasets: list[str] = field(default_factory=list)  # shard directories or URLs (s3://...)
     weights: list[float] | None = None                 # blend weights, one per dataset
     preprocess: str | None = None                      # PreprocessConfig YAML (required)
