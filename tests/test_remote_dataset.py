@@ -273,6 +273,102 @@ def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_
     assert not [n for n in objects if n.startswith(".staging") or n == "report.failed.json"]
 
 
+def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypatch):
+    """A build into a prefix another build is writing is refused (exit 1, naming the other
+    and when its claim would lapse) and touches nothing there; the first completes the same
+    dataset as alone (its claim renewed meanwhile, so never stale). A claim not renewed for
+    ``STALE_S`` (a killed build's) is taken over,
+    said; a build whose claim another took over uploads no more shards and writes no index,
+    leaving the other's claim where it is."""
+    import socket
+    import threading
+    import time
+
+    from mimo_data.shards import claim
+
+    monkeypatch.setattr(claim, "READ_BACK_S", 0.0)
+    monkeypatch.setattr(claim, "STALE_S", 1.0)     # renewed every 0.1 s: never stale while
+    monkeypatch.setattr(claim, "RENEW_S", 0.1)     # the first build lives
+    url, fs = f"s3://{BUCKET}/claimed", _fs(s3)
+    inputs = [str(CORPUS_DIR / name) for name in INPUTS]
+    options = BuildOptions(max_samples_per_shard=PER_SHARD, workers=0, progress=False)
+    real_put, uploading, go_on = storage.Remote.put, threading.Event(), threading.Event()
+
+    def put_and_wait(self, path, target):     # the first build waits after its first shard
+        real_put(self, path, target)
+        if threading.current_thread() is runner:
+            uploading.set()
+            assert go_on.wait(60), "the test never let the first build go on"
+
+    first: dict = {}
+
+    def first_build() -> None:
+        try:
+            first["index"] = build(inputs, url, options, s3.storage_options)
+        except BaseException as exc:            # said by the assertion below
+            first["error"] = exc
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "put", put_and_wait)
+        runner = threading.Thread(target=first_build)
+        runner.start()
+        try:
+            assert uploading.wait(60), f"the first build uploaded no shard: {first}"
+            time.sleep(2 * claim.STALE_S)
+            before = _objects(s3, "claimed")
+            code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
+            after = _objects(s3, "claimed")
+            token = [json.loads(files.pop(".mimo-claim"))["token"] for files in (before, after)]
+            assert after == before and token[0] == token[1]
+        finally:
+            go_on.set()
+            runner.join(120)
+    assert code == 1, err
+    assert err.startswith(f"mimo-shard build: error: {url} is being written by mimo-shard "
+                          f"build (pid {os.getpid()} on {socket.gethostname()}, started "), err
+    assert "; wait for it to end (if it was killed, its claim lapses at " in err and \
+        err.rstrip().endswith(f", {claim.STALE_S / 60:g} minutes after its last renewal), or "
+                              "choose another --output"), err
+    assert "error" not in first, first
+    done = _objects(s3, "claimed")
+    assert set(done) == set(built.files)
+    assert all(done[name] == built.files[name] for name in done
+               if name.endswith(".tar") or name == "samples.parquet")
+
+    # a killed build's claim, last renewed longer than STALE_S ago: taken over
+    fs.rm(f"{BUCKET}/claimed", recursive=True)
+    long_ago = time.time() - claim.STALE_S - 1
+    fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", claim.Claimant(
+        "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
+    code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress",
+                            "--max-samples-per-shard", PER_SHARD)
+    assert code == 0, err
+    assert err.startswith(f"mimo-shard: taking over {url} from mimo-shard build (pid 4242 on "
+                          "node-7, started "), err
+    assert set(_objects(s3, "claimed")) == set(built.files)
+
+    # a build whose claim another takes over after its first shard stops there
+    fs.rm(f"{BUCKET}/claimed", recursive=True)
+    other = claim.Claimant("other", "mimo-shard build", "node-8", 99, time.time(), time.time())
+    puts: list[str] = []
+
+    def put_then_taken_over(self, path, target):
+        puts.append(target)
+        real_put(self, path, target)
+        fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", other.encoded())
+
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "put", put_then_taken_over)
+        with pytest.raises(claim.OutputBusy, match=f"mimo-shard build \\(pid 99 on node-8, "
+                           f"started .*\\) took over {url}: .* it stopped without writing an "
+                           "index and leaves the output to the other"):
+            build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0,
+                                            progress=False), s3.storage_options)
+    left = _objects(s3, "claimed")
+    assert puts == [f"{url}/data-000000.tar"] and "index.json" not in left
+    assert left[".mimo-claim"] == other.encoded()
+
+
 # ----------------------------------------------------------------------------------- reader
 
 def test_remote_reader_gives_the_local_tars_records_and_members(s3, built):

@@ -7,14 +7,15 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import (build_dataset, file_bytes, mimo_shard_command, read_json, run_cli,
-                      shard_paths, write_jsonl)
+from conftest import (build_dataset, cli_main, file_bytes, mimo_shard_command, read_json,
+                      run_cli, shard_paths, write_jsonl)
 from support.launch import session
 
 COPIES = 30          # the corpus' LLaVA records, 30 times: ~1,200 samples, ~25 shards of 50
@@ -40,10 +41,13 @@ def big_input(tmp_path_factory, corpus) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("big") / "big.jsonl", copies)
 
 
-def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input):
+def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(capsys, tmp_path, big_input,
+                                                             corpus):
     """The build is killed once its first shard is in ``.staging``. Its last record's image is
     a named pipe until then: the build waits on it for good, so it cannot finish before the
-    kill however slowly the test gets to it; then the pipe is replaced by the image."""
+    kill however slowly the test gets to it; then the pipe is replaced by the image. A second
+    build into the output while the first runs is refused (exit 1, naming the first) and
+    leaves its files alone; the killed build's claim does not stop the rerun."""
     from mimo_data.shards.index import DatasetError, read_index
 
     records = [json.loads(line) for line in big_input.read_text().splitlines()]
@@ -66,7 +70,17 @@ def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(tmp_path, big_input
                 f"{process.stderr.read().decode()}")
             assert time.monotonic() < deadline, "no shard appeared in .staging"
             time.sleep(0.01)
+        staged = {p.name: p.stat().st_size for p in staging.iterdir()}
+        # (other inputs: a build that went ahead would not wait on the pipe)
+        code, _, err = cli_main(capsys, "build", corpus / "llava.jsonl", "-o", out,
+                                "--no-progress")
+        assert code == 1, err
+        assert err.startswith(f"mimo-shard build: error: {out} is being written by mimo-shard "
+                              f"build (pid {process.pid} on {socket.gethostname()}, started "), err
+        assert err.rstrip().endswith("; wait for it to end, or choose another --output"), err
         assert process.poll() is None, "the build finished before it could be killed"
+        after = {p.name: p.stat().st_size for p in staging.iterdir()}   # (more, as it goes on)
+        assert all(after.get(name, -1) >= size for name, size in staged.items()), (staged, after)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
         process.stderr.close()

@@ -6,6 +6,7 @@ an old dataset it was to replace (``--overwrite``) whole (``swap``). An output U
 (``s3://bucket/prefix``, any fsspec location) is built the same way: staging is a local
 temporary directory, each shard is uploaded as soon as it is complete (local disk holds one
 shard at a time), the other files follow, and ``index.json`` is the last object written.
+The output is claimed first (``claim``): one build or indexing at a time writes it.
 
 The output order, keys and bytes depend only on the inputs and options (not on
 ``--workers``): workers validate in parallel, results are consumed in task order.
@@ -22,13 +23,14 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.shards import sample_table, storage
+from mimo_data.shards import claim, sample_table, storage
 from mimo_data.shards.record_table import RecordWriter
 from mimo_data.shards.record_table import file_name as records_file_name
 from mimo_data.shards.cache import DATASET_CACHE
@@ -39,9 +41,9 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (FORMAT_NAME, FORMAT_VERSION, INDEX_FILE, REPORT_FILE,
-                                    SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts, sample_key,
-                                    summary_column)
+from mimo_data.shards.format import (CLAIM_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
+                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts,
+                                    sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
@@ -72,24 +74,26 @@ class BuildOptions:
 
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
-# what a build into a bucket writes and removes before any record is read: the bucket exists
-# and takes writes
-WRITE_CHECK = ".mimo-write-check"
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
-                       rf"|\.staging|\.mimo-cache|{re.escape(WRITE_CHECK)}|.+-\d{{6}}\.tar)$")
+                       rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|.+-\d{{6}}\.tar)$")
 
 
-def _prepare_output(output: str, overwrite: bool) -> tuple[bool, list[str]]:
-    """Make ``output`` ready for a build; return whether this call created it and the names
-    of an old dataset that stays there until the build is complete ([]: none)."""
+def _output_folder(output: str) -> bool:
+    """Make the folder ``output`` where it is missing; whether this call made it."""
     if not os.path.exists(output):
         try:
             os.makedirs(output)
         except OSError as exc:      # a file where a parent folder should be, no permission
             raise BuildError(f"cannot create --output {output}: {exc}") from None
-        return True, []
+        return True
     if not os.path.isdir(output):
         raise BuildError(f"{output} exists and is not a directory")
+    return False
+
+
+def _prepare_output(output: str, overwrite: bool) -> list[str]:
+    """Make the claimed folder ``output`` ready for a build; return the names of an old
+    dataset that stays there until the build is complete ([]: none)."""
     if os.path.exists(os.path.join(output, INDEX_FILE)) and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
                          "it or choose another --output")
@@ -97,7 +101,7 @@ def _prepare_output(output: str, overwrite: bool) -> tuple[bool, list[str]]:
     if foreign:
         raise BuildError(f"{output} contains files a build did not write ({', '.join(foreign[:5])}"
                          f"{' ...' if len(foreign) > 5 else ''}); use an empty or new directory")
-    return False, swap.clear_folder(output)
+    return swap.clear_folder(output)
 
 
 class _SamplesTable:
@@ -225,7 +229,17 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
-    created, old = _prepare_output(output, options.overwrite)
+    created = _output_folder(output)
+    try:
+        with claim.held(output, "mimo-shard build"):
+            return _build_local(inputs, output, sources, options)
+    finally:
+        if created and os.path.isdir(output) and not os.listdir(output):
+            os.rmdir(output)         # a build that failed in the folder it made
+
+
+def _build_local(inputs, output: str, sources, options: BuildOptions) -> dict:
+    old = _prepare_output(output, options.overwrite)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
@@ -234,8 +248,6 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         index, summary = _build_into(staging, inputs, sources, options)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if created and not os.listdir(output):
-            os.rmdir(output)
         if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
             raise OutputFull(swap.no_room(exc, output, old)) from None
         raise
@@ -248,10 +260,8 @@ def build(inputs: list[str], output: str, options: BuildOptions,
 
 def _prepare_remote_output(remote: storage.Remote, output: str,
                            overwrite: bool) -> list[str]:
-    """``_prepare_output`` for an output URL: the same refusals; then the bucket is written to
-    once, before any record is read (a missing bucket or read-only credentials are found at
-    once, not at the first shard). Returns the names of an old dataset that stays until the
-    build is complete ([]: none)."""
+    """``_prepare_output`` for the claimed output URL: the same refusals. Returns the names
+    of an old dataset that stays until the build is complete ([]: none)."""
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
@@ -260,31 +270,39 @@ def _prepare_remote_output(remote: storage.Remote, output: str,
     if foreign:
         raise BuildError(f"{output} holds objects a build did not write ({', '.join(foreign[:5])}"
                          f"{' ...' if len(foreign) > 5 else ''}); use an empty or new prefix")
-    check = storage.join(output, WRITE_CHECK)
-    try:
-        remote.write(check, b"")
-    except FileNotFoundError:               # S3's NoSuchBucket
-        raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
-                         "create it first, or check the URL") from None
-    remote.remove(check)
     return swap.clear_prefix(remote, output, names)
 
 
 def _build_remote(inputs, output: str, sources, options: BuildOptions,
                   remote: storage.Remote) -> dict:
+    with ExitStack() as stack:
+        # the claim is the first write: a missing bucket, read-only credentials are found
+        # before any record is read
+        try:
+            held = stack.enter_context(claim.held(output, "mimo-shard build", remote))
+        except FileNotFoundError:           # S3's NoSuchBucket
+            raise BuildError(f"cannot write to --output {output}: its bucket does not exist; "
+                             "create it first, or check the URL") from None
+        return _build_claimed_remote(inputs, output, sources, options, remote, held)
+
+
+def _build_claimed_remote(inputs, output: str, sources, options: BuildOptions,
+                          remote: storage.Remote, held: claim.Claim) -> dict:
     old = _prepare_remote_output(remote, output, options.overwrite)
     staging = tempfile.mkdtemp(prefix="mimo-build-")
     shards_to = swap.staged(output) if old else output
 
     def upload(path: str) -> None:          # a complete shard: to the bucket, off the disk
+        held.confirm()
         remote.put(path, storage.join(shards_to, os.path.basename(path)))
         os.remove(path)
 
     try:
         index, summary = _build_into(staging, inputs, sources, options, upload)
+        held.confirm()
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
-        if old:
+        if old and not held.lost:           # (the staged shards of the run that took over)
             _remove_staged(remote, output)
         if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
             raise OutputFull(

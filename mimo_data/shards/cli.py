@@ -155,9 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     # command needs
     from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
     from mimo_data.shards.storage import LocationError, StorageError
+    from mimo_data.shards.claim import OutputBusy
     try:
         return _run(args)
-    except (StrictStop, OutputFull) as exc:
+    except (StrictStop, OutputFull, OutputBusy) as exc:
         error, status = str(exc), 1
     except (BuildError, SourceError, LocationError) as exc:
         error, status = str(exc), 2

@@ -14,6 +14,7 @@ A dataset directory holds:
   what remote readers read records from), token tables per preprocessing config
   (``loading/``). Deleting it loses nothing but the time to compute them again.
 - ``index.json``: written last and atomically. No index means no dataset.
+- ``.mimo-claim``: there while a build or an indexing writes the folder (``shards/claim.py``).
 
 A dataset indexed in place (``mimo-shard index``: existing WebDataset or Energon tars, not
 rewritten) is format version 2 (``INDEXED_VERSION``): its index's ``shard_root`` (a local
@@ -185,6 +186,7 @@ REPORT_FILE = "report.json"
 FAILED_REPORT_FILE = "report.failed.json"   # a run that kept no sample, beside an old dataset
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
+CLAIM_FILE = ".mimo-claim"         # held by the run writing the folder (shards/claim.py)
 
 ROLES = ("system", "user", "assistant", "tool")
 # between two adjacent text parts of a content (the module docstring)

@@ -36,8 +36,8 @@ from tqdm import tqdm
 
 from mimo_data.files import file_sha256, parquet_batches, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.shards import cache, energon, sample_table, storage, swap
-from mimo_data.shards.format import (FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
+from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
+from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
                                     INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
                                     SAMPLES_SCHEMA, STAGING_DIR, VIDEOS_ROTATED,
                                     modality_counts, summary_column)
@@ -56,7 +56,7 @@ from mimo_data.tally import Tally
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
 EXCLUDED = "excluded_by_split_yaml"   # the report's reason for a sample split.yaml excludes
 _OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, FAILED_REPORT_FILE, STAGING_DIR,
-        cache.DATASET_CACHE}
+        cache.DATASET_CACHE, CLAIM_FILE}
 
 
 @dataclass
@@ -243,15 +243,18 @@ def default_output(sources: list[str]) -> str:
     return cache.external_directory(given, root)
 
 
-def _prepare_output(output: str, overwrite: bool) -> list[str]:
-    """Make ``output`` ready for an indexing; return the names of an old index that stays
-    there until the new one is complete ([]: none)."""
+def _output_folder(output: str) -> None:
     if os.path.exists(output) and not os.path.isdir(output):
         raise IndexInputError(f"{output} exists and is not a directory")
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as exc:          # a file where a parent folder should be, no permission
         raise IndexInputError(f"cannot create --output {output}: {exc}") from None
+
+
+def _prepare_output(output: str, overwrite: bool) -> list[str]:
+    """Make the claimed folder ``output`` ready for an indexing; return the names of an old
+    index that stays there until the new one is complete ([]: none)."""
     names = set(os.listdir(output))
     if INDEX_FILE in names and not overwrite:
         raise IndexInputError(f"{output} already holds an index; pass --overwrite to index again "
@@ -426,6 +429,13 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
+    _output_folder(output)
+    with claim.held(output, "mimo-shard index"):
+        return _index_claimed(source, output, options, storage_options)
+
+
+def _index_claimed(source: Source, output: str, options: IndexOptions,
+                   storage_options: dict | None) -> dict:
     old = _prepare_output(output, options.overwrite)
     try:
         staging = swap.staging_in(output)

@@ -314,6 +314,21 @@ class Remote:
     def write(self, url: str, data: bytes) -> None:
         retried(f"writing {url}", lambda: self.fs.pipe_file(url, data))
 
+    def create(self, url: str, data: bytes) -> bool:
+        """Write ``url`` only where nothing is there (S3's conditional write, If-None-Match);
+        whether it was written. A client without fsspec's ``mode`` writes it anyway."""
+        def call() -> bool:
+            try:
+                self.fs.pipe_file(url, data, mode="create")
+            except FileExistsError:
+                return False
+            except TypeError as exc:
+                if "mode" not in str(exc):
+                    raise
+                self.fs.pipe_file(url, data)
+            return True
+        return retried(f"writing {url}", call)
+
     def remove(self, url: str, recursive: bool = False) -> None:
         def call() -> None:
             try:

@@ -21,7 +21,8 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 
 from mimo_data.shards import storage
-from mimo_data.shards.format import FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE, STAGING_DIR
+from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
+                                     STAGING_DIR)
 
 # objects moved or removed at once in a bucket's swap (each a request or a copy by the store)
 _THREADS = 8
@@ -29,8 +30,9 @@ _THREADS = 8
 
 def clear_folder(folder: str) -> list[str]:
     """Remove what earlier runs left in ``folder`` but a complete dataset; return that
-    dataset's names ([]: none), which stay until :func:`into_folder` replaces them."""
-    names = os.listdir(folder)
+    dataset's names ([]: none), which stay until :func:`into_folder` replaces them. The
+    run's own claim stays."""
+    names = [name for name in os.listdir(folder) if name != CLAIM_FILE]
     complete = INDEX_FILE in names
     for name in names:
         if not complete or _leftover(name):
@@ -68,6 +70,7 @@ def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
 def clear_prefix(remote: storage.Remote, output: str, names: list[str]) -> list[str]:
     """:func:`clear_folder` for an output URL whose objects are ``names``; a run that keeps
     an old dataset uploads its shards under :func:`staged` until :func:`into_prefix`."""
+    names = [name for name in names if name != CLAIM_FILE]
     complete = INDEX_FILE in names
     for name in names:
         if not complete or _leftover(name):

@@ -1,0 +1,226 @@
+"""One writer per output: a build or an indexing claims its output folder or bucket prefix
+before it touches anything there, and gives it back when it ends.
+
+Two runs into one output at once (a job array, a command started on every node of a shared
+file system) would otherwise remove each other's files and both exit 0 over a broken
+dataset. The second run is refused, naming the first; the first is not disturbed.
+
+- A local folder: an exclusive ``flock`` on ``OUTPUT/CLAIM_FILE``. The kernel lets it go when
+  the process ends, however it ends, so a killed run's claim never blocks the next one.
+- A URL (object stores have no locks): the object ``CLAIM_FILE``, created only where none is
+  there (S3's conditional write, ``If-None-Match``; a store that ignores it is covered by
+  reading the claim back), renewed every ``RENEW_S`` by a thread that also checks it is still
+  this run's. A claim not renewed for ``STALE_S`` is a killed run's, and the next run takes
+  it over; a run whose claim was taken over (it was suspended that long) stops before its
+  next upload, and before its index is written, leaving the output to the other.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+from mimo_data.shards import storage
+from mimo_data.shards.format import CLAIM_FILE
+
+RENEW_S = 30.0       # a URL's claim is renewed this often
+STALE_S = 300.0      # and is a killed run's once not renewed for this long (clocks may differ)
+READ_BACK_S = 1.0    # a new claim is read back after this, to be sure no other run's replaced it
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+class OutputBusy(Exception):
+    """Another run writes into the output, or took it over from this one."""
+
+
+@dataclass(frozen=True)
+class Claimant:
+    """What a claim file says of the run holding it."""
+    token: str
+    command: str
+    host: str
+    pid: int
+    started: float
+    renewed: float
+
+    def said(self) -> str:
+        return (f"{self.command} (pid {self.pid} on {self.host}, started "
+                f"{_when(self.started)})")
+
+    def encoded(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+
+def _when(seconds: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(seconds))
+
+
+def _decoded(data: bytes) -> Claimant | None:
+    try:
+        return Claimant(**json.loads(data))
+    except (ValueError, TypeError):       # empty (a lock file not written yet) or not ours
+        return None
+
+
+def _busy(output: str, holder: Claimant | None, lapses: bool) -> OutputBusy:
+    who = holder.said() if holder else "another mimo-shard run"
+    lapse = (f" (if it was killed, its claim lapses at {_when(holder.renewed + STALE_S)}, "
+             f"{STALE_S / 60:g} minutes after its last renewal)" if lapses and holder else "")
+    return OutputBusy(f"{output} is being written by {who}; wait for it to end{lapse}, or "
+                      "choose another --output")
+
+
+class Claim:
+    """A run's hold on its output; :meth:`confirm` before each upload and before the index."""
+
+    def __init__(self, output: str, remote: storage.Remote | None, mine: Claimant):
+        self.output, self.remote, self.mine = output, remote, mine
+        self._url = storage.join(output, CLAIM_FILE)
+        self.lost = False
+        self._taken_by: Claimant | None = None
+        self._stop = threading.Event()
+        self._renewing = threading.Thread(target=self._renew, daemon=True, name="mimo-claim")
+
+    def confirm(self) -> None:
+        """OutputBusy where another run took the output over (a URL's claim only)."""
+        if self.remote is None:
+            return
+        if not self.lost:
+            holder = _read(self.remote, self._url)
+            if holder is None or holder.token != self.mine.token:
+                self.lost, self._taken_by = True, holder
+        if self.lost:
+            raise OutputBusy(
+                f"{self._taken_by.said() if self._taken_by else 'another run'} took over "
+                f"{self.output}: this run's claim was not renewed for {STALE_S / 60:g} minutes "
+                "(was it suspended?); it stopped without writing an index and leaves the "
+                "output to the other")
+
+    def _renew(self) -> None:
+        """The renewing thread of a URL's claim: until stopped or taken over."""
+        assert self.remote is not None
+        while not self._stop.wait(RENEW_S):
+            try:
+                self.confirm()
+                self.remote.write(self._url, Claimant(
+                    **{**asdict(self.mine), "renewed": time.time()}).encoded())
+            except OutputBusy:
+                return
+            except Exception:     # the store is away: the next renewal, or confirm, tells
+                continue
+
+    def take(self) -> None:
+        """Claim the URL: OutputBusy where another run holds it; then renew it until
+        :meth:`end`."""
+        assert self.remote is not None
+        remote, url, mine = self.remote, self._url, self.mine
+        if not remote.create(url, mine.encoded()):
+            holder = _read(remote, url)
+            if holder is not None and holder.token != mine.token:  # (not a retried create's)
+                if time.time() - holder.renewed < STALE_S:
+                    raise _busy(self.output, holder, lapses=True)
+                print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose "
+                      f"claim was last renewed {_when(holder.renewed)} (it was killed)",
+                      file=sys.stderr)
+            if holder is None or holder.token != mine.token:
+                remote.write(url, mine.encoded())
+        time.sleep(READ_BACK_S)
+        holder = _read(remote, url)
+        if holder is None or holder.token != mine.token:
+            raise _busy(self.output, holder, lapses=True)
+        self._renewing.start()
+
+    def end(self) -> None:
+        """Stop renewing, then remove the URL's claim where it is still this run's (a take
+        that failed midway included)."""
+        assert self.remote is not None
+        self._stop.set()
+        if self._renewing.ident is not None:
+            self._renewing.join()     # no renewal after the removal
+        if not self.lost:
+            try:
+                self.confirm()
+                self.remote.remove(self._url)
+            except (OutputBusy, OSError):   # taken over, or the store away: it lapses
+                pass
+
+
+@contextmanager
+def held(output: str, command: str, remote: storage.Remote | None = None) -> Iterator[Claim]:
+    """Claim ``output`` (a local folder that exists, or with ``remote`` a URL) for ``command``
+    while the block runs. OutputBusy where another run holds it. Writing a URL's claim is the
+    run's first write there: a missing bucket raises FileNotFoundError before anything else."""
+    now = time.time()
+    mine = Claimant(uuid.uuid4().hex, command, socket.gethostname(), os.getpid(), now, now)
+    claim = Claim(output, remote, mine)
+    if remote is None:
+        with _locked(output, mine):
+            yield claim
+        return
+    try:
+        claim.take()
+        yield claim
+    finally:
+        claim.end()
+
+
+@contextmanager
+def _locked(folder: str, mine: Claimant) -> Iterator[None]:
+    path = os.path.join(folder, CLAIM_FILE)
+    fd = _lock(folder, path)
+    if fd is None:
+        yield
+        return
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine.encoded(), 0)
+        yield
+    finally:
+        try:
+            os.remove(path)   # while locked: a run that opened it meanwhile tries again
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _lock(folder: str, path: str) -> int | None:
+    """An open descriptor of ``path``, exclusively locked; None where the file system takes
+    no locks (said)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _decoded(os.pread(fd, 4096, 0))
+            os.close(fd)
+            raise _busy(folder, holder, lapses=False) from None
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in _NO_LOCKS:
+                raise
+            print(f"mimo-shard: {folder}'s file system takes no locks ({exc.strerror}): a "
+                  "second run into it at the same time would not be refused", file=sys.stderr)
+            return None
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)          # its holder removed it between our open and our lock: again
+
+
+def _read(remote: storage.Remote, url: str) -> Claimant | None:
+    try:
+        return _decoded(remote.read(url))
+    except FileNotFoundError:
+        return None
