@@ -524,6 +524,12 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     assert code == 2 and "error" in err
     code, _, err = run(capsys, "sample", clean, "--config", configs["default"], "--key", "nope")
     assert code == 2 and "nope" in err
+    # a value of the wrong type: one line naming it, exit 2
+    fractional = write_config(tmp_path / "fractional.yaml",
+                              modalities={"image": {"merge_size": 2.5}, "audio": {}})
+    code, _, err = run(capsys, "report", clean, "--config", fractional)
+    assert code == 2 and err.strip().endswith(
+        "modalities.image.merge_size is 2.5 (float): it must be a whole number"), err
 
 
 def test_clips_cut_by_long_audio_truncate_are_counted(capsys, tmp_path, clean, configs):

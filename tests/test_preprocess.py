@@ -212,6 +212,13 @@ def test_truncate_turns_removes_whole_trailing_turns(records, plain):
     with pytest.raises(SampleDropped) as dropped:
         Preprocessor(config(seq_length=first_length), with_media=False)(record)
     assert dropped.value.reason == "too_long"
+    # too long even cut: the drop says the whole's length and its first exchange's
+    with pytest.raises(SampleDropped) as dropped:
+        Preprocessor(config(seq_length=first_length - 2, length_policy="truncate_turns"),
+                     with_media=False)(record)
+    assert dropped.value.detail == (
+        f"{full_length} tokens, above seq_length {first_length - 2} even with only its "
+        f"first turns ({first_length} tokens up to its first answer)")
 
 
 def test_a_token_cache_error_while_truncating_names_its_sample(records, monkeypatch):
@@ -835,3 +842,38 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
             PreprocessConfig.from_yaml(str(given))
         assert f"{given} {what}" in str(refused.value) and str(refused.value).endswith(
             "`mimo-train --preprocessing-for MODEL_DIR > preprocess.yaml`")
+
+
+@pytest.mark.parametrize("where, value, said", [
+    ("seq_length", "1024", "seq_length is '1024' (str): it must be a whole number"),
+    ("seq_length", 1024.0, "seq_length is 1024.0 (float): it must be a whole number"),
+    ("image.merge_size", 2.5,
+     "modalities.image.merge_size is 2.5 (float): it must be a whole number"),
+    ("image.max_pixels", "200704",
+     "modalities.image.max_pixels is '200704' (str): it must be a whole number"),
+    ("image.token", ["<|image_pad|>"],
+     "modalities.image.token is ['<|image_pad|>'] (list): it must be text"),
+    ("image.wrap", "<|vision_start|>", "modalities.image.wrap is '<|vision_start|>' (str): it "
+     "must be a list, e.g. [<|vision_start|>, ...]"),
+    ("image.crop", "false", "modalities.image.crop is 'false' (str): it must be true or false"),
+    ("tokenizer", None, "tokenizer is missing: give the model's tokenizer (a local folder or a "
+     "hub name)"),
+])
+def test_a_value_of_the_wrong_type_is_refused_naming_its_key(where, value, said):
+    """A preprocessing config's value of the wrong type is a ConfigError naming the key, never
+    a traceback from the code that uses it or token counts from a ``merge_size: 2.5``; a
+    number's text is a float (``max_duration: 1e1``), a YAML list a tuple."""
+    from mimo_data.errors import ConfigError
+    data: dict = {"tokenizer": TOKENIZER, "modalities": {"image": {}, "audio": {}}}
+    section, _, key = where.rpartition(".")
+    target = data["modalities"][section] if section else data
+    if value is None:
+        del target[key]
+    else:
+        target[key] = value
+    with pytest.raises(ConfigError) as refused:
+        PreprocessConfig.from_dict(data)
+    assert str(refused.value) == said
+    taken = PreprocessConfig.from_dict({"tokenizer": TOKENIZER, "modalities": {
+        "audio": {"max_duration": "1e1", "reductions": [2, 2]}}}).modalities["audio"]
+    assert taken.max_duration == 10.0 and taken.reductions == (2, 2)

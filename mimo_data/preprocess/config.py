@@ -51,10 +51,12 @@ tokenizer is a hub name (``HuggingFaceTB/SmolLM2-135M-Instruct``) and the templa
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import os
 import sys
+import types
+import typing
 
 import yaml
 
@@ -216,12 +218,49 @@ class PreprocessConfig:
 
 
 def _make(kind, values: dict, where: str):
+    """Dataclass ``kind`` from a section's ``values``, each of its field's type (a YAML list
+    for a tuple; a number's text, ``1e-4``, for a float): ConfigError naming the key, never a
+    traceback from the code that uses it or a wrong count from a ``merge_size: 2.5``."""
     names = {f.name for f in fields(kind)}
     unknown = set(values) - names
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
-    values = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
-    return kind(**values)
+    missing = sorted(f.name for f in fields(kind) if f.name not in values
+                     and f.default is MISSING and f.default_factory is MISSING)
+    prefix = "" if where == "preprocess" else f"{where}."
+    if missing:
+        raise ConfigError(f"{prefix}{missing[0]} is missing" + (
+            ": give the model's tokenizer (a local folder or a hub name)"
+            if missing[0] == "tokenizer" else ""))
+    hints = typing.get_type_hints(kind)
+    return kind(**{name: _typed(hints[name], value, prefix + name)
+                   for name, value in values.items()})
+
+
+_KIND_NAMES = {int: "a whole number", float: "a number", str: "text", bool: "true or false",
+               tuple: "a list", dict: "a mapping", type(None): "null"}
+
+
+def _typed(hint, value, key: str):
+    """``value`` as a field of type ``hint`` (a class, or a union of them)."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is float and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                continue
+        if option is tuple and isinstance(value, list):
+            return tuple(value)
+        if option is float and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, option) and not (isinstance(value, bool) and option is not bool):
+            return value
+    wanted = " or ".join(_KIND_NAMES.get(option, option.__name__) for option in options)
+    example = (f", e.g. [{value}, ...]" if tuple in options and isinstance(value, str)
+                   else "")
+    raise ConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
+                      f"{wanted}{example}")
 
 
 def looks_like_path(value: str, base: str = ".") -> bool:
