@@ -77,8 +77,10 @@ class MarkerExpander:
         missing = [token for token, token_id in found.items() if token_id is None]
         if missing:
             raise ConfigError(f"modalities.{modality}.wrap names {missing}, which the tokenizer "
-                              f"{tokenizer!r} does not have: use the model's own tokens "
-                              "(e.g. <|vision_start|>, <|vision_end|>)")
+                              f"{tokenizer!r} does not have: is it the model's? Give the "
+                              "checkpoint's own tokenizer (`mimo-train --preprocessing-for "
+                              "MODEL_DIR` writes the config from the checkpoint), or wrap "
+                              "tokens the tokenizer has")
         first, last = found[wrap[0]], found[wrap[1]]
         assert first is not None and last is not None
         return first, last

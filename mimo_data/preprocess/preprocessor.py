@@ -270,6 +270,7 @@ class Preprocessor:
         encoded = _dropped_if_error(encoded)
         if len(encoded.ids) <= limit:
             return encoded, messages
+        shortest = len(encoded.ids) - 1     # the shortest prefix tried, ending on an answer
         if self.config.length_policy == "truncate_turns" and messages:
             for end in range(len(messages) - 1, 0, -1):
                 if not in_loss(messages[end - 1]):      # a kept prefix ends on a trained answer
@@ -279,13 +280,15 @@ class Preprocessor:
                     [(kept, counts[:len(marker_order(kept))])])[0])
                 if len(shorter.ids) <= limit:
                     return shorter, kept
+                shortest = len(shorter.ids) - 1
         # a video's share: its placeholders, wraps and (Qwen3-VL) timestamps
         videos = sum(self.text.span(item) for item in counts if item.modality == "video")
         raise SampleDropped("too_long", f"{len(encoded.ids) - 1} tokens, above seq_length "
                             f"{self.config.seq_length}" +
                             (" (a document is never cut: split it, or raise seq_length)"
                              if kind == "document" else
-                             " even with only its first turns" if messages and
+                             f" even with only its first turns ({shortest} tokens up to its "
+                             "first answer)" if messages and
                              self.config.length_policy == "truncate_turns" else "") +
                             (f"; {videos} of them its videos': {self._video_advice()}, or "
                              "raise seq_length" if 2 * videos > self.config.seq_length else ""))
