@@ -28,9 +28,9 @@ when it is absolute, starts with ``.`` or ``~``, or exists relative to the base 
 otherwise it is kept as a hub name.
 ``check_inputs`` reports a missing input path with its key and resolved path.
 
-Warmup: ``optimizer.warmup_steps`` longer than the run is clamped to ``train.steps - 1`` (the
-cosine decay needs one step), with a one-line note, so a short smoke run (``train.steps=3``)
-needs no other override; the decay always spans ``train.steps``.
+Warmup: ``optimizer.warmup_steps`` as long as the run or longer is clamped to ``train.steps -
+1`` (the cosine decay needs one step), with a one-line note, so a short smoke run
+(``train.steps=3``) needs no other override; the decay always spans ``train.steps``.
 """
 
 from __future__ import annotations
