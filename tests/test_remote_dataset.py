@@ -6,7 +6,9 @@ bytes) that a local build of the same inputs and options writes, and ``info`` / 
 the URL agree with the local copy; a shard object with one changed byte fails ``verify``, which
 names it. A build that dies midway leaves no index.json (readers refuse the prefix), and the
 next build into the prefix leaves no object of the dead one; with --overwrite, one that dies or
-keeps no sample leaves the old dataset whole, and one that completes replaces it. ShardReader on
+keeps no sample leaves the old dataset whole, and one that completes replaces it. One build at
+a time writes a prefix: a second is refused naming the first and touches nothing, a killed
+one's stale claim is taken over, and a build whose claim is taken over stops. ShardReader on
 the URL gives the records and member bytes that ``tarfile`` reads from the local build's tars;
 its records cost no request, and a prefetch of every sample costs one GET per shard. Without the
 bucket's ``.mimo-cache/`` the records are derived from the shards. Injected 500s, resets and

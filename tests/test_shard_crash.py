@@ -106,6 +106,42 @@ def test_killed_build_leaves_no_dataset_and_a_rerun_recovers(capsys, tmp_path, b
         assert recovered[name] == reference[name], f"{name} differs from an uninterrupted build"
 
 
+def test_a_terminated_build_removes_its_files_and_gives_back_its_claim(s3, tmp_path, corpus):
+    """SIGTERM (a scheduler's cancel or time limit) unwinds a build into a bucket as Ctrl-C
+    does: exit 143, one line, its local staging removed, and its claim on the prefix given
+    back, so the next build need not wait for it to lapse. The build waits on a named pipe
+    (its record's image) until the signal comes."""
+    import fsspec
+
+    s3.make_bucket("mimo-test-crash")
+    image = tmp_path / "held.jpg"
+    os.mkfifo(image)
+    source = write_jsonl(tmp_path / "held.jsonl", [{"id": "held", "image": str(image),
+                                                    "conversations": [
+        {"from": "human", "value": "<image>\nWhat is it?"}, {"from": "gpt", "value": "A cat."}]}])
+    url, staging_root = "s3://mimo-test-crash/held", tmp_path / "tmp"
+    staging_root.mkdir()
+    fs = fsspec.filesystem("s3", **s3.storage_options)
+    deadline = time.monotonic() + 300                 # a hang guard: start-up takes seconds
+    with session([*mimo_shard_command(), "build", source, "-o", url, "--no-progress",
+                  "--workers", "0"], env={**os.environ, **s3.env(), "TMPDIR": str(staging_root)},
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as process:
+        assert process.stderr is not None
+        while not fs.exists("mimo-test-crash/held/.mimo-claim"):
+            assert process.poll() is None, process.stderr.read().decode()
+            assert time.monotonic() < deadline, "the build never claimed its output"
+            time.sleep(0.05)
+        time.sleep(0.5)                               # (on to the record: its pipe)
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(60) == 143
+        err = process.stderr.read().decode()
+        process.stderr.close()
+    assert err.strip() == ("mimo-shard build: terminated: no new index was written (under "
+                           "--overwrite the old dataset stays, unless its replacement had "
+                           "begun); run it again"), err
+    assert fs.find("mimo-test-crash/held") == [] and list(staging_root.iterdir()) == []
+
+
 def _complete_copy(source: Path, target: Path) -> Path:
     shutil.copytree(source, target)
     return target

@@ -4,16 +4,20 @@ Exit status (the same for every mimo CLI):
   0  ok
   1  a check or the data failed: verify found a problem, --strict stopped at a bad record,
      the dataset directory is incomplete or damaged, remote storage failed after retries,
-     a worker process died (killed or crashed);
-     also, quietly, when standard output's reader has gone (``| head``: mimo_data.stdout)
+     a worker process died (killed or crashed), another build or indexing is writing the
+     output; also, quietly, when standard output's reader has gone (``| head``:
+     mimo_data.stdout)
   2  usage or config error: bad arguments, an input that cannot be opened or read as given,
      an output directory in the way, no such dataset directory
+  130, 143  stopped by Ctrl-C or SIGTERM (a scheduler's cancel or time limit), its files
+     removed and its output's claim given back, as a failed run's
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 
 from mimo_data.hub import cache_only
@@ -145,10 +149,26 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, unwound as Ctrl-C is: a build's files removed, its claim given back."""
+
+
+def _terminate(signum, frame) -> None:
+    raise _Terminated
+
+
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     cache_only()
     args = _parser().parse_args(argv)
+    earlier = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return _main(args)
+    finally:
+        signal.signal(signal.SIGTERM, earlier)
+
+
+def _main(args) -> int:
     from mimo_data.worker_pool import WorkerDied
     from mimo_data.shards.index import DatasetError
     # not from build.py: its tar writer imports webdataset, and so torch, which no other
@@ -168,12 +188,13 @@ def main(argv: list[str] | None = None) -> int:
         error, status = str(exc), 1
     except WorkerDied as exc:       # the OOM killer, a crash: the work was not done
         error, status = str(exc), 1
-    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of wherever it was
-        print(f"mimo-shard {args.command}: interrupted" + (
+    except KeyboardInterrupt as stop:   # Ctrl-C: one line, not the traceback of where it was
+        terminated = isinstance(stop, _Terminated)
+        print(f"mimo-shard {args.command}: {'terminated' if terminated else 'interrupted'}" + (
             ": no new index was written (under --overwrite the old dataset stays, unless its "
             "replacement had begun); run it again" if args.command in ("build", "index")
             else ""), file=sys.stderr)
-        return 130
+        return 143 if terminated else 130
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status
 
