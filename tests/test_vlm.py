@@ -430,7 +430,13 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
       f"differ): write its own with mimo-train --preprocessing-for {VLM} > preprocess.yaml "
       "(then data.preprocess=preprocess.yaml), or mend each:\n  - the preprocessing config "
       "has positions: sequential, but", "set positions: mrope\n  - modalities.image.wrap is []"]),
-], ids=["image-token-id", "no-wrap", "two-settings"])
+    # a patch and merge size another tower has (Qwen3-VL's 16 px patches): every image's
+    # token count wrong, said before any weight is read
+    ([("patch_size: 14, merge_size: 2", "patch_size: 16, merge_size: 1")],
+     [f"modalities.image has patch_size: 16, merge_size: 1, but model.pretrained {VLM}'s "
+      "tower takes patch_size: 14, merge_size: 2, so every image's token count would be "
+      "wrong: set modalities.image.patch_size: 14, modalities.image.merge_size: 2"]),
+], ids=["image-token-id", "no-wrap", "two-settings", "patch-and-merge"])
 def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_path, change,
                                                                expected):
     """What the trainer checks in its config phase, before building anything."""

@@ -322,6 +322,9 @@ class VLM:
     # its video processor's settings that change what the tower sees (modalities.video key ->
     # value: normalization, frame sampling, timestamps), where its processor files say them
     video_inputs: tuple[tuple[str, Any], ...] = ()
+    # the modalities.image settings (key -> value) that decide an image's tokens, as its tower
+    # takes them (a video's too, through the same tower, but for the policy)
+    image_tokens_by: tuple[tuple[str, Any], ...] = ()
 
     def weights(self) -> CheckpointWeights:
         return CheckpointWeights(self.path, key="model.pretrained")
@@ -423,6 +426,8 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
                         f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
                         f"positions: set positions: {vlm.positions}")
     problems += _video_problems(vlm, preprocess, tokenizer)
+    for name in ("image", "video"):
+        problems += _token_count_problems(vlm, name, preprocess.modalities.get(name))
     image = preprocess.modalities.get("image")
     if image is None:
         return problems
@@ -445,6 +450,22 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
             f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
             f"set modalities.image.wrap: {expected}")
     return problems
+
+
+def _token_count_problems(vlm: VLM, name: str, settings) -> list[str]:
+    """``modalities.NAME`` settings that would count another number of tokens per item than
+    the checkpoint's tower emits (``VLM.image_tokens_by``), named with the value to set."""
+    if settings is None:
+        return []
+    wrong = [(key, value) for key, value in vlm.image_tokens_by
+             if hasattr(settings, key) and getattr(settings, key) != value]
+    if not wrong:
+        return []
+    return [f"modalities.{name} has {', '.join(f'{k}: {_yaml(getattr(settings, k))}' for k, _
+                                               in wrong)}, but model.pretrained {vlm.path}'s "
+            f"tower takes {', '.join(f'{k}: {_yaml(v)}' for k, v in wrong)}, so every "
+            f"{name}'s token count would be wrong: set "
+            f"{', '.join(f'modalities.{name}.{k}: {_yaml(v)}' for k, v in wrong)}"]
 
 
 def _yaml(value) -> str:

@@ -60,6 +60,9 @@ def read(config, path: str) -> VLM:
         raise TrainConfigError(f"model.pretrained {path} is a LLaVA with "
                                f"{'; '.join(problems)}, which mimo does not take")
     return VLM(path=path, family="llava", image_token_id=int(config.image_token_id),
+               image_tokens_by=(("policy", "fixed"),
+                                ("image_size", config.vision_config.image_size),
+                                ("patch_size", config.vision_config.patch_size)),
                image_wrap_ids=(), positions="sequential", encoder_kind="llava",
                vision_prefixes=VISION_PREFIXES, projection="mlp",
                projector_names=PROJECTOR_NAMES, projector_prefixes=PROJECTOR_PREFIXES,

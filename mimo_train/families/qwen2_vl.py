@@ -37,7 +37,12 @@ def read(config, path: str) -> VLM:
                positions="mrope", encoder_kind=config.model_type,
                vision_prefixes=VISION_PREFIXES, projection="none",
                video_token_id=int(config.video_token_id),
-               tokens_per_second=tokens_per_second(config))
+               tokens_per_second=tokens_per_second(config),
+               image_tokens_by=(("policy", "dynamic"),
+                                ("patch_size", config.vision_config.patch_size),
+                                ("merge_size", config.vision_config.spatial_merge_size),
+                                ("temporal_patch_size",
+                                 config.vision_config.temporal_patch_size)))
 
 
 def tokens_per_second(config) -> float | None:
