@@ -51,6 +51,10 @@ def test_yaml_and_dict_forms_equal_the_string_form(tmp_path):
     ("image=dp1", ["language"]),
     ("language=dp1;language=dp1", ["language", "twice"]),
     ("language dp1", ["NAME=FIELD"]),
+    # a field or a modality given twice, never the last one kept (cp2,cp1: no cp at all)
+    ("image=dp1,video;language=cp2,cp1", ["module 'language': cp is given twice (cp2, cp1)"]),
+    ("image=dp1,video,video;language=dp1", ["module 'image': video is given twice"]),
+    ("image=dp1,video;language=dp1,video", ["video is given to 'image' and to 'language'"]),
 ])
 def test_malformed_layouts_are_refused_with_what_to_write(text, words):
     with pytest.raises(LayoutError) as error:

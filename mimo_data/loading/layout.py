@@ -278,7 +278,8 @@ class Layout:
     @classmethod
     def from_string(cls, text: str) -> Layout:
         """``language=tp1,pp1,dp2;image=dp1,off2`` (missing fields 1, offsets in order)."""
-        modules, modalities, offset = [], {}, 0
+        modules, offset = [], 0
+        modalities: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in text.split(";"))):
             name, equals, fields_text = part.partition("=")
             name = name.strip()
@@ -286,9 +287,15 @@ class Layout:
                 raise LayoutError(f"layout part {part!r}: write NAME=FIELD,... with fields "
                                   f"tpN, cpN, ppN, dpN, epN, etpN, offN or a modality "
                                   f"({', '.join(MODALITIES)})")
-            values = {}
+            values: dict[str, int] = {}
             for item in filter(None, (f.strip() for f in fields_text.split(","))):
                 if item in MODALITIES:
+                    if item in modalities:      # a typo, never meant twice
+                        raise LayoutError(
+                            f"module {name!r}: {item} is given twice: give it once"
+                            if modalities[item] == name else
+                            f"{item} is given to {modalities[item]!r} and to {name!r}: one "
+                            "module serves it")
                     modalities[item] = name
                     continue
                 match = re.fullmatch(r"(tp|cp|pp|dp|ep|etp|off)(\d+)", item)
@@ -298,6 +305,9 @@ class Layout:
                                       "parallel), offN (rank offset) or a modality the module "
                                       f"serves ({', '.join(MODALITIES)})")
                 key = "rank_offset" if match[1] == "off" else match[1]
+                if key in values:
+                    raise LayoutError(f"module {name!r}: {match[1]} is given twice "
+                                      f"({match[1]}{values[key]}, {item}): give it once")
                 values[key] = int(match[2])
             module = ModuleLayout(name, **{"rank_offset": offset, **values})
             modules.append(module)
