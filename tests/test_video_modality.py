@@ -183,6 +183,15 @@ def test_a_clip_that_samples_no_patch_names_the_clip_or_the_settings():
                        r"modalities.video.fps = 0.5 with min_frames = 1 gives fewer than "
                        r"temporal_patch_size = 2 frames: raise fps, or min_frames to 2 or more$"):
         sample_indices(60, 24, VideoConfig(fps=0.5, min_frames=1))
+    # settings that no clip could sample a patch under: the config's error, with its values
+    from mimo_data.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"^modalities.video.max_frames is 1, below "
+                       r"temporal_patch_size \(2\): no clip could give one temporal patch of "
+                       r"frames; give max_frames >= 2$"):
+        VideoConfig(min_frames=1, max_frames=1).validate()
+    with pytest.raises(ConfigError, match=r"^modalities.video.min_frames \(10\) is above "
+                       r"max_frames \(4\): give min_frames <= max_frames$"):
+        VideoConfig(min_frames=10, max_frames=4).validate()
 
 
 def test_sampling_equals_the_processors():

@@ -71,6 +71,14 @@ class VideoConfig:
             raise ConfigError(f"modalities.video.fps is {self.fps}: it must be positive")
         if self.min_pixels > self.max_pixels:
             raise ConfigError("modalities.video.min_pixels is above max_pixels")
-        if self.temporal_patch_size < 1 or self.min_frames > self.max_frames:
-            raise ConfigError("modalities.video: temporal_patch_size must be at least 1 and "
-                              "min_frames at most max_frames")
+        if self.temporal_patch_size < 1:
+            raise ConfigError(f"modalities.video.temporal_patch_size is "
+                              f"{self.temporal_patch_size}: it must be at least 1")
+        if self.min_frames > self.max_frames:
+            raise ConfigError(f"modalities.video.min_frames ({self.min_frames}) is above "
+                              f"max_frames ({self.max_frames}): give min_frames <= max_frames")
+        if self.max_frames < self.temporal_patch_size:
+            raise ConfigError(f"modalities.video.max_frames is {self.max_frames}, below "
+                              f"temporal_patch_size ({self.temporal_patch_size}): no clip could "
+                              "give one temporal patch of frames; give max_frames >= "
+                              f"{self.temporal_patch_size}")
