@@ -21,7 +21,7 @@ def advisor(request, config, workload: dict) -> int:
     return advise(request, config, workload)
 
 
-def layout_refusal(request, config) -> str | None:
+def layout_refusal(request, config) -> tuple[str | None, bool | None]:
     from mimo_train.planning.advisor.advise import layout_refusal as refusal
     return refusal(request, config)
 

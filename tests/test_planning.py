@@ -660,6 +660,18 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                          LAYOUTS["language dp1"], main=main)
     assert code == 2 and "model.language.sequence_parallel needs the language model's tensor " \
         "parallelism" in err, err
+    # the plan drawn is the YAML's run: packed as it says without --packing, and --packing
+    # against its data.packing: false is said
+    assert config["data"]["packing"] is True
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
+                           LAYOUTS["language dp1"], main=main)
+    assert code == 0 and "this plan's packed" in out, (out, err)
+    config["data"]["packing"] = False
+    unpacked = path.parent / "unpacked.yaml"
+    unpacked.write_text(yaml.safe_dump(config))
+    code, _, err = _plan(capsys, loader_corpus, preprocess, unpacked, "--layout",
+                         LAYOUTS["language dp1"], "--packing", main=main)
+    assert code == 2 and f"--packing, but --model {unpacked} says data.packing: false" in err, err
     # a model that cannot be read: said as such, not as a refused layout
     code, _, err = _plan(capsys, loader_corpus, preprocess, MODELS / "tiny-qwen2", "--layout",
                          LAYOUTS["language dp1"], main=main)

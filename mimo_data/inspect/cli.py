@@ -167,9 +167,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--packing", action="store_true",
                    help="the loader's data.packing: each language DP rank's micro-batch packed "
                    "into sequences of seq_length (--json then lists each micro-batch's "
-                   "'sequences'); the packing efficiency is shown with and without it. The "
-                   "advisor (--gpus) with a training YAML as --model takes the YAML's "
-                   "data.packing (--packing against data.packing: false is an error)")
+                   "'sequences'); the packing efficiency is shown with and without it. With a "
+                   "training YAML as --model the plan takes the YAML's data.packing "
+                   "(--packing against data.packing: false is an error)")
     p.add_argument("--json", action="store_true",
                    help="print the loader's dry run (per-rank, per-step sample keys) as JSON; "
                    "with --gpus, the advisor's ranking")
@@ -378,10 +378,12 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
             return _needs_trainer("--model (the trainer's rules) needs")
         from mimo_data.inspect.advice import AdvisorRequest
         try:
-            reason = layout_refusal(AdvisorRequest.from_args(args), config)
+            reason, packing = layout_refusal(AdvisorRequest.from_args(args), config)
         except ValueError as error:            # the model cannot be read
             print(f"mimo-inspect plan: error: {error}", file=sys.stderr)
             return 2
+        if packing is not None:                # the run's: the plan drawn below is its
+            args.packing = packing
         if reason is not None:
             print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
                   f"for --model {args.model}: {reason}", file=sys.stderr)
@@ -434,9 +436,10 @@ def _needs_trainer(what: str) -> int:
 def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
-    why the trainer refuses ``plan --layout L --model M``'s layout, ``layout_refusal(request,
-    config) -> str | None`` (``mimo_train.inspect_cli`` passes mimo_train's; the import runs
-    one way: mimo_data never imports mimo_train)."""
+    why the trainer refuses ``plan --layout L --model M``'s layout and the model's
+    ``data.packing``, ``layout_refusal(request, config) -> (str | None, bool | None)``
+    (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
+    imports mimo_train)."""
     cache_only()
     args = _parser().parse_args(argv)
     from mimo_data.errors import ConfigError

@@ -45,12 +45,14 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
     return 0 if report["ranked"] else 1
 
 
-def layout_refusal(request: AdvisorRequest, config) -> str | None:
+def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | None]:
     """Why mimo-train refuses ``request.layout`` for ``request.model`` (``plan --layout L
-    --model M``: one layout, no ranking), or None. A training YAML: its own settings under that
+    --model M``: one layout, no ranking), or None; and the run's ``data.packing`` where the
+    model says it (None: ``--packing`` decides). A training YAML: its own settings under that
     layout, through the trainer's own resolution (``plan.resolve``, as its start-up); a model
     directory: with every setting the advisor would try refused (``candidates.refused``).
-    ValueError where the model cannot be read."""
+    ValueError where the model cannot be read, or says ``data.packing: false`` to a
+    ``--packing`` plan."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
@@ -60,11 +62,15 @@ def layout_refusal(request: AdvisorRequest, config) -> str | None:
                 f"layout={request.layout}", f"data.preprocess={os.path.abspath(request.config)}"])
         except (TrainConfigError, OSError) as error:
             raise ValueError(f"--model {request.model}: {error}") from None
+        if request.packing and not cfg.data.packing:     # the plan drawn is the run's
+            raise ValueError(f"--packing, but --model {request.model} says data.packing: false "
+                             "(the YAML's setting is the one used: drop --packing or set "
+                             "data.packing in the YAML)")
         try:
             resolve(cfg)
         except TrainConfigError as error:
-            return str(error)
-        return None
+            return str(error), cfg.data.packing
+        return None, cfg.data.packing
     layout = Layout.parse(request.layout)
     served = {m: module for m, module in layout.modalities.items() if m in config.modalities}
     try:
@@ -73,8 +79,8 @@ def layout_refusal(request: AdvisorRequest, config) -> str | None:
         raise ValueError(f"--model {request.model}: {error}") from None
     packing = model.packing if model.packing is not None else request.packing
     reason = refused(model, layout, request, packing)
-    return None if reason is None else \
-        f"{reason} (whichever recompute, optimizer and parallel settings the advisor tries)"
+    return (None if reason is None else f"{reason} (whichever recompute, optimizer and "
+            "parallel settings the advisor tries)"), model.packing
 
 
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
