@@ -163,6 +163,10 @@ def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus):
     reasons = loader.report()["samples"]["skipped_by_reason"]
     assert sum(entry["count"] for entry in reasons.values()) == dropped > 0
     loader.close()
+    packed = build_loader(sources["image"], None, layout, 0, 2, GLOBAL_BATCH, 2, 11,
+                          packing=True)
+    assert packed is not None and packed.summary() == f"{line}; packed"
+    packed.close()
     # fewer kept than a global batch: the drops are named with the error, too_long's remedy
     with pytest.raises(OrderError) as failed:
         build_loader(sources["image"], None, layout, 0, 2, 4 * len(kept) + 4, 2, 11)
@@ -439,6 +443,17 @@ def test_uneven_shards_and_blends_give_equal_step_counts(uneven, configs, datase
         assert abs(len(small) - len(served) / 2) <= GLOBAL_BATCH
         counts = [small.count(key) for key in set(small)]
         assert len(counts) == 3 and max(counts) - min(counts) <= 1
+    # training's start-up line says what an epoch draws from each dataset: all it keeps, or
+    # the weights' equal halves of the 306 (the small dataset's 3 repeated)
+    loader = build_loader(source, None, layout, 0, 4, GLOBAL_BATCH, 2, 11, decode_media=False)
+    assert loader is not None
+    drawn = "" if len(datasets) == 1 else "; an epoch draws " + (
+        "3 + 303" if weights is None else "153 + 153") + " samples of the 2 datasets (kept " \
+        "3 + 303)"
+    assert loader.summary() == f"{total} samples, {total} kept{drawn}; " \
+        f"{total // GLOBAL_BATCH} step(s) an epoch; {total % GLOBAL_BATCH} sample(s) an " \
+        "epoch left out by the remainder (drop)"
+    loader.close()
 
 
 def test_dry_run_matches_the_decoding_loader_and_is_json(sources, loader_corpus, configs,

@@ -734,14 +734,20 @@ class RankLoader:
                 "remainder_samples": self.order.remainder_samples}
 
     def summary(self) -> str:
-        """``report`` in a line: samples kept and dropped by reason, steps an epoch and the
-        remainder's samples (dropped, or repeated to fill the last step)."""
-        remainder = self.order.remainder_samples
+        """``report`` in a line: samples kept and dropped by reason, what an epoch draws from
+        each of several datasets (their blend), steps an epoch, the remainder's samples
+        (dropped, or repeated to fill the last step) and whether steps are packed."""
+        order = self.order
+        remainder = order.remainder_samples
         left = (f"; {remainder} sample(s) an epoch "
-                f"{'left out' if self.order.remainder == 'drop' else 'repeated'} by the "
-                f"remainder ({self.order.remainder})" if remainder else "")
-        return (f"{self.source.tally.summary()}; {self.steps_per_epoch} step(s) an epoch"
-                + left)
+                f"{'left out' if order.remainder == 'drop' else 'repeated'} by the "
+                f"remainder ({order.remainder})" if remainder else "")
+        kept = [d.kept_count for d in order.datasets]
+        blend = (f"; an epoch draws {' + '.join(map(str, order.quotas))} samples of the "
+                 f"{len(kept)} datasets (kept {' + '.join(map(str, kept))})"
+                 if len(kept) > 1 else "")
+        return (f"{self.source.tally.summary()}{blend}; {self.steps_per_epoch} step(s) an "
+                f"epoch{left}{'; packed' if order.packing is not None else ''}")
 
 
 def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int,
