@@ -190,18 +190,20 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
     code, _, err = cli_main(capsys, "info", "s4://team-data/x")
     assert code == 2 and "error: s4://team-data/x/index.json: no storage client knows the " \
         "scheme s4://" in err, err
-    # a folder that takes no writes (read-only, another user's): the same, before any record
-    from mimo_data.shards import swap
+    # a folder that takes no writes (read-only, another user's): the same, before any record,
+    # at its first write (the claim) or its staging folder
+    from mimo_data.shards import claim, swap
 
-    def denied(folder):
+    def denied(folder, *_):
         raise PermissionError(errno.EACCES, "Permission denied", f"{folder}/.staging")
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(swap, "staging_in", denied)
-        for args in (("build", small_input), ("index", corpus_build)):
-            code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
-            assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \
-                "[Errno 13] Permission denied" in err, err
+    for module, first_write in ((claim, "_lock"), (swap, "staging_in")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(module, first_write, denied)
+            for args in (("build", small_input), ("index", corpus_build)):
+                code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
+                assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \
+                    "[Errno 13] Permission denied" in err, err
 
 
 def test_ctrl_c_is_one_line_and_leaves_nothing(capsys, tmp_path, small_input, monkeypatch):
