@@ -337,6 +337,17 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert all(done[name] == built.files[name] for name in done
                if name.endswith(".tar") or name == "samples.parquet")
 
+    # a store that ignores the conditional write: a live claim is still looked at first
+    fs.rm(f"{BUCKET}/claimed", recursive=True)
+    live = claim.Claimant("live", "mimo-shard build", "node-6", 77, time.time(), time.time())
+    fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", live.encoded())
+    with monkeypatch.context() as patch:
+        patch.setattr(storage.Remote, "create", lambda self, u, data: (self.write(u, data),
+                                                                         True)[1])
+        code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
+    assert code == 1 and "is being written by mimo-shard build (pid 77 on node-6" in err, err
+    assert _objects(s3, "claimed") == {".mimo-claim": live.encoded()}
+
     # a killed build's claim, last renewed longer than STALE_S ago: taken over
     fs.rm(f"{BUCKET}/claimed", recursive=True)
     long_ago = time.time() - claim.STALE_S - 1
@@ -362,8 +373,9 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     with monkeypatch.context() as patch:
         patch.setattr(storage.Remote, "put", put_then_taken_over)
         with pytest.raises(claim.OutputBusy, match=f"mimo-shard build \\(pid 99 on node-8, "
-                           f"started .*\\) took over {url}: .* it stopped without writing an "
-                           "index and leaves the output to the other"):
+                           f"started .*\\) took over {url}, replacing this run's claim .* it "
+                           "stopped without writing an index and leaves the output to the "
+                           "other"):
             build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0,
                                             progress=False), s3.storage_options)
     left = _objects(s3, "claimed")

@@ -87,6 +87,7 @@ class Claim:
         self.output, self.remote, self.mine = output, remote, mine
         self._url = storage.join(output, CLAIM_FILE)
         self.lost = False
+        self._wrote = False               # (a take refused before its write removes nothing)
         self._taken_by: Claimant | None = None
         self._stop = threading.Event()
         self._renewing = threading.Thread(target=self._renew, daemon=True, name="mimo-claim")
@@ -102,9 +103,9 @@ class Claim:
         if self.lost:
             raise OutputBusy(
                 f"{self._taken_by.said() if self._taken_by else 'another run'} took over "
-                f"{self.output}: this run's claim was not renewed for {STALE_S / 60:g} minutes "
-                "(was it suspended?); it stopped without writing an index and leaves the "
-                "output to the other")
+                f"{self.output}, replacing this run's claim (a claim not renewed for "
+                f"{STALE_S / 60:g} minutes is taken over: was this run suspended?); it stopped "
+                "without writing an index and leaves the output to the other")
 
     def _renew(self) -> None:
         """The renewing thread of a URL's claim: until stopped or taken over."""
@@ -124,16 +125,20 @@ class Claim:
         :meth:`end`."""
         assert self.remote is not None
         remote, url, mine = self.remote, self._url, self.mine
-        if not remote.create(url, mine.encoded()):
-            holder = _read(remote, url)
-            if holder is not None and holder.token != mine.token:  # (not a retried create's)
-                if time.time() - holder.renewed < STALE_S:
-                    raise _busy(self.output, holder, lapses=True)
-                print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose "
-                      f"claim was last renewed {_when(holder.renewed)} (it was killed)",
-                      file=sys.stderr)
-            if holder is None or holder.token != mine.token:
+        # looked at first, and created only where none is (a store that ignores the
+        # condition writes anyway: the look is then what refuses a running build's output)
+        holder = _read(remote, url)
+        if holder is None and not remote.create(url, mine.encoded()):
+            holder = _read(remote, url)     # another's, made since the look (or ours, retried)
+            if holder is None:              # an object no mimo claim reads as: replaced
                 remote.write(url, mine.encoded())
+        if holder is not None and holder.token != mine.token:
+            if time.time() - holder.renewed < STALE_S:
+                raise _busy(self.output, holder, lapses=True)
+            print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose claim "
+                  f"was last renewed {_when(holder.renewed)} (it was killed)", file=sys.stderr)
+            remote.write(url, mine.encoded())
+        self._wrote = True
         time.sleep(READ_BACK_S)
         holder = _read(remote, url)
         if holder is None or holder.token != mine.token:
@@ -147,7 +152,7 @@ class Claim:
         self._stop.set()
         if self._renewing.ident is not None:
             self._renewing.join()     # no renewal after the removal
-        if not self.lost:
+        if self._wrote and not self.lost:
             try:
                 self.confirm()
                 self.remote.remove(self._url)

@@ -181,6 +181,12 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
     raise AssertionError("unreachable")
 
 
+def _error_code(exc: BaseException | None) -> str | None:
+    """The S3 error code of a botocore ClientError (None for anything else)."""
+    response = getattr(exc, "response", None)
+    return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+
+
 class Remote:
     """The fsspec filesystem of one remote location, made on first use in each process
     (fsspec's async clients do not survive ``fork``; DataLoader workers make their own)."""
@@ -316,14 +322,20 @@ class Remote:
 
     def create(self, url: str, data: bytes) -> bool:
         """Write ``url`` only where nothing is there (S3's conditional write, If-None-Match);
-        whether it was written. A client without fsspec's ``mode`` writes it anyway."""
+        whether it was written. A client without fsspec's ``mode`` (an s3fs or botocore
+        older than conditional writes) writes it anyway: the caller looks first."""
         def call() -> bool:
             try:
                 self.fs.pipe_file(url, data, mode="create")
             except FileExistsError:
                 return False
-            except TypeError as exc:
-                if "mode" not in str(exc):
+            except OSError as exc:      # a 412 without the Condition s3fs reads it by
+                if _error_code(exc.__cause__) == "PreconditionFailed":
+                    return False
+                raise
+            except Exception as exc:
+                if not ((isinstance(exc, TypeError) and "mode" in str(exc)) or
+                        type(exc).__name__ == "ParamValidationError"):
                     raise
                 self.fs.pipe_file(url, data)
             return True
