@@ -456,6 +456,33 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
         assert fragment in str(error.value)
 
 
+def test_an_image_tower_given_in_place_of_the_checkpoints_takes_its_own_geometry(vlm_data,
+                                                                                 tmp_path):
+    """A whole VLM's language model with another image tower (``model.encoders.image
+    .pretrained``, SigLIP's fixed 224 px images): the token counts are that tower's, so the
+    checkpoint's own tower's geometry is not asked of them (its image token and wrap still
+    are); the same config against the VLM's own tower is refused."""
+    from mimo_data.preprocess.chat_tokens import load_tokenizer
+    from mimo_train.families.base import check_preprocessing
+    _, preprocess, _ = vlm_data
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(preprocess.read_text().replace(
+        "policy: dynamic, patch_size: 14, merge_size: 2, temporal_patch_size: 2,",
+        "policy: fixed, image_size: 224, patch_size: 14,").replace(
+        f"min_pixels: {MIN_PIXELS}, max_pixels: {MAX_PIXELS}", "crop: false"))
+    siglip = REPO / "assets" / "models" / "tiny-siglip-vision"
+    common = ["data.datasets=[unused]", "layout=language=dp1;image=dp1", f"model.pretrained={VLM}",
+              f"data.preprocess={fixed}"]
+    plan = resolve(TrainConfig.load(None, [*common, f"model.encoders.image.pretrained={siglip}",
+                                           "model.encoders.image.projection=linear"]))
+    assert plan.vlm_tower_serves == ()
+    check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess),
+                        plan.vlm_tower_serves)
+    with pytest.raises(TrainConfigError, match="modalities.image has policy: fixed, but "
+                       f"model.pretrained {VLM}'s tower takes policy: dynamic"):
+        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess))
+
+
 def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.chat_tokens import TextEncoder

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -371,13 +371,16 @@ def _first_prefix(weights: CheckpointWeights, prefixes: Iterable[str]) -> str:
                            f"{prefixes}: not a checkpoint of the family its config names")
 
 
-def check_preprocessing(vlm: VLM, preprocess, tokenizer) -> None:
+def check_preprocessing(vlm: VLM, preprocess, tokenizer,
+                        tower_serves: Collection[str] = ("image", "video")) -> None:
     """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
     image as the checkpoint expects it: its image token, between its start and end tokens,
-    with the positions its language model takes. Where it does not because its tokenizer is
-    another model's, the error says that, not which token to change; where several settings
-    differ (another family's config), it names them all, after how to write the right one."""
-    problems = _preprocessing_problems(vlm, preprocess, tokenizer)
+    with the positions its language model takes, and each item of the modalities its tower
+    encodes (``tower_serves``) in as many tokens as the tower emits. Where it does not because
+    its tokenizer is another model's, the error says that, not which token to change; where
+    several settings differ (another family's config), it names them all, after how to write
+    the right one."""
+    problems = _preprocessing_problems(vlm, preprocess, tokenizer, tower_serves)
     if not problems:
         return
     foreign = foreign_tokenizer(vlm, preprocess, tokenizer)
@@ -418,7 +421,8 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
     return None
 
 
-def _preprocessing_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
+def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
+                            tower_serves: Collection[str]) -> list[str]:
     """What in the preprocessing differs from what ``vlm`` takes, each with what to set."""
     problems = []
     if preprocess.positions != vlm.positions:
@@ -426,7 +430,7 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
                         f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
                         f"positions: set positions: {vlm.positions}")
     problems += _video_problems(vlm, preprocess, tokenizer)
-    for name in ("image", "video"):
+    for name in tower_serves:
         problems += _token_count_problems(vlm, name, preprocess.modalities.get(name))
     image = preprocess.modalities.get("image")
     if image is None:

@@ -74,6 +74,15 @@ class RunPlan:
                      shared_expert_mlp=arch.shared_expert_ffn_hidden_size if arch else 0)
 
     @property
+    def vlm_tower_serves(self) -> tuple[str, ...]:
+        """The modalities that model.pretrained's own tower encodes (not another encoder
+        given in its place)."""
+        if self.vlm is None:
+            return ()
+        return tuple(modality for e in self.encoders.values()
+                     if e.spec.pretrained == self.vlm.path for modality in (e.modality, *e.also))
+
+    @property
     def settings(self) -> Settings:
         """What the rules read of the run's settings."""
         return Settings(self.language.recompute, self.language.sequence_parallel,

@@ -215,7 +215,8 @@ class Trainer:
         text = TextEncoder(self.preprocess)
         vocabulary = self.plan.language.vocabulary(text.vocab_size)
         if self.plan.vlm is not None:
-            check_preprocessing(self.plan.vlm, self.preprocess, text.tokenizer)
+            check_preprocessing(self.plan.vlm, self.preprocess, text.tokenizer,
+                                self.plan.vlm_tower_serves)
         return text, vocabulary
 
     def _build_model(self, text) -> None:
