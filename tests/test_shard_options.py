@@ -192,14 +192,23 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
         "scheme s4://" in err, err
     # a folder that takes no writes (read-only, another user's): the same, before any record,
     # at its first write (the claim) or its staging folder
-    from mimo_data.shards import claim, swap
+    from mimo_data.shards import swap
+    from mimo_data.shards.format import CLAIM_FILE
 
     def denied(folder, *_):
         raise PermissionError(errno.EACCES, "Permission denied", f"{folder}/.staging")
 
-    for module, first_write in ((claim, "_lock"), (swap, "staging_in")):
+    real_open = os.open
+
+    def claim_denied(path, *args, **kwargs):
+        if str(path).endswith(CLAIM_FILE):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, *args, **kwargs)
+
+    for module, first_write, refusal in ((os, "open", claim_denied),
+                                         (swap, "staging_in", denied)):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(module, first_write, denied)
+            patch.setattr(module, first_write, refusal)
             for args in (("build", small_input), ("index", corpus_build)):
                 code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
                 assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \

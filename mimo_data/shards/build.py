@@ -231,11 +231,7 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     output = storage.local_path(output)
     created = _output_folder(output)
     try:
-        with ExitStack() as stack:
-            try:
-                stack.enter_context(claim.held(output, "mimo-shard build"))
-            except OSError as exc:      # a read-only folder, no permission
-                raise BuildError(f"cannot write into --output {output}: {exc}") from None
+        with claim.held(output, "mimo-shard build"):
             return _build_local(inputs, output, sources, options)
     finally:
         if created and os.path.isdir(output) and not os.listdir(output):

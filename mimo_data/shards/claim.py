@@ -43,6 +43,10 @@ class OutputBusy(Exception):
     """Another run writes into the output, or took it over from this one."""
 
 
+class OutputUnwritable(Exception):
+    """The output folder takes no claim: it takes no writes (read-only, no permission)."""
+
+
 @dataclass(frozen=True)
 class Claimant:
     """What a claim file says of the run holding it."""
@@ -202,7 +206,10 @@ def _lock(folder: str, path: str) -> int | None:
     """An open descriptor of ``path``, exclusively locked; None where the file system takes
     no locks (said)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise OutputUnwritable(f"cannot write into --output {folder}: {exc}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -213,6 +220,8 @@ def _lock(folder: str, path: str) -> int | None:
             os.close(fd)
             if exc.errno not in _NO_LOCKS:
                 raise
+            if not os.path.getsize(path):    # (made just now: not left in the dataset)
+                os.remove(path)
             print(f"mimo-shard: {folder}'s file system takes no locks ({exc.strerror}): a "
                   "second run into it at the same time would not be refused", file=sys.stderr)
             return None

@@ -175,12 +175,12 @@ def _main(args) -> int:
     # command needs
     from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
     from mimo_data.shards.storage import LocationError, StorageError
-    from mimo_data.shards.claim import OutputBusy
+    from mimo_data.shards.claim import OutputBusy, OutputUnwritable
     try:
         return _run(args)
     except (StrictStop, OutputFull, OutputBusy) as exc:
         error, status = str(exc), 1
-    except (BuildError, SourceError, LocationError) as exc:
+    except (BuildError, SourceError, LocationError, OutputUnwritable) as exc:
         error, status = str(exc), 2
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         error, status = str(exc), 2 if exc.missing else 1

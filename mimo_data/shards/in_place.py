@@ -25,7 +25,6 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -431,11 +430,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
         raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
     _output_folder(output)
-    with ExitStack() as stack:
-        try:
-            stack.enter_context(claim.held(output, "mimo-shard index"))
-        except OSError as exc:      # a read-only folder, no permission
-            raise IndexInputError(f"cannot write into --output {output}: {exc}") from None
+    with claim.held(output, "mimo-shard index"):
         return _index_claimed(source, output, options, storage_options)
 
 

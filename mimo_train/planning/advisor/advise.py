@@ -30,10 +30,8 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
         print(f"mimo-inspect plan: error: --model {request.model}: {error}", file=sys.stderr)
         return 2
     if model.packing is not None:       # a training YAML: its data.packing is the run's
-        if request.packing and not model.packing:
-            print(f"mimo-inspect plan: error: --packing, but --model {request.model} says "
-                  "data.packing: false (the YAML's setting is the one used: drop --packing or "
-                  "set data.packing in the YAML)", file=sys.stderr)
+        if conflict := _packing_conflict(request, model.packing):
+            print(f"mimo-inspect plan: error: {conflict}", file=sys.stderr)
             return 2
         workload = {**workload, "packing": model.packing}
     report = run_advisor(model, workload, request, variable_token_modalities(config),
@@ -43,6 +41,13 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
     else:
         print(format_report(report))
     return 0 if report["ranked"] else 1
+
+
+def _packing_conflict(request: AdvisorRequest, packing: bool) -> str | None:
+    """What to say where ``--packing`` meets a training YAML's ``data.packing: false``."""
+    return (f"--packing, but --model {request.model} says data.packing: false (the YAML's "
+            "setting is the one used: drop --packing or set data.packing in the YAML)"
+            if request.packing and not packing else None)
 
 
 def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | None]:
@@ -62,10 +67,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
                 f"layout={request.layout}", f"data.preprocess={os.path.abspath(request.config)}"])
         except (TrainConfigError, OSError) as error:
             raise ValueError(f"--model {request.model}: {error}") from None
-        if request.packing and not cfg.data.packing:     # the plan drawn is the run's
-            raise ValueError(f"--packing, but --model {request.model} says data.packing: false "
-                             "(the YAML's setting is the one used: drop --packing or set "
-                             "data.packing in the YAML)")
+        if conflict := _packing_conflict(request, cfg.data.packing):  # the plan is the run's
+            raise ValueError(conflict)
         try:
             resolve(cfg)
         except TrainConfigError as error:
