@@ -846,7 +846,10 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
 
 @pytest.mark.parametrize("where, value, said", [
     ("seq_length", "1024", "seq_length is '1024' (str): it must be a whole number"),
-    ("seq_length", 1024.0, "seq_length is 1024.0 (float): it must be a whole number"),
+    ("seq_length", 1024.0,
+     "seq_length is 1024.0 (float): it must be a whole number (write 1024)"),
+    ("audio.max_duration", "nan", "modalities.audio.max_duration is 'nan' (str): it must be a "
+     "number"),
     ("image.merge_size", 2.5,
      "modalities.image.merge_size is 2.5 (float): it must be a whole number"),
     ("image.max_pixels", "200704",
@@ -874,6 +877,8 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_key(where, value, said)
     with pytest.raises(ConfigError) as refused:
         PreprocessConfig.from_dict(data)
     assert str(refused.value) == said
-    taken = PreprocessConfig.from_dict({"tokenizer": TOKENIZER, "modalities": {
-        "audio": {"max_duration": "1e1", "reductions": [2, 2]}}}).modalities["audio"]
-    assert taken.max_duration == 10.0 and taken.reductions == (2, 2)
+    taken = PreprocessConfig.from_dict({"tokenizer": TOKENIZER, "captions": None, "modalities": {
+        "audio": {"max_duration": "1e1", "reductions": [2, 2], "wrap": None}}})
+    audio = taken.modalities["audio"]       # (a section's key alone: its defaults)
+    assert audio.max_duration == 10.0 and audio.reductions == (2, 2) and audio.wrap == ()
+    assert taken.captions == PreprocessConfig(TOKENIZER).captions

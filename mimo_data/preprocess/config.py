@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
+import math
 import os
 import sys
 import types
@@ -185,7 +186,9 @@ class PreprocessConfig:
                 if key == "captions" and isinstance(values.get("prompts"), dict):
                     values["prompts"] = {**DEFAULT_CAPTION_PROMPTS, **values["prompts"]}
                 data[key] = _make(kind, values, key)
-            elif values is not None and not isinstance(values, kind):
+            elif values is None:            # the key alone (its settings commented out)
+                data.pop(key, None)
+            elif not isinstance(values, kind):
                 raise ConfigError(f"{key} is {values!r}: give a mapping of its settings")
         config = _make(cls, data, "preprocess")
         return replace(config, modalities=modalities) if given else config
@@ -242,23 +245,29 @@ _KIND_NAMES = {int: "a whole number", float: "a number", str: "text", bool: "tru
 
 
 def _typed(hint, value, key: str):
-    """``value`` as a field of type ``hint`` (a class, or a union of them)."""
+    """``value`` as a field of type ``hint`` (a class, or a union of them); a list's ``null``
+    is an empty one (``wrap: null``: no wrap)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:
         if option is float and isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 continue
+            if math.isfinite(number):
+                return number
         if option is tuple and isinstance(value, list):
             return tuple(value)
+        if option is tuple and value is None:
+            return ()
         if option is float and isinstance(value, int) and not isinstance(value, bool):
             return value
         if isinstance(value, option) and not (isinstance(value, bool) and option is not bool):
             return value
     wanted = " or ".join(_KIND_NAMES.get(option, option.__name__) for option in options)
-    example = (f", e.g. [{value}, ...]" if tuple in options and isinstance(value, str)
-                   else "")
+    example = (f", e.g. [{value}, ...]" if tuple in options and isinstance(value, str) else
+               f" (write {int(value)})" if int in options and isinstance(value, float) and
+               value.is_integer() else "")
     raise ConfigError(f"{key} is {value!r} ({type(value).__name__}): it must be "
                       f"{wanted}{example}")
 
