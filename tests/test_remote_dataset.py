@@ -279,9 +279,9 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     """A build into a prefix another build is writing is refused (exit 1, naming the other
     and when its claim would lapse) and touches nothing there; the first completes the same
     dataset as alone (its claim renewed meanwhile, so never stale). A claim not renewed for
-    ``STALE_S`` (a killed build's) is taken over,
-    said; a build whose claim another took over uploads no more shards and writes no index,
-    leaving the other's claim where it is."""
+    ``STALE_S`` by the store's clock (a killed build's) is taken over, said; one whose writer's
+    clock is behind is not. A build whose claim another took over uploads no more shards and
+    writes no index, leaving the other's claim where it is."""
     import socket
     import threading
     import time
@@ -289,8 +289,10 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     from mimo_data.shards import claim
 
     monkeypatch.setattr(claim, "READ_BACK_S", 0.0)
-    monkeypatch.setattr(claim, "STALE_S", 1.0)     # renewed every 0.1 s: never stale while
-    monkeypatch.setattr(claim, "RENEW_S", 0.1)     # the first build lives
+    # renewed every 0.1 s: never stale while the first build lives (the store's clock says
+    # seconds: S3's LastModified)
+    monkeypatch.setattr(claim, "STALE_S", 2.5)
+    monkeypatch.setattr(claim, "RENEW_S", 0.1)
     url, fs = f"s3://{BUCKET}/claimed", _fs(s3)
     inputs = [str(CORPUS_DIR / name) for name in INPUTS]
     options = BuildOptions(max_samples_per_shard=PER_SHARD, workers=0, progress=False)
@@ -316,7 +318,7 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
         runner.start()
         try:
             assert uploading.wait(60), f"the first build uploaded no shard: {first}"
-            time.sleep(2 * claim.STALE_S)
+            time.sleep(claim.STALE_S + 0.5)
             before = _objects(s3, "claimed")
             code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
             after = _objects(s3, "claimed")
@@ -328,7 +330,7 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert code == 1, err
     assert err.startswith(f"mimo-shard build: error: {url} is being written by mimo-shard "
                           f"build (pid {os.getpid()} on {socket.gethostname()}, started "), err
-    assert "; wait for it to end (if it was killed, its claim lapses at " in err and \
+    assert "; wait for it to end (if it was killed, its claim lapses in 1 minute(s)" in err and \
         err.rstrip().endswith(f", {claim.STALE_S / 60:g} minutes after its last renewal), or "
                               "choose another --output"), err
     assert "error" not in first, first
@@ -348,11 +350,15 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert code == 1 and "is being written by mimo-shard build (pid 77 on node-6" in err, err
     assert _objects(s3, "claimed") == {".mimo-claim": live.encoded()}
 
-    # a killed build's claim, last renewed longer than STALE_S ago: taken over
+    # a claim whose writer's clock is behind (it says long ago; the store, just now): refused;
+    # once not renewed for STALE_S by the store's clock (a killed build's): taken over
     fs.rm(f"{BUCKET}/claimed", recursive=True)
-    long_ago = time.time() - claim.STALE_S - 1
+    long_ago = time.time() - claim.STALE_S - 60
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", claim.Claimant(
         "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
+    code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
+    assert code == 1 and "is being written by mimo-shard build (pid 4242 on node-7" in err, err
+    time.sleep(claim.STALE_S + 1)
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress",
                             "--max-samples-per-shard", PER_SHARD)
     assert code == 0, err

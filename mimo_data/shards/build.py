@@ -75,7 +75,8 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
-                       rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|.+-\d{{6}}\.tar)$")
+                       rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}(\.now-[0-9a-f]+)?"
+                       r"|.+-\d{6}\.tar)$")
 
 
 def _output_folder(output: str) -> bool:
@@ -314,6 +315,7 @@ def _build_claimed_remote(inputs, output: str, sources, options: BuildOptions,
     try:
         report = swap.into_prefix(remote, output, staging, index, old)
         if index["totals"]["samples"]:
+            held.confirm()                  # (a long swap: still this run's output)
             remote.write(storage.join(output, INDEX_FILE), dumps(index))
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -7,12 +7,13 @@ dataset. The second run is refused, naming the first; the first is not disturbed
 
 - A local folder: an exclusive ``flock`` on ``OUTPUT/CLAIM_FILE``. The kernel lets it go when
   the process ends, however it ends, so a killed run's claim never blocks the next one.
-- A URL (object stores have no locks): the object ``CLAIM_FILE``, created only where none is
-  there (S3's conditional write, ``If-None-Match``; a store that ignores it is covered by
-  reading the claim back), renewed every ``RENEW_S`` by a thread that also checks it is still
-  this run's. A claim not renewed for ``STALE_S`` is a killed run's, and the next run takes
-  it over; a run whose claim was taken over (it was suspended that long) stops before its
-  next upload, and before its index is written, leaving the output to the other.
+- A URL (object stores have no locks): the object ``CLAIM_FILE``, looked at first, then
+  created only where none is there (S3's conditional write, ``If-None-Match``) and read back,
+  renewed every ``RENEW_S`` by a thread that also checks it is still this run's. A claim not
+  renewed for ``STALE_S`` (by the store's clock: hosts' clocks may differ) is a killed run's,
+  and the next run takes it over; a run whose claim was taken over (it was suspended that
+  long) stops before its next upload, and before its index is written, leaving the output
+  to the other.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import CLAIM_FILE
 
 RENEW_S = 30.0       # a URL's claim is renewed this often
-STALE_S = 300.0      # and is a killed run's once not renewed for this long (clocks may differ)
+STALE_S = 300.0      # and is a killed run's once not renewed for this long
 READ_BACK_S = 1.0    # a new claim is read back after this, to be sure no other run's replaced it
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 
@@ -76,10 +77,14 @@ def _decoded(data: bytes) -> Claimant | None:
         return None
 
 
-def _busy(output: str, holder: Claimant | None, lapses: bool) -> OutputBusy:
+def _busy(output: str, holder: Claimant | None, lapses_in: float | None = None
+          ) -> OutputBusy:
+    """``output`` held by ``holder``; ``lapses_in``: seconds until a URL's claim lapses
+    where it is not renewed (a killed run's)."""
     who = holder.said() if holder else "another mimo-shard run"
-    lapse = (f" (if it was killed, its claim lapses at {_when(holder.renewed + STALE_S)}, "
-             f"{STALE_S / 60:g} minutes after its last renewal)" if lapses and holder else "")
+    lapse = (f" (if it was killed, its claim lapses in {max(1, round(lapses_in / 60))} "
+             f"minute(s), {STALE_S / 60:g} minutes after its last renewal)"
+             if lapses_in is not None and holder else "")
     return OutputBusy(f"{output} is being written by {who}; wait for it to end{lapse}, or "
                       "choose another --output")
 
@@ -137,17 +142,35 @@ class Claim:
             if holder is None:              # an object no mimo claim reads as: replaced
                 remote.write(url, mine.encoded())
         if holder is not None and holder.token != mine.token:
-            if time.time() - holder.renewed < STALE_S:
-                raise _busy(self.output, holder, lapses=True)
+            age = self._age(holder)
+            if age < STALE_S:
+                raise _busy(self.output, holder, lapses_in=STALE_S - age)
             print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose claim "
-                  f"was last renewed {_when(holder.renewed)} (it was killed)", file=sys.stderr)
+                  f"was last renewed {f'{age:.0f} s' if age < 120 else f'{age / 60:.0f} minutes'}"
+                  " ago (it was killed)",
+                  file=sys.stderr)
             remote.write(url, mine.encoded())
         self._wrote = True
         time.sleep(READ_BACK_S)
         holder = _read(remote, url)
         if holder is None or holder.token != mine.token:
-            raise _busy(self.output, holder, lapses=True)
+            raise _busy(self.output, holder, lapses_in=STALE_S)
         self._renewing.start()
+
+    def _age(self, holder: Claimant) -> float:
+        """Seconds since ``holder`` last renewed its claim: by the store's clock where the
+        store says when objects were written (the claim's and a probe's written now: hosts'
+        clocks may differ by more than ``STALE_S``), else by the holder's and this host's."""
+        assert self.remote is not None
+        probe = f"{self._url}.now-{self.mine.token}"
+        try:
+            self.remote.write(probe, b"")
+            now, then = self.remote.modified(probe), self.remote.modified(self._url)
+        finally:
+            self.remote.remove(probe)
+        if now is None or then is None:
+            return time.time() - holder.renewed
+        return now - then
 
     def end(self) -> None:
         """Stop renewing, then remove the URL's claim where it is still this run's (a take
@@ -215,7 +238,7 @@ def _lock(folder: str, path: str) -> int | None:
         except BlockingIOError:
             holder = _decoded(os.pread(fd, 4096, 0))
             os.close(fd)
-            raise _busy(folder, holder, lapses=False) from None
+            raise _busy(folder, holder) from None
         except OSError as exc:
             os.close(fd)
             if exc.errno not in _NO_LOCKS:
