@@ -27,6 +27,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import forkserver
 from typing import Any
 
 _NAMED = 4          # items in flight a WorkerDied message names (first ones and the last)
@@ -58,6 +59,22 @@ def _start(environ: dict[str, str], initializer: Callable | None, initargs: tupl
     threading.Thread(target=_exit_with_parent, daemon=True).start()
     if initializer is not None:
         initializer(*initargs)
+
+
+def _forkserver_deaf_to_ctrl_c() -> None:
+    """Start the forkserver (once a process) with SIGINT ignored, which it keeps: a signal
+    ignored stays ignored through exec, and Python then sets no handler of its own. Ctrl-C at
+    a terminal reaches the whole process group, and a forkserver still importing its preload
+    printed a KeyboardInterrupt traceback under the caller's one line (once its imports are
+    done it ignores SIGINT itself)."""
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()     # (signal handlers are the main thread's to set)
+        return
+    earlier = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, earlier)
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -132,6 +149,7 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     # read only when the forkserver starts (once a process): later calls' modules import in
     # the workers instead, which the first one's imports mostly covered
     context.set_forkserver_preload([func.__module__])
+    _forkserver_deaf_to_ctrl_c()
     items = iter(items)
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                initargs=(dict(os.environ), initializer, initargs))

@@ -146,3 +146,63 @@ def test_pool_workers_see_the_callers_environment_and_folder(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert list(ordered_map(_seen, ["MIMO_TEST_SEEN"], workers=1, window=1)) == [
         ("later", str(tmp_path))]
+
+
+_SLOW_IMPORT = '''
+import os, time
+if os.getpid() != int(os.environ["CALLER"]):        # the forkserver, importing this now
+    open(os.environ["IMPORTING"], "w").close()
+    while not os.path.exists(os.environ["GO_ON"]):
+        time.sleep(0.01)
+
+
+def double(x):
+    return 2 * x
+'''
+
+_CALLER = '''
+import os, sys
+os.environ["CALLER"] = str(os.getpid())
+from mimo_data.worker_pool import ordered_map
+import slow_import
+try:
+    print(list(ordered_map(slow_import.double, range(3), 1, 2)))
+except KeyboardInterrupt:
+    sys.stderr.write("interrupted\\n")
+'''
+
+
+def test_ctrl_c_while_the_forkserver_imports_is_the_callers_alone(tmp_path):
+    """Ctrl-C at a terminal signals the whole process group: the forkserver, still importing
+    the workers' module, ignores it (it printed a KeyboardInterrupt traceback under the
+    caller's one line); the caller stops as it chooses. The module's import waits until the
+    caller has ended."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    (tmp_path / "slow_import.py").write_text(_SLOW_IMPORT)
+    importing, go_on = tmp_path / "importing", tmp_path / "go-on"
+    repo = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "IMPORTING": str(importing), "GO_ON": str(go_on),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(repo)])}
+    process = subprocess.Popen([sys.executable, "-c", _CALLER], cwd=tmp_path, env=env,
+                               start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not importing.exists():
+            assert process.poll() is None, process.communicate()
+            assert time.monotonic() < deadline, "the forkserver never imported the module"
+            time.sleep(0.01)
+        os.killpg(process.pid, signal.SIGINT)
+        process.wait(120)           # (its import outlasts the caller, as torch's does a build)
+        go_on.touch()
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    # (a fork request the forkserver serves once its import is done may still fail to find
+    # the ended caller's semaphores: that traceback is another's)
+    assert err.startswith("interrupted\n") and "KeyboardInterrupt" not in err, err
