@@ -283,6 +283,7 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     clock is behind is not. A build whose claim another took over uploads no more shards and
     writes no index, leaving the other's claim where it is."""
     import socket
+    import subprocess
     import threading
     import time
 
@@ -330,9 +331,9 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert code == 1, err
     assert err.startswith(f"mimo-shard build: error: {url} is being written by mimo-shard "
                           f"build (pid {os.getpid()} on {socket.gethostname()}, started "), err
-    assert "; wait for it to end (if it was killed, its claim lapses in 1 minute(s)" in err and \
-        err.rstrip().endswith(f", {claim.STALE_S / 60:g} minutes after its last renewal), or "
-                              "choose another --output"), err
+    assert "; wait for it to end (if it was killed, its claim lapses in about 1 minute(s), " \
+        "at " in err and err.rstrip().endswith(" by this host's clock), or choose another "
+                                               "--output"), err
     assert "error" not in first, first
     done = _objects(s3, "claimed")
     assert set(done) == set(built.files)
@@ -350,20 +351,30 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert code == 1 and "is being written by mimo-shard build (pid 77 on node-6" in err, err
     assert _objects(s3, "claimed") == {".mimo-claim": live.encoded()}
 
-    # a claim whose writer's clock is behind (it says long ago; the store, just now): refused;
-    # once not renewed for STALE_S by the store's clock (a killed build's): taken over
+    # a claim whose writer's clock is behind (it says long ago; the store, just now): refused,
+    # said killed where its pid is this host's and gone; once not renewed for STALE_S by the
+    # store's clock: taken over
     fs.rm(f"{BUCKET}/claimed", recursive=True)
     long_ago = time.time() - claim.STALE_S - 60
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", claim.Claimant(
         "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and "is being written by mimo-shard build (pid 4242 on node-7" in err, err
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    here = claim.Claimant("here", "mimo-shard build", socket.gethostname(), ended.pid,
+                          time.time(), time.time())
+    fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", here.encoded())
+    code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
+    assert code == 1 and f"was being written by mimo-shard build (pid {ended.pid} on " \
+        f"{socket.gethostname()}, started " in err and "which is no longer running (killed): " \
+        "its claim lapses in about 1 minute(s), at " in err, err
     time.sleep(claim.STALE_S + 1)
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress",
                             "--max-samples-per-shard", PER_SHARD)
     assert code == 0, err
-    assert err.startswith(f"mimo-shard: taking over {url} from mimo-shard build (pid 4242 on "
-                          "node-7, started "), err
+    assert err.startswith(f"mimo-shard: taking over {url} from mimo-shard build (pid "
+                          f"{ended.pid} on {socket.gethostname()}, started "), err
     assert set(_objects(s3, "claimed")) == set(built.files)
 
     # a build whose claim another takes over after its first shard stops there

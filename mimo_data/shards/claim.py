@@ -82,11 +82,27 @@ def _busy(output: str, holder: Claimant | None, lapses_in: float | None = None
     """``output`` held by ``holder``; ``lapses_in``: seconds until a URL's claim lapses
     where it is not renewed (a killed run's)."""
     who = holder.said() if holder else "another mimo-shard run"
-    lapse = (f" (if it was killed, its claim lapses in {max(1, round(lapses_in / 60))} "
-             f"minute(s), {STALE_S / 60:g} minutes after its last renewal)"
-             if lapses_in is not None and holder else "")
-    return OutputBusy(f"{output} is being written by {who}; wait for it to end{lapse}, or "
-                      "choose another --output")
+    if lapses_in is None:           # a folder's lock: gone with its holder
+        return OutputBusy(f"{output} is being written by {who}; wait for it to end, or choose "
+                          "another --output")
+    lapse = (f"its claim lapses in about {max(1, round(lapses_in / 60))} minute(s), at "
+             f"{_when(time.time() + lapses_in)} by this host's clock")
+    if holder is not None and holder.host == socket.gethostname() and not _alive(holder.pid):
+        return OutputBusy(f"{output} was being written by {who}, which is no longer running "
+                          f"(killed): {lapse}; build again then, or choose another --output")
+    return OutputBusy(f"{output} is being written by {who}; wait for it to end (if it was "
+                      f"killed, {lapse}), or choose another --output")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host is running."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:     # another user's
+        return True
+    return True
 
 
 class Claim:

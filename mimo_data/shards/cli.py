@@ -9,8 +9,9 @@ Exit status (the same for every mimo CLI):
      mimo_data.stdout)
   2  usage or config error: bad arguments, an input that cannot be opened or read as given,
      an output directory in the way, no such dataset directory
-  130, 143  stopped by Ctrl-C or SIGTERM (a scheduler's cancel or time limit), its files
-     removed and its output's claim given back, as a failed run's
+  130, 143  stopped by Ctrl-C or SIGTERM (a scheduler's cancel or time limit) as a failed
+     run stops: its local files removed (shards it uploaded, the next build removes), its
+     output's claim given back
 """
 
 from __future__ import annotations
