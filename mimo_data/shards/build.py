@@ -41,9 +41,9 @@ from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards.validate import MediaPolicy, Prepared, Rejected, prepare
 from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
-from mimo_data.shards.format import (CLAIM_FILE, FORMAT_NAME, FORMAT_VERSION, INDEX_FILE,
-                                    REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA, modality_counts,
-                                    sample_key, summary_column)
+from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMAT_VERSION,
+                                    INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
+                                    modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
@@ -75,7 +75,7 @@ class BuildOptions:
 
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
-                       rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}(\.now-[0-9a-f]+)?"
+                       rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|{re.escape(CLAIM_PROBE)}[0-9a-f]+"
                        r"|.+-\d{6}\.tar)$")
 
 

@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from mimo_data.shards import storage
-from mimo_data.shards.format import CLAIM_FILE
+from mimo_data.shards.format import CLAIM_FILE, CLAIM_PROBE
 
 RENEW_S = 30.0       # a URL's claim is renewed this often
 STALE_S = 300.0      # and is a killed run's once not renewed for this long
@@ -178,7 +178,7 @@ class Claim:
         store says when objects were written (the claim's and a probe's written now: hosts'
         clocks may differ by more than ``STALE_S``), else by the holder's and this host's."""
         assert self.remote is not None
-        probe = f"{self._url}.now-{self.mine.token}"
+        probe = storage.join(self.output, CLAIM_PROBE + self.mine.token)
         try:
             self.remote.write(probe, b"")
             now, then = self.remote.modified(probe), self.remote.modified(self._url)
