@@ -547,6 +547,21 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     code, _, err = _plan(capsys, loader_corpus, preprocess, variant, "--gpus", 4, "--packing",
                          main=main)
     assert code == 2 and "data.packing: false" in err
+    # --config other than the YAML's data.preprocess: the plan would count another
+    # preprocessing than the run's, refused in both forms before any planning
+    other = tmp / "other-preprocess.yaml"
+    changed = yaml.safe_load(preprocess.read_text())
+    changed["seq_length"] = changed.get("seq_length", 1024) // 2
+    other.write_text(yaml.safe_dump(changed))
+    for form in (("--gpus", 4), ("--layout", LAYOUTS["language dp1"])):
+        code, _, err = _plan(capsys, loader_corpus, other, variant, *form, main=main)
+        assert code == 2 and f"its data.preprocess is {preprocess}" in err and \
+            f"give --config {preprocess}" in err, err
+    # a copy (comments aside) is the same preprocessing: planned
+    other.write_text("# a copy\n" + preprocess.read_text())
+    code, _, err = _plan(capsys, loader_corpus, other, variant, "--layout",
+                         LAYOUTS["language dp1"], main=main)
+    assert code == 0, err
 
 
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):

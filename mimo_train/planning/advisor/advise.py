@@ -14,7 +14,8 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
                                                      settings_of)
 from mimo_train.planning.advisor.cost import MFU, Advisor, Candidate
-from mimo_train.planning.advisor.inputs import Model, gpu, read_model, read_work
+from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
+                                               read_work)
 from mimo_train.planning.advisor.report import format_report, result_json, why
 
 
@@ -62,6 +63,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
     if request.model.endswith((".yaml", ".yml")):
+        if differs := preprocess_differs(request.model, request.config):
+            raise ValueError(f"--model {request.model}: {differs}")
         try:
             cfg = TrainConfig.load(request.model, [
                 f"layout={request.layout}", f"data.preprocess={os.path.abspath(request.config)}"])

@@ -83,6 +83,37 @@ class Model:
         return self.dims.encoders[module].parameters()
 
 
+def preprocess_differs(path: str, preprocess_path: str) -> str | None:
+    """Why the training config YAML ``path`` would run with another preprocessing than
+    ``preprocess_path`` (its own ``data.preprocess``, a file of other contents), or None
+    (the same file or settings, or none set there). The plan's figures are ``--config``'s,
+    the run's its YAML's: two different files would plan a run that does not happen."""
+    from mimo_data.files import load_yaml
+    from mimo_train.config.sources import resolve_paths
+    try:
+        with open(path) as f:
+            data = load_yaml(f)
+    except OSError:
+        return None                 # said by the config's own loading
+    if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
+        return None
+    resolve_paths(data, os.path.dirname(os.path.abspath(path)))
+    own = data["data"].get("preprocess")
+    if not isinstance(own, str) or not os.path.isfile(own):
+        return None                 # unset, or missing: --config is what the plan can read
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.config import PreprocessConfig
+    try:
+        if os.path.samefile(own, preprocess_path) or \
+                PreprocessConfig.from_yaml(own) == PreprocessConfig.from_yaml(preprocess_path):
+            return None             # a copy, comments and order aside
+    except (OSError, ConfigError, ValueError) as error:
+        return f"its data.preprocess {own} cannot be read: {error}"
+    return (f"its data.preprocess is {own}, and --config {preprocess_path} differs from it: "
+            "the run would preprocess with its own, so the plan would count samples it does "
+            f"not train; give --config {own} (or point data.preprocess at {preprocess_path})")
+
+
 def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str, str],
                precision: str | None = None, vocab_size: int | None = None) -> Model:
     """``path``: a training config YAML, a transformers checkpoint directory or its
@@ -107,6 +138,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                  *([f"train.precision={precision or 'bf16'}"] if precision or not yaml else [])]
     split_media = False
     if yaml:
+        if differs := preprocess_differs(path, preprocess_path):
+            raise TrainConfigError(differs)
         cfg = TrainConfig.load(path, overrides)
         # the candidates' setting (the rules refuse it on this layout of the modules alone)
         split_media, cfg.data.split_media = cfg.data.split_media, False
