@@ -165,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     earlier = signal.signal(signal.SIGTERM, _terminate)
     try:
         return _main(args)
+    except KeyboardInterrupt as stop:   # Ctrl-C: one line, not the traceback of where it was
+        # (here, not in _main: a Ctrl-C while _main imports the build's modules is one too)
+        terminated = isinstance(stop, _Terminated)
+        print(f"mimo-shard {args.command}: {'terminated' if terminated else 'interrupted'}" + (
+            ": no new index was written (under --overwrite the old dataset stays, unless its "
+            "replacement had begun); run it again" if args.command in ("build", "index")
+            else ""), file=sys.stderr)
+        return 143 if terminated else 130
     finally:
         signal.signal(signal.SIGTERM, earlier)
 
@@ -189,13 +197,6 @@ def _main(args) -> int:
         error, status = str(exc), 1
     except WorkerDied as exc:       # the OOM killer, a crash: the work was not done
         error, status = str(exc), 1
-    except KeyboardInterrupt as stop:   # Ctrl-C: one line, not the traceback of where it was
-        terminated = isinstance(stop, _Terminated)
-        print(f"mimo-shard {args.command}: {'terminated' if terminated else 'interrupted'}" + (
-            ": no new index was written (under --overwrite the old dataset stays, unless its "
-            "replacement had begun); run it again" if args.command in ("build", "index")
-            else ""), file=sys.stderr)
-        return 143 if terminated else 130
     print(f"mimo-shard {args.command}: error: {error}", file=sys.stderr)
     return status
 
