@@ -30,6 +30,8 @@ from concurrent.futures.process import BrokenProcessPool
 from multiprocessing import forkserver
 from typing import Any
 
+from mimo_data import forkserver_hook
+
 _NAMED = 4          # items in flight a WorkerDied message names (first ones and the last)
 
 
@@ -148,7 +150,7 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     context = multiprocessing.get_context("forkserver")
     # read only when the forkserver starts (once a process): later calls' modules import in
     # the workers instead, which the first one's imports mostly covered
-    context.set_forkserver_preload([func.__module__])
+    context.set_forkserver_preload([func.__module__, forkserver_hook.__name__])
     _forkserver_deaf_to_ctrl_c()
     items = iter(items)
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
