@@ -641,6 +641,17 @@ def test_inspect_report_on_the_url_counts_what_the_local_copy_does(capsys, s3_en
     for field in ("kept", "dropped", "tokens", "drop_reasons", "modalities", "flagged"):
         assert remote[field] == local[field], field
     assert remote["dataset"] == built.url
+    # a shard lost from the bucket: the report, the gate before a launch, fails as the run's
+    # start-up would, its first time too (its tables not saved yet)
+    shards = sorted({shard for shard, _, _ in built.samples})
+    url = _upload(s3_env, {name: data for name, data in built.files.items()
+                           if name != shards[0]}, "report-shard-lost")
+    capsys.readouterr()
+    code = main(["report", url, "--config", str(config), "--no-progress",
+                 "--cache-dir", str(tmp_path / "lost-cache")])
+    err = capsys.readouterr().err
+    assert code == 1 and f"shard {shards[0]} missing" in err and \
+        f"mimo-shard verify {url}" in err, err
 
 
 # ----------------------------------------------------------------------------------- config

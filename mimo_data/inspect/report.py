@@ -478,12 +478,14 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     flags_path = os.path.join(os.path.dirname(tokens_path), f"report-{flags_key[:24]}.arrow")
     saved = cache.read_table(tokens_path, key)
     builder = None
+    # a shard lost or cut short fails the report as it fails the run's start-up (a stat or
+    # a listing each): the saved tables describe the shards as they were, and a bucket
+    # dataset's samples are inspected from its tables (its records' and media's metadata)
+    # without a read of its shards
+    reader.check_shards()
     if reuse and limit is None and on_stats is None and saved is not None:
         flags = cache.read_table(flags_path, flags_key)
         if flags is not None:
-            # the tables describe the shards as they were: a shard since lost or cut short
-            # fails the report as a pass over the samples would (a stat or listing each)
-            reader.check_shards()
             builder = ReportBuilder.from_tables(inspector, TokenTable(saved, modalities), flags)
     reused = builder is not None
     if builder is None:
