@@ -457,6 +457,13 @@ def case_an_image_under_a_camel_case_key(tmp_path, assets):
     return Case(record, "malformed_record", detail="names its image under 'imagePath'")
 
 
+def case_messages_not_a_list(tmp_path, assets):
+    """A number where the turns go: said as what it is, under its key (it was "missing or
+    empty")."""
+    return Case({"id": "bad", "messages": 5}, "malformed_record",
+                detail="its 'messages' holds 5 (type int), not a list of turns")
+
+
 def case_duplicate_id(tmp_path, assets):
     return Case({"id": "good-1", "conversations": chat("Same id again?", "Yes.")},
                 "duplicate_id")

@@ -342,6 +342,19 @@ def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
         i = int(record["id"].split("-")[1])
         assert record["source"] == {"file": str(path), "row": i}
         assert record["messages"][1]["content"] == f"Answer {i}."
+    # a messages column of numbers, or of one object a row: each row refused naming the
+    # column and what it holds (it was "the conversation is missing or empty")
+    for name, column in (("numbers", pa.array([1, 2])),
+                         ("objects", pa.array([{"role": "user", "content": "Hi"}] * 2))):
+        path = tmp_path / f"{name}.parquet"
+        pq.write_table(pa.table({"id": [f"{name}-0", f"{name}-1"], "messages": column}), path)
+        assert build_dataset([path], tmp_path / name)["totals"]["samples"] == 0
+        first = read_json(tmp_path / name / "report.json")["skipped_by_reason"][
+            "malformed_record"]["first"][0]
+        held = "1 (type int)" if name == "numbers" else \
+            "{'role': 'user', 'content': 'Hi'} (type dict)"
+        assert first["detail"] == f"its column 'messages' holds {held}, not a list of turns " \
+            "(role/content or from/value objects)", first
 
 
 def _manifest_lines(corpus):

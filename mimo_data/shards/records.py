@@ -93,8 +93,14 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
     cannot be encoded as UTF-8 (e.g. lone surrogates from ``\\ud800`` escapes) and calls or
     tools that are not JSON objects with a name.
     """
-    if not isinstance(turns, list) or not turns:
-        raise RecordError("malformed_record", "the conversation is missing or empty")
+    if turns is None:
+        raise RecordError("malformed_record", "the conversation is missing")
+    if not isinstance(turns, list):
+        shown = repr(turns) if len(repr(turns)) <= 60 else f"{repr(turns)[:60]}..."
+        raise RecordError("malformed_record", f"the conversation is {shown} (type "
+                          f"{type(turns).__name__}), not a list of turns")
+    if not turns:
+        raise RecordError("malformed_record", "the conversation has no turns")
     messages: list[dict] = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
