@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                    default="auto", help="format of every input (default auto: from the "
                    "file extension)")
     b.add_argument("--instruction", default="Transcribe the audio.",
-                   help="user turn for speech-manifest records")
+                   help="user turn for speech-manifest records (default: "
+                        "'Transcribe the audio.')")
     for role in ("id", "messages", "texts", "caption", *MEDIA_COLUMNS):
         b.add_argument(f"--{role}-column", help=f"Parquet column holding the {role}"
                        f"{'s' if role in MEDIA_COLUMNS else ''}"
