@@ -503,6 +503,32 @@ def test_a_value_missing_from_a_checkpoint_config_names_the_file_and_the_key():
         checkpoint_value(config, "no_such_key", path, "model.pretrained")
 
 
+def test_an_adapters_export_names_its_processor(tmp_path):
+    """An adapters folder has no config.json: with a base whose image processor's file does
+    not name the processor (the set-up's tiny Qwen2-VL, saved as an image processor alone),
+    ``AutoProcessor`` on it gave the tokenizer alone. The export names the class from the
+    base's model type; a base that names it (the hub's) is copied as it is."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from mimo_train.hf.export import _name_processor
+    tiny = MODELS / "tiny-qwen2-vl"
+    assert "processor_class" not in json.loads((tiny / "preprocessor_config.json").read_text())
+    out = tmp_path / "adapters"
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "preprocessor_config.json"):
+        shutil.copyfile(tiny / name, out / name)
+    _name_processor(str(out), str(tiny))
+    assert type(AutoProcessor.from_pretrained(out)).__name__ == "Qwen2VLProcessor"
+    published = PUBLISHED / "Qwen--Qwen2.5-VL-3B-Instruct"
+    shutil.copyfile(published / "preprocessor_config.json", out / "preprocessor_config.json")
+    _name_processor(str(out), str(tiny))        # named already: left as it is
+    assert (out / "preprocessor_config.json").read_bytes() == \
+        (published / "preprocessor_config.json").read_bytes()
+
+
 @pytest.mark.parametrize("repository", ["Qwen/Qwen2-VL-2B-Instruct",
                                         "llava-hf/llava-interleave-qwen-0.5b-hf"])
 def test_a_processor_saved_by_transformers_5_is_read_checked_and_exported(repository, tmp_path):

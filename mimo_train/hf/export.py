@@ -556,6 +556,7 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
         write_adapters(out, plan, weights, arch, image, directory, chosen[0])
         _write_tokenizer(tokenizer, out, vlm.path, plan.preprocess)
         _copy_processor(vlm.path, out, plan.preprocess, template)
+        _name_processor(out, vlm.path)
         return vlm.family, f"{_described(chosen)}: the adapters alone"
     hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
@@ -663,6 +664,24 @@ def _copy_processor(pretrained: str, out: str, preprocess, template: str | None)
                           if always or "chat_template" in data else None)
     _video_processor(out, preprocess)
     _processor_budgets(out, preprocess)
+
+
+def _name_processor(out: str, pretrained: str) -> None:
+    """The processor's class in the image processor's file of ``out``, where no processor
+    file there names it (as the hub's do: ``"processor_class": "Qwen2VLProcessor"``), from
+    the base's model type. An adapters folder has no ``config.json``, so without it
+    ``AutoProcessor.from_pretrained(out)`` quietly gives the tokenizer alone."""
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    from mimo_train.families.base import model_directory
+    if any("processor_class" in (_json_section(os.path.join(out, name)) or {})
+           for name in ("preprocessor_config.json", NESTED_PROCESSOR)):
+        return
+    base = _json_section(os.path.join(model_directory(pretrained), "config.json")) or {}
+    named = PROCESSOR_MAPPING_NAMES.get(base.get("model_type", ""))
+    if named is not None:
+        _rewrite_json(os.path.join(out, "preprocessor_config.json"),
+                      lambda data: data.update(processor_class=named))
 
 
 def _video_processor(out: str, preprocess) -> None:
