@@ -221,6 +221,20 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert main(["--checkpoint", str(saving), "--output", str(tmp_path / "out")]) == 1
     assert f"--checkpoint {saving} holds no meta.json: its save did not finish" in \
         capsys.readouterr().err
+    # a checkpoint.dir copied without its latest: the newest complete step named (the
+    # unfinished step_0000003 is not one)
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"holds step_0000001, step_0000002 but no 'latest' file, which names the checkpoint a "
+        f"checkpoint.dir stands for: export the newest with --checkpoint {later}, or another "
+        "step_* directory\n")
+    # a run's checkpoint.dir before its first save: said so, not "give a checkpoint.dir"
+    from mimo_train.components.checkpoint_owner import OWNER
+    (tmp_path / "fresh").mkdir()
+    (tmp_path / "fresh" / OWNER).write_text("{}")
+    assert main(["--checkpoint", str(tmp_path / "fresh"), "--output",
+                 str(tmp_path / "out")]) == 2
+    assert "is a run's checkpoint.dir with no checkpoint saved yet" in capsys.readouterr().err
     # removed while it is read (a run still saving there, with checkpoint.keep_last)
     from mimo_train.components import checkpoint
     from mimo_train.errors import CheckpointError

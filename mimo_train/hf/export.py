@@ -131,6 +131,8 @@ def step_directory(path: str) -> str:
                           "last); export an earlier step_* directory, or this one once its run "
                           "has saved it", exit_code=1)
     if found == path:
+        if os.path.isdir(path):
+            _no_latest(path)
         what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
         raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
                           "checkpoint.dir of a mimo_train run")
@@ -138,6 +140,28 @@ def step_directory(path: str) -> str:
         raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
                           "is incomplete; give an earlier step_* directory", exit_code=1)
     return found
+
+
+def _no_latest(root: str) -> None:
+    """ExportError for a run's checkpoint.dir ``root`` without ``latest``: its complete steps
+    (a folder copied without it) named, the newest to export; or, in a run's folder
+    (``checkpoint_owner.OWNER``) without one, that no checkpoint is saved there yet."""
+    from mimo_train.components.checkpoint import STEP_NAME
+    from mimo_train.components.checkpoint_owner import OWNER
+    from mimo_train.components.digests import MANIFEST
+    names = os.listdir(root)
+    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name)
+                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    if steps:
+        newest = os.path.join(root, steps[-1])
+        raise ExportError(f"--checkpoint {root} holds {', '.join(steps[-3:])} but no 'latest' "
+                          "file, which names the checkpoint a checkpoint.dir stands for: "
+                          f"export the newest with --checkpoint {newest}, or another step_* "
+                          "directory")
+    if OWNER in names:
+        raise ExportError(f"--checkpoint {root} is a run's checkpoint.dir with no checkpoint "
+                          "saved yet (the first is saved at checkpoint.interval, and when the "
+                          "run stops on a signal or at its end): export once one is saved")
 
 
 def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | None = None,
