@@ -481,7 +481,8 @@ def check(directory: str, model, global_batch_size: int | None,
         if tuple(saved[key].global_shape) != tuple(shape):
             theirs = tuple(saved[key].global_shape)
             raise CheckpointError(f"checkpoint {directory} has {key} of shape {theirs}, this "
-                                  f"model {tuple(shape)}: {_why_shapes_differ(key, theirs, shape)}")
+                                  f"model {tuple(shape)}: "
+                                  f"{_why_shapes_differ(key, theirs, shape, meta)}")
     return meta
 
 
@@ -533,8 +534,9 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
             f"model.pretrained {pretrained}, " if pretrained else "") + f"its modules: {modules})")
 
 
-def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
-    """Why a checkpoint's tensor ``key`` has another shape than this model's, in config terms."""
+def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
+    """Why a checkpoint's tensor ``key`` has another shape than this model's, in config terms
+    (``meta``: the checkpoint's, whose config names the part of an adapter)."""
     if key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
             theirs[1:] == tuple(ours)[1:]:
         return ("the vocabulary rows differ: another tokenizer, model.language.vocab_size or "
@@ -544,7 +546,13 @@ def _why_shapes_differ(key: str, theirs: tuple, ours) -> str:
         saved, wanted = (shape[-2] if ".lora.a." in key else shape[-1]
                          for shape in (theirs, tuple(ours)))
         if saved != wanted:
-            return (f"its LoRA rank is {saved}, this run's model.lora rank {wanted}: resume "
+            module = (_module_of(key) or ("",))[0]
+            lora = ((meta.get("config") or {}).get("model") or {}).get("lora") or {}
+            parts = [part for part, settings in lora.items() if isinstance(settings, dict)
+                     and part.split(".")[0] == module and settings.get("rank") == saved]
+            setting = f"model.lora.{parts[0]}.rank {saved}" if len(parts) == 1 else \
+                f"{module}'s adapters at model.lora rank {saved}"
+            return (f"it was saved with {setting}, this run's is {wanted}: resume "
                     "with the checkpoint's rank, or start a new run from its weights "
                     "(model.init_from) in another checkpoint.dir")
     return "it was saved for another model configuration"
