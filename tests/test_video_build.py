@@ -404,10 +404,17 @@ def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_fo
 
     turns = [{"from": "human", "value": "<video>\nWhat happens?"},
              {"from": "gpt", "value": "A zoom."}]
+    files = sorted(str(frame) for frame in folder.iterdir())
     path = write_jsonl(tmp_path / "hound.jsonl", [
         {"id": "hound", "video": str(folder), "conversations": turns},
         {"id": "struct", "video": {"bytes": None, "path": str(folder)},
-         "conversations": turns}])
+         "conversations": turns},
+        # the list of its frame files (LLaMA-Factory's videos, qwen-vl-utils' video part)
+        {"id": "list", "videos": [files], "conversations": turns},
+        {"id": "part", "messages": [
+            {"role": "user", "content": [{"type": "video", "video": [
+                f"file://{frame}" for frame in files]}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "A zoom."}]}])
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "plain", "--no-progress")
     assert code == 1 and "--frames-fps" in read_json(tmp_path / "plain" / "report.json")[
         "skipped_by_reason"]["missing_media"]["first"][0]["detail"], err
@@ -419,9 +426,10 @@ def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_fo
                             "--frames-fps", "2")
     assert code == 0, err
     assert read_json(tmp_path / "out" / "report.json")["counts"] == {
-        "videos_from_frame_folders": 2}
-    (_, _, members), (_, _, other) = all_samples(tmp_path / "out")
-    assert members["vid0.mkv"] == other["vid0.mkv"] == frames_clip(str(folder), 2.0)
+        "videos_from_frame_folders": 4}
+    (_, _, members), *others = all_samples(tmp_path / "out")
+    assert all(other["vid0.mkv"] == members["vid0.mkv"] for _, _, other in others)
+    assert members["vid0.mkv"] == frames_clip(str(folder), 2.0)
     [item] = json.loads(members["json"])["media"]
     assert {k: item[k] for k in ("member", "codec", "frames", "fps", "duration", "path")} == {
         "member": "vid0.mkv", "codec": "mjpeg", "frames": len(frames), "fps": 2.0,

@@ -13,7 +13,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 
 from mimo_data.modalities import MODALITIES, MediaError
-from mimo_data.modalities.video.frames import frames_clip
+from mimo_data.modalities.video.frames import frames_clip, frames_list_clip
 from mimo_data.shards.format import VIDEOS_FROM_FRAMES, VIDEOS_ROTATED, conversation_counts
 from mimo_data.shards.records import (RecordError, media_markers, normalize_caption,
                                       normalize_document, normalize_messages)
@@ -86,11 +86,12 @@ def _base64(text: str, what: str) -> bytes:
         raise RecordError("malformed_record", f"{what} is not valid base64") from None
 
 
-def _read_media(ref, media_root: str, frames_fps: float | None = None
+def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bool = False
                 ) -> tuple[bytes, str | None, str | None, bool]:
     """Bytes, original path and resolved file (None for embedded bytes and a clip made of
-    frames) of a media reference (a path, bytes or ``{bytes, path}``), and whether it named a
-    folder of frames made one clip (``frames_fps`` given: a video's)."""
+    frames) of a media reference (a path, bytes or ``{bytes, path}``; a ``video``'s also a
+    list of its frame files), and whether it named frames made one clip (a folder or a list
+    of them, with ``frames_fps``)."""
     path = None
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
@@ -105,11 +106,42 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
         return bytes(ref), None, None, False
     elif isinstance(ref, str):
         path = ref
+    elif video and isinstance(ref, list) and ref and all(isinstance(p, str) for p in ref):
+        # a video as the list of its frame files (qwen-vl-utils' and LLaMA-Factory's form)
+        if frames_fps is None:
+            raise RecordError("missing_media", f"a video given as {len(ref)} frame files "
+                              f"({ref[0][:80]!r}, ...): a video's frames are read with "
+                              "--frames-fps, the rate they were taken at")
+        frames = [_local_path(item, media_root) for item in ref]
+        return _clip_of(frames, frames_fps), None, None, True
     if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
     if path.startswith("data:"):            # an inline item (OpenAI's image_url parts)
         return _data_url(path), None, None, False
+    full = _local_path(path, media_root)
+    path = urllib.parse.unquote(urllib.parse.urlsplit(path).path) \
+        if path.startswith("file://") else path
+    if frames_fps is not None and os.path.isdir(full):     # a video as its frames
+        return _clip_of(full, frames_fps), path, None, True
+    try:
+        with open(full, "rb") as media:
+            return media.read(), path, full, False
+    except FileNotFoundError:
+        raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
+                          "to the input file's folder, or to --media-root)") from None
+    except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
+        raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
+                          "frames are read with --frames-fps, the rate they were taken at "
+                          "(LLaVA-Hound's: 2, TVQA's: 3)") from None
+    except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
+        raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+
+
+def _local_path(path: str, media_root: str) -> str:
+    """The file a media path names: a ``file://`` URL's path, a relative path joined to
+    ``media_root``; RecordError for a URL of another host or scheme, and text that is not
+    Unicode."""
     if path.startswith("file://"):
         url = urllib.parse.urlsplit(path)
         if url.netloc not in ("", "localhost"):
@@ -125,21 +157,7 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None
     except UnicodeEncodeError as exc:   # a lone surrogate from a "\ud800" escape
         raise RecordError("invalid_utf8", f"media path {path!r} is not valid Unicode: "
                           f"{exc}") from None
-    full = path if os.path.isabs(path) else os.path.join(media_root, path)
-    if frames_fps is not None and os.path.isdir(full):     # a video as its frames
-        return _clip_of(full, frames_fps), path, None, True
-    try:
-        with open(full, "rb") as media:
-            return media.read(), path, full, False
-    except FileNotFoundError:
-        raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
-                          "to the input file's folder, or to --media-root)") from None
-    except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
-        raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
-                          "frames are read with --frames-fps, the rate they were taken at "
-                          "(LLaVA-Hound's: 2, TVQA's: 3)") from None
-    except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
-        raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+    return path if os.path.isabs(path) else os.path.join(media_root, path)
 
 
 def _data_url(url: str) -> bytes:
@@ -173,14 +191,17 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
                           "it again; if the 'duration' is wrong, fix it")
 
 
-def _clip_of(folder: str, fps: float) -> bytes:
-    """``frames_clip`` with its refusals as the report's."""
+def _clip_of(frames: str | list[str], fps: float) -> bytes:
+    """The clip of a folder of frames (``frames_clip``) or a list of frame files
+    (``frames_list_clip``), with their refusals as the report's."""
+    shown = frames if isinstance(frames, str) else f"the {len(frames)} frames from {frames[0]}"
     try:
-        return frames_clip(folder, fps)
+        return frames_clip(frames, fps) if isinstance(frames, str) else \
+            frames_list_clip(frames, fps)
     except MediaError as exc:
-        raise RecordError(exc.reason, f"{folder}: {exc.detail}") from None
+        raise RecordError(exc.reason, f"{shown}: {exc.detail}") from None
     except OSError as exc:
-        raise RecordError("missing_media", f"cannot read the frames in {folder}: {exc}") \
+        raise RecordError("missing_media", f"cannot read the frames in {shown}: {exc}") \
             from None
 
 
@@ -213,7 +234,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             seen[modality] += 1
             data, path, file, from_frames = _read_media(
                 refs[modality][index], source.media_root,
-                policy.frames_fps if modality == "video" else None)
+                policy.frames_fps if modality == "video" else None, modality == "video")
             if from_frames:
                 counts[VIDEOS_FROM_FRAMES] = counts.get(VIDEOS_FROM_FRAMES, 0) + 1
             try:

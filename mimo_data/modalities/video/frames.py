@@ -1,11 +1,12 @@
-"""A video given as a folder of its frames, made one clip.
+"""A video given as a folder of its frames, or as a list of its frame files, made one clip.
 
 LLaVA-Hound's videos (ShareGPTVideo, in LLaVA-Video-178K too) and TVQA's come as folders of
 JPEG frames taken at a known rate (2 and 3 a second), which LLaVA-NeXT's trainer reads in name
 order. The build stores them as one Motion-JPEG clip in Matroska: each frame's JPEG bytes as
 they are, one a ``1 / fps`` of a second, so the clip decodes to the same pixels and the rest
 of the pipeline (probe, sampling by time, tokens) reads it as any clip. PyAV muxes the frames
-as packets; nothing is encoded again.
+as packets; nothing is encoded again. A list of frame files (qwen-vl-utils' and LLaMA-Factory's
+form of a video) is stored the same way, in the list's order.
 """
 
 from __future__ import annotations
@@ -36,11 +37,9 @@ def frame_order(name: str) -> list:
 
 
 def frames_clip(folder: str, fps: float) -> bytes:
-    """The Matroska clip of ``folder``'s JPEG frames shown ``fps`` a second, the same bytes
-    for the same frames (MediaError, with its report reason, for a folder without frames,
-    frames of other formats or sizes, or longer than ``MAX_VIDEO_SECONDS``)."""
-    if not MIN_FPS <= fps <= MAX_FPS:
-        raise ValueError(f"a frames folder's rate is {MIN_FPS} to {MAX_FPS} a second, not {fps}")
+    """The Matroska clip of ``folder``'s JPEG frames shown ``fps`` a second, in the order of
+    their names (``frame_order``); MediaError as ``frames_list_clip``'s, and for a folder of
+    other files."""
     names = sorted((name for name in os.listdir(folder)
                     if os.path.isfile(os.path.join(folder, name)) and not name.startswith(".")),
                    key=frame_order)
@@ -50,17 +49,29 @@ def frames_clip(folder: str, fps: float) -> bytes:
                          "JPEG frames: give a folder of .jpg frames, or encode the clip first")
     if not names:
         raise MediaError("missing_media", "the frames folder holds no frame")
-    if len(names) / fps > MAX_VIDEO_SECONDS:
-        raise MediaError("video_too_long", f"{len(names)} frames at {fps:g} a second are "
+    return frames_list_clip([os.path.join(folder, name) for name in names], fps)
+
+
+def frames_list_clip(paths: list[str], fps: float) -> bytes:
+    """The Matroska clip of the JPEG frames ``paths``, in that order, shown ``fps`` a second,
+    the same bytes for the same frames (MediaError, with its report reason, for frames of
+    other formats or sizes, or longer than ``MAX_VIDEO_SECONDS``)."""
+    if not MIN_FPS <= fps <= MAX_FPS:
+        raise ValueError(f"a frames folder's rate is {MIN_FPS} to {MAX_FPS} a second, not {fps}")
+    if len(paths) / fps > MAX_VIDEO_SECONDS:
+        raise MediaError("video_too_long", f"{len(paths)} frames at {fps:g} a second are "
                          f"longer than {MAX_VIDEO_SECONDS:.0f} s")
     sizes = set()
-    for name in names:                  # headers first: no frame muxed before all are read
+    for path in paths:                  # headers first: no frame muxed before all are read
+        name = os.path.basename(path)
         try:
-            with Image.open(os.path.join(folder, name)) as image:
+            with Image.open(path) as image:
                 if image.format != "JPEG":
                     raise MediaError("unsupported_format", f"frame {name} is "
                                      f"{image.format}, not JPEG")
                 sizes.add(image.size)
+        except FileNotFoundError:
+            raise MediaError("missing_media", f"frame {path} not found") from None
         except (OSError, ValueError) as exc:          # PIL's UnidentifiedImageError too
             raise MediaError("corrupt_video", f"frame {name}: {exc}") from None
     if len(sizes) > 1:
@@ -75,8 +86,8 @@ def frames_clip(folder: str, fps: float) -> bytes:
         stream = container.add_stream("mjpeg", rate=rate)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuvj420p"
         stream.time_base = 1 / rate
-        for number, name in enumerate(names):
-            with open(os.path.join(folder, name), "rb") as frame:
+        for number, path in enumerate(paths):
+            with open(path, "rb") as frame:
                 packet = av.Packet(frame.read())
             packet.stream, packet.time_base = stream, 1 / rate
             packet.pts = packet.dts = number
