@@ -26,9 +26,28 @@ def layout_refusal(request, config) -> tuple[str | None, bool | None]:
     return refusal(request, config)
 
 
+def run_settings(path: str, preprocess_path: str) -> dict:
+    """The training YAML ``path``'s settings ``plan`` takes (``mimo_data.inspect.cli.
+    RUN_SETTINGS``' keys), as the trainer reads them (with ``preprocess_path``, the plan's
+    ``--config``, as its ``data.preprocess``: the plan refuses another); ValueError where it
+    cannot."""
+    import os
+
+    from mimo_train.config import TrainConfig
+    from mimo_train.errors import TrainConfigError
+    try:
+        cfg = TrainConfig.load(path, [f"data.preprocess={os.path.abspath(preprocess_path)}"])
+    except (TrainConfigError, OSError) as error:
+        raise ValueError(f"--model {path}: {error}") from None
+    return {"train.global_batch_size": cfg.train.global_batch_size,
+            "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,
+            "data.balance": cfg.data.balance}
+
+
 def main(argv: list[str] | None = None) -> int:
     from mimo_data.inspect.cli import main as inspect_main
-    return inspect_main(argv, advisor=advisor, layout_refusal=layout_refusal)
+    return inspect_main(argv, advisor=advisor, layout_refusal=layout_refusal,
+                        run_settings=run_settings)
 
 
 if __name__ == "__main__":

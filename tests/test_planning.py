@@ -559,9 +559,22 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
             f"give --config {preprocess}" in err, err
     # a copy (comments aside) is the same preprocessing: planned
     other.write_text("# a copy\n" + preprocess.read_text())
-    code, _, err = _plan(capsys, loader_corpus, other, variant, "--layout",
-                         LAYOUTS["language dp1"], main=main)
+    code, given, err = _plan(capsys, loader_corpus, other, variant, "--layout",
+                             LAYOUTS["language dp1"], "--seed", SEED, main=main)
     assert code == 0, err
+    # the YAML's batch sizes, seed and balance are the plan's where no option gives them (the
+    # seed was 0, the trainer's default 1: the plan drew other samples than the run)
+    code, taken, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
+                            "--model", variant, "--layout", LAYOUTS["language dp1"])
+    assert code == 0 and taken == given, err
+    for option, value, key in (("--micro-batch-size", 1, f"train.micro_batch_size {MICRO}"),
+                               ("--seed", SEED + 1, f"train.seed {SEED}"),
+                               ("--balance", "none", "data.balance tokens")):
+        code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
+                            "--model", variant, "--layout", LAYOUTS["language dp1"], option,
+                            value)
+        assert code == 2 and f"{option} {value}, and --model {variant} trains with {key}: " \
+            f"the plan would count another run; drop {option}" in err, err
 
 
 def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
@@ -607,7 +620,8 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     from mimo_train.inspect_cli import main
     _, path, preprocess = model_yaml
     code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 2, main=data_main)
-    assert code == 2 and "need mimo_train" in err
+    assert code == 2 and "(a training YAML) needs mimo_train: run the mimo-inspect command " \
+        "of a full install" in err, err
     code, _, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--gpus",
                         2, "--global-batch-size", 4, "--micro-batch-size", 1)
     assert code == 2 and "--model" in err
@@ -664,7 +678,7 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
         f"{path}: " in err and "attention heads" in err, err
     code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
                          LAYOUTS["language dp1"], main=data_main)
-    assert code == 2 and "--model (the trainer's rules) needs mimo_train" in err, err
+    assert code == 2 and "--model (a training YAML) needs mimo_train" in err, err
     # a YAML's own settings under the layout, as its start-up resolves them (not the settings
     # the advisor would choose): sequence parallelism without tp is refused
     parallel = path.parent / "sequence_parallel.yaml"
@@ -694,7 +708,8 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
         "refuses" not in err, err
     # a micro batch that does not divide the global batch: a usage error, not "no layout fits"
     code, out, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess, "--model",
-                          path, "--gpus", 2, "--global-batch-size", 8, "--micro-batch-size", 3)
+                          language_only, "--gpus", 2, "--global-batch-size", 8,
+                          "--micro-batch-size", 3)
     assert code == 2 and "--global-batch-size 8 is not a whole number of micro-batches of " \
         "--micro-batch-size 3" in err and "no layout fits" not in out, (out, err)
 

@@ -155,15 +155,18 @@ def _parser() -> argparse.ArgumentParser:
                    "check's error)")
     p.add_argument("--global-batch-size", type=_positive(int), metavar="B",
                    help="samples per optimizer step, over all data-parallel ranks (required "
-                   "with DIR; with --clip-seconds default 1)")
+                   "with DIR, unless a training YAML as --model gives its "
+                   "train.global_batch_size; with --clip-seconds default 1)")
     p.add_argument("--micro-batch-size", type=_positive(int), metavar="M",
-                   help="samples per forward pass on one rank (required with DIR; with "
+                   help="samples per forward pass on one rank (required with DIR, unless a "
+                   "training YAML as --model gives its train.micro_batch_size; with "
                    "--clip-seconds default 1)")
-    p.add_argument("--seed", type=int, default=0, help="sample-order seed (default 0)")
+    p.add_argument("--seed", type=int, help="sample-order seed (default: a training YAML's "
+                   "train.seed as --model, else 0)")
     p.add_argument("--epoch", type=int, default=0, help="epoch to plan (default 0)")
-    p.add_argument("--balance", choices=("none", "tokens"), default="none",
-                   help="the loader's data.balance (default none); the imbalance of the other "
-                   "setting is shown too")
+    p.add_argument("--balance", choices=("none", "tokens"),
+                   help="the loader's data.balance (default: a training YAML's as --model, "
+                   "else none); the imbalance of the other setting is shown too")
     p.add_argument("--packing", action="store_true",
                    help="the loader's data.packing: each language DP rank's micro-batch packed "
                    "into sequences of seq_length (--json then lists each micro-batch's "
@@ -346,7 +349,35 @@ def _report(args, config) -> int:
     return 1 if failures else 0
 
 
-def _plan(args, config, advisor=None, layout_refusal=None) -> int:
+# a training YAML's settings the plan takes: option -> (its key there, argparse's name)
+RUN_SETTINGS = {"--global-batch-size": ("train.global_batch_size", "global_batch_size"),
+                "--micro-batch-size": ("train.micro_batch_size", "micro_batch_size"),
+                "--seed": ("train.seed", "seed"), "--balance": ("data.balance", "balance")}
+
+
+def _take_run_settings(args, run_settings) -> int | None:
+    """The run's batch sizes, seed and balance from the training YAML ``args.model`` where
+    the options do not give them (``run_settings(path, config) -> {key: value}``, mimo_train's
+    reading of it); exit status 2 where an option gives another value, or the YAML cannot be
+    read: the plan would be another run's."""
+    try:
+        settings = run_settings(args.model, args.config)
+    except ValueError as error:
+        print(f"mimo-inspect plan: error: {error}", file=sys.stderr)
+        return 2
+    for option, (key, name) in RUN_SETTINGS.items():
+        given, theirs = getattr(args, name), settings[key]
+        if given is None:
+            setattr(args, name, theirs)
+        elif given != theirs:
+            print(f"mimo-inspect plan: error: {option} {given}, and --model {args.model} "
+                  f"trains with {key} {theirs}: the plan would count another run; drop "
+                  f"{option} (the YAML's is taken) or change the YAML", file=sys.stderr)
+            return 2
+    return None
+
+
+def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) -> int:
     try:
         from mimo_data.inspect.plan import run_plan
     except ImportError as exc:
@@ -361,6 +392,13 @@ def _plan(args, config, advisor=None, layout_refusal=None) -> int:
         print(f"mimo-inspect plan: error: --clip-seconds makes the work one clip: drop DIR "
               f"({args.directory})", file=sys.stderr)
         return 2
+    if args.model is not None and args.model.endswith((".yaml", ".yml")) and not clip:
+        if run_settings is None:
+            return _needs_trainer("--model (a training YAML) needs")
+        if (status := _take_run_settings(args, run_settings)) is not None:
+            return status
+    args.seed = 0 if args.seed is None else args.seed
+    args.balance = args.balance or "none"
     if not clip and (args.directory is None or args.global_batch_size is None or
                      args.micro_batch_size is None):
         print("mimo-inspect plan: error: give DIR, --global-batch-size and --micro-batch-size "
@@ -433,11 +471,14 @@ def _needs_trainer(what: str) -> int:
 
 
 @quiet_when_stdout_closes
-def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> int:
+def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
+         run_settings=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
     why the trainer refuses ``plan --layout L --model M``'s layout and the model's
-    ``data.packing``, ``layout_refusal(request, config) -> (str | None, bool | None)``
+    ``data.packing``, ``layout_refusal(request, config) -> (str | None, bool | None)``;
+    ``run_settings``: a training YAML's batch sizes, seed and balance (``RUN_SETTINGS``'
+    keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
     cache_only()
@@ -451,7 +492,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None) -> in
     try:
         config = PreprocessConfig.from_yaml(args.config)
         if args.command == "plan":
-            return _plan(args, config, advisor, layout_refusal)
+            return _plan(args, config, advisor, layout_refusal, run_settings)
         return {"sample": _sample, "report": _report}[args.command](args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         error, status = str(exc), 2 if exc.missing else 1
