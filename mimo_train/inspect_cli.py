@@ -28,16 +28,33 @@ def layout_refusal(request, config) -> tuple[str | None, bool | None]:
 
 def run_settings(path: str, preprocess_path: str) -> dict:
     """The training YAML ``path``'s settings ``plan`` takes (``mimo_data.inspect.cli.
-    RUN_SETTINGS``' keys), as the trainer reads them (with ``preprocess_path``, the plan's
-    ``--config``, as its ``data.preprocess``: the plan refuses another); ValueError where it
-    cannot."""
+    RUN_SETTINGS``' keys), as the trainer reads them: its values of those keys alone, read
+    with the trainer's types and defaults (its layout, datasets and the rest are the plan's
+    own options' or the advisor's); ValueError where it cannot be read."""
+    import json
     import os
 
+    import yaml
+
+    from mimo_data.files import load_yaml
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     try:
-        cfg = TrainConfig.load(path, [f"data.preprocess={os.path.abspath(preprocess_path)}"])
-    except (TrainConfigError, OSError) as error:
+        with open(path) as f:
+            data = load_yaml(f) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise ValueError(f"--model {path}: {error}") from None
+    keys = ("train.global_batch_size", "train.micro_batch_size", "train.seed", "data.balance")
+    given = []
+    for key in keys:
+        section, name = key.split(".")
+        values = data.get(section) if isinstance(data, dict) else None
+        if isinstance(values, dict) and name in values:
+            given.append(f"{key}={json.dumps(values[name])}")
+    try:
+        cfg = TrainConfig.load(None, ["data.datasets=[unused]", "data.preprocess="
+                                      f"{os.path.abspath(preprocess_path)}", *given])
+    except TrainConfigError as error:
         raise ValueError(f"--model {path}: {error}") from None
     return {"train.global_batch_size": cfg.train.global_batch_size,
             "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,

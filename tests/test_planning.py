@@ -567,6 +567,15 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     code, taken, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                             "--model", variant, "--layout", LAYOUTS["language dp1"])
     assert code == 0 and taken == given, err
+    # (its own layout, a file given relative to where the run starts, is not read: --layout
+    # is the plan's)
+    elsewhere = yaml.safe_load(variant.read_text())
+    elsewhere["layout"] = "layouts/mine.yaml"
+    (tmp / "layout-elsewhere.yaml").write_text(yaml.safe_dump(elsewhere))
+    code, taken, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
+                            "--model", tmp / "layout-elsewhere.yaml", "--layout",
+                            LAYOUTS["language dp1"])
+    assert code == 0 and taken == given, err
     for option, value, key in (("--micro-batch-size", 1, f"train.micro_batch_size {MICRO}"),
                                ("--seed", SEED + 1, f"train.seed {SEED}"),
                                ("--balance", "none", "data.balance tokens")):

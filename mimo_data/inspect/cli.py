@@ -366,6 +366,8 @@ def _take_run_settings(args, run_settings) -> int | None:
         print(f"mimo-inspect plan: error: {error}", file=sys.stderr)
         return 2
     for option, (key, name) in RUN_SETTINGS.items():
+        if option == "--balance" and args.gpus is not None:
+            continue                # the advisor's workload is the same under either
         given, theirs = getattr(args, name), settings[key]
         if given is None:
             setattr(args, name, theirs)

@@ -90,10 +90,11 @@ def preprocess_differs(path: str, preprocess_path: str) -> str | None:
     the run's its YAML's: two different files would plan a run that does not happen."""
     from mimo_data.files import load_yaml
     from mimo_train.config.sources import resolve_paths
+    import yaml
     try:
         with open(path) as f:
             data = load_yaml(f)
-    except OSError:
+    except (OSError, yaml.YAMLError):
         return None                 # said by the config's own loading
     if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
         return None
