@@ -63,20 +63,27 @@ def _start(environ: dict[str, str], initializer: Callable | None, initargs: tupl
         initializer(*initargs)
 
 
-def _forkserver_deaf_to_ctrl_c() -> None:
+def _start_forkserver() -> None:
     """Start the forkserver (once a process) with SIGINT ignored, which it keeps: a signal
     ignored stays ignored through exec, and Python then sets no handler of its own. Ctrl-C at
     a terminal reaches the whole process group, and a forkserver still importing its preload
     printed a KeyboardInterrupt traceback under the caller's one line (once its imports are
-    done it ignores SIGINT itself)."""
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()     # (signal handlers are the main thread's to set)
-        return
-    earlier = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    done it ignores SIGINT itself). Its environment names this process
+    (``forkserver_hook``)."""
+    earlier_caller = os.environ.get(forkserver_hook.CALLER_VARIABLE)
+    os.environ[forkserver_hook.CALLER_VARIABLE] = str(os.getpid())
+    main = threading.current_thread() is threading.main_thread()
+    # (signal handlers are the main thread's to set)
+    earlier = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
     try:
         forkserver.ensure_running()
     finally:
-        signal.signal(signal.SIGINT, earlier)
+        if main:
+            signal.signal(signal.SIGINT, earlier)
+        if earlier_caller is None:
+            del os.environ[forkserver_hook.CALLER_VARIABLE]
+        else:
+            os.environ[forkserver_hook.CALLER_VARIABLE] = earlier_caller
 
 
 def _stop(pool: ProcessPoolExecutor) -> None:
@@ -151,7 +158,7 @@ def ordered_map(func: Callable, items: Iterable, workers: int, window: int,
     # read only when the forkserver starts (once a process): later calls' modules import in
     # the workers instead, which the first one's imports mostly covered
     context.set_forkserver_preload([func.__module__, forkserver_hook.__name__])
-    _forkserver_deaf_to_ctrl_c()
+    _start_forkserver()
     items = iter(items)
     pool = ProcessPoolExecutor(workers, mp_context=context, initializer=_start,
                                initargs=(dict(os.environ), initializer, initargs))

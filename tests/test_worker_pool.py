@@ -215,7 +215,6 @@ import multiprocessing.popen_forkserver as popen
 import os, sys, time
 if __name__ == "__mp_main__":       # the worker, reading its process object: slowly
     time.sleep(1)
-from mimo_data.worker_pool import ordered_map
 launch = popen.Popen._launch
 
 
@@ -224,7 +223,8 @@ def interrupted(self, process):     # Ctrl-C just as the forkserver has forked a
     raise KeyboardInterrupt
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":          # (the worker imports no mimo module: the forkserver's
+    from mimo_data.worker_pool import ordered_map   # preload alone gives it the hook)
     popen.Popen._launch = interrupted
     try:
         print(list(ordered_map(abs, range(3), 1, 2)))
