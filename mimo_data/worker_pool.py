@@ -90,13 +90,22 @@ def _stop(pool: ProcessPoolExecutor) -> None:
     """The pool's workers killed, not awaited: the caller stopped early (an error, a --strict
     stop, Ctrl-C) and a worker may be blocked on a read (a hung mount, a FIFO). The workers
     only compute results, so nothing is lost. Python 3.12 has no public way to reach them
-    (3.14's ``terminate_workers``): the executor's own process table is read."""
-    processes = list((pool._processes or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join()
+    (3.14's ``terminate_workers``): the executor's own process table is read. A second
+    Ctrl-C or SIGTERM meanwhile (``timeout`` passes its signal on; an impatient user) is
+    ignored: it broke the stop off with a traceback, workers left running."""
+    main = threading.current_thread() is threading.main_thread()
+    earlier = {number: signal.signal(number, signal.SIG_IGN)
+               for number in (signal.SIGINT, signal.SIGTERM)} if main else {}
+    try:
+        processes = list((pool._processes or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.join()
+    finally:
+        for number, handler in earlier.items():
+            signal.signal(number, handler)
 
 
 def _death(pool: ProcessPoolExecutor, broken: BaseException | None, lost: list[str],

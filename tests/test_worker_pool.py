@@ -248,3 +248,41 @@ def test_ctrl_c_as_a_worker_starts_is_the_callers_alone(tmp_path):
                           text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(repo)})
     assert done.stderr == "interrupted\n", done.stderr
+
+
+_SECOND_CTRL_C = '''
+import multiprocessing.process
+import os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)   # (a background job inherits it off)
+from mimo_data.worker_pool import ordered_map
+terminate = multiprocessing.process.BaseProcess.terminate
+
+
+def impatient(self):                # Ctrl-C again while the first one's stop ends the workers
+    os.kill(os.getpid(), signal.SIGINT)
+    terminate(self)
+
+
+if __name__ == "__main__":
+    multiprocessing.process.BaseProcess.terminate = impatient
+    results = ordered_map(abs, range(-5, 0), 1, 2)
+    print(next(results))
+    results.close()                 # the consumer stops early: the pool is stopped
+    print("stopped")
+'''
+
+
+def test_a_second_ctrl_c_does_not_break_off_the_stop(tmp_path):
+    """A second Ctrl-C (``timeout`` passes its signal on; an impatient user) while a stopped
+    pool ends its workers: ignored, not a KeyboardInterrupt traceback from the pool's
+    shutdown with workers left running."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    (tmp_path / "caller.py").write_text(_SECOND_CTRL_C)
+    done = subprocess.run([sys.executable, str(tmp_path / "caller.py")], capture_output=True,
+                          text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert (done.stdout, done.stderr) == ("5\nstopped\n", ""), done
