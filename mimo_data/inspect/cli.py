@@ -178,6 +178,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="print the loader's dry run (per-rank, per-step sample keys) as JSON; "
                    "with --gpus, the advisor's ranking")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars on stderr (the token table's, the dry run's)")
     _advisor_arguments(p)
     return parser
 
@@ -459,7 +461,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
     from mimo_data.loading.layout import Layout
     from mimo_data.loading.loader import DataSource
     layout = Layout.parse(args.layout) if args.layout else None
-    source = DataSource([args.directory], config, cache_dir=args.cache_dir)
+    source = DataSource([args.directory], config, cache_dir=args.cache_dir,
+                        progress=not args.no_progress)
     work = workload(source, config, args.global_batch_size, args.micro_batch_size,
                     layout=layout, seed=args.seed, epoch=args.epoch, steps=max(1, args.steps),
                     packing=args.packing)

@@ -41,6 +41,7 @@ from array import array
 from collections.abc import Callable
 
 import numpy as np
+from tqdm import tqdm
 
 from mimo_data.loading.dry_run import dry_run
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
@@ -367,16 +368,23 @@ def make_plan(source: DataSource, config: PreprocessConfig, layout: Layout, args
                                       config.seq_length, list(config.modalities))
                  for balance in ("none", "tokens")}
     runs = {}
-    for balance in sorted(summaries, key=lambda b: b == args.balance):   # this plan's last
-        summary = summaries[balance]
-        each: Callable[[dict, dict], object] = summary
-        if balance == args.balance and visit is not None:
-            def each(entry, mb, summary=summary):
+    # the loader's own pass, every rank's micro-batches for each balance: a while for a large
+    # dataset (each sample's text is tokenized on each rank that reads it)
+    bar = tqdm(desc="mimo-inspect plan", unit=" micro-batches", file=sys.stderr, delay=1.0,
+               disable=getattr(args, "no_progress", True))
+    with bar:
+        for balance in sorted(summaries, key=lambda b: b == args.balance):   # this plan's last
+            summary = summaries[balance]
+
+            def each(entry, mb, summary=summary, visit=visit if balance == args.balance
+                     else None):
                 summary(entry, mb)
-                visit(entry, mb)
-        runs[balance] = dry_run(source, config, layout, args.global_batch_size,
-                                args.micro_batch_size, seed=args.seed, epoch=args.epoch,
-                                balance=balance, packing=args.packing, visit=each)
+                if visit is not None:
+                    visit(entry, mb)
+                bar.update()
+            runs[balance] = dry_run(source, config, layout, args.global_batch_size,
+                                    args.micro_batch_size, seed=args.seed, epoch=args.epoch,
+                                    balance=balance, packing=args.packing, visit=each)
     result = runs[args.balance]
     plan = summaries[args.balance].summary(result, with_steps=args.json)
     plan["balance"] = args.balance
@@ -399,7 +407,8 @@ def run_plan(args, config: PreprocessConfig) -> int:
         print(f"layout    {layout}: INVALID", file=sys.stdout)
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
         return 2
-    source = DataSource([args.directory], config, cache_dir=args.cache_dir)
+    source = DataSource([args.directory], config, cache_dir=args.cache_dir,
+                        progress=not args.no_progress)
     steps = _JsonSteps() if args.json else None
     result, plan = make_plan(source, config, layout, args, steps)
     if steps is not None:
