@@ -181,6 +181,12 @@ def case_malformed_json(tmp_path, assets):
     return Case(line[: len(line) // 2], "malformed_json")
 
 
+def case_control_character_in_a_line(tmp_path, assets):
+    """A raw control character inside a JSON string (a tab a script wrote as is)."""
+    line = b'{"id": "bad", "conversations": [{"from": "human", "value": "a\x01b"}]}'
+    return Case(line, "malformed_json", detail="Invalid control character at its character 62")
+
+
 def case_unknown_role(tmp_path, assets):
     record = _image_record(assets["jpeg"])
     record["conversations"][1]["from"] = "robot"

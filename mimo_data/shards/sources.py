@@ -309,8 +309,10 @@ def _json_object(raw: bytes, what: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:     # its own "line 2" would read as the file's
-        raise RecordError("malformed_json", f"{what} is not valid JSON: {exc.msg} at its "
-                          f"character {exc.pos + 1}") from None
+        # (the control-character message ends in "at" already)
+        raise RecordError("malformed_json", f"{what} is not valid JSON: "
+                          f"{exc.msg.removesuffix(' at')} at its character {exc.pos + 1}") \
+            from None
     if not isinstance(value, dict):
         raise RecordError("malformed_json", f"{what} is a JSON {type(value).__name__}, "
                           "expected an object")
