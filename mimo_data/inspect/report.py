@@ -70,6 +70,7 @@ from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
 from mimo_data.shards.sources import location
 from mimo_data.shards.format import RECORD_KINDS, SAMPLES_FILE, ShardRecord, summary_column
+from mimo_data.shards.index import DatasetError
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
@@ -482,11 +483,16 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     # a listing each): the saved tables describe the shards as they were, and a bucket
     # dataset's samples are inspected from its tables (its records' and media's metadata)
     # without a read of its shards
-    reader.check_shards()
+    try:
+        reader.check_shards()
+    except DatasetError:
+        reader.close()
+        raise
     if reuse and limit is None and on_stats is None and saved is not None:
         flags = cache.read_table(flags_path, flags_key)
         if flags is not None:
             builder = ReportBuilder.from_tables(inspector, TokenTable(saved, modalities), flags)
+            reader.close()
     reused = builder is not None
     if builder is None:
         try:

@@ -194,7 +194,8 @@ def check_audio_duration(declared: float, probed: float, where: str) -> None:
 def _clip_of(frames: str | list[str], fps: float) -> bytes:
     """The clip of a folder of frames (``frames_clip``) or a list of frame files
     (``frames_list_clip``), with their refusals as the report's."""
-    shown = frames if isinstance(frames, str) else f"the {len(frames)} frames from {frames[0]}"
+    shown = frames if isinstance(frames, str) else f"the frame {frames[0]}" \
+        if len(frames) == 1 else f"the {len(frames)} frames from {frames[0]}"
     try:
         return frames_clip(frames, fps) if isinstance(frames, str) else \
             frames_list_clip(frames, fps)

@@ -63,17 +63,16 @@ def frames_list_clip(paths: list[str], fps: float) -> bytes:
                          f"longer than {MAX_VIDEO_SECONDS:.0f} s")
     sizes = set()
     for path in paths:                  # headers first: no frame muxed before all are read
-        name = os.path.basename(path)
         try:
             with Image.open(path) as image:
                 if image.format != "JPEG":
-                    raise MediaError("unsupported_format", f"frame {name} is "
+                    raise MediaError("unsupported_format", f"frame {path} is "
                                      f"{image.format}, not JPEG")
                 sizes.add(image.size)
-        except FileNotFoundError:
-            raise MediaError("missing_media", f"frame {path} not found") from None
+        except (FileNotFoundError, IsADirectoryError):
+            raise MediaError("missing_media", f"frame {path} is not a file") from None
         except (OSError, ValueError) as exc:          # PIL's UnidentifiedImageError too
-            raise MediaError("corrupt_video", f"frame {name}: {exc}") from None
+            raise MediaError("corrupt_video", f"frame {path}: {exc}") from None
     if len(sizes) > 1:
         raise MediaError("corrupt_video", f"the frames differ in size {sorted(sizes)[:3]}: a "
                          "clip's frames have one")
