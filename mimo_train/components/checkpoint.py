@@ -142,12 +142,18 @@ def prepare(root: str, resume: bool) -> str | None:
     return found
 
 
+def complete_steps(root: str) -> list[str]:
+    """The names of the step folders in ``root`` whose save finished (their manifest
+    written), oldest first."""
+    return sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
+                  and os.path.isfile(os.path.join(root, name, MANIFEST)))
+
+
 def _refuse_earlier_steps(root: str) -> None:
     """CheckpointError where ``root`` holds step folders and the run starts over
     (``checkpoint.resume: false``): its saves would replace the steps of the same numbers,
     leave the later ones and move ``latest`` between the two runs."""
-    steps = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    steps = complete_steps(root)
     if steps:
         raise CheckpointError(
             f"checkpoint.dir {root} holds an earlier run's checkpoints ({', '.join(steps[-3:])})"
@@ -180,8 +186,7 @@ def resume_point(root: str | None) -> str | None:
                               "folder (removed, or latest written by hand?)")
     if found or not root or not os.path.isdir(root):
         return found
-    steps = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    steps = complete_steps(root)
     if steps:
         raise CheckpointError(
             f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "

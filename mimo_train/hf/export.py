@@ -146,19 +146,16 @@ def _no_latest(root: str) -> None:
     """ExportError for a run's checkpoint.dir ``root`` without ``latest``: its complete steps
     (a folder copied without it) named, the newest to export; or, in a run's folder
     (``checkpoint_owner.OWNER``) without one, that no checkpoint is saved there yet."""
-    from mimo_train.components.checkpoint import STEP_NAME
+    from mimo_train.components.checkpoint import complete_steps
     from mimo_train.components.checkpoint_owner import OWNER
-    from mimo_train.components.digests import MANIFEST
-    names = os.listdir(root)
-    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name)
-                   and os.path.isfile(os.path.join(root, name, MANIFEST)))
+    steps = complete_steps(root)
     if steps:
         newest = os.path.join(root, steps[-1])
         raise ExportError(f"--checkpoint {root} holds {', '.join(steps[-3:])} but no 'latest' "
                           "file, which names the checkpoint a checkpoint.dir stands for: "
                           f"export the newest with --checkpoint {newest}, or another step_* "
                           "directory")
-    if OWNER in names:
+    if os.path.exists(os.path.join(root, OWNER)):
         raise ExportError(f"--checkpoint {root} is a run's checkpoint.dir with no checkpoint "
                           "saved yet (the first is saved at checkpoint.interval, and when the "
                           "run stops on a signal or at its end): export once one is saved")
