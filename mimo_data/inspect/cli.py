@@ -6,9 +6,9 @@
                         [--balance none|tokens] [--packing] [--json]
     mimo-inspect plan   DIR --config CFG --model MODEL --gpus N --global-batch-size B
                         --micro-batch-size M [--gpu h100|h200|a100] [--json] ...
+                        (the layout advisor: needs mimo_train, see docs/inspect.md)
     mimo-inspect plan   DIR --config CFG --model TRAIN.yaml (--layout L | --gpus N) ...
                         (the run's batch sizes, seed and balance)
-                        (the layout advisor: needs mimo_train, see docs/inspect.md)
     mimo-inspect plan   --config CFG --model MODEL --gpus N --clip-seconds S [--fps F]
                         [--clip-size WxH] ...  (the advisor on one clip, no dataset)
 
