@@ -88,9 +88,12 @@ def preprocess_differs(path: str, preprocess_path: str) -> str | None:
     ``preprocess_path`` (its own ``data.preprocess``, a file of other contents), or None
     (the same file or settings, or none set there). The plan's figures are ``--config``'s,
     the run's its YAML's: two different files would plan a run that does not happen."""
-    from mimo_data.files import load_yaml
-    from mimo_train.config.sources import resolve_paths
     import yaml
+
+    from mimo_data.errors import ConfigError
+    from mimo_data.files import load_yaml
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config.sources import resolve_paths
     try:
         with open(path) as f:
             data = load_yaml(f)
@@ -102,8 +105,6 @@ def preprocess_differs(path: str, preprocess_path: str) -> str | None:
     own = data["data"].get("preprocess")
     if not isinstance(own, str) or not os.path.isfile(own):
         return None                 # unset, or missing: --config is what the plan can read
-    from mimo_data.errors import ConfigError
-    from mimo_data.preprocess.config import PreprocessConfig
     try:
         if os.path.samefile(own, preprocess_path) or \
                 PreprocessConfig.from_yaml(own) == PreprocessConfig.from_yaml(preprocess_path):
