@@ -252,14 +252,18 @@ def test_ctrl_c_as_a_worker_starts_is_the_callers_alone(tmp_path):
 
 _SECOND_CTRL_C = '''
 import multiprocessing.process
-import os, signal, sys
+import os, signal, sys, threading
 signal.signal(signal.SIGINT, signal.default_int_handler)   # (a background job inherits it off)
 from mimo_data.worker_pool import ordered_map
 terminate = multiprocessing.process.BaseProcess.terminate
+fired = []
 
 
 def impatient(self):                # Ctrl-C again while the first one's stop ends the workers
-    os.kill(os.getpid(), signal.SIGINT)
+    # (once, from the stop itself: the executor's own thread may end a worker later, after it)
+    if not fired and threading.current_thread() is threading.main_thread():
+        fired.append(True)
+        os.kill(os.getpid(), signal.SIGINT)
     terminate(self)
 
 
@@ -286,3 +290,4 @@ def test_a_second_ctrl_c_does_not_break_off_the_stop(tmp_path):
                           text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(repo)})
     assert (done.stdout, done.stderr) == ("5\nstopped\n", ""), done
+    # (the Ctrl-C was sent: without the stop's ignoring it, the traceback is its)
