@@ -75,6 +75,18 @@ def _without_break(text: str) -> str:
     return text
 
 
+def as_turns(turns, where: str):
+    """``turns``, refused naming ``where`` (the record's key, the table's column) when they
+    are not a list (a number, a string, one object): they cannot be read as turns."""
+    if turns is None or isinstance(turns, list):
+        return turns
+    text = repr(turns)
+    shown = text if len(text) <= 60 else f"{text[:60]}..."
+    raise RecordError("malformed_record", f"{where} holds {shown} (type "
+                      f"{type(turns).__name__}), not a list of turns (role/content or "
+                      "from/value objects)")
+
+
 def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dict]:
     """Turns in ShareGPT (``from``/``value``) or chat (``role``/``content``) form → messages;
     ``system``: the record's own system prompt (LLaMA-Factory's ShareGPT ``system``), its
@@ -95,11 +107,7 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
     """
     if turns is None:
         raise RecordError("malformed_record", "the conversation is missing")
-    if not isinstance(turns, list):
-        shown = repr(turns) if len(repr(turns)) <= 60 else f"{repr(turns)[:60]}..."
-        raise RecordError("malformed_record", f"the conversation is {shown} (type "
-                          f"{type(turns).__name__}), not a list of turns")
-    if not turns:
+    if not as_turns(turns, "the conversation"):
         raise RecordError("malformed_record", "the conversation has no turns")
     messages: list[dict] = []
     for i, turn in enumerate(turns):

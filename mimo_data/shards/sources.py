@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import PART_MODALITIES, RecordError, tool_lists
+from mimo_data.shards.records import PART_MODALITIES, RecordError, as_turns, tool_lists
 
 
 class SourceError(Exception):
@@ -393,7 +393,7 @@ class ConversationFile:
                               "pair or a 'texts' document: convert other forms first (alpaca's "
                               "instruction/input/output, query/response, video QA's q/a)")
         key = "conversations" if record.get("conversations") is not None else "messages"
-        turns = exchanges(_turn_list(turns, f"its {key!r}"), media)
+        turns = exchanges(as_turns(turns, f"its {key!r}"), media)
         media = with_part_items(media, turns, {
             name: _as_list(record.get(media_field(name))) for name in MODALITIES})
         _check_unread(record, media, unread, _RENAME, turns)
@@ -544,7 +544,7 @@ class ParquetTable:
                              text=record[column["caption"]])
         turns = record[column["conversation"]]
         turns = _json_value(turns) if isinstance(turns, (str, bytes)) else _without_nulls(turns)
-        turns = exchanges(_turn_list(turns, f"its column {column['conversation']!r}"), media)
+        turns = exchanges(as_turns(turns, f"its column {column['conversation']!r}"), media)
         media = with_part_items(media, turns, {
             name: _as_list(record.get(column[media_field(name)])) for name in MODALITIES
             if column[media_field(name)]})
@@ -574,18 +574,6 @@ def _holds_exchanges(kind: pa.DataType) -> bool:
     item = kind.value_type if pa.types.is_list(kind) or pa.types.is_large_list(kind) else None
     return item is not None and pa.types.is_struct(item) and \
         {"user", "assistant"} <= {item.field(i).name for i in range(item.num_fields)}
-
-
-def _turn_list(turns, where: str):
-    """``turns``, refused naming ``where`` (the record's key or the table's column) when they
-    are not a list (a number, a string, one object): the record's conversation cannot be
-    read as turns."""
-    if turns is None or isinstance(turns, list):
-        return turns
-    shown = repr(turns) if len(repr(turns)) <= 60 else f"{repr(turns)[:60]}..."
-    raise RecordError("malformed_record", f"{where} holds {shown} (type "
-                      f"{type(turns).__name__}), not a list of turns (role/content or "
-                      "from/value objects)")
 
 
 def _json_value(raw):

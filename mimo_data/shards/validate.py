@@ -112,16 +112,14 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
             raise RecordError("missing_media", f"a video given as {len(ref)} frame files "
                               f"({ref[0][:80]!r}, ...): a video's frames are read with "
                               "--frames-fps, the rate they were taken at")
-        frames = [_local_path(item, media_root) for item in ref]
+        frames = [_local_path(item, media_root)[1] for item in ref]
         return _clip_of(frames, frames_fps), None, None, True
     if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
     if path.startswith("data:"):            # an inline item (OpenAI's image_url parts)
         return _data_url(path), None, None, False
-    full = _local_path(path, media_root)
-    path = urllib.parse.unquote(urllib.parse.urlsplit(path).path) \
-        if path.startswith("file://") else path
+    path, full = _local_path(path, media_root)
     if frames_fps is not None and os.path.isdir(full):     # a video as its frames
         return _clip_of(full, frames_fps), path, None, True
     try:
@@ -138,10 +136,10 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
 
 
-def _local_path(path: str, media_root: str) -> str:
-    """The file a media path names: a ``file://`` URL's path, a relative path joined to
-    ``media_root``; RecordError for a URL of another host or scheme, and text that is not
-    Unicode."""
+def _local_path(path: str, media_root: str) -> tuple[str, str]:
+    """The path a media path gives (a ``file://`` URL's path) and the file it names (a
+    relative one joined to ``media_root``); RecordError for a URL of another host or scheme,
+    and text that is not Unicode."""
     if path.startswith("file://"):
         url = urllib.parse.urlsplit(path)
         if url.netloc not in ("", "localhost"):
@@ -157,7 +155,7 @@ def _local_path(path: str, media_root: str) -> str:
     except UnicodeEncodeError as exc:   # a lone surrogate from a "\ud800" escape
         raise RecordError("invalid_utf8", f"media path {path!r} is not valid Unicode: "
                           f"{exc}") from None
-    return path if os.path.isabs(path) else os.path.join(media_root, path)
+    return path, path if os.path.isabs(path) else os.path.join(media_root, path)
 
 
 def _data_url(url: str) -> bytes:
