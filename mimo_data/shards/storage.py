@@ -16,7 +16,6 @@ requests) are turned off, so one policy decides and every retry is counted; othe
 
 from __future__ import annotations
 
-import datetime
 import functools
 import io
 import os
@@ -307,20 +306,13 @@ class Remote:
 
     def modified(self, url: str) -> float | None:
         """When ``url`` was last written, by the store's clock (seconds since the epoch;
-        None where it is not there or its store does not say)."""
-        info = retried(f"looking up {url}", lambda: self._info(url)) or {}
-        for key in ("LastModified", "last_modified", "mtime", "updated"):
-            value = info.get(key)
-            if isinstance(value, (int, float)):
-                return float(value)
-            if isinstance(value, str):
-                try:
-                    value = datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
-                except ValueError:
-                    continue
-            if isinstance(value, datetime.datetime):
-                return value.timestamp()
-        return None
+        None where it is not there or its store does not say): fsspec's ``modified``."""
+        def call() -> float | None:
+            try:
+                return self.fs.modified(url).timestamp()
+            except (FileNotFoundError, IsADirectoryError, NotImplementedError):
+                return None
+        return retried(f"looking up {url}", call)
 
     def names(self, url: str) -> list[str]:
         """Names directly under ``url`` (files and prefixes); [] when there are none."""
