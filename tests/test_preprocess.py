@@ -850,6 +850,8 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
      "seq_length is 1024.0 (float): it must be a whole number (write 1024)"),
     ("audio.max_duration", "nan", "modalities.audio.max_duration is 'nan' (str): it must be a "
      "number"),
+    ("audio.max_duration", float("inf"), "modalities.audio.max_duration is inf (float): it must "
+     "be a number"),                               # YAML's .inf
     ("image.merge_size", 2.5,
      "modalities.image.merge_size is 2.5 (float): it must be a whole number"),
     ("image.max_pixels", "200704",

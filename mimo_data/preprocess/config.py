@@ -249,13 +249,14 @@ def _typed(hint, value, key: str):
     is an empty one (``wrap: null``: no wrap)."""
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     for option in options:
-        if option is float and isinstance(value, str):
+        if option is float and isinstance(value, (str, float)):     # YAML's .nan, .inf too
             try:
                 number = float(value)
             except ValueError:
                 continue
             if math.isfinite(number):
                 return number
+            continue
         if option is tuple and isinstance(value, list):
             return tuple(value)
         if option is tuple and value is None:

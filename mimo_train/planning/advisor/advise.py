@@ -83,10 +83,9 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
         model = read_model(request.model, request.config, config, served, request.precision)
     except (TrainConfigError, OSError, ValueError) as error:
         raise ValueError(f"--model {request.model}: {error}") from None
-    packing = model.packing if model.packing is not None else request.packing
-    reason = refused(model, layout, request, packing)
+    reason = refused(model, layout, request, request.packing)   # (a checkpoint says none)
     return (None if reason is None else f"{reason} (whichever recompute, optimizer and "
-            "parallel settings the advisor tries)"), model.packing
+            "parallel settings the advisor tries)"), None
 
 
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
