@@ -327,7 +327,8 @@ def test_another_image_token_with_the_checkpoints_tokenizer_names_the_token(vlm_
     plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]", f"model.pretrained={VLM}",
                                            f"data.preprocess={preprocess}"]))
     with pytest.raises(TrainConfigError) as refused:     # as training's start-up checks it
-        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess))
+        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess),
+                            plan.vlm_tower_serves)
     assert str(refused.value).endswith(
         "set modalities.image.token: '<|image_pad|>' (the token of that id)"), refused.value
 
@@ -451,7 +452,7 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
     other.write_text(text)
     config = PreprocessConfig.from_yaml(str(other))
     with pytest.raises(TrainConfigError) as error:
-        check_preprocessing(read_vlm(str(VLM)), config, load_tokenizer(config))
+        check_preprocessing(read_vlm(str(VLM)), config, load_tokenizer(config), ("image",))
     for fragment in expected:
         assert fragment in str(error.value)
 
@@ -480,7 +481,8 @@ def test_an_image_tower_given_in_place_of_the_checkpoints_takes_its_own_geometry
                         plan.vlm_tower_serves)
     with pytest.raises(TrainConfigError, match="modalities.image has policy: fixed, but "
                        f"model.pretrained {VLM}'s tower takes policy: dynamic"):
-        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess))
+        check_preprocessing(plan.vlm, plan.preprocess, load_tokenizer(plan.preprocess),
+                            ("image",))     # the VLM's own tower, as without the SigLIP one
 
 
 def test_wrap_tokens_must_be_two_the_tokenizer_has(vlm_data):

@@ -263,7 +263,8 @@ def test_videos_written_otherwise_than_the_checkpoint_expects_are_refused(name, 
     video = dataclasses.replace(config.modalities["video"], **change)
     changed = dataclasses.replace(config, modalities={**config.modalities, "video": video})
     with pytest.raises(TrainConfigError) as error:
-        check_preprocessing(read_vlm(str(checkpoint)), changed, load_tokenizer(changed))
+        check_preprocessing(read_vlm(str(checkpoint)), changed, load_tokenizer(changed),
+                            ("image", "video"))
     assert expected in str(error.value)
 
 

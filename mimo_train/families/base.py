@@ -372,7 +372,7 @@ def _first_prefix(weights: CheckpointWeights, prefixes: Iterable[str]) -> str:
 
 
 def check_preprocessing(vlm: VLM, preprocess, tokenizer,
-                        tower_serves: Collection[str] = ("image", "video")) -> None:
+                        tower_serves: Collection[str]) -> None:
     """``TrainConfigError`` unless the preprocessing (its config and ``tokenizer``) writes an
     image as the checkpoint expects it: its image token, between its start and end tokens,
     with the positions its language model takes, and each item of the modalities its tower
