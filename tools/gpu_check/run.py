@@ -158,8 +158,12 @@ TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: o
 # steps of a case: the profiled ones last, the median over those between the warm-up and them
 STEPS, PROFILED, WARM = 7, 2, 2
 # tiny: a first step (the optimizer's moments made, the fused regions compiled) and a profiled
-# one; the peer's steps cost ~9 s each on the CPU (every token's logits over the 151,936 words)
+# one
 TINY_STEPS, TINY_PROFILED = 2, 1
+# tiny: images and clips' frames of 112 x 112 pixels at most (16 tokens each; the checkpoint's
+# default up to 16,384): a step's tokens, hence the peer's logits, a third (its steps 2.5 s
+# each with one thread, 9 s at the default)
+TINY_MAX_PIXELS = 112 * 112
 
 # A launcher runs ``python ARGV`` (``-m mimo_train ...`` as one torchrun rank, or the peer's
 # script) and returns its exit code: (argv, env, timeout_s, log) -> rc
@@ -369,7 +373,7 @@ model.save_pretrained(sys.argv[2])
 
 def preprocessing(check: Check, seq_length: int) -> Path:
     """The checkpoint's own preprocessing (``preprocessing_for``: its tokenizer, tokens,
-    geometry and default pixel budget) with ``seq_length``."""
+    geometry and default pixel budget; tiny: ``TINY_MAX_PIXELS``) with ``seq_length``."""
     import yaml
 
     from mimo_train.families.registry import preprocessing_for
@@ -378,6 +382,9 @@ def preprocessing(check: Check, seq_length: int) -> Path:
         config = preprocessing_for(str(check.checkpoints["2B"]))
         if not check.video:
             config["modalities"].pop("video", None)
+        if check.tiny:
+            for modality in config["modalities"].values():
+                modality["max_pixels"] = TINY_MAX_PIXELS
         path.write_text(yaml.safe_dump({**config, "seq_length": seq_length}, sort_keys=False))
     return path
 
@@ -700,7 +707,7 @@ def predicted_mib(check: Check, name: str, train_section: dict, packed: bool,
     result = advisor.evaluate(Candidate(Layout.parse(LAYOUTS[check.video]), settings))
     (memory,) = result.memory.values()            # one rank: the colocated modules
     return round(result.peak_bytes / 2**20, 1), {
-        part: round(gib, 2) for part, gib in memory.gib().items()}
+        part: round(gib, 3) for part, gib in memory.gib().items()}
 
 
 def probes_before(chosen: int) -> int:
