@@ -457,6 +457,38 @@ def test_preprocessing_that_writes_images_otherwise_is_refused(vlm_data, tmp_pat
         assert fragment in str(error.value)
 
 
+def test_a_checkpoint_without_tokenizer_files_takes_the_preprocessings(vlm_data, tmp_path,
+                                                                       capsys):
+    """Weights and processor saved without the tokenizer's files (a trainer's checkpoint; the
+    tokenizer kept elsewhere): the preprocessing config's tokenizer is the run's; a setting
+    that differs is named, not the tokenizer blamed as another model's (transformers makes an
+    empty tokenizer from such a folder, which knows none of the ids); ``--preprocessing-for``
+    on it is refused naming the files, not written with its tokens null."""
+    import shutil
+
+    from mimo_data.preprocess.chat_tokens import load_tokenizer
+    from mimo_train.cli import main
+    from mimo_train.families.base import check_preprocessing
+    from mimo_train.families.registry import read_vlm
+    for name in ("config.json", "preprocessor_config.json"):
+        shutil.copy(VLM / name, tmp_path / name)
+    _, preprocess, _ = vlm_data
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    check_preprocessing(read_vlm(str(tmp_path)), config, load_tokenizer(config), ("image",))
+    other = tmp_path / "preprocess.yaml"
+    other.write_text(preprocess.read_text().replace("patch_size: 14, merge_size: 2",
+                                                    "patch_size: 16, merge_size: 1"))
+    config = PreprocessConfig.from_yaml(str(other))
+    with pytest.raises(TrainConfigError, match="modalities.image has patch_size: 16, "
+                       "merge_size: 1, but model.pretrained"):
+        check_preprocessing(read_vlm(str(tmp_path)), config, load_tokenizer(config), ("image",))
+    assert main(["--preprocessing-for", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert not captured.out, captured.out
+    assert f"{tmp_path}'s tokenizer has no token " in captured.err, captured.err
+    assert "tokenizer files (tokenizer.json, tokenizer_config.json) are missing" in captured.err
+
+
 def test_an_image_tower_given_in_place_of_the_checkpoints_takes_its_own_geometry(vlm_data,
                                                                                  tmp_path):
     """A whole VLM's language model with another image tower (``model.encoders.image

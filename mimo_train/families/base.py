@@ -409,8 +409,11 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
         return None
     ids = [i for i in (vlm.image_token_id, *vlm.image_wrap_ids, vlm.video_token_id)
            if i is not None]
-    for i in ids:
-        theirs, ours = own.convert_ids_to_tokens(i), tokenizer.convert_ids_to_tokens(i)
+    known = {i: own.convert_ids_to_tokens(i) for i in ids}
+    if not any(known.values()):     # transformers makes an empty one where the files are not
+        return None
+    for i, theirs in known.items():
+        ours = tokenizer.convert_ids_to_tokens(i)
         if theirs != ours:
             said = "no token" if ours is None else repr(ours)
             return (f"the preprocessing config's tokenizer ({preprocess.tokenizer}) is not "

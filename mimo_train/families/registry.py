@@ -127,15 +127,25 @@ def preprocessing_for(path: str, key: str = "model.pretrained") -> dict:
     family = VLMS[vlm.family]
     geometry = family.image_geometry(config, image_processor[1])
     tokenizer = AutoTokenizer.from_pretrained(path)
-    wrap = {"wrap": tokenizer.convert_ids_to_tokens(list(vlm.image_wrap_ids))
+
+    def text(token_id: int, what: str) -> str:
+        found = tokenizer.convert_ids_to_tokens(token_id)
+        if found is None:       # transformers makes a tokenizer without its files too
+            raise TrainConfigError(
+                f"{path}'s tokenizer has no token {token_id} (the model's {what}): its "
+                "tokenizer files (tokenizer.json, tokenizer_config.json) are missing or of "
+                "another model; copy the checkpoint's own beside its config.json")
+        return found
+
+    wrap = {"wrap": [text(i, "image wrap token") for i in vlm.image_wrap_ids]
             } if vlm.image_wrap_ids else {}
-    modalities = {"image": {"token": tokenizer.convert_ids_to_tokens(vlm.image_token_id),
+    modalities = {"image": {"token": text(vlm.image_token_id, "image token"),
                             **wrap, **geometry}}
     if vlm.video_token_id is not None:
         # the video processor's own settings where the checkpoint saves them
         video_processor = processor_settings(directory, "video") or image_processor
         modalities["video"] = copy.deepcopy(   # no YAML anchors shared with the image's
-            {"token": tokenizer.convert_ids_to_tokens(vlm.video_token_id), **wrap,
+            {"token": text(vlm.video_token_id, "video token"), **wrap,
              **family.video_settings(config, video_processor[1])})
     template = _training_template(vlm.family, tokenizer.chat_template)
     return {"tokenizer": os.path.abspath(path) if os.path.isdir(path) else path,
