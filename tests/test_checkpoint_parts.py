@@ -158,3 +158,29 @@ def test_an_expert_range_reads_and_gives_only_those_experts(checkpoint):
     for name in {name for name, _ in fused}:
         # 2 of the experts, half of each (TP 2)
         assert sum(size for n, size in fused if n == name) == stored[name] * 2 // arch.experts // 2
+
+
+def test_a_folder_with_a_single_file_and_an_index_is_read_as_transformers_reads_it(tmp_path):
+    """A sharded save into a folder that held a single-file save leaves ``model.safetensors``
+    beside the index and its shards: transformers loads the single file, and so does mimo
+    (not the shards' other weights without a word)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from mimo_train.families.base import CheckpointWeights
+    model = Qwen2VLForConditionalGeneration.from_pretrained(MODELS / "tiny-qwen2-vl",
+                                                            dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(1.5)
+    model.save_pretrained(tmp_path, max_shard_size="2MB")
+    assert (tmp_path / "model.safetensors").exists() and \
+        (tmp_path / "model.safetensors.index.json").exists()
+    loaded = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path, dtype=torch.float32)
+    state, weights = loaded.state_dict(), CheckpointWeights(str(tmp_path))
+    # the names as transformers saves them (its older ones) and as its model holds them
+    for stored, held in (
+            ("lm_head.weight", "lm_head.weight"),
+            ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
+            ("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight")):
+        assert torch.equal(weights(stored), state[held]), stored

@@ -159,6 +159,10 @@ def test_a_bases_digest_covers_the_weight_files_transformers_loads(tmp_path, mon
         **shards, "model.safetensors.index.json": json.dumps(index).encode(),
         "consolidated.safetensors": b"mistral's copy"}))
     assert sharded == digests.weights_digest(model("shards", shards))
+    # a sharded save into a folder that held a single file leaves it: transformers loads it
+    assert digests.weights_digest(model("resaved", {
+        **shards, "model.safetensors.index.json": json.dumps(index).encode(),
+        "model.safetensors": b"w"})) == single
     # huggingface_hub's cache: snapshots/COMMIT/model.safetensors -> ../../blobs/SHA256
     repo = tmp_path / "hub" / "models--org--base"
     blobs, snapshot = repo / "blobs", repo / "snapshots" / "c0ffee"

@@ -147,9 +147,10 @@ def _size(path: str) -> int:
         return 0
 
 
-# the weight files transformers loads, in its order of preference: an index names the shards
-_WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
-                 ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+# the weight files transformers loads, in its order of preference (a single file before an
+# index, which names the shards)
+_WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 _BLOB = re.compile(r"[0-9a-f]{64}")
 
 
@@ -171,15 +172,15 @@ def weights_digest(path: str) -> str:
 
 def _loaded_weights(directory: str) -> list[str]:
     """The weight files of the transformers model ``directory``, sorted."""
-    for index, single in _WEIGHT_FILES:
+    for single, index in _WEIGHT_FILES:
+        if os.path.isfile(os.path.join(directory, single)):
+            return [single]
         if os.path.isfile(os.path.join(directory, index)):
             with open(os.path.join(directory, index)) as f:
                 shards = json.load(f).get("weight_map")
             if not isinstance(shards, dict):
                 raise ValueError(f"{os.path.join(directory, index)} has no weight_map")
             return sorted(set(shards.values()))
-        if os.path.isfile(os.path.join(directory, single)):
-            return [single]
     return sorted(name for name in os.listdir(directory)
                   if name.endswith((".safetensors", ".bin")))
 

@@ -238,11 +238,13 @@ class CheckpointWeights(Tensors):
         from safetensors import safe_open
         path = model_directory(path)
         index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
+        # transformers' order: the single file where both are (a sharded save into a folder
+        # that held a single file leaves it beside the index and the new shards)
+        if os.path.isfile(os.path.join(path, "model.safetensors")):
+            files = ["model.safetensors"]
+        elif os.path.isfile(index):
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
-        elif os.path.isfile(os.path.join(path, "model.safetensors")):
-            files = ["model.safetensors"]
         else:
             raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
                                    "safetensors shards)")
