@@ -184,3 +184,43 @@ def test_a_folder_with_a_single_file_and_an_index_is_read_as_transformers_reads_
             ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight"),
             ("visual.patch_embed.proj.weight", "model.visual.patch_embed.proj.weight")):
         assert torch.equal(weights(stored), state[held]), stored
+
+
+def test_weight_files_that_cannot_be_read_are_named_with_what_to_do(tmp_path):
+    """A git-lfs pointer where the weights should be (a clone without git-lfs), a shard cut
+    short, a shard the index names but the folder lacks, the weights only as a pickle: one
+    refusal naming the file and what to do, not safetensors' error from inside the build."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.base import CheckpointWeights
+    pointer = tmp_path / "pointer"
+    pointer.mkdir()
+    (pointer / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:4d7a\nsize 19736752\n")
+    with pytest.raises(TrainConfigError, match=r"model.pretrained .*pointer: model.safetensors "
+                       r"is not a whole safetensors file \(.*\): a git-lfs pointer, or a "
+                       "download cut short; download it again"):
+        CheckpointWeights(str(pointer), "model.pretrained")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file({"a": torch.ones(64, 64)}, sharded / names[0])
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": names[0], "b": names[1]}}))
+    with pytest.raises(TrainConfigError, match=f"{names[1]}, which its "
+                       "model.safetensors.index.json names, is missing"):
+        CheckpointWeights(str(sharded))
+    whole = (sharded / names[0]).read_bytes()
+    save_file({"b": torch.ones(64, 64)}, sharded / names[1])
+    (sharded / names[0]).write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(TrainConfigError, match=f"{names[0]} is not a whole safetensors file"):
+        CheckpointWeights(str(sharded))
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save({"a": torch.ones(2)}, pickled / "pytorch_model.bin")
+    with pytest.raises(TrainConfigError, match="holds no model.safetensors .*, only "
+                       "pytorch_model.bin: save it as safetensors"):
+        CheckpointWeights(str(pickled))

@@ -235,7 +235,6 @@ class CheckpointWeights(Tensors):
     errors)."""
 
     def __init__(self, path: str, key: str = "model.language.pretrained"):
-        from safetensors import safe_open
         path = model_directory(path)
         index = os.path.join(path, "model.safetensors.index.json")
         # transformers' order: the single file where both are (a sharded save into a folder
@@ -246,14 +245,30 @@ class CheckpointWeights(Tensors):
             with open(index) as f:
                 files = sorted(set(json.load(f)["weight_map"].values()))
         else:
-            raise TrainConfigError(f"{key} {path} holds no model.safetensors (nor an index of "
-                                   "safetensors shards)")
+            pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
+                       if os.path.isfile(os.path.join(path, n))]
+            raise TrainConfigError(
+                f"{key} {path} holds no model.safetensors (nor an index of safetensors shards)"
+                + (f", only {pickled[0]}: save it as safetensors (transformers' from_pretrained, "
+                   "then save_pretrained)" if pickled else ""))
         super().__init__(self.__call__)
         self.key, self.path = key, path
         self.files = {}
         for name in files:
-            handle = safe_open(os.path.join(path, name), framework="pt")
-            self.files.update({key: handle for key in handle.keys()})
+            self.files.update(dict.fromkeys((handle := self._open(name)).keys(), handle))
+
+    def _open(self, name: str):
+        from safetensors import SafetensorError, safe_open
+        try:
+            return safe_open(os.path.join(self.path, name), framework="pt")
+        except FileNotFoundError:
+            raise TrainConfigError(f"{self.key} {self.path}: {name}, which its "
+                                   "model.safetensors.index.json names, is missing: download "
+                                   "the checkpoint's files again") from None
+        except SafetensorError as exc:      # a git-lfs pointer, a download cut short
+            raise TrainConfigError(f"{self.key} {self.path}: {name} is not a whole safetensors "
+                                   f"file ({exc}): a git-lfs pointer, or a download cut short; "
+                                   "download it again") from None
 
     def __call__(self, name: str) -> torch.Tensor:
         return self._file(name).get_tensor(name).float()
