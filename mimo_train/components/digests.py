@@ -147,10 +147,6 @@ def _size(path: str) -> int:
         return 0
 
 
-# the weight files transformers loads, in its order of preference (a single file before an
-# index, which names the shards)
-_WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
-                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
 _BLOB = re.compile(r"[0-9a-f]{64}")
 
 
@@ -160,29 +156,15 @@ def weights_digest(path: str) -> str:
     name's) that of the names and digests of the weight files transformers loads (the
     safetensors where both formats are there; every ``.safetensors`` / ``.bin`` where no
     standard name is)."""
-    from mimo_train.families.base import model_directory
+    from mimo_train.families.base import loaded_weight_files, model_directory
     if os.path.isfile(os.path.join(path, MANIFEST)):
         return file_sha256(os.path.join(path, MANIFEST))
     directory = model_directory(path)
-    names = _loaded_weights(directory)
+    names = loaded_weight_files(directory) or sorted(
+        name for name in os.listdir(directory) if name.endswith((".safetensors", ".bin")))
     listing = "".join(f"{name}:{_file_digest(os.path.join(directory, name))}\n"
                       for name in names)
     return hashlib.sha256(listing.encode()).hexdigest()
-
-
-def _loaded_weights(directory: str) -> list[str]:
-    """The weight files of the transformers model ``directory``, sorted."""
-    for single, index in _WEIGHT_FILES:
-        if os.path.isfile(os.path.join(directory, single)):
-            return [single]
-        if os.path.isfile(os.path.join(directory, index)):
-            with open(os.path.join(directory, index)) as f:
-                shards = json.load(f).get("weight_map")
-            if not isinstance(shards, dict):
-                raise ValueError(f"{os.path.join(directory, index)} has no weight_map")
-            return sorted(set(shards.values()))
-    return sorted(name for name in os.listdir(directory)
-                  if name.endswith((".safetensors", ".bin")))
 
 
 def _file_digest(path: str) -> str:

@@ -228,6 +228,30 @@ class Tensors:
         return tuple(self.read(name).shape)
 
 
+# the weight files transformers loads, in its order of preference: a single file before an
+# index naming shards (a sharded save into a folder that held a single file leaves it there),
+# safetensors before pickles
+_WEIGHT_FILES = (("model.safetensors", "model.safetensors.index.json"),
+                 ("pytorch_model.bin", "pytorch_model.bin.index.json"))
+
+
+def loaded_weight_files(directory: str) -> list[str]:
+    """The weight files transformers loads from the model ``directory``, sorted ([]: none of
+    its names is there)."""
+    for single, index in _WEIGHT_FILES:
+        if os.path.isfile(os.path.join(directory, single)):
+            return [single]
+        path = os.path.join(directory, index)
+        if os.path.isfile(path):
+            with open(path) as f:
+                shards = json.load(f).get("weight_map")
+            if not isinstance(shards, dict):
+                raise TrainConfigError(f"{path} has no weight_map: download the checkpoint's "
+                                       "files again")
+            return sorted(set(shards.values()))
+    return []
+
+
 class CheckpointWeights(Tensors):
     """The tensors of a transformers checkpoint directory (safetensors), read on demand:
     whole in fp32 (``weights(name)``), or a part in the dtype stored (``part``: safetensors'
@@ -236,21 +260,12 @@ class CheckpointWeights(Tensors):
 
     def __init__(self, path: str, key: str = "model.language.pretrained"):
         path = model_directory(path)
-        index = os.path.join(path, "model.safetensors.index.json")
-        # transformers' order: the single file where both are (a sharded save into a folder
-        # that held a single file leaves it beside the index and the new shards)
-        if os.path.isfile(os.path.join(path, "model.safetensors")):
-            files = ["model.safetensors"]
-        elif os.path.isfile(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            pickled = [n for n in ("pytorch_model.bin", "pytorch_model.bin.index.json")
-                       if os.path.isfile(os.path.join(path, n))]
+        files = loaded_weight_files(path)
+        if not files or not files[0].endswith(".safetensors"):
             raise TrainConfigError(
                 f"{key} {path} holds no model.safetensors (nor an index of safetensors shards)"
-                + (f", only {pickled[0]}: save it as safetensors (transformers' from_pretrained, "
-                   "then save_pretrained)" if pickled else ""))
+                + (f", only {files[0]}: save it as safetensors (transformers' from_pretrained, "
+                   "then save_pretrained)" if files else ""))
         super().__init__(self.__call__)
         self.key, self.path = key, path
         self.files = {}
