@@ -41,3 +41,18 @@ def not_cached(name: str) -> str | None:
                 "HF_HUB_CACHE or HF_HOME naming the cache this machine reads, or give its "
                 "directory")
     return None
+
+
+def shadowed(name: str, key: str, beside: str) -> str | None:
+    """Why ``name``, the value of a YAML's ``key`` kept as a hub name because ``beside`` (its
+    path from the YAML's folder) does not exist, cannot be: the working directory holds a
+    folder of that name, which transformers would read instead of the hub cache, so the model
+    would depend on where the command runs (and a run's saved ``name`` would not be found from
+    elsewhere). None where the working directory has no such folder."""
+    folder = os.path.abspath(os.path.expanduser(name))
+    if not os.path.isdir(folder):
+        return None
+    return (f"{key}: {name} is not beside the YAML ({beside}), so it would be a hub name, but "
+            f"the working directory has a folder of that name ({folder}), which transformers "
+            "would read instead: paths in a YAML are taken from the YAML's folder. Write the "
+            f"folder's absolute path ({folder}) or its path from the YAML's folder")

@@ -68,6 +68,21 @@ def test_hub_names_stay_hub_names(tmp_path):
     assert config.tokenizer == "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+def test_a_tokenizer_name_found_only_in_the_working_directory_is_refused(tmp_path,
+                                                                        monkeypatch):
+    """``tokenizer: org/tok`` not beside the YAML would be a hub name, but transformers
+    would read the working directory's org/tok instead: refused, naming both folders."""
+    shutil.copytree(TOKENIZER, tmp_path / "org" / "tok")
+    path = _write(tmp_path / "configs" / "pre.yaml", tokenizer="org/tok")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as caught:
+        PreprocessConfig.from_yaml(str(path))
+    message = str(caught.value)
+    assert message.startswith(f"{path}: tokenizer: org/tok is not beside the YAML "
+                              f"({tmp_path / 'configs' / 'org' / 'tok'})"), message
+    assert f"({tmp_path / 'org' / 'tok'})" in message
+
+
 @pytest.mark.parametrize("value", ["assets/tokenizer/smollm2", "./tok", "../no/tokenizer"])
 def test_a_wrong_tokenizer_path_names_the_key_the_yaml_and_the_path(tmp_path, value):
     path = _write(tmp_path / "configs" / "pre.yaml", tokenizer=value)

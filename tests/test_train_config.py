@@ -530,6 +530,29 @@ def test_hub_names_stay_hub_names(tmp_path):
     assert cfg.model.encoders["audio"].pretrained == str(tmp_path / "local" / "vit")
 
 
+def test_a_name_not_beside_the_yaml_but_in_the_working_directory_is_refused(tmp_path,
+                                                                           monkeypatch):
+    """``model.pretrained: v/tiny`` with no v/tiny beside the YAML would be a hub name, but
+    transformers reads a folder v/tiny of the working directory first: the model would depend
+    on where the command runs (and the run's saved name be lost elsewhere). Refused, naming
+    both folders; from another directory the same YAML keeps it a hub name."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "v" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    text = MINIMAL + "model: {pretrained: v/tiny}\n"
+    message = load_error(tmp_path / "cfg", text)
+    assert message.startswith("model.pretrained: v/tiny is not beside the YAML "
+                              f"({tmp_path / 'cfg' / 'v' / 'tiny'})"), message
+    assert f"the working directory has a folder of that name ({tmp_path / 'v' / 'tiny'})" \
+        in message, message
+    monkeypatch.chdir(tmp_path / "cfg")
+    assert load(tmp_path / "cfg", text).model.pretrained == "v/tiny"
+    # an override is taken from the working directory: the folder, made absolute
+    monkeypatch.chdir(tmp_path)
+    assert load(tmp_path / "cfg", MINIMAL, "model.pretrained=v/tiny").model.pretrained == \
+        str(tmp_path / "v" / "tiny")
+
+
 @pytest.mark.parametrize("text, overrides, fragment", [
     ("data: {datasets: [a], preprocess: nope.yaml}\n", [], "data.preprocess: no such file: "
      "{tmp}/nope.yaml"),

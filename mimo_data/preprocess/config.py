@@ -63,6 +63,7 @@ import yaml
 
 from mimo_data.errors import ConfigError
 from mimo_data.files import load_yaml
+from mimo_data.hub import shadowed
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.preprocess.positions import POSITIONS
 
@@ -285,6 +286,9 @@ def _resolve(value: str, key: str, kind: str, yaml_path: str) -> str:
     """``value`` of ``key`` as an absolute path when it is one (against the YAML's folder)."""
     base = os.path.dirname(os.path.abspath(yaml_path))
     if not looks_like_path(value, base):
+        found = shadowed(value, key, os.path.join(base, value)) if key == "tokenizer" else None
+        if found is not None:
+            raise ConfigError(f"{yaml_path}: {found}")
         return value
     resolved = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
     exists = os.path.isdir(resolved) if kind == "directory" else os.path.isfile(resolved)

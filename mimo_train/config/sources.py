@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from mimo_data.files import load_yaml
+from mimo_data.hub import shadowed
 from mimo_data.shards.storage import is_remote, mistyped_url
 from mimo_train.errors import TrainConfigError
 
@@ -50,6 +51,9 @@ def _resolve(value: str, base: str, hub: bool, key: str, pattern: tuple) -> str:
     path = os.path.normpath(os.path.join(base, expanded))
     if hub and not (os.path.isabs(expanded) or value.startswith((".", "~"))
                     or os.path.exists(path)):
+        found = shadowed(value, key, path)
+        if found is not None:
+            raise TrainConfigError(found)
         return value                                  # a hub name, e.g. org/model
     return path
 
