@@ -131,6 +131,61 @@ def test_a_relative_path_in_the_yaml_is_taken_from_its_folder(tmp_path):
     assert plan.language.num_layers == 2 and plan.language.hidden_size == 64
 
 
+def test_a_peft_adapter_folder_given_as_the_model_names_its_base(tmp_path):
+    """PEFT's adapters saved alone (``save_pretrained`` of a PEFT model: adapter_config.json
+    and the adapters' weights, no config.json) given as the model: one refusal naming the
+    folder, its base and what to do, not transformers' "Should have a model_type key"."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from mimo_train.errors import TrainConfigError
+    base = str(model_dir("tiny-llama"))
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                          LoraConfig(r=2, target_modules=["q_proj"]))
+    peft.save_pretrained(tmp_path / "adapters")
+    with pytest.raises(TrainConfigError) as caught:
+        _load(f"model.language.pretrained={tmp_path / 'adapters'}")
+    message = str(caught.value)
+    assert message.startswith(f"model.language.pretrained: {tmp_path / 'adapters'} holds PEFT "
+                              "adapters alone (adapter_config.json, no config.json), not a "
+                              f"model: give their base ({base}) as the model"), message
+    assert "merge_and_unload" in message and "model_type" not in message
+
+
+def test_a_tied_checkpoint_storing_another_output_layer_is_refused(tmp_path):
+    """A tied checkpoint (``tie_word_embeddings: true``) whose file also stores an
+    ``lm_head.weight`` other than the embedding: transformers un-ties them (its model's output
+    layer is the stored one), so a tied mimo model would train another model: refused naming
+    the tensor and what to do. The same file storing the embedding as its head loads tied."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from mimo_train.errors import TrainConfigError
+    for name, head in (("other", "noise"), ("same", "embedding")):
+        folder = tmp_path / name
+        shutil.copytree(model_dir("tiny-qwen2"), folder)
+        weights = load_file(folder / "model.safetensors")
+        embedding = weights["model.embed_tokens.weight"]
+        assert "lm_head.weight" not in weights            # saved tied, as transformers saves
+        weights["lm_head.weight"] = (embedding.clone() if head == "embedding" else
+                                     torch.randn_like(embedding))
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+        reference = AutoModelForCausalLM.from_pretrained(folder)
+        assert torch.equal(reference.lm_head.weight, weights["lm_head.weight"])
+        assert (reference.lm_head.weight is reference.model.embed_tokens.weight) == \
+            (head == "embedding")
+    from mimo_train.families.registry import language_arch
+    with pytest.raises(TrainConfigError) as caught:        # read as the model's build reads it
+        language_arch(str(tmp_path / "other"))
+    assert str(caught.value).startswith(
+        f"model.language.pretrained: {tmp_path / 'other'}'s config.json ties the output layer "
+        "to the embedding (tie_word_embeddings: true), but its weights also hold a "
+        "lm_head.weight other than model.embed_tokens.weight"), caught.value
+    assert language_arch(str(tmp_path / "same")).tied
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
      "rope scaling 'yarn'"),

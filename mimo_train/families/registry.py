@@ -8,6 +8,7 @@ config with them). Family modules never import this module.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -175,6 +176,8 @@ def checkpoint_config(path: str, key: str):
                                "or a hub name already in the local cache)")
     if why := not_cached(path):
         raise TrainConfigError(f"{key}: {why}")
+    if why := _adapter_folder(path):
+        raise TrainConfigError(f"{key}: {why}")
     try:
         return _read_config(path)
     except (OSError, ValueError) as error:
@@ -182,6 +185,25 @@ def checkpoint_config(path: str, key: str):
             f"{key} is {path!r}, from which transformers cannot read a model config ({error}): "
             "give a model directory holding config.json (or a hub name already in the local "
             "cache)") from None
+
+
+def _adapter_folder(path: str) -> str | None:
+    """Why the directory ``path`` is no model to train from: PEFT's adapters saved alone
+    (``adapter_config.json``, no ``config.json``), whose base and what to do it names; None
+    otherwise."""
+    directory = os.path.expanduser(path)
+    adapter = os.path.join(directory, "adapter_config.json")
+    if not os.path.isfile(adapter) or os.path.exists(os.path.join(directory, "config.json")):
+        return None
+    try:
+        with open(adapter) as f:
+            base = json.load(f).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        base = None
+    return (f"{path} holds PEFT adapters alone (adapter_config.json, no config.json), not a "
+            f"model: give their base ({base or 'base_model_name_or_path in adapter_config.json'}) "
+            "as the model, or merge the adapters into it first (PEFT's merge_and_unload, then "
+            "save_pretrained; mimo-export without --adapters for a mimo run) and give that folder")
 
 
 @lru_cache(maxsize=16)

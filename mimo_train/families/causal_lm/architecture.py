@@ -12,7 +12,8 @@ from functools import lru_cache
 import torch
 
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import VLM, CheckpointWeights, checkpoint_value
+from mimo_train.families.base import (VLM, CheckpointWeights, checkpoint_value,
+                                      loaded_weight_files, model_directory)
 
 # model_type -> (qkv bias, qk-norm) of the families this package maps
 FAMILIES = {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True),
@@ -109,6 +110,28 @@ def read_architecture(path: str, key: str = "model.language.pretrained",
     return _read_architecture(path, key, vlm, weights)
 
 
+def _check_tying(weights: CheckpointWeights, embedding: str, head: str, path: str,
+                 key: str) -> None:
+    """``TrainConfigError`` where a tied checkpoint's weights also hold an output layer
+    ``head`` other than its ``embedding``: transformers then un-ties them (with a warning),
+    and a tied model would train another model than the checkpoint. Compared a block of rows
+    at a time (as transformers compares them: exactly), only where the head is stored."""
+    if head not in weights or embedding not in weights:
+        return
+    rows = weights.shape(embedding)[0]
+    same = weights.shape(head) == weights.shape(embedding) and all(
+        torch.equal(weights.part(head, (slice(i, i + 8192),)),
+                    weights.part(embedding, (slice(i, i + 8192),)))
+        for i in range(0, rows, 8192))
+    if not same:
+        raise TrainConfigError(
+            f"{key}: {path}'s config.json ties the output layer to the embedding "
+            f"(tie_word_embeddings: true), but its weights also hold a {head} other than "
+            f"{embedding}: transformers then un-ties them (with a warning); mimo does not "
+            f"guess. Set tie_word_embeddings to false in config.json to train both as stored, "
+            f"or remove {head} from the weights to tie them")
+
+
 @lru_cache(maxsize=8)
 def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> LanguageArch:
     from transformers import AutoConfig
@@ -120,6 +143,13 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
             prefix = held.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
             head = next((name for name in vlm.head_names if name in held), vlm.head_names[0])
         config = top.get_text_config()
+    # tying is the whole model's: transformers 5 ties a VLM's output layer by its top
+    # config's flag (which it sets from a text config that asks for it)
+    tied = bool(getattr(top, "tie_word_embeddings", False))
+    if tied and weights and any(name.endswith(".safetensors")
+                                for name in loaded_weight_files(model_directory(path))):
+        _check_tying(CheckpointWeights(path, key), prefix + "embed_tokens.weight", head, path,
+                     key)
     family = TEXT_FAMILIES.get(config.model_type, config.model_type)
     if family == "qwen3_moe" and vlm is None:
         raise TrainConfigError(f"{key}: {path} is a Qwen3-MoE language model alone, whose "
@@ -160,9 +190,7 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
         kv_channels=head_dim, vocab_size=value("vocab_size"),
         rotary_base=float(rope.get("rope_theta", 10000.0)), rope_scaling_factor=factor,
         norm_eps=float(value("rms_norm_eps")),
-        # tying is the whole model's: transformers 5 ties a VLM's output layer by its top
-        # config's flag (which it sets from a text config that asks for it)
-        tied=bool(getattr(top, "tie_word_embeddings", False)),
+        tied=tied,
         qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
         mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None,
         mrope_interleaved=config.model_type in INTERLEAVED_MROPE,
