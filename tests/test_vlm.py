@@ -191,6 +191,41 @@ def test_import_then_export_gives_back_every_weight_exactly(untrained_export):
         assert (untrained_export / name).is_file(), name
 
 
+def test_an_export_of_a_base_without_processor_files_says_so(colocated_step, tmp_path, capsys):
+    """A base saved without its processor files (a model saved alone, not its processor):
+    the run trains on its preprocessing config, and the export, which has no processor file
+    to copy, says so and what to do (transformers' ``AutoProcessor`` fails on it), rather
+    than nothing."""
+    import shutil
+
+    from transformers import AutoProcessor
+
+    from mimo_data.files import file_sha256
+    from mimo_train.hf.export import main
+    base = tmp_path / "base"
+    base.mkdir()
+    for each in VLM.iterdir():
+        if "processor" not in each.name:
+            (base / each.name).symlink_to(each)
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(colocated_step[1], checkpoint)
+    for meta in checkpoint.rglob("meta.json"):        # as if the run had named that base
+        data = json.loads(meta.read_text())
+        data["config"]["model"]["pretrained"] = str(base)
+        meta.write_text(json.dumps(data))
+        integrity = json.loads((meta.parent / "integrity.json").read_text())
+        integrity["files"]["meta.json"] = file_sha256(str(meta))
+        (meta.parent / "integrity.json").write_text(json.dumps(integrity))
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(checkpoint), "--output", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"note: the base {base} has no processor file (preprocessor_config.json or " \
+           f"processor_config.json), so neither has {out}" in said, said
+    assert not (out / "preprocessor_config.json").exists()
+    with pytest.raises(OSError, match="Can't load image processor"):
+        AutoProcessor.from_pretrained(out)
+
+
 def test_transformers_generate_on_the_export_equals_mimo_generate(untrained_export, corpus):
     """The export loads as ``AutoModelForImageTextToText``; its greedy ``generate`` on an
     image prompt built by transformers (image processor, the tokenizer's chat template) gives

@@ -216,6 +216,13 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise
     if log is not None:
         log(f"weights in {written}")
+        if plan.vlm is not None and not any(os.path.isfile(os.path.join(output, name))
+                                            for name in PROCESSOR_FILES):
+            files = " or ".join(PROCESSOR_FILES)
+            log(f"note: the base {plan.vlm.path} has no processor file ({files}), so neither "
+                f"has {output}: AutoProcessor.from_pretrained fails on it; copy the processor "
+                "files of the model the base was made from into it (the run preprocessed as "
+                "its preprocessing config says)")
     return output
 
 
@@ -635,6 +642,8 @@ def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype
 VIDEO_PROCESSOR = "video_preprocessor_config.json"
 # transformers 5 saves a processor as this one file, each part's settings in its own section
 NESTED_PROCESSOR = "processor_config.json"
+# the files transformers builds a VLM's processor from (an image processor's, or the nested)
+PROCESSOR_FILES = ("preprocessor_config.json", NESTED_PROCESSOR)
 
 
 # the files a transformers tokenizer is saved as (a Hub checkpoint ships some of them)
@@ -696,7 +705,7 @@ def _name_processor(out: str, pretrained: str) -> None:
 
     from mimo_train.families.base import model_directory
     if any("processor_class" in (_json_section(os.path.join(out, name)) or {})
-           for name in ("preprocessor_config.json", NESTED_PROCESSOR)):
+           for name in PROCESSOR_FILES):
         return
     base = _json_section(os.path.join(model_directory(pretrained), "config.json")) or {}
     named = PROCESSOR_MAPPING_NAMES.get(base.get("model_type", ""))
