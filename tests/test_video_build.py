@@ -430,10 +430,12 @@ def test_a_folder_of_frames_is_one_clip_of_its_jpegs(capsys, tmp_path, frames_fo
     (_, _, members), *others = all_samples(tmp_path / "out")
     assert all(other["vid0.mkv"] == members["vid0.mkv"] for _, _, other in others)
     assert members["vid0.mkv"] == frames_clip(str(folder), 2.0)
-    [item] = json.loads(members["json"])["media"]
-    assert {k: item[k] for k in ("member", "codec", "frames", "fps", "duration", "path")} == {
-        "member": "vid0.mkv", "codec": "mjpeg", "frames": len(frames), "fps": 2.0,
-        "duration": len(frames) / 2, "path": str(folder)}
+    # each names the frames' folder: a list of its files (as given or file:// URLs) too
+    for _, _, each in all_samples(tmp_path / "out"):
+        [item] = json.loads(each["json"])["media"]
+        assert {k: item[k] for k in ("member", "codec", "frames", "fps", "duration", "path")} \
+            == {"member": "vid0.mkv", "codec": "mjpeg", "frames": len(frames), "fps": 2.0,
+                "duration": len(frames) / 2, "path": str(folder)}
     with av.open(io.BytesIO(members["vid0.mkv"])) as clip:
         stream = clip.streams.video[0]
         packets = [(bytes(p), float(p.pts * p.time_base)) for p in clip.demux(stream) if p.size]

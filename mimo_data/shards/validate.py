@@ -88,10 +88,10 @@ def _base64(text: str, what: str) -> bytes:
 
 def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bool = False
                 ) -> tuple[bytes, str | None, str | None, bool]:
-    """Bytes, original path and resolved file (None for embedded bytes and a clip made of
-    frames) of a media reference (a path, bytes or ``{bytes, path}``; a ``video``'s also a
-    list of its frame files), and whether it named frames made one clip (a folder or a list
-    of them, with ``frames_fps``)."""
+    """Bytes, original path (a frame list's: ``_frames_path``) and resolved file (None for
+    embedded bytes and a clip made of frames) of a media reference (a path, bytes or
+    ``{bytes, path}``; a ``video``'s also a list of its frame files), and whether it named
+    frames made one clip (a folder or a list of them, with ``frames_fps``)."""
     path = None
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
@@ -112,8 +112,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
             raise RecordError("missing_media", f"a video given as {len(ref)} frame files "
                               f"({ref[0][:80]!r}, ...): a video's frames are read with "
                               "--frames-fps, the rate they were taken at")
-        frames = [_local_path(item, media_root)[1] for item in ref]
-        return _clip_of(frames, frames_fps), None, None, True
+        given, frames = zip(*(_local_path(item, media_root) for item in ref))
+        return _clip_of(list(frames), frames_fps), _frames_path(list(given)), None, True
     if not path or not isinstance(path, str):
         raise RecordError("malformed_record", f"media reference {str(ref)[:80]!r} has neither "
                           "bytes nor a path")
@@ -134,6 +134,13 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
                           "(LLaVA-Hound's: 2, TVQA's: 3)") from None
     except (OSError, ValueError) as exc:  # ValueError: e.g. a NUL in the path
         raise RecordError("missing_media", f"cannot read media file {full!r}: {exc}") from None
+
+
+def _frames_path(given: list[str]) -> str:
+    """The path a list of frame files is named by in messages and the sample's media: the
+    folder they share (as a frames folder is named), else the first frame's."""
+    folders = {os.path.dirname(path) for path in given}
+    return folders.pop() if len(folders) == 1 and "" not in folders else given[0]
 
 
 def _local_path(path: str, media_root: str) -> tuple[str, str]:
