@@ -277,6 +277,10 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert Path(where).parent == tmp_path / "cache" / "indexes"
     assert (Path(where) / "index.json").is_file()
     assert _listing(pairs.src) == pairs.listing
+    # again: the folder it names is the cache's, not an --output the command was not given
+    code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
+    assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \
+        "an index; train from it as it is, pass --overwrite" in err, err
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", pairs.src / "idx")
     assert code == 2 and "nothing is written beside the shards" in err
     # two folders (two downloads), or a folder and a tar: one folder at a time, not a traceback

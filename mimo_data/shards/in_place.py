@@ -243,22 +243,27 @@ def default_output(sources: list[str]) -> str:
     return cache.external_directory(given, root)
 
 
-def _output_folder(output: str) -> None:
+def _named(output: str, given: bool) -> str:
+    """The output folder as messages name it: the option given, or the cache's folder."""
+    return f"--output {output}" if given else f"the index folder {output} (no --output given)"
+
+
+def _output_folder(output: str, named: str) -> None:
     if os.path.exists(output) and not os.path.isdir(output):
-        raise IndexInputError(f"{output} exists and is not a directory")
+        raise IndexInputError(f"{named} exists and is not a directory")
     try:
         os.makedirs(output, exist_ok=True)
     except OSError as exc:          # a file where a parent folder should be, no permission
-        raise IndexInputError(f"cannot create --output {output}: {exc}") from None
+        raise IndexInputError(f"cannot create {named}: {exc}") from None
 
 
-def _prepare_output(output: str, overwrite: bool) -> list[str]:
+def _prepare_output(output: str, named: str, overwrite: bool) -> list[str]:
     """Make the claimed folder ``output`` ready for an indexing; return the names of an old
     index that stays there until the new one is complete ([]: none)."""
     names = set(os.listdir(output))
     if INDEX_FILE in names and not overwrite:
-        raise IndexInputError(f"{output} already holds an index; pass --overwrite to index again "
-                              "or choose another --output")
+        raise IndexInputError(f"{named} already holds an index; train from it as it is, pass "
+                              "--overwrite to index again, or give another --output")
     foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
     if foreign:
         raise IndexInputError(f"{output} holds files an index did not write "
@@ -421,26 +426,28 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
         raise IndexInputError(f"--output {output}: the index goes to a local directory (the "
                               "tars may be at a URL)")
     source = resolve(sources, options, storage_options)
+    given = output is not None
     if output is None:
         output = default_output(sources)
         say(f"no --output: the index goes to {output}")
     output = os.path.abspath(storage.local_path(output))
+    named = _named(output, given)
     if not storage.is_remote(source.root) and \
             os.path.commonpath([output, source.root]) == source.root:
-        raise IndexInputError(f"--output {output} lies inside the shards' folder {source.root}: "
+        raise IndexInputError(f"{named} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
-    _output_folder(output)
+    _output_folder(output, named)
     with claim.held(output, "mimo-shard index"):
-        return _index_claimed(source, output, options, storage_options)
+        return _index_claimed(source, output, named, options, storage_options)
 
 
-def _index_claimed(source: Source, output: str, options: IndexOptions,
+def _index_claimed(source: Source, output: str, named: str, options: IndexOptions,
                    storage_options: dict | None) -> dict:
-    old = _prepare_output(output, options.overwrite)
+    old = _prepare_output(output, named, options.overwrite)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
-        raise IndexInputError(f"cannot write into --output {output}: {exc}") from None
+        raise IndexInputError(f"cannot write into {named}: {exc}") from None
     try:
         built, summary, rate = _index_into(staging, source, options, storage_options)
     except BaseException as exc:
