@@ -186,6 +186,50 @@ def test_a_tied_checkpoint_storing_another_output_layer_is_refused(tmp_path):
     assert language_arch(str(tmp_path / "same")).tied
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-vl"])
+def test_a_tied_checkpoint_storing_only_its_output_layer_is_refused_with_how_to_resave(
+        tmp_path, name):
+    """A tied checkpoint whose file stores ``lm_head.weight`` and no embedding: transformers
+    ties the embedding to the stored output layer; mimo, which reads the embedding, refuses
+    it saying how to save it again, and the folder saved so loads tied, its embedding the
+    stored output layer. A causal LM's, and a VLM's (its published layout's names; the
+    fixture made tied)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.base import CheckpointWeights
+    from mimo_train.families.registry import language_arch
+    folder = tmp_path / "head-only"
+    shutil.copytree(model_dir(name), folder)
+    config = json.loads((folder / "config.json").read_text())
+    for section in (config, config.get("text_config", {})):
+        section["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = load_file(folder / "model.safetensors")
+    head = weights.pop("model.embed_tokens.weight") + 1.0      # not the fixture's embedding
+    weights["lm_head.weight"] = head
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    auto = AutoModelForImageTextToText if name.endswith("-vl") else AutoModelForCausalLM
+    reference = auto.from_pretrained(folder)
+    assert reference.lm_head.weight is reference.get_input_embeddings().weight
+    assert torch.equal(reference.get_input_embeddings().weight, head)
+    with pytest.raises(TrainConfigError) as caught:
+        language_arch(str(folder))
+    assert str(caught.value).startswith(
+        f"model.language.pretrained: {folder}'s config.json ties the output layer to the "
+        "embedding (tie_word_embeddings: true) and its weights store the output layer "
+        "(lm_head.weight) but not model.embed_tokens.weight: transformers loads the output "
+        "layer as both"), caught.value
+    reference.save_pretrained(tmp_path / "saved")             # as the message says
+    assert language_arch(str(tmp_path / "saved")).tied
+    saved = CheckpointWeights(str(tmp_path / "saved"))
+    embedding = next(n for n in saved.files if n.endswith("embed_tokens.weight"))
+    assert torch.equal(saved.part(embedding), head)
+
+
 @pytest.mark.parametrize("change, message", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
      "rope scaling 'yarn'"),

@@ -115,7 +115,15 @@ def _check_tying(weights: CheckpointWeights, embedding: str, head: str, path: st
     """``TrainConfigError`` where a tied checkpoint's weights also hold an output layer
     ``head`` other than its ``embedding``: transformers then un-ties them (with a warning),
     and a tied model would train another model than the checkpoint. Compared a block of rows
-    at a time (as transformers compares them: exactly), only where the head is stored."""
+    at a time (as transformers compares them: exactly), only where the head is stored. Where
+    it stores the head alone, transformers ties the embedding to it: refused, how to re-save."""
+    if head in weights and embedding not in weights:
+        raise TrainConfigError(
+            f"{key}: {path}'s config.json ties the output layer to the embedding "
+            f"(tie_word_embeddings: true) and its weights store the output layer ({head}) "
+            f"but not {embedding}: transformers loads the output layer as both, mimo reads "
+            "the embedding. Save it again as transformers saves tied weights "
+            "(from_pretrained, then save_pretrained into another folder) and give that folder")
     if head not in weights or embedding not in weights:
         return
     rows = weights.shape(embedding)[0]
@@ -137,15 +145,21 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
     from transformers import AutoConfig
     top = AutoConfig.from_pretrained(path)
     config, prefix, head = top, "model.", "lm_head.weight"
-    if vlm is not None:
-        if weights:
-            held = CheckpointWeights(path, key)
-            prefix = held.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
-            head = next((name for name in vlm.head_names if name in held), vlm.head_names[0])
-        config = top.get_text_config()
     # tying is the whole model's: transformers 5 ties a VLM's output layer by its top
     # config's flag (which it sets from a text config that asks for it)
     tied = bool(getattr(top, "tie_word_embeddings", False))
+    if vlm is not None:
+        if weights:
+            held = CheckpointWeights(path, key)
+            head = next((name for name in vlm.head_names if name in held), vlm.head_names[0])
+            try:
+                prefix = held.prefix_of(vlm.language_prefixes, "embed_tokens.weight")
+            except TrainConfigError:
+                if not (tied and head in held):
+                    raise
+                # the head alone, tied: the tying's check below names the missing embedding
+                prefix = held.prefix_of(vlm.language_prefixes, "norm.weight")
+        config = top.get_text_config()
     if tied and weights and any(name.endswith(".safetensors")
                                 for name in loaded_weight_files(model_directory(path))):
         _check_tying(CheckpointWeights(path, key), prefix + "embed_tokens.weight", head, path,
