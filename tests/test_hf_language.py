@@ -187,20 +187,20 @@ def test_a_tied_checkpoint_storing_another_output_layer_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen2-vl"])
-def test_a_tied_checkpoint_storing_only_its_output_layer_is_refused_with_how_to_resave(
+def test_a_tied_checkpoint_storing_only_its_output_layer_loads_as_transformers_ties_it(
         tmp_path, name):
     """A tied checkpoint whose file stores ``lm_head.weight`` and no embedding: transformers
-    ties the embedding to the stored output layer; mimo, which reads the embedding, refuses
-    it saying how to save it again, and the folder saved so loads tied, its embedding the
-    stored output layer. A causal LM's, and a VLM's (its published layout's names; the
-    fixture made tied)."""
+    ties the embedding to the stored output layer (it swaps the pair), and so does mimo: its
+    megatron weights are those of the folder transformers saves from it (which stores the
+    embedding), every tensor equal, the embedding and output layer the stored head. A causal
+    LM's, and a VLM's (its published layout's names; the fixture made tied)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from mimo_train.errors import TrainConfigError
     from mimo_train.families.base import CheckpointWeights
+    from mimo_train.families.causal_lm import to_megatron
     from mimo_train.families.registry import language_arch
     folder = tmp_path / "head-only"
     shutil.copytree(model_dir(name), folder)
@@ -216,18 +216,22 @@ def test_a_tied_checkpoint_storing_only_its_output_layer_is_refused_with_how_to_
     reference = auto.from_pretrained(folder)
     assert reference.lm_head.weight is reference.get_input_embeddings().weight
     assert torch.equal(reference.get_input_embeddings().weight, head)
-    with pytest.raises(TrainConfigError) as caught:
-        language_arch(str(folder))
-    assert str(caught.value).startswith(
-        f"model.language.pretrained: {folder}'s config.json ties the output layer to the "
-        "embedding (tie_word_embeddings: true) and its weights store the output layer "
-        "(lm_head.weight) but not model.embed_tokens.weight: transformers loads the output "
-        "layer as both"), caught.value
-    reference.save_pretrained(tmp_path / "saved")             # as the message says
-    assert language_arch(str(tmp_path / "saved")).tied
-    saved = CheckpointWeights(str(tmp_path / "saved"))
-    embedding = next(n for n in saved.files if n.endswith("embed_tokens.weight"))
-    assert torch.equal(saved.part(embedding), head)
+    reference.save_pretrained(tmp_path / "saved")             # the embedding stored
+    states = []
+    for path in (folder, tmp_path / "saved"):
+        arch = language_arch(str(path))
+        assert arch.tied
+        held = CheckpointWeights(str(path))
+        states.append(to_megatron(held, arch, tp_rank=0, tp_size=1,
+                                  layers=range(arch.num_layers), first_stage=True,
+                                  last_stage=True, vocab_size=arch.vocab_size,
+                                  has=held.__contains__))
+    ours, theirs = states
+    assert set(ours) == set(theirs)
+    for key, value in theirs.items():
+        assert torch.equal(ours[key].float(), value.float()), key
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        assert torch.equal(ours[key].float(), head.float()), key
 
 
 @pytest.mark.parametrize("change, message", [

@@ -94,6 +94,13 @@ class LanguageArch:
     mtp_layers: int = 0
     prefix: str = "model."          # of the decoder's weight names (a VLM: its language model's)
     head: str = "lm_head.weight"    # the output layer's weight name
+    # a tied checkpoint storing its output layer alone: the embedding is read from it
+    embedding_stored_as: str | None = None
+
+    @property
+    def embedding(self) -> str:
+        """The name the checkpoint's word embeddings are read from."""
+        return self.embedding_stored_as or self.prefix + "embed_tokens.weight"
 
     def linear_layer(self, layer: int) -> bool:
         """Whether global ``layer`` is a gated delta-net (linear attention) layer."""
@@ -110,22 +117,19 @@ def read_architecture(path: str, key: str = "model.language.pretrained",
     return _read_architecture(path, key, vlm, weights)
 
 
-def _check_tying(weights: CheckpointWeights, embedding: str, head: str, path: str,
-                 key: str) -> None:
-    """``TrainConfigError`` where a tied checkpoint's weights also hold an output layer
-    ``head`` other than its ``embedding``: transformers then un-ties them (with a warning),
-    and a tied model would train another model than the checkpoint. Compared a block of rows
-    at a time (as transformers compares them: exactly), only where the head is stored. Where
-    it stores the head alone, transformers ties the embedding to it: refused, how to re-save."""
+def _tied_embedding(weights: CheckpointWeights, embedding: str, head: str, path: str,
+                    key: str) -> str | None:
+    """The name a tied checkpoint stores its embedding under where that is not ``embedding``:
+    ``head``, where its weights hold the output layer alone (transformers then ties the
+    embedding to it, swapping the pair); None otherwise. ``TrainConfigError`` where its
+    weights also hold an output layer ``head`` other than its ``embedding``: transformers then
+    un-ties them (with a warning), and a tied model would train another model than the
+    checkpoint. Compared a block of rows at a time (as transformers compares them: exactly),
+    only where the head is stored."""
     if head in weights and embedding not in weights:
-        raise TrainConfigError(
-            f"{key}: {path}'s config.json ties the output layer to the embedding "
-            f"(tie_word_embeddings: true) and its weights store the output layer ({head}) "
-            f"but not {embedding}: transformers loads the output layer as both, mimo reads "
-            "the embedding. Save it again as transformers saves tied weights "
-            "(from_pretrained, then save_pretrained into another folder) and give that folder")
+        return head
     if head not in weights or embedding not in weights:
-        return
+        return None
     rows = weights.shape(embedding)[0]
     same = weights.shape(head) == weights.shape(embedding) and all(
         torch.equal(weights.part(head, (slice(i, i + 8192),)),
@@ -138,6 +142,7 @@ def _check_tying(weights: CheckpointWeights, embedding: str, head: str, path: st
             f"{embedding}: transformers then un-ties them (with a warning); mimo does not "
             f"guess. Set tie_word_embeddings to false in config.json to train both as stored, "
             f"or remove {head} from the weights to tie them")
+    return None
 
 
 @lru_cache(maxsize=8)
@@ -157,13 +162,14 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
             except TrainConfigError:
                 if not (tied and head in held):
                     raise
-                # the head alone, tied: the tying's check below names the missing embedding
+                # the head alone, tied (``_tied_embedding``): the final norm's prefix
                 prefix = held.prefix_of(vlm.language_prefixes, "norm.weight")
         config = top.get_text_config()
+    stored_as = None
     if tied and weights and any(name.endswith(".safetensors")
                                 for name in loaded_weight_files(model_directory(path))):
-        _check_tying(CheckpointWeights(path, key), prefix + "embed_tokens.weight", head, path,
-                     key)
+        stored_as = _tied_embedding(CheckpointWeights(path, key), prefix + "embed_tokens.weight",
+                                    head, path, key)
     family = TEXT_FAMILIES.get(config.model_type, config.model_type)
     if family == "qwen3_moe" and vlm is None:
         raise TrainConfigError(f"{key}: {path} is a Qwen3-MoE language model alone, whose "
@@ -206,6 +212,7 @@ def _read_architecture(path: str, key: str, vlm: VLM | None, weights: bool) -> L
         norm_eps=float(value("rms_norm_eps")),
         tied=tied,
         qkv_bias=qkv_bias, qk_norm=qk_norm, prefix=prefix, head=head,
+        embedding_stored_as=stored_as,
         mrope_section=tuple(rope["mrope_section"]) if rope.get("mrope_section") else None,
         mrope_interleaved=config.model_type in INTERLEAVED_MROPE,
         **(dict(experts=config.num_experts, experts_per_token=config.num_experts_per_tok,

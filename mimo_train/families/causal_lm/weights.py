@@ -106,11 +106,11 @@ def to_megatron_by_layer(hf: Callable[[str], torch.Tensor] | Tensors, arch: Lang
     state = {}
     if first_stage:
         state["embedding.word_embeddings.weight"] = _vocabulary_rows(
-            parts, arch.prefix + "embed_tokens.weight", vocab_size)
+            parts, arch.embedding, vocab_size)
     if last_stage:
         state["decoder.final_layernorm.weight"] = parts.whole(arch.prefix + "norm.weight")
         untied = not arch.tied and (has is None or has(arch.head))
-        output = arch.head if untied else arch.prefix + "embed_tokens.weight"
+        output = arch.head if untied else arch.embedding
         state["output_layer.weight"] = _vocabulary_rows(parts, output, vocab_size)
     yield state
 
