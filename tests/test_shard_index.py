@@ -280,7 +280,17 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     # again: the folder it names is the cache's, not an --output the command was not given
     code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
     assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \
-        "an index; train from it as it is, pass --overwrite" in err, err
+        "an index of these tars; train from it as it is, pass --overwrite" in err, err
+    # the folder grown by a tar since (a copy: the fixture's stays as it is): said, not "as it is"
+    grown = tmp_path / "grown"
+    shutil.copytree(pairs.src, grown)
+    assert cli_main(capsys, "index", grown, "-o", tmp_path / "grown-idx", "--workers", "0",
+                    "--no-progress")[0] == 0
+    shutil.copy(grown / "pairs-000000.tar", grown / "pairs-000009.tar")
+    code, _, err = cli_main(capsys, "index", grown, "-o", tmp_path / "grown-idx")
+    assert code == 2 and f"--output {tmp_path / 'grown-idx'} already holds an index of other " \
+        "tars: the sources now have 1 tar(s) it lacks (pairs-000009.tar); pass --overwrite" \
+        in err, err
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", pairs.src / "idx")
     assert code == 2 and "nothing is written beside the shards" in err
     # two folders (two downloads), or a folder and a tar: one folder at a time, not a traceback
@@ -1036,7 +1046,7 @@ def test_a_tar_of_another_layout_than_the_first_is_refused_by_name(corpus_photos
                             "--workers", "0", "--no-progress")
     assert code == 2 and f"{tmp_path / 'src' / 'b.tar'}: its samples are conversations, and " \
         "those of a.tar, which the layout was detected from, caption pairs" in err, err
-    assert not (tmp_path / "idx" / "index.json").exists()
+    assert not (tmp_path / "idx").exists()       # the folder it made is not left behind
     code, _, err = cli_main(capsys, "index", tmp_path / "src", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress", "--layout", "pairs")
     assert code == 0 and "1 record skipped (missing_text 1)" in err, err

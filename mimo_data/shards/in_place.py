@@ -248,22 +248,25 @@ def _named(output: str, given: bool) -> str:
     return f"--output {output}" if given else f"the index folder {output} (no --output given)"
 
 
-def _output_folder(output: str, named: str) -> None:
+def _output_folder(output: str, named: str) -> bool:
+    """Make the folder ``output`` where it is missing; whether this call made it."""
     if os.path.exists(output) and not os.path.isdir(output):
         raise IndexInputError(f"{named} exists and is not a directory")
     try:
-        os.makedirs(output, exist_ok=True)
+        os.makedirs(output)
+    except FileExistsError:
+        return False
     except OSError as exc:          # a file where a parent folder should be, no permission
         raise IndexInputError(f"cannot create {named}: {exc}") from None
+    return True
 
 
-def _prepare_output(output: str, named: str, overwrite: bool) -> list[str]:
-    """Make the claimed folder ``output`` ready for an indexing; return the names of an old
-    index that stays there until the new one is complete ([]: none)."""
+def _prepare_output(output: str, named: str, overwrite: bool, source: Source) -> list[str]:
+    """Make the claimed folder ``output`` ready for an indexing of ``source``; return the
+    names of an old index that stays there until the new one is complete ([]: none)."""
     names = set(os.listdir(output))
     if INDEX_FILE in names and not overwrite:
-        raise IndexInputError(f"{named} already holds an index; train from it as it is, pass "
-                              "--overwrite to index again, or give another --output")
+        raise IndexInputError(f"{named} already holds an index{_changed(output, source)}")
     foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
     if foreign:
         raise IndexInputError(f"{output} holds files an index did not write "
@@ -436,14 +439,41 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"{named} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
-    _output_folder(output, named)
-    with claim.held(output, "mimo-shard index"):
-        return _index_claimed(source, output, named, options, storage_options)
+    created = _output_folder(output, named)
+    try:
+        with claim.held(output, "mimo-shard index"):
+            return _index_claimed(source, output, named, options, storage_options)
+    finally:
+        if created and os.path.isdir(output) and not os.listdir(output):
+            os.rmdir(output)         # an indexing refused in the folder it made
+
+
+def _changed(output: str, source: Source) -> str:
+    """What an index already in ``output`` is, said against the tars of ``source``, and
+    what to do."""
+    try:
+        with open(os.path.join(output, INDEX_FILE)) as f:
+            old = json.load(f)
+        held = {shard["name"] for shard in old["shards"]}
+        root = old["shard_root"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "; pass --overwrite to index again, or give another --output"
+    again = "pass --overwrite to index them again, or give another --output"
+    if root != source.root:
+        return f" of other tars (those at {root}); {again}"
+    added, gone = sorted(set(source.shards) - held), sorted(held - set(source.shards))
+    if not added and not gone:
+        return f" of these tars; train from it as it is, {again}"
+    changes = [f"{how} {len(names)} tar(s) {which} ({', '.join(names[:3])}"
+               f"{' ...' * (len(names) > 3)})"
+               for names, how, which in ((added, "have", "it lacks"), (gone, "lack", "it holds"))
+               if names]
+    return f" of other tars: the sources now {' and '.join(changes)}; {again}"
 
 
 def _index_claimed(source: Source, output: str, named: str, options: IndexOptions,
                    storage_options: dict | None) -> dict:
-    old = _prepare_output(output, named, options.overwrite)
+    old = _prepare_output(output, named, options.overwrite, source)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
