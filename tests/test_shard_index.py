@@ -277,6 +277,9 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert Path(where).parent == tmp_path / "cache" / "indexes"
     assert (Path(where) / "index.json").is_file()
     assert _listing(pairs.src) == pairs.listing
+    code, out, _ = cli_main(capsys, "info", where)              # says where the tars are
+    assert code == 0 and f"\ntars      {pairs.src} (indexed where they are" in out, out
+    assert "\nindexed   " in out and "\nbuild " not in out, out
     # again: the folder it names is the cache's, not an --output the command was not given
     code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
     assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \

@@ -66,7 +66,9 @@ def dataset_info(directory: str) -> dict:
                                         skipped["skipped_by_reason"].items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             pass                      # the totals stand; verify names a damaged report
-    return {"name": index["name"], "directory": directory, **index["totals"],
+    # an index of tars read where they are: where (its tars are not beside it)
+    root = {"shard_root": index["shard_root"]} if index.get("shard_root") else {}
+    return {"name": index["name"], "directory": directory, **index["totals"], **root,
             "modalities": index["modalities"], "report": report,
             "beside": [name for name in (FAILED_REPORT_FILE, STAGING_DIR)
                        if storage.exists(storage.join(directory, name))],
@@ -93,7 +95,10 @@ def format_info(info: dict) -> str:
     lines = [
         f"dataset   {info['name']}  ({info['directory']})",
         f"samples   {info['samples']}  in {info['shards']} shard(s), {info['bytes'] / 1e6:.1f} MB",
-        f"build     {report['records_read']} record{'s' if report['records_read'] != 1 else ''} "
+        *([f"tars      {info['shard_root']} (indexed where they are; mimo-shard verify checks "
+           "they are there as indexed)"] if "shard_root" in info else []),
+        f"{'indexed' if 'shard_root' in info else 'build':<9} {report['records_read']} "
+        f"record{'s' if report['records_read'] != 1 else ''} "
         f"read, {report['records_skipped']} skipped"
         + (" (" + ", ".join(f"{reason} {count}" for reason, count in
                             report["skipped_counts"].items()) + ")"
