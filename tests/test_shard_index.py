@@ -1011,6 +1011,8 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
         == (4, 3, 1)
     [skip] = report["skipped_by_reason"]["duplicate_key"]["first"]
     assert skip["location"] == "b.tar:1"
+    assert skip["detail"].startswith("the key occurs in an earlier tar too (a.tar), whose "
+                                     "sample is kept"), skip
 
 
 def test_a_key_in_two_tars_leaves_the_report_counts_of_the_kept_sample(corpus, tmp_path):

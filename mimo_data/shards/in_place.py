@@ -320,11 +320,10 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
     if not len(repeated):
         return Counter()
     candidates = np.flatnonzero(np.isin(hashes, repeated))
-    keys = _keys_at(path, candidates)
-    first: dict[str, int] = {}
+    first: dict[str, tuple[int, str]] = {}      # key -> the kept sample's position and tar
     keep = np.ones(len(hashes), bool)
-    for position, key in zip(candidates.tolist(), keys):    # in position order
-        if first.setdefault(key, position) != position:
+    for position, (key, shard) in zip(candidates.tolist(), _keys_at(path, candidates)):
+        if first.setdefault(key, (position, shard))[0] != position:
             keep[position] = False
     del hashes
     if keep.all():                  # hashes alike, keys not (one chance in ~10^19 a pair)
@@ -337,9 +336,9 @@ def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
                                    storage_options).items():
         report.count(name, -number)
     report.skip_many("duplicate_key", len(dropped), [
-        (f"{shard}:{key}", "the key occurs in an earlier tar too; the first is kept (tars of "
-         "separate downloads that number keys alike: index each alone and train on the "
-         "indexes together, data.datasets: [A, B])")
+        (f"{shard}:{key}", f"the key occurs in an earlier tar too ({first[key][1]}), whose sample "
+         "is kept (tars of separate downloads that number keys alike: index each alone and "
+         "train on the indexes together, data.datasets: [A, B])")
         for shard, key in zip(dropped.column("shard").to_pylist()[:5],
                               dropped.column("key").to_pylist()[:5])])
     return Counter(dropped.column("shard").to_pylist())
@@ -359,15 +358,16 @@ def _key_hashes(path: str) -> np.ndarray:
     return hashes
 
 
-def _keys_at(path: str, positions: np.ndarray) -> list[str]:
-    """The keys of the samples table ``path`` at the sorted ``positions`` (few)."""
-    keys: list[str] = []
+def _keys_at(path: str, positions: np.ndarray) -> list[tuple[str, str]]:
+    """The keys and tars of the samples table ``path`` at the sorted ``positions`` (few)."""
+    found: list[tuple[str, str]] = []
     at = 0
-    for batch in parquet_batches(path, ["key"]):
-        inside = positions[(positions >= at) & (positions < at + batch.num_rows)] - at
-        keys += batch.column(0).take(pa.array(inside)).to_pylist()
+    for batch in parquet_batches(path, ["key", "shard"]):
+        inside = pa.array(positions[(positions >= at) & (positions < at + batch.num_rows)] - at)
+        found += zip(batch.column(0).take(inside).to_pylist(),
+                     batch.column(1).take(inside).to_pylist())
         at += batch.num_rows
-    return keys
+    return found
 
 
 def _keep_rows(path: str, keep: np.ndarray, schema: pa.Schema) -> pa.Table:
