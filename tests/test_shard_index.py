@@ -610,10 +610,16 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     with pytest.raises(IndexInputError, match="index each dataset folder it names"):
         index([str(metadataset)], str(tmp_path / "meta"), IndexOptions(workers=0,
                                                                        progress=False))
-    # its tars, or their folder, given instead of it, or a folder holding it: refused, never
-    # read past split.yaml
+    # the dataset's own YAML given: its folder is named
+    with pytest.raises(IndexInputError, match=f"a YAML file of the Energon dataset "
+                       f"{tmp_path}/ds, not a tar: give that folder"):
+        index([str(tmp_path / "ds" / ".nv-meta" / "dataset.yaml")], str(tmp_path / "meta"),
+              IndexOptions(workers=0, progress=False))
+    # its tars, or their folder, given instead of it, or a folder holding it: refused (naming
+    # what was given), never read past split.yaml
     for given in (tmp_path / "ds" / "shards", tmp_path / "ds" / "shards" / "shard_000001.tar"):
-        with pytest.raises(IndexInputError, match=f"inside the Energon dataset {tmp_path}/ds"):
+        with pytest.raises(IndexInputError, match=f"^{given} is inside the Energon dataset "
+                           f"{tmp_path}/ds"):
             index([str(given)], str(tmp_path / "tars"), IndexOptions(workers=0, progress=False))
     with pytest.raises(IndexInputError, match=f"holds the Energon dataset {tmp_path}/ds"):
         index([str(tmp_path)], str(tmp_path / "above"), IndexOptions(workers=0, progress=False))

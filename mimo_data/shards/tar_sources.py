@@ -174,7 +174,8 @@ def resolve(sources: list[str], options: IndexOptions,
 def _resolve(sources: list[str], options: IndexOptions,
              storage_options: dict | None) -> Source:
     """``resolve``'s tars and member map."""
-    if len(sources) == 1 and _is_dir(sources[0], storage_options):
+    folder_given = len(sources) == 1 and _is_dir(sources[0], storage_options)
+    if folder_given:
         root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
             os.path.abspath(storage.local_path(sources[0]))
         if energon.is_energon(root, storage_options):
@@ -264,6 +265,11 @@ def _resolve(sources: list[str], options: IndexOptions,
                         "the indexes together (data.datasets: [A, B]), or name the tars (a "
                         "glob such as 'A/*.tar')")
                 elif path.lower().endswith((".yaml", ".yml")):
+                    folder = os.path.dirname(path.rstrip("/"))
+                    if os.path.basename(folder) == ".nv-meta":      # a dataset's own YAML
+                        raise IndexInputError(
+                            f"{path}: a YAML file of the Energon dataset "
+                            f"{os.path.dirname(folder)}, not a tar: give that folder")
                     raise IndexInputError(f"{path}: a YAML file (an Energon metadataset?), not "
                                           "a tar: index each dataset folder it names, and "
                                           "blend them with the training config's data "
@@ -275,11 +281,12 @@ def _resolve(sources: list[str], options: IndexOptions,
         if not paths:
             raise IndexInputError("no tars given")
         root = _root_of(paths)
+    shown = paths[0] if len(paths) == 1 and not folder_given else root     # what was given
     inside = _energon_above(root, storage_options)      # tars given, or a folder of them
     if inside:
         # its split.yaml decides which tars train: its validation and test parts, and the
         # samples it excludes, would train unseen
-        raise IndexInputError(f"{root} is inside the Energon dataset {inside}: give that "
+        raise IndexInputError(f"{shown} is inside the Energon dataset {inside}: give that "
                               "folder, whose split.yaml's train split (and its excludes) "
                               "mimo reads, not its tars")
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
