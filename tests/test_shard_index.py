@@ -647,6 +647,16 @@ def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, caps
     code, _, err = cli_main(capsys, "index", tmp_path / "gz", "--output", tmp_path / "idx",
                             "--workers", "0", "--no-progress")
     assert code == 2 and "no *.tar files under it (1 compressed" in err, err
+    # img2dataset's folder: a Parquet of each tar's metadata beside it, a glob taking both
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    (tmp_path / "i2d").mkdir()
+    shutil.copy(pairs.src / "pairs-000000.tar", tmp_path / "i2d" / "00000.tar")
+    pq.write_table(pa.table({"key": ["000000000"]}), tmp_path / "i2d" / "00000.parquet")
+    code, _, err = cli_main(capsys, "index", f"{tmp_path / 'i2d'}/*", "--output",
+                            tmp_path / "idx", "--workers", "0", "--no-progress")
+    assert code == 2 and f"{tmp_path / 'i2d' / '00000.parquet'}: not a tar but a Parquet file " \
+        "(img2dataset writes one beside each tar: give only the tars, e.g. 'DIR/*.tar'" in err, err
 
 
 def test_a_small_file_that_is_no_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):

@@ -35,7 +35,8 @@ _MAGIC = ((b"\x1f\x8b", f"gzip-compressed: {NOT_IN_PLACE}"),
           (b"\x28\xb5\x2f\xfd", f"zstd-compressed: {NOT_IN_PLACE}"),
           (b"BZh", f"bzip2-compressed: {NOT_IN_PLACE}"),
           (b"\xfd7zXZ\x00", f"xz-compressed: {NOT_IN_PLACE}"),
-          (b"PAR1", "a Parquet file: `mimo-shard build` reads Parquet"),
+          (b"PAR1", "a Parquet file (img2dataset writes one beside each tar: give only the "
+                    "tars, e.g. 'DIR/*.tar'; a dataset as a table is for `mimo-shard build`)"),
           (b"PK\x03\x04", "a zip file: unzip it"))
 
 
