@@ -1300,6 +1300,12 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
     made = synthesize({"jpg": b"", "json": meta}, MemberMap("pairs", text="json[caption]"))
     assert made.fields["text"] == "A cat." and made.counts == {}
     assert made.source == {"url": "https://example.com/a.jpg", "key": "000"}
+    # the JSON without the field: a medium without its caption, missing_text
+    from mimo_data.shards.records import RecordError
+    with pytest.raises(RecordError) as caught:
+        synthesize({"jpg": b"", "json": meta}, MemberMap("pairs", text="json[alt_text]"))
+    assert (caught.value.reason, caught.value.detail) == (
+        "missing_text", "the caption: member KEY.json has no json[alt_text]")
     # several captions (LAION-CLAP's ``text`` list): the first trains, counted
     made = synthesize({"flac": b"", "json": b'{"text": ["A man reads.", "Speech."]}'},
                       MemberMap("pairs", text="json[text]"))

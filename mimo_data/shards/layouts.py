@@ -106,12 +106,13 @@ def _json(members: dict[str, bytes], name: str) -> Any:
         raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
 
 
-def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | None:
+def field(members: dict[str, bytes], spec: str, what: str,
+          unfound: str = "malformed_record") -> tuple[str, Any] | None:
     """The member ``spec`` names (``txt``, ``json[caption]``, ``jpg,png``) as ``(member, value:
     bytes, or the JSON value read: a JSON member's, ``answers.json`` say, is read whole as
     Energon decodes it)``: the first alternative present (a JSON member without the field read
     is not: the next is tried, as Energon's ``field_map`` does); None when none is, a
-    RecordError naming the field when only JSON members without it were."""
+    RecordError ``unfound`` naming the field when only JSON members without it were."""
     missing = None
     for option in spec.split(","):
         match = _ACCESS.match(option.strip())
@@ -128,8 +129,8 @@ def field(members: dict[str, bytes], spec: str, what: str) -> tuple[str, Any] | 
             for step in path:
                 value = value[int(step)] if isinstance(value, list) else value[step]
         except (KeyError, IndexError, ValueError, TypeError):
-            missing = missing or RecordError("malformed_record", f"{what}: member KEY.{member} "
-                                             f"has no {option.strip()}")
+            missing = missing or RecordError(unfound, f"{what}: member KEY.{member} has no "
+                                             f"{option.strip()}")
             continue
         return member, value
     if missing is not None:
@@ -324,8 +325,10 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                             "messages": messages}, ordered,
                            counts=counts)
     medium = _medium(members, mapping.media)
+    # a caption's field missing from its JSON is a medium without its caption (missing_text)
     text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
-                 "the caption")
+                 "the caption", "malformed_record" if mapping.layout == "vqa" else
+                 "missing_text")
     if mapping.layout == "vqa":
         question = field(members, mapping.question, "the question")
         if medium is None or question is None or text is None:
