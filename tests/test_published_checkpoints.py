@@ -387,7 +387,9 @@ def test_export_in_another_dtype_and_with_the_runs_own_chat_template(published, 
     assert "weights in float32 (--dtype)" in capsys.readouterr().out
 
     original = json.loads((published["checkpoint"] / "config.json").read_text())
-    for section in (original, original.get("text_config") or {}):
+    # every section's dtype (the tower's too: its weights are in float32 as well)
+    for section in (original, *(value for key, value in original.items()
+                                if key.endswith("_config") and isinstance(value, dict))):
         for key in ("dtype", "torch_dtype"):
             if key in section:
                 section[key] = "float32"

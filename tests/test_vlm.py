@@ -226,6 +226,27 @@ def test_an_export_of_a_base_without_processor_files_says_so(colocated_step, tmp
         AutoProcessor.from_pretrained(out)
 
 
+def test_an_export_in_another_dtype_says_it_in_every_config_section(colocated_step, tmp_path):
+    """``--dtype float16`` of a base transformers saved (its vision_config holds a dtype of
+    its own): every section of config.json that holds a dtype says float16, as every tensor
+    is, not only the top and text sections."""
+    from safetensors import safe_open
+
+    from mimo_train.hf.export import main
+    base = json.loads((VLM / "config.json").read_text())
+    assert "dtype" in base["vision_config"] or "torch_dtype" in base["vision_config"]
+    out = tmp_path / "out"
+    assert main(["--checkpoint", str(colocated_step[1]), "--output", str(out), "--dtype",
+                 "float16"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    said = [section[key] for section in (config, *(v for k, v in config.items()
+                                                    if k.endswith("_config")))
+            for key in ("dtype", "torch_dtype") if key in section]
+    assert len(said) >= 2 and set(said) == {"float16"}, config
+    with safe_open(out / "model.safetensors", framework="pt") as weights:
+        assert {str(weights.get_slice(name).get_dtype()) for name in weights.keys()} == {"F16"}
+
+
 def test_transformers_generate_on_the_export_equals_mimo_generate(untrained_export, corpus):
     """The export loads as ``AutoModelForImageTextToText``; its greedy ``generate`` on an
     image prompt built by transformers (image processor, the tokenizer's chat template) gives

@@ -630,6 +630,12 @@ def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype
     holders = [section for section in sections if "vocab_size" in section] or [sections[-1]]
     for section in holders:
         section["vocab_size"] = vocab_rows
+    stored = next((section[key] for section in sections for key in ("torch_dtype", "dtype")
+                   if key in section), dtype)
+    if dtype != stored:     # every part's weights are in it: each sub-config says so too
+        sections += [value for key, value in config.items()
+                     if key.endswith("_config") and isinstance(value, dict)
+                     and value is not config.get("text_config")]
     for section in sections:
         for key in ("torch_dtype", "dtype"):
             if key in section:
