@@ -79,19 +79,6 @@ _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.fai
                        r"|.+-\d{6}\.tar)$")
 
 
-def _output_folder(output: str) -> bool:
-    """Make the folder ``output`` where it is missing; whether this call made it."""
-    if not os.path.exists(output):
-        try:
-            os.makedirs(output)
-        except OSError as exc:      # a file where a parent folder should be, no permission
-            raise BuildError(f"cannot create --output {output}: {exc}") from None
-        return True
-    if not os.path.isdir(output):
-        raise BuildError(f"{output} exists and is not a directory")
-    return False
-
-
 def _prepare_output(output: str, overwrite: bool) -> list[str]:
     """Make the claimed folder ``output`` ready for a build; return the names of an old
     dataset that stays there until the build is complete ([]: none)."""
@@ -230,13 +217,9 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         return _build_remote(inputs, output, sources, options,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
-    created = _output_folder(output)
-    try:
-        with claim.held(output, "mimo-shard build"):
-            return _build_local(inputs, output, sources, options)
-    finally:
-        if created and os.path.isdir(output) and not os.listdir(output):
-            os.rmdir(output)         # a build that failed in the folder it made
+    with swap.output_folder(output, f"--output {output}", BuildError), \
+            claim.held(output, "mimo-shard build"):
+        return _build_local(inputs, output, sources, options)
 
 
 def _build_local(inputs, output: str, sources, options: BuildOptions) -> dict:

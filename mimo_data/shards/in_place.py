@@ -248,19 +248,6 @@ def _named(output: str, given: bool) -> str:
     return f"--output {output}" if given else f"the index folder {output} (no --output given)"
 
 
-def _output_folder(output: str, named: str) -> bool:
-    """Make the folder ``output`` where it is missing; whether this call made it."""
-    if os.path.exists(output) and not os.path.isdir(output):
-        raise IndexInputError(f"{named} exists and is not a directory")
-    try:
-        os.makedirs(output)
-    except FileExistsError:
-        return False
-    except OSError as exc:          # a file where a parent folder should be, no permission
-        raise IndexInputError(f"cannot create {named}: {exc}") from None
-    return True
-
-
 def _prepare_output(output: str, named: str, overwrite: bool, source: Source) -> list[str]:
     """Make the claimed folder ``output`` ready for an indexing of ``source``; return the
     names of an old index that stays there until the new one is complete ([]: none)."""
@@ -439,13 +426,9 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
             os.path.commonpath([output, source.root]) == source.root:
         raise IndexInputError(f"{named} lies inside the shards' folder {source.root}: "
                               "nothing is written beside the shards; choose another directory")
-    created = _output_folder(output, named)
-    try:
-        with claim.held(output, "mimo-shard index"):
-            return _index_claimed(source, output, named, options, storage_options)
-    finally:
-        if created and os.path.isdir(output) and not os.listdir(output):
-            os.rmdir(output)         # an indexing refused in the folder it made
+    with swap.output_folder(output, named, IndexInputError), \
+            claim.held(output, "mimo-shard index"):
+        return _index_claimed(source, output, named, options, storage_options)
 
 
 def _changed(output: str, source: Source) -> str:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
@@ -26,6 +28,28 @@ from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE,
 
 # objects moved or removed at once in a bucket's swap (each a request or a copy by the store)
 _THREADS = 8
+
+
+@contextmanager
+def output_folder(folder: str, named: str, refused: Callable[[str], Exception]
+                  ) -> Iterator[None]:
+    """The local output ``folder`` (``named`` so in messages), made where it is missing, and
+    removed again where the run leaves it empty (refused, failed or stopped in the folder it
+    made); ``refused(message)``: the caller's error for a folder that cannot be one."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        raise refused(f"{named} exists and is not a directory")
+    try:
+        os.makedirs(folder)
+        created = True
+    except FileExistsError:
+        created = False
+    except OSError as exc:      # a file where a parent folder should be, no permission
+        raise refused(f"cannot create {named}: {exc}") from None
+    try:
+        yield
+    finally:
+        if created and os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def clear_folder(folder: str) -> list[str]:
