@@ -2,8 +2,9 @@
 object per sample.
 
 ``make_plan`` (``run_plan``'s two dry runs of the epoch, balance none and tokens, and their
-summaries) in process on N and 4N tiny text-only samples, one rank: tracemalloc's traced peak
-grows by less than a stated bound per added sample. The datasets are opened before (their
+summaries) in process on N and 4N tiny text-only samples, two DP ranks of two TP ranks:
+tracemalloc's traced peak grows by less than a stated bound per added sample, and each sample
+is tokenized once. The datasets are opened before (their
 token tables are the loader's, numpy, a few bytes a sample); the reviewer's RSS figures are
 in the report of the fix.
 """
@@ -35,15 +36,16 @@ def _records(count: int):
 
 def test_plan_memory_does_not_grow_per_sample(tmp_path):
     # Before the fix: the reviewer measured ~2,400 B/sample of RSS (every micro-batch's keys
-    # and token counts kept for the epoch, twice, then a dict per sample). Now ~70 measured
-    # here: the loader's numpy epoch order (datasets, positions, the balance's costs and their
-    # reordered copies); the plan's own figures are per step and per micro-batch (~5 B/sample).
+    # and token counts kept for the epoch, twice, then a dict per sample). Now ~100 measured
+    # here: the loader's numpy epoch orders of both balances, made side by side (datasets,
+    # positions, the balance's costs and their reordered copies; ~70 when made one after the
+    # other); the plan's own figures are per step and per micro-batch (~5 B/sample).
     # With the dry run's micro-batches kept again (broken on purpose): ~500.
     config_path = tmp_path / "text.yaml"
     config_path.write_text(f"tokenizer: {TOKENIZER}\nmode: chat\nseq_length: 256\n"
                            "modalities: {}\n")
     config = PreprocessConfig.from_yaml(str(config_path))
-    layout = Layout.parse("language=dp2")
+    layout = Layout.parse("language=tp2,dp2")
     args = argparse.Namespace(global_batch_size=32, micro_batch_size=4, seed=0, epoch=0,
                               balance="none", packing=False, json=False)
     peaks, advisor, text = [], [], None
@@ -53,6 +55,10 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
         build_dataset([data], tmp_path / f"shards{count}")
         source = DataSource([str(tmp_path / f"shards{count}")], config, text=text)
         text = source.metadata.text              # the tokenizer analysed once
+        tokenized = []                           # records, a text_batch call at a time
+        batch = source.metadata.text_batch
+        source.metadata.text_batch = lambda records: tokenized.append(len(records)) or \
+            batch(records)
         tracemalloc.start()
         try:
             result, plan = make_plan(source, config, layout, args)
@@ -60,6 +66,10 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
         finally:
             tracemalloc.stop()
         assert result["checks"]["ok"] and result["steps_per_epoch"] == count // 32
+        # each sample of the epoch read and tokenized once for the four ranks and both
+        # balances, not once a rank's TP peer and balance: 4x (broken on purpose: the ranks'
+        # loaders one after another)
+        assert sum(tokenized) == count // 32 * 32, (sum(tokenized), count)
         assert f"{count // 32} steps x 4 global micro-batches" in format_plan(result, plan)
         tracemalloc.start()                      # the advisor's workload: its first 8 steps
         try:

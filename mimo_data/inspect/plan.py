@@ -43,7 +43,7 @@ from collections.abc import Callable
 import numpy as np
 from tqdm import tqdm
 
-from mimo_data.loading.dry_run import dry_run
+from mimo_data.loading.dry_run import dry_runs
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import DataSource, variable_token_modalities
 from mimo_data.loading.packing import pack_parts
@@ -301,34 +301,35 @@ def format_plan(result: dict, plan: dict) -> str:
 
 class _JsonSteps:
     """``dry_run``'s ``visit`` for ``--json``: every rank's steps written, as ``json.dumps``
-    with ``indent=1`` writes them in the whole result, to a temporary file as they come
-    (one step's micro-batches held at a time); ``write`` prints the result around them."""
+    with ``indent=1`` writes them in the whole result, to a temporary file as they come (a
+    step's micro-batches held a rank at a time; the ranks' steps interleave in the file, each
+    step's place kept, 16 bytes); ``write`` prints the result around them, rank by rank."""
 
     def __init__(self):
         self.file = tempfile.TemporaryFile()
-        self.spans: dict[int, list[int]] = {}       # rank -> [start, end, steps]
-        self.rank: int | None = None
-        self.step: dict | None = None
+        self.spans: dict[int, tuple[array, array]] = {}   # rank -> its steps' starts, ends
+        self.steps: dict[int, dict] = {}                  # rank -> the step being made
 
     def __call__(self, entry: dict, mb: dict) -> None:
-        if entry["rank"] != self.rank or mb["micro_batch"] == 0:
-            self._flush()
-            self.rank = entry["rank"]
-            self.step = {"step": mb["step"], "micro_batches": []}
-        assert self.step is not None
-        self.step["micro_batches"].append({k: v for k, v in mb.items() if k != "step"})
+        rank = entry["rank"]
+        if mb["micro_batch"] == 0 or rank not in self.steps:
+            self._flush(rank)
+            self.steps[rank] = {"step": mb["step"], "micro_batches": []}
+        self.steps[rank]["micro_batches"].append({k: v for k, v in mb.items() if k != "step"})
 
-    def _flush(self) -> None:
-        if self.step is None or self.rank is None:
+    def _flush(self, rank: int) -> None:
+        step = self.steps.pop(rank, None)
+        if step is None:
             return
-        span = self.spans.setdefault(self.rank, [self.file.tell(), 0, 0])
-        text = _INDENT * 4 + json.dumps(self.step, indent=1).replace("\n", "\n" + _INDENT * 4)
-        self.file.write(((",\n" if span[2] else "") + text).encode())
-        span[1], span[2] = self.file.tell(), span[2] + 1
-        self.step = None
+        starts, ends = self.spans.setdefault(rank, (array("q"), array("q")))
+        text = _INDENT * 4 + json.dumps(step, indent=1).replace("\n", "\n" + _INDENT * 4)
+        starts.append(self.file.tell())
+        self.file.write(((",\n" if len(ends) else "") + text).encode())
+        ends.append(self.file.tell())
 
     def write(self, result: dict, plan: dict, out) -> None:
-        self._flush()
+        for rank in list(self.steps):
+            self._flush(rank)
         head, tail = json.dumps({**result, "ranks": _HOLE, "plan": plan},
                                 indent=1).split(json.dumps(_HOLE))
         out.write(head + ("[\n" if result["ranks"] else "[]"))
@@ -336,19 +337,20 @@ class _JsonSteps:
             before, after = (_INDENT * 2 + json.dumps({**entry, "steps": _HOLE}, indent=1)
                              .replace("\n", "\n" + _INDENT * 2)).split(json.dumps(_HOLE))
             out.write(("" if number == 0 else ",\n") + before)
-            span = self.spans.get(entry["rank"])
+            spans = self.spans.get(entry["rank"])
             if entry["steps"] is None:
                 out.write("null")
-            elif span is None:
+            elif spans is None:
                 out.write("[]")
             else:
                 out.write("[\n")
-                self.file.seek(span[0])
-                left = span[1] - span[0]
-                while left:
-                    chunk = self.file.read(min(left, 1 << 20))
-                    out.write(chunk.decode())
-                    left -= len(chunk)
+                for start, end in zip(*spans):
+                    self.file.seek(start)
+                    left = end - start
+                    while left:
+                        chunk = self.file.read(min(left, 1 << 20))
+                        out.write(chunk.decode())
+                        left -= len(chunk)
                 out.write("\n" + _INDENT * 3 + "]")
             out.write(after)
         out.write(("\n" + _INDENT + "]" if result["ranks"] else "") + tail + "\n")
@@ -362,29 +364,25 @@ _HOLE = "\x00mimo-inspect plan: here\x00"
 def make_plan(source: DataSource, config: PreprocessConfig, layout: Layout, args,
               visit: Callable[[dict, dict], object] | None = None) -> tuple[dict, dict]:
     """The dry run of ``args.balance`` (its micro-batches also go to ``visit``) and the plan:
-    the other balance's dry run gives its imbalance. Each dry run streams its micro-batches
-    into a ``PlanSummary``: nothing is kept per sample or per micro-batch."""
+    the other balance's dry run, made beside it, gives its imbalance. Each dry run streams its
+    micro-batches into a ``PlanSummary``: nothing is kept per sample or per micro-batch."""
     summaries = {balance: PlanSummary(layout, layout.world_size, args.micro_batch_size,
                                       config.seq_length, list(config.modalities))
                  for balance in ("none", "tokens")}
-    runs = {}
-    # the loader's own pass, every rank's micro-batches for each balance: a while for a large
-    # dataset (each sample's text is tokenized on each rank that reads it)
+    # the loader's own pass, every rank's micro-batches for both balances in turn: a while
+    # for a large dataset (each sample's text is tokenized once)
     bar = tqdm(desc="mimo-inspect plan", unit=" micro-batches", file=sys.stderr, delay=1.0,
                disable=getattr(args, "no_progress", True))
-    with bar:
-        for balance in sorted(summaries, key=lambda b: b == args.balance):   # this plan's last
-            summary = summaries[balance]
 
-            def each(entry, mb, summary=summary, visit=visit if balance == args.balance
-                     else None):
-                summary(entry, mb)
-                if visit is not None:
-                    visit(entry, mb)
-                bar.update()
-            runs[balance] = dry_run(source, config, layout, args.global_batch_size,
-                                    args.micro_batch_size, seed=args.seed, epoch=args.epoch,
-                                    balance=balance, packing=args.packing, visit=each)
+    def each(balance: str, entry: dict, mb: dict) -> None:
+        summaries[balance](entry, mb)
+        if visit is not None and balance == args.balance:
+            visit(entry, mb)
+        bar.update()
+    with bar:
+        runs = dry_runs(source, config, layout, args.global_batch_size, args.micro_batch_size,
+                        seed=args.seed, epoch=args.epoch, balances=tuple(summaries),
+                        packing=args.packing, visit=each)
     result = runs[args.balance]
     plan = summaries[args.balance].summary(result, with_steps=args.json)
     plan["balance"] = args.balance

@@ -19,7 +19,7 @@ import numpy as np
 
 from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
-from mimo_data.loading.loader import DataSource, build_loader, check_even_split
+from mimo_data.loading.loader import TEXT_AHEAD, DataSource, build_loader, check_even_split
 
 _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "token_grids",
                        "encoder_keys", "sequences")
@@ -40,47 +40,92 @@ def dry_run(datasets, preprocess_config, layout, global_batch_size: int,
     all ranks of one DP rank (tp, cp, pp) get the same samples.
 
     ``visit(entry, micro_batch)``: each micro-batch (its fields and ``step``) goes to it as the
-    loaders make them, rank by rank, and is not kept: every rank's ``steps`` stays an empty
-    list (None: no loader), so memory does not grow with the dataset (``mimo-inspect plan``).
-    The checks compare a 64-bit hash and a length per micro-batch, not the keys."""
+    loaders make them and is not kept: every rank's ``steps`` stays an empty list (None: no
+    loader), so memory does not grow with the dataset (``mimo-inspect plan``). The checks
+    compare a 64-bit hash and a length per micro-batch, not the keys."""
+    return dry_runs(datasets, preprocess_config, layout, global_batch_size, micro_batch_size,
+                    world_size=world_size, seed=seed, epoch=epoch, steps=steps,
+                    remainder=remainder, weights=weights, num_workers=num_workers,
+                    balances=(balance,), packing=packing,
+                    visit=None if visit is None else
+                    lambda _, entry, mb: visit(entry, mb))[balance]
+
+
+def dry_runs(datasets, preprocess_config, layout, global_batch_size: int,
+             micro_batch_size: int, *, world_size: int | None = None, seed: int = 0,
+             epoch: int = 0, steps: int | None = None, remainder: str = "drop",
+             weights=None, num_workers: int = 0, balances: tuple[str, ...] = ("none",),
+             packing: bool = False,
+             visit: Callable[[str, dict, dict], object] | None = None) -> dict[str, dict]:
+    """``dry_run`` of each balance, its result by balance; ``visit(balance, entry,
+    micro_batch)``.
+
+    Every rank's loader of every balance steps in turn, a micro-batch at a time (each rank's
+    micro-batches still come in order): the ranks that read a sample (a DP rank's TP and CP
+    peers, its encoder ranks, each balance) read it within a few micro-batches of one another,
+    so the data source keeps its record and text that long (``DataSource.share_texts``) and
+    reads and tokenizes each sample once, not once a rank and balance."""
     layout = Layout.parse(layout)
     world_size = world_size or layout.world_size
     source = datasets if isinstance(datasets, DataSource) else \
         DataSource(datasets, preprocess_config, weights, num_workers)
-    ranks, plan = [], None
-    seen = _Seen()
-    for rank in range(world_size):
-        loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
-                              micro_batch_size, seed, remainder=remainder, decode_media=False,
-                              balance=balance, packing=packing)
-        entry = {"rank": rank, "role": layout.role(rank).to_dict(), "steps": None}
-        if loader is not None:
-            loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
-            plan = plan or {"steps_per_epoch": loader.steps_per_epoch,
-                            "micro_batches_per_step": loader.micro_batches_per_step,
-                            "global_micro_batch_size": loader.global_micro_batch_size,
-                            **loader.report()}
-            count = loader.micro_batches_per_epoch if steps is None else \
-                min(steps, loader.steps_per_epoch) * loader.micro_batches_per_step
-            entry["steps"] = []
-            for _, (_, metadata) in zip(range(count), loader):
+    # the samples read between a sample's first reader and its last: a step's (balances
+    # order them differently within it) and each stream's read ahead, over the slice of the
+    # module with the most DP ranks
+    widest = max(module.dp for module in layout.modules)
+    source.share_texts(2 * (global_batch_size + TEXT_AHEAD * widest))
+    try:
+        results, streams = {}, []
+        for balance in balances:
+            ranks, plan = [], None
+            seen = _Seen()
+            for rank in range(world_size):
+                loader = build_loader(source, None, layout, rank, world_size, global_batch_size,
+                                      micro_batch_size, seed, remainder=remainder,
+                                      decode_media=False, balance=balance, packing=packing)
+                entry = {"rank": rank, "role": layout.role(rank).to_dict(), "steps": None}
+                ranks.append(entry)
+                if loader is None:
+                    continue
+                loader.load_state_dict({**loader.state_dict(), "epoch": epoch})
+                plan = plan or {"steps_per_epoch": loader.steps_per_epoch,
+                                "micro_batches_per_step": loader.micro_batches_per_step,
+                                "global_micro_batch_size": loader.global_micro_batch_size,
+                                **loader.report()}
+                count = loader.micro_batches_per_epoch if steps is None else \
+                    min(steps, loader.steps_per_epoch) * loader.micro_batches_per_step
+                entry["steps"] = []
+                streams.append((balance, entry, seen, loader, iter(zip(range(count), loader))))
+            results[balance] = (ranks, plan, seen)
+        while streams:
+            going = []
+            for stream in streams:
+                balance, entry, seen, loader, micro_batches = stream
+                taken = next(micro_batches, None)
+                if taken is None:
+                    loader.close()
+                    continue
+                going.append(stream)
+                metadata = taken[1][1]
                 mb = {"micro_batch": metadata["micro_batch"],
                       **{k: metadata[k] for k in _MICRO_BATCH_FIELDS if k in metadata}}
-                seen.add(rank, mb)
+                seen.add(entry["rank"], mb)
                 if visit is not None:
-                    visit(entry, {"step": metadata["step"], **mb})
+                    visit(balance, entry, {"step": metadata["step"], **mb})
                     continue
                 if metadata["micro_batch"] == 0:
                     entry["steps"].append({"step": metadata["step"], "micro_batches": []})
                 entry["steps"][-1]["micro_batches"].append(mb)
-            loader.close()
-        ranks.append(entry)
-    return {"datasets": source.directories, "weights": source.weights,
-            "fingerprint": source.fingerprint, "layout": str(layout),
-            "colocated": layout.colocated, "world_size": world_size, "seed": seed,
-            "epoch": epoch, "global_batch_size": global_batch_size,
-            "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
-            "checks": _checks(layout, ranks, source, seen)}
+            streams = going
+    finally:
+        source.share_texts(0)
+    return {balance: {"datasets": source.directories, "weights": source.weights,
+                      "fingerprint": source.fingerprint, "layout": str(layout),
+                      "colocated": layout.colocated, "world_size": world_size, "seed": seed,
+                      "epoch": epoch, "global_batch_size": global_batch_size,
+                      "micro_batch_size": micro_batch_size, **(plan or {}), "ranks": ranks,
+                      "checks": _checks(layout, ranks, source, seen)}
+            for balance, (ranks, plan, seen) in results.items()}
 
 
 _MASK = (1 << 64) - 1

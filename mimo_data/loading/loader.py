@@ -48,6 +48,7 @@ under any layout, micro batch or worker count with the same global batch size.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -158,6 +159,15 @@ def check_even_split(source: DataSource, layout: Layout) -> None:
                     "sample")
 
 
+@dataclasses.dataclass
+class _Read:
+    """A sample's record and metadata-only text (a drop: why), and its metadata-only Sample
+    once made: what ``DataSource.share_texts`` keeps."""
+    record: ShardRecord
+    text: TextSample | SampleDropped
+    sample: Sample | None = None
+
+
 class DataSource:
     """The datasets of a run, opened once per process: readers (memory-mapped sample tables),
     the metadata-only Preprocessor, token tables (kept samples, token counts) with their drop
@@ -209,6 +219,10 @@ class DataSource:
             self.tables.append(table)
         self.shapes = [DatasetShape(reader.table.shard_sizes(), table.kept)
                        for reader, table in zip(self.readers, self.tables)]
+        self._orders: dict[tuple, SampleOrder] = {}
+        # ``share_texts``: (dataset, position) -> its record and text, the last ``_capacity``
+        self._texts: collections.OrderedDict[tuple[int, int], _Read] | None = None
+        self._capacity = 0
         digest = hashlib.sha256()
         for reader, shape in zip(self.readers, self.shapes):
             digest.update(reader.index_digest)
@@ -221,12 +235,20 @@ class DataSource:
               block_size: int = 64, window_blocks: int = 4,
               arrangement: Arrangement | None = None,
               packing: Packing | None = None) -> SampleOrder:
+        """The order of these datasets for a run's settings; the loaders of this process
+        asking for the same share one (a dry run's ranks: one epoch's arrays, not one a rank)."""
+        key = (seed, global_batch_size, remainder, block_size, window_blocks, arrangement,
+               packing)
+        if key in self._orders:
+            return self._orders[key]
         needs_costs = arrangement is not None or packing is not None
         try:
-            return SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
-                               block_size, window_blocks, arrangement,
-                               self.costs if needs_costs else None, packing,
-                               names=self.directories)
+            order = SampleOrder(self.shapes, seed, global_batch_size, self.weights, remainder,
+                                block_size, window_blocks, arrangement,
+                                self.costs if needs_costs else None, packing,
+                                names=self.directories)
+            self._orders[key] = order
+            return order
         except TooFewSamples as error:
             if not self.tally.skipped_total:
                 raise
@@ -235,6 +257,47 @@ class DataSource:
                     if "too_long" in self.tally.skipped else "")
             raise TooFewSamples(f"{error}. Preprocessing dropped some ({self.tally.summary()}"
                                 f"{long}): mimo-inspect report lists them") from None
+
+    def share_texts(self, capacity: int) -> None:
+        """Keep the last ``capacity`` samples' ``texts`` (and ``metadata_sample``) for this
+        process's other loaders: a dry run steps every rank's loader in turn over the same
+        samples, which are then read, tokenized and made into tensors once, not once a rank
+        that reads them and a balance. 0: keep none."""
+        self._texts = collections.OrderedDict() if capacity else None
+        self._capacity = capacity
+
+    def texts(self, pairs: list[tuple[int, int]]
+              ) -> list[tuple[ShardRecord, TextSample | SampleDropped]]:
+        """The records of ``(dataset, position)`` pairs (keys prefixed with the dataset's
+        number) and their metadata-only text (a drop: why), computed in one ``text_batch``."""
+        shared = self._texts
+        missing = [pair for pair in pairs if shared is None or pair not in shared]
+        records = []
+        for dataset, position in missing:
+            record = self.readers[dataset].record(position)
+            record["key"] = f"{dataset}/{record['key']}"
+            records.append(record)
+        made = {pair: _Read(record, text) for pair, record, text
+                in zip(missing, records, self.metadata.text_batch(records))}
+        if shared is not None:
+            for pair in pairs:
+                if pair not in made:
+                    shared.move_to_end(pair)
+            shared.update(made)
+            made = {pair: shared[pair] for pair in pairs}
+            while len(shared) > self._capacity:
+                shared.popitem(last=False)
+        return [(made[pair].record, made[pair].text) for pair in pairs]
+
+    def metadata_sample(self, pair: tuple[int, int], text: TextSample) -> Sample:
+        """The metadata-only Sample of ``pair``'s ``text`` (no encoder inputs), made once while
+        ``share_texts`` keeps it."""
+        entry = None if self._texts is None else self._texts.get(pair)
+        if entry is None or entry.text is not text:
+            return self.metadata.sample(text)
+        if entry.sample is None:
+            entry.sample = self.metadata.sample(text)
+        return entry.sample
 
     def costs(self, datasets: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """``[samples, 1 + modalities]``: the given samples' tokens, then their media tokens
@@ -348,12 +411,6 @@ class _RankStream(torch.utils.data.IterableDataset):
         return micro_batch_slice(step, micro, self.order.global_batch_size, self.group,
                                  dp_size, dp_rank)
 
-    def _record(self, datasets, positions, at: int) -> ShardRecord:
-        dataset, position = int(datasets[at]), int(positions[at])
-        record = self.source.readers[dataset].record(position)
-        record["key"] = f"{dataset}/{record['key']}"
-        return record
-
     def _sample(self, datasets, positions, at: int, record: ShardRecord, text,
                 full: bool) -> Sample:
         """The sample at ``at`` from its record and TextSample (or drop)."""
@@ -366,7 +423,7 @@ class _RankStream(torch.utils.data.IterableDataset):
                 assert self.full is not None
                 return self.full.sample(text, reader.media(position, record,
                                                            self.full.media_modalities))
-            return self.source.metadata.sample(text)
+            return self.source.metadata_sample((dataset, position), text)
         except SampleDropped as exc:
             raise LoaderError(
                 f"{reader.directory}: sample {record['key']} ({record.get('source')}) is dropped "
@@ -416,9 +473,8 @@ class _RankStream(torch.utils.data.IterableDataset):
             ats += [at for at in self._needed(ahead) if (epoch, at) not in self._ahead]
             if len(ats) >= TEXT_AHEAD:
                 break
-        records = [self._record(datasets, positions, at) for at in ats]
-        texts = self.source.metadata.text_batch(records)
-        self._ahead.update(((epoch, at), pair) for at, pair in zip(ats, zip(records, texts)))
+        found = self.source.texts([(int(datasets[at]), int(positions[at])) for at in ats])
+        self._ahead.update(((epoch, at), pair) for at, pair in zip(ats, found))
 
     def _media_pieces(self, texts: dict[int, Any], media: dict[str, slice]
                       ) -> dict[str, dict[int, list[Piece]]]:
