@@ -155,6 +155,9 @@ def test_export_writes_the_tokenizer_encoders_projections_and_manifest(smollm2):
         assert set(model.state_dict()) == set(saved), name
         for key, tensor in model.state_dict().items():
             assert torch.equal(tensor, saved[key]), (name, key)
+    assert manifest["files"] == {str(p.relative_to(smollm2.export)): p.stat().st_size
+                                 for p in sorted(smollm2.export.rglob("*"))
+                                 if p.is_file() and p.name != "manifest.json"}
     projections = load_file(smollm2.export / "projections.safetensors")
     assert set(projections) == {f"{m}.{layer}.{p}" for m, layers in (("image", "0"),
                                                                      ("audio", "02"))
@@ -228,6 +231,19 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
         f"holds step_0000001, step_0000002 but no 'latest' file, which names the checkpoint a "
         f"checkpoint.dir stands for: export the newest with --checkpoint {later}, or another "
         "step_* directory\n")
+    # a step misspelt, and a latest naming a step that is not there: the complete steps named
+    newest = f"{tmp_path / 'ck'} holds step_0000001, step_0000002: export the newest with " \
+        f"--checkpoint {later}\n"
+    assert main(["--checkpoint", str(tmp_path / "ck" / "step_2"), "--output",
+                 str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.endswith("step_2 is not there: give a step_* directory or "
+                                            "the checkpoint.dir of a mimo_train run; " + newest)
+    (tmp_path / "ck" / "latest").write_text("step_0000009")
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        "latest file names step_0000009, which is not there (a folder copied without it, or a "
+        "step removed); " + newest)
+    (tmp_path / "ck" / "latest").unlink()
     # a run's checkpoint.dir before its first save: said so, not "give a checkpoint.dir"
     from mimo_train.components.checkpoint_owner import OWNER
     (tmp_path / "fresh").mkdir()
@@ -333,6 +349,16 @@ def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
     with pytest.raises(OSError):
         export.export(str(smollm2.checkpoint), str(tmp_path / "out"))
     assert list(tmp_path.iterdir()) == []           # neither OUT nor the staging directory
+
+    def racing(out, *args):                         # another export to OUT finished first
+        Path(out, "language").mkdir()
+        (tmp_path / "out" / "language").mkdir(parents=True)
+        return "float32"
+    monkeypatch.setattr(export, "_write", racing)
+    with pytest.raises(export.ExportError, match=f"--output {tmp_path / 'out'} was made while "
+                       "this export was written .another mimo-export to the same --output"):
+        export.export(str(smollm2.checkpoint), str(tmp_path / "out"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]    # the staging directory removed
 
 
 # ------------------------------------------------------------------------ C: generation
@@ -490,7 +516,41 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2
     assert "manifest.json" in capsys.readouterr().err
+    for flags in (["--seed", "3"], ["--top-p", "0.9", "--seed", "3"]):   # greedy: unused
+        with pytest.raises(SystemExit) as exit_:
+            main(["--model", str(smollm2.export), "--prompt", "Hi", *flags])
+        assert exit_.value.code == 2
+        assert "go with --temperature: without it decoding is greedy" in \
+            capsys.readouterr().err.replace("goes with", "go with")
     for checkpoint in (smollm2.checkpoint, smollm2.checkpoint.parent):   # step, checkpoint.dir
         assert main(["--model", str(checkpoint), "--prompt", "Hi"]) == 2
         assert f"--model {checkpoint} is a mimo-train checkpoint, not an export: mimo-export " \
             f"--checkpoint {checkpoint} --output OUT" in capsys.readouterr().err
+    # a copy cut short or missing a file: named from manifest.json's sizes, before any load
+    copy = tmp_path / "copy"
+    for path in smollm2.export.rglob("*"):          # links to the export's files
+        if path.is_file():
+            (copy / path.relative_to(smollm2.export)).parent.mkdir(parents=True, exist_ok=True)
+            (copy / path.relative_to(smollm2.export)).symlink_to(path)
+    (copy / "language" / "config.json").unlink()
+    (copy / "language" / "config.json").write_text("{}")
+    (copy / "image" / "model.safetensors").unlink()
+    assert main(["--model", str(copy), "--prompt", "Hi"]) == 1
+    size = (smollm2.export / "language" / "config.json").stat().st_size
+    assert capsys.readouterr().err == (
+        f"mimo-generate: --model {copy} is not as mimo-export wrote it: image/model.safetensors "
+        f"is gone; language/config.json is 2 bytes, mimo-export wrote {size:,}. Copy it again "
+        "from where it was exported, or export the checkpoint again\n")
+    # an export made before the sizes were listed: a weights file that is not one said so
+    (copy / "image" / "model.safetensors").write_bytes(b"not safetensors")
+    (copy / "language" / "config.json").unlink()
+    (copy / "language" / "config.json").symlink_to(smollm2.export / "language" / "config.json")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["files"]
+    (copy / "manifest.json").unlink()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["--model", str(copy), "--prompt", "Hi", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"mimo-generate: --model {copy} cannot be loaded (") and \
+        err.endswith("): the export is damaged or incomplete; copy it again from where it was "
+                     "exported, or export the checkpoint again\n") and "Traceback" not in err

@@ -133,13 +133,37 @@ def step_directory(path: str) -> str:
     if found == path:
         if os.path.isdir(path):
             _no_latest(path)
-        what = "is not a directory" if not os.path.isdir(path) else "holds no meta.json nor latest"
+        what = ("is not there" if not os.path.exists(path) else "is not a directory"
+                if not os.path.isdir(path) else "holds no meta.json nor latest")
         raise ExportError(f"--checkpoint {path} {what}: give a step_* directory or the "
-                          "checkpoint.dir of a mimo_train run")
+                          f"checkpoint.dir of a mimo_train run{_steps_beside(path)}")
+    if not os.path.isdir(found):
+        raise ExportError(f"{path}'s latest file names {_name(found)}, which is not there (a "
+                          f"folder copied without it, or a step removed){_steps_in(path)}",
+                          exit_code=1)
     if not os.path.isfile(os.path.join(found, "meta.json")):
         raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
-                          "is incomplete; give an earlier step_* directory", exit_code=1)
+                          f"is incomplete; give an earlier step_* directory{_steps_in(path)}",
+                          exit_code=1)
     return found
+
+
+def _steps_in(root: str) -> str:
+    """``; it holds step_... (export the newest with --checkpoint ...)``: the complete steps
+    of the checkpoint.dir ``root``, for a message; empty where it holds none."""
+    from mimo_train.components.checkpoint import complete_steps
+    steps = complete_steps(root) if os.path.isdir(root) else []
+    if not steps:
+        return ""
+    return (f"; {root} holds {', '.join(steps[-3:])}{' (the last three)' if len(steps) > 3 else ''}"
+            f": export the newest with --checkpoint {os.path.join(root, steps[-1])}")
+
+
+def _steps_beside(path: str) -> str:
+    """For a ``--checkpoint`` that is not there (a misspelt step): the complete steps of the
+    checkpoint.dir that holds it, for a message; empty where there is none."""
+    parent = os.path.dirname(os.path.normpath(path)) or "."
+    return "" if os.path.exists(path) else _steps_in(parent)
 
 
 def _no_latest(root: str) -> None:
@@ -206,7 +230,15 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype,
                          base_digest)
         _as_created(staging)
-        os.rename(staging, output)
+        try:
+            os.rename(staging, output)
+        except OSError:
+            if not os.path.isdir(output):
+                raise
+            raise ExportError(f"--output {output} was made while this export was written "
+                              "(another mimo-export to the same --output?); this export is "
+                              "removed and that folder left as it is: look at what it holds, "
+                              "or export to another --output") from None
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(error, (ConfigError, TrainConfigError, EncoderBuildError)):
@@ -429,9 +461,24 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
     manifest["modality_tokens"] = {name: {"token": m.token,
                                           "id": tokenizer.convert_tokens_to_ids(m.token)}
                                    for name, m in preprocess.modalities.items()}
+    manifest["files"] = written_files(out)
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
     return written
+
+
+def written_files(out: str) -> dict[str, int]:
+    """Every file of the export ``out`` but its manifest, by path relative to it: its size in
+    bytes, which ``mimo-generate`` checks before loading (a file lost or cut short in a copy is
+    named, not a loader's traceback)."""
+    files = {}
+    for folder, _, names in os.walk(out):
+        for name in names:
+            path = os.path.join(folder, name)
+            relative = os.path.relpath(path, out)
+            if relative != MANIFEST:
+                files[relative] = os.path.getsize(path)
+    return dict(sorted(files.items()))
 
 
 def _run_template(plan, tokenizer) -> str | None:

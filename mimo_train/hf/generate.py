@@ -76,9 +76,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="most tokens to generate (default 64)")
     parser.add_argument("--temperature", type=float, metavar="T",
                         help="sample at this temperature (default: greedy decoding)")
-    parser.add_argument("--top-p", type=float, default=1.0, metavar="P",
+    parser.add_argument("--top-p", type=float, metavar="P",
                         help="nucleus sampling mass, with --temperature (default 1.0)")
-    parser.add_argument("--seed", type=int, default=0, metavar="S",
+    parser.add_argument("--seed", type=int, metavar="S",
                         help="random seed of the sampling, with --temperature (default 0)")
     parser.add_argument("--no-thinking", action="store_true",
                         help="render the generation prompt with the template's enable_thinking "
@@ -103,15 +103,22 @@ def main(argv=None) -> int:
     if args.temperature is not None and args.temperature <= 0:
         parser.error(f"--temperature is {args.temperature}: it must be > 0 (leave it out for "
                      "greedy decoding)")
-    if not 0 < args.top_p <= 1:
+    if args.temperature is None and (args.top_p is not None or args.seed is not None):
+        given = " and ".join(flag for flag, value in (("--top-p", args.top_p),
+                                                      ("--seed", args.seed)) if value is not None)
+        parser.error(f"{given} go{'es' if ' and ' not in given else ''} with --temperature: "
+                     "without it decoding is greedy, which draws nothing (give --temperature "
+                     "T to sample)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
     try:
         generator = Generator(args.model, args.device, args.dtype)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
                                     videos=args.video,
                                     max_new_tokens=args.max_new_tokens,
-                                    temperature=args.temperature, top_p=args.top_p,
-                                    seed=args.seed, thinking=not args.no_thinking)
+                                    temperature=args.temperature,
+                                    top_p=1.0 if args.top_p is None else args.top_p,
+                                    seed=args.seed or 0, thinking=not args.no_thinking)
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -139,6 +146,11 @@ class Generator:
         try:
             with open(path) as f:
                 self.manifest = json.load(f)
+        except (OSError, ValueError) as error:
+            raise GenerateError(f"--model {model_dir}: {error}; give a directory written by "
+                                "mimo-export") from None
+        _check_files(model_dir, self.manifest.get("files", {}))
+        try:
             self.preprocessor = Preprocessor(PreprocessConfig.from_yaml(
                 os.path.join(model_dir, self.manifest["preprocess"])))
         except (OSError, ValueError, KeyError, ConfigError) as error:
@@ -154,6 +166,7 @@ class Generator:
         from transformers.utils import logging as transformers_logging
         transformers_logging.disable_progress_bar()
         self.tokenizer = self.preprocessor.text.tokenizer
+        load_errors = _load_errors()
         self.vlm: Any = None
         if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
             adapters = self.manifest.get("adapters")
@@ -162,9 +175,9 @@ class Generator:
             try:
                 self.vlm = AutoModelForImageTextToText.from_pretrained(
                     adapters["base"] if adapters else model_dir, dtype=self.dtype)
-            except OSError as error:
+            except load_errors as error:
                 if not adapters:
-                    raise
+                    raise _unloadable(model_dir, error) from None
                 raise GenerateError(
                     f"--model {model_dir} holds adapters, and their base {adapters['base']} "
                     f"(manifest.json's adapters.base) cannot be loaded ({error}): restore it "
@@ -174,10 +187,13 @@ class Generator:
             self.vlm = self.vlm.to(self.device).eval()
             self.encoders: dict[str, Any] = dict.fromkeys(self.preprocessor.config.modalities)
             return
-        self.language = AutoModelForCausalLM.from_pretrained(
-            os.path.join(model_dir, self.manifest["language"]),
-            dtype=self.dtype).to(self.device).eval()
-        self.encoders = self._encoders(model_dir)
+        try:
+            self.language = AutoModelForCausalLM.from_pretrained(
+                os.path.join(model_dir, self.manifest["language"]), dtype=self.dtype)
+            self.encoders = self._encoders(model_dir)
+        except load_errors as error:
+            raise _unloadable(model_dir, error) from None
+        self.language = self.language.to(self.device).eval()
 
     def _encoders(self, model_dir: str) -> dict:
         """modality -> (encoder, projection), on the device (a module serving several
@@ -366,6 +382,41 @@ class Generator:
             raise GenerateError(f"{error.reason}: {detail}", exit_code=1) from None
         except TextError as error:
             raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
+
+
+def _check_files(model_dir: str, files: dict[str, int]) -> None:
+    """GenerateError (exit 1) naming each file of the export that is gone or not the size
+    ``mimo-export`` wrote (``manifest.json``'s ``files``; an export before that list is not
+    checked): a copy cut short, a file lost."""
+    wrong = []
+    for name, size in files.items():
+        try:
+            found = os.path.getsize(os.path.join(model_dir, name))
+        except OSError:
+            wrong.append(f"{name} is gone")
+            continue
+        if found != size:
+            wrong.append(f"{name} is {found:,} bytes, mimo-export wrote {size:,}")
+    if wrong:
+        raise GenerateError(
+            f"--model {model_dir} is not as mimo-export wrote it: {'; '.join(wrong[:5])}"
+            f"{f' (and {len(wrong) - 5} more)' if len(wrong) > 5 else ''}. Copy it again from "
+            "where it was exported, or export the checkpoint again", exit_code=1)
+
+
+def _load_errors() -> tuple[type[BaseException], ...]:
+    """What loading a damaged model folder raises: OSError (a file missing), ValueError and
+    safetensors' error (a file that is not what its name says)."""
+    from safetensors import SafetensorError
+    return OSError, ValueError, SafetensorError
+
+
+def _unloadable(model_dir: str, error: BaseException) -> GenerateError:
+    """The GenerateError (exit 1) of an export whose weights cannot be loaded."""
+    detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return GenerateError(f"--model {model_dir} cannot be loaded ({detail}): the export "
+                         "is damaged or incomplete; copy it again from where it was exported, "
+                         "or export the checkpoint again", exit_code=1)
 
 
 def _check_base(model_dir: str, adapters: dict) -> None:
