@@ -23,6 +23,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -337,7 +338,7 @@ def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2,
         "reads" in err and "'seq_length' is given twice" in err and "fix it where it is" in err
 
 
-def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
+def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch, capsys):
     from mimo_train.components import checkpoint
     from mimo_train.hf import export
 
@@ -359,6 +360,26 @@ def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch):
                        "this export was written .another mimo-export to the same --output"):
         export.export(str(smollm2.checkpoint), str(tmp_path / "out"))
     assert [p.name for p in tmp_path.iterdir()] == ["out"]    # the staging directory removed
+    shutil.rmtree(tmp_path / "out")
+
+    sent: list[signal.Signals] = []
+
+    def stopped(out, *args):                         # Ctrl-C, then SIGTERM, while writing
+        Path(out, "language").mkdir()
+        if sent[-1] == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.raise_signal(sent[-1])
+    monkeypatch.setattr(export, "_write", stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    for stop, code, said in ((signal.SIGINT, 130, "interrupted"),
+                             (signal.SIGTERM, 143, "terminated")):
+        sent.append(stop)
+        assert export.main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                            str(tmp_path / "out")]) == code
+        assert capsys.readouterr().err == f"mimo-export: {said}: nothing written to " \
+            f"{tmp_path / 'out'}; run it again\n"
+        assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) == handler            # put back
 
 
 # ------------------------------------------------------------------------ C: generation
@@ -512,6 +533,9 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
     with pytest.raises(GenerateError, match=f"--image {notes}: .*not a readable image") as error:
         generator.generate("What is this?", images=[str(notes)])
     assert " at 0x" not in str(error.value)
+    with pytest.raises(GenerateError, match="the prompt's <video> marker asks for video input, "
+                       r"but the model has no video encoder \(it has audio, image\): remove"):
+        generator.generate("<video> What happens?")
     with pytest.raises(GenerateError, match="more <image> markers"):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2

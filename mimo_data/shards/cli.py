@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import argparse
 import re
-import signal
 import sys
 
 from mimo_data.hub import cache_only
+from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
 
 # Nothing heavy here: pyarrow, PIL and webdataset (torch) are imported once the arguments are
@@ -151,31 +151,21 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, unwound as Ctrl-C is: a build's files removed, its claim given back."""
-
-
-def _terminate(signum, frame) -> None:
-    raise _Terminated
-
-
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None) -> int:
     cache_only()
     args = _parser().parse_args(argv)
-    earlier = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return _main(args)
+        with sigterm_as_interrupt():    # a build's files removed, its claim given back
+            return _main(args)
     except KeyboardInterrupt as stop:   # Ctrl-C: one line, not the traceback of where it was
         # (here, not in _main: a Ctrl-C while _main imports the build's modules is one too)
-        terminated = isinstance(stop, _Terminated)
+        terminated = isinstance(stop, Terminated)
         print(f"mimo-shard {args.command}: {'terminated' if terminated else 'interrupted'}" + (
             ": no new index was written (under --overwrite the old dataset stays, unless its "
             "replacement had begun); run it again" if args.command in ("build", "index")
             else ""), file=sys.stderr)
         return 143 if terminated else 130
-    finally:
-        signal.signal(signal.SIGTERM, earlier)
 
 
 def _main(args) -> int:

@@ -64,6 +64,7 @@ import tempfile
 from collections.abc import Iterator
 
 from mimo_data.hub import cache_only
+from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.errors import ExportError
 
@@ -109,11 +110,18 @@ def main(argv=None) -> int:
     cache_only()
     args = _parser().parse_args(argv)
     try:
-        written = export(args.checkpoint, args.output, adapters=args.adapters,
-                         dtype=args.dtype, log=lambda line: print(f"{PREFIX}{line}"))
+        with sigterm_as_interrupt():         # the staging folder removed either way
+            written = export(args.checkpoint, args.output, adapters=args.adapters,
+                             dtype=args.dtype, log=lambda line: print(f"{PREFIX}{line}"))
     except ExportError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
+    except KeyboardInterrupt as stop:        # one line, not the traceback of where it was
+        terminated = isinstance(stop, Terminated)
+        print(f"{PREFIX}{'terminated' if terminated else 'interrupted'}: " + (
+            f"after {args.output} was written" if os.path.isdir(args.output) else
+            f"nothing written to {args.output}; run it again"), file=sys.stderr)
+        return 143 if terminated else 130
     print(f"{PREFIX}wrote {written}")
     return 0
 

@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     except GenerateError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
+    except KeyboardInterrupt:               # Ctrl-C: one line, not the traceback of where
+        print(f"{PREFIX}interrupted", file=sys.stderr)      # it was (loading, generating)
+        return 130
     print(result.text)
     return 0
 
@@ -229,10 +232,16 @@ class Generator:
         ``thinking=False``: the template's ``enable_thinking`` false (its default otherwise)."""
         import torch
         files = {"image": list(images), "video": list(videos), "audio": list(audios)}
+        has = ", ".join(sorted(self.encoders)) or "none"
         for modality, paths in files.items():
             if paths and modality not in self.encoders:
                 raise GenerateError(f"--{modality} given, but the model has no {modality} "
-                                    f"encoder (it has {sorted(self.encoders) or 'none'})")
+                                    f"encoder (it has {has})")
+        for modality in dict.fromkeys(_MARKER.findall(prompt)):
+            if modality not in self.encoders:
+                raise GenerateError(f"the prompt's <{modality}> marker asks for {modality} "
+                                    f"input, but the model has no {modality} encoder (it has "
+                                    f"{has}): remove the marker")
         content, order = _place_markers(prompt, files)
         if not thinking and "enable_thinking" not in (self.preprocessor.text.renderer.template
                                                       or ""):
