@@ -48,7 +48,8 @@ demo: setup
 	    checkpoint.dir=$(DEMO)/video_checkpoints
 	@echo "demo: shards in $(DEMO)/shards and $(DEMO)/video_shards, HTML reports in" \
 	    "$(DEMO)/report.html and $(DEMO)/video_report.html, checkpoints in" \
-	    "$(DEMO)/checkpoints and $(DEMO)/video_checkpoints"
+	    "$(DEMO)/checkpoints and $(DEMO)/video_checkpoints (the video run exports:" \
+	    ".venv/bin/mimo-export --checkpoint $(DEMO)/video_checkpoints --output $(DEMO)/export)"
 
 # Lint and types first (rules in pyproject.toml; a few seconds), then the suite on two workers
 # (pytest-xdist), each taking whole test files (tests/README.md). pytest exits 5 when it
