@@ -1244,6 +1244,16 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
     assert "layout pairs (from the --media-member / --text-member options)" in err.getvalue()
     reader = ShardReader(str(tmp_path / "idx"))
     assert [reader.record(p)["text"] for p in range(len(reader))] == ["Photo 0.", "Photo 1."]
+    # a member no first sample holds: refused before any tar is read whole (every record
+    # would be skipped), naming the members they hold; as given with --layout pairs too
+    for layout in ("auto", "pairs"):
+        with pytest.raises(IndexInputError, match=r"dotted-000000.tar: --text-member v2.caption"
+                           ": none of its first 2 samples holds that member .they hold v2.jpg, "
+                           "v2.txt, after each key's first dot.: name one of those"):
+            index([str(tmp_path / "src")], str(tmp_path / "no"), IndexOptions(
+                workers=0, progress=False, layout=layout, media_member="v2.jpg",
+                text_member="v2.caption"))
+        assert not (tmp_path / "no").exists()
 
 
 def test_a_folder_with_a_held_out_split_is_refused(corpus_photos, tmp_path):

@@ -544,7 +544,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
     record_table.write(os.path.join(staging, RECORDS_FILE), cache_folder, key)
     workers = max(options.workers, 1)
-    rate = (f"{report.seen} samples, {read / 1e6:.1f} MB read in {busy:.2f} worker-seconds: "
-            f"{report.seen / busy if busy else 0:.0f} samples/s and "
+    rate = (f"{report.seen} records, {read / 1e6:.1f} MB read in {busy:.2f} worker-seconds: "
+            f"{report.seen / busy if busy else 0:.0f} records/s and "
             f"{read / 1e6 / busy if busy else 0:.1f} MB/s per worker ({workers} worker(s))")
     return built, report.summary(), rate

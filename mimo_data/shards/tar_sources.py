@@ -15,7 +15,8 @@ import braceexpand
 from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
-from mimo_data.shards.layouts import MemberMap, detect
+from mimo_data.shards.layouts import MemberMap, detect, field as member
+from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import SourceError
 from mimo_data.shards.tar_walk import NOT_IN_PLACE, NotATarError, Walked, walk
 
@@ -353,8 +354,10 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
     layout = options.layout
     pairs_options = options.media_member is not None or options.text_member != "txt"
     detected, first = None, ""
-    if layout == "auto":
+    head: list[dict[str, bytes]] = []
+    if layout == "auto" or (layout == "pairs" and pairs_options):
         first, head, split = _head(root, names, storage_options)
+    if layout == "auto":
         if not first:
             raise IndexInputError(f"{root}: no sample in its {len(names)} tar(s) (empty, or cut "
                                   "short within their first member): nothing to index")
@@ -401,12 +404,33 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "conversations/messages) nor documents (texts + images "
                                   "lists); give --layout and the --*-member options (pairs: "
                                   "--media-member and --text-member name them as listed)")
+    if layout == "pairs":
+        _check_pair_members(storage.join(root, first), head, options)
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member, markers_first=options.markers_first)
     how = ("as given" if options.layout != "auto" else f"detected from the first samples of {first}"
            if detected else "from the --media-member / --text-member options")
     say(f"layout {layout} ({how}): {mapping.describe()}")
     return mapping, first if detected else ""
+
+
+def _check_pair_members(tar: str, head: list[dict[str, bytes]], options: IndexOptions) -> None:
+    """IndexInputError where ``--media-member`` / ``--text-member`` names a member that none of
+    the first samples of ``tar`` holds: every record would be skipped, found only after
+    reading every tar."""
+    for flag, spec in (("--media-member", options.media_member),
+                       ("--text-member", options.text_member)):
+        if spec is None or not head:
+            continue
+        try:
+            if any(member(members, spec, flag) is not None for members in head):
+                continue
+        except RecordError:                  # a JSON member without the field: it is there
+            continue
+        seen = sorted({suffix for members in head for suffix in members})
+        raise IndexInputError(f"{tar}: {flag} {spec}: none of its first {len(head)} samples "
+                              f"holds that member (they hold {', '.join(seen[:12])}, after "
+                              f"each key's first dot): name one of those")
 
 
 def say(line: str) -> None:
