@@ -27,6 +27,7 @@ import importlib.metadata
 import json
 import os
 import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -185,15 +186,17 @@ def _tokenizer_digest(tokenizer: str, preprocessor: Preprocessor) -> bytes:
 
 class Rows:
     """Rows of a token table in sample order, from ``start``: what one worker task or a
-    ``mimo-inspect report`` pass gathers; ``assemble`` makes the table of all of them."""
+    ``mimo-inspect report`` pass gathers; ``assemble`` makes the table of all of them. The
+    columns are ``array``s (4 bytes a value, 1 a kind): a whole dataset's report holds them
+    all, and a list holds an 8-byte pointer and a 28-byte int object a value."""
 
     def __init__(self, modalities: Sequence[str], start: int = 0):
         self.start = start
-        self.tokens: list[int] = []
-        self.trained: list[int] = []
-        self.kinds: list[int] = []
-        self.items: dict[str, list[int]] = {m: [] for m in modalities}
-        self.item_tokens: dict[str, list[int]] = {m: [] for m in modalities}
+        self.tokens = array("i")
+        self.trained = array("i")
+        self.kinds = array("b")
+        self.items = {m: array("i") for m in modalities}
+        self.item_tokens = {m: array("i") for m in modalities}
         self.drops: dict[int, tuple[str, str]] = {}     # position -> (reason, detail)
 
     def add(self, dropped: str | None, detail: str, tokens: int, trained: int,
@@ -211,11 +214,16 @@ class Rows:
 
     def arrays(self) -> dict:
         """Compact numpy columns (what a worker sends back)."""
-        return {"start": self.start, "tokens": np.array(self.tokens, np.int32),
-                "trained": np.array(self.trained, np.int32), "drops": self.drops,
-                "kinds": np.array(self.kinds, np.int8),
-                "items": {m: np.array(c, np.int32) for m, c in self.items.items()},
-                "item_tokens": {m: np.array(c, np.int32) for m, c in self.item_tokens.items()}}
+        return {"start": self.start, "tokens": _numpy(self.tokens, np.int32),
+                "trained": _numpy(self.trained, np.int32), "drops": self.drops,
+                "kinds": _numpy(self.kinds, np.int8),
+                "items": {m: _numpy(c, np.int32) for m, c in self.items.items()},
+                "item_tokens": {m: _numpy(c, np.int32) for m, c in self.item_tokens.items()}}
+
+
+def _numpy(column: array, dtype) -> np.ndarray:
+    """A copy of ``column`` as numpy (``array``'s ``i`` is a C int: 32 bits where mimo runs)."""
+    return np.frombuffer(column, dtype=np.dtype(column.typecode)).astype(dtype)
 
 
 def assemble(parts: list[dict], modalities: Sequence[str]) -> pa.Table:
