@@ -152,8 +152,11 @@ def pairs(tmp_path_factory, corpus_photos) -> Pairs:
     _writable(src)
 
 
-def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_photos):
+def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_photos,
+                                                                 tmp_path):
+    from mimo_data.shards import in_place
     from mimo_data.shards.reader import ShardReader
+    from mimo_data.shards.sources import StrictStop
 
     assert "layout pairs (detected" in pairs.stderr
     report = json.loads((pairs.out / "report.json").read_text())
@@ -191,6 +194,13 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
         assert record["source"]["file"].startswith("pairs-")
         if record["source"]["file"] < "pairs-000004.tar":
             assert record["source"]["url"].startswith("https://example.com/")
+    # --strict: the first record skipped stops it, no index written, no folder left
+    with pytest.raises(StrictStop, match=r"^pairs-000002.tar:000000010: corrupt_image: .* "
+                       r"\(--strict stops at the first bad record\)$"):
+        with contextlib.redirect_stderr(io.StringIO()):
+            in_place.index([str(pairs.src)], str(tmp_path / "strict"),
+                           in_place.IndexOptions(workers=0, progress=False, strict=True))
+    assert not (tmp_path / "strict").exists()
 
 
 def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is_skipped(
@@ -1029,6 +1039,13 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert skip["location"] == "b.tar:1"
     assert skip["detail"].startswith("the key occurs in an earlier tar too (a.tar), whose "
                                      "sample is kept"), skip
+    from mimo_data.shards.sources import StrictStop
+    with pytest.raises(StrictStop, match="^b.tar:1: duplicate_key: the key occurs in an "
+                       "earlier tar too"):
+        with contextlib.redirect_stderr(io.StringIO()):
+            index([str(tmp_path / "src")], str(tmp_path / "strict"),
+                  IndexOptions(workers=0, progress=False, strict=True))
+    assert not (tmp_path / "strict").exists()
 
 
 def test_a_key_in_two_tars_leaves_the_report_counts_of_the_kept_sample(corpus, tmp_path):

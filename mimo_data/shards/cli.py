@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="skip images with more pixels (default: Pillow's limit, 89478485)")
     x.add_argument("--markers-first", action="store_true",
                    help="conversations: as build's --markers-first")
+    x.add_argument("--strict", action="store_true",
+                   help="stop at the first record that would be skipped (exit 1), writing no "
+                   "index, instead of skipping it")
     x.add_argument("--overwrite", action="store_true",
                    help="replace an existing index once the new one is complete (a failed "
                    "indexing leaves it whole)")
@@ -218,7 +221,7 @@ def _run(args) -> int:
             layout=args.layout, media_member=args.media_member, text_member=args.text_member,
             json_member=args.json_member, name=args.name, workers=args.workers,
             check=args.check, overwrite=args.overwrite, progress=not args.no_progress,
-            markers_first=args.markers_first,
+            markers_first=args.markers_first, strict=args.strict,
             **({} if args.max_image_pixels is None
                else {"max_image_pixels": args.max_image_pixels}))
         return _nothing_kept(args.command, index(args.sources, args.output, indexing))

@@ -46,7 +46,7 @@ from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, s
 from mimo_data.shards import record_table
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
-from mimo_data.shards.sources import OutputFull
+from mimo_data.shards.sources import OutputFull, StrictStop
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, output_given_as_source, resolve,
                                           say)
@@ -291,6 +291,11 @@ class _Tables:
         self._records.close()
 
 
+def _stop_strict(reason: str, where: str, detail: str) -> None:
+    """``--strict``: StrictStop at a record skipped (no index is written)."""
+    raise StrictStop(f"{where}: {reason}: {detail} (--strict stops at the first bad record)")
+
+
 def _drop_duplicate_keys(staging: str, report: Tally, source: Source,
                          storage_options: dict | None) -> Counter[str]:
     """Keep the first sample of each key across tars (a key twice in one tar is caught while
@@ -502,6 +507,8 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         report.keep(len(result.rows))
         for name, number in result.counts.items():
             report.count(name, number)
+        if options.strict and result.skips:
+            _stop_strict(*result.skips[0])
         for reason, where, detail in result.skips:
             report.skip(reason, where, detail)
         for reason, where, detail in result.members_aside:
@@ -514,6 +521,9 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     _check_counts(source, walked)
     tables.close()
     dropped = _drop_duplicate_keys(staging, report, source, storage_options)
+    if options.strict and dropped:
+        first = report.skipped["duplicate_key"]["first"][0]
+        _stop_strict("duplicate_key", first["location"], first["detail"])
     for shard in shards:                                    # duplicates across tars dropped
         shard["samples"] -= dropped[shard["name"]]
     write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))

@@ -41,6 +41,7 @@ class IndexOptions:
     overwrite: bool = False
     progress: bool = True
     markers_first: bool = False           # conversation: place missing markers first
+    strict: bool = False                  # the first record skipped stops the indexing
 
 
 @dataclass(frozen=True)
