@@ -19,6 +19,7 @@ from pathlib import Path
 from conftest import build_dataset
 from mimo_data.inspect.plan import format_plan, make_plan
 from mimo_data.inspect.workload import workload
+from mimo_data.loading import dry_run
 from mimo_data.loading.layout import Layout
 from mimo_data.loading.loader import DataSource
 from mimo_data.preprocess.config import PreprocessConfig
@@ -34,7 +35,15 @@ def _records(count: int):
             {"from": "gpt", "value": "Answer" + " a" * (i % 50)}]}
 
 
-def test_plan_memory_does_not_grow_per_sample(tmp_path):
+def _counting(text_batch, counts: list[int]):
+    """`text_batch` that also appends how many records each call tokenizes to `counts`."""
+    def counted(records):
+        counts.append(len(records))
+        return text_batch(records)
+    return counted
+
+
+def test_plan_memory_does_not_grow_per_sample(tmp_path, monkeypatch):
     # Before the fix: the reviewer measured ~2,400 B/sample of RSS (every micro-batch's keys
     # and token counts kept for the epoch, twice, then a dict per sample). Now ~100 measured
     # here: the loader's numpy epoch orders of both balances, made side by side (datasets,
@@ -56,9 +65,7 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
         source = DataSource([str(tmp_path / f"shards{count}")], config, text=text)
         text = source.metadata.text              # the tokenizer analysed once
         tokenized = []                           # records, a text_batch call at a time
-        batch = source.metadata.text_batch
-        source.metadata.text_batch = lambda records: tokenized.append(len(records)) or \
-            batch(records)
+        source.metadata.text_batch = _counting(source.metadata.text_batch, tokenized)
         tracemalloc.start()
         try:
             result, plan = make_plan(source, config, layout, args)
@@ -70,7 +77,15 @@ def test_plan_memory_does_not_grow_per_sample(tmp_path):
         # balances, not once a rank's TP peer and balance: 4x (broken on purpose: the ranks'
         # loaders one after another)
         assert sum(tokenized) == count // 32 * 32, (sum(tokenized), count)
-        assert f"{count // 32} steps x 4 global micro-batches" in format_plan(result, plan)
+        printed = format_plan(result, plan)
+        assert f"{count // 32} steps x 4 global micro-batches" in printed
+        if count == N:          # the shared samples bounded (8 kept): more tokenized, same plan
+            monkeypatch.setattr(dry_run, "SHARED_MIN", 8)
+            monkeypatch.setattr(dry_run, "SHARED_TOKENS", 0)
+            tokenized.clear()
+            assert format_plan(*make_plan(source, config, layout, args)) == printed
+            assert sum(tokenized) > count // 32 * 32, sum(tokenized)
+            monkeypatch.undo()
         tracemalloc.start()                      # the advisor's workload: its first 8 steps
         try:
             read = workload(source, config, 32, 4)

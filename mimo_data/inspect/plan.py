@@ -301,8 +301,8 @@ def format_plan(result: dict, plan: dict) -> str:
 
 class _JsonSteps:
     """``dry_run``'s ``visit`` for ``--json``: every rank's steps written, as ``json.dumps``
-    with ``indent=1`` writes them in the whole result, to a temporary file as they come (a
-    step's micro-batches held a rank at a time; the ranks' steps interleave in the file, each
+    with ``indent=1`` writes them in the whole result, to a temporary file as they come (each
+    rank's current step held until it ends; the ranks' steps interleave in the file, each
     step's place kept, 16 bytes); ``write`` prints the result around them, rank by rank."""
 
     def __init__(self):

@@ -21,6 +21,11 @@ from mimo_data.shards.index import DatasetError
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import TEXT_AHEAD, DataSource, build_loader, check_even_split
 
+# The dry run's shared samples (texts and metadata tensors: ~120 bytes a token with
+# multimodal rotary positions, measured) are bounded to 2**24 tokens' worth, ~2 GB at most
+# (samples of seq_length), and at least SHARED_MIN samples.
+SHARED_TOKENS = 1 << 24
+SHARED_MIN = 1024
 _MICRO_BATCH_FIELDS = ("keys", "tokens", "trained_tokens", "token_counts", "token_grids",
                        "encoder_keys", "sequences")
 
@@ -71,9 +76,11 @@ def dry_runs(datasets, preprocess_config, layout, global_batch_size: int,
         DataSource(datasets, preprocess_config, weights, num_workers)
     # the samples read between a sample's first reader and its last: a step's (balances
     # order them differently within it) and each stream's read ahead, over the slice of the
-    # module with the most DP ranks
+    # module with the most DP ranks; at most SHARED_TOKENS tokens' worth of samples of
+    # seq_length (fewer kept: some samples read and tokenized again, the same plan)
     widest = max(module.dp for module in layout.modules)
-    source.share_texts(2 * (global_batch_size + TEXT_AHEAD * widest))
+    source.share_texts(min(2 * (global_batch_size + TEXT_AHEAD * widest),
+                           max(SHARED_MIN, SHARED_TOKENS // source.config.seq_length)))
     try:
         results, streams = {}, []
         for balance in balances:

@@ -236,7 +236,8 @@ class DataSource:
               arrangement: Arrangement | None = None,
               packing: Packing | None = None) -> SampleOrder:
         """The order of these datasets for a run's settings; the loaders of this process
-        asking for the same share one (a dry run's ranks: one epoch's arrays, not one a rank)."""
+        asking for the same share one (a dry run's ranks: one epoch's arrays, not one a rank),
+        kept while this DataSource lives, one a distinct setting."""
         key = (seed, global_batch_size, remainder, block_size, window_blocks, arrangement,
                packing)
         if key in self._orders:
