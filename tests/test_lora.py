@@ -23,6 +23,7 @@ later job starts from (``model.init_from``), and one-step jobs at lr 0 (``runs.s
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -264,8 +265,14 @@ def test_merged_and_peft_exports_give_mimos_logits(ranks, setup, finetune, corpu
     manifest["adapters"]["base"] = str(setup["tmp"] / "moved-base")
     (adapters / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(GenerateError, match=f"their base {setup['tmp'] / 'moved-base'} "
-                       r"\(manifest.json's adapters.base\) cannot be loaded"):
+                       r"\(manifest.json's adapters.base\) cannot be loaded \(no such directory\): "
+                       "restore it there, or give where it is now with --base DIR"):
         Generator(str(adapters))
+    shutil.copytree(BASE, setup["tmp"] / "base-copy")          # --base: where it is now
+    assert Generator(str(adapters), base=str(setup["tmp"] / "base-copy")).generate(
+        "Who is this?", images=[image], max_new_tokens=6).token_ids == tokens[1]
+    with pytest.raises(GenerateError, match="--base goes with an export of LoRA adapters alone"):
+        Generator(str(merged), base=str(BASE))
 
 
 def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetune, capsys):
@@ -273,7 +280,6 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
     and generation refuses an export whose base changed since; a run whose fixed weights came
     from ``model.init_from`` is refused (exit 2); a checkpoint saved before runs recorded the
     base's digest is exported with a note, its manifest recording the digest from then on."""
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
@@ -314,6 +320,9 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
     with pytest.raises(GenerateError, match=f"trained on other weights than those of their "
                        f"base {changed} now"):
         Generator(str(out))
+    with pytest.raises(GenerateError, match=f"base {changed} now .*give the one they trained "
+                       "on with --base DIR"):                   # --base checked the same
+        Generator(str(out), base=str(changed))
 
 
 def test_a_lora_checkpoint_is_refused_by_a_run_without_its_adapters(tmp_path):

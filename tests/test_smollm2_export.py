@@ -362,6 +362,17 @@ def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch, 
     assert [p.name for p in tmp_path.iterdir()] == ["out"]    # the staging directory removed
     shutil.rmtree(tmp_path / "out")
 
+    def file_racing(out, *args):                    # a file written to OUT meanwhile
+        Path(out, "language").mkdir()
+        (tmp_path / "out").write_text("log")
+        return "float32"
+    monkeypatch.setattr(export, "_write", file_racing)
+    with pytest.raises(export.ExportError, match="was made while this export was written"):
+        export.export(str(smollm2.checkpoint), str(tmp_path / "out"))
+    assert [p.name for p in tmp_path.iterdir()] == ["out"] and \
+        (tmp_path / "out").read_text() == "log"
+    (tmp_path / "out").unlink()
+
     sent: list[signal.Signals] = []
 
     def stopped(out, *args):                         # Ctrl-C, then SIGTERM, while writing
@@ -556,25 +567,40 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
         if path.is_file():
             (copy / path.relative_to(smollm2.export)).parent.mkdir(parents=True, exist_ok=True)
             (copy / path.relative_to(smollm2.export)).symlink_to(path)
-    (copy / "language" / "config.json").unlink()
-    (copy / "language" / "config.json").write_text("{}")
+    weights = copy / "language" / "model.safetensors"
+    weights.unlink()
+    weights.write_bytes((smollm2.export / "language" / "model.safetensors").read_bytes()[:1000])
     (copy / "image" / "model.safetensors").unlink()
     assert main(["--model", str(copy), "--prompt", "Hi"]) == 1
-    size = (smollm2.export / "language" / "config.json").stat().st_size
+    size = (smollm2.export / "language" / "model.safetensors").stat().st_size
     assert capsys.readouterr().err == (
         f"mimo-generate: --model {copy} is not as mimo-export wrote it: image/model.safetensors "
-        f"is gone; language/config.json is 2 bytes, mimo-export wrote {size:,}. Copy it again "
-        "from where it was exported, or export the checkpoint again\n")
+        f"is gone; language/model.safetensors is 1,000 bytes, mimo-export wrote {size:,}. Copy "
+        "it again from where it was exported, or export the checkpoint again\n")
+    weights.unlink()
+    weights.symlink_to(smollm2.export / "language" / "model.safetensors")
     # an export made before the sizes were listed: a weights file that is not one said so
     (copy / "image" / "model.safetensors").write_bytes(b"not safetensors")
-    (copy / "language" / "config.json").unlink()
-    (copy / "language" / "config.json").symlink_to(smollm2.export / "language" / "config.json")
     manifest = json.loads((copy / "manifest.json").read_text())
-    del manifest["files"]
     (copy / "manifest.json").unlink()
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.json").write_text(json.dumps({key: value for key, value in
+                                                    manifest.items() if key != "files"}))
     assert main(["--model", str(copy), "--prompt", "Hi", "--device", "cpu"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"mimo-generate: --model {copy} cannot be loaded (") and \
         err.endswith("): the export is damaged or incomplete; copy it again from where it was "
                      "exported, or export the checkpoint again\n") and "Traceback" not in err
+    # a config edited since (its size is not checked, a weights file's is) that transformers
+    # cannot read is not called damaged: exit 2 naming the version
+    (copy / "image" / "model.safetensors").unlink()
+    (copy / "image" / "model.safetensors").symlink_to(smollm2.export / "image" /
+                                                      "model.safetensors")
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    config = json.loads((smollm2.export / "language" / "config.json").read_text())
+    (copy / "language" / "config.json").unlink()
+    (copy / "language" / "config.json").write_text(json.dumps({**config,
+                                                               "model_type": "mimo-future"}))
+    assert main(["--model", str(copy), "--prompt", "Hi", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mimo-generate: --model {copy} cannot be loaded by transformers ") \
+        and "mimo-future" in err and "damaged" not in err and "Traceback" not in err, err

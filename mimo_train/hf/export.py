@@ -230,10 +230,10 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     from transformers.utils import logging as transformers_logging
     disable_progress_bars()                              # a bar per saved model otherwise
     transformers_logging.disable_progress_bar()
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
     from mimo_data.errors import ConfigError
     from mimo_train.errors import TrainConfigError
     from mimo_train.errors import EncoderBuildError
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
     try:
         written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype,
                          base_digest)
@@ -241,11 +241,11 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         try:
             os.rename(staging, output)
         except OSError:
-            if not os.path.isdir(output):
+            if not os.path.lexists(output):
                 raise
             raise ExportError(f"--output {output} was made while this export was written "
                               "(another mimo-export to the same --output?); this export is "
-                              "removed and that folder left as it is: look at what it holds, "
+                              "removed and what is there left as it is: look at what it holds, "
                               "or export to another --output") from None
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)

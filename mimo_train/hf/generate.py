@@ -41,6 +41,7 @@ from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
 
 PREFIX = "mimo-generate: "
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")   # an export's files whose size is checked
 _MARKER = re.compile(r"<(image|video|audio)>")
 
 
@@ -84,6 +85,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="render the generation prompt with the template's enable_thinking "
                         "false (Qwen3, Qwen3.5: the empty think block an answer without "
                         "reasoning trains after), not its default (thinking on)")
+    parser.add_argument("--base", metavar="DIR",
+                        help="an export of LoRA adapters alone (mimo-export --adapters): "
+                        "where their base model is now, when it moved from where "
+                        "manifest.json's adapters.base says (its weights are checked against "
+                        "the digest recorded there)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to run: auto (cuda when available), cpu or cuda")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
@@ -112,7 +118,7 @@ def main(argv=None) -> int:
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
     try:
-        generator = Generator(args.model, args.device, args.dtype)
+        generator = Generator(args.model, args.device, args.dtype, base=args.base)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
                                     videos=args.video,
                                     max_new_tokens=args.max_new_tokens,
@@ -133,7 +139,9 @@ class Generator:
     """An exported model loaded once (language model, encoders, projections, preprocessing;
     or a whole VLM and its preprocessing)."""
 
-    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "fp32"):
+    def __init__(self, model_dir: str, device: str = "auto", dtype: str = "fp32",
+                 base: str | None = None):
+        """``base``: where an adapters export's base is, in place of its manifest's."""
         import torch
 
         from mimo_data.errors import ConfigError
@@ -171,8 +179,14 @@ class Generator:
         self.tokenizer = self.preprocessor.text.tokenizer
         load_errors = _load_errors()
         self.vlm: Any = None
+        adapters = self.manifest.get("adapters")
+        if base is not None:
+            if not adapters:
+                raise GenerateError(f"--base goes with an export of LoRA adapters alone "
+                                    f"(mimo-export --adapters); {model_dir} holds its whole "
+                                    "model: leave --base out")
+            adapters = {**adapters, "base": base}
         if self.manifest.get("vlm"):        # a whole VLM: its own class runs the media too
-            adapters = self.manifest.get("adapters")
             if adapters:                    # before loading a base it would refuse
                 _check_base(model_dir, adapters)
             try:
@@ -181,10 +195,15 @@ class Generator:
             except load_errors as error:
                 if not adapters:
                     raise _unloadable(model_dir, error) from None
+                given = "--base" if base is not None else "manifest.json's adapters.base"
+                where = adapters["base"]
+                # a path gone reads as a bad hub name to transformers: say it is gone
+                gone = (os.path.isabs(where) or where.startswith((".", "~"))) and \
+                    not os.path.exists(os.path.expanduser(where))
                 raise GenerateError(
-                    f"--model {model_dir} holds adapters, and their base {adapters['base']} "
-                    f"(manifest.json's adapters.base) cannot be loaded ({error}): restore it "
-                    "there, or write where it is now into that manifest") from None
+                    f"--model {model_dir} holds adapters, and their base {where} ({given}) "
+                    f"cannot be loaded ({'no such directory' if gone else error}): restore "
+                    "it there, or give where it is now with --base DIR") from None
             if adapters:                    # LoRA adapters (PEFT's files) on their base
                 self.vlm = _with_adapters(self.vlm, model_dir)
             self.vlm = self.vlm.to(self.device).eval()
@@ -394,9 +413,10 @@ class Generator:
 
 
 def _check_files(model_dir: str, files: dict[str, int]) -> None:
-    """GenerateError (exit 1) naming each file of the export that is gone or not the size
-    ``mimo-export`` wrote (``manifest.json``'s ``files``; an export before that list is not
-    checked): a copy cut short, a file lost."""
+    """GenerateError (exit 1) naming each file of the export that is gone, and each weights
+    file not the size ``mimo-export`` wrote (``manifest.json``'s ``files``; an export before
+    that list is not checked): a copy cut short, a file lost. A text file (config, template,
+    tokenizer) may be edited since, so only its presence is checked."""
     wrong = []
     for name, size in files.items():
         try:
@@ -404,7 +424,7 @@ def _check_files(model_dir: str, files: dict[str, int]) -> None:
         except OSError:
             wrong.append(f"{name} is gone")
             continue
-        if found != size:
+        if found != size and name.endswith(WEIGHT_SUFFIXES):
             wrong.append(f"{name} is {found:,} bytes, mimo-export wrote {size:,}")
     if wrong:
         raise GenerateError(
@@ -414,18 +434,34 @@ def _check_files(model_dir: str, files: dict[str, int]) -> None:
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
-    """What loading a damaged model folder raises: OSError (a file missing), ValueError and
-    safetensors' error (a file that is not what its name says)."""
+    """What loading a model folder raises when it cannot: OSError (a file missing),
+    safetensors' error (a file that is not what its name says), ValueError (transformers: a
+    config it cannot read, a model type it does not know; mimo: an encoder config that
+    cannot work)."""
     from safetensors import SafetensorError
     return OSError, ValueError, SafetensorError
 
 
 def _unloadable(model_dir: str, error: BaseException) -> GenerateError:
-    """The GenerateError (exit 1) of an export whose weights cannot be loaded."""
+    """The GenerateError of an export whose model cannot be loaded: exit 1 with the advice
+    of a damaged copy for a missing or unreadable file, else the cause (exit 2)."""
+    from safetensors import SafetensorError
+
+    import transformers
+
+    from mimo_data.errors import ConfigError
+    from mimo_train.errors import MimoTrainError
     detail = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    return GenerateError(f"--model {model_dir} cannot be loaded ({detail}): the export "
-                         "is damaged or incomplete; copy it again from where it was exported, "
-                         "or export the checkpoint again", exit_code=1)
+    if isinstance(error, (OSError, SafetensorError)):
+        return GenerateError(f"--model {model_dir} cannot be loaded ({detail}): the export "
+                             "is damaged or incomplete; copy it again from where it was "
+                             "exported, or export the checkpoint again", exit_code=1)
+    if isinstance(error, (MimoTrainError, ConfigError)):
+        return GenerateError(f"--model {model_dir}: {error}")
+    return GenerateError(f"--model {model_dir} cannot be loaded by transformers "
+                         f"{transformers.__version__} ({detail}): run mimo-generate with the "
+                         "transformers version the export was made with (its config.json's "
+                         "transformers_version)")
 
 
 def _check_base(model_dir: str, adapters: dict) -> None:
@@ -442,8 +478,9 @@ def _check_base(model_dir: str, adapters: dict) -> None:
         raise GenerateError(
             f"--model {model_dir} holds adapters trained on other weights than those of their "
             f"base {adapters['base']} now (manifest.json's adapters.sha256 differs from its "
-            "weights'): the adapters alone would give another model. Restore that base, or "
-            "export the run merged (mimo-export without --adapters)")
+            "weights'): the adapters alone would give another model. Restore that base, give "
+            "the one they trained on with --base DIR, or export the run merged (mimo-export "
+            "without --adapters)")
 
 
 def _with_adapters(model, model_dir: str):
