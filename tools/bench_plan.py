@@ -30,9 +30,13 @@ from replicate_corpus import replicated_dataset
 def _pass(source: DataSource, config: PreprocessConfig, layout: Layout, args,
           shared: bool) -> tuple[float, int, dict]:
     """One plan: its seconds, the records its ``text_batch`` calls took, the plan."""
-    records = []
+    records: list[int] = []
     batch = source.metadata.text_batch
-    source.metadata.text_batch = lambda given: records.append(len(given)) or batch(given)
+
+    def counted(given):
+        records.append(len(given))
+        return batch(given)
+    source.metadata.text_batch = counted                      # type: ignore[method-assign]
     share = source.share_texts
     if not shared:                       # every rank's loader on its own, as before sharing
         source.share_texts = lambda capacity: share(0)       # type: ignore[method-assign]
