@@ -370,7 +370,7 @@ def test_the_index_is_the_same_whatever_the_workers(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "index", pairs.src, "--output", tmp_path / "w2",
                             "--workers", "2", "--no-progress")
     assert code == 0, err
-    assert "samples/s" in err and "per worker (2 worker(s))" in err
+    assert "records/s" in err and "per worker (2 worker(s))" in err
     for name in DATASET_FILES:
         assert (tmp_path / "w2" / name).read_bytes() == (pairs.out / name).read_bytes(), name
     tables = sorted(p.name for p in (pairs.out / ".mimo-cache").iterdir())

@@ -41,7 +41,6 @@ from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
 
 PREFIX = "mimo-generate: "
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt")   # an export's files whose size is checked
 _MARKER = re.compile(r"<(image|video|audio)>")
 
 
@@ -414,9 +413,10 @@ class Generator:
 
 def _check_files(model_dir: str, files: dict[str, int]) -> None:
     """GenerateError (exit 1) naming each file of the export that is gone, and each weights
-    file not the size ``mimo-export`` wrote (``manifest.json``'s ``files``; an export before
-    that list is not checked): a copy cut short, a file lost. A text file (config, template,
-    tokenizer) may be edited since, so only its presence is checked."""
+    file cut short (``manifest.json``'s ``files``; an export before that list is not checked):
+    a copy interrupted, a file lost. A weights file of another size that safetensors reads
+    whole (saved again in another dtype) loads; a text file (config, template, tokenizer) may
+    be edited since, so only its presence is checked."""
     wrong = []
     for name, size in files.items():
         try:
@@ -424,13 +424,25 @@ def _check_files(model_dir: str, files: dict[str, int]) -> None:
         except OSError:
             wrong.append(f"{name} is gone")
             continue
-        if found != size and name.endswith(WEIGHT_SUFFIXES):
+        if found != size and name.endswith(".safetensors") and \
+                not _whole_safetensors(os.path.join(model_dir, name)):
             wrong.append(f"{name} is {found:,} bytes, mimo-export wrote {size:,}")
     if wrong:
         raise GenerateError(
             f"--model {model_dir} is not as mimo-export wrote it: {'; '.join(wrong[:5])}"
             f"{f' (and {len(wrong) - 5} more)' if len(wrong) > 5 else ''}. Copy it again from "
             "where it was exported, or export the checkpoint again", exit_code=1)
+
+
+def _whole_safetensors(path: str) -> bool:
+    """Whether safetensors opens ``path``: its header read and its tensors' extent equal to
+    the file's length (safetensors checks both on open, reading no tensor)."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(path, framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
 
 
 def _load_errors() -> tuple[type[BaseException], ...]:
