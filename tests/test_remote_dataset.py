@@ -8,7 +8,8 @@ names it. A build that dies midway leaves no index.json (readers refuse the pref
 next build into the prefix leaves no object of the dead one; with --overwrite, one that dies or
 keeps no sample leaves the old dataset whole, and one that completes replaces it. One build at
 a time writes a prefix: a second is refused naming the first and touches nothing, a killed
-one's stale claim is taken over, and a build whose claim is taken over stops. ShardReader on
+one's stale claim is taken over, and a build whose claim is taken over stops; a renewal or
+a take-over never overwrites a claim another build wrote since its look (If-Match). ShardReader on
 the URL gives the records and member bytes that ``tarfile`` reads from the local build's tars;
 its records cost no request, and a prefetch of every sample costs one GET per shard. Without the
 bucket's ``.mimo-cache/`` the records are derived from the shards. Injected 500s, resets and
@@ -346,8 +347,7 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     live = claim.Claimant("live", "mimo-shard build", "node-6", 77, time.time(), time.time())
     fs.pipe_file(f"{BUCKET}/claimed/.mimo-claim", live.encoded())
     with monkeypatch.context() as patch:
-        patch.setattr(storage.Remote, "create", lambda self, u, data: (self.write(u, data),
-                                                                         True)[1])
+        patch.setattr(storage.Remote, "create", lambda self, u, data: self.write(u, data) or "")
         code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and "is being written by mimo-shard build (pid 77 on node-6" in err, err
     assert _objects(s3, "claimed") == {".mimo-claim": live.encoded()}
@@ -402,6 +402,65 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
 
 
 # ----------------------------------------------------------------------------------- reader
+
+def test_a_claim_is_renewed_and_taken_over_only_over_what_this_run_wrote(store, monkeypatch):
+    """S3's conditional write (If-Match on the claim's ETag): a claim another run wrote after
+    this run's last write is never overwritten by a renewal, even where it comes right after
+    this run looked at the claim (the renewal stops, the other's claim stays, the next confirm
+    refuses); two runs taking over one stale claim at once: the later one is refused, naming
+    the first, whose claim stays."""
+    import time
+
+    from mimo_data.shards import claim
+
+    monkeypatch.setattr(claim, "READ_BACK_S", 0.0)
+    monkeypatch.setattr(claim, "RENEW_S", 3600.0)       # renewed here by hand, not by the thread
+    url, fs = f"s3://{BUCKET}/raced", _fs(store)
+    remote = storage.Remote(url, store.storage_options)
+    other = claim.Claimant("other", "mimo-shard build", "node-9", 98, time.time(), time.time())
+    real_read, looked = storage.Remote.read, []
+
+    def read_then_other_writes(self, u):     # the other run writes right after any look
+        data = real_read(self, u)
+        if u.endswith(".mimo-claim") and not looked:
+            looked.append(u)
+            fs.pipe_file(f"{BUCKET}/raced/.mimo-claim", other.encoded())
+        return data
+
+    with claim.held(url, "mimo-shard build", remote) as held:
+        monkeypatch.setattr(storage.Remote, "read", read_then_other_writes)
+        try:
+            held._renew_once()               # (its look, if any, lets the other write)
+            if not looked:                   # (none: the other writes now)
+                read_then_other_writes(remote, storage.join(url, ".mimo-claim"))
+            with pytest.raises(claim.OutputBusy, match="node-9"):
+                held._renew_once()
+        finally:
+            monkeypatch.setattr(storage.Remote, "read", real_read)
+        assert fs.cat_file(f"{BUCKET}/raced/.mimo-claim") == other.encoded()
+        with pytest.raises(claim.OutputBusy, match=r"pid 98 on node-9.* took over"):
+            held.confirm()
+    assert fs.cat_file(f"{BUCKET}/raced/.mimo-claim") == other.encoded()   # end() left it
+
+    # a stale claim taken over by another run between this run's look at its age and its write
+    long_ago = time.time() - 3600
+    fs.pipe_file(f"{BUCKET}/raced/.mimo-claim", claim.Claimant(
+        "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
+    monkeypatch.setattr(claim, "STALE_S", 0.0)
+    real_age = claim.Claim._age
+
+    def age_then_other_takes_over(self, holder):
+        found = real_age(self, holder)
+        fs.pipe_file(f"{BUCKET}/raced/.mimo-claim", other.encoded())
+        return found
+
+    monkeypatch.setattr(claim.Claim, "_age", age_then_other_takes_over)
+    with pytest.raises(claim.OutputBusy, match="is being written by mimo-shard build "
+                       r"\(pid 98 on node-9"):
+        with claim.held(url, "mimo-shard build", remote):
+            pass
+    assert fs.cat_file(f"{BUCKET}/raced/.mimo-claim") == other.encoded()
+
 
 def test_remote_reader_gives_the_local_tars_records_and_members(s3, built):
     reader = ShardReader(built.url, storage_options=s3.storage_options)

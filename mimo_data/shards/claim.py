@@ -9,7 +9,8 @@ dataset. The second run is refused, naming the first; the first is not disturbed
   the process ends, however it ends, so a killed run's claim never blocks the next one.
 - A URL (object stores have no locks): the object ``CLAIM_FILE``, looked at first, then
   created only where none is there (S3's conditional write, ``If-None-Match``) and read back,
-  renewed every ``RENEW_S`` by a thread that also checks it is still this run's. A claim not
+  renewed every ``RENEW_S`` by a thread, only over this run's own last write of it (``If-Match``
+  on its ETag; a store without conditional writes: looked at, then written). A claim not
   renewed for ``STALE_S`` (by the store's clock: hosts' clocks may differ) is a killed run's,
   and the next run takes it over; a run whose claim was taken over (it was suspended that
   long) stops before its next upload, and before its index is written, leaving the output
@@ -114,6 +115,7 @@ class Claim:
         self.lost = False
         self._wrote = False               # (a take refused before its write removes nothing)
         self._taken_by: Claimant | None = None
+        self._etag: str | None = None     # of this run's last write of its claim (S3's)
         self._stop = threading.Event()
         self._renewing = threading.Thread(target=self._renew, daemon=True, name="mimo-claim")
 
@@ -134,16 +136,34 @@ class Claim:
 
     def _renew(self) -> None:
         """The renewing thread of a URL's claim: until stopped or taken over."""
-        assert self.remote is not None
         while not self._stop.wait(RENEW_S):
             try:
-                self.confirm()
-                self.remote.write(self._url, Claimant(
-                    **{**asdict(self.mine), "renewed": time.time()}).encoded())
+                self._renew_once()
             except OutputBusy:
                 return
             except Exception:     # the store is away: the next renewal, or confirm, tells
                 continue
+
+    def _renew_once(self) -> None:
+        """Write the claim again with the time of now. Where the store takes conditional
+        writes (S3's If-Match), only over this run's last write of it: a claim another run
+        wrote meanwhile is never overwritten (looked at, then written, it could be, and both
+        runs would go on writing the output)."""
+        assert self.remote is not None
+        data = Claimant(**{**asdict(self.mine), "renewed": time.time()}).encoded()
+        if self._etag:
+            try:
+                etag = self.remote.replace(self._url, data, self._etag)
+            except NotImplementedError:     # the store takes no If-Match: looked at, then written
+                self._etag = None
+            else:
+                if etag is None:            # written again or removed since this run's write
+                    self.confirm()          # OutputBusy where another run's claim is there
+                    etag = self.remote.written(self._url)[1]  # ours: a retried write landed
+                self._etag = etag or None
+                return
+        self.confirm()
+        self.remote.write(self._url, data)
 
     def take(self) -> None:
         """Claim the URL: OutputBusy where another run holds it; then renew it until
@@ -153,40 +173,61 @@ class Claim:
         # looked at first, and created only where none is (a store that ignores the
         # condition writes anyway: the look is then what refuses a running build's output)
         holder = _read(remote, url)
-        if holder is None and not remote.create(url, mine.encoded()):
+        etag = remote.create(url, mine.encoded()) if holder is None else None
+        if holder is None and etag is None:
             holder = _read(remote, url)     # another's, made since the look (or ours, retried)
             if holder is None:              # an object no mimo claim reads as: replaced
-                remote.write(url, mine.encoded())
+                etag = remote.write(url, mine.encoded())
+            elif holder.token == mine.token:
+                etag = remote.written(url)[1]
         if holder is not None and holder.token != mine.token:
-            age = self._age(holder)
+            age, stale = self._age(holder)
             if age < STALE_S:
                 raise _busy(self.output, holder, lapses_in=STALE_S - age)
             print(f"mimo-shard: taking over {self.output} from {holder.said()}, whose claim "
                   f"was last renewed {f'{age:.0f} s' if age < 120 else f'{age / 60:.0f} minutes'}"
                   " ago (it was killed)",
                   file=sys.stderr)
-            remote.write(url, mine.encoded())
-        self._wrote = True
+            etag = self._take_over(stale)
+        self._wrote, self._etag = True, etag or None
         time.sleep(READ_BACK_S)
         holder = _read(remote, url)
         if holder is None or holder.token != mine.token:
             raise _busy(self.output, holder, lapses_in=STALE_S)
         self._renewing.start()
 
-    def _age(self, holder: Claimant) -> float:
-        """Seconds since ``holder`` last renewed its claim: by the store's clock where the
-        store says when objects were written (the claim's and a probe's written now: hosts'
-        clocks may differ by more than ``STALE_S``), else by the holder's and this host's."""
+    def _take_over(self, stale: str | None) -> str | None:
+        """Write this run's claim over the stale one whose ETag is ``stale``: only over that
+        one where the store takes If-Match (another run that took it over first is not
+        overwritten: OutputBusy); this claim's ETag."""
+        assert self.remote is not None
+        data = self.mine.encoded()
+        if stale:
+            try:
+                etag = self.remote.replace(self._url, data, stale)
+            except NotImplementedError:
+                pass
+            else:
+                if etag is None:
+                    raise _busy(self.output, _read(self.remote, self._url), lapses_in=STALE_S)
+                return etag
+        return self.remote.write(self._url, data)
+
+    def _age(self, holder: Claimant) -> tuple[float, str | None]:
+        """Seconds since ``holder`` last renewed its claim, and the claim's ETag (None where
+        the store says none): by the store's clock where the store says when objects were
+        written (the claim's and a probe's written now: hosts' clocks may differ by more than
+        ``STALE_S``), else by the holder's and this host's."""
         assert self.remote is not None
         probe = storage.join(self.output, CLAIM_PROBE + self.mine.token)
         try:
             self.remote.write(probe, b"")
-            now, then = self.remote.modified(probe), self.remote.modified(self._url)
+            (now, _), (then, etag) = self.remote.written(probe), self.remote.written(self._url)
         finally:
             self.remote.remove(probe)
         if now is None or then is None:
-            return time.time() - holder.renewed
-        return now - then
+            return time.time() - holder.renewed, etag
+        return now - then, etag
 
     def end(self) -> None:
         """Stop renewing, then remove the URL's claim where it is still this run's (a take

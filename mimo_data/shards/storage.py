@@ -16,6 +16,7 @@ requests) are turned off, so one policy decides and every retry is counted; othe
 
 from __future__ import annotations
 
+import datetime
 import functools
 import io
 import os
@@ -187,6 +188,12 @@ def _error_code(exc: BaseException | None) -> str | None:
     return response.get("Error", {}).get("Code") if isinstance(response, dict) else None
 
 
+def _etag(written: object) -> str | None:
+    """The ETag of what a write returned (s3fs: the PutObject response), None where none."""
+    etag = written.get("ETag") if isinstance(written, dict) else None
+    return etag if isinstance(etag, str) else None
+
+
 class Remote:
     """The fsspec filesystem of one remote location, made on first use in each process
     (fsspec's async clients do not survive ``fork``; DataLoader workers make their own)."""
@@ -304,14 +311,22 @@ class Remote:
     def exists(self, url: str) -> bool:
         return retried(f"looking up {url}", lambda: self._info(url) is not None)
 
-    def modified(self, url: str) -> float | None:
-        """When ``url`` was last written, by the store's clock (seconds since the epoch;
-        None where it is not there or its store does not say): fsspec's ``modified``."""
-        def call() -> float | None:
+    def written(self, url: str) -> tuple[float | None, str | None]:
+        """When ``url`` was last written, by the store's clock (seconds since the epoch), and
+        its ETag, both of one look (fsspec's ``info``); None for either where it is not there
+        or its store does not say."""
+        def call() -> tuple[float | None, str | None]:
             try:
-                return self.fs.modified(url).timestamp()
-            except (FileNotFoundError, IsADirectoryError, NotImplementedError):
-                return None
+                info = self.fs.info(url)
+            except (FileNotFoundError, IsADirectoryError):
+                return None, None
+            stamp = info.get("LastModified")      # s3fs's; other stores through ``modified``
+            try:
+                when = (stamp if isinstance(stamp, datetime.datetime) else
+                        self.fs.modified(url)).timestamp()
+            except NotImplementedError:
+                return None, info.get("ETag")
+            return when, info.get("ETag")
         return retried(f"looking up {url}", call)
 
     def names(self, url: str) -> list[str]:
@@ -327,28 +342,53 @@ class Remote:
         """Upload the local file ``path`` to ``url`` (one object: readers see all or none)."""
         retried(f"writing {url}", lambda: self.fs.put_file(path, url))
 
-    def write(self, url: str, data: bytes) -> None:
-        retried(f"writing {url}", lambda: self.fs.pipe_file(url, data))
+    def write(self, url: str, data: bytes) -> str | None:
+        """Write ``url``: its ETag where the store says it (S3), else None."""
+        return _etag(retried(f"writing {url}", lambda: self.fs.pipe_file(url, data)))
 
-    def create(self, url: str, data: bytes) -> bool:
-        """Write ``url`` only where nothing is there (S3's conditional write, If-None-Match);
-        whether it was written. A client without fsspec's ``mode`` (an s3fs or botocore
-        older than conditional writes) writes it anyway: the caller looks first."""
-        def call() -> bool:
+    def create(self, url: str, data: bytes) -> str | None:
+        """Write ``url`` only where nothing is there (S3's conditional write, If-None-Match):
+        None where something was, else its ETag ("" where the store does not say). A client
+        without fsspec's ``mode`` (an s3fs or botocore older than conditional writes) writes
+        it anyway: the caller looks first."""
+        def call() -> str | None:
             try:
-                self.fs.pipe_file(url, data, mode="create")
+                return _etag(self.fs.pipe_file(url, data, mode="create")) or ""
             except FileExistsError:
-                return False
+                return None
             except OSError as exc:      # a 412 without the Condition s3fs reads it by
                 if _error_code(exc.__cause__) == "PreconditionFailed":
-                    return False
+                    return None
                 raise
             except Exception as exc:
                 if not ((isinstance(exc, TypeError) and "mode" in str(exc)) or
                         type(exc).__name__ == "ParamValidationError"):
                     raise
-                self.fs.pipe_file(url, data)
-            return True
+                return _etag(self.fs.pipe_file(url, data)) or ""
+        return retried(f"writing {url}", call)
+
+    def replace(self, url: str, data: bytes, etag: str) -> str | None:
+        """Write ``url`` only where it is still the object whose ETag is ``etag`` (S3's
+        conditional write, If-Match): its new ETag ("" where the store does not say); None
+        where it was written again or removed since (a retried write of the caller's own that
+        had landed reads so too). NotImplementedError where the store or its client takes no
+        such condition (nothing written)."""
+        def call() -> str | None:
+            try:
+                return _etag(self.fs.pipe_file(url, data, IfMatch=etag)) or ""
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                code = _error_code(exc.__cause__)
+                if code == "PreconditionFailed":
+                    return None
+                if code == "NotImplemented":
+                    raise NotImplementedError(f"{url}: the store takes no If-Match") from None
+                raise
+            except Exception as exc:     # a client without the parameter
+                if isinstance(exc, TypeError) or type(exc).__name__ == "ParamValidationError":
+                    raise NotImplementedError(f"{url}: the client takes no If-Match") from None
+                raise
         return retried(f"writing {url}", call)
 
     def remove(self, url: str, recursive: bool = False) -> None:
