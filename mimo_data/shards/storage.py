@@ -386,7 +386,8 @@ class Remote:
                     raise NotImplementedError(f"{url}: the store takes no If-Match") from None
                 raise
             except Exception as exc:     # a client without the parameter
-                if isinstance(exc, TypeError) or type(exc).__name__ == "ParamValidationError":
+                if (isinstance(exc, TypeError) and "IfMatch" in str(exc)) or \
+                        type(exc).__name__ == "ParamValidationError":
                     raise NotImplementedError(f"{url}: the client takes no If-Match") from None
                 raise
         return retried(f"writing {url}", call)
