@@ -67,7 +67,7 @@ CREATOR = textwrap.dedent("""
     sys.path.insert(0, sys.argv[1])
     from support.launch import Ranks
     script, out, logs, how = sys.argv[2:]
-    ranks = Ranks(preload=("torch.distributed",))
+    ranks = Ranks(preload=("torch.distributed",), tokenizers=())
     if how == "killed" and os.fork() == 0:
         while True:
             time.sleep(1000)

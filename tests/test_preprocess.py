@@ -45,7 +45,7 @@ def records(dataset) -> list[dict]:
 
 def config(**changes) -> PreprocessConfig:
     base = PreprocessConfig.from_yaml(str(REPO / "configs" / "preprocess.yaml"))
-    return dataclasses.replace(base, tokenizer=TOKENIZER, **changes)
+    return dataclasses.replace(base, **{"tokenizer": TOKENIZER, **changes})
 
 
 @pytest.fixture(scope="module")
@@ -660,6 +660,43 @@ def test_delimiter_tokens_are_the_templates_and_the_tokenizers_own(name, delimit
     for token in delimiters:
         error = typed.error([("m", "ok"), ("n", f"a {token}b")])
         assert error is not None and error.detail.startswith(f"n holds {token!r}"), token
+
+
+def test_a_process_loads_a_tokenizer_folder_once_until_its_files_change(tmp_path):
+    """The preprocessing's tokenizer is loaded once per process and folder: the same object
+    while the folder's files are the same, a new one with the new files as soon as one changes
+    (a template rewritten, same size); a config whose modality token the tokenizer lacks gets
+    a tokenizer of its own with it added, the shared one left as its files say; ``shared=
+    False`` (the export, which sets its template) is always a new one."""
+    import shutil
+
+    from mimo_data.preprocess.tokenizer_loading import load_tokenizer, shared_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(TOKENIZER, folder)
+    first = load_tokenizer(config(tokenizer=str(folder)))
+    assert load_tokenizer(config(tokenizer=str(folder))) is first
+    assert load_tokenizer(config(tokenizer=str(folder)), shared=False) is not first
+    # the same files elsewhere are another folder's tokenizer (a path in messages and saves)
+    assert load_tokenizer(config(tokenizer=TOKENIZER)) is not first
+
+    template = folder / "chat_template.jinja"
+    template.write_text("{{ 'A' }}")
+    changed = load_tokenizer(config(tokenizer=str(folder)))
+    assert changed is not first and changed.chat_template == "{{ 'A' }}"
+    template.write_text("{{ 'B' }}")                    # the same size, within a clock tick
+    assert load_tokenizer(config(tokenizer=str(folder))).chat_template == "{{ 'B' }}"
+
+    base = config(tokenizer=str(folder))
+    image = dataclasses.replace(base.modalities["image"], token="<|mimo_new_image|>")
+    added = load_tokenizer(dataclasses.replace(base, modalities={**base.modalities,
+                                                                 "image": image}))
+    files = shared_tokenizer(str(folder))               # the folder's, no token added
+    assert added is not files and added.convert_tokens_to_ids("<|mimo_new_image|>") >= \
+        len(files)
+    assert files.backend_tokenizer.token_to_id("<|mimo_new_image|>") is None
+    assert load_tokenizer(base) is not added and \
+        load_tokenizer(base).backend_tokenizer.token_to_id("<|mimo_new_image|>") is None
 
 
 @pytest.mark.parametrize("name", ["smollm2", "Qwen--Qwen3.5-4B", "llava-hf--llava-1.5-7b-hf"])

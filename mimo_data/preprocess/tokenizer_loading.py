@@ -3,7 +3,12 @@ private tokenizer ``TextEncoder`` adds its markers to."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
 from transformers import AutoTokenizer
@@ -13,8 +18,12 @@ from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import PreprocessConfig, looks_like_path
 
 
-def load_tokenizer(config: PreprocessConfig):
-    """The configured tokenizer with each modality's special token added if missing."""
+def load_tokenizer(config: PreprocessConfig, *, shared: bool = True):
+    """The configured tokenizer with each modality's special token added if missing.
+
+    ``shared``: the one this process keeps for that folder's files and those tokens (see
+    ``shared_tokenizer``), which no caller may change; False: a new one, for a caller that
+    changes it."""
     name = config.tokenizer
     if looks_like_path(name) and not os.path.isdir(os.path.expanduser(name)):
         # Not a hub name either: say so instead of the hub's "Repo id must be in the form".
@@ -23,18 +32,84 @@ def load_tokenizer(config: PreprocessConfig):
                           "folder)")
     if why := not_cached(name):
         raise ConfigError(f"tokenizer: {why}")
+    key = _folder_key(name) if shared else None
+    tokenizer = _kept(key, lambda: _loaded(name))
+    # one lookup per token (get_vocab makes a dict of the whole vocabulary: 0.1-0.3 s)
+    missing = tuple(m.token for m in config.modalities.values()
+                    if tokenizer.backend_tokenizer.token_to_id(m.token) is None)
+    if missing:         # another tokenizer: the one kept stays as its files say
+        tokenizer = _kept(key and (*key, missing), lambda: _added(_loaded(name), missing))
+    return tokenizer
+
+
+def shared_tokenizer(name: str):
+    """``AutoTokenizer.from_pretrained(name)``, the same object for every caller in this
+    process (and the processes forked after it) that loads the same files: a local folder's,
+    known by its files' contents (a hub name is loaded each time). No caller may change it."""
+    return _kept(_folder_key(name), lambda: _loaded(name))
+
+
+# Loading a tokenizer takes 0.2-0.7 s for a 150-250k vocabulary (transformers parses
+# tokenizer.json in Python for a class of its own, Qwen2Tokenizer's), and a process loads the
+# same one several times (the trainer, its loader, the checks; an export, a generation), as
+# does every DataLoader worker and rank forked after it. A process keeps the last few it
+# loaded, by the contents of their files: a changed file is a new load (functools' caches key
+# on the arguments, a folder's name, not on what its files hold).
+_KEPT = 24
+_LOADED: OrderedDict[tuple, Any] = OrderedDict()
+_LOCK = threading.Lock()
+# what AutoTokenizer never reads (a checkpoint's weights): not in a folder's key
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt",
+            ".onnx", ".npz")
+
+
+def _kept(key: tuple | None, load: Callable[[], Any]) -> Any:
+    """The tokenizer kept under ``key``, else ``load()``'s, kept (None: not kept)."""
+    if key is None:
+        return load()
+    with _LOCK:
+        if key in _LOADED:
+            _LOADED.move_to_end(key)
+            return _LOADED[key]
+    tokenizer = load()
+    with _LOCK:
+        _LOADED[key] = tokenizer
+        while len(_LOADED) > _KEPT:
+            _LOADED.popitem(last=False)
+    return tokenizer
+
+
+def _added(tokenizer, tokens: tuple[str, ...]):
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
+                         special_tokens=True)
+    return tokenizer
+
+
+def _folder_key(name: str) -> tuple | None:
+    """A local folder's path and its files' digest (the weights left out; a file over 64 MiB,
+    which no tokenizer has, by its size, time and inode), else None."""
+    folder = os.path.realpath(os.path.expanduser(name))
+    if not os.path.isdir(folder):
+        return None
+    digest = hashlib.blake2b()
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_file() and not entry.name.endswith(_WEIGHTS):
+            digest.update(entry.name.encode() + b"\0")
+            stat = entry.stat()
+            if stat.st_size > 64 << 20:
+                digest.update(f"{stat.st_size} {stat.st_mtime_ns} {stat.st_ino}".encode())
+                continue
+            with open(entry.path, "rb") as handle:
+                digest.update(hashlib.file_digest(handle, "blake2b").digest())
+    return folder, digest.hexdigest()
+
+
+def _loaded(name: str):
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name)
     except Exception as exc:  # hub errors, missing files, bad configs all surface here
         raise ConfigError(f"tokenizer: cannot load {name!r}: {exc} (give a local tokenizer "
                           "directory, or a hub name in the local hub cache)") from None
-    # one lookup per token (get_vocab makes a dict of the whole vocabulary: 0.1-0.3 s)
-    missing = [m.token for m in config.modalities.values()
-               if tokenizer.backend_tokenizer.token_to_id(m.token) is None]
-    if missing:
-        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in missing],
-                             special_tokens=True)
-    return tokenizer
 
 
 def tokenizer_of_its_own(backend: Tokenizer) -> Tokenizer:

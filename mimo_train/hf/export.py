@@ -435,7 +435,7 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
 
     cfg, preprocess = plan.config, plan.preprocess
 
-    tokenizer = load_tokenizer(preprocess)
+    tokenizer = load_tokenizer(preprocess, shared=False)       # its template is set below
     template = _run_template(plan, tokenizer)
     if template is not None:
         tokenizer.chat_template = template

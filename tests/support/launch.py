@@ -52,10 +52,16 @@ PRELOAD = ("torch", "torch.distributed", "transformers", "mimo_train.mcore",
            "transformers.models.llava.modeling_llava", "transformers.models.siglip",
            "transformers.models.whisper.modeling_whisper", "transformers.models.llama",
            "transformers.models.qwen2", "transformers.models.qwen3")
+# loaded once by the parent of forked ranks (the preprocessing's shared tokenizers), which a
+# job's every rank would load again (0.2-0.7 s each): the tokenizer folders set-up made, and
+# the shipped preprocessing configs' (their modality tokens added)
+TOKENIZERS = (*sorted(str(file.parent) for file in (REPO / "assets").glob("**/tokenizer.json")),
+              *sorted(str(file) for file in (REPO / "configs").glob("preprocess*.yaml")))
 # the parent's creator (the test process that started it), whose death ends the parent; and
 # what it imports when not PRELOAD (comma-separated: tests/test_launch.py's parents import
-# only torch.distributed, for the job's store)
+# only torch.distributed, for the job's store), and which tokenizers it loads
 CREATOR_ENV, PRELOAD_ENV = "MIMO_TESTS_RANKS_CREATOR", "MIMO_TESTS_RANKS_PRELOAD"
+TOKENIZERS_ENV = "MIMO_TESTS_RANKS_TOKENIZERS"
 # Linux prctl(2) options
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
 
@@ -88,12 +94,15 @@ class Job:
 
 class Ranks:
     """The pre-imported parent of forked ranks (``serve`` runs in it); one job at a time.
-    ``preload``: the modules it imports (PRELOAD unless told). It dies with the thread that
-    made it (``PR_SET_PDEATHSIG``: make it in the main thread, as a session fixture is)."""
+    ``preload``: the modules it imports (PRELOAD unless told); ``tokenizers``: the folders
+    and preprocessing YAMLs whose tokenizers it loads (TOKENIZERS unless told). It
+    dies with the thread that made it (``PR_SET_PDEATHSIG``: make it in the main thread, as a
+    session fixture is)."""
 
-    def __init__(self, preload: tuple[str, ...] = PRELOAD):
+    def __init__(self, preload: tuple[str, ...] = PRELOAD,
+                 tokenizers: tuple[str, ...] = TOKENIZERS):
         env = {**os.environ, **BASE_ENV, CREATOR_ENV: str(os.getpid()),
-               PRELOAD_ENV: ",".join(preload)}
+               PRELOAD_ENV: ",".join(preload), TOKENIZERS_ENV: os.pathsep.join(tokenizers)}
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__)), "--serve"], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -423,6 +432,15 @@ def serve() -> None:
     for name in os.environ.pop(PRELOAD_ENV, ",".join(PRELOAD)).split(","):
         if name:
             importlib.import_module(name)
+    tokenizers = os.environ.pop(TOKENIZERS_ENV, os.pathsep.join(TOKENIZERS))
+    if tokenizers:
+        from mimo_data.preprocess.config import PreprocessConfig
+        from mimo_data.preprocess.tokenizer_loading import load_tokenizer, shared_tokenizer
+        for source in tokenizers.split(os.pathsep):
+            if source.endswith(".yaml"):
+                load_tokenizer(PreprocessConfig.from_yaml(source))
+            else:
+                shared_tokenizer(source)
     # The only other thread here is pyarrow's idle jemalloc background thread, whose allocator
     # takes fork in its stride (pthread_atfork); the loader's DataLoader workers fork after the
     # same import. Python warns at every fork of a process with any other thread.
