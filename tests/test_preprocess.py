@@ -665,9 +665,10 @@ def test_delimiter_tokens_are_the_templates_and_the_tokenizers_own(name, delimit
 def test_a_process_loads_a_tokenizer_folder_once_until_its_files_change(tmp_path):
     """The preprocessing's tokenizer is loaded once per process and folder: the same object
     while the folder's files are the same, a new one with the new files as soon as one changes
-    (a template rewritten, same size); a config whose modality token the tokenizer lacks gets
-    a tokenizer of its own with it added, the shared one left as its files say; ``shared=
-    False`` (the export, which sets its template) is always a new one."""
+    (a template rewritten, same size; one of transformers' named templates added); a config
+    whose modality token the tokenizer lacks gets a tokenizer of its own with it added, the
+    shared one left as its files say; ``shared=False`` (the export, which sets its template)
+    is always a new one."""
     import shutil
 
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer, shared_tokenizer
@@ -686,6 +687,10 @@ def test_a_process_loads_a_tokenizer_folder_once_until_its_files_change(tmp_path
     assert changed is not first and changed.chat_template == "{{ 'A' }}"
     template.write_text("{{ 'B' }}")                    # the same size, within a clock tick
     assert load_tokenizer(config(tokenizer=str(folder))).chat_template == "{{ 'B' }}"
+    (folder / "additional_chat_templates").mkdir()      # transformers' named templates
+    (folder / "additional_chat_templates" / "tool_use.jinja").write_text("{{ 'T' }}")
+    assert load_tokenizer(config(tokenizer=str(folder))).chat_template == {
+        "default": "{{ 'B' }}", "tool_use": "{{ 'T' }}"}
 
     base = config(tokenizer=str(folder))
     image = dataclasses.replace(base.modalities["image"], token="<|mimo_new_image|>")

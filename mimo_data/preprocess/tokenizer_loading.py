@@ -7,7 +7,6 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from tokenizers import AddedToken, Tokenizer
@@ -33,12 +32,14 @@ def load_tokenizer(config: PreprocessConfig, *, shared: bool = True):
     if why := not_cached(name):
         raise ConfigError(f"tokenizer: {why}")
     key = _folder_key(name) if shared else None
-    tokenizer = _kept(key, lambda: _loaded(name))
+    tokenizer = _kept(key, name)
     # one lookup per token (get_vocab makes a dict of the whole vocabulary: 0.1-0.3 s)
     missing = tuple(m.token for m in config.modalities.values()
                     if tokenizer.backend_tokenizer.token_to_id(m.token) is None)
+    if missing and key is None:             # a tokenizer of this call's own
+        return _added(tokenizer, missing)
     if missing:         # another tokenizer: the one kept stays as its files say
-        tokenizer = _kept(key and (*key, missing), lambda: _added(_loaded(name), missing))
+        tokenizer = _kept(key, name, missing)
     return tokenizer
 
 
@@ -46,7 +47,7 @@ def shared_tokenizer(name: str):
     """``AutoTokenizer.from_pretrained(name)``, the same object for every caller in this
     process (and the processes forked after it) that loads the same files: a local folder's,
     known by its files' contents (a hub name is loaded each time). No caller may change it."""
-    return _kept(_folder_key(name), lambda: _loaded(name))
+    return _kept(_folder_key(name), name)
 
 
 # Loading a tokenizer takes 0.2-0.7 s for a 150-250k vocabulary (transformers parses
@@ -63,45 +64,64 @@ _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", "
             ".onnx", ".npz")
 
 
-def _kept(key: tuple | None, load: Callable[[], Any]) -> Any:
-    """The tokenizer kept under ``key``, else ``load()``'s, kept (None: not kept)."""
+def _kept(key: tuple | None, name: str, added: tuple[str, ...] = ()) -> Any:
+    """The tokenizer of ``name`` (with the tokens ``added``) kept under ``key``, its folder's,
+    else loaded and kept (None: not kept; nor is one whose files changed while it loaded)."""
     if key is None:
-        return load()
+        return _added(_loaded(name), added)
     with _LOCK:
-        if key in _LOADED:
-            _LOADED.move_to_end(key)
-            return _LOADED[key]
-    tokenizer = load()
-    with _LOCK:
-        _LOADED[key] = tokenizer
-        while len(_LOADED) > _KEPT:
-            _LOADED.popitem(last=False)
+        if (*key, added) in _LOADED:
+            _LOADED.move_to_end((*key, added))
+            return _LOADED[(*key, added)]
+    tokenizer = _added(_loaded(name), added)
+    if _folder_key(name) == key:
+        with _LOCK:
+            _LOADED[(*key, added)] = tokenizer
+            while len(_LOADED) > _KEPT:
+                _LOADED.popitem(last=False)
     return tokenizer
 
 
 def _added(tokenizer, tokens: tuple[str, ...]):
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
-                         special_tokens=True)
+    if tokens:
+        tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in tokens],
+                             special_tokens=True)
     return tokenizer
 
 
 def _folder_key(name: str) -> tuple | None:
-    """A local folder's path and its files' digest (the weights left out; a file over 64 MiB,
-    which no tokenizer has, by its size, time and inode), else None."""
+    """A local folder's path and the digest of the files AutoTokenizer may read there (its
+    own, the weights left out, and its additional_chat_templates/; one over 64 MiB, which no
+    tokenizer has, by its size, time and inode; one it cannot read, by the error), else
+    None."""
     folder = os.path.realpath(os.path.expanduser(name))
     if not os.path.isdir(folder):
         return None
     digest = hashlib.blake2b()
-    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.is_file() and not entry.name.endswith(_WEIGHTS):
-            digest.update(entry.name.encode() + b"\0")
-            stat = entry.stat()
+    for path in _tokenizer_files(folder):
+        digest.update(os.path.relpath(path, folder).encode() + b"\0")
+        try:
+            stat = os.stat(path)
             if stat.st_size > 64 << 20:
                 digest.update(f"{stat.st_size} {stat.st_mtime_ns} {stat.st_ino}".encode())
                 continue
-            with open(entry.path, "rb") as handle:
+            with open(path, "rb") as handle:
                 digest.update(hashlib.file_digest(handle, "blake2b").digest())
+        except OSError as error:
+            digest.update(f"{type(error).__name__} {error.errno}".encode())
     return folder, digest.hexdigest()
+
+
+def _tokenizer_files(folder: str) -> list[str]:
+    files = []
+    for sub in ("", "additional_chat_templates"):
+        try:
+            entries = sorted(os.scandir(os.path.join(folder, sub)), key=lambda e: e.name)
+        except OSError:                                 # none there
+            continue
+        files += [entry.path for entry in entries
+                  if entry.is_file() and not entry.name.endswith(_WEIGHTS)]
+    return files
 
 
 def _loaded(name: str):

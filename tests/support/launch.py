@@ -59,7 +59,7 @@ TOKENIZERS = (*sorted(str(file.parent) for file in (REPO / "assets").glob("**/to
               *sorted(str(file) for file in (REPO / "configs").glob("preprocess*.yaml")))
 # the parent's creator (the test process that started it), whose death ends the parent; and
 # what it imports when not PRELOAD (comma-separated: tests/test_launch.py's parents import
-# only torch.distributed, for the job's store), and which tokenizers it loads
+# only torch.distributed, for the job's store), and which tokenizers it loads (a JSON list)
 CREATOR_ENV, PRELOAD_ENV = "MIMO_TESTS_RANKS_CREATOR", "MIMO_TESTS_RANKS_PRELOAD"
 TOKENIZERS_ENV = "MIMO_TESTS_RANKS_TOKENIZERS"
 # Linux prctl(2) options
@@ -102,7 +102,7 @@ class Ranks:
     def __init__(self, preload: tuple[str, ...] = PRELOAD,
                  tokenizers: tuple[str, ...] = TOKENIZERS):
         env = {**os.environ, **BASE_ENV, CREATOR_ENV: str(os.getpid()),
-               PRELOAD_ENV: ",".join(preload), TOKENIZERS_ENV: os.pathsep.join(tokenizers)}
+               PRELOAD_ENV: ",".join(preload), TOKENIZERS_ENV: json.dumps(tokenizers)}
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__)), "--serve"], cwd=REPO, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -432,15 +432,18 @@ def serve() -> None:
     for name in os.environ.pop(PRELOAD_ENV, ",".join(PRELOAD)).split(","):
         if name:
             importlib.import_module(name)
-    tokenizers = os.environ.pop(TOKENIZERS_ENV, os.pathsep.join(TOKENIZERS))
+    tokenizers = json.loads(os.environ.pop(TOKENIZERS_ENV, json.dumps(TOKENIZERS)))
     if tokenizers:
         from mimo_data.preprocess.config import PreprocessConfig
         from mimo_data.preprocess.tokenizer_loading import load_tokenizer, shared_tokenizer
-        for source in tokenizers.split(os.pathsep):
-            if source.endswith(".yaml"):
-                load_tokenizer(PreprocessConfig.from_yaml(source))
-            else:
-                shared_tokenizer(source)
+        for source in tokenizers:
+            try:
+                if source.endswith(".yaml"):
+                    load_tokenizer(PreprocessConfig.from_yaml(source))
+                else:
+                    shared_tokenizer(source)
+            except Exception:           # a speed-up only: a rank that loads it says why
+                continue
     # The only other thread here is pyarrow's idle jemalloc background thread, whose allocator
     # takes fork in its stride (pthread_atfork); the loader's DataLoader workers fork after the
     # same import. Python warns at every fork of a process with any other thread.
