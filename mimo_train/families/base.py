@@ -431,12 +431,12 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
     """What to say when the preprocessing's ``tokenizer`` (None: loaded from its config) names
     the checkpoint's special token ids otherwise than the checkpoint's own tokenizer does
     (None: the same, or the checkpoint has none)."""
-    from transformers import AutoTokenizer
+    from mimo_data.preprocess.tokenizer_loading import shared_tokenizer
     if tokenizer is None:
         from mimo_data.preprocess.chat_tokens import load_tokenizer
         tokenizer = load_tokenizer(preprocess)
     try:
-        own = AutoTokenizer.from_pretrained(vlm.path)
+        own = shared_tokenizer(vlm.path)
     except Exception:         # no tokenizer files beside the weights: nothing to compare
         return None
     ids = [i for i in (vlm.image_token_id, *vlm.image_wrap_ids, vlm.video_token_id)
