@@ -1,7 +1,23 @@
-"""Errors shared by every subpackage: a config value that cannot work."""
+"""Errors shared by every subpackage: a config value that cannot work, and the hint that
+names the key a misspelt one most likely meant."""
 
 from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
 
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and what to change."""
+
+
+def meant(unknown: Iterable[str], known: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the unknown keys close to a known one (difflib's ratio 0.75
+    and more: ``seq_lenght``: ``seq_length``; several: ``A -> X, B -> Y``), else ""."""
+    unknown, known = list(unknown), list(known)
+    guesses = [(name, close[0]) for name in unknown
+               if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))]
+    if len(unknown) == 1 and guesses:
+        return f" (did you mean {guesses[0][1]}?)"
+    said = ", ".join(f"{name} -> {close}" for name, close in guesses)
+    return f" (did you mean {said}?)" if guesses else ""

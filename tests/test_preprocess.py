@@ -886,6 +886,29 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
             "`mimo-train --preprocessing-for MODEL_DIR > preprocess.yaml`")
 
 
+def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):
+    """A YAML's misspelt key: its file, the key, and the known key it most likely meant (none
+    for a key close to nothing); a YAML that is not there: the file, not a raw OSError."""
+    from mimo_data.errors import ConfigError
+    text = (REPO / "configs" / "preprocess.yaml").read_text()
+    given = tmp_path / "preprocess.yaml"
+    for old, new, said in (
+            ("seq_length:", "seq_lenght:", "preprocess: unknown key(s) ['seq_lenght'] "
+             "(did you mean seq_length?); known: ["),
+            ("max_pixels:", "max_pixel:", "modalities.image: unknown key(s) ['max_pixel'] "
+             "(did you mean max_pixels?)"),
+            ("seq_length:", "zzz: 1\nseq_length:", "preprocess: unknown key(s) ['zzz']; known")):
+        assert old in text
+        given.write_text(text.replace(old, new, 1).replace(
+            "../assets", str(REPO / "assets")))
+        with pytest.raises(ConfigError) as refused:
+            PreprocessConfig.from_yaml(str(given))
+        assert str(refused.value).startswith(f"{given}: {said}"), str(refused.value)
+    with pytest.raises(ConfigError, match=f"cannot read the preprocessing config "
+                       f"{tmp_path}/none.yaml: No such file or directory"):
+        PreprocessConfig.from_yaml(str(tmp_path / "none.yaml"))
+
+
 @pytest.mark.parametrize("where, value, said", [
     ("seq_length", "1024", "seq_length is '1024' (str): it must be a whole number"),
     ("seq_length", 1024.0,

@@ -275,6 +275,10 @@ def test_unknown_key_in_override_names_the_full_key(tmp_path, key):
 def test_unknown_key_message_lists_the_known_ones(tmp_path):
     message = load_error(tmp_path, MINIMAL, "train.stpes=3")
     assert "steps" in message and "micro_batch_size" in message
+    # a misspelt key: the one it most likely meant, and none for a key close to nothing
+    assert "train.stpes (did you mean train.steps?)" in message, message
+    message = load_error(tmp_path, MINIMAL, "train.zzz=1")
+    assert "did you mean" not in message, message
     # a preprocessing setting given to the training config: where it goes
     message = load_error(tmp_path, MINIMAL, "data.seq_length=512")
     assert "data.seq_length goes in the preprocessing config (the data.preprocess YAML), " \

@@ -61,7 +61,7 @@ import typing
 
 import yaml
 
-from mimo_data.errors import ConfigError
+from mimo_data.errors import ConfigError, meant
 from mimo_data.files import load_yaml
 from mimo_data.hub import shadowed
 from mimo_data.modalities import MARKERS, MODALITIES
@@ -202,11 +202,14 @@ class PreprocessConfig:
         if os.path.isdir(path):
             raise ConfigError(f"{path} is a folder (a model's?), not a preprocessing config: "
                               f"{derive}")
-        with open(path) as handle:
-            try:
+        try:
+            with open(path) as handle:
                 data = load_yaml(handle) or {}
-            except yaml.YAMLError as error:
-                raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        except OSError as error:
+            raise ConfigError(f"cannot read the preprocessing config {path}: "
+                              f"{error.strerror or error}") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"{path} is not valid YAML: {error}") from None
         if isinstance(data, dict) and {"model_type", "architectures"} & data.keys():
             raise ConfigError(f"{path} is a transformers model config, not a preprocessing "
                               f"config: {derive}")
@@ -215,7 +218,10 @@ class PreprocessConfig:
             for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
                 if isinstance(data.get(key), str):
                     data[key] = _resolve(data[key], key, kind, path)
-        return cls.from_dict(data)
+        try:
+            return cls.from_dict(data)
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -228,7 +234,8 @@ def _make(kind, values: dict, where: str):
     names = {f.name for f in fields(kind)}
     unknown = set(values) - names
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}"
+                          f"{meant(sorted(unknown), sorted(names))}; known: {sorted(names)}")
     missing = sorted(f.name for f in fields(kind) if f.name not in values
                      and f.default is MISSING and f.default_factory is MISSING)
     prefix = "" if where == "preprocess" else f"{where}."

@@ -20,6 +20,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any
 
+from mimo_data.errors import meant
 from mimo_train.errors import TrainConfigError
 
 
@@ -70,7 +71,8 @@ def build(cls, data, where: str):
         # keys another file holds (``ELSEWHERE``: key -> where it goes), named where they go
         elsewhere = "".join(f"; {where}{k} goes in {cls.ELSEWHERE[k]}" for k in unknown
                             if k in getattr(cls, "ELSEWHERE", {}))
-        raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}; "
+        guess = meant([where + k for k in unknown], [where + k for k in hints])
+        raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}{guess}; "
                                f"known under {where or 'the top level'}: {', '.join(hints)}"
                                f"{elsewhere}")
     return cls(**{name: _parse(hints[name], copy.deepcopy(value), where + name)
