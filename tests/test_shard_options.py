@@ -235,7 +235,9 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
     """A --media-root that is no folder (exit 2: the records' relative paths would all be
     missing), a folder given as an input (2), inputs with no record at all (1: an export that
     failed); ids repeated across two inputs, each numbering its own records, are counted
-    duplicates whose detail says to build each input into its own dataset."""
+    duplicates whose detail says to build each input into its own dataset; an input among
+    several that gives no sample (empty, every record skipped) is warned of by name, and
+    report.json's inputs say what each gave."""
     code, _, err = cli_main(capsys, "build", small_input, "-o", tmp_path / "a", "--no-progress",
                             "--media-root", tmp_path / "nowhere")
     assert code == 2 and f"--media-root {tmp_path / 'nowhere'} is not a folder" in err, err
@@ -256,6 +258,20 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
         f"id 'good-1' was already taken by {small_input}:1 in another input: ids are the "
         "dataset's, unique across its inputs; where each input numbers its own records, build "
         "each into its own dataset")
+    # an input among several that gave no sample: said, and the report says what each gave
+    assert f"warning: input {other}: all {len(good_records)} record(s) skipped" in err, err
+    inputs = read_json(tmp_path / "c" / "report.json")["inputs"]
+    assert [(i["input"], i["samples_written"]) for i in inputs] == [
+        (str(small_input), read_json(tmp_path / "c" / "index.json")["totals"]["samples"]),
+        (str(other), 0)]
+    for options in ((), ("--shuffle", "--workers", "2")):
+        code, _, err = cli_main(capsys, "build", tmp_path / "empty.jsonl", small_input, "-o",
+                                tmp_path / "d", "--no-progress", "--overwrite", *options)
+        assert code == 0 and err.startswith(
+            f"warning: input {tmp_path / 'empty.jsonl'}: no record in it"), err
+        assert "warning: input" not in err.replace("warning: input", "", 1), err
+        assert [(i["records_read"], i["samples_written"]) for i in read_json(
+            tmp_path / "d" / "report.json")["inputs"]] == [(0, 0), (len(good_records),) * 2]
 
 
 def test_header_check_writes_the_same_samples_on_clean_input(tmp_path, corpus_inputs,

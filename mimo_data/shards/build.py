@@ -22,7 +22,8 @@ import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 
@@ -47,7 +48,7 @@ from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMA
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
-                                      StrictStop, open_source)
+                                      StrictStop, Task, open_source)
 from mimo_data.shards import swap, task_stream
 from mimo_data.worker_pool import ordered_map
 
@@ -165,6 +166,45 @@ def _results(tasks, sources, policy, workers):
                             "with fewer --workers, or --workers 0 to read the records in this "
                             "process and see the failure"):
         yield from done
+
+
+class _InputCounts:
+    """Records read and samples written per input, a result matched to its task by order
+    (results come in task order, shuffled or not): the report says what each input gave, and
+    an input among several that gave no sample is said at the end of the build."""
+
+    def __init__(self, inputs: list[str]):
+        self.inputs = inputs
+        self.read = [0] * len(inputs)
+        self.written = [0] * len(inputs)
+        self._pending: deque[int] = deque()     # the inputs of tasks sent, not yet a result
+
+    def sent(self, tasks: Iterator[Task]) -> Iterator[Task]:
+        for task in tasks:
+            self.read[task.source] += 1
+            self._pending.append(task.source)
+            yield task
+
+    def next_result(self) -> int:
+        """The input of the next result."""
+        return self._pending.popleft()
+
+    def to_list(self) -> list[dict]:
+        return [{"input": path, "records_read": read, "samples_written": written}
+                for path, read, written in zip(self.inputs, self.read, self.written)]
+
+    def warnings(self) -> list[str]:
+        """An input that gave no sample while others did (with one input the build's own
+        error says it): an empty file, or records all skipped (another format, a media root
+        of another input)."""
+        if len(self.inputs) < 2 or not any(self.written):
+            return []
+        return [f"warning: input {path}: " + (
+            "no record in it (an empty file, or an export that failed?)" if not read else
+            f"all {read} record(s) skipped (report.json's skipped_by_reason says why, its "
+            "inputs what each input gave)")
+            for path, read, written in zip(self.inputs, self.read, self.written)
+            if not written]
 
 
 def _globbed(inputs: list[str]) -> list[str]:
@@ -355,13 +395,15 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
                          defer_files=options.workers > 0, markers_first=options.markers_first,
                          frames_fps=options.frames_fps)
     report = Tally("records_read", "samples_written", "records_skipped")
+    per_input = _InputCounts(list(inputs))
     shards = ShardSet(staging, options.name, options.max_samples_per_shard,
                       options.max_shard_bytes, shard_done)
     table = _SamplesTable(os.path.join(staging, SAMPLES_FILE))
     records = RecordWriter(os.path.join(staging, "records.arrows"))
     seen_ids = task_stream.IdRegistry()   # hashes, not strings: no Python object per sample
-    for result in _results(iter(tasks), sources, policy, options.workers):
+    for result in _results(per_input.sent(iter(tasks)), sources, policy, options.workers):
         progress.update()
+        source = per_input.next_result()
         taken = seen_ids.first(result.id) if isinstance(result, Prepared) and \
             result.id is not None else None
         if isinstance(result, Prepared) and taken is not None:
@@ -392,12 +434,16 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         table.add(key, shard, result, member_records)
         records.add(members["json"])
         report.keep()
+        per_input.written[source] += 1
         for name, number in result.counts.items():
             report.count(name, number)
     progress.close()
     shard_list = shards.close()
     table.close()
-    write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
+    write_atomic(os.path.join(staging, REPORT_FILE),
+                 dumps(report.to_dict() | {"inputs": per_input.to_list()}))
+    for line in per_input.warnings():
+        print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
         "shards": shard_list,
