@@ -89,8 +89,9 @@ def test_lists_every_file_and_removes_only_the_superseded(caches, capsys):
     # the build writes the records table beside the dataset (remote readers download it)
     assert {path.parent.name for path in records} == {".mimo-cache"}
     assert status[caches["current"]][0] == status[caches["other"]][0] == "tokens"
-    # the sample table the build wrote beside the dataset, and the one in the external cache
-    assert {path.parent.name for path in samples} == {".mimo-cache", caches["current"].parent.name}
+    # the sample table the build wrote beside the dataset, read there: no copy derived into
+    # the external cache
+    assert {path.parent.name for path in samples} == {".mimo-cache"}
 
     listing = _listing(capsys, dataset, cache_dir, "--remove")
     assert listing["removed_bytes"] == sum(f["size"] for f in listing["files"]
@@ -115,10 +116,9 @@ def test_a_rebuilt_dataset_supersedes_what_was_derived_from_it(caches, capsys):
     status = _status(_listing(capsys, dataset, cache_dir))
     for name in ("current", "other"):
         assert status[caches[name]] == ("tokens", True)
-    # the new build's sample table (the build writes it beside the dataset) is current, the
-    # external cache's (derived from the earlier build) is not
+    # the new build's sample table (the build writes it beside the dataset) is current
     assert sorted((path.parent.name == ".mimo-cache", gone) for path, (kind, gone)
-                  in status.items() if kind == "samples") == [(False, True), (True, False)]
+                  in status.items() if kind == "samples") == [(True, False)]
 
 
 def test_the_text_listing_says_why(caches, capsys):
@@ -148,5 +148,7 @@ def test_inspect_and_training_share_a_cache_dir(tmp_path, capsys, monkeypatch):
     capsys.readouterr()
     status = _status(_listing(capsys, dataset, cache_dir))
     assert status[saved[0]] == ("tokens", False)
+    # the build's sample and records tables (beside the dataset, read there), the report's
+    # and the token table (in the cache)
     assert sorted(kind for kind, _ in status.values()) == ["records", "report", "samples",
-                                                           "samples", "tokens"]
+                                                           "tokens"]

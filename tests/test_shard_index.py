@@ -205,18 +205,28 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
 
 def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is_skipped(
         pairs, tmp_path, monkeypatch, capsys):
-    """A reader whose cache has no tables derives them (a Parquet batch at a time): the sample
-    table holds samples.parquet's keys, shards and members, the records table records.parquet's
-    bytes. Where the cache is full it warns, maps a temporary copy and leaves nothing there."""
+    """A reader whose cache is elsewhere reads the tables the indexing wrote beside the index
+    where they are. Without them (an index of an earlier mimo) a reader derives them (a Parquet
+    batch at a time): the sample table holds samples.parquet's keys, shards and members, the
+    records table records.parquet's bytes. Where the cache is full it warns, maps a temporary
+    copy and leaves nothing there."""
     import pyarrow.parquet as pq
 
     from mimo_data import files
     from mimo_data.shards import cache
     from mimo_data.shards.reader import ShardReader
 
+    own = ShardReader(str(pairs.out), cache_dir=str(tmp_path / "elsewhere"))
+    assert {Path(own.table.path).parent, Path(own.records.path).parent} == {
+        pairs.out / cache.DATASET_CACHE}
+    assert not [path for path in (tmp_path / "elsewhere").rglob("*") if path.is_file()]
+    earlier = tmp_path / "index"
+    shutil.copytree(pairs.out, earlier)
+    for table in (earlier / cache.DATASET_CACHE).glob("*.arrow"):
+        table.unlink()
     monkeypatch.setattr(files, "PARQUET_BATCH", 4)          # 13 samples: four batches
-    samples = pq.read_table(pairs.out / "samples.parquet").to_pylist()
-    records = pq.read_table(pairs.out / "records.parquet").column("json").to_pylist()
+    samples = pq.read_table(earlier / "samples.parquet").to_pylist()
+    records = pq.read_table(earlier / "records.parquet").column("json").to_pylist()
     write_table = cache.write_table
 
     def full_disk(path, *args):
@@ -225,7 +235,7 @@ def test_tables_derived_on_first_use_hold_the_indexs_parquet_and_a_full_cache_is
         write_table(path, *args)
     monkeypatch.setattr(cache, "write_table", full_disk)
     for folder, saved in (("fresh", True), ("full", False)):
-        reader = ShardReader(str(pairs.out), cache_dir=str(tmp_path / folder))
+        reader = ShardReader(str(earlier), cache_dir=str(tmp_path / folder))
         assert (reader.table.path is not None, reader.records.path is not None) == (saved, saved)
         table = reader.table
         assert [table.key(p) for p in range(len(table))] == [row["key"] for row in samples]

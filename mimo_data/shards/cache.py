@@ -187,11 +187,18 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
            cache_dir: str | None = None,
            remote: storage.Remote | None = None) -> tuple[pa.Table, str | None]:
     """The derived table ``name`` of ``dataset`` for ``key``, memory-mapped from the cache, and
-    its path: downloaded from a remote dataset's own cache, or written there by ``derive(path)``
-    when the cache has none (path None: it could not be saved, the table is mapped from a
+    its path: a local dataset's own (a build's) where the cache is elsewhere and has none,
+    downloaded from a remote dataset's own cache, or written there by ``derive(path)`` when
+    the cache has none (path None: it could not be saved, the table is mapped from a
     removed temporary file)."""
     path = os.path.join(cache_directory(dataset, cache_dir), name)
     table = read_table(path, key)
+    if table is None and not storage.is_remote(dataset):
+        # a cache elsewhere (MIMO_CACHE_DIR, --cache-dir): the build's own copy in the dataset
+        # is read where it is, not derived again into that cache
+        own = os.path.join(storage.local_path(dataset), DATASET_CACHE, name)
+        if own != path and (table := read_table(own, key)) is not None:
+            return table, own
     if table is None and remote is not None:
         try:
             remote.fetch(storage.join(dataset, DATASET_CACHE, name), path)
