@@ -888,7 +888,8 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
 
 def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):
     """A YAML's misspelt key: its file, the key, and the known key it most likely meant (none
-    for a key close to nothing); a YAML that is not there: the file, not a raw OSError."""
+    for a key close to nothing); a YAML that is not there: the file, not a raw OSError; an
+    empty one: said, with how to make one."""
     from mimo_data.errors import ConfigError
     text = (REPO / "configs" / "preprocess.yaml").read_text()
     given = tmp_path / "preprocess.yaml"
@@ -907,6 +908,10 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     with pytest.raises(ConfigError, match=f"cannot read the preprocessing config "
                        f"{tmp_path}/none.yaml: No such file or directory"):
         PreprocessConfig.from_yaml(str(tmp_path / "none.yaml"))
+    (tmp_path / "empty.yaml").write_text("")      # a failed `--preprocessing-for M > it`
+    with pytest.raises(ConfigError, match=f"{tmp_path}/empty.yaml holds no setting \\(an empty "
+                       "file\\): a preprocessing config YAML is made from a model's folder"):
+        PreprocessConfig.from_yaml(str(tmp_path / "empty.yaml"))
 
 
 @pytest.mark.parametrize("where, value, said", [

@@ -204,12 +204,14 @@ class PreprocessConfig:
                               f"{derive}")
         try:
             with open(path) as handle:
-                data = load_yaml(handle) or {}
+                data = load_yaml(handle)
         except OSError as error:
             raise ConfigError(f"cannot read the preprocessing config {path}: "
                               f"{error.strerror or error}") from None
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
+        if data is None:          # the file of a `--preprocessing-for MODEL > it` that failed
+            raise ConfigError(f"{path} holds no setting (an empty file): {derive}")
         if isinstance(data, dict) and {"model_type", "architectures"} & data.keys():
             raise ConfigError(f"{path} is a transformers model config, not a preprocessing "
                               f"config: {derive}")
