@@ -54,3 +54,50 @@ def test_a_resumed_lora_runs_other_alpha_is_refused():
         check_lora_scale("ck", tower, {"image.encoder": LoraConfig(alpha=64)})
     check_lora_scale("ck", tower, {"image.encoder": LoraConfig(alpha=8),
                                    "imagery": LoraConfig(alpha=2)})
+
+
+def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, monkeypatch):
+    """Resumed (or started) with another model.pretrained or dims, a checkpoint's tensors have
+    other shapes or are missing: the refusal names the model settings that differ from the
+    checkpoint's and what to do, not only the first tensor."""
+    import json
+    import types
+
+    import torch
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    from mimo_train.components import checkpoint
+    tower = "modality_submodules.image.module.encoders.image.encoder.model.patch_embed.proj.weight"
+    saved_model = {"pretrained": "/models/Qwen2-VL-7B", "freeze": ["image"],
+                   "language": {"hidden_size": 64, "num_layers": 2}}
+    (tmp_path / "meta.json").write_text(json.dumps({"global_batch_size": 8,
+                                                    "config": {"model": saved_model}}))
+    (tmp_path / "integrity.json").write_text(json.dumps({"files": {}}))
+    shapes = {tower: (64, 3, 2, 14, 14), "language_model.module.decoder.final_norm.weight": (64,)}
+    monkeypatch.setattr(checkpoint.dist_checkpointing, "load_tensors_metadata", lambda _: {
+        key: types.SimpleNamespace(global_shape=shape) for key, shape in shapes.items()})
+
+    def model(tensors):
+        return types.SimpleNamespace(sharded_state_dict=lambda: {
+            key: ShardedTensor.from_rank_offsets(key, torch.zeros(shape))
+            for key, shape in tensors.items()})
+    ours = {**saved_model, "pretrained": "/models/Qwen2-VL-2B"}
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
+                         ["image"], ours)
+    assert str(refused.value).endswith(
+        "it was saved for another model configuration. The model settings that differ from "
+        "the checkpoint's: model.pretrained '/models/Qwen2-VL-7B' there, '/models/Qwen2-VL-2B' "
+        "here: resume with the settings it was saved with, or train this model in another "
+        "checkpoint.dir"), refused.value
+    # a weight the checkpoint lacks (more layers), under model.init_from
+    deeper = {**saved_model, "language": {"hidden_size": 64, "num_layers": 3}}
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.check(str(tmp_path), model({**shapes, "language_model.module.decoder.layers."
+                                               "2.mlp.linear_fc1.weight": (8, 64)}), None,
+                         settings=deeper)
+    assert "lacks 1 weight(s) of this rank's modules" in str(refused.value)
+    assert str(refused.value).endswith(
+        "The model settings that differ from the checkpoint's: model.language.num_layers 2 "
+        "there, 3 here: model.init_from takes a checkpoint of the same model: start with the "
+        "settings it was saved with, or from another checkpoint"), refused.value

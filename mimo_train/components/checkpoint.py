@@ -452,12 +452,13 @@ def _not_a_step(directory: str) -> None:
 
 
 def check(directory: str, model, global_batch_size: int | None,
-          freeze: Sequence[str] = ()) -> dict:
+          freeze: Sequence[str] = (), settings: dict | None = None) -> dict:
     """Checks that read no tensor and need no collective (every rank, a start-up phase): the
     checkpoint is complete, holds every weight of this rank's modules with the same global
     shape and, to resume (``global_batch_size`` given), was saved with that global batch size
     by a run that froze no part this run's ``freeze`` (``model.freeze``) trains; returns its
-    meta."""
+    meta. ``settings``: this run's ``model`` section (``TrainConfig.to_dict``), whose
+    differences from the checkpoint's a refusal for another model names."""
     meta = read_meta(directory)
     if global_batch_size is not None and meta.get("global_batch_size") != global_batch_size:
         raise CheckpointError(
@@ -481,13 +482,16 @@ def check(directory: str, model, global_batch_size: int | None,
         _check_frozen(directory, meta, saved, freeze)
     missing = sorted(set(wanted) - set(saved))
     if missing:
-        raise _lacks(directory, missing, meta, sorted(_saved_modules(saved)))
+        raise _lacks(directory, missing, meta, sorted(_saved_modules(saved)), settings,
+                     global_batch_size is not None)
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
             theirs = tuple(saved[key].global_shape)
+            why = _why_shapes_differ(key, theirs, shape, meta)
+            if why == ANOTHER:
+                why += _model_changes(meta, settings, global_batch_size is not None)
             raise CheckpointError(f"checkpoint {directory} has {key} of shape {theirs}, this "
-                                  f"model {tuple(shape)}: "
-                                  f"{_why_shapes_differ(key, theirs, shape, meta)}")
+                                  f"model {tuple(shape)}: {why}")
     return meta
 
 
@@ -518,11 +522,11 @@ def check_lora_scale(directory: str, meta: dict, lora: dict, resume: bool = True
                         "model.pretrained"))
 
 
-def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
-           ) -> CheckpointError:
+def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
+           settings: dict | None = None, resuming: bool = True) -> CheckpointError:
     """Why a checkpoint lacks weights this rank's modules have (``missing``), in config
     terms: adapters alone, another model.lora; else another model (``modules``: the
-    checkpoint's)."""
+    checkpoint's; ``settings``: this run's model section)."""
     model = (meta.get("config") or {}).get("model", {})
     if all(is_adapter(key) for key in missing):
         saved = (f"it was saved with model.lora {model['lora']}, which adapts other parts or "
@@ -533,10 +537,45 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str]
             f"e.g. {missing[:3]}: {saved} start a new run from its weights (model.init_from) "
             "in another checkpoint.dir")
     pretrained = model.get("pretrained")
+    changes = _model_changes(meta, settings, resuming)
+    named = pretrained and "model.pretrained " not in changes     # else the changes name it
     return CheckpointError(
         f"checkpoint {directory} lacks {len(missing)} weight(s) of this rank's modules, e.g. "
         f"{missing[:3]}: it was saved for another model (" + (
-            f"model.pretrained {pretrained}, " if pretrained else "") + f"its modules: {modules})")
+            f"model.pretrained {pretrained}, " if named else "") + f"its modules: {modules})"
+        + changes)
+
+
+def _model_changes(meta: dict, settings: dict | None, resuming: bool, shown: int = 4) -> str:
+    """What a run whose model does not fit a checkpoint changed (``settings``: its model
+    section; ``meta``: the checkpoint's) and what it can do: resume (or start) with the
+    checkpoint's settings, or train the other model in a checkpoint.dir of its own (from
+    another checkpoint); "" without ``settings``."""
+    saved = (meta.get("config") or {}).get("model")
+    if settings is None or not isinstance(saved, dict):
+        return ""
+    theirs, ours = _flat(saved, "model."), _flat(settings, "model.")
+    changed = [key for key in sorted(theirs.keys() | ours.keys())
+               if theirs.get(key) != ours.get(key)]
+    said = "; ".join(f"{key} {theirs.get(key)!r} there, {ours.get(key)!r} here"
+                     for key in changed[:shown])
+    more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+    then = ("resume with the settings it was saved with, or train this model in another "
+            "checkpoint.dir" if resuming else "model.init_from takes a checkpoint of the same "
+            "model: start with the settings it was saved with, or from another checkpoint")
+    return (f". The model settings that differ from the checkpoint's: {said}{more}: {then}"
+            if changed else f": {then}")
+
+
+def _flat(section: dict, prefix: str) -> dict[str, Any]:
+    """A config section's values by dotted key (``model.language.hidden_size``)."""
+    values: dict[str, Any] = {}
+    for key, value in section.items():
+        if isinstance(value, dict) and value:
+            values.update(_flat(value, f"{prefix}{key}."))
+        else:
+            values[f"{prefix}{key}"] = value
+    return values
 
 
 def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
@@ -560,7 +599,10 @@ def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
             return (f"it was saved with {setting}, this run's is {wanted}: resume "
                     "with the checkpoint's rank, or start a new run from its weights "
                     "(model.init_from) in another checkpoint.dir")
-    return "it was saved for another model configuration"
+    return ANOTHER
+
+
+ANOTHER = "it was saved for another model configuration"
 
 
 def _module_of(key: str) -> tuple[str, str] | None:

@@ -286,7 +286,8 @@ class Trainer:
         directory = checkpoint.step_of(given)
 
         def checked() -> None:
-            meta = checkpoint.check(directory, self.model, None)
+            meta = checkpoint.check(directory, self.model, None,
+                                    settings=self.cfg.to_dict()["model"])
             checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
         phase("init_from check", f"model.init_from {directory} checked", checked)
 
@@ -298,7 +299,7 @@ class Trainer:
     def _resume(self, directory: str) -> None:
         def checked() -> dict:
             meta = checkpoint.check(directory, self.model, self.cfg.train.global_batch_size,
-                                    self.cfg.model.freeze)
+                                    self.cfg.model.freeze, self.cfg.to_dict()["model"])
             checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora)
             return meta
         meta = phase("checkpoint check", f"checkpoint {directory} checked", checked)
