@@ -152,6 +152,30 @@ def test_a_peft_adapter_folder_given_as_the_model_names_its_base(tmp_path):
     assert "merge_and_unload" in message and "model_type" not in message
 
 
+def test_a_mimo_checkpoint_given_as_the_model_says_init_from(tmp_path):
+    """A mimo-train checkpoint (a checkpoint.dir with its ``latest``, or a step's folder)
+    given as the model: named as such, with the model it trained and model.init_from, not
+    transformers' "Should have a model_type key"."""
+    import json
+
+    from mimo_train.errors import TrainConfigError
+    base = str(model_dir("tiny-llama"))
+    step = tmp_path / "checkpoints" / "step_0000002"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"config": {"model": {
+        "pretrained": None, "language": {"pretrained": base}}}}))
+    (tmp_path / "checkpoints" / "latest").write_text("step_0000002\n")
+    for given in (tmp_path / "checkpoints", step):
+        with pytest.raises(TrainConfigError) as caught:
+            _load(f"model.language.pretrained={given}")
+        assert str(caught.value) == (
+            f"model.language.pretrained: {given} is a mimo-train checkpoint, not a "
+            "transformers model: to train on from its weights, give it as model.init_from and "
+            f"keep model.language.pretrained ({base}, the model it trained); for a "
+            f"transformers model of it: mimo-export --checkpoint {given} --output OUT"), \
+            caught.value
+
+
 def test_a_tied_checkpoint_storing_another_output_layer_is_refused(tmp_path):
     """A tied checkpoint (``tie_word_embeddings: true``) whose file also stores an
     ``lm_head.weight`` other than the embedding: transformers un-ties them (its model's output

@@ -176,7 +176,7 @@ def checkpoint_config(path: str, key: str):
                                "or a hub name already in the local cache)")
     if why := not_cached(path):
         raise TrainConfigError(f"{key}: {why}")
-    if why := _adapter_folder(path):
+    if why := _adapter_folder(path) or _training_checkpoint(path, key):
         raise TrainConfigError(f"{key}: {why}")
     try:
         return _read_config(path)
@@ -204,6 +204,33 @@ def _adapter_folder(path: str) -> str | None:
             f"model: give their base ({base or 'base_model_name_or_path in adapter_config.json'}) "
             "as the model, or merge the adapters into it first (PEFT's merge_and_unload, then "
             "save_pretrained; mimo-export without --adapters for a mimo run) and give that folder")
+
+
+def _training_checkpoint(path: str, key: str) -> str | None:
+    """Why the directory ``path`` given as ``key`` is no model to train from: a mimo-train
+    checkpoint (a step's folder, its ``meta.json``, or a checkpoint.dir, its ``latest``),
+    whose weights model.init_from takes; None otherwise."""
+    directory = os.path.expanduser(path)
+    if os.path.exists(os.path.join(directory, "config.json")) or not any(
+            os.path.isfile(os.path.join(directory, name)) for name in ("meta.json", "latest")):
+        return None
+    trained = None
+    try:        # the model it trained: a step's meta.json, or the one its latest names
+        step = directory
+        if os.path.isfile(os.path.join(directory, "latest")):
+            with open(os.path.join(directory, "latest")) as f:
+                step = os.path.join(directory, f.read().strip())
+        with open(os.path.join(step, "meta.json")) as f:
+            trained = json.load(f)["config"]
+        for part in key.split("."):     # the checkpoint's own value of ``key``
+            trained = trained[part]
+    except (OSError, ValueError, KeyError, TypeError):
+        trained = None
+    model = f" ({trained}, the model it trained)" if isinstance(trained, str) else \
+        " (the model it trained, or none)"
+    return (f"{path} is a mimo-train checkpoint, not a transformers model: to train on from "
+            f"its weights, give it as model.init_from and keep {key}{model}; for a "
+            f"transformers model of it: mimo-export --checkpoint {path} --output OUT")
 
 
 @lru_cache(maxsize=16)
