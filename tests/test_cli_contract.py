@@ -329,3 +329,32 @@ def test_a_broken_pipe_elsewhere_still_raises(monkeypatch):
             main()
         stdout.close()
         assert reader.read() == "written\n"
+
+
+def test_gpu_kernel_advice_is_kept_off_a_cpu_console():
+    """transformers' advice to install fla and causal-conv1d, logged once per kernel when
+    mimo-generate runs a Qwen3.5 export, is dropped where no CUDA device runs (they are GPU
+    kernels) and kept where one does; its logger's other records pass."""
+    import logging
+
+    import torch
+    from transformers.utils import logging as transformers_logging
+
+    from mimo_train.runtime import console
+    console.quiet_third_party()
+    logger = transformers_logging.get_logger("transformers.integrations.hub_kernels")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append                 # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        logger.warning("`causal_conv1d_fn` is falling back to its reference PyTorch "
+                       "implementation because `causal_conv1d` is not installed. This is "
+                       "correct but much slower; install `causal_conv1d` for the optimized "
+                       "kernel.")
+        logger.warning("another notice")
+    finally:
+        logger.removeHandler(handler)
+    shown = [record.getMessage()[:20] for record in records]
+    assert shown == (["`causal_conv1d_fn` i", "another notice"] if torch.cuda.is_available()
+                     else ["another notice"]), shown

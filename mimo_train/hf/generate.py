@@ -39,6 +39,7 @@ from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
 from mimo_train.errors import GenerateError
+from mimo_train.runtime import console
 
 PREFIX = "mimo-generate: "
 _MARKER = re.compile(r"<(image|video|audio)>")
@@ -103,6 +104,7 @@ def main(argv=None) -> int:
     cache_only()
     parser = _parser()
     args = parser.parse_args(argv)
+    console.quiet_third_party()
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens is {args.max_new_tokens}: it must be >= 1")
     if args.temperature is not None and args.temperature <= 0:

@@ -2,7 +2,8 @@
 
 - ``quiet_third_party()``: the one place where known, harmless warnings of megatron-core, torch
   and transformers are filtered, each by its exact message (and category or logger), so any
-  other warning still shows. Called on every rank first thing (``cli``, ``mcore``).
+  other warning still shows. Called on every rank first thing (``cli``, ``mcore``), and by
+  ``mimo-generate``.
 - ``phase(name, done, function)``: one start-up phase on every rank; all ranks agree on success
   (over the gloo control group: ``distributed``), rank 0 prints
   ``mimo-train: <done> (<seconds> s)``. A failure anywhere raises ``StartupError``
@@ -102,6 +103,13 @@ _LOG_RECORDS = {
     "megatron.core.distributed.distributed_data_parallel": (r"full_param_layout not provided",),
 }
 
+# only where no CUDA device runs: transformers' advice to install GPU kernels (fla's gated
+# delta rule, causal-conv1d's convolution) for a Qwen3.5 model it runs (mimo-generate)
+_CPU_LOG_RECORDS = {
+    "transformers.integrations.hub_kernels": (
+        r"is falling back to its reference PyTorch implementation because",),
+}
+
 _quiet = False
 
 
@@ -126,6 +134,8 @@ def quiet_third_party() -> None:
             () if torch.cuda.is_available() else _CPU_WARNINGS):
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, patterns in _LOG_RECORDS.items():
+        logging.getLogger(name).addFilter(_DropKnown(patterns))
+    for name, patterns in ({} if torch.cuda.is_available() else _CPU_LOG_RECORDS).items():
         logging.getLogger(name).addFilter(_DropKnown(patterns))
 
 
