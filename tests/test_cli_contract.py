@@ -68,6 +68,7 @@ def test_every_option_of_every_single_command_cli_has_help(cli):
 
 @pytest.mark.parametrize("cli, args", [
     ("mimo-export", ["--checkpoint", "x"]),                      # --output missing
+    ("mimo-export", ["--checkpoint", "x", "--output", "y", "--dtype", "fp8"]),
     ("mimo-generate", ["--model", "x"]),                         # --prompt missing
     ("mimo-generate", ["--model", "x", "--prompt", "Hi", "--max-new-tokens", "0"]),
     ("mimo-generate", ["--model", "x", "--prompt", "Hi", "--temperature", "-1"]),
@@ -76,6 +77,8 @@ def test_every_option_of_every_single_command_cli_has_help(cli):
 def test_single_command_usage_errors_exit_2(capsys, cli, args):
     code, err = _main(SINGLE_CLIS[cli], capsys, *args)
     assert code == 2 and err.strip()
+    if "--dtype" in args:                       # the names it takes, the short ones too
+        assert "give one of float32, bfloat16, float16 (or fp32, bf16, fp16)" in err, err
 
 
 # what mimo-shard's commands import once their arguments are parsed (mimo_data.shards.cli)
