@@ -5,8 +5,10 @@ Arrow IPC file named after a key that covers everything it was computed from, wi
 of its columns in its schema metadata. It lives in ``DATASET/.mimo-cache/`` when that
 directory is writable, otherwise (or when ``MIMO_CACHE_DIR`` or a ``cache_dir`` is given) in
 ``CACHE/<dataset name>-<hash of its absolute path or URL>/`` (``CACHE`` by default
-``~/.cache/mimo``). ``MIMO_CACHE_DIR`` overrides a configured ``cache_dir``. A remote
-dataset's tables always live in the local cache (they are memory-mapped): on first use they are
+``~/.cache/mimo``). ``MIMO_CACHE_DIR`` overrides a configured ``cache_dir``. A local
+dataset's own ``.mimo-cache/`` table (the sample and records tables ``mimo-shard build`` and
+``index`` write) is read there first, wherever the cache is. A remote dataset's tables always
+live in the local cache (they are memory-mapped): on first use they are
 downloaded from the dataset's own ``.mimo-cache/`` (where ``mimo-shard build`` puts them), or
 derived when it has none.
 
@@ -187,18 +189,19 @@ def obtain(dataset: str, name: str, key: str, labels: Labels, derive: Callable[[
            cache_dir: str | None = None,
            remote: storage.Remote | None = None) -> tuple[pa.Table, str | None]:
     """The derived table ``name`` of ``dataset`` for ``key``, memory-mapped from the cache, and
-    its path: a local dataset's own (a build's) where the cache is elsewhere and has none,
-    downloaded from a remote dataset's own cache, or written there by ``derive(path)`` when
-    the cache has none (path None: it could not be saved, the table is mapped from a
-    removed temporary file)."""
-    path = os.path.join(cache_directory(dataset, cache_dir), name)
-    table = read_table(path, key)
-    if table is None and not storage.is_remote(dataset):
-        # a cache elsewhere (MIMO_CACHE_DIR, --cache-dir): the build's own copy in the dataset
-        # is read where it is, not derived again into that cache
+    its path: a local dataset's own (a build's) first, wherever the cache is; else the
+    cache's, downloaded from a remote dataset's own cache, or written there by
+    ``derive(path)`` when the cache has none (path None: it could not be saved, the table is
+    mapped from a removed temporary file)."""
+    own = None
+    if not storage.is_remote(dataset):
+        # the build's own copy, read where it is whatever the cache (MIMO_CACHE_DIR's, a
+        # cache_dir, the default one of a read-only dataset), which need not even be made
         own = os.path.join(storage.local_path(dataset), DATASET_CACHE, name)
-        if own != path and (table := read_table(own, key)) is not None:
+        if (table := read_table(own, key)) is not None:
             return table, own
+    path = os.path.join(cache_directory(dataset, cache_dir), name)
+    table = read_table(path, key) if path != own else None
     if table is None and remote is not None:
         try:
             remote.fetch(storage.join(dataset, DATASET_CACHE, name), path)

@@ -8,7 +8,8 @@ A dataset directory holds:
 - ``samples.parquet``: one row per sample (see ``SAMPLES_SCHEMA``): key, shard, byte offset and
   size of every member's data inside its tar, media metadata. Random access and exact counts
   without opening a tar.
-- ``report.json``: the build report (records read / written / skipped by reason).
+- ``report.json``: the build report (records read / written / skipped by reason, and
+  what each input gave).
 - ``.mimo-cache/``: tables derived from the rest (``shards/cache.py``): the memory-mapped sample
   table (``sample_table.py``), the records table (``record_table.py``: every ``KEY.json``,
   what remote readers read records from), token tables per preprocessing config
