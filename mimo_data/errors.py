@@ -11,11 +11,16 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the field and what to change."""
 
 
-def meant(unknown: Iterable[str], known: Iterable[str]) -> str:
-    """`` (did you mean X?)`` for the unknown keys close to a known one (difflib's ratio 0.75
-    and more: ``seq_lenght``: ``seq_length``; several: ``A -> X, B -> Y``), else ""."""
+class UnreadableConfig(ConfigError):
+    """A config file that cannot be read (gone, no permission): to restore, not to edit."""
+
+
+def meant(unknown: Iterable[str], known: Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean X?)`` for the unknown keys of one section close to a known one of it
+    (difflib's ratio 0.75 and more on the bare names: ``seq_lenght``: ``seq_length``; several:
+    ``A -> X, B -> Y``), each named with ``prefix`` (``train.``), else ""."""
     unknown, known = list(unknown), list(known)
-    guesses = [(name, close[0]) for name in unknown
+    guesses = [(prefix + name, prefix + close[0]) for name in unknown
                if (close := difflib.get_close_matches(name, known, n=1, cutoff=0.75))]
     if len(unknown) == 1 and guesses:
         return f" (did you mean {guesses[0][1]}?)"

@@ -16,8 +16,8 @@ from pathlib import Path
 from conftest import REPO
 
 # mimo_train's layers from the bottom up; a module may import its own layer's and lower ones'
-LAYERS = [("errors", "precision"), ("runtime",), ("config",), ("mcore",), ("families",),
-          ("plan",), ("components", "model", "planning"), ("training", "hf"),
+LAYERS = [("errors", "precision", "checkpoint_folders"), ("runtime",), ("config",), ("mcore",),
+          ("families",), ("plan",), ("components", "model", "planning"), ("training", "hf"),
           ("cli", "__main__", "inspect_cli")]
 
 

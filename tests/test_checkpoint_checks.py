@@ -81,7 +81,11 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         return types.SimpleNamespace(sharded_state_dict=lambda: {
             key: ShardedTensor.from_rank_offsets(key, torch.zeros(shape))
             for key, shape in tensors.items()})
-    ours = {**saved_model, "pretrained": "/models/Qwen2-VL-2B"}
+    # what makes no tensor is not named (init_from, attention, recompute), nor a key one side
+    # lacks (another mimo's config)
+    ours = {**saved_model, "pretrained": "/models/Qwen2-VL-2B", "init_from": "/runs/a",
+            "attention": "sdpa", "language": {**saved_model["language"], "recompute": "full",
+                                              "new_setting": 1}}
     with pytest.raises(CheckpointError) as refused:
         checkpoint.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
                          ["image"], ours)
@@ -101,3 +105,11 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         "The model settings that differ from the checkpoint's: model.language.num_layers 2 "
         "there, 3 here: model.init_from takes a checkpoint of the same model: start with the "
         "settings it was saved with, or from another checkpoint"), refused.value
+    # the same settings: the files they name changed
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.check(str(tmp_path), model({**shapes, tower: (32, 3, 2, 14, 14)}), 8,
+                         ["image"], saved_model)
+    assert str(refused.value).endswith(
+        "another model configuration. Its model settings are this run's: the files they name "
+        "(a model folder's config.json, the tokenizer) changed since it was saved"), \
+        refused.value

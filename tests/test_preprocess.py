@@ -889,7 +889,7 @@ def test_a_model_given_for_the_preprocessing_config_says_how_to_make_one(tmp_pat
 def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant(tmp_path):
     """A YAML's misspelt key: its file, the key, and the known key it most likely meant (none
     for a key close to nothing); a YAML that is not there: the file, not a raw OSError; an
-    empty one: said, with how to make one."""
+    empty one, a list, a binary file: said, with how to make one."""
     from mimo_data.errors import ConfigError
     text = (REPO / "configs" / "preprocess.yaml").read_text()
     given = tmp_path / "preprocess.yaml"
@@ -912,6 +912,12 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     with pytest.raises(ConfigError, match=f"{tmp_path}/empty.yaml holds no setting \\(an empty "
                        "file\\): a preprocessing config YAML is made from a model's folder"):
         PreprocessConfig.from_yaml(str(tmp_path / "empty.yaml"))
+    (tmp_path / "list.yaml").write_text("- tokenizer: x\n")
+    (tmp_path / "binary.yaml").write_bytes(b"\xff\xfe\x00binary")
+    for name, said in (("list.yaml", "holds a list, not the mapping of settings"),
+                       ("binary.yaml", "is not a text file, so no YAML")):
+        with pytest.raises(ConfigError, match=f"{tmp_path}/{name} {said}"):
+            PreprocessConfig.from_yaml(str(tmp_path / name))
 
 
 @pytest.mark.parametrize("where, value, said", [

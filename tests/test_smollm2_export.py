@@ -317,7 +317,8 @@ def test_a_language_model_without_a_causal_lm_equivalent_is_not_exported(
 def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2, tmp_path,
                                                                          monkeypatch, capsys):
     """The run's preprocessing YAML, there but refused now (a key given twice, which an older
-    mimo read as the last): export says to fix it where it is, not to restore it."""
+    mimo read as the last): export says to fix it where it is, not to restore it; gone, to
+    restore it."""
     from mimo_train.components import checkpoint
     from mimo_train.hf.export import main
 
@@ -336,6 +337,11 @@ def test_a_preprocessing_config_this_mimo_does_not_read_is_named_to_fix(smollm2,
     err = capsys.readouterr().err
     assert f"the preprocessing config {twice} of {directory}/meta.json is not one this mimo " \
         "reads" in err and "'seq_length' is given twice" in err and "fix it where it is" in err
+    twice.unlink()                                  # gone: to restore, not to fix
+    assert main(["--checkpoint", str(directory), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"the preprocessing config {twice} of {directory}/meta.json cannot be read" in err \
+        and "restore it" in err and "fix it" not in err, err
 
 
 def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch, capsys):

@@ -277,8 +277,9 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
     assert "steps" in message and "micro_batch_size" in message
     # a misspelt key: the one it most likely meant, and none for a key close to nothing
     assert "train.stpes (did you mean train.steps?)" in message, message
-    message = load_error(tmp_path, MINIMAL, "train.zzz=1")
-    assert "did you mean" not in message, message
+    for far in ("train.zzz=1", "model.language.foo=1", "model.encoders.image.zzz=1"):
+        message = load_error(tmp_path, MINIMAL, far)        # the section's name matches nothing
+        assert "did you mean" not in message, message
     # a preprocessing setting given to the training config: where it goes
     message = load_error(tmp_path, MINIMAL, "data.seq_length=512")
     assert "data.seq_length goes in the preprocessing config (the data.preprocess YAML), " \

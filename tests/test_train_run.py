@@ -1020,7 +1020,8 @@ def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
     tensor): a run's checkpoint.dir is taken for its latest step, as mimo-export takes it, and
     without ``latest`` names its newest step; a transformers model folder names
     model.pretrained; a path that is nothing says so; none is called damaged."""
-    from mimo_train.components.checkpoint import check, step_of
+    from mimo_train.checkpoint_folders import step_of
+    from mimo_train.components.checkpoint import check
     from mimo_train.errors import CheckpointError
 
     tmp, _, _ = setup

@@ -82,6 +82,7 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
     """One rank of ``torchrun``: the figures above, written to ``out/rank_R.json``."""
     import torch.distributed as dist
 
+    from mimo_train import checkpoint_folders
     from mimo_train.components import checkpoint, digests
     from mimo_train.config import TrainConfig
     from mimo_train.plan import resolve
@@ -127,7 +128,7 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
     figures["plain_save_s"] = timed(plain_save)
     sync = checkpoint.Saver(os.path.join(work, "sync"), asynchronous=False)
     figures["sync_save_s"] = timed(lambda: sync.save(trainer.step, state, trainer._meta()))
-    directory = checkpoint.step_dir(os.path.join(work, "sync"), trainer.step)
+    directory = checkpoint_folders.step_dir(os.path.join(work, "sync"), trainer.step)
     figures["files"] = sorted(os.listdir(directory))
     figures["bytes"] = sum(os.path.getsize(os.path.join(directory, name))
                            for name in os.listdir(directory))

@@ -61,7 +61,7 @@ import typing
 
 import yaml
 
-from mimo_data.errors import ConfigError, meant
+from mimo_data.errors import ConfigError, UnreadableConfig, meant
 from mimo_data.files import load_yaml
 from mimo_data.hub import shadowed
 from mimo_data.modalities import MARKERS, MODALITIES
@@ -206,20 +206,24 @@ class PreprocessConfig:
             with open(path) as handle:
                 data = load_yaml(handle)
         except OSError as error:
-            raise ConfigError(f"cannot read the preprocessing config {path}: "
-                              f"{error.strerror or error}") from None
+            raise UnreadableConfig(f"cannot read the preprocessing config {path}: "
+                                   f"{error.strerror or error}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not a text file, so no YAML: {derive}") from None
         except yaml.YAMLError as error:
             raise ConfigError(f"{path} is not valid YAML: {error}") from None
         if data is None:          # the file of a `--preprocessing-for MODEL > it` that failed
             raise ConfigError(f"{path} holds no setting (an empty file): {derive}")
-        if isinstance(data, dict) and {"model_type", "architectures"} & data.keys():
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} holds a {type(data).__name__}, not the mapping of "
+                              f"settings a preprocessing config is: {derive}")
+        if {"model_type", "architectures"} & data.keys():
             raise ConfigError(f"{path} is a transformers model config, not a preprocessing "
                               f"config: {derive}")
-        if isinstance(data, dict):
-            data = dict(data)
-            for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
-                if isinstance(data.get(key), str):
-                    data[key] = _resolve(data[key], key, kind, path)
+        data = dict(data)
+        for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
+            if isinstance(data.get(key), str):
+                data[key] = _resolve(data[key], key, kind, path)
         try:
             return cls.from_dict(data)
         except ConfigError as error:

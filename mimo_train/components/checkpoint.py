@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo_data.files import write_atomic
+from mimo_train.checkpoint_folders import LATEST, META, STEP_NAME, latest, step_dir
 from mimo_train.components import checkpoint_owner, digests
 from mimo_train.components.digests import MANIFEST
 from mimo_train.components.optimizer import schedule_changes
@@ -70,11 +71,8 @@ from mimo_train.mcore.gated_delta_net import joined_sections
 from mimo_train.mcore.distributed_optimizer import unshare_steps
 from mimo_train.mcore.fused_adam import use_fused_adam
 
-LATEST = "latest"
-META = "meta.json"
 # the language model's layers: stacked (``decoder.layers.<param>``) or, where they differ (a
 # hybrid decoder's, megatron-core's ``non_homogeneous_layers``), one by one
-STEP_NAME = r"step_\d{7}"          # a step's checkpoint folder in a checkpoint.dir
 _LAYERS = re.compile(r"^(decoder\.layers\.)(\d+\.)?(.*)$")
 # megatron-core saves a MoE layer's experts (``SequentialMLP``'s ``local_experts.<e>.``) stacked
 # along the expert axis under this name
@@ -88,28 +86,6 @@ class TrainingState:
     optimizers: dict                 # trained module name -> its megatron-core optimizer
     schedulers: dict                 # trained module name -> OptimizerParamScheduler
     loader: Any                      # RankLoader, None on ranks without data
-
-
-def step_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"step_{step:07d}")
-
-
-def latest(root: str | None) -> str | None:
-    """The checkpoint directory ``root/latest`` names, or None."""
-    if not root:
-        return None
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            name = f.read().strip()
-    except FileNotFoundError:
-        return None
-    return os.path.join(root, name)
-
-
-def step_of(path: str) -> str:
-    """The step's checkpoint ``path`` names: a checkpoint.dir's latest (``latest``), as
-    mimo-export takes it, else ``path`` itself."""
-    return latest(path) or path
 
 
 def prepare(root: str, resume: bool) -> str | None:
@@ -548,23 +524,35 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
 
 def _model_changes(meta: dict, settings: dict | None, resuming: bool, shown: int = 4) -> str:
     """What a run whose model does not fit a checkpoint changed (``settings``: its model
-    section; ``meta``: the checkpoint's) and what it can do: resume (or start) with the
-    checkpoint's settings, or train the other model in a checkpoint.dir of its own (from
-    another checkpoint); "" without ``settings``."""
+    section; ``meta``: the checkpoint's) among the settings that make its tensors, the models
+    first, and what it can do: resume (or start) with the checkpoint's settings, or train the
+    other model in a checkpoint.dir of its own (from another checkpoint); "" without
+    ``settings``."""
     saved = (meta.get("config") or {}).get("model")
     if settings is None or not isinstance(saved, dict):
         return ""
     theirs, ours = _flat(saved, "model."), _flat(settings, "model.")
-    changed = [key for key in sorted(theirs.keys() | ours.keys())
-               if theirs.get(key) != ours.get(key)]
-    said = "; ".join(f"{key} {theirs.get(key)!r} there, {ours.get(key)!r} here"
-                     for key in changed[:shown])
-    more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+    # keys both know (another mimo's config may have more or fewer), changed, making tensors
+    changed = sorted((key for key in theirs.keys() & ours.keys()
+                      if (theirs[key] or None) != (ours[key] or None)
+                      and key not in _SHAPELESS and key.rpartition(".")[2] not in _SHAPELESS),
+                     key=lambda key: (not key.endswith("pretrained"), key))
     then = ("resume with the settings it was saved with, or train this model in another "
             "checkpoint.dir" if resuming else "model.init_from takes a checkpoint of the same "
             "model: start with the settings it was saved with, or from another checkpoint")
-    return (f". The model settings that differ from the checkpoint's: {said}{more}: {then}"
-            if changed else f": {then}")
+    if not changed:
+        return (". Its model settings are this run's: the files they name (a model folder's "
+                "config.json, the tokenizer) changed since it was saved")
+    said = "; ".join(f"{key} {theirs[key]!r} there, {ours[key]!r} here"
+                     for key in changed[:shown])
+    more = f" and {len(changed) - shown} more" if len(changed) > shown else ""
+    return f". The model settings that differ from the checkpoint's: {said}{more}: {then}"
+
+
+# model settings that make no tensor of the model (whole keys, or the last part of one)
+_SHAPELESS = {"model.init_from", "model.freeze", "model.attention", "recompute",
+              "sequence_parallel", "moe_aux_loss", "loss_chunk_tokens", "alpha", "dropout",
+              "init_lora_weights"}
 
 
 def _flat(section: dict, prefix: str) -> dict[str, Any]:

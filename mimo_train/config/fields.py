@@ -71,7 +71,7 @@ def build(cls, data, where: str):
         # keys another file holds (``ELSEWHERE``: key -> where it goes), named where they go
         elsewhere = "".join(f"; {where}{k} goes in {cls.ELSEWHERE[k]}" for k in unknown
                             if k in getattr(cls, "ELSEWHERE", {}))
-        guess = meant([where + k for k in unknown], [where + k for k in hints])
+        guess = meant(unknown, hints, where)
         raise TrainConfigError(f"unknown key(s) {', '.join(where + k for k in unknown)}{guess}; "
                                f"known under {where or 'the top level'}: {', '.join(hints)}"
                                f"{elsewhere}")

@@ -16,6 +16,7 @@ from typing import Any
 
 from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import looks_like_path
+from mimo_train.checkpoint_folders import LATEST, META, step_of
 from mimo_train.errors import EncoderBuildError, TrainConfigError
 from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
                                  siglip, whisper)
@@ -212,15 +213,10 @@ def _training_checkpoint(path: str, key: str) -> str | None:
     whose weights model.init_from takes; None otherwise."""
     directory = os.path.expanduser(path)
     if os.path.exists(os.path.join(directory, "config.json")) or not any(
-            os.path.isfile(os.path.join(directory, name)) for name in ("meta.json", "latest")):
+            os.path.isfile(os.path.join(directory, name)) for name in (META, LATEST)):
         return None
-    trained = None
     try:        # the model it trained: a step's meta.json, or the one its latest names
-        step = directory
-        if os.path.isfile(os.path.join(directory, "latest")):
-            with open(os.path.join(directory, "latest")) as f:
-                step = os.path.join(directory, f.read().strip())
-        with open(os.path.join(step, "meta.json")) as f:
+        with open(os.path.join(step_of(directory), META)) as f:
             trained = json.load(f)["config"]
         for part in key.split("."):     # the checkpoint's own value of ``key``
             trained = trained[part]

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
     of a checkpoint.dir."""
-    from mimo_train.components.checkpoint import STEP_NAME, step_of
+    from mimo_train.checkpoint_folders import STEP_NAME, step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
     found = step_of(path) if os.path.isdir(path) else path
@@ -285,7 +285,7 @@ def _weights(directory: str) -> dict:
 
 def _beside(directory: str) -> str:
     """What the newest readable step beside ``directory`` is to it."""
-    from mimo_train.components.checkpoint import STEP_NAME
+    from mimo_train.checkpoint_folders import STEP_NAME
     return "earlier one" if re.fullmatch(STEP_NAME, _name(directory)) else "one beside it"
 
 
@@ -401,14 +401,14 @@ def _preprocess_config(cfg, directory: str, trained: dict | None):
     """The run's preprocessing config: as it trained (meta.json's copy; the YAML may have
     changed or moved since, which is said), else, for checkpoints saved before the copy, its
     YAML as it is now."""
-    from mimo_data.errors import ConfigError
+    from mimo_data.errors import ConfigError, UnreadableConfig
     from mimo_data.preprocess.config import PreprocessConfig
     path = cfg.data.preprocess
     if trained is not None:
         config = PreprocessConfig.from_dict(trained)
         try:
             changed = PreprocessConfig.from_yaml(path) != config
-        except (OSError, ConfigError):
+        except ConfigError:
             changed = True
         if changed:
             print(f"mimo-export: {path} is not as the run trained with it (changed or gone "
@@ -417,7 +417,7 @@ def _preprocess_config(cfg, directory: str, trained: dict | None):
         return config
     try:
         return PreprocessConfig.from_yaml(path)
-    except OSError as error:
+    except UnreadableConfig as error:
         raise ExportError(f"the preprocessing config {path} of {directory}/meta.json cannot be "
                           f"read ({error}): the export copies it; restore it") from None
     except ConfigError as error:

@@ -38,6 +38,7 @@ from typing import Any
 from mimo_data.hub import cache_only
 from mimo_data.stdout import quiet_when_stdout_closes
 from mimo_train.hf.export import MANIFEST
+from mimo_train.checkpoint_folders import LATEST, META
 from mimo_train.errors import GenerateError
 from mimo_train.runtime import console
 
@@ -104,7 +105,6 @@ def main(argv=None) -> int:
     cache_only()
     parser = _parser()
     args = parser.parse_args(argv)
-    console.quiet_third_party()
     if args.max_new_tokens < 1:
         parser.error(f"--max-new-tokens is {args.max_new_tokens}: it must be >= 1")
     if args.temperature is not None and args.temperature <= 0:
@@ -118,6 +118,7 @@ def main(argv=None) -> int:
                      "T to sample)")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p is {args.top_p}: it must be in (0, 1]")
+    console.quiet_third_party()
     try:
         generator = Generator(args.model, args.device, args.dtype, base=args.base)
         result = generator.generate(args.prompt, images=args.image, audios=args.audio,
@@ -151,7 +152,7 @@ class Generator:
         from mimo_train.precision import run_dtype
         path = os.path.join(model_dir, MANIFEST)
         if not os.path.isfile(path) and any(os.path.isfile(os.path.join(model_dir, name))
-                                            for name in ("meta.json", "latest")):
+                                            for name in (META, LATEST)):
             raise GenerateError(f"--model {model_dir} is a mimo-train checkpoint, not an export: "
                                 f"mimo-export --checkpoint {model_dir} --output OUT writes one, "
                                 "then mimo-generate --model OUT")

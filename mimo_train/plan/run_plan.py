@@ -244,8 +244,8 @@ def _read_preprocess(cfg: TrainConfig) -> PreprocessConfig:
     assert cfg.data.preprocess is not None              # check_inputs says so otherwise
     try:
         return PreprocessConfig.from_yaml(cfg.data.preprocess)
-    except (OSError, ConfigError) as error:
-        raise TrainConfigError(f"data.preprocess {cfg.data.preprocess}: {error}") from None
+    except ConfigError as error:                       # it names the file
+        raise TrainConfigError(f"data.preprocess: {error}") from None
 
 
 def _check_positions(cfg: TrainConfig, language: LanguagePlan,

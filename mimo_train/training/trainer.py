@@ -41,6 +41,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.cache import CACHE_DIR_ENV
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
 from mimo_data.shards.index import unindexed_tars, unindexed_tars_advice
+from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
@@ -283,7 +284,7 @@ class Trainer:
         """This rank's weights from a checkpoint of any layout, a step's folder or a
         checkpoint.dir's latest (two phases: the checks need no collective, the load is
         one)."""
-        directory = checkpoint.step_of(given)
+        directory = checkpoint_folders.step_of(given)
 
         def checked() -> None:
             meta = checkpoint.check(directory, self.model, None,
@@ -681,7 +682,7 @@ def train(plan: RunPlan, records: str | None = None) -> Trainer:
     trainer = Trainer(plan, records)
     trainer.run()
     if cfg.checkpoint.dir:
-        latest = checkpoint.latest(cfg.checkpoint.dir)
+        latest = checkpoint_folders.latest(cfg.checkpoint.dir)
         say(f"{PREFIX}checkpoint dir {os.path.abspath(cfg.checkpoint.dir)} " +
             (f"(latest: {latest})" if latest else "(no checkpoint in it)"))
     return trainer
