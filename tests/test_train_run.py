@@ -343,7 +343,7 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
         train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
                               global_batch_size=4, micro_batch_size=2),
         checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]),
-        model=SimpleNamespace(freeze=[], lora={}))
+        model=SimpleNamespace(freeze=[], lora={}), to_dict=lambda: {"model": {}})
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device = torch.device("cpu")
@@ -378,13 +378,14 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
     trainer = module.Trainer.__new__(module.Trainer)
     trainer.cfg = SimpleNamespace(
         train=SimpleNamespace(global_batch_size=4),
-        model=SimpleNamespace(freeze=[], lora={"language": LoraConfig(alpha=64)}))
+        model=SimpleNamespace(freeze=[], lora={"language": LoraConfig(alpha=64)}),
+        to_dict=lambda: {"model": {}})
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     with pytest.raises(CheckpointError, match="model.lora.language.alpha 8, this run's "
                        "model.lora.language.alpha is 64"):
         trainer._resume("ck/step_0000001")
     # a new run from its weights (model.init_from) starts from the model it trained, too
-    monkeypatch.setattr(module.checkpoint, "step_of", lambda given: given, raising=False)
+    monkeypatch.setattr(module.checkpoint_folders, "step_of", lambda given: given)
     monkeypatch.setattr(module.checkpoint, "load_model", lambda *args: loaded.append(args),
                         raising=False)
     with pytest.raises(CheckpointError, match="is 64: .* start from it with alpha 8, or, for "

@@ -287,8 +287,8 @@ class Trainer:
         directory = checkpoint_folders.step_of(given)
 
         def checked() -> None:
-            meta = checkpoint.check(directory, self.model, None,
-                                    settings=self.cfg.to_dict()["model"])
+            meta = checkpoint.check(directory, self.model, None, (),
+                                    self.cfg.to_dict()["model"])
             checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
         phase("init_from check", f"model.init_from {directory} checked", checked)
 
