@@ -334,8 +334,9 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     assert err.startswith(f"mimo-shard build: error: {url} is being written by mimo-shard "
                           f"build (pid {os.getpid()} on {socket.gethostname()}, started "), err
     assert "; wait for it to end (if it was killed, its claim lapses in about 1 minute(s), " \
-        "at " in err and err.rstrip().endswith(" by this host's clock), or choose another "
-                                               "--output"), err
+        "at " in err and err.rstrip().endswith(
+            " by this host's clock; if you are sure it is no longer running, delete "
+            f"{url}/.mimo-claim), or choose another --output"), err
     assert "error" not in first, first
     done = _objects(s3, "claimed")
     assert set(done) == set(built.files)
@@ -369,7 +370,8 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress")
     assert code == 1 and f"was being written by mimo-shard build (pid {ended.pid} on " \
         f"{socket.gethostname()}, started " in err and "which is no longer running (killed): " \
-        "its claim lapses in about 1 minute(s), at " in err, err
+        "its claim lapses in about 1 minute(s), at " in err and "; build again then (or now, " \
+        f"once you delete {url}/.mimo-claim)" in err, err
     time.sleep(claim.STALE_S + 1)
     code, _, err = cli_main(capsys, "build", *inputs, "--output", url, "--no-progress",
                             "--max-samples-per-shard", PER_SHARD)
@@ -595,10 +597,13 @@ def test_a_missing_shard_object_is_a_dataset_error_naming_its_url(s3, built):
     assert f"{url}/{shard}: missing" in message
     assert f"mimo-shard verify {url}" in message
     reader.close()
-    # a prefix (or bucket) with nothing under it: a typo, not an interrupted build
-    for typo in (f"s3://{BUCKET}/gnoe", "s3://mimo-no-such-bucket/gone"):
-        with pytest.raises(DatasetError, match=f"^{typo}: nothing there, no such dataset") \
-                as missing:
+    # a prefix (or bucket) with nothing under it: a typo, not an interrupted build; a bucket
+    # that is not there is told from a prefix with nothing in it
+    for typo, said in ((f"s3://{BUCKET}/gnoe", "nothing there, no such dataset \\(check the "
+                        "prefix\\)"),
+                       ("s3://mimo-no-such-bucket/gone", "its bucket does not exist: check the "
+                        "URL and the endpoint")):
+        with pytest.raises(DatasetError, match=f"^{typo}: {said}") as missing:
             ShardReader(typo, storage_options=s3.storage_options)
         assert missing.value.missing          # a usage error (exit 2), as a local typo's
     # a misspelt storage option (s3fs takes it, its session refuses it at the first request)

@@ -88,11 +88,14 @@ def _busy(output: str, holder: Claimant | None, lapses_in: float | None = None
                           "another --output")
     lapse = (f"its claim lapses in about {max(1, round(lapses_in / 60))} minute(s), at "
              f"{_when(time.time() + lapses_in)} by this host's clock")
+    claim = storage.join(output, CLAIM_FILE)
     if holder is not None and holder.host == socket.gethostname() and not _alive(holder.pid):
         return OutputBusy(f"{output} was being written by {who}, which is no longer running "
-                          f"(killed): {lapse}; build again then, or choose another --output")
+                          f"(killed): {lapse}; build again then (or now, once you delete "
+                          f"{claim}), or choose another --output")
     return OutputBusy(f"{output} is being written by {who}; wait for it to end (if it was "
-                      f"killed, {lapse}), or choose another --output")
+                      f"killed, {lapse}; if you are sure it is no longer running, delete "
+                      f"{claim}), or choose another --output")
 
 
 def _alive(pid: int) -> bool:

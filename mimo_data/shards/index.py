@@ -72,8 +72,11 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     except FileNotFoundError:
         names = _names_at(directory, storage_options)
         if names == [] and storage.is_remote(directory):
-            raise DatasetError(f"{directory}: nothing there, no such dataset (check the bucket "
-                               "and the prefix)", missing=True) from None
+            raise DatasetError(f"{directory}: " + (
+                "nothing there, no such dataset (check the prefix)"
+                if storage.bucket_exists(directory, storage_options) else
+                "its bucket does not exist: check the URL and the endpoint"),
+                missing=True) from None
         if names and _foreign_tars(names):
             raise DatasetError(f"{directory}: {unindexed_tars_advice(directory)}") from None
         if names and REPORT_FILE in names and _kept_none(directory, storage_options):
