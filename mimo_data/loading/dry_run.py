@@ -264,7 +264,7 @@ def format_dry_run(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo_data.loading.dry_run",
-                                     description=__doc__.splitlines()[0])
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("datasets", nargs="+", help="dataset directories (mimo-shard build)")
     parser.add_argument("--config", required=True, help="preprocessing config (YAML)")
     parser.add_argument("--layout", required=True,

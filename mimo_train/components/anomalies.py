@@ -64,7 +64,8 @@ class Watch:
                 f"loss), more than train.max_skipped_steps ({self.max_skipped}): the run stops. "
                 "Their samples are in the records' anomaly entries (mimo-inspect sample DIR "
                 "--key KEY shows one); look for broken samples, lower optimizer.lr or raise the "
-                "limit, and resume from the last checkpoint")
+                "limit, then resume from the last checkpoint (this stop saves none; with none "
+                "saved before, start the run again)")
         return None
 
 

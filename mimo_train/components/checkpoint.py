@@ -167,8 +167,9 @@ def resume_point(root: str | None) -> str | None:
         raise CheckpointError(
             f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
             f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
-            f"{steps[-1]} > {os.path.join(root, LATEST)}`; to start a new run, give another "
-            "checkpoint.dir")
+            f"{steps[-1]} > {os.path.join(root, LATEST)}` (the resume checks its files against "
+            "its manifest, and names the newest earlier step where one is damaged); to start a "
+            "new run, give another checkpoint.dir")
     return None
 
 
