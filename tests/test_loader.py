@@ -167,6 +167,10 @@ def test_a_loader_says_what_it_drops(sources, table, tmp_path, loader_corpus):
                           packing=True)
     assert packed is not None and packed.summary() == f"{line}; packed"
     packed.close()
+    balanced = build_loader(sources["image"], None, layout, 0, 2, GLOBAL_BATCH, 2, 11,
+                            packing=True, balance="tokens")
+    assert balanced is not None and balanced.summary() == f"{line}; token-balanced; packed"
+    balanced.close()
     # fewer kept than a global batch: the drops are named with the error, too_long's remedy
     with pytest.raises(OrderError) as failed:
         build_loader(sources["image"], None, layout, 0, 2, 4 * len(kept) + 4, 2, 11)

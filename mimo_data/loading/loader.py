@@ -793,7 +793,8 @@ class RankLoader:
     def summary(self) -> str:
         """``report`` in a line: samples kept and dropped by reason, what an epoch draws from
         each of several datasets (their blend), steps an epoch, the remainder's samples
-        (dropped, or repeated to fill the last step) and whether steps are packed."""
+        (dropped, or repeated to fill the last step) and whether steps are token-balanced and
+        packed."""
         order = self.order
         remainder = order.remainder_samples
         left = (f"; {remainder} sample(s) an epoch "
@@ -804,7 +805,8 @@ class RankLoader:
                  f"{len(kept)} datasets (kept {' + '.join(map(str, kept))})"
                  if len(kept) > 1 else "")
         return (f"{self.source.tally.summary()}{blend}; {self.steps_per_epoch} step(s) an "
-                f"epoch{left}{'; packed' if order.packing is not None else ''}")
+                f"epoch{left}{'; token-balanced' if order.arrangement is not None else ''}"
+                f"{'; packed' if order.packing is not None else ''}")
 
 
 def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int,
