@@ -567,6 +567,9 @@ def _flat(section: dict, prefix: str) -> dict[str, Any]:
     return values
 
 
+ANOTHER = "it was saved for another model configuration"   # the reason no setting names
+
+
 def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
     """Why a checkpoint's tensor ``key`` has another shape than this model's, in config terms
     (``meta``: the checkpoint's, whose config names the part of an adapter)."""
@@ -589,9 +592,6 @@ def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
                     "with the checkpoint's rank, or start a new run from its weights "
                     "(model.init_from) in another checkpoint.dir")
     return ANOTHER
-
-
-ANOTHER = "it was saved for another model configuration"
 
 
 def _module_of(key: str) -> tuple[str, str] | None:

@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="a LoRA run of a whole VLM: write its adapters alone in PEFT's "
                         "format (peft.PeftModel.from_pretrained(base, OUT)) instead of the "
                         "model with the adapters merged into its weights")
-    parser.add_argument("--dtype", type=_dtype_name,
+    parser.add_argument("--dtype",                    # export() checks it, either spelling
                         help="the weights' dtype, float32|bfloat16|float16 (or fp32|bf16|fp16, "
                         "as train.precision and mimo-generate name them; default: the base "
                         "checkpoint's, as its config.json names it; a LoRA run's --adapters: "
@@ -549,16 +549,6 @@ def _export_dtype(chosen: str | None, pretrained: str | None, trained) -> tuple:
         return dtype, "the base checkpoint's" + (
             f"; trained in {trained_name}: --dtype {trained_name} keeps it" if narrower else "")
     return trained, "the trained weights', the base names none"
-
-
-def _dtype_name(name: str) -> str:
-    """``--dtype``'s value as torch names it (its short names too: argparse's choices would
-    list only the long ones)."""
-    dtype = SHORT.get(name, name)
-    if dtype not in DTYPES:
-        raise argparse.ArgumentTypeError(f"{name!r}: give one of {', '.join(DTYPES)} (or "
-                                         f"{', '.join(SHORT)})")
-    return dtype
 
 
 def _described(chosen: tuple) -> str:
