@@ -61,10 +61,17 @@ def run_settings(path: str, preprocess_path: str) -> dict:
             "data.balance": cfg.data.balance}
 
 
+def checkpoint(args) -> int:
+    from mimo_train.runtime.console import quiet_third_party
+    quiet_third_party()                     # before megatron-core's import warns
+    from mimo_train.components.checkpoint_report import main as check
+    return check(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     from mimo_data.inspect.cli import main as inspect_main
     return inspect_main(argv, advisor=advisor, layout_refusal=layout_refusal,
-                        run_settings=run_settings)
+                        run_settings=run_settings, checkpoint=checkpoint)
 
 
 if __name__ == "__main__":

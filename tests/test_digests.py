@@ -71,7 +71,8 @@ def test_the_manifest_merges_the_parts_and_megatron_reads_it(checkpoint, monkeyp
     assert sorted(hashed) == [".metadata", "metadata.json"]        # rank 0's own, small files
     manifest = json.loads((directory / "integrity.json").read_text())
     assert manifest == {"algorithm": "sha256",
-                        "files": {name: _sha(data) for name, data in sorted(files.items())}}
+                        "files": {name: _sha(data) for name, data in sorted(files.items())},
+                        "sizes": {name: len(data) for name, data in sorted(files.items())}}
     assert sorted(p.name for p in directory.iterdir()) == sorted([*files, "integrity.json"])
     verify_integrity_manifest(str(directory))            # megatron-core's own check accepts it
     digests.verify(str(directory))
@@ -113,19 +114,39 @@ def test_the_shares_cover_every_file_once_in_about_equal_bytes(ranks):
     assert split == digests.shares(dict(reversed(list(sizes.items()))), ranks)  # order-free
 
 
-def test_verify_names_every_changed_and_missing_file(checkpoint):
+@pytest.mark.parametrize("workers", [1, 3])
+def test_verify_names_every_changed_resized_and_missing_file(checkpoint, workers):
     directory, _ = checkpoint
     for rank in range(3):
         digests.write_part(str(directory), rank)
     digests.write_manifest(str(directory))
     (directory / "__1_0.distcp").write_bytes(b"b" * 499 + b"x")      # same size, changed
     (directory / "__2_0.distcp").unlink()
+    (directory / "__0_0.distcp").write_bytes(b"a" * 120)
+    (directory / "__1_1.distcp").write_bytes(b"")
+    (directory / "metadata.json").write_bytes(b"{} ")
     with pytest.raises(IntegrityError) as refused:
-        digests.verify(str(directory))
+        digests.verify(str(directory), workers=workers)
     message = str(refused.value)
-    assert message.startswith("2 file(s) do not match integrity.json: "), message
+    assert message.startswith("5 file(s) do not match integrity.json: "), message
     assert "__1_0.distcp: hash mismatch (expected " in message
     assert "__2_0.distcp: file missing or unreadable" in message
+    assert "__0_0.distcp: truncated (120 bytes, 300 saved)" in message
+    assert "__1_1.distcp: empty (0 bytes, 10 saved)" in message
+    assert "metadata.json: longer than saved (3 bytes, 2 saved)" in message
+
+
+def test_a_manifest_without_sizes_is_checked_by_digest_alone(checkpoint):
+    """megatron-core's manifest (no sizes): a truncated file is a hash mismatch."""
+    from mimo_train import mcore  # noqa: F401  (megatron-core imported quietly)
+    from megatron.core.dist_checkpointing.validation import save_integrity_manifest
+
+    directory, _ = checkpoint
+    save_integrity_manifest(str(directory))
+    digests.verify(str(directory))
+    (directory / "__0_0.distcp").write_bytes(b"a" * 120)
+    with pytest.raises(IntegrityError, match=r"__0_0.distcp: hash mismatch \(expected "):
+        digests.verify(str(directory))
 
 
 def test_verify_refuses_an_unreadable_manifest(checkpoint):

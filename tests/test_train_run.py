@@ -18,6 +18,7 @@ sees of a failure).
   of tp1 into tp1 (one colocated process);
 - a damaged checkpoint (zero-length, truncated or missing file, bad metadata) is refused on
   every rank with one message naming the file and the newest earlier checkpoint;
+  ``mimo-inspect checkpoint`` says the same without starting a run;
 - a failure in the middle of the run (a shard member whose bytes changed, shards gone from the
   bucket, a checkpoint that cannot be written, a rank killed) reaches the user as one message
   naming the rank, the step and the cause, under real torchrun as its root cause too, with no
@@ -834,7 +835,9 @@ def test_resume_under_another_language_layout(ranks, setup, language):
     tmp, common, full = setup
     root = copy_checkpoint(tmp / "full-ckpt" / "step_0000003", tmp / f"resume-{language}")
     layout = f"layout=image=dp1;audio=dp1;language={language}"
-    stop = ["train.exit_interval=5"] if language in ("dp2", "cp2") else []
+    # (logging every 2 steps: the stop's step 5 is shown all the same, before it is saved)
+    stop = ["train.exit_interval=5", "train.log_interval=2"] if language in ("dp2", "cp2") \
+        else []
     overrides, line = MEMORY[language]
     job = train_job(ranks, tmp, f"resumed-{language}", CONFIG, f"checkpoint.dir={root}", *common,
                     layout, *stop, *overrides, nproc=4).check()
@@ -845,6 +848,11 @@ def test_resume_under_another_language_layout(ranks, setup, language):
     assert_continues(resumed, full, steps, loss=1e-5, grad_norm_rel=1e-4)
     assert (root / "latest").read_text() == f"step_{steps[-1]:07d}"
     if stop:
+        shown = re.findall(r"^step +(\d+): loss", job.stdout, re.MULTILINE)
+        assert shown == ["4", "5"], job.stdout
+        assert job.stdout.index("step    5: loss") < job.stdout.index(
+            f"checkpoint {root / 'step_0000005'}") < job.stdout.index(
+            "train.exit_interval 5: stopping at step 5"), job.stdout
         plain = _train(ranks, tmp, f"plain-after-{language}", root, *common)
         assert_continues(plain, full, [6], loss=1e-5, grad_norm_rel=1e-4)
 
@@ -953,8 +961,9 @@ def test_damaged_files_are_refused_on_every_rank(ranks, setup):
     (step / "__2_0.distcp").write_bytes(data[: len(data) // 2])
     (step / "__1_0.distcp").unlink()
     message = _refused(*_start(ranks, common, root), "resume")
-    for name in ("__0_0.distcp: hash mismatch", "__2_0.distcp: hash mismatch",
-                 "__1_0.distcp: file missing"):
+    saved = (tmp / "full-ckpt" / "step_0000006" / "__2_0.distcp").stat().st_size
+    for name in ("__0_0.distcp: empty (0 bytes, ", f"__2_0.distcp: truncated ({saved // 2:,} "
+                 f"bytes, {saved:,} saved)", "__1_0.distcp: file missing"):
         assert name in message, message
     assert f"the newest earlier checkpoint is {root / 'step_0000003'}" in message
     assert f"echo step_0000003 > {root / 'latest'}" in message
@@ -971,8 +980,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     root = _damaged_copy(setup, f"damaged-{damage.replace(' ', '-')}")
     step = root / "step_0000006"
     name, expected = {
-        "zero-length": ("__0_0.distcp", "__0_0.distcp: hash mismatch"),
-        "truncated": ("__2_0.distcp", "__2_0.distcp: hash mismatch"),
+        "zero-length": ("__0_0.distcp", "__0_0.distcp: empty (0 bytes, "),
+        "truncated": ("__2_0.distcp", "__2_0.distcp: truncated (1,000 bytes, "),
         "missing": ("__1_0.distcp", "__1_0.distcp: file missing"),
         "bad meta.json": ("meta.json", f"{step / 'meta.json'} is unreadable"),
         "bad index": (".metadata", ".metadata: hash mismatch"),
@@ -993,6 +1002,53 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
     assert message.startswith(f"checkpoint {step} is damaged: "), message
     assert expected in message, message
     assert f"the newest earlier checkpoint is {root / 'step_0000003'}" in message
+
+
+def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
+    """``mimo-inspect checkpoint``: the step ``latest`` names, or ``--all`` steps, hashed
+    against their manifests in one process: intact ones with what they hold (exit 0), a
+    truncated, a changed or an unfinished one named (exit 1) with the intact step to resume
+    from; a path holding no checkpoint is a usage error (exit 2)."""
+    from mimo_train.inspect_cli import main
+
+    tmp, _, _ = setup
+    assert main(["checkpoint", str(tmp / "full-ckpt")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{tmp / 'full-ckpt'}: 2 step folder(s), step_0000003 to "
+                          "step_0000006; latest: step_0000006\nstep_0000006: intact: "), out
+    assert "every SHA-256 matches integrity.json" in out and "step_0000003" not in \
+        out.splitlines()[1], out
+    # what it holds: the run's step, samples, batch, layout and world size, from meta.json
+    assert re.search(r"\n  step 6 of 6, \d+ samples; global batch \d+; layout .*; world size "
+                     r"3", out), out
+
+    root = _damaged_copy(setup, "inspected")
+    step = root / "step_0000006"
+    saved = (step / "__2_0.distcp").stat().st_size
+    (step / "__2_0.distcp").write_bytes((step / "__2_0.distcp").read_bytes()[:1000])
+    (step / "meta.json").write_text((step / "meta.json").read_text().replace("6", "7", 1))
+    (root / "step_0000009").mkdir()                 # a save killed before its manifest
+    assert main(["checkpoint", str(root)]) == 1
+    err = capsys.readouterr().err
+    assert f"step_0000006: DAMAGED: __2_0.distcp: truncated (1,000 bytes, {saved:,} saved); " \
+        "meta.json: hash mismatch (expected " in err, err
+    assert "an earlier checkpoint is step_0000003 (not checked: --all checks every step)" in err
+    assert main(["checkpoint", str(root), "--all", "--workers", "2"]) == 1
+    captured = capsys.readouterr()
+    assert "step_0000003: intact: " in captured.out, captured.out
+    assert "step_0000009: INCOMPLETE: no integrity.json: its save did not finish" in \
+        captured.err, captured.err
+    assert captured.err.endswith("the newest intact checkpoint here is step_0000003: resume "
+                                 f"from it with 'echo step_0000003 > {root / 'latest'}'\n")
+    assert main(["checkpoint", str(root / "step_0000003"), "--json"]) == 0
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["intact"] and verdict["checkpoints"][0]["meta"]["step"] == 3
+    assert main(["checkpoint", str(tmp / "nothing-here")]) == 2
+    assert "nothing-here: no such directory" in capsys.readouterr().err
+    from mimo_data.inspect.cli import main as data_main          # without mimo_train
+    assert data_main(["checkpoint", str(root)]) == 2
+    assert "mimo-inspect checkpoint: error: checking checkpoints needs mimo_train: run the " \
+        "mimo-inspect command of a full install" in capsys.readouterr().err
 
 
 def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_path):

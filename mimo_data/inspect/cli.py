@@ -11,6 +11,8 @@
                         (the run's batch sizes, seed and balance)
     mimo-inspect plan   --config CFG --model MODEL --gpus N --clip-seconds S [--fps F]
                         [--clip-size WxH] ...  (the advisor on one clip, no dataset)
+    mimo-inspect checkpoint CKPT [--all] [--workers N] [--json]
+                        (a training run's checkpoints intact, and what each holds)
 
 Everything runs the training code path (the metadata-only preprocessor) without decoding
 media, except the HTML gallery's thumbnails and spectrograms.
@@ -181,6 +183,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bars on stderr (the token table's, the dry run's)")
     _advisor_arguments(p)
+
+    c = commands.add_parser("checkpoint", help="a training run's checkpoints: their files "
+                            "against their manifest, and what each holds (needs mimo_train)")
+    c.add_argument("directory", metavar="CKPT", help="a run's checkpoint.dir (checks the step "
+                   "its 'latest' names: what a resume loads) or one step_NNNNNNN folder")
+    c.add_argument("--all", action="store_true", help="check every step folder of the "
+                   "checkpoint.dir")
+    c.add_argument("--workers", type=_positive(int), default=4, metavar="N",
+                   help="threads hashing files (default 4)")
+    c.add_argument("--json", action="store_true", help="print the verdicts as JSON")
     return parser
 
 
@@ -469,9 +481,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
     return advisor(AdvisorRequest.from_args(args), config, work)
 
 
-def _needs_trainer(what: str) -> int:
+def _needs_trainer(what: str, command: str = "plan") -> int:
     """Exit status 2, saying that ``what`` (an option and "need(s)") is mimo_train's."""
-    print(f"mimo-inspect plan: error: {what} mimo_train: run the mimo-inspect command of a "
+    print(f"mimo-inspect {command}: error: {what} mimo_train: run the mimo-inspect command of a "
           "full install (mimo_train.inspect_cli), not python -m mimo_data.inspect.cli",
           file=sys.stderr)
     return 2
@@ -479,17 +491,21 @@ def _needs_trainer(what: str) -> int:
 
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
-         run_settings=None) -> int:
+         run_settings=None, checkpoint=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
     why the trainer refuses ``plan --layout L --model M``'s layout and the model's
     ``data.packing``, ``layout_refusal(request, config) -> (str | None, bool | None)``;
     ``run_settings``: a training YAML's batch sizes, seed and balance (``RUN_SETTINGS``'
-    keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read
+    keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read;
+    ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
     cache_only()
     args = _parser().parse_args(argv)
+    if args.command == "checkpoint":          # a training run's: no dataset, no config
+        return checkpoint(args) if checkpoint else _needs_trainer("checking checkpoints "
+                                                                  "needs", "checkpoint")
     from mimo_data.errors import ConfigError
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_data.preprocess.segment_tokenizer import SegmentCacheError

@@ -75,8 +75,11 @@ def write_manifest(directory: str) -> None:
         raise IntegrityError(f"{directory}: {', '.join(missing)}, which its .metadata names, "
                              "went missing while it was saved (deleted: another run writing "
                              "to this checkpoint.dir?)")
+    # "sizes" is mimo's (megatron-core's reader ignores it): a truncated file is told as such
+    sizes = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(files)}
     write_atomic(os.path.join(directory, MANIFEST), json.dumps(
-        {"algorithm": ALGORITHM, "files": dict(sorted(files.items()))}, indent=1).encode())
+        {"algorithm": ALGORITHM, "files": dict(sorted(files.items())), "sizes": sizes},
+        indent=1).encode())
     for name in parts:
         os.remove(os.path.join(directory, name))
 
@@ -106,38 +109,69 @@ def shares(sizes: dict[str, int], ranks: int) -> list[list[str]]:
     return split
 
 
-def verify(directory: str) -> None:
+def verify(directory: str, workers: int = 1) -> None:
     """Check every file against the manifest, each rank hashing one share (collective when a
-    process group of several ranks is up; alone otherwise). Raises IntegrityError on every
-    rank, naming each missing or changed file."""
-    path = os.path.join(directory, MANIFEST)
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        expected: dict[str, str] = manifest["files"]
-        algorithm = manifest.get("algorithm", ALGORITHM)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise IntegrityError(f"{path} is unreadable ({error})") from None
-    if algorithm != ALGORITHM:
-        raise IntegrityError(f"{path} uses {algorithm!r}, this reader knows {ALGORITHM!r}")
+    process group of several ranks is up; alone otherwise) with ``workers`` threads. Raises
+    IntegrityError on every rank, naming each missing, resized or changed file."""
+    expected, sizes = read_manifest(directory)
     together = distributed.together()
     rank, ranks = distributed.rank_and_size()
-    sizes = {name: _size(os.path.join(directory, name)) for name in expected}
-    problems = []
-    for name in shares(sizes, ranks)[rank]:
-        try:
-            actual = file_sha256(os.path.join(directory, name))
-        except OSError as error:
-            problems.append(f"{name}: file missing or unreadable ({error.strerror})")
-            continue
-        if actual != expected[name]:
-            problems.append(f"{name}: hash mismatch (expected {expected[name][:16]}..., "
-                            f"got {actual[:16]}...)")
+    found = {name: _size(os.path.join(directory, name)) for name in expected}
+    problems = mismatches(directory, shares(found, ranks)[rank], expected, sizes, workers)
     if together:
         problems = [problem for share in distributed.gather(problems) for problem in share]
     if problems:
         raise IntegrityError(f"{len(problems)} file(s) do not match {MANIFEST}: "
                              + "; ".join(sorted(problems)))
+
+
+def read_manifest(directory: str) -> tuple[dict[str, str], dict[str, int]]:
+    """The manifest's digests and sizes by file name (sizes empty in a manifest written
+    without them: megatron-core's, or mimo's before they were kept); IntegrityError where it
+    cannot be read."""
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+        expected: dict[str, str] = manifest["files"]
+        sizes: dict[str, int] = manifest.get("sizes") or {}
+        algorithm = manifest.get("algorithm", ALGORITHM)
+        if not isinstance(expected, dict) or not isinstance(sizes, dict):
+            raise TypeError("'files' and 'sizes' are not objects")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise IntegrityError(f"{path} is unreadable ({error})") from None
+    if algorithm != ALGORITHM:
+        raise IntegrityError(f"{path} uses {algorithm!r}, this reader knows {ALGORITHM!r}")
+    return expected, sizes
+
+
+def mismatches(directory: str, names: list[str], expected: dict[str, str],
+               sizes: dict[str, int], workers: int = 1) -> list[str]:
+    """What is wrong with each of ``names`` against the manifest's digests and sizes, hashed
+    by ``workers`` threads (hashlib lets go of the GIL while it hashes): missing, unreadable,
+    of another size (not hashed) or of another digest."""
+    def problem(name: str) -> str | None:
+        path = os.path.join(directory, name)
+        try:
+            if name in sizes and os.path.getsize(path) != sizes[name]:
+                size = os.path.getsize(path)
+                how = ("empty" if size == 0 else "truncated" if size < sizes[name]
+                       else "longer than saved")
+                return f"{name}: {how} ({size:,} bytes, {sizes[name]:,} saved)"
+            actual = file_sha256(path)
+        except OSError as error:
+            return f"{name}: file missing or unreadable ({error.strerror})"
+        if actual != expected[name]:
+            return (f"{name}: hash mismatch (expected {expected[name][:16]}..., "
+                    f"got {actual[:16]}...)")
+        return None
+    if workers > 1 and len(names) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+        with ThreadPoolExecutor(min(workers, len(names))) as pool:
+            verdicts = list(pool.map(problem, names))
+    else:
+        verdicts = [problem(name) for name in names]
+    return [verdict for verdict in verdicts if verdict]
 
 
 def _size(path: str) -> int:
