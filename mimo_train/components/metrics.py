@@ -434,11 +434,16 @@ class Metrics:
                   + (f" and {more} more" if more > 0 else "") + " (in the records)", flush=True)
             self._write(record["step"], scalars(record))
 
-    def flush(self) -> list[dict]:
+    def flush(self, show: bool = False) -> list[dict]:
         """Read the pending steps into records (collective: two reductions, one host read);
-        returns them."""
+        returns them. ``show``: the last one's line too (a run stopping between logging
+        steps says the step it stopped after before it says why)."""
         if not self.pending:
             return []
+        if show:
+            read = self.flush()
+            self._show(read[-1])
+            return read
         pending, self.pending = self.pending, []
         sums = torch.stack([p.sums for p in pending]).tolist()
         names = [m.name for m in self.layout.modules]

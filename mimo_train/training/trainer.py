@@ -482,6 +482,8 @@ class Trainer:
                 stop = bool(self.stopped_by) or late or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
+                if stop:                    # its step's line before the checkpoint and why
+                    self._anomalies(None, self.metrics.flush(show=True))
                 if self.saver and (last or stop or (every and self.step % every == 0)):
                     self.doing = f"the checkpoint of step {self.step}"
                     self.save()
