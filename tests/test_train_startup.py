@@ -361,6 +361,23 @@ def test_a_bug_on_some_ranks_is_one_gathered_failure(monkeypatch, capsys, this_r
     assert ("Traceback" in printed) == (this_rank == 1), printed
 
 
+def test_an_error_gathered_already_is_said_by_the_ranks_it_names(monkeypatch):
+    """The token table's error (made on every rank from what each rank's share raised: a shard
+    missing where rank 0 read, the same copy on every rank) is said with the ranks it
+    happened on, not as a TableError of every rank wrapping it."""
+    from mimo_data.loading.token_table import Partition
+    from mimo_train.errors import StartupError
+    from mimo_train.runtime import console, distributed
+
+    missing = "DatasetError: /data: shard data-000000.tar missing: run `mimo-shard verify /data`"
+    shares = [(None, missing), (None, None), (None, missing)]
+    partition = Partition(1, 3, lambda mine: shares, writes=False)
+    monkeypatch.setattr(distributed, "gather", lambda error: [error] * 3)
+    with pytest.raises(StartupError) as failed:
+        console.agree("data", lambda: partition.together(lambda: None))
+    assert str(failed.value) == f"mimo_train start-up failed (data):\n  rank(s) [0, 2]: {missing}"
+
+
 def test_a_data_loader_workers_error_is_its_own_message_without_the_workers_traceback():
     """A DataLoader worker's error comes back with the worker's traceback in its message, its
     last line naming the class with its module: the run's one message is that error's own."""

@@ -173,8 +173,11 @@ def agree(phase: str, function):
     except Exception as exc:
         expected = isinstance(exc, EXPECTED)
         details = None if expected else "".join(traceback.format_exception(exc))
+        # an error already gathered over the job's ranks (the token table's ``failures``:
+        # message -> ranks) is said as it names them, not as every rank's copy of it
         result, error = None, (f"{type(exc).__name__}: {_BUILT_BY.sub('', str(exc))}",
-                               getattr(exc, "exit_code", None) if expected else 1, not expected)
+                               getattr(exc, "exit_code", None) if expected else 1, not expected,
+                               getattr(exc, "failures", None))
     try:
         errors = distributed.gather(error)
     except Exception as exc:
@@ -183,7 +186,8 @@ def agree(phase: str, function):
     codes: set[int | None] = set()
     for index, gathered in enumerate(errors):
         if gathered is not None:
-            failed.setdefault(gathered[0], []).append(index)
+            for message, ranks in (gathered[3] or {gathered[0]: [index]}).items():
+                failed[message] = sorted(set(failed.get(message, [])) | set(ranks))
             codes.add(gathered[1])
     bugs = [index for index, gathered in enumerate(errors) if gathered and gathered[2]]
     if bugs:                                     # the traceback before rank 0's message
