@@ -121,10 +121,15 @@ def _print_preprocessing(path: str) -> int:
           "dropped; mimo-inspect report counts them); add other modalities to taste.")
     video = data["modalities"].get("video") or {}
     if video and not video.get("cap_pixels_per_frame"):
-        print("# video: each frame keeps up to max_pixels, as transformers' processor has it (a "
-              "1080p minute at 2 fps is ~160k tokens); cap_pixels_per_frame: true holds a clip "
-              "to max_video_tokens, as qwen-vl-utils does; mimo-inspect report counts the "
-              "tokens.")
+        print("# video: " + (
+            "max_pixels bounds the pixels of the whole sampled clip, as transformers' Qwen3-VL "
+            "processor has it (a 1080p minute at 2 fps is ~11k tokens); cap_pixels_per_frame: "
+            "true also holds each frame to max_video_tokens' pixels, as qwen-vl-utils does"
+            if video.get("sampling") == "qwen3_vl" else
+            "each frame keeps up to max_pixels, as transformers' processor has it (a 1080p "
+            "minute at 2 fps is ~160k tokens); cap_pixels_per_frame: true holds a clip to "
+            "max_video_tokens, as qwen-vl-utils does") + "; mimo-inspect report counts the "
+            "tokens.")
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
 

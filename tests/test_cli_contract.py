@@ -236,6 +236,13 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
     assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct",
                                    "seq_length": 1024}
+    # Qwen3-VL's processor bounds the whole sampled clip's pixels, not each frame's
+    assert main(["--preprocessing-for", str(MODELS / "published" /
+                                            "Qwen--Qwen3-VL-2B-Instruct")]) == 0
+    out = capsys.readouterr().out
+    assert "\n# video: max_pixels bounds the pixels of the whole sampled clip, as " \
+        "transformers' Qwen3-VL processor has it (a 1080p minute at 2 fps is ~11k tokens)" in \
+        out and "each frame keeps up to max_pixels" not in out, out
     config = _config(tmp_path / "hub.yaml", tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")
     code, err = _main("mimo_data.inspect.cli", capsys, "sample", text_dataset, "--config",
                       config, "--index", "0")
