@@ -96,9 +96,12 @@ def test_a_tower_cannot_share_the_ranks_of_a_split_language_model():
     assert "cannot span the language module's 2 ranks at dp 1" in message
     assert "put it on ranks of its own ('image=dp1,video;language=cp2', 3 ranks)" in message
     assert "Give image" not in message
+    # fixed-resolution images would not make a clip's count equal: not offered for a video tower
+    assert "policy: fixed" not in message
     Layout.parse("image=dp1,video;language=cp2").validate(3, 2, 2, ["image", "video"])
-    assert "Give image dp 2" in _error("language=dp2;image=tp2,off0", 2, micro=2,
-                                       variable=["image"])
+    message = _error("language=dp2;image=tp2,off0", 2, micro=2, variable=["image"])
+    assert "Give image dp 2, or use fixed-resolution images (modalities.image.policy: fixed)" \
+        in message
 
 
 @pytest.mark.parametrize("text", ["image=dp1,video;language=cp2",

@@ -478,12 +478,15 @@ class Layout:
                        f"An encoder runs on dp alone, so it cannot span the {LANGUAGE} module's "
                        f"{language.size} ranks at dp {language.dp}: put it on ranks of its own "
                        f"('{own.compact()}', {own.world_size} ranks)")
+                # fixed-resolution images make equal counts; nothing does for clips or speech
+                varied = [m for m in variable_count_modalities if self.modalities.get(m) == name]
+                fixed = (", or use fixed-resolution images (modalities.image.policy: fixed)"
+                         if varied == ["image"] else "")
                 raise LayoutError(
                     f"colocated module {name!r} (dp {encoder.dp}) feeds {modality} with a "
                     f"variable token count per sample into {LANGUAGE!r} (dp {language.dp}): "
                     "megatron-core 0.19's colocated bridge splits encoder output evenly, which "
-                    f"needs equal token counts per sample. {fix}, or use fixed-resolution "
-                    f"{modality} inputs (modalities.image.policy: fixed)")
+                    f"needs equal token counts per sample. {fix}{fixed}")
 
     def _validate_ranks(self, world_size: int) -> None:
         if self.colocated:
