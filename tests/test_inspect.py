@@ -149,8 +149,9 @@ def run(capsys, *args) -> tuple[int, str, str]:
 
 def report_json(capsys, tmp_path, directory, config, *extra) -> tuple[int, dict, str]:
     out = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
-    code, _, err = run(capsys, "report", directory, "--config", config, "--json", out,
-                       "--no-progress", *extra)
+    code, printed, err = run(capsys, "report", directory, "--config", config, "--json", out,
+                             "--no-progress", *extra)
+    assert printed.endswith(f"JSON report: {out}\n"), printed
     return code, json.loads(out.read_text()), err
 
 
@@ -628,9 +629,9 @@ def test_html_report_renders_in_headless_chromium(capsys, tmp_path, faulty, conf
                     "'chromium')")
     directory, keys = faulty
     page = tmp_path / "report.html"
-    code, _, _ = run(capsys, "report", directory, "--config", configs["default"], "--html", page,
-                     "--no-progress")
-    assert code == 1
+    code, out, _ = run(capsys, "report", directory, "--config", configs["default"], "--html", page,
+                       "--no-progress")
+    assert code == 1 and out.endswith(f"HTML report: {page}\n"), out     # where it went
     profile = tempfile.mkdtemp(prefix="chromium-")
     try:
         dom = subprocess.run(

@@ -345,17 +345,20 @@ def _report(args, config) -> int:
                           on_stats=gallery, reuse=not args.recompute,
                           cache_dir=args.cache_dir)
     report["config"] = args.config
+    said = sys.stderr if args.json == "-" else sys.stdout      # stdout stays the JSON
     if args.json == "-":
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
         if args.json:
             write_json(report, args.json)
+            print(f"JSON report: {args.json}", file=said)
     if args.html:
         from mimo_data.inspect.html import write_html
         assert gallery is not None                    # made above when --html is given
         damaged = write_html(report, gallery, args.directory, inspector, args.html,
                              args.config, args.cache_dir)
+        print(f"HTML report: {args.html}", file=said)
     else:
         damaged = []
     failures = failure_lines(report) + [f"mimo-inspect report: FAIL damaged_media: {message}"
