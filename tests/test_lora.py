@@ -31,7 +31,7 @@ import torch
 
 
 from conftest import MODELS, build_dataset
-from support.runs import assert_continues, compare, copy_checkpoint, step, train
+from support.runs import assert_continues, compare, copy_checkpoint, step, train, write_meta
 from support.vlm_runs import logits, transformers_logits
 
 BASE = MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"
@@ -167,16 +167,10 @@ def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, f
 def _with_meta(step: Path, root: Path, edit) -> Path:
     """A checkpoint.dir whose latest is a copy of ``step`` with its meta.json changed by
     ``edit`` (its integrity manifest updated, as if the run had saved it so)."""
-    from mimo_data.files import file_sha256
     copy = copy_checkpoint(step, root)
-    meta_file = copy / step.name / "meta.json"
-    meta = json.loads(meta_file.read_text())
+    meta = json.loads((copy / step.name / "meta.json").read_text())
     edit(meta)
-    meta_file.write_text(json.dumps(meta))
-    integrity = meta_file.parent / "integrity.json"
-    files = json.loads(integrity.read_text())
-    files["files"]["meta.json"] = file_sha256(str(meta_file))
-    integrity.write_text(json.dumps(files))
+    write_meta(copy / step.name, meta)
     return copy
 
 

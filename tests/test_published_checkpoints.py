@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,7 @@ from mimo_data.modalities.image import normalize_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 
 from conftest import MODELS, build_dataset
-from support.runs import step
+from support.runs import step, write_meta
 
 PUBLISHED = MODELS / "published"
 # repository -> its transformers class
@@ -343,19 +344,16 @@ def test_export_keeps_the_published_layout(published, colocated, corpus, tmp_pat
 
 def _as_run(init: Path, target: Path, preprocess: Path) -> Path:
     """The checkpoint ``init`` (linked) as if its run had ``preprocess`` as its config."""
-    from mimo_data.files import file_sha256
     target.mkdir()
     for path in init.iterdir():
         if path.name not in ("meta.json", "integrity.json"):
             (target / path.name).symlink_to(path)
+    shutil.copy(init / "integrity.json", target / "integrity.json")
     from mimo_data.preprocess.config import PreprocessConfig
     meta = json.loads((init / "meta.json").read_text())
     meta["config"]["data"]["preprocess"] = str(preprocess)
     meta["preprocess"] = PreprocessConfig.from_yaml(str(preprocess)).to_dict()   # as trained
-    (target / "meta.json").write_text(json.dumps(meta))
-    integrity = json.loads((init / "integrity.json").read_text())
-    integrity["files"]["meta.json"] = file_sha256(str(target / "meta.json"))
-    (target / "integrity.json").write_text(json.dumps(integrity))
+    write_meta(target, meta)
     return target
 
 

@@ -37,7 +37,7 @@ from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
 from support.runs import (assert_continues, compare, copy_checkpoint, read_records,
-                          train_job, train_records)
+                          train_job, train_records, write_meta)
 from support.vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
                       finetune as run_finetune, layout_step, transformers_logits, turns,
                       weights)
@@ -200,7 +200,6 @@ def test_an_export_of_a_base_without_processor_files_says_so(colocated_step, tmp
 
     from transformers import AutoProcessor
 
-    from mimo_data.files import file_sha256
     from mimo_train.hf.export import main
     base = tmp_path / "base"
     base.mkdir()
@@ -212,10 +211,7 @@ def test_an_export_of_a_base_without_processor_files_says_so(colocated_step, tmp
     for meta in checkpoint.rglob("meta.json"):        # as if the run had named that base
         data = json.loads(meta.read_text())
         data["config"]["model"]["pretrained"] = str(base)
-        meta.write_text(json.dumps(data))
-        integrity = json.loads((meta.parent / "integrity.json").read_text())
-        integrity["files"]["meta.json"] = file_sha256(str(meta))
-        (meta.parent / "integrity.json").write_text(json.dumps(integrity))
+        write_meta(meta.parent, data)
     out = tmp_path / "out"
     assert main(["--checkpoint", str(checkpoint), "--output", str(out)]) == 0
     said = capsys.readouterr().out

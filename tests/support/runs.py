@@ -129,6 +129,18 @@ def copy_checkpoint(source: Path, root: Path) -> Path:
     return root
 
 
+def write_meta(directory: Path, meta: dict) -> None:
+    """A saved checkpoint's ``meta.json`` replaced by ``meta``, its digest and size recorded in
+    the integrity manifest, as if the run had saved it so."""
+    from mimo_data.files import file_sha256
+    path = directory / "meta.json"
+    path.write_text(json.dumps(meta))
+    manifest = json.loads((directory / "integrity.json").read_text())
+    manifest["files"]["meta.json"] = file_sha256(str(path))
+    manifest["sizes"]["meta.json"] = path.stat().st_size
+    (directory / "integrity.json").write_text(json.dumps(manifest))
+
+
 def assert_continues(resumed: list[dict], full: list[dict], steps: list[int], loss: float,
                      grad_norm_rel: float) -> None:
     """The resumed run's steps are ``steps`` with the uninterrupted run's tokens, its loss
