@@ -1,13 +1,19 @@
-"""A checkpoint.dir's folders and files by name: its steps' folders, ``latest`` naming the
-last complete one, a step's ``meta.json``. No torch: the start-up's config checks read them
-before anything is built (``components.checkpoint`` writes and loads the checkpoints)."""
+"""A checkpoint.dir's folders and files by name, and what a resume makes of them: its steps'
+folders, ``latest`` naming the last complete one, a step's ``meta.json`` and manifest. No
+torch: the start-up's config checks and ``mimo-inspect checkpoint`` read them without building
+anything (``components.checkpoint`` writes and loads the checkpoints)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+
+from mimo_train.errors import CheckpointError
 
 LATEST = "latest"
 META = "meta.json"
+MANIFEST = "integrity.json"        # megatron-core's name (dist_checkpointing.validation)
 STEP_NAME = r"step_\d{7}"          # a step's checkpoint folder in a checkpoint.dir
 
 
@@ -16,14 +22,23 @@ def step_dir(root: str, step: int) -> str:
 
 
 def latest(root: str | None) -> str | None:
-    """The checkpoint directory ``root/latest`` names, or None."""
+    """The checkpoint directory ``root/latest`` names, or None; CheckpointError where
+    ``latest`` is empty, a folder or cannot be read."""
     if not root:
         return None
+    path = os.path.join(root, LATEST)
     try:
-        with open(os.path.join(root, LATEST)) as f:
+        with open(path) as f:
             name = f.read().strip()
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{path} cannot be read ({error}): it names the checkpoint to "
+                              f"resume; write the step's folder name into it (echo "
+                              f"step_NNNNNNN > {path})") from None
+    if not name:
+        raise CheckpointError(f"{path} holds {name!r}, no step's folder name: write the step to "
+                              f"resume into it (echo step_NNNNNNN > {path})")
     return os.path.join(root, name)
 
 
@@ -31,3 +46,104 @@ def step_of(path: str) -> str:
     """The step's checkpoint ``path`` names: a checkpoint.dir's latest (``latest``), as
     mimo-export takes it, else ``path`` itself."""
     return latest(path) or path
+
+
+def complete_steps(root: str) -> list[str]:
+    """The names of the step folders in ``root`` whose save finished (their manifest
+    written), oldest first."""
+    return sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
+                  and os.path.isfile(os.path.join(root, name, MANIFEST)))
+
+
+def is_model_folder(root: str) -> bool:
+    """``root`` holds a transformers model (its config.json beside safetensors or bin
+    weights) and none of mimo's step folders."""
+    if not os.path.isfile(os.path.join(root, "config.json")):
+        return False
+    names = os.listdir(root)
+    return (not any(re.fullmatch(STEP_NAME, name) for name in names)
+            and any(name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
+                    for name in names))
+
+
+def resume_point(root: str | None) -> str | None:
+    """The checkpoint a run with ``checkpoint.dir`` ``root`` resumes (``latest``), or None
+    when it holds none; CheckpointError when it holds complete checkpoints (their manifest
+    written) but no ``latest`` (a checkpoint copied there): neither ignoring them nor writing
+    a new run beside them would be what was meant. A save interrupted before its manifest
+    leaves nothing to resume: the run starts over."""
+    found = latest(root)
+    if found and root and not os.path.isdir(found):
+        raise damaged(found, f"{os.path.join(root, LATEST)} names it, and there is no such "
+                             "folder (removed, or latest written by hand?)")
+    if found or not root or not os.path.isdir(root):
+        return found
+    steps = complete_steps(root)
+    if steps:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
+            f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
+            f"{steps[-1]} > {os.path.join(root, LATEST)}` (the resume checks its files against "
+            "its manifest, and names the newest earlier step where one is damaged); to start a "
+            "new run, give another checkpoint.dir")
+    return None
+
+
+def not_a_step(directory: str) -> None:
+    """CheckpointError where ``directory`` is no step's checkpoint but something a user may
+    give in its place: missing, a checkpoint.dir without ``latest`` (``step_of`` takes one
+    with it) or a transformers model folder."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint {directory}: no such directory")
+    names = set(os.listdir(directory))
+    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name))
+    if steps:
+        raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir) and "
+                              f"no '{LATEST}' naming one: give one step's folder, e.g. "
+                              f"{os.path.join(directory, steps[-1])}")
+    if "config.json" in names and any(name.endswith((".safetensors", ".bin"))
+                                      for name in names):
+        raise CheckpointError(f"{directory} is a transformers model (config.json and its "
+                              "weights), not a mimo checkpoint: give it as model.pretrained (a "
+                              "whole VLM) or model.language.pretrained")
+
+
+def earlier_steps(directory: str) -> list[str]:
+    """The step folders beside ``directory`` a resume may fall back to, newest first: those
+    whose manifest and readable meta.json are there, and, where ``directory`` is a step's,
+    earlier ones only (a later one may be another run's; their files are checked when one is
+    resumed)."""
+    root = os.path.dirname(os.path.abspath(directory))
+    name = os.path.basename(os.path.abspath(directory))
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, step) for step in reversed(complete_steps(root))
+            if (not re.fullmatch(STEP_NAME, name) or step < name)
+            and _meta_reads(os.path.join(root, step))]
+
+
+def damaged(directory: str, what: str) -> CheckpointError:
+    """The refusal of a damaged checkpoint: what is wrong and the newest earlier one to
+    resume instead (``earlier_steps``)."""
+    root = os.path.dirname(os.path.abspath(directory))
+    earlier = earlier_steps(directory)
+    if earlier:
+        which = "earlier checkpoint" if re.fullmatch(
+            STEP_NAME, os.path.basename(os.path.abspath(directory))) else \
+            "checkpoint beside it"      # a folder not named step_* has no place among them
+        instead = (f"the newest {which} is {earlier[0]}: resume from it with "
+                   f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
+                   f"(or model.init_from={earlier[0]} for its weights)")
+    else:
+        instead = (f"no earlier checkpoint is in {root}: start over in another "
+                   f"checkpoint.dir (or remove {directory} and {os.path.join(root, LATEST)})")
+    return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True,
+                           what=what, earlier=earlier[0] if earlier else "")
+
+
+def _meta_reads(directory: str) -> bool:
+    try:
+        with open(os.path.join(directory, META)) as f:
+            return isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        return False

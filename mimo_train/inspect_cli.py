@@ -8,7 +8,8 @@ trainer. So the advisor is injected from this side: ``mimo_data.inspect.cli.main
 (``mimo_data.inspect.workload``); without one (``python -m mimo_data.inspect.cli``) those
 options say they need mimo_train. The console script points here; the advisor (and torch,
 through the families) is imported only when a plan asks for it, so ``--help`` and the other
-subcommands start as fast as before.
+subcommands start as fast as before. The ``checkpoint`` subcommand (a training run's
+checkpoints, not a dataset's) is injected the same way.
 """
 
 from __future__ import annotations
@@ -62,8 +63,7 @@ def run_settings(path: str, preprocess_path: str) -> dict:
 
 
 def checkpoint(args) -> int:
-    from mimo_train.runtime.console import quiet_third_party
-    quiet_third_party()                     # before megatron-core's import warns
+    """``mimo-inspect checkpoint``: a training run's checkpoints (no torch imported)."""
     from mimo_train.components.checkpoint_report import main as check
     return check(args)
 

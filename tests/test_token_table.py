@@ -312,5 +312,5 @@ def test_a_failure_on_several_ranks_is_said_once_with_its_ranks():
         partition.together(lambda: None)
     assert str(failed.value) == ("ranks 0, 1: NotADirectoryError: cache; rank 2: OSError: "
                                  "disk full")
-    assert failed.value.failures == {"NotADirectoryError: cache": [0, 1],
+    assert failed.value.gathered_failures == {"NotADirectoryError: cache": [0, 1],
                                      "OSError: disk full": [2]}

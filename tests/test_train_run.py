@@ -1006,16 +1006,24 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(setup, damage):
 
 def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     """``mimo-inspect checkpoint``: the step ``latest`` names, or ``--all`` steps, hashed
-    against their manifests in one process: intact ones with what they hold (exit 0), a
-    truncated, a changed or an unfinished one named (exit 1) with the intact step to resume
-    from; a path holding no checkpoint is a usage error (exit 2)."""
+    against their manifests in one process: intact ones with what they hold (exit 0); a
+    truncated, a changed or an unfinished one named (exit 1), every verdict on stdout and a
+    FAIL line a problem on stderr, with the newest intact step before the one latest names to
+    resume from (checked: never a later one, which may be another run's); a latest a resume
+    refuses (naming no folder, empty, none) said as the resume says it; a path holding no
+    checkpoint is a usage error (exit 2)."""
     from mimo_train.inspect_cli import main
 
+    def inspected(*args) -> tuple[int, str, str]:
+        code = main(["checkpoint", *map(str, args)])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
     tmp, _, _ = setup
-    assert main(["checkpoint", str(tmp / "full-ckpt")]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith(f"{tmp / 'full-ckpt'}: 2 step folder(s), step_0000003 to "
-                          "step_0000006; latest: step_0000006\nstep_0000006: intact: "), out
+    code, out, _ = inspected(tmp / "full-ckpt")
+    assert code == 0 and out.startswith(
+        f"{tmp / 'full-ckpt'}: 2 step folder(s), step_0000003 to step_0000006; latest: "
+        "step_0000006\nstep_0000006: intact: "), out
     assert "every SHA-256 matches integrity.json" in out and "step_0000003" not in \
         out.splitlines()[1], out
     # what it holds: the run's step, samples, batch, layout and world size, from meta.json
@@ -1028,23 +1036,49 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     (step / "__2_0.distcp").write_bytes((step / "__2_0.distcp").read_bytes()[:1000])
     (step / "meta.json").write_text((step / "meta.json").read_text().replace("6", "7", 1))
     (root / "step_0000009").mkdir()                 # a save killed before its manifest
-    assert main(["checkpoint", str(root)]) == 1
-    err = capsys.readouterr().err
-    assert f"step_0000006: DAMAGED: __2_0.distcp: truncated (1,000 bytes, {saved:,} saved); " \
+    (root / "step_0000009" / ".metadata").write_bytes(b"")
+    # a later complete step (another run's, say): never the one to resume from instead
+    shutil.copytree(root / "step_0000003", root / "step_0000012", copy_function=os.link)
+    code, out, err = inspected(root)
+    assert code == 1
+    assert f"mimo-inspect checkpoint: FAIL step_0000006: __2_0.distcp: truncated (1,000 bytes, " \
+        f"{saved:,} saved)\n" in err and "mimo-inspect checkpoint: FAIL step_0000006: " \
         "meta.json: hash mismatch (expected " in err, err
-    assert "an earlier checkpoint is step_0000003 (not checked: --all checks every step)" in err
-    assert main(["checkpoint", str(root), "--all", "--workers", "2"]) == 1
-    captured = capsys.readouterr()
-    assert "step_0000003: intact: " in captured.out, captured.out
-    assert "step_0000009: INCOMPLETE: no integrity.json: its save did not finish" in \
-        captured.err, captured.err
-    assert captured.err.endswith("the newest intact checkpoint here is step_0000003: resume "
-                                 f"from it with 'echo step_0000003 > {root / 'latest'}'\n")
-    assert main(["checkpoint", str(root / "step_0000003"), "--json"]) == 0
-    verdict = json.loads(capsys.readouterr().out)
-    assert verdict["intact"] and verdict["checkpoints"][0]["meta"]["step"] == 3
-    assert main(["checkpoint", str(tmp / "nothing-here")]) == 2
-    assert "nothing-here: no such directory" in capsys.readouterr().err
+    assert "\nstep_0000006: DAMAGED: __2_0.distcp: truncated " in out, out
+    assert "\nstep_0000003: intact: " in out and "step_0000012: intact" not in out, out
+    assert out.endswith("the newest intact step to resume from is step_0000003: echo "
+                        f"step_0000003 > {root / 'latest'}\n"), out
+    code, out, err = inspected(root, "--all", "--workers", "2")
+    assert code == 1 and "\nstep_0000009: INCOMPLETE: no integrity.json: its save did not " \
+        "finish" in out and "FAIL step_0000009: no integrity.json" in err, (out, err)
+    assert out.endswith(f"step_0000003 > {root / 'latest'}\n"), out
+    # latest naming the intact earlier step: a resume is unaffected by the others' damage
+    (root / "latest").write_text("step_0000003")
+    code, out, _ = inspected(root, "--all")
+    assert code == 1 and "resume: latest names step_0000003, which is intact: a resume loads " \
+        "it\n" in out and "newest intact step" not in out, out
+    # what a resume refuses: a latest naming no folder, an empty one, none
+    (root / "latest").write_text("step_0000020")
+    code, out, err = inspected(root)
+    assert code == 1 and f"FAIL resume: checkpoint {root / 'step_0000020'} is damaged: " \
+        f"{root / 'latest'} names it, and there is no such folder" in err, err
+    assert out.endswith("the newest intact step to resume from is step_0000012: echo "
+                        f"step_0000012 > {root / 'latest'}\n"), out
+    (root / "latest").write_text("")
+    code, _, err = inspected(root)
+    assert code == 1 and f"FAIL resume: {root / 'latest'} holds '', no step's folder name" in err
+    (root / "latest").unlink()
+    code, _, err = inspected(root)
+    assert code == 1 and "but no 'latest' file, which names the checkpoint to resume" in err
+    code, out, _ = inspected(root / "step_0000009")      # one step's folder, unfinished
+    assert code == 1 and "INCOMPLETE" in out, out
+    code, out, _ = inspected(root / "step_0000003", "--json")
+    verdict = json.loads(out)
+    assert code == 0 and verdict["intact"] and verdict["checkpoints"][0]["meta"]["step"] == 3
+    for path, said in ((root / "step_0000003" / "meta.json", "is a file, not a folder"),
+                       (tmp / "nothing-here", "nothing-here: no such directory")):
+        code, _, err = inspected(path)
+        assert code == 2 and said in err, err
     from mimo_data.inspect.cli import main as data_main          # without mimo_train
     assert data_main(["checkpoint", str(root)]) == 2
     assert "mimo-inspect checkpoint: error: checking checkpoints needs mimo_train: run the " \
@@ -1054,22 +1088,22 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
 def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_path):
     """Not a later step (another run's, left in the folder), nor one whose meta.json does
     not read; with none such, starting over is what is said."""
-    from mimo_train.components.checkpoint import _damaged
+    from mimo_train.checkpoint_folders import damaged
 
     for step, meta in ((2, "{}"), (4, "{"), (6, "{}"), (8, "{}")):
         folder = tmp_path / f"step_{step:07d}"
         folder.mkdir()
         (folder / "meta.json").write_text(meta)
         (folder / "integrity.json").write_text("{}")
-    message = str(_damaged(str(tmp_path / "step_0000006"), "a file is missing"))
+    message = str(damaged(str(tmp_path / "step_0000006"), "a file is missing"))
     assert f"the newest earlier checkpoint is {tmp_path / 'step_0000002'}: resume from it " \
         f"with 'echo step_0000002 > {tmp_path / 'latest'}'" in message, message
     assert f"no earlier checkpoint is in {tmp_path}: start over in another checkpoint.dir " \
         f"(or remove {tmp_path / 'step_0000002'} and {tmp_path / 'latest'})" in \
-        str(_damaged(str(tmp_path / "step_0000002"), "a file is missing"))
+        str(damaged(str(tmp_path / "step_0000002"), "a file is missing"))
     # a folder not named step_* (a step copied to best/) has none earlier: one beside it
     assert f"the newest checkpoint beside it is {tmp_path / 'step_0000008'}: resume from it" \
-        in str(_damaged(str(tmp_path / "best"), "a file is missing"))
+        in str(damaged(str(tmp_path / "best"), "a file is missing"))
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):

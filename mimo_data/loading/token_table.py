@@ -57,13 +57,13 @@ LIBRARIES = ("transformers", "tokenizers", "jinja2")
 
 class TableError(RuntimeError):
     """A token table could not be made on some rank(s) of a job; the same on every rank.
-    ``failures``: each error (its type and message) with the ranks it happened on."""
+    ``gathered_failures``: each error (its type and message) with the ranks it happened on."""
 
     def __init__(self, failures: dict[str, list[int]]):
         super().__init__("; ".join(
             f"rank {ranks[0]}: {error}" if len(ranks) == 1 else
             f"ranks {', '.join(map(str, ranks))}: {error}" for error, ranks in failures.items()))
-        self.failures = failures
+        self.gathered_failures = failures
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from mimo_data.files import write_atomic
-from mimo_train.checkpoint_folders import LATEST, META, STEP_NAME, latest, step_dir
+from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
+                                           damaged, is_model_folder, latest, not_a_step,
+                                           resume_point, step_dir)
 from mimo_train.components import checkpoint_owner, digests
-from mimo_train.components.digests import MANIFEST
 from mimo_train.components.optimizer import schedule_changes
 from mimo_train.components.optimizer_state import (OPTIMIZER_METADATA, common_as,
                                                    lr_bounds_as, main_weights_from)
@@ -93,7 +94,7 @@ def prepare(root: str, resume: bool) -> str | None:
     save that cannot write fails here, not at the first checkpoint, hours in), then what it
     resumes (``resume_point``; None without ``resume``). Rank 0 claims the folder for the run
     (``checkpoint_owner``)."""
-    if _is_model_folder(root):
+    if is_model_folder(root):
         raise CheckpointError(
             f"checkpoint.dir {root} is a transformers model folder (config.json and its "
             "weights), not mimo's checkpoints: checkpoint.dir is where the run saves its own "
@@ -118,13 +119,6 @@ def prepare(root: str, resume: bool) -> str | None:
     return found
 
 
-def complete_steps(root: str) -> list[str]:
-    """The names of the step folders in ``root`` whose save finished (their manifest
-    written), oldest first."""
-    return sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                  and os.path.isfile(os.path.join(root, name, MANIFEST)))
-
-
 def _refuse_earlier_steps(root: str) -> None:
     """CheckpointError where ``root`` holds step folders and the run starts over
     (``checkpoint.resume: false``): its saves would replace the steps of the same numbers,
@@ -137,40 +131,6 @@ def _refuse_earlier_steps(root: str) -> None:
             "them and sit among the others; give a new checkpoint.dir, or remove them "
             f"(`rm -r {os.path.join(root, 'step_*')} {os.path.join(root, LATEST)}`) to start "
             "over there; to continue them, leave checkpoint.resume true")
-
-
-def _is_model_folder(root: str) -> bool:
-    """``root`` holds a transformers model (its config.json beside safetensors or bin
-    weights) and none of mimo's step folders."""
-    if not os.path.isfile(os.path.join(root, "config.json")):
-        return False
-    names = os.listdir(root)
-    return (not any(re.fullmatch(STEP_NAME, name) for name in names)
-            and any(name.endswith((".safetensors", ".bin", ".safetensors.index.json"))
-                    for name in names))
-
-
-def resume_point(root: str | None) -> str | None:
-    """The checkpoint a run with ``checkpoint.dir`` ``root`` resumes (``latest``), or None
-    when it holds none; CheckpointError when it holds complete checkpoints (their manifest
-    written) but no ``latest`` (a checkpoint copied there): neither ignoring them nor writing
-    a new run beside them would be what was meant. A save interrupted before its manifest
-    leaves nothing to resume: the run starts over."""
-    found = latest(root)
-    if found and root and not os.path.isdir(found):
-        raise _damaged(found, f"{os.path.join(root, LATEST)} names it, and there is no such "
-                              "folder (removed, or latest written by hand?)")
-    if found or not root or not os.path.isdir(root):
-        return found
-    steps = complete_steps(root)
-    if steps:
-        raise CheckpointError(
-            f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
-            f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
-            f"{steps[-1]} > {os.path.join(root, LATEST)}` (the resume checks its files against "
-            "its manifest, and names the newest earlier step where one is damaged); to start a "
-            "new run, give another checkpoint.dir")
-    return None
 
 
 # ------------------------------------------------------------------------------------- save
@@ -391,7 +351,7 @@ def read_meta(directory: str) -> dict:
             f"{directory} is a checkpoint of an earlier mimo_train (one rank_*.pt file per "
             "rank), which this version does not read: train from model.language.pretrained or "
             "from scratch")
-    _not_a_step(directory)
+    not_a_step(directory)
     for name in (META, MANIFEST):
         path = os.path.join(directory, name)
         try:
@@ -401,31 +361,12 @@ def read_meta(directory: str) -> dict:
                                                  not isinstance(content.get("files"), dict)):
                 raise ValueError("not the expected JSON object")
         except FileNotFoundError:
-            raise _damaged(directory, f"{path} is missing (the save did not finish)") from None
+            raise damaged(directory, f"{path} is missing (the save did not finish)") from None
         except (OSError, ValueError) as error:
-            raise _damaged(directory, f"{path} is unreadable ({error})") from None
+            raise damaged(directory, f"{path} is unreadable ({error})") from None
         if name == META:
             meta = content
     return meta
-
-
-def _not_a_step(directory: str) -> None:
-    """CheckpointError where ``directory`` is no step's checkpoint but something a user may
-    give in its place: missing, a checkpoint.dir without ``latest`` (``step_of`` takes one
-    with it) or a transformers model folder."""
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint {directory}: no such directory")
-    names = set(os.listdir(directory))
-    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name))
-    if steps:
-        raise CheckpointError(f"{directory} holds a run's checkpoints (a checkpoint.dir) and "
-                              f"no '{LATEST}' naming one: give one step's folder, e.g. "
-                              f"{os.path.join(directory, steps[-1])}")
-    if "config.json" in names and any(name.endswith((".safetensors", ".bin"))
-                                      for name in names):
-        raise CheckpointError(f"{directory} is a transformers model (config.json and its "
-                              "weights), not a mimo checkpoint: give it as model.pretrained (a "
-                              "whole VLM) or model.language.pretrained")
 
 
 def check(directory: str, model, global_batch_size: int | None,
@@ -446,7 +387,7 @@ def check(directory: str, model, global_batch_size: int | None,
     try:
         saved = dist_checkpointing.load_tensors_metadata(directory)
     except Exception as error:        # whatever unpickling a damaged index raises
-        raise _damaged(directory, f"its tensor index is unreadable "
+        raise damaged(directory, f"its tensor index is unreadable "
                                   f"({type(error).__name__}: {error})") from None
     sharded = list(nested_values(model.sharded_state_dict()))
     wanted = {t.key: t.global_shape for t in sharded if isinstance(t, ShardedTensor)}
@@ -751,7 +692,7 @@ def _load(sharded: dict, directory: str, purpose: str) -> dict:
     try:
         digests.verify(directory)
     except IntegrityError as error:
-        raise _damaged(directory, str(error)) from None
+        raise damaged(directory, str(error)) from None
     loaded, _missing, unexpected = dist_checkpointing.load(
         sharded, directory, strict=StrictHandling.RETURN_ALL)
     if unexpected:
@@ -772,7 +713,7 @@ def load_weights(directory: str) -> dict:
             digests.verify(directory)
             tensors = load_plain_tensors(directory)
     except IntegrityError as error:
-        raise _damaged(directory, str(error)) from None
+        raise damaged(directory, str(error)) from None
     weights: dict = {}
     for key, tensor in tensors.items():
         found = _module_of(key)
@@ -802,35 +743,3 @@ def _unstacked(key: str, tensor: torch.Tensor) -> dict:
         return {f"{match[1]}{index}.mlp.experts.local_experts.{e}.{name}": weight.clone()
                 for index, layer in layers for e, weight in enumerate(layer.unbind(0))}
     return {f"{match[1]}{index}.{param}": layer.clone() for index, layer in layers}
-
-
-def _damaged(directory: str, what: str) -> CheckpointError:
-    """The refusal of a damaged checkpoint: what is wrong and the newest earlier one whose
-    manifest and readable meta.json are there (a later one may be another run's; the files
-    themselves are checked when it is resumed)."""
-    root = os.path.dirname(os.path.abspath(directory))
-    name = os.path.basename(os.path.abspath(directory))
-    earlier = sorted((d for d in glob.glob(os.path.join(root, "step_*"))
-                      if re.fullmatch(STEP_NAME, os.path.basename(d))
-                      and (not re.fullmatch(STEP_NAME, name) or os.path.basename(d) < name)
-                      and os.path.isfile(os.path.join(d, MANIFEST)) and _meta_reads(d)),
-                     reverse=True)
-    if earlier:
-        which = "earlier checkpoint" if re.fullmatch(STEP_NAME, name) else \
-            "checkpoint beside it"      # a folder not named step_* has no place among them
-        instead = (f"the newest {which} is {earlier[0]}: resume from it with "
-                   f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
-                   f"(or model.init_from={earlier[0]} for its weights)")
-    else:
-        instead = (f"no earlier checkpoint is in {root}: start over in another "
-                   f"checkpoint.dir (or remove {directory} and {os.path.join(root, LATEST)})")
-    return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True,
-                           what=what, earlier=earlier[0] if earlier else "")
-
-
-def _meta_reads(directory: str) -> bool:
-    try:
-        with open(os.path.join(directory, META)) as f:
-            return isinstance(json.load(f), dict)
-    except (OSError, ValueError):
-        return False

@@ -3,11 +3,14 @@ without starting a run (before a resume; after copying a checkpoint to another c
 
 Each checkpoint's files are hashed against its manifest (``digests``) by a few threads in this
 one process, the check a resume makes before it loads anything; its ``meta.json`` says the
-step, the layout, the global batch size and the model it was saved with.
+step, the layout, the global batch size and the model it was saved with. What a resume makes
+of a checkpoint.dir (the step ``latest`` names, its refusals, the earlier step it falls back
+to) is ``checkpoint_folders``' rules, the trainer's own.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -15,10 +18,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 
-from mimo_train.checkpoint_folders import LATEST, STEP_NAME, latest
+from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
+                                           earlier_steps, latest, not_a_step, resume_point)
 from mimo_train.components import digests
-from mimo_train.components.digests import MANIFEST
 from mimo_train.errors import CheckpointError, IntegrityError
+
+_STEP_FILES = re.compile(r"^(integrity\.json|meta\.json|\.metadata|.*\.distcp)$")
 
 
 @dataclass
@@ -39,56 +44,89 @@ class StepReport:
 
 @dataclass
 class Findings:
-    """What ``inspect`` found at the path it was given."""
+    """What ``inspect_checkpoints`` found at the path it was given."""
     path: str
-    latest: str | None               # the step folder a resume loads (``latest``)
     steps: list[str]                 # a checkpoint.dir's step folders, oldest first
-    reports: list[StepReport]
-    notes: list[str] = field(default_factory=list)   # what a resume would make of the folder
+    reports: list[StepReport]        # each checked step, oldest first
+    resumes: str | None = None       # the step folder a resume loads (``latest``)
+    refusal: str = ""                # why a resume refuses the folder or finds nothing
+    instead: str | None = None       # the newest intact step to resume from in its place
+
+    @property
+    def intact(self) -> bool:
+        return not self.refusal and all(report.intact for report in self.reports)
 
 
-def _step_folders(root: str) -> list[str]:
-    return sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
-                  and os.path.isdir(os.path.join(root, name)))
-
-
-def inspect(path: str, every: bool = False, workers: int = 4) -> Findings:
+def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Findings:
     """Check the checkpoint at ``path``: a step's folder, or a checkpoint.dir (the step its
-    ``latest`` names, else its newest; ``every``: each of its steps). CheckpointError where
-    ``path`` holds no checkpoint."""
+    ``latest`` names; ``every``: each of its steps); where the step a resume loads is not
+    intact, the earlier ones, newest first, until one is. CheckpointError where ``path``
+    holds no checkpoint."""
+    if os.path.isfile(path):
+        raise CheckpointError(f"{path} is a file, not a folder: give a run's checkpoint.dir or "
+                              "one of its step_NNNNNNN folders")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: no such directory")
-    steps = _step_folders(path)
+    try:
+        names = os.listdir(path)
+    except OSError as error:
+        raise CheckpointError(f"{path} cannot be read ({error.strerror})") from None
+    steps = sorted(name for name in names if re.fullmatch(STEP_NAME, name)
+                   and os.path.isdir(os.path.join(path, name)))
     if not steps:
-        if not os.path.exists(os.path.join(path, MANIFEST)) and \
-                not os.path.exists(os.path.join(path, "meta.json")):
-            model = " (a transformers model: that is a model.pretrained)" if \
-                os.path.isfile(os.path.join(path, "config.json")) else ""
-            raise CheckpointError(f"{path} holds no mimo checkpoint{model}: give a run's "
+        if not re.fullmatch(STEP_NAME, os.path.basename(os.path.abspath(path))) and \
+                not any(_STEP_FILES.match(name) for name in names):
+            not_a_step(path)                  # a transformers model folder is said as such
+            raise CheckpointError(f"{path} holds no mimo checkpoint: give a run's "
                                   "checkpoint.dir or one of its step_NNNNNNN folders")
-        return Findings(path, None, [], [check(path, workers)])
-    found = latest(path)
-    notes = []
-    if found is None:
-        complete = any(os.path.isfile(os.path.join(path, name, MANIFEST)) for name in steps)
-        notes.append(f"no '{LATEST}' file: a resume refuses this folder" + (
-            f" (to resume from an intact step: echo step_NNNNNNN > "
-            f"{os.path.join(path, LATEST)})" if complete else ""))
-    elif not os.path.isdir(found):
-        notes.append(f"{os.path.join(path, LATEST)} names {os.path.basename(found)}, which is "
-                     "not there: a resume refuses this folder")
-    chosen = steps if every else [os.path.basename(found)] if found else steps[-1:]
-    reports = [check(os.path.join(path, name), workers) for name in chosen]
-    if found and not os.path.isdir(found):
-        reports.insert(0, StepReport(found, False, [f"{LATEST} names it; no such folder"]))
-    return Findings(path, found, steps, reports, notes)
+        report = check_step(path, workers)
+        found = Findings(path, [], [report])
+        if not report.intact:
+            found.instead = _first_intact(found, earlier_steps(path), workers)
+        return found
+    found = Findings(path, steps, [])
+    try:
+        found.resumes = resume_point(path)
+    except CheckpointError as error:     # latest names no folder, or there is no latest
+        found.refusal = str(error)
+    try:
+        named = latest(path)
+    except CheckpointError:              # an empty or unreadable latest: refused above
+        named = None
+    if found.resumes is None and not found.refusal:
+        found.refusal = (f"{path} holds no complete checkpoint (no step's integrity.json): a "
+                         "resume starts the run over")
+    chosen = [os.path.join(path, name) for name in steps] if every else \
+        [found.resumes] if found.resumes else []
+    found.reports = [check_step(step, workers) for step in chosen]
+    resumed = next((r for r in found.reports if r.path == found.resumes), None)
+    if resumed is None or not resumed.intact:
+        fallback = earlier_steps(named) if named else \
+            [os.path.join(path, name) for name in reversed(complete_steps(path))]
+        found.instead = _first_intact(found, fallback, workers)
+    return found
 
 
-def check(directory: str, workers: int = 4) -> StepReport:
+def _first_intact(found: Findings, candidates: list[str], workers: int) -> str | None:
+    """The first of ``candidates`` (newest first) whose files are intact, checking those not
+    checked yet (their reports added)."""
+    checked = {report.path: report for report in found.reports}
+    for candidate in candidates:
+        report = checked.get(candidate)
+        if report is None:
+            report = check_step(candidate, workers)
+            found.reports = sorted([*found.reports, report], key=lambda r: os.path.basename(
+                os.path.normpath(r.path)))
+        if report.intact:
+            return candidate
+    return None
+
+
+def check_step(directory: str, workers: int = 4) -> StepReport:
     """One step folder's files against its manifest, and its meta.json."""
     report = StepReport(directory, os.path.isfile(os.path.join(directory, MANIFEST)))
     try:
-        with open(os.path.join(directory, "meta.json")) as f:
+        with open(os.path.join(directory, META)) as f:
             meta = json.load(f)
         report.meta = meta if isinstance(meta, dict) else None
     except (OSError, ValueError):
@@ -98,7 +136,7 @@ def check(directory: str, workers: int = 4) -> StepReport:
                                "saving); a resume cannot use it")
         return report
     if report.meta is None:
-        report.problems.append("meta.json is missing or unreadable")
+        report.problems.append(f"{META} is missing or unreadable")
     try:
         expected, sizes = digests.read_manifest(directory)
     except IntegrityError as error:
@@ -143,64 +181,68 @@ def _size(count: int) -> str:
     return f"{scaled:.1f} {unit}"
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     """The subcommand (``args``: ``directory``, ``all``, ``workers``, ``json``): 0 when every
-    checkpoint checked is intact, 1 when one is damaged or unfinished, 2 when the path holds
-    no checkpoint."""
+    checkpoint checked is intact and a resume would load the step ``latest`` names, 1 when
+    one is damaged or unfinished or a resume refuses the folder, 2 when the path holds no
+    checkpoint, 130 when interrupted. Every verdict on stdout, one ``FAIL`` line per problem
+    on stderr."""
     try:
-        found = inspect(args.directory, args.all, args.workers)
+        found = inspect_checkpoints(args.directory, args.all, args.workers)
     except CheckpointError as error:
         print(f"mimo-inspect checkpoint: error: {error}", file=sys.stderr)
         return 2
-    status = 0 if all(report.intact for report in found.reports) and not found.notes else 1
+    except KeyboardInterrupt:
+        print("mimo-inspect checkpoint: interrupted", file=sys.stderr)
+        return 130
     if args.json:
-        print(json.dumps({"path": found.path, "latest": found.latest, "steps": found.steps,
-                          "notes": found.notes, "intact": status == 0, "checkpoints": [
+        print(json.dumps({"path": found.path, "steps": found.steps, "latest": found.resumes,
+                          "refusal": found.refusal, "instead": found.instead,
+                          "intact": found.intact, "checkpoints": [
                               {**asdict(report), "intact": report.intact}
                               for report in found.reports]}, indent=1))
-        return status
-    if found.steps:
-        _say(f"{found.path}: {len(found.steps)} step folder(s), {found.steps[0]} to "
-             f"{found.steps[-1]}; {LATEST}: "
-             f"{os.path.basename(found.latest) if found.latest else 'none'}")
+    else:
+        _print(found)
     for report in found.reports:
-        name = os.path.basename(report.path) if found.steps else report.path
+        for problem in report.problems:
+            print(f"mimo-inspect checkpoint: FAIL {_name(found, report)}: {problem}",
+                  file=sys.stderr)
+    if found.refusal:
+        print(f"mimo-inspect checkpoint: FAIL resume: {found.refusal}", file=sys.stderr)
+    return 0 if found.intact else 1
+
+
+def _name(found: Findings, report: StepReport) -> str:
+    """A step's folder name; the step folder given, as given."""
+    return report.path if report.path == found.path else os.path.basename(report.path)
+
+
+def _print(found: Findings) -> None:
+    """The verdicts, on stdout."""
+    if found.steps:
+        print(f"{found.path}: {len(found.steps)} step folder(s), {found.steps[0]} to "
+              f"{found.steps[-1]}; {LATEST}: "
+              f"{os.path.basename(found.resumes) if found.resumes else 'none'}")
+    for report in found.reports:
         if report.intact:
-            _say(f"{name}: intact: {report.files} files, {_size(report.bytes)}, every SHA-256 "
-                 f"matches {MANIFEST} ({report.seconds:.1f} s)")
+            print(f"{_name(found, report)}: intact: {report.files} files, "
+                  f"{_size(report.bytes)}, every SHA-256 matches {MANIFEST} "
+                  f"({report.seconds:.1f} s)")
         else:
-            _say(f"{name}: {'DAMAGED' if report.complete else 'INCOMPLETE'}: "
-                 + "; ".join(report.problems), failed=True)
+            print(f"{_name(found, report)}: {'DAMAGED' if report.complete else 'INCOMPLETE'}: "
+                  + "; ".join(report.problems))
         if report.meta:
-            _say(f"  {_summary(report.meta)}")
-    for note in found.notes:
-        _say(note, failed=True)
-    damaged = [report for report in found.reports if not report.intact]
-    if damaged and found.steps:
-        _say(_instead(found, damaged), failed=True)
-    return status
-
-
-def _say(line: str, failed: bool = False) -> None:
-    """A line on stdout, or, for what fails the check, on stderr (stdout flushed first, so a
-    terminal shows them in order)."""
-    if failed:
-        sys.stdout.flush()
-    print(line, file=sys.stderr if failed else sys.stdout, flush=failed)
-
-
-def _instead(found: Findings, damaged: list[StepReport]) -> str:
-    """What to resume from instead: the newest intact checkpoint this check saw, or the newest
-    earlier complete one, unchecked."""
-    intact = [report.path for report in found.reports if report.intact]
-    oldest = min(os.path.basename(report.path) for report in damaged)
-    earlier = [name for name in found.steps if name < oldest
-               and os.path.isfile(os.path.join(found.path, name, MANIFEST))]
-    if intact:
-        name = os.path.basename(intact[-1])
-        return (f"the newest intact checkpoint here is {name}: resume from it with 'echo "
-                f"{name} > {os.path.join(found.path, LATEST)}'")
-    if earlier:
-        return (f"an earlier checkpoint is {earlier[-1]} (not checked: --all checks every "
-                "step)")
-    return f"no earlier checkpoint is in {found.path}"
+            print(f"  {_summary(report.meta)}")
+    if found.refusal:
+        print(f"resume: {found.refusal}")
+    resumed = next((r for r in found.reports if r.path == found.resumes), None)
+    if resumed is not None and resumed.intact and not found.intact:
+        print(f"resume: {LATEST} names {os.path.basename(resumed.path)}, which is intact: a "
+              "resume loads it")
+    if found.instead:
+        name = os.path.basename(found.instead)
+        print(f"the newest intact step to resume from is {name}: echo {name} > "
+              f"{os.path.join(os.path.dirname(found.instead), LATEST)}")
+    elif any(report.complete for report in found.reports) and \
+            (resumed is None or not resumed.intact):
+        print("no intact step to resume from instead: start over in another checkpoint.dir")

@@ -24,11 +24,10 @@ import re
 import time
 
 from mimo_data.files import file_sha256, write_atomic
+from mimo_train.checkpoint_folders import MANIFEST
 from mimo_train.errors import IntegrityError
-from mimo_train.runtime import distributed
 
 ALGORITHM = "sha256"
-MANIFEST = "integrity.json"             # megatron-core's name (dist_checkpointing.validation)
 _PART = re.compile(r"^integrity\.(\d+)\.json$")              # one writing rank's digests
 _WRITTEN_BY = re.compile(r"^__(\d+)_\d+\.distcp$")           # torch_dist: __<rank>_<thread>
 
@@ -113,6 +112,7 @@ def verify(directory: str, workers: int = 1) -> None:
     """Check every file against the manifest, each rank hashing one share (collective when a
     process group of several ranks is up; alone otherwise) with ``workers`` threads. Raises
     IntegrityError on every rank, naming each missing, resized or changed file."""
+    from mimo_train.runtime import distributed       # torch: not for mimo-inspect checkpoint
     expected, sizes = read_manifest(directory)
     together = distributed.together()
     rank, ranks = distributed.rank_and_size()
@@ -136,8 +136,10 @@ def read_manifest(directory: str) -> tuple[dict[str, str], dict[str, int]]:
         expected: dict[str, str] = manifest["files"]
         sizes: dict[str, int] = manifest.get("sizes") or {}
         algorithm = manifest.get("algorithm", ALGORITHM)
-        if not isinstance(expected, dict) or not isinstance(sizes, dict):
-            raise TypeError("'files' and 'sizes' are not objects")
+        if not isinstance(expected, dict) or not isinstance(sizes, dict) or not all(
+                isinstance(v, str) for v in expected.values()) or not all(
+                type(v) is int for v in sizes.values()):
+            raise TypeError("'files' must map names to hex digests, 'sizes' names to bytes")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise IntegrityError(f"{path} is unreadable ({error})") from None
     if algorithm != ALGORITHM:
@@ -167,8 +169,11 @@ def mismatches(directory: str, names: list[str], expected: dict[str, str],
         return None
     if workers > 1 and len(names) > 1:
         from concurrent.futures import ThreadPoolExecutor
-        with ThreadPoolExecutor(min(workers, len(names))) as pool:
+        pool = ThreadPoolExecutor(min(workers, len(names)))
+        try:
             verdicts = list(pool.map(problem, names))
+        finally:                  # interrupted: the files not started are not hashed
+            pool.shutdown(cancel_futures=True)
     else:
         verdicts = [problem(name) for name in names]
     return [verdict for verdict in verdicts if verdict]

@@ -159,7 +159,7 @@ def step_directory(path: str) -> str:
 def _steps_in(root: str) -> str:
     """``; it holds step_... (export the newest with --checkpoint ...)``: the complete steps
     of the checkpoint.dir ``root``, for a message; empty where it holds none."""
-    from mimo_train.components.checkpoint import complete_steps
+    from mimo_train.checkpoint_folders import complete_steps
     steps = complete_steps(root) if os.path.isdir(root) else []
     if not steps:
         return ""
@@ -178,7 +178,7 @@ def _no_latest(root: str) -> None:
     """ExportError for a run's checkpoint.dir ``root`` without ``latest``: its complete steps
     (a folder copied without it) named, the newest to export; or, in a run's folder
     (``checkpoint_owner.OWNER``) without one, that no checkpoint is saved there yet."""
-    from mimo_train.components.checkpoint import complete_steps
+    from mimo_train.checkpoint_folders import complete_steps
     from mimo_train.components.checkpoint_owner import OWNER
     steps = complete_steps(root)
     if steps:
@@ -291,7 +291,7 @@ def _beside(directory: str) -> str:
 
 def _check_saved(directory: str) -> None:
     """ExportError where the step's save has not finished: its manifest is its last file."""
-    from mimo_train.components.digests import MANIFEST as LAST
+    from mimo_train.checkpoint_folders import MANIFEST as LAST
     if not os.path.isfile(os.path.join(directory, LAST)):
         raise ExportError(f"{directory} holds no {LAST}: its save did not finish (or is still "
                           f"under way: {LAST} is written last, once every file is hashed); "

@@ -173,11 +173,12 @@ def agree(phase: str, function):
     except Exception as exc:
         expected = isinstance(exc, EXPECTED)
         details = None if expected else "".join(traceback.format_exception(exc))
-        # an error already gathered over the job's ranks (the token table's ``failures``:
-        # message -> ranks) is said as it names them, not as every rank's copy of it
+        # an error already gathered over the job's ranks (the token table's
+        # ``gathered_failures``: message -> ranks) is said as it names them, not as every
+        # rank's copy of it
         result, error = None, (f"{type(exc).__name__}: {_BUILT_BY.sub('', str(exc))}",
                                getattr(exc, "exit_code", None) if expected else 1, not expected,
-                               getattr(exc, "failures", None))
+                               getattr(exc, "gathered_failures", None))
     try:
         errors = distributed.gather(error)
     except Exception as exc:
