@@ -244,6 +244,11 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     assert capsys.readouterr().err.endswith(
         "latest file names step_0000009, which is not there (a folder copied without it, or a "
         "step removed); " + newest)
+    (tmp_path / "ck" / "latest").write_text("\n")               # an empty latest: said so
+    assert main(["--checkpoint", str(tmp_path / "ck"), "--output", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.endswith(
+        f"latest holds '', no step's folder name: write the step to resume into it (echo "
+        f"step_NNNNNNN > {tmp_path / 'ck' / 'latest'}); " + newest)
     (tmp_path / "ck" / "latest").unlink()
     # a run's checkpoint.dir before its first save: said so, not "give a checkpoint.dir"
     from mimo_train.components.checkpoint_owner import OWNER

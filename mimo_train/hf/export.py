@@ -66,7 +66,7 @@ from collections.abc import Iterator
 from mimo_data.hub import cache_only
 from mimo_data.interrupts import Terminated, sigterm_as_interrupt
 from mimo_data.stdout import quiet_when_stdout_closes
-from mimo_train.errors import ExportError
+from mimo_train.errors import CheckpointError, ExportError
 
 PREFIX = "mimo-export: "
 MANIFEST = "manifest.json"
@@ -132,7 +132,11 @@ def step_directory(path: str) -> str:
     from mimo_train.checkpoint_folders import STEP_NAME, step_of
     if os.path.isfile(os.path.join(path, "meta.json")):
         return path
-    found = step_of(path) if os.path.isdir(path) else path
+    try:
+        found = step_of(path) if os.path.isdir(path) else path
+    except CheckpointError as error:        # a latest that is empty or cannot be read
+        raise ExportError(f"--checkpoint {path}: {error}{_steps_in(path)}",
+                          exit_code=1) from None
     if found == path and os.path.isdir(path) and re.fullmatch(STEP_NAME, _name(path)):
         raise ExportError(f"--checkpoint {path} holds no meta.json: its save did not finish "
                           "(or is still under way: meta.json and integrity.json are written "
@@ -269,7 +273,6 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
 def _weights(directory: str) -> dict:
     """The step's saved weights; ExportError naming what is wrong with a damaged step."""
     from mimo_train.components.checkpoint import load_weights
-    from mimo_train.errors import CheckpointError
     try:
         return load_weights(directory)
     except CheckpointError as error:
