@@ -17,7 +17,7 @@ from typing import Any
 from mimo_data.hub import not_cached
 from mimo_data.preprocess.config import looks_like_path
 from mimo_train.checkpoint_folders import LATEST, META, step_of
-from mimo_train.errors import EncoderBuildError, TrainConfigError
+from mimo_train.errors import CheckpointError, EncoderBuildError, TrainConfigError
 from mimo_train.families import (causal_lm, llava, qwen2_5_vl, qwen2_vl, qwen3_5, qwen3_vl,
                                  siglip, whisper)
 from mimo_train.families.base import (VLM, Encoder, input_form, model_directory,
@@ -220,7 +220,7 @@ def _training_checkpoint(path: str, key: str) -> str | None:
             trained = json.load(f)["config"]
         for part in key.split("."):     # the checkpoint's own value of ``key``
             trained = trained[part]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):   # an empty latest too
         trained = None
     model = f" ({trained}, the model it trained)" if isinstance(trained, str) else \
         " (the model it trained, or none)"
