@@ -116,8 +116,11 @@ def verify(directory: str, workers: int = 1) -> None:
     expected, sizes = read_manifest(directory)
     together = distributed.together()
     rank, ranks = distributed.rank_and_size()
-    found = {name: _size(os.path.join(directory, name)) for name in expected}
-    problems = mismatches(directory, shares(found, ranks)[rank], expected, sizes, workers)
+    # the shares by the manifest's sizes where it has them: the same split on every rank,
+    # whatever a damaged file's size is on one node
+    weights = {name: sizes[name] if name in sizes else _size(os.path.join(directory, name))
+               for name in expected}
+    problems = mismatches(directory, shares(weights, ranks)[rank], expected, sizes, workers)
     if together:
         problems = [problem for share in distributed.gather(problems) for problem in share]
     if problems:
@@ -155,8 +158,8 @@ def mismatches(directory: str, names: list[str], expected: dict[str, str],
     def problem(name: str) -> str | None:
         path = os.path.join(directory, name)
         try:
-            if name in sizes and os.path.getsize(path) != sizes[name]:
-                size = os.path.getsize(path)
+            size = os.path.getsize(path)
+            if name in sizes and size != sizes[name]:
                 how = ("empty" if size == 0 else "truncated" if size < sizes[name]
                        else "longer than saved")
                 return f"{name}: {how} ({size:,} bytes, {sizes[name]:,} saved)"
