@@ -48,6 +48,7 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         ranks, tmp_path, "wandb", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=dp1", "model.encoders={}", "train.global_batch_size=2",
         "train.micro_batch_size=2", "train.steps=4", "train.log_interval=2",
+        f"data.valid=[{shards}]", "train.eval_interval=3", "train.eval_steps=1",
         f"train.wandb={{project: mimo-test, name: tiny, mode: offline, dir: {directory}}}")
     assert code == 0, output[-3000:]
     (log,) = directory.glob("wandb/offline-run-*/run-*.wandb")
@@ -64,7 +65,10 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
                      for item in record.history.item}
             history[items["_step"]] = items
     train = {r["step"]: r for r in records if "loss" in r}
-    assert sorted(history) == [2, 4]              # the logging steps
+    # the logging steps, and step 3, whose evaluation (not a logging step) shows it first
+    assert sorted(history) == [2, 3, 4]
+    (evaluation,) = [r for r in records if "eval_loss" in r]
+    assert history[3]["eval_loss"] == pytest.approx(evaluation["eval_loss"], rel=1e-12)
     for step, items in history.items():
         assert items["train/loss"] == pytest.approx(train[step]["loss"], rel=1e-12)
         assert items["train/tokens"] == train[step]["tokens"]
@@ -78,8 +82,11 @@ def test_wandb_offline_gets_the_records_numbers_and_the_config(ranks, planted,  
         # its own column of the ranks' reduction: part of the step, not the memory's
         assert train[step]["data_wait_s"] < train[step]["seconds"]
         assert train[step]["data_wait_s"] != train[step]["memory_mib"]
-    lines = [line for line in output.splitlines() if line.startswith("step ")]
-    assert len(lines) == 2 and all(" trained tok/s " in line and " seq tok/s " in line
+    lines = [line for line in output.splitlines() if line.startswith(("step ", "eval "))]
+    assert [line.split(":")[0] for line in lines] == [
+        "step    2", "step    3", "eval step 3", "step    4"], lines
+    lines = [line for line in lines if line.startswith("step ")]
+    assert all(" trained tok/s " in line and " seq tok/s " in line
                                    and "  data wait " in line for line in lines), lines
     # the shipped config's checkpoint.interval, its checkpoint.dir overridden to null
     assert "mimo-train: checkpoint.interval 15 is set but checkpoint.dir is not: no " \

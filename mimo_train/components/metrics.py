@@ -411,7 +411,7 @@ class Metrics:
     def log(self, values: StepValues | dict) -> list[dict]:
         """The train records read now (the pending steps' at a logging step)."""
         if isinstance(values, dict):                   # an evaluation record: read already
-            read = self.flush()
+            read = self.flush(show=True)               # its step's line first
             self._keep([values])
             self._show(values)
             return read
@@ -437,7 +437,8 @@ class Metrics:
     def flush(self, show: bool = False) -> list[dict]:
         """Read the pending steps into records (collective: two reductions, one host read);
         returns them. ``show``: the last one's line too (a run stopping between logging
-        steps says the step it stopped after before it says why)."""
+        steps says the step it stopped after before it says why; an evaluation between them
+        says the step it follows)."""
         if not self.pending:
             return []
         if show:
