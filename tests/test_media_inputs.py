@@ -637,10 +637,11 @@ def test_wav_and_ogg_files_cut_short_are_corrupt_not_shorter_clips(clips):
                 assert info.value.reason == "corrupt_audio", (fmt, check)
 
 
-def test_wav_variants_and_other_containers(clips):
+def test_wav_variants_and_other_containers(clips, corpus_photos, corpus_videos):
     """FFmpeg writes 24-bit PCM as WAVE_FORMAT_EXTENSIBLE (soundfile's WAVEX); RF64 and W64
     are WAV's 64-bit variants: all decode as the WAV. AAC in an .m4a (FFmpeg opens it, libsndfile
-    does not) is an unsupported format, named with what to do."""
+    does not) is an unsupported format, named with what to do; so are a photo and a video
+    without sound given as audio (the mix-up named, not corrupt bytes)."""
     cfg = AudioConfig()
     _, wav, meta = next(c for c in clips if c[2]["sample_rate"] == 22050)
     samples, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
@@ -662,6 +663,14 @@ def test_wav_variants_and_other_containers(clips):
         with pytest.raises(MediaError, match=r"the audio, aac in mov,mp4.*, is not a format "
                            r"mimo reads \(WAV, FLAC, .*\): convert it first, e.g. `ffmpeg") as info:
             probe_audio(buffer.getvalue(), check)
+        assert info.value.reason == "unsupported_format"
+    photo = next(data for name, data, *_ in corpus_photos if name.endswith(".jpg"))
+    silent = next(clip for clip in corpus_videos.values() if not clip.has_audio)
+    for data, said in ((photo, "a JPEG image, not audio: give it as an image"),
+                       (silent.data, rf"a video without sound \({silent.codec} in .*\), not "
+                                     "audio: give it as a video")):
+        with pytest.raises(MediaError, match=said) as info:
+            probe_audio(data)
         assert info.value.reason == "unsupported_format"
 
 

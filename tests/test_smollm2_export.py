@@ -457,13 +457,23 @@ def test_audio_fills_its_placeholders(generator, assets):
 
 
 def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
-    """A damaged clip and one too short for log-mel features each fail a check of the data
-    (exit status 1), named by the path given; a missing file is a usage error (2)."""
+    """A damaged clip, one too short for log-mel features and one longer than the run's
+    clips each fail a check of the data (exit status 1), named by the path given, with what
+    to do; a missing file is a usage error (2)."""
     from mimo_train.errors import GenerateError
-    damaged, short = tmp_path / "damaged.wav", tmp_path / "short.wav"
+    damaged, short, long = (tmp_path / f"{name}.wav" for name in ("damaged", "short", "long"))
     damaged.write_bytes(b"RIFF\x00\x00\x00\x00WAVEfmt " + bytes(8))
     soundfile.write(short, np.zeros(100, dtype=np.int16), 16000)
-    for path, said in ((damaged, f"--audio {damaged}: "), (short, f"--audio {short} has 100")):
+    limit = generator.preprocessor.config.modalities["audio"].max_duration
+    soundfile.write(long, np.zeros(int(limit * 16000) + 1600, dtype=np.int16), 16000)
+    preprocess = generator.preprocess_path
+    for path, said in ((damaged, f"--audio {damaged}: "),
+                       (short, f"--audio {short} has 100 frames, fewer than the 201 samples at "
+                               "16000 Hz log-mel features need: give a longer clip"),
+                       (long, f"--audio {long} lasts {limit + 0.1:g} s, above max_duration "
+                              f"{limit} s: cut the clip to modalities.audio.max_duration, or "
+                              f"set modalities.audio.long_audio: truncate in {preprocess} for "
+                              "the model to hear its first max_duration seconds")):
         with pytest.raises(GenerateError, match=re.escape(said)) as refused:
             generator.generate("Transcribe.", audios=[str(path)], max_new_tokens=1)
         assert refused.value.exit_code == 1
@@ -550,6 +560,7 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
     with pytest.raises(GenerateError, match="no-such.jpg") as error:
         generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])
     assert error.value.exit_code == 2
+    assert str(error.value).endswith("no-such.jpg: No such file or directory")
     notes = tmp_path / "notes.jpg"                   # text under an image's name
     notes.write_text("root:x:0:0:root:/root:/bin/bash\n")
     with pytest.raises(GenerateError, match=f"--image {notes}: .*not a readable image") as error:
@@ -558,8 +569,12 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
     with pytest.raises(GenerateError, match="the prompt's <video> marker asks for video input, "
                        r"but the model has no video encoder \(it has audio, image\): remove"):
         generator.generate("<video> What happens?")
-    with pytest.raises(GenerateError, match="more <image> markers"):
+    with pytest.raises(GenerateError, match="the prompt has 2 <image> marker"):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
+    # one marker for two files: which one it meant would be a guess
+    with pytest.raises(GenerateError, match=r"1 <audio> marker\(s\) for 2 --audio file\(s\): "
+                       "mark each"):
+        generator.generate("Compare: <audio> then", audios=["a.wav", "b.wav"])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2
     assert "manifest.json" in capsys.readouterr().err
     for flags in (["--seed", "3"], ["--top-p", "0.9", "--seed", "3"]):   # greedy: unused

@@ -102,7 +102,7 @@ def probe_audio(data: bytes, check: str = "decode") -> dict:
         raise MediaError("empty_audio", "audio decodes to 0 frames")
     if why := _cut_short(data, fmt):
         raise MediaError("corrupt_audio", f"{why}: it would be read as a shorter clip than was "
-                         "recorded, its text trained against part of it; copy the file again "
+                         "recorded, the model hearing part of it; copy the file again "
                          "whole, or re-encode it (e.g. `ffmpeg -i INPUT clip.flac`)")
     return {"format": fmt, "sample_rate": sample_rate, "channels": channels, "frames": frames,
             "duration": round(frames / sample_rate, 6)}
@@ -212,20 +212,40 @@ def _length_estimated(data: bytes, fmt: str) -> bool:
 
 def _undecodable(exc: Exception, data: bytes) -> MediaError:
     """The MediaError for bytes soundfile cannot read: ``unsupported_format`` where FFmpeg finds
-    an audio stream in them (AAC in an .m4a, say), else ``corrupt_audio`` with libsndfile's
-    message (without the in-memory file's name: a memory address)."""
+    an audio stream in them (AAC in an .m4a, say), or where they are an image or a video
+    without sound given as audio (the mix-up named, not corrupt bytes); else
+    ``corrupt_audio`` with libsndfile's message (without the in-memory file's name: a memory
+    address)."""
     if isinstance(exc, soundfile.LibsndfileError):
         if exc.code == _SF_UNRECOGNISED_FORMAT:
+            if image := _image_format(data):
+                return MediaError("unsupported_format", f"a {image} image, not audio: give it "
+                                  "as an image (the record's image field), not as audio")
             try:
                 with av.open(io.BytesIO(data)) as container:
                     found = [f"{stream.codec_context.name} in {container.format.name}"
                              for stream in container.streams.audio]
+                    video = [f"{stream.codec_context.name} in {container.format.name}"
+                             for stream in container.streams.video]
             except av.FFmpegError:
-                found = []
+                found = video = []
             if found:
                 return MediaError("unsupported_format", f"the audio, {found[0]}, is {_CONVERT}")
+            if video:
+                return MediaError("unsupported_format", f"a video without sound ({video[0]}), "
+                                  "not audio: give it as a video (the record's video field)")
         exc = exc.error_string
     return MediaError("corrupt_audio", f"soundfile cannot decode the audio: {exc}")
+
+
+def _image_format(data: bytes) -> str | None:
+    """The format Pillow recognizes ``data`` as (its header only), or None."""
+    from PIL import Image, UnidentifiedImageError
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.format
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        return None
 
 
 def resampled_length(frames: int, sample_rate: int, target_rate: int) -> int:

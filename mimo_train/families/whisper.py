@@ -34,7 +34,9 @@ class WhisperAudio(Encoder):
     log-mel: the clip's maximum minus 2, the floor of its 8-decade clamp (above the clip's
     minimum when the clip does not reach that floor), but never below -1.5, zero power's
     log-mel (a quiet or silent clip's maximum minus 2 is below it). The outputs past the
-    clip's frames are dropped.
+    clip's frames are dropped. (Whisper's own 30 s features also have one or two frames past
+    the clip that still see its tail; here they are padding: docs/preprocessing.md says what
+    that changes.)
 
     Its position table is sinusoidal and fixed in Whisper (transformers builds it frozen, but
     ``from_pretrained`` hands it back trainable): it is marked fixed, never trained.

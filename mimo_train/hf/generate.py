@@ -44,6 +44,16 @@ from mimo_train.runtime import console
 
 PREFIX = "mimo-generate: "
 _MARKER = re.compile(r"<(image|video|audio)>")
+# what to do about a medium the preprocessing refuses (the reason training counts it under)
+_REMEDIES = {
+    "audio_too_long": "cut the clip to modalities.audio.max_duration, or set "
+                      "modalities.audio.long_audio: truncate in {preprocess} for the model to "
+                      "hear its first max_duration seconds",
+    "audio_too_short": "give a longer clip",
+    "video_too_long": "cut the clip to modalities.video.max_duration (the longest clip the "
+                      "run trained on, in {preprocess})",
+    "video_too_short": "give a longer clip",
+}
 
 
 @dataclass
@@ -164,8 +174,8 @@ class Generator:
                                 "mimo-export") from None
         _check_files(model_dir, self.manifest.get("files", {}))
         try:
-            self.preprocessor = Preprocessor(PreprocessConfig.from_yaml(
-                os.path.join(model_dir, self.manifest["preprocess"])))
+            self.preprocess_path = os.path.join(model_dir, self.manifest["preprocess"])
+            self.preprocessor = Preprocessor(PreprocessConfig.from_yaml(self.preprocess_path))
         except (OSError, ValueError, KeyError, ConfigError) as error:
             raise GenerateError(f"--model {model_dir}: {error}; give a directory written by "
                                 "mimo-export") from None
@@ -397,7 +407,8 @@ class Generator:
                     " (a folder of frames trains through mimo-shard build --frames-fps; make "
                     "it a clip to generate with)" if modality == "video" else "")) from None
             except OSError as error:
-                raise GenerateError(f"--{modality} {path}: {error}") from None
+                raise GenerateError(f"--{modality} {path}: {error.strerror or error}"
+                                    ) from None
             except MediaError as error:       # the file's data failed a check, as a
                 raise GenerateError(f"--{modality} {path}: {error.detail}",   # dropped clip's
                                     exit_code=1) from None
@@ -409,7 +420,9 @@ class Generator:
             detail = re.sub("|".join(rf"\b{re.escape(member)}\b" for member in paths),
                             lambda found: paths[found[0]], error.detail) if paths else \
                 error.detail
-            raise GenerateError(f"{error.reason}: {detail}", exit_code=1) from None
+            remedy = _REMEDIES.get(error.reason, "").format(preprocess=self.preprocess_path)
+            raise GenerateError(f"{error.reason}: {detail}" + (f": {remedy}" if remedy else ""),
+                                exit_code=1) from None
         except TextError as error:
             raise GenerateError(f"the prompt cannot be tokenized: {error.detail}") from None
 
@@ -514,15 +527,19 @@ def _with_adapters(model, model_dir: str):
 
 
 def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
-    """The user turn's text (a marker in front for each file the prompt does not mark, images
-    first, then videos) and its markers' modalities in order; GenerateError if the prompt
-    marks more files than were given."""
+    """The user turn's text (a marker in front for each file of a modality the prompt does
+    not mark, in the order of ``files``) and its markers' modalities in order;
+    GenerateError if the prompt marks some of a modality's files but not as many as were
+    given (which file a marker meant would be a guess, as a partly marked record is to
+    mimo-shard build)."""
     marked = _MARKER.findall(prompt)
     missing = {m: len(paths) - marked.count(m) for m, paths in files.items()}
-    extra = [m for m, n in missing.items() if n < 0]
-    if extra:
-        raise GenerateError(f"the prompt has more <{extra[0]}> markers ({marked.count(extra[0])}"
-                            f") than --{extra[0]} files ({len(files[extra[0]])})")
+    for modality, n in missing.items():
+        if n < 0 or (n and marked.count(modality)):
+            raise GenerateError(
+                f"the prompt has {marked.count(modality)} <{modality}> marker(s) for "
+                f"{len(files[modality])} --{modality} file(s): mark each (the files take the "
+                "markers in order), or none (each then goes in front of the prompt)")
     front = "".join(f"<{m}>\n" * n for m, n in missing.items())
     return front + prompt, _MARKER.findall(front + prompt)
 
