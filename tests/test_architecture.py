@@ -1,7 +1,7 @@
 """The package layout holds (docs/architecture.md, "The package map"): read from the source's own
 imports (``ast``, every import, inside functions too), no module of ``mimo_data`` or
 ``mimo_train`` is in an import circle, ``mimo_data`` never imports ``mimo_train``, each
-``mimo_train`` layer imports only layers below it, and no family module imports the registry;
+layer of either imports only layers below it, and no family module imports the registry;
 and only ``mimo_train.mcore`` reaches into megatron-core (``mcore/__init__``): no other module
 imports it, takes a private name from it or from ``mcore``, reads a private attribute of what
 they give, or patches it.
@@ -15,10 +15,15 @@ from pathlib import Path
 
 from conftest import REPO
 
-# mimo_train's layers from the bottom up; a module may import its own layer's and lower ones'
-LAYERS = [("errors", "precision", "checkpoint_folders"), ("runtime",), ("config",), ("mcore",),
-          ("families",), ("plan",), ("components", "model", "planning"), ("training", "hf"),
-          ("cli", "__main__", "inspect_cli")]
+# each package's layers from the bottom up; a module may import its own layer's and lower
+# ones'
+LAYERS = {
+    "mimo_train": [("errors", "precision", "checkpoint_folders"), ("runtime",), ("config",),
+                   ("mcore",), ("families",), ("plan",), ("components", "model", "planning"),
+                   ("training", "hf"), ("cli", "__main__", "inspect_cli")],
+    "mimo_data": [("errors", "files", "tally", "stats", "worker_pool", "hub", "interrupts",
+                   "forkserver_hook", "stdout"), ("modalities",), ("shards",), ("preprocess",),
+                  ("loading",), ("inspect",)]}
 
 
 def _module_name(path: Path) -> str:
@@ -69,8 +74,10 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 
 def _layer(module: str) -> int:
-    part = module.split(".")[1] if "." in module else "__init__"
-    return next((i for i, names in enumerate(LAYERS) if part in names), len(LAYERS))
+    package, *rest = module.split(".")
+    part = rest[0] if rest else "__init__"
+    layers = LAYERS[package]
+    return next((i for i, names in enumerate(layers) if part in names), len(layers))
 
 
 def test_no_import_circle():
@@ -85,8 +92,8 @@ def test_imports_run_down_the_layers():
         for target in targets:
             if module.startswith("mimo_data") and target.startswith("mimo_train"):
                 wrong.append(f"{module} -> {target} (mimo_data never imports mimo_train)")
-            elif module.startswith("mimo_train.") and target.startswith("mimo_train.") and \
-                    _layer(target) > _layer(module):
+            elif module.split(".")[0] == target.split(".")[0] and "." in module \
+                    and "." in target and _layer(target) > _layer(module):
                 wrong.append(f"{module} -> {target} (up the layers)")
             elif module.startswith("mimo_train.families.") and \
                     target == "mimo_train.families.registry" and \
@@ -100,6 +107,8 @@ def test_the_checks_see_a_circle_and_an_upward_import():
     assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert _layer("mimo_train.config") < _layer("mimo_train.families.registry")
     assert _layer("mimo_train.runtime.console") < _layer("mimo_train.mcore.grids")
+    assert _layer("mimo_data.tally") < _layer("mimo_data.loading.packing")
+    assert _layer("mimo_data.shards.build") < _layer("mimo_data.preprocess.preprocessor")
 
 
 # ------------------------------------------------------------- only mcore reaches megatron-core

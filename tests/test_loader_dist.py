@@ -50,7 +50,7 @@ def jobs(ranks, loader_corpus, tmp_path_factory) -> dict:
     On 4 ranks, each resumed from the state its run saved after two steps: run 2 (language pp2
     + image dp2) and the balanced, packed resumption (language dp2 + image dp2)."""
     folder = tmp_path_factory.mktemp("dist")
-    # Fixed-resolution images: the only way encoder dp > language dp (run 2) is allowed.
+    # Fixed-resolution images: the same token count for every image.
     config = preprocess_config_file(folder / "fixed.yaml",
                                     image={"policy": "fixed", "image_size": 112})
     common = ["--dataset", loader_corpus, "--config", config, "--micro-batch-size", 2]

@@ -3,7 +3,7 @@ from the real loader code in metadata-only mode (no media decoded), plus the cro
 the bridge depends on. Used by tests and by ``mimo-inspect plan``.
 
     python -m mimo_data.loading.dry_run shards/ --config configs/preprocess.yaml \\
-        --layout 'language=dp2;image=dp1' --global-batch-size 8 --micro-batch-size 2 \\
+        --layout 'language=dp2;image=dp1;audio=dp1' --global-batch-size 8 --micro-batch-size 2 \\
         [--steps 2] [--json]
 """
 

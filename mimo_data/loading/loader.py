@@ -1,7 +1,8 @@
 """The layout-aware loader: each rank gets exactly its part of each global micro-batch, in
 order, with only the tensors its role needs (docs/architecture.md, "Which rank gets what").
 
-    loader = build_loader(["shards/"], "configs/preprocess.yaml", "language=dp2;image=dp1",
+    loader = build_loader(["shards/"], "configs/preprocess.yaml",
+                          "language=dp2;image=dp1;audio=dp1",
                           rank, world_size, global_batch_size=32, micro_batch_size=4, seed=1)
     if loader is not None:                  # ranks that need no data get None
         for batch, metadata in loader:      # one epoch of micro-batches, resumable
@@ -43,7 +44,9 @@ their micro-batch costs less than handing it over from a worker (``tools/bench_l
 State: ``state_dict()`` = seed, epoch, position in the epoch (samples, step, micro-batch),
 global batch size and the data fingerprint (sha256 of the datasets' index.json, the blend
 weights and the kept masks). Positions are in samples of the global order, so a state restores
-under any layout, micro batch or worker count with the same global batch size.
+under any layout, micro batch or worker count with the same global batch size: a state of a
+step's end (a checkpoint's) always, one of a step's middle where it stopped at a whole number
+of the new global micro-batches.
 """
 
 from __future__ import annotations

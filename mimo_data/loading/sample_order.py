@@ -8,7 +8,7 @@ Per dataset and dataset-epoch, reads stay mostly sequential:
    the tar); the blocks of all shards are shuffled together (which shuffles shards too);
 2. consecutive runs of ``window_blocks`` blocks in that order form a window, and the samples
    of a window are shuffled together: a reader has at most ``window_blocks`` regions open at
-   once, each read front to back;
+   once, each a contiguous stretch of its shard (its samples in the window's shuffled order);
 3. samples that preprocessing drops (the kept mask) are removed.
 
 Blends: an epoch holds ``L = sum of kept samples of all datasets`` samples. Without weights
@@ -16,9 +16,10 @@ each dataset contributes all its kept samples once (exactly once, interleaved). 
 weights, dataset i contributes ``n_i`` = its weight's share of L (largest remainder), read from
 its own endless stream of dataset-epochs: a dataset with fewer kept samples than n_i repeats
 (with a fresh order each pass), one with more continues where the previous epoch stopped, so no
-sample repeats before all were seen. The n_i samples of each dataset are spread evenly through
-the epoch (dataset i's j-th sample at time (j + phase_i) / n_i, phase seeded), so every stretch
-of the epoch has the blend's proportions.
+sample repeats before all were seen, but for those of its n_i that ``remainder="drop"`` leaves
+out of the epoch's last step: that pass skips them. The n_i samples of each dataset are
+spread evenly through the epoch (dataset i's j-th sample at time (j + phase_i) / n_i, phase
+seeded), so every stretch of the epoch has the blend's proportions.
 
 Steps: ``floor(L / global_batch)`` per epoch with ``remainder="drop"`` (the last ``L mod B``
 samples are dropped, counted in ``remainder_samples``) or ``ceil(L / B)`` with ``"wrap"`` (the
