@@ -88,6 +88,24 @@ def test_the_same_job_takes_its_claim_over_anywhere(tmp_path, monkeypatch):
         checkpoint_owner.claim(str(tmp_path))
 
 
+def test_the_same_jobs_live_run_of_this_host_keeps_its_folder(tmp_path, monkeypatch,
+                                                              other_run):
+    """Two job steps of one Slurm allocation (one job id) given one folder: the second is
+    refused while the first's process runs (it took the folder over, loaded the first's
+    checkpoint and left it to stop without saving), and takes it over once it is gone (a
+    restart of the job on this host)."""
+    process, identity = other_run
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    _claim_of(tmp_path, pid=process.pid, job="SLURM_JOB_ID=4242", **identity)
+    with pytest.raises(CheckpointError, match=rf"another run \(process {process.pid} on "
+                       rf"{socket.gethostname()} \(SLURM_JOB_ID=4242\)"):
+        checkpoint_owner.claim(str(tmp_path))
+    process.kill()
+    process.wait()
+    checkpoint_owner.claim(str(tmp_path))
+    assert json.loads((tmp_path / OWNER).read_text())["pid"] == os.getpid()
+
+
 def test_a_plain_torchrun_names_no_job(tmp_path, monkeypatch, other_run):
     """torchrun without --rdzv-id sets the run id "none" in every launch: a second launch
     beside a running one is refused like any other run, not taken for a restart of it."""

@@ -10,8 +10,10 @@ when the run ends (``release``).
 At start-up (``claim``) a claim is taken over where its run has ended: on this host, its
 process (the same process id and start time since the same boot) is gone; on another host,
 which cannot be asked, its claim was not refreshed for ``STALE_S``. A claim of the same job
-(Slurm's job id, torchrun's run id: a requeue, an elastic restart) is always taken over; a
-plain ``torchrun`` (no ``--rdzv-id``) names no job: its run id is "none" in every launch.
+(Slurm's job id, torchrun's run id: a requeue, an elastic restart) made on another host is
+taken over at once; on this host, only once its process is gone, as any other's (two job
+steps of one allocation, say, would mix their checkpoints as two jobs would); a plain
+``torchrun`` (no ``--rdzv-id``) names no job: its run id is "none" in every launch.
 Otherwise the run is refused, naming the run that holds the folder.
 
 Hand-written: neither megatron-core nor torch.distributed.checkpoint keeps a folder to one job.
@@ -86,9 +88,9 @@ def _ours(found: dict, me: dict) -> bool:
 
 def _still_runs(found: dict, me: dict, root: str) -> bool:
     """Whether the run that wrote ``found`` may still write ``root``."""
-    if found.get("job") and found.get("job") == me["job"]:
-        return False                        # this job, requeued or restarted
     if found.get("host") != me["host"]:
+        if found.get("job") and found.get("job") == me["job"]:
+            return False                    # this job, requeued or restarted elsewhere
         try:
             age = time.time() - os.path.getmtime(os.path.join(root, OWNER))
         except OSError:
