@@ -326,7 +326,8 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
 def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, capsys, steps):
     """Resuming the checkpoint of step 12 with train.steps 12 or 10 (in process: the
     trainer's resume and loop with the checkpoint's load and the model stubbed): one line
-    says nothing is left to train, and no schedule note says the LR decay changed."""
+    says nothing is left to train, no schedule note says the LR decay changed, and the run's
+    claim on the folder is released (the next run of another host would wait for it)."""
     from contextlib import nullcontext
     from types import SimpleNamespace
 
@@ -348,11 +349,14 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device = torch.device("cpu")
-    trainer.loader, trainer.saver, trainer.samples = None, None, {}
+    released = []
+    trainer.loader, trainer.samples = None, {}
+    trainer.saver = SimpleNamespace(release=lambda: released.append(True))
     trainer.watch, trainer.profile = Watch(0, 0.0, 1), nullcontext()
     trainer.metrics = SimpleNamespace(records=[], flush=lambda: [], close=lambda: None)
     trainer._resume("ck/step_0000012")
     assert trainer._train() == []
+    assert released == [True]
     output = capsys.readouterr().out
     assert f"mimo-train: the checkpoint at step 12 is at or past train.steps={steps}: " \
         "nothing to train\n" in output, output

@@ -453,6 +453,8 @@ class Trainer:
         if self.step >= run.steps:          # a resumed checkpoint already there
             say(f"{PREFIX}the checkpoint at step {self.step} is at or past train.steps="
                 f"{run.steps}: nothing to train")
+            if self.saver:                  # the folder is free for the next run at once
+                self.saver.release()
             self.metrics.close()
             return self.metrics.records
         say(f"{PREFIX}layout {self.layout} on {self.world} rank(s), device "
