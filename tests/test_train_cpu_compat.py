@@ -18,6 +18,8 @@ import copy
 import inspect
 import json
 import multiprocessing
+import multiprocessing.queues
+import os
 import queue
 import tempfile
 import textwrap
@@ -772,6 +774,29 @@ def test_use_forked_write_results(monkeypatch):
     ours.put(_Slow())
     threading.Timer(0.2, _GATE.set).start()
     assert isinstance(ours.get_nowait(), _Slow)
+    # An asynchronous save's writer is forked, then joined before its results are read: where
+    # this process put nothing, what a writer put is in the pipe, and a writer killed first
+    # left nothing, whose error comes after a short wait, not the minute an item on its way
+    # from this process's own feeder is given.
+    from mimo_train.mcore import async_save
+    waits: list = []
+    get = multiprocessing.queues.Queue.get
+    monkeypatch.setattr(multiprocessing.queues.Queue, "get", lambda self, block=True,
+                        timeout=None: waits.append(timeout) or get(self, block, timeout))
+    forked = async_save._ResultsQueue()
+    fork = multiprocessing.get_context("fork")
+    for target in (forked.put, os._exit):           # a writer that reports; one killed first
+        writer = fork.Process(target=target, args=(9,))
+        writer.start()
+        writer.join()
+        if target is os._exit:
+            with pytest.raises(queue.Empty):    # megatron-core: "results_queue should not be empty"
+                forked.get_nowait()
+        else:
+            assert forked.get_nowait() == 9
+    assert waits == [async_save._JOINED_S] * 2
+    forked.put(1)                               # written in this process (execute_sync)
+    assert forked.get_nowait() == 1 and waits[-1] == async_save._ON_ITS_WAY_S
 
 
 def test_ensure_global_memory_buffer(monkeypatch):

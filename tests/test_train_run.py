@@ -181,10 +181,12 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert sorted(os.listdir(model)) == ["config.json", "model-00001-of-00002.safetensors"]
 
 
-def test_a_failed_background_save_raises_its_writers_cause():
+def test_a_failed_background_save_raises_its_writers_cause(tmp_path):
     """torch's CheckpointException (from an asynchronous save's writers) is a BaseException,
     which the run's handlers leave alone: a traceback from every rank. The save raises its
-    writer's cause (a full disk's OSError), which they say once."""
+    writer's cause, which they say once: an OSError as it is, a full disk's (which names no
+    file) as the folder being written and what to do; a writer killed before it reported (no
+    results, in megatron-core's words) as that rank's writer."""
     import errno
     from types import SimpleNamespace
 
@@ -194,17 +196,32 @@ def test_a_failed_background_save_raises_its_writers_cause():
     from mimo_train.errors import CheckpointError
 
     full = OSError(errno.ENOSPC, "No space left on device")
+    denied = PermissionError(errno.EACCES, "Permission denied", "ck/step_0000004/__1_0.distcp")
 
     def failing(error):
         def finalize(blocking):
             raise error
         return SimpleNamespace(maybe_finalize_async_calls=finalize)
     saver = Saver("unused", asynchronous=False)
-    saver.queue, saver.pending = failing(CheckpointException("save failed", {1: (full, None)})), \
-        ["ck/step_0000004"]
+    saver.pending = ["ck/step_0000004"]
+    saver.queue = failing(CheckpointException("save failed", {1: (denied, None)}))
     with pytest.raises(OSError) as raised:
         saver.poll()
-    assert raised.value is full
+    assert raised.value is denied
+    saver.queue = failing(CheckpointException("save failed", {1: (full, None)}))
+    saver.pending = [str(tmp_path / "step_0000004")]
+    with pytest.raises(CheckpointError, match=rf"writing {tmp_path}/step_0000004: no space left "
+                       r"on its file system \([\d.]+ GiB free now\): this checkpoint is "
+                       "incomplete, latest not moved to it") as refused:
+        saver.poll()
+    assert refused.value.exit_code == 1
+    saver.pending = ["ck/step_0000004"]
+    killed = RuntimeError("results_queue should not be empty")
+    saver.queue = failing(CheckpointException("save failed", {0: (full, None), 1: (killed, None)}))
+    with pytest.raises(CheckpointError, match="writing ck/step_0000004: the checkpoint writer "
+                       "process of rank 1 ended without reporting its part") as refused:
+        saver.poll()
+    assert refused.value.exit_code == 1
     saver.queue = failing(CheckpointException("save failed", {1: (KeyboardInterrupt(), None)}))
     with pytest.raises(CheckpointError, match="writing ck/step_0000004: save failed"):
         saver.wait()

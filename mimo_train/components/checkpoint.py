@@ -34,6 +34,7 @@ the file and the newest earlier checkpoint to use instead.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
 import os
@@ -215,12 +216,37 @@ def prune(root: str, keep_last: int, current: str) -> list[str]:
 
 
 def _writers_cause(error: CheckpointException, directory: str) -> Exception:
-    """What made a save fail (a full disk's OSError ...): torch's CheckpointException is a
-    BaseException, which the run's handlers (one message, not a traceback from every rank)
-    leave alone."""
-    return next((failure[0] for failure in error.failures.values()
-                 if isinstance(failure[0], Exception)),
-                CheckpointError(f"writing {directory}: {error.args[0]}"))
+    """What made a save fail (a full disk's OSError ...; a rank's writer process killed):
+    torch's CheckpointException is a BaseException, which the run's handlers (one message, not
+    a traceback from every rank) leave alone."""
+    for rank, (failure, _) in sorted(error.failures.items()):
+        if str(failure) == _NO_RESULTS:
+            return CheckpointError(
+                f"writing {directory}: the checkpoint writer process of rank {rank} ended "
+                "without reporting its part (killed: out of memory? the host's kernel log "
+                "says): this checkpoint is incomplete, latest not moved to it (a resume "
+                "loads the one before, if any); with checkpoint.async_save each writer holds a "
+                "copy of the rank's state in host memory: give the ranks more, or save "
+                "synchronously (checkpoint.async_save false)", damaged=True)
+    cause = next((failure[0] for failure in error.failures.values()
+                  if isinstance(failure[0], Exception)),
+                 CheckpointError(f"writing {directory}: {error.args[0]}"))
+    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:   # said without a path
+        try:
+            free = f" ({shutil.disk_usage(os.path.dirname(directory)).free / 2**30:.1f} GiB " \
+                "free now)"
+        except OSError:
+            free = ""
+        return CheckpointError(
+            f"writing {directory}: no space left on its file system{free}: this "
+            "checkpoint is incomplete, latest not moved to it (a resume loads the one before, "
+            "if any); free space there, keep fewer checkpoints (checkpoint.keep_last), or give "
+            "checkpoint.dir a larger file system", damaged=True)
+    return cause
+
+
+# megatron-core's words for a write's results that never came (its writer died first)
+_NO_RESULTS = "results_queue should not be empty"
 
 
 def _save_request(root: str, directory: str, step: int, state: TrainingState, meta: dict,

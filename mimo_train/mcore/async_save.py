@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import multiprocessing
+import os
 import multiprocessing.queues
 from collections.abc import Callable
 
@@ -35,16 +36,24 @@ class _ResultsQueue(multiprocessing.queues.Queue):
     megatron-core reads a write's results with ``get_nowait`` once the write has returned, so
     the item has been put; but a queue's ``put`` hands it to a feeder thread of the putting
     process: in the process that wrote (``execute_sync``) it may not be readable yet ("results_
-    queue should not be empty"). A forked writer has ended, its feeder flushed, by then."""
+    queue should not be empty"). A forked writer has ended, its feeder flushed, by then
+    (megatron-core joined it): where this process put nothing, an item not there at once never
+    comes (the writer was killed), and megatron-core's error follows without the long wait."""
 
     def __init__(self):
         super().__init__(ctx=multiprocessing.get_context("fork"))
+        self.putter: int | None = None      # the process that put here (a fork's own copy)
+
+    def put(self, obj, block=True, timeout=None):
+        self.putter = os.getpid()
+        super().put(obj, block, timeout)
 
     def get_nowait(self):
-        return self.get(timeout=_ON_ITS_WAY_S)
+        return self.get(timeout=_ON_ITS_WAY_S if self.putter == os.getpid() else _JOINED_S)
 
 
 _ON_ITS_WAY_S = 60.0          # a writer that died before putting its results: then an error
+_JOINED_S = 1.0               # a joined writer's item is in the pipe already
 
 
 def use_forked_write_results() -> None:
