@@ -1,7 +1,7 @@
 """Bad configs fail at start-up with one clear message, never a hang: config errors before the
 process groups exist, stub ranks, non-divisible batches, colocated fan-in with variable counts,
-missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules and a
-missing pretrained encoder.
+missing shards, a vocab smaller than the tokenizer, encoder tp, unknown encoder modules, a
+missing pretrained encoder and ranks that read different settings.
 
 Every case runs for real on 3 ranks with gloo on the CPU, all of them in one ``torchrun`` job
 (tests/jobs/startup_cases.py: each rank calls ``mimo_train.cli.main`` on each case in turn and
@@ -244,6 +244,12 @@ CASES = [
     ("selective recompute of a tower", "default",
      ["model.encoders.image.recompute=selective"], "config",
      ["model.encoders.image.recompute is 'selective'", "use none or full"]),
+    # -- ranks that read different configs ({{rank}}: each rank's number)
+    ("ranks that read different settings", "default",
+     ["train.seed={{rank}}"], "config",
+     ["the ranks read different settings: rank(s) [0] and rank(s) [1, 2] differ (rank 0 vs "
+      "rank 1: train.seed: 0 vs 1)", "every rank must read the same training and "
+      "preprocessing configs", "Give every rank the same files"]),
     ("optimizer.modules names a module the layout lacks", "default",
      ["optimizer.modules={{vision: {{lr: 0.1}}}}"], "config",
      ["optimizer.modules has ['vision']", "use its modules"]),

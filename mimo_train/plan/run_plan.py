@@ -73,6 +73,20 @@ class RunPlan:
                      expert_mlp=arch.expert_ffn_hidden_size if arch else 0,
                      shared_expert_mlp=arch.shared_expert_ffn_hidden_size if arch else 0)
 
+    def given(self) -> dict[str, str]:
+        """Every setting the run was given, by dotted key (``preprocess.`` before the
+        preprocessing config's), each value's text: what every rank must have read alike."""
+        found: dict[str, str] = {}
+
+        def walk(value, key: str) -> None:
+            if isinstance(value, dict) and value:
+                for name, inner in value.items():
+                    walk(inner, f"{key}.{name}" if key else str(name))
+            else:
+                found[key] = repr(value)
+        walk({**self.config.to_dict(), "preprocess": self.preprocess.to_dict()}, "")
+        return found
+
     @property
     def vlm_tower_serves(self) -> tuple[str, ...]:
         """The modalities that model.pretrained's own tower encodes (not another encoder

@@ -19,7 +19,9 @@ loss spikes recorded with their samples (``anomalies``).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import os
 import re
 import signal
@@ -72,6 +74,32 @@ from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_
 from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, signal_number
 from mimo_train.runtime.profile import Profile
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
+
+
+def _differing_settings(plan: RunPlan) -> TrainConfigError | None:
+    """The error where the ranks did not all read the same settings (``RunPlan.given``: a
+    config edited while the job started, other copies on other nodes), naming the ranks and
+    the first keys that differ; None where they agree. Collective: a digest from every rank,
+    and only where they differ the settings of the first rank unlike rank 0."""
+    mine = plan.given()
+    digests = distributed.gather(hashlib.sha256(
+        json.dumps(mine, sort_keys=True).encode()).hexdigest())
+    if len(set(digests)) == 1:
+        return None
+    other = next(rank for rank, digest in enumerate(digests) if digest != digests[0])
+    first, theirs = distributed.broadcast(mine, src=0), distributed.broadcast(mine, src=other)
+    keys = sorted(key for key in first.keys() | theirs.keys()
+                  if first.get(key) != theirs.get(key))
+    shown = "; ".join(f"{key}: {first.get(key, '(unset)')} vs {theirs.get(key, '(unset)')}"
+                      for key in keys[:4]) + (f"; and {len(keys) - 4} more" if len(keys) > 4
+                                              else "")
+    alike = [rank for rank, digest in enumerate(digests) if digest == digests[0]]
+    unlike = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+    return TrainConfigError(
+        f"the ranks read different settings: rank(s) {alike} and rank(s) {unlike} differ "
+        f"(rank 0 vs rank {other}: {shown}): every rank must read the same training and "
+        "preprocessing configs; a config edited while the job started, or another copy on "
+        "another node? Give every rank the same files and start again")
 
 
 def _raise(error: Exception | None) -> None:
@@ -163,8 +191,10 @@ class Trainer:
         phase("device", f"{self.world} rank(s) joined, device {self.device.type}",
               lambda: _raise(problem or devices.mixed(kinds)), start)
         self.preprocess, self.layout = plan.preprocess, plan.layout
+        differing = _differing_settings(plan)          # collective: before any rank may fail
         self.text, self.vocabulary = phase(
-            "config", "config, tokenizer and shards checked", lambda: self._read_config(records))
+            "config", "config, tokenizer and shards checked",
+            lambda: self._read_config(records, differing))
         self.infra: Infra = phase("process groups", "process groups ready", lambda: build_infra(
             self.layout, "nccl" if self.device.type == "cuda" else "gloo", timeout))
         # two phases: a rank's model can fail alone (a LoRA target its module lacks), and the
@@ -208,7 +238,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ set-up
 
-    def _read_config(self, records: str | None):
+    def _read_config(self, records: str | None, differing: TrainConfigError | None):
+        """The text encoder and the vocabulary, once the config, its inputs and outputs and
+        the data pass their checks (``differing``: the ranks' settings do not agree)."""
+        _raise(differing)
         self.cfg.check_inputs()
         if self.rank == 0:                  # what rank 0 writes (the records, TensorBoard's)
             check_outputs(records, self.cfg.train.tensorboard_dir)
