@@ -811,8 +811,11 @@ def test_a_signal_stops_every_rank_with_a_checkpoint_and_the_run_resumes(ranks, 
     assert step in (1, 2) and (root / "latest").read_text() == f"step_{step:07d}", output[-4000:]
     if target == "one worker":        # torchrun reports each worker's exit status
         assert f"exitcode  : {128 + sent.value}" in output, output[-3000:]
+        # torchrun's SIGTERM to the ranks still ending once the first exited killed none
+        assert "Signal 15" not in output, output[-3000:]
     else:           # the ranks ended their DataLoader workers: torchrun killed no rank
         assert "forcefully exiting" not in output, output[-3000:]
+    assert not (root / ".mimo-run").exists(), output[-3000:]        # its claim released
     records = root.with_suffix(".jsonl")
     before = read_records(records)
     assert [r["step"] for r in train_records(before)] == list(range(1, step + 1))

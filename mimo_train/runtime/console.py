@@ -335,8 +335,9 @@ def run_failure(error: Exception, rank_: int, doing: str, where: str,
     if _peer_lost(error):
         failure = RunError(f"training stopped in {doing} on rank {rank_} ({where}): a collective "
                            f"failed ({cause.splitlines()[0]}): another rank left the job "
-                           "without a message (killed, or out of memory?); torchrun's report "
-                           "names it")
+                           "without a message (killed, out of memory, or a signal outside "
+                           "train.exit_signals, such as a SIGINT to that rank alone?); "
+                           "torchrun's report names it")
         failure.peer_lost = True
         return failure
     ours = type(error).__module__.split(".")[0] in ("mimo_data", "mimo_train") or \

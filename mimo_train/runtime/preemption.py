@@ -8,9 +8,13 @@ one, so a signal delivered to one rank stops them all after the same step. They 
 checkpoint together (with ``checkpoint.dir``), print where, and exit with
 ``128 + the signal's number`` (143 for SIGTERM, 138 for SIGUSR1): the status a killed job would
 have, which requeue wrappers already read, but with the checkpoint written. A second signal
-ends the process at once (the default action), so a stuck save never blocks a forced stop; one
-within ``REPEAT_SECONDS`` of the first counts as the same delivery (Slurm signals every
-process of the job, and torchrun forwards its own copy to the workers). A rank that died leaves
+before the ranks agreed ends the process at once (the default action); one within
+``REPEAT_SECONDS`` of the first counts as the same delivery (Slurm signals every process of the
+job, and torchrun forwards its own copy to the workers). Once they agreed, the run's exit
+signals are ignored until the rank exits: torchrun sends a SIGTERM to the ranks still there as
+soon as the first exits 128 + N, which would kill them during their save or before they
+release the folder's claim; a stuck save is ended by SIGKILL (torchrun's, 30 s later; Slurm's
+after its KillWait). A rank that died leaves
 the others in the agreement's all-reduce only until ``train.collective_timeout_minutes``.
 
 A time limit of the run's own, ``train.exit_duration_minutes`` (megatron-LM's
@@ -52,6 +56,7 @@ class ExitSignals:
         self.numbers = [signal_number(name) for name in names]
         self.deadline = deadline
         self.received = 0
+        self.stopping = False       # the ranks agreed to stop on a signal
         self._since = 0.0
         self._previous: dict[int, Any] = {}
 
@@ -61,10 +66,16 @@ class ExitSignals:
         return self
 
     def __exit__(self, *exc) -> None:
+        """The handlers before; once the ranks agreed to stop on a signal, the run's exit
+        signals ignored: every rank ends in moments (its save, its claim released, its records
+        closed), and torchrun sends the ranks still there a SIGTERM once the first exits
+        128 + N, which would kill them before that (it kills them outright 30 s later)."""
         for number, previous in self._previous.items():
-            signal.signal(number, previous)
+            signal.signal(number, signal.SIG_IGN if self.stopping else previous)
 
     def _handle(self, number: int, frame: FrameType | None) -> None:
+        if self.stopping:           # torchrun's, once a rank that stopped first has exited
+            return
         if not self.received:
             self.received, self._since = number, time.monotonic()
         elif time.monotonic() - self._since > REPEAT_SECONDS:    # a second one: die now
@@ -78,4 +89,5 @@ class ExitSignals:
         # one all-reduce for both: a signal's number, or PAST_DEADLINE, which is larger
         agreed = distributed.maximum(PAST_DEADLINE + self.received if self.received else
                                      PAST_DEADLINE if late else 0)
+        self.stopping = agreed > PAST_DEADLINE
         return agreed - PAST_DEADLINE if agreed > PAST_DEADLINE else agreed
