@@ -79,13 +79,20 @@ def resume_point(root: str | None) -> str | None:
     if found or not root or not os.path.isdir(root):
         return found
     steps = complete_steps(root)
+    readable = [step for step in steps if _meta_reads(os.path.join(root, step))]
+    if steps and not readable:
+        raise CheckpointError(
+            f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, and "
+            f"no {META} of them reads: none can be resumed; start over in another "
+            f"checkpoint.dir (or remove them: rm -r {os.path.join(root, 'step_*')})",
+            damaged=True)
     if steps:
         raise CheckpointError(
             f"checkpoint.dir {root} holds {', '.join(steps[-3:])} but no '{LATEST}' file, "
-            f"which names the checkpoint to resume: to resume from {steps[-1]}, run `echo "
-            f"{steps[-1]} > {os.path.join(root, LATEST)}` (the resume checks its files against "
-            "its manifest, and names the newest earlier step where one is damaged); to start a "
-            "new run, give another checkpoint.dir")
+            f"which names the checkpoint to resume: to resume from {readable[-1]}, run `echo "
+            f"{readable[-1]} > {os.path.join(root, LATEST)}` (the resume checks its files "
+            "against its manifest, and names the newest earlier step where one is damaged); to "
+            "start a new run, give another checkpoint.dir")
     return None
 
 
@@ -135,8 +142,15 @@ def damaged(directory: str, what: str) -> CheckpointError:
                    f"'echo {os.path.basename(earlier[0])} > {os.path.join(root, LATEST)}' "
                    f"(or model.init_from={earlier[0]} for its weights)")
     else:
-        instead = (f"no earlier checkpoint is in {root}: start over in another "
-                   f"checkpoint.dir (or remove {directory} and {os.path.join(root, LATEST)})")
+        name = os.path.basename(os.path.abspath(directory))
+        unread = [step for step in complete_steps(root) if step != name and (
+            not re.fullmatch(STEP_NAME, name) or step < name)] if os.path.isdir(root) else []
+        instead = (f"no earlier checkpoint is in {root}" + (
+            f" that can be resumed ({', '.join(unread[-3:])}: no {META} reads): start over "
+            f"in another checkpoint.dir (or remove them all: rm -r "
+            f"{os.path.join(root, 'step_*')} {os.path.join(root, LATEST)})" if unread else
+            f": start over in another checkpoint.dir (or remove {directory} and "
+            f"{os.path.join(root, LATEST)})"))
     return CheckpointError(f"checkpoint {directory} is damaged: {what}; {instead}", damaged=True,
                            what=what, earlier=earlier[0] if earlier else "")
 

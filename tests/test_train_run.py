@@ -1128,6 +1128,25 @@ def test_the_checkpoint_named_instead_of_a_damaged_one_is_earlier_and_reads(tmp_
     # a folder not named step_* (a step copied to best/) has none earlier: one beside it
     assert f"the newest checkpoint beside it is {tmp_path / 'step_0000008'}: resume from it" \
         in str(damaged(str(tmp_path / "best"), "a file is missing"))
+    # the earlier ones all unreadable: removing the damaged one alone would lead to them, one
+    # refusal after another; and without latest, the step it names is one whose meta.json reads
+    from mimo_train.checkpoint_folders import resume_point
+    from mimo_train.errors import CheckpointError
+    (tmp_path / "step_0000002" / "meta.json").write_text("")
+    assert f"no earlier checkpoint is in {tmp_path} that can be resumed (step_0000002, " \
+        "step_0000004: no meta.json reads): start over in another checkpoint.dir (or remove " \
+        f"them all: rm -r {tmp_path / 'step_*'} {tmp_path / 'latest'})" in \
+        str(damaged(str(tmp_path / "step_0000006"), "a file is missing"))
+    (tmp_path / "step_0000008" / "meta.json").write_text("{")
+    with pytest.raises(CheckpointError, match="to resume from step_0000006, run `echo "
+                       "step_0000006"):
+        resume_point(str(tmp_path))
+    (tmp_path / "step_0000006" / "meta.json").write_text("{")
+    with pytest.raises(CheckpointError, match="holds step_0000004, step_0000006, step_0000008 "
+                       "but no 'latest' file, and no meta.json of them reads: none can be "
+                       "resumed; start over") as refused:
+        resume_point(str(tmp_path))
+    assert refused.value.exit_code == 1
 
 
 def test_what_is_given_for_a_step_s_checkpoint_is_named(setup, tmp_path):
