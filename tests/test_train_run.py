@@ -145,6 +145,7 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     for step in ("step_0000002", "step_0000003"):
         (tmp_path / step).mkdir()
         (tmp_path / step / "integrity.json").write_text("{}")
+        (tmp_path / step / "meta.json").write_text("{}")
     with pytest.raises(CheckpointError) as refused:
         resume_point(str(tmp_path))
     assert refused.value.exit_code == 2
@@ -153,7 +154,6 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert resume_point(str(tmp_path)) == str(tmp_path / "step_0000002")
     # latest naming a step no longer there: said so, with the newest earlier one
     (tmp_path / "latest").write_text("step_0000009")
-    (tmp_path / "step_0000003" / "meta.json").write_text("{}")
     with pytest.raises(CheckpointError, match=f"latest names it, and there is no such folder "
                        rf".*the newest earlier checkpoint is {tmp_path}/step_0000003"):
         resume_point(str(tmp_path))
