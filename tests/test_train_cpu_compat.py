@@ -18,12 +18,10 @@ import copy
 import inspect
 import json
 import multiprocessing
-import multiprocessing.queues
 import os
 import queue
 import tempfile
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -733,34 +731,18 @@ def test_then_in_writer():
     assert calls == [("write", (1,), {"k": 2}), "digests", "finalize"]
 
 
-_GATE = threading.Event()
-
-
-class _Slow:
-    """A write result that pickles only once ``_GATE`` is set: one still in the feeder thread
-    of the process that put it in a queue."""
-
-    def __reduce__(self):
-        _GATE.wait()
-        return (_Slow, ())
-
-
 def test_use_forked_write_results(monkeypatch):
-    """megatron-core reads a write's results with ``get_nowait`` once the write returned. Its
-    own queue is a "spawn" ``Manager``'s (a server process); a plain queue of the "fork"
-    context hands the item to a feeder thread, so in the process that wrote it may not be
-    there yet. The writer's queue: megatron-core's getter returns it (no ``Manager``), and it
-    gives an item still on its way."""
+    """megatron-core reads a write's results with ``get_nowait`` once the write returned: in
+    the process that wrote (``execute_sync``), or after joining the writer it forked. Its own
+    queue is a "spawn" ``Manager``'s (a server process); the writer's queue instead
+    (megatron-core's getter returns it, no ``Manager``): an item put is there at once; a forked
+    writer's results larger than a pipe holds (a real model's) do not keep it from exiting
+    (a pipe-backed queue's did: a hang in megatron-core's join); a writer killed before it put
+    anything leaves ``queue.Empty`` (megatron-core: "results_queue should not be empty") at
+    once."""
     from mimo_train.mcore import filesystem_async
     from mimo_train.mcore.async_save import use_forked_write_results
 
-    _GATE.clear()
-    plain = multiprocessing.get_context("fork").Queue()
-    plain.put(_Slow())
-    with pytest.raises(queue.Empty):      # megatron-core: "results_queue should not be empty"
-        plain.get_nowait()
-    _GATE.set()
-    assert isinstance(plain.get(), _Slow)
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
     use_forked_write_results()
     ours = filesystem_async._results_queue
@@ -770,33 +752,25 @@ def test_use_forked_write_results(monkeypatch):
     monkeypatch.setattr(filesystem_async.mp, "get_context", no_manager)
     assert filesystem_async.get_write_results_queue() is ours
     monkeypatch.undo()
-    _GATE.clear()
-    ours.put(_Slow())
-    threading.Timer(0.2, _GATE.set).start()
-    assert isinstance(ours.get_nowait(), _Slow)
-    # An asynchronous save's writer is forked, then joined before its results are read: where
-    # this process put nothing, what a writer put is in the pipe, and a writer killed first
-    # left nothing, whose error comes after a short wait, not the minute an item on its way
-    # from this process's own feeder is given.
-    from mimo_train.mcore import async_save
-    waits: list = []
-    get = multiprocessing.queues.Queue.get
-    monkeypatch.setattr(multiprocessing.queues.Queue, "get", lambda self, block=True,
-                        timeout=None: waits.append(timeout) or get(self, block, timeout))
-    forked = async_save._ResultsQueue()
+    ours.put({"written": 1})                    # in this process (execute_sync)
+    assert ours.get_nowait() == {"written": 1}
+    with pytest.raises(queue.Empty):
+        ours.get_nowait()
     fork = multiprocessing.get_context("fork")
-    for target in (forked.put, os._exit):           # a writer that reports; one killed first
-        writer = fork.Process(target=target, args=(9,))
+    results = {0: ["x" * 100] * 3000}           # ~300 KB pickled: more than a pipe holds
+    for target, args in ((ours.put, (results,)), (os._exit, (9,))):
+        writer = fork.Process(target=target, args=args)
         writer.start()
-        writer.join()
-        if target is os._exit:
-            with pytest.raises(queue.Empty):    # megatron-core: "results_queue should not be empty"
-                forked.get_nowait()
+        writer.join(timeout=120)
+        alive = writer.is_alive()
+        if alive:
+            writer.kill()
+        assert not alive, "the writer could not exit before its results were read"
+        if target is os._exit:                  # killed first: nothing, at once
+            with pytest.raises(queue.Empty):
+                ours.get_nowait()
         else:
-            assert forked.get_nowait() == 9
-    assert waits == [async_save._JOINED_S] * 2
-    forked.put(1)                               # written in this process (execute_sync)
-    assert forked.get_nowait() == 1 and waits[-1] == async_save._ON_ITS_WAY_S
+            assert ours.get_nowait() == results
 
 
 def test_ensure_global_memory_buffer(monkeypatch):

@@ -181,7 +181,7 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
     assert sorted(os.listdir(model)) == ["config.json", "model-00001-of-00002.safetensors"]
 
 
-def test_a_failed_background_save_raises_its_writers_cause(tmp_path):
+def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch):
     """torch's CheckpointException (from an asynchronous save's writers) is a BaseException,
     which the run's handlers leave alone: a traceback from every rank. The save raises its
     writer's cause, which they say once: an OSError as it is, a full disk's (which names no
@@ -223,7 +223,24 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path):
         saver.poll()
     assert refused.value.exit_code == 1
     saver.queue = failing(CheckpointException("save failed", {1: (KeyboardInterrupt(), None)}))
-    with pytest.raises(CheckpointError, match="writing ck/step_0000004: save failed"):
+    with pytest.raises(CheckpointError, match=r"writing ck/step_0000004 failed on another rank "
+                       r"\(save failed; megatron-core tells only rank 0 which and why\)"):
+        saver.wait()
+    # a rank not megatron-core's coordinator (no failures given) whose own writer left no
+    # results says so itself
+    from mimo_train.components import checkpoint as module
+    from mimo_train.mcore import filesystem_async
+    import queue
+
+    from mimo_train.mcore.async_save import _ResultsQueue
+    results = _ResultsQueue()
+    monkeypatch.setattr(filesystem_async, "_results_queue", results)
+    monkeypatch.setattr(module.dist, "get_rank", lambda: 3)
+    with pytest.raises(queue.Empty):
+        results.get_nowait()                     # its writer was killed: nothing there
+    saver.queue = failing(CheckpointException("write", {}))
+    with pytest.raises(CheckpointError, match="the checkpoint writer process of rank 3 ended "
+                       "without reporting its part"):
         saver.wait()
 
 

@@ -68,7 +68,8 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               extract_matching_values, get_cuda_rng_tracker,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
                               load_plain_tensors, merge, nested_values)
-from mimo_train.mcore.async_save import then_in_writer, use_forked_write_results
+from mimo_train.mcore.async_save import (then_in_writer, use_forked_write_results,
+                                         writer_left_nothing)
 from mimo_train.mcore.gated_delta_net import joined_sections
 from mimo_train.mcore.distributed_optimizer import unshare_steps
 from mimo_train.mcore.fused_adam import use_fused_adam
@@ -163,6 +164,8 @@ class Saver:
                 request.execute_sync()
             except CheckpointException as error:
                 raise _writers_cause(error, directory) from None
+            except OSError as error:            # mimo's digests, written after the data
+                raise _no_space(error, directory) or error from None
             return directory
         self.queue.schedule_async_request(request)
         self.pending.append(directory)
@@ -219,30 +222,41 @@ def _writers_cause(error: CheckpointException, directory: str) -> Exception:
     """What made a save fail (a full disk's OSError ...; a rank's writer process killed):
     torch's CheckpointException is a BaseException, which the run's handlers (one message, not
     a traceback from every rank) leave alone."""
-    for rank, (failure, _) in sorted(error.failures.items()):
-        if str(failure) == _NO_RESULTS:
-            return CheckpointError(
-                f"writing {directory}: the checkpoint writer process of rank {rank} ended "
-                "without reporting its part (killed: out of memory? the host's kernel log "
-                "says): this checkpoint is incomplete, latest not moved to it (a resume "
-                "loads the one before, if any); with checkpoint.async_save each writer holds a "
-                "copy of the rank's state in host memory: give the ranks more, or save "
-                "synchronously (checkpoint.async_save false)", damaged=True)
+    died = [rank for rank, (failure, _) in sorted(error.failures.items())
+            if str(failure) == _NO_RESULTS]
+    if writer_left_nothing():                   # this rank's (only the coordinator is told)
+        died = sorted({*died, dist.get_rank()})
+    if died:
+        return CheckpointError(
+            f"writing {directory}: the checkpoint writer process of rank {died[0]} ended "
+            "without reporting its part (killed: out of memory? the host's kernel log "
+            "says): this checkpoint is incomplete, latest not moved to it (a resume "
+            "loads the one before, if any); with checkpoint.async_save each writer holds a "
+            "copy of the rank's state in host memory: give the ranks more, or save "
+            "synchronously (checkpoint.async_save false)", damaged=True)
     cause = next((failure[0] for failure in error.failures.values()
                   if isinstance(failure[0], Exception)),
-                 CheckpointError(f"writing {directory}: {error.args[0]}"))
-    if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:   # said without a path
-        try:
-            free = f" ({shutil.disk_usage(os.path.dirname(directory)).free / 2**30:.1f} GiB " \
-                "free now)"
-        except OSError:
-            free = ""
-        return CheckpointError(
-            f"writing {directory}: no space left on its file system{free}: this "
-            "checkpoint is incomplete, latest not moved to it (a resume loads the one before, "
-            "if any); free space there, keep fewer checkpoints (checkpoint.keep_last), or give "
-            "checkpoint.dir a larger file system", damaged=True)
-    return cause
+                 CheckpointError(f"writing {directory} failed on another rank ({error.args[0]};"
+                                 " megatron-core tells only rank 0 which and why): rank 0's "
+                                 "line says it"))
+    return _no_space(cause, directory) or cause
+
+
+def _no_space(error: Exception, directory: str) -> CheckpointError | None:
+    """A full file system's OSError (which names no file) as the step folder being written,
+    the space free and what to do; None for any other error."""
+    if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+        return None
+    try:
+        free = f" ({shutil.disk_usage(os.path.dirname(directory)).free / 2**30:.1f} GiB " \
+            "free now)"
+    except OSError:
+        free = ""
+    return CheckpointError(
+        f"writing {directory}: no space left on its file system{free}: this checkpoint is "
+        "incomplete, latest not moved to it (a resume loads the one before, if any); free "
+        "space there, keep fewer checkpoints (checkpoint.keep_last), or give checkpoint.dir a "
+        "larger file system", damaged=True)
 
 
 # megatron-core's words for a write's results that never came (its writer died first)
