@@ -571,6 +571,9 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
         generator.generate("<video> What happens?")
     with pytest.raises(GenerateError, match="the prompt has 2 <image> marker"):
         generator.generate("<image><image> Compare them.", images=[str(tmp_path / "a.jpg")])
+    with pytest.raises(GenerateError, match=r"the prompt's <image> marker\(s\) ask for image "
+                       r"input, and no --image file is given: give it \(--image FILE\)"):
+        generator.generate("<image> What is this?")
     # one marker for two files: which one it meant would be a guess
     with pytest.raises(GenerateError, match=r"1 <audio> marker\(s\) for 2 --audio file\(s\): "
                        "mark each"):

@@ -471,3 +471,28 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
         _check_each_once(config)
     _check_each_once(SimpleNamespace(data=SimpleNamespace(datasets=datasets[:1] + [
         datasets[0] + "-other"], valid=[])))                 # two datasets: nothing to say
+
+
+def test_the_settings_the_ranks_compare_leave_out_what_a_node_sets_its_own_way():
+    """``RunPlan.given`` (what the ranks' start-up compares: a case above): a node's own cache
+    folder, storage options and what rank 0 alone writes (TensorBoard, a W&B run's name) may
+    differ between the nodes' launches; the seed, a dataset or the preprocessing may not."""
+    from types import SimpleNamespace
+
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_train.config import TrainConfig
+    from mimo_train.plan.run_plan import RunPlan
+
+    def given(*overrides):
+        cfg = TrainConfig.load(str(REPO / "configs" / "train" /
+                                   "images_language_colocated.yaml"), list(overrides))
+        preprocess = PreprocessConfig.from_yaml(cfg.data.preprocess)
+        return RunPlan.given(SimpleNamespace(config=cfg, preprocess=preprocess))
+
+    node = given("data.cache_dir=/local/a", "train.tensorboard_dir=tb-a",
+                 "train.wandb={project: p, name: run-0900}", "data.storage_options={key: a}")
+    assert node == given("data.cache_dir=/local/b", "train.tensorboard_dir=tb-b",
+                         "train.wandb={project: p, name: run-0901}")
+    assert node != given("train.seed=2") and node["train.seed"] == "1"
+    assert node["preprocess.seq_length"] == repr(PreprocessConfig.from_yaml(
+        str(REPO / "configs" / "preprocess_images.yaml")).seq_length)

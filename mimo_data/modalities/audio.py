@@ -244,7 +244,8 @@ def _image_format(data: bytes) -> str | None:
     try:
         with Image.open(io.BytesIO(data)) as image:
             return image.format
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError,
+            SyntaxError):
         return None
 
 

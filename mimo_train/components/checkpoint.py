@@ -121,6 +121,13 @@ def prepare(root: str, resume: bool) -> str | None:
     return found
 
 
+def unclaim(root: str) -> None:
+    """Rank 0, when a start-up that claimed ``root`` fails (a damaged checkpoint refused): its
+    claim removed, so that the next run may take the folder at once, from any host."""
+    if distributed.rank_and_size()[0] == 0:
+        checkpoint_owner.release(root)
+
+
 def _refuse_earlier_steps(root: str) -> None:
     """CheckpointError where ``root`` holds step folders and the run starts over
     (``checkpoint.resume: false``): its saves would replace the steps of the same numbers,

@@ -535,6 +535,10 @@ def _place_markers(prompt: str, files: dict) -> tuple[str, list[str]]:
     marked = _MARKER.findall(prompt)
     missing = {m: len(paths) - marked.count(m) for m, paths in files.items()}
     for modality, n in missing.items():
+        if not files[modality] and n < 0:
+            raise GenerateError(f"the prompt's <{modality}> marker(s) ask for {modality} input, "
+                                f"and no --{modality} file is given: give it (--{modality} "
+                                "FILE), or remove the marker")
         if n < 0 or (n and marked.count(modality)):
             raise GenerateError(
                 f"the prompt has {marked.count(modality)} <{modality}> marker(s) for "

@@ -25,6 +25,12 @@ from mimo_train.plan.parts import Part, check_module_names, parse_parts
 from mimo_train.plan.rules import Facts, Settings, check
 
 
+# settings a node may give its own value: a local disk's cache, what rank 0 alone writes (a
+# launch script's run name of the hour, say), a node's storage credentials or endpoint
+NODE_LOCAL = frozenset({"data.cache_dir", "data.storage_options", "train.tensorboard_dir",
+                        "train.wandb"})
+
+
 @dataclass(frozen=True)
 class ModulePlan:
     """One module's own settings: its optimizer's (``optimizer.modules.<module>`` over
@@ -74,11 +80,14 @@ class RunPlan:
                      shared_expert_mlp=arch.shared_expert_ffn_hidden_size if arch else 0)
 
     def given(self) -> dict[str, str]:
-        """Every setting the run was given, by dotted key (``preprocess.`` before the
-        preprocessing config's), each value's text: what every rank must have read alike."""
+        """Every setting the run was given that every rank must have read alike, by dotted
+        key (``preprocess.`` before the preprocessing config's), each value's text; not those
+        a node may set its own way (``NODE_LOCAL``)."""
         found: dict[str, str] = {}
 
         def walk(value, key: str) -> None:
+            if key in NODE_LOCAL:
+                return
             if isinstance(value, dict) and value:
                 for name, inner in value.items():
                     walk(inner, f"{key}.{name}" if key else str(name))

@@ -223,7 +223,12 @@ class Trainer:
         resume = agree("checkpoint check", lambda: checkpoint.prepare(
             cfg.checkpoint.dir, cfg.checkpoint.resume)) if cfg.checkpoint.dir else None
         if resume:
-            self._resume(resume)
+            try:
+                self._resume(resume)
+            except BaseException:
+                if cfg.checkpoint.dir:
+                    checkpoint.unclaim(cfg.checkpoint.dir)
+                raise
         self.saver = checkpoint.Saver(cfg.checkpoint.dir, cfg.checkpoint.async_save,
                                       cfg.checkpoint.keep_last) if cfg.checkpoint.dir else None
         if note := cfg.checkpoint.note():
