@@ -773,6 +773,26 @@ def test_use_forked_write_results(monkeypatch):
             assert ours.get_nowait() == results
 
 
+def test_writer_left_nothing(monkeypatch):
+    """megatron-core tells only its coordinator which rank's write failed: a rank learns its
+    own writer died from its read of the results finding none (once: the flag is cleared); a
+    read that found them, or a results queue not mimo's, says nothing of it."""
+    from mimo_train.mcore import filesystem_async
+    from mimo_train.mcore.async_save import use_forked_write_results, writer_left_nothing
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    use_forked_write_results()
+    ours = filesystem_async._results_queue
+    ours.put({"written": 1})
+    ours.get_nowait()
+    assert not writer_left_nothing()
+    with pytest.raises(queue.Empty):
+        ours.get_nowait()
+    assert writer_left_nothing() and not writer_left_nothing()
+    monkeypatch.setattr(filesystem_async, "_results_queue", queue.Queue())
+    assert not writer_left_nothing()
+
+
 def test_ensure_global_memory_buffer(monkeypatch):
     """megatron-core's layers take buffers from its global memory buffer, which only its
     ``initialize_model_parallel`` makes (mimo makes the groups of each module's grid)."""
