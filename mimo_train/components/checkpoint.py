@@ -122,8 +122,9 @@ def prepare(root: str, resume: bool) -> str | None:
 
 
 def unclaim(root: str) -> None:
-    """Rank 0, when a start-up that claimed ``root`` fails (a damaged checkpoint refused): its
-    claim removed, so that the next run may take the folder at once, from any host."""
+    """Rank 0, once the run that claimed ``root`` has ended (or its start-up failed: a
+    damaged checkpoint refused): its claim removed, so that the next run may take the folder
+    at once, from any host."""
     if distributed.rank_and_size()[0] == 0:
         checkpoint_owner.release(root)
 
@@ -187,8 +188,7 @@ class Saver:
 
     def release(self) -> None:
         """Once the run has ended and ``wait`` returned: its claim on the folder removed."""
-        if distributed.rank_and_size()[0] == 0:
-            checkpoint_owner.release(self.root)
+        unclaim(self.root)
 
     def wait(self) -> list[str]:
         """Block until the save in flight, if any, is complete; its directory."""
