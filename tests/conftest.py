@@ -217,6 +217,15 @@ def ranks():
     parent.close()
 
 
+def symbolic_sizes(graph) -> set[int]:
+    """The dimensions of a dynamo graph's (``torch.fx.GraphModule``) input tensors whose size
+    is symbolic (dynamic)."""
+    import torch
+    return {dim for node in graph.graph.nodes if node.op == "placeholder"
+            and isinstance(value := node.meta.get("example_value"), torch.Tensor)
+            for dim, size in enumerate(value.shape) if not isinstance(size, int)}
+
+
 def model_dir(name: str) -> Path:
     """A checkpoint directory built by tools/setup.sh; fails (not skips) when missing."""
     path = MODELS / name

@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import symbolic_sizes
+
 HIDDEN, FFN, ROWS, TOKENS, BATCH = 32, 48, 64, 10, 2
 
 
@@ -208,8 +210,9 @@ def test_the_language_model_takes_the_fused_rotary(groups, monkeypatch):
 def test_the_fused_rotary_compiles_once_for_queries_and_once_for_keys(monkeypatch):
     """The compiled path (dynamo's tracing here; inductor's kernels on a GPU) on packed rows
     (batch 1) as megatron-core's attention cuts them: two sequence lengths, training and
-    no-grad passes make two graphs of the forward formula (the contiguous queries, the keys'
-    strided view) and one of the backward, and the rows are the formula's as written."""
+    no-grad passes make two graphs of each formula, the queries' (their heads) and the keys'
+    (their groups: heads and widths are constants of the graphs, the length alone dynamic),
+    and the rows are the formula's as written."""
     from mimo_train.mcore import rope_fusion
     from mimo_train.runtime.compile import Compiler
     graphs: list = []
@@ -226,4 +229,6 @@ def test_the_fused_rotary_compiles_once_for_queries_and_once_for_keys(monkeypatc
                 sum(r.float().sum() for r in rows).backward()
         assert torch.equal(rows[1], rope_fusion.rope(key.detach(), freqs, 1.0))
     assert {f.__name__ for f in rope_fusion.COMPILER.compiled} == {"rope", "rope_backward"}
-    assert len(graphs) == 3, [graph.code for graph in graphs]
+    assert len(graphs) == 4, [graph.code for graph in graphs]
+    for graph in graphs:      # heads and widths compiled in: no index divided at run time
+        assert symbolic_sizes(graph) == {0}, graph.code

@@ -19,7 +19,7 @@ import functools
 import pytest
 import torch
 
-from conftest import MODELS, PUBLISHED_TOWERS
+from conftest import MODELS, PUBLISHED_TOWERS, symbolic_sizes
 from mimo_train.runtime.compile import Compiler
 from mimo_train.runtime.profile import parent_names
 from mimo_train.model import tower_fusions
@@ -209,6 +209,8 @@ def test_each_formula_compiles_once_whatever_the_step_does(monkeypatch):
                      "rms_norm", "rms_norm_backward", "rms_norm_weight_backward", "silu_gate",
                      "silu_gate_backward"}
     assert len(graphs) == len(names), [graph.code for graph in graphs]
+    for graph in graphs:      # heads and widths compiled in: no index divided at run time
+        assert symbolic_sizes(graph) == {0}, graph.code
 
 
 def test_a_formula_past_the_recompile_limit_runs_as_written(capsys):

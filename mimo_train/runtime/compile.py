@@ -1,7 +1,8 @@
 """Fused formulas compiled on a GPU, run as written elsewhere: ``Compiler``, which the towers'
 fusions (``model.tower_fusions``) and the language models' rotary (``mcore.rope_fusion``)
-call. torch.compile does the compiling; this adds what both need around it: dynamic sizes and
-detached tensors (whatever the lengths or the tensors' autograd state, no new graph; a new
+call. torch.compile does the compiling; this adds what both need around it: dynamic lengths
+(the other sizes constants) and detached tensors (whatever the lengths or the tensors'
+autograd state, no new graph; a new
 memory layout or a dimension of size 1 still makes one), numbers as constants of the graph,
 and a formula past torch's recompile limit run as written instead of stopping the run."""
 
@@ -16,8 +17,14 @@ from mimo_train.runtime.console import PREFIX, say
 
 class Compiler:
     """Runs the fused formulas: compiled by ``backend`` for tensors on ``devices``, else as
-    written. Each formula's sizes are dynamic (another length makes no other graph; another
-    memory layout, such as a strided view, or a dimension of size 1 does), and its tensors are
+    written. Each tensor's first dimension (the tokens; a CLIP batch's images) is dynamic, so
+    another length makes no other graph (another memory layout, such as a strided view, or a
+    dimension of size 1 does); its other sizes (heads, widths) are constants of the graph:
+    with every size symbolic, inductor's kernels divide each element's index by sizes read at
+    run time, and on the H200 the towers' rotary backward took 1.85 ms a call, ~9% of the
+    packed 8k step (docs/benchmarks.md, 2026-12-04); another value there makes another graph
+    (the language rotary has one for the queries' heads, one for the keys' groups; torch's
+    automatic dynamic shapes, which would make such a size symbolic, are off). Its tensors are
     passed detached, so whether they need a gradient, are parameters or views (no-grad
     evaluation, recompute, a frozen weight) makes no other graph. Its numbers (a rotary's
     scale, QuickGELU's constant, a norm's epsilon: arguments or globals) are constants of the
@@ -36,8 +43,13 @@ class Compiler:
             return formula(*args)
         if formula not in self.compiled:
             self.compiled[formula] = torch.compile(formula, backend=self.backend,
-                                                   dynamic=True, fullgraph=True)
+                                                   dynamic=False, fullgraph=True)
         detached = [arg.detach() if isinstance(arg, torch.Tensor) else arg for arg in args]
+        for arg in detached:
+            if isinstance(arg, torch.Tensor) and arg.dim():
+                # "maybe": a first dimension the formula ties to another's constant size
+                # (a norm's weight, the width) stays a constant, without an error
+                torch._dynamo.maybe_mark_dynamic(arg, 0)
         # dynamo's setting is the process's, not a thread's: the fused formulas are called
         # from one thread at a time (a step's forward, then its backward)
         config = torch._dynamo.config
