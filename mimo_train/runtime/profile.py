@@ -18,6 +18,13 @@ the next change, the same for mimo and for any other training measured beside it
 - ``operators_per_step``: the operators the host dispatched (outermost ``aten::`` calls, each
   one kernel launch or more on a GPU: the host's share of a step grows with them, and the GPU
   idles when the host falls behind), and on a GPU ``kernels_per_step``;
+- ``host_ms_by_phase`` and on a GPU ``idle_ms_by_phase``: the profiled steps' wall time,
+  and the GPU's idle time in them, by what the host was doing (the ``PHASES`` the trainer
+  marks with ``mark_phase``: fetching and placing a micro-batch, dispatching its forward pass, the
+  rest of the schedule (the backward passes, the loss), the optimizer's step with the
+  gradient norm; ``step`` for the rest: zeroing the gradients, the records): idle time under
+  ``forward`` says the host's dispatch is behind the GPU there, under ``optimizer`` that a
+  wait for the norm drained the GPU's queue, under ``step`` that the step's own Python is;
 - ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
   their innermost Python frame outside torch: on CUDA each call torch's sync debug mode
   reports (``SyncSites``), on the CPU with ``train.profile.waits`` each operator that would
@@ -29,6 +36,7 @@ torch.profiler records; nothing in it sorts kernels into these kinds, hence ``ki
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -64,6 +72,51 @@ WAITING_OPS = frozenset({
     "aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
     "aten::unique_dim", "aten::unique_consecutive", "aten::bincount", "aten::equal",
     "aten::masked_scatter_backward"})      # a masked_select of the gradient (CUDA: nonzero)
+
+
+# the phases of a step that ``mark_phase`` marks, innermost first (where marks nest, the time is
+# the innermost one's): a micro-batch's fetch and placement, its forward pass's dispatch, the
+# rest of the schedule or the backward passes, the optimizer's step; "step" is the rest
+PHASES = ("data", "forward", "backward", "optimizer")
+MARK = "phase: "
+
+
+def mark_phase(name: str) -> contextlib.AbstractContextManager:
+    """The host's ``name`` (one of ``PHASES``) marked in a profile (a range of torch's
+    profiler); nothing while no profiler records: no operator dispatched."""
+    if name not in PHASES:
+        raise ValueError(f"no phase {name!r}: one of {PHASES}")
+    if torch.autograd.profiler._is_profiler_enabled:
+        return torch.profiler.record_function(MARK + name)
+    return contextlib.nullcontext()
+
+
+def painted(spans: list[tuple[float, float]], marks: list[tuple[float, float, str]]
+            ) -> dict[str, float]:
+    """The time of ``spans`` (start, end) under each phase of ``marks`` (start, end, phase):
+    the innermost one (``PHASES``' order) where marks overlap, ``step`` where none does."""
+    order = {name: i for i, name in enumerate(PHASES)}
+    found = dict.fromkeys((*PHASES, "step"), 0.0)
+    for start, end in spans:
+        inside = [m for m in marks if m[0] < end and m[1] > start]
+        cuts = sorted({start, end, *(t for s, e, _ in inside for t in (s, e) if start < t < end)})
+        for a, b in zip(cuts, cuts[1:]):
+            covering = [name for s, e, name in inside if s <= a and e >= b]
+            found[min(covering, key=order.__getitem__) if covering else "step"] += b - a
+    return found
+
+
+def _gaps(spans: list[tuple[float, float]], start: float, end: float
+          ) -> list[tuple[float, float]]:
+    """The parts of ``start .. end`` that no span of ``spans`` covers."""
+    gaps, reached = [], start
+    for s, t in sorted(spans):
+        if s > reached:
+            gaps.append((reached, min(s, end)))
+        reached = max(reached, t)
+    if reached < end:
+        gaps.append((reached, end))
+    return [(s, t) for s, t in gaps if t > s]
 
 
 def kind(name: str) -> str:
@@ -118,7 +171,8 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         spans = [(s, t) for _, s, t in timed] + [
             (e.time_range.start, e.time_range.end) for e in events
             if e.name.startswith("ProfilerStep")]          # torch reads "#N" as "*"
-        window = max(t for _, t in spans) - min(s for s, _ in spans)
+        first, last = min(s for s, _ in spans), max(t for _, t in spans)
+        window = last - first
         own: dict[str, float] = {}
         for name, start, stop in timed:
             own[name] = own.get(name, 0.0) + (stop - start)
@@ -142,6 +196,20 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         shares["idle"] = round(idle / whole, 4)
     ranked = sorted(own.items(), key=lambda item: -item[1])[:top]
     per_step = max(steps, 1) * 1000.0
+    # the host's phases (its thread's marks, not their copies on the GPU's timeline)
+    marks = [(e.time_range.start, e.time_range.end, e.name[len(MARK):]) for e in events
+             if e.name.startswith(MARK) and e.device_type == torch.autograd.DeviceType.CPU]
+    stepped = [(e.time_range.start, e.time_range.end) for e in events
+               if e.name.startswith("ProfilerStep")
+               and e.device_type == torch.autograd.DeviceType.CPU]
+    phases = {}
+    if marks:
+        phases["host_ms_by_phase"] = painted(stepped, marks)
+        if kernels:
+            phases["idle_ms_by_phase"] = painted(
+                _gaps([(s, t) for _, s, t in timed], first, last), marks)
+    phases = {key: {name: round(us / per_step, 3) for name, us in found.items()}
+              for key, found in phases.items()}
     return {"device": device, "steps": steps, "ms_per_step": round(window / per_step, 3),
             "shares": shares,
             "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
@@ -152,6 +220,7 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
                 # time some kernel ran: against the unprofiled steps' time (the GPU check's
                 # busy_over_timed), whether the GPU or the host bounds a step
                 "busy_ms_per_step": round(busy / per_step, 3)} if kernels else {}),
+            **phases,
             "host_reads_per_step": round(len(synced) / max(steps, 1), 2),
             "host_reads_by_call": {name: round(n / max(steps, 1), 2) for name, n in sorted(
                 Counter(e.name for e in synced).items(), key=lambda item: -item[1])}}

@@ -40,6 +40,7 @@ from mimo_train.mcore.grids import Infra
 from mimo_train.mcore import finalize_model_grads
 from mimo_train.mcore.gated_delta_net import sum_partial_gradients
 from mimo_train.components.metrics import Timer
+from mimo_train.runtime.profile import mark_phase
 
 
 def model_inputs(batch: dict, infra: Infra, device: torch.device,
@@ -207,20 +208,22 @@ class ForwardStep:
 
     def __call__(self, data_iterator, model):
         batch = None
-        if data_iterator is not None:
-            started = time.perf_counter()
-            batch = next(data_iterator)
-            self.waits.append(time.perf_counter() - started)
-        inputs = model_inputs(batch, self.infra, self.device, self.shared) \
-            if batch is not None else \
-            {"input_ids": None}
-        if self.balance is not None:          # the routers' real rows
-            self.balance.tokens = None if batch is None else \
-                real_tokens(batch, shard_multiple(self.infra))
-        if self.labels is not None and self.last_stage and batch is not None:
-            self.labels.labels = host_labels(batch, shard_multiple(self.infra))
+        with mark_phase("data"):
+            if data_iterator is not None:
+                started = time.perf_counter()
+                batch = next(data_iterator)
+                self.waits.append(time.perf_counter() - started)
+            inputs = model_inputs(batch, self.infra, self.device, self.shared) \
+                if batch is not None else \
+                {"input_ids": None}
+            if self.balance is not None:          # the routers' real rows
+                self.balance.tokens = None if batch is None else \
+                    real_tokens(batch, shard_multiple(self.infra))
+            if self.labels is not None and self.last_stage and batch is not None:
+                self.labels.labels = host_labels(batch, shard_multiple(self.infra))
         timer = Timer(self.device)
-        output, loss_mask = model(**inputs)
+        with mark_phase("forward"):
+            output, loss_mask = model(**inputs)
         self.timers.append(timer.stop())
         if self.last_stage:
             return output, partial(loss_func, loss_mask)

@@ -72,7 +72,7 @@ from mimo_train.runtime import devices, distributed
 from mimo_train.runtime.console import (PREFIX, agree, memory_cause, out_of_gpu_memory, phase,
                                         run_failure, say)
 from mimo_train.runtime.preemption import PAST_DEADLINE, ExitSignals, signal_number
-from mimo_train.runtime.profile import Profile
+from mimo_train.runtime.profile import Profile, mark_phase
 from mimo_train.training.step import ForwardStep, GradientFinalizer, global_sum, no_sync
 
 
@@ -611,7 +611,8 @@ class Trainer:
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
             kwargs["p2p_communicator"] = self.communicator
-        reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
+        with mark_phase("backward"):           # the schedule's; its forward passes mark their own
+            reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
         return torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
@@ -641,7 +642,8 @@ class Trainer:
         # host, waiting for the device (README, "A step without host stalls", lists the rest)
         anomaly = None
         try:
-            success, grad_norm, _ = self.optimizer.step()
+            with mark_phase("optimizer"):
+                success, grad_norm, _ = self.optimizer.step()
         except NonFiniteStep as error:
             success, grad_norm = False, error.grad_norm
             anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,

@@ -55,7 +55,7 @@ from mimo_data.modalities.image import normalize_pixels
 from mimo_data.modalities.video import normalize_video_pixels
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.config import ProfileConfig, TrainConfig
-from mimo_train.runtime.profile import Profile
+from mimo_train.runtime.profile import Profile, mark_phase
 from mimo_train.training.step import kept_length
 
 
@@ -182,20 +182,26 @@ def train(config_path: Path, records: Path, profile_dir: Path | None = None) -> 
         for step in range(1, run["steps"] + 1):
             profile.before(step)
             started = time.perf_counter()
-            batches = [next(stream) for _ in range(gbs // mbs)]
-            total = int(sum(int(b["loss_mask"].sum()) for b in batches))
+            with mark_phase("data"):
+                batches = [next(stream) for _ in range(gbs // mbs)]
+                total = int(sum(int(b["loss_mask"].sum()) for b in batches))
             loss = torch.zeros((), device=device)
             media = {"images": 0, "clips": 0}
             for batch in batches:
-                inputs = hf_inputs(batch, preprocess, token_ids, total, device, token_types)
+                with mark_phase("data"):
+                    inputs = hf_inputs(batch, preprocess, token_ids, total, device,
+                                       token_types)
                 for kind, grids in (("images", "image_grid_thw"), ("clips", "video_grid_thw")):
                     media[kind] += len(inputs.get(grids, ()))
-                part = model(**inputs, use_cache=False).loss
-                part.backward()
+                with mark_phase("forward"):
+                    part = model(**inputs, use_cache=False).loss
+                with mark_phase("backward"):
+                    part.backward()
                 loss += part.detach()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
-            optimizer.step()
-            schedule.step()
+            with mark_phase("optimizer"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optimizer.clip_grad)
+                optimizer.step()
+                schedule.step()
             optimizer.zero_grad(set_to_none=True)
             value = float(loss)                          # the host waits for the step here
             seconds = time.perf_counter() - started
