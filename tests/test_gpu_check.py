@@ -61,6 +61,7 @@ def test_every_step_ran_on_the_cpu(summary):
     assert "error" not in parity, parity
     # the "device" is the CPU here: the same two steps twice, so equal to the bit
     assert len(parity["device_losses"]) == 2 and parity["max_abs_loss_diff"] == 0.0
+    assert parity["cpu_s"] > 0 and "device_s" not in parity, parity     # one side's run
 
 
 def test_a_package_the_project_does_not_allow_is_named(tmp_path):
@@ -430,7 +431,7 @@ def test_the_probes_run_after_the_chosen_cases_while_their_time_is_left(tmp_path
     ran, found, rc = _scheduled(tmp_path / "spent_one", "--cases", "packed_8k",
                                 spend="packed_8k")
     assert ran == first + ["packed_8k"] and found["kernels"] == skipped and rc == 0, ran
-    # 100 s left after the probes (the H200 run of 2026-12-04 started parity with 82 s, whose
+    # 100 s left after the case (the H200 run of 2026-12-04 started parity with ~80 s, whose
     # CPU side then stopped at the budget: an error): parity is skipped, not started
     ran, found, rc = _scheduled(tmp_path / "short", "--cases", "packed_8k", "--skip-probes",
                                 spend="packed_8k", left=100)

@@ -163,31 +163,35 @@ def test_the_idle_time_and_the_hosts_time_are_split_by_the_phase_the_host_was_in
     """The GPU's idle time (no kernel running) and the steps' wall time go to the phase the
     host marked then (``mark_phase``), the innermost where marks nest (a micro-batch's data
     and forward pass inside the schedule's ``backward``), ``step`` where none is; only the
-    host thread's marks count, not their copies on the GPU's timeline (events stand-ins)."""
+    steps' thread's marks count, not their copies on the GPU's timeline nor another
+    thread's (events stand-ins)."""
     from types import SimpleNamespace
     cpu, cuda = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
 
-    def event(name, start, end, device=cuda, annotation=False):
+    def event(name, start, end, device=cuda, annotation=False, thread=1):
         return SimpleNamespace(name=name, device_type=device, is_user_annotation=annotation,
-                               time_range=SimpleNamespace(start=start, end=end))
+                               thread=thread, time_range=SimpleNamespace(start=start, end=end))
     mark = profile.MARK
     # one step, 0-1000 us: data 0-100 and forward 100-300 inside the schedule (0-700), the
-    # optimizer 750-900; kernels 150-250, 320-600, 800-850 and 980-1000
+    # optimizer 750-900; kernels 150-250, 320-600 (400-500 overlapping it), 800-850, 900-960
     events = [event("ProfilerStep*", 0, 1000, cpu), event(mark + "backward", 0, 700, cpu),
               event(mark + "data", 0, 100, cpu), event(mark + "forward", 100, 300, cpu),
               event(mark + "optimizer", 750, 900, cpu),
               event(mark + "optimizer", 0, 1000, annotation=True),  # its GPU-side copy
+              event(mark + "data", 0, 1000, cpu, thread=2),           # another thread's
               event("nvjet_sm90_gemm", 150, 250), event("flash_fwd_kernel", 320, 600),
-              event("multi_tensor_apply_kernel", 800, 850), event("vectorized_kernel", 980, 1000)]
+              event("flash_bwd_kernel", 400, 500),
+              event("multi_tensor_apply_kernel", 800, 850), event("vectorized_kernel", 900, 960)]
     found = profile.summarize(SimpleNamespace(events=lambda: events), steps=1)
     assert found["host_ms_by_phase"] == {"data": 0.1, "forward": 0.2, "backward": 0.4,
                                          "optimizer": 0.15, "step": 0.15}, found
     # idle: 0-150 (data 100, forward 50), 250-320 (forward 50, backward 20), 600-800
-    # (backward 100, step 50, optimizer 50), 850-980 (optimizer 50, step 80)
+    # (backward 100, step 50, optimizer 50), 850-900 (optimizer), 960-1000 (step)
     assert found["idle_ms_by_phase"] == {"data": 0.1, "forward": 0.1, "backward": 0.12,
-                                         "optimizer": 0.1, "step": 0.13}, found
-    assert sum(found["idle_ms_by_phase"].values()) * 1000 == pytest.approx(
-        found["shares"]["idle"] * 1000, abs=1)          # all of the idle time, 550 of 1000 us
+                                         "optimizer": 0.1, "step": 0.09}, found
+    # all of the idle time: the window's 1,000 us less the 490 some kernel ran
+    assert found["busy_ms_per_step"] == 0.49 and found["ms_per_step"] == 1.0
+    assert sum(found["idle_ms_by_phase"].values()) == pytest.approx(0.51)
     with pytest.raises(ValueError, match="no phase 'loss'"):
         profile.mark_phase("loss")
 

@@ -21,8 +21,10 @@ the next change, the same for mimo and for any other training measured beside it
 - ``host_ms_by_phase`` and on a GPU ``idle_ms_by_phase``: the profiled steps' wall time,
   and the GPU's idle time in them, by what the host was doing (the ``PHASES`` the trainer
   marks with ``mark_phase``: fetching and placing a micro-batch, dispatching its forward pass, the
-  rest of the schedule (the backward passes, the loss), the optimizer's step with the
-  gradient norm; ``step`` for the rest: zeroing the gradients, the records): idle time under
+  rest of a training pass's schedule (the backward passes, the loss, the gradients'
+  reduction), the optimizer's step with the gradient norm and the learning rate's; ``step``
+  for the rest: zeroing the gradients, the step's loss sum across ranks, the records, an
+  evaluation's passes): idle time under
   ``forward`` says the host's dispatch is behind the GPU there, under ``optimizer`` that a
   wait for the norm drained the GPU's queue, under ``step`` that the step's own Python is;
 - ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
@@ -82,13 +84,11 @@ MARK = "phase: "
 
 
 def mark_phase(name: str) -> contextlib.AbstractContextManager:
-    """The host's ``name`` (one of ``PHASES``) marked in a profile (a range of torch's
-    profiler); nothing while no profiler records: no operator dispatched."""
+    """The host's ``name`` (one of ``PHASES``) marked in a profile: a range of torch's
+    profiler (while none records, one profiler call of a few microseconds, no kernel)."""
     if name not in PHASES:
         raise ValueError(f"no phase {name!r}: one of {PHASES}")
-    if torch.autograd.profiler._is_profiler_enabled:
-        return torch.profiler.record_function(MARK + name)
-    return contextlib.nullcontext()
+    return torch.profiler.record_function(MARK + name)
 
 
 def painted(spans: list[tuple[float, float]], marks: list[tuple[float, float, str]]
@@ -196,15 +196,17 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         shares["idle"] = round(idle / whole, 4)
     ranked = sorted(own.items(), key=lambda item: -item[1])[:top]
     per_step = max(steps, 1) * 1000.0
-    # the host's phases (its thread's marks, not their copies on the GPU's timeline)
-    marks = [(e.time_range.start, e.time_range.end, e.name[len(MARK):]) for e in events
-             if e.name.startswith(MARK) and e.device_type == torch.autograd.DeviceType.CPU]
-    stepped = [(e.time_range.start, e.time_range.end) for e in events
-               if e.name.startswith("ProfilerStep")
-               and e.device_type == torch.autograd.DeviceType.CPU]
+    # the host's phases: the marks of the steps' thread (not their copies on the GPU's
+    # timeline, nor another thread's, whose time overlaps the steps')
+    host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    stepped = [e for e in host if e.name.startswith("ProfilerStep")]
+    threads = {getattr(e, "thread", None) for e in stepped}
+    marks = [(e.time_range.start, e.time_range.end, e.name[len(MARK):]) for e in host
+             if e.name.startswith(MARK) and getattr(e, "thread", None) in threads]
     phases = {}
     if marks:
-        phases["host_ms_by_phase"] = painted(stepped, marks)
+        phases["host_ms_by_phase"] = painted(
+            [(e.time_range.start, e.time_range.end) for e in stepped], marks)
         if kernels:
             phases["idle_ms_by_phase"] = painted(
                 _gaps([(s, t) for _, s, t in timed], first, last), marks)

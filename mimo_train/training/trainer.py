@@ -584,8 +584,9 @@ class Trainer:
         if forward_only or not self.plan.language.moe_aux_loss:
             return self._through_schedule(iterator, forward_only)
         started = time.perf_counter()
-        batches = list(itertools.islice(iterator, self.micro_batches)) \
-            if iterator is not None else None
+        with mark_phase("data"):
+            batches = list(itertools.islice(iterator, self.micro_batches)) \
+                if iterator is not None else None
         waited = time.perf_counter() - started
         timers, waits = len(self.forward.timers), len(self.forward.waits)
         counting = self.balance.counting(self.device) if self.balance else nullcontext()
@@ -611,7 +612,8 @@ class Trainer:
                       forward_only=forward_only, pg_collection=self.pg_collection)
         if self.communicator is not None:
             kwargs["p2p_communicator"] = self.communicator
-        with mark_phase("backward"):           # the schedule's; its forward passes mark their own
+        # a training pass's schedule: its backward passes (its forward passes mark their own)
+        with mark_phase("backward") if not forward_only else nullcontext():
             reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
@@ -649,8 +651,9 @@ class Trainer:
             anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,
                                       self.step_samples)
         if success:
-            for scheduler in self.schedulers.values():
-                scheduler.step(1)
+            with mark_phase("optimizer"):
+                for scheduler in self.schedulers.values():
+                    scheduler.step(1)
         self.step += 1
         lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
                if o.param_groups}

@@ -153,8 +153,9 @@ TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
 # run in the 2026-11-30 lease: its 450 s went to the goal's case and the floor), then the rest
 PROBE_AFTER = 1
 PROBES_S = 150                          # their limit; they start only with all of it left
-# parity's two runs on a GPU machine (2026-12-04: the device's ~54 s, the CPU's more than
-# the 23 s left of the 60 it had started with); it starts only with this much left
+# parity's two runs on a GPU machine (2026-12-04: started with ~80 s left, the device's took
+# ~54 s and the CPU's was stopped at the budget 23 s in, an error); it starts only with this
+# much left, and says each side's seconds (``device_s``, ``cpu_s``) for setting it
 PARITY_S = 150
 AUTO_SHARE = 0.85                       # auto: the tower kept when predicted under this share
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
@@ -463,17 +464,21 @@ def parity(check: Check, device: str) -> dict:
     # on the CPU (tiny) the device is the CPU: one run, compared with itself
     sides = [("parity_cpu", "cpu")] if device == "cpu" else \
         [("parity_device", device), ("parity_cpu", "cpu")]
+    seconds = {}
     for name, where in sides:
         config = {"model": TINY, "layout": LAYOUTS[False],     # its preprocessing: images
                   "train": {"steps": 2, "precision": "fp32", "global_batch_size": 4,
                             "micro_batch_size": 2}}
+        started = time.monotonic()
         rc, records, log = train(check, name, where, 240, config,
                                  env={"NVIDIA_TF32_OVERRIDE": "0"})
+        seconds[f"{'cpu' if where == 'cpu' else 'device'}_s"] = round(
+            time.monotonic() - started, 1)
         if rc or len(records) != 2:
-            return {"error": f"{where}: {failure(rc, log)}"}
+            return {"error": f"{where}: {failure(rc, log)}", **seconds}
         runs[where] = records
     a, b = runs[device], runs["cpu"]
-    return {"device": device, "device_losses": [r["loss"] for r in a],
+    return {"device": device, **seconds, "device_losses": [r["loss"] for r in a],
             "cpu_losses": [r["loss"] for r in b],
             "device_grad_norms": [r["grad_norm"] for r in a],
             "cpu_grad_norms": [r["grad_norm"] for r in b],
