@@ -128,15 +128,6 @@ def kind(name: str) -> str:
     return "elementwise"
 
 
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(spans):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
-
-
 def parent_names(event) -> list[str]:
     """The names of the operators and ranges a profiler ``event`` ran inside, innermost
     first."""
@@ -166,7 +157,6 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
     if kernels:
         device = "cuda"
         timed = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
-        busy = _union([(s, t) for _, s, t in timed])
         # the steps' wall time (their marks, ``Profile``'s) and the kernels that end after it
         spans = [(s, t) for _, s, t in timed] + [
             (e.time_range.start, e.time_range.end) for e in events
@@ -176,7 +166,9 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         own: dict[str, float] = {}
         for name, start, stop in timed:
             own[name] = own.get(name, 0.0) + (stop - start)
-        idle = max(window - busy, 0.0)
+        gaps = _gaps([(s, t) for _, s, t in timed], first, last)       # no kernel running
+        idle = sum(t - s for s, t in gaps)
+        busy = window - idle
     else:           # the CPU: each operator's own time (children not counted twice); not
         # the Python in annotated ranges (the data loader's, the optimizer step's) nor a
         # dispatch mode's own Python (HostWaits), which are no operator's
@@ -208,8 +200,7 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         phases["host_ms_by_phase"] = painted(
             [(e.time_range.start, e.time_range.end) for e in stepped], marks)
         if kernels:
-            phases["idle_ms_by_phase"] = painted(
-                _gaps([(s, t) for _, s, t in timed], first, last), marks)
+            phases["idle_ms_by_phase"] = painted(gaps, marks)
     phases = {key: {name: round(us / per_step, 3) for name, us in found.items()}
               for key, found in phases.items()}
     return {"device": device, "steps": steps, "ms_per_step": round(window / per_step, 3),

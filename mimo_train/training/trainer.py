@@ -643,15 +643,14 @@ class Trainer:
         # megatron-core's optimizer reads the gradient norm and its non-finite check on the
         # host, waiting for the device (README, "A step without host stalls", lists the rest)
         anomaly = None
-        try:
-            with mark_phase("optimizer"):
+        with mark_phase("optimizer"):
+            try:
                 success, grad_norm, _ = self.optimizer.step()
-        except NonFiniteStep as error:
-            success, grad_norm = False, error.grad_norm
-            anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,
-                                      self.step_samples)
-        if success:
-            with mark_phase("optimizer"):
+            except NonFiniteStep as error:
+                success, grad_norm = False, error.grad_norm
+                anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,
+                                          self.step_samples)
+            if success:
                 for scheduler in self.schedulers.values():
                     scheduler.step(1)
         self.step += 1
