@@ -124,18 +124,22 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
                                                          tmp_path):
     """A learning rate of 1e30 makes the second step's activations overflow: steps 2, 3 and 4
     are skipped (each recorded with its two samples), and with train.max_skipped_steps=2 the
-    third skip stops the run: exit 1, one message, the records written."""
+    third skip stops the run: exit 1, one message, the records written. The learning rate
+    stays where step 1 left it (a skipped step does not step the schedule), though the
+    trainer learns of a skip only in the next step (each step's outcome is read while the next
+    one's passes are queued; here a logging step every 3)."""
     shards, preprocess, _ = planted
     code, output, records = train_planted(
         ranks, tmp_path, "nan", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
         "layout=language=dp1", "model.encoders={}", "optimizer.lr=1e30", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-        "train.steps=8", "train.max_skipped_steps=2")
+        "train.steps=8", "train.max_skipped_steps=2", "train.log_interval=3")
     assert code != 0, output[-3000:]
     assert output.count("steps were skipped for a non-finite gradient norm") == 1, output
     train = [r for r in records if "loss" in r]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
     assert [r["skipped"] for r in train] == [False, True, True, True]
+    assert len({r["lr"] for r in train}) == 1 and 0 < train[0]["lr"] < 1e30, train
     # (JSON has no NaN: a non-finite norm is written as null)
     assert all(r["grad_norm"] is None for r in train[1:]) and \
         all(math.isfinite(r["grad_norm"]) for r in train[:1])

@@ -132,16 +132,18 @@ def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch)
             forward(iterator, model)
         return torch.zeros(2)
 
+    # the optimizer's step and the settling of the step before: not this test's
+    monkeypatch.setattr(trainer_module, "step_on_device", lambda optimizer: torch.zeros(2))
     trainer = SimpleNamespace(
-        modules={}, optimizer=SimpleNamespace(zero_grad=lambda: None,
-                                              step=lambda: (True, 1.0, None)),
+        modules={}, optimizer=SimpleNamespace(zero_grad=lambda: None),
+        settle=lambda: ([], []), watch=SimpleNamespace(over_limit=lambda: None),
         forward=forward, forward_backward=passes, step_samples=[], device=torch.device("cpu"),
-        schedulers={}, trained={}, step=0, step_flops=None, balance=None,
+        schedulers={}, trained={}, step=0, step_flops=torch.zeros(1), balance=None,
         cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=4)),
         valid_loader=None, eval_steps=1, batches=lambda _: loader([4.0, 8.0]))
-    first, _ = Trainer.train_step(trainer, loader([0.25, 0.125]))
+    first, _, _ = Trainer.train_step(trainer, loader([0.25, 0.125]))
     Trainer.evaluate(trainer)               # between two steps: 12 s of waits, not theirs
-    second, _ = Trainer.train_step(trainer, loader([0.5, 0.25]))
+    second, _, _ = Trainer.train_step(trainer, loader([0.5, 0.25]))
     assert (first.data_wait, second.data_wait) == (0.375, 0.75)
     # with model.language.moe_aux_loss: the step's micro-batches fetched at once, then the
     # counting pass and the training pass over them
@@ -151,7 +153,7 @@ def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch)
         infra=None, _reports=passes, _through_schedule=passes,
         forward_backward=lambda iterator, forward_only: Trainer.forward_backward(
             trainer, iterator, forward_only))
-    third, _ = Trainer.train_step(trainer, loader([1.0, 2.0]))
+    third, _, _ = Trainer.train_step(trainer, loader([1.0, 2.0]))
     assert third.data_wait == 3.0 and len(third.forward) == 2, third
     record = train_record(2, 2.0, 1.0, 0.5, {"language": 1e-3}, False, 2.0, 8,
                           {"language": 0.1}, 100.0, second.data_wait)

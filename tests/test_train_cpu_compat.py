@@ -17,6 +17,7 @@ shows what fails without it, then the result with it.
 import copy
 import inspect
 import json
+import math
 import multiprocessing
 import os
 import queue
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 from support.launch import TESTS, python
 from mimo_train.mcore import cpu_compat
@@ -675,45 +677,70 @@ def test_use_fused_adam(language, saved, monkeypatch):
         torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-7)
 
 
-def test_optimizer_step_without_agreements(language, monkeypatch):
-    """``mcore.optimizer_step``: megatron-core's ``MimoOptimizer`` step without its found-inf
-    and success agreements (bf16/fp32: no loss scaler, so neither can disagree): the same
-    weights bit for bit, gradient norm and success as megatron-core's step over three steps
-    (clipping in each: the norm is above 1), with two all-reduces a step fewer, one wait each
-    on a GPU (each a device tensor made from a host value and read back)."""
+class _HostReads(TorchFunctionMode):
+    """The tensor methods called under it that read a value on the host (on a GPU each waits
+    for the device's queue)."""
+
+    READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__,
+             torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.READS:
+            self.reads.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_optimizer_step_on_device(language):
+    """``mcore.optimizer_step.step_on_device``: megatron-core's ``MimoOptimizer`` step with no
+    value read on the host (megatron-core's reads its norm, and makes its ranks agree twice,
+    each a read). Over three steps (clipping in each: the norm is above 1) the same norm,
+    weights and Adam moments bit for bit as megatron-core's step; then a step with NaN
+    gradients and one with infinite ones: flagged 2 and 1, their norms NaN and infinite, and
+    no weight, moment or step count moves."""
     from mimo_train.mcore import MimoOptimizer, ModuleOptimizerInfo
+    from mimo_train.mcore.fused_adam import use_fused_adam
     from mimo_train.mcore.grids import optimizer_groups
-    from mimo_train.mcore.optimizer_step import MEGATRON_STEP, step
+    from mimo_train.mcore.optimizer_step import step_on_device
 
-    # installed at import (on the CPU under the optimizers' device scope)
-    assert getattr(MimoOptimizer.step, "__wrapped__", MimoOptimizer.step) is step
-    reduces = []
-    all_reduce = torch.distributed.all_reduce
-    monkeypatch.setattr(torch.distributed, "all_reduce",
-                        lambda *a, **k: reduces.append(1) or all_reduce(*a, **k))
-
-    def run(stepper):
+    def build():
         ddp = _ddp(language)
         adam = _adam(ddp, optimizer_groups(language.grid))
-        mimo = MimoOptimizer({"language": ModuleOptimizerInfo(adam, language.grid,
-                                                              language.pgs, True)}, adam.config)
-        results, counts = [], []
-        for _ in range(3):
-            ddp.zero_grad_buffer()
-            mimo.zero_grad()
-            ddp(torch.linspace(-1, 1, 20).reshape(5, 4)).pow(2).sum().backward()
-            ddp.finish_grad_sync()
-            reduces.clear()
-            results.append(stepper(mimo))
-            counts.append(len(reduces))
-        return results, counts, _weights(ddp)
-    theirs, their_reduces, expected = run(MEGATRON_STEP)
-    ours, our_reduces, found = run(MimoOptimizer.step)
-    assert all(norm > 1.0 for _, norm, _ in theirs)       # clipped (clip_grad 1.0)
-    assert ours == theirs and all(success for success, _, _ in ours)
-    assert all(torch.equal(a, b) for a, b in zip(found, expected))
-    assert [t - o for t, o in zip(their_reduces, our_reduces)] == [2, 2, 2], \
-        (their_reduces, our_reduces)
+        use_fused_adam(adam)
+        info = ModuleOptimizerInfo(adam, language.grid, language.pgs, True)
+        return ddp, MimoOptimizer({"language": info}, adam.config), _torch_adam(adam)
+
+    def backward(ddp, mimo, scale=1.0):
+        ddp.zero_grad_buffer()
+        mimo.zero_grad()
+        (ddp(torch.linspace(-1, 1, 20).reshape(5, 4)).pow(2).sum() * scale).backward()
+        ddp.finish_grad_sync()
+
+    def state(ddp, adam):
+        return [*_weights(ddp), *(t.clone() for s in adam.state.values() for t in s.values())]
+
+    (ddp, mimo, adam), (their_ddp, theirs, their_adam) = build(), build()
+    for _ in range(3):
+        backward(their_ddp, theirs)
+        with _HostReads() as megatron:
+            success, norm, _ = theirs.step()
+        backward(ddp, mimo)
+        with _HostReads() as ours:
+            outcome = step_on_device(mimo)
+        assert success and norm > 1.0 and megatron.reads, megatron.reads
+        assert not ours.reads and outcome.tolist() == [0.0, norm], (ours.reads, outcome, norm)
+    assert all(torch.equal(a, b) for a, b in zip(state(ddp, adam), state(their_ddp, their_adam)))
+    assert {float(s["step"]) for s in adam.state.values()} == {3.0}
+    before = state(ddp, adam)
+    for scale, flag, norm in ((math.nan, 2.0, math.nan), (1e38, 1.0, math.inf)):
+        backward(ddp, mimo, scale)
+        got_flag, got_norm = step_on_device(mimo).tolist()
+        assert got_flag == flag and (math.isnan(got_norm) if math.isnan(norm)
+                                     else got_norm == norm), (scale, got_flag, got_norm)
+        assert all(torch.equal(a, b) for a, b in zip(state(ddp, adam), before))
 
 
 def test_then_in_writer():

@@ -331,21 +331,25 @@ def test_packed_language_pp2_dp2_matches_colocated(ranks, dynamic_setup):
 def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynamic_setup):
     """The GPU path's attention (``model.attention=sdpa``: SDPA, packed rows as one sequence
     with per-token rotary angles) against the local reference, unpacked and packed. The packed
-    run then trains one step that does not log: mimo_train's own code reads no tensor value on
-    the host in it but for what stays on the host: the clip lengths the Whisper encoder keeps
+    run then trains two steps: in the second, mimo_train's own code reads no tensor value on
+    the host but for what stays on the host: the clip lengths the Whisper encoder keeps
     there, the loader's labels the loss counts its trained tokens from (``HostLabels``), the
     loss's check of that count (``_check_count``: on a GPU an assertion the host does not
     wait for; on the CPU torch reads it at once), the
     image tower's split of its items under sdpa by their boundaries, which its encoder keeps
-    on the host (``FusedRotaryAttention``; under varlen they go to the kernel), and the token
+    on the host (``FusedRotaryAttention``; under varlen they go to the kernel), the token
     ids the step keeps on the host for the splice's positions (``mcore.splice``'s
-    ``Places.of``), and the world's gradient norm (``CheckedMimoOptimizer.get_grad_norm``:
-    one read, as megatron-core's own norm makes, with the ranks' non-finite flag). Its
-    ``torch.nonzero`` (a wait, when no host count is given) is not among
-    them, nor are megatron-core's splice's reads (``MimoModel``'s text positions and counts)."""
+    ``Places.of``), the step before's values (``Readings.read``: copied to the host behind
+    that step, so a GPU waits for that step only, not for this one's passes) and its record's
+    timings and learning rates (``Metrics.flush``: host values reduced over the control
+    group; every step logs, ``train.log_interval`` 1). Nor does
+    megatron-core's optimizer read its gradient norm (``mcore.optimizer_step``: the
+    clipping and the non-finite check on the device). Its ``torch.nonzero`` (a wait, when no
+    host count is given) is not among them, nor are megatron-core's splice's reads
+    (``MimoModel``'s text positions and counts)."""
     tmp, common, reference, init, _ = dynamic_setup
     for packing in ("false", "true"):
-        reads = ["train.steps=3", "train.log_interval=2"] if packing == "true" else []
+        reads = ["train.steps=3"] if packing == "true" else []
         other = step(ranks, tmp / f"sdpa-{packing}", 1,
                      "layout=language=dp1;image=dp1,off0;audio=dp1,off0",
                      f"train.micro_batch_size={GLOBAL_BATCH}", f"model.init_from={init}",
@@ -355,11 +359,13 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     (rank,) = other["ranks"]
     ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
     host = ("WhisperAudio.forward", "HostLabels.take", "_check_count",
-            "FusedRotaryAttention.forward", "Places.of", "CheckedMimoOptimizer.get_grad_norm")
+            "FusedRotaryAttention.forward", "Places.of", "Readings.read", "Metrics.flush")
     assert ours and all(site.endswith(host) for site in ours), rank["host_reads"]
-    assert not any("models/mimo/model/base.py" in site for site in rank["host_reads"]), \
-        rank["host_reads"]
+    assert not any("models/mimo/model/base.py" in site or "core/optimizer/" in site
+                   or "models/mimo/optimizer.py" in site
+                   for site in rank["host_reads"]), rank["host_reads"]
     assert any(site.endswith("HostLabels.take") for site in ours), ours
+    assert any(site.endswith("Readings.read") for site in ours), ours
 
 
 def test_bf16_step_matches_fp32_non_colocated(ranks, dynamic_setup):

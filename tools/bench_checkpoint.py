@@ -104,6 +104,7 @@ def worker(out: str, work: str, shards: str, preprocess: str, steps: int,
     def step() -> float:
         start = time.perf_counter()
         trainer.train_step(batches)
+        trainer.settle()                        # its outcome read, its learning rates stepped
         return time.perf_counter() - start
 
     def timed(function) -> float:

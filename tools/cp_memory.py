@@ -114,10 +114,11 @@ def rank_main(out: str, overrides: list[str]) -> None:
         f.write("5")
     before = _status("VmRSS")
     started = time.perf_counter()
-    values, _ = trainer.train_step(iterator)
+    values, _, _ = trainer.train_step(iterator)
+    assert values is not None                # the first step: no step skipped before it
     seconds = time.perf_counter() - started
     peak = _status("VmHWM")
-    sums = values.sums.double().tolist()
+    sums = values.readings.read()["sums"]
     result = {"rank": dist.get_rank(), "modules": sorted(trainer.modules),
               "language": language, "tokens": tokens, "video_tokens": video,
               "real_tokens": real,

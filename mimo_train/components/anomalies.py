@@ -1,7 +1,8 @@
 """Steps whose loss or gradients go wrong, traced to their samples.
 
-- Non-finite: the optimizer stops a step whose gradient norm (or loss) is not finite before any
-  weight moves (``optimizer.NonFiniteStep``); the step is counted as skipped here, and past
+- Non-finite: a step whose gradient norm (or loss) is not finite moves no weight (the
+  optimizer's step skips its update on the device: ``mcore.optimizer_step``); the trainer
+  counts it as skipped here when it reads the step's outcome, and past
   ``train.max_skipped_steps`` the run stops (``Watch.over_limit``).
 - Spikes: a step whose loss is above ``train.spike_factor`` times the median loss of the
   ``train.spike_window`` steps before it (0: off), once half that window is seen. Checked when

@@ -18,12 +18,16 @@ record: ``step, eval_loss, eval_tokens``. Every rank builds the same records (th
 reduced over the world); only rank 0 prints and writes TensorBoard.
 
 Reading a device value on the host waits for every kernel queued before it, so a train step
-hands over ``StepValues`` that are still on the device: the world's loss sum and token count (a
-device tensor), the step's and each forward pass's ``Timer`` (CUDA events on a GPU). ``Metrics``
-reads them only at a logging step (``train.log_interval``, the last step, before an evaluation
-and at the end), all pending steps at once: one host read of the sums, one reduction of the
-timings and learning rates, so a record exists for every step while the steps in between run
-without waiting for the device.
+hands over ``StepValues`` whose device values are copied to the host as the device makes them
+(``Readings``: the world's loss sum and token count, its FLOPs, the optimizer's outcome; one
+copy into page-locked memory queued behind the step, with an event) and whose times are
+``Timer``s (CUDA events on a GPU): reading them waits for that step, not for the work queued
+after it. The trainer settles a step (reads its optimizer's outcome, steps the learning rates,
+fills in ``grad_norm``, ``skipped`` and ``lrs``) while the next one is queued, then hands it to
+``Metrics.log``, which reads the pending steps at a logging step (``train.log_interval``, the
+last step, before an evaluation and at the end), all at once; their timings and learning rates
+are reduced over the control group (host memory), so a record exists for every step and no
+step waits for the device.
 
 FLOPs (``FlopsCounter``, ``planning.flops``): a train record's ``flops`` are the step's model
 FLOPs per layout module (the whole global batch: forward and backward, from each sample's real
@@ -50,6 +54,7 @@ from mimo_data.modalities.base import to_device
 from mimo_train.errors import TrainConfigError
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import step_flops
+from mimo_train.runtime import distributed
 from mimo_train.runtime.console import PREFIX
 
 
@@ -119,23 +124,57 @@ class PeakMemory:
         return max(0, peak - self.base) / 2**20
 
 
+class Readings:
+    """Named 1-D device tensors copied to the host behind the work that makes them: on a GPU
+    one copy into page-locked memory and an event, so ``read`` waits for that work only, not
+    for what was queued after it (a plain read waits for the whole queue); on the CPU the
+    values themselves (its work is done when the call returns)."""
+
+    def __init__(self, parts: dict[str, torch.Tensor]):
+        self.sizes = {name: part.numel() for name, part in parts.items()}
+        values = torch.cat([part.reshape(-1).double() for part in parts.values()])
+        self.event = None
+        if values.device.type == "cuda":
+            host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+            values = host
+        self.values = values
+        self.read_values: dict[str, list[float]] | None = None
+
+    def read(self) -> dict[str, list[float]]:
+        """name -> its values (waits for the device to have made them, once)."""
+        if self.read_values is None:
+            if self.event is not None:
+                self.event.synchronize()
+            flat, self.read_values = self.values.tolist(), {}
+            for name, size in self.sizes.items():
+                self.read_values[name], flat = flat[:size], flat[size:]
+        return self.read_values
+
+
 @dataclass
 class StepValues:
     """One train step as the trainer hands it over, device values not yet read."""
     step: int
-    sums: torch.Tensor              # [loss sum, trained tokens] of the world, on the device
-    grad_norm: float | None
-    lrs: dict[str, float]           # this rank's trained modules' learning rates
-    skipped: bool
+    # the world's "sums" [loss sum, trained tokens], the optimizer's "outcome" [non-finite
+    # flag, gradient norm] and "flops": its model FLOPs per layout module, then its sequence
+    # tokens
+    readings: Readings
     timer: Timer                    # the whole step
     forward: list[Timer]            # this rank's forward passes
     global_batch_size: int
-    # the world's model FLOPs per layout module, then its sequence tokens (device)
-    flops: torch.Tensor | None = None
     # the global batch's load-balancing loss (model.language.moe_aux_loss; language ranks)
     balance: float | None = None
     # this rank's host seconds waiting for its micro-batches (``ForwardStep.waits``, summed)
     data_wait: float = 0.0
+    # set when the trainer settles the step: its optimizer's outcome read, its learning rates
+    # stepped (this rank's trained modules' rates after the step)
+    settled: bool = False
+    grad_norm: float | None = None
+    skipped: bool = False
+    lrs: dict[str, float] | None = None
 
 
 def forward_seconds(layout, local_modules, values: list[float]) -> dict:
@@ -376,7 +415,7 @@ class Metrics:
     the logged ones (rank 0) and writes their scalars."""
 
     def __init__(self, tensorboard_dir: str | None, log_interval: int, last_step: int,
-                 layout, local_modules, device: torch.device, wandb=None,
+                 layout, local_modules, wandb=None,
                  config: dict | None = None, memory: PeakMemory | None = None,
                  records: str | None = None, resumed: int = 0,
                  checkpoint_dir: str | None = None):
@@ -390,7 +429,7 @@ class Metrics:
         self.file = open(records, "a" if resumed else "w", buffering=1) \
             if records and self.rank0 else None
         self.log_interval, self.last_step = log_interval, last_step
-        self.layout, self.local_modules, self.device = layout, local_modules, device
+        self.layout, self.local_modules = layout, local_modules
         self.memory = memory
         self.records: list[dict] = []
         self.peak_tflops: float | None = None      # MFU's denominator (the trainer's)
@@ -435,8 +474,8 @@ class Metrics:
             self._write(record["step"], scalars(record))
 
     def flush(self, show: bool = False) -> list[dict]:
-        """Read the pending steps into records (collective: two reductions, one host read);
-        returns them. ``show``: the last one's line too (a run stopping between logging
+        """Read the pending steps into records (collective: a reduction over the control
+        group); returns them. ``show``: the last one's line too (a run stopping between logging
         steps says the step it stopped after before it says why; an evaluation between them
         says the step it follows)."""
         if not self.pending:
@@ -446,19 +485,24 @@ class Metrics:
             self._show(read[-1])
             return read
         pending, self.pending = self.pending, []
-        sums = torch.stack([p.sums for p in pending]).tolist()
+        unsettled = [p.step for p in pending if not p.settled]
+        if unsettled:
+            raise RuntimeError(f"steps {unsettled} logged before the trainer settled them")
+        readings = [p.readings.read() for p in pending]
         names = [m.name for m in self.layout.modules]
         # per module: its learning rate (-1 where this rank does not train it), its forward
         # seconds; the rank's wait for its micro-batches, its peak memory; the world's maxima
         memory = self.memory.mib() if self.memory is not None else 0.0
-        local = [[p.lrs.get(name, -1.0) for name in names]
+        local = [[(p.lrs or {}).get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
                     else 0.0 for name in names] + [p.data_wait, memory]
                  + [p.balance if p.balance is not None else -1.0] for p in pending]
-        maxima = torch.tensor(local, dtype=torch.float64, device=self.device)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        # host values: over the control group, so the reduction waits for no device queue
+        maxima = torch.tensor(local, dtype=torch.float64)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=distributed.control())
         read = []
-        for p, (loss_sum, tokens), row in zip(pending, sums, maxima.tolist()):
+        for p, reading, row in zip(pending, readings, maxima.tolist()):
+            loss_sum, tokens = reading["sums"]
             lrs = {name: lr for name, lr in zip(names, row) if lr >= 0}
             read.append(train_record(
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
@@ -467,16 +511,15 @@ class Metrics:
                 row[-2] if self.memory is not None else None, row[2 * len(names)]))
             if row[-1] >= 0:                    # a value of the language ranks' (>= 0)
                 read[-1]["moe_aux_loss"] = row[-1]
-        if all(p.flops is not None for p in pending):
-            world = dist.get_world_size()
-            flops = torch.stack([p.flops for p in pending if p.flops is not None]).tolist()
-            for record, values in zip(read, flops):
-                if len(values) > len(names):            # the samples' tokens follow
-                    sequence = values[len(names)]
-                    record.update(sequence_tokens=int(sequence),
-                                  sequence_tokens_per_s=sequence / record["seconds"])
-                record.update(flops_fields(dict(zip(names, values)), record["seconds"], world,
-                                           self.peak_tflops))
+        world = dist.get_world_size()
+        for record, reading in zip(read, readings):
+            flops = reading["flops"]
+            if len(flops) > len(names):            # the samples' tokens follow
+                sequence = flops[len(names)]
+                record.update(sequence_tokens=int(sequence),
+                              sequence_tokens_per_s=sequence / record["seconds"])
+            record.update(flops_fields(dict(zip(names, flops)), record["seconds"], world,
+                                       self.peak_tflops))
         self._keep(read)
         return read
 

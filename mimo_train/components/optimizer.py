@@ -1,15 +1,12 @@
 """The optimizer and its learning-rate schedules: megatron-core's ``MimoOptimizer`` (one Adam per
-module on that module's process groups) with a check of the gradient norm, and one warmup +
+module on that module's process groups), and one warmup +
 cosine ``OptimizerParamScheduler`` per trained module, from that module's settings
 (``optimizer.modules.<module>``: learning rate, minimum, warmup, weight decay).
 
-The check (``CheckedMimoOptimizer``): megatron-core's ``MimoOptimizer.step`` clips with the
-world's gradient norm and steps even when that norm is not finite (it checks only under a loss
-scaler), which writes NaN into every weight. The subclass checks the norm where it is computed
-(a host float there already; a non-finite loss makes it non-finite too; each rank's norm
-before the ranks' MAX, which drops a NaN) and raises
-``NonFiniteStep`` before any weight, optimizer state or LR schedule moves, alike on every rank
-(the norm is the world's); the trainer counts the step as skipped (``anomalies``).
+The step (``mcore.optimizer_step.step_on_device``): megatron-core's clipping and update with
+nothing read on the host; a step whose world gradient norm (or loss) is not finite moves no
+weight, optimizer state or learning rate, alike on every rank (the norm is the world's), and
+the trainer counts it as skipped (``anomalies``) when it reads the step's outcome.
 
 A resumed run's schedules follow its config, not the checkpoint's (megatron-core's
 ``override_opt_param_scheduler``): a longer ``train.steps`` stretches the decay, a new ``lr``,
@@ -20,7 +17,6 @@ on; the step count is the checkpoint's. ``schedule_notes`` says what changed at 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -38,50 +34,8 @@ from mimo_train.model.parts import module_of
 from mimo_train.plan import ModulePlan
 
 
-class NonFiniteStep(Exception):
-    """Raised inside the optimizer step to stop it before any weight moves."""
-
-    def __init__(self, reason: str, grad_norm: float):
-        super().__init__(reason)
-        self.reason, self.grad_norm = reason, grad_norm
-
-
-class CheckedMimoOptimizer(MimoOptimizer):
-    """``MimoOptimizer`` whose world gradient norm is checked before it clips or steps."""
-
-    @torch.no_grad()
-    def get_grad_norm(self) -> float:
-        """megatron-core's world norm (each module's norm squared, MAX over the ranks: a rank
-        holding none of a module contributes 0), with one more slot that is 1 where a rank's
-        norm is infinite, 2 where it is NaN: MAX over the ranks does not carry a NaN (gloo's
-        MAX(0, NaN) is 0, NCCL's is not defined), so a NaN on the language ranks alone, under a
-        tower frozen on ranks of its own, would otherwise step as a norm of 0."""
-        names = sorted(self.module_infos)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        norm_sq = torch.zeros(len(names) + 1, device=device, dtype=torch.float32)
-        flag = 0.0
-        for i, name in enumerate(names):
-            info = self.module_infos[name]
-            if info.is_active and info.optimizer:
-                norm = info.optimizer.get_grad_norm() or 0.0
-                if math.isfinite(norm):
-                    norm_sq[i] = norm ** 2
-                else:                                 # NaN wins over infinite
-                    flag = max(flag, 2.0 if math.isnan(norm) else 1.0)
-        norm_sq[-1] = flag
-        torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
-        # one read on the host, as megatron-core's own norm makes
-        flag, norm = torch.stack([norm_sq[-1], norm_sq[:-1].sum().sqrt()]).tolist()
-        if flag:
-            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped",
-                                math.nan if flag == 2.0 else math.inf)
-        if not math.isfinite(norm):                  # squares past float32's range
-            raise NonFiniteStep("non-finite gradient norm (or loss): update skipped", norm)
-        return norm
-
-
 def build_optimizer(opt: OptimizerConfig, modules: Mapping[str, ModulePlan], precision: str,
-                    model) -> CheckedMimoOptimizer:
+                    model) -> MimoOptimizer:
     """The optimizer of this rank's modules of ``model`` (``MimoModel``; collective):
     ``opt`` the run's settings, ``modules`` each module's own (``RunPlan.modules``)."""
     bf16 = precision == "bf16"
@@ -89,7 +43,7 @@ def build_optimizer(opt: OptimizerConfig, modules: Mapping[str, ModulePlan], pre
         optimizer="adam", lr=opt.lr, min_lr=opt.min_lr, weight_decay=opt.weight_decay,
         adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, clip_grad=opt.clip_grad,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
-    optimizer = CheckedMimoOptimizer(module_optimizers(model, config, modules), config)
+    optimizer = MimoOptimizer(module_optimizers(model, config, modules), config)
     # megatron-core's schedulers take each parameter group's own rates over theirs: the
     # module's (the optimizers are built with the optimizer's)
     for name, info in optimizer.module_infos.items():

@@ -13,7 +13,7 @@ a private name from here, reads a private attribute of what it gives or patches 
 ``multi_tensor`` (its gradient norm and clipping on torch's foreach kernels without them),
 ``grad_accumulation`` (DDP's small gradients into their buffers in multi-tensor additions),
 ``wgrad_fusion`` (the linear layers' weight gradients into their buffers by their GEMMs),
-``optimizer_step`` (``MimoOptimizer``'s step without its agreements no rank can break),
+``optimizer_step`` (``MimoOptimizer``'s step with nothing read on the host),
 ``async_save`` (the checkpoint writer's request and results), ``attention`` (the language
 model's core attention), ``bridge_routing`` (variable token counts across module bridges),
 ``splice`` (the rows into the word embeddings without host reads), ``deepstack``,
@@ -80,13 +80,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from mimo_train.mcore.gated_delta_net import GatedDeltaNet, GatedNorm, saved_in_sections
-from mimo_train.mcore import (grad_accumulation, multi_tensor, optimizer_step, rope_fusion,
-                              wgrad_fusion)
+from mimo_train.mcore import grad_accumulation, multi_tensor, rope_fusion, wgrad_fusion
 
 FOREACH_NORM = multi_tensor.install()   # without TransformerEngine and apex (always, here)
 ROPE_FUSION = rope_fusion.install()     # the attention's rotary, one fused formula a tensor
 grad_accumulation.install()             # DDP's small gradients, one addition a pass
-optimizer_step.install()                # MimoOptimizer's step without its two idle agreements
 wgrad_fusion.install()                  # gradient_accumulation_fusion without apex
 
 __all__ = [

@@ -10,8 +10,11 @@ The loop (``Trainer.run``): megatron-core's multimodule 1F1B schedule
 (``forward_backward_pipelining_without_interleaving`` with ``MultiModulePipelineCommunicator``,
 its bridges routing variable per-sample token counts: ``bridge_routing``) for non-colocated
 layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
-rank holds every module); ``MimoOptimizer`` step; per-module warmup + cosine LR
-(``OptimizerParamScheduler``); records through ``metrics.Metrics``; evaluation; distributed
+rank holds every module); ``MimoOptimizer``'s clipping and update on the device
+(``mcore.optimizer_step``); per-module warmup + cosine LR (``OptimizerParamScheduler``),
+stepped when the step is settled: its outcome read on the host while the next step's passes
+are queued behind it (``Trainer.settle``), or at once before an evaluation, a checkpoint, a
+stop or a skipped step's record; records through ``metrics.Metrics``; evaluation; distributed
 checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader); a
 stop with a checkpoint on ``train.exit_signals`` (``preemption``); non-finite steps skipped and
 loss spikes recorded with their samples (``anomalies``).
@@ -47,9 +50,9 @@ from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
 from mimo_train.components.digests import weights_digest
-from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, StepValues,
-                                           Timer, check_outputs, eval_record)
-from mimo_train.components.optimizer import (NonFiniteStep, build_optimizer, build_schedulers,
+from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, Readings,
+                                           StepValues, Timer, check_outputs, eval_record)
+from mimo_train.components.optimizer import (build_optimizer, build_schedulers,
                                              schedule_notes, trained_optimizers)
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
@@ -60,6 +63,7 @@ from mimo_train.mcore.attention import available, choose
 from mimo_train.mcore.balance import GlobalBalance
 from mimo_train.mcore.bridge_routing import SizedPipelineCommunicator
 from mimo_train.mcore.grids import Infra, build_infra
+from mimo_train.mcore.optimizer_step import step_on_device
 from mimo_train.model.build import build_model, shared_placeholders
 from mimo_train.model.lora import bases
 from mimo_train.model.parts import layer_offset, local_modules, unwrap
@@ -218,6 +222,7 @@ class Trainer:
         self.failure: str | None = None         # why the run stopped early, failing
         self.step_samples: list[dict] = []      # the current step's samples, this rank's
         self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
+        self.unsettled: StepValues | None = None    # the last step, its outcome not yet read
         run = cfg.train
         self.watch = Watch(run.max_skipped_steps, run.spike_factor, run.spike_window)
         resume = agree("checkpoint check", lambda: checkpoint.prepare(
@@ -234,8 +239,8 @@ class Trainer:
         if note := cfg.checkpoint.note():
             say(PREFIX + note)
         self.metrics = Metrics(cfg.train.tensorboard_dir, cfg.train.log_interval,
-                               cfg.train.steps, self.layout, self.infra.local, self.device,
-                               cfg.train.wandb, cfg.to_dict(), memory=self.peak_memory,
+                               cfg.train.steps, self.layout, self.infra.local, cfg.train.wandb,
+                               cfg.to_dict(), memory=self.peak_memory,
                                records=records, resumed=self.step,
                                checkpoint_dir=cfg.checkpoint.dir)
         self.metrics.peak_tflops = self.flops.peak_tflops
@@ -503,18 +508,14 @@ class Trainer:
             while self.step < run.steps:
                 self.doing = f"step {self.step + 1}"
                 self.profile.before(self.step + 1)
-                values, skipped = self.train_step(iterator)
-                self.profile.after(self.step)
-                self.samples[self.step], self.step_samples = self.step_samples, []
-                read = self.metrics.log(values)
-                self._saved(self.saver.poll() if self.saver else [])
-                if run.eval_interval and self.step % run.eval_interval == 0:
-                    self.doing = f"the evaluation at step {self.step}"
-                    read += self.metrics.log(self.evaluate())
-                self.failure = self._anomalies(skipped, read)
-                if self.failure:
+                values, anomalies, read = self.train_step(iterator)
+                if values is None:         # the steps skipped before it are past the limit
+                    self.failure = self._anomalies(anomalies, read)
                     say(f"{PREFIX}{self.failure}")
                     break
+                self.profile.after(self.step)
+                self.samples[self.step], self.step_samples = self.step_samples, []
+                self._saved(self.saver.poll() if self.saver else [])
                 self.stopped_by = signals.agreed()
                 late = self.stopped_by == PAST_DEADLINE
                 if late:                             # a planned stop: exit status 0
@@ -522,9 +523,24 @@ class Trainer:
                 stop = bool(self.stopped_by) or late or (
                     bool(run.exit_interval) and self.step % run.exit_interval == 0)
                 last = self.step == run.steps
+                evaluating = bool(run.eval_interval) and self.step % run.eval_interval == 0
+                saving = self.saver is not None and (
+                    last or stop or bool(every and self.step % every == 0))
+                # what follows needs this step's outcome (its learning rates, its record, its
+                # skip counted): settled now, the device's queue drained
+                if anomalies or last or stop or evaluating or saving:
+                    more, now = self.settle()
+                    anomalies, read = anomalies + more, read + now
+                if evaluating:
+                    self.doing = f"the evaluation at step {self.step}"
+                    read += self.metrics.log(self.evaluate())
+                self.failure = self._anomalies(anomalies, read)
+                if self.failure:
+                    say(f"{PREFIX}{self.failure}")
+                    break
                 if stop:                    # its step's line before the checkpoint and why
-                    self._anomalies(None, self.metrics.flush(show=True))
-                if self.saver and (last or stop or (every and self.step % every == 0)):
+                    self._anomalies([], self.metrics.flush(show=True))
+                if saving and self.saver:
                     self.doing = f"the checkpoint of step {self.step}"
                     self.save()
                     if last or stop:
@@ -544,21 +560,23 @@ class Trainer:
                     say(f"{PREFIX}train.exit_interval {run.exit_interval}: stopping at step "
                         f"{self.step}")
                     break
-            self._anomalies(None, self.metrics.flush())     # steps not logged yet
+            anomalies, read = self.settle()         # (every way out of the loop settled)
+            self._anomalies(anomalies, read + self.metrics.flush())     # steps not logged yet
         if self.saver:                                       # a stop for too many skipped steps
             self._saved(self.saver.wait())
             self.saver.release()
         self.metrics.close()
         return self.metrics.records
 
-    def _anomalies(self, skipped: dict | None, read: list[dict]) -> str | None:
-        """Log the skipped step's record and the spikes among the train records ``read``;
+    def _anomalies(self, skipped: list[dict], read: list[dict]) -> str | None:
+        """Log the skipped steps' records and the spikes among the train records ``read``;
         returns why the run must stop (too many skipped steps), or None."""
-        for anomaly in [*([skipped] if skipped else []),
-                        *self.watch.spikes(read, self.samples)]:
+        for anomaly in [*skipped, *self.watch.spikes(read, self.samples)]:
             self.metrics.log_anomaly(anomaly)
-        if read:                                # their samples are no longer needed
-            self.samples.clear()
+        if read:                 # their samples, and those of the steps before, are not needed
+            last = max(record["step"] for record in read)
+            for step in [step for step in self.samples if step <= last]:
+                del self.samples[step]
         return self.watch.over_limit()
 
     def batches(self, loader, datasets: list[str] | None = None):
@@ -631,7 +649,13 @@ class Trainer:
         self.step_flops = sums[2:]
         return sums[:2]
 
-    def train_step(self, iterator) -> tuple[StepValues, dict | None]:
+    def train_step(self, iterator) -> tuple[StepValues | None, list[dict], list[dict]]:
+        """One step: its passes; then, before its update, the step before settled
+        (``settle``: by then the device has run it, this step's passes are queued behind it);
+        then its clipping and update, queued with nothing read (``mcore.optimizer_step``).
+        Returns its values (None where the steps skipped before it are past
+        ``train.max_skipped_steps``: it updates nothing), and the skipped steps' anomaly
+        records and the train records the settling gave."""
         for module in self.modules.values():
             module.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -640,32 +664,44 @@ class Trainer:
         self.step_samples = []
         timer = Timer(self.device)
         sums = self.forward_backward(iterator, forward_only=False)
-        # megatron-core's optimizer reads the gradient norm and its non-finite check on the
-        # host, waiting for the device (README, "A step without host stalls", lists the rest)
-        anomaly = None
         with mark_phase("optimizer"):
-            try:
-                success, grad_norm, _ = self.optimizer.step()
-            except NonFiniteStep as error:
-                success, grad_norm = False, error.grad_norm
-                anomaly = self.watch.skip(self.step + 1, error.reason, error.grad_norm,
-                                          self.step_samples)
-            if success:
-                for scheduler in self.schedulers.values():
-                    scheduler.step(1)
+            anomalies, read = self.settle()
+            if self.watch.over_limit():
+                return None, anomalies, read
+            outcome = step_on_device(self.optimizer)
         self.step += 1
-        lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
-               if o.param_groups}
         # the step keeps its timers and waits; an evaluation before the next step adds to
         # new lists
         forward, self.forward.timers = self.forward.timers, []
         waits, self.forward.waits = self.forward.waits, []
-        values = StepValues(self.step, sums, grad_norm, lrs, not success,
-                            timer.stop(), forward, self.cfg.train.global_batch_size,
-                            self.step_flops,
-                            self.balance.value if self.balance is not None else None,
-                            sum(waits))
-        return values, anomaly
+        self.unsettled = StepValues(
+            self.step, Readings({"sums": sums, "outcome": outcome, "flops": self.step_flops}),
+            timer.stop(), forward, self.cfg.train.global_batch_size,
+            self.balance.value if self.balance is not None else None, sum(waits))
+        return self.unsettled, anomalies, read
+
+    def settle(self) -> tuple[list[dict], list[dict]]:
+        """The last step's outcome read (a wait for the device to have run that step): its
+        learning rates stepped unless its gradient norm (or loss) was not finite (then it
+        updated nothing: counted as skipped, as megatron-core's training loop does), then its
+        values logged. Returns its skip's anomaly record (if so) and the train records the
+        metrics read; nothing when no step waits."""
+        values, self.unsettled = self.unsettled, None
+        if values is None:
+            return [], []
+        flag, norm = values.readings.read()["outcome"]
+        anomalies = []
+        if flag:
+            anomalies.append(self.watch.skip(
+                values.step, "non-finite gradient norm (or loss): update skipped", norm,
+                self.samples.get(values.step, [])))
+        else:
+            for scheduler in self.schedulers.values():
+                scheduler.step(1)
+        values.settled, values.grad_norm, values.skipped = True, norm, bool(flag)
+        values.lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
+                      if o.param_groups}
+        return anomalies, self.metrics.log(values)
 
     def evaluate(self) -> dict:
         """Mean per-token loss on the first ``eval_steps`` global batches of ``data.valid``
@@ -708,6 +744,7 @@ class Trainer:
         """Save at this step (with ``checkpoint.async_save``, started: ``saver.wait()`` ends
         it); the checkpoint's directory."""
         assert self.saver                              # run() saves only with a directory
+        assert self.unsettled is None, "the schedules are saved after the step is settled"
         directory = self.saver.save(self.step, self.training_state(), self._meta())
         if self.saver.queue:
             say(f"{PREFIX}checkpoint {directory}: being written in the background")

@@ -1,14 +1,15 @@
-"""``python -m mimo_train`` with a gate before the second step, for tests/test_train_run.py's
+"""``python -m mimo_train`` with a gate once step 1 is logged, for tests/test_train_run.py's
 signal and kill tests under real torchrun::
 
     torchrun --standalone --nproc-per-node 3 tests/jobs/gated_train.py GATE --config ... k=v
 
-Each rank waits before its second train step until the file GATE exists or it has received
-one of ``train.exit_signals`` itself. The test signals or kills a rank once step 1 is logged
-and only then creates GATE (or, when torchrun forwards the signal to every rank, never): the
-run cannot get past step 2 before the signal has arrived, however late a loaded machine lets
-the test send it. Without the gate, the five steps left after step 1 (a few seconds) could
-all run first. Everything else is ``mimo-train`` as a user runs it.
+Each rank waits once it has settled step 1 (``Trainer.settle``: step 1's record read and
+logged, inside step 2 after its passes, before its update) until the file GATE exists or it
+has received one of ``train.exit_signals`` itself. The test signals or kills a rank once step
+1 is logged and only then creates GATE (or, when torchrun forwards the signal to every rank,
+never): the run cannot get past step 2 before the signal has arrived, however late a loaded
+machine lets the test send it. Without the gate, the five steps left after step 1 (a few
+seconds) could all run first. Everything else is ``mimo-train`` as a user runs it.
 """
 
 import sys
@@ -28,15 +29,17 @@ def _handle(self, number, frame, handle=preemption.ExitSignals._handle):
     handle(self, number, frame)
 
 
-def _train_step(self, iterator, step=Trainer.train_step):
-    if self.step == 1:                                  # step 1 done (and logged by rank 0)
+def _settle(self, settle=Trainer.settle):
+    first = self.unsettled is not None and self.unsettled.step == 1
+    settled = settle(self)
+    if first:                                           # step 1 logged (by rank 0)
         while not received and not GATE.exists():
             time.sleep(0.05)
-    return step(self, iterator)
+    return settled
 
 
 preemption.ExitSignals._handle = _handle
-Trainer.train_step = _train_step
+Trainer.settle = _settle
 
 if __name__ == "__main__":
     cli.run()

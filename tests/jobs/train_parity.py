@@ -17,9 +17,8 @@ recomputed layer runs twice), its optimizer's share of the weights (``sharded``)
 its gradient reductions started (``reductions``: after or during the backward pass; with
 ``optimizer.overlap_grad_reduce`` the step runs once before, see ``warm_up``); under the
 distributed optimizer the reduced gradients' shards are all-gathered before they are read.
-``--host-reads`` then runs one whole training step that does not log
-(``train.log_interval`` above 1) and records every place that read a tensor's value on the
-host during it
+``--host-reads`` then runs two whole training steps and records every place that read a
+tensor's value on the host during the second (which settles the first: ``Trainer.settle``)
 (``host_reads``: ``path:line function`` -> count).
 """
 
@@ -253,9 +252,10 @@ def main(argv) -> None:
                              if not param.requires_grad)
     reads = None
     if host_reads:
-        assert trainer.cfg.train.log_interval > 1 < trainer.cfg.train.steps
+        assert trainer.cfg.train.steps > 2          # neither step is the last
+        trainer.train_step(iterator)
         with HostReads() as counter:
-            trainer.metrics.log(trainer.train_step(iterator)[0])
+            trainer.train_step(iterator)
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
