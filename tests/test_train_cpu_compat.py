@@ -700,16 +700,18 @@ def test_optimizer_step_on_device(language):
     each a read). Over three steps (clipping in each: the norm is above 1) the same norm,
     weights and Adam moments bit for bit as megatron-core's step; then a step with NaN
     gradients and one with infinite ones: flagged 2 and 1, their norms NaN and infinite, and
-    no weight, moment or step count moves."""
+    no weight, moment or step count moves. An optimizer without torch's fused update (which
+    alone skips on the device) is refused before anything moves."""
     from mimo_train.mcore import MimoOptimizer, ModuleOptimizerInfo
     from mimo_train.mcore.fused_adam import use_fused_adam
     from mimo_train.mcore.grids import optimizer_groups
     from mimo_train.mcore.optimizer_step import step_on_device
 
-    def build():
+    def build(fused=True):
         ddp = _ddp(language)
         adam = _adam(ddp, optimizer_groups(language.grid))
-        use_fused_adam(adam)
+        if fused:
+            use_fused_adam(adam)
         info = ModuleOptimizerInfo(adam, language.grid, language.pgs, True)
         return ddp, MimoOptimizer({"language": info}, adam.config), _torch_adam(adam)
 
@@ -741,6 +743,12 @@ def test_optimizer_step_on_device(language):
         assert got_flag == flag and (math.isnan(got_norm) if math.isnan(norm)
                                      else got_norm == norm), (scale, got_flag, got_norm)
         assert all(torch.equal(a, b) for a, b in zip(state(ddp, adam), before))
+    ddp, mimo, adam = build(fused=False)
+    backward(ddp, mimo)
+    weights = _weights(ddp)
+    with pytest.raises(RuntimeError, match="torch's fused AdamW"):
+        step_on_device(mimo)
+    assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), weights))
 
 
 def test_then_in_writer():

@@ -344,7 +344,9 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
     timings and learning rates (``Metrics.flush``: host values reduced over the control
     group; every step logs, ``train.log_interval`` 1). Nor does
     megatron-core's optimizer read its gradient norm (``mcore.optimizer_step``: the
-    clipping and the non-finite check on the device). Its ``torch.nonzero`` (a wait, when no
+    clipping and the non-finite check on the device). The first step settled before the
+    second one's update: the schedules had taken 0 steps as the first update started, 1 as
+    the second did. Its ``torch.nonzero`` (a wait, when no
     host count is given) is not among them, nor are megatron-core's splice's reads
     (``MimoModel``'s text positions and counts)."""
     tmp, common, reference, init, _ = dynamic_setup
@@ -366,6 +368,7 @@ def test_sdpa_matches_local_packed_or_not_with_no_host_read_in_mimo(ranks, dynam
                    for site in rank["host_reads"]), rank["host_reads"]
     assert any(site.endswith("HostLabels.take") for site in ours), ours
     assert any(site.endswith("Readings.read") for site in ours), ours
+    assert rank["schedule_steps"] == [[0], [1]], rank["schedule_steps"]
 
 
 def test_bf16_step_matches_fp32_non_colocated(ranks, dynamic_setup):

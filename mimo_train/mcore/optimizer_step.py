@@ -62,7 +62,7 @@ def step_on_device(optimizer: MimoOptimizer) -> torch.Tensor:
         if grads:
             coefficient = module.config.clip_grad / (norm.double() + 1.0e-6)
             torch._foreach_mul_(grads, torch.clamp(coefficient, max=1.0).float())
-        for _, adam in torch_adams(module):
+        for adam in _fused_adams(module):
             # torch's fused update reads it (as its GradScaler sets it)
             adam.found_inf = skip
     optimizer.step_with_ready_grads()
@@ -88,27 +88,49 @@ def world_grad_norm(optimizer: MimoOptimizer) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _norm_squared(optimizer, device: torch.device) -> torch.Tensor:
-    """megatron-core's ``get_grad_norm`` of one module optimizer (chained or not), squared,
-    on the device: ``get_grad_norm_fp32`` without its read (its parts' gradients together
-    where they share a statistics group, as ``ChainedOptimizer.get_grad_norm``)."""
+    """megatron-core's ``get_grad_norm`` of one module optimizer (chained or not), squared as
+    ``MimoOptimizer.get_grad_norm`` squares it, on the device: ``get_grad_norm_fp32`` without
+    its read. Parts that share a statistics group: their gradients together; parts that do not
+    (a mixture of experts' dense and expert parts without the distributed optimizer): each
+    part's norm, then ``ChainedOptimizer``'s root of their squares' sum, in float64 as its
+    host floats."""
     parts = getattr(optimizer, "chained_optimizers", [optimizer])
     if len(parts) == 1 or optimizer.grads_states_parallel_group_is_shared():
-        groups = [[grad for part in parts for grad in part.get_grads_for_grad_norm()]]
-        stats = [parts[0].get_grad_stats_parallel_group()]
-    else:
-        groups = [part.get_grads_for_grad_norm() for part in parts]
-        stats = [part.get_grad_stats_parallel_group() for part in parts]
-    total = torch.zeros(1, device=device, dtype=torch.float32)
-    for grads, group in zip(groups, stats):
-        square = torch.zeros(1, device=device, dtype=torch.float32)
-        if grads:
-            overflow = torch.zeros(1, dtype=torch.int, device=device)
-            norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow,
-                                                      [grads], False)
-            square = norm ** 2
-        torch.distributed.all_reduce(square, op=torch.distributed.ReduceOp.SUM, group=group)
-        total = total + square
-    return total[0]
+        grads = [grad for part in parts for grad in part.get_grads_for_grad_norm()]
+        return _reduced_square(grads, parts[0].get_grad_stats_parallel_group(), device)
+    norms = torch.stack([_reduced_square(part.get_grads_for_grad_norm(),
+                                         part.get_grad_stats_parallel_group(),
+                                         device).double().sqrt() for part in parts])
+    return norms.pow(2).sum().sqrt().pow(2).float()
+
+
+def _reduced_square(grads: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+    """The L2 norm of ``grads`` squared, summed over ``group``: a float32 device scalar."""
+    square = torch.zeros(1, device=device, dtype=torch.float32)
+    if grads:
+        overflow = torch.zeros(1, dtype=torch.int, device=device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads],
+                                                  False)
+        square = norm ** 2
+    torch.distributed.all_reduce(square, op=torch.distributed.ReduceOp.SUM, group=group)
+    return square[0]
+
+
+def _fused_adams(module) -> list[torch.optim.Optimizer]:
+    """The torch Adams of ``module`` (a module optimizer), each with torch's fused update, the
+    one that skips on ``found_inf``: an error where a part has another (TransformerEngine's or
+    apex's ``FusedAdam``, or torch's unfused one), which would step a non-finite update."""
+    parts = [part for part in getattr(module, "chained_optimizers", [module])
+             if not getattr(part, "is_stub_optimizer", False)]
+    adams = [adam for _, adam in torch_adams(module)]
+    if len(adams) != len(parts) or not all(group.get("fused") for adam in adams
+                                           for group in adam.param_groups):
+        kinds = sorted({type(getattr(part, "optimizer", part)).__name__ for part in parts})
+        raise RuntimeError(
+            f"mimo's optimizer step skips a non-finite step on the device with torch's fused "
+            f"AdamW (found_inf); this module's optimizer runs {kinds}, unfused or another "
+            "Adam (TransformerEngine's or apex's are not supported here)")
+    return adams
 
 
 def _clipped_grads(module) -> list[torch.Tensor]:

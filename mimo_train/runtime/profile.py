@@ -26,7 +26,8 @@ the next change, the same for mimo and for any other training measured beside it
   for the rest: zeroing the gradients, the step's loss sum across ranks, the records, an
   evaluation's passes): idle time under
   ``forward`` says the host's dispatch is behind the GPU there, under ``optimizer`` that a
-  wait for the norm drained the GPU's queue, under ``step`` that the step's own Python is;
+  wait drained the GPU's queue (mimo's step reads only the step before's host copy there:
+  ``Trainer.settle``), under ``step`` that the step's own Python is;
 - ``host_syncs_per_step`` and ``sync_sites`` (``Profile``): the waits themselves, counted at
   their innermost Python frame outside torch: on CUDA each call torch's sync debug mode
   reports (``SyncSites``), on the CPU with ``train.profile.waits`` each operator that would

@@ -19,7 +19,8 @@ its gradient reductions started (``reductions``: after or during the backward pa
 distributed optimizer the reduced gradients' shards are all-gathered before they are read.
 ``--host-reads`` then runs two whole training steps and records every place that read a
 tensor's value on the host during the second (which settles the first: ``Trainer.settle``)
-(``host_reads``: ``path:line function`` -> count).
+(``host_reads``: ``path:line function`` -> count), and the steps the learning-rate schedules
+had taken as each of the two updates started (``schedule_steps``).
 """
 
 import itertools
@@ -34,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 from mimo_train.config import TrainConfig
 from mimo_train.plan import resolve
 from mimo_train.model.parts import global_key, unwrap
+from mimo_train.training import trainer as trainer_module
 from mimo_train.training.trainer import Trainer
 
 # what reads a tensor's value on the host, or needs its data to size a result
@@ -250,9 +252,16 @@ def main(argv) -> None:
                                                           *inner.named_buffers()]}
         fixed[name] = sorted(key for key, param in inner.named_parameters()
                              if not param.requires_grad)
-    reads = None
+    reads, schedule_steps = None, []
     if host_reads:
         assert trainer.cfg.train.steps > 2          # neither step is the last
+        update = trainer_module.step_on_device
+
+        def counted(optimizer):
+            """The steps each schedule has taken when an update starts."""
+            schedule_steps.append(sorted({s.num_steps for s in trainer.schedulers.values()}))
+            return update(optimizer)
+        trainer_module.step_on_device = counted
         trainer.train_step(iterator)
         with HostReads() as counter:
             trainer.train_step(iterator)
@@ -261,7 +270,8 @@ def main(argv) -> None:
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
                 "moe_aux_loss": balance,
                 "dtypes": dtypes,
-                "fixed": fixed, "host_reads": reads, "batches": batches, "calls": calls,
+                "fixed": fixed, "host_reads": reads, "schedule_steps": schedule_steps,
+                "batches": batches, "calls": calls,
                 "sharded": optimizer_shares(trainer), "reductions": reductions},
                os.path.join(out, f"rank_{dist.get_rank()}.pt"))
     dist.destroy_process_group()
