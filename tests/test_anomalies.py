@@ -145,4 +145,6 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
         all(math.isfinite(r["grad_norm"]) for r in train[:1])
     skipped = [r["anomaly"] for r in records if "anomaly" in r]
     assert [a["skipped_steps"] for a in skipped] == [1, 2, 3]
+    # each skipped step's anomaly record right after its own record
+    assert [r["step"] for r in records] == [1, 2, 2, 3, 3, 4, 4], records
     assert all(a["skipped"] and len(a["samples"]) == 2 for a in skipped)

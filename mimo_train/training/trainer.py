@@ -13,8 +13,8 @@ layouts, ``forward_backward_no_pipelining`` for colocated ones (one process per
 rank holds every module); ``MimoOptimizer``'s clipping and update on the device
 (``mcore.optimizer_step``); per-module warmup + cosine LR (``OptimizerParamScheduler``),
 stepped when the step is settled: its outcome read on the host while the next step's passes
-are queued behind it (``Trainer.settle``), or at once before an evaluation, a checkpoint, a
-stop or a skipped step's record; records through ``metrics.Metrics``; evaluation; distributed
+are queued behind it (``Trainer.settle``), or at once before an evaluation, a checkpoint or a
+stop; records through ``metrics.Metrics``; evaluation; distributed
 checkpoints (``checkpoint.TrainingState``: model, trained optimizers, schedulers, loader); a
 stop with a checkpoint on ``train.exit_signals`` (``preemption``); non-finite steps skipped and
 loss spikes recorded with their samples (``anomalies``).
@@ -515,6 +515,9 @@ class Trainer:
                     break
                 self.profile.after(self.step)
                 self.samples[self.step], self.step_samples = self.step_samples, []
+                # the step before's record and its anomalies before this step's (within the
+                # limit: train_step looked)
+                self._anomalies(anomalies, read)
                 self._saved(self.saver.poll() if self.saver else [])
                 self.stopped_by = signals.agreed()
                 late = self.stopped_by == PAST_DEADLINE
@@ -528,9 +531,8 @@ class Trainer:
                     last or stop or bool(every and self.step % every == 0))
                 # what follows needs this step's outcome (its learning rates, its record, its
                 # skip counted): settled now, the device's queue drained
-                if anomalies or last or stop or evaluating or saving:
-                    more, now = self.settle()
-                    anomalies, read = anomalies + more, read + now
+                anomalies, read = self.settle() if last or stop or evaluating or saving \
+                    else ([], [])
                 if evaluating:
                     self.doing = f"the evaluation at step {self.step}"
                     read += self.metrics.log(self.evaluate())
