@@ -533,13 +533,13 @@ class Trainer:
                 # skip counted): settled now, the device's queue drained
                 anomalies, read = self.settle() if last or stop or evaluating or saving \
                     else ([], [])
-                if evaluating:
-                    self.doing = f"the evaluation at step {self.step}"
-                    read += self.metrics.log(self.evaluate())
                 self.failure = self._anomalies(anomalies, read)
                 if self.failure:
                     say(f"{PREFIX}{self.failure}")
                     break
+                if evaluating:
+                    self.doing = f"the evaluation at step {self.step}"
+                    self._anomalies([], self.metrics.log(self.evaluate()))
                 if stop:                    # its step's line before the checkpoint and why
                     self._anomalies([], self.metrics.flush(show=True))
                 if saving and self.saver:
@@ -571,9 +571,12 @@ class Trainer:
         return self.metrics.records
 
     def _anomalies(self, skipped: list[dict], read: list[dict]) -> str | None:
-        """Log the skipped steps' records and the spikes among the train records ``read``;
-        returns why the run must stop (too many skipped steps), or None."""
-        for anomaly in [*skipped, *self.watch.spikes(read, self.samples)]:
+        """Log the skipped steps' records and the spikes among the train records ``read``
+        (and those a skipped step's record reads first); returns why the run must stop (too
+        many skipped steps), or None."""
+        if skipped:              # the steps before it, read now, are checked for spikes too
+            read = read + self.metrics.flush()
+        for anomaly in [*self.watch.spikes(read, self.samples), *skipped]:   # in step order
             self.metrics.log_anomaly(anomaly)
         if read:                 # their samples, and those of the steps before, are not needed
             last = max(record["step"] for record in read)
