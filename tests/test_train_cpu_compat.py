@@ -751,6 +751,36 @@ def test_optimizer_step_on_device(language):
     assert all(torch.equal(a, b) for a, b in zip(_weights(ddp), weights))
 
 
+def test_optimizer_step_on_device_chained_parts(language):
+    """A module optimizer whose parts keep their statistics on different groups (a mixture of
+    experts' dense and expert parts without the distributed optimizer): its norm squared as
+    megatron-core makes it, each part's norm a host float (``x ** 0.5``), then
+    ``ChainedOptimizer``'s ``math.sqrt`` of their squares' sum, squared into float32 by
+    ``MimoOptimizer``; parts sharing a group: their gradients in one norm. (These gradients'
+    squares summed in float32 round one unit differently from megatron-core's float64 path.)"""
+    from types import SimpleNamespace
+
+    from mimo_train.mcore.optimizer_step import _norm_squared
+
+    grads = [[torch.tensor([0.534, -2.793]), torch.tensor([-1.544])],
+             [torch.tensor([1.784, -0.514])]]
+    parts = [SimpleNamespace(get_grads_for_grad_norm=lambda g=g: g,
+                             get_grad_stats_parallel_group=lambda: None) for g in grads]
+    for shared in (False, True):
+        chained = SimpleNamespace(chained_optimizers=parts,
+                                  grads_states_parallel_group_is_shared=lambda s=shared: s)
+        ours = _norm_squared(chained, torch.device("cpu"))
+        if shared:
+            every = torch.cat([g.flatten() for part in grads for g in part])
+            expected = torch.linalg.vector_norm(every) ** 2
+            torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
+            continue
+        norms = [float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in part])) ** 2) ** 0.5 for part in grads]
+        expected = torch.tensor(math.sqrt(sum(x ** 2 for x in norms)) ** 2, dtype=torch.float32)
+        assert torch.equal(ours, expected), (ours, expected)
+
+
 def test_then_in_writer():
     """megatron-core's save request is an immutable named tuple (its write cannot be replaced
     in place); the extended request writes, then runs the function, then finalizes."""
