@@ -169,12 +169,11 @@ class StepValues:
     balance: float | None = None
     # this rank's host seconds waiting for its micro-batches (``ForwardStep.waits``, summed)
     data_wait: float = 0.0
-    # set when the trainer settles the step: its optimizer's outcome read, its learning rates
-    # stepped (this rank's trained modules' rates after the step)
-    settled: bool = False
+    # set when the trainer settles the step (its optimizer's outcome read, its learning rates
+    # stepped): None before; this rank's trained modules' rates after the step
+    lrs: dict[str, float] | None = None
     grad_norm: float | None = None
     skipped: bool = False
-    lrs: dict[str, float] | None = None
 
 
 def forward_seconds(layout, local_modules, values: list[float]) -> dict:
@@ -485,7 +484,7 @@ class Metrics:
             self._show(read[-1])
             return read
         pending, self.pending = self.pending, []
-        unsettled = [p.step for p in pending if not p.settled]
+        unsettled = [p.step for p in pending if p.lrs is None]
         if unsettled:
             raise RuntimeError(f"steps {unsettled} logged before the trainer settled them")
         readings = [p.readings.read() for p in pending]

@@ -703,7 +703,7 @@ class Trainer:
         else:
             for scheduler in self.schedulers.values():
                 scheduler.step(1)
-        values.settled, values.grad_norm, values.skipped = True, norm, bool(flag)
+        values.grad_norm, values.skipped = norm, bool(flag)
         values.lrs = {name: o.param_groups[0]["lr"] for name, o in self.trained.items()
                       if o.param_groups}
         return anomalies, self.metrics.log(values)
