@@ -76,10 +76,13 @@ def run(request, shards, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def colocated(ranks, run) -> dict:
     """Step 1 colocated, one sample per micro-batch (padded), with the micro-batches it
-    trained on; the imported model saved first (``init/step_0000000``)."""
-    tmp = run["tmp"]
+    trained on; the imported model saved first (``init/step_0000000``). The mixture of
+    experts with its load-balancing loss then trains two steps more, the second watched for
+    host reads."""
+    tmp, moe = run["tmp"], run["name"] != "2B"
     return step(ranks, tmp / "colocated", 1, f"layout={LAYOUT}", "train.micro_batch_size=1",
-                *run["common"], save_batches=True, save_init=tmp / "init")
+                *run["common"], *(["train.steps=3"] if moe else []), save_batches=True,
+                save_init=tmp / "init", host_reads=moe)
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +128,20 @@ def test_the_load_balancing_loss_is_transformers_on_the_global_batch(run, coloca
                                     run["config"].modalities)
     assert expected > 1.0          # 2 (top-k) at perfect balance: the replica is far from it
     assert colocated["moe_aux_loss"] == pytest.approx(expected, rel=1e-6, abs=0)
+
+
+def test_the_load_balancing_loss_reads_nothing_on_the_host(run, colocated):
+    """A step with ``model.language.moe_aux_loss`` (its counting pass, then its training
+    pass) reads none of the loss's values on the host: the global batch's expert shares, its
+    real rows, its value and the step's trained tokens stay on the device (on a GPU, each read
+    waited for the queue), the value read with the step's record (``Readings.read``)."""
+    if run["name"] == "2B":
+        return
+    (rank,) = colocated["ranks"]
+    ours = {site for site in rank["host_reads"] if site.startswith("mimo_train")}
+    assert any(site.endswith("Readings.read") for site in ours), ours
+    assert not any("mcore/balance.py" in site or "forward_backward" in site
+                   for site in ours), ours
 
 
 def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, reference):

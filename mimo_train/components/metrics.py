@@ -159,14 +159,13 @@ class StepValues:
     """One train step as the trainer hands it over, device values not yet read."""
     step: int
     # the world's "sums" [loss sum, trained tokens], the optimizer's "outcome" [non-finite
-    # flag, gradient norm] and "flops": its model FLOPs per layout module, then its sequence
-    # tokens
+    # flag, gradient norm], "flops": its model FLOPs per layout module, then its sequence
+    # tokens; on the language ranks with model.language.moe_aux_loss, "balance": the global
+    # batch's load-balancing loss
     readings: Readings
     timer: Timer                    # the whole step
     forward: list[Timer]            # this rank's forward passes
     global_batch_size: int
-    # the global batch's load-balancing loss (model.language.moe_aux_loss; language ranks)
-    balance: float | None = None
     # this rank's host seconds waiting for its micro-batches (``ForwardStep.waits``, summed)
     data_wait: float = 0.0
     # set when the trainer settles the step (its optimizer's outcome read, its learning rates
@@ -495,7 +494,7 @@ class Metrics:
         local = [[(p.lrs or {}).get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
                     else 0.0 for name in names] + [p.data_wait, memory]
-                 + [p.balance if p.balance is not None else -1.0] for p in pending]
+                 + reading.get("balance", [-1.0]) for p, reading in zip(pending, readings)]
         # host values: over the control group, so the reduction waits for no device queue
         maxima = torch.tensor(local, dtype=torch.float64)
         dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=distributed.control())

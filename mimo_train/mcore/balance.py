@@ -23,7 +23,9 @@ Real rows are the micro-batch's non-padding tokens (``attention_mask``; a packed
 padding but what context parallelism adds), set by the forward step before each micro-batch
 (``tokens``, the whole sequence's: each rank keeps its context- and sequence-parallel part).
 The counting pass costs one more forward pass per step: the price of a loss that does not
-depend on the layout.
+depend on the layout. Its sums, the loss's value and the step's trained tokens stay on the
+device (on a GPU a read waits for all queued work); the trainer reads the value with the
+step's record.
 """
 
 from __future__ import annotations
@@ -36,18 +38,19 @@ from megatron.core.transformer.moe.router import TopKRouter
 
 
 class _Attach(torch.autograd.Function):
-    """``output`` unchanged; in the backward pass ``loss`` gets the gradient ``scale``."""
+    """``output`` unchanged; in the backward pass ``loss`` gets the gradient ``scale`` (a
+    device scalar: the step's trained tokens, never read on the host)."""
 
     @staticmethod
     def forward(ctx, output, loss, scale):
-        ctx.save_for_backward(loss)
-        ctx.scale = scale
+        ctx.save_for_backward(scale)
+        ctx.loss_dtype = loss.dtype
         return output
 
     @staticmethod
     def backward(ctx, grad):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.full_like(loss, ctx.scale), None
+        (scale,) = ctx.saved_tensors
+        return grad, scale.to(ctx.loss_dtype), None
 
 
 class GlobalBalance:
@@ -65,10 +68,11 @@ class GlobalBalance:
         self.cuts = [groups.cp] + ([groups.tp] if sequence_parallel else [])
         self.mode: str | None = None
         self.tokens: torch.Tensor | None = None     # the micro-batch's real-token mask [b, s]
+        # the step's values, device scalars (reading one would wait for the device's queue)
         self.frequency: torch.Tensor | None = None  # f_e over the global batch
-        self.rows = 1.0                              # R: every layer's real rows
-        self.scale = 1.0                             # the step's trained tokens
-        self.value = 0.0                             # the loss (without the coefficient)
+        self.rows: torch.Tensor | None = None       # R: every layer's real rows (float32)
+        self.scale: torch.Tensor | None = None      # the step's trained tokens
+        self.value: torch.Tensor | None = None      # the loss (without the coefficient)
         self._sums: torch.Tensor | None = None
         for router in self.routers:
             router.register_forward_hook(self._hook)
@@ -76,7 +80,7 @@ class GlobalBalance:
     @contextmanager
     def counting(self, device: torch.device):
         """The count pass: afterwards ``frequency``, ``rows`` and ``value`` hold the global
-        batch's (collective over the module's ranks)."""
+        batch's, on the device (collective over the module's ranks)."""
         self.mode = "count"
         self._sums = torch.zeros(2 * self.experts + 1, dtype=torch.float64, device=device)
         try:
@@ -88,15 +92,18 @@ class GlobalBalance:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(sums, group=group)
         picks, probabilities, rows = sums[:self.experts], sums[self.experts:-1], sums[-1]
-        self.rows = float(rows.clamp(min=1))
-        self.frequency = (picks / self.rows).float()
-        self.value = float(self.experts * (self.frequency.double()
-                                           * probabilities / self.rows).sum())
+        rows = rows.clamp(min=1)
+        self.frequency = (picks / rows).float()
+        # a count of rows: float32 holds it exactly below 2**24 (as the float it was divided
+        # by when this was a host value)
+        self.rows = rows.float()
+        self.value = self.experts * (self.frequency.double() * probabilities / rows).sum()
 
     @contextmanager
-    def applying(self, trained_tokens: float):
+    def applying(self, trained_tokens: torch.Tensor):
         """The training pass: each router's output carries its part of the loss, its gradient
-        scaled by ``trained_tokens`` (the step's, which every gradient is divided by)."""
+        scaled by ``trained_tokens`` (the step's, which every gradient is divided by; a device
+        scalar)."""
         self.mode, self.scale = "apply", trained_tokens
         try:
             yield
@@ -130,7 +137,7 @@ class GlobalBalance:
                 self._sums[self.experts:-1] += (scores * real[:, None]).sum(0).double()
                 self._sums[-1] += real.sum().double()
             return output
-        assert self.frequency is not None
+        assert self.frequency is not None and self.rows is not None and self.scale is not None
         share = (scores * real[:, None]).sum(0) @ self.frequency.to(scores.device)
         loss = self.coefficient * self.experts * share / self.rows
         return _Attach.apply(probs, loss, self.scale), routing_map

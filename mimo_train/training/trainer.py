@@ -621,7 +621,7 @@ class Trainer:
         if batches is not None:
             self.forward.waits.append(waited)
         trained = global_sum(reports[:2], self.infra, self.device)[1]
-        applying = self.balance.applying(float(trained)) if self.balance else nullcontext()
+        applying = self.balance.applying(trained) if self.balance else nullcontext()
         with applying:
             return self._through_schedule(iter(batches) if batches is not None else None,
                                           False)
@@ -679,10 +679,11 @@ class Trainer:
         # new lists
         forward, self.forward.timers = self.forward.timers, []
         waits, self.forward.waits = self.forward.waits, []
-        self.unsettled = StepValues(
-            self.step, Readings({"sums": sums, "outcome": outcome, "flops": self.step_flops}),
-            timer.stop(), forward, self.cfg.train.global_batch_size,
-            self.balance.value if self.balance is not None else None, sum(waits))
+        readings = {"sums": sums, "outcome": outcome, "flops": self.step_flops}
+        if self.balance is not None and self.balance.value is not None:
+            readings["balance"] = self.balance.value
+        self.unsettled = StepValues(self.step, Readings(readings), timer.stop(), forward,
+                                    self.cfg.train.global_batch_size, sum(waits))
         return self.unsettled, anomalies, read
 
     def settle(self) -> tuple[list[dict], list[dict]]:

@@ -230,8 +230,9 @@ def main(argv) -> None:
     calls, hooks = count_calls(trainer.modules)
     reductions = watch_reductions(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
+    batches = list(batches)        # the step's micro-batches, not the host-read steps' after it
     # the global batch's load-balancing loss (model.language.moe_aux_loss), where counted
-    balance = trainer.balance.value if trainer.balance is not None else None
+    balance = float(trainer.balance.value) if trainer.balance is not None else None
     if warm_flops is not None:
         trainer.step_flops = warm_flops
     # the step's model FLOPs per module, as the trainer's records get them
