@@ -14,10 +14,11 @@ trains two steps in a fresh one-rank process (``torchrun``) and profiles the sec
 
 - ``mimo``: as the trainer runs;
 - ``megatron-core``: the language model's rotary, the bf16 main weights' copy, DDP's
-  gradient additions, the splice of the rows into the word embeddings and the linear layers'
-  weight gradients on megatron-core's own operations (``mcore.rope_fusion``,
-  ``mcore.multi_tensor.foreach_copy``, ``mcore.grad_accumulation``, ``mcore.splice``,
-  ``mcore.wgrad_fusion`` undone).
+  gradient additions, the splice of the rows into the word embeddings, the linear layers'
+  weight gradients and the optimizer's step on megatron-core's own operations
+  (``mcore.rope_fusion``, ``mcore.multi_tensor.foreach_copy``, ``mcore.grad_accumulation``,
+  ``mcore.splice``, ``mcore.wgrad_fusion``, ``mcore.optimizer_step`` undone: its
+  ``MimoOptimizer.step``, which reads the norm on the host).
 
 One difference from a GPU's counts stays: ``mcore.wgrad_fusion`` makes a linear weight's
 gradient into its fp32 buffer with one GEMM on a GPU (bf16 factors, fp32 accumulator), on the
@@ -139,11 +140,18 @@ def _ranged(name: str, function):
     return wrapper
 
 
+def megatron_step(optimizer):
+    """megatron-core's own ``MimoOptimizer.step`` (its norm and agreements read on the host)
+    in place of ``mcore.optimizer_step.step_on_device``, with its outcome as that gives it."""
+    import torch
+    success, norm, _ = optimizer.step()
+    return torch.tensor([0.0 if success else 1.0, float("nan") if norm is None else norm])
+
+
 def child(variant: str, config: str, out: str, compiled: bool) -> None:
     """One variant's training under torchrun; its counts by phase into ``out``."""
     import torch
     from megatron.core.models.common.embeddings import rope_utils
-    from megatron.core.models.mimo import optimizer as mimo_optimizer
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.transformer import attention, transformer_layer
@@ -157,6 +165,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
     from mimo_train.model import tower_fusions
     from mimo_train.runtime import profile
     from mimo_train.runtime.compile import Compiler
+    from mimo_train.training import trainer
     if variant == "megatron-core":
         attention.apply_rotary_pos_emb = rope_utils.apply_rotary_pos_emb
         DistributedDataParallel._make_backward_post_hook = grad_accumulation.MEGATRON_HOOK
@@ -164,6 +173,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
             setattr(SplicingMimoModel, name, getattr(MimoModel, name))
         megatron_optimizer._multi_tensor_copy_this_to_that = multi_tensor.MEGATRON_COPY
         wgrad_fusion.supported = lambda device: False
+        trainer.step_on_device = megatron_step
     # the tensors small at Qwen2-VL-2B's published widths (biases, norms) are small here, not
     # its weights (at widths of 64 every tensor has fewer than grad_accumulation.SMALL values)
     grad_accumulation.SMALL = 1024
@@ -172,7 +182,7 @@ def child(variant: str, config: str, out: str, compiled: bool) -> None:
         tower_fusions.COMPILER = Compiler(devices=("cpu",))
     ranges = [(transformer_layer.TransformerLayer, "forward", "language layers"),
               (modeling_qwen2_vl.Qwen2VLVisionBlock, "forward", "tower layers"),
-              (mimo_optimizer.MimoOptimizer, "step", "optimizer")]
+              (trainer, "step_on_device", "optimizer")]
     for owner, method, label in ranges:
         setattr(owner, method, _ranged(f"bench:{label}", getattr(owner, method)))
     schedules.backward_step = _ranged("bench:backward", schedules.backward_step)
