@@ -104,6 +104,22 @@ def test_cpu_shares_are_the_operators_not_the_python_around_them():
     assert not names & {"PythonDispatchMode", "annotated"}, names
     assert not any(name.startswith("enumerate(DataLoader)") for name in names), names
     assert abs(sum(found["shares"].values()) - 1) < 0.01, found["shares"]
+    # each kind's first kernels (operators here), with their calls a step
+    by_kind = found["top_by_kind"]
+    assert by_kind["matmul"][0]["name"] == "aten::mm", by_kind
+    assert len(by_kind["elementwise"]) == profile.KIND_TOP        # more ran: the first listed
+    for listed in by_kind.values():
+        assert 0 < len(listed) <= profile.KIND_TOP
+        assert [e["ms_per_step"] for e in listed] == sorted(
+            (e["ms_per_step"] for e in listed), reverse=True), listed
+        assert all(e["kind"] == listed[0]["kind"] for e in listed), listed
+    a = torch.randn(64, 64)
+    with torch.profiler.profile() as profiler:
+        for _ in range(4):
+            a @ a, a @ a, a.relu()
+    calls = {e["name"]: e["calls_per_step"]
+             for e in profile.summarize(profiler, steps=4, top=50)["top"]}
+    assert (calls["aten::mm"], calls["aten::relu"]) == (2.0, 1.0), calls
     # the operators the host dispatched: outermost calls only (randn's empty and normal_ are
     # its own work), per step
     x = torch.randn(8, requires_grad=True)

@@ -10,7 +10,9 @@ the next change, the same for mimo and for any other training measured beside it
   and norm kernels, communication and copies, and ``idle``: the profiled steps' wall time no
   kernel covers, the host's time before a step's first kernel and after its last included
   (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
-- ``top``: the kernels (operators on a CPU) with the most time;
+- ``top``: the kernels (operators on a CPU) with the most time, and ``top_by_kind`` the
+  first ``KIND_TOP`` of each kind (which elementwise kernels the elementwise share is), each
+  with its calls a step;
 - ``host_reads_per_step``: values read on the host (``.item()`` and friends:
   ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
   ``host_reads_by_call`` by name: of device and host tensors alike (torch's Adam reads its
@@ -146,6 +148,9 @@ def _outermost_operators(events) -> int:
                and not any(name.startswith("aten::") for name in parent_names(e)))
 
 
+KIND_TOP = 6                    # top_by_kind: the kernels (operators) listed of each kind
+
+
 def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dict:
     """The figures of a finished profiler that covered ``steps`` steps (times in ms per
     step)."""
@@ -167,6 +172,7 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         own: dict[str, float] = {}
         for name, start, stop in timed:
             own[name] = own.get(name, 0.0) + (stop - start)
+        calls = Counter(name for name, _, _ in timed)
         gaps = _gaps([(s, t) for _, s, t in timed], first, last)       # no kernel running
         idle = sum(t - s for s, t in gaps)
         busy = window - idle
@@ -174,9 +180,11 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         # the Python in annotated ranges (the data loader's, the optimizer step's) nor a
         # dispatch mode's own Python (HostWaits), which are no operator's
         device = "cpu"
-        own = {a.key: a.self_cpu_time_total for a in profiler.key_averages()
-               if a.self_cpu_time_total > 0 and not a.is_user_annotation
-               and a.key not in PYTHON_KEYS and not a.key.startswith("ProfilerStep")}
+        averages = [a for a in profiler.key_averages()
+                    if a.self_cpu_time_total > 0 and not a.is_user_annotation
+                    and a.key not in PYTHON_KEYS and not a.key.startswith("ProfilerStep")]
+        own = {a.key: a.self_cpu_time_total for a in averages}
+        calls = Counter({a.key: a.count for a in averages})
         window, idle = sum(own.values()), 0.0
     spent: dict[str, float] = {}
     for name, microseconds in own.items():
@@ -187,8 +195,18 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
               for label in ("matmul", "attention", "elementwise", "communication", "copy")}
     if device == "cuda":
         shares["idle"] = round(idle / whole, 4)
-    ranked = sorted(own.items(), key=lambda item: -item[1])[:top]
     per_step = max(steps, 1) * 1000.0
+
+    def entry(name: str, value: float) -> dict:
+        return {"name": name[:120], "kind": kind(name), "ms_per_step": round(value / per_step, 3),
+                "share": round(value / whole, 4),
+                "calls_per_step": round(calls[name] / max(steps, 1), 1)}
+    ranked = sorted(own.items(), key=lambda item: -item[1])
+    by_kind: dict[str, list[dict]] = {}
+    for name, value in ranked:
+        listed = by_kind.setdefault(kind(name), [])
+        if len(listed) < KIND_TOP:
+            listed.append(entry(name, value))
     # the host's phases: the marks of the steps' thread (not their copies on the GPU's
     # timeline, nor another thread's, whose time overlaps the steps')
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -206,9 +224,8 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
               for key, found in phases.items()}
     return {"device": device, "steps": steps, "ms_per_step": round(window / per_step, 3),
             "shares": shares,
-            "top": [{"name": name[:120], "kind": kind(name), "ms_per_step":
-                     round(value / per_step, 3), "share": round(value / whole, 4)}
-                    for name, value in ranked],
+            "top": [entry(name, value) for name, value in ranked[:top]],
+            "top_by_kind": by_kind,
             "operators_per_step": round(_outermost_operators(events) / max(steps, 1), 1),
             **({"kernels_per_step": round(len(kernels) / max(steps, 1), 1),
                 # time some kernel ran: against the unprofiled steps' time (the GPU check's
