@@ -472,6 +472,51 @@ def test_the_varlen_probe_checks_the_kernels_grouped_queries(monkeypatch, conven
     assert found["grouped_ms"] > 0 and found["repeated_ms"] > 0
 
 
+def test_the_tower_attention_probe_compares_each_kernel_with_fp32_per_image():
+    """The ``tower_attention`` probe on the CPU at small dims, its CUDA kernels replaced: a
+    kernel attending within each image in bf16 is within bf16's rounding of fp32 SDPA per
+    image (output and q, k, v gradients); one attending across the packed images is caught,
+    and one that raises is reported with its error, the others still timed."""
+    import torch.nn.functional as F
+    sys.path.insert(0, str(REPO / "tools" / "gpu_check"))
+    try:
+        import probes
+    finally:
+        sys.path.remove(str(REPO / "tools" / "gpu_check"))
+
+    def per_image(q, k, v, cu, longest):
+        bounds = cu.tolist()
+        return torch.cat([F.scaled_dot_product_attention(
+            *(t[a:b].transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+            for a, b in zip(bounds, bounds[1:])])
+
+    def across(q, k, v, cu, longest):
+        return F.scaled_dot_product_attention(
+            *(t.transpose(0, 1) for t in (q, k, v))).transpose(0, 1)
+
+    def refuses(*args):
+        raise RuntimeError("no kernel for this width")
+
+    found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
+                                   kernels={"per_image": per_image, "refuses": refuses})
+    assert found["ok"] is True and found["per_image"]["max_rel_diff"] < 2e-2, found
+    assert found["per_image"]["fwd_bwd_ms"] > 0
+    assert found["refuses"] == {"error": "RuntimeError: no kernel for this width"}
+    found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
+                                   kernels={"per_image": per_image, "across": across})
+    assert found["ok"] is False and found["across"]["max_rel_diff"] > 0.1, found
+    found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
+                                   kernels={"refuses": refuses})
+    assert found["ok"] is False                     # nothing ran
+    # the GPU's kernels: on the CPU the CUDA ones refuse at the dispatcher (their arguments
+    # bound by the operators' schemas), flash's SDPA runs there
+    found = probes.tower_attention("cpu", images=2, side=4, heads=2, width=80)
+    assert list(found)[-4:] == ["flash_varlen", "flash_batched", "cudnn_batched",
+                                "cudnn_varlen"], found
+    assert found["ok"] is True and found["flash_batched"]["max_rel_diff"] < 2e-2, found
+    assert found["cudnn_varlen"]["error"].startswith("NotImplementedError"), found
+
+
 def test_the_wgrad_probe_compares_the_fused_gradient_with_the_exact_sum():
     """The ``wgrad`` probe on the CPU at small dims: the fused buffer no further from the exact
     sum than megatron-core's bf16 gradient and addition (there: one bf16 rounding a value)."""

@@ -12,8 +12,9 @@ one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
   ones), a rank's experts as grouped GEMMs against a loop over them (``grouped_experts``),
   torch's AdamW over Qwen2-VL-2B's language model, foreach against fused (``adam``), and a
   linear layer's weight gradient made into its fp32 buffer by its GEMM against megatron-core's
-  bf16 gradient and addition (``wgrad``); each probe's failure is recorded and the next one
-  still runs.
+  bf16 gradient and addition (``wgrad``), and the tower's attention (16 heads of 80) on
+  flash's and cuDNN's kernels, packed and batched (``tower_attention``); each probe's failure
+  is recorded and the next one still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
 convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
@@ -551,11 +552,115 @@ def wgrad(device: str = "cuda", shape: tuple[int, int, int] = WGRAD_SHAPE) -> di
     return {"ok": result["fused_rel_diff"] <= result["unfused_rel_diff"], **result}
 
 
+class _CudnnVarlen(torch.autograd.Function):
+    """cuDNN's attention over packed samples (``cu``: their bounds), non-causal: the aten ops
+    torch's ``varlen_attn`` calls where it takes cuDNN (torch 2.11 never does: it takes flash)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest):
+        found = torch.ops.aten._cudnn_attention_forward(
+            query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu,
+            max_q=longest, max_k=longest, compute_log_sumexp=True, dropout_p=0.0,
+            is_causal=False, return_debug_mask=False)
+        out, lse, seed, offset = found[0], found[1], found[6], found[7]
+        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
+        ctx.longest = longest
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
+        # by name: torch 2.11's own varlen call passes these in another order than the
+        # operator's schema (bounds where the seeds go), one reason it never takes cuDNN
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
+            grad_out=grad.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse,
+            philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu,
+            max_q=ctx.longest, max_k=ctx.longest, dropout_p=0.0, is_causal=False)
+        return dq, dk, dv, None, None
+
+
+def _batched(backend) -> Callable:
+    """SDPA on ``backend`` alone, the images as a batch (equal sizes: no bounds needed)."""
+    from torch.nn.attention import sdpa_kernel
+
+    def attend(q, k, v, cu, longest):
+        images = cu.numel() - 1
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(
+                *(t.reshape(images, longest, *t.shape[1:]).transpose(1, 2) for t in (q, k, v)))
+        return out.transpose(1, 2).reshape(q.shape)
+    return attend
+
+
+def tower_kernels() -> dict[str, Callable]:
+    """The attention kernels ``tower_attention`` compares (CUDA): each takes packed
+    ``[tokens, heads, width]`` q, k, v, the images' bounds and the longest image."""
+    from torch.nn.attention import SDPBackend
+    from torch.nn.attention.varlen import varlen_attn
+    return {"flash_varlen": lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest,
+                                                                     longest),
+            "flash_batched": _batched(SDPBackend.FLASH_ATTENTION),
+            "cudnn_batched": _batched(SDPBackend.CUDNN_ATTENTION),
+            # last: a path torch does not take, whose failure could leave the device unusable
+            "cudnn_varlen": _CudnnVarlen.apply}
+
+
+def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36,
+                    heads: int = 16, width: int = 80,
+                    kernels: dict[str, Callable] | None = None) -> dict:
+    """The Qwen2-VL-2B tower's attention alone (16 heads of 80, ``images`` of ``side``^2
+    patches packed, bf16, each image attending to itself) on each kernel that takes it
+    (``tower_kernels``): ``flash_varlen`` is mimo's (torch's ``varlen_attn``: flash runs a
+    width of 80 as 96; the tower's backward was the packed 8k step's largest kernel,
+    docs/benchmarks.md), cuDNN's takes 80 as it is. Each kernel's output and q, k, v
+    gradients apart from fp32 SDPA on each image (relative to the largest entry), its
+    forward and backward milliseconds, or its error; ``ok``: every kernel that ran within
+    2e-2, and one did."""
+    kernels = kernels if kernels is not None else tower_kernels()
+    torch.manual_seed(0)
+    tokens = images * side * side
+    leaves = [torch.randn(tokens, heads, width, device=device, dtype=torch.bfloat16,
+                          requires_grad=True) for _ in range(3)]
+    grad = torch.randn(tokens, heads, width, device=device, dtype=torch.bfloat16)
+    cu = torch.arange(0, tokens + 1, side * side, device=device, dtype=torch.int32)
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    exact = [t.detach().float().requires_grad_() for t in leaves]
+    out = F.scaled_dot_product_attention(
+        *(t.reshape(images, side * side, heads, width).transpose(1, 2) for t in exact))
+    out = out.transpose(1, 2).reshape(tokens, heads, width)
+    expected = [out.detach(), *torch.autograd.grad(out, exact, grad.float())]
+
+    def attend(kernel) -> list[torch.Tensor]:
+        found = kernel(*leaves, cu, side * side)
+        return [found.detach(), *torch.autograd.grad(found, leaves, grad)]
+
+    result: dict = {"images": images, "patches": tokens, "heads": heads, "width": width}
+    for name, kernel in kernels.items():
+        try:
+            found = attend(kernel)
+            synchronize()
+            started = time.perf_counter()
+            for _ in range(5):
+                attend(kernel)
+            synchronize()
+        except Exception as error:        # a kernel refusing this shape: a finding
+            result[name] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+            continue
+        result[name] = {
+            "max_rel_diff": max(((a.float() - b).abs().max() / b.abs().max()).item()
+                                for a, b in zip(found, expected)),
+            "fwd_bwd_ms": round((time.perf_counter() - started) / 5 * 1e3, 3)}
+    ran = [v for k, v in result.items() if k in kernels and "error" not in v]
+    return {"ok": bool(ran) and all(v["max_rel_diff"] < 2e-2 for v in ran), **result}
+
+
 def kernels() -> dict:
+    # tower_attention last: cuDNN's ragged path is one torch itself does not take
     probes: tuple[tuple[str, Callable[[], dict]], ...] = (
         ("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
         ("tower_varlen", tower_varlen), ("fusions", fusions), ("delta_net", delta_net),
-        ("grouped_experts", grouped_experts), ("adam", adam), ("wgrad", wgrad))
+        ("grouped_experts", grouped_experts), ("adam", adam), ("wgrad", wgrad),
+        ("tower_attention", tower_attention))
     if not torch.cuda.is_available():
         return {name: {"ok": None, "skipped": "no CUDA"} for name, _ in probes}
     found = {}
