@@ -472,6 +472,53 @@ def test_the_varlen_probe_checks_the_kernels_grouped_queries(monkeypatch, conven
     assert found["grouped_ms"] > 0 and found["repeated_ms"] > 0
 
 
+@pytest.mark.parametrize("ending", ["complete", "timeout", "crash", "at_exit"])
+def test_the_probes_process_keeps_what_it_reported_before_it_stopped(tmp_path, monkeypatch,
+                                                                    ending):
+    """The machine's probes run in a child process that reports each probe as it ends: where
+    it is stopped at its limit or dies in a probe (a kernel's crash can take it), the probes
+    before keep their figures and the one it was in gets the reason as its error."""
+    module = _module()
+    script = tmp_path / "probes.py"
+    script.write_text(f"""
+import json, sys, time
+def line(record):
+    print(json.dumps(record), flush=True)
+line({{"env": {{"cuda": True}}}})
+print("a library's own line")
+line({{"starting": "first"}})
+line({{"kernel": "first", "found": {{"ok": True, "ms": 1.5}}}})
+line({{"starting": "second"}})
+ending = {ending!r}
+if ending == "timeout":
+    time.sleep(60)
+if ending == "crash":
+    print("Segmentation fault in the kernel", file=sys.stderr)
+    sys.exit(139)
+line({{"kernel": "second", "found": {{"ok": False, "error": "refused"}}}})
+sys.exit(1 if ending == "at_exit" else 0)
+""")
+    monkeypatch.setattr(module, "PROBES", script)
+    (tmp_path / "out").mkdir()
+    check = module.Check(tmp_path / "out", False, math.inf, lambda *a: 0, None, tmp_path)
+    found = module.probe(check, {}, 3 if ending == "timeout" else 60)
+    assert found["env"] == {"cuda": True}
+    kernels = found["kernels"]
+    assert kernels.pop("first") == {"ok": True, "ms": 1.5}, found
+    second = kernels.pop("second")
+    if ending in ("complete", "at_exit"):
+        assert second == {"ok": False, "error": "refused"}
+    elif ending == "timeout":
+        assert second == {"ok": False, "error": "stopped at the probes' limit of 3 s"}
+    else:
+        assert second["error"] == ("the probes' process ended (exit 139): Segmentation fault "
+                                   "in the kernel"), second
+    if ending == "at_exit":          # between probes: the process's own entry says it
+        assert kernels.pop("probes_process")["error"].startswith(
+            "the probes' process ended (exit 1)")
+    assert kernels == {}, found
+
+
 def test_the_tower_attention_probe_compares_each_kernel_with_fp32_per_image():
     """The ``tower_attention`` probe on the CPU at small dims, its CUDA kernels replaced: a
     kernel attending within each image in bf16 is within bf16's rounding of fp32 SDPA per

@@ -1,5 +1,6 @@
 """What the GPU check asks of the machine itself, in a child process (``python probes.py``):
-one JSON line on stdout, ``{"env": ..., "kernels": ...}``.
+JSON lines on stdout as it goes, ``{"env": ...}``, then for each probe ``{"starting": name}``
+and ``{"kernel": name, "found": ...}``.
 
 - ``env``: versions, the GPU, and a bf16 matmul's TFLOP/s (8192^3, the practical peak);
 - ``kernels``: a one-rank NCCL all-reduce, mimo's step timer (CUDA events) around matmuls,
@@ -654,7 +655,9 @@ def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int 
     return {"ok": bool(ran) and all(v["max_rel_diff"] < 2e-2 for v in ran), **result}
 
 
-def kernels() -> dict:
+def kernels(report: Callable[[dict], None] = lambda line: None) -> dict:
+    """Each probe's figures by name; ``report`` gets ``{"starting": name}`` before each and
+    ``{"kernel": name, "found": ...}`` after it."""
     # tower_attention last: cuDNN's ragged path is one torch itself does not take
     probes: tuple[tuple[str, Callable[[], dict]], ...] = (
         ("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
@@ -665,14 +668,23 @@ def kernels() -> dict:
         return {name: {"ok": None, "skipped": "no CUDA"} for name, _ in probes}
     found = {}
     for name, probe in probes:
+        report({"starting": name})
         try:
             found[name] = probe()
         except Exception as error:          # each probe's failure is a finding, not the end
             found[name] = {"ok": False, "error": f"{type(error).__name__}: {str(error)[:300]}"}
+        report({"kernel": name, "found": found[name]})
     return found
+
+
+def _line(record: dict) -> None:
+    """One JSON line on stdout, at once: what the parent keeps if this process is stopped or
+    dies in a later probe (``tools/gpu_check/run.py``'s ``probe``)."""
+    print(json.dumps(record), flush=True)
 
 
 if __name__ == "__main__":
     import argparse
     argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0]).parse_args()
-    print(json.dumps({"env": env(), "kernels": kernels()}))
+    _line({"env": env()})
+    kernels(_line)

@@ -300,14 +300,41 @@ def unmet(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
 
 
 def probe(check: Check, env: dict[str, str], limit: float) -> dict:
-    """``probes.py`` in a child process; its last stdout line is JSON."""
-    done = subprocess.run([sys.executable, str(PROBES)], cwd=ROOT,
-                          env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=check.left(limit))
-    if done.returncode:
-        lines = [x for x in done.stderr.splitlines() if x.strip()]
-        raise RuntimeError(lines[-1] if lines else f"exit {done.returncode}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    """``probes.py`` in a child process: ``{"env": ..., "kernels": ...}`` from its JSON lines.
+    Stopped at ``limit`` or dead (a kernel's crash can take the process), it keeps what the
+    probes before reported, and the probe it was in gets the reason as its error."""
+    try:
+        done = subprocess.run([sys.executable, str(PROBES)], cwd=ROOT,
+                              env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=check.left(limit))
+        stdout, reason = done.stdout, None
+        if done.returncode:
+            lines = [x for x in done.stderr.splitlines() if x.strip()]
+            reason = f"the probes' process ended (exit {done.returncode}): " + (
+                lines[-1] if lines else "no message")
+    except subprocess.TimeoutExpired as error:
+        output = error.stdout or b""     # bytes even in text mode (Python's own quirk)
+        stdout = output.decode(errors="replace") if isinstance(output, bytes) else output
+        reason = f"stopped at the probes' limit of {limit:.0f} s"
+    found: dict = {"kernels": {}}
+    running = None
+    for text in stdout.splitlines():
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:
+            continue                     # a line a library printed, or a cut-off last one
+        if "env" in line:
+            found["env"] = line["env"]
+        elif "starting" in line:
+            running = line["starting"]
+        elif "kernel" in line:
+            found["kernels"][line["kernel"]], running = line["found"], None
+    if reason is not None:
+        if "env" not in found:
+            raise RuntimeError(reason)
+        # the probe it was in, else (between probes, at exit) the process's own entry
+        found["kernels"][running or "probes_process"] = {"ok": False, "error": reason}
+    return found
 
 
 def probe_here() -> dict:
