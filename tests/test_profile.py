@@ -120,6 +120,11 @@ def test_cpu_shares_are_the_operators_not_the_python_around_them():
     calls = {e["name"]: e["calls_per_step"]
              for e in profile.summarize(profiler, steps=4, top=50)["top"]}
     assert (calls["aten::mm"], calls["aten::relu"]) == (2.0, 1.0), calls
+    launched = profile.summarize(profiler, steps=4, top=50)["top_by_calls"]
+    counts = [e["calls_per_step"] for e in launched]
+    assert counts == sorted(counts, reverse=True), launched             # most launched first
+    names = [e["name"] for e in launched]
+    assert names.index("aten::mm") < names.index("aten::relu"), launched   # 2 a step, 1
     # the operators the host dispatched: outermost calls only (randn's empty and normal_ are
     # its own work), per step
     x = torch.randn(8, requires_grad=True)

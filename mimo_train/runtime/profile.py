@@ -10,9 +10,10 @@ the next change, the same for mimo and for any other training measured beside it
   and norm kernels, communication and copies, and ``idle``: the profiled steps' wall time no
   kernel covers, the host's time before a step's first kernel and after its last included
   (on a GPU; on a CPU the shares are of the operators' own CPU time and there is no idle);
-- ``top``: the kernels (operators on a CPU) with the most time, and ``top_by_kind`` the
-  first ``KIND_TOP`` of each kind (which elementwise kernels the elementwise share is), each
-  with its calls a step;
+- ``top``: the kernels (operators on a CPU) with the most time, ``top_by_kind`` the first
+  ``KIND_TOP`` of each kind (which elementwise kernels the elementwise share is) and
+  ``top_by_calls`` the most launched (what makes the host's launches many), each with its
+  calls a step;
 - ``host_reads_per_step``: values read on the host (``.item()`` and friends:
   ``aten::_local_scalar_dense``; ``cuda*Synchronize``) per profiled step, and
   ``host_reads_by_call`` by name: of device and host tensors alike (torch's Adam reads its
@@ -226,6 +227,7 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
             "shares": shares,
             "top": [entry(name, value) for name, value in ranked[:top]],
             "top_by_kind": by_kind,
+            "top_by_calls": [entry(name, own[name]) for name, _ in calls.most_common(top)],
             "operators_per_step": round(_outermost_operators(events) / max(steps, 1), 1),
             **({"kernels_per_step": round(len(kernels) / max(steps, 1), 1),
                 # time some kernel ran: against the unprofiled steps' time (the GPU check's
