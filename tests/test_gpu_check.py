@@ -114,10 +114,11 @@ WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full", "lora_7b_packe
 
 def test_cases_train_the_same_batches_with_figures(summary):
     cases = summary["cases"]
-    assert set(cases) == RUN | {"packed_32k", "packed_8k_sdpa"}
-    # on the CPU the 32k and sdpa cases would be packed_8k's run again (SDPA, tiny batches)
-    assert "same run as packed_8k" in cases["packed_32k"]["skipped"]
-    assert "same run as packed_8k" in cases["packed_8k_sdpa"]["skipped"]
+    assert set(cases) == RUN | {"packed_32k", "packed_8k_sdpa", "packed_8k_cudnn_tower"}
+    # on the CPU the 32k, sdpa and cuDNN tower cases would be packed_8k's run again (SDPA,
+    # tiny batches)
+    for name in ("packed_32k", "packed_8k_sdpa", "packed_8k_cudnn_tower"):
+        assert "same run as packed_8k" in cases[name]["skipped"], name
     # the goal's case sizes its tower's recompute against the GPU: none here, so recomputed
     assert cases["packed_8k"]["tower_kept"] == {"kept": False, "capacity_mib": None}
     first = []

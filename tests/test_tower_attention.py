@@ -80,6 +80,100 @@ def test_one_varlen_call_per_layer_gives_transformers_rows_and_gradients(kind, m
         torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.fixture
+def cudnn_on_cpu():
+    """CPU kernels for the two operators cuDNN's packed attention is
+    (``aten::_cudnn_attention_forward`` and ``_backward``, CUDA only), registered under their
+    own schemas: the dispatcher binds mimo's calls as it does on a GPU. fp32 math per item;
+    the forward's log-sum-exp and its random seeds must come back to the backward. Yields
+    the calls made."""
+    calls: list[str] = []
+    seeds = torch.tensor(7), torch.tensor(11)
+
+    def per_item(q, k, v, bounds, scale):
+        outs, lses = [], []
+        for a, b in zip(bounds, bounds[1:]):
+            qi, ki, vi = (t[a:b].transpose(0, 1).float() for t in (q, k, v))
+            scores = qi @ ki.transpose(-1, -2) * scale
+            lses.append(scores.logsumexp(-1))
+            outs.append((scores.softmax(-1) @ vi).transpose(0, 1))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def forward(query, key, value, attn_bias, cum_seq_q, cum_seq_k, max_q, max_k,
+                compute_log_sumexp, dropout_p=0.0, is_causal=False, return_debug_mask=False,
+                *, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
+        assert not is_causal and not return_debug_mask and torch.equal(cum_seq_q, cum_seq_k)
+        assert cum_seq_q.dtype == torch.int32 and type(max_q) is int and scale is not None
+        bounds = cum_seq_q.tolist()
+        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        out, lse = per_item(query, key, value, bounds, scale)
+        calls.append("forward")
+        return (out.to(query.dtype), lse, cum_seq_q, cum_seq_k, max_q, max_k, *seeds,
+                torch.empty(0))
+
+    def backward(grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset,
+                 attn_bias, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *,
+                 scale=None):
+        assert (philox_seed, philox_offset) == seeds and attn_bias is None
+        # attention's backward by hand from the forward's output and log-sum-exp (autograd
+        # records nothing inside an operator's kernel)
+        bounds, grads = cum_seq_q.tolist(), ([], [], [])
+        for a, b in zip(bounds, bounds[1:]):
+            qi, ki, vi, oi, doi = (t[a:b].transpose(0, 1).float()
+                                   for t in (query, key, value, out, grad_out))
+            p = torch.exp(qi @ ki.transpose(-1, -2) * scale - logsumexp[:, a:b, None])
+            ds = p * (doi @ vi.transpose(-1, -2) - (doi * oi).sum(-1, keepdim=True))
+            for found, grad in zip(grads, (ds @ ki * scale, ds.transpose(-1, -2) @ qi * scale,
+                                           p.transpose(-1, -2) @ doi)):
+                found.append(grad.transpose(0, 1))
+        calls.append("backward")
+        return tuple(torch.cat(g).to(query.dtype) for g in grads)
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("_cudnn_attention_forward", forward, "CPU")
+    library.impl("_cudnn_attention_backward", backward, "CPU")
+    try:
+        yield calls
+    finally:
+        library._destroy()
+
+
+def test_cudnn_kernel_gives_transformers_rows_and_gradients(cudnn_on_cpu):
+    """``model.tower_attention: cudnn`` (``varlen_cudnn``): the Qwen2-VL tower attends through
+    ``mcore.cudnn_attention`` once per layer, forward and backward, and its rows and every
+    weight's gradient equal transformers' own ``sdpa`` (the operators' CPU stand-ins above)."""
+    from transformers import AutoConfig
+
+    from mimo_train.families.registry import ENCODERS
+    from mimo_train.model.tower_attention import VARLEN_CUDNN
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(
+        MODELS / "published" / TOWERS["qwen2_vl"]).vision_config
+    reference = ENCODERS["qwen2_vl"].tower_class()._from_config(config, dtype=torch.float32)
+    reference.set_attn_implementation("sdpa")
+    ours = copy.deepcopy(reference)
+    served = set_attention(ours, "varlen_cudnn", by_boundaries=True)
+    assert served == VARLEN_CUDNN
+    fuse(ours, served)
+    columns = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    grid = torch.tensor([[1, 8, 12], [3, 8, 8], [1, 16, 8]])
+    pixels = torch.randn(int(grid.prod(-1).sum()), columns)
+
+    def run(tower):
+        rows = tower(hidden_states=pixels, grid_thw=grid).pooler_output
+        (rows * torch.linspace(-1, 1, rows.numel()).view_as(rows)).sum().backward()
+        return rows.detach(), {n: p.grad for n, p in tower.named_parameters()}
+
+    rows, grads = run(reference)
+    our_rows, our_grads = run(ours)
+    layers = len(ours.blocks)
+    assert cudnn_on_cpu == ["forward"] * layers + ["backward"] * layers, cudnn_on_cpu
+    torch.testing.assert_close(our_rows, rows, rtol=1e-5, atol=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_other_towers_and_choices_keep_transformers_implementation():
     from transformers import AutoConfig
 
