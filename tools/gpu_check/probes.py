@@ -553,33 +553,6 @@ def wgrad(device: str = "cuda", shape: tuple[int, int, int] = WGRAD_SHAPE) -> di
     return {"ok": result["fused_rel_diff"] <= result["unfused_rel_diff"], **result}
 
 
-class _CudnnVarlen(torch.autograd.Function):
-    """cuDNN's attention over packed samples (``cu``: their bounds), non-causal: the aten ops
-    torch's ``varlen_attn`` calls where it takes cuDNN (torch 2.11 never does: it takes flash)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest):
-        found = torch.ops.aten._cudnn_attention_forward(
-            query=q, key=k, value=v, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu,
-            max_q=longest, max_k=longest, compute_log_sumexp=True, dropout_p=0.0,
-            is_causal=False, return_debug_mask=False)
-        out, lse, seed, offset = found[0], found[1], found[6], found[7]
-        ctx.save_for_backward(q, k, v, out, lse, cu, seed, offset)
-        ctx.longest = longest
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, cu, seed, offset = ctx.saved_tensors
-        # by name: torch 2.11's own varlen call passes these in another order than the
-        # operator's schema (bounds where the seeds go), one reason it never takes cuDNN
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(
-            grad_out=grad.contiguous(), query=q, key=k, value=v, out=out, logsumexp=lse,
-            philox_seed=seed, philox_offset=offset, attn_bias=None, cum_seq_q=cu, cum_seq_k=cu,
-            max_q=ctx.longest, max_k=ctx.longest, dropout_p=0.0, is_causal=False)
-        return dq, dk, dv, None, None
-
-
 def _batched(backend) -> Callable:
     """SDPA on ``backend`` alone, the images as a batch (equal sizes: no bounds needed)."""
     from torch.nn.attention import sdpa_kernel
@@ -598,12 +571,16 @@ def tower_kernels() -> dict[str, Callable]:
     ``[tokens, heads, width]`` q, k, v, the images' bounds and the longest image."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.varlen import varlen_attn
+
+    from mimo_train.mcore.cudnn_attention import cudnn_varlen
     return {"flash_varlen": lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest,
                                                                      longest),
             "flash_batched": _batched(SDPBackend.FLASH_ATTENTION),
             "cudnn_batched": _batched(SDPBackend.CUDNN_ATTENTION),
             # last: a path torch does not take, whose failure could leave the device unusable
-            "cudnn_varlen": _CudnnVarlen.apply}
+            # (mimo's model.tower_attention: cudnn)
+            "cudnn_varlen": lambda q, k, v, cu, longest: cudnn_varlen(q, k, v, cu, cu, longest,
+                                                                      longest)}
 
 
 def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36,
@@ -611,9 +588,10 @@ def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int 
                     kernels: dict[str, Callable] | None = None) -> dict:
     """The Qwen2-VL-2B tower's attention alone (16 heads of 80, ``images`` of ``side``^2
     patches packed, bf16, each image attending to itself) on each kernel that takes it
-    (``tower_kernels``): ``flash_varlen`` is mimo's (torch's ``varlen_attn``: flash runs a
-    width of 80 as 96; the tower's backward was the packed 8k step's largest kernel,
-    docs/benchmarks.md), cuDNN's takes 80 as it is. Each kernel's output and q, k, v
+    (``tower_kernels``): ``flash_varlen`` is mimo's default (torch's ``varlen_attn``: flash
+    runs a width of 80 as 96; the tower's backward was the packed 8k step's largest kernel,
+    docs/benchmarks.md), ``cudnn_varlen`` its ``model.tower_attention: cudnn``
+    (``mcore.cudnn_attention``), which takes 80 as it is. Each kernel's output and q, k, v
     gradients apart from fp32 SDPA on each image (relative to the largest entry), its
     forward and backward milliseconds, or its error; ``ok``: every kernel that ran within
     2e-2, and one did."""
