@@ -62,24 +62,6 @@ def test_impossible_varlen_is_refused(dtype, kernels, needs):
         choose("varlen", dtype, kernels)
 
 
-@pytest.mark.parametrize("setting, dtype, kernels, runs", [
-    ("auto", BF16, H200, None), ("varlen", BF16, H200, None),
-    ("auto", BF16, CPU, "sdpa"), ("auto", FP32, H200, "sdpa"), ("sdpa", BF16, H200, "sdpa"),
-    ("auto", BF16, H100, "flash_attention_2")])
-def test_the_towers_cudnn_kernel_is_taken_under_their_varlen_attention_only(setting, dtype,
-                                                                            kernels, runs):
-    """``model.tower_attention: cudnn`` puts the towers' varlen attention on cuDNN's kernel
-    (``varlen_cudnn``), the language model's unchanged; where the towers run anything else it
-    is refused, naming what they run."""
-    if runs is None:
-        assert choose(setting, dtype, kernels, "cudnn") == AttentionChoice("varlen",
-                                                                           "varlen_cudnn")
-        return
-    with pytest.raises(TrainConfigError, match=rf"model.tower_attention is cudnn, .* but the "
-                       rf"towers run {runs} here"):
-        choose(setting, dtype, kernels, "cudnn")
-
-
 def test_block_causal_mask_by_hand():
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
     expected = torch.tensor([[1, 0, 0, 0, 0],

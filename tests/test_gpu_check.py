@@ -114,11 +114,10 @@ WITH_PEER = {"packed_8k", "unpacked", "packed_8k_recompute_full", "lora_7b_packe
 
 def test_cases_train_the_same_batches_with_figures(summary):
     cases = summary["cases"]
-    assert set(cases) == RUN | {"packed_32k", "packed_8k_sdpa", "packed_8k_cudnn_tower"}
-    # on the CPU the 32k, sdpa and cuDNN tower cases would be packed_8k's run again (SDPA,
-    # tiny batches)
-    for name in ("packed_32k", "packed_8k_sdpa", "packed_8k_cudnn_tower"):
-        assert "same run as packed_8k" in cases[name]["skipped"], name
+    assert set(cases) == RUN | {"packed_32k", "packed_8k_sdpa"}
+    # on the CPU the 32k and sdpa cases would be packed_8k's run again (SDPA, tiny batches)
+    assert "same run as packed_8k" in cases["packed_32k"]["skipped"]
+    assert "same run as packed_8k" in cases["packed_8k_sdpa"]["skipped"]
     # the goal's case sizes its tower's recompute against the GPU: none here, so recomputed
     assert cases["packed_8k"]["tower_kept"] == {"kept": False, "capacity_mib": None}
     first = []
@@ -556,13 +555,11 @@ def test_the_tower_attention_probe_compares_each_kernel_with_fp32_per_image():
     found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
                                    kernels={"refuses": refuses})
     assert found["ok"] is False                     # nothing ran
-    # the GPU's kernels: on the CPU the CUDA ones refuse at the dispatcher (their arguments
-    # bound by the operators' schemas), flash's SDPA runs there
+    # the GPU's kernels: on the CPU the CUDA-only ones refuse, flash's SDPA runs there
     found = probes.tower_attention("cpu", images=2, side=4, heads=2, width=80)
-    assert list(found)[-4:] == ["flash_varlen", "flash_batched", "cudnn_batched",
-                                "cudnn_varlen"], found
+    assert list(found)[-3:] == ["flash_varlen", "flash_batched", "cudnn_batched"], found
     assert found["ok"] is True and found["flash_batched"]["max_rel_diff"] < 2e-2, found
-    assert found["cudnn_varlen"]["error"].startswith("NotImplementedError"), found
+    assert "error" in found["flash_varlen"] and "error" in found["cudnn_batched"], found
 
 
 def test_the_wgrad_probe_compares_the_fused_gradient_with_the_exact_sum():

@@ -56,8 +56,6 @@ from mimo_train.errors import TrainConfigError
 
 # model.attention values (mimo_train.mcore.attention says what each runs)
 ATTENTION = ("auto", "local", "sdpa", "varlen")
-# model.tower_attention values: the kernel of the towers' varlen attention
-TOWER_ATTENTION = ("flash", "cudnn")
 # activation recomputation (docs/training.md, "Memory at real sizes"): the language model's
 # model.language.recompute, an encoder module's model.encoders.<module>.recompute
 LANGUAGE_RECOMPUTE = ("none", "selective", "full")
@@ -197,9 +195,6 @@ class ModelConfig:
     init_from: str | None = None                      # step_* dir of a mimo_train checkpoint
     # the attention kernels (mimo_train.mcore.attention)
     attention: Annotated[str, OneOf(ATTENTION)] = "auto"
-    # the kernel of the towers' varlen attention (mimo_train.mcore.attention): flash, or
-    # cudnn (experimental: head widths as they are, where flash runs 80 as 96)
-    tower_attention: Annotated[str, OneOf(TOWER_ATTENTION)] = "flash"
     # LoRA adapters, by part as model.freeze names them (language, <module>, <module>.encoder,
     # <module>.projection); the part's own weights stay fixed
     lora: dict[str, LoraConfig] = field(default_factory=dict)

@@ -31,9 +31,6 @@ the language model would get ``varlen``, ``varlen``: torch's varlen kernel over 
 once in the towers that give their boundaries (the model package's tower attention), SDPA in the
 others;
 else ``sdpa`` (a setting of ``sdpa`` or ``local`` keeps the towers on transformers' own).
-``model.tower_attention: cudnn`` (experimental) runs the towers' varlen attention on cuDNN's
-kernel (``mcore.cudnn_attention``; encoders ``varlen_cudnn``), refused where the towers do not
-get ``varlen``.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ from mimo_train.mcore.rotary import InterleavedMultimodalRotaryEmbedding
 class AttentionChoice:
     """The kernels of a run: the language backend and the encoders' implementation."""
     language: str                   # local | sdpa | varlen
-    encoders: str                   # sdpa | flash_attention_2 | varlen | varlen_cudnn
+    encoders: str                   # sdpa | flash_attention_2 | varlen
 
     def describe(self) -> str:
         return f"attention: language {self.language}, encoders {self.encoders}"
@@ -82,11 +79,9 @@ def available(device: torch.device) -> Kernels:
                    flash_attn_2=cuda and is_flash_attn_2_available())
 
 
-def choose(setting: str, dtype: torch.dtype, kernels: Kernels, tower: str = "flash"
-           ) -> AttentionChoice:
-    """The kernels for ``model.attention`` and ``model.tower_attention`` (``tower``; see the
-    module docstring); ``TrainConfigError`` when a setting asks for one this machine or
-    precision cannot run."""
+def choose(setting: str, dtype: torch.dtype, kernels: Kernels) -> AttentionChoice:
+    """The kernels for ``model.attention`` (see the module docstring); ``TrainConfigError``
+    when the setting asks for one this machine or precision cannot run."""
     half = dtype in (torch.bfloat16, torch.float16)
     fast = kernels.cuda and kernels.flash_capable and half
     missing = [why for why, ok in (
@@ -101,13 +96,6 @@ def choose(setting: str, dtype: torch.dtype, kernels: Kernels, tower: str = "fla
         language = setting
     encoders = "flash_attention_2" if fast and kernels.flash_attn_2 else \
         "varlen" if language == "varlen" else "sdpa"
-    if tower == "cudnn":
-        if encoders != "varlen":
-            raise TrainConfigError(
-                "model.tower_attention is cudnn, the kernel of the towers' varlen attention, "
-                f"but the towers run {encoders} here (varlen: model.attention auto or varlen "
-                "on a GPU in bf16, without the flash-attn package): set it to flash")
-        encoders = "varlen_cudnn"
     return AttentionChoice(language, encoders)
 
 

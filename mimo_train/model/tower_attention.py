@@ -13,27 +13,16 @@ torch's own ``varlen_attn`` (flash kernels, CUDA, bf16) registered under such a 
 ``AttentionChoice.encoders == "varlen"`` (``mcore.attention.choose``: CUDA, bf16, a
 flash-capable GPU, no flash-attn) puts it on towers that give boundaries
 (``Encoder.attends_by_boundaries``); other towers and choices keep transformers' own
-implementations. ``varlen_cudnn`` (``model.tower_attention: cudnn``, experimental) is the same
-with cuDNN's kernel over the boundaries (``mcore.cudnn_attention``: head widths as they are,
-where flash runs the Qwen2-VL towers' 80 as 96), registered as ``VARLEN_CUDNN``.
-tests/test_tower_attention.py checks the tower's output and gradients against transformers' own
-``sdpa`` with the kernels replaced by stand-ins (they need CUDA); the GPU check's ``varlen``
-and ``tower_attention`` probes check the kernels themselves.
+implementations. tests/test_tower_attention.py checks the tower's output and gradients against
+transformers' own ``sdpa`` with the kernel replaced by a stand-in (the kernel needs CUDA); the
+GPU check's ``varlen`` probe checks the kernel itself, causal and not.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from mimo_train.mcore.cudnn_attention import cudnn_varlen
-
-# "flash" in each: transformers then hands over the boundaries
-VARLEN = "mimo_flash_varlen"
-VARLEN_CUDNN = "mimo_flash_varlen_cudnn"
-# AttentionChoice.encoders -> (the name the towers are served under, the kernel)
-KERNELS = {"varlen": (VARLEN, "flash"), "varlen_cudnn": (VARLEN_CUDNN, "cudnn")}
+VARLEN = "mimo_flash_varlen"     # "flash" in it: transformers then hands over the boundaries
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -42,12 +31,11 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      cu_seq_lens_q: torch.Tensor | None = None,
                      cu_seq_lens_k: torch.Tensor | None = None,
                      max_length_q: int | None = None, max_length_k: int | None = None,
-                     is_causal: bool = False, kernel: str = "flash",
-                     **kwargs) -> tuple[torch.Tensor, None]:
+                     is_causal: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: ``query`` ``[1, heads, tokens, dim]`` (the
     items one after another, ``cu_seq_lens_*`` their boundaries) -> ``[1, tokens, heads,
-    dim]``, on ``kernel`` (flash: torch's ``varlen_attn``; cudnn: ``cudnn_varlen``). A call
-    without boundaries (a tower that does not give them) is transformers' SDPA."""
+    dim]``. A call without boundaries (a tower that does not give them) is transformers'
+    SDPA."""
     if cu_seq_lens_q is None or cu_seq_lens_k is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
         return sdpa_attention_forward(module, query, key, value, attention_mask,
@@ -56,16 +44,12 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if dropout:
         raise ValueError("the towers' varlen attention takes no dropout "
                          "(model.attention: sdpa runs transformers' own)")
+    from torch.nn.attention.varlen import varlen_attn
     # [t, h, d]; squeezed, not indexed: indexing's backward writes the gradient into zeros
     q, k, v = (t.squeeze(0).transpose(0, 1).contiguous() for t in (query, key, value))
-    bounds = cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32)
-    longest = _longest(cu_seq_lens_q, max_length_q), _longest(cu_seq_lens_k, max_length_k)
-    if kernel == "cudnn":
-        out = cudnn_varlen(q, k, v, *bounds, *longest, scale=scaling, causal=is_causal)
-    else:
-        from torch.nn.attention.varlen import varlen_attn
-        out = varlen_attn(q, k, v, *bounds, *longest, scale=scaling,
-                          window_size=(-1, 0) if is_causal else (-1, -1))
+    out = varlen_attn(q, k, v, cu_seq_lens_q.to(torch.int32), cu_seq_lens_k.to(torch.int32),
+                      _longest(cu_seq_lens_q, max_length_q), _longest(cu_seq_lens_k, max_length_k),
+                      scale=scaling, window_size=(-1, 0) if is_causal else (-1, -1))
     return out.unsqueeze(0), None
 
 
@@ -76,22 +60,20 @@ def _longest(bounds: torch.Tensor, given: int | None) -> int:
 
 def set_attention(tower: torch.nn.Module, implementation: str, by_boundaries: bool) -> str:
     """Give a transformers ``tower`` ``implementation`` (``AttentionChoice.encoders``):
-    ``varlen`` is ``VARLEN`` (``varlen_cudnn``: ``VARLEN_CUDNN``) where the tower gives
-    boundaries (``by_boundaries``), else SDPA. Returns the name transformers' attention
-    functions now serve the tower under."""
-    if implementation not in KERNELS:
+    ``varlen`` is ``VARLEN`` where the tower gives boundaries (``by_boundaries``), else SDPA.
+    Returns the name transformers' attention functions now serve the tower under."""
+    if implementation != "varlen":
         tower.set_attn_implementation(implementation)
         return implementation
     tower.set_attn_implementation("sdpa")          # checks the tower takes the interface
     if not by_boundaries:
         return "sdpa"
     from transformers import AttentionInterface, PreTrainedConfig
-    name, kernel = KERNELS[implementation]
-    AttentionInterface.register(name, functools.partial(varlen_attention, kernel=kernel))
+    AttentionInterface.register(VARLEN, varlen_attention)
     # set on the configs directly: set_attn_implementation would load the flash-attn package
     # (or a hub kernel) for a name that says "flash"
     for module in tower.modules():
         config = getattr(module, "config", None)
         if isinstance(config, PreTrainedConfig):
-            config._attn_implementation = name
-    return name
+            config._attn_implementation = VARLEN
+    return VARLEN

@@ -267,7 +267,7 @@ class Trainer:
         """This rank's modules of the model (no collective spanning modules)."""
         cfg = self.cfg
         self.attention = choose(cfg.model.attention, run_dtype(cfg.train.precision),
-                                available(self.device), cfg.model.tower_attention)
+                                available(self.device))
         ensure_global_memory_buffer()
         language = next((p for p in self.infra.role.modules if p.name == LANGUAGE), None)
         torch.manual_seed(cfg.train.seed)

@@ -14,8 +14,8 @@ and ``{"kernel": name, "found": ...}``.
   torch's AdamW over Qwen2-VL-2B's language model, foreach against fused (``adam``), and a
   linear layer's weight gradient made into its fp32 buffer by its GEMM against megatron-core's
   bf16 gradient and addition (``wgrad``), and the tower's attention (16 heads of 80) on
-  flash's and cuDNN's kernels, packed and batched (``tower_attention``); each probe's failure
-  is recorded and the next one still runs.
+  flash's kernels, packed and batched, and cuDNN's, batched (``tower_attention``); each
+  probe's failure is recorded and the next one still runs.
 
 ``delta_net``: Qwen3.5-4B's linear-attention shapes (16 key heads, 32 value heads of 128, a
 convolution of 4 over q, k, v), bf16, four samples of 1000, 37, 2048 and 511 tokens packed in one
@@ -571,16 +571,13 @@ def tower_kernels() -> dict[str, Callable]:
     ``[tokens, heads, width]`` q, k, v, the images' bounds and the longest image."""
     from torch.nn.attention import SDPBackend
     from torch.nn.attention.varlen import varlen_attn
-
-    from mimo_train.mcore.cudnn_attention import cudnn_varlen
     return {"flash_varlen": lambda q, k, v, cu, longest: varlen_attn(q, k, v, cu, cu, longest,
                                                                      longest),
             "flash_batched": _batched(SDPBackend.FLASH_ATTENTION),
-            "cudnn_batched": _batched(SDPBackend.CUDNN_ATTENTION),
-            # last: a path torch does not take, whose failure could leave the device unusable
-            # (mimo's model.tower_attention: cudnn)
-            "cudnn_varlen": lambda q, k, v, cu, longest: cudnn_varlen(q, k, v, cu, cu, longest,
-                                                                      longest)}
+            # cuDNN over the packed items (its aten operators with the bounds) is left out:
+            # torch's backward of them reads the head width as the longest item and writes
+            # past its buffers (pytorch/pytorch#186142, unfixed in 2.11)
+            "cudnn_batched": _batched(SDPBackend.CUDNN_ATTENTION)}
 
 
 def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int = 36,
@@ -588,10 +585,10 @@ def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int 
                     kernels: dict[str, Callable] | None = None) -> dict:
     """The Qwen2-VL-2B tower's attention alone (16 heads of 80, ``images`` of ``side``^2
     patches packed, bf16, each image attending to itself) on each kernel that takes it
-    (``tower_kernels``): ``flash_varlen`` is mimo's default (torch's ``varlen_attn``: flash
-    runs a width of 80 as 96; the tower's backward was the packed 8k step's largest kernel,
-    docs/benchmarks.md), ``cudnn_varlen`` its ``model.tower_attention: cudnn``
-    (``mcore.cudnn_attention``), which takes 80 as it is. Each kernel's output and q, k, v
+    (``tower_kernels``): ``flash_varlen`` is mimo's (torch's ``varlen_attn``: flash runs a
+    width of 80 as 96; the tower's backward was the packed 8k step's largest kernel,
+    docs/benchmarks.md), cuDNN's takes 80 as it is (here on equal-sized images as a batch, as
+    is flash's for comparison). Each kernel's output and q, k, v
     gradients apart from fp32 SDPA on each image (relative to the largest entry), its
     forward and backward milliseconds, or its error; ``ok``: every kernel that ran within
     2e-2, and one did."""
@@ -636,7 +633,6 @@ def tower_attention(device: str = "cuda", images: int = TOWER_IMAGES, side: int 
 def kernels(report: Callable[[dict], None] = lambda line: None) -> dict:
     """Each probe's figures by name; ``report`` gets ``{"starting": name}`` before each and
     ``{"kernel": name, "found": ...}`` after it."""
-    # tower_attention last: cuDNN's ragged path is one torch itself does not take
     probes: tuple[tuple[str, Callable[[], dict]], ...] = (
         ("nccl", nccl), ("cuda_events", events), ("varlen_kernel", varlen),
         ("tower_varlen", tower_varlen), ("fusions", fusions), ("delta_net", delta_net),

@@ -127,7 +127,6 @@ class Workload:
     size: str = "2B"                # Qwen2-VL-2B (full fine-tune) or -7B (LoRA)
     lora: bool = False              # LoRA rank 16 on the language model, the tower frozen
     loss_chunk: int = 0             # model.language.loss_chunk_tokens (0: the loss at once)
-    tower_attention: str = "flash"  # model.tower_attention on the GPU (the CPU: flash)
 
 
 # run in this order while time is left: the goal's case and the floor first
@@ -137,10 +136,6 @@ class Workload:
 # fused tower regions; the advisor now predicts ~95 GiB kept, so the goal's case keeps them
 # where that fits)
 WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="auto"),
-             # packed_8k with the towers' attention on cuDNN (experimental): against
-             # packed_8k's mimo side, what the tower's flash kernels (width 80 run as 96) cost
-             Workload("packed_8k_cudnn_tower", True, 8192, 24, tower_recompute="auto",
-                      peer=False, tower_attention="cudnn"),
              Workload("unpacked", False, 2048, 8, attention="sdpa"),
              Workload("lora_7b_packed_8k", True, 8192, 24, size="7B", lora=True),
              # 32k tokens' logits over 151,936 words: 20 GB in fp32 at once, 2.5 GB in chunks
@@ -153,8 +148,7 @@ WORKLOADS = [Workload("packed_8k", True, 8192, 24, tower_recompute="auto"),
              Workload("packed_8k_local", True, 8192, 24, attention="local",
                       tower_recompute="full", peer=False)]
 # on the CPU (tiny) these are packed_8k's run again: the same micro-batches, SDPA
-TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k",
-             "packed_8k_cudnn_tower": "packed_8k"}
+TINY_SAME = {"packed_32k": "packed_8k", "packed_8k_sdpa": "packed_8k"}
 # the machine's probes run after this many cases: the goal's case, then the probes (never
 # run in the 2026-11-30 lease: its 450 s went to the goal's case and the floor), then the rest
 PROBE_AFTER = 1
@@ -601,7 +595,6 @@ def case(check: Check, device: str, work: Workload) -> dict:
         make_checkpoint(check, work.size)
     model: dict[str, Any] = {
         "pretrained": str(check.checkpoints[work.size]), "attention": attention,
-        "tower_attention": work.tower_attention if device == "cuda" else "flash",
         "language": {"recompute": work.recompute, "loss_chunk_tokens": work.loss_chunk},
         "encoders": {"image": {"recompute": work.recompute if work.recompute != "none"
                                else work.tower_recompute}}}
