@@ -486,6 +486,7 @@ def line(record):
     print(json.dumps(record), flush=True)
 line({{"env": {{"cuda": True}}}})
 print("a library's own line")
+print(42)
 line({{"starting": "first"}})
 line({{"kernel": "first", "found": {{"ok": True, "ms": 1.5}}}})
 line({{"starting": "second"}})
@@ -555,6 +556,13 @@ def test_the_tower_attention_probe_compares_each_kernel_with_fp32_per_image():
     found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
                                    kernels={"refuses": refuses})
     assert found["ok"] is False                     # nothing ran
+
+    def faults(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    # after a CUDA error the device may be unusable: the kernels after it are not run
+    found = probes.tower_attention("cpu", images=3, side=4, heads=2, width=80,
+                                   kernels={"faults": faults, "per_image": per_image})
+    assert found["per_image"] == {"error": "not run: faults failed with a CUDA error"}, found
     # the GPU's kernels: on the CPU the CUDA-only ones refuse, flash's SDPA runs there
     found = probes.tower_attention("cpu", images=2, side=4, heads=2, width=80)
     assert list(found)[-3:] == ["flash_varlen", "flash_batched", "cudnn_batched"], found

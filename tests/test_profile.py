@@ -178,6 +178,11 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
     assert found["shares"]["matmul"] == round(300 / 1100, 4)
     assert found["kernels_per_step"] == 1.5 and found["operators_per_step"] == 0
     assert found["busy_ms_per_step"] == 0.375              # 750 us of kernels in 2 steps
+    # each kernel's calls a step, counted from the kernel events (one each in 2 steps)
+    assert {e["name"]: e["calls_per_step"] for e in found["top"]} == {
+        "nvjet_sm90_gemm": 0.5, "flash_fwd_kernel": 0.5, "ncclDevKernel_AllReduce": 0.5}
+    assert found["top_by_kind"]["matmul"][0]["name"] == "nvjet_sm90_gemm", found
+    assert found["top_by_kind"]["attention"][0]["name"] == "flash_fwd_kernel", found
 
 
 def test_the_idle_time_and_the_hosts_time_are_split_by_the_phase_the_host_was_in():

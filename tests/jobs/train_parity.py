@@ -230,7 +230,8 @@ def main(argv) -> None:
     calls, hooks = count_calls(trainer.modules)
     reductions = watch_reductions(trainer.modules)
     loss_sum, tokens = trainer.forward_backward(iterator, forward_only=False).tolist()
-    batches = list(batches)        # the step's micro-batches, not the host-read steps' after it
+    # the step's micro-batches and reductions, not the host-read steps' after it
+    batches, reductions = list(batches), {name: list(seen) for name, seen in reductions.items()}
     # the global batch's load-balancing loss (model.language.moe_aux_loss), where counted
     balance = float(trainer.balance.value) if trainer.balance is not None else None
     if warm_flops is not None:

@@ -323,6 +323,8 @@ def probe(check: Check, env: dict[str, str], limit: float) -> dict:
             line = json.loads(text)
         except json.JSONDecodeError:
             continue                     # a line a library printed, or a cut-off last one
+        if not isinstance(line, dict):
+            continue                     # a library's line that is JSON too (a number)
         if "env" in line:
             found["env"] = line["env"]
         elif "starting" in line:
