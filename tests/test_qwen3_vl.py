@@ -377,7 +377,12 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_another_ep(ranks, moe_training, la
     resumed = train(ranks, tmp, f"resumed-{nproc}", "qwen3_vl_finetune.yaml",
                     *moe_training["common"], f"checkpoint.dir={root}",
                     f"layout={layout}", nproc=nproc)
-    assert_continues(resumed, moe_training["records"], [2, 3], loss=1e-5, grad_norm_rel=1e-4)
+    # the grad norm to 5e-4: after two Adam updates at lr 1e-3 the layouts' summation orders
+    # (experts on one rank or over two) show in it most, Adam scaling the routers' small,
+    # cancelling gradients to full steps (1.4e-4 apart at step 3 under ep1 once the towers
+    # took a micro-batch's images and clips in one call, the losses 2e-8 apart); a misplaced
+    # expert or moment moves the loss and the balancing loss far past their bounds
+    assert_continues(resumed, moe_training["records"], [2, 3], loss=1e-5, grad_norm_rel=5e-4)
     balances = {r["step"]: r["moe_aux_loss"] for r in moe_training["records"] if "loss" in r}
     for record in (r for r in resumed if "loss" in r):      # the records carry it
         assert record["moe_aux_loss"] == pytest.approx(balances[record["step"]], rel=1e-6)

@@ -79,6 +79,12 @@ class Encoder(torch.nn.Module):
         """One row per placeholder token of the ``modality`` items in ``inputs``."""
         return self(**inputs)
 
+    def encode_together(self, inputs: dict[str, dict]) -> torch.Tensor:
+        """The rows of several modalities' items (``{modality: its inputs}``), one modality
+        after another in ``inputs``' order: each ``encode``d (a tower that can take them in
+        one call does)."""
+        return torch.cat([self.encode(modality, **kwargs) for modality, kwargs in inputs.items()])
+
     @staticmethod
     def random_config(modality_config, hidden_size: int, num_layers: int,
                       num_attention_heads: int):

@@ -164,14 +164,33 @@ class Qwen2VLVision(Encoder):
     def encode(self, modality: str, **inputs: torch.Tensor) -> torch.Tensor:
         if modality != "video":
             return self(**inputs)
-        assert self.video is not None, "take_also('video', ...) first"
-        pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
-        return self.rows(self.run_tower(self.model, pixels.to(param_dtype(self)),
-                                        inputs["video_grid_thw"]))
+        return self.rows(self.run_tower(self.model, *self._patches(modality, inputs)))
+
+    def encode_together(self, inputs: dict[str, dict]) -> torch.Tensor:
+        """Images and clips through the tower in one call, their patches and grids one after
+        another: the tower attends within each item (each image, each frame's window) and
+        its other layers act on each patch, so every item's rows are its own call's; two
+        calls would dispatch every layer twice, forward and backward (~1,500 operators and
+        as many views a micro-batch for Qwen2-VL-2B's 32 layers, tools/bench_operators.py;
+        a pass of small kernels for the clips)."""
+        if len(inputs) == 1:
+            (modality, kwargs), = inputs.items()
+            return self.encode(modality, **kwargs)
+        pixels, grids = zip(*(self._patches(m, kwargs) for m, kwargs in inputs.items()))
+        return self.rows(self.run_tower(self.model, torch.cat(pixels), torch.cat(grids)))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        pixels = normalize_pixels(pixel_values, self.image).to(param_dtype(self))
-        return self.rows(self.run_tower(self.model, pixels, image_grid_thw))
+        return self.rows(self.run_tower(self.model, *self._patches(
+            "image", {"pixel_values": pixel_values, "image_grid_thw": image_grid_thw})))
+
+    def _patches(self, modality: str, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A modality's normalized patches in the tower's dtype, and its items' grids."""
+        if modality == "video":
+            assert self.video is not None, "take_also('video', ...) first"
+            pixels = normalize_video_pixels(inputs["pixel_values_videos"], self.video)
+            return pixels.to(param_dtype(self)), inputs["video_grid_thw"]
+        pixels = normalize_pixels(inputs["pixel_values"], self.image)
+        return pixels.to(param_dtype(self)), inputs["image_grid_thw"]
 
     @classmethod
     def run_tower(cls, model: torch.nn.Module, pixels: torch.Tensor, grid_thw: torch.Tensor):

@@ -147,13 +147,12 @@ class _SeededEncoder(torch.nn.Module):
     def forward(self, placeholders: torch.Tensor | None = None, **inputs):
         if placeholders is None:
             return self.encoder(**inputs)
-        rows, targets = [], []
-        for index, modality in enumerate(self.modalities):
-            if modality in inputs:
-                rows.append(self.encoder.encode(modality, **inputs[modality]))
-                targets.append(torch.nonzero(placeholders == index).squeeze(1))
-        encoded = torch.cat(rows)       # the order on the host, where the placeholders stay
-        return encoded[to_device(torch.argsort(torch.cat(targets)).cpu(), encoded.device)]
+        present = [modality for modality in self.modalities if modality in inputs]
+        encoded = self.encoder.encode_together({m: inputs[m] for m in present})
+        # the order on the host, where the placeholders stay
+        targets = torch.cat([torch.nonzero(placeholders == self.modalities.index(m)).squeeze(1)
+                             for m in present])
+        return encoded[to_device(torch.argsort(targets).cpu(), encoded.device)]
 
 
 class _SeededGPTModel(LanguageModel):
