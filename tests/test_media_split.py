@@ -59,6 +59,65 @@ def test_a_tower_gives_a_clip_cut_at_a_temporal_patch_the_same_rows(kind):
     torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", sorted(TOWERS))
+def test_images_and_clips_in_one_call_give_each_modalitys_own_rows_and_gradients(kind):
+    """mimo's encoder of each tower kind serving images and clips (``encode_together``: one
+    tower call, their patches and grids one after another) against one call per modality
+    (``encode``): the rows (deepstack ones included) equal to fp32 rounding and every weight's
+    gradient within 1e-5 of its largest entry (the rows are summed in one matmul instead of
+    two). A 4-layer tower, Qwen2.5-VL with full attention in layers 1 and 3, Qwen3-VL with
+    deepstack rows from layers 0 and 2; three images and two clips of grids that
+    Qwen2.5-VL's windows do not fit evenly."""
+    from transformers import AutoConfig
+
+    from mimo_data.modalities.image import ImageConfig
+    from mimo_data.modalities.video import VideoConfig
+    from mimo_train.families.registry import ENCODERS
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(PUBLISHED / TOWERS[kind]).vision_config
+    config.depth = 4
+    if hasattr(config, "fullatt_block_indexes"):
+        config.fullatt_block_indexes = [1, 3]
+    if hasattr(config, "deepstack_visual_indexes"):
+        config.deepstack_visual_indexes = [0, 2]
+    geometry = dict(patch_size=config.patch_size, merge_size=config.spatial_merge_size,
+                    temporal_patch_size=config.temporal_patch_size)
+    encoder = ENCODERS[kind](ImageConfig(**geometry), 16, 1, 2)    # then the 4-layer tower
+    encoder.model = ENCODERS[kind].tower_class()._from_config(config, dtype=torch.float32)
+    encoder.take_also("video", VideoConfig(**geometry, mean=(0.4, 0.5, 0.6),
+                                           std=(0.2, 0.3, 0.25)))
+    images, clips = torch.tensor([[1, 12, 20], [1, 8, 6], [1, 18, 10]]), \
+        torch.tensor([[3, 10, 14], [2, 12, 20]])
+    side = config.patch_size
+    inputs = {"image": {"pixel_values": torch.randint(0, 256, (int(images.prod(1).sum()),
+                                                                 3 * side * side),
+                                                        dtype=torch.uint8),
+                        "image_grid_thw": images},
+              "video": {"pixel_values_videos": torch.randint(
+                  0, 256, (int(clips.prod(1).sum()), 3 * config.temporal_patch_size
+                           * side * side), dtype=torch.uint8), "video_grid_thw": clips}}
+    calls: list[int] = []
+    encoder.model.register_forward_hook(lambda module, args, output: calls.append(1))
+
+    def rows_and_gradients(encode):
+        encoder.model.zero_grad()
+        rows = encode()
+        weights = torch.randn(rows.shape, generator=torch.Generator().manual_seed(1))
+        (rows * weights).sum().backward()
+        return rows.detach(), {n: p.grad.clone() for n, p in encoder.model.named_parameters()}
+
+    together, together_grads = rows_and_gradients(lambda: encoder.encode_together(inputs))
+    assert len(calls) == 1
+    alone, alone_grads = rows_and_gradients(lambda: torch.cat(
+        [encoder.encode(m, **kwargs) for m, kwargs in inputs.items()]))
+    assert len(calls) == 3 and together.shape == alone.shape
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    for name, grad in alone_grads.items():
+        scale = float(grad.abs().max()) or 1.0
+        torch.testing.assert_close(together_grads[name] / scale, grad / scale, rtol=0,
+                                   atol=1e-5, msg=name)
+
+
 # ------------------------------------------------------------------- the loader's parts
 
 CHECKPOINT = PUBLISHED / "Qwen--Qwen3-VL-2B-Instruct"

@@ -48,8 +48,8 @@ class Encoder(torch.nn.Module):
     """The encoder contract (above): ``takes``, ``output_size``, ``deepstack``, and the width
     a pretrained model's config gives before the encoder is built. An encoder whose weights
     also encode other modalities (Qwen2-VL's tower: video) lists them in ``also_takes``; one encoder
-    module then serves them all (``take_also`` gives it their configs, ``encode`` their
-    inputs)."""
+    module then serves them all (``take_also`` gives it their configs, ``encode_together``
+    their inputs: one ``encode`` per modality unless the encoder takes them in one call)."""
     takes: tuple[str, str]
     also_takes: tuple[str, ...] = ()
     output_size: int

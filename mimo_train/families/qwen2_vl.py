@@ -169,15 +169,18 @@ class Qwen2VLVision(Encoder):
     def encode_together(self, inputs: dict[str, dict]) -> torch.Tensor:
         """Images and clips through the tower in one call, their patches and grids one after
         another: the tower attends within each item (each image, each frame's window) and
-        its other layers act on each patch, so every item's rows are its own call's; two
+        its other layers act on each patch, so every item's rows are its own call's (up to
+        floating-point rounding: a matmul over more rows may round otherwise); two
         calls would dispatch every layer twice, forward and backward (~1,500 operators and
         as many views a micro-batch for Qwen2-VL-2B's 32 layers, tools/bench_operators.py;
         a pass of small kernels for the clips)."""
         if len(inputs) == 1:
             (modality, kwargs), = inputs.items()
             return self.encode(modality, **kwargs)
-        pixels, grids = zip(*(self._patches(m, kwargs) for m, kwargs in inputs.items()))
-        return self.rows(self.run_tower(self.model, torch.cat(pixels), torch.cat(grids)))
+        patches = [self._patches(m, kwargs) for m, kwargs in inputs.items()]
+        pixels, grids = torch.cat([p for p, _ in patches]), torch.cat([g for _, g in patches])
+        del patches                     # the modalities' own copies, not kept by the tower
+        return self.rows(self.run_tower(self.model, pixels, grids))
 
     def forward(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
         return self.rows(self.run_tower(self.model, *self._patches(
