@@ -166,26 +166,6 @@ def test_the_tower_encodes_videos_as_transformers(family, reference):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
 
 
-def test_images_and_videos_go_through_the_tower_in_one_call_with_each_alones_rows(family):
-    """A tower serving images and clips encodes a micro-batch's both in one call (one
-    dispatch of its layers, forward and backward), and each item's rows are what the
-    modality's own call gives (fp32): the tower attends within each item."""
-    from mimo_train.families.registry import ENCODERS, read_vlm
-    config = family["config"]
-    vlm = read_vlm(str(family["checkpoint"]))
-    tower = ENCODERS[vlm.encoder_kind](config.modalities["image"], 0, 0, 0, vlm).eval()
-    tower.take_also("video", config.modalities["video"])
-    inputs = {m: family["batch"]["modality_inputs"][m][m] for m in ("image", "video")}
-    calls: list[int] = []
-    tower.model.register_forward_hook(lambda module, args, output: calls.append(1))
-    with torch.no_grad():
-        together = tower.encode_together(inputs)
-        assert len(calls) == 1, calls
-        alone = torch.cat([tower.encode(m, **kwargs) for m, kwargs in inputs.items()])
-    assert len(calls) == 3 and together.shape == alone.shape
-    torch.testing.assert_close(together, alone, rtol=0, atol=1e-5)
-
-
 def test_one_module_gets_its_placeholders_in_token_order():
     image, video, text = 7, 9, 1
     ids = torch.tensor([[text, image, image, video, text, video],
