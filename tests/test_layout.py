@@ -161,6 +161,10 @@ def test_modalities_need_an_encoder_and_encoders_need_a_modality():
         "Qwen-family tower serves images and video: 'image=dp1,video;language=dp1')" in message
     message = _error("language=dp1;tower=dp1", 2)
     assert "'tower' serves no modality" in message and "tower=dp1,image" in message
+    # a misspelt module name serving another modality: the name is pointed at
+    message = _error("imag=dp1,video;language=dp1", 2, modalities=["image", "video"])
+    assert "no module serves image (module 'imag' is named close to 'image': a module named " \
+        "'image' serves image): add an encoder module" in message
 
 
 def test_roles_of_a_non_colocated_pipeline_layout():

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -506,7 +507,13 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
                            LAYOUTS["language dp2"], main=main)
     assert code == 0, err
     assert "<- yours" in out and "why" in out and "bottleneck" in out
-    assert "train the first with: mimo-train --config ... 'layout=" in out
+    # the command starts as many ranks as the first layout holds (not a lone mimo-train)
+    first = re.search(r"\n  1\. (\S+):", out).group(1)
+    assert (f"train the first with: torchrun --nproc-per-node "
+            f"{Layout.parse(first).world_size} -m mimo_train --config ... 'layout=") in out
+    from mimo_train.planning.advisor.report import _launch
+    assert _launch(16, "--config x") == ("torchrun --nnodes NODES --nproc-per-node GPUS_EACH "
+                                         "-m mimo_train --config x  # NODES x GPUS_EACH = 16 ranks")
     assert out.count("\n  1. ") == 1
 
 

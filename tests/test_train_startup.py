@@ -109,7 +109,7 @@ CASES = [
         ("two-rank layout on three ranks", "default",
      ["layout=image=dp1;language=dp1"], "config",
      ["ranks 2..2 are in no module", "image 1 + language 1 = 2 ranks", "the world has 3",
-      "run 2 ranks"]),
+      "start 2 ranks under torchrun (--nnodes x --nproc-per-node = 2)"]),
     ("layout with a gap", "default",
      ["layout=image=dp1;audio=dp1,off2;language=dp1"], "config",
      ["ranks 1..1 are in no module", "gap before 'audio' at offset 2", "set its offset to 1"]),

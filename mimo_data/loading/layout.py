@@ -31,6 +31,7 @@ language model's experts over the same ranks (megatron-core's expert grid
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 import re
@@ -462,8 +463,14 @@ class Layout:
                          "tower serves images and video: 'image=dp1,video;language=dp1')"
                          if modality == "video" else
                          f"add an encoder module (e.g. '{modality}=dp1')")
+                # a module named close to the modality ('imag'): a misspelt name, not a
+                # missing module
+                close = difflib.get_close_matches(
+                    modality, [m.name for m in self.encoders], n=1, cutoff=0.75)
+                typo = (f" (module {close[0]!r} is named close to {modality!r}: a module "
+                        f"named {modality!r} serves {modality})") if close else ""
                 raise LayoutError(f"the preprocessing config expands {modality} markers but no "
-                                  f"module serves {modality}: {serve} or "
+                                  f"module serves {modality}{typo}: {serve} or "
                                   f"remove modalities.{modality} from the config{default} "
                                   "(such samples are then dropped and counted)")
         self._validate_batches(global_batch_size, micro_batch_size, split_media)
@@ -525,9 +532,11 @@ class Layout:
             if expected < world_size:
                 raise LayoutError(f"ranks {expected}..{world_size - 1} are in no module: the "
                                   f"modules hold {sizes} = {expected} ranks, the world has "
-                                  f"{world_size}; grow a module or run {expected} ranks")
+                                  f"{world_size}; grow a module or start {expected} ranks "
+                                  f"under torchrun (--nnodes x --nproc-per-node = {expected})")
             raise LayoutError(f"the modules need {sizes} = {expected} ranks, the world has "
-                              f"{world_size}; shrink a module or run {expected} ranks")
+                              f"{world_size}; shrink a module or start {expected} ranks "
+                              f"under torchrun (--nnodes x --nproc-per-node = {expected})")
 
     def _validate_batches(self, global_batch_size: int, micro_batch_size: int,
                           split_media: bool = False) -> None:

@@ -45,6 +45,7 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
     """``r`` as JSON (``split_media``: the training YAML's, for ``overrides``)."""
     settings = r.candidate.settings
     return {"layout": r.candidate.layout.compact(), "layout_full": str(r.candidate.layout),
+            "ranks": r.candidate.layout.world_size,
             "overrides": overrides(r.candidate, optimizer_modules, split_media),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
@@ -61,6 +62,15 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
             "peak_memory_gib": r.peak_bytes / 2**30, "fits": r.fits,
             "busy_s": r.busy, "bottleneck": r.bottleneck, "idle_fraction": r.idle,
             "all_to_all_s": r.all_to_all, "context_all_to_all_s": r.context_all_to_all}
+
+
+def _launch(ranks: int, arguments: str) -> str:
+    """The torchrun command line training with ``arguments`` on ``ranks`` ranks: on one node
+    up to eight, else over nodes (their count and GPUs each the cluster's)."""
+    if ranks <= 8:
+        return f"torchrun --nproc-per-node {ranks} -m mimo_train {arguments}"
+    return (f"torchrun --nnodes NODES --nproc-per-node GPUS_EACH -m mimo_train {arguments}  "
+            f"# NODES x GPUS_EACH = {ranks} ranks")
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
@@ -129,8 +139,8 @@ def format_report(report: dict) -> str:
         for r in report["ranked"]:
             lines.append(f"  {r['rank']}. {r['layout']}: {r['why']}")
         best = report["ranked"][0]
-        lines.append("train the first with: mimo-train --config ... " +
-                     " ".join(f"'{o}'" if ";" in o else o for o in best["overrides"]))
+        lines.append("train the first with: " + _launch(best["ranks"], "--config ... " + " ".join(
+            f"'{o}'" if ";" in o else o for o in best["overrides"])))
     else:
         fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
                  "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
