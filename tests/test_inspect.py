@@ -701,6 +701,11 @@ def test_sample_shows_counts_from_metadata_and_trained_text(capsys, clean, confi
     trained = "".join(re.findall(r"«(.*?)»", tokens, re.S))
     assert trained == "".join(m["content"] + EOT for m in record["messages"]
                               if m["role"] == "assistant")
+    # the padding's run is said as padding (its token may be the end of turn's), as long as
+    # the status line says
+    padding = int(re.search(r"^status +kept: .* \((\d+) padding\)", out, re.M).group(1))
+    assert padding > 0 and tokens.rstrip().endswith(f"×{padding}]")
+    assert re.findall(r"\[padding \S+×(\d+)\]", tokens) == [str(padding)]
     assert "\033[" not in out
 
 

@@ -481,7 +481,8 @@ def test_other_families_are_refused_with_the_reason(tmp_path, model_type, reason
     ([('wrap: ["<|vision_start|>", "<|vision_end|>"],', ""), ("positions: mrope", "")],
      [f"the preprocessing config is not the one model.pretrained {VLM} takes (2 settings "
       f"differ): write its own with mimo-train --preprocessing-for {VLM} > preprocess.yaml "
-      "(then data.preprocess=preprocess.yaml), or mend each:\n  - the preprocessing config "
+      "(then data.preprocess=preprocess.yaml in training, --config preprocess.yaml to "
+      "mimo-inspect), or mend each:\n  - the preprocessing config "
       "has positions: sequential, but", "set positions: mrope\n  - modalities.image.wrap is []"]),
     # a patch and merge size another tower has (Qwen3-VL's 16 px patches): every image's
     # token count wrong, said before any weight is read

@@ -89,7 +89,7 @@ def token_view(inspector: SampleInspector, record: Record, stats: SampleStats,
     if sample is not None and inspector.config.seq_length > stats.length:
         pad = inspector.config.seq_length - stats.length
         pad_token = inspector.text.tokenizer.convert_ids_to_tokens(inspector.text.pad_token_id)
-        runs.append(TokenRun("padding", f"{pad_token}×{pad}", pad, collapsed=True))
+        runs.append(TokenRun("padding", f"padding {pad_token}×{pad}", pad, collapsed=True))
     return TokenView(runs, note)
 
 

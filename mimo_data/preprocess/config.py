@@ -240,7 +240,9 @@ def _make(kind, values: dict, where: str):
     names = {f.name for f in fields(kind)}
     unknown = set(values) - names
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}"
+        # the file's own keys are its top level, not a section named "preprocess"
+        raise ConfigError(("unknown top-level key(s)" if where == "preprocess" else
+                           f"{where}: unknown key(s)") + f" {sorted(unknown)}"
                           f"{meant(sorted(unknown), sorted(names))}; known: {sorted(names)}")
     missing = sorted(f.name for f in fields(kind) if f.name not in values
                      and f.default is MISSING and f.default_factory is MISSING)

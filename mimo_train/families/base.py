@@ -429,7 +429,8 @@ def check_preprocessing(vlm: VLM, preprocess, tokenizer,
     raise TrainConfigError(
         f"the preprocessing config is not the one model.pretrained {vlm.path} takes "
         f"({len(problems)} settings differ): write its own with mimo-train --preprocessing-for "
-        f"{vlm.path} > preprocess.yaml (then data.preprocess=preprocess.yaml), or mend each:"
+        f"{vlm.path} > preprocess.yaml (then data.preprocess=preprocess.yaml in training, "
+        "--config preprocess.yaml to mimo-inspect), or mend each:"
         + "".join(f"\n  - {problem}" for problem in problems))
 
 
@@ -458,7 +459,8 @@ def foreign_tokenizer(vlm: VLM, preprocess, tokenizer=None) -> str | None:
                     f"model.pretrained's ({vlm.path}): token id {i} is {said} in it and "
                     f"{theirs!r} in the checkpoint's. Use a preprocessing config made for this "
                     f"model: mimo-train --preprocessing-for {vlm.path} > preprocess.yaml, then "
-                    "data.preprocess=preprocess.yaml")
+                    "data.preprocess=preprocess.yaml in training (--config preprocess.yaml "
+                    "to mimo-inspect)")
     return None
 
 
