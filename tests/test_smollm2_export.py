@@ -484,6 +484,12 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
             as refused:
         generator.generate("Transcribe.", audios=[str(tmp_path)], max_new_tokens=1)
     assert refused.value.exit_code == 2
+    # a clip given as an image: the option is wrong (a usage error), said as such
+    with pytest.raises(GenerateError, match=re.escape(
+            f"--image {long} is a WAV audio file, not an image: give a clip as --video, audio "
+            "as --audio")) as refused:
+        generator.generate("Describe.", images=[str(long)], max_new_tokens=1)
+    assert refused.value.exit_code == 2
 
 
 def test_a_clip_the_model_hears_only_the_start_of_is_said(generator, assets, monkeypatch,

@@ -147,7 +147,7 @@ def pillow_decoding(max_pixels: int | None, data: bytes):
         if kind := _foreign_image(data):
             raise MediaError("unsupported_format", f"{kind}, which Pillow does not read: "
                              "convert it first (e.g. to JPEG or PNG)") from None
-        if kind := _video_or_audio(data):
+        if kind := video_or_audio(data):
             raise MediaError("unsupported_format", f"{kind}, not an image: give it as a "
                              "video or audio (the record's video or audio field, or its own "
                              "option), not as an image") from None
@@ -200,9 +200,10 @@ _MEDIA_BRANDS = {b"isom", b"iso2", b"iso4", b"iso5", b"iso6", b"mp41", b"mp42", 
                  b"3gp6", b"3g2a", b"dash", b"mmp4", b"f4v ", b"MSNV", b"XAVC"}
 
 
-def _video_or_audio(data: bytes) -> str | None:
+def video_or_audio(data: bytes) -> str | None:
     """What a video or audio file given as an image is (by its container's signature), so
-    that the build names the mix-up, not corrupt bytes; None for other bytes."""
+    that the build and ``mimo-generate --image`` name the mix-up, not corrupt bytes; None for
+    other bytes."""
     if data[4:8] == b"ftyp" and data[8:12] in _MEDIA_BRANDS:
         return "an MP4/MOV video (or M4A audio)"
     if data[:4] == b"\x1a\x45\xdf\xa3":
