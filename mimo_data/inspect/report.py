@@ -620,7 +620,9 @@ def format_report(report: dict) -> str:
         lines.append(f"time        {report['seconds']:.2f} s, from the tables saved by an "
                      "earlier report (--recompute inspects every sample again)")
     elif rate:
-        lines.append(f"time        {report['seconds']:.2f} s, {rate:.0f} samples/s")
+        # the whole command's, start-up included: the progress bar's rate is the stream's
+        lines.append(f"time        {report['seconds']:.2f} s in all, {rate:.0f} samples/s "
+                     "overall (start-up and summaries included)")
     return "\n".join(lines)
 
 
