@@ -512,8 +512,9 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     assert (f"train the first with: torchrun --nproc-per-node "
             f"{Layout.parse(first).world_size} -m mimo_train --config ... 'layout=") in out
     from mimo_train.planning.advisor.report import _launch
-    assert _launch(16, "--config x") == ("torchrun --nnodes NODES --nproc-per-node GPUS_EACH "
-                                         "-m mimo_train --config x  # NODES x GPUS_EACH = 16 ranks")
+    assert _launch(16, 8, "--config x") == ("torchrun --nnodes 2 --nproc-per-node 8 -m "
+                                            "mimo_train --config x")
+    assert _launch(8, 4, "x") == "torchrun --nnodes 2 --nproc-per-node 4 -m mimo_train x"
     assert out.count("\n  1. ") == 1
 
 

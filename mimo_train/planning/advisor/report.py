@@ -64,13 +64,15 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
             "all_to_all_s": r.all_to_all, "context_all_to_all_s": r.context_all_to_all}
 
 
-def _launch(ranks: int, arguments: str) -> str:
+def _launch(ranks: int, per_node: int, arguments: str) -> str:
     """The torchrun command line training with ``arguments`` on ``ranks`` ranks: on one node
-    up to eight, else over nodes (their count and GPUs each the cluster's)."""
-    if ranks <= 8:
+    where they fit its ``per_node`` GPUs, else over as many nodes as they fill."""
+    if ranks <= per_node:
         return f"torchrun --nproc-per-node {ranks} -m mimo_train {arguments}"
-    return (f"torchrun --nnodes NODES --nproc-per-node GPUS_EACH -m mimo_train {arguments}  "
-            f"# NODES x GPUS_EACH = {ranks} ranks")
+    nodes = -(-ranks // per_node)
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {ranks // nodes} -m mimo_train "
+            f"{arguments}" + ("" if ranks % nodes == 0 else
+                              f"  # {ranks} ranks: split them evenly over the nodes"))
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
@@ -139,8 +141,9 @@ def format_report(report: dict) -> str:
         for r in report["ranked"]:
             lines.append(f"  {r['rank']}. {r['layout']}: {r['why']}")
         best = report["ranked"][0]
-        lines.append("train the first with: " + _launch(best["ranks"], "--config ... " + " ".join(
-            f"'{o}'" if ";" in o else o for o in best["overrides"])))
+        arguments = "--config ... " + " ".join(f"'{o}'" if ";" in o else o
+                                               for o in best["overrides"])
+        lines.append("train the first with: " + _launch(best["ranks"], g["per_node"], arguments))
     else:
         fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
                  "shorter samples (fewer tokens each: the media's max_pixels, a video's fps, "
