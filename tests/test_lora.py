@@ -139,12 +139,14 @@ def test_lora_finetune_loss_falls_with_each_modules_learning_rate(finetune):
         assert record["lrs"]["language"] == record["lr"] > 0
 
 
-def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, finetune):
+def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, finetune,
+                                                     capsys):
     """Against the run's starting weights (the same config's step 0, saved): the base and the
     lr-0 tower (its adapters included) unchanged, the language adapters moved; the
     checkpoint names its base by path and digest."""
     from mimo_train.components.checkpoint import load_weights
     from mimo_train.components.digests import weights_digest
+    from mimo_train.inspect_cli import main as inspect_main
     _, checkpoints = finetune
     _step(ranks, setup, "lora-init", LORA, save_init=setup["tmp"] / "lora-init")
     start = load_weights(str(setup["tmp"] / "lora-init" / "step_0000000"))
@@ -162,6 +164,11 @@ def test_fixed_weights_stay_bitwise_in_the_checkpoint(ranks, setup, full_init, f
     meta = json.loads((checkpoints / f"step_{TRAIN_STEPS:07d}" / "meta.json").read_text())
     assert meta["lora_base"] == [{"key": "model.pretrained", "path": str(BASE),
                                   "sha256": weights_digest(str(BASE))}]
+    # mimo-inspect checkpoint names the base the adapters alone are exported onto
+    assert inspect_main(["checkpoint", str(checkpoints)]) == 0
+    said = capsys.readouterr().out
+    assert f"LoRA over model.pretrained {BASE} (weights' sha256 " \
+        f"{weights_digest(str(BASE))[:12]}…); `mimo-export --adapters` needs" in said, said
 
 
 def _with_meta(step: Path, root: Path, edit) -> Path:

@@ -166,7 +166,12 @@ def _summary(meta: dict) -> str:
     if pretrained:
         parts.append(f"model {pretrained}")
     if model.get("lora"):
-        parts.append("LoRA")
+        bases = [base for base in meta.get("lora_base") or () if isinstance(base, dict)]
+        parts.append("LoRA" + "".join(
+            f"{' over' if i == 0 else ','} {base.get('key')} {base.get('path')} (weights' "
+            f"sha256 {str(base.get('sha256'))[:12]}…)" for i, base in enumerate(bases)))
+        if bases:                        # what the adapters alone are exported onto
+            parts.append("`mimo-export --adapters` needs that base unchanged")
     return "; ".join(parts)
 
 
