@@ -93,6 +93,28 @@ def test_a_packed_row_is_padded_to_cp_x_tp_and_its_padding_joins_the_last_sample
     assert plain["input_ids"].size(1) == 9 and plain["packing_kwargs"]["cu_seqlens_q"][-1] == 9
 
 
+def test_what_the_step_keeps_for_later_is_on_its_device():
+    """The MoE balance loss's real-token mask goes to the step's device with the batch, and a
+    rank whose schedule reports no loss gives its zero sums there: on a GPU a router's or the
+    step's own copy of a host tensor would make the host wait for the device's queue. (A meta
+    device stands for the GPU: a host tensor left behind is on the CPU.)"""
+    from mimo_train.training.step import ForwardStep
+    from mimo_train.training.trainer import Trainer
+    device = torch.device("meta")
+    infra = SimpleNamespace(layout=Layout.parse("language=tp2,cp2"),
+                            role=SimpleNamespace(modules=[]))
+    balance = SimpleNamespace(tokens=None)
+    forward = ForwardStep(infra, device, balance=balance)
+    forward(iter([_packed([3, 6])]), lambda **inputs: (inputs["input_ids"], None))
+    assert balance.tokens.device == device and balance.tokens.shape == (1, 12)
+    trainer = SimpleNamespace(
+        forward=forward, micro_batches=1, preprocess=SimpleNamespace(seq_length=12),
+        cfg=SimpleNamespace(train=SimpleNamespace(micro_batch_size=1)), pg_collection=None,
+        communicator=None, schedule=lambda **kwargs: None, device=device, model=None)
+    sums = Trainer._reports(trainer, None, True)
+    assert sums.device == device and sums.dtype == torch.float64 and sums.shape == (2,)
+
+
 def test_a_padded_batch_keeps_a_multiple_of_64_and_of_cp():
     """The columns kept are the longest sample's, rounded up to 64 and to cp (here 3: 192)."""
     real = torch.zeros(2, 300, dtype=torch.bool)

@@ -138,6 +138,7 @@ def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch)
         modules={}, optimizer=SimpleNamespace(zero_grad=lambda: None),
         settle=lambda: ([], []), watch=SimpleNamespace(over_limit=lambda: None),
         forward=forward, forward_backward=passes, step_samples=[], device=torch.device("cpu"),
+        peak_memory=SimpleNamespace(mib=lambda: now[0]),    # a peak that grows with time
         schedulers={}, trained={}, step=0, step_flops=torch.zeros(1), balance=None,
         cfg=SimpleNamespace(train=SimpleNamespace(global_batch_size=4)),
         valid_loader=None, eval_steps=1, batches=lambda _: loader([4.0, 8.0]))
@@ -145,6 +146,9 @@ def test_the_data_wait_is_the_steps_own_waits_for_its_micro_batches(monkeypatch)
     Trainer.evaluate(trainer)               # between two steps: 12 s of waits, not theirs
     second, _, _ = Trainer.train_step(trainer, loader([0.5, 0.25]))
     assert (first.data_wait, second.data_wait) == (0.375, 0.75)
+    # a step's peak memory is read once its work is queued (its waits and passes: 2.375 s),
+    # not when it is settled, by when the next step's passes are queued too
+    assert first.memory_mib == 2.375 and second.memory_mib > first.memory_mib
     # with model.language.moe_aux_loss: the step's micro-batches fetched at once, then the
     # counting pass and the training pass over them
     monkeypatch.setattr(trainer_module, "global_sum", lambda values, infra, device: values)

@@ -168,6 +168,9 @@ class StepValues:
     global_batch_size: int
     # this rank's host seconds waiting for its micro-batches (``ForwardStep.waits``, summed)
     data_wait: float = 0.0
+    # this rank's peak memory (``PeakMemory.mib``) once the step's work is queued: read then,
+    # not when the step is settled, by when the next step's passes are queued too
+    memory_mib: float = 0.0
     # set when the trainer settles the step (its optimizer's outcome read, its learning rates
     # stepped): None before; this rank's trained modules' rates after the step
     lrs: dict[str, float] | None = None
@@ -490,10 +493,9 @@ class Metrics:
         names = [m.name for m in self.layout.modules]
         # per module: its learning rate (-1 where this rank does not train it), its forward
         # seconds; the rank's wait for its micro-batches, its peak memory; the world's maxima
-        memory = self.memory.mib() if self.memory is not None else 0.0
         local = [[(p.lrs or {}).get(name, -1.0) for name in names]
                  + [sum(t.seconds() for t in p.forward) if name in self.local_modules
-                    else 0.0 for name in names] + [p.data_wait, memory]
+                    else 0.0 for name in names] + [p.data_wait, p.memory_mib]
                  + reading.get("balance", [-1.0]) for p, reading in zip(pending, readings)]
         # host values: over the control group, so the reduction waits for no device queue
         maxima = torch.tensor(local, dtype=torch.float64)

@@ -67,7 +67,9 @@ class GlobalBalance:
         # the groups that cut the sequence, in the order they cut it: CP, then TP under SP
         self.cuts = [groups.cp] + ([groups.tp] if sequence_parallel else [])
         self.mode: str | None = None
-        self.tokens: torch.Tensor | None = None     # the micro-batch's real-token mask [b, s]
+        # the micro-batch's real-token mask [b, s], on the routers' device (the step puts it
+        # there without a wait)
+        self.tokens: torch.Tensor | None = None
         # the step's values, device scalars (reading one would wait for the device's queue)
         self.frequency: torch.Tensor | None = None  # f_e over the global batch
         self.rows: torch.Tensor | None = None       # R: every layer's real rows (float32)
@@ -115,7 +117,7 @@ class GlobalBalance:
         seq, batch = router_input.shape[:2]
         if self.tokens is None:
             return router_input.new_ones(seq * batch, dtype=torch.float32)
-        mask = self.tokens.to(router_input.device).t().float()        # [S, b]
+        mask = self.tokens.t().float()        # [S, b]
         for group in self.cuts:      # this CP rank's part, then its TP rank's (SP) of that
             size = mask.shape[0] // group.size()
             rank = dist.get_rank(group)

@@ -79,7 +79,7 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
                if isinstance(value, torch.Tensor) and key != "attention_mask"}
     if multiple > 1:
         columns, packing = _padded(columns, packing, multiple)
-    inputs = {key: value.to(device, non_blocking=True)       # the [(3,) B, length] tensors
+    inputs = {key: to_device(value, device)       # the [(3,) B, length] tensors
               for key, value in columns.items()}
     inputs["host_input_ids"] = columns.get("input_ids")        # the placeholders' counts
     # Padding is on the right and never trained, so the causal mask alone is right for every
@@ -87,14 +87,14 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
     inputs["attention_mask"] = None
     inputs.setdefault("input_ids", None)         # later pipeline stages get no token ids
     if packing is not None:
-        inputs["packing_kwargs"] = {key: value.to(device, non_blocking=True)
+        inputs["packing_kwargs"] = {key: to_device(value, device)
                                     if isinstance(value, torch.Tensor) else value
                                     for key, value in packing.items()}
     modules = infra.layout.modalities
     module_inputs: dict = {}
     for modality, by_encoder in (batch.get("modality_inputs") or {}).items():
         module = modules[modality]
-        on_device = {encoder: {k: v if k in HOST_INPUTS else v.to(device, non_blocking=True)
+        on_device = {encoder: {k: v if k in HOST_INPUTS else to_device(v, device)
                                for k, v in kw.items()} for encoder, kw in by_encoder.items()}
         if module in shared:
             first = next(iter(shared[module]))
@@ -105,6 +105,16 @@ def model_inputs(batch: dict, infra: Infra, device: torch.device,
             module_inputs[module] = on_device
     inputs["modality_inputs"] = module_inputs or None
     return inputs
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``, queued behind the device's work: only a copy to a GPU from
+    contiguous page-locked memory is (from pageable memory, or through the pageable copy torch
+    makes of a strided view, the host may wait for the device). The loader pins its batches;
+    what is cut or padded from them here is made contiguous and pinned first."""
+    if device.type == "cuda" and not (tensor.is_pinned() and tensor.is_contiguous()):
+        tensor = tensor.contiguous().pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def kept_length(batch: dict, multiple: int = 1) -> int | None:
@@ -216,9 +226,9 @@ class ForwardStep:
             inputs = model_inputs(batch, self.infra, self.device, self.shared) \
                 if batch is not None else \
                 {"input_ids": None}
-            if self.balance is not None:          # the routers' real rows
-                self.balance.tokens = None if batch is None else \
-                    real_tokens(batch, shard_multiple(self.infra))
+            if self.balance is not None:          # the routers' real rows, on the device
+                real = None if batch is None else real_tokens(batch, shard_multiple(self.infra))
+                self.balance.tokens = None if real is None else to_device(real, self.device)
             if self.labels is not None and self.last_stage and batch is not None:
                 self.labels.labels = host_labels(batch, shard_multiple(self.infra))
         timer = Timer(self.device)

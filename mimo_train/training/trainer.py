@@ -640,7 +640,9 @@ class Trainer:
             reports = [report["lm loss"] for report in self.schedule(**kwargs) or ()]
         if self.communicator is not None:
             self.communicator.finish(forward_only)
-        return torch.stack(reports).double().sum(0) if reports else torch.zeros(2)
+        # (no reports: on the device too, where a host tensor's copy would wait for its queue)
+        return torch.stack(reports).double().sum(0) if reports else \
+            torch.zeros(2, dtype=torch.float64, device=self.device)
 
     def _through_schedule(self, iterator, forward_only: bool) -> torch.Tensor:
         """``forward_backward``'s pass: the world's [loss sum, trained tokens], and the step's
@@ -683,7 +685,8 @@ class Trainer:
         if self.balance is not None and self.balance.value is not None:
             readings["balance"] = self.balance.value
         self.unsettled = StepValues(self.step, Readings(readings), timer.stop(), forward,
-                                    self.cfg.train.global_batch_size, sum(waits))
+                                    self.cfg.train.global_batch_size, sum(waits),
+                                    self.peak_memory.mib())
         return self.unsettled, anomalies, read
 
     def settle(self) -> tuple[list[dict], list[dict]]:
