@@ -156,13 +156,13 @@ def test_cases_train_the_same_batches_with_figures(summary):
 def test_a_sides_busy_share_is_its_kernels_time_over_the_timed_steps(tmp_path):
     """On a GPU the profile holds the kernels' time a profiled step (``busy_ms_per_step``,
     which the profiler does not slow); a side's ``busy_over_timed`` is that over the median
-    of the steps between the warm-up and the profiled ones."""
-    seconds = [9.0, 3.0, 1.2, 1.0, 1.1, 2.0, 2.2]       # warm-up 2, timed 3, profiled 2
+    of the steps between the warm-up and the profiler's lead-in (profiled, so slowed)."""
+    seconds = [9.0, 3.0, 1.2, 1.0, 1.1, 1.9, 2.0, 2.2]  # warm-up 2, timed 3, lead-in, profiled 2
     records = [{"loss": 1.0, "seconds": s} for s in seconds]
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "profile_rank0.json").write_text(json.dumps(
         {"device": "cuda", "busy_ms_per_step": 880.0}))
-    figures = _module()._figures(records, 0, tmp_path / "log", 7, 2, tmp_path / "profile")
+    figures = _module()._figures(records, 0, tmp_path / "log", 8, 2, tmp_path / "profile")
     assert figures["median_seconds"] == 1.1
     assert figures["busy_over_timed"] == 0.8 and figures["profiled_over_timed"] == 1.909
 

@@ -152,23 +152,35 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
     summarize = profile.summarize
 
     def recorded(profiler, steps, top=8):
-        seen.extend(e.name for e in profiler.events() if e.name.startswith("ProfilerStep"))
+        seen.extend(e.name for e in profiler.events() if e.name.startswith("Profiler"))
         return summarize(profiler, steps, top)
     monkeypatch.setattr(profile, "summarize", recorded)
-    run = profile.Profile(ProfileConfig(str(tmp_path), start=2, steps=2), 0,
+    run = profile.Profile(ProfileConfig(str(tmp_path), start=3, steps=2), 0,
                           torch.device("cpu"))
-    for step in range(1, 5):
+    for step in range(1, 6):
         run.before(step)
-        torch.randn(32, 32) @ torch.randn(32, 32)
+        (torch.randn(32, 32) @ torch.randn(32, 32)).relu() if step == 2 else \
+            torch.randn(32, 32) @ torch.randn(32, 32)
         run.after(step)
-    assert seen == ["ProfilerStep*"] * 2, seen       # torch's name for every step's mark
+    # torch's name for each step's mark (its own "#N" kept for the lead-in, the step before)
+    assert seen == [profile.LEAD_IN + "#2", "ProfilerStep*", "ProfilerStep*"], seen
     written = json.loads((tmp_path / "profile_rank0.json").read_text())
-    assert written["first_step"] == 2 and written["steps"] == 2
+    assert written["first_step"] == 3 and written["steps"] == 2
 
-    def event(name, start, end, device=torch.autograd.DeviceType.CUDA):
+    def event(name, start, end, device=torch.autograd.DeviceType.CUDA, own=0.0):
         return SimpleNamespace(name=name, device_type=device, is_user_annotation=False,
-                               time_range=SimpleNamespace(start=start, end=end))
+                               time_range=SimpleNamespace(start=start, end=end),
+                               self_cpu_time_total=own)
     cpu = torch.autograd.DeviceType.CPU
+    # on a CPU: the operators of the window's steps, not the lead-in's
+    lead_in = [event(profile.LEAD_IN + "#2", -600, -5, cpu), event("aten::relu", -500, -400, cpu,
+                                                                    own=100.0)]
+    events = [event("ProfilerStep*", 0, 500, cpu), event("ProfilerStep*", 500, 1000, cpu),
+              event("aten::mm", 100, 400, cpu, own=300.0)]
+    found = profile.summarize(SimpleNamespace(events=lambda: lead_in + events), steps=2)
+    assert [e["name"] for e in found["top"]] == ["aten::mm"], found
+    assert found["operators_per_step"] == 0.5 and found["shares"]["matmul"] == 1.0
+
     events = [event("ProfilerStep*", 0, 500, cpu), event("ProfilerStep*", 500, 1000, cpu),
               event("nvjet_sm90_gemm", 100, 400), event("flash_fwd_kernel", 600, 900),
               event("ncclDevKernel_AllReduce", 950, 1100)]      # ends after the last mark
@@ -183,6 +195,14 @@ def test_the_profiled_steps_are_marked_and_span_the_gpu_window(tmp_path, monkeyp
         "nvjet_sm90_gemm": 0.5, "flash_fwd_kernel": 0.5, "ncclDevKernel_AllReduce": 0.5}
     assert found["top_by_kind"]["matmul"][0]["name"] == "nvjet_sm90_gemm", found
     assert found["top_by_kind"]["attention"][0]["name"] == "flash_fwd_kernel", found
+    # with the lead-in's kernels before them: one that ended before the window is not its,
+    # one still running when it began counts from then (40 us more of the gemm)
+    lead_in = [event(profile.LEAD_IN + "#2", -600, -5, cpu), event("lead_in_gemm", -500, -300),
+               event("nvjet_sm90_gemm", -50, 40)]
+    found = profile.summarize(SimpleNamespace(events=lambda: lead_in + events), steps=2)
+    assert found["ms_per_step"] == 0.55 and found["busy_ms_per_step"] == 0.395
+    assert found["shares"]["matmul"] == round(340 / 1100, 4) and found["kernels_per_step"] == 2
+    assert "lead_in_gemm" not in {e["name"] for e in found["top"]}, found
 
 
 def test_the_idle_time_and_the_hosts_time_are_split_by_the_phase_the_host_was_in():
@@ -235,7 +255,8 @@ def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(t
                                                       torch.device("cpu")) as run:
         for step in (1, 2):
             run.before(step)
-            assert torch.autograd.profiler._is_profiler_enabled == (step == 2)
+            # the profiler from the lead-in step (1), the waits' mode from the window's first
+            assert torch.autograd.profiler._is_profiler_enabled
             assert bool(torch.overrides._get_current_function_mode_stack()) == (step == 2)
             torch.randn(8, 8) @ torch.randn(8, 8)
             run.after(step)

@@ -265,7 +265,8 @@ class WandbConfig:
 
 @dataclass
 class ProfileConfig:
-    """torch.profiler over steps ``start .. start + steps - 1`` (from 1) of every rank: a
+    """torch.profiler over steps ``start .. start + steps - 1`` (from 1) of every rank (and
+    the step before, a lead-in it does not summarize): a
     summary per rank in ``dir/profile_rank{R}.json`` (``mimo_train.runtime.profile``), the
     Chrome trace beside it with ``trace``; on the CPU with ``waits``, the operators that would
     make the host wait on a GPU, at their callers (every operator then goes through Python:

@@ -1,10 +1,10 @@
 """Where a step's time goes: torch.profiler over a few steps, summarized in a small dict.
 
-``Profile`` (``train.profile``) wraps steps ``start .. start + steps - 1`` of a run in
-``torch.profiler.profile`` and writes ``profile_rank{R}.json`` (and, with ``trace``, the
-Chrome trace beside it). ``summarize`` turns a finished profiler into the figures that choose
-the next change, the same for mimo and for any other training measured beside it
-(``tools/gpu_check/peer.py``):
+``Profile`` (``train.profile``) wraps steps ``start .. start + steps - 1`` of a run (after a
+lead-in step, profiled but not summarized) in ``torch.profiler.profile`` and writes
+``profile_rank{R}.json`` (and, with ``trace``, the Chrome trace beside it). ``summarize``
+turns a finished profiler into the figures that choose the next change, the same for mimo and
+for any other training measured beside it (``tools/gpu_check/peer.py``):
 
 - ``shares``: the share of device time in matmuls (convolutions too), attention, elementwise
   and norm kernels, communication and copies, and ``idle``: the profiled steps' wall time no
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import traceback
@@ -85,6 +86,7 @@ WAITING_OPS = frozenset({
 # rest of the schedule or the backward passes, the optimizer's step; "step" is the rest
 PHASES = ("data", "forward", "backward", "optimizer")
 MARK = "phase: "
+LEAD_IN = "ProfilerLeadIn"      # the mark of the step profiled before the summarized ones
 
 
 def mark_phase(name: str) -> contextlib.AbstractContextManager:
@@ -156,18 +158,24 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
     """The figures of a finished profiler that covered ``steps`` steps (times in ms per
     step)."""
     events = profiler.events()
+    # the summarized steps' marks (``Profile``'s; torch reads "#N" as "*"): what ran before
+    # the first of them is the lead-in's, left out, but for its kernels' time in the window
+    stepped = [e for e in events if e.name.startswith("ProfilerStep")
+               and e.device_type == torch.autograd.DeviceType.CPU]
+    begun = min((e.time_range.start for e in stepped), default=-math.inf)
+    events = [e for e in events if e.time_range.start >= begun or (
+        e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > begun)]
     # kernels and copies on the device; not the ranges that annotate them there (an optimizer
     # step's, a profiler step's), which overlap them
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
                and not getattr(e, "is_user_annotation", False)]
-    synced = [e for e in events if SYNCS.search(e.name)]
+    synced = [e for e in events if SYNCS.search(e.name) and e.time_range.start >= begun]
     if kernels:
         device = "cuda"
-        timed = [(e.name, e.time_range.start, e.time_range.end) for e in kernels]
-        # the steps' wall time (their marks, ``Profile``'s) and the kernels that end after it
+        timed = [(e.name, max(e.time_range.start, begun), e.time_range.end) for e in kernels]
+        # the steps' wall time (their marks) and the kernels that end after it
         spans = [(s, t) for _, s, t in timed] + [
-            (e.time_range.start, e.time_range.end) for e in events
-            if e.name.startswith("ProfilerStep")]          # torch reads "#N" as "*"
+            (e.time_range.start, e.time_range.end) for e in stepped]
         first, last = min(s for s, _ in spans), max(t for _, t in spans)
         window = last - first
         own: dict[str, float] = {}
@@ -181,11 +189,14 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
         # the Python in annotated ranges (the data loader's, the optimizer step's) nor a
         # dispatch mode's own Python (HostWaits), which are no operator's
         device = "cpu"
-        averages = [a for a in profiler.key_averages()
-                    if a.self_cpu_time_total > 0 and not a.is_user_annotation
-                    and a.key not in PYTHON_KEYS and not a.key.startswith("ProfilerStep")]
-        own = {a.key: a.self_cpu_time_total for a in averages}
-        calls = Counter({a.key: a.count for a in averages})
+        own, calls = {}, Counter()
+        for e in events:          # (torch's key_averages, but of the window's events alone)
+            if not e.is_user_annotation and e.name not in PYTHON_KEYS and \
+                    not e.name.startswith(("ProfilerStep", LEAD_IN)):
+                own[e.name] = own.get(e.name, 0.0) + e.self_cpu_time_total
+                calls[e.name] += 1
+        own = {name: spent for name, spent in own.items() if spent > 0}
+        calls = Counter({name: calls[name] for name in own})
         window, idle = sum(own.values()), 0.0
     spent: dict[str, float] = {}
     for name, microseconds in own.items():
@@ -211,7 +222,6 @@ def summarize(profiler: torch.profiler.profile, steps: int, top: int = 8) -> dic
     # the host's phases: the marks of the steps' thread (not their copies on the GPU's
     # timeline, nor another thread's, whose time overlaps the steps')
     host = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
-    stepped = [e for e in host if e.name.startswith("ProfilerStep")]
     threads = {getattr(e, "thread", None) for e in stepped}
     marks = [(e.time_range.start, e.time_range.end, e.name[len(MARK):]) for e in host
              if e.name.startswith(MARK) and getattr(e, "thread", None) in threads]
@@ -344,7 +354,9 @@ class HostWaits(SyncSites):
 class Profile:
     """Steps ``window.start .. + window.steps - 1`` of this rank under torch.profiler:
     ``before(step)`` before each step, ``after(step)`` after it, within ``with profile:``
-    (the run's steps)."""
+    (the run's steps). The profiler starts a step earlier (the lead-in, not summarized): its
+    start waits for the GPU, whose queue the host then refills, so the window's first step
+    starts as the others run, the host ahead of the GPU, not with an empty queue."""
 
     def __init__(self, window: Window | None, rank: int, device: torch.device):
         self.window, self.rank, self.device = window, rank, device
@@ -356,8 +368,9 @@ class Profile:
     def before(self, step: int) -> None:
         if self.window is None:
             return
+        lead_in = step == self.window.start - 1
         if self.profiler is None:
-            if step != self.window.start:
+            if step != self.window.start and not lead_in:
                 return
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cpu":
@@ -370,12 +383,13 @@ class Profile:
                 torch.cuda.synchronize(self.device)
             self.profiler = torch.profiler.profile(activities=activities, acc_events=True)
             self.profiler.__enter__()
-            if self.device.type == "cuda" or self.window.waits:
-                self.syncs = (SyncSites() if self.device.type == "cuda"
-                              else HostWaits()).__enter__()
+        if step == self.window.start and (self.device.type == "cuda" or self.window.waits):
+            self.syncs = (SyncSites() if self.device.type == "cuda"
+                          else HostWaits()).__enter__()
         # each step's range, which summarize's window spans: torch.profiler marks steps
         # (ProfilerStep#N) only under a schedule, which a window of consecutive steps needs not
-        self.mark = torch.profiler.record_function(f"ProfilerStep#{step}")
+        self.mark = torch.profiler.record_function(
+            f"{LEAD_IN if lead_in else 'ProfilerStep'}#{step}")
         self.mark.__enter__()
 
     def _unmark(self) -> None:
@@ -387,6 +401,8 @@ class Profile:
         if self.profiler is None or self.window is None:
             return
         self._unmark()
+        if step < self.window.start:                    # the lead-in
+            return
         self.done += 1
         if self.done == self.window.steps:
             self.finish()

@@ -159,8 +159,10 @@ PROBES_S = 150                          # their limit; they start only with all 
 PARITY_S = 150
 AUTO_SHARE = 0.85                       # auto: the tower kept when predicted under this share
 TINY_MICRO = {True: 2, False: 2}        # tiny: samples a micro-batch (packed: one row of two)
-# steps of a case: the profiled ones last, the median over those between the warm-up and them
-STEPS, PROFILED, WARM = 7, 2, 2
+# steps of a case: the profiled ones last, after the profiler's lead-in step (profiled, not
+# summarized: ``mimo_train.runtime.profile.Profile``); the median over those between the
+# warm-up and the lead-in
+STEPS, PROFILED, WARM = 8, 2, 2
 # tiny: a first step (the optimizer's moments made, the fused regions compiled) and a profiled
 # one
 TINY_STEPS, TINY_PROFILED = 2, 1
@@ -555,7 +557,7 @@ def _figures(records: list[dict], rc: int, log: Path, steps: int, profiled: int,
     result: dict = {"steps": len(records), "losses": [round(r["loss"], 6) for r in records]}
     if rc or len(records) < steps:
         result["error"] = failure(rc, log)
-    timed = records[WARM:steps - profiled] or records
+    timed = records[WARM:steps - profiled - 1] or records     # not the lead-in
     for key in ("seconds", "tokens_per_s", "samples_per_s", "tflops_per_gpu", "mfu",
                 "memory_mib", "data_wait_s"):
         if (value := _median(timed, key)) is not None:
