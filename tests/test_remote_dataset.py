@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +44,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.build import BuildOptions, build
 from mimo_data.shards.index import DatasetError, read_index
 from mimo_data.shards.reader import ShardReader
+from mimo_data.shards.sources import BuildError
 from mimo_data.shards.storage import StorageError
 from tools.object_store import Faults, LocalHTTP, LocalS3
 
@@ -210,16 +212,34 @@ def test_a_build_that_dies_midway_leaves_no_dataset_or_the_old_one_and_the_next_
         with pytest.raises(StorageError):
             build(inputs, url, BuildOptions(max_samples_per_shard=2, workers=0, progress=False),
                   s3.storage_options)
-    left = set(_objects(s3, "atomic"))
-    assert left == {f"data-00000{i}.tar" for i in range(5)}     # shards uploaded as completed
+    # the shards it uploaded as they were completed removed again: beside no index nor
+    # claim, a next build could not tell them from tars of the user's own
+    assert len(uploaded) == 5 and _objects(s3, "atomic") == {}
     assert list(staging_root.iterdir()) == []                   # local staging removed
-    with pytest.raises(DatasetError, match="no index.json"):
+    with pytest.raises(DatasetError, match="nothing there, no such dataset"):
         read_index(url, s3.storage_options)
-    with pytest.raises(DatasetError, match="no index.json"):
-        ShardReader(url, storage_options=s3.storage_options)
+    # a build killed while uploading leaves its shards and its claim, which the next build
+    # takes over (once stale), removing them; tars beside no killed build's claim (a
+    # WebDataset of the user's, named as shards are) are refused and stay
+    from mimo_data.shards import claim
+    fs = _fs(s3)
+    long_ago = time.time() - 3600
+    fs.pipe_file(f"{BUCKET}/atomic/.mimo-claim", claim.Claimant(
+        "killed", "mimo-shard build", "node-7", 4242, long_ago, long_ago).encoded())
+    mine = f"s3://{BUCKET}/mine"
+    for name in ("data-000000.tar", "data-000007.tar"):
+        fs.pipe_file(f"{BUCKET}/atomic/{name}", b"a killed build's shard")
+        fs.pipe_file(f"{BUCKET}/mine/{name}", b"a user's tar")
+    with monkeypatch.context() as patch:
+        patch.setattr(claim, "STALE_S", 0.0)
+        patch.setattr(claim, "READ_BACK_S", 0.0)
+        with pytest.raises(BuildError, match=r"holds objects a build did not write "
+                           r"\(data-000000.tar, data-000007.tar\).*`mimo-shard index`"):
+            build(inputs, mine, BuildOptions(workers=0, progress=False), s3.storage_options)
+        assert set(_objects(s3, "mine")) == {"data-000000.tar", "data-000007.tar"}
 
-    build(inputs, url, BuildOptions(max_samples_per_shard=PER_SHARD, workers=0, progress=False),
-          s3.storage_options)
+        build(inputs, url, BuildOptions(max_samples_per_shard=PER_SHARD, workers=0,
+                                        progress=False), s3.storage_options)
     objects = _objects(s3, "atomic")
     assert set(objects) == set(built.files)
     index = json.loads(objects["index.json"])
@@ -286,7 +306,6 @@ def test_one_build_at_a_time_writes_a_prefix(capsys, s3, s3_env, built, monkeypa
     import socket
     import subprocess
     import threading
-    import time
 
     from mimo_data.shards import claim
 
@@ -411,7 +430,6 @@ def test_a_claim_is_renewed_and_taken_over_only_over_what_this_run_wrote(store, 
     this run looked at the claim (the renewal stops, the other's claim stays, the next confirm
     refuses); two runs taking over one stale claim at once: the later one is refused, naming
     the first, whose claim stays."""
-    import time
 
     from mimo_data.shards import claim
 

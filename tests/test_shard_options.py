@@ -168,6 +168,18 @@ def test_foreign_files_block_the_build_and_stay(capsys, tmp_path, small_input):
         assert "README.txt" in err
         assert file_bytes(out) == before
         assert sorted(os.listdir(out)) == ["README.txt", "notes"]
+    # a WebDataset folder of the user's, its tars named as a build's shards are: nothing there
+    # says a build wrote them (no index, staging, table or killed build's claim): they stay
+    wds = tmp_path / "my-webdataset"
+    wds.mkdir()
+    for name in ("data-000000.tar", "shard-000001.tar"):
+        (wds / name).write_bytes(b"a user's tar\n")
+    before = file_bytes(wds)
+    for extra in ((), ("--overwrite",)):
+        code, _, err = cli_main(capsys, "build", small_input, "-o", wds, "--no-progress", *extra)
+        assert code == 2 and "a build did not write (data-000000.tar, shard-000001.tar)" in err
+        assert "`mimo-shard index`" in err, err
+        assert file_bytes(wds) == before
 
 
 def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, small_input,

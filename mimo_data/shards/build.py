@@ -44,7 +44,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMAT_VERSION,
                                     INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    modality_counts, sample_key, summary_column)
+                                    STAGING_DIR, modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
@@ -77,19 +77,42 @@ class BuildOptions:
 # index.json.tmp-PID: left by a build killed inside the atomic write of its index
 _OWN_FILE = re.compile(r"^(index\.json(\.tmp-\d+)?|samples\.parquet|report(\.failed)?\.json"
                        rf"|\.staging|\.mimo-cache|{re.escape(CLAIM_FILE)}|{re.escape(CLAIM_PROBE)}[0-9a-f]+"
-                       r"|.+-\d{6}\.tar)$")
+                       r")$")
+_SHARD_FILE = re.compile(r"^.+-\d{6}\.tar$")
 
 
-def _prepare_output(output: str, overwrite: bool) -> list[str]:
-    """Make the claimed folder ``output`` ready for a build; return the names of an old
-    dataset that stays there until the build is complete ([]: none)."""
+def _foreign(names: list[str], killed: bool) -> list[str]:
+    """Of an output's ``names``, those no build wrote. A tar named as a build's shard is a
+    build's only where the output says so: a dataset's index, a swap's staging or sample
+    table (a build killed while moving its files in), or a killed build's claim (one killed
+    while uploading its shards into a bucket); otherwise it is the user's own (a WebDataset
+    folder given as --output), which a build must not remove."""
+    built = killed or bool({INDEX_FILE, STAGING_DIR, SAMPLES_FILE} & set(names))
+    return sorted(n for n in names if not _OWN_FILE.match(n)
+                  and not (built and _SHARD_FILE.match(n)))
+
+
+def _refusal(output: str, foreign: list[str], what: str) -> BuildError:
+    shards = any(_SHARD_FILE.match(name) for name in foreign)
+    return BuildError(
+        f"{output} {what} a build did not write ({', '.join(foreign[:5])}"
+        f"{' ...' if len(foreign) > 5 else ''}); use an empty or new "
+        f"{'directory' if what.startswith('contains') else 'prefix'}" +
+        (": tars made elsewhere are indexed where they are with `mimo-shard index`; a "
+         "build's own shards beside no index, staging or claim of a mimo run are removed by "
+         "hand" if shards else ""))
+
+
+def _prepare_output(output: str, overwrite: bool, killed: bool) -> list[str]:
+    """Make the claimed folder ``output`` ready for a build (``killed``: a killed run's claim
+    was found there); return the names of an old dataset that stays there until the build is
+    complete ([]: none)."""
     if os.path.exists(os.path.join(output, INDEX_FILE)) and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
                          "it or choose another --output")
-    foreign = sorted(n for n in os.listdir(output) if not _OWN_FILE.match(n))
+    foreign = _foreign(os.listdir(output), killed)
     if foreign:
-        raise BuildError(f"{output} contains files a build did not write ({', '.join(foreign[:5])}"
-                         f"{' ...' if len(foreign) > 5 else ''}); use an empty or new directory")
+        raise _refusal(output, foreign, "contains files")
     return swap.clear_folder(output)
 
 
@@ -258,12 +281,12 @@ def build(inputs: list[str], output: str, options: BuildOptions,
                              storage.Remote(output, storage_options))
     output = storage.local_path(output)
     with swap.output_folder(output, f"--output {output}", BuildError), \
-            claim.held(output, "mimo-shard build"):
-        return _build_local(inputs, output, sources, options)
+            claim.held(output, "mimo-shard build") as held:
+        return _build_local(inputs, output, sources, options, held.killed is not None)
 
 
-def _build_local(inputs, output: str, sources, options: BuildOptions) -> dict:
-    old = _prepare_output(output, options.overwrite)
+def _build_local(inputs, output: str, sources, options: BuildOptions, killed: bool) -> dict:
+    old = _prepare_output(output, options.overwrite, killed)
     try:
         staging = swap.staging_in(output)
     except OSError as exc:      # a read-only folder, no permission
@@ -283,17 +306,16 @@ def _build_local(inputs, output: str, sources, options: BuildOptions) -> dict:
 
 
 def _prepare_remote_output(remote: storage.Remote, output: str,
-                           overwrite: bool) -> list[str]:
+                           overwrite: bool, killed: bool) -> list[str]:
     """``_prepare_output`` for the claimed output URL: the same refusals. Returns the names
     of an old dataset that stays until the build is complete ([]: none)."""
     names = remote.names(output)
     if INDEX_FILE in names and not overwrite:
         raise BuildError(f"{output} already holds a built dataset; pass --overwrite to replace "
                          "it or choose another --output")
-    foreign = sorted(n for n in names if not _OWN_FILE.match(n))
+    foreign = _foreign(names, killed)
     if foreign:
-        raise BuildError(f"{output} holds objects a build did not write ({', '.join(foreign[:5])}"
-                         f"{' ...' if len(foreign) > 5 else ''}); use an empty or new prefix")
+        raise _refusal(output, foreign, "holds objects")
     return swap.clear_prefix(remote, output, names)
 
 
@@ -312,13 +334,15 @@ def _build_remote(inputs, output: str, sources, options: BuildOptions,
 
 def _build_claimed_remote(inputs, output: str, sources, options: BuildOptions,
                           remote: storage.Remote, held: claim.Claim) -> dict:
-    old = _prepare_remote_output(remote, output, options.overwrite)
+    old = _prepare_remote_output(remote, output, options.overwrite, held.killed is not None)
     staging = tempfile.mkdtemp(prefix="mimo-build-")
     shards_to = swap.staged(output) if old else output
+    uploaded: list[str] = []
 
     def upload(path: str) -> None:          # a complete shard: to the bucket, off the disk
         held.confirm()
-        remote.put(path, storage.join(shards_to, os.path.basename(path)))
+        uploaded.append(storage.join(shards_to, os.path.basename(path)))
+        remote.put(path, uploaded[-1])
         os.remove(path)
 
     try:
@@ -328,6 +352,8 @@ def _build_claimed_remote(inputs, output: str, sources, options: BuildOptions,
         shutil.rmtree(staging, ignore_errors=True)
         if old and not held.lost:           # (the staged shards of the run that took over)
             _remove_staged(remote, output)
+        elif not held.lost:     # beside no index nor claim, a next run could not tell them
+            _remove_uploaded(remote, uploaded)      # from the user's own tars
         if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
             raise OutputFull(
                 f"no room left writing {exc.filename or staging} ({exc.strerror}): a build "
@@ -354,6 +380,21 @@ def _remove_staged(remote: storage.Remote, output: str) -> None:
     except OSError as exc:
         print(f"mimo-shard: the failed build's shards are left under {swap.staged(output)} "
               f"({exc}); the next build with --overwrite removes them", file=sys.stderr)
+
+
+def _remove_uploaded(remote: storage.Remote, uploaded: list[str]) -> None:
+    """Remove a failed build's shards from an output that holds no dataset, or say which are
+    left."""
+    left = []
+    for url in uploaded:
+        try:
+            remote.remove(url)
+        except OSError:
+            left.append(url)
+    if left:
+        print(f"mimo-shard: the failed build's shards {', '.join(left[:3])}"
+              f"{' ...' if len(left) > 3 else ''} are left (the store refused their removal); "
+              "remove them before the next build into the same prefix", file=sys.stderr)
 
 
 def _say_built(index: dict, summary: str, output: str, report: str, replacing: bool) -> None:

@@ -116,6 +116,9 @@ class Claim:
         self.output, self.remote, self.mine = output, remote, mine
         self._url = storage.join(output, CLAIM_FILE)
         self.lost = False
+        # the claim an earlier run left there, not removed: that run was killed (what it
+        # wrote is a killed run's leftover); None where there was none
+        self.killed: Claimant | None = None
         self._wrote = False               # (a take refused before its write removes nothing)
         self._taken_by: Claimant | None = None
         self._etag: str | None = None     # of this run's last write of its claim (S3's)
@@ -192,6 +195,7 @@ class Claim:
                   " ago (it was killed)",
                   file=sys.stderr)
             etag = self._take_over(stale)
+            self.killed = holder
         self._wrote, self._etag = True, etag or None
         time.sleep(READ_BACK_S)
         holder = _read(remote, url)
@@ -256,7 +260,7 @@ def held(output: str, command: str, remote: storage.Remote | None = None) -> Ite
     mine = Claimant(uuid.uuid4().hex, command, socket.gethostname(), os.getpid(), now, now)
     claim = Claim(output, remote, mine)
     if remote is None:
-        with _locked(output, mine):
+        with _locked(output, mine) as claim.killed:
             yield claim
         return
     try:
@@ -267,16 +271,19 @@ def held(output: str, command: str, remote: storage.Remote | None = None) -> Ite
 
 
 @contextmanager
-def _locked(folder: str, mine: Claimant) -> Iterator[None]:
+def _locked(folder: str, mine: Claimant) -> Iterator[Claimant | None]:
+    """``folder`` locked for ``mine``; yields the claim a killed run left in its file (a
+    run that ends otherwise removes it), if any."""
     path = os.path.join(folder, CLAIM_FILE)
     fd = _lock(folder, path)
     if fd is None:
-        yield
+        yield None
         return
     try:
+        killed = _decoded(os.pread(fd, 4096, 0))
         os.ftruncate(fd, 0)
         os.pwrite(fd, mine.encoded(), 0)
-        yield
+        yield killed
     finally:
         try:
             os.remove(path)   # while locked: a run that opened it meanwhile tries again
