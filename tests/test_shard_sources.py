@@ -232,6 +232,23 @@ def test_parquet_struct_calls_and_tools_keep_their_own_fields(tmp_path):
             {"type": "function", "function": {"name": name, "arguments": arguments}}]}, call
 
 
+def test_a_parquet_input_that_is_not_one_is_a_usage_error_naming_it(capsys, tmp_path):
+    """A damaged, empty or mislabelled Parquet input: exit 2 naming the file, not pyarrow's
+    traceback; a JSON Lines file read as Parquet is told its --input-format."""
+    (tmp_path / "cut.parquet").write_bytes(b"PAR1 not a whole file\n")
+    (tmp_path / "empty.parquet").write_bytes(b"")
+    (tmp_path / "chat.jsonl").write_text('{"id": "a", "conversations": []}\n')
+    for name, said in (("cut.parquet", "Parquet magic bytes not found"),
+                       ("empty.parquet", "Parquet file size is 0 bytes")):
+        code, _, err = cli_main(capsys, "build", tmp_path / name, "-o", tmp_path / "out",
+                                "--no-progress")
+        assert code == 2 and f"{tmp_path / name}: not a readable Parquet file ({said}" in err
+        assert "Traceback" not in err and not (tmp_path / "out").exists()
+    code, _, err = cli_main(capsys, "build", tmp_path / "chat.jsonl", "-o", tmp_path / "out",
+                            "--no-progress", "--input-format", "parquet")
+    assert code == 2 and "is read with --input-format llava or manifest" in err, err
+
+
 def test_parquet_column_flags(capsys, tmp_path, assets):
     jpeg, wav = assets["jpeg"].read_bytes(), assets["wav"].read_bytes()
     table = pa.table({

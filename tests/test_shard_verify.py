@@ -8,7 +8,8 @@ import shutil
 
 import pytest
 
-from conftest import build_dataset, cli_main, flip_byte, read_json, run_cli, samples_table
+from conftest import (REPO, build_dataset, cli_main, flip_byte, read_json, run_cli,
+                      samples_table)
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +112,25 @@ def test_verify_names_the_sample_and_member_of_a_changed_byte(capsys, dataset, s
     others = [line for line in err.splitlines()
               if line.startswith("verify: ") and row["key"] not in line and "sha256" not in line]
     assert not others, others
+
+
+def test_a_samples_table_cut_short_is_named_by_verify_info_and_the_report(capsys, dataset):
+    """A partial copy's samples.parquet (its footer gone): each command names the file and
+    what to do, exit 1, no pyarrow traceback; the report's sample table derived from it too
+    (no table cached)."""
+    from mimo_data.inspect.cli import main as inspect_main
+    with open(dataset / "samples.parquet", "r+b") as table:
+        table.truncate(100)
+    shutil.rmtree(dataset / ".mimo-cache", ignore_errors=True)
+    assert "samples.parquet: 100 bytes, the index says" in _verify(capsys, dataset)
+    code, _, err = cli_main(capsys, "info", dataset)
+    said = f"{dataset}/samples.parquet cannot be read (Parquet magic bytes not found"
+    assert code == 1 and said in err and f"`mimo-shard verify {dataset}`" in err, err
+    assert "Traceback" not in err
+    assert inspect_main(["report", str(dataset), "--config",
+                         str(REPO / "configs" / "preprocess.yaml"), "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err, err
 
 
 def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):

@@ -259,15 +259,14 @@ def _position_of(reader, key: str) -> int | None:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from mimo_data.shards import storage
-    from mimo_data.shards.format import SAMPLES_FILE
+    from mimo_data.shards.index import read_samples
     table = reader.table
     found = table.position(key)
     if found is None and key.isdigit() and len(table) and len(key) < len(table.key(0)):
         found = table.position(key.zfill(len(table.key(0))))
     if found is None:
-        ids = pq.read_table(storage.readable(storage.join(reader.directory, SAMPLES_FILE)),
-                            columns=["id"]).column("id")
+        ids = read_samples(reader.directory, lambda path: pq.read_table(
+            path, columns=["id"])).column("id")
         matches = pc.indices_nonzero(pc.fill_null(pc.equal(ids, key), False)).to_pylist()
         found = matches[0] if len(matches) == 1 else None
     return found

@@ -66,11 +66,11 @@ from mimo_data.modalities.audio import AudioConfig, max_audio_samples
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
-from mimo_data.shards import cache, storage
+from mimo_data.shards import cache
 from mimo_data.preprocess.record_kinds import trains_as
 from mimo_data.shards.sources import location
-from mimo_data.shards.format import RECORD_KINDS, SAMPLES_FILE, ShardRecord, summary_column
-from mimo_data.shards.index import DatasetError
+from mimo_data.shards.format import RECORD_KINDS, ShardRecord, summary_column
+from mimo_data.shards.index import DatasetError, read_samples
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
 
@@ -541,11 +541,11 @@ def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dic
         return None
     limit = max_audio_samples(audio) / audio.sample_rate
     found = {"clips": 0, "samples": 0, "max_duration": limit, "seconds_cut": 0.0, "first": []}
-    path = storage.readable(storage.join(directory, SAMPLES_FILE))
     column = summary_column("audio", "duration")
-    if column not in pq.read_schema(path).names:     # a dataset built before audio: no clip
-        return found
-    table = pq.read_table(path, columns=["key", column]).slice(0, len(kept))
+    if column not in read_samples(directory, lambda path: pq.read_schema(path).names):
+        return found                                # a dataset built before audio: no clip
+    table = read_samples(directory, lambda path: pq.read_table(
+        path, columns=["key", column])).slice(0, len(kept))
     lists = table.column(column).combine_chunks()
     counts = pc.list_value_length(lists).fill_null(0).to_numpy()
     durations = pc.list_flatten(lists).to_numpy(zero_copy_only=False).astype(np.float64)

@@ -42,7 +42,7 @@ from mimo_data.preprocess.preprocessor import (Preprocessor, Record, Sample, Sam
                                                TextSample)
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards import storage
+from mimo_data.shards.index import read_samples
 from mimo_data.shards.format import SAMPLES_FILE, in_loss, summary_column
 
 _MARKER = re.compile("|".join(map(re.escape, MARKERS.values())))
@@ -133,14 +133,13 @@ class IndexTable:
     not). Held as Arrow arrays, read row by row."""
 
     def __init__(self, directory: str):
-        path = storage.readable(storage.join(directory, SAMPLES_FILE))
-        present = set(pq.read_schema(path).names)
+        present = set(read_samples(directory, lambda path: pq.read_schema(path).names))
         self.fields = {name: [field for field in modality.summary_fields
                               if summary_column(name, field) in present]
                        for name, modality in MODALITIES.items()}
-        table = pq.ParquetFile(path).read(columns=["members", *(
-            summary_column(name, field) for name, fields in self.fields.items()
-            for field in fields)])
+        table = read_samples(directory, lambda path: pq.ParquetFile(path).read(columns=[
+            "members", *(summary_column(name, field) for name, fields in self.fields.items()
+                         for field in fields)]))
         # Member names flat with each row's bounds: no object per member or row.
         members = table.column("members").combine_chunks()
         self.names = members.flatten().field("name")

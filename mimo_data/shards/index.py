@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from typing import IO
 from concurrent.futures import ThreadPoolExecutor
+
+import pyarrow as pa
 
 from mimo_data.shards import storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
@@ -22,6 +26,24 @@ class DatasetError(Exception):
 
     def __reduce__(self):           # rebuilt whole where a worker process raised it
         return type(self), (str(self), self.missing)
+
+
+def read_samples[T](directory: str, read: Callable[[str | IO[bytes]], T]) -> T:
+    """``read(path)`` of the dataset ``directory``'s samples.parquet; DatasetError naming it
+    where it is no Parquet file."""
+    path = storage.readable(storage.join(directory, SAMPLES_FILE))
+    try:
+        return read(path)
+    except pa.ArrowInvalid as error:
+        raise damaged_samples(storage.join(directory, SAMPLES_FILE), error) from None
+
+
+def damaged_samples(path: str, error: Exception) -> DatasetError:
+    """A dataset's samples.parquet at ``path`` that pyarrow could not read (``error``)."""
+    directory = os.path.dirname(path.rstrip("/"))
+    return DatasetError(f"{path} cannot be read ({error}): the dataset's copy is damaged or "
+                        f"partial; `mimo-shard verify {directory}` names what differs from its "
+                        "index: copy it again, or build it again")
 
 
 def dumps(value) -> bytes:

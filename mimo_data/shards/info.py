@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 
 from mimo_data.modalities import MODALITIES
 from mimo_data.shards import storage
-from mimo_data.shards.index import read_index
-from mimo_data.shards.format import (FAILED_REPORT_FILE, REPORT_FILE, SAMPLES_FILE,
-                                    STAGING_DIR, summary_column)
+from mimo_data.shards.index import read_index, read_samples
+from mimo_data.shards.format import (FAILED_REPORT_FILE, REPORT_FILE, STAGING_DIR,
+                                    summary_column)
 from mimo_data.stats import summary
 
 _SIDE_BUCKETS = (0, 256, 512, 1024, 2048)            # longest side, pixels
@@ -47,12 +47,12 @@ def dataset_info(directory: str) -> dict:
     """Totals, per-modality counts and, per modality, size / duration distributions (of a
     modality its samples.parquet has columns for: a dataset built before it has none)."""
     index = read_index(directory)
-    path = storage.readable(storage.join(directory, SAMPLES_FILE))
-    present = set(pq.read_schema(path).names)
+    present = set(read_samples(directory, lambda path: pq.read_schema(path).names))
     columns = {(name, field): summary_column(name, field) for name, modality in
                MODALITIES.items() for field in modality.summary_fields}
     columns = {key: column for key, column in columns.items() if column in present}
-    table = pq.read_table(path, columns=list(columns.values()))
+    table = read_samples(directory, lambda path: pq.read_table(
+        path, columns=list(columns.values())))
     values: dict[str, dict[str, np.ndarray]] = {}
     for (name, field), column in columns.items():
         flat = table.column(column).combine_chunks().flatten()

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from mimo_data.shards import cache, column_files, storage
 from mimo_data.shards.format import SAMPLES_FILE
 from mimo_data.files import file_sha256, parquet_batches
-from mimo_data.shards.index import DatasetError, remake
+from mimo_data.shards.index import DatasetError, damaged_samples, remake
 
 TABLE_VERSION = 2                    # 2: members' crc32
 
@@ -100,7 +100,10 @@ def derive(parquet: str, path: str, key: str) -> None:
 def _derive_copy(parquet: str, remote: storage.Remote | None, path: str, key: str) -> None:
     """``derive`` of a local samples.parquet, or of a remote one's temporary download."""
     with storage.local_copy(parquet, remote.options if remote else None) as local:
-        derive(local, path, key)
+        try:
+            derive(local, path, key)
+        except pa.ArrowInvalid as error:        # its footer or a page cut short, or changed
+            raise damaged_samples(parquet, error) from None
 
 
 def _ids(names: pa.Array, ids: dict[str, int]) -> np.ndarray:

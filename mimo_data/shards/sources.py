@@ -460,7 +460,14 @@ class ParquetTable:
     def __init__(self, path: str, media_root: str | None = None, columns: dict | None = None):
         self.path = path
         self.media_root = media_root or os.path.dirname(os.path.abspath(path))
-        schema = pq.ParquetFile(path).schema_arrow
+        try:
+            schema = pq.ParquetFile(path).schema_arrow
+        except (pa.ArrowException, OSError) as error:     # its footer: read first
+            raise SourceError(
+                f"{path}: not a readable Parquet file ({error}): a partial download or a "
+                "damaged copy (fetch it again)" + (
+                    "; a JSON or JSONL file is read with --input-format llava or manifest"
+                    if not path.lower().endswith(".parquet") else "")) from None
         names = set(schema.names)
         wanted = dict(columns or {})
         named = [role for role in ("texts", "conversation", "caption") if wanted.get(role)]
