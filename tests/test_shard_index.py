@@ -624,6 +624,15 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
         "skipped_by_reason"]["excluded_by_split_yaml"]
     assert excluded["count"] == 2
     assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+    # a field_map naming a member none of the first samples holds (caption: text, not txt):
+    # refused before every tar is read and every record skipped
+    dataset_yaml = tmp_path / "ds" / ".nv-meta" / "dataset.yaml"
+    dataset_yaml.write_text(dataset_yaml.read_text().replace("caption: txt", "caption: text"))
+    with pytest.raises(IndexInputError, match=f"shard_000000.tar: {dataset_yaml}'s field_map "
+                       "caption text: none of its first .* samples holds that member"):
+        index([str(tmp_path / "ds")], str(tmp_path / "misnamed"),
+              IndexOptions(workers=0, progress=False, check="header"))
+    dataset_yaml.write_text(dataset_yaml.read_text().replace("caption: text", "caption: txt"))
     # a metadataset's YAML given: told what to do
     metadataset = tmp_path / "metadataset.yaml"
     metadataset.write_text("__module__: megatron.energon\n__class__: MetadatasetV2\n")
@@ -705,7 +714,8 @@ def test_a_small_file_that_is_no_tar_is_refused_not_read_as_truncated(pairs, tmp
 def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
     """VQASample's ``image`` + ``context`` + ``answers`` (JSON fields) → a one-turn
     conversation about the image; of several answers the one ``answer_weights`` weighs most
-    trains (the first of equals), counted."""
+    trains (the first of equals, or without weights), counted; one without its question is
+    ``missing_member``."""
     from megatron.energon.tools.prepare import command
 
     from mimo_data.shards.reader import ShardReader
@@ -715,10 +725,13 @@ def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
     with webdataset.TarWriter(str(folder / "vqa-000000.tar")) as writer:
         for number, (key, sample) in enumerate(members.items()):
             image = next(name for name in sample if name in ("jpg", "png"))
+            weights = {"weights": [1.0, 3.0] if number % 2 else [2.0, 2.0]} if number else {}
             writer.write({"__key__": key, image: sample[image],
                           "json": {"question": f"What is shown in {number}?",
                                    "answers": [f"Answer {number}.", f"Better {number}."],
-                                   "weights": [1.0, 3.0] if number % 2 else [2.0, 2.0]}})
+                                   **weights}})
+        writer.write({"__key__": "zz-no-question", image: sample[image],
+                      "json": {"answers": ["An answer to nothing."]}})
     command.main(args=[str(folder), "--non-interactive", "--split-ratio", "1,0,0",
                        "--sample-type", "VQASample", "--num-workers", "1", "--field-map",
                        '{"image": "jpg,png", "context": "json[question]", '
@@ -732,8 +745,12 @@ def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
         [{"role": "user", "content": f"<image>\nWhat is shown in {n}?"},
          {"role": "assistant", "content": f"{'Better' if n % 2 else 'Answer'} {n}."}]
         for n in range(len(members))]
-    assert read_json(tmp_path / "idx" / "report.json")["counts"] == {
-        "texts_chosen_from_several": len(members)}
+    report = read_json(tmp_path / "idx" / "report.json")
+    assert report["counts"] == {"texts_chosen_from_several": len(members)}
+    skipped = report["skipped_by_reason"]
+    assert list(skipped) == ["missing_member"] and skipped["missing_member"]["count"] == 1
+    assert "the question: member KEY.json has no json[question] (its keys there: answers)" \
+        in skipped["missing_member"]["first"][0]["detail"], skipped
     assert [reader.record(p)["media"][0]["member"] for p in range(len(reader))] == \
         [next(name for name in sample if name in ("jpg", "png")) for sample in members.values()]
 
@@ -1281,6 +1298,24 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
                 workers=0, progress=False, layout=layout, media_member="v2.jpg",
                 text_member="v2.caption"))
         assert not (tmp_path / "no").exists()
+    # a JSON member's field no first sample has (misspelt): refused the same way, naming the
+    # keys the JSON has
+    with webdataset.TarWriter(str(tmp_path / "src" / "dotted-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"img_{number:03d}", "jpg": photo,
+                          "json": {"caption": f"Photo {number}.", "width": 8}})
+    with pytest.raises(IndexInputError, match=r"dotted-000000.tar: none of its first 2 samples "
+                       r"has the field \(--text-member: member KEY.json has no json\[captoin\] "
+                       r"\(its keys there: caption, width\)\): name a field they have"):
+        index([str(tmp_path / "src")], str(tmp_path / "no"), IndexOptions(
+            workers=0, progress=False, text_member="json[captoin]"))
+    # the pairs' member options with a layout that reads no pair: refused, not left unused
+    for layout in ("conversation", "documents"):
+        with pytest.raises(IndexInputError, match=f"--layout {layout} reads each sample's "
+                           "KEY.json and the media beside it: leave them out"):
+            index([str(tmp_path / "src")], str(tmp_path / "no"), IndexOptions(
+                workers=0, progress=False, layout=layout, text_member="json[caption]"))
+    assert not (tmp_path / "no").exists()
 
 
 def test_a_folder_with_a_held_out_split_is_refused(corpus_photos, tmp_path):
@@ -1342,7 +1377,8 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
     with pytest.raises(RecordError) as caught:
         synthesize({"jpg": b"", "json": meta}, MemberMap("pairs", text="json[alt_text]"))
     assert (caught.value.reason, caught.value.detail) == (
-        "missing_text", "the caption: member KEY.json has no json[alt_text]")
+        "missing_text",
+        "the caption: member KEY.json has no json[alt_text] (its keys there: caption, key, url)")
     # several captions (LAION-CLAP's ``text`` list): the first trains, counted
     made = synthesize({"flac": b"", "json": b'{"text": ["A man reads.", "Speech."]}'},
                       MemberMap("pairs", text="json[text]"))

@@ -129,8 +129,10 @@ def field(members: dict[str, bytes], spec: str, what: str,
             for step in path:
                 value = value[int(step)] if isinstance(value, list) else value[step]
         except (KeyError, IndexError, ValueError, TypeError):
+            keys = f" (its keys there: {', '.join(sorted(map(str, value))[:12])})" \
+                if isinstance(value, dict) else ""
             missing = missing or RecordError(unfound, f"{what}: member KEY.{member} has no "
-                                             f"{option.strip()}")
+                                             f"{option.strip()}{keys}")
             continue
         return member, value
     if missing is not None:
@@ -326,17 +328,21 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                            counts=counts)
     medium = _medium(members, mapping.media)
     # a caption's field missing from its JSON is a medium without its caption (missing_text)
+    # (a question-answer sample without its question or answer: missing_member)
     text = field(members, mapping.text, "the answer" if mapping.layout == "vqa" else
-                 "the caption", "malformed_record" if mapping.layout == "vqa" else
+                 "the caption", "missing_member" if mapping.layout == "vqa" else
                  "missing_text")
     if mapping.layout == "vqa":
-        question = field(members, mapping.question, "the question")
+        question = field(members, mapping.question, "the question", "missing_member")
         if medium is None or question is None or text is None:
             raise RecordError("missing_member", "a question-answer sample needs its medium, "
                               f"KEY.{mapping.question} and KEY.{mapping.text}")
         marker = MARKERS[medium[0]]
-        weights = field(members, mapping.weights, "the answer's weights") \
-            if mapping.weights else None
+        try:                        # a sample without weights (its JSON without the field)
+            weights = field(members, mapping.weights, "the answer's weights") \
+                if mapping.weights else None
+        except RecordError:
+            weights = None
         answer, counts = _chosen(text, weights, "the answer")
         messages = [{"role": "user",
                      "content": f"{marker}\n{_as_text(question, 'the question')}"},

@@ -204,6 +204,11 @@ def _resolve(sources: list[str], options: IndexOptions,
                 mapping, unread = energon.member_map(root, storage_options)
                 say(f"layout energon: {storage.join(root, energon.META)} "
                     f"({mapping.describe()}), {len(names)} train tar(s)")
+                if mapping.layout == "pairs":
+                    fields = f"{storage.join(root, energon.META, energon.DATASET_YAML)}'s field_map"
+                    first, head, _ = _head(root, names, storage_options)
+                    _check_pair_members(storage.join(root, first), head, [
+                        (f"{fields} image", mapping.media), (f"{fields} caption", mapping.text)])
                 for key in unread:
                     say(f"its dataset.yaml's {key} are not read: Energon's task encoders "
                         "choose prompts by them, mimo's preprocessing config does")
@@ -354,6 +359,10 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
     ``--layout auto``; and the tar it was detected from ("" where it was not)."""
     layout = options.layout
     pairs_options = options.media_member is not None or options.text_member != "txt"
+    if layout in ("conversation", "documents") and pairs_options:
+        raise IndexInputError(f"--media-member / --text-member name a caption pair's members; "
+                              f"--layout {layout} reads each sample's KEY.{options.json_member} "
+                              "and the media beside it: leave them out, or give --layout pairs")
     detected, first = None, ""
     head: list[dict[str, bytes]] = []
     if layout == "auto" or (layout == "pairs" and pairs_options):
@@ -406,7 +415,8 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "lists); give --layout and the --*-member options (pairs: "
                                   "--media-member and --text-member name them as listed)")
     if layout == "pairs":
-        _check_pair_members(storage.join(root, first), head, options)
+        _check_pair_members(storage.join(root, first), head, [
+            ("--media-member", options.media_member), ("--text-member", options.text_member)])
     mapping = MemberMap(layout, media=options.media_member, text=options.text_member,
                         json=options.json_member, markers_first=options.markers_first)
     how = ("as given" if options.layout != "auto" else f"detected from the first samples of {first}"
@@ -415,23 +425,30 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
     return mapping, first if detected else ""
 
 
-def _check_pair_members(tar: str, head: list[dict[str, bytes]], options: IndexOptions) -> None:
-    """IndexInputError where ``--media-member`` / ``--text-member`` names a member that none of
-    the first samples of ``tar`` holds: every record would be skipped, found only after
-    reading every tar."""
-    for flag, spec in (("--media-member", options.media_member),
-                       ("--text-member", options.text_member)):
+def _check_pair_members(tar: str, head: list[dict[str, bytes]],
+                        named: list[tuple[str, str | None]]) -> None:
+    """IndexInputError where a caption pair's member as ``named`` (``(what names it, its
+    spec)``: ``--media-member``, an Energon field_map's) is a member, or a JSON member's
+    field, that none of the first samples of ``tar`` holds: every record would be skipped,
+    found only after reading every tar."""
+    for flag, spec in named:
         if spec is None or not head:
             continue
-        try:
-            if any(member(members, spec, flag) is not None for members in head):
-                continue
-        except RecordError:                  # a JSON member without the field: it is there
-            continue
-        seen = sorted({suffix for members in head for suffix in members})
-        raise IndexInputError(f"{tar}: {flag} {spec}: none of its first {len(head)} samples "
-                              f"holds that member (they hold {', '.join(seen[:12])}, after "
-                              f"each key's first dot): name one of those")
+        unfound: RecordError | None = None      # a JSON member's, without the field
+        for members in head:
+            try:
+                if member(members, spec, flag) is not None:
+                    break
+            except RecordError as error:
+                unfound = unfound or error
+        else:
+            if unfound is not None:
+                raise IndexInputError(f"{tar}: none of its first {len(head)} samples has the "
+                                      f"field ({unfound.detail}): name a field they have")
+            seen = sorted({suffix for members in head for suffix in members})
+            raise IndexInputError(f"{tar}: {flag} {spec}: none of its first {len(head)} "
+                                  f"samples holds that member (they hold {', '.join(seen[:12])}, "
+                                  "after each key's first dot): name one of those")
 
 
 def say(line: str) -> None:
