@@ -806,6 +806,12 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         assert http.requests == {"HEAD": shards}, dict(http.paths)
         reader.close()
         assert not storage.Remote(url).exists(f"{url}/no-such.tar")        # a 404: absent
+        # a build into an HTTP URL: refused at once, no request made (HTTP is read here)
+        http.reset_counters()
+        code, _, err = cli_main(capsys, "build", str(CORPUS_DIR / INPUTS[0]), "-o",
+                                f"{http.url}/new", "--no-progress")
+        assert code == 2 and f"--output {http.url}/new: a dataset is read over HTTP, not " \
+            "written" in err and sum(http.requests.values()) == 0, err
     # a server that ignores byte ranges (`python -m http.server`): said at once, not retried
     import functools
     import http.server

@@ -255,6 +255,15 @@ def test_inputs_that_cannot_be_what_was_meant_are_refused(capsys, tmp_path, smal
     assert code == 2 and f"--media-root {tmp_path / 'nowhere'} is not a folder" in err, err
     code, _, err = cli_main(capsys, "build", tmp_path, "-o", tmp_path / "b", "--no-progress")
     assert code == 2 and f"{tmp_path}: is a folder; give the records' files" in err, err
+    # a shard name that is no file name's start; a --seed that nothing would use
+    for name in ("a/b", "", ".hidden"):
+        with pytest.raises(SystemExit) as stopped:
+            cli_main(capsys, "build", small_input, "-o", tmp_path / "b", "--name", name)
+        assert stopped.value.code == 2 and f"argument --name: {name!r}: a shard name prefix " \
+            "is letters, digits" in capsys.readouterr().err
+    code, _, err = cli_main(capsys, "build", small_input, "-o", tmp_path / "b", "--seed", "5")
+    assert code == 2 and "--seed is the seed of --shuffle: give --shuffle too" in err, err
+    assert not (tmp_path / "b").exists()
     for name, text in (("empty.jsonl", ""), ("blank.jsonl", "\n\n"), ("none.json", "[]")):
         (tmp_path / name).write_text(text)
         code, _, err = cli_main(capsys, "build", tmp_path / name, "-o", tmp_path / f"o-{name}",

@@ -254,6 +254,10 @@ def build(inputs: list[str], output: str, options: BuildOptions,
     output takes the next build as is."""
     if not inputs:
         raise BuildError("no inputs given")
+    if output.lower().startswith(("http://", "https://")):
+        raise BuildError(f"--output {output}: a dataset is read over HTTP, not written: build "
+                         "into a local folder or an object store's URL (s3://, gs://, az://) "
+                         "and serve that")
     if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
         raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive, "
                          "--workers at least 0")

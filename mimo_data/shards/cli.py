@@ -41,6 +41,15 @@ def _byte_size(text: str) -> int:
     return int(match.group(1)) * _UNITS[match.group(2).upper()]
 
 
+def _shard_name(text: str) -> str:
+    """A shard name prefix: one file name's start (NAME-000000.tar beside the index)."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a shard name prefix is letters, digits, '.', '_' and '-', starting with "
+            "a letter or digit (the shards are NAME-000000.tar beside the index)")
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mimo-shard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +61,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="LLaVA/ShareGPT .json/.jsonl, .parquet, or speech manifest .jsonl")
     b.add_argument("--output", "-o", required=True,
                    help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
-    b.add_argument("--name", default="data", help="shard name prefix (default: data)")
+    b.add_argument("--name", type=_shard_name, default="data",
+                   help="shard name prefix (default: data)")
     b.add_argument("--max-samples-per-shard", type=int, default=5000,
                    help="start a new shard after this many samples (default 5000)")
     b.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30,
@@ -60,7 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workers", type=int, default=1,
                    help="processes validating media while the main one writes (0: all in one)")
     b.add_argument("--shuffle", action="store_true", help="write records in a seeded order")
-    b.add_argument("--seed", type=int, default=0, help="seed of --shuffle (default 0)")
+    b.add_argument("--seed", type=int, help="seed of --shuffle (default 0)")
     b.add_argument("--strict", action="store_true",
                    help="stop at the first bad record (exit 1) instead of skipping it")
     b.add_argument("--overwrite", action="store_true",
@@ -158,6 +168,10 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     cache_only()
     args = _parser().parse_args(argv)
+    if args.command == "build" and args.seed is not None and not args.shuffle:
+        print("mimo-shard build: error: --seed is the seed of --shuffle: give --shuffle too, "
+              "or leave --seed out", file=sys.stderr)
+        return 2
     try:
         with sigterm_as_interrupt():    # a build's files removed, its claim given back
             return _main(args)
@@ -209,7 +223,7 @@ def _run(args) -> int:
         options = BuildOptions(
             name=args.name, max_samples_per_shard=args.max_samples_per_shard,
             max_shard_bytes=args.max_shard_bytes, workers=args.workers,
-            shuffle=args.shuffle, seed=args.seed, strict=args.strict,
+            shuffle=args.shuffle, seed=args.seed or 0, strict=args.strict,
             overwrite=args.overwrite, media_root=args.media_root,
             input_format=args.input_format, instruction=args.instruction, columns=columns,
             check=args.check, progress=not args.no_progress,
