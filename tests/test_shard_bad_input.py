@@ -467,7 +467,7 @@ def case_messages_not_a_list(tmp_path, assets):
     """A number where the turns go: said as what it is, under its key (it was "missing or
     empty")."""
     return Case({"id": "bad", "messages": 5}, "malformed_record",
-                detail="its 'messages' holds 5 (type int), not a list of turns")
+                detail="its 'messages' holds 5 (type number), not a list of turns")
 
 
 def case_duplicate_id(tmp_path, assets):

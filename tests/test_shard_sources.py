@@ -368,8 +368,8 @@ def test_parquet_bad_row_is_reported_by_row_number(tmp_path, assets):
         assert build_dataset([path], tmp_path / name)["totals"]["samples"] == 0
         first = read_json(tmp_path / name / "report.json")["skipped_by_reason"][
             "malformed_record"]["first"][0]
-        held = "1 (type int)" if name == "numbers" else \
-            "{'role': 'user', 'content': 'Hi'} (type dict)"
+        held = "1 (type number)" if name == "numbers" else \
+            "{'role': 'user', 'content': 'Hi'} (type object)"
         assert first["detail"] == f"its column 'messages' holds {held}, not a list of turns " \
             "(role/content or from/value objects)", first
 
@@ -409,15 +409,20 @@ def test_a_record_of_no_form_mimo_reads_says_what_it_is(tmp_path, corpus):
     records = [{"id": "chat", "conversations": [{"from": "human", "value": "Hi."},
                                                {"from": "gpt", "value": "Hello."}]},
                {**line, "audio_filepath": str(corpus / line["audio_filepath"])},
-               {"instruction": "Add.", "input": "1+1", "output": "2"}]
+               {"instruction": "Add.", "input": "1+1", "output": "2"}, None]
     (tmp_path / "mixed.json").write_text(json.dumps(records))
     build_dataset([tmp_path / "mixed.json"], tmp_path / "out")
     details = [entry["detail"] for entry in read_json(tmp_path / "out" / "report.json")[
         "skipped_by_reason"]["malformed_record"]["first"]]
-    assert details[0].startswith("a speech manifest's record (audio_filepath) in a JSON list: "
-                                 "a manifest is JSONL, one record per line")
+    assert details[0].startswith("a speech manifest's record (audio_filepath) read as a "
+                                 "conversation (in a JSON list, among conversations, or with "
+                                 "--input-format llava): a manifest is a JSONL file of such "
+                                 "records alone")
     assert details[1].startswith("no conversation: the record has the keys ['input', "
                                  "'instruction', 'output'], and mimo reads 'messages' or")
+    (null,) = read_json(tmp_path / "out" / "report.json")["skipped_by_reason"][
+        "malformed_json"]["first"]
+    assert null["detail"] == "record is a JSON null, expected an object", null
 
 
 @pytest.mark.parametrize("name", ["manifest.jsonl", "train_manifest.json"])
@@ -506,8 +511,20 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     for flags in ([], ["--input-format", "llava"]):
         code, _, err = cli_main(capsys, "build", packed, "-o", tmp_path / "no", "--no-progress",
                                 *flags)
-        assert code == 2 and f"{packed}: gzip-compressed: decompress it first (e.g. gunzip " \
-            f"-k {packed})" in err, err
+        assert code == 2 and f"{packed}: gzip-compressed: decompress it first (e.g. gzip " \
+            f"-dk {packed})" in err, err
+    # one named as if it were not (gzip -d refuses a name without .gz): written to another
+    disguised = tmp_path / "train.jsonl"
+    disguised.write_bytes(packed.read_bytes())
+    code, _, err = cli_main(capsys, "build", disguised, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"(e.g. gzip -dc {disguised} > {tmp_path / 'train'}.plain.jsonl)" \
+        in err, err
+    # a Parquet file given as another format
+    pq.write_table(pa.table({"id": ["a"]}), tmp_path / "rows.parquet")
+    code, _, err = cli_main(capsys, "build", tmp_path / "rows.parquet", "-o", tmp_path / "no",
+                            "--input-format", "llava", "--no-progress")
+    assert code == 2 and "rows.parquet: a Parquet file, given --input-format llava: give " \
+        "--input-format parquet, or leave it out" in err, err
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

@@ -28,6 +28,15 @@ class RecordError(CountedError):
     """A record that cannot become a sample; ``reason`` is its report category."""
 
 
+_JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number",
+               bool: "boolean", type(None): "null"}
+
+
+def json_type(value) -> str:
+    """What a parsed JSON ``value`` is, in JSON's words (``null``, not ``NoneType``)."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 # Typed content parts that stand for a media item, with its modality: transformers' own
 # (``{"type": "image"}``) and OpenAI's (``image_url``, ``input_audio``; ``video_url`` as vLLM
 # and Qwen's chat servers take it)
@@ -62,7 +71,7 @@ def _content_text(content) -> str:
                                   f"expected {{'type': {kinds}, ...}}")
         return "".join(pieces)
     raise RecordError("malformed_record", f"message content must be a string or a list of "
-                      f"parts, got {type(content).__name__}")
+                      f"parts, got {json_type(content)}")
 
 
 def _without_break(text: str) -> str:
@@ -83,7 +92,7 @@ def as_turns(turns, where: str):
     text = repr(turns)
     shown = text if len(text) <= 60 else f"{text[:60]}..."
     raise RecordError("malformed_record", f"{where} holds {shown} (type "
-                      f"{type(turns).__name__}), not a list of turns (role/content or "
+                      f"{json_type(turns)}), not a list of turns (role/content or "
                       "from/value objects)")
 
 
@@ -180,7 +189,7 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
             or isinstance(system, str) and not system.strip()):       # a table's null, NaN
         if not isinstance(system, str):
             raise RecordError("malformed_record", f"the record's system is a "
-                              f"{type(system).__name__}, not a string")
+                              f"{json_type(system)}, not a string")
         if messages[0]["role"] == "system":
             raise RecordError("malformed_record", "the record has a system prompt and its "
                               "conversation a system turn: give the system prompt once")
@@ -306,7 +315,7 @@ def _calls(turn: Mapping[str, Any], i: int) -> list[dict]:
                 arguments = {}
             if not isinstance(arguments, dict):
                 raise RecordError("malformed_record", f"{where}'s arguments are "
-                                  f"{type(arguments).__name__}, not a JSON object")
+                                  f"{json_type(arguments)}, not a JSON object")
             call_id = {"id": call["id"]} if isinstance(call.get("id"), str) else {}
             calls.append({"type": "function", "function": {"name": name,
                                                             "arguments": arguments},
@@ -504,7 +513,7 @@ def normalize_document(texts, images) -> tuple[str, list]:
                               "'texts' and 'images' must be non-null there")
         if text is not None:
             if not isinstance(text, str):
-                raise RecordError("malformed_record", f"text {i} is a {type(text).__name__}, "
+                raise RecordError("malformed_record", f"text {i} is a {json_type(text)}, "
                                   "not a string")
             _utf8(text, f"text {i}")
             _no_markers(text, f"text {i}")
@@ -526,7 +535,7 @@ def normalize_caption(caption, media: dict[str, list]) -> str:
         raise RecordError("malformed_record", f"a caption pair has exactly one media item, "
                           f"this record {items}")
     if not isinstance(caption, str):
-        raise RecordError("malformed_record", f"the caption is a {type(caption).__name__}, "
+        raise RecordError("malformed_record", f"the caption is a {json_type(caption)}, "
                           "not a string")
     _utf8(caption, "the caption")
     _no_markers(caption, "the caption")

@@ -26,7 +26,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import PART_MODALITIES, RecordError, as_turns, tool_lists
+from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns, json_type,
+                                      tool_lists)
 
 
 class SourceError(Exception):
@@ -314,7 +315,7 @@ def _json_object(raw: bytes, what: str) -> dict:
                           f"{exc.msg.removesuffix(' at')} at its character {exc.pos + 1}") \
             from None
     if not isinstance(value, dict):
-        raise RecordError("malformed_json", f"{what} is a JSON {type(value).__name__}, "
+        raise RecordError("malformed_json", f"{what} is a JSON {json_type(value)}, "
                           "expected an object")
     return value
 
@@ -355,7 +356,7 @@ class ConversationFile:
                               ".jsonl)") from None
         if not isinstance(records, list):
             raise SourceError(f"{self.path}: expected a JSON array of records, "
-                              f"got a {type(records).__name__}")
+                              f"got a {json_type(records)}")
         return records
 
     def load(self, task: Task) -> RawRecord:
@@ -363,7 +364,7 @@ class ConversationFile:
         if isinstance(record, bytes):
             record = _json_object(record, "the line")
         elif not isinstance(record, dict):
-            raise RecordError("malformed_json", f"record is a JSON {type(record).__name__}, "
+            raise RecordError("malformed_json", f"record is a JSON {json_type(record)}, "
                               "expected an object")
         turns = record.get("conversations", record.get("messages"))
         if record.get("conversations") and record.get("messages") and \
@@ -384,8 +385,11 @@ class ConversationFile:
                              kind="caption", text=record["caption"])
         if turns is None and "audio_filepath" in record:
             raise RecordError("malformed_record", "a speech manifest's record (audio_filepath) "
-                              "in a JSON list: a manifest is JSONL, one record per line, as "
-                              "NeMo writes it; write it so (a .jsonl is found to be one)")
+                              "read as a conversation (in a JSON list, among conversations, "
+                              "or with --input-format llava): a manifest is a JSONL file of "
+                              "such records alone, one per line, as NeMo writes it; give them "
+                              "a file of their own (read as a manifest when its first record "
+                              "is one, or with --input-format manifest)")
         if turns is None:
             raise RecordError("malformed_record", f"no conversation: the record has the keys "
                               f"{sorted(record)[:12]}, and mimo reads 'messages' or "
@@ -643,6 +647,10 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
         fmt = "manifest" if lines and _first_record_has(path, "audio_filepath") else "llava"
     if fmt == "parquet":
         return ParquetTable(path, media_root, columns)
+    with open(path, "rb") as data:
+        if data.read(len(_PARQUET_MAGIC)) == _PARQUET_MAGIC:
+            raise SourceError(f"{path}: a Parquet file, given --input-format {fmt}: give "
+                              "--input-format parquet, or leave it out")
     if fmt == "manifest":
         return SpeechManifest(path, instruction, media_root)
     if fmt == "llava":
@@ -655,7 +663,8 @@ _LINES_SUFFIXES = (".jsonl", ".ndjson")
 # the leading bytes of compressed files (gzip, zstd, bzip2, xz, zip), whatever their names
 _COMPRESSED = {b"\x1f\x8b": "gzip", b"\x28\xb5\x2f\xfd": "zstd", b"BZh": "bzip2",
                b"\xfd7zXZ\x00": "xz", b"PK\x03\x04": "zip"}
-_DECOMPRESS = {"gzip": "gunzip -k", "zip": "unzip"}        # else "<kind> -dk"
+_SUFFIXES = {"gzip": ".gz", "zstd": ".zst", "bzip2": ".bz2", "xz": ".xz", "zip": ".zip"}
+_PARQUET_MAGIC = b"PAR1"
 
 
 def _refuse_compressed(path: str) -> None:
@@ -665,9 +674,15 @@ def _refuse_compressed(path: str) -> None:
         head = data.read(6)
     kind = next((name for magic, name in _COMPRESSED.items() if head.startswith(magic)), None)
     if kind:
-        raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. "
-                          f"{_DECOMPRESS.get(kind, kind + ' -dk')} {path}) and give "
-                          "the file it writes")
+        suffix = _SUFFIXES[kind]
+        if path.lower().endswith(suffix):           # the tool writes the name less its suffix
+            command = f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
+        else:                                       # (a tool refuses a name without it)
+            stem, ext = os.path.splitext(path)
+            command = (f"unzip -p {path}" if kind == "zip" else f"{kind} -dc {path}") + \
+                f" > {stem}.plain{ext}"
+        raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. {command}) "
+                          "and give the file it writes")
 
 
 def _leading_records(path: str):
