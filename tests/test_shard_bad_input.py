@@ -463,6 +463,13 @@ def case_an_image_under_a_camel_case_key(tmp_path, assets):
     return Case(record, "malformed_record", detail="names its image under 'imagePath'")
 
 
+def case_an_image_under_its_key_misspelt(tmp_path, assets):
+    """``imgae``: named as the image's key misspelt, not a marker without its image."""
+    record = _image_record(assets["jpeg"])
+    record["imgae"] = record.pop("image")
+    return Case(record, "malformed_record", detail="names its image under 'imgae'")
+
+
 def case_messages_not_a_list(tmp_path, assets):
     """A number where the turns go: said as what it is, under its key (it was "missing or
     empty")."""

@@ -12,6 +12,7 @@ pyarrow one row group at a time, so embedded media never sit in memory all at on
 from __future__ import annotations
 
 import codecs
+import difflib
 import functools
 import json
 import math
@@ -102,15 +103,22 @@ _UNREAD_MEDIA_NAME = {
 
 
 def _unread_media_names(names, read: set[str]) -> dict[str, str]:
-    """modality -> a key or column among ``names`` that looks like its media and is none of
-    the ``read`` ones."""
+    """modality -> a key or column among ``names`` that looks like its media (or is its
+    name misspelt: ``imgae``) and is none of the ``read`` ones."""
     found: dict[str, str] = {}
     for modality, pattern in _UNREAD_MEDIA_NAME.items():
-        name = next((n for n in names if n not in read and pattern.fullmatch(str(n).lower())),
-                    None)
+        name = next((n for n in names if n not in read and (
+            pattern.fullmatch(str(n).lower()) or _misspelt(str(n).lower(), modality))), None)
         if name is not None:
             found[modality] = name
     return found
+
+
+def _misspelt(name: str, modality: str) -> bool:
+    """Whether ``name`` is ``modality`` or its plural with letters swapped, missing or extra."""
+    return any(abs(len(name) - len(word)) <= 1 and
+               difflib.SequenceMatcher(None, name, word).ratio() >= 0.75
+               for word in (modality, modality + "s"))
 
 
 def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], how: str,
