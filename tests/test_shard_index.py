@@ -1518,6 +1518,19 @@ def test_verify_checks_the_tars_where_they_are(pairs, capsys, tmp_path):
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
     assert code == 1
     assert f"sample {key} member {key}.{item['member']}: its bytes changed" in err
+    # a sample appended to the tar since (tar rf) past its padding: said so, with what to do,
+    # once
+    shutil.copy(pairs.src / "pairs-000001.tar", tmp_path / "tars")
+    size = (tmp_path / "tars" / "pairs-000001.tar").stat().st_size
+    with tarfile.open(tmp_path / "tars" / "pairs-000001.tar", "a") as tar:
+        added = tarfile.TarInfo("zzz.txt")
+        added.size = 30_000
+        tar.addfile(added, io.BytesIO(b"A" * added.size))
+    grown = (tmp_path / "tars" / "pairs-000001.tar").stat().st_size - size
+    code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")
+    assert code == 1 and f"pairs-000001.tar: {grown:,} bytes longer than the index says" in err \
+        and "index the tars again (`mimo-shard index ... --overwrite`)" in err, err
+    assert "FAILED, 1 problem(s)" in err and "every member sits" not in err, err
     # the tars moved: verify says where it looked, and to index them where they are now
     shutil.move(tmp_path / "tars", tmp_path / "moved")
     code, _, err = cli_main(capsys, "verify", tmp_path / "idx", "--no-progress")

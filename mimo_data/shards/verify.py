@@ -80,12 +80,22 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
             "them again where they are now with `mimo-shard index`)")]
     with storage.local_copy(location) as path:
         problems = _check_file(path, shard)
+        grown = os.path.getsize(path) - shard["bytes"]
         try:
             located = _walk_shard(path, shard, rows) if records is None else \
                 _walk_indexed(path, shard, rows, records)
         except (tarfile.TarError, OSError, EOFError, NotATarError) as exc:
             located = [f"shard {shard['name']}: the tar cannot be read: {exc}"]
-    if problems and not located:
+    if problems and not located and grown > 0:       # members appended (tar rf) since
+        problems = [f"{shard['name']}: {grown:,} bytes longer than the index says "
+                    f"({shard['bytes']:,}): written to after it was " + (
+                        "indexed (samples appended?), which the index does not hold; its "
+                        "indexed samples are intact: index the tars again "
+                        "(`mimo-shard index ... --overwrite`) to take in what was added"
+                        if records is not None else
+                        "built; its samples are intact, but a build's shard is not written "
+                        "to: build the dataset again")]
+    elif problems and not located:
         problems.append(f"shard {shard['name']}: every member sits where {SAMPLES_FILE} says, "
                         "matches its crc32 (where recorded) and decodes: the changed bytes are "
                         "in tar headers or padding, or in media without a recorded crc32")
