@@ -320,6 +320,16 @@ def test_a_hub_speech_table_is_told_which_flags_read_it(capsys, tmp_path, assets
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
                             "--caption-column", "transcription", "--id-column", "path")
     assert code == 0, err
+    # its media under a column no modality is named by: refused naming the flag, not every
+    # row skipped as "a caption pair has exactly one media item, this record 0"
+    pq.write_table(table.rename_columns(["id", "path", "recording", "transcription",
+                                         "gender"]), tmp_path / "renamed.parquet")
+    code, _, err = cli_main(capsys, "build", tmp_path / "renamed.parquet", "-o",
+                            tmp_path / "renamed", "--no-progress", "--caption-column",
+                            "transcription")
+    assert code == 2 and "caption pairs (column 'transcription') and no column of their " \
+        "media found (columns are ['gender', 'id', 'path', 'recording', 'transcription']): " \
+        "name it with --image-column (or --audio-column" in err, err
     samples = _samples_by_id(tmp_path / "out")
     assert sorted(samples) == ["a.wav", "b.flac"]
     for key, data in (("a.wav", wav), ("b.flac", flac)):

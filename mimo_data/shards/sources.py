@@ -525,6 +525,12 @@ class ParquetTable:
                               f"{hint}")
         self.kind = {"texts": "document", "conversation": "conversation",
                      "caption": "caption"}[found[0]]
+        if self.kind == "caption" and not self.unread and not any(
+                self.columns[media_field(name)] for name in MODALITIES):
+            raise SourceError(f"{path}: caption pairs (column {self.columns['caption']!r}) "
+                              f"and no column of their media found (columns are "
+                              f"{sorted(names)}): name it with --image-column (or "
+                              "--audio-column, --video-column)")
 
     def tasks(self, source: int):
         metadata = pq.ParquetFile(self.path).metadata
