@@ -221,6 +221,22 @@ def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):
     assert path.read_text() == before
 
 
+def test_a_records_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+    """A folder that reads writable (root's, on a virtual file system) may still refuse the
+    file: opened as the run opens it, at start-up, and named; a file that can be written is
+    neither made nor changed by the check."""
+    from mimo_train.components.metrics import check_outputs
+    from mimo_train.errors import TrainConfigError
+    with pytest.raises(TrainConfigError, match="--records: cannot write /proc/mimo-records.jsonl: "
+                       "No such file or directory: give a file in a writable folder"):
+        check_outputs("/proc/mimo-records.jsonl", None)
+    fresh, kept = tmp_path / "fresh.jsonl", tmp_path / "kept.jsonl"
+    kept.write_text('{"step": 1}\n')
+    check_outputs(str(fresh), None)
+    check_outputs(str(kept), None)
+    assert not fresh.exists() and kept.read_text() == '{"step": 1}\n'
+
+
 def test_wandb_without_the_package_is_refused(monkeypatch):
     import importlib.util
 

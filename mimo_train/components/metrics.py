@@ -406,8 +406,26 @@ def check_outputs(records: str | None, tensorboard_dir: str | None) -> None:
             continue
         if not os.access(folder, os.W_OK):
             problems.append(f"{what}: {folder} is not writable")
+    if records and "://" not in records and not problems:
+        problems += _unopenable(records)
     if problems:
         raise TrainConfigError("; ".join(problems))
+
+
+def _unopenable(records: str) -> list[str]:
+    """The records file opened for appending, as the run will: a folder that reads writable
+    may still refuse it (root on a read-only or virtual file system, a read-only file); one
+    made by this check only is removed again."""
+    existed = os.path.exists(records)
+    try:
+        with open(records, "a"):
+            pass
+    except OSError as error:
+        return [f"--records: cannot write {records}: {error.strerror}: give a file in a "
+                "writable folder"]
+    if not existed:
+        os.remove(records)
+    return []
 
 
 class Metrics:
