@@ -400,7 +400,8 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
 def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
     """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
     and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters
-    trained at 8 is refused before any weight is loaded."""
+    trained at 8 is refused before any weight is loaded; a resume with model.init_from given
+    too says the checkpoint's weights replace init_from's."""
     from types import SimpleNamespace
 
     from mimo_train.components import checkpoint
@@ -431,6 +432,16 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
                        r"new adapters with another alpha, from its merged export \(mimo-export"):
         trainer._init_from("ck/step_0000001")
     assert loaded == []
+    # a resume with model.init_from given too: the checkpoint's weights win, and it says so
+    said = []
+    monkeypatch.setattr(module, "say", said.append)
+    monkeypatch.setattr(module.distributed, "gather", lambda value: [value])
+    trainer.cfg.model.lora, trainer.cfg.model.init_from = {"language": LoraConfig(alpha=8)}, "a"
+    trainer.cfg.train.steps = 4
+    trainer._resume("ck/step_0000001")
+    assert said == ["mimo-train: model.init_from a is replaced by the checkpoint resumed from "
+                    "(ck/step_0000001): its weights continue the run; to start over from "
+                    "init_from, give another checkpoint.dir or set checkpoint.resume=false"]
 
 
 def test_schedule_notes_name_each_changed_setting():
@@ -1094,6 +1105,9 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     assert code == 1 and "\nstep_0000009: INCOMPLETE: no integrity.json: its save did not " \
         "finish" in out and "FAIL step_0000009: no integrity.json" in err, (out, err)
     assert out.endswith(f"step_0000003 > {root / 'latest'}\n"), out
+    # each step checked once, said once (the fallback's paths are absolute, --all's as given)
+    assert err.count("FAIL step_0000006: meta.json: hash mismatch") == 1 and \
+        out.count("step_0000003: intact") == 1, (out, err)
     # latest naming the intact earlier step: a resume is unaffected by the others' damage
     (root / "latest").write_text("step_0000003")
     code, out, _ = inspected(root, "--all")
@@ -1114,6 +1128,8 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     assert code == 1 and "but no 'latest' file, which names the checkpoint to resume" in err
     code, out, _ = inspected(root / "step_0000009")      # one step's folder, unfinished
     assert code == 1 and "INCOMPLETE" in out, out
+    code, out, _ = inspected(root / "step_0000003")      # one intact step's folder
+    assert code == 0 and "intact" in out and "no intact step" not in out, out
     code, out, _ = inspected(root / "step_0000003", "--json")
     verdict = json.loads(out)
     assert code == 0 and verdict["intact"] and verdict["checkpoints"][0]["meta"]["step"] == 3

@@ -359,6 +359,11 @@ class Trainer:
         notes = schedule_notes(self.step, distributed.gather(changes))
         for note in notes if self.step < self.cfg.train.steps else ():
             say(PREFIX + note)
+        if self.cfg.model.init_from:        # loaded first, replaced now: said, not silent
+            say(f"{PREFIX}model.init_from {self.cfg.model.init_from} is replaced by the "
+                f"checkpoint resumed from ({directory}): its weights continue the run; to "
+                "start over from init_from, give another checkpoint.dir or set "
+                "checkpoint.resume=false")
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
