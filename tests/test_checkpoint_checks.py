@@ -59,7 +59,7 @@ def test_a_resumed_lora_runs_other_alpha_is_refused():
 def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, monkeypatch):
     """Resumed (or started) with another model.pretrained or dims, a checkpoint's tensors have
     other shapes or are missing: the refusal names the model settings that differ from the
-    checkpoint's and what to do, not only the first tensor."""
+    checkpoint's and what to do, not only the first tensor; a module the run adds, by name."""
     import json
     import types
 
@@ -112,4 +112,14 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
     assert str(refused.value).endswith(
         "another model configuration. Its model settings are this run's: the files they name "
         "(a model folder's config.json, the tokenizer) changed since it was saved"), \
+        refused.value
+    # a module this run adds (an audio encoder): named, no changed files blamed
+    audio = "modality_submodules.audio.module.encoders.audio.encoder.conv1.weight"
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint.check(str(tmp_path), model({**shapes, audio: (8, 80, 3)}), 8, ["image"],
+                         {**saved_model, "encoders": {"audio": {"kind": "whisper"}}})
+    assert str(refused.value).endswith(
+        "holds no weight of module(s) audio of this run's model (its modules: image, "
+        "language): it was saved by a run without them. Resume with the checkpoint's "
+        "model.encoders and layout, or train this model in another checkpoint.dir"), \
         refused.value
