@@ -118,7 +118,20 @@ def prepare(root: str, resume: bool) -> str | None:
     found = resume_point(root) if resume else None
     if distributed.rank_and_size()[0] == 0:     # once nothing else refuses the folder
         checkpoint_owner.claim(root)
+        if resume and found is None:
+            _say_unfinished(root)
     return found
+
+
+def _say_unfinished(root: str) -> None:
+    """A run resuming from a checkpoint.dir that holds only unfinished saves starts over:
+    said, as a resume would be."""
+    unfinished = sorted(name for name in os.listdir(root) if re.fullmatch(STEP_NAME, name)
+                        and os.path.isdir(os.path.join(root, name)))
+    if unfinished:
+        say(f"{PREFIX}checkpoint.dir {root} holds {', '.join(unfinished[-3:])} with no "
+            f"{MANIFEST} (a save that did not finish): nothing to resume, the run starts at "
+            "step 1")
 
 
 def unclaim(root: str) -> None:
