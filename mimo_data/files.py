@@ -28,6 +28,14 @@ def write_atomic(path: str, data: bytes) -> None:
         os.close(directory)
 
 
+def not_found(path: str) -> str:
+    """How a path that opens no file is missing: a symbolic link to nothing is said as one
+    (its target named), else "not found"."""
+    if os.path.islink(path):
+        return f"a symbolic link to {os.readlink(path)}, which does not exist"
+    return "not found"
+
+
 def file_sha256(path: str) -> str:
     """Hex SHA-256 of a file's bytes (shard indexes and checkpoint manifests record these)."""
     with open(path, "rb") as data:

@@ -388,6 +388,14 @@ def case_video_as_a_folder_of_frames(tmp_path, assets):
                 "missing_media", detail="is a folder, not a media file")
 
 
+def case_media_path_a_dangling_link(tmp_path, assets):
+    # a dataset's links into a store not mounted here: the link said as one, its target named
+    (tmp_path / "linked.jpg").symlink_to("/mnt/unmounted/photo.jpg")
+    return Case(_image_record(tmp_path / "linked.jpg"), "missing_media",
+                detail="linked.jpg: a symbolic link to /mnt/unmounted/photo.jpg, which does not "
+                "exist (paths are relative")
+
+
 def case_nul_in_media_path(tmp_path, assets):
     return Case(_image_record(f"{tmp_path}/photo\x00.jpg"), "missing_media")
 

@@ -26,6 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from mimo_data.files import not_found
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns, json_type,
                                       tool_lists)
@@ -646,7 +647,7 @@ def open_source(path: str, *, input_format: str = "auto", media_root: str | None
                           "or a speech manifest), whose records name the media (a folder of "
                           "WebDataset tars is indexed in place with mimo-shard index)")
     if not os.path.isfile(path):
-        raise SourceError(f"{path}: input file not found")
+        raise SourceError(f"{path}: input file {not_found(path)}")
     _refuse_compressed(path)
     fmt = input_format
     suffix = os.path.splitext(path)[1].lower()          # TRAIN.JSONL as train.jsonl

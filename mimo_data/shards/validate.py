@@ -12,6 +12,7 @@ import os
 import urllib.parse
 from dataclasses import dataclass, field
 
+from mimo_data.files import not_found
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.modalities.video.frames import frames_clip, frames_list_clip
 from mimo_data.shards.format import VIDEOS_FROM_FRAMES, VIDEOS_ROTATED, conversation_counts
@@ -126,8 +127,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
         with open(full, "rb") as media:
             return media.read(), path, full, False
     except FileNotFoundError:
-        raise RecordError("missing_media", f"media file not found: {full} (paths are relative "
-                          "to the input file's folder, or to --media-root)") from None
+        raise RecordError("missing_media", f"media file {full}: {not_found(full)} (paths are "
+                          "relative to the input file's folder, or to --media-root)") from None
     except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
         raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
                           "frames are read with --frames-fps, the rate they were taken at "
