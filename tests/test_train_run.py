@@ -131,17 +131,25 @@ def test_an_asynchronous_save_holds_the_step_it_was_started_at(ranks, setup):
     assert any(not torch.equal(step3[key], step6[key]) for key in step3)
 
 
-def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path):
+def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, monkeypatch):
     """A checkpoint copied into checkpoint.dir without its ``latest``: the run neither starts
     over beside it nor picks one; the message says how to resume from the newest. A save
-    interrupted before its manifest leaves nothing to resume. A folder that cannot be written,
-    or a transformers model folder, is refused at start-up."""
+    interrupted before its manifest leaves nothing to resume (said). A folder that cannot be
+    written, or a transformers model folder, is refused at start-up."""
+    from mimo_train.components import checkpoint
     from mimo_train.components.checkpoint import prepare, resume_point
     from mimo_train.errors import CheckpointError
 
     assert resume_point(str(tmp_path)) is None
     (tmp_path / "step_0000004").mkdir()                # no manifest: an interrupted save
     assert resume_point(str(tmp_path)) is None
+    said = []                                          # a run there starts over, saying so
+    monkeypatch.setattr(checkpoint, "say", said.append)
+    assert prepare(str(tmp_path), resume=True) is None
+    checkpoint.unclaim(str(tmp_path))
+    assert said == [f"mimo-train: checkpoint.dir {tmp_path} holds step_0000004 with no "
+                    "integrity.json (a save that did not finish): nothing to resume, the run "
+                    "starts at step 1"]
     for step in ("step_0000002", "step_0000003"):
         (tmp_path / step).mkdir()
         (tmp_path / step / "integrity.json").write_text("{}")
@@ -1101,11 +1109,11 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     assert "\nstep_0000003: intact: " in out and "step_0000012: intact" not in out, out
     assert out.endswith("the newest intact step to resume from is step_0000003: echo "
                         f"step_0000003 > {root / 'latest'}\n"), out
-    code, out, err = inspected(root, "--all", "--workers", "2")
+    code, out, err = inspected(os.path.relpath(root), "--all", "--workers", "2")
     assert code == 1 and "\nstep_0000009: INCOMPLETE: no integrity.json: its save did not " \
         "finish" in out and "FAIL step_0000009: no integrity.json" in err, (out, err)
     assert out.endswith(f"step_0000003 > {root / 'latest'}\n"), out
-    # each step checked once, said once (the fallback's paths are absolute, --all's as given)
+    # each step checked once, said once (the fallback's paths are absolute, --all's relative)
     assert err.count("FAIL step_0000006: meta.json: hash mismatch") == 1 and \
         out.count("step_0000003: intact") == 1, (out, err)
     # latest naming the intact earlier step: a resume is unaffected by the others' damage

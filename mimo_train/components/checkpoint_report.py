@@ -109,10 +109,11 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
 
 def _first_intact(found: Findings, candidates: list[str], workers: int) -> str | None:
     """The first of ``candidates`` (newest first) whose files are intact, checking those not
-    checked yet (their reports added)."""
-    checked = {report.path: report for report in found.reports}
+    checked yet (their reports added). Paths compare absolute: ``earlier_steps`` gives them
+    so, a checkpoint.dir's own reports as the path was given."""
+    checked = {os.path.abspath(report.path): report for report in found.reports}
     for candidate in candidates:
-        report = checked.get(candidate)
+        report = checked.get(os.path.abspath(candidate))
         if report is None:
             report = check_step(candidate, workers)
             found.reports = sorted([*found.reports, report], key=lambda r: os.path.basename(
@@ -248,6 +249,6 @@ def _print(found: Findings) -> None:
         name = os.path.basename(found.instead)
         print(f"the newest intact step to resume from is {name}: echo {name} > "
               f"{os.path.join(os.path.dirname(found.instead), LATEST)}")
-    elif any(report.complete for report in found.reports) and \
+    elif not found.intact and any(report.complete for report in found.reports) and \
             (resumed is None or not resumed.intact):
         print("no intact step to resume from instead: start over in another checkpoint.dir")
