@@ -67,4 +67,5 @@ class ExportError(MimoTrainError, RuntimeError):
 
 
 class GenerateError(MimoTrainError, RuntimeError):
-    """A generation that cannot run; exit status 1 (a media check) or 2 (usage)."""
+    """A generation that cannot run; exit status 1 (a media check, a damaged export, a changed
+    base) or 2 (usage)."""

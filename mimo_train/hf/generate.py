@@ -513,7 +513,7 @@ def _check_base(model_dir: str, adapters: dict) -> None:
             f"base {adapters['base']} now (manifest.json's adapters.sha256 differs from its "
             "weights'): the adapters alone would give another model. Restore that base, give "
             "the one they trained on with --base DIR, or export the run merged (mimo-export "
-            "without --adapters)")
+            "without --adapters)", exit_code=1)
 
 
 def _with_adapters(model, model_dir: str):
