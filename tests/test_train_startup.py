@@ -173,6 +173,11 @@ CASES = [
      ["model.language.vocab_size=1000"], "config",
      ["model.language.vocab_size 1000 is smaller than the tokenizer's 49154 tokens",
       "set it >= 49154 or leave it unset"]),
+    # -- attention heads that do not split the width
+    ("attention heads that do not divide the hidden size", "default",
+     ["model.language.num_attention_heads=5"], "config",
+     ["model.language.num_attention_heads 5 does not divide model.language.hidden_size 32",
+      "give heads that divide it (e.g. 2, 4, 8)"]),
     # -- M-RoPE: the section must fit the heads, the positions must be M-RoPE ids
     ("mrope section that does not fit the heads", "default",
      ["model.language.mrope_section=[2,2,2]"], "config",

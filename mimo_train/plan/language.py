@@ -85,7 +85,14 @@ def language_plan(language: LanguageConfig, pretrained: str | None,
     if arch is None:
         dims.update({name: default for name, default in LANGUAGE_DEFAULTS.items()
                      if dims[name] is None})
-        head_dim = dims["hidden_size"] // dims["num_attention_heads"]
+        hidden, heads = dims["hidden_size"], dims["num_attention_heads"]
+        if hidden % heads:          # each head takes hidden / heads channels of the width
+            near = [n for n in range(max(1, heads // 2), 2 * heads + 1) if hidden % n == 0]
+            raise TrainConfigError(
+                f"model.language.num_attention_heads {heads} does not divide "
+                f"model.language.hidden_size {hidden}: each head takes hidden_size / heads "
+                f"channels; give heads that divide it (e.g. {', '.join(map(str, near or [1]))})")
+        head_dim = hidden // heads
     else:
         for name, given in dims.items():
             actual = getattr(arch, name)
