@@ -138,6 +138,26 @@ def test_a_live_runs_folder_is_said_before_anything_of_its_checkpoints(tmp_path,
         prepare(str(tmp_path), resume=False)
 
 
+def test_mimo_inspect_names_the_run_writing_the_folder(tmp_path, other_run, capsys):
+    """A step being saved by a live run reads INCOMPLETE: the report says which run writes
+    the folder now, and says nothing of one that ended."""
+    from mimo_train.inspect_cli import main
+
+    process, identity = other_run
+    (tmp_path / "step_0000004").mkdir()                 # its save under way: no manifest yet
+    (tmp_path / "step_0000004" / ".metadata").write_bytes(b"")
+    _claim_of(tmp_path, pid=process.pid, **identity)
+    assert main(["checkpoint", str(tmp_path), "--all"]) == 1
+    out = capsys.readouterr().out
+    assert f"\na run writes {tmp_path} now (process {process.pid} on {socket.gethostname()}, " \
+        "started earlier): a step it is saving reads INCOMPLETE until its save finishes" in out
+    assert "step_0000004: INCOMPLETE" in out, out
+    process.kill()
+    process.wait()
+    main(["checkpoint", str(tmp_path), "--all"])
+    assert "a run writes" not in capsys.readouterr().out
+
+
 def test_a_run_renews_its_claim_and_stops_before_it_saves_once_it_is_taken(tmp_path,
                                                                            monkeypatch):
     checkpoint_owner.claim(str(tmp_path))

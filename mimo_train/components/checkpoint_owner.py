@@ -130,6 +130,13 @@ def check(root: str) -> None:
                if restarted and other_host else ""))
 
 
+def writer(root: str) -> str | None:
+    """The run that writes ``root`` now, described; None where none does (what a check of
+    its checkpoints from outside the run says beside a step it may be saving)."""
+    found = _read(root)
+    return _described(found) if found and _still_runs(found, _this_run(), root) else None
+
+
 def claim(root: str) -> None:
     """Rank 0 at start-up: ``root`` claimed for this run; ``CheckpointError`` where the run
     that claimed it still runs."""

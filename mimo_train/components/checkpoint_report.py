@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from mimo_train.checkpoint_folders import (LATEST, MANIFEST, META, STEP_NAME, complete_steps,
                                            earlier_steps, latest, not_a_step, resume_point)
-from mimo_train.components import digests
+from mimo_train.components import checkpoint_owner, digests
 from mimo_train.errors import CheckpointError, IntegrityError
 
 _STEP_FILES = re.compile(r"^(integrity\.json|meta\.json|\.metadata|.*\.distcp)$")
@@ -51,6 +51,7 @@ class Findings:
     resumes: str | None = None       # the step folder a resume loads (``latest``)
     refusal: str = ""                # why a resume refuses the folder or finds nothing
     instead: str | None = None       # the newest intact step to resume from in its place
+    writer: str | None = None        # the run that writes the checkpoint.dir now, described
 
     @property
     def intact(self) -> bool:
@@ -84,7 +85,7 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
         if not report.intact:
             found.instead = _first_intact(found, earlier_steps(path), workers)
         return found
-    found = Findings(path, steps, [])
+    found = Findings(path, steps, [], writer=checkpoint_owner.writer(path))
     try:
         found.resumes = resume_point(path)
     except CheckpointError as error:     # latest names no folder, or there is no latest
@@ -204,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"path": found.path, "steps": found.steps, "latest": found.resumes,
                           "refusal": found.refusal, "instead": found.instead,
+                          "writer": found.writer,
                           "intact": found.intact, "checkpoints": [
                               {**asdict(report), "intact": report.intact}
                               for report in found.reports]}, indent=1))
@@ -229,6 +231,9 @@ def _print(found: Findings) -> None:
         print(f"{found.path}: {len(found.steps)} step folder(s), {found.steps[0]} to "
               f"{found.steps[-1]}; {LATEST}: "
               f"{os.path.basename(found.resumes) if found.resumes else 'none'}")
+    if found.writer:
+        print(f"a run writes {found.path} now ({found.writer}): a step it is saving reads "
+              "INCOMPLETE until its save finishes, and latest moves then")
     for report in found.reports:
         if report.intact:
             print(f"{_name(found, report)}: intact: {report.files} files, "
