@@ -560,6 +560,14 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     # a folder that is not there: a usage error (2), as README's exit status says
     code, _, err = cli_main(capsys, "info", tmp_path / "nowhere")
     assert code == 2 and f"{tmp_path / 'nowhere'}: no such dataset directory" in err, err
+    # a build's input given for its dataset: the file, or its folder, said as input
+    code, _, err = cli_main(capsys, "info", path)
+    assert code == 2 and f"{path} is a file, not a dataset's folder (index.json beside its " \
+        f"tars): a build's input becomes one with `mimo-shard build {path} --output DIR`" in err
+    code, _, err = cli_main(capsys, "info", tmp_path)
+    assert code == 2 and f"{tmp_path}: no index.json and no shards: a build's input (bad.jsonl" \
+        f", input.jsonl), not a dataset; `mimo-shard build {tmp_path / 'bad.jsonl'} --output " \
+        "DIR` makes one" in err, err
     code, _, err = cli_main(capsys, "info", tmp_path / "none")
     assert code == 1 and f"{tmp_path / 'none'}: no index.json: the build or indexing that " \
         f"wrote it kept no sample; {tmp_path / 'none' / 'report.json'} says why" in err, err

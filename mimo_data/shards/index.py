@@ -87,6 +87,10 @@ def remake(index: dict) -> str:
 
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
+    if not storage.is_remote(directory) and os.path.isfile(storage.local_path(directory)):
+        raise DatasetError(f"{directory} is a file, not a dataset's folder (index.json beside "
+                           f"its tars): a build's input becomes one with `mimo-shard build "
+                           f"{directory} --output DIR`", missing=True)
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
         raise DatasetError(f"{directory}: no such dataset directory", missing=True)
     try:
@@ -106,9 +110,20 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                f"wrote it kept no sample; {storage.join(directory, REPORT_FILE)}"
                                " says why: fix the inputs (or the options) and run it again"
                                ) from None
+        inputs = sorted(name for name in names or () if name.lower().endswith(_INPUTS))
+        if inputs and not any(name.endswith(".tar") for name in names or ()):
+            raise DatasetError(
+                f"{directory}: no {INDEX_FILE} and no shards: a build's input ("
+                f"{', '.join(inputs[:3])}{', ...' if len(inputs) > 3 else ''}), not a dataset; "
+                f"`mimo-shard build {storage.join(directory, inputs[0])} --output DIR` makes "
+                "one", missing=True) from None
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build or indexing?); run `mimo-shard build` (or "
                            "`mimo-shard index`) again") from None
+
+
+# the files a build reads records from (what a folder of them is: input, not a dataset)
+_INPUTS = (".json", ".jsonl", ".parquet")
 
 
 def _kept_none(directory: str, storage_options: dict | None) -> bool:
