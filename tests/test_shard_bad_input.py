@@ -599,6 +599,20 @@ def test_empty_tool_fields_are_no_tool_use(capsys, tmp_path, assets, good_record
             for message in record["messages"] for key in message} == {"role", "content"}
 
 
+def test_text_records_keys_near_a_media_name_are_metadata(capsys, tmp_path):
+    """Only two letters of a media key swapped (``imgae``) is taken for it misspelt: a text
+    record's own keys a letter or two from one (``videoid``, ``audit``, ``imagen``, ``radio``)
+    are its metadata, and it builds."""
+    text = {"id": "t", "conversations": [{"from": "human", "value": "Hi?"},
+                                         {"from": "gpt", "value": "Hello."}]}
+    records = [dict(text, id=f"t{i}", **{key: "dQw4w9WgXcQ"})
+               for i, key in enumerate(("videoid", "audit", "imagen", "radio", "mage"))]
+    path = write_jsonl(tmp_path / "input.jsonl", records)
+    code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress")
+    assert code == 0, err
+    assert read_json(tmp_path / "out" / "report.json")["samples_written"] == len(records)
+
+
 def test_tool_use_is_written_as_chat_templates_take_it(capsys, tmp_path):
     """The tool-use forms users bring become one: OpenAI/transformers' (calls with their
     arguments as JSON text or an object, ``content: null``, a ``tool`` turn with its call's

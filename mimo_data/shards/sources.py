@@ -12,7 +12,6 @@ pyarrow one row group at a time, so embedded media never sit in memory all at on
 from __future__ import annotations
 
 import codecs
-import difflib
 import functools
 import json
 import math
@@ -116,10 +115,12 @@ def _unread_media_names(names, read: set[str]) -> dict[str, str]:
 
 
 def _misspelt(name: str, modality: str) -> bool:
-    """Whether ``name`` is ``modality`` or its plural with letters swapped, missing or extra."""
-    return any(abs(len(name) - len(word)) <= 1 and
-               difflib.SequenceMatcher(None, name, word).ratio() >= 0.75
-               for word in (modality, modality + "s"))
+    """Whether ``name`` is ``modality`` or its plural with two adjacent letters swapped
+    (``imgae``, ``vidoe``): a looser likeness would take a text record's own keys (``audit``,
+    ``videoid``, ``imagen``) for media."""
+    return any(len(name) == len(word) and name != word and any(
+        name == word[:i] + word[i + 1] + word[i] + word[i + 2:] for i in range(len(word) - 1))
+        for word in (modality, modality + "s"))
 
 
 def _check_unread(record: dict, media: dict[str, list], unread: dict[str, str], how: str,
