@@ -119,7 +119,7 @@ def test_a_checkpoint_of_another_model_names_the_settings_that_differ(tmp_path, 
         checkpoint.check(str(tmp_path), model({**shapes, audio: (8, 80, 3)}), 8, ["image"],
                          {**saved_model, "encoders": {"audio": {"kind": "whisper"}}})
     assert str(refused.value).endswith(
-        "holds no weight of module(s) audio of this run's model (its modules: image, "
-        "language): it was saved by a run without them. Resume with the checkpoint's "
+        "holds no weight of module(s) audio of this run's model (the checkpoint's modules: "
+        "image, language): it was saved by a run without them. Resume with the checkpoint's "
         "model.encoders and layout, or train this model in another checkpoint.dir"), \
         refused.value

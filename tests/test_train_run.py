@@ -449,7 +449,7 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
     trainer._resume("ck/step_0000001")
     assert said == ["mimo-train: model.init_from a is replaced by the checkpoint resumed from "
                     "(ck/step_0000001): its weights continue the run; to start over from "
-                    "init_from, give another checkpoint.dir or set checkpoint.resume=false"]
+                    "init_from, give another checkpoint.dir"]
 
 
 def test_schedule_notes_name_each_changed_setting():

@@ -518,11 +518,12 @@ def _lacks(directory: str, missing: list[str], meta: dict, modules: list[str],
     if added:               # a module this run adds: no setting of the checkpoint's changed
         return CheckpointError(
             f"checkpoint {directory} holds no weight of module(s) {', '.join(added)} of this "
-            f"run's model (its modules: {', '.join(modules)}): it was saved by a run without "
-            f"them. " + ("Resume with the checkpoint's model.encoders and layout, or train "
-                         "this model in another checkpoint.dir" if resuming else
-                         "model.init_from takes a checkpoint of the same modules: start with "
-                         "the checkpoint's model.encoders and layout, or from another one"))
+            f"run's model (the checkpoint's modules: {', '.join(modules)}): it was saved by a "
+            "run without them. " + (
+                "Resume with the checkpoint's model.encoders and layout, or train this model "
+                "in another checkpoint.dir" if resuming else
+                "model.init_from takes a checkpoint of the same modules: start with the "
+                "checkpoint's model.encoders and layout, or from another one"))
     pretrained = model.get("pretrained")
     changes = _model_changes(meta, settings, resuming)
     named = pretrained and "model.pretrained " not in changes     # else the changes name it

@@ -362,8 +362,7 @@ class Trainer:
         if self.cfg.model.init_from:        # loaded first, replaced now: said, not silent
             say(f"{PREFIX}model.init_from {self.cfg.model.init_from} is replaced by the "
                 f"checkpoint resumed from ({directory}): its weights continue the run; to "
-                "start over from init_from, give another checkpoint.dir or set "
-                "checkpoint.resume=false")
+                "start over from init_from, give another checkpoint.dir")
 
     def layer_offset(self, name: str) -> int:
         """Global index of this rank's first layer of module ``name``."""
