@@ -1391,6 +1391,13 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
                                 text="answers.json", weights="weights.json"))
     assert made.fields["messages"][1] == {"role": "assistant", "content": "A wall."}
     assert made.counts == {"texts_chosen_from_several": 1}
+    # weights cut short: the sample's fault (malformed_json), not a sample without weights
+    with pytest.raises(RecordError) as caught:
+        synthesize({"jpg": b"", "question.txt": b"What is it?",
+                    "answers.json": b'["Bricks.", "A wall."]', "weights.json": b"[1, 2"},
+                   MemberMap("vqa", media="jpg", question="question.txt",
+                             text="answers.json", weights="weights.json"))
+    assert caught.value.reason == "malformed_json", caught.value
 
 
 def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):

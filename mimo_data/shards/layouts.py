@@ -106,6 +106,10 @@ def _json(members: dict[str, bytes], name: str) -> Any:
         raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
 
 
+# field()'s reason for a JSON member without the answers' weights: the first answer trains
+_NO_WEIGHTS = "no_weights"
+
+
 def field(members: dict[str, bytes], spec: str, what: str,
           unfound: str = "malformed_record") -> tuple[str, Any] | None:
     """The member ``spec`` names (``txt``, ``json[caption]``, ``jpg,png``) as ``(member, value:
@@ -339,9 +343,11 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                               f"KEY.{mapping.question} and KEY.{mapping.text}")
         marker = MARKERS[medium[0]]
         try:                        # a sample without weights (its JSON without the field)
-            weights = field(members, mapping.weights, "the answer's weights") \
+            weights = field(members, mapping.weights, "the answer's weights", _NO_WEIGHTS) \
                 if mapping.weights else None
-        except RecordError:
+        except RecordError as error:    # a broken member or spec stays the sample's fault
+            if error.reason != _NO_WEIGHTS:
+                raise
             weights = None
         answer, counts = _chosen(text, weights, "the answer")
         messages = [{"role": "user",
