@@ -245,7 +245,8 @@ def test_the_idle_time_and_the_hosts_time_are_split_by_the_phase_the_host_was_in
 def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(tmp_path):
     """A step that raises inside the profiled window (out of memory, a lost peer) leaves no
     profiler recording and no mode of torch's counting the error's report, and no summary
-    of a step cut short; a run that ends before its window's last step writes what it had."""
+    of a step cut short; a run that ends before its window's last step writes what it had,
+    one that ends on the lead-in nothing."""
     from mimo_train.config import ProfileConfig
 
     def window(name: str) -> ProfileConfig:
@@ -273,3 +274,11 @@ def test_a_step_that_raises_in_the_window_stops_the_profile_and_writes_nothing(t
             run.after(step)
     assert not torch.autograd.profiler._is_profiler_enabled
     assert json.loads((tmp_path / "ended" / "profile_rank0.json").read_text())["steps"] == 1
+    # a run that ends on the lead-in step (train.steps = start - 1, a stop there): the
+    # profiler stopped and no summary written, as for a run that ends before its window
+    with profile.Profile(window("lead-in"), 0, torch.device("cpu")) as run:
+        run.before(1)
+        torch.randn(8, 8) @ torch.randn(8, 8)
+        run.after(1)
+    assert not torch.autograd.profiler._is_profiler_enabled
+    assert not (tmp_path / "lead-in").exists()

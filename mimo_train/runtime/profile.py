@@ -436,10 +436,14 @@ class Profile:
             self.profiler.__exit__(None, None, None)
 
     def finish(self) -> None:
-        """Stop and write."""
+        """Stop and write (nothing where the run ended on the lead-in: no step of the window
+        ran)."""
         if self.profiler is None or self.window is None:
             return
         self._stop(wait=True)
+        if self.done == 0:
+            self.profiler = self.syncs = None
+            return
         os.makedirs(self.window.dir, exist_ok=True)
         path = os.path.join(self.window.dir, f"profile_rank{self.rank}")
         if self.window.trace:
