@@ -568,6 +568,11 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     assert code == 2 and f"{tmp_path}: no index.json and no shards: a build's input (bad.jsonl" \
         f", input.jsonl), not a dataset; `mimo-shard build {tmp_path / 'bad.jsonl'} --output " \
         "DIR` makes one" in err, err
+    for file, said in ((tmp_path / "out" / "index.json", f"it is one of the dataset "
+                        f"{tmp_path / 'out'}'s files; give that folder"),
+                       (tmp_path / "out" / "samples.parquet", "give that folder")):
+        code, _, err = cli_main(capsys, "info", file)
+        assert code == 2 and said in err, err
     code, _, err = cli_main(capsys, "info", tmp_path / "none")
     assert code == 1 and f"{tmp_path / 'none'}: no index.json: the build or indexing that " \
         f"wrote it kept no sample; {tmp_path / 'none' / 'report.json'} says why" in err, err

@@ -88,9 +88,7 @@ def remake(index: dict) -> str:
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
     if not storage.is_remote(directory) and os.path.isfile(storage.local_path(directory)):
-        raise DatasetError(f"{directory} is a file, not a dataset's folder (index.json beside "
-                           f"its tars): a build's input becomes one with `mimo-shard build "
-                           f"{directory} --output DIR`", missing=True)
+        raise DatasetError(_a_file(directory), missing=True)
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
         raise DatasetError(f"{directory}: no such dataset directory", missing=True)
     try:
@@ -124,6 +122,20 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
 
 # the files a build reads records from (what a folder of them is: input, not a dataset)
 _INPUTS = (".json", ".jsonl", ".parquet")
+
+
+def _a_file(path: str) -> str:
+    """What a file given for a dataset's folder is, and what to give instead: a file of a
+    dataset (its folder), a tar (its folder indexed), a build's input (built)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    said = f"{path} is a file, not a dataset's folder ({INDEX_FILE} beside its tars)"
+    if os.path.isfile(os.path.join(folder, INDEX_FILE)):
+        return f"{said}: it is one of the dataset {folder}'s files; give that folder"
+    if path.endswith(".tar"):
+        return f"{said}: a folder of {unindexed_tars_advice(folder)}"
+    if path.lower().endswith(_INPUTS):
+        return f"{said}: a build's input becomes one with `mimo-shard build {path} --output DIR`"
+    return f"{said}: give the folder a `mimo-shard build` or `mimo-shard index` wrote"
 
 
 def _kept_none(directory: str, storage_options: dict | None) -> bool:
