@@ -5,6 +5,7 @@ for its micro-batches (``data_wait_s``), in process on a fake clock."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -221,20 +222,37 @@ def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):
     assert path.read_text() == before
 
 
-def test_a_records_file_that_cannot_be_written_is_refused_before_the_run(tmp_path):
+def test_a_records_file_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch):
     """A folder that reads writable (root's, on a virtual file system) may still refuse the
     file: opened as the run opens it, at start-up, and named; a file that can be written is
-    neither made nor changed by the check."""
-    from mimo_train.components.metrics import check_outputs
+    neither made nor changed by the check, a link to nothing stays, and a pipe is not opened
+    (its reader would see the check's close as the end)."""
+    import builtins
+
+    from mimo_train.components import metrics
     from mimo_train.errors import TrainConfigError
-    with pytest.raises(TrainConfigError, match="--records: cannot write /proc/mimo-records.jsonl: "
-                       "No such file or directory: give a file in a writable folder"):
-        check_outputs("/proc/mimo-records.jsonl", None)
-    fresh, kept = tmp_path / "fresh.jsonl", tmp_path / "kept.jsonl"
+    refused, opened = tmp_path / "refused.jsonl", []
+
+    def fake_open(path, *args, **kwargs):
+        opened.append(str(path))
+        if str(path) == str(refused):
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+    monkeypatch.setattr(metrics, "open", fake_open, raising=False)
+    with pytest.raises(TrainConfigError, match=f"--records: cannot write {refused}: "
+                       "Permission denied: give a file in a writable folder"):
+        metrics.check_outputs(str(refused), None)
+    fresh, kept, link, pipe = (tmp_path / name for name in ("fresh", "kept", "link", "pipe"))
     kept.write_text('{"step": 1}\n')
-    check_outputs(str(fresh), None)
-    check_outputs(str(kept), None)
-    assert not fresh.exists() and kept.read_text() == '{"step": 1}\n'
+    link.symlink_to(tmp_path / "store" / "run1.jsonl")
+    (tmp_path / "store").mkdir()
+    os.mkfifo(pipe)
+    reader = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)     # its reader: an open never blocks
+    for path in (fresh, kept, link, pipe):
+        metrics.check_outputs(str(path), None)
+    os.close(reader)
+    assert not fresh.exists() and kept.read_text() == '{"step": 1}\n' and link.is_symlink()
+    assert str(pipe) not in opened and str(fresh) in opened
 
 
 def test_wandb_without_the_package_is_refused(monkeypatch):

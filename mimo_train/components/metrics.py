@@ -415,8 +415,12 @@ def check_outputs(records: str | None, tensorboard_dir: str | None) -> None:
 def _unopenable(records: str) -> list[str]:
     """The records file opened for appending, as the run will: a folder that reads writable
     may still refuse it (root on a read-only or virtual file system, a read-only file); one
-    made by this check only is removed again."""
-    existed = os.path.exists(records)
+    made by this check only is removed again (a link, even to nothing, is the user's). What
+    is there and no plain file (a pipe, /dev/stdout) is not opened twice: a pipe's reader
+    would take the check's close for the end."""
+    existed = os.path.lexists(records)
+    if existed and not os.path.isfile(records) and not os.path.islink(records):
+        return []
     try:
         with open(records, "a"):
             pass
