@@ -529,6 +529,12 @@ def test_input_names_as_downloads_give_them(tmp_path, good_records, capsys):
     code, _, err = cli_main(capsys, "build", disguised, "-o", tmp_path / "no", "--no-progress")
     assert code == 2 and f"(e.g. gzip -dc {disguised} > {tmp_path / 'train'}.plain.jsonl)" \
         in err, err
+    # another tool's data under gzip's suffix: the file to write keeps the format's extension
+    mislabelled = tmp_path / "z.jsonl.gz"
+    mislabelled.write_bytes(b"\x28\xb5\x2f\xfd" + bytes(16))       # zstd's magic
+    code, _, err = cli_main(capsys, "build", mislabelled, "-o", tmp_path / "no", "--no-progress")
+    assert code == 2 and f"(e.g. zstd -dc {mislabelled} > {tmp_path / 'z'}.plain.jsonl)" \
+        in err, err
     # a Parquet file given as another format
     pq.write_table(pa.table({"id": ["a"]}), tmp_path / "rows.parquet")
     code, _, err = cli_main(capsys, "build", tmp_path / "rows.parquet", "-o", tmp_path / "no",

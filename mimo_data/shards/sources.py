@@ -693,8 +693,9 @@ def _refuse_compressed(path: str) -> None:
         suffix = _SUFFIXES[kind]
         if path.lower().endswith(suffix):           # the tool writes the name less its suffix
             command = f"unzip {path}" if kind == "zip" else f"{kind} -dk {path}"
-        else:                                       # (a tool refuses a name without it)
-            stem, ext = os.path.splitext(path)
+        else:                   # (a tool refuses a name without it; another's suffix goes)
+            other = next((sfx for sfx in _SUFFIXES.values() if path.lower().endswith(sfx)), "")
+            stem, ext = os.path.splitext(path[:len(path) - len(other)])
             command = (f"unzip -p {path}" if kind == "zip" else f"{kind} -dc {path}") + \
                 f" > {stem}.plain{ext}"
         raise SourceError(f"{path}: {kind}-compressed: decompress it first (e.g. {command}) "
