@@ -851,3 +851,23 @@ def test_a_dataset_served_over_http_reads_like_the_local_copy(capsys, built, fre
         code, out, err = cli_main(capsys, "verify", url, "--no-progress")
         assert code == 0, err
         assert "OK" in out
+
+
+def test_a_failed_builds_shards_left_in_a_store_that_refuses_are_named_without_retrying_each(
+        capsys):
+    """Removing a failed build's uploads stops at the store's first refusal (an unreachable
+    store would make each removal wait out its retries) and names what is left."""
+    from types import SimpleNamespace
+
+    from mimo_data.shards.build import _remove_uploaded
+    tried = []
+
+    def remove(url):
+        tried.append(url)
+        if len(tried) > 1:
+            raise StorageError(f"{url}: the store cannot be reached")
+    urls = [f"s3://b/ds/data-{n:06d}.tar" for n in range(5)]
+    _remove_uploaded(SimpleNamespace(remove=remove), urls)
+    assert tried == urls[:2]
+    assert "the failed build's shards s3://b/ds/data-000001.tar, s3://b/ds/data-000002.tar, " \
+        "s3://b/ds/data-000003.tar ... are left" in capsys.readouterr().err

@@ -390,11 +390,12 @@ def _remove_uploaded(remote: storage.Remote, uploaded: list[str]) -> None:
     """Remove a failed build's shards from an output that holds no dataset, or say which are
     left."""
     left = []
-    for url in uploaded:
+    for number, url in enumerate(uploaded):
         try:
             remote.remove(url)
-        except OSError:
-            left.append(url)
+        except OSError:         # a store that refuses one (unreachable, say) refuses the rest:
+            left = uploaded[number:]        # each try would wait out its retries again
+            break
     if left:
         print(f"mimo-shard: the failed build's shards {', '.join(left[:3])}"
               f"{' ...' if len(left) > 3 else ''} are left (the store refused their removal); "

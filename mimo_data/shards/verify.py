@@ -90,10 +90,12 @@ def verify_shard(directory: str, shard: dict, rows: list[dict],
         problems = [f"{shard['name']}: {grown:,} bytes longer than the index says "
                     f"({shard['bytes']:,}): written to after it was " + (
                         "indexed (samples appended?), which the index does not hold; its "
-                        "indexed samples are intact: index the tars again "
+                        "indexed samples' members sit where it says, match their crc32 and "
+                        "decode: index the tars again "
                         "(`mimo-shard index ... --overwrite`) to take in what was added"
                         if records is not None else
-                        "built; its samples are intact, but a build's shard is not written "
+                        "built; its samples' members sit where the index says, match their crc32 "
+                        "(where recorded) and decode, but a build's shard is not written "
                         "to: build the dataset again")]
     elif problems and not located:
         problems.append(f"shard {shard['name']}: every member sits where {SAMPLES_FILE} says, "
