@@ -387,7 +387,7 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
         train=SimpleNamespace(steps=steps, exit_signals=[], eval_interval=0, exit_interval=0,
                               global_batch_size=4, micro_batch_size=2),
         checkpoint=SimpleNamespace(interval=0), data=SimpleNamespace(datasets=["d"]),
-        model=SimpleNamespace(freeze=[], lora={}), to_dict=lambda: {"model": {}})
+        model=SimpleNamespace(freeze=[], lora={}, init_from=None), to_dict=lambda: {"model": {}})
     trainer.model, trainer.training_state, trainer._meta = None, lambda: None, lambda: {}
     trainer.layout, trainer.world, trainer.micro_batches = LAYOUT, 3, 1
     trainer.device = torch.device("cpu")
