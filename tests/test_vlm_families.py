@@ -35,7 +35,7 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_train.errors import TrainConfigError
 
 from conftest import REPO, build_dataset
-from support.runs import compare, train_records
+from support.runs import compare, copy_checkpoint, train_records, write_meta
 from support.vlm_runs import (SAMPLES, TOLERANCE, assert_packed_logits, colocated as run_colocated,
                       finetune, layout_step, turns, weights)
 
@@ -193,9 +193,10 @@ def test_layouts_match_the_colocated_step(ranks, family, colocated_step):
     compare(reference, staged, "image dp1 -> language pp2")
 
 
-def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
+def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, capsys):
     """Untrained, the export is the checkpoint: its class, every weight under its name with
-    its (bf16) value; transformers' greedy generate on it equals mimo-generate's."""
+    its (bf16) value; transformers' greedy generate on it equals mimo-generate's. Its
+    model.pretrained holding another model since: refused, nothing written."""
     from PIL import Image, ImageOps
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -229,6 +230,20 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path):
                                           dict(pixels)))
     assert theirs[0, ids.size(1):].tolist() == ours.token_ids
     assert len(ours.token_ids) == 8
+    # model.pretrained replaced since the run by another model of its tokenizer (Qwen2-VL's
+    # tower for Qwen2.5-VL's): refused, not mixed into it
+    if family["name"] == "llava":         # no other model here takes its tokenizer
+        return
+    step = Path(colocated_step[1])
+    replaced = copy_checkpoint(step, tmp_path / "replaced") / step.name
+    meta = json.loads((replaced / "meta.json").read_text())
+    other = MODELS / "tiny-qwen2-vl"
+    meta["config"]["model"]["pretrained"] = str(other)
+    write_meta(replaced, meta)
+    capsys.readouterr()
+    assert main(["--checkpoint", str(replaced), "--output", str(tmp_path / "mixed")]) == 1
+    assert f"model.pretrained {other} holds another model than the run trained (" in \
+        capsys.readouterr().err and not (tmp_path / "mixed").exists()
 
 
 def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):

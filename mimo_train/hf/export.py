@@ -644,19 +644,20 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
         _copy_processor(vlm.path, out, plan.preprocess, template)
         _name_processor(out, vlm.path)
         return vlm.family, f"{_described(chosen)}: the adapters alone"
-    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     checkpoint = vlm.weights()
     renames = vlm.checkpoint_names(checkpoint)
-    for module in layout.encoders:
-        for key, value in weights[module.name].items():
-            for ours, theirs in renames:
-                if key.startswith(ours):
-                    hf[theirs + key[len(ours):]] = value
+    towers = {theirs + key[len(ours):]: value for module in layout.encoders
+              for key, value in weights[module.name].items()
+              for ours, theirs in renames if key.startswith(ours)}
+    _check_base(towers, checkpoint, vlm.path, directory)     # the tower first: a model of
+    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)  # another
+    hf.update(towers)                                        # size fails on its projection
     # fused experts in the layout the checkpoint holds them (Qwen3-VL-MoE publishes them
     # transposed from transformers 5's in-memory layout, which causal_lm.to_hf gives)
     for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        if tuple(hf[name].shape) != checkpoint.shape(name):
+        if name in checkpoint and tuple(hf[name].shape) != checkpoint.shape(name):
             hf[name] = hf[name].transpose(1, 2).contiguous()
+    _check_base(hf, checkpoint, vlm.path, directory)
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
     # prediction, ``mtp.*``) bit for bit
@@ -675,6 +676,28 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
     _write_generation_config(out, vlm.path, config, tokenizer)
     return vlm.family, _described(chosen) + (
         f", {len(kept)} tensors in float32 as the base stores them" if kept else "")
+
+
+def _check_base(hf: dict, checkpoint, base: str, directory: str) -> None:
+    """ExportError (exit 1) where the run's weights do not fit ``model.pretrained`` as it is
+    now (``checkpoint``): the export takes its config, and the weights the run did not hold,
+    from there, so another model there (replaced since the run) would be mixed into it. A
+    vocabulary the run grew is its embedding's and output layer's extra rows."""
+    differ = []
+    for name, value in hf.items():
+        ours = tuple(value.shape)
+        theirs = checkpoint.shape(name) if name in checkpoint else None
+        grown = theirs is not None and name.endswith(("embed_tokens.weight", "lm_head.weight")) \
+            and ours[1:] == theirs[1:] and ours[0] >= theirs[0]
+        if theirs is None or (ours != theirs and not grown):
+            differ.append(f"{name} {'not there' if theirs is None else f'{theirs} there'}, "
+                          f"{ours} trained")
+    if differ:
+        raise ExportError(
+            f"{directory}: model.pretrained {base} holds another model than the run trained "
+            f"({len(differ)} of its weights differ, e.g. {'; '.join(differ[:2])}): the export "
+            "takes its config and the weights the run did not hold from there, and would mix "
+            "the two. Put the model the run started from back at that path", exit_code=1)
 
 
 def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
