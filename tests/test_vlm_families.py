@@ -196,7 +196,8 @@ def test_layouts_match_the_colocated_step(ranks, family, colocated_step):
 def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, capsys):
     """Untrained, the export is the checkpoint: its class, every weight under its name with
     its (bf16) value; transformers' greedy generate on it equals mimo-generate's. Its
-    model.pretrained holding another model since: refused, nothing written."""
+    model.pretrained holding another model since: refused, nothing written; moved since:
+    exported from where --base says it is now."""
     from PIL import Image, ImageOps
     from safetensors.torch import load_file
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -244,6 +245,22 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     assert main(["--checkpoint", str(replaced), "--output", str(tmp_path / "mixed")]) == 1
     assert f"model.pretrained {other} holds another model than the run trained (" in \
         capsys.readouterr().err and not (tmp_path / "mixed").exists()
+    # the base (and the tokenizer read from it) moved since the run: --base says where
+    import shutil
+    moved = copy_checkpoint(step, tmp_path / "moved") / step.name
+    meta = json.loads((moved / "meta.json").read_text())
+    assert meta["preprocess"]["tokenizer"] == meta["config"]["model"]["pretrained"]
+    meta["preprocess"]["tokenizer"] = meta["config"]["model"]["pretrained"] = \
+        str(tmp_path / "gone")
+    write_meta(moved, meta)
+    assert main(["--checkpoint", str(moved), "--output", str(tmp_path / "m1")]) == 2
+    assert "give where it is now with --base DIR" in capsys.readouterr().err
+    shutil.copytree(family["checkpoint"], tmp_path / "now-here")
+    assert main(["--checkpoint", str(moved), "--output", str(tmp_path / "m2"), "--base",
+                 str(tmp_path / "now-here")]) == 0
+    assert weights(tmp_path / "m2").keys() == exported.keys()
+    assert main(["--checkpoint", str(moved), "--output", str(tmp_path / "m3"), "--base",
+                 str(other)]) == 1                         # checked as the recorded one
 
 
 def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):

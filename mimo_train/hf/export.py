@@ -102,6 +102,11 @@ def _parser() -> argparse.ArgumentParser:
                         "as train.precision and mimo-generate name them; default: the base "
                         "checkpoint's, as its config.json names it; a LoRA run's --adapters: "
                         "the trained one)")
+    parser.add_argument("--base", metavar="DIR",
+                        help="where the run's model.pretrained is now, moved since the run "
+                        "(its tokenizer too where the run read it there); checked as the "
+                        "recorded one: its weights' digest for --adapters, its weights' names "
+                        "and shapes for a merged export")
     return parser
 
 
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
     try:
         with sigterm_as_interrupt():         # the staging folder removed either way
             written = export(args.checkpoint, args.output, adapters=args.adapters,
-                             dtype=args.dtype, log=lambda line: print(f"{PREFIX}{line}"))
+                             dtype=args.dtype, log=lambda line: print(f"{PREFIX}{line}"),
+                             base=args.base)
     except ExportError as error:
         print(f"{PREFIX}{error}", file=sys.stderr)
         return error.exit_code
@@ -198,11 +204,12 @@ def _no_latest(root: str) -> None:
 
 
 def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | None = None,
-           log=None) -> str:
+           log=None, base: str | None = None) -> str:
     """Write ``checkpoint`` (see ``step_directory``) to the new directory ``output``, a LoRA
     run's adapters merged into its weights (``adapters``: the adapters alone, in PEFT's
     format), in ``dtype`` (None: the base checkpoint's, see ``_export_dtype``); ``log``
-    takes the line saying which dtype was written. Returns ``output``."""
+    takes the line saying which dtype was written; ``base``: where the run's model.pretrained
+    is now. Returns ``output``."""
     dtype = SHORT.get(dtype, dtype) if dtype is not None else None
     if dtype is not None and dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype}: give one of {', '.join(DTYPES)} (or "
@@ -218,7 +225,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
         raise ExportError(f"--output {output}: its folder {parent} cannot be made: "
                           f"{error}") from None
     with _gone_said(directory, checkpoint):
-        plan, meta = _run_plan(directory)
+        plan, meta = _run_plan(directory, base)
     cfg = plan.config
     if adapters and not (cfg.model.lora and cfg.model.pretrained):
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
@@ -381,8 +388,9 @@ def _as_created(top: str) -> None:
             os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
-def _run_plan(directory: str):
-    """The run's plan (its config resolved with its preprocessing config) and meta.json."""
+def _run_plan(directory: str, base: str | None = None):
+    """The run's plan (its config resolved with its preprocessing config) and meta.json;
+    ``base``: where its model.pretrained is now."""
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
@@ -390,14 +398,35 @@ def _run_plan(directory: str):
     try:
         with open(path) as f:
             meta = json.load(f)
+        if base is not None:
+            _moved(meta, base, path)
         cfg = TrainConfig.from_dict(meta["config"])
         return resolve(cfg, _preprocess_config(cfg, directory, meta.get("preprocess"))), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
         raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
-                          + ("make the paths it names exist again" if code == 2 else
+                          + ("make the paths it names exist again (a model.pretrained moved "
+                             "since: give where it is now with --base DIR)" if code == 2 else
                              "the checkpoint is damaged: export another step"),
                           exit_code=code) from None
+
+
+def _moved(meta: dict, base: str, path: str) -> None:
+    """``meta``'s config with model.pretrained at ``base``, and each setting that named the
+    same folder (the language model's, the preprocessing's tokenizer) with it."""
+    model = meta["config"].get("model") or {}
+    before = model.get("pretrained")
+    if not before:
+        raise ExportError(f"--base: {path}'s run has no model.pretrained (a whole VLM) to "
+                          "move: leave --base out")
+    same = os.path.abspath(before)
+    model["pretrained"] = base
+    language = model.get("language") or {}
+    if language.get("pretrained") and os.path.abspath(language["pretrained"]) == same:
+        language["pretrained"] = base
+    trained = meta.get("preprocess") or {}
+    if trained.get("tokenizer") and os.path.abspath(trained["tokenizer"]) == same:
+        trained["tokenizer"] = base
 
 
 def _preprocess_config(cfg, directory: str, trained: dict | None):
