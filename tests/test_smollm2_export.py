@@ -402,6 +402,19 @@ def test_an_interrupted_export_leaves_no_output(smollm2, tmp_path, monkeypatch, 
             f"{tmp_path / 'out'}; run it again\n"
         assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) == handler            # put back
+    # Ctrl-C while the checkpoint is read: torch's reader wraps it in its exception
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def reading(directory):
+        raise CheckpointException("load", {0: (KeyboardInterrupt(), traceback.StackSummary())})
+    monkeypatch.undo()                                # the real load_weights and _write
+    monkeypatch.setattr(checkpoint, "load_plain_tensors", reading)
+    assert export.main(["--checkpoint", str(smollm2.checkpoint), "--output",
+                        str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == f"mimo-export: interrupted: nothing written to " \
+        f"{tmp_path / 'out'}; run it again\n"
 
 
 # ------------------------------------------------------------------------ C: generation

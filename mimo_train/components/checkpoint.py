@@ -784,6 +784,10 @@ def load_weights(directory: str) -> dict:
             tensors = load_plain_tensors(directory)
     except IntegrityError as error:
         raise damaged(directory, str(error)) from None
+    except CheckpointException as error:    # torch's reader wraps a Ctrl-C: one again
+        if any(isinstance(failure, KeyboardInterrupt) for failure, _ in error.failures.values()):
+            raise KeyboardInterrupt from None
+        raise
     weights: dict = {}
     for key, tensor in tensors.items():
         found = _module_of(key)
