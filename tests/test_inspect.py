@@ -531,6 +531,15 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     code, _, err = run(capsys, "report", clean, "--config", fractional)
     assert code == 2 and err.strip().endswith(
         "modalities.image.merge_size is 2.5 (float): it must be a whole number"), err
+    # Ctrl-C: one line, exit 130, not the traceback of wherever it was
+    from mimo_data.inspect import cli
+    def interrupted(*args):
+        raise KeyboardInterrupt
+    for command, function in (("report", "_report"), ("sample", "_sample")):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(cli, function, interrupted)
+            code, _, err = run(capsys, command, clean, "--config", configs["default"])
+        assert code == 130 and err == f"mimo-inspect {command}: interrupted\n", err
 
 
 def test_clips_cut_by_long_audio_truncate_are_counted(capsys, tmp_path, clean, configs):

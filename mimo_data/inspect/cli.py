@@ -527,6 +527,9 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
         error, status = str(exc), 1
     except BrokenPipeError:         # the output's reader gone (| head): quiet_when_stdout_closes
         raise
+    except KeyboardInterrupt:       # Ctrl-C: one line, not the traceback of where it was
+        print(f"mimo-inspect {args.command}: interrupted", file=sys.stderr)
+        return 130
     except (ConfigError, OSError, ValueError, SegmentCacheError) as exc:
         error, status = str(exc), 2
     print(f"mimo-inspect {args.command}: error: {error}", file=sys.stderr)
