@@ -22,6 +22,7 @@ Exit status (the same for every mimo CLI):
   1  a check or the data failed (one line per failed check on stderr: reason, count, first
      keys), so it can gate a launch in CI; also a damaged or incomplete dataset
   2  usage or config error: bad arguments, a bad config, no such dataset directory
+  130  interrupted (Ctrl-C)
 """
 
 from __future__ import annotations
