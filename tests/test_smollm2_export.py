@@ -503,6 +503,20 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
             "as --audio")) as refused:
         generator.generate("Describe.", images=[str(long)], max_new_tokens=1)
     assert refused.value.exit_code == 2
+    # an image over the decoder's pixel limit (its header says 12000 x 12000): to resize,
+    # as mimo-generate has no option raising it
+    import struct
+    import zlib
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I",
+                                                                      zlib.crc32(kind + data))
+    huge = tmp_path / "huge.png"
+    huge.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(
+        ">IIBBBBB", 12000, 12000, 8, 2, 0, 0, 0)) + chunk(b"IDAT", b"") + chunk(b"IEND", b""))
+    with pytest.raises(GenerateError, match=re.escape(
+            f"--image {huge}: 12000x12000 = 144000000 pixels is above the limit of ")) as refused:
+        generator.generate("Describe.", images=[str(huge)], max_new_tokens=1)
+    assert str(refused.value).endswith(": resize it first") and refused.value.exit_code == 1
 
 
 def test_a_clip_the_model_hears_only_the_start_of_is_said(generator, assets, monkeypatch,

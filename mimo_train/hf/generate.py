@@ -415,8 +415,10 @@ class Generator:
                 raise GenerateError(f"--{modality} {path}: {error.strerror or error}"
                                     ) from None
             except MediaError as error:       # the file's data failed a check, as a
-                raise GenerateError(f"--{modality} {path}: {error.detail}",   # dropped clip's
-                                    exit_code=1) from None
+                detail = error.detail             # dropped clip's; a size mimo-generate has
+                if error.reason == "image_too_large":    # no option to raise: resized
+                    detail = detail.partition(" (raise")[0] + ": resize it first"
+                raise GenerateError(f"--{modality} {path}: {detail}", exit_code=1) from None
             seen[modality] += 1
         try:
             return (self.preprocessor.prompt([{"role": "user", "content": content}], media,
