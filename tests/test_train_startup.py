@@ -147,6 +147,10 @@ CASES = [
     ("a dataset whose build wrote no sample", "default",
      ["data.datasets=[{tmp}/none]"], "config",
      ["no shards at {tmp}/none: a build wrote no sample there (report.json says why)"]),
+    ("a dataset's own file given for it", "default",
+     ["data.datasets=[{tmp}/corpus/index.json]"], "config",
+     ["data.datasets: {tmp}/corpus/index.json is a file, not a dataset's folder (index.json "
+      "beside its tars): it is one of the dataset {tmp}/corpus's files; give that folder"]),
     ("a dataset given twice", "default",
      ["data.datasets=[{tmp}/corpus,{tmp}/corpus/]"], "config",
      ["data.datasets gives {tmp}/corpus twice: each of its samples would train twice an "

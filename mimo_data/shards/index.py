@@ -88,7 +88,7 @@ def remake(index: dict) -> str:
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
     if not storage.is_remote(directory) and os.path.isfile(storage.local_path(directory)):
-        raise DatasetError(_a_file(directory), missing=True)
+        raise DatasetError(file_given_for_a_dataset(directory), missing=True)
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
         raise DatasetError(f"{directory}: no such dataset directory", missing=True)
     try:
@@ -124,7 +124,7 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
 _INPUTS = (".json", ".jsonl", ".parquet")
 
 
-def _a_file(path: str) -> str:
+def file_given_for_a_dataset(path: str) -> str:
     """What a file given for a dataset's folder is, and what to give instead: a file of a
     dataset (its folder), a tar (its folder indexed), a build's input (built)."""
     folder = os.path.dirname(os.path.abspath(path))

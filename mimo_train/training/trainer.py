@@ -45,7 +45,8 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.cache import CACHE_DIR_ENV
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
-from mimo_data.shards.index import unindexed_tars, unindexed_tars_advice
+from mimo_data.shards.index import (file_given_for_a_dataset, unindexed_tars,
+                                    unindexed_tars_advice)
 from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint
 from mimo_train.components.anomalies import Watch, step_samples
@@ -125,6 +126,8 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                                        cfg.data.storage_options)
             except storage.LocationError as exc:      # a misspelt option, said at first use
                 raise TrainConfigError(f"data.storage_options: {exc}") from None
+            if not there and not storage.is_remote(directory) and os.path.isfile(directory):
+                raise TrainConfigError(f"{key}: {file_given_for_a_dataset(directory)}")
             if not there:
                 raise TrainConfigError(
                     f"{key}: no shards at {directory}: " + (
