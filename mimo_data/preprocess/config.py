@@ -220,6 +220,15 @@ class PreprocessConfig:
         if {"model_type", "architectures"} & data.keys():
             raise ConfigError(f"{path} is a transformers model config, not a preprocessing "
                               f"config: {derive}")
+        if "data" in data and {"model", "train", "layout", "optimizer"} & data.keys():
+            named = (data["data"] or {}).get("preprocess") \
+                if isinstance(data["data"], dict) else None
+            if isinstance(named, str):          # as the training config reads it
+                named = os.path.normpath(os.path.join(os.path.dirname(path),
+                                                      os.path.expanduser(named)))
+            raise ConfigError(f"{path} is a training config, not a preprocessing config: give "
+                              "the one its data.preprocess names" + (
+                                  f": --config {named}" if named else f"; {derive}"))
         data = dict(data)
         for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
             if isinstance(data.get(key), str):
