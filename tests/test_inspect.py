@@ -531,6 +531,11 @@ def test_limit_and_bad_arguments(capsys, tmp_path, clean, configs):
     code, _, err = run(capsys, "report", clean, "--config", fractional)
     assert code == 2 and err.strip().endswith(
         "modalities.image.merge_size is 2.5 (float): it must be a whole number"), err
+    # an output that is a folder: said before the pass, not after it
+    code, _, err = run(capsys, "report", clean, "--config", configs["default"], "--html",
+                       tmp_path)
+    assert code == 2 and f"--html {tmp_path} is a folder: give the file to write (e.g. " \
+        f"{tmp_path / 'report.html'})" in err, err
     # a training config given for the preprocessing one: the one it names is said
     training = REPO / "configs" / "train" / "qwen2_vl_finetune.yaml"
     code, _, err = run(capsys, "report", clean, "--config", training)

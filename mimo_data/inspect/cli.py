@@ -335,6 +335,9 @@ def _report(args, config) -> int:
         if folder is not None and not os.path.isdir(folder):   # before the pass, not after
             raise ConfigError(f"{flag} {path}: its folder {folder} does not exist; create it "
                               "or give another path")
+        if folder is not None and os.path.isdir(path):
+            raise ConfigError(f"{flag} {path} is a folder: give the file to write (e.g. "
+                              f"{os.path.join(path, 'report' + flag.replace('--', '.'))})")
     inspector = SampleInspector(config, cache_tokens=not args.no_token_cache)
     gallery = None
     if args.html:
