@@ -173,6 +173,9 @@ def test_a_checkpoint_dir_with_checkpoints_but_no_latest_is_refused(tmp_path, mo
     (tmp_path / "file").write_text("")
     with pytest.raises(CheckpointError, match="checkpoint.dir .*file/ck cannot be written"):
         prepare(str(tmp_path / "file" / "ck"), resume=False)
+    with pytest.raises(CheckpointError, match=f"checkpoint.dir {tmp_path / 'file'} is a file: "
+                       "give a folder"):
+        prepare(str(tmp_path / "file"), resume=False)
     # starting over (resume false) among an earlier run's steps: refused, not mixed in
     with pytest.raises(CheckpointError, match=f"checkpoint.dir {tmp_path} holds an earlier "
                        r"run's checkpoints \(step_0000002, step_0000003\) and "

@@ -102,6 +102,9 @@ def prepare(root: str, resume: bool) -> str | None:
             "weights), not mimo's checkpoints: checkpoint.dir is where the run saves its own "
             f"steps, in a folder of their own. To start from these weights, set "
             f"model.pretrained={root} and give checkpoint.dir another folder")
+    if os.path.isfile(root):
+        raise CheckpointError(f"checkpoint.dir {root} is a file: give a folder (the run saves "
+                              "its steps in it)")
     probe = os.path.join(root, f".write-test-{socket.gethostname()}-{os.getpid()}")
     try:
         os.makedirs(root, exist_ok=True)
