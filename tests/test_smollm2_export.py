@@ -613,6 +613,10 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
         generator.generate("Compare: <audio> then", audios=["a.wav", "b.wav"])
     assert main(["--model", str(tmp_path), "--prompt", "Hi"]) == 2
     assert "manifest.json" in capsys.readouterr().err
+    for model, said in ((notes, "is a file"), (tmp_path / "gone", "is not there")):
+        assert main(["--model", str(model), "--prompt", "Hi"]) == 2
+        assert capsys.readouterr().err == f"mimo-generate: --model {model} {said}: give the " \
+            "directory mimo-export wrote (it holds manifest.json)\n"
     for flags in (["--seed", "3"], ["--top-p", "0.9", "--seed", "3"]):   # greedy: unused
         with pytest.raises(SystemExit) as exit_:
             main(["--model", str(smollm2.export), "--prompt", "Hi", *flags])
