@@ -503,6 +503,12 @@ def test_a_clip_that_cannot_be_used_is_refused_as_data(generator, tmp_path):
             "as --audio")) as refused:
         generator.generate("Describe.", images=[str(long)], max_new_tokens=1)
     assert refused.value.exit_code == 2
+    photo = tmp_path / "photo.jpg"                      # and an image given as audio
+    photo.write_bytes(b"\xff\xd8\xff\xe0" + bytes(64))
+    with pytest.raises(GenerateError, match=re.escape(
+            f"--audio {photo} is a JPEG image, not audio: give an image as --image")) as refused:
+        generator.generate("Transcribe.", audios=[str(photo)], max_new_tokens=1)
+    assert refused.value.exit_code == 2
     # an image over the decoder's pixel limit (its header says 12000 x 12000): to resize,
     # as mimo-generate has no option raising it
     import struct

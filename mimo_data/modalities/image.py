@@ -217,6 +217,21 @@ def video_or_audio(data: bytes) -> str | None:
     return None
 
 
+def still_image(data: bytes) -> str | None:
+    """What an image given as a clip or as audio is (by its format's signature), so that
+    ``mimo-generate --video/--audio`` names the mix-up; None for other bytes (a GIF may be
+    a clip)."""
+    if data[:3] == b"\xff\xd8\xff":
+        return "a JPEG image"
+    if data[:8] == b"\x89PNG\r\n\x1a\n":
+        return "a PNG image"
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "a WebP image"
+    if data[:4] in (b"II*\x00", b"MM\x00*"):
+        return "a TIFF image"
+    return None
+
+
 def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
                 check: str = "decode") -> dict:
     """Validate an encoded image; return ``{format, width, height, mode, orientation}``.

@@ -396,7 +396,7 @@ class Generator:
                 template_options: dict | None = None):
         from mimo_data.modalities import MediaError
         from mimo_data.preprocess.chat_tokens import TextError
-        from mimo_data.modalities.image import video_or_audio
+        from mimo_data.modalities.image import still_image, video_or_audio
         from mimo_data.preprocess.preprocessor import SampleDropped, media_item
         media, seen, paths = [], dict.fromkeys(files, 0), {}
         for modality in order:
@@ -408,6 +408,11 @@ class Generator:
                     raise GenerateError(     # the wrong option: a usage error, not bad data
                         f"--image {path} is {kind}, not an image: give a clip as --video, "
                         "audio as --audio")
+                if modality != "image" and (kind := still_image(data)):
+                    raise GenerateError(
+                        f"--{modality} {path} is {kind}, not "
+                        f"{'a clip' if modality == 'video' else 'audio'}: give an image as "
+                        "--image")
                 media.append((media_item(modality, data, seen[modality]), data))
                 paths[media[-1][0]["member"]] = f"--{modality} {path}"
                 self._say_cut(modality, path, media[-1][0])
