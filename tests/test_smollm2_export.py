@@ -278,7 +278,7 @@ def test_export_refuses_an_output_in_the_way_and_a_missing_checkpoint(smollm2, t
     from mimo_train.errors import ExportError
     from mimo_train.hf import export
 
-    def plan_gone(directory):
+    def plan_gone(directory, base=None):
         shutil.rmtree(directory)
         raise ExportError(f"{directory}/meta.json: no such file")
     monkeypatch.setattr(export, "_run_plan", plan_gone)
