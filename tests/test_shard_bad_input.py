@@ -568,6 +568,11 @@ def test_several_bad_records_are_all_counted(capsys, tmp_path, assets, good_reco
     assert code == 2 and f"{tmp_path}: no index.json and no shards: a build's input (bad.jsonl" \
         f", input.jsonl), not a dataset; `mimo-shard build {tmp_path / 'bad.jsonl'} --output " \
         "DIR` makes one" in err, err
+    # a build killed before its index, into the inputs' folder: its own files are no input
+    (tmp_path / "samples.parquet").write_bytes(b"")
+    code, _, err = cli_main(capsys, "info", tmp_path)
+    assert code == 1 and "so this is not a complete dataset (an interrupted build" in err, err
+    (tmp_path / "samples.parquet").unlink()
     for file, said in ((tmp_path / "out" / "index.json", f"it is one of the dataset "
                         f"{tmp_path / 'out'}'s files; give that folder"),
                        (tmp_path / "out" / "samples.parquet", "give that folder")):

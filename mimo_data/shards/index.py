@@ -108,8 +108,10 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                f"wrote it kept no sample; {storage.join(directory, REPORT_FILE)}"
                                " says why: fix the inputs (or the options) and run it again"
                                ) from None
-        inputs = sorted(name for name in names or () if name.lower().endswith(_INPUTS))
-        if inputs and not any(name.endswith(".tar") for name in names or ()):
+        inputs = sorted(name for name in names or () if name.lower().endswith(_INPUTS)
+                        and name not in (SAMPLES_FILE, REPORT_FILE))    # a build's own
+        if inputs and not {SAMPLES_FILE, REPORT_FILE, STAGING_DIR} & set(names or ()) and \
+                not any(name.endswith(".tar") for name in names or ()):
             raise DatasetError(
                 f"{directory}: no {INDEX_FILE} and no shards: a build's input ("
                 f"{', '.join(inputs[:3])}{', ...' if len(inputs) > 3 else ''}), not a dataset; "

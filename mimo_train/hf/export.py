@@ -678,15 +678,17 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
     towers = {theirs + key[len(ours):]: value for module in layout.encoders
               for key, value in weights[module.name].items()
               for ours, theirs in renames if key.startswith(ours)}
-    _check_base(towers, checkpoint, vlm.path, directory)     # the tower first: a model of
-    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)  # another
-    hf.update(towers)                                        # size fails on its projection
+    # the tower first: a model of another size there fails on its projection, not on the
+    # language embedding's rows
+    _check_base(towers, checkpoint, vlm.path, directory)
+    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
     # fused experts in the layout the checkpoint holds them (Qwen3-VL-MoE publishes them
     # transposed from transformers 5's in-memory layout, which causal_lm.to_hf gives)
     for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         if name in checkpoint and tuple(hf[name].shape) != checkpoint.shape(name):
             hf[name] = hf[name].transpose(1, 2).contiguous()
     _check_base(hf, checkpoint, vlm.path, directory)
+    hf.update(towers)
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
     # prediction, ``mtp.*``) bit for bit

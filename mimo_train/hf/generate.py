@@ -166,7 +166,7 @@ class Generator:
             raise GenerateError(f"--model {model_dir} is a mimo-train checkpoint, not an export: "
                                 f"mimo-export --checkpoint {model_dir} --output OUT writes one, "
                                 "then mimo-generate --model OUT")
-        if os.path.isfile(model_dir) or not os.path.isdir(model_dir):
+        if not os.path.isdir(model_dir):
             raise GenerateError(f"--model {model_dir} is " + (
                 "a file" if os.path.isfile(model_dir) else "not there") + ": give the "
                 "directory mimo-export wrote (it holds manifest.json)")
