@@ -881,3 +881,5 @@ def test_raising_max_image_pixels_keeps_large_images(capsys, tmp_path, assets, b
     skipped = read_json(tmp_path / "lower" / "report.json")["skipped_by_reason"]
     assert {k: v["count"] for k, v in skipped.items()} == {"image_too_large": 1}
     assert skipped["image_too_large"]["first"][0]["location"] == f"{path}:3"
+    assert skipped["image_too_large"]["first"][0]["detail"].endswith(
+        "(raise --max-image-pixels to keep it)")      # the option that keeps it

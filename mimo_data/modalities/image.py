@@ -249,8 +249,7 @@ def probe_image(data: bytes, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
         width, height = image.size
         if width * height > max_pixels:
             raise MediaError("image_too_large", f"{width}x{height} = {width * height} pixels "
-                             f"is above the limit of {max_pixels} (raise "
-                             "--max-image-pixels to keep it)")
+                             f"is above the limit of {max_pixels}")
         if fmt not in IMAGE_EXTENSIONS:
             raise MediaError("unsupported_format", f"image format {fmt or 'unknown'!r} is "
                              f"not one of {sorted(IMAGE_EXTENSIONS)}; convert it first")

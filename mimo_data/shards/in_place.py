@@ -99,7 +99,7 @@ def _sample(job: _Job, key: str, members: dict, result: ShardResult) -> None:
             try:
                 meta = MODALITIES[modality].probe(data[member], job.check, job.max_image_pixels)
             except MediaError as exc:
-                raise RecordError(exc.reason, f"member {key}.{member}: {exc.detail}") from None
+                raise RecordError.of_media(exc, f"member {key}.{member}") from None
             media.append({"modality": modality, "member": member, "bytes": len(data[member]),
                           **meta})
     except RecordError as exc:

@@ -7,7 +7,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mimo_data.modalities import MARKERS
+from mimo_data.modalities import MARKERS, MediaError
 from mimo_data.shards.format import (MARKERS_PLACED_FIRST, TEXT_PART_BREAK,
                                      VIDEOS_MARKED_AS_IMAGES)
 from mimo_data.tally import CountedError
@@ -26,6 +26,13 @@ CALL_TURNS = ("function_call", "tool_call")
 
 class RecordError(CountedError):
     """A record that cannot become a sample; ``reason`` is its report category."""
+
+    @classmethod
+    def of_media(cls, error: MediaError, where: str) -> RecordError:
+        """A media item's check failing at ``where``, with the build option that keeps it."""
+        remedy = (" (raise --max-image-pixels to keep it)"
+                  if error.reason == "image_too_large" else "")
+        return cls(error.reason, f"{where}: {error.detail}{remedy}")
 
 
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number",

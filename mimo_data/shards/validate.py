@@ -206,7 +206,7 @@ def _clip_of(frames: str | list[str], fps: float) -> bytes:
         return frames_clip(frames, fps) if isinstance(frames, str) else \
             frames_list_clip(frames, fps)
     except MediaError as exc:
-        raise RecordError(exc.reason, f"{shown}: {exc.detail}") from None
+        raise RecordError.of_media(exc, shown) from None
     except OSError as exc:
         raise RecordError("missing_media", f"cannot read the frames in {shown}: {exc}") \
             from None
@@ -247,8 +247,7 @@ def prepare(task: Task, source, policy: MediaPolicy) -> Prepared | Rejected:
             try:
                 meta = MODALITIES[modality].probe(data, policy.check, policy.max_image_pixels)
             except MediaError as exc:
-                raise RecordError(exc.reason, f"{_where(modality, index, path)}: "
-                                  f"{exc.detail}") from None
+                raise RecordError.of_media(exc, _where(modality, index, path)) from None
             if meta.get("rotation"):
                 counts[VIDEOS_ROTATED] = counts.get(VIDEOS_ROTATED, 0) + 1
             if modality == "audio" and raw.audio_duration is not None:

@@ -424,10 +424,10 @@ class Generator:
                 raise GenerateError(f"--{modality} {path}: {error.strerror or error}"
                                     ) from None
             except MediaError as error:       # the file's data failed a check, as a
-                detail = error.detail             # dropped clip's; a size mimo-generate has
-                if error.reason == "image_too_large":    # no option to raise: resized
-                    detail = detail.partition(" (raise")[0] + ": resize it first"
-                raise GenerateError(f"--{modality} {path}: {detail}", exit_code=1) from None
+                remedy = (": resize it first"     # dropped clip's; no option raises the limit
+                          if error.reason == "image_too_large" else "")
+                raise GenerateError(f"--{modality} {path}: {error.detail}{remedy}",
+                                    exit_code=1) from None
             seen[modality] += 1
         try:
             return (self.preprocessor.prompt([{"role": "user", "content": content}], media,
