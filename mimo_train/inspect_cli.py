@@ -38,12 +38,16 @@ def run_settings(path: str, preprocess_path: str) -> dict:
     import yaml
 
     from mimo_data.files import load_yaml
-    from mimo_train.config import TrainConfig
+    from mimo_train.config import TrainConfig, refuse_preprocessing_config
     from mimo_train.errors import TrainConfigError
     try:
         with open(path) as f:
             data = load_yaml(f) or {}
-    except (OSError, yaml.YAMLError) as error:
+        if isinstance(data, dict):
+            refuse_preprocessing_config(data, path)
+    except OSError as error:
+        raise ValueError(f"--model {path}: {error.strerror or error}") from None
+    except (yaml.YAMLError, TrainConfigError) as error:
         raise ValueError(f"--model {path}: {error}") from None
     keys = ("train.global_batch_size", "train.micro_batch_size", "train.seed", "data.balance")
     given = []

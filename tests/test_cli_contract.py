@@ -236,6 +236,17 @@ def test_hub_names_are_read_from_the_local_cache_without_a_request(capsys, monke
     expected = preprocessing_for(str(MODELS / "published" / "Qwen--Qwen2-VL-2B-Instruct"))
     assert yaml.safe_load(out) == {**expected, "tokenizer": "Qwen/Qwen2-VL-2B-Instruct",
                                    "seq_length": 1024}
+    # the layout advisor takes the hub name as --model (one clip's workload: no dataset)
+    qwen_preprocess = tmp_path / "qwen2_vl.yaml"
+    qwen_preprocess.write_text(out)
+    code, err = _main("mimo_train.inspect_cli", capsys, "plan", "--config", qwen_preprocess,
+                      "--clip-seconds", 4, "--model", "Qwen/Qwen2-VL-2B-Instruct", "--gpus", 2)
+    assert (code, err, lookups) == (0, "", [])
+    code, err = _main("mimo_train.inspect_cli", capsys, "plan", "--config", qwen_preprocess,
+                      "--clip-seconds", 4, "--model", "Qwen/Qwen2-VL-7B-Instruct", "--gpus", 2)
+    assert code == 2 and lookups == [] and err.startswith(
+        "mimo-inspect plan: error: --model Qwen/Qwen2-VL-7B-Instruct: the hub name "
+        "'Qwen/Qwen2-VL-7B-Instruct' is not in the local hub cache"), err
     # Qwen3-VL's processor bounds the whole sampled clip's pixels, not each frame's
     assert main(["--preprocessing-for", str(MODELS / "published" /
                                             "Qwen--Qwen3-VL-2B-Instruct")]) == 0

@@ -507,10 +507,11 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
                            LAYOUTS["language dp2"], main=main)
     assert code == 0, err
     assert "<- yours" in out and "why" in out and "bottleneck" in out
-    # the command starts as many ranks as the first layout holds (not a lone mimo-train)
+    # the command starts as many ranks as the first layout holds (not a lone mimo-train),
+    # with the training YAML given as --model
     first = re.search(r"\n  1\. (\S+):", out).group(1)
     assert (f"train the first with: torchrun --nproc-per-node "
-            f"{Layout.parse(first).world_size} -m mimo_train --config ... 'layout=") in out
+            f"{Layout.parse(first).world_size} -m mimo_train --config {path} 'layout=") in out
     from mimo_train.planning.advisor.report import _launch
     assert _launch(16, 8, "--config x") == ("torchrun --nnodes 2 --nproc-per-node 8 -m "
                                             "mimo_train --config x")
@@ -650,6 +651,17 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                          main=main)
     assert code == 2 and "language model alone" in err and "image" in err, err
     assert "model.encoders" in err
+    # what --model is not: each said in one line naming what it takes
+    takes = "give a training config YAML, a transformers checkpoint directory (or its " \
+        "config.json) or a hub name already in the local cache"
+    for given, said in ((path.parent / "nowhere", f"{path.parent / 'nowhere'} does not exist"),
+                        (path.parent / "nowhere.json", "is not a checkpoint's config.json"),
+                        (loader_corpus, f"{loader_corpus} holds no config.json")):
+        code, _, err = _plan(capsys, loader_corpus, preprocess, given, "--gpus", 2, main=main)
+        assert code == 2 and said in err and err.rstrip().endswith(takes), err
+    code, _, err = _plan(capsys, loader_corpus, preprocess, preprocess, "--gpus", 2, main=main)
+    assert code == 2 and f"{preprocess} is a preprocessing config (tokenizer and modalities " \
+        "at its top level), not a training config" in err, err
     # a whole VLM whose image token the preprocessing's tokenizer (another model's) puts
     # elsewhere: the trainer's start-up check refuses it, so the advisor does (its positions
     # made M-RoPE)

@@ -284,6 +284,10 @@ def test_unknown_key_message_lists_the_known_ones(tmp_path):
     message = load_error(tmp_path, MINIMAL, "data.seq_length=512")
     assert "data.seq_length goes in the preprocessing config (the data.preprocess YAML), " \
         "not the training config" in message, message
+    # a whole preprocessing config given as the training config: said as one
+    message = load_error(tmp_path, "tokenizer: x\nseq_length: 64\nmodalities: {}\n")
+    assert "is a preprocessing config (tokenizer and modalities at its top level), not a " \
+        "training config: give it as the training config's data.preprocess" in message, message
 
 
 # -------------------------------------------------------------------- malformed overrides

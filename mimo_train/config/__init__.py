@@ -353,6 +353,16 @@ class CheckpointConfig:
         return None
 
 
+def refuse_preprocessing_config(data: dict, path: str) -> None:
+    """``TrainConfigError`` where the YAML read from ``path`` is a preprocessing config (its
+    keys, none of a training config's), given where a training config goes."""
+    if {"tokenizer", "modalities"} & set(data) and not {"model", "data"} & set(data):
+        raise TrainConfigError(
+            f"{path} is a preprocessing config (tokenizer and modalities at its top level), "
+            "not a training config: give it as the training config's data.preprocess "
+            "(mimo-inspect: --config)")
+
+
 @dataclass
 class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
@@ -379,6 +389,7 @@ class TrainConfig:
                 raise TrainConfigError(f"{path} is not valid YAML: {error}") from None
             if not isinstance(data, dict):
                 raise TrainConfigError(f"{path}: the top level must be a mapping")
+            refuse_preprocessing_config(data, path)
             resolve_paths(data, os.path.dirname(path))
         for override in overrides:
             apply_override(data, override, os.getcwd(),

@@ -116,6 +116,33 @@ def preprocess_differs(path: str, preprocess_path: str) -> str | None:
             f"not train; give --config {own} (or point data.preprocess at {preprocess_path})")
 
 
+_TAKES = ("give a training config YAML, a transformers checkpoint directory (or its "
+          "config.json) or a hub name already in the local cache")
+
+
+def _checkpoint_directory(path: str) -> str:
+    """The local checkpoint directory ``--model`` names: the folder of a config.json, a
+    directory, or a hub name's snapshot in the local cache (``TrainConfigError`` if none)."""
+    from mimo_data.hub import not_cached
+    from mimo_data.preprocess.config import looks_like_path
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.families.base import model_directory
+    expanded = os.path.expanduser(path)
+    if path.endswith(".json"):
+        if os.path.basename(path) != "config.json":
+            raise TrainConfigError(f"{path} is not a checkpoint's config.json: {_TAKES}")
+        return os.path.dirname(os.path.abspath(expanded))
+    if os.path.isdir(expanded):
+        return expanded
+    if os.path.exists(expanded):
+        raise TrainConfigError(f"{path} is a file, not a model: {_TAKES}")
+    if looks_like_path(path):
+        raise TrainConfigError(f"{os.path.abspath(expanded)} does not exist: {_TAKES}")
+    if why := not_cached(path):
+        raise TrainConfigError(why)
+    return model_directory(path)
+
+
 def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str, str],
                precision: str | None = None, vocab_size: int | None = None) -> Model:
     """``path``: a training config YAML, a transformers checkpoint directory or its
@@ -146,9 +173,15 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
         # the candidates' setting (the rules refuse it on this layout of the modules alone)
         split_media, cfg.data.split_media = cfg.data.split_media, False
     else:
-        directory = os.path.dirname(os.path.abspath(path)) if path.endswith(".json") else path
-        with open(os.path.join(directory, "config.json")) as f:
-            whole = json.load(f)
+        directory = _checkpoint_directory(path)
+        try:
+            with open(os.path.join(directory, "config.json")) as f:
+                whole = json.load(f)
+        except FileNotFoundError:
+            raise TrainConfigError(f"{directory} holds no config.json: {_TAKES}") from None
+        except (OSError, ValueError) as error:
+            raise TrainConfigError(f"{os.path.join(directory, 'config.json')} cannot be read "
+                                   f"({error})") from None
         key = "model.pretrained" if "vision_config" in whole or "text_config" in whole \
             else "model.language.pretrained"
         if key == "model.language.pretrained" and modalities:

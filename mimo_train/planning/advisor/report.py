@@ -141,8 +141,10 @@ def format_report(report: dict) -> str:
         for r in report["ranked"]:
             lines.append(f"  {r['rank']}. {r['layout']}: {r['why']}")
         best = report["ranked"][0]
-        arguments = "--config ... " + " ".join(f"'{o}'" if ";" in o else o
-                                               for o in best["overrides"])
+        source = report["model"]["source"]      # a training YAML is the run's config
+        config = source if source.endswith((".yaml", ".yml")) else "..."
+        arguments = f"--config {config} " + " ".join(f"'{o}'" if ";" in o else o
+                                                     for o in best["overrides"])
         lines.append("train the first with: " + _launch(best["ranks"], g["per_node"], arguments))
     else:
         fewer = ("a smaller micro batch" if w["micro_batch_size"] > 1 else
