@@ -172,6 +172,21 @@ def test_clean_corpus_passes_every_check(capsys, tmp_path, clean, configs):
     assert "cut" not in report["modalities"]["audio"]
 
 
+def test_report_time_counts_from_the_command_s_start(capsys, tmp_path, clean, configs,
+                                                     monkeypatch):
+    """The report's ``seconds`` ("in all") count from the command's start, the config's and
+    tokenizer's loading included, not from the pass alone: a clock that put the start 1000 s
+    back shows in them."""
+    import time
+    from types import SimpleNamespace
+
+    from mimo_data.inspect import cli
+    monkeypatch.setattr(cli, "time", SimpleNamespace(
+        perf_counter=lambda: time.perf_counter() - 1000))
+    code, report, err = report_json(capsys, tmp_path, clean, configs["default"], "--recompute")
+    assert code == 0 and report["seconds"] >= 1000 and not report["tables"]["reused"], err
+
+
 def test_report_numbers_are_the_preprocessors(capsys, tmp_path, faulty, configs):
     """Totals of the report == a plain loop of the metadata-only Preprocessor (whole-text
     tokenization, no piece cache) over the same dataset."""

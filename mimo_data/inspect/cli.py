@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 # Only the light checks table here: the tokenizer, torch and pyarrow are imported once the
 # arguments are parsed, so that --help answers at once.
@@ -322,7 +323,7 @@ def _sample(args, config) -> int:
     return 1 if failed else 0
 
 
-def _report(args, config) -> int:
+def _report(args, config, started: float) -> int:
     import json
 
     from mimo_data.errors import ConfigError
@@ -346,7 +347,7 @@ def _report(args, config) -> int:
     report = build_report(args.directory, inspector, thresholds, limit=args.limit,
                           progress=not args.no_progress, workers=args.workers,
                           on_stats=gallery, reuse=not args.recompute,
-                          cache_dir=args.cache_dir)
+                          cache_dir=args.cache_dir, started=started)
     report["config"] = args.config
     said = sys.stderr if args.json == "-" else sys.stdout      # stdout stays the JSON
     if args.json == "-":
@@ -507,6 +508,7 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
+    started = time.perf_counter()
     cache_only()
     args = _parser().parse_args(argv)
     if args.command == "checkpoint":          # a training run's: no dataset, no config
@@ -522,7 +524,8 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
         config = PreprocessConfig.from_yaml(args.config)
         if args.command == "plan":
             return _plan(args, config, advisor, layout_refusal, run_settings)
-        return {"sample": _sample, "report": _report}[args.command](args, config)
+        return _report(args, config, started) if args.command == "report" else \
+            _sample(args, config)
     except DatasetError as exc:     # damaged or incomplete: 1; no such directory: 2
         error, status = str(exc), 2 if exc.missing else 1
     except StorageError as exc:     # the storage kept failing (retried already)

@@ -463,14 +463,17 @@ def inspect_dataset(reader: ShardReader, inspector: SampleInspector, *,
 
 def build_report(directory: str, inspector: SampleInspector, thresholds: Thresholds, *,
                  limit: int | None = None, progress: bool = True, workers: int = 1,
-                 on_stats=None, cache_dir: str | None = None, reuse: bool = True) -> dict:
+                 on_stats=None, cache_dir: str | None = None, reuse: bool = True,
+                 started: float | None = None) -> dict:
     """The report dict (see ``ReportBuilder.to_dict``) of a dataset directory.
 
     A whole-dataset report saves the token table training uses (unless it is there already)
     and the flagged samples beside it; the next report of the same dataset, preprocessing and
     inspection code is made from those tables, without running a sample (unless ``reuse`` is
-    False, or with ``on_stats``, which needs every sample's stats)."""
-    start = time.perf_counter()
+    False, or with ``on_stats``, which needs every sample's stats). ``started``: the
+    command's ``time.perf_counter()`` at its start, from which the report's ``seconds`` count
+    (its config's and tokenizer's loading included; default: this call's start)."""
+    start = time.perf_counter() if started is None else started
     reader = ShardReader(directory, cache_dir)
     modalities = list(inspector.config.modalities)
     key = table_key(reader, inspector.preprocessor)
@@ -622,7 +625,8 @@ def format_report(report: dict) -> str:
     elif rate:
         # the whole command's, start-up included: the progress bar's rate is the stream's
         lines.append(f"time        {report['seconds']:.2f} s in all, {rate:.0f} samples/s "
-                     "overall (start-up and summaries included)")
+                     "overall (the config's and tokenizer's loading and the summaries "
+                     "included)")
     return "\n".join(lines)
 
 
