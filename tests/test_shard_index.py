@@ -602,6 +602,7 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     from mimo_data.shards.in_place import IndexOptions, index
     from mimo_data.shards.tar_sources import IndexInputError
     from mimo_data.shards.reader import ShardReader
+    from mimo_data.shards.sources import SourceError
 
     (tmp_path / "ds" / "shards").mkdir(parents=True)
     (tmp_path / "ds" / ".nv-meta").mkdir()
@@ -652,6 +653,22 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
             index([str(given)], str(tmp_path / "tars"), IndexOptions(workers=0, progress=False))
     with pytest.raises(IndexInputError, match=f"holds the Energon dataset {tmp_path}/ds"):
         index([str(tmp_path)], str(tmp_path / "above"), IndexOptions(workers=0, progress=False))
+    # one of its tars among others (a glob over datasets, or a list): that tar is named
+    (tmp_path / "other").mkdir()
+    shutil.copy(pairs.src / "pairs-000002.tar", tmp_path / "other" / "other-0.tar")
+    inside = tmp_path / "ds" / "shards" / "shard_000001.tar"
+    for given in ([str(tmp_path / "other" / "other-0.tar"), str(inside)],
+                  [f"{tmp_path}/*/*/shard_000001.tar", f"{tmp_path}/other/*.tar"]):
+        with pytest.raises(IndexInputError, match=f"^{inside} is inside the Energon dataset "
+                           f"{tmp_path}/ds: .* \\(one of the 2 tars given\\)"):
+            index(given, str(tmp_path / "tars"), IndexOptions(workers=0, progress=False))
+    # a misspelt field: named, with the one meant
+    dataset_yaml.write_text(dataset_yaml.read_text().replace("image:", "imgae:"))
+    with pytest.raises(SourceError, match=re.escape(
+            "field_map has no image, which a CaptioningSample needs; it has field_map.imgae, "
+            "no field of a CaptioningSample (did you mean field_map.image?)")):
+        index([str(tmp_path / "ds")], str(tmp_path / "typo"), IndexOptions(workers=0,
+                                                                           progress=False))
 
 
 def test_a_compressed_tar_is_refused_not_read_as_truncated(pairs, tmp_path, capsys):
@@ -753,6 +770,31 @@ def test_an_energon_vqa_folder_becomes_conversations(pairs, tmp_path, capsys):
         in skipped["missing_member"]["first"][0]["detail"], skipped
     assert [reader.record(p)["media"][0]["member"] for p in range(len(reader))] == \
         [next(name for name in sample if name in ("jpg", "png")) for sample in members.values()]
+
+
+def test_a_question_or_answer_holding_a_marker_or_unweighable_weights_is_skipped():
+    """A VQA sample's medium goes before its question: a marker typed in the question or an
+    answer is a marker_mismatch, as a caption's (not a template mismatch at training); weights
+    that are not one number a text are refused for a lone answer as for several."""
+    from mimo_data.shards.layouts import MemberMap, synthesize
+    from mimo_data.shards.records import RecordError
+    vqa = MemberMap("vqa", media="jpg", question="json[question]", text="json[answers]",
+                    weights="json[weights]")
+
+    def sample(**fields) -> dict[str, bytes]:
+        return {"jpg": b"", "json": json.dumps({"question": "What?", "answers": ["A cat."],
+                                                **fields}).encode()}
+    assert synthesize(sample(weights=[2.0]), vqa).fields["messages"][1]["content"] == "A cat."
+    for fields, member in (({"question": "What is <image>?"}, "question (KEY.json[question])"),
+                           ({"answers": ["The <audio> says."]}, "answer (KEY.json[answers])")):
+        with pytest.raises(RecordError, match=re.escape(f"the {member} holds a media marker"))\
+                as caught:
+            synthesize(sample(**fields), vqa)
+        assert caught.value.reason == "marker_mismatch"
+    with pytest.raises(RecordError, match=re.escape("the answer's weights (KEY.json) are "
+                                                    "[1.0, 2.0]: give a number for each of its "
+                                                    "1 text")):
+        synthesize(sample(weights=[1.0, 2.0]), vqa)
 
 
 # ------------------------------------------------------------------------- conversations
@@ -907,6 +949,18 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
                                                     "'id'], and a conversation's are")):
         synthesize({"json": json.dumps({"id": 1, "conversation": chat("Hi.", "Yo.")}).encode()},
                    MemberMap("conversation"))
+    # both forms with different turns: refused as mimo-shard build refuses the record
+    both = {"conversations": chat("Hi.", "From conversations."),
+            "messages": chat("Hi.", "From messages.")}
+    with pytest.raises(RecordError, match="gives both 'conversations' and 'messages', with "
+                       "different turns") as caught:
+        synthesize({"json": json.dumps(both).encode()}, MemberMap("conversation"))
+    assert caught.value.reason == "malformed_record"
+    # a JSON member that is not UTF-8: invalid_utf8, as a text member's or a JSONL line's
+    with pytest.raises(RecordError, match="member KEY.json is not UTF-8") as caught:
+        synthesize({"json": b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'},
+                   MemberMap("conversation"))
+    assert caught.value.reason == "invalid_utf8"
 
 
 def test_a_conversation_member_listing_tools_keeps_them():
@@ -1337,6 +1391,24 @@ def test_a_folder_with_a_held_out_split_is_refused(corpus_photos, tmp_path):
         with contextlib.redirect_stderr(io.StringIO()):
             built = index([str(s) for s in sources], str(tmp_path / f"idx{samples}"), options)
         assert built["totals"]["samples"] == samples
+
+
+def test_tars_under_a_linked_folder_are_indexed_once(corpus_photos, tmp_path):
+    """A dataset's parts mounted as linked folders are under it: indexed; a link back up
+    (a loop) reads each real folder once."""
+    from mimo_data.shards.in_place import IndexOptions, index
+
+    _, photo, _, _ = corpus_photos[0]
+    for part in ("src/part0", "elsewhere/part1"):
+        (tmp_path / part).mkdir(parents=True)
+        with webdataset.TarWriter(str(tmp_path / part / "data-0.tar")) as writer:
+            writer.write({"__key__": part.replace("/", "-"), "jpg": photo, "txt": "A photo."})
+    (tmp_path / "src" / "part1").symlink_to(tmp_path / "elsewhere" / "part1")
+    (tmp_path / "src" / "part0" / "up").symlink_to(tmp_path / "src")
+    with contextlib.redirect_stderr(io.StringIO()):
+        built = index([str(tmp_path / "src")], str(tmp_path / "idx"),
+                      IndexOptions(workers=0, progress=False, check="header"))
+    assert built["totals"]["samples"] == 2 and built["totals"]["shards"] == 2, built["totals"]
 
 
 def test_a_tif_member_is_read_as_an_image(corpus_photos, tmp_path):

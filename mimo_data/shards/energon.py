@@ -14,6 +14,7 @@ from collections.abc import Collection
 import braceexpand
 import yaml
 
+from mimo_data.errors import meant
 from mimo_data.shards import storage
 from mimo_data.shards.layouts import MemberMap
 from mimo_data.shards.sources import SourceError
@@ -51,6 +52,11 @@ def sample_type(dataset: dict) -> str:
     return name.replace("Webdataset", "Sample")
 
 
+# the field_map fields of the sample types mimo indexes
+_FIELDS = {"CaptioningSample": ("image", "caption"), "VQASample": ("image", "context", "answers"),
+           "VQAOCRSample": ("image", "context", "answers")}
+
+
 def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMap, list[str]]:
     """The layout of the dataset's ``field_map``: CaptioningSample's ``image`` + ``caption``
     are caption pairs, VQASample's ``image`` + ``context`` + ``answers`` a question-answer
@@ -72,12 +78,21 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
         field, member = next(iter(odd.items()))
         raise SourceError(f"{where}: field_map.{field} is {member!r}; energon maps each field "
                           "to one member name (jpg, or json[key] for a key of a JSON member)")
+    needed = _FIELDS.get(kind, ())
+    if missing := [name for name in needed if name not in fields]:
+        unknown = sorted(set(fields) - set(needed) - {"answer_weights"})
+        raise SourceError(f"{where}: field_map has no {', '.join(missing)}, which a {kind} "
+                          "needs; " + (f"it has {', '.join(f'field_map.{u}' for u in unknown)}"
+                                       f", no field of a {kind}"
+                                       f"{meant(unknown, missing, 'field_map.')}" if unknown
+                                       else f"its fields: {sorted(fields)}"))
     if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
                          text=fields["answers"], weights=fields.get("answer_weights", "")), unread
-    raise SourceError(f"{where}: sample type {kind or '?'} with fields {sorted(fields)}: mimo "
+    raise SourceError(f"{where}: sample type {kind or '?'}{meant([kind], _FIELDS)} with "
+                      f"fields {sorted(fields)}: mimo "
                       "indexes CaptioningSample (image, caption) and VQASample (image, context, "
                       f"answers); {OTHERWISE}")
 

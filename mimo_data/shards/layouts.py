@@ -31,8 +31,8 @@ from typing import Any
 
 from mimo_data.modalities import MARKERS, MODALITIES
 from mimo_data.shards.format import TEXTS_CHOSEN, conversation_counts
-from mimo_data.shards.records import (RecordError, media_markers, normalize_document,
-                                      normalize_messages, tool_lists)
+from mimo_data.shards.records import (RecordError, conversation_turns, media_markers,
+                                      normalize_document, normalize_messages, tool_lists)
 
 LAYOUTS = ("pairs", "conversation", "documents", "vqa")
 LAYOUT_WORDS = {"pairs": "caption pairs", "conversation": "conversations",
@@ -100,8 +100,9 @@ def _text(data: bytes, what: str) -> str:
 
 
 def _json(members: dict[str, bytes], name: str) -> Any:
+    text = _text(members[name], f"member KEY.{name}")       # not UTF-8: invalid_utf8
     try:
-        return json.loads(members[name])
+        return json.loads(text)
     except ValueError as exc:
         raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
 
@@ -160,18 +161,22 @@ def _chosen(found: tuple[str, Any], weights: tuple[str, Any] | None, what: str
     first, as the one that trains; and the report's count (``TEXTS_CHOSEN``) where there were
     several. A single text, or a list of one, is as given."""
     member, value = found
-    if not isinstance(value, list) or len(value) < 2:
-        return ((member, value[0]) if isinstance(value, list) and value else found), {}
+    if isinstance(value, list) and not value:
+        return found, {}                    # said empty where it is read as text
+    texts = value if isinstance(value, list) else [value]
     index = 0
-    if weights is not None:
-        given = weights[1]
-        if not (isinstance(given, list) and len(given) == len(value) and all(
+    if weights is not None:                 # one number a text: [w], or w for a lone text
+        given = weights[1] if isinstance(weights[1], list) or isinstance(value, list) else \
+            [weights[1]]
+        if not (isinstance(given, list) and len(given) == len(texts) and all(
                 isinstance(w, int | float) and not isinstance(w, bool) for w in given)):
             raise RecordError("malformed_record", f"{what}'s weights (KEY.{weights[0]}) are "
-                              f"{str(given)[:80]}: give a number for each of its "
-                              f"{len(value)} texts")
+                              f"{str(weights[1])[:80]}: give a number for each of its "
+                              f"{len(texts)} text{'s' if len(texts) > 1 else ''}")
         index = max(range(len(given)), key=given.__getitem__)
-    return (member, value[index]), {TEXTS_CHOSEN: 1}
+    if len(texts) < 2:
+        return (member, texts[0]), {}
+    return (member, texts[index]), {TEXTS_CHOSEN: 1}
 
 
 def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | None:
@@ -301,7 +306,7 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                               f"{_dotted_hint(members, mapping.json)}")
         raw = _json(members, mapping.json)
         turns, tools, system, objects = (
-            raw.get("conversations", raw.get("messages")), tool_lists(raw), raw.get("system"),
+            conversation_turns(raw), tool_lists(raw), raw.get("system"),
             raw.get("objects")) if isinstance(raw, dict) else (None,) * 4
         if isinstance(raw, dict) and turns is None:
             raise RecordError("malformed_record", f"KEY.{mapping.json} has the keys "
@@ -350,9 +355,15 @@ def synthesize(members: dict[str, bytes], mapping: MemberMap, sample_key: str = 
                 raise
             weights = None
         answer, counts = _chosen(text, weights, "the answer")
-        messages = [{"role": "user",
-                     "content": f"{marker}\n{_as_text(question, 'the question')}"},
-                    {"role": "assistant", "content": _as_text(answer, "the answer")}]
+        asked, answered = _as_text(question, "the question"), _as_text(answer, "the answer")
+        for said, what, member in ((asked, "question", mapping.question),
+                                   (answered, "answer", mapping.text)):
+            if any(marker in said for marker in MARKERS.values()):   # as a caption's
+                raise RecordError("marker_mismatch", f"the {what} (KEY.{member}) holds a "
+                                  "media marker; the sample's medium is placed before the "
+                                  "question")
+        messages = [{"role": "user", "content": f"{marker}\n{asked}"},
+                    {"role": "assistant", "content": answered}]
         return Synthesized({"id": None, "messages": messages}, [medium], counts=counts)
     if medium is None:
         named = (f" (no KEY.{mapping.media} member; the sample has {sorted(members)})"

@@ -35,6 +35,16 @@ class RecordError(CountedError):
         return cls(error.reason, f"{where}: {error.detail}{remedy}")
 
 
+def conversation_turns(record: dict) -> Any:
+    """A conversation record's turns: its ``conversations`` or ``messages``
+    (``malformed_record`` where it gives both, with different turns)."""
+    if record.get("conversations") and record.get("messages") and \
+            record["conversations"] != record["messages"]:
+        raise RecordError("malformed_record", "the record gives both 'conversations' and "
+                          "'messages', with different turns: give one")
+    return record.get("conversations", record.get("messages"))
+
+
 _JSON_TYPES = {dict: "object", list: "array", str: "string", int: "number", float: "number",
                bool: "boolean", type(None): "null"}
 

@@ -27,8 +27,8 @@ import pyarrow.parquet as pq
 
 from mimo_data.files import not_found
 from mimo_data.modalities import MARKERS, MODALITIES
-from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns, json_type,
-                                      tool_lists)
+from mimo_data.shards.records import (PART_MODALITIES, RecordError, as_turns,
+                                      conversation_turns, json_type, tool_lists)
 
 
 class SourceError(Exception):
@@ -376,11 +376,7 @@ class ConversationFile:
         elif not isinstance(record, dict):
             raise RecordError("malformed_json", f"record is a JSON {json_type(record)}, "
                               "expected an object")
-        turns = record.get("conversations", record.get("messages"))
-        if record.get("conversations") and record.get("messages") and \
-                record["conversations"] != record["messages"]:
-            raise RecordError("malformed_record", "the record gives both 'conversations' and "
-                              "'messages', with different turns: give one")
+        turns = conversation_turns(record)
         if turns is None and _are_exchanges(record.get("texts")):
             turns = record["texts"]         # the_cauldron's rows written as JSON(L)
         elif "texts" in record:

@@ -8,6 +8,7 @@ import glob
 import os
 import posixpath
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import braceexpand
@@ -89,8 +90,15 @@ def _list_files(location: str, storage_options: dict | None) -> list[str]:
                                 lambda: remote.fs.find(location, detail=False))
         paths = [p if "://" in p else f"{protocol}://{p}" for p in found]
     else:
-        paths = []
-        for folder, folders, names in os.walk(storage.local_path(location)):
+        paths, walked = [], set()
+        # a dataset's parts mounted as linked folders are under it too; each real folder once
+        # (a link back up would loop)
+        for folder, folders, names in os.walk(storage.local_path(location), followlinks=True):
+            real = os.path.realpath(folder)
+            if real in walked:
+                folders[:] = []
+                continue
+            walked.add(real)
             folders[:] = [name for name in folders
                           if not name.startswith(".") or name == energon.META]
             paths += [os.path.join(folder, name) for name in names]
@@ -288,14 +296,20 @@ def _resolve(sources: list[str], options: IndexOptions,
         if not paths:
             raise IndexInputError("no tars given")
         root = _root_of(paths)
-    shown = paths[0] if len(paths) == 1 and not folder_given else root     # what was given
-    inside = _energon_above(root, storage_options)      # tars given, or a folder of them
+    # a folder of tars, or tars given: each one's folder (a glob may reach several datasets)
+    inside = _energon_above([root] if folder_given else dict.fromkeys(
+        [*(posixpath.dirname(p) if storage.is_remote(p) else os.path.dirname(p)
+           for p in paths), root]), storage_options)
     if inside:
         # its split.yaml decides which tars train: its validation and test parts, and the
         # samples it excludes, would train unseen
+        shown = root if folder_given else next(
+            (p for p in paths if p.startswith(inside.rstrip("/") + "/")), root)
         raise IndexInputError(f"{shown} is inside the Energon dataset {inside}: give that "
                               "folder, whose split.yaml's train split (and its excludes) "
-                              "mimo reads, not its tars")
+                              "mimo reads, not its tars" + (
+                                  "" if folder_given or len(paths) == 1 else
+                                  f" (one of the {len(paths)} tars given)"))
     names = [posixpath.relpath(p, root) if storage.is_remote(root) else os.path.relpath(p, root)
              for p in paths]
     mapping, first = _member_map(root, names, options, storage_options)
@@ -314,19 +328,23 @@ def _energon_below(files: list[str]) -> str | None:
     return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
 
 
-def _energon_above(root: str, storage_options: dict | None) -> str | None:
-    """The Energon dataset folder holding ``root`` (it, or up to ``ENERGON_DEPTH`` folders
-    above), if any."""
-    remote = storage.is_remote(root)
-    protocol, _, path = root.partition("://") if remote else ("", "", root)
-    for _ in range(ENERGON_DEPTH + 1):
-        folder = f"{protocol}://{path}" if remote else path
-        if energon.is_energon(folder, storage_options):
-            return folder
-        parent = posixpath.dirname(path) if remote else os.path.dirname(path)
-        if parent in ("", path):             # past the top folder, or the bucket
-            return None
-        path = parent
+def _energon_above(folders: Iterable[str], storage_options: dict | None) -> str | None:
+    """The Energon dataset folder holding one of ``folders`` (it, or up to
+    ``ENERGON_DEPTH`` folders above), if any; each folder asked once."""
+    asked: dict[str, bool] = {}
+    for start in folders:
+        remote = storage.is_remote(start)
+        protocol, _, path = start.partition("://") if remote else ("", "", start)
+        for _ in range(ENERGON_DEPTH + 1):
+            folder = f"{protocol}://{path}" if remote else path
+            if folder not in asked:
+                asked[folder] = energon.is_energon(folder, storage_options)
+            if asked[folder]:
+                return folder
+            parent = posixpath.dirname(path) if remote else os.path.dirname(path)
+            if parent in ("", path):             # past the top folder, or the bucket
+                break
+            path = parent
     return None
 
 
