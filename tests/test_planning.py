@@ -604,7 +604,8 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     one = ("--recompute", "none", "--distributed-optimizer", "no")   # one setting a layout
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
                          "--top", 50, *one, main=main)
-    peaks = sorted(r["peak_memory_gib"] for r in json.loads(out)["ranked"])
+    everything = json.loads(out)["ranked"]
+    peaks = sorted(r["peak_memory_gib"] for r in everything)
     assert peaks[0] < peaks[-1]
     usable = (peaks[0] + peaks[-1]) / 2
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
@@ -613,6 +614,14 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     assert code == 0 and report["dropped_layouts"] >= 1
     assert all(r["peak_memory_gib"] <= usable + 1e-6 for r in report["ranked"])
     assert all(r["peak_memory_gib"] > usable - 1e-6 for r in report["dropped"])
+    # your layout fitting with none of its settings: said, with its least memory
+    largest = max(everything, key=lambda r: r["peak_memory_gib"])
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--json",
+                         "--gpu-memory-gib", (usable + 1) / 0.9, *one, "--layout",
+                         largest["layout"], main=main)
+    assert json.loads(out)["yours_not_ranked"] == (
+        f"not ranked: it fits with no settings: {largest['peak_memory_gib']:.1f} GiB per rank "
+        f"at the least > {usable:.1f} usable"), out
     # the text: the layouts that fit with no settings counted, the settings that do not
     # fit listed as settings (with all settings tried, each layout fits with some here)
     memory = ("--gpu-memory-gib", (usable + 1) / 0.9)
@@ -627,7 +636,7 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
     assert f"{every['fitting_layouts']} fit, {every['dropped_layouts']} do not fit in memory "\
         "with any settings" in out
     code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
-                         "--gpu-memory-gib", 1.0, main=main)
+                         "--gpu-memory-gib", (peaks[0] / 2 + 1) / 0.9, main=main)
     assert code == 1 and "no layout fits: more GPUs, a GPU with more memory, or a smaller " \
         "micro batch\nclosest to fitting: the least memory per rank of the tries that do not " \
         "fit\n" in out, out
@@ -675,11 +684,17 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
         "is not model.pretrained's" in err, err
     # numbers that cannot be: refused by argparse (exit 2), no silent default for 0
     for option, value in (("--mfu", 0), ("--mfu", 1.5), ("--gpu-memory-gib", 0),
-                          ("--gpu-tflops", -1), ("--gpus-per-node", 0), ("--gpus", 0)):
+                          ("--gpu-tflops", -1), ("--gpus-per-node", 0), ("--gpus", 0),
+                          ("--gpu-tflops", "inf"), ("--gpu-memory-gib", "nan"), ("--top", 0),
+                          ("--steps", 0)):
         with pytest.raises(SystemExit) as exit_:
             _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, option, value,
                   main=main)
         assert exit_.value.code == 2 and option in capsys.readouterr().err
+    # memory the advisor's headroom and reserve leave nothing of
+    code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4,
+                         "--gpu-memory-gib", 1.1, main=main)
+    assert code == 2 and "--gpu-memory-gib 1.1 leaves nothing to plan in" in err, err
     # your layout on another number of GPUs, or one its check refuses: said, not ranked
     code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 5, "--layout",
                            LAYOUTS["language dp1"], main=main)

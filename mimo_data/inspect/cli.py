@@ -28,6 +28,7 @@ Exit status (the same for every mimo CLI):
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -59,8 +60,8 @@ def _positive(kind):
     """An argparse type: a number of ``kind`` > 0."""
     def parse(text: str):
         value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
@@ -229,9 +230,9 @@ def _advisor_arguments(p: argparse.ArgumentParser) -> None:
                    help="activation recompute of the candidates (default: any of the three)")
     a.add_argument("--no-sequence-parallel", action="store_true",
                    help="no sequence parallelism with tp > 1 (default: on where tp > 1)")
-    a.add_argument("--top", type=_count, default=5, metavar="K",
+    a.add_argument("--top", type=_positive(int), default=5, metavar="K",
                    help="layouts shown with their reasons (default 5)")
-    a.add_argument("--steps", type=_count, default=8, metavar="S",
+    a.add_argument("--steps", type=_positive(int), default=8, metavar="S",
                    help="global steps of the dataset read for the per-step work (default 8)")
     a.add_argument("--fewer-gpus", action="store_true",
                    help="also rank layouts on fewer than N GPUs, the others idle (on with "
@@ -483,7 +484,7 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
     source = DataSource([args.directory], config, cache_dir=args.cache_dir,
                         progress=not args.no_progress)
     work = workload(source, config, args.global_batch_size, args.micro_batch_size,
-                    layout=layout, seed=args.seed, epoch=args.epoch, steps=max(1, args.steps),
+                    layout=layout, seed=args.seed, epoch=args.epoch, steps=args.steps,
                     packing=args.packing)
     return advisor(AdvisorRequest.from_args(args), config, work)
 

@@ -13,7 +13,7 @@ from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
                                                      settings_of)
-from mimo_train.planning.advisor.cost import MFU, Advisor, Candidate
+from mimo_train.planning.advisor.cost import HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate
 from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
                                                read_work)
 from mimo_train.planning.advisor.report import format_report, result_json, why
@@ -29,6 +29,11 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
                            request.precision, workload.get("vocab_size"))
     except (TrainConfigError, OSError, ValueError) as error:
         print(f"mimo-inspect plan: error: --model {request.model}: {error}", file=sys.stderr)
+        return 2
+    if request.gpu_memory_gib is not None and request.gpu_memory_gib * HEADROOM <= RESERVED_GIB:
+        print(f"mimo-inspect plan: error: --gpu-memory-gib {request.gpu_memory_gib:g} leaves "
+              f"nothing to plan in: the advisor takes {HEADROOM:.0%} of a GPU's memory less "
+              f"{RESERVED_GIB:g} GiB (the CUDA context, NCCL's buffers)", file=sys.stderr)
         return 2
     if model.packing is not None:       # a training YAML: its data.packing is the run's
         if conflict := _packing_conflict(request, model.packing):
@@ -135,6 +140,12 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         mine = [r for r in ranked if str(r.candidate.layout) == str(yours)]
         if mine and mine[0] not in shown:
             shown.append(mine[0])
+        tried_yours = [r for r in results if str(r.candidate.layout) == str(yours)]
+        if not mine and tried_yours and not_ranked is None:     # tried, fitting with none
+            least = min(tried_yours, key=lambda r: r.peak_bytes)
+            not_ranked = (f"not ranked: it fits with no settings: "
+                          f"{least.peak_bytes / 2**30:.1f} GiB per rank at the least > "
+                          f"{advisor.usable_bytes / 2**30:.1f} usable")
     dims = model.dims
     return {
         "model": {"source": model.source, "precision": model.precision,

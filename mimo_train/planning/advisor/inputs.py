@@ -44,8 +44,11 @@ def gpu(request: AdvisorRequest, precision: str) -> GPU:
     tflops = request.gpu_tflops if request.gpu_tflops is not None else \
         peak_tflops(peak_name, precision) or 0.0
     memory = request.gpu_memory_gib if request.gpu_memory_gib is not None else memory_gib
+    given = [*([f"{memory:g} GiB"] if request.gpu_memory_gib is not None else []),
+             *([f"{tflops:g} TFLOP/s"] if request.gpu_tflops is not None else [])]
+    if given:                           # the kind's name alone would say its own figures
+        name = f"{name} with {' and '.join(given)} given"
     return GPU(name, memory, float(tflops), node, network, request.gpus_per_node)
-
 
 
 # ------------------------------------------------------------------------------- the model
