@@ -248,6 +248,31 @@ def test_import_then_export_gives_every_weight_back(run, exported):
     assert config["text_config"]["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
 
 
+def test_export_onto_a_moved_base_or_another_model(run, colocated, capsys, tmp_path):
+    """``--base``: the same model copied elsewhere exports without a word of a changed
+    preprocessing YAML (its tokenizer moves with the base; the YAML, naming the old place,
+    is as the run saved it); the other Qwen3.5 (the MoE for the dense run, the dense for the
+    MoE's) is refused as another model than the run trained (exit 1), not as a damaged
+    checkpoint."""
+    import shutil
+
+    from mimo_train.hf.export import main as export
+    step = run["tmp"] / "init" / "step_0000000"
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["preprocess"]["tokenizer"] == meta["config"]["model"]["pretrained"]
+    shutil.copytree(CHECKPOINTS[run["name"]], tmp_path / "moved")
+    capsys.readouterr()
+    assert export(["--checkpoint", str(step), "--output", str(tmp_path / "out"), "--base",
+                   str(tmp_path / "moved")]) == 0
+    assert "is not as the run trained with it" not in capsys.readouterr().err
+    other = CHECKPOINTS["35B-A3B" if run["name"] == "4B" else "4B"]
+    assert export(["--checkpoint", str(step), "--output", str(tmp_path / "mixed"), "--base",
+                   str(other)]) == 1
+    err = capsys.readouterr().err
+    assert f"which the config of {other}" in err and "holds another model than the run " \
+        "trained" in err and not (tmp_path / "mixed").exists(), err
+
+
 @pytest.mark.parametrize("kind", ["image", "video"])
 def test_transformers_generate_on_the_export_equals_mimo_generate(run, exported, corpus,
                                                                   corpus_videos, kind):

@@ -398,10 +398,12 @@ def _run_plan(directory: str, base: str | None = None):
     try:
         with open(path) as f:
             meta = json.load(f)
+        saved = json.loads(json.dumps(meta.get("preprocess")))    # before --base moves it
         if base is not None:
             _moved(meta, base, path)
         cfg = TrainConfig.from_dict(meta["config"])
-        return resolve(cfg, _preprocess_config(cfg, directory, meta.get("preprocess"))), meta
+        return resolve(cfg, _preprocess_config(cfg, directory, meta.get("preprocess"),
+                                               saved)), meta
     except (OSError, ValueError, KeyError) as error:
         code = 2 if isinstance(error, TrainConfigError) else 1
         raise ExportError(f"{path}: cannot rebuild the run's config ({error}); "
@@ -429,17 +431,19 @@ def _moved(meta: dict, base: str, path: str) -> None:
         trained["tokenizer"] = base
 
 
-def _preprocess_config(cfg, directory: str, trained: dict | None):
-    """The run's preprocessing config: as it trained (meta.json's copy; the YAML may have
-    changed or moved since, which is said), else, for checkpoints saved before the copy, its
-    YAML as it is now."""
+def _preprocess_config(cfg, directory: str, trained: dict | None, saved: dict | None):
+    """The run's preprocessing config: as it trained (meta.json's copy, ``trained``, its
+    tokenizer moved with ``--base``; the YAML may have changed or moved since the run saved
+    it as ``saved``, which is said), else, for checkpoints saved before the copy, its YAML as
+    it is now."""
     from mimo_data.errors import ConfigError, UnreadableConfig
     from mimo_data.preprocess.config import PreprocessConfig
     path = cfg.data.preprocess
     if trained is not None:
         config = PreprocessConfig.from_dict(trained)
         try:
-            changed = PreprocessConfig.from_yaml(path) != config
+            changed = PreprocessConfig.from_yaml(path) != \
+                PreprocessConfig.from_dict(saved or trained)
         except ConfigError:
             changed = True
         if changed:
@@ -629,8 +633,13 @@ def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dic
                           f"the {rows} tokens to export", exit_code=1)
     try:
         return to_hf([state], arch, vocab_rows=rows), rows
-    except KeyError as error:
-        raise ExportError(f"{directory}: the language weights lack {error}", exit_code=1) from None
+    except KeyError as error:        # the config read now asks for weights the run never had
+        raise ExportError(
+            f"{directory}: the run's language weights have no {error}, which the config of "
+            f"{pretrained} ({arch.family}) calls for: that path holds another model than the "
+            "run trained (replaced since the run, or another --base). The export takes its "
+            "config from there: put the model the run started from back at that path, or "
+            "give it as --base", exit_code=1) from None
 
 
 def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapters: bool,
