@@ -94,6 +94,11 @@ _RECOMPUTE: dict[str, dict[str, Any]] = {"none": {},
                            recompute_num_layers=1)}
 
 
+_LANGUAGE_PARALLELISM = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                         "context_parallel_size", "expert_model_parallel_size",
+                         "expert_tensor_parallel_size")
+
+
 def language_memory(language: LanguagePlan) -> dict:
     """The language model's memory settings as ``TransformerConfig`` fields
     (``model.language.recompute`` and ``sequence_parallel``; ``plan.rules`` refuses what the
@@ -213,10 +218,11 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
                            frozenset(i for i in range(plan.language.num_layers)
                                      if arch and arch.linear_layer(i)))
     transformer = language_transformer_config(plan, device)
+    # the encoders' DDP config: the language model's without its memory settings and
+    # parallelism (megatron-core warns of experts under tp without sequence parallelism)
     encoder_transformer_config = dataclasses.replace(transformer, **{
         key: next(f.default for f in dataclasses.fields(TransformerConfig) if f.name == key)
-        for key in language_memory(plan.language)}) \
-        if transformer.recompute_granularity or transformer.sequence_parallel else transformer
+        for key in [*language_memory(plan.language), *_LANGUAGE_PARALLELISM]})
     modality_specs, token_ids = {}, {}
     for name, setting in plan.encoders.items():
         modality_specs[name] = ModuleSpec(

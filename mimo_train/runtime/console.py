@@ -78,6 +78,10 @@ _WARNINGS = (
     # local layer specs do not use
     (UserWarning, r"If you are using transformer_engine as the transformer implementation, "
      r"the core_attn is from transformer_engine", r"megatron\."),
+    # the experts' layers under etp1 beside the language model's tp (their linear layers are
+    # whole, sequence parallelism is the attention's and the dense layers')
+    (UserWarning, r"`sequence_parallel` is set to `True`, but tensor model parallel size is 1\. "
+     r"Disabling sequence parallel\.", r"megatron\."),
     # the distributed optimizer's DDP reads each main gradient's .grad (megatron-core; on the
     # CPU through mcore.cpu_compat's mode, which the warning then names)
     (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor is being "
@@ -85,8 +89,8 @@ _WARNINGS = (
 )
 # only where no CUDA device runs: advice about CUDA streams
 _CPU_WARNINGS = (
-    (UserWarning, r"When using sequence parallelism it is recommended to set the environment "
-     r"variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
+    (UserWarning, r"When using (sequence parallelism|async grad allreduce) it is recommended "
+     r"to set the environment variable CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\."),
 )
 
 # logger name -> message regexes dropped from it (warnings sent through ``logging``)
