@@ -740,6 +740,36 @@ def test_a_model_or_optimizer_that_does_not_fit_at_start_up_names_the_advisor():
         trainer._sized(build, ValueError("not a memory error"))
 
 
+def test_the_step_done_before_a_failure_is_said(capsys):
+    """A step's line waits for the next step's settling (its values read while that step's
+    passes are queued): a failure in that next step (a rank gone) first says the done step's
+    world loss and trained tokens on rank 0, which it holds without the others; a step
+    between logging steps stays unsaid, as it would have."""
+    from types import SimpleNamespace
+
+    from mimo_train.components.metrics import Metrics, Readings, StepValues
+    from mimo_train.errors import RunError
+    from mimo_train.training.trainer import Trainer
+
+    def failing():
+        raise RuntimeError("Connection closed by peer")
+    for interval, said in ((1, True), (3, False)):
+        trainer = Trainer.__new__(Trainer)
+        trainer.metrics = Metrics.__new__(Metrics)
+        trainer.metrics.rank0, trainer.metrics.log_interval = True, interval
+        trainer.unsettled = StepValues(4, Readings({"sums": torch.tensor([24.0, 8.0])}),
+                                       timer=None, forward=[], global_batch_size=8)
+        trainer._train = failing
+        trainer.infra = SimpleNamespace(role=SimpleNamespace(modules=[]))
+        trainer.rank, trainer.doing = 1, "step 5"
+        trainer.loader = trainer.valid_loader = None
+        with pytest.raises(RunError, match="step 5"):
+            trainer.run()
+        out = capsys.readouterr().out
+        assert (out == "step    4: loss 3.0000  trained tokens 8  (its other figures not "
+                "gathered: the run failed in the next step)\n") if said else out == "", out
+
+
 def test_a_checkpoint_that_cannot_be_written_stops_the_run_with_one_message(ranks, setup):
     """A file in the place of step 3's checkpoint directory: the run stops at that save with
     one message (rank 0's, which writes the directory) naming the step's checkpoint and the

@@ -484,6 +484,18 @@ class Metrics:
             return read
         return []
 
+    def unfinished(self, values: StepValues) -> None:
+        """Say a step done when the run failed before its line: a line's figures are gathered
+        over the ranks (``flush``), which a failed rank no longer joins, so rank 0 says what
+        it holds itself, the world's loss and trained tokens (its pending steps between
+        logging steps stay unsaid, as they would have)."""
+        if not self.rank0 or values.step % self.log_interval:
+            return
+        loss_sum, tokens = values.readings.read()["sums"]
+        print(f"step {values.step:>4}: loss {loss_sum / max(tokens, 1):.4f}  trained tokens "
+              f"{int(tokens)}  (its other figures not gathered: the run failed in the next "
+              "step)", flush=True)
+
     def log_anomaly(self, record: dict) -> None:
         """A skipped or spiking step's record (``anomalies``), its samples included."""
         self.flush()

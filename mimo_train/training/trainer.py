@@ -464,6 +464,7 @@ class Trainer:
         try:
             return self._train()
         except Exception as error:
+            self._say_unfinished()
             where = ", ".join(f"{m.name} dp{m.dp_rank} tp{m.tp_rank} pp{m.pp_rank}"
                               for m in self.infra.role.modules)
             remedies = self._memory_remedies() if out_of_gpu_memory(error) else ()
@@ -473,6 +474,17 @@ class Trainer:
             for loader in (self.loader, self.valid_loader):
                 if loader is not None:
                     loader.close()
+
+    def _say_unfinished(self) -> None:
+        """The step done before a failure, whose line waited for the next step's settling
+        (``settle``), said as far as this rank can without the others; a failure reading it
+        (a device that failed) leaves it unsaid."""
+        values, self.unsettled = self.unsettled, None
+        if values is not None:
+            try:
+                self.metrics.unfinished(values)
+            except Exception:       # the failure being raised says what went wrong
+                pass
 
     def _sized(self, build, *args):
         """``build(*args)``; out of GPU memory there (torch's allocator, or NCCL's buffers as
