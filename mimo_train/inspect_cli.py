@@ -22,7 +22,7 @@ def advisor(request, config, workload: dict) -> int:
     return advise(request, config, workload)
 
 
-def layout_refusal(request, config) -> tuple[str | None, bool | None]:
+def layout_refusal(request, config) -> tuple[str | None, bool | None, bool]:
     from mimo_train.planning.advisor.advise import layout_refusal as refusal
     return refusal(request, config)
 

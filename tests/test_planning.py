@@ -1695,6 +1695,26 @@ def qwen2_vl_2b_yaml(qwen2_vl_2b, tmp_path_factory) -> dict:
             "config": PreprocessConfig.from_yaml(str(qwen2_vl_2b["preprocess"]))}
 
 
+def test_a_layout_plan_of_a_split_media_run_says_it_is_taken_not_drawn(capsys,
+                                                                        qwen2_vl_2b_yaml):
+    """``plan --layout L --model TRAIN.yaml`` of a run with ``data.split_media: true``: the
+    trainer's rules take the layout (its tower ranks split each language rank's media), so
+    it is not called invalid (exit 2) by the whole-sample check of a micro-batch of one; the
+    per-rank plan, which draws whole samples to each encoder rank, is not drawn for it (exit
+    0, saying so, the dataset unread)."""
+    from mimo_train.inspect_cli import main
+    layout, path = "image=dp2,video;language=tp2", qwen2_vl_2b_yaml["yaml"][True]
+    one = path.with_name("split-one.yaml")       # micro-batches of one: a sample a language rank
+    one.write_text(path.read_text().replace("micro_batch_size: 2", "micro_batch_size: 1"))
+    capsys.readouterr()
+    code = main(["plan", str(path.parent / "no-dataset"), "--config",
+                 str(qwen2_vl_2b_yaml["preprocess"]), "--model", str(one), "--layout", layout])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith(
+        f"layout    {layout}: mimo-train takes it for --model {one}, which trains with "
+        "data.split_media: true"), (out, err)
+
+
 def _one_long_clip(clip: list[int]) -> dict:
     """One packed micro-batch of two samples: a clip of ``clip`` (t, h, w) placeholders and
     100 tokens of text, and 200 tokens of text alone."""

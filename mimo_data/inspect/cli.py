@@ -442,7 +442,7 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
             return _needs_trainer("--model (the trainer's rules) needs")
         from mimo_data.inspect.advice import AdvisorRequest
         try:
-            reason, packing = layout_refusal(AdvisorRequest.from_args(args), config)
+            reason, packing, split = layout_refusal(AdvisorRequest.from_args(args), config)
         except ValueError as error:            # the model cannot be read
             print(f"mimo-inspect plan: error: {error}", file=sys.stderr)
             return 2
@@ -452,6 +452,13 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
             print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
                   f"for --model {args.model}: {reason}", file=sys.stderr)
             return 2
+        if split:                              # checked, but not drawn rank by rank
+            print(f"layout    {args.layout}: mimo-train takes it for --model {args.model}, "
+                  "which trains with data.split_media: true (each encoder rank that fans in "
+                  "encodes a part of its language rank's media); a per-rank plan draws whole "
+                  "samples to each encoder rank and would not be that run's: the layout "
+                  "advisor (--gpus N) counts the parts")
+            return 0
     if args.gpus is None and not clip:
         if args.layout is None:
             print("mimo-inspect plan: error: give --layout L (or --model M --gpus N for the "
@@ -503,7 +510,8 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
     why the trainer refuses ``plan --layout L --model M``'s layout and the model's
-    ``data.packing``, ``layout_refusal(request, config) -> (str | None, bool | None)``;
+    ``data.packing`` and ``data.split_media``, ``layout_refusal(request, config) -> (str |
+    None, bool | None, bool)``;
     ``run_settings``: a training YAML's batch sizes, seed and balance (``RUN_SETTINGS``'
     keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read;
     ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``

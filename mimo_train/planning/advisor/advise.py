@@ -56,12 +56,13 @@ def _packing_conflict(request: AdvisorRequest, packing: bool) -> str | None:
             if request.packing and not packing else None)
 
 
-def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | None]:
+def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | None, bool]:
     """Why mimo-train refuses ``request.layout`` for ``request.model`` (``plan --layout L
-    --model M``: one layout, no ranking), or None; and the run's ``data.packing`` where the
-    model says it (None: ``--packing`` decides). A training YAML: its own settings under that
-    layout, through the trainer's own resolution (``plan.resolve``, as its start-up); a model
-    directory: with every setting the advisor would try refused (``candidates.refused``).
+    --model M``: one layout, no ranking), or None; the run's ``data.packing`` where the
+    model says it (None: ``--packing`` decides); and its ``data.split_media``. A training
+    YAML: its own settings under that layout, through the trainer's own resolution
+    (``plan.resolve``, as its start-up); a model directory: with every setting the advisor
+    would try refused (``candidates.refused``).
     ValueError where the model cannot be read, or says ``data.packing: false`` to a
     ``--packing`` plan."""
     from mimo_train.config import TrainConfig
@@ -80,8 +81,8 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
         try:
             resolve(cfg)
         except TrainConfigError as error:
-            return str(error), cfg.data.packing
-        return None, cfg.data.packing
+            return str(error), cfg.data.packing, cfg.data.split_media
+        return None, cfg.data.packing, cfg.data.split_media
     layout = Layout.parse(request.layout)
     served = {m: module for m, module in layout.modalities.items() if m in config.modalities}
     try:
@@ -90,7 +91,7 @@ def layout_refusal(request: AdvisorRequest, config) -> tuple[str | None, bool | 
         raise ValueError(f"--model {request.model}: {error}") from None
     reason = refused(model, layout, request, request.packing)   # (a checkpoint says none)
     return (None if reason is None else f"{reason} (whichever recompute, optimizer and "
-            "parallel settings the advisor tries)"), None
+            "parallel settings the advisor tries)"), None, False
 
 
 def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable: list[str],
