@@ -535,6 +535,20 @@ def test_a_checkpoint_without_tokenizer_files_takes_the_preprocessings(vlm_data,
     with pytest.raises(TrainConfigError, match="modalities.image has patch_size: 16, "
                        "merge_size: 1, but model.pretrained"):
         check_preprocessing(read_vlm(str(tmp_path)), config, load_tokenizer(config), ("image",))
+    # wrap ids the preprocessing tokenizer has no tokens for (another model's ids): its
+    # tokenizer is what to change, not a wrap of [None, None]
+    other_ids = tmp_path / "other-ids"
+    shutil.copytree(tmp_path, other_ids, ignore=shutil.ignore_patterns("*.yaml"))
+    (other_ids / "config.json").write_text(json.dumps(
+        {**json.loads((tmp_path / "config.json").read_text()), "vision_start_token_id": 151652,
+         "vision_end_token_id": 151653}))
+    config = PreprocessConfig.from_yaml(str(preprocess))
+    with pytest.raises(TrainConfigError) as refused:
+        check_preprocessing(read_vlm(str(other_ids)), config, load_tokenizer(config),
+                            ("image",))
+    assert "expects each image between the tokens [151652, 151653], which the preprocessing " \
+        f"tokenizer has no tokens for: use the checkpoint's tokenizer (tokenizer: " \
+        f"{other_ids})" in str(refused.value) and "None" not in str(refused.value), refused.value
     assert main(["--preprocessing-for", str(tmp_path)]) == 2
     captured = capsys.readouterr()
     assert not captured.out, captured.out

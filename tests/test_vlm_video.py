@@ -242,8 +242,10 @@ def test_what_encoders_read_on_the_host_stays_there():
     ("qwen2.5-vl", {"tokens_per_second": None},
      "modalities.video.tokens_per_second is None, but model.pretrained"),
     ("qwen2-vl", {"tokens_per_second": 4.0}, "positions videos with None"),
-    ("qwen2-vl", {"token": "<|vision_pad|>"}, "expects video tokens '<|video_pad|>'"),
-    ("qwen2-vl", {"wrap": ()}, "expects each video between ['<|vision_start|>'"),
+    ("qwen2-vl", {"token": "<|vision_pad|>"}, "expects video tokens at 49155 "
+     "('<|video_pad|>'): use it"),
+    ("qwen2-vl", {"wrap": ()}, "expects each video between the tokens [49152, 49153] "
+     "(['<|vision_start|>', '<|vision_end|>']): set modalities.video.wrap: ['<|vision_start|>'"),
     # what the checkpoint's video processor feeds its tower: normalization, frame sampling
     # (and Qwen3-VL's timestamps, below)
     ("qwen2.5-vl", {"mean": (0.5, 0.5, 0.5)}, "modalities.video.mean is [0.5, 0.5, 0.5], but "

@@ -494,9 +494,21 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
     if tuple(tokenizer.convert_tokens_to_ids(list(image.wrap))) != vlm.image_wrap_ids:
         problems.append(
             f"modalities.image.wrap is {list(image.wrap)}, but model.pretrained {vlm.path} "
-            f"expects each image between the tokens {list(vlm.image_wrap_ids)} ({expected}): "
-            f"set modalities.image.wrap: {expected}")
+            f"expects each image between the tokens {list(vlm.image_wrap_ids)}" + (
+                f" ({expected}): set modalities.image.wrap: {expected}"
+                if _named(expected) else _not_named(vlm)))
     return problems
+
+
+def _named(tokens: list) -> bool:
+    """Whether the preprocessing tokenizer named every token id asked of it (``None`` where
+    it has no token of the id: another model's tokenizer, whose tokens are no setting)."""
+    return all(isinstance(token, str) for token in tokens)
+
+
+def _not_named(vlm: VLM) -> str:
+    return (", which the preprocessing tokenizer has no tokens for: use the checkpoint's "
+            f"tokenizer (tokenizer: {vlm.path})")
 
 
 def _token_count_problems(vlm: VLM, name: str, settings) -> list[str]:
@@ -534,14 +546,18 @@ def _video_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
                 "modalities.video"]
     problems: list[str] = []
     if tokenizer.convert_tokens_to_ids(video.token) != vlm.video_token_id:
+        token = [tokenizer.convert_ids_to_tokens(vlm.video_token_id)]
         problems.append(
             f"modalities.video.token is {video.token!r}, but model.pretrained {vlm.path} expects "
-            f"video tokens {tokenizer.convert_ids_to_tokens(vlm.video_token_id)!r}: use it")
+            f"video tokens at {vlm.video_token_id}" + (
+                f" ({token[0]!r}): use it" if _named(token) else _not_named(vlm)))
     if tuple(tokenizer.convert_tokens_to_ids(list(video.wrap))) != vlm.image_wrap_ids:
         expected = [tokenizer.convert_ids_to_tokens(i) for i in vlm.image_wrap_ids]
         problems.append(f"modalities.video.wrap is {list(video.wrap)}, but model.pretrained "
-                        f"{vlm.path} expects each video between {expected}: set "
-                        f"modalities.video.wrap: {expected}")
+                        f"{vlm.path} expects each video between the tokens "
+                        f"{list(vlm.image_wrap_ids)}" + (
+                            f" ({expected}): set modalities.video.wrap: {expected}"
+                            if _named(expected) else _not_named(vlm)))
     for key, theirs in vlm.video_inputs:
         ours = getattr(video, key)
         if not (np.shape(ours) == np.shape(theirs) and (
