@@ -516,6 +516,11 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     assert _launch(16, 8, "--config x") == ("torchrun --nnodes 2 --nproc-per-node 8 -m "
                                             "mimo_train --config x")
     assert _launch(8, 4, "x") == "torchrun --nnodes 2 --nproc-per-node 4 -m mimo_train x"
+    # ranks that do not fill the last node: the nodes the cost model placed them in (8 + 4,
+    # not 6 + 6, whose tp4 groups at ranks 4-7 would straddle two nodes)
+    assert _launch(12, 8, "x").startswith("torchrun --nnodes 2 --nproc-per-node 8 -m "
+                                          "mimo_train x  # 12 ranks: 8 on each node but the "
+                                          "last, --nproc-per-node 4 there")
     assert out.count("\n  1. ") == 1
 
 
@@ -686,7 +691,7 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
     for option, value in (("--mfu", 0), ("--mfu", 1.5), ("--gpu-memory-gib", 0),
                           ("--gpu-tflops", -1), ("--gpus-per-node", 0), ("--gpus", 0),
                           ("--gpu-tflops", "inf"), ("--gpu-memory-gib", "nan"), ("--top", 0),
-                          ("--steps", 0)):
+                          ("--steps", 0), ("--layout", "")):
         with pytest.raises(SystemExit) as exit_:
             _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, option, value,
                   main=main)

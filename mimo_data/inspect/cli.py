@@ -67,6 +67,13 @@ def _positive(kind):
     return parse
 
 
+def _given(text: str) -> str:
+    """An argparse type: a value that is not empty (``--layout ''``: a variable left unset)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty")
+    return text
+
+
 def _utilisation(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
@@ -154,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
     _common(p, "dataset (directory or URL) built by mimo-shard build (not with --clip-seconds, "
             "whose one clip is the workload)")
-    p.add_argument("--layout", metavar="L",
+    p.add_argument("--layout", metavar="L", type=_given,
                    help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
                    "(required without --gpus; with --model and no --gpus, checked against "
                    "mimo-train's rules for that model first; with --gpus, this layout is "

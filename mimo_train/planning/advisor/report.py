@@ -66,13 +66,18 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
 
 def _launch(ranks: int, per_node: int, arguments: str) -> str:
     """The torchrun command line training with ``arguments`` on ``ranks`` ranks: on one node
-    where they fit its ``per_node`` GPUs, else over as many nodes as they fill."""
+    where they fit its ``per_node`` GPUs, else over as many nodes as they fill, each full but
+    the last, as the cost model placed them (``Advisor._group_gbs``: rank r on node r //
+    per_node)."""
     if ranks <= per_node:
         return f"torchrun --nproc-per-node {ranks} -m mimo_train {arguments}"
-    nodes = -(-ranks // per_node)
-    return (f"torchrun --nnodes {nodes} --nproc-per-node {ranks // nodes} -m mimo_train "
-            f"{arguments}" + ("" if ranks % nodes == 0 else
-                              f"  # {ranks} ranks: split them evenly over the nodes"))
+    nodes, last = -(-ranks // per_node), ranks % per_node
+    return (f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m mimo_train "
+            f"{arguments}" + ("" if not last else
+                              f"  # {ranks} ranks: {per_node} on each node but the last, "
+                              f"--nproc-per-node {last} there; give each node its --node-rank "
+                              f"(0 to {nodes - 1}, the last one's {nodes - 1}) so that the "
+                              "ranks lie in nodes as planned"))
 
 
 def why(r: Result, device: GPU, gpus: int) -> str:
