@@ -299,6 +299,10 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert _listing(pairs.src) == pairs.listing
     code, out, _ = cli_main(capsys, "info", where)              # says where the tars are
     assert code == 0 and f"\ntars      {pairs.src} (indexed where they are" in out, out
+    # the tars' folder given where the index is meant: the index it has is named
+    code, _, err = cli_main(capsys, "info", pairs.src)
+    assert code == 1 and f"`mimo-shard index {pairs.src}` (no --output) wrote their index " \
+        f"to {where}: give that folder instead" in err, err
     assert "\nindexed   " in out and "\nbuild " not in out, out
     # again: the folder it names is the cache's, not an --output the command was not given
     code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")

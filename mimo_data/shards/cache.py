@@ -97,6 +97,15 @@ def external_directory(dataset: str, root: str | None) -> str:
     return os.path.join(root or DEFAULT_CACHE, name)
 
 
+def index_folder(sources: list[str]) -> str:
+    """Where ``mimo-shard index`` writes the index of ``sources`` without ``--output``:
+    ``CACHE/indexes/<name>-<hash of the sources>`` (CACHE: ``MIMO_CACHE_DIR`` or
+    ``~/.cache/mimo``)."""
+    root = os.path.join(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE, "indexes")
+    given = sources[0] if len(sources) == 1 else "\n".join(sources)
+    return external_directory(given, root)
+
+
 def columns_digest(table: pa.Table) -> str:
     """sha256 of every column's buffers: detects a changed byte in a table file."""
     digest = hashlib.sha256()

@@ -235,14 +235,6 @@ def _results(jobs: list[_Job], workers: int) -> Iterator[ShardResult]:
 
 # ------------------------------------------------------------------------------ output
 
-def default_output(sources: list[str]) -> str:
-    """Where an index goes without ``--output``: ``CACHE/indexes/<name>-<hash of the
-    sources>`` (CACHE: ``MIMO_CACHE_DIR`` or ``~/.cache/mimo``)."""
-    root = os.path.join(os.environ.get(cache.CACHE_DIR_ENV) or cache.DEFAULT_CACHE, "indexes")
-    given = sources[0] if len(sources) == 1 else "\n".join(sources)
-    return cache.external_directory(given, root)
-
-
 def _named(output: str, given: bool) -> str:
     """The output folder as messages name it: the option given, or the cache's folder."""
     return f"--output {output}" if given else f"the index folder {output} (no --output given)"
@@ -406,7 +398,7 @@ def _read(remote: storage.Remote | None, location: str, offset: int, size: int) 
 
 def index(sources: list[str], output: str | None, options: IndexOptions,
           storage_options: dict | None = None) -> dict:
-    """Index the tars of ``sources`` into ``output`` (None: ``default_output``); return the
+    """Index the tars of ``sources`` into ``output`` (None: ``cache.index_folder``); return the
     index. Raises IndexInputError (nothing is left behind then: no index.json). Where it keeps
     no sample it leaves its report alone, as a build does: no dataset, and its output takes the
     next indexing as is."""
@@ -423,7 +415,7 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
     source = resolve(sources, options, storage_options)
     given = output is not None
     if output is None:
-        output = default_output(sources)
+        output = cache.index_folder(sources)
         say(f"no --output: the index goes to {output}")
     output = os.path.abspath(storage.local_path(output))
     named = _named(output, given)

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 
-from mimo_data.shards import storage
+from mimo_data.shards import cache, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
                                      REPORT_FILE, SAMPLES_FILE, STAGING_DIR)
 
@@ -172,7 +172,12 @@ def unindexed_tars(directory: str, storage_options: dict | None = None) -> bool:
 
 
 def unindexed_tars_advice(directory: str) -> str:
-    """What to do with ``unindexed_tars``."""
+    """What to do with ``unindexed_tars``: the index ``mimo-shard index`` made of them
+    without ``--output`` where there is one, else how to make it."""
+    made = cache.index_folder([directory])
+    if os.path.isfile(os.path.join(made, INDEX_FILE)):
+        return (f"tars with no {INDEX_FILE}: `mimo-shard index {directory}` (no --output) "
+                f"wrote their index to {made}: give that folder instead")
     return (f"tars with no {INDEX_FILE}: tars made elsewhere (webdataset, img2dataset, "
             f"Energon) are indexed where they are with `mimo-shard index {directory} --output "
             "DIR`, then DIR is given; a `mimo-shard build` that wrote them was interrupted: "
