@@ -1495,6 +1495,10 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path)
     assert indexed["tokens"] == built["tokens"]
     assert {m: d["tokens"] for m, d in indexed["modalities"].items()} == \
         {m: d["tokens"] for m, d in built["modalities"].items()}
+    # the build's own folder given to index: a dataset already, not tars to index again
+    code, _, err = cli_main(capsys, "index", root / "built", "--output", tmp_path / "again")
+    assert code == 2 and f"{root / 'built'} is a mimo dataset already (its index.json" in err \
+        and not (tmp_path / "again").exists(), err
 
 
 # ------------------------------------------------------------------------------ documents

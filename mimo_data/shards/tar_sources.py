@@ -5,6 +5,7 @@ member map of their layout (given, Energon's ``field_map``, or detected from the
 from __future__ import annotations
 
 import glob
+import json
 import os
 import posixpath
 import sys
@@ -16,6 +17,7 @@ import braceexpand
 from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
+from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE
 from mimo_data.shards.layouts import MemberMap, detect, field as member
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import SourceError
@@ -188,6 +190,10 @@ def _resolve(sources: list[str], options: IndexOptions,
     if folder_given:
         root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
             os.path.abspath(storage.local_path(sources[0]))
+        if _a_mimo_dataset(root, storage_options):
+            raise IndexInputError(f"{root} is a mimo dataset already (its {INDEX_FILE}, as "
+                                  "mimo-shard build writes it): give it as it is (data.datasets,"
+                                  " mimo-inspect, mimo-shard info); nothing to index")
         if energon.is_energon(root, storage_options):
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
             # validation parts are no training data)
@@ -315,6 +321,16 @@ def _resolve(sources: list[str], options: IndexOptions,
     mapping, first = _member_map(root, names, options, storage_options)
     return Source(root, names, mapping, detected_from=first)
 
+
+
+def _a_mimo_dataset(folder: str, storage_options: dict | None) -> bool:
+    """Whether ``folder`` holds a mimo dataset's index (``mimo-shard build``'s output)."""
+    index = storage.join(folder, INDEX_FILE)
+    try:
+        return storage.exists(index, storage_options) and json.loads(
+            storage.read_bytes(index, storage_options)).get("format") == FORMAT_NAME
+    except (OSError, ValueError, AttributeError):     # not one: indexed as its tars
+        return False
 
 
 # how many folders above the given tars are searched for an Energon dataset's .nv-meta
