@@ -188,7 +188,7 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
     output, for build and index alike, not a traceback."""
     (tmp_path / "afile").write_text("in the way\n")
     out = tmp_path / "afile" / "out"
-    for args in (("build", small_input), ("index", corpus_build)):
+    for args in (("build", small_input), ("index", f"{corpus_build}/*.tar")):
         code, _, err = cli_main(capsys, *args, "-o", out, "--no-progress")
         assert code == 2, err
         assert f"error: cannot create --output {out}: [Errno 20] Not a directory" in err, err
@@ -221,7 +221,7 @@ def test_an_output_that_cannot_be_created_is_a_usage_error(capsys, tmp_path, sma
                                          (swap, "staging_in", denied)):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(module, first_write, refusal)
-            for args in (("build", small_input), ("index", corpus_build)):
+            for args in (("build", small_input), ("index", f"{corpus_build}/*.tar")):
                 code, _, err = cli_main(capsys, *args, "-o", tmp_path / "ro", "--no-progress")
                 assert code == 2 and f"error: cannot write into --output {tmp_path / 'ro'}: " \
                     "[Errno 13] Permission denied" in err, err

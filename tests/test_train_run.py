@@ -595,6 +595,7 @@ def _stopped(plan, rank: int, error: Exception) -> RunError:
         raise error
     trainer = Trainer.__new__(Trainer)
     trainer.plan, trainer.rank, trainer.doing = plan, rank, "step 4"
+    trainer.unsettled = None                    # no step done before the failing one
     trainer.device = torch.device("cpu")
     trainer.infra = SimpleNamespace(role=plan.layout.role(rank))
     trainer.loader = trainer.valid_loader = None

@@ -60,8 +60,10 @@ def _positive(kind):
     """An argparse type: a number of ``kind`` > 0."""
     def parse(text: str):
         value = kind(text)
-        if not 0 < value < math.inf:
-            raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not > 0")
+        if value == math.inf:
+            raise argparse.ArgumentTypeError(f"{text} is not finite")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
