@@ -754,7 +754,9 @@ def test_the_step_done_before_a_failure_is_said(capsys):
 
     def failing():
         raise RuntimeError("Connection closed by peer")
-    for interval, said in ((1, True), (3, False)):
+    # (a failure after step 4's own work, its save or the signals' agreement: not said)
+    for interval, doing, said in ((1, "step 5", True), (3, "step 5", False),
+                                  (1, "step 4", False)):
         trainer = Trainer.__new__(Trainer)
         trainer.metrics = Metrics.__new__(Metrics)
         trainer.metrics.rank0, trainer.metrics.log_interval = True, interval
@@ -762,9 +764,9 @@ def test_the_step_done_before_a_failure_is_said(capsys):
                                        timer=None, forward=[], global_batch_size=8)
         trainer._train = failing
         trainer.infra = SimpleNamespace(role=SimpleNamespace(modules=[]))
-        trainer.rank, trainer.doing = 1, "step 5"
+        trainer.rank, trainer.doing = 1, doing
         trainer.loader = trainer.valid_loader = None
-        with pytest.raises(RunError, match="step 5"):
+        with pytest.raises(RunError, match=doing):
             trainer.run()
         out = capsys.readouterr().out
         assert (out == "step    4: loss 3.0000  trained tokens 8  (its other figures not "

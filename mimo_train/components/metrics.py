@@ -143,6 +143,10 @@ class Readings:
         self.values = values
         self.read_values: dict[str, list[float]] | None = None
 
+    def ready(self) -> bool:
+        """Whether ``read`` would not wait (the device has made the values)."""
+        return self.event is None or self.event.query()
+
     def read(self) -> dict[str, list[float]]:
         """name -> its values (waits for the device to have made them, once)."""
         if self.read_values is None:
@@ -489,8 +493,8 @@ class Metrics:
         over the ranks (``flush``), which a failed rank no longer joins, so rank 0 says what
         it holds itself, the world's loss and trained tokens (its pending steps between
         logging steps stay unsaid, as they would have)."""
-        if not self.rank0 or values.step % self.log_interval:
-            return
+        if not self.rank0 or values.step % self.log_interval or not values.readings.ready():
+            return                  # (never a wait: the failed step's work may never end)
         loss_sum, tokens = values.readings.read()["sums"]
         print(f"step {values.step:>4}: loss {loss_sum / max(tokens, 1):.4f}  trained tokens "
               f"{int(tokens)}  (its other figures not gathered: the run failed in the next "

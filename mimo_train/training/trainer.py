@@ -480,7 +480,9 @@ class Trainer:
         (``settle``), said as far as this rank can without the others; a failure reading it
         (a device that failed) leaves it unsaid."""
         values, self.unsettled = self.unsettled, None
-        if values is not None:
+        # only a failure in the next step's work: one after the step (its save, the signals'
+        # agreement) is that step's own, whose values may wait on a collective left undone
+        if values is not None and self.doing == f"step {values.step + 1}":
             try:
                 self.metrics.unfinished(values)
             except Exception:       # the failure being raised says what went wrong
