@@ -173,7 +173,7 @@ def test_fan_in_to_tensor_parallel_is_the_colocated_step(ranks, run, colocated, 
     _assert_loss(fan_in, reference, f"image dp2 -> language {language}, {how}")
     compare(colocated, fan_in, f"image dp2 -> language {language}, {how}", GRADIENT_TOLERANCE)
     # no third-party warning on the way: etp1's whole experts run without sequence
-    # parallelism (megatron-core's note of it), the towers' DDP config has no experts
+    # parallelism (megatron-core's note of it), the towers' DDP config no parallelism
     for log in (run["tmp"] / "fan-in" / "logs").glob("rank_*.err"):
         assert "Warning" not in log.read_text(), (log, log.read_text()[-3000:])
 

@@ -507,6 +507,7 @@ def _named(tokens: list) -> bool:
 
 
 def _not_named(vlm: VLM) -> str:
+    """The remedy where the preprocessing tokenizer names none of ``vlm``'s token ids."""
     return (", which the preprocessing tokenizer has no tokens for: use the checkpoint's "
             f"tokenizer (tokenizer: {vlm.path})")
 

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import re
@@ -398,7 +399,7 @@ def _run_plan(directory: str, base: str | None = None):
     try:
         with open(path) as f:
             meta = json.load(f)
-        saved = json.loads(json.dumps(meta.get("preprocess")))    # before --base moves it
+        saved = copy.deepcopy(meta.get("preprocess"))    # before --base moves it
         if base is not None:
             _moved(meta, base, path)
         cfg = TrainConfig.from_dict(meta["config"])
@@ -439,11 +440,10 @@ def _preprocess_config(cfg, directory: str, trained: dict | None, saved: dict | 
     from mimo_data.errors import ConfigError, UnreadableConfig
     from mimo_data.preprocess.config import PreprocessConfig
     path = cfg.data.preprocess
-    if trained is not None:
+    if trained is not None and saved is not None:      # both or neither: meta.json's copy
         config = PreprocessConfig.from_dict(trained)
         try:
-            changed = PreprocessConfig.from_yaml(path) != \
-                PreprocessConfig.from_dict(saved or trained)
+            changed = PreprocessConfig.from_yaml(path) != PreprocessConfig.from_dict(saved)
         except ConfigError:
             changed = True
         if changed:

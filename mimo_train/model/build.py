@@ -281,7 +281,7 @@ def build_model(plan: RunPlan, infra: Infra, vocabulary: Vocabulary,
         if name not in frozen_modules and not any(p.requires_grad for p in module.parameters()):
             raise TrainConfigError(f"model.freeze leaves module {name!r} nothing to train: "
                                    f"freeze the whole module ({name})")
-        # encoders: the language model's config without its own memory settings
+        # encoders: the language model's config without its memory settings and parallelism
         config = transformer if name == LANGUAGE else encoder_transformer_config
         replace_module(model, name, DistributedDataParallel(
             config, ddp_config(plan.modules[name].optimizer), module,
