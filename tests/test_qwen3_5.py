@@ -253,21 +253,34 @@ def test_import_then_export_gives_every_weight_back(run, exported):
 
 
 def test_export_onto_a_moved_base_or_another_model(run, colocated, capsys, tmp_path):
-    """``--base``: the same model copied elsewhere exports without a word of a changed
-    preprocessing YAML (its tokenizer moves with the base; the YAML, naming the old place,
-    is as the run saved it); the other Qwen3.5 (the MoE for the dense run, the dense for the
-    MoE's) is refused as another model than the run trained (exit 1), not as a damaged
-    checkpoint."""
+    """``--base``: the model moved elsewhere (gone from where the run and its preprocessing
+    YAML name it) exports without a word of a changed YAML (its tokenizer moves with the base;
+    the YAML is as the run saved it); the other Qwen3.5 (the MoE for the dense run, the dense
+    for the MoE's) is refused as another model than the run trained (exit 1), not as a
+    damaged checkpoint."""
+    import hashlib
     import shutil
 
     from mimo_train.hf.export import main as export
     step = run["tmp"] / "init" / "step_0000000"
     meta = json.loads((step / "meta.json").read_text())
     assert meta["preprocess"]["tokenizer"] == meta["config"]["model"]["pretrained"]
-    shutil.copytree(CHECKPOINTS[run["name"]], tmp_path / "moved")
+    # the run as if it had trained on a copy at "old" with a YAML naming it, then moved
+    base, old = str(CHECKPOINTS[run["name"]]), str(tmp_path / "old")
+    shutil.copytree(step, tmp_path / "step")
+    yaml_path = tmp_path / "preprocess.yaml"
+    yaml_path.write_text(run["preprocess"].read_text().replace(base, old))
+    rewritten = (step / "meta.json").read_text().replace(
+        str(run["preprocess"]), str(yaml_path)).replace(base, old).encode()
+    (tmp_path / "step" / "meta.json").write_bytes(rewritten)
+    integrity = json.loads((step / "integrity.json").read_text())
+    integrity["files"]["meta.json"] = hashlib.sha256(rewritten).hexdigest()
+    integrity["sizes"]["meta.json"] = len(rewritten)
+    (tmp_path / "step" / "integrity.json").write_text(json.dumps(integrity))
+    shutil.copytree(base, tmp_path / "moved")
     capsys.readouterr()
-    assert export(["--checkpoint", str(step), "--output", str(tmp_path / "out"), "--base",
-                   str(tmp_path / "moved")]) == 0
+    assert export(["--checkpoint", str(tmp_path / "step"), "--output", str(tmp_path / "out"),
+                   "--base", str(tmp_path / "moved")]) == 0
     assert "is not as the run trained with it" not in capsys.readouterr().err
     other = CHECKPOINTS["35B-A3B" if run["name"] == "4B" else "4B"]
     assert export(["--checkpoint", str(step), "--output", str(tmp_path / "mixed"), "--base",

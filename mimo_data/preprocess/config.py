@@ -195,8 +195,9 @@ class PreprocessConfig:
         return replace(config, modalities=modalities) if given else config
 
     @classmethod
-    def from_yaml(cls, path: str) -> PreprocessConfig:
-        """Load a YAML; its tokenizer and chat_template paths resolve against its folder."""
+    def from_yaml(cls, path: str, *, paths_exist: bool = True) -> PreprocessConfig:
+        """Load a YAML; its tokenizer and chat_template paths resolve against its folder (and
+        must exist there unless ``paths_exist`` is False: the YAML only read, not used)."""
         derive = ("a preprocessing config YAML is made from a model's folder with `mimo-train "
                   "--preprocessing-for MODEL_DIR > preprocess.yaml`")
         if os.path.isdir(path):
@@ -232,7 +233,7 @@ class PreprocessConfig:
         data = dict(data)
         for key, kind in (("tokenizer", "directory"), ("chat_template", "file")):
             if isinstance(data.get(key), str):
-                data[key] = _resolve(data[key], key, kind, path)
+                data[key] = _resolve(data[key], key, kind if paths_exist else None, path)
         try:
             return cls.from_dict(data)
         except ConfigError as error:
@@ -306,8 +307,9 @@ def looks_like_path(value: str, base: str = ".") -> bool:
             or os.path.exists(os.path.join(base, os.path.expanduser(value))))
 
 
-def _resolve(value: str, key: str, kind: str, yaml_path: str) -> str:
-    """``value`` of ``key`` as an absolute path when it is one (against the YAML's folder)."""
+def _resolve(value: str, key: str, kind: str | None, yaml_path: str) -> str:
+    """``value`` of ``key`` as an absolute path when it is one (against the YAML's folder),
+    which must be a ``kind`` ("directory" or "file"; None: not checked)."""
     base = os.path.dirname(os.path.abspath(yaml_path))
     if not looks_like_path(value, base):
         found = shadowed(value, key, os.path.join(base, value)) if key == "tokenizer" else None
@@ -315,6 +317,8 @@ def _resolve(value: str, key: str, kind: str, yaml_path: str) -> str:
             raise ConfigError(f"{yaml_path}: {found}")
         return value
     resolved = os.path.normpath(os.path.join(base, os.path.expanduser(value)))
+    if kind is None:
+        return resolved
     exists = os.path.isdir(resolved) if kind == "directory" else os.path.isfile(resolved)
     if not exists:
         raise ConfigError(f"{key}: {value!r} in {yaml_path} is {resolved}, which is not a "

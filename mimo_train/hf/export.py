@@ -442,8 +442,9 @@ def _preprocess_config(cfg, directory: str, trained: dict | None, saved: dict | 
     path = cfg.data.preprocess
     if trained is not None and saved is not None:      # both or neither: meta.json's copy
         config = PreprocessConfig.from_dict(trained)
-        try:
-            changed = PreprocessConfig.from_yaml(path) != PreprocessConfig.from_dict(saved)
+        try:          # a tokenizer moved with --base is gone from where the YAML names it
+            changed = PreprocessConfig.from_yaml(path, paths_exist=False) \
+                != PreprocessConfig.from_dict(saved)
         except ConfigError:
             changed = True
         if changed:
