@@ -965,6 +965,12 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
         synthesize({"json": b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'},
                    MemberMap("conversation"))
     assert caught.value.reason == "invalid_utf8"
+    # UTF-16/32 and a BOM are JSON's own encodings (webdataset's decoder reads them): read
+    text = json.dumps({"messages": chat("Hi.", "Café.")})
+    for data in (text.encode("utf-16"), text.encode("utf-32-le"), b"\xef\xbb\xbf" +
+                 text.encode()):
+        assert synthesize({"json": data}, MemberMap("conversation")).fields["messages"][1][
+            "content"] == "Café."
 
 
 def test_a_conversation_member_listing_tools_keeps_them():

@@ -100,9 +100,12 @@ def _text(data: bytes, what: str) -> str:
 
 
 def _json(members: dict[str, bytes], name: str) -> Any:
-    text = _text(members[name], f"member KEY.{name}")       # not UTF-8: invalid_utf8
+    """Member ``name`` read as JSON from its bytes, as webdataset's decoder reads it (UTF-8,
+    with or without a BOM, or UTF-16/32: json finds which)."""
     try:
-        return json.loads(text)
+        return json.loads(members[name])
+    except UnicodeDecodeError as exc:      # a ValueError too: said as a text member's is
+        raise RecordError("invalid_utf8", f"member KEY.{name} is not UTF-8: {exc}") from None
     except ValueError as exc:
         raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
 
