@@ -1068,6 +1068,12 @@ def test_plan_rejects_an_invalid_layout(capsys, clean, configs):
     # a config error (README's exit status 2), as mimo-train's for the same LayoutError
     assert code == 2 and "INVALID" in out
     assert "FAIL layout" in err and "8" in err and "6" in err
+    code, out, _ = run(capsys, "plan", clean, "--config", configs["default"], "--layout",
+                       "language=dp3;image=dp1;audio=dp1", "--global-batch-size", "8",
+                       "--micro-batch-size", "2", "--json")       # stdout stays JSON
+    result = json.loads(out)
+    assert code == 2 and result["valid"] is False and "8" in result["problem"] and \
+        result["layout"].startswith("language=tp1,cp1,pp1,dp3"), result
     # --split-media is the advisor's: a plan of one layout draws whole micro-batches, so it is
     # refused there rather than ignored
     code, _, err = run(capsys, "plan", clean, "--config", configs["default"], "--layout",

@@ -1700,24 +1700,32 @@ def qwen2_vl_2b_yaml(qwen2_vl_2b, tmp_path_factory) -> dict:
             "config": PreprocessConfig.from_yaml(str(qwen2_vl_2b["preprocess"]))}
 
 
-def test_a_layout_plan_of_a_split_media_run_says_it_is_taken_not_drawn(capsys,
+def test_a_layout_plan_of_a_split_media_run_says_it_is_taken_not_drawn(capsys, loader_corpus,
                                                                         qwen2_vl_2b_yaml):
     """``plan --layout L --model TRAIN.yaml`` of a run with ``data.split_media: true``: the
     trainer's rules take the layout (its tower ranks split each language rank's media), so
     it is not called invalid (exit 2) by the whole-sample check of a micro-batch of one; the
     per-rank plan, which draws whole samples to each encoder rank, is not drawn for it (exit
-    0, saying so, the dataset unread)."""
+    0, saying so: in JSON with ``--json``); a DIR that is no dataset is still refused."""
     from mimo_train.inspect_cli import main
     layout, path = "image=dp2,video;language=tp2", qwen2_vl_2b_yaml["yaml"][True]
     one = path.with_name("split-one.yaml")       # micro-batches of one: a sample a language rank
     one.write_text(path.read_text().replace("micro_batch_size: 2", "micro_batch_size: 1"))
+    argv = ["--config", str(qwen2_vl_2b_yaml["preprocess"]), "--model", str(one), "--layout",
+            layout, "--no-progress"]
     capsys.readouterr()
-    code = main(["plan", str(path.parent / "no-dataset"), "--config",
-                 str(qwen2_vl_2b_yaml["preprocess"]), "--model", str(one), "--layout", layout])
+    code = main(["plan", str(loader_corpus), *argv])
     out, err = capsys.readouterr()
     assert code == 0 and out.startswith(
         f"layout    {layout}: mimo-train takes it for --model {one}, which trains with "
         "data.split_media: true"), (out, err)
+    code = main(["plan", str(loader_corpus), *argv, "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and {k: v for k, v in json.loads(out).items() if k != "why"} == {
+        "layout": layout, "valid": True, "split_media": True, "drawn": False}, (out, err)
+    code = main(["plan", str(path.parent / "no-dataset"), *argv])
+    out, err = capsys.readouterr()
+    assert code != 0 and "no-dataset" in err and not out, (code, out, err)
 
 
 def _one_long_clip(clip: list[int]) -> dict:

@@ -28,6 +28,7 @@ Exit status (the same for every mimo CLI):
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -462,11 +463,19 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                   f"for --model {args.model}: {reason}", file=sys.stderr)
             return 2
         if split:                              # checked, but not drawn rank by rank
-            print(f"layout    {args.layout}: mimo-train takes it for --model {args.model}, "
-                  "which trains with data.split_media: true (each encoder rank that fans in "
-                  "encodes a part of its language rank's media); a per-rank plan draws whole "
-                  "samples to each encoder rank and would not be that run's: the layout "
-                  "advisor (--gpus N) counts the parts")
+            from mimo_data.loading.loader import DataSource
+            DataSource([args.directory], config, cache_dir=args.cache_dir,    # DIR is one
+                       progress=not args.no_progress)
+            why = ("each encoder rank that fans in encodes a part of its language rank's "
+                   "media; a per-rank plan draws whole samples to each encoder rank and would "
+                   "not be that run's: the layout advisor (--gpus N) counts the parts")
+            if args.json:
+                json.dump({"layout": args.layout, "valid": True, "split_media": True,
+                           "drawn": False, "why": why}, sys.stdout, indent=1)
+                print()
+            else:
+                print(f"layout    {args.layout}: mimo-train takes it for --model {args.model}, "
+                      f"which trains with data.split_media: true ({why})")
             return 0
     if args.gpus is None and not clip:
         if args.layout is None:

@@ -402,7 +402,11 @@ def run_plan(args, config: PreprocessConfig) -> int:
         layout.validate(layout.world_size, args.global_batch_size, args.micro_batch_size,
                         variable_token_modalities(config), modalities=list(config.modalities))
     except LayoutError as exc:
-        print(f"layout    {layout}: INVALID", file=sys.stdout)
+        if args.json:
+            print(json.dumps({"layout": str(layout), "valid": False, "problem": str(exc)},
+                             indent=1))
+        else:
+            print(f"layout    {layout}: INVALID", file=sys.stdout)
         print(f"mimo-inspect plan: FAIL layout: {exc}", file=sys.stderr)
         return 2
     source = DataSource([args.directory], config, cache_dir=args.cache_dir,
