@@ -670,7 +670,8 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     dataset_yaml.write_text(dataset_yaml.read_text().replace("image:", "imgae:"))
     with pytest.raises(SourceError, match=re.escape(
             "field_map has no image, which a CaptioningSample needs; it has field_map.imgae, "
-            "no field of a CaptioningSample (did you mean field_map.image?)")):
+            "no field of a CaptioningSample (did you mean field_map.image?); or index the "
+            "folder with --layout pairs")):
         index([str(tmp_path / "ds")], str(tmp_path / "typo"), IndexOptions(workers=0,
                                                                            progress=False))
 

@@ -85,10 +85,10 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                           "needs; " + (f"it has {', '.join(f'field_map.{u}' for u in unknown)}"
                                        f", no field of a {kind}"
                                        f"{meant(unknown, missing, 'field_map.')}" if unknown
-                                       else f"its fields: {sorted(fields)}"))
-    if kind == "CaptioningSample" and {"image", "caption"} <= fields.keys():
+                                       else f"its fields: {sorted(fields)}") + f"; or {OTHERWISE}")
+    if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
-    if kind in ("VQASample", "VQAOCRSample") and {"image", "context", "answers"} <= fields.keys():
+    if kind in ("VQASample", "VQAOCRSample"):
         return MemberMap("vqa", media=fields["image"], question=fields["context"],
                          text=fields["answers"], weights=fields.get("answer_weights", "")), unread
     raise SourceError(f"{where}: sample type {kind or '?'}{meant([kind], _FIELDS)} with "
