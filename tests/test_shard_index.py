@@ -31,9 +31,10 @@ import re
 import shutil
 import stat
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import webdataset
 
@@ -789,7 +790,22 @@ def test_a_question_or_answer_holding_a_marker_or_unweighable_weights_is_skipped
     def sample(**fields) -> dict[str, bytes]:
         return {"jpg": b"", "json": json.dumps({"question": "What?", "answers": ["A cat."],
                                                 **fields}).encode()}
-    assert synthesize(sample(weights=[2.0]), vqa).fields["messages"][1]["content"] == "A cat."
+    for weights in ([2.0], 2.0):               # a lone answer's weight, listed or not
+        assert synthesize(sample(weights=weights), vqa).fields["messages"][1]["content"] == \
+            "A cat."
+    # an .npy weights member (webdataset decodes it for Energon) weighs as a JSON list
+    npy = MemberMap("vqa", media="jpg", question="json[question]", text="json[answers]",
+                    weights="weights.npy")
+    two = {"jpg": b"", "json": json.dumps({"question": "What?", "answers": ["A", "B"]}).encode()}
+    for weights, chosen in (([1.0, 3.0], "B"), ([3, 1], "A")):
+        stored = io.BytesIO()
+        np.save(stored, np.array(weights))
+        assert synthesize({**two, "weights.npy": stored.getvalue()}, npy).fields["messages"][
+            1]["content"] == chosen
+    with pytest.raises(RecordError, match=re.escape("the answer's weights (KEY.weights.txt) "
+                                                    "are b'1 3': give a number for each of "
+                                                    "its 2 texts (a JSON list or a .npy")):
+        synthesize({**two, "weights.txt": b"1 3"}, replace(npy, weights="weights.txt"))
     for fields, member in (({"question": "What is <image>?"}, "question (KEY.json[question])"),
                            ({"answers": ["The <audio> says."]}, "answer (KEY.json[answers])")):
         with pytest.raises(RecordError, match=re.escape(f"the {member} holds a media marker"))\

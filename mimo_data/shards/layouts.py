@@ -169,17 +169,33 @@ def _chosen(found: tuple[str, Any], weights: tuple[str, Any] | None, what: str
     texts = value if isinstance(value, list) else [value]
     index = 0
     if weights is not None:                 # one number a text: [w], or w for a lone text
-        given = weights[1] if isinstance(weights[1], list) or isinstance(value, list) else \
-            [weights[1]]
-        if not (isinstance(given, list) and len(given) == len(texts) and all(
+        read = _numbers(*weights)
+        given = read if isinstance(read, list) else [read]
+        if not (len(given) == len(texts) and all(
                 isinstance(w, int | float) and not isinstance(w, bool) for w in given)):
             raise RecordError("malformed_record", f"{what}'s weights (KEY.{weights[0]}) are "
-                              f"{str(weights[1])[:80]}: give a number for each of its "
-                              f"{len(texts)} text{'s' if len(texts) > 1 else ''}")
+                              f"{str(read)[:80]}: give a number for each of its "
+                              f"{len(texts)} text{'s' if len(texts) > 1 else ''} (a JSON list "
+                              "or a .npy array)")
         index = max(range(len(given)), key=given.__getitem__)
     if len(texts) < 2:
         return (member, texts[0]), {}
     return (member, texts[index]), {TEXTS_CHOSEN: 1}
+
+
+def _numbers(member: str, value: Any) -> Any:
+    """Weights as read: a ``.npy`` member's array as a list (webdataset's decoder gives
+    Energon the numpy array), other values as they are."""
+    if not (isinstance(value, bytes) and member.rpartition(".")[2].lower() == "npy"):
+        return value
+    import io
+
+    import numpy as np
+    try:
+        return np.load(io.BytesIO(value), allow_pickle=False).tolist()
+    except (ValueError, OSError) as exc:
+        raise RecordError("malformed_record", f"member KEY.{member} is not a .npy array: "
+                          f"{exc}") from None
 
 
 def _medium(members: dict[str, bytes], spec: str | None) -> tuple[str, str] | None:
