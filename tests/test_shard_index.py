@@ -1499,7 +1499,7 @@ def test_a_caption_read_from_the_json_keeps_its_url_in_the_source():
     assert caught.value.reason == "malformed_json", caught.value
 
 
-def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path):
+def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path, monkeypatch):
     """``mimo-inspect report`` on both: the same token counts, every check passing (media
     metadata against samples.parquet too), with the cache beside the index."""
     from mimo_data.inspect.cli import main
@@ -1521,6 +1521,15 @@ def test_inspect_reports_the_index_as_the_build(conversations, capsys, tmp_path)
     # the build's own folder given to index: a dataset already, not tars to index again
     code, _, err = cli_main(capsys, "index", root / "built", "--output", tmp_path / "again")
     assert code == 2 and f"{root / 'built'} is a mimo dataset already (its index.json" in err \
+        and not (tmp_path / "again").exists(), err
+    # its index.json unread for a store that kept failing: that failure, not its tars indexed
+    from mimo_data.shards import storage
+
+    def failing(location, *args, **kwargs):
+        raise storage.StorageError(f"reading {location}: still failing after 5 tries")
+    monkeypatch.setattr(storage, "read_bytes", failing)
+    code, _, err = cli_main(capsys, "index", root / "built", "--output", tmp_path / "again")
+    assert code == 1 and f"{root / 'built'}/index.json: still failing" in err \
         and not (tmp_path / "again").exists(), err
 
 

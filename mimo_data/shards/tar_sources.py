@@ -329,6 +329,8 @@ def _a_mimo_dataset(folder: str, storage_options: dict | None) -> bool:
     try:
         return storage.exists(index, storage_options) and json.loads(
             storage.read_bytes(index, storage_options)).get("format") == FORMAT_NAME
+    except storage.StorageError:        # unknown (the store kept failing): said, not guessed
+        raise
     except (OSError, ValueError, AttributeError):     # not one: indexed as its tars
         return False
 
