@@ -199,6 +199,35 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, capsys):
     assert f"W&B run {again['id']} already holds steps up to 20 " in capsys.readouterr().out
 
 
+def test_tensorboard_holds_each_step_once_when_a_run_starts_again(tmp_path, monkeypatch):
+    """A run that died before its first checkpoint, started again in the same folder (a new
+    run, from step 1): TensorBoard shows each step once, with the new run's value (its writer
+    purges the earlier events from the first step it logs); a run resuming the checkpoint of
+    step 1 there replaces the steps after it. In process, rank 0's writer."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mimo_train.components import metrics
+
+    monkeypatch.setattr(metrics.dist, "get_rank", lambda: 0)
+    folder = str(tmp_path / "tb")
+    died = SummaryWriter(folder)                    # steps 1-3, then killed: no checkpoint
+    for step in (1, 2, 3):
+        died.add_scalar("train/loss", 10.0 + step, step)
+    died.flush()
+
+    def run(resumed: int, values: dict[int, float]) -> list[tuple[int, float]]:
+        logged = metrics.Metrics(folder, 1, 3, None, [], resumed=resumed)
+        for step, value in values.items():
+            logged._write(step, {"train/loss": value})
+        logged.close()
+        events = EventAccumulator(folder)
+        events.Reload()
+        return [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert run(0, {1: 1.0, 2: 2.0}) == [(1, 1.0), (2, 2.0)]
+    assert run(1, {2: 20.0, 3: 30.0}) == [(1, 1.0), (2, 20.0), (3, 30.0)]
+
+
 def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):
     """A run that died after step 6 with its checkpoint at step 4: the resumed run's records
     file keeps steps 1-4 (its evaluation at 4 too) and a note saying why 5-6 went; the torn

@@ -464,9 +464,10 @@ class Metrics:
         self.writer = None
         if tensorboard_dir and self.rank0:
             from torch.utils.tensorboard import SummaryWriter
-            # a resumed run's steps replace those a run that died logged after the checkpoint
-            self.writer = SummaryWriter(tensorboard_dir, purge_step=resumed + 1) if resumed \
-                else SummaryWriter(tensorboard_dir)
+            # The steps this run logs (from resumed + 1: the first step it trains) replace
+            # those an earlier run logged in the same folder, a run that died after the
+            # checkpoint resumed or, for a new run, one that died before its first checkpoint.
+            self.writer = SummaryWriter(tensorboard_dir, purge_step=resumed + 1)
         self.wandb = None                 # train.wandb (a WandbConfig): its run, on rank 0
         if wandb is not None and self.rank0:
             import wandb as wandb_sdk
