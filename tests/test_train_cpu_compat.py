@@ -858,6 +858,30 @@ def test_writer_left_nothing(monkeypatch):
     assert not writer_left_nothing()
 
 
+def test_writer_failure(monkeypatch):
+    """A rank learns its own writer's exception (put as the write's results by
+    ``then_in_writer``: megatron-core raises it only on its coordinator, where another rank's
+    crosses as its text alone) from its read of the results: whole, once (cleared); a read of
+    results, or a results queue not mimo's, says none."""
+    from mimo_train.mcore import filesystem_async
+    from mimo_train.mcore.async_save import use_forked_write_results, writer_failure
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    use_forked_write_results()
+    ours = filesystem_async._results_queue
+    ours.put(OSError(28, "No space left on device", "ck/step_0000004/__0_0.distcp"))
+    assert isinstance(ours.get_nowait(), OSError)
+    failure = writer_failure()
+    assert isinstance(failure, OSError) and (failure.errno, failure.filename) == (
+        28, "ck/step_0000004/__0_0.distcp")
+    assert writer_failure() is None
+    ours.put({"written": 1})
+    ours.get_nowait()
+    assert writer_failure() is None
+    monkeypatch.setattr(filesystem_async, "_results_queue", queue.Queue())
+    assert writer_failure() is None
+
+
 def test_ensure_global_memory_buffer(monkeypatch):
     """megatron-core's layers take buffers from its global memory buffer, which only its
     ``initialize_model_parallel`` makes (mimo makes the groups of each module's grid)."""

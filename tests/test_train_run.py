@@ -23,12 +23,14 @@ sees of a failure).
   bucket, a checkpoint that cannot be written, a rank killed) reaches the user as one message
   naming the rank, the step and the cause, under real torchrun as its root cause too, with no
   rank's traceback; a rank out of GPU memory (in process) says what would lower its memory;
+  a save onto a full disk, asynchronous or not (in process), says the step folder;
 - preemption: a signal to one worker or to torchrun stops every rank after the same step with
   that step's checkpoint, and the run started again continues the same losses.
 """
 
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -226,6 +228,16 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch
                        "incomplete, latest not moved to it") as refused:
         saver.poll()
     assert refused.value.exit_code == 1
+    # megatron-core's coordinator has another rank's writer's OSError as a RuntimeError
+    # around its text (pickled: without its cause)
+    saver.queue = failing(CheckpointException("write", {1: (RuntimeError(
+        "Worker failure: [Errno 28] No space left on device"), None)}))
+    with pytest.raises(CheckpointError, match=rf"writing {tmp_path}/step_0000004: no space "):
+        saver.poll()
+    worker = RuntimeError(f"Worker failure: {denied}")
+    saver.queue = failing(CheckpointException("write", {1: (worker, None)}))
+    with pytest.raises(PermissionError, match=re.escape(str(denied))):
+        saver.poll()
     saver.pending = ["ck/step_0000004"]
     killed = RuntimeError("results_queue should not be empty")
     saver.queue = failing(CheckpointException("save failed", {0: (full, None), 1: (killed, None)}))
@@ -253,6 +265,54 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch
     with pytest.raises(CheckpointError, match="the checkpoint writer process of rank 3 ended "
                        "without reporting its part"):
         saver.wait()
+
+
+@pytest.mark.parametrize("asynchronous, full", [
+    (True, ("data", "digests")), (True, ("data",)), (False, ("data",)), (True, ("metadata",))],
+    ids=["async", "async-data-only", "sync-data-only", "async-metadata-only"])
+def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, capfd, caplog,
+                                                      asynchronous, full):
+    """A save onto a full file system, its file writes failing with ENOSPC where they are made:
+    the checkpoint's data in megatron-core's write thread (which logs the OSError and hands on
+    a RuntimeError naming only ``<class 'OSError'>``), the writer's digests after it (an
+    exception escaping a forked writer is printed as its traceback), megatron-core's
+    metadata.json at finalization (rank 0). The user is told the step folder, the space free
+    and what to do, and sees no traceback nor megatron-core's log lines. In process: a
+    one-rank gloo world, a one-tensor state, megatron-core's request run by a forked writer
+    (``checkpoint.async_save``) or in place."""
+    import errno
+
+    from megatron.core.dist_checkpointing import serialization
+
+    from mimo_train.components import checkpoint as module
+    from mimo_train.components import digests
+    from mimo_train.errors import CheckpointError
+    from mimo_train.mcore import ShardedTensor, filesystem_async
+    from mimo_train.runtime import distributed
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    for name, (owner, function) in {"data": (filesystem_async, "_write_item"),
+                                    "digests": (digests, "write_atomic"),
+                                    "metadata": (serialization, "save_config")}.items():
+        if name in full:                            # inherited by a forked writer
+            monkeypatch.setattr(owner, function, no_space)
+    monkeypatch.setattr(module, "_sharded", lambda state, step, is_loading, rng: {
+        "w": ShardedTensor.from_rank_offsets("w", torch.ones(64))})
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)      # this test's own
+    step = tmp_path / "step_0000004"
+    with distributed.alone(), pytest.raises(CheckpointError, match=(
+            rf"^writing {step}: no space left on its file system \([\d.]+ GiB free now\): "
+            "this checkpoint is incomplete, latest not moved to it")) as refused:
+        saver = module.Saver(str(tmp_path), asynchronous)
+        saver.save(4, None, {"step": 4})
+        saver.wait()
+    assert refused.value.exit_code == 1 and not (tmp_path / "latest").exists()
+    printed = capfd.readouterr()
+    for word in ("Traceback", "ForkProcess", "Worker failure", "Local worker", "OSError"):
+        assert word not in printed.out + printed.err, printed
+    # megatron-core's log lines of the failure (in place; a forked writer's are its own)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_tensorboard_gets_the_scalars(setup):

@@ -69,7 +69,7 @@ from mimo_train.mcore import (AsyncCallsQueue, FullyParallelSaveStrategyWrapper,
                               get_default_save_sharded_strategy, get_gpt_layer_local_spec,
                               load_plain_tensors, merge, nested_values)
 from mimo_train.mcore.async_save import (then_in_writer, use_forked_write_results,
-                                         writer_left_nothing)
+                                         writer_failure, writer_left_nothing)
 from mimo_train.mcore.gated_delta_net import joined_sections
 from mimo_train.mcore.distributed_optimizer import unshare_steps
 from mimo_train.mcore.fused_adam import use_fused_adam
@@ -188,7 +188,7 @@ class Saver:
                 request.execute_sync()
             except CheckpointException as error:
                 raise _writers_cause(error, directory) from None
-            except OSError as error:            # mimo's digests, written after the data
+            except OSError as error:    # rank 0's at finalization: .metadata, metadata.json
                 raise _no_space(error, directory) or error from None
             return directory
         self.queue.schedule_async_request(request)
@@ -217,6 +217,8 @@ class Saver:
             done = self.queue.maybe_finalize_async_calls(blocking=blocking)
         except CheckpointException as error:
             raise _writers_cause(error, self.pending[0]) from None
+        except OSError as error:        # rank 0's at finalization, as in a synchronous save
+            raise _no_space(error, self.pending[0]) or error from None
         finished, self.pending = self.pending[:len(done)], self.pending[len(done):]
         return finished
 
@@ -244,7 +246,10 @@ def prune(root: str, keep_last: int, current: str) -> list[str]:
 def _writers_cause(error: CheckpointException, directory: str) -> Exception:
     """What made a save fail (a full disk's OSError ...; a rank's writer process killed):
     torch's CheckpointException is a BaseException, which the run's handlers (one message, not
-    a traceback from every rank) leave alone."""
+    a traceback from every rank) leave alone. A writer's own exception is this rank's
+    (``writer_failure``), else the first failing rank's as megatron-core's coordinator has it
+    (``_written``)."""
+    own = writer_failure()
     died = [rank for rank, (failure, _) in sorted(error.failures.items())
             if str(failure) == _NO_RESULTS]
     if writer_left_nothing():                   # this rank's (only the coordinator is told)
@@ -257,12 +262,30 @@ def _writers_cause(error: CheckpointException, directory: str) -> Exception:
             "loads the one before, if any); with checkpoint.async_save each writer holds a "
             "copy of the rank's state in host memory: give the ranks more, or save "
             "synchronously (checkpoint.async_save false)", damaged=True)
-    cause = next((failure[0] for failure in error.failures.values()
-                  if isinstance(failure[0], Exception)),
-                 CheckpointError(f"writing {directory} failed on another rank ({error.args[0]};"
-                                 " megatron-core tells only rank 0 which and why): rank 0's "
-                                 "line says it"))
+    gathered = (_written(failure) for _, (failure, _) in sorted(error.failures.items())
+                if isinstance(failure, Exception))
+    cause = own or next(gathered, CheckpointError(
+        f"writing {directory} failed on another rank ({error.args[0]}; megatron-core tells "
+        "only rank 0 which and why): rank 0's line says it"))
     return _no_space(cause, directory) or cause
+
+
+# megatron-core's words for a writer's exception (``retrieve_write_results``: a RuntimeError
+# raised from it), and an OSError's text in them
+_WORKER_FAILURE = "Worker failure: "
+_OS_ERROR = re.compile(r"\[Errno (\d+)\] (.*)", re.DOTALL)
+
+
+def _written(failure: Exception) -> Exception:
+    """The writer's exception behind megatron-core's RuntimeError around it: its cause, or,
+    where it came from another rank (pickled: the text alone), an OSError of the same errno
+    and text (``OSError(errno, text)`` is that errno's subclass: PermissionError ...)."""
+    if not isinstance(failure, RuntimeError) or not str(failure).startswith(_WORKER_FAILURE):
+        return failure
+    if isinstance(failure.__cause__, Exception):
+        return failure.__cause__
+    text = _OS_ERROR.fullmatch(str(failure)[len(_WORKER_FAILURE):])
+    return OSError(int(text[1]), text[2]) if text else failure
 
 
 def _no_space(error: Exception, directory: str) -> CheckpointError | None:

@@ -2,7 +2,8 @@
 
 - ``then_in_writer``: a save request (megatron-core's ``AsyncRequest``, an immutable named
   tuple) whose write is followed by another function in the same process, the writer forked by
-  ``AsyncCallsQueue`` or the caller of ``execute_sync``;
+  ``AsyncCallsQueue`` or the caller of ``execute_sync``; a failure of either is the write's
+  results, the exception itself (``writer_failure``);
 - ``use_forked_write_results``: the writer's results queue (a file), set before megatron-core
   makes its own (a ``Manager`` of the "spawn" context).
 """
@@ -10,8 +11,10 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import glob
+import logging
 import os
 import pickle
 import queue
@@ -23,14 +26,61 @@ from mimo_train.mcore import AsyncRequest, filesystem_async
 
 def then_in_writer(request: AsyncRequest, after: Callable, *args) -> AsyncRequest:
     """``request`` whose write (its ``async_fn``) is followed by ``after(*args)`` where the
-    write runs; its finalization is unchanged."""
+    write runs, unless the write failed; its finalization is unchanged. The first exception of
+    either (a write thread's own, such as a full disk's OSError) is put as the write's results,
+    which megatron-core's finalization raises on every rank as a ``CheckpointException``."""
     return request._replace(async_fn=functools.partial(_write_then, request.async_fn, after,
                                                        args))
 
 
 def _write_then(write: Callable, after: Callable, args: tuple, *write_args, **write_kwargs):
-    write(*write_args, **write_kwargs)
-    after(*args)
+    failures: list[Exception] = []
+    try:
+        with _worker_failures(failures):
+            write(*write_args, **write_kwargs)
+        if not failures:
+            after(*args)
+    except Exception as error:      # escaping a forked writer: a traceback and no results
+        failures.append(error)
+    results = filesystem_async._results_queue
+    if failures and isinstance(results, _ResultsQueue):
+        results.put(failures[0])    # in place of what megatron-core put, if anything
+    elif failures:
+        raise failures[0]
+
+
+@contextlib.contextmanager
+def _worker_failures(failures: list[Exception]):
+    """Record in ``failures`` the exceptions of megatron-core's write threads meanwhile. Its
+    ``write_preloaded_data`` returns a thread's exception, which its caller logs and then
+    loses: it asserts the result is a list, then puts as the results a RuntimeError naming
+    only the class (``<class 'OSError'>``), or, with threads of its own, leaves the writer by
+    that AssertionError before it puts any. Its log lines of the failure are dropped: the
+    failure itself is raised where the save is finalized."""
+    writer = filesystem_async.FileSystemWriterAsync
+    original = writer.__dict__["write_preloaded_data"]
+    function = original.__func__
+
+    def recorded(*args, **kwargs):
+        output = function(*args, **kwargs)
+        if isinstance(output, tuple) and isinstance(output[1], Exception):
+            failures.append(output[1])
+        return output
+    quiet = _DropErrors()
+    filesystem_async.logger.addFilter(quiet)
+    writer.write_preloaded_data = staticmethod(recorded)
+    try:
+        yield
+    finally:
+        writer.write_preloaded_data = original
+        filesystem_async.logger.removeFilter(quiet)
+
+
+class _DropErrors(logging.Filter):
+    """A logger's errors dropped, its other records kept."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.ERROR
 
 
 class _ResultsQueue:
@@ -50,6 +100,7 @@ class _ResultsQueue:
         self.path = os.path.join(folder, f"mimo-write-results-{os.getpid()}-{id(self)}.pkl")
         self.owner = os.getpid()
         self.found_none = False     # a read found no results: this rank's writer died first
+        self.failure: Exception | None = None   # the exception a read found instead
         atexit.register(self._remove)
 
     def put(self, obj) -> None:
@@ -66,6 +117,8 @@ class _ResultsQueue:
             self.found_none = True
             raise queue.Empty from None
         os.remove(self.path)
+        if isinstance(item, Exception):
+            self.failure = item
         return item
 
     def _remove(self) -> None:
@@ -84,6 +137,18 @@ def writer_left_nothing() -> bool:
         return False
     found.found_none = False
     return True
+
+
+def writer_failure() -> Exception | None:
+    """The exception this rank's writer put as its last write's results (``then_in_writer``),
+    whole: megatron-core raises it only on its coordinator, as a RuntimeError ("Worker
+    failure: <its text>") that crosses from the other ranks pickled, without it. None where
+    there was none. Cleared."""
+    found = filesystem_async._results_queue
+    if not isinstance(found, _ResultsQueue):
+        return None
+    failure, found.failure = found.failure, None
+    return failure
 
 
 def use_forked_write_results() -> None:
