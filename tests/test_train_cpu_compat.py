@@ -781,9 +781,10 @@ def test_optimizer_step_on_device_chained_parts(language):
         assert torch.equal(ours, expected), (ours, expected)
 
 
-def test_then_in_writer():
+def test_then_in_writer(language):
     """megatron-core's save request is an immutable named tuple (its write cannot be replaced
-    in place); the extended request writes, then runs the function, then finalizes."""
+    in place); the extended request writes, then runs the function, then finalizes (its
+    barrier in ``language``'s one-rank world)."""
     from mimo_train.mcore import AsyncRequest
     from mimo_train.mcore.async_save import then_in_writer
 
