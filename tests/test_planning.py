@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import shlex
 from types import SimpleNamespace
 
 import pytest
@@ -495,13 +496,15 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     assert all(set(r["memory_gib"]) and r["bottleneck"] and 0 <= r["idle_fraction"] < 1
                for r in ranked)
     assert report["model"]["precision"] == "fp32"
-    # each comes with the overrides that train it, which the training config takes
+    # each comes with the overrides that train it, which the training config takes (its
+    # precision the YAML's: not overridden)
     from mimo_train.config import TrainConfig
     for r in ranked:
         cfg = TrainConfig.load(str(path), r["overrides"])
         assert Layout.parse(cfg.layout).colocated == r["colocated"]
         assert cfg.optimizer.distributed == r["settings"]["distributed_optimizer"]
         assert cfg.model.language.recompute == r["settings"]["recompute"]
+        assert not any(o.startswith("train.precision=") for o in r["overrides"]), r
     # the text form: the table and the reasons, the user's layout marked
     code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--layout",
                            LAYOUTS["language dp2"], main=main)
@@ -512,6 +515,14 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
     first = re.search(r"\n  1\. (\S+):", out).group(1)
     assert (f"train the first with: torchrun --nproc-per-node "
             f"{Layout.parse(first).world_size} -m mimo_train --config {path} 'layout=") in out
+    # advice in another precision than the YAML's (fp32): the command trains in that one
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, "--precision",
+                           "bf16", main=main)
+    launch = next(line for line in out.splitlines() if line.startswith("train the first"))
+    assert code == 0 and "model     " in out and ", bf16\n" in out, err
+    assert launch.endswith(" train.precision=bf16"), launch
+    overrides = shlex.split(launch.split(f"--config {path} ")[1])
+    assert TrainConfig.load(str(path), overrides).train.precision == "bf16"
     from mimo_train.planning.advisor.report import _launch
     assert _launch(16, 8, "--config x") == ("torchrun --nnodes 2 --nproc-per-node 8 -m "
                                             "mimo_train --config x")
@@ -625,8 +636,8 @@ def test_plan_drops_layouts_that_do_not_fit(capsys, loader_corpus, model_yaml):
                          "--gpu-memory-gib", (usable + 1) / 0.9, *one, "--layout",
                          largest["layout"], main=main)
     assert json.loads(out)["yours_not_ranked"] == (
-        f"not ranked: it fits with no settings: {largest['peak_memory_gib']:.1f} GiB per rank "
-        f"at the least > {usable:.1f} usable"), out
+        f"not ranked: it fits with none of the settings tried: "
+        f"{largest['peak_memory_gib']:.1f} GiB per rank at the least > {usable:.1f} usable"), out
     # the text: the layouts that fit with no settings counted, the settings that do not
     # fit listed as settings (with all settings tried, each layout fits with some here)
     memory = ("--gpu-memory-gib", (usable + 1) / 0.9)

@@ -13,7 +13,8 @@ from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
                                                      settings_of)
-from mimo_train.planning.advisor.cost import HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate
+from mimo_train.planning.advisor.cost import (HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate,
+                                              usable_gib)
 from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
                                                read_work)
 from mimo_train.planning.advisor.report import format_report, result_json, why
@@ -30,7 +31,7 @@ def advise(request: AdvisorRequest, config, workload: dict) -> int:
     except (TrainConfigError, OSError, ValueError) as error:
         print(f"mimo-inspect plan: error: --model {request.model}: {error}", file=sys.stderr)
         return 2
-    if request.gpu_memory_gib is not None and request.gpu_memory_gib * HEADROOM <= RESERVED_GIB:
+    if request.gpu_memory_gib is not None and usable_gib(request.gpu_memory_gib) <= 0:
         print(f"mimo-inspect plan: error: --gpu-memory-gib {request.gpu_memory_gib:g} leaves "
               f"nothing to plan in: the advisor takes {HEADROOM:.0%} of a GPU's memory less "
               f"{RESERVED_GIB:g} GiB (the CUDA context, NCCL's buffers)", file=sys.stderr)
@@ -144,7 +145,7 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         tried_yours = [r for r in results if str(r.candidate.layout) == str(yours)]
         if not mine and tried_yours and not_ranked is None:     # tried, fitting with none
             least = min(tried_yours, key=lambda r: r.peak_bytes)
-            not_ranked = (f"not ranked: it fits with no settings: "
+            not_ranked = (f"not ranked: it fits with none of the settings tried: "
                           f"{least.peak_bytes / 2**30:.1f} GiB per rank at the least > "
                           f"{advisor.usable_bytes / 2**30:.1f} usable")
     dims = model.dims
@@ -173,10 +174,10 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
         "yours": yours.compact() if yours is not None else None,
         "yours_not_ranked": not_ranked,
         "ranked": [{**result_json(r, request.gpus, device, work, model.optimizer_modules,
-                                model.split_media),
+                                  model.split_media, model.config_precision),
                     "rank": ranked.index(r) + 1, "why": why(r, device, request.gpus)}
                    for r in shown],
         "dropped": [result_json(r, request.gpus, device, work, model.optimizer_modules,
-                                model.split_media)
+                                model.split_media, model.config_precision)
                     for r in dropped[:3]],
     }

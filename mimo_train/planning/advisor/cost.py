@@ -72,6 +72,12 @@ MFU = 0.4                          # the assumed fraction of the peak (--mfu)
 HEADROOM, RESERVED_GIB = 0.9, 1.0
 
 
+def usable_gib(memory_gib: float) -> float:
+    """The GiB a rank may plan in on a GPU of ``memory_gib`` (``Advisor.usable_bytes``; what
+    is left: the CUDA context, NCCL's buffers, the allocator's fragmentation)."""
+    return memory_gib * HEADROOM - RESERVED_GIB
+
+
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
@@ -282,7 +288,7 @@ class Advisor:
 
     @property
     def usable_bytes(self) -> float:
-        return (self.device.memory_gib * HEADROOM - RESERVED_GIB) * 2**30
+        return usable_gib(self.device.memory_gib) * 2**30
 
     def _recompute_factor(self, module: str, recompute: str) -> float:
         part = LANGUAGE if module == LANGUAGE else f"{module}.encoder"

@@ -74,6 +74,9 @@ class Model:
     # torch's varlen kernel (model.attention varlen, or auto in bf16): the Qwen-family towers
     # on it, and with packing the language model's rows
     varlen_kernel: bool = True
+    # a training YAML's own train.precision (None: a checkpoint, whose run config the advisor
+    # never reads): the printed command overrides it where the advised one differs
+    config_precision: str | None = None
 
     def kernel_settings(self, packing: bool) -> dict[str, bool]:
         """``memory.Settings``' kernel fields for a run with or without ``packing``."""
@@ -166,13 +169,17 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
     # the candidates' settings replace the config's memory settings (each one the trainer's
     # rules refuse on some layout, and this one is a layout of the modules alone)
     overrides = [f"data.preprocess={os.path.abspath(preprocess_path)}", f"layout={layout}",
-                 "model.language.sequence_parallel=false", "model.language.recompute=none",
-                 *([f"train.precision={precision or 'bf16'}"] if precision or not yaml else [])]
-    split_media = False
+                 "model.language.sequence_parallel=false", "model.language.recompute=none"]
+    split_media, config_precision = False, None
     if yaml:
         if differs := preprocess_differs(path, preprocess_path):
             raise TrainConfigError(differs)
         cfg = TrainConfig.load(path, overrides)
+        # the YAML's own precision, which the run's command line overrides where --precision
+        # asks for another
+        config_precision = cfg.train.precision
+        if precision is not None and precision != config_precision:
+            cfg = TrainConfig.load(path, [*overrides, f"train.precision={precision}"])
         # the candidates' setting (the rules refuse it on this layout of the modules alone)
         split_media, cfg.data.split_media = cfg.data.split_media, False
     else:
@@ -195,7 +202,7 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                 "training config YAML whose model.encoders sets each module (e.g. "
                 "model.encoders.<module>.pretrained), or a whole VLM checkpoint")
         cfg = TrainConfig.load(None, ["data.datasets=[unused]", f"{key}={directory}",
-                                      *overrides])
+                                      *overrides, f"train.precision={precision or 'bf16'}"])
     plan = resolve(cfg, preprocess)
     if plan.vlm is not None:            # the trainer's own check, at its start-up
         from mimo_data.preprocess.tokenizer_loading import load_tokenizer
@@ -223,7 +230,8 @@ def read_model(path: str, preprocess_path: str, preprocess, modalities: dict[str
                  tuple(cfg.optimizer.modules), plan.facts, plan.settings.lora, plan.settings,
                  plan.language.loss_chunk_tokens, split_media,
                  varlen_kernel=cfg.model.attention == "varlen" or (
-                     cfg.model.attention == "auto" and cfg.train.precision == "bf16"))
+                     cfg.model.attention == "auto" and cfg.train.precision == "bf16"),
+                 config_precision=config_precision)
 
 
 # ---------------------------------------------------------------------------- the work
