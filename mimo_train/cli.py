@@ -118,7 +118,8 @@ def _print_preprocessing(path: str) -> int:
         "seq_length": seq_length, "modalities": data["modalities"]}
     print(f"# The preprocessing config for {path} (mimo-train --preprocessing-for). seq_length "
           f"{seq_length} is mimo's default: set it to your samples' length (longer ones are "
-          "dropped; mimo-inspect report counts them); add other modalities to taste.")
+          "dropped; mimo-inspect report counts them).")
+    print(_modalities_note(data))
     video = data["modalities"].get("video") or {}
     if video and not video.get("cap_pixels_per_frame"):
         print("# video: " + (
@@ -132,6 +133,33 @@ def _print_preprocessing(path: str) -> int:
             "tokens.")
     print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0
+
+
+def _modalities_note(data: dict) -> str:
+    """The header's line on the modalities: those the model's tower takes (the config's), and
+    whether another one may be added (its own encoder module) or its chat template writes no
+    marker for it (every sample with it dropped)."""
+    from mimo_data.modalities import MARKERS
+    from mimo_data.preprocess.config import PreprocessConfig
+    from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+    from mimo_train.families.base import unwritten_modalities
+    config = PreprocessConfig.from_dict(data)
+    unwritten = unwritten_modalities(config, load_tokenizer(config))
+    takes = list(data["modalities"])
+    # a video goes through the whole VLM's tower only: one without video takes none
+    others = [m for m in MARKERS if m not in (*takes, "video")]
+    addable = [m for m in others if m not in unwritten]
+    dropped = [m for m in others if m in unwritten]
+    note = f"# The model takes {' and '.join(takes)} (its own tower) and text" + (
+        "." if "video" in takes else ", no video.")
+    if addable:
+        note += (f" Adding {' or '.join(addable)} needs an encoder module of its own "
+                 "(model.encoders, the layout).")
+    if dropped:
+        note += (f" Its chat template writes no {' or '.join(MARKERS[m] for m in dropped)}: "
+                 f"with modalities.{' or modalities.'.join(dropped)} added, every such sample "
+                 "would be dropped (template_mismatch), so mimo-train refuses it.")
+    return note
 
 
 def run() -> None:

@@ -398,8 +398,12 @@ def test_a_processor_that_resizes_otherwise_is_refused():
 
 def test_preprocessing_for_prints_the_derived_config(capsys):
     """``mimo-train --preprocessing-for VLM`` prints the checkpoint's tokenizer, positions,
-    image token and its processor's geometry and normalization; a checkpoint that is not a
-    whole VLM is refused (exit 2)."""
+    image token and its processor's geometry and normalization, and says which modalities
+    the model takes; a checkpoint that is not a whole VLM is refused (exit 2). The published
+    llava-1.5's chat template writes a message's images and text only: audio added to its
+    config is refused at the run's start, naming the modality, the model and what to do,
+    where every audio sample would have been dropped (``template_mismatch``); the tiny
+    model's ChatML writes ``<audio>`` as given: taken (beside an audio module)."""
     import yaml
 
     from mimo_train.cli import main
@@ -407,6 +411,8 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
     assert main(["--preprocessing-for", str(checkpoint)]) == 0
     out = capsys.readouterr().out
     assert out.endswith("\n") and not out.endswith("\n\n")      # one final newline
+    assert "\n# The model takes image (its own tower) and text, no video. Adding audio needs " \
+        "an encoder module of its own" in out, out
     printed = yaml.safe_load(out)
     processor = json.loads((checkpoint / "preprocessor_config.json").read_text())
     assert printed["tokenizer"] == str(checkpoint) and printed["positions"] == "sequential"
@@ -419,6 +425,40 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
     err = capsys.readouterr().err       # named by the option given, not the training key
     assert "--preprocessing-for " in err and "not a whole vision-language model" in err
     assert "model.pretrained" not in err.split("instead")[0], err
+    published = MODELS / "published" / "llava-hf--llava-1.5-7b-hf"
+    assert main(["--preprocessing-for", str(published)]) == 0
+    out = capsys.readouterr().out
+    assert "\n# The model takes image (its own tower) and text, no video. Its chat template " \
+        "writes no <audio>: with modalities.audio added, every such sample would be dropped " \
+        "(template_mismatch), so mimo-train refuses it.\n" in out, out
+    from mimo_data.modalities.audio import AudioConfig
+    from mimo_data.preprocess.tokenizer_loading import load_tokenizer
+    from mimo_train.config import TrainConfig
+    from mimo_train.families.base import check_preprocessing
+    from mimo_train.plan import resolve
+    for model, config, refused in ((published, yaml.safe_load(out), True),
+                                   (checkpoint, printed, False)):
+        preprocess = PreprocessConfig.from_dict({**config, "modalities": {
+            **config["modalities"], "audio": {"token": "<audio>"}}})
+        assert isinstance(preprocess.modalities["audio"], AudioConfig)
+        plan = resolve(TrainConfig.load(None, ["data.datasets=[unused]",
+                                               f"model.pretrained={model}",
+                                               "layout=image=dp1;audio=dp1;language=dp1"]),
+                       preprocess)
+        start = (plan.vlm, preprocess, load_tokenizer(preprocess), plan.vlm_tower_serves)
+        if not refused:
+            check_preprocessing(*start)         # as training's start-up checks it
+            continue
+        with pytest.raises(TrainConfigError) as error:      # before any data is read
+            check_preprocessing(*start)
+        assert str(error.value) == (
+            f"model.pretrained {published} (a llava) has no audio tower, and the preprocessing "
+            f"config's chat template (the tokenizer's, {published}) writes no <audio> for audio "
+            "in a message (it writes image and text only), so every sample with audio would "
+            "be dropped as template_mismatch and none trained: drop modalities.audio from the "
+            "preprocessing config, or give it a chat_template that writes <audio> for each "
+            "audio part (and serve audio from an encoder module of its own: model.encoders, "
+            "the layout)")
 
 
 def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp_path, corpus):

@@ -364,6 +364,11 @@ class VLM:
     # takes them (a video's too, through the same tower, but for the policy)
     image_tokens_by: tuple[tuple[str, Any], ...] = ()
 
+    @property
+    def modalities(self) -> tuple[str, ...]:
+        """What its own tower encodes."""
+        return ("image",) if self.video_token_id is None else ("image", "video")
+
     def weights(self) -> CheckpointWeights:
         return CheckpointWeights(self.path, key="model.pretrained")
 
@@ -473,6 +478,7 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
                         f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
                         f"positions: set positions: {vlm.positions}")
     problems += _video_problems(vlm, preprocess, tokenizer)
+    problems += _template_problems(vlm, preprocess, tokenizer)
     for name in tower_serves:
         problems += _token_count_problems(vlm, name, preprocess.modalities.get(name))
     image = preprocess.modalities.get("image")
@@ -498,6 +504,48 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
                 f" ({expected}): set modalities.image.wrap: {expected}"
                 if _named(expected) else _not_named(vlm)))
     return problems
+
+
+def unwritten_modalities(preprocess, tokenizer) -> list[str]:
+    """The modalities whose marker (``<audio>``) the preprocessing's chat template does not
+    write for a message holding one: the preprocessor drops each sample with one as
+    ``template_mismatch`` (llava-hf's templates write a message's images and text only).
+    Read from a probe message per modality; one the template fails on is not counted."""
+    from mimo_data.modalities import MARKERS
+    from mimo_data.preprocess.chat_render import ChatRenderer, TextError
+    renderer = ChatRenderer(preprocess, tokenizer)
+    unwritten = []
+    for modality, marker in MARKERS.items():
+        try:
+            text = renderer.render_prompt([{"role": "user", "content": f"{marker}\nWhat is it?"}])
+        except TextError:           # a template that refuses the probe: no evidence
+            continue
+        if marker not in text:
+            unwritten.append(modality)
+    return unwritten
+
+
+def _template_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
+    """``_preprocessing_problems`` of the modalities the chat template writes no marker for
+    (``unwritten_modalities``): their every sample would be dropped, none trained."""
+    from mimo_data.modalities import MARKERS
+    unwritten = unwritten_modalities(preprocess, tokenizer)
+    # a video the checkpoint does not take is refused as that (_video_problems)
+    dropped = [m for m in preprocess.modalities if m in unwritten and
+               (m != "video" or vlm.video_token_id is not None)]
+    written = " and ".join([m for m in MARKERS if m not in unwritten] + ["text"])
+    template = ("its chat_template" if preprocess.chat_template else
+                f"the tokenizer's, {preprocess.tokenizer}")
+    # a modality the checkpoint's tower does not take needs an encoder module of its own too
+    return [(f"model.pretrained {vlm.path} (a {vlm.family}) has no {m} tower, and " if m not in
+             vlm.modalities else "") +
+            f"the preprocessing config's chat template ({template}) writes no {MARKERS[m]} for "
+            f"{m} in a message (it writes {written} only), so every sample with {m} would be "
+            f"dropped as template_mismatch and none trained: drop modalities.{m} from the "
+            f"preprocessing config, or give it a chat_template that writes {MARKERS[m]} for "
+            f"each {m} part" + (f" (and serve {m} from an encoder module of its own: "
+                                "model.encoders, the layout)" if m not in vlm.modalities else "")
+            for m in dropped]
 
 
 def _named(tokens: list) -> bool:
