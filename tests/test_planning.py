@@ -736,6 +736,10 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                            "image=dp1;language=tp4", main=main)
     assert code == 2 and "--layout image=dp1;language=tp4: mimo-train refuses it for --model " \
         f"{path}: " in err and "attention heads" in err, err
+    code, out, _ = _plan(capsys, loader_corpus, preprocess, path, "--layout",
+                         "image=dp1;language=tp4", "--json", main=main)
+    refused = json.loads(out)
+    assert code == 2 and refused["valid"] is False and "attention heads" in refused["problem"]
     code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
                          LAYOUTS["language dp1"], main=data_main)
     assert code == 2 and "--model (a training YAML) needs mimo_train" in err, err

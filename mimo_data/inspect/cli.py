@@ -459,6 +459,10 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         if packing is not None:                # the run's: the plan drawn below is its
             args.packing = packing
         if reason is not None:
+            if args.json:                      # as a plan's refused layout (plan.run_plan)
+                json.dump({"layout": args.layout, "valid": False, "problem": reason},
+                          sys.stdout, indent=1)
+                print()
             print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
                   f"for --model {args.model}: {reason}", file=sys.stderr)
             return 2
