@@ -3,6 +3,7 @@ deterministic, block/window locality, blends by weight, equal step counts, DP sl
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -109,6 +110,12 @@ def test_bad_weights_are_refused():
                     names=["shards/images", "s3://b/speech"])
     with pytest.raises(OrderError, match="one per dataset"):
         SampleOrder([shape(4)], 0, 1, weights=[1, 1])
+    # unweighted, a dataset of the mix that keeps nothing is refused too, not trained around
+    with pytest.raises(OrderError, match=re.escape(
+            "s3://b/speech: preprocessing keeps none of its samples (4 read), so the mix would "
+            "train without it: drop it from data.datasets")):
+        SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1,
+                    names=["shards/images", "s3://b/speech"])
 
 
 def test_dp_parts_tile_each_global_micro_batch():

@@ -134,11 +134,16 @@ class SampleOrder:
         self.epoch_length = sum(kept)
         self.quotas = kept if weights is None else _quotas(weights, kept)
         for i, (count, quota) in enumerate(zip(kept, self.quotas)):
+            name = names[i] if names else f"dataset {i}"
             if quota and not count:
-                name = names[i] if names else f"dataset {i}"
                 raise OrderError(f"{name} has weight {(weights or [])[i]} but preprocessing "
                                  "keeps none of its samples: give it weight 0 or fix its "
                                  "data/config")
+            if weights is None and not count and len(kept) > 1:     # a mix trained without it
+                raise OrderError(f"{name}: preprocessing keeps none of its samples "
+                                 f"({len(self.datasets[i].kept)} read), so the mix would "
+                                 "train without it: drop it from data.datasets or fix its "
+                                 "data/config (mimo-inspect report says why each was dropped)")
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:
