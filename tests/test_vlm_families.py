@@ -325,11 +325,15 @@ def test_the_start_up_line_says_what_trains():
     lora = SimpleNamespace(part=Part("language"),
                            spec=LoraConfig(rank=4, alpha=8, targets=["linear_qkv", "linear_fc1"]))
     modules = {"image": None, "language": None}
+    encoders = {"image": SimpleNamespace(projection="mlp")}
     plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,),
-                                modules=modules)
+                                modules=modules, encoders=encoders)
     assert RunPlan.training_summary(plan) == (
         "image.encoder frozen; language LoRA rank 4 alpha 8 on linear_qkv, linear_fc1 (its "
         "weights fixed); image.projection in full")
+    plan.frozen = ()            # a whole VLM's tower (its merger its own): no projection named
+    plan.encoders = {"image": SimpleNamespace(projection="none")}
+    assert RunPlan.training_summary(plan).endswith("(its weights fixed); image.encoder in full")
     plan.frozen = (Part("image"),)                  # nothing left to train in full
     assert RunPlan.training_summary(plan).endswith("linear_fc1 (its weights fixed)")
     assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=(), modules=modules)) \

@@ -130,12 +130,13 @@ class RunPlan:
         said += [f"{a.part.name} LoRA rank {a.spec.rank} alpha {a.spec.alpha:g} on "
                  f"{', '.join(a.spec.targets)} (its weights fixed)"
                  for a in self.adapted]
-        fixed = (*self.frozen, *(a.part for a in self.adapted))
-        parts = [part for name in self.modules for part in (
-            [name] if name == LANGUAGE else [f"{name}.encoder", f"{name}.projection"])]
-        full = [part for part in parts if not any(p.covers(part) for p in fixed)]
         if not said:
             return "every module in full"
+        fixed = (*self.frozen, *(a.part for a in self.adapted))
+        parts = [part for name in self.modules for part in (
+            [name] if name == LANGUAGE else [f"{name}.encoder", f"{name}.projection"]
+            if self.encoders[name].projection != "none" else [f"{name}.encoder"])]
+        full = [part for part in parts if not any(p.covers(part) for p in fixed)]
         return "; ".join([*said, *([f"{', '.join(full)} in full"] if full else [])])
 
     def frozen_prefix(self, module: str) -> str | None:
