@@ -169,6 +169,20 @@ def case_a_marker_in_an_answer(tmp_path, assets):
 
 
 
+def case_a_video_marker_for_an_image(tmp_path, assets):
+    """Every modality that disagrees is named, not only the first."""
+    return Case(_image_record(assets["jpeg"], "<video>\nWhat is this?"), "marker_mismatch",
+                detail="in the record: give each item its marker where it goes (mimo-shard's "
+                "--markers-first puts them before the first user text); 1 <video> marker(s) in "
+                "the text but 0 video item(s) in the record")
+
+
+def case_a_marker_in_capitals(tmp_path, assets):
+    return Case(_image_record(assets["jpeg"], "<Image>\nWhat is this?"), "marker_mismatch",
+                detail="the text writes <Image>, which is no marker (markers are lower case: "
+                "<image>)")
+
+
 def case_more_images_than_markers(tmp_path, assets):
     record = _image_record(assets["jpeg"], "<image>\nWhat is this?")
     record.pop("image")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -447,20 +448,28 @@ def media_markers(messages: list[dict], counts: Mapping[str, int],
     if markers_first:
         placed = _place_missing_markers(messages, counts)
         order = marker_order(messages) if placed else order
-    for modality, marker in MARKERS.items():
-        markers = order.count(modality)
-        if markers != counts.get(modality, 0):
-            raise RecordError("marker_mismatch", f"{markers} {marker} marker(s) in the text but "
-                              f"{counts.get(modality, 0)} {modality} item(s) in the record"
-                              + _mismatch_hint(markers, counts.get(modality, 0),
-                                               markers_first, modality))
+    wrong = [(modality, order.count(modality), counts.get(modality, 0)) for modality in MARKERS
+             if order.count(modality) != counts.get(modality, 0)]
+    if wrong:                   # each modality that disagrees: a <video> typed for an <image>
+        text = "".join(message["content"] for message in messages)
+        raise RecordError("marker_mismatch", "; ".join(
+            f"{markers} {MARKERS[modality]} marker(s) in the text but {items} {modality} "
+            f"item(s) in the record" + _mismatch_hint(markers, items, markers_first, modality,
+                                                      text)
+            for modality, markers, items in wrong))
     return order, {name: number for name, number in ((VIDEOS_MARKED_AS_IMAGES, relabeled),
                                                       (MARKERS_PLACED_FIRST, placed)) if number}
 
 
-def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str) -> str:
-    """What to do about ``markers`` of ``modality``'s markers in a record's text for its
+def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str,
+                   text: str) -> str:
+    """What to do about ``markers`` of ``modality``'s markers in a record's ``text`` for its
     ``items`` items."""
+    cased = sorted(set(re.findall(re.escape(MARKERS[modality]), text, re.IGNORECASE))
+                   - {MARKERS[modality]})
+    if markers < items and cased:
+        return (f": the text writes {', '.join(cased)}, which is no marker (markers are lower "
+                f"case: {MARKERS[modality]})")
     if not markers and not markers_first:
         return (": give each item its marker where it goes (mimo-shard's --markers-first "
                 "puts them before the first user text)")
