@@ -570,15 +570,28 @@ def test_a_read_that_keeps_failing_raises_storage_error_naming_the_shard(
     reader.close()
 
 
-def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store):
+def test_a_missing_bucket_and_a_misspelt_profile_are_said_at_once(s3, store, monkeypatch):
     """Training's start-up tells a bucket that does not exist from a dataset not built yet;
-    a credentials profile that does not exist is no fault a retry mends."""
+    a credentials profile that does not exist, or no credentials at all, is no fault a retry
+    mends."""
     assert storage.bucket_exists(f"s3://{BUCKET}/ds", s3.storage_options)
     assert not storage.bucket_exists("s3://no-such-bucket-here/ds", s3.storage_options)
     retried = sum(storage.RETRIES.values())
     with pytest.raises(StorageError, match=r"The config profile \(tema\) could not be found: "
                        "check AWS_PROFILE"):
         storage.exists(f"s3://{BUCKET}/ds/index.json", {**s3.storage_options, "profile": "tema"})
+    # no credentials anywhere: said as none found (not "access denied"), with where they go
+    anonymous = {k: v for k, v in s3.storage_options.items() if k not in ("key", "secret")}
+    with monkeypatch.context() as env:
+        for name in [n for n in os.environ if n.startswith("AWS_")]:
+            env.delenv(name)
+        env.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+        env.setenv("AWS_CONFIG_FILE", os.devnull)
+        env.setenv("AWS_EC2_METADATA_DISABLED", "true")         # no instance's role either
+        with pytest.raises(StorageError, match=r"no credentials found \(NoCredentialsError: .*"
+                           r"Give the credentials \(the environment's variables, e.g. "
+                           "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"):
+            storage.exists(f"s3://{BUCKET}/ds/index.json", anonymous)
     assert sum(storage.RETRIES.values()) == retried
 
 
