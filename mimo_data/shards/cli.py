@@ -68,7 +68,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30,
                    help="e.g. 512MB (default 1GB)")
     b.add_argument("--workers", type=int, default=1,
-                   help="processes validating media while the main one writes (0: all in one)")
+                   help="processes validating media while the main one writes (0: all in one; "
+                   "default 1)")
     b.add_argument("--shuffle", action="store_true", help="write records in a seeded order")
     b.add_argument("--seed", type=int, help="seed of --shuffle (default 0)")
     b.add_argument("--strict", action="store_true",
