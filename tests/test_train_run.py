@@ -268,8 +268,10 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("asynchronous, full", [
-    (True, ("data", "digests")), (True, ("data",)), (False, ("data",)), (True, ("metadata",))],
-    ids=["async", "async-data-only", "sync-data-only", "async-metadata-only"])
+    (True, ("data", "digests")), (True, ("data",)), (False, ("data",)), (True, ("digests",)),
+    (True, ("metadata",)), (True, ("thread",))],
+    ids=["async", "async-data-only", "sync-data-only", "async-digests-only",
+         "async-metadata-only", "async-write-thread"])
 def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, capfd, caplog,
                                                       asynchronous, full):
     """A save onto a full file system, its file writes failing with ENOSPC where they are made:
@@ -297,8 +299,33 @@ def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, cap
                                     "metadata": (serialization, "save_config")}.items():
         if name in full:                            # inherited by a forked writer
             monkeypatch.setattr(owner, function, no_space)
+    if "thread" in full:
+        # two write buckets: megatron-core writes the first in a thread of its own (started
+        # once its main worker wrote the last), whose failure alone is the disk's
+        import functools
+        import threading
+        import time
+
+        from megatron.core.dist_checkpointing.strategies.torch import (
+            TorchDistSaveShardedStrategy)
+        written = filesystem_async._write_item
+
+        @functools.wraps(written)           # its signature, which megatron-core reads
+        def in_a_thread(*args, **kwargs):
+            if threading.current_thread() is not threading.main_thread():
+                no_space()
+            return written(*args, **kwargs)
+        monkeypatch.setattr(filesystem_async, "_write_item", in_a_thread)
+        # the thread's last act after it said it was done, slowed: megatron-core's main thread
+        # fails on its assert meanwhile, so the thread's exception must be noted before
+        measured = filesystem_async._process_memory
+        monkeypatch.setattr(filesystem_async, "_process_memory", lambda: (
+            time.sleep(0.3) if threading.current_thread() is not threading.main_thread()
+            else None) or measured())
+        monkeypatch.setattr(module, "get_default_save_sharded_strategy", lambda: (
+            TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2)))
     monkeypatch.setattr(module, "_sharded", lambda state, step, is_loading, rng: {
-        "w": ShardedTensor.from_rank_offsets("w", torch.ones(64))})
+        name: ShardedTensor.from_rank_offsets(name, torch.ones(64)) for name in ("w", "v")})
     monkeypatch.setattr(filesystem_async, "_results_queue", None)      # this test's own
     step = tmp_path / "step_0000004"
     with distributed.alone(), pytest.raises(CheckpointError, match=(

@@ -62,6 +62,11 @@ def _worker_failures(failures: list[Exception]):
     function = original.__func__
 
     def recorded(*args, **kwargs):
+        if kwargs.get("results_queue") is not None:
+            # a write thread: its exception noted as it puts it, before it tells the main
+            # thread it is done (which then fails on megatron-core's assert at once)
+            kwargs["results_queue"] = _Noting(kwargs["results_queue"], failures)
+            return function(*args, **kwargs)
         output = function(*args, **kwargs)
         if isinstance(output, tuple) and isinstance(output[1], Exception):
             failures.append(output[1])
@@ -74,6 +79,18 @@ def _worker_failures(failures: list[Exception]):
     finally:
         writer.write_preloaded_data = original
         filesystem_async.logger.removeFilter(quiet)
+
+
+class _Noting:
+    """A write thread's results queue that notes an exception put in it in ``failures``."""
+
+    def __init__(self, results: queue.Queue, failures: list[Exception]):
+        self.results, self.failures = results, failures
+
+    def put(self, output) -> None:
+        if isinstance(output, tuple) and isinstance(output[1], Exception):
+            self.failures.append(output[1])
+        self.results.put(output)
 
 
 class _DropErrors(logging.Filter):
