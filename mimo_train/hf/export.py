@@ -56,6 +56,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -443,8 +444,9 @@ def _preprocess_config(cfg, directory: str, trained: dict | None, saved: dict | 
     if trained is not None and saved is not None:      # both or neither: meta.json's copy
         config = PreprocessConfig.from_dict(trained)
         try:          # a tokenizer moved with --base is gone from where the YAML names it
-            changed = PreprocessConfig.from_yaml(path, paths_exist=False) \
-                != PreprocessConfig.from_dict(saved)
+            before = PreprocessConfig.from_dict(saved)
+            changed = _as_saved(PreprocessConfig.from_yaml(path, paths_exist=False), path,
+                                before) != before
         except ConfigError:
             changed = True
         if changed:
@@ -461,6 +463,18 @@ def _preprocess_config(cfg, directory: str, trained: dict | None, saved: dict | 
         raise ExportError(f"the preprocessing config {path} of {directory}/meta.json is not "
                           f"one this mimo reads ({error}): the export copies it; fix it where "
                           "it is") from None
+
+
+def _as_saved(config, path: str, saved):
+    """``config`` (read from the YAML ``path`` without its paths checked) with a tokenizer or
+    chat_template read as the run read it, ``saved``'s path, where the YAML's value is that
+    path against its folder: gone, a ``models/tok`` cannot be told from a hub name."""
+    folder = os.path.dirname(os.path.abspath(path))
+    same = {key: getattr(saved, key) for key in ("tokenizer", "chat_template")
+            if isinstance(value := getattr(config, key), str) and "\n" not in value
+            and os.path.normpath(os.path.join(folder, os.path.expanduser(value)))
+            == getattr(saved, key)}
+    return dataclasses.replace(config, **same)
 
 
 def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool,
