@@ -269,9 +269,9 @@ def test_a_failed_background_save_raises_its_writers_cause(tmp_path, monkeypatch
 
 @pytest.mark.parametrize("asynchronous, full", [
     (True, ("data", "digests")), (True, ("data",)), (False, ("data",)), (True, ("digests",)),
-    (True, ("metadata",)), (True, ("thread",))],
+    (True, ("metadata",)), (True, ("thread",)), (True, ("file",)), (False, ("file",))],
     ids=["async", "async-data-only", "sync-data-only", "async-digests-only",
-         "async-metadata-only", "async-write-thread"])
+         "async-metadata-only", "async-write-thread", "async-torch-writer", "sync-torch-writer"])
 def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, capfd, caplog,
                                                       asynchronous, full):
     """A save onto a full file system, its file writes failing with ENOSPC where they are made:
@@ -324,12 +324,35 @@ def test_a_save_onto_a_full_disk_says_the_step_folder(tmp_path, monkeypatch, cap
             else None) or measured())
         monkeypatch.setattr(module, "get_default_save_sharded_strategy", lambda: (
             TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=2)))
+    if "file" in full:
+        # a file that fills up after 300 bytes: torch.save, writing into it, says that as a
+        # RuntimeError of its own ("unexpected pos"), not the OSError; that error raised where
+        # megatron-core's writer calls torch.save (made there, over a file object of the test,
+        # torch's failed writer crashed this process's garbage collector afterwards)
+        import io
+
+        class Full(io.BytesIO):
+            def write(self, data) -> int:
+                if self.tell() + len(data) > 300:
+                    no_space()
+                return super().write(data)
+        try:
+            torch.save(torch.ones(1000), Full())
+        except RuntimeError as error:
+            short = str(error)
+
+        def short_write(*args, **kwargs):
+            raise RuntimeError(short)
+        monkeypatch.setattr(filesystem_async, "_write_item", short_write)
     monkeypatch.setattr(module, "_sharded", lambda state, step, is_loading, rng: {
         name: ShardedTensor.from_rank_offsets(name, torch.ones(64)) for name in ("w", "v")})
     monkeypatch.setattr(filesystem_async, "_results_queue", None)      # this test's own
     step = tmp_path / "step_0000004"
+    said = (r"torch's file writer wrote less than it was given \(.*unexpected pos.*\), as on a "
+            r"full file system or past a quota" if "file" in full else
+            "no space left on its file system")
     with distributed.alone(), pytest.raises(CheckpointError, match=(
-            rf"^writing {step}: no space left on its file system \([\d.]+ GiB free now\): "
+            rf"^writing {step}: {said} \([\d.]+ GiB free now\): "
             "this checkpoint is incomplete, latest not moved to it")) as refused:
         saver = module.Saver(str(tmp_path), asynchronous)
         saver.save(4, None, {"step": 4})

@@ -288,21 +288,31 @@ def _written(failure: Exception) -> Exception:
     return OSError(int(text[1]), text[2]) if text else failure
 
 
+# torch's zip writer (torch.save, which megatron-core's writer calls) says a short write, a
+# full disk's or a quota's, as a RuntimeError of its C++ check, not an OSError
+_SHORT_WRITE = re.compile(r"enforce fail at inline_container\.cc.*unexpected pos", re.DOTALL)
+
+
 def _no_space(error: Exception, directory: str) -> CheckpointError | None:
-    """A full file system's OSError (which names no file) as the step folder being written,
-    the space free and what to do; None for any other error."""
-    if not isinstance(error, OSError) or error.errno != errno.ENOSPC:
+    """A full file system's OSError (which names no file), or torch's zip writer's short
+    write, as the step folder being written, the space free and what to do; None for any
+    other error."""
+    enospc = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    if not (enospc or isinstance(error, RuntimeError) and _SHORT_WRITE.search(str(error))):
         return None
     try:
         free = f" ({shutil.disk_usage(os.path.dirname(directory)).free / 2**30:.1f} GiB " \
             "free now)"
     except OSError:
         free = ""
+    said = "no space left on its file system" if enospc else (
+        f"torch's file writer wrote less than it was given ({str(error).strip()}), as on a "
+        "full file system or past a quota")
     return CheckpointError(
-        f"writing {directory}: no space left on its file system{free}: this checkpoint is "
-        "incomplete, latest not moved to it (a resume loads the one before, if any); free "
-        "space there, keep fewer checkpoints (checkpoint.keep_last), or give checkpoint.dir a "
-        "larger file system", damaged=True)
+        f"writing {directory}: {said}{free}: this checkpoint is incomplete, latest not moved "
+        "to it (a resume loads the one before, if any); free space there, keep fewer "
+        "checkpoints (checkpoint.keep_last), or give checkpoint.dir a larger file system",
+        damaged=True)
 
 
 # megatron-core's words for a write's results that never came (its writer died first)
