@@ -518,11 +518,12 @@ def test_a_checkpoint_at_or_past_train_steps_says_nothing_is_left(monkeypatch, c
     assert "LR decay" not in output and "layout" not in output, output
 
 
-def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
+def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path):
     """The trainer's resume and model.init_from (in process, the checkpoint's tensor checks
     and loads stubbed) run the checkpoint's LoRA alpha check: a run with alpha 64 on adapters
     trained at 8 is refused before any weight is loaded; a resume with model.init_from given
-    too says the checkpoint's weights replace init_from's."""
+    too says the checkpoint's weights replace init_from's; one with another preprocessing than
+    the checkpoint's run says each setting that changed."""
     from types import SimpleNamespace
 
     from mimo_train.components import checkpoint
@@ -563,6 +564,23 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch):
     assert said == ["mimo-train: model.init_from a is replaced by the checkpoint resumed from "
                     "(ck/step_0000001): its weights continue the run; to start over from "
                     "init_from, give another checkpoint.dir"]
+    # the run's preprocessing (meta.json's) and this one's: smaller images, longer rows
+    from mimo_data.preprocess.config import PreprocessConfig
+    path = preprocess_config_file(tmp_path / "pp.yaml")
+    trainer.preprocess = PreprocessConfig.from_yaml(str(path))
+    saved = json.loads(json.dumps(trainer.preprocess.to_dict()))
+    saved["seq_length"] *= 2
+    saved["modalities"]["image"]["max_pixels"] *= 4
+    monkeypatch.setattr(module.checkpoint, "check", lambda *args: {"preprocess": saved})
+    trainer.cfg.model.init_from, trainer.cfg.data = None, SimpleNamespace(preprocess=str(path))
+    said.clear()
+    trainer._resume("ck/step_0000001")
+    now = trainer.preprocess
+    assert said == [
+        f"mimo-train: resumed from step 1 with another preprocessing than the run's so far "
+        f"({path}): seq_length {now.seq_length} (was {2 * now.seq_length}); "
+        f"modalities.image.max_pixels {now.modalities['image'].max_pixels} (was "
+        f"{4 * now.modalities['image'].max_pixels})"]
 
 
 def test_schedule_notes_name_each_changed_setting():

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
+import json
 import math
 import os
 import sys
@@ -241,6 +242,21 @@ class PreprocessConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def changes_from(self, saved: dict) -> list[str]:
+        """Each setting that differs from ``saved`` (a ``to_dict`` as JSON kept it), as
+        ``modalities.image.max_pixels 200704 (was 12845056)``, in the config's order."""
+        return [f"{key} {now!r} (was {was!r})" for key, now, was in
+                _differing(json.loads(json.dumps(self.to_dict())), saved, "")]
+
+
+def _differing(now, was, key: str):
+    """``(dotted key, now, was)`` of each leaf where ``now`` and ``was`` differ."""
+    if isinstance(now, dict) and isinstance(was, dict):
+        for name in [*now, *(k for k in was if k not in now)]:
+            yield from _differing(now.get(name), was.get(name), f"{key}.{name}" if key else name)
+    elif now != was:
+        yield key, now, was
 
 
 def _make(kind, values: dict, where: str):

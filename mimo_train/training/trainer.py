@@ -362,6 +362,11 @@ class Trainer:
         notes = schedule_notes(self.step, distributed.gather(changes))
         for note in notes if self.step < self.cfg.train.steps else ():
             say(PREFIX + note)
+        changed = self.preprocess.changes_from(meta["preprocess"]) if meta.get("preprocess") \
+            else []
+        if changed:         # the samples change from here on (their tokens, their images')
+            say(f"{PREFIX}resumed from step {self.step} with another preprocessing than the "
+                f"run's so far ({self.cfg.data.preprocess}): {'; '.join(changed)}")
         if self.cfg.model.init_from:        # loaded first, replaced now: said, not silent
             say(f"{PREFIX}model.init_from {self.cfg.model.init_from} is replaced by the "
                 f"checkpoint resumed from ({directory}): its weights continue the run; to "
