@@ -1290,6 +1290,7 @@ def test_mimo_inspect_checkpoint_checks_without_a_run(setup, capsys):
     code, out, err = inspected(root)
     assert code == 1 and f"FAIL resume: checkpoint {root / 'step_0000020'} is damaged: " \
         f"{root / 'latest'} names it, and there is no such folder" in err, err
+    assert "; latest: step_0000020 (no such folder)\n" in out, out
     assert out.endswith("the newest intact step to resume from is step_0000012: echo "
                         f"step_0000012 > {root / 'latest'}\n"), out
     (root / "latest").write_text("")

@@ -49,6 +49,7 @@ class Findings:
     steps: list[str]                 # a checkpoint.dir's step folders, oldest first
     reports: list[StepReport]        # each checked step, oldest first
     resumes: str | None = None       # the step folder a resume loads (``latest``)
+    named: str | None = None         # the step folder ``latest`` names, there or not
     refusal: str = ""                # why a resume refuses the folder or finds nothing
     instead: str | None = None       # the newest intact step to resume from in its place
     writer: str | None = None        # the run that writes the checkpoint.dir now, described
@@ -91,7 +92,7 @@ def inspect_checkpoints(path: str, every: bool = False, workers: int = 4) -> Fin
     except CheckpointError as error:     # latest names no folder, or there is no latest
         found.refusal = str(error)
     try:
-        named = latest(path)
+        named = found.named = latest(path)
     except CheckpointError:              # an empty or unreadable latest: refused above
         named = None
     if found.resumes is None and not found.refusal:
@@ -229,8 +230,10 @@ def _print(found: Findings) -> None:
     """The verdicts, on stdout."""
     if found.steps:
         print(f"{found.path}: {len(found.steps)} step folder(s), {found.steps[0]} to "
-              f"{found.steps[-1]}; {LATEST}: "
-              f"{os.path.basename(found.resumes) if found.resumes else 'none'}")
+              f"{found.steps[-1]}; {LATEST}: " + (
+                  os.path.basename(found.resumes) if found.resumes else
+                  f"{os.path.basename(found.named)} (no such folder)" if found.named else
+                  "none"))
     if found.writer:
         print(f"a run writes {found.path} now ({found.writer}): a step it is saving reads "
               "INCOMPLETE until its save finishes, and latest moves then")
