@@ -144,7 +144,10 @@ def _modalities_note(data: dict) -> str:
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
     from mimo_train.families.base import unwritten_modalities
     config = PreprocessConfig.from_dict(data)
-    unwritten = unwritten_modalities(config, load_tokenizer(config))
+    try:
+        unwritten = unwritten_modalities(config, load_tokenizer(config))
+    except ValueError:           # a template mimo cannot render at all: start-up says why
+        unwritten = []
     takes = list(data["modalities"])
     # a video goes through the whole VLM's tower only: one without video takes none
     others = [m for m in MARKERS if m not in (*takes, "video")]
@@ -158,7 +161,8 @@ def _modalities_note(data: dict) -> str:
     if dropped:
         note += (f" Its chat template writes no {' or '.join(MARKERS[m] for m in dropped)}: "
                  f"with modalities.{' or modalities.'.join(dropped)} added, every such sample "
-                 "would be dropped (template_mismatch), so mimo-train refuses it.")
+                 "would be dropped (template_mismatch), so mimo-train refuses it unless a "
+                 "chat_template that writes it is given (and an encoder module serves it).")
     return note
 
 

@@ -400,7 +400,7 @@ def test_a_processor_that_resizes_otherwise_is_refused():
         LlavaVision(squashed, 0, 0, 0, pretrained=read_vlm(str(FAMILIES["llava"][0])))
 
 
-def test_preprocessing_for_prints_the_derived_config(capsys):
+def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
     """``mimo-train --preprocessing-for VLM`` prints the checkpoint's tokenizer, positions,
     image token and its processor's geometry and normalization, and says which modalities
     the model takes; a checkpoint that is not a whole VLM is refused (exit 2). The published
@@ -434,7 +434,8 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
     out = capsys.readouterr().out
     assert "\n# The model takes image (its own tower) and text, no video. Its chat template " \
         "writes no <audio>: with modalities.audio added, every such sample would be dropped " \
-        "(template_mismatch), so mimo-train refuses it.\n" in out, out
+        "(template_mismatch), so mimo-train refuses it unless a chat_template that writes it " \
+        "is given (and an encoder module serves it).\n" in out, out
     from mimo_data.modalities.audio import AudioConfig
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
     from mimo_train.config import TrainConfig
@@ -463,6 +464,16 @@ def test_preprocessing_for_prints_the_derived_config(capsys):
             "preprocessing config, or give it a chat_template that writes <audio> for each "
             "audio part (and serve audio from an encoder module of its own: model.encoders, "
             "the layout)")
+    # a template mimo cannot render at all (no eos token, say): the config printed, that
+    # sentence left to the start-up's refusal
+    import mimo_train.families.base as base
+
+    def unrenderable(*args):
+        raise ValueError("the tokenizer has no eos_token")
+    monkeypatch.setattr(base, "unwritten_modalities", unrenderable)
+    assert main(["--preprocessing-for", str(published)]) == 0
+    out = capsys.readouterr().out
+    assert "writes no <audio>" not in out and "\nmodalities:\n" in out, out
 
 
 def test_a_siglip_llava_tower_and_projector_give_transformers_image_features(tmp_path, corpus):

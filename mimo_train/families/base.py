@@ -532,7 +532,7 @@ def _template_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
     unwritten = unwritten_modalities(preprocess, tokenizer)
     # a video the checkpoint does not take is refused as that (_video_problems)
     dropped = [m for m in preprocess.modalities if m in unwritten and
-               (m != "video" or vlm.video_token_id is not None)]
+               (m != "video" or m in vlm.modalities)]
     written = " and ".join([m for m in MARKERS if m not in unwritten] + ["text"])
     template = ("its chat_template" if preprocess.chat_template else
                 f"the tokenizer's, {preprocess.tokenizer}")
