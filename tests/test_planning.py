@@ -740,6 +740,7 @@ def test_plan_advisor_options_errors(capsys, loader_corpus, model_yaml):
                          "image=dp1;language=tp4", "--json", main=main)
     refused = json.loads(out)
     assert code == 2 and refused["valid"] is False and "attention heads" in refused["problem"]
+    assert refused["layout"].startswith("image=tp1,cp1,pp1,dp1"), refused
     code, _, err = _plan(capsys, loader_corpus, preprocess, path, "--layout",
                          LAYOUTS["language dp1"], main=data_main)
     assert code == 2 and "--model (a training YAML) needs mimo_train" in err, err
@@ -1736,8 +1737,10 @@ def test_a_layout_plan_of_a_split_media_run_says_it_is_taken_not_drawn(capsys, l
         "data.split_media: true"), (out, err)
     code = main(["plan", str(loader_corpus), *argv, "--json"])
     out, err = capsys.readouterr()
+    from mimo_data.loading.layout import Layout
     assert code == 0 and {k: v for k, v in json.loads(out).items() if k != "why"} == {
-        "layout": layout, "valid": True, "split_media": True, "drawn": False}, (out, err)
+        "layout": str(Layout.parse(layout)), "valid": True, "split_media": True,
+        "drawn": False}, (out, err)         # in full, as a plan's JSON names a layout
     code = main(["plan", str(path.parent / "no-dataset"), *argv])
     out, err = capsys.readouterr()
     assert code != 0 and "no-dataset" in err and not out, (code, out, err)

@@ -671,8 +671,8 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     dataset_yaml.write_text(dataset_yaml.read_text().replace("image:", "imgae:"))
     with pytest.raises(SourceError, match=re.escape(
             "field_map has no image, which a CaptioningSample needs; it has field_map.imgae, "
-            "no field of a CaptioningSample (did you mean field_map.image?); or index the "
-            "folder with --layout pairs")):
+            "no field of a CaptioningSample (did you mean field_map.image?): set "
+            "field_map.image in dataset.yaml, or index the folder with --layout pairs")):
         index([str(tmp_path / "ds")], str(tmp_path / "typo"), IndexOptions(workers=0,
                                                                            progress=False))
 
@@ -978,7 +978,8 @@ def test_a_conversation_or_document_json_mimo_cannot_find_says_why():
         synthesize({"json": json.dumps(both).encode()}, MemberMap("conversation"))
     assert caught.value.reason == "malformed_record"
     # a JSON member that is not UTF-8: invalid_utf8, as a text member's or a JSONL line's
-    with pytest.raises(RecordError, match="member KEY.json is not UTF-8") as caught:
+    with pytest.raises(RecordError, match=re.escape(
+            "member KEY.json is not UTF-8 (nor UTF-16/32) text")) as caught:
         synthesize({"json": b'{"messages": [{"role": "user", "content": "caf\xe9"}]}'},
                    MemberMap("conversation"))
     assert caught.value.reason == "invalid_utf8"

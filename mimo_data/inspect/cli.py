@@ -460,8 +460,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
             args.packing = packing
         if reason is not None:
             if args.json:                      # as a plan's refused layout (plan.run_plan)
-                json.dump({"layout": args.layout, "valid": False, "problem": reason},
-                          sys.stdout, indent=1)
+                json.dump({"layout": _layout_named(args.layout), "valid": False,
+                           "problem": reason}, sys.stdout, indent=1)
                 print()
             print(f"mimo-inspect plan: error: --layout {args.layout}: mimo-train refuses it "
                   f"for --model {args.model}: {reason}", file=sys.stderr)
@@ -474,8 +474,9 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                    "media; a per-rank plan draws whole samples to each encoder rank and would "
                    "not be that run's: the layout advisor (--gpus N) counts the parts")
             if args.json:
-                json.dump({"layout": args.layout, "valid": True, "split_media": True,
-                           "drawn": False, "why": why}, sys.stdout, indent=1)
+                json.dump({"layout": _layout_named(args.layout), "valid": True,
+                           "split_media": True, "drawn": False, "why": why}, sys.stdout,
+                          indent=1)
                 print()
             else:
                 print(f"layout    {args.layout}: mimo-train takes it for --model {args.model}, "
@@ -516,6 +517,16 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
                     layout=layout, seed=args.seed, epoch=args.epoch, steps=args.steps,
                     packing=args.packing)
     return advisor(AdvisorRequest.from_args(args), config, work)
+
+
+def _layout_named(text: str) -> str:
+    """A layout as ``plan --json`` names it: in full (``Layout``'s form), or as given where it
+    does not parse."""
+    from mimo_data.loading.layout import Layout, LayoutError
+    try:
+        return str(Layout.parse(text))
+    except LayoutError:
+        return text
 
 
 def _needs_trainer(what: str, command: str = "plan") -> int:

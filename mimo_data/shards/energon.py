@@ -85,7 +85,8 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                           "needs; " + (f"it has {', '.join(f'field_map.{u}' for u in unknown)}"
                                        f", no field of a {kind}"
                                        f"{meant(unknown, missing, 'field_map.')}" if unknown
-                                       else f"its fields: {sorted(fields)}") + f"; or {OTHERWISE}")
+                                       else f"its fields: {sorted(fields)}")
+                          + f": set field_map.{missing[0]} in {DATASET_YAML}, or {OTHERWISE}")
     if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample"):

@@ -105,7 +105,8 @@ def _json(members: dict[str, bytes], name: str) -> Any:
     try:
         return json.loads(members[name])
     except UnicodeDecodeError as exc:      # a ValueError too: said as a text member's is
-        raise RecordError("invalid_utf8", f"member KEY.{name} is not UTF-8: {exc}") from None
+        raise RecordError("invalid_utf8", f"member KEY.{name} is not UTF-8 (nor UTF-16/32) "
+                          f"text: {exc}") from None
     except ValueError as exc:
         raise RecordError("malformed_json", f"member KEY.{name}: {exc}") from None
 
