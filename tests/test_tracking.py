@@ -199,7 +199,8 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, capsys):
     assert f"W&B run {again['id']} already holds steps up to 20 " in capsys.readouterr().out
 
 
-def test_tensorboard_holds_each_step_once_when_a_run_starts_again(tmp_path, monkeypatch):
+def test_tensorboard_holds_each_step_once_when_a_run_starts_again(tmp_path, monkeypatch,
+                                                                   capsys):
     """A run that died before its first checkpoint, started again in the same folder (a new
     run, from step 1): TensorBoard shows each step once, with the new run's value (its writer
     purges the earlier events from the first step it logs); a run resuming the checkpoint of
@@ -225,7 +226,13 @@ def test_tensorboard_holds_each_step_once_when_a_run_starts_again(tmp_path, monk
         events.Reload()
         return [(e.step, e.value) for e in events.Scalars("train/loss")]
     assert run(0, {1: 1.0, 2: 2.0}) == [(1, 1.0), (2, 2.0)]
+    # the new run said the folder held an earlier run's events; the resumed one says nothing
+    assert capsys.readouterr().out == (
+        f"mimo-train: train.tensorboard_dir {folder} holds an earlier run's events: "
+        "TensorBoard shows this new run's steps in their place (give another folder to keep "
+        "both)\n")
     assert run(1, {2: 20.0, 3: 30.0}) == [(1, 1.0), (2, 20.0), (3, 30.0)]
+    assert capsys.readouterr().out == ""
 
 
 def test_records_of_steps_after_the_resumed_checkpoint_are_dropped(tmp_path):

@@ -436,6 +436,13 @@ def _unopenable(records: str) -> list[str]:
     return []
 
 
+def _holds_events(folder: str) -> bool:
+    """Whether a local ``folder`` holds TensorBoard event files (a bucket's is not looked at:
+    a listing per run start for a note)."""
+    return "://" not in folder and os.path.isdir(folder) and any(
+        name.startswith("events.out.tfevents.") for name in os.listdir(folder))
+
+
 class Metrics:
     """Keeps the run's records; ``log`` takes a step's ``StepValues`` (read at logging steps,
     collectively: every rank calls ``log`` and ``close`` alike) or an evaluation record, prints
@@ -467,6 +474,10 @@ class Metrics:
             # The steps this run logs (from resumed + 1: the first step it trains) replace
             # those an earlier run logged in the same folder, a run that died after the
             # checkpoint resumed or, for a new run, one that died before its first checkpoint.
+            if not resumed and _holds_events(tensorboard_dir):
+                print(f"{PREFIX}train.tensorboard_dir {tensorboard_dir} holds an earlier run's "
+                      "events: TensorBoard shows this new run's steps in their place (give "
+                      "another folder to keep both)", flush=True)
             self.writer = SummaryWriter(tensorboard_dir, purge_step=resumed + 1)
         self.wandb = None                 # train.wandb (a WandbConfig): its run, on rank 0
         if wandb is not None and self.rank0:
