@@ -113,7 +113,7 @@ def test_bad_weights_are_refused():
     # unweighted, a dataset of the mix that keeps nothing is refused too, not trained around
     with pytest.raises(OrderError, match=re.escape(
             "s3://b/speech: preprocessing keeps none of its samples (4 read), so the mix would "
-            "train without it: drop it from data.datasets")):
+            "go without it: drop it from the list")):
         SampleOrder([shape(4), shape(4, dropped=range(4))], 0, 1,
                     names=["shards/images", "s3://b/speech"])
 

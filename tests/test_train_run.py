@@ -577,10 +577,18 @@ def test_a_resume_checks_the_adapters_scale_before_loading(monkeypatch, tmp_path
     trainer._resume("ck/step_0000001")
     now = trainer.preprocess
     assert said == [
-        f"mimo-train: resumed from step 1 with another preprocessing than the run's so far "
+        f"mimo-train: resuming ck/step_0000001 with another preprocessing than the run's so far "
         f"({path}): seq_length {now.seq_length} (was {2 * now.seq_length}); "
         f"modalities.image.max_pixels {now.modalities['image'].max_pixels} (was "
-        f"{4 * now.modalities['image'].max_pixels})"]
+        f"{4 * now.modalities['image'].max_pixels}): the samples are made so from here on "
+        "(where it keeps other samples than the run's, the loader refuses the resume)"]
+    # saved by a mimo without a setting this one has: its default, no change said
+    del saved["modalities"]["image"]["max_image_pixels"]
+    saved["seq_length"] //= 2
+    saved["modalities"]["image"]["max_pixels"] //= 4
+    said.clear()
+    trainer._resume("ck/step_0000001")
+    assert said == [], said
 
 
 def test_schedule_notes_name_each_changed_setting():

@@ -141,9 +141,9 @@ class SampleOrder:
                                  "data/config")
             if weights is None and not count and len(kept) > 1:     # a mix trained without it
                 raise OrderError(f"{name}: preprocessing keeps none of its samples "
-                                 f"({len(self.datasets[i].kept)} read), so the mix would "
-                                 "train without it: drop it from data.datasets or fix its "
-                                 "data/config (mimo-inspect report says why each was dropped)")
+                                 f"({len(self.datasets[i].kept)} read), so the mix would go "
+                                 "without it: drop it from the list or fix its data/config "
+                                 "(mimo-inspect report says why each was dropped)")
         if remainder == "drop":
             self.steps_per_epoch = self.epoch_length // global_batch_size
         else:

@@ -244,10 +244,16 @@ class PreprocessConfig:
         return asdict(self)
 
     def changes_from(self, saved: dict) -> list[str]:
-        """Each setting that differs from ``saved`` (a ``to_dict`` as JSON kept it), as
+        """Each setting that differs from ``saved`` (a ``to_dict`` as JSON kept it, perhaps
+        by an older mimo: read again, so a setting it did not have is its default), as
         ``modalities.image.max_pixels 200704 (was 12845056)``, in the config's order."""
-        return [f"{key} {now!r} (was {was!r})" for key, now, was in
-                _differing(json.loads(json.dumps(self.to_dict())), saved, "")]
+        try:
+            saved = PreprocessConfig.from_dict(saved).to_dict()
+        except ConfigError:         # a setting this mimo no longer reads: compared as kept
+            pass
+        now, was = json.loads(json.dumps([self.to_dict(), saved]))     # tuples as lists
+        return [f"{key} {value!r} (was {before!r})" for key, value, before in
+                _differing(now, was, "")]
 
 
 def _differing(now, was, key: str):

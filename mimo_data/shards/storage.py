@@ -158,14 +158,16 @@ def retried[T](what: str, call: Callable[[], T], attempts: int | None = None) ->
                 raise StorageError(f"{what}: {exc}: check AWS_PROFILE (or the profile of "
                                    "storage_options)") from exc
             if isinstance(exc, PermissionError) or type(exc).__name__ in _NO_CREDENTIALS:
-                found = type(exc).__name__ not in _NO_CREDENTIALS
+                said = {"NoCredentialsError": "no credentials found",
+                        "PartialCredentialsError": "incomplete credentials"}.get(
+                            type(exc).__name__, "access denied")
                 raise StorageError(
-                    f"{what}: " + ("access denied" if found else "no credentials found") +
-                    f" ({type(exc).__name__}: {exc}). " + ("Check" if found else "Give") +
+                    f"{what}: {said} ({type(exc).__name__}: {exc}). " +
+                    ("Check" if said == "access denied" else "Give") +
                     " the credentials (the environment's variables, e.g. AWS_ACCESS_KEY_ID and "
-                    "AWS_SECRET_ACCESS_KEY, the client's config files, or a training config's "
-                    "data.storage_options)" + (" and that they may use this bucket" if found
-                                               else "")) from exc
+                    "AWS_SECRET_ACCESS_KEY, the client's config files, or, for mimo-train, "
+                    "data.storage_options)" + (" and that they may use this bucket"
+                                               if said == "access denied" else "")) from exc
             if not _transient(exc):
                 raise
             if attempt == attempts:

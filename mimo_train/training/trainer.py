@@ -354,6 +354,13 @@ class Trainer:
             # the fixed weights come from the checkpoint: its base stays the one recorded,
             # whatever model.pretrained holds now
             self.lora_bases = meta["lora_base"]
+        changed = self.preprocess.changes_from(meta["preprocess"]) if meta.get("preprocess") \
+            else []
+        if changed:         # said before the load, whose loader refuses other kept samples
+            say(f"{PREFIX}resuming {directory} with another preprocessing than the run's so "
+                f"far ({self.cfg.data.preprocess}): {'; '.join(changed)}: the samples are made "
+                "so from here on (where it keeps other samples than the run's, the loader "
+                "refuses the resume)")
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
@@ -362,11 +369,6 @@ class Trainer:
         notes = schedule_notes(self.step, distributed.gather(changes))
         for note in notes if self.step < self.cfg.train.steps else ():
             say(PREFIX + note)
-        changed = self.preprocess.changes_from(meta["preprocess"]) if meta.get("preprocess") \
-            else []
-        if changed:         # the samples change from here on (their tokens, their images')
-            say(f"{PREFIX}resumed from step {self.step} with another preprocessing than the "
-                f"run's so far ({self.cfg.data.preprocess}): {'; '.join(changed)}")
         if self.cfg.model.init_from:        # loaded first, replaced now: said, not silent
             say(f"{PREFIX}model.init_from {self.cfg.model.init_from} is replaced by the "
                 f"checkpoint resumed from ({directory}): its weights continue the run; to "
