@@ -144,8 +144,9 @@ def _modalities_note(data: dict) -> str:
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
     from mimo_train.families.base import unwritten_modalities
     config = PreprocessConfig.from_dict(data)
+    tokenizer = load_tokenizer(config)
     try:
-        unwritten = unwritten_modalities(config, load_tokenizer(config))
+        unwritten = unwritten_modalities(config, tokenizer)
     except ValueError:           # a template mimo cannot render at all: start-up says why
         unwritten = []
     takes = list(data["modalities"])

@@ -86,7 +86,8 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                                        f", no field of a {kind}"
                                        f"{meant(unknown, missing, 'field_map.')}" if unknown
                                        else f"its fields: {sorted(fields)}")
-                          + f": set field_map.{missing[0]} in {DATASET_YAML}, or {OTHERWISE}")
+                          + f": set {', '.join(f'field_map.{m}' for m in missing)} in "
+                          f"{DATASET_YAML}, or {OTHERWISE}")
     if kind == "CaptioningSample":                # each field it needs is there (above)
         return MemberMap("pairs", media=fields["image"], text=fields["caption"]), unread
     if kind in ("VQASample", "VQAOCRSample"):

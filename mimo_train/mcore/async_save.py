@@ -61,6 +61,7 @@ def _worker_failures(failures: list[Exception]):
     original = writer.__dict__["write_preloaded_data"]
     function = original.__func__
 
+    @functools.wraps(function)      # its signature, which megatron-core reads (use_msc)
     def recorded(*args, **kwargs):
         if kwargs.get("results_queue") is not None:
             # a write thread: its exception noted as it puts it, before it tells the main
@@ -91,6 +92,9 @@ class _Noting:
         if isinstance(output, tuple) and isinstance(output[1], Exception):
             self.failures.append(output[1])
         self.results.put(output)
+
+    def __getattr__(self, name: str):       # the queue's other methods, as they are
+        return getattr(self.results, name)
 
 
 class _DropErrors(logging.Filter):
