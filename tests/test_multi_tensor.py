@@ -44,6 +44,20 @@ def test_the_norm_is_megatron_cores_fallbacks():
     assert torch.allclose(ours[0], theirs, rtol=1e-6, atol=0)
 
 
+def test_the_norm_of_a_long_tensor_is_exact_to_float32():
+    """A published vocabulary's embedding gradient (151936 x 64, a Qwen2-VL-2B replica's):
+    torch's float32 CPU norm (``_foreach_norm``, ``vector_norm``, megatron-core's fallback's
+    ``torch.norm``) adds its squares in float32 and comes out ~2e-4 low, more than the
+    embedding's share of a step's norm moves between layouts that split it (TP, the
+    distributed optimizer); the CPU norm is float64's, rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.rand((151936, 64), generator=generator), torch.randn(7, generator=generator)]
+    ours, _ = foreach_l2_norm(2048, NOOP, [grads], False)
+    exact = torch.cat([g.double().flatten() for g in grads]).norm()
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours[0].double(), exact, rtol=2e-7, atol=0)
+
+
 @pytest.mark.parametrize("scale", [0.37, 1.0])
 def test_scaling_and_copying_are_megatron_cores_fallbacks(scale):
     sources = _grads(1)

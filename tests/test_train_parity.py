@@ -108,6 +108,16 @@ def assert_sharded(run: dict, dp: dict[str, int]) -> None:
         assert all(mine < whole or size == 1 for _, mine, whole in held), (module, held)
 
 
+def assert_whole_norm(run: dict, what: str) -> None:
+    """The step's gradient norm, as the update clips by it (``mcore.optimizer_step``), is the
+    norm of every trained parameter's whole gradient (float64 here), whatever the layout splits
+    (TP shards, the distributed optimizer's): none left out or counted twice, and torch's
+    float32 CPU norm of a long tensor (the 151k-row embedding's) no longer 1e-4 low."""
+    every = torch.cat([grad.double().flatten() for grads in run["grads"].values()
+                       for grad in grads.values()])
+    assert run["grad_norm"] == pytest.approx(float(every.norm()), rel=5e-7, abs=0), what
+
+
 def _reference(ranks, tmp_path: Path, layout: str, common: list[str]) -> tuple[dict, str]:
     """One colocated process; also saves the initial weights every other layout starts from."""
     init = tmp_path / "init"
@@ -201,6 +211,8 @@ def test_fan_out_matches_colocated(ranks, dynamic_setup):
                        "optimizer.bucket_size=5000"], init)
     compare(reference, fan_out, "image dp1 + audio dp1 -> language dp2, distributed optimizer, "
             "selective recompute")
+    assert_whole_norm(reference, "colocated")
+    assert_whole_norm(fan_out, "fan-out, language dp2, distributed optimizer")
     assert_sharded(fan_out, {"image": 1, "audio": 1, "language": 2})
     assert_recomputed(reference, fan_out, {"language": "selective", "image": "full",
                                            "audio": "none"})
@@ -296,6 +308,7 @@ def test_sequence_parallel_fan_in_matches_colocated(ranks, dynamic_setup):
                    "model.language.sequence_parallel=true"], init)
     compare(reference, tp2, "image dp2 + audio dp1 -> language tp2, sequence parallel, "
             "chunked loss")
+    assert_whole_norm(tp2, "language tp2, sequence parallel, distributed optimizer")
     assert_sharded(tp2, {"image": 2, "audio": 1, "language": 1})
     assert_recomputed(reference, tp2, {"language": "selective", "image": "none"})
     assert_chunked(reference, tp2)

@@ -6,7 +6,8 @@ turns every gradient's norm into a host float (``torch.tensor`` of a list of dev
 one device synchronization per parameter tensor, ~600 a step for a Qwen2-VL-2B-shaped model on
 an H200 (the GPU check's profile), each stalling the queue of kernels. ``foreach_l2_norm``
 computes the same norm with ``torch._foreach_norm`` and one ``vector_norm`` on the device (the
-optimizer then reads the one total, as before); ``foreach_scale`` clips with
+optimizer then reads the one total, as before; on the CPU each tensor's norm in float64: torch's
+float32 CPU norm, the fallbacks' too, drifts with a tensor's size); ``foreach_scale`` clips with
 ``torch._foreach_mul`` (and the optimizer copies its main weights into the model's with
 ``torch._foreach_copy_``) instead of a Python loop of a multiplication and a copy per tensor.
 Both keep the fallbacks' signatures (``(chunk_size, noop_flag, tensor_lists, ...)``, as
@@ -34,7 +35,12 @@ def foreach_l2_norm(chunk_size: int, noop_flag: torch.Tensor,
     tensors = tensor_lists[0]
     if not tensors:
         return torch.zeros(1, dtype=torch.float), None
-    norms = torch._foreach_norm(tensors)
+    # float64 on the CPU: torch's CPU norm adds a float32 tensor's squares in float32 along
+    # long runs, off by ~1e-4 of a tensor of millions (a 151936 x 64 embedding's gradient
+    # 2.3e-4 low); then each layout's norm, which splits that tensor differently (TP, the
+    # distributed optimizer's shards), was off by its own amount, and so was the clipping
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float64 if tensors[0].device.type
+                                == "cpu" else None)
     # one stack (it promotes bf16 norms to fp32 exactly), not a cast a tensor
     total = torch.linalg.vector_norm(torch.stack(norms).float())
     return total.reshape(1), None

@@ -7,6 +7,7 @@ Builds ``mimo_train.training.trainer.Trainer`` from the overrides (``model.init_
 layout the same weights), runs one global batch forward and backward through the real schedule and
 gradient finalization, and writes ``OUT/rank_R.pt``: the world's loss sum and trained-token count
 (and the global batch's load-balancing loss on the language ranks, with ``moe_aux_loss``),
+the world's gradient norm as the update clips by it (``mcore.optimizer_step.world_grad_norm``),
 each local module's gradients (``main_grad``, TP shards gathered) keyed by global parameter names
 (an expert's by its global number under expert parallelism),
 and the dtypes of each module's parameters and buffers and the names of the parameters it does not
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 from mimo_train.config import TrainConfig
+from mimo_train.mcore.optimizer_step import world_grad_norm
 from mimo_train.plan import resolve
 from mimo_train.model.parts import global_key, unwrap
 from mimo_train.training import trainer as trainer_module
@@ -240,6 +242,9 @@ def main(argv) -> None:
     flops = dict(zip([m.name for m in trainer.layout.modules], trainer.step_flops.tolist()))
     for hook in hooks:
         hook.remove()
+    # the step's gradient norm as the trainer's update takes it (and clips by): world-wide
+    trainer.optimizer.prepare_grads()
+    grad_norm = float(world_grad_norm(trainer.optimizer)[1])
     grads, dtypes, fixed = {}, {}, {}
     for name, module in trainer.modules.items():
         gather_sharded_grads(module)
@@ -270,6 +275,7 @@ def main(argv) -> None:
         reads = dict(counter.sites)
     os.makedirs(out, exist_ok=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "flops": flops, "grads": grads,
+                "grad_norm": grad_norm,
                 "moe_aux_loss": balance,
                 "dtypes": dtypes,
                 "fixed": fixed, "host_reads": reads, "schedule_steps": schedule_steps,

@@ -29,9 +29,10 @@ CONFIGS = REPO / "configs" / "train"
 def step(ranks: Ranks, out: Path, nproc: int, *overrides, save_init: Path | None = None,
          host_reads: bool = False, save_batches: bool = False) -> dict:
     """One step of ``tests/jobs/train_parity.py`` on ``nproc`` ranks: the world's loss sum and
-    trained tokens, and every module's gradients by global parameter name (DP replicas
-    checked equal), each rank's dtypes and fixed parameters; ``save_init``: save the initial
-    weights there first (``step_0000000``)."""
+    trained tokens, its gradient norm (``grad_norm``, every rank's checked equal), and every
+    module's gradients by global parameter name (DP replicas checked equal), each rank's dtypes
+    and fixed parameters; ``save_init``: save the initial weights there first
+    (``step_0000000``)."""
     flags = [*(["--save-init", save_init] if save_init else []),
              *(["--host-reads"] if host_reads else []),
              *(["--save-batches"] if save_batches else [])]
@@ -46,9 +47,10 @@ def merged(out: Path) -> dict:
     assert len(balances) <= 1, balances           # every language rank counts the same
     result = {"loss_sum": per_rank[0]["loss_sum"], "tokens": per_rank[0]["tokens"],
               "flops": per_rank[0]["flops"], "moe_aux_loss": next(iter(balances), None),
-              "grads": {}, "ranks": per_rank}
+              "grad_norm": per_rank[0].get("grad_norm"), "grads": {}, "ranks": per_rank}
     for rank in per_rank:
-        assert (rank["loss_sum"], rank["tokens"]) == (result["loss_sum"], result["tokens"])
+        assert (rank["loss_sum"], rank["tokens"], rank.get("grad_norm")) == (
+            result["loss_sum"], result["tokens"], result["grad_norm"])
         for module, grads in rank["grads"].items():
             for name, grad in grads.items():
                 seen = result["grads"].setdefault(module, {}).get(name)
