@@ -779,8 +779,9 @@ def test_markers_first_places_missing_markers_as_internvl_does(
     """Records whose text has no marker for their items (InternVL's single image, ms-swift's
     images and audio): without ``--markers-first`` each is a marker_mismatch whose detail
     names the flag; with it each item's marker goes before the first user text, counted. A
-    modality with some markers but too few is still refused, and LLaVA-NeXT's video
-    ``<image>`` stays the video's (no second marker placed)."""
+    modality with some markers but too few is still refused, so is one written in capitals
+    (``<Image>``), and LLaVA-NeXT's video ``<image>`` stays the video's (no second marker
+    placed)."""
     jpeg, png, wav = (str(assets[k]) for k in ("jpeg", "png", "wav"))
     clip = str(corpus / corpus_videos["pan_h264_24"].path)
     records = [
@@ -790,19 +791,21 @@ def test_markers_first_places_missing_markers_as_internvl_does(
             {"role": "user", "content": "Compare."}, {"role": "assistant", "content": "Same."}]},
         {"id": "llava-video", "video": clip, "conversations": chat("<image>\nWhat?", "A pan.")},
         {"id": "too-few", "images": [jpeg, png],
-         "conversations": chat("<image>\nBoth?", "Yes.")}]
+         "conversations": chat("<image>\nBoth?", "Yes.")},
+        {"id": "capitals", "image": jpeg, "conversations": chat("<Image>\nWhat?", "A cat.")}]
     path = write_jsonl(tmp_path / "input.jsonl", records)
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "plain", "--no-progress")
     assert code == 0, err
     skipped = read_json(tmp_path / "plain" / "report.json")["skipped_by_reason"]
-    assert skipped["marker_mismatch"]["count"] == 3
+    assert skipped["marker_mismatch"]["count"] == 4
     assert [("--markers-first" in f["detail"]) for f in skipped["marker_mismatch"]["first"]] \
-        == [True, True, False]
+        == [True, True, False, False]
     code, _, err = cli_main(capsys, "build", path, "-o", tmp_path / "out", "--no-progress",
                             "--markers-first")
     assert code == 0, err
     report = read_json(tmp_path / "out" / "report.json")
-    assert report["skipped_by_reason"]["marker_mismatch"]["count"] == 1   # too-few
+    # too-few, and capitals: its <Image> is where the image goes, not words to train
+    assert report["skipped_by_reason"]["marker_mismatch"]["count"] == 2
     assert report["counts"] == {"markers_placed_first": 4, "videos_marked_with_image": 1}
     written = {r["id"]: r for r in sample_records(tmp_path / "out")}
     assert written["internvl"]["messages"][0]["content"] == "<image>\nWhat is it?"

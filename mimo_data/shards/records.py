@@ -486,8 +486,10 @@ def _mismatch_hint(markers: int, items: int, markers_first: bool, modality: str,
 def _place_missing_markers(messages: list[dict], counts: Mapping[str, int]) -> int:
     """``media_markers``' ``markers_first``: the markers it placed."""
     text = "".join(message["content"] for message in messages)
+    # a marker written in other letters (<Image>) is where the item was meant: not placed
+    # before it (which would train those letters as words), said as a mismatch instead
     missing = {modality: counts[modality] for modality, marker in MARKERS.items()
-               if counts.get(modality) and marker not in text}
+               if counts.get(modality) and marker.lower() not in text.lower()}
     lead = "".join(f"{MARKERS[modality]}\n" * number for modality, number in missing.items())
     first = next((m for m in messages if m["role"] == "user"), None)
     if not lead or first is None:
