@@ -464,6 +464,22 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
             "preprocessing config, or give it a chat_template that writes <audio> for each "
             "audio part (and serve audio from an encoder module of its own: model.encoders, "
             "the layout)")
+    # a run of encoder modules around SmolLM2 (no whole VLM): the same check at start-up,
+    # its template the one that counts (llava's, typed parts, leaves audio out)
+    import dataclasses
+
+    from mimo_train.families.base import check_template
+    smol = PreprocessConfig.from_yaml(str(Path(__file__).parents[1] / "configs" /
+                                          "preprocess.yaml"))
+    assert "audio" in smol.modalities
+    check_template(smol, load_tokenizer(smol))               # SmolLM2's writes <audio>
+    llava = load_tokenizer(PreprocessConfig.from_dict({**config, "tokenizer": str(published)}))
+    typed = dataclasses.replace(smol, chat_template=llava.chat_template)
+    with pytest.raises(TrainConfigError, match=r"^the preprocessing config's chat template "
+                       r"\(its chat_template\) writes no <audio> for audio in a message \(it "
+                       r"writes image and text only\), so every sample with audio would be "
+                       "dropped"):
+        check_template(typed, load_tokenizer(typed))
     # a template mimo cannot render at all (no eos token, say): the config printed, that
     # sentence left to the start-up's refusal
     import mimo_train.families.base as base

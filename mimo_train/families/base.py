@@ -478,7 +478,7 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
                         f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
                         f"positions: set positions: {vlm.positions}")
     problems += _video_problems(vlm, preprocess, tokenizer)
-    problems += _template_problems(vlm, preprocess, tokenizer)
+    problems += template_problems(preprocess, tokenizer, vlm)
     for name in tower_serves:
         problems += _token_count_problems(vlm, name, preprocess.modalities.get(name))
     image = preprocess.modalities.get("image")
@@ -525,27 +525,38 @@ def unwritten_modalities(preprocess, tokenizer) -> list[str]:
     return unwritten
 
 
-def _template_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
-    """``_preprocessing_problems`` of the modalities the chat template writes no marker for
-    (``unwritten_modalities``): their every sample would be dropped, none trained."""
+def template_problems(preprocess, tokenizer, vlm: VLM | None = None) -> list[str]:
+    """The modalities of ``preprocess`` its chat template writes no marker for
+    (``unwritten_modalities``), each as a problem: their every sample would be dropped, none
+    trained (``vlm``: the whole VLM the run trains, whose tower may lack the modality)."""
     from mimo_data.modalities import MARKERS
     unwritten = unwritten_modalities(preprocess, tokenizer)
+    takes = vlm.modalities if vlm is not None else tuple(MARKERS)
     # a video the checkpoint does not take is refused as that (_video_problems)
     dropped = [m for m in preprocess.modalities if m in unwritten and
-               (m != "video" or m in vlm.modalities)]
+               (m != "video" or m in takes)]
     written = " and ".join([m for m in MARKERS if m not in unwritten] + ["text"])
     template = ("its chat_template" if preprocess.chat_template else
                 f"the tokenizer's, {preprocess.tokenizer}")
     # a modality the checkpoint's tower does not take needs an encoder module of its own too
-    return [(f"model.pretrained {vlm.path} (a {vlm.family}) has no {m} tower, and " if m not in
-             vlm.modalities else "") +
+    return [(f"model.pretrained {vlm.path} (a {vlm.family}) has no {m} tower, and "
+             if vlm is not None and m not in takes else "") +
             f"the preprocessing config's chat template ({template}) writes no {MARKERS[m]} for "
             f"{m} in a message (it writes {written} only), so every sample with {m} would be "
             f"dropped as template_mismatch and none trained: drop modalities.{m} from the "
             f"preprocessing config, or give it a chat_template that writes {MARKERS[m]} for "
             f"each {m} part" + (f" (and serve {m} from an encoder module of its own: "
-                                "model.encoders, the layout)" if m not in vlm.modalities else "")
+                                "model.encoders, the layout)" if m not in takes else "")
             for m in dropped]
+
+
+def check_template(preprocess, tokenizer) -> None:
+    """``TrainConfigError`` for a modality whose marker the chat template does not write
+    (``template_problems``), for a run of encoder modules around a language model (a whole
+    VLM's run is checked with the rest of its preprocessing: ``check_preprocessing``)."""
+    problems = template_problems(preprocess, tokenizer)
+    if problems:
+        raise TrainConfigError("; ".join(problems))
 
 
 def _named(tokens: list) -> bool:

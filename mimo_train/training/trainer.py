@@ -57,7 +57,7 @@ from mimo_train.components.optimizer import (build_optimizer, build_schedulers,
                                              schedule_notes, trained_optimizers)
 from mimo_train.config import TrainConfig
 from mimo_train.errors import TrainConfigError
-from mimo_train.families.base import check_preprocessing
+from mimo_train.families.base import check_preprocessing, check_template
 from mimo_train.mcore import (MultiModuleProcessGroupCollection, ensure_global_memory_buffer,
                               get_forward_backward_func, model_parallel_cuda_manual_seed)
 from mimo_train.mcore.attention import available, choose
@@ -264,6 +264,8 @@ class Trainer:
         if self.plan.vlm is not None:
             check_preprocessing(self.plan.vlm, self.preprocess, text.tokenizer,
                                 self.plan.vlm_tower_serves)
+        else:
+            check_template(self.preprocess, text.tokenizer)
         return text, vocabulary
 
     def _build_model(self, text) -> None:
