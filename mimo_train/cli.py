@@ -142,11 +142,11 @@ def _modalities_note(data: dict) -> str:
     from mimo_data.modalities import MARKERS
     from mimo_data.preprocess.config import PreprocessConfig
     from mimo_data.preprocess.tokenizer_loading import load_tokenizer
-    from mimo_train.families.base import unwritten_modalities
+    from mimo_data.preprocess.chat_render import ChatRenderer
     config = PreprocessConfig.from_dict(data)
     tokenizer = load_tokenizer(config)
     try:
-        unwritten = unwritten_modalities(config, tokenizer)
+        unwritten = ChatRenderer(config, tokenizer).unwritten_modalities()
     except ValueError:           # a template mimo cannot render at all: start-up says why
         unwritten = []
     takes = list(data["modalities"])

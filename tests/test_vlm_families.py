@@ -468,25 +468,24 @@ def test_preprocessing_for_prints_the_derived_config(capsys, monkeypatch):
     # its template the one that counts (llava's, typed parts, leaves audio out)
     import dataclasses
 
+    from mimo_data.preprocess.chat_render import ChatRenderer
     from mimo_train.families.base import check_template
     smol = PreprocessConfig.from_yaml(str(Path(__file__).parents[1] / "configs" /
                                           "preprocess.yaml"))
     assert "audio" in smol.modalities
-    check_template(smol, load_tokenizer(smol))               # SmolLM2's writes <audio>
+    check_template(smol, ChatRenderer(smol, load_tokenizer(smol)))    # SmolLM2's: <audio>
     llava = load_tokenizer(PreprocessConfig.from_dict({**config, "tokenizer": str(published)}))
     typed = dataclasses.replace(smol, chat_template=llava.chat_template)
     with pytest.raises(TrainConfigError, match=r"^the preprocessing config's chat template "
                        r"\(its chat_template\) writes no <audio> for audio in a message \(it "
                        r"writes image and text only\), so every sample with audio would be "
                        "dropped"):
-        check_template(typed, load_tokenizer(typed))
+        check_template(typed, ChatRenderer(typed, load_tokenizer(typed)))
     # a template mimo cannot render at all (no eos token, say): the config printed, that
     # sentence left to the start-up's refusal
-    import mimo_train.families.base as base
-
     def unrenderable(*args):
         raise ValueError("the tokenizer has no eos_token")
-    monkeypatch.setattr(base, "unwritten_modalities", unrenderable)
+    monkeypatch.setattr(ChatRenderer, "unwritten_modalities", unrenderable)
     assert main(["--preprocessing-for", str(published)]) == 0
     out = capsys.readouterr().out
     assert "writes no <audio>" not in out and "\nmodalities:\n" in out, out

@@ -275,6 +275,21 @@ class ChatRenderer:
                                            if stand_in in written)
         return self._tool_support
 
+    def unwritten_modalities(self) -> list[str]:
+        """The modalities whose marker (``<audio>``) the template does not write for a message
+        holding one (llava-hf's write a message's images and text only): every sample with one
+        would be dropped as ``template_mismatch``. Read from a probe message per modality; one
+        the template fails on is not counted."""
+        unwritten = []
+        for modality, marker in MARKERS.items():
+            try:
+                text = self.render_prompt([{"role": "user", "content": f"{marker}\nWhat is it?"}])
+            except TextError:           # a template that refuses the probe: no evidence
+                continue
+            if marker not in text:
+                unwritten.append(modality)
+        return unwritten
+
     def _render(self, messages, generation_prompt=False, tools=None, options=None):
         messages = self._for_template(messages)
         try:

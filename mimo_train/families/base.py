@@ -478,7 +478,8 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
                         f"model.pretrained {vlm.path} (a {vlm.family}) takes {vlm.positions} "
                         f"positions: set positions: {vlm.positions}")
     problems += _video_problems(vlm, preprocess, tokenizer)
-    problems += template_problems(preprocess, tokenizer, vlm)
+    from mimo_data.preprocess.chat_render import ChatRenderer
+    problems += template_problems(preprocess, ChatRenderer(preprocess, tokenizer), vlm)
     for name in tower_serves:
         problems += _token_count_problems(vlm, name, preprocess.modalities.get(name))
     image = preprocess.modalities.get("image")
@@ -506,31 +507,12 @@ def _preprocessing_problems(vlm: VLM, preprocess, tokenizer,
     return problems
 
 
-def unwritten_modalities(preprocess, tokenizer) -> list[str]:
-    """The modalities whose marker (``<audio>``) the preprocessing's chat template does not
-    write for a message holding one: the preprocessor drops each sample with one as
-    ``template_mismatch`` (llava-hf's templates write a message's images and text only).
-    Read from a probe message per modality; one the template fails on is not counted."""
+def template_problems(preprocess, renderer, vlm: VLM | None = None) -> list[str]:
+    """The modalities of ``preprocess`` its chat template (``renderer``'s, a ``ChatRenderer``)
+    writes no marker for, each as a problem: their every sample would be dropped, none trained
+    (``vlm``: the whole VLM the run trains, whose tower may lack the modality)."""
     from mimo_data.modalities import MARKERS
-    from mimo_data.preprocess.chat_render import ChatRenderer, TextError
-    renderer = ChatRenderer(preprocess, tokenizer)
-    unwritten = []
-    for modality, marker in MARKERS.items():
-        try:
-            text = renderer.render_prompt([{"role": "user", "content": f"{marker}\nWhat is it?"}])
-        except TextError:           # a template that refuses the probe: no evidence
-            continue
-        if marker not in text:
-            unwritten.append(modality)
-    return unwritten
-
-
-def template_problems(preprocess, tokenizer, vlm: VLM | None = None) -> list[str]:
-    """The modalities of ``preprocess`` its chat template writes no marker for
-    (``unwritten_modalities``), each as a problem: their every sample would be dropped, none
-    trained (``vlm``: the whole VLM the run trains, whose tower may lack the modality)."""
-    from mimo_data.modalities import MARKERS
-    unwritten = unwritten_modalities(preprocess, tokenizer)
+    unwritten = renderer.unwritten_modalities()
     takes = vlm.modalities if vlm is not None else tuple(MARKERS)
     # a video the checkpoint does not take is refused as that (_video_problems)
     dropped = [m for m in preprocess.modalities if m in unwritten and
@@ -550,11 +532,12 @@ def template_problems(preprocess, tokenizer, vlm: VLM | None = None) -> list[str
             for m in dropped]
 
 
-def check_template(preprocess, tokenizer) -> None:
-    """``TrainConfigError`` for a modality whose marker the chat template does not write
-    (``template_problems``), for a run of encoder modules around a language model (a whole
-    VLM's run is checked with the rest of its preprocessing: ``check_preprocessing``)."""
-    problems = template_problems(preprocess, tokenizer)
+def check_template(preprocess, renderer) -> None:
+    """``TrainConfigError`` for a modality whose marker the chat template (``renderer``'s)
+    does not write (``template_problems``), for a run of encoder modules around a language
+    model (a whole VLM's run is checked with the rest of its preprocessing:
+    ``check_preprocessing``)."""
+    problems = template_problems(preprocess, renderer)
     if problems:
         raise TrainConfigError("; ".join(problems))
 

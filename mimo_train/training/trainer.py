@@ -265,7 +265,7 @@ class Trainer:
             check_preprocessing(self.plan.vlm, self.preprocess, text.tokenizer,
                                 self.plan.vlm_tower_serves)
         else:
-            check_template(self.preprocess, text.tokenizer)
+            check_template(self.preprocess, text.renderer)
         return text, vocabulary
 
     def _build_model(self, text) -> None:
