@@ -305,16 +305,22 @@ def test_routed_experts_adapters_are_pefts_on_qwen3_vl_moe(tmp_path):
     from transformers import AutoModelForImageTextToText
 
     from mimo_train.config import TrainConfig
+    from mimo_train.errors import ExportError
     from mimo_train.families.registry import language_arch, preprocessing_for
     from mimo_train.hf.adapters import write_adapters
     from mimo_train.plan import resolve
     base = PUBLISHED / "Qwen--Qwen3-VL-30B-A3B-Instruct"          # 4 layers of 8 experts
     preprocess = tmp_path / "preprocess.yaml"
     preprocess.write_text(yaml.safe_dump(preprocessing_for(str(base))))
-    plan = resolve(TrainConfig.load(None, [
-        f"data.datasets=[{tmp_path}]", f"data.preprocess={preprocess}",
-        f"model.pretrained={base}", "model.freeze=[image]", f"layout={LAYOUT}",
-        "model.lora={language: {rank: 2, alpha: 6, targets: ['*.local_experts.*']}}"]))
+    settings = [f"data.datasets=[{tmp_path}]", f"data.preprocess={preprocess}",
+                f"model.pretrained={base}", f"layout={LAYOUT}",
+                "model.lora={language: {rank: 2, alpha: 6, targets: ['*.local_experts.*']}}"]
+    with pytest.raises(ExportError, match=r"the run also trained \['image.encoder'\] outside "
+                       "its adapters"):         # its tower trained in full: not adapters alone
+        write_adapters(str(tmp_path / "x"), resolve(TrainConfig.load(None, settings)), {},
+                       language_arch(str(base)), "image", "the run")
+    assert not (tmp_path / "x").exists()
+    plan = resolve(TrainConfig.load(None, [*settings, "model.freeze=[image]"]))
     torch.manual_seed(0)
     state, hidden, ffn = {}, 64, 24
     for layer, expert in [(i, e) for i in range(4) for e in range(8) if (i, e) != (1, 5)]:

@@ -328,6 +328,7 @@ def test_the_start_up_line_says_what_trains():
     encoders = {"image": SimpleNamespace(projection="mlp")}
     plan: Any = SimpleNamespace(frozen=(Part("image", "encoder"),), adapted=(lora,),
                                 modules=modules, encoders=encoders)
+    plan.parts_in_full = lambda: RunPlan.parts_in_full(plan)
     assert RunPlan.training_summary(plan) == (
         "image.encoder frozen; language LoRA rank 4 alpha 8 on linear_qkv, linear_fc1 (its "
         "weights fixed); image.projection in full")
@@ -338,6 +339,8 @@ def test_the_start_up_line_says_what_trains():
     assert RunPlan.training_summary(plan).endswith("linear_fc1 (its weights fixed)")
     assert RunPlan.training_summary(SimpleNamespace(frozen=(), adapted=(), modules=modules)) \
         == "every module in full"
+    plan.frozen, plan.adapted = (), ()    # what an adapters-only export refuses: all of it
+    assert plan.parts_in_full() == ["image.encoder", "language"]
 
 
 # ------------------------------------------------------------------------------- refusals

@@ -39,21 +39,9 @@ import torch
 from mimo_train.config import LoraConfig
 from mimo_train.errors import ExportError
 from mimo_train.plan import RunPlan
-from mimo_train.planning.flops import trains
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-
-
-def trained_outside_adapters(plan: RunPlan, image: str) -> list[str]:
-    """The parts of the whole VLM that trained their own weights (neither in ``model.freeze``
-    nor adapted by ``model.lora``); ``image``: the encoder module of its tower."""
-    assert plan.vlm is not None
-    parts = ["language", f"{image}.encoder"]
-    if plan.vlm.projector_names:                # LLaVA's projector (Qwen's merger is the tower's)
-        parts.append(f"{image}.projection")
-    fixed = (*plan.frozen, *(a.part for a in plan.adapted))
-    return [part for part in parts if trains(part, fixed)]
 
 
 def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image: str,
@@ -67,7 +55,7 @@ def write_adapters(out: str, plan: RunPlan, weights: dict, language_arch, image:
     from mimo_train.model.lora import spec_of
     vlm = plan.vlm
     assert vlm is not None
-    trained = trained_outside_adapters(plan, image)
+    trained = plan.parts_in_full()
     if trained:
         raise ExportError(f"{directory}: the run also trained {trained} outside its adapters "
                           "(not in model.freeze nor model.lora): adapters alone are not the "

@@ -132,12 +132,18 @@ class RunPlan:
                  for a in self.adapted]
         if not said:
             return "every module in full"
+        full = self.parts_in_full()
+        return "; ".join([*said, *([f"{', '.join(full)} in full"] if full else [])])
+
+    def parts_in_full(self) -> list[str]:
+        """The parts whose own weights train (neither in ``model.freeze`` nor under LoRA), in
+        the layout's order: ``language``, ``<module>.encoder``, ``<module>.projection`` (none
+        where the module has no projection: a Qwen VLM's merger is its tower's)."""
         fixed = (*self.frozen, *(a.part for a in self.adapted))
         parts = [part for name in self.modules for part in (
             [name] if name == LANGUAGE else [f"{name}.encoder", f"{name}.projection"]
             if self.encoders[name].projection != "none" else [f"{name}.encoder"])]
-        full = [part for part in parts if not any(p.covers(part) for p in fixed)]
-        return "; ".join([*said, *([f"{', '.join(full)} in full"] if full else [])])
+        return [part for part in parts if not any(p.covers(part) for p in fixed)]
 
     def frozen_prefix(self, module: str) -> str | None:
         """The prefix of ``module``'s frozen parameters ("": all of them; None: none)."""
