@@ -338,7 +338,8 @@ class Trainer:
             meta = checkpoint.check(directory, self.model, None, (),
                                     self.cfg.to_dict()["model"])
             checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora, resume=False)
-        phase("init_from check", f"model.init_from {directory} checked", checked)
+        phase("init_from check", f"model.init_from {directory}: its index fits this model "
+              "(its data is checked as it loads)", checked)
 
         def load():
             checkpoint.load_model(directory, self.model)
@@ -351,7 +352,8 @@ class Trainer:
                                     self.cfg.model.freeze, self.cfg.to_dict()["model"])
             checkpoint.check_lora_scale(directory, meta, self.cfg.model.lora)
             return meta
-        meta = phase("checkpoint check", f"checkpoint {directory} checked", checked)
+        meta = phase("checkpoint check", f"checkpoint {directory}: its index fits this run (its "
+                     "data is checked as it loads)", checked)
         if self.cfg.model.lora and meta.get("lora_base"):
             # the fixed weights come from the checkpoint: its base stays the one recorded,
             # whatever model.pretrained holds now
