@@ -291,20 +291,9 @@ def build(inputs: list[str], output: str, options: BuildOptions,
 
 def _build_local(inputs, output: str, sources, options: BuildOptions, killed: bool) -> dict:
     old = _prepare_output(output, options.overwrite, killed)
-    try:
-        staging = swap.staging_in(output)
-    except OSError as exc:      # a read-only folder, no permission
-        raise BuildError(f"cannot write into --output {output}: {exc}") from None
-    try:
-        index, summary = _build_into(staging, inputs, sources, options)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
-            raise OutputFull(swap.no_room(exc, output, old)) from None
-        raise
-    report = swap.into_folder(output, staging, index["totals"]["samples"], old)
-    if index["totals"]["samples"]:
-        write_atomic(os.path.join(output, INDEX_FILE), dumps(index))
+    index, summary, report = swap.write_in_place(
+        output, f"--output {output}", old, BuildError,
+        lambda staging: _build_into(staging, inputs, sources, options))
     _say_built(index, summary, output, report, bool(old))
     return index
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from collections import Counter
@@ -46,7 +45,7 @@ from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, s
 from mimo_data.shards import record_table
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
-from mimo_data.shards.sources import OutputFull, StrictStop
+from mimo_data.shards.sources import StrictStop
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, output_given_as_source, resolve,
                                           say)
@@ -454,20 +453,12 @@ def _changed(output: str, source: Source) -> str:
 def _index_claimed(source: Source, output: str, named: str, options: IndexOptions,
                    storage_options: dict | None) -> dict:
     old = _prepare_output(output, named, options.overwrite, source)
-    try:
-        staging = swap.staging_in(output)
-    except OSError as exc:      # a read-only folder, no permission
-        raise IndexInputError(f"cannot write into {named}: {exc}") from None
-    try:
+
+    def written(staging: str) -> tuple[dict, tuple]:
         built, summary, rate = _index_into(staging, source, options, storage_options)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno in swap.NO_ROOM:
-            raise OutputFull(swap.no_room(exc, output, old)) from None
-        raise
-    report = swap.into_folder(output, staging, built["totals"]["samples"], old)
-    if built["totals"]["samples"]:
-        write_atomic(os.path.join(output, INDEX_FILE), dumps(built))
+        return built, (summary, rate)
+    built, (summary, rate), report = swap.write_in_place(output, named, old, IndexInputError,
+                                                         written)
     see = f" (see {report})" if built["report"]["records_skipped"] or \
         built["report"].get("members_ignored") else ""
     if old and not built["totals"]["samples"]:

@@ -21,10 +21,14 @@ import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Any
 
+from mimo_data.files import write_atomic
 from mimo_data.shards import storage
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
                                      STAGING_DIR)
+from mimo_data.shards.index import dumps
+from mimo_data.shards.sources import OutputFull
 
 # objects moved or removed at once in a bucket's swap (each a request or a copy by the store)
 _THREADS = 8
@@ -70,6 +74,32 @@ def staging_in(folder: str) -> str:
     staging = os.path.join(folder, STAGING_DIR)
     os.mkdir(staging)
     return staging
+
+
+def write_in_place(folder: str, named: str, old: list[str],
+                   refused: Callable[[str], Exception],
+                   write: Callable[[str], tuple[dict, Any]]) -> tuple[dict, Any, str]:
+    """A local run: ``write(staging)`` writes its files into a staging folder of ``folder``
+    (``named`` so in messages) and returns its index and whatever else the caller keeps;
+    they then take the place of the ``old`` dataset's files (:func:`into_folder`) and the
+    index is written last (none where no sample was kept). Returns the index, the rest and
+    the report's path. A failed run's files are removed; a full disk is ``OutputFull``;
+    ``refused(message)``: the caller's error for a folder that takes no writes."""
+    try:
+        staging = staging_in(folder)
+    except OSError as exc:      # a read-only folder, no permission
+        raise refused(f"cannot write into {named}: {exc}") from None
+    try:
+        index, rest = write(staging)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in NO_ROOM:
+            raise OutputFull(no_room(exc, folder, old)) from None
+        raise
+    report = into_folder(folder, staging, index["totals"]["samples"], old)
+    if index["totals"]["samples"]:
+        write_atomic(os.path.join(folder, INDEX_FILE), dumps(index))
+    return index, rest, report
 
 
 def into_folder(folder: str, staging: str, samples: int, old: list[str]) -> str:
