@@ -1,9 +1,13 @@
 """Videos through a whole Qwen2-VL / Qwen2.5-VL checkpoint's one vision tower.
 
-- M-RoPE positions of samples mixing text, images and videos equal transformers'
-  ``get_rope_index`` of each family (Qwen2.5-VL's time positions scaled by its
-  ``tokens_per_second`` and the seconds each temporal patch spans, ``second_per_grid_ts``,
-  computed here from the clip's frame count, frame rate and the processor's sampling rule);
+- M-RoPE positions of samples mixing text, images and videos equal the published checkpoints'
+  own (``published_positions``): each item placed as transformers' ``get_rope_index`` of each
+  family places it (Qwen2.5-VL's time positions scaled by its ``tokens_per_second`` and the
+  seconds each temporal patch spans, ``second_per_grid_ts``, computed here from the clip's
+  frame count, frame rate and the processor's sampling rule), each run of text starting at the
+  largest position before it plus one, as Qwen's own code and transformers up to 5.2 did
+  (transformers from 5.3 starts the text after a clip at the clip's start plus its grid's
+  larger side, which the corpus clips' time positions pass: both are asserted);
 - the tower mimo builds from the checkpoint encodes a video as transformers'
   ``get_video_features`` does, with the image weights (one module serves both);
 - a module serving images and videos returns their rows in placeholder order, and the
@@ -118,6 +122,27 @@ def second_per_grid(frames: int, fps: float, config: VideoConfig) -> float:
     return patch / (sampled / frames * fps)
 
 
+def published_positions(positions: torch.Tensor, kinds: torch.Tensor, mask: torch.Tensor
+                        ) -> torch.Tensor:
+    """``positions`` (transformers' ``get_rope_index``, ``[3, B, S]``) as Qwen's own
+    ``get_rope_index`` continues them: ``st_idx = llm_pos_ids_list[-1].max() + 1`` before each
+    run of text and each item (``kinds``: ``mm_token_type_ids``), the items' own layout kept."""
+    import itertools
+    out = torch.zeros_like(positions)
+    for row in range(positions.size(1)):
+        real = mask[row].bool()
+        given, placed, at = positions[:, row, real], [], 0
+        for kind, run in itertools.groupby(kinds[row, real].tolist()):
+            length = len(list(run))
+            st_idx = int(placed[-1].max()) + 1 if placed else 0
+            block = given[:, at:at + length]
+            placed.append(torch.arange(length).expand(3, -1) + st_idx if kind == 0 else
+                          block - block[:, :1].min() + st_idx)
+            at += length
+        out[:, row, real] = torch.cat(placed, dim=1)
+    return out
+
+
 def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos):
     from transformers import AutoConfig, Qwen2_5_VLModel, Qwen2VLModel
     config = AutoConfig.from_pretrained(family["checkpoint"])
@@ -134,12 +159,18 @@ def test_mrope_positions_equal_the_familys_get_rope_index(family, corpus_videos)
         assert video.tokens_per_second == config.vision_config.tokens_per_second == 4
         extra["second_per_grid_ts"] = torch.tensor(
             [second_per_grid(c.frames, c.fps, video) for c in clips])
-    expected, _ = model.get_rope_index(
+    theirs, _ = model.get_rope_index(
         ids, mm_token_type_ids=kinds, image_grid_thw=inputs["image"]["image"]["image_grid_thw"],
         video_grid_thw=inputs["video"]["video"]["video_grid_thw"],
         attention_mask=batch["attention_mask"].long(), **extra)
     real = batch["attention_mask"]
+    expected = published_positions(theirs, kinds, real)
     assert torch.equal(batch["position_ids"][:, real], expected[:, real])
+    # the clips' time positions pass their grids' side: transformers 5.3+ would differ
+    assert not torch.equal(theirs[:, real], expected[:, real])
+    before = real & ((ids == tokens["video"]).cumsum(1) == 0)   # images too: the two agree
+    assert (before & (ids == tokens["image"])).any()
+    assert torch.equal(theirs[:, before], expected[:, before])
     times = batch["position_ids"][0][ids == tokens["video"]]
     steps = sorted(set(times[:times.numel() // 2].tolist()))   # the first clip's
     assert len(steps) > 1
@@ -406,6 +437,11 @@ def _hf_logits(model, run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]
         clips = [clip for key in out["keys"] for clip in out["clips"][key]]
         kwargs["second_per_grid_ts"] = torch.tensor(
             [second_per_grid(c.frames, c.fps, videos) for c in clips])
+    kinds = (ids == tokens["image"]).int() + 2 * (ids == tokens["video"]).int()
+    kwargs["position_ids"] = published_positions(model.model.get_rope_index(
+        ids, mm_token_type_ids=kinds, image_grid_thw=image["image_grid_thw"],
+        video_grid_thw=video["video_grid_thw"], attention_mask=mask.long(), **kwargs)[0],
+        kinds, mask)
     with torch.no_grad():
         logits = model(
             input_ids=ids, attention_mask=mask.long(),
@@ -413,9 +449,7 @@ def _hf_logits(model, run: dict, out: dict) -> tuple[torch.Tensor, torch.Tensor]
             image_grid_thw=image["image_grid_thw"],
             pixel_values_videos=normalize_video_pixels(video["pixel_values_videos"],
                                                        config.modalities["video"]),
-            video_grid_thw=video["video_grid_thw"],
-            mm_token_type_ids=((ids == tokens["image"]).int() + 2 * (ids == tokens["video"])),
-            **kwargs).logits
+            video_grid_thw=video["video_grid_thw"], mm_token_type_ids=kinds, **kwargs).logits
     return logits, mask
 
 
@@ -574,6 +608,15 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
         [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
         return_dict=False)])
     model = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32).eval()
+    theirs_index = model.model.get_rope_index    # the positions the checkpoint trained with
+
+    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
+        positions, _ = theirs_index(input_ids, mm_token_type_ids, *args,
+                                    attention_mask=attention_mask, **kwargs)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        published = published_positions(positions, mm_token_type_ids, mask)
+        return published, (published.amax(dim=(0, 2)) + 1 - mask.sum(1)).unsqueeze(1)
+    model.model.get_rope_index = get_rope_index
     extra = {}
     if run_data["name"] == "qwen2.5-vl":
         extra["second_per_grid_ts"] = torch.tensor([second_per_grid(clip.frames, clip.fps,
@@ -585,8 +628,17 @@ def test_transformers_generate_on_the_export_equals_mimo_generate_on_a_video(
             video_grid_thw=grid, mm_token_type_ids=2 * (ids == model.config.video_token_id),
             **extra)
     from mimo_train.hf.generate import Generator
-    ours = Generator(str(out)).generate("What is shown?", videos=[str(corpus / clip.path)],
-                                        max_new_tokens=8)
+    generator = Generator(str(out))
+    ours = generator.generate("What is shown?", videos=[str(corpus / clip.path)],
+                              max_new_tokens=8)
+    # its model positions the prompt as training did: the text after the clip as published
+    kinds, ones = 2 * (ids == model.config.video_token_id), torch.ones_like(ids)
+    positions, deltas = generator.vlm.model.get_rope_index(
+        ids, kinds, video_grid_thw=grid, attention_mask=ones, **extra)
+    given = theirs_index(ids, kinds, video_grid_thw=grid, attention_mask=ones, **extra)[0]
+    assert torch.equal(positions, published_positions(given, kinds, ones))
+    assert not torch.equal(positions, given)
+    assert deltas.tolist() == [[int(positions.max()) + 1 - ids.size(1)]]
     assert ours.prompt_ids == ids[0].tolist() and ours.spliced == {"video": tokens}
     assert ours.token_ids == theirs[0, ids.size(1):].tolist()
     assert len(ours.token_ids) == 8

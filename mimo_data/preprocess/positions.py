@@ -4,12 +4,15 @@
 (time, height, width). A text token has all three equal, one more than the previous token's
 largest; the tokens of an item laid out on a grid (an image's merged patches, row by row) share
 the time position of the item's start and take its start plus their row and column as height
-and width; the text after the item continues from the start plus the grid's larger side.
-Items without a grid (audio) are positioned like text. This is transformers'
-``Qwen2VLModel.get_rope_index`` (the tests check it), computed from the grids in the metadata:
-language ranks still decode no media. Written here rather than called: transformers' is a
-method of a built model and works on batched torch tensors group by group, where a sample's
-ids take a few numpy operations per item in the preprocessor.
+and width; the text after the item continues from the item's largest position plus one.
+Items without a grid (audio) are positioned like text. This is the published Qwen2-VL and
+Qwen2.5-VL checkpoints' own rule (Qwen's ``get_rope_index``, transformers up to 5.2, vLLM),
+computed from the grids in the metadata: language ranks still decode no media. transformers
+from 5.3 continues the text at the item's start plus its grid's larger side: the same for an
+image, not for a clip whose time positions pass that side
+(``families.qwen2_vl.use_published_positions``; the tests check both). Written here rather
+than called: transformers' is a method of a built model and works on batched torch tensors
+group by group, where a sample's ids take a few numpy operations per item in the preprocessor.
 """
 
 from __future__ import annotations
@@ -50,11 +53,11 @@ def mrope_positions(ids: np.ndarray,
         if t * h * w != count:
             raise ValueError(f"a grid of {t}x{h}x{w} for {count} tokens")
         block = positions[:, at:at + count].reshape(3, t, h, w)
-        steps = np.arange(t, dtype=np.float32) * np.float32(interval)
-        block[0] = start + steps.astype(np.int64)[:, None, None]
+        times = (np.arange(t, dtype=np.float32) * np.float32(interval)).astype(np.int64)
+        block[0] = start + times[:, None, None]
         block[1] = start + np.arange(h)[None, :, None]
         block[2] = start + np.arange(w)[None, None, :]
-        start += max(h, w)
+        start += max(int(times[-1]) + 1, h, w)
         cursor = at + count
     positions[:, cursor:] = start + np.arange(len(ids) - cursor)
     return positions

@@ -225,3 +225,49 @@ class Qwen2VLVision(Encoder):
     def rows(self, output) -> torch.Tensor:
         """The placeholders' rows of the tower's ``output``: its merged patches."""
         return output.pooler_output
+
+
+def use_published_positions(model) -> None:
+    """Make transformers' Qwen2-VL or Qwen2.5-VL ``model`` (its ``…ForConditionalGeneration``)
+    position the text after each image or clip as the published checkpoints were trained:
+    at the item's largest position plus one (Qwen's own ``get_rope_index``, transformers up to
+    5.2, vLLM), as ``mimo_data.preprocess.positions`` does in training. transformers from 5.3
+    continues it at the item's start plus its grid's larger side instead, which for a clip
+    whose time positions pass that side (most clips: Qwen2.5-VL's advance by
+    ``tokens_per_second`` a second) puts the answer before the clip's last frames in time.
+    ``mimo-generate`` runs its model so; the item's own positions stay transformers'."""
+    inner = model.model
+    theirs = inner.get_rope_index
+
+    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
+        positions, _ = theirs(input_ids, mm_token_type_ids, *args,
+                              attention_mask=attention_mask, **kwargs)
+        return continued_after_items(positions, mm_token_type_ids, attention_mask)
+
+    inner.get_rope_index = get_rope_index
+
+
+def continued_after_items(positions: torch.Tensor, kinds: torch.Tensor,
+                          attention_mask: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``positions`` ``[3, B, S]`` (transformers' ``get_rope_index``), each run of text after an
+    item (``kinds``: ``mm_token_type_ids``, 0 for text) continued at the largest position before
+    it plus one, each item shifted with it; and each row's ``rope_deltas`` ``[B, 1]``."""
+    out = positions.clone()
+    deltas = []
+    for row in range(positions.shape[1]):
+        real = attention_mask[row].bool() if attention_mask is not None else \
+            torch.ones(positions.shape[2], dtype=torch.bool, device=positions.device)
+        given, kind = positions[:, row, real], kinds[row, real]
+        placed = torch.empty_like(given)
+        bounds = [0, *((kind[1:] != kind[:-1]).nonzero().flatten() + 1).tolist(), kind.numel()]
+        cursor = 0
+        for begin, end in zip(bounds, bounds[1:]):
+            if kind[begin] == 0:
+                placed[:, begin:end] = cursor + torch.arange(end - begin, device=given.device)
+            else:                   # an item: its start (every axis of its first token) moved
+                placed[:, begin:end] = given[:, begin:end] - given[0, begin] + cursor
+            cursor = int(placed[:, begin:end].max()) + 1
+        out[:, row, real] = placed
+        deltas.append(cursor - kind.numel())
+    return out, torch.tensor(deltas, device=positions.device).unsqueeze(1)

@@ -15,9 +15,10 @@ language model's input embeddings at the modality tokens, item by item (as megat
 trained answer, and at the model's own end ids. A whole VLM's export (``"vlm"`` in the manifest)
 runs through its own transformers class instead, on the same prompt tokens and training's
 normalized pixels (videos with their grids and, for Qwen2.5-VL, the seconds each temporal patch
-spans). Every part runs in ``--dtype`` (fp32 by default, or bf16) whatever dtype the export
-stores: the encoders are read in fp32 and cast (``precision.cast``: rotary frequencies stay
-fp32), the language model is loaded in it.
+spans; Qwen2-VL's and Qwen2.5-VL's text after a clip positioned as training positions it,
+``families.qwen2_vl.use_published_positions``). Every part runs in ``--dtype`` (fp32 by
+default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
+(``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
 
 Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
 2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
@@ -220,6 +221,9 @@ class Generator:
                     f"--model {model_dir} holds adapters, and their base {where} ({given}) "
                     f"cannot be loaded ({'no such directory' if gone else error}): restore "
                     "it there, or give where it is now with --base DIR") from None
+            if self.vlm.config.model_type in ("qwen2_vl", "qwen2_5_vl"):   # as trained
+                from mimo_train.families.qwen2_vl import use_published_positions
+                use_published_positions(self.vlm)
             if adapters:                    # LoRA adapters (PEFT's files) on their base
                 self.vlm = _with_adapters(self.vlm, model_dir)
             self.vlm = self.vlm.to(self.device).eval()
