@@ -233,6 +233,27 @@ def test_the_parts_add_up_to_the_micro_batch_and_a_clip_spans_two_ranks(source, 
     assert spanned == (1 if encoders == 2 else 0)
 
 
+@pytest.mark.parametrize("language_dp", [1, 2])
+def test_token_balance_orders_the_samples_the_language_ranks_read(source, language_dp):
+    """``data.balance: tokens`` with ``split_media`` at micro batch 1, the tower's module at
+    dp4 (which does not divide the global micro-batch of one or two samples): the fanning-in
+    module is balanced over the language DP ranks, so each of its ranks reads its language
+    rank's samples, micro-batch by micro-batch, and the step's samples are the four of the
+    step without the balance, once each."""
+    layout = f"image=dp4,video;language=dp{language_dp}"
+    options = {"split_media": True, "balance": "tokens"}
+    language = [_micro_batches(source, layout, 4 + r, 1, **options) for r in range(language_dp)]
+    for rank in range(4):
+        ours = _micro_batches(source, layout, rank, 1, **options)
+        theirs = language[rank // (4 // language_dp)]
+        assert [m["keys"] for _, m in ours] == [m["keys"] for _, m in theirs]
+    read = [key for rank in language for _, m in rank for key in m["keys"]]
+    unbalanced = [key for r in range(language_dp)
+                  for _, m in _micro_batches(source, layout, 4 + r, 1, split_media=True)
+                  for key in m["keys"]]
+    assert sorted(read) == sorted(unbalanced) and len(set(read)) == len(read) == GLOBAL_BATCH
+
+
 def test_one_long_clip_spreads_over_every_rank():
     """A clip of 20 temporal patches of 30 tokens alone: four parts of five patches; beside
     an image of 150 tokens, three parts cut at the patch boundaries nearest 250 and 500 tokens

@@ -319,14 +319,17 @@ class DataSource:
         return costs
 
 
-def balance_arrangement(layout: Layout, micro_batch_size: int,
-                        modalities: list[str]) -> Arrangement:
+def balance_arrangement(layout: Layout, micro_batch_size: int, modalities: list[str],
+                        split_media: bool = False) -> Arrangement:
     """The balance of ``layout``: language tokens over its DP ranks, each encoder's media
-    tokens (of its modalities) over its DP ranks."""
+    tokens (of its modalities) over its DP ranks. With ``split_media``, an encoder module
+    that fans in reads its language rank's samples and splits their media among its ranks:
+    its media tokens are balanced over the language DP ranks (each one's group of its ranks)."""
     column = {modality: 1 + k for k, modality in enumerate(modalities)}
     modules = [(LANGUAGE, layout.language.dp, (0,))] + [
-        (encoder.name, encoder.dp, tuple(column[m] for m in layout.modalities_of(encoder.name)
-                                         if m in column))
+        (encoder.name, layout.language.dp if split_media and layout.fans_in(encoder)
+         else encoder.dp, tuple(column[m] for m in layout.modalities_of(encoder.name)
+                                if m in column))
         for encoder in layout.encoders]
     return Arrangement(layout.global_micro_batch_size(micro_batch_size), tuple(modules))
 
@@ -860,8 +863,8 @@ def build_loader(datasets, preprocess_config, layout, rank: int, world_size: int
     if source is None:
         source = DataSource(datasets, config, weights, num_workers, progress)
     order = source.order(seed, global_batch_size, remainder, block_size, window_blocks,
-                         balance_arrangement(layout, micro_batch_size, list(config.modalities))
-                         if balance == "tokens" else None,
+                         balance_arrangement(layout, micro_batch_size, list(config.modalities),
+                                             split_media) if balance == "tokens" else None,
                          Packing(micro_batch_size, config.seq_length) if packing else None)
     loader = RankLoader(source, layout, role, order, micro_batch_size, decode_media,
                         num_workers, prefetch_factor, pin_memory, multiprocessing_context,
