@@ -163,6 +163,13 @@ CASES = [
      ["data.datasets: preprocessing drops 28 of the 69 samples of ",
       "more than data.max_dropped_fraction 0.01: ",
       "mimo-inspect report names them"]),
+    ("a validation set whose item counts the colocated even split cannot take", "fixed",
+     ["layout=image=dp3,off0;language=tp3,off0", "train.micro_batch_size=3",
+      "train.global_batch_size=6", "model.language.hidden_size=48",
+      "model.language.num_attention_heads=3", "data.datasets=[{tmp}/one-image]",
+      "data.valid=[{tmp}/corpus]", "train.eval_interval=2"], "data",
+     ["data.valid ({tmp}/corpus): colocated module 'image' (dp 3) feeds image into "
+      "'language' (dp 1) through an even split", "sample(s) with 0"]),
     ("a validation set given twice", "default",
      ["data.valid=[{tmp}/corpus,{tmp}/corpus]", "train.eval_interval=2"], "config",
      ["data.valid gives {tmp}/corpus twice: each of its samples would count twice in the "
@@ -294,6 +301,12 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     (tmp / "one.jsonl").write_text(json.dumps({"id": "only", "conversations": [
         {"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")
     build_dataset([tmp / "one.jsonl"], tmp / "one")     # a dataset of one sample
+    photos = sorted((REPO / "assets" / "corpus" / "images").glob("*.jpg"))
+    (tmp / "one-image.jsonl").write_text("".join(json.dumps(
+        {"id": f"p{i}", "image": str(photo), "conversations": [
+            {"from": "human", "value": "<image>\nWhat is this?"},
+            {"from": "gpt", "value": "A photo."}]}) + "\n" for i, photo in enumerate(photos)))
+    build_dataset([tmp / "one-image.jsonl"], tmp / "one-image")     # one image every sample
     (tmp / "none.jsonl").write_text(json.dumps({"id": "x", "image": "missing.jpg",
                                                 "conversations": [
         {"from": "human", "value": "<image>\nHello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from mimo_data.loading.layout import LANGUAGE, Layout
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_data.loading.loader import (DataSource, build_loader, check_dropped, check_even_split,
                                       variable_token_modalities)
 from mimo_data.loading.sample_order import OrderError
@@ -424,7 +424,12 @@ class Trainer:
             check_dropped(train_source, cfg.data.max_dropped_fraction)
             if valid_source is not None:
                 check_dropped(valid_source, cfg.data.max_dropped_fraction, "data.valid")
-        check_even_split(train_source, self.layout)
+        for key, opened in (("data.datasets", train_source), ("data.valid", valid_source)):
+            try:                # the validation set's batches go through the same bridge
+                if opened is not None:
+                    check_even_split(opened, self.layout)
+            except LayoutError as error:
+                raise type(error)(f"{key} ({', '.join(opened.directories)}): {error}") from None
         return loader(train_source, "data.datasets"), \
             valid_source and loader(valid_source, "data.valid")
 
