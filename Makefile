@@ -33,14 +33,16 @@ demo: setup
 	rm -rf $(DEMO)/checkpoints
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 3 -m mimo_train \
 	    --config configs/train/images_audio_noncolocated.yaml checkpoint.dir=$(DEMO)/checkpoints
-	# Video: the corpus's clip conversations (the build refuses three bad clips; one clip of a
-	# single frame is too short to sample: 1 of 9 samples dropped, hence the gate's fraction),
+	# Video: the corpus's clip conversations (the build refuses three bad clips of 12 records,
+	# one clip of a single frame is too short to sample: 1 of 9 samples dropped, hence the
+	# gate's two fractions),
 	# then a whole tiny Qwen2-VL fine-tuned on them for 12 steps on 2 ranks, its one tower
 	# serving images and videos.
 	.venv/bin/mimo-shard build assets/corpus/video.jsonl --output $(DEMO)/video_shards \
 	    --overwrite
 	.venv/bin/mimo-inspect report $(DEMO)/video_shards \
 	    --config configs/preprocess_qwen2_vl_video.yaml --max-dropped-fraction 0.12 \
+	    --max-skipped-records-fraction 0.25 \
 	    --html $(DEMO)/video_report.html
 	rm -rf $(DEMO)/video_checkpoints
 	OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc-per-node 2 -m mimo_train \

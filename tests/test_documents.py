@@ -303,6 +303,14 @@ def test_built_documents_preprocess_and_inspect_by_kind(built, encoders):
     assert report["kinds"] == {
         "caption": {"trains_as": "caption (plain)", "samples": 1, "kept": 1},
         "document": {"trains_as": "document", "samples": 3, "kept": 3}}
+    # the build's skipped records fail the report, which names them by reason, and nothing
+    # else does
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == ["skipped_records"]
+    assert report["checks"][0]["by_reason"] == {
+        "empty_caption": 1, "empty_document": 2, "invalid_utf8": 1, "malformed_record": 3,
+        "marker_mismatch": 1, "missing_media": 1}
+    report = build_report(str(built), inspector, Thresholds(max_skipped_records_fraction=0.7),
+                          progress=False, reuse=False)
     assert report["passed"], format_report(report)
     assert "kinds       caption 1 (1 kept) as caption (plain), document 3 (3 kept)" in \
         format_report(report)

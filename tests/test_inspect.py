@@ -99,6 +99,9 @@ def _planted_records(assets) -> list[dict]:
         {"id": "fault-index", "images": [image], "audios": [audio], "messages": turns(
             ("user", "<image>\n<audio>\nWhat do you see and hear?"),
             ("assistant", "A photo and a voice."))},
+        # An image that is not there: the build skips the record (no shard holds it).
+        {"id": "fault-missing-image", "images": ["no-such-photo.jpg"], "messages": turns(
+            ("user", "<image>\nWhat is this?"), ("assistant", "A photo."))},
     ]
 
 
@@ -243,10 +246,16 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
     # One stderr line per failed check, naming its keys; nothing else fails.
     lines = err.strip().splitlines()
     failed = {re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1) for line in lines}
-    assert failed == {check for check, found in expected.items() if found}
+    assert failed == {check for check, found in expected.items() if found} | {"skipped_records"}
+    # the record the build skipped: in no shard, so only the build's own count tells of it
+    total = report["checks"][0]["of"]
+    assert lines[0] == (f"mimo-inspect report: FAIL skipped_records: 1 of {total} records "
+                        f"({1 / total:.2%}) skipped by the build or index (missing_media 1), "
+                        "over --max-skipped-records-fraction 0; "
+                        f"{directory / 'report.json'} names each"), lines[0]
     # each key beside where the build read it and its id (the user's record, not a shard key)
     ids = {key: fault for fault, key in keys.items()}
-    for line in lines:
+    for line in lines[1:]:
         check = re.match(r"mimo-inspect report: FAIL (\w+):", line).group(1)
         for key in sorted(expected[check])[:5]:
             line_number = list(keys).index(ids[key]) + 1
@@ -254,7 +263,7 @@ def test_planted_faults_are_reported_by_key(capsys, tmp_path, faulty, configs):
                 line.replace(str(directory.parent) + "/", ""), (key, line)
     assert {c["name"]: c["passed"] for c in report["checks"]} == {
         **{check: not found for check, found in expected.items()},
-        "trained_token_fraction": True, "kept_samples": True}
+        "trained_token_fraction": True, "kept_samples": True, "skipped_records": False}
 
 
 def test_a_record_that_cannot_be_parsed_is_a_counted_drop_named_by_its_key(
@@ -516,7 +525,8 @@ def test_thresholds_are_flags(capsys, tmp_path, faulty, configs):
     directory, keys = faulty
     relaxed = ["--max-dropped-fraction", "0.5", "--max-zero-trained-fraction", "0.5",
                "--max-template-failures", "1", "--max-index-mismatches", "1",
-               "--max-empty-answer-turns-fraction", "0.5"]
+               "--max-empty-answer-turns-fraction", "0.5",
+               "--max-skipped-records-fraction", "0.05"]
     code, report, err = report_json(capsys, tmp_path, directory, configs["default"], *relaxed)
     assert code == 1
     assert [line.split(":")[1].split()[-1] for line in err.strip().splitlines()] == \

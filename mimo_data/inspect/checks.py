@@ -22,6 +22,7 @@ class Thresholds:
     max_index_mismatches: int = 0
     max_loss_mask_coverage_failures: int = 0
     min_trained_token_fraction: float = 0.0
+    max_skipped_records_fraction: float = 0.0
 
 
 # check name -> (threshold field, kind, what is counted)

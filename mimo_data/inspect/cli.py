@@ -160,6 +160,12 @@ def _parser() -> argparse.ArgumentParser:
                         default=_DEFAULTS.min_trained_token_fraction, metavar="F",
                         help="least fraction of the kept samples' real tokens that must be "
                         "trained (default 0: not checked)")
+    limits.add_argument("--max-skipped-records-fraction", type=_fraction,
+                        default=_DEFAULTS.max_skipped_records_fraction, metavar="F",
+                        help="most records `mimo-shard build` or `index` skipped (missing or "
+                        "broken media, malformed records: the dataset's report.json), as a "
+                        "fraction of the records it read (default "
+                        f"{_DEFAULTS.max_skipped_records_fraction})")
 
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
     _common(p, "dataset (directory or URL) built by mimo-shard build (not with --clip-seconds, "

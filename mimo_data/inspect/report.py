@@ -30,6 +30,9 @@ loss_mask_coverage          an assistant content character is not trained, or   
                             takes them apart, its think tags its own)
 trained_token_fraction      (dataset) trained / real tokens of kept samples     min 0 (off)
 kept_samples                (dataset) fails when no sample is kept              always on
+skipped_records             (dataset, first) records ``mimo-shard build`` or    fraction 0
+                            ``index`` skipped, in no shard (index.json's
+                            counts, report.json's reasons)
 ==========================  =================================================  ==============
 
 Drops are counted under ``dropped`` with their reason *and* under the specific check they
@@ -66,10 +69,11 @@ from mimo_data.modalities.audio import AudioConfig, max_audio_samples
 from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.preprocess.preprocessor import TEXT_BATCH
 from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
-from mimo_data.shards import cache
+from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
 from mimo_data.shards.sources import location
-from mimo_data.shards.format import RECORD_KINDS, ShardRecord, summary_column
+from mimo_data.shards.format import REPORT_FILE, RECORD_KINDS, ShardRecord, summary_column
+from mimo_data.shards.info import skipped_counts
 from mimo_data.shards.index import DatasetError, read_samples
 from mimo_data.shards.reader import ShardReader
 from mimo_data.stats import summary
@@ -519,6 +523,9 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
             if isinstance(record := _read_record(named, position), dict) else "")
     finally:
         named.close()
+    skipped = skipped_records(directory, reader.index.get("report", {}), thresholds)
+    report_dict["checks"].insert(0, skipped)
+    report_dict["passed"] = report_dict["passed"] and skipped["passed"]
     assert builder.table is not None
     cut = audio_cut(directory, builder.table.kept, inspector.config)
     if cut is not None:
@@ -532,6 +539,27 @@ def build_report(directory: str, inspector: SampleInspector, thresholds: Thresho
     if isinstance(backend, SegmentCachedTokenizer) and workers <= 1 and not reused:
         report["token_cache"] = {"pieces_cached": backend.hits, "pieces_encoded": backend.misses}
     return report
+
+
+def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict:
+    """The check of the records ``mimo-shard build`` or ``index`` skipped before any sample
+    was written (``built``: index.json's ``report``): they are in no shard, so no other check
+    sees them."""
+    read, skipped = int(built.get("records_read", 0)), int(built.get("records_skipped", 0))
+    counts = skipped_counts(directory, built)
+    limit = thresholds.max_skipped_records_fraction
+    fraction = skipped / read if read else 0.0
+    passed = fraction <= limit
+    reasons = f" ({', '.join(f'{r} {n}' for r, n in counts.items())})" if counts else ""
+    return {"name": "skipped_records", "passed": passed, "count": skipped, "of": read,
+            "fraction": fraction, "limit": limit, "limit_kind": "fraction",
+            "flag": "--max-skipped-records-fraction", "by_reason": counts, "keys": [],
+            "what": "records the build or index skipped (in no shard: report.json names them)",
+            "message": f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped "
+                       f"by the build or index{reasons}, "
+                       f"{'within' if passed else 'over'} --max-skipped-records-fraction "
+                       f"{limit:g}" + (f"; {storage.join(directory, REPORT_FILE)} names each"
+                                       if skipped else "")}
 
 
 def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dict | None:

@@ -43,6 +43,19 @@ def _modality_stats(values: dict[str, np.ndarray]) -> dict:
     return stats
 
 
+def skipped_counts(directory: str, built: dict) -> dict[str, int]:
+    """The records the build or index of ``directory`` skipped, by reason (its report.json,
+    a small file), where ``built`` (index.json's ``report``) counts any; {} where none, or
+    where the report cannot be read (the totals stand; ``verify`` names a damaged report)."""
+    if not built.get("records_skipped"):
+        return {}
+    try:
+        skipped = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))
+        return {reason: entry["count"] for reason, entry in skipped["skipped_by_reason"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
 def dataset_info(directory: str) -> dict:
     """Totals, per-modality counts and, per modality, size / duration distributions (of a
     modality its samples.parquet has columns for: a dataset built before it has none)."""
@@ -59,13 +72,9 @@ def dataset_info(directory: str) -> dict:
         values.setdefault(name, {})[field] = flat.to_numpy(zero_copy_only=False).astype(
             np.float64)
     report = dict(index["report"])
-    if report.get("records_skipped"):        # by reason: the report's (a small JSON file)
-        try:
-            skipped = json.loads(storage.read_bytes(storage.join(directory, REPORT_FILE)))
-            report["skipped_counts"] = {reason: entry["count"] for reason, entry in
-                                        skipped["skipped_by_reason"].items()}
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass                      # the totals stand; verify names a damaged report
+    counts = skipped_counts(directory, report)
+    if counts:
+        report["skipped_counts"] = counts
     # an index of tars read where they are: where (its tars are not beside it)
     root = {"shard_root": index["shard_root"]} if index.get("shard_root") else {}
     return {"name": index["name"], "directory": directory, **index["totals"], **root,
