@@ -501,6 +501,13 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     assert {r["key"]: r["text"] for r in records} == {
         key: text for key, text in pairs.captions.items() if int(key) < 8}
     assert all(r["kind"] == "caption" for r in records)
+    # its metadata folder given for a dataset: the dataset to index named, not a build of the
+    # .info.json in it
+    code, _, err = cli_main(capsys, "info", folder / ".nv-meta")
+    assert code == 2 and err.strip().endswith(
+        f"{folder / '.nv-meta'} is the metadata folder of the Energon dataset {folder}, not a "
+        f"dataset mimo reads: index that dataset where it is (`mimo-shard index {folder} "
+        "--output DIR`) and give DIR"), err
     # members named on the command line are the field map's to name (unless --layout says
     # otherwise), and a tar split.yaml lists must be there
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-named",

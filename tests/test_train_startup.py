@@ -139,8 +139,12 @@ CASES = [
     # -- missing shards
     ("dataset directory does not exist", "default",
      ["data.datasets=[{tmp}/no-such-shards]"], "config",
-     ["no shards at {tmp}/no-such-shards", "index.json is missing",
-      "mimo-shard build ... --output {tmp}/no-such-shards"]),
+     ["data.datasets: no dataset at {tmp}/no-such-shards: no such directory (check the path"]),
+    ("an Energon dataset's metadata folder", "default",
+     ["data.datasets=[{tmp}/energon/.nv-meta]"], "config",
+     ["data.datasets: {tmp}/energon/.nv-meta is the metadata folder of the Energon dataset "
+      "{tmp}/energon, not a dataset mimo reads: index that dataset where it is (`mimo-shard "
+      "index {tmp}/energon --output DIR`) and give DIR"]),
     ("a dataset at a URL whose scheme no storage client serves", "default",
      ["data.datasets=[s4://bucket/ds]"], "config",
      ["data.datasets: s4://bucket/ds: no storage client knows the scheme s4://"]),
@@ -297,6 +301,8 @@ def shared_job(tmp_path_factory, loader_corpus, preprocess) -> tuple[Path, dict,
     tmp = tmp_path_factory.mktemp("startup-cases")
     _unfinished(tmp, loader_corpus)
     (tmp / "afile").write_text("in the way\n")
+    (tmp / "energon" / ".nv-meta").mkdir(parents=True)      # as `energon prepare` makes it
+    (tmp / "energon" / ".nv-meta" / ".info.json").write_text('{"shard_counts": {}}\n')
     (tmp / "corpus").symlink_to(loader_corpus)          # the corpus under another name
     (tmp / "one.jsonl").write_text(json.dumps({"id": "only", "conversations": [
         {"from": "human", "value": "Hello?"}, {"from": "gpt", "value": "Hi."}]}) + "\n")

@@ -14,6 +14,7 @@ import pyarrow as pa
 from mimo_data.shards import cache, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
                                      REPORT_FILE, SAMPLES_FILE, STAGING_DIR)
+from mimo_data.shards.energon import META as ENERGON_META
 
 
 class DatasetError(Exception):
@@ -87,6 +88,9 @@ def remake(index: dict) -> str:
 
 def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
     """The bytes of ``directory``'s index.json (DatasetError when there is none)."""
+    energon = energon_dataset_of(directory)
+    if energon is not None:
+        raise DatasetError(energon_metadata_given(directory, energon), missing=True)
     if not storage.is_remote(directory) and os.path.isfile(storage.local_path(directory)):
         raise DatasetError(file_given_for_a_dataset(directory), missing=True)
     if not storage.is_remote(directory) and not os.path.isdir(storage.local_path(directory)):
@@ -109,7 +113,8 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
                                " says why: fix the inputs (or the options) and run it again"
                                ) from None
         inputs = sorted(name for name in names or () if name.lower().endswith(_INPUTS)
-                        and name not in (SAMPLES_FILE, REPORT_FILE))    # a build's own
+                        and name not in (SAMPLES_FILE, REPORT_FILE)     # a build's own
+                        and not name.startswith("."))                   # a tool's own
         if inputs and not {SAMPLES_FILE, REPORT_FILE, STAGING_DIR} & set(names or ()) and \
                 not any(name.endswith(".tar") for name in names or ()):
             raise DatasetError(
@@ -120,6 +125,23 @@ def index_bytes(directory: str, storage_options: dict | None = None) -> bytes:
         raise DatasetError(f"{directory}: no {INDEX_FILE}, so this is not a complete dataset "
                            "(an interrupted build or indexing?); run `mimo-shard build` (or "
                            "`mimo-shard index`) again") from None
+
+
+def energon_dataset_of(directory: str) -> str | None:
+    """The Energon dataset whose metadata folder (``.nv-meta``) ``directory`` is, if it is
+    one."""
+    path = directory.rstrip("/")
+    if path.rsplit("/", 1)[-1] != ENERGON_META:
+        return None
+    return path.rsplit("/", 1)[0] if storage.is_remote(path) else \
+        os.path.dirname(os.path.abspath(storage.local_path(path)))
+
+
+def energon_metadata_given(directory: str, dataset: str) -> str:
+    """What to give instead of an Energon dataset's metadata folder ``directory``."""
+    return (f"{directory} is the metadata folder of the Energon dataset {dataset}, not a "
+            f"dataset mimo reads: index that dataset where it is (`mimo-shard index {dataset} "
+            "--output DIR`) and give DIR")
 
 
 # the files a build reads records from (what a folder of them is: input, not a dataset)

@@ -45,7 +45,8 @@ from mimo_data.preprocess.config import PreprocessConfig
 from mimo_data.shards import storage
 from mimo_data.shards.cache import CACHE_DIR_ENV
 from mimo_data.shards.format import INDEX_FILE, REPORT_FILE
-from mimo_data.shards.index import (file_given_for_a_dataset, unindexed_tars,
+from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
+                                    file_given_for_a_dataset, unindexed_tars,
                                     unindexed_tars_advice)
 from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint
@@ -128,6 +129,14 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                 raise TrainConfigError(f"data.storage_options: {exc}") from None
             if not there and not storage.is_remote(directory) and os.path.isfile(directory):
                 raise TrainConfigError(f"{key}: {file_given_for_a_dataset(directory)}")
+            energon = energon_dataset_of(directory) if not there else None
+            if energon is not None:
+                raise TrainConfigError(f"{key}: {energon_metadata_given(directory, energon)}")
+            if not there and not storage.is_remote(directory) and \
+                    not os.path.exists(storage.local_path(directory)):
+                raise TrainConfigError(
+                    f"{key}: no dataset at {directory}: no such directory (check the path: a "
+                    "dataset is the folder `mimo-shard build` or `mimo-shard index` wrote)")
             if not there:
                 raise TrainConfigError(
                     f"{key}: no shards at {directory}: " + (
