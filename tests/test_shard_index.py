@@ -308,7 +308,14 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     # again: the folder it names is the cache's, not an --output the command was not given
     code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
     assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \
-        "an index of these tars; train from it as it is, pass --overwrite" in err, err
+        "an index of these tars, read the same way; train from it as it is, pass --overwrite" \
+        in err, err
+    # the same tars read another way: said, not "as it is"
+    code, _, err = cli_main(capsys, "index", pairs.src, "--text-member", "json[url]",
+                            "--check", "header", "--workers", "0", "--no-progress")
+    assert code == 2 and "already holds an index of these tars read another way (text_member " \
+        "'txt' then, 'json[url]' now; check 'decode' then, 'header' now); pass " \
+        "--overwrite" in err, err
     # the folder grown by a tar since (a copy: the fixture's stays as it is): said, not "as it is"
     grown = tmp_path / "grown"
     shutil.copytree(pairs.src, grown)

@@ -239,12 +239,14 @@ def _named(output: str, given: bool) -> str:
     return f"--output {output}" if given else f"the index folder {output} (no --output given)"
 
 
-def _prepare_output(output: str, named: str, overwrite: bool, source: Source) -> list[str]:
+def _prepare_output(output: str, named: str, options: IndexOptions, source: Source
+                    ) -> list[str]:
     """Make the claimed folder ``output`` ready for an indexing of ``source``; return the
     names of an old index that stays there until the new one is complete ([]: none)."""
     names = set(os.listdir(output))
-    if INDEX_FILE in names and not overwrite:
-        raise IndexInputError(f"{named} already holds an index{_changed(output, source)}")
+    if INDEX_FILE in names and not options.overwrite:
+        raise IndexInputError(f"{named} already holds an index"
+                              f"{_changed(output, source, options)}")
     foreign = sorted(n for n in names if n not in _OWN and not n.startswith(INDEX_FILE + ".tmp"))
     if foreign:
         raise IndexInputError(f"{output} holds files an index did not write "
@@ -427,22 +429,42 @@ def index(sources: list[str], output: str | None, options: IndexOptions,
         return _index_claimed(source, output, named, options, storage_options)
 
 
-def _changed(output: str, source: Source) -> str:
-    """What an index already in ``output`` is, said against the tars of ``source``, and
-    what to do."""
+def _settings(source: Source, options: IndexOptions) -> dict[str, Any]:
+    """How an indexing reads its tars, as its index.json's ``build`` records it: the members
+    of each sample and the options that change what is indexed."""
+    return {"members": asdict(source.mapping),
+            **{k: v for k, v in asdict(options).items()
+               if k not in ("progress", "workers", "overwrite", "name")}}
+
+
+def _changed(output: str, source: Source, options: IndexOptions) -> str:
+    """What an index already in ``output`` is, said against the tars of ``source`` read with
+    ``options``, and what to do."""
     try:
         with open(os.path.join(output, INDEX_FILE)) as f:
             old = json.load(f)
         held = {shard["name"] for shard in old["shards"]}
         root = old["shard_root"]
+        built = old["build"]
     except (OSError, ValueError, KeyError, TypeError):
         return "; pass --overwrite to index again, or give another --output"
     again = "pass --overwrite to index them again, or give another --output"
     if root != source.root:
         return f" of other tars (those at {root}); {again}"
     added, gone = sorted(set(source.shards) - held), sorted(held - set(source.shards))
+    now = _settings(source, options)
+    members = {**now.pop("members")}
+    then = {key: built.get(key) for key in now}
+    # the options given, else the members found (the same options on changed tars)
+    differ = [f"{key} {value!r} then, {now[key]!r} now"
+              for key, value in then.items() if value != now[key]] or [
+        f"member {key} {value!r} then, {members[key]!r} now"
+        for key, value in (built.get("members") or {}).items()
+        if key in members and value != members[key]]
+    if not added and not gone and differ:
+        return (f" of these tars read another way ({'; '.join(differ)}); {again}")
     if not added and not gone:
-        return f" of these tars; train from it as it is, {again}"
+        return f" of these tars, read the same way; train from it as it is, {again}"
     changes = [f"{how} {len(names)} tar(s) {which} ({', '.join(names[:3])}"
                f"{' ...' * (len(names) > 3)})"
                for names, how, which in ((added, "have", "it lacks"), (gone, "lack", "it holds"))
@@ -452,7 +474,7 @@ def _changed(output: str, source: Source) -> str:
 
 def _index_claimed(source: Source, output: str, named: str, options: IndexOptions,
                    storage_options: dict | None) -> dict:
-    old = _prepare_output(output, named, options.overwrite, source)
+    old = _prepare_output(output, named, options, source)
 
     def written(staging: str) -> tuple[dict, tuple]:
         built, summary, rate = _index_into(staging, source, options, storage_options)
@@ -510,8 +532,6 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
     for shard in shards:                                    # duplicates across tars dropped
         shard["samples"] -= dropped[shard["name"]]
     write_atomic(os.path.join(staging, REPORT_FILE), dumps(report.to_dict()))
-    options_used = {k: v for k, v in asdict(options).items()
-                    if k not in ("progress", "workers", "overwrite", "name")}
     built: dict[str, Any] = {
         "format": FORMAT_NAME, "version": INDEXED_VERSION,
         "name": options.name or storage.name_of(source.root),
@@ -528,8 +548,7 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
                       if report.aside else {}),
                    **({"counts": dict(sorted(report.counts.items()))} if report.counts
                       else {})},
-        "build": {"command": "index", "inputs": [source.root],
-                  "members": asdict(source.mapping), **options_used},
+        "build": {"command": "index", "inputs": [source.root], **_settings(source, options)},
     }
     cache_folder = os.path.join(staging, cache.DATASET_CACHE)
     os.mkdir(cache_folder)
