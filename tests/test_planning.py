@@ -1671,6 +1671,31 @@ def test_the_clip_workload_s_tokens_are_the_qwen_rule(capsys, tmp_path):
         "sees) is 1 frame(s), fewer than one temporal patch (2 frames)" in err, err
 
 
+def test_a_packed_clip_plan_ranks_only_what_a_packed_run_takes(capsys, tmp_path):
+    """``--clip-seconds`` with ``--packing`` (Qwen3.5-35B-A3B on 16 GPUs, a 5-minute clip):
+    the workload is packed, so no layout needs sequence parallelism (which packing does not
+    run with) and each command line packs; unpacked, tp2 with sequence parallelism leads."""
+    from mimo_train.families.registry import preprocessing_for
+    from mimo_train.inspect_cli import main
+    model = MODELS / "published" / "Qwen--Qwen3.5-35B-A3B"
+    path = tmp_path / "preprocess.yaml"
+    path.write_text(yaml.safe_dump(preprocessing_for(str(model))))
+    ranked = {}
+    for packing in (False, True):
+        code, out, err = _run(capsys, main, "plan", "--config", path, "--model", model,
+                              "--gpus", 16, "--clip-seconds", 300, "--fps", 2, "--json",
+                              *(["--packing"] if packing else []))
+        assert code == 0, err
+        report = json.loads(out)
+        assert report["workload"]["packing"] is packing and report["ranked"]
+        ranked[packing] = report["ranked"]
+    assert ranked[False][0]["settings"]["sequence_parallel"]
+    assert not any("data.packing=true" in r["overrides"] for r in ranked[False])
+    assert not any(r["settings"]["sequence_parallel"] for r in ranked[True])
+    assert all("data.packing=true" in r["overrides"] and
+               "model.language.sequence_parallel=false" in r["overrides"] for r in ranked[True])
+
+
 # ------------------------------------------------------- split media, the tower's recompute
 
 def test_split_media_divides_the_tower_s_activations_by_k():

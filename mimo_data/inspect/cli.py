@@ -511,7 +511,8 @@ def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) ->
         video = config.modalities.get("video")
         fps = args.fps if args.fps is not None else video.fps if video is not None else 1.0
         work = clip_workload(config, args.clip_seconds, fps, args.clip_size or CLIP_SIZE,
-                             args.global_batch_size or 1, args.micro_batch_size or 1)
+                             args.global_batch_size or 1, args.micro_batch_size or 1,
+                             args.packing)
         return advisor(AdvisorRequest.from_args(args), config, work)
     from mimo_data.inspect.workload import workload
     from mimo_data.loading.layout import Layout

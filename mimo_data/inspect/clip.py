@@ -58,9 +58,9 @@ def clip_frames(seconds: float, fps: float) -> int:
 
 def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
                   size: tuple[int, int] = CLIP_SIZE, global_batch_size: int = 1,
-                  micro_batch_size: int = 1) -> dict:
+                  micro_batch_size: int = 1, packing: bool = False) -> dict:
     """The workload of ``global_batch_size`` samples of one clip each (the module
-    docstring)."""
+    docstring), packed (``data.packing``) or not."""
     from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
     clipped = clip_config(config, seconds, fps)
     video = clipped.modalities["video"]
@@ -93,7 +93,7 @@ def clip_workload(config: PreprocessConfig, seconds: float, fps: float,
     # or none past its max_duration
     written = replace(config.modalities["video"], fps=fps)
     return {"global_batch_size": global_batch_size, "micro_batch_size": micro_batch_size,
-            "seq_length": tokens, "packing": False, "epochs": 1,
+            "seq_length": tokens, "packing": packing, "epochs": 1,
             "vocab_size": preprocessor.text.vocab_size, "modalities": modalities,
             "steps": [[sample] * global_batch_size],
             "clip": {"seconds": seconds, "fps": fps, "frames": frames, "size": [width, height],

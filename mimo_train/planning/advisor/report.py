@@ -13,15 +13,17 @@ from mimo_train.planning.advisor.inputs import GPU, Work
 
 
 def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = (),
-              split_media: bool = False, config_precision: str | None = None) -> list[str]:
+              split_media: bool = False, config_precision: str | None = None,
+              packing: bool = False) -> list[str]:
     """The training config's ``key=value`` overrides that run ``candidate`` (``mimo-train``'s
     layout, optimizer.distributed, recompute and sequence parallel keys): the distributed
     optimizer's setting also for each module of ``optimizer_modules`` (those the training
     YAML's ``optimizer.modules`` names, whose own ``distributed`` would win over the global
     key), sequence parallel always (true or false, whatever the YAML says), data.split_media
-    where the candidate splits or ``split_media`` (the YAML's) would, train.precision where
-    the candidate's differs from ``config_precision`` (the YAML's; None: a checkpoint's
-    advice, for a config the advisor has not read, always)."""
+    where the candidate splits or ``split_media`` (the YAML's) would, data.packing where the
+    workload was packed (``packing``: the rules and the memory were a packed run's),
+    train.precision where the candidate's differs from ``config_precision`` (the YAML's;
+    None: a checkpoint's advice, for a config the advisor has not read, always)."""
     settings, layout = candidate.settings, candidate.layout
     distributed = str(settings.distributed_optimizer).lower()
     found = [f"layout={layout.compact()}", f"optimizer.distributed={distributed}"]
@@ -32,6 +34,8 @@ def overrides(candidate: Candidate, optimizer_modules: Sequence[str] = (),
     found.append(f"model.language.sequence_parallel={str(settings.sequence_parallel).lower()}")
     if settings.split_media or split_media:
         found.append(f"data.split_media={str(settings.split_media).lower()}")
+    if packing:
+        found.append("data.packing=true")
     # the memory and step time were those of the advised precision: a run in the config's
     # other one would not be the one advised
     if settings.precision != config_precision:
@@ -55,7 +59,7 @@ def result_json(r: Result, gpus: int, device: GPU, work: Work,
     return {"layout": r.candidate.layout.compact(), "layout_full": str(r.candidate.layout),
             "ranks": r.candidate.layout.world_size,
             "overrides": overrides(r.candidate, optimizer_modules, split_media,
-                                   config_precision),
+                                   config_precision, work.packing),
             "colocated": r.candidate.layout.colocated,
             "settings": {"precision": settings.precision,
                          "distributed_optimizer": settings.distributed_optimizer,
