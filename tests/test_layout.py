@@ -232,6 +232,9 @@ def test_expert_parallelism_parses_and_keeps_the_module_size(tmp_path):
     ("language=tp2,ep2", ["etp2 (etp is tp unless given) x ep2 = 4 does not divide tp x cp x "
                           "dp = 2", "or add etp1 to the module"]),
     ("language=dp4,ep3", ["ep3", "does not divide"]),
+    # etp given over what fits beside the ep: the etp is what to change, not the ep
+    ("language=dp2,ep2,etp2", ["etp2 x ep2 = 4 does not divide tp x cp x dp = 2",
+                               "choose an etp that divides 1 (tp x cp x dp / ep2), e.g. etp1"]),
     ("language=dp2;image=dp2,ep2", ["'image'", "encoder has none"]),
 ])
 def test_expert_layouts_megatron_cannot_lay_out_are_refused(text, words):

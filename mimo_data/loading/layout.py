@@ -105,16 +105,21 @@ class ModuleLayout:
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
         spread = self.tp * self.cp * self.dp
         if spread % (self.expert_tp * self.ep):
-            # etp unset is tp: where etp1 would fit, say so (experts whole on each rank)
-            whole = self.etp is None and self.tp > 1 and spread % self.ep == 0
+            # where ep divides and an etp would fit, the etp is what to change: left unset
+            # (it is tp), offer etp1 (experts whole on each rank); given, one that fits
+            fits = spread % self.ep == 0
+            remedy = ("choose an ep that divides it" + (
+                ", or add etp1 to the module (each expert whole on its ranks)"
+                if self.etp is None and self.tp > 1 and fits else "")
+                if self.etp is None or not fits else
+                f"choose an etp that divides {spread // self.ep} (tp x cp x dp / ep{self.ep}),"
+                " e.g. etp1 (each expert whole on its ranks)")
             raise LayoutError(
                 f"module {self.name!r}: etp{self.expert_tp}"
                 f"{' (etp is tp unless given)' if self.etp is None else ''} x ep{self.ep} = "
                 f"{self.expert_tp * self.ep} does not divide tp x cp x dp = {spread}: "
                 "megatron-core lays each pipeline stage's experts over its tp x cp x dp ranks "
-                "(expert data parallelism takes the rest); choose an ep that divides it" +
-                (", or add etp1 to the module (each expert whole on its ranks)"
-                 if whole else ""))
+                f"(expert data parallelism takes the rest); {remedy}")
 
     @property
     def expert_tp(self) -> int:
