@@ -33,6 +33,7 @@ class AdvisorRequest:
     # data.split_media of the candidates: no (unless the training YAML sets it), yes (split
     # where the trainer's rules allow it, else whole samples), both (each: --clip-seconds)
     split_media: str = "no"
+    progress: bool = False                # a bar on stderr while the candidates are evaluated
 
     @classmethod
     def from_args(cls, args) -> AdvisorRequest:
@@ -43,4 +44,5 @@ class AdvisorRequest:
                    args.top, args.layout, args.packing, args.json,
                    args.fewer_gpus or args.clip_seconds is not None,
                    "yes" if args.split_media else
-                   "both" if args.clip_seconds is not None else "no")
+                   "both" if args.clip_seconds is not None else "no",
+                   not args.no_progress)

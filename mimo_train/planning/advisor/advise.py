@@ -9,6 +9,8 @@ import json
 import os
 import sys
 
+from tqdm import tqdm
+
 from mimo_data.inspect.advice import AdvisorRequest
 from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
@@ -129,7 +131,11 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
     tried = [Candidate(layout, settings) for layout in candidates
              for settings in settings_of(model, layout, request, work.packing)
              if settings.split_media or str(layout) not in only_split]
-    results = [advisor.evaluate(candidate) for candidate in tried]
+    # seconds to minutes for a large cluster's thousands of candidates: a bar at a terminal
+    # (None: tqdm's own check), not silence
+    results = [advisor.evaluate(candidate) for candidate in tqdm(
+        tried, desc="mimo-inspect plan", unit=" candidates",
+        disable=None if request.progress else True, file=sys.stderr, leave=False)]
     ranked = rank(results)
     dropped = sorted((r for r in results if not r.fits), key=lambda r: r.peak_bytes)
     # a layout's settings that change nothing of its fullest rank shown once

@@ -111,7 +111,11 @@ class Advisor:
         """``mfu``: the assumed fraction of the peak (``--mfu``)."""
         self.model, self.work, self.device, self.mfu = model, work, device, mfu
         self.rate = device.tflops * 1e12 * mfu  # FLOP/s of one GPU
+        # what many candidates share, computed once: each language and encoder module's
+        # parts of a step for a DP size, and a tower's activations for a micro-batch's grids
         self._language_cache: dict = {}
+        self._encoder_cache: dict = {}
+        self._tower_cache: dict = {}
 
     # -- per part ------------------------------------------------------------------------
     def _positions(self, lengths: list[int], multiple: int = 1) -> list[int]:
@@ -160,6 +164,13 @@ class Advisor:
         rank's media cut into k token-balanced parts (``memory.split_grids``), a piece's FLOPs
         its sample's times its share of the sample's patches (exact for a frame-independent
         tower's clip: every temporal patch costs the same)."""
+        key = (step, module.name, module.dp, lang.dp, group, split)
+        if key not in self._encoder_cache:
+            self._encoder_cache[key] = self._encoder_parts_of(step, module, lang, group, split)
+        return self._encoder_cache[key]
+
+    def _encoder_parts_of(self, step: int, module: ModuleLayout, lang: ModuleLayout,
+                          group: int, split: bool) -> list[list[tuple[float, list]]]:
         flops, grids = self.work.encoder_flops[module.name][step], \
             self.work.grids[module.name][step]
         if not split:
@@ -214,7 +225,7 @@ class Advisor:
                     continue                    # forward only: nothing kept for a backward
                 tower = dims.encoders[e.name].tower
                 for q in range(e.dp):           # each DP rank's micro-batches, k in flight
-                    held = [mem.tower_activation_parts(tower, row[q][1], settings)
+                    held = [self._tower_held(e.name, tower, row[q][1], settings)
                             for row in parts]
                     act[e.name] = max(act.get(e.name, 0.0), _held(
                         held, 1 if colocated else mem.in_flight(m, stages, 0)))
@@ -285,6 +296,14 @@ class Advisor:
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
                       float(model_flops), max(x.total for x in memory.values()) <= usable,
                       all_to_all, context)
+
+    def _tower_held(self, name: str, tower, grids: list, settings: mem.Settings
+                    ) -> tuple[float, float]:
+        """``memory.tower_activation_parts`` of encoder ``name``'s ``grids``, once each."""
+        key = (name, tuple(tuple(grid) for grid in grids), settings)
+        if key not in self._tower_cache:
+            self._tower_cache[key] = mem.tower_activation_parts(tower, grids, settings)
+        return self._tower_cache[key]
 
     @property
     def usable_bytes(self) -> float:
