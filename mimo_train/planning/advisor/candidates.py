@@ -151,9 +151,15 @@ def settings_of(model: Model, layout: Layout, request: AdvisorRequest, packing: 
     the rules allow it (unless the request turns it off), else without; split media as
     ``_split_media`` says."""
     found = []
+    refused: dict[tuple, bool] = {}      # the rules read only these of the settings
+
+    def takes(settings: mem.Settings) -> bool:
+        key = (settings.recompute, settings.sequence_parallel, settings.split_media)
+        if key not in refused:
+            refused[key] = bool(_refusals(model, layout, settings, packing))
+        return not refused[key]
     for alternatives in _tried(model, layout, request, packing):
-        first = next((s for s in alternatives if not _refusals(model, layout, s, packing)),
-                     None)
+        first = next((s for s in alternatives if takes(s)), None)
         if first is not None:
             found.append(first)
     return found
