@@ -61,9 +61,11 @@ def run_settings(path: str, preprocess_path: str) -> dict:
                                       f"{os.path.abspath(preprocess_path)}", *given])
     except TrainConfigError as error:
         raise ValueError(f"--model {path}: {error}") from None
+    layout = data.get("layout") if isinstance(data, dict) else None
     return {"train.global_batch_size": cfg.train.global_batch_size,
             "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,
-            "data.balance": cfg.data.balance}
+            "data.balance": cfg.data.balance,
+            "layout": layout if isinstance(layout, str) else None}
 
 
 def checkpoint(args) -> int:

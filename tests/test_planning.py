@@ -510,6 +510,11 @@ def test_plan_ranks_layouts_that_fit(capsys, loader_corpus, model_yaml):
                            LAYOUTS["language dp2"], main=main)
     assert code == 0, err
     assert "<- yours" in out and "why" in out and "bottleneck" in out
+    # without --layout, the YAML's own layout is the one marked
+    code, out, err = _plan(capsys, loader_corpus, preprocess, path, "--gpus", 4, main=main)
+    assert code == 0, err
+    yours = [line for line in out.splitlines() if line.endswith("<- yours")]
+    assert len(yours) == 1 and f"  {LAYOUTS['language dp1']}  (" in yours[0], out
     # the command starts as many ranks as the first layout holds (not a lone mimo-train),
     # with the training YAML given as --model
     first = re.search(r"\n  1\. (\S+):", out).group(1)

@@ -399,7 +399,8 @@ def _take_run_settings(args, run_settings) -> int | None:
     """The run's batch sizes, seed and balance from the training YAML ``args.model`` where
     the options do not give them (``run_settings(path, config) -> {key: value}``, mimo_train's
     reading of it); exit status 2 where an option gives another value, or the YAML cannot be
-    read: the plan would be another run's."""
+    read: the plan would be another run's. Its layout is ``--layout``'s where none is given
+    (the one the plan draws, or the advisor marks as yours); another is one to compare."""
     try:
         settings = run_settings(args.model, args.config)
     except ValueError as error:
@@ -416,6 +417,8 @@ def _take_run_settings(args, run_settings) -> int | None:
                   f"trains with {key} {theirs}: the plan would count another run; drop "
                   f"{option} (the YAML's is taken) or change the YAML", file=sys.stderr)
             return 2
+    if args.layout is None and settings.get("layout"):
+        args.layout = settings["layout"]
     return None
 
 
