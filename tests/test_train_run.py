@@ -467,6 +467,7 @@ def test_a_resumed_run_follows_the_configured_schedule(ranks, setup):
                  "resumed from step 6: language min_lr now 0.0001 (was 0.0003)"):
         assert f"mimo-train: {line}\n" in job.stdout, job.stdout
     assert job.stdout.count("mimo-train: resumed from step 6") == 3, job.stdout
+    assert "the checkpoint was saved under layout" not in job.stdout      # its own layout
     assert "mimo-train: trains: every module in full\n" in job.stdout, job.stdout
     (record,) = train_records(read_records(tmp / "longer.jsonl"))
     assert record["step"] == 7
@@ -1074,6 +1075,10 @@ def test_resume_under_another_language_layout(ranks, setup, language):
     job = train_job(ranks, tmp, f"resumed-{language}", CONFIG, f"checkpoint.dir={root}", *common,
                     layout, *stop, *overrides, nproc=4).check()
     assert line in job.stdout, job.stdout
+    from mimo_data.loading.layout import Layout
+    assert f"mimo-train: the checkpoint was saved under layout {Layout.parse(LAYOUT)} on 3 " \
+        f"rank(s), this run's is {Layout.parse(layout[len('layout='):])} on 4: its weights and " \
+        "optimizer state are resharded" in job.stdout, job.stdout
     resumed = read_records(tmp / f"resumed-{language}.jsonl")
     steps = [4, 5] if stop else [4, 5, 6]
     # tp2 sums each matmul's halves in another order: ~2e-5 relative on the grad norm

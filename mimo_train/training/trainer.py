@@ -377,6 +377,12 @@ class Trainer:
         self.step, changes = phase(
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
+        saved = (meta.get("layout"), meta.get("world_size"))
+        if saved != (str(self.layout), self.world):
+            say(f"{PREFIX}the checkpoint was saved under layout {saved[0]} on {saved[1]} "
+                f"rank(s), this run's is {self.layout} on {self.world}: its weights and "
+                "optimizer state are resharded (the same values), its random-number state "
+                "starts anew (dropout draws differ from an uninterrupted run's)")
         # the LR schedules follow this run's config; gathered once every rank has loaded (no
         # note when nothing is left to train: _train says so)
         notes = schedule_notes(self.step, distributed.gather(changes))
