@@ -515,6 +515,14 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
         f"{folder / '.nv-meta'} is the metadata folder of the Energon dataset {folder}, not a "
         f"dataset mimo reads: index that dataset where it is (`mimo-shard index {folder} "
         "--output DIR`) and give DIR"), err
+    # a folder of its tars given (not indexed): the dataset to index is named, not the folder
+    # (which mimo-shard index refuses, being inside it)
+    (folder / "more").mkdir()
+    shutil.copy(folder / "pairs-000000.tar", folder / "more")
+    code, _, err = cli_main(capsys, "info", folder / "more")
+    assert f"tars with no index.json, of the Energon dataset {folder}: index that dataset " \
+        f"where it is (`mimo-shard index {folder} --output DIR`) and give DIR" in err, err
+    shutil.rmtree(folder / "more")
     # members named on the command line are the field map's to name (unless --layout says
     # otherwise), and a tar split.yaml lists must be there
     code, _, err = cli_main(capsys, "index", folder, "--output", tmp_path / "idx-named",

@@ -22,6 +22,8 @@ from mimo_data.shards.sources import SourceError
 META = ".nv-meta"
 DATASET_YAML = "dataset.yaml"
 SPLIT_YAML = "split.yaml"
+# how many folders above given tars are searched for an Energon dataset's .nv-meta
+DEPTH = 3
 INFO_JSON, INFO_YAML = ".info.json", ".info.yaml"     # each tar's sample count
 OTHERWISE = ("index the folder with --layout pairs|conversation|documents and the --*-member "
              "options instead (split.yaml's train tars still)")

@@ -335,10 +335,6 @@ def _a_mimo_dataset(folder: str, storage_options: dict | None) -> bool:
         return False
 
 
-# how many folders above the given tars are searched for an Energon dataset's .nv-meta
-ENERGON_DEPTH = 3
-
-
 def _energon_below(files: list[str]) -> str | None:
     """The folder of an Energon dataset among a folder's ``files`` (``_list_files``), if
     any: its split.yaml, not a folder's listing, decides its tars."""
@@ -348,12 +344,12 @@ def _energon_below(files: list[str]) -> str | None:
 
 def _energon_above(folders: Iterable[str], storage_options: dict | None) -> str | None:
     """The Energon dataset folder holding one of ``folders`` (it, or up to
-    ``ENERGON_DEPTH`` folders above), if any; each folder asked once."""
+    ``energon.DEPTH`` folders above), if any; each folder asked once."""
     asked: dict[str, bool] = {}
     for start in folders:
         remote = storage.is_remote(start)
         protocol, _, path = start.partition("://") if remote else ("", "", start)
-        for _ in range(ENERGON_DEPTH + 1):
+        for _ in range(energon.DEPTH + 1):
             folder = f"{protocol}://{path}" if remote else path
             if folder not in asked:
                 asked[folder] = energon.is_energon(folder, storage_options)
