@@ -310,6 +310,16 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \
         "an index of these tars, read the same way; train from it as it is, pass --overwrite" \
         in err, err
+    # an index older than some options (none recorded), or one made with --strict (complete:
+    # nothing skipped), is the same
+    written = (Path(where) / "index.json").read_bytes()
+    older = json.loads(written)
+    del older["build"]["markers_first"]
+    older["build"]["strict"] = True
+    (Path(where) / "index.json").write_text(json.dumps(older))
+    code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
+    (Path(where) / "index.json").write_bytes(written)
+    assert code == 2 and "an index of these tars, read the same way" in err, err
     # the same tars read another way: said, not "as it is"
     code, _, err = cli_main(capsys, "index", pairs.src, "--text-member", "json[url]",
                             "--check", "header", "--workers", "0", "--no-progress")
@@ -652,6 +662,15 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
         "skipped_by_reason"]["excluded_by_split_yaml"]
     assert excluded["count"] == 2
     assert excluded["first"][0]["location"] == "shards/shard_000000.tar:000000001"
+    # mimo-inspect report counts them apart: the dataset's own choice fails no check (an
+    # index that records no count, older than the check, neither)
+    from mimo_data.inspect.checks import Thresholds
+    from mimo_data.inspect.report import skipped_records
+    check = skipped_records(str(tmp_path / "idx"), reader.index["report"], Thresholds())
+    assert check["passed"] and check["count"] == 0 and check["excluded_by_split_yaml"] == 2
+    assert check["message"].endswith("within --max-skipped-records-fraction 0; 2 more left "
+                                     "out by its split.yaml's excludes"), check["message"]
+    assert skipped_records(str(tmp_path / "idx"), {}, Thresholds())["passed"]
     # a field_map naming a member none of the first samples holds (caption: text, not txt):
     # refused before every tar is read and every record skipped
     dataset_yaml = tmp_path / "ds" / ".nv-meta" / "dataset.yaml"

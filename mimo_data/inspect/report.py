@@ -72,7 +72,8 @@ from mimo_data.preprocess.segment_tokenizer import SegmentCachedTokenizer
 from mimo_data.shards import cache, storage
 from mimo_data.preprocess.record_kinds import trains_as
 from mimo_data.shards.sources import location
-from mimo_data.shards.format import REPORT_FILE, RECORD_KINDS, ShardRecord, summary_column
+from mimo_data.shards.format import (RECORD_KINDS, REPORT_FILE, SPLIT_EXCLUDED, ShardRecord,
+                                     summary_column)
 from mimo_data.shards.info import skipped_counts
 from mimo_data.shards.index import DatasetError, read_samples
 from mimo_data.shards.reader import ShardReader
@@ -547,19 +548,26 @@ def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict
     sees them."""
     read, skipped = int(built.get("records_read", 0)), int(built.get("records_skipped", 0))
     counts = skipped_counts(directory, built)
+    # an Energon split.yaml's excludes are the dataset's own choice, counted but not failed
+    chosen = counts.pop(SPLIT_EXCLUDED, 0)
+    skipped -= chosen
     limit = thresholds.max_skipped_records_fraction
     fraction = skipped / read if read else 0.0
     passed = fraction <= limit
     reasons = f" ({', '.join(f'{r} {n}' for r, n in counts.items())})" if counts else ""
+    said = (f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped by the "
+            f"build or index{reasons}, {'within' if passed else 'above'} "
+            f"--max-skipped-records-fraction {limit:g}" +
+            (f"; {storage.join(directory, REPORT_FILE)} names each" if skipped else "") +
+            (f"; {chosen} more left out by its split.yaml's excludes" if chosen else "")
+            if read else "skipped_records: the dataset's index records no count of the "
+            "records its build read (written before it did)")
     return {"name": "skipped_records", "passed": passed, "count": skipped, "of": read,
             "fraction": fraction, "limit": limit, "limit_kind": "fraction",
-            "flag": "--max-skipped-records-fraction", "by_reason": counts, "keys": [],
+            "flag": "--max-skipped-records-fraction", "by_reason": counts,
+            "excluded_by_split_yaml": chosen, "keys": [],
             "what": "records the build or index skipped (in no shard: report.json names them)",
-            "message": f"skipped_records: {skipped} of {read} records ({fraction:.2%}) skipped "
-                       f"by the build or index{reasons}, "
-                       f"{'within' if passed else 'over'} --max-skipped-records-fraction "
-                       f"{limit:g}" + (f"; {storage.join(directory, REPORT_FILE)} names each"
-                                       if skipped else "")}
+            "message": said}
 
 
 def audio_cut(directory: str, kept: np.ndarray, config: PreprocessConfig) -> dict | None:

@@ -188,6 +188,8 @@ FAILED_REPORT_FILE = "report.failed.json"   # a run that kept no sample, beside 
 RECORDS_FILE = "records.parquet"   # indexed in place only
 STAGING_DIR = ".staging"
 CLAIM_FILE = ".mimo-claim"         # held by the run writing the folder (shards/claim.py)
+# the report's reason for a sample an Energon split.yaml excludes (the dataset's own choice)
+SPLIT_EXCLUDED = "excluded_by_split_yaml"
 CLAIM_PROBE = f"{CLAIM_FILE}.now-"  # + a run's token: the store's clock read (a bucket's)
 
 ROLES = ("system", "user", "assistant", "tool")

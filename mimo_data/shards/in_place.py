@@ -38,7 +38,7 @@ from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
                                     INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
-                                    SAMPLES_SCHEMA, STAGING_DIR, VIDEOS_ROTATED,
+                                    SAMPLES_SCHEMA, SPLIT_EXCLUDED, STAGING_DIR, VIDEOS_ROTATED,
                                     modality_counts, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
@@ -53,7 +53,6 @@ from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 from mimo_data.tally import Tally
 
 _BATCH = 8192                 # rows written to samples.parquet / records.parquet at a time
-EXCLUDED = "excluded_by_split_yaml"   # the report's reason for a sample split.yaml excludes
 _OWN = {INDEX_FILE, SAMPLES_FILE, RECORDS_FILE, REPORT_FILE, FAILED_REPORT_FILE, STAGING_DIR,
         cache.DATASET_CACHE, CLAIM_FILE}
 
@@ -143,7 +142,7 @@ def index_shard(job: _Job) -> ShardResult:
                         if len(head) == DETECT_SAMPLES:
                             _check_layout(job, head)
                     if sample.key in job.excluded:
-                        result.skips.append((EXCLUDED, f"{job.name}:{sample.key}", "its "
+                        result.skips.append((SPLIT_EXCLUDED, f"{job.name}:{sample.key}", "its "
                                              f"{job.name}/{sample.key} is in the Energon "
                                              "folder's .nv-meta/split.yaml exclude list"))
                         continue
@@ -453,11 +452,12 @@ def _changed(output: str, source: Source, options: IndexOptions) -> str:
         return f" of other tars (those at {root}); {again}"
     added, gone = sorted(set(source.shards) - held), sorted(held - set(source.shards))
     now = _settings(source, options)
-    members = {**now.pop("members")}
-    then = {key: built.get(key) for key in now}
-    # the options given, else the members found (the same options on changed tars)
-    differ = [f"{key} {value!r} then, {now[key]!r} now"
-              for key, value in then.items() if value != now[key]] or [
+    members = now.pop("members")
+    # the options given, else the members found (the same options on changed tars); an
+    # option an older index does not record is not compared, nor --strict, whose complete
+    # indexing skipped nothing
+    differ = [f"{key} {built[key]!r} then, {value!r} now" for key, value in now.items()
+              if key in built and key != "strict" and built[key] != value] or [
         f"member {key} {value!r} then, {members[key]!r} now"
         for key, value in (built.get("members") or {}).items()
         if key in members and value != members[key]]
