@@ -236,13 +236,16 @@ def use_published_positions(model) -> None:
     whose time positions pass that side (most clips: Qwen2.5-VL's advance by
     ``tokens_per_second`` a second) puts the answer before the clip's last frames in time.
     ``mimo-generate`` runs its model so; the item's own positions stay transformers'."""
+    import inspect
     inner = model.model
     theirs = inner.get_rope_index
+    signature = inspect.signature(theirs)
 
-    def get_rope_index(input_ids, mm_token_type_ids, *args, attention_mask=None, **kwargs):
-        positions, _ = theirs(input_ids, mm_token_type_ids, *args,
-                              attention_mask=attention_mask, **kwargs)
-        return continued_after_items(positions, mm_token_type_ids, attention_mask)
+    def get_rope_index(*args, **kwargs):
+        given = signature.bind(*args, **kwargs).arguments      # however transformers calls it
+        positions, _ = theirs(*args, **kwargs)
+        return continued_after_items(positions, given["mm_token_type_ids"],
+                                     given.get("attention_mask"))
 
     inner.get_rope_index = get_rope_index
 

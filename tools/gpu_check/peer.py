@@ -21,7 +21,9 @@ same weights. What it does is what such frameworks do with a transformers model:
 - the strongest attention transformers has here: ``flash_attention_2`` where flash-attn is
   installed, else ``sdpa``; a packed micro-batch goes as one row with per-sample text
   positions (transformers then masks each sample to itself) and mimo's per-sample M-RoPE
-  positions, a padded one with its attention mask; images and clips as transformers'
+  positions, a padded one with its attention mask and mimo's M-RoPE positions (the text after
+  a clip as the checkpoint was trained: transformers 5.3+'s own rule starts it earlier,
+  ``families.qwen2_vl``); images and clips as transformers'
   processor makes them (``pixel_values``, ``pixel_values_videos``, their grids);
 - no key-value cache (``use_cache=False``, as training frameworks set it): with one, which
   transformers makes by default even in training, it drops the per-sample mask of a packed
@@ -82,8 +84,10 @@ def hf_inputs(batch: dict, preprocess: PreprocessConfig, token_ids: dict[str, in
     if token_types:             # the transformers versions that take them (5.2x): 1 image, 2 video
         inputs["mm_token_type_ids"] = (ids == token_ids["image"]).int() + \
             2 * (ids == token_ids["video"]).int()
-    if packing is None:
+    if packing is None:     # mimo's positions too: the published rule after a clip, which
+        # transformers 5.3+'s own get_rope_index does not follow (families.qwen2_vl)
         inputs["attention_mask"] = batch["attention_mask"][:, :length].long()
+        inputs["position_ids"] = batch["position_ids"][:, :, :length]
     else:           # per-sample text positions first: transformers masks each sample alone
         bounds = packing["cu_seqlens_q"].tolist()
         text = torch.cat([torch.arange(b - a) for a, b in zip(bounds, bounds[1:])])
