@@ -105,15 +105,17 @@ class ModuleLayout:
                                   f"integer >= {0 if dim == 'rank_offset' else 1}")
         spread = self.tp * self.cp * self.dp
         if spread % (self.expert_tp * self.ep):
-            # where ep divides and an etp would fit, the etp is what to change: left unset
-            # (it is tp), offer etp1 (experts whole on each rank); given, one that fits
-            fits = spread % self.ep == 0
-            remedy = ("choose an ep that divides it" + (
-                ", or add etp1 to the module (each expert whole on its ranks)"
-                if self.etp is None and self.tp > 1 and fits else "")
-                if self.etp is None or not fits else
-                f"choose an etp that divides {spread // self.ep} (tp x cp x dp / ep{self.ep}),"
-                " e.g. etp1 (each expert whole on its ranks)")
+            # ep divides tp x cp x dp: the etp is what to change (left unset it is tp: etp1
+            # is offered beside another ep); else the ep, with the etp
+            ep_fits = spread % self.ep == 0
+            if ep_fits and self.etp is not None:
+                remedy = (f"choose an etp that divides {spread // self.ep} (tp x cp x dp / "
+                          f"ep{self.ep}), e.g. etp1 (each expert whole on its ranks)")
+            elif ep_fits and self.tp > 1:
+                remedy = ("choose an ep that divides it, or add etp1 to the module (each "
+                          "expert whole on its ranks)")
+            else:
+                remedy = "choose an ep and an etp whose product divides it"
             raise LayoutError(
                 f"module {self.name!r}: etp{self.expert_tp}"
                 f"{' (etp is tp unless given)' if self.etp is None else ''} x ep{self.ep} = "

@@ -664,8 +664,8 @@ class RankLoader:
         # (language dp, the language DP rank it feeds, its ranks per language rank, which)
         self.split: dict[str, tuple[int, int, int, int]] = {}
         language = layout.language
-        for part in role.modules if split_media and not layout.colocated else ():
-            if part.name != LANGUAGE and part.dp_size > language.dp:
+        for part in role.modules if split_media else ():
+            if part.name != LANGUAGE and layout.fans_in(part.module):
                 share = part.dp_size // language.dp
                 self.split[part.name] = (language.dp, part.dp_rank // share, share,
                                          part.dp_rank % share)
