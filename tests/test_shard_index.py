@@ -1401,9 +1401,14 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
             writer.write({"__key__": f"img_{number:03d}", "v2.jpg": photo,
                           "v2.txt": f"Photo {number}."})
     with pytest.raises(IndexInputError, match="of members v2.jpg, v2.txt .after each key's "
-                       "first dot., are neither caption pairs"):
+                       "first dot., are neither caption pairs.* name them as listed. .here: "
+                       "--layout pairs --text-member v2.txt.$"):
         index([str(tmp_path / "src")], str(tmp_path / "no"),
               IndexOptions(workers=0, progress=False))
+    with contextlib.redirect_stderr(io.StringIO()):     # the options the refusal names
+        index([str(tmp_path / "src")], str(tmp_path / "hinted"), IndexOptions(
+            workers=0, progress=False, layout="pairs", text_member="v2.txt"))
+    assert len(ShardReader(str(tmp_path / "hinted"))) == len(photos)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(

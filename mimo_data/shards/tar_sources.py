@@ -18,7 +18,7 @@ from mimo_data.modalities import MARKERS
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
 from mimo_data.shards import energon, storage
 from mimo_data.shards.format import FORMAT_NAME, INDEX_FILE
-from mimo_data.shards.layouts import MemberMap, detect, field as member
+from mimo_data.shards.layouts import MEDIA_EXTENSIONS, MemberMap, detect, field as member
 from mimo_data.shards.records import RecordError
 from mimo_data.shards.sources import SourceError
 from mimo_data.shards.tar_walk import NOT_IN_PLACE, NotATarError, Walked, walk
@@ -439,13 +439,18 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "is a caption or conversation to train on")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
+            # a medium beside one other member (KEY.caption, KEY.text): a pair, so named
+            media = [s for s in seen if s.rpartition(".")[2].lower() in MEDIA_EXTENSIONS]
+            texts = [s for s in seen if s not in media and s != options.json_member]
+            pair = f" (here: --layout pairs --text-member {texts[0]})" \
+                if media and len(texts) == 1 else ""
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
                                   f"{', '.join(seen[:12]) or 'none'} (after each key's first "
                                   "dot), are neither caption pairs (a medium beside KEY.txt), "
                                   f"conversations (KEY.{options.json_member} with "
                                   "conversations/messages) nor documents (texts + images "
                                   "lists); give --layout and the --*-member options (pairs: "
-                                  "--media-member and --text-member name them as listed)")
+                                  "--media-member and --text-member name them as listed)" + pair)
     if layout == "pairs":
         _check_pair_members(storage.join(root, first), head, [
             ("--media-member", options.media_member), ("--text-member", options.text_member)])
