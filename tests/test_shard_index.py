@@ -671,6 +671,19 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     assert check["message"].endswith("within --max-skipped-records-fraction 0; 2 more left "
                                      "out by its split.yaml's excludes"), check["message"]
     assert skipped_records(str(tmp_path / "idx"), {}, Thresholds())["passed"]
+    # a whole tar excluded: left out, and said
+    split_yaml = tmp_path / "ds" / ".nv-meta" / "split.yaml"
+    kept = split_yaml.read_text()
+    split_yaml.write_text(kept.replace("'shards/shard_000001.tar/nokey'",
+                                       "'shards/shard_000001.tar'"))
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):
+        index([str(tmp_path / "ds")], str(tmp_path / "idx-one"),
+              IndexOptions(workers=0, progress=False, check="header"))
+    split_yaml.write_text(kept)
+    assert f"{split_yaml}'s exclude leaves out 1 tar(s) of the train split: " \
+        "shards/shard_000001.tar" in said.getvalue(), said.getvalue()
+    assert len(ShardReader(str(tmp_path / "idx-one"))) == 2     # tar 0's 4, less the 2 keys
     # a field_map naming a member none of the first samples holds (caption: text, not txt):
     # refused before every tar is read and every record skipped
     dataset_yaml = tmp_path / "ds" / ".nv-meta" / "dataset.yaml"

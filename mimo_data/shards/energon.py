@@ -101,25 +101,27 @@ def member_map(root: str, storage_options: dict | None = None) -> tuple[MemberMa
                       f"answers); {OTHERWISE}")
 
 
-def train_split(root: str, storage_options: dict | None = None) -> tuple[list[str], set[str]]:
+def train_split(root: str, storage_options: dict | None = None
+                ) -> tuple[list[str], set[str], list[str]]:
     """The train split's tars, relative to ``root``, in split.yaml's order (less the
-    ``exclude`` entries naming a tar), and the samples ``exclude`` drops as energon does:
-    the entries holding a ``/`` after brace expansion, ``TAR/KEY`` (TAR as split.yaml names
-    it, KEY the member names' part before their first dot)."""
+    ``exclude`` entries naming a tar), the samples ``exclude`` drops as energon does (the
+    entries holding a ``/`` after brace expansion, ``TAR/KEY``: TAR as split.yaml names it,
+    KEY the member names' part before their first dot), and the train tars it leaves out."""
     split = _yaml(root, SPLIT_YAML, storage_options)
     where = storage.join(root, META, SPLIT_YAML)
     parts = (split.get("split_parts") or {}).get("train")
     if not parts:
         raise SourceError(f"{where}: no train split_parts")
     excluded = set(_expanded(where, "exclude", split.get("exclude") or []))
-    shards = [name for name in _expanded(where, "split_parts.train", parts)
-              if name not in excluded]
+    listed = _expanded(where, "split_parts.train", parts)
+    shards = [name for name in listed if name not in excluded]
     twice = sorted(name for name, count in Counter(shards).items() if count > 1)
     if twice:
         raise SourceError(f"{where}: split_parts.train lists {', '.join(twice[:3])} more than "
                           "once (each tar's samples would be read as many times): list each "
                           "tar once")
-    return shards, {name for name in excluded if "/" in name}
+    return shards, {name for name in excluded if "/" in name}, \
+        [name for name in listed if name in excluded]
 
 
 def _expanded(where: str, key: str, patterns: object) -> list[str]:

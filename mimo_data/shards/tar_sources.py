@@ -197,7 +197,11 @@ def _resolve(sources: list[str], options: IndexOptions,
         if energon.is_energon(root, storage_options):
             # an Energon folder's split.yaml decides its tars whatever --layout reads them (its
             # validation parts are no training data)
-            names, excludes = energon.train_split(root, storage_options)
+            names, excludes, left_out = energon.train_split(root, storage_options)
+            if left_out:                # said, as the excluded samples are counted
+                say(f"{storage.join(root, energon.META, energon.SPLIT_YAML)}'s exclude leaves "
+                    f"out {len(left_out)} tar(s) of the train split: "
+                    f"{', '.join(left_out[:3])}{' ...' if len(left_out) > 3 else ''}")
             missing = [name for name in names if not storage.is_remote(root)
                        and not os.path.isfile(os.path.join(root, name))]
             if missing:
