@@ -378,7 +378,7 @@ class Trainer:
             "resume", lambda loaded: f"resumed from {directory} at step {loaded[0]}",
             lambda: checkpoint.load(directory, self.training_state(), meta, self._meta()))
         saved = (meta.get("layout"), meta.get("world_size"))
-        if None not in saved and saved != (str(self.layout), self.world):  # (recorded: all)
+        if None not in saved and saved != (str(self.layout), self.world):   # both recorded
             say(f"{PREFIX}the checkpoint was saved under layout {saved[0]} on {saved[1]} "
                 f"rank(s), this run's is {self.layout} on {self.world}: its weights and "
                 "optimizer state are resharded (the same values), its random-number state "
