@@ -14,7 +14,7 @@ import pyarrow as pa
 from mimo_data.shards import cache, storage
 from mimo_data.shards.format import (FORMAT_NAME, INDEX_FILE, INDEXED_VERSION, READ_VERSIONS,
                                      REPORT_FILE, SAMPLES_FILE, STAGING_DIR)
-from mimo_data.shards.energon import DEPTH as ENERGON_DEPTH, META as ENERGON_META
+from mimo_data.shards.energon import META as ENERGON_META
 
 
 class DatasetError(Exception):
@@ -200,27 +200,17 @@ def unindexed_tars_advice(directory: str) -> str:
     if os.path.isfile(os.path.join(made, INDEX_FILE)):
         return (f"tars with no {INDEX_FILE}: `mimo-shard index {directory}` (no --output) "
                 f"wrote their index to {made}: give that folder instead")
-    above = _energon_above(directory)
-    if above is not None:               # mimo-shard index refuses a folder inside one
+    # a folder inside an Energon dataset, which mimo-shard index refuses (local: no options;
+    # imported here, on this error's path alone)
+    from mimo_data.shards.tar_sources import energon_above
+    above = None if storage.is_remote(directory) else energon_above([directory], None)
+    if above is not None and os.path.abspath(above) != os.path.abspath(directory):
         return (f"tars with no {INDEX_FILE}, of the Energon dataset {above}: index that "
                 f"dataset where it is (`mimo-shard index {above} --output DIR`) and give DIR")
     return (f"tars with no {INDEX_FILE}: tars made elsewhere (webdataset, img2dataset, "
             f"Energon) are indexed where they are with `mimo-shard index {directory} --output "
             "DIR`, then DIR is given; a `mimo-shard build` that wrote them was interrupted: "
             "run it again")
-
-
-def _energon_above(directory: str) -> str | None:
-    """The local Energon dataset a folder of tars lies in (up to ``energon.DEPTH`` folders
-    above it, as ``mimo-shard index`` looks)."""
-    if storage.is_remote(directory):
-        return None
-    folder = os.path.abspath(storage.local_path(directory))
-    for _ in range(ENERGON_DEPTH):
-        folder = os.path.dirname(folder)
-        if os.path.isdir(os.path.join(folder, ENERGON_META)):
-            return folder
-    return None
 
 
 def _foreign_tars(names: list[str]) -> bool:

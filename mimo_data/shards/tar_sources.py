@@ -307,7 +307,7 @@ def _resolve(sources: list[str], options: IndexOptions,
             raise IndexInputError("no tars given")
         root = _root_of(paths)
     # a folder of tars, or tars given: each one's folder (a glob may reach several datasets)
-    inside = _energon_above([root] if folder_given else dict.fromkeys(
+    inside = energon_above([root] if folder_given else dict.fromkeys(
         [*(posixpath.dirname(p) if storage.is_remote(p) else os.path.dirname(p)
            for p in paths), root]), storage_options)
     if inside:
@@ -346,7 +346,7 @@ def _energon_below(files: list[str]) -> str | None:
     return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
 
 
-def _energon_above(folders: Iterable[str], storage_options: dict | None) -> str | None:
+def energon_above(folders: Iterable[str], storage_options: dict | None) -> str | None:
     """The Energon dataset folder holding one of ``folders`` (it, or up to
     ``energon.DEPTH`` folders above), if any; each folder asked once."""
     asked: dict[str, bool] = {}
