@@ -339,6 +339,12 @@ def test_too_short_and_views(clips):
     with pytest.raises(MediaError) as caught:
         VIDEO.item_tokens(item, VideoConfig())                  # type: ignore[arg-type]
     assert caught.value.reason == "video_too_short"
+    # frames enough, but sampled too sparsely (fps 0.5, min_frames 1): too short as well
+    sparse = {"member": "vid0.mp4", **probe_video(clips["pan_h264_24"].data)}
+    with pytest.raises(MediaError) as caught:
+        VIDEO.item_tokens(sparse, VideoConfig(fps=0.5, min_frames=1))  # type: ignore[arg-type]
+    assert caught.value.reason == "video_too_short" and "gives fewer than " \
+        "temporal_patch_size = 2 frames: raise fps, or min_frames to 2" in str(caught.value)
     clip = clips["rotated_h264_24"]
     item = _item(clip)
     assert VIDEO.describe(item).startswith("96x128 h264 24 fps 2.50 s")

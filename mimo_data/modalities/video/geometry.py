@@ -8,7 +8,8 @@ import functools
 import numpy as np
 
 from mimo_data.modalities.video.config import VideoConfig
-from mimo_data.modalities.video.sampling import sampled_frame_count, too_short, video_resized_size
+from mimo_data.modalities.video.sampling import (ClipTooShort, sampled_frame_count, too_short,
+                                                 video_resized_size)
 
 _MAX_MEMO = 1 << 16
 
@@ -18,7 +19,7 @@ def video_grid_thw(frames: int, fps: float, width: int, height: int, cfg: VideoC
     """The processor's ``video_grid_thw`` row (temporal patches, patch rows, patch columns)."""
     sampled = sampled_frame_count(frames, fps, cfg)
     if sampled == 0:
-        raise ValueError(too_short(frames, fps, cfg))
+        raise ClipTooShort(too_short(frames, fps, cfg))
     resized_width, resized_height = video_resized_size(width, height, sampled, cfg)
     return (-(-sampled // cfg.temporal_patch_size), resized_height // cfg.patch_size,
             resized_width // cfg.patch_size)

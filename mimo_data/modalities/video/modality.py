@@ -19,7 +19,7 @@ from mimo_data.modalities.video.decode import (VIDEO_EXTENSIONS, decode_frames, 
 from mimo_data.modalities.video.encoder_inputs import video_encoder_inputs, video_rows_to_tokens
 from mimo_data.modalities.video.geometry import (token_grid_or_error, video_time_interval,
                                                  video_tokens)
-from mimo_data.modalities.video.sampling import sample_indices, timestamp_texts
+from mimo_data.modalities.video.sampling import ClipTooShort, sample_indices, timestamp_texts
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
     import torch
@@ -59,7 +59,7 @@ class VideoModality(Modality):
         grid = token_grid_or_error(item["frames"], item["fps"], item["width"], item["height"],
                                    config)
         if isinstance(grid, ValueError):
-            reason = "video_too_short" if "shorter" in str(grid) else "bad_video_shape"
+            reason = "video_too_short" if isinstance(grid, ClipTooShort) else "bad_video_shape"
             raise MediaError(reason, f"{item_name(item)}: {grid}")
         return grid[0] * grid[1] * grid[2]
 

@@ -155,6 +155,10 @@ def sampled_frame_count(frames: int, fps: float, cfg: FrameSettings) -> int:
     return SAMPLINGS[cfg.sampling].frame_count(frames, fps, cfg)
 
 
+class ClipTooShort(ValueError):
+    """A clip that samples no temporal patch (``too_short`` says why): ``video_too_short``."""
+
+
 def too_short(frames: int, fps: float, cfg: FrameSettings) -> str:
     """Why a clip of ``frames`` frames at ``fps`` samples no temporal patch: the clip, or the
     sampling settings where the clip has the frames."""
@@ -173,7 +177,7 @@ def sample_indices(frames: int, fps: float, cfg: FrameSettings) -> list[int]:
     of ``frames`` frames at ``fps`` (ValueError if too short)."""
     count = sampled_frame_count(frames, fps, cfg)
     if count == 0:
-        raise ValueError(too_short(frames, fps, cfg))
+        raise ClipTooShort(too_short(frames, fps, cfg))
     return SAMPLINGS[cfg.sampling].frame_indices(frames, count)
 
 
