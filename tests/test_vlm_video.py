@@ -283,8 +283,10 @@ def test_what_encoders_read_on_the_host_stays_there():
 
 @pytest.mark.parametrize("name, change, expected", [
     ("qwen2.5-vl", {"tokens_per_second": None},
-     "modalities.video.tokens_per_second is None, but model.pretrained"),
-    ("qwen2-vl", {"tokens_per_second": 4.0}, "positions videos with None"),
+     "positions videos with 4 time positions a second (its vision config's "
+     "tokens_per_second): set modalities.video.tokens_per_second: 4"),
+    ("qwen2-vl", {"tokens_per_second": 4.0}, "positions videos with one time position a "
+     "temporal patch (no tokens_per_second): set modalities.video.tokens_per_second: null"),
     ("qwen2-vl", {"token": "<|vision_pad|>"}, "expects video tokens at 49155 "
      "('<|video_pad|>'): use it"),
     ("qwen2-vl", {"wrap": ()}, "expects each video between the tokens [49152, 49153] "

@@ -613,9 +613,14 @@ def _video_problems(vlm: VLM, preprocess, tokenizer) -> list[str]:
                 f"modalities.video.{key}: {_yaml(theirs)} (mimo-train --preprocessing-for "
                 f"{vlm.path} writes it)")
     if video.tokens_per_second != vlm.tokens_per_second:
+        ours = "is not set" if video.tokens_per_second is None else \
+            f"is {video.tokens_per_second:g}"
+        theirs = ("one time position a temporal patch (no tokens_per_second)"
+                  if vlm.tokens_per_second is None else
+                  f"{vlm.tokens_per_second:g} time positions a second (its vision config's "
+                  "tokens_per_second)")
         problems.append(
-            f"modalities.video.tokens_per_second is {video.tokens_per_second}, but "
-            f"model.pretrained {vlm.path} positions videos with "
-            f"{vlm.tokens_per_second} (its vision config): set tokens_per_second: "
-            f"{'null' if vlm.tokens_per_second is None else vlm.tokens_per_second}")
+            f"modalities.video.tokens_per_second {ours}, but model.pretrained {vlm.path} "
+            f"positions videos with {theirs}: set modalities.video.tokens_per_second: "
+            f"{'null' if vlm.tokens_per_second is None else f'{vlm.tokens_per_second:g}'}")
     return problems

@@ -20,9 +20,10 @@ spans; Qwen2-VL's and Qwen2.5-VL's text after a clip positioned as training posi
 default, or bf16) whatever dtype the export stores: the encoders are read in fp32 and cast
 (``precision.cast``: rotary frequencies stay fp32), the language model is loaded in it.
 
-Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows);
-2 usage or config error (not an export, a file that cannot be read or decoded, a modality the
-model has no encoder for). Nothing heavy is imported before the arguments are parsed.
+Exit codes: 0 answered; 1 a media file failed a check (a clip longer than the config allows,
+one that does not decode: corrupt, or no stream of its kind); 2 usage or config error (not an
+export, a file that does not exist or is a folder, a file of another kind than its flag's, a
+modality the model has no encoder for). Nothing heavy is imported before the arguments are parsed.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ _REMEDIES = {
                       "hear its first max_duration seconds",
     "audio_too_short": "give a longer clip",
     "video_too_long": "cut the clip to modalities.video.max_duration (the longest clip the "
-                      "run trained on, in {preprocess})",
+                      "run's preprocessing takes, in {preprocess}), or raise it there",
     "video_too_short": "give a longer clip",
 }
 
