@@ -310,16 +310,20 @@ def test_nothing_is_written_beside_the_tars(pairs, capsys, tmp_path, monkeypatch
     assert code == 2 and f"error: the index folder {where} (no --output given) already holds " \
         "an index of these tars, read the same way; train from it as it is, pass --overwrite" \
         in err, err
-    # an index older than some options (none recorded), or one made with --strict (complete:
-    # nothing skipped), is the same
+    # an index older than an option (not recorded: its default then), or one made with
+    # --strict that skipped nothing, is the same; the option given now is not
     written = (Path(where) / "index.json").read_bytes()
     older = json.loads(written)
-    del older["build"]["markers_first"]
+    del older["build"]["markers_first"], older["build"]["check"]
     older["build"]["strict"] = True
+    older["report"]["records_skipped"] = 0
     (Path(where) / "index.json").write_text(json.dumps(older))
     code, _, err = cli_main(capsys, "index", pairs.src, "--workers", "0", "--no-progress")
-    (Path(where) / "index.json").write_bytes(written)
     assert code == 2 and "an index of these tars, read the same way" in err, err
+    code, _, err = cli_main(capsys, "index", pairs.src, "--check", "header", "--workers", "0",
+                            "--no-progress")
+    (Path(where) / "index.json").write_bytes(written)
+    assert code == 2 and "read another way (check 'decode' then, 'header' now)" in err, err
     # the same tars read another way: said, not "as it is"
     code, _, err = cli_main(capsys, "index", pairs.src, "--text-member", "json[url]",
                             "--check", "header", "--workers", "0", "--no-progress")
@@ -529,9 +533,13 @@ def test_an_energon_folder_is_read_by_its_field_map(pairs, tmp_path, capsys):
     # (which mimo-shard index refuses, being inside it)
     (folder / "more").mkdir()
     shutil.copy(folder / "pairs-000000.tar", folder / "more")
-    code, _, err = cli_main(capsys, "info", folder / "more")
-    assert f"tars with no index.json, of the Energon dataset {folder}: index that dataset " \
-        f"where it is (`mimo-shard index {folder} --output DIR`) and give DIR" in err, err
+    for given in (folder / "more", "more"):        # a relative path too
+        with pytest.MonkeyPatch.context() as patch:
+            patch.chdir(folder)
+            code, _, err = cli_main(capsys, "info", given)
+        assert f"tars with no index.json, of the Energon dataset {folder}: index that " \
+            f"dataset where it is (`mimo-shard index {folder} --output DIR`) and give DIR" \
+            in err, err
     shutil.rmtree(folder / "more")
     # members named on the command line are the field map's to name (unless --layout says
     # otherwise), and a tar split.yaml lists must be there
@@ -671,6 +679,10 @@ def test_energon_split_excludes_drop_samples_and_are_counted(pairs, tmp_path):
     assert check["message"].endswith("within --max-skipped-records-fraction 0; 2 more left "
                                      "out by its split.yaml's excludes"), check["message"]
     assert skipped_records(str(tmp_path / "idx"), {}, Thresholds())["passed"]
+    (tmp_path / "idx" / "report.json").rename(tmp_path / "report.json")   # not copied along
+    assert skipped_records(str(tmp_path / "idx"), reader.index["report"], Thresholds())[
+        "excluded_by_split_yaml"] == 2
+    (tmp_path / "report.json").rename(tmp_path / "idx" / "report.json")
     # a whole tar excluded: left out, and said
     split_yaml = tmp_path / "ds" / ".nv-meta" / "split.yaml"
     kept = split_yaml.read_text()
@@ -1422,6 +1434,14 @@ def test_keys_with_dots_are_indexed_by_the_member_options_alone(corpus_photos, t
         index([str(tmp_path / "src")], str(tmp_path / "hinted"), IndexOptions(
             workers=0, progress=False, layout="pairs", text_member="v2.txt"))
     assert len(ShardReader(str(tmp_path / "hinted"))) == len(photos)
+    (tmp_path / "labels").mkdir()           # ImageNet-style: a class number, no caption
+    with webdataset.TarWriter(str(tmp_path / "labels" / "labels-000000.tar")) as writer:
+        for number, photo in enumerate(photos):
+            writer.write({"__key__": f"img_{number:03d}", "jpg": photo, "cls": b"7"})
+    with pytest.raises(IndexInputError) as refused:
+        index([str(tmp_path / "labels")], str(tmp_path / "no-labels"),
+              IndexOptions(workers=0, progress=False))
+    assert "of members cls, jpg" in str(refused.value) and "here:" not in str(refused.value)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         index([str(tmp_path / "src")], str(tmp_path / "idx"), IndexOptions(

@@ -163,8 +163,9 @@ def _parser() -> argparse.ArgumentParser:
     limits.add_argument("--max-skipped-records-fraction", type=_fraction,
                         default=_DEFAULTS.max_skipped_records_fraction, metavar="F",
                         help="most records `mimo-shard build` or `index` skipped (missing or "
-                        "broken media, malformed records: the dataset's report.json), as a "
-                        "fraction of the records it read (default "
+                        "broken media, malformed records: the dataset's report.json; an "
+                        "Energon split.yaml's excludes are not counted), as a fraction of the "
+                        "records it read (default "
                         f"{_DEFAULTS.max_skipped_records_fraction})")
 
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")

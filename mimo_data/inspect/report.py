@@ -32,7 +32,8 @@ trained_token_fraction      (dataset) trained / real tokens of kept samples     
 kept_samples                (dataset) fails when no sample is kept              always on
 skipped_records             (dataset, first) records ``mimo-shard build`` or    fraction 0
                             ``index`` skipped, in no shard (index.json's
-                            counts, report.json's reasons)
+                            counts, report.json's reasons; an Energon
+                            split.yaml's excludes counted apart, not failed)
 ==========================  =================================================  ==============
 
 Drops are counted under ``dropped`` with their reason *and* under the specific check they
@@ -549,7 +550,9 @@ def skipped_records(directory: str, built: dict, thresholds: Thresholds) -> dict
     read, skipped = int(built.get("records_read", 0)), int(built.get("records_skipped", 0))
     counts = skipped_counts(directory, built)
     # an Energon split.yaml's excludes are the dataset's own choice, counted but not failed
+    # (index.json records them; an index before it did, its report.json)
     chosen = counts.pop(SPLIT_EXCLUDED, 0)
+    chosen = int(built.get("records_excluded", chosen))
     skipped -= chosen
     limit = thresholds.max_skipped_records_fraction
     fraction = skipped / read if read else 0.0

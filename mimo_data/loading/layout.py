@@ -112,8 +112,8 @@ class ModuleLayout:
                 remedy = (f"choose an etp that divides {spread // self.ep} (tp x cp x dp / "
                           f"ep{self.ep}), e.g. etp1 (each expert whole on its ranks)")
             elif ep_fits and self.tp > 1:
-                remedy = ("choose an ep that divides it, or add etp1 to the module (each "
-                          "expert whole on its ranks)")
+                remedy = (f"choose an ep that divides {spread // self.tp} (cp x dp, etp being "
+                          "tp), or add etp1 to the module (each expert whole on its ranks)")
             else:
                 remedy = "choose an ep and an etp whose product divides it"
             raise LayoutError(

@@ -121,7 +121,7 @@ def train_split(root: str, storage_options: dict | None = None
                           "once (each tar's samples would be read as many times): list each "
                           "tar once")
     return shards, {name for name in excluded if "/" in name}, \
-        [name for name in listed if name in excluded]
+        list(dict.fromkeys(name for name in listed if name in excluded))
 
 
 def _expanded(where: str, key: str, patterns: object) -> list[str]:

@@ -454,10 +454,14 @@ def _changed(output: str, source: Source, options: IndexOptions) -> str:
     now = _settings(source, options)
     members = now.pop("members")
     # the options given, else the members found (the same options on changed tars); an
-    # option an older index does not record is not compared, nor --strict, whose complete
-    # indexing skipped nothing
-    differ = [f"{key} {built[key]!r} then, {value!r} now" for key, value in now.items()
-              if key in built and key != "strict" and built[key] != value] or [
+    # option an older index does not record was its default then; --strict changes nothing
+    # where the indexing skipped nothing
+    defaults = _settings(source, IndexOptions())
+    then = {key: built.get(key, defaults[key]) for key in now}
+    if not (old.get("report") or {}).get("records_skipped"):
+        then["strict"] = now["strict"]
+    differ = [f"{key} {then[key]!r} then, {value!r} now" for key, value in now.items()
+              if then[key] != value] or [
         f"member {key} {value!r} then, {members[key]!r} now"
         for key, value in (built.get("members") or {}).items()
         if key in members and value != members[key]]
@@ -544,6 +548,10 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
                          "sha256": file_sha256(os.path.join(staging, name))}
                   for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
         "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
+                   # the split.yaml's own excludes among them (mimo-inspect report's
+                   # skipped_records counts them apart, report.json read or not)
+                   **({"records_excluded": report.skipped[SPLIT_EXCLUDED]["count"]}
+                      if SPLIT_EXCLUDED in report.skipped else {}),
                    **({"members_ignored": sum(e["count"] for e in report.aside.values())}
                       if report.aside else {}),
                    **({"counts": dict(sorted(report.counts.items()))} if report.counts

@@ -203,8 +203,10 @@ def unindexed_tars_advice(directory: str) -> str:
     # a folder inside an Energon dataset, which mimo-shard index refuses (local: no options;
     # imported here, on this error's path alone)
     from mimo_data.shards.tar_sources import energon_above
-    above = None if storage.is_remote(directory) else energon_above([directory], None)
-    if above is not None and os.path.abspath(above) != os.path.abspath(directory):
+    folder = None if storage.is_remote(directory) else \
+        os.path.abspath(storage.local_path(directory))      # ".", "sub/": the real folders
+    above = energon_above([folder], None) if folder else None
+    if above is not None and above != folder:
         return (f"tars with no {INDEX_FILE}, of the Energon dataset {above}: index that "
                 f"dataset where it is (`mimo-shard index {above} --output DIR`) and give DIR")
     return (f"tars with no {INDEX_FILE}: tars made elsewhere (webdataset, img2dataset, "

@@ -346,6 +346,10 @@ def _energon_below(files: list[str]) -> str | None:
     return next((path[:-len(marker)] for path in files if path.endswith(marker)), None)
 
 
+# members a caption is written in, by their last suffix (a refusal names them as pairs)
+_CAPTION_SUFFIXES = {"txt", "text", "caption", "captions", "cap", "desc", "description", "alt"}
+
+
 def energon_above(folders: Iterable[str], storage_options: dict | None) -> str | None:
     """The Energon dataset folder holding one of ``folders`` (it, or up to
     ``energon.DEPTH`` folders above), if any; each folder asked once."""
@@ -443,11 +447,13 @@ def _member_map(root: str, names: list[str], options: IndexOptions,
                                   "is a caption or conversation to train on")
         if not layout:
             seen = sorted({suffix for members in head for suffix in members})
-            # a medium beside one other member (KEY.caption, KEY.text): a pair, so named
+            # one medium beside one text member (KEY.caption, KEY.text): a pair, so named (not
+            # a class label, an array, JSON metadata: no caption)
             media = [s for s in seen if s.rpartition(".")[2].lower() in MEDIA_EXTENSIONS]
             texts = [s for s in seen if s not in media and s != options.json_member]
             pair = f" (here: --layout pairs --text-member {texts[0]})" \
-                if media and len(texts) == 1 else ""
+                if len(media) == 1 and len(texts) == 1 and \
+                texts[0].rpartition(".")[2].lower() in _CAPTION_SUFFIXES else ""
             raise IndexInputError(f"{storage.join(root, first)}: its first samples, of members "
                                   f"{', '.join(seen[:12]) or 'none'} (after each key's first "
                                   "dot), are neither caption pairs (a medium beside KEY.txt), "
