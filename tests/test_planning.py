@@ -1694,6 +1694,17 @@ def test_a_packed_clip_plan_ranks_only_what_a_packed_run_takes(capsys, tmp_path)
         report = json.loads(out)
         assert report["workload"]["packing"] is packing and report["ranked"]
         ranked[packing] = report["ranked"]
+        # beside the top five, the best of up to three language layouts they lack, in rank
+        # order (the top can be one language layout beside towers of other sizes)
+        others = report["other_language_layouts"]
+
+        def language(r: dict) -> str:
+            return next(p for p in r["layout"].split(";") if p.startswith("language="))
+        shown = {language(r) for r in report["ranked"]}
+        assert 0 < len(others) <= 3 and len({language(r) for r in others}) == len(others)
+        assert not shown & {language(r) for r in others}
+        assert [r["rank"] for r in others] == sorted(r["rank"] for r in others)
+        assert others[0]["rank"] > report["ranked"][-1]["rank"]
     assert ranked[False][0]["settings"]["sequence_parallel"]
     assert not any("data.packing=true" in r["overrides"] for r in ranked[False])
     assert not any(r["settings"]["sequence_parallel"] for r in ranked[True])

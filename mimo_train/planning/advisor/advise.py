@@ -16,7 +16,7 @@ from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
                                                      settings_of)
 from mimo_train.planning.advisor.cost import (HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate,
-                                              usable_gib)
+                                              Result, usable_gib)
 from mimo_train.planning.advisor.inputs import (Model, gpu, preprocess_differs, read_model,
                                                read_work)
 from mimo_train.planning.advisor.report import format_report, result_json, why
@@ -183,7 +183,31 @@ def run_advisor(model: Model, workload: dict, request: AdvisorRequest, variable:
                                   model.split_media, model.config_precision),
                     "rank": ranked.index(r) + 1, "why": why(r, device, request.gpus)}
                    for r in shown],
+        # the best of each language layout the shown ones lack (the fastest may all be one
+        # language layout beside towers of other sizes)
+        "other_language_layouts": [
+            {**result_json(r, request.gpus, device, work, model.optimizer_modules,
+                           model.split_media, model.config_precision),
+             "rank": ranked.index(r) + 1} for r in _other_languages(ranked, shown)],
         "dropped": [result_json(r, request.gpus, device, work, model.optimizer_modules,
                                 model.split_media, model.config_precision)
                     for r in dropped[:3]],
     }
+
+
+OTHER_LANGUAGE_LAYOUTS = 3      # shown beside the top, each the best of its language layout
+
+
+def _other_languages(ranked: list[Result], shown: list[Result]) -> list[Result]:
+    """The best result of each language layout (the layout's ``language=...`` part) that no
+    shown result has, fastest first, at most ``OTHER_LANGUAGE_LAYOUTS``."""
+    def language(r: Result) -> str:
+        return next(part for part in r.candidate.layout.compact().split(";")
+                    if part.startswith(f"{LANGUAGE}="))
+    seen = {language(r) for r in shown}
+    found: list[Result] = []
+    for r in ranked:
+        if language(r) not in seen and len(found) < OTHER_LANGUAGE_LAYOUTS:
+            seen.add(language(r))
+            found.append(r)
+    return found

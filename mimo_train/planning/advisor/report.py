@@ -149,11 +149,15 @@ def format_report(report: dict) -> str:
           if report.get("yours_not_ranked") else []),
         f"{'rank':>4s} {'step s':>8s} {'samples/s':>9s} {'MFU':>5s} {'GiB/rank':>8s}  "
         f"layout  (settings)"]
-    for r in report["ranked"]:
+    def row(r: dict) -> str:
         mark = "  <- yours" if r["layout"] == report["yours"] else ""
-        lines.append(f"{r['rank']:4d} {_seconds(r['step_s']):>8s} {r['samples_per_s']:9.2f} "
-                     f"{r['mfu']:5.2f} {r['peak_memory_gib']:8.1f}  {r['layout']}  "
-                     f"({_settings_text(r['settings'])}){mark}")
+        return (f"{r['rank']:4d} {_seconds(r['step_s']):>8s} {r['samples_per_s']:9.2f} "
+                f"{r['mfu']:5.2f} {r['peak_memory_gib']:8.1f}  {r['layout']}  "
+                f"({_settings_text(r['settings'])}){mark}")
+    lines += [row(r) for r in report["ranked"]]
+    if report.get("other_language_layouts"):
+        lines.append("the best of other language layouts:")
+        lines += [row(r) for r in report["other_language_layouts"]]
     if report["ranked"]:
         lines.append("why")
         for r in report["ranked"]:
