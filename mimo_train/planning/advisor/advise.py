@@ -5,6 +5,7 @@ itself: ``run_advisor``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -12,7 +13,7 @@ import sys
 from tqdm import tqdm
 
 from mimo_data.inspect.advice import AdvisorRequest
-from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError
+from mimo_data.loading.layout import LANGUAGE, Layout, LayoutError, ModuleLayout
 from mimo_train.planning.advisor.candidates import (layouts, needs_split, rank, refused,
                                                      settings_of)
 from mimo_train.planning.advisor.cost import (HEADROOM, MFU, RESERVED_GIB, Advisor, Candidate,
@@ -199,11 +200,11 @@ OTHER_LANGUAGE_LAYOUTS = 3      # shown beside the top, each the best of its lan
 
 
 def _other_languages(ranked: list[Result], shown: list[Result]) -> list[Result]:
-    """The best result of each language layout (the layout's ``language=...`` part) that no
-    shown result has, fastest first, at most ``OTHER_LANGUAGE_LAYOUTS``."""
-    def language(r: Result) -> str:
-        return next(part for part in r.candidate.layout.compact().split(";")
-                    if part.startswith(f"{LANGUAGE}="))
+    """The best result of each language layout (the language module's parallel sizes, where
+    on the ranks aside) that no shown result has, fastest first, at most
+    ``OTHER_LANGUAGE_LAYOUTS``."""
+    def language(r: Result) -> ModuleLayout:
+        return dataclasses.replace(r.candidate.layout.language, rank_offset=0)
     seen = {language(r) for r in shown}
     found: list[Result] = []
     for r in ranked:
