@@ -592,9 +592,22 @@ def test_sampling_is_reproducible_from_its_seed(generator):
     assert first != other and first != greedy
 
 
-def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys):
-    from mimo_train.hf.generate import main
+def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monkeypatch):
+    from mimo_train.hf.generate import Generation, Generator, main
     from mimo_train.errors import GenerateError
+
+    # an answer that ends at once (the first token the end of the turn) is said, not an
+    # empty line alone
+    end = generator.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    with monkeypatch.context() as patch:
+        patch.setattr(Generator, "generate", lambda *a, **k: Generation("", [end], [], {}))
+        assert main(["--model", str(smollm2.export), "--prompt", "Hi", "--device", "cpu"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "\n"
+    assert out.err == ("mimo-generate: note: the answer is empty: the model generated 1 "
+                       "token(s), '<|im_end|>', and no text (a model that ends its answer at "
+                       "once has often barely trained; --temperature T samples instead of "
+                       "taking the likeliest token)\n")
 
     with pytest.raises(GenerateError, match="no-such.jpg") as error:
         generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])
