@@ -939,6 +939,15 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     ("image.crop", "false", "modalities.image.crop is 'false' (str): it must be true or false"),
     ("tokenizer", None, "tokenizer is missing: give the model's tokenizer (a local folder or a "
      "hub name)"),
+    # sizes and rates of 0 or less: named here, not a division by zero in preprocessing
+    ("image.merge_size", 0, "modalities.image.merge_size is 0: it must be at least 1"),
+    ("image.patch_size", -14, "modalities.image.patch_size is -14: it must be at least 1"),
+    ("audio.hop_length", 0, "modalities.audio.hop_length is 0: it must be at least 1"),
+    ("audio.sample_rate", 0, "modalities.audio.sample_rate is 0: it must be at least 1"),
+    ("audio.reductions", [0, 2], "modalities.audio.reductions is (0, 2): each must be at "
+     "least 1"),
+    ("audio.max_duration", 0.0, "modalities.audio.max_duration is 0.0: it must be above 0"),
+    ("video.merge_size", 0, "modalities.video.merge_size is 0: it must be at least 1"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_its_key(where, value, said):
     """A preprocessing config's value of the wrong type is a ConfigError naming the key, never
@@ -947,7 +956,7 @@ def test_a_value_of_the_wrong_type_is_refused_naming_its_key(where, value, said)
     from mimo_data.errors import ConfigError
     data: dict = {"tokenizer": TOKENIZER, "modalities": {"image": {}, "audio": {}}}
     section, _, key = where.rpartition(".")
-    target = data["modalities"][section] if section else data
+    target = data["modalities"].setdefault(section, {}) if section else data
     if value is None:
         del target[key]
     else:

@@ -21,7 +21,8 @@ import numpy as np
 import soundfile
 
 from mimo_data.errors import ConfigError
-from mimo_data.modalities.base import MediaError, MediaItem, Modality, item_name
+from mimo_data.modalities.base import (MediaError, MediaItem, Modality, item_name,
+                                       require_positive)
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
     import torch
@@ -58,6 +59,8 @@ class AudioConfig:
     long_audio: str = "drop"
 
     def validate(self) -> None:
+        require_positive("audio", self, "sample_rate", "hop_length", "reductions",
+                         "max_duration")
         if self.n_mels not in (80, 128):
             raise ConfigError(f"modalities.audio.n_mels is {self.n_mels}: Whisper uses 80 or 128")
         if self.long_audio not in ("drop", "truncate"):

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, NotRequired, TYPE_CHECKING, TypedDict
 
+from mimo_data.errors import ConfigError
 from mimo_data.tally import CountedError
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
@@ -27,6 +28,19 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
+
+
+def require_positive(section: str, config: Any, *names: str) -> None:
+    """ConfigError naming the first of ``config``'s ``names`` (sizes, rates, a tuple's each)
+    that is not above 0: a zero there would fail later, far from the config, as a division by
+    zero or a tensor of negative size."""
+    for name in names:
+        given = getattr(config, name)
+        values = given if isinstance(given, tuple) else (given,)
+        if not all(value > 0 for value in values):
+            bound = "above 0" if any(isinstance(v, float) for v in values) else "at least 1"
+            raise ConfigError(f"modalities.{section}.{name} is {given!r}: "
+                              f"{'each' if isinstance(given, tuple) else 'it'} must be {bound}")
 
 
 class MediaError(CountedError):

@@ -31,7 +31,7 @@ from PIL import Image
 
 from mimo_data.errors import ConfigError
 from mimo_data.modalities.base import (MediaError, MediaItem, Modality, item_name,
-                                       take_grid_rows, to_device)
+                                       require_positive, take_grid_rows, to_device)
 
 if TYPE_CHECKING:     # torch is imported where used: metadata commands start without it
     import torch
@@ -76,6 +76,8 @@ class ImageConfig:
     def validate(self) -> None:
         if self.policy not in ("dynamic", "fixed"):
             raise ConfigError(f"modalities.image.policy is {self.policy!r}: use dynamic or fixed")
+        require_positive("image", self, "patch_size", "merge_size", "temporal_patch_size",
+                         "max_pixels", "image_size", "max_image_pixels")
         # (image_size // patch_size)^2 tokens: the tower's stride-patch convolution drops the
         # remainder, as SigLIP's 384 px images in 14 px patches give 27 x 27
         if self.policy == "fixed" and self.image_size < self.patch_size:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mimo_data.errors import ConfigError
+from mimo_data.modalities.base import require_positive
 from mimo_data.modalities.image import CLIP_MEAN, CLIP_STD
 from mimo_data.modalities.video.sampling import SAMPLINGS
 
@@ -69,6 +70,8 @@ class VideoConfig:
                               "positioned on its own (Qwen3-VL); drop tokens_per_second")
         if self.fps <= 0:
             raise ConfigError(f"modalities.video.fps is {self.fps}: it must be positive")
+        require_positive("video", self, "patch_size", "merge_size", "max_pixels",
+                         "max_duration")
         if self.min_pixels > self.max_pixels:
             raise ConfigError("modalities.video.min_pixels is above max_pixels")
         if self.temporal_patch_size < 1:
