@@ -138,3 +138,41 @@ def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):
     code, _, err = cli_main(capsys, "verify", tmp_path / "empty", "--no-progress")
     assert code == 1
     assert "index.json" in err
+
+
+def test_an_edited_index_is_named_by_verify_info_and_the_report(capsys, dataset):
+    """An index.json of the right format whose values are not what the readers take (shards
+    not a list, a size as text, a file's hash gone), or that no longer lists a shard whose
+    samples the table holds: each command names the index and the key, exit 1, no traceback;
+    verify names the unlisted shard, whose size and hash it would not check."""
+    from mimo_data.inspect.cli import main as inspect_main
+    original = read_json(dataset / "index.json")
+
+    def edited(change) -> None:
+        index = json.loads(json.dumps(original))
+        change(index)
+        (dataset / "index.json").write_text(json.dumps(index))
+
+    for change, said in (
+            (lambda index: index.update(shards=None),
+             "shards is None (NoneType), expected a list of shards"),
+            (lambda index: index["shards"][0].update(bytes=str(index["shards"][0]["bytes"])),
+             f"shards[0].bytes is '{original['shards'][0]['bytes']}' (str), expected a whole "
+             "number >= 0"),
+            (lambda index: index["files"]["samples.parquet"].pop("sha256"),
+             "files['samples.parquet'].sha256 is None (NoneType), expected text")):
+        edited(change)
+        said = f"{dataset}/index.json: {said} (an edited or damaged index): restore it, or " \
+            "rebuild the dataset"
+        for command in ("verify", "info"):
+            code, _, err = cli_main(capsys, command, dataset, "--no-progress") \
+                if command == "verify" else cli_main(capsys, command, dataset)
+            assert code == 1 and said in err and "Traceback" not in err, err
+        assert inspect_main(["report", str(dataset), "--config",
+                             str(REPO / "configs" / "preprocess.yaml"), "--no-progress"]) == 1
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+    last = original["shards"][-1]["name"]
+    edited(lambda index: index["shards"].pop())
+    assert f"samples.parquet has samples in 1 shard(s) that index.json does not list ({last})" \
+        in _verify(capsys, dataset)

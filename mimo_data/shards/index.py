@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from typing import IO
+from typing import IO, Any
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
@@ -230,6 +230,9 @@ def parse_index(directory: str, data: bytes) -> dict:
     except ValueError as exc:
         raise DatasetError(f"{path}: unreadable index ({exc}); run `mimo-shard build` (or "
                            "`mimo-shard index`) again") from None
+    if not isinstance(index, dict):
+        raise DatasetError(f"{path}: holds a JSON {type(index).__name__}, not an index; run "
+                           "`mimo-shard build` (or `mimo-shard index`) again")
     if index.get("format") != FORMAT_NAME or index.get("version") not in READ_VERSIONS:
         raise DatasetError(f"{path}: format {index.get('format')!r} version "
                            f"{index.get('version')!r}; this mimo reads {FORMAT_NAME!r} "
@@ -238,7 +241,41 @@ def parse_index(directory: str, data: bytes) -> dict:
     if index["version"] == INDEXED_VERSION and not isinstance(index.get("shard_root"), str):
         raise DatasetError(f"{path}: an index of shards indexed in place without its "
                            "shard_root; run `mimo-shard index` again")
+    if problem := _shape_problem(index):
+        raise DatasetError(f"{path}: {problem} (an edited or damaged index): restore it, or "
+                           f"{remake(index)}")
     return index
+
+
+def _shape_problem(index: dict) -> str | None:
+    """The first value of ``index`` not of the type the readers take (each shard's and each
+    own file's sizes and hashes, the totals and counts), or None."""
+    def wrong(where: str, value: Any, kind: type | tuple[type, ...], said: str) -> str | None:
+        if isinstance(value, kind) and not isinstance(value, bool) and \
+                not (isinstance(value, int) and value < 0):
+            return None
+        return f"{where} is {value!r} ({type(value).__name__}), expected {said}"
+
+    def found(where: str, entry: Any, fields: dict[str, tuple[type, str]]) -> str | None:
+        if not isinstance(entry, dict):
+            return wrong(where, entry, dict, "a mapping")
+        return next((problem for name, (kind, said) in fields.items()
+                     if (problem := wrong(f"{where}.{name}", entry.get(name), kind, said))),
+                    None)
+
+    count, text = (int, "a whole number >= 0"), (str, "text")
+    if (problem := wrong("shards", index.get("shards"), list, "a list of shards")) or \
+            "totals" in index and (problem := found("totals", index["totals"],
+                                                    {"samples": count})) or \
+            (problem := wrong("modalities", index.get("modalities", {}), dict, "a mapping")) or \
+            (problem := wrong("files", index.get("files", {}), dict, "a mapping")):
+        return problem
+    shard = {"name": text, "samples": count, "bytes": count, "sha256": text}
+    return next((problem for where, entry, fields in (
+        *((f"shards[{i}]", entry, shard) for i, entry in enumerate(index["shards"])),
+        *((f"files[{name!r}]", entry, {"bytes": count, "sha256": text})
+          for name, entry in index.get("files", {}).items()))
+        if (problem := found(where, entry, fields))), None)
 
 
 def shard_root(directory: str, index: dict) -> str:

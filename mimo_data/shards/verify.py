@@ -32,11 +32,11 @@ from tqdm import tqdm
 
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import storage
-from mimo_data.shards.format import SAMPLES_FILE
+from mimo_data.shards.format import INDEX_FILE, SAMPLES_FILE
 from mimo_data.files import file_sha256, parquet_batches
 from mimo_data.shards.format import RECORDS_FILE
 from mimo_data.worker_pool import ordered_map
-from mimo_data.shards.index import read_index, shard_root
+from mimo_data.shards.index import read_index, remake, shard_root
 from mimo_data.shards.tar_walk import NotATarError, Walked, walk
 
 MAX_PROBLEMS_PER_SHARD = 20
@@ -208,17 +208,28 @@ def _verify_one(args):
     return verify_shard(*args)
 
 
-def _shard_rows(directory: str, index: dict) -> Iterator[tuple[dict, list, list | None]]:
-    """Each shard of the index with its rows of samples.parquet and (indexed in place) its
-    records, read a batch at a time where the table holds each shard's rows together and in
-    the index's order (as build and index write it): a shard's rows in memory, not the
-    table's. Otherwise the whole table is grouped at once."""
-    samples = storage.join(directory, SAMPLES_FILE)
+def _unlisted_shards(index: dict, shard_of_row) -> list[str]:
+    """A problem where samples.parquet's rows (``shard_of_row``: their shards) name a shard
+    index.json does not list: its size and hash would go unchecked while readers read it."""
+    listed = {shard["name"] for shard in index["shards"]}
+    unlisted = sorted(set(pc.unique(shard_of_row).to_pylist()) - listed)
+    if not unlisted:
+        return []
+    return [f"{SAMPLES_FILE} has samples in {len(unlisted)} shard(s) that {INDEX_FILE} does "
+            f"not list ({', '.join(unlisted[:3])}{', ...' if len(unlisted) > 3 else ''}): "
+            f"{INDEX_FILE} was edited or is another dataset's; restore it, or {remake(index)}"]
+
+
+def _shard_rows(table, shard_of_row, directory: str, index: dict
+                ) -> Iterator[tuple[dict, list, list | None]]:
+    """Each shard of the index with its rows of samples.parquet (``table``, whose rows'
+    shards are ``shard_of_row``) and (indexed in place) its records, read a batch at a time
+    where the table holds each shard's rows together and in the index's order (as build and
+    index write it): a shard's rows in memory, not the table's. Otherwise the whole table is
+    grouped at once."""
     records_file = storage.join(directory, RECORDS_FILE) \
         if RECORDS_FILE in index["files"] else None
     names = [shard["name"] for shard in index["shards"]]
-    table = storage.readable(samples)             # a remote table read once
-    shard_of_row = pq.read_table(table, columns=["shard"]).column("shard")
     runs = pc.run_end_encode(shard_of_row.combine_chunks())
     ran = runs.values.to_pylist()                  # one per run of rows: per shard
     order = {name: at for at, name in enumerate(names)}
@@ -280,8 +291,12 @@ def verify(directory: str, workers: int = 1, progress: bool = True) -> list[str]
             problems += _check_file(path, expected)
     if problems:
         return problems
+    table = storage.readable(storage.join(directory, SAMPLES_FILE))  # a remote one read once
+    shard_of_row = pq.read_table(table, columns=["shard"]).column("shard")
+    problems += _unlisted_shards(index, shard_of_row)
     root = shard_root(directory, index)
-    jobs = ((root, shard, rows, records) for shard, rows, records in _shard_rows(directory, index))
+    jobs = ((root, shard, rows, records)
+            for shard, rows, records in _shard_rows(table, shard_of_row, directory, index))
     bar = tqdm(total=len(index["shards"]), unit="shard", desc="verify", disable=not progress)
     # a few shards' rows in flight, not the table's
     pooled = ordered_map(_verify_one, jobs, workers, 2 * workers,
