@@ -90,9 +90,12 @@ class Stack:
 
     def kinds(self, layers: range | None = None) -> dict[str, int]:
         """How many of ``layers`` (default: all) are of each kind present (FULL, LINEAR)."""
+        held = layers if layers is not None else range(self.layers)
+        if not self.layer_types:            # every layer FULL: no walk (the advisor asks often)
+            return {FULL: len(held)} if len(held) else {}
         found: dict[str, int] = {}
-        for i in layers if layers is not None else range(self.layers):
-            found[self.kind(i)] = found.get(self.kind(i), 0) + 1
+        for i in held:
+            found[self.layer_types[i]] = found.get(self.layer_types[i], 0) + 1
         return found
 
     def stage_layers(self, pp: int = 1, stage: int = 0) -> range:

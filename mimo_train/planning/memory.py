@@ -529,18 +529,22 @@ def tower_activation_parts(tower: Tower, grids: Iterable[Sequence[int]], setting
     (``stack_activation_parts``'s, the patch embedding's inputs kept)."""
     grids = list(grids)
     positions, squares = tower_positions(tower, grids)
-    # a transformers tower recomputes all or nothing: selective keeps everything, the
-    # attention scores too where the kernel keeps them
-    tower_settings = replace(settings, recompute="full" if settings.towers == "full"
-                             else "none", attention_scores=False, varlen_rows=False)
+    own = tower_settings(settings)
     stack = tower.stack
-    if tower.by_boundaries and settings.tower_varlen:
+    if tower.by_boundaries and own.tower_varlen:
         stack = replace(stack, attention_kept=QWEN_VARLEN_ATTENTION)
     pixels = sum(t * h * w for t, h, w in grids) * \
-        sum(lin.inputs * lin.times for lin in tower.patch_embed) * settings.width
-    kept, rebuilt = stack_activation_parts(stack, stack.layers, positions, squares,
-                                           tower_settings)
+        sum(lin.inputs * lin.times for lin in tower.patch_embed) * own.width
+    kept, rebuilt = stack_activation_parts(stack, stack.layers, positions, squares, own)
     return kept + pixels, rebuilt
+
+
+def tower_settings(settings: Settings) -> Settings:
+    """What of ``settings`` a transformers tower's activations depend on (the others at
+    their defaults): the precision, the kernel, and the towers' recompute, all or nothing
+    (selective keeps everything, the attention scores too where the kernel keeps them)."""
+    return Settings(precision=settings.precision, tower_varlen=settings.tower_varlen,
+                    recompute="full" if settings.towers == "full" else "none")
 
 
 def in_flight(micro_batches: int, stages: int, position: int) -> int:

@@ -58,6 +58,7 @@ at most the GPU's memory x 0.9 - 1 GiB (CUDA context, NCCL buffers, allocator fr
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,6 +117,12 @@ class Advisor:
         self._language_cache: dict = {}
         self._encoder_cache: dict = {}
         self._tower_cache: dict = {}
+        # ... and a module's seconds and activations for those parts under its own settings
+        self._times_cache: dict = {}
+        self._language_held_cache: dict = {}
+        self._encoder_held_cache: dict = {}
+        self._bandwidth_cache: dict = {}        # a group's: (offset, size, stride, ranks)
+        self._comm_cache: dict = {}             # a language rank's: (positions, module)
 
     # -- per part ------------------------------------------------------------------------
     def _positions(self, lengths: list[int], multiple: int = 1) -> list[int]:
@@ -192,7 +199,7 @@ class Advisor:
     # -- evaluation ----------------------------------------------------------------------
     def evaluate(self, candidate: Candidate) -> Result:
         layout, settings = candidate.layout, candidate.settings
-        dims, work = self.model.dims, self.work
+        work = self.work
         lang = layout.language
         group = work.micro_batch_size * lang.dp
         m = work.global_batch_size // group
@@ -208,13 +215,10 @@ class Advisor:
         all_to_all = context = 0.0
         multiple = lang.cp * lang.tp if lang.cp > 1 else 1
         for s in range(steps):
-            language = self._language(s, group, lang.dp, multiple)        # [j][r]
-            lang_t = [[self._language_seconds(f, sum(pos), lang, lang_factor)
-                       for f, pos, _ in row] for row in language]
-            comm = [[self._language_comm(sum(pos), lang) for _, pos, _ in row]
-                    for row in language]
-            all_to_all += max(sum(row[r][1] for row in comm) for r in range(lang.dp)) / steps
-            context += max(sum(row[r][2] for row in comm) for r in range(lang.dp)) / steps
+            lang_t, step_all_to_all, step_context = self._language_times(
+                s, group, lang, multiple, lang_factor)                     # [j][r]
+            all_to_all += step_all_to_all / steps
+            context += step_context / steps
             enc_t: dict[str, list[list[float]]] = {}
             for e in layout.encoders:
                 factor = self._recompute_factor(e.name, settings.towers)
@@ -223,27 +227,17 @@ class Advisor:
                 enc_t[e.name] = [[f * factor / self.rate for f, _ in row] for row in parts]
                 if self.model.passes.get(f"{e.name}.encoder", 3) == 1:
                     continue                    # forward only: nothing kept for a backward
-                tower = dims.encoders[e.name].tower
-                for q in range(e.dp):           # each DP rank's micro-batches, k in flight
-                    held = [self._tower_held(e.name, tower, row[q][1], settings)
-                            for row in parts]
-                    act[e.name] = max(act.get(e.name, 0.0), _held(
-                        held, 1 if colocated else mem.in_flight(m, stages, 0)))
+                act[e.name] = max(act.get(e.name, 0.0), self._encoder_held(
+                    s, e, lang, group, split, settings,
+                    1 if colocated else mem.in_flight(m, stages, 0)))
             lang_backward = self.model.passes.get(LANGUAGE, 3) > 1
             for stage in sorted({0, lang.pp - 1}) if lang_backward else ():
                 k = 1 if colocated or stages == 1 else \
                     mem.in_flight(m, stages, lang_first + stage)
-                for r in range(lang.dp):
-                    held = [mem.language_activation_parts(
-                        dims.language, row[r][1], settings, lang.tp, lang.pp, stage,
-                        ep=lang.ep, etp=lang.etp, cp=lang.cp) for row in language]
-                    act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0),
-                                                    _held(held, k))
-                    act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), max(
-                        mem.language_temporary_bytes(dims.language, sum(row[r][1]),
-                                                     row[r][2], settings, lang.tp, lang.pp,
-                                                     stage, lang.cp)
-                        for row in language))
+                held, temporary = self._language_held(s, group, lang, multiple, settings,
+                                                      stage, k)
+                act[f"{LANGUAGE}{stage}"] = max(act.get(f"{LANGUAGE}{stage}", 0.0), held)
+                act[f"temporary{stage}"] = max(act.get(f"temporary{stage}", 0.0), temporary)
             if colocated:
                 per_rank = [[row[rank // (lang.tp * lang.cp)] + sum(
                     enc_t[e.name][j][rank * e.dp // layout.world_size] for e in layout.encoders)
@@ -265,16 +259,15 @@ class Advisor:
                                     for j in range(m)])
                 lang_stage = [max(row) for row in lang_t]
                 stage_t += [lang_stage] * lang.pp
-                maxima = [max(stage_t[k][j] for k in range(len(stage_t))) for j in range(m)]
+                maxima = [max(column) for column in zip(*stage_t)]
                 compute = sum(maxima) + sum(sum(t) / m for t in stage_t) - sum(maxima) / m
                 syncs = {x.name: self._dp_sync(x.name, layout, settings)
                          for x in layout.modules}
                 sync = max(syncs.values())
-                busy_step = {e.name: max(sum(row[q] for row in enc_t[e.name])
-                                         for q in range(e.dp)) + syncs[e.name]
+                # each DP rank's (a column's) micro-batches, the busiest
+                busy_step = {e.name: max(map(sum, zip(*enc_t[e.name]))) + syncs[e.name]
                              for e in layout.encoders}
-                busy_step[LANGUAGE] = max(sum(row[r] for row in lang_t)
-                                          for r in range(lang.dp)) + syncs[LANGUAGE]
+                busy_step[LANGUAGE] = max(map(sum, zip(*lang_t))) + syncs[LANGUAGE]
                 total_busy = sum(sum(sum(row) for row in enc_t[e.name]) + syncs[e.name] * e.dp
                                  for e in layout.encoders) + \
                     (sum(sum(row) for row in lang_t) + syncs[LANGUAGE] * lang.dp) * \
@@ -287,15 +280,64 @@ class Advisor:
         idle = 1 - sum(busy_totals) / steps / (layout.world_size * step_s) if step_s else 0.0
         memory = self._memory(layout, settings, act, colocated)
         bottleneck = max(busy, key=lambda k: busy[k])
-        model_flops = sum(language_flops(dims.language, lengths,
-                                         self.model.passes.get(LANGUAGE, 3), sum(trained)) +
-                          sum(sum(work.encoder_flops[e][s]) for e in work.encoder_flops)
-                          for s, (lengths, trained) in enumerate(zip(work.lengths,
-                                                                     work.trained))) / steps
-        usable = self.usable_bytes
         return Result(candidate, step_s, memory, busy, max(0.0, idle), bottleneck,
-                      float(model_flops), max(x.total for x in memory.values()) <= usable,
+                      self._model_flops,
+                      max(x.total for x in memory.values()) <= self.usable_bytes,
                       all_to_all, context)
+
+    def _language_times(self, step: int, group: int, lang: ModuleLayout, multiple: int,
+                        factor: float) -> tuple[list[list[float]], float, float]:
+        """Seconds of each language DP rank on each micro-batch of ``step`` ([j][r]), and of
+        the busiest rank's step its expert and context all-to-alls; once per language module
+        (candidates differ mostly in their towers)."""
+        key = (step, group, lang, multiple, factor)
+        if key not in self._times_cache:
+            language = self._language(step, group, lang.dp, multiple)
+            times = [[self._language_seconds(f, sum(pos), lang, factor) for f, pos, _ in row]
+                     for row in language]
+            comm = [[self._language_comm(sum(pos), lang) for _, pos, _ in row]
+                    for row in language]
+            self._times_cache[key] = (
+                times, max(sum(row[r][1] for row in comm) for r in range(lang.dp)),
+                max(sum(row[r][2] for row in comm) for r in range(lang.dp)))
+        return self._times_cache[key]
+
+    def _language_held(self, step: int, group: int, lang: ModuleLayout, multiple: int,
+                       settings: mem.Settings, stage: int, k: int) -> tuple[float, float]:
+        """The activations of the fullest DP rank of language ``stage`` at their peak, ``k``
+        micro-batches in flight, and its temporaries; once per language module, settings and
+        ``k``."""
+        key = (step, group, lang.tp, lang.cp, lang.pp, lang.dp, lang.ep, lang.etp, multiple,
+               settings, stage, k)                          # where its ranks start: no matter
+        if key not in self._language_held_cache:
+            stack = self.model.dims.language
+            language = self._language(step, group, lang.dp, multiple)
+            self._language_held_cache[key] = (
+                max(_held([mem.language_activation_parts(
+                    stack, row[r][1], settings, lang.tp, lang.pp, stage, ep=lang.ep,
+                    etp=lang.etp, cp=lang.cp) for row in language], k)
+                    for r in range(lang.dp)),
+                max(mem.language_temporary_bytes(stack, sum(row[r][1]), row[r][2], settings,
+                                                 lang.tp, lang.pp, stage, lang.cp)
+                    for row in language for r in range(lang.dp)))
+        return self._language_held_cache[key]
+
+    def _encoder_held(self, step: int, module: ModuleLayout, lang: ModuleLayout, group: int,
+                      split: bool, settings: mem.Settings, k: int) -> float:
+        """The activations of encoder ``module``'s fullest DP rank at their peak, ``k``
+        micro-batches in flight; once per encoder and language DP size, settings and ``k``."""
+        own = mem.tower_settings(settings)         # the others change nothing of a tower's
+        parts_key = (step, module.name, module.dp, lang.dp, group, split, own)
+        if parts_key not in self._encoder_held_cache:  # each DP rank's micro-batches' [q][j]
+            parts = self._encoder_parts(step, module, lang, group, split)       # [j][q]
+            tower = self.model.dims.encoders[module.name].tower
+            self._encoder_held_cache[parts_key] = (
+                [[self._tower_held(module.name, tower, row[q][1], own) for row in parts]
+                 for q in range(module.dp)], {})
+        ranks, peaks = self._encoder_held_cache[parts_key]
+        if k not in peaks:
+            peaks[k] = max(_held(held, k) for held in ranks)
+        return peaks[k]
 
     def _tower_held(self, name: str, tower, grids: list, settings: mem.Settings
                     ) -> tuple[float, float]:
@@ -304,6 +346,17 @@ class Advisor:
         if key not in self._tower_cache:
             self._tower_cache[key] = mem.tower_activation_parts(tower, grids, settings)
         return self._tower_cache[key]
+
+    @functools.cached_property
+    def _model_flops(self) -> float:
+        """Model FLOPs per step of the work (real tokens), whatever the layout."""
+        work = self.work
+        return float(sum(language_flops(self.model.dims.language, lengths,
+                                        self.model.passes.get(LANGUAGE, 3), sum(trained)) +
+                         sum(sum(work.encoder_flops[e][s]) for e in work.encoder_flops)
+                         for s, (lengths, trained) in enumerate(zip(work.lengths,
+                                                                    work.trained)))
+                     / len(work.lengths))
 
     @property
     def usable_bytes(self) -> float:
@@ -331,6 +384,13 @@ class Advisor:
         """(TP and expert TP, expert all-to-all, context all-to-all) seconds of one language
         rank's layers on a micro-batch of ``positions`` (its DP replica's, 1/cp of them
         this rank's; the module docstring)."""
+        key = (positions, module)
+        if key not in self._comm_cache:
+            self._comm_cache[key] = self._language_comm_of(positions, module)
+        return self._comm_cache[key]
+
+    def _language_comm_of(self, positions: float, module: ModuleLayout
+                          ) -> tuple[float, float, float]:
         stack, width = self.model.dims.language, mem.BYTES[self.model.precision]
         tp_bytes, exchange = layer_traffic(stack, positions / module.cp, width, module.tp,
                                            module.ep, module.expert_tp)
@@ -360,12 +420,17 @@ class Advisor:
         """A node's bandwidth when each of the module's groups of ``size`` ranks ``stride``
         apart (in blocks of stride x size ranks) lies in one node, else the network's (the
         slowest group paces the collective)."""
-        per_node = self.device.per_node
-        for base in range(module.rank_offset, module.rank_offset + module.size, stride * size):
-            for t in range(stride):
-                if len({(base + t + k * stride) // per_node for k in range(size)}) > 1:
-                    return self.device.network_gbs
-        return self.device.node_gbs
+        key = (module.rank_offset, module.size, stride, size)
+        if key not in self._bandwidth_cache:
+            per_node = self.device.per_node
+            self._bandwidth_cache[key] = next((
+                self.device.network_gbs
+                for base in range(module.rank_offset, module.rank_offset + module.size,
+                                  stride * size)
+                for t in range(stride)
+                if len({(base + t + k * stride) // per_node for k in range(size)}) > 1),
+                self.device.node_gbs)
+        return self._bandwidth_cache[key]
 
     def _dp_sync(self, name: str, layout: Layout, settings: mem.Settings) -> float:
         """Seconds of the module's gradient reduction: over its DP ranks, the language model's
