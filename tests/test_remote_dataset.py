@@ -44,7 +44,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.build import BuildOptions, build
 from mimo_data.shards.index import DatasetError, read_index
 from mimo_data.shards.reader import ShardReader
-from mimo_data.shards.sources import BuildError
+from mimo_data.shards.stops import BuildError
 from mimo_data.shards.storage import StorageError
 from tools.object_store import Faults, LocalHTTP, LocalS3
 

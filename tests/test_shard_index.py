@@ -157,7 +157,7 @@ def test_pairs_become_caption_records_and_bad_samples_are_counted(pairs, corpus_
                                                                  tmp_path):
     from mimo_data.shards import in_place
     from mimo_data.shards.reader import ShardReader
-    from mimo_data.shards.sources import StrictStop
+    from mimo_data.shards.stops import StrictStop
 
     assert "layout pairs (detected" in pairs.stderr
     report = json.loads((pairs.out / "report.json").read_text())
@@ -1214,7 +1214,7 @@ def test_a_key_in_two_tars_is_kept_once_and_counted_once(corpus_photos, tmp_path
     assert skip["location"] == "b.tar:1"
     assert skip["detail"].startswith("the key occurs in an earlier tar too (a.tar), whose "
                                      "sample is kept"), skip
-    from mimo_data.shards.sources import StrictStop
+    from mimo_data.shards.stops import StrictStop
     with pytest.raises(StrictStop, match="^b.tar:1: duplicate_key: the key occurs in an "
                        "earlier tar too"):
         with contextlib.redirect_stderr(io.StringIO()):

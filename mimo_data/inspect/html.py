@@ -117,7 +117,7 @@ def plots(report: dict) -> list[tuple[str, str]]:
     return found
 
 
-def _media_html(plt, reader, stats: SampleStats, record: dict, inspector,
+def _media_html(reader, stats: SampleStats, record: dict, inspector,
                 damaged: list[str]) -> str:
     parts = []
     for item in record.get("media") or []:
@@ -170,7 +170,7 @@ def _sample_html(plt, reader, inspector, entry, damaged: list[str]) -> str:
                        for p in sample_problems(stats))
     return (f'<div class="sample" id="sample-{html.escape(stats.key)}"><b>{title}</b> {tags}'
             f"<div>{html.escape(source)} · {status}</div>{problems}"
-            f"{_media_html(plt, reader, stats, record, inspector, damaged)}"
+            f"{_media_html(reader, stats, record, inspector, damaged)}"
             f"{_tokens_html(inspector, stats, record, sample)}</div>")
 
 

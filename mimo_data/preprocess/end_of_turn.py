@@ -33,7 +33,6 @@ from dataclasses import dataclass
 PROBE = [{"role": role, "content": content} for role, content in
          (("user", "\ue010"), ("assistant", "\ue011"), ("user", "\ue012"),
           ("assistant", "\ue013"))]
-SETTINGS = ("auto", True, False)
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMA
                                     STAGING_DIR, modality_counts, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
-from mimo_data.shards.sources import (BuildError, OutputFull, ParquetTable, SpeechManifest,
-                                      StrictStop, Task, open_source)
+from mimo_data.shards.sources import ParquetTable, SpeechManifest, Task, open_source
+from mimo_data.shards.stops import BuildError, OutputFull, StrictStop
 from mimo_data.shards import swap, task_stream
 from mimo_data.worker_pool import ordered_map
 

@@ -191,7 +191,8 @@ def _main(args) -> int:
     from mimo_data.shards.index import DatasetError
     # not from build.py: its tar writer imports webdataset, and so torch, which no other
     # command needs
-    from mimo_data.shards.sources import BuildError, OutputFull, SourceError, StrictStop
+    from mimo_data.shards.sources import SourceError
+    from mimo_data.shards.stops import BuildError, OutputFull, StrictStop
     from mimo_data.shards.storage import LocationError, StorageError
     from mimo_data.shards.claim import OutputBusy, OutputUnwritable
     try:

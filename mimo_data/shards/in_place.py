@@ -45,7 +45,7 @@ from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, s
 from mimo_data.shards import record_table
 from mimo_data.worker_pool import ordered_map
 from mimo_data.shards.records import RecordError
-from mimo_data.shards.sources import StrictStop
+from mimo_data.shards.stops import StrictStop
 from mimo_data.shards.tar_sources import (DETECT_SAMPLES, IndexInputError, IndexOptions,
                                           Source, open_tar, output_given_as_source, resolve,
                                           say)

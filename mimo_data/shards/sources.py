@@ -35,18 +35,6 @@ class SourceError(Exception):
     """A whole input that cannot be read (not one bad record): the build stops."""
 
 
-class BuildError(Exception):
-    """The build stopped (bad output dir, unreadable input, or --strict on a bad record)."""
-
-
-class StrictStop(BuildError):
-    """``--strict`` stopped the build at a bad record (the data failed, not the call)."""
-
-
-class OutputFull(BuildError):
-    """The disk a build or an indexing wrote to filled up (the work failed, not the call)."""
-
-
 @dataclass(frozen=True)
 class Task:
     """One record to read: ``locator`` is what its source needs to load it."""

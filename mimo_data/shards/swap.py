@@ -28,7 +28,7 @@ from mimo_data.shards import storage
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, INDEX_FILE, REPORT_FILE,
                                      STAGING_DIR)
 from mimo_data.shards.index import dumps
-from mimo_data.shards.sources import OutputFull
+from mimo_data.shards.stops import OutputFull
 
 # objects moved or removed at once in a bucket's swap (each a request or a copy by the store)
 _THREADS = 8

@@ -116,7 +116,8 @@ def _glob(pattern: str, storage_options: dict | None) -> list[str]:
     return sorted(os.path.abspath(p) for p in glob.glob(storage.local_path(pattern)))
 
 
-def _is_dir(location: str, storage_options: dict | None) -> bool:
+def _is_dir(location: str) -> bool:
+    """Whether ``location`` names a folder (at a URL: neither a tar nor a pattern)."""
     if storage.is_remote(location):
         return not location.lower().endswith(".tar") and not _is_pattern(location)
     return os.path.isdir(storage.local_path(location))
@@ -186,7 +187,7 @@ def resolve(sources: list[str], options: IndexOptions,
 def _resolve(sources: list[str], options: IndexOptions,
              storage_options: dict | None) -> Source:
     """``resolve``'s tars and member map."""
-    folder_given = len(sources) == 1 and _is_dir(sources[0], storage_options)
+    folder_given = len(sources) == 1 and _is_dir(sources[0])
     if folder_given:
         root = sources[0].rstrip("/") if storage.is_remote(sources[0]) else \
             os.path.abspath(storage.local_path(sources[0]))

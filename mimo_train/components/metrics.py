@@ -182,7 +182,7 @@ class StepValues:
     skipped: bool = False
 
 
-def forward_seconds(layout, local_modules, values: list[float]) -> dict:
+def forward_seconds(layout, values: list[float]) -> dict:
     """Forward seconds per module (``values``: the world's maximum per layout module); one
     entry ``a+b+...`` for colocated layouts, where every rank runs every module."""
     names = [m.name for m in layout.modules]
@@ -557,7 +557,7 @@ class Metrics:
             read.append(train_record(
                 p.step, loss_sum, tokens, p.grad_norm, lrs, p.skipped, p.timer.seconds(),
                 p.global_batch_size,
-                forward_seconds(self.layout, self.local_modules, row[len(names):2 * len(names)]),
+                forward_seconds(self.layout, row[len(names):2 * len(names)]),
                 row[-2] if self.memory is not None else None, row[2 * len(names)]))
             if row[-1] >= 0:                    # a value of the language ranks' (>= 0)
                 read[-1]["moe_aux_loss"] = row[-1]

@@ -172,13 +172,6 @@ def _patch_optimizers() -> None:
             _scoped_method(cls, name, value)
 
 
-def rescope_optimizer_method(cls, name: str) -> None:
-    """``cls.name``, set after the patches (by another of mcore's modules), runs under the
-    optimizers' scope where that patch applies."""
-    if "optimizers" in _applied:
-        _scoped(cls, name)
-
-
 def _patch_tied_embeddings() -> None:
     # With tied embeddings over pipeline stages, the last stage's copy of the word embeddings
     # is moved with weight.data.cuda() before the all-reduce that fills it

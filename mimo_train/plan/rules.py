@@ -4,8 +4,8 @@ process group exists); the layout advisor (``planning.advisor``) drops every can
 any rule refuses and says why a layout you gave is not ranked. A new refusal is one function
 here, registered with ``@rule``.
 
-Pure: numbers and names in, reasons out (no torch, no megatron-core), so the advisor checks
-thousands of candidates with the trainer's own rules.
+Pure: numbers and names in, reasons out (the rules call neither torch nor megatron-core), so
+the advisor checks thousands of candidates with the trainer's own rules.
 """
 
 from __future__ import annotations
