@@ -136,7 +136,13 @@ def test_shard_bad_options_and_inputs_exit_2(capsys, tmp_path, good_records):
     module = CLIS["mimo-shard"]
     code, err = _main(module, capsys, "build", source, "-o", tmp_path / "a",
                       "--max-samples-per-shard", "0", "--no-progress", "--workers", "0")
-    assert code == 2 and "--max-samples-per-shard" in err
+    assert code == 2 and "argument --max-samples-per-shard: 0 is below 1" in err
+    # --workers below 0, by every subcommand that takes it (verify had taken -3)
+    for command in (["build", source, "-o", tmp_path / "a"], ["index", tmp_path, "-o",
+                                                               tmp_path / "a"],
+                    ["verify", tmp_path]):
+        code, err = _main(module, capsys, *command, "--workers", "-3")
+        assert code == 2 and "argument --workers: -3 is below 0" in err, err
     code, err = _main(module, capsys, "build", tmp_path / "nope.jsonl", "-o", tmp_path / "b",
                       "--no-progress", "--workers", "0")
     assert code == 2 and "not found" in err

@@ -258,9 +258,11 @@ def build(inputs: list[str], output: str, options: BuildOptions,
         raise BuildError(f"--output {output}: a dataset is read over HTTP, not written: build "
                          "into a local folder or an object store's URL (s3://, gs://, az://) "
                          "and serve that")
-    if options.max_samples_per_shard < 1 or options.max_shard_bytes < 1 or options.workers < 0:
-        raise BuildError("--max-samples-per-shard and --max-shard-bytes must be positive, "
-                         "--workers at least 0")
+    for flag, value, least in (("--max-samples-per-shard", options.max_samples_per_shard, 1),
+                               ("--max-shard-bytes", options.max_shard_bytes, 1),
+                               ("--workers", options.workers, 0)):
+        if value < least:
+            raise BuildError(f"{flag} is {value}: it must be at least {least}")
     if options.frames_fps is not None and not MIN_FPS <= options.frames_fps <= MAX_FPS:
         raise BuildError(f"--frames-fps {options.frames_fps:g}: frames are taken {MIN_FPS:g} "
                          f"to {MAX_FPS:g} a second")

@@ -34,6 +34,17 @@ _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 MEDIA_COLUMNS = ("image", "audio", "video")
 
 
+def _at_least(minimum: int):
+    """An argparse type: a whole number >= ``minimum``."""
+    def parse(text: str) -> int:
+        value = int(text)                   # not a number: argparse's "invalid ... value"
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{text} is below {minimum}")
+        return value
+    parse.__name__ = "whole number"
+    return parse
+
+
 def _byte_size(text: str) -> int:
     match = re.fullmatch(r"(\d+)\s*([KMG]?)i?B?", text.strip(), re.IGNORECASE)
     if not match:
@@ -63,11 +74,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="dataset directory or URL (s3://bucket/prefix, any fsspec URL) to create")
     b.add_argument("--name", type=_shard_name, default="data",
                    help="shard name prefix (default: data)")
-    b.add_argument("--max-samples-per-shard", type=int, default=5000,
+    b.add_argument("--max-samples-per-shard", type=_at_least(1), default=5000,
                    help="start a new shard after this many samples (default 5000)")
     b.add_argument("--max-shard-bytes", type=_byte_size, default=1 << 30,
                    help="e.g. 512MB (default 1GB)")
-    b.add_argument("--workers", type=int, default=1,
+    b.add_argument("--workers", type=_at_least(0), default=1,
                    help="processes validating media while the main one writes (0: all in one; "
                    "default 1)")
     b.add_argument("--shuffle", action="store_true", help="write records in a seeded order")
@@ -126,7 +137,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--json-member", default="json", help="the JSON member: a conversation's, "
                    "a document's, or a pair's metadata kept in each record's source (default json)")
     x.add_argument("--name", help="the dataset's name (default: the tars' folder name)")
-    x.add_argument("--workers", type=int, default=1,
+    x.add_argument("--workers", type=_at_least(0), default=1,
                    help="processes indexing tars in parallel (0: in this one; default 1)")
     x.add_argument("--check", choices=("decode", "header"), default="decode",
                    help="decode: walk all media data (default); header: headers and stream "
@@ -149,7 +160,7 @@ def _parser() -> argparse.ArgumentParser:
 
     v = commands.add_parser("verify", help="re-read and check every shard against the index")
     v.add_argument("directory", help="dataset directory or URL written by mimo-shard build")
-    v.add_argument("--workers", type=int, default=1,
+    v.add_argument("--workers", type=_at_least(0), default=1,
                    help="processes checking shards in parallel (default 1)")
     v.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
