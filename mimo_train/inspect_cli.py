@@ -68,6 +68,13 @@ def run_settings(path: str, preprocess_path: str) -> dict:
             "layout": layout if isinstance(layout, str) else None}
 
 
+def preprocess_of(path: str) -> str | None:
+    """The training YAML ``path``'s own ``data.preprocess`` (``plan --model TRAIN.yaml``
+    without ``--config``), or None."""
+    from mimo_train.planning.advisor.inputs import own_preprocess
+    return own_preprocess(path)
+
+
 def checkpoint(args) -> int:
     """``mimo-inspect checkpoint``: a training run's checkpoints (no torch imported)."""
     from mimo_train.components.checkpoint_report import main as check
@@ -77,7 +84,8 @@ def checkpoint(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     from mimo_data.inspect.cli import main as inspect_main
     return inspect_main(argv, advisor=advisor, layout_refusal=layout_refusal,
-                        run_settings=run_settings, checkpoint=checkpoint)
+                        run_settings=run_settings, checkpoint=checkpoint,
+                        preprocess_of=preprocess_of)
 
 
 if __name__ == "__main__":

@@ -597,6 +597,21 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     code, taken, err = _run(capsys, main, "plan", loader_corpus, "--config", preprocess,
                             "--model", variant, "--layout", LAYOUTS["language dp1"])
     assert code == 0 and taken == given, err
+    # without --config: the YAML's own data.preprocess; a YAML without one, or no YAML, asks
+    # for --config
+    code, own, err = _run(capsys, main, "plan", loader_corpus, "--model", variant, "--layout",
+                          LAYOUTS["language dp1"])
+    assert code == 0 and own == given, err
+    unset = yaml.safe_load(variant.read_text())
+    del unset["data"]["preprocess"]
+    (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
+    for model, said in ((["--model", tmp / "unset.yaml"],
+                         f"(--model {tmp / 'unset.yaml'} sets no data.preprocess)"),
+                        ([], "(it may be left out only with --model TRAIN.yaml: its "
+                         "data.preprocess)")):
+        code, _, err = _run(capsys, main, "plan", loader_corpus, *model, "--layout",
+                            LAYOUTS["language dp1"])
+        assert code == 2 and err == f"mimo-inspect plan: error: --config CFG is required {said}\n"
     # (its own layout, a file given relative to where the run starts, is not read: --layout
     # is the plan's)
     elsewhere = yaml.safe_load(variant.read_text())

@@ -95,14 +95,16 @@ def _size(text: str) -> tuple[int, int]:
     return width, height
 
 
-def _common(parser: argparse.ArgumentParser, directory_help: str | None = None) -> None:
+def _common(parser: argparse.ArgumentParser, directory_help: str | None = None,
+            config_default: str | None = None) -> None:
     """The options every command takes (``directory_help``: the dataset is optional, so
-    said)."""
+    said; ``config_default``: where ``--config`` may be left out, what it then is)."""
     parser.add_argument("directory", metavar="DIR", nargs="?" if directory_help else None,
                         help=directory_help or "dataset (directory or URL) built by "
                         "mimo-shard build")
-    parser.add_argument("--config", required=True, metavar="CFG",
-                        help="preprocessing config YAML (the one training uses)")
+    parser.add_argument("--config", required=config_default is None, metavar="CFG",
+                        help="preprocessing config YAML (the one training uses" +
+                        (f"; default: {config_default})" if config_default else ")"))
     parser.add_argument("--no-token-cache", action="store_true",
                         help="tokenize every conversation whole instead of caching the pieces "
                         "between special tokens (slower; the tokens are the same)")
@@ -170,7 +172,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser("plan", help="per-rank samples and tokens per step for a layout")
     _common(p, "dataset (directory or URL) built by mimo-shard build (not with --clip-seconds, "
-            "whose one clip is the workload)")
+            "whose one clip is the workload)", "with --model TRAIN.yaml, its data.preprocess")
     p.add_argument("--layout", metavar="L", type=_given,
                    help="layout: YAML file or compact string, e.g. 'language=dp2;image=dp1' "
                    "(required without --gpus; with --model and no --gpus, checked against "
@@ -550,7 +552,7 @@ def _needs_trainer(what: str, command: str = "plan") -> int:
 
 @quiet_when_stdout_closes
 def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
-         run_settings=None, checkpoint=None) -> int:
+         run_settings=None, checkpoint=None, preprocess_of=None) -> int:
     """``advisor``: the layout advisor ``plan --model M --gpus N`` calls, ``advisor(request,
     config, workload) -> exit status`` with an ``advice.AdvisorRequest``; ``layout_refusal``:
     why the trainer refuses ``plan --layout L --model M``'s layout and the model's
@@ -558,7 +560,9 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     None, bool | None, bool)``;
     ``run_settings``: a training YAML's batch sizes, seed and balance (``RUN_SETTINGS``'
     keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read;
-    ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``
+    ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``;
+    ``preprocess_of``: a training YAML's own ``data.preprocess`` (``plan --model TRAIN.yaml``
+    without ``--config``), ``preprocess_of(path) -> str | None``
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
     started = time.perf_counter()
@@ -573,6 +577,16 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     from mimo_data.shards.index import DatasetError
     from mimo_data.shards.storage import StorageError
     from mimo_data.worker_pool import WorkerDied
+    if args.config is None:                 # plan --model TRAIN.yaml: its own preprocessing
+        yaml_model = (args.model or "").endswith((".yaml", ".yml"))
+        own = preprocess_of(args.model) if yaml_model and preprocess_of else None
+        if own is None:
+            print("mimo-inspect plan: error: --config CFG is required" + (
+                f" (--model {args.model} sets no data.preprocess)" if yaml_model else
+                " (it may be left out only with --model TRAIN.yaml: its data.preprocess)"),
+                file=sys.stderr)
+            return 2
+        args.config = own
     try:
         config = PreprocessConfig.from_yaml(args.config)
         if args.command == "plan":

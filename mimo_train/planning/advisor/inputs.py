@@ -89,27 +89,35 @@ class Model:
         return self.dims.encoders[module].parameters()
 
 
-def preprocess_differs(path: str, preprocess_path: str) -> str | None:
-    """Why the training config YAML ``path`` would run with another preprocessing than
-    ``preprocess_path`` (its own ``data.preprocess``, a file of other contents), or None
-    (the same file or settings, or none set there). The plan's figures are ``--config``'s,
-    the run's its YAML's: two different files would plan a run that does not happen."""
+def own_preprocess(path: str) -> str | None:
+    """The training config YAML ``path``'s ``data.preprocess``, resolved as the trainer
+    resolves it (relative to the YAML's folder), or None (unset; a YAML that does not read is
+    said by the config's own loading)."""
     import yaml
 
-    from mimo_data.errors import ConfigError
     from mimo_data.files import load_yaml
-    from mimo_data.preprocess.config import PreprocessConfig
     from mimo_train.config.sources import resolve_paths
     try:
         with open(path) as f:
             data = load_yaml(f)
     except (OSError, yaml.YAMLError):
-        return None                 # said by the config's own loading
+        return None
     if not isinstance(data, dict) or not isinstance(data.get("data"), dict):
         return None
     resolve_paths(data, os.path.dirname(os.path.abspath(path)))
     own = data["data"].get("preprocess")
-    if not isinstance(own, str) or not os.path.isfile(own):
+    return own if isinstance(own, str) and own else None
+
+
+def preprocess_differs(path: str, preprocess_path: str) -> str | None:
+    """Why the training config YAML ``path`` would run with another preprocessing than
+    ``preprocess_path`` (its own ``data.preprocess``, a file of other contents), or None
+    (the same file or settings, or none set there). The plan's figures are ``--config``'s,
+    the run's its YAML's: two different files would plan a run that does not happen."""
+    from mimo_data.errors import ConfigError
+    from mimo_data.preprocess.config import PreprocessConfig
+    own = own_preprocess(path)
+    if own is None or not os.path.isfile(own):
         return None                 # unset, or missing: --config is what the plan can read
     try:
         if os.path.samefile(own, preprocess_path) or \
