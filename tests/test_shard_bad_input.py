@@ -410,6 +410,13 @@ def case_media_path_a_dangling_link(tmp_path, assets):
                 "exist (paths are relative")
 
 
+def case_empty_bytes_beside_a_path(tmp_path, assets):
+    # a table's {bytes, path} struct whose bytes are empty: the path tried, the bytes said
+    record = {**_image_record(""), "image": {"bytes": "", "path": "e.jpg"}}
+    return Case(record, "missing_media", detail="its bytes are empty (0 bytes), and the path "
+                "beside them: media file")
+
+
 def case_nul_in_media_path(tmp_path, assets):
     return Case(_image_record(f"{tmp_path}/photo\x00.jpg"), "missing_media")
 

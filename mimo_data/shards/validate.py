@@ -93,7 +93,7 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
     embedded bytes and a clip made of frames) of a media reference (a path, bytes or
     ``{bytes, path}``; a ``video``'s also a list of its frame files), and whether it named
     frames made one clip (a folder or a list of them, with ``frames_fps``)."""
-    path = None
+    path, empty = None, ""
     if isinstance(ref, dict):
         if isinstance(ref.get("bytes"), str) and ref["bytes"]:    # JSON holds bytes as base64
             text = ref["bytes"]
@@ -103,6 +103,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
         if ref.get("bytes"):
             return bytes(ref["bytes"]), ref.get("path"), None, False
         path = ref.get("path")
+        if ref.get("bytes") is not None and isinstance(path, str):  # b"": said with the path's
+            empty = "its bytes are empty (0 bytes), and the path beside them: "
     elif isinstance(ref, (bytes, bytearray)):
         return bytes(ref), None, None, False
     elif isinstance(ref, str):
@@ -127,8 +129,8 @@ def _read_media(ref, media_root: str, frames_fps: float | None = None, video: bo
         with open(full, "rb") as media:
             return media.read(), path, full, False
     except FileNotFoundError:
-        raise RecordError("missing_media", f"media file {full}: {not_found(full)} (paths are "
-                          "relative to the input file's folder, or to --media-root)") from None
+        raise RecordError("missing_media", f"{empty}media file {full}: {not_found(full)} (paths "
+                          "are relative to the input file's folder, or to --media-root)") from None
     except IsADirectoryError:   # a video as a folder of its frames (LLaVA-Hound's, say)
         raise RecordError("missing_media", f"{full} is a folder, not a media file: a video's "
                           "frames are read with --frames-fps, the rate they were taken at "
