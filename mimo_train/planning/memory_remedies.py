@@ -22,9 +22,9 @@ from mimo_data.loading.layout import LANGUAGE, LayoutError, ModuleRank
 from mimo_train.plan import RunPlan
 from mimo_train.plan.parts import ENCODER_PARTS
 from mimo_train.plan.rules import refusals
-from mimo_train.planning.advisor.inputs import GPUS
 from mimo_train.planning.dims import language_stack
 from mimo_train.planning.flops import trains
+from mimo_train.planning.gpus import GPUS
 
 # the chunk the loss is offered in (model.language.loss_chunk_tokens), where a micro-batch can
 # hold more tokens than that
@@ -139,7 +139,7 @@ def advisor_command(plan: RunPlan, gpu: str | None) -> str:
     what it tells."""
     config, run = plan.config, plan.config.train
     # mimo-inspect plan --gpu's kind: the advisor's GPU whose peak's name the device's holds
-    kind = next((k for k, spec in GPUS.items() if gpu and spec[2].lower() in gpu.lower()), None)
+    kind = next((k for k, spec in GPUS.items() if gpu and spec.peak.lower() in gpu.lower()), None)
     words = ["mimo-inspect", "plan", config.data.datasets[0], "--config",
              str(config.data.preprocess), "--model", "TRAIN.yaml", "--gpus",
              str(plan.layout.world_size), "--layout", str(plan.layout), "--global-batch-size",

@@ -19,23 +19,7 @@ from mimo_train.plan import rules
 from mimo_train.planning.adapters import Adapters
 from mimo_train.planning.dims import ModelDims
 from mimo_train.planning.flops import item_grid, peak_tflops, step_flops, trains, training_passes
-
-
-@dataclass(frozen=True)
-class GPU:
-    name: str
-    memory_gib: float
-    tflops: float               # dense peak at the run's precision
-    node_gbs: float             # collective bus bandwidth inside a node (NVLink), GB/s
-    network_gbs: float          # across nodes, per GPU, GB/s
-    per_node: int = 8
-
-
-# memory as the driver reports it; bandwidths: NCCL bus bandwidths of an 8-GPU NVLink node and
-# a 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU, rounded down
-GPUS = {"h100": ("H100 80GB", 79.6, "H100", 300.0, 40.0),
-        "h200": ("H200 141GB", 140.4, "H200", 300.0, 40.0),
-        "a100": ("A100 80GB", 80.0, "A100", 200.0, 20.0)}
+from mimo_train.planning.gpus import GPU, GPUS
 
 
 def gpu(request: AdvisorRequest, precision: str) -> GPU:
