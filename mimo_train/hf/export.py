@@ -137,8 +137,8 @@ def main(argv=None) -> int:
 def step_directory(path: str) -> str:
     """The checkpoint directory ``path`` names: itself (a step_* directory) or the latest one
     of a checkpoint.dir."""
-    from mimo_train.checkpoint_folders import STEP_NAME, step_of
-    if os.path.isfile(os.path.join(path, "meta.json")):
+    from mimo_train.checkpoint_folders import META, STEP_NAME, step_of
+    if os.path.isfile(os.path.join(path, META)):
         return path
     try:
         found = step_of(path) if os.path.isdir(path) else path
@@ -161,7 +161,7 @@ def step_directory(path: str) -> str:
         raise ExportError(f"{path}'s latest file names {_name(found)}, which is not there (a "
                           f"folder copied without it, or a step removed){_steps_in(path)}",
                           exit_code=1)
-    if not os.path.isfile(os.path.join(found, "meta.json")):
+    if not os.path.isfile(os.path.join(found, META)):
         raise ExportError(f"{found} (the latest of {path}) holds no meta.json: the checkpoint "
                           f"is incomplete; give an earlier step_* directory{_steps_in(path)}",
                           exit_code=1)
@@ -393,10 +393,11 @@ def _as_created(top: str) -> None:
 def _run_plan(directory: str, base: str | None = None):
     """The run's plan (its config resolved with its preprocessing config) and meta.json;
     ``base``: where its model.pretrained is now."""
+    from mimo_train.checkpoint_folders import META
     from mimo_train.config import TrainConfig
     from mimo_train.errors import TrainConfigError
     from mimo_train.plan import resolve
-    path = os.path.join(directory, "meta.json")
+    path = os.path.join(directory, META)
     try:
         with open(path) as f:
             meta = json.load(f)
