@@ -148,3 +148,33 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
     # each skipped step's anomaly record right after its own record
     assert [r["step"] for r in records] == [1, 2, 2, 3, 3, 4, 4], records
     assert all(a["skipped"] and len(a["samples"]) == 2 for a in skipped)
+
+
+@pytest.mark.parametrize("layout", [
+    "language=dp1", "image=dp2;language=tp2,dp2", "language=tp2,pp2,dp2;image=dp4",
+    "language=cp2,dp2", "image=dp2,off0;language=dp2,off0", "image=dp1;audio=dp1;language=pp2"])
+def test_one_rank_of_each_language_dp_part_reports_its_samples(layout):
+    """An anomaly record's samples come from one rank of each language DP part (its tensor,
+    context and pipeline peers read the same samples), a rank that reads text: each part's
+    samples once."""
+    from mimo_data.loading.layout import LANGUAGE, Layout
+    from mimo_train.components.anomalies import reports_samples
+    parsed = Layout.parse(layout)
+    reporters = [role for role in parsed.roles() if reports_samples(role)]
+    assert sorted(role.module(LANGUAGE).dp_rank for role in reporters) == \
+        list(range(parsed.language.dp))
+    assert all(role.text_keys for role in reporters)
+
+
+def test_a_sample_a_step_holds_twice_is_listed_twice(monkeypatch):
+    """A small dataset up-sampled by data.weights can give a step one sample twice (where its
+    pass ends inside the step): the record lists the step's every sample, the repeat too, as
+    the reporting ranks gave them (a rank that does not report gives none)."""
+    from mimo_train.components import anomalies
+    first, again, other = ({"dataset": "b", "key": "000000001", "tokens": 9},
+                           {"dataset": "b", "key": "000000001", "tokens": 9},
+                           {"dataset": "a", "key": "000000004", "tokens": 7})
+    monkeypatch.setattr(anomalies.distributed, "gather",
+                        lambda samples: [[first, again], [], [other]])
+    record = anomalies.Watch(0, 0.0, 1).skip(3, "non-finite", math.nan, [first, again])
+    assert record["anomaly"]["samples"] == [first, again, other]

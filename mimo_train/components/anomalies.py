@@ -11,8 +11,10 @@
 Each such step gets a record ``{"step", "anomaly": {"reason", "skipped", "loss",
 "grad_norm", "skipped_steps", "samples"}}`` with every sample of its global batch: dataset
 directory, key (for ``mimo-inspect sample DIR --key KEY``), tokens, trained tokens and media
-token counts, gathered from the ranks that hold text over the control group (only for such a
-step: every rank decides alike from world values).
+token counts, gathered over the control group from one rank of each language DP part
+(``reports_samples``: its tensor, context and pipeline peers read the same samples), so a
+sample a step holds twice (a small dataset up-sampled by ``data.weights``) is listed twice
+(only for such a step: every rank decides alike from world values).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import statistics
 from collections import deque
 
+from mimo_data.loading.layout import LANGUAGE, RankRole
 from mimo_train.runtime import distributed
 
 
@@ -73,10 +76,18 @@ class Watch:
 def _record(step: int, reason: str, skipped: bool, loss: float, grad_norm: float,
             skipped_steps: int, samples: list[dict]) -> dict:
     """An anomaly record with every rank's ``samples`` of the step (collective)."""
-    every = {(s["dataset"], s["key"]): s for part in distributed.gather(samples) for s in part}
+    every = [s for part in distributed.gather(samples) for s in part]
     return {"step": step, "anomaly": {
         "reason": reason, "skipped": skipped, "loss": loss, "grad_norm": float(grad_norm),
-        "skipped_steps": skipped_steps, "samples": list(every.values())}}
+        "skipped_steps": skipped_steps, "samples": every}}
+
+
+def reports_samples(role: RankRole) -> bool:
+    """Whether the samples ``role``'s rank reads are the ones its language DP part's records
+    name: the part's first rank (tensor, context and pipeline rank 0) where it reads text."""
+    language = next((m for m in role.modules if m.name == LANGUAGE), None)
+    return bool(role.text_keys) and language is not None and \
+        language.tp_rank == language.cp_rank == language.pp_rank == 0
 
 
 def step_samples(metadata: dict, datasets: list[str]) -> list[dict]:

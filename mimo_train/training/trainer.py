@@ -50,7 +50,7 @@ from mimo_data.shards.index import (energon_dataset_of, energon_metadata_given,
                                     unindexed_tars_advice)
 from mimo_train import checkpoint_folders
 from mimo_train.components import checkpoint
-from mimo_train.components.anomalies import Watch, step_samples
+from mimo_train.components.anomalies import Watch, reports_samples, step_samples
 from mimo_train.components.digests import weights_digest
 from mimo_train.components.metrics import (FlopsCounter, Metrics, PeakMemory, Readings,
                                            StepValues, Timer, check_outputs, eval_record)
@@ -232,7 +232,8 @@ class Trainer:
         self.doing = "step 1"                   # what run() is doing: named if it fails
         self.stopped_by = 0                     # the exit signal that stopped the run
         self.failure: str | None = None         # why the run stopped early, failing
-        self.step_samples: list[dict] = []      # the current step's samples, this rank's
+        # the current step's samples, where this rank's stand for its language DP part's
+        self.step_samples: list[dict] = []
         self.samples: dict[int, list[dict]] = {}  # those of the steps not yet logged
         self.unsettled: StepValues | None = None    # the last step, its outcome not yet read
         run = cfg.train
@@ -645,7 +646,7 @@ class Trainer:
         def stream():
             while True:
                 for batch, metadata in loader:
-                    if datasets is not None:
+                    if datasets is not None and reports_samples(self.infra.role):
                         self.step_samples += step_samples(metadata, datasets)
                     self.flops.add(metadata)
                     yield batch
