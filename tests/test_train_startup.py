@@ -501,6 +501,37 @@ def test_a_bucket_dataset_given_twice_in_two_spellings_is_refused(datasets):
         datasets[0] + "-other"], valid=[])))                 # two datasets: nothing to say
 
 
+def test_a_copy_of_a_dataset_given_beside_it_is_refused(tmp_path, loader_corpus):
+    """Two folders of one list whose index.json are the same bytes (a dataset and its copy,
+    under any paths): refused as one dataset given twice; two datasets are not."""
+    from types import SimpleNamespace
+
+    from mimo_train.errors import TrainConfigError
+    from mimo_train.training.trainer import _check_no_copies
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    shutil.copy(loader_corpus / "index.json", copy)
+
+    def config(datasets, valid=()):
+        return SimpleNamespace(data=SimpleNamespace(
+            datasets=[str(d) for d in datasets], valid=[str(d) for d in valid],
+            storage_options=None))
+    same = f"gives {loader_corpus} and {copy}, whose index.json are the same (a copy of one " \
+        "dataset): each of its samples "
+    with pytest.raises(TrainConfigError) as refused:
+        _check_no_copies(config([loader_corpus, copy]))
+    assert str(refused.value) == f"data.datasets {same}would train twice an epoch; give it " \
+        "once, and to draw from it more often, data.weights"
+    with pytest.raises(TrainConfigError) as refused:
+        _check_no_copies(config([loader_corpus], [loader_corpus, copy]))
+    assert str(refused.value) == f"data.valid {same}would count twice in the validation " \
+        "loss; give it once"
+    index = json.loads((copy / "index.json").read_text())
+    index["shards"] = index["shards"][:1]                   # another dataset: nothing to say
+    (copy / "index.json").write_text(json.dumps(index))
+    _check_no_copies(config([loader_corpus, copy], [loader_corpus, copy]))
+
+
 def test_the_settings_the_ranks_compare_leave_out_what_a_node_sets_its_own_way():
     """``RunPlan.given`` (what the ranks' start-up compares: a case above): a node's own cache
     folder, storage options and what rank 0 alone writes (TensorBoard, a W&B run's name) may

@@ -150,9 +150,29 @@ def _check_data(cfg: TrainConfig, preprocess: PreprocessConfig, layout: Layout) 
                         if not storage.bucket_exists(directory, cfg.data.storage_options) else
                         f"{INDEX_FILE} is missing; build them with mimo-shard build ... "
                         f"--output {directory}"))
+    _check_no_copies(cfg)
     layout.validate(dist.get_world_size(), cfg.train.global_batch_size,
                     cfg.train.micro_batch_size, variable_token_modalities(preprocess),
                     modalities=list(preprocess.modalities), split_media=cfg.data.split_media)
+
+
+def _check_no_copies(cfg: TrainConfig) -> None:
+    """``TrainConfigError`` for two directories of one list whose index.json are the same
+    bytes: a copy of one dataset (or one rebuilt alike), whose samples, listed with their
+    shards' hashes, would train (or count) twice an epoch, whatever the paths."""
+    for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
+        seen: dict[bytes, str] = {}
+        for directory in directories if len(directories) > 1 else ():
+            digest = hashlib.sha256(storage.read_bytes(storage.join(directory, INDEX_FILE),
+                                                       cfg.data.storage_options)).digest()
+            if digest in seen:
+                raise TrainConfigError(
+                    f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
+                    "same (a copy of one dataset): each of its samples " + (
+                        "would train twice an epoch; give it once, and to draw from it more "
+                        "often, data.weights" if key == "data.datasets" else
+                        "would count twice in the validation loss; give it once"))
+            seen[digest] = directory
 
 
 def _check_each_once(cfg: TrainConfig) -> None:
