@@ -39,6 +39,7 @@ def run_settings(path: str, preprocess_path: str) -> dict:
 
     from mimo_data.files import load_yaml
     from mimo_train.config import TrainConfig, refuse_preprocessing_config
+    from mimo_train.config.sources import resolve_paths
     from mimo_train.errors import TrainConfigError
     try:
         with open(path) as f:
@@ -62,10 +63,18 @@ def run_settings(path: str, preprocess_path: str) -> dict:
     except TrainConfigError as error:
         raise ValueError(f"--model {path}: {error}") from None
     layout = data.get("layout") if isinstance(data, dict) else None
+    section = data.get("data") if isinstance(data, dict) else None
+    section = {key: section.get(key) for key in ("datasets", "weights")} \
+        if isinstance(section, dict) else {}
+    resolve_paths({"data": section}, os.path.dirname(os.path.abspath(path)))
+    datasets, weights = section.get("datasets"), section.get("weights")
     return {"train.global_batch_size": cfg.train.global_batch_size,
             "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,
             "data.balance": cfg.data.balance,
-            "layout": layout if isinstance(layout, str) else None}
+            "layout": layout if isinstance(layout, str) else None,
+            # the run's data, as the trainer resolves its paths (said where DIR is not it)
+            "data.datasets": datasets if isinstance(datasets, list) else None,
+            "data.weights": weights if isinstance(weights, list) else None}
 
 
 def preprocess_of(path: str) -> str | None:

@@ -601,7 +601,18 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     # for --config
     code, own, err = _run(capsys, main, "plan", loader_corpus, "--model", variant, "--layout",
                           LAYOUTS["language dp1"])
-    assert code == 0 and own == given, err
+    assert code == 0 and own == given and "note" not in err, err
+    # a YAML that trains a mix: the plan is DIR's alone, said
+    mix = yaml.safe_load(variant.read_text())
+    mix["data"].update(datasets=[str(loader_corpus), "other"], weights=[1, 3])
+    (tmp / "mix.yaml").write_text(yaml.safe_dump(mix))
+    code, alone, err = _run(capsys, main, "plan", loader_corpus, "--model", tmp / "mix.yaml",
+                            "--layout", LAYOUTS["language dp1"])
+    assert code == 0 and alone == given, err
+    assert err == (f"mimo-inspect plan: note: --model {tmp / 'mix.yaml'} trains data.datasets "
+                   f"{[str(loader_corpus), str(tmp / 'other')]} with data.weights [1, 3]; this "
+                   f"plan counts {loader_corpus} alone (`python -m mimo_data.loading.dry_run` "
+                   "plans the mix)\n")
     unset = yaml.safe_load(variant.read_text())
     del unset["data"]["preprocess"]
     (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))

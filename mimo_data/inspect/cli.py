@@ -422,7 +422,27 @@ def _take_run_settings(args, run_settings) -> int | None:
             return 2
     if args.layout is None and settings.get("layout"):
         args.layout = settings["layout"]
+    if args.directory is not None and (note := _other_data(args, settings)):
+        print(f"mimo-inspect plan: note: {note}", file=sys.stderr)
     return None
+
+
+def _other_data(args, settings: dict) -> str | None:
+    """What to say where the training YAML's data is not DIR alone: the plan counts DIR's
+    samples, the run draws from its own list (a mix: ``dry_run`` plans it)."""
+    datasets, weights = settings.get("data.datasets"), settings.get("data.weights")
+    if not datasets:
+        return None
+
+    def where(directory: str) -> str:
+        return directory if "://" in directory else os.path.realpath(directory)
+    if [where(str(d)) for d in datasets] == [where(args.directory)]:
+        return None
+    mix = f" with data.weights {weights}" if weights else ""
+    return (f"--model {args.model} trains data.datasets {datasets}{mix}; this plan counts "
+            f"{args.directory} alone" + (
+                " (`python -m mimo_data.loading.dry_run` plans the mix)"
+                if len(datasets) > 1 else ""))
 
 
 def _plan(args, config, advisor=None, layout_refusal=None, run_settings=None) -> int:
