@@ -614,6 +614,13 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
                    f"plan counts {loader_corpus} alone (`python -m mimo_data.loading.dry_run` "
                    "plans the mix)\n")
     unset = yaml.safe_load(variant.read_text())
+    unset["data"]["preprocess"] = "nowhere.yaml"              # a file that is not there
+    (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
+    code, _, err = _run(capsys, main, "plan", loader_corpus, "--model", tmp / "unset.yaml",
+                        "--layout", LAYOUTS["language dp1"])
+    assert code == 2 and err == (f"mimo-inspect plan: error: --model {tmp / 'unset.yaml'}'s "
+                                 f"data.preprocess {tmp / 'nowhere.yaml'} is not a file: fix "
+                                 "the YAML, or give --config CFG\n"), err
     del unset["data"]["preprocess"]
     (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
     for model, said in ((["--model", tmp / "unset.yaml"],

@@ -947,6 +947,7 @@ def test_a_misspelt_or_missing_preprocessing_yaml_is_named_with_the_key_it_meant
     ("audio.reductions", [0, 2], "modalities.audio.reductions is (0, 2): each must be at "
      "least 1"),
     ("audio.max_duration", 0.0, "modalities.audio.max_duration is 0.0: it must be above 0"),
+    ("audio.max_duration", 0, "modalities.audio.max_duration is 0: it must be above 0"),
     ("video.merge_size", 0, "modalities.video.merge_size is 0: it must be at least 1"),
 ])
 def test_a_value_of_the_wrong_type_is_refused_naming_its_key(where, value, said):

@@ -160,7 +160,7 @@ def test_an_edited_index_is_named_by_verify_info_and_the_report(capsys, dataset)
              f"shards[0].bytes is '{original['shards'][0]['bytes']}' (str), expected a whole "
              "number >= 0"),
             (lambda index: index["files"]["samples.parquet"].pop("sha256"),
-             "files['samples.parquet'].sha256 is None (NoneType), expected text")):
+             "files['samples.parquet'].sha256 is missing (text)")):
         edited(change)
         said = f"{dataset}/index.json: {said} (an edited or damaged index): restore it, or " \
             "rebuild the dataset"

@@ -606,6 +606,10 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
                 " (it may be left out only with --model TRAIN.yaml: its data.preprocess)"),
                 file=sys.stderr)
             return 2
+        if not os.path.isfile(own):
+            print(f"mimo-inspect plan: error: --model {args.model}'s data.preprocess {own} is "
+                  "not a file: fix the YAML, or give --config CFG", file=sys.stderr)
+            return 2
         args.config = own
     try:
         config = PreprocessConfig.from_yaml(args.config)

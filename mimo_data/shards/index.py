@@ -259,9 +259,10 @@ def _shape_problem(index: dict) -> str | None:
     def found(where: str, entry: Any, fields: dict[str, tuple[type, str]]) -> str | None:
         if not isinstance(entry, dict):
             return wrong(where, entry, dict, "a mapping")
-        return next((problem for name, (kind, said) in fields.items()
-                     if (problem := wrong(f"{where}.{name}", entry.get(name), kind, said))),
-                    None)
+        return next((f"{where}.{name} is missing ({said})" if name not in entry else problem
+                     for name, (kind, said) in fields.items()
+                     if name not in entry or
+                     (problem := wrong(f"{where}.{name}", entry[name], kind, said))), None)
 
     count, text = (int, "a whole number >= 0"), (str, "text")
     if (problem := wrong("shards", index.get("shards"), list, "a list of shards")) or \

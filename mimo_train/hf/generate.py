@@ -149,9 +149,10 @@ def main(argv=None) -> int:
     if not result.text.strip():             # an empty line alone reads as a broken run
         print(f"{PREFIX}note: the answer is empty: the model generated "
               f"{len(result.token_ids)} token(s), "
-              f"{generator.tokenizer.decode(result.token_ids)!r}, and no text (a model that "
-              "ends its answer at once has often barely trained; --temperature T samples "
-              "instead of taking the likeliest token)", file=sys.stderr)
+              f"{generator.tokenizer.decode(result.token_ids)!r}, and no text" + (
+                  " (a model that ends its answer at once has often barely trained; "
+                  "--temperature T samples instead of taking the likeliest token)"
+                  if len(result.token_ids) == 1 else ""), file=sys.stderr)
     return 0
 
 
