@@ -127,13 +127,14 @@ def test_non_finite_steps_are_skipped_then_the_run_stops(ranks, planted,  # noqa
     third skip stops the run: exit 1, one message, the records written. The learning rate
     stays where step 1 left it (a skipped step does not step the schedule), though the
     trainer learns of a skip only in the next step (each step's outcome is read while the next
-    one's passes are queued; here a logging step every 3)."""
+    one's passes are queued; here a logging step every 3). On two tensor-parallel ranks, which
+    read the same samples: each record lists the step's two once (one rank reports them)."""
     shards, preprocess, _ = planted
     code, output, records = train_planted(
         ranks, tmp_path, "nan", f"data.datasets=[{shards}]", f"data.preprocess={preprocess}",
-        "layout=language=dp1", "model.encoders={}", "optimizer.lr=1e30", "optimizer.min_lr=0",
+        "layout=language=tp2", "model.encoders={}", "optimizer.lr=1e30", "optimizer.min_lr=0",
         "optimizer.warmup_steps=0", "train.global_batch_size=2", "train.micro_batch_size=2",
-        "train.steps=8", "train.max_skipped_steps=2", "train.log_interval=3")
+        "train.steps=8", "train.max_skipped_steps=2", "train.log_interval=3", nproc=2)
     assert code != 0, output[-3000:]
     assert output.count("steps were skipped for a non-finite gradient norm") == 1, output
     train = [r for r in records if "loss" in r]
