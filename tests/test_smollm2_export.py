@@ -599,15 +599,20 @@ def test_generate_refuses_bad_inputs(generator, smollm2, tmp_path, capsys, monke
     # an answer that ends at once (the first token the end of the turn) is said, not an
     # empty line alone
     end = generator.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    with monkeypatch.context() as patch:
-        patch.setattr(Generator, "generate", lambda *a, **k: Generation("", [end], [], {}))
-        assert main(["--model", str(smollm2.export), "--prompt", "Hi", "--device", "cpu"]) == 0
-    out = capsys.readouterr()
-    assert out.out == "\n"
-    assert out.err == ("mimo-generate: note: the answer is empty: the model generated 1 "
-                       "token(s), '<|im_end|>', and no text (a model that ends its answer at "
-                       "once has often barely trained; --temperature T samples instead of "
-                       "taking the likeliest token)\n")
+    space = generator.tokenizer.encode(" ", add_special_tokens=False)
+    for new, said in (([end], " (a model that ends its answer at once has often barely "
+                       "trained; --temperature T samples instead of taking the likeliest "
+                       "token)"), ([*space, end], "")):        # blank text, then the end
+        with monkeypatch.context() as patch:
+            patch.setattr(Generator, "generate",
+                          lambda *a, new=new, **k: Generation(" ", new, [], {}))
+            assert main(["--model", str(smollm2.export), "--prompt", "Hi", "--device",
+                         "cpu"]) == 0
+        out = capsys.readouterr()
+        shown = generator.tokenizer.decode(new)
+        assert out.out == " \n" and out.err == (
+            f"mimo-generate: note: the answer is empty: the model generated {len(new)} "
+            f"token(s), {shown!r}, and no text{said}\n")
 
     with pytest.raises(GenerateError, match="no-such.jpg") as error:
         generator.generate("What is this?", images=[str(tmp_path / "no-such.jpg")])

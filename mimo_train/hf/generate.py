@@ -152,7 +152,8 @@ def main(argv=None) -> int:
               f"{generator.tokenizer.decode(result.token_ids)!r}, and no text" + (
                   " (a model that ends its answer at once has often barely trained; "
                   "--temperature T samples instead of taking the likeliest token)"
-                  if len(result.token_ids) == 1 else ""), file=sys.stderr)
+                  if result.token_ids[:1] and result.token_ids[0] in generator._stop_ids()
+                  else ""), file=sys.stderr)
     return 0
 
 
