@@ -63,11 +63,11 @@ def run_settings(path: str, preprocess_path: str) -> dict:
     except TrainConfigError as error:
         raise ValueError(f"--model {path}: {error}") from None
     layout = data.get("layout") if isinstance(data, dict) else None
-    section = data.get("data") if isinstance(data, dict) else None
-    section = {key: section.get(key) for key in ("datasets", "weights")} \
-        if isinstance(section, dict) else {}
-    resolve_paths({"data": section}, os.path.dirname(os.path.abspath(path)))
-    datasets, weights = section.get("datasets"), section.get("weights")
+    own = data.get("data") if isinstance(data, dict) else None
+    run_data = {key: own.get(key) for key in ("datasets", "weights")} \
+        if isinstance(own, dict) else {}
+    resolve_paths({"data": run_data}, os.path.dirname(os.path.abspath(path)))
+    datasets, weights = run_data.get("datasets"), run_data.get("weights")
     return {"train.global_batch_size": cfg.train.global_batch_size,
             "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,
             "data.balance": cfg.data.balance,

@@ -163,8 +163,12 @@ def _check_no_copies(cfg: TrainConfig) -> None:
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         seen: dict[bytes, str] = {}
         for directory in directories if len(directories) > 1 else ():
-            digest = hashlib.sha256(storage.read_bytes(storage.join(directory, INDEX_FILE),
-                                                       cfg.data.storage_options)).digest()
+            index = storage.join(directory, INDEX_FILE)
+            try:
+                digest = hashlib.sha256(storage.read_bytes(
+                    index, cfg.data.storage_options)).digest()
+            except (OSError, storage.StorageError) as exc:
+                raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
             if digest in seen:
                 raise TrainConfigError(
                     f"{key} gives {seen[digest]} and {directory}, whose {INDEX_FILE} are the "
