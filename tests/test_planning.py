@@ -2002,3 +2002,21 @@ def test_a_module_partly_under_lora_is_offered_the_distributed_optimizer(lora, o
     wanted = "optimizer.modules.image.distributed=true (its optimizer state split over its 2 " \
         "DP ranks)"
     assert (wanted in found) == offered, found
+
+
+def test_the_plan_takes_any_spelling_of_the_run_s_one_dataset_for_it(tmp_path):
+    """``plan DIR --model TRAIN.yaml``'s note that the run trains other data: not for the
+    YAML's one dataset spelled otherwise (a URL's scheme case and slashes, a local link)."""
+    from types import SimpleNamespace
+
+    from mimo_data.inspect.cli import _other_data
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "ds")
+    for directory, theirs in (("s3://bucket/ds", "S3://bucket//ds/"),
+                              (str(tmp_path / "link"), f"{tmp_path}/ds/")):
+        args = SimpleNamespace(directory=directory, model="run.yaml")
+        assert _other_data(args, {"data.datasets": [theirs], "data.weights": None}) is None
+    args = SimpleNamespace(directory="s3://bucket/ds", model="run.yaml")
+    assert _other_data(args, {"data.datasets": ["gs://bucket/ds"], "data.weights": None}) == \
+        "--model run.yaml trains data.datasets ['gs://bucket/ds']; this plan counts " \
+        "s3://bucket/ds alone"

@@ -434,10 +434,12 @@ def _other_data(args, settings: dict) -> str | None:
     if not datasets:
         return None
 
-    def where(directory: str) -> str:
-        return directory if "://" in directory else os.path.realpath(directory)
-    if [where(str(d)) for d in datasets] == [where(args.directory)]:
-        return None
+    from mimo_data.shards.storage import LocationError, canonical
+    try:
+        if [canonical(str(d)) for d in datasets] == [canonical(args.directory)]:
+            return None
+    except LocationError:
+        return None                 # a mistyped URL: said where the plan reads it
     mix = f" with data.weights {weights}" if weights else ""
     return (f"--model {args.model} trains data.datasets {datasets}{mix}; this plan counts "
             f"{args.directory} alone" + (

@@ -103,6 +103,17 @@ def local_path(location: str) -> str:
     return location[len("file://"):] if location.startswith("file://") else location
 
 
+def canonical(location: str) -> str:
+    """One spelling of the place ``location`` names, to compare two: a local path resolved
+    (links, ``..``, a trailing slash); a URL with its scheme's usual name, lower case, and
+    its path's slashes collapsed (``S3://b//ds/`` and ``s3://b/ds`` are one)."""
+    if not is_remote(location):
+        return os.path.realpath(local_path(location))
+    scheme, _, rest = location.partition("://")
+    scheme = {"gcs": "gs", "s3a": "s3"}.get(scheme.lower(), scheme.lower())
+    return f"{scheme}://{re.sub('/+', '/', rest).strip('/')}"
+
+
 def check_scheme(location: str) -> None:
     """LocationError where no installed fsspec client serves the scheme of the URL
     ``location`` (an unknown scheme, or its client not installed), before any call."""

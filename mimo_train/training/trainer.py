@@ -26,7 +26,6 @@ import hashlib
 import itertools
 import json
 import os
-import re
 import signal
 import time
 from contextlib import nullcontext
@@ -184,17 +183,11 @@ def _check_each_once(cfg: TrainConfig) -> None:
     samples would train twice an epoch) or in ``data.valid``, also as another spelling of its
     path (a trailing slash, a link); one in both lists is said (a validation loss of trained
     samples: a check that the run fits its data, or a mistake)."""
-    def where(directory: str) -> str:
-        if not storage.is_remote(directory):
-            return os.path.realpath(storage.local_path(directory))
-        scheme, _, rest = directory.partition("://")     # s3://b//ds/ and S3://b/ds: one
-        scheme = {"gcs": "gs", "s3a": "s3"}.get(scheme.lower(), scheme.lower())
-        return f"{scheme}://{re.sub('/+', '/', rest).strip('/')}"
     trained: dict[str, str] = {}                # where -> data.datasets' spelling
     for key, directories in (("data.datasets", cfg.data.datasets), ("data.valid", cfg.data.valid)):
         seen: dict[str, str] = {}               # where -> its first spelling in this list
         for directory in directories:
-            here = where(directory)
+            here = storage.canonical(directory)     # one place, any spelling
             if here in seen:
                 first = seen[here]
                 raise TrainConfigError(
