@@ -35,13 +35,13 @@ def require_positive(section: str, config: Any, *names: str) -> None:
     """ConfigError naming the first of ``config``'s ``names`` (sizes, rates, a tuple's each)
     that is not above 0: a zero there would fail later, far from the config, as a division by
     zero or a tensor of negative size."""
-    defaults = {field.name: field.default for field in dataclasses.fields(config)}
+    kinds = {field.name: str(field.type) for field in dataclasses.fields(config)}
     for name in names:
         given = getattr(config, name)
         values = given if isinstance(given, tuple) else (given,)
         if not all(value > 0 for value in values):
             # the field's kind, not the value's: a duration of 0 is below 0.5 s too
-            bound = "above 0" if isinstance(defaults[name], float) else "at least 1"
+            bound = "above 0" if "float" in kinds[name] else "at least 1"
             raise ConfigError(f"modalities.{section}.{name} is {given!r}: "
                               f"{'each' if isinstance(given, tuple) else 'it'} must be {bound}")
 
