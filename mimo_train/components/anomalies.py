@@ -75,7 +75,8 @@ class Watch:
 
 def _record(step: int, reason: str, skipped: bool, loss: float, grad_norm: float,
             skipped_steps: int, samples: list[dict]) -> dict:
-    """An anomaly record with every rank's ``samples`` of the step (collective)."""
+    """An anomaly record with the step's ``samples`` of every rank that reports them
+    (``reports_samples``; the others give none) in rank order (collective)."""
     every = [s for part in distributed.gather(samples) for s in part]
     return {"step": step, "anomaly": {
         "reason": reason, "skipped": skipped, "loss": loss, "grad_norm": float(grad_norm),
