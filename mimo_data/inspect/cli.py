@@ -430,11 +430,10 @@ def _take_run_settings(args, run_settings) -> int | None:
 def _other_data(args, settings: dict) -> str | None:
     """What to say where the training YAML's data is not DIR alone: the plan counts DIR's
     samples, the run draws from its own list (a mix: ``dry_run`` plans it)."""
+    from mimo_data.shards.storage import LocationError, canonical
     datasets, weights = settings.get("data.datasets"), settings.get("data.weights")
     if not datasets:
         return None
-
-    from mimo_data.shards.storage import LocationError, canonical
     try:
         if [canonical(str(d)) for d in datasets] == [canonical(args.directory)]:
             return None

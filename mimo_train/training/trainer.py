@@ -166,7 +166,7 @@ def _check_no_copies(cfg: TrainConfig) -> None:
             try:
                 digest = hashlib.sha256(storage.read_bytes(
                     index, cfg.data.storage_options)).digest()
-            except (OSError, storage.StorageError) as exc:
+            except OSError as exc:                  # storage's errors too
                 raise TrainConfigError(f"{key}: cannot read {index}: {exc}") from None
             if digest in seen:
                 raise TrainConfigError(
