@@ -338,5 +338,5 @@ def test_generation_stops_at_the_templates_turn_end_too(tmp_path):
     generator = Generator(str(tmp_path), "cpu")
     generator.vlm.generation_config.eos_token_id = None
     tokenizer = generator.tokenizer
-    assert generator._stop_ids() == [tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+    assert generator.stop_ids() == [tokenizer.convert_tokens_to_ids("<|endoftext|>"),
                                      tokenizer.convert_tokens_to_ids("<|im_end|>")]

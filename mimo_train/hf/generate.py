@@ -152,7 +152,7 @@ def main(argv=None) -> int:
               f"{generator.tokenizer.decode(result.token_ids)!r}, and no text" + (
                   " (a model that ends its answer at once has often barely trained; "
                   "--temperature T samples instead of taking the likeliest token)"
-                  if result.token_ids[:1] and result.token_ids[0] in generator._stop_ids()
+                  if result.token_ids[:1] and result.token_ids[0] in generator.stop_ids()
                   else ""), file=sys.stderr)
     return 0
 
@@ -303,7 +303,7 @@ class Generator:
         sampling: dict[str, Any] = dict(
             do_sample=False, max_new_tokens=max_new_tokens,
             attention_mask=torch.ones_like(ids)[None],
-            pad_token_id=self.preprocessor.text.pad_token_id, eos_token_id=self._stop_ids())
+            pad_token_id=self.preprocessor.text.pad_token_id, eos_token_id=self.stop_ids())
         if temperature is not None:
             torch.manual_seed(seed)
             sampling.update(do_sample=True, temperature=temperature, top_p=top_p, top_k=0)
@@ -313,7 +313,7 @@ class Generator:
         return Generation(self.tokenizer.decode(new, skip_special_tokens=True), new,
                           built.input_ids.tolist(), spliced)
 
-    def _stop_ids(self) -> list[int]:
+    def stop_ids(self) -> list[int]:
         """The ids generation stops at: the model's generation config's, the EOS of the
         training tokenizer (appended after each trained answer where the chat template writes
         no end-of-turn token: ``append_eos``) and the token the template ends answers with
