@@ -66,7 +66,10 @@ def run_settings(path: str, preprocess_path: str) -> dict:
     own = data.get("data") if isinstance(data, dict) else None
     run_data = {key: own.get(key) for key in ("datasets", "weights")} \
         if isinstance(own, dict) else {}
-    resolve_paths({"data": run_data}, os.path.dirname(os.path.abspath(path)))
+    try:
+        resolve_paths({"data": run_data}, os.path.dirname(os.path.abspath(path)))
+    except TrainConfigError as error:       # a mistyped URL, say
+        raise ValueError(f"--model {path}: {error}") from None
     datasets, weights = run_data.get("datasets"), run_data.get("weights")
     return {"train.global_batch_size": cfg.train.global_batch_size,
             "train.micro_batch_size": cfg.train.micro_batch_size, "train.seed": cfg.train.seed,

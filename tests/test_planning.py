@@ -621,7 +621,17 @@ def test_plan_settings_are_ones_the_trainer_takes(capsys, loader_corpus, model_y
     assert code == 2 and err == (f"mimo-inspect plan: error: --model {tmp / 'unset.yaml'}'s "
                                  f"data.preprocess {tmp / 'nowhere.yaml'} is not a file: fix "
                                  "the YAML, or give --config CFG\n"), err
+    unset["data"]["preprocess"] = str(preprocess)
+    unset["data"]["datasets"] = ["s3:/bucket/ds"]            # a URL missing a slash
+    (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
+    for with_config in ([], ["--config", preprocess]):
+        code, _, err = _run(capsys, main, "plan", loader_corpus, "--model", tmp / "unset.yaml",
+                            *with_config, "--layout", LAYOUTS["language dp1"])
+        assert code == 2 and err.startswith(
+            f"mimo-inspect plan: error: --model {tmp / 'unset.yaml'}: data.datasets: "
+            "s3:/bucket/ds is a URL with one slash"), err
     del unset["data"]["preprocess"]
+    unset["data"]["datasets"] = [str(loader_corpus)]
     (tmp / "unset.yaml").write_text(yaml.safe_dump(unset))
     for model, said in ((["--model", tmp / "unset.yaml"],
                          f"(--model {tmp / 'unset.yaml'} sets no data.preprocess)"),

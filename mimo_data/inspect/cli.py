@@ -583,7 +583,8 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     keys), ``run_settings(path, config path) -> dict``, ValueError where it cannot be read;
     ``checkpoint``: the ``checkpoint`` subcommand, ``checkpoint(args) -> exit status``;
     ``preprocess_of``: a training YAML's own ``data.preprocess`` (``plan --model TRAIN.yaml``
-    without ``--config``), ``preprocess_of(path) -> str | None``
+    without ``--config``), ``preprocess_of(path) -> str | None``, ValueError where the YAML's
+    paths cannot be resolved
     (``mimo_train.inspect_cli`` passes mimo_train's; the import runs one way: mimo_data never
     imports mimo_train)."""
     started = time.perf_counter()
@@ -600,7 +601,12 @@ def main(argv: list[str] | None = None, advisor=None, layout_refusal=None,
     from mimo_data.worker_pool import WorkerDied
     if args.config is None:                 # plan --model TRAIN.yaml: its own preprocessing
         yaml_model = (args.model or "").endswith((".yaml", ".yml"))
-        own = preprocess_of(args.model) if yaml_model and preprocess_of else None
+        try:
+            own = preprocess_of(args.model) if yaml_model and preprocess_of else None
+        except ValueError as unresolved:    # a path of the YAML's that cannot be resolved
+            print(f"mimo-inspect plan: error: --model {args.model}: {unresolved}",
+                  file=sys.stderr)
+            return 2
         if own is None:
             print("mimo-inspect plan: error: --config CFG is required" + (
                 f" (--model {args.model} sets no data.preprocess)" if yaml_model else

@@ -76,7 +76,8 @@ class Model:
 def own_preprocess(path: str) -> str | None:
     """The training config YAML ``path``'s ``data.preprocess``, resolved as the trainer
     resolves it (relative to the YAML's folder), or None (unset; a YAML that does not read is
-    said by the config's own loading)."""
+    said by the config's own loading); TrainConfigError (a ValueError) for a path of the YAML
+    that cannot be resolved (a URL with one slash)."""
     import yaml
 
     from mimo_data.files import load_yaml
