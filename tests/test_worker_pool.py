@@ -41,10 +41,12 @@ def test_pool_results_are_bounded_by_a_window_and_a_dead_worker_is_an_error():
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (not a zombie); a process reaped between the open and the read
+    makes the read fail with ESRCH."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
             return stat.read().split()[2] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return False
 
 
