@@ -34,8 +34,7 @@ from tqdm import tqdm
 from mimo_data.shards import claim, sample_table, storage
 from mimo_data.shards.record_table import RecordWriter
 from mimo_data.shards.record_table import file_name as records_file_name
-from mimo_data.shards.cache import DATASET_CACHE
-from mimo_data.files import file_sha256, write_atomic
+from mimo_data.files import write_atomic
 from mimo_data.shards.index import dumps
 from mimo_data.modalities import MODALITIES
 from mimo_data.modalities.image import DEFAULT_MAX_IMAGE_PIXELS
@@ -44,7 +43,7 @@ from mimo_data.shards.records import RecordError
 from mimo_data.tally import Tally
 from mimo_data.shards.format import (CLAIM_FILE, CLAIM_PROBE, FORMAT_NAME, FORMAT_VERSION,
                                     INDEX_FILE, REPORT_FILE, SAMPLES_FILE, SAMPLES_SCHEMA,
-                                    STAGING_DIR, modality_counts, sample_key, summary_column)
+                                    STAGING_DIR, index_fields, sample_key, summary_column)
 from mimo_data.shards.writer import ShardSet
 from mimo_data.modalities.video.frames import MAX_FPS, MIN_FPS
 from mimo_data.shards.sources import ParquetTable, SpeechManifest, Task, open_source
@@ -483,23 +482,11 @@ def _build_into(staging: str, inputs, sources, options: BuildOptions,
         print(line, file=sys.stderr)
     index = {
         "format": FORMAT_NAME, "version": FORMAT_VERSION, "name": options.name,
-        "shards": shard_list,
-        "totals": {"samples": report.kept, "shards": len(shard_list),
-                   "bytes": sum(s["bytes"] for s in shard_list)},
-        "modalities": modality_counts(os.path.join(staging, SAMPLES_FILE)),
-        "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
-                         "sha256": file_sha256(os.path.join(staging, name))}
-                  for name in (SAMPLES_FILE, REPORT_FILE)},
-        "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
-                   **({"counts": dict(sorted(report.counts.items()))} if report.counts
-                      else {})},
+        **index_fields(staging, shard_list, report, (SAMPLES_FILE, REPORT_FILE)),
         "build": {"inputs": list(inputs),
                   **{k: v for k, v in asdict(options).items() if k not in ("progress", "workers",
                                                                            "overwrite")}},
     }
-    cache_folder = os.path.join(staging, DATASET_CACHE)
-    os.mkdir(cache_folder)
-    key = sample_table.table_key(index, staging)
-    sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
+    cache_folder, key = sample_table.write_cache(index, staging)
     records.finish(os.path.join(cache_folder, records_file_name(key)), key)
     return index, report.summary()

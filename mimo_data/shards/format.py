@@ -75,6 +75,7 @@ kinds were added):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, NotRequired, TypedDict
 
@@ -82,8 +83,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from mimo_data.files import parquet_batches
+from mimo_data.files import file_sha256, parquet_batches
 from mimo_data.modalities import MODALITIES, MediaItem
+from mimo_data.tally import Tally
 
 
 RecordKind = Literal["conversation", "caption", "document"]
@@ -235,6 +237,26 @@ def modality_counts(parquet: str) -> dict[str, dict[str, int]]:
             media += items
         counts["text_only"]["samples"] += int((media == 0).sum())
     return counts
+
+
+def index_fields(staging: str, shards: list[dict[str, Any]], report: Tally,
+                 files: Sequence[str]) -> dict[str, Any]:
+    """The index.json fields a build and an indexing in place both write, of the dataset in
+    ``staging``: its shards, totals and modality counts, the size and sha256 of each of
+    ``files``, and the records read and skipped (with what the kept ones hold, where any). The
+    caller adds the format, version, name and build settings."""
+    return {
+        "shards": shards,
+        "totals": {"samples": report.kept, "shards": len(shards),
+                   "bytes": sum(shard["bytes"] for shard in shards)},
+        "modalities": modality_counts(os.path.join(staging, SAMPLES_FILE)),
+        "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
+                         "sha256": file_sha256(os.path.join(staging, name))}
+                  for name in files},
+        "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
+                   **({"counts": dict(sorted(report.counts.items()))} if report.counts
+                      else {})},
+    }
 
 
 # One row per sample in samples.parquet, in write order (shard by shard, key order); then per

@@ -33,13 +33,13 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from mimo_data.files import file_sha256, parquet_batches, write_atomic
+from mimo_data.files import parquet_batches, write_atomic
 from mimo_data.modalities import MODALITIES, MediaError
 from mimo_data.shards import cache, claim, energon, sample_table, storage, swap
 from mimo_data.shards.format import (CLAIM_FILE, FAILED_REPORT_FILE, FORMAT_NAME, INDEX_FILE,
                                     INDEXED_VERSION, RECORDS_FILE, REPORT_FILE, SAMPLES_FILE,
                                     SAMPLES_SCHEMA, SPLIT_EXCLUDED, STAGING_DIR, VIDEOS_ROTATED,
-                                    modality_counts, summary_column)
+                                    index_fields, summary_column)
 from mimo_data.shards.index import dumps
 from mimo_data.shards.layouts import LAYOUT_WORDS, LAYOUTS, MemberMap, detect, synthesize
 from mimo_data.shards import record_table
@@ -540,28 +540,16 @@ def _index_into(staging: str, source: Source, options: IndexOptions,
         "format": FORMAT_NAME, "version": INDEXED_VERSION,
         "name": options.name or storage.name_of(source.root),
         "shard_root": source.root,
-        "shards": shards,
-        "totals": {"samples": report.kept, "shards": len(shards),
-                   "bytes": sum(s["bytes"] for s in shards)},
-        "modalities": modality_counts(os.path.join(staging, SAMPLES_FILE)),
-        "files": {name: {"bytes": os.path.getsize(os.path.join(staging, name)),
-                         "sha256": file_sha256(os.path.join(staging, name))}
-                  for name in (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)},
-        "report": {"records_read": report.seen, "records_skipped": report.skipped_total,
-                   # the split.yaml's own excludes among them (mimo-inspect report's
-                   # skipped_records counts them apart, report.json read or not)
-                   **({"records_excluded": report.skipped[SPLIT_EXCLUDED]["count"]}
-                      if SPLIT_EXCLUDED in report.skipped else {}),
-                   **({"members_ignored": sum(e["count"] for e in report.aside.values())}
-                      if report.aside else {}),
-                   **({"counts": dict(sorted(report.counts.items()))} if report.counts
-                      else {})},
+        **index_fields(staging, shards, report, (SAMPLES_FILE, RECORDS_FILE, REPORT_FILE)),
         "build": {"command": "index", "inputs": [source.root], **_settings(source, options)},
     }
-    cache_folder = os.path.join(staging, cache.DATASET_CACHE)
-    os.mkdir(cache_folder)
-    key = sample_table.table_key(built, staging)
-    sample_table.write(os.path.join(staging, SAMPLES_FILE), cache_folder, key)
+    # the split.yaml's own excludes among the skipped (mimo-inspect report's skipped_records
+    # counts them apart, report.json read or not)
+    if SPLIT_EXCLUDED in report.skipped:
+        built["report"]["records_excluded"] = report.skipped[SPLIT_EXCLUDED]["count"]
+    if report.aside:
+        built["report"]["members_ignored"] = sum(e["count"] for e in report.aside.values())
+    cache_folder, key = sample_table.write_cache(built, staging)
     record_table.write(os.path.join(staging, RECORDS_FILE), cache_folder, key)
     workers = max(options.workers, 1)
     rate = (f"{report.seen} records, {read / 1e6:.1f} MB read in {busy:.2f} worker-seconds: "

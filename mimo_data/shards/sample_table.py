@@ -57,6 +57,16 @@ def write(parquet: str, folder: str, key: str) -> None:
     derive(parquet, os.path.join(folder, file_name(key)), key)
 
 
+def write_cache(index: dict, staging: str) -> tuple[str, str]:
+    """Make the cache folder of the dataset being written in ``staging`` and write its sample
+    table there; return the folder and the table's key (its other tables take the key too)."""
+    folder = os.path.join(staging, cache.DATASET_CACHE)
+    os.mkdir(folder)
+    key = table_key(index, staging)
+    write(os.path.join(staging, SAMPLES_FILE), folder, key)
+    return folder, key
+
+
 def derive(parquet: str, path: str, key: str) -> None:
     """Derive the sample table of ``parquet`` and write it to ``path``, a Parquet batch at a
     time: no copy of the table is held (``column_files``)."""
