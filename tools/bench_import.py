@@ -41,6 +41,7 @@ import tempfile
 import torch
 
 from mimo_train.families.base import CheckpointWeights, Tensors
+from mimo_data.process_memory import status_bytes
 from mimo_train.families.causal_lm.weights import to_megatron_by_layer
 from mimo_train.families.registry import language_arch
 
@@ -80,17 +81,6 @@ def make_variant(replica: str, out: str, experts: int, ffn: int) -> str:
                for name, p in model.named_parameters()}
     save_file(tensors, os.path.join(out, "model.safetensors"))
     return out
-
-
-def _status(*fields: str) -> dict[str, int]:
-    """Fields of /proc/self/status in bytes."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in fields:
-                found[key] = int(value.split()[0]) * 1024
-    return found
 
 
 def _shapes(path: str, arch, tp: int, ep: int) -> dict[str, torch.Size]:
@@ -134,7 +124,7 @@ def _measure(path: str, tp: int, ep: int, read: str, results) -> None:
         return tensor
 
     weights.part = counting                          # type: ignore[method-assign]
-    start = _status("VmRSS", "RssFile")
+    start = status_bytes("VmRSS", "RssFile")
     with open("/proc/self/clear_refs", "w") as f:   # the peak RSS from here
         f.write("5")
     if read == "parts":                 # as load_pretrained_language: a layer at a time
@@ -146,7 +136,7 @@ def _measure(path: str, tp: int, ep: int, read: str, results) -> None:
                  for k, v in part.items()}
         for key, value in state.items():
             params[key].copy_(value)
-    end = _status("VmHWM", "RssFile")
+    end = status_bytes("VmHWM", "RssFile")
     results.put(dict(params=sum(p.numel() * 4 for p in params.values()), read=counted[0],
                      peak=end["VmHWM"] - start["VmRSS"],
                      file=end["RssFile"] - start["RssFile"]))

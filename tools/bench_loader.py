@@ -37,6 +37,7 @@ import webdataset as wds
 
 from mimo_data.preprocess.collate import Collator
 from mimo_data.loading.loader import DataSource, build_loader
+from mimo_data.process_memory import status_bytes
 from mimo_data.preprocess.preprocessor import Preprocessor, SampleDropped
 from replicate_corpus import replicated_dataset
 
@@ -88,14 +89,6 @@ def _rate(batches) -> tuple[float, float, int, int]:
     return time.perf_counter() - start, time.process_time() - cpu, count, samples
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
 def throughput(dataset: str, config: str, micro: int, global_batch: int, workers: list[int],
                repeat: int):
     """Every pipeline and worker count ``repeat`` times, interleaved (so that noise from other
@@ -136,7 +129,7 @@ def throughput(dataset: str, config: str, micro: int, global_batch: int, workers
 
 def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> None:
     for name, dataset in (("1k", small), ("large", large)):
-        before = _rss_mb()
+        before = status_bytes("VmRSS")["VmRSS"] / 2**20
         start = time.perf_counter()
         source = DataSource(dataset, config)
         loader = build_loader(source, None, LAYOUT, LANGUAGE_RANK, 3, global_batch, micro,
@@ -144,7 +137,7 @@ def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> N
         assert loader is not None                  # the language rank needs data
         print(f"{name} dataset ({len(source.readers[0])} samples): loader built in "
               f"{time.perf_counter() - start:.1f} s (drop decisions included), RSS "
-              f"{before:.0f} -> {_rss_mb():.0f} MB")
+              f"{before:.0f} -> {status_bytes("VmRSS")["VmRSS"] / 2**20:.0f} MB")
         if dataset is not large:
             del loader, source
             continue
@@ -154,8 +147,8 @@ def rss(small: str, large: str, config: str, micro: int, global_batch: int) -> N
             consumed += len(metadata["keys"])
             for mark in (1000, 10000, 25000):
                 if consumed >= mark and mark not in marks:
-                    marks[mark] = _rss_mb()
-        marks[consumed] = _rss_mb()
+                    marks[mark] = status_bytes("VmRSS")["VmRSS"] / 2**20
+        marks[consumed] = status_bytes("VmRSS")["VmRSS"] / 2**20
         seconds = time.perf_counter() - start
         print(f"language rank RSS while iterating {consumed} samples ({consumed / seconds:.0f} "
               "samples/s): " + ", ".join(f"{m} samples {v:.0f} MB" for m, v in marks.items()))
@@ -174,6 +167,9 @@ def main() -> None:
     parser.add_argument("--global-batch-size", type=int, default=32)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     args = parser.parse_args()
+    if 0 < args.rss_samples <= 1000:
+        parser.error(f"--rss-samples {args.rss_samples}: give more than 1000 (the growth is "
+                     "measured from the first 1k samples), or 0 to skip the RSS run")
     torch.set_num_threads(1)      # as in a DataLoader worker: one process is one core
     work = tempfile.mkdtemp(prefix="bench_loader_")
     try:

@@ -34,16 +34,9 @@ import sys
 import tempfile
 import time
 
+from mimo_data.process_memory import status_bytes
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def measure(chunk: int, tokens: int, vocab: int, hidden: int, precision: str,
@@ -88,7 +81,7 @@ def measure(chunk: int, tokens: int, vocab: int, hidden: int, precision: str,
         states.requires_grad_()
         with open("/proc/self/clear_refs", "w") as f:          # reset VmHWM to VmRSS
             f.write("5")
-        before = _status("VmRSS")
+        before = status_bytes("VmRSS")["VmRSS"]
         started = time.perf_counter()
         if chunk >= 0:      # what GPTModel._postprocess does with mimo's output_processor
             loss = model._trained_tokens_loss(
@@ -100,7 +93,7 @@ def measure(chunk: int, tokens: int, vocab: int, hidden: int, precision: str,
             del logits
         (loss.float() * mask).sum().backward()
         seconds = time.perf_counter() - started
-        peak = _status("VmHWM") - before
+        peak = status_bytes("VmHWM")["VmHWM"] - before
         torch.save({"loss": loss.detach() * mask, "hidden": states.grad,
                     "weight": model.output_layer.weight.grad}, out)
     stack = Stack(layers=1, hidden=hidden, heads=1, query_groups=1, kv_channels=hidden,

@@ -57,6 +57,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from mimo_data.process_memory import status_bytes
+
 REPO = Path(__file__).resolve().parents[1]
 CHECKPOINT = REPO / "assets" / "models" / "tiny-qwen2.5-vl"
 PHOTO = REPO / "assets" / "corpus" / "images" / "astronaut.jpg"
@@ -64,15 +66,6 @@ MB = 2 ** 20
 
 
 # ----------------------------------------------------------------------------- one rank
-
-
-def _status(field: str) -> int:
-    """A /proc/self/status field in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def rank_main(out: str, overrides: list[str]) -> None:
@@ -103,7 +96,7 @@ def rank_main(out: str, overrides: list[str]) -> None:
 
     def measured(*args, **kwargs):
         result = forward_backward(*args, **kwargs)
-        marks["forward_backward"] = _status("VmHWM")
+        marks["forward_backward"] = status_bytes("VmHWM")["VmHWM"]
         return result
     trainer.forward_backward = measured        # type: ignore[method-assign]
     dist.barrier()
@@ -112,12 +105,12 @@ def rank_main(out: str, overrides: list[str]) -> None:
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:      # VmHWM := VmRSS
         f.write("5")
-    before = _status("VmRSS")
+    before = status_bytes("VmRSS")["VmRSS"]
     started = time.perf_counter()
     values, _, _ = trainer.train_step(iterator)
     assert values is not None                # the first step: no step skipped before it
     seconds = time.perf_counter() - started
-    peak = _status("VmHWM")
+    peak = status_bytes("VmHWM")["VmHWM"]
     sums = values.readings.read()["sums"]
     result = {"rank": dist.get_rank(), "modules": sorted(trainer.modules),
               "language": language, "tokens": tokens, "video_tokens": video,

@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from mimo_data.files import write_atomic
+from mimo_data.process_memory import status_bytes
 from mimo_data.modalities.base import to_device
 from mimo_train.errors import TrainConfigError
 from mimo_train.planning.dims import ModelDims
@@ -109,10 +110,8 @@ class PeakMemory:
     def _resident() -> tuple[int, int]:
         """(resident, peak resident) bytes of this process."""
         try:
-            with open("/proc/self/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-            return (int(fields["VmRSS"].split()[0]) * 1024,
-                    int(fields["VmHWM"].split()[0]) * 1024)
+            held = status_bytes("VmRSS", "VmHWM")
+            return held["VmRSS"], held["VmHWM"]
         except (OSError, KeyError, ValueError):
             import resource
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
