@@ -81,9 +81,11 @@ def _planted_records(assets) -> list[dict]:
         # A second answer without text: its end of turn is all it trains.
         {"id": "fault-empty-answer", "messages": turns(
             ("user", "Hi"), ("assistant", "Hello."), ("user", "And then?"), ("assistant", ""))},
-        # A prompt without an answer: nothing to train on.
-        {"id": "fault-prompt-only", "images": [image],
-         "messages": turns(("user", "<image>\nDescribe the image."))},
+        # Patched after the build (a build skips a conversation without an answer, as an
+        # older one or a tar indexed in place did not): the answer made a user's turn, so
+        # nothing is left to train on.
+        {"id": "fault-prompt-only", "images": [image], "messages": turns(
+            ("user", "<image>\nDescribe the image."), ("assistant", "A photo."))},
         # An answer starting with newlines: a token straddles the trained span's edge.
         {"id": "fault-template", "messages": turns(("user", "Hi"), ("assistant", "\n\nHello."))},
         # Fine in chat mode; in caption mode its last placeholder is only a target.
@@ -135,6 +137,8 @@ def faulty(corpus_inputs, assets, tmp_path_factory) -> tuple[Path, dict[str, str
     _patch_member(out, keys["fault-swap"], b"<image>\\nDescribe the image.",
                   b"<audio>\\nDescribe the image.")
     _patch_member(out, keys["fault-extra-marker"], b"the picture.", b"the <image>.")
+    _patch_member(out, keys["fault-prompt-only"], b'"role": "assistant"',
+                  b'"role": "user"     ')
     reader = ShardReader(str(out))
     record = reader.record(reader.table.position(keys["fault-index"]))
     width = record["media"][0]["width"]

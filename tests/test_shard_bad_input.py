@@ -365,6 +365,13 @@ def case_every_answer_weighted_0(tmp_path, assets):
     return Case(record, "no_trained_tokens")
 
 
+def case_no_assistant_turn(tmp_path, assets):
+    """A prompt without its answer: nothing a sample of it could train, at any epoch."""
+    record = _image_record(assets["jpeg"])
+    record["conversations"] = record["conversations"][:1]
+    return Case(record, "no_trained_tokens")
+
+
 def case_invalid_utf8_bytes(tmp_path, assets):
     line = json.dumps({"id": "bad", "conversations": chat("Caf__E9__ au lait?", "Yes.")}).encode()
     return Case(line.replace(b"__E9__", b"\xe9"), "invalid_utf8")   # Latin-1 byte, not UTF-8

@@ -216,7 +216,10 @@ def normalize_messages(turns, tools=None, system=None, objects=None) -> list[dic
     if all(m["role"] == "system" for m in messages):
         raise RecordError("malformed_record", "the conversation has only system turns")
     answers = [m for m in messages if m["role"] == "assistant"]
-    if answers and all("weight" in m for m in answers):
+    if not answers:          # what preprocessing would drop, at every epoch, had it been kept
+        raise RecordError("no_trained_tokens", "the conversation has no assistant turn: "
+                          "nothing to train on")
+    if all("weight" in m for m in answers):
         raise RecordError("no_trained_tokens", f"every answer ({len(answers)}) has weight 0: "
                           "nothing to train on")
     if _given(objects) and any(mark in m["content"] for m in messages
