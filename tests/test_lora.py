@@ -361,25 +361,31 @@ def test_another_lora_rank_or_targets_on_resume_is_named_as_such():
     """A checkpoint's adapters of rank 4 resumed by a run of rank 8: the refusal says the
     ranks, not only 'another model configuration', for a tower's adapters and the language
     model's, saved stacked over its layers ((layers, rank, in), as a real checkpoint's
-    metadata gives them)."""
+    metadata gives them). Started from it (model.init_from, which needs its shapes), the
+    advice is its rank or its merged export, not model.init_from again."""
     from mimo_train.components.checkpoint import _why_shapes_differ
     layer = "language_model.module.decoder.layers.self_attention.linear_qkv."
     saved = {"config": {"model": {"lora": {"language": {"rank": 4}, "image": {"rank": 8}}}}}
     said = "it was saved with model.lora.language.rank 4, this run's is 8: "
-    assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved).startswith(said)
+    assert _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved,
+                              True).startswith(said)
     assert _why_shapes_differ(layer + "lora.a.weight", (2, 4, 64), (2, 8, 64),
-                              saved).startswith(said)
+                              saved, True).startswith(said)
     assert _why_shapes_differ(layer + "lora.b.weight", (2, 64, 4), (2, 64, 8),
-                              saved).startswith(said)
+                              saved, True).startswith(said)
     assert _why_shapes_differ(layer + "lora.b.weight.query", (64, 4), (64, 8),
-                              saved).startswith(said)
+                              saved, True).startswith(said)
+    started = _why_shapes_differ(layer + "lora.a.weight", (4, 64), (8, 64), saved, False)
+    assert started == said + "start from it with rank 4, or, for new adapters of another " \
+        "rank, from its merged export (mimo-export) as model.pretrained"
     # a tower's adapters: its part named; a meta that does not say: the module
     tower = "modality_submodules.image.module.encoder.blocks.attn.qkv."
-    assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), saved).startswith(
-        "it was saved with model.lora.image.rank 8, this run's is 2: ")
-    assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), {}).startswith(
+    assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), saved,
+                              True).startswith("it was saved with model.lora.image.rank 8, "
+                                               "this run's is 2: ")
+    assert _why_shapes_differ(tower + "lora.a.weight", (8, 64), (2, 64), {}, True).startswith(
         "it was saved with image's adapters at model.lora rank 8, this run's is 2: ")
-    assert _why_shapes_differ(layer + "weight", (192, 64), (96, 64), saved) == \
+    assert _why_shapes_differ(layer + "weight", (192, 64), (96, 64), saved, True) == \
         "it was saved for another model configuration"
     # other targets: the checkpoint lacks this run's adapters, said as model.lora, not as
     # another model.pretrained

@@ -501,7 +501,7 @@ def check(directory: str, model, global_batch_size: int | None,
     for key, shape in wanted.items():
         if tuple(saved[key].global_shape) != tuple(shape):
             theirs = tuple(saved[key].global_shape)
-            why = _why_shapes_differ(key, theirs, shape, meta)
+            why = _why_shapes_differ(key, theirs, shape, meta, global_batch_size is not None)
             if why == ANOTHER:
                 why += _model_changes(meta, settings, global_batch_size is not None)
             raise CheckpointError(f"checkpoint {directory} has {key} of shape {theirs}, this "
@@ -617,9 +617,10 @@ def _flat(section: dict, prefix: str) -> dict[str, Any]:
 ANOTHER = "it was saved for another model configuration"   # the reason no setting names
 
 
-def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
+def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict, resuming: bool) -> str:
     """Why a checkpoint's tensor ``key`` has another shape than this model's, in config terms
-    (``meta``: the checkpoint's, whose config names the part of an adapter)."""
+    (``meta``: the checkpoint's, whose config names the part of an adapter; ``resuming``
+    false: ``model.init_from``)."""
     if key.endswith(("word_embeddings.weight", "output_layer.weight")) and \
             theirs[1:] == tuple(ours)[1:]:
         return ("the vocabulary rows differ: another tokenizer, model.language.vocab_size or "
@@ -635,9 +636,11 @@ def _why_shapes_differ(key: str, theirs: tuple, ours, meta: dict) -> str:
                      and part.split(".")[0] == module and settings.get("rank") == saved]
             setting = f"model.lora.{parts[0]}.rank {saved}" if len(parts) == 1 else \
                 f"{module}'s adapters at model.lora rank {saved}"
-            return (f"it was saved with {setting}, this run's is {wanted}: resume "
-                    "with the checkpoint's rank, or start a new run from its weights "
-                    "(model.init_from) in another checkpoint.dir")
+            return f"it was saved with {setting}, this run's is {wanted}: " + (
+                "resume with the checkpoint's rank, or start a new run from its weights "
+                "(model.init_from) in another checkpoint.dir" if resuming else
+                f"start from it with rank {saved}, or, for new adapters of another rank, from "
+                "its merged export (mimo-export) as model.pretrained")
     return ANOTHER
 
 
