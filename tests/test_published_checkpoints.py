@@ -416,7 +416,9 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     """Without torchvision, transformers' video processor classes are placeholders that raise
     ImportError (mimo needs no torchvision): the export still writes Qwen3-VL's video
     processor file, with the run's frame sampling written out (its class default unknown);
-    with the class readable, a run at the class defaults leaves the published file as it is."""
+    with the class readable, a run at the class defaults leaves the published file as it is
+    but for cap_pixels_per_frame, whose class default of None transformers says will change
+    meaning: the run's written, as the run sampled."""
     import shutil
     import sys
 
@@ -428,7 +430,8 @@ def test_export_writes_the_video_sampling_where_transformers_cannot_say_its_defa
     published = json.loads((repo / name).read_text())
     shutil.copy(repo / name, tmp_path / name)
     _processor_budgets(str(tmp_path), preprocess)
-    assert (tmp_path / name).read_bytes() == (repo / name).read_bytes()
+    assert json.loads((tmp_path / name).read_text()) == {**published,
+                                                        "cap_pixels_per_frame": False}
     # a run that capped each frame's pixels (Qwen3-VL's 768 tokens a frame, its class
     # default, unless given): the cap written, so that transformers' processor makes the
     # grids the run trained on

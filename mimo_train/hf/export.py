@@ -910,8 +910,8 @@ def _processor_budgets(out: str, preprocess) -> None:
     reads (``min_pixels`` / ``max_pixels`` and ``size``'s ``shortest_edge`` /
     ``longest_edge``, each where the file has it), and its video frame sampling (``fps``,
     ``min_frames``, ``max_frames``, ``cap_pixels_per_frame``, ``max_video_tokens``: where the
-    file has it, or where the processor's class default differs); a file whose values are the
-    run's stays as it is."""
+    file has it, or where the processor's class default differs or is None); a file whose
+    values are the run's stays as it is."""
     for name, section, modality in (("preprocessor_config.json", None, "image"),
                                     (VIDEO_PROCESSOR, None, "video"),
                                     (NESTED_PROCESSOR, "image_processor", "image"),
@@ -933,24 +933,27 @@ def _processor_budgets(out: str, preprocess) -> None:
                 for key in FRAME_KEYS:
                     value = getattr(config, key)
                     default = _class_default(data, key)
-                    if key in data or (default is not None and default != value) or (
-                            key == "cap_pixels_per_frame" and value):   # its class default: None
+                    # a class default of None (cap_pixels_per_frame's, whose behaviour
+                    # transformers says will change) is written out too: the run's is pinned
+                    if key in data or (default is not NO_KEY and default != value) or (
+                            key == "cap_pixels_per_frame" and value):
                         data[key] = value
         _rewrite_json(os.path.join(out, name), update)
 
 
 # a class default that cannot be read: the run's value is written out
 UNREADABLE = object()
+NO_KEY = object()        # no such class, or a class without the key: nothing written
 
 
 def _class_default(data: dict, key: str):
-    """The class default of ``key`` of the video processor ``data`` names (None: no such
-    class or key), or ``UNREADABLE`` (transformers' video processors need torchvision, which
-    mimo does not: its placeholder class raises ImportError)."""
+    """The class default of ``key`` of the video processor ``data`` names, ``NO_KEY``, or
+    ``UNREADABLE`` (transformers' video processors need torchvision, which mimo does not: its
+    placeholder class raises ImportError)."""
     import transformers
     kind = getattr(transformers, str(data.get("video_processor_type")), None)
     try:
-        return getattr(kind, key, None)
+        return getattr(kind, key, NO_KEY)
     except ImportError:
         return UNREADABLE
 
