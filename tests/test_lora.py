@@ -304,6 +304,13 @@ def test_the_adapters_alone_go_only_onto_the_base_they_trained_on(setup, finetun
     assert main(["--checkpoint", str(moved), "--output", str(tmp / "x1"), "--adapters"]) == 1
     assert f"the base model.pretrained {changed} is not the one the run trained on" in \
         capsys.readouterr().err and not (tmp / "x1").exists()
+    # given as --base: named so, and the advice is another --base (a merged export would
+    # take its config from the same folder)
+    assert main(["--checkpoint", str(checkpoints / f"step_{TRAIN_STEPS:07d}"), "--output",
+                 str(tmp / "x1"), "--adapters", "--base", str(changed)]) == 1
+    err = capsys.readouterr().err
+    assert f"--adapters: --base {changed} is not the one the run trained on" in err and \
+        err.rstrip().endswith("Give --base the model the run started from"), err
     init = rewritten("from-init", lambda m: m["config"]["model"].update(
         init_from=str(checkpoints / "step_0000003")))
     assert main(["--checkpoint", str(init), "--output", str(tmp / "x2"), "--adapters"]) == 2

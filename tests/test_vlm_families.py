@@ -243,8 +243,11 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     write_meta(replaced, meta)
     capsys.readouterr()
     assert main(["--checkpoint", str(replaced), "--output", str(tmp_path / "mixed")]) == 1
-    assert f"model.pretrained {other} holds another model than the run trained (" in \
-        capsys.readouterr().err and not (tmp_path / "mixed").exists()
+    err = capsys.readouterr().err
+    assert f"model.pretrained {other} holds another model than the run trained (" in err and \
+        err.rstrip().endswith("Put the model the run started from back at that path, or give "
+                              "where it is now with --base DIR") and \
+        not (tmp_path / "mixed").exists(), err
     # the base (and the tokenizer read from it) moved since the run: --base says where
     import shutil
     moved = copy_checkpoint(step, tmp_path / "moved") / step.name
@@ -261,6 +264,9 @@ def test_import_export_and_generate(family, colocated_step, corpus, tmp_path, ca
     assert weights(tmp_path / "m2").keys() == exported.keys()
     assert main(["--checkpoint", str(moved), "--output", str(tmp_path / "m3"), "--base",
                  str(other)]) == 1                         # checked as the recorded one
+    err = capsys.readouterr().err          # named as given; the advice not --base again
+    assert f"--base {other} holds another model than the run trained (" in err and \
+        err.rstrip().endswith("Give --base the model the run started from"), err
 
 
 def test_llava_finetune_trains_the_projector_with_the_tower_frozen(ranks, corpus, tmp_path):

@@ -232,7 +232,8 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     if adapters and not (cfg.model.lora and cfg.model.pretrained):
         raise ExportError(f"--adapters: {directory} is not a LoRA run of a whole VLM "
                           "(model.lora and model.pretrained): export it without --adapters")
-    base_digest = _adapters_base(cfg, meta, directory, log) if adapters else None
+    base_digest = _adapters_base(cfg, meta, directory, log, base is not None) if adapters \
+        else None
     with _gone_said(directory, checkpoint):
         _check_saved(directory)
         weights = _weights(directory)
@@ -249,7 +250,7 @@ def export(checkpoint: str, output: str, adapters: bool = False, dtype: str | No
     staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", dir=parent)
     try:
         written = _write(staging, plan, weights, meta["step"], directory, adapters, dtype,
-                         base_digest)
+                         base_digest, base is not None)
         _as_created(staging)
         try:
             os.rename(staging, output)
@@ -336,12 +337,13 @@ def _gone_said(directory: str, given: str) -> Iterator[None]:
                           "a step that run keeps", exit_code=1) from None
 
 
-def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
+def _adapters_base(cfg, meta: dict, directory: str, log, base_given: bool) -> str | None:
     """The digest of ``model.pretrained``'s weights, which the adapters alone are exported
     onto, once checked to be those the run trained on (its meta.json's ``lora_base``); None
     for a checkpoint saved before runs recorded it (``log`` says so). The adapters alone are
     the trained model only on that base: a run whose fixed weights came from elsewhere
-    (``model.init_from``, another ``pretrained``), or a base changed since, is refused."""
+    (``model.init_from``, another ``pretrained``), or a base changed since, is refused
+    (``base_given``: as ``--base``, which moved it)."""
     from mimo_train.components.digests import weights_digest
     from mimo_train.model.lora import bases
     others = [(key, path) for key, path in bases(cfg) if key != "model.pretrained"]
@@ -365,13 +367,16 @@ def _adapters_base(cfg, meta: dict, directory: str, log) -> str | None:
                 "runs did): the base's weights were not checked against the trained ones")
         return digest
     if digest != recorded["sha256"]:
-        raise ExportError(f"--adapters: the base model.pretrained {cfg.model.pretrained} "
+        named = _base_named(cfg.model.pretrained, base_given)
+        raise ExportError(f"--adapters: {named if base_given else 'the base ' + named} "
                           f"is not the one the run trained on (its weights' sha256 is "
                           f"{digest[:12]}…, meta.json's lora_base recorded "
                           f"{recorded['sha256'][:12]}…): the adapters alone would give another "
-                          "model. Restore that base (a hub name's cache may now hold another "
-                          "revision of it), or export the run merged (without --adapters): "
-                          "the checkpoint holds the trained base's weights",
+                          "model. " + (
+                              "Give --base the model the run started from" if base_given else
+                              "Restore that base (a hub name's cache may now hold another "
+                              "revision of it), or export the run merged (without --adapters): "
+                              "the checkpoint holds the trained base's weights"),
                           exit_code=1)
     return digest
 
@@ -479,9 +484,10 @@ def _as_saved(config, path: str, saved):
 
 
 def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: bool,
-           dtype: str | None, base_digest: str | None = None) -> str:
-    """The export in ``out`` (``base_digest``: the adapters' base's, for the manifest);
-    returns which dtype its weights were written in."""
+           dtype: str | None, base_digest: str | None = None, base_given: bool = False) -> str:
+    """The export in ``out`` (``base_digest``: the adapters' base's, for the manifest;
+    ``base_given``: model.pretrained moved by ``--base``); returns which dtype its weights
+    were written in."""
     from mimo_data.loading.layout import LANGUAGE
     from mimo_data.preprocess.chat_tokens import load_tokenizer
 
@@ -499,7 +505,7 @@ def _write(out: str, plan, weights: dict, step: int, directory: str, adapters: b
                       "preprocess": PREPROCESS}
     if cfg.model.pretrained:                # a whole VLM, written back as its own class
         family, written = _write_vlm(out, plan, tokenizer, weights, directory, adapters,
-                                     dtype, template)
+                                     dtype, template, base_given)
         if adapters:
             manifest["adapters"] = {"base": cfg.model.pretrained,
                                     **({"sha256": base_digest} if base_digest else {})}
@@ -625,8 +631,10 @@ def _cast(hf: dict, dtype, checkpoint=None) -> list[str]:
     return kept
 
 
-def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dict, int]:
-    """The language model's transformers weights (the checkpoint's names) and vocabulary."""
+def _language_weights(plan, tokenizer, state: dict, directory: str,
+                      base_given: bool = False) -> tuple[dict, int]:
+    """The language model's transformers weights (the checkpoint's names) and vocabulary
+    (``base_given``: its config read from ``--base``)."""
     from mimo_train.families.causal_lm import to_hf
     from mimo_train.families.registry import language_arch
     pretrained = plan.language.pretrained
@@ -653,13 +661,15 @@ def _language_weights(plan, tokenizer, state: dict, directory: str) -> tuple[dic
         raise ExportError(
             f"{directory}: the run's language weights have no {error}, which the config of "
             f"{pretrained} ({arch.family}) calls for: that path holds another model than the "
-            "run trained (replaced since the run, or another --base). The export takes its "
-            "config from there: put the model the run started from back at that path, or "
-            "give it as --base", exit_code=1) from None
+            "run trained. The export takes its config from there: " + (
+                "give --base the model the run started from" if base_given else
+                "put the model the run started from back at that path (replaced since the "
+                "run?), or give where it is now with --base DIR"), exit_code=1) from None
 
 
 def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapters: bool,
-               dtype: str | None, template: str | None) -> tuple[str, str]:
+               dtype: str | None, template: str | None,
+               base_given: bool = False) -> tuple[str, str]:
     """The whole VLM of ``model.pretrained`` with the trained weights, as its transformers
     class (config, weights in the checkpoint's names, in ``dtype`` or the checkpoint's,
     tokenizer, processor config, generation config), or (``adapters``) its LoRA adapters in
@@ -705,14 +715,14 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
               for ours, theirs in renames if key.startswith(ours)}
     # the tower first: a model of another size there fails on its projection, not on the
     # language embedding's rows
-    _check_base(towers, checkpoint, vlm.path, directory)
-    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory)
+    _check_base(towers, checkpoint, _base_named(vlm.path, base_given), directory)
+    hf, rows = _language_weights(plan, tokenizer, weights[LANGUAGE], directory, base_given)
     # fused experts in the layout the checkpoint holds them (Qwen3-VL-MoE publishes them
     # transposed from transformers 5's in-memory layout, which causal_lm.to_hf gives)
     for name in [n for n in hf if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         if name in checkpoint and tuple(hf[name].shape) != checkpoint.shape(name):
             hf[name] = hf[name].transpose(1, 2).contiguous()
-    _check_base(hf, checkpoint, vlm.path, directory)
+    _check_base(hf, checkpoint, _base_named(vlm.path, base_given), directory)
     hf.update(towers)
     # the tower's weights the run did not hold (a LLaVA tower's layers past the one it reads),
     # as the checkpoint has them; the layers mimo does not build (Qwen3.5's multi-token
@@ -734,11 +744,18 @@ def _write_vlm(out: str, plan, tokenizer, weights: dict, directory: str, adapter
         f", {len(kept)} tensors in float32 as the base stores them" if kept else "")
 
 
-def _check_base(hf: dict, checkpoint, base: str, directory: str) -> None:
+def _base_named(path: str, given: bool) -> str:
+    """The export's base as the user gave it: ``--base PATH``, or the run's
+    ``model.pretrained PATH``."""
+    return f"--base {path}" if given else f"model.pretrained {path}"
+
+
+def _check_base(hf: dict, checkpoint, named: str, directory: str) -> None:
     """ExportError (exit 1) where the run's weights do not fit ``model.pretrained`` as it is
-    now (``checkpoint``): the export takes its config, and the weights the run did not hold,
-    from there, so another model there (replaced since the run) would be mixed into it. A
-    vocabulary the run grew is its embedding's and output layer's extra rows."""
+    now (``checkpoint``; ``named``: ``_base_named``): the export takes its config, and the
+    weights the run did not hold, from there, so another model there (replaced since the run)
+    would be mixed into it. A vocabulary the run grew is its embedding's and output layer's
+    extra rows."""
     differ = []
     for name, value in hf.items():
         ours = tuple(value.shape)
@@ -750,10 +767,13 @@ def _check_base(hf: dict, checkpoint, base: str, directory: str) -> None:
                           f"{ours} trained")
     if differ:
         raise ExportError(
-            f"{directory}: model.pretrained {base} holds another model than the run trained "
+            f"{directory}: {named} holds another model than the run trained "
             f"({len(differ)} of its weights differ, e.g. {'; '.join(differ[:2])}): the export "
             "takes its config and the weights the run did not hold from there, and would mix "
-            "the two. Put the model the run started from back at that path", exit_code=1)
+            "the two. " + ("Give --base the model the run started from"
+                           if named.startswith("--base") else
+                           "Put the model the run started from back at that path, or give "
+                           "where it is now with --base DIR"), exit_code=1)
 
 
 def _write_config_as_published(pretrained: str, out: str, vocab_rows: int, dtype: str) -> None:
