@@ -133,6 +133,18 @@ def test_a_samples_table_cut_short_is_named_by_verify_info_and_the_report(capsys
     assert said in err and "Traceback" not in err, err
 
 
+def test_a_missing_samples_table_is_listed_by_verify_which_the_others_point_to(capsys,
+                                                                               dataset):
+    """A copy without samples.parquet: info says so and points to verify, and verify lists
+    it among the dataset's problems (exit 1) rather than say the same again."""
+    (dataset / "samples.parquet").unlink()
+    code, _, err = cli_main(capsys, "info", dataset)
+    assert code == 1 and "samples.parquet missing (the dataset is incomplete)" in err and \
+        f"`mimo-shard verify {dataset}` checks the rest" in err, err
+    assert f"samples.parquet: missing, not at {dataset}/samples.parquet" in \
+        _verify(capsys, dataset)
+
+
 def test_verify_of_a_directory_without_index_fails(capsys, tmp_path):
     (tmp_path / "empty").mkdir()
     code, _, err = cli_main(capsys, "verify", tmp_path / "empty", "--no-progress")
